@@ -1,0 +1,139 @@
+"""How lr finds a site's PostgreSQL: a DSN, or an Airflow connection (env var or connections file).
+
+This module reads Airflow's connection *formats* (``AIRFLOW_CONN_<ID>`` as URI or JSON, and the
+local-filesystem connections file) without importing Airflow, so the CLI, Spark executors and the
+engine resolve connections the same way the Airflow hook does.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import psycopg2
+import psycopg2.extensions
+
+from airflow_provider_lr.engine.errors import ConfigurationError
+
+CONNECTIONS_FILE_ENV = "LR_CONNECTIONS_FILE"
+# Connection extras that describe the site rather than libpq options.
+SITE_EXTRAS = ("site_id", "region")
+
+
+@dataclass(frozen=True)
+class ConnInfo:
+    """libpq connection parameters of one site plus its lr identity (from the connection extras)."""
+
+    params: Mapping[str, Any]
+    site_id: str | None = None
+    region: str | None = None
+    conn_id: str | None = field(default=None, compare=False)
+
+    @property
+    def dsn(self) -> str:
+        """A libpq keyword/value string (password included: never log it, use ``safe_dsn``)."""
+        return psycopg2.extensions.make_dsn(**{k: v for k, v in self.params.items() if v is not None})
+
+    @property
+    def safe_dsn(self) -> str:
+        """The DSN with the password masked, for messages and logs."""
+        shown = {k: ("***" if k == "password" else v) for k, v in self.params.items() if v is not None}
+        return psycopg2.extensions.make_dsn(**shown)
+
+    def connect(self, **overrides: Any) -> psycopg2.extensions.connection:
+        try:
+            return psycopg2.connect(self.dsn, **overrides)
+        except psycopg2.OperationalError as exc:
+            where = f"site {self.site_id!r}" if self.site_id else "site"
+            raise ConfigurationError(
+                f"cannot connect to {where} ({self.safe_dsn}): {str(exc).strip()}; "
+                "is the server up? (`lr sites list` for embedded sites)"
+            ) from exc
+
+
+def from_airflow_dict(conn: Mapping[str, Any], conn_id: str | None = None) -> ConnInfo:
+    """Build from Airflow's JSON connection form (``conn_type``, ``host``, ``login``, ``extra`` …)."""
+    extra = conn.get("extra") or {}
+    if isinstance(extra, str):
+        extra = json.loads(extra) if extra.strip() else {}
+    params: dict[str, Any] = {
+        "host": conn.get("host") or None,
+        "port": conn.get("port") or None,
+        "user": conn.get("login") or None,
+        "password": conn.get("password") or None,
+        "dbname": conn.get("schema") or None,
+    }
+    for key, value in extra.items():
+        if key not in SITE_EXTRAS:
+            params[key] = value
+    return ConnInfo(params, site_id=extra.get("site_id"), region=extra.get("region"), conn_id=conn_id)
+
+
+def from_uri(uri: str, conn_id: str | None = None) -> ConnInfo:
+    """Build from a ``postgresql://`` / ``postgres://`` / ``lr-site://`` URI (Airflow's URI form)."""
+    parts = urlsplit(uri)
+    query = dict(parse_qsl(parts.query))
+    if "__extra__" in query:
+        query.update(json.loads(query.pop("__extra__")))
+    return from_airflow_dict(
+        {
+            "host": unquote(parts.hostname or "") or None,
+            "port": parts.port,
+            "login": unquote(parts.username or "") or None,
+            "password": unquote(parts.password or "") or None,
+            "schema": unquote(parts.path.lstrip("/")) or None,
+            "extra": query,
+        },
+        conn_id,
+    )
+
+
+def from_dsn(dsn: str) -> ConnInfo:
+    """Build from a libpq DSN, either ``key=value`` pairs or a URI."""
+    if "://" in dsn:
+        return from_uri(dsn)
+    return ConnInfo(psycopg2.extensions.parse_dsn(dsn))
+
+
+def connections_file() -> Path:
+    """The Airflow-format connections file lr writes for embedded sites and reads back."""
+    explicit = os.environ.get(CONNECTIONS_FILE_ENV)
+    if explicit:
+        return Path(explicit)
+    from airflow_provider_lr.sites import lr_home  # local import: sites imports this module
+
+    return lr_home() / "connections.json"
+
+
+def load_connections_file(path: Path | None = None) -> dict[str, ConnInfo]:
+    path = path or connections_file()
+    if not path.exists():
+        return {}
+    raw = json.loads(path.read_text())
+    return {
+        conn_id: from_uri(value, conn_id) if isinstance(value, str) else from_airflow_dict(value, conn_id)
+        for conn_id, value in raw.items()
+    }
+
+
+def resolve(target: str) -> ConnInfo:
+    """Resolve a DSN, an ``AIRFLOW_CONN_<ID>`` connection id, or an id from the connections file."""
+    if "=" in target or "://" in target:
+        return from_dsn(target)
+    env = os.environ.get(f"AIRFLOW_CONN_{target.upper()}")
+    if env:
+        env = env.strip()
+        return from_airflow_dict(json.loads(env), target) if env.startswith("{") else from_uri(env, target)
+    known = load_connections_file()
+    if target in known:
+        return known[target]
+    by_site = [info for info in known.values() if info.site_id == target]
+    if len(by_site) == 1:
+        return by_site[0]
+    raise ConfigurationError(
+        f"unknown site or connection {target!r}: give a DSN, set AIRFLOW_CONN_{target.upper()}, "
+        f"or add it to {connections_file()} (`lr sites up` writes embedded sites there)"
+    )

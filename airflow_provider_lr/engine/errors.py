@@ -1,0 +1,18 @@
+"""Errors lr raises on purpose. Each message names the site, session or input and the fix."""
+from __future__ import annotations
+
+
+class LRError(Exception):
+    """Base of every error lr raises on purpose."""
+
+
+class ConfigurationError(LRError):
+    """A site, connection, topology or argument is missing or invalid."""
+
+
+class SchemaError(LRError):
+    """A site's lr schema cannot be installed or upgraded as asked."""
+
+
+class TransmitError(LRError):
+    """A transmit call was refused; nothing was written."""

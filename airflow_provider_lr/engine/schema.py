@@ -1,0 +1,164 @@
+"""Install and upgrade the ``lr`` schema on a site from the versioned SQL files in ``include/migrations``.
+
+Migrations are named ``V<4 digits>__<name>.sql`` and applied in order, all in one transaction under
+an advisory lock, so two ``lr init`` racing on one site cannot interleave and a failure leaves the
+site as it was. Each applied version is recorded with its checksum: re-running is a no-op, an edited
+migration or a site newer than this code is refused with a clear error.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg2.extensions
+
+from airflow_provider_lr.engine.errors import SchemaError
+from airflow_provider_lr.paths import migrations_dir
+
+_NAME = re.compile(r"^V(\d{4})__([a-z0-9_]+)\.sql$")
+# pg_advisory_xact_lock key for schema changes ("lr" schema, arbitrary but fixed).
+SCHEMA_LOCK_KEY = 0x6C72_0001
+SITE_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+
+_BOOTSTRAP = """
+CREATE SCHEMA IF NOT EXISTS lr;
+CREATE TABLE IF NOT EXISTS lr.schema_migrations (
+    version    integer PRIMARY KEY,
+    name       text NOT NULL,
+    checksum   text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+"""
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    sql: str
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.sql.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class MigrationResult:
+    applied: list[int]
+    version: int
+
+
+def available_migrations(directory: Path | None = None) -> list[Migration]:
+    """The migrations shipped with this code, in version order (gaps and duplicates refused)."""
+    directory = directory or migrations_dir()
+    found: list[Migration] = []
+    for path in sorted(directory.glob("*.sql")):
+        match = _NAME.match(path.name)
+        if not match:
+            raise SchemaError(f"badly named migration {path} (expected V0001__name.sql)")
+        found.append(Migration(int(match.group(1)), match.group(2), path.read_text()))
+    for expected, migration in enumerate(found, start=1):
+        if migration.version != expected:
+            raise SchemaError(f"migrations in {directory} must be numbered 1..N without gaps; got {migration.version}")
+    if not found:
+        raise SchemaError(f"no migrations found in {directory}")
+    return found
+
+
+def current_version(conn: psycopg2.extensions.connection) -> int:
+    """The site's schema version, 0 when lr was never installed there."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT to_regclass('lr.schema_migrations') IS NOT NULL")
+        if not cur.fetchone()[0]:
+            return 0
+        cur.execute("SELECT coalesce(max(version), 0) FROM lr.schema_migrations")
+        return cur.fetchone()[0]
+
+
+def migrate(
+    conn: psycopg2.extensions.connection,
+    target: int | None = None,
+    migrations: list[Migration] | None = None,
+) -> MigrationResult:
+    """Bring the site to ``target`` (default: latest) and commit; returns what was applied."""
+    migrations = migrations if migrations is not None else available_migrations()
+    latest = migrations[-1].version
+    target = latest if target is None else target
+    if not 0 < target <= latest:
+        raise SchemaError(f"target schema version {target} is not between 1 and {latest}")
+    applied: list[int] = []
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK_KEY,))
+            cur.execute(_BOOTSTRAP)
+            cur.execute("SELECT version, checksum FROM lr.schema_migrations ORDER BY version")
+            done = dict(cur.fetchall())
+            newest = max(done, default=0)
+            if newest > latest:
+                raise SchemaError(
+                    f"site {_where(conn)} has lr schema version {newest}, newer than this lr knows ({latest}); "
+                    "upgrade airflow-provider-lr"
+                )
+            for migration in migrations:
+                if migration.version in done:
+                    if done[migration.version] != migration.checksum:
+                        raise SchemaError(
+                            f"migration V{migration.version:04d} ({migration.name}) on site {_where(conn)} "
+                            "differs from the one shipped; migrations must never be edited once released"
+                        )
+                    continue
+                if migration.version > target:
+                    break
+                cur.execute(migration.sql)
+                cur.execute(
+                    "INSERT INTO lr.schema_migrations (version, name, checksum) VALUES (%s, %s, %s)",
+                    (migration.version, migration.name, migration.checksum),
+                )
+                applied.append(migration.version)
+        conn.commit()
+    except BaseException:
+        conn.rollback()
+        raise
+    return MigrationResult(applied, max([*done, *applied], default=0))
+
+
+def init_site(conn: psycopg2.extensions.connection, site_id: str, region: str = "default") -> MigrationResult:
+    """Install or upgrade the schema and record the site's identity (refuses to rename a site)."""
+    if not SITE_ID_PATTERN.match(site_id):
+        raise SchemaError(
+            f"invalid site id {site_id!r}: use 1-63 lowercase letters, digits, '-' or '_', starting with a letter or digit"
+        )
+    result = migrate(conn)
+    with conn.cursor() as cur:
+        cur.execute("SELECT site_id, region FROM lr.site_info FOR UPDATE")
+        row = cur.fetchone()
+        if row is None:
+            cur.execute("INSERT INTO lr.site_info (site_id, region) VALUES (%s, %s)", (site_id, region))
+        elif row[0] != site_id:
+            conn.rollback()
+            raise SchemaError(
+                f"database {_where(conn)} is already lr site {row[0]!r}; refusing to rename it to {site_id!r}"
+            )
+        elif row[1] != region:
+            cur.execute("UPDATE lr.site_info SET region = %s", (region,))
+    conn.commit()
+    return result
+
+
+def site_identity(conn: psycopg2.extensions.connection) -> tuple[str, str]:
+    """(site_id, region) recorded by ``lr init``; a clear error when the site was never initialised."""
+    if current_version(conn) == 0:
+        raise SchemaError(f"database {_where(conn)} has no lr schema; run `lr init` on it first")
+    with conn.cursor() as cur:
+        cur.execute("SELECT site_id, region FROM lr.site_info")
+        row = cur.fetchone()
+    if row is None:
+        raise SchemaError(f"database {_where(conn)} has the lr schema but no site id; run `lr init --site-id ...`")
+    return row[0], row[1]
+
+
+def _where(conn: psycopg2.extensions.connection) -> str:
+    params = conn.get_dsn_parameters()
+    return f"{params.get('host', '?')}:{params.get('port', '?')}/{params.get('dbname', '?')}"

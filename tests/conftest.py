@@ -1,0 +1,120 @@
+"""Shared fixtures: real embedded PostgreSQL sites, started once per test session.
+
+Three servers (``site-a``, ``site-b``, ``site-c``: separate data directories and ports) run for the
+whole session; every test that asks for ``sites`` gets a fresh database on each server, dropped
+afterwards, so tests are isolated without paying a server start each.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+# Airflow reads its configuration at import: point it at a throwaway home before any test imports it.
+os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="lr-airflow-home-"))
+os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
+os.environ.setdefault("AIRFLOW__CORE__UNIT_TEST_MODE", "True")
+
+import psycopg2  # noqa: E402
+import pytest  # noqa: E402
+
+from airflow_provider_lr.engine import schema  # noqa: E402
+from airflow_provider_lr.engine.conninfo import ConnInfo  # noqa: E402
+from airflow_provider_lr.sites import EmbeddedSite, SiteManager  # noqa: E402
+
+SITE_COUNT = 3
+# Tests trade durability for speed; the bench runs with PostgreSQL's defaults.
+FAST_SETTINGS = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
+_db_counter = itertools.count(1)
+
+
+@dataclass
+class TestSite:
+    """One site as a test sees it: a server plus the test's own database on it."""
+
+    __test__ = False  # not a test class
+    server: EmbeddedSite
+    dbname: str
+
+    @property
+    def site_id(self) -> str:
+        return self.server.site_id
+
+    @property
+    def region(self) -> str:
+        return self.server.region
+
+    @property
+    def conninfo(self) -> ConnInfo:
+        return self.server.conninfo(self.dbname)
+
+    @property
+    def dsn(self) -> str:
+        return self.conninfo.dsn
+
+    def connect(self) -> psycopg2.extensions.connection:
+        return psycopg2.connect(self.dsn)
+
+    def query(self, sql: str, params: tuple = ()) -> list[tuple]:
+        conn = self.connect()
+        try:
+            with conn.cursor() as cur:
+                cur.execute(sql, params)
+                rows = cur.fetchall() if cur.description else []
+            conn.commit()
+            return rows
+        finally:
+            conn.close()
+
+
+@pytest.fixture(scope="session")
+def site_manager(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SiteManager]:
+    manager = SiteManager(tmp_path_factory.mktemp("lr-home"), settings=FAST_SETTINGS)
+    manager.up(count=SITE_COUNT)
+    yield manager
+    manager.down(mode="immediate", remove=True)
+
+
+def _admin(server: EmbeddedSite) -> psycopg2.extensions.connection:
+    conn = psycopg2.connect(server.dsn())
+    conn.autocommit = True
+    return conn
+
+
+@pytest.fixture
+def sites(site_manager: SiteManager) -> Iterator[list[TestSite]]:
+    """A fresh, empty database on each of the three servers."""
+    name = f"lrtest_{os.getpid()}_{next(_db_counter)}"
+    created: list[TestSite] = []
+    for server in site_manager.sites():
+        conn = _admin(server)
+        with conn.cursor() as cur:
+            cur.execute(f'CREATE DATABASE "{name}"')
+        conn.close()
+        created.append(TestSite(server, name))
+    yield created
+    for site in created:
+        if not site_manager.is_running(site.server):
+            continue  # a fault test left it down; the session teardown removes it
+        conn = _admin(site.server)
+        with conn.cursor() as cur:
+            cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.close()
+
+
+@pytest.fixture
+def lr_sites(sites: list[TestSite]) -> list[TestSite]:
+    """The three test databases with the lr schema installed and their site ids recorded."""
+    for site in sites:
+        conn = site.connect()
+        schema.init_site(conn, site.site_id, site.region)
+        conn.close()
+    return sites
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[1]

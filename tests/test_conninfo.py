@@ -1,0 +1,46 @@
+"""A site is reached the same way from a DSN, an AIRFLOW_CONN_* variable, a connections file or the hook."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from airflow_provider_lr.engine import conninfo, schema
+from airflow_provider_lr.engine.errors import ConfigurationError
+
+
+def test_env_connection_json_and_uri_forms(monkeypatch):
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_LR_EAST",
+        json.dumps({"conn_type": "lr_site", "host": "db.east", "port": 6432, "login": "lr", "password": "p@ss",
+                    "schema": "app", "extra": {"site_id": "east", "region": "eu", "sslmode": "require"}}),
+    )
+    info = conninfo.resolve("lr_east")
+    assert (info.site_id, info.region) == ("east", "eu")
+    assert info.params["sslmode"] == "require" and info.params["dbname"] == "app"
+    assert "p@ss" not in info.safe_dsn and "***" in info.safe_dsn
+
+    monkeypatch.setenv("AIRFLOW_CONN_LR_WEST", "postgresql://lr:p%40ss@db.west:5433/app?site_id=west&region=us")
+    west = conninfo.resolve("lr_west")
+    assert west.params == {"host": "db.west", "port": 5433, "user": "lr", "password": "p@ss", "dbname": "app"}
+    assert west.site_id == "west"
+
+
+def test_unknown_target_names_the_fixes(monkeypatch, tmp_path):
+    monkeypatch.setenv("LR_CONNECTIONS_FILE", str(tmp_path / "none.json"))
+    with pytest.raises(ConfigurationError, match="AIRFLOW_CONN_NOPE"):
+        conninfo.resolve("nope")
+
+
+def test_hook_resolves_env_connection_to_a_real_site(lr_sites, monkeypatch):
+    from airflow_provider_lr.hooks.site import LRSiteHook
+
+    site = lr_sites[1]
+    monkeypatch.setenv("AIRFLOW_CONN_LR_HOOKED", json.dumps(site.server.airflow_conn(site.dbname)))
+    hook = LRSiteHook(lr_conn_id="lr_hooked")
+    assert hook.get_conninfo().site_id == site.site_id
+    conn = hook.get_conn()
+    assert schema.site_identity(conn)[0] == site.site_id
+    conn.close()
+    ok, message = hook.test_connection()
+    assert ok and "lr schema version" in message
