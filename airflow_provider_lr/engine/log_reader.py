@@ -1,0 +1,272 @@
+"""Reading the shared log for one destination: complete, in commit order, whole transactions.
+
+Why not ``entry_id > last_seen``: ids come from a sequence before commit, so a transaction that
+commits late has a smaller id than entries already read and would be skipped forever. Why not xid
+order below ``pg_snapshot_xmin``: complete, but not commit order, so two transactions that touch the
+same application row can arrive swapped. lr instead reads by *commit position*, drawn at commit
+time under a shared advisory lock (see ``V0002__shared_log.sql``), behind a barrier:
+
+1. note ``N``, the commit-position sequence's last value;
+2. wait until every transaction that held the commit lock at that moment has ended — any
+   transaction with a position <= N drew it while holding the lock, so after this all of them are
+   final (committed or rolled back) and visible to a new snapshot;
+3. read positions in ``(after, N]``.
+
+The barrier never blocks writers (it polls ``pg_locks`` instead of queueing for the lock), and an
+open transaction elsewhere in the database does not hold the reader back: only commits already in
+flight do, and a prepared transaction holding its position until COMMIT PREPARED. ``holdback``
+names those, and the open transactions whose entries are still to come.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import psycopg2.extensions
+
+from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.transmit import STREAM_LOG_ENTRIES
+from airflow_provider_lr.proto import lr_pb2
+
+COMMIT_LOCK_KEY = 0x6C72_0002  # the key the commit-position trigger locks (shared)
+DEFAULT_MAX_ENTRIES = 10_000
+DEFAULT_MAX_BYTES = 16 * 1024 * 1024
+
+_HOLDERS_SQL = """
+SELECT l.virtualtransaction, l.pid
+FROM pg_locks l
+WHERE l.locktype = 'advisory' AND l.granted AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.classid = 0 AND l.objid = %s AND l.objsubid = 1
+"""
+
+
+@dataclass(frozen=True)
+class LogRecord:
+    position: int  # commit position of the entry's transaction
+    entry_id: int  # transmit order within the transaction
+    message: bytes  # serialized RoutingTableEntryMsg
+
+    def decode(self) -> lr_pb2.RoutingTableEntryMsg:
+        return lr_pb2.RoutingTableEntryMsg.FromString(self.message)
+
+
+@dataclass(frozen=True)
+class HoldBack:
+    """Something that keeps entries from being delivered yet."""
+
+    kind: str  # "in_flight_commit" | "prepared_transaction" | "open_transaction"
+    pid: int | None
+    age_seconds: float
+    xact_start: str | None = None
+    query_start: str | None = None
+    state: str | None = None
+    query: str | None = None
+    gid: str | None = None
+
+    def describe(self) -> str:
+        who = f"prepared transaction {self.gid!r}" if self.gid else f"pid {self.pid}"
+        what = {
+            "in_flight_commit": "is committing and blocks the read barrier",
+            "prepared_transaction": "holds its commit position until COMMIT/ROLLBACK PREPARED",
+            "open_transaction": "has transmitted entries that are not committed yet",
+        }[self.kind]
+        tail = f"; last query: {self.query[:80]!r}" if self.query else ""
+        return f"{who} {what} (for {self.age_seconds:.1f}s{', ' + self.state if self.state else ''}){tail}"
+
+
+@dataclass
+class LogBatch:
+    """Entries for one destination in ``(after, end]``; persist ``end`` to resume after it."""
+
+    after: int
+    end: int
+    records: list[LogRecord] = field(default_factory=list)
+    barrier: int = 0  # everything up to here was final when the batch was read
+    blocked_by: list[HoldBack] = field(default_factory=list)
+
+    @property
+    def has_more(self) -> bool:
+        return self.end < self.barrier
+
+    @property
+    def bytes(self) -> int:
+        return sum(len(r.message) for r in self.records)
+
+
+class LogReader:
+    """Reads one destination's entries from a source site's shared log."""
+
+    def __init__(
+        self,
+        conn: psycopg2.extensions.connection,
+        destination: str,
+        stream: int = STREAM_LOG_ENTRIES,
+        barrier_timeout: float = 5.0,
+    ) -> None:
+        self.conn = conn
+        self.destination = destination
+        self.stream = stream
+        self.barrier_timeout = barrier_timeout
+        with conn.cursor() as cur:
+            cur.execute("SELECT tag_id FROM lr.remote_sites WHERE site_id = %s", (destination,))
+            row = cur.fetchone()
+        conn.rollback()
+        if row is None:
+            raise ConfigurationError(f"destination {destination!r} is not a known remote site of this source")
+        self.tag_id: int = row[0]
+
+
+    def read(
+        self, after: int, max_entries: int = DEFAULT_MAX_ENTRIES, max_bytes: int = DEFAULT_MAX_BYTES
+    ) -> LogBatch:
+        """Entries after ``after`` (a persisted ``end``), whole transactions only, bounded by count and
+        bytes (a single larger transaction is still returned whole)."""
+        upto, blocked = commit_barrier(self.conn, self.barrier_timeout)
+        if upto is None:  # a commit in flight outlasted the timeout: no position is known final
+            return LogBatch(after=after, end=after, barrier=after, blocked_by=blocked)
+        batch = LogBatch(after=after, end=max(after, upto), barrier=upto)
+        if upto <= after:
+            return batch
+        size = 0
+        with self.conn.cursor(name=f"lr_read_{id(self)}") as cur:
+            cur.itersize = 2000
+            cur.execute(
+                """
+                SELECT c.position, e.entry_id, e.message
+                FROM lr.log_commits c
+                JOIN lr.log_entries e ON e.tx = c.tx
+                WHERE c.position > %s AND c.position <= %s AND e.stream = %s AND e.tag_ids @> ARRAY[%s]
+                ORDER BY c.position, e.entry_id
+                """,
+                (after, upto, self.stream, self.tag_id),
+            )
+            for position, entry_id, message in cur:
+                if batch.records and position != batch.records[-1].position and (
+                    len(batch.records) >= max_entries or size >= max_bytes
+                ):
+                    batch.end = batch.records[-1].position
+                    break
+                record = LogRecord(position, entry_id, bytes(message))
+                batch.records.append(record)
+                size += len(record.message)
+        self.conn.rollback()
+        return batch
+
+
+def commit_barrier(conn: psycopg2.extensions.connection, timeout: float = 5.0) -> tuple[int | None, list[HoldBack]]:
+    """Note the commit sequence, then wait for the commits in flight at that moment to end.
+
+    Returns ``(N, [])``, or ``(None, holders)`` when some outlast ``timeout`` (a prepared
+    transaction, a stuck commit): their positions are drawn but invisible, so no position above
+    what the caller already read is known to be final.
+    """
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM lr.commit_position_seq")
+            noted = cur.fetchone()[0]
+            cur.execute(_HOLDERS_SQL, (COMMIT_LOCK_KEY,))
+            waiting = {vxid for vxid, _ in cur.fetchall()}
+            conn.rollback()
+            deadline = time.monotonic() + timeout
+            pause = 0.0005
+            while waiting:
+                if time.monotonic() > deadline:
+                    return None, in_flight_commits(conn, waiting)
+                time.sleep(pause)
+                pause = min(pause * 2, 0.02)
+                cur.execute(_HOLDERS_SQL, (COMMIT_LOCK_KEY,))
+                waiting &= {vxid for vxid, _ in cur.fetchall()}
+                conn.rollback()
+        return noted, []
+    except BaseException:
+        conn.rollback()
+        raise
+
+
+def in_flight_commits(conn: psycopg2.extensions.connection, vxids: set[str] | None = None) -> list[HoldBack]:
+    """Transactions holding the commit-position lock (committing now, or prepared)."""
+    with conn.cursor() as cur:
+        cur.execute(
+            """
+            SELECT l.virtualtransaction, l.pid, a.xact_start::text, a.query_start::text, a.state, a.query,
+                   extract(epoch FROM now() - coalesce(a.xact_start, p.prepared, now()))::float8, p.gid
+            FROM pg_locks l
+            LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+            LEFT JOIN pg_locks x ON l.pid IS NULL AND x.locktype = 'transactionid'
+                 AND x.virtualtransaction = l.virtualtransaction
+            LEFT JOIN pg_prepared_xacts p ON p.transaction = x.transactionid
+            WHERE l.locktype = 'advisory' AND l.granted AND l.classid = 0 AND l.objid = %s AND l.objsubid = 1
+              AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+            """,
+            (COMMIT_LOCK_KEY,),
+        )
+        rows = cur.fetchall()
+    conn.rollback()
+    found = []
+    for vxid, pid, xact_start, query_start, state, query, age, gid in rows:
+        if vxids is not None and vxid not in vxids:
+            continue
+        kind = "prepared_transaction" if gid or not pid else "in_flight_commit"
+        found.append(HoldBack(kind, pid or None, age or 0.0, xact_start, query_start, state, query, gid))
+    return found
+
+
+def holdback(conn: psycopg2.extensions.connection) -> list[HoldBack]:
+    """Everything that keeps entries from being read now, oldest first: in-flight commits and
+    prepared transactions holding the barrier, and open transactions with uncommitted entries."""
+    found = in_flight_commits(conn)
+    with conn.cursor() as cur:
+        cur.execute(
+            """
+            SELECT DISTINCT a.pid, a.xact_start::text, a.query_start::text, a.state, a.query,
+                   extract(epoch FROM now() - a.xact_start)::float8
+            FROM pg_locks l
+            JOIN pg_stat_activity a ON a.pid = l.pid
+            WHERE l.locktype = 'relation' AND l.relation = 'lr.log_entries'::regclass
+              AND l.mode = 'RowExclusiveLock' AND l.granted AND a.pid <> pg_backend_pid()
+              AND a.backend_xid IS NOT NULL
+            """
+        )
+        in_flight = {h.pid for h in found}
+        for pid, xact_start, query_start, state, query, age in cur.fetchall():
+            if pid not in in_flight:
+                found.append(HoldBack("open_transaction", pid, age or 0.0, xact_start, query_start, state, query))
+    conn.rollback()
+    return sorted(found, key=lambda h: -h.age_seconds)
+
+
+def refresh_last_transmitted(conn: psycopg2.extensions.connection, timeout: float = 5.0) -> dict[str, tuple[int, int]]:
+    """Advance each destination's last transmitted (position, entry id) over entries committed since
+    the last refresh; returns the state for every destination. Incremental and off the writers' path."""
+    upto, _ = commit_barrier(conn, timeout)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT scanned_up_to FROM lr.log_scan_state FOR UPDATE")
+            scanned = cur.fetchone()[0]
+            if upto is not None and upto > scanned:
+                cur.execute(
+                    """
+                    WITH latest AS (
+                        SELECT t.tag_id, max(c.position) AS position, max(e.entry_id) AS entry_id
+                        FROM lr.log_commits c
+                        JOIN lr.log_entries e ON e.tx = c.tx
+                        CROSS JOIN LATERAL unnest(e.tag_ids) AS t(tag_id)
+                        WHERE c.position > %s AND c.position <= %s AND e.stream = %s
+                        GROUP BY t.tag_id
+                    )
+                    UPDATE lr.destination_log_state d
+                    SET last_transmitted_position = greatest(d.last_transmitted_position, latest.position),
+                        last_transmitted_entry = greatest(d.last_transmitted_entry, latest.entry_id)
+                    FROM latest JOIN lr.remote_sites r ON r.tag_id = latest.tag_id
+                    WHERE d.site_id = r.site_id
+                    """,
+                    (scanned, upto, STREAM_LOG_ENTRIES),
+                )
+                cur.execute("UPDATE lr.log_scan_state SET scanned_up_to = %s", (upto,))
+            cur.execute("SELECT site_id, last_transmitted_position, last_transmitted_entry FROM lr.destination_log_state")
+            state = {site: (pos, entry) for site, pos, entry in cur.fetchall()}
+        conn.commit()
+        return state
+    except BaseException:
+        conn.rollback()
+        raise

@@ -1,0 +1,138 @@
+"""The topology: which sites exist, in which region, and who replicates to whom for which clients.
+
+It is a YAML document (``include/topology.yaml`` by default); its ``topology_config_id`` is a hash
+of its normalized content, so any change yields a new id and negotiation can refuse to proceed
+across different ids. ``apply_to_site`` records it in a site's metadata, which is what the
+transmit path validates destinations against.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg2.extensions
+import yaml
+
+from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.schema import SITE_ID_PATTERN
+from airflow_provider_lr.paths import include_dir
+
+TOPOLOGY_ENV = "LR_TOPOLOGY"
+
+
+@dataclass(frozen=True)
+class SiteSpec:
+    site_id: str
+    region: str = "default"
+    conn_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Replication:
+    source: str
+    sinks: tuple[str, ...]
+    clients: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Topology:
+    sites: dict[str, SiteSpec]
+    replications: tuple[Replication, ...] = ()
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def document(self) -> dict[str, Any]:
+        return {
+            "sites": [
+                {"id": s.site_id, "region": s.region, **({"conn_id": s.conn_id} if s.conn_id else {})}
+                for s in sorted(self.sites.values(), key=lambda s: s.site_id)
+            ],
+            "replication": [
+                {"source": r.source, "sinks": list(r.sinks), "clients": list(r.clients)} for r in self.replications
+            ],
+            "settings": self.settings,
+        }
+
+    @property
+    def topology_config_id(self) -> str:
+        canonical = json.dumps(self.document, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def site(self, site_id: str) -> SiteSpec:
+        try:
+            return self.sites[site_id]
+        except KeyError:
+            raise ConfigurationError(
+                f"unknown site {site_id!r}; the topology knows {sorted(self.sites)}"
+            ) from None
+
+
+def from_document(doc: dict[str, Any]) -> Topology:
+    """Validate and build a topology from its YAML/JSON document."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("sites"), list) or not doc["sites"]:
+        raise ConfigurationError("topology needs a non-empty 'sites' list")
+    sites: dict[str, SiteSpec] = {}
+    for raw in doc["sites"]:
+        site_id = str(raw.get("id", ""))
+        if not SITE_ID_PATTERN.match(site_id):
+            raise ConfigurationError(f"invalid site id {site_id!r} in topology (lowercase letters, digits, '-', '_')")
+        if site_id in sites:
+            raise ConfigurationError(f"site {site_id!r} appears twice in the topology")
+        sites[site_id] = SiteSpec(site_id, str(raw.get("region", "default")), raw.get("conn_id"))
+    replications = []
+    for raw in doc.get("replication", []) or []:
+        source, sinks = raw.get("source"), tuple(raw.get("sinks", []))
+        for name in (source, *sinks):
+            if name not in sites:
+                raise ConfigurationError(f"replication names unknown site {name!r}; known: {sorted(sites)}")
+        if source in sinks:
+            raise ConfigurationError(f"site {source!r} cannot replicate to itself")
+        clients = tuple(raw.get("clients", []))
+        if not clients:
+            raise ConfigurationError(f"replication from {source!r} names no clients")
+        replications.append(Replication(source, sinks, clients))
+    return Topology(sites, tuple(replications), dict(doc.get("settings", {}) or {}))
+
+
+def default_path() -> Path:
+    return Path(os.environ.get(TOPOLOGY_ENV) or include_dir() / "topology.yaml")
+
+
+def load(path: Path | str | None = None) -> Topology:
+    path = Path(path) if path else default_path()
+    if not path.exists():
+        raise ConfigurationError(f"topology file {path} not found (set {TOPOLOGY_ENV} or pass a path)")
+    return from_document(yaml.safe_load(path.read_text()))
+
+
+def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site_id: str) -> None:
+    """Record the topology on one site: every other site becomes addressable from it. Commits."""
+    topology.site(site_id)
+    try:
+        with conn.cursor() as cur:
+            for spec in topology.sites.values():
+                if spec.site_id == site_id:
+                    continue
+                cur.execute(
+                    "INSERT INTO lr.remote_sites (site_id, region) VALUES (%s, %s) "
+                    "ON CONFLICT (site_id) DO UPDATE SET region = EXCLUDED.region",
+                    (spec.site_id, spec.region),
+                )
+                cur.execute(
+                    "INSERT INTO lr.destination_log_state (site_id) VALUES (%s) ON CONFLICT DO NOTHING",
+                    (spec.site_id,),
+                )
+            cur.execute(
+                "INSERT INTO lr.topology (topology_config_id, document) VALUES (%s, %s) "
+                "ON CONFLICT (singleton) DO UPDATE SET topology_config_id = EXCLUDED.topology_config_id, "
+                "document = EXCLUDED.document, applied_at = now()",
+                (topology.topology_config_id, json.dumps(topology.document)),
+            )
+        conn.commit()
+    except BaseException:
+        conn.rollback()
+        raise
