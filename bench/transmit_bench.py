@@ -1,0 +1,167 @@
+"""Writer overhead of `transmit` and log bytes per entry (issue 3's benchmark).
+
+1. Throughput of an application transaction that inserts one row, with and without one
+   `transmit_log_entry_message` of 256 random bytes to 3 destinations, 8 concurrent writer
+   processes, PostgreSQL's default durability (fsync and synchronous_commit on). Beside it: the
+   same transaction with one extra trivial statement (`SELECT 1`), the floor any transmit that is
+   its own statement pays in round trips, and a 10-row transaction with and without one
+   `transmit_log_entry_messages` call of 10 messages. Variants alternate within each round so
+   drift hits all; medians are reported with ratios.
+2. Log bytes per entry (heap + indexes of lr.log_entries, plus lr.log_commits per transaction) as
+   the number of destinations goes 1 → 3 → 10, beside the size of the tag list it adds.
+
+Run: .venv/bin/python bench/transmit_bench.py [--seconds 6] [--rounds 3] [--writers 8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import psycopg2  # noqa: E402
+
+from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient  # noqa: E402
+from airflow_provider_lr.engine import schema, topology  # noqa: E402
+from airflow_provider_lr.sites import SiteManager  # noqa: E402
+
+REMOTES = [f"sink-{i:02d}" for i in range(1, 11)]
+
+
+VARIANTS = ("plain", "floor", "transmit", "plain10", "transmit10")
+
+
+def writer(dsn: str, variant: str, seconds: float, start_at: float, out: mp.Queue) -> None:
+    conn = psycopg2.connect(dsn)
+    client = RoutingQueueClient(conn, "bench")
+    dests = REMOTES[:3]
+    rows = 10 if variant.endswith("10") else 1
+    done = 0
+    while time.time() < start_at:
+        time.sleep(0.001)
+    deadline = start_at + seconds
+    with conn.cursor() as cur:
+        while time.time() < deadline:
+            if rows == 1:
+                cur.execute("INSERT INTO app_rows (v) VALUES (%s)", (done,))
+            else:
+                cur.execute("INSERT INTO app_rows (v) SELECT %s FROM generate_series(1, 10)", (done,))
+            if variant == "floor":
+                cur.execute("SELECT 1")
+            elif variant == "transmit":
+                client.transmit_log_entry_message(os.urandom(256), dests)
+            elif variant == "transmit10":
+                client.transmit_log_entry_messages(
+                    [LRMessageWithDestinations(os.urandom(256), dests) for _ in range(10)]
+                )
+            conn.commit()
+            done += 1
+    conn.close()
+    out.put(done)
+
+
+def throughput(dsn: str, variant: str, writers: int, seconds: float) -> float:
+    out: mp.Queue = mp.Queue()
+    start_at = time.time() + 1.0
+    procs = [mp.Process(target=writer, args=(dsn, variant, seconds, start_at, out)) for _ in range(writers)]
+    for p in procs:
+        p.start()
+    total = sum(out.get() for _ in procs)
+    for p in procs:
+        p.join()
+    return total / seconds
+
+
+def bytes_per_entry(dsn: str, destinations: int, entries: int = 20_000) -> dict:
+    conn = psycopg2.connect(dsn)
+    with conn.cursor() as cur:
+        cur.execute("TRUNCATE lr.log_entries, lr.log_commits")
+    conn.commit()
+    client = RoutingQueueClient(conn, "bench")
+    payload = os.urandom(256)
+    for i in range(entries):
+        client.transmit_log_entry_message(payload, REMOTES[:destinations])
+        if i % 10 == 9:  # 10 entries per transaction, as a busy application would batch
+            conn.commit()
+    conn.commit()
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute("VACUUM ANALYZE lr.log_entries")
+        cur.execute(
+            "SELECT pg_total_relation_size('lr.log_entries'), pg_total_relation_size('lr.log_commits'), "
+            "avg(pg_column_size(e.*)) FROM lr.log_entries e"
+        )
+        entries_total, commits_total, avg_row = cur.fetchone()
+    conn.close()
+    tag_text = sum(len(f"lrq_logentry_{d}") for d in REMOTES[:destinations])
+    return {
+        "destinations": destinations,
+        "row_bytes": round(float(avg_row), 1),
+        "stored_bytes_per_entry": round((entries_total + commits_total) / entries, 1),
+        "tag_text_bytes": tag_text,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--writers", type=int, default=8)
+    args = parser.parse_args()
+
+    home = Path(tempfile.mkdtemp(prefix="lr-bench-"))
+    manager = SiteManager(home, settings={"max_connections": "100"})
+    (site,) = manager.up(site_ids=["bench-src"])
+    try:
+        dsn = site.dsn()
+        conn = psycopg2.connect(dsn)
+        schema.init_site(conn, site.site_id)
+        topo = topology.from_document({"sites": [{"id": site.site_id}] + [{"id": r} for r in REMOTES]})
+        topology.apply_to_site(conn, topo, site.site_id)
+        with conn.cursor() as cur:
+            cur.execute("CREATE TABLE app_rows (id bigserial PRIMARY KEY, v bigint, at timestamptz DEFAULT now())")
+        conn.commit()
+        conn.close()
+
+        tps: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        for r in range(args.rounds):
+            for variant in VARIANTS:
+                tps[variant].append(throughput(dsn, variant, args.writers, args.seconds))
+            print(f"round {r + 1}: " + ", ".join(f"{v} {tps[v][-1]:,.0f}" for v in VARIANTS) + " tx/s", flush=True)
+        sizes = [bytes_per_entry(dsn, n) for n in (1, 3, 10)]
+    finally:
+        manager.down(remove=True)
+
+    med = {v: statistics.median(tps[v]) for v in VARIANTS}
+    ratio, ratio10, floor = med["transmit"] / med["plain"], med["transmit10"] / med["plain10"], med["floor"] / med["plain"]
+    print(f"\nwriter throughput, {args.writers} writer processes, medians of {args.rounds} rounds of {args.seconds:.0f} s:")
+    print(f"  1 row:                         {med['plain']:>8,.0f} tx/s")
+    print(f"  1 row + SELECT 1 (floor):      {med['floor']:>8,.0f} tx/s  ratio {floor:.2f}")
+    print(f"  1 row + transmit (3 dests):    {med['transmit']:>8,.0f} tx/s  ratio {ratio:.2f}  (aim >= 0.80)")
+    print(f"  10 rows:                       {med['plain10']:>8,.0f} tx/s")
+    print(f"  10 rows + 10 messages, 1 call: {med['transmit10']:>8,.0f} tx/s  ratio {ratio10:.2f}")
+    print("\nlog bytes per entry (256 B payload):")
+    print(f"  {'dests':>5} {'row':>7} {'stored':>8} {'tag text':>9}")
+    for s in sizes:
+        print(f"  {s['destinations']:>5} {s['row_bytes']:>7} {s['stored_bytes_per_entry']:>8} {s['tag_text_bytes']:>9}")
+    growth = sizes[-1]["stored_bytes_per_entry"] - sizes[0]["stored_bytes_per_entry"]
+    tag_growth = sizes[-1]["tag_text_bytes"] - sizes[0]["tag_text_bytes"]
+    print(f"  1 → 10 destinations: stored bytes grow by {growth:.1f}; the tag list text grows by {tag_growth}")
+    results = {
+        "writers": args.writers, "seconds": args.seconds, "tps": tps, "medians": med,
+        "ratio": ratio, "ratio_floor": floor, "ratio_10": ratio10, "bytes_per_entry": sizes, "growth_1_to_10": growth, "tag_text_growth_1_to_10": tag_growth,
+    }
+    out = Path(__file__).resolve().parent / "results"
+    out.mkdir(exist_ok=True)
+    (out / "transmit_bench.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
