@@ -123,7 +123,12 @@ def main() -> None:
         dsn = site.dsn()
         conn = psycopg2.connect(dsn)
         schema.init_site(conn, site.site_id)
-        topo = topology.from_document({"sites": [{"id": site.site_id}] + [{"id": r} for r in REMOTES]})
+        topo = topology.from_document(
+            {
+                "sites": [{"id": site.site_id}] + [{"id": r} for r in REMOTES],
+                "replication": [{"source": site.site_id, "sinks": REMOTES, "clients": ["bench"]}],
+            }
+        )
         topology.apply_to_site(conn, topo, site.site_id)
         with conn.cursor() as cur:
             cur.execute("CREATE TABLE app_rows (id bigserial PRIMARY KEY, v bigint, at timestamptz DEFAULT now())")

@@ -16,3 +16,11 @@ class SchemaError(LRError):
 
 class TransmitError(LRError):
     """A transmit call was refused; nothing was written."""
+
+
+class FencedError(LRError):
+    """A replicator whose session lease was taken over tried to write; nothing was written."""
+
+
+class StaleBatchError(LRError):
+    """A batch does not fit the sink's state (gap, other snapshot, other sync); renegotiate."""

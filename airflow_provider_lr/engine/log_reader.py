@@ -51,6 +51,15 @@ class LogRecord:
 
 
 @dataclass(frozen=True)
+class BaseSplit:
+    """How a full sync's base snapshot splits the log: entries with a commit position <= ``upto``
+    whose transaction is visible in ``snapshot`` (a ``pg_snapshot``) were covered by the full sync."""
+
+    snapshot: str
+    upto: int
+
+
+@dataclass(frozen=True)
 class HoldBack:
     """Something that keeps entries from being delivered yet."""
 
@@ -102,25 +111,38 @@ class LogReader:
         destination: str,
         stream: int = STREAM_LOG_ENTRIES,
         barrier_timeout: float = 5.0,
+        client_name: str | None = None,
     ) -> None:
         self.conn = conn
         self.destination = destination
         self.stream = stream
         self.barrier_timeout = barrier_timeout
+        self.client_id: int | None = None
         with conn.cursor() as cur:
             cur.execute("SELECT tag_id FROM lr.remote_sites WHERE site_id = %s", (destination,))
             row = cur.fetchone()
+            if client_name is not None:
+                cur.execute("SELECT client_id FROM lr.clients WHERE client_name = %s", (client_name,))
+                client = cur.fetchone()
+                if client is None:
+                    conn.rollback()
+                    raise ConfigurationError(f"client {client_name!r} is not in the topology applied to this source")
+                self.client_id = client[0]
         conn.rollback()
         if row is None:
             raise ConfigurationError(f"destination {destination!r} is not a known remote site of this source")
         self.tag_id: int = row[0]
 
-
     def read(
-        self, after: int, max_entries: int = DEFAULT_MAX_ENTRIES, max_bytes: int = DEFAULT_MAX_BYTES
+        self,
+        after: int,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        split: BaseSplit | None = None,
     ) -> LogBatch:
         """Entries after ``after`` (a persisted ``end``), whole transactions only, bounded by count and
-        bytes (a single larger transaction is still returned whole)."""
+        bytes (a single larger transaction is still returned whole). ``split``: leave out what a
+        full sync with that base snapshot already covered."""
         upto, blocked = commit_barrier(self.conn, self.barrier_timeout)
         if upto is None:  # a commit in flight outlasted the timeout: no position is known final
             return LogBatch(after=after, end=after, barrier=after, blocked_by=blocked)
@@ -128,17 +150,25 @@ class LogReader:
         if upto <= after:
             return batch
         size = 0
+        covered, covered_params = "", ()
+        if split is not None and split.upto > after:
+            covered = "AND NOT (c.position <= %s AND pg_visible_in_snapshot(c.tx, %s::pg_snapshot))"
+            covered_params = (split.upto, split.snapshot)
+        client = "AND e.client_id = %s" if self.client_id is not None else ""
         with self.conn.cursor(name=f"lr_read_{id(self)}") as cur:
             cur.itersize = 2000
             cur.execute(
-                """
+                f"""
                 SELECT c.position, e.entry_id, e.message
                 FROM lr.log_commits c
                 JOIN lr.log_entries e ON e.tx = c.tx
                 WHERE c.position > %s AND c.position <= %s AND e.stream = %s AND e.tag_ids @> ARRAY[%s]
+                  {client} {covered}
                 ORDER BY c.position, e.entry_id
                 """,
-                (after, upto, self.stream, self.tag_id),
+                (after, upto, self.stream, self.tag_id)
+                + ((self.client_id,) if client else ())
+                + covered_params,
             )
             for position, entry_id, message in cur:
                 if batch.records and position != batch.records[-1].position and (

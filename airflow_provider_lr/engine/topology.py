@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,11 +39,42 @@ class Replication:
     clients: tuple[str, ...]
 
 
+@dataclass(frozen=True, order=True)
+class SessionKey:
+    """One session: a source, a sink and a client ("one session per remote destination")."""
+
+    source: str
+    sink: str
+    client: str
+
+    def __str__(self) -> str:
+        return f"{self.source}->{self.sink}/{self.client}"
+
+
+CLIENT_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+
+
 @dataclass(frozen=True)
 class Topology:
     sites: dict[str, SiteSpec]
     replications: tuple[Replication, ...] = ()
     settings: dict[str, Any] = field(default_factory=dict)
+    # client name -> full-sync provider as "package.module:function"
+    providers: dict[str, str] = field(default_factory=dict)
+
+    def sessions(self, source: str | None = None) -> list[SessionKey]:
+        """Every session the topology defines (optionally only those of one source), sorted."""
+        found = {
+            SessionKey(r.source, sink, client)
+            for r in self.replications
+            for sink in r.sinks
+            for client in r.clients
+            if source is None or r.source == source
+        }
+        return sorted(found)
+
+    def setting(self, name: str, default: Any) -> Any:
+        return type(default)(self.settings.get(name, default))
 
     @property
     def document(self) -> dict[str, Any]:
@@ -55,6 +87,7 @@ class Topology:
                 {"source": r.source, "sinks": list(r.sinks), "clients": list(r.clients)} for r in self.replications
             ],
             "settings": self.settings,
+            **({"providers": dict(sorted(self.providers.items()))} if self.providers else {}),
         }
 
     @property
@@ -91,11 +124,18 @@ def from_document(doc: dict[str, Any]) -> Topology:
                 raise ConfigurationError(f"replication names unknown site {name!r}; known: {sorted(sites)}")
         if source in sinks:
             raise ConfigurationError(f"site {source!r} cannot replicate to itself")
-        clients = tuple(raw.get("clients", []))
+        clients = tuple(str(c) for c in raw.get("clients", []))
         if not clients:
             raise ConfigurationError(f"replication from {source!r} names no clients")
+        for client in clients:
+            if not CLIENT_NAME_PATTERN.match(client):
+                raise ConfigurationError(f"invalid client name {client!r} (letters, digits, '-', '_')")
         replications.append(Replication(source, sinks, clients))
-    return Topology(sites, tuple(replications), dict(doc.get("settings", {}) or {}))
+    providers = {str(k): str(v) for k, v in (doc.get("providers") or {}).items()}
+    for client, target in providers.items():
+        if ":" not in target:
+            raise ConfigurationError(f"provider for client {client!r} must be 'package.module:function', not {target!r}")
+    return Topology(sites, tuple(replications), dict(doc.get("settings", {}) or {}), providers)
 
 
 def default_path() -> Path:
@@ -110,10 +150,17 @@ def load(path: Path | str | None = None) -> Topology:
 
 
 def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site_id: str) -> None:
-    """Record the topology on one site: every other site becomes addressable from it. Commits."""
+    """Record the topology on one site: every other site becomes addressable from it, its clients
+    are registered, and the sessions it is the source of are created (sessions it no longer is
+    the source of are removed; their sinks keep their data). Commits."""
     topology.site(site_id)
+    mine = topology.sessions(source=site_id)
     try:
         with conn.cursor() as cur:
+            for client in sorted({k.client for k in mine}):
+                cur.execute(
+                    "INSERT INTO lr.clients (client_name) VALUES (%s) ON CONFLICT (client_name) DO NOTHING", (client,)
+                )
             for spec in topology.sites.values():
                 if spec.site_id == site_id:
                     continue
@@ -125,6 +172,15 @@ def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site
                 cur.execute(
                     "INSERT INTO lr.destination_log_state (site_id) VALUES (%s) ON CONFLICT DO NOTHING",
                     (spec.site_id,),
+                )
+            cur.execute(
+                "DELETE FROM lr.source_sessions WHERE NOT (sink_site_id || '/' || client_name = ANY (%s::text[]))",
+                ([f"{k.sink}/{k.client}" for k in mine],),
+            )
+            for key in mine:
+                cur.execute(
+                    "INSERT INTO lr.source_sessions (sink_site_id, client_name) VALUES (%s, %s) ON CONFLICT DO NOTHING",
+                    (key.sink, key.client),
                 )
             cur.execute(
                 "INSERT INTO lr.topology (topology_config_id, document) VALUES (%s, %s) "

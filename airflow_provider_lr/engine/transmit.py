@@ -49,13 +49,25 @@ class RoutingQueueClient:
         self.conn = conn
         self.client_name = client_name
         self.max_payload_bytes = max_payload_bytes
+        idle = conn.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
         self.source_site_id, _ = site_identity(conn)
-        self._tag_ids: dict[str, int] = {}
-        self._load_sites()
+        self.client_id = 0
+        self._tag_ids: dict[str, int] = {}  # the sinks this client replicates to -> their tag
+        self._load_routes()
+        if idle:
+            conn.rollback()  # leave the caller's connection as we found it (read only so far)
 
-    def _load_sites(self) -> None:
+    def _load_routes(self) -> None:
+        """The client's id and its sinks, from the topology applied to this site."""
         with self.conn.cursor() as cur:
-            cur.execute("SELECT site_id, tag_id FROM lr.remote_sites")
+            cur.execute("SELECT client_id FROM lr.clients WHERE client_name = %s", (self.client_name,))
+            row = cur.fetchone()
+            self.client_id = row[0] if row else 0
+            cur.execute(
+                "SELECT r.site_id, r.tag_id FROM lr.source_sessions s JOIN lr.remote_sites r ON r.site_id = s.sink_site_id "
+                "WHERE s.client_name = %s",
+                (self.client_name,),
+            )
             self._tag_ids = dict(cur.fetchall())
 
     def transmit_log_entry_message(self, payload: bytes, destinations: Sequence[str]) -> None:
@@ -67,6 +79,14 @@ class RoutingQueueClient:
         rows = [self._row(STREAM_LOG_ENTRIES, m.payload, m.destinations, lr_pb2.LOG_ENTRY_SYNC) for m in messages]
         if rows:
             self._insert(rows)
+
+    def serve_full_sync_requests(self, provider, max_requests: int | None = None) -> list[str]:
+        """Supply the pending full-sync requests of this client's sessions with ``provider(ctx)``,
+        which calls ``ctx.transmit(payload)`` per message; lr writes the start marker (with the base
+        snapshot) and the end marker. One transaction per request; returns the ids supplied."""
+        from airflow_provider_lr.engine.full_sync import serve_full_sync_requests
+
+        return serve_full_sync_requests(self, provider, max_requests)
 
     # --- internals shared with the full-sync transmitter -------------------------------------
     def _row(
@@ -86,12 +106,18 @@ class RoutingQueueClient:
             raise TransmitError(f"site {self.source_site_id!r} cannot transmit to itself; nothing was written")
         unknown = [d for d in unique if d not in self._tag_ids]
         if unknown:
-            self._load_sites()  # the topology may have been applied since this client started
+            self._load_routes()  # the topology may have been applied since this client started
             unknown = [d for d in unique if d not in self._tag_ids]
         if unknown:
+            if not self.client_id:
+                raise TransmitError(
+                    f"client {self.client_name!r} is not in the topology applied to {self.source_site_id!r} "
+                    f"(add it to a replication and run `lr topology apply`); nothing was written"
+                )
             raise TransmitError(
-                f"unknown destination(s) {unknown} for source {self.source_site_id!r}: known sites are "
-                f"{sorted(self._tag_ids)} (apply the topology with `lr topology apply`); nothing was written"
+                f"unknown destination(s) {unknown} for client {self.client_name!r} at source "
+                f"{self.source_site_id!r}: the topology replicates it to {sorted(self._tag_ids)} "
+                f"(edit the topology and run `lr topology apply`); nothing was written"
             )
         message = lr_pb2.RoutingTableEntryMsg(
             destinations=unique,
@@ -108,15 +134,15 @@ class RoutingQueueClient:
             if len(rows) == 1:
                 stream, tags, message = rows[0]
                 cur.execute(
-                    "INSERT INTO lr.log_entries (stream, tag_ids, message) VALUES (%s, %s::int[], %s)",
-                    (stream, tags, psycopg2.Binary(message)),
+                    "INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) VALUES (%s, %s::int[], %s, %s)",
+                    (stream, tags, self.client_id, psycopg2.Binary(message)),
                 )
             else:
                 # entry ids follow the VALUES order: transmit order within the transaction is kept.
                 execute_values(
                     cur,
-                    "INSERT INTO lr.log_entries (stream, tag_ids, message) VALUES %s",
-                    [(s, t, psycopg2.Binary(m)) for s, t, m in rows],
-                    template="(%s, %s::int[], %s)",
+                    "INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) VALUES %s",
+                    [(s, t, self.client_id, psycopg2.Binary(m)) for s, t, m in rows],
+                    template="(%s, %s::int[], %s, %s)",
                     page_size=1000,
                 )

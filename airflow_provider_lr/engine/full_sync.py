@@ -1,0 +1,263 @@
+"""Full-sync requests (server side) and their supply by the client's provider (client side).
+
+The server records a request per session; at most one is open per (sink, client): a new one
+cancels the others (CorfuDB A1.5). The client's provider runs in one REPEATABLE READ transaction
+on the source that writes the start marker, the provider's messages and the end marker into
+``LRQ_Send_SnapSync`` and marks the request supplied, all or nothing. That transaction also fixes
+the split of the log at the base snapshot (DESIGN §6 property 6):
+
+* ``base``: a commit barrier noted *before* the provider's snapshot, so every position <= base was
+  final when the snapshot was taken (committed ones are in it);
+* ``snapshot``/``upto``: the provider's ``pg_current_snapshot()`` and the commit positions drawn
+  by then. A position in ``(base, upto]`` whose transaction is visible in the snapshot is covered
+  by the full sync; every other position after ``base`` follows as a log entry.
+"""
+from __future__ import annotations
+
+import importlib
+import uuid
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import Callable
+
+import psycopg2
+import psycopg2.errors
+import psycopg2.extensions
+
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError
+from airflow_provider_lr.engine.log_reader import BaseSplit, commit_barrier
+from airflow_provider_lr.engine.transmit import STREAM_SNAP_SYNC, RoutingQueueClient
+from airflow_provider_lr.proto import lr_pb2
+
+DEFAULT_DATA_TIMEOUT = 120.0  # seconds without client data before a request is restarted
+OPEN = ("pending", "supplied")
+
+
+class FullSyncError(LRError):
+    """A provider failed while supplying a full sync; the request stays pending."""
+
+
+@dataclass(frozen=True)
+class FullSyncRequest:
+    request_id: str
+    sink_site_id: str
+    client_name: str
+    forced: bool
+    reason: str
+    status: str
+    requested_at: datetime
+    data_deadline: datetime
+    supplied_tx: str | None
+    base_position: int | None
+    base_snapshot: str | None
+    base_upto: int | None
+    entries: int | None
+
+    @property
+    def split(self) -> BaseSplit:
+        assert self.base_snapshot is not None and self.base_upto is not None, "request not supplied"
+        return BaseSplit(self.base_snapshot, self.base_upto)
+
+
+_COLUMNS = ", ".join(f.name for f in fields(FullSyncRequest))
+
+
+def _request(row: tuple) -> FullSyncRequest:
+    values = list(row)
+    values[0] = str(values[0])
+    values[8] = str(values[8]) if values[8] is not None else None
+    return FullSyncRequest(*values)
+
+
+def request_full_sync(
+    conn: psycopg2.extensions.connection,
+    sink: str,
+    client: str,
+    reason: str = "",
+    forced: bool = False,
+    data_timeout: float = DEFAULT_DATA_TIMEOUT,
+) -> FullSyncRequest:
+    """Record a full-sync request for the session (sink, client) on this source, cancelling any
+    open one for the same session first. Commits."""
+    try:
+        with conn.cursor() as cur:
+            cur.execute(
+                "SELECT 1 FROM lr.source_sessions WHERE sink_site_id = %s AND client_name = %s", (sink, client)
+            )
+            if cur.fetchone() is None:
+                cur.execute("SELECT sink_site_id || '/' || client_name FROM lr.source_sessions ORDER BY 1")
+                known = [r[0] for r in cur.fetchall()]
+                raise ConfigurationError(
+                    f"no session to sink {sink!r} for client {client!r} on this source; sessions are {known}"
+                )
+            cur.execute(
+                "UPDATE lr.full_sync_requests SET status = 'cancelled', finished_at = now(), "
+                "note = 'superseded by a newer request' "
+                "WHERE sink_site_id = %s AND client_name = %s AND status IN ('pending', 'supplied')",
+                (sink, client),
+            )
+            cur.execute(
+                f"INSERT INTO lr.full_sync_requests (request_id, sink_site_id, client_name, forced, reason, data_deadline) "
+                f"VALUES (%s, %s, %s, %s, %s, now() + make_interval(secs => %s)) RETURNING {_COLUMNS}",
+                (str(uuid.uuid4()), sink, client, forced, reason, data_timeout),
+            )
+            request = _request(cur.fetchone())
+        conn.commit()
+        return request
+    except BaseException:
+        conn.rollback()
+        raise
+
+
+def open_request(conn: psycopg2.extensions.connection, sink: str, client: str) -> FullSyncRequest | None:
+    """The session's open (pending or supplied) request, newest first."""
+    with conn.cursor() as cur:
+        cur.execute(
+            f"SELECT {_COLUMNS} FROM lr.full_sync_requests WHERE sink_site_id = %s AND client_name = %s "
+            "AND status IN ('pending', 'supplied') ORDER BY requested_at DESC LIMIT 1",
+            (sink, client),
+        )
+        row = cur.fetchone()
+    conn.commit()
+    return _request(row) if row else None
+
+
+def get_request(conn: psycopg2.extensions.connection, request_id: str) -> FullSyncRequest | None:
+    with conn.cursor() as cur:
+        cur.execute(f"SELECT {_COLUMNS} FROM lr.full_sync_requests WHERE request_id = %s", (request_id,))
+        row = cur.fetchone()
+    conn.commit()
+    return _request(row) if row else None
+
+
+def finish_request(conn: psycopg2.extensions.connection, request_id: str, status: str, note: str = "") -> None:
+    """Close a request ('applied', 'cancelled' or 'timed_out'); its data becomes trimmable. Commits."""
+    with conn.cursor() as cur:
+        cur.execute(
+            "UPDATE lr.full_sync_requests SET status = %s, finished_at = now(), note = %s WHERE request_id = %s",
+            (status, note or None, request_id),
+        )
+    conn.commit()
+
+
+def expired(conn: psycopg2.extensions.connection, request: FullSyncRequest) -> bool:
+    with conn.cursor() as cur:
+        cur.execute("SELECT now() > %s", (request.data_deadline,))
+        late = cur.fetchone()[0]
+    conn.commit()
+    return late
+
+
+class FullSyncContext:
+    """What a provider gets: ``transmit(payload)`` per message, inside the supplying transaction.
+    ``conn`` is that transaction (REPEATABLE READ): read the application's data through it."""
+
+    def __init__(self, client: RoutingQueueClient, request: FullSyncRequest, base: int, split: BaseSplit) -> None:
+        self.client = client
+        self.conn = client.conn
+        self.request = request
+        self.destination = request.sink_site_id
+        self.reason = request.reason
+        self.base = base
+        self.split = split
+        self.count = 0
+        self._rows: list = []
+
+    def _add(self, payload: bytes, kind: int, **fields: object) -> None:
+        self._rows.append(
+            self.client._row(
+                STREAM_SNAP_SYNC, payload, [self.destination], kind,
+                snapshot_request_id=self.request.request_id, base_snapshot=self.base, **fields,
+            )
+        )
+        if len(self._rows) >= 1000:
+            self.flush()
+
+    def transmit(self, payload: bytes) -> None:
+        """One full-sync message for this request's destination."""
+        self._add(payload, lr_pb2.SNAPSHOT_SYNC)
+        self.count += 1
+
+    def flush(self) -> None:
+        if self._rows:
+            self.client._insert(self._rows)
+            self._rows = []
+
+
+Provider = Callable[[FullSyncContext], None]
+
+
+def load_provider(target: str) -> Provider:
+    """A provider named ``package.module:function``."""
+    module_name, _, attr = target.partition(":")
+    try:
+        provider = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigurationError(f"cannot load full-sync provider {target!r}: {exc}") from exc
+    if not callable(provider):
+        raise ConfigurationError(f"full-sync provider {target!r} is not callable")
+    return provider
+
+
+def serve_full_sync_requests(client: RoutingQueueClient, provider: Provider, max_requests: int | None = None) -> list[str]:
+    """Supply every pending request of the client's sessions (one transaction each); returns the
+    request ids supplied. The connection must not be inside a transaction."""
+    conn = client.conn
+    if conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
+        raise FullSyncError("serve_full_sync_requests needs a connection outside any transaction (commit first)")
+    served: list[str] = []
+    while max_requests is None or len(served) < max_requests:
+        base, blocked = commit_barrier(conn)
+        if base is None:
+            break  # a commit in flight outlasted the barrier: try again on the next call
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                cur.execute("SELECT pg_current_snapshot()::text")  # fixes the transaction's snapshot
+                snapshot = cur.fetchone()[0]
+                cur.execute("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM lr.commit_position_seq")
+                upto = cur.fetchone()[0]
+                cur.execute(
+                    f"SELECT {_COLUMNS} FROM lr.full_sync_requests WHERE client_name = %s AND status = 'pending' "
+                    "ORDER BY requested_at LIMIT 1 FOR UPDATE SKIP LOCKED",
+                    (client.client_name,),
+                )
+                row = cur.fetchone()
+                if row is None:
+                    conn.rollback()
+                    break
+                request = _request(row)
+                split = BaseSplit(snapshot, upto)
+                ctx = FullSyncContext(client, request, base, split)
+                ctx._add(b"", lr_pb2.SNAPSHOT_SYNC_START, base_snapshot_xids=snapshot, base_snapshot_upto=upto)
+                try:
+                    provider(ctx)
+                except Exception as exc:
+                    raise FullSyncError(
+                        f"full-sync provider for client {client.client_name!r} failed on request "
+                        f"{request.request_id} (sink {request.sink_site_id}): {exc}"
+                    ) from exc
+                ctx._add(b"", lr_pb2.LAST_FULL_SYNC_ENTRY)
+                ctx.flush()
+                cur.execute(
+                    "UPDATE lr.full_sync_requests SET status = 'supplied', supplied_at = now(), "
+                    "supplied_tx = pg_current_xact_id(), base_position = %s, base_snapshot = %s, base_upto = %s, "
+                    "entries = %s WHERE request_id = %s",
+                    (base, snapshot, upto, ctx.count, request.request_id),
+                )
+            conn.commit()
+            served.append(request.request_id)
+        except psycopg2.errors.SerializationFailure:
+            conn.rollback()  # the request changed (cancelled) after our snapshot: look again
+        except BaseException as exc:
+            conn.rollback()
+            if isinstance(exc, FullSyncError):
+                _note(conn, request.request_id, str(exc))
+            raise
+    return served
+
+
+def _note(conn: psycopg2.extensions.connection, request_id: str, note: str) -> None:
+    with conn.cursor() as cur:
+        cur.execute("UPDATE lr.full_sync_requests SET note = %s WHERE request_id = %s", (note[:2000], request_id))
+    conn.commit()

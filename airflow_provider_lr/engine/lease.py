@@ -1,0 +1,90 @@
+"""Session leases with a fencing epoch (DESIGN §6 property 5).
+
+A replicator works on a session only while it holds the session's lease on the source. Taking a
+lease from nobody, or from an owner whose lease expired, bumps the epoch; every sink write carries
+the epoch and the sink refuses any epoch lower than the highest it has seen. So two replicators on
+one session never both write: the one that lost its lease is refused even if it wakes up later.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+
+import psycopg2.extensions
+
+from airflow_provider_lr.engine.errors import FencedError
+
+DEFAULT_LEASE_SECONDS = 60.0
+
+
+def new_owner_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+@dataclass(frozen=True)
+class Lease:
+    sink: str
+    client: str
+    owner: str
+    epoch: int
+
+
+def acquire(
+    conn: psycopg2.extensions.connection, sink: str, client: str, owner: str, seconds: float = DEFAULT_LEASE_SECONDS
+) -> Lease | None:
+    """Take or renew the session's lease; None when another owner holds an unexpired one. Commits."""
+    try:
+        with conn.cursor() as cur:
+            cur.execute(
+                """
+                UPDATE lr.source_sessions
+                SET lease_epoch = CASE WHEN lease_owner = %(owner)s AND lease_expires_at > now()
+                                       THEN lease_epoch ELSE lease_epoch + 1 END,
+                    lease_owner = %(owner)s,
+                    lease_expires_at = now() + make_interval(secs => %(seconds)s)
+                WHERE sink_site_id = %(sink)s AND client_name = %(client)s
+                  AND (lease_owner IS NULL OR lease_owner = %(owner)s OR lease_expires_at <= now())
+                RETURNING lease_epoch
+                """,
+                {"owner": owner, "seconds": seconds, "sink": sink, "client": client},
+            )
+            row = cur.fetchone()
+        conn.commit()
+        return Lease(sink, client, owner, row[0]) if row else None
+    except BaseException:
+        conn.rollback()
+        raise
+
+
+def release(conn: psycopg2.extensions.connection, lease: Lease) -> None:
+    """Give the lease up (the epoch stays, so the next owner bumps past it). Commits."""
+    with conn.cursor() as cur:
+        cur.execute(
+            "UPDATE lr.source_sessions SET lease_owner = NULL, lease_expires_at = NULL "
+            "WHERE sink_site_id = %s AND client_name = %s AND lease_owner = %s AND lease_epoch = %s",
+            (lease.sink, lease.client, lease.owner, lease.epoch),
+        )
+    conn.commit()
+
+
+def update_session(conn: psycopg2.extensions.connection, lease: Lease, **values: object) -> None:
+    """Update the source session row, only while ``lease`` is still the current one. Commits."""
+    sets = ", ".join(f"{k} = %s" for k in values)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(
+                f"UPDATE lr.source_sessions SET {sets}, updated_at = now() "
+                "WHERE sink_site_id = %s AND client_name = %s AND lease_owner = %s AND lease_epoch = %s",
+                (*values.values(), lease.sink, lease.client, lease.owner, lease.epoch),
+            )
+            if cur.rowcount == 0:
+                raise FencedError(
+                    f"session to {lease.sink!r} for {lease.client!r}: lease epoch {lease.epoch} of {lease.owner} "
+                    "was taken over; stopping"
+                )
+        conn.commit()
+    except BaseException:
+        conn.rollback()
+        raise

@@ -1,0 +1,146 @@
+"""Replication cycles for every session of a topology, in one process (what `lr sync` runs).
+
+One connection per site is shared by the sessions touching it. A session that fails (a sink that is
+down, a refused negotiation, a provider error) is reported and recorded in its ``last_error``;
+the others go on, and the failed one is retried on the next cycle with fresh connections.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Mapping
+
+import psycopg2
+import psycopg2.extensions
+
+from airflow_provider_lr.engine.full_sync import Provider, load_provider
+from airflow_provider_lr.engine.lease import new_owner_id
+from airflow_provider_lr.engine.session import CycleReport, SessionRunner, SessionSettings
+from airflow_provider_lr.engine.topology import SessionKey, Topology
+
+log = logging.getLogger(__name__)
+
+Connect = Callable[[str], psycopg2.extensions.connection]
+
+
+class Replicator:
+    def __init__(
+        self,
+        topology: Topology,
+        connect: Connect,
+        owner: str | None = None,
+        settings: SessionSettings | None = None,
+        providers: Mapping[str, Provider] | None = None,
+        sessions: list[SessionKey] | None = None,
+    ) -> None:
+        self.topology = topology
+        self.connect = connect
+        self.owner = owner or new_owner_id()
+        self.settings = settings or SessionSettings(
+            data_timeout=topology.setting("full_sync_data_timeout_s", 120.0),
+            lease_seconds=topology.setting("lease_seconds", 60.0),
+        )
+        self.providers: dict[str, Provider] = dict(providers or {})
+        for client, target in topology.providers.items():
+            self.providers.setdefault(client, load_provider(target))
+        self.sessions = sessions if sessions is not None else topology.sessions()
+        self._conns: dict[str, psycopg2.extensions.connection] = {}
+        self._runners: dict[SessionKey, SessionRunner] = {}
+
+    def _conn(self, site: str) -> psycopg2.extensions.connection:
+        conn = self._conns.get(site)
+        if conn is None or conn.closed:
+            conn = self._conns[site] = self.connect(site)
+        return conn
+
+    def _runner(self, key: SessionKey) -> SessionRunner:
+        runner = self._runners.get(key)
+        if runner is None or runner.source.closed or runner.sink.closed:
+            runner = self._runners[key] = SessionRunner(
+                key, self._conn(key.source), self._conn(key.sink), self.owner, self.settings, self.providers.get(key.client)
+            )
+        return runner
+
+    def run_cycle(self) -> list[CycleReport]:
+        """One cycle of every session; never raises for one session's failure."""
+        reports = []
+        for key in self.sessions:
+            try:
+                report = self._runner(key).run_cycle()
+            except Exception as exc:  # one session's failure must not stop the others
+                report = CycleReport(str(key), error=f"{type(exc).__name__}: {exc}".strip())
+                log.warning("session %s failed: %s", key, report.error)
+                self._recover(key, report.error, exc)
+            reports.append(report)
+        return reports
+
+    def _recover(self, key: SessionKey, error: str, exc: Exception) -> None:
+        for site in (key.source, key.sink):
+            conn = self._conns.get(site)
+            if conn is None:
+                continue
+            if isinstance(exc, (psycopg2.OperationalError, psycopg2.InterfaceError)) or conn.closed:
+                self._drop(site)
+            else:
+                try:
+                    conn.rollback()
+                except psycopg2.Error:
+                    self._drop(site)
+        try:
+            conn = self._conn(key.source)
+            with conn.cursor() as cur:
+                cur.execute(
+                    "UPDATE lr.source_sessions SET last_error = %s, updated_at = now() "
+                    "WHERE sink_site_id = %s AND client_name = %s",
+                    (error[:2000], key.sink, key.client),
+                )
+            conn.commit()
+        except psycopg2.Error:
+            self._drop(key.source)
+
+    def _drop(self, site: str) -> None:
+        conn = self._conns.pop(site, None)
+        if conn is not None and not conn.closed:
+            conn.close()
+        for key in [k for k in self._runners if site in (k.source, k.sink)]:
+            del self._runners[key]
+
+    def run(
+        self,
+        max_cycles: int | None = None,
+        until_idle: bool = False,
+        interval: float = 1.0,
+        stop: threading.Event | None = None,
+        on_cycle: Callable[[list[CycleReport]], None] | None = None,
+    ) -> list[CycleReport]:
+        """Cycles until ``max_cycles``, until a cycle moves nothing and nothing is pending
+        (``until_idle``), or until ``stop`` is set; returns the last cycle's reports."""
+        stop = stop or threading.Event()
+        cycles, reports = 0, []
+        while not stop.is_set() and (max_cycles is None or cycles < max_cycles):
+            reports = self.run_cycle()
+            cycles += 1
+            if on_cycle:
+                on_cycle(reports)
+            busy = any(not r.idle for r in reports)
+            if until_idle and not busy and all(_settled(r) for r in reports):
+                break
+            if not busy:
+                stop.wait(interval)
+        return reports
+
+    def close(self) -> None:
+        for runner in self._runners.values():
+            runner.release()
+        for site in list(self._conns):
+            self._drop(site)
+
+
+def _settled(report: CycleReport) -> bool:
+    """Nothing more will happen without new input: in log-entry sync with nothing remaining."""
+    return report.state == "IN_LOG_ENTRY_SYNC" and report.remaining == 0 and not report.error
+
+
+def run_until_idle(replicator: Replicator, max_cycles: int = 50, interval: float = 0.05) -> list[CycleReport]:
+    return replicator.run(max_cycles=max_cycles, until_idle=True, interval=interval)

@@ -1,0 +1,296 @@
+"""One session's replication cycle: lease → negotiate → snapshot sync or log-entry sync.
+
+Every step reads its starting point from the two sites' metadata and persists its outcome there,
+so a cycle can be killed anywhere and the next one (in this process or another) resumes:
+
+* snapshot sync: request (the server) → supply (the client's provider) → transfer to the sink's
+  receive queue, invisible, resumable by source entry id → apply (one sink transaction makes it
+  visible and sets applied = last processed = base) → request closed;
+* log-entry sync: read the destination's entries after the sink's last processed position, in
+  commit order, leaving out what the base snapshot covered, and apply each batch idempotently.
+
+The Airflow operators and the Spark jobs call these same functions.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+import psycopg2.extensions
+
+from airflow_provider_lr.engine import full_sync, lease as leases, sink
+from airflow_provider_lr.engine.errors import LRError
+from airflow_provider_lr.engine.faults import fault_point
+from airflow_provider_lr.engine.full_sync import FullSyncRequest, Provider
+from airflow_provider_lr.engine.log_reader import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_ENTRIES,
+    LogReader,
+    LogRecord,
+)
+from airflow_provider_lr.engine.negotiation import Decision, Negotiation, SinkView, SourceView, negotiate
+from airflow_provider_lr.engine.topology import SessionKey
+from airflow_provider_lr.engine.transmit import STREAM_LOG_ENTRIES, STREAM_SNAP_SYNC, RoutingQueueClient
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_CHUNK = 5_000  # snapshot messages per sink transaction during transfer
+MAX_BACKOFF_FACTOR = 16  # data timeout grows x2 per consecutive timeout, up to this factor
+
+
+@dataclass
+class SessionSettings:
+    max_entries: int = DEFAULT_MAX_ENTRIES
+    max_bytes: int = DEFAULT_MAX_BYTES
+    max_batches: int = 100  # log-entry batches per cycle (fairness between sessions)
+    lease_seconds: float = leases.DEFAULT_LEASE_SECONDS
+    data_timeout: float = full_sync.DEFAULT_DATA_TIMEOUT
+    barrier_timeout: float = 5.0
+
+
+@dataclass
+class CycleReport:
+    """What one cycle did; small enough for an XCom."""
+
+    session: str
+    decision: str = ""
+    reason: str = ""
+    state: str = ""
+    delivered: int = 0  # log entries written to the sink
+    snapshot_messages: int = 0  # full-sync messages transferred
+    acked_position: int = -1
+    remaining: int = 0
+    skipped: str = ""  # why the cycle did nothing (lease held elsewhere)
+    error: str = ""
+    blocked_by: list[str] = field(default_factory=list)
+
+    @property
+    def idle(self) -> bool:
+        return not self.delivered and not self.snapshot_messages
+
+
+class SessionRunner:
+    """Runs cycles of one session between an open source and sink connection."""
+
+    def __init__(
+        self,
+        key: SessionKey,
+        source: psycopg2.extensions.connection,
+        sink_conn: psycopg2.extensions.connection,
+        owner: str,
+        settings: SessionSettings | None = None,
+        provider: Provider | None = None,
+    ) -> None:
+        self.key = key
+        self.source = source
+        self.sink = sink_conn
+        self.owner = owner
+        self.settings = settings or SessionSettings()
+        self.provider = provider
+        self.lease: leases.Lease | None = None
+        self._reader: LogReader | None = None
+
+    # --- the cycle ----------------------------------------------------------------------------
+    def run_cycle(self) -> CycleReport:
+        report = CycleReport(str(self.key))
+        self.lease = leases.acquire(self.source, self.key.sink, self.key.client, self.owner, self.settings.lease_seconds)
+        if self.lease is None:
+            report.skipped = "another replicator holds this session's lease"
+            return report
+        meta = sink.read_metadata(self.sink, self.key.source, self.key.client)
+        negotiation = self.negotiate(meta)
+        report.decision, report.reason = negotiation.decision.value, negotiation.reason
+        if negotiation.decision is Decision.REFUSE:
+            self._update(state="NEGOTIATING", last_error=f"negotiation refused: {negotiation.reason}")
+            report.state, report.error = "NEGOTIATING", negotiation.reason
+            return report
+        if negotiation.decision is Decision.SNAPSHOT_SYNC:
+            meta = self.snapshot_sync(meta, report)
+        elif negotiation.decision is Decision.WAIT_SNAPSHOT_APPLY:
+            meta = self.apply_snapshot(meta)
+        if meta is not None and meta.data_consistent:
+            self.log_entry_sync(meta, report)
+        report.state, report.acked_position, report.remaining = self._status()
+        return report
+
+    def negotiate(self, meta: sink.SinkMetadata) -> Negotiation:
+        with self.source.cursor() as cur:
+            cur.execute("SELECT topology_config_id FROM lr.topology")
+            topo = cur.fetchone()
+            cur.execute("SELECT trim_mark FROM lr.log_trim")
+            trim_mark = cur.fetchone()[0]
+        self.source.commit()
+        request = full_sync.open_request(self.source, self.key.sink, self.key.client)
+        forced = bool(request and request.forced and request.request_id != meta.snapshot_request_id)
+        return negotiate(
+            SourceView(topo[0] if topo else None, trim_mark, forced),
+            SinkView(
+                meta.site_topology_config_id,
+                meta.snapshot_started,
+                meta.snapshot_transferred,
+                meta.snapshot_applied,
+                meta.last_log_entry_processed,
+                meta.data_consistent,
+            ),
+        )
+
+    # --- snapshot sync ------------------------------------------------------------------------
+    def snapshot_sync(self, meta: sink.SinkMetadata, report: CycleReport) -> sink.SinkMetadata | None:
+        """Advance the session's full sync as far as it can go now; the sink metadata once applied,
+        else None (waiting for the client's data)."""
+        request = self._current_request(meta)
+        if request.status == "pending" and self.provider is not None:
+            client = RoutingQueueClient(self.source, self.key.client)
+            full_sync.serve_full_sync_requests(client, self.provider)
+            request = full_sync.get_request(self.source, request.request_id) or request
+        if request.status == "pending":
+            if full_sync.expired(self.source, request):
+                self._restart_after_timeout(request)
+            report.reason = f"waiting for full-sync data of request {request.request_id}"
+            return None
+        assert request.base_position is not None
+        meta = sink.start_snapshot(
+            self.sink, self.key.source, self.key.client, self._epoch(), request.request_id,
+            request.base_position, request.split, self._topology_id(),
+        )
+        fault_point("after_snapshot_start")
+        meta, sent = self.transfer_snapshot(request, meta)
+        report.snapshot_messages += sent
+        return self.apply_snapshot(meta)
+
+    def _current_request(self, meta: sink.SinkMetadata) -> FullSyncRequest:
+        """The open request to work on, creating one (which cancels stale ones) when needed."""
+        request = full_sync.open_request(self.source, self.key.sink, self.key.client)
+        if request is None:
+            attempts = self._attempts()
+            timeout = self.settings.data_timeout * min(2**attempts, MAX_BACKOFF_FACTOR)
+            request = full_sync.request_full_sync(
+                self.source, self.key.sink, self.key.client, reason="negotiation", data_timeout=timeout
+            )
+            log.info("session %s: full sync requested (%s), data timeout %.0fs", self.key, request.request_id, timeout)
+        self._update(state="IN_SNAPSHOT_SYNC", sync_id=request.request_id, last_error=None)
+        return request
+
+    def _restart_after_timeout(self, request: FullSyncRequest) -> None:
+        """No client data within the timeout: close the request; the next cycle asks again with a
+        longer timeout (backoff), so a slow provider is not restarted forever (CorfuDB #4119)."""
+        full_sync.finish_request(self.source, request.request_id, "timed_out", "no client data within the timeout")
+        self._update(attempts=self._attempts() + 1,
+                     last_error=f"full-sync request {request.request_id} timed out without client data")
+
+    def transfer_snapshot(self, request: FullSyncRequest, meta: sink.SinkMetadata) -> tuple[sink.SinkMetadata, int]:
+        """Copy the request's messages to the sink, resuming after what the sink already has."""
+        sent = 0
+        while meta.snapshot_transferred != meta.snapshot_started:
+            chunk = self._snapshot_records(request, meta.snapshot_last_entry)
+            if not chunk:
+                full_sync.finish_request(self.source, request.request_id, "cancelled", "data missing from the log")
+                raise LRError(
+                    f"session {self.key}: full-sync data of request {request.request_id} is missing from the log "
+                    "(trimmed?); a new full sync will be requested"
+                )
+            meta = sink.write_snapshot_messages(self.sink, self.key.source, self.key.client, self._epoch(),
+                                                request.request_id, chunk)
+            sent += len(chunk)
+            fault_point("after_snapshot_chunk")
+        return meta, sent
+
+    def _snapshot_records(self, request: FullSyncRequest, after_entry: int) -> list[LogRecord]:
+        with self.source.cursor() as cur:
+            cur.execute(
+                "SELECT c.position, e.entry_id, e.message FROM lr.log_entries e JOIN lr.log_commits c ON c.tx = e.tx "
+                "WHERE e.tx = %s::xid8 AND e.stream = %s AND e.entry_id > %s ORDER BY e.entry_id LIMIT %s",
+                (request.supplied_tx, STREAM_SNAP_SYNC, after_entry, SNAPSHOT_CHUNK),
+            )
+            rows = [LogRecord(p, e, bytes(m)) for p, e, m in cur.fetchall()]
+        self.source.commit()
+        return rows
+
+    def apply_snapshot(self, meta: sink.SinkMetadata) -> sink.SinkMetadata:
+        fault_point("before_snapshot_apply")
+        meta = sink.apply_snapshot(self.sink, self.key.source, self.key.client, self._epoch())
+        fault_point("after_snapshot_apply")
+        if meta.snapshot_request_id:
+            full_sync.finish_request(self.source, meta.snapshot_request_id, "applied")
+        self._update(state="IN_LOG_ENTRY_SYNC", base_position=meta.snapshot_applied,
+                     acked_position=meta.last_log_entry_processed, attempts=0, last_error=None)
+        return meta
+
+    # --- log-entry sync -----------------------------------------------------------------------
+    def log_entry_sync(self, meta: sink.SinkMetadata, report: CycleReport) -> None:
+        after, base, split = meta.last_log_entry_processed, meta.snapshot_applied, meta.split
+        self._update(state="IN_LOG_ENTRY_SYNC", acked_position=after, last_error=None)
+        reader = self.reader()
+        for _ in range(self.settings.max_batches):
+            batch = reader.read(after, self.settings.max_entries, self.settings.max_bytes, split)
+            report.blocked_by = [h.describe() for h in batch.blocked_by]
+            if batch.end <= after:
+                break
+            after = sink.apply_log_entries(
+                self.sink, self.key.source, self.key.client, self._epoch(), batch.after, batch.end, batch.records, base
+            )
+            fault_point("after_sink_apply")
+            report.delivered += len(batch.records)
+            self._update(acked_position=after)
+            if not batch.has_more:
+                break
+
+    def reader(self) -> LogReader:
+        if self._reader is None:
+            self._reader = LogReader(self.source, self.key.sink, STREAM_LOG_ENTRIES,
+                                     self.settings.barrier_timeout, client_name=self.key.client)
+        return self._reader
+
+    # --- metadata -----------------------------------------------------------------------------
+    def _epoch(self) -> int:
+        assert self.lease is not None, "run_cycle takes the lease first"
+        return self.lease.epoch
+
+    def _update(self, **values: object) -> None:
+        assert self.lease is not None
+        leases.update_session(self.source, self.lease, **values)
+
+    def _attempts(self) -> int:
+        with self.source.cursor() as cur:
+            cur.execute(
+                "SELECT attempts FROM lr.source_sessions WHERE sink_site_id = %s AND client_name = %s",
+                (self.key.sink, self.key.client),
+            )
+            attempts = cur.fetchone()[0]
+        self.source.commit()
+        return attempts
+
+    def _topology_id(self) -> str:
+        with self.source.cursor() as cur:
+            cur.execute("SELECT topology_config_id FROM lr.topology")
+            topo = cur.fetchone()[0]
+        self.source.commit()
+        return topo
+
+    def _status(self) -> tuple[str, int, int]:
+        """State, acked position and entries still to send (committed, tagged for the sink)."""
+        with self.source.cursor() as cur:
+            cur.execute(
+                """
+                SELECT s.state, s.acked_position,
+                       (SELECT count(*) FROM lr.log_commits c JOIN lr.log_entries e ON e.tx = c.tx
+                        JOIN lr.remote_sites r ON r.site_id = s.sink_site_id
+                        JOIN lr.clients k ON k.client_name = s.client_name
+                        WHERE c.position > greatest(s.acked_position, 0) AND e.stream = 1
+                          AND e.tag_ids @> ARRAY[r.tag_id] AND e.client_id = k.client_id)
+                FROM lr.source_sessions s WHERE s.sink_site_id = %s AND s.client_name = %s
+                """,
+                (self.key.sink, self.key.client),
+            )
+            state, acked, remaining = cur.fetchone()
+        self.source.commit()
+        if self.lease is not None:
+            leases.update_session(self.source, self.lease, remaining_entries=remaining)
+        return state, acked, remaining
+
+    def release(self) -> None:
+        if self.lease is not None:
+            try:
+                leases.release(self.source, self.lease)
+            except psycopg2.Error:
+                self.source.rollback()
+            self.lease = None

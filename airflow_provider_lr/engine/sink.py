@@ -1,0 +1,297 @@
+"""The sink end of a session: its metadata, and every write into its receive queue.
+
+Each function is one sink transaction that first locks the session's metadata row and checks the
+writer's lease epoch (fencing: a replicator whose lease was taken over can never write again),
+then writes data and metadata together, so a crash anywhere leaves either both or neither.
+Log-entry batches are idempotent through ``last_log_entry_processed`` (a replay or an overlap
+writes only what is new); snapshot messages through the source entry id they end at.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, fields
+from typing import Iterable, Sequence
+
+import psycopg2.extensions
+from psycopg2.extensions import AsIs
+from psycopg2.extras import execute_values
+
+from airflow_provider_lr.engine.errors import FencedError, StaleBatchError
+from airflow_provider_lr.engine.log_reader import BaseSplit, LogRecord
+from airflow_provider_lr.proto import lr_pb2
+
+NOTIFY_CHANNEL = "lr_recv"  # payload: "<client>/<source>"
+
+
+def receive_queue_name(client: str, source: str) -> str:
+    return f"LRQ_Recv_{client}_{source}"
+
+
+@dataclass(frozen=True)
+class SinkMetadata:
+    source_site_id: str
+    client_name: str
+    topology_config_id: str | None
+    snapshot_request_id: str | None
+    snapshot_started: int
+    snapshot_transferred: int
+    snapshot_applied: int
+    snapshot_transferred_seq: int
+    snapshot_last_entry: int
+    base_snapshot: str | None
+    base_upto: int | None
+    last_log_entry_processed: int
+    data_consistent: bool
+    lease_epoch: int
+    site_topology_config_id: str | None = None  # the topology applied to the sink site
+
+    @property
+    def split(self) -> BaseSplit | None:
+        if self.base_snapshot is None or self.base_upto is None:
+            return None
+        return BaseSplit(self.base_snapshot, self.base_upto)
+
+
+_COLUMNS = [f.name for f in fields(SinkMetadata) if f.name != "site_topology_config_id"]
+_SELECT = f"SELECT {', '.join(_COLUMNS)} FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s"
+
+
+def _metadata(row: tuple, site_topology: str | None = None) -> SinkMetadata:
+    values = dict(zip(_COLUMNS, row))
+    if values["snapshot_request_id"] is not None:
+        values["snapshot_request_id"] = str(values["snapshot_request_id"])
+    return SinkMetadata(**values, site_topology_config_id=site_topology)
+
+
+def read_metadata(conn: psycopg2.extensions.connection, source: str, client: str) -> SinkMetadata:
+    """The sink's metadata for a session (created on first contact), with the sink site's topology id."""
+    try:
+        with conn.cursor() as cur:
+            cur.execute(
+                "INSERT INTO lr.sink_sessions (source_site_id, client_name) VALUES (%s, %s) ON CONFLICT DO NOTHING",
+                (source, client),
+            )
+            cur.execute(_SELECT, (source, client))
+            row = cur.fetchone()
+            cur.execute("SELECT topology_config_id FROM lr.topology")
+            topo = cur.fetchone()
+        conn.commit()
+        return _metadata(row, topo[0] if topo else None)
+    except BaseException:
+        conn.rollback()
+        raise
+
+
+class _SinkWrite:
+    """One fenced sink transaction: lock the session row, check the epoch, then write."""
+
+    def __init__(self, conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> None:
+        self.conn, self.source, self.client, self.epoch = conn, source, client, epoch
+
+    def __enter__(self) -> tuple[psycopg2.extensions.cursor, SinkMetadata]:
+        self.cur = self.conn.cursor()
+        try:
+            self.cur.execute(
+                "INSERT INTO lr.sink_sessions (source_site_id, client_name) VALUES (%s, %s) ON CONFLICT DO NOTHING",
+                (self.source, self.client),
+            )
+            self.cur.execute(_SELECT + " FOR UPDATE", (self.source, self.client))
+            meta = _metadata(self.cur.fetchone())
+            if meta.lease_epoch > self.epoch:
+                raise FencedError(
+                    f"session {self.source}->{self.client}: lease epoch {self.epoch} is stale "
+                    f"(the sink has seen epoch {meta.lease_epoch}); another replicator owns this session"
+                )
+            if meta.lease_epoch < self.epoch:
+                self.cur.execute(
+                    "UPDATE lr.sink_sessions SET lease_epoch = %s WHERE source_site_id = %s AND client_name = %s",
+                    (self.epoch, self.source, self.client),
+                )
+            return self.cur, meta
+        except BaseException:
+            self.cur.close()
+            self.conn.rollback()
+            raise
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self.conn.commit()
+            else:
+                self.conn.rollback()
+        finally:
+            self.cur.close()
+
+    def update(self, **values: object) -> None:
+        sets = ", ".join(f"{k} = %s" for k in values)
+        self.cur.execute(
+            f"UPDATE lr.sink_sessions SET {sets}, updated_at = now() WHERE source_site_id = %s AND client_name = %s",
+            (*values.values(), self.source, self.client),
+        )
+
+    def insert(self, rows: Sequence[tuple[int, int, int, str | None, bool, bytes]]) -> None:
+        """Rows (kind, position, entry id, sync id, visible, message) appended in order: seq follows."""
+        if not rows:
+            return
+        execute_values(
+            self.cur,
+            "INSERT INTO lr.receive_queue (source_site_id, client_name, kind, source_position, source_entry_id, "
+            "sync_id, visible, message) VALUES %s",
+            [(self.source, self.client, k, p, e, s, v, psycopg2.Binary(m)) for k, p, e, s, v, m in rows],
+            template="(%s, %s, %s, %s, %s, %s::uuid, %s, %s)",
+            page_size=1000,
+        )
+
+    def announce(self) -> None:
+        """Register the receive queue (first write after any restart) and wake subscribers at commit."""
+        self.cur.execute(
+            "INSERT INTO lr.registry (stream_name, kind, stream_tags, source_site_id, client_name) "
+            "VALUES (%s, 'receive_queue', ARRAY[%s], %s, %s) ON CONFLICT (stream_name) DO NOTHING",
+            (receive_queue_name(self.client, self.source), f"lrq_recv_{self.client}", self.source, self.client),
+        )
+        self.cur.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, f"{self.client}/{self.source}"))
+
+
+def rewrite_for_sink(message: bytes) -> tuple[int, bytes]:
+    """The receive-queue form of a source entry: destinations stripped. Returns (type, bytes)."""
+    msg = lr_pb2.RoutingTableEntryMsg.FromString(message)
+    del msg.destinations[:]
+    return msg.type, msg.SerializeToString()
+
+
+def start_snapshot(
+    conn: psycopg2.extensions.connection,
+    source: str,
+    client: str,
+    epoch: int,
+    sync_id: str,
+    base: int,
+    split: BaseSplit,
+    topology_config_id: str,
+) -> SinkMetadata:
+    """SNAPSHOT_START: record the new sync and discard any unapplied data of an older one.
+    Repeating it for the sync already started is a no-op, so an interrupted transfer resumes."""
+    write = _SinkWrite(conn, source, client, epoch)
+    with write as (cur, meta):
+        if meta.snapshot_request_id == sync_id and meta.snapshot_started == base:
+            return meta
+        cur.execute(
+            "DELETE FROM lr.receive_queue WHERE source_site_id = %s AND client_name = %s AND NOT visible",
+            (source, client),
+        )
+        write.update(
+            snapshot_request_id=sync_id,
+            snapshot_started=base,
+            snapshot_transferred=-1,
+            snapshot_applied=-1,
+            snapshot_transferred_seq=-1,
+            snapshot_last_entry=-1,
+            base_snapshot=split.snapshot,
+            base_upto=split.upto,
+            data_consistent=False,
+            topology_config_id=topology_config_id,
+        )
+        cur.execute(_SELECT, (source, client))
+        return _metadata(cur.fetchone())
+
+
+def write_snapshot_messages(
+    conn: psycopg2.extensions.connection,
+    source: str,
+    client: str,
+    epoch: int,
+    sync_id: str,
+    records: Iterable[LogRecord],
+) -> SinkMetadata:
+    """Append transferred snapshot messages (invisible until apply), in source entry order; what
+    was already received is skipped. The end marker completes the transfer."""
+    write = _SinkWrite(conn, source, client, epoch)
+    with write as (cur, meta):
+        if meta.snapshot_request_id != sync_id:
+            raise StaleBatchError(
+                f"snapshot data of sync {sync_id} for a sink now on sync {meta.snapshot_request_id}"
+            )
+        rows, last_entry, ended = [], meta.snapshot_last_entry, False
+        for record in records:
+            if record.entry_id <= last_entry:
+                continue
+            kind, message = rewrite_for_sink(record.message)
+            rows.append((kind, record.position, record.entry_id, sync_id, False, message))
+            last_entry = record.entry_id
+            ended = ended or kind == lr_pb2.LAST_FULL_SYNC_ENTRY
+        write.insert(rows)
+        changes: dict[str, object] = {
+            "snapshot_transferred_seq": meta.snapshot_transferred_seq + len(rows),  # -1: none yet
+            "snapshot_last_entry": last_entry,
+        }
+        if ended:
+            changes["snapshot_transferred"] = meta.snapshot_started
+        write.update(**changes)
+        cur.execute(_SELECT, (source, client))
+        return _metadata(cur.fetchone())
+
+
+def apply_snapshot(conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> SinkMetadata:
+    """Make a transferred snapshot visible, atomically with applied = last processed = base and
+    data_consistent. Idempotent; refuses a snapshot whose transfer is not complete."""
+    write = _SinkWrite(conn, source, client, epoch)
+    with write as (cur, meta):
+        if meta.snapshot_started == -1 or meta.snapshot_transferred != meta.snapshot_started:
+            raise StaleBatchError(f"snapshot {meta.snapshot_request_id} of {source}/{client} is not fully transferred")
+        if meta.snapshot_applied == meta.snapshot_started and meta.data_consistent:
+            return meta
+        cur.execute(
+            "UPDATE lr.receive_queue SET visible = true "
+            "WHERE source_site_id = %s AND client_name = %s AND sync_id = %s AND NOT visible",
+            (source, client, meta.snapshot_request_id),
+        )
+        write.update(
+            snapshot_applied=meta.snapshot_started,
+            last_log_entry_processed=meta.snapshot_started,
+            data_consistent=True,
+            snapshot_completed_at=AsIs("now()"),
+        )
+        write.announce()
+        cur.execute(_SELECT, (source, client))
+        return _metadata(cur.fetchone())
+
+
+def apply_log_entries(
+    conn: psycopg2.extensions.connection,
+    source: str,
+    client: str,
+    epoch: int,
+    after: int,
+    end: int,
+    records: Sequence[LogRecord],
+    base: int,
+) -> int:
+    """Apply a log-entry batch covering positions ``(after, end]``; returns the sink's last processed
+    position. A batch already applied is a no-op; an overlapping one writes only the new entries;
+    one that would leave a gap, or belongs to another snapshot base, is refused."""
+    write = _SinkWrite(conn, source, client, epoch)
+    with write as (cur, meta):
+        if not meta.data_consistent or meta.snapshot_applied != base:
+            raise StaleBatchError(
+                f"log entries for base {base} but the sink of {source}/{client} is at base {meta.snapshot_applied} "
+                f"(consistent: {meta.data_consistent}); renegotiate"
+            )
+        last = meta.last_log_entry_processed
+        if end <= last:
+            return last
+        if after > last:
+            raise StaleBatchError(f"batch starts after {after} but the sink has only processed up to {last}")
+        rows = []
+        for record in records:
+            if record.position > last:
+                kind, message = rewrite_for_sink(record.message)
+                rows.append((kind, record.position, record.entry_id, None, True, message))
+        write.insert(rows)
+        write.update(last_log_entry_processed=end)
+        if rows:
+            write.announce()
+        return end
+
+
+def new_sync_id() -> str:
+    return str(uuid.uuid4())

@@ -1,0 +1,107 @@
+"""Helpers for session scenarios: a topology over test sites, an application that keeps a table
+and transmits every change, its full-sync provider, and what a sink's receive queue holds."""
+from __future__ import annotations
+
+import psycopg2
+
+from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.engine import topology
+from airflow_provider_lr.engine.replicator import Replicator
+from airflow_provider_lr.engine.session import SessionSettings
+from airflow_provider_lr.proto import lr_pb2
+
+KIND = {
+    lr_pb2.SNAPSHOT_SYNC_START: "start",
+    lr_pb2.SNAPSHOT_SYNC: "snap",
+    lr_pb2.LAST_FULL_SYNC_ENTRY: "end",
+    lr_pb2.LOG_ENTRY_SYNC: "log",
+}
+
+
+def apply(sites, replication: list[dict], providers: dict | None = None, settings: dict | None = None):
+    doc = {
+        "sites": [{"id": s.site_id, "region": s.region} for s in sites],
+        "replication": replication,
+        "settings": settings or {},
+    }
+    if providers:
+        doc["providers"] = providers
+    topo = topology.from_document(doc)
+    for site in sites:
+        conn = site.connect()
+        topology.apply_to_site(conn, topo, site.site_id)
+        conn.close()
+    return topo
+
+
+def replicator(topo, sites, providers: dict | None = None, owner: str | None = None, **settings) -> Replicator:
+    dsns = {s.site_id: s.dsn for s in sites}
+    options = {"data_timeout": 30.0, "barrier_timeout": 2.0, **settings}
+    return Replicator(
+        topo, lambda site_id: psycopg2.connect(dsns[site_id]), owner=owner,
+        settings=SessionSettings(**options), providers=providers,
+    )
+
+
+class App:
+    """A source application: a key/value table; every change is transmitted in the same transaction."""
+
+    def __init__(self, site, client: str = "policy") -> None:
+        self.site = site
+        self.conn = site.connect()
+        with self.conn.cursor() as cur:
+            cur.execute("CREATE TABLE IF NOT EXISTS app_state (k text PRIMARY KEY, v bigint NOT NULL)")
+        self.conn.commit()
+        self.client = RoutingQueueClient(self.conn, client)
+
+    def put(self, key: str, value: int, destinations: list[str]) -> None:
+        with self.conn.cursor() as cur:
+            cur.execute(
+                "INSERT INTO app_state VALUES (%s, %s) ON CONFLICT (k) DO UPDATE SET v = EXCLUDED.v", (key, value)
+            )
+        self.client.transmit_log_entry_message(f"{key}={value}".encode(), destinations)
+        self.conn.commit()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def table_provider(ctx) -> None:
+    """Full-sync provider: every row of app_state, as of the supplying transaction's snapshot."""
+    with ctx.conn.cursor() as cur:
+        cur.execute("SELECT k, v FROM app_state ORDER BY k")
+        for k, v in cur.fetchall():
+            ctx.transmit(f"{k}={v}".encode())
+
+
+def empty_provider(ctx) -> None:
+    """A client with nothing to send in a full sync."""
+
+
+def queue(sink, source: str | None = None, client: str = "policy", visible_only: bool = True) -> list[tuple[str, str]]:
+    """(kind, payload) of the sink's receive queue rows, in sink order."""
+    rows = sink.query(
+        "SELECT kind, message FROM lr.receive_queue WHERE client_name = %s AND (%s::text IS NULL OR source_site_id = %s)"
+        + (" AND visible" if visible_only else "") + " ORDER BY seq",
+        (client, source, source),
+    )
+    out = []
+    for kind, message in rows:
+        msg = lr_pb2.RoutingTableEntryMsg.FromString(bytes(message))
+        assert not msg.destinations, "destinations are stripped at the sink"
+        out.append((KIND[kind], msg.opaque_payload.decode()))
+    return out
+
+
+def final_state(entries: list[tuple[str, str]]) -> dict[str, int]:
+    """Apply a queue's payloads in order (full sync, then deltas) to get the sink's view of app_state."""
+    state: dict[str, int] = {}
+    for kind, payload in entries:
+        if kind in ("snap", "log"):
+            k, v = payload.split("=")
+            state[k] = int(v)
+    return state
+
+
+def source_state(site) -> dict[str, int]:
+    return dict(site.query("SELECT k, v FROM app_state"))
