@@ -5,7 +5,7 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
-from airflow_provider_lr.engine import conninfo, schema
+from airflow_provider_lr.engine import conninfo, full_sync, replicator, schema, status, topology, trim
 from airflow_provider_lr.engine.errors import LRError
 from airflow_provider_lr.sites import SiteManager, lr_home
 
@@ -70,6 +70,94 @@ def cmd_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _topology(args: argparse.Namespace) -> topology.Topology:
+    return topology.load(args.topology)
+
+
+def _connect(topo: topology.Topology):
+    return lambda site_id: topology.site_conninfo(topo, site_id).connect()
+
+
+def cmd_topology_apply(args: argparse.Namespace) -> int:
+    topo = _topology(args)
+    for site_id in sorted(topo.sites):
+        conn = _connect(topo)(site_id)
+        try:
+            topology.apply_to_site(conn, topo, site_id)
+        finally:
+            conn.close()
+        sessions = [str(k) for k in topo.sessions(source=site_id)]
+        print(f"{site_id}: topology {topo.topology_config_id} applied; source of {sessions or 'no sessions'}")
+    return 0
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    topo = _topology(args)
+    repl = replicator.Replicator(topo, _connect(topo))
+
+    def show(reports: list) -> None:
+        for r in reports:
+            if r.error or not r.idle or args.verbose:
+                print(f"{r.session}: {r.decision or '-'} state={r.state or '-'} delivered={r.delivered} "
+                      f"snapshot={r.snapshot_messages} acked={r.acked_position} remaining={r.remaining}"
+                      + (f" ERROR {r.error}" if r.error else "") + (f" ({r.reason})" if r.reason and r.error else ""),
+                      flush=True)
+
+    try:
+        cycles = 1 if args.once else args.cycles
+        reports = repl.run(max_cycles=cycles, until_idle=args.until_idle, interval=args.interval, on_cycle=show)
+    except KeyboardInterrupt:
+        reports = []
+    finally:
+        repl.close()
+    return 1 if any(r.error for r in reports) else 0
+
+
+def cmd_full_sync(args: argparse.Namespace) -> int:
+    topo = _topology(args)
+    clients = [args.client] if args.client else sorted({k.client for k in topo.sessions() if k.sink == args.sink})
+    sessions = [k for k in topo.sessions() if k.sink == args.sink and k.client in clients]
+    if not sessions:
+        raise LRError(f"no session replicates to {args.sink!r}" + (f" for client {args.client!r}" if args.client else ""))
+    for key in sessions:
+        conn = _connect(topo)(key.source)
+        try:
+            request = full_sync.request_full_sync(conn, key.sink, key.client, args.reason, forced=True)
+        finally:
+            conn.close()
+        print(f"{key}: full sync requested ({request.request_id}); `lr sync` or the lr_replication DAG carries it out")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    topo = _topology(args)
+    for site_id in sorted(topo.sites):
+        try:
+            conn = _connect(topo)(site_id)
+        except Exception as exc:  # a site that is down is part of the status
+            print(f"{site_id}: UNREACHABLE ({exc})")
+            continue
+        try:
+            print(status.render(status.site_status(conn, site_id)))
+        finally:
+            conn.close()
+    return 0
+
+
+def cmd_trim(args: argparse.Namespace) -> int:
+    topo = _topology(args)
+    sources = sorted({k.source for k in topo.sessions()})
+    for site_id in sources:
+        conn = _connect(topo)(site_id)
+        try:
+            result = trim.retention_trim(conn, args.retention) if args.retention is not None else trim.safe_trim(conn)
+        finally:
+            conn.close()
+        print(f"{site_id}: " + (f"trimmed to {result.trim_mark} ({result.entries_removed} entries removed)"
+                                if result else "not trimmed (a commit in flight holds the barrier)"))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from airflow_provider_lr import demo
 
@@ -99,6 +187,40 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--site-id", help="site id to record (default: the connection's site_id extra)")
     init.add_argument("--region")
     init.set_defaults(func=cmd_init)
+
+    def with_topology(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--topology", help="topology YAML (default $LR_TOPOLOGY or include/topology.yaml)")
+        return p
+
+    topo = sub.add_parser("topology", help="the sites and who replicates to whom").add_subparsers(
+        dest="topology_command", required=True
+    )
+    with_topology(topo.add_parser("apply", help="record the topology on every site")).set_defaults(
+        func=cmd_topology_apply
+    )
+
+    sync = with_topology(sub.add_parser("sync", help="run replication cycles for all sessions (no Airflow)"))
+    sync.add_argument("--once", action="store_true", help="one cycle")
+    sync.add_argument("--cycles", type=int, default=None, help="at most this many cycles (default: forever)")
+    sync.add_argument("--until-idle", action="store_true", help="stop when every session is caught up")
+    sync.add_argument("--interval", type=float, default=1.0, help="pause between idle cycles (s)")
+    sync.add_argument("-v", "--verbose", action="store_true", help="also print idle cycles")
+    sync.set_defaults(func=cmd_sync)
+
+    fs = with_topology(sub.add_parser("full-sync", help="force a full (snapshot) sync of the sessions to a sink"))
+    fs.add_argument("--sink", required=True)
+    fs.add_argument("--client")
+    fs.add_argument("--reason", default="requested from the command line")
+    fs.set_defaults(func=cmd_full_sync)
+
+    with_topology(sub.add_parser("status", help="sessions, states, lag and what holds the log back")).set_defaults(
+        func=cmd_status
+    )
+
+    tr = with_topology(sub.add_parser("trim", help="trim the shared logs of the sources"))
+    tr.add_argument("--retention", type=float, default=None, metavar="SECONDS",
+                    help="trim what is older than this even if a session lags (default: safe trim)")
+    tr.set_defaults(func=cmd_trim)
 
     demo = sub.add_parser("demo", help="run the end-to-end demo on embedded sites")
     demo.add_argument("--sinks", type=int, default=2)

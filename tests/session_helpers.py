@@ -18,7 +18,8 @@ KIND = {
 }
 
 
-def apply(sites, replication: list[dict], providers: dict | None = None, settings: dict | None = None):
+def apply(sites, replication: list[dict], providers: dict | None = None, settings: dict | None = None, only=None):
+    """Apply a topology over ``sites`` to all of them (or to the ``only`` ones)."""
     doc = {
         "sites": [{"id": s.site_id, "region": s.region} for s in sites],
         "replication": replication,
@@ -27,7 +28,7 @@ def apply(sites, replication: list[dict], providers: dict | None = None, setting
     if providers:
         doc["providers"] = providers
     topo = topology.from_document(doc)
-    for site in sites:
+    for site in only or sites:
         conn = site.connect()
         topology.apply_to_site(conn, topo, site.site_id)
         conn.close()

@@ -161,13 +161,17 @@ class LogReader:
                 f"""
                 SELECT c.position, e.entry_id, e.message
                 FROM lr.log_commits c
-                JOIN lr.log_entries e ON e.tx = c.tx
-                WHERE c.position > %s AND c.position <= %s AND e.stream = %s AND e.tag_ids @> ARRAY[%s]
-                  {client} {covered}
+                CROSS JOIN LATERAL (
+                    SELECT e.entry_id, e.message FROM lr.log_entries e
+                    WHERE e.tx = c.tx AND e.stream = %s AND e.tag_ids @> ARRAY[%s] {client}
+                    OFFSET 0  -- keeps this a per-commit index lookup: drive the read by position range
+                ) e
+                WHERE c.position > %s AND c.position <= %s {covered}
                 ORDER BY c.position, e.entry_id
                 """,
-                (after, upto, self.stream, self.tag_id)
+                (self.stream, self.tag_id)
                 + ((self.client_id,) if client else ())
+                + (after, upto)
                 + covered_params,
             )
             for position, entry_id, message in cur:

@@ -18,6 +18,7 @@ from typing import Any
 import psycopg2.extensions
 import yaml
 
+from airflow_provider_lr.engine.conninfo import ConnInfo, resolve
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.schema import SITE_ID_PATTERN
 from airflow_provider_lr.paths import include_dir
@@ -147,6 +148,13 @@ def load(path: Path | str | None = None) -> Topology:
     if not path.exists():
         raise ConfigurationError(f"topology file {path} not found (set {TOPOLOGY_ENV} or pass a path)")
     return from_document(yaml.safe_load(path.read_text()))
+
+
+def site_conninfo(topology: Topology, site_id: str) -> ConnInfo:
+    """How to reach a site of the topology: its ``conn_id`` (an Airflow connection, an entry of the
+    connections file) or, without one, the site id itself."""
+    spec = topology.site(site_id)
+    return resolve(spec.conn_id or site_id)
 
 
 def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site_id: str) -> None:

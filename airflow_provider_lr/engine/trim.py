@@ -1,0 +1,101 @@
+"""Trimming the shared log (DESIGN §6 property 7).
+
+* Safe trim removes entries every session that needs them has acknowledged: the mark is the lowest
+  acknowledged position of the sessions that are replicating (a session still in its first full
+  sync, with nothing acknowledged, needs nothing older than the base it will get), never above the
+  commit barrier, and the data of full syncs still being transferred is kept.
+* Retention trim removes entries older than a limit whatever the sessions say; a session left
+  behind the trim mark is sent back to a full sync by negotiation (``trim_mark > last processed``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psycopg2.extensions
+
+from airflow_provider_lr.engine.log_reader import commit_barrier
+
+
+@dataclass(frozen=True)
+class TrimResult:
+    trim_mark: int
+    entries_removed: int
+    commits_removed: int
+
+
+def trim_mark(conn: psycopg2.extensions.connection) -> int:
+    with conn.cursor() as cur:
+        cur.execute("SELECT trim_mark FROM lr.log_trim")
+        mark = cur.fetchone()[0]
+    conn.commit()
+    return mark
+
+
+def safe_trim_mark(conn: psycopg2.extensions.connection) -> int | None:
+    """The highest position every session has acknowledged (None when the barrier is held)."""
+    barrier, _ = commit_barrier(conn)
+    if barrier is None:
+        return None
+    with conn.cursor() as cur:
+        cur.execute(
+            """
+            SELECT min(p) FROM (
+                SELECT acked_position AS p FROM lr.source_sessions WHERE acked_position >= 0
+                UNION ALL
+                SELECT base_position FROM lr.full_sync_requests WHERE status = 'supplied'
+            ) holds
+            """
+        )
+        held = cur.fetchone()[0]
+    conn.commit()
+    return barrier if held is None else min(held, barrier)
+
+
+def trim(conn: psycopg2.extensions.connection, upto: int) -> TrimResult:
+    """Remove every entry with a commit position <= ``upto`` (except data of full syncs still
+    being transferred) and raise the trim mark; never lowers it. Commits."""
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT trim_mark FROM lr.log_trim FOR UPDATE")
+            mark = max(cur.fetchone()[0], upto)
+            cur.execute(
+                """
+                CREATE TEMP TABLE lr_trimmed ON COMMIT DROP AS
+                SELECT c.tx FROM lr.log_commits c
+                WHERE c.position <= %s
+                  AND c.tx NOT IN (SELECT supplied_tx FROM lr.full_sync_requests
+                                   WHERE status = 'supplied' AND supplied_tx IS NOT NULL)
+                """,
+                (mark,),
+            )
+            cur.execute("DELETE FROM lr.log_entries WHERE tx IN (SELECT tx FROM lr_trimmed)")
+            entries = cur.rowcount
+            cur.execute("DELETE FROM lr.log_commits WHERE tx IN (SELECT tx FROM lr_trimmed)")
+            commits = cur.rowcount
+            cur.execute("UPDATE lr.log_trim SET trim_mark = %s, trimmed_at = now()", (mark,))
+        conn.commit()
+        return TrimResult(mark, entries, commits)
+    except BaseException:
+        conn.rollback()
+        raise
+
+
+def safe_trim(conn: psycopg2.extensions.connection) -> TrimResult | None:
+    mark = safe_trim_mark(conn)
+    return None if mark is None else trim(conn, mark)
+
+
+def retention_trim(conn: psycopg2.extensions.connection, keep_seconds: float) -> TrimResult | None:
+    """Trim everything committed more than ``keep_seconds`` ago, lagging sessions or not."""
+    barrier, _ = commit_barrier(conn)
+    if barrier is None:
+        return None
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT max(position) FROM lr.log_commits WHERE position <= %s "
+            "AND committed_at < now() - make_interval(secs => %s)",
+            (barrier, keep_seconds),
+        )
+        upto = cur.fetchone()[0]
+    conn.commit()
+    return None if upto is None else trim(conn, upto)
