@@ -209,7 +209,10 @@ class SiteManager:
 
 
 def _port_free(port: int) -> bool:
+    """Free to listen on, as PostgreSQL does (SO_REUSEADDR: connections of a stopped server left in
+    TIME_WAIT do not count), so a restarted site keeps its port and its written connections."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

@@ -35,12 +35,13 @@ def apply(sites, replication: list[dict], providers: dict | None = None, setting
     return topo
 
 
-def replicator(topo, sites, providers: dict | None = None, owner: str | None = None, **settings) -> Replicator:
+def replicator(topo, sites, providers: dict | None = None, owner: str | None = None, sessions=None,
+               **settings) -> Replicator:
     dsns = {s.site_id: s.dsn for s in sites}
     options = {"data_timeout": 30.0, "barrier_timeout": 2.0, **settings}
     return Replicator(
         topo, lambda site_id: psycopg2.connect(dsns[site_id]), owner=owner,
-        settings=SessionSettings(**options), providers=providers,
+        settings=SessionSettings(**options), providers=providers, sessions=sessions,
     )
 
 
@@ -106,3 +107,31 @@ def final_state(entries: list[tuple[str, str]]) -> dict[str, int]:
 
 def source_state(site) -> dict[str, int]:
     return dict(site.query("SELECT k, v FROM app_state"))
+
+
+def many_rows_provider(ctx) -> None:
+    """A full sync larger than one transfer chunk (engine.session.SNAPSHOT_CHUNK)."""
+    for i in range(12_000):
+        ctx.transmit(f"bulk{i}={i}".encode())
+
+
+def run_crashing_replicator(topo, sites, fault: str, providers: dict[str, str] | None = None, cycles: int = 5):
+    """Run a replicator in a child process that SIGKILLs itself at fault point ``fault``."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    spec = {
+        "topology": topo.document,
+        "dsns": {s.site_id: s.dsn for s in sites},
+        "providers": providers or {},
+        "owner": f"crash-{fault}",
+        "cycles": cycles,
+    }
+    env = {**os.environ, "LR_FAULT": fault}
+    return subprocess.run(
+        [sys.executable, "-m", "tests.crash_runner", json.dumps(spec)],
+        cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=120,
+    )

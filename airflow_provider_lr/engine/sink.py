@@ -110,14 +110,15 @@ class _SinkWrite:
             return self.cur, meta
         except BaseException:
             self.cur.close()
-            self.conn.rollback()
+            if not self.conn.closed:
+                self.conn.rollback()
             raise
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             if exc_type is None:
                 self.conn.commit()
-            else:
+            elif not self.conn.closed:  # a lost server: keep its error, not the rollback's
                 self.conn.rollback()
         finally:
             self.cur.close()
