@@ -1,0 +1,69 @@
+"""`lr` without Airflow: apply a topology, replicate with `lr sync`, read `lr status`, force a
+full sync, trim — the same engine the DAGs run, through Airflow-style connections."""
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from airflow_provider_lr import cli
+from tests.session_helpers import App, final_state, queue, source_state
+
+
+def _topology_file(tmp_path, sites, monkeypatch) -> str:
+    for site in sites:
+        conn_id = f"lr_test_{site.site_id.replace('-', '_')}"
+        monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(site.server.airflow_conn(site.dbname)))
+    doc = {
+        "sites": [{"id": s.site_id, "region": s.region, "conn_id": f"lr_test_{s.site_id.replace('-', '_')}"}
+                  for s in sites],
+        "replication": [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy"]}],
+        "providers": {"policy": "tests.session_helpers:table_provider"},
+    }
+    path = tmp_path / "topology.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+def test_lr_sync_replicates_every_session_and_status_shows_them(lr_sites, tmp_path, monkeypatch, capsys):
+    source, sink_b, sink_c = lr_sites
+    topo = _topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    app = App(source)
+    for i in range(5):
+        app.put(f"k{i}", i, ["site-b", "site-c"])
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 0
+    app.put("k0", 100, ["site-b"])
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 0
+    assert final_state(queue(sink_b, "site-a")) == source_state(source)
+    assert final_state(queue(sink_c, "site-a")) == {f"k{i}": i for i in range(5)}
+    capsys.readouterr()
+
+    assert cli.main(["status", "--topology", topo]) == 0
+    out = capsys.readouterr().out
+    assert "source site-a->site-b/policy" in out and "sink   site-a->site-c/policy" in out
+    assert "IN_LOG_ENTRY_SYNC" in out and "remaining 0" in out and "data consistent True" in out
+
+    assert cli.main(["full-sync", "--topology", topo, "--sink", "site-c", "--reason", "audit"]) == 0
+    assert "full sync requested" in capsys.readouterr().out
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 0
+    assert [k for k, _ in queue(sink_c, "site-a")].count("start") == 2
+    assert [k for k, _ in queue(sink_b, "site-a")].count("start") == 1
+
+    assert cli.main(["trim", "--topology", topo]) == 0
+    assert "site-a: trimmed to" in capsys.readouterr().out
+    app.close()
+
+
+def test_lr_commands_name_what_is_wrong(lr_sites, tmp_path, monkeypatch, capsys):
+    topo = _topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    capsys.readouterr()
+    assert cli.main(["full-sync", "--topology", topo, "--sink", "site-x"]) == 1
+    assert "no session replicates to 'site-x'" in capsys.readouterr().err
+    assert cli.main(["sync", "--topology", str(tmp_path / "missing.yaml"), "--once"]) == 1
+    assert "not found" in capsys.readouterr().err
+    monkeypatch.delenv("AIRFLOW_CONN_LR_TEST_SITE_C")
+    monkeypatch.setenv("LR_CONNECTIONS_FILE", str(tmp_path / "none.json"))
+    assert cli.main(["status", "--topology", topo]) == 0
+    assert "site-c: UNREACHABLE" in capsys.readouterr().out
