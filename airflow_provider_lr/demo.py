@@ -1,8 +1,55 @@
-"""``lr demo``: bring up embedded sites, install lr on them and show what replication does."""
+"""``lr demo``: embedded sites, a source application that transmits inside its own transactions,
+replication cycles (the engine `lr sync` and the DAGs run), and what arrived at each sink.
+
+Everything is real: separate PostgreSQL servers per site, the lr schema from its migrations, the
+shared log, full sync through the client's provider, then log-entry sync. Re-running the demo
+continues on the same sites (their data is kept until ``lr sites down --remove``).
+"""
 from __future__ import annotations
 
-from airflow_provider_lr.engine import schema
+import random
+import time
+from pathlib import Path
+
+import yaml
+
+from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
+from airflow_provider_lr.engine import schema, status, topology
+from airflow_provider_lr.engine.replicator import Replicator
+from airflow_provider_lr.engine.session import CycleReport
 from airflow_provider_lr.sites import SiteManager
+
+CLIENT = "policy"
+TABLE = "demo_policy"
+
+
+def policy_provider(ctx) -> None:
+    """The demo client's full-sync provider: every row of its table, as of the sync's snapshot."""
+    with ctx.conn.cursor() as cur:
+        cur.execute(f"SELECT k, v FROM {TABLE} ORDER BY k")
+        for k, v in cur:
+            ctx.transmit(f"{k}={v}".encode())
+
+
+def write_topology(manager: SiteManager, site_ids: list[str]) -> Path:
+    sites = {s.site_id: s for s in manager.sites()}
+    doc = {
+        "sites": [{"id": i, "region": sites[i].region, "conn_id": sites[i].conn_id} for i in site_ids],
+        "replication": [{"source": site_ids[0], "sinks": site_ids[1:], "clients": [CLIENT]}],
+        "providers": {CLIENT: "airflow_provider_lr.demo:policy_provider"},
+    }
+    path = manager.home / "demo-topology.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def _show(reports: list[CycleReport]) -> None:
+    for r in reports:
+        if r.error:
+            print(f"    {r.session}: ERROR {r.error}")
+        elif not r.idle:
+            print(f"    {r.session}: {r.decision}: {r.snapshot_messages} full-sync messages, "
+                  f"{r.delivered} log entries -> {r.state}, remaining {r.remaining}")
 
 
 def run(manager: SiteManager, sink_count: int = 2) -> int:
@@ -15,5 +62,56 @@ def run(manager: SiteManager, sink_count: int = 2) -> int:
         finally:
             conn.close()
         print(f"  {site.site_id} ({site.region}) port {site.port}: lr schema v{result.version}")
-    print("\nsites are left running; stop them with: lr sites down")
+
+    ids = [s.site_id for s in sites]
+    source, sinks = ids[0], ids[1:]
+    topo = topology.load(write_topology(manager, ids))
+    connect = lambda site_id: topology.site_conninfo(topo, site_id).connect()  # noqa: E731
+    for site_id in ids:
+        conn = connect(site_id)
+        topology.apply_to_site(conn, topo, site_id)
+        conn.close()
+    print(f"\ntopology {topo.topology_config_id}: {source} -> {', '.join(sinks)} for client {CLIENT!r}")
+
+    app = connect(source)
+    with app.cursor() as cur:
+        cur.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} (k text PRIMARY KEY, v bigint NOT NULL)")
+    app.commit()
+    client = RoutingQueueClient(app, CLIENT)
+    rng = random.Random(7)
+
+    def change(n: int) -> None:
+        """n application transactions: update a row and transmit it, atomically."""
+        for _ in range(n):
+            key, value = f"policy-{rng.randrange(20)}", rng.randrange(10**6)
+            dests = rng.sample(sinks, rng.randint(1, len(sinks)))
+            with app.cursor() as cur:
+                cur.execute(f"INSERT INTO {TABLE} VALUES (%s, %s) ON CONFLICT (k) DO UPDATE SET v = EXCLUDED.v",
+                            (key, value))
+            client.transmit_log_entry_messages([LRMessageWithDestinations(f"{key}={value}".encode(), dests)])
+            app.commit()
+
+    change(20)
+    print(f"\n{source}: 20 application transactions, each transmitting to a random subset of the sinks")
+    repl = Replicator(topo, connect)
+    try:
+        started = time.monotonic()
+        print("replicating (first contact: full sync from the client's provider, then log entries):")
+        repl.run(max_cycles=20, until_idle=True, interval=0.05, on_cycle=_show)
+        change(30)
+        print(f"{source}: 30 more transactions; replicating the deltas:")
+        repl.run(max_cycles=20, until_idle=True, interval=0.05, on_cycle=_show)
+        print(f"caught up in {time.monotonic() - started:.1f}s\n")
+    finally:
+        repl.close()
+        app.close()
+
+    for site_id in ids:
+        conn = connect(site_id)
+        try:
+            print(status.render(status.site_status(conn, site_id)))
+        finally:
+            conn.close()
+    print("\nsites are left running; try `lr status --topology "
+          f"{manager.home / 'demo-topology.yaml'}`, stop them with `lr sites down`")
     return 0

@@ -67,3 +67,18 @@ def test_lr_commands_name_what_is_wrong(lr_sites, tmp_path, monkeypatch, capsys)
     monkeypatch.setenv("LR_CONNECTIONS_FILE", str(tmp_path / "none.json"))
     assert cli.main(["status", "--topology", topo]) == 0
     assert "site-c: UNREACHABLE" in capsys.readouterr().out
+
+
+def test_demo_replicates_on_its_own_embedded_sites(tmp_path, capsys):
+    from airflow_provider_lr import demo
+    from airflow_provider_lr.sites import SiteManager
+
+    manager = SiteManager(tmp_path / "demo-home")
+    try:
+        assert demo.run(manager, sink_count=2) == 0
+        out = capsys.readouterr().out
+        assert "snapshot_sync" in out and "log_entry_sync" in out and "ERROR" not in out
+        assert out.count("data consistent True") == 2
+        assert out.count("remaining 0, IN_LOG_ENTRY_SYNC") == 2
+    finally:
+        manager.down(mode="immediate", remove=True)
