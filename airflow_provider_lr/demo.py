@@ -66,7 +66,8 @@ def run(manager: SiteManager, sink_count: int = 2) -> int:
     ids = [s.site_id for s in sites]
     source, sinks = ids[0], ids[1:]
     topo = topology.load(write_topology(manager, ids))
-    connect = lambda site_id: topology.site_conninfo(topo, site_id).connect()  # noqa: E731
+    by_id = {s.site_id: s for s in sites}
+    connect = lambda site_id: by_id[site_id].conninfo().connect()  # noqa: E731
     for site_id in ids:
         conn = connect(site_id)
         topology.apply_to_site(conn, topo, site_id)
