@@ -150,6 +150,18 @@ def load(path: Path | str | None = None) -> Topology:
     return from_document(yaml.safe_load(path.read_text()))
 
 
+def from_site(conn: psycopg2.extensions.connection) -> Topology:
+    """The topology last applied to a site: what its sessions run under (and what negotiation
+    compares), readable without the YAML file."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT document FROM lr.topology")
+        row = cur.fetchone()
+    conn.commit()
+    if row is None:
+        raise ConfigurationError("no topology has been applied to this site (run `lr topology apply`)")
+    return from_document(row[0])
+
+
 def site_conninfo(topology: Topology, site_id: str) -> ConnInfo:
     """How to reach a site of the topology: its ``conn_id`` (an Airflow connection, an entry of the
     connections file) or, without one, the site id itself."""
