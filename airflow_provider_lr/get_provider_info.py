@@ -25,6 +25,18 @@ def get_provider_info() -> dict:
             }
         ],
         "hooks": [{"integration-name": INTEGRATION, "python-modules": ["airflow_provider_lr.hooks.site"]}],
+        "operators": [
+            {
+                "integration-name": INTEGRATION,
+                "python-modules": [
+                    "airflow_provider_lr.operators.session",
+                    "airflow_provider_lr.operators.maintenance",
+                    "airflow_provider_lr.operators.spark",
+                ],
+            }
+        ],
+        "sensors": [{"integration-name": INTEGRATION, "python-modules": ["airflow_provider_lr.sensors.session"]}],
+        "triggers": [{"integration-name": INTEGRATION, "python-modules": ["airflow_provider_lr.triggers.session"]}],
         "connection-types": [
             {
                 "connection-type": "lr_site",

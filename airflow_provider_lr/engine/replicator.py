@@ -37,10 +37,7 @@ class Replicator:
         self.topology = topology
         self.connect = connect
         self.owner = owner or new_owner_id()
-        self.settings = settings or SessionSettings(
-            data_timeout=topology.setting("full_sync_data_timeout_s", 120.0),
-            lease_seconds=topology.setting("lease_seconds", 60.0),
-        )
+        self.settings = settings or SessionSettings.from_topology(topology)
         self.providers: dict[str, Provider] = dict(providers or {})
         for client, target in topology.providers.items():
             self.providers.setdefault(client, load_provider(target))

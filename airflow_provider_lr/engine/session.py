@@ -28,7 +28,7 @@ from airflow_provider_lr.engine.log_reader import (
     LogRecord,
 )
 from airflow_provider_lr.engine.negotiation import Decision, Negotiation, SinkView, SourceView, negotiate
-from airflow_provider_lr.engine.topology import SessionKey
+from airflow_provider_lr.engine.topology import SessionKey, Topology
 from airflow_provider_lr.engine.transmit import STREAM_LOG_ENTRIES, STREAM_SNAP_SYNC, RoutingQueueClient
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,16 @@ class SessionSettings:
     data_timeout: float = full_sync.DEFAULT_DATA_TIMEOUT
     barrier_timeout: float = 5.0
 
+    @classmethod
+    def from_topology(cls, topology: Topology, **overrides: object) -> "SessionSettings":
+        """The settings a topology asks for (``settings:`` in its YAML), with explicit overrides."""
+        values: dict[str, object] = {
+            "data_timeout": topology.setting("full_sync_data_timeout_s", full_sync.DEFAULT_DATA_TIMEOUT),
+            "lease_seconds": topology.setting("lease_seconds", leases.DEFAULT_LEASE_SECONDS),
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]
+
 
 @dataclass
 class CycleReport:
@@ -62,6 +72,8 @@ class CycleReport:
     skipped: str = ""  # why the cycle did nothing (lease held elsewhere)
     error: str = ""
     blocked_by: list[str] = field(default_factory=list)
+    request_id: str = ""  # snapshot sync: the full-sync request worked on
+    waiting: bool = False  # snapshot sync: the client's data has not been supplied yet
 
     @property
     def idle(self) -> bool:
@@ -91,17 +103,8 @@ class SessionRunner:
 
     # --- the cycle ----------------------------------------------------------------------------
     def run_cycle(self) -> CycleReport:
-        report = CycleReport(str(self.key))
-        self.lease = leases.acquire(self.source, self.key.sink, self.key.client, self.owner, self.settings.lease_seconds)
-        if self.lease is None:
-            report.skipped = "another replicator holds this session's lease"
-            return report
-        meta = sink.read_metadata(self.sink, self.key.source, self.key.client)
-        negotiation = self.negotiate(meta)
-        report.decision, report.reason = negotiation.decision.value, negotiation.reason
-        if negotiation.decision is Decision.REFUSE:
-            self._update(state="NEGOTIATING", last_error=f"negotiation refused: {negotiation.reason}")
-            report.state, report.error = "NEGOTIATING", negotiation.reason
+        report, meta, negotiation = self.begin()
+        if negotiation is None:
             return report
         if negotiation.decision is Decision.SNAPSHOT_SYNC:
             meta = self.snapshot_sync(meta, report)
@@ -109,8 +112,60 @@ class SessionRunner:
             meta = self.apply_snapshot(meta)
         if meta is not None and meta.data_consistent:
             self.log_entry_sync(meta, report)
+        return self.finish(report)
+
+    def begin(self) -> tuple[CycleReport, sink.SinkMetadata | None, Negotiation | None]:
+        """The first step of every cycle (and of every Airflow step): take the lease, then negotiate.
+        The negotiation is None when there is nothing to do: the lease is held elsewhere
+        (``report.skipped``) or negotiation refused (``report.error``, recorded on the source)."""
+        report = CycleReport(str(self.key))
+        self.lease = leases.acquire(self.source, self.key.sink, self.key.client, self.owner, self.settings.lease_seconds)
+        if self.lease is None:
+            report.skipped = "another replicator holds this session's lease"
+            return report, None, None
+        meta = sink.read_metadata(self.sink, self.key.source, self.key.client)
+        negotiation = self.negotiate(meta)
+        report.decision, report.reason = negotiation.decision.value, negotiation.reason
+        if negotiation.decision is Decision.REFUSE:
+            self._update(state="NEGOTIATING", last_error=f"negotiation refused: {negotiation.reason}")
+            report.state, report.error = "NEGOTIATING", negotiation.reason
+            return report, meta, None
+        return report, meta, negotiation
+
+    def finish(self, report: CycleReport) -> CycleReport:
         report.state, report.acked_position, report.remaining = self._status()
         return report
+
+    # --- single steps (what the Airflow operators run, one task each) --------------------------
+    def negotiate_step(self) -> CycleReport:
+        """Only negotiation: what the session needs next (``report.decision``), nothing moved."""
+        report, _, negotiation = self.begin()
+        return report if negotiation is None else self.finish(report)
+
+    def snapshot_step(self) -> CycleReport:
+        """Only the snapshot part of a cycle: request → client data → transfer → apply → complete,
+        as far as it can go now (``report.waiting`` while the client's data is not supplied).
+        Does nothing when negotiation calls for log-entry sync."""
+        report, meta, negotiation = self.begin()
+        if negotiation is None:
+            return report
+        assert meta is not None
+        if negotiation.decision is Decision.SNAPSHOT_SYNC:
+            self.snapshot_sync(meta, report)
+        elif negotiation.decision is Decision.WAIT_SNAPSHOT_APPLY:
+            self.apply_snapshot(meta)
+        return self.finish(report)
+
+    def log_entry_step(self) -> CycleReport:
+        """Only log-entry sync (up to ``settings.max_batches`` batches); does nothing unless
+        negotiation calls for it (a session that needs a snapshot is left to the snapshot step)."""
+        report, meta, negotiation = self.begin()
+        if negotiation is None:
+            return report
+        assert meta is not None
+        if negotiation.decision is Decision.LOG_ENTRY_SYNC:
+            self.log_entry_sync(meta, report)
+        return self.finish(report)
 
     def negotiate(self, meta: sink.SinkMetadata) -> Negotiation:
         with self.source.cursor() as cur:
@@ -138,6 +193,7 @@ class SessionRunner:
         """Advance the session's full sync as far as it can go now; the sink metadata once applied,
         else None (waiting for the client's data)."""
         request = self._current_request(meta)
+        report.request_id = request.request_id
         if request.status == "pending" and self.provider is not None:
             client = RoutingQueueClient(self.source, self.key.client)
             full_sync.serve_full_sync_requests(client, self.provider)
@@ -146,6 +202,7 @@ class SessionRunner:
             if full_sync.expired(self.source, request):
                 self._restart_after_timeout(request)
             report.reason = f"waiting for full-sync data of request {request.request_id}"
+            report.waiting = True
             return None
         assert request.base_position is not None
         meta = sink.start_snapshot(
@@ -294,3 +351,18 @@ class SessionRunner:
             except psycopg2.Error:
                 self.source.rollback()
             self.lease = None
+
+
+def clear_stale_leases(conn: psycopg2.extensions.connection) -> list[str]:
+    """Release the leases whose holder stopped renewing them (expired), so status shows no owner.
+    Safe: an expired lease is taken over anyway, and its epoch stays, so the old holder stays
+    fenced. Returns the sessions released ("sink/client (owner)"). Commits."""
+    with conn.cursor() as cur:
+        cur.execute(
+            "UPDATE lr.source_sessions SET lease_owner = NULL, lease_expires_at = NULL "
+            "WHERE lease_owner IS NOT NULL AND lease_expires_at <= now() "
+            "RETURNING sink_site_id || '/' || client_name || ' (' || lease_owner || ')'"
+        )
+        released = sorted(r[0] for r in cur.fetchall())
+    conn.commit()
+    return released

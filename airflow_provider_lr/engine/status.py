@@ -7,7 +7,10 @@ from dataclasses import dataclass, field
 import psycopg2.extensions
 
 from airflow_provider_lr.engine import schema
+from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.log_reader import holdback
+from airflow_provider_lr.engine.sink import receive_queue_name
+from airflow_provider_lr.engine.topology import Topology
 
 _COLUMNS = (
     "role", "source_site_id", "sink_site_id", "client_name", "sync_type", "status", "base_snapshot",
@@ -64,3 +67,152 @@ def render(status: SiteStatus) -> str:
     for reason in status.held_back_by:
         lines.append(f"  held back: {reason}")
     return "\n".join(lines)
+
+
+# --- work waiting on a source (Airflow's sensors and the replication plan) ---------------------
+def pending_entries(conn: psycopg2.extensions.connection, sink: str, client: str) -> tuple[int, int]:
+    """(count, highest position) of committed entries for the session after what its sink
+    acknowledged; (0, -1) when there are none (or no such session)."""
+    with conn.cursor() as cur:
+        cur.execute(
+            """
+            SELECT count(*), coalesce(max(c.position), -1)
+            FROM lr.source_sessions s
+            JOIN lr.remote_sites r ON r.site_id = s.sink_site_id
+            JOIN lr.clients k ON k.client_name = s.client_name
+            JOIN lr.log_commits c ON c.position > greatest(s.acked_position, 0)
+            JOIN lr.log_entries e ON e.tx = c.tx
+            WHERE s.sink_site_id = %s AND s.client_name = %s
+              AND e.stream = 1 AND e.tag_ids @> ARRAY[r.tag_id] AND e.client_id = k.client_id
+            """,
+            (sink, client),
+        )
+        count, highest = cur.fetchone()
+    conn.commit()
+    return int(count), int(highest)
+
+
+def source_backlog(conn: psycopg2.extensions.connection) -> int:
+    """Log entries still to deliver, summed over the source's sessions in log-entry sync (what
+    decides between an in-process batch and a Spark fan-out)."""
+    with conn.cursor() as cur:
+        cur.execute(
+            """
+            SELECT coalesce(sum(n), 0) FROM lr.source_sessions s
+            JOIN lr.remote_sites r ON r.site_id = s.sink_site_id
+            JOIN lr.clients k ON k.client_name = s.client_name
+            CROSS JOIN LATERAL (
+                SELECT count(*) AS n FROM lr.log_commits c JOIN lr.log_entries e ON e.tx = c.tx
+                WHERE c.position > greatest(s.acked_position, 0) AND e.stream = 1
+                  AND e.tag_ids @> ARRAY[r.tag_id] AND e.client_id = k.client_id
+            ) pending
+            WHERE s.state = 'IN_LOG_ENTRY_SYNC'
+            """
+        )
+        backlog = cur.fetchone()[0]
+    conn.commit()
+    return int(backlog)
+
+
+# --- delivery of one transmitted entry (the `delivered` sensor) ---------------------------------
+def commit_position(conn: psycopg2.extensions.connection, tx: int | str) -> int | None:
+    """The commit position of a transaction (its ``pg_current_xact_id()``); None until it has
+    committed with log entries (or if it rolled back, or was trimmed)."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT position FROM lr.log_commits WHERE tx = %s::text::xid8", (str(tx),))
+        row = cur.fetchone()
+    conn.commit()
+    return row[0] if row else None
+
+
+@dataclass(frozen=True)
+class DeliveryTarget:
+    """When an entry counts as delivered: safe on every named destination and, with
+    ``min_regions``, stored in at least that many distinct regions (the source's counts: the
+    entry is committed there)."""
+
+    source: str
+    client: str
+    destinations: tuple[str, ...]  # must all have it (may be empty)
+    candidates: dict[str, str]  # sink -> region: the sinks that may count for min_regions
+    source_region: str
+    min_regions: int = 0
+
+    def progress(self, acked: dict[str, int], position: int) -> tuple[bool, list[str], list[str]]:
+        """(delivered, the sinks that have it, the regions it is in)."""
+        have = sorted(s for s, p in acked.items() if s in self.candidates and p >= position)
+        regions = sorted({self.source_region, *(self.candidates[s] for s in have)})
+        done = all(d in have for d in self.destinations) and len(regions) >= self.min_regions
+        return done, have, regions
+
+
+def delivery_target(
+    topology: Topology, source: str, client: str, destinations: list[str] | tuple[str, ...] = (), min_regions: int = 0
+) -> DeliveryTarget:
+    """Validate what a caller waits for. Refused (DESIGN seed 004, minRegionsForDurability): a
+    destination that is not a sink of the source for this client, and a ``min_regions`` that the
+    sinks could never reach — or, with named destinations, one their acknowledgements could be
+    complete without (all of them acking must prove durability in ``min_regions`` regions)."""
+    sinks = {k.sink for k in topology.sessions(source=source) if k.client == client}
+    if not sinks:
+        raise ConfigurationError(f"site {source!r} replicates nothing for client {client!r} in the topology")
+    unknown = sorted(set(destinations) - sinks)
+    if unknown:
+        raise ConfigurationError(
+            f"{unknown} not sinks of {source!r} for client {client!r}; its sinks are {sorted(sinks)}"
+        )
+    if min_regions < 0:
+        raise ConfigurationError(f"min_regions must be >= 0, not {min_regions}")
+    source_region = topology.site(source).region
+    candidates = {s: topology.site(s).region for s in (destinations or sinks)}
+    regions = {source_region, *candidates.values()}
+    if min_regions > len(regions):
+        named = f"the named destinations {sorted(destinations)}" if destinations else f"the sinks {sorted(sinks)}"
+        raise ConfigurationError(
+            f"min_regions={min_regions} can never be met: {source!r} and {named} span only {len(regions)} "
+            f"region(s) {sorted(regions)}; name destinations in more regions or lower min_regions"
+        )
+    return DeliveryTarget(source, client, tuple(sorted(destinations)), candidates, source_region, min_regions)
+
+
+def acknowledged(conn: psycopg2.extensions.connection, client: str) -> dict[str, int]:
+    """Per sink: the position its sink acknowledged for the client's session (from the source)."""
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT sink_site_id, acked_position FROM lr.source_sessions WHERE client_name = %s", (client,)
+        )
+        acked = dict(cur.fetchall())
+    conn.commit()
+    return acked
+
+
+# --- receive queues of a sink (maintenance checkpoints) -----------------------------------------
+def receive_queues(conn: psycopg2.extensions.connection) -> list[dict]:
+    """Per receive queue on this sink: messages waiting for subscribers, snapshot rows not yet
+    applied, the age of the oldest waiting message, and dead letters."""
+    with conn.cursor() as cur:
+        cur.execute(
+            """
+            SELECT q.source_site_id, q.client_name,
+                   count(*) FILTER (WHERE q.visible),
+                   count(*) FILTER (WHERE NOT q.visible),
+                   coalesce(extract(epoch FROM now() - min(q.received_at) FILTER (WHERE q.visible)), 0)::float8,
+                   (SELECT count(*) FROM lr.receive_dead_letters d
+                    WHERE d.source_site_id = q.source_site_id AND d.client_name = q.client_name)
+            FROM lr.receive_queue q GROUP BY 1, 2
+            UNION
+            SELECT d.source_site_id, d.client_name, 0, 0, 0.0, count(*)
+            FROM lr.receive_dead_letters d
+            WHERE NOT EXISTS (SELECT 1 FROM lr.receive_queue q
+                              WHERE q.source_site_id = d.source_site_id AND q.client_name = d.client_name)
+            GROUP BY 1, 2
+            ORDER BY 1, 2
+            """
+        )
+        rows = cur.fetchall()
+    conn.commit()
+    return [
+        {"queue": receive_queue_name(client, source), "source": source, "client": client, "waiting": waiting,
+         "unapplied_snapshot": unapplied, "oldest_waiting_s": round(age, 1), "dead_letters": dead}
+        for source, client, waiting, unapplied, age, dead in rows
+    ]

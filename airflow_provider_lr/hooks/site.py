@@ -7,6 +7,20 @@ import psycopg2.extensions
 from airflow.sdk import BaseHook
 
 from airflow_provider_lr.engine import conninfo, schema
+from airflow_provider_lr.engine.errors import ConfigurationError
+
+
+def _as_dict(conn: Any) -> dict[str, Any]:
+    """An Airflow connection in its JSON form (what ``AIRFLOW_CONN_*`` and the connections file hold)."""
+    return {
+        "conn_type": conn.conn_type,
+        "host": conn.host,
+        "port": conn.port,
+        "login": conn.login,
+        "password": conn.password,
+        "schema": conn.schema,
+        "extra": conn.extra_dejson,
+    }
 
 
 class LRSiteHook(BaseHook):
@@ -25,22 +39,38 @@ class LRSiteHook(BaseHook):
         super().__init__(**kwargs)
         self.lr_conn_id = lr_conn_id
 
+    def connection_dict(self) -> dict[str, Any]:
+        """The connection in Airflow's JSON form (secrets included: write it only to 0600 files)."""
+        return _as_dict(self.get_connection(self.lr_conn_id))
+
     def get_conninfo(self) -> conninfo.ConnInfo:
-        conn = self.get_connection(self.lr_conn_id)
-        return conninfo.from_airflow_dict(
-            {
-                "host": conn.host,
-                "port": conn.port,
-                "login": conn.login,
-                "password": conn.password,
-                "schema": conn.schema,
-                "extra": conn.extra_dejson,
-            },
-            self.lr_conn_id,
-        )
+        return conninfo.from_airflow_dict(self.connection_dict(), self.lr_conn_id)
+
+    async def aget_conninfo(self) -> conninfo.ConnInfo:
+        """For triggers: resolve the connection without blocking the triggerer's event loop."""
+        conn = await self.aget_connection(self.lr_conn_id)
+        return conninfo.from_airflow_dict(_as_dict(conn), self.lr_conn_id)
 
     def get_conn(self) -> psycopg2.extensions.connection:
         return self.get_conninfo().connect()
+
+    def connect_site(self, site_id: str) -> psycopg2.extensions.connection:
+        """Connect and check the database is the site the topology means: a connection pointing at
+        the wrong database must not replicate into it."""
+        conn = self.get_conn()
+        try:
+            found = schema.site_identity(conn)[0]
+            conn.rollback()
+        except BaseException:
+            conn.close()
+            raise
+        if found != site_id:
+            conn.close()
+            raise ConfigurationError(
+                f"connection {self.lr_conn_id!r} points at site {found!r}, but the topology expects {site_id!r} "
+                f"there; fix the connection or the site's conn_id in the topology"
+            )
+        return conn
 
     def test_connection(self) -> tuple[bool, str]:
         try:

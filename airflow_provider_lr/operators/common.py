@@ -1,0 +1,109 @@
+"""What every lr task shares: which topology it works on, and how a site is reached.
+
+XComs carry only small handles (a session or site as a dict of ids); state lives in the sites.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+import psycopg2.extensions
+
+from airflow_provider_lr.engine import topology
+from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.topology import SessionKey, Topology
+from airflow_provider_lr.hooks.site import LRSiteHook
+
+TOPOLOGY_VARIABLE = "lr_topology"  # Airflow Variable (or AIRFLOW_VAR_LR_TOPOLOGY) naming the topology file
+
+
+def topology_path(explicit: str | None = None) -> str:
+    """The topology file a task uses: an explicit path, else the Airflow Variable ``lr_topology``,
+    else ``$LR_TOPOLOGY``, else the shipped ``include/topology.yaml``. Call it inside tasks only
+    (a Variable lookup at DAG parse time costs every parse)."""
+    if explicit:
+        return str(explicit)
+    from airflow.sdk import Variable
+
+    try:
+        value = Variable.get(TOPOLOGY_VARIABLE, default=None)
+    except Exception:  # outside a task there is no Variable access: fall back to the environment
+        value = None
+    return str(value or topology.default_path())
+
+
+def parse_time_topology() -> Topology | None:
+    """The topology seen when a DAG file is parsed ($LR_TOPOLOGY or the shipped file); None if it
+    cannot be read (the DAG still parses; its tasks report the problem)."""
+    try:
+        return topology.load(os.environ.get(topology.TOPOLOGY_ENV) or None)
+    except Exception:
+        return None
+
+
+def load_topology(path: str | None = None) -> Topology:
+    return topology.load(topology_path(path))
+
+
+def conn_id(topo: Topology, site_id: str) -> str:
+    """The Airflow connection of a site: its ``conn_id`` in the topology, else the site id."""
+    return topo.site(site_id).conn_id or site_id
+
+
+def session_dict(topo: Topology, key: SessionKey) -> dict[str, str]:
+    return {
+        "session": str(key),
+        "source": key.source,
+        "sink": key.sink,
+        "client": key.client,
+        "source_conn_id": conn_id(topo, key.source),
+        "sink_conn_id": conn_id(topo, key.sink),
+    }
+
+
+def session_dicts(
+    topo: Topology, source: str | None = None, sink: str | None = None, client: str | None = None
+) -> list[dict[str, str]]:
+    keys = [
+        k for k in topo.sessions(source=source)
+        if (sink is None or k.sink == sink) and (client is None or k.client == client)
+    ]
+    return [session_dict(topo, k) for k in keys]
+
+
+def site_dict(topo: Topology, site_id: str) -> dict[str, str]:
+    spec = topo.site(site_id)
+    return {"site": site_id, "conn_id": conn_id(topo, site_id), "region": spec.region}
+
+
+def site_dicts(topo: Topology, role: str | None = None) -> list[dict[str, str]]:
+    """Sites of the topology: all of them, or only the sources or sinks of some session."""
+    sessions = topo.sessions()
+    wanted = {
+        None: set(topo.sites),
+        "source": {k.source for k in sessions},
+        "sink": {k.sink for k in sessions},
+    }[role]
+    return [site_dict(topo, s) for s in sorted(wanted)]
+
+
+def session_key(topo: Topology, session: dict[str, Any]) -> SessionKey:
+    """The session a task was handed, checked against the topology it runs with."""
+    try:
+        key = SessionKey(session["source"], session["sink"], session["client"])
+    except (KeyError, TypeError):
+        raise ConfigurationError(f"a session is a dict with source, sink and client, not {session!r}") from None
+    if key not in topo.sessions():
+        raise ConfigurationError(f"session {key} is not in the topology (its sessions: {[str(k) for k in topo.sessions()]})")
+    return key
+
+
+@contextlib.contextmanager
+def site_connection(conn_id_: str, site_id: str) -> Iterator[psycopg2.extensions.connection]:
+    """An open connection to a site through its Airflow connection, closed afterwards."""
+    conn = LRSiteHook(lr_conn_id=conn_id_).connect_site(site_id)
+    try:
+        yield conn
+    finally:
+        conn.close()

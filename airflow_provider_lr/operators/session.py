@@ -1,0 +1,219 @@
+"""Operators for the steps of one replication session: discover, negotiate, snapshot sync,
+log-entry sync. Each is a thin shell: resolve the sites through ``LRSiteHook``, run one engine
+step (``SessionRunner``), return a small report. The engine's lease and fencing make a task
+retry, a crashed worker or a concurrent ``lr sync`` safe.
+
+Inside a mapped task group, ``@task.branch`` runs both branches in Airflow 3.3.2 (apache/airflow
+#67265), so the branch operators take the negotiation's output as ``decision`` and skip
+themselves when it did not choose them; the group's join uses
+``trigger_rule="none_failed_min_one_success"``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from datetime import datetime, timedelta, timezone
+from typing import Any, Iterator, Sequence
+
+from airflow.sdk import BaseOperator
+from airflow.sdk.configuration import conf
+from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
+
+from airflow_provider_lr.engine import full_sync
+from airflow_provider_lr.engine.lease import new_owner_id
+from airflow_provider_lr.engine.negotiation import Decision
+from airflow_provider_lr.engine.session import CycleReport, SessionRunner, SessionSettings
+from airflow_provider_lr.operators.common import load_topology, session_dicts, session_key, site_connection
+
+# negotiation decision -> the branch task that carries it out
+BRANCH_OF = {
+    Decision.SNAPSHOT_SYNC.value: "snapshot_sync",
+    Decision.WAIT_SNAPSHOT_APPLY.value: "snapshot_sync",
+    Decision.LOG_ENTRY_SYNC.value: "log_entry_sync",
+}
+NO_BRANCH = "none"
+
+
+def report_dict(report: CycleReport) -> dict[str, Any]:
+    """The report as a small XCom: empty fields left out."""
+    return {k: v for k, v in dataclasses.asdict(report).items() if v not in ("", [], False) or k == "delivered"}
+
+
+class LRDiscoverSessionsOperator(BaseOperator):
+    """The topology's sessions as a list of small dicts, to map one task group per session.
+
+    :param source, sink, client: only the sessions matching these (all by default)
+    :param topology_path: topology file (default: Variable ``lr_topology``, ``$LR_TOPOLOGY``, shipped)
+    """
+
+    template_fields: Sequence[str] = ("source", "sink", "client", "topology_path")
+    ui_color = "#e8f4fd"
+
+    def __init__(self, *, source: str | None = None, sink: str | None = None, client: str | None = None,
+                 topology_path: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.source, self.sink, self.client, self.topology_path = source, sink, client, topology_path
+
+    def execute(self, context: Any) -> list[dict[str, str]]:
+        topo = load_topology(self.topology_path)
+        sessions = session_dicts(topo, self.source or None, self.sink or None, self.client or None)
+        self.log.info("topology %s: %d session(s): %s", topo.topology_config_id, len(sessions),
+                      ", ".join(s["session"] for s in sessions) or "none")
+        return sessions
+
+
+class _SessionStepOperator(BaseOperator):
+    """One engine step of one session. ``decision`` (the negotiation task's output) makes the
+    step skip itself unless negotiation chose ``branch``; without it the step always runs (the
+    engine still negotiates first and does nothing the session is not ready for)."""
+
+    template_fields: Sequence[str] = ("session", "decision", "topology_path")
+    branch = ""
+
+    def __init__(self, *, session: dict[str, Any], decision: dict[str, Any] | None = None,
+                 topology_path: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.session, self.decision, self.topology_path = session, decision, topology_path
+
+    def _skip_unless_chosen(self) -> None:
+        if self.decision is not None and self.decision.get("branch") != self.branch:
+            why = self.decision.get("reason") or self.decision.get("skipped") or "nothing to do"
+            raise AirflowSkipException(f"negotiation chose {self.decision.get('branch')!r} ({why})")
+
+    def _settings(self, topo: Any) -> SessionSettings:
+        return SessionSettings.from_topology(topo)
+
+    @contextlib.contextmanager
+    def runner(self) -> Iterator[SessionRunner]:
+        """A SessionRunner on fresh connections to both sites; its lease is released afterwards."""
+        topo = load_topology(self.topology_path)
+        key = session_key(topo, self.session)
+        target = topo.providers.get(key.client)
+        provider = full_sync.load_provider(target) if target else None
+        with site_connection(self.session["source_conn_id"], key.source) as source, \
+                site_connection(self.session["sink_conn_id"], key.sink) as sink:
+            runner = SessionRunner(key, source, sink, f"airflow:{new_owner_id()}", self._settings(topo), provider)
+            try:
+                yield runner
+            finally:
+                runner.release()
+
+    def _result(self, report: CycleReport) -> dict[str, Any]:
+        if report.error:
+            # a refused negotiation needs a human (apply the same topology on both sites): no retry
+            raise AirflowFailException(f"session {report.session}: {report.error}")
+        result = report_dict(report)
+        self.log.info("session %s: %s", report.session, result)
+        return result
+
+
+class LRNegotiateOperator(_SessionStepOperator):
+    """Negotiation only: returns ``{"branch": "snapshot_sync" | "log_entry_sync" | "none", ...}``
+    for the branch tasks (``none``: another replicator holds the session's lease right now)."""
+
+    ui_color = "#fff4d6"
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        with self.runner() as runner:
+            report = runner.negotiate_step()
+        result = self._result(report)
+        result["branch"] = BRANCH_OF.get(report.decision, NO_BRANCH)
+        return result
+
+
+class LRSnapshotSyncOperator(_SessionStepOperator):
+    """Snapshot (full) sync of one session: request → wait for the client's data → transfer →
+    apply → complete.
+
+    :param wait_for_data: when the client has not supplied the data yet, wait for its end marker
+        (deferring to ``LRSnapshotEndTrigger``, no worker slot held) instead of returning
+        ``waiting`` for the next run to pick up. ``lr_replication`` does not wait (one slow client
+        must not hold every session's next cycle); ``lr_full_sync`` does.
+    :param deferrable: wait in the triggerer (default ``[operators] default_deferrable``, else True)
+    :param poll_interval: first poll interval of the wait, doubled up to ``max_poll_interval``
+    """
+
+    branch = "snapshot_sync"
+    ui_color = "#fde2e2"
+
+    def __init__(self, *, wait_for_data: bool = False,
+                 deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=True),
+                 poll_interval: float = 1.0, max_poll_interval: float = 30.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.wait_for_data, self.deferrable = wait_for_data, deferrable
+        self.poll_interval, self.max_poll_interval = poll_interval, max_poll_interval
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        self._skip_unless_chosen()
+        with self.runner() as runner:
+            report = runner.snapshot_step()
+        if not (report.waiting and self.wait_for_data):
+            return self._result(report)
+        deadline = self._deadline(report.request_id)
+        self.log.info("session %s: waiting for the client's data of request %s until %s",
+                      report.session, report.request_id, deadline.isoformat())
+        if self.deferrable:
+            from airflow_provider_lr.triggers.session import LRSnapshotEndTrigger
+
+            self.defer(
+                trigger=LRSnapshotEndTrigger(
+                    source_conn_id=self.session["source_conn_id"], request_id=report.request_id,
+                    deadline=deadline.isoformat(), poll_interval=self.poll_interval,
+                    max_poll_interval=self.max_poll_interval,
+                ),
+                method_name="execute_complete",
+                timeout=deadline - datetime.now(timezone.utc) + timedelta(minutes=5),
+            )
+        return self.execute_complete(context, self._wait_here(report.request_id, deadline))
+
+    def _deadline(self, request_id: str) -> datetime:
+        with site_connection(self.session["source_conn_id"], self.session["source"]) as conn:
+            request = full_sync.get_request(conn, request_id)
+        assert request is not None
+        return request.data_deadline.astimezone(timezone.utc)
+
+    def _wait_here(self, request_id: str, deadline: datetime) -> dict[str, Any]:
+        """The non-deferrable wait: the same check as the trigger, polling in the worker."""
+        from airflow_provider_lr.triggers.session import snapshot_end_status
+
+        with site_connection(self.session["source_conn_id"], self.session["source"]) as conn:
+            pause = self.poll_interval
+            while True:
+                event = snapshot_end_status(conn, request_id, deadline)
+                if event is not None:
+                    return event
+                time.sleep(pause)
+                pause = min(pause * 2, self.max_poll_interval)
+
+    def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
+        with self.runner() as runner:
+            report = runner.snapshot_step()  # transfers and applies; records a timeout if it passed
+        if event.get("status") != "supplied":
+            raise AirflowException(
+                f"session {report.session}: the client supplied no full-sync data for request "
+                f"{event.get('request_id')} ({event.get('message', event.get('status'))}); run the client's "
+                "provider (client.serve_full_sync_requests) or name one under `providers:` in the topology"
+            )
+        return self._result(report)
+
+
+class LRLogEntrySyncOperator(_SessionStepOperator):
+    """Log-entry sync of one session: up to ``max_batches`` batches of ``max_entries`` entries,
+    read in commit order and applied idempotently at the sink."""
+
+    branch = "log_entry_sync"
+    ui_color = "#e3f6e3"
+
+    def __init__(self, *, max_batches: int | None = None, max_entries: int | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.max_batches, self.max_entries = max_batches, max_entries
+
+    def _settings(self, topo: Any) -> SessionSettings:
+        return SessionSettings.from_topology(topo, max_batches=self.max_batches, max_entries=self.max_entries)
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        self._skip_unless_chosen()
+        with self.runner() as runner:
+            report = runner.log_entry_step()
+        return self._result(report)

@@ -1,0 +1,143 @@
+"""The Spark fan-out of one source's backlog (``spark_jobs/lr_fanout.py``) as a SparkSubmitOperator.
+
+The job resolves sites from ``$LR_CONNECTIONS_FILE`` (Airflow's connections-file format), so this
+operator materializes the connections the job needs — the source and its sinks, resolved
+through ``LRSiteHook`` from whatever backend Airflow uses — into a temporary 0600 file, passes its
+path in the environment (never credentials on the command line or in logs) and removes it when
+the job ends. The job prints ``LR_RESULT {json}``; that small summary is the task's XCom.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, Iterator, Sequence
+
+from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
+from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+
+from airflow_provider_lr.engine.conninfo import CONNECTIONS_FILE_ENV
+from airflow_provider_lr.hooks.site import LRSiteHook
+from airflow_provider_lr.operators.common import conn_id, load_topology, topology_path
+from airflow_provider_lr.paths import spark_jobs_dir
+
+RESULT_PREFIX = "LR_RESULT "
+
+
+class _ResultCapturingHook(SparkSubmitHook):
+    """SparkSubmitHook that also keeps the job's ``LR_RESULT`` line."""
+
+    result: dict[str, Any] | None = None
+
+    def _process_spark_submit_log(self, itr: Iterator[Any]) -> None:
+        def lines() -> Iterator[Any]:
+            for raw in itr:
+                line = raw.strip() if isinstance(raw, str) else raw.decode(errors="replace").strip()
+                if line.startswith(RESULT_PREFIX):
+                    try:
+                        self.result = json.loads(line[len(RESULT_PREFIX):])
+                    except ValueError:
+                        self.log.warning("unreadable %s line: %s", RESULT_PREFIX.strip(), line[:200])
+                yield raw
+
+        super()._process_spark_submit_log(lines())
+
+
+def write_connections_file(conn_ids: Sequence[str], directory: str | None = None) -> str:
+    """The named Airflow connections in a new 0600 JSON file (``{conn_id: {conn_type, host, ...}}``);
+    the caller removes it."""
+    conns = {cid: LRSiteHook(lr_conn_id=cid).connection_dict() for cid in sorted(set(conn_ids))}
+    fd, path = tempfile.mkstemp(prefix="lr-connections-", suffix=".json", dir=directory)
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            json.dump(conns, handle)
+    except BaseException:
+        os.unlink(path)
+        raise
+    return path
+
+
+class LRSparkFanOutOperator(SparkSubmitOperator):
+    """Deliver one source's backlog to all its sinks with the Spark fan-out job.
+
+    :param source: the source site id (templated)
+    :param max_entries: cap on entries this run delivers (the job's ``--max-entries``)
+    :param conn_id: the Spark connection (master from its host, e.g. ``local[2]`` or ``spark://host:7077``)
+    Other SparkSubmitOperator arguments pass through. Client deploy mode only: the connections file
+    lives on the worker that submits.
+    """
+
+    template_fields: Sequence[str] = (*SparkSubmitOperator.template_fields, "source", "topology_path")
+
+    def __init__(self, *, source: str, topology_path: str | None = None, max_entries: int | None = None,
+                 application: str | None = None, name: str = "lr-fanout", **kwargs: Any) -> None:
+        super().__init__(application=application or str(spark_jobs_dir() / "lr_fanout.py"), name=name, **kwargs)
+        self.source, self.topology_path, self.max_entries = source, topology_path, max_entries
+        self.result: dict[str, Any] | None = None
+
+    def _get_hook(self) -> SparkSubmitHook:
+        hook = super()._get_hook()
+        hook.__class__ = _ResultCapturingHook  # same state, plus the LR_RESULT capture
+        return hook
+
+    def execute(self, context: Any) -> dict[str, Any] | None:
+        path = topology_path(self.topology_path)
+        topo = load_topology(path)
+        sites = {self.source, *(k.sink for k in topo.sessions(source=self.source))}
+        args = ["--source", self.source, "--topology", path]
+        if self.max_entries:
+            args += ["--max-entries", str(int(self.max_entries))]
+        self.application_args = args
+        conns_file = write_connections_file([conn_id(topo, s) for s in sites])
+        self.env_vars = {**(self.env_vars or {}), CONNECTIONS_FILE_ENV: conns_file}
+        self._hook = None  # build the hook with this run's arguments and environment
+        try:
+            super().execute(context)
+        finally:
+            os.unlink(conns_file)
+        self.result = getattr(self._hook, "result", None)
+        self.log.info("fan-out of %s: %s", self.source, self.result)
+        return self.result
+
+
+DEFAULT_SPARK_MIN_BACKLOG = 50_000
+
+
+def spark_min_backlog(topo: Any) -> int:
+    """Backlog (entries) from which a source's catch-up goes through Spark: the topology's
+    ``spark_min_backlog`` setting, else the fan-out engine's default when it defines one."""
+    try:
+        from airflow_provider_lr.engine import fanout  # the Spark fan-out engine, when installed
+
+        default = int(getattr(fanout, "SPARK_MIN_BACKLOG", DEFAULT_SPARK_MIN_BACKLOG))
+    except ImportError:
+        default = DEFAULT_SPARK_MIN_BACKLOG
+    return topo.setting("spark_min_backlog", default)
+
+
+def plan_fanout(site: dict[str, str], spark_conn_id: str, topology_file: str | None = None) -> dict[str, Any]:
+    """Choose how a source's backlog moves this run: ``spark`` when it is at least the
+    threshold and Spark is usable (job installed, connection defined), else ``in_process``
+    (a small batch must not pay for a Spark start). Small dict for XCom."""
+    from airflow.sdk import BaseHook
+
+    from airflow_provider_lr.engine import status
+    from airflow_provider_lr.operators.common import site_connection
+
+    topo = load_topology(topology_file)
+    threshold = spark_min_backlog(topo)
+    with site_connection(site["conn_id"], site["site"]) as conn:
+        backlog = status.source_backlog(conn)
+    plan = {"source": site["site"], "backlog": backlog, "threshold": threshold, "path": "in_process", "why": ""}
+    if backlog < threshold:
+        plan["why"] = f"backlog {backlog} < spark_min_backlog {threshold}"
+    elif not (spark_jobs_dir() / "lr_fanout.py").exists():
+        plan["why"] = f"backlog {backlog} but the Spark job is not installed in {spark_jobs_dir()}"
+    else:
+        try:
+            BaseHook.get_connection(spark_conn_id)
+            plan["path"], plan["why"] = "spark", f"backlog {backlog} >= spark_min_backlog {threshold}"
+        except Exception:
+            plan["why"] = f"backlog {backlog} but no Spark connection {spark_conn_id!r}"
+    return plan

@@ -1,0 +1,121 @@
+"""Deferrable sensors over a source site's metadata. Deferred (the default), they wait in the
+triggerer with no worker slot held; ``deferrable=False`` pokes the same check from a worker."""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Sequence
+
+from airflow.sdk import BaseSensorOperator, PokeReturnValue
+from airflow.sdk.configuration import conf
+from airflow.sdk.exceptions import AirflowException
+
+from airflow_provider_lr.engine import status
+from airflow_provider_lr.operators.common import conn_id, load_topology, site_connection
+from airflow_provider_lr.triggers.session import (
+    LRDeliveredTrigger,
+    LRNewLogEntriesTrigger,
+    LRSnapshotEndTrigger,
+    _PollingTrigger,
+)
+
+_SUCCESS = ("success", "supplied")
+
+
+class _LRSensor(BaseSensorOperator):
+    template_fields: Sequence[str] = ("source", "topology_path")
+
+    def __init__(self, *, source: str, topology_path: str | None = None,
+                 deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=True),
+                 poll_interval: float = 1.0, max_poll_interval: float = 30.0, **kwargs: Any) -> None:
+        kwargs.setdefault("poke_interval", poll_interval)
+        super().__init__(**kwargs)
+        self.source, self.topology_path, self.deferrable = source, topology_path, deferrable
+        self.poll_interval, self.max_poll_interval = poll_interval, max_poll_interval
+
+    def build_trigger(self) -> _PollingTrigger:
+        raise NotImplementedError
+
+    def _source_conn_id(self) -> str:
+        return conn_id(load_topology(self.topology_path), self.source)
+
+    def _polling(self) -> dict[str, Any]:
+        return {"poll_interval": self.poll_interval, "max_poll_interval": self.max_poll_interval}
+
+    def _check_now(self, trigger: _PollingTrigger) -> dict[str, Any] | None:
+        with site_connection(trigger.source_conn_id, self.source) as conn:
+            return trigger.check(conn)
+
+    def poke(self, context: Any) -> PokeReturnValue:
+        event = self._check_now(self.build_trigger())
+        return PokeReturnValue(is_done=event is not None, xcom_value=event)
+
+    def execute(self, context: Any) -> Any:
+        if not self.deferrable:
+            return super().execute(context)
+        trigger = self.build_trigger()
+        event = self._check_now(trigger)  # already true: no deferral round trip
+        if event is not None:
+            return self.execute_complete(context, event)
+        self.defer(trigger=trigger, method_name="execute_complete", timeout=timedelta(seconds=self.timeout))
+
+    def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
+        if event.get("status") not in _SUCCESS:
+            raise AirflowException(f"{self.task_id}: {event.get('status')}: {event.get('message', event)}")
+        self.log.info("%s: %s", self.task_id, event)
+        return event
+
+
+class LRNewLogEntriesSensor(_LRSensor):
+    """Waits until the session ``source`` → ``sink`` for ``client`` has at least ``min_entries``
+    committed entries its sink has not acknowledged yet."""
+
+    template_fields: Sequence[str] = ("source", "sink", "client", "topology_path")
+
+    def __init__(self, *, sink: str, client: str, min_entries: int = 1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.sink, self.client, self.min_entries = sink, client, min_entries
+
+    def build_trigger(self) -> LRNewLogEntriesTrigger:
+        return LRNewLogEntriesTrigger(self._source_conn_id(), self.sink, self.client, int(self.min_entries),
+                                      **self._polling())
+
+
+class LRSnapshotEndSensor(_LRSensor):
+    """Waits until the client has supplied the data of full-sync request ``request_id`` (its end
+    marker is in the source's log); fails if the request is closed without data."""
+
+    template_fields: Sequence[str] = ("source", "request_id", "topology_path")
+
+    def __init__(self, *, request_id: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.request_id = request_id
+
+    def build_trigger(self) -> LRSnapshotEndTrigger:
+        return LRSnapshotEndTrigger(self._source_conn_id(), str(self.request_id), None, **self._polling())
+
+
+class LRDeliveredSensor(_LRSensor):
+    """Waits until the entry transmitted at commit ``position`` on ``source`` for ``client`` is
+    safe on every named destination and/or durable in ``min_regions`` distinct regions.
+
+    Refuses (fails at once, no wait) a destination that is not a sink of that client, and a
+    ``min_regions`` the destinations can never reach (DESIGN seed 004, minRegionsForDurability).
+    Get ``position`` after the transmitting transaction commits:
+    ``engine.status.commit_position(conn, tx)`` with ``tx`` from ``SELECT pg_current_xact_id()``.
+    """
+
+    template_fields: Sequence[str] = ("source", "client", "position", "destinations", "min_regions", "topology_path")
+
+    def __init__(self, *, client: str, position: int | str, destinations: list[str] | None = None,
+                 min_regions: int = 0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.client, self.position = client, position
+        self.destinations, self.min_regions = destinations, min_regions
+        if not destinations and not min_regions:
+            raise ValueError(f"{self.task_id}: name destinations, min_regions, or both")
+
+    def build_trigger(self) -> LRDeliveredTrigger:
+        topo = load_topology(self.topology_path)
+        target = status.delivery_target(topo, self.source, self.client, list(self.destinations or []),
+                                        int(self.min_regions or 0))
+        return LRDeliveredTrigger.for_target(conn_id(topo, self.source), target, int(self.position), **self._polling())

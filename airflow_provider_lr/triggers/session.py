@@ -1,0 +1,170 @@
+"""Triggers that wait on a source site's metadata: new log entries for a session, a full sync's
+end marker, an entry delivered to destinations or regions.
+
+They poll with backoff rather than LISTEN: a NOTIFY sent by ``transmit`` would take PostgreSQL's
+global notify lock at every application commit and serialize the writers (DESIGN §6 property 3).
+Every database call runs in a worker thread (``asyncio.to_thread``): psycopg2 blocks, the
+triggerer's event loop must not. The checks themselves are engine functions, shared with the
+sensors' non-deferrable mode.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import datetime, timezone
+from typing import Any, AsyncIterator
+
+import psycopg2
+import psycopg2.extensions
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from airflow_provider_lr.engine import full_sync, status
+from airflow_provider_lr.hooks.site import LRSiteHook
+
+log = logging.getLogger(__name__)
+_MODULE = __name__
+
+
+def snapshot_end_status(
+    conn: psycopg2.extensions.connection, request_id: str, deadline: datetime | None
+) -> dict[str, Any] | None:
+    """The event once a full-sync request's data is complete (its end marker is in the log: the
+    request turns 'supplied' in the transaction that writes the marker), closed, or past
+    ``deadline``; None while still pending."""
+    request = full_sync.get_request(conn, request_id)
+    if request is None:
+        return {"status": "closed", "request_id": request_id, "message": "no such full-sync request"}
+    if request.status in ("supplied", "applied"):
+        return {"status": "supplied", "request_id": request_id, "entries": request.entries}
+    if request.status != "pending":
+        return {"status": "closed", "request_id": request_id, "message": f"request {request.status}"}
+    if deadline is not None and datetime.now(timezone.utc) > deadline:
+        return {"status": "timeout", "request_id": request_id, "message": f"no data by {deadline.isoformat()}"}
+    return None
+
+
+def new_entries_status(conn: psycopg2.extensions.connection, sink: str, client: str, min_entries: int = 1) -> dict[str, Any] | None:
+    count, highest = status.pending_entries(conn, sink, client)
+    if count >= min_entries:
+        return {"status": "success", "sink": sink, "client": client, "pending": count, "highest_position": highest}
+    return None
+
+
+def delivered_status(conn: psycopg2.extensions.connection, target: status.DeliveryTarget, position: int) -> dict[str, Any] | None:
+    done, have, regions = target.progress(status.acknowledged(conn, target.client), position)
+    if done:
+        return {"status": "success", "position": position, "safe_on": have, "regions": regions}
+    return None
+
+
+class _PollingTrigger(BaseTrigger):
+    """Connects to the source through its Airflow connection and runs ``check`` until it returns
+    an event, sleeping ``poll_interval`` doubled after each miss up to ``max_poll_interval``.
+    A lost connection is retried (the site may be restarting); any other error ends the wait
+    with an ``error`` event that the task turns into a failure."""
+
+    def __init__(self, source_conn_id: str, poll_interval: float = 1.0, max_poll_interval: float = 30.0) -> None:
+        super().__init__()
+        self.source_conn_id = source_conn_id
+        self.poll_interval = float(poll_interval)
+        self.max_poll_interval = float(max_poll_interval)
+
+    def _kwargs(self) -> dict[str, Any]:
+        return {"source_conn_id": self.source_conn_id, "poll_interval": self.poll_interval,
+                "max_poll_interval": self.max_poll_interval}
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return f"{_MODULE}.{type(self).__name__}", self._kwargs()
+
+    def check(self, conn: psycopg2.extensions.connection) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        pause = self.poll_interval
+        conn: psycopg2.extensions.connection | None = None
+        try:
+            info = await LRSiteHook(lr_conn_id=self.source_conn_id).aget_conninfo()
+            while True:
+                try:
+                    if conn is None or conn.closed:
+                        conn = await asyncio.to_thread(info.connect)
+                    event = await asyncio.to_thread(self.check, conn)
+                except (psycopg2.OperationalError, psycopg2.InterfaceError) as exc:
+                    log.warning("%s: source %s unreachable, retrying: %s", type(self).__name__, self.source_conn_id, exc)
+                    if conn is not None:
+                        conn.close()
+                    conn, event = None, None
+                if event is not None:
+                    yield TriggerEvent(event)
+                    return
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, self.max_poll_interval)
+        except Exception as exc:  # a configuration or schema problem: end the wait, the task reports it
+            yield TriggerEvent({"status": "error", "message": f"{type(exc).__name__}: {exc}"})
+        finally:
+            if conn is not None and not conn.closed:
+                conn.close()
+
+
+class LRNewLogEntriesTrigger(_PollingTrigger):
+    """Fires when the session (source → ``sink`` for ``client``) has at least ``min_entries``
+    committed entries its sink has not acknowledged."""
+
+    def __init__(self, source_conn_id: str, sink: str, client: str, min_entries: int = 1, **kwargs: Any) -> None:
+        super().__init__(source_conn_id, **kwargs)
+        self.sink, self.client, self.min_entries = sink, client, int(min_entries)
+
+    def _kwargs(self) -> dict[str, Any]:
+        return {**super()._kwargs(), "sink": self.sink, "client": self.client, "min_entries": self.min_entries}
+
+    def check(self, conn: psycopg2.extensions.connection) -> dict[str, Any] | None:
+        return new_entries_status(conn, self.sink, self.client, self.min_entries)
+
+
+class LRSnapshotEndTrigger(_PollingTrigger):
+    """Fires when the client has supplied a full sync's data (end marker written), when the request
+    is closed, or at ``deadline`` (ISO time; the request's data deadline)."""
+
+    def __init__(self, source_conn_id: str, request_id: str, deadline: str | None = None, **kwargs: Any) -> None:
+        super().__init__(source_conn_id, **kwargs)
+        self.request_id, self.deadline = request_id, deadline
+
+    def _kwargs(self) -> dict[str, Any]:
+        return {**super()._kwargs(), "request_id": self.request_id, "deadline": self.deadline}
+
+    def check(self, conn: psycopg2.extensions.connection) -> dict[str, Any] | None:
+        deadline = datetime.fromisoformat(self.deadline) if self.deadline else None
+        return snapshot_end_status(conn, self.request_id, deadline)
+
+
+class LRDeliveredTrigger(_PollingTrigger):
+    """Fires when the entry at commit ``position`` is safe on every one of ``destinations`` and
+    stored in at least ``min_regions`` distinct regions (the source's region counts), judged from
+    the sinks' acknowledgements recorded on the source. ``candidates`` maps the sinks that may
+    count to their regions (validated by ``engine.status.delivery_target`` before deferring)."""
+
+    def __init__(self, source_conn_id: str, source: str, client: str, position: int, candidates: dict[str, str],
+                 source_region: str, destinations: list[str] | None = None, min_regions: int = 0,
+                 **kwargs: Any) -> None:
+        super().__init__(source_conn_id, **kwargs)
+        self.source, self.client, self.position = source, client, int(position)
+        self.candidates, self.source_region = dict(candidates), source_region
+        self.destinations, self.min_regions = list(destinations or []), int(min_regions)
+
+    @classmethod
+    def for_target(cls, source_conn_id: str, target: status.DeliveryTarget, position: int, **kwargs: Any) -> "LRDeliveredTrigger":
+        return cls(source_conn_id, target.source, target.client, position, target.candidates, target.source_region,
+                   list(target.destinations), target.min_regions, **kwargs)
+
+    @property
+    def target(self) -> status.DeliveryTarget:
+        return status.DeliveryTarget(self.source, self.client, tuple(self.destinations), self.candidates,
+                                     self.source_region, self.min_regions)
+
+    def _kwargs(self) -> dict[str, Any]:
+        return {**super()._kwargs(), "source": self.source, "client": self.client, "position": self.position,
+                "candidates": self.candidates, "source_region": self.source_region,
+                "destinations": self.destinations, "min_regions": self.min_regions}
+
+    def check(self, conn: psycopg2.extensions.connection) -> dict[str, Any] | None:
+        return delivered_status(conn, self.target, self.position)

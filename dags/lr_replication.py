@@ -1,0 +1,93 @@
+"""lr_replication: replicate every session of the topology, one mapped task group per session.
+
+Each run: discover the sessions (from the topology: Variable ``lr_topology``, ``$LR_TOPOLOGY`` or
+the shipped ``include/topology.yaml``), plan per source whether its backlog goes through Spark
+(``spark_min_backlog``), run the Spark fan-outs, then one task group per session:
+
+    decide (negotiation) ─┬─ snapshot_sync   (skips itself unless chosen)
+                          └─ log_entry_sync  (skips itself unless chosen) ── report
+
+``@task.branch`` inside a mapped task group runs both branches in Airflow 3.3.2 (#67265), hence
+the skip-in-branch pattern. A session's failure (a sink that is down, a refused negotiation)
+fails only its own group; the next run retries it. Scheduled on a short interval with one active
+run rather than ``@continuous``: a run ends only when every session's group ends, so an idle
+gate in a continuous run would hold busy sessions back, while a short interval bounds both the
+idle cost and the latency (``LR_REPLICATION_INTERVAL_S``, default 30 s). A snapshot waiting for
+its client's data does not hold the run: the next run picks it up.
+"""
+from __future__ import annotations
+
+import os
+from datetime import datetime, timedelta, timezone
+
+from airflow.sdk import TriggerRule, dag, task, task_group
+
+from airflow_provider_lr.operators import LRDiscoverSessionsOperator, LRLogEntrySyncOperator, LRNegotiateOperator
+from airflow_provider_lr.operators import LRSnapshotSyncOperator
+from airflow_provider_lr.operators.spark import LRSparkFanOutOperator
+
+INTERVAL = timedelta(seconds=float(os.environ.get("LR_REPLICATION_INTERVAL_S", "30")))
+SPARK_CONN_ID = os.environ.get("LR_SPARK_CONN_ID", "spark_default")
+
+
+@dag(
+    dag_id="lr_replication",
+    schedule=INTERVAL,
+    start_date=datetime(2026, 1, 1, tzinfo=timezone.utc),
+    catchup=False,
+    max_active_runs=1,
+    dagrun_timeout=timedelta(hours=1),
+    default_args={"retries": 0},
+    tags=["lr", "replication"],
+    doc_md=__doc__,
+)
+def lr_replication() -> None:
+    sessions = LRDiscoverSessionsOperator(task_id="discover_sessions")
+
+    @task
+    def sources(sessions: list[dict]) -> list[dict]:
+        """The distinct sources of the sessions, as site dicts."""
+        found = {s["source"]: {"site": s["source"], "conn_id": s["source_conn_id"]} for s in sessions}
+        return [found[k] for k in sorted(found)]
+
+    @task
+    def plan(site: dict) -> dict:
+        """Per source: Spark for a large backlog, in-process otherwise."""
+        from airflow_provider_lr.operators.spark import plan_fanout
+
+        return plan_fanout(site, SPARK_CONN_ID)
+
+    @task
+    def spark_sources(plans: list[dict]) -> list[str]:
+        return [p["source"] for p in plans if p["path"] == "spark"]
+
+    plans = plan.expand(site=sources(sessions.output))
+    fanout = LRSparkFanOutOperator.partial(
+        task_id="spark_fanout", conn_id=SPARK_CONN_ID, conf={"spark.ui.enabled": "false"}
+    ).expand(source=spark_sources(plans))
+
+    @task(trigger_rule=TriggerRule.NONE_FAILED_MIN_ONE_SUCCESS)
+    def report(session: dict) -> dict:
+        """The session's state as its source records it (state lives in PostgreSQL, not XCom)."""
+        from airflow_provider_lr.engine import status
+        from airflow_provider_lr.operators.common import site_connection
+
+        with site_connection(session["source_conn_id"], session["source"]) as conn:
+            rows = status.site_status(conn, session["source"]).sessions
+        row = next(r for r in rows if r["role"] == "source" and r["sink_site_id"] == session["sink"]
+                   and r["client_name"] == session["client"])
+        return {"session": session["session"], "state": row["state"], "acked": row["last_applied_position"],
+                "remaining": row["remaining_entries_to_send"], "last_error": row["last_error"]}
+
+    @task_group(group_id="session")
+    def replicate(session: dict) -> None:
+        # all_done: a failed or skipped Spark fan-out must not stop the sessions (they catch up here)
+        decide = LRNegotiateOperator(task_id="decide", session=session, trigger_rule=TriggerRule.ALL_DONE)
+        snapshot = LRSnapshotSyncOperator(task_id="snapshot_sync", session=session, decision=decide.output)
+        log_entries = LRLogEntrySyncOperator(task_id="log_entry_sync", session=session, decision=decide.output)
+        decide >> [snapshot, log_entries] >> report(session)
+
+    fanout >> replicate.expand(session=sessions.output)
+
+
+lr_replication()
