@@ -143,13 +143,17 @@ class _SinkWrite:
             page_size=1000,
         )
 
-    def announce(self) -> None:
-        """Register the receive queue (first write after any restart) and wake subscribers at commit."""
+    def register(self) -> None:
+        """Register the receive queue so subscribers discover it by prefix (idempotent)."""
         self.cur.execute(
             "INSERT INTO lr.registry (stream_name, kind, stream_tags, source_site_id, client_name) "
             "VALUES (%s, 'receive_queue', ARRAY[%s], %s, %s) ON CONFLICT (stream_name) DO NOTHING",
             (receive_queue_name(self.client, self.source), f"lrq_recv_{self.client}", self.source, self.client),
         )
+
+    def announce(self) -> None:
+        """Register the receive queue (first write after any restart) and wake subscribers at commit."""
+        self.register()
         self.cur.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, f"{self.client}/{self.source}"))
 
 
@@ -180,6 +184,7 @@ def start_snapshot(
             "DELETE FROM lr.receive_queue WHERE source_site_id = %s AND client_name = %s AND NOT visible",
             (source, client),
         )
+        write.register()  # the first write of a snapshot sync registers the queue (seed 000)
         write.update(
             snapshot_request_id=sync_id,
             snapshot_started=base,

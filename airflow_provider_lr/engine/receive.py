@@ -1,0 +1,545 @@
+"""Delivery from a sink's receive queues ``LRQ_Recv_<client>_<source>`` to an application listener.
+
+The replicator appends every session's entries to ``lr.receive_queue`` (``seq`` is the sink-side
+order) and flips them ``visible`` when a snapshot or a log-entry batch is applied. This module is the
+consumer side, shared by ``RoutingQueueSubscriber`` and the relay's subscriptions:
+
+* discovery: a client's queues are found in ``lr.registry`` by the prefix ``LRQ_Recv_<client>_`` (the
+  registry's ``client_name`` column disambiguates clients whose names share a prefix);
+* delivery of one *run* per transaction: the leading rows of one kind of a queue's visible rows, in
+  ``seq`` order and bounded. Markers (full-sync start and complete) are runs of one. The listener's
+  ``True`` deletes the run in that same transaction; ``False`` or an exception rolls it back, so the run
+  is delivered again later and nothing behind it in that queue is delivered first;
+* one consumer per queue at a time: a transaction-scoped advisory lock on the queue name, so two
+  subscribers of one client never interleave a source's entries (they share the queues instead);
+* malformed entries (protobuf that does not parse, an unknown or inconsistent kind) are moved to
+  ``lr.receive_dead_letters`` with their error, and delivery goes on.
+
+During a callback, ``ReceiveQueueReader.conn`` is in the delivery transaction: whatever the listener
+writes through it commits or rolls back together with the delete, which gives exactly-once.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Protocol, Sequence
+
+import psycopg2
+import psycopg2.extensions
+from google.protobuf.message import DecodeError
+
+from airflow_provider_lr.engine.sink import NOTIFY_CHANNEL, receive_queue_name
+from airflow_provider_lr.proto import lr_pb2
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH = 500          # rows handed to the listener in one callback at most
+DEFAULT_POLL_INTERVAL = 2.0  # full pass (discovery included) when no notification arrives
+DEFAULT_RETRY_INTERVAL = 0.5  # a queue whose delivery failed is tried again after this
+# pg_try_advisory_xact_lock(int, int) class of the per-queue consumer lock (two-int keys never
+# collide with the one-bigint keys of the commit and schema locks).
+CONSUMER_LOCK_CLASS = 0x6C72_7271  # "lrrq"
+PASS_RUNS = 8  # a follow loop looks at its stop event at least every this many full batches
+
+START, SNAPSHOT, COMPLETE, LOG = (
+    lr_pb2.SNAPSHOT_SYNC_START, lr_pb2.SNAPSHOT_SYNC, lr_pb2.LAST_FULL_SYNC_ENTRY, lr_pb2.LOG_ENTRY_SYNC,
+)
+KINDS = (START, SNAPSHOT, COMPLETE, LOG)
+
+
+class Listener(Protocol):
+    """What an application implements (DESIGN §5). Optional: ``on_error(source, error)``."""
+
+    def on_snapshot_sync_start(self, source: str) -> Any: ...
+    def on_snapshot_messages(self, source: str, payloads: list[bytes]) -> bool: ...
+    def on_snapshot_sync_complete(self, source: str) -> Any: ...
+    def on_log_entry_messages(self, source: str, payloads: list[bytes]) -> bool: ...
+
+
+@dataclass
+class DeliveryStats:
+    """What delivery did; ``delivered`` counts queue entries acknowledged (markers included)."""
+
+    delivered: int = 0
+    refused: int = 0        # entries the listener returned False for (kept for redelivery)
+    failures: int = 0       # listener exceptions (entries kept)
+    dead_letters: int = 0   # malformed entries moved aside
+    busy: int = 0           # queues skipped because another consumer held them
+    errors: list[str] = field(default_factory=list)  # the most recent failures, newest last
+
+    MAX_ERRORS = 20
+
+    def add(self, other: "DeliveryStats") -> None:
+        self.delivered += other.delivered
+        self.refused += other.refused
+        self.failures += other.failures
+        self.dead_letters += other.dead_letters
+        self.busy += other.busy
+        self.errors = (self.errors + other.errors)[-self.MAX_ERRORS:]
+
+    def note_error(self, text: str) -> None:
+        self.errors = (self.errors + [text])[-self.MAX_ERRORS:]
+
+
+@dataclass
+class PassReport(DeliveryStats):
+    """One delivery pass: the stats plus which queues still hold work (for the follow loop)."""
+
+    unfinished: set[str] = field(default_factory=set)  # budget ran out with rows left
+    failed: set[str] = field(default_factory=set)      # refused, raised or busy: retry later
+
+
+@dataclass(frozen=True)
+class _Row:
+    seq: int
+    kind: int
+    payload: bytes
+
+
+class DeliveryContext:
+    """The connection a consumer delivers on, for listener callbacks: writes made through it
+    commit with the delete of the delivered entries or roll back with it (exactly once). Never
+    commit or roll it back yourself."""
+
+    _delivering: psycopg2.extensions.connection | None = None
+
+    @property
+    def connection(self) -> psycopg2.extensions.connection:
+        if self._delivering is None:
+            raise RuntimeError(f"{type(self).__name__}.connection is only available inside a listener callback")
+        return self._delivering
+
+    def cursor(self) -> psycopg2.extensions.cursor:
+        """A cursor in the delivery transaction (inside a callback)."""
+        return self.connection.cursor()
+
+    def _set_delivering(self, conn: psycopg2.extensions.connection | None) -> None:
+        self._delivering = conn
+
+
+def queue_prefix(client: str) -> str:
+    return receive_queue_name(client, "")
+
+
+def discover(conn: psycopg2.extensions.connection, client: str) -> list[str]:
+    """Sources whose receive queue for ``client`` is registered on this sink, sorted."""
+    prefix = queue_prefix(client).replace("\\", "\\\\").replace("_", "\\_").replace("%", "\\%")
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT source_site_id FROM lr.registry WHERE kind = 'receive_queue' AND stream_name LIKE %s "
+            "AND client_name = %s AND source_site_id IS NOT NULL ORDER BY 1",
+            (prefix + "%", client),
+        )
+        sources = [r[0] for r in cur.fetchall()]
+    conn.commit()
+    return sources
+
+
+class ReceiveQueueReader:
+    """Delivers one client's receive queues on one sink connection (not thread-safe: one per thread)."""
+
+    def __init__(self, conn: psycopg2.extensions.connection, batch_size: int = DEFAULT_BATCH) -> None:
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        self.conn = conn
+        self.batch_size = batch_size
+
+    def deliver(
+        self,
+        listener: Listener,
+        client: str,
+        sources: Iterable[str] | None = None,
+        max_messages: int | None = None,
+        skip: Iterable[str] = (),
+    ) -> PassReport:
+        """One pass over ``sources`` (default: every discovered queue of ``client``): each queue
+        delivers runs in order until it is empty, a delivery fails, or the budget is spent. Queues
+        take turns run by run, so one long queue does not starve the others. ``skip``: queues
+        waiting to be retried."""
+        report = PassReport()
+        budget = max_messages if max_messages is not None else float("inf")
+        found = sorted(set(sources)) if sources is not None else discover(self.conn, client)
+        active = [s for s in found if s not in set(skip)]
+        while active and budget > 0:
+            for source in list(active):
+                if budget <= 0:
+                    report.unfinished.update(active)
+                    break
+                handed, done = self._deliver_run(listener, client, source, int(min(budget, self.batch_size)), report)
+                budget -= handed
+                if done:
+                    active.remove(source)
+        if budget <= 0:
+            report.unfinished.update(active)
+        return report
+
+    # --- one run ------------------------------------------------------------------------------
+    def _deliver_run(
+        self, listener: Listener, client: str, source: str, limit: int, report: PassReport
+    ) -> tuple[int, bool]:
+        """Deliver the next run of ``source``'s queue; returns (entries handed over, queue done for
+        this pass). Malformed rows are moved aside first (their own committed transaction)."""
+        rows = self._lock_and_read(client, source, limit)
+        if rows is None:
+            report.busy += 1
+            report.failed.add(source)
+            return 0, True
+        if not rows:
+            self.conn.commit()
+            return 0, True
+        decoded = [_decode(r) for r in rows]
+        bad = [(r, err) for r, err in zip(rows, decoded) if isinstance(err, str)]
+        if bad:
+            self._move_aside(client, source, bad, report, listener)
+            return 0, False
+        run = _leading_run([r for r in decoded if isinstance(r, _Row)])
+        try:
+            ok = _call(listener, run[0].kind, source, [r.payload for r in run])
+        except Exception as exc:  # the listener's failure: report it, keep the entries
+            self._rollback()
+            report.failures += 1
+            report.failed.add(source)
+            text = f"{receive_queue_name(client, source)}: listener raised {type(exc).__name__}: {exc}"
+            report.note_error(text)
+            log.warning("%s (%d entries kept for redelivery)", text, len(run), exc_info=True)
+            _on_error(listener, source, exc)
+            return len(run), True
+        if not ok:
+            self._rollback()
+            report.refused += len(run)
+            report.failed.add(source)
+            return len(run), True
+        with self.conn.cursor() as cur:
+            cur.execute("DELETE FROM lr.receive_queue WHERE seq = ANY(%s)", ([r.seq for r in run],))
+        self.conn.commit()
+        report.delivered += len(run)
+        return len(run), False
+
+    def _lock_and_read(self, client: str, source: str, limit: int) -> list[_Row] | None:
+        """Open the delivery transaction: take the queue's consumer lock (None if another consumer
+        has it) and read its next visible rows in sink order. Rows behind a snapshot still being
+        transferred (an invisible row with a lower seq) wait for it, so full-sync data stays ahead."""
+        with self.conn.cursor() as cur:
+            cur.execute(
+                "SELECT pg_try_advisory_xact_lock(%s, hashtext(%s))",
+                (CONSUMER_LOCK_CLASS, receive_queue_name(client, source)),
+            )
+            if not cur.fetchone()[0]:
+                self.conn.rollback()
+                return None
+            cur.execute(
+                "SELECT seq, kind, message FROM lr.receive_queue "
+                "WHERE client_name = %s AND source_site_id = %s AND visible AND seq < coalesce(("
+                "  SELECT min(seq) FROM lr.receive_queue WHERE source_site_id = %s AND client_name = %s AND NOT visible"
+                "), 'Infinity'::numeric) ORDER BY seq LIMIT %s",
+                (client, source, source, client, limit),
+            )
+            return [_Row(seq, kind, bytes(message)) for seq, kind, message in cur.fetchall()]
+
+    def _move_aside(
+        self, client: str, source: str, bad: list[tuple[_Row, str]], report: PassReport, listener: Listener
+    ) -> None:
+        with self.conn.cursor() as cur:
+            for row, error in bad:
+                cur.execute(
+                    "INSERT INTO lr.receive_dead_letters (seq, source_site_id, client_name, kind, message, error) "
+                    "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (seq) DO NOTHING",
+                    (row.seq, source, client, row.kind, psycopg2.Binary(row.payload), error),
+                )
+            cur.execute("DELETE FROM lr.receive_queue WHERE seq = ANY(%s)", ([r.seq for r, _ in bad],))
+        self.conn.commit()
+        report.dead_letters += len(bad)
+        for row, error in bad:
+            text = f"{receive_queue_name(client, source)}: entry seq {row.seq} moved to lr.receive_dead_letters: {error}"
+            report.note_error(text)
+            log.error(text)
+            _on_error(listener, source, MalformedEntryError(text))
+
+    def _rollback(self) -> None:
+        if not self.conn.closed:
+            self.conn.rollback()
+
+
+class MalformedEntryError(ValueError):
+    """A receive-queue entry that cannot be delivered; it was moved to lr.receive_dead_letters."""
+
+
+def _decode(row: _Row) -> _Row | str:
+    """The row with its payload unwrapped, or why it cannot be delivered."""
+    if row.kind not in KINDS:
+        return f"unknown entry kind {row.kind}"
+    try:
+        msg = lr_pb2.RoutingTableEntryMsg.FromString(row.payload)
+    except (DecodeError, ValueError) as exc:
+        return f"malformed RoutingTableEntryMsg: {exc}"
+    if msg.type != row.kind:
+        return f"entry kind {row.kind} but its message says type {msg.type}"
+    return _Row(row.seq, row.kind, msg.opaque_payload)
+
+
+def _leading_run(rows: Sequence[_Row]) -> list[_Row]:
+    """The first row's kind, as many in a row as follow it; a marker is a run of one."""
+    first = rows[0]
+    if first.kind in (START, COMPLETE):
+        return [first]
+    run = [first]
+    for row in rows[1:]:
+        if row.kind != first.kind:
+            break
+        run.append(row)
+    return run
+
+
+def _call(listener: Listener, kind: int, source: str, payloads: list[bytes]) -> bool:
+    """Hand a run to its callback. Markers succeed unless the callback returns False explicitly;
+    message callbacks must return a true value to acknowledge."""
+    if kind == START:
+        return listener.on_snapshot_sync_start(source) is not False
+    if kind == COMPLETE:
+        return listener.on_snapshot_sync_complete(source) is not False
+    if kind == SNAPSHOT:
+        return bool(listener.on_snapshot_messages(source, payloads))
+    return bool(listener.on_log_entry_messages(source, payloads))
+
+
+def _on_error(listener: Listener, source: str, exc: Exception) -> None:
+    handler = getattr(listener, "on_error", None)
+    if handler is None:
+        return
+    try:
+        handler(source, exc)
+    except Exception:  # a failing error handler must not stop delivery
+        log.exception("listener.on_error raised")
+
+
+# --- following new arrivals -------------------------------------------------------------------
+ALL = None  # a wake-up that asks for a full pass (discovery included)
+
+
+class Tap:
+    """A LISTEN connection on ``lr_recv``, used by one thread, interruptible from any other.
+
+    ``wait`` returns the (client, source) pairs notified ("<client>/<source>"), deduplicated, so
+    a burst of commits on one queue is one wake-up. It opens the connection when ``wanted`` and
+    closes it when not (a tap exists only while something is demanded). After every (re)open it
+    returns ``ALL``: notifications sent while it was not listening were not seen."""
+
+    def __init__(self, connect: Callable[[], psycopg2.extensions.connection]) -> None:
+        self._connect = connect
+        self._conn: psycopg2.extensions.connection | None = None
+        self.wanted = True
+        self._pipe_r, self._pipe_w = os.pipe()
+        os.set_blocking(self._pipe_r, False)
+        os.set_blocking(self._pipe_w, False)
+        self._pipe_lock = threading.Lock()  # an fd closed by close() must never be written (reuse)
+        self._closed = False
+
+    @property
+    def listening(self) -> bool:
+        return self._conn is not None
+
+    def interrupt(self) -> None:
+        """Wake a ``wait`` in progress (thread-safe, never blocks)."""
+        with self._pipe_lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._pipe_w, b"x")
+            except OSError:
+                pass  # a wake-up is already pending
+
+    def wait(self, timeout: float) -> list[tuple[str, str]] | None:
+        """Notified (client, source) pairs within ``timeout`` seconds; [] on timeout or interrupt;
+        ``ALL`` when the tap was just (re)opened or lost."""
+        if self.wanted and self._conn is None:
+            try:
+                conn = self._connect()
+                conn.autocommit = True
+                with conn.cursor() as cur:
+                    cur.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                self._conn = conn
+            except psycopg2.Error as exc:
+                log.warning("receive-queue LISTEN connection failed (%s); polling until it is back", exc)
+                self._select([], min(timeout, 0.5))
+            return ALL
+        if not self.wanted and self._conn is not None:
+            self._drop()
+        ready = self._select([self._conn] if self._conn is not None else [], timeout)
+        if ready is None:
+            self._drop()
+            return ALL
+        if self._conn is None or self._conn not in ready:
+            return []
+        try:
+            self._conn.poll()
+        except psycopg2.Error:
+            self._drop()
+            return ALL
+        seen: dict[tuple[str, str], None] = {}
+        for note in self._conn.notifies:
+            client, _, source = note.payload.partition("/")
+            seen[(client, source)] = None
+        self._conn.notifies.clear()
+        return list(seen)
+
+    def _select(self, conns: list[Any], timeout: float) -> list[Any] | None:
+        """Wait for the connections or an interrupt; drains the interrupt. None if select failed."""
+        try:
+            ready, _, _ = select.select([self._pipe_r, *conns], [], [], max(timeout, 0.0))
+        except (OSError, ValueError, psycopg2.Error):
+            return None
+        if self._pipe_r in ready:
+            try:
+                while os.read(self._pipe_r, 4096):
+                    pass
+            except OSError:
+                pass
+        return ready
+
+    def _drop(self) -> None:
+        if self._conn is not None and not self._conn.closed:
+            try:
+                self._conn.close()
+            except psycopg2.Error:
+                pass
+        self._conn = None
+
+    def close(self) -> None:
+        """Close the connection and the interrupt pipe (call from the thread that waits, or after it)."""
+        with self._pipe_lock:
+            if self._closed:
+                return
+            self._closed = True
+            for fd in (self._pipe_r, self._pipe_w):
+                os.close(fd)
+        self._drop()
+
+
+class Wakeups(Protocol):
+    """Where a follow loop learns that queues have news: sources of its client, or ``ALL``."""
+
+    def wait(self, timeout: float) -> set[str] | None: ...
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What a consumer wants: one client's queues, from every source (``sources=None``: the
+    discovered ones, new ones included) or from the named sources only."""
+
+    client: str
+    sources: frozenset[str] | None = None
+
+    def wants(self, client: str, source: str) -> bool:
+        return client == self.client and (self.sources is None or source in self.sources)
+
+    def narrow(self, sources: Iterable[str] | None) -> Iterable[str] | None:
+        """The sources to look at for a wake-up (``None``: a full pass)."""
+        if sources is None:
+            return None if self.sources is None else sorted(self.sources)
+        return sorted(s for s in sources if self.sources is None or s in self.sources)
+
+
+def follow(
+    connect: Callable[[], psycopg2.extensions.connection],
+    listener: Listener,
+    demand: Callable[[], Demand],
+    wakeups: Wakeups,
+    stop: threading.Event,
+    stats: DeliveryStats,
+    batch_size: int = DEFAULT_BATCH,
+    poll_interval: float = DEFAULT_POLL_INTERVAL,
+    retry_interval: float = DEFAULT_RETRY_INTERVAL,
+    on_conn: Callable[[psycopg2.extensions.connection | None], None] | None = None,
+) -> None:
+    """Deliver until ``stop``: a full pass first and every ``poll_interval`` (discovery: sources that
+    appear are found without a restart), a pass over the woken queues on each wake-up, and queues
+    whose delivery failed again after ``retry_interval`` (not before: a failing listener is not
+    hammered). A lost sink connection is reopened; nothing is lost, undelivered rows stay queued."""
+    conn: psycopg2.extensions.connection | None = None
+    todo: set[str] | None = None  # None: a full pass is due
+    retry: set[str] = set()
+    next_full = next_retry = 0.0
+    try:
+        while not stop.is_set():
+            now = time.monotonic()
+            if now >= next_full:
+                todo, next_full = None, now + poll_interval
+            waiting: set[str] = set()
+            if retry and now >= next_retry:
+                if todo is not None:
+                    todo |= retry
+                retry = set()
+            else:
+                waiting = retry
+            want = demand()
+            sources = want.narrow(todo)
+            todo = set()
+            if sources is None or sources:
+                try:
+                    if conn is None or conn.closed:
+                        conn = connect()
+                        if on_conn:
+                            on_conn(conn)
+                    report = ReceiveQueueReader(conn, batch_size).deliver(
+                        listener, want.client, sources, max_messages=PASS_RUNS * batch_size, skip=waiting
+                    )
+                except (psycopg2.OperationalError, psycopg2.InterfaceError) as exc:
+                    stats.failures += 1
+                    stats.note_error(f"sink connection lost: {exc}".strip())
+                    log.warning("receive-queue delivery: sink connection lost (%s); reconnecting", exc)
+                    conn = _close(conn, on_conn)
+                    next_full = time.monotonic() + retry_interval
+                    stop.wait(retry_interval)
+                    continue
+                stats.add(report)
+                if report.failed:
+                    if not retry:
+                        next_retry = time.monotonic() + retry_interval
+                    retry |= report.failed
+                if report.unfinished:
+                    todo = set(report.unfinished)
+                    continue  # more is waiting now: no sleep
+            deadline = min(next_full, next_retry) if retry else next_full
+            woken = wakeups.wait(max(0.0, deadline - time.monotonic()))
+            if woken is ALL:
+                next_full = 0.0
+            else:
+                todo |= set(woken) - retry
+    finally:
+        _close(conn, on_conn)
+
+
+def _close(conn, on_conn) -> None:
+    if on_conn:
+        on_conn(None)
+    if conn is not None and not conn.closed:
+        try:
+            conn.close()
+        except psycopg2.Error:
+            pass
+    return None
+
+
+class TapWakeups:
+    """Wake-ups for one consumer that owns its own tap (``RoutingQueueSubscriber.run``)."""
+
+    SLICE = 0.1  # how often the caller's stop event is looked at while waiting
+
+    def __init__(self, tap: Tap, demand: Callable[[], Demand], stop: threading.Event) -> None:
+        self.tap, self.demand, self.stop = tap, demand, stop
+
+    def wait(self, timeout: float) -> set[str] | None:
+        end = time.monotonic() + timeout
+        while not self.stop.is_set():
+            notes = self.tap.wait(min(self.SLICE, max(0.0, end - time.monotonic())))
+            if notes is ALL:
+                return ALL
+            want = self.demand()
+            sources = {s for c, s in notes if want.wants(c, s)}
+            if sources or time.monotonic() >= end:
+                return sources
+        return set()

@@ -1,0 +1,139 @@
+"""Public sink-side API (``../shared/DESIGN.md`` §5): consume what arrived for a client.
+
+```python
+from airflow_provider_lr.subscriber import RoutingQueueSubscriber
+sub = RoutingQueueSubscriber(dsn, client_name="policy")
+sub.poll(listener, max_messages=1000)      # one pass; returns how many entries were delivered
+sub.run(listener, stop=threading.Event())  # follows new arrivals (LISTEN/NOTIFY) until stopped
+```
+
+The listener's callbacks run inside the subscriber's delivery transaction: ``sub.connection`` (or
+``sub.cursor()``) during a callback is that transaction, so writes made through it commit
+together with the delete of the delivered entries (exactly once) or roll back with it. Never
+commit or roll back that connection yourself. See docs/subscriber.md.
+"""
+from __future__ import annotations
+
+import threading
+
+import psycopg2
+import psycopg2.extensions
+
+from airflow_provider_lr.engine import receive
+from airflow_provider_lr.engine.conninfo import ConnInfo, resolve
+from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.receive import (
+    DEFAULT_BATCH,
+    DEFAULT_POLL_INTERVAL,
+    DEFAULT_RETRY_INTERVAL,
+    DeliveryContext,
+    Demand,
+    DeliveryStats,
+    Listener,
+    MalformedEntryError,
+)
+from airflow_provider_lr.engine.relay import Relay, Subscription
+
+__all__ = [
+    "DeliveryStats", "Listener", "MalformedEntryError", "Relay", "RoutingQueueSubscriber", "Subscription", "open_relay",
+]
+
+
+def _conninfo(target: str | ConnInfo) -> ConnInfo:
+    return target if isinstance(target, ConnInfo) else resolve(target)
+
+
+class RoutingQueueSubscriber(DeliveryContext):
+    """A client's consumer of its receive queues ``LRQ_Recv_<client>_<source>`` on one sink site.
+
+    ``dsn``: a libpq DSN/URI, an Airflow connection id or an lr site id (see engine.conninfo), or a
+    ConnInfo. ``sources``: only these sources (default: every source, discovered as they appear).
+    """
+
+    def __init__(
+        self,
+        dsn: str | ConnInfo,
+        client_name: str = "policy",
+        sources: list[str] | None = None,
+        batch_size: int = DEFAULT_BATCH,
+        poll_interval: float = DEFAULT_POLL_INTERVAL,
+        retry_interval: float = DEFAULT_RETRY_INTERVAL,
+    ) -> None:
+        if not client_name:
+            raise ConfigurationError("client_name is required (the client whose receive queues to consume)")
+        self.info = _conninfo(dsn)
+        self.demand = Demand(client_name, frozenset(sources) if sources is not None else None)
+        self.batch_size, self.poll_interval, self.retry_interval = batch_size, poll_interval, retry_interval
+        self.stats = DeliveryStats()
+        self._conn: psycopg2.extensions.connection | None = None  # poll()'s connection, kept open
+
+    @property
+    def client_name(self) -> str:
+        return self.demand.client
+
+    def sources(self) -> list[str]:
+        """Sources whose receive queue for this client is registered on the sink (discovery)."""
+        return [s for s in receive.discover(self._poll_conn(), self.client_name) if self.demand.wants(self.client_name, s)]
+
+    def poll(self, listener: Listener, max_messages: int | None = None) -> int:
+        """One pass over every queue (new sources included): delivers in order until each queue is
+        empty, a callback fails, or ``max_messages`` entries were handed over. Returns how many
+        entries were delivered (acknowledged and deleted, full-sync markers included); failures
+        are in ``self.stats`` and ``last_report``."""
+        conn = self._poll_conn()
+        self._set_delivering(conn)
+        try:
+            report = receive.ReceiveQueueReader(conn, self.batch_size).deliver(
+                listener, self.client_name, self.demand.narrow(None), max_messages=max_messages
+            )
+        except (psycopg2.OperationalError, psycopg2.InterfaceError):
+            self._close_poll_conn()  # reopened by the next poll
+            raise
+        finally:
+            self._set_delivering(None)
+        self.last_report = report
+        self.stats.add(report)
+        return report.delivered
+
+    def run(self, listener: Listener, stop: threading.Event | None = None) -> DeliveryStats:
+        """Deliver until ``stop`` is set: woken by NOTIFY ``lr_recv`` from the replicator's apply,
+        with a full pass (discovery included) every ``poll_interval`` as a fallback. Returns the
+        run's stats when stopped; stops within about 0.1 s plus any callback in progress."""
+        stop = stop or threading.Event()
+        stats = DeliveryStats()
+        tap = receive.Tap(self.info.connect)
+        try:
+            receive.follow(
+                self.info.connect, listener, lambda: self.demand, receive.TapWakeups(tap, lambda: self.demand, stop),
+                stop, stats, self.batch_size, self.poll_interval, self.retry_interval, on_conn=self._set_delivering,
+            )
+        finally:
+            tap.close()
+            self.stats.add(stats)
+        return stats
+
+    def _poll_conn(self) -> psycopg2.extensions.connection:
+        if self._conn is None or self._conn.closed:
+            self._conn = self.info.connect()
+        return self._conn
+
+    def _close_poll_conn(self) -> None:
+        if self._conn is not None and not self._conn.closed:
+            self._conn.close()
+        self._conn = None
+
+    def close(self) -> None:
+        self._close_poll_conn()
+
+    def __enter__(self) -> "RoutingQueueSubscriber":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_relay(dsn: str | ConnInfo, **options: object) -> Relay:
+    """A relay for many subscriptions in one process sharing one LISTEN connection (see Relay)."""
+    info = _conninfo(dsn)
+    return Relay(info.connect, **options)  # type: ignore[arg-type]
+
