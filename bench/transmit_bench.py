@@ -35,12 +35,12 @@ from airflow_provider_lr.sites import SiteManager  # noqa: E402
 REMOTES = [f"sink-{i:02d}" for i in range(1, 11)]
 
 
-VARIANTS = ("plain", "floor", "transmit", "plain10", "transmit10")
+VARIANTS = ("plain", "floor", "transmit", "transmit_unprepared", "plain10", "transmit10")
 
 
 def writer(dsn: str, variant: str, seconds: float, start_at: float, out: mp.Queue) -> None:
     conn = psycopg2.connect(dsn)
-    client = RoutingQueueClient(conn, "bench")
+    client = RoutingQueueClient(conn, "bench", prepared=variant != "transmit_unprepared")
     dests = REMOTES[:3]
     rows = 10 if variant.endswith("10") else 1
     done = 0
@@ -55,7 +55,7 @@ def writer(dsn: str, variant: str, seconds: float, start_at: float, out: mp.Queu
                 cur.execute("INSERT INTO app_rows (v) SELECT %s FROM generate_series(1, 10)", (done,))
             if variant == "floor":
                 cur.execute("SELECT 1")
-            elif variant == "transmit":
+            elif variant in ("transmit", "transmit_unprepared"):
                 client.transmit_log_entry_message(os.urandom(256), dests)
             elif variant == "transmit10":
                 client.transmit_log_entry_messages(
@@ -150,6 +150,8 @@ def main() -> None:
     print(f"  1 row:                         {med['plain']:>8,.0f} tx/s")
     print(f"  1 row + SELECT 1 (floor):      {med['floor']:>8,.0f} tx/s  ratio {floor:.2f}")
     print(f"  1 row + transmit (3 dests):    {med['transmit']:>8,.0f} tx/s  ratio {ratio:.2f}  (aim >= 0.80)")
+    print(f"    same, insert not prepared:   {med['transmit_unprepared']:>8,.0f} tx/s  "
+          f"ratio {med['transmit_unprepared'] / med['plain']:.2f}")
     print(f"  10 rows:                       {med['plain10']:>8,.0f} tx/s")
     print(f"  10 rows + 10 messages, 1 call: {med['transmit10']:>8,.0f} tx/s  ratio {ratio10:.2f}")
     print("\nlog bytes per entry (256 B payload):")

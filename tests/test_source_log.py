@@ -53,6 +53,24 @@ def test_commit_makes_entries_visible_and_rollback_leaves_no_trace(source, dests
     assert source.query("SELECT count(*) FROM lr.log_commits") == [(1,)]
 
 
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared insert", "plain insert"])
+def test_clients_sharing_a_connection_transmit_in_its_transaction(source, dests, prepared):
+    """The prepared insert is made once per connection, survives rollbacks, and a second client on
+    the same connection reuses it; without it (behind a pooler) transmit behaves the same."""
+    conn = app_conn(source)
+    first = RoutingQueueClient(conn, "policy", prepared=prepared)
+    first.transmit_log_entry_message(b"gone", dests)
+    conn.rollback()
+    second = RoutingQueueClient(conn, "policy", prepared=prepared)
+    first.transmit_log_entry_message(b"one", dests[:1])
+    second.transmit_log_entry_message(b"two", dests)
+    conn.commit()
+    assert payloads(drain(LogReader(source.connect(), dests[0]))[0]) == [b"one", b"two"]
+    with conn.cursor() as cur:
+        cur.execute("SELECT count(*) FROM pg_prepared_statements WHERE name = 'lr_transmit_v1'")
+        assert cur.fetchone()[0] == (1 if prepared else 0)
+
+
 def test_one_stored_entry_per_message_tagged_once_per_destination(source, dests):
     conn = app_conn(source)
     RoutingQueueClient(conn, "policy").transmit_log_entry_message(b"\x00payload\xff", dests)
