@@ -4,12 +4,15 @@ Each run: discover the sessions (from the topology: Variable ``lr_topology``, ``
 the shipped ``include/topology.yaml``), plan per source whether its backlog goes through Spark
 (``spark_min_backlog``), run the Spark fan-outs, then one task group per session:
 
-    decide (negotiation) ─┬─ snapshot_sync   (skips itself unless chosen)
-                          └─ log_entry_sync  (skips itself unless chosen) ── report
+    decide (negotiation) ─┬─ snapshot_sync   (skips itself unless chosen) ─┬─ report (all_done)
+                          └─ log_entry_sync  (skips itself unless chosen) ─┘
 
 ``@task.branch`` inside a mapped task group runs both branches in Airflow 3.3.2 (#67265), hence
 the skip-in-branch pattern. A session's failure (a sink that is down, a refused negotiation)
-fails only its own group; the next run retries it. Scheduled on a short interval with one active
+fails only its own group and is recorded in its ``last_error`` (``lr status``); the next run
+retries it. The join is ``all_done``, not ``none_failed_min_one_success``: with the latter, one
+failed index marked the *unexpanded* join ``upstream_failed`` for every session in 3.3.2 (the
+per-index trigger-rule regression, apache/airflow#68417), hiding the healthy sessions' reports. Scheduled on a short interval with one active
 run rather than ``@continuous``: a run ends only when every session's group ends, so an idle
 gate in a continuous run would hold busy sessions back, while a short interval bounds both the
 idle cost and the latency (``LR_REPLICATION_INTERVAL_S``, default 30 s). A snapshot waiting for
@@ -66,7 +69,7 @@ def lr_replication() -> None:
         task_id="spark_fanout", conn_id=SPARK_CONN_ID, conf={"spark.ui.enabled": "false"}
     ).expand(source=spark_sources(plans))
 
-    @task(trigger_rule=TriggerRule.NONE_FAILED_MIN_ONE_SUCCESS)
+    @task(trigger_rule=TriggerRule.ALL_DONE)
     def report(session: dict) -> dict:
         """The session's state as its source records it (state lives in PostgreSQL, not XCom)."""
         from airflow_provider_lr.engine import status

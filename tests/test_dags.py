@@ -1,6 +1,8 @@
 """The DAGs parse, have the shape users rely on, and replicate real sites end to end (dag.test)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.airflow_support import airflow_db, airflow_sites, dagbag, run_dag, states, xcom  # noqa: F401
@@ -12,23 +14,107 @@ def test_dags_import_without_errors(dagbag):
     assert {"lr_replication", "lr_full_sync", "lr_maintenance", "example_lr_user_pipeline"} <= set(dagbag.dags)
 
 
-def test_replication_first_sync_then_deltas(dagbag, airflow_sites):
+def test_replication_maps_one_group_per_session_with_skip_branches(dagbag):
+    from airflow.sdk import TriggerRule
+    from airflow.sdk.definitions.taskgroup import MappedTaskGroup
+
+    dag = dagbag.dags["lr_replication"]
+    assert dag.max_active_runs == 1 and dag.schedule is not None
+    groups = [g for g in dag.task_group.children.values() if isinstance(g, MappedTaskGroup)]
+    assert [g.group_id for g in groups] == ["session"]
+    assert set(groups[0].children) == {"session.decide", "session.snapshot_sync", "session.log_entry_sync",
+                                       "session.report"}
+    decide = dag.get_task("session.decide")
+    assert {t.task_id for t in decide.downstream_list} == {"session.snapshot_sync", "session.log_entry_sync"}
+    assert dag.get_task("session.report").trigger_rule == TriggerRule.ALL_DONE  # see the DAG's doc
+    assert "spark_fanout" in {t.task_id for t in decide.upstream_list}
+
+
+def test_full_sync_form_offers_the_topologys_sinks(dagbag):
+    params = dagbag.dags["lr_full_sync"].params
+    assert params.get_param("sink").schema["enum"] == ["site-b", "site-c"]
+    assert params.get_param("client").schema["enum"] == ["policy", None]
+    assert dagbag.dags["lr_full_sync"].schedule is None
+
+
+def test_full_sync_form_refuses_an_unknown_sink(dagbag):
+    from airflow.sdk.exceptions import ParamValidationError
+
+    with pytest.raises(ParamValidationError, match="nowhere"):
+        dagbag.dags["lr_full_sync"].test(run_conf={"sink": "nowhere", "reason": "test"})
+
+
+@pytest.mark.slow
+def test_users_path_first_sync_deltas_own_pipeline_forced_full_sync_maintenance(dagbag, airflow_sites):
     source, sink_b, sink_c = airflow_sites.sites
     app = App(source)
     for i in range(5):
         app.put(f"k{i}", i, ["site-b", "site-c"])
+
     first = run_dag(dagbag, "lr_replication")
-    got = states(first)
-    print(got)
     assert str(first.state) == "success"
+    got = states(first)
+    assert {k: v for k, v in got.items() if k[0].startswith("session.")} == {
+        ("session.decide", 0): "success", ("session.decide", 1): "success",
+        ("session.snapshot_sync", 0): "success", ("session.snapshot_sync", 1): "success",
+        ("session.log_entry_sync", 0): "skipped", ("session.log_entry_sync", 1): "skipped",
+        ("session.report", 0): "success", ("session.report", 1): "success",
+    }
+    assert got[("spark_fanout", -1)] == "skipped"  # a small backlog stays in-process
     for sink in (sink_b, sink_c):
         q = queue(sink, "site-a")
-        assert q[0] == ("start", "") and q[-1] == ("end", "")
-        assert final_state(q) == source_state(source)
+        assert q[0] == ("start", "") and q[-1] == ("end", "") and final_state(q) == source_state(source)
+
     app.put("k1", 100, ["site-b"])
     app.put("k9", 9, ["site-b", "site-c"])
     second = run_dag(dagbag, "lr_replication")
-    print(states(second))
+    assert str(second.state) == "success"
+    assert states(second)[("session.snapshot_sync", 0)] == "skipped"
     assert [p for k, p in queue(sink_b, "site-a") if k == "log"] == ["k1=100", "k9=9"]
     assert [p for k, p in queue(sink_c, "site-a") if k == "log"] == ["k9=9"]
+    assert xcom(second, "session.report", 0)["remaining"] == 0
+
+    own = run_dag(dagbag, "example_lr_user_pipeline",
+                  {"orders": 2, "destinations": ["site-b", "site-c"], "min_regions": 3})
+    assert str(own.state) == "success", states(own)
+    delivered = xcom(own, "delivered")
+    assert delivered["safe_on"] == ["site-b", "site-c"] and len(delivered["regions"]) == 3
+    for sink in (sink_b, sink_c):
+        assert [p for k, p in queue(sink, "site-a") if p.startswith("order ")] == ["order 1 100", "order 2 200"]
+
+    forced = run_dag(dagbag, "lr_full_sync", {"sink": "site-b", "reason": "audit asked for it"})
+    assert str(forced.state) == "success", states(forced)
+    assert [k for k, _ in queue(sink_b, "site-a")].count("start") == 2  # a second full sync, visible
+    assert [k for k, _ in queue(sink_c, "site-a")].count("start") == 1  # the other sink untouched
+    assert source.query("SELECT reason, status FROM lr.full_sync_requests WHERE forced") == [
+        ("audit asked for it", "applied")]
+
+    source.query("UPDATE lr.source_sessions SET lease_owner = 'worker-that-died', "
+                 "lease_expires_at = now() - interval '1 hour' WHERE sink_site_id = 'site-c'")
+    entries_before = source.query("SELECT count(*) FROM lr.log_entries")[0][0]
+    upkeep = run_dag(dagbag, "lr_maintenance")
+    assert str(upkeep.state) == "success", states(upkeep)
+    assert xcom(upkeep, "stale_lease_cleanup", 0)["released"] == ["site-c/policy (worker-that-died)"]
+    assert xcom(upkeep, "safe_trim", 0)["trimmed"] is True
+    assert source.query("SELECT count(*) FROM lr.log_entries")[0][0] < entries_before
+    assert states(upkeep)[("retention_trim", -1)] == "skipped"  # no retention asked
+    checkpoint = {q["queue"]: q for q in xcom(upkeep, "receive_queue_checkpoint", 0)["queues"]}
+    assert checkpoint["LRQ_Recv_policy_site-a"]["waiting"] == len(queue(sink_b, "site-a"))
+    app.close()
+
+
+def test_a_sink_that_is_down_fails_only_its_own_session(dagbag, airflow_sites, monkeypatch):
+    source, sink_b, sink_c = airflow_sites.sites
+    app = App(source)
+    app.put("k", 1, ["site-b", "site-c"])
+    down = dict(sink_c.server.airflow_conn(sink_c.dbname), port=1)  # nothing listens there
+    monkeypatch.setenv("AIRFLOW_CONN_LR_SITE_C", json.dumps(down))
+    run = run_dag(dagbag, "lr_replication")
+    got = states(run)
+    assert got[("session.decide", 1)] == "failed" and got[("session.snapshot_sync", 1)] == "upstream_failed"
+    assert got[("session.decide", 0)] == "success" and got[("session.snapshot_sync", 0)] == "success"
+    assert final_state(queue(sink_b, "site-a")) == {"k": 1}
+    assert xcom(run, "session.report", 0)["state"] == "IN_LOG_ENTRY_SYNC"
+    failed = xcom(run, "session.report", 1)
+    assert failed["session"] == "site-a->site-c/policy" and "cannot connect to site 'site-c'" in failed["last_error"]
     app.close()

@@ -16,7 +16,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.full_sync import Provider, load_provider
 from airflow_provider_lr.engine.lease import new_owner_id
-from airflow_provider_lr.engine.session import CycleReport, SessionRunner, SessionSettings
+from airflow_provider_lr.engine.session import CycleReport, SessionRunner, SessionSettings, record_error
 from airflow_provider_lr.engine.topology import SessionKey, Topology
 
 log = logging.getLogger(__name__)
@@ -85,14 +85,7 @@ class Replicator:
                 except psycopg2.Error:
                     self._drop(site)
         try:
-            conn = self._conn(key.source)
-            with conn.cursor() as cur:
-                cur.execute(
-                    "UPDATE lr.source_sessions SET last_error = %s, updated_at = now() "
-                    "WHERE sink_site_id = %s AND client_name = %s",
-                    (error[:2000], key.sink, key.client),
-                )
-            conn.commit()
+            record_error(self._conn(key.source), key, error)
         except psycopg2.Error:
             self._drop(key.source)
 

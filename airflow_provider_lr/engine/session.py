@@ -353,15 +353,33 @@ class SessionRunner:
             self.lease = None
 
 
+def record_error(conn: psycopg2.extensions.connection, key: SessionKey, error: str) -> None:
+    """Note a failed step in the session's ``last_error`` on its source (``lr status`` shows it;
+    the next successful step clears it). Commits."""
+    with conn.cursor() as cur:
+        cur.execute(
+            "UPDATE lr.source_sessions SET last_error = %s, updated_at = now() "
+            "WHERE sink_site_id = %s AND client_name = %s",
+            (error[:2000], key.sink, key.client),
+        )
+    conn.commit()
+
+
 def clear_stale_leases(conn: psycopg2.extensions.connection) -> list[str]:
     """Release the leases whose holder stopped renewing them (expired), so status shows no owner.
     Safe: an expired lease is taken over anyway, and its epoch stays, so the old holder stays
     fenced. Returns the sessions released ("sink/client (owner)"). Commits."""
     with conn.cursor() as cur:
         cur.execute(
-            "UPDATE lr.source_sessions SET lease_owner = NULL, lease_expires_at = NULL "
-            "WHERE lease_owner IS NOT NULL AND lease_expires_at <= now() "
-            "RETURNING sink_site_id || '/' || client_name || ' (' || lease_owner || ')'"
+            """
+            WITH stale AS (
+                SELECT sink_site_id, client_name, lease_owner FROM lr.source_sessions
+                WHERE lease_owner IS NOT NULL AND lease_expires_at <= now() FOR UPDATE
+            )
+            UPDATE lr.source_sessions s SET lease_owner = NULL, lease_expires_at = NULL
+            FROM stale WHERE s.sink_site_id = stale.sink_site_id AND s.client_name = stale.client_name
+            RETURNING stale.sink_site_id || '/' || stale.client_name || ' (' || stale.lease_owner || ')'
+            """
         )
         released = sorted(r[0] for r in cur.fetchall())
     conn.commit()

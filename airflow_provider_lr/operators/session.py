@@ -16,6 +16,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from typing import Any, Iterator, Sequence
 
+import psycopg2
 from airflow.sdk import BaseOperator
 from airflow.sdk.configuration import conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
@@ -23,7 +24,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException, Airfl
 from airflow_provider_lr.engine import full_sync
 from airflow_provider_lr.engine.lease import new_owner_id
 from airflow_provider_lr.engine.negotiation import Decision
-from airflow_provider_lr.engine.session import CycleReport, SessionRunner, SessionSettings
+from airflow_provider_lr.engine.session import CycleReport, SessionRunner, SessionSettings, record_error
 from airflow_provider_lr.operators.common import load_topology, session_dicts, session_key, site_connection
 
 # negotiation decision -> the branch task that carries it out
@@ -91,13 +92,25 @@ class _SessionStepOperator(BaseOperator):
         key = session_key(topo, self.session)
         target = topo.providers.get(key.client)
         provider = full_sync.load_provider(target) if target else None
-        with site_connection(self.session["source_conn_id"], key.source) as source, \
-                site_connection(self.session["sink_conn_id"], key.sink) as sink:
-            runner = SessionRunner(key, source, sink, f"airflow:{new_owner_id()}", self._settings(topo), provider)
+        with site_connection(self.session["source_conn_id"], key.source) as source:
             try:
-                yield runner
-            finally:
-                runner.release()
+                with site_connection(self.session["sink_conn_id"], key.sink) as sink:
+                    runner = SessionRunner(key, source, sink, f"airflow:{new_owner_id()}", self._settings(topo),
+                                           provider)
+                    try:
+                        yield runner
+                    finally:
+                        runner.release()
+            except Exception as exc:  # a sink that is down, a provider error: `lr status` shows it
+                self._record_error(source, key, f"{type(exc).__name__}: {exc}".strip())
+                raise
+
+    def _record_error(self, source: Any, key: Any, error: str) -> None:
+        try:
+            source.rollback()
+            record_error(source, key, error)
+        except psycopg2.Error:
+            self.log.warning("could not record the error of session %s on its source", key)
 
     def _result(self, report: CycleReport) -> dict[str, Any]:
         if report.error:

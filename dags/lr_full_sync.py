@@ -1,0 +1,92 @@
+"""lr_full_sync: force a snapshot (full) sync of the sessions to one sink, and carry it out.
+
+Trigger it from the UI form: pick the sink (the topology's sinks), optionally a client and a
+source, and give a reason. The form is validated server-side (the enums come from the topology
+this file was parsed with: ``$LR_TOPOLOGY`` or the shipped one), and the first task checks the
+choice again against the topology the run uses. Then for every matching session: a forced
+full-sync request on its source, the snapshot sync (waiting, deferred, for the client's data when
+its provider is not in the topology), and a log-entry catch-up after it.
+"""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from airflow.sdk import Param, dag, get_current_context, task
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_provider_lr.engine.schema import SITE_ID_PATTERN
+from airflow_provider_lr.engine.topology import CLIENT_NAME_PATTERN
+from airflow_provider_lr.operators import LRLogEntrySyncOperator, LRSnapshotSyncOperator
+from airflow_provider_lr.operators.common import parse_time_topology
+
+_topology = parse_time_topology()
+_sessions = _topology.sessions() if _topology else []
+SINKS = sorted({k.sink for k in _sessions})
+SOURCES = sorted({k.source for k in _sessions})
+CLIENTS = sorted({k.client for k in _sessions})
+
+
+def _choice(values: list[str], pattern: str, **schema: object) -> Param:
+    """A required pick from ``values`` (a select box), or a validated text field without a topology."""
+    if values:
+        return Param(type="string", enum=values, **schema)
+    return Param(type="string", pattern=pattern, **schema)
+
+
+def _optional_choice(values: list[str], pattern: str, **schema: object) -> Param:
+    if values:
+        return Param(None, type=["null", "string"], enum=[*values, None], **schema)
+    return Param(None, type=["null", "string"], pattern=pattern, **schema)
+
+
+@dag(
+    dag_id="lr_full_sync",
+    schedule=None,
+    start_date=datetime(2026, 1, 1, tzinfo=timezone.utc),
+    catchup=False,
+    tags=["lr", "replication"],
+    doc_md=__doc__,
+    params={
+        "sink": _choice(SINKS, SITE_ID_PATTERN.pattern, title="Sink site",
+                        description="The destination that gets everything again"),
+        "client": _optional_choice(CLIENTS, CLIENT_NAME_PATTERN.pattern, title="Client",
+                                   description="Only this client's session (empty: every client replicating to the sink)"),
+        "source": _optional_choice(SOURCES, SITE_ID_PATTERN.pattern, title="Source site",
+                                   description="Only from this source (empty: every source replicating to the sink)"),
+        "reason": Param("requested from the Airflow UI", type="string", minLength=1, maxLength=500, title="Reason",
+                        description="Recorded with the request on the source (lr status shows it)"),
+    },
+)
+def lr_full_sync() -> None:
+    @task
+    def request_full_sync() -> list[dict]:
+        """Check the form against the run's topology, then record a forced request per session."""
+        from airflow_provider_lr.engine import full_sync
+        from airflow_provider_lr.operators.common import load_topology, session_dicts, site_connection
+
+        params = get_current_context()["params"]
+        topo = load_topology()
+        sessions = session_dicts(topo, params.get("source") or None, params["sink"], params.get("client") or None)
+        if not sessions:
+            known = [str(k) for k in topo.sessions()]
+            raise AirflowFailException(
+                f"no session replicates to {params['sink']!r}"
+                + (f" for client {params['client']!r}" if params.get("client") else "")
+                + (f" from {params['source']!r}" if params.get("source") else "")
+                + f"; the topology's sessions are {known}"
+            )
+        for session in sessions:
+            with site_connection(session["source_conn_id"], session["source"]) as conn:
+                request = full_sync.request_full_sync(
+                    conn, session["sink"], session["client"], params["reason"], forced=True
+                )
+            session["request_id"] = request.request_id
+        return sessions
+
+    sessions = request_full_sync()
+    snapshot = LRSnapshotSyncOperator.partial(task_id="snapshot_sync", wait_for_data=True).expand(session=sessions)
+    catch_up = LRLogEntrySyncOperator.partial(task_id="log_entry_sync").expand(session=sessions)
+    snapshot >> catch_up
+
+
+lr_full_sync()
