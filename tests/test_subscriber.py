@@ -301,3 +301,27 @@ def test_listener_may_stop_run_from_its_callback(lr_sites):
     done.join(10)
     assert not done.is_alive() and listener.of("site-x") == [("log", "x=1")]
     assert queue(sink_site, "site-x") == []
+
+
+def test_a_listener_that_breaks_the_delivery_transaction_loses_nothing(lr_sites):
+    _, sink_site, _ = lr_sites
+    msg = lr_pb2.RoutingTableEntryMsg(type=lr_pb2.LOG_ENTRY_SYNC, opaque_payload=b"x=1")
+    insert_raw(sink_site, "site-x", lr_pb2.LOG_ENTRY_SYNC, msg.SerializeToString())
+    sub = RoutingQueueSubscriber(sink_site.dsn, client_name="policy")
+
+    class SwallowsItsError(Recorder):
+        def on_log_entry_messages(self, source, payloads):
+            try:
+                with sub.cursor() as cur:
+                    cur.execute("SELECT * FROM no_such_table")
+            except Exception:
+                pass  # the transaction is aborted now, yet it says "done"
+            return True
+
+    assert sub.poll(SwallowsItsError()) == 0
+    assert sub.stats.failures == 1 and "delivery transaction failed" in sub.stats.errors[-1]
+    recorder = Recorder()
+    assert sub.poll(recorder) == 1 and recorder.of("site-x") == [("log", "x=1")]
+    with pytest.raises(RuntimeError, match="only available inside a listener callback"):
+        sub.connection
+    sub.close()

@@ -199,25 +199,36 @@ class ReceiveQueueReader:
         run = _leading_run([r for r in decoded if isinstance(r, _Row)])
         try:
             ok = _call(listener, run[0].kind, source, [r.payload for r in run])
-        except Exception as exc:  # the listener's failure: report it, keep the entries
-            self._rollback()
-            report.failures += 1
-            report.failed.add(source)
-            text = f"{receive_queue_name(client, source)}: listener raised {type(exc).__name__}: {exc}"
-            report.note_error(text)
-            log.warning("%s (%d entries kept for redelivery)", text, len(run), exc_info=True)
-            _on_error(listener, source, exc)
-            return len(run), True
+        except Exception as exc:
+            return self._failed(listener, client, source, len(run), report, "listener raised", exc), True
         if not ok:
             self._rollback()
             report.refused += len(run)
             report.failed.add(source)
             return len(run), True
-        with self.conn.cursor() as cur:
-            cur.execute("DELETE FROM lr.receive_queue WHERE seq = ANY(%s)", ([r.seq for r in run],))
-        self.conn.commit()
+        try:
+            with self.conn.cursor() as cur:
+                cur.execute("DELETE FROM lr.receive_queue WHERE seq = ANY(%s)", ([r.seq for r in run],))
+            self.conn.commit()
+        except (psycopg2.OperationalError, psycopg2.InterfaceError):
+            raise  # a lost sink connection: the caller reconnects; the entries are still queued
+        except psycopg2.Error as exc:  # e.g. the listener broke the transaction, then returned True
+            return self._failed(listener, client, source, len(run), report, "delivery transaction failed", exc), True
         report.delivered += len(run)
         return len(run), False
+
+    def _failed(
+        self, listener: Listener, client: str, source: str, count: int, report: PassReport, what: str, exc: Exception
+    ) -> int:
+        """Roll the delivery back and report it; the entries stay for redelivery."""
+        self._rollback()
+        report.failures += 1
+        report.failed.add(source)
+        text = f"{receive_queue_name(client, source)}: {what} {type(exc).__name__}: {exc}".strip()
+        report.note_error(text)
+        log.warning("%s (%d entries kept for redelivery)", text, count, exc_info=True)
+        _on_error(listener, source, exc)
+        return count
 
     def _lock_and_read(self, client: str, source: str, limit: int) -> list[_Row] | None:
         """Open the delivery transaction: take the queue's consumer lock (None if another consumer
