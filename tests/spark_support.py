@@ -217,3 +217,88 @@ def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalo
     """A standalone Master + Worker for the whole test session (import this fixture to use it)."""
     with standalone_cluster(tmp_path_factory.mktemp("spark")) as cluster:
         yield cluster
+
+
+# --- lr scenarios for the Spark jobs ------------------------------------------------------------
+def write_connections_file(path: Path, lr_sites, password: str | None = None) -> Path:
+    """An Airflow-format connections file naming each test site by its site id (what the jobs read
+    through ``$LR_CONNECTIONS_FILE``); ``password`` is added to every connection."""
+    conns = {}
+    for site in lr_sites:
+        conn = site.server.airflow_conn(site.dbname)
+        if password is not None:
+            conn["password"] = password
+        conns[site.site_id] = conn
+    path.write_text(json.dumps(conns))
+    path.chmod(0o600)
+    return path
+
+
+def in_log_entry_sync(lr_sites, clients=("policy",), sinks=("site-b", "site-c"), settings: dict | None = None):
+    """Topology site-a -> sinks for ``clients``, every session through an (empty) full sync, so
+    each is in log-entry sync with an empty backlog. Returns the topology."""
+    from tests.session_helpers import apply, empty_provider, replicator
+
+    topo = apply(lr_sites, [{"source": "site-a", "sinks": list(sinks), "clients": list(clients)}], settings=settings)
+    repl = replicator(topo, lr_sites, providers={c: empty_provider for c in clients})
+    try:
+        reports = repl.run(max_cycles=5, until_idle=True, interval=0.01)
+        assert all(not r.error and r.state == "IN_LOG_ENTRY_SYNC" for r in reports), reports
+    finally:
+        repl.close()
+    return topo
+
+
+def transmit_backlog(source, entries: int, sinks=("site-b", "site-c"), clients=("policy",), per_txn: int = 500,
+                     seed: int = 5) -> None:
+    """``entries`` log entries on the source, each to a random non-empty subset of ``sinks`` and a
+    random client, ``per_txn`` to a transaction; payloads ``<client>:<n>``."""
+    import random
+
+    from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
+
+    rng = random.Random(seed)
+    conn = source.connect()
+    try:
+        senders = {c: RoutingQueueClient(conn, c) for c in clients}
+        for start in range(0, entries, per_txn):
+            batch: dict[str, list] = {c: [] for c in clients}
+            for n in range(start, min(start + per_txn, entries)):
+                client = rng.choice(clients)
+                dests = [s for s in sinks if rng.random() < 0.5] or [rng.choice(sinks)]
+                batch[client].append(LRMessageWithDestinations(f"{client}:{n}".encode(), dests))
+            for client, messages in batch.items():
+                senders[client].transmit_log_entry_messages(messages)
+            conn.commit()
+    finally:
+        conn.close()
+
+
+def expected_queue(source, sink_id: str, client: str) -> list[tuple[int, int, bytes]]:
+    """(position, entry id, payload) the sink must hold for ``client``, in source order."""
+    from airflow_provider_lr.proto import lr_pb2
+
+    rows = source.query(
+        "SELECT c.position, e.entry_id, e.message FROM lr.log_commits c JOIN lr.log_entries e ON e.tx = c.tx "
+        "JOIN lr.remote_sites r ON r.site_id = %s JOIN lr.clients k ON k.client_id = e.client_id "
+        "WHERE e.stream = 1 AND e.tag_ids @> ARRAY[r.tag_id] AND k.client_name = %s ORDER BY 1, 2",
+        (sink_id, client),
+    )
+    return [(p, e, lr_pb2.RoutingTableEntryMsg.FromString(bytes(m)).opaque_payload) for p, e, m in rows]
+
+
+def sink_queue(sink, client: str, source: str = "site-a") -> list[tuple[int, int, bytes]]:
+    """(position, entry id, payload) of the sink's visible log entries for ``client``, in seq order."""
+    from airflow_provider_lr.proto import lr_pb2
+
+    rows = sink.query(
+        "SELECT source_position, source_entry_id, message FROM lr.receive_queue "
+        "WHERE source_site_id = %s AND client_name = %s AND visible AND kind = 1 ORDER BY seq",
+        (source, client),
+    )
+    out = []
+    for p, e, m in rows:
+        msg = lr_pb2.RoutingTableEntryMsg.FromString(bytes(m))
+        assert not msg.destinations, "destinations are stripped at the sink"
+        out.append((p, e, msg.opaque_payload))
+    return out

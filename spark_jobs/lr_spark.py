@@ -1,0 +1,88 @@
+"""What every lr Spark job's driver shares: its Spark session, logging, and the ``LR_RESULT`` line.
+
+Runs only on the driver (the jobs' partition functions reference the engine and pyspark, never
+this module, so executors need nothing but the installed package). Credentials: a job resolves
+sites through ``engine.topology.site_conninfo`` (``AIRFLOW_CONN_<ID>`` or ``$LR_CONNECTIONS_FILE``),
+never from its arguments; DSNs reach the executors inside the pickled task closure only, and what
+is logged or printed goes through ``ConnInfo.safe_dsn`` or names sites by id.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from pyspark import SparkConf
+from pyspark.sql import SparkSession
+
+from airflow_provider_lr.engine import topology as topologies
+from airflow_provider_lr.engine.errors import LRError
+from airflow_provider_lr.engine.fanout import ancestor_peak_kb
+
+RESULT_PREFIX = "LR_RESULT "
+DEFAULT_MASTER = "local[*]"
+
+log = logging.getLogger("lr.spark")
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--topology", default=None,
+                   help=f"topology YAML (default: ${topologies.TOPOLOGY_ENV} or the shipped include/topology.yaml)")
+    return p
+
+
+def spark_session(app_name: str) -> SparkSession:
+    """The session spark-submit configured (its ``--master``), else ``local[*]``."""
+    builder = SparkSession.builder.appName(app_name)
+    if not SparkConf().contains("spark.master"):
+        builder = builder.master(os.environ.get("LR_SPARK_MASTER", DEFAULT_MASTER))
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel(os.environ.get("LR_SPARK_LOG_LEVEL", "WARN"))
+    return session
+
+
+def jvm_peak_kb(spark: SparkSession) -> int:
+    """Peak resident memory of the driver's JVM (in local mode it runs the executors too)."""
+    try:
+        pid = int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
+        return _vm_hwm(pid)
+    except Exception:
+        return 0
+
+
+def _vm_hwm(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
+
+
+def executor_jvm_peak_kb() -> int:
+    """Inside a task: peak memory of the executor JVM this Python worker belongs to."""
+    return ancestor_peak_kb("java")
+
+
+def run(main: Callable[[argparse.Namespace], dict[str, Any]], args: argparse.Namespace) -> int:
+    """Run a job body: print ``LR_RESULT {json}`` and return the exit code (0 only when ok)."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        result = main(args)
+    except LRError as exc:
+        log.error("%s", exc)
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # report it in the result line too; the traceback goes to stderr
+        traceback.print_exc()
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    print(RESULT_PREFIX + json.dumps(result, sort_keys=True, default=str), flush=True)
+    return 0 if result.get("ok") else 1
+
+
+def load_topology(path: str | None) -> topologies.Topology:
+    return topologies.load(path)
