@@ -227,3 +227,40 @@ def test_a_new_full_sync_request_cancels_the_pending_one_and_one_full_set_arrive
     conn.close()
     repl.close()
     app.close()
+
+
+def test_two_replicators_racing_on_every_session_deliver_each_entry_once(lr_sites):
+    source, sink_b, sink_c = lr_sites
+    topo = apply(lr_sites, [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy"]}])
+    app = App(source)
+    stop = threading.Event()
+    racers = [replicator(topo, lr_sites, providers={"policy": table_provider}, owner=f"racer-{i}") for i in range(2)]
+    threads = [threading.Thread(target=r.run, kwargs={"stop": stop, "interval": 0.01}) for r in racers]
+    for t in threads:
+        t.start()
+    for i in range(300):
+        app.put(f"k{i % 9}", i, ["site-b", "site-c"] if i % 3 else ["site-b"])
+        if i % 25 == 0:  # the holder stalls: its lease runs out and the other racer takes over
+            _expire_leases(source)
+            time.sleep(0.05)
+    time.sleep(0.5)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    epochs = source.query("SELECT max(lease_epoch) FROM lr.source_sessions")[0][0]
+    for r in racers:
+        r.close()
+    final = replicator(topo, lr_sites, providers={"policy": table_provider})
+    final.run(max_cycles=5, until_idle=True, interval=0.01)
+    for sink, wanted in ((sink_b, range(300)), (sink_c, [i for i in range(300) if i % 3])):
+        entries = queue(sink, "site-a")
+        _no_duplicates(entries)
+        assert [k for k, _ in entries].count("start") == 1
+        logs = [p for k, p in entries if k == "log"]
+        expected = [f"k{i % 9}={i}" for i in wanted]
+        # after the full sync, every later entry exactly once and in order: a suffix with no gap
+        assert logs and logs == expected[len(expected) - len(logs):]
+    assert final_state(queue(sink_b, "site-a")) == source_state(source)
+    assert epochs > 2  # the lease really changed hands
+    final.close()
+    app.close()
