@@ -11,6 +11,7 @@ import random
 import time
 from pathlib import Path
 
+import psycopg2
 import yaml
 
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
@@ -18,6 +19,7 @@ from airflow_provider_lr.engine import schema, status, topology
 from airflow_provider_lr.engine.replicator import Replicator
 from airflow_provider_lr.engine.session import CycleReport
 from airflow_provider_lr.sites import SiteManager
+from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 
 CLIENT = "policy"
 TABLE = "demo_policy"
@@ -29,6 +31,59 @@ def policy_provider(ctx) -> None:
         cur.execute(f"SELECT k, v FROM {TABLE} ORDER BY k")
         for k, v in cur:
             ctx.transmit(f"{k}={v}".encode())
+
+
+class SinkApplication:
+    """The demo's sink-side application: applies what arrived to its own copy of the table, in the
+    subscriber's delivery transaction (so each payload is applied exactly once)."""
+
+    def __init__(self, sub: RoutingQueueSubscriber) -> None:
+        self.sub = sub
+        self.snapshot_rows = self.log_entries = 0
+
+    def _upsert(self, payloads: list[bytes]) -> None:
+        cur = self.sub.cursor()
+        for payload in payloads:
+            k, v = payload.decode().split("=")
+            cur.execute(f"INSERT INTO {TABLE} VALUES (%s, %s) ON CONFLICT (k) DO UPDATE SET v = EXCLUDED.v",
+                        (k, int(v)))
+
+    def on_snapshot_sync_start(self, source: str) -> None:
+        self.sub.cursor().execute(f"DELETE FROM {TABLE}")  # one source: its full sync replaces the copy
+
+    def on_snapshot_messages(self, source: str, payloads: list[bytes]) -> bool:
+        self._upsert(payloads)
+        self.snapshot_rows += len(payloads)
+        return True
+
+    def on_snapshot_sync_complete(self, source: str) -> None:
+        pass
+
+    def on_log_entry_messages(self, source: str, payloads: list[bytes]) -> bool:
+        self._upsert(payloads)
+        self.log_entries += len(payloads)
+        return True
+
+
+def consume(site_id: str, dsn: str) -> None:
+    """One subscriber pass at a sink, applying into the sink application's own table."""
+    own = psycopg2.connect(dsn)
+    with own.cursor() as cur:
+        cur.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} (k text PRIMARY KEY, v bigint NOT NULL)")
+    own.commit()
+    sub = RoutingQueueSubscriber(dsn, client_name=CLIENT)
+    app = SinkApplication(sub)
+    try:
+        delivered = sub.poll(app)
+        sources = sub.sources()
+    finally:
+        sub.close()
+    with own.cursor() as cur:
+        cur.execute(f"SELECT count(*) FROM {TABLE}")
+        rows = cur.fetchone()[0]
+    own.close()
+    print(f"  {site_id}: the subscriber delivered {delivered} queue entries ({app.snapshot_rows} full-sync rows, "
+          f"{app.log_entries} log entries) from {', '.join(sources)}; its {TABLE} has {rows} rows")
 
 
 def write_topology(manager: SiteManager, site_ids: list[str]) -> Path:
@@ -107,6 +162,10 @@ def run(manager: SiteManager, sink_count: int = 2) -> int:
         repl.close()
         app.close()
 
+    print("sink applications consume their receive queues:")
+    for site_id in sinks:
+        consume(site_id, by_id[site_id].dsn())
+    print()
     for site_id in ids:
         conn = connect(site_id)
         try:

@@ -80,5 +80,6 @@ def test_demo_replicates_on_its_own_embedded_sites(tmp_path, capsys):
         assert "snapshot_sync" in out and "log_entry_sync" in out and "ERROR" not in out
         assert out.count("data consistent True") == 2
         assert out.count("remaining 0, IN_LOG_ENTRY_SYNC") == 2
+        assert out.count("the subscriber delivered") == 2 and "0 log entries)" not in out
     finally:
         manager.down(mode="immediate", remove=True)
