@@ -58,13 +58,15 @@ class AirflowSites:
         return f"AIRFLOW_CONN_{conn_id(site.site_id).upper()}", json.dumps(site.server.airflow_conn(site.dbname))
 
 
-def write_topology(path: Path, sites: list, sinks: list[str] | None = None, settings: dict | None = None) -> Topology:
-    source = sites[0].site_id
+def write_topology(path: Path, sites: list, settings: dict | None = None, provider: str | None = PROVIDER,
+                   regions: dict[str, str] | None = None) -> Topology:
+    """site-a (the first site) replicates client ``policy`` to the others."""
     doc = {
-        "sites": [{"id": s.site_id, "region": s.region, "conn_id": conn_id(s.site_id)} for s in sites],
-        "replication": [{"source": source, "sinks": sinks or [s.site_id for s in sites[1:]], "clients": ["policy"]}],
+        "sites": [{"id": s.site_id, "region": (regions or {}).get(s.site_id, s.region), "conn_id": conn_id(s.site_id)}
+                  for s in sites],
+        "replication": [{"source": sites[0].site_id, "sinks": [s.site_id for s in sites[1:]], "clients": ["policy"]}],
         "settings": {"full_sync_data_timeout_s": 30, **(settings or {})},
-        "providers": {"policy": PROVIDER},
+        **({"providers": {"policy": provider}} if provider else {}),
     }
     path.write_text(yaml.safe_dump(doc))
     return topology.from_document(doc)
@@ -84,6 +86,16 @@ def airflow_sites(lr_sites, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         topology.apply_to_site(conn, topo, site.site_id)
         conn.close()
     yield found
+
+
+def reconfigure(found: AirflowSites, **options: Any) -> Topology:
+    """Rewrite and re-apply the topology (``write_topology`` options) on every site."""
+    found.topology = write_topology(found.topology_path, found.sites, **options)
+    for site in found.sites:
+        conn = site.connect()
+        topology.apply_to_site(conn, found.topology, site.site_id)
+        conn.close()
+    return found.topology
 
 
 def run_dag(dagbag: Any, dag_id: str, conf: dict | None = None) -> Any:

@@ -18,7 +18,6 @@ from typing import Any, Iterator, Sequence
 
 import psycopg2
 from airflow.sdk import BaseOperator
-from airflow.sdk.configuration import conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 
 from airflow_provider_lr.engine import full_sync
@@ -143,7 +142,7 @@ class LRSnapshotSyncOperator(_SessionStepOperator):
         (deferring to ``LRSnapshotEndTrigger``, no worker slot held) instead of returning
         ``waiting`` for the next run to pick up. ``lr_replication`` does not wait (one slow client
         must not hold every session's next cycle); ``lr_full_sync`` does.
-    :param deferrable: wait in the triggerer (default ``[operators] default_deferrable``, else True)
+    :param deferrable: wait in the triggerer (default True; False polls from the worker)
     :param poll_interval: first poll interval of the wait, doubled up to ``max_poll_interval``
     """
 
@@ -151,7 +150,7 @@ class LRSnapshotSyncOperator(_SessionStepOperator):
     ui_color = "#fde2e2"
 
     def __init__(self, *, wait_for_data: bool = False,
-                 deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=True),
+                 deferrable: bool = True,  # lr never holds a worker slot to wait
                  poll_interval: float = 1.0, max_poll_interval: float = 30.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.wait_for_data, self.deferrable = wait_for_data, deferrable

@@ -6,7 +6,6 @@ from datetime import timedelta
 from typing import Any, Sequence
 
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
-from airflow.sdk.configuration import conf
 from airflow.sdk.exceptions import AirflowException
 
 from airflow_provider_lr.engine import status
@@ -25,7 +24,7 @@ class _LRSensor(BaseSensorOperator):
     template_fields: Sequence[str] = ("source", "topology_path")
 
     def __init__(self, *, source: str, topology_path: str | None = None,
-                 deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=True),
+                 deferrable: bool = True,  # lr never holds a worker slot to wait
                  poll_interval: float = 1.0, max_poll_interval: float = 30.0, **kwargs: Any) -> None:
         kwargs.setdefault("poke_interval", poll_interval)
         super().__init__(**kwargs)
