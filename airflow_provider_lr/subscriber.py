@@ -64,7 +64,8 @@ class RoutingQueueSubscriber(DeliveryContext):
         self.info = _conninfo(dsn)
         self.demand = Demand(client_name, frozenset(sources) if sources is not None else None)
         self.batch_size, self.poll_interval, self.retry_interval = batch_size, poll_interval, retry_interval
-        self.stats = DeliveryStats()
+        self.stats = DeliveryStats()  # totals of every poll and finished run
+        self.run_stats: DeliveryStats | None = None
         self._conn: psycopg2.extensions.connection | None = None  # poll()'s connection, kept open
 
     @property
@@ -100,7 +101,7 @@ class RoutingQueueSubscriber(DeliveryContext):
         with a full pass (discovery included) every ``poll_interval`` as a fallback. Returns the
         run's stats when stopped; stops within about 0.1 s plus any callback in progress."""
         stop = stop or threading.Event()
-        stats = DeliveryStats()
+        stats = self.run_stats = DeliveryStats()  # live while it runs; added to ``stats`` at the end
         tap = receive.Tap(self.info.connect)
         try:
             receive.follow(

@@ -325,3 +325,13 @@ def test_a_listener_that_breaks_the_delivery_transaction_loses_nothing(lr_sites)
     with pytest.raises(RuntimeError, match="only available inside a listener callback"):
         sub.connection
     sub.close()
+
+
+def test_run_against_a_sink_that_is_down_reports_and_stops_cleanly():
+    sub = RoutingQueueSubscriber("host=127.0.0.1 port=1 dbname=lr user=postgres connect_timeout=2",
+                                 client_name="policy", retry_interval=0.05)
+    running = Background(lambda stop: sub.run(Recorder(), stop=stop))
+    wait_until(lambda: sub.run_stats is not None and sub.run_stats.failures >= 2, 10, "failed attempts")
+    stats = running.stop(timeout=5)
+    assert stats.failures >= 2 and stats.delivered == 0
+    assert "cannot connect" in stats.errors[-1] and "port=1" in stats.errors[-1]

@@ -32,6 +32,7 @@ import psycopg2
 import psycopg2.extensions
 from google.protobuf.message import DecodeError
 
+from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.sink import NOTIFY_CHANNEL, receive_queue_name
 from airflow_provider_lr.proto import lr_pb2
 
@@ -163,7 +164,8 @@ class ReceiveQueueReader:
         report = PassReport()
         budget = max_messages if max_messages is not None else float("inf")
         found = sorted(set(sources)) if sources is not None else discover(self.conn, client)
-        active = [s for s in found if s not in set(skip)]
+        skipped = set(skip)
+        active = [s for s in found if s not in skipped]
         while active and budget > 0:
             for source in list(active):
                 if budget <= 0:
@@ -243,13 +245,17 @@ class ReceiveQueueReader:
                 self.conn.rollback()
                 return None
             cur.execute(
-                "SELECT seq, kind, message FROM lr.receive_queue "
-                "WHERE client_name = %s AND source_site_id = %s AND visible AND seq < coalesce(("
-                "  SELECT min(seq) FROM lr.receive_queue WHERE source_site_id = %s AND client_name = %s AND NOT visible"
-                "), 'Infinity'::numeric) ORDER BY seq LIMIT %s",
-                (client, source, source, client, limit),
+                "SELECT min(seq) FROM lr.receive_queue WHERE source_site_id = %s AND client_name = %s AND NOT visible",
+                (source, client),
             )
-            return [_Row(seq, kind, bytes(message)) for seq, kind, message in cur.fetchall()]
+            barrier = cur.fetchone()[0]
+            cur.execute(
+                "SELECT seq, kind, message FROM lr.receive_queue "
+                "WHERE client_name = %s AND source_site_id = %s AND visible ORDER BY seq LIMIT %s",
+                (client, source, limit),
+            )
+            return [_Row(seq, kind, bytes(message)) for seq, kind, message in cur.fetchall()
+                    if barrier is None or seq < barrier]
 
     def _move_aside(
         self, client: str, source: str, bad: list[tuple[_Row, str]], report: PassReport, listener: Listener
@@ -373,7 +379,7 @@ class Tap:
                 with conn.cursor() as cur:
                     cur.execute(f"LISTEN {NOTIFY_CHANNEL}")
                 self._conn = conn
-            except psycopg2.Error as exc:
+            except (psycopg2.Error, ConfigurationError) as exc:  # ConnInfo.connect: a sink that is down
                 log.warning("receive-queue LISTEN connection failed (%s); polling until it is back", exc)
                 self._select([], min(timeout, 0.5))
             return ALL
@@ -498,7 +504,7 @@ def follow(
                     report = ReceiveQueueReader(conn, batch_size).deliver(
                         listener, want.client, sources, max_messages=PASS_RUNS * batch_size, skip=waiting
                     )
-                except (psycopg2.OperationalError, psycopg2.InterfaceError) as exc:
+                except (psycopg2.OperationalError, psycopg2.InterfaceError, ConfigurationError) as exc:
                     stats.failures += 1
                     stats.note_error(f"sink connection lost: {exc}".strip())
                     log.warning("receive-queue delivery: sink connection lost (%s); reconnecting", exc)
