@@ -530,7 +530,11 @@ def follow(
         _close(conn, on_conn)
 
 
-def _close(conn, on_conn) -> None:
+def _close(
+    conn: psycopg2.extensions.connection | None,
+    on_conn: Callable[[psycopg2.extensions.connection | None], None] | None,
+) -> None:
+    """Forget and close a delivery connection (``None``, for ``conn = _close(...)``)."""
     if on_conn:
         on_conn(None)
     if conn is not None and not conn.closed:
