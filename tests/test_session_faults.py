@@ -264,3 +264,41 @@ def test_two_replicators_racing_on_every_session_deliver_each_entry_once(lr_site
     assert epochs > 2  # the lease really changed hands
     final.close()
     app.close()
+
+
+def test_a_replicator_whose_lease_ran_out_mid_snapshot_cannot_write_once_the_successor_decided(lr_sites):
+    """The successor fences the sink before it negotiates, so the stale replicator's remaining
+    snapshot writes are refused and exactly one full set arrives (not one from each)."""
+    from airflow_provider_lr.engine import sink
+    from airflow_provider_lr.engine.errors import FencedError
+    from airflow_provider_lr.engine.session import SessionRunner, SessionSettings
+    from airflow_provider_lr.engine.topology import SessionKey
+
+    source, sink_b, _ = lr_sites
+    apply(lr_sites, ONE_SINK)
+    app = App(source)
+    for i in range(5):
+        app.put(f"k{i}", i, ["site-b"])
+    key = SessionKey("site-a", "site-b", "policy")
+    settings = SessionSettings(barrier_timeout=2.0)
+    stale = SessionRunner(key, source.connect(), sink_b.connect(), "stale", settings, table_provider)
+    report, meta, negotiation = stale.begin()
+    assert negotiation.decision.value == "snapshot_sync"
+    request = stale._current_request(meta)
+    app.client.serve_full_sync_requests(table_provider)
+    request = full_sync.get_request(source.connect(), request.request_id)
+    _expire_leases(source)  # the stale replicator pauses here; its lease runs out
+    successor = SessionRunner(key, source.connect(), sink_b.connect(), "successor", settings, table_provider)
+    _, _, decided = successor.begin()
+    assert decided.decision.value == "snapshot_sync" and successor.lease.epoch > stale.lease.epoch
+    with pytest.raises(FencedError):
+        sink.start_snapshot(stale.sink, "site-a", "policy", stale.lease.epoch, request.request_id,
+                            request.base_position, request.split, stale._topology_id())
+    with pytest.raises(FencedError):
+        full_sync.request_full_sync(stale.source, "site-b", "policy", lease=stale.lease)
+    report = successor.run_cycle()
+    assert not report.error and report.state == "IN_LOG_ENTRY_SYNC"
+    entries = queue(sink_b, "site-a")
+    assert [k for k, _ in entries].count("start") == 1
+    assert final_state(entries) == source_state(source)
+    app.close()

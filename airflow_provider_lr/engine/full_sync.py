@@ -24,7 +24,8 @@ import psycopg2
 import psycopg2.errors
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError, LRError
+from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, LRError
+from airflow_provider_lr.engine.lease import Lease
 from airflow_provider_lr.engine.log_reader import BaseSplit, commit_barrier
 from airflow_provider_lr.engine.transmit import STREAM_SNAP_SYNC, RoutingQueueClient
 from airflow_provider_lr.proto import lr_pb2
@@ -76,11 +77,24 @@ def request_full_sync(
     reason: str = "",
     forced: bool = False,
     data_timeout: float = DEFAULT_DATA_TIMEOUT,
+    lease: Lease | None = None,
 ) -> FullSyncRequest:
     """Record a full-sync request for the session (sink, client) on this source, cancelling any
-    open one for the same session first. Commits."""
+    open one for the same session first. Commits. A replicator passes its ``lease``: the request is
+    made only while that lease is current (a stale one must not cancel its successor's sync)."""
     try:
         with conn.cursor() as cur:
+            if lease is not None:
+                cur.execute(
+                    "SELECT 1 FROM lr.source_sessions WHERE sink_site_id = %s AND client_name = %s "
+                    "AND lease_owner = %s AND lease_epoch = %s FOR UPDATE",
+                    (sink, client, lease.owner, lease.epoch),
+                )
+                if cur.fetchone() is None:
+                    raise FencedError(
+                        f"session to {sink!r} for {client!r}: lease epoch {lease.epoch} of {lease.owner} was taken "
+                        "over; no full sync requested"
+                    )
             cur.execute(
                 "SELECT 1 FROM lr.source_sessions WHERE sink_site_id = %s AND client_name = %s", (sink, client)
             )

@@ -123,7 +123,7 @@ class SessionRunner:
         if self.lease is None:
             report.skipped = "another replicator holds this session's lease"
             return report, None, None
-        meta = sink.read_metadata(self.sink, self.key.source, self.key.client)
+        meta = sink.fence(self.sink, self.key.source, self.key.client, self.lease.epoch)
         negotiation = self.negotiate(meta)
         report.decision, report.reason = negotiation.decision.value, negotiation.reason
         if negotiation.decision is Decision.REFUSE:
@@ -221,7 +221,8 @@ class SessionRunner:
             attempts = self._attempts()
             timeout = self.settings.data_timeout * min(2**attempts, MAX_BACKOFF_FACTOR)
             request = full_sync.request_full_sync(
-                self.source, self.key.sink, self.key.client, reason="negotiation", data_timeout=timeout
+                self.source, self.key.sink, self.key.client, reason="negotiation", data_timeout=timeout,
+                lease=self.lease,
             )
             log.info("session %s: full sync requested (%s), data timeout %.0fs", self.key, request.request_id, timeout)
         self._update(state="IN_SNAPSHOT_SYNC", sync_id=request.request_id, last_error=None)

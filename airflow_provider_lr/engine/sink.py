@@ -9,7 +9,7 @@ writes only what is new); snapshot messages through the source entry id they end
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Iterable, Sequence
 
 import psycopg2.extensions
@@ -155,6 +155,18 @@ class _SinkWrite:
         """Register the receive queue (first write after any restart) and wake subscribers at commit."""
         self.register()
         self.cur.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, f"{self.client}/{self.source}"))
+
+
+def fence(conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> SinkMetadata:
+    """Raise the session's lease epoch on the sink to ``epoch`` and return the sink's metadata (with
+    the sink site's topology id). A new lease holder calls this before it decides anything: from
+    then on a replicator whose lease ran out mid-cycle can no longer write here, so the decision is
+    taken on metadata no stale writer can change behind it."""
+    write = _SinkWrite(conn, source, client, epoch)
+    with write as (cur, meta):
+        cur.execute("SELECT topology_config_id FROM lr.topology")
+        topo = cur.fetchone()
+        return replace(meta, lease_epoch=epoch, site_topology_config_id=topo[0] if topo else None)
 
 
 def rewrite_for_sink(message: bytes) -> tuple[int, bytes]:
