@@ -43,6 +43,7 @@ def test_lr_sync_replicates_every_session_and_status_shows_them(lr_sites, tmp_pa
     out = capsys.readouterr().out
     assert "source site-a->site-b/policy" in out and "sink   site-a->site-c/policy" in out
     assert "IN_LOG_ENTRY_SYNC" in out and "remaining 0" in out and "data consistent True" in out
+    assert out.count(" ready ") == 2 and out.count("consistent ") >= 2
 
     assert cli.main(["full-sync", "--topology", topo, "--sink", "site-c", "--reason", "audit"]) == 0
     assert "full sync requested" in capsys.readouterr().out
@@ -83,3 +84,16 @@ def test_demo_replicates_on_its_own_embedded_sites(tmp_path, capsys):
         assert out.count("the subscriber delivered") == 2 and "0 log entries)" not in out
     finally:
         manager.down(mode="immediate", remove=True)
+
+
+def test_status_says_whether_each_session_is_ready():
+    from airflow_provider_lr.engine.status import readiness
+
+    source = {"role": "source", "state": "IN_LOG_ENTRY_SYNC", "sync_type": "LOG_ENTRY",
+              "remaining_entries_to_send": 0, "last_error": None, "data_consistent": None}
+    assert readiness(source) == "ready"
+    assert readiness({**source, "remaining_entries_to_send": 12}) == "catching up (12 to send)"
+    assert readiness({**source, "state": "IN_SNAPSHOT_SYNC", "sync_type": "SNAPSHOT"}) == "not ready (snapshot)"
+    assert readiness({**source, "state": "INITIALIZED", "sync_type": None}) == "not ready (not started)"
+    assert readiness({**source, "last_error": "sink down"}) == "not ready (error)"
+    assert readiness({**source, "role": "sink", "data_consistent": False}) == "not ready (snapshot)"

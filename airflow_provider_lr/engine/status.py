@@ -48,6 +48,19 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
     return result
 
 
+def readiness(session: dict) -> str:
+    """Whether a session's sink holds everything committed for it so far (Qpid HA's *ready*):
+    ``ready`` (log-entry sync, nothing remaining), ``catching up`` or ``not ready`` (why)."""
+    if session.get("last_error"):
+        return "not ready (error)"
+    if session["role"] == "sink":
+        return "consistent" if session["data_consistent"] else "not ready (snapshot)"
+    if session["state"] != "IN_LOG_ENTRY_SYNC":
+        return "not ready (snapshot)" if session["sync_type"] == "SNAPSHOT" else "not ready (not started)"
+    remaining = session["remaining_entries_to_send"] or 0
+    return "ready" if remaining == 0 else f"catching up ({remaining} to send)"
+
+
 def render(status: SiteStatus) -> str:
     lines = [
         f"{status.site_id}: schema v{status.schema_version}, topology {status.topology_config_id or '(none applied)'}, "
@@ -60,7 +73,7 @@ def render(status: SiteStatus) -> str:
             else f"data consistent {s['data_consistent']}"
         )
         lines.append(
-            f"  {s['role']:<6} {session:<32} {s['sync_type'] or '-':<9} {s['status']:<11} "
+            f"  {s['role']:<6} {session:<32} {readiness(s):<22} {s['sync_type'] or '-':<9} {s['status']:<11} "
             f"base {s['base_snapshot']}, applied {s['last_applied_position']}, {detail}"
             + (f"\n         last error: {s['last_error']}" if s.get("last_error") else "")
         )
