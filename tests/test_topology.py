@@ -38,6 +38,9 @@ def test_any_change_gives_a_new_config_id_and_key_order_does_not():
     ({"sites": [{"id": "a"}, {"id": "b"}],
       "replication": [{"source": "a", "sinks": ["b"], "clients": ["x'; DROP TABLE t;--"]}]}, "invalid client name"),
     ({"sites": [{"id": "a"}], "providers": {"c": "no_colon"}}, "package.module:function"),
+    ({"sites": [{"id": "s"}, {"id": "b_c"}, {"id": "c"}],
+      "replication": [{"source": "b_c", "sinks": ["s"], "clients": ["a"]},
+                      {"source": "c", "sinks": ["s"], "clients": ["a_b"]}]}, "one receive queue 'LRQ_Recv_a_b_c'"),
 ])
 def test_bad_topologies_are_refused_with_the_reason(doc, error):
     with pytest.raises(ConfigurationError, match=error):

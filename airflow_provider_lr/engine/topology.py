@@ -132,11 +132,30 @@ def from_document(doc: dict[str, Any]) -> Topology:
             if not CLIENT_NAME_PATTERN.match(client):
                 raise ConfigurationError(f"invalid client name {client!r} (letters, digits, '-', '_')")
         replications.append(Replication(source, sinks, clients))
+    _refuse_ambiguous_queue_names(replications)
     providers = {str(k): str(v) for k, v in (doc.get("providers") or {}).items()}
     for client, target in providers.items():
         if ":" not in target:
             raise ConfigurationError(f"provider for client {client!r} must be 'package.module:function', not {target!r}")
     return Topology(sites, tuple(replications), dict(doc.get("settings", {}) or {}), providers)
+
+
+def _refuse_ambiguous_queue_names(replications: list[Replication]) -> None:
+    """Receive queues are named ``LRQ_Recv_<client>_<source>``; with '_' allowed in both names two
+    sessions into one sink could get the same queue name (client ``a_b`` from ``c`` and client
+    ``a`` from ``b_c``) and their data would be mixed up. Such topologies are refused."""
+    seen: dict[tuple[str, str], tuple[str, str]] = {}
+    for r in replications:
+        for sink in r.sinks:
+            for client in r.clients:
+                name = (sink, f"LRQ_Recv_{client}_{r.source}")
+                other = seen.setdefault(name, (client, r.source))
+                if other != (client, r.source):
+                    raise ConfigurationError(
+                        f"sink {sink!r} would get one receive queue {name[1]!r} for client {client!r} from "
+                        f"{r.source!r} and for client {other[0]!r} from {other[1]!r}; rename one (avoid '_' in "
+                        "client or site names)"
+                    )
 
 
 def default_path() -> Path:
