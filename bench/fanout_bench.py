@@ -64,6 +64,9 @@ def register(name: str) -> Callable[[Measure], Measure]:
 # Hook: define lr's runs here with @register("lr_catchup") / @register("lr_streaming"), or keep them
 # in bench/fanout_lr.py as a dict and merge it here: `MEASUREMENTS.update(fanout_lr.MEASUREMENTS)`
 # (that module must not import this script: run as __main__, it would be a second copy).
+import fanout_lr  # noqa: E402
+
+MEASUREMENTS.update(fanout_lr.MEASUREMENTS)
 
 
 def print_table(results: list[Measurement]) -> None:

@@ -48,6 +48,7 @@ def spark_map(spark: SparkSession) -> fanout.MapPartitions:
 def fan_out(spark: SparkSession, topo: Topology, source: str, max_entries: int | None = None,
             partitions: int | None = None) -> fanout.FanoutResult:
     """One fan-out run of ``source`` on ``spark``; the sessions' leases are released at the end."""
+    warmup = lr_spark.warm_up(spark)
     driver = fanout.FanoutDriver(topo, source)
     try:
         result = fanout.run_fanout(driver, spark_map(spark), max_entries, partitions,
@@ -55,6 +56,7 @@ def fan_out(spark: SparkSession, topo: Topology, source: str, max_entries: int |
     finally:
         driver.close()
     result.peak_rss_kb["driver_jvm"] = lr_spark.jvm_peak_kb(spark)
+    result.seconds["warmup"] = warmup
     return result
 
 

@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import resource
+import struct
 import threading
 import time
 import uuid
@@ -67,6 +68,9 @@ SPARK_MIN_BACKLOG = 100_000
 PARTITION_ENTRIES = 250_000  # default sub-range size when the caller does not fix a count
 MAX_DEMANDS = 63  # one bit per demand in the source-side bigint mask
 STAGING_LOCK_CLASS = 0x6C72_7366  # "lrsf": pg_advisory_xact_lock(class, hashtext(range)) while staging
+# A row of the partition's read, binary: field count, then (length, value) of position, entry id
+# and demand mask (int8 each), then the message's length (the message follows).
+_ENTRY_ROW = struct.Struct(">hiqiqiqi")
 
 
 @dataclass(frozen=True)
@@ -434,33 +438,41 @@ def stage_partition(plan: FanoutPlan, part: PositionRange, fault_tag: str = "") 
     conns = {s: psycopg2.connect(plan.sink_dsns[s]) for s in sinks}
     src = psycopg2.connect(plan.source_dsn)
     faults = _armed(plan.faults)
+    writers: dict[str, StagingWriter] = {}
     try:
-        writers = {s: StagingWriter(conns[s]) for s in sinks}
+        writers.update({s: StagingWriter(conns[s]) for s in sinks})
         for s in sinks:
             _clear_range(conns[s], plan.source, [d.client for _, d in active if d.sink == s], part)
         prefixes = {d.client: staging_prefix(plan.source, d.client) for _, d in active}
-        routes: dict[int, list[tuple[StagingWriter, bytes, str]]] = {}
-        counts = {d.session: 0 for _, d in active}
         by_bit = dict(active)
+        routes: dict[int, tuple[bytes, list[StagingWriter]]] = {}
+        masks: dict[int, int] = {}
+        halfway = max(1, part.entries // 2)
 
-        def route(mask: int) -> list[tuple[StagingWriter, bytes, str]]:
-            targets = [(writers[d.sink], prefixes[d.client], d.session) for bit, d in by_bit.items() if mask >> bit & 1]
-            routes[mask] = targets
-            return targets
+        def route(mask: int) -> tuple[bytes, list[StagingWriter]]:
+            # every demand whose bit is set wants the entry's client: one prefix, one row for all
+            wanted = [d for bit, d in by_bit.items() if mask >> bit & 1]
+            routes[mask] = (prefixes[wanted[0].client], [writers[d.sink] for d in wanted])
+            masks[mask] = 0
+            return routes[mask]
 
-        def on_row(fields: list[bytes | None]) -> None:
-            position = int.from_bytes(fields[0], "big", signed=True)
-            entry_id = int.from_bytes(fields[1], "big", signed=True)
-            mask = int.from_bytes(fields[2], "big", signed=True)
-            kind, message = sink.rewrite_for_sink(fields[3])
+        def deliver(head: tuple, message: bytes) -> None:
+            _, _, position, _, entry_id, _, mask, _ = head
+            prefix, targets = routes.get(mask) or route(mask)
+            kind, stripped = sink.rewrite_for_sink(message)
+            row = staging_row(prefix, position, entry_id, kind, stripped)
+            for writer in targets:
+                writer.add(row)
+            masks[mask] += 1
             out.read += 1
-            for writer, prefix, session in routes.get(mask) or route(mask):
-                writer.add(staging_row(prefix, position, entry_id, kind, message))
-                counts[session] += 1
-            if faults and out.read == max(1, part.entries // 2):  # half way: some rows sent, none committed
+            if faults and out.read == halfway:  # some rows in the sinks' open transactions, none committed
                 for writer in writers.values():
-                    writer.flush()
+                    writer.sync()
                 fault_point(f"fanout_mid_write{fault_tag}")
+
+        def on_row(fields: list[bytes | None]) -> None:  # the general path (unusual chunking)
+            values = [int.from_bytes(f or b"", "big", signed=True) for f in fields[:3]]
+            deliver((4, 8, values[0], 8, values[1], 8, values[2], 0), fields[3] or b"")
 
         query = sql.SQL(
             "COPY (SELECT position, entry_id, mask, message FROM ("
@@ -471,19 +483,22 @@ def stage_partition(plan: FanoutPlan, part: PositionRange, fault_tag: str = "") 
         ).format(mask=_demand_mask_sql(plan, active), lo=sql.Literal(part.lo), hi=sql.Literal(part.hi),
                  stream=sql.Literal(STREAM_LOG_ENTRIES))
         with src.cursor() as cur:
-            cur.copy_expert(query.as_string(src), RowReader(on_row))
+            cur.copy_expert(query.as_string(src), RowReader(on_row, _ENTRY_ROW, deliver))
         src.rollback()
+        for writer in writers.values():
+            writer.close()
+        out.staged = {d.session: sum(n for mask, n in masks.items() if mask >> bit & 1) for bit, d in active}
         for s in sinks:
-            writers[s].flush()
             with conns[s].cursor() as cur:
                 for _, d in active:
                     if d.sink == s:
-                        _record_range(cur, plan.source, d.client, plan.plan_id, part.lo, part.hi, counts[d.session])
+                        _record_range(cur, plan.source, d.client, plan.plan_id, part.lo, part.hi, out.staged[d.session])
             conns[s].commit()
         if faults:
             fault_point(f"fanout_after_stage{fault_tag}")
-        out.staged = counts
     finally:
+        for writer in writers.values():
+            writer.abandon()
         for conn in (src, *conns.values()):
             conn.close()
     out.seconds, out.peak_rss_kb, out.pid = time.monotonic() - started, peak_rss_kb(), os.getpid()
@@ -491,11 +506,13 @@ def stage_partition(plan: FanoutPlan, part: PositionRange, fault_tag: str = "") 
 
 
 def _armed(faults: str | None) -> bool:
-    """Fault points armed by the driver's environment are armed in the partition's process too
-    (on a cluster the executors do not share the driver's environment)."""
-    if faults and os.environ.get(FAULT_ENV) != faults:
+    """Fault points follow the driver's environment, in whatever process runs the partition (on
+    a cluster the executors do not share it; a reused Python worker must not keep an old one)."""
+    if faults:
         os.environ[FAULT_ENV] = faults
-    return bool(os.environ.get(FAULT_ENV))
+    else:
+        os.environ.pop(FAULT_ENV, None)
+    return bool(faults)
 
 
 def _clear_range(conn: psycopg2.extensions.connection, source: str, clients: list[str], part: PositionRange) -> None:

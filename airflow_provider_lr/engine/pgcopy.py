@@ -13,7 +13,9 @@ sends them) and pulls a ``COPY ... FROM STDIN`` from any object with ``read``, s
 from __future__ import annotations
 
 import io
+import queue
 import struct
+import threading
 import uuid
 from typing import Callable
 
@@ -32,13 +34,26 @@ class RowReader:
     """``write`` target of ``copy_expert("COPY (...) TO STDOUT (FORMAT binary)")``: decodes each
     row into a tuple of ``bytes | None`` fields and calls ``on_row(fields)``."""
 
-    def __init__(self, on_row: Callable[[list[bytes | None]], None]) -> None:
+    def __init__(self, on_row: Callable[[list[bytes | None]], None], fixed: struct.Struct | None = None,
+                 on_fixed: Callable[[tuple, bytes], None] | None = None) -> None:
         self.on_row = on_row
+        # Optional fast path for rows of fixed-width fields then one variable one: ``fixed``
+        # unpacks (field count, then length/value pairs, ending with the last field's length);
+        # ``on_fixed(values, last_field)`` gets them. Other chunks take the general path.
+        self.fixed, self.on_fixed = fixed, on_fixed
         self._buf = bytearray()
         self._header_seen = False
         self.rows = 0
 
     def write(self, chunk: bytes) -> int:
+        if self._header_seen and not self._buf and self.fixed is not None and len(chunk) > 2:
+            # PostgreSQL sends one CopyData message per row: parse the usual case without copying.
+            head = self.fixed.unpack_from(chunk)
+            size = head[-1]
+            if self.fixed.size + size == len(chunk):
+                self.on_fixed(head, chunk[self.fixed.size:])
+                self.rows += 1
+                return len(chunk)
         buf = self._buf
         buf += chunk
         pos = 0
@@ -102,27 +117,79 @@ def staging_row(prefix: bytes, position: int, entry_id: int, kind: int, message:
 
 
 class StagingWriter:
-    """Appends binary rows to ``lr.spark_staging`` on one sink connection, a block at a time."""
+    """Appends binary rows to ``lr.spark_staging`` on one sink connection, a block at a time.
+
+    Blocks go to the sink from a thread of their own (psycopg2 releases the GIL while the server
+    ingests), so reading the source, routing rows and the sinks' ingest overlap; at most
+    ``QUEUED_BLOCKS`` blocks wait per sink, which bounds memory. The caller owns the transaction:
+    ``close`` waits for the last block, then the caller commits."""
+
+    QUEUED_BLOCKS = 2
 
     def __init__(self, conn: psycopg2.extensions.connection, block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
         self.conn = conn
         self.block_bytes = block_bytes
-        self._block = bytearray(HEADER)
+        self.block = bytearray(HEADER)
         self.rows = 0
         self.flushes = 0
+        self._queue: queue.Queue[bytearray | None] = queue.Queue(maxsize=self.QUEUED_BLOCKS)
+        self._error: BaseException | None = None
+        self._abandoned = False
+        self._thread = threading.Thread(target=self._send, daemon=True, name="lr-staging-copy")
+        self._thread.start()
 
     def add(self, row: bytes) -> None:
-        self._block += row
+        self.block += row
         self.rows += 1
-        if len(self._block) >= self.block_bytes:
+        if len(self.block) >= self.block_bytes:
             self.flush()
 
     def flush(self) -> None:
-        if len(self._block) == len(HEADER):
+        """Hand the current block to the sender (blocks while ``QUEUED_BLOCKS`` are waiting)."""
+        if self._error is not None:
+            raise self._error
+        if len(self.block) == len(HEADER):
             return
-        self._block += TRAILER
-        with self.conn.cursor() as cur:
-            cur.copy_expert(f"COPY lr.spark_staging ({STAGING_COLUMNS}) FROM STDIN (FORMAT binary)",
-                            io.BytesIO(self._block), size=len(self._block))
-        self._block = bytearray(HEADER)
+        self.block += TRAILER
+        self._queue.put(self.block)
+        self.block = bytearray(HEADER)
         self.flushes += 1
+
+    def sync(self) -> None:
+        """Wait until every block handed over so far is in the sink (inside the open transaction)."""
+        self.flush()
+        self._queue.join()
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        """Send what is left, wait for it and stop the sender; raises the sender's error."""
+        try:
+            self.sync()
+        finally:
+            self._queue.put(None)
+            self._thread.join()
+
+    def abandon(self) -> None:
+        """Stop the sender without waiting for the sink (error paths; the transaction is dropped)."""
+        if self._thread.is_alive():
+            self._abandoned = True
+            try:
+                self._queue.put_nowait(None)
+            except queue.Full:
+                pass
+
+    def _send(self) -> None:
+        while True:
+            block = self._queue.get()
+            try:
+                if block is None or self._abandoned:
+                    return
+                if self._error is None:
+                    with self.conn.cursor() as cur:
+                        cur.copy_expert(f"COPY lr.spark_staging ({STAGING_COLUMNS}) FROM STDIN (FORMAT binary)",
+                                        io.BytesIO(block), size=len(block))
+            except BaseException as exc:  # reported to the producer at its next flush/close
+                self._error = exc
+            finally:
+                self._queue.task_done()
