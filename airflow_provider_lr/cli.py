@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from typing import Callable, Sequence
 
@@ -230,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # progress of long work (full-sync transfers) and per-session failures, on stderr
+    logging.basicConfig(level=logging.WARNING, format="lr: %(message)s")
+    logging.getLogger("airflow_provider_lr").setLevel(logging.INFO)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

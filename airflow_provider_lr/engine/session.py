@@ -249,6 +249,9 @@ class SessionRunner:
             meta = sink.write_snapshot_messages(self.sink, self.key.source, self.key.client, self._epoch(),
                                                 request.request_id, chunk)
             sent += len(chunk)
+            total = (request.entries or 0) + 2  # the provider's messages and the two markers
+            log.info("session %s: full sync %s: %d of %d messages on the sink", self.key, request.request_id,
+                     meta.snapshot_transferred_seq + 1, total)
             fault_point("after_snapshot_chunk")
         return meta, sent
 
