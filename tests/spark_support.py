@@ -302,3 +302,31 @@ def sink_queue(sink, client: str, source: str = "site-a") -> list[tuple[int, int
         assert not msg.destinations, "destinations are stripped at the sink"
         out.append((p, e, msg.opaque_payload))
     return out
+
+
+def record_applied(batch) -> None:
+    """An apply function for ``lr_apply_receive_queue``: appends each payload to ``applied``
+    (created on demand) through the delivery transaction; refuses payloads ending in ``:poison``."""
+    with batch.conn.cursor() as cur:
+        cur.execute("CREATE TABLE IF NOT EXISTS applied (n serial PRIMARY KEY, source text, kind text, payload text)")
+        for payload in batch.payloads or [b""]:
+            if payload.endswith(b":poison"):
+                raise ValueError(f"cannot apply {payload!r}")
+            cur.execute("INSERT INTO applied (source, kind, payload) VALUES (%s, %s, %s)",
+                        (batch.source, batch.kind, payload.decode()))
+
+
+@pytest.fixture(scope="module")
+def local_spark() -> Iterator[SparkSession]:
+    """One local[2] session per test module (import this fixture to use it)."""
+    session = local_spark_session("lr-spark-jobs-tests")
+    yield session
+    session.stop()
+
+
+@pytest.fixture
+def lr_connections(lr_sites, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``$LR_CONNECTIONS_FILE`` naming each test site by its site id (import this fixture to use it)."""
+    path = write_connections_file(tmp_path / "connections.json", lr_sites)
+    monkeypatch.setenv("LR_CONNECTIONS_FILE", str(path))
+    return path

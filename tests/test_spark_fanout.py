@@ -9,13 +9,13 @@ import pytest
 
 from airflow_provider_lr.engine import fanout
 from airflow_provider_lr.engine.faults import FAULT_ENV
-from tests.spark_support import (
+from tests.spark_support import (  # noqa: F401 (local_spark, lr_connections are fixtures)
     expected_queue,
     in_log_entry_sync,
-    local_spark_session,
+    local_spark,
+    lr_connections,
     sink_queue,
     transmit_backlog,
-    write_connections_file,
 )
 
 lr_fanout = pytest.importorskip("spark_jobs.lr_fanout")
@@ -23,16 +23,13 @@ lr_fanout = pytest.importorskip("spark_jobs.lr_fanout")
 CLIENTS = ("policy", "audit")
 
 
-@pytest.fixture(scope="module")
-def spark():
-    session = local_spark_session("lr-fanout-tests")
-    yield session
-    session.stop()
+@pytest.fixture
+def spark(local_spark):
+    return local_spark
 
 
 @pytest.fixture
-def topo(lr_sites, tmp_path, monkeypatch):
-    monkeypatch.setenv("LR_CONNECTIONS_FILE", str(write_connections_file(tmp_path / "conns.json", lr_sites)))
+def topo(lr_sites, lr_connections):
     return in_log_entry_sync(lr_sites, clients=CLIENTS)
 
 

@@ -1,0 +1,251 @@
+"""A session's full-sync data (``LRQ_Send_SnapSync``) moved to its sink in parallel (Spark job
+``spark_jobs/lr_snapshot_transfer.py``), with the transfer semantics of a session cycle.
+
+1. **plan** (driver): take the session's lease, find the supplied full-sync request, record
+   SNAPSHOT_START on the sink (``sink.start_snapshot``: a no-op when this sync already started,
+   so an interrupted transfer resumes), and cut the request's entries still to transfer (source
+   entry ids after the sink's ``snapshot_last_entry``) into entry-id ranges.
+2. **stage** (one call per range, in parallel): read the range once from the source and stage it
+   on the sink (``lr.spark_staging`` with the request's ``sync_id``), replacing whatever an
+   earlier attempt staged for it, with a record of the range: retries write nothing twice.
+3. **commit** (driver): only when the staged ranges cover everything still to transfer, feed the
+   staged messages in entry-id order to ``sink.write_snapshot_messages`` — the same fenced,
+   resumable write the in-process transfer uses — in chunks, logging progress; then apply the
+   snapshot the way a session cycle does (``SessionRunner.apply_snapshot``).
+
+Federated tables (a table snapshot read in parallel from one ``pg_export_snapshot()``) do not
+exist yet; when they do, their read belongs in step 2 with ``SET TRANSACTION SNAPSHOT``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable
+
+import psycopg2
+import psycopg2.extensions
+
+from airflow_provider_lr.engine import full_sync, lease as leases, sink
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError, StaleBatchError
+from airflow_provider_lr.engine.fanout import STAGING_LOCK_CLASS, peak_rss_kb, staged_coverage
+from airflow_provider_lr.engine.log_reader import LogRecord
+from airflow_provider_lr.engine.pgcopy import RowReader, StagingWriter, staging_prefix, staging_row
+from airflow_provider_lr.engine.session import SNAPSHOT_CHUNK, SessionRunner, SessionSettings
+from airflow_provider_lr.engine.topology import SessionKey, Topology, site_conninfo
+from airflow_provider_lr.engine.transmit import STREAM_SNAP_SYNC
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EntryRange:
+    """One partition: the request's source entry ids ``(lo, hi]``."""
+
+    index: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class SnapshotPlan:
+    plan_id: str
+    source: str
+    sink: str
+    client: str
+    request_id: str
+    supplied_tx: str
+    entries: int  # still to transfer
+    ranges: tuple[EntryRange, ...]
+    source_dsn: str = field(repr=False)
+    sink_dsn: str = field(repr=False)
+
+    def describe(self) -> str:
+        return (f"snapshot {self.request_id} of {self.source}->{self.sink}/{self.client}: {self.entries} entries "
+                f"to transfer in {len(self.ranges)} partitions (plan {self.plan_id[:8]})")
+
+
+@dataclass
+class SnapshotResult:
+    request_id: str
+    session: str
+    staged: int = 0
+    transferred: int = 0
+    applied: bool = False
+    partitions: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    peak_rss_kb: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "ok": True}
+
+
+class SnapshotTransfer:
+    """Driver side of one session's parallel snapshot transfer."""
+
+    def __init__(self, topology: Topology, source: str, sink_id: str, client: str, owner: str | None = None,
+                 settings: SessionSettings | None = None) -> None:
+        self.key = SessionKey(source, sink_id, client)
+        if self.key not in topology.sessions(source=source):
+            raise ConfigurationError(f"session {self.key} is not in the topology")
+        self.settings = settings or SessionSettings.from_topology(topology)
+        self.source_dsn = site_conninfo(topology, source).dsn
+        self.sink_dsn = site_conninfo(topology, sink_id).dsn
+        self.src = psycopg2.connect(self.source_dsn)
+        self.sink = psycopg2.connect(self.sink_dsn)
+        self.runner = SessionRunner(self.key, self.src, self.sink, owner or leases.new_owner_id(), self.settings)
+
+    def plan(self, request_id: str | None = None, partitions: int = 2) -> SnapshotPlan:
+        runner = self.runner
+        runner.lease = leases.acquire(self.src, self.key.sink, self.key.client, runner.owner, self.settings.lease_seconds)
+        if runner.lease is None:
+            raise LRError(f"session {self.key}: another replicator holds its lease; try again later")
+        request = (full_sync.get_request(self.src, request_id) if request_id
+                   else full_sync.open_request(self.src, self.key.sink, self.key.client))
+        if request is None or request.status != "supplied" or request.base_position is None:
+            raise LRError(f"session {self.key}: no supplied full-sync request "
+                          f"({request.status if request else 'none'}); the client's provider must supply it first")
+        meta = sink.start_snapshot(self.sink, self.key.source, self.key.client, runner.lease.epoch, request.request_id,
+                                   request.base_position, request.split, runner._topology_id())
+        leases.update_session(self.src, runner.lease, state="IN_SNAPSHOT_SYNC", sync_id=request.request_id,
+                              last_error=None)
+        with self.src.cursor() as cur:
+            cur.execute(
+                "SELECT count(*), coalesce(min(entry_id), 0), coalesce(max(entry_id), 0) FROM lr.log_entries "
+                "WHERE tx = %s::xid8 AND stream = %s AND entry_id > %s",
+                (request.supplied_tx, STREAM_SNAP_SYNC, meta.snapshot_last_entry),
+            )
+            count, first, last = cur.fetchone()
+        self.src.commit()
+        ranges: list[EntryRange] = []
+        if count:
+            lo, width = max(meta.snapshot_last_entry, first - 1), -(-(last - first + 1) // max(1, partitions))
+            while lo < last:
+                ranges.append(EntryRange(len(ranges), lo, min(lo + width, last)))
+                lo += width
+        return SnapshotPlan(str(uuid.uuid4()), self.key.source, self.key.sink, self.key.client, request.request_id,
+                            str(request.supplied_tx), int(count), tuple(ranges), self.source_dsn, self.sink_dsn)
+
+    def commit(self, plan: SnapshotPlan, apply: bool = True,
+               progress: Callable[[int, int], None] | None = None) -> SnapshotResult:
+        """Transfer the staged ranges in entry order (resumable chunks), then apply."""
+        result = SnapshotResult(plan.request_id, str(self.key))
+        meta = sink.read_metadata(self.sink, plan.source, plan.client)
+        if meta.snapshot_request_id != plan.request_id:
+            raise StaleBatchError(f"sink of {self.key} is on sync {meta.snapshot_request_id}, not {plan.request_id}")
+        reader = psycopg2.connect(self.sink_dsn)
+        try:
+            if plan.ranges:
+                with reader.cursor() as cur:
+                    covered = staged_coverage(cur, plan.source, plan.client, plan.plan_id,
+                                              max(meta.snapshot_last_entry, plan.ranges[0].lo), plan.ranges[-1].hi)
+                reader.rollback()
+                if covered is None:
+                    raise StaleBatchError(f"snapshot {plan.request_id}: entries after {meta.snapshot_last_entry} are "
+                                          f"not all staged on {plan.sink} (a partition failed); rerun")
+            while meta.snapshot_transferred != meta.snapshot_started:
+                chunk = _staged_chunk(reader, plan, meta.snapshot_last_entry)
+                if not chunk:
+                    raise LRError(f"snapshot {plan.request_id}: staged data ends at entry {meta.snapshot_last_entry} "
+                                  "before the end marker; rerun the transfer")
+                meta = sink.write_snapshot_messages(self.sink, plan.source, plan.client, self.runner._epoch(),
+                                                    plan.request_id, chunk)
+                result.transferred += len(chunk)
+                if progress:
+                    progress(result.transferred, plan.entries)
+            with reader.cursor() as cur:
+                cur.execute("DELETE FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s AND sync_id = %s",
+                            (plan.source, plan.client, plan.request_id))
+                cur.execute("DELETE FROM lr.spark_staged_ranges WHERE source_site_id = %s AND client_name = %s "
+                            "AND plan_id = %s", (plan.source, plan.client, plan.plan_id))
+            reader.commit()
+        finally:
+            reader.close()
+        if apply:
+            self.runner.apply_snapshot(meta)
+            result.applied = True
+        return result
+
+    def close(self) -> None:
+        self.runner.release()
+        for conn in (self.src, self.sink):
+            if not conn.closed:
+                conn.close()
+
+
+def _staged_chunk(conn: psycopg2.extensions.connection, plan: SnapshotPlan, after_entry: int) -> list[LogRecord]:
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT source_position, source_entry_id, message FROM lr.spark_staging WHERE source_site_id = %s "
+            "AND client_name = %s AND sync_id = %s AND source_entry_id > %s ORDER BY source_entry_id LIMIT %s",
+            (plan.source, plan.client, plan.request_id, after_entry, SNAPSHOT_CHUNK),
+        )
+        rows = [LogRecord(p, e, bytes(m)) for p, e, m in cur.fetchall()]
+    conn.rollback()
+    return rows
+
+
+def stage_range(plan: SnapshotPlan, part: EntryRange) -> dict:
+    """Stage the request's entries ``(lo, hi]`` on the sink (idempotent); returns a small summary."""
+    started = time.monotonic()
+    src, dst = psycopg2.connect(plan.source_dsn), psycopg2.connect(plan.sink_dsn)
+    writer: StagingWriter | None = None
+    try:
+        with dst.cursor() as cur:
+            cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+                        (STAGING_LOCK_CLASS, f"{plan.source}/{plan.request_id}/{part.lo}"))
+            cur.execute("DELETE FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s AND sync_id = %s "
+                        "AND source_entry_id > %s AND source_entry_id <= %s",
+                        (plan.source, plan.client, plan.request_id, part.lo, part.hi))
+        writer = StagingWriter(dst)
+        prefix = staging_prefix(plan.source, plan.client, plan.request_id)
+
+        def on_row(fields: list[bytes | None]) -> None:
+            kind, message = sink.rewrite_for_sink(fields[2] or b"")
+            writer.add(staging_row(prefix, int.from_bytes(fields[0] or b"", "big", signed=True),
+                                   int.from_bytes(fields[1] or b"", "big", signed=True), kind, message))
+
+        with src.cursor() as cur:
+            cur.copy_expert(cur.mogrify(
+                "COPY (SELECT c.position, e.entry_id, e.message FROM lr.log_entries e JOIN lr.log_commits c "
+                "ON c.tx = e.tx WHERE e.tx = %s::xid8 AND e.stream = %s AND e.entry_id > %s AND e.entry_id <= %s) "
+                "TO STDOUT (FORMAT binary)", (plan.supplied_tx, STREAM_SNAP_SYNC, part.lo, part.hi)).decode(),
+                RowReader(on_row))
+        src.rollback()
+        writer.close()
+        with dst.cursor() as cur:
+            cur.execute(
+                "INSERT INTO lr.spark_staged_ranges (source_site_id, client_name, plan_id, range_lo, range_hi, "
+                "staged_rows) VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (source_site_id, client_name, plan_id, "
+                "range_lo) DO UPDATE SET staged_rows = EXCLUDED.staged_rows, staged_at = now()",
+                (plan.source, plan.client, plan.plan_id, part.lo, part.hi, writer.rows))
+        dst.commit()
+        log.info("snapshot %s: staged %d entries (%d, %d]", plan.request_id, writer.rows, part.lo, part.hi)
+        return {"index": part.index, "staged": writer.rows, "seconds": round(time.monotonic() - started, 3),
+                "peak_rss_kb": peak_rss_kb(), "pid": os.getpid()}
+    finally:
+        if writer is not None:
+            writer.abandon()
+        src.close()
+        dst.close()
+
+
+def run_transfer(transfer: SnapshotTransfer, map_ranges: Callable[[SnapshotPlan], Iterable[dict]],
+                 request_id: str | None = None, partitions: int = 2, apply: bool = True) -> SnapshotResult:
+    t0 = time.monotonic()
+    plan = transfer.plan(request_id, partitions)
+    log.info("%s", plan.describe())
+    t1 = time.monotonic()
+    staged = list(map_ranges(plan)) if plan.ranges else []
+    t2 = time.monotonic()
+
+    def progress(done: int, total: int) -> None:
+        log.info("snapshot %s: transferred %d of %d entries", plan.request_id, done, total)
+
+    result = transfer.commit(plan, apply, progress)
+    result.staged, result.partitions = sum(s["staged"] for s in staged), len(staged)
+    result.seconds = {"plan": round(t1 - t0, 3), "stage": round(t2 - t1, 3), "commit": round(time.monotonic() - t2, 3)}
+    result.peak_rss_kb = {"driver": peak_rss_kb(), "executor_python": max((s["peak_rss_kb"] for s in staged), default=0)}
+    return result
