@@ -66,7 +66,8 @@ def lr_replication() -> None:
 
     plans = plan.expand(site=sources(sessions.output))
     fanout = LRSparkFanOutOperator.partial(
-        task_id="spark_fanout", conn_id=SPARK_CONN_ID, conf={"spark.ui.enabled": "false"}
+        task_id="spark_fanout", conn_id=SPARK_CONN_ID, conf={"spark.ui.enabled": "false"},
+        execution_timeout=timedelta(minutes=30),  # a stuck job must not hold the one active run
     ).expand(source=spark_sources(plans))
 
     @task(trigger_rule=TriggerRule.ALL_DONE)

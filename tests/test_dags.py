@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
+from pathlib import Path
 
 import pytest
 
-from tests.airflow_support import airflow_db, airflow_sites, dagbag, run_dag, states, xcom  # noqa: F401
-from tests.session_helpers import App, final_state, queue, source_state
+from tests.airflow_support import airflow_db, airflow_sites, dagbag, reconfigure, run_dag, states, xcom  # noqa: F401
+from tests.session_helpers import App, final_state, queue, replicator, source_state, table_provider
 
 
 def test_dags_import_without_errors(dagbag):
@@ -117,4 +120,31 @@ def test_a_sink_that_is_down_fails_only_its_own_session(dagbag, airflow_sites, m
     assert xcom(run, "session.report", 0)["state"] == "IN_LOG_ENTRY_SYNC"
     failed = xcom(run, "session.report", 1)
     assert failed["session"] == "site-a->site-c/policy" and "cannot connect to site 'site-c'" in failed["last_error"]
+    app.close()
+
+
+@pytest.mark.slow
+def test_a_large_backlog_goes_through_the_spark_fan_out(dagbag, airflow_sites, monkeypatch):
+    """Catch-up through Spark (spark-submit of spark_jobs/lr_fanout.py on local[2]), the sessions'
+    groups then find nothing left: every entry arrives once, in order."""
+    source, sink_b, sink_c = airflow_sites.sites
+    reconfigure(airflow_sites, settings={"spark_min_backlog": 20})
+    app = App(source)
+    first = replicator(airflow_sites.topology, airflow_sites.sites, providers={"policy": table_provider})
+    first.run(max_cycles=3, until_idle=True, interval=0.01)  # first contact (snapshot) done in-process
+    first.close()
+    for i in range(15):
+        app.put(f"k{i}", i, ["site-b", "site-c"])  # 30 deliveries >= spark_min_backlog
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[2]"}))
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # spark-submit
+
+    run = run_dag(dagbag, "lr_replication")
+    got = states(run)
+    assert got[("spark_fanout", 0)] == "success", got
+    assert xcom(run, "plan", 0)["path"] == "spark"
+    fanned = xcom(run, "spark_fanout", 0)
+    assert fanned["ok"] and fanned["total_deliveries"] == 30
+    assert xcom(run, "session.log_entry_sync", 0)["delivered"] == 0  # Spark left nothing behind
+    for sink in (sink_b, sink_c):
+        assert [p for k, p in queue(sink, "site-a") if k == "log"] == [f"k{i}={i}" for i in range(15)]
     app.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 
 import pytest
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException, TaskDeferred
@@ -189,3 +190,25 @@ def test_connections_file_for_spark_is_private_and_complete(airflow_sites, tmp_p
         assert conns["lr_site_b"]["extra"]["site_id"] == "site-b" and conns["lr_site_b"]["conn_type"] == "lr_site"
     finally:
         os.unlink(path)
+
+
+@pytest.mark.slow
+def test_spark_fan_out_operator_delivers_the_backlog_and_cleans_up(airflow_sites, monkeypatch, tmp_path):
+    from airflow_provider_lr.operators.spark import LRSparkFanOutOperator
+
+    source, sink_b, sink_c = airflow_sites.sites
+    app = _app_with_sinks_in_log_entry_sync(source)
+    for i in range(10):
+        app.put(f"k{i}", i, ["site-b", "site-c"])
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_LOCAL", json.dumps({"conn_type": "spark", "host": "local[2]"}))
+    monkeypatch.setenv("PATH", f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the connections file is written
+    op = LRSparkFanOutOperator(task_id="fanout", source="site-a", conn_id="spark_local",
+                               conf={"spark.ui.enabled": "false"})
+    result = op.execute({})
+    assert result["ok"] and result["total_deliveries"] == 20
+    for sink in (sink_b, sink_c):
+        assert [p for k, p in queue(sink, "site-a") if k == "log"] == [f"k{i}={i}" for i in range(10)]
+    assert list(tmp_path.glob("lr-connections-*")) == []  # removed after the job
+    assert not any("password" in str(a) or "lr-connections" in str(a) for a in op.application_args)
+    app.close()
