@@ -212,3 +212,16 @@ def test_spark_fan_out_operator_delivers_the_backlog_and_cleans_up(airflow_sites
     assert list(tmp_path.glob("lr-connections-*")) == []  # removed after the job
     assert not any("password" in str(a) or "lr-connections" in str(a) for a in op.application_args)
     app.close()
+
+
+def test_every_module_the_provider_declares_imports():
+    import importlib
+
+    from airflow_provider_lr.get_provider_info import get_provider_info
+
+    info = get_provider_info()
+    modules = [m for kind in ("hooks", "operators", "sensors", "triggers") for entry in info[kind]
+               for m in entry["python-modules"]]
+    assert len(modules) == 6
+    for module in modules:
+        importlib.import_module(module)
