@@ -9,7 +9,7 @@ its provider is not in the topology), and a log-entry catch-up after it.
 """
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 from airflow.sdk import Param, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException
@@ -44,6 +44,7 @@ def _optional_choice(values: list[str], pattern: str, **schema: object) -> Param
     schedule=None,
     start_date=datetime(2026, 1, 1, tzinfo=timezone.utc),
     catchup=False,
+    default_args={"retries": 3, "retry_delay": timedelta(seconds=20)},  # e.g. lr_replication holds the lease
     tags=["lr", "replication"],
     doc_md=__doc__,
     params={

@@ -5,6 +5,7 @@ import json
 import os
 import stat
 import sys
+import tempfile
 
 import pytest
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException, TaskDeferred
@@ -202,14 +203,15 @@ def test_spark_fan_out_operator_delivers_the_backlog_and_cleans_up(airflow_sites
         app.put(f"k{i}", i, ["site-b", "site-c"])
     monkeypatch.setenv("AIRFLOW_CONN_SPARK_LOCAL", json.dumps({"conn_type": "spark", "host": "local[2]"}))
     monkeypatch.setenv("PATH", f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the connections file is written
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the connections file is written
     op = LRSparkFanOutOperator(task_id="fanout", source="site-a", conn_id="spark_local",
                                conf={"spark.ui.enabled": "false"})
     result = op.execute({})
     assert result["ok"] and result["total_deliveries"] == 20
     for sink in (sink_b, sink_c):
         assert [p for k, p in queue(sink, "site-a") if k == "log"] == [f"k{i}={i}" for i in range(10)]
-    assert list(tmp_path.glob("lr-connections-*")) == []  # removed after the job
+    conns_file = op.env_vars["LR_CONNECTIONS_FILE"]  # handed to the job through the environment only
+    assert os.path.dirname(conns_file) == str(tmp_path) and not os.path.exists(conns_file)  # removed after
     assert not any("password" in str(a) or "lr-connections" in str(a) for a in op.application_args)
     app.close()
 
@@ -225,3 +227,17 @@ def test_every_module_the_provider_declares_imports():
     assert len(modules) == 6
     for module in modules:
         importlib.import_module(module)
+
+
+def test_a_full_sync_step_retries_while_another_replicator_holds_the_session(airflow_sites):
+    from airflow_provider_lr.engine import lease
+
+    session = _sessions(sink="site-b")[0]
+    conn = airflow_sites.site("site-a").connect()
+    held = lease.acquire(conn, "site-b", "policy", "lr-sync-elsewhere", 60)
+    assert held is not None
+    assert _step(LRSnapshotSyncOperator, session)["skipped"]  # lr_replication's mode: nothing to do now
+    with pytest.raises(AirflowException, match="another replicator holds this session's lease; retrying"):
+        _step(LRSnapshotSyncOperator, session, wait_for_data=True)
+    lease.release(conn, held)
+    conn.close()

@@ -140,8 +140,9 @@ class LRSnapshotSyncOperator(_SessionStepOperator):
 
     :param wait_for_data: when the client has not supplied the data yet, wait for its end marker
         (deferring to ``LRSnapshotEndTrigger``, no worker slot held) instead of returning
-        ``waiting`` for the next run to pick up. ``lr_replication`` does not wait (one slow client
-        must not hold every session's next cycle); ``lr_full_sync`` does.
+        ``waiting`` for the next run to pick up; and fail (for the task's retries) rather than
+        return when another replicator holds the session's lease. ``lr_replication`` does not
+        wait (one slow client must not hold every session's next cycle); ``lr_full_sync`` does.
     :param deferrable: wait in the triggerer (default True; False polls from the worker)
     :param poll_interval: first poll interval of the wait, doubled up to ``max_poll_interval``
     """
@@ -160,6 +161,9 @@ class LRSnapshotSyncOperator(_SessionStepOperator):
         self._skip_unless_chosen()
         with self.runner() as runner:
             report = runner.snapshot_step()
+        if report.skipped and self.wait_for_data:
+            # asked to carry the sync out (lr_full_sync): let the task's retries try again
+            raise AirflowException(f"session {report.session}: {report.skipped}; retrying")
         if not (report.waiting and self.wait_for_data):
             return self._result(report)
         deadline = self._deadline(report.request_id)
