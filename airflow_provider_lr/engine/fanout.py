@@ -57,14 +57,14 @@ from airflow_provider_lr.engine.transmit import STREAM_LOG_ENTRIES
 
 log = logging.getLogger(__name__)
 
-# Backlog (entries summed over a source's sessions in log-entry sync) from which a catch-up goes
-# through Spark rather than in-process cycles: below it, the in-process path finishes before a
-# Spark job has started. Measured on the 2-core machine (docs/spark.md "Choosing the path"):
-# spark-submit costs ~11 s before the first row moves (JVM, context, Python workers), in-process
-# log-entry sync delivers ~28k deliveries/s, the Spark fan-out ~250-400k/s; break-even ≈ 11 s ×
-# 28k ≈ 330k deliveries ≈ 110k entries for 3 sinks. The DAG reads the topology setting
-# ``spark_min_backlog`` with this as its default.
-SPARK_MIN_BACKLOG = 100_000
+# Backlog from which a catch-up goes through Spark rather than in-process cycles, counted as
+# ``session_backlogs`` / ``status.source_backlog`` count it: entries still to deliver summed over
+# the source's sessions in log-entry sync (= deliveries). Measured on the 2-core machine
+# (docs/spark.md "Choosing the path"): spark-submit costs ~14 s before the first row moves (JVM,
+# context, Python workers), in-process log-entry sync delivers ~20k deliveries/s, the warm Spark
+# fan-out ~130k+/s; break-even 14 s / (1/20k - 1/130k) ≈ 330k deliveries. The DAG reads the
+# topology setting ``spark_min_backlog`` with this as its default.
+SPARK_MIN_BACKLOG = 300_000
 PARTITION_ENTRIES = 250_000  # default sub-range size when the caller does not fix a count
 MAX_DEMANDS = 63  # one bit per demand in the source-side bigint mask
 STAGING_LOCK_CLASS = 0x6C72_7366  # "lrsf": pg_advisory_xact_lock(class, hashtext(range)) while staging
@@ -578,15 +578,7 @@ def commit_session(conn: psycopg2.extensions.connection, plan: FanoutPlan, deman
         if staged is None:
             raise StaleBatchError(f"fan-out {plan.plan_id[:8]}: positions ({last}, {plan.end}] are not all staged on "
                                   f"{demand.sink} for {demand.client} (a partition failed or the sink restarted); rerun")
-        cur.execute(
-            "INSERT INTO lr.receive_queue (source_site_id, client_name, kind, source_position, source_entry_id, "
-            "sync_id, visible, message) "
-            "SELECT source_site_id, client_name, kind, source_position, source_entry_id, NULL, true, message "
-            "FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s AND sync_id IS NULL "
-            "AND source_position > %s AND source_position <= %s ORDER BY source_position, source_entry_id",
-            (plan.source, demand.client, last, plan.end),
-        )
-        delivered = cur.rowcount
+        delivered = _copy_staged(cur, plan.sink_dsns[demand.sink], plan.source, demand.client, last, plan.end)
         if last == demand.after and delivered != staged:
             raise StaleBatchError(f"fan-out {plan.plan_id[:8]}: {demand.session} has {delivered} staged rows, "
                                   f"the partitions recorded {staged}; rerun")
@@ -598,6 +590,59 @@ def commit_session(conn: psycopg2.extensions.connection, plan: FanoutPlan, deman
         if delivered:
             write.announce()
         return delivered, plan.end
+
+
+_STAGED = ("FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s AND sync_id IS NULL "
+           "AND source_position > %s AND source_position <= %s")
+
+
+def _copy_staged(cur: psycopg2.extensions.cursor, dsn: str, source: str, client: str, last: int, end: int) -> int:
+    """COPY the staged rows of ``(last, end]`` into ``lr.receive_queue`` in (position, entry id)
+    order, inside the fenced transaction of ``cur``: a second connection streams them out of the
+    staging table (binary COPY, ordered by its primary key) through a pipe into the COPY in, so
+    ``seq`` follows source order and the rows take PostgreSQL's multi-row insert path.
+    Returns the rows copied; raises unless they are exactly the staged rows."""
+    params = (source, client, last, end)
+    cur.execute("SELECT count(*) " + _STAGED, params)
+    expected = cur.fetchone()[0]
+    if not expected:
+        return 0
+    read_fd, write_fd = os.pipe()
+    failure: list[BaseException] = []
+
+    def pump() -> None:
+        pipe = os.fdopen(write_fd, "wb", buffering=1 << 20)  # closed whatever happens: the COPY in sees EOF
+        try:
+            out = psycopg2.connect(dsn)
+            try:
+                with out.cursor() as ocur:
+                    ocur.copy_expert(ocur.mogrify(
+                        "COPY (SELECT source_site_id, client_name, kind, source_position, source_entry_id, true, "
+                        "message " + _STAGED + " ORDER BY source_position, source_entry_id) TO STDOUT (FORMAT binary)",
+                        params).decode(), pipe)
+            finally:
+                out.close()
+            pipe.close()
+        except BaseException as exc:  # a broken pipe when the COPY in failed first: reported there
+            failure.append(exc)
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=pump, name="lr-fanout-commit-copy", daemon=True)
+    thread.start()
+    try:
+        with os.fdopen(read_fd, "rb", buffering=1 << 20) as pipe:
+            cur.copy_expert("COPY lr.receive_queue (source_site_id, client_name, kind, source_position, "
+                            "source_entry_id, visible, message) FROM STDIN (FORMAT binary)", pipe, size=1 << 20)
+    finally:
+        thread.join()
+    if failure:
+        raise StaleBatchError(f"reading staged rows of {source}/{client} failed: {failure[0]}")
+    if cur.rowcount != expected:
+        raise StaleBatchError(f"{source}/{client}: copied {cur.rowcount} of {expected} staged rows; rerun")
+    return expected
 
 
 # --- the whole run, and choosing it -------------------------------------------------------------
