@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from datetime import datetime, timedelta, timezone
 
-from airflow.sdk import TriggerRule, dag, task, task_group
+from airflow.sdk import TriggerRule, dag, get_current_context, task, task_group
 
 from airflow_provider_lr.operators import LRDiscoverSessionsOperator, LRLogEntrySyncOperator, LRNegotiateOperator
 from airflow_provider_lr.operators import LRSnapshotSyncOperator
@@ -31,6 +31,7 @@ from airflow_provider_lr.operators.spark import LRSparkFanOutOperator
 
 INTERVAL = timedelta(seconds=float(os.environ.get("LR_REPLICATION_INTERVAL_S", "30")))
 SPARK_CONN_ID = os.environ.get("LR_SPARK_CONN_ID", "spark_default")
+SESSION_LABEL = "{{ task.session['session'] }}"
 
 
 @dag(
@@ -70,12 +71,13 @@ def lr_replication() -> None:
         execution_timeout=timedelta(minutes=30),  # a stuck job must not hold the one active run
     ).expand(source=spark_sources(plans))
 
-    @task(trigger_rule=TriggerRule.ALL_DONE)
+    @task(trigger_rule=TriggerRule.ALL_DONE, map_index_template="{{ lr_session }}")
     def report(session: dict) -> dict:
         """The session's state as its source records it (state lives in PostgreSQL, not XCom)."""
         from airflow_provider_lr.engine import status
         from airflow_provider_lr.operators.common import site_connection
 
+        get_current_context()["lr_session"] = session["session"]  # type: ignore[typeddict-unknown-key]
         with site_connection(session["source_conn_id"], session["source"]) as conn:
             rows = status.site_status(conn, session["source"]).sessions
         row = next(r for r in rows if r["role"] == "source" and r["sink_site_id"] == session["sink"]
@@ -86,9 +88,11 @@ def lr_replication() -> None:
     @task_group(group_id="session")
     def replicate(session: dict) -> None:
         # all_done: a failed or skipped Spark fan-out must not stop the sessions (they catch up here)
-        decide = LRNegotiateOperator(task_id="decide", session=session, trigger_rule=TriggerRule.ALL_DONE)
-        snapshot = LRSnapshotSyncOperator(task_id="snapshot_sync", session=session, decision=decide.output)
-        log_entries = LRLogEntrySyncOperator(task_id="log_entry_sync", session=session, decision=decide.output)
+        label = {"map_index_template": SESSION_LABEL}  # the UI lists map indexes by session name
+        decide = LRNegotiateOperator(task_id="decide", session=session, trigger_rule=TriggerRule.ALL_DONE, **label)
+        snapshot = LRSnapshotSyncOperator(task_id="snapshot_sync", session=session, decision=decide.output, **label)
+        log_entries = LRLogEntrySyncOperator(task_id="log_entry_sync", session=session, decision=decide.output,
+                                             **label)
         decide >> [snapshot, log_entries] >> report(session)
 
     fanout >> replicate.expand(session=sessions.output)

@@ -64,6 +64,8 @@ def test_users_path_first_sync_deltas_own_pipeline_forced_full_sync_maintenance(
         ("session.report", 0): "success", ("session.report", 1): "success",
     }
     assert got[("spark_fanout", -1)] == "skipped"  # a small backlog stays in-process
+    labels = {ti.map_index: ti.rendered_map_index for ti in first.get_task_instances() if ti.task_id == "session.report"}
+    assert labels == {0: "site-a->site-b/policy", 1: "site-a->site-c/policy"}  # how the UI lists the groups
     for sink in (sink_b, sink_c):
         q = queue(sink, "site-a")
         assert q[0] == ("start", "") and q[-1] == ("end", "") and final_state(q) == source_state(source)
