@@ -241,3 +241,23 @@ def test_a_full_sync_step_retries_while_another_replicator_holds_the_session(air
         _step(LRSnapshotSyncOperator, session, wait_for_data=True)
     lease.release(conn, held)
     conn.close()
+
+
+def test_new_log_entries_sensor_pokes_and_defers(airflow_sites):
+    from airflow_provider_lr.sensors import LRNewLogEntriesSensor
+    from airflow_provider_lr.triggers import LRNewLogEntriesTrigger
+
+    source = airflow_sites.site("site-a")
+    app = _app_with_sinks_in_log_entry_sync(source)
+    sensor = LRNewLogEntriesSensor(task_id="entries", source="site-a", sink="site-c", client="policy")
+    assert sensor.poke({}).is_done is False
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor.execute({})
+    assert isinstance(deferred.value.trigger, LRNewLogEntriesTrigger) and deferred.value.trigger.sink == "site-c"
+    app.put("k", 1, ["site-c"])
+    poked = sensor.poke({})
+    assert poked.is_done and poked.xcom_value["pending"] == 1
+    assert sensor.execute({})["pending"] == 1  # already true: no deferral
+    idle = _step(LRLogEntrySyncOperator, _sessions(sink="site-b")[0])
+    assert idle["delivered"] == 0 and idle["remaining"] == 0  # counts stay in the XCom even when zero
+    app.close()

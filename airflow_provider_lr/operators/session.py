@@ -36,8 +36,8 @@ NO_BRANCH = "none"
 
 
 def report_dict(report: CycleReport) -> dict[str, Any]:
-    """The report as a small XCom: empty fields left out."""
-    return {k: v for k, v in dataclasses.asdict(report).items() if v not in ("", [], False) or k == "delivered"}
+    """The report as a small XCom: empty text, empty lists and false flags left out (counts stay)."""
+    return {k: v for k, v in dataclasses.asdict(report).items() if v != "" and v != [] and v is not False}
 
 
 class LRDiscoverSessionsOperator(BaseOperator):
