@@ -476,9 +476,10 @@ def stage_partition(plan: FanoutPlan, part: PositionRange, fault_tag: str = "") 
 
         query = sql.SQL(
             "COPY (SELECT position, entry_id, mask, message FROM ("
-            " SELECT c.position, e.entry_id, ({mask}) AS mask, e.message"
-            " FROM lr.log_commits c JOIN lr.log_entries e ON e.tx = c.tx"
-            " WHERE c.position > {lo} AND c.position <= {hi} AND e.stream = {stream}) r WHERE mask <> 0)"
+            " SELECT c.position, e.entry_id, ({mask}) AS mask, e.message FROM lr.log_commits c"
+            " CROSS JOIN LATERAL (SELECT e.entry_id, e.client_id, e.tag_ids, e.message FROM lr.log_entries e"
+            "  WHERE e.tx = c.tx AND e.stream = {stream} OFFSET 0) e"  # per-commit index lookups: only the sub-range is read
+            " WHERE c.position > {lo} AND c.position <= {hi}) r WHERE mask <> 0)"
             " TO STDOUT (FORMAT binary)"
         ).format(mask=_demand_mask_sql(plan, active), lo=sql.Literal(part.lo), hi=sql.Literal(part.hi),
                  stream=sql.Literal(STREAM_LOG_ENTRIES))
