@@ -22,7 +22,6 @@ from pyspark.sql import SparkSession
 
 from airflow_provider_lr.engine import topology as topologies
 from airflow_provider_lr.engine.errors import LRError
-from airflow_provider_lr.engine.fanout import ancestor_peak_kb
 
 RESULT_PREFIX = "LR_RESULT "
 DEFAULT_MASTER = "local[*]"
@@ -76,11 +75,6 @@ def _vm_hwm(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1])
     return 0
-
-
-def executor_jvm_peak_kb() -> int:
-    """Inside a task: peak memory of the executor JVM this Python worker belongs to."""
-    return ancestor_peak_kb("java")
 
 
 def run(main: Callable[[argparse.Namespace], dict[str, Any]], args: argparse.Namespace) -> int:

@@ -7,7 +7,6 @@ import threading
 
 import pytest
 
-from airflow_provider_lr.engine import fanout
 from airflow_provider_lr.engine.faults import FAULT_ENV
 from tests.spark_support import (  # noqa: F401 (local_spark, lr_connections are fixtures)
     expected_queue,

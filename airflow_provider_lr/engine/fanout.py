@@ -155,6 +155,7 @@ class FanoutResult:
     positions: dict[str, int] = field(default_factory=dict)  # session -> sink's last processed
     errors: dict[str, str] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    blocked_by: list[str] = field(default_factory=list)  # what held the commit barrier back
     partitions: int = 0
     entries_read: int = 0
     seconds: dict[str, float] = field(default_factory=dict)  # plan, stage, commit
@@ -310,7 +311,8 @@ class FanoutDriver:
     # --- 3. commit (driver) -------------------------------------------------------------------
     def commit(self, plan: FanoutPlan, staged: Iterable[StagedPartition]) -> FanoutResult:
         """Make each session's range visible on its sink (in parallel across sessions)."""
-        result = FanoutResult(plan.plan_id, plan.source, plan.lo, plan.end, skipped=dict(plan.skipped))
+        result = FanoutResult(plan.plan_id, plan.source, plan.lo, plan.end, skipped=dict(plan.skipped),
+                              blocked_by=list(plan.blocked_by))
         parts = list(staged)
         result.partitions = len(parts)
         result.entries_read = sum(p.read for p in parts)
