@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -166,6 +167,7 @@ class LrSites:
     def drop(self) -> None:
         for dsn, db in zip(self.admin, self.dbnames):
             execute(dsn, f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
+        shutil.rmtree(self.dir, ignore_errors=True)  # the connections file and topology
 
 
 def _int_array(values: list[int]) -> bytes:
