@@ -118,3 +118,18 @@ def lr_sites(sites: list[TestSite]) -> list[TestSite]:
 @pytest.fixture
 def repo_root() -> Path:
     return Path(__file__).resolve().parents[1]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Stop what Spark tests left running while logging still works (py4j logs when collected)."""
+    import sys
+
+    if "pyspark" not in sys.modules:
+        return
+    from pyspark import SparkContext
+
+    if SparkContext._active_spark_context is not None:
+        SparkContext._active_spark_context.stop()
+    if SparkContext._gateway is not None:
+        SparkContext._gateway.shutdown()
+        SparkContext._gateway = None
