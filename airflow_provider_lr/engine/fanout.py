@@ -66,10 +66,11 @@ log = logging.getLogger(__name__)
 # Backlog from which a catch-up goes through Spark rather than in-process cycles, counted as
 # ``session_backlogs`` / ``status.source_backlog`` count it: entries still to deliver summed over
 # the source's sessions in log-entry sync (= deliveries). Measured on the 2-core machine
-# (docs/spark.md "Choosing the path"): spark-submit costs ~14 s before the first row moves (JVM,
-# context, Python workers), in-process log-entry sync delivers ~20k deliveries/s, the warm Spark
-# fan-out ~130k+/s; break-even 14 s / (1/20k - 1/130k) ≈ 330k deliveries. The DAG reads the
-# topology setting ``spark_min_backlog`` with this as its default.
+# (docs/spark.md "Choosing in-process or Spark", 2026-11-23, tee design): spark-submit costs
+# ~10.5-14 s before the first row moves (JVM, context, Python workers, warm-up job), in-process
+# session cycles deliver ~21k deliveries/s, the warm Spark fan-out ~170-290k/s; break-even
+# 10.5-14 s / (1/21k - 1/250k) ≈ 240k-320k deliveries. The DAG reads the topology setting
+# ``spark_min_backlog`` with this as its default.
 SPARK_MIN_BACKLOG = 300_000
 PARTITION_ENTRIES = 250_000  # default chunk size when the caller does not fix a count
 MAX_DEMANDS = 63  # one bit per demand in the source-side bigint mask
