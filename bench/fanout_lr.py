@@ -8,6 +8,8 @@
                    driver (Python, JVM) and the executors' Python workers.
 * ``lr_inprocess`` the same backlog moved by in-process session cycles (``lr sync``'s engine,
                    log-entry batches of 10,000), for the in-process/Spark threshold.
+* ``lr_inprocess_tee`` the fan-out's tee (``engine.fanout.run_fanout`` with ``local_map``) run in
+                   this process, no Spark: what the catch-up costs without the Spark start.
 
 Each run gets fresh databases (``lr_<variant>``) on the bench's 4 servers, the lr schema, a
 topology source → 3 sinks, every session through an (empty) full sync, then the backlog: the
@@ -246,4 +248,32 @@ def lr_inprocess(env: BenchEnv, workload: Workload) -> Measurement:
                        {"batch_entries": SessionSettings().max_entries})
 
 
-MEASUREMENTS = {"lr_catchup": lr_catchup, "lr_inprocess": lr_inprocess}
+def lr_inprocess_tee(env: BenchEnv, workload: Workload) -> Measurement:
+    from airflow_provider_lr.engine import fanout
+
+    sites = LrSites(env, f"lr_{workload.variant}")
+    previous = os.environ.get("LR_CONNECTIONS_FILE")
+    os.environ["LR_CONNECTIONS_FILE"] = str(sites.connections)
+    try:
+        sites.fill_backlog(env, workload)
+        sites.checkpoint()
+        driver = fanout.FanoutDriver(sites.topology, SOURCE_ID)
+        try:
+            result = fanout.run_fanout(driver, fanout.local_map)
+        finally:
+            driver.close()
+        got = sites.verify(env, "lr_inprocess_tee")
+    finally:
+        if previous is None:
+            os.environ.pop("LR_CONNECTIONS_FILE", None)
+        else:
+            os.environ["LR_CONNECTIONS_FILE"] = previous
+        sites.drop()
+    delivered = sum(result.deliveries.values())
+    if not result.ok or delivered != sum(got):
+        raise AssertionError(f"lr_inprocess_tee: {result.errors or delivered} (sinks hold {sum(got)})")
+    return Measurement("lr_inprocess_tee", workload.variant, workload.entries, delivered, result.seconds["total"],
+                       {"chunks": result.partitions, "phases_s": result.seconds})
+
+
+MEASUREMENTS = {"lr_catchup": lr_catchup, "lr_inprocess": lr_inprocess, "lr_inprocess_tee": lr_inprocess_tee}

@@ -3,9 +3,10 @@
     spark-submit spark_jobs/lr_fanout.py --source SITE_ID [--topology PATH] [--max-entries N]
                                          [--partitions N]
 
-A thin driver over ``airflow_provider_lr.engine.fanout``: plan (leases, demands, position
-sub-ranges) on the driver, one Spark task per sub-range stages it on every demanded sink
-(read once, binary COPY), then one fenced commit per session makes the range visible in order.
+A thin driver over ``airflow_provider_lr.engine.fanout``: plan (leases, demands, position chunks)
+on the driver, then one Spark task tees the source's chunks in order: each chunk is read once
+(binary COPY) and streamed straight into every demanding session's receive queue inside one fenced
+sink transaction per session. A retried task resumes from what the sinks committed.
 Prints ``LR_RESULT {json}`` (deliveries per session, timings, peak memory); exits 1 if any session
 failed. Sites are resolved from ``AIRFLOW_CONN_<ID>`` or ``$LR_CONNECTIONS_FILE``, never from argv.
 """
@@ -24,23 +25,26 @@ from airflow_provider_lr.engine import fanout  # noqa: E402
 from airflow_provider_lr.engine.topology import Topology  # noqa: E402
 
 
-def spark_map(spark: SparkSession) -> fanout.MapPartitions:
-    """Stage a plan's sub-ranges as Spark tasks, one per partition; only summaries come back."""
+def spark_map(spark: SparkSession) -> fanout.MapChunks:
+    """One Spark task per source tees its chunks in order; only small summaries come back.
 
-    def run(plan: fanout.FanoutPlan) -> list[fanout.StagedPartition]:
-        def stage(parts: Iterable[fanout.PositionRange]) -> Iterator[fanout.StagedPartition]:
+    A source's chunks must commit in order on each sink, so they are not spread over tasks: the
+    parallelism is the sinks' concurrent ingest (a sender thread per session) next to the source's
+    read. Fan-outs of different sources are different jobs and run side by side."""
+
+    def run(plan: fanout.FanoutPlan) -> list[fanout.ChunkResult]:
+        def tee(_: Iterable[int]) -> Iterator[fanout.ChunkResult]:
             from pyspark import TaskContext
 
             ctx = TaskContext.get()
             attempt = ctx.attemptNumber() if ctx is not None else 0
-            for part in parts:
-                staged = fanout.stage_partition(plan, part, fault_tag=f"_p{part.index}_a{attempt}")
-                staged.jvm_peak_kb = fanout.ancestor_peak_kb("java")
-                yield staged
+            for chunk in fanout.tee_chunks(plan, attempt):
+                chunk.jvm_peak_kb = fanout.ancestor_peak_kb("java")
+                yield chunk
 
         sc = spark.sparkContext
-        sc.setJobDescription(f"lr fan-out {plan.plan_id[:8]} of {plan.source}: {len(plan.ranges)} partitions")
-        return sc.parallelize(list(plan.ranges), len(plan.ranges)).mapPartitions(stage).collect()
+        sc.setJobDescription(f"lr fan-out {plan.plan_id[:8]} of {plan.source}: {len(plan.ranges)} chunks")
+        return sc.parallelize([0], 1).mapPartitions(tee).collect()
 
     return run
 
@@ -51,8 +55,7 @@ def fan_out(spark: SparkSession, topo: Topology, source: str, max_entries: int |
     warmup = lr_spark.warm_up(spark)
     driver = fanout.FanoutDriver(topo, source)
     try:
-        result = fanout.run_fanout(driver, spark_map(spark), max_entries, partitions,
-                                   min_partitions=spark.sparkContext.defaultParallelism)
+        result = fanout.run_fanout(driver, spark_map(spark), max_entries, partitions)
     finally:
         driver.close()
     result.peak_rss_kb["driver_jvm"] = lr_spark.jvm_peak_kb(spark)
@@ -71,5 +74,5 @@ if __name__ == "__main__":
     p = lr_spark.parser(__doc__.splitlines()[0])
     p.add_argument("--source", required=True, help="site id of the source whose log is fanned out")
     p.add_argument("--max-entries", type=int, default=None, help="move at most about this many log entries")
-    p.add_argument("--partitions", type=int, default=None, help="position sub-ranges (default: by size)")
+    p.add_argument("--partitions", type=int, default=None, help="position chunks (default: by size)")
     sys.exit(lr_spark.run(main, p.parse_args()))

@@ -1,5 +1,5 @@
 """The fan-out job on a real local[2] Spark: read once, deliver each sink exactly its entries in
-source order, survive a partition killed mid-write or after staging, never show a later entry
+source order, survive the task killed mid-write or between chunks, never show a later entry
 before an earlier one. One Spark session for the module (a start costs seconds)."""
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def delivered_exactly(lr_sites) -> None:
     for sink in lr_sites[1:]:
         for client in CLIENTS:
             assert sink_queue(sink, client) == expected_queue(source, sink.site_id, client), (sink.site_id, client)
-        assert sink.query("SELECT count(*) FROM lr.spark_staging")[0][0] == 0, "staging left behind"
+        assert sink.query("SELECT count(*) FROM lr.spark_staging")[0][0] == 0, "the fan-out stages nothing"
 
 
 def test_read_once_to_random_subsets_in_source_order_never_ahead(spark, topo, lr_sites):
@@ -74,19 +74,32 @@ def test_read_once_to_random_subsets_in_source_order_never_ahead(spark, topo, lr
                                                                    for c in CLIENTS}
 
 
-def test_partition_killed_mid_write_or_after_staging_then_rerun(spark, topo, lr_sites, monkeypatch):
+def test_task_killed_mid_write_or_after_a_chunk_then_rerun(spark, topo, lr_sites, monkeypatch):
+    """Killed with chunk 1 half written: chunk 0 is visible, exactly, and nothing of chunk 1. Killed
+    right after chunk 0 commits (on a fresh backlog position): the same. The rerun resumes from
+    what each sink committed and delivers everything exactly once."""
     transmit_backlog(lr_sites[0], 3000, clients=CLIENTS, per_txn=100)
-    before = {s.site_id: s.query("SELECT count(*) FROM lr.receive_queue")[0][0] for s in lr_sites[1:]}
-    for fault in ("fanout_mid_write_p1_a0", "fanout_after_stage_p0_a0"):
-        monkeypatch.setenv(FAULT_ENV, fault)  # the Python worker running that partition SIGKILLs itself
+    expected = {(s.site_id, c): expected_queue(lr_sites[0], s.site_id, c) for s in lr_sites[1:] for c in CLIENTS}
+    for fault in ("fanout_mid_write_p1_a0", "fanout_after_commit_p0_a0"):
+        before = {k: len(sink_queue(s, k[1])) for s in lr_sites[1:] for k in expected if k[0] == s.site_id}
+        monkeypatch.setenv(FAULT_ENV, fault)  # the Python worker running the task SIGKILLs itself
         with pytest.raises(Exception, match="Python worker exited unexpectedly|crashed|EOFError"):
             lr_fanout.fan_out(spark, topo, "site-a", partitions=3)
         monkeypatch.delenv(FAULT_ENV)
-        after = {s.site_id: s.query("SELECT count(*) FROM lr.receive_queue")[0][0] for s in lr_sites[1:]}
-        assert after == before, "a failed run made nothing visible"
-    staged = sum(s.query("SELECT count(*) FROM lr.spark_staging")[0][0] for s in lr_sites[1:])
-    assert staged > 0, "the killed runs had staged some partitions"
+        positions = set()
+        for sink in lr_sites[1:]:
+            for client in CLIENTS:
+                seen = sink_queue(sink, client)
+                assert seen == expected[(sink.site_id, client)][:len(seen)], "a prefix in source order"
+                assert len(seen) > before[(sink.site_id, client)], "chunk 0 committed"
+                position = sink.query("SELECT last_log_entry_processed FROM lr.sink_sessions WHERE "
+                                      "source_site_id = 'site-a' AND client_name = %s", (client,))[0][0]
+                assert all(p <= position for p, _, _ in seen), "nothing past the committed position"
+                assert len(seen) == len([e for e in expected[(sink.site_id, client)] if e[0] <= position])
+                positions.add(position)
+        assert len(positions) == 1, "every session stopped after the same chunk"
+    visible = sum(len(sink_queue(s, c)) for s in lr_sites[1:] for c in CLIENTS)
     result = lr_fanout.fan_out(spark, topo, "site-a", partitions=3)
     assert result.ok, result.errors
     delivered_exactly(lr_sites)
-    assert sum(result.deliveries.values()) == sum(len(sink_queue(s, c)) for s in lr_sites[1:] for c in CLIENTS)
+    assert visible + sum(result.deliveries.values()) == sum(len(v) for v in expected.values())

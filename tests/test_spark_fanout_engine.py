@@ -1,10 +1,15 @@
-"""The fan-out engine without Spark (partitions staged by a local map): plan, idempotent staging,
-fenced commit in source order. The Spark runs of the same functions are in test_spark_fanout.py."""
+"""The fan-out engine without Spark (chunks teed by a local loop): plan, one fenced sink
+transaction per session and chunk straight into the receive queue in source order, resume from
+the sinks' positions, duplicates that write nothing twice. The Spark runs of the same functions are
+in test_spark_fanout.py."""
 from __future__ import annotations
+
+import threading
 
 import pytest
 
-from airflow_provider_lr.engine import fanout
+from airflow_provider_lr.engine import fanout, sink as sink_mod
+from airflow_provider_lr.proto import lr_pb2
 from airflow_provider_lr.engine.errors import FencedError
 from airflow_provider_lr.engine.topology import SessionKey
 from tests.session_helpers import replicator
@@ -59,17 +64,84 @@ def test_session_whose_lease_was_taken_over_is_fenced(scenario):
                      "WHERE sink_site_id = 'site-b' AND client_name = 'policy'")
         other = replicator(topo, lr_sites, owner="other", sessions=[SessionKey("site-a", "site-b", "policy")])
         other.run(max_cycles=3, until_idle=True, interval=0.01)
-        staged = list(fanout.local_map(plan))
-        result = driver.commit(plan, staged)
-        stale = next(d for d in plan.demands if d.session == "site-b/policy")
-        with pytest.raises(FencedError):  # the sink itself refuses the old epoch too
-            fanout.commit_session(lr_sites[1].connect(), plan, stale)
+        chunks = list(fanout.local_map(plan))
+        result = driver.finish(plan, chunks)
+        # a retry of chunk 0: the sink itself refuses the old epoch, the others already have it
+        again = fanout.tee_chunk(plan, plan.ranges[0])
         other.close()
     finally:
         driver.close()
+    assert "FencedError" in chunks[0].errors["site-b/policy"] and "site-b/policy" not in chunks[1].delivered
+    assert set(again.errors) == {"site-b/policy"} and "FencedError" in again.errors["site-b/policy"]
+    assert again.read == 0 and set(again.delivered.values()) == {0}
     assert set(result.errors) == {"site-b/policy"} and "FencedError" in result.errors["site-b/policy"]
     assert set(result.deliveries) == {"site-b/audit", "site-c/policy", "site-c/audit"}
     assert_delivered_exactly(lr_sites)  # site-b/policy delivered once, by the replicator that took over
+
+
+def test_chunk_rerun_after_partial_commit_and_concurrent_duplicates_deliver_once(scenario):
+    """A chunk committed on some sessions only (its task died between two commits) is rerun: the
+    committed sessions are skipped, the others get it. Three concurrent attempts of the next chunk
+    (speculative duplicates) wait on the session rows and deliver it once."""
+    topo, lr_sites = scenario
+    transmit_backlog(lr_sites[0], 2000, clients=CLIENTS, per_txn=100)
+    driver = fanout.FanoutDriver(topo, "site-a")
+    try:
+        plan = driver.plan(partitions=2)
+        first, second = plan.ranges
+        done_early = [d for d in plan.demands if d.sink == "site-b"]
+        partial = fanout.tee_chunk(plan, first, exclude=[d.session for d in plan.demands if d.sink != "site-b"])
+        assert set(partial.delivered) == {d.session for d in done_early}
+        rerun = fanout.tee_chunk(plan, first)
+        assert {s for s, n in rerun.delivered.items() if n} == {d.session for d in plan.demands if d.sink == "site-c"}
+        assert all(rerun.delivered[d.session] == 0 for d in done_early)
+        outcomes: list[fanout.ChunkResult] = []
+        attempts = [threading.Thread(target=lambda: outcomes.append(fanout.tee_chunk(plan, second)))
+                    for _ in range(3)]
+        for t in attempts:
+            t.start()
+        for t in attempts:
+            t.join()
+        result = driver.finish(plan, [partial, rerun, *outcomes])
+    finally:
+        driver.close()
+    assert all(not o.errors for o in outcomes), [o.errors for o in outcomes]
+    assert result.ok, result.errors
+    assert_delivered_exactly(lr_sites)
+    assert sum(result.deliveries.values()) == sum(len(sink_queue(s, c)) for s in lr_sites[1:] for c in CLIENTS)
+    for sink in lr_sites[1:]:
+        positions = sink.query("SELECT DISTINCT last_log_entry_processed FROM lr.sink_sessions "
+                               "WHERE source_site_id = 'site-a'")
+        assert positions == [(plan.end,)], (sink.site_id, positions)
+
+
+def test_a_chunk_that_cannot_start_where_its_sink_is_is_refused(scenario):
+    """A session whose sink has not processed up to the chunk's start (an earlier chunk missing)
+    is refused: nothing visible, no gap."""
+    topo, lr_sites = scenario
+    transmit_backlog(lr_sites[0], 600, clients=CLIENTS, per_txn=100)
+    driver = fanout.FanoutDriver(topo, "site-a")
+    try:
+        plan = driver.plan(partitions=3)
+        out = fanout.tee_chunk(plan, plan.ranges[1])
+    finally:
+        driver.close()
+    assert set(out.errors) == {d.session for d in plan.demands}
+    assert all("StaleBatchError" in e for e in out.errors.values()) and out.read == 0
+    assert all(sink_queue(s, c) == [] for s in lr_sites[1:] for c in CLIENTS)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(destinations=["site-b", "site-c"], type=lr_pb2.LOG_ENTRY_SYNC, opaque_payload=b"\n\x10x", client_name="p"),
+    dict(destinations=["s" * 200], type=lr_pb2.LOG_ENTRY_SYNC, opaque_payload=b"long destination"),
+    dict(destinations=["site-b"], opaque_payload=b"type 0 is not encoded"),
+    dict(destinations=["site-b"], type=lr_pb2.LOG_ENTRY_SYNC),
+    dict(destinations=["site-b"]),
+    dict(),
+])
+def test_byte_level_strip_is_parse_and_serialize(fields):
+    message = lr_pb2.RoutingTableEntryMsg(**fields).SerializeToString()
+    assert sink_mod.strip_destinations(message) == sink_mod.rewrite_for_sink(message)
 
 
 def test_backlog_per_session_decides_spark_or_in_process(scenario):

@@ -1,30 +1,37 @@
 """Read-once fan-out of a source's shared log to every sink in log-entry sync (seed 003's relay).
 
-The Spark job ``spark_jobs/lr_fanout.py`` runs it in three steps; this module has every rule, the
-job only parallelizes step 2 (and tests can run step 2 with a plain ``map``):
+The Spark job ``spark_jobs/lr_fanout.py`` runs it in two steps; this module has every rule, the job
+only decides where step 2 runs (and tests run it with a plain loop):
 
 1. **plan** (driver): every session of the source takes its lease (the epoch travels with the plan)
    and negotiates exactly as a session cycle does; the sessions in log-entry sync become
    *demands*: a sink, a client, the position the sink has processed, the split of its base
    snapshot. The range to move is ``(min demand, commit barrier]`` (capped by ``max_entries``
-   at a transaction boundary), cut into position sub-ranges of about equal entry counts.
-2. **stage** (one call per sub-range, in parallel): read the sub-range of the shared log ONCE with
-   a binary ``COPY TO STDOUT``; the source server computes, per entry, the bit mask of the demands
-   that want it (destination tag, client, after the sink's position, not covered by its base
-   snapshot); each entry is rewritten once for the sinks (destinations stripped) and appended to
-   every demanded sink's ``lr.spark_staging`` with binary ``COPY FROM STDIN``. Per sink this is
-   one transaction that first deletes what an earlier attempt staged for the sub-range and ends
-   with a record of the staged sub-range: a task retry, a speculative duplicate (serialized by an
-   advisory lock on the sub-range) or a rerun of the whole job writes nothing twice.
-3. **commit** (driver, per session): one fenced sink transaction (``sink._SinkWrite``: lease epoch
-   checked) that refuses unless the staged sub-ranges of this plan cover the whole range, then
-   moves the rows into ``lr.receive_queue`` in (position, entry id) order — so ``seq`` follows
-   source order and a subscriber never sees a later entry before an earlier one — sets
-   ``last_log_entry_processed`` to the range end, deletes the staged rows and wakes subscribers.
-   Rerunning it is a no-op.
+   at a transaction boundary), cut into position *chunks* of about equal entry counts.
+2. **tee** (the chunks of one source in order, in one task): for a chunk ``(lo, hi]`` every
+   session that still needs it opens ONE fenced sink transaction (``sink._SinkWrite``: session row
+   locked, lease epoch checked); it refuses unless the sink's ``last_log_entry_processed`` is where
+   the chunk starts for it and skips the chunk when the sink is already at or past ``hi``. The
+   chunk is then read ONCE from the source with a binary ``COPY TO STDOUT`` in (position, entry id)
+   order, the source server computing per entry the bit mask of the sessions that want it (tag,
+   client, after the sink's position, not covered by its base snapshot); each entry becomes one
+   receive-queue row (destinations stripped at the byte level, ``sink.strip_destinations``) that
+   is appended to every demanding session's binary ``COPY lr.receive_queue FROM STDIN`` — a sender
+   thread per session, so the source read, the routing and the sinks' ingest overlap. Then each
+   session checks its row count, sets ``last_log_entry_processed = hi``, wakes subscribers and
+   commits.
 
-Memory stays bounded whatever the backlog: rows stream through a partition (one block per sink
-of at most ``pgcopy.DEFAULT_BLOCK_BYTES``); the driver holds only the plan and small summaries.
+Why exactly once and in order with no staging: a chunk's rows become visible only at its session's
+commit, together with the new position; rows are inserted in source order, so ``seq`` follows it,
+and a session's chunks commit one after the other. A killed task leaves its sink transactions
+uncommitted (nothing visible); a retry or rerun resumes from each sink's own processed position
+(chunks already committed are skipped, per session); a speculative duplicate waits on the session
+row lock and then finds the chunk done; a lease taken over since the plan fences the session at
+the sink (epoch), and only that session stops.
+
+Memory stays bounded whatever the backlog: rows stream through the task (one block per session
+of at most ``pgcopy.DEFAULT_BLOCK_BYTES``, two queued); the driver holds only the plan and small
+summaries.
 """
 from __future__ import annotations
 
@@ -36,9 +43,8 @@ import struct
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import psycopg2
 import psycopg2.extensions
@@ -50,7 +56,7 @@ from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, S
 from airflow_provider_lr.engine.faults import FAULT_ENV, fault_point
 from airflow_provider_lr.engine.log_reader import BaseSplit, LogReader, commit_barrier
 from airflow_provider_lr.engine.negotiation import Decision
-from airflow_provider_lr.engine.pgcopy import RowReader, StagingWriter, staging_prefix, staging_row
+from airflow_provider_lr.engine.pgcopy import ReceiveQueueWriter, RowReader, receive_prefix, receive_row
 from airflow_provider_lr.engine.session import SessionRunner, SessionSettings
 from airflow_provider_lr.engine.topology import SessionKey, Topology, site_conninfo
 from airflow_provider_lr.engine.transmit import STREAM_LOG_ENTRIES
@@ -60,17 +66,20 @@ log = logging.getLogger(__name__)
 # Backlog from which a catch-up goes through Spark rather than in-process cycles, counted as
 # ``session_backlogs`` / ``status.source_backlog`` count it: entries still to deliver summed over
 # the source's sessions in log-entry sync (= deliveries). Measured on the 2-core machine
-# (docs/spark.md "Choosing the path"): spark-submit costs ~14 s before the first row moves (JVM,
-# context, Python workers), in-process log-entry sync delivers ~20k deliveries/s, the warm Spark
-# fan-out ~130k+/s; break-even 14 s / (1/20k - 1/130k) ≈ 330k deliveries. The DAG reads the
-# topology setting ``spark_min_backlog`` with this as its default.
+# (docs/spark.md "Choosing in-process or Spark", 2026-11-23, tee design): spark-submit costs
+# ~10.5-14 s before the first row moves (JVM, context, Python workers, warm-up job), in-process
+# session cycles deliver ~21k deliveries/s, the warm Spark fan-out ~170-290k/s; break-even
+# 10.5-14 s / (1/21k - 1/250k) ≈ 240k-320k deliveries. The DAG reads the topology setting
+# ``spark_min_backlog`` with this as its default.
 SPARK_MIN_BACKLOG = 300_000
-PARTITION_ENTRIES = 250_000  # default sub-range size when the caller does not fix a count
+PARTITION_ENTRIES = 250_000  # default chunk size when the caller does not fix a count
 MAX_DEMANDS = 63  # one bit per demand in the source-side bigint mask
-STAGING_LOCK_CLASS = 0x6C72_7366  # "lrsf": pg_advisory_xact_lock(class, hashtext(range)) while staging
+STAGING_LOCK_CLASS = 0x6C72_7366  # "lrsf": pg_advisory_xact_lock(class, hashtext(range)) while staging (snapshot transfer)
 # A row of the partition's read, binary: field count, then (length, value) of position, entry id
 # and demand mask (int8 each), then the message's length (the message follows).
 _ENTRY_ROW = struct.Struct(">hiqiqiqi")
+_ENTRY_SIZE = _ENTRY_ROW.size
+_RECEIVE_HEAD = struct.Struct(">ihiqiqiiBi")  # = pgcopy.receive_row's fields after the session prefix
 
 
 @dataclass(frozen=True)
@@ -131,14 +140,16 @@ class FanoutPlan:
 
 
 @dataclass
-class StagedPartition:
-    """What one partition did (small: it is all a Spark task returns to the driver)."""
+class ChunkResult:
+    """What one chunk did (small: it is all a Spark task returns to the driver)."""
 
     index: int
     lo: int
     hi: int
     read: int = 0  # log entries read from the source
-    staged: dict[str, int] = field(default_factory=dict)  # session -> rows staged
+    delivered: dict[str, int] = field(default_factory=dict)  # session -> rows committed (0: already done)
+    positions: dict[str, int] = field(default_factory=dict)  # session -> sink's last processed after it
+    errors: dict[str, str] = field(default_factory=dict)  # session -> why it was refused
     seconds: float = 0.0
     peak_rss_kb: int = 0  # of the process that ran it (an executor's Python worker)
     jvm_peak_kb: int = 0  # of the executor JVM it ran under (set by the Spark job)
@@ -156,9 +167,9 @@ class FanoutResult:
     errors: dict[str, str] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     blocked_by: list[str] = field(default_factory=list)  # what held the commit barrier back
-    partitions: int = 0
+    partitions: int = 0  # chunks
     entries_read: int = 0
-    seconds: dict[str, float] = field(default_factory=dict)  # plan, stage, commit
+    seconds: dict[str, float] = field(default_factory=dict)  # plan, tee, finish
     peak_rss_kb: dict[str, int] = field(default_factory=dict)  # driver, executors
 
     @property
@@ -209,9 +220,8 @@ class FanoutDriver:
         self.leases: dict[str, leases.Lease] = {}
         self._keeper: _LeaseKeeper | None = None
 
-    def plan(self, max_entries: int | None = None, partitions: int | None = None,
-             min_partitions: int = 1) -> FanoutPlan:
-        """Take the sessions' leases, negotiate, and cut the range to move into partitions."""
+    def plan(self, max_entries: int | None = None, partitions: int | None = None) -> FanoutPlan:
+        """Take the sessions' leases, negotiate, and cut the range to move into chunks."""
         demands, skipped = [], {}
         for key in self.sessions:
             try:
@@ -238,7 +248,7 @@ class FanoutDriver:
         if barrier is None or barrier <= lo:
             return FanoutPlan(lo=lo, end=lo, barrier=barrier or lo, ranges=(),
                               blocked_by=tuple(h.describe() for h in blocked), **base)
-        ranges, end = self._ranges(lo, barrier, max_entries, partitions, min_partitions)
+        ranges, end = self._ranges(lo, barrier, max_entries, partitions)
         return FanoutPlan(lo=lo, end=end, barrier=barrier, ranges=ranges, **base)
 
     def _demand(self, key: SessionKey) -> Demand | str:
@@ -263,8 +273,8 @@ class FanoutDriver:
         finally:
             sink_conn.close()
 
-    def _ranges(self, lo: int, barrier: int, max_entries: int | None, partitions: int | None,
-                min_partitions: int = 1) -> tuple[tuple[PositionRange, ...], int]:
+    def _ranges(self, lo: int, barrier: int, max_entries: int | None,
+                partitions: int | None) -> tuple[tuple[PositionRange, ...], int]:
         """Sub-ranges of ``(lo, barrier]`` with about equal entry counts (whole transactions),
         capped at ``max_entries``; computed by the source, only the boundaries come back."""
         cap = max_entries or 2**62
@@ -279,7 +289,7 @@ class FanoutDriver:
             )
             _, total = cur.fetchone()
             wanted = min(int(total), cap)
-            parts = partitions or max(min_partitions, math.ceil(wanted / PARTITION_ENTRIES))
+            parts = partitions or max(1, math.ceil(wanted / PARTITION_ENTRIES))
             cur.execute(
                 """
                 WITH per AS (
@@ -298,8 +308,8 @@ class FanoutDriver:
             )
             bounds = cur.fetchall()
         self.src.commit()
-        if not bounds:  # nothing for anyone up to the barrier: the sinks just advance
-            return (), barrier
+        if not bounds:  # nothing for anyone up to the barrier: one empty chunk advances the sinks
+            return (PositionRange(0, lo, barrier, 0),), barrier
         capped = int(bounds[-1][2]) < int(total)
         ranges, prev_pos, prev_upto = [], lo, 0
         for i, (_, position, upto) in enumerate(bounds):
@@ -308,58 +318,44 @@ class FanoutDriver:
             prev_pos, prev_upto = hi, int(upto)
         return tuple(ranges), ranges[-1].hi
 
-    # --- 3. commit (driver) -------------------------------------------------------------------
-    def commit(self, plan: FanoutPlan, staged: Iterable[StagedPartition]) -> FanoutResult:
-        """Make each session's range visible on its sink (in parallel across sessions)."""
+    # --- 3. finish (driver) -----------------------------------------------------------------
+    def finish(self, plan: FanoutPlan, chunks: Iterable[ChunkResult]) -> FanoutResult:
+        """Sum up what the chunks committed and record each session's progress on the source."""
         result = FanoutResult(plan.plan_id, plan.source, plan.lo, plan.end, skipped=dict(plan.skipped),
                               blocked_by=list(plan.blocked_by))
-        parts = list(staged)
+        parts = list(chunks)
         result.partitions = len(parts)
         result.entries_read = sum(p.read for p in parts)
         result.peak_rss_kb["executor_python"] = max((p.peak_rss_kb for p in parts), default=0)
         result.peak_rss_kb["executor_jvm"] = max((p.jvm_peak_kb for p in parts), default=0)
         if self._keeper is not None:
             self._keeper.stop()
-        if not plan.demands:
-            return result
-
-        fenced = {}
-        for demand in plan.demands:  # a lease taken over since the plan fences its session
+        delivered: dict[str, int] = {}
+        for part in parts:
+            result.errors.update(part.errors)
+            result.positions.update(part.positions)
+            for session, rows in part.delivered.items():
+                delivered[session] = delivered.get(session, 0) + rows
+        for demand in plan.demands:
+            lease, session = self.leases[demand.session], demand.session
+            position = result.positions.get(session, demand.after)
+            if session not in result.errors and position < plan.end:
+                result.errors[session] = f"StaleBatchError: stopped at position {position} of {plan.end}"
             try:
-                _renew(self.src, self.leases[demand.session], self.settings.lease_seconds)
-            except FencedError as exc:
-                fenced[demand.session] = f"FencedError: {exc}"
-
-        def one(demand: Demand) -> tuple[Demand, int | None, int | str]:
-            if demand.session in fenced:
-                return demand, None, fenced[demand.session]
-            try:
-                conn = psycopg2.connect(plan.sink_dsns[demand.sink])
-                try:
-                    delivered, position = commit_session(conn, plan, demand)
-                finally:
-                    conn.close()
-                return demand, delivered, position
-            except Exception as exc:
-                return demand, None, f"{type(exc).__name__}: {exc}".strip()
-
-        with ThreadPoolExecutor(max_workers=min(8, len(plan.demands))) as pool:
-            outcomes = list(pool.map(one, plan.demands))
-        for demand, delivered, outcome in outcomes:
-            lease = self.leases[demand.session]
-            if delivered is None:
-                result.errors[demand.session] = str(outcome)
-                log.error("fan-out %s: session %s not committed: %s", plan.plan_id[:8], demand.session, outcome)
-                try:
-                    leases.update_session(self.src, lease, last_error=f"fan-out: {outcome}"[:2000])
-                except FencedError:
-                    pass
+                if session in result.errors:
+                    log.error("fan-out %s: session %s stopped at %s: %s", plan.plan_id[:8], session, position,
+                              result.errors[session])
+                    leases.update_session(self.src, lease, acked_position=max(position, demand.after),
+                                          last_error=f"fan-out: {result.errors[session]}"[:2000])
+                    continue
+                result.deliveries[session] = delivered.get(session, 0)
+                leases.update_session(self.src, lease, acked_position=position, last_error=None)
+            except FencedError as exc:  # taken over since: the new holder records its own progress
+                result.errors.setdefault(session, f"FencedError: {exc}")
+                result.deliveries.pop(session, None)
                 continue
-            result.deliveries[demand.session] = delivered
-            result.positions[demand.session] = int(outcome)
-            leases.update_session(self.src, lease, acked_position=int(outcome), last_error=None)
-            log.info("fan-out %s: %s committed %d entries, sink at position %s",
-                     plan.plan_id[:8], demand.session, delivered, outcome)
+            log.info("fan-out %s: %s delivered %d entries, sink at position %s",
+                     plan.plan_id[:8], session, result.deliveries[session], position)
         return result
 
     def close(self) -> None:
@@ -410,7 +406,7 @@ class _LeaseKeeper:
             self._thread.join(timeout=10)
 
 
-# --- 2. stage (one partition, anywhere) ---------------------------------------------------------
+# --- 2. tee (one chunk, anywhere) -----------------------------------------------------------------
 def _demand_mask_sql(plan: FanoutPlan, demands: list[tuple[int, Demand]]) -> sql.Composable:
     """Per entry, the bit of every demand that wants it, computed by the source server."""
     terms = []
@@ -424,88 +420,241 @@ def _demand_mask_sql(plan: FanoutPlan, demands: list[tuple[int, Demand]]) -> sql
     return sql.SQL(" | ").join(terms)
 
 
-def stage_partition(plan: FanoutPlan, part: PositionRange, fault_tag: str = "") -> StagedPartition:
-    """Stage one sub-range for every demanded sink (idempotent; see the module docstring).
+class _SessionTee:
+    """One session's side of a chunk: its fenced sink transaction and the COPY into its queue."""
 
-    ``fault_tag`` names this attempt for fault points (e.g. ``_p1_a0``: partition 1, attempt 0):
-    ``LR_FAULT=fanout_mid_write_p1_a0`` kills the process after the first block reached the sinks,
-    ``fanout_after_stage_p1_a0`` after every sink committed the partition."""
+    def __init__(self, plan: FanoutPlan, demand: Demand, part: PositionRange) -> None:
+        self.demand = demand
+        self.rows = 0
+        self.writer: ReceiveQueueWriter | None = None
+        self.conn = psycopg2.connect(plan.sink_dsns[demand.sink])
+        self.write = sink._SinkWrite(self.conn, plan.source, demand.client, demand.epoch)
+        self.done = False  # the sink already processed the whole chunk: nothing to write
+        try:
+            _, meta = self.write.__enter__()  # locks the session row (a duplicate attempt waits here)
+            if not meta.data_consistent or meta.snapshot_applied != demand.base:
+                raise StaleBatchError(
+                    f"fan-out for base {demand.base} but the sink of {plan.source}/{demand.client} is at base "
+                    f"{meta.snapshot_applied} (consistent: {meta.data_consistent}); renegotiate")
+            last, start = meta.last_log_entry_processed, max(part.lo, demand.after)
+            self.position = last
+            if last >= part.hi:
+                self.done = True
+            elif last != start:
+                raise StaleBatchError(f"fan-out chunk ({part.lo}, {part.hi}] of {demand.session} starts after "
+                                      f"{start} but its sink has processed up to {last}; rerun")
+            else:
+                self.writer = ReceiveQueueWriter(self.conn)
+        except BaseException:
+            self.abandon()
+            raise
+        if self.done:
+            self.abandon()
+
+    def commit(self, end: int) -> None:
+        """Wait for the last rows, check them, advance the sink's position, commit."""
+        assert self.writer is not None
+        try:
+            self.writer.close()
+            if self.writer.copied != self.rows:
+                raise StaleBatchError(f"{self.demand.session}: the sink took {self.writer.copied} of {self.rows} rows")
+            self.write.update(last_log_entry_processed=end)
+            if self.rows:
+                self.write.announce()
+        except BaseException as exc:
+            self.write.__exit__(type(exc), exc, None)
+            self.conn.close()
+            raise
+        self.write.__exit__(None, None, None)
+        self.conn.close()
+        self.position = end
+
+    def abandon(self) -> None:
+        """Drop the transaction (nothing of this chunk becomes visible) and the connection."""
+        if self.writer is not None:
+            self.writer.abandon()
+        if not self.conn.closed:
+            try:
+                self.conn.rollback()
+            except psycopg2.Error:
+                pass
+            self.conn.close()
+
+
+def tee_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "",
+              exclude: Iterable[str] = ()) -> ChunkResult:
+    """Deliver one chunk ``(lo, hi]`` to every session that still needs it (see the module docstring).
+
+    Sessions in ``exclude`` (failed in an earlier chunk of this run) are left out. One session
+    refused (lease taken over, sink moved on, sink down) does not stop the others; an error of the
+    source read fails the whole chunk and nothing of it becomes visible. ``fault_tag`` names this
+    attempt for fault points (e.g. ``_p1_a0``: chunk 1, attempt 0): ``LR_FAULT=fanout_mid_write_p1_a0``
+    kills the process once half of the chunk is in the sinks' open transactions,
+    ``fanout_after_commit_p1_a0`` after every session committed the chunk."""
     started = time.monotonic()
-    out = StagedPartition(part.index, part.lo, part.hi)
-    active = [(bit, d) for bit, d in enumerate(plan.demands) if d.after < part.hi]
-    if not active:
-        out.seconds, out.peak_rss_kb, out.pid = time.monotonic() - started, peak_rss_kb(), os.getpid()
-        return out
-    sinks = sorted({d.sink for _, d in active})
-    conns = {s: psycopg2.connect(plan.sink_dsns[s]) for s in sinks}
-    src = psycopg2.connect(plan.source_dsn)
+    out = ChunkResult(part.index, part.lo, part.hi)
+    skip = set(exclude)
     faults = _armed(plan.faults)
-    writers: dict[str, StagingWriter] = {}
+    tees: list[tuple[int, _SessionTee]] = []
     try:
-        writers.update({s: StagingWriter(conns[s]) for s in sinks})
-        for s in sinks:
-            _clear_range(conns[s], plan.source, [d.client for _, d in active if d.sink == s], part)
-        prefixes = {d.client: staging_prefix(plan.source, d.client) for _, d in active}
-        by_bit = dict(active)
-        routes: dict[int, tuple[bytes, list[StagingWriter]]] = {}
-        masks: dict[int, int] = {}
-        halfway = max(1, part.entries // 2)
-
-        def route(mask: int) -> tuple[bytes, list[StagingWriter]]:
-            # every demand whose bit is set wants the entry's client: one prefix, one row for all
-            wanted = [d for bit, d in by_bit.items() if mask >> bit & 1]
-            routes[mask] = (prefixes[wanted[0].client], [writers[d.sink] for d in wanted])
-            masks[mask] = 0
-            return routes[mask]
-
-        def deliver(head: tuple, message: bytes) -> None:
-            _, _, position, _, entry_id, _, mask, _ = head
-            prefix, targets = routes.get(mask) or route(mask)
-            kind, stripped = sink.rewrite_for_sink(message)
-            row = staging_row(prefix, position, entry_id, kind, stripped)
-            for writer in targets:
-                writer.add(row)
-            masks[mask] += 1
-            out.read += 1
-            if faults and out.read == halfway:  # some rows in the sinks' open transactions, none committed
-                for writer in writers.values():
-                    writer.sync()
-                fault_point(f"fanout_mid_write{fault_tag}")
-
-        def on_row(fields: list[bytes | None]) -> None:  # the general path (unusual chunking)
-            values = [int.from_bytes(f or b"", "big", signed=True) for f in fields[:3]]
-            deliver((4, 8, values[0], 8, values[1], 8, values[2], 0), fields[3] or b"")
-
-        query = sql.SQL(
-            "COPY (SELECT position, entry_id, mask, message FROM ("
-            " SELECT c.position, e.entry_id, ({mask}) AS mask, e.message FROM lr.log_commits c"
-            " CROSS JOIN LATERAL (SELECT e.entry_id, e.client_id, e.tag_ids, e.message FROM lr.log_entries e"
-            "  WHERE e.tx = c.tx AND e.stream = {stream} OFFSET 0) e"  # per-commit index lookups: only the sub-range is read
-            " WHERE c.position > {lo} AND c.position <= {hi}) r WHERE mask <> 0)"
-            " TO STDOUT (FORMAT binary)"
-        ).format(mask=_demand_mask_sql(plan, active), lo=sql.Literal(part.lo), hi=sql.Literal(part.hi),
-                 stream=sql.Literal(STREAM_LOG_ENTRIES))
-        with src.cursor() as cur:
-            cur.copy_expert(query.as_string(src), RowReader(on_row, _ENTRY_ROW, deliver))
-        src.rollback()
-        for writer in writers.values():
-            writer.close()
-        out.staged = {d.session: sum(n for mask, n in masks.items() if mask >> bit & 1) for bit, d in active}
-        for s in sinks:
-            with conns[s].cursor() as cur:
-                for _, d in active:
-                    if d.sink == s:
-                        _record_range(cur, plan.source, d.client, plan.plan_id, part.lo, part.hi, out.staged[d.session])
-            conns[s].commit()
+        for bit, d in enumerate(plan.demands):
+            if d.after >= part.hi or d.session in skip:
+                continue
+            try:
+                tee = _SessionTee(plan, d, part)
+            except Exception as exc:  # this session only
+                out.errors[d.session] = f"{type(exc).__name__}: {exc}".strip()
+                log.warning("fan-out %s chunk %d: session %s refused: %s", plan.plan_id[:8], part.index, d.session, exc)
+                continue
+            out.positions[d.session] = tee.position
+            if tee.done:
+                out.delivered[d.session] = 0
+            else:
+                tees.append((bit, tee))
+        if tees:
+            out.read = _read_and_route(plan, part, tees, fault_tag if faults else None)
+        for _, tee in tees:
+            try:
+                tee.commit(part.hi)
+            except Exception as exc:
+                out.errors[tee.demand.session] = f"{type(exc).__name__}: {exc}".strip()
+                log.warning("fan-out %s chunk %d: session %s not committed: %s", plan.plan_id[:8], part.index,
+                            tee.demand.session, exc)
+                continue
+            out.delivered[tee.demand.session] = tee.rows
+            out.positions[tee.demand.session] = tee.position
         if faults:
-            fault_point(f"fanout_after_stage{fault_tag}")
+            fault_point(f"fanout_after_commit{fault_tag}")
     finally:
-        for writer in writers.values():
-            writer.abandon()
-        for conn in (src, *conns.values()):
-            conn.close()
+        for _, tee in tees:
+            tee.abandon()  # no-op for the committed ones
     out.seconds, out.peak_rss_kb, out.pid = time.monotonic() - started, peak_rss_kb(), os.getpid()
     return out
+
+
+class _Router(RowReader):
+    """``write`` target of the chunk's source COPY: turns each entry into its receive-queue row and
+    appends it to the block of every session whose bit is set in the entry's mask.
+
+    The usual row (one CopyData message = one row, destinations of < 128 bytes, a one-byte type)
+    is handled inline, with no call per entry beyond this ``write``: this loop is the fan-out's
+    per-entry Python cost. Anything else goes through ``RowReader``'s general parser and
+    ``sink.strip_destinations``."""
+
+    def __init__(self, plan: FanoutPlan, tees: list[tuple[int, _SessionTee]], halfway: int,
+                 fault_tag: str | None) -> None:
+        super().__init__(self._general_row)
+        self.by_bit = dict(tees)
+        self.prefixes = {d.client: receive_prefix(plan.source, d.client) for d in plan.demands}
+        self.routes: dict[int, list] = {}  # mask -> [row prefix, writers, entries]
+        self.read = 0
+        self.halfway, self.fault_tag = halfway, fault_tag
+
+    def _route(self, mask: int) -> list:
+        # every demand whose bit is set wants the entry's client: one row for all of them
+        wanted = [t for bit, t in self.by_bit.items() if mask >> bit & 1]
+        route = self.routes[mask] = [self.prefixes[wanted[0].demand.client], [t.writer for t in wanted], 0]
+        return route
+
+    def write(self, chunk: bytes) -> int:
+        size = len(chunk)
+        if self._header_seen and not self._buf and size > _ENTRY_SIZE:
+            count, _, position, _, entry_id, _, mask, length = _ENTRY_ROW.unpack_from(chunk)
+            if count == 4 and _ENTRY_SIZE + length == size:
+                pos = _ENTRY_SIZE
+                try:
+                    while chunk[pos] == 0x0A:  # destinations (field 1): the leading records
+                        if chunk[pos + 1] & 0x80:
+                            raise IndexError
+                        pos += 2 + chunk[pos + 1]
+                    tag = chunk[pos]
+                    if tag == 0x10:  # type (field 2), one byte
+                        kind = chunk[pos + 1]
+                        if kind & 0x80:
+                            raise IndexError
+                    elif tag > 0x10:
+                        kind = 0
+                    else:
+                        raise IndexError
+                except IndexError:
+                    self._deliver(position, entry_id, mask, chunk[_ENTRY_SIZE:])
+                    self.rows += 1
+                    return size
+                route = self.routes.get(mask) or self._route(mask)
+                row = route[0] + _RECEIVE_HEAD.pack(2, kind, 8, position, 8, entry_id, -1, 1, 1, size - pos) + chunk[pos:]
+                for writer in route[1]:
+                    block = writer.block
+                    block += row
+                    if len(block) >= writer.block_bytes:
+                        writer.flush()
+                route[2] += 1
+                self.rows += 1
+                self.read += 1
+                if self.read == self.halfway:
+                    self._fault()
+                return size
+        return super().write(chunk)
+
+    def _general_row(self, fields: list[bytes | None]) -> None:  # unusual chunking
+        position, entry_id, mask = (int.from_bytes(f or b"", "big", signed=True) for f in fields[:3])
+        self._deliver(position, entry_id, mask, fields[3] or b"")
+
+    def _deliver(self, position: int, entry_id: int, mask: int, message: bytes) -> None:
+        route = self.routes.get(mask) or self._route(mask)
+        kind, stripped = sink.strip_destinations(message)
+        row = receive_row(route[0], kind, position, entry_id, stripped)
+        for writer in route[1]:
+            writer.add(row)
+        route[2] += 1
+        self.read += 1
+        if self.read == self.halfway:
+            self._fault()
+
+    def _fault(self) -> None:
+        """Half the chunk read: make sure rows are in the sinks' open transactions, then die."""
+        for tee in self.by_bit.values():
+            tee.writer.sync()  # type: ignore[union-attr]
+        fault_point(f"fanout_mid_write{self.fault_tag}")
+
+    def rows_for(self, bit: int) -> int:
+        return sum(route[2] for mask, route in self.routes.items() if mask >> bit & 1)
+
+
+def _read_and_route(plan: FanoutPlan, part: PositionRange, tees: list[tuple[int, _SessionTee]],
+                    fault_tag: str | None) -> int:
+    """Read the chunk ONCE from the source (binary COPY, in (position, entry id) order, demand mask
+    computed by the source) and append each entry's receive-queue row to every demanding session's
+    COPY. Returns the entries read."""
+    router = _Router(plan, tees, max(1, part.entries // 2) if fault_tag is not None else -1, fault_tag)
+    query = sql.SQL(
+        "COPY (SELECT position, entry_id, mask, message FROM ("
+        " SELECT c.position, e.entry_id, ({mask}) AS mask, e.message FROM lr.log_commits c"
+        " CROSS JOIN LATERAL (SELECT e.entry_id, e.client_id, e.tag_ids, e.message FROM lr.log_entries e"
+        "  WHERE e.tx = c.tx AND e.stream = {stream} OFFSET 0) e"  # per-commit index lookups
+        " WHERE c.position > {lo} AND c.position <= {hi}) r WHERE mask <> 0 ORDER BY position, entry_id)"
+        " TO STDOUT (FORMAT binary)"
+    ).format(mask=_demand_mask_sql(plan, [(bit, t.demand) for bit, t in tees]), lo=sql.Literal(part.lo),
+             hi=sql.Literal(part.hi), stream=sql.Literal(STREAM_LOG_ENTRIES))
+    src = psycopg2.connect(plan.source_dsn)
+    try:
+        with src.cursor() as cur:
+            cur.copy_expert(query.as_string(src), router)
+        src.rollback()
+    finally:
+        src.close()
+    for bit, tee in tees:
+        tee.rows = router.rows_for(bit)
+    return router.read
+
+
+def tee_chunks(plan: FanoutPlan, attempt: int = 0) -> Iterator[ChunkResult]:
+    """Every chunk of the plan in order (a session's chunks must commit in order); a session that
+    fails in one chunk is left out of the following ones."""
+    failed: set[str] = set()
+    for part in plan.ranges:
+        chunk = tee_chunk(plan, part, fault_tag=f"_p{part.index}_a{attempt}", exclude=failed)
+        failed.update(chunk.errors)
+        yield chunk
 
 
 def _armed(faults: str | None) -> bool:
@@ -518,32 +667,10 @@ def _armed(faults: str | None) -> bool:
     return bool(faults)
 
 
-def _clear_range(conn: psycopg2.extensions.connection, source: str, clients: list[str], part: PositionRange) -> None:
-    """Open the partition's transaction on a sink: serialize with any other attempt of the same
-    sub-range, then drop whatever an earlier attempt staged there."""
-    with conn.cursor() as cur:
-        cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
-                    (STAGING_LOCK_CLASS, f"{source}/{part.lo}/{part.hi}"))
-        cur.execute(
-            "DELETE FROM lr.spark_staging WHERE source_site_id = %s AND client_name = ANY(%s) AND sync_id IS NULL "
-            "AND source_position > %s AND source_position <= %s",
-            (source, clients, part.lo, part.hi),
-        )
-
-
-def _record_range(cur: psycopg2.extensions.cursor, source: str, client: str, plan_id: str,
-                  lo: int, hi: int, rows: int) -> None:
-    cur.execute(
-        "INSERT INTO lr.spark_staged_ranges (source_site_id, client_name, plan_id, range_lo, range_hi, staged_rows) "
-        "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (source_site_id, client_name, plan_id, range_lo) "
-        "DO UPDATE SET range_hi = EXCLUDED.range_hi, staged_rows = EXCLUDED.staged_rows, staged_at = now()",
-        (source, client, plan_id, lo, hi, rows),
-    )
-
-
 def staged_coverage(cur: psycopg2.extensions.cursor, source: str, client: str, plan_id: str,
                     lo: int, hi: int) -> int | None:
-    """Rows staged for ``(lo, hi]`` by the plan's partitions, or None unless they cover it all."""
+    """Rows staged in ``lr.spark_staging`` for ``(lo, hi]`` by a plan's partitions, or None unless
+    they cover it all (the snapshot transfer's staging; the fan-out no longer stages)."""
     cur.execute(
         "SELECT range_lo, range_hi, staged_rows FROM lr.spark_staged_ranges "
         "WHERE source_site_id = %s AND client_name = %s AND plan_id = %s ORDER BY range_lo",
@@ -561,117 +688,30 @@ def staged_coverage(cur: psycopg2.extensions.cursor, source: str, client: str, p
     return None
 
 
-# --- 3. commit (one session) --------------------------------------------------------------------
-def commit_session(conn: psycopg2.extensions.connection, plan: FanoutPlan, demand: Demand) -> tuple[int, int]:
-    """Move the session's staged range into its receive queue; returns (entries made visible, the
-    sink's last processed position). Fenced; a no-op when already done."""
-    write = sink._SinkWrite(conn, plan.source, demand.client, demand.epoch)
-    with write as (cur, meta):
-        if not meta.data_consistent or meta.snapshot_applied != demand.base:
-            raise StaleBatchError(
-                f"fan-out for base {demand.base} but the sink of {plan.source}/{demand.client} is at base "
-                f"{meta.snapshot_applied} (consistent: {meta.data_consistent}); renegotiate")
-        last = meta.last_log_entry_processed
-        if plan.end <= last:
-            return 0, last
-        if demand.after > last:
-            raise StaleBatchError(f"fan-out range starts after {demand.after} but {demand.session} "
-                                  f"has only processed up to {last}")
-        staged = staged_coverage(cur, plan.source, demand.client, plan.plan_id, last, plan.end) if plan.ranges else 0
-        if staged is None:
-            raise StaleBatchError(f"fan-out {plan.plan_id[:8]}: positions ({last}, {plan.end}] are not all staged on "
-                                  f"{demand.sink} for {demand.client} (a partition failed or the sink restarted); rerun")
-        delivered = _copy_staged(cur, plan.sink_dsns[demand.sink], plan.source, demand.client, last, plan.end)
-        if last == demand.after and delivered != staged:
-            raise StaleBatchError(f"fan-out {plan.plan_id[:8]}: {demand.session} has {delivered} staged rows, "
-                                  f"the partitions recorded {staged}; rerun")
-        cur.execute("DELETE FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s AND sync_id IS NULL "
-                    "AND source_position <= %s", (plan.source, demand.client, plan.end))
-        cur.execute("DELETE FROM lr.spark_staged_ranges WHERE source_site_id = %s AND client_name = %s "
-                    "AND (plan_id = %s OR range_hi <= %s)", (plan.source, demand.client, plan.plan_id, plan.end))
-        write.update(last_log_entry_processed=plan.end)
-        if delivered:
-            write.announce()
-        return delivered, plan.end
-
-
-_STAGED = ("FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s AND sync_id IS NULL "
-           "AND source_position > %s AND source_position <= %s")
-
-
-def _copy_staged(cur: psycopg2.extensions.cursor, dsn: str, source: str, client: str, last: int, end: int) -> int:
-    """COPY the staged rows of ``(last, end]`` into ``lr.receive_queue`` in (position, entry id)
-    order, inside the fenced transaction of ``cur``: a second connection streams them out of the
-    staging table (binary COPY, ordered by its primary key) through a pipe into the COPY in, so
-    ``seq`` follows source order and the rows take PostgreSQL's multi-row insert path.
-    Returns the rows copied; raises unless they are exactly the staged rows."""
-    params = (source, client, last, end)
-    cur.execute("SELECT count(*) " + _STAGED, params)
-    expected = cur.fetchone()[0]
-    if not expected:
-        return 0
-    read_fd, write_fd = os.pipe()
-    failure: list[BaseException] = []
-
-    def pump() -> None:
-        pipe = os.fdopen(write_fd, "wb", buffering=1 << 20)  # closed whatever happens: the COPY in sees EOF
-        try:
-            out = psycopg2.connect(dsn)
-            try:
-                with out.cursor() as ocur:
-                    ocur.copy_expert(ocur.mogrify(
-                        "COPY (SELECT source_site_id, client_name, kind, source_position, source_entry_id, true, "
-                        "message " + _STAGED + " ORDER BY source_position, source_entry_id) TO STDOUT (FORMAT binary)",
-                        params).decode(), pipe)
-            finally:
-                out.close()
-            pipe.close()
-        except BaseException as exc:  # a broken pipe when the COPY in failed first: reported there
-            failure.append(exc)
-            try:
-                pipe.close()
-            except OSError:
-                pass
-
-    thread = threading.Thread(target=pump, name="lr-fanout-commit-copy", daemon=True)
-    thread.start()
-    try:
-        with os.fdopen(read_fd, "rb", buffering=1 << 20) as pipe:
-            cur.copy_expert("COPY lr.receive_queue (source_site_id, client_name, kind, source_position, "
-                            "source_entry_id, visible, message) FROM STDIN (FORMAT binary)", pipe, size=1 << 20)
-    finally:
-        thread.join()
-    if failure:
-        raise StaleBatchError(f"reading staged rows of {source}/{client} failed: {failure[0]}")
-    if cur.rowcount != expected:
-        raise StaleBatchError(f"{source}/{client}: copied {cur.rowcount} of {expected} staged rows; rerun")
-    return expected
-
-
 # --- the whole run, and choosing it -------------------------------------------------------------
-MapPartitions = Callable[[FanoutPlan], Iterable[StagedPartition]]
+MapChunks = Callable[[FanoutPlan], Iterable[ChunkResult]]
 
 
-def run_fanout(driver: FanoutDriver, map_partitions: MapPartitions, max_entries: int | None = None,
-               partitions: int | None = None, min_partitions: int = 1) -> FanoutResult:
-    """Plan, stage every partition with ``map_partitions`` (Spark, or a local map), commit."""
+def run_fanout(driver: FanoutDriver, map_chunks: MapChunks, max_entries: int | None = None,
+               partitions: int | None = None) -> FanoutResult:
+    """Plan, tee every chunk in order with ``map_chunks`` (a Spark task, or this process), sum up."""
     t0 = time.monotonic()
-    plan = driver.plan(max_entries, partitions, min_partitions)
+    plan = driver.plan(max_entries, partitions)
     log.info("fan-out %s", plan.describe())
     t1 = time.monotonic()
-    staged = list(map_partitions(plan)) if plan.ranges else []
+    chunks = list(map_chunks(plan)) if plan.ranges else []
     t2 = time.monotonic()
-    result = driver.commit(plan, staged)
+    result = driver.finish(plan, chunks)
     t3 = time.monotonic()
-    result.seconds = {"plan": round(t1 - t0, 3), "stage": round(t2 - t1, 3), "commit": round(t3 - t2, 3),
+    result.seconds = {"plan": round(t1 - t0, 3), "tee": round(t2 - t1, 3), "finish": round(t3 - t2, 3),
                       "total": round(t3 - t0, 3)}
     result.peak_rss_kb["driver"] = peak_rss_kb()
     return result
 
 
-def local_map(plan: FanoutPlan) -> Iterable[StagedPartition]:
-    """Stage the partitions one after the other in this process (no Spark)."""
-    return [stage_partition(plan, part) for part in plan.ranges]
+def local_map(plan: FanoutPlan) -> Iterable[ChunkResult]:
+    """Tee the chunks one after the other in this process (no Spark)."""
+    return list(tee_chunks(plan))
 
 
 @dataclass(frozen=True)

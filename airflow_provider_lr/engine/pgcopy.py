@@ -7,8 +7,10 @@ sends them) and pulls a ``COPY ... FROM STDIN`` from any object with ``read``, s
 
 * ``RowReader`` parses rows as they arrive and hands each to a callback: a read never holds more
   than one row (plus a partial one) in memory, whatever the size of the result;
-* ``StagingWriter`` appends rows to ``lr.spark_staging`` in blocks of at most ``block_bytes``, one
-  ``COPY FROM STDIN`` per block, all inside the caller's open transaction.
+* ``CopyWriter`` appends rows to a table in blocks of at most ``block_bytes``, one ``COPY FROM
+  STDIN`` per block, all inside the caller's open transaction, from a sender thread of its own;
+  ``ReceiveQueueWriter`` (the fan-out, straight into ``lr.receive_queue``) and ``StagingWriter``
+  (snapshot transfer, ``lr.spark_staging``) are its two uses.
 """
 from __future__ import annotations
 
@@ -116,8 +118,8 @@ def staging_row(prefix: bytes, position: int, entry_id: int, kind: int, message:
     return prefix + _STAGED_ROW.pack(8, position, 8, entry_id, 2, kind, len(message)) + message
 
 
-class StagingWriter:
-    """Appends binary rows to ``lr.spark_staging`` on one sink connection, a block at a time.
+class CopyWriter:
+    """Appends binary rows to ``copy_sql``'s table on one sink connection, a block at a time.
 
     Blocks go to the sink from a thread of their own (psycopg2 releases the GIL while the server
     ingests), so reading the source, routing rows and the sinks' ingest overlap; at most
@@ -126,11 +128,14 @@ class StagingWriter:
 
     QUEUED_BLOCKS = 2
 
+    COPY_SQL = ""
+
     def __init__(self, conn: psycopg2.extensions.connection, block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
         self.conn = conn
         self.block_bytes = block_bytes
         self.block = bytearray(HEADER)
         self.rows = 0
+        self.copied = 0  # rows the server reported copied (blocks sent so far)
         self.flushes = 0
         self._queue: queue.Queue[bytearray | None] = queue.Queue(maxsize=self.QUEUED_BLOCKS)
         self._error: BaseException | None = None
@@ -187,9 +192,36 @@ class StagingWriter:
                     return
                 if self._error is None:
                     with self.conn.cursor() as cur:
-                        cur.copy_expert(f"COPY lr.spark_staging ({STAGING_COLUMNS}) FROM STDIN (FORMAT binary)",
-                                        io.BytesIO(block), size=len(block))
+                        cur.copy_expert(self.COPY_SQL, io.BytesIO(block), size=len(block))
+                        self.copied += max(cur.rowcount, 0)
             except BaseException as exc:  # reported to the producer at its next flush/close
                 self._error = exc
             finally:
                 self._queue.task_done()
+
+
+class StagingWriter(CopyWriter):
+    """Rows of ``staging_row`` into ``lr.spark_staging`` (snapshot transfer)."""
+
+    COPY_SQL = f"COPY lr.spark_staging ({STAGING_COLUMNS}) FROM STDIN (FORMAT binary)"
+
+
+# --- receive-queue rows (the fan-out writes them directly) -----------------------------------------
+RECEIVE_COLUMNS = "source_site_id, client_name, kind, source_position, source_entry_id, sync_id, visible, message"
+_RECEIVE_ROW = struct.Struct(">ihiqiqiiBi")  # 2, kind, 8, position, 8, entry id, NULL sync id, 1, visible, length
+
+
+def receive_prefix(source: str, client: str) -> bytes:
+    """The leading fields of every receive-queue row of one session (field count, source, client)."""
+    return _I16.pack(8) + text(source) + text(client)
+
+
+def receive_row(prefix: bytes, kind: int, position: int, entry_id: int, message: bytes) -> bytes:
+    """A visible log-entry row of ``lr.receive_queue`` (no sync id) in binary COPY form."""
+    return prefix + _RECEIVE_ROW.pack(2, kind, 8, position, 8, entry_id, -1, 1, 1, len(message)) + message
+
+
+class ReceiveQueueWriter(CopyWriter):
+    """Rows of ``receive_row`` into ``lr.receive_queue``, in the order added (``seq`` follows it)."""
+
+    COPY_SQL = f"COPY lr.receive_queue ({RECEIVE_COLUMNS}) FROM STDIN (FORMAT binary)"

@@ -176,6 +176,35 @@ def rewrite_for_sink(message: bytes) -> tuple[int, bytes]:
     return msg.type, msg.SerializeToString()
 
 
+_DESTINATIONS_TAG = 0x0A  # field 1 (destinations), length-delimited
+_TYPE_TAG = 0x10  # field 2 (type), varint
+
+
+def strip_destinations(message: bytes) -> tuple[int, bytes]:
+    """``rewrite_for_sink`` at the byte level, for the bulk paths (~2.5x cheaper per entry).
+
+    Protobuf serializers write known fields in field-number order (``transmit`` serializes every
+    log entry with the generated code), so an entry's destinations (field 1) are its leading
+    records and its type (field 2) the varint right after them: the sink form is the message
+    minus that prefix, byte for byte what parse + clear + serialize gives. Anything else (a
+    destination of 128+ bytes, a multi-byte type, a truncated message) takes ``rewrite_for_sink``."""
+    try:
+        pos = 0
+        while message[pos] == _DESTINATIONS_TAG:
+            size = message[pos + 1]
+            if size & 0x80:
+                return rewrite_for_sink(message)
+            pos += 2 + size
+        if message[pos] != _TYPE_TAG:
+            return (0, message[pos:]) if message[pos] > _TYPE_TAG else rewrite_for_sink(message)
+        kind = message[pos + 1]
+        if kind & 0x80:
+            return rewrite_for_sink(message)
+        return kind, message[pos:]
+    except IndexError:  # ends inside the prefix (or no field after the destinations)
+        return rewrite_for_sink(message)
+
+
 def start_snapshot(
     conn: psycopg2.extensions.connection,
     source: str,
