@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from airflow_provider_lr.engine import fanout, sink as sink_mod
+from airflow_provider_lr.engine import fanout, sink as sink_mod, status
 from airflow_provider_lr.proto import lr_pb2
 from airflow_provider_lr.engine.errors import FencedError
 from airflow_provider_lr.engine.topology import SessionKey
@@ -147,9 +147,9 @@ def test_byte_level_strip_is_parse_and_serialize(fields):
 def test_backlog_per_session_decides_spark_or_in_process(scenario):
     topo, lr_sites = scenario
     conn = lr_sites[0].connect()
-    assert not fanout.use_spark(fanout.session_backlogs(conn), threshold=500)
+    assert not fanout.use_spark(status.session_backlogs(conn), threshold=500)
     transmit_backlog(lr_sites[0], 800, clients=CLIENTS, per_txn=100)
-    backlogs = fanout.session_backlogs(conn)
+    backlogs = status.session_backlogs(conn)
     expected = {(s.site_id, c): len(expected_queue(lr_sites[0], s.site_id, c)) for s in lr_sites[1:] for c in CLIENTS}
     assert {(b.sink, b.client): b.entries for b in backlogs} == expected
     assert fanout.use_spark(backlogs, threshold=500) and not fanout.use_spark(backlogs, threshold=10_000)

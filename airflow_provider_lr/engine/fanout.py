@@ -51,7 +51,7 @@ import psycopg2.extensions
 from psycopg2 import sql
 from psycopg2.extensions import AsIs
 
-from airflow_provider_lr.engine import lease as leases, sink
+from airflow_provider_lr.engine import lease as leases, sink, status
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, StaleBatchError
 from airflow_provider_lr.engine.faults import FAULT_ENV, fault_point
 from airflow_provider_lr.engine.log_reader import BaseSplit, LogReader, commit_barrier
@@ -64,7 +64,7 @@ from airflow_provider_lr.engine.transmit import STREAM_LOG_ENTRIES
 log = logging.getLogger(__name__)
 
 # Backlog from which a catch-up goes through Spark rather than in-process cycles, counted as
-# ``session_backlogs`` / ``status.source_backlog`` count it: entries still to deliver summed over
+# ``status.session_backlogs`` / ``status.source_backlog`` count it: entries still to deliver summed over
 # the source's sessions in log-entry sync (= deliveries). Measured on the 2-core machine
 # (docs/spark.md "Choosing in-process or Spark", 2026-11-23, tee design): spark-submit costs
 # ~10.5-14 s before the first row moves (JVM, context, Python workers, warm-up job), in-process
@@ -714,35 +714,6 @@ def local_map(plan: FanoutPlan) -> Iterable[ChunkResult]:
     return list(tee_chunks(plan))
 
 
-@dataclass(frozen=True)
-class SessionBacklog:
-    sink: str
-    client: str
-    state: str
-    entries: int  # log entries committed for the session after what its sink acknowledged
-
-
-def session_backlogs(conn: psycopg2.extensions.connection) -> list[SessionBacklog]:
-    """Per session of this source: entries still to deliver (what decides in-process vs Spark)."""
-    with conn.cursor() as cur:
-        cur.execute(
-            """
-            SELECT s.sink_site_id, s.client_name, s.state, count(e.entry_id)
-            FROM lr.source_sessions s
-            JOIN lr.remote_sites r ON r.site_id = s.sink_site_id
-            LEFT JOIN lr.clients k ON k.client_name = s.client_name
-            LEFT JOIN lr.log_commits c ON c.position > greatest(s.acked_position, 0)
-            LEFT JOIN lr.log_entries e ON e.tx = c.tx AND e.stream = %s AND e.tag_ids @> ARRAY[r.tag_id]
-                 AND e.client_id = k.client_id
-            GROUP BY 1, 2, 3 ORDER BY 1, 2
-            """,
-            (STREAM_LOG_ENTRIES,),
-        )
-        rows = [SessionBacklog(*row) for row in cur.fetchall()]
-    conn.commit()
-    return rows
-
-
-def use_spark(backlogs: Iterable[SessionBacklog], threshold: int = SPARK_MIN_BACKLOG) -> bool:
+def use_spark(backlogs: list[status.SessionBacklog], threshold: int = SPARK_MIN_BACKLOG) -> bool:
     """Spark pays off when the entries to deliver in log-entry sync reach ``threshold``."""
-    return sum(b.entries for b in backlogs if b.state == "IN_LOG_ENTRY_SYNC") >= threshold
+    return status.log_entry_backlog(backlogs) >= threshold

@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass, field
 import psycopg2.extensions
 
-from airflow_provider_lr.engine import full_sync, lease as leases, sink
+from airflow_provider_lr.engine import full_sync, lease as leases, sink, status
 from airflow_provider_lr.engine.errors import LRError
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.full_sync import FullSyncRequest, Provider
@@ -329,24 +329,10 @@ class SessionRunner:
 
     def _status(self) -> tuple[str, int, int]:
         """State, acked position and entries still to send (committed, tagged for the sink)."""
-        with self.source.cursor() as cur:
-            cur.execute(
-                """
-                SELECT s.state, s.acked_position,
-                       (SELECT count(*) FROM lr.log_commits c JOIN lr.log_entries e ON e.tx = c.tx
-                        JOIN lr.remote_sites r ON r.site_id = s.sink_site_id
-                        JOIN lr.clients k ON k.client_name = s.client_name
-                        WHERE c.position > greatest(s.acked_position, 0) AND e.stream = 1
-                          AND e.tag_ids @> ARRAY[r.tag_id] AND e.client_id = k.client_id)
-                FROM lr.source_sessions s WHERE s.sink_site_id = %s AND s.client_name = %s
-                """,
-                (self.key.sink, self.key.client),
-            )
-            state, acked, remaining = cur.fetchone()
-        self.source.commit()
+        (backlog,) = status.session_backlogs(self.source, self.key.sink, self.key.client)
         if self.lease is not None:
-            leases.update_session(self.source, self.lease, remaining_entries=remaining)
-        return state, acked, remaining
+            leases.update_session(self.source, self.lease, remaining_entries=backlog.entries)
+        return backlog.state, backlog.acked, backlog.entries
 
     def release(self) -> None:
         if self.lease is not None:

@@ -63,6 +63,13 @@ def _metadata(row: tuple, site_topology: str | None = None) -> SinkMetadata:
     return SinkMetadata(**values, site_topology_config_id=site_topology)
 
 
+def _site_topology_id(cur: psycopg2.extensions.cursor) -> str | None:
+    """The topology config id applied to the sink site (negotiation compares it)."""
+    cur.execute("SELECT topology_config_id FROM lr.topology")
+    row = cur.fetchone()
+    return row[0] if row else None
+
+
 def read_metadata(conn: psycopg2.extensions.connection, source: str, client: str) -> SinkMetadata:
     """The sink's metadata for a session (created on first contact), with the sink site's topology id."""
     try:
@@ -73,10 +80,9 @@ def read_metadata(conn: psycopg2.extensions.connection, source: str, client: str
             )
             cur.execute(_SELECT, (source, client))
             row = cur.fetchone()
-            cur.execute("SELECT topology_config_id FROM lr.topology")
-            topo = cur.fetchone()
+            topo = _site_topology_id(cur)
         conn.commit()
-        return _metadata(row, topo[0] if topo else None)
+        return _metadata(row, topo)
     except BaseException:
         conn.rollback()
         raise
@@ -164,9 +170,7 @@ def fence(conn: psycopg2.extensions.connection, source: str, client: str, epoch:
     taken on metadata no stale writer can change behind it."""
     write = _SinkWrite(conn, source, client, epoch)
     with write as (cur, meta):
-        cur.execute("SELECT topology_config_id FROM lr.topology")
-        topo = cur.fetchone()
-        return replace(meta, lease_epoch=epoch, site_topology_config_id=topo[0] if topo else None)
+        return replace(meta, lease_epoch=epoch, site_topology_config_id=_site_topology_id(cur))
 
 
 def rewrite_for_sink(message: bytes) -> tuple[int, bytes]:

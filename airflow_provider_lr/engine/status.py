@@ -11,6 +11,7 @@ from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.log_reader import holdback
 from airflow_provider_lr.engine.sink import receive_queue_name
 from airflow_provider_lr.engine.topology import Topology
+from airflow_provider_lr.engine.transmit import STREAM_LOG_ENTRIES
 
 _COLUMNS = (
     "role", "source_site_id", "sink_site_id", "client_name", "sync_type", "status", "base_snapshot",
@@ -83,48 +84,63 @@ def render(status: SiteStatus) -> str:
 
 
 # --- work waiting on a source (Airflow's sensors and the replication plan) ---------------------
-def pending_entries(conn: psycopg2.extensions.connection, sink: str, client: str) -> tuple[int, int]:
-    """(count, highest position) of committed entries for the session after what its sink
-    acknowledged; (0, -1) when there are none (or no such session)."""
+@dataclass(frozen=True)
+class SessionBacklog:
+    """What a session of this source still has to deliver."""
+
+    sink: str
+    client: str
+    state: str
+    acked: int  # the position its sink acknowledged
+    entries: int  # log entries committed for the session after that position
+    highest: int  # the highest commit position among them, -1 without any
+
+
+def session_backlogs(
+    conn: psycopg2.extensions.connection, sink: str | None = None, client: str | None = None
+) -> list[SessionBacklog]:
+    """Per session of this source (optionally one sink and/or client): entries still to deliver.
+    The one place that says what "remaining" means: committed, in LRQ_Send_LogEntries, tagged
+    for the sink, of the session's client, after the sink's acknowledged position."""
     with conn.cursor() as cur:
         cur.execute(
             """
-            SELECT count(*), coalesce(max(c.position), -1)
+            SELECT s.sink_site_id, s.client_name, s.state, s.acked_position, p.n, p.highest
             FROM lr.source_sessions s
             JOIN lr.remote_sites r ON r.site_id = s.sink_site_id
-            JOIN lr.clients k ON k.client_name = s.client_name
-            JOIN lr.log_commits c ON c.position > greatest(s.acked_position, 0)
-            JOIN lr.log_entries e ON e.tx = c.tx
-            WHERE s.sink_site_id = %s AND s.client_name = %s
-              AND e.stream = 1 AND e.tag_ids @> ARRAY[r.tag_id] AND e.client_id = k.client_id
+            LEFT JOIN lr.clients k ON k.client_name = s.client_name
+            CROSS JOIN LATERAL (
+                SELECT count(*) AS n, coalesce(max(c.position), -1) AS highest
+                FROM lr.log_commits c JOIN lr.log_entries e ON e.tx = c.tx
+                WHERE c.position > greatest(s.acked_position, 0) AND e.stream = %(stream)s
+                  AND e.tag_ids @> ARRAY[r.tag_id] AND e.client_id = k.client_id
+            ) p
+            WHERE (%(sink)s::text IS NULL OR s.sink_site_id = %(sink)s)
+              AND (%(client)s::text IS NULL OR s.client_name = %(client)s)
+            ORDER BY 1, 2
             """,
-            (sink, client),
+            {"stream": STREAM_LOG_ENTRIES, "sink": sink, "client": client},
         )
-        count, highest = cur.fetchone()
+        rows = [SessionBacklog(*row) for row in cur.fetchall()]
     conn.commit()
-    return int(count), int(highest)
+    return rows
+
+
+def log_entry_backlog(backlogs: list[SessionBacklog]) -> int:
+    """Entries still to deliver, summed over the sessions in log-entry sync (what decides between
+    an in-process batch and a Spark fan-out)."""
+    return sum(b.entries for b in backlogs if b.state == "IN_LOG_ENTRY_SYNC")
 
 
 def source_backlog(conn: psycopg2.extensions.connection) -> int:
-    """Log entries still to deliver, summed over the source's sessions in log-entry sync (what
-    decides between an in-process batch and a Spark fan-out)."""
-    with conn.cursor() as cur:
-        cur.execute(
-            """
-            SELECT coalesce(sum(n), 0) FROM lr.source_sessions s
-            JOIN lr.remote_sites r ON r.site_id = s.sink_site_id
-            JOIN lr.clients k ON k.client_name = s.client_name
-            CROSS JOIN LATERAL (
-                SELECT count(*) AS n FROM lr.log_commits c JOIN lr.log_entries e ON e.tx = c.tx
-                WHERE c.position > greatest(s.acked_position, 0) AND e.stream = 1
-                  AND e.tag_ids @> ARRAY[r.tag_id] AND e.client_id = k.client_id
-            ) pending
-            WHERE s.state = 'IN_LOG_ENTRY_SYNC'
-            """
-        )
-        backlog = cur.fetchone()[0]
-    conn.commit()
-    return int(backlog)
+    return log_entry_backlog(session_backlogs(conn))
+
+
+def pending_entries(conn: psycopg2.extensions.connection, sink: str, client: str) -> tuple[int, int]:
+    """(count, highest position) of committed entries for the session after what its sink
+    acknowledged; (0, -1) when there are none (or no such session)."""
+    found = session_backlogs(conn, sink, client)
+    return (found[0].entries, found[0].highest) if found else (0, -1)
 
 
 # --- delivery of one transmitted entry (the `delivered` sensor) ---------------------------------

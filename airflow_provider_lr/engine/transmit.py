@@ -56,7 +56,9 @@ class RoutingQueueClient:
         self.client_id = 0
         self._tag_ids: dict[str, int] = {}  # the sinks this client replicates to -> their tag
         self._load_routes()
-        self.prepared = prepared and self._prepare()
+        self.prepared = prepared
+        if prepared:
+            self._prepare()
         if idle:
             conn.rollback()  # leave the caller's connection as we found it (read only so far)
 
@@ -73,7 +75,7 @@ class RoutingQueueClient:
             )
             self._tag_ids = dict(cur.fetchall())
 
-    def _prepare(self) -> bool:
+    def _prepare(self) -> None:
         """Prepare the single-entry insert once per connection: parse and plan are most of what an
         extra INSERT costs the server in a small application transaction. Prepared statements are
         per session and survive rollback. Pass ``prepared=False`` behind a pooler that discards
@@ -85,7 +87,6 @@ class RoutingQueueClient:
                     f"PREPARE {PREPARED_INSERT} (smallint, integer[], integer, bytea) AS "
                     "INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) VALUES ($1, $2, $3, $4)"
                 )
-        return True
 
     def transmit_log_entry_message(self, payload: bytes, destinations: Sequence[str]) -> None:
         """Store one payload for ``destinations`` as one log entry (visible when the caller commits)."""

@@ -101,19 +101,12 @@ class LRSparkFanOutOperator(SparkSubmitOperator):
         return self.result
 
 
-DEFAULT_SPARK_MIN_BACKLOG = 50_000
-
-
 def spark_min_backlog(topo: Any) -> int:
     """Backlog (entries) from which a source's catch-up goes through Spark: the topology's
-    ``spark_min_backlog`` setting, else the fan-out engine's default when it defines one."""
-    try:
-        from airflow_provider_lr.engine import fanout  # the Spark fan-out engine, when installed
+    ``spark_min_backlog`` setting, else the fan-out engine's measured default."""
+    from airflow_provider_lr.engine.fanout import SPARK_MIN_BACKLOG
 
-        default = int(getattr(fanout, "SPARK_MIN_BACKLOG", DEFAULT_SPARK_MIN_BACKLOG))
-    except ImportError:
-        default = DEFAULT_SPARK_MIN_BACKLOG
-    return topo.setting("spark_min_backlog", default)
+    return topo.setting("spark_min_backlog", SPARK_MIN_BACKLOG)
 
 
 def plan_fanout(site: dict[str, str], spark_conn_id: str, topology_file: str | None = None) -> dict[str, Any]:
