@@ -46,10 +46,10 @@ def example_lr_user_pipeline() -> None:
     def record_orders() -> dict:
         from airflow_provider_lr.client import RoutingQueueClient
         from airflow_provider_lr.engine import status
-        from airflow_provider_lr.operators.common import conn_id, load_topology, site_connection
+        from airflow_provider_lr.operators.common import load_topology, site_connection
 
         params = get_current_context()["params"]
-        with site_connection(conn_id(load_topology(), SOURCE), SOURCE) as conn:
+        with site_connection(load_topology().conn_id(SOURCE), SOURCE) as conn:
             with conn.cursor() as cur:
                 cur.execute("CREATE TABLE IF NOT EXISTS example_orders "
                             "(id bigserial PRIMARY KEY, amount_cents bigint NOT NULL, at timestamptz DEFAULT now())")

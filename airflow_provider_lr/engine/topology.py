@@ -96,6 +96,11 @@ class Topology:
         canonical = json.dumps(self.document, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
+    def conn_id(self, site_id: str) -> str:
+        """The connection that reaches a site: its ``conn_id`` (an Airflow connection, an entry of the
+        connections file), or without one the site id itself."""
+        return self.site(site_id).conn_id or site_id
+
     def site(self, site_id: str) -> SiteSpec:
         try:
             return self.sites[site_id]
@@ -182,10 +187,8 @@ def from_site(conn: psycopg2.extensions.connection) -> Topology:
 
 
 def site_conninfo(topology: Topology, site_id: str) -> ConnInfo:
-    """How to reach a site of the topology: its ``conn_id`` (an Airflow connection, an entry of the
-    connections file) or, without one, the site id itself."""
-    spec = topology.site(site_id)
-    return resolve(spec.conn_id or site_id)
+    """How to reach a site of the topology (see ``Topology.conn_id``)."""
+    return resolve(topology.conn_id(site_id))
 
 
 def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site_id: str) -> None:

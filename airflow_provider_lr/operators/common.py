@@ -46,19 +46,14 @@ def load_topology(path: str | None = None) -> Topology:
     return topology.load(topology_path(path))
 
 
-def conn_id(topo: Topology, site_id: str) -> str:
-    """The Airflow connection of a site: its ``conn_id`` in the topology, else the site id."""
-    return topo.site(site_id).conn_id or site_id
-
-
 def session_dict(topo: Topology, key: SessionKey) -> dict[str, str]:
     return {
         "session": str(key),
         "source": key.source,
         "sink": key.sink,
         "client": key.client,
-        "source_conn_id": conn_id(topo, key.source),
-        "sink_conn_id": conn_id(topo, key.sink),
+        "source_conn_id": topo.conn_id(key.source),
+        "sink_conn_id": topo.conn_id(key.sink),
     }
 
 
@@ -74,7 +69,7 @@ def session_dicts(
 
 def site_dict(topo: Topology, site_id: str) -> dict[str, str]:
     spec = topo.site(site_id)
-    return {"site": site_id, "conn_id": conn_id(topo, site_id), "region": spec.region}
+    return {"site": site_id, "conn_id": topo.conn_id(site_id), "region": spec.region}
 
 
 def site_dicts(topo: Topology, role: str | None = None) -> list[dict[str, str]]:

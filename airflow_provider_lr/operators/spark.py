@@ -18,7 +18,7 @@ from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOpe
 
 from airflow_provider_lr.engine.conninfo import CONNECTIONS_FILE_ENV
 from airflow_provider_lr.hooks.site import LRSiteHook
-from airflow_provider_lr.operators.common import conn_id, load_topology, topology_path
+from airflow_provider_lr.operators.common import load_topology, topology_path
 from airflow_provider_lr.paths import spark_jobs_dir
 
 RESULT_PREFIX = "LR_RESULT "
@@ -89,7 +89,7 @@ class LRSparkFanOutOperator(SparkSubmitOperator):
         if self.max_entries:
             args += ["--max-entries", str(int(self.max_entries))]
         self.application_args = args
-        conns_file = write_connections_file([conn_id(topo, s) for s in sites])
+        conns_file = write_connections_file([topo.conn_id(s) for s in sites])
         self.env_vars = {**(self.env_vars or {}), CONNECTIONS_FILE_ENV: conns_file}
         self._hook = None  # build the hook with this run's arguments and environment
         try:

@@ -9,7 +9,7 @@ from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException
 
 from airflow_provider_lr.engine import status
-from airflow_provider_lr.operators.common import conn_id, load_topology, site_connection
+from airflow_provider_lr.operators.common import load_topology, site_connection
 from airflow_provider_lr.triggers.session import (
     LRDeliveredTrigger,
     LRNewLogEntriesTrigger,
@@ -35,7 +35,7 @@ class _LRSensor(BaseSensorOperator):
         raise NotImplementedError
 
     def _source_conn_id(self) -> str:
-        return conn_id(load_topology(self.topology_path), self.source)
+        return load_topology(self.topology_path).conn_id(self.source)
 
     def _polling(self) -> dict[str, Any]:
         return {"poll_interval": self.poll_interval, "max_poll_interval": self.max_poll_interval}
@@ -117,4 +117,4 @@ class LRDeliveredSensor(_LRSensor):
         topo = load_topology(self.topology_path)
         target = status.delivery_target(topo, self.source, self.client, list(self.destinations or []),
                                         int(self.min_regions or 0))
-        return LRDeliveredTrigger.for_target(conn_id(topo, self.source), target, int(self.position), **self._polling())
+        return LRDeliveredTrigger.for_target(topo.conn_id(self.source), target, int(self.position), **self._polling())
