@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -40,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fanout_anchors import BACKLOG_TABLE, SINKS, BenchEnv, Measurement, Workload, execute  # noqa: E402
 
 from airflow_provider_lr.client import RoutingQueueClient  # noqa: E402
-from airflow_provider_lr.engine import pgcopy, schema, topology  # noqa: E402
+from airflow_provider_lr.engine import pgcopy, queue_rows, schema, topology  # noqa: E402
 from airflow_provider_lr.engine.replicator import Replicator  # noqa: E402
 from airflow_provider_lr.engine.session import SessionSettings  # noqa: E402
 from airflow_provider_lr.engine.transmit import STREAM_LOG_ENTRIES  # noqa: E402
@@ -142,28 +143,32 @@ class LrSites:
             execute(dsn, "CHECKPOINT")
 
     def verify(self, env: BenchEnv, name: str) -> list[int]:
-        """Per-sink counts equal the bench's, seq follows source order, sampled payloads match."""
+        """Per-sink entry counts equal the bench's, rows follow source order, and a sample of rows
+        holds, byte for byte, the payloads of the sink's entries that end at the row's last entry."""
         expected = [execute(env.source_dsn, f"SELECT count(*) FROM {BACKLOG_TABLE} WHERE dests & {1 << i} <> 0")[0][0]
                     for i in range(SINKS)]
         got, out_of_order = [], []
         for sink in SINK_IDS:
             (count, disorder), = execute(self.dsns[sink], """
-                SELECT count(*), count(*) FILTER (WHERE prev > (source_position, source_entry_id)) FROM (
-                    SELECT source_position, source_entry_id,
-                           lag((source_position, source_entry_id)) OVER (ORDER BY seq) AS prev
-                    FROM lr.receive_queue WHERE kind = 1) q""")
-            got.append(count)
+                SELECT coalesce(sum(entry_count), 0), count(*) FILTER (WHERE prev >= (source_position, source_entry_id))
+                FROM (SELECT entry_count, source_position, source_entry_id,
+                             lag((source_position, source_entry_id)) OVER (ORDER BY seq) AS prev
+                      FROM lr.receive_queue WHERE kind = 1) q""")
+            got.append(int(count))
             out_of_order.append(disorder)
         if got != expected or any(out_of_order):
             raise AssertionError(f"{name}: sinks hold {got} entries (expected {expected}), out of order {out_of_order}")
-        source = {e: bytes(m) for e, m in execute(
-            self.dsns[SOURCE_ID], "SELECT entry_id, message FROM lr.log_entries WHERE entry_id % 9973 = 1")}
+        tags = dict(execute(self.dsns[SOURCE_ID], "SELECT site_id, tag_id FROM lr.remote_sites"))
         for sink in SINK_IDS:
-            for entry_id, message in execute(self.dsns[sink], "SELECT source_entry_id, message FROM lr.receive_queue "
-                                                              "WHERE source_entry_id % 9973 = 1"):
-                sent = lr_pb2.RoutingTableEntryMsg.FromString(source[entry_id])
-                if lr_pb2.RoutingTableEntryMsg.FromString(bytes(message)).opaque_payload != sent.opaque_payload:
-                    raise AssertionError(f"{name}: entry {entry_id} differs on {sink}")
+            for last_id, count, message in execute(self.dsns[sink], "SELECT source_entry_id, entry_count, message "
+                                                                    "FROM lr.receive_queue WHERE kind = 1 AND seq % 211 = 1"):
+                sent = execute(self.dsns[SOURCE_ID], f"SELECT message FROM lr.log_entries WHERE entry_id <= {last_id} "
+                               f"AND tag_ids @> ARRAY[{tags[sink]}] ORDER BY entry_id DESC LIMIT {count}")
+                want = [lr_pb2.RoutingTableEntryMsg.FromString(bytes(m)).opaque_payload for m, in reversed(sent)]
+                have = [lr_pb2.RoutingTableEntryMsg.FromString(e).opaque_payload
+                        for e in queue_rows.unpack(count, bytes(message))]
+                if have != want:
+                    raise AssertionError(f"{name}: the row ending at entry {last_id} differs on {sink}")
         return got
 
     def drop(self) -> None:
@@ -258,10 +263,12 @@ def lr_inprocess_tee(env: BenchEnv, workload: Workload) -> Measurement:
         sites.fill_backlog(env, workload)
         sites.checkpoint()
         driver = fanout.FanoutDriver(sites.topology, SOURCE_ID)
+        cpu = _cpu_seconds()
         try:
             result = fanout.run_fanout(driver, fanout.local_map)
         finally:
             driver.close()
+        cpu = _cpu_seconds() - cpu
         got = sites.verify(env, "lr_inprocess_tee")
     finally:
         if previous is None:
@@ -273,7 +280,13 @@ def lr_inprocess_tee(env: BenchEnv, workload: Workload) -> Measurement:
     if not result.ok or delivered != sum(got):
         raise AssertionError(f"lr_inprocess_tee: {result.errors or delivered} (sinks hold {sum(got)})")
     return Measurement("lr_inprocess_tee", workload.variant, workload.entries, delivered, result.seconds["total"],
-                       {"chunks": result.partitions, "phases_s": result.seconds})
+                       {"chunks": result.partitions, "phases_s": result.seconds,
+                        "python_cpu_s": round(cpu, 2)})  # this process, sender threads included
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 MEASUREMENTS = {"lr_catchup": lr_catchup, "lr_inprocess": lr_inprocess, "lr_inprocess_tee": lr_inprocess_tee}

@@ -6,6 +6,7 @@ import psycopg2
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine import topology
+from airflow_provider_lr.engine.queue_rows import unpack
 from airflow_provider_lr.engine.replicator import Replicator
 from airflow_provider_lr.engine.session import SessionSettings
 from airflow_provider_lr.proto import lr_pb2
@@ -83,15 +84,17 @@ def empty_provider(ctx) -> None:
 def queue(sink, source: str | None = None, client: str = "policy", visible_only: bool = True) -> list[tuple[str, str]]:
     """(kind, payload) of the sink's receive queue rows, in sink order."""
     rows = sink.query(
-        "SELECT kind, message FROM lr.receive_queue WHERE client_name = %s AND (%s::text IS NULL OR source_site_id = %s)"
+        "SELECT kind, entry_count, delivered, message FROM lr.receive_queue "
+        "WHERE client_name = %s AND (%s::text IS NULL OR source_site_id = %s)"
         + (" AND visible" if visible_only else "") + " ORDER BY seq",
         (client, source, source),
     )
     out = []
-    for kind, message in rows:
-        msg = lr_pb2.RoutingTableEntryMsg.FromString(bytes(message))
-        assert not msg.destinations, "destinations are stripped at the sink"
-        out.append((KIND[kind], msg.opaque_payload.decode()))
+    for kind, count, delivered, message in rows:
+        for entry in unpack(count, bytes(message))[delivered:]:
+            msg = lr_pb2.RoutingTableEntryMsg.FromString(entry)
+            assert not msg.destinations, "destinations are stripped at the sink"
+            out.append((KIND[kind], msg.opaque_payload.decode()))
     return out
 
 

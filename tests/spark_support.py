@@ -274,33 +274,43 @@ def transmit_backlog(source, entries: int, sinks=("site-b", "site-c"), clients=(
         conn.close()
 
 
-def expected_queue(source, sink_id: str, client: str) -> list[tuple[int, int, bytes]]:
-    """(position, entry id, payload) the sink must hold for ``client``, in source order."""
+def expected_queue(source, sink_id: str, client: str) -> list[bytes]:
+    """The payloads the sink must hold for ``client``, in source order."""
+    return [payload for _, payload in expected_entries(source, sink_id, client)]
+
+
+def expected_entries(source, sink_id: str, client: str) -> list[tuple[int, bytes]]:
+    """(commit position, payload) of what the sink must hold for ``client``, in source order."""
     from airflow_provider_lr.proto import lr_pb2
 
     rows = source.query(
-        "SELECT c.position, e.entry_id, e.message FROM lr.log_commits c JOIN lr.log_entries e ON e.tx = c.tx "
+        "SELECT c.position, e.message FROM lr.log_commits c JOIN lr.log_entries e ON e.tx = c.tx "
         "JOIN lr.remote_sites r ON r.site_id = %s JOIN lr.clients k ON k.client_id = e.client_id "
-        "WHERE e.stream = 1 AND e.tag_ids @> ARRAY[r.tag_id] AND k.client_name = %s ORDER BY 1, 2",
+        "WHERE e.stream = 1 AND e.tag_ids @> ARRAY[r.tag_id] AND k.client_name = %s ORDER BY c.position, e.entry_id",
         (sink_id, client),
     )
-    return [(p, e, lr_pb2.RoutingTableEntryMsg.FromString(bytes(m)).opaque_payload) for p, e, m in rows]
+    return [(p, lr_pb2.RoutingTableEntryMsg.FromString(bytes(m)).opaque_payload) for p, m in rows]
 
 
-def sink_queue(sink, client: str, source: str = "site-a") -> list[tuple[int, int, bytes]]:
-    """(position, entry id, payload) of the sink's visible log entries for ``client``, in seq order."""
+def sink_queue(sink, client: str, source: str = "site-a") -> list[bytes]:
+    """The payloads of the sink's visible log entries for ``client``, in sink order (rows are
+    packed: ``queue_rows``); also checks that rows follow source order."""
+    from airflow_provider_lr.engine.queue_rows import unpack
     from airflow_provider_lr.proto import lr_pb2
 
     rows = sink.query(
-        "SELECT source_position, source_entry_id, message FROM lr.receive_queue "
+        "SELECT source_position, source_entry_id, entry_count, delivered, message FROM lr.receive_queue "
         "WHERE source_site_id = %s AND client_name = %s AND visible AND kind = 1 ORDER BY seq",
         (source, client),
     )
+    positions = [(p, e) for p, e, *_ in rows]
+    assert positions == sorted(positions), "receive-queue rows in source order"
     out = []
-    for p, e, m in rows:
-        msg = lr_pb2.RoutingTableEntryMsg.FromString(bytes(m))
-        assert not msg.destinations, "destinations are stripped at the sink"
-        out.append((p, e, msg.opaque_payload))
+    for _, _, count, delivered, message in rows:
+        for entry in unpack(count, bytes(message))[delivered:]:
+            msg = lr_pb2.RoutingTableEntryMsg.FromString(entry)
+            assert not msg.destinations, "destinations are stripped at the sink"
+            out.append(msg.opaque_payload)
     return out
 
 

@@ -130,14 +130,15 @@ def listen_sessions(site) -> int:
     )[0][0]
 
 
-def insert_raw(site, source: str, kind: int, message: bytes, client: str = "policy", register: bool = True) -> None:
-    """Put an entry straight into a receive queue (visible), as a damaged or foreign writer would."""
+def insert_raw(site, source: str, kind: int, message: bytes, client: str = "policy", register: bool = True,
+               entry_count: int = 1) -> None:
+    """Put a row straight into a receive queue (visible), as a damaged or foreign writer would."""
     conn = site.connect()
     with conn.cursor() as cur:
         cur.execute(
             "INSERT INTO lr.receive_queue (source_site_id, client_name, kind, source_position, source_entry_id, "
-            "visible, message) VALUES (%s, %s, %s, 0, 0, true, %s)",
-            (source, client, kind, psycopg2.Binary(message)),
+            "visible, entry_count, message) VALUES (%s, %s, %s, 0, 0, true, %s, %s)",
+            (source, client, kind, entry_count, psycopg2.Binary(message)),
         )
         if register:
             cur.execute(

@@ -9,6 +9,7 @@ import pytest
 
 from airflow_provider_lr.engine.faults import FAULT_ENV
 from tests.spark_support import (  # noqa: F401 (local_spark, lr_connections are fixtures)
+    expected_entries,
     expected_queue,
     in_log_entry_sync,
     local_spark,
@@ -94,8 +95,11 @@ def test_task_killed_mid_write_or_after_a_chunk_then_rerun(spark, topo, lr_sites
                 assert len(seen) > before[(sink.site_id, client)], "chunk 0 committed"
                 position = sink.query("SELECT last_log_entry_processed FROM lr.sink_sessions WHERE "
                                       "source_site_id = 'site-a' AND client_name = %s", (client,))[0][0]
-                assert all(p <= position for p, _, _ in seen), "nothing past the committed position"
-                assert len(seen) == len([e for e in expected[(sink.site_id, client)] if e[0] <= position])
+                newest = sink.query("SELECT max(source_position) FROM lr.receive_queue WHERE "
+                                    "source_site_id = 'site-a' AND client_name = %s", (client,))[0][0]
+                assert newest <= position, "nothing past the committed position"
+                committed = [p for p, _ in expected_entries(lr_sites[0], sink.site_id, client) if p <= position]
+                assert len(seen) == len(committed)
                 positions.add(position)
         assert len(positions) == 1, "every session stopped after the same chunk"
     visible = sum(len(sink_queue(s, c)) for s in lr_sites[1:] for c in CLIENTS)

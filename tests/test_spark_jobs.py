@@ -70,7 +70,7 @@ def test_apply_receive_queue_in_source_order_with_delete_in_the_same_transaction
     repl.run(max_cycles=5, until_idle=True, interval=0.01)
     repl.close()
     sink_b = lr_sites[1]
-    expected = [p.decode() for _, _, p in sink_queue(sink_b, "policy")]
+    expected = [p.decode() for p in sink_queue(sink_b, "policy")]
     assert len(expected) > 300
 
     with lr_sites[0].connect() as conn:  # a poisoned entry, after everything else
@@ -82,7 +82,7 @@ def test_apply_receive_queue_in_source_order_with_delete_in_the_same_transaction
     result = lr_apply.apply_queues(local_spark, topo, "site-b", "policy", "tests.spark_support:record_applied", batch=100)
     assert not result["ok"] and "poison" in result["errors"]["site-a"]
     applied = [p for (p,) in sink_b.query("SELECT payload FROM applied WHERE kind = 'log' ORDER BY n")]
-    kept = [p.decode() for _, _, p in sink_queue(sink_b, "policy")]
+    kept = [p.decode() for p in sink_queue(sink_b, "policy")]
     # applied in source order, each once; the failed run (the poison and the entries batched with
     # it) rolled back with its delete: still queued, none of it applied
     assert applied + kept == expected + ["policy:poison"]

@@ -14,12 +14,12 @@ only decides where step 2 runs (and tests run it with a plain loop):
    the chunk starts for it and skips the chunk when the sink is already at or past ``hi``. The
    chunk is then read ONCE from the source with a binary ``COPY TO STDOUT`` in (position, entry id)
    order, the source server computing per entry the bit mask of the sessions that want it (tag,
-   client, after the sink's position, not covered by its base snapshot); each entry becomes one
-   receive-queue row (destinations stripped at the byte level, ``sink.strip_destinations``) that
-   is appended to every demanding session's binary ``COPY lr.receive_queue FROM STDIN`` — a sender
-   thread per session, so the source read, the routing and the sinks' ingest overlap. Then each
-   session checks its row count, sets ``last_log_entry_processed = hi``, wakes subscribers and
-   commits.
+   client, after the sink's position, not covered by its base snapshot); each entry, destinations
+   stripped at the byte level (``sink.strip_destinations``), is appended to every demanding
+   session's packer (``queue_rows``: ~28 entries of 256 B per receive-queue row) and the rows to
+   its binary ``COPY lr.receive_queue FROM STDIN`` — a sender thread per session, so the source
+   read, the routing and the sinks' ingest overlap. Then each session checks its row and entry
+   counts, sets ``last_log_entry_processed = hi``, wakes subscribers and commits.
 
 Why exactly once and in order with no staging: a chunk's rows become visible only at its session's
 commit, together with the new position; rows are inserted in source order, so ``seq`` follows it,
@@ -56,7 +56,8 @@ from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, S
 from airflow_provider_lr.engine.faults import FAULT_ENV, fault_point
 from airflow_provider_lr.engine.log_reader import BaseSplit, LogReader, commit_barrier
 from airflow_provider_lr.engine.negotiation import Decision
-from airflow_provider_lr.engine.pgcopy import ReceiveQueueWriter, RowReader, receive_prefix, receive_row
+from airflow_provider_lr.engine.pgcopy import ReceiveQueueWriter, RowReader
+from airflow_provider_lr.engine.queue_rows import piece
 from airflow_provider_lr.engine.session import SessionRunner, SessionSettings
 from airflow_provider_lr.engine.topology import SessionKey, Topology, site_conninfo
 from airflow_provider_lr.engine.transmit import STREAM_LOG_ENTRIES
@@ -79,7 +80,6 @@ STAGING_LOCK_CLASS = 0x6C72_7366  # "lrsf": pg_advisory_xact_lock(class, hashtex
 # and demand mask (int8 each), then the message's length (the message follows).
 _ENTRY_ROW = struct.Struct(">hiqiqiqi")
 _ENTRY_SIZE = _ENTRY_ROW.size
-_RECEIVE_HEAD = struct.Struct(">ihiqiqiiBi")  # = pgcopy.receive_row's fields after the session prefix
 
 
 @dataclass(frozen=True)
@@ -444,7 +444,7 @@ class _SessionTee:
                 raise StaleBatchError(f"fan-out chunk ({part.lo}, {part.hi}] of {demand.session} starts after "
                                       f"{start} but its sink has processed up to {last}; rerun")
             else:
-                self.writer = ReceiveQueueWriter(self.conn)
+                self.writer = ReceiveQueueWriter(self.conn, plan.source, demand.client)
         except BaseException:
             self.abandon()
             raise
@@ -456,8 +456,9 @@ class _SessionTee:
         assert self.writer is not None
         try:
             self.writer.close()
-            if self.writer.copied != self.rows:
-                raise StaleBatchError(f"{self.demand.session}: the sink took {self.writer.copied} of {self.rows} rows")
+            if self.writer.copied != self.writer.rows or self.writer.entries != self.rows:
+                raise StaleBatchError(f"{self.demand.session}: the sink took {self.writer.copied} of "
+                                      f"{self.writer.rows} rows ({self.writer.entries} of {self.rows} entries)")
             self.write.update(last_log_entry_processed=end)
             if self.rows:
                 self.write.announce()
@@ -533,27 +534,24 @@ def tee_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "",
 
 
 class _Router(RowReader):
-    """``write`` target of the chunk's source COPY: turns each entry into its receive-queue row and
-    appends it to the block of every session whose bit is set in the entry's mask.
+    """``write`` target of the chunk's source COPY: turns each entry into its packed receive-queue
+    form (``queue_rows.piece``, destinations stripped) and appends it to the writer of every
+    session whose bit is set in the entry's mask.
 
     The usual row (one CopyData message = one row, destinations of < 128 bytes, a one-byte type)
-    is handled inline, with no call per entry beyond this ``write``: this loop is the fan-out's
-    per-entry Python cost. Anything else goes through ``RowReader``'s general parser and
-    ``sink.strip_destinations``."""
+    is handled inline, with no call per entry beyond this ``write`` and one ``append_piece`` per
+    session: this loop is the fan-out's per-entry Python cost. Anything else goes through
+    ``RowReader``'s general parser and ``sink.strip_destinations``."""
 
-    def __init__(self, plan: FanoutPlan, tees: list[tuple[int, _SessionTee]], halfway: int,
-                 fault_tag: str | None) -> None:
+    def __init__(self, tees: list[tuple[int, _SessionTee]], halfway: int, fault_tag: str | None) -> None:
         super().__init__(self._general_row)
         self.by_bit = dict(tees)
-        self.prefixes = {d.client: receive_prefix(plan.source, d.client) for d in plan.demands}
-        self.routes: dict[int, list] = {}  # mask -> [row prefix, writers, entries]
+        self.routes: dict[int, list] = {}  # mask -> [append_piece of each wanting writer, entries]
         self.read = 0
         self.halfway, self.fault_tag = halfway, fault_tag
 
     def _route(self, mask: int) -> list:
-        # every demand whose bit is set wants the entry's client: one row for all of them
-        wanted = [t for bit, t in self.by_bit.items() if mask >> bit & 1]
-        route = self.routes[mask] = [self.prefixes[wanted[0].demand.client], [t.writer for t in wanted], 0]
+        route = self.routes[mask] = [[t.writer.append_piece for bit, t in self.by_bit.items() if mask >> bit & 1], 0]
         return route
 
     def write(self, chunk: bytes) -> int:
@@ -581,13 +579,10 @@ class _Router(RowReader):
                     self.rows += 1
                     return size
                 route = self.routes.get(mask) or self._route(mask)
-                row = route[0] + _RECEIVE_HEAD.pack(2, kind, 8, position, 8, entry_id, -1, 1, 1, size - pos) + chunk[pos:]
-                for writer in route[1]:
-                    block = writer.block
-                    block += row
-                    if len(block) >= writer.block_bytes:
-                        writer.flush()
-                route[2] += 1
+                record = piece(chunk[pos:])
+                for append in route[0]:
+                    append(kind, position, entry_id, record)
+                route[1] += 1
                 self.rows += 1
                 self.read += 1
                 if self.read == self.halfway:
@@ -602,10 +597,10 @@ class _Router(RowReader):
     def _deliver(self, position: int, entry_id: int, mask: int, message: bytes) -> None:
         route = self.routes.get(mask) or self._route(mask)
         kind, stripped = sink.strip_destinations(message)
-        row = receive_row(route[0], kind, position, entry_id, stripped)
-        for writer in route[1]:
-            writer.add(row)
-        route[2] += 1
+        record = piece(stripped)
+        for append in route[0]:
+            append(kind, position, entry_id, record)
+        route[1] += 1
         self.read += 1
         if self.read == self.halfway:
             self._fault()
@@ -617,7 +612,7 @@ class _Router(RowReader):
         fault_point(f"fanout_mid_write{self.fault_tag}")
 
     def rows_for(self, bit: int) -> int:
-        return sum(route[2] for mask, route in self.routes.items() if mask >> bit & 1)
+        return sum(route[1] for mask, route in self.routes.items() if mask >> bit & 1)
 
 
 def _read_and_route(plan: FanoutPlan, part: PositionRange, tees: list[tuple[int, _SessionTee]],
@@ -625,7 +620,7 @@ def _read_and_route(plan: FanoutPlan, part: PositionRange, tees: list[tuple[int,
     """Read the chunk ONCE from the source (binary COPY, in (position, entry id) order, demand mask
     computed by the source) and append each entry's receive-queue row to every demanding session's
     COPY. Returns the entries read."""
-    router = _Router(plan, tees, max(1, part.entries // 2) if fault_tag is not None else -1, fault_tag)
+    router = _Router(tees, max(1, part.entries // 2) if fault_tag is not None else -1, fault_tag)
     query = sql.SQL(
         "COPY (SELECT position, entry_id, mask, message FROM ("
         " SELECT c.position, e.entry_id, ({mask}) AS mask, e.message FROM lr.log_commits c"

@@ -23,6 +23,8 @@ from typing import Callable
 
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.queue_rows import Packer, QueueRow
+
 SIGNATURE = b"PGCOPY\n\xff\r\n\x00"
 HEADER = SIGNATURE + bytes(8)  # signature, flags (int32 0), header extension length (int32 0)
 TRAILER = b"\xff\xff"
@@ -207,21 +209,39 @@ class StagingWriter(CopyWriter):
 
 
 # --- receive-queue rows (the fan-out writes them directly) -----------------------------------------
-RECEIVE_COLUMNS = "source_site_id, client_name, kind, source_position, source_entry_id, sync_id, visible, message"
-_RECEIVE_ROW = struct.Struct(">ihiqiqiiBi")  # 2, kind, 8, position, 8, entry id, NULL sync id, 1, visible, length
+RECEIVE_COLUMNS = ("source_site_id, client_name, kind, source_position, source_entry_id, sync_id, visible, "
+                   "entry_count, message")
+_RECEIVE_ROW = struct.Struct(">ihiqiqiiBiii")  # 2, kind, 8, position, 8, entry id, NULL sync id, 1, visible, 4, count, length
 
 
 def receive_prefix(source: str, client: str) -> bytes:
     """The leading fields of every receive-queue row of one session (field count, source, client)."""
-    return _I16.pack(8) + text(source) + text(client)
+    return _I16.pack(9) + text(source) + text(client)
 
 
-def receive_row(prefix: bytes, kind: int, position: int, entry_id: int, message: bytes) -> bytes:
+def receive_row(prefix: bytes, row: QueueRow) -> bytes:
     """A visible log-entry row of ``lr.receive_queue`` (no sync id) in binary COPY form."""
-    return prefix + _RECEIVE_ROW.pack(2, kind, 8, position, 8, entry_id, -1, 1, 1, len(message)) + message
+    return (prefix + _RECEIVE_ROW.pack(2, row.kind, 8, row.position, 8, row.entry_id, -1, 1, 1, 4, row.count,
+                                       len(row.message)) + row.message)
 
 
 class ReceiveQueueWriter(CopyWriter):
-    """Rows of ``receive_row`` into ``lr.receive_queue``, in the order added (``seq`` follows it)."""
+    """One session's visible entries into ``lr.receive_queue``, packed (``queue_rows.Packer``) in
+    the order added, so ``seq`` follows it. ``entries`` counts what was added, ``rows`` the rows."""
 
     COPY_SQL = f"COPY lr.receive_queue ({RECEIVE_COLUMNS}) FROM STDIN (FORMAT binary)"
+
+    def __init__(self, conn: psycopg2.extensions.connection, source: str, client: str,
+                 block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
+        super().__init__(conn, block_bytes)
+        self.prefix = receive_prefix(source, client)
+        self.packer = Packer(lambda row: self.add(receive_row(self.prefix, row)))
+        self.append_piece = self.packer.add_piece  # (kind, position, entry id, queue_rows.piece(message))
+
+    @property
+    def entries(self) -> int:
+        return self.packer.entries + self.packer.count
+
+    def sync(self) -> None:
+        self.packer.flush()  # a pack in progress ends here: what was added is all in the sink
+        super().sync()

@@ -6,20 +6,24 @@ consumer side, shared by ``RoutingQueueSubscriber`` and the relay's subscription
 
 * discovery: a client's queues are found in ``lr.registry`` by the prefix ``LRQ_Recv_<client>_`` (the
   registry's ``client_name`` column disambiguates clients whose names share a prefix);
-* delivery of one *run* per transaction: the leading rows of one kind of a queue's visible rows, in
-  ``seq`` order and bounded. Markers (full-sync start and complete) are runs of one. The listener's
-  ``True`` deletes the run in that same transaction; ``False`` or an exception rolls it back, so the run
-  is delivered again later and nothing behind it in that queue is delivered first;
+* delivery of one *run* per transaction: the leading entries of one kind of a queue's visible
+  rows, in ``seq`` order (a row holds several entries: ``queue_rows``) and bounded. Markers
+  (full-sync start and complete) are runs of one. The listener's ``True`` consumes the run in that
+  same transaction (rows it finishes are deleted, a row it ends inside records how far it was
+  delivered); ``False`` or an exception rolls it back, so the run is delivered again later and
+  nothing behind it in that queue is delivered first;
 * one consumer per queue at a time: a transaction-scoped advisory lock on the queue name, so two
   subscribers of one client never interleave a source's entries (they share the queues instead);
 * malformed entries (protobuf that does not parse, an unknown or inconsistent kind) are moved to
-  ``lr.receive_dead_letters`` with their error, and delivery goes on.
+  ``lr.receive_dead_letters`` with their error when they reach the head of the queue, one entry of
+  a packed row alone, and delivery goes on.
 
 During a callback, ``ReceiveQueueReader.conn`` is in the delivery transaction: whatever the listener
 writes through it commits or rolls back together with the delete, which gives exactly-once.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import select
@@ -33,12 +37,13 @@ import psycopg2.extensions
 from google.protobuf.message import DecodeError
 
 from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.queue_rows import unpack
 from airflow_provider_lr.engine.sink import NOTIFY_CHANNEL, receive_queue_name
 from airflow_provider_lr.proto import lr_pb2
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BATCH = 500          # rows handed to the listener in one callback at most
+DEFAULT_BATCH = 500          # entries handed to the listener in one callback at most
 DEFAULT_POLL_INTERVAL = 2.0  # full pass (discovery included) when no notification arrives
 DEFAULT_RETRY_INTERVAL = 0.5  # a queue whose delivery failed is tried again after this
 # pg_try_advisory_xact_lock(int, int) class of the per-queue consumer lock (two-int keys never
@@ -96,9 +101,26 @@ class PassReport(DeliveryStats):
 
 @dataclass(frozen=True)
 class _Row:
+    """A receive-queue row as read: ``count`` entries packed (``queue_rows``), ``delivered`` of
+    them consumed already."""
+
     seq: int
     kind: int
+    count: int
+    delivered: int
+    message: bytes
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One entry of a row (``index`` in it), its payload unwrapped, or why it cannot be delivered
+    (``index`` -1: the whole row is unreadable)."""
+
+    seq: int
+    index: int
+    kind: int
     payload: bytes
+    error: str | None = None
 
 
 class DeliveryContext:
@@ -184,23 +206,24 @@ class ReceiveQueueReader:
         self, listener: Listener, client: str, source: str, limit: int, report: PassReport
     ) -> tuple[int, bool]:
         """Deliver the next run of ``source``'s queue; returns (entries handed over, queue done for
-        this pass). Malformed rows are moved aside first (their own committed transaction)."""
+        this pass). Malformed entries at the head are moved aside first (their own committed
+        transaction)."""
         rows = self._lock_and_read(client, source, limit)
         if rows is None:
             report.busy += 1
             report.failed.add(source)
             return 0, True
-        if not rows:
+        entries = _entries(rows, limit)
+        if not entries:
             self.conn.commit()
             return 0, True
-        decoded = [_decode(r) for r in rows]
-        bad = [(r, err) for r, err in zip(rows, decoded) if isinstance(err, str)]
-        if bad:
-            self._move_aside(client, source, bad, report, listener)
+        if entries[0].error is not None:
+            bad = list(itertools.takewhile(lambda e: e.error is not None, entries))
+            self._move_aside(client, source, rows, bad, report, listener)
             return 0, False
-        run = _leading_run([r for r in decoded if isinstance(r, _Row)])
+        run = _leading_run(entries)
         try:
-            ok = _call(listener, run[0].kind, source, [r.payload for r in run])
+            ok = _call(listener, run[0].kind, source, [e.payload for e in run])
         except Exception as exc:
             return self._failed(listener, client, source, len(run), report, "listener raised", exc), True
         if not ok:
@@ -209,8 +232,7 @@ class ReceiveQueueReader:
             report.failed.add(source)
             return len(run), True
         try:
-            with self.conn.cursor() as cur:
-                cur.execute("DELETE FROM lr.receive_queue WHERE seq = ANY(%s)", ([r.seq for r in run],))
+            self._consume(rows, run)
             self.conn.commit()
         except (psycopg2.OperationalError, psycopg2.InterfaceError):
             raise  # a lost sink connection: the caller reconnects; the entries are still queued
@@ -218,6 +240,27 @@ class ReceiveQueueReader:
             return self._failed(listener, client, source, len(run), report, "delivery transaction failed", exc), True
         report.delivered += len(run)
         return len(run), False
+
+    def _consume(self, rows: Sequence[_Row], taken: Sequence[_Entry]) -> None:
+        """Remove the leading ``taken`` entries from the queue: rows they finish are deleted, a row
+        they end inside has its ``delivered`` advanced."""
+        upto: dict[int, int | None] = {}  # seq -> entries of the row consumed after this (None: all)
+        for entry in taken:
+            upto[entry.seq] = entry.index + 1 if entry.index >= 0 else None
+        finished, partial = [], None
+        for row in rows:
+            if row.seq not in upto:
+                continue
+            done = upto[row.seq]
+            if done is None or done >= row.count:
+                finished.append(row.seq)
+            else:
+                partial = (done, row.seq)
+        with self.conn.cursor() as cur:
+            if finished:
+                cur.execute("DELETE FROM lr.receive_queue WHERE seq = ANY(%s)", (finished,))
+            if partial is not None:
+                cur.execute("UPDATE lr.receive_queue SET delivered = %s WHERE seq = %s", partial)
 
     def _failed(
         self, listener: Listener, client: str, source: str, count: int, report: PassReport, what: str, exc: Exception
@@ -234,8 +277,9 @@ class ReceiveQueueReader:
 
     def _lock_and_read(self, client: str, source: str, limit: int) -> list[_Row] | None:
         """Open the delivery transaction: take the queue's consumer lock (None if another consumer
-        has it) and read its next visible rows in sink order. Rows behind a snapshot still being
-        transferred (an invisible row with a lower seq) wait for it, so full-sync data stays ahead."""
+        has it) and read the visible rows that hold its next ``limit`` entries, in sink order. Rows
+        behind a snapshot still being transferred (an invisible row with a lower seq) wait for it,
+        so full-sync data stays ahead."""
         with self.conn.cursor() as cur:
             cur.execute(
                 "SELECT pg_try_advisory_xact_lock(%s, hashtext(%s))",
@@ -249,29 +293,27 @@ class ReceiveQueueReader:
                 (source, client),
             )
             barrier = cur.fetchone()[0]
-            cur.execute(
-                "SELECT seq, kind, message FROM lr.receive_queue "
-                "WHERE client_name = %s AND source_site_id = %s AND visible ORDER BY seq LIMIT %s",
-                (client, source, limit),
-            )
-            return [_Row(seq, kind, bytes(message)) for seq, kind, message in cur.fetchall()
-                    if barrier is None or seq < barrier]
+            cur.execute(_READ_HEAD, {"client": client, "source": source, "limit": limit})
+            return [_Row(seq, kind, count, delivered, bytes(message)) for seq, kind, count, delivered, message
+                    in cur.fetchall() if barrier is None or seq < barrier]
 
     def _move_aside(
-        self, client: str, source: str, bad: list[tuple[_Row, str]], report: PassReport, listener: Listener
+        self, client: str, source: str, rows: Sequence[_Row], bad: list[_Entry], report: PassReport,
+        listener: Listener,
     ) -> None:
         with self.conn.cursor() as cur:
-            for row, error in bad:
+            for entry in bad:
                 cur.execute(
-                    "INSERT INTO lr.receive_dead_letters (seq, source_site_id, client_name, kind, message, error) "
-                    "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (seq) DO NOTHING",
-                    (row.seq, source, client, row.kind, psycopg2.Binary(row.payload), error),
+                    "INSERT INTO lr.receive_dead_letters (seq, entry_index, source_site_id, client_name, kind, "
+                    "message, error) VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (seq, entry_index) DO NOTHING",
+                    (entry.seq, entry.index, source, client, entry.kind, psycopg2.Binary(entry.payload), entry.error),
                 )
-            cur.execute("DELETE FROM lr.receive_queue WHERE seq = ANY(%s)", ([r.seq for r, _ in bad],))
+        self._consume(rows, bad)
         self.conn.commit()
         report.dead_letters += len(bad)
-        for row, error in bad:
-            text = f"{receive_queue_name(client, source)}: entry seq {row.seq} moved to lr.receive_dead_letters: {error}"
+        for entry in bad:
+            where = f"seq {entry.seq}" + (f" entry {entry.index}" if entry.index > 0 else "")
+            text = f"{receive_queue_name(client, source)}: entry {where} moved to lr.receive_dead_letters: {entry.error}"
             report.note_error(text)
             log.error(text)
             _on_error(listener, source, MalformedEntryError(text))
@@ -285,29 +327,61 @@ class MalformedEntryError(ValueError):
     """A receive-queue entry that cannot be delivered; it was moved to lr.receive_dead_letters."""
 
 
-def _decode(row: _Row) -> _Row | str:
-    """The row with its payload unwrapped, or why it cannot be delivered."""
-    if row.kind not in KINDS:
-        return f"unknown entry kind {row.kind}"
+# The rows holding a queue's next ``limit`` entries: the head's entry counts are summed without
+# reading messages, then only the rows needed are fetched.
+_READ_HEAD = """
+WITH head AS (
+    SELECT seq, entry_count - delivered AS n FROM lr.receive_queue
+    WHERE client_name = %(client)s AND source_site_id = %(source)s AND visible ORDER BY seq LIMIT %(limit)s
+), wanted AS (
+    SELECT seq FROM (SELECT seq, sum(n) OVER (ORDER BY seq) - n AS before FROM head) h WHERE before < %(limit)s
+)
+SELECT q.seq, q.kind, q.entry_count, q.delivered, q.message
+FROM lr.receive_queue q JOIN wanted USING (seq) ORDER BY q.seq
+"""
+
+
+def _entries(rows: Sequence[_Row], limit: int) -> list[_Entry]:
+    """The next ``limit`` undelivered entries of ``rows``, in order, each decoded."""
+    out: list[_Entry] = []
+    for row in rows:
+        if row.kind not in KINDS:
+            out.append(_Entry(row.seq, -1, row.kind, row.message, f"unknown entry kind {row.kind}"))
+            break
+        try:
+            messages = unpack(row.count, row.message)
+        except ValueError as exc:
+            out.append(_Entry(row.seq, -1, row.kind, row.message, str(exc)))
+            break
+        for index in range(row.delivered, row.count):
+            out.append(_decode(row.seq, index, row.kind, messages[index]))
+            if len(out) == limit:
+                return out
+    return out
+
+
+def _decode(seq: int, index: int, kind: int, message: bytes) -> _Entry:
+    """The entry with its payload unwrapped, or why it cannot be delivered."""
     try:
-        msg = lr_pb2.RoutingTableEntryMsg.FromString(row.payload)
+        msg = lr_pb2.RoutingTableEntryMsg.FromString(message)
     except (DecodeError, ValueError) as exc:
-        return f"malformed RoutingTableEntryMsg: {exc}"
-    if msg.type != row.kind:
-        return f"entry kind {row.kind} but its message says type {msg.type}"
-    return _Row(row.seq, row.kind, msg.opaque_payload)
+        return _Entry(seq, index, kind, message, f"malformed RoutingTableEntryMsg: {exc}")
+    if msg.type != kind:
+        return _Entry(seq, index, kind, message, f"entry kind {kind} but its message says type {msg.type}")
+    return _Entry(seq, index, kind, msg.opaque_payload)
 
 
-def _leading_run(rows: Sequence[_Row]) -> list[_Row]:
-    """The first row's kind, as many in a row as follow it; a marker is a run of one."""
-    first = rows[0]
+def _leading_run(entries: Sequence[_Entry]) -> list[_Entry]:
+    """The first entry's kind, as many in a row as follow it (up to a malformed one); a marker is
+    a run of one."""
+    first = entries[0]
     if first.kind in (START, COMPLETE):
         return [first]
     run = [first]
-    for row in rows[1:]:
-        if row.kind != first.kind:
+    for entry in entries[1:]:
+        if entry.kind != first.kind or entry.error is not None:
             break
-        run.append(row)
+        run.append(entry)
     return run
 
 

@@ -18,6 +18,7 @@ from psycopg2.extras import execute_values
 
 from airflow_provider_lr.engine.errors import FencedError, StaleBatchError
 from airflow_provider_lr.engine.log_reader import BaseSplit, LogRecord
+from airflow_provider_lr.engine.queue_rows import Packer
 from airflow_provider_lr.proto import lr_pb2
 
 NOTIFY_CHANNEL = "lr_recv"  # payload: "<client>/<source>"
@@ -137,15 +138,30 @@ class _SinkWrite:
         )
 
     def insert(self, rows: Sequence[tuple[int, int, int, str | None, bool, bytes]]) -> None:
-        """Rows (kind, position, entry id, sync id, visible, message) appended in order: seq follows."""
-        if not rows:
+        """Entries (kind, position, entry id, sync id, visible, message) appended in order, packed
+        into receive-queue rows (``queue_rows``): ``seq`` follows the order."""
+        out: list[tuple] = []
+        packer: Packer | None = None
+        group: tuple[str | None, bool] | None = None
+        for kind, position, entry_id, sync_id, visible, message in rows:
+            if (sync_id, visible) != group:  # a row holds entries of one sync and visibility
+                if packer is not None:
+                    packer.flush()
+                group = (sync_id, visible)
+                packer = Packer(lambda r, g=group: out.append(
+                    (self.source, self.client, r.kind, r.position, r.entry_id, g[0], g[1], r.count,
+                     psycopg2.Binary(r.message))))
+            packer.add(kind, position, entry_id, message)
+        if packer is not None:
+            packer.flush()
+        if not out:
             return
         execute_values(
             self.cur,
             "INSERT INTO lr.receive_queue (source_site_id, client_name, kind, source_position, source_entry_id, "
-            "sync_id, visible, message) VALUES %s",
-            [(self.source, self.client, k, p, e, s, v, psycopg2.Binary(m)) for k, p, e, s, v, m in rows],
-            template="(%s, %s, %s, %s, %s, %s::uuid, %s, %s)",
+            "sync_id, visible, entry_count, message) VALUES %s",
+            out,
+            template="(%s, %s, %s, %s, %s, %s::uuid, %s, %s, %s)",
             page_size=1000,
         )
 

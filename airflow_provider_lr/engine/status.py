@@ -217,14 +217,14 @@ def acknowledged(conn: psycopg2.extensions.connection, client: str) -> dict[str,
 
 # --- receive queues of a sink (maintenance checkpoints) -----------------------------------------
 def receive_queues(conn: psycopg2.extensions.connection) -> list[dict]:
-    """Per receive queue on this sink: messages waiting for subscribers, snapshot rows not yet
+    """Per receive queue on this sink: entries waiting for subscribers, snapshot entries not yet
     applied, the age of the oldest waiting message, and dead letters."""
     with conn.cursor() as cur:
         cur.execute(
             """
             SELECT q.source_site_id, q.client_name,
-                   count(*) FILTER (WHERE q.visible),
-                   count(*) FILTER (WHERE NOT q.visible),
+                   coalesce(sum(q.entry_count - q.delivered) FILTER (WHERE q.visible), 0)::bigint,
+                   coalesce(sum(q.entry_count) FILTER (WHERE NOT q.visible), 0)::bigint,
                    coalesce(extract(epoch FROM now() - min(q.received_at) FILTER (WHERE q.visible)), 0)::float8,
                    (SELECT count(*) FROM lr.receive_dead_letters d
                     WHERE d.source_site_id = q.source_site_id AND d.client_name = q.client_name)
