@@ -80,6 +80,7 @@ STAGING_LOCK_CLASS = 0x6C72_7366  # "lrsf": pg_advisory_xact_lock(class, hashtex
 # and demand mask (int8 each), then the message's length (the message follows).
 _ENTRY_ROW = struct.Struct(">hiqiqiqi")
 _ENTRY_SIZE = _ENTRY_ROW.size
+PACK_EVERY = 4095  # entries appended between two packing passes (a power of two, minus one)
 
 
 @dataclass(frozen=True)
@@ -539,8 +540,8 @@ class _Router(RowReader):
     session whose bit is set in the entry's mask.
 
     The usual row (one CopyData message = one row, destinations of < 128 bytes, a one-byte type)
-    is handled inline, with no call per entry beyond this ``write`` and one ``append_piece`` per
-    session: this loop is the fan-out's per-entry Python cost. Anything else goes through
+    is handled inline, with no call per entry beyond this ``write`` and one list append per
+    session (rows are formed every ``PACK_EVERY + 1`` entries): this loop is the fan-out's per-entry Python cost. Anything else goes through
     ``RowReader``'s general parser and ``sink.strip_destinations``."""
 
     def __init__(self, tees: list[tuple[int, _SessionTee]], halfway: int, fault_tag: str | None) -> None:
@@ -551,7 +552,7 @@ class _Router(RowReader):
         self.halfway, self.fault_tag = halfway, fault_tag
 
     def _route(self, mask: int) -> list:
-        route = self.routes[mask] = [[t.writer.append_piece for bit, t in self.by_bit.items() if mask >> bit & 1], 0]
+        route = self.routes[mask] = [[t.writer.append for bit, t in self.by_bit.items() if mask >> bit & 1], 0]
         return route
 
     def write(self, chunk: bytes) -> int:
@@ -561,11 +562,13 @@ class _Router(RowReader):
             if count == 4 and _ENTRY_SIZE + length == size:
                 pos = _ENTRY_SIZE
                 try:
-                    while chunk[pos] == 0x0A:  # destinations (field 1): the leading records
-                        if chunk[pos + 1] & 0x80:
-                            raise IndexError
-                        pos += 2 + chunk[pos + 1]
                     tag = chunk[pos]
+                    while tag == 0x0A:  # destinations (field 1): the leading records
+                        step = chunk[pos + 1]
+                        if step & 0x80:
+                            raise IndexError
+                        pos += 2 + step
+                        tag = chunk[pos]
                     if tag == 0x10:  # type (field 2), one byte
                         kind = chunk[pos + 1]
                         if kind & 0x80:
@@ -579,12 +582,14 @@ class _Router(RowReader):
                     self.rows += 1
                     return size
                 route = self.routes.get(mask) or self._route(mask)
-                record = piece(chunk[pos:])
+                entry = (piece(chunk[pos:]), kind, position, entry_id)
                 for append in route[0]:
-                    append(kind, position, entry_id, record)
+                    append(entry)
                 route[1] += 1
                 self.rows += 1
                 self.read += 1
+                if not self.read & PACK_EVERY:
+                    self._pack()
                 if self.read == self.halfway:
                     self._fault()
                 return size
@@ -597,13 +602,20 @@ class _Router(RowReader):
     def _deliver(self, position: int, entry_id: int, mask: int, message: bytes) -> None:
         route = self.routes.get(mask) or self._route(mask)
         kind, stripped = sink.strip_destinations(message)
-        record = piece(stripped)
+        entry = (piece(stripped), kind, position, entry_id)
         for append in route[0]:
-            append(kind, position, entry_id, record)
+            append(entry)
         route[1] += 1
         self.read += 1
+        if not self.read & PACK_EVERY:
+            self._pack()
         if self.read == self.halfway:
             self._fault()
+
+    def _pack(self) -> None:
+        """Form the rows of what each session got so far (bounds the entries waiting in memory)."""
+        for tee in self.by_bit.values():
+            tee.writer.pack()  # type: ignore[union-attr]
 
     def _fault(self) -> None:
         """Half the chunk read: make sure rows are in the sinks' open transactions, then die."""

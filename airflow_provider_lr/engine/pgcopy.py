@@ -219,12 +219,6 @@ def receive_prefix(source: str, client: str) -> bytes:
     return _I16.pack(9) + text(source) + text(client)
 
 
-def receive_row(prefix: bytes, row: QueueRow) -> bytes:
-    """A visible log-entry row of ``lr.receive_queue`` (no sync id) in binary COPY form."""
-    return (prefix + _RECEIVE_ROW.pack(2, row.kind, 8, row.position, 8, row.entry_id, -1, 1, 1, 4, row.count,
-                                       len(row.message)) + row.message)
-
-
 class ReceiveQueueWriter(CopyWriter):
     """One session's visible entries into ``lr.receive_queue``, packed (``queue_rows.Packer``) in
     the order added, so ``seq`` follows it. ``entries`` counts what was added, ``rows`` the rows."""
@@ -235,12 +229,28 @@ class ReceiveQueueWriter(CopyWriter):
                  block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
         super().__init__(conn, block_bytes)
         self.prefix = receive_prefix(source, client)
-        self.packer = Packer(lambda row: self.add(receive_row(self.prefix, row)))
-        self.append_piece = self.packer.add_piece  # (kind, position, entry id, queue_rows.piece(message))
+        self.packer = Packer(self._add_row)
+        self.append = self.packer.append  # (queue_rows.piece(message), kind, position, entry id)
+
+    def _add_row(self, row: QueueRow) -> None:
+        """A visible row (no sync id) in binary COPY form, appended to the block in place (packs are
+        ~8 kB: no copy of the row is made first)."""
+        block = self.block
+        block += self.prefix
+        block += _RECEIVE_ROW.pack(2, row.kind, 8, row.position, 8, row.entry_id, -1, 1, 1, 4, row.count,
+                                   len(row.message))
+        block += row.message
+        self.rows += 1
+        if len(block) >= self.block_bytes:
+            self.flush()
+
+    def pack(self) -> None:
+        """Turn the entries appended so far into rows (the unfinished last pack waits for more)."""
+        self.packer.flush(final=False)
 
     @property
     def entries(self) -> int:
-        return self.packer.entries + self.packer.count
+        return self.packer.entries + len(self.packer.pending)
 
     def sync(self) -> None:
         self.packer.flush()  # a pack in progress ends here: what was added is all in the sink

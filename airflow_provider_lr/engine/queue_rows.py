@@ -23,6 +23,10 @@ the fan-out's binary COPY) goes through it, and ``unpack`` is the one place that
 """
 from __future__ import annotations
 
+import struct
+from bisect import bisect_right
+from itertools import accumulate, groupby
+from operator import itemgetter
 from typing import Callable, NamedTuple
 
 from airflow_provider_lr.proto import lr_pb2
@@ -42,11 +46,17 @@ class QueueRow(NamedTuple):
     message: bytes
 
 
+_HEAD_1 = [bytes((_FIELD_ENTRIES, size)) for size in range(0x80)]
+_HEAD_2 = struct.Struct("BBB")
+
+
 def piece(message: bytes) -> bytes:
     """One entry in packed form: the ``ReceiveQueueBatch.entries`` record (tag, varint length, bytes)."""
     size = len(message)
     if size < 0x80:
-        return bytes((_FIELD_ENTRIES, size)) + message
+        return _HEAD_1[size] + message
+    if size < 0x4000:
+        return _HEAD_2.pack(_FIELD_ENTRIES, size & 0x7F | 0x80, size >> 7) + message
     head = bytearray((_FIELD_ENTRIES,))
     while size >= 0x80:
         head.append(size & 0x7F | 0x80)
@@ -65,38 +75,56 @@ def _unpiece(record: bytes) -> bytes:
 
 class Packer:
     """Groups consecutive entries of one kind into rows of at most ``limit`` bytes, in order, and
-    hands each finished row to ``emit``. Call ``flush`` after the last entry."""
+    hands each finished row to ``emit``.
 
-    __slots__ = ("emit", "limit", "buf", "count", "kind", "position", "entry_id", "rows", "entries")
+    Entries wait in ``pending`` as ``(piece, kind, position, entry id)`` (``append`` is the bulk
+    paths' per-entry cost: one list append); ``flush`` forms the rows with C-level joins and
+    searches, so packing costs per row, not per entry. ``flush(final=False)`` keeps the last,
+    unfinished pack waiting for more; call ``flush()`` after the last entry."""
 
     def __init__(self, emit: Callable[[QueueRow], None], limit: int = PACK_BYTES) -> None:
         self.emit, self.limit = emit, limit
-        self.buf = bytearray()
-        self.count = self.kind = self.position = self.entry_id = 0
+        self.pending: list[tuple[bytes, int, int, int]] = []
+        self.append = self.pending.append
         self.rows = self.entries = 0  # emitted so far
 
     def add(self, kind: int, position: int, entry_id: int, message: bytes) -> None:
-        self.add_piece(kind, position, entry_id, piece(message))
+        self.append((piece(message), kind, position, entry_id))
 
-    def add_piece(self, kind: int, position: int, entry_id: int, record: bytes) -> None:
-        """``add`` for an entry already in ``piece`` form (the fan-out builds it once for all sinks)."""
-        if self.count and (kind != self.kind or len(self.buf) + len(record) > self.limit):
-            self.flush()
-        if kind not in PACKABLE:  # a marker: a row of its own
-            self._emit(QueueRow(kind, position, entry_id, 1, _unpiece(record)))
+    def flush(self, final: bool = True) -> None:
+        pending = self.pending
+        if not pending:
             return
-        self.buf += record
-        self.count += 1
-        self.kind, self.position, self.entry_id = kind, position, entry_id
+        kinds = set(map(itemgetter(1), pending))
+        runs = ([pending] if len(kinds) == 1
+                else [list(run) for _, run in groupby(pending, key=itemgetter(1))])
+        keep: list[tuple[bytes, int, int, int]] = []
+        for number, run in enumerate(runs):
+            last_run = number == len(runs) - 1
+            if run[0][1] not in PACKABLE:  # markers: a row each
+                for record, kind, position, entry_id in run:
+                    self._emit(QueueRow(kind, position, entry_id, 1, _unpiece(record)))
+                continue
+            keep = self._pack(run, final or not last_run)
+        pending.clear()
+        pending.extend(keep)
 
-    def flush(self) -> None:
-        if not self.count:
-            return
-        message = _unpiece(bytes(self.buf)) if self.count == 1 else bytes(self.buf)
-        row = QueueRow(self.kind, self.position, self.entry_id, self.count, message)
-        self.buf = bytearray()
-        self.count = 0
-        self._emit(row)
+    def _pack(self, run: list[tuple[bytes, int, int, int]], final: bool) -> list[tuple[bytes, int, int, int]]:
+        """Cut one run of a packable kind greedily into rows; returns the unfinished tail if not final."""
+        ends = list(accumulate(map(len, map(itemgetter(0), run))))
+        start, base, size = 0, 0, len(run)
+        while start < size:
+            end = bisect_right(ends, base + self.limit, start + 1)  # at least one entry per row
+            if end == size and not final:
+                return run[start:]
+            _, kind, position, entry_id = run[end - 1]
+            if end - start == 1:
+                message = _unpiece(run[start][0])
+            else:
+                message = b"".join(map(itemgetter(0), run[start:end]))
+            self._emit(QueueRow(kind, position, entry_id, end - start, message))
+            base, start = ends[end - 1], end
+        return []
 
     def _emit(self, row: QueueRow) -> None:
         self.rows += 1
