@@ -57,7 +57,7 @@ from airflow_provider_lr.engine.faults import FAULT_ENV, fault_point
 from airflow_provider_lr.engine.log_reader import BaseSplit, LogReader, commit_barrier
 from airflow_provider_lr.engine.negotiation import Decision
 from airflow_provider_lr.engine.pgcopy import ReceiveQueueWriter, RowReader
-from airflow_provider_lr.engine.queue_rows import piece
+from airflow_provider_lr.engine.queue_rows import HEADS, piece
 from airflow_provider_lr.engine.session import SessionRunner, SessionSettings
 from airflow_provider_lr.engine.topology import SessionKey, Topology, site_conninfo
 from airflow_provider_lr.engine.transmit import STREAM_LOG_ENTRIES
@@ -80,7 +80,7 @@ STAGING_LOCK_CLASS = 0x6C72_7366  # "lrsf": pg_advisory_xact_lock(class, hashtex
 # and demand mask (int8 each), then the message's length (the message follows).
 _ENTRY_ROW = struct.Struct(">hiqiqiqi")
 _ENTRY_SIZE = _ENTRY_ROW.size
-PACK_EVERY = 4095  # entries appended between two packing passes (a power of two, minus one)
+PACK_EVERY = 4096  # entries appended between two packing passes
 
 
 @dataclass(frozen=True)
@@ -541,7 +541,7 @@ class _Router(RowReader):
 
     The usual row (one CopyData message = one row, destinations of < 128 bytes, a one-byte type)
     is handled inline, with no call per entry beyond this ``write`` and one list append per
-    session (rows are formed every ``PACK_EVERY + 1`` entries): this loop is the fan-out's per-entry Python cost. Anything else goes through
+    session (rows are formed every ``PACK_EVERY`` entries): this loop is the fan-out's per-entry Python cost. Anything else goes through
     ``RowReader``'s general parser and ``sink.strip_destinations``."""
 
     def __init__(self, tees: list[tuple[int, _SessionTee]], halfway: int, fault_tag: str | None) -> None:
@@ -550,6 +550,7 @@ class _Router(RowReader):
         self.routes: dict[int, list] = {}  # mask -> [append_piece of each wanting writer, entries]
         self.read = 0
         self.halfway, self.fault_tag = halfway, fault_tag
+        self.stop = min(s for s in (PACK_EVERY, halfway) if s > 0)  # the next read that calls _stop
 
     def _route(self, mask: int) -> list:
         route = self.routes[mask] = [[t.writer.append for bit, t in self.by_bit.items() if mask >> bit & 1], 0]
@@ -582,16 +583,15 @@ class _Router(RowReader):
                     self.rows += 1
                     return size
                 route = self.routes.get(mask) or self._route(mask)
-                entry = (piece(chunk[pos:]), kind, position, entry_id)
+                length = size - pos
+                entry = (HEADS[length] + chunk[pos:] if length < 0x4000 else piece(chunk[pos:]), kind, position,
+                         entry_id)
                 for append in route[0]:
                     append(entry)
                 route[1] += 1
-                self.rows += 1
                 self.read += 1
-                if not self.read & PACK_EVERY:
-                    self._pack()
-                if self.read == self.halfway:
-                    self._fault()
+                if self.read == self.stop:
+                    self._stop()
                 return size
         return super().write(chunk)
 
@@ -607,15 +607,18 @@ class _Router(RowReader):
             append(entry)
         route[1] += 1
         self.read += 1
-        if not self.read & PACK_EVERY:
-            self._pack()
+        if self.read == self.stop:
+            self._stop()
+
+    def _stop(self) -> None:
+        """Every ``PACK_EVERY`` entries: form the rows of what each session got so far (bounds the
+        entries waiting in memory); at ``halfway``, the fault point."""
         if self.read == self.halfway:
             self._fault()
-
-    def _pack(self) -> None:
-        """Form the rows of what each session got so far (bounds the entries waiting in memory)."""
-        for tee in self.by_bit.values():
-            tee.writer.pack()  # type: ignore[union-attr]
+        if self.read % PACK_EVERY == 0:
+            for tee in self.by_bit.values():
+                tee.writer.pack()  # type: ignore[union-attr]
+        self.stop = min(s for s in (self.read + PACK_EVERY - self.read % PACK_EVERY, self.halfway) if s > self.read)
 
     def _fault(self) -> None:
         """Half the chunk read: make sure rows are in the sinks' open transactions, then die."""

@@ -23,7 +23,6 @@ the fan-out's binary COPY) goes through it, and ``unpack`` is the one place that
 """
 from __future__ import annotations
 
-import struct
 from bisect import bisect_right
 from itertools import accumulate, groupby
 from operator import itemgetter
@@ -46,17 +45,16 @@ class QueueRow(NamedTuple):
     message: bytes
 
 
-_HEAD_1 = [bytes((_FIELD_ENTRIES, size)) for size in range(0x80)]
-_HEAD_2 = struct.Struct("BBB")
+# The record head (tag, varint length) of every entry shorter than 16 KiB, made once.
+HEADS = [bytes((_FIELD_ENTRIES, size)) for size in range(0x80)] + [
+    bytes((_FIELD_ENTRIES, size & 0x7F | 0x80, size >> 7)) for size in range(0x80, 0x4000)]
 
 
 def piece(message: bytes) -> bytes:
     """One entry in packed form: the ``ReceiveQueueBatch.entries`` record (tag, varint length, bytes)."""
     size = len(message)
-    if size < 0x80:
-        return _HEAD_1[size] + message
     if size < 0x4000:
-        return _HEAD_2.pack(_FIELD_ENTRIES, size & 0x7F | 0x80, size >> 7) + message
+        return HEADS[size] + message
     head = bytearray((_FIELD_ENTRIES,))
     while size >= 0x80:
         head.append(size & 0x7F | 0x80)

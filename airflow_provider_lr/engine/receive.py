@@ -328,16 +328,17 @@ class MalformedEntryError(ValueError):
 
 
 # The rows holding a queue's next ``limit`` entries: the head's entry counts are summed without
-# reading messages, then only the rows needed are fetched.
+# reading messages, then the rows up to the last one needed are read by the delivery index.
 _READ_HEAD = """
-WITH head AS (
-    SELECT seq, entry_count - delivered AS n FROM lr.receive_queue
-    WHERE client_name = %(client)s AND source_site_id = %(source)s AND visible ORDER BY seq LIMIT %(limit)s
-), wanted AS (
-    SELECT seq FROM (SELECT seq, sum(n) OVER (ORDER BY seq) - n AS before FROM head) h WHERE before < %(limit)s
-)
-SELECT q.seq, q.kind, q.entry_count, q.delivered, q.message
-FROM lr.receive_queue q JOIN wanted USING (seq) ORDER BY q.seq
+SELECT seq, kind, entry_count, delivered, message FROM lr.receive_queue
+WHERE client_name = %(client)s AND source_site_id = %(source)s AND visible AND seq <= (
+    SELECT max(seq) FROM (
+        SELECT seq, sum(n) OVER (ORDER BY seq) - n AS before FROM (
+            SELECT seq, entry_count - delivered AS n FROM lr.receive_queue
+            WHERE client_name = %(client)s AND source_site_id = %(source)s AND visible
+            ORDER BY seq LIMIT %(limit)s) head
+    ) cut WHERE before < %(limit)s)
+ORDER BY seq
 """
 
 
