@@ -140,6 +140,21 @@ def checkpoint_all(env: BenchEnv) -> None:
         execute(dsn, "CHECKPOINT")
 
 
+def settle(env: BenchEnv, timeout: float = 180.0) -> float:
+    """Wait until no server runs an autovacuum worker (the last run's 1M-row tables are vacuumed
+    and analyzed in the background; that must not bill the next measurement), then checkpoint.
+    Returns the seconds waited."""
+    started = time.perf_counter()
+    quiet = 0
+    while quiet < 2 and time.perf_counter() - started < timeout:
+        busy = sum(execute(dsn, "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'")[0][0]
+                   for dsn in (env.source_dsn, *env.sink_dsns))
+        quiet = quiet + 1 if busy == 0 else 0
+        time.sleep(0.5)
+    checkpoint_all(env)
+    return time.perf_counter() - started
+
+
 def create_tables(env: BenchEnv, table: str) -> None:
     execute(env.source_dsn, f"DROP TABLE IF EXISTS {table}",
             f"CREATE TABLE {table} (id bigint PRIMARY KEY, dests smallint NOT NULL, payload bytea NOT NULL)")

@@ -36,6 +36,7 @@ from fanout_anchors import (  # noqa: E402
     Workload,
     execute,
     prepare_source,
+    settle,
     start_env,
     stop_env,
 )
@@ -118,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{variant}] source filled: {args.entries:,} entries, sinks owed {owed} "
                   f"({time.perf_counter() - t0:.1f} s)", flush=True)
             for name in chosen:
-                print(f"[{variant}] {name} …", end=" ", flush=True)
+                waited = settle(env)
+                print(f"[{variant}] {name} (settled {waited:.1f} s) …", end=" ", flush=True)
                 m = MEASUREMENTS[name](env, workload)
                 results.append(m)
                 print(f"{m.deliveries:,} deliveries in {m.seconds:.2f} s = {m.per_second:,.0f}/s {m.details or ''}",

@@ -194,7 +194,8 @@ class CopyWriter:
                     return
                 if self._error is None:
                     with self.conn.cursor() as cur:
-                        cur.copy_expert(self.COPY_SQL, io.BytesIO(block), size=len(block))
+                        # one copy: a BytesIO made from bytes hands them to read() as they are
+                        cur.copy_expert(self.COPY_SQL, io.BytesIO(bytes(block)), size=len(block))
                         self.copied += max(cur.rowcount, 0)
             except BaseException as exc:  # reported to the producer at its next flush/close
                 self._error = exc

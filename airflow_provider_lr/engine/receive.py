@@ -312,7 +312,7 @@ class ReceiveQueueReader:
         self.conn.commit()
         report.dead_letters += len(bad)
         for entry in bad:
-            where = f"seq {entry.seq}" + (f" entry {entry.index}" if entry.index > 0 else "")
+            where = f"seq {entry.seq}" + ("" if entry.index < 0 else f" #{entry.index}")
             text = f"{receive_queue_name(client, source)}: entry {where} moved to lr.receive_dead_letters: {entry.error}"
             report.note_error(text)
             log.error(text)

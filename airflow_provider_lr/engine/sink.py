@@ -137,30 +137,23 @@ class _SinkWrite:
             (*values.values(), self.source, self.client),
         )
 
-    def insert(self, rows: Sequence[tuple[int, int, int, str | None, bool, bytes]]) -> None:
-        """Entries (kind, position, entry id, sync id, visible, message) appended in order, packed
-        into receive-queue rows (``queue_rows``): ``seq`` follows the order."""
-        out: list[tuple] = []
-        packer: Packer | None = None
-        group: tuple[str | None, bool] | None = None
-        for kind, position, entry_id, sync_id, visible, message in rows:
-            if (sync_id, visible) != group:  # a row holds entries of one sync and visibility
-                if packer is not None:
-                    packer.flush()
-                group = (sync_id, visible)
-                packer = Packer(lambda r, g=group: out.append(
-                    (self.source, self.client, r.kind, r.position, r.entry_id, g[0], g[1], r.count,
-                     psycopg2.Binary(r.message))))
-            packer.add(kind, position, entry_id, message)
-        if packer is not None:
-            packer.flush()
-        if not out:
+    def insert(self, entries: Sequence[tuple[int, int, int, bytes]], sync_id: str | None = None,
+               visible: bool = True) -> None:
+        """Entries (kind, position, entry id, message) appended in order, packed into receive-queue
+        rows (``queue_rows``): ``seq`` follows the order."""
+        rows: list[tuple] = []
+        packer = Packer(lambda r: rows.append((self.source, self.client, r.kind, r.position, r.entry_id, sync_id,
+                                               visible, r.count, psycopg2.Binary(r.message))))
+        for entry in entries:
+            packer.add(*entry)
+        packer.flush()
+        if not rows:
             return
         execute_values(
             self.cur,
             "INSERT INTO lr.receive_queue (source_site_id, client_name, kind, source_position, source_entry_id, "
             "sync_id, visible, entry_count, message) VALUES %s",
-            out,
+            rows,
             template="(%s, %s, %s, %s, %s, %s::uuid, %s, %s, %s)",
             page_size=1000,
         )
@@ -283,10 +276,10 @@ def write_snapshot_messages(
             if record.entry_id <= last_entry:
                 continue
             kind, message = rewrite_for_sink(record.message)
-            rows.append((kind, record.position, record.entry_id, sync_id, False, message))
+            rows.append((kind, record.position, record.entry_id, message))
             last_entry = record.entry_id
             ended = ended or kind == lr_pb2.LAST_FULL_SYNC_ENTRY
-        write.insert(rows)
+        write.insert(rows, sync_id, visible=False)
         changes: dict[str, object] = {
             "snapshot_transferred_seq": meta.snapshot_transferred_seq + len(rows),  # -1: none yet
             "snapshot_last_entry": last_entry,
@@ -352,7 +345,7 @@ def apply_log_entries(
         for record in records:
             if record.position > last:
                 kind, message = rewrite_for_sink(record.message)
-                rows.append((kind, record.position, record.entry_id, None, True, message))
+                rows.append((kind, record.position, record.entry_id, message))
         write.insert(rows)
         write.update(last_log_entry_processed=end)
         if rows:
