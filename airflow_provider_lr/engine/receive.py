@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import select
 import threading
@@ -49,6 +50,7 @@ DEFAULT_RETRY_INTERVAL = 0.5  # a queue whose delivery failed is tried again aft
 # pg_try_advisory_xact_lock(int, int) class of the per-queue consumer lock (two-int keys never
 # collide with the one-bigint keys of the commit and schema locks).
 CONSUMER_LOCK_CLASS = 0x6C72_7271  # "lrrq"
+HEAD_FETCH = 16  # rows of a queue's head read first (then as many as the entries still wanted need)
 PASS_RUNS = 8  # a follow loop looks at its stop event at least every this many full batches
 
 START, SNAPSHOT, COMPLETE, LOG = (
@@ -293,9 +295,35 @@ class ReceiveQueueReader:
                 (source, client),
             )
             barrier = cur.fetchone()[0]
-            cur.execute(_READ_HEAD, {"client": client, "source": source, "limit": limit})
-            return [_Row(seq, kind, count, delivered, bytes(message)) for seq, kind, count, delivered, message
-                    in cur.fetchall() if barrier is None or seq < barrier]
+        return self._read_head(client, source, limit, barrier)
+
+    def _read_head(self, client: str, source: str, limit: int, barrier: int | None) -> list[_Row]:
+        """The visible rows before ``barrier`` that hold the queue's next ``limit`` entries, in
+        ``seq`` order: a cursor over the delivery index, fetched a few rows at a time (a row holds
+        one entry or ~28), so neither one-entry rows nor packed ones read more than they need."""
+        rows: list[_Row] = []
+        wanted, per_row = limit, 1.0
+        with self.conn.cursor(name="lr_receive_head") as cur:  # a cursor plan: the index, in order
+            cur.execute(
+                "SELECT seq, kind, entry_count, delivered, message FROM lr.receive_queue "
+                "WHERE client_name = %s AND source_site_id = %s AND visible ORDER BY seq",
+                (client, source),
+            )
+            first = min(limit, HEAD_FETCH)
+            while wanted > 0:
+                fetched = cur.fetchmany(first or max(1, math.ceil(wanted / per_row)))
+                first = 0
+                for seq, kind, count, delivered, message in fetched:
+                    if barrier is not None and seq >= barrier:
+                        return rows
+                    rows.append(_Row(seq, kind, count, delivered, bytes(message)))
+                    wanted -= count - delivered
+                    if wanted <= 0:
+                        return rows
+                if not fetched:
+                    return rows
+                per_row = max(1.0, (limit - wanted) / len(rows))
+        return rows
 
     def _move_aside(
         self, client: str, source: str, rows: Sequence[_Row], bad: list[_Entry], report: PassReport,
@@ -325,21 +353,6 @@ class ReceiveQueueReader:
 
 class MalformedEntryError(ValueError):
     """A receive-queue entry that cannot be delivered; it was moved to lr.receive_dead_letters."""
-
-
-# The rows holding a queue's next ``limit`` entries: the head's entry counts are summed without
-# reading messages, then the rows up to the last one needed are read by the delivery index.
-_READ_HEAD = """
-SELECT seq, kind, entry_count, delivered, message FROM lr.receive_queue
-WHERE client_name = %(client)s AND source_site_id = %(source)s AND visible AND seq <= (
-    SELECT max(seq) FROM (
-        SELECT seq, sum(n) OVER (ORDER BY seq) - n AS before FROM (
-            SELECT seq, entry_count - delivered AS n FROM lr.receive_queue
-            WHERE client_name = %(client)s AND source_site_id = %(source)s AND visible
-            ORDER BY seq LIMIT %(limit)s) head
-    ) cut WHERE before < %(limit)s)
-ORDER BY seq
-"""
 
 
 def _entries(rows: Sequence[_Row], limit: int) -> list[_Entry]:
