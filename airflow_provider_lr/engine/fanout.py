@@ -67,12 +67,12 @@ log = logging.getLogger(__name__)
 # Backlog from which a catch-up goes through Spark rather than in-process cycles, counted as
 # ``status.session_backlogs`` / ``status.source_backlog`` count it: entries still to deliver summed over
 # the source's sessions in log-entry sync (= deliveries). Measured on the 2-core machine
-# (docs/spark.md "Choosing in-process or Spark", 2026-11-23, tee design): spark-submit costs
-# ~10.5-14 s before the first row moves (JVM, context, Python workers, warm-up job), in-process
-# session cycles deliver ~21k deliveries/s, the warm Spark fan-out ~170-290k/s; break-even
-# 10.5-14 s / (1/21k - 1/250k) ≈ 240k-320k deliveries. The DAG reads the topology setting
+# (docs/spark.md "Choosing in-process or Spark", 2026-11-23, packed receive-queue rows): spark-submit
+# costs 11-15 s before the first row moves (JVM, context, Python workers, warm-up job), in-process
+# session cycles deliver ~55k deliveries/s, the warm Spark fan-out ~300-490k/s; break-even
+# 11.3-14.7 s / (1/55k - 1/400k) ≈ 720k-940k deliveries. The DAG reads the topology setting
 # ``spark_min_backlog`` with this as its default.
-SPARK_MIN_BACKLOG = 300_000
+SPARK_MIN_BACKLOG = 800_000
 PARTITION_ENTRIES = 250_000  # default chunk size when the caller does not fix a count
 MAX_DEMANDS = 63  # one bit per demand in the source-side bigint mask
 STAGING_LOCK_CLASS = 0x6C72_7366  # "lrsf": pg_advisory_xact_lock(class, hashtext(range)) while staging (snapshot transfer)
