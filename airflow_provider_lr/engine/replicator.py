@@ -14,6 +14,8 @@ from typing import Callable, Mapping
 import psycopg2
 import psycopg2.extensions
 
+from airflow_provider_lr.engine import fanout, status
+from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.full_sync import Provider, load_provider
 from airflow_provider_lr.engine.lease import new_owner_id
 from airflow_provider_lr.engine.session import CycleReport, SessionRunner, SessionSettings, record_error
@@ -44,6 +46,8 @@ class Replicator:
         self.sessions = sessions if sessions is not None else topology.sessions()
         self._conns: dict[str, psycopg2.extensions.connection] = {}
         self._runners: dict[SessionKey, SessionRunner] = {}
+        self.teed: dict[str, int] = {}  # "source/sink/client" -> entries the tee delivered, all cycles
+        self._no_tee: set[str] = set()  # sources whose sites' DSNs do not resolve (no tee for them)
 
     def _conn(self, site: str) -> psycopg2.extensions.connection:
         conn = self._conns.get(site)
@@ -60,7 +64,13 @@ class Replicator:
         return runner
 
     def run_cycle(self) -> list[CycleReport]:
-        """One cycle of every session; never raises for one session's failure."""
+        """One cycle of every session; never raises for one session's failure. A source whose
+        log-entry backlog reaches ``settings.tee_min_backlog`` is first caught up by the tee."""
+        teed: dict[str, int] = {}
+        for source in sorted({key.source for key in self.sessions}):
+            teed.update({f"{source}/{session}": n for session, n in self._catch_up(source).items()})
+        for session, n in teed.items():
+            self.teed[session] = self.teed.get(session, 0) + n
         reports = []
         for key in self.sessions:
             try:
@@ -69,8 +79,42 @@ class Replicator:
                 report = CycleReport(str(key), error=f"{type(exc).__name__}: {exc}".strip())
                 log.warning("session %s failed: %s", key, report.error)
                 self._recover(key, report.error, exc)
+            report.delivered += teed.get(f"{key.source}/{key.sink}/{key.client}", 0)
             reports.append(report)
         return reports
+
+    def _catch_up(self, source: str) -> dict[str, int]:
+        """Move a large log-entry backlog of ``source`` with the read-once tee in this process (one
+        source read for all its sinks, packed rows, exactly once: ``engine/fanout.py``); the session
+        cycles then go on from where it left each sink. Returns deliveries per ``sink/client``. Any
+        failure leaves the work to the session cycles, which report their own errors."""
+        if self.settings.tee_min_backlog <= 0 or source in self._no_tee:
+            return {}
+        try:
+            backlog = status.source_backlog(self._conn(source))
+            if backlog < self.settings.tee_min_backlog:
+                return {}
+            driver = fanout.FanoutDriver(self.topology, source, owner=self.owner, settings=self.settings,
+                                         connect=self.connect)
+        except ConfigurationError as exc:  # the sites' DSNs do not resolve here (the tee needs them)
+            log.info("in-process fan-out of %s not used: %s", source, exc)
+            self._no_tee.add(source)
+            return {}
+        except psycopg2.Error as exc:  # a site that is down: the session cycles report it
+            log.info("in-process fan-out of %s not used: %s", source, exc)
+            self._drop(source)
+            return {}
+        try:
+            log.info("catching up %s: %d entries to deliver, by the in-process fan-out", source, backlog)
+            result = fanout.run_fanout(driver, fanout.local_map)
+        except Exception as exc:  # nothing half-done is visible; the session cycles carry on
+            log.warning("in-process fan-out of %s failed (%s); session cycles carry on", source, exc)
+            return {}
+        finally:
+            driver.close()
+        for session, error in result.errors.items():
+            log.warning("in-process fan-out of %s: %s stopped: %s", source, session, error)
+        return result.deliveries
 
     def _recover(self, key: SessionKey, error: str, exc: Exception) -> None:
         for site in (key.source, key.sink):

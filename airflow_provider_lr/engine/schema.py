@@ -132,6 +132,7 @@ def init_site(conn: psycopg2.extensions.connection, site_id: str, region: str = 
         )
     result = migrate(conn)
     with conn.cursor() as cur:
+        cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK_KEY,))  # concurrent inits: one inserts
         cur.execute("SELECT site_id, region FROM lr.site_info FOR UPDATE")
         row = cur.fetchone()
         if row is None:
