@@ -8,6 +8,8 @@
                    driver (Python, JVM) and the executors' Python workers.
 * ``lr_inprocess`` the same backlog moved by in-process session cycles (``lr sync``'s engine,
                    log-entry batches of 10,000), for the in-process/Spark threshold.
+* ``lr_sync``      the same backlog by ``lr sync``'s engine as shipped: a backlog of at least
+                   ``tee_min_backlog`` is caught up by the in-process tee, then session cycles.
 * ``lr_inprocess_tee`` the fan-out's tee (``engine.fanout.run_fanout`` with ``local_map``) run in
                    this process, no Spark: what the catch-up costs without the Spark start.
 
@@ -97,8 +99,10 @@ class LrSites:
         finally:
             repl.close()
 
-    def replicator(self) -> Replicator:
-        settings = SessionSettings(barrier_timeout=5.0, max_batches=1_000_000, lease_seconds=600)
+    def replicator(self, tee_min_backlog: int = 0) -> Replicator:
+        """``lr sync``'s engine; by default session cycles only (``tee_min_backlog`` 0)."""
+        settings = SessionSettings(barrier_timeout=5.0, max_batches=1_000_000, lease_seconds=600,
+                                   tee_min_backlog=tee_min_backlog)
         return Replicator(self.topology, lambda site: psycopg2.connect(self.dsns[site]), settings=settings,
                           providers={CLIENT: lambda ctx: None})
 
@@ -235,22 +239,43 @@ def lr_catchup(env: BenchEnv, workload: Workload) -> Measurement:
 
 
 def lr_inprocess(env: BenchEnv, workload: Workload) -> Measurement:
+    return _replicate(env, workload, "lr_inprocess", tee_min_backlog=0)
+
+
+def lr_sync(env: BenchEnv, workload: Workload) -> Measurement:
+    return _replicate(env, workload, "lr_sync", tee_min_backlog=SessionSettings().tee_min_backlog)
+
+
+def _replicate(env: BenchEnv, workload: Workload, name: str, tee_min_backlog: int) -> Measurement:
+    """The backlog moved by ``Replicator.run`` until idle, as ``lr sync`` does it."""
     sites = LrSites(env, f"lr_{workload.variant}")
+    previous = os.environ.get("LR_CONNECTIONS_FILE")
+    os.environ["LR_CONNECTIONS_FILE"] = str(sites.connections)  # the tee resolves the sites' DSNs
     try:
         sites.fill_backlog(env, workload)
         sites.checkpoint()
-        repl = sites.replicator()
+        repl = sites.replicator(tee_min_backlog)
         try:
             started = time.perf_counter()
             repl.run(until_idle=True, interval=0.01)
             seconds = time.perf_counter() - started
+            teed = sum(repl.teed.values())
         finally:
             repl.close()
-        got = sites.verify(env, "lr_inprocess")
+        got = sites.verify(env, name)
     finally:
+        _restore_env("LR_CONNECTIONS_FILE", previous)
         sites.drop()
-    return Measurement("lr_inprocess", workload.variant, workload.entries, sum(got), seconds,
-                       {"batch_entries": SessionSettings().max_entries})
+    return Measurement(name, workload.variant, workload.entries, sum(got), seconds,
+                       {"batch_entries": SessionSettings().max_entries, "tee_min_backlog": tee_min_backlog,
+                        "by_tee": teed})
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def lr_inprocess_tee(env: BenchEnv, workload: Workload) -> Measurement:
@@ -271,10 +296,7 @@ def lr_inprocess_tee(env: BenchEnv, workload: Workload) -> Measurement:
         cpu = _cpu_seconds() - cpu
         got = sites.verify(env, "lr_inprocess_tee")
     finally:
-        if previous is None:
-            os.environ.pop("LR_CONNECTIONS_FILE", None)
-        else:
-            os.environ["LR_CONNECTIONS_FILE"] = previous
+        _restore_env("LR_CONNECTIONS_FILE", previous)
         sites.drop()
     delivered = sum(result.deliveries.values())
     if not result.ok or delivered != sum(got):
@@ -289,4 +311,5 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-MEASUREMENTS = {"lr_catchup": lr_catchup, "lr_inprocess": lr_inprocess, "lr_inprocess_tee": lr_inprocess_tee}
+MEASUREMENTS = {"lr_catchup": lr_catchup, "lr_inprocess": lr_inprocess, "lr_inprocess_tee": lr_inprocess_tee,
+                "lr_sync": lr_sync}
