@@ -56,3 +56,18 @@ def test_without_resolvable_site_connections_the_session_cycles_do_it_all(lr_sit
         repl.close()
     assert repl.teed == {} and not any(r.error for r in reports)
     assert delivered_exactly(lr_sites) > 1500 // 2
+
+
+def test_a_replicator_of_some_sessions_tees_only_those(lr_sites, lr_connections):
+    topo = in_log_entry_sync(lr_sites)
+    transmit_backlog(lr_sites[0], 2000, per_txn=250)
+    mine = [k for k in topo.sessions() if k.sink == "site-b"]
+    repl = replicator(topo, lr_sites, tee_min_backlog=500, sessions=mine)
+    try:
+        repl.run(max_cycles=3, until_idle=True, interval=0.01)
+    finally:
+        repl.close()
+    assert set(repl.teed) == {"site-a/site-b/policy"}
+    sink_b, sink_c = lr_sites[1:]
+    assert sink_queue(sink_b, "policy") == expected_queue(lr_sites[0], "site-b", "policy")
+    assert sink_queue(sink_c, "policy") == []  # not this replicator's session

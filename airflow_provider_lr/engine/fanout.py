@@ -207,12 +207,15 @@ class FanoutDriver:
 
     def __init__(self, topology: Topology, source: str, owner: str | None = None,
                  settings: SessionSettings | None = None,
-                 connect: Callable[[str], psycopg2.extensions.connection] | None = None) -> None:
+                 connect: Callable[[str], psycopg2.extensions.connection] | None = None,
+                 sessions: Iterable[SessionKey] | None = None) -> None:
         self.topology = topology
         self.source = source
         self.owner = owner or leases.new_owner_id()
         self.settings = settings or SessionSettings.from_topology(topology)
-        self.sessions = topology.sessions(source=source)
+        mine = topology.sessions(source=source)  # all of the source's sessions, or the given ones of them
+        wanted = None if sessions is None else set(sessions)
+        self.sessions = [k for k in mine if wanted is None or k in wanted]
         if not self.sessions:
             raise ConfigurationError(f"site {source!r} is the source of no session in the topology")
         self._dsns = {site: site_conninfo(topology, site).dsn for site in {source, *(k.sink for k in self.sessions)}}
@@ -541,13 +544,14 @@ class _Router(RowReader):
 
     The usual row (one CopyData message = one row, destinations of < 128 bytes, a one-byte type)
     is handled inline, with no call per entry beyond this ``write`` and one list append per
-    session (rows are formed every ``PACK_EVERY`` entries): this loop is the fan-out's per-entry Python cost. Anything else goes through
-    ``RowReader``'s general parser and ``sink.strip_destinations``."""
+    session (rows are formed every ``PACK_EVERY`` entries): this loop is the fan-out's per-entry
+    Python cost. Anything else goes through ``RowReader``'s general parser and
+    ``sink.strip_destinations``."""
 
     def __init__(self, tees: list[tuple[int, _SessionTee]], halfway: int, fault_tag: str | None) -> None:
         super().__init__(self._general_row)
         self.by_bit = dict(tees)
-        self.routes: dict[int, list] = {}  # mask -> [append_piece of each wanting writer, entries]
+        self.routes: dict[int, list] = {}  # mask -> [the append of each wanting writer, entries]
         self.read = 0
         self.halfway, self.fault_tag = halfway, fault_tag
         self.stop = min(s for s in (PACK_EVERY, halfway) if s > 0)  # the next read that calls _stop
@@ -583,9 +587,9 @@ class _Router(RowReader):
                     self.rows += 1
                     return size
                 route = self.routes.get(mask) or self._route(mask)
-                length = size - pos
-                entry = (HEADS[length] + chunk[pos:] if length < 0x4000 else piece(chunk[pos:]), kind, position,
-                         entry_id)
+                length = size - pos  # queue_rows.piece, inline for the usual size
+                entry = (HEADS[length] + chunk[pos:] if length < len(HEADS) else piece(chunk[pos:]), kind,
+                         position, entry_id)
                 for append in route[0]:
                     append(entry)
                 route[1] += 1

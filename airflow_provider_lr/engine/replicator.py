@@ -95,7 +95,7 @@ class Replicator:
             if backlog < self.settings.tee_min_backlog:
                 return {}
             driver = fanout.FanoutDriver(self.topology, source, owner=self.owner, settings=self.settings,
-                                         connect=self.connect)
+                                         connect=self.connect, sessions=self.sessions)
         except ConfigurationError as exc:  # the sites' DSNs do not resolve here (the tee needs them)
             log.info("in-process fan-out of %s not used: %s", source, exc)
             self._no_tee.add(source)
