@@ -32,6 +32,7 @@ def get_provider_info() -> dict:
                     "airflow_provider_lr.operators.session",
                     "airflow_provider_lr.operators.maintenance",
                     "airflow_provider_lr.operators.spark",
+                    "airflow_provider_lr.operators.fanout",
                 ],
             }
         ],

@@ -2,7 +2,8 @@
 
 Each run: discover the sessions (from the topology: Variable ``lr_topology``, ``$LR_TOPOLOGY`` or
 the shipped ``include/topology.yaml``), plan per source whether its backlog goes through Spark
-(``spark_min_backlog``), run the Spark fan-outs, then one task group per session:
+(``spark_min_backlog``) or the read-once tee in the worker (``tee_min_backlog``), run those
+fan-outs, then one task group per session:
 
     decide (negotiation) ─┬─ snapshot_sync   (skips itself unless chosen) ─┬─ report (all_done)
                           └─ log_entry_sync  (skips itself unless chosen) ─┘
@@ -27,6 +28,7 @@ from airflow.sdk import TriggerRule, dag, get_current_context, task, task_group
 
 from airflow_provider_lr.operators import LRDiscoverSessionsOperator, LRLogEntrySyncOperator, LRNegotiateOperator
 from airflow_provider_lr.operators import LRSnapshotSyncOperator
+from airflow_provider_lr.operators.fanout import LRFanOutOperator
 from airflow_provider_lr.operators.spark import LRSparkFanOutOperator
 
 INTERVAL = timedelta(seconds=float(os.environ.get("LR_REPLICATION_INTERVAL_S", "30")))
@@ -65,11 +67,18 @@ def lr_replication() -> None:
     def spark_sources(plans: list[dict]) -> list[str]:
         return [p["source"] for p in plans if p["path"] == "spark"]
 
+    @task
+    def tee_sources(plans: list[dict]) -> list[str]:
+        return [p["source"] for p in plans if p["path"] == "tee"]
+
     plans = plan.expand(site=sources(sessions.output))
     fanout = LRSparkFanOutOperator.partial(
         task_id="spark_fanout", conn_id=SPARK_CONN_ID, conf={"spark.ui.enabled": "false"},
         execution_timeout=timedelta(minutes=30),  # a stuck job must not hold the one active run
     ).expand(source=spark_sources(plans))
+    tee = LRFanOutOperator.partial(
+        task_id="inprocess_fanout", execution_timeout=timedelta(minutes=30),
+    ).expand(source=tee_sources(plans))
 
     @task(trigger_rule=TriggerRule.ALL_DONE, map_index_template="{{ lr_session }}")
     def report(session: dict) -> dict:
@@ -87,7 +96,7 @@ def lr_replication() -> None:
 
     @task_group(group_id="session")
     def replicate(session: dict) -> None:
-        # all_done: a failed or skipped Spark fan-out must not stop the sessions (they catch up here)
+        # all_done: a failed or skipped fan-out (Spark or in-process) must not stop the sessions (they catch up here)
         label = {"map_index_template": SESSION_LABEL}  # the UI lists map indexes by session name
         decide = LRNegotiateOperator(task_id="decide", session=session, trigger_rule=TriggerRule.ALL_DONE, **label)
         snapshot = LRSnapshotSyncOperator(task_id="snapshot_sync", session=session, decision=decide.output, **label)
@@ -95,7 +104,7 @@ def lr_replication() -> None:
                                              **label)
         decide >> [snapshot, log_entries] >> report(session)
 
-    fanout >> replicate.expand(session=sessions.output)
+    [fanout, tee] >> replicate.expand(session=sessions.output)
 
 
 lr_replication()

@@ -30,7 +30,7 @@ def test_replication_maps_one_group_per_session_with_skip_branches(dagbag):
     decide = dag.get_task("session.decide")
     assert {t.task_id for t in decide.downstream_list} == {"session.snapshot_sync", "session.log_entry_sync"}
     assert dag.get_task("session.report").trigger_rule == TriggerRule.ALL_DONE  # see the DAG's doc
-    assert "spark_fanout" in {t.task_id for t in decide.upstream_list}
+    assert {"spark_fanout", "inprocess_fanout"} <= {t.task_id for t in decide.upstream_list}
 
 
 def test_full_sync_form_offers_the_topologys_sinks(dagbag):
@@ -125,28 +125,41 @@ def test_a_sink_that_is_down_fails_only_its_own_session(dagbag, airflow_sites, m
     app.close()
 
 
-@pytest.mark.slow
-def test_a_large_backlog_goes_through_the_spark_fan_out(dagbag, airflow_sites, monkeypatch):
-    """Catch-up through Spark (spark-submit of spark_jobs/lr_fanout.py on local[2]), the sessions'
-    groups then find nothing left: every entry arrives once, in order."""
-    source, sink_b, sink_c = airflow_sites.sites
-    reconfigure(airflow_sites, settings={"spark_min_backlog": 20})
-    app = App(source)
+def backlog_of_30_after_first_contact(airflow_sites, settings: dict) -> App:
+    """Sessions through their first contact (in-process), the topology's ``settings`` applied, then
+    15 entries for both sinks: 30 deliveries waiting. Returns the source application."""
+    reconfigure(airflow_sites, settings=settings)
+    app = App(airflow_sites.sites[0])
     first = replicator(airflow_sites.topology, airflow_sites.sites, providers={"policy": table_provider})
-    first.run(max_cycles=3, until_idle=True, interval=0.01)  # first contact (snapshot) done in-process
+    first.run(max_cycles=3, until_idle=True, interval=0.01)
     first.close()
     for i in range(15):
-        app.put(f"k{i}", i, ["site-b", "site-c"])  # 30 deliveries >= spark_min_backlog
-    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[2]"}))
-    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # spark-submit
+        app.put(f"k{i}", i, ["site-b", "site-c"])
+    return app
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path, task_id, settings", [
+    ("spark", "spark_fanout", {"spark_min_backlog": 20}),
+    ("tee", "inprocess_fanout", {"tee_min_backlog": 20}),
+])
+def test_a_large_backlog_goes_through_a_fan_out_and_the_sessions_find_nothing_left(
+        dagbag, airflow_sites, monkeypatch, path, task_id, settings):
+    """Catch-up through Spark (spark-submit of spark_jobs/lr_fanout.py on local[2]) or the read-once
+    tee in the worker (no Spark); the sessions' groups then find nothing left: every entry arrives
+    once, in order."""
+    app = backlog_of_30_after_first_contact(airflow_sites, settings)
+    if path == "spark":
+        monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[2]"}))
+        monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # spark-submit
 
     run = run_dag(dagbag, "lr_replication")
     got = states(run)
-    assert got[("spark_fanout", 0)] == "success", got
-    assert xcom(run, "plan", 0)["path"] == "spark"
-    fanned = xcom(run, "spark_fanout", 0)
+    assert got[(task_id, 0)] == "success", got
+    assert xcom(run, "plan", 0)["path"] == path
+    fanned = xcom(run, task_id, 0)
     assert fanned["ok"] and fanned["total_deliveries"] == 30
-    assert xcom(run, "session.log_entry_sync", 0)["delivered"] == 0  # Spark left nothing behind
-    for sink in (sink_b, sink_c):
+    assert xcom(run, "session.log_entry_sync", 0)["delivered"] == 0  # the fan-out left nothing behind
+    for sink in airflow_sites.sites[1:]:
         assert [p for k, p in queue(sink, "site-a") if k == "log"] == [f"k{i}={i}" for i in range(15)]
     app.close()

@@ -224,7 +224,7 @@ def test_every_module_the_provider_declares_imports():
     info = get_provider_info()
     modules = [m for kind in ("hooks", "operators", "sensors", "triggers") for entry in info[kind]
                for m in entry["python-modules"]]
-    assert len(modules) == 6
+    assert len(modules) == 7
     for module in modules:
         importlib.import_module(module)
 

@@ -52,6 +52,7 @@ from psycopg2 import sql
 from psycopg2.extensions import AsIs
 
 from airflow_provider_lr.engine import lease as leases, sink, status
+from airflow_provider_lr.engine.conninfo import ConnInfo
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, StaleBatchError
 from airflow_provider_lr.engine.faults import FAULT_ENV, fault_point
 from airflow_provider_lr.engine.log_reader import BaseSplit, LogReader, commit_barrier
@@ -208,7 +209,8 @@ class FanoutDriver:
     def __init__(self, topology: Topology, source: str, owner: str | None = None,
                  settings: SessionSettings | None = None,
                  connect: Callable[[str], psycopg2.extensions.connection] | None = None,
-                 sessions: Iterable[SessionKey] | None = None) -> None:
+                 sessions: Iterable[SessionKey] | None = None,
+                 conninfo: Callable[[str], ConnInfo] | None = None) -> None:
         self.topology = topology
         self.source = source
         self.owner = owner or leases.new_owner_id()
@@ -218,7 +220,8 @@ class FanoutDriver:
         self.sessions = [k for k in mine if wanted is None or k in wanted]
         if not self.sessions:
             raise ConfigurationError(f"site {source!r} is the source of no session in the topology")
-        self._dsns = {site: site_conninfo(topology, site).dsn for site in {source, *(k.sink for k in self.sessions)}}
+        resolve = conninfo or (lambda site: site_conninfo(topology, site))  # how the tee reaches each site
+        self._dsns = {site: resolve(site).dsn for site in {source, *(k.sink for k in self.sessions)}}
         self._connect = connect or (lambda site: psycopg2.connect(self._dsns[site]))
         self.src = self._connect(source)
         self.leases: dict[str, leases.Lease] = {}

@@ -110,9 +110,11 @@ def spark_min_backlog(topo: Any) -> int:
 
 
 def plan_fanout(site: dict[str, str], spark_conn_id: str, topology_file: str | None = None) -> dict[str, Any]:
-    """Choose how a source's backlog moves this run: ``spark`` when it is at least the
-    threshold and Spark is usable (job installed, connection defined), else ``in_process``
-    (a small batch must not pay for a Spark start). Small dict for XCom."""
+    """Choose how a source's backlog moves this run: ``spark`` when it is at least
+    ``spark_min_backlog`` and Spark is usable (job installed, connection defined); else ``tee`` (the
+    fan-out in the worker, ``LRFanOutOperator``) when it is at least ``tee_min_backlog``; else
+    ``in_process``: the sessions' own log-entry steps (a small batch must not pay for a Spark start
+    or a fan-out plan). Small dict for XCom."""
     from airflow.sdk import BaseHook
 
     from airflow_provider_lr.engine import status
@@ -133,4 +135,15 @@ def plan_fanout(site: dict[str, str], spark_conn_id: str, topology_file: str | N
             plan["path"], plan["why"] = "spark", f"backlog {backlog} >= spark_min_backlog {threshold}"
         except Exception:
             plan["why"] = f"backlog {backlog} but no Spark connection {spark_conn_id!r}"
+    tee_min = tee_min_backlog(topo)
+    if plan["path"] == "in_process" and 0 < tee_min <= backlog:
+        plan["path"], plan["why"] = "tee", f"{plan['why']}; backlog {backlog} >= tee_min_backlog {tee_min}"
     return plan
+
+
+def tee_min_backlog(topo: Any) -> int:
+    """Backlog (entries) from which a source's catch-up goes through the in-process tee: the
+    topology's ``tee_min_backlog`` setting, else the engine's default (0: never)."""
+    from airflow_provider_lr.engine.session import SessionSettings
+
+    return SessionSettings.from_topology(topo).tee_min_backlog

@@ -1,0 +1,53 @@
+"""The read-once fan-out of one source's backlog in the Airflow worker itself (no Spark).
+
+For backlogs between ``tee_min_backlog`` and ``spark_min_backlog`` (topology settings): the same
+engine as the Spark job (``engine.fanout``: one source read for all the source's sinks, packed
+receive-queue rows, one fenced sink transaction per session and chunk), run in this task's process,
+so it pays no Spark start. Sites are reached through ``LRSiteHook`` (whatever connection backend
+Airflow uses); nothing is written to disk. The small summary of ``FanoutResult`` is the XCom.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from airflow.sdk import BaseOperator
+
+from airflow_provider_lr.hooks.site import LRSiteHook
+from airflow_provider_lr.operators.common import load_topology
+
+
+class LRFanOutOperator(BaseOperator):
+    """Deliver one source's log-entry backlog to all its sinks with the in-process tee.
+
+    :param source: the source site id (templated)
+    :param max_entries: cap on entries this run delivers
+    :param topology_path: the topology file (default: ``$LR_TOPOLOGY`` or the shipped one)
+    Fails when a session could not be delivered (its error is in the log and in the session's
+    ``last_error``); the sessions' own steps run after it either way and pick up what is left.
+    """
+
+    template_fields: Sequence[str] = ("source", "topology_path")
+
+    def __init__(self, *, source: str, topology_path: str | None = None, max_entries: int | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.source, self.topology_path, self.max_entries = source, topology_path, max_entries
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        from airflow_provider_lr.engine import fanout
+
+        topo = load_topology(self.topology_path)
+
+        def conninfo(site: str):
+            return LRSiteHook(lr_conn_id=topo.conn_id(site)).get_conninfo()
+
+        driver = fanout.FanoutDriver(topo, self.source, conninfo=conninfo, connect=lambda site: conninfo(site).connect())
+        try:
+            result = fanout.run_fanout(driver, fanout.local_map, self.max_entries)
+        finally:
+            driver.close()
+        summary = {k: v for k, v in result.as_dict().items() if k not in ("peak_rss_kb",)}
+        self.log.info("fan-out of %s: %s", self.source, summary)
+        if not result.ok:
+            raise RuntimeError(f"fan-out of {self.source}: sessions not delivered: {result.errors}")
+        return summary
