@@ -432,7 +432,6 @@ class _SessionTee:
 
     def __init__(self, plan: FanoutPlan, demand: Demand, part: PositionRange) -> None:
         self.demand = demand
-        self.rows = 0
         self.writer: ReceiveQueueWriter | None = None
         self.conn = psycopg2.connect(plan.sink_dsns[demand.sink])
         self.write = sink._SinkWrite(self.conn, plan.source, demand.client, demand.epoch)
@@ -463,11 +462,11 @@ class _SessionTee:
         assert self.writer is not None
         try:
             self.writer.close()
-            if self.writer.copied != self.writer.rows or self.writer.entries != self.rows:
+            if self.writer.copied != self.writer.rows:
                 raise StaleBatchError(f"{self.demand.session}: the sink took {self.writer.copied} of "
-                                      f"{self.writer.rows} rows ({self.writer.entries} of {self.rows} entries)")
+                                      f"{self.writer.rows} rows")
             self.write.update(last_log_entry_processed=end)
-            if self.rows:
+            if self.entries:
                 self.write.announce()
         except BaseException as exc:
             self.write.__exit__(type(exc), exc, None)
@@ -476,6 +475,11 @@ class _SessionTee:
         self.write.__exit__(None, None, None)
         self.conn.close()
         self.position = end
+
+    @property
+    def entries(self) -> int:
+        """Entries routed to this session in the chunk (all in its rows once committed)."""
+        return self.writer.entries if self.writer is not None else 0
 
     def abandon(self) -> None:
         """Drop the transaction (nothing of this chunk becomes visible) and the connection."""
@@ -529,7 +533,7 @@ def tee_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "",
                 log.warning("fan-out %s chunk %d: session %s not committed: %s", plan.plan_id[:8], part.index,
                             tee.demand.session, exc)
                 continue
-            out.delivered[tee.demand.session] = tee.rows
+            out.delivered[tee.demand.session] = tee.entries
             out.positions[tee.demand.session] = tee.position
         if faults:
             fault_point(f"fanout_after_commit{fault_tag}")
@@ -554,13 +558,13 @@ class _Router(RowReader):
     def __init__(self, tees: list[tuple[int, _SessionTee]], halfway: int, fault_tag: str | None) -> None:
         super().__init__(self._general_row)
         self.by_bit = dict(tees)
-        self.routes: dict[int, list] = {}  # mask -> [the append of each wanting writer, entries]
+        self.routes: dict[int, list] = {}  # mask -> the append of each writer that wants it
         self.read = 0
         self.halfway, self.fault_tag = halfway, fault_tag
         self.stop = min(s for s in (PACK_EVERY, halfway) if s > 0)  # the next read that calls _stop
 
     def _route(self, mask: int) -> list:
-        route = self.routes[mask] = [[t.writer.append for bit, t in self.by_bit.items() if mask >> bit & 1], 0]
+        route = self.routes[mask] = [t.writer.append for bit, t in self.by_bit.items() if mask >> bit & 1]
         return route
 
     def write(self, chunk: bytes) -> int:
@@ -593,9 +597,8 @@ class _Router(RowReader):
                 length = size - pos  # queue_rows.piece, inline for the usual size
                 entry = (HEADS[length] + chunk[pos:] if length < len(HEADS) else piece(chunk[pos:]), kind,
                          position, entry_id)
-                for append in route[0]:
+                for append in route:
                     append(entry)
-                route[1] += 1
                 self.read += 1
                 if self.read == self.stop:
                     self._stop()
@@ -610,9 +613,8 @@ class _Router(RowReader):
         route = self.routes.get(mask) or self._route(mask)
         kind, stripped = sink.strip_destinations(message)
         entry = (piece(stripped), kind, position, entry_id)
-        for append in route[0]:
+        for append in route:
             append(entry)
-        route[1] += 1
         self.read += 1
         if self.read == self.stop:
             self._stop()
@@ -633,8 +635,6 @@ class _Router(RowReader):
             tee.writer.sync()  # type: ignore[union-attr]
         fault_point(f"fanout_mid_write{self.fault_tag}")
 
-    def rows_for(self, bit: int) -> int:
-        return sum(route[1] for mask, route in self.routes.items() if mask >> bit & 1)
 
 
 def _read_and_route(plan: FanoutPlan, part: PositionRange, tees: list[tuple[int, _SessionTee]],
@@ -659,8 +659,6 @@ def _read_and_route(plan: FanoutPlan, part: PositionRange, tees: list[tuple[int,
         src.rollback()
     finally:
         src.close()
-    for bit, tee in tees:
-        tee.rows = router.rows_for(bit)
     return router.read
 
 
@@ -734,3 +732,9 @@ def local_map(plan: FanoutPlan) -> Iterable[ChunkResult]:
 def use_spark(backlogs: list[status.SessionBacklog], threshold: int = SPARK_MIN_BACKLOG) -> bool:
     """Spark pays off when the entries to deliver in log-entry sync reach ``threshold``."""
     return status.log_entry_backlog(backlogs) >= threshold
+
+
+def use_tee(backlog: int, threshold: int) -> bool:
+    """The in-process tee pays off when a source's log-entry backlog reaches ``threshold``
+    (``SessionSettings.tee_min_backlog``; 0 turns it off)."""
+    return 0 < threshold <= backlog

@@ -92,7 +92,7 @@ class Replicator:
             return {}
         try:
             backlog = status.source_backlog(self._conn(source))
-            if backlog < self.settings.tee_min_backlog:
+            if not fanout.use_tee(backlog, self.settings.tee_min_backlog):
                 return {}
             driver = fanout.FanoutDriver(self.topology, source, owner=self.owner, settings=self.settings,
                                          connect=self.connect, sessions=self.sessions)

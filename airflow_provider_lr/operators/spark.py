@@ -118,6 +118,7 @@ def plan_fanout(site: dict[str, str], spark_conn_id: str, topology_file: str | N
     from airflow.sdk import BaseHook
 
     from airflow_provider_lr.engine import status
+    from airflow_provider_lr.engine.fanout import use_tee
     from airflow_provider_lr.operators.common import site_connection
 
     topo = load_topology(topology_file)
@@ -136,7 +137,7 @@ def plan_fanout(site: dict[str, str], spark_conn_id: str, topology_file: str | N
         except Exception:
             plan["why"] = f"backlog {backlog} but no Spark connection {spark_conn_id!r}"
     tee_min = tee_min_backlog(topo)
-    if plan["path"] == "in_process" and 0 < tee_min <= backlog:
+    if plan["path"] == "in_process" and use_tee(backlog, tee_min):
         plan["path"], plan["why"] = "tee", f"{plan['why']}; backlog {backlog} >= tee_min_backlog {tee_min}"
     return plan
 
