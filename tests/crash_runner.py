@@ -1,7 +1,8 @@
 """A replicator in its own process, so a fault point (``LR_FAULT``) can SIGKILL it for real.
 
 Run as ``python -m tests.crash_runner '<json>'`` with ``{"topology": doc, "dsns": {site: dsn},
-"providers": {client: "module:function"}, "owner": str, "lease_seconds": float, "cycles": int}``.
+"providers": {client: "module:function"}, "owner": str, "lease_seconds": float, "cycles": int,
+"settings": {SessionSettings field: value}}`` (settings override the defaults below).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def main(spec: dict) -> int:
         topology.from_document(spec["topology"]),
         lambda site_id: psycopg2.connect(dsns[site_id]),
         owner=spec.get("owner", "crash-runner"),
-        settings=SessionSettings(lease_seconds=spec.get("lease_seconds", 1.0), barrier_timeout=2.0),
+        settings=SessionSettings(**{"lease_seconds": spec.get("lease_seconds", 1.0), "barrier_timeout": 2.0,
+                                    **spec.get("settings", {})}),
         providers={c: load_provider(t) for c, t in spec.get("providers", {}).items()},
     )
     reports = repl.run(max_cycles=spec.get("cycles", 5), until_idle=True, interval=0.01)

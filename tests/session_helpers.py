@@ -118,8 +118,10 @@ def many_rows_provider(ctx) -> None:
         ctx.transmit(f"bulk{i}={i}".encode())
 
 
-def run_crashing_replicator(topo, sites, fault: str, providers: dict[str, str] | None = None, cycles: int = 5):
-    """Run a replicator in a child process that SIGKILLs itself at fault point ``fault``."""
+def run_crashing_replicator(topo, sites, fault: str, providers: dict[str, str] | None = None, cycles: int = 5,
+                            settings: dict | None = None, timeout: float = 120):
+    """Run a replicator in a child process that SIGKILLs itself at fault point ``fault``
+    (``settings``: SessionSettings overrides, e.g. ``tee_min_backlog``)."""
     import json
     import os
     import subprocess
@@ -132,9 +134,10 @@ def run_crashing_replicator(topo, sites, fault: str, providers: dict[str, str] |
         "providers": providers or {},
         "owner": f"crash-{fault}",
         "cycles": cycles,
+        "settings": settings or {},
     }
     env = {**os.environ, "LR_FAULT": fault}
     return subprocess.run(
         [sys.executable, "-m", "tests.crash_runner", json.dumps(spec)],
-        cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=120,
+        cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=timeout,
     )

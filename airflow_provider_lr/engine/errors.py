@@ -24,3 +24,13 @@ class FencedError(LRError):
 
 class StaleBatchError(LRError):
     """A batch does not fit the sink's state (gap, other snapshot, other sync); renegotiate."""
+
+
+class TrimmedError(LRError):
+    """Entries a reader needs were trimmed from the source's log (CorfuDB's TrimmedException):
+    nothing was delivered; the session renegotiates, which sends it to a snapshot sync."""
+
+    def __init__(self, message: str, after: int, trim_mark: int) -> None:
+        super().__init__(message)
+        self.after = after
+        self.trim_mark = trim_mark

@@ -54,8 +54,14 @@ from psycopg2.extensions import AsIs
 from airflow_provider_lr.engine import lease as leases, sink, status
 from airflow_provider_lr.engine.conninfo import ConnInfo
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, StaleBatchError
-from airflow_provider_lr.engine.faults import FAULT_ENV, fault_point
-from airflow_provider_lr.engine.log_reader import BaseSplit, LogReader, commit_barrier
+from airflow_provider_lr.engine.faults import FAULT_ENV, fault_point, hooked
+from airflow_provider_lr.engine.log_reader import (
+    BaseSplit,
+    LogReader,
+    commit_barrier,
+    snapshot_trim_mark,
+    trimmed_error,
+)
 from airflow_provider_lr.engine.negotiation import Decision
 from airflow_provider_lr.engine.pgcopy import ReceiveQueueWriter, RowReader
 from airflow_provider_lr.engine.queue_rows import HEADS, piece
@@ -506,7 +512,7 @@ def tee_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "",
     started = time.monotonic()
     out = ChunkResult(part.index, part.lo, part.hi)
     skip = set(exclude)
-    faults = _armed(plan.faults)
+    faults = _armed(plan.faults) or hooked()
     tees: list[tuple[int, _SessionTee]] = []
     try:
         for bit, d in enumerate(plan.demands):
@@ -524,7 +530,7 @@ def tee_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "",
             else:
                 tees.append((bit, tee))
         if tees:
-            out.read = _read_and_route(plan, part, tees, fault_tag if faults else None)
+            tees, out.read = _read_and_route(plan, part, tees, out, fault_tag if faults else None)
         for _, tee in tees:
             try:
                 tee.commit(part.hi)
@@ -638,10 +644,33 @@ class _Router(RowReader):
 
 
 def _read_and_route(plan: FanoutPlan, part: PositionRange, tees: list[tuple[int, _SessionTee]],
-                    fault_tag: str | None) -> int:
+                    out: ChunkResult, fault_tag: str | None) -> tuple[list[tuple[int, _SessionTee]], int]:
     """Read the chunk ONCE from the source (binary COPY, in (position, entry id) order, demand mask
     computed by the source) and append each entry's receive-queue row to every demanding session's
-    COPY. Returns the entries read."""
+    COPY. The read runs in one snapshot with the trim mark: a session whose sink stands below it
+    is refused (``TrimmedError`` in ``out.errors``, nothing written) and left out of the read.
+    Returns the sessions still in the chunk and the entries read."""
+    src = psycopg2.connect(plan.source_dsn)
+    try:
+        mark = snapshot_trim_mark(src)
+        kept = []
+        for bit, tee in tees:
+            if mark > tee.position:
+                error = trimmed_error(f"fan-out of {plan.source} to {tee.demand.session}", tee.position, mark)
+                out.errors[tee.demand.session] = f"TrimmedError: {error}"
+                log.warning("fan-out %s chunk %d: %s", plan.plan_id[:8], part.index, error)
+                tee.abandon()
+            else:
+                kept.append((bit, tee))
+        if not kept:
+            return kept, 0
+        return kept, _copy_and_route(src, plan, part, kept, fault_tag)
+    finally:
+        src.close()
+
+
+def _copy_and_route(src: psycopg2.extensions.connection, plan: FanoutPlan, part: PositionRange,
+                    tees: list[tuple[int, _SessionTee]], fault_tag: str | None) -> int:
     router = _Router(tees, max(1, part.entries // 2) if fault_tag is not None else -1, fault_tag)
     query = sql.SQL(
         "COPY (SELECT position, entry_id, mask, message FROM ("
@@ -652,13 +681,9 @@ def _read_and_route(plan: FanoutPlan, part: PositionRange, tees: list[tuple[int,
         " TO STDOUT (FORMAT binary)"
     ).format(mask=_demand_mask_sql(plan, [(bit, t.demand) for bit, t in tees]), lo=sql.Literal(part.lo),
              hi=sql.Literal(part.hi), stream=sql.Literal(STREAM_LOG_ENTRIES))
-    src = psycopg2.connect(plan.source_dsn)
-    try:
-        with src.cursor() as cur:
-            cur.copy_expert(query.as_string(src), router)
-        src.rollback()
-    finally:
-        src.close()
+    with src.cursor() as cur:
+        cur.copy_expert(query.as_string(src), router)
+    src.rollback()
     return router.read
 
 

@@ -2,16 +2,61 @@
 
 ``LR_FAULT=<name>`` in the environment makes the process SIGKILL itself when it reaches that
 point (no cleanup, no rollback message: exactly like a crash). Unset, a fault point costs one
-dictionary lookup.
+dictionary lookup and one environment lookup.
+
+In-process race tests use :func:`on_fault` instead: the callback runs at the point (for example a
+trim committed on another connection between two batches), deterministically, with no thread.
+
+Every fault point lr has is listed in ``FAULT_POINTS`` (docs/crash-windows.md says what a crash at
+each one leaves and why the next cycle repairs it; ``tests/test_crash_windows.py`` kills there).
 """
 from __future__ import annotations
 
 import os
 import signal
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 FAULT_ENV = "LR_FAULT"
 
+# name -> the window it sits in (one row of docs/crash-windows.md each)
+FAULT_POINTS: dict[str, str] = {
+    "after_lease": "lease taken on the source, the sink not fenced yet",
+    "after_fence": "sink fenced at the new epoch, nothing decided on the source yet",
+    "after_request": "full-sync request recorded on the source, not supplied yet",
+    "during_supply": "the provider's supplying transaction open on the source, not committed",
+    "after_snapshot_start": "SNAPSHOT_START committed on the sink, no data transferred",
+    "after_snapshot_chunk": "a chunk of full-sync data committed (invisible) on the sink",
+    "before_snapshot_apply": "transfer complete on the sink, not applied",
+    "after_snapshot_apply": "snapshot applied on the sink, the source's request still open",
+    "after_sink_apply": "log-entry batch committed on the sink, the source's ack not recorded",
+    "after_timeout": "request timed out on the source, the next request not made",
+    "fanout_mid_write": "fan-out chunk half written into the sinks' open transactions",
+    "fanout_after_commit": "fan-out chunk committed on every sink, the source's acks not recorded",
+}
+
+_hooks: dict[str, Callable[[], None]] = {}
+
 
 def fault_point(name: str) -> None:
+    if _hooks:
+        hook = _hooks.get(name)
+        if hook is not None:
+            hook()
     if os.environ.get(FAULT_ENV) == name:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hooked() -> bool:
+    """Whether an in-process callback waits at some fault point (the fan-out arms its points then)."""
+    return bool(_hooks)
+
+
+@contextmanager
+def on_fault(name: str, callback: Callable[[], None]) -> Iterator[None]:
+    """Run ``callback`` each time this process reaches fault point ``name`` (tests of races)."""
+    _hooks[name] = callback
+    try:
+        yield
+    finally:
+        _hooks.pop(name, None)

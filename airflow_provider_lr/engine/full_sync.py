@@ -25,6 +25,7 @@ import psycopg2.errors
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, LRError
+from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.lease import Lease
 from airflow_provider_lr.engine.log_reader import BaseSplit, commit_barrier
 from airflow_provider_lr.engine.transmit import STREAM_SNAP_SYNC, RoutingQueueClient
@@ -144,14 +145,23 @@ def get_request(conn: psycopg2.extensions.connection, request_id: str) -> FullSy
     return _request(row) if row else None
 
 
-def finish_request(conn: psycopg2.extensions.connection, request_id: str, status: str, note: str = "") -> None:
-    """Close a request ('applied', 'cancelled' or 'timed_out'); its data becomes trimmable. Commits."""
-    with conn.cursor() as cur:
-        cur.execute(
-            "UPDATE lr.full_sync_requests SET status = %s, finished_at = now(), note = %s WHERE request_id = %s",
-            (status, note or None, request_id),
-        )
-    conn.commit()
+def finish_request(conn: psycopg2.extensions.connection, request_id: str, status: str, note: str = "") -> bool:
+    """Close an open request ('applied', 'cancelled' or 'timed_out'); its data becomes trimmable.
+    A closed request keeps its first outcome (closing it again is a no-op, so callers on both sides
+    of a crash window may close it). Commits; True when this call closed it."""
+    try:
+        with conn.cursor() as cur:
+            cur.execute(
+                "UPDATE lr.full_sync_requests SET status = %s, finished_at = now(), note = %s "
+                "WHERE request_id = %s AND status IN ('pending', 'supplied')",
+                (status, note or None, request_id),
+            )
+            closed = cur.rowcount == 1
+        conn.commit()
+        return closed
+    except BaseException:
+        conn.rollback()
+        raise
 
 
 def expired(conn: psycopg2.extensions.connection, request: FullSyncRequest) -> bool:
@@ -253,6 +263,7 @@ def serve_full_sync_requests(client: RoutingQueueClient, provider: Provider, max
                     ) from exc
                 ctx._add(b"", lr_pb2.LAST_FULL_SYNC_ENTRY)
                 ctx.flush()
+                fault_point("during_supply")
                 cur.execute(
                     "UPDATE lr.full_sync_requests SET status = 'supplied', supplied_at = now(), "
                     "supplied_tx = pg_current_xact_id(), base_position = %s, base_snapshot = %s, base_upto = %s, "

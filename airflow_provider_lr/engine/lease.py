@@ -69,8 +69,9 @@ def release(conn: psycopg2.extensions.connection, lease: Lease) -> None:
     conn.commit()
 
 
-def update_session(conn: psycopg2.extensions.connection, lease: Lease, **values: object) -> None:
-    """Update the source session row, only while ``lease`` is still the current one. Commits."""
+def update_session(conn: psycopg2.extensions.connection, lease: Lease, commit: bool = True, **values: object) -> None:
+    """Update the source session row, only while ``lease`` is still the current one. Commits,
+    unless ``commit`` is False (the caller commits more with it, in one transaction)."""
     sets = ", ".join(f"{k} = %s" for k in values)
     try:
         with conn.cursor() as cur:
@@ -84,7 +85,8 @@ def update_session(conn: psycopg2.extensions.connection, lease: Lease, **values:
                     f"session to {lease.sink!r} for {lease.client!r}: lease epoch {lease.epoch} of {lease.owner} "
                     "was taken over; stopping"
                 )
-        conn.commit()
+        if commit:
+            conn.commit()
     except BaseException:
         conn.rollback()
         raise

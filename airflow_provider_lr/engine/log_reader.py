@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.errors import ConfigurationError, TrimmedError
 from airflow_provider_lr.engine.transmit import STREAM_LOG_ENTRIES
 from airflow_provider_lr.proto import lr_pb2
 
@@ -155,6 +155,7 @@ class LogReader:
             covered = "AND NOT (c.position <= %s AND pg_visible_in_snapshot(c.tx, %s::pg_snapshot))"
             covered_params = (split.upto, split.snapshot)
         client = "AND e.client_id = %s" if self.client_id is not None else ""
+        check_trim(self.conn, after, f"destination {self.destination!r}")  # starts the read's snapshot
         with self.conn.cursor(name=f"lr_read_{id(self)}") as cur:
             cur.itersize = 2000
             cur.execute(
@@ -185,6 +186,38 @@ class LogReader:
                 size += len(record.message)
         self.conn.rollback()
         return batch
+
+
+def snapshot_trim_mark(conn: psycopg2.extensions.connection) -> int:
+    """Open a REPEATABLE READ transaction on ``conn`` and return the trim mark in its snapshot.
+
+    Every read of log entries runs in such a transaction, after this: the trim deletes entries and
+    raises the mark in one transaction, so the snapshot sees both or neither, and a trim that
+    commits meanwhile cannot remove part of what the read returns."""
+    if conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
+        conn.rollback()
+    with conn.cursor() as cur:
+        cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        cur.execute("SELECT trim_mark FROM lr.log_trim")
+        return cur.fetchone()[0]
+
+
+def trimmed_error(reader: str, after: int, mark: int) -> TrimmedError:
+    return TrimmedError(
+        f"{reader}: the log was trimmed to position {mark}, past position {after} where the sink stands; "
+        "entries it needs are gone, so nothing was delivered and a snapshot sync follows",
+        after, mark,
+    )
+
+
+def check_trim(conn: psycopg2.extensions.connection, after: int, reader: str) -> int:
+    """``snapshot_trim_mark``, refusing (``TrimmedError``, transaction ended) when the log no
+    longer holds every entry after ``after``."""
+    mark = snapshot_trim_mark(conn)
+    if mark > after:
+        conn.rollback()
+        raise trimmed_error(reader, after, mark)
+    return mark
 
 
 def commit_barrier(conn: psycopg2.extensions.connection, timeout: float = 5.0) -> tuple[int | None, list[HoldBack]]:

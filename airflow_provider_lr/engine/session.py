@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 import psycopg2.extensions
 
 from airflow_provider_lr.engine import full_sync, lease as leases, sink, status
-from airflow_provider_lr.engine.errors import LRError
+from psycopg2.extensions import AsIs
+
+from airflow_provider_lr.engine.errors import LRError, TrimmedError
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.full_sync import FullSyncRequest, Provider
 from airflow_provider_lr.engine.log_reader import (
@@ -117,8 +119,14 @@ class SessionRunner:
             meta = self.snapshot_sync(meta, report)
         elif negotiation.decision is Decision.WAIT_SNAPSHOT_APPLY:
             meta = self.apply_snapshot(meta)
-        if meta is not None and meta.data_consistent:
-            self.log_entry_sync(meta, report)
+        if meta is not None and meta.data_consistent and not self.log_entry_sync(meta, report):
+            # the log was trimmed past the sink mid-cycle: renegotiate now (→ snapshot sync), so
+            # the cycle never ends reporting a session in log-entry sync that can no longer be
+            meta = sink.read_metadata(self.sink, self.key.source, self.key.client)
+            negotiation = self.negotiate(meta)
+            report.decision, report.reason = negotiation.decision.value, negotiation.reason
+            if negotiation.decision is Decision.SNAPSHOT_SYNC:
+                self.snapshot_sync(meta, report)
         return self.finish(report)
 
     def begin(self) -> tuple[CycleReport, sink.SinkMetadata | None, Negotiation | None]:
@@ -130,7 +138,9 @@ class SessionRunner:
         if self.lease is None:
             report.skipped = "another replicator holds this session's lease"
             return report, None, None
+        fault_point("after_lease")
         meta = sink.fence(self.sink, self.key.source, self.key.client, self.lease.epoch)
+        fault_point("after_fence")
         negotiation = self.negotiate(meta)
         report.decision, report.reason = negotiation.decision.value, negotiation.reason
         if negotiation.decision is Decision.REFUSE:
@@ -170,8 +180,8 @@ class SessionRunner:
         if negotiation is None:
             return report
         assert meta is not None
-        if negotiation.decision is Decision.LOG_ENTRY_SYNC:
-            self.log_entry_sync(meta, report)
+        if negotiation.decision is Decision.LOG_ENTRY_SYNC and not self.log_entry_sync(meta, report):
+            report.decision = Decision.SNAPSHOT_SYNC.value  # left to the snapshot step of the next run
         return self.finish(report)
 
     def negotiate(self, meta: sink.SinkMetadata) -> Negotiation:
@@ -182,6 +192,8 @@ class SessionRunner:
             trim_mark = cur.fetchone()[0]
         self.source.commit()
         request = full_sync.open_request(self.source, self.key.sink, self.key.client)
+        if request is not None and self.reconcile(meta, request):
+            request = None
         forced = bool(request and request.forced and request.request_id != meta.snapshot_request_id)
         return negotiate(
             SourceView(topo[0] if topo else None, trim_mark, forced),
@@ -194,6 +206,18 @@ class SessionRunner:
                 meta.data_consistent,
             ),
         )
+
+    def reconcile(self, meta: sink.SinkMetadata, request: FullSyncRequest | None) -> bool:
+        """Close the source's open request when the sink's own metadata says it was applied: the
+        crash window between the sink's apply and the source's record (docs/crash-windows.md).
+        Left open, it would hold safe trim at its base forever and be taken for a resume later.
+        Idempotent; True when it closed ``request``."""
+        if request is None or request.request_id != meta.snapshot_request_id or not _applied(meta):
+            return False
+        log.info("session %s: full sync %s was applied on the sink; closing it on the source", self.key,
+                 request.request_id)
+        self._record_applied(meta, note="closed from the sink's metadata (applied before a crash)")
+        return True
 
     # --- snapshot sync ------------------------------------------------------------------------
     def snapshot_sync(self, meta: sink.SinkMetadata, report: CycleReport) -> sink.SinkMetadata | None:
@@ -224,6 +248,8 @@ class SessionRunner:
     def _current_request(self, meta: sink.SinkMetadata) -> FullSyncRequest:
         """The open request to work on, creating one (which cancels stale ones) when needed."""
         request = full_sync.open_request(self.source, self.key.sink, self.key.client)
+        if self.reconcile(meta, request):
+            request = None  # applied: never reused
         if request is None:
             attempts = self._attempts()
             timeout = self.settings.data_timeout * min(2**attempts, MAX_BACKOFF_FACTOR)
@@ -232,15 +258,18 @@ class SessionRunner:
                 lease=self.lease,
             )
             log.info("session %s: full sync requested (%s), data timeout %.0fs", self.key, request.request_id, timeout)
+            fault_point("after_request")
         self._update(state="IN_SNAPSHOT_SYNC", sync_id=request.request_id, last_error=None)
         return request
 
     def _restart_after_timeout(self, request: FullSyncRequest) -> None:
         """No client data within the timeout: close the request; the next cycle asks again with a
         longer timeout (backoff), so a slow provider is not restarted forever (CorfuDB #4119)."""
+        assert self.lease is not None
+        leases.update_session(self.source, self.lease, commit=False, attempts=AsIs("attempts + 1"),
+                              last_error=f"full-sync request {request.request_id} timed out without client data")
         full_sync.finish_request(self.source, request.request_id, "timed_out", "no client data within the timeout")
-        self._update(attempts=self._attempts() + 1,
-                     last_error=f"full-sync request {request.request_id} timed out without client data")
+        fault_point("after_timeout")
 
     def transfer_snapshot(self, request: FullSyncRequest, meta: sink.SinkMetadata) -> tuple[sink.SinkMetadata, int]:
         """Copy the request's messages to the sink, resuming after what the sink already has."""
@@ -277,19 +306,38 @@ class SessionRunner:
         fault_point("before_snapshot_apply")
         meta = sink.apply_snapshot(self.sink, self.key.source, self.key.client, self._epoch())
         fault_point("after_snapshot_apply")
-        if meta.snapshot_request_id:
-            full_sync.finish_request(self.source, meta.snapshot_request_id, "applied")
-        self._update(state="IN_LOG_ENTRY_SYNC", base_position=meta.snapshot_applied,
-                     acked_position=meta.last_log_entry_processed, attempts=0, last_error=None)
+        self._record_applied(meta)
         return meta
 
+    def _record_applied(self, meta: sink.SinkMetadata, note: str = "") -> None:
+        """One source transaction: the session's new base and ack, and its request closed. (Two
+        commits would open a window where the request is closed and the ack not yet recorded, and
+        safe trim, held by neither, could remove what the sink needs next.)"""
+        assert self.lease is not None
+        leases.update_session(self.source, self.lease, commit=False, state="IN_LOG_ENTRY_SYNC",
+                              base_position=meta.snapshot_applied, acked_position=meta.last_log_entry_processed,
+                              attempts=0, last_error=None)
+        if meta.snapshot_request_id:
+            full_sync.finish_request(self.source, meta.snapshot_request_id, "applied", note)
+        else:
+            self.source.commit()
+
     # --- log-entry sync -----------------------------------------------------------------------
-    def log_entry_sync(self, meta: sink.SinkMetadata, report: CycleReport) -> None:
+    def log_entry_sync(self, meta: sink.SinkMetadata, report: CycleReport) -> bool:
+        """Up to ``settings.max_batches`` batches. False when the log was trimmed past the sink
+        (every read checks the trim mark in the snapshot it reads from): nothing of the trimmed
+        range was delivered, and the session needs a snapshot sync."""
         after, base, split = meta.last_log_entry_processed, meta.snapshot_applied, meta.split
         self._update(state="IN_LOG_ENTRY_SYNC", acked_position=after, last_error=None)
         reader = self.reader()
         for _ in range(self.settings.max_batches):
-            batch = reader.read(after, self.settings.max_entries, self.settings.max_bytes, split)
+            try:
+                batch = reader.read(after, self.settings.max_entries, self.settings.max_bytes, split)
+            except TrimmedError as exc:
+                log.warning("session %s: %s", self.key, exc)
+                report.reason = str(exc)
+                self._update(state="IN_SNAPSHOT_SYNC")
+                return False
             report.blocked_by = [h.describe() for h in batch.blocked_by]
             if batch.end <= after:
                 break
@@ -301,6 +349,7 @@ class SessionRunner:
             self._update(acked_position=after)
             if not batch.has_more:
                 break
+        return True
 
     def reader(self) -> LogReader:
         if self._reader is None:
@@ -348,6 +397,11 @@ class SessionRunner:
             except psycopg2.Error:
                 self.source.rollback()
             self.lease = None
+
+
+def _applied(meta: sink.SinkMetadata) -> bool:
+    """The sink has applied its current full sync (and is consistent on it)."""
+    return meta.snapshot_started >= 0 and meta.snapshot_applied == meta.snapshot_started and meta.data_consistent
 
 
 def record_error(conn: psycopg2.extensions.connection, key: SessionKey, error: str) -> None:

@@ -229,9 +229,16 @@ def start_snapshot(
     topology_config_id: str,
 ) -> SinkMetadata:
     """SNAPSHOT_START: record the new sync and discard any unapplied data of an older one.
-    Repeating it for the sync already started is a no-op, so an interrupted transfer resumes."""
+    Repeating it for the sync already started is a no-op, so an interrupted transfer resumes; a
+    sync this sink has already applied is refused (taking it for a resume would apply nothing and
+    continue from its old base)."""
     write = _SinkWrite(conn, source, client, epoch)
     with write as (cur, meta):
+        if meta.snapshot_request_id == sync_id and meta.snapshot_applied == meta.snapshot_started >= 0:
+            raise StaleBatchError(
+                f"full sync {sync_id} of {source}/{client} was already applied on this sink; an applied full "
+                "sync is never reused (the source closes it and requests a new one)"
+            )
         if meta.snapshot_request_id == sync_id and meta.snapshot_started == base:
             return meta
         cur.execute(

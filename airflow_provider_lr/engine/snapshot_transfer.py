@@ -102,8 +102,11 @@ class SnapshotTransfer:
         runner.lease = leases.acquire(self.src, self.key.sink, self.key.client, runner.owner, self.settings.lease_seconds)
         if runner.lease is None:
             raise LRError(f"session {self.key}: another replicator holds its lease; try again later")
+        fenced = sink.fence(self.sink, self.key.source, self.key.client, runner.lease.epoch)
         request = (full_sync.get_request(self.src, request_id) if request_id
                    else full_sync.open_request(self.src, self.key.sink, self.key.client))
+        if runner.reconcile(fenced, request):  # the sink applied it before a crash: closed, not reused
+            request = full_sync.get_request(self.src, request.request_id)
         if request is None or request.status != "supplied" or request.base_position is None:
             raise LRError(f"session {self.key}: no supplied full-sync request "
                           f"({request.status if request else 'none'}); the client's provider must supply it first")
