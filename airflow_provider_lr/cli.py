@@ -132,16 +132,18 @@ def cmd_full_sync(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     topo = _topology(args)
+    found: dict[str, status.SiteStatus | str] = {}
     for site_id in sorted(topo.sites):
         try:
             conn = _connect(topo)(site_id)
         except Exception as exc:  # a site that is down is part of the status
-            print(f"{site_id}: UNREACHABLE ({exc})")
+            found[site_id] = f"{site_id}: UNREACHABLE ({exc})"
             continue
         try:
-            print(status.render(status.site_status(conn, site_id)))
+            found[site_id] = status.site_status(conn, site_id)
         finally:
             conn.close()
+    print(status.render_sites(found))
     return 0
 
 

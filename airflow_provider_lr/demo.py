@@ -166,12 +166,14 @@ def run(manager: SiteManager, sink_count: int = 2) -> int:
     for site_id in sinks:
         consume(site_id, by_id[site_id].dsn())
     print()
+    found: dict[str, status.SiteStatus | str] = {}
     for site_id in ids:
         conn = connect(site_id)
         try:
-            print(status.render(status.site_status(conn, site_id)))
+            found[site_id] = status.site_status(conn, site_id)
         finally:
             conn.close()
+    print(status.render_sites(found))
     print("\nsites are left running; try `lr status --topology "
           f"{manager.home / 'demo-topology.yaml'}`, stop them with `lr sites down`")
     return 0

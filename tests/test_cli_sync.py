@@ -90,10 +90,27 @@ def test_status_says_whether_each_session_is_ready():
     from airflow_provider_lr.engine.status import readiness
 
     source = {"role": "source", "state": "IN_LOG_ENTRY_SYNC", "sync_type": "LOG_ENTRY",
-              "remaining_entries_to_send": 0, "last_error": None, "data_consistent": None}
+              "remaining_entries_to_send": 0, "last_error": None, "data_consistent": None,
+              "last_applied_position": 7}
     assert readiness(source) == "ready"
     assert readiness({**source, "remaining_entries_to_send": 12}) == "catching up (12 to send)"
     assert readiness({**source, "state": "IN_SNAPSHOT_SYNC", "sync_type": "SNAPSHOT"}) == "not ready (snapshot)"
     assert readiness({**source, "state": "INITIALIZED", "sync_type": None}) == "not ready (not started)"
     assert readiness({**source, "last_error": "sink down"}) == "not ready (error)"
     assert readiness({**source, "role": "sink", "data_consistent": False}) == "not ready (snapshot)"
+
+
+def test_consistent_and_ready_are_checked_against_the_trim_mark():
+    """A sink whose position is behind its source's trim mark lost entries it needs: never
+    "consistent" or "ready" until a full sync; and "consistent" is not claimed unchecked."""
+    from airflow_provider_lr.engine.status import readiness
+
+    sink = {"role": "sink", "state": None, "sync_type": "LOG_ENTRY", "remaining_entries_to_send": None,
+            "last_error": None, "data_consistent": True, "last_applied_position": 40}
+    assert readiness(sink, trim_mark=40) == "consistent"
+    assert readiness(sink, trim_mark=41) == "not ready (behind trim)"
+    assert readiness(sink, trim_mark=None) == "unchecked (source not reached)"
+    source = {**sink, "role": "source", "state": "IN_LOG_ENTRY_SYNC", "remaining_entries_to_send": 0,
+              "data_consistent": None}
+    assert readiness(source, trim_mark=40) == "ready"
+    assert readiness(source, trim_mark=41) == "not ready (behind trim)"

@@ -169,3 +169,35 @@ def test_crash_after_snapshot_apply_then_retention_trim_gets_a_new_full_sync_not
     assert statuses == ["applied", "applied"]
     repl.close()
     app.close()
+
+
+def _status_lines(sites) -> list[str]:
+    from airflow_provider_lr.engine import status
+
+    found = {}
+    for site in sites[:2]:
+        conn = site.connect()
+        found[site.site_id] = status.site_status(conn, site.site_id)
+        conn.close()
+    return status.render_sites(found).splitlines()
+
+
+def test_status_never_calls_a_sink_behind_the_trim_mark_consistent(lr_sites):
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK, providers=PROVIDERS)
+    app = App(source)
+    app.put("k0", 0, ["site-b"])
+    repl = replicator(topo, lr_sites)
+    repl.run(max_cycles=3, until_idle=True, interval=0.01)
+    session = [line for line in _status_lines(lr_sites) if "site-a->site-b/policy" in line]
+    assert "consistent" in session[1] and "source trim mark 0" in session[1] and " ready " in session[0]
+    _backlog(app, 30)  # the sink lags ...
+    trim.retention_trim(source.connect(), keep_seconds=0.0)  # ... and the log is trimmed past it
+    session = [line for line in _status_lines(lr_sites) if "site-a->site-b/policy" in line]
+    assert all("not ready (behind trim)" in line for line in session), session
+    repl.run(max_cycles=5, until_idle=True, interval=0.01)  # a full sync brings it back
+    session = [line for line in _status_lines(lr_sites) if "site-a->site-b/policy" in line]
+    assert " ready " in session[0] and "consistent" in session[1] and "behind" not in session[1]
+    assert final_state(queue(sink_b, "site-a")) == source_state(source)
+    repl.close()
+    app.close()

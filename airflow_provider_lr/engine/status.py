@@ -45,42 +45,73 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
         result.sessions = [dict(zip(_COLUMNS, r)) for r in cur.fetchall()]
     conn.commit()
     if any(s["role"] == "source" for s in result.sessions):
+        live = {(b.sink, b.client): b.entries for b in session_backlogs(conn)}  # not the last cycle's count
+        for s in result.sessions:
+            if s["role"] == "source":
+                s["remaining_entries_to_send"] = live.get((s["sink_site_id"], s["client_name"]), 0)
         result.held_back_by = [h.describe() for h in holdback(conn)]
     return result
 
 
-def readiness(session: dict) -> str:
+def readiness(session: dict, trim_mark: int | None = None) -> str:
     """Whether a session's sink holds everything committed for it so far (Qpid HA's *ready*):
-    ``ready`` (log-entry sync, nothing remaining), ``catching up`` or ``not ready`` (why)."""
+    ``ready`` / ``consistent``, ``catching up`` or ``not ready`` (why). What is compared:
+
+    * source side: in log-entry sync, the sink's acknowledged position is not behind this site's
+      trim mark, and no committed entry for the sink lies after it (``remaining``, counted live);
+    * sink side: the sink applied its full sync (``data_consistent``) *and* its last processed
+      position is not behind the source's trim mark (``trim_mark``: the source's, None when the
+      source was not reached — then "consistent" is not claimed). Behind the trim mark, entries it
+      needs are gone: only a new full sync makes it consistent again."""
     if session.get("last_error"):
         return "not ready (error)"
+    position = session["last_applied_position"]
+    behind = trim_mark is not None and position is not None and position < trim_mark
     if session["role"] == "sink":
-        return "consistent" if session["data_consistent"] else "not ready (snapshot)"
+        if not session["data_consistent"]:
+            return "not ready (snapshot)"
+        if trim_mark is None:
+            return "unchecked (source not reached)"
+        return "not ready (behind trim)" if behind else "consistent"
     if session["state"] != "IN_LOG_ENTRY_SYNC":
         return "not ready (snapshot)" if session["sync_type"] == "SNAPSHOT" else "not ready (not started)"
+    if behind:
+        return "not ready (behind trim)"
     remaining = session["remaining_entries_to_send"] or 0
     return "ready" if remaining == 0 else f"catching up ({remaining} to send)"
 
 
-def render(status: SiteStatus) -> str:
+def render(status: SiteStatus, trim_marks: dict[str, int] | None = None) -> str:
+    """``trim_marks``: the trim mark of each source site reached in the same status run (a sink's
+    sessions are checked against their source's)."""
+    marks = {**(trim_marks or {}), status.site_id: status.trim_mark}
     lines = [
         f"{status.site_id}: schema v{status.schema_version}, topology {status.topology_config_id or '(none applied)'}, "
         f"trim mark {status.trim_mark}"
     ]
     for s in status.sessions:
         session = f"{s['source_site_id']}->{s['sink_site_id']}/{s['client_name']}"
-        detail = (
-            f"remaining {s['remaining_entries_to_send']}, {s['state']}" if s["role"] == "source"
-            else f"data consistent {s['data_consistent']}"
-        )
+        mark = marks.get(s["source_site_id"])
+        if s["role"] == "source":
+            detail = f"remaining {s['remaining_entries_to_send']}, {s['state']}"
+        else:
+            against = f"source trim mark {mark}" if mark is not None else "source trim mark unknown"
+            detail = f"data consistent {s['data_consistent']}, {against}"
         lines.append(
-            f"  {s['role']:<6} {session:<32} {readiness(s):<22} {s['sync_type'] or '-':<9} {s['status']:<11} "
+            f"  {s['role']:<6} {session:<32} {readiness(s, mark):<24} {s['sync_type'] or '-':<9} {s['status']:<11} "
             f"base {s['base_snapshot']}, applied {s['last_applied_position']}, {detail}"
             + (f"\n         last error: {s['last_error']}" if s.get("last_error") else "")
         )
     for reason in status.held_back_by:
         lines.append(f"  held back: {reason}")
     return "\n".join(lines)
+
+
+def render_sites(found: dict[str, SiteStatus | str]) -> str:
+    """Every site's status (or why it could not be read), each sink's sessions checked against
+    the trim mark of its source read in the same run."""
+    marks = {site: st.trim_mark for site, st in found.items() if isinstance(st, SiteStatus)}
+    return "\n".join(st if isinstance(st, str) else render(st, marks) for st in found.values())
 
 
 # --- work waiting on a source (Airflow's sensors and the replication plan) ---------------------
