@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from airflow_provider_lr.engine import fanout, trim
+from airflow_provider_lr.engine import fanout, full_sync, trim
 from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.session import SessionSettings
 from tests.session_helpers import (
@@ -199,5 +199,30 @@ def test_status_never_calls_a_sink_behind_the_trim_mark_consistent(lr_sites):
     session = [line for line in _status_lines(lr_sites) if "site-a->site-b/policy" in line]
     assert " ready " in session[0] and "consistent" in session[1] and "behind" not in session[1]
     assert final_state(queue(sink_b, "site-a")) == source_state(source)
+    repl.close()
+    app.close()
+
+
+def test_a_session_removed_from_the_topology_releases_its_open_full_sync_for_safe_trim(lr_sites):
+    source = lr_sites[0]
+    two = [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy"]}]
+    topo = apply(lr_sites, two, providers=PROVIDERS)
+    app = App(source)
+    app.put("k0", 0, ["site-b", "site-c"])
+    repl = replicator(topo, lr_sites)
+    repl.run(max_cycles=3, until_idle=True, interval=0.01)
+    repl.close()
+    conn = source.connect()
+    full_sync.request_full_sync(conn, "site-c", "policy", "audit", forced=True)
+    app.client.serve_full_sync_requests(lambda ctx: None)  # supplied: its base holds safe trim
+    for i in range(1, 20):
+        app.put(f"k{i}", i, ["site-b"])
+    topo = apply(lr_sites, ONE_SINK, providers=PROVIDERS)  # site-c's session is removed
+    assert _open_requests(source) == 0
+    repl = replicator(topo, lr_sites)
+    repl.run(max_cycles=3, until_idle=True, interval=0.01)
+    acked = source.query("SELECT acked_position FROM lr.source_sessions")[0][0]
+    assert trim.safe_trim(conn).trim_mark == acked
+    conn.close()
     repl.close()
     app.close()

@@ -224,6 +224,13 @@ def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site
                     "INSERT INTO lr.source_sessions (sink_site_id, client_name) VALUES (%s, %s) ON CONFLICT DO NOTHING",
                     (key.sink, key.client),
                 )
+            # a removed session's open full sync would hold safe trim at its base forever
+            cur.execute(
+                "UPDATE lr.full_sync_requests r SET status = 'cancelled', finished_at = now(), "
+                "note = 'session removed from the topology' WHERE status IN ('pending', 'supplied') "
+                "AND NOT EXISTS (SELECT 1 FROM lr.source_sessions s "
+                "                WHERE s.sink_site_id = r.sink_site_id AND s.client_name = r.client_name)"
+            )
             cur.execute(
                 "INSERT INTO lr.topology (topology_config_id, document) VALUES (%s, %s) "
                 "ON CONFLICT (singleton) DO UPDATE SET topology_config_id = EXCLUDED.topology_config_id, "
