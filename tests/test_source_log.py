@@ -105,6 +105,7 @@ def test_reader_for_a_destination_follows_only_its_tag(source, dests):
         (b"x", ["nowhere"], "unknown destination"),
         (b"x", ["SELF"], "cannot transmit to itself"),
         (b"x" * 1025, ["DEST"], "exceeds the maximum of 1024 bytes"),
+        (memoryview(bytes(1032)).cast("q"), ["DEST"], "payload of 1032 bytes exceeds"),  # 129 items of 8 bytes
         ("text", ["DEST"], "must be bytes"),
     ],
 )

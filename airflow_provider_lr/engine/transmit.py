@@ -112,9 +112,10 @@ class RoutingQueueClient:
     ) -> tuple[int, list[int], bytes]:
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise TransmitError(f"payload must be bytes, not {type(payload).__name__}; nothing was written")
-        if len(payload) > self.max_payload_bytes:
+        size = payload.nbytes if isinstance(payload, memoryview) else len(payload)  # bytes, not items
+        if size > self.max_payload_bytes:
             raise TransmitError(
-                f"payload of {len(payload)} bytes exceeds the maximum of {self.max_payload_bytes} bytes "
+                f"payload of {size} bytes exceeds the maximum of {self.max_payload_bytes} bytes "
                 f"(client {self.client_name!r}); nothing was written"
             )
         if isinstance(destinations, str) or not destinations:
