@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import socket
 import string
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from airflow_provider_lr.engine.conninfo import ConnInfo, from_airflow_dict
 from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.topology_schema import valid_site_id
 
 DEFAULT_SETTINGS: dict[str, str] = {
     "wal_level": "logical",  # native logical replication is a bench anchor
@@ -41,6 +43,21 @@ def lr_home() -> Path:
 def conn_id_for(site_id: str) -> str:
     """Airflow connection id of a site: ``site-a`` → ``lr_site_a``."""
     return "lr_" + site_id.replace("-", "_")
+
+
+def _check_ids(wanted: list[str], known: dict[str, "EmbeddedSite"]) -> None:
+    """Site ids become directory names, connection ids and shell variables: refuse anything but
+    the site-id pattern (no path, no quote, no newline) and two ids that map to one connection."""
+    bad = [s for s in wanted if not valid_site_id(s)]
+    if bad:
+        raise ConfigurationError(f"invalid site id(s) {bad}: use 1-63 lowercase letters, digits, '-' or '_', "
+                                 "starting with a letter or digit")
+    owners: dict[str, str] = {}
+    for site_id in [*known, *wanted]:
+        other = owners.setdefault(conn_id_for(site_id), site_id)
+        if other != site_id:
+            raise ConfigurationError(f"site ids {other!r} and {site_id!r} would share the connection id "
+                                     f"{conn_id_for(site_id)!r}; pick ids that differ in more than '-' and '_'")
 
 
 def default_site_ids(count: int) -> list[str]:
@@ -109,7 +126,7 @@ class SiteManager:
         """Write the sites as Airflow connections: a connections file and an env file."""
         conns = {s.conn_id: s.airflow_conn() for s in sites}
         (self.home / "connections.json").write_text(json.dumps(conns, indent=2))
-        lines = [f"AIRFLOW_CONN_{cid.upper()}='{json.dumps(c)}'" for cid, c in conns.items()]
+        lines = [f"AIRFLOW_CONN_{cid.upper()}={shlex.quote(json.dumps(c))}" for cid, c in conns.items()]
         (self.home / "airflow.env").write_text("\n".join(lines) + "\n")
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -119,6 +136,7 @@ class SiteManager:
         wanted = site_ids or (default_site_ids(count) if count else list(known))
         if not wanted:
             raise ConfigurationError("no sites to start: give --count N (or site ids)")
+        _check_ids(wanted, known)
         for index, site_id in enumerate(wanted):
             site = known.get(site_id)
             if site is None:

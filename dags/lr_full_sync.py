@@ -14,8 +14,7 @@ from datetime import datetime, timedelta, timezone
 from airflow.sdk import Param, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException
 
-from airflow_provider_lr.engine.schema import SITE_ID_PATTERN
-from airflow_provider_lr.engine.topology import CLIENT_NAME_PATTERN
+from airflow_provider_lr.engine.topology_schema import CLIENT_NAME_PATTERN, SITE_ID_PATTERN
 from airflow_provider_lr.operators import LRLogEntrySyncOperator, LRSnapshotSyncOperator
 from airflow_provider_lr.operators.common import parse_time_topology
 
@@ -48,11 +47,11 @@ def _optional_choice(values: list[str], pattern: str, **schema: object) -> Param
     tags=["lr", "replication"],
     doc_md=__doc__,
     params={
-        "sink": _choice(SINKS, SITE_ID_PATTERN.pattern, title="Sink site",
+        "sink": _choice(SINKS, f"^{SITE_ID_PATTERN.pattern}$", title="Sink site",
                         description="The destination that gets everything again"),
-        "client": _optional_choice(CLIENTS, CLIENT_NAME_PATTERN.pattern, title="Client",
+        "client": _optional_choice(CLIENTS, f"^{CLIENT_NAME_PATTERN.pattern}$", title="Client",
                                    description="Only this client's session (empty: every client replicating to the sink)"),
-        "source": _optional_choice(SOURCES, SITE_ID_PATTERN.pattern, title="Source site",
+        "source": _optional_choice(SOURCES, f"^{SITE_ID_PATTERN.pattern}$", title="Source site",
                                    description="Only from this source (empty: every source replicating to the sink)"),
         "reason": Param("requested from the Airflow UI", type="string", minLength=1, maxLength=500, title="Reason",
                         description="Recorded with the request on the source (lr status shows it)"),

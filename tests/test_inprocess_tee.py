@@ -71,3 +71,23 @@ def test_a_replicator_of_some_sessions_tees_only_those(lr_sites, lr_connections)
     sink_b, sink_c = lr_sites[1:]
     assert sink_queue(sink_b, "policy") == expected_queue(lr_sites[0], "site-b", "policy")
     assert sink_queue(sink_c, "policy") == []  # not this replicator's session
+
+
+def test_the_source_lost_in_the_middle_of_a_tee_is_reported_and_the_next_cycles_finish(lr_sites, lr_connections):
+    from airflow_provider_lr.engine.faults import on_fault
+
+    topo = in_log_entry_sync(lr_sites)
+    transmit_backlog(lr_sites[0], 1500, per_txn=250)
+    repl = replicator(topo, lr_sites, tee_min_backlog=100)
+
+    def cut_source() -> None:  # the source's server drops every other backend, as a restart would
+        lr_sites[0].query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                          "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+
+    try:
+        with on_fault("fanout_after_commit_p0_a0", cut_source):
+            repl.run_cycle()  # must not raise: one source's trouble is reported, not thrown
+        repl.run(max_cycles=5, until_idle=True, interval=0.01)
+    finally:
+        repl.close()
+    delivered_exactly(lr_sites)

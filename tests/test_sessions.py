@@ -162,7 +162,7 @@ def test_topology_id_mismatch_refuses_until_the_same_topology_is_applied(lr_site
     source, sink_b, _ = lr_sites
     replication = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
     topo = apply(lr_sites, replication)
-    other = apply(lr_sites, replication, settings={"note": "edited on site-b only"}, only=[sink_b])
+    other = apply(lr_sites, replication, settings={"lease_seconds": 61}, only=[sink_b])
     assert other.topology_config_id != topo.topology_config_id
     app = App(source)
     app.put("k", 1, ["site-b"])

@@ -29,14 +29,15 @@ def test_any_change_gives_a_new_config_id_and_key_order_does_not():
 
 
 @pytest.mark.parametrize("doc, error", [
-    ({"sites": []}, "non-empty 'sites'"),
-    ({"sites": [{"id": "Site A"}]}, "invalid site id"),
+    ({"sites": []}, "sites: \\[\\] should be non-empty"),
+    ({"sites": [{"id": "Site A"}]}, "sites\\[0\\].id: 'Site A' is not a valid site id"),
     ({"sites": [{"id": "a"}, {"id": "a"}]}, "appears twice"),
     ({"sites": [{"id": "a"}], "replication": [{"source": "a", "sinks": ["b"], "clients": ["c"]}]}, "unknown site 'b'"),
     ({"sites": [{"id": "a"}], "replication": [{"source": "a", "sinks": ["a"], "clients": ["c"]}]}, "to itself"),
-    ({"sites": [{"id": "a"}, {"id": "b"}], "replication": [{"source": "a", "sinks": ["b"]}]}, "names no clients"),
+    ({"sites": [{"id": "a"}, {"id": "b"}], "replication": [{"source": "a", "sinks": ["b"]}]},
+     "'clients' is a required property"),
     ({"sites": [{"id": "a"}, {"id": "b"}],
-      "replication": [{"source": "a", "sinks": ["b"], "clients": ["x'; DROP TABLE t;--"]}]}, "invalid client name"),
+      "replication": [{"source": "a", "sinks": ["b"], "clients": ["x'; DROP TABLE t;--"]}]}, "is not a valid client name"),
     ({"sites": [{"id": "a"}], "providers": {"c": "no_colon"}}, "package.module:function"),
     ({"sites": [{"id": "s"}, {"id": "b_c"}, {"id": "c"}],
       "replication": [{"source": "b_c", "sinks": ["s"], "clients": ["a"]},

@@ -21,6 +21,10 @@ class TransmitError(LRError):
 class FencedError(LRError):
     """A replicator whose session lease was taken over tried to write; nothing was written."""
 
+    def __init__(self, message: str, sink_epoch: int | None = None) -> None:
+        super().__init__(message)
+        self.sink_epoch = sink_epoch  # the epoch the sink has seen, when a sink refused
+
 
 class StaleBatchError(LRError):
     """A batch does not fit the sink's state (gap, other snapshot, other sync); renegotiate."""

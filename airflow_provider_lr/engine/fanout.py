@@ -376,10 +376,7 @@ class FanoutDriver:
         if self._keeper is not None:
             self._keeper.stop()
         for lease in self.leases.values():
-            try:
-                leases.release(self.src, lease)
-            except psycopg2.Error:
-                self.src.rollback()
+            leases.release_quietly(self.src, lease)
         if not self.src.closed:
             self.src.close()
 

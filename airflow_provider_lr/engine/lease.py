@@ -12,6 +12,7 @@ import socket
 import uuid
 from dataclasses import dataclass
 
+import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import FencedError
@@ -58,6 +59,29 @@ def acquire(
         raise
 
 
+def advance_epoch(conn: psycopg2.extensions.connection, lease: Lease, above: int) -> Lease:
+    """Move a held lease's epoch past ``above``, an epoch a sink has seen that this source does
+    not remember (the session was removed from the topology and added back, or the source's
+    metadata restored): epochs never go backwards. Only the current holder can; FencedError
+    otherwise. Commits."""
+    try:
+        with conn.cursor() as cur:
+            cur.execute(
+                "UPDATE lr.source_sessions SET lease_epoch = %s WHERE sink_site_id = %s AND client_name = %s "
+                "AND lease_owner = %s AND lease_epoch = %s AND lease_expires_at > now() RETURNING lease_epoch",
+                (above + 1, lease.sink, lease.client, lease.owner, lease.epoch),
+            )
+            row = cur.fetchone()
+        conn.commit()
+    except BaseException:
+        conn.rollback()
+        raise
+    if row is None:
+        raise FencedError(f"session to {lease.sink!r} for {lease.client!r}: lease epoch {lease.epoch} of "
+                          f"{lease.owner} was taken over; stopping")
+    return Lease(lease.sink, lease.client, lease.owner, row[0])
+
+
 def release(conn: psycopg2.extensions.connection, lease: Lease) -> None:
     """Give the lease up (the epoch stays, so the next owner bumps past it). Commits."""
     with conn.cursor() as cur:
@@ -67,6 +91,20 @@ def release(conn: psycopg2.extensions.connection, lease: Lease) -> None:
             (lease.sink, lease.client, lease.owner, lease.epoch),
         )
     conn.commit()
+
+
+def release_quietly(conn: psycopg2.extensions.connection, lease: Lease) -> None:
+    """``release`` when the site can be reached; otherwise nothing (the lease expires on its own
+    after ``lease_seconds``). For clean-up paths, which must not turn a lost connection into a
+    second failure."""
+    try:
+        release(conn, lease)
+    except psycopg2.Error:
+        if not conn.closed:
+            try:
+                conn.rollback()
+            except psycopg2.Error:
+                pass
 
 
 def update_session(conn: psycopg2.extensions.connection, lease: Lease, commit: bool = True, **values: object) -> None:

@@ -20,7 +20,7 @@ import psycopg2.extensions
 from airflow_provider_lr.engine import full_sync, lease as leases, sink, status
 from psycopg2.extensions import AsIs
 
-from airflow_provider_lr.engine.errors import LRError, TrimmedError
+from airflow_provider_lr.engine.errors import FencedError, LRError, TrimmedError
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.full_sync import FullSyncRequest, Provider
 from airflow_provider_lr.engine.log_reader import (
@@ -139,7 +139,17 @@ class SessionRunner:
             report.skipped = "another replicator holds this session's lease"
             return report, None, None
         fault_point("after_lease")
-        meta = sink.fence(self.sink, self.key.source, self.key.client, self.lease.epoch)
+        try:
+            meta = sink.fence(self.sink, self.key.source, self.key.client, self.lease.epoch)
+        except FencedError as exc:
+            if exc.sink_epoch is None:
+                raise
+            # we hold the source's lease, yet the sink has seen a higher epoch: the source forgot
+            # it (session re-added); move past it rather than stay fenced until the epochs catch up
+            log.info("session %s: the sink has seen epoch %s, above the source's %s; moving past it",
+                     self.key, exc.sink_epoch, self.lease.epoch)
+            self.lease = leases.advance_epoch(self.source, self.lease, exc.sink_epoch)
+            meta = sink.fence(self.sink, self.key.source, self.key.client, self.lease.epoch)
         fault_point("after_fence")
         negotiation = self.negotiate(meta)
         report.decision, report.reason = negotiation.decision.value, negotiation.reason
@@ -392,10 +402,7 @@ class SessionRunner:
 
     def release(self) -> None:
         if self.lease is not None:
-            try:
-                leases.release(self.source, self.lease)
-            except psycopg2.Error:
-                self.source.rollback()
+            leases.release_quietly(self.source, self.lease)
             self.lease = None
 
 

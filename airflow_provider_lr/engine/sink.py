@@ -8,18 +8,22 @@ writes only what is new); snapshot messages through the source entry id they end
 """
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass, fields, replace
 from typing import Iterable, Sequence
 
 import psycopg2.extensions
+from google.protobuf.message import DecodeError
 from psycopg2.extensions import AsIs
 from psycopg2.extras import execute_values
 
-from airflow_provider_lr.engine.errors import FencedError, StaleBatchError
+from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, StaleBatchError
 from airflow_provider_lr.engine.log_reader import BaseSplit, LogRecord
 from airflow_provider_lr.engine.queue_rows import Packer
 from airflow_provider_lr.proto import lr_pb2
+
+log = logging.getLogger(__name__)
 
 NOTIFY_CHANNEL = "lr_recv"  # payload: "<client>/<source>"
 
@@ -105,9 +109,12 @@ class _SinkWrite:
             self.cur.execute(_SELECT + " FOR UPDATE", (self.source, self.client))
             meta = _metadata(self.cur.fetchone())
             if meta.lease_epoch > self.epoch:
+                self.cur.execute("SELECT site_id FROM lr.site_info")
+                here = (self.cur.fetchone() or ("this sink",))[0]
                 raise FencedError(
-                    f"session {self.source}->{self.client}: lease epoch {self.epoch} is stale "
-                    f"(the sink has seen epoch {meta.lease_epoch}); another replicator owns this session"
+                    f"session {self.source}->{here}/{self.client}: lease epoch {self.epoch} is stale "
+                    f"(the sink has seen epoch {meta.lease_epoch}); another replicator owns this session",
+                    sink_epoch=meta.lease_epoch,
                 )
             if meta.lease_epoch < self.epoch:
                 self.cur.execute(
@@ -159,11 +166,32 @@ class _SinkWrite:
         )
 
     def register(self) -> None:
-        """Register the receive queue so subscribers discover it by prefix (idempotent)."""
+        """Register the receive queue so subscribers discover it by prefix (idempotent). A name
+        once registered for another session (client ``a_b`` from ``c``, then client ``a`` from
+        ``b_c`` in a later topology) is taken over when nothing of that session waits in the
+        queue; otherwise the write is refused: registering nothing would hide this session's
+        data from its subscribers."""
+        name = receive_queue_name(self.client, self.source)
         self.cur.execute(
             "INSERT INTO lr.registry (stream_name, kind, stream_tags, source_site_id, client_name) "
             "VALUES (%s, 'receive_queue', ARRAY[%s], %s, %s) ON CONFLICT (stream_name) DO NOTHING",
-            (receive_queue_name(self.client, self.source), f"lrq_recv_{self.client}", self.source, self.client),
+            (name, f"lrq_recv_{self.client}", self.source, self.client),
+        )
+        self.cur.execute("SELECT source_site_id, client_name FROM lr.registry WHERE stream_name = %s", (name,))
+        owner = tuple(self.cur.fetchone())
+        if owner == (self.source, self.client):
+            return
+        self.cur.execute("SELECT 1 FROM lr.receive_queue WHERE source_site_id = %s AND client_name = %s LIMIT 1", owner)
+        if self.cur.fetchone() is not None:
+            raise ConfigurationError(
+                f"receive queue {name!r} on this sink still holds entries of client {owner[1]!r} from {owner[0]!r}; "
+                f"client {self.client!r} from {self.source!r} would get the same queue name. Let the subscribers "
+                "drain it, or rename the client or site (avoid '_' in their names)"
+            )
+        self.cur.execute(
+            "UPDATE lr.registry SET kind = 'receive_queue', stream_tags = ARRAY[%s], source_site_id = %s, "
+            "client_name = %s WHERE stream_name = %s",
+            (f"lrq_recv_{self.client}", self.source, self.client, name),
         )
 
     def announce(self) -> None:
@@ -182,9 +210,20 @@ def fence(conn: psycopg2.extensions.connection, source: str, client: str, epoch:
         return replace(meta, lease_epoch=epoch, site_topology_config_id=_site_topology_id(cur))
 
 
+MALFORMED = lr_pb2.NONE  # receive-queue kind of a source entry that does not parse
+
+
 def rewrite_for_sink(message: bytes) -> tuple[int, bytes]:
-    """The receive-queue form of a source entry: destinations stripped. Returns (type, bytes)."""
-    msg = lr_pb2.RoutingTableEntryMsg.FromString(message)
+    """The receive-queue form of a source entry: destinations stripped. Returns (type, bytes).
+
+    A source entry that does not parse (corrupted in the log) is passed on as it is, with kind
+    ``MALFORMED``: every path that writes a receive queue (session cycles, the fan-out, snapshot
+    transfers) does the same, nothing stops, and the subscriber moves it to the sink's dead
+    letters with the error, in its place in the queue."""
+    try:
+        msg = lr_pb2.RoutingTableEntryMsg.FromString(message)
+    except DecodeError:
+        return MALFORMED, message
     del msg.destinations[:]
     return msg.type, msg.SerializeToString()
 
@@ -352,6 +391,9 @@ def apply_log_entries(
         for record in records:
             if record.position > last:
                 kind, message = rewrite_for_sink(record.message)
+                if kind == MALFORMED:
+                    log.warning("entry %s at position %s from %s for client %s is malformed; passed on to the "
+                                "sink's dead letters", record.entry_id, record.position, source, client)
                 rows.append((kind, record.position, record.entry_id, message))
         write.insert(rows)
         write.update(last_log_entry_processed=end)

@@ -10,17 +10,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import psycopg2.extensions
-import yaml
 
 from airflow_provider_lr.engine.conninfo import ConnInfo, resolve
-from airflow_provider_lr.engine.errors import ConfigurationError
-from airflow_provider_lr.engine.schema import SITE_ID_PATTERN
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError
+from airflow_provider_lr.engine.topology_schema import (  # noqa: F401 (re-exported names)
+    CLIENT_NAME_PATTERN,
+    SITE_ID_PATTERN,
+    Origin,
+    read,
+    valid_client_name,
+    validate,
+)
 from airflow_provider_lr.paths import include_dir
 
 TOPOLOGY_ENV = "LR_TOPOLOGY"
@@ -50,9 +55,6 @@ class SessionKey:
 
     def __str__(self) -> str:
         return f"{self.source}->{self.sink}/{self.client}"
-
-
-CLIENT_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 
 
 @dataclass(frozen=True)
@@ -110,56 +112,46 @@ class Topology:
             ) from None
 
 
-def from_document(doc: dict[str, Any]) -> Topology:
-    """Validate and build a topology from its YAML/JSON document."""
-    if not isinstance(doc, dict) or not isinstance(doc.get("sites"), list) or not doc["sites"]:
-        raise ConfigurationError("topology needs a non-empty 'sites' list")
+def from_document(doc: Any, origin: Origin | None = None) -> Topology:
+    """Validate and build a topology from its YAML/JSON document (``topology_schema``); errors
+    name the file, line and key when ``origin`` says where the document came from."""
+    origin = origin or Origin()
+    validate(doc, origin)
     sites: dict[str, SiteSpec] = {}
-    for raw in doc["sites"]:
-        site_id = str(raw.get("id", ""))
-        if not SITE_ID_PATTERN.match(site_id):
-            raise ConfigurationError(f"invalid site id {site_id!r} in topology (lowercase letters, digits, '-', '_')")
+    for index, raw in enumerate(doc["sites"]):
+        site_id = raw["id"]
         if site_id in sites:
-            raise ConfigurationError(f"site {site_id!r} appears twice in the topology")
-        sites[site_id] = SiteSpec(site_id, str(raw.get("region", "default")), raw.get("conn_id"))
+            raise origin.error(["sites", index, "id"], f"site {site_id!r} appears twice")
+        sites[site_id] = SiteSpec(site_id, raw.get("region", "default"), raw.get("conn_id"))
     replications = []
-    for raw in doc.get("replication", []) or []:
-        source, sinks = raw.get("source"), tuple(raw.get("sinks", []))
-        for name in (source, *sinks):
+    for index, raw in enumerate(doc.get("replication") or []):
+        source, sinks = raw["source"], tuple(raw["sinks"])
+        for key, name in [("source", source), *(("sinks", sink) for sink in sinks)]:
             if name not in sites:
-                raise ConfigurationError(f"replication names unknown site {name!r}; known: {sorted(sites)}")
+                raise origin.error(["replication", index, key], f"unknown site {name!r}; known: {sorted(sites)}")
         if source in sinks:
-            raise ConfigurationError(f"site {source!r} cannot replicate to itself")
-        clients = tuple(str(c) for c in raw.get("clients", []))
-        if not clients:
-            raise ConfigurationError(f"replication from {source!r} names no clients")
-        for client in clients:
-            if not CLIENT_NAME_PATTERN.match(client):
-                raise ConfigurationError(f"invalid client name {client!r} (letters, digits, '-', '_')")
-        replications.append(Replication(source, sinks, clients))
-    _refuse_ambiguous_queue_names(replications)
-    providers = {str(k): str(v) for k, v in (doc.get("providers") or {}).items()}
-    for client, target in providers.items():
-        if ":" not in target:
-            raise ConfigurationError(f"provider for client {client!r} must be 'package.module:function', not {target!r}")
-    return Topology(sites, tuple(replications), dict(doc.get("settings", {}) or {}), providers)
+            raise origin.error(["replication", index, "sinks"], f"site {source!r} cannot replicate to itself")
+        replications.append(Replication(source, sinks, tuple(raw["clients"])))
+    _refuse_ambiguous_queue_names(replications, origin)
+    return Topology(sites, tuple(replications), dict(doc.get("settings") or {}), dict(doc.get("providers") or {}))
 
 
-def _refuse_ambiguous_queue_names(replications: list[Replication]) -> None:
+def _refuse_ambiguous_queue_names(replications: list[Replication], origin: Origin) -> None:
     """Receive queues are named ``LRQ_Recv_<client>_<source>``; with '_' allowed in both names two
     sessions into one sink could get the same queue name (client ``a_b`` from ``c`` and client
     ``a`` from ``b_c``) and their data would be mixed up. Such topologies are refused."""
     seen: dict[tuple[str, str], tuple[str, str]] = {}
-    for r in replications:
+    for index, r in enumerate(replications):
         for sink in r.sinks:
             for client in r.clients:
                 name = (sink, f"LRQ_Recv_{client}_{r.source}")
                 other = seen.setdefault(name, (client, r.source))
                 if other != (client, r.source):
-                    raise ConfigurationError(
+                    raise origin.error(
+                        ["replication", index, "clients"],
                         f"sink {sink!r} would get one receive queue {name[1]!r} for client {client!r} from "
                         f"{r.source!r} and for client {other[0]!r} from {other[1]!r}; rename one (avoid '_' in "
-                        "client or site names)"
+                        "client or site names)",
                     )
 
 
@@ -169,9 +161,9 @@ def default_path() -> Path:
 
 def load(path: Path | str | None = None) -> Topology:
     path = Path(path) if path else default_path()
-    if not path.exists():
+    if not path.is_file():
         raise ConfigurationError(f"topology file {path} not found (set {TOPOLOGY_ENV} or pass a path)")
-    return from_document(yaml.safe_load(path.read_text()))
+    return from_document(*read(path))
 
 
 def from_site(conn: psycopg2.extensions.connection) -> Topology:
@@ -183,7 +175,7 @@ def from_site(conn: psycopg2.extensions.connection) -> Topology:
     conn.commit()
     if row is None:
         raise ConfigurationError("no topology has been applied to this site (run `lr topology apply`)")
-    return from_document(row[0])
+    return from_document(row[0], Origin("the topology stored on the site"))
 
 
 def site_conninfo(topology: Topology, site_id: str) -> ConnInfo:
@@ -191,10 +183,11 @@ def site_conninfo(topology: Topology, site_id: str) -> ConnInfo:
     return resolve(topology.conn_id(site_id))
 
 
-def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site_id: str) -> None:
+def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site_id: str, commit: bool = True) -> None:
     """Record the topology on one site: every other site becomes addressable from it, its clients
     are registered, and the sessions it is the source of are created (sessions it no longer is
-    the source of are removed; their sinks keep their data). Commits."""
+    the source of are removed; their sinks keep their data). Commits unless ``commit`` is False
+    (``apply_everywhere`` commits every site together)."""
     topology.site(site_id)
     mine = topology.sessions(source=site_id)
     try:
@@ -237,7 +230,41 @@ def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site
                 "document = EXCLUDED.document, applied_at = now()",
                 (topology.topology_config_id, json.dumps(topology.document)),
             )
-        conn.commit()
+        if commit:
+            conn.commit()
     except BaseException:
         conn.rollback()
         raise
+
+
+def apply_everywhere(topology: Topology, connect: Callable[[str], psycopg2.extensions.connection]) -> list[str]:
+    """Apply the topology to every one of its sites, all or nothing: each site is first reached
+    and checked (lr schema installed, and the site id recorded there is the one the topology
+    gives it), then the topology is written on all of them in open transactions that commit
+    together once every write succeeded. One site unreachable or wrong: nothing changes anywhere.
+    Returns the site ids."""
+    from airflow_provider_lr.engine.schema import site_identity
+
+    conns: dict[str, psycopg2.extensions.connection] = {}
+    try:
+        for site_id in sorted(topology.sites):
+            try:
+                conns[site_id] = conn = connect(site_id)
+                recorded, _ = site_identity(conn)
+                conn.rollback()
+            except (psycopg2.Error, LRError) as exc:
+                raise ConfigurationError(f"site {site_id!r} ({topology.conn_id(site_id)}): {exc}".strip()
+                                         + "; nothing was applied on any site") from exc
+            if recorded != site_id:
+                raise ConfigurationError(f"connection {topology.conn_id(site_id)!r} of site {site_id!r} reaches site "
+                                         f"{recorded!r}; nothing was applied on any site")
+        for site_id, conn in conns.items():
+            apply_to_site(conn, topology, site_id, commit=False)
+        for conn in conns.values():
+            conn.commit()
+        return list(conns)
+    finally:
+        for conn in conns.values():
+            if not conn.closed:
+                conn.rollback()
+                conn.close()

@@ -43,28 +43,33 @@ class RoutingQueueClient:
         self,
         conn: psycopg2.extensions.connection,
         client_name: str,
-        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        max_payload_bytes: int | None = None,
         prepared: bool = True,
     ) -> None:
         if not client_name or not client_name.replace("_", "").replace("-", "").isalnum():
             raise TransmitError(f"invalid client name {client_name!r}: use letters, digits, '-' or '_'")
         self.conn = conn
         self.client_name = client_name
-        self.max_payload_bytes = max_payload_bytes
+        self.max_payload_bytes = max_payload_bytes or DEFAULT_MAX_PAYLOAD_BYTES
         idle = conn.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
         self.source_site_id, _ = site_identity(conn)
         self.client_id = 0
         self._tag_ids: dict[str, int] = {}  # the sinks this client replicates to -> their tag
-        self._load_routes()
+        self._load_routes(max_payload_bytes is None)
         self.prepared = prepared
         if prepared:
             self._prepare()
         if idle:
             conn.rollback()  # leave the caller's connection as we found it (read only so far)
 
-    def _load_routes(self) -> None:
-        """The client's id and its sinks, from the topology applied to this site."""
+    def _load_routes(self, topology_limit: bool = False) -> None:
+        """The client's id and its sinks (and, unless the caller set one, the payload limit: the
+        topology's ``max_payload_bytes``), from the topology applied to this site."""
         with self.conn.cursor() as cur:
+            if topology_limit:
+                cur.execute("SELECT (document #>> '{settings,max_payload_bytes}')::bigint FROM lr.topology")
+                row = cur.fetchone()
+                self.max_payload_bytes = (row and row[0]) or DEFAULT_MAX_PAYLOAD_BYTES
             cur.execute("SELECT client_id FROM lr.clients WHERE client_name = %s", (self.client_name,))
             row = cur.fetchone()
             self.client_id = row[0] if row else 0

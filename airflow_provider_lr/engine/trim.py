@@ -9,11 +9,15 @@
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.log_reader import commit_barrier
+
+MAX_RETENTION = 100 * 365 * 86_400.0  # seconds; beyond this a retention trim is a typo
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,9 @@ def safe_trim(conn: psycopg2.extensions.connection) -> TrimResult | None:
 
 def retention_trim(conn: psycopg2.extensions.connection, keep_seconds: float) -> TrimResult | None:
     """Trim everything committed more than ``keep_seconds`` ago, lagging sessions or not."""
+    if not isinstance(keep_seconds, (int, float)) or not math.isfinite(keep_seconds) or not 0 <= keep_seconds <= MAX_RETENTION:
+        raise ConfigurationError(f"retention must be a number of seconds between 0 and {MAX_RETENTION:.0f}, "
+                                 f"not {keep_seconds!r}")
     barrier, _ = commit_barrier(conn)
     if barrier is None:
         return None

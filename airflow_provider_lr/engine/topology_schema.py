@@ -1,0 +1,208 @@
+"""The one schema of a topology document, and errors that name the file, line and key.
+
+A topology is configuration that switches replication on and off, so it is read strictly:
+unknown keys are refused (a misspelt ``replications:`` must not silently mean "replicate
+nothing"), every value has a type (``clients: policy`` is not a list of six one-letter clients),
+and settings are typed and bounded. Errors are one line: ``file:line: key: what is wrong``.
+
+The schema is JSON Schema (draft 2020-12, validated with ``jsonschema``); ``docs/topology.md``
+documents every key. Rules that need more than one value (a replication naming an unknown site,
+a site replicating to itself, receive-queue names that would collide) are checked by
+``topology.from_document`` and reported through the same :class:`Origin`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import ValidationError
+
+from airflow_provider_lr.engine.errors import ConfigurationError
+
+# Names become SQL literals, stream tags, queue names and file names: one pattern each, matched
+# with fullmatch (``re.match`` with ``$`` lets a trailing newline through).
+SITE_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
+CLIENT_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
+PROVIDER_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
+MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+
+
+def valid_site_id(value: object) -> bool:
+    return isinstance(value, str) and SITE_ID_PATTERN.fullmatch(value) is not None
+
+
+def valid_client_name(value: object) -> bool:
+    return isinstance(value, str) and CLIENT_NAME_PATTERN.fullmatch(value) is not None
+
+
+def _anchored(pattern: re.Pattern[str]) -> str:
+    # JSON Schema patterns are searched; \Z (not $) so that no trailing newline passes.
+    return rf"^(?:{pattern.pattern})\Z"
+
+
+_SITE_ID = {"type": "string", "pattern": _anchored(SITE_ID_PATTERN)}
+_CLIENT = {"type": "string", "pattern": _anchored(CLIENT_NAME_PATTERN)}
+_POSITIVE_SECONDS = {"type": "number", "exclusiveMinimum": 0, "maximum": 86_400 * 365}
+_COUNT = {"type": "integer", "minimum": 0}
+
+# name -> (schema, what it sets); the defaults live with the code that uses them.
+SETTINGS: dict[str, tuple[dict, str]] = {
+    "full_sync_data_timeout_s": (_POSITIVE_SECONDS, "seconds without client data before a full-sync request restarts"),
+    "lease_seconds": (_POSITIVE_SECONDS, "session lease; a replicator that loses it is fenced"),
+    "tee_min_backlog": (_COUNT, "lr sync and the DAG: larger backlogs are caught up by the read-once tee (0: off)"),
+    "spark_min_backlog": (_COUNT, "lr_replication DAG: larger backlogs go through the Spark fan-out"),
+    "max_payload_bytes": ({"type": "integer", "minimum": 1, "maximum": MAX_PAYLOAD_BYTES},
+                          "largest payload transmit accepts on the sites of this topology"),
+}
+
+SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "lr topology",
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["sites"],
+    "properties": {
+        "sites": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["id"],
+                "properties": {
+                    "id": _SITE_ID,
+                    "region": {"type": "string", "minLength": 1, "maxLength": 63},
+                    "conn_id": {"type": "string", "minLength": 1, "maxLength": 250},
+                },
+            },
+        },
+        "replication": {
+            "type": ["array", "null"],
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["source", "sinks", "clients"],
+                "properties": {
+                    "source": _SITE_ID,
+                    "sinks": {"type": "array", "minItems": 1, "uniqueItems": True, "items": _SITE_ID},
+                    "clients": {"type": "array", "minItems": 1, "uniqueItems": True, "items": _CLIENT},
+                },
+            },
+        },
+        "providers": {
+            "type": ["object", "null"],
+            "propertyNames": _CLIENT,
+            "additionalProperties": {"type": "string", "pattern": _anchored(PROVIDER_PATTERN)},
+        },
+        "settings": {
+            "type": ["object", "null"],
+            "additionalProperties": False,
+            "properties": {name: schema for name, (schema, _) in SETTINGS.items()},
+        },
+    },
+}
+_VALIDATOR = Draft202012Validator(SCHEMA)
+
+# a DSN (key=value or URI form) that carries a password: never stored in a topology document
+_SECRET = re.compile(r"(?i)(\bpassword\s*=)|(^[a-z][a-z0-9+.-]*://[^/@\s]*:[^/@\s]*@)")
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a document came from: its file (or a label) and its YAML node tree, to give line numbers."""
+
+    name: str = "<topology>"
+    node: yaml.Node | None = None
+
+    def line(self, path: Iterable[str | int]) -> int | None:
+        """1-based line of the value (or key, for the last step of ``path``) at ``path``."""
+        node, line = self.node, None
+        for step in path:
+            if isinstance(node, yaml.MappingNode):
+                found = next(((k, v) for k, v in node.value if k.value == step), None)
+                if found is None:
+                    break
+                line, node = found[0].start_mark.line + 1, found[1]
+            elif isinstance(node, yaml.SequenceNode) and isinstance(step, int) and step < len(node.value):
+                node = node.value[step]
+                line = node.start_mark.line + 1
+            else:
+                break
+        if line is None and self.node is not None:
+            line = self.node.start_mark.line + 1
+        return line
+
+    def error(self, path: Iterable[str | int], message: str) -> ConfigurationError:
+        steps = list(path)
+        line = self.line(steps)
+        where = f"{self.name}:{line}" if line else self.name
+        return ConfigurationError(f"{where}: {_key(steps) or '(document)'}: {message}")
+
+
+def _key(path: Iterable[str | int]) -> str:
+    out = ""
+    for step in path:
+        out += f"[{step}]" if isinstance(step, int) else (f".{step}" if out else str(step))
+    return out
+
+
+def parse(text: str, name: str) -> tuple[Any, Origin]:
+    """The document in ``text`` (YAML or JSON) and its origin; a syntax error names file and line."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        doc = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = f":{mark.line + 1}" if mark else ""
+        context = f" ({exc.context} from line {exc.context_mark.line + 1})" if exc.context and exc.context_mark else ""
+        raise ConfigurationError(f"{name}{line}: YAML syntax error: {exc.problem}{context}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigurationError(f"{name}: YAML syntax error: {exc}") from None
+    return doc, Origin(name, node)
+
+
+def read(path: Path) -> tuple[Any, Origin]:
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ConfigurationError(f"{path}: not a text file (UTF-8 YAML expected)") from None
+    return parse(text, str(path))
+
+
+def validate(doc: Any, origin: Origin | None = None) -> None:
+    """Refuse a document that does not follow ``SCHEMA`` (the first error, one line)."""
+    origin = origin or Origin()
+    errors = sorted(_VALIDATOR.iter_errors(doc), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
+    if errors:
+        raise _explain(errors[0], origin)
+    for index, site in enumerate(doc["sites"]):
+        if "conn_id" in site and _SECRET.search(site["conn_id"]):
+            raise origin.error(["sites", index, "conn_id"], "holds a password; name an Airflow connection or an "
+                               "entry of the connections file instead (the topology is stored on every site)")
+
+
+def _explain(error: ValidationError, origin: Origin) -> ConfigurationError:
+    path = list(error.absolute_path)
+    if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+        known = sorted(error.schema.get("properties", {}))  # type: ignore[union-attr]
+        extra = sorted(str(k) for k in error.instance if k not in known)
+        hint = f" (known: {', '.join(known)})" if known else ""
+        return origin.error(path + extra[:1], f"unknown key {extra[0]!r}{hint}")
+    if error.validator == "pattern":
+        if path[:1] == ["providers"]:
+            return origin.error(path, f"{error.instance!r} is not a valid provider: expected 'package.module:function'")
+        if "clients" in path:
+            return origin.error(path, f"{error.instance!r} is not a valid client name: expected {_CLIENT_RULES}")
+        return origin.error(path, f"{error.instance!r} is not a valid site id: expected {_SITE_RULES}")
+    if error.validator == "propertyNames":
+        return origin.error(path + [str(error.instance)], f"{error.instance!r} is not a valid client name: "
+                                                           f"expected {_CLIENT_RULES}")
+    return origin.error(path, error.message)
+
+
+_CLIENT_RULES = "1-63 letters, digits, '-' or '_', starting with a letter or digit"
+_SITE_RULES = "1-63 lowercase letters, digits, '-' or '_', starting with a letter or digit"
