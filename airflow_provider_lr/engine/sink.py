@@ -233,7 +233,9 @@ _TYPE_TAG = 0x10  # field 2 (type), varint
 
 
 def strip_destinations(message: bytes) -> tuple[int, bytes]:
-    """``rewrite_for_sink`` at the byte level, for the bulk paths (~2.5x cheaper per entry).
+    """The receive-queue form of a source entry, for every path that writes a receive queue (one
+    rule, so a session cycle, the fan-out and a snapshot transfer write the same rows):
+    ``rewrite_for_sink`` at the byte level (~2.5x cheaper per entry).
 
     Protobuf serializers write known fields in field-number order (``transmit`` serializes every
     log entry with the generated code), so an entry's destinations (field 1) are its leading
@@ -321,7 +323,7 @@ def write_snapshot_messages(
         for record in records:
             if record.entry_id <= last_entry:
                 continue
-            kind, message = rewrite_for_sink(record.message)
+            kind, message = strip_destinations(record.message)
             rows.append((kind, record.position, record.entry_id, message))
             last_entry = record.entry_id
             ended = ended or kind == lr_pb2.LAST_FULL_SYNC_ENTRY
@@ -390,7 +392,7 @@ def apply_log_entries(
         rows = []
         for record in records:
             if record.position > last:
-                kind, message = rewrite_for_sink(record.message)
+                kind, message = strip_destinations(record.message)
                 if kind == MALFORMED:
                     log.warning("entry %s at position %s from %s for client %s is malformed; passed on to the "
                                 "sink's dead letters", record.entry_id, record.position, source, client)

@@ -206,7 +206,7 @@ def stage_range(plan: SnapshotPlan, part: EntryRange) -> dict:
         prefix = staging_prefix(plan.source, plan.client, plan.request_id)
 
         def on_row(fields: list[bytes | None]) -> None:
-            kind, message = sink.rewrite_for_sink(fields[2] or b"")
+            kind, message = sink.strip_destinations(fields[2] or b"")
             writer.add(staging_row(prefix, int.from_bytes(fields[0] or b"", "big", signed=True),
                                    int.from_bytes(fields[1] or b"", "big", signed=True), kind, message))
 

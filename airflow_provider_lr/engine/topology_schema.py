@@ -146,7 +146,10 @@ class Origin:
 def _key(path: Iterable[str | int]) -> str:
     out = ""
     for step in path:
-        out += f"[{step}]" if isinstance(step, int) else (f".{step}" if out else str(step))
+        if isinstance(step, int) or not re.fullmatch(r"[A-Za-z0-9_-]+", str(step)):
+            out += f"[{step!r}]"  # an index, or a key that would not read as one (spaces, newlines)
+        else:
+            out += f".{step}" if out else str(step)
     return out
 
 
