@@ -42,7 +42,8 @@ def test_lr_sync_replicates_every_session_and_status_shows_them(lr_sites, tmp_pa
     assert cli.main(["status", "--topology", topo]) == 0
     out = capsys.readouterr().out
     assert "source site-a->site-b/policy" in out and "sink   site-a->site-c/policy" in out
-    assert "IN_LOG_ENTRY_SYNC" in out and "remaining 0" in out and "data consistent True" in out
+    assert "IN_LOG_ENTRY_SYNC" in out and "lag 0 entries" in out and "data consistent True" in out
+    assert "health: healthy" in out
     assert out.count(" ready ") == 2 and out.count("consistent ") >= 2
 
     assert cli.main(["full-sync", "--topology", topo, "--sink", "site-c", "--reason", "audit"]) == 0
@@ -66,7 +67,7 @@ def test_lr_commands_name_what_is_wrong(lr_sites, tmp_path, monkeypatch, capsys)
     assert "not found" in capsys.readouterr().err
     monkeypatch.delenv("AIRFLOW_CONN_LR_TEST_SITE_C")
     monkeypatch.setenv("LR_CONNECTIONS_FILE", str(tmp_path / "none.json"))
-    assert cli.main(["status", "--topology", topo]) == 0
+    assert cli.main(["status", "--topology", topo]) == 2  # a site that cannot be reached
     assert "site-c: UNREACHABLE" in capsys.readouterr().out
 
 
@@ -80,7 +81,7 @@ def test_demo_replicates_on_its_own_embedded_sites(tmp_path, capsys):
         out = capsys.readouterr().out
         assert "snapshot_sync" in out and "log_entry_sync" in out and "ERROR" not in out
         assert out.count("data consistent True") == 2
-        assert out.count("remaining 0, IN_LOG_ENTRY_SYNC") == 2
+        assert out.count("lag 0 entries / 0.0s, IN_LOG_ENTRY_SYNC") == 2
         assert out.count("the subscriber delivered") == 2 and "0 log entries)" not in out
     finally:
         manager.down(mode="immediate", remove=True)

@@ -147,18 +147,27 @@ class Replicator:
         interval: float = 1.0,
         stop: threading.Event | None = None,
         on_cycle: Callable[[list[CycleReport]], None] | None = None,
+        give_up_after: float | None = None,
     ) -> list[CycleReport]:
         """Cycles until ``max_cycles``, until a cycle moves nothing and nothing is pending
-        (``until_idle``), or until ``stop`` is set; returns the last cycle's reports."""
+        (``until_idle``), or until ``stop`` is set; returns the last cycle's reports. With
+        ``until_idle``, ``give_up_after`` seconds without any progress while some session is
+        still unsettled (failing, waiting for client data, leased elsewhere) also end the run:
+        ``unsettled(reports)`` says why."""
         stop = stop or threading.Event()
         cycles, reports = 0, []
+        last_progress = time.monotonic()
         while not stop.is_set() and (max_cycles is None or cycles < max_cycles):
             reports = self.run_cycle()
             cycles += 1
             if on_cycle:
                 on_cycle(reports)
             busy = any(not r.idle for r in reports)
+            if busy:
+                last_progress = time.monotonic()
             if until_idle and not busy and all(_settled(r) for r in reports):
+                break
+            if until_idle and give_up_after is not None and time.monotonic() - last_progress > give_up_after:
                 break
             if not busy:
                 stop.wait(interval)
@@ -174,6 +183,26 @@ class Replicator:
 def _settled(report: CycleReport) -> bool:
     """Nothing more will happen without new input: in log-entry sync with nothing remaining."""
     return report.state == "IN_LOG_ENTRY_SYNC" and report.remaining == 0 and not report.error
+
+
+def unsettled(reports: list[CycleReport]) -> list[str]:
+    """Why each session of a cycle is not settled ("session: why"), for a summary."""
+    out = []
+    for r in reports:
+        if _settled(r):
+            continue
+        if r.error:
+            why = f"failing: {r.error}"
+        elif r.skipped:
+            why = r.skipped
+        elif r.waiting:
+            why = r.reason
+        elif r.remaining:
+            why = f"{r.remaining} entries still to send ({r.state})"
+        else:
+            why = f"{r.state or 'not started'}: {r.reason or 'no progress'}"
+        out.append(f"{r.session}: {why}")
+    return out
 
 
 def run_until_idle(replicator: Replicator, max_cycles: int = 50, interval: float = 0.05) -> list[CycleReport]:

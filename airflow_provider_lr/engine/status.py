@@ -2,7 +2,9 @@
 holds its shared log back (DESIGN §6 property 1: whatever can stall replication is named)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from datetime import date, datetime
+from decimal import Decimal
 
 import psycopg2.extensions
 
@@ -18,21 +20,49 @@ _COLUMNS = (
     "last_applied_position", "remaining_entries_to_send", "data_consistent", "state", "last_error",
 )
 
+# exit codes of `lr status` (scripts alert on them)
+HEALTHY, DEGRADED, UNREACHABLE = 0, 1, 2
+
 
 @dataclass
 class SiteStatus:
+    """One site's status, computed from the site when asked (``as_of``); nothing here is a
+    remembered figure except ``last_success_at``, which is labelled with its age."""
+
     site_id: str
     schema_version: int
+    as_of: str = ""
     topology_config_id: str | None = None
     trim_mark: int = 0
     sessions: list[dict] = field(default_factory=list)
-    held_back_by: list[str] = field(default_factory=list)
+    full_sync_requests: list[dict] = field(default_factory=list)  # open ones, this site as the source
+    receive_queues: list[dict] = field(default_factory=list)  # this site as a sink
+    held_back_by: list[dict] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return _jsonable(asdict(self))
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (datetime, date)):
+        return value.isoformat()
+    if isinstance(value, Decimal):
+        return float(value)
+    return value
 
 
 def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None) -> SiteStatus:
     version = schema.current_version(conn)
     site_id = site_id or schema.site_identity(conn)[0]
     result = SiteStatus(site_id, version)
+    with conn.cursor() as cur:
+        cur.execute("SELECT now()")
+        result.as_of = cur.fetchone()[0].isoformat()
+    conn.commit()
     if version < 3:
         return result
     with conn.cursor() as cur:
@@ -43,14 +73,58 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
         result.trim_mark = cur.fetchone()[0]
         cur.execute(f"SELECT {', '.join(_COLUMNS)} FROM lr.replication_status ORDER BY 1, 2, 3, 4")
         result.sessions = [dict(zip(_COLUMNS, r)) for r in cur.fetchall()]
+        cur.execute(
+            "SELECT request_id::text, sink_site_id, client_name, status, forced, reason, "
+            "round(extract(epoch FROM now() - requested_at)::numeric, 1)::float8, "
+            "round(extract(epoch FROM data_deadline - now())::numeric, 1)::float8, note "
+            "FROM lr.full_sync_requests WHERE status IN ('pending', 'supplied') ORDER BY requested_at"
+        )
+        keys = ("request_id", "sink", "client", "status", "forced", "reason", "age_s", "data_deadline_in_s", "note")
+        result.full_sync_requests = [dict(zip(keys, r)) for r in cur.fetchall()]
+        if version >= 7:
+            cur.execute("SELECT sink_site_id, client_name, round(extract(epoch FROM now() - last_success_at)::numeric, 1)"
+                        "::float8 FROM lr.source_sessions")
+            last_ok = {(sink, client): age for sink, client, age in cur.fetchall()}
+        else:
+            last_ok = {}
     conn.commit()
     if any(s["role"] == "source" for s in result.sessions):
-        live = {(b.sink, b.client): b.entries for b in session_backlogs(conn)}  # not the last cycle's count
+        live = {(b.sink, b.client): b for b in session_backlogs(conn)}  # not the last cycle's count
+        requests = {(r["sink"], r["client"]): r for r in result.full_sync_requests}
         for s in result.sessions:
             if s["role"] == "source":
-                s["remaining_entries_to_send"] = live.get((s["sink_site_id"], s["client_name"]), 0)
-        result.held_back_by = [h.describe() for h in holdback(conn)]
+                key = (s["sink_site_id"], s["client_name"])
+                backlog = live.get(key)
+                s["remaining_entries_to_send"] = backlog.entries if backlog else 0
+                s["lag_seconds"] = backlog.lag_seconds if backlog else 0.0
+                s["last_success_age_s"] = last_ok.get(key)
+                s["waiting_for"] = waiting_for(s, requests.get(key))
+        result.held_back_by = [
+            {"kind": h.kind, "pid": h.pid, "age_s": round(h.age_seconds, 1), "state": h.state, "gid": h.gid,
+             "describe": h.describe()}
+            for h in holdback(conn)
+        ]
+    if any(s["role"] == "sink" for s in result.sessions):
+        result.receive_queues = receive_queues(conn)
     return result
+
+
+def waiting_for(session: dict, request: dict | None) -> str | None:
+    """What a source session waits for before it can move on, or None."""
+    if session["state"] == "IN_SNAPSHOT_SYNC" and request is not None:
+        if request["status"] == "pending":
+            return (f"the client's full-sync data for request {request['request_id']} "
+                    f"({'forced: ' if request['forced'] else ''}{request['reason'] or 'negotiation'}; asked "
+                    f"{request['age_s']:.0f}s ago, restarts in {max(request['data_deadline_in_s'], 0):.0f}s): its "
+                    "provider must be importable by the replicator, or the client must serve the request")
+        return f"the transfer and apply of full sync {request['request_id']}"
+    if session["state"] == "WAIT_SNAPSHOT_APPLY":
+        return "the sink to apply its transferred full sync"
+    if session["state"] == "NEGOTIATING" and session.get("last_error"):
+        return "negotiation to succeed (see last error)"
+    if session["state"] == "INITIALIZED":
+        return "its first replication cycle (lr sync or the lr_replication DAG)"
+    return None
 
 
 def readiness(session: dict, trim_mark: int | None = None) -> str:
@@ -81,6 +155,14 @@ def readiness(session: dict, trim_mark: int | None = None) -> str:
     return "ready" if remaining == 0 else f"catching up ({remaining} to send)"
 
 
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "never"
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    return f"{seconds / 60:.0f}m ago" if seconds < 7200 else f"{seconds / 3600:.1f}h ago"
+
+
 def render(status: SiteStatus, trim_marks: dict[str, int] | None = None) -> str:
     """``trim_marks``: the trim mark of each source site reached in the same status run (a sink's
     sessions are checked against their source's)."""
@@ -93,17 +175,29 @@ def render(status: SiteStatus, trim_marks: dict[str, int] | None = None) -> str:
         session = f"{s['source_site_id']}->{s['sink_site_id']}/{s['client_name']}"
         mark = marks.get(s["source_site_id"])
         if s["role"] == "source":
-            detail = f"remaining {s['remaining_entries_to_send']}, {s['state']}"
+            detail = (f"lag {s['remaining_entries_to_send']} entries / {s.get('lag_seconds', 0.0):.1f}s, "
+                      f"{s['state']}, last success {_age(s.get('last_success_age_s'))}")
         else:
             against = f"source trim mark {mark}" if mark is not None else "source trim mark unknown"
             detail = f"data consistent {s['data_consistent']}, {against}"
         lines.append(
             f"  {s['role']:<6} {session:<32} {readiness(s, mark):<24} {s['sync_type'] or '-':<9} {s['status']:<11} "
             f"base {s['base_snapshot']}, applied {s['last_applied_position']}, {detail}"
-            + (f"\n         last error: {s['last_error']}" if s.get("last_error") else "")
         )
-    for reason in status.held_back_by:
-        lines.append(f"  held back: {reason}")
+        if s.get("waiting_for"):
+            lines.append(f"         waiting for {s['waiting_for']}")
+        if s.get("last_error"):
+            lines.append(f"         last error: {s['last_error']}")
+    for r in status.full_sync_requests:
+        lines.append(f"  full sync {r['status']:<9} {status.site_id}->{r['sink']}/{r['client']} request {r['request_id']}"
+                     f" ({'forced' if r['forced'] else 'by negotiation'}: {r['reason'] or '-'}), asked {_age(r['age_s'])}")
+    for q in status.receive_queues:
+        lines.append(f"  queue  {q['queue']:<32} {q['waiting']} waiting for subscribers"
+                     + (f" (oldest {q['oldest_waiting_s']:.0f}s)" if q["waiting"] else "")
+                     + (f", {q['unapplied_snapshot']} of a full sync not applied yet" if q["unapplied_snapshot"] else "")
+                     + (f", {q['dead_letters']} dead letters" if q["dead_letters"] else ""))
+    for h in status.held_back_by:
+        lines.append(f"  held back: {h['describe']}")
     return "\n".join(lines)
 
 
@@ -112,6 +206,43 @@ def render_sites(found: dict[str, SiteStatus | str]) -> str:
     the trim mark of its source read in the same run."""
     marks = {site: st.trim_mark for site, st in found.items() if isinstance(st, SiteStatus)}
     return "\n".join(st if isinstance(st, str) else render(st, marks) for st in found.values())
+
+
+def health(found: dict[str, SiteStatus | str], max_lag_seconds: float | None = None) -> tuple[int, list[str]]:
+    """(exit code, reasons): UNREACHABLE when a site could not be read, DEGRADED when a session
+    errs, stands behind its source's trim mark, or lags more than ``max_lag_seconds``, else
+    HEALTHY."""
+    reasons = [f"{site}: unreachable" for site, st in found.items() if isinstance(st, str)]
+    if reasons:
+        return UNREACHABLE, reasons
+    marks = {site: st.trim_mark for site, st in found.items() if isinstance(st, SiteStatus)}
+    for st in found.values():
+        assert isinstance(st, SiteStatus)
+        for s in st.sessions:
+            name = f"{s['source_site_id']}->{s['sink_site_id']}/{s['client_name']} ({s['role']})"
+            state = readiness(s, marks.get(s["source_site_id"]))
+            if state in ("not ready (error)", "not ready (behind trim)"):
+                reasons.append(f"{name}: {state}")
+            elif max_lag_seconds is not None and (s.get("lag_seconds") or 0.0) > max_lag_seconds:
+                reasons.append(f"{name}: lag {s['lag_seconds']:.0f}s over {max_lag_seconds:.0f}s")
+    return (DEGRADED if reasons else HEALTHY), reasons
+
+
+def sites_as_dict(found: dict[str, SiteStatus | str], max_lag_seconds: float | None = None) -> dict:
+    """``lr status --json``: every site, with readiness computed across sites, and the health verdict."""
+    marks = {site: st.trim_mark for site, st in found.items() if isinstance(st, SiteStatus)}
+    sites = {}
+    for site, st in found.items():
+        if isinstance(st, str):
+            sites[site] = {"site_id": site, "reachable": False, "error": st}
+            continue
+        data = st.as_dict()
+        for s in data["sessions"]:
+            s["readiness"] = readiness(s, marks.get(s["source_site_id"]))
+        sites[site] = {"reachable": True, **data}
+    code, reasons = health(found, max_lag_seconds)
+    return {"health": {HEALTHY: "healthy", DEGRADED: "degraded", UNREACHABLE: "unreachable"}[code],
+            "exit_code": code, "reasons": reasons, "sites": sites}
 
 
 # --- work waiting on a source (Airflow's sensors and the replication plan) ---------------------
@@ -125,6 +256,7 @@ class SessionBacklog:
     acked: int  # the position its sink acknowledged
     entries: int  # log entries committed for the session after that position
     highest: int  # the highest commit position among them, -1 without any
+    lag_seconds: float = 0.0  # age of the oldest of them (0 without any)
 
 
 def session_backlogs(
@@ -136,12 +268,13 @@ def session_backlogs(
     with conn.cursor() as cur:
         cur.execute(
             """
-            SELECT s.sink_site_id, s.client_name, s.state, s.acked_position, p.n, p.highest
+            SELECT s.sink_site_id, s.client_name, s.state, s.acked_position, p.n, p.highest, p.lag
             FROM lr.source_sessions s
             JOIN lr.remote_sites r ON r.site_id = s.sink_site_id
             LEFT JOIN lr.clients k ON k.client_name = s.client_name
             CROSS JOIN LATERAL (
-                SELECT count(*) AS n, coalesce(max(c.position), -1) AS highest
+                SELECT count(*) AS n, coalesce(max(c.position), -1) AS highest,
+                       coalesce(round(extract(epoch FROM now() - min(c.committed_at))::numeric, 1), 0)::float8 AS lag
                 FROM lr.log_commits c JOIN lr.log_entries e ON e.tx = c.tx
                 WHERE c.position > greatest(s.acked_position, 0) AND e.stream = %(stream)s
                   AND e.tag_ids @> ARRAY[r.tag_id] AND e.client_id = k.client_id

@@ -237,12 +237,41 @@ def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site
         raise
 
 
-def apply_everywhere(topology: Topology, connect: Callable[[str], psycopg2.extensions.connection]) -> list[str]:
+def prune_sink_sessions(conn: psycopg2.extensions.connection, topology: Topology, site_id: str) -> tuple[list[str], list[str]]:
+    """Remove this site's sink sessions that the topology no longer has (their metadata, leftover
+    unapplied full-sync rows and queue registration), so status stops listing them. A session
+    whose receive queue still holds entries for subscribers is kept (nothing is deleted that an
+    application has not consumed). Returns (pruned, kept with why). Does not commit."""
+    wanted = {(k.source, k.client) for k in topology.sessions() if k.sink == site_id}
+    pruned, kept = [], []
+    with conn.cursor() as cur:
+        cur.execute("SELECT source_site_id, client_name FROM lr.sink_sessions ORDER BY 1, 2")
+        for source, client in cur.fetchall():
+            if (source, client) in wanted:
+                continue
+            name = f"{source}->{site_id}/{client}"
+            cur.execute("SELECT coalesce(sum(entry_count - delivered), 0) FROM lr.receive_queue "
+                        "WHERE source_site_id = %s AND client_name = %s AND visible", (source, client))
+            waiting = cur.fetchone()[0]
+            if waiting:
+                kept.append(f"{name}: {waiting} entries still wait for subscribers in LRQ_Recv_{client}_{source}")
+                continue
+            cur.execute("DELETE FROM lr.receive_queue WHERE source_site_id = %s AND client_name = %s", (source, client))
+            cur.execute("DELETE FROM lr.registry WHERE kind = 'receive_queue' AND source_site_id = %s "
+                        "AND client_name = %s", (source, client))
+            cur.execute("DELETE FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s", (source, client))
+            pruned.append(name)
+    return pruned, kept
+
+
+def apply_everywhere(topology: Topology, connect: Callable[[str], psycopg2.extensions.connection],
+                     prune: bool = False) -> dict[str, tuple[list[str], list[str]]]:
     """Apply the topology to every one of its sites, all or nothing: each site is first reached
     and checked (lr schema installed, and the site id recorded there is the one the topology
     gives it), then the topology is written on all of them in open transactions that commit
     together once every write succeeded. One site unreachable or wrong: nothing changes anywhere.
-    Returns the site ids."""
+    ``prune``: also remove the sink sessions the topology no longer has (``prune_sink_sessions``).
+    Returns, per site id, the sink sessions pruned and kept."""
     from airflow_provider_lr.engine.schema import site_identity
 
     conns: dict[str, psycopg2.extensions.connection] = {}
@@ -258,11 +287,13 @@ def apply_everywhere(topology: Topology, connect: Callable[[str], psycopg2.exten
             if recorded != site_id:
                 raise ConfigurationError(f"connection {topology.conn_id(site_id)!r} of site {site_id!r} reaches site "
                                          f"{recorded!r}; nothing was applied on any site")
+        outcome: dict[str, tuple[list[str], list[str]]] = {}
         for site_id, conn in conns.items():
             apply_to_site(conn, topology, site_id, commit=False)
+            outcome[site_id] = prune_sink_sessions(conn, topology, site_id) if prune else ([], [])
         for conn in conns.values():
             conn.commit()
-        return list(conns)
+        return outcome
     finally:
         for conn in conns.values():
             if not conn.closed:

@@ -1,0 +1,124 @@
+"""Progress of long work (a full sync's supply, transfer and apply; a large catch-up), with rate
+and ETA, for whoever shows it.
+
+The engine reports; it does not decide how progress is shown. By default progress goes to the
+``airflow_provider_lr.progress`` logger at most every ``LOG_EVERY`` seconds (so an Airflow task
+log gets a line every few seconds, never one per batch); the ``lr`` command replaces that with
+progress bars on a terminal (``listen``).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+log = logging.getLogger("airflow_provider_lr.progress")
+LOG_EVERY = 5.0  # seconds between two log lines of one task
+
+
+@dataclass
+class Progress:
+    """One piece of long work: ``done`` of ``total`` (None: not known in advance) ``unit``."""
+
+    task: str
+    total: int | None = None
+    unit: str = "entries"
+    done: int = 0
+    finished: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def rate(self) -> float:
+        elapsed = time.monotonic() - self.started
+        return self.done / elapsed if elapsed > 0 else 0.0
+
+    @property
+    def eta_seconds(self) -> float | None:
+        if self.total is None or not self.rate or self.done >= self.total:
+            return None
+        return (self.total - self.done) / self.rate
+
+    def describe(self) -> str:
+        of = f" of {self.total:,}" if self.total is not None else ""
+        eta = f", ETA {self.eta_seconds:.0f}s" if self.eta_seconds is not None else ""
+        state = "done in %.1fs" % (time.monotonic() - self.started) if self.finished else f"{self.rate:,.0f} {self.unit}/s{eta}"
+        return f"{self.task}: {self.done:,}{of} {self.unit} ({state})"
+
+
+Listener = Callable[[Progress], None]
+_listeners: list[Listener] = []
+_lock = threading.Lock()
+
+
+class _LogEvery:
+    """The default listener: a log line per task every ``LOG_EVERY`` seconds, and at the end."""
+
+    def __init__(self) -> None:
+        self.last: dict[int, float] = {}
+
+    def __call__(self, progress: Progress) -> None:
+        now = time.monotonic()
+        key = id(progress)
+        if progress.finished:
+            self.last.pop(key, None)
+            log.info("%s", progress.describe())
+        elif now - self.last.setdefault(key, progress.started) >= LOG_EVERY:
+            self.last[key] = now
+            log.info("%s", progress.describe())
+
+
+_default = _LogEvery()
+
+
+def _notify(progress: Progress) -> None:
+    with _lock:
+        listeners = list(_listeners) or [_default]
+    for listener in listeners:
+        listener(progress)
+
+
+class Tracker:
+    """What the engine holds while it works: ``advance``/``update`` as work gets done, ``finish``."""
+
+    def __init__(self, task: str, total: int | None = None, unit: str = "entries") -> None:
+        self.progress = Progress(task, total, unit)
+        _notify(self.progress)
+
+    def update(self, done: int, total: int | None = None) -> None:
+        self.progress.done = done
+        if total is not None:
+            self.progress.total = total
+        _notify(self.progress)
+
+    def advance(self, n: int) -> None:
+        self.update(self.progress.done + n)
+
+    def finish(self) -> None:
+        if not self.progress.finished:
+            self.progress.finished = True
+            _notify(self.progress)
+
+    def __enter__(self) -> "Tracker":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.finish()
+
+
+def track(task: str, total: int | None = None, unit: str = "entries") -> Tracker:
+    return Tracker(task, total, unit)
+
+
+@contextmanager
+def listen(listener: Listener) -> Iterator[None]:
+    """Show progress with ``listener`` instead of the default log lines, while in this block."""
+    with _lock:
+        _listeners.append(listener)
+    try:
+        yield
+    finally:
+        with _lock:
+            _listeners.remove(listener)
