@@ -54,7 +54,8 @@ _lock = threading.Lock()
 
 
 class _LogEvery:
-    """The default listener: a log line per task every ``LOG_EVERY`` seconds, and at the end."""
+    """The default listener: a log line per task every ``LOG_EVERY`` seconds, and one at the end
+    of work that took a second or more (short work says nothing)."""
 
     def __init__(self) -> None:
         self.last: dict[int, float] = {}
@@ -64,7 +65,8 @@ class _LogEvery:
         key = id(progress)
         if progress.finished:
             self.last.pop(key, None)
-            log.info("%s", progress.describe())
+            if now - progress.started >= 1.0:
+                log.info("%s", progress.describe())
         elif now - self.last.setdefault(key, progress.started) >= LOG_EVERY:
             self.last[key] = now
             log.info("%s", progress.describe())
