@@ -7,6 +7,7 @@ import sys
 from typing import Callable, Sequence
 
 from airflow_provider_lr.engine import conninfo, full_sync, replicator, schema, status, topology, trim
+from airflow_provider_lr.engine import roles as site_roles
 from airflow_provider_lr.engine.errors import LRError
 from airflow_provider_lr.sites import SiteManager, lr_home
 
@@ -63,11 +64,12 @@ def cmd_init(args: argparse.Namespace) -> int:
         conn = info.connect()
         try:
             before = schema.current_version(conn)
-            result = schema.init_site(conn, site_id, args.region or info.region or "default")
+            result = schema.init_site(conn, site_id, args.region or info.region)  # None: keep the recorded one
+            refreshed = site_roles.reapply(conn) if result.applied else []  # new tables for existing roles
         finally:
             conn.close()
         change = f"upgraded {before} → {result.version}" if result.applied else f"up to date (v{result.version})"
-        print(f"{site_id}: lr schema {change}")
+        print(f"{site_id}: lr schema {change}" + (f"; grants refreshed for {', '.join(refreshed)}" if refreshed else ""))
     return 0
 
 
@@ -161,6 +163,52 @@ def cmd_trim(args: argparse.Namespace) -> int:
     return 0
 
 
+def _site_name(info: conninfo.ConnInfo) -> str:
+    return info.site_id or info.conn_id or info.safe_dsn
+
+
+def cmd_roles_change(args: argparse.Namespace) -> int:
+    """lr roles grant|revoke: the same plan on every site (``--print``: show it, change nothing)."""
+    password = None
+    if getattr(args, "password_env", None):
+        import os
+
+        password = os.environ.get(args.password_env)
+        if password is None:
+            raise LRError(f"--password-env {args.password_env}: that environment variable is not set")
+    for info in _targets(args):
+        conn = info.connect()
+        try:
+            if args.roles_command == "grant":
+                plan = site_roles.plan_grant(conn, args.kind, args.role, args.client or (), args.create, password)
+            else:
+                plan = site_roles.plan_revoke(conn, args.kind, args.role, args.client or ())
+            if args.dry_run:
+                print(f"-- {_site_name(info)}")
+                print("\n".join(site_roles.render(conn, plan)))
+                continue
+            site_roles.run(conn, plan)
+        finally:
+            conn.close()
+        what = args.kind + (f" of {', '.join(args.client)}" if args.client else "")
+        done = "granted to" if args.roles_command == "grant" else "revoked from"
+        print(f"{_site_name(info)}: {what} {done} {args.role}")
+    return 0
+
+
+def cmd_roles_list(args: argparse.Namespace) -> int:
+    for info in _targets(args):
+        conn = info.connect()
+        try:
+            found = site_roles.list_grants(conn)
+        finally:
+            conn.close()
+        print(f"{_site_name(info)}: " + ("no roles granted" if not found else ""))
+        for grant in found:
+            print(f"  {grant.describe()}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from airflow_provider_lr import demo
 
@@ -224,6 +272,24 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--retention", type=float, default=None, metavar="SECONDS",
                     help="trim what is older than this even if a session lags (default: safe trim)")
     tr.set_defaults(func=cmd_trim)
+
+    access = sub.add_parser("roles", help="least-privilege roles: replicator, writer or consumer of a client "
+                            "(docs/security.md)").add_subparsers(dest="roles_command", required=True)
+    for name, verb in (("grant", "give"), ("revoke", "take")):
+        change = access.add_parser(name, help=f"{verb} a role the rights of a replicator, writer or consumer")
+        change.add_argument("kind", choices=site_roles.KINDS)
+        change.add_argument("--role", required=True, help="the PostgreSQL role (a login role, or a group of them)")
+        change.add_argument("--client", action="append", help="writer/consumer: the client (repeatable)")
+        change.add_argument("--site", action="append", help="DSN or Airflow connection id, as the owner of the lr "
+                            "schema (default: all embedded sites)")
+        change.add_argument("--print", dest="dry_run", action="store_true", help="print the SQL, change nothing")
+        if name == "grant":
+            change.add_argument("--create", action="store_true", help="create the role (LOGIN) where it is missing")
+            change.add_argument("--password-env", metavar="VAR", help="--create: its password, from this variable")
+        change.set_defaults(func=cmd_roles_change)
+    shown = access.add_parser("list", help="the roles granted on each site")
+    shown.add_argument("--site", action="append", help="DSN or Airflow connection id (default: all embedded sites)")
+    shown.set_defaults(func=cmd_roles_list)
 
     demo = sub.add_parser("demo", help="run the end-to-end demo on embedded sites")
     demo.add_argument("--sinks", type=int, default=2)

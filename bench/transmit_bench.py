@@ -10,10 +10,15 @@
    Beside them, ``insert_only``: the same transaction plus the same log row inserted (prepared) into
    a copy of ``lr.log_entries`` without the commit-position trigger: what storing an entry with a
    statement of its own costs before any ordering, so the ratio of transmit to it is lr's own share.
+   Beside them, ``writer_plain`` and ``writer_transmit``: the same two transactions run as a
+   least-privilege writer role of the client (docs/security.md: row-level security checks the
+   entry's client, the commit position is drawn by the owner's SECURITY DEFINER trigger) instead
+   of the schema owner, which row-level security does not apply to.
 2. Log bytes per entry (heap + indexes of lr.log_entries, plus lr.log_commits per transaction) as
    the number of destinations goes 1 → 3 → 10, beside the size of the tag list it adds.
 
 Run: .venv/bin/python bench/transmit_bench.py [--seconds 6] [--rounds 3] [--writers 8]
+     [--schema-version N]  (install migrations only up to N, e.g. 5 for the owner before roles)
 """
 from __future__ import annotations
 
@@ -32,23 +37,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psycopg2  # noqa: E402
 
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient  # noqa: E402
-from airflow_provider_lr.engine import schema, topology  # noqa: E402
+from airflow_provider_lr.engine import roles, schema, topology  # noqa: E402
 from airflow_provider_lr.sites import SiteManager  # noqa: E402
 
 REMOTES = [f"sink-{i:02d}" for i in range(1, 11)]
 
 
 VARIANTS = ("plain", "floor", "insert_only", "transmit", "transmit_unprepared", "plain10", "transmit10")
+ROLE_VARIANTS = ("writer_plain", "writer_transmit")  # as the writer role (schema version >= 6)
+WRITER_ROLE = "lr_bench_writer"
 
 
 def writer(dsn: str, variant: str, seconds: float, start_at: float, out: mp.Queue) -> None:
+    if variant.startswith("writer_"):  # the same transaction, as the client's writer role
+        dsn, variant = psycopg2.extensions.make_dsn(dsn, user=WRITER_ROLE), variant.removeprefix("writer_")
     conn = psycopg2.connect(dsn)
     client = RoutingQueueClient(conn, "bench", prepared=variant != "transmit_unprepared")
     dests = REMOTES[:3]
     rows = 10 if variant.endswith("10") else 1
-    with conn.cursor() as cur:
-        cur.execute("PREPARE bench_insert_only (smallint, integer[], integer, bytea) AS "
-                    "INSERT INTO bench_plain_log (stream, tag_ids, client_id, message) VALUES ($1, $2, $3, $4)")
+    if variant == "insert_only":
+        with conn.cursor() as cur:
+            cur.execute("PREPARE bench_insert_only (smallint, integer[], integer, bytea) AS "
+                        "INSERT INTO bench_plain_log (stream, tag_ids, client_id, message) VALUES ($1, $2, $3, $4)")
     done = 0
     while time.time() < start_at:
         time.sleep(0.001)
@@ -123,7 +133,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--writers", type=int, default=8)
+    parser.add_argument("--schema-version", type=int, default=None,
+                        help="install migrations only up to this version (default: all)")
     args = parser.parse_args()
+    variants = VARIANTS
 
     home = Path(tempfile.mkdtemp(prefix="lr-bench-"))
     manager = SiteManager(home, settings={"max_connections": "100"})
@@ -131,7 +144,13 @@ def main() -> None:
     try:
         dsn = site.dsn()
         conn = psycopg2.connect(dsn)
-        schema.init_site(conn, site.site_id)
+        if args.schema_version is not None:  # an older release's schema (init_site would upgrade it)
+            schema.migrate(conn, target=args.schema_version)
+            with conn.cursor() as cur:
+                cur.execute("INSERT INTO lr.site_info (site_id) VALUES (%s)", (site.site_id,))
+            conn.commit()
+        else:
+            schema.init_site(conn, site.site_id)
         topo = topology.from_document(
             {
                 "sites": [{"id": site.site_id}] + [{"id": r} for r in REMOTES],
@@ -144,18 +163,25 @@ def main() -> None:
             # lr.log_entries' shape and primary key, without the commit-position trigger
             cur.execute("CREATE TABLE bench_plain_log (LIKE lr.log_entries INCLUDING DEFAULTS INCLUDING INDEXES)")
         conn.commit()
+        if schema.current_version(conn) >= roles.ROLES_SCHEMA_VERSION:
+            roles.grant(conn, "writer", WRITER_ROLE, ["bench"], create=True)
+            with conn.cursor() as cur:  # the application's own table, granted by the application
+                cur.execute(f"GRANT INSERT ON app_rows TO {WRITER_ROLE}")
+                cur.execute(f"GRANT USAGE ON SEQUENCE app_rows_id_seq TO {WRITER_ROLE}")
+            conn.commit()
+            variants = VARIANTS + ROLE_VARIANTS
         conn.close()
 
-        tps: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        tps: dict[str, list[float]] = {v: [] for v in variants}
         for r in range(args.rounds):
-            for variant in VARIANTS:
+            for variant in variants:
                 tps[variant].append(throughput(dsn, variant, args.writers, args.seconds))
-            print(f"round {r + 1}: " + ", ".join(f"{v} {tps[v][-1]:,.0f}" for v in VARIANTS) + " tx/s", flush=True)
+            print(f"round {r + 1}: " + ", ".join(f"{v} {tps[v][-1]:,.0f}" for v in variants) + " tx/s", flush=True)
         sizes = [bytes_per_entry(dsn, n) for n in (1, 3, 10)]
     finally:
         manager.down(remove=True)
 
-    med = {v: statistics.median(tps[v]) for v in VARIANTS}
+    med = {v: statistics.median(tps[v]) for v in variants}
     ratio, ratio10, floor = med["transmit"] / med["plain"], med["transmit10"] / med["plain10"], med["floor"] / med["plain"]
     print(f"\nwriter throughput, {args.writers} writer processes, medians of {args.rounds} rounds of {args.seconds:.0f} s:")
     print(f"  1 row:                         {med['plain']:>8,.0f} tx/s")
@@ -168,6 +194,10 @@ def main() -> None:
           f"ratio {med['transmit_unprepared'] / med['plain']:.2f}")
     print(f"  10 rows:                       {med['plain10']:>8,.0f} tx/s")
     print(f"  10 rows + 10 messages, 1 call: {med['transmit10']:>8,.0f} tx/s  ratio {ratio10:.2f}")
+    if "writer_transmit" in med:
+        print(f"  as the writer role: 1 row {med['writer_plain']:>8,.0f} tx/s, + transmit {med['writer_transmit']:>8,.0f} "
+              f"tx/s  ratio {med['writer_transmit'] / med['writer_plain']:.2f}; writer/owner transmit "
+              f"{med['writer_transmit'] / med['transmit']:.2f}")
     print("\nlog bytes per entry (256 B payload):")
     print(f"  {'dests':>5} {'row':>7} {'stored':>8} {'tag text':>9}")
     for s in sizes:
@@ -178,10 +208,12 @@ def main() -> None:
     results = {
         "writers": args.writers, "seconds": args.seconds, "tps": tps, "medians": med,
         "ratio": ratio, "ratio_floor": floor, "ratio_10": ratio10, "bytes_per_entry": sizes, "growth_1_to_10": growth, "tag_text_growth_1_to_10": tag_growth,
+        "schema_version": args.schema_version,
     }
     out = Path(__file__).resolve().parent / "results"
     out.mkdir(exist_ok=True)
-    (out / "transmit_bench.json").write_text(json.dumps(results, indent=2))
+    suffix = f"_v{args.schema_version}" if args.schema_version is not None else ""
+    (out / f"transmit_bench{suffix}.json").write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -222,12 +222,26 @@ def receive_prefix(source: str, client: str) -> bytes:
 
 class ReceiveQueueWriter(CopyWriter):
     """One session's visible entries into ``lr.receive_queue``, packed (``queue_rows.Packer``) in
-    the order added, so ``seq`` follows it. ``entries`` counts what was added, ``rows`` the rows."""
+    the order added, so ``seq`` follows it. ``entries`` counts what was added, ``rows`` the rows.
+
+    PostgreSQL refuses ``COPY FROM`` into a table whose row-level security applies to the caller:
+    a replicator role (docs/security.md) copies into a temporary table of its transaction instead,
+    moved into the queue in order by ``close``."""
 
     COPY_SQL = f"COPY lr.receive_queue ({RECEIVE_COLUMNS}) FROM STDIN (FORMAT binary)"
+    _STAGED = "lr_receive_copy"  # the temporary table (one per transaction: ON COMMIT DROP)
 
     def __init__(self, conn: psycopg2.extensions.connection, source: str, client: str,
                  block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
+        self.staged = _rls_applies(conn)
+        if self.staged:
+            with conn.cursor() as cur:
+                cur.execute(
+                    f"CREATE TEMP TABLE {self._STAGED} (ord bigint GENERATED ALWAYS AS IDENTITY, source_site_id text, "
+                    "client_name text, kind smallint, source_position bigint, source_entry_id bigint, sync_id uuid, "
+                    "visible boolean, entry_count integer, message bytea) ON COMMIT DROP"
+                )
+            self.COPY_SQL = f"COPY {self._STAGED} ({RECEIVE_COLUMNS}) FROM STDIN (FORMAT binary)"
         super().__init__(conn, block_bytes)
         self.prefix = receive_prefix(source, client)
         self.packer = Packer(self._add_row)
@@ -256,3 +270,20 @@ class ReceiveQueueWriter(CopyWriter):
     def sync(self) -> None:
         self.packer.flush()  # a pack in progress ends here: what was added is all in the sink
         super().sync()
+
+    def close(self) -> None:
+        super().close()
+        if self.staged:  # into the queue in the order copied (seq follows it); ``copied`` is what it took
+            with self.conn.cursor() as cur:
+                cur.execute(f"INSERT INTO lr.receive_queue ({RECEIVE_COLUMNS}) "
+                            f"SELECT {RECEIVE_COLUMNS} FROM {self._STAGED} ORDER BY ord")
+                self.copied = cur.rowcount
+                cur.execute(f"DROP TABLE {self._STAGED}")
+
+
+def _rls_applies(conn: psycopg2.extensions.connection) -> bool:
+    """Whether row-level security applies to this connection's role on ``lr.receive_queue`` (not to
+    its owner, a superuser or a BYPASSRLS role)."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT row_security_active('lr.receive_queue')")
+        return bool(cur.fetchone()[0])

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import psycopg2.errors
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import SchemaError
@@ -22,14 +23,16 @@ _NAME = re.compile(r"^V(\d{4})__([a-z0-9_]+)\.sql$")
 SCHEMA_LOCK_KEY = 0x6C72_0001
 SITE_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 
-_BOOTSTRAP = """
-CREATE SCHEMA IF NOT EXISTS lr;
-CREATE TABLE IF NOT EXISTS lr.schema_migrations (
+# Created only when missing: ``CREATE ... IF NOT EXISTS`` checks its privilege (CREATE on the
+# database, on the schema) before it looks whether the object exists.
+_CREATE_SCHEMA = "CREATE SCHEMA lr"
+_CREATE_MIGRATIONS = """
+CREATE TABLE lr.schema_migrations (
     version    integer PRIMARY KEY,
     name       text NOT NULL,
     checksum   text NOT NULL,
     applied_at timestamptz NOT NULL DEFAULT now()
-);
+)
 """
 
 
@@ -69,12 +72,18 @@ def available_migrations(directory: Path | None = None) -> list[Migration]:
 
 def current_version(conn: psycopg2.extensions.connection) -> int:
     """The site's schema version, 0 when lr was never installed there."""
-    with conn.cursor() as cur:
-        cur.execute("SELECT to_regclass('lr.schema_migrations') IS NOT NULL")
-        if not cur.fetchone()[0]:
-            return 0
-        cur.execute("SELECT coalesce(max(version), 0) FROM lr.schema_migrations")
-        return cur.fetchone()[0]
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT to_regclass('lr.schema_migrations') IS NOT NULL")
+            if not cur.fetchone()[0]:
+                return 0
+            cur.execute("SELECT coalesce(max(version), 0) FROM lr.schema_migrations")
+            return cur.fetchone()[0]
+    except psycopg2.errors.InsufficientPrivilege as exc:
+        conn.rollback()
+        raise SchemaError(_privilege_message(
+            conn, exc, "read the lr schema version",
+            "the owner of the lr schema gives a role what it needs with `lr roles grant` (docs/security.md)")) from exc
 
 
 def migrate(
@@ -82,7 +91,11 @@ def migrate(
     target: int | None = None,
     migrations: list[Migration] | None = None,
 ) -> MigrationResult:
-    """Bring the site to ``target`` (default: latest) and commit; returns what was applied."""
+    """Bring the site to ``target`` (default: latest) and commit; returns what was applied.
+
+    Needs only what the pending migrations need: with nothing to apply, reading
+    ``lr.schema_migrations`` is all it does (no lock, no DDL); the schema and the migrations table
+    are created only when missing (creating the schema needs CREATE on the database)."""
     migrations = migrations if migrations is not None else available_migrations()
     latest = migrations[-1].version
     target = latest if target is None else target
@@ -91,26 +104,19 @@ def migrate(
     applied: list[int] = []
     try:
         with conn.cursor() as cur:
-            cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK_KEY,))
-            cur.execute(_BOOTSTRAP)
-            cur.execute("SELECT version, checksum FROM lr.schema_migrations ORDER BY version")
-            done = dict(cur.fetchall())
-            newest = max(done, default=0)
-            if newest > latest:
-                raise SchemaError(
-                    f"site {_where(conn)} has lr schema version {newest}, newer than this lr knows ({latest}); "
-                    "upgrade airflow-provider-lr"
-                )
-            for migration in migrations:
-                if migration.version in done:
-                    if done[migration.version] != migration.checksum:
-                        raise SchemaError(
-                            f"migration V{migration.version:04d} ({migration.name}) on site {_where(conn)} "
-                            "differs from the one shipped; migrations must never be edited once released"
-                        )
-                    continue
-                if migration.version > target:
-                    break
+            done = _applied_versions(conn, cur)
+            pending = _pending(conn, done, migrations, target)
+            if pending:
+                cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK_KEY,))
+                cur.execute("SELECT to_regnamespace('lr') IS NULL")
+                if cur.fetchone()[0]:
+                    cur.execute(_CREATE_SCHEMA)
+                cur.execute("SELECT to_regclass('lr.schema_migrations') IS NULL")
+                if cur.fetchone()[0]:
+                    cur.execute(_CREATE_MIGRATIONS)
+                done = _applied_versions(conn, cur)  # another init may have applied them meanwhile
+                pending = _pending(conn, done, migrations, target)
+            for migration in pending:
                 cur.execute(migration.sql)
                 cur.execute(
                     "INSERT INTO lr.schema_migrations (version, name, checksum) VALUES (%s, %s, %s)",
@@ -118,33 +124,93 @@ def migrate(
                 )
                 applied.append(migration.version)
         conn.commit()
+    except psycopg2.errors.InsufficientPrivilege as exc:
+        conn.rollback()
+        raise SchemaError(_privilege_message(conn, exc, "install or upgrade the lr schema")) from exc
     except BaseException:
         conn.rollback()
         raise
     return MigrationResult(applied, max([*done, *applied], default=0))
 
 
-def init_site(conn: psycopg2.extensions.connection, site_id: str, region: str = "default") -> MigrationResult:
-    """Install or upgrade the schema and record the site's identity (refuses to rename a site)."""
+def _applied_versions(conn: psycopg2.extensions.connection, cur: psycopg2.extensions.cursor) -> dict[int, str]:
+    """version -> checksum of the migrations recorded on the site ({} when lr was never installed)."""
+    cur.execute("SELECT to_regclass('lr.schema_migrations') IS NOT NULL")
+    if not cur.fetchone()[0]:
+        return {}
+    cur.execute("SELECT version, checksum FROM lr.schema_migrations ORDER BY version")
+    return dict(cur.fetchall())
+
+
+def _pending(
+    conn: psycopg2.extensions.connection, done: dict[int, str], migrations: list[Migration], target: int
+) -> list[Migration]:
+    """The migrations to apply (up to ``target``); refuses a site newer than this code or a
+    recorded migration that differs from the shipped one."""
+    latest = migrations[-1].version
+    newest = max(done, default=0)
+    if newest > latest:
+        raise SchemaError(
+            f"site {_where(conn)} has lr schema version {newest}, newer than this lr knows ({latest}); "
+            "upgrade airflow-provider-lr"
+        )
+    pending = []
+    for migration in migrations:
+        if migration.version in done:
+            if done[migration.version] != migration.checksum:
+                raise SchemaError(
+                    f"migration V{migration.version:04d} ({migration.name}) on site {_where(conn)} "
+                    "differs from the one shipped; migrations must never be edited once released"
+                )
+        elif migration.version <= target:
+            pending.append(migration)
+    return pending
+
+
+_OWNER_HINT = ("run `lr init` as the owner of the lr schema (a new install also needs CREATE on the database, "
+               "unless the schema exists already)")
+
+
+def _privilege_message(conn: psycopg2.extensions.connection, exc: Exception, what: str, hint: str = _OWNER_HINT) -> str:
+    user = conn.get_dsn_parameters().get("user", "?")
+    detail = str(getattr(exc, "pgerror", None) or exc).strip().removeprefix("ERROR:").strip()
+    return f"role {user!r} may not {what} on site {_where(conn)} ({detail}); {hint}"
+
+
+def init_site(conn: psycopg2.extensions.connection, site_id: str, region: str | None = None) -> MigrationResult:
+    """Install or upgrade the schema and record the site's identity (refuses to rename a site).
+    ``region``: None keeps the recorded one ('default' for a new site). On an installed site with
+    nothing to change, it only reads (any role granted by ``lr roles`` may run it)."""
     if not SITE_ID_PATTERN.match(site_id):
         raise SchemaError(
             f"invalid site id {site_id!r}: use 1-63 lowercase letters, digits, '-' or '_', starting with a letter or digit"
         )
     result = migrate(conn)
-    with conn.cursor() as cur:
-        cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK_KEY,))  # concurrent inits: one inserts
-        cur.execute("SELECT site_id, region FROM lr.site_info FOR UPDATE")
-        row = cur.fetchone()
-        if row is None:
-            cur.execute("INSERT INTO lr.site_info (site_id, region) VALUES (%s, %s)", (site_id, region))
-        elif row[0] != site_id:
-            conn.rollback()
-            raise SchemaError(
-                f"database {_where(conn)} is already lr site {row[0]!r}; refusing to rename it to {site_id!r}"
-            )
-        elif row[1] != region:
-            cur.execute("UPDATE lr.site_info SET region = %s", (region,))
-    conn.commit()
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT site_id, region FROM lr.site_info")
+            row = cur.fetchone()
+            if row is None or (region is not None and row[1] != region):  # a write: one init at a time
+                cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK_KEY,))  # concurrent inits: one inserts
+                cur.execute("SELECT site_id, region FROM lr.site_info FOR UPDATE")
+                row = cur.fetchone()
+            if row is None:
+                cur.execute("INSERT INTO lr.site_info (site_id, region) VALUES (%s, %s)",
+                            (site_id, region or "default"))
+            elif row[0] != site_id:
+                conn.rollback()
+                raise SchemaError(
+                    f"database {_where(conn)} is already lr site {row[0]!r}; refusing to rename it to {site_id!r}"
+                )
+            elif region is not None and row[1] != region:
+                cur.execute("UPDATE lr.site_info SET region = %s", (region,))
+        conn.commit()
+    except psycopg2.errors.InsufficientPrivilege as exc:
+        conn.rollback()
+        raise SchemaError(_privilege_message(conn, exc, f"record the site identity {site_id!r} ({region})")) from exc
+    except BaseException:
+        conn.rollback()
+        raise
     return result
 
 
