@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import math
+import os
 import sys
-from typing import Callable, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
 
-from airflow_provider_lr.engine import conninfo, full_sync, replicator, schema, status, topology, trim
+import psycopg2
+
+from airflow_provider_lr.engine import conninfo, full_sync, metrics, progress, replicator, schema, status, topology, trim
 from airflow_provider_lr.engine import roles as site_roles
 from airflow_provider_lr.engine.errors import LRError
 from airflow_provider_lr.sites import SiteManager, lr_home
@@ -83,14 +89,23 @@ def _connect(topo: topology.Topology):
 
 def cmd_topology_apply(args: argparse.Namespace) -> int:
     topo = _topology(args)
-    for site_id in sorted(topo.sites):
-        conn = _connect(topo)(site_id)
-        try:
-            topology.apply_to_site(conn, topo, site_id)
-        finally:
-            conn.close()
+    for site_id, (pruned, kept) in topology.apply_everywhere(topo, _connect(topo), prune=args.prune).items():
         sessions = [str(k) for k in topo.sessions(source=site_id)]
         print(f"{site_id}: topology {topo.topology_config_id} applied; source of {sessions or 'no sessions'}")
+        for name in pruned:
+            print(f"  pruned sink session {name} (no longer in the topology)")
+        for why in kept:
+            print(f"  kept sink session {why}; prune again once they are consumed")
+    return 0
+
+
+def cmd_topology_validate(args: argparse.Namespace) -> int:
+    topo = _topology(args)
+    sessions = topo.sessions()
+    print(f"{args.topology or topology.default_path()}: valid; topology "
+          f"{topo.topology_config_id}, {len(topo.sites)} sites, {len(sessions)} sessions")
+    for key in sessions:
+        print(f"  {key}")
     return 0
 
 
@@ -108,12 +123,20 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
     try:
         cycles = 1 if args.once else args.cycles
-        reports = repl.run(max_cycles=cycles, until_idle=args.until_idle, interval=args.interval, on_cycle=show)
+        with _progress_bars():
+            reports = repl.run(max_cycles=cycles, until_idle=args.until_idle, interval=args.interval, on_cycle=show,
+                               give_up_after=args.give_up_after)
     except KeyboardInterrupt:
         reports = []
     finally:
         repl.close()
-    return 1 if any(r.error for r in reports) else 0
+    stuck = replicator.unsettled(reports) if args.until_idle else []
+    if stuck:
+        print(f"lr sync: {len(stuck)} session(s) not settled, no progress for {args.give_up_after:.0f}s:",
+              file=sys.stderr)
+        for line in stuck:
+            print(f"  {line}", file=sys.stderr)
+    return 1 if stuck or any(r.error for r in reports) else 0
 
 
 def cmd_full_sync(args: argparse.Namespace) -> int:
@@ -132,20 +155,44 @@ def cmd_full_sync(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    topo = _topology(args)
+def _site_statuses(topo: topology.Topology) -> dict[str, status.SiteStatus | str]:
+    """Every site's status, or why it could not be read (a site that is down is part of the status)."""
     found: dict[str, status.SiteStatus | str] = {}
     for site_id in sorted(topo.sites):
         try:
             conn = _connect(topo)(site_id)
-        except Exception as exc:  # a site that is down is part of the status
-            found[site_id] = f"{site_id}: UNREACHABLE ({exc})"
+        except Exception as exc:
+            found[site_id] = f"{site_id}: UNREACHABLE ({str(exc).strip()})"
             continue
         try:
             found[site_id] = status.site_status(conn, site_id)
+        except (LRError, psycopg2.Error) as exc:
+            found[site_id] = f"{site_id}: UNREADABLE ({str(exc).strip()})"
         finally:
             conn.close()
+    return found
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Exit code: 0 healthy, 1 degraded (a session errs, is behind its trim mark or lags more
+    than --max-lag), 2 a site could not be reached."""
+    found = _site_statuses(_topology(args))
+    code, reasons = status.health(found, args.max_lag)
+    if args.json:
+        print(json.dumps(status.sites_as_dict(found, args.max_lag), indent=2))
+        return code
     print(status.render_sites(found))
+    print(f"health: {['healthy', 'degraded', 'unreachable'][code]}" + "".join(f"\n  {r}" for r in reasons))
+    return code
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    """Prometheus text exposition of every site's status (for node_exporter's textfile collector,
+    or a scrape through `lr metrics --listen`)."""
+    topo = _topology(args)
+    if args.listen:
+        return metrics.serve(lambda: metrics.exposition(_site_statuses(topo)), args.listen)
+    sys.stdout.write(metrics.exposition(_site_statuses(topo)))
     return 0
 
 
@@ -215,6 +262,67 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo.run(SiteManager(args.home), sink_count=args.sinks)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A finite, non-negative number of seconds."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 or more)")
+    return seconds
+
+
+@contextmanager
+def _progress_bars() -> Iterator[None]:
+    """Long work (full-sync supply, transfer, apply; catch-ups) as progress bars on a terminal;
+    elsewhere (a pipe, a log file) the engine's periodic log lines stay."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+    from rich.console import Console
+
+    bars = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+                    TextColumn("{task.completed:,.0f} {task.fields[unit]}"), TimeRemainingColumn(),
+                    console=Console(stderr=True), transient=False)
+    tasks: dict[int, object] = {}
+
+    def show(item: progress.Progress) -> None:
+        task = tasks.get(id(item))
+        if task is None:
+            task = tasks[id(item)] = bars.add_task(item.task, total=item.total, unit=item.unit)
+        bars.update(task, completed=item.done, total=item.total)
+        if item.finished:
+            bars.stop_task(task)
+            del tasks[id(item)]
+
+    with bars, progress.listen(show):
+        yield
+
+
+def _retention(text: str) -> float:
+    """``--retention``: a finite number of seconds, at least 0."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or not 0 <= seconds <= trim.MAX_RETENTION:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds between 0 and {trim.MAX_RETENTION:.0f}")
+    return seconds
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lr", description="Log replication between PostgreSQL sites.")
     parser.add_argument("--home", default=None, help=f"state directory (default $LR_HOME or {lr_home()})")
@@ -224,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="sites_command", required=True
     )
     up = sites.add_parser("up", help="start N sites (one PostgreSQL server and data directory each)")
-    up.add_argument("--count", type=int, default=None)
+    up.add_argument("--count", type=_positive_int, default=None)
     up.add_argument("--ids", help="comma-separated site ids instead of site-a, site-b, ...")
     up.set_defaults(func=cmd_sites_up)
     down = sites.add_parser("down", help="stop sites")
@@ -246,15 +354,22 @@ def build_parser() -> argparse.ArgumentParser:
     topo = sub.add_parser("topology", help="the sites and who replicates to whom").add_subparsers(
         dest="topology_command", required=True
     )
-    with_topology(topo.add_parser("apply", help="record the topology on every site")).set_defaults(
-        func=cmd_topology_apply
+    ap = with_topology(topo.add_parser("apply", help="record the topology on every site (all or nothing)"))
+    ap.add_argument("--prune", action="store_true",
+                    help="also remove sink sessions the topology no longer has (kept while entries wait in their queue)")
+    ap.set_defaults(func=cmd_topology_apply)
+    with_topology(topo.add_parser("validate", help="check the topology file against its schema")).set_defaults(
+        func=cmd_topology_validate
     )
 
     sync = with_topology(sub.add_parser("sync", help="run replication cycles for all sessions (no Airflow)"))
     sync.add_argument("--once", action="store_true", help="one cycle")
-    sync.add_argument("--cycles", type=int, default=None, help="at most this many cycles (default: forever)")
+    sync.add_argument("--cycles", type=_positive_int, default=None, help="at most this many cycles (default: forever)")
     sync.add_argument("--until-idle", action="store_true", help="stop when every session is caught up")
-    sync.add_argument("--interval", type=float, default=1.0, help="pause between idle cycles (s)")
+    sync.add_argument("--give-up-after", type=_seconds, default=60.0, metavar="SECONDS",
+                      help="with --until-idle: stop, exit 1 and say why, after this long without progress while "
+                           "sessions still fail or wait (default 60)")
+    sync.add_argument("--interval", type=_seconds, default=1.0, help="pause between idle cycles (s)")
     sync.add_argument("-v", "--verbose", action="store_true", help="also print idle cycles")
     sync.set_defaults(func=cmd_sync)
 
@@ -264,12 +379,18 @@ def build_parser() -> argparse.ArgumentParser:
     fs.add_argument("--reason", default="requested from the command line")
     fs.set_defaults(func=cmd_full_sync)
 
-    with_topology(sub.add_parser("status", help="sessions, states, lag and what holds the log back")).set_defaults(
-        func=cmd_status
-    )
+    st = with_topology(sub.add_parser("status", help="sessions, states, lag and what holds the log back "
+                                                     "(exit 0 healthy, 1 degraded, 2 unreachable)"))
+    st.add_argument("--json", action="store_true", help="machine-readable, for scripts")
+    st.add_argument("--max-lag", type=_seconds, default=None, metavar="SECONDS",
+                    help="also degraded when a session's oldest undelivered entry is older than this")
+    st.set_defaults(func=cmd_status)
+    me = with_topology(sub.add_parser("metrics", help="status as Prometheus metrics (text exposition)"))
+    me.add_argument("--listen", metavar="HOST:PORT", help="serve /metrics over HTTP instead of printing once")
+    me.set_defaults(func=cmd_metrics)
 
     tr = with_topology(sub.add_parser("trim", help="trim the shared logs of the sources"))
-    tr.add_argument("--retention", type=float, default=None, metavar="SECONDS",
+    tr.add_argument("--retention", type=_retention, default=None, metavar="SECONDS",
                     help="trim what is older than this even if a session lags (default: safe trim)")
     tr.set_defaults(func=cmd_trim)
 
@@ -292,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     shown.set_defaults(func=cmd_roles_list)
 
     demo = sub.add_parser("demo", help="run the end-to-end demo on embedded sites")
-    demo.add_argument("--sinks", type=int, default=2)
+    demo.add_argument("--sinks", type=_positive_int, default=2)
     demo.set_defaults(func=cmd_demo)
     return parser
 
@@ -308,6 +429,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LRError as exc:
         print(f"lr: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `lr status | head`: the reader went away; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

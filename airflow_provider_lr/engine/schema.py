@@ -16,12 +16,12 @@ import psycopg2.errors
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import SchemaError
+from airflow_provider_lr.engine.topology_schema import valid_site_id
 from airflow_provider_lr.paths import migrations_dir
 
 _NAME = re.compile(r"^V(\d{4})__([a-z0-9_]+)\.sql$")
 # pg_advisory_xact_lock key for schema changes ("lr" schema, arbitrary but fixed).
 SCHEMA_LOCK_KEY = 0x6C72_0001
-SITE_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 
 # Created only when missing: ``CREATE ... IF NOT EXISTS`` checks its privilege (CREATE on the
 # database, on the schema) before it looks whether the object exists.
@@ -181,7 +181,7 @@ def init_site(conn: psycopg2.extensions.connection, site_id: str, region: str | 
     """Install or upgrade the schema and record the site's identity (refuses to rename a site).
     ``region``: None keeps the recorded one ('default' for a new site). On an installed site with
     nothing to change, it only reads (any role granted by ``lr roles`` may run it)."""
-    if not SITE_ID_PATTERN.match(site_id):
+    if not valid_site_id(site_id):
         raise SchemaError(
             f"invalid site id {site_id!r}: use 1-63 lowercase letters, digits, '-' or '_', starting with a letter or digit"
         )

@@ -289,8 +289,12 @@ def apply_everywhere(topology: Topology, connect: Callable[[str], psycopg2.exten
                                          f"{recorded!r}; nothing was applied on any site")
         outcome: dict[str, tuple[list[str], list[str]]] = {}
         for site_id, conn in conns.items():
-            apply_to_site(conn, topology, site_id, commit=False)
-            outcome[site_id] = prune_sink_sessions(conn, topology, site_id) if prune else ([], [])
+            try:
+                apply_to_site(conn, topology, site_id, commit=False)
+                outcome[site_id] = prune_sink_sessions(conn, topology, site_id) if prune else ([], [])
+            except psycopg2.Error as exc:  # e.g. a role that may not change lr's tables
+                raise ConfigurationError(f"site {site_id!r}: {str(exc).strip()}; nothing was applied on any site "
+                                         "(apply the topology as the owner of the lr schema)") from exc
         for conn in conns.values():
             conn.commit()
         return outcome
