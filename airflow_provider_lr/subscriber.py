@@ -24,6 +24,7 @@ from airflow_provider_lr.engine.conninfo import ConnInfo, resolve
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.receive import (
     DEFAULT_BATCH,
+    DEFAULT_BATCH_BYTES,
     DEFAULT_POLL_INTERVAL,
     DEFAULT_RETRY_INTERVAL,
     DeliveryContext,
@@ -48,6 +49,8 @@ class RoutingQueueSubscriber(DeliveryContext):
 
     ``dsn``: a libpq DSN/URI, an Airflow connection id or an lr site id (see engine.conninfo), or a
     ConnInfo. ``sources``: only these sources (default: every source, discovered as they appear).
+    A callback gets at most ``batch_size`` entries, read from at most ``batch_bytes`` of the queue
+    (at least one entry): memory is bounded by bytes whatever the size of the entries.
     """
 
     def __init__(
@@ -58,12 +61,14 @@ class RoutingQueueSubscriber(DeliveryContext):
         batch_size: int = DEFAULT_BATCH,
         poll_interval: float = DEFAULT_POLL_INTERVAL,
         retry_interval: float = DEFAULT_RETRY_INTERVAL,
+        batch_bytes: int = DEFAULT_BATCH_BYTES,
     ) -> None:
         if not client_name:
             raise ConfigurationError("client_name is required (the client whose receive queues to consume)")
         self.info = _conninfo(dsn)
         self.demand = Demand(client_name, frozenset(sources) if sources is not None else None)
         self.batch_size, self.poll_interval, self.retry_interval = batch_size, poll_interval, retry_interval
+        self.batch_bytes = batch_bytes
         self.stats = DeliveryStats()  # totals of every poll and finished run
         self.run_stats: DeliveryStats | None = None
         self._conn: psycopg2.extensions.connection | None = None  # poll()'s connection, kept open
@@ -76,16 +81,16 @@ class RoutingQueueSubscriber(DeliveryContext):
         """Sources whose receive queue for this client is registered on the sink (discovery)."""
         return [s for s in receive.discover(self._poll_conn(), self.client_name) if self.demand.wants(self.client_name, s)]
 
-    def poll(self, listener: Listener, max_messages: int | None = None) -> int:
+    def poll(self, listener: Listener, max_messages: int | None = None, max_bytes: int | None = None) -> int:
         """One pass over every queue (new sources included): delivers in order until each queue is
-        empty, a callback fails, or ``max_messages`` entries were handed over. Returns how many
-        entries were delivered (acknowledged and deleted, full-sync markers included); failures
-        are in ``self.stats`` and ``last_report``."""
+        empty, a callback fails, or ``max_messages`` entries (``max_bytes`` bytes of payloads) were
+        handed over. Returns how many entries were delivered (acknowledged and deleted, full-sync
+        markers included); failures are in ``self.stats`` and ``last_report``."""
         conn = self._poll_conn()
         self._set_delivering(conn)
         try:
-            report = receive.ReceiveQueueReader(conn, self.batch_size).deliver(
-                listener, self.client_name, self.demand.narrow(None), max_messages=max_messages
+            report = receive.ReceiveQueueReader(conn, self.batch_size, self.batch_bytes).deliver(
+                listener, self.client_name, self.demand.narrow(None), max_messages=max_messages, max_bytes=max_bytes
             )
         except (psycopg2.OperationalError, psycopg2.InterfaceError):
             self._close_poll_conn()  # reopened by the next poll
@@ -107,6 +112,7 @@ class RoutingQueueSubscriber(DeliveryContext):
             receive.follow(
                 self.info.connect, listener, lambda: self.demand, receive.TapWakeups(tap, lambda: self.demand, stop),
                 stop, stats, self.batch_size, self.poll_interval, self.retry_interval, on_conn=self._set_delivering,
+                batch_bytes=self.batch_bytes,
             )
         finally:
             tap.close()

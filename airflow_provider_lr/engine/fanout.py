@@ -29,9 +29,10 @@ uncommitted (nothing visible); a retry or rerun resumes from each sink's own pro
 row lock and then finds the chunk done; a lease taken over since the plan fences the session at
 the sink (epoch), and only that session stops.
 
-Memory stays bounded whatever the backlog: rows stream through the task (one block per session
-of at most ``pgcopy.DEFAULT_BLOCK_BYTES``, two queued); the driver holds only the plan and small
-summaries.
+Memory stays bounded whatever the backlog, by bytes as well as entries: rows stream through the
+task (at most ``PACK_EVERY`` entries, and ``PACK_EVERY_BYTES`` of large ones, wait to be packed, then
+one block per session of at most ``pgcopy.DEFAULT_BLOCK_BYTES``, two queued); the driver holds
+only the plan and small summaries.
 """
 from __future__ import annotations
 
@@ -87,7 +88,9 @@ STAGING_LOCK_CLASS = 0x6C72_7366  # "lrsf": pg_advisory_xact_lock(class, hashtex
 # and demand mask (int8 each), then the message's length (the message follows).
 _ENTRY_ROW = struct.Struct(">hiqiqiqi")
 _ENTRY_SIZE = _ENTRY_ROW.size
-PACK_EVERY = 4096  # entries appended between two packing passes
+PACK_EVERY = 4096  # entries appended between two packing passes...
+PACK_EVERY_BYTES = 4 << 20  # ...or bytes of large entries appended: bounded by bytes, whatever their size
+LARGE_ENTRY = 1024  # smaller entries are not counted (PACK_EVERY of them hold <= 4 MiB): spares the hot loop
 
 
 @dataclass(frozen=True)
@@ -554,15 +557,16 @@ class _Router(RowReader):
 
     The usual row (one CopyData message = one row, destinations of < 128 bytes, a one-byte type)
     is handled inline, with no call per entry beyond this ``write`` and one list append per
-    session (rows are formed every ``PACK_EVERY`` entries): this loop is the fan-out's per-entry
-    Python cost. Anything else goes through ``RowReader``'s general parser and
-    ``sink.strip_destinations``."""
+    session (rows are formed every ``PACK_EVERY`` entries or ``PACK_EVERY_BYTES``): this loop is
+    the fan-out's per-entry Python cost. Anything else goes through ``RowReader``'s general parser
+    and ``sink.strip_destinations``."""
 
     def __init__(self, tees: list[tuple[int, _SessionTee]], halfway: int, fault_tag: str | None) -> None:
         super().__init__(self._general_row)
         self.by_bit = dict(tees)
         self.routes: dict[int, list] = {}  # mask -> the append of each writer that wants it
         self.read = 0
+        self.waiting = 0  # bytes of large entries appended since the last packing pass
         self.halfway, self.fault_tag = halfway, fault_tag
         self.stop = min(s for s in (PACK_EVERY, halfway) if s > 0)  # the next read that calls _stop
 
@@ -603,7 +607,7 @@ class _Router(RowReader):
                 for append in route:
                     append(entry)
                 self.read += 1
-                if self.read == self.stop:
+                if self.read == self.stop or (length > LARGE_ENTRY and self._large(length)):
                     self._stop()
                 return size
         return super().write(chunk)
@@ -619,17 +623,24 @@ class _Router(RowReader):
         for append in route:
             append(entry)
         self.read += 1
-        if self.read == self.stop:
+        if self.read == self.stop or (len(entry[0]) > LARGE_ENTRY and self._large(len(entry[0]))):
             self._stop()
 
+    def _large(self, size: int) -> bool:
+        """Count a large entry's bytes; True when those waiting to be packed reach ``PACK_EVERY_BYTES``."""
+        self.waiting += size
+        return self.waiting >= PACK_EVERY_BYTES
+
     def _stop(self) -> None:
-        """Every ``PACK_EVERY`` entries: form the rows of what each session got so far (bounds the
-        entries waiting in memory); at ``halfway``, the fault point."""
+        """Every ``PACK_EVERY`` entries or ``PACK_EVERY_BYTES``: form the rows of what each session
+        got so far (bounds what waits in memory by count and bytes; the rows go on to the sinks'
+        COPY blocks, at most ``QUEUED_BLOCKS`` waiting); at ``halfway``, the fault point."""
         if self.read == self.halfway:
             self._fault()
-        if self.read % PACK_EVERY == 0:
+        if self.read % PACK_EVERY == 0 or self.waiting >= PACK_EVERY_BYTES:
             for tee in self.by_bit.values():
                 tee.writer.pack()  # type: ignore[union-attr]
+            self.waiting = 0
         self.stop = min(s for s in (self.read + PACK_EVERY - self.read % PACK_EVERY, self.halfway) if s > self.read)
 
     def _fault(self) -> None:

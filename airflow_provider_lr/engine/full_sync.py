@@ -172,6 +172,10 @@ def expired(conn: psycopg2.extensions.connection, request: FullSyncRequest) -> b
     return late
 
 
+FLUSH_ROWS = 1000  # a provider's messages are written every this many...
+FLUSH_BYTES = 4 << 20  # ...or this many bytes, whichever comes first
+
+
 class FullSyncContext:
     """What a provider gets: ``transmit(payload)`` per message, inside the supplying transaction.
     ``conn`` is that transaction (REPEATABLE READ): read the application's data through it."""
@@ -186,15 +190,16 @@ class FullSyncContext:
         self.split = split
         self.count = 0
         self._rows: list = []
+        self._bytes = 0  # of the messages in ``_rows``
 
     def _add(self, payload: bytes, kind: int, **fields: object) -> None:
-        self._rows.append(
-            self.client._row(
-                STREAM_SNAP_SYNC, payload, [self.destination], kind,
-                snapshot_request_id=self.request.request_id, base_snapshot=self.base, **fields,
-            )
+        row = self.client._row(
+            STREAM_SNAP_SYNC, payload, [self.destination], kind,
+            snapshot_request_id=self.request.request_id, base_snapshot=self.base, **fields,
         )
-        if len(self._rows) >= 1000:
+        self._rows.append(row)
+        self._bytes += len(row[2])
+        if len(self._rows) >= FLUSH_ROWS or self._bytes >= FLUSH_BYTES:  # bounded by bytes too
             self.flush()
 
     def transmit(self, payload: bytes) -> None:
@@ -205,7 +210,7 @@ class FullSyncContext:
     def flush(self) -> None:
         if self._rows:
             self.client._insert(self._rows)
-            self._rows = []
+            self._rows, self._bytes = [], 0
 
 
 Provider = Callable[[FullSyncContext], None]

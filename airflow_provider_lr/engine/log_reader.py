@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
+import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, TrimmedError
@@ -31,6 +33,18 @@ from airflow_provider_lr.proto import lr_pb2
 COMMIT_LOCK_KEY = 0x6C72_0002  # the key the commit-position trigger locks (shared)
 DEFAULT_MAX_ENTRIES = 10_000
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
+# A read fetches at most FETCH_ROWS rows per round trip, and at most ``fetch_bytes(max_bytes)`` of
+# messages: a message larger than that over FETCH_ROWS comes back out of line (NULL in the cursor's
+# row, its size beside it) and is fetched by key with its neighbours, up to that many bytes at once.
+FETCH_ROWS = 2000
+MIN_FETCH_BYTES = 1 << 20
+MAX_FETCH_BYTES = 8 << 20
+
+
+def fetch_bytes(max_bytes: int) -> int:
+    """Bytes of messages one round trip of a read may bring, from the batch's byte budget: half of
+    it (so a batch takes a few round trips, not one huge one), between 1 and 8 MiB."""
+    return min(MAX_FETCH_BYTES, max(MIN_FETCH_BYTES, max_bytes // 2))
 
 _HOLDERS_SQL = """
 SELECT l.virtualtransaction, l.pid
@@ -101,6 +115,109 @@ class LogBatch:
     def bytes(self) -> int:
         return sum(len(r.message) for r in self.records)
 
+    def __iter__(self) -> Iterator[LogRecord]:
+        return iter(self.records)
+
+
+class LogStream:
+    """A ``LogBatch`` read as it is consumed (``LogReader.read_stream``): iterating yields the entries in
+    (position, entry id) order without ever holding more than about ``fetch_bytes`` of them, so a
+    batch is bounded by bytes in memory too, even when it is one source transaction larger than
+    ``max_bytes`` (a transaction is never split: the batch still ends at a transaction boundary).
+
+    ``end`` is an upper bound until the entries have been read, then the batch's end (persist it to
+    resume after it). The read's REPEATABLE READ transaction on the source stays open until the
+    entries are read or ``close`` (use it as a context manager). Read once."""
+
+    def __init__(self, conn: psycopg2.extensions.connection, after: int, end: int, barrier: int,
+                 blocked_by: list[HoldBack] | None = None, max_entries: int = DEFAULT_MAX_ENTRIES,
+                 max_bytes: int = DEFAULT_MAX_BYTES, query: tuple[str, tuple] | None = None) -> None:
+        self.conn = conn
+        self.after, self.end, self.barrier = after, end, barrier
+        self.blocked_by = blocked_by or []
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self.fetch_bytes = fetch_bytes(max_bytes)
+        self.entries = 0  # read so far
+        self.bytes = 0  # of their messages
+        self._query = query  # None: nothing to read (no transaction open)
+        self._started = False
+
+    @property
+    def has_more(self) -> bool:
+        return self.end < self.barrier
+
+    def __enter__(self) -> "LogStream":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(quiet=exc_type is not None)
+
+    def close(self, quiet: bool = False) -> None:
+        """End the read's transaction (``quiet``: on an error path, keep the caller's error)."""
+        if self._query is None:
+            return
+        self._query = None
+        if self.conn.closed:
+            return
+        try:
+            self.conn.rollback()
+        except psycopg2.Error:
+            if not quiet:
+                raise
+
+    def __iter__(self) -> Iterator[LogRecord]:
+        if self._started:
+            raise RuntimeError("a LogStream is read once")
+        self._started = True
+        if self._query is None:
+            return
+        sql, params = self._query
+        inline = max(1, self.fetch_bytes // FETCH_ROWS)
+        group: list[tuple[int, int, str]] = []  # consecutive out-of-line entries: (position, entry id, tx)
+        group_bytes = 0
+        last: int | None = None
+        try:
+            with self.conn.cursor(name=f"lr_read_{id(self)}") as cur:
+                cur.itersize = FETCH_ROWS  # a round trip brings at most FETCH_ROWS * inline bytes
+                cur.execute(sql, (inline,) + params)
+                for position, entry_id, size, message, tx in cur:
+                    if last is not None and position != last and (
+                        self.entries >= self.max_entries or self.bytes >= self.max_bytes
+                    ):
+                        self.end = last  # whole transactions only: stop at this boundary
+                        break
+                    last = position
+                    self.entries += 1
+                    self.bytes += size
+                    if message is None:  # out of line: fetched with its out-of-line neighbours
+                        if group and group_bytes + size > self.fetch_bytes:
+                            yield from self._out_of_line(group)
+                            group, group_bytes = [], 0
+                        group.append((position, entry_id, tx))
+                        group_bytes += size
+                        continue
+                    if group:
+                        yield from self._out_of_line(group)
+                        group, group_bytes = [], 0
+                    yield LogRecord(position, entry_id, bytes(message))
+                if group:
+                    yield from self._out_of_line(group)
+        finally:
+            self.close(quiet=True)
+
+    def _out_of_line(self, group: list[tuple[int, int, str]]) -> Iterator[LogRecord]:
+        """The messages of ``group`` (at most ``fetch_bytes``, or one entry), by key, in the read's
+        snapshot; yielded in order, each dropped once handed over."""
+        with self.conn.cursor() as cur:
+            cur.execute(
+                "SELECT e.entry_id, e.message FROM unnest(%s::text[]::xid8[], %s::bigint[]) AS k(tx, entry_id) "
+                "JOIN lr.log_entries e ON e.tx = k.tx AND e.entry_id = k.entry_id",
+                ([tx for _, _, tx in group], [entry_id for _, entry_id, _ in group]),
+            )
+            found = dict(cur.fetchall())
+        for position, entry_id, _ in group:
+            yield LogRecord(position, entry_id, bytes(found.pop(entry_id)))
+
 
 class LogReader:
     """Reads one destination's entries from a source site's shared log."""
@@ -142,50 +259,49 @@ class LogReader:
     ) -> LogBatch:
         """Entries after ``after`` (a persisted ``end``), whole transactions only, bounded by count and
         bytes (a single larger transaction is still returned whole). ``split``: leave out what a
-        full sync with that base snapshot already covered."""
+        full sync with that base snapshot already covered. Holds the batch in memory: the session
+        path uses ``read_stream``."""
+        with self.read_stream(after, max_entries, max_bytes, split) as stream:
+            records = list(stream)
+        return LogBatch(after=after, end=stream.end, records=records, barrier=stream.barrier,
+                        blocked_by=stream.blocked_by)
+
+    def read_stream(
+        self,
+        after: int,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        split: BaseSplit | None = None,
+    ) -> LogStream:
+        """``read``, but the entries are read as they are consumed (see ``LogStream``): what a batch
+        holds in memory is bounded by bytes whatever the size of its transactions. The barrier and
+        the trim check (``TrimmedError``) happen here, before anything is read."""
         upto, blocked = commit_barrier(self.conn, self.barrier_timeout)
         if upto is None:  # a commit in flight outlasted the timeout: no position is known final
-            return LogBatch(after=after, end=after, barrier=after, blocked_by=blocked)
-        batch = LogBatch(after=after, end=max(after, upto), barrier=upto)
+            return LogStream(self.conn, after, after, after, blocked)
         if upto <= after:
-            return batch
-        size = 0
+            return LogStream(self.conn, after, max(after, upto), upto)
         covered, covered_params = "", ()
         if split is not None and split.upto > after:
             covered = "AND NOT (c.position <= %s AND pg_visible_in_snapshot(c.tx, %s::pg_snapshot))"
             covered_params = (split.upto, split.snapshot)
         client = "AND e.client_id = %s" if self.client_id is not None else ""
         check_trim(self.conn, after, f"destination {self.destination!r}")  # starts the read's snapshot
-        with self.conn.cursor(name=f"lr_read_{id(self)}") as cur:
-            cur.itersize = 2000
-            cur.execute(
-                f"""
-                SELECT c.position, e.entry_id, e.message
-                FROM lr.log_commits c
-                CROSS JOIN LATERAL (
-                    SELECT e.entry_id, e.message FROM lr.log_entries e
-                    WHERE e.tx = c.tx AND e.stream = %s AND e.tag_ids @> ARRAY[%s] {client}
-                    OFFSET 0  -- keeps this a per-commit index lookup: drive the read by position range
-                ) e
-                WHERE c.position > %s AND c.position <= %s {covered}
-                ORDER BY c.position, e.entry_id
-                """,
-                (self.stream, self.tag_id)
-                + ((self.client_id,) if client else ())
-                + (after, upto)
-                + covered_params,
-            )
-            for position, entry_id, message in cur:
-                if batch.records and position != batch.records[-1].position and (
-                    len(batch.records) >= max_entries or size >= max_bytes
-                ):
-                    batch.end = batch.records[-1].position
-                    break
-                record = LogRecord(position, entry_id, bytes(message))
-                batch.records.append(record)
-                size += len(record.message)
-        self.conn.rollback()
-        return batch
+        sql = f"""
+            SELECT c.position, e.entry_id, octet_length(e.message),
+                   CASE WHEN octet_length(e.message) <= %s THEN e.message END, c.tx::text
+            FROM lr.log_commits c
+            CROSS JOIN LATERAL (
+                SELECT e.entry_id, e.message FROM lr.log_entries e
+                WHERE e.tx = c.tx AND e.stream = %s AND e.tag_ids @> ARRAY[%s] {client}
+                OFFSET 0  -- keeps this a per-commit index lookup: drive the read by position range
+            ) e
+            WHERE c.position > %s AND c.position <= %s {covered}
+            ORDER BY c.position, e.entry_id
+            """
+        params = ((self.stream, self.tag_id) + ((self.client_id,) if client else ()) + (after, upto)
+                  + covered_params)
+        return LogStream(self.conn, after, upto, upto, [], max_entries, max_bytes, (sql, params))
 
 
 def snapshot_trim_mark(conn: psycopg2.extensions.connection) -> int:

@@ -45,6 +45,13 @@ from airflow_provider_lr.proto import lr_pb2
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH = 500          # entries handed to the listener in one callback at most
+# ...and bytes of entries read for one callback (at least one entry): what a delivery holds in memory
+# is bounded by bytes, whatever the size of the entries (500 of 1 MiB would be 500 MiB, several times over).
+DEFAULT_BATCH_BYTES = 8 << 20
+# A head row's message comes with the cursor's rows only up to this size (every packed row: queue_rows
+# keeps them under 7.9 kB); a larger one (a single large entry) is fetched by seq once the rows of the
+# batch are known, so no fetch brings more than about the batch's byte budget.
+INLINE_BYTES = 8192
 DEFAULT_POLL_INTERVAL = 2.0  # full pass (discovery included) when no notification arrives
 DEFAULT_RETRY_INTERVAL = 0.5  # a queue whose delivery failed is tried again after this
 # pg_try_advisory_xact_lock(int, int) class of the per-queue consumer lock (two-int keys never
@@ -167,11 +174,15 @@ def discover(conn: psycopg2.extensions.connection, client: str) -> list[str]:
 class ReceiveQueueReader:
     """Delivers one client's receive queues on one sink connection (not thread-safe: one per thread)."""
 
-    def __init__(self, conn: psycopg2.extensions.connection, batch_size: int = DEFAULT_BATCH) -> None:
+    def __init__(self, conn: psycopg2.extensions.connection, batch_size: int = DEFAULT_BATCH,
+                 batch_bytes: int = DEFAULT_BATCH_BYTES) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
+        if batch_bytes < 1:
+            raise ValueError("batch_bytes must be at least 1")
         self.conn = conn
         self.batch_size = batch_size
+        self.batch_bytes = batch_bytes
 
     def deliver(
         self,
@@ -180,68 +191,79 @@ class ReceiveQueueReader:
         sources: Iterable[str] | None = None,
         max_messages: int | None = None,
         skip: Iterable[str] = (),
+        max_bytes: int | None = None,
     ) -> PassReport:
         """One pass over ``sources`` (default: every discovered queue of ``client``): each queue
-        delivers runs in order until it is empty, a delivery fails, or the budget is spent. Queues
-        take turns run by run, so one long queue does not starve the others. ``skip``: queues
-        waiting to be retried."""
+        delivers runs in order until it is empty, a delivery fails, or the budget is spent
+        (``max_messages`` entries, ``max_bytes`` bytes of payloads; a run takes at least one entry).
+        Queues take turns run by run, so one long queue does not starve the others. ``skip``:
+        queues waiting to be retried."""
         report = PassReport()
         budget = max_messages if max_messages is not None else float("inf")
+        byte_budget = max_bytes if max_bytes is not None else float("inf")
         found = sorted(set(sources)) if sources is not None else discover(self.conn, client)
         skipped = set(skip)
         active = [s for s in found if s not in skipped]
-        while active and budget > 0:
+        while active and budget > 0 and byte_budget > 0:
             for source in list(active):
-                if budget <= 0:
+                if budget <= 0 or byte_budget <= 0:
                     report.unfinished.update(active)
                     break
-                handed, done = self._deliver_run(listener, client, source, int(min(budget, self.batch_size)), report)
+                handed, size, done = self._deliver_run(listener, client, source, int(min(budget, self.batch_size)),
+                                                       report, int(min(byte_budget, self.batch_bytes)))
                 budget -= handed
+                byte_budget -= size
                 if done:
                     active.remove(source)
-        if budget <= 0:
+        if budget <= 0 or byte_budget <= 0:
             report.unfinished.update(active)
         return report
 
     # --- one run ------------------------------------------------------------------------------
     def _deliver_run(
-        self, listener: Listener, client: str, source: str, limit: int, report: PassReport
-    ) -> tuple[int, bool]:
-        """Deliver the next run of ``source``'s queue; returns (entries handed over, queue done for
-        this pass). Malformed entries at the head are moved aside first (their own committed
-        transaction)."""
-        rows = self._lock_and_read(client, source, limit)
+        self, listener: Listener, client: str, source: str, limit: int, report: PassReport,
+        max_bytes: int | None = None,
+    ) -> tuple[int, int, bool]:
+        """Deliver the next run of ``source``'s queue (at most ``limit`` entries, read from at most
+        ``max_bytes`` of rows, at least one); returns (entries handed over, their payload bytes,
+        queue done for this pass). Malformed entries at the head are moved aside first (their own
+        committed transaction)."""
+        rows = self._lock_and_read(client, source, limit, max_bytes or self.batch_bytes)
         if rows is None:
             report.busy += 1
             report.failed.add(source)
-            return 0, True
+            return 0, 0, True
         entries = _entries(rows, limit)
         if not entries:
             self.conn.commit()
-            return 0, True
+            return 0, 0, True
         if entries[0].error is not None:
             bad = list(itertools.takewhile(lambda e: e.error is not None, entries))
             self._move_aside(client, source, rows, bad, report, listener)
-            return 0, False
+            return 0, 0, False
         run = _leading_run(entries)
+        payloads = [e.payload for e in run]
+        del entries  # the run's payloads are all the callback needs
+        size = sum(map(len, payloads))
         try:
-            ok = _call(listener, run[0].kind, source, [e.payload for e in run])
+            ok = _call(listener, run[0].kind, source, payloads)
         except Exception as exc:
-            return self._failed(listener, client, source, len(run), report, "listener raised", exc), True
+            return self._failed(listener, client, source, len(run), report, "listener raised", exc), size, True
         if not ok:
             self._rollback()
             report.refused += len(run)
             report.failed.add(source)
-            return len(run), True
+            return len(run), size, True
         try:
             self._consume(rows, run)
             self.conn.commit()
         except (psycopg2.OperationalError, psycopg2.InterfaceError):
             raise  # a lost sink connection: the caller reconnects; the entries are still queued
         except psycopg2.Error as exc:  # e.g. the listener broke the transaction, then returned True
-            return self._failed(listener, client, source, len(run), report, "delivery transaction failed", exc), True
+            return (self._failed(listener, client, source, len(run), report, "delivery transaction failed", exc),
+                    size, True)
         report.delivered += len(run)
-        return len(run), False
+        return len(run), size, False
 
     def _consume(self, rows: Sequence[_Row], taken: Sequence[_Entry]) -> None:
         """Remove the leading ``taken`` entries from the queue: rows they finish are deleted, a row
@@ -277,11 +299,11 @@ class ReceiveQueueReader:
         _on_error(listener, source, exc)
         return count
 
-    def _lock_and_read(self, client: str, source: str, limit: int) -> list[_Row] | None:
+    def _lock_and_read(self, client: str, source: str, limit: int, max_bytes: int) -> list[_Row] | None:
         """Open the delivery transaction: take the queue's consumer lock (None if another consumer
-        has it) and read the visible rows that hold its next ``limit`` entries, in sink order. Rows
-        behind a snapshot still being transferred (an invisible row with a lower seq) wait for it,
-        so full-sync data stays ahead."""
+        has it) and read the visible rows that hold its next ``limit`` entries (at most
+        ``max_bytes`` of rows, at least one), in sink order. Rows behind a snapshot still being
+        transferred (an invisible row with a lower seq) wait for it, so full-sync data stays ahead."""
         with self.conn.cursor() as cur:
             cur.execute(
                 "SELECT pg_try_advisory_xact_lock(%s, hashtext(%s))",
@@ -295,34 +317,57 @@ class ReceiveQueueReader:
                 (source, client),
             )
             barrier = cur.fetchone()[0]
-        return self._read_head(client, source, limit, barrier)
+        return self._read_head(client, source, limit, barrier, max_bytes)
 
-    def _read_head(self, client: str, source: str, limit: int, barrier: int | None) -> list[_Row]:
-        """The visible rows before ``barrier`` that hold the queue's next ``limit`` entries, in
-        ``seq`` order: a cursor over the delivery index, fetched a few rows at a time (a row holds
-        one entry or ~28), so neither one-entry rows nor packed ones read more than they need."""
-        rows: list[_Row] = []
-        wanted, per_row = limit, 1.0
+    def _read_head(self, client: str, source: str, limit: int, barrier: int | None,
+                   max_bytes: int = DEFAULT_BATCH_BYTES) -> list[_Row]:
+        """The visible rows before ``barrier`` that hold the queue's next ``limit`` entries, and no
+        more than ``max_bytes`` of rows (at least one), in ``seq`` order: a cursor over the delivery
+        index, fetched a few rows at a time (a row holds one entry or ~28), so neither one-entry
+        rows nor packed ones read more than they need. Messages over ``INLINE_BYTES`` (single
+        large entries) are left out of the cursor's rows and fetched by ``seq`` for the rows
+        taken: no round trip brings much more than ``max_bytes``, whatever the entries' size."""
+        heads: list[tuple[int, int, int, int, Any]] = []  # (seq, kind, count, delivered, message | None)
+        wanted, per_row, taken = limit, 1.0, 0
+        most = max(1, max_bytes // INLINE_BYTES)  # rows per fetch
         with self.conn.cursor(name="lr_receive_head") as cur:  # a cursor plan: the index, in order
             cur.execute(
-                "SELECT seq, kind, entry_count, delivered, message FROM lr.receive_queue "
+                "SELECT seq, kind, entry_count, delivered, octet_length(message), "
+                "CASE WHEN octet_length(message) <= %s THEN message END FROM lr.receive_queue "
                 "WHERE client_name = %s AND source_site_id = %s AND visible ORDER BY seq",
-                (client, source),
+                (INLINE_BYTES, client, source),
             )
             first = min(limit, HEAD_FETCH)
-            while wanted > 0:
-                fetched = cur.fetchmany(first or max(1, math.ceil(wanted / per_row)))
+            full = False
+            while not full:
+                fetched = cur.fetchmany(min(most, first or max(1, math.ceil(wanted / per_row))))
                 first = 0
-                for seq, kind, count, delivered, message in fetched:
-                    if barrier is not None and seq >= barrier:
-                        return rows
-                    rows.append(_Row(seq, kind, count, delivered, bytes(message)))
+                if not fetched:
+                    break
+                for seq, kind, count, delivered, size, message in fetched:
+                    if (barrier is not None and seq >= barrier) or (heads and taken + size > max_bytes):
+                        full = True
+                        break
+                    heads.append((seq, kind, count, delivered, message))
+                    taken += size
                     wanted -= count - delivered
                     if wanted <= 0:
-                        return rows
-                if not fetched:
-                    return rows
-                per_row = max(1.0, (limit - wanted) / len(rows))
+                        full = True
+                        break
+                per_row = max(1.0, (limit - wanted) / max(1, len(heads)))
+        large: dict[int, Any] = {}
+        wanted_large = [head[0] for head in heads if head[4] is None]
+        if wanted_large:
+            with self.conn.cursor() as cur:
+                cur.execute("SELECT seq, message FROM lr.receive_queue WHERE seq = ANY(%s)", (wanted_large,))
+                large = dict(cur.fetchall())
+        rows: list[_Row] = []
+        for seq, kind, count, delivered, message in heads:
+            if message is None:
+                message = large.pop(seq, None)
+                if message is None:  # gone meanwhile (not by a consumer: they hold the queue's lock)
+                    break
+            rows.append(_Row(seq, kind, count, delivered, bytes(message)))
         return rows
 
     def _move_aside(
@@ -559,11 +604,14 @@ def follow(
     poll_interval: float = DEFAULT_POLL_INTERVAL,
     retry_interval: float = DEFAULT_RETRY_INTERVAL,
     on_conn: Callable[[psycopg2.extensions.connection | None], None] | None = None,
+    batch_bytes: int = DEFAULT_BATCH_BYTES,
 ) -> None:
     """Deliver until ``stop``: a full pass first and every ``poll_interval`` (discovery: sources that
     appear are found without a restart), a pass over the woken queues on each wake-up, and queues
     whose delivery failed again after ``retry_interval`` (not before: a failing listener is not
-    hammered). A lost sink connection is reopened; nothing is lost, undelivered rows stay queued."""
+    hammered). A lost sink connection is reopened; nothing is lost, undelivered rows stay queued.
+    A pass hands over at most ``PASS_RUNS`` batches' worth of entries and of bytes before ``stop``
+    is looked at again."""
     conn: psycopg2.extensions.connection | None = None
     todo: set[str] | None = None  # None: a full pass is due
     retry: set[str] = set()
@@ -589,8 +637,9 @@ def follow(
                         conn = connect()
                         if on_conn:
                             on_conn(conn)
-                    report = ReceiveQueueReader(conn, batch_size).deliver(
-                        listener, want.client, sources, max_messages=PASS_RUNS * batch_size, skip=waiting
+                    report = ReceiveQueueReader(conn, batch_size, batch_bytes).deliver(
+                        listener, want.client, sources, max_messages=PASS_RUNS * batch_size, skip=waiting,
+                        max_bytes=PASS_RUNS * batch_bytes,
                     )
                 except (psycopg2.OperationalError, psycopg2.InterfaceError, ConfigurationError) as exc:
                     stats.failures += 1

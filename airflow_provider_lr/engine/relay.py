@@ -32,6 +32,7 @@ from airflow_provider_lr.engine.errors import LRError
 from airflow_provider_lr.engine.receive import (
     ALL,
     DEFAULT_BATCH,
+    DEFAULT_BATCH_BYTES,
     DEFAULT_POLL_INTERVAL,
     DEFAULT_RETRY_INTERVAL,
     DeliveryContext,
@@ -61,13 +62,14 @@ class Subscription(DeliveryContext):
         batch_size: int,
         poll_interval: float,
         retry_interval: float,
+        batch_bytes: int = DEFAULT_BATCH_BYTES,
     ) -> None:
         self.id = next(_ids)
         self.relay = relay
         self.listener = listener
         self._demand = demand
         self._connect = connect
-        self._options = (batch_size, poll_interval, retry_interval)
+        self._options = (batch_size, poll_interval, retry_interval, batch_bytes)
         self.stats = DeliveryStats()
         self.wakeups = 0  # wake-ups received from the relay (coalesced per queue)
         self.error: BaseException | None = None  # what ended the delivery thread, if not close()
@@ -138,10 +140,10 @@ class Subscription(DeliveryContext):
         return ALL if full else pending
 
     def _main(self) -> None:
-        batch_size, poll_interval, retry_interval = self._options
+        batch_size, poll_interval, retry_interval, batch_bytes = self._options
         try:
             follow(self._connect, self.listener, lambda: self._demand, self, self._stop, self.stats,
-                   batch_size, poll_interval, retry_interval, on_conn=self._set_delivering)
+                   batch_size, poll_interval, retry_interval, on_conn=self._set_delivering, batch_bytes=batch_bytes)
         except BaseException as exc:  # a bug or an unexpected error: keep it for the application
             self.error = exc
             log.exception("subscription %s (%s) stopped", self.id, self._demand)
@@ -162,9 +164,10 @@ class Relay:
         batch_size: int = DEFAULT_BATCH,
         poll_interval: float = DEFAULT_POLL_INTERVAL,
         retry_interval: float = DEFAULT_RETRY_INTERVAL,
+        batch_bytes: int = DEFAULT_BATCH_BYTES,
     ) -> None:
         self._connect = connect
-        self._defaults = (batch_size, poll_interval, retry_interval)
+        self._defaults = (batch_size, poll_interval, retry_interval, batch_bytes)
         self._lock = threading.Lock()
         self._subs: dict[int, Subscription] = {}
         self._by_client: dict[str, list[Subscription]] = {}
@@ -184,6 +187,7 @@ class Relay:
         batch_size: int | None = None,
         poll_interval: float | None = None,
         retry_interval: float | None = None,
+        batch_bytes: int | None = None,
     ) -> Subscription:
         """Join: deliver ``client_name``'s queues (from ``sources`` only, if given) to ``listener``
         on a new thread and connection, starting with what is already queued."""
@@ -192,6 +196,7 @@ class Relay:
             self, listener, Demand(client_name, None if sources is None else frozenset(sources)),
             connect or self._connect,
             batch_size or defaults[0], poll_interval or defaults[1], retry_interval or defaults[2],
+            batch_bytes or defaults[3],
         )
         with self._lock:
             if self._closing.is_set():

@@ -36,6 +36,7 @@ from airflow_provider_lr.engine.transmit import STREAM_LOG_ENTRIES, STREAM_SNAP_
 log = logging.getLogger(__name__)
 
 SNAPSHOT_CHUNK = 5_000  # snapshot messages per sink transaction during transfer
+SNAPSHOT_CHUNK_BYTES = 8 << 20  # ... and their bytes (at least one message): memory bounded by bytes
 MAX_BACKOFF_FACTOR = 16  # data timeout grows x2 per consecutive timeout, up to this factor
 # Log-entry backlog (deliveries, summed over a source's sessions) from which a Replicator cycle
 # first moves it with the read-once tee in its own process (engine/fanout.py: ~470k deliveries/s
@@ -303,10 +304,16 @@ class SessionRunner:
 
     def _snapshot_records(self, request: FullSyncRequest, after_entry: int) -> list[LogRecord]:
         with self.source.cursor() as cur:
+            # messages are sent only while the bytes before them stay under the chunk's budget (sizes
+            # are read from the tuples without fetching the messages)
             cur.execute(
-                "SELECT c.position, e.entry_id, e.message FROM lr.log_entries e JOIN lr.log_commits c ON c.tx = e.tx "
-                "WHERE e.tx = %s::xid8 AND e.stream = %s AND e.entry_id > %s ORDER BY e.entry_id LIMIT %s",
-                (request.supplied_tx, STREAM_SNAP_SYNC, after_entry, SNAPSHOT_CHUNK),
+                "SELECT position, entry_id, message FROM ("
+                " SELECT c.position, e.entry_id, e.message,"
+                "  sum(octet_length(e.message)) OVER (ORDER BY e.entry_id) - octet_length(e.message) AS before"
+                " FROM lr.log_entries e JOIN lr.log_commits c ON c.tx = e.tx"
+                " WHERE e.tx = %s::xid8 AND e.stream = %s AND e.entry_id > %s ORDER BY e.entry_id LIMIT %s) chunk "
+                "WHERE before < %s ORDER BY entry_id",
+                (request.supplied_tx, STREAM_SNAP_SYNC, after_entry, SNAPSHOT_CHUNK, SNAPSHOT_CHUNK_BYTES),
             )
             rows = [LogRecord(p, e, bytes(m)) for p, e, m in cur.fetchall()]
         self.source.commit()
@@ -342,20 +349,19 @@ class SessionRunner:
         reader = self.reader()
         for _ in range(self.settings.max_batches):
             try:
-                batch = reader.read(after, self.settings.max_entries, self.settings.max_bytes, split)
+                batch = reader.read_stream(after, self.settings.max_entries, self.settings.max_bytes, split)
             except TrimmedError as exc:
                 log.warning("session %s: %s", self.key, exc)
                 report.reason = str(exc)
                 self._update(state="IN_SNAPSHOT_SYNC")
                 return False
-            report.blocked_by = [h.describe() for h in batch.blocked_by]
-            if batch.end <= after:
-                break
-            after = sink.apply_log_entries(
-                self.sink, self.key.source, self.key.client, self._epoch(), batch.after, batch.end, batch.records, base
-            )
+            with batch:  # read from the source while it is written to the sink: bytes in memory stay bounded
+                report.blocked_by = [h.describe() for h in batch.blocked_by]
+                if batch.end <= after:
+                    break
+                after = sink.apply_log_stream(self.sink, self.key.source, self.key.client, self._epoch(), batch, base)
             fault_point("after_sink_apply")
-            report.delivered += len(batch.records)
+            report.delivered += batch.entries
             self._update(acked_position=after)
             if not batch.has_more:
                 break

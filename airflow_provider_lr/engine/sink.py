@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass, fields, replace
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import psycopg2.extensions
 from google.protobuf.message import DecodeError
@@ -19,7 +19,7 @@ from psycopg2.extensions import AsIs
 from psycopg2.extras import execute_values
 
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, StaleBatchError
-from airflow_provider_lr.engine.log_reader import BaseSplit, LogRecord
+from airflow_provider_lr.engine.log_reader import BaseSplit, LogBatch, LogRecord, LogStream
 from airflow_provider_lr.engine.queue_rows import Packer
 from airflow_provider_lr.proto import lr_pb2
 
@@ -93,6 +93,12 @@ def read_metadata(conn: psycopg2.extensions.connection, source: str, client: str
         raise
 
 
+# A sink write sends its receive-queue rows in INSERTs of about this many bytes (or entries), not
+# all at once: memory stays bounded however large the batch (the bytea travels hex-escaped, 2x).
+INSERT_BYTES = 4 << 20
+INSERT_ENTRIES = 4096
+
+
 class _SinkWrite:
     """One fenced sink transaction: lock the session row, check the epoch, then write."""
 
@@ -144,16 +150,30 @@ class _SinkWrite:
             (*values.values(), self.source, self.client),
         )
 
-    def insert(self, entries: Sequence[tuple[int, int, int, bytes]], sync_id: str | None = None,
-               visible: bool = True) -> None:
+    def insert(self, entries: Iterable[tuple[int, int, int, bytes]], sync_id: str | None = None,
+               visible: bool = True) -> int:
         """Entries (kind, position, entry id, message) appended in order, packed into receive-queue
-        rows (``queue_rows``): ``seq`` follows the order."""
+        rows (``queue_rows``): ``seq`` follows the order. Returns how many were written.
+
+        ``entries`` may be a stream (``LogStream``): rows are sent every ``INSERT_BYTES`` (or
+        ``INSERT_ENTRIES``) in this same transaction, so a batch of any size costs a few MiB here."""
         rows: list[tuple] = []
         packer = Packer(lambda r: rows.append((self.source, self.client, r.kind, r.position, r.entry_id, sync_id,
                                                visible, r.count, psycopg2.Binary(r.message))))
+        waiting = 0  # bytes added since the last flush
         for entry in entries:
             packer.add(*entry)
+            waiting += len(entry[3])
+            if waiting >= INSERT_BYTES or len(packer.pending) >= INSERT_ENTRIES:
+                packer.flush(final=False)  # the unfinished last pack waits for more
+                self._send(rows)
+                waiting = sum(len(p[0]) for p in packer.pending)
         packer.flush()
+        self._send(rows)
+        return packer.entries
+
+    def _send(self, rows: list[tuple]) -> None:
+        """INSERT the formed rows (then forget them)."""
         if not rows:
             return
         execute_values(
@@ -164,6 +184,7 @@ class _SinkWrite:
             template="(%s, %s, %s, %s, %s, %s::uuid, %s, %s, %s)",
             page_size=1000,
         )
+        rows.clear()
 
     def register(self) -> None:
         """Register the receive queue so subscribers discover it by prefix (idempotent). A name
@@ -377,6 +398,21 @@ def apply_log_entries(
     """Apply a log-entry batch covering positions ``(after, end]``; returns the sink's last processed
     position. A batch already applied is a no-op; an overlapping one writes only the new entries;
     one that would leave a gap, or belongs to another snapshot base, is refused."""
+    return apply_log_stream(conn, source, client, epoch, LogBatch(after, end, list(records)), base)
+
+
+def apply_log_stream(
+    conn: psycopg2.extensions.connection,
+    source: str,
+    client: str,
+    epoch: int,
+    batch: LogBatch | LogStream,
+    base: int,
+) -> int:
+    """``apply_log_entries`` for a batch read as it is written (``LogReader.read_stream``): its
+    entries go into ONE sink transaction in pieces, with ``last_log_entry_processed = batch.end``
+    set at the end, so a source transaction of any size becomes visible on the sink whole (DESIGN
+    §6 property 2) while only a few MiB of it are in memory at a time."""
     write = _SinkWrite(conn, source, client, epoch)
     with write as (cur, meta):
         if not meta.data_consistent or meta.snapshot_applied != base:
@@ -385,23 +421,30 @@ def apply_log_entries(
                 f"(consistent: {meta.data_consistent}); renegotiate"
             )
         last = meta.last_log_entry_processed
+        if batch.end <= last:  # before reading, ``end`` is an upper bound: nothing new
+            return last
+        if batch.after > last:
+            raise StaleBatchError(f"batch starts after {batch.after} but the sink has only processed up to {last}")
+        written = write.insert(_sink_entries(batch, last, source, client))
+        end = batch.end  # final now that the batch was read
         if end <= last:
             return last
-        if after > last:
-            raise StaleBatchError(f"batch starts after {after} but the sink has only processed up to {last}")
-        rows = []
-        for record in records:
-            if record.position > last:
-                kind, message = strip_destinations(record.message)
-                if kind == MALFORMED:
-                    log.warning("entry %s at position %s from %s for client %s is malformed; passed on to the "
-                                "sink's dead letters", record.entry_id, record.position, source, client)
-                rows.append((kind, record.position, record.entry_id, message))
-        write.insert(rows)
         write.update(last_log_entry_processed=end)
-        if rows:
+        if written:
             write.announce()
         return end
+
+
+def _sink_entries(records: Iterable[LogRecord], last: int, source: str,
+                  client: str) -> Iterator[tuple[int, int, int, bytes]]:
+    """The receive-queue form of the records after ``last`` (what the sink does not have yet)."""
+    for record in records:
+        if record.position > last:
+            kind, message = strip_destinations(record.message)
+            if kind == MALFORMED:
+                log.warning("entry %s at position %s from %s for client %s is malformed; passed on to the "
+                            "sink's dead letters", record.entry_id, record.position, source, client)
+            yield kind, record.position, record.entry_id, message
 
 
 def new_sync_id() -> str:

@@ -33,7 +33,7 @@ from airflow_provider_lr.engine.errors import ConfigurationError, LRError, Stale
 from airflow_provider_lr.engine.fanout import STAGING_LOCK_CLASS, peak_rss_kb, staged_coverage
 from airflow_provider_lr.engine.log_reader import LogRecord
 from airflow_provider_lr.engine.pgcopy import RowReader, StagingWriter, staging_prefix, staging_row
-from airflow_provider_lr.engine.session import SNAPSHOT_CHUNK, SessionRunner, SessionSettings
+from airflow_provider_lr.engine.session import SNAPSHOT_CHUNK, SNAPSHOT_CHUNK_BYTES, SessionRunner, SessionSettings
 from airflow_provider_lr.engine.topology import SessionKey, Topology, site_conninfo
 from airflow_provider_lr.engine.transmit import STREAM_SNAP_SYNC
 
@@ -179,11 +179,18 @@ class SnapshotTransfer:
 
 
 def _staged_chunk(conn: psycopg2.extensions.connection, plan: SnapshotPlan, after_entry: int) -> list[LogRecord]:
+    """The next staged messages after ``after_entry``: at most ``SNAPSHOT_CHUNK`` of them and, past
+    the first, while the bytes before them stay under ``SNAPSHOT_CHUNK_BYTES`` (memory bounded by
+    bytes; the sizes are read without fetching the messages)."""
     with conn.cursor() as cur:
         cur.execute(
-            "SELECT source_position, source_entry_id, message FROM lr.spark_staging WHERE source_site_id = %s "
-            "AND client_name = %s AND sync_id = %s AND source_entry_id > %s ORDER BY source_entry_id LIMIT %s",
-            (plan.source, plan.client, plan.request_id, after_entry, SNAPSHOT_CHUNK),
+            "SELECT source_position, source_entry_id, message FROM ("
+            " SELECT source_position, source_entry_id, message,"
+            "  sum(octet_length(message)) OVER (ORDER BY source_entry_id) - octet_length(message) AS before"
+            " FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s AND sync_id = %s"
+            " AND source_entry_id > %s ORDER BY source_entry_id LIMIT %s) chunk "
+            "WHERE before < %s ORDER BY source_entry_id",
+            (plan.source, plan.client, plan.request_id, after_entry, SNAPSHOT_CHUNK, SNAPSHOT_CHUNK_BYTES),
         )
         rows = [LogRecord(p, e, bytes(m)) for p, e, m in cur.fetchall()]
     conn.rollback()
