@@ -52,7 +52,7 @@ import psycopg2.extensions
 from psycopg2 import sql
 from psycopg2.extensions import AsIs
 
-from airflow_provider_lr.engine import lease as leases, sink, status
+from airflow_provider_lr.engine import lease as leases, progress, sink, status
 from airflow_provider_lr.engine.conninfo import ConnInfo
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, StaleBatchError
 from airflow_provider_lr.engine.faults import FAULT_ENV, fault_point, hooked
@@ -365,7 +365,8 @@ class FanoutDriver:
                                           last_error=f"fan-out: {result.errors[session]}"[:2000])
                     continue
                 result.deliveries[session] = delivered.get(session, 0)
-                leases.update_session(self.src, lease, acked_position=position, last_error=None)
+                leases.update_session(self.src, lease, acked_position=position, last_error=None,
+                                      last_success_at=AsIs("now()"))
             except FencedError as exc:  # taken over since: the new holder records its own progress
                 result.errors.setdefault(session, f"FencedError: {exc}")
                 result.deliveries.pop(session, None)
@@ -747,7 +748,12 @@ def run_fanout(driver: FanoutDriver, map_chunks: MapChunks, max_entries: int | N
     plan = driver.plan(max_entries, partitions)
     log.info("fan-out %s", plan.describe())
     t1 = time.monotonic()
-    chunks = list(map_chunks(plan)) if plan.ranges else []
+    chunks: list[ChunkResult] = []
+    if plan.ranges:
+        with progress.track(f"catch-up of {plan.source} (read-once fan-out)", plan.entries) as tracker:
+            for chunk in map_chunks(plan):
+                chunks.append(chunk)
+                tracker.advance(chunk.read)
     t2 = time.monotonic()
     result = driver.finish(plan, chunks)
     t3 = time.monotonic()
@@ -758,8 +764,8 @@ def run_fanout(driver: FanoutDriver, map_chunks: MapChunks, max_entries: int | N
 
 
 def local_map(plan: FanoutPlan) -> Iterable[ChunkResult]:
-    """Tee the chunks one after the other in this process (no Spark)."""
-    return list(tee_chunks(plan))
+    """Tee the chunks one after the other in this process (no Spark), as they are done."""
+    return tee_chunks(plan)
 
 
 def use_spark(backlogs: list[status.SessionBacklog], threshold: int = SPARK_MIN_BACKLOG) -> bool:

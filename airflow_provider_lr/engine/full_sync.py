@@ -24,6 +24,7 @@ import psycopg2
 import psycopg2.errors
 import psycopg2.extensions
 
+from airflow_provider_lr.engine import progress
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, LRError
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.lease import Lease
@@ -190,6 +191,9 @@ class FullSyncContext:
         self.split = split
         self.count = 0
         self._rows: list = []
+        self.tracker = progress.track(
+            f"full sync {request.request_id[:8]} {client.source_site_id}->{request.sink_site_id}/{request.client_name}: "
+            "supply", unit="messages")
         self._bytes = 0  # of the messages in ``_rows``
 
     def _add(self, payload: bytes, kind: int, **fields: object) -> None:
@@ -206,6 +210,8 @@ class FullSyncContext:
         """One full-sync message for this request's destination."""
         self._add(payload, lr_pb2.SNAPSHOT_SYNC)
         self.count += 1
+        if self.count % 1000 == 0:
+            self.tracker.update(self.count)
 
     def flush(self) -> None:
         if self._rows:
@@ -268,6 +274,8 @@ def serve_full_sync_requests(client: RoutingQueueClient, provider: Provider, max
                     ) from exc
                 ctx._add(b"", lr_pb2.LAST_FULL_SYNC_ENTRY)
                 ctx.flush()
+                ctx.tracker.update(ctx.count)
+                ctx.tracker.finish()
                 fault_point("during_supply")
                 cur.execute(
                     "UPDATE lr.full_sync_requests SET status = 'supplied', supplied_at = now(), "

@@ -93,8 +93,8 @@ class HoldBack:
             "prepared_transaction": "holds its commit position until COMMIT/ROLLBACK PREPARED",
             "open_transaction": "has transmitted entries that are not committed yet",
         }[self.kind]
-        tail = f"; last query: {self.query[:80]!r}" if self.query else ""
-        return f"{who} {what} (for {self.age_seconds:.1f}s{', ' + self.state if self.state else ''}){tail}"
+        # never the query text: it can carry application data (payload bytes in hex)
+        return f"{who} {what} (for {self.age_seconds:.1f}s{', ' + self.state if self.state else ''})"
 
 
 @dataclass

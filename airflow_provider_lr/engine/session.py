@@ -16,10 +16,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 import psycopg2.extensions
-
-from airflow_provider_lr.engine import full_sync, lease as leases, sink, status
 from psycopg2.extensions import AsIs
 
+from airflow_provider_lr.engine import full_sync, lease as leases, progress, sink, status
 from airflow_provider_lr.engine.errors import FencedError, LRError, TrimmedError
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.full_sync import FullSyncRequest, Provider
@@ -121,8 +120,8 @@ class SessionRunner:
         elif negotiation.decision is Decision.WAIT_SNAPSHOT_APPLY:
             meta = self.apply_snapshot(meta)
         if meta is not None and meta.data_consistent and not self.log_entry_sync(meta, report):
-            # the log was trimmed past the sink mid-cycle: renegotiate now (→ snapshot sync), so
-            # the cycle never ends reporting a session in log-entry sync that can no longer be
+            # the log was trimmed past the sink mid-cycle: renegotiate now (→ snapshot sync), so the
+            # cycle never ends reporting log-entry sync for a session the log can no longer serve
             meta = sink.read_metadata(self.sink, self.key.source, self.key.client)
             negotiation = self.negotiate(meta)
             report.decision, report.reason = negotiation.decision.value, negotiation.reason
@@ -161,7 +160,7 @@ class SessionRunner:
         return report, meta, negotiation
 
     def finish(self, report: CycleReport) -> CycleReport:
-        report.state, report.acked_position, report.remaining = self._status()
+        report.state, report.acked_position, report.remaining = self._status(ok=not report.error)
         return report
 
     # --- single steps (what the Airflow operators run, one task each) --------------------------
@@ -285,6 +284,9 @@ class SessionRunner:
     def transfer_snapshot(self, request: FullSyncRequest, meta: sink.SinkMetadata) -> tuple[sink.SinkMetadata, int]:
         """Copy the request's messages to the sink, resuming after what the sink already has."""
         sent = 0
+        total = (request.entries or 0) + 2  # the provider's messages and the two markers
+        tracker = progress.track(f"full sync {request.request_id[:8]} {self.key}: transfer", total, "messages")
+        tracker.update(meta.snapshot_transferred_seq + 1)
         while meta.snapshot_transferred != meta.snapshot_started:
             chunk = self._snapshot_records(request, meta.snapshot_last_entry)
             if not chunk:
@@ -296,10 +298,9 @@ class SessionRunner:
             meta = sink.write_snapshot_messages(self.sink, self.key.source, self.key.client, self._epoch(),
                                                 request.request_id, chunk)
             sent += len(chunk)
-            total = (request.entries or 0) + 2  # the provider's messages and the two markers
-            log.info("session %s: full sync %s: %d of %d messages on the sink", self.key, request.request_id,
-                     meta.snapshot_transferred_seq + 1, total)
+            tracker.update(meta.snapshot_transferred_seq + 1)
             fault_point("after_snapshot_chunk")
+        tracker.finish()
         return meta, sent
 
     def _snapshot_records(self, request: FullSyncRequest, after_entry: int) -> list[LogRecord]:
@@ -321,7 +322,9 @@ class SessionRunner:
 
     def apply_snapshot(self, meta: sink.SinkMetadata) -> sink.SinkMetadata:
         fault_point("before_snapshot_apply")
-        meta = sink.apply_snapshot(self.sink, self.key.source, self.key.client, self._epoch())
+        with progress.track(f"full sync {str(meta.snapshot_request_id)[:8]} {self.key}: apply", 1, "snapshots") as t:
+            meta = sink.apply_snapshot(self.sink, self.key.source, self.key.client, self._epoch())
+            t.update(1)
         fault_point("after_snapshot_apply")
         self._record_applied(meta)
         return meta
@@ -347,6 +350,7 @@ class SessionRunner:
         after, base, split = meta.last_log_entry_processed, meta.snapshot_applied, meta.split
         self._update(state="IN_LOG_ENTRY_SYNC", acked_position=after, last_error=None)
         reader = self.reader()
+        tracker: progress.Tracker | None = None
         for _ in range(self.settings.max_batches):
             try:
                 batch = reader.read_stream(after, self.settings.max_entries, self.settings.max_bytes, split)
@@ -365,7 +369,19 @@ class SessionRunner:
             self._update(acked_position=after)
             if not batch.has_more:
                 break
+            tracker = self._catch_up_progress(tracker, report.delivered)
+        if tracker is not None:
+            tracker.finish()
         return True
+
+    def _catch_up_progress(self, tracker: progress.Tracker | None, delivered: int) -> progress.Tracker:
+        """A catch-up longer than one batch reports progress (rate, ETA against the backlog counted
+        once, after its first batch); one batch says nothing."""
+        if tracker is None:
+            (backlog,) = status.session_backlogs(self.source, self.key.sink, self.key.client)
+            tracker = progress.track(f"catch-up {self.key}", delivered + backlog.entries, "entries")
+        tracker.update(delivered)
+        return tracker
 
     def reader(self) -> LogReader:
         if self._reader is None:
@@ -399,11 +415,13 @@ class SessionRunner:
         self.source.commit()
         return topo
 
-    def _status(self) -> tuple[str, int, int]:
-        """State, acked position and entries still to send (committed, tagged for the sink)."""
+    def _status(self, ok: bool = True) -> tuple[str, int, int]:
+        """State, acked position and entries still to send (committed, tagged for the sink);
+        records them, and the time of this success (``ok``), on the source."""
         (backlog,) = status.session_backlogs(self.source, self.key.sink, self.key.client)
         if self.lease is not None:
-            leases.update_session(self.source, self.lease, remaining_entries=backlog.entries)
+            done = {"last_success_at": AsIs("now()")} if ok else {}
+            leases.update_session(self.source, self.lease, remaining_entries=backlog.entries, **done)
         return backlog.state, backlog.acked, backlog.entries
 
     def release(self) -> None:
