@@ -10,6 +10,16 @@ ROOT=$PWD
 VENV=$ROOT/.venv
 PY=${PYTHON:-python3}
 
+APT_UPDATED=""
+apt_install() {
+  # Debian packages, as root only (the package lists are refreshed once per run).
+  if [ -z "$APT_UPDATED" ]; then
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    APT_UPDATED=1
+  fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
 need_java() {
   # Spark needs Java 17 or newer.
   local v=""
@@ -19,14 +29,27 @@ need_java() {
   if [ -n "$v" ] && [ "$v" -ge 17 ]; then return 0; fi
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "lr: Java 17+ not found (found: ${v:-none}); installing openjdk-17-jre-headless" >&2
-    DEBIAN_FRONTEND=noninteractive apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless >/dev/null
+    apt_install openjdk-17-jre-headless
     return 0
   fi
   echo "lr: Spark needs Java 17 or newer (found: ${v:-none}). Install it, e.g." >&2
   echo "    sudo apt-get install openjdk-17-jre-headless" >&2
   echo "and make sure 'java' is on PATH (or set JAVA_HOME)." >&2
   exit 1
+}
+
+need_chromium() {
+  # The browser test (tests/test_ui_browser.py) drives the real Airflow UI in Debian's headless
+  # Chromium through Playwright (whose own browser download cannot be used here). Not needed by
+  # the demo; without it (and not root) that one test is skipped, saying why.
+  if [ -x /usr/bin/chromium ] || [ -n "${LR_CHROMIUM:-}" ]; then return 0; fi
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "lr: chromium not found; installing Debian's chromium (for the browser test)" >&2
+    apt_install chromium
+    return 0
+  fi
+  echo "lr: chromium not found and not root: the browser test will be skipped" >&2
+  echo "    (install it with: sudo apt-get install chromium)" >&2
 }
 
 install() {
@@ -50,8 +73,8 @@ install() {
 cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
-  install) install ;;
+  install) install; need_chromium ;;
   demo) install; exec "$VENV/bin/lr" demo "$@" ;;
-  test) install; exec "$VENV/bin/python" -m pytest "$@" ;;
+  test) install; need_chromium; exec "$VENV/bin/python" -m pytest "$@" ;;
   *) echo "usage: ./dev.sh demo | test [pytest args] | install" >&2; exit 2 ;;
 esac

@@ -5,18 +5,26 @@ source, and give a reason. The form is validated server-side (the enums come fro
 this file was parsed with: ``$LR_TOPOLOGY`` or the shipped one), and the first task checks the
 choice again against the topology the run uses. Then for every matching session: a forced
 full-sync request on its source, the snapshot sync (waiting, deferred, for the client's data when
-its provider is not in the topology), and a log-entry catch-up after it.
+its provider is not in the topology), and a log-entry catch-up after it; every mapped instance is
+listed by its session's name. ``check`` is the run's verdict: the run fails when any session's
+full sync or catch-up failed (the catch-up runs anyway and does nothing while its session still
+needs the full sync, so it too is listed by name rather than left ``upstream_failed``).
+
+Empty optional fields (client, source) mean "all": they are ``null`` in the run's conf and show as
+an empty select box in the form (``values_display`` maps ``null`` to an empty label; without it
+Airflow's form shows the word ``null``).
 """
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
-from airflow.sdk import Param, dag, get_current_context, task
+from airflow.sdk import Param, TriggerRule, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_lr.engine.topology_schema import CLIENT_NAME_PATTERN, SITE_ID_PATTERN
-from airflow_provider_lr.operators import LRLogEntrySyncOperator, LRSnapshotSyncOperator
+from airflow_provider_lr.operators import LRLogEntrySyncOperator, LRRunCheckOperator, LRSnapshotSyncOperator
 from airflow_provider_lr.operators.common import parse_time_topology
+from airflow_provider_lr.operators.session import SESSION_LABEL
 
 _topology = parse_time_topology()
 _sessions = _topology.sessions() if _topology else []
@@ -33,8 +41,10 @@ def _choice(values: list[str], pattern: str, **schema: object) -> Param:
 
 
 def _optional_choice(values: list[str], pattern: str, **schema: object) -> Param:
+    """An optional pick: empty (``null``: every one) or one of ``values``. The form's select box
+    labels ``null`` from ``values_display``; an empty label keeps it empty, not the word "null"."""
     if values:
-        return Param(None, type=["null", "string"], enum=[*values, None], **schema)
+        return Param(None, type=["null", "string"], enum=[None, *values], values_display={"null": ""}, **schema)
     return Param(None, type=["null", "string"], pattern=pattern, **schema)
 
 
@@ -84,9 +94,17 @@ def lr_full_sync() -> None:
         return sessions
 
     sessions = request_full_sync()
-    snapshot = LRSnapshotSyncOperator.partial(task_id="snapshot_sync", wait_for_data=True).expand(session=sessions)
-    catch_up = LRLogEntrySyncOperator.partial(task_id="log_entry_sync").expand(session=sessions)
-    snapshot >> catch_up
+    snapshot = LRSnapshotSyncOperator.partial(
+        task_id="snapshot_sync", wait_for_data=True, map_index_template=SESSION_LABEL,
+    ).expand(session=sessions)
+    # all_done: runs (negotiates, does nothing while the session still needs its full sync) and is
+    # labelled by its session even when that session's full sync failed
+    catch_up = LRLogEntrySyncOperator.partial(
+        task_id="log_entry_sync", map_index_template=SESSION_LABEL, trigger_rule=TriggerRule.ALL_DONE,
+    ).expand(session=sessions)
+    snapshot >> catch_up >> LRRunCheckOperator(
+        task_id="check", sessions=sessions, session_tasks=("snapshot_sync", "log_entry_sync"), retries=0,
+    )
 
 
 lr_full_sync()

@@ -15,6 +15,8 @@ from airflow.sdk import Param, dag, task
 
 from airflow_provider_lr.operators import LRReceiveQueueReportOperator, LRStaleLeaseCleanupOperator, LRTrimOperator
 
+SITE_LABEL = "{{ task.site['site'] }}"
+
 
 @dag(
     dag_id="lr_maintenance",
@@ -48,11 +50,12 @@ def lr_maintenance() -> None:
 
     sources = sites.override(task_id="sources")("source")
     sinks = sites.override(task_id="sinks")("sink")
-    leases = LRStaleLeaseCleanupOperator.partial(task_id="stale_lease_cleanup").expand(site=sources)
-    safe = LRTrimOperator.partial(task_id="safe_trim").expand(site=sources)
-    retained = LRTrimOperator.partial(task_id="retention_trim").expand_kwargs(retention(sources))
+    label = {"map_index_template": SITE_LABEL}  # mapped instances listed by site id, not by number
+    leases = LRStaleLeaseCleanupOperator.partial(task_id="stale_lease_cleanup", **label).expand(site=sources)
+    safe = LRTrimOperator.partial(task_id="safe_trim", **label).expand(site=sources)
+    retained = LRTrimOperator.partial(task_id="retention_trim", **label).expand_kwargs(retention(sources))
     LRReceiveQueueReportOperator.partial(
-        task_id="receive_queue_checkpoint", warn_after_seconds="{{ params.queue_warn_after_seconds }}"
+        task_id="receive_queue_checkpoint", warn_after_seconds="{{ params.queue_warn_after_seconds }}", **label
     ).expand(site=sinks)
     leases >> safe >> retained
 

@@ -7,11 +7,15 @@ fan-outs, then one task group per session:
 
     decide (negotiation) ─┬─ snapshot_sync   (skips itself unless chosen) ─┬─ report (all_done)
                           └─ log_entry_sync  (skips itself unless chosen) ─┘
+    ... every session's group ──→ check (all_done: the run's verdict)
 
 ``@task.branch`` inside a mapped task group runs both branches in Airflow 3.3.2 (#67265), hence
-the skip-in-branch pattern. A session's failure (a sink that is down, a refused negotiation)
-fails only its own group and is recorded in its ``last_error`` (``lr status``); the next run
-retries it. The join is ``all_done``, not ``none_failed_min_one_success``: with the latter, one
+the skip-in-branch pattern; the branches are ``all_done`` too, so when ``decide`` fails they run,
+skip and carry the session's label instead of ending ``upstream_failed`` as bare numbers. A
+session's failure (a sink that is down, a fenced replicator, a refused negotiation) fails only its
+own group and is recorded in its ``last_error`` (``lr status``); the other sessions deliver, then
+``check`` fails the run naming the failed sessions, so the run and the DAG list show red; the
+next run retries them. The join is ``all_done``, not ``none_failed_min_one_success``: with the latter, one
 failed index marked the *unexpanded* join ``upstream_failed`` for every session in 3.3.2 (the
 per-index trigger-rule regression, apache/airflow#68417), hiding the healthy sessions' reports. Scheduled on a short interval with one active
 run rather than ``@continuous``: a run ends only when every session's group ends, so an idle
@@ -27,13 +31,14 @@ from datetime import datetime, timedelta, timezone
 from airflow.sdk import TriggerRule, dag, get_current_context, task, task_group
 
 from airflow_provider_lr.operators import LRDiscoverSessionsOperator, LRLogEntrySyncOperator, LRNegotiateOperator
-from airflow_provider_lr.operators import LRSnapshotSyncOperator
+from airflow_provider_lr.operators import LRRunCheckOperator, LRSnapshotSyncOperator
+from airflow_provider_lr.operators.session import SESSION_LABEL
 from airflow_provider_lr.operators.fanout import LRFanOutOperator
 from airflow_provider_lr.operators.spark import LRSparkFanOutOperator
 
 INTERVAL = timedelta(seconds=float(os.environ.get("LR_REPLICATION_INTERVAL_S", "30")))
 SPARK_CONN_ID = os.environ.get("LR_SPARK_CONN_ID", "spark_default")
-SESSION_LABEL = "{{ task.session['session'] }}"
+SOURCE_LABEL = "{{ task.source }}"  # tasks mapped over sources: listed by the source's site id
 
 
 @dag(
@@ -56,11 +61,12 @@ def lr_replication() -> None:
         found = {s["source"]: {"site": s["source"], "conn_id": s["source_conn_id"]} for s in sessions}
         return [found[k] for k in sorted(found)]
 
-    @task
+    @task(map_index_template="{{ lr_source }}")
     def plan(site: dict) -> dict:
         """Per source: Spark for a large backlog, in-process otherwise."""
         from airflow_provider_lr.operators.spark import plan_fanout
 
+        get_current_context()["lr_source"] = site["site"]  # type: ignore[typeddict-unknown-key]
         return plan_fanout(site, SPARK_CONN_ID)
 
     @task
@@ -75,15 +81,17 @@ def lr_replication() -> None:
     fanout = LRSparkFanOutOperator.partial(
         task_id="spark_fanout", conn_id=SPARK_CONN_ID, conf={"spark.ui.enabled": "false"},
         execution_timeout=timedelta(minutes=30),  # a stuck job must not hold the one active run
+        map_index_template=SOURCE_LABEL,
     ).expand(source=spark_sources(plans))
     tee = LRFanOutOperator.partial(
-        task_id="inprocess_fanout", execution_timeout=timedelta(minutes=30),
+        task_id="inprocess_fanout", execution_timeout=timedelta(minutes=30), map_index_template=SOURCE_LABEL,
     ).expand(source=tee_sources(plans))
 
     @task(trigger_rule=TriggerRule.ALL_DONE, map_index_template="{{ lr_session }}")
     def report(session: dict) -> dict:
         """The session's state as its source records it (state lives in PostgreSQL, not XCom)."""
         from airflow_provider_lr.engine import status
+        from airflow_provider_lr.operators import telemetry
         from airflow_provider_lr.operators.common import site_connection
 
         get_current_context()["lr_session"] = session["session"]  # type: ignore[typeddict-unknown-key]
@@ -91,20 +99,27 @@ def lr_replication() -> None:
             rows = status.site_status(conn, session["source"]).sessions
         row = next(r for r in rows if r["role"] == "source" and r["sink_site_id"] == session["sink"]
                    and r["client_name"] == session["client"])
+        telemetry.session_step(session, lag_entries=row["remaining_entries_to_send"], lag_seconds=row.get("lag_seconds"))
         return {"session": session["session"], "state": row["state"], "acked": row["last_applied_position"],
-                "remaining": row["remaining_entries_to_send"], "last_error": row["last_error"]}
+                "remaining": row["remaining_entries_to_send"], "lag_seconds": row.get("lag_seconds"),
+                "last_error": row["last_error"]}
 
     @task_group(group_id="session")
     def replicate(session: dict) -> None:
-        # all_done: a failed or skipped fan-out (Spark or in-process) must not stop the sessions (they catch up here)
-        label = {"map_index_template": SESSION_LABEL}  # the UI lists map indexes by session name
-        decide = LRNegotiateOperator(task_id="decide", session=session, trigger_rule=TriggerRule.ALL_DONE, **label)
-        snapshot = LRSnapshotSyncOperator(task_id="snapshot_sync", session=session, decision=decide.output, **label)
+        # all_done: a failed or skipped fan-out (Spark or in-process) must not stop the sessions (they catch up
+        # here); the branches run (and skip themselves) even when decide failed, so no instance of the group
+        # ends upstream_failed, the one state whose instances the grid cannot label (they never run)
+        common = {"map_index_template": SESSION_LABEL, "trigger_rule": TriggerRule.ALL_DONE}
+        decide = LRNegotiateOperator(task_id="decide", session=session, **common)
+        snapshot = LRSnapshotSyncOperator(task_id="snapshot_sync", session=session, decision=decide.output, **common)
         log_entries = LRLogEntrySyncOperator(task_id="log_entry_sync", session=session, decision=decide.output,
-                                             **label)
+                                             **common)
         decide >> [snapshot, log_entries] >> report(session)
 
-    [fanout, tee] >> replicate.expand(session=sessions.output)
+    groups = replicate.expand(session=sessions.output)
+    [fanout, tee] >> groups
+    # the run's verdict: failed when any session failed, after every healthy session delivered
+    groups >> LRRunCheckOperator(task_id="check", sessions=sessions.output, report_task_id="session.report", retries=0)
 
 
 lr_replication()

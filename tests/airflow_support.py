@@ -111,3 +111,49 @@ def states(dag_run: Any) -> dict[tuple[str, int], str]:
 def xcom(dag_run: Any, task_id: str, map_index: int = -1) -> Any:
     ti = next(t for t in dag_run.get_task_instances() if t.task_id == task_id and t.map_index == map_index)
     return ti.xcom_pull(task_ids=task_id, map_indexes=map_index)
+
+
+@pytest.fixture
+def statsd_packets(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Airflow's metrics switched to StatsD on a loopback UDP port for this test; yields the list
+    the received metric lines are appended to (``name:value|type``)."""
+    import socket
+    import threading
+
+    from airflow.sdk.observability import stats
+    from airflow.sdk.observability.metrics import stats_utils
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.settimeout(0.2)
+    monkeypatch.setenv("AIRFLOW__METRICS__STATSD_ON", "True")
+    monkeypatch.setenv("AIRFLOW__METRICS__STATSD_HOST", "127.0.0.1")
+    monkeypatch.setenv("AIRFLOW__METRICS__STATSD_PORT", str(sock.getsockname()[1]))
+    monkeypatch.setenv("AIRFLOW__METRICS__STATSD_PREFIX", "airflow")
+    # what the task runner does at start (dag.test runs tasks in this process, without it)
+    stats.initialize(factory=stats_utils.get_stats_factory(), export_legacy_names=True)
+    received: list[str] = []
+    stop = threading.Event()
+
+    def receive() -> None:
+        while not stop.is_set():
+            try:
+                data = sock.recv(65536)
+            except OSError:
+                continue
+            received.extend(line for line in data.decode().splitlines() if line)
+
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    yield received
+    stop.set()
+    thread.join()
+    sock.close()
+    from airflow.sdk._shared.observability.metrics.base_stats_logger import NoStatsLogger
+
+    stats.initialize(factory=NoStatsLogger, export_legacy_names=True)
+
+
+def metric(packets: list[str], name: str) -> list[float]:
+    """The values a metric was sent with (``airflow.`` prefix left out of ``name``)."""
+    return [float(p.split(":", 1)[1].split("|", 1)[0]) for p in packets if p.split(":", 1)[0] == f"airflow.{name}"]

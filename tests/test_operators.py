@@ -261,3 +261,43 @@ def test_new_log_entries_sensor_pokes_and_defers(airflow_sites):
     idle = _step(LRLogEntrySyncOperator, _sessions(sink="site-b")[0])
     assert idle["delivered"] == 0 and idle["remaining"] == 0  # counts stay in the XCom even when zero
     app.close()
+
+
+def _task_log_lines(op, **context) -> tuple[object, list[str]]:
+    """Run ``op`` and return its result and the lines it logged (the task log's events)."""
+    from structlog.testing import capture_logs
+
+    with capture_logs() as events:
+        result = op.execute(context)
+    return result, [e["event"] for e in events]
+
+
+def test_a_catch_up_longer_than_a_batch_reports_progress_in_the_task_log(airflow_sites, monkeypatch):
+    """A log-entry step that takes several batches logs ``N of M entries`` with rate and ETA into
+    the task's own log (here every report: LR_PROGRESS_EVERY_S=0); one batch logs nothing."""
+    monkeypatch.setenv("LR_PROGRESS_EVERY_S", "0")
+    source = airflow_sites.sites[0]
+    app = _app_with_sinks_in_log_entry_sync(source)
+    for i in range(25):
+        app.put(f"k{i}", i, ["site-b"])
+    session = _sessions(sink="site-b")[0]
+    op = LRLogEntrySyncOperator(task_id="catch_up", session=session, max_entries=10)
+    result, lines = _task_log_lines(op)
+    assert result["delivered"] == 25
+    progress = [line for line in lines if line.startswith("progress: ")]
+    assert progress and all("catch-up site-a->site-b/policy" in line for line in progress)
+    assert any("10 of 25 entries (" in line and "entries/s, ETA" in line for line in progress), progress
+    app.put("k", 1, ["site-b"])
+    _, lines = _task_log_lines(op)
+    assert not [line for line in lines if line.startswith("progress: ")]  # one batch: quiet
+    app.close()
+
+
+def test_a_branch_whose_negotiation_failed_skips_itself(airflow_sites):
+    """Given the negotiation's output, a branch step whose negotiation failed (the output resolved
+    to None) skips, so it is listed by session in the grid instead of ending upstream_failed."""
+    session = _sessions(sink="site-b")[0]
+    op = LRLogEntrySyncOperator(task_id="log_entry_sync", session=session, decision={"branch": "log_entry_sync"})
+    op.decision = None  # what templating leaves when decide failed
+    with pytest.raises(AirflowSkipException, match="negotiation did not complete"):
+        op.execute({})

@@ -8,6 +8,7 @@ from airflow_provider_lr.operators.session import (
     LRDiscoverSessionsOperator,
     LRLogEntrySyncOperator,
     LRNegotiateOperator,
+    LRRunCheckOperator,
     LRSnapshotSyncOperator,
 )
 
@@ -16,6 +17,7 @@ __all__ = [
     "LRLogEntrySyncOperator",
     "LRNegotiateOperator",
     "LRReceiveQueueReportOperator",
+    "LRRunCheckOperator",
     "LRSnapshotSyncOperator",
     "LRStaleLeaseCleanupOperator",
     "LRTrimOperator",

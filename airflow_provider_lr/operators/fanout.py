@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from airflow.sdk import BaseOperator
 
 from airflow_provider_lr.hooks.site import LRSiteHook
+from airflow_provider_lr.operators import telemetry
 from airflow_provider_lr.operators.common import load_topology
 
 
@@ -43,11 +44,16 @@ class LRFanOutOperator(BaseOperator):
 
         driver = fanout.FanoutDriver(topo, self.source, conninfo=conninfo, connect=lambda site: conninfo(site).connect())
         try:
-            result = fanout.run_fanout(driver, fanout.local_map, self.max_entries)
+            with telemetry.task_progress(self.log):  # the engine's progress lines, in this task's log
+                result = fanout.run_fanout(driver, fanout.local_map, self.max_entries)
         finally:
             driver.close()
         summary = {k: v for k, v in result.as_dict().items() if k not in ("peak_rss_kb",)}
         self.log.info("fan-out of %s: %s", self.source, summary)
+        for session, delivered in result.deliveries.items():
+            telemetry.session_step(session, delivered=delivered, source=self.source)
+        for session in result.errors:
+            telemetry.session_error(session, source=self.source)
         if not result.ok:
             raise RuntimeError(f"fan-out of {self.source}: sessions not delivered: {result.errors}")
         return summary

@@ -5,8 +5,10 @@ retry, a crashed worker or a concurrent ``lr sync`` safe.
 
 Inside a mapped task group, ``@task.branch`` runs both branches in Airflow 3.3.2 (apache/airflow
 #67265), so the branch operators take the negotiation's output as ``decision`` and skip
-themselves when it did not choose them; the group's join uses
-``trigger_rule="none_failed_min_one_success"``.
+themselves when it did not choose them, or when negotiation did not complete (a branch given
+``trigger_rule="all_done"`` then runs, skips and is labelled by its session instead of ending
+``upstream_failed`` with only a number in the grid). ``LRRunCheckOperator`` is the run's verdict:
+the last task, failing the run when any session failed while the healthy ones still delivered.
 """
 from __future__ import annotations
 
@@ -17,13 +19,14 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Iterator, Sequence
 
 import psycopg2
-from airflow.sdk import BaseOperator
+from airflow.sdk import BaseOperator, TriggerRule
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 
 from airflow_provider_lr.engine import full_sync
 from airflow_provider_lr.engine.lease import new_owner_id
 from airflow_provider_lr.engine.negotiation import Decision
 from airflow_provider_lr.engine.session import CycleReport, SessionRunner, SessionSettings, record_error
+from airflow_provider_lr.operators import telemetry
 from airflow_provider_lr.operators.common import load_topology, session_dicts, session_key, site_connection
 
 # negotiation decision -> the branch task that carries it out
@@ -33,6 +36,9 @@ BRANCH_OF = {
     Decision.LOG_ENTRY_SYNC.value: "log_entry_sync",
 }
 NO_BRANCH = "none"
+# the map_index_template of a task mapped over sessions (its ``session`` argument): the grid lists
+# each map index by the session's name, e.g. ``site-a->site-b/policy``
+SESSION_LABEL = "{{ task.session['session'] }}"
 
 
 def report_dict(report: CycleReport) -> dict[str, Any]:
@@ -75,8 +81,12 @@ class _SessionStepOperator(BaseOperator):
                  topology_path: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.session, self.decision, self.topology_path = session, decision, topology_path
+        # given an upstream's output: it resolves to None when that upstream failed (all_done branch)
+        self.decision_expected = decision is not None
 
     def _skip_unless_chosen(self) -> None:
+        if self.decision is None and self.decision_expected:
+            raise AirflowSkipException("negotiation did not complete (see this session's decide task)")
         if self.decision is not None and self.decision.get("branch") != self.branch:
             why = self.decision.get("reason") or self.decision.get("skipped") or "nothing to do"
             raise AirflowSkipException(f"negotiation chose {self.decision.get('branch')!r} ({why})")
@@ -86,7 +96,18 @@ class _SessionStepOperator(BaseOperator):
 
     @contextlib.contextmanager
     def runner(self) -> Iterator[SessionRunner]:
-        """A SessionRunner on fresh connections to both sites; its lease is released afterwards."""
+        """A SessionRunner on fresh connections to both sites; its lease is released afterwards.
+        Meanwhile the engine's progress reports (long transfers, applies, catch-ups) go to the task
+        log; a failed step counts in ``lr.session.errors``."""
+        try:
+            with telemetry.task_progress(self.log), self._runner() as runner:
+                yield runner
+        except Exception:
+            telemetry.session_error(self.session)
+            raise
+
+    @contextlib.contextmanager
+    def _runner(self) -> Iterator[SessionRunner]:
         topo = load_topology(self.topology_path)
         key = session_key(topo, self.session)
         target = topo.providers.get(key.client)
@@ -113,8 +134,11 @@ class _SessionStepOperator(BaseOperator):
 
     def _result(self, report: CycleReport) -> dict[str, Any]:
         if report.error:
+            telemetry.session_error(self.session)
             # a refused negotiation needs a human (apply the same topology on both sites): no retry
             raise AirflowFailException(f"session {report.session}: {report.error}")
+        telemetry.session_step(self.session, delivered=report.delivered, snapshot_messages=report.snapshot_messages,
+                               lag_entries=None if report.skipped else report.remaining)
         result = report_dict(report)
         self.log.info("session %s: %s", report.session, result)
         return result
@@ -233,3 +257,70 @@ class LRLogEntrySyncOperator(_SessionStepOperator):
         with self.runner() as runner:
             report = runner.log_entry_step()
         return self._result(report)
+
+
+class LRRunCheckOperator(BaseOperator):
+    """The run's verdict, as its last task: fails when any task of the run failed or ended
+    ``upstream_failed``, naming the sessions concerned, so a run in which a session failed is
+    red in the UI while the healthy sessions still delivered first (``trigger_rule="all_done"``).
+    Reads the run's task states through the Task SDK (no database access from the task).
+
+    :param sessions: the run's sessions in map-index order (``LRDiscoverSessionsOperator``'s
+        output), to name failed session tasks by session instead of by number
+    :param session_tasks: ids (or prefixes, e.g. a task group ``"session."``) of the tasks mapped
+        one index per session
+    :param report_task_id: a task returning ``{"last_error": ...}`` per session (shown in the message)
+    Returns ``{"sessions": n, "failed_sessions": [...], "failed_tasks": [...]}`` when nothing failed.
+    """
+
+    template_fields: Sequence[str] = ("sessions",)
+    ui_color = "#ececec"
+
+    def __init__(self, *, sessions: list[dict[str, Any]] | None = None, session_tasks: Sequence[str] = ("session.",),
+                 report_task_id: str | None = None, trigger_rule: str = TriggerRule.ALL_DONE, **kwargs: Any) -> None:
+        super().__init__(trigger_rule=trigger_rule, **kwargs)
+        self.sessions, self.session_tasks, self.report_task_id = sessions, tuple(session_tasks), report_task_id
+
+    def _is_session_task(self, task_id: str) -> bool:
+        return any(task_id == t or (t.endswith(".") and task_id.startswith(t)) for t in self.session_tasks)
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        ti = context["ti"]
+        sessions = list(self.sessions or [])
+        crumbs = [c for c in ti.get_task_breadcrumbs(ti.dag_id, ti.run_id) if c["task_id"] != self.task_id]
+        bad = [c for c in crumbs if str(getattr(c["state"], "value", c["state"])) in ("failed", "upstream_failed")]
+        per_session: dict[str, list[str]] = {}
+        others: list[str] = []
+        for c in sorted(bad, key=lambda c: (c["map_index"], c["task_id"])):
+            state = str(getattr(c["state"], "value", c["state"]))
+            index = c["map_index"]
+            if self._is_session_task(c["task_id"]) and 0 <= index < len(sessions):
+                per_session.setdefault(sessions[index]["session"], []).append(f"{c['task_id']} {state}")
+            else:
+                others.append(f"{c['task_id']}{f'[{index}]' if index >= 0 else ''} {state}")
+        telemetry.failed_sessions(ti.dag_id, len(per_session))
+        for name, tasks in per_session.items():
+            why = self._last_error(ti, sessions, name)
+            self.log.error("session %s failed: %s%s", name, ", ".join(tasks), f" ({why})" if why else "")
+        for task in others:
+            self.log.error("task %s", task)
+        if per_session or others:
+            what = []
+            if per_session:
+                what.append(f"{len(per_session)} of {len(sessions)} session(s) failed: {', '.join(per_session)}")
+            if others:
+                what.append(f"failed task(s): {', '.join(others)}")
+            raise AirflowFailException("; ".join(what) + " (the other sessions ran to completion; `lr status` "
+                                       "shows each session's last_error)")
+        self.log.info("all %d session(s) ran without failure", len(sessions))
+        return {"sessions": len(sessions), "failed_sessions": [], "failed_tasks": []}
+
+    def _last_error(self, ti: Any, sessions: list[dict[str, Any]], name: str) -> str:
+        if not self.report_task_id:
+            return ""
+        index = next(i for i, s in enumerate(sessions) if s["session"] == name)
+        try:
+            report = ti.xcom_pull(task_ids=self.report_task_id, map_indexes=index)
+        except Exception:
+            return ""
+        return str((report or {}).get("last_error") or "")

@@ -18,6 +18,7 @@ from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOpe
 
 from airflow_provider_lr.engine.conninfo import CONNECTIONS_FILE_ENV
 from airflow_provider_lr.hooks.site import LRSiteHook
+from airflow_provider_lr.operators import telemetry
 from airflow_provider_lr.operators.common import load_topology, topology_path
 from airflow_provider_lr.paths import spark_jobs_dir
 
@@ -98,6 +99,10 @@ class LRSparkFanOutOperator(SparkSubmitOperator):
             os.unlink(conns_file)
         self.result = getattr(self._hook, "result", None)
         self.log.info("fan-out of %s: %s", self.source, self.result)
+        for session, delivered in ((self.result or {}).get("deliveries") or {}).items():
+            telemetry.session_step(session, delivered=delivered, source=self.source)
+        for session in (self.result or {}).get("errors") or {}:
+            telemetry.session_error(session, source=self.source)
         return self.result
 
 
