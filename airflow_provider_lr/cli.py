@@ -313,14 +313,12 @@ def _progress_bars() -> Iterator[None]:
 
 
 def _retention(text: str) -> float:
-    """``--retention``: a finite number of seconds, at least 0."""
+    """``--retention``: seconds, refused here by the engine's own rule (``trim.check_retention``)."""
     try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan
-    if not math.isfinite(seconds) or not 0 <= seconds <= trim.MAX_RETENTION:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds between 0 and {trim.MAX_RETENTION:.0f}")
-    return seconds
+        return trim.check_retention(_seconds(text))
+    except LRError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of seconds between 0 and {trim.MAX_RETENTION:.0f}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import http.server
 from typing import Callable
 
-from airflow_provider_lr.engine.status import SiteStatus, readiness
+from airflow_provider_lr.engine.status import SiteStatus, readiness, trim_marks
 
 _HELP = {
     "lr_site_up": ("gauge", "1 when the site could be read"),
@@ -34,7 +34,7 @@ def _labels(**values: str) -> str:
 def exposition(found: dict[str, SiteStatus | str]) -> str:
     """Every site's metrics; a site that could not be read is ``lr_site_up 0``."""
     samples: dict[str, list[str]] = {name: [] for name in _HELP}
-    marks = {site: st.trim_mark for site, st in found.items() if isinstance(st, SiteStatus)}
+    marks = trim_marks(found)
     for site, st in found.items():
         samples["lr_site_up"].append(f"{_labels(site=site)} {0 if isinstance(st, str) else 1}")
         if isinstance(st, str):

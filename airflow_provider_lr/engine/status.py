@@ -26,8 +26,8 @@ HEALTHY, DEGRADED, UNREACHABLE = 0, 1, 2
 
 @dataclass
 class SiteStatus:
-    """One site's status, computed from the site when asked (``as_of``); nothing here is a
-    remembered figure except ``last_success_at``, which is labelled with its age."""
+    """One site's status, computed from the site when asked (``as_of``); the one remembered figure,
+    a session's last success, is shown as its age (``last_success_age_s``)."""
 
     site_id: str
     schema_version: int
@@ -163,10 +163,10 @@ def _age(seconds: float | None) -> str:
     return f"{seconds / 60:.0f}m ago" if seconds < 7200 else f"{seconds / 3600:.1f}h ago"
 
 
-def render(status: SiteStatus, trim_marks: dict[str, int] | None = None) -> str:
-    """``trim_marks``: the trim mark of each source site reached in the same status run (a sink's
-    sessions are checked against their source's)."""
-    marks = {**(trim_marks or {}), status.site_id: status.trim_mark}
+def render(status: SiteStatus, source_marks: dict[str, int] | None = None) -> str:
+    """``source_marks``: the trim mark of each source site reached in the same status run
+    (``trim_marks``; a sink's sessions are checked against their source's)."""
+    marks = {**(source_marks or {}), status.site_id: status.trim_mark}
     lines = [
         f"{status.site_id}: schema v{status.schema_version}, topology {status.topology_config_id or '(none applied)'}, "
         f"trim mark {status.trim_mark}"
@@ -201,10 +201,16 @@ def render(status: SiteStatus, trim_marks: dict[str, int] | None = None) -> str:
     return "\n".join(lines)
 
 
+def trim_marks(found: dict[str, SiteStatus | str]) -> dict[str, int]:
+    """The trim mark of every site read in one status run: a sink's sessions are checked against
+    their source's."""
+    return {site: st.trim_mark for site, st in found.items() if isinstance(st, SiteStatus)}
+
+
 def render_sites(found: dict[str, SiteStatus | str]) -> str:
     """Every site's status (or why it could not be read), each sink's sessions checked against
     the trim mark of its source read in the same run."""
-    marks = {site: st.trim_mark for site, st in found.items() if isinstance(st, SiteStatus)}
+    marks = trim_marks(found)
     return "\n".join(st if isinstance(st, str) else render(st, marks) for st in found.values())
 
 
@@ -215,7 +221,7 @@ def health(found: dict[str, SiteStatus | str], max_lag_seconds: float | None = N
     reasons = [f"{site}: unreachable" for site, st in found.items() if isinstance(st, str)]
     if reasons:
         return UNREACHABLE, reasons
-    marks = {site: st.trim_mark for site, st in found.items() if isinstance(st, SiteStatus)}
+    marks = trim_marks(found)
     for st in found.values():
         assert isinstance(st, SiteStatus)
         for s in st.sessions:
@@ -230,7 +236,7 @@ def health(found: dict[str, SiteStatus | str], max_lag_seconds: float | None = N
 
 def sites_as_dict(found: dict[str, SiteStatus | str], max_lag_seconds: float | None = None) -> dict:
     """``lr status --json``: every site, with readiness computed across sites, and the health verdict."""
-    marks = {site: st.trim_mark for site, st in found.items() if isinstance(st, SiteStatus)}
+    marks = trim_marks(found)
     sites = {}
     for site, st in found.items():
         if isinstance(st, str):

@@ -18,14 +18,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.conninfo import ConnInfo, resolve
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError
-from airflow_provider_lr.engine.topology_schema import (  # noqa: F401 (re-exported names)
-    CLIENT_NAME_PATTERN,
-    SITE_ID_PATTERN,
-    Origin,
-    read,
-    valid_client_name,
-    validate,
-)
+from airflow_provider_lr.engine.topology_schema import Origin, read, validate
 from airflow_provider_lr.paths import include_dir
 
 TOPOLOGY_ENV = "LR_TOPOLOGY"

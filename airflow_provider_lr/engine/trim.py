@@ -89,11 +89,18 @@ def safe_trim(conn: psycopg2.extensions.connection) -> TrimResult | None:
     return None if mark is None else trim(conn, mark)
 
 
-def retention_trim(conn: psycopg2.extensions.connection, keep_seconds: float) -> TrimResult | None:
-    """Trim everything committed more than ``keep_seconds`` ago, lagging sessions or not."""
+def check_retention(keep_seconds: object) -> float:
+    """A retention is a finite number of seconds between 0 and ``MAX_RETENTION`` (a negative one
+    would trim what no sink has; nan, inf or 1e308 are typos); ConfigurationError otherwise."""
     if not isinstance(keep_seconds, (int, float)) or not math.isfinite(keep_seconds) or not 0 <= keep_seconds <= MAX_RETENTION:
         raise ConfigurationError(f"retention must be a number of seconds between 0 and {MAX_RETENTION:.0f}, "
                                  f"not {keep_seconds!r}")
+    return float(keep_seconds)
+
+
+def retention_trim(conn: psycopg2.extensions.connection, keep_seconds: float) -> TrimResult | None:
+    """Trim everything committed more than ``keep_seconds`` ago, lagging sessions or not."""
+    check_retention(keep_seconds)
     barrier, _ = commit_barrier(conn)
     if barrier is None:
         return None
