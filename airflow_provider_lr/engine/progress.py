@@ -13,7 +13,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 log = logging.getLogger("airflow_provider_lr.progress")
 LOG_EVERY = 5.0  # seconds between two log lines of one task
@@ -53,11 +53,13 @@ _listeners: list[Listener] = []
 _lock = threading.Lock()
 
 
-class _LogEvery:
-    """The default listener: a log line per task every ``LOG_EVERY`` seconds, and one at the end
-    of work that took a second or more (short work says nothing)."""
+class LogEvery:
+    """A listener writing to ``logger``: a line per piece of work every ``every`` seconds, and one
+    at its end when it took a second or more (short work says nothing). The default listener, and
+    the one an Airflow task points at its own log."""
 
-    def __init__(self) -> None:
+    def __init__(self, logger: logging.Logger | Any = log, every: float = LOG_EVERY, prefix: str = "") -> None:
+        self.logger, self.every, self.prefix = logger, every, prefix
         self.last: dict[int, float] = {}
 
     def __call__(self, progress: Progress) -> None:
@@ -66,13 +68,13 @@ class _LogEvery:
         if progress.finished:
             self.last.pop(key, None)
             if now - progress.started >= 1.0:
-                log.info("%s", progress.describe())
-        elif now - self.last.setdefault(key, progress.started) >= LOG_EVERY:
+                self.logger.info("%s%s", self.prefix, progress.describe())
+        elif now - self.last.setdefault(key, progress.started) >= self.every:
             self.last[key] = now
-            log.info("%s", progress.describe())
+            self.logger.info("%s%s", self.prefix, progress.describe())
 
 
-_default = _LogEvery()
+_default = LogEvery()
 
 
 def _notify(progress: Progress) -> None:

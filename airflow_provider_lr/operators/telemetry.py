@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from typing import Any, Iterator
 
 from airflow_provider_lr.engine import progress
@@ -40,31 +39,11 @@ def progress_every() -> float:
         return DEFAULT_PROGRESS_EVERY
 
 
-class TaskLogProgress:
-    """A progress listener writing to a task's logger: a line per piece of work every ``every``
-    seconds, and one at its end when it took a second or more (short work says nothing)."""
-
-    def __init__(self, log: logging.Logger | Any, every: float | None = None) -> None:
-        self.log = log
-        self.every = progress_every() if every is None else every
-        self.last: dict[int, float] = {}
-
-    def __call__(self, p: progress.Progress) -> None:
-        now = time.monotonic()
-        key = id(p)
-        if p.finished:
-            self.last.pop(key, None)
-            if now - p.started >= 1.0:
-                self.log.info("progress: %s", p.describe())
-        elif now - self.last.setdefault(key, p.started) >= self.every:
-            self.last[key] = now
-            self.log.info("progress: %s", p.describe())
-
-
 @contextlib.contextmanager
 def task_progress(log: logging.Logger | Any) -> Iterator[None]:
-    """While in this block, the engine's progress reports go to ``log`` (the task's log)."""
-    with progress.listen(TaskLogProgress(log)):
+    """While in this block, the engine's progress reports go to ``log`` (the task's log), every
+    ``LR_PROGRESS_EVERY_S`` seconds per piece of work."""
+    with progress.listen(progress.LogEvery(log, progress_every(), prefix="progress: ")):
         yield
 
 
