@@ -210,7 +210,7 @@ class FullSyncContext:
         """One full-sync message for this request's destination."""
         self._add(payload, lr_pb2.SNAPSHOT_SYNC)
         self.count += 1
-        if self.count % 1000 == 0:
+        if self.count % FLUSH_ROWS == 0:  # progress as often as the rows are written
             self.tracker.update(self.count)
 
     def flush(self) -> None:
