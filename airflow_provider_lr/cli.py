@@ -12,9 +12,12 @@ from typing import Callable, Iterator, Sequence
 
 import psycopg2
 
-from airflow_provider_lr.engine import conninfo, full_sync, metrics, progress, replicator, schema, status, topology, trim
-from airflow_provider_lr.engine import roles as site_roles
+from airflow_provider_lr.engine import progress
 from airflow_provider_lr.engine.errors import LRError
+from airflow_provider_lr.engine.session import replicator
+from airflow_provider_lr.engine.site import conninfo, metrics, schema, status, topology
+from airflow_provider_lr.engine.site import roles as site_roles
+from airflow_provider_lr.engine.source import full_sync, trim
 from airflow_provider_lr.sites import SiteManager, lr_home
 
 
@@ -290,9 +293,8 @@ def _progress_bars() -> Iterator[None]:
     if not sys.stderr.isatty():
         yield
         return
-    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
-
     from rich.console import Console
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
     bars = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
                     TextColumn("{task.completed:,.0f} {task.fields[unit]}"), TimeRemainingColumn(),

@@ -15,9 +15,9 @@ import psycopg2
 import yaml
 
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
-from airflow_provider_lr.engine import schema, status, topology
-from airflow_provider_lr.engine.replicator import Replicator
-from airflow_provider_lr.engine.session import CycleReport
+from airflow_provider_lr.engine.session.replicator import Replicator
+from airflow_provider_lr.engine.session.runner import CycleReport
+from airflow_provider_lr.engine.site import schema, status, topology
 from airflow_provider_lr.sites import SiteManager
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 

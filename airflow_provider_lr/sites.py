@@ -20,9 +20,9 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from airflow_provider_lr.engine.conninfo import ConnInfo, from_airflow_dict
 from airflow_provider_lr.engine.errors import ConfigurationError
-from airflow_provider_lr.engine.topology_schema import valid_site_id
+from airflow_provider_lr.engine.site.conninfo import ConnInfo, from_airflow_dict
+from airflow_provider_lr.engine.site.topology_schema import valid_site_id
 
 DEFAULT_SETTINGS: dict[str, str] = {
     "wal_level": "logical",  # native logical replication is a bench anchor

@@ -19,21 +19,21 @@ import threading
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine import receive
-from airflow_provider_lr.engine.conninfo import ConnInfo, resolve
 from airflow_provider_lr.engine.errors import ConfigurationError
-from airflow_provider_lr.engine.receive import (
+from airflow_provider_lr.engine.sink import receive
+from airflow_provider_lr.engine.sink.receive import (
     DEFAULT_BATCH,
     DEFAULT_BATCH_BYTES,
     DEFAULT_POLL_INTERVAL,
     DEFAULT_RETRY_INTERVAL,
     DeliveryContext,
-    Demand,
     DeliveryStats,
+    Demand,
     Listener,
     MalformedEntryError,
 )
-from airflow_provider_lr.engine.relay import Relay, Subscription
+from airflow_provider_lr.engine.sink.relay import Relay, Subscription
+from airflow_provider_lr.engine.site.conninfo import ConnInfo, resolve
 
 __all__ = [
     "DeliveryStats", "Listener", "MalformedEntryError", "Relay", "RoutingQueueSubscriber", "Subscription", "open_relay",

@@ -43,10 +43,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fanout_anchors import BACKLOG_TABLE, SINKS, BenchEnv, Measurement, Workload, execute  # noqa: E402
 
 from airflow_provider_lr.client import RoutingQueueClient  # noqa: E402
-from airflow_provider_lr.engine import pgcopy, queue_rows, schema, topology  # noqa: E402
-from airflow_provider_lr.engine.replicator import Replicator  # noqa: E402
-from airflow_provider_lr.engine.session import SessionSettings  # noqa: E402
-from airflow_provider_lr.engine.transmit import STREAM_LOG_ENTRIES  # noqa: E402
+from airflow_provider_lr.engine.bulk import pgcopy
+from airflow_provider_lr.engine.session.replicator import Replicator  # noqa: E402
+from airflow_provider_lr.engine.session.runner import SessionSettings  # noqa: E402
+from airflow_provider_lr.engine.sink import queue_rows
+from airflow_provider_lr.engine.site import (
+    schema,
+    topology,  # noqa: E402
+)
+from airflow_provider_lr.engine.source.transmit import STREAM_LOG_ENTRIES  # noqa: E402
 from airflow_provider_lr.proto import lr_pb2  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -279,7 +284,7 @@ def _restore_env(name: str, value: str | None) -> None:
 
 
 def lr_inprocess_tee(env: BenchEnv, workload: Workload) -> Measurement:
-    from airflow_provider_lr.engine import fanout
+    from airflow_provider_lr.engine.bulk import fanout
 
     sites = LrSites(env, f"lr_{workload.variant}")
     previous = os.environ.get("LR_CONNECTIONS_FILE")

@@ -1,7 +1,7 @@
 """Subscriber delivery rate: a sink's receive queue drained by ``RoutingQueueSubscriber.poll``.
 
-The queue is filled the way the replicator fills it (``sink._SinkWrite.insert``: entries packed into
-rows, ``engine/queue_rows.py``) and, for comparison, with one entry per row (the form before schema
+The queue is filled the way the replicator fills it (``writes._SinkWrite.insert``: entries packed into
+rows, ``engine/sink/queue_rows.py``) and, for comparison, with one entry per row (the form before schema
 V0005, still valid). The listener does nothing but acknowledge, so the figure is lr's own cost of
 reading, unpacking, calling back and consuming (delete / ``delivered``), one transaction per batch.
 
@@ -21,7 +21,8 @@ import psycopg2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from airflow_provider_lr.engine import schema, sink  # noqa: E402
+from airflow_provider_lr.engine.sink import writes  # noqa: E402
+from airflow_provider_lr.engine.site import schema
 from airflow_provider_lr.proto import lr_pb2  # noqa: E402
 from airflow_provider_lr.sites import SiteManager  # noqa: E402
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber  # noqa: E402
@@ -56,7 +57,7 @@ def fill(dsn: str, entries: int, packed: bool) -> int:
     messages = [lr_pb2.RoutingTableEntryMsg(type=lr_pb2.LOG_ENTRY_SYNC, opaque_payload=os.urandom(256),
                                             source_site_id=SOURCE, client_name=CLIENT).SerializeToString()
                 for _ in range(min(entries, 10_000))]
-    write = sink._SinkWrite(conn, SOURCE, CLIENT, epoch=1)
+    write = writes._SinkWrite(conn, SOURCE, CLIENT, epoch=1)
     with write as (cur, _):
         for start in range(0, entries, 10_000):
             batch = [(lr_pb2.LOG_ENTRY_SYNC, start + i, start + i, m)

@@ -45,7 +45,7 @@ def example_lr_user_pipeline() -> None:
     @task
     def record_orders() -> dict:
         from airflow_provider_lr.client import RoutingQueueClient
-        from airflow_provider_lr.engine import status
+        from airflow_provider_lr.engine.site import status
         from airflow_provider_lr.operators.common import load_topology, site_connection
 
         params = get_current_context()["params"]

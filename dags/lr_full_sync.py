@@ -21,7 +21,7 @@ from datetime import datetime, timedelta, timezone
 from airflow.sdk import Param, TriggerRule, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException
 
-from airflow_provider_lr.engine.topology_schema import CLIENT_NAME_PATTERN, SITE_ID_PATTERN
+from airflow_provider_lr.engine.site.topology_schema import CLIENT_NAME_PATTERN, SITE_ID_PATTERN
 from airflow_provider_lr.operators import LRLogEntrySyncOperator, LRRunCheckOperator, LRSnapshotSyncOperator
 from airflow_provider_lr.operators.common import parse_time_topology
 from airflow_provider_lr.operators.session import SESSION_LABEL
@@ -71,7 +71,7 @@ def lr_full_sync() -> None:
     @task
     def request_full_sync() -> list[dict]:
         """Check the form against the run's topology, then record a forced request per session."""
-        from airflow_provider_lr.engine import full_sync
+        from airflow_provider_lr.engine.source import full_sync
         from airflow_provider_lr.operators.common import load_topology, session_dicts, site_connection
 
         params = get_current_context()["params"]

@@ -30,10 +30,15 @@ from datetime import datetime, timedelta, timezone
 
 from airflow.sdk import TriggerRule, dag, get_current_context, task, task_group
 
-from airflow_provider_lr.operators import LRDiscoverSessionsOperator, LRLogEntrySyncOperator, LRNegotiateOperator
-from airflow_provider_lr.operators import LRRunCheckOperator, LRSnapshotSyncOperator
-from airflow_provider_lr.operators.session import SESSION_LABEL
+from airflow_provider_lr.operators import (
+    LRDiscoverSessionsOperator,
+    LRLogEntrySyncOperator,
+    LRNegotiateOperator,
+    LRRunCheckOperator,
+    LRSnapshotSyncOperator,
+)
 from airflow_provider_lr.operators.fanout import LRFanOutOperator
+from airflow_provider_lr.operators.session import SESSION_LABEL
 from airflow_provider_lr.operators.spark import LRSparkFanOutOperator
 
 INTERVAL = timedelta(seconds=float(os.environ.get("LR_REPLICATION_INTERVAL_S", "30")))
@@ -90,7 +95,7 @@ def lr_replication() -> None:
     @task(trigger_rule=TriggerRule.ALL_DONE, map_index_template="{{ lr_session }}")
     def report(session: dict) -> dict:
         """The session's state as its source records it (state lives in PostgreSQL, not XCom)."""
-        from airflow_provider_lr.engine import status
+        from airflow_provider_lr.engine.site import status
         from airflow_provider_lr.operators import telemetry
         from airflow_provider_lr.operators.common import site_connection
 

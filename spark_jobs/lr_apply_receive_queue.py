@@ -5,7 +5,7 @@
 
 One Spark task per source queue (``LRQ_Recv_<client>_<source>``): sessions are independent, and
 within one the entries are applied in source order, each run in one sink transaction with the
-delete of what it applied (``airflow_provider_lr.engine.bulk_apply``). Prints ``LR_RESULT {json}``
+delete of what it applied (``airflow_provider_lr.engine.sink.bulk_apply``). Prints ``LR_RESULT {json}``
 with the entries applied per source; exits 1 if any queue failed.
 """
 from __future__ import annotations
@@ -20,8 +20,11 @@ import lr_spark  # noqa: E402
 import psycopg2  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 
-from airflow_provider_lr.engine import bulk_apply, receive  # noqa: E402
-from airflow_provider_lr.engine.topology import Topology, site_conninfo  # noqa: E402
+from airflow_provider_lr.engine.sink import (
+    bulk_apply,
+    receive,  # noqa: E402
+)
+from airflow_provider_lr.engine.site.topology import Topology, site_conninfo  # noqa: E402
 
 
 def apply_queues(spark: SparkSession, topo: Topology, sink: str, client: str, function: str,

@@ -3,7 +3,7 @@
     spark-submit spark_jobs/lr_fanout.py --source SITE_ID [--topology PATH] [--max-entries N]
                                          [--partitions N]
 
-A thin driver over ``airflow_provider_lr.engine.fanout``: plan (leases, demands, position chunks)
+A thin driver over ``airflow_provider_lr.engine.bulk.fanout``: plan (leases, demands, position chunks)
 on the driver, then one Spark task tees the source's chunks in order: each chunk is read once
 (binary COPY) and streamed straight into every demanding session's receive queue inside one fenced
 sink transaction per session. A retried task resumes from what the sinks committed.
@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lr_spark  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 
-from airflow_provider_lr.engine import fanout  # noqa: E402
-from airflow_provider_lr.engine.topology import Topology  # noqa: E402
+from airflow_provider_lr.engine.bulk import fanout  # noqa: E402
+from airflow_provider_lr.engine.site.topology import Topology  # noqa: E402
 
 
 def spark_map(spark: SparkSession) -> fanout.MapChunks:

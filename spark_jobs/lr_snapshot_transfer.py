@@ -3,7 +3,7 @@
     spark-submit spark_jobs/lr_snapshot_transfer.py --source SITE --sink SITE --client NAME
         [--request-id UUID] [--partitions N] [--no-apply] [--topology PATH]
 
-A thin driver over ``airflow_provider_lr.engine.snapshot_transfer``: the driver records the
+A thin driver over ``airflow_provider_lr.engine.bulk.snapshot_transfer``: the driver records the
 snapshot start on the sink and cuts the supplied request's entries into entry-id ranges; one
 Spark task per range stages it on the sink; the driver then transfers the staged messages in
 entry order with the session's own resumable, fenced writes (progress in the log) and applies the
@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lr_spark  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 
-from airflow_provider_lr.engine import snapshot_transfer as transfers  # noqa: E402
-from airflow_provider_lr.engine.topology import Topology  # noqa: E402
+from airflow_provider_lr.engine.bulk import snapshot_transfer as transfers  # noqa: E402
+from airflow_provider_lr.engine.site.topology import Topology  # noqa: E402
 
 
 def transfer(spark: SparkSession, topo: Topology, source: str, sink: str, client: str, request_id: str | None = None,

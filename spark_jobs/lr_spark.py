@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 from pyspark.sql import SparkSession
 
-from airflow_provider_lr.engine import topology as topologies
 from airflow_provider_lr.engine.errors import LRError
+from airflow_provider_lr.engine.site import topology as topologies
 
 RESULT_PREFIX = "LR_RESULT "
 DEFAULT_MASTER = "local[*]"
@@ -53,7 +53,7 @@ def warm_up(spark: SparkSession) -> float:
     n = spark.sparkContext.defaultParallelism
 
     def load(_: object) -> int:
-        import airflow_provider_lr.engine.fanout  # noqa: F401
+        import airflow_provider_lr.engine.bulk.fanout  # noqa: F401
 
         return 1
 

@@ -10,8 +10,8 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from airflow_provider_lr.engine import topology
-from airflow_provider_lr.engine.topology import Topology
+from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.site.topology import Topology
 
 DAGS_DIR = Path(__file__).resolve().parents[1] / "dags"
 PROVIDER = "tests.session_helpers:table_provider"

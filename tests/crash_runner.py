@@ -11,10 +11,10 @@ import sys
 
 import psycopg2
 
-from airflow_provider_lr.engine import topology
-from airflow_provider_lr.engine.full_sync import load_provider
-from airflow_provider_lr.engine.replicator import Replicator
-from airflow_provider_lr.engine.session import SessionSettings
+from airflow_provider_lr.engine.session.replicator import Replicator
+from airflow_provider_lr.engine.session.runner import SessionSettings
+from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.source.full_sync import load_provider
 
 
 def main(spec: dict) -> int:

@@ -90,9 +90,9 @@ class Checker:
 
 
 def sync(spec: dict) -> dict:
-    from airflow_provider_lr.engine import topology
-    from airflow_provider_lr.engine.replicator import Replicator
-    from airflow_provider_lr.engine.session import SessionSettings
+    from airflow_provider_lr.engine.session.replicator import Replicator
+    from airflow_provider_lr.engine.session.runner import SessionSettings
+    from airflow_provider_lr.engine.site import topology
 
     dsns = spec["dsns"]
     repl = Replicator(

@@ -5,10 +5,10 @@ from __future__ import annotations
 import psycopg2
 
 from airflow_provider_lr.client import RoutingQueueClient
-from airflow_provider_lr.engine import topology
-from airflow_provider_lr.engine.queue_rows import unpack
-from airflow_provider_lr.engine.replicator import Replicator
-from airflow_provider_lr.engine.session import SessionSettings
+from airflow_provider_lr.engine.session.replicator import Replicator
+from airflow_provider_lr.engine.session.runner import SessionSettings
+from airflow_provider_lr.engine.sink.queue_rows import unpack
+from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.proto import lr_pb2
 
 KIND = {

@@ -1,8 +1,8 @@
 """Helpers for source-side tests: a topology over the test sites and a way to drain a reader."""
 from __future__ import annotations
 
-from airflow_provider_lr.engine import topology
-from airflow_provider_lr.engine.log_reader import LogReader
+from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.source.log_reader import LogReader
 
 
 def make_topology(sites) -> topology.Topology:

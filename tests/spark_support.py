@@ -295,7 +295,7 @@ def expected_entries(source, sink_id: str, client: str) -> list[tuple[int, bytes
 def sink_queue(sink, client: str, source: str = "site-a") -> list[bytes]:
     """The payloads of the sink's visible log entries for ``client``, in sink order (rows are
     packed: ``queue_rows``); also checks that rows follow source order."""
-    from airflow_provider_lr.engine.queue_rows import unpack
+    from airflow_provider_lr.engine.sink.queue_rows import unpack
     from airflow_provider_lr.proto import lr_pb2
 
     rows = sink.query(

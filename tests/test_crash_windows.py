@@ -11,8 +11,8 @@ from typing import Callable
 
 import pytest
 
-from airflow_provider_lr.engine import trim
 from airflow_provider_lr.engine.faults import FAULT_POINTS
+from airflow_provider_lr.engine.source import trim
 from tests.session_helpers import (
     App,
     apply,

@@ -8,7 +8,7 @@ import psycopg2
 import pytest
 
 from airflow_provider_lr import cli
-from airflow_provider_lr.engine import conninfo
+from airflow_provider_lr.engine.site import conninfo
 from airflow_provider_lr.sites import SiteManager
 from tests.conftest import FAST_SETTINGS
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from airflow_provider_lr.engine import queue_rows, sink, topology, topology_schema
 from airflow_provider_lr.engine.errors import ConfigurationError
-from airflow_provider_lr.engine.receive import _entries, _Row
+from airflow_provider_lr.engine.sink import queue_rows, writes
+from airflow_provider_lr.engine.sink.receive import _entries, _Row
+from airflow_provider_lr.engine.site import topology, topology_schema
 from airflow_provider_lr.proto import lr_pb2
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -74,14 +75,14 @@ entries = st.builds(
 @FUZZ
 @given(entries)
 def test_the_byte_level_strip_equals_parse_clear_serialize_on_every_well_formed_entry(message):
-    assert sink.strip_destinations(message) == sink.rewrite_for_sink(message)
+    assert writes.strip_destinations(message) == writes.rewrite_for_sink(message)
 
 
 @FUZZ
 @given(st.binary(max_size=300))
 def test_any_bytes_in_the_log_take_a_receive_queue_form_without_raising(message):
     """A corrupted entry is passed on (the subscriber dead-letters it), never a crash of the path."""
-    kind, stripped = sink.strip_destinations(message)
+    kind, stripped = writes.strip_destinations(message)
     assert isinstance(kind, int) and isinstance(stripped, bytes)
 
 

@@ -10,10 +10,11 @@ import pytest
 
 from airflow_provider_lr import cli
 from airflow_provider_lr.client import RoutingQueueClient
-from airflow_provider_lr.engine import schema, topology, trim
 from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError, TransmitError
-from airflow_provider_lr.engine.replicator import Replicator
-from airflow_provider_lr.engine.session import SessionSettings
+from airflow_provider_lr.engine.session.replicator import Replicator
+from airflow_provider_lr.engine.session.runner import SessionSettings
+from airflow_provider_lr.engine.site import schema, topology
+from airflow_provider_lr.engine.source import trim
 from airflow_provider_lr.sites import SiteManager
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 from tests.session_helpers import App, apply, queue, replicator

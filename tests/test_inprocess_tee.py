@@ -1,5 +1,5 @@
 """lr sync's catch-up: a large log-entry backlog moves by the read-once tee in the replicator's own
-process (engine/fanout.py), then session cycles carry on; exactly once, in order, whichever did it."""
+process (engine/bulk/fanout.py), then session cycles carry on; exactly once, in order, whichever did it."""
 from __future__ import annotations
 
 from tests.session_helpers import replicator

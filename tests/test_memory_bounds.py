@@ -22,9 +22,9 @@ from pathlib import Path
 import psycopg2
 
 from airflow_provider_lr.client import RoutingQueueClient
-from airflow_provider_lr.engine.log_reader import LogReader
-from airflow_provider_lr.engine.receive import ReceiveQueueReader
-from airflow_provider_lr.engine.transmit import STREAM_LOG_ENTRIES
+from airflow_provider_lr.engine.sink.receive import ReceiveQueueReader
+from airflow_provider_lr.engine.source.log_reader import LogReader
+from airflow_provider_lr.engine.source.transmit import STREAM_LOG_ENTRIES
 from airflow_provider_lr.proto import lr_pb2
 from tests.memory_runner import HEAD, Checker, payload
 from tests.session_helpers import apply, replicator

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from airflow_provider_lr.engine.negotiation import Decision, SinkView, SourceView, negotiate
+from airflow_provider_lr.engine.session.negotiation import Decision, SinkView, SourceView, negotiate
 
 T = "topo-1"
 

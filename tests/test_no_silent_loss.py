@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from airflow_provider_lr.engine import fanout, full_sync, trim
+from airflow_provider_lr.engine.bulk import fanout
 from airflow_provider_lr.engine.faults import on_fault
-from airflow_provider_lr.engine.session import SessionSettings
+from airflow_provider_lr.engine.session.runner import SessionSettings
+from airflow_provider_lr.engine.source import full_sync, trim
 from tests.session_helpers import (
     App,
     apply,
@@ -172,7 +173,7 @@ def test_crash_after_snapshot_apply_then_retention_trim_gets_a_new_full_sync_not
 
 
 def _status_lines(sites) -> list[str]:
-    from airflow_provider_lr.engine import status
+    from airflow_provider_lr.engine.site import status
 
     found = {}
     for site in sites[:2]:

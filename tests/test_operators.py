@@ -230,7 +230,7 @@ def test_every_module_the_provider_declares_imports():
 
 
 def test_a_full_sync_step_retries_while_another_replicator_holds_the_session(airflow_sites):
-    from airflow_provider_lr.engine import lease
+    from airflow_provider_lr.engine.session import lease
 
     session = _sessions(sink="site-b")[0]
     conn = airflow_sites.site("site-a").connect()

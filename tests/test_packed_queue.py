@@ -1,12 +1,12 @@
-"""Receive-queue rows hold several entries (engine/queue_rows.py, schema V0005): writers pack,
+"""Receive-queue rows hold several entries (engine/sink/queue_rows.py, schema V0005): writers pack,
 subscribers take a row in pieces, each entry exactly once and in order; a malformed entry inside a
 row is moved aside alone; rows written before V0005 are still delivered."""
 from __future__ import annotations
 
 import pytest
 
-from airflow_provider_lr.engine import schema
-from airflow_provider_lr.engine.queue_rows import PACK_BYTES, Packer, QueueRow, piece, unpack
+from airflow_provider_lr.engine.sink.queue_rows import PACK_BYTES, Packer, QueueRow, piece, unpack
+from airflow_provider_lr.engine.site import schema
 from airflow_provider_lr.proto import lr_pb2
 from airflow_provider_lr.subscriber import MalformedEntryError, RoutingQueueSubscriber
 from tests.subscriber_support import Flaky, Recorder, expected, insert_raw, settle, started_session

@@ -26,9 +26,11 @@ from psycopg2.extras import execute_values
 
 from airflow_provider_lr import cli
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
-from airflow_provider_lr.engine import full_sync, receive, roles, schema, status, topology, trim
-from airflow_provider_lr.engine.conninfo import ConnInfo
 from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError
+from airflow_provider_lr.engine.sink import receive
+from airflow_provider_lr.engine.site import roles, schema, status, topology
+from airflow_provider_lr.engine.site.conninfo import ConnInfo
+from airflow_provider_lr.engine.source import full_sync, trim
 from airflow_provider_lr.proto import lr_pb2
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 from tests.session_helpers import apply, queue, replicator

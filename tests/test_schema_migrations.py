@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from airflow_provider_lr.engine import schema
 from airflow_provider_lr.engine.errors import SchemaError
+from airflow_provider_lr.engine.site import schema
 
 
 def copy_shipped(directory: Path) -> int:

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from airflow_provider_lr.engine import full_sync, trim
+from airflow_provider_lr.engine.source import full_sync, trim
 from tests.session_helpers import (
     App,
     apply,
@@ -269,10 +269,10 @@ def test_two_replicators_racing_on_every_session_deliver_each_entry_once(lr_site
 def test_a_replicator_whose_lease_ran_out_mid_snapshot_cannot_write_once_the_successor_decided(lr_sites):
     """The successor fences the sink before it negotiates, so the stale replicator's remaining
     snapshot writes are refused and exactly one full set arrives (not one from each)."""
-    from airflow_provider_lr.engine import sink
     from airflow_provider_lr.engine.errors import FencedError
-    from airflow_provider_lr.engine.session import SessionRunner, SessionSettings
-    from airflow_provider_lr.engine.topology import SessionKey
+    from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings
+    from airflow_provider_lr.engine.sink import writes
+    from airflow_provider_lr.engine.site.topology import SessionKey
 
     source, sink_b, _ = lr_sites
     apply(lr_sites, ONE_SINK)
@@ -292,7 +292,7 @@ def test_a_replicator_whose_lease_ran_out_mid_snapshot_cannot_write_once_the_suc
     _, _, decided = successor.begin()
     assert decided.decision.value == "snapshot_sync" and successor.lease.epoch > stale.lease.epoch
     with pytest.raises(FencedError):
-        sink.start_snapshot(stale.sink, "site-a", "policy", stale.lease.epoch, request.request_id,
+        writes.start_snapshot(stale.sink, "site-a", "policy", stale.lease.epoch, request.request_id,
                             request.base_position, request.split, stale._topology_id())
     with pytest.raises(FencedError):
         full_sync.request_full_sync(stale.source, "site-b", "policy", lease=stale.lease)

@@ -7,11 +7,22 @@ import time
 import psycopg2
 import pytest
 
-from airflow_provider_lr.engine import lease, schema, sink
 from airflow_provider_lr.engine.errors import FencedError, StaleBatchError
-from airflow_provider_lr.engine.log_reader import LogReader
-from airflow_provider_lr.engine.topology import SessionKey
-from tests.session_helpers import App, apply, empty_provider, final_state, queue, replicator, source_state, table_provider
+from airflow_provider_lr.engine.session import lease
+from airflow_provider_lr.engine.sink import writes
+from airflow_provider_lr.engine.site import schema
+from airflow_provider_lr.engine.site.topology import SessionKey
+from airflow_provider_lr.engine.source.log_reader import LogReader
+from tests.session_helpers import (
+    App,
+    apply,
+    empty_provider,
+    final_state,
+    queue,
+    replicator,
+    source_state,
+    table_provider,
+)
 
 
 def test_first_contact_with_client_data_then_deltas(lr_sites):
@@ -134,7 +145,7 @@ def test_duplicate_overlapping_and_gapped_batches(lr_sites):
     repl.run(max_cycles=2, until_idle=True, interval=0.01)
     for i in range(6):
         app.put(f"k{i}", i, ["site-b"])
-    meta = sink.read_metadata(sink_b.connect(), "site-a", "policy")
+    meta = writes.read_metadata(sink_b.connect(), "site-a", "policy")
     src = source.connect()
     reader = LogReader(src, "site-b", client_name="policy")
     batch = reader.read(meta.last_log_entry_processed)
@@ -142,7 +153,7 @@ def test_duplicate_overlapping_and_gapped_batches(lr_sites):
     mid = first[-1].position
     epoch = source.query("SELECT lease_epoch FROM lr.source_sessions")[0][0]
     conn = sink_b.connect()
-    apply_batch = lambda after, end, records, base=meta.snapshot_applied: sink.apply_log_entries(  # noqa: E731
+    apply_batch = lambda after, end, records, base=meta.snapshot_applied: writes.apply_log_entries(  # noqa: E731
         conn, "site-a", "policy", epoch, after, end, records, base)
     assert apply_batch(batch.after, mid, first) == mid
     assert apply_batch(batch.after, mid, first) == mid  # duplicate: no-op
@@ -200,7 +211,7 @@ def test_fencing_a_replicator_whose_lease_was_taken_over_cannot_write(lr_sites):
     batch = LogReader(src, "site-b", client_name="policy").read(report.acked_position)
     base = sink_b.query("SELECT snapshot_applied FROM lr.sink_sessions")[0][0]
     with pytest.raises(FencedError):
-        sink.apply_log_entries(sink_b.connect(), "site-a", "policy", old.epoch, batch.after, batch.end, batch.records, base)
+        writes.apply_log_entries(sink_b.connect(), "site-a", "policy", old.epoch, batch.after, batch.end, batch.records, base)
     with pytest.raises(FencedError):
         lease.update_session(src, old, acked_position=batch.end)
     (report,) = first.run_cycle()

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from airflow_provider_lr.engine import full_sync, trim
 from airflow_provider_lr.engine.faults import FAULT_POINTS, on_fault
+from airflow_provider_lr.engine.source import full_sync, trim
 from tests.session_helpers import apply, replicator, run_crashing_replicator
 from tests.soak_support import (
     CLIENT,

@@ -11,7 +11,7 @@ import pytest
 
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
 from airflow_provider_lr.engine.errors import TransmitError
-from airflow_provider_lr.engine.log_reader import LogReader, holdback, refresh_last_transmitted
+from airflow_provider_lr.engine.source.log_reader import LogReader, holdback, refresh_last_transmitted
 from airflow_provider_lr.proto import lr_pb2
 from tests.source_helpers import apply_topology, drain
 

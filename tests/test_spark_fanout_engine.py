@@ -8,10 +8,12 @@ import threading
 
 import pytest
 
-from airflow_provider_lr.engine import fanout, sink as sink_mod, status
-from airflow_provider_lr.proto import lr_pb2
+from airflow_provider_lr.engine.bulk import fanout
 from airflow_provider_lr.engine.errors import FencedError
-from airflow_provider_lr.engine.topology import SessionKey
+from airflow_provider_lr.engine.sink import writes
+from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.site.topology import SessionKey
+from airflow_provider_lr.proto import lr_pb2
 from tests.session_helpers import replicator
 from tests.spark_support import (  # noqa: F401 (lr_connections is a fixture)
     expected_queue,
@@ -141,7 +143,7 @@ def test_a_chunk_that_cannot_start_where_its_sink_is_is_refused(scenario):
 ])
 def test_byte_level_strip_is_parse_and_serialize(fields):
     message = lr_pb2.RoutingTableEntryMsg(**fields).SerializeToString()
-    assert sink_mod.strip_destinations(message) == sink_mod.rewrite_for_sink(message)
+    assert writes.strip_destinations(message) == writes.rewrite_for_sink(message)
 
 
 def test_backlog_per_session_decides_spark_or_in_process(scenario):

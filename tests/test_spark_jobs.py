@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
-from airflow_provider_lr.engine import full_sync, snapshot_transfer
+from airflow_provider_lr.engine.bulk import snapshot_transfer
 from airflow_provider_lr.engine.errors import LRError
+from airflow_provider_lr.engine.source import full_sync
 from tests.session_helpers import apply, queue, replicator
 from tests.spark_support import (  # noqa: F401 (local_spark, lr_connections are fixtures)
     in_log_entry_sync,

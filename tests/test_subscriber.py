@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from airflow_provider_lr.engine import sink
-from airflow_provider_lr.engine.log_reader import BaseSplit, LogRecord
+from airflow_provider_lr.engine.sink import writes
+from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogRecord
 from airflow_provider_lr.proto import lr_pb2
 from airflow_provider_lr.subscriber import DeliveryStats, MalformedEntryError, RoutingQueueSubscriber
 from tests.session_helpers import App, apply, queue, table_provider
@@ -201,9 +201,9 @@ def test_rows_the_replicator_has_not_made_visible_are_never_delivered(lr_sites):
     """A snapshot being transferred (not yet applied) stays invisible; its apply makes it whole."""
     _, sink_site, _ = lr_sites
     conn = sink_site.connect()
-    sync = sink.new_sync_id()
-    sink.start_snapshot(conn, "site-a", "policy", 1, sync, 5, BaseSplit("5:5:", 5), "topo-1")
-    sink.write_snapshot_messages(conn, "site-a", "policy", 1, sync, [
+    sync = writes.new_sync_id()
+    writes.start_snapshot(conn, "site-a", "policy", 1, sync, 5, BaseSplit("5:5:", 5), "topo-1")
+    writes.write_snapshot_messages(conn, "site-a", "policy", 1, sync, [
         LogRecord(5, 1, _entry(lr_pb2.SNAPSHOT_SYNC_START)),
         LogRecord(5, 2, _entry(lr_pb2.SNAPSHOT_SYNC, "s=1")),
         LogRecord(5, 3, _entry(lr_pb2.SNAPSHOT_SYNC, "s=2")),
@@ -212,10 +212,10 @@ def test_rows_the_replicator_has_not_made_visible_are_never_delivered(lr_sites):
     sub = RoutingQueueSubscriber(sink_site.dsn, client_name="policy")
     assert sub.sources() == ["site-a"], "the queue is registered at the snapshot's first write"
     assert sub.poll(recorder) == 0 and recorder.calls == 0
-    sink.write_snapshot_messages(conn, "site-a", "policy", 1, sync, [LogRecord(5, 4, _entry(lr_pb2.LAST_FULL_SYNC_ENTRY))])
+    writes.write_snapshot_messages(conn, "site-a", "policy", 1, sync, [LogRecord(5, 4, _entry(lr_pb2.LAST_FULL_SYNC_ENTRY))])
     assert sub.poll(recorder) == 0 and recorder.calls == 0, "transferred but not applied"
-    sink.apply_snapshot(conn, "site-a", "policy", 1)
-    sink.apply_log_entries(conn, "site-a", "policy", 1, 5, 7,
+    writes.apply_snapshot(conn, "site-a", "policy", 1)
+    writes.apply_log_entries(conn, "site-a", "policy", 1, 5, 7,
                            [LogRecord(6, 10, _entry(lr_pb2.LOG_ENTRY_SYNC, "d=1")),
                             LogRecord(7, 11, _entry(lr_pb2.LOG_ENTRY_SYNC, "d=2"))], 5)
     assert sub.poll(recorder) == 6

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from airflow_provider_lr.engine import topology
 from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.site import topology
 
 DOC = {
     "sites": [{"id": "site-a", "region": "eu"}, {"id": "site-b", "region": "us"}, {"id": "site-c"}],

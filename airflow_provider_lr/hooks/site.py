@@ -6,8 +6,8 @@ from typing import Any
 import psycopg2.extensions
 from airflow.sdk import BaseHook
 
-from airflow_provider_lr.engine import conninfo, schema
 from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.site import conninfo, schema
 
 
 def _as_dict(conn: Any) -> dict[str, Any]:

@@ -10,9 +10,9 @@ from typing import Any, Iterator
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine import topology
 from airflow_provider_lr.engine.errors import ConfigurationError
-from airflow_provider_lr.engine.topology import SessionKey, Topology
+from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.site.topology import SessionKey, Topology
 from airflow_provider_lr.hooks.site import LRSiteHook
 
 TOPOLOGY_VARIABLE = "lr_topology"  # Airflow Variable (or AIRFLOW_VAR_LR_TOPOLOGY) naming the topology file

@@ -35,7 +35,7 @@ class LRFanOutOperator(BaseOperator):
         self.source, self.topology_path, self.max_entries = source, topology_path, max_entries
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from airflow_provider_lr.engine import fanout
+        from airflow_provider_lr.engine.bulk import fanout
 
         topo = load_topology(self.topology_path)
 

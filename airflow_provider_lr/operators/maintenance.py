@@ -6,7 +6,9 @@ from typing import Any, Sequence
 
 from airflow.sdk import BaseOperator
 
-from airflow_provider_lr.engine import session, status, trim
+from airflow_provider_lr.engine.session import runner
+from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.source import trim
 from airflow_provider_lr.operators.common import site_connection
 
 
@@ -78,6 +80,6 @@ class LRStaleLeaseCleanupOperator(_SiteOperator):
 
     def execute(self, context: Any) -> dict[str, Any]:
         with self.connection() as conn:
-            released = session.clear_stale_leases(conn)
+            released = runner.clear_stale_leases(conn)
         self.log.info("%s: released %d stale lease(s) %s", self.site["site"], len(released), released)
         return {"site": self.site["site"], "released": released}

@@ -22,10 +22,10 @@ import psycopg2
 from airflow.sdk import BaseOperator, TriggerRule
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 
-from airflow_provider_lr.engine import full_sync
-from airflow_provider_lr.engine.lease import new_owner_id
-from airflow_provider_lr.engine.negotiation import Decision
-from airflow_provider_lr.engine.session import CycleReport, SessionRunner, SessionSettings, record_error
+from airflow_provider_lr.engine.session.lease import new_owner_id
+from airflow_provider_lr.engine.session.negotiation import Decision
+from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, SessionSettings, record_error
+from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.operators import telemetry
 from airflow_provider_lr.operators.common import load_topology, session_dicts, session_key, site_connection
 

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 
-from airflow_provider_lr.engine.conninfo import CONNECTIONS_FILE_ENV
+from airflow_provider_lr.engine.site.conninfo import CONNECTIONS_FILE_ENV
 from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.operators import telemetry
 from airflow_provider_lr.operators.common import load_topology, topology_path
@@ -109,7 +109,7 @@ class LRSparkFanOutOperator(SparkSubmitOperator):
 def spark_min_backlog(topo: Any) -> int:
     """Backlog (entries) from which a source's catch-up goes through Spark: the topology's
     ``spark_min_backlog`` setting, else the fan-out engine's measured default."""
-    from airflow_provider_lr.engine.fanout import SPARK_MIN_BACKLOG
+    from airflow_provider_lr.engine.bulk.fanout import SPARK_MIN_BACKLOG
 
     return topo.setting("spark_min_backlog", SPARK_MIN_BACKLOG)
 
@@ -122,8 +122,8 @@ def plan_fanout(site: dict[str, str], spark_conn_id: str, topology_file: str | N
     or a fan-out plan). Small dict for XCom."""
     from airflow.sdk import BaseHook
 
-    from airflow_provider_lr.engine import status
-    from airflow_provider_lr.engine.fanout import use_tee
+    from airflow_provider_lr.engine.bulk.fanout import use_tee
+    from airflow_provider_lr.engine.site import status
     from airflow_provider_lr.operators.common import site_connection
 
     topo = load_topology(topology_file)
@@ -150,6 +150,6 @@ def plan_fanout(site: dict[str, str], spark_conn_id: str, topology_file: str | N
 def tee_min_backlog(topo: Any) -> int:
     """Backlog (entries) from which a source's catch-up goes through the in-process tee: the
     topology's ``tee_min_backlog`` setting, else the engine's default (0: never)."""
-    from airflow_provider_lr.engine.session import SessionSettings
+    from airflow_provider_lr.engine.session.runner import SessionSettings
 
     return SessionSettings.from_topology(topo).tee_min_backlog

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException
 
-from airflow_provider_lr.engine import status
+from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.operators.common import load_topology, site_connection
 from airflow_provider_lr.triggers.session import (
     LRDeliveredTrigger,

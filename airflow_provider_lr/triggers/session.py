@@ -18,7 +18,8 @@ import psycopg2
 import psycopg2.extensions
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from airflow_provider_lr.engine import full_sync, status
+from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.hooks.site import LRSiteHook
 
 log = logging.getLogger(__name__)

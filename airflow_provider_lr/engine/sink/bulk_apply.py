@@ -17,8 +17,8 @@ from typing import Callable
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import LRError
-from airflow_provider_lr.engine.full_sync import load_provider
-from airflow_provider_lr.engine.receive import ReceiveQueueReader
+from airflow_provider_lr.engine.sink.receive import ReceiveQueueReader
+from airflow_provider_lr.engine.source.full_sync import load_provider
 
 DEFAULT_APPLY_BATCH = 5_000
 

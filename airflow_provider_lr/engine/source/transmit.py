@@ -15,7 +15,7 @@ import psycopg2.extensions
 from psycopg2.extras import execute_values
 
 from airflow_provider_lr.engine.errors import TransmitError
-from airflow_provider_lr.engine.schema import site_identity
+from airflow_provider_lr.engine.site.schema import site_identity
 from airflow_provider_lr.proto import lr_pb2
 
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
@@ -107,7 +107,7 @@ class RoutingQueueClient:
         """Supply the pending full-sync requests of this client's sessions with ``provider(ctx)``,
         which calls ``ctx.transmit(payload)`` per message; lr writes the start marker (with the base
         snapshot) and the end marker. One transaction per request; returns the ids supplied."""
-        from airflow_provider_lr.engine.full_sync import serve_full_sync_requests
+        from airflow_provider_lr.engine.source.full_sync import serve_full_sync_requests
 
         return serve_full_sync_requests(self, provider, max_requests)
 

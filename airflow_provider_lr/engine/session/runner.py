@@ -15,22 +15,27 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+
 import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
-from airflow_provider_lr.engine import full_sync, lease as leases, progress, sink, status
+from airflow_provider_lr.engine import progress
 from airflow_provider_lr.engine.errors import FencedError, LRError, TrimmedError
 from airflow_provider_lr.engine.faults import fault_point
-from airflow_provider_lr.engine.full_sync import FullSyncRequest, Provider
-from airflow_provider_lr.engine.log_reader import (
+from airflow_provider_lr.engine.session import lease as leases
+from airflow_provider_lr.engine.session.negotiation import Decision, Negotiation, SinkView, SourceView, negotiate
+from airflow_provider_lr.engine.sink import writes
+from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.site.topology import SessionKey, Topology
+from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.source.full_sync import FullSyncRequest, Provider
+from airflow_provider_lr.engine.source.log_reader import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_ENTRIES,
     LogReader,
     LogRecord,
 )
-from airflow_provider_lr.engine.negotiation import Decision, Negotiation, SinkView, SourceView, negotiate
-from airflow_provider_lr.engine.topology import SessionKey, Topology
-from airflow_provider_lr.engine.transmit import STREAM_LOG_ENTRIES, STREAM_SNAP_SYNC, RoutingQueueClient
+from airflow_provider_lr.engine.source.transmit import STREAM_LOG_ENTRIES, STREAM_SNAP_SYNC, RoutingQueueClient
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +43,7 @@ SNAPSHOT_CHUNK = 5_000  # snapshot messages per sink transaction during transfer
 SNAPSHOT_CHUNK_BYTES = 8 << 20  # ... and their bytes (at least one message): memory bounded by bytes
 MAX_BACKOFF_FACTOR = 16  # data timeout grows x2 per consecutive timeout, up to this factor
 # Log-entry backlog (deliveries, summed over a source's sessions) from which a Replicator cycle
-# first moves it with the read-once tee in its own process (engine/fanout.py: ~470k deliveries/s
+# first moves it with the read-once tee in its own process (engine/bulk/fanout.py: ~470k deliveries/s
 # against ~55k for session cycles, docs/spark.md), then carries on with session cycles. The tee's
 # plan costs ~0.1-0.5 s (leases, negotiation, chunk bounds): worth it from ~10k deliveries.
 TEE_MIN_BACKLOG = 50_000
@@ -122,14 +127,14 @@ class SessionRunner:
         if meta is not None and meta.data_consistent and not self.log_entry_sync(meta, report):
             # the log was trimmed past the sink mid-cycle: renegotiate now (→ snapshot sync), so the
             # cycle never ends reporting log-entry sync for a session the log can no longer serve
-            meta = sink.read_metadata(self.sink, self.key.source, self.key.client)
+            meta = writes.read_metadata(self.sink, self.key.source, self.key.client)
             negotiation = self.negotiate(meta)
             report.decision, report.reason = negotiation.decision.value, negotiation.reason
             if negotiation.decision is Decision.SNAPSHOT_SYNC:
                 self.snapshot_sync(meta, report)
         return self.finish(report)
 
-    def begin(self) -> tuple[CycleReport, sink.SinkMetadata | None, Negotiation | None]:
+    def begin(self) -> tuple[CycleReport, writes.SinkMetadata | None, Negotiation | None]:
         """The first step of every cycle (and of every Airflow step): take the lease, then negotiate.
         The negotiation is None when there is nothing to do: the lease is held elsewhere
         (``report.skipped``) or negotiation refused (``report.error``, recorded on the source)."""
@@ -140,7 +145,7 @@ class SessionRunner:
             return report, None, None
         fault_point("after_lease")
         try:
-            meta = sink.fence(self.sink, self.key.source, self.key.client, self.lease.epoch)
+            meta = writes.fence(self.sink, self.key.source, self.key.client, self.lease.epoch)
         except FencedError as exc:
             if exc.sink_epoch is None:
                 raise
@@ -149,7 +154,7 @@ class SessionRunner:
             log.info("session %s: the sink has seen epoch %s, above the source's %s; moving past it",
                      self.key, exc.sink_epoch, self.lease.epoch)
             self.lease = leases.advance_epoch(self.source, self.lease, exc.sink_epoch)
-            meta = sink.fence(self.sink, self.key.source, self.key.client, self.lease.epoch)
+            meta = writes.fence(self.sink, self.key.source, self.key.client, self.lease.epoch)
         fault_point("after_fence")
         negotiation = self.negotiate(meta)
         report.decision, report.reason = negotiation.decision.value, negotiation.reason
@@ -194,7 +199,7 @@ class SessionRunner:
             report.decision = Decision.SNAPSHOT_SYNC.value  # left to the snapshot step of the next run
         return self.finish(report)
 
-    def negotiate(self, meta: sink.SinkMetadata) -> Negotiation:
+    def negotiate(self, meta: writes.SinkMetadata) -> Negotiation:
         with self.source.cursor() as cur:
             cur.execute("SELECT topology_config_id FROM lr.topology")
             topo = cur.fetchone()
@@ -217,7 +222,7 @@ class SessionRunner:
             ),
         )
 
-    def reconcile(self, meta: sink.SinkMetadata, request: FullSyncRequest | None) -> bool:
+    def reconcile(self, meta: writes.SinkMetadata, request: FullSyncRequest | None) -> bool:
         """Close the source's open request when the sink's own metadata says it was applied: the
         crash window between the sink's apply and the source's record (docs/crash-windows.md).
         Left open, it would hold safe trim at its base forever and be taken for a resume later.
@@ -230,7 +235,7 @@ class SessionRunner:
         return True
 
     # --- snapshot sync ------------------------------------------------------------------------
-    def snapshot_sync(self, meta: sink.SinkMetadata, report: CycleReport) -> sink.SinkMetadata | None:
+    def snapshot_sync(self, meta: writes.SinkMetadata, report: CycleReport) -> writes.SinkMetadata | None:
         """Advance the session's full sync as far as it can go now; the sink metadata once applied,
         else None (waiting for the client's data)."""
         request = self._current_request(meta)
@@ -246,7 +251,7 @@ class SessionRunner:
             report.waiting = True
             return None
         assert request.base_position is not None
-        meta = sink.start_snapshot(
+        meta = writes.start_snapshot(
             self.sink, self.key.source, self.key.client, self._epoch(), request.request_id,
             request.base_position, request.split, self._topology_id(),
         )
@@ -255,7 +260,7 @@ class SessionRunner:
         report.snapshot_messages += sent
         return self.apply_snapshot(meta)
 
-    def _current_request(self, meta: sink.SinkMetadata) -> FullSyncRequest:
+    def _current_request(self, meta: writes.SinkMetadata) -> FullSyncRequest:
         """The open request to work on, creating one (which cancels stale ones) when needed."""
         request = full_sync.open_request(self.source, self.key.sink, self.key.client)
         if self.reconcile(meta, request):
@@ -281,7 +286,7 @@ class SessionRunner:
         full_sync.finish_request(self.source, request.request_id, "timed_out", "no client data within the timeout")
         fault_point("after_timeout")
 
-    def transfer_snapshot(self, request: FullSyncRequest, meta: sink.SinkMetadata) -> tuple[sink.SinkMetadata, int]:
+    def transfer_snapshot(self, request: FullSyncRequest, meta: writes.SinkMetadata) -> tuple[writes.SinkMetadata, int]:
         """Copy the request's messages to the sink, resuming after what the sink already has."""
         sent = 0
         total = (request.entries or 0) + 2  # the provider's messages and the two markers
@@ -295,7 +300,7 @@ class SessionRunner:
                     f"session {self.key}: full-sync data of request {request.request_id} is missing from the log "
                     "(trimmed?); a new full sync will be requested"
                 )
-            meta = sink.write_snapshot_messages(self.sink, self.key.source, self.key.client, self._epoch(),
+            meta = writes.write_snapshot_messages(self.sink, self.key.source, self.key.client, self._epoch(),
                                                 request.request_id, chunk)
             sent += len(chunk)
             tracker.update(meta.snapshot_transferred_seq + 1)
@@ -320,16 +325,16 @@ class SessionRunner:
         self.source.commit()
         return rows
 
-    def apply_snapshot(self, meta: sink.SinkMetadata) -> sink.SinkMetadata:
+    def apply_snapshot(self, meta: writes.SinkMetadata) -> writes.SinkMetadata:
         fault_point("before_snapshot_apply")
         with progress.track(f"full sync {str(meta.snapshot_request_id)[:8]} {self.key}: apply", 1, "snapshots") as t:
-            meta = sink.apply_snapshot(self.sink, self.key.source, self.key.client, self._epoch())
+            meta = writes.apply_snapshot(self.sink, self.key.source, self.key.client, self._epoch())
             t.update(1)
         fault_point("after_snapshot_apply")
         self._record_applied(meta)
         return meta
 
-    def _record_applied(self, meta: sink.SinkMetadata, note: str = "") -> None:
+    def _record_applied(self, meta: writes.SinkMetadata, note: str = "") -> None:
         """One source transaction: the session's new base and ack, and its request closed. (Two
         commits would open a window where the request is closed and the ack not yet recorded, and
         safe trim, held by neither, could remove what the sink needs next.)"""
@@ -343,7 +348,7 @@ class SessionRunner:
             self.source.commit()
 
     # --- log-entry sync -----------------------------------------------------------------------
-    def log_entry_sync(self, meta: sink.SinkMetadata, report: CycleReport) -> bool:
+    def log_entry_sync(self, meta: writes.SinkMetadata, report: CycleReport) -> bool:
         """Up to ``settings.max_batches`` batches. False when the log was trimmed past the sink
         (every read checks the trim mark in the snapshot it reads from): nothing of the trimmed
         range was delivered, and the session needs a snapshot sync."""
@@ -363,7 +368,7 @@ class SessionRunner:
                 report.blocked_by = [h.describe() for h in batch.blocked_by]
                 if batch.end <= after:
                     break
-                after = sink.apply_log_stream(self.sink, self.key.source, self.key.client, self._epoch(), batch, base)
+                after = writes.apply_log_stream(self.sink, self.key.source, self.key.client, self._epoch(), batch, base)
             fault_point("after_sink_apply")
             report.delivered += batch.entries
             self._update(acked_position=after)
@@ -430,7 +435,7 @@ class SessionRunner:
             self.lease = None
 
 
-def _applied(meta: sink.SinkMetadata) -> bool:
+def _applied(meta: writes.SinkMetadata) -> bool:
     """The sink has applied its current full sync (and is consistent on it)."""
     return meta.snapshot_started >= 0 and meta.snapshot_applied == meta.snapshot_started and meta.data_consistent
 

@@ -23,7 +23,7 @@ from typing import Callable
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.queue_rows import Packer, QueueRow
+from airflow_provider_lr.engine.sink.queue_rows import Packer, QueueRow
 
 SIGNATURE = b"PGCOPY\n\xff\r\n\x00"
 HEADER = SIGNATURE + bytes(8)  # signature, flags (int32 0), header extension length (int32 0)

@@ -19,8 +19,8 @@ from psycopg2.extensions import AsIs
 from psycopg2.extras import execute_values
 
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, StaleBatchError
-from airflow_provider_lr.engine.log_reader import BaseSplit, LogBatch, LogRecord, LogStream
-from airflow_provider_lr.engine.queue_rows import Packer
+from airflow_provider_lr.engine.sink.queue_rows import Packer
+from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogBatch, LogRecord, LogStream
 from airflow_provider_lr.proto import lr_pb2
 
 log = logging.getLogger(__name__)

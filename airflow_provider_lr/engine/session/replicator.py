@@ -14,12 +14,13 @@ from typing import Callable, Mapping
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine import fanout, status
+from airflow_provider_lr.engine.bulk import fanout
 from airflow_provider_lr.engine.errors import ConfigurationError
-from airflow_provider_lr.engine.full_sync import Provider, load_provider
-from airflow_provider_lr.engine.lease import new_owner_id
-from airflow_provider_lr.engine.session import CycleReport, SessionRunner, SessionSettings, record_error
-from airflow_provider_lr.engine.topology import SessionKey, Topology
+from airflow_provider_lr.engine.session.lease import new_owner_id
+from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, SessionSettings, record_error
+from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.site.topology import SessionKey, Topology
+from airflow_provider_lr.engine.source.full_sync import Provider, load_provider
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class Replicator:
 
     def _catch_up(self, source: str) -> dict[str, int]:
         """Move a large log-entry backlog of ``source`` with the read-once tee in this process (one
-        source read for all its sinks, packed rows, exactly once: ``engine/fanout.py``); the session
+        source read for all its sinks, packed rows, exactly once: ``engine/bulk/fanout.py``); the session
         cycles then go on from where it left each sink. Returns deliveries per ``sink/client``. Any
         failure leaves the work to the session cycles, which report their own errors."""
         if self.settings.tee_min_backlog <= 0 or source in self._no_tee:

@@ -16,7 +16,7 @@ import psycopg2.errors
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import SchemaError
-from airflow_provider_lr.engine.topology_schema import valid_site_id
+from airflow_provider_lr.engine.site.topology_schema import valid_site_id
 from airflow_provider_lr.paths import migrations_dir
 
 _NAME = re.compile(r"^V(\d{4})__([a-z0-9_]+)\.sql$")

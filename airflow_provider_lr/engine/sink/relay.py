@@ -19,25 +19,25 @@ timeout and a subscription may close itself (or the relay) from inside its own c
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 import logging
 import threading
 import time
+from collections import Counter
 from typing import Callable, Iterable
 
 import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import LRError
-from airflow_provider_lr.engine.receive import (
+from airflow_provider_lr.engine.sink.receive import (
     ALL,
     DEFAULT_BATCH,
     DEFAULT_BATCH_BYTES,
     DEFAULT_POLL_INTERVAL,
     DEFAULT_RETRY_INTERVAL,
     DeliveryContext,
-    Demand,
     DeliveryStats,
+    Demand,
     Listener,
     Tap,
     follow,

@@ -2,14 +2,14 @@
 ``spark_jobs/lr_snapshot_transfer.py``), with the transfer semantics of a session cycle.
 
 1. **plan** (driver): take the session's lease, find the supplied full-sync request, record
-   SNAPSHOT_START on the sink (``sink.start_snapshot``: a no-op when this sync already started,
+   SNAPSHOT_START on the sink (``writes.start_snapshot``: a no-op when this sync already started,
    so an interrupted transfer resumes), and cut the request's entries still to transfer (source
    entry ids after the sink's ``snapshot_last_entry``) into entry-id ranges.
 2. **stage** (one call per range, in parallel): read the range once from the source and stage it
    on the sink (``lr.spark_staging`` with the request's ``sync_id``), replacing whatever an
    earlier attempt staged for it, with a record of the range: retries write nothing twice.
 3. **commit** (driver): only when the staged ranges cover everything still to transfer, feed the
-   staged messages in entry-id order to ``sink.write_snapshot_messages`` — the same fenced,
+   staged messages in entry-id order to ``writes.write_snapshot_messages`` — the same fenced,
    resumable write the in-process transfer uses — in chunks, logging progress; then apply the
    snapshot the way a session cycle does (``SessionRunner.apply_snapshot``).
 
@@ -28,14 +28,21 @@ from typing import Callable, Iterable
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine import full_sync, lease as leases, sink
+from airflow_provider_lr.engine.bulk.fanout import STAGING_LOCK_CLASS, peak_rss_kb, staged_coverage
+from airflow_provider_lr.engine.bulk.pgcopy import RowReader, StagingWriter, staging_prefix, staging_row
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, StaleBatchError
-from airflow_provider_lr.engine.fanout import STAGING_LOCK_CLASS, peak_rss_kb, staged_coverage
-from airflow_provider_lr.engine.log_reader import LogRecord
-from airflow_provider_lr.engine.pgcopy import RowReader, StagingWriter, staging_prefix, staging_row
-from airflow_provider_lr.engine.session import SNAPSHOT_CHUNK, SNAPSHOT_CHUNK_BYTES, SessionRunner, SessionSettings
-from airflow_provider_lr.engine.topology import SessionKey, Topology, site_conninfo
-from airflow_provider_lr.engine.transmit import STREAM_SNAP_SYNC
+from airflow_provider_lr.engine.session import lease as leases
+from airflow_provider_lr.engine.session.runner import (
+    SNAPSHOT_CHUNK,
+    SNAPSHOT_CHUNK_BYTES,
+    SessionRunner,
+    SessionSettings,
+)
+from airflow_provider_lr.engine.sink import writes
+from airflow_provider_lr.engine.site.topology import SessionKey, Topology, site_conninfo
+from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.source.log_reader import LogRecord
+from airflow_provider_lr.engine.source.transmit import STREAM_SNAP_SYNC
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +109,7 @@ class SnapshotTransfer:
         runner.lease = leases.acquire(self.src, self.key.sink, self.key.client, runner.owner, self.settings.lease_seconds)
         if runner.lease is None:
             raise LRError(f"session {self.key}: another replicator holds its lease; try again later")
-        fenced = sink.fence(self.sink, self.key.source, self.key.client, runner.lease.epoch)
+        fenced = writes.fence(self.sink, self.key.source, self.key.client, runner.lease.epoch)
         request = (full_sync.get_request(self.src, request_id) if request_id
                    else full_sync.open_request(self.src, self.key.sink, self.key.client))
         if runner.reconcile(fenced, request):  # the sink applied it before a crash: closed, not reused
@@ -110,7 +117,7 @@ class SnapshotTransfer:
         if request is None or request.status != "supplied" or request.base_position is None:
             raise LRError(f"session {self.key}: no supplied full-sync request "
                           f"({request.status if request else 'none'}); the client's provider must supply it first")
-        meta = sink.start_snapshot(self.sink, self.key.source, self.key.client, runner.lease.epoch, request.request_id,
+        meta = writes.start_snapshot(self.sink, self.key.source, self.key.client, runner.lease.epoch, request.request_id,
                                    request.base_position, request.split, runner._topology_id())
         leases.update_session(self.src, runner.lease, state="IN_SNAPSHOT_SYNC", sync_id=request.request_id,
                               last_error=None)
@@ -135,7 +142,7 @@ class SnapshotTransfer:
                progress: Callable[[int, int], None] | None = None) -> SnapshotResult:
         """Transfer the staged ranges in entry order (resumable chunks), then apply."""
         result = SnapshotResult(plan.request_id, str(self.key))
-        meta = sink.read_metadata(self.sink, plan.source, plan.client)
+        meta = writes.read_metadata(self.sink, plan.source, plan.client)
         if meta.snapshot_request_id != plan.request_id:
             raise StaleBatchError(f"sink of {self.key} is on sync {meta.snapshot_request_id}, not {plan.request_id}")
         reader = psycopg2.connect(self.sink_dsn)
@@ -153,7 +160,7 @@ class SnapshotTransfer:
                 if not chunk:
                     raise LRError(f"snapshot {plan.request_id}: staged data ends at entry {meta.snapshot_last_entry} "
                                   "before the end marker; rerun the transfer")
-                meta = sink.write_snapshot_messages(self.sink, plan.source, plan.client, self.runner._epoch(),
+                meta = writes.write_snapshot_messages(self.sink, plan.source, plan.client, self.runner._epoch(),
                                                     plan.request_id, chunk)
                 result.transferred += len(chunk)
                 if progress:
@@ -213,7 +220,7 @@ def stage_range(plan: SnapshotPlan, part: EntryRange) -> dict:
         prefix = staging_prefix(plan.source, plan.client, plan.request_id)
 
         def on_row(fields: list[bytes | None]) -> None:
-            kind, message = sink.strip_destinations(fields[2] or b"")
+            kind, message = writes.strip_destinations(fields[2] or b"")
             writer.add(staging_row(prefix, int.from_bytes(fields[0] or b"", "big", signed=True),
                                    int.from_bytes(fields[1] or b"", "big", signed=True), kind, message))
 

@@ -27,7 +27,7 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, TrimmedError
-from airflow_provider_lr.engine.transmit import STREAM_LOG_ENTRIES
+from airflow_provider_lr.engine.source.transmit import STREAM_LOG_ENTRIES
 from airflow_provider_lr.proto import lr_pb2
 
 COMMIT_LOCK_KEY = 0x6C72_0002  # the key the commit-position trigger locks (shared)

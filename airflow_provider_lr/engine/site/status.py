@@ -8,12 +8,12 @@ from decimal import Decimal
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine import schema
 from airflow_provider_lr.engine.errors import ConfigurationError
-from airflow_provider_lr.engine.log_reader import holdback
-from airflow_provider_lr.engine.sink import receive_queue_name
-from airflow_provider_lr.engine.topology import Topology
-from airflow_provider_lr.engine.transmit import STREAM_LOG_ENTRIES
+from airflow_provider_lr.engine.sink.writes import receive_queue_name
+from airflow_provider_lr.engine.site import schema
+from airflow_provider_lr.engine.site.topology import Topology
+from airflow_provider_lr.engine.source.log_reader import holdback
+from airflow_provider_lr.engine.source.transmit import STREAM_LOG_ENTRIES
 
 _COLUMNS = (
     "role", "source_site_id", "sink_site_id", "client_name", "sync_type", "status", "base_snapshot",

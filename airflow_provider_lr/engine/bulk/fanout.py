@@ -9,13 +9,13 @@ only decides where step 2 runs (and tests run it with a plain loop):
    snapshot. The range to move is ``(min demand, commit barrier]`` (capped by ``max_entries``
    at a transaction boundary), cut into position *chunks* of about equal entry counts.
 2. **tee** (the chunks of one source in order, in one task): for a chunk ``(lo, hi]`` every
-   session that still needs it opens ONE fenced sink transaction (``sink._SinkWrite``: session row
+   session that still needs it opens ONE fenced sink transaction (``writes._SinkWrite``: session row
    locked, lease epoch checked); it refuses unless the sink's ``last_log_entry_processed`` is where
    the chunk starts for it and skips the chunk when the sink is already at or past ``hi``. The
    chunk is then read ONCE from the source with a binary ``COPY TO STDOUT`` in (position, entry id)
    order, the source server computing per entry the bit mask of the sessions that want it (tag,
    client, after the sink's position, not covered by its base snapshot); each entry, destinations
-   stripped at the byte level (``sink.strip_destinations``), is appended to every demanding
+   stripped at the byte level (``writes.strip_destinations``), is appended to every demanding
    session's packer (``queue_rows``: ~28 entries of 256 B per receive-queue row) and the rows to
    its binary ``COPY lr.receive_queue FROM STDIN`` — a sender thread per session, so the source
    read, the routing and the sinks' ingest overlap. Then each session checks its row and entry
@@ -52,23 +52,26 @@ import psycopg2.extensions
 from psycopg2 import sql
 from psycopg2.extensions import AsIs
 
-from airflow_provider_lr.engine import lease as leases, progress, sink, status
-from airflow_provider_lr.engine.conninfo import ConnInfo
+from airflow_provider_lr.engine import progress
+from airflow_provider_lr.engine.bulk.pgcopy import ReceiveQueueWriter, RowReader
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, StaleBatchError
 from airflow_provider_lr.engine.faults import FAULT_ENV, fault_point, hooked
-from airflow_provider_lr.engine.log_reader import (
+from airflow_provider_lr.engine.session import lease as leases
+from airflow_provider_lr.engine.session.negotiation import Decision
+from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings
+from airflow_provider_lr.engine.sink import writes
+from airflow_provider_lr.engine.sink.queue_rows import HEADS, piece
+from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.site.conninfo import ConnInfo
+from airflow_provider_lr.engine.site.topology import SessionKey, Topology, site_conninfo
+from airflow_provider_lr.engine.source.log_reader import (
     BaseSplit,
     LogReader,
     commit_barrier,
     snapshot_trim_mark,
     trimmed_error,
 )
-from airflow_provider_lr.engine.negotiation import Decision
-from airflow_provider_lr.engine.pgcopy import ReceiveQueueWriter, RowReader
-from airflow_provider_lr.engine.queue_rows import HEADS, piece
-from airflow_provider_lr.engine.session import SessionRunner, SessionSettings
-from airflow_provider_lr.engine.topology import SessionKey, Topology, site_conninfo
-from airflow_provider_lr.engine.transmit import STREAM_LOG_ENTRIES
+from airflow_provider_lr.engine.source.transmit import STREAM_LOG_ENTRIES
 
 log = logging.getLogger(__name__)
 
@@ -441,7 +444,7 @@ class _SessionTee:
         self.demand = demand
         self.writer: ReceiveQueueWriter | None = None
         self.conn = psycopg2.connect(plan.sink_dsns[demand.sink])
-        self.write = sink._SinkWrite(self.conn, plan.source, demand.client, demand.epoch)
+        self.write = writes._SinkWrite(self.conn, plan.source, demand.client, demand.epoch)
         self.done = False  # the sink already processed the whole chunk: nothing to write
         try:
             _, meta = self.write.__enter__()  # locks the session row (a duplicate attempt waits here)
@@ -560,7 +563,7 @@ class _Router(RowReader):
     is handled inline, with no call per entry beyond this ``write`` and one list append per
     session (rows are formed every ``PACK_EVERY`` entries or ``PACK_EVERY_BYTES``): this loop is
     the fan-out's per-entry Python cost. Anything else goes through ``RowReader``'s general parser
-    and ``sink.strip_destinations``."""
+    and ``writes.strip_destinations``."""
 
     def __init__(self, tees: list[tuple[int, _SessionTee]], halfway: int, fault_tag: str | None) -> None:
         super().__init__(self._general_row)
@@ -619,7 +622,7 @@ class _Router(RowReader):
 
     def _deliver(self, position: int, entry_id: int, mask: int, message: bytes) -> None:
         route = self.routes.get(mask) or self._route(mask)
-        kind, stripped = sink.strip_destinations(message)
+        kind, stripped = writes.strip_destinations(message)
         entry = (piece(stripped), kind, position, entry_id)
         for append in route:
             append(entry)

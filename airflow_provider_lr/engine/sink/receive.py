@@ -38,8 +38,8 @@ import psycopg2.extensions
 from google.protobuf.message import DecodeError
 
 from airflow_provider_lr.engine.errors import ConfigurationError
-from airflow_provider_lr.engine.queue_rows import unpack
-from airflow_provider_lr.engine.sink import NOTIFY_CHANNEL, receive_queue_name
+from airflow_provider_lr.engine.sink.queue_rows import unpack
+from airflow_provider_lr.engine.sink.writes import NOTIFY_CHANNEL, receive_queue_name
 from airflow_provider_lr.proto import lr_pb2
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError
-from airflow_provider_lr.engine.log_reader import commit_barrier
+from airflow_provider_lr.engine.source.log_reader import commit_barrier
 
 MAX_RETENTION = 100 * 365 * 86_400.0  # seconds; beyond this a retention trim is a typo
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import http.server
 from typing import Callable
 
-from airflow_provider_lr.engine.status import SiteStatus, readiness, trim_marks
+from airflow_provider_lr.engine.site.status import SiteStatus, readiness, trim_marks
 
 _HELP = {
     "lr_site_up": ("gauge", "1 when the site could be read"),

@@ -16,9 +16,9 @@ from typing import Any, Callable
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.conninfo import ConnInfo, resolve
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError
-from airflow_provider_lr.engine.topology_schema import Origin, read, validate
+from airflow_provider_lr.engine.site.conninfo import ConnInfo, resolve
+from airflow_provider_lr.engine.site.topology_schema import Origin, read, validate
 from airflow_provider_lr.paths import include_dir
 
 TOPOLOGY_ENV = "LR_TOPOLOGY"
@@ -265,7 +265,7 @@ def apply_everywhere(topology: Topology, connect: Callable[[str], psycopg2.exten
     together once every write succeeded. One site unreachable or wrong: nothing changes anywhere.
     ``prune``: also remove the sink sessions the topology no longer has (``prune_sink_sessions``).
     Returns, per site id, the sink sessions pruned and kept."""
-    from airflow_provider_lr.engine.schema import site_identity
+    from airflow_provider_lr.engine.site.schema import site_identity
 
     conns: dict[str, psycopg2.extensions.connection] = {}
     try:

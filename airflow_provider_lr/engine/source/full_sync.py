@@ -27,9 +27,9 @@ import psycopg2.extensions
 from airflow_provider_lr.engine import progress
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, LRError
 from airflow_provider_lr.engine.faults import fault_point
-from airflow_provider_lr.engine.lease import Lease
-from airflow_provider_lr.engine.log_reader import BaseSplit, commit_barrier
-from airflow_provider_lr.engine.transmit import STREAM_SNAP_SYNC, RoutingQueueClient
+from airflow_provider_lr.engine.session.lease import Lease
+from airflow_provider_lr.engine.source.log_reader import BaseSplit, commit_barrier
+from airflow_provider_lr.engine.source.transmit import STREAM_SNAP_SYNC, RoutingQueueClient
 from airflow_provider_lr.proto import lr_pb2
 
 DEFAULT_DATA_TIMEOUT = 120.0  # seconds without client data before a request is restarted
