@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import psycopg
-from psycopg.abc import Buffer
 import psycopg2
 import psycopg2.extras
+from psycopg.abc import Buffer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

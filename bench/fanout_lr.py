@@ -51,7 +51,7 @@ from airflow_provider_lr.engine.site import (
     schema,
     topology,  # noqa: E402
 )
-from airflow_provider_lr.engine.source.transmit import STREAM_LOG_ENTRIES  # noqa: E402
+from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES  # noqa: E402
 from airflow_provider_lr.proto import lr_pb2  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

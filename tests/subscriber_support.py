@@ -9,7 +9,7 @@ from typing import Callable
 
 import psycopg2
 
-from airflow_provider_lr.engine.site.topology import SessionKey
+from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.session_helpers import App, apply, replicator, source_state, table_provider
 
 Event = tuple[str, str]  # (kind, payload): kind in start / snap / end / log

@@ -9,8 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.airflow_support import airflow_db, airflow_sites, dagbag, metric, reconfigure, run_dag, states, xcom  # noqa: F401
-from tests.airflow_support import statsd_packets  # noqa: F401
+from tests.airflow_support import (  # noqa: F401
+    airflow_db,
+    airflow_sites,
+    dagbag,
+    metric,
+    reconfigure,
+    run_dag,
+    states,
+    statsd_packets,  # noqa: F401
+    xcom,
+)
 from tests.session_helpers import App, final_state, queue, replicator, source_state, table_provider
 
 
@@ -123,7 +132,7 @@ def test_users_path_first_sync_deltas_own_pipeline_forced_full_sync_maintenance(
     entries_before = source.query("SELECT count(*) FROM lr.log_entries")[0][0]
     upkeep = run_dag(dagbag, "lr_maintenance")
     assert str(upkeep.state) == "success", states(upkeep)
-    assert xcom(upkeep, "stale_lease_cleanup", 0)["released"] == ["site-c/policy (worker-that-died)"]
+    assert xcom(upkeep, "stale_lease_cleanup", 0)["released"] == ["site-a->site-c/policy (worker-that-died)"]
     assert xcom(upkeep, "safe_trim", 0)["trimmed"] is True
     assert source.query("SELECT count(*) FROM lr.log_entries")[0][0] < entries_before
     assert states(upkeep)[("retention_trim", -1)] == "skipped"  # no retention asked

@@ -6,8 +6,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from airflow_provider_lr.engine import vocabulary
 from airflow_provider_lr.engine.errors import ConfigurationError
-from airflow_provider_lr.engine.sink import queue_rows, writes
+from airflow_provider_lr.engine.sink import queue_rows
 from airflow_provider_lr.engine.sink.receive import _entries, _Row
 from airflow_provider_lr.engine.site import topology, topology_schema
 from airflow_provider_lr.proto import lr_pb2
@@ -75,14 +76,14 @@ entries = st.builds(
 @FUZZ
 @given(entries)
 def test_the_byte_level_strip_equals_parse_clear_serialize_on_every_well_formed_entry(message):
-    assert writes.strip_destinations(message) == writes.rewrite_for_sink(message)
+    assert vocabulary.strip_destinations(message) == vocabulary.rewrite_for_sink(message)
 
 
 @FUZZ
 @given(st.binary(max_size=300))
 def test_any_bytes_in_the_log_take_a_receive_queue_form_without_raising(message):
     """A corrupted entry is passed on (the subscriber dead-letters it), never a crash of the path."""
-    kind, stripped = writes.strip_destinations(message)
+    kind, stripped = vocabulary.strip_destinations(message)
     assert isinstance(kind, int) and isinstance(stripped, bytes)
 
 

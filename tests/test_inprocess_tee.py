@@ -32,7 +32,7 @@ def test_a_backlog_over_the_threshold_is_teed_then_cycles_carry_on(lr_sites, lr_
         teed = dict(repl.teed)
         total = delivered_exactly(lr_sites)
         assert sum(teed.values()) == total > 1000  # all of it by the tee, in one cycle
-        assert set(teed) == {f"site-a/{s}/policy" for s in SINKS}
+        assert set(teed) == {f"site-a->{s}/policy" for s in SINKS}
         rows = sum(s.query("SELECT count(*) FROM lr.receive_queue WHERE kind = 1")[0][0] for s in lr_sites[1:])
         assert rows * 10 < total  # packed rows
 
@@ -67,7 +67,7 @@ def test_a_replicator_of_some_sessions_tees_only_those(lr_sites, lr_connections)
         repl.run(max_cycles=3, until_idle=True, interval=0.01)
     finally:
         repl.close()
-    assert set(repl.teed) == {"site-a/site-b/policy"}
+    assert set(repl.teed) == {"site-a->site-b/policy"}
     sink_b, sink_c = lr_sites[1:]
     assert sink_queue(sink_b, "policy") == expected_queue(lr_sites[0], "site-b", "policy")
     assert sink_queue(sink_c, "policy") == []  # not this replicator's session

@@ -24,7 +24,7 @@ import psycopg2
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.sink.receive import ReceiveQueueReader
 from airflow_provider_lr.engine.source.log_reader import LogReader
-from airflow_provider_lr.engine.source.transmit import STREAM_LOG_ENTRIES
+from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES
 from airflow_provider_lr.proto import lr_pb2
 from tests.memory_runner import HEAD, Checker, payload
 from tests.session_helpers import apply, replicator
@@ -169,7 +169,7 @@ def test_the_read_once_tee_moves_one_mib_entries_under_a_fixed_memory_ceiling(lr
 
     synced = sync_in_child(topo, lr_sites, tee_min_backlog=1)  # the whole backlog by the tee
     assert not synced["errors"]
-    assert synced["teed"] == {"site-a/site-b/policy": 256, "site-a/site-c/policy": 256}
+    assert synced["teed"] == {"site-a->site-b/policy": 256, "site-a->site-c/policy": 256}
     for sink in lr_sites[1:]:
         assert queued(sink)[0] == 256
 

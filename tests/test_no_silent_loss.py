@@ -102,8 +102,8 @@ def test_retention_trim_mid_fanout_refuses_the_trimmed_chunk_and_the_session_rec
     finally:
         driver.close()
     assert trimmer.result is not None and trimmer.result.trim_mark >= result.end
-    assert "TrimmedError" in result.errors["site-b/policy"], result.errors
-    moved_by_tee = result.positions["site-b/policy"]
+    assert "TrimmedError" in result.errors["site-a->site-b/policy"], result.errors
+    moved_by_tee = result.positions["site-a->site-b/policy"]
     assert moved_by_tee < result.end  # the chunks after the trim were not taken as delivered
     repl = replicator(topo, lr_sites, tee_min_backlog=0)
     repl.run(max_cycles=5, until_idle=True, interval=0.01)

@@ -272,7 +272,7 @@ def test_a_replicator_whose_lease_ran_out_mid_snapshot_cannot_write_once_the_suc
     from airflow_provider_lr.engine.errors import FencedError
     from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings
     from airflow_provider_lr.engine.sink import writes
-    from airflow_provider_lr.engine.site.topology import SessionKey
+    from airflow_provider_lr.engine.vocabulary import SessionKey
 
     source, sink_b, _ = lr_sites
     apply(lr_sites, ONE_SINK)

@@ -11,8 +11,8 @@ from airflow_provider_lr.engine.errors import FencedError, StaleBatchError
 from airflow_provider_lr.engine.session import lease
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import schema
-from airflow_provider_lr.engine.site.topology import SessionKey
 from airflow_provider_lr.engine.source.log_reader import LogReader
+from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.session_helpers import (
     App,
     apply,

@@ -8,11 +8,10 @@ import threading
 
 import pytest
 
+from airflow_provider_lr.engine import vocabulary
 from airflow_provider_lr.engine.bulk import fanout
-from airflow_provider_lr.engine.errors import FencedError
-from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import status
-from airflow_provider_lr.engine.site.topology import SessionKey
+from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.proto import lr_pb2
 from tests.session_helpers import replicator
 from tests.spark_support import (  # noqa: F401 (lr_connections is a fixture)
@@ -73,11 +72,11 @@ def test_session_whose_lease_was_taken_over_is_fenced(scenario):
         other.close()
     finally:
         driver.close()
-    assert "FencedError" in chunks[0].errors["site-b/policy"] and "site-b/policy" not in chunks[1].delivered
-    assert set(again.errors) == {"site-b/policy"} and "FencedError" in again.errors["site-b/policy"]
+    assert "FencedError" in chunks[0].errors["site-a->site-b/policy"] and "site-a->site-b/policy" not in chunks[1].delivered
+    assert set(again.errors) == {"site-a->site-b/policy"} and "FencedError" in again.errors["site-a->site-b/policy"]
     assert again.read == 0 and set(again.delivered.values()) == {0}
-    assert set(result.errors) == {"site-b/policy"} and "FencedError" in result.errors["site-b/policy"]
-    assert set(result.deliveries) == {"site-b/audit", "site-c/policy", "site-c/audit"}
+    assert set(result.errors) == {"site-a->site-b/policy"} and "FencedError" in result.errors["site-a->site-b/policy"]
+    assert set(result.deliveries) == {"site-a->site-b/audit", "site-a->site-c/policy", "site-a->site-c/audit"}
     assert_delivered_exactly(lr_sites)  # site-b/policy delivered once, by the replicator that took over
 
 
@@ -143,7 +142,7 @@ def test_a_chunk_that_cannot_start_where_its_sink_is_is_refused(scenario):
 ])
 def test_byte_level_strip_is_parse_and_serialize(fields):
     message = lr_pb2.RoutingTableEntryMsg(**fields).SerializeToString()
-    assert writes.strip_destinations(message) == writes.rewrite_for_sink(message)
+    assert vocabulary.strip_destinations(message) == vocabulary.rewrite_for_sink(message)
 
 
 def test_backlog_per_session_decides_spark_or_in_process(scenario):

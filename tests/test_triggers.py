@@ -14,8 +14,8 @@ from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.session.replicator import Replicator
 from airflow_provider_lr.engine.session.runner import SessionSettings
 from airflow_provider_lr.engine.site import status
-from airflow_provider_lr.engine.site.topology import SessionKey
 from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.triggers import LRDeliveredTrigger, LRNewLogEntriesTrigger, LRSnapshotEndTrigger
 from tests.airflow_support import airflow_sites, reconfigure  # noqa: F401
 from tests.session_helpers import App, replicator, table_provider

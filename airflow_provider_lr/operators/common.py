@@ -12,7 +12,8 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.site import topology
-from airflow_provider_lr.engine.site.topology import SessionKey, Topology
+from airflow_provider_lr.engine.site.topology import Topology
+from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.hooks.site import LRSiteHook
 
 TOPOLOGY_VARIABLE = "lr_topology"  # Airflow Variable (or AIRFLOW_VAR_LR_TOPOLOGY) naming the topology file

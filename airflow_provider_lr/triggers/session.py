@@ -20,6 +20,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.vocabulary import RequestStatus
 from airflow_provider_lr.hooks.site import LRSiteHook
 
 log = logging.getLogger(__name__)
@@ -35,9 +36,9 @@ def snapshot_end_status(
     request = full_sync.get_request(conn, request_id)
     if request is None:
         return {"status": "closed", "request_id": request_id, "message": "no such full-sync request"}
-    if request.status in ("supplied", "applied"):
+    if request.status in (RequestStatus.SUPPLIED, RequestStatus.APPLIED):
         return {"status": "supplied", "request_id": request_id, "entries": request.entries}
-    if request.status != "pending":
+    if request.status != RequestStatus.PENDING:
         return {"status": "closed", "request_id": request_id, "message": f"request {request.status}"}
     if deadline is not None and datetime.now(timezone.utc) > deadline:
         return {"status": "timeout", "request_id": request_id, "message": f"no data by {deadline.isoformat()}"}

@@ -15,7 +15,7 @@ only decides where step 2 runs (and tests run it with a plain loop):
    chunk is then read ONCE from the source with a binary ``COPY TO STDOUT`` in (position, entry id)
    order, the source server computing per entry the bit mask of the sessions that want it (tag,
    client, after the sink's position, not covered by its base snapshot); each entry, destinations
-   stripped at the byte level (``writes.strip_destinations``), is appended to every demanding
+   stripped at the byte level (``vocabulary.strip_destinations``), is appended to every demanding
    session's packer (``queue_rows``: ~28 entries of 256 B per receive-queue row) and the rows to
    its binary ``COPY lr.receive_queue FROM STDIN`` — a sender thread per session, so the source
    read, the routing and the sinks' ingest overlap. Then each session checks its row and entry
@@ -52,7 +52,7 @@ import psycopg2.extensions
 from psycopg2 import sql
 from psycopg2.extensions import AsIs
 
-from airflow_provider_lr.engine import progress
+from airflow_provider_lr.engine import progress, vocabulary
 from airflow_provider_lr.engine.bulk.pgcopy import ReceiveQueueWriter, RowReader
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, StaleBatchError
 from airflow_provider_lr.engine.faults import FAULT_ENV, fault_point, hooked
@@ -63,7 +63,7 @@ from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.sink.queue_rows import HEADS, piece
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.site.conninfo import ConnInfo
-from airflow_provider_lr.engine.site.topology import SessionKey, Topology, site_conninfo
+from airflow_provider_lr.engine.site.topology import Topology, site_conninfo
 from airflow_provider_lr.engine.source.log_reader import (
     BaseSplit,
     LogReader,
@@ -71,7 +71,7 @@ from airflow_provider_lr.engine.source.log_reader import (
     snapshot_trim_mark,
     trimmed_error,
 )
-from airflow_provider_lr.engine.source.transmit import STREAM_LOG_ENTRIES
+from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, SessionKey, SessionState, sink_form_at
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,6 @@ log = logging.getLogger(__name__)
 SPARK_MIN_BACKLOG = 800_000
 PARTITION_ENTRIES = 250_000  # default chunk size when the caller does not fix a count
 MAX_DEMANDS = 63  # one bit per demand in the source-side bigint mask
-STAGING_LOCK_CLASS = 0x6C72_7366  # "lrsf": pg_advisory_xact_lock(class, hashtext(range)) while staging (snapshot transfer)
 # A row of the partition's read, binary: field count, then (length, value) of position, entry id
 # and demand mask (int8 each), then the message's length (the message follows).
 _ENTRY_ROW = struct.Struct(">hiqiqiqi")
@@ -100,6 +99,7 @@ LARGE_ENTRY = 1024  # smaller entries are not counted (PACK_EVERY of them hold <
 class Demand:
     """One session in log-entry sync: what its sink still needs."""
 
+    source: str
     sink: str
     client: str
     client_id: int
@@ -111,7 +111,7 @@ class Demand:
 
     @property
     def session(self) -> str:
-        return f"{self.sink}/{self.client}"
+        return str(SessionKey(self.source, self.sink, self.client))
 
 
 @dataclass(frozen=True)
@@ -246,11 +246,11 @@ class FanoutDriver:
             try:
                 demand = self._demand(key)
             except Exception as exc:  # one sink down must not stop the others
-                skipped[f"{key.sink}/{key.client}"] = f"{type(exc).__name__}: {exc}".strip()
+                skipped[str(key)] = f"{type(exc).__name__}: {exc}".strip()
                 log.warning("fan-out of %s: session %s left out: %s", self.source, key, exc)
                 continue
             if isinstance(demand, str):
-                skipped[f"{key.sink}/{key.client}"] = demand
+                skipped[str(key)] = demand
             else:
                 demands.append(demand)
         if len(demands) > MAX_DEMANDS:
@@ -277,7 +277,7 @@ class FanoutDriver:
             runner = SessionRunner(key, self.src, sink_conn, self.owner, self.settings)
             report, meta, negotiation = runner.begin()
             if runner.lease is not None:
-                self.leases[f"{key.sink}/{key.client}"] = runner.lease
+                self.leases[str(key)] = runner.lease
             if negotiation is None:
                 return report.skipped or f"negotiation refused: {report.error}"
             if negotiation.decision is not Decision.LOG_ENTRY_SYNC:
@@ -285,9 +285,9 @@ class FanoutDriver:
             assert meta is not None and runner.lease is not None
             reader = LogReader(self.src, key.sink, STREAM_LOG_ENTRIES, client_name=key.client)
             assert reader.client_id is not None
-            leases.update_session(self.src, runner.lease, state="IN_LOG_ENTRY_SYNC",
+            leases.update_session(self.src, runner.lease, state=SessionState.IN_LOG_ENTRY_SYNC,
                                   acked_position=meta.last_log_entry_processed, last_error=None)
-            return Demand(key.sink, key.client, reader.client_id, reader.tag_id, meta.last_log_entry_processed,
+            return Demand(key.source, key.sink, key.client, reader.client_id, reader.tag_id, meta.last_log_entry_processed,
                           meta.snapshot_applied, meta.split, runner.lease.epoch)
         finally:
             sink_conn.close()
@@ -560,10 +560,10 @@ class _Router(RowReader):
     session whose bit is set in the entry's mask.
 
     The usual row (one CopyData message = one row, destinations of < 128 bytes, a one-byte type)
-    is handled inline, with no call per entry beyond this ``write`` and one list append per
-    session (rows are formed every ``PACK_EVERY`` entries or ``PACK_EVERY_BYTES``): this loop is
-    the fan-out's per-entry Python cost. Anything else goes through ``RowReader``'s general parser
-    and ``writes.strip_destinations``."""
+    is read in place (``vocabulary.sink_form_at``), with no other call per entry than that, this
+    ``write`` and one list append per session (rows are formed every ``PACK_EVERY`` entries or
+    ``PACK_EVERY_BYTES``): this loop is the fan-out's per-entry Python cost. Anything else goes through ``RowReader``'s general parser
+    and ``vocabulary.strip_destinations``."""
 
     def __init__(self, tees: list[tuple[int, _SessionTee]], halfway: int, fault_tag: str | None) -> None:
         super().__init__(self._general_row)
@@ -583,23 +583,8 @@ class _Router(RowReader):
         if self._header_seen and not self._buf and size > _ENTRY_SIZE:
             count, _, position, _, entry_id, _, mask, length = _ENTRY_ROW.unpack_from(chunk)
             if count == 4 and _ENTRY_SIZE + length == size:
-                pos = _ENTRY_SIZE
                 try:
-                    tag = chunk[pos]
-                    while tag == 0x0A:  # destinations (field 1): the leading records
-                        step = chunk[pos + 1]
-                        if step & 0x80:
-                            raise IndexError
-                        pos += 2 + step
-                        tag = chunk[pos]
-                    if tag == 0x10:  # type (field 2), one byte
-                        kind = chunk[pos + 1]
-                        if kind & 0x80:
-                            raise IndexError
-                    elif tag > 0x10:
-                        kind = 0
-                    else:
-                        raise IndexError
+                    kind, pos = sink_form_at(chunk, _ENTRY_SIZE)
                 except IndexError:
                     self._deliver(position, entry_id, mask, chunk[_ENTRY_SIZE:])
                     self.rows += 1
@@ -622,7 +607,7 @@ class _Router(RowReader):
 
     def _deliver(self, position: int, entry_id: int, mask: int, message: bytes) -> None:
         route = self.routes.get(mask) or self._route(mask)
-        kind, stripped = writes.strip_destinations(message)
+        kind, stripped = vocabulary.strip_destinations(message)
         entry = (piece(stripped), kind, position, entry_id)
         for append in route:
             append(entry)

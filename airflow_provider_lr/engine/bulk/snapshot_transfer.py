@@ -28,7 +28,8 @@ from typing import Callable, Iterable
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.bulk.fanout import STAGING_LOCK_CLASS, peak_rss_kb, staged_coverage
+from airflow_provider_lr.engine import vocabulary
+from airflow_provider_lr.engine.bulk.fanout import peak_rss_kb, staged_coverage
 from airflow_provider_lr.engine.bulk.pgcopy import RowReader, StagingWriter, staging_prefix, staging_row
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, StaleBatchError
 from airflow_provider_lr.engine.session import lease as leases
@@ -39,10 +40,16 @@ from airflow_provider_lr.engine.session.runner import (
     SessionSettings,
 )
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.site.topology import SessionKey, Topology, site_conninfo
+from airflow_provider_lr.engine.site.topology import Topology, site_conninfo
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.log_reader import LogRecord
-from airflow_provider_lr.engine.source.transmit import STREAM_SNAP_SYNC
+from airflow_provider_lr.engine.vocabulary import (
+    STAGING_LOCK_CLASS,
+    STREAM_SNAP_SYNC,
+    RequestStatus,
+    SessionKey,
+    SessionState,
+)
 
 log = logging.getLogger(__name__)
 
@@ -114,12 +121,12 @@ class SnapshotTransfer:
                    else full_sync.open_request(self.src, self.key.sink, self.key.client))
         if runner.reconcile(fenced, request):  # the sink applied it before a crash: closed, not reused
             request = full_sync.get_request(self.src, request.request_id)
-        if request is None or request.status != "supplied" or request.base_position is None:
+        if request is None or request.status != RequestStatus.SUPPLIED or request.base_position is None:
             raise LRError(f"session {self.key}: no supplied full-sync request "
                           f"({request.status if request else 'none'}); the client's provider must supply it first")
         meta = writes.start_snapshot(self.sink, self.key.source, self.key.client, runner.lease.epoch, request.request_id,
                                    request.base_position, request.split, runner._topology_id())
-        leases.update_session(self.src, runner.lease, state="IN_SNAPSHOT_SYNC", sync_id=request.request_id,
+        leases.update_session(self.src, runner.lease, state=SessionState.IN_SNAPSHOT_SYNC, sync_id=request.request_id,
                               last_error=None)
         with self.src.cursor() as cur:
             cur.execute(
@@ -220,7 +227,7 @@ def stage_range(plan: SnapshotPlan, part: EntryRange) -> dict:
         prefix = staging_prefix(plan.source, plan.client, plan.request_id)
 
         def on_row(fields: list[bytes | None]) -> None:
-            kind, message = writes.strip_destinations(fields[2] or b"")
+            kind, message = vocabulary.strip_destinations(fields[2] or b"")
             writer.add(staging_row(prefix, int.from_bytes(fields[0] or b"", "big", signed=True),
                                    int.from_bytes(fields[1] or b"", "big", signed=True), kind, message))
 

@@ -19,8 +19,9 @@ from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.session.lease import new_owner_id
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, SessionSettings, record_error
 from airflow_provider_lr.engine.site import status
-from airflow_provider_lr.engine.site.topology import SessionKey, Topology
+from airflow_provider_lr.engine.site.topology import Topology
 from airflow_provider_lr.engine.source.full_sync import Provider, load_provider
+from airflow_provider_lr.engine.vocabulary import SessionKey, SessionState
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class Replicator:
         self.sessions = sessions if sessions is not None else topology.sessions()
         self._conns: dict[str, psycopg2.extensions.connection] = {}
         self._runners: dict[SessionKey, SessionRunner] = {}
-        self.teed: dict[str, int] = {}  # "source/sink/client" -> entries the tee delivered, all cycles
+        self.teed: dict[str, int] = {}  # str(SessionKey) -> entries the tee delivered, all cycles
         self._no_tee: set[str] = set()  # sources whose sites' DSNs do not resolve (no tee for them)
 
     def _conn(self, site: str) -> psycopg2.extensions.connection:
@@ -69,7 +70,7 @@ class Replicator:
         log-entry backlog reaches ``settings.tee_min_backlog`` is first caught up by the tee."""
         teed: dict[str, int] = {}
         for source in sorted({key.source for key in self.sessions}):
-            teed.update({f"{source}/{session}": n for session, n in self._catch_up(source).items()})
+            teed.update(self._catch_up(source))
         for session, n in teed.items():
             self.teed[session] = self.teed.get(session, 0) + n
         reports = []
@@ -80,14 +81,14 @@ class Replicator:
                 report = CycleReport(str(key), error=f"{type(exc).__name__}: {exc}".strip())
                 log.warning("session %s failed: %s", key, report.error)
                 self._recover(key, report.error, exc)
-            report.delivered += teed.get(f"{key.source}/{key.sink}/{key.client}", 0)
+            report.delivered += teed.get(str(key), 0)
             reports.append(report)
         return reports
 
     def _catch_up(self, source: str) -> dict[str, int]:
         """Move a large log-entry backlog of ``source`` with the read-once tee in this process (one
         source read for all its sinks, packed rows, exactly once: ``engine/bulk/fanout.py``); the session
-        cycles then go on from where it left each sink. Returns deliveries per ``sink/client``. Any
+        cycles then go on from where it left each sink. Returns deliveries per session (``str(SessionKey)``). Any
         failure leaves the work to the session cycles, which report their own errors."""
         if self.settings.tee_min_backlog <= 0 or source in self._no_tee:
             return {}
@@ -183,7 +184,7 @@ class Replicator:
 
 def _settled(report: CycleReport) -> bool:
     """Nothing more will happen without new input: in log-entry sync with nothing remaining."""
-    return report.state == "IN_LOG_ENTRY_SYNC" and report.remaining == 0 and not report.error
+    return report.state == SessionState.IN_LOG_ENTRY_SYNC and report.remaining == 0 and not report.error
 
 
 def unsettled(reports: list[CycleReport]) -> list[str]:

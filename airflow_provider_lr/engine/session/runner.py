@@ -26,7 +26,8 @@ from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.negotiation import Decision, Negotiation, SinkView, SourceView, negotiate
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import status
-from airflow_provider_lr.engine.site.topology import SessionKey, Topology
+from airflow_provider_lr.engine.site.schema import site_identity
+from airflow_provider_lr.engine.site.topology import Topology
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest, Provider
 from airflow_provider_lr.engine.source.log_reader import (
@@ -35,7 +36,14 @@ from airflow_provider_lr.engine.source.log_reader import (
     LogReader,
     LogRecord,
 )
-from airflow_provider_lr.engine.source.transmit import STREAM_LOG_ENTRIES, STREAM_SNAP_SYNC, RoutingQueueClient
+from airflow_provider_lr.engine.source.transmit import RoutingQueueClient
+from airflow_provider_lr.engine.vocabulary import (
+    STREAM_LOG_ENTRIES,
+    STREAM_SNAP_SYNC,
+    RequestStatus,
+    SessionKey,
+    SessionState,
+)
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +167,8 @@ class SessionRunner:
         negotiation = self.negotiate(meta)
         report.decision, report.reason = negotiation.decision.value, negotiation.reason
         if negotiation.decision is Decision.REFUSE:
-            self._update(state="NEGOTIATING", last_error=f"negotiation refused: {negotiation.reason}")
-            report.state, report.error = "NEGOTIATING", negotiation.reason
+            self._update(state=SessionState.NEGOTIATING, last_error=f"negotiation refused: {negotiation.reason}")
+            report.state, report.error = SessionState.NEGOTIATING, negotiation.reason
             return report, meta, None
         return report, meta, negotiation
 
@@ -240,11 +248,11 @@ class SessionRunner:
         else None (waiting for the client's data)."""
         request = self._current_request(meta)
         report.request_id = request.request_id
-        if request.status == "pending" and self.provider is not None:
+        if request.status == RequestStatus.PENDING and self.provider is not None:
             client = RoutingQueueClient(self.source, self.key.client)
             full_sync.serve_full_sync_requests(client, self.provider)
             request = full_sync.get_request(self.source, request.request_id) or request
-        if request.status == "pending":
+        if request.status == RequestStatus.PENDING:
             if full_sync.expired(self.source, request):
                 self._restart_after_timeout(request)
             report.reason = f"waiting for full-sync data of request {request.request_id}"
@@ -274,7 +282,7 @@ class SessionRunner:
             )
             log.info("session %s: full sync requested (%s), data timeout %.0fs", self.key, request.request_id, timeout)
             fault_point("after_request")
-        self._update(state="IN_SNAPSHOT_SYNC", sync_id=request.request_id, last_error=None)
+        self._update(state=SessionState.IN_SNAPSHOT_SYNC, sync_id=request.request_id, last_error=None)
         return request
 
     def _restart_after_timeout(self, request: FullSyncRequest) -> None:
@@ -283,7 +291,7 @@ class SessionRunner:
         assert self.lease is not None
         leases.update_session(self.source, self.lease, commit=False, attempts=AsIs("attempts + 1"),
                               last_error=f"full-sync request {request.request_id} timed out without client data")
-        full_sync.finish_request(self.source, request.request_id, "timed_out", "no client data within the timeout")
+        full_sync.finish_request(self.source, request.request_id, RequestStatus.TIMED_OUT, "no client data within the timeout")
         fault_point("after_timeout")
 
     def transfer_snapshot(self, request: FullSyncRequest, meta: writes.SinkMetadata) -> tuple[writes.SinkMetadata, int]:
@@ -295,7 +303,7 @@ class SessionRunner:
         while meta.snapshot_transferred != meta.snapshot_started:
             chunk = self._snapshot_records(request, meta.snapshot_last_entry)
             if not chunk:
-                full_sync.finish_request(self.source, request.request_id, "cancelled", "data missing from the log")
+                full_sync.finish_request(self.source, request.request_id, RequestStatus.CANCELLED, "data missing from the log")
                 raise LRError(
                     f"session {self.key}: full-sync data of request {request.request_id} is missing from the log "
                     "(trimmed?); a new full sync will be requested"
@@ -339,11 +347,11 @@ class SessionRunner:
         commits would open a window where the request is closed and the ack not yet recorded, and
         safe trim, held by neither, could remove what the sink needs next.)"""
         assert self.lease is not None
-        leases.update_session(self.source, self.lease, commit=False, state="IN_LOG_ENTRY_SYNC",
+        leases.update_session(self.source, self.lease, commit=False, state=SessionState.IN_LOG_ENTRY_SYNC,
                               base_position=meta.snapshot_applied, acked_position=meta.last_log_entry_processed,
                               attempts=0, last_error=None)
         if meta.snapshot_request_id:
-            full_sync.finish_request(self.source, meta.snapshot_request_id, "applied", note)
+            full_sync.finish_request(self.source, meta.snapshot_request_id, RequestStatus.APPLIED, note)
         else:
             self.source.commit()
 
@@ -353,7 +361,7 @@ class SessionRunner:
         (every read checks the trim mark in the snapshot it reads from): nothing of the trimmed
         range was delivered, and the session needs a snapshot sync."""
         after, base, split = meta.last_log_entry_processed, meta.snapshot_applied, meta.split
-        self._update(state="IN_LOG_ENTRY_SYNC", acked_position=after, last_error=None)
+        self._update(state=SessionState.IN_LOG_ENTRY_SYNC, acked_position=after, last_error=None)
         reader = self.reader()
         tracker: progress.Tracker | None = None
         for _ in range(self.settings.max_batches):
@@ -362,7 +370,7 @@ class SessionRunner:
             except TrimmedError as exc:
                 log.warning("session %s: %s", self.key, exc)
                 report.reason = str(exc)
-                self._update(state="IN_SNAPSHOT_SYNC")
+                self._update(state=SessionState.IN_SNAPSHOT_SYNC)
                 return False
             with batch:  # read from the source while it is written to the sink: bytes in memory stay bounded
                 report.blocked_by = [h.describe() for h in batch.blocked_by]
@@ -455,7 +463,8 @@ def record_error(conn: psycopg2.extensions.connection, key: SessionKey, error: s
 def clear_stale_leases(conn: psycopg2.extensions.connection) -> list[str]:
     """Release the leases whose holder stopped renewing them (expired), so status shows no owner.
     Safe: an expired lease is taken over anyway, and its epoch stays, so the old holder stays
-    fenced. Returns the sessions released ("sink/client (owner)"). Commits."""
+    fenced. Returns the sessions released ("source->sink/client (owner)"). Commits."""
+    source, _ = site_identity(conn)
     with conn.cursor() as cur:
         cur.execute(
             """
@@ -465,9 +474,9 @@ def clear_stale_leases(conn: psycopg2.extensions.connection) -> list[str]:
             )
             UPDATE lr.source_sessions s SET lease_owner = NULL, lease_expires_at = NULL
             FROM stale WHERE s.sink_site_id = stale.sink_site_id AND s.client_name = stale.client_name
-            RETURNING stale.sink_site_id || '/' || stale.client_name || ' (' || stale.lease_owner || ')'
+            RETURNING stale.sink_site_id, stale.client_name, stale.lease_owner
             """
         )
-        released = sorted(r[0] for r in cur.fetchall())
+        released = sorted(f"{SessionKey(source, sink, client)} ({owner})" for sink, client, owner in cur.fetchall())
     conn.commit()
     return released

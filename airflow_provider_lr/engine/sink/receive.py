@@ -39,7 +39,7 @@ from google.protobuf.message import DecodeError
 
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.sink.queue_rows import unpack
-from airflow_provider_lr.engine.sink.writes import NOTIFY_CHANNEL, receive_queue_name
+from airflow_provider_lr.engine.vocabulary import CONSUMER_LOCK_CLASS, NOTIFY_CHANNEL, receive_queue_name
 from airflow_provider_lr.proto import lr_pb2
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,6 @@ DEFAULT_BATCH_BYTES = 8 << 20
 INLINE_BYTES = 8192
 DEFAULT_POLL_INTERVAL = 2.0  # full pass (discovery included) when no notification arrives
 DEFAULT_RETRY_INTERVAL = 0.5  # a queue whose delivery failed is tried again after this
-# pg_try_advisory_xact_lock(int, int) class of the per-queue consumer lock (two-int keys never
-# collide with the one-bigint keys of the commit and schema locks).
-CONSUMER_LOCK_CLASS = 0x6C72_7271  # "lrrq"
 HEAD_FETCH = 16  # rows of a queue's head read first (then as many as the entries still wanted need)
 PASS_RUNS = 8  # a follow loop looks at its stop event at least every this many full batches
 

@@ -14,23 +14,16 @@ from dataclasses import dataclass, fields, replace
 from typing import Iterable, Iterator, Sequence
 
 import psycopg2.extensions
-from google.protobuf.message import DecodeError
 from psycopg2.extensions import AsIs
 from psycopg2.extras import execute_values
 
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, StaleBatchError
 from airflow_provider_lr.engine.sink.queue_rows import Packer
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogBatch, LogRecord, LogStream
+from airflow_provider_lr.engine.vocabulary import MALFORMED, NOTIFY_CHANNEL, receive_queue_name, strip_destinations
 from airflow_provider_lr.proto import lr_pb2
 
 log = logging.getLogger(__name__)
-
-NOTIFY_CHANNEL = "lr_recv"  # payload: "<client>/<source>"
-
-
-def receive_queue_name(client: str, source: str) -> str:
-    return f"LRQ_Recv_{client}_{source}"
-
 
 @dataclass(frozen=True)
 class SinkMetadata:
@@ -229,55 +222,6 @@ def fence(conn: psycopg2.extensions.connection, source: str, client: str, epoch:
     write = _SinkWrite(conn, source, client, epoch)
     with write as (cur, meta):
         return replace(meta, lease_epoch=epoch, site_topology_config_id=_site_topology_id(cur))
-
-
-MALFORMED = lr_pb2.NONE  # receive-queue kind of a source entry that does not parse
-
-
-def rewrite_for_sink(message: bytes) -> tuple[int, bytes]:
-    """The receive-queue form of a source entry: destinations stripped. Returns (type, bytes).
-
-    A source entry that does not parse (corrupted in the log) is passed on as it is, with kind
-    ``MALFORMED``: every path that writes a receive queue (session cycles, the fan-out, snapshot
-    transfers) does the same, nothing stops, and the subscriber moves it to the sink's dead
-    letters with the error, in its place in the queue."""
-    try:
-        msg = lr_pb2.RoutingTableEntryMsg.FromString(message)
-    except DecodeError:
-        return MALFORMED, message
-    del msg.destinations[:]
-    return msg.type, msg.SerializeToString()
-
-
-_DESTINATIONS_TAG = 0x0A  # field 1 (destinations), length-delimited
-_TYPE_TAG = 0x10  # field 2 (type), varint
-
-
-def strip_destinations(message: bytes) -> tuple[int, bytes]:
-    """The receive-queue form of a source entry, for every path that writes a receive queue (one
-    rule, so a session cycle, the fan-out and a snapshot transfer write the same rows):
-    ``rewrite_for_sink`` at the byte level (~2.5x cheaper per entry).
-
-    Protobuf serializers write known fields in field-number order (``transmit`` serializes every
-    log entry with the generated code), so an entry's destinations (field 1) are its leading
-    records and its type (field 2) the varint right after them: the sink form is the message
-    minus that prefix, byte for byte what parse + clear + serialize gives. Anything else (a
-    destination of 128+ bytes, a multi-byte type, a truncated message) takes ``rewrite_for_sink``."""
-    try:
-        pos = 0
-        while message[pos] == _DESTINATIONS_TAG:
-            size = message[pos + 1]
-            if size & 0x80:
-                return rewrite_for_sink(message)
-            pos += 2 + size
-        if message[pos] != _TYPE_TAG:
-            return (0, message[pos:]) if message[pos] > _TYPE_TAG else rewrite_for_sink(message)
-        kind = message[pos + 1]
-        if kind & 0x80:
-            return rewrite_for_sink(message)
-        return kind, message[pos:]
-    except IndexError:  # ends inside the prefix (or no field after the destinations)
-        return rewrite_for_sink(message)
 
 
 def start_snapshot(

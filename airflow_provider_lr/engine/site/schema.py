@@ -17,11 +17,10 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import SchemaError
 from airflow_provider_lr.engine.site.topology_schema import valid_site_id
+from airflow_provider_lr.engine.vocabulary import SCHEMA_LOCK_KEY
 from airflow_provider_lr.paths import migrations_dir
 
 _NAME = re.compile(r"^V(\d{4})__([a-z0-9_]+)\.sql$")
-# pg_advisory_xact_lock key for schema changes ("lr" schema, arbitrary but fixed).
-SCHEMA_LOCK_KEY = 0x6C72_0001
 
 # Created only when missing: ``CREATE ... IF NOT EXISTS`` checks its privilege (CREATE on the
 # database, on the schema) before it looks whether the object exists.

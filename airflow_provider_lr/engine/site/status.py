@@ -9,11 +9,17 @@ from decimal import Decimal
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError
-from airflow_provider_lr.engine.sink.writes import receive_queue_name
 from airflow_provider_lr.engine.site import schema
 from airflow_provider_lr.engine.site.topology import Topology
 from airflow_provider_lr.engine.source.log_reader import holdback
-from airflow_provider_lr.engine.source.transmit import STREAM_LOG_ENTRIES
+from airflow_provider_lr.engine.vocabulary import (
+    OPEN_STATUSES_SQL,
+    STREAM_LOG_ENTRIES,
+    RequestStatus,
+    SessionKey,
+    SessionState,
+    receive_queue_name,
+)
 
 _COLUMNS = (
     "role", "source_site_id", "sink_site_id", "client_name", "sync_type", "status", "base_snapshot",
@@ -77,7 +83,7 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
             "SELECT request_id::text, sink_site_id, client_name, status, forced, reason, "
             "round(extract(epoch FROM now() - requested_at)::numeric, 1)::float8, "
             "round(extract(epoch FROM data_deadline - now())::numeric, 1)::float8, note "
-            "FROM lr.full_sync_requests WHERE status IN ('pending', 'supplied') ORDER BY requested_at"
+            f"FROM lr.full_sync_requests WHERE status IN {OPEN_STATUSES_SQL} ORDER BY requested_at"
         )
         keys = ("request_id", "sink", "client", "status", "forced", "reason", "age_s", "data_deadline_in_s", "note")
         result.full_sync_requests = [dict(zip(keys, r)) for r in cur.fetchall()]
@@ -109,20 +115,25 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
     return result
 
 
+def session_key(session: dict) -> SessionKey:
+    """The key of a session row of ``site_status`` (either role)."""
+    return SessionKey(session["source_site_id"], session["sink_site_id"], session["client_name"])
+
+
 def waiting_for(session: dict, request: dict | None) -> str | None:
     """What a source session waits for before it can move on, or None."""
-    if session["state"] == "IN_SNAPSHOT_SYNC" and request is not None:
-        if request["status"] == "pending":
+    if session["state"] == SessionState.IN_SNAPSHOT_SYNC and request is not None:
+        if request["status"] == RequestStatus.PENDING:
             return (f"the client's full-sync data for request {request['request_id']} "
                     f"({'forced: ' if request['forced'] else ''}{request['reason'] or 'negotiation'}; asked "
                     f"{request['age_s']:.0f}s ago, restarts in {max(request['data_deadline_in_s'], 0):.0f}s): its "
                     "provider must be importable by the replicator, or the client must serve the request")
         return f"the transfer and apply of full sync {request['request_id']}"
-    if session["state"] == "WAIT_SNAPSHOT_APPLY":
+    if session["state"] == SessionState.WAIT_SNAPSHOT_APPLY:
         return "the sink to apply its transferred full sync"
-    if session["state"] == "NEGOTIATING" and session.get("last_error"):
+    if session["state"] == SessionState.NEGOTIATING and session.get("last_error"):
         return "negotiation to succeed (see last error)"
-    if session["state"] == "INITIALIZED":
+    if session["state"] == SessionState.INITIALIZED:
         return "its first replication cycle (lr sync or the lr_replication DAG)"
     return None
 
@@ -147,7 +158,7 @@ def readiness(session: dict, trim_mark: int | None = None) -> str:
         if trim_mark is None:
             return "unchecked (source not reached)"
         return "not ready (behind trim)" if behind else "consistent"
-    if session["state"] != "IN_LOG_ENTRY_SYNC":
+    if session["state"] != SessionState.IN_LOG_ENTRY_SYNC:
         return "not ready (snapshot)" if session["sync_type"] == "SNAPSHOT" else "not ready (not started)"
     if behind:
         return "not ready (behind trim)"
@@ -172,7 +183,7 @@ def render(status: SiteStatus, source_marks: dict[str, int] | None = None) -> st
         f"trim mark {status.trim_mark}"
     ]
     for s in status.sessions:
-        session = f"{s['source_site_id']}->{s['sink_site_id']}/{s['client_name']}"
+        session = str(session_key(s))
         mark = marks.get(s["source_site_id"])
         if s["role"] == "source":
             detail = (f"lag {s['remaining_entries_to_send']} entries / {s.get('lag_seconds', 0.0):.1f}s, "
@@ -225,7 +236,7 @@ def health(found: dict[str, SiteStatus | str], max_lag_seconds: float | None = N
     for st in found.values():
         assert isinstance(st, SiteStatus)
         for s in st.sessions:
-            name = f"{s['source_site_id']}->{s['sink_site_id']}/{s['client_name']} ({s['role']})"
+            name = f"{session_key(s)} ({s['role']})"
             state = readiness(s, marks.get(s["source_site_id"]))
             if state in ("not ready (error)", "not ready (behind trim)"):
                 reasons.append(f"{name}: {state}")
@@ -299,7 +310,7 @@ def session_backlogs(
 def log_entry_backlog(backlogs: list[SessionBacklog]) -> int:
     """Entries still to deliver, summed over the sessions in log-entry sync (what decides between
     an in-process batch and a Spark fan-out)."""
-    return sum(b.entries for b in backlogs if b.state == "IN_LOG_ENTRY_SYNC")
+    return sum(b.entries for b in backlogs if b.state == SessionState.IN_LOG_ENTRY_SYNC)
 
 
 def source_backlog(conn: psycopg2.extensions.connection) -> int:

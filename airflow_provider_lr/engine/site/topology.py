@@ -19,6 +19,7 @@ import psycopg2.extensions
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError
 from airflow_provider_lr.engine.site.conninfo import ConnInfo, resolve
 from airflow_provider_lr.engine.site.topology_schema import Origin, read, validate
+from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES_SQL, RequestStatus, SessionKey, receive_queue_name
 from airflow_provider_lr.paths import include_dir
 
 TOPOLOGY_ENV = "LR_TOPOLOGY"
@@ -36,18 +37,6 @@ class Replication:
     source: str
     sinks: tuple[str, ...]
     clients: tuple[str, ...]
-
-
-@dataclass(frozen=True, order=True)
-class SessionKey:
-    """One session: a source, a sink and a client ("one session per remote destination")."""
-
-    source: str
-    sink: str
-    client: str
-
-    def __str__(self) -> str:
-        return f"{self.source}->{self.sink}/{self.client}"
 
 
 @dataclass(frozen=True)
@@ -137,7 +126,7 @@ def _refuse_ambiguous_queue_names(replications: list[Replication], origin: Origi
     for index, r in enumerate(replications):
         for sink in r.sinks:
             for client in r.clients:
-                name = (sink, f"LRQ_Recv_{client}_{r.source}")
+                name = (sink, receive_queue_name(client, r.source))
                 other = seen.setdefault(name, (client, r.source))
                 if other != (client, r.source):
                     raise origin.error(
@@ -212,8 +201,8 @@ def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site
                 )
             # a removed session's open full sync would hold safe trim at its base forever
             cur.execute(
-                "UPDATE lr.full_sync_requests r SET status = 'cancelled', finished_at = now(), "
-                "note = 'session removed from the topology' WHERE status IN ('pending', 'supplied') "
+                f"UPDATE lr.full_sync_requests r SET status = '{RequestStatus.CANCELLED}', finished_at = now(), "
+                f"note = 'session removed from the topology' WHERE status IN {OPEN_STATUSES_SQL} "
                 "AND NOT EXISTS (SELECT 1 FROM lr.source_sessions s "
                 "                WHERE s.sink_site_id = r.sink_site_id AND s.client_name = r.client_name)"
             )
@@ -242,12 +231,13 @@ def prune_sink_sessions(conn: psycopg2.extensions.connection, topology: Topology
         for source, client in cur.fetchall():
             if (source, client) in wanted:
                 continue
-            name = f"{source}->{site_id}/{client}"
+            name = str(SessionKey(source, site_id, client))
             cur.execute("SELECT coalesce(sum(entry_count - delivered), 0) FROM lr.receive_queue "
                         "WHERE source_site_id = %s AND client_name = %s AND visible", (source, client))
             waiting = cur.fetchone()[0]
             if waiting:
-                kept.append(f"{name}: {waiting} entries still wait for subscribers in LRQ_Recv_{client}_{source}")
+                queue = receive_queue_name(client, source)
+                kept.append(f"{name}: {waiting} entries still wait for subscribers in {queue}")
                 continue
             cur.execute("DELETE FROM lr.receive_queue WHERE source_site_id = %s AND client_name = %s", (source, client))
             cur.execute("DELETE FROM lr.registry WHERE kind = 'receive_queue' AND source_site_id = %s "

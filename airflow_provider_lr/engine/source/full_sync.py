@@ -29,11 +29,11 @@ from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, L
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session.lease import Lease
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, commit_barrier
-from airflow_provider_lr.engine.source.transmit import STREAM_SNAP_SYNC, RoutingQueueClient
+from airflow_provider_lr.engine.source.transmit import RoutingQueueClient
+from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES_SQL, STREAM_SNAP_SYNC, RequestStatus
 from airflow_provider_lr.proto import lr_pb2
 
 DEFAULT_DATA_TIMEOUT = 120.0  # seconds without client data before a request is restarted
-OPEN = ("pending", "supplied")
 
 
 class FullSyncError(LRError):
@@ -107,9 +107,9 @@ def request_full_sync(
                     f"no session to sink {sink!r} for client {client!r} on this source; sessions are {known}"
                 )
             cur.execute(
-                "UPDATE lr.full_sync_requests SET status = 'cancelled', finished_at = now(), "
+                f"UPDATE lr.full_sync_requests SET status = '{RequestStatus.CANCELLED}', finished_at = now(), "
                 "note = 'superseded by a newer request' "
-                "WHERE sink_site_id = %s AND client_name = %s AND status IN ('pending', 'supplied')",
+                f"WHERE sink_site_id = %s AND client_name = %s AND status IN {OPEN_STATUSES_SQL}",
                 (sink, client),
             )
             cur.execute(
@@ -130,7 +130,7 @@ def open_request(conn: psycopg2.extensions.connection, sink: str, client: str) -
     with conn.cursor() as cur:
         cur.execute(
             f"SELECT {_COLUMNS} FROM lr.full_sync_requests WHERE sink_site_id = %s AND client_name = %s "
-            "AND status IN ('pending', 'supplied') ORDER BY requested_at DESC LIMIT 1",
+            f"AND status IN {OPEN_STATUSES_SQL} ORDER BY requested_at DESC LIMIT 1",
             (sink, client),
         )
         row = cur.fetchone()
@@ -154,7 +154,7 @@ def finish_request(conn: psycopg2.extensions.connection, request_id: str, status
         with conn.cursor() as cur:
             cur.execute(
                 "UPDATE lr.full_sync_requests SET status = %s, finished_at = now(), note = %s "
-                "WHERE request_id = %s AND status IN ('pending', 'supplied')",
+                f"WHERE request_id = %s AND status IN {OPEN_STATUSES_SQL}",
                 (status, note or None, request_id),
             )
             closed = cur.rowcount == 1
@@ -253,7 +253,7 @@ def serve_full_sync_requests(client: RoutingQueueClient, provider: Provider, max
                 cur.execute("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM lr.commit_position_seq")
                 upto = cur.fetchone()[0]
                 cur.execute(
-                    f"SELECT {_COLUMNS} FROM lr.full_sync_requests WHERE client_name = %s AND status = 'pending' "
+                    f"SELECT {_COLUMNS} FROM lr.full_sync_requests WHERE client_name = %s AND status = '{RequestStatus.PENDING}' "
                     "ORDER BY requested_at LIMIT 1 FOR UPDATE SKIP LOCKED",
                     (client.client_name,),
                 )
@@ -278,7 +278,7 @@ def serve_full_sync_requests(client: RoutingQueueClient, provider: Provider, max
                 ctx.tracker.finish()
                 fault_point("during_supply")
                 cur.execute(
-                    "UPDATE lr.full_sync_requests SET status = 'supplied', supplied_at = now(), "
+                    f"UPDATE lr.full_sync_requests SET status = '{RequestStatus.SUPPLIED}', supplied_at = now(), "
                     "supplied_tx = pg_current_xact_id(), base_position = %s, base_snapshot = %s, base_upto = %s, "
                     "entries = %s WHERE request_id = %s",
                     (base, snapshot, upto, ctx.count, request.request_id),

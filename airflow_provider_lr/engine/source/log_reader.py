@@ -27,10 +27,9 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, TrimmedError
-from airflow_provider_lr.engine.source.transmit import STREAM_LOG_ENTRIES
+from airflow_provider_lr.engine.vocabulary import COMMIT_LOCK_KEY, STREAM_LOG_ENTRIES
 from airflow_provider_lr.proto import lr_pb2
 
-COMMIT_LOCK_KEY = 0x6C72_0002  # the key the commit-position trigger locks (shared)
 DEFAULT_MAX_ENTRIES = 10_000
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 # A read fetches at most FETCH_ROWS rows per round trip, and at most ``fetch_bytes(max_bytes)`` of

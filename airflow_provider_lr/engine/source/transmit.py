@@ -16,13 +16,11 @@ from psycopg2.extras import execute_values
 
 from airflow_provider_lr.engine.errors import TransmitError
 from airflow_provider_lr.engine.site.schema import site_identity
+from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES
 from airflow_provider_lr.proto import lr_pb2
 
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
-STREAM_LOG_ENTRIES = 1  # LRQ_Send_LogEntries
-STREAM_SNAP_SYNC = 2  # LRQ_Send_SnapSync
 PREPARED_INSERT = "lr_transmit_v1"  # versioned: a new lr with another insert uses a new name
-STREAM_NAMES = {STREAM_LOG_ENTRIES: "LRQ_Send_LogEntries", STREAM_SNAP_SYNC: "LRQ_Send_SnapSync"}
 
 
 @dataclass(frozen=True)

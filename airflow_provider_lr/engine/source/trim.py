@@ -16,6 +16,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.source.log_reader import commit_barrier
+from airflow_provider_lr.engine.vocabulary import RequestStatus
 
 MAX_RETENTION = 100 * 365 * 86_400.0  # seconds; beyond this a retention trim is a typo
 
@@ -42,11 +43,11 @@ def safe_trim_mark(conn: psycopg2.extensions.connection) -> int | None:
         return None
     with conn.cursor() as cur:
         cur.execute(
-            """
+            f"""
             SELECT min(p) FROM (
                 SELECT acked_position AS p FROM lr.source_sessions WHERE acked_position >= 0
                 UNION ALL
-                SELECT base_position FROM lr.full_sync_requests WHERE status = 'supplied'
+                SELECT base_position FROM lr.full_sync_requests WHERE status = '{RequestStatus.SUPPLIED}'
             ) holds
             """
         )
@@ -63,12 +64,12 @@ def trim(conn: psycopg2.extensions.connection, upto: int) -> TrimResult:
             cur.execute("SELECT trim_mark FROM lr.log_trim FOR UPDATE")
             mark = max(cur.fetchone()[0], upto)
             cur.execute(
-                """
+                f"""
                 CREATE TEMP TABLE lr_trimmed ON COMMIT DROP AS
                 SELECT c.tx FROM lr.log_commits c
                 WHERE c.position <= %s
                   AND c.tx NOT IN (SELECT supplied_tx FROM lr.full_sync_requests
-                                   WHERE status = 'supplied' AND supplied_tx IS NOT NULL)
+                                   WHERE status = '{RequestStatus.SUPPLIED}' AND supplied_tx IS NOT NULL)
                 """,
                 (mark,),
             )
