@@ -39,7 +39,7 @@ need_java() {
 }
 
 need_chromium() {
-  # The browser test (tests/test_ui_browser.py) drives the real Airflow UI in Debian's headless
+  # The browser test (tests/airflow/test_ui_browser.py) drives the real Airflow UI in Debian's headless
   # Chromium through Playwright (whose own browser download cannot be used here). Not needed by
   # the demo; without it (and not root) that one test is skipped, saying why.
   if [ -x /usr/bin/chromium ] || [ -n "${LR_CHROMIUM:-}" ]; then return 0; fi

@@ -1,0 +1,221 @@
+"""The DAGs parse, have the shape users rely on, and replicate real sites end to end (dag.test)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.airflow_env import (  # noqa: F401
+    airflow_db,
+    airflow_sites,
+    dagbag,
+    metric,
+    reconfigure,
+    run_dag,
+    states,
+    statsd_packets,  # noqa: F401
+    xcom,
+)
+from tests.support.session import App, final_state, queue, replicator, source_state, table_provider
+
+
+def test_dags_import_without_errors(dagbag):
+    assert dagbag.import_errors == {}
+    assert {"lr_replication", "lr_full_sync", "lr_maintenance", "example_lr_user_pipeline"} <= set(dagbag.dags)
+
+
+def test_replication_maps_one_group_per_session_with_skip_branches(dagbag):
+    from airflow.sdk import TriggerRule
+    from airflow.sdk.definitions.taskgroup import MappedTaskGroup
+
+    dag = dagbag.dags["lr_replication"]
+    assert dag.max_active_runs == 1 and dag.schedule is not None
+    groups = [g for g in dag.task_group.children.values() if isinstance(g, MappedTaskGroup)]
+    assert [g.group_id for g in groups] == ["session"]
+    assert set(groups[0].children) == {"session.decide", "session.snapshot_sync", "session.log_entry_sync",
+                                       "session.report"}
+    decide = dag.get_task("session.decide")
+    assert {t.task_id for t in decide.downstream_list} == {"session.snapshot_sync", "session.log_entry_sync"}
+    for task_id in groups[0].children:  # see the DAG's doc: nothing in the group ends upstream_failed
+        assert dag.get_task(task_id).trigger_rule == TriggerRule.ALL_DONE
+        assert dag.get_task(task_id).map_index_template  # listed by session name
+    assert {"spark_fanout", "inprocess_fanout"} <= {t.task_id for t in decide.upstream_list}
+    check = dag.get_task("check")  # the run's verdict, after every session
+    assert check.trigger_rule == TriggerRule.ALL_DONE and "session.report" in check.upstream_task_ids
+    assert not check.downstream_list
+    for task_id in ("plan", "spark_fanout", "inprocess_fanout"):
+        assert dag.get_task(task_id).map_index_template  # listed by source
+
+
+def test_full_sync_form_offers_the_topologys_sinks(dagbag):
+    params = dagbag.dags["lr_full_sync"].params
+    assert params.get_param("sink").schema["enum"] == ["site-b", "site-c"]
+    for optional in ("client", "source"):
+        schema = params.get_param(optional).schema
+        assert schema["enum"][0] is None and schema["type"] == ["null", "string"]
+        assert schema["values_display"] == {"null": ""}  # the form shows an empty select box, not "null"
+    assert params.get_param("client").schema["enum"] == [None, "policy"]
+    assert params.get_param("client").resolve(None) is None
+    dag = dagbag.dags["lr_full_sync"]
+    assert dag.schedule is None
+    for task_id in ("snapshot_sync", "log_entry_sync"):
+        assert dag.get_task(task_id).map_index_template
+    assert dag.get_task("check").trigger_rule == "all_done"
+
+
+def test_full_sync_form_refuses_an_unknown_sink(dagbag):
+    from airflow.sdk.exceptions import ParamValidationError
+
+    with pytest.raises(ParamValidationError, match="nowhere"):
+        dagbag.dags["lr_full_sync"].test(run_conf={"sink": "nowhere", "reason": "test"})
+
+
+@pytest.mark.slow
+def test_users_path_first_sync_deltas_own_pipeline_forced_full_sync_maintenance(dagbag, airflow_sites):
+    source, sink_b, sink_c = airflow_sites.sites
+    app = App(source)
+    for i in range(5):
+        app.put(f"k{i}", i, ["site-b", "site-c"])
+
+    first = run_dag(dagbag, "lr_replication")
+    assert str(first.state) == "success"
+    got = states(first)
+    assert {k: v for k, v in got.items() if k[0].startswith("session.")} == {
+        ("session.decide", 0): "success", ("session.decide", 1): "success",
+        ("session.snapshot_sync", 0): "success", ("session.snapshot_sync", 1): "success",
+        ("session.log_entry_sync", 0): "skipped", ("session.log_entry_sync", 1): "skipped",
+        ("session.report", 0): "success", ("session.report", 1): "success",
+    }
+    assert got[("spark_fanout", -1)] == "skipped"  # a small backlog stays in-process
+    names = {0: "site-a->site-b/policy", 1: "site-a->site-c/policy"}
+    for task_id in ("session.decide", "session.snapshot_sync", "session.log_entry_sync", "session.report"):
+        labels = {ti.map_index: ti.rendered_map_index for ti in first.get_task_instances() if ti.task_id == task_id}
+        assert labels == names, task_id  # how the UI lists the groups, skipped instances too
+    assert {ti.rendered_map_index for ti in first.get_task_instances() if ti.task_id == "plan"} == {"site-a"}
+    assert got[("check", -1)] == "success"
+    for sink in (sink_b, sink_c):
+        q = queue(sink, "site-a")
+        assert q[0] == ("start", "") and q[-1] == ("end", "") and final_state(q) == source_state(source)
+
+    app.put("k1", 100, ["site-b"])
+    app.put("k9", 9, ["site-b", "site-c"])
+    second = run_dag(dagbag, "lr_replication")
+    assert str(second.state) == "success"
+    assert states(second)[("session.snapshot_sync", 0)] == "skipped"
+    assert [p for k, p in queue(sink_b, "site-a") if k == "log"] == ["k1=100", "k9=9"]
+    assert [p for k, p in queue(sink_c, "site-a") if k == "log"] == ["k9=9"]
+    assert xcom(second, "session.report", 0)["remaining"] == 0
+
+    own = run_dag(dagbag, "example_lr_user_pipeline",
+                  {"orders": 2, "destinations": ["site-b", "site-c"], "min_regions": 3})
+    assert str(own.state) == "success", states(own)
+    delivered = xcom(own, "delivered")
+    assert delivered["safe_on"] == ["site-b", "site-c"] and len(delivered["regions"]) == 3
+    for sink in (sink_b, sink_c):
+        assert [p for k, p in queue(sink, "site-a") if p.startswith("order ")] == ["order 1 100", "order 2 200"]
+
+    forced = run_dag(dagbag, "lr_full_sync", {"sink": "site-b", "reason": "audit asked for it", "client": None})
+    assert str(forced.state) == "success", states(forced)
+    assert {(ti.task_id, ti.rendered_map_index) for ti in forced.get_task_instances() if ti.map_index >= 0} == {
+        ("snapshot_sync", "site-a->site-b/policy"), ("log_entry_sync", "site-a->site-b/policy")}
+    assert [k for k, _ in queue(sink_b, "site-a")].count("start") == 2  # a second full sync, visible
+    assert [k for k, _ in queue(sink_c, "site-a")].count("start") == 1  # the other sink untouched
+    assert source.query("SELECT reason, status FROM lr.full_sync_requests WHERE forced") == [
+        ("audit asked for it", "applied")]
+
+    source.query("UPDATE lr.source_sessions SET lease_owner = 'worker-that-died', "
+                 "lease_expires_at = now() - interval '1 hour' WHERE sink_site_id = 'site-c'")
+    entries_before = source.query("SELECT count(*) FROM lr.log_entries")[0][0]
+    upkeep = run_dag(dagbag, "lr_maintenance")
+    assert str(upkeep.state) == "success", states(upkeep)
+    assert xcom(upkeep, "stale_lease_cleanup", 0)["released"] == ["site-a->site-c/policy (worker-that-died)"]
+    assert xcom(upkeep, "safe_trim", 0)["trimmed"] is True
+    assert source.query("SELECT count(*) FROM lr.log_entries")[0][0] < entries_before
+    assert states(upkeep)[("retention_trim", -1)] == "skipped"  # no retention asked
+    checkpoint = {q["queue"]: q for q in xcom(upkeep, "receive_queue_checkpoint", 0)["queues"]}
+    assert checkpoint["LRQ_Recv_policy_site-a"]["waiting"] == len(queue(sink_b, "site-a"))
+    app.close()
+
+
+def test_a_sink_that_is_down_fails_the_run_after_the_other_session_delivered(dagbag, airflow_sites, monkeypatch,
+                                                                            statsd_packets):
+    """One sink down: the other session delivers, every instance is listed by its session, and the
+    run ends failed (the DAG list shows red), its ``check`` naming the failed session."""
+    source, sink_b, sink_c = airflow_sites.sites
+    app = App(source)
+    app.put("k", 1, ["site-b", "site-c"])
+    down = dict(sink_c.server.airflow_conn(sink_c.dbname), port=1)  # nothing listens there
+    monkeypatch.setenv("AIRFLOW_CONN_LR_SITE_C", json.dumps(down))
+    run = run_dag(dagbag, "lr_replication")
+    got = states(run)
+    assert str(run.state) == "failed", got
+    assert got[("check", -1)] == "failed"
+    assert got[("session.decide", 1)] == "failed"
+    # the branches ran after the failed negotiation and skipped themselves: labelled, not upstream_failed
+    assert got[("session.snapshot_sync", 1)] == "skipped" and got[("session.log_entry_sync", 1)] == "skipped"
+    assert got[("session.decide", 0)] == "success" and got[("session.snapshot_sync", 0)] == "success"
+    assert "upstream_failed" not in got.values()
+    labels = {(ti.task_id, ti.map_index): ti.rendered_map_index for ti in run.get_task_instances() if ti.map_index >= 0}
+    assert {v for k, v in labels.items() if k[1] == 1 and k[0].startswith("session.")} == {"site-a->site-c/policy"}
+    assert final_state(queue(sink_b, "site-a")) == {"k": 1}
+    assert xcom(run, "session.report", 0)["state"] == "IN_LOG_ENTRY_SYNC"
+    failed = xcom(run, "session.report", 1)
+    assert failed["session"] == "site-a->site-c/policy" and "cannot connect to site 'site-c'" in failed["last_error"]
+    # the metrics, through Airflow's own StatsD client: per session, tagged names and session-named ones
+    time.sleep(0.5)
+    assert metric(statsd_packets, "lr.session.site-a.site-c.policy.errors") == [1.0]
+    assert metric(statsd_packets, "lr.session.site-a.site-b.policy.snapshot_messages")[0] > 0
+    assert metric(statsd_packets, "lr.session.site-a.site-b.policy.lag_entries")[-1] == 0.0
+    assert metric(statsd_packets, "lr.session.site-a.site-c.policy.lag_entries")[-1] == 1.0
+    assert metric(statsd_packets, "lr.run.lr_replication.failed_sessions") == [1.0]
+    assert metric(statsd_packets, "lr.session.errors") == [1.0]
+    app.close()
+
+
+def backlog_of_30_after_first_contact(airflow_sites, settings: dict) -> App:
+    """Sessions through their first contact (in-process), the topology's ``settings`` applied, then
+    15 entries for both sinks: 30 deliveries waiting. Returns the source application."""
+    reconfigure(airflow_sites, settings=settings)
+    app = App(airflow_sites.sites[0])
+    first = replicator(airflow_sites.topology, airflow_sites.sites, providers={"policy": table_provider})
+    first.run(max_cycles=3, until_idle=True, interval=0.01)
+    first.close()
+    for i in range(15):
+        app.put(f"k{i}", i, ["site-b", "site-c"])
+    return app
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path, task_id, settings", [
+    ("spark", "spark_fanout", {"spark_min_backlog": 20}),
+    ("tee", "inprocess_fanout", {"tee_min_backlog": 20}),
+])
+def test_a_large_backlog_goes_through_a_fan_out_and_the_sessions_find_nothing_left(
+        dagbag, airflow_sites, monkeypatch, path, task_id, settings, statsd_packets):
+    """Catch-up through Spark (spark-submit of spark_jobs/lr_fanout.py on local[2]) or the read-once
+    tee in the worker (no Spark); the sessions' groups then find nothing left: every entry arrives
+    once, in order."""
+    app = backlog_of_30_after_first_contact(airflow_sites, settings)
+    if path == "spark":
+        monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[2]"}))
+        monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # spark-submit
+
+    run = run_dag(dagbag, "lr_replication")
+    got = states(run)
+    assert got[(task_id, 0)] == "success", got
+    assert xcom(run, "plan", 0)["path"] == path
+    fanned = xcom(run, task_id, 0)
+    assert fanned["ok"] and fanned["total_deliveries"] == 30
+    assert xcom(run, "session.log_entry_sync", 0)["delivered"] == 0  # the fan-out left nothing behind
+    for sink in airflow_sites.sites[1:]:
+        assert [p for k, p in queue(sink, "site-a") if k == "log"] == [f"k{i}={i}" for i in range(15)]
+    time.sleep(0.5)
+    for sink in ("site-b", "site-c"):  # what the fan-out delivered, per session
+        assert metric(statsd_packets, f"lr.session.site-a.{sink}.policy.delivered") == [15.0]
+    assert got[("check", -1)] == "success" and str(run.state) == "success"
+    assert {ti.rendered_map_index for ti in run.get_task_instances() if ti.task_id == task_id} == {"site-a"}
+    app.close()

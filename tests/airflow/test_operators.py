@@ -1,0 +1,303 @@
+"""Operators and sensors run directly (``execute``) against real sites through Airflow connections."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+import tempfile
+
+import pytest
+from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException, TaskDeferred
+
+from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.operators import (
+    LRDiscoverSessionsOperator,
+    LRLogEntrySyncOperator,
+    LRNegotiateOperator,
+    LRSnapshotSyncOperator,
+    LRTrimOperator,
+)
+from airflow_provider_lr.operators.spark import plan_fanout, write_connections_file
+from airflow_provider_lr.sensors import LRDeliveredSensor
+from airflow_provider_lr.triggers import LRDeliveredTrigger, LRSnapshotEndTrigger
+from tests.support.airflow_env import airflow_sites, reconfigure  # noqa: F401
+from tests.support.session import App, queue, table_provider
+
+
+def _sessions(**filters) -> list[dict]:
+    return LRDiscoverSessionsOperator(task_id="discover", **filters).execute({})
+
+
+def _step(cls, session: dict, **kwargs):
+    return cls(task_id=cls.__name__, session=session, **kwargs).execute({})
+
+
+def _app_with_sinks_in_log_entry_sync(source) -> App:
+    app = App(source)
+    for session in _sessions():
+        _step(LRSnapshotSyncOperator, session)
+    return app
+
+
+def test_discover_returns_small_session_handles(airflow_sites):
+    assert _sessions(sink="site-c") == [{
+        "session": "site-a->site-c/policy", "source": "site-a", "sink": "site-c", "client": "policy",
+        "source_conn_id": "lr_site_a", "sink_conn_id": "lr_site_c",
+    }]
+    assert [s["sink"] for s in _sessions()] == ["site-b", "site-c"]
+
+
+def test_negotiate_then_only_the_chosen_branch_runs(airflow_sites):
+    source, sink_b, _ = airflow_sites.sites
+    app = App(source)
+    app.put("k", 1, ["site-b"])
+    session = _sessions(sink="site-b")[0]
+    decision = _step(LRNegotiateOperator, session)
+    assert decision["branch"] == "snapshot_sync" and decision["reason"] == "first contact: the sink has no snapshot"
+    with pytest.raises(AirflowSkipException, match="negotiation chose 'snapshot_sync'"):
+        _step(LRLogEntrySyncOperator, session, decision=decision)
+    done = _step(LRSnapshotSyncOperator, session, decision=decision)
+    assert done["snapshot_messages"] == 3 and done["state"] == "IN_LOG_ENTRY_SYNC"  # start, k=1, end
+    assert [k for k, _ in queue(sink_b, "site-a")] == ["start", "snap", "end"]
+
+    for i in range(25):
+        app.put(f"n{i}", i, ["site-b"])
+    decision = _step(LRNegotiateOperator, session)
+    assert decision["branch"] == "log_entry_sync"
+    with pytest.raises(AirflowSkipException):
+        _step(LRSnapshotSyncOperator, session, decision=decision)
+    batch = _step(LRLogEntrySyncOperator, session, decision=decision, max_batches=1, max_entries=10)
+    assert batch["delivered"] == 10 and batch["remaining"] == 15
+    assert _step(LRLogEntrySyncOperator, session)["delivered"] == 15
+    app.close()
+
+
+def test_snapshot_waits_deferred_for_the_clients_data_then_applies_it(airflow_sites):
+    reconfigure(airflow_sites, provider=None)  # the client application serves its own full syncs
+    source, sink_b, _ = airflow_sites.sites
+    app = App(source)
+    app.put("k", 1, ["site-b"])
+    session = _sessions(sink="site-b")[0]
+    op = LRSnapshotSyncOperator(task_id="snapshot", session=session, wait_for_data=True, poll_interval=0.1)
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute({})
+    trigger = deferred.value.trigger
+    assert isinstance(trigger, LRSnapshotEndTrigger) and deferred.value.method_name == "execute_complete"
+    assert queue(sink_b, "site-a", visible_only=False) == []
+
+    RoutingQueueClient(app.conn, "policy").serve_full_sync_requests(table_provider)
+    event = {"status": "supplied", "request_id": trigger.request_id, "entries": 1}
+    assert op.execute_complete({}, event)["state"] == "IN_LOG_ENTRY_SYNC"
+    assert queue(sink_b, "site-a") == [("start", ""), ("snap", "k=1"), ("end", "")]
+    app.close()
+
+
+def test_snapshot_without_client_data_fails_with_the_fix(airflow_sites):
+    reconfigure(airflow_sites, provider=None)
+    session = _sessions(sink="site-b")[0]
+    op = LRSnapshotSyncOperator(task_id="snapshot", session=session, wait_for_data=True, deferrable=False,
+                                poll_interval=0.05)
+    request = None
+    waiting = _step(LRSnapshotSyncOperator, session)  # lr_replication's mode: report and move on
+    assert waiting["waiting"] is True and waiting["reason"].startswith("waiting for full-sync data")
+    request = waiting["request_id"]
+    source = airflow_sites.site("site-a")
+    source.query("UPDATE lr.full_sync_requests SET data_deadline = now() WHERE request_id = %s", (request,))
+    with pytest.raises(AirflowException, match=r"supplied no full-sync data .*client.serve_full_sync_requests"):
+        op.execute({})
+    assert source.query("SELECT status FROM lr.full_sync_requests WHERE request_id = %s", (request,)) == [("timed_out",)]
+
+
+def test_refused_negotiation_fails_without_retry_and_is_recorded(airflow_sites):
+    sink_c = airflow_sites.site("site-c")
+    sink_c.query("UPDATE lr.topology SET topology_config_id = 'other'")
+    session = _sessions(sink="site-c")[0]
+    with pytest.raises(AirflowFailException, match="topology config id mismatch"):
+        _step(LRNegotiateOperator, session)
+    errors = airflow_sites.site("site-a").query("SELECT last_error FROM lr.source_sessions WHERE sink_site_id = 'site-c'")
+    assert "topology config id mismatch" in errors[0][0]
+
+
+def test_a_connection_to_the_wrong_database_is_refused(airflow_sites, monkeypatch):
+    monkeypatch.setenv(*[airflow_sites.env(airflow_sites.site("site-c"))[0],
+                         airflow_sites.env(airflow_sites.site("site-b"))[1]])
+    with pytest.raises(ConfigurationError, match="connection 'lr_site_c' points at site 'site-b'"):
+        _step(LRNegotiateOperator, _sessions(sink="site-c")[0])
+
+
+def test_safe_trim_removes_only_what_every_sink_has(airflow_sites):
+    source = airflow_sites.site("site-a")
+    app = _app_with_sinks_in_log_entry_sync(source)
+    app.put("both", 1, ["site-b", "site-c"])
+    _step(LRLogEntrySyncOperator, _sessions(sink="site-b")[0])
+    site = {"site": "site-a", "conn_id": "lr_site_a", "region": "region-1"}
+    LRTrimOperator(task_id="trim", site=site).execute({})
+    assert source.query("SELECT count(*) FROM lr.log_entries WHERE stream = 1") == [(1,)]  # site-c lacks it
+    _step(LRLogEntrySyncOperator, _sessions(sink="site-c")[0])
+    result = LRTrimOperator(task_id="trim", site=site).execute({})
+    assert result["trimmed"] and source.query("SELECT count(*) FROM lr.log_entries WHERE stream = 1") == [(0,)]
+    app.close()
+
+
+def test_delivered_sensor_returns_at_once_when_delivered_and_defers_otherwise(airflow_sites):
+    source = airflow_sites.site("site-a")
+    app = _app_with_sinks_in_log_entry_sync(source)
+    app.put("k", 1, ["site-b", "site-c"])
+    position = source.query("SELECT max(position) FROM lr.log_commits")[0][0]
+    sensor = LRDeliveredSensor(task_id="delivered", source="site-a", client="policy", position=position,
+                               destinations=["site-b"], min_regions=2)
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor.execute({})
+    assert isinstance(deferred.value.trigger, LRDeliveredTrigger)
+    _step(LRLogEntrySyncOperator, _sessions(sink="site-b")[0])
+    assert sensor.execute({})["safe_on"] == ["site-b"]
+    impossible = LRDeliveredSensor(task_id="delivered", source="site-a", client="policy", position=position,
+                                   destinations=["site-b"], min_regions=3)
+    with pytest.raises(ConfigurationError, match="can never be met"):
+        impossible.execute({})
+    with pytest.raises(AirflowException, match="error: boom"):
+        sensor.execute_complete({}, {"status": "error", "message": "boom"})
+    app.close()
+
+
+def test_plan_chooses_spark_only_for_a_large_backlog_with_spark_available(airflow_sites, monkeypatch):
+    source = airflow_sites.site("site-a")
+    app = _app_with_sinks_in_log_entry_sync(source)
+    for i in range(3):
+        app.put(f"k{i}", i, ["site-b", "site-c"])
+    site = {"site": "site-a", "conn_id": "lr_site_a"}
+    small = plan_fanout(site, "spark_test")
+    assert (small["backlog"], small["path"], small["threshold"]) == (6, "in_process", small["threshold"])
+    reconfigure(airflow_sites, settings={"spark_min_backlog": 5})
+    for session in _sessions():  # the new topology id: sessions renegotiate and continue
+        _step(LRNegotiateOperator, session)
+    no_conn = plan_fanout(site, "spark_test")
+    assert no_conn["path"] == "in_process" and "no Spark connection 'spark_test'" in no_conn["why"]
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_TEST", json.dumps({"conn_type": "spark", "host": "local[2]"}))
+    big = plan_fanout(site, "spark_test")
+    job_installed = "not installed" not in big["why"]
+    assert big["path"] == ("spark" if job_installed else "in_process"), big
+    app.close()
+
+
+def test_connections_file_for_spark_is_private_and_complete(airflow_sites, tmp_path):
+    path = write_connections_file(["lr_site_a", "lr_site_b"], directory=str(tmp_path))
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        conns = json.loads(open(path).read())
+        assert set(conns) == {"lr_site_a", "lr_site_b"}
+        assert conns["lr_site_b"]["extra"]["site_id"] == "site-b" and conns["lr_site_b"]["conn_type"] == "lr_site"
+    finally:
+        os.unlink(path)
+
+
+@pytest.mark.slow
+def test_spark_fan_out_operator_delivers_the_backlog_and_cleans_up(airflow_sites, monkeypatch, tmp_path):
+    from airflow_provider_lr.operators.spark import LRSparkFanOutOperator
+
+    source, sink_b, sink_c = airflow_sites.sites
+    app = _app_with_sinks_in_log_entry_sync(source)
+    for i in range(10):
+        app.put(f"k{i}", i, ["site-b", "site-c"])
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_LOCAL", json.dumps({"conn_type": "spark", "host": "local[2]"}))
+    monkeypatch.setenv("PATH", f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the connections file is written
+    op = LRSparkFanOutOperator(task_id="fanout", source="site-a", conn_id="spark_local",
+                               conf={"spark.ui.enabled": "false"})
+    result = op.execute({})
+    assert result["ok"] and result["total_deliveries"] == 20
+    for sink in (sink_b, sink_c):
+        assert [p for k, p in queue(sink, "site-a") if k == "log"] == [f"k{i}={i}" for i in range(10)]
+    conns_file = op.env_vars["LR_CONNECTIONS_FILE"]  # handed to the job through the environment only
+    assert os.path.dirname(conns_file) == str(tmp_path) and not os.path.exists(conns_file)  # removed after
+    assert not any("password" in str(a) or "lr-connections" in str(a) for a in op.application_args)
+    app.close()
+
+
+def test_every_module_the_provider_declares_imports():
+    import importlib
+
+    from airflow_provider_lr.get_provider_info import get_provider_info
+
+    info = get_provider_info()
+    modules = [m for kind in ("hooks", "operators", "sensors", "triggers") for entry in info[kind]
+               for m in entry["python-modules"]]
+    assert len(modules) == 7
+    for module in modules:
+        importlib.import_module(module)
+
+
+def test_a_full_sync_step_retries_while_another_replicator_holds_the_session(airflow_sites):
+    from airflow_provider_lr.engine.session import lease
+
+    session = _sessions(sink="site-b")[0]
+    conn = airflow_sites.site("site-a").connect()
+    held = lease.acquire(conn, "site-b", "policy", "lr-sync-elsewhere", 60)
+    assert held is not None
+    assert _step(LRSnapshotSyncOperator, session)["skipped"]  # lr_replication's mode: nothing to do now
+    with pytest.raises(AirflowException, match="another replicator holds this session's lease; retrying"):
+        _step(LRSnapshotSyncOperator, session, wait_for_data=True)
+    lease.release(conn, held)
+    conn.close()
+
+
+def test_new_log_entries_sensor_pokes_and_defers(airflow_sites):
+    from airflow_provider_lr.sensors import LRNewLogEntriesSensor
+    from airflow_provider_lr.triggers import LRNewLogEntriesTrigger
+
+    source = airflow_sites.site("site-a")
+    app = _app_with_sinks_in_log_entry_sync(source)
+    sensor = LRNewLogEntriesSensor(task_id="entries", source="site-a", sink="site-c", client="policy")
+    assert sensor.poke({}).is_done is False
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor.execute({})
+    assert isinstance(deferred.value.trigger, LRNewLogEntriesTrigger) and deferred.value.trigger.sink == "site-c"
+    app.put("k", 1, ["site-c"])
+    poked = sensor.poke({})
+    assert poked.is_done and poked.xcom_value["pending"] == 1
+    assert sensor.execute({})["pending"] == 1  # already true: no deferral
+    idle = _step(LRLogEntrySyncOperator, _sessions(sink="site-b")[0])
+    assert idle["delivered"] == 0 and idle["remaining"] == 0  # counts stay in the XCom even when zero
+    app.close()
+
+
+def _task_log_lines(op, **context) -> tuple[object, list[str]]:
+    """Run ``op`` and return its result and the lines it logged (the task log's events)."""
+    from structlog.testing import capture_logs
+
+    with capture_logs() as events:
+        result = op.execute(context)
+    return result, [e["event"] for e in events]
+
+
+def test_a_catch_up_longer_than_a_batch_reports_progress_in_the_task_log(airflow_sites, monkeypatch):
+    """A log-entry step that takes several batches logs ``N of M entries`` with rate and ETA into
+    the task's own log (here every report: LR_PROGRESS_EVERY_S=0); one batch logs nothing."""
+    monkeypatch.setenv("LR_PROGRESS_EVERY_S", "0")
+    source = airflow_sites.sites[0]
+    app = _app_with_sinks_in_log_entry_sync(source)
+    for i in range(25):
+        app.put(f"k{i}", i, ["site-b"])
+    session = _sessions(sink="site-b")[0]
+    op = LRLogEntrySyncOperator(task_id="catch_up", session=session, max_entries=10)
+    result, lines = _task_log_lines(op)
+    assert result["delivered"] == 25
+    progress = [line for line in lines if line.startswith("progress: ")]
+    assert progress and all("catch-up site-a->site-b/policy" in line for line in progress)
+    assert any("10 of 25 entries (" in line and "entries/s, ETA" in line for line in progress), progress
+    app.put("k", 1, ["site-b"])
+    _, lines = _task_log_lines(op)
+    assert not [line for line in lines if line.startswith("progress: ")]  # one batch: quiet
+    app.close()
+
+
+def test_a_branch_whose_negotiation_failed_skips_itself(airflow_sites):
+    """Given the negotiation's output, a branch step whose negotiation failed (the output resolved
+    to None) skips, so it is listed by session in the grid instead of ending upstream_failed."""
+    session = _sessions(sink="site-b")[0]
+    op = LRLogEntrySyncOperator(task_id="log_entry_sync", session=session, decision={"branch": "log_entry_sync"})
+    op.decision = None  # what templating leaves when decide failed
+    with pytest.raises(AirflowSkipException, match="negotiation did not complete"):
+        op.execute({})

@@ -1,0 +1,155 @@
+"""Triggers: serialize round-trips, and each wait fires on the real event, not before, without
+blocking the event loop (checks run against real sites through Airflow connections)."""
+from __future__ import annotations
+
+import asyncio
+import importlib
+from datetime import datetime, timedelta, timezone
+
+import psycopg2
+import pytest
+
+from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.session.replicator import Replicator
+from airflow_provider_lr.engine.session.runner import SessionSettings
+from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.vocabulary import SessionKey
+from airflow_provider_lr.triggers import LRDeliveredTrigger, LRNewLogEntriesTrigger, LRSnapshotEndTrigger
+from tests.support.airflow_env import airflow_sites, reconfigure  # noqa: F401
+from tests.support.session import App, replicator, table_provider
+
+TRIGGERS = [
+    LRNewLogEntriesTrigger("lr_site_a", "site-b", "policy", min_entries=3, poll_interval=0.5, max_poll_interval=4),
+    LRSnapshotEndTrigger("lr_site_a", "6f1c0e1e-0000-4000-8000-000000000000", "2026-11-23T12:00:00+00:00"),
+    LRDeliveredTrigger("lr_site_a", "site-a", "policy", 42, {"site-b": "region-2", "site-c": "region-3"},
+                       "region-1", ["site-b"], 2, poll_interval=0.2),
+]
+
+
+@pytest.mark.parametrize("trigger", TRIGGERS, ids=lambda t: type(t).__name__)
+def test_serialize_round_trips_through_an_importable_class_path(trigger):
+    path, kwargs = trigger.serialize()
+    module, _, name = path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    assert cls is type(trigger)
+    again = cls(**kwargs)
+    assert again.serialize() == (path, kwargs)
+
+
+async def _first_event(trigger, act=None, quiet_for: float = 0.6, timeout: float = 20.0):
+    """Run the trigger; assert it stays quiet for ``quiet_for`` s while the loop keeps ticking,
+    then run ``act`` (blocking, in a thread) and return the event it fires."""
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.05)
+            ticks += 1
+
+    beat = asyncio.create_task(ticker())
+    waiting = asyncio.create_task(anext(trigger.run()))
+    await asyncio.sleep(quiet_for)
+    assert not waiting.done(), f"fired before the event: {waiting.result().payload if waiting.done() else ''}"
+    assert ticks >= quiet_for / 0.05 * 0.5, "the trigger blocked the event loop"
+    if act is not None:
+        await asyncio.to_thread(act)
+    event = await asyncio.wait_for(waiting, timeout)
+    beat.cancel()
+    return event.payload
+
+
+def _synced(found):
+    """First contact done (snapshot applied on both sinks), so new entries flow as log entries."""
+    repl = replicator(found.topology, found.sites, providers={"policy": table_provider})
+    repl.run(max_cycles=3, until_idle=True, interval=0.01)
+    return repl
+
+
+def test_new_log_entries_fires_once_enough_entries_wait_for_the_sink(airflow_sites):
+    source = airflow_sites.site("site-a")
+    repl = _synced(airflow_sites)
+    app = App(source)
+    app.put("x", 1, ["site-b"])
+    trigger = LRNewLogEntriesTrigger("lr_site_a", "site-b", "policy", min_entries=2, poll_interval=0.1)
+
+    event = asyncio.run(_first_event(trigger, act=lambda: app.put("y", 2, ["site-b", "site-c"])))
+    assert event["status"] == "success" and event["pending"] == 2
+    assert event["highest_position"] == status.pending_entries(source.connect(), "site-b", "policy")[1]
+    repl.run(max_cycles=2, until_idle=True, interval=0.01)  # delivered: nothing pending any more
+    quiet = LRNewLogEntriesTrigger("lr_site_a", "site-b", "policy", poll_interval=0.1)
+    assert asyncio.run(_first_event(quiet, act=lambda: app.put("z", 3, ["site-b"])))["pending"] == 1
+    repl.close()
+    app.close()
+
+
+def test_snapshot_end_fires_when_the_client_supplies_the_data(airflow_sites):
+    source = airflow_sites.site("site-a")
+    App(source).close()  # the app's table exists
+    conn = source.connect()
+    request = full_sync.request_full_sync(conn, "site-b", "policy", "test", forced=True)
+    deadline = (datetime.now(timezone.utc) + timedelta(minutes=5)).isoformat()
+    trigger = LRSnapshotEndTrigger("lr_site_a", request.request_id, deadline, poll_interval=0.1)
+
+    def client_serves() -> None:
+        client_conn = source.connect()
+        RoutingQueueClient(client_conn, "policy").serve_full_sync_requests(table_provider)
+        client_conn.close()
+
+    event = asyncio.run(_first_event(trigger, act=client_serves))
+    assert event == {"status": "supplied", "request_id": request.request_id, "entries": 0}
+
+    late = full_sync.request_full_sync(conn, "site-c", "policy", "test", forced=True)
+    past = (datetime.now(timezone.utc) - timedelta(seconds=1)).isoformat()
+    event = asyncio.run(anext(LRSnapshotEndTrigger("lr_site_a", late.request_id, past).run())).payload
+    assert event["status"] == "timeout"
+    conn.close()
+
+
+def test_delivered_waits_for_the_named_sink_then_for_enough_regions(airflow_sites):
+    source = airflow_sites.site("site-a")
+    _synced(airflow_sites).close()
+    app = App(source)
+    app.put("k", 7, ["site-b", "site-c"])
+    position = source.query("SELECT max(position) FROM lr.log_commits")[0][0]
+    topo = airflow_sites.topology
+    on_b = LRDeliveredTrigger.for_target(
+        "lr_site_a", status.delivery_target(topo, "site-a", "policy", ["site-b"], min_regions=2), position,
+        poll_interval=0.1)
+    three_regions = LRDeliveredTrigger.for_target(
+        "lr_site_a", status.delivery_target(topo, "site-a", "policy", [], min_regions=3), position,
+        poll_interval=0.1)
+    dsns = {s.site_id: s.dsn for s in airflow_sites.sites}
+
+    def deliver(sink: str) -> None:
+        repl = Replicator(topo, lambda site: psycopg2.connect(dsns[site]), settings=SessionSettings(barrier_timeout=2),
+                          sessions=[SessionKey("site-a", sink, "policy")])
+        repl.run(max_cycles=2, until_idle=True, interval=0.01)
+        repl.close()
+
+    event = asyncio.run(_first_event(on_b, act=lambda: deliver("site-b")))
+    assert event == {"status": "success", "position": position, "safe_on": ["site-b"],
+                     "regions": ["region-1", "region-2"]}
+    event = asyncio.run(_first_event(three_regions, act=lambda: deliver("site-c")))
+    assert event["safe_on"] == ["site-b", "site-c"] and event["regions"] == ["region-1", "region-2", "region-3"]
+    app.close()
+
+
+def test_an_unknown_connection_ends_the_wait_with_an_error_event():
+    event = asyncio.run(anext(LRNewLogEntriesTrigger("lr_no_such_site", "site-b", "policy").run())).payload
+    assert event["status"] == "error" and "lr_no_such_site" in event["message"]
+
+
+def test_delivered_refuses_what_can_never_be_met(airflow_sites):
+    topo = airflow_sites.topology
+    with pytest.raises(ConfigurationError, match="min_regions=3 can never be met"):
+        status.delivery_target(topo, "site-a", "policy", ["site-b"], min_regions=3)
+    with pytest.raises(ConfigurationError, match="min_regions=4 can never be met"):
+        status.delivery_target(topo, "site-a", "policy", [], min_regions=4)
+    with pytest.raises(ConfigurationError, match=r"\['site-z'\] not sinks of 'site-a'"):
+        status.delivery_target(topo, "site-a", "policy", ["site-z"], min_regions=0)
+    same_region = reconfigure(airflow_sites, regions={"site-b": "region-1", "site-c": "region-1"})
+    with pytest.raises(ConfigurationError, match=r"span only 1 region\(s\)"):
+        status.delivery_target(same_region, "site-a", "policy", [], min_regions=2)

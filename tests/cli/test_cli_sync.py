@@ -1,0 +1,113 @@
+"""`lr` without Airflow: apply a topology, replicate with `lr sync`, read `lr status`, force a
+full sync, trim — the same engine the DAGs run, through Airflow-style connections."""
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from airflow_provider_lr import cli
+from tests.support.session import App, final_state, queue, source_state, topology_doc
+
+
+def _topology_file(tmp_path, sites, monkeypatch) -> str:
+    for site in sites:
+        conn_id = f"lr_test_{site.site_id.replace('-', '_')}"
+        monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(site.server.airflow_conn(site.dbname)))
+    doc = topology_doc(sites, providers={"policy": "tests.support.session:table_provider"},
+                       conn_ids=lambda site_id: f"lr_test_{site_id.replace('-', '_')}")
+    path = tmp_path / "topology.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+def test_lr_sync_replicates_every_session_and_status_shows_them(lr_sites, tmp_path, monkeypatch, capsys):
+    source, sink_b, sink_c = lr_sites
+    topo = _topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    app = App(source)
+    for i in range(5):
+        app.put(f"k{i}", i, ["site-b", "site-c"])
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 0
+    app.put("k0", 100, ["site-b"])
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 0
+    assert final_state(queue(sink_b, "site-a")) == source_state(source)
+    assert final_state(queue(sink_c, "site-a")) == {f"k{i}": i for i in range(5)}
+    capsys.readouterr()
+
+    assert cli.main(["status", "--topology", topo]) == 0
+    out = capsys.readouterr().out
+    assert "source site-a->site-b/policy" in out and "sink   site-a->site-c/policy" in out
+    assert "IN_LOG_ENTRY_SYNC" in out and "lag 0 entries" in out and "data consistent True" in out
+    assert "health: healthy" in out
+    assert out.count(" ready ") == 2 and out.count("consistent ") >= 2
+
+    assert cli.main(["full-sync", "--topology", topo, "--sink", "site-c", "--reason", "audit"]) == 0
+    assert "full sync requested" in capsys.readouterr().out
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 0
+    assert [k for k, _ in queue(sink_c, "site-a")].count("start") == 2
+    assert [k for k, _ in queue(sink_b, "site-a")].count("start") == 1
+
+    assert cli.main(["trim", "--topology", topo]) == 0
+    assert "site-a: trimmed to" in capsys.readouterr().out
+    app.close()
+
+
+def test_lr_commands_name_what_is_wrong(lr_sites, tmp_path, monkeypatch, capsys):
+    topo = _topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    capsys.readouterr()
+    assert cli.main(["full-sync", "--topology", topo, "--sink", "site-x"]) == 1
+    assert "no session replicates to 'site-x'" in capsys.readouterr().err
+    assert cli.main(["sync", "--topology", str(tmp_path / "missing.yaml"), "--once"]) == 1
+    assert "not found" in capsys.readouterr().err
+    monkeypatch.delenv("AIRFLOW_CONN_LR_TEST_SITE_C")
+    monkeypatch.setenv("LR_CONNECTIONS_FILE", str(tmp_path / "none.json"))
+    assert cli.main(["status", "--topology", topo]) == 2  # a site that cannot be reached
+    assert "site-c: UNREACHABLE" in capsys.readouterr().out
+
+
+def test_demo_replicates_on_its_own_embedded_sites(tmp_path, capsys):
+    from airflow_provider_lr import demo
+    from airflow_provider_lr.sites import SiteManager
+
+    manager = SiteManager(tmp_path / "demo-home")
+    try:
+        assert demo.run(manager, sink_count=2) == 0
+        out = capsys.readouterr().out
+        assert "snapshot_sync" in out and "log_entry_sync" in out and "ERROR" not in out
+        assert out.count("data consistent True") == 2
+        assert out.count("lag 0 entries / 0.0s, IN_LOG_ENTRY_SYNC") == 2
+        assert out.count("the subscriber delivered") == 2 and "0 log entries)" not in out
+    finally:
+        manager.down(mode="immediate", remove=True)
+
+
+def test_status_says_whether_each_session_is_ready():
+    from airflow_provider_lr.engine.site.status import readiness
+
+    source = {"role": "source", "state": "IN_LOG_ENTRY_SYNC", "sync_type": "LOG_ENTRY",
+              "remaining_entries_to_send": 0, "last_error": None, "data_consistent": None,
+              "last_applied_position": 7}
+    assert readiness(source) == "ready"
+    assert readiness({**source, "remaining_entries_to_send": 12}) == "catching up (12 to send)"
+    assert readiness({**source, "state": "IN_SNAPSHOT_SYNC", "sync_type": "SNAPSHOT"}) == "not ready (snapshot)"
+    assert readiness({**source, "state": "INITIALIZED", "sync_type": None}) == "not ready (not started)"
+    assert readiness({**source, "last_error": "sink down"}) == "not ready (error)"
+    assert readiness({**source, "role": "sink", "data_consistent": False}) == "not ready (snapshot)"
+
+
+def test_consistent_and_ready_are_checked_against_the_trim_mark():
+    """A sink whose position is behind its source's trim mark lost entries it needs: never
+    "consistent" or "ready" until a full sync; and "consistent" is not claimed unchecked."""
+    from airflow_provider_lr.engine.site.status import readiness
+
+    sink = {"role": "sink", "state": None, "sync_type": "LOG_ENTRY", "remaining_entries_to_send": None,
+            "last_error": None, "data_consistent": True, "last_applied_position": 40}
+    assert readiness(sink, trim_mark=40) == "consistent"
+    assert readiness(sink, trim_mark=41) == "not ready (behind trim)"
+    assert readiness(sink, trim_mark=None) == "unchecked (source not reached)"
+    source = {**sink, "role": "source", "state": "IN_LOG_ENTRY_SYNC", "remaining_entries_to_send": 0,
+              "data_consistent": None}
+    assert readiness(source, trim_mark=40) == "ready"
+    assert readiness(source, trim_mark=41) == "not ready (behind trim)"

@@ -1,0 +1,165 @@
+"""What an operator sees is true: `lr status` computed live (lag in entries and seconds, pending
+requests, what a session waits for, queue depths), exit codes scripts can alert on, `--json`,
+`lr sync --until-idle` that ends when sessions keep failing or waiting, `topology apply --prune`,
+metrics, and no application data in the output."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import yaml
+
+from airflow_provider_lr import cli
+from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.subscriber import RoutingQueueSubscriber
+from tests.cli.test_cli_sync import _topology_file
+from tests.support.session import App
+
+
+def _status(topo: str, capsys, *extra: str) -> tuple[int, dict]:
+    code = cli.main(["status", "--topology", topo, "--json", *extra])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def _session(report: dict, site: str, sink: str) -> dict:
+    return next(s for s in report["sites"][site]["sessions"] if s["role"] == "source" and s["sink_site_id"] == sink)
+
+
+def _synced(topo: str) -> None:
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 0
+
+
+def test_status_lag_moves_with_committed_but_undelivered_entries(lr_sites, tmp_path, monkeypatch, capsys):
+    topo = _topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    app = App(lr_sites[0])
+    app.put("k", 0, ["site-b", "site-c"])
+    _synced(topo)
+    capsys.readouterr()
+    code, report = _status(topo, capsys)
+    assert code == 0 and report["health"] == "healthy"
+    assert _session(report, "site-a", "site-b")["remaining_entries_to_send"] == 0
+    for i in range(500):  # committed, nobody replicates
+        app.put(f"k{i % 10}", i, ["site-b"])
+    time.sleep(1.1)
+    code, report = _status(topo, capsys)
+    b = _session(report, "site-a", "site-b")
+    assert b["remaining_entries_to_send"] == 500 and b["lag_seconds"] >= 1.0
+    assert b["readiness"] == "catching up (500 to send)"
+    assert _session(report, "site-a", "site-c")["remaining_entries_to_send"] == 0
+    assert code == 0  # catching up is not degraded ...
+    code, report = _status(topo, capsys, "--max-lag", "0.5")
+    assert code == 1 and any("lag" in r for r in report["reasons"])  # ... unless it lags more than asked
+    assert cli.main(["metrics", "--topology", topo]) == 0
+    metrics = capsys.readouterr().out
+    assert 'lr_session_lag_entries{source="site-a",sink="site-b",client="policy"} 500' in metrics
+    assert 'lr_site_up{site="site-c"} 1' in metrics
+    _synced(topo)
+    capsys.readouterr()
+    code, report = _status(topo, capsys, "--max-lag", "0.5")
+    assert code == 0 and _session(report, "site-a", "site-b")["remaining_entries_to_send"] == 0
+    assert _session(report, "site-a", "site-b")["last_success_age_s"] < 30
+    queues = {q["queue"]: q for q in report["sites"]["site-b"]["receive_queues"]}
+    assert queues["LRQ_Recv_policy_site-a"]["waiting"] >= 500  # no subscriber consumed them yet
+    app.close()
+
+
+def test_status_exit_code_is_degraded_when_a_session_errs(lr_sites, tmp_path, monkeypatch, capsys):
+    topo = _topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    App(lr_sites[0]).put("k", 0, ["site-b"])
+    _synced(topo)
+    lr_sites[0].query("UPDATE lr.source_sessions SET last_error = 'sink down' WHERE sink_site_id = 'site-c'")
+    capsys.readouterr()
+    code, report = _status(topo, capsys)
+    assert code == 1 and report["health"] == "degraded"
+    assert report["reasons"] == ["site-a->site-c/policy (source): not ready (error)"]
+    assert cli.main(["status", "--topology", topo]) == 1
+    assert "health: degraded" in capsys.readouterr().out
+
+
+def test_status_shows_a_pending_full_sync_with_its_reason_and_what_the_session_waits_for(
+        lr_sites, tmp_path, monkeypatch, capsys):
+    topo_path = _topology_file(tmp_path, lr_sites, monkeypatch)
+    doc = yaml.safe_load(open(topo_path))
+    del doc["providers"]  # nobody supplies the client's data
+    open(topo_path, "w").write(yaml.safe_dump(doc))
+    assert cli.main(["topology", "apply", "--topology", topo_path]) == 0
+    App(lr_sites[0]).put("k", 0, ["site-b"])
+    started = time.monotonic()
+    code = cli.main(["sync", "--topology", topo_path, "--until-idle", "--give-up-after", "1", "--interval", "0.05"])
+    assert code == 1 and time.monotonic() - started < 30  # it ends, non-zero ...
+    err = capsys.readouterr().err
+    assert "2 session(s) not settled" in err and "waiting for full-sync data" in err  # ... and says why
+    assert cli.main(["full-sync", "--topology", topo_path, "--sink", "site-b", "--reason", "audit 2026-11"]) == 0
+    capsys.readouterr()
+    code, report = _status(topo_path, capsys)
+    requests = report["sites"]["site-a"]["full_sync_requests"]
+    assert [(r["sink"], r["reason"], r["forced"]) for r in requests] == [
+        ("site-b", "audit 2026-11", True), ("site-c", "negotiation", False)] or \
+        sorted((r["sink"], r["reason"]) for r in requests) == [("site-b", "audit 2026-11"), ("site-c", "negotiation")]
+    c = _session(report, "site-a", "site-c")
+    assert "the client's full-sync data" in c["waiting_for"] and "provider must be importable" in c["waiting_for"]
+    cli.main(["status", "--topology", topo_path])
+    out = capsys.readouterr().out
+    assert "full sync pending" in out and "audit 2026-11" in out and "waiting for the client's full-sync data" in out
+
+
+def test_until_idle_ends_when_a_session_keeps_failing(lr_sites, tmp_path, monkeypatch, capsys):
+    topo = _topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    App(lr_sites[0]).put("k", 0, ["site-b", "site-c"])
+    monkeypatch.setenv("AIRFLOW_CONN_LR_TEST_SITE_C", json.dumps({"conn_type": "postgres", "host": "127.0.0.1",
+                                                                   "port": 1, "login": "x", "schema": "x"}))
+    code = cli.main(["sync", "--topology", topo, "--until-idle", "--give-up-after", "1", "--interval", "0.05"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "site-a->site-c/policy: failing" in err and "site-a->site-b/policy" not in err.split("not settled")[1]
+
+
+def test_topology_apply_prune_removes_sessions_no_longer_in_the_topology_once_consumed(
+        lr_sites, tmp_path, monkeypatch, capsys):
+    topo = _topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    App(lr_sites[0]).put("k", 0, ["site-b", "site-c"])
+    _synced(topo)
+    doc = yaml.safe_load(open(topo))
+    doc["replication"][0]["sinks"] = ["site-b"]
+    open(topo, "w").write(yaml.safe_dump(doc))
+    capsys.readouterr()
+    assert cli.main(["topology", "apply", "--topology", topo, "--prune"]) == 0
+    out = capsys.readouterr().out
+    assert "kept sink session site-a->site-c/policy" in out and "still wait for subscribers" in out
+    RoutingQueueSubscriber(lr_sites[2].dsn, client_name="policy").poll(_Accept())
+    assert cli.main(["topology", "apply", "--topology", topo, "--prune"]) == 0
+    assert "pruned sink session site-a->site-c/policy" in capsys.readouterr().out
+    code, report = _status(topo, capsys)
+    assert report["sites"]["site-c"]["sessions"] == [] and report["sites"]["site-c"]["receive_queues"] == []
+    assert lr_sites[2].query("SELECT count(*) FROM lr.registry WHERE kind = 'receive_queue'") == [(0,)]
+
+
+class _Accept:
+    def on_snapshot_sync_start(self, source): pass
+    def on_snapshot_messages(self, source, payloads): return True
+    def on_snapshot_sync_complete(self, source): pass
+    def on_log_entry_messages(self, source, payloads): return True
+
+
+def test_status_never_shows_application_data_and_survives_a_closed_pipe(lr_sites, tmp_path, monkeypatch, repo_root):
+    topo = _topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    open_tx = lr_sites[0].connect()  # an application transaction with an uncommitted secret payload
+    RoutingQueueClient(open_tx, "policy").transmit_log_entry_message(b"SECRET-card-4111", ["site-b"])
+    try:
+        done = subprocess.run([sys.executable, "-m", "airflow_provider_lr.cli", "status", "--topology", topo],
+                              capture_output=True, text=True, cwd=repo_root)
+        assert "held back: pid" in done.stdout and "not committed yet" in done.stdout
+        assert "SECRET" not in done.stdout and "534543524554" not in done.stdout.upper()  # nor its hex
+        piped = subprocess.run(f"{sys.executable} -m airflow_provider_lr.cli status --topology {topo} | head -1",
+                               shell=True, capture_output=True, text=True, cwd=repo_root)
+        assert piped.stdout.startswith("site-a:") and "Traceback" not in piped.stderr
+    finally:
+        open_tx.rollback()
+        open_tx.close()

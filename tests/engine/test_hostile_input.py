@@ -1,0 +1,278 @@
+"""Bad input at every entry point gets a clear error and changes nothing: names, CLI arguments,
+topology files, corrupted log entries, topologies re-applied and names reused across versions."""
+from __future__ import annotations
+
+import json
+import textwrap
+
+import psycopg2
+import pytest
+
+from airflow_provider_lr import cli
+from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError, TransmitError
+from airflow_provider_lr.engine.session.replicator import Replicator
+from airflow_provider_lr.engine.session.runner import SessionSettings
+from airflow_provider_lr.engine.site import schema, topology
+from airflow_provider_lr.engine.source import trim
+from airflow_provider_lr.sites import SiteManager
+from airflow_provider_lr.subscriber import RoutingQueueSubscriber
+from tests.support.session import App, apply, queue, replicator
+from tests.support.spark_env import lr_connections  # noqa: F401 (fixture: the tee resolves the sites by id)
+
+ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
+
+
+def _write(tmp_path, text: str):
+    path = tmp_path / "topology.yaml"
+    path.write_text(textwrap.dedent(text).lstrip())
+    return path
+
+
+# --- names -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("site_id", ["dst\n", "Site-A", "../../escaped", "a'b", "", "-x", "a" * 64])
+def test_an_invalid_site_id_is_refused_before_anything_is_written(sites, site_id):
+    conn = sites[0].connect()
+    with pytest.raises(SchemaError, match="invalid site id"):
+        schema.init_site(conn, site_id)
+    assert schema.current_version(conn) == 0  # not even the schema was installed
+    conn.close()
+
+
+@pytest.mark.parametrize("ids, error", [
+    (["../../escaped"], "invalid site id"),
+    (["a'; touch /tmp/pwned; '"], "invalid site id"),
+    (["ok\n"], "invalid site id"),
+    (["x-1", "x_1"], "share the connection id"),
+])
+def test_lr_sites_up_refuses_ids_that_would_escape_lr_home_or_collide(tmp_path, ids, error):
+    manager = SiteManager(tmp_path / "home")
+    with pytest.raises(ConfigurationError, match=error):
+        manager.up(site_ids=ids)
+    assert not (tmp_path / "home" / "sites").exists() and manager.sites() == []
+
+
+def test_airflow_env_quotes_what_it_writes(tmp_path):
+    from airflow_provider_lr.sites import EmbeddedSite
+
+    manager = SiteManager(tmp_path)
+    manager.write_connections([EmbeddedSite("site-a", "eu'; echo pwned; '", 5432, str(tmp_path))])
+    import subprocess
+
+    out = subprocess.run(["bash", "-c", f"set -a; . {tmp_path / 'airflow.env'}; echo \"$AIRFLOW_CONN_LR_SITE_A\""],
+                         capture_output=True, text=True)
+    assert "pwned" not in out.stdout.replace("echo pwned", "") and out.returncode == 0
+    assert json.loads(out.stdout)["extra"]["region"] == "eu'; echo pwned; '"
+
+
+# --- CLI arguments -----------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["-3600", "nan", "inf", "1e308", "soon"])
+def test_trim_retention_must_be_a_sane_number_of_seconds(value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["trim", "--retention", value])
+    assert exit_.value.code == 2 and "number of seconds" in capsys.readouterr().err
+
+
+def test_a_negative_retention_never_trims_what_no_sink_has(lr_sites):
+    source = lr_sites[0]
+    apply(lr_sites, ONE_SINK)
+    App(source).put("k", 1, ["site-b"])
+    for bad in (-3600.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigurationError, match="retention"):
+            trim.retention_trim(source.connect(), bad)
+    assert source.query("SELECT count(*) FROM lr.log_entries")[0][0] == 1
+
+
+# --- topology files ----------------------------------------------------------------------------
+GOOD = """
+sites:
+  - {id: site-a, region: r1}
+  - {id: site-b, region: r2}
+replication:
+  - {source: site-a, sinks: [site-b], clients: [policy]}
+settings:
+  lease_seconds: 30
+"""
+
+
+@pytest.mark.parametrize("text, where", [
+    (GOOD.replace("replication:", "replications:"), ":4: replications: unknown key 'replications'"),
+    (GOOD.replace("sinks:", "sink:"), ":5: replication[0].sink: unknown key 'sink'"),
+    (GOOD.replace("region: r2", "regoin: r2"), ":3: sites[1].regoin: unknown key 'regoin'"),
+    (GOOD.replace("lease_seconds", "lease_secs"), ":7: settings.lease_secs: unknown key 'lease_secs'"),
+    (GOOD.replace("lease_seconds: 30", "lease_seconds: soon"), ":7: settings.lease_seconds: 'soon' is not of type"),
+    (GOOD.replace("clients: [policy]", "clients: policy"), ":5: replication[0].clients: 'policy' is not of type"),
+    (GOOD.replace("id: site-b", 'id: "site-b\\n"'), ":3: sites[1].id: 'site-b\\n' is not a valid site id"),
+    (GOOD.replace("sinks: [site-b]", "sinks: [site-x]"), ":5: replication[0].sinks: unknown site 'site-x'"),
+    (GOOD.replace("sinks: [site-b]", "sinks: [site-a]"), ":5: replication[0].sinks: site 'site-a' cannot replicate"),
+    (GOOD.replace("[policy]}", "[policy]\n"), ":7: YAML syntax error: expected ',' or '}', but got '<scalar>' "
+                                              "(while parsing a flow mapping from line 5)"),
+    ("sites: site-a\n", ":1: sites: 'site-a' is not of type 'array'"),
+    ("- just a list\n", ":1: (document): ['just a list'] is not of type 'object'"),
+    (GOOD + "providers:\n  policy: not-a-module\n", ":9: providers.policy: 'not-a-module' is not a valid provider"),
+    (GOOD.replace("region: r1", "region: r1, conn_id: 'host=db password=hunter2'"),
+     ":2: sites[0].conn_id: holds a password"),
+    (GOOD.replace("region: r1", "region: r1, conn_id: 'postgresql://lr:hunter2@db/app'"),
+     ":2: sites[0].conn_id: holds a password"),
+])
+def test_a_topology_file_with_a_mistake_is_refused_naming_file_line_and_key(tmp_path, text, where):
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigurationError) as error:
+        topology.load(path)
+    message = str(error.value)
+    assert message.startswith(str(path)) and where in message, message
+    assert "\n" not in message.strip()
+
+
+def test_lr_topology_validate_says_what_the_file_defines_or_what_is_wrong(tmp_path, capsys):
+    path = _write(tmp_path, GOOD)
+    assert cli.main(["topology", "validate", "--topology", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "valid" in out and "site-a->site-b/policy" in out
+    _write(tmp_path, GOOD.replace("replication:", "replications:"))
+    assert cli.main(["topology", "validate", "--topology", str(path)]) == 1
+    assert "unknown key 'replications'" in capsys.readouterr().err
+
+
+def test_the_shipped_topology_is_valid_and_its_payload_limit_is_enforced(lr_sites, repo_root):
+    shipped = topology.load(repo_root / "include" / "topology.yaml")
+    assert shipped.settings["max_payload_bytes"] == 16 * 1024 * 1024
+    apply(lr_sites, ONE_SINK, settings={"max_payload_bytes": 1000})
+    conn = lr_sites[0].connect()
+    client = RoutingQueueClient(conn, "policy")
+    client.transmit_log_entry_message(b"x" * 1000, ["site-b"])
+    with pytest.raises(TransmitError, match="exceeds the maximum of 1000 bytes"):
+        client.transmit_log_entry_message(b"x" * 1001, ["site-b"])
+    conn.close()
+
+
+def test_topology_apply_is_all_or_nothing_when_a_site_is_unreachable(lr_sites):
+    apply(lr_sites, ONE_SINK)
+    before = [s.query("SELECT topology_config_id FROM lr.topology") for s in lr_sites]
+    two = topology.from_document({"sites": [{"id": s.site_id} for s in lr_sites], "replication": [
+        {"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy"]}]})
+
+    def connect(site_id: str):
+        if site_id == "site-c":
+            raise psycopg2.OperationalError("connection refused")
+        return next(s for s in lr_sites if s.site_id == site_id).connect()
+
+    with pytest.raises(ConfigurationError, match="site 'site-c'.*nothing was applied on any site"):
+        topology.apply_everywhere(two, connect)
+    assert [s.query("SELECT topology_config_id FROM lr.topology") for s in lr_sites] == before
+    swapped = {"site-a": lr_sites[0], "site-b": lr_sites[2], "site-c": lr_sites[1]}  # wrong connection
+    with pytest.raises(ConfigurationError, match="reaches site 'site-c'"):
+        topology.apply_everywhere(two, lambda site_id: swapped[site_id].connect())
+    assert [s.query("SELECT topology_config_id FROM lr.topology") for s in lr_sites] == before
+
+
+# --- sessions re-added, names reused -----------------------------------------------------------
+def test_a_session_removed_and_added_back_is_not_fenced_by_its_old_epoch(lr_sites):
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:table_provider"})
+    app = App(source)
+    app.put("k", 1, ["site-b"])
+    for _ in range(3):  # a few lease holders: the sink's epoch climbs
+        repl = replicator(topo, lr_sites)
+        repl.run(max_cycles=2, until_idle=True, interval=0.01)
+        repl.close()
+    assert sink_b.query("SELECT lease_epoch FROM lr.sink_sessions")[0][0] >= 3
+    apply(lr_sites, [{"source": "site-a", "sinks": ["site-c"], "clients": ["policy"]}])  # removed ...
+    topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:table_provider"})  # ... and back
+    app.put("k", 2, ["site-b"])
+    repl = replicator(topo, lr_sites)
+    (report,) = repl.run(max_cycles=3, until_idle=True, interval=0.01)
+    assert not report.error and report.state == "IN_LOG_ENTRY_SYNC", report
+    assert [p for k, p in queue(sink_b, "site-a") if k == "log"][-1] == "k=2"
+    source_epoch = source.query("SELECT lease_epoch FROM lr.source_sessions")[0][0]
+    assert source_epoch == sink_b.query("SELECT lease_epoch FROM lr.sink_sessions")[0][0]
+    repl.close()
+    app.close()
+
+
+def test_a_queue_name_reused_by_a_later_topology_is_registered_once_the_old_queue_drained(sites):
+    """Client ``a_b`` from ``c``, later client ``a`` from ``b_c``: both queues are named
+    LRQ_Recv_a_b_c on the sink. The later session takes the name over once nothing of the earlier
+    waits; while something does, its writes are refused with a clear error (nothing hidden)."""
+    ids = {"c": sites[0], "b_c": sites[1], "k": sites[2]}
+    for site_id, site in ids.items():
+        conn = site.connect()
+        schema.init_site(conn, site_id)
+        conn.close()
+
+    def topo_of(source: str, client: str):
+        topo = topology.from_document({"sites": [{"id": i} for i in ids], "replication": [
+            {"source": source, "sinks": ["k"], "clients": [client]}]})
+        for site_id, site in ids.items():
+            conn = site.connect()
+            topology.apply_to_site(conn, topo, site_id)
+            conn.close()
+        return topo
+
+    def run(topo):
+        repl = Replicator(topo, lambda s: psycopg2.connect(ids[s].dsn), settings=SessionSettings(barrier_timeout=2.0),
+                          providers={"a_b": lambda ctx: None, "a": lambda ctx: None})
+        reports = repl.run(max_cycles=3, until_idle=True, interval=0.01)
+        repl.close()
+        return reports
+
+    first = topo_of("c", "a_b")
+    conn = ids["c"].connect()
+    RoutingQueueClient(conn, "a_b").transmit_log_entry_message(b"old", ["k"])
+    conn.commit()
+    run(first)
+    second = topo_of("b_c", "a")
+    (report,) = run(second)
+    assert "still holds entries of client 'a_b' from 'c'" in report.error
+    RoutingQueueSubscriber(ids["k"].dsn, client_name="a_b").poll(_AcceptAll())  # the old queue drains
+    (report,) = run(second)
+    assert not report.error, report
+    assert RoutingQueueSubscriber(ids["k"].dsn, client_name="a").poll(_AcceptAll()) >= 0
+    registered = ids["k"].query("SELECT source_site_id, client_name FROM lr.registry WHERE stream_name = 'LRQ_Recv_a_b_c'")
+    assert registered == [("b_c", "a")]
+
+
+class _AcceptAll:
+    def __init__(self) -> None:
+        self.log: list[bytes] = []
+        self.dead: list = []
+
+    def on_snapshot_sync_start(self, source):
+        pass
+
+    def on_snapshot_messages(self, source, payloads):
+        return True
+
+    def on_snapshot_sync_complete(self, source):
+        pass
+
+    def on_log_entry_messages(self, source, payloads):
+        self.log.extend(payloads)
+        return True
+
+
+# --- corrupted log entries ---------------------------------------------------------------------
+@pytest.mark.parametrize("path", ["session", "tee"])
+def test_a_corrupted_source_entry_is_passed_on_and_dead_lettered_alone_by_every_path(lr_sites, lr_connections, path):
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:empty_provider"})
+    repl = replicator(topo, lr_sites, tee_min_backlog=0)
+    repl.run(max_cycles=3, until_idle=True, interval=0.01)
+    repl.close()
+    app = App(source)
+    for i in range(30):
+        app.put(f"k{i}", i, ["site-b"])
+    source.query("UPDATE lr.log_entries SET message = '\\x08ff0a'::bytea WHERE entry_id = "
+                 "(SELECT min(entry_id) + 10 FROM lr.log_entries WHERE stream = 1)")
+    repl = replicator(topo, lr_sites, tee_min_backlog=1 if path == "tee" else 0)
+    reports = repl.run(max_cycles=3, until_idle=True, interval=0.01)
+    assert not any(r.error for r in reports), reports
+    if path == "tee":
+        assert sum(repl.teed.values()) == 30
+    repl.close()
+    listener = _AcceptAll()
+    RoutingQueueSubscriber(sink_b.dsn, client_name="policy").poll(listener)
+    assert len(listener.log) == 29 and b"k10=10" not in listener.log
+    dead = sink_b.query("SELECT error FROM lr.receive_dead_letters")
+    assert len(dead) == 1 and "kind 0" in dead[0][0]
+    app.close()

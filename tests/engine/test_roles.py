@@ -1,0 +1,571 @@
+"""Least-privilege roles (docs/security.md), enforced by the database: every scenario here runs
+UNDER the roles `lr roles grant` makes, against real servers.
+
+* a writer of client alpha transmits as alpha only, cannot touch commit positions or the trim mark,
+  and cannot read the shared log;
+* a consumer of alpha reads and acknowledges alpha's receive queues only (and its dead letters),
+  and RoutingQueueSubscriber works for alpha with only that role;
+* a replicator runs full replication cycles, full syncs (its providers or a writer's), the
+  in-process fan-out (COPY under row-level security) and the trim;
+* `lr init` on an installed site needs no CREATE on the database.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import psycopg2
+import psycopg2.errors
+import pytest
+from psycopg2.extras import execute_values
+
+from airflow_provider_lr import cli
+from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
+from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError
+from airflow_provider_lr.engine.sink import receive
+from airflow_provider_lr.engine.site import roles, schema, status, topology
+from airflow_provider_lr.engine.site.conninfo import ConnInfo
+from airflow_provider_lr.engine.source import full_sync, trim
+from airflow_provider_lr.proto import lr_pb2
+from airflow_provider_lr.subscriber import RoutingQueueSubscriber
+from tests.support.session import apply, queue, replicator
+
+DENIED = psycopg2.errors.InsufficientPrivilege  # privileges and row-level security violations alike
+_names = itertools.count(1)
+
+
+# --- roles on the test servers --------------------------------------------------------------
+class Roles:
+    """Creates uniquely named login roles on the test servers (roles are per server, not per
+    database) and drops them afterwards."""
+
+    def __init__(self, sites) -> None:
+        self.sites = sites
+        self.made: list[str] = []
+
+    def name(self, what: str) -> str:
+        role = f"lrt_{os.getpid()}_{next(_names)}_{what}"
+        self.made.append(role)
+        return role
+
+    def grant(self, site, kind: str, role: str, clients=(), create: bool = True) -> None:
+        conn = site.connect()
+        try:
+            roles.grant(conn, kind, role, clients, create=create)
+        finally:
+            conn.close()
+
+    def drop(self) -> None:
+        for site in self.sites:
+            conn = site.connect()
+            conn.autocommit = True
+            with conn.cursor() as cur:
+                for role in self.made:
+                    cur.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,))
+                    if cur.fetchone():
+                        cur.execute(psycopg2.sql.SQL("DROP OWNED BY {}").format(psycopg2.sql.Identifier(role)))
+                        cur.execute(psycopg2.sql.SQL("DROP ROLE {}").format(psycopg2.sql.Identifier(role)))
+            conn.close()
+
+
+@pytest.fixture
+def made(sites):
+    found = Roles(sites)
+    yield found
+    found.drop()
+
+
+def info_as(site, role: str) -> ConnInfo:
+    """The site's test database as ``role`` (embedded sites trust loopback connections)."""
+    base = site.conninfo
+    return ConnInfo({**base.params, "user": role}, site_id=site.site_id, region=site.region)
+
+
+def connect_as(site, role: str):
+    return psycopg2.connect(info_as(site, role).dsn)
+
+
+def sites_as(lr_sites, role: str) -> list[SimpleNamespace]:
+    """What tests.support.session.replicator needs of each site, connecting as ``role``."""
+    return [SimpleNamespace(site_id=s.site_id, dsn=info_as(s, role).dsn) for s in lr_sites]
+
+
+def run_until_idle(repl, cycles: int = 12):
+    try:
+        reports = repl.run(max_cycles=cycles, until_idle=True, interval=0.01)
+    finally:
+        repl.close()
+    assert not any(r.error for r in reports), reports
+    return reports
+
+
+class Collect:
+    """A listener that keeps what it was given."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[str, str, bytes]] = []
+
+    def on_snapshot_sync_start(self, source):
+        self.got.append((source, "start", b""))
+
+    def on_snapshot_messages(self, source, payloads):
+        self.got += [(source, "snap", p) for p in payloads]
+        return True
+
+    def on_snapshot_sync_complete(self, source):
+        self.got.append((source, "end", b""))
+
+    def on_log_entry_messages(self, source, payloads):
+        self.got += [(source, "log", p) for p in payloads]
+        return True
+
+    def logs(self) -> list[bytes]:
+        return [p for _, kind, p in self.got if kind == "log"]
+
+
+CLIENTS = ["alpha", "beta"]
+
+
+@pytest.fixture
+def world(lr_sites, made):
+    """site-a -> site-b, site-c for alpha and beta; a replicator on every site, writers of alpha
+    and beta on the source, consumers of alpha and beta on site-b; an application table the
+    writers change and the replicator's providers read; every session through its first full
+    sync, run by the replicator role."""
+    topo = apply(lr_sites, [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": CLIENTS}])
+    source, sink = lr_sites[0], lr_sites[1]
+    w = SimpleNamespace(topo=topo, source=source, sink=sink, sites=lr_sites)
+    w.replicator = made.name("repl")
+    for site in lr_sites:
+        made.grant(site, "replicator", w.replicator)
+    w.writer = {c: made.name(f"w_{c}") for c in CLIENTS}
+    w.consumer = {c: made.name(f"c_{c}") for c in CLIENTS}
+    for client in CLIENTS:
+        made.grant(source, "writer", w.writer[client], [client])
+        made.grant(sink, "consumer", w.consumer[client], [client])
+    source.query("CREATE TABLE app_state (client text, k text, v bigint NOT NULL, PRIMARY KEY (client, k))")
+    for writer in w.writer.values():
+        source.query(f'GRANT SELECT, INSERT, UPDATE ON app_state TO "{writer}"')
+    source.query(f'GRANT SELECT ON app_state TO "{w.replicator}"')  # its providers read the application's data
+    run_until_idle(replicator(topo, sites_as(lr_sites, w.replicator), providers={c: provider(c) for c in CLIENTS}))
+    return w
+
+
+def provider(client: str):
+    def supply(ctx) -> None:
+        with ctx.conn.cursor() as cur:
+            cur.execute("SELECT k, v FROM app_state WHERE client = %s ORDER BY k", (client,))
+            for k, v in cur.fetchall():
+                ctx.transmit(f"{k}={v}".encode())
+    return supply
+
+
+def put(conn, client: RoutingQueueClient, key: str, value: int, destinations=("site-b", "site-c")) -> None:
+    """An application transaction: change a row and transmit the change."""
+    with conn.cursor() as cur:
+        cur.execute(
+            "INSERT INTO app_state VALUES (%s, %s, %s) ON CONFLICT (client, k) DO UPDATE SET v = EXCLUDED.v",
+            (client.client_name, key, value),
+        )
+    client.transmit_log_entry_message(f"{key}={value}".encode(), list(destinations))
+    conn.commit()
+
+
+# --- writer ---------------------------------------------------------------------------------
+def test_writer_transmits_only_as_its_client(world):
+    source = world.source
+    conn = connect_as(source, world.writer["alpha"])
+    alpha = RoutingQueueClient(conn, "alpha")
+    put(conn, alpha, "k1", 1)
+    alpha.transmit_log_entry_messages([LRMessageWithDestinations(f"m{i}".encode(), ["site-b"]) for i in range(5)])
+    conn.commit()  # a multi-row insert passes the same check
+
+    beta = RoutingQueueClient(conn, "beta")  # the client API as another client: refused by the database
+    with pytest.raises(DENIED, match="row-level security"):
+        beta.transmit_log_entry_message(b"forged", ["site-b"])
+    conn.rollback()
+    beta_id, alpha_id = (source.query("SELECT client_id FROM lr.clients WHERE client_name = %s", (c,))[0][0]
+                         for c in ("beta", "alpha"))
+    with conn.cursor() as cur:
+        with pytest.raises(DENIED, match="row-level security"):
+            execute_values(cur, "INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) VALUES %s",
+                           [(1, [1], alpha_id, b"ok"), (1, [1], beta_id, b"forged")])
+        conn.rollback()
+        # tx and entry_id always take their defaults: no collision with another transaction's entry
+        with pytest.raises(DENIED, match="permission denied"):
+            cur.execute("INSERT INTO lr.log_entries (tx, entry_id, stream, tag_ids, client_id, message) "
+                        "VALUES (pg_current_xact_id(), 1, 1, '{1}', %s, '\\x00')", (alpha_id,))
+        conn.rollback()
+    conn.close()
+    written = source.query("SELECT e.client_id, count(*) FROM lr.log_entries e JOIN lr.log_commits c ON c.tx = e.tx "
+                           "WHERE e.stream = 1 GROUP BY 1")
+    assert written == [(alpha_id, 6)]  # committed, with commit positions drawn by the owner's trigger
+
+
+def test_writer_cannot_forge_commit_positions_change_the_trim_or_read_the_log(world):
+    source = world.source
+    conn = connect_as(source, world.writer["alpha"])
+    refused = [
+        "INSERT INTO lr.log_commits (position, tx) VALUES ((SELECT last_value + 1 FROM lr.commit_position_seq), "
+        "pg_current_xact_id())",
+        "INSERT INTO lr.log_commits (position, tx) VALUES (1000000, '1')",
+        "UPDATE lr.log_trim SET trim_mark = 1000000",
+        "SELECT nextval('lr.commit_position_seq')",
+        "SELECT setval('lr.commit_position_seq', 1000000)",
+        "SELECT setval('lr.log_entry_id_seq', 1)",
+        "SELECT count(*) FROM lr.log_entries",
+        "SELECT count(*) FROM lr.log_commits",
+        "SELECT count(*) FROM lr.shared_log",
+        "DELETE FROM lr.log_entries",
+        "UPDATE lr.source_sessions SET acked_position = 0",
+        "INSERT INTO lr.clients (client_name) VALUES ('gamma')",
+        "INSERT INTO lr.role_grants (role_oid, role_name, kind, client_name) "
+        "SELECT oid, rolname, 'writer', 'beta' FROM pg_roles WHERE rolname = current_user",
+        "SELECT count(*) FROM lr.receive_queue",
+    ]
+    for statement in refused:
+        with conn.cursor() as cur:
+            with pytest.raises(DENIED):
+                cur.execute(statement)
+        conn.rollback()
+    # what the issue reproduced: a forged position made the next application commit fail
+    before = source.query("SELECT count(*) FROM lr.log_commits")[0][0]
+    put(conn, RoutingQueueClient(conn, "alpha"), "after", 1)
+    put(conn, RoutingQueueClient(conn, "alpha"), "again", 2)
+    conn.close()
+    assert source.query("SELECT trim_mark FROM lr.log_trim") == [(0,)]
+    positions = [p for (p,) in source.query("SELECT position FROM lr.log_commits ORDER BY 1")]
+    assert len(positions) == before + 2 and positions == list(range(1, before + 3))
+
+
+def test_writer_supplies_only_its_clients_full_syncs(world, made):
+    source = world.source
+    admin = source.connect()
+    for client in CLIENTS:  # forced full syncs of both clients, to site-b, nobody serving them yet
+        full_sync.request_full_sync(admin, "site-b", client, "test", forced=True)
+    admin.close()
+    conn = connect_as(source, world.writer["alpha"])
+    with conn.cursor() as cur:
+        cur.execute("SELECT DISTINCT client_name FROM lr.full_sync_requests")
+        assert cur.fetchall() == [("alpha",)]
+        cur.execute("UPDATE lr.full_sync_requests SET note = 'x' WHERE client_name = 'beta'")
+        assert cur.rowcount == 0
+    conn.rollback()
+    for statement in ("UPDATE lr.full_sync_requests SET status = 'applied' WHERE status = 'pending'",
+                      "UPDATE lr.full_sync_requests SET client_name = 'beta'",
+                      "INSERT INTO lr.full_sync_requests (request_id, sink_site_id, client_name, data_deadline) "
+                      "VALUES (gen_random_uuid(), 'site-b', 'alpha', now())"):
+        with conn.cursor() as cur, pytest.raises(DENIED):  # only pending or supplied, its clients, no new ones
+            cur.execute(statement)
+        conn.rollback()
+    served = RoutingQueueClient(conn, "alpha").serve_full_sync_requests(lambda ctx: ctx.transmit(b"alpha-state"))
+    conn.close()
+    assert len(served) == 1
+    rows = source.query("SELECT client_name, status FROM lr.full_sync_requests WHERE forced ORDER BY 1")
+    assert rows == [("alpha", "supplied"), ("beta", "pending")]
+    # the replicator (no providers) carries the writer-supplied full sync to the sink
+    repl = replicator(world.topo, sites_as(world.sites, world.replicator),
+                      sessions=[k for k in world.topo.sessions() if k.client == "alpha" and k.sink == "site-b"])
+    run_until_idle(repl)
+    assert ("snap", "alpha-state") in queue(world.sink, "site-a", "alpha")
+
+
+def test_a_group_role_holds_the_grant_for_its_members(lr_sites, made):
+    apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": CLIENTS}])
+    source = lr_sites[0]
+    group, login = made.name("group"), made.name("login")
+    source.query(f'CREATE ROLE "{group}" NOLOGIN')
+    made.grant(source, "writer", group, ["alpha"], create=False)
+    source.query(f'CREATE ROLE "{login}" LOGIN IN ROLE "{group}"')
+    conn = connect_as(source, login)
+    RoutingQueueClient(conn, "alpha").transmit_log_entry_message(b"as a member", ["site-b"])
+    conn.commit()
+    with pytest.raises(DENIED):
+        RoutingQueueClient(conn, "beta").transmit_log_entry_message(b"no", ["site-b"])
+    conn.close()
+    assert source.query("SELECT count(*) FROM lr.log_commits") == [(1,)]
+
+
+# --- consumer -------------------------------------------------------------------------------
+def replicate(world, **settings) -> None:
+    run_until_idle(replicator(world.topo, sites_as(world.sites, world.replicator),
+                              providers={c: provider(c) for c in CLIENTS}, **settings))
+
+
+def transmit_both(world, n: int = 3) -> None:
+    for client in CLIENTS:
+        conn = connect_as(world.source, world.writer[client])
+        sender = RoutingQueueClient(conn, client)
+        for i in range(n):
+            put(conn, sender, f"{client}{i}", i)
+        conn.close()
+
+
+def test_consumer_reads_and_acknowledges_only_its_clients_queues(world):
+    transmit_both(world)
+    replicate(world)
+    sink = world.sink
+    beta_rows = sink.query("SELECT count(*) FROM lr.receive_queue WHERE client_name = 'beta'")[0][0]
+    assert beta_rows > 0
+
+    alpha = RoutingQueueSubscriber(info_as(sink, world.consumer["alpha"]), client_name="alpha")
+    listener = Collect()
+    assert alpha.poll(listener) > 0
+    assert listener.logs() == [b"alpha0=0", b"alpha1=1", b"alpha2=2"]
+    assert alpha.sources() == ["site-a"]
+    alpha.close()
+
+    as_beta = RoutingQueueSubscriber(info_as(sink, world.consumer["alpha"]), client_name="beta")
+    assert as_beta.sources() == []  # not even discovered
+    nothing = Collect()
+    assert as_beta.poll(nothing) == 0 and nothing.got == []
+    conn = connect_as(sink, world.consumer["alpha"])
+    report = receive.ReceiveQueueReader(conn).deliver(nothing, "beta", sources=["site-a"])  # named explicitly
+    assert report.delivered == 0 and nothing.got == []
+    with conn.cursor() as cur:
+        cur.execute("SELECT count(*) FROM lr.receive_queue WHERE client_name = 'beta'")
+        assert cur.fetchone()[0] == 0
+        cur.execute("DELETE FROM lr.receive_queue WHERE client_name = 'beta'")
+        assert cur.rowcount == 0
+        cur.execute("UPDATE lr.receive_queue SET delivered = 1 WHERE client_name = 'beta'")
+        assert cur.rowcount == 0
+        cur.execute("SELECT count(*) FROM lr.registry WHERE client_name = 'beta'")
+        assert cur.fetchone()[0] == 0
+    conn.commit()
+    for statement in ("UPDATE lr.receive_queue SET visible = true", "UPDATE lr.receive_queue SET client_name = 'x'",
+                      "INSERT INTO lr.receive_queue (source_site_id, client_name, kind, source_position, "
+                      "source_entry_id, visible, message) VALUES ('site-a', 'alpha', 1, 1, 1, true, '\\x00')",
+                      "SELECT count(*) FROM lr.sink_sessions", "SELECT count(*) FROM lr.topology",
+                      "DELETE FROM lr.registry"):
+        with conn.cursor() as cur, pytest.raises(DENIED):
+            cur.execute(statement)
+        conn.rollback()
+    conn.close()
+    assert sink.query("SELECT count(*) FROM lr.receive_queue WHERE client_name = 'beta'")[0][0] == beta_rows
+
+    beta = RoutingQueueSubscriber(info_as(sink, world.consumer["beta"]), client_name="beta")
+    theirs = Collect()
+    assert beta.poll(theirs) > 0
+    assert theirs.logs() == [b"beta0=0", b"beta1=1", b"beta2=2"]
+    beta.close()
+
+
+def test_consumer_dead_letters_are_its_own(world):
+    sink = world.sink
+    bad = b"\xff\xfe not a RoutingTableEntryMsg"
+    for client in CLIENTS:  # a malformed entry at the head of each client's queue
+        sink.query("INSERT INTO lr.receive_queue (source_site_id, client_name, kind, source_position, "
+                   "source_entry_id, visible, message) VALUES ('site-a', %s, %s, 1, 1, true, %s)",
+                   (client, lr_pb2.LOG_ENTRY_SYNC, bad))
+    for client in CLIENTS:
+        sub = RoutingQueueSubscriber(info_as(sink, world.consumer[client]), client_name=client)
+        sub.poll(Collect())
+        assert sub.stats.dead_letters == 1
+        sub.close()
+    conn = connect_as(sink, world.consumer["alpha"])
+    with conn.cursor() as cur:
+        cur.execute("SELECT client_name FROM lr.receive_dead_letters")
+        assert cur.fetchall() == [("alpha",)]
+        cur.execute("DELETE FROM lr.receive_dead_letters WHERE client_name = 'beta'")
+        assert cur.rowcount == 0
+        with pytest.raises(DENIED, match="row-level security"):
+            cur.execute("INSERT INTO lr.receive_dead_letters (seq, source_site_id, client_name, kind, message, error) "
+                        "VALUES (-1, 'site-a', 'beta', 1, '\\x00', 'forged')")
+    conn.rollback()
+    with conn.cursor() as cur:
+        cur.execute("DELETE FROM lr.receive_dead_letters")  # its own
+        assert cur.rowcount == 1
+    conn.commit()
+    conn.close()
+    assert sink.query("SELECT client_name FROM lr.receive_dead_letters") == [("beta",)]
+
+
+def test_subscriber_run_follows_arrivals_with_only_the_consumer_role(world):
+    sub = RoutingQueueSubscriber(info_as(world.sink, world.consumer["alpha"]), client_name="alpha", poll_interval=0.5)
+    listener, stop = Collect(), threading.Event()
+    thread = threading.Thread(target=sub.run, args=(listener, stop))
+    thread.start()
+    try:
+        transmit_both(world, 2)
+        replicate(world)
+        deadline = time.monotonic() + 20
+        while len(listener.logs()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        thread.join(10)
+    assert listener.logs() == [b"alpha0=0", b"alpha1=1"]
+    assert sub.stats.failures == 0
+
+
+# --- replicator -----------------------------------------------------------------------------
+def test_replicator_runs_cycles_full_syncs_status_and_trim(world):
+    source, sink = world.source, world.sink
+    first = queue(sink, "site-a", "alpha")
+    assert first[0] == ("start", "") and first[-1] == ("end", "")  # the first contact's full sync
+
+    transmit_both(world)
+    replicate(world)
+    for client in CLIENTS:
+        logs = [p for kind, p in queue(sink, "site-a", client) if kind == "log"]
+        assert logs == [f"{client}{i}={i}" for i in range(3)]
+        for other in world.sites[2:]:
+            assert [p for k, p in queue(other, "site-a", client) if k == "log"] == logs
+
+    conn = connect_as(source, world.replicator)  # lr full-sync, as the replicator
+    full_sync.request_full_sync(conn, "site-b", "alpha", "operator asked", forced=True)
+    replicate(world)
+    snap = [p for kind, p in queue(sink, "site-a", "alpha") if kind == "snap"]
+    assert sorted(snap) == [f"alpha{i}={i}" for i in range(3)]  # the provider read the application's table
+
+    assert status.site_status(conn, "site-a").site_id == "site-a"  # lr status works as the replicator
+    result = trim.safe_trim(conn)
+    assert result is not None and result.entries_removed > 0
+    conn.close()
+    rows = source.query("SELECT state, last_error FROM lr.source_sessions")
+    assert rows and all(r == ("IN_LOG_ENTRY_SYNC", None) for r in rows)
+    with pytest.raises(DENIED):  # but it does not change the topology or the site
+        conn = connect_as(source, world.replicator)
+        try:
+            with conn.cursor() as cur:
+                cur.execute("UPDATE lr.topology SET topology_config_id = 'x'")
+        finally:
+            conn.close()
+
+
+def test_replicator_fanout_copies_under_row_level_security(world, tmp_path: Path, monkeypatch):
+    """The in-process tee COPYs into lr.receive_queue, which PostgreSQL refuses under row-level
+    security: a replicator role's rows go through a temporary table, in order."""
+    conns = {}
+    for site in world.sites:
+        raw = site.server.airflow_conn(site.dbname)
+        conns[site.site_id] = {**raw, "login": world.replicator}
+    path = tmp_path / "connections.json"
+    path.write_text(json.dumps(conns))
+    monkeypatch.setenv("LR_CONNECTIONS_FILE", str(path))
+    conn = connect_as(world.source, world.writer["alpha"])
+    sender = RoutingQueueClient(conn, "alpha")
+    for t in range(8):
+        sender.transmit_log_entry_messages(
+            [LRMessageWithDestinations(f"bulk{t}-{i}".encode(), ["site-b", "site-c"]) for i in range(100)])
+        conn.commit()
+    conn.close()
+    repl = replicator(world.topo, sites_as(world.sites, world.replicator), tee_min_backlog=100)
+    run_until_idle(repl)
+    assert sum(repl.teed.values()) == 1600
+    for sink in world.sites[1:]:
+        logs = [p for kind, p in queue(sink, "site-a", "alpha") if kind == "log"]
+        assert logs == [f"bulk{t}-{i}" for t in range(8) for i in range(100)]
+
+
+# --- lr init --------------------------------------------------------------------------------
+def test_lr_init_on_an_installed_site_needs_no_create_on_the_database(world, made, capsys):
+    source = world.source
+    for role in (world.replicator, world.writer["alpha"], world.writer["beta"]):
+        assert source.query("SELECT has_database_privilege(%s, current_database(), 'CREATE')", (role,)) == [(False,)]
+        assert cli.main(["init", "--site", info_as(source, role).dsn, "--site-id", "site-a"]) == 0
+        assert "site-a: lr schema up to date" in capsys.readouterr().out
+    stranger = made.name("stranger")
+    source.query(f'CREATE ROLE "{stranger}" LOGIN')
+    assert cli.main(["init", "--site", info_as(source, stranger).dsn, "--site-id", "site-a"]) == 1
+    assert "may not read the lr schema version" in capsys.readouterr().err  # a clear error, no traceback
+    # a role that may read but not write the identity gets a clear error, nothing changes
+    assert cli.main(["init", "--site", info_as(source, world.replicator).dsn, "--site-id", "site-a",
+                     "--region", "elsewhere"]) == 1
+    assert "may not record the site identity" in capsys.readouterr().err
+    assert source.query("SELECT region FROM lr.site_info") == [(source.region,)]
+
+
+def test_an_owner_without_create_on_the_database_installs_into_its_schema(sites, made):
+    site = sites[0]
+    owner, writer = made.name("owner"), made.name("writer")
+    site.query(f'CREATE ROLE "{owner}" LOGIN')
+    site.query(f'CREATE SCHEMA lr AUTHORIZATION "{owner}"')  # what a DBA hands over
+    conn = connect_as(site, owner)
+    result = schema.init_site(conn, site.site_id, site.region)
+    assert result.applied == [m.version for m in schema.available_migrations()]
+    assert schema.init_site(conn, site.site_id).applied == []
+    topo = topology.from_document({
+        "sites": [{"id": s.site_id} for s in sites[:2]],
+        "replication": [{"source": site.site_id, "sinks": [sites[1].site_id], "clients": ["alpha"]}],
+    })
+    topology.apply_to_site(conn, topo, site.site_id)  # the owner applies the topology
+    site.query(f'CREATE ROLE "{writer}" LOGIN')
+    roles.grant(conn, "writer", writer, ["alpha"])  # the owner grants (no superuser involved)
+    with pytest.raises(ConfigurationError, match="owns the lr schema"):
+        roles.grant(conn, "writer", owner, ["alpha"])
+    conn.close()
+    wconn = connect_as(site, writer)
+    RoutingQueueClient(wconn, "alpha").transmit_log_entry_message(b"x", [sites[1].site_id])
+    wconn.commit()
+    wconn.close()
+    assert site.query("SELECT count(*) FROM lr.log_commits") == [(1,)]
+    assert site.query("SELECT has_database_privilege(%s, current_database(), 'CREATE')", (owner,)) == [(False,)]
+
+
+# --- lr roles -------------------------------------------------------------------------------
+def test_lr_roles_grant_print_list_revoke(lr_sites, made, capsys, monkeypatch):
+    site = lr_sites[1]
+    dsn = site.dsn
+    role = made.name('odd "name" x')  # quoted as an identifier everywhere
+    monkeypatch.setenv("LR_TEST_PASSWORD", "s3cret'; DROP TABLE x; --")
+    assert cli.main(["roles", "grant", "consumer", "--client", "alpha", "--role", role, "--site", dsn,
+                     "--create", "--password-env", "LR_TEST_PASSWORD", "--print"]) == 0
+    printed = capsys.readouterr().out
+    assert "CREATE ROLE" in printed and "PASSWORD '***'" in printed and "s3cret" not in printed
+    assert 'odd ""name"" x"' in printed
+    assert site.query("SELECT count(*) FROM pg_roles WHERE rolname = %s", (role,)) == [(0,)]  # --print changed nothing
+
+    assert cli.main(["roles", "grant", "consumer", "--client", "alpha", "--client", "beta", "--role", role,
+                     "--site", dsn, "--create", "--password-env", "LR_TEST_PASSWORD"]) == 0
+    assert cli.main(["roles", "grant", "writer", "--client", "alpha", "--role", role, "--site", dsn]) == 0
+    capsys.readouterr()
+    assert cli.main(["roles", "list", "--site", dsn]) == 0
+    listed = capsys.readouterr().out
+    assert f"{role}: consumer of alpha" in listed and f"{role}: consumer of beta" in listed
+    assert f"{role}: writer of alpha" in listed
+
+    assert cli.main(["roles", "revoke", "writer", "--client", "alpha", "--role", role, "--site", dsn]) == 0
+    assert cli.main(["roles", "revoke", "consumer", "--client", "beta", "--role", role, "--site", dsn]) == 0
+    grants = site.query("SELECT kind, client_name FROM lr.role_grants WHERE role_name = %s", (role,))
+    assert grants == [("consumer", "alpha")]
+    privileges = site.query(
+        "SELECT has_table_privilege(%(r)s, 'lr.receive_queue', 'DELETE'), "
+        "has_table_privilege(%(r)s, 'lr.log_entries', 'INSERT') OR "
+        "has_any_column_privilege(%(r)s, 'lr.log_entries', 'INSERT')", {"r": role})
+    assert privileges == [(True, False)]  # the consumer's rights stay, the writer's are gone
+
+    capsys.readouterr()
+    for argv, message in [
+        (["roles", "grant", "writer", "--role", role, "--site", dsn], "give --client"),
+        (["roles", "grant", "replicator", "--client", "x", "--role", role, "--site", dsn], "give no --client"),
+        (["roles", "grant", "writer", "--client", "bad name;", "--role", role, "--site", dsn], "invalid client"),
+        (["roles", "grant", "writer", "--client", "alpha", "--role", "postgres", "--site", dsn], "is a superuser"),
+        (["roles", "grant", "writer", "--client", "alpha", "--role", "lrt_nobody_here", "--site", dsn], "pass --create"),
+    ]:
+        assert cli.main(argv) == 1, argv
+        assert message in capsys.readouterr().err
+
+
+def test_roles_need_the_v6_schema(sites):
+    conn = sites[0].connect()
+    schema.migrate(conn, target=5)
+    with pytest.raises(SchemaError, match="roles need version 6"):
+        roles.plan_grant(conn, "replicator", "whoever")
+    conn.close()
+
+
+def test_reapply_restores_what_a_kind_needs(lr_sites, made):
+    site = lr_sites[0]
+    role = made.name("repl")
+    made.grant(site, "replicator", role)
+    site.query(f'REVOKE SELECT ON lr.log_commits FROM "{role}"')  # as if a release added a table
+    conn = site.connect()
+    assert roles.reapply(conn) == [role]
+    conn.close()
+    assert site.query("SELECT has_table_privilege(%s, 'lr.log_commits', 'SELECT')", (role,)) == [(True,)]

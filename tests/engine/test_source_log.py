@@ -1,0 +1,324 @@
+"""Source side: transmit inside the application's transaction, and a log reader that never skips
+a late commit and delivers conflicting transactions in commit order (DESIGN §6 properties 1–4)."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
+from airflow_provider_lr.engine.errors import TransmitError
+from airflow_provider_lr.engine.source.log_reader import LogReader, holdback, refresh_last_transmitted
+from airflow_provider_lr.proto import lr_pb2
+from tests.support.session import apply, drain
+
+
+@pytest.fixture
+def source(lr_sites):
+    apply(lr_sites)
+    return lr_sites[0]
+
+
+@pytest.fixture
+def dests(lr_sites):
+    return [s.site_id for s in lr_sites[1:]]
+
+
+def app_conn(source):
+    conn = source.connect()
+    with conn.cursor() as cur:
+        cur.execute("CREATE TABLE IF NOT EXISTS app_rows (id int PRIMARY KEY, v int NOT NULL)")
+    conn.commit()
+    return conn
+
+
+def payloads(records) -> list[bytes]:
+    return [r.decode().opaque_payload for r in records]
+
+
+def test_commit_makes_entries_visible_and_rollback_leaves_no_trace(source, dests):
+    conn = app_conn(source)
+    client = RoutingQueueClient(conn, "policy")
+    client.transmit_log_entry_message(b"rolled back", dests)
+    conn.rollback()
+    client.transmit_log_entry_message(b"kept", dests)
+    reader = LogReader(source.connect(), dests[0])
+    assert drain(reader)[0] == []  # not committed yet
+    conn.commit()
+    assert payloads(drain(reader)[0]) == [b"kept"]
+    assert source.query("SELECT count(*) FROM lr.log_entries") == [(1,)]
+    assert source.query("SELECT count(*) FROM lr.log_commits") == [(1,)]
+
+
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared insert", "plain insert"])
+def test_clients_sharing_a_connection_transmit_in_its_transaction(source, dests, prepared):
+    """The prepared insert is made once per connection, survives rollbacks, and a second client on
+    the same connection reuses it; without it (behind a pooler) transmit behaves the same."""
+    conn = app_conn(source)
+    first = RoutingQueueClient(conn, "policy", prepared=prepared)
+    first.transmit_log_entry_message(b"gone", dests)
+    conn.rollback()
+    second = RoutingQueueClient(conn, "policy", prepared=prepared)
+    first.transmit_log_entry_message(b"one", dests[:1])
+    second.transmit_log_entry_message(b"two", dests)
+    conn.commit()
+    assert payloads(drain(LogReader(source.connect(), dests[0]))[0]) == [b"one", b"two"]
+    with conn.cursor() as cur:
+        cur.execute("SELECT count(*) FROM pg_prepared_statements WHERE name = 'lr_transmit_v1'")
+        assert cur.fetchone()[0] == (1 if prepared else 0)
+
+
+def test_one_stored_entry_per_message_tagged_once_per_destination(source, dests):
+    conn = app_conn(source)
+    RoutingQueueClient(conn, "policy").transmit_log_entry_message(b"\x00payload\xff", dests)
+    conn.commit()
+    rows = source.query("SELECT stream, stream_tags FROM lr.shared_log")
+    assert rows == [("LRQ_Send_LogEntries", [f"lrq_logentry_{d}" for d in sorted(dests)])]
+    for dest in dests:
+        (record,) = drain(LogReader(source.connect(), dest))[0]
+        msg = record.decode()
+        assert list(msg.destinations) == dests
+        assert msg.type == lr_pb2.LOG_ENTRY_SYNC
+        assert msg.opaque_payload == b"\x00payload\xff"
+        assert (msg.source_site_id, msg.client_name) == (source.site_id, "policy")
+
+
+def test_reader_for_a_destination_follows_only_its_tag(source, dests):
+    conn = app_conn(source)
+    client = RoutingQueueClient(conn, "policy")
+    client.transmit_log_entry_message(b"b only", [dests[0]])
+    client.transmit_log_entry_message(b"c only", [dests[1]])
+    client.transmit_log_entry_message(b"both", dests)
+    conn.commit()
+    assert payloads(drain(LogReader(source.connect(), dests[0]))[0]) == [b"b only", b"both"]
+    assert payloads(drain(LogReader(source.connect(), dests[1]))[0]) == [b"c only", b"both"]
+
+
+@pytest.mark.parametrize(
+    "payload, destinations, error",
+    [
+        (b"x", [], "non-empty list"),
+        (b"x", "site-b", "non-empty list"),
+        (b"x", ["nowhere"], "unknown destination"),
+        (b"x", ["SELF"], "cannot transmit to itself"),
+        (b"x" * 1025, ["DEST"], "exceeds the maximum of 1024 bytes"),
+        (memoryview(bytes(1032)).cast("q"), ["DEST"], "payload of 1032 bytes exceeds"),  # 129 items of 8 bytes
+        ("text", ["DEST"], "must be bytes"),
+    ],
+)
+def test_bad_input_is_refused_clearly_and_nothing_is_written(source, dests, payload, destinations, error):
+    destinations = [{"SELF": source.site_id, "DEST": dests[0]}.get(d, d) for d in destinations] if isinstance(
+        destinations, list) else destinations
+    conn = app_conn(source)
+    client = RoutingQueueClient(conn, "policy", max_payload_bytes=1024)
+    client.transmit_log_entry_message(b"good", dests)
+    with pytest.raises(TransmitError, match=error):
+        client.transmit_log_entry_messages(
+            [LRMessageWithDestinations(b"also good", dests), LRMessageWithDestinations(payload, destinations)]
+        )
+    conn.commit()  # the application's transaction is still usable
+    assert payloads(drain(LogReader(source.connect(), dests[0]))[0]) == [b"good"]
+
+
+def test_late_commit_is_never_skipped(source, dests):
+    """T1 transmits first (smaller entry id) but commits after T2: a reader that persisted its
+    position after T2 still gets T1. The naive `entry_id > last seen` reader loses it."""
+    t1, t2 = app_conn(source), app_conn(source)
+    RoutingQueueClient(t1, "policy").transmit_log_entry_message(b"T1 (late)", dests)
+    RoutingQueueClient(t2, "policy").transmit_log_entry_message(b"T2", dests)
+    t2.commit()
+
+    reader = LogReader(source.connect(), dests[0])
+    first, position = drain(reader)
+    assert payloads(first) == [b"T2"]
+    naive_last_seen = source.query("SELECT max(entry_id) FROM lr.log_entries")[0][0]
+
+    t1.commit()
+    later, _ = drain(reader, after=position)
+    assert payloads(later) == [b"T1 (late)"]
+    # The naive reader would never see T1 again: its id is below what it already saw.
+    assert source.query("SELECT count(*) FROM lr.log_entries WHERE entry_id > %s", (naive_last_seen,)) == [(0,)]
+
+
+def test_conflicting_transactions_arrive_in_commit_order_not_xid_order(source, dests):
+    """The transaction with the smaller xid updates the shared row last and commits last."""
+    conn = app_conn(source)
+    with conn.cursor() as cur:
+        cur.execute("INSERT INTO app_rows VALUES (1, 0)")
+    conn.commit()
+    small, big = app_conn(source), app_conn(source)
+    with small.cursor() as cur:
+        cur.execute("SELECT pg_current_xact_id()")  # takes the smaller xid now
+        small_xid = int(cur.fetchone()[0])
+    with big.cursor() as cur:
+        cur.execute("UPDATE app_rows SET v = 1 WHERE id = 1 RETURNING pg_current_xact_id()")
+        assert int(cur.fetchone()[0]) > small_xid
+    RoutingQueueClient(big, "policy").transmit_log_entry_message(b"v=1", dests)
+    big.commit()
+    with small.cursor() as cur:
+        cur.execute("UPDATE app_rows SET v = 2 WHERE id = 1")
+    RoutingQueueClient(small, "policy").transmit_log_entry_message(b"v=2", dests)
+    small.commit()
+    assert payloads(drain(LogReader(source.connect(), dests[0]))[0]) == [b"v=1", b"v=2"]
+
+
+def test_six_writers_on_shared_counters_with_an_open_transaction(source, dests):
+    """DESIGN §6 property 2's scenario: concurrent increments of shared counters, one unrelated
+    transaction holding an xid open. Every entry arrives once, each counter's values in order."""
+    conn = app_conn(source)
+    with conn.cursor() as cur:
+        cur.execute("INSERT INTO app_rows SELECT g, 0 FROM generate_series(1, 5) g")
+    conn.commit()
+    idle = source.connect()
+    with idle.cursor() as cur:
+        cur.execute("SELECT pg_current_xact_id()")  # an open transaction holding an xid, all along
+
+    per_writer, errors = 150, []
+    stop_reading = threading.Event()
+    received: list = []
+
+    def writer(seed: int) -> None:
+        rng = random.Random(seed)
+        c = source.connect()
+        client = RoutingQueueClient(c, "policy")
+        try:
+            for _ in range(per_writer):
+                counter = rng.randint(1, 5)
+                with c.cursor() as cur:
+                    cur.execute("UPDATE app_rows SET v = v + 1 WHERE id = %s RETURNING v", (counter,))
+                    value = cur.fetchone()[0]
+                client.transmit_log_entry_message(f"{counter}:{value}".encode(), dests)
+                if rng.random() < 0.3:
+                    time.sleep(rng.random() / 500)  # widen the commit interleavings
+                c.commit()
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        finally:
+            c.close()
+
+    def reader_loop() -> None:
+        reader, position = LogReader(source.connect(), dests[0]), 0
+        while True:
+            done = stop_reading.is_set()
+            batch = reader.read(position, max_entries=50)
+            received.extend(batch.records)
+            position = batch.end
+            if done and not batch.has_more:
+                return
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(6)]
+    consumer = threading.Thread(target=reader_loop)
+    consumer.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop_reading.set()
+    consumer.join()
+    idle.rollback()
+    assert errors == []
+
+    values: dict[int, list[int]] = {}
+    for record in received:
+        counter, value = map(int, record.decode().opaque_payload.split(b":"))
+        values.setdefault(counter, []).append(value)
+    assert sum(len(v) for v in values.values()) == 6 * per_writer  # none lost, none duplicated
+    for counter, seen in values.items():
+        assert seen == list(range(1, len(seen) + 1)), f"counter {counter} out of order"
+
+
+def test_transactions_stay_whole_and_in_transmit_order_across_small_batches(source, dests):
+    conn = app_conn(source)
+    client = RoutingQueueClient(conn, "policy")
+    for tx in range(4):
+        client.transmit_log_entry_message(f"{tx}.0".encode(), dests)
+        client.transmit_log_entry_messages([LRMessageWithDestinations(f"{tx}.{i}".encode(), dests) for i in (1, 2)])
+        conn.commit()
+    reader = LogReader(source.connect(), dests[0])
+    position, batches = 0, []
+    while True:
+        batch = reader.read(position, max_entries=2)  # smaller than a transaction
+        if not batch.records:
+            break
+        batches.append(payloads(batch.records))
+        position = batch.end
+    assert batches == [[f"{tx}.{i}".encode() for i in range(3)] for tx in range(4)]
+
+    by_bytes = reader.read(0, max_bytes=1)
+    assert len(by_bytes.records) == 3 and by_bytes.has_more
+
+
+def test_transmit_does_not_serialize_concurrent_transactions(source, dests):
+    """Two application transactions transmit concurrently: the second commits while the first is
+    still open, with no wait on any lock the first holds."""
+    t1, t2 = app_conn(source), app_conn(source)
+    RoutingQueueClient(t1, "policy").transmit_log_entry_message(b"t1", dests)
+    RoutingQueueClient(t2, "policy").transmit_log_entry_message(b"t2", dests)
+    with t2.cursor() as cur:
+        cur.execute("SET LOCAL lock_timeout = '500ms'")
+    t2.commit()  # would raise on a lock held by t1
+    with t1.cursor() as cur:
+        cur.execute("SELECT 1")
+    t1.commit()
+    assert sorted(payloads(drain(LogReader(source.connect(), dests[0]))[0])) == [b"t1", b"t2"]
+
+
+def test_reader_names_what_holds_it_back(source, dests):
+    open_tx = app_conn(source)
+    RoutingQueueClient(open_tx, "policy").transmit_log_entry_message(b"pending", dests)
+    with open_tx.cursor() as cur:
+        cur.execute("SELECT pg_backend_pid()")
+        pid = cur.fetchone()[0]
+    held = holdback(source.connect())
+    assert [(h.kind, h.pid) for h in held] == [("open_transaction", pid)]
+    assert "not committed yet" in held[0].describe()
+    open_tx.rollback()
+    assert holdback(source.connect()) == []
+
+
+def test_prepared_transaction_holds_the_barrier_and_is_reported(source, dests):
+    """A prepared transaction has drawn its commit position but is not visible: the reader must not
+    move past it, must say why, and must deliver it after COMMIT PREPARED, before later entries."""
+    prepared = app_conn(source)
+    RoutingQueueClient(prepared, "policy").transmit_log_entry_message(b"prepared", dests)
+    with prepared.cursor() as cur:
+        cur.execute("PREPARE TRANSACTION 'lr-test-gid'")
+    prepared.close()
+    later = app_conn(source)
+    RoutingQueueClient(later, "policy").transmit_log_entry_message(b"later", dests)
+    later.commit()
+
+    admin = source.connect()
+    admin.autocommit = True
+    try:
+        reader = LogReader(source.connect(), dests[0], barrier_timeout=0.3)
+        batch = reader.read(0)
+        assert batch.records == [] and batch.end == 0
+        assert [(h.kind, h.gid) for h in batch.blocked_by] == [("prepared_transaction", "lr-test-gid")]
+        assert "COMMIT/ROLLBACK PREPARED" in batch.blocked_by[0].describe()
+        with admin.cursor() as cur:
+            cur.execute("COMMIT PREPARED 'lr-test-gid'")
+        assert payloads(drain(reader)[0]) == [b"prepared", b"later"]
+    finally:
+        with admin.cursor() as cur:
+            cur.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database()")
+            for (gid,) in cur.fetchall():
+                cur.execute(f"ROLLBACK PREPARED '{gid}'")
+
+
+def test_last_transmitted_position_per_destination(source, dests):
+    conn = app_conn(source)
+    client = RoutingQueueClient(conn, "policy")
+    client.transmit_log_entry_message(b"1", dests)
+    conn.commit()
+    client.transmit_log_entry_message(b"2", [dests[0]])
+    conn.commit()
+    meta = source.connect()
+    state = refresh_last_transmitted(meta)
+    assert state[dests[0]][0] == 2 and state[dests[1]][0] == 1
+    client.transmit_log_entry_message(b"3", [dests[1]])
+    conn.commit()
+    state = refresh_last_transmitted(meta)
+    assert state[dests[0]][0] == 2 and state[dests[1]][0] == 3

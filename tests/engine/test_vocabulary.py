@@ -1,0 +1,85 @@
+"""The shared vocabulary matches what the schema stores and checks: a state, status, stream or lock
+key added in one place only fails here."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from airflow_provider_lr.engine import vocabulary
+from airflow_provider_lr.engine.session.replicator import run_until_idle
+from airflow_provider_lr.engine.vocabulary import (
+    COMMIT_LOCK_KEY,
+    STREAM_NAMES,
+    RequestStatus,
+    SessionKey,
+    SessionState,
+    receive_queue_name,
+)
+from tests.support.session import App, apply, empty_provider, replicator
+
+
+def _check_values(site, table: str, column: str) -> set[str]:
+    """The quoted literals of the CHECK constraint on ``lr.<table>.<column>`` of a migrated site."""
+    rows = site.query(
+        """
+        SELECT pg_get_constraintdef(c.oid) FROM pg_constraint c
+        JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = ANY (c.conkey)
+        WHERE c.contype = 'c' AND c.conrelid = %s::regclass AND a.attname = %s
+        """,
+        (f"lr.{table}", column),
+    )
+    assert len(rows) == 1, rows
+    definition = rows[0][0]
+    return set(re.findall(r"'([^']*)'", definition)) or set(re.findall(r"\b(\d+)\b", definition))
+
+
+def test_session_states_are_exactly_what_the_schema_allows(lr_sites):
+    assert _check_values(lr_sites[0], "source_sessions", "state") == {s.value for s in SessionState}
+
+
+def test_request_statuses_are_exactly_what_the_schema_allows(lr_sites):
+    assert _check_values(lr_sites[0], "full_sync_requests", "status") == {s.value for s in RequestStatus}
+
+
+def test_streams_are_exactly_what_the_schema_allows(lr_sites):
+    assert _check_values(lr_sites[0], "log_entries", "stream") == {str(s) for s in STREAM_NAMES}
+
+
+def test_commit_trigger_takes_the_commit_lock_key(lr_sites):
+    """The migration writes the key as a literal (migrations are checksummed and cannot import it)."""
+    bodies = [r[0] for r in lr_sites[0].query(
+        "SELECT prosrc FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
+        "WHERE n.nspname = 'lr' AND prosrc LIKE %s", ("%advisory_xact_lock_shared%",))]
+    assert bodies and all(f"pg_advisory_xact_lock_shared({COMMIT_LOCK_KEY})" in b for b in bodies)
+
+
+def test_lock_keys_are_distinct():
+    keys = [vocabulary.SCHEMA_LOCK_KEY, vocabulary.COMMIT_LOCK_KEY, vocabulary.CONSUMER_LOCK_CLASS,
+            vocabulary.STAGING_LOCK_CLASS]
+    assert len(set(keys)) == len(keys)
+
+
+def test_session_key_has_one_spelling_and_reads_back():
+    key = SessionKey("site-a", "site-b", "policy_v2")
+    assert str(key) == "site-a->site-b/policy_v2"
+    assert SessionKey.parse(str(key)) == key
+    with pytest.raises(ValueError):
+        SessionKey.parse("site-b/policy")
+
+
+def test_open_statuses_sql_lists_the_open_statuses():
+    assert vocabulary.OPEN_STATUSES_SQL == "('pending', 'supplied')"
+    assert set(vocabulary.OPEN_STATUSES) < set(RequestStatus)
+
+
+def test_receive_queue_name_is_the_one_the_sink_registers(lr_sites):
+    """A session's first batch registers the sink's queue under ``receive_queue_name``."""
+    source, sink = lr_sites[0], lr_sites[1]
+    topo = apply(lr_sites, [{"source": source.site_id, "sinks": [sink.site_id], "clients": ["policy"]}])
+    app = App(source)
+    app.put("k", 1, [sink.site_id])
+    app.close()
+    run_until_idle(replicator(topo, lr_sites, providers={"policy": empty_provider}))
+    names = {r[0] for r in sink.query("SELECT stream_name FROM lr.registry WHERE kind = 'receive_queue'")}
+    assert names == {receive_queue_name("policy", source.site_id)}

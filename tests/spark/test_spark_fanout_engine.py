@@ -1,0 +1,157 @@
+"""The fan-out engine without Spark (chunks teed by a local loop): plan, one fenced sink
+transaction per session and chunk straight into the receive queue in source order, resume from
+the sinks' positions, duplicates that write nothing twice. The Spark runs of the same functions are
+in test_spark_fanout.py."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from airflow_provider_lr.engine import vocabulary
+from airflow_provider_lr.engine.bulk import fanout
+from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.vocabulary import SessionKey
+from airflow_provider_lr.proto import lr_pb2
+from tests.support.session import replicator, sink_queue
+from tests.support.spark_env import (  # noqa: F401 (lr_connections is a fixture)
+    expected_queue,
+    in_log_entry_sync,
+    lr_connections,
+    transmit_backlog,
+)
+
+CLIENTS = ("policy", "audit")
+SINKS = ("site-b", "site-c")
+
+
+@pytest.fixture
+def scenario(lr_sites, lr_connections):
+    topo = in_log_entry_sync(lr_sites, clients=CLIENTS)
+    return topo, lr_sites
+
+
+def assert_delivered_exactly(lr_sites):
+    source = lr_sites[0]
+    for sink in lr_sites[1:]:
+        for client in CLIENTS:
+            assert sink_queue(sink, client) == expected_queue(source, sink.site_id, client), (sink.site_id, client)
+
+
+def test_fanout_delivers_each_sink_its_subset_in_source_order(scenario):
+    topo, lr_sites = scenario
+    transmit_backlog(lr_sites[0], 3000, clients=CLIENTS, per_txn=300)
+    driver = fanout.FanoutDriver(topo, "site-a")
+    try:
+        result = fanout.run_fanout(driver, fanout.local_map, partitions=3)
+    finally:
+        driver.close()
+    assert result.ok, result.errors
+    assert result.partitions == 3 and result.entries_read == 3000
+    assert_delivered_exactly(lr_sites)
+    assert sum(result.deliveries.values()) == sum(len(sink_queue(s, c)) for s in lr_sites[1:] for c in CLIENTS)
+
+
+def test_session_whose_lease_was_taken_over_is_fenced(scenario):
+    topo, lr_sites = scenario
+    source = lr_sites[0]
+    transmit_backlog(source, 1000, clients=CLIENTS, per_txn=100)
+    driver = fanout.FanoutDriver(topo, "site-a", owner="spark-driver")
+    try:
+        plan = driver.plan(partitions=2)
+        # the fan-out's lease on site-b/policy expires and an in-process replicator takes over
+        source.query("UPDATE lr.source_sessions SET lease_expires_at = now() - interval '1 second' "
+                     "WHERE sink_site_id = 'site-b' AND client_name = 'policy'")
+        other = replicator(topo, lr_sites, owner="other", sessions=[SessionKey("site-a", "site-b", "policy")])
+        other.run(max_cycles=3, until_idle=True, interval=0.01)
+        chunks = list(fanout.local_map(plan))
+        result = driver.finish(plan, chunks)
+        # a retry of chunk 0: the sink itself refuses the old epoch, the others already have it
+        again = fanout.tee_chunk(plan, plan.ranges[0])
+        other.close()
+    finally:
+        driver.close()
+    assert "FencedError" in chunks[0].errors["site-a->site-b/policy"] and "site-a->site-b/policy" not in chunks[1].delivered
+    assert set(again.errors) == {"site-a->site-b/policy"} and "FencedError" in again.errors["site-a->site-b/policy"]
+    assert again.read == 0 and set(again.delivered.values()) == {0}
+    assert set(result.errors) == {"site-a->site-b/policy"} and "FencedError" in result.errors["site-a->site-b/policy"]
+    assert set(result.deliveries) == {"site-a->site-b/audit", "site-a->site-c/policy", "site-a->site-c/audit"}
+    assert_delivered_exactly(lr_sites)  # site-b/policy delivered once, by the replicator that took over
+
+
+def test_chunk_rerun_after_partial_commit_and_concurrent_duplicates_deliver_once(scenario):
+    """A chunk committed on some sessions only (its task died between two commits) is rerun: the
+    committed sessions are skipped, the others get it. Three concurrent attempts of the next chunk
+    (speculative duplicates) wait on the session rows and deliver it once."""
+    topo, lr_sites = scenario
+    transmit_backlog(lr_sites[0], 2000, clients=CLIENTS, per_txn=100)
+    driver = fanout.FanoutDriver(topo, "site-a")
+    try:
+        plan = driver.plan(partitions=2)
+        first, second = plan.ranges
+        done_early = [d for d in plan.demands if d.sink == "site-b"]
+        partial = fanout.tee_chunk(plan, first, exclude=[d.session for d in plan.demands if d.sink != "site-b"])
+        assert set(partial.delivered) == {d.session for d in done_early}
+        rerun = fanout.tee_chunk(plan, first)
+        assert {s for s, n in rerun.delivered.items() if n} == {d.session for d in plan.demands if d.sink == "site-c"}
+        assert all(rerun.delivered[d.session] == 0 for d in done_early)
+        outcomes: list[fanout.ChunkResult] = []
+        attempts = [threading.Thread(target=lambda: outcomes.append(fanout.tee_chunk(plan, second)))
+                    for _ in range(3)]
+        for t in attempts:
+            t.start()
+        for t in attempts:
+            t.join()
+        result = driver.finish(plan, [partial, rerun, *outcomes])
+    finally:
+        driver.close()
+    assert all(not o.errors for o in outcomes), [o.errors for o in outcomes]
+    assert result.ok, result.errors
+    assert_delivered_exactly(lr_sites)
+    assert sum(result.deliveries.values()) == sum(len(sink_queue(s, c)) for s in lr_sites[1:] for c in CLIENTS)
+    for sink in lr_sites[1:]:
+        positions = sink.query("SELECT DISTINCT last_log_entry_processed FROM lr.sink_sessions "
+                               "WHERE source_site_id = 'site-a'")
+        assert positions == [(plan.end,)], (sink.site_id, positions)
+
+
+def test_a_chunk_that_cannot_start_where_its_sink_is_is_refused(scenario):
+    """A session whose sink has not processed up to the chunk's start (an earlier chunk missing)
+    is refused: nothing visible, no gap."""
+    topo, lr_sites = scenario
+    transmit_backlog(lr_sites[0], 600, clients=CLIENTS, per_txn=100)
+    driver = fanout.FanoutDriver(topo, "site-a")
+    try:
+        plan = driver.plan(partitions=3)
+        out = fanout.tee_chunk(plan, plan.ranges[1])
+    finally:
+        driver.close()
+    assert set(out.errors) == {d.session for d in plan.demands}
+    assert all("StaleBatchError" in e for e in out.errors.values()) and out.read == 0
+    assert all(sink_queue(s, c) == [] for s in lr_sites[1:] for c in CLIENTS)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(destinations=["site-b", "site-c"], type=lr_pb2.LOG_ENTRY_SYNC, opaque_payload=b"\n\x10x", client_name="p"),
+    dict(destinations=["s" * 200], type=lr_pb2.LOG_ENTRY_SYNC, opaque_payload=b"long destination"),
+    dict(destinations=["site-b"], opaque_payload=b"type 0 is not encoded"),
+    dict(destinations=["site-b"], type=lr_pb2.LOG_ENTRY_SYNC),
+    dict(destinations=["site-b"]),
+    dict(),
+])
+def test_byte_level_strip_is_parse_and_serialize(fields):
+    message = lr_pb2.RoutingTableEntryMsg(**fields).SerializeToString()
+    assert vocabulary.strip_destinations(message) == vocabulary.rewrite_for_sink(message)
+
+
+def test_backlog_per_session_decides_spark_or_in_process(scenario):
+    topo, lr_sites = scenario
+    conn = lr_sites[0].connect()
+    assert not fanout.use_spark(status.session_backlogs(conn), threshold=500)
+    transmit_backlog(lr_sites[0], 800, clients=CLIENTS, per_txn=100)
+    backlogs = status.session_backlogs(conn)
+    expected = {(s.site_id, c): len(expected_queue(lr_sites[0], s.site_id, c)) for s in lr_sites[1:] for c in CLIENTS}
+    assert {(b.sink, b.client): b.entries for b in backlogs} == expected
+    assert fanout.use_spark(backlogs, threshold=500) and not fanout.use_spark(backlogs, threshold=10_000)
+    assert topo.setting("spark_min_backlog", fanout.SPARK_MIN_BACKLOG) == fanout.SPARK_MIN_BACKLOG
+    conn.close()

@@ -1,0 +1,91 @@
+"""The snapshot-transfer and receive-queue apply jobs on a real local[2] Spark (one session)."""
+from __future__ import annotations
+
+import pytest
+
+from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.engine.bulk import snapshot_transfer
+from airflow_provider_lr.engine.errors import LRError
+from airflow_provider_lr.engine.source import full_sync
+from tests.support.session import apply, queue, replicator, sink_queue
+from tests.support.spark_env import (  # noqa: F401 (local_spark, lr_connections are fixtures)
+    in_log_entry_sync,
+    local_spark,
+    lr_connections,
+    transmit_backlog,
+)
+
+lr_snapshot_transfer = pytest.importorskip("spark_jobs.lr_snapshot_transfer")
+lr_apply = pytest.importorskip("spark_jobs.lr_apply_receive_queue")
+
+ROWS = 7_000
+
+
+def rows_provider(ctx) -> None:
+    for i in range(ROWS):
+        ctx.transmit(f"row{i}={i}".encode())
+
+
+def test_snapshot_transfer_in_parallel_resumes_and_hands_off(local_spark, lr_sites, lr_connections):
+    source, sink_b = lr_sites[0], lr_sites[1]
+    topo = apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
+    conn = source.connect()
+    request = full_sync.request_full_sync(conn, "site-b", "policy", reason="test")
+    RoutingQueueClient(conn, "policy").serve_full_sync_requests(rows_provider)
+    conn.close()
+
+    job = snapshot_transfer.SnapshotTransfer(topo, "site-a", "site-b", "policy")
+    try:
+        plan = job.plan(request.request_id, partitions=3)
+        assert plan.entries == ROWS + 2 and len(plan.ranges) == 3  # start and end markers included
+        staged = snapshot_transfer.stage_range  # each range once in Spark, then range 1 again: a retried task
+        results = local_spark.sparkContext.parallelize(list(plan.ranges), 3).map(lambda p: staged(plan, p)).collect()
+        assert sum(r["staged"] for r in results) == ROWS + 2
+        assert staged(plan, plan.ranges[1])["staged"] == results[1]["staged"]
+        assert sink_b.query("SELECT count(*) FROM lr.spark_staging")[0][0] == ROWS + 2  # nothing twice
+        result = job.commit(plan)
+    finally:
+        job.close()
+    assert result.applied and result.transferred == ROWS + 2
+    q = queue(sink_b, "site-a")
+    assert q[0] == ("start", "") and q[-1] == ("end", "")
+    assert [p for k, p in q if k == "snap"] == [f"row{i}={i}" for i in range(ROWS)]  # entry order
+    assert sink_b.query("SELECT count(*) FROM lr.spark_staging")[0][0] == 0
+    assert full_sync.get_request(source.connect(), request.request_id).status == "applied"
+
+    transmit_backlog(source, 50, sinks=("site-b",))  # the hand-off: deltas follow in-process
+    repl = replicator(topo, lr_sites)
+    repl.run(max_cycles=3, until_idle=True, interval=0.01)
+    repl.close()
+    assert [p for k, p in queue(sink_b, "site-a") if k == "log"] == [f"policy:{n}" for n in range(50)]
+
+    with pytest.raises(LRError, match="no supplied full-sync request"):  # nothing left to transfer
+        lr_snapshot_transfer.transfer(local_spark, topo, "site-a", "site-b", "policy")
+
+
+def test_apply_receive_queue_in_source_order_with_delete_in_the_same_transaction(local_spark, lr_sites, lr_connections):
+    topo = in_log_entry_sync(lr_sites)
+    transmit_backlog(lr_sites[0], 1200, per_txn=100)
+    repl = replicator(topo, lr_sites)
+    repl.run(max_cycles=5, until_idle=True, interval=0.01)
+    repl.close()
+    sink_b = lr_sites[1]
+    expected = [p.decode() for p in sink_queue(sink_b, "policy")]
+    assert len(expected) > 300
+
+    with lr_sites[0].connect() as conn:  # a poisoned entry, after everything else
+        RoutingQueueClient(conn, "policy").transmit_log_entry_message(b"policy:poison", ["site-b"])
+    repl = replicator(topo, lr_sites)
+    repl.run(max_cycles=3, until_idle=True, interval=0.01)
+    repl.close()
+
+    result = lr_apply.apply_queues(local_spark, topo, "site-b", "policy", "tests.support.spark_env:record_applied", batch=100)
+    assert not result["ok"] and "poison" in result["errors"]["site-a"]
+    applied = [p for (p,) in sink_b.query("SELECT payload FROM applied WHERE kind = 'log' ORDER BY n")]
+    kept = [p.decode() for p in sink_queue(sink_b, "policy")]
+    # applied in source order, each once; the failed run (the poison and the entries batched with
+    # it) rolled back with its delete: still queued, none of it applied
+    assert applied + kept == expected + ["policy:poison"]
+    assert len(applied) >= len(expected) - 100 and kept[-1] == "policy:poison"
+    kinds = [k for (k,) in sink_b.query("SELECT kind FROM applied ORDER BY n")]
+    assert kinds[:2] == ["snapshot_start", "snapshot_complete"]  # the empty full sync came first
