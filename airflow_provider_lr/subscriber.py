@@ -19,7 +19,7 @@ import threading
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.errors import ConfigurationError, MalformedEntryError
 from airflow_provider_lr.engine.sink import receive
 from airflow_provider_lr.engine.sink.receive import (
     DEFAULT_BATCH,
@@ -30,7 +30,6 @@ from airflow_provider_lr.engine.sink.receive import (
     DeliveryStats,
     Demand,
     Listener,
-    MalformedEntryError,
 )
 from airflow_provider_lr.engine.sink.relay import Relay, Subscription
 from airflow_provider_lr.engine.site.conninfo import ConnInfo, resolve

@@ -10,6 +10,11 @@ class ConfigurationError(LRError):
     """A site, connection, topology or argument is missing or invalid."""
 
 
+class SiteUnreachableError(LRError):
+    """A site's server cannot be reached now (down, restarting, refusing or out of connections):
+    nothing was done; whoever waits on the site retries, unlike a ``ConfigurationError``."""
+
+
 class SchemaError(LRError):
     """A site's lr schema cannot be installed or upgraded as asked."""
 
@@ -28,6 +33,15 @@ class FencedError(LRError):
 
 class StaleBatchError(LRError):
     """A batch does not fit the sink's state (gap, other snapshot, other sync); renegotiate."""
+
+
+class FullSyncError(LRError):
+    """A provider failed while supplying a full sync; the request stays pending."""
+
+
+class MalformedEntryError(LRError, ValueError):
+    """A receive-queue entry that cannot be delivered; it was moved to lr.receive_dead_letters.
+    (A ``ValueError`` too, as it was before it joined this taxonomy.)"""
 
 
 class TrimmedError(LRError):

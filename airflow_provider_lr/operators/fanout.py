@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowException
 
 from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.operators import telemetry
@@ -55,5 +56,5 @@ class LRFanOutOperator(BaseOperator):
         for session in result.errors:
             telemetry.session_error(session, source=self.source)
         if not result.ok:
-            raise RuntimeError(f"fan-out of {self.source}: sessions not delivered: {result.errors}")
+            raise AirflowException(f"fan-out of {self.source}: sessions not delivered: {result.errors}")
         return summary

@@ -18,6 +18,7 @@ import psycopg2
 import psycopg2.extensions
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from airflow_provider_lr.engine.errors import SiteUnreachableError
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.vocabulary import RequestStatus
@@ -91,7 +92,7 @@ class _PollingTrigger(BaseTrigger):
                     if conn is None or conn.closed:
                         conn = await asyncio.to_thread(info.connect)
                     event = await asyncio.to_thread(self.check, conn)
-                except (psycopg2.OperationalError, psycopg2.InterfaceError) as exc:
+                except (psycopg2.OperationalError, psycopg2.InterfaceError, SiteUnreachableError) as exc:
                     log.warning("%s: source %s unreachable, retrying: %s", type(self).__name__, self.source_conn_id, exc)
                     if conn is not None:
                         conn.close()

@@ -15,7 +15,7 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.bulk import fanout
-from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError
 from airflow_provider_lr.engine.session.lease import new_owner_id
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, SessionSettings, record_error
 from airflow_provider_lr.engine.site import status
@@ -98,6 +98,10 @@ class Replicator:
                 return {}
             driver = fanout.FanoutDriver(self.topology, source, owner=self.owner, settings=self.settings,
                                          connect=self.connect, sessions=self.sessions)
+        except SiteUnreachableError as exc:  # a site that is down: the session cycles report it; retried
+            log.info("in-process fan-out of %s not used now: %s", source, exc)
+            self._drop(source)
+            return {}
         except ConfigurationError as exc:  # the sites' DSNs do not resolve here (the tee needs them)
             log.info("in-process fan-out of %s not used: %s", source, exc)
             self._no_tee.add(source)
@@ -132,7 +136,7 @@ class Replicator:
                     self._drop(site)
         try:
             record_error(self._conn(key.source), key, error)
-        except psycopg2.Error:
+        except (psycopg2.Error, SiteUnreachableError):  # the source is down: nowhere to record it now
             self._drop(key.source)
 
     def _drop(self, site: str) -> None:

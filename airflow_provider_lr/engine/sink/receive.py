@@ -37,7 +37,7 @@ import psycopg2
 import psycopg2.extensions
 from google.protobuf.message import DecodeError
 
-from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.errors import MalformedEntryError, SiteUnreachableError
 from airflow_provider_lr.engine.sink.queue_rows import unpack
 from airflow_provider_lr.engine.vocabulary import CONSUMER_LOCK_CLASS, NOTIFY_CHANNEL, receive_queue_name
 from airflow_provider_lr.proto import lr_pb2
@@ -393,10 +393,6 @@ class ReceiveQueueReader:
             self.conn.rollback()
 
 
-class MalformedEntryError(ValueError):
-    """A receive-queue entry that cannot be delivered; it was moved to lr.receive_dead_letters."""
-
-
 def _entries(rows: Sequence[_Row], limit: int) -> list[_Entry]:
     """The next ``limit`` undelivered entries of ``rows``, in order, each decoded."""
     out: list[_Entry] = []
@@ -509,7 +505,7 @@ class Tap:
                 with conn.cursor() as cur:
                     cur.execute(f"LISTEN {NOTIFY_CHANNEL}")
                 self._conn = conn
-            except (psycopg2.Error, ConfigurationError) as exc:  # ConnInfo.connect: a sink that is down
+            except (psycopg2.Error, SiteUnreachableError) as exc:  # a sink that is down: retried
                 log.warning("receive-queue LISTEN connection failed (%s); polling until it is back", exc)
                 self._select([], min(timeout, 0.5))
             return ALL
@@ -638,7 +634,7 @@ def follow(
                         listener, want.client, sources, max_messages=PASS_RUNS * batch_size, skip=waiting,
                         max_bytes=PASS_RUNS * batch_bytes,
                     )
-                except (psycopg2.OperationalError, psycopg2.InterfaceError, ConfigurationError) as exc:
+                except (psycopg2.OperationalError, psycopg2.InterfaceError, SiteUnreachableError) as exc:
                     stats.failures += 1
                     stats.note_error(f"sink connection lost: {exc}".strip())
                     log.warning("receive-queue delivery: sink connection lost (%s); reconnecting", exc)

@@ -16,7 +16,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError
 
 CONNECTIONS_FILE_ENV = "LR_CONNECTIONS_FILE"
 # Connection extras that describe the site rather than libpq options.
@@ -44,14 +44,35 @@ class ConnInfo:
         return psycopg2.extensions.make_dsn(**shown)
 
     def connect(self, **overrides: Any) -> psycopg2.extensions.connection:
+        """A connection; ``SiteUnreachableError`` when the server cannot be reached now (retry),
+        ``ConfigurationError`` when these parameters can never work (fix them)."""
         try:
             return psycopg2.connect(self.dsn, **overrides)
         except psycopg2.OperationalError as exc:
             where = f"site {self.site_id!r}" if self.site_id else "site"
-            raise ConfigurationError(
-                f"cannot connect to {where} ({self.safe_dsn}): {str(exc).strip()}; "
+            reason = str(exc).strip()
+            if misconfigured(exc):
+                raise ConfigurationError(f"cannot connect to {where} ({self.safe_dsn}): {reason}; check the "
+                                         "connection's host, database, user and password") from exc
+            raise SiteUnreachableError(
+                f"cannot connect to {where} ({self.safe_dsn}): {reason}; "
                 "is the server up? (`lr sites list` for embedded sites)"
             ) from exc
+
+
+# What a failed connect says when retrying cannot help: the server answered and refused these
+# parameters (SQLSTATE class 28 and 3D000 when libpq passes them on), or the host name is unknown.
+_MISCONFIGURED_SQLSTATES = ("28000", "28P01", "3D000")
+_MISCONFIGURED_TEXT = ("authentication failed", "no password supplied", "does not exist", "no pg_hba.conf entry",
+                       "could not translate host name", "invalid connection option", "invalid sslmode")
+
+
+def misconfigured(exc: psycopg2.OperationalError) -> bool:
+    """True when a failed connect is the parameters' fault, not the server's state."""
+    if getattr(exc, "pgcode", None) in _MISCONFIGURED_SQLSTATES:
+        return True
+    text = str(exc).lower()
+    return any(marker in text for marker in _MISCONFIGURED_TEXT)
 
 
 def from_airflow_dict(conn: Mapping[str, Any], conn_id: str | None = None) -> ConnInfo:

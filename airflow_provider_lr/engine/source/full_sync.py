@@ -25,7 +25,7 @@ import psycopg2.errors
 import psycopg2.extensions
 
 from airflow_provider_lr.engine import progress
-from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, LRError
+from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, FullSyncError
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session.lease import Lease
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, commit_barrier
@@ -34,10 +34,6 @@ from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES_SQL, STREAM_SNAP
 from airflow_provider_lr.proto import lr_pb2
 
 DEFAULT_DATA_TIMEOUT = 120.0  # seconds without client data before a request is restarted
-
-
-class FullSyncError(LRError):
-    """A provider failed while supplying a full sync; the request stays pending."""
 
 
 @dataclass(frozen=True)
