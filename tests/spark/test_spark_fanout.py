@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from airflow_provider_lr.engine.faults import FAULT_ENV
+from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.support.session import sink_queue
 from tests.support.spark_env import (  # noqa: F401 (local_spark, lr_connections are fixtures)
     expected_entries,
@@ -71,8 +72,8 @@ def test_read_once_to_random_subsets_in_source_order_never_ahead(spark, topo, lr
     delivered_exactly(lr_sites)
     total = sum(len(v) for v in expected.values())
     assert sum(sum(r.deliveries.values()) for r in results) == total
-    assert lr_fanout.fan_out(spark, topo, "site-a").deliveries == {f"{s}/{c}": 0 for s in ("site-b", "site-c")
-                                                                   for c in CLIENTS}
+    assert lr_fanout.fan_out(spark, topo, "site-a").deliveries == {
+        str(SessionKey("site-a", s, c)): 0 for s in ("site-b", "site-c") for c in CLIENTS}
 
 
 def test_task_killed_mid_write_or_after_a_chunk_then_rerun(spark, topo, lr_sites, monkeypatch):
