@@ -68,13 +68,20 @@ def _dsn(dsn: str, dbname: str) -> str:
 class LrSites:
     """Fresh lr databases on the bench servers, a topology over them and a connections file."""
 
-    def __init__(self, env: BenchEnv, name: str) -> None:
+    def __init__(self, env: BenchEnv, name: str, site_ids: list[str] | None = None,
+                 providers: dict[str, str] | None = None, initial_sync: bool = True) -> None:
+        """``site_ids``: the source's, then one per sink of ``env`` (default ``bench-src`` and 3
+        sinks); ``providers``: the topology's (``client: "module:function"``); ``initial_sync``:
+        bring every session through its (empty) full sync here, in process."""
         self.name = name
         self.admin = [env.source_dsn, *env.sink_dsns]
+        site_ids = site_ids or [SOURCE_ID, *SINK_IDS]
+        if len(site_ids) != len(self.admin):
+            raise ValueError(f"{len(site_ids)} site ids for {len(self.admin)} servers")
         self.dbnames = [f"{name}_{i}" for i in range(len(self.admin))]  # distinct even on one server
         for dsn, db in zip(self.admin, self.dbnames):
             execute(dsn, f"DROP DATABASE IF EXISTS {db} WITH (FORCE)", f"CREATE DATABASE {db}")
-        self.dsns = {site: _dsn(dsn, db) for site, dsn, db in zip([SOURCE_ID, *SINK_IDS], self.admin, self.dbnames)}
+        self.dsns = {site: _dsn(dsn, db) for site, dsn, db in zip(site_ids, self.admin, self.dbnames)}
         self.dir = Path(tempfile.mkdtemp(prefix="lr-bench-"))
         conns = {}
         for site, dsn in self.dsns.items():
@@ -86,8 +93,10 @@ class LrSites:
         self.connections.write_text(json.dumps(conns))
         self.connections.chmod(0o600)
         doc = {"sites": [{"id": s, "conn_id": s} for s in self.dsns],
-               "replication": [{"source": SOURCE_ID, "sinks": SINK_IDS, "clients": [CLIENT]}],
+               "replication": [{"source": site_ids[0], "sinks": site_ids[1:], "clients": [CLIENT]}],
                "settings": {"lease_seconds": 600}}
+        if providers:
+            doc["providers"] = providers
         self.topology = topology.from_document(doc)
         self.topology_file = self.dir / "topology.json"  # JSON is YAML
         self.topology_file.write_text(json.dumps(doc))
@@ -96,6 +105,8 @@ class LrSites:
             schema.init_site(conn, site)
             topology.apply_to_site(conn, self.topology, site)
             conn.close()
+        if not initial_sync:
+            return
         repl = self.replicator()
         try:
             reports = repl.run(max_cycles=5, until_idle=True, interval=0.01)
