@@ -20,17 +20,9 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, MalformedEntryError
-from airflow_provider_lr.engine.sink import receive
-from airflow_provider_lr.engine.sink.receive import (
-    DEFAULT_BATCH,
-    DEFAULT_BATCH_BYTES,
-    DEFAULT_POLL_INTERVAL,
-    DEFAULT_RETRY_INTERVAL,
-    DeliveryContext,
-    DeliveryStats,
-    Demand,
-    Listener,
-)
+from airflow_provider_lr.engine.sink import receive, wakeup
+from airflow_provider_lr.engine.sink.receive import DeliveryContext, DeliveryStats, Listener
+from airflow_provider_lr.engine.sink.wakeup import Demand, FollowOptions
 from airflow_provider_lr.engine.sink.relay import Relay, Subscription
 from airflow_provider_lr.engine.site.conninfo import ConnInfo, resolve
 
@@ -57,10 +49,10 @@ class RoutingQueueSubscriber(DeliveryContext):
         dsn: str | ConnInfo,
         client_name: str = "policy",
         sources: list[str] | None = None,
-        batch_size: int = DEFAULT_BATCH,
-        poll_interval: float = DEFAULT_POLL_INTERVAL,
-        retry_interval: float = DEFAULT_RETRY_INTERVAL,
-        batch_bytes: int = DEFAULT_BATCH_BYTES,
+        batch_size: int = FollowOptions.batch_size,
+        poll_interval: float = FollowOptions.poll_interval,
+        retry_interval: float = FollowOptions.retry_interval,
+        batch_bytes: int = FollowOptions.batch_bytes,
     ) -> None:
         if not client_name:
             raise ConfigurationError("client_name is required (the client whose receive queues to consume)")
@@ -106,12 +98,12 @@ class RoutingQueueSubscriber(DeliveryContext):
         run's stats when stopped; stops within about 0.1 s plus any callback in progress."""
         stop = stop or threading.Event()
         stats = self.run_stats = DeliveryStats()  # live while it runs; added to ``stats`` at the end
-        tap = receive.Tap(self.info.connect)
+        tap = wakeup.Tap(self.info.connect)
+        options = FollowOptions(self.batch_size, self.poll_interval, self.retry_interval, self.batch_bytes)
         try:
-            receive.follow(
-                self.info.connect, listener, lambda: self.demand, receive.TapWakeups(tap, lambda: self.demand, stop),
-                stop, stats, self.batch_size, self.poll_interval, self.retry_interval, on_conn=self._set_delivering,
-                batch_bytes=self.batch_bytes,
+            wakeup.follow(
+                self.info.connect, listener, lambda: self.demand, wakeup.TapWakeups(tap, lambda: self.demand, stop),
+                stop, stats, options, on_conn=self._set_delivering,
             )
         finally:
             tap.close()

@@ -20,26 +20,25 @@ consumer side, shared by ``RoutingQueueSubscriber`` and the relay's subscription
 
 During a callback, ``ReceiveQueueReader.conn`` is in the delivery transaction: whatever the listener
 writes through it commits or rolls back together with the delete, which gives exactly-once.
+
+When a consumer looks at its queues (NOTIFY wake-ups, retries, the periodic full pass) is
+``wakeup``'s business: this module delivers whatever it is asked to, once.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import math
-import os
-import select
-import threading
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
 import psycopg2
 import psycopg2.extensions
 from google.protobuf.message import DecodeError
 
-from airflow_provider_lr.engine.errors import MalformedEntryError, SiteUnreachableError
+from airflow_provider_lr.engine.errors import MalformedEntryError
 from airflow_provider_lr.engine.sink.queue_rows import unpack
-from airflow_provider_lr.engine.vocabulary import CONSUMER_LOCK_CLASS, NOTIFY_CHANNEL, receive_queue_name
+from airflow_provider_lr.engine.vocabulary import CONSUMER_LOCK_CLASS, receive_queue_name
 from airflow_provider_lr.proto import lr_pb2
 
 log = logging.getLogger(__name__)
@@ -52,10 +51,7 @@ DEFAULT_BATCH_BYTES = 8 << 20
 # keeps them under 7.9 kB); a larger one (a single large entry) is fetched by seq once the rows of the
 # batch are known, so no fetch brings more than about the batch's byte budget.
 INLINE_BYTES = 8192
-DEFAULT_POLL_INTERVAL = 2.0  # full pass (discovery included) when no notification arrives
-DEFAULT_RETRY_INTERVAL = 0.5  # a queue whose delivery failed is tried again after this
 HEAD_FETCH = 16  # rows of a queue's head read first (then as many as the entries still wanted need)
-PASS_RUNS = 8  # a follow loop looks at its stop event at least every this many full batches
 
 START, SNAPSHOT, COMPLETE, LOG = (
     lr_pb2.SNAPSHOT_SYNC_START, lr_pb2.SNAPSHOT_SYNC, lr_pb2.LAST_FULL_SYNC_ENTRY, lr_pb2.LOG_ENTRY_SYNC,
@@ -457,240 +453,3 @@ def _on_error(listener: Listener, source: str, exc: Exception) -> None:
         handler(source, exc)
     except Exception:  # a failing error handler must not stop delivery
         log.exception("listener.on_error raised")
-
-
-# --- following new arrivals -------------------------------------------------------------------
-ALL = None  # a wake-up that asks for a full pass (discovery included)
-
-
-class Tap:
-    """A LISTEN connection on ``lr_recv``, used by one thread, interruptible from any other.
-
-    ``wait`` returns the (client, source) pairs notified ("<client>/<source>"), deduplicated, so
-    a burst of commits on one queue is one wake-up. It opens the connection when ``wanted`` and
-    closes it when not (a tap exists only while something is demanded). After every (re)open it
-    returns ``ALL``: notifications sent while it was not listening were not seen."""
-
-    def __init__(self, connect: Callable[[], psycopg2.extensions.connection]) -> None:
-        self._connect = connect
-        self._conn: psycopg2.extensions.connection | None = None
-        self.wanted = True
-        self._pipe_r, self._pipe_w = os.pipe()
-        os.set_blocking(self._pipe_r, False)
-        os.set_blocking(self._pipe_w, False)
-        self._pipe_lock = threading.Lock()  # an fd closed by close() must never be written (reuse)
-        self._closed = False
-
-    @property
-    def listening(self) -> bool:
-        return self._conn is not None
-
-    def interrupt(self) -> None:
-        """Wake a ``wait`` in progress (thread-safe, never blocks)."""
-        with self._pipe_lock:
-            if self._closed:
-                return
-            try:
-                os.write(self._pipe_w, b"x")
-            except OSError:
-                pass  # a wake-up is already pending
-
-    def wait(self, timeout: float) -> list[tuple[str, str]] | None:
-        """Notified (client, source) pairs within ``timeout`` seconds; [] on timeout or interrupt;
-        ``ALL`` when the tap was just (re)opened or lost."""
-        if self.wanted and self._conn is None:
-            try:
-                conn = self._connect()
-                conn.autocommit = True
-                with conn.cursor() as cur:
-                    cur.execute(f"LISTEN {NOTIFY_CHANNEL}")
-                self._conn = conn
-            except (psycopg2.Error, SiteUnreachableError) as exc:  # a sink that is down: retried
-                log.warning("receive-queue LISTEN connection failed (%s); polling until it is back", exc)
-                self._select([], min(timeout, 0.5))
-            return ALL
-        if not self.wanted and self._conn is not None:
-            self._drop()
-        ready = self._select([self._conn] if self._conn is not None else [], timeout)
-        if ready is None:
-            self._drop()
-            return ALL
-        if self._conn is None or self._conn not in ready:
-            return []
-        try:
-            self._conn.poll()
-        except psycopg2.Error:
-            self._drop()
-            return ALL
-        seen: dict[tuple[str, str], None] = {}
-        for note in self._conn.notifies:
-            client, _, source = note.payload.partition("/")
-            seen[(client, source)] = None
-        self._conn.notifies.clear()
-        return list(seen)
-
-    def _select(self, conns: list[Any], timeout: float) -> list[Any] | None:
-        """Wait for the connections or an interrupt; drains the interrupt. None if select failed."""
-        try:
-            ready, _, _ = select.select([self._pipe_r, *conns], [], [], max(timeout, 0.0))
-        except (OSError, ValueError, psycopg2.Error):
-            return None
-        if self._pipe_r in ready:
-            try:
-                while os.read(self._pipe_r, 4096):
-                    pass
-            except OSError:
-                pass
-        return ready
-
-    def _drop(self) -> None:
-        if self._conn is not None and not self._conn.closed:
-            try:
-                self._conn.close()
-            except psycopg2.Error:
-                pass
-        self._conn = None
-
-    def close(self) -> None:
-        """Close the connection and the interrupt pipe (call from the thread that waits, or after it)."""
-        with self._pipe_lock:
-            if self._closed:
-                return
-            self._closed = True
-            for fd in (self._pipe_r, self._pipe_w):
-                os.close(fd)
-        self._drop()
-
-
-class Wakeups(Protocol):
-    """Where a follow loop learns that queues have news: sources of its client, or ``ALL``."""
-
-    def wait(self, timeout: float) -> set[str] | None: ...
-
-
-@dataclass(frozen=True)
-class Demand:
-    """What a consumer wants: one client's queues, from every source (``sources=None``: the
-    discovered ones, new ones included) or from the named sources only."""
-
-    client: str
-    sources: frozenset[str] | None = None
-
-    def wants(self, client: str, source: str) -> bool:
-        return client == self.client and (self.sources is None or source in self.sources)
-
-    def narrow(self, sources: Iterable[str] | None) -> Iterable[str] | None:
-        """The sources to look at for a wake-up (``None``: a full pass)."""
-        if sources is None:
-            return None if self.sources is None else sorted(self.sources)
-        return sorted(s for s in sources if self.sources is None or s in self.sources)
-
-
-def follow(
-    connect: Callable[[], psycopg2.extensions.connection],
-    listener: Listener,
-    demand: Callable[[], Demand],
-    wakeups: Wakeups,
-    stop: threading.Event,
-    stats: DeliveryStats,
-    batch_size: int = DEFAULT_BATCH,
-    poll_interval: float = DEFAULT_POLL_INTERVAL,
-    retry_interval: float = DEFAULT_RETRY_INTERVAL,
-    on_conn: Callable[[psycopg2.extensions.connection | None], None] | None = None,
-    batch_bytes: int = DEFAULT_BATCH_BYTES,
-) -> None:
-    """Deliver until ``stop``: a full pass first and every ``poll_interval`` (discovery: sources that
-    appear are found without a restart), a pass over the woken queues on each wake-up, and queues
-    whose delivery failed again after ``retry_interval`` (not before: a failing listener is not
-    hammered). A lost sink connection is reopened; nothing is lost, undelivered rows stay queued.
-    A pass hands over at most ``PASS_RUNS`` batches' worth of entries and of bytes before ``stop``
-    is looked at again."""
-    conn: psycopg2.extensions.connection | None = None
-    todo: set[str] | None = None  # None: a full pass is due
-    retry: set[str] = set()
-    next_full = next_retry = 0.0
-    try:
-        while not stop.is_set():
-            now = time.monotonic()
-            if now >= next_full:
-                todo, next_full = None, now + poll_interval
-            waiting: set[str] = set()
-            if retry and now >= next_retry:
-                if todo is not None:
-                    todo |= retry
-                retry = set()
-            else:
-                waiting = retry
-            want = demand()
-            sources = want.narrow(todo)
-            todo = set()
-            if sources is None or sources:
-                try:
-                    if conn is None or conn.closed:
-                        conn = connect()
-                        if on_conn:
-                            on_conn(conn)
-                    report = ReceiveQueueReader(conn, batch_size, batch_bytes).deliver(
-                        listener, want.client, sources, max_messages=PASS_RUNS * batch_size, skip=waiting,
-                        max_bytes=PASS_RUNS * batch_bytes,
-                    )
-                except (psycopg2.OperationalError, psycopg2.InterfaceError, SiteUnreachableError) as exc:
-                    stats.failures += 1
-                    stats.note_error(f"sink connection lost: {exc}".strip())
-                    log.warning("receive-queue delivery: sink connection lost (%s); reconnecting", exc)
-                    conn = _close(conn, on_conn)
-                    next_full = time.monotonic() + retry_interval
-                    stop.wait(retry_interval)
-                    continue
-                stats.add(report)
-                if report.failed:
-                    if not retry:
-                        next_retry = time.monotonic() + retry_interval
-                    retry |= report.failed
-                if report.unfinished:
-                    todo = set(report.unfinished)
-                    continue  # more is waiting now: no sleep
-            deadline = min(next_full, next_retry) if retry else next_full
-            woken = wakeups.wait(max(0.0, deadline - time.monotonic()))
-            if woken is ALL:
-                next_full = 0.0
-            else:
-                todo |= set(woken) - retry
-    finally:
-        _close(conn, on_conn)
-
-
-def _close(
-    conn: psycopg2.extensions.connection | None,
-    on_conn: Callable[[psycopg2.extensions.connection | None], None] | None,
-) -> None:
-    """Forget and close a delivery connection (``None``, for ``conn = _close(...)``)."""
-    if on_conn:
-        on_conn(None)
-    if conn is not None and not conn.closed:
-        try:
-            conn.close()
-        except psycopg2.Error:
-            pass
-    return None
-
-
-class TapWakeups:
-    """Wake-ups for one consumer that owns its own tap (``RoutingQueueSubscriber.run``)."""
-
-    SLICE = 0.1  # how often the caller's stop event is looked at while waiting
-
-    def __init__(self, tap: Tap, demand: Callable[[], Demand], stop: threading.Event) -> None:
-        self.tap, self.demand, self.stop = tap, demand, stop
-
-    def wait(self, timeout: float) -> set[str] | None:
-        end = time.monotonic() + timeout
-        while not self.stop.is_set():
-            notes = self.tap.wait(min(self.SLICE, max(0.0, end - time.monotonic())))
-            if notes is ALL:
-                return ALL
-            want = self.demand()
-            sources = {s for c, s in notes if want.wants(c, s)}
-            if sources or time.monotonic() >= end:
-                return sources
-        return set()

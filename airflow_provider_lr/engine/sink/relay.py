@@ -3,14 +3,14 @@
 Many subscriptions to one sink, each with its own demand (a client, optionally some sources) and
 listener, share ONE LISTEN connection:
 
-* the *tap* (``receive.Tap``) is open only while some subscription exists; its thread is the only
+* the *tap* (``wakeup.Tap``) is open only while some subscription exists; its thread is the only
   reader of notifications;
 * the *delta*: each notification ("<client>/<source>", deduplicated per read) is multiplied to the
   subscriptions whose demand wants it, as one pending wake-up per queue: a flag in the
   subscription's set, never a blocking send, so a slow subscription cannot hold the tap or the
   others back, and a burst of commits on one queue costs it one extra pass at most;
 * each subscription delivers on its own thread and its own sink connection (the follow loop of
-  ``receive.follow``), so a listener that takes its time delays only itself.
+  ``wakeup.follow``), so a listener that takes its time delays only itself.
 
 Subscriptions join, change demands (``update``) and leave (``close``) at any time. No lock is held
 while joining a thread, calling a listener or touching the database; ``close`` joins with a
@@ -29,19 +29,8 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import LRError
-from airflow_provider_lr.engine.sink.receive import (
-    ALL,
-    DEFAULT_BATCH,
-    DEFAULT_BATCH_BYTES,
-    DEFAULT_POLL_INTERVAL,
-    DEFAULT_RETRY_INTERVAL,
-    DeliveryContext,
-    DeliveryStats,
-    Demand,
-    Listener,
-    Tap,
-    follow,
-)
+from airflow_provider_lr.engine.sink.receive import DeliveryContext, DeliveryStats, Listener
+from airflow_provider_lr.engine.sink.wakeup import ALL, Demand, FollowOptions, Tap, follow
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +48,14 @@ class Subscription(DeliveryContext):
         listener: Listener,
         demand: Demand,
         connect: Connect,
-        batch_size: int,
-        poll_interval: float,
-        retry_interval: float,
-        batch_bytes: int = DEFAULT_BATCH_BYTES,
+        options: FollowOptions,
     ) -> None:
         self.id = next(_ids)
         self.relay = relay
         self.listener = listener
         self._demand = demand
         self._connect = connect
-        self._options = (batch_size, poll_interval, retry_interval, batch_bytes)
+        self._options = options
         self.stats = DeliveryStats()
         self.wakeups = 0  # wake-ups received from the relay (coalesced per queue)
         self.error: BaseException | None = None  # what ended the delivery thread, if not close()
@@ -131,7 +117,7 @@ class Subscription(DeliveryContext):
         self._event.set()
 
     def wait(self, timeout: float) -> set[str] | None:
-        """The follow loop's wake-ups (receive.Wakeups): sources with news, or ``ALL``."""
+        """The follow loop's wake-ups (wakeup.Wakeups): sources with news, or ``ALL``."""
         self._event.wait(timeout)
         with self._lock:
             self._event.clear()
@@ -140,10 +126,9 @@ class Subscription(DeliveryContext):
         return ALL if full else pending
 
     def _main(self) -> None:
-        batch_size, poll_interval, retry_interval, batch_bytes = self._options
         try:
-            follow(self._connect, self.listener, lambda: self._demand, self, self._stop, self.stats,
-                   batch_size, poll_interval, retry_interval, on_conn=self._set_delivering, batch_bytes=batch_bytes)
+            follow(self._connect, self.listener, lambda: self._demand, self, self._stop, self.stats, self._options,
+                   on_conn=self._set_delivering)
         except BaseException as exc:  # a bug or an unexpected error: keep it for the application
             self.error = exc
             log.exception("subscription %s (%s) stopped", self.id, self._demand)
@@ -161,13 +146,13 @@ class Relay:
     def __init__(
         self,
         connect: Connect,
-        batch_size: int = DEFAULT_BATCH,
-        poll_interval: float = DEFAULT_POLL_INTERVAL,
-        retry_interval: float = DEFAULT_RETRY_INTERVAL,
-        batch_bytes: int = DEFAULT_BATCH_BYTES,
+        batch_size: int = FollowOptions.batch_size,
+        poll_interval: float = FollowOptions.poll_interval,
+        retry_interval: float = FollowOptions.retry_interval,
+        batch_bytes: int = FollowOptions.batch_bytes,
     ) -> None:
         self._connect = connect
-        self._defaults = (batch_size, poll_interval, retry_interval, batch_bytes)
+        self._defaults = FollowOptions(batch_size, poll_interval, retry_interval, batch_bytes)
         self._lock = threading.Lock()
         self._subs: dict[int, Subscription] = {}
         self._by_client: dict[str, list[Subscription]] = {}
@@ -192,11 +177,13 @@ class Relay:
         """Join: deliver ``client_name``'s queues (from ``sources`` only, if given) to ``listener``
         on a new thread and connection, starting with what is already queued."""
         defaults = self._defaults
+        options = FollowOptions(
+            batch_size or defaults.batch_size, poll_interval or defaults.poll_interval,
+            retry_interval or defaults.retry_interval, batch_bytes or defaults.batch_bytes,
+        )
         sub = Subscription(
             self, listener, Demand(client_name, None if sources is None else frozenset(sources)),
-            connect or self._connect,
-            batch_size or defaults[0], poll_interval or defaults[1], retry_interval or defaults[2],
-            batch_bytes or defaults[3],
+            connect or self._connect, options,
         )
         with self._lock:
             if self._closing.is_set():
@@ -256,7 +243,7 @@ class Relay:
     def _tap_loop(self) -> None:
         try:
             while not self._closing.is_set():
-                notes = self._tap.wait(self.TAP_WAIT)
+                notes = self._tap.queues(self.TAP_WAIT)
                 if notes is ALL:
                     for sub in self.subscriptions:
                         sub.wake(ALL)

@@ -1,0 +1,198 @@
+"""When a sink's consumers look at their receive queues: wake-ups, demands and the follow loop.
+
+``receive`` decides *how* a queue is delivered (one run per transaction, exactly once); this module
+decides *when*. The replicator's apply sends ``pg_notify('lr_recv', '<client>/<source>')`` in the
+transaction that makes entries visible; the ``Tap`` (a ``NotifyChannel`` on that channel) turns it
+into (client, source) wake-ups, a ``Demand`` says which of them a consumer wants, and ``follow``
+delivers until stopped: on each wake-up, after a failure's retry interval, and with a full pass
+(discovery included) every poll interval, since a notification sent while nobody listened is lost.
+
+``RoutingQueueSubscriber.run`` owns its tap (``TapWakeups``); the relay shares one among its
+subscriptions (``relay.Subscription`` is its own ``Wakeups``).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Protocol
+
+import psycopg2
+import psycopg2.extensions
+
+from airflow_provider_lr.engine.errors import SiteUnreachableError
+from airflow_provider_lr.engine.notify import NotifyChannel
+from airflow_provider_lr.engine.sink.receive import (
+    DEFAULT_BATCH,
+    DEFAULT_BATCH_BYTES,
+    DeliveryStats,
+    Listener,
+    ReceiveQueueReader,
+)
+from airflow_provider_lr.engine.vocabulary import NOTIFY_CHANNEL
+
+log = logging.getLogger(__name__)
+
+DEFAULT_POLL_INTERVAL = 2.0  # full pass (discovery included) when no notification arrives
+DEFAULT_RETRY_INTERVAL = 0.5  # a queue whose delivery failed is tried again after this
+PASS_RUNS = 8  # a follow loop looks at its stop event at least every this many full batches
+
+ALL = None  # a wake-up that asks for a full pass (discovery included)
+
+
+class Tap(NotifyChannel):
+    """The sink's LISTEN on ``lr_recv``: its notifications as the receive queues they name."""
+
+    def __init__(self, connect: Callable[[], psycopg2.extensions.connection]) -> None:
+        super().__init__(connect, NOTIFY_CHANNEL)
+
+    def queues(self, timeout: float) -> list[tuple[str, str]] | None:
+        """Notified (client, source) pairs within ``timeout`` seconds, deduplicated; [] on timeout
+        or interrupt; ``ALL`` when the tap was just (re)opened or lost."""
+        payloads = self.wait(timeout)
+        if payloads is None:
+            return ALL
+        return [(client, source) for client, _, source in (p.partition("/") for p in payloads)]
+
+
+class Wakeups(Protocol):
+    """Where a follow loop learns that queues have news: sources of its client, or ``ALL``."""
+
+    def wait(self, timeout: float) -> set[str] | None: ...
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What a consumer wants: one client's queues, from every source (``sources=None``: the
+    discovered ones, new ones included) or from the named sources only."""
+
+    client: str
+    sources: frozenset[str] | None = None
+
+    def wants(self, client: str, source: str) -> bool:
+        return client == self.client and (self.sources is None or source in self.sources)
+
+    def narrow(self, sources: Iterable[str] | None) -> Iterable[str] | None:
+        """The sources to look at for a wake-up (``None``: a full pass)."""
+        if sources is None:
+            return None if self.sources is None else sorted(self.sources)
+        return sorted(s for s in sources if self.sources is None or s in self.sources)
+
+
+@dataclass(frozen=True)
+class FollowOptions:
+    """How a follow loop delivers (``ReceiveQueueReader``'s bounds) and how often it looks again:
+    one set for the subscriber, the relay and each of its subscriptions."""
+
+    batch_size: int = DEFAULT_BATCH
+    poll_interval: float = DEFAULT_POLL_INTERVAL
+    retry_interval: float = DEFAULT_RETRY_INTERVAL
+    batch_bytes: int = DEFAULT_BATCH_BYTES
+
+
+def follow(
+    connect: Callable[[], psycopg2.extensions.connection],
+    listener: Listener,
+    demand: Callable[[], Demand],
+    wakeups: Wakeups,
+    stop: threading.Event,
+    stats: DeliveryStats,
+    options: FollowOptions = FollowOptions(),
+    on_conn: Callable[[psycopg2.extensions.connection | None], None] | None = None,
+) -> None:
+    """Deliver until ``stop``: a full pass first and every ``poll_interval`` (discovery: sources that
+    appear are found without a restart), a pass over the woken queues on each wake-up, and queues
+    whose delivery failed again after ``retry_interval`` (not before: a failing listener is not
+    hammered). A lost sink connection is reopened; nothing is lost, undelivered rows stay queued.
+    A pass hands over at most ``PASS_RUNS`` batches' worth of entries and of bytes before ``stop``
+    is looked at again."""
+    conn: psycopg2.extensions.connection | None = None
+    todo: set[str] | None = None  # None: a full pass is due
+    retry: set[str] = set()
+    next_full = next_retry = 0.0
+    try:
+        while not stop.is_set():
+            now = time.monotonic()
+            if now >= next_full:
+                todo, next_full = None, now + options.poll_interval
+            waiting: set[str] = set()
+            if retry and now >= next_retry:
+                if todo is not None:
+                    todo |= retry
+                retry = set()
+            else:
+                waiting = retry
+            want = demand()
+            sources = want.narrow(todo)
+            todo = set()
+            if sources is None or sources:
+                try:
+                    if conn is None or conn.closed:
+                        conn = connect()
+                        if on_conn:
+                            on_conn(conn)
+                    report = ReceiveQueueReader(conn, options.batch_size, options.batch_bytes).deliver(
+                        listener, want.client, sources, max_messages=PASS_RUNS * options.batch_size, skip=waiting,
+                        max_bytes=PASS_RUNS * options.batch_bytes,
+                    )
+                except (psycopg2.OperationalError, psycopg2.InterfaceError, SiteUnreachableError) as exc:
+                    stats.failures += 1
+                    stats.note_error(f"sink connection lost: {exc}".strip())
+                    log.warning("receive-queue delivery: sink connection lost (%s); reconnecting", exc)
+                    conn = _close(conn, on_conn)
+                    next_full = time.monotonic() + options.retry_interval
+                    stop.wait(options.retry_interval)
+                    continue
+                stats.add(report)
+                if report.failed:
+                    if not retry:
+                        next_retry = time.monotonic() + options.retry_interval
+                    retry |= report.failed
+                if report.unfinished:
+                    todo = set(report.unfinished)
+                    continue  # more is waiting now: no sleep
+            deadline = min(next_full, next_retry) if retry else next_full
+            woken = wakeups.wait(max(0.0, deadline - time.monotonic()))
+            if woken is ALL:
+                next_full = 0.0
+            else:
+                todo |= set(woken) - retry
+    finally:
+        _close(conn, on_conn)
+
+
+def _close(
+    conn: psycopg2.extensions.connection | None,
+    on_conn: Callable[[psycopg2.extensions.connection | None], None] | None,
+) -> None:
+    """Forget and close a delivery connection (``None``, for ``conn = _close(...)``)."""
+    if on_conn:
+        on_conn(None)
+    if conn is not None and not conn.closed:
+        try:
+            conn.close()
+        except psycopg2.Error:
+            pass
+    return None
+
+
+class TapWakeups:
+    """Wake-ups for one consumer that owns its own tap (``RoutingQueueSubscriber.run``)."""
+
+    SLICE = 0.1  # how often the caller's stop event is looked at while waiting
+
+    def __init__(self, tap: Tap, demand: Callable[[], Demand], stop: threading.Event) -> None:
+        self.tap, self.demand, self.stop = tap, demand, stop
+
+    def wait(self, timeout: float) -> set[str] | None:
+        end = time.monotonic() + timeout
+        while not self.stop.is_set():
+            notes = self.tap.queues(min(self.SLICE, max(0.0, end - time.monotonic())))
+            if notes is ALL:
+                return ALL
+            want = self.demand()
+            sources = {s for c, s in notes if want.wants(c, s)}
+            if sources or time.monotonic() >= end:
+                return sources
+        return set()
