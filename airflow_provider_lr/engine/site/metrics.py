@@ -8,19 +8,21 @@ from typing import Callable
 
 from airflow_provider_lr.engine.site.status import SiteStatus, readiness, trim_marks
 
+# Every metric is a gauge: each sample is a level read at scrape time (lag, waiting entries, ages),
+# not a count kept by this process, so the help text is all that differs.
 _HELP = {
-    "lr_site_up": ("gauge", "1 when the site could be read"),
-    "lr_session_lag_entries": ("gauge", "committed entries not yet acknowledged by the sink"),
-    "lr_session_lag_seconds": ("gauge", "age of the oldest committed entry not yet acknowledged by the sink"),
-    "lr_session_ready": ("gauge", "1 when the sink holds everything committed for it (source side)"),
-    "lr_session_error": ("gauge", "1 when the session's last step failed"),
-    "lr_session_last_success_age_seconds": ("gauge", "seconds since the session last completed a step"),
-    "lr_full_sync_requests_open": ("gauge", "full-sync requests pending or supplied, not applied yet"),
-    "lr_receive_queue_waiting_entries": ("gauge", "entries in a receive queue not yet consumed by subscribers"),
-    "lr_receive_queue_oldest_seconds": ("gauge", "age of the oldest entry waiting in a receive queue"),
-    "lr_receive_queue_dead_letters": ("gauge", "entries moved to dead letters"),
-    "lr_log_held_back": ("gauge", "transactions holding the log's read barrier or with uncommitted entries"),
-    "lr_log_trim_mark": ("gauge", "commit position up to which the site's log is trimmed"),
+    "lr_site_up": "1 when the site could be read",
+    "lr_session_lag_entries": "committed entries not yet acknowledged by the sink",
+    "lr_session_lag_seconds": "age of the oldest committed entry not yet acknowledged by the sink",
+    "lr_session_ready": "1 when the sink holds everything committed for it (source side)",
+    "lr_session_error": "1 when the session's last step failed",
+    "lr_session_last_success_age_seconds": "seconds since the session last completed a step",
+    "lr_full_sync_requests_open": "full-sync requests pending or supplied, not applied yet",
+    "lr_receive_queue_waiting_entries": "entries in a receive queue not yet consumed by subscribers",
+    "lr_receive_queue_oldest_seconds": "age of the oldest entry waiting in a receive queue",
+    "lr_receive_queue_dead_letters": "entries moved to dead letters",
+    "lr_log_held_back": "transactions holding the log's read barrier or with uncommitted entries",
+    "lr_log_trim_mark": "commit position up to which the site's log is trimmed",
 }
 
 
@@ -61,8 +63,8 @@ def exposition(found: dict[str, SiteStatus | str]) -> str:
             samples["lr_receive_queue_oldest_seconds"].append(f"{labels} {q['oldest_waiting_s']}")
             samples["lr_receive_queue_dead_letters"].append(f"{labels} {q['dead_letters']}")
     lines = []
-    for name, (kind, text) in _HELP.items():
-        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"] + [f"{name}{sample}" for sample in samples[name]]
+    for name, text in _HELP.items():
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} gauge"] + [f"{name}{sample}" for sample in samples[name]]
     return "\n".join(lines) + "\n"
 
 
