@@ -30,6 +30,7 @@ FAULT_POINTS: dict[str, str] = {
     "before_snapshot_apply": "transfer complete on the sink, not applied",
     "after_snapshot_apply": "snapshot applied on the sink, the source's request still open",
     "after_sink_apply": "log-entry batch committed on the sink, the source's ack not recorded",
+    "stream_after_sink_apply": "streamed batch committed on the sink, the lazy ack not recorded yet",
     "after_timeout": "request timed out on the source, the next request not made",
     "fanout_mid_write": "fan-out chunk half written into the sinks' open transactions",
     "fanout_after_commit": "fan-out chunk committed on every sink, the source's acks not recorded",

@@ -5,6 +5,7 @@ no full-sync request left open, each source's ack equal to its sink's position, 
 able to reach it. Rows add what is particular to their window (no re-transfer, one request...)."""
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -33,7 +34,7 @@ KILLED = -9
 @dataclass
 class Window:
     fault: str
-    phase: str  # where the fault is reached: first_contact | log_entries | fanout | timeout
+    phase: str  # where the fault is reached: first_contact | log_entries | fanout | timeout | stream
     rows: int = 20  # application rows before the crash
     settings: dict = field(default_factory=dict)  # of the crashing replicator
     check: Callable[[list, list], None] | None = None  # (sites, recovery reports) -> assertions
@@ -77,6 +78,7 @@ WINDOWS = [
     Window("before_snapshot_apply", "first_contact", check=_nothing_retransferred),
     Window("after_snapshot_apply", "first_contact", check=_one_applied_request),
     Window("after_sink_apply", "log_entries"),
+    Window("stream_after_sink_apply", "stream"),
     Window("after_timeout", "timeout", settings={"data_timeout": 0.2}, check=_timed_out_then_applied),
     Window("fanout_mid_write_p0_a0", "fanout", settings={"tee_min_backlog": 100}),
     Window("fanout_after_commit_p0_a0", "fanout", settings={"tee_min_backlog": 100}),
@@ -121,15 +123,22 @@ def test_crash_in_window_is_repaired_by_the_next_cycle(lr_sites, lr_connections,
     app = App(source)
     _seed_rows(app, window.rows)
     app.put("k0", 0, ["site-b", "site-c"])
-    if window.phase in ("log_entries", "fanout"):  # first contact done cleanly, the fault comes later
+    if window.phase in ("log_entries", "fanout", "stream"):  # first contact done cleanly, the fault comes later
         first = replicator(topo, lr_sites)
         first.run(max_cycles=3, until_idle=True, interval=0.01)
         first.close()
-        for i in range(1, 300 if window.phase == "fanout" else 50):
+        for i in range(1, 300 if window.phase == "fanout" else 50 if window.phase == "log_entries" else 1):
             app.put(f"k{i % 7}", i, ["site-b", "site-c"] if i % 3 else ["site-b"])
     cycles = 400 if window.phase == "timeout" else 5
+
+    def stream_entries() -> None:  # written while the sessions stream (the fault is in the stream's write)
+        time.sleep(1.0)
+        for i in range(1, 50):
+            app.put(f"k{i % 7}", i, ["site-b", "site-c"] if i % 3 else ["site-b"])
+
     crashed = run_crashing_replicator(topo, lr_sites, window.fault, providers=None, cycles=cycles,
-                                      settings=window.settings)
+                                      settings=window.settings, stream=30.0 if window.phase == "stream" else None,
+                                      during=stream_entries if window.phase == "stream" else None)
     assert crashed.returncode == KILLED, f"fault point {window.fault} not reached: {crashed.stdout[-2000:]}"
     for i in range(300, 310):  # the application goes on while nobody replicates
         app.put(f"k{i % 7}", i, ["site-b", "site-c"])

@@ -2,9 +2,7 @@
 a late commit and delivers conflicting transactions in commit order (DESIGN §6 properties 1–4)."""
 from __future__ import annotations
 
-import random
 import threading
-import time
 
 import pytest
 
@@ -12,7 +10,7 @@ from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueCl
 from airflow_provider_lr.engine.errors import TransmitError
 from airflow_provider_lr.engine.source.log_reader import LogReader, holdback, refresh_last_transmitted
 from airflow_provider_lr.proto import lr_pb2
-from tests.support.session import apply, drain
+from tests.support.session import CounterWriters, apply, drain
 
 
 @pytest.fixture
@@ -122,7 +120,11 @@ def test_bad_input_is_refused_clearly_and_nothing_is_written(source, dests, payl
     assert payloads(drain(LogReader(source.connect(), dests[0]))[0]) == [b"good"]
 
 
-def test_late_commit_is_never_skipped(source, dests):
+BARRIER_OR_FINAL_PREFIX = pytest.mark.parametrize("final", [False, True], ids=["barrier", "final_prefix"])
+
+
+@BARRIER_OR_FINAL_PREFIX
+def test_late_commit_is_never_skipped(source, dests, final):
     """T1 transmits first (smaller entry id) but commits after T2: a reader that persisted its
     position after T2 still gets T1. The naive `entry_id > last seen` reader loses it."""
     t1, t2 = app_conn(source), app_conn(source)
@@ -131,12 +133,12 @@ def test_late_commit_is_never_skipped(source, dests):
     t2.commit()
 
     reader = LogReader(source.connect(), dests[0])
-    first, position = drain(reader)
+    first, position = drain(reader, final=final)
     assert payloads(first) == [b"T2"]
     naive_last_seen = source.query("SELECT max(entry_id) FROM lr.log_entries")[0][0]
 
     t1.commit()
-    later, _ = drain(reader, after=position)
+    later, _ = drain(reader, after=position, final=final)
     assert payloads(later) == [b"T1 (late)"]
     # The naive reader would never see T1 again: its id is below what it already saw.
     assert source.query("SELECT count(*) FROM lr.log_entries WHERE entry_id > %s", (naive_last_seen,)) == [(0,)]
@@ -164,69 +166,65 @@ def test_conflicting_transactions_arrive_in_commit_order_not_xid_order(source, d
     assert payloads(drain(LogReader(source.connect(), dests[0]))[0]) == [b"v=1", b"v=2"]
 
 
-def test_six_writers_on_shared_counters_with_an_open_transaction(source, dests):
+@BARRIER_OR_FINAL_PREFIX
+def test_six_writers_on_shared_counters_with_an_open_transaction(source, dests, final):
     """DESIGN §6 property 2's scenario: concurrent increments of shared counters, one unrelated
     transaction holding an xid open. Every entry arrives once, each counter's values in order."""
-    conn = app_conn(source)
-    with conn.cursor() as cur:
-        cur.execute("INSERT INTO app_rows SELECT g, 0 FROM generate_series(1, 5) g")
-    conn.commit()
     idle = source.connect()
     with idle.cursor() as cur:
         cur.execute("SELECT pg_current_xact_id()")  # an open transaction holding an xid, all along
-
-    per_writer, errors = 150, []
+    writers = CounterWriters(source, dests)
     stop_reading = threading.Event()
     received: list = []
-
-    def writer(seed: int) -> None:
-        rng = random.Random(seed)
-        c = source.connect()
-        client = RoutingQueueClient(c, "policy")
-        try:
-            for _ in range(per_writer):
-                counter = rng.randint(1, 5)
-                with c.cursor() as cur:
-                    cur.execute("UPDATE app_rows SET v = v + 1 WHERE id = %s RETURNING v", (counter,))
-                    value = cur.fetchone()[0]
-                client.transmit_log_entry_message(f"{counter}:{value}".encode(), dests)
-                if rng.random() < 0.3:
-                    time.sleep(rng.random() / 500)  # widen the commit interleavings
-                c.commit()
-        except BaseException as exc:  # pragma: no cover - reported below
-            errors.append(exc)
-        finally:
-            c.close()
 
     def reader_loop() -> None:
         reader, position = LogReader(source.connect(), dests[0]), 0
         while True:
             done = stop_reading.is_set()
-            batch = reader.read(position, max_entries=50)
+            batch = reader.read(position, max_entries=50, final=final)
             received.extend(batch.records)
             position = batch.end
             if done and not batch.has_more:
                 return
 
-    threads = [threading.Thread(target=writer, args=(i,)) for i in range(6)]
     consumer = threading.Thread(target=reader_loop)
     consumer.start()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    writers.run()
     stop_reading.set()
     consumer.join()
     idle.rollback()
-    assert errors == []
+    writers.check(payloads(received))
 
-    values: dict[int, list[int]] = {}
-    for record in received:
-        counter, value = map(int, record.decode().opaque_payload.split(b":"))
-        values.setdefault(counter, []).append(value)
-    assert sum(len(v) for v in values.values()) == 6 * per_writer  # none lost, none duplicated
-    for counter, seen in values.items():
-        assert seen == list(range(1, len(seen) + 1)), f"counter {counter} out of order"
+
+def test_final_prefix_stops_at_a_position_in_flight_and_the_barrier_passes_a_rolled_back_one(source, dests):
+    """The final prefix never reads past a drawn position that is not committed: T1 draws position
+    1 and stays open (the commit-position trigger made immediate), T2 commits position 2: nothing
+    is final yet, though 2 is committed. T1 commits: both, in position order. A position drawn by
+    a transaction that rolls back never shows up: the final prefix stops before it, the barrier
+    read passes it."""
+    t1, t2 = app_conn(source), app_conn(source)
+    with t1.cursor() as cur:
+        cur.execute("SET CONSTRAINTS ALL IMMEDIATE")  # the position is drawn at the statement
+    RoutingQueueClient(t1, "policy").transmit_log_entry_message(b"T1", dests)
+    RoutingQueueClient(t2, "policy").transmit_log_entry_message(b"T2", dests)
+    t2.commit()
+    reader = LogReader(source.connect(), dests[0])
+    batch = reader.read(0, final=True)
+    assert (batch.records, batch.end, batch.has_more) == ([], 0, True)  # 2 committed, 1 in flight
+    t1.commit()
+    batch = reader.read(0, final=True)
+    assert payloads(batch.records) == [b"T1", b"T2"] and batch.end == 2
+
+    with t1.cursor() as cur:
+        cur.execute("SET CONSTRAINTS ALL IMMEDIATE")
+    RoutingQueueClient(t1, "policy").transmit_log_entry_message(b"rolled back", dests)  # draws 3
+    t1.rollback()
+    RoutingQueueClient(t2, "policy").transmit_log_entry_message(b"T4", dests)
+    t2.commit()
+    stuck = reader.read(2, final=True)
+    assert (stuck.records, stuck.end, stuck.has_more) == ([], 2, True)
+    passed = reader.read(2)  # behind the barrier: 3 is final (rolled back), so 4 is read
+    assert payloads(passed.records) == [b"T4"] and passed.end == 4
 
 
 def test_transactions_stay_whole_and_in_transmit_order_across_small_batches(source, dests):

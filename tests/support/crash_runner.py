@@ -2,17 +2,20 @@
 
 Run as ``python -m tests.support.crash_runner '<json>'`` with ``{"topology": doc, "dsns": {site: dsn},
 "providers": {client: "module:function"}, "owner": str, "lease_seconds": float, "cycles": int,
-"settings": {SessionSettings field: value}}`` (settings override the defaults below).
+"settings": {SessionSettings field: value}, "stream": seconds}`` (settings override the defaults
+below; with ``stream``, the replicator runs in streaming mode, as ``lr sync`` does, for that long).
 """
 from __future__ import annotations
 
 import json
 import sys
+import threading
 
 import psycopg2
 
 from airflow_provider_lr.engine.session.replicator import Replicator
 from airflow_provider_lr.engine.session.runner import SessionSettings
+from airflow_provider_lr.engine.session.stream import Streamer, StreamSettings
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.source.full_sync import load_provider
 
@@ -27,7 +30,13 @@ def main(spec: dict) -> int:
                                     **spec.get("settings", {})}),
         providers={c: load_provider(t) for c, t in spec.get("providers", {}).items()},
     )
-    reports = repl.run(max_cycles=spec.get("cycles", 5), until_idle=True, interval=0.01)
+    if spec.get("stream"):
+        stop = threading.Event()
+        threading.Timer(spec["stream"], stop.set).start()
+        reports: list = []
+        Streamer(repl, StreamSettings(check_interval=0.2)).run(stop, interval=0.05, on_cycle=reports.extend)
+    else:
+        reports = repl.run(max_cycles=spec.get("cycles", 5), until_idle=True, interval=0.01)
     repl.close()
     print(json.dumps([r.__dict__ for r in reports], default=str))
     return 1 if any(r.error for r in reports) else 0

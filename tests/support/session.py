@@ -2,6 +2,9 @@
 and transmits every change, its full-sync provider, and what a sink's receive queue holds."""
 from __future__ import annotations
 
+import random
+import threading
+import time
 from typing import Callable
 
 import psycopg2
@@ -154,9 +157,11 @@ def many_rows_provider(ctx) -> None:
 
 
 def run_crashing_replicator(topo, sites, fault: str, providers: dict[str, str] | None = None, cycles: int = 5,
-                            settings: dict | None = None, timeout: float = 120):
+                            settings: dict | None = None, timeout: float = 120, stream: float | None = None,
+                            during: Callable[[], None] | None = None):
     """Run a replicator in a child process that SIGKILLs itself at fault point ``fault``
-    (``settings``: SessionSettings overrides, e.g. ``tee_min_backlog``)."""
+    (``settings``: SessionSettings overrides, e.g. ``tee_min_backlog``; ``stream``: seconds of
+    streaming mode instead of cycles; ``during``: what the application does while it runs)."""
     import json
     import os
     import subprocess
@@ -170,12 +175,22 @@ def run_crashing_replicator(topo, sites, fault: str, providers: dict[str, str] |
         "owner": f"crash-{fault}",
         "cycles": cycles,
         "settings": settings or {},
+        "stream": stream,
     }
     env = {**os.environ, "LR_FAULT": fault}
-    return subprocess.run(
+    child = subprocess.Popen(
         [sys.executable, "-m", "tests.support.crash_runner", json.dumps(spec)],
-        cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=Path(__file__).resolve().parents[2], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
+    try:
+        if during is not None:
+            during()
+        out, err = child.communicate(timeout=timeout)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    return subprocess.CompletedProcess(child.args, child.returncode, out, err)
 
 
 def drain(reader: LogReader, after: int = 0, **limits) -> tuple[list, int]:
@@ -187,3 +202,67 @@ def drain(reader: LogReader, after: int = 0, **limits) -> tuple[list, int]:
         after = batch.end
         if not batch.has_more:
             return records, after
+
+
+class CounterWriters:
+    """DESIGN §6 property 2's workload: ``writers`` threads each commit ``per_writer`` transactions
+    that increment one of five shared counters and transmit ``counter:value`` (commits interleave
+    late); with ``rollback_every``, every so many transactions of a writer first draw a commit
+    position and roll back (a permanent gap in positions)."""
+
+    def __init__(self, source, destinations: list[str], writers: int = 6, per_writer: int = 150,
+                 rollback_every: int | None = None) -> None:
+        self.source, self.destinations = source, destinations
+        self.writers, self.per_writer, self.rollback_every = writers, per_writer, rollback_every
+        self.errors: list[BaseException] = []
+        conn = source.connect()
+        with conn.cursor() as cur:
+            cur.execute("CREATE TABLE counters (id int PRIMARY KEY, v int NOT NULL)")
+            cur.execute("INSERT INTO counters SELECT g, 0 FROM generate_series(1, 5) g")
+        conn.commit()
+        conn.close()
+
+    @property
+    def total(self) -> int:
+        return self.writers * self.per_writer
+
+    def run(self) -> None:
+        threads = [threading.Thread(target=self._write, args=(i,)) for i in range(self.writers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert self.errors == []
+
+    def _write(self, seed: int) -> None:
+        rng, conn = random.Random(seed), self.source.connect()
+        client = RoutingQueueClient(conn, "policy")
+        try:
+            for n in range(self.per_writer):
+                if self.rollback_every and n % self.rollback_every == 7:
+                    with conn.cursor() as cur:
+                        cur.execute("SET CONSTRAINTS ALL IMMEDIATE")  # the position is drawn now
+                    client.transmit_log_entry_message(b"rolled back", self.destinations)
+                    conn.rollback()
+                counter = rng.randint(1, 5)
+                with conn.cursor() as cur:
+                    cur.execute("UPDATE counters SET v = v + 1 WHERE id = %s RETURNING v", (counter,))
+                    value = cur.fetchone()[0]
+                client.transmit_log_entry_message(f"{counter}:{value}".encode(), self.destinations)
+                if rng.random() < 0.3:
+                    time.sleep(rng.random() / 500)  # widen the commit interleavings
+                conn.commit()
+        except BaseException as exc:  # pragma: no cover - reported by run
+            self.errors.append(exc)
+        finally:
+            conn.close()
+
+    def check(self, payloads: list[bytes], where: str = "") -> None:
+        """Every transaction's entry once, each counter's values in commit order."""
+        assert len(payloads) == self.total and b"rolled back" not in payloads, where
+        values: dict[int, list[int]] = {}
+        for payload in payloads:
+            counter, value = map(int, payload.split(b":"))
+            values.setdefault(counter, []).append(value)
+        for counter, seen in values.items():
+            assert seen == list(range(1, len(seen) + 1)), f"{where}: counter {counter} out of order"

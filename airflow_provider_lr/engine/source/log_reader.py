@@ -255,12 +255,13 @@ class LogReader:
         max_entries: int = DEFAULT_MAX_ENTRIES,
         max_bytes: int = DEFAULT_MAX_BYTES,
         split: BaseSplit | None = None,
+        final: bool = False,
     ) -> LogBatch:
         """Entries after ``after`` (a persisted ``end``), whole transactions only, bounded by count and
         bytes (a single larger transaction is still returned whole). ``split``: leave out what a
-        full sync with that base snapshot already covered. Holds the batch in memory: the session
-        path uses ``read_stream``."""
-        with self.read_stream(after, max_entries, max_bytes, split) as stream:
+        full sync with that base snapshot already covered; ``final``: read the final prefix with no
+        barrier (``_read_final``). Holds the batch in memory: the session path uses ``read_stream``."""
+        with self.read_stream(after, max_entries, max_bytes, split, final) as stream:
             records = list(stream)
         return LogBatch(after=after, end=stream.end, records=records, barrier=stream.barrier,
                         blocked_by=stream.blocked_by)
@@ -271,21 +272,52 @@ class LogReader:
         max_entries: int = DEFAULT_MAX_ENTRIES,
         max_bytes: int = DEFAULT_MAX_BYTES,
         split: BaseSplit | None = None,
+        final: bool = False,
     ) -> LogStream:
         """``read``, but the entries are read as they are consumed (see ``LogStream``): what a batch
-        holds in memory is bounded by bytes whatever the size of its transactions. The barrier and
-        the trim check (``TrimmedError``) happen here, before anything is read."""
+        holds in memory is bounded by bytes whatever the size of its transactions. The barrier (or,
+        ``final``, the final prefix) and the trim check (``TrimmedError``) happen here, before
+        anything is read."""
+        if final:
+            return self._read_final(after, max_entries, max_bytes, split)
         upto, blocked = commit_barrier(self.conn, self.barrier_timeout)
         if upto is None:  # a commit in flight outlasted the timeout: no position is known final
             return LogStream(self.conn, after, after, after, blocked)
         if upto <= after:
             return LogStream(self.conn, after, max(after, upto), upto)
+        check_trim(self.conn, after, f"destination {self.destination!r}")  # starts the read's snapshot
+        return LogStream(self.conn, after, upto, upto, [], max_entries, max_bytes, self._query(after, upto, split))
+
+    def _read_final(self, after: int, max_entries: int, max_bytes: int, split: BaseSplit | None) -> LogStream:
+        """``read_stream`` without the barrier, for a reader that reads again at once (streaming):
+        reads the *final prefix* after ``after``, the positions ``after + 1, after + 2, ...`` that
+        are all committed in the read's snapshot, up to the first one that is not.
+
+        Why that is complete and in commit order: positions are drawn one by one from a sequence at
+        commit, and a position present in a snapshot is committed; when every position up to ``end``
+        is present, no transaction still in flight holds one of them, so none can appear there
+        later. A position missing from the middle is a commit in flight (it shows up in a moment)
+        or a transaction that rolled back after drawing it (it never does): the stream's
+        ``barrier`` is then the highest committed position, above ``end``, and the caller, seeing
+        no progress, decides with ``read_stream``'s barrier. Costs no ``pg_locks`` read."""
+        check_trim(self.conn, after, f"destination {self.destination!r}")  # starts the read's snapshot
+        with self.conn.cursor() as cur:
+            cur.execute(_FINAL_PREFIX_SQL, {"after": after, "scan": max(1, max_entries)})
+            end, highest = cur.fetchone()
+        if end <= after:
+            self.conn.rollback()
+            return LogStream(self.conn, after, after, max(after, highest))
+        return LogStream(self.conn, after, end, max(end, highest), [], max_entries, max_bytes,
+                         self._query(after, end, split))
+
+    def _query(self, after: int, upto: int, split: BaseSplit | None) -> tuple[str, tuple]:
+        """The read of this destination's entries with positions in ``(after, upto]``, in (position,
+        entry id) order, less what the base snapshot ``split`` covered."""
         covered, covered_params = "", ()
         if split is not None and split.upto > after:
             covered = "AND NOT (c.position <= %s AND pg_visible_in_snapshot(c.tx, %s::pg_snapshot))"
             covered_params = (split.upto, split.snapshot)
         client = "AND e.client_id = %s" if self.client_id is not None else ""
-        check_trim(self.conn, after, f"destination {self.destination!r}")  # starts the read's snapshot
         sql = f"""
             SELECT c.position, e.entry_id, octet_length(e.message),
                    CASE WHEN octet_length(e.message) <= %s THEN e.message END, c.tx::text
@@ -300,7 +332,17 @@ class LogReader:
             """
         params = ((self.stream, self.tag_id) + ((self.client_id,) if client else ()) + (after, upto)
                   + covered_params)
-        return LogStream(self.conn, after, upto, upto, [], max_entries, max_bytes, (sql, params))
+        return sql, params
+
+
+# The final prefix after a position: the longest run after + 1, after + 2, ... of committed positions
+# (at most ``scan`` of them, by the primary key), and the highest committed position.
+_FINAL_PREFIX_SQL = """
+SELECT coalesce(max(position) FILTER (WHERE position = %(after)s + n), %(after)s),
+       coalesce((SELECT max(position) FROM lr.log_commits), 0)
+FROM (SELECT position, row_number() OVER (ORDER BY position) AS n
+      FROM (SELECT position FROM lr.log_commits WHERE position > %(after)s ORDER BY position LIMIT %(scan)s) p) d
+"""
 
 
 def snapshot_trim_mark(conn: psycopg2.extensions.connection) -> int:

@@ -1,0 +1,362 @@
+"""Streaming: sessions in log-entry sync stay in a loop woken by commits (issue 19).
+
+A replication *cycle* (``runner``) pays for a lease, a fence, a negotiation and a commit barrier
+before it reads anything, and ``lr sync`` sleeps between idle cycles: fine for a batch, tens of
+milliseconds of lag per entry for a stream. Here a session that a cycle left in log-entry sync is
+handed to a ``SessionStream``, which keeps its lease and its sink position in memory and only:
+
+1. waits until the source's commit position moves past its sink (``SourceWatch``: one cheap probe
+   of the commit-position sequence per source, polled only while a stream waits, faster while
+   commits keep coming);
+2. reads the *final prefix* after the sink (``LogReader.read_stream(final=True)``: the positions after it that
+   are all committed, in one snapshot with the trim mark; no ``pg_locks`` barrier, which costs the
+   writers' lock manager on every read) and writes it in ONE fenced sink transaction
+   (``writes.apply_log_stream``, exactly as a cycle does: epoch checked, position advanced with
+   the entries, subscribers woken);
+3. acknowledges on the source lazily (every ``ack_interval``, asynchronously committed: the sink's
+   own position is the truth, so a lost ack only delays trim).
+
+Negotiation runs again only when something changed: the lease was taken over or could not be
+renewed, the topology changed, a full sync was requested, the log was trimmed past the sink, or a
+site failed (a sink restart drops its connection). The stream then hands the session back to the
+cycles (``Replicator.stream``), which renegotiate and, once the session is in log-entry sync
+again, stream it anew. A batch is whatever committed since the last read, up to
+``max_entries``/``max_bytes``: one entry at a low rate, thousands under load.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import psycopg2
+import psycopg2.extensions
+from psycopg2.extensions import AsIs
+
+from airflow_provider_lr.engine.errors import FencedError, LRError, StaleBatchError, TrimmedError
+from airflow_provider_lr.engine.faults import fault_point
+from airflow_provider_lr.engine.session import lease as leases
+from airflow_provider_lr.engine.session.runner import CycleReport, SessionSettings
+from airflow_provider_lr.engine.sink import writes
+from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.source.log_reader import LogReader
+from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, SessionKey, SessionState
+
+log = logging.getLogger(__name__)
+
+Connect = Callable[[str], psycopg2.extensions.connection]
+
+
+@dataclass
+class StreamSettings:
+    """How a stream waits and how often it looks around (seconds)."""
+
+    poll_min: float = 0.0002  # probe pause while commits keep coming
+    poll_max: float = 0.01  # ... growing to this while none come (the wake-up lag of a first commit)
+    ack_interval: float = 0.2  # acknowledged position recorded on the source at most this often
+    check_interval: float = 1.0  # lease renewed, topology and full-sync requests checked
+    gap_timeout: float = 0.05  # a missing position this old is resolved with the commit barrier
+
+
+class SourceWatch:
+    """The newest commit position drawn on one source, for the streams of its sessions.
+
+    One probe (``SELECT last_value`` of the commit-position sequence: no lock, no table) serves every
+    session of the source, and it runs only while some stream waits: a busy stream reads again at
+    once and needs no wake-up. A position drawn may still be committing; the stream's read tells."""
+
+    def __init__(self, connect: Callable[[], psycopg2.extensions.connection], settings: StreamSettings) -> None:
+        self._connect, self.settings = connect, settings
+        self.latest = 0
+        self._cond = threading.Condition()
+        self._waiting = 0
+        self._stop = threading.Event()
+        self._conn: psycopg2.extensions.connection | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name="lr-source-watch")
+        self._thread.start()
+
+    def wait_beyond(self, position: int, timeout: float) -> bool:
+        """Block until a position above ``position`` is drawn (True) or ``timeout`` passes."""
+        with self._cond:
+            if self.latest > position:
+                return True
+            self._waiting += 1
+            self._cond.notify_all()  # wakes the probe loop if it sleeps for want of waiters
+            try:
+                return self._cond.wait_for(lambda: self.latest > position or self._stop.is_set(), timeout)
+            finally:
+                self._waiting -= 1
+
+    def _probe(self) -> int:
+        if self._conn is None or self._conn.closed:
+            self._conn = self._connect()
+            self._conn.autocommit = True
+        with self._conn.cursor() as cur:
+            cur.execute("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM lr.commit_position_seq")
+            return cur.fetchone()[0]
+
+    def _run(self) -> None:
+        pause = self.settings.poll_min
+        while not self._stop.is_set():
+            with self._cond:
+                self._cond.wait_for(lambda: self._waiting > 0 or self._stop.is_set())
+            try:
+                value = self._probe()
+            except (psycopg2.Error, LRError) as exc:  # the streams find out for themselves; retry slowly
+                log.debug("commit-position probe failed: %s", exc)
+                self._close()
+                self._stop.wait(0.5)
+                continue
+            if value != self.latest:
+                with self._cond:
+                    self.latest = value
+                    self._cond.notify_all()
+                pause = self.settings.poll_min
+            else:
+                pause = min(pause * 2, self.settings.poll_max)
+            self._stop.wait(pause)
+
+    def _close(self) -> None:
+        if self._conn is not None and not self._conn.closed:
+            self._conn.close()
+        self._conn = None
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+        self._close()
+
+
+@dataclass
+class StreamEnd:
+    """Why a stream handed its session back to the cycles, and what it delivered."""
+
+    session: str
+    reason: str
+    delivered: int = 0
+    error: str = ""
+
+
+class _Handback(Exception):
+    """Something changed that calls for negotiation: end the stream, keep the lease."""
+
+
+class SessionStream:
+    """One session in log-entry sync, streaming (see the module docstring). Own connections to its
+    source and sink; holds the lease the cycle took (same owner and epoch) and renews it."""
+
+    def __init__(self, key: SessionKey, lease: leases.Lease, connect: Connect, watch: SourceWatch,
+                 settings: SessionSettings, stream_settings: StreamSettings) -> None:
+        self.key, self.lease, self.watch = key, lease, watch
+        self.settings, self.opts = settings, stream_settings
+        self.delivered = 0
+        self.src = connect(key.source)
+        try:
+            self.sink = connect(key.sink)
+        except BaseException:
+            self.src.close()
+            raise
+        # acks and renewals only: the sink's position is the truth, a lost ack delays trim only
+        with self.src.cursor() as cur:
+            cur.execute("SET synchronous_commit = off")
+        self.src.commit()
+        meta = writes.read_metadata(self.sink, key.source, key.client)
+        self.after, self.base, self.split = meta.last_log_entry_processed, meta.snapshot_applied, meta.split
+        self.acked = -1
+        self.reader = LogReader(self.src, key.sink, STREAM_LOG_ENTRIES, settings.barrier_timeout, client_name=key.client)
+        self.topology_id = self._topology_id()
+        log.info("session %s streams from position %d", key, self.after)
+
+    def run(self, stop: threading.Event) -> StreamEnd:
+        """Stream until ``stop`` or a hand-back; always leaves the connections closed."""
+        end = StreamEnd(str(self.key), "stopped")
+        try:
+            self._loop(stop)
+        except _Handback as exc:
+            end.reason = str(exc)
+        except (FencedError, StaleBatchError, TrimmedError) as exc:
+            end.reason = f"{type(exc).__name__}: {exc}"
+        except (psycopg2.Error, LRError) as exc:
+            end.reason, end.error = "failed", f"{type(exc).__name__}: {exc}".strip()
+        finally:
+            end.delivered = self.delivered
+            self._ack_quietly()
+            self.close()
+        return end
+
+    def _loop(self, stop: threading.Event) -> None:
+        opts = self.opts
+        next_check = time.monotonic() + opts.check_interval
+        last_ack = 0.0
+        stalled_since: float | None = None  # a drawn position has not shown up since then
+        pause = opts.poll_min
+        while not stop.is_set():
+            now = time.monotonic()
+            if now >= next_check:
+                self._check()
+                next_check = now + opts.check_interval
+            if self.acked < self.after and now - last_ack >= opts.ack_interval:
+                self._ack()
+                last_ack = now
+            if stalled_since is None and self.watch.latest <= self.after:
+                self.watch.wait_beyond(self.after, min(opts.check_interval, opts.ack_interval))
+                continue
+            barrier = stalled_since is not None and now - stalled_since >= opts.gap_timeout
+            if self._step(barrier):
+                stalled_since, pause = None, opts.poll_min
+                continue
+            # drawn but not visible: a commit in flight (shows up in a moment), or one that rolled back
+            # after drawing (never does): the barrier tells after ``gap_timeout``, and again after each
+            stalled_since = now if stalled_since is None or barrier else stalled_since
+            time.sleep(pause)
+            pause = min(pause * 2, opts.poll_max)
+
+    def _step(self, barrier: bool) -> bool:
+        """Read what is final after the sink and write it in one sink transaction; True when the
+        sink moved. ``barrier``: read behind the commit barrier instead (it waits for the commits in
+        flight, so a position still missing after it was rolled back and is passed)."""
+        batch = self.reader.read_stream(self.after, self.settings.max_entries, self.settings.max_bytes, self.split,
+                                        final=not barrier)
+        with batch:
+            if batch.end <= self.after:
+                return False
+            after = writes.apply_log_stream(self.sink, self.key.source, self.key.client, self.lease.epoch,
+                                            batch, self.base)
+        fault_point("stream_after_sink_apply")
+        self.delivered += batch.entries
+        moved, self.after = after > self.after, after
+        return moved
+
+    def _check(self) -> None:
+        """Renew the lease (FencedError when taken over) and hand back when negotiation is due."""
+        leases.renew(self.src, self.lease, self.settings.lease_seconds)
+        if self._topology_id() != self.topology_id:
+            raise _Handback("the topology changed")
+        if full_sync.open_request(self.src, self.key.sink, self.key.client) is not None:
+            raise _Handback("a full sync was requested")
+
+    def _ack(self) -> None:
+        """Record the sink's position on the source, then what is still to send behind it."""
+        leases.update_session(self.src, self.lease, commit=False, acked_position=self.after, last_error=None,
+                              last_success_at=AsIs("now()"))
+        (backlog,) = status.session_backlogs(self.src, self.key.sink, self.key.client)  # commits both
+        leases.update_session(self.src, self.lease, remaining_entries=backlog.entries)
+        self.acked = self.after
+
+    def _ack_quietly(self) -> None:
+        if self.acked >= self.after or self.src.closed:
+            return
+        try:
+            self._ack()
+        except (psycopg2.Error, LRError) as exc:  # the next holder records its own; trim waits meanwhile
+            log.info("stream %s: last ack not recorded: %s", self.key, exc)
+
+    def _topology_id(self) -> str | None:
+        with self.src.cursor() as cur:
+            cur.execute("SELECT topology_config_id FROM lr.topology")
+            row = cur.fetchone()
+        self.src.commit()
+        return row[0] if row else None
+
+    def close(self) -> None:
+        for conn in (self.src, self.sink):
+            if not conn.closed:
+                conn.close()
+
+
+class Cycles(Protocol):
+    """What the streaming mode needs of a ``Replicator``: its sessions, connections, settings, and
+    cycles for the sessions that are not streaming (negotiation, snapshot sync, catch-up, errors)."""
+
+    sessions: list[SessionKey]
+    connect: Connect
+    settings: SessionSettings
+
+    def run_cycle(self, keys: list[SessionKey] | None = None) -> list[CycleReport]: ...
+
+    def lease_of(self, key: SessionKey) -> leases.Lease | None: ...
+
+
+def streamable(report: CycleReport) -> bool:
+    """A cycle left the session in log-entry sync, under our lease, with nothing wrong."""
+    return (report.state == SessionState.IN_LOG_ENTRY_SYNC and not report.error and not report.skipped
+            and not report.waiting)
+
+
+class Streamer:
+    """``lr sync``'s streaming mode over a ``Replicator``: cycles for the sessions that need them,
+    a ``SessionStream`` thread for each session in log-entry sync (one ``SourceWatch`` per source).
+    A stream that hands back is cycled at once; cycles of the others run every ``interval``."""
+
+    def __init__(self, cycles: Cycles, options: StreamSettings | None = None) -> None:
+        self.cycles, self.options = cycles, options or StreamSettings()
+        self.ends: list[StreamEnd] = []  # every hand-back so far, in order
+
+    def run(self, stop: threading.Event, interval: float = 1.0,
+            on_cycle: Callable[[list[CycleReport]], None] | None = None,
+            on_end: Callable[[StreamEnd], None] | None = None) -> None:
+        """Until ``stop`` is set."""
+        halt = threading.Event()
+        ended: queue.SimpleQueue[StreamEnd] = queue.SimpleQueue()
+        streams: dict[SessionKey, threading.Thread] = {}
+        watches: dict[str, SourceWatch] = {}
+        due = 0.0  # when the next cycle of the sessions not streaming runs
+        try:
+            while not stop.is_set():
+                while not ended.empty():
+                    end = ended.get()
+                    streams.pop(SessionKey.parse(end.session)).join()
+                    self.ends.append(end)
+                    (log.warning if end.error else log.info)("stream %s handed back after %d entries: %s%s",
+                                                            end.session, end.delivered, end.reason,
+                                                            f" ({end.error})" if end.error else "")
+                    if on_end:
+                        on_end(end)
+                    due = 0.0  # negotiate it now
+                idle = [k for k in self.cycles.sessions if k not in streams]
+                if idle and time.monotonic() >= due:
+                    reports = self.cycles.run_cycle(idle)
+                    if on_cycle:
+                        on_cycle(reports)
+                    for key, report in zip(idle, reports):
+                        if streamable(report):
+                            self._start(key, streams, watches, halt, ended)
+                    busy = any(not r.idle for r in reports)
+                    due = time.monotonic() + (0.0 if busy else interval)
+                stop.wait(0.05 if streams or idle else interval)
+        finally:
+            halt.set()
+            for thread in streams.values():
+                thread.join()
+            for watch in watches.values():
+                watch.close()
+
+    def _start(self, key: SessionKey, streams: dict[SessionKey, threading.Thread], watches: dict[str, SourceWatch],
+               halt: threading.Event, ended: queue.SimpleQueue) -> None:
+        lease = self.cycles.lease_of(key)
+        if lease is None:
+            return
+        if key.source not in watches:
+            watches[key.source] = SourceWatch(lambda: self.cycles.connect(key.source), self.options)
+
+        def run() -> None:
+            try:
+                stream = SessionStream(key, lease, self.cycles.connect, watches[key.source], self.cycles.settings,
+                                       self.options)
+            except Exception as exc:  # a site down: the cycles report it
+                ended.put(StreamEnd(str(key), "failed", error=f"{type(exc).__name__}: {exc}".strip()))
+                return
+            try:
+                ended.put(stream.run(halt))
+            except Exception as exc:  # pragma: no cover - a bug: hand the session back all the same
+                log.exception("stream %s failed", key)
+                ended.put(StreamEnd(str(key), "failed", stream.delivered, f"{type(exc).__name__}: {exc}"))
+
+        thread = streams[key] = threading.Thread(target=run, daemon=True, name=f"lr-stream-{key}")
+        thread.start()

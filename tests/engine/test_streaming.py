@@ -1,0 +1,221 @@
+"""Streaming mode (issue 19): sessions in log-entry sync stay in a loop woken by commits, and keep
+every correctness property of the cycles: late commits and commit order, exactly once through a
+sink restart and a lease handover mid-stream, a forced full sync handed back to negotiation.
+(The kill of the streaming process is a row of tests/engine/test_crash_windows.py.)"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from airflow_provider_lr.engine.session.stream import Streamer, StreamSettings
+from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.vocabulary import SessionKey
+from tests.support.session import (
+    App,
+    CounterWriters,
+    apply,
+    empty_provider,
+    final_state,
+    queue,
+    replicator,
+    sink_queue,
+    source_state,
+    table_provider,
+)
+
+TWO_SINKS = [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy"]}]
+FAST = StreamSettings(check_interval=0.2, ack_interval=0.05)
+
+
+class Streaming:
+    """A replicator in streaming mode on a thread of this process (``lr sync``'s default)."""
+
+    def __init__(self, topo, sites, options: StreamSettings = FAST, provider=table_provider, **settings) -> None:
+        self.repl = replicator(topo, sites, providers={"policy": provider}, lease_seconds=2.0, **settings)
+        self.streamer = Streamer(self.repl, options)
+        self.cycles: list = []  # every cycle report, in order
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.streamer.run, args=(self.stop,),
+                                       kwargs={"interval": 0.05, "on_cycle": self.cycles.extend})
+
+    def __enter__(self) -> "Streaming":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the streamer stops when asked"
+        self.repl.close()
+
+    def streaming(self, timeout: float = 30) -> None:
+        """Wait until every session streams (its last cycle left it in log-entry sync, caught up)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            last = {r.session: r for r in self.cycles}
+            if len(last) == len(self.repl.sessions) and all(
+                    r.state == "IN_LOG_ENTRY_SYNC" and not r.error and not r.skipped and r.remaining == 0
+                    for r in last.values()):
+                return
+            assert time.monotonic() < deadline, f"sessions never settled: {list(last.values())}"
+            time.sleep(0.02)
+
+
+def wait_for(predicate, timeout: float = 30, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def logs(sink) -> list[str]:
+    return [p for k, p in queue(sink, "site-a") if k == "log"]
+
+
+def test_streaming_delivers_each_commit_at_once_without_renegotiating(lr_sites):
+    """Once streaming, an entry reaches both sinks' queues in milliseconds, one commit after the
+    other, with no further cycle (no lease, fence or negotiation) and the lease epoch unchanged."""
+    source, sink_b, sink_c = lr_sites
+    topo = apply(lr_sites, TWO_SINKS, providers={"policy": "tests.support.session:table_provider"})
+    app = App(source)
+    with Streaming(topo, lr_sites) as streaming:
+        streaming.streaming()
+        cycles, epochs = len(streaming.cycles), source.query("SELECT lease_epoch FROM lr.source_sessions")
+        lags = []
+        for i in range(40):
+            started = time.monotonic()
+            app.put(f"k{i}", i, ["site-b", "site-c"])
+            wait_for(lambda: len(logs(sink_b)) == i + 1 and len(logs(sink_c)) == i + 1, 10, f"entry {i}")
+            lags.append(time.monotonic() - started)
+        assert len(streaming.cycles) == cycles, "no cycle ran while the sessions streamed"
+        assert source.query("SELECT lease_epoch FROM lr.source_sessions") == epochs
+        assert logs(sink_b) == logs(sink_c) == [f"k{i}={i}" for i in range(40)]
+        lags.sort()
+        assert lags[len(lags) // 2] < 0.25, f"median arrival {lags[len(lags) // 2] * 1000:.0f} ms"
+        # the lazy ack catches up with the sinks' positions
+        wait_for(lambda: sorted(source.query("SELECT acked_position FROM lr.source_sessions")) == sorted(
+            s.query("SELECT last_log_entry_processed FROM lr.sink_sessions")[0] for s in (sink_b, sink_c)),
+            5, "acks")
+    app.close()
+
+
+def test_streaming_keeps_commit_order_with_late_commits_gaps_and_an_open_transaction(lr_sites):
+    """Six writers increment shared counters (late commits interleave), a transaction holds an xid
+    open all along, and some transactions draw a commit position and then roll back (a permanent gap
+    in positions, passed by the barrier): each sink gets every entry once, each counter in order."""
+    source = lr_sites[0]
+    topo = apply(lr_sites, TWO_SINKS)
+    idle = source.connect()
+    with idle.cursor() as cur:
+        cur.execute("SELECT pg_current_xact_id()")  # an open transaction holding an xid, all along
+    writers = CounterWriters(source, ["site-b", "site-c"], per_writer=120, rollback_every=40)
+    with Streaming(topo, lr_sites, provider=empty_provider) as streaming:
+        streaming.streaming()
+        writers.run()
+        for sink in lr_sites[1:]:
+            wait_for(lambda: len(sink_queue(sink, "policy")) >= writers.total, 60, f"{sink.site_id} complete")
+    idle.rollback()
+    for sink in lr_sites[1:]:
+        writers.check(sink_queue(sink, "policy"), sink.site_id)
+
+
+def test_sink_restarts_mid_stream_then_every_entry_arrives_once(lr_sites, site_manager):
+    """The sink's server stops while entries stream: its stream hands back (the other sink keeps
+    streaming), cycles report the sink down and retry, and once it is back every entry arrives
+    exactly once, in order."""
+    source, sink_b, sink_c = lr_sites
+    sink_b.query(f'ALTER DATABASE "{sink_b.dbname}" SET synchronous_commit = on')  # a durable sink
+    topo = apply(lr_sites, TWO_SINKS)
+    app = App(source)
+    with Streaming(topo, lr_sites) as streaming:
+        streaming.streaming()
+        for i in range(50):
+            app.put(f"k{i}", i, ["site-b", "site-c"])
+        site_manager.down([sink_b.site_id], mode="immediate")
+        try:
+            for i in range(50, 120):
+                app.put(f"k{i}", i, ["site-b", "site-c"])
+            wait_for(lambda: len(logs(sink_c)) == 120, 30, "site-c streams on while site-b is down")
+            wait_for(lambda: any("site-b" in e.session and e.error for e in streaming.streamer.ends), 30,
+                     "site-b's stream to hand back")
+        finally:
+            site_manager.up(site_ids=[sink_b.site_id])
+        for i in range(120, 150):
+            app.put(f"k{i}", i, ["site-b", "site-c"])
+        wait_for(lambda: len(logs(sink_b)) >= 150, 60, "site-b to catch up")
+        streaming.streaming()
+    for sink in (sink_b, sink_c):
+        assert logs(sink) == [f"k{i}={i}" for i in range(150)], sink.site_id
+    app.close()
+
+
+def test_lease_handover_mid_stream_fences_the_old_holder_and_delivers_once(lr_sites):
+    """Replicator A streams; its lease runs out (it stopped renewing: a long pause) and B takes the
+    session over at a higher epoch. A's next write is refused by the sink's fence, A hands back and
+    leaves the session to B; every entry arrives once, in order."""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
+    app = App(source)
+    slow_renewal = StreamSettings(check_interval=3600, ack_interval=0.05)
+    with Streaming(topo, lr_sites, options=slow_renewal) as a:
+        a.streaming()
+        for i in range(20):
+            app.put(f"k{i}", i, ["site-b"])
+        wait_for(lambda: len(logs(sink_b)) == 20, 10, "A streams")
+        source.query("UPDATE lr.source_sessions SET lease_expires_at = now() - interval '1 second'")
+        with Streaming(topo, lr_sites) as b:
+            b.streaming()
+            for i in range(20, 60):
+                app.put(f"k{i}", i, ["site-b"])
+            wait_for(lambda: len(logs(sink_b)) >= 60, 20, "B streams")
+            wait_for(lambda: any(e.reason.startswith("FencedError") for e in a.streamer.ends), 10,
+                     "A's stream to be fenced")
+            time.sleep(0.3)
+            assert a.cycles[-1].skipped, "A leaves the session to B"
+    assert logs(sink_b) == [f"k{i}={i}" for i in range(60)]
+    app.close()
+
+
+@pytest.mark.parametrize("change", ["full_sync", "topology"])
+def test_a_full_sync_request_or_a_topology_change_hands_the_stream_back(lr_sites, change):
+    """While streaming, a forced full sync (or a new topology) is seen within ``check_interval``:
+    the stream hands back, the cycles negotiate (a snapshot sync for the request) and the session
+    streams again; the entries before and after arrive once."""
+    source, sink_b, _ = lr_sites
+    one = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
+    topo = apply(lr_sites, one, providers={"policy": "tests.support.session:table_provider"})
+    app = App(source)
+    with Streaming(topo, lr_sites) as streaming:
+        streaming.streaming()
+        for i in range(10):
+            app.put(f"k{i}", i, ["site-b"])
+        wait_for(lambda: len(logs(sink_b)) == 10, 10, "streamed")
+        if change == "full_sync":
+            conn = source.connect()
+            full_sync.request_full_sync(conn, "site-b", "policy", "operator asked", forced=True)
+            conn.close()
+        else:
+            apply(lr_sites, one, providers={"policy": "tests.support.session:table_provider"},
+                  settings={"max_payload_bytes": 4096})
+        wait_for(lambda: streaming.streamer.ends, 10, "the stream to hand back")
+        end = streaming.streamer.ends[0]
+        assert end.session == str(SessionKey("site-a", "site-b", "policy")) and not end.error
+        assert ("full sync" if change == "full_sync" else "topology") in end.reason
+        for i in range(10, 20):
+            app.put(f"k{i}", i, ["site-b"])
+        wait_for(lambda: final_state(queue(sink_b, "site-a")) == source_state(source), 20, "the sink to catch up")
+        streaming.streaming()
+    entries = queue(sink_b, "site-a")
+    starts = [n for n, (k, _) in enumerate(entries) if k == "start"]
+    after_last_start = [p for k, p in entries[starts[-1]:] if k == "log"]
+    assert not [p for p, n in Counter(after_last_start).items() if n > 1], "nothing twice"
+    if change == "full_sync":
+        assert len(starts) == 2, "the forced full sync ran"
+        snap = [p for k, p in entries[starts[-1]:] if k == "snap"]
+        assert not set(snap) & set(after_last_start), "the base snapshot splits the log: nothing in both"
+    else:
+        assert len(starts) == 1 and logs(sink_b) == [f"k{i}={i}" for i in range(20)]
+    app.close()
