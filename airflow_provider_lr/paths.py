@@ -1,7 +1,10 @@
-"""Where lr's shipped non-Python files live (migrations, topology, DAGs, Spark jobs, protos).
+"""Where lr's files live: its local state directory and its shipped non-Python files.
 
-In a source checkout or editable install they sit beside the package; a wheel installs them under
-``<prefix>/share/airflow-provider-lr``. ``LR_SHARE_DIR`` overrides both.
+The state directory (``lr_home``) is read by the engine (the connections file) and written by the
+embedded tooling, so the rule lives here, below both. Shipped files (topology, DAGs, Spark jobs,
+protos) sit beside the package in a source checkout or editable install; a wheel installs them under
+``<prefix>/share/airflow-provider-lr``. ``LR_SHARE_DIR`` overrides both. The migrations are package
+data (``airflow_provider_lr.migrations``), read with ``importlib.resources`` by ``engine/site/schema``.
 """
 from __future__ import annotations
 
@@ -10,6 +13,12 @@ import sys
 from pathlib import Path
 
 _SOURCE_ROOT = Path(__file__).resolve().parent.parent
+LR_HOME_ENV = "LR_HOME"
+
+
+def lr_home() -> Path:
+    """lr's local state directory: ``$LR_HOME``, by default ``./.lr`` (embedded sites, connections)."""
+    return Path(os.environ.get(LR_HOME_ENV) or Path.cwd() / ".lr").resolve()
 
 
 def share_dir() -> Path:
@@ -24,10 +33,6 @@ def share_dir() -> Path:
 
 def include_dir() -> Path:
     return share_dir() / "include"
-
-
-def migrations_dir() -> Path:
-    return include_dir() / "migrations"
 
 
 def dags_dir() -> Path:

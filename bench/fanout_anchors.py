@@ -45,7 +45,7 @@ from psycopg.abc import Buffer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from airflow_provider_lr.sites import SiteManager  # noqa: E402
+from airflow_provider_lr.embedded.sites import SiteManager  # noqa: E402
 
 SINKS = 3
 PAYLOAD_BYTES = 256

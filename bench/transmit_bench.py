@@ -37,12 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psycopg2  # noqa: E402
 
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient  # noqa: E402
+from airflow_provider_lr.embedded.sites import SiteManager  # noqa: E402
 from airflow_provider_lr.engine.site import (
     roles,
     schema,
     topology,  # noqa: E402
 )
-from airflow_provider_lr.sites import SiteManager  # noqa: E402
 
 REMOTES = [f"sink-{i:02d}" for i in range(1, 11)]
 

@@ -68,8 +68,8 @@ def test_lr_commands_name_what_is_wrong(lr_sites, tmp_path, monkeypatch, capsys)
 
 
 def test_demo_replicates_on_its_own_embedded_sites(tmp_path, capsys):
-    from airflow_provider_lr import demo
-    from airflow_provider_lr.sites import SiteManager
+    from airflow_provider_lr.embedded import demo
+    from airflow_provider_lr.embedded.sites import SiteManager
 
     manager = SiteManager(tmp_path / "demo-home")
     try:

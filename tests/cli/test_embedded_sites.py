@@ -8,8 +8,8 @@ import psycopg2
 import pytest
 
 from airflow_provider_lr import cli
+from airflow_provider_lr.embedded.sites import SiteManager
 from airflow_provider_lr.engine.site import conninfo
-from airflow_provider_lr.sites import SiteManager
 from tests.conftest import FAST_SETTINGS
 
 

@@ -10,12 +10,12 @@ import pytest
 
 from airflow_provider_lr import cli
 from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.embedded.sites import SiteManager
 from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError, TransmitError
 from airflow_provider_lr.engine.session.replicator import Replicator
 from airflow_provider_lr.engine.session.runner import SessionSettings
 from airflow_provider_lr.engine.site import schema, topology
 from airflow_provider_lr.engine.source import trim
-from airflow_provider_lr.sites import SiteManager
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 from tests.support.session import App, apply, queue, replicator
 from tests.support.spark_env import lr_connections  # noqa: F401 (fixture: the tee resolves the sites by id)
@@ -53,7 +53,7 @@ def test_lr_sites_up_refuses_ids_that_would_escape_lr_home_or_collide(tmp_path, 
 
 
 def test_airflow_env_quotes_what_it_writes(tmp_path):
-    from airflow_provider_lr.sites import EmbeddedSite
+    from airflow_provider_lr.embedded.sites import EmbeddedSite
 
     manager = SiteManager(tmp_path)
     manager.write_connections([EmbeddedSite("site-a", "eu'; echo pwned; '", 5432, str(tmp_path))])

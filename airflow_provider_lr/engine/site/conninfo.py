@@ -17,6 +17,7 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError
+from airflow_provider_lr.paths import lr_home
 
 CONNECTIONS_FILE_ENV = "LR_CONNECTIONS_FILE"
 # Connection extras that describe the site rather than libpq options.
@@ -124,8 +125,6 @@ def connections_file() -> Path:
     explicit = os.environ.get(CONNECTIONS_FILE_ENV)
     if explicit:
         return Path(explicit)
-    from airflow_provider_lr.sites import lr_home  # local import: sites imports this module
-
     return lr_home() / "connections.json"
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psycopg2.errors
 import psycopg2.extensions
@@ -18,8 +20,13 @@ import psycopg2.extensions
 from airflow_provider_lr.engine.errors import SchemaError
 from airflow_provider_lr.engine.site.topology_schema import valid_site_id
 from airflow_provider_lr.engine.vocabulary import SCHEMA_LOCK_KEY
-from airflow_provider_lr.paths import migrations_dir
 
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
+# Package data mapped from include/migrations (setup.cfg): found the same way in a source checkout,
+# an editable install and a wheel, with no guess at where the files were put.
+MIGRATIONS_PACKAGE = "airflow_provider_lr.migrations"
 _NAME = re.compile(r"^V(\d{4})__([a-z0-9_]+)\.sql$")
 
 # Created only when missing: ``CREATE ... IF NOT EXISTS`` checks its privilege (CREATE on the
@@ -52,15 +59,16 @@ class MigrationResult:
     version: int
 
 
-def available_migrations(directory: Path | None = None) -> list[Migration]:
-    """The migrations shipped with this code, in version order (gaps and duplicates refused)."""
-    directory = directory or migrations_dir()
+def available_migrations(directory: Path | Traversable | None = None) -> list[Migration]:
+    """The migrations shipped with this code (or those in ``directory``), in version order (gaps and
+    duplicates refused)."""
+    directory = directory or resources.files(MIGRATIONS_PACKAGE)
     found: list[Migration] = []
-    for path in sorted(directory.glob("*.sql")):
+    for path in sorted((p for p in directory.iterdir() if p.name.endswith(".sql")), key=lambda p: p.name):
         match = _NAME.match(path.name)
         if not match:
             raise SchemaError(f"badly named migration {path} (expected V0001__name.sql)")
-        found.append(Migration(int(match.group(1)), match.group(2), path.read_text()))
+        found.append(Migration(int(match.group(1)), match.group(2), path.read_text(encoding="utf-8")))
     for expected, migration in enumerate(found, start=1):
         if migration.version != expected:
             raise SchemaError(f"migrations in {directory} must be numbered 1..N without gaps; got {migration.version}")

