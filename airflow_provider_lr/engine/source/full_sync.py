@@ -29,7 +29,7 @@ from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, F
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session.lease import Lease
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, commit_barrier
-from airflow_provider_lr.engine.source.transmit import RoutingQueueClient
+from airflow_provider_lr.engine.source.log_writer import LogWriter
 from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES_SQL, STREAM_SNAP_SYNC, RequestStatus
 from airflow_provider_lr.proto import lr_pb2
 
@@ -177,7 +177,7 @@ class FullSyncContext:
     """What a provider gets: ``transmit(payload)`` per message, inside the supplying transaction.
     ``conn`` is that transaction (REPEATABLE READ): read the application's data through it."""
 
-    def __init__(self, client: RoutingQueueClient, request: FullSyncRequest, base: int, split: BaseSplit) -> None:
+    def __init__(self, client: LogWriter, request: FullSyncRequest, base: int, split: BaseSplit) -> None:
         self.client = client
         self.conn = client.conn
         self.request = request
@@ -230,7 +230,7 @@ def load_provider(target: str) -> Provider:
     return provider
 
 
-def serve_full_sync_requests(client: RoutingQueueClient, provider: Provider, max_requests: int | None = None) -> list[str]:
+def serve_full_sync_requests(client: LogWriter, provider: Provider, max_requests: int | None = None) -> list[str]:
     """Supply every pending request of the client's sessions (one transaction each); returns the
     request ids supplied. The connection must not be inside a transaction."""
     conn = client.conn

@@ -1,26 +1,18 @@
 """The source-side client API: hand payloads for remote sites to lr inside the caller's transaction.
 
 Each message becomes exactly one row of the shared log (``LRQ_Send_LogEntries``) whatever the
-number of destinations, carrying a compact tag per destination (``lrq_logentry_<site>``) and a
-serialized ``RoutingTableEntryMsg``. The caller commits or rolls back: lr never commits here.
-The client takes no lock and updates no shared row, so concurrent application transactions are
-not serialized; the commit position is drawn at commit by a deferred trigger (see the migration).
+number of destinations, written by the client's ``LogWriter`` (``log_writer``), which the
+full-sync supply writes through too. The caller commits or rolls back: lr never commits here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-import psycopg2.extensions
-from psycopg2.extras import execute_values
-
-from airflow_provider_lr.engine.errors import TransmitError
-from airflow_provider_lr.engine.site.schema import site_identity
+from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.source.log_writer import LogWriter
 from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES
 from airflow_provider_lr.proto import lr_pb2
-
-DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
-PREPARED_INSERT = "lr_transmit_v1"  # versioned: a new lr with another insert uses a new name
 
 
 @dataclass(frozen=True)
@@ -31,65 +23,12 @@ class LRMessageWithDestinations:
     destinations: Sequence[str]
 
 
-class RoutingQueueClient:
-    """Transmit opaque payloads to remote sites, inside the application's own transaction.
+class RoutingQueueClient(LogWriter):
+    """Transmit opaque payloads to remote sites, inside the application's own transaction, and
+    supply the client's full syncs.
 
     ``conn`` is the application's open psycopg2 connection; nothing is committed here.
     """
-
-    def __init__(
-        self,
-        conn: psycopg2.extensions.connection,
-        client_name: str,
-        max_payload_bytes: int | None = None,
-        prepared: bool = True,
-    ) -> None:
-        if not client_name or not client_name.replace("_", "").replace("-", "").isalnum():
-            raise TransmitError(f"invalid client name {client_name!r}: use letters, digits, '-' or '_'")
-        self.conn = conn
-        self.client_name = client_name
-        self.max_payload_bytes = max_payload_bytes or DEFAULT_MAX_PAYLOAD_BYTES
-        idle = conn.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
-        self.source_site_id, _ = site_identity(conn)
-        self.client_id = 0
-        self._tag_ids: dict[str, int] = {}  # the sinks this client replicates to -> their tag
-        self._load_routes(max_payload_bytes is None)
-        self.prepared = prepared
-        if prepared:
-            self._prepare()
-        if idle:
-            conn.rollback()  # leave the caller's connection as we found it (read only so far)
-
-    def _load_routes(self, topology_limit: bool = False) -> None:
-        """The client's id and its sinks (and, unless the caller set one, the payload limit: the
-        topology's ``max_payload_bytes``), from the topology applied to this site."""
-        with self.conn.cursor() as cur:
-            if topology_limit:
-                cur.execute("SELECT (document #>> '{settings,max_payload_bytes}')::bigint FROM lr.topology")
-                row = cur.fetchone()
-                self.max_payload_bytes = (row and row[0]) or DEFAULT_MAX_PAYLOAD_BYTES
-            cur.execute("SELECT client_id FROM lr.clients WHERE client_name = %s", (self.client_name,))
-            row = cur.fetchone()
-            self.client_id = row[0] if row else 0
-            cur.execute(
-                "SELECT r.site_id, r.tag_id FROM lr.source_sessions s JOIN lr.remote_sites r ON r.site_id = s.sink_site_id "
-                "WHERE s.client_name = %s",
-                (self.client_name,),
-            )
-            self._tag_ids = dict(cur.fetchall())
-
-    def _prepare(self) -> None:
-        """Prepare the single-entry insert once per connection: parse and plan are most of what an
-        extra INSERT costs the server in a small application transaction. Prepared statements are
-        per session and survive rollback. Pass ``prepared=False`` behind a pooler that discards
-        session state (``DISCARD ALL``) between transactions."""
-        with self.conn.cursor() as cur:
-            cur.execute("SELECT 1 FROM pg_prepared_statements WHERE name = %s", (PREPARED_INSERT,))
-            if cur.fetchone() is None:
-                cur.execute(
-                    f"PREPARE {PREPARED_INSERT} (smallint, integer[], integer, bytea) AS "
-                    "INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) VALUES ($1, $2, $3, $4)"
-                )
 
     def transmit_log_entry_message(self, payload: bytes, destinations: Sequence[str]) -> None:
         """Store one payload for ``destinations`` as one log entry (visible when the caller commits)."""
@@ -101,71 +40,8 @@ class RoutingQueueClient:
         if rows:
             self._insert(rows)
 
-    def serve_full_sync_requests(self, provider, max_requests: int | None = None) -> list[str]:
+    def serve_full_sync_requests(self, provider: full_sync.Provider, max_requests: int | None = None) -> list[str]:
         """Supply the pending full-sync requests of this client's sessions with ``provider(ctx)``,
         which calls ``ctx.transmit(payload)`` per message; lr writes the start marker (with the base
         snapshot) and the end marker. One transaction per request; returns the ids supplied."""
-        from airflow_provider_lr.engine.source.full_sync import serve_full_sync_requests
-
-        return serve_full_sync_requests(self, provider, max_requests)
-
-    # --- internals shared with the full-sync transmitter -------------------------------------
-    def _row(
-        self, stream: int, payload: bytes, destinations: Sequence[str], kind: int, **fields: object
-    ) -> tuple[int, list[int], bytes]:
-        if not isinstance(payload, (bytes, bytearray, memoryview)):
-            raise TransmitError(f"payload must be bytes, not {type(payload).__name__}; nothing was written")
-        size = payload.nbytes if isinstance(payload, memoryview) else len(payload)  # bytes, not items
-        if size > self.max_payload_bytes:
-            raise TransmitError(
-                f"payload of {size} bytes exceeds the maximum of {self.max_payload_bytes} bytes "
-                f"(client {self.client_name!r}); nothing was written"
-            )
-        if isinstance(destinations, str) or not destinations:
-            raise TransmitError("destinations must be a non-empty list of site ids; nothing was written")
-        unique = list(dict.fromkeys(destinations))
-        if self.source_site_id in unique:
-            raise TransmitError(f"site {self.source_site_id!r} cannot transmit to itself; nothing was written")
-        unknown = [d for d in unique if d not in self._tag_ids]
-        if unknown:
-            self._load_routes()  # the topology may have been applied since this client started
-            unknown = [d for d in unique if d not in self._tag_ids]
-        if unknown:
-            if not self.client_id:
-                raise TransmitError(
-                    f"client {self.client_name!r} is not in the topology applied to {self.source_site_id!r} "
-                    f"(add it to a replication and run `lr topology apply`); nothing was written"
-                )
-            raise TransmitError(
-                f"unknown destination(s) {unknown} for client {self.client_name!r} at source "
-                f"{self.source_site_id!r}: the topology replicates it to {sorted(self._tag_ids)} "
-                f"(edit the topology and run `lr topology apply`); nothing was written"
-            )
-        message = lr_pb2.RoutingTableEntryMsg(
-            destinations=unique,
-            type=kind,
-            opaque_payload=bytes(payload),
-            source_site_id=self.source_site_id,
-            client_name=self.client_name,
-            **fields,
-        )
-        return stream, [self._tag_ids[d] for d in unique], message.SerializeToString()
-
-    def _insert(self, rows: list[tuple[int, list[int], bytes]]) -> None:
-        with self.conn.cursor() as cur:
-            if len(rows) == 1:
-                stream, tags, message = rows[0]
-                statement = (
-                    f"EXECUTE {PREPARED_INSERT} (%s, %s, %s, %s)" if self.prepared else
-                    "INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) VALUES (%s, %s::int[], %s, %s)"
-                )
-                cur.execute(statement, (stream, tags, self.client_id, psycopg2.Binary(message)))
-            else:
-                # entry ids follow the VALUES order: transmit order within the transaction is kept.
-                execute_values(
-                    cur,
-                    "INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) VALUES %s",
-                    [(s, t, self.client_id, psycopg2.Binary(m)) for s, t, m in rows],
-                    template="(%s, %s::int[], %s, %s)",
-                    page_size=1000,
-                )
+        return full_sync.serve_full_sync_requests(self, provider, max_requests)

@@ -1,0 +1,146 @@
+"""One client's writer of the shared log: its routes, one validated row per message, the insert.
+
+Log-entry transmit (``transmit``) and the full-sync supply (``full_sync``) both write the shared log
+through it, so neither imports the other's rules. Each message becomes exactly one row of
+``lr.log_entries`` whatever the number of destinations, carrying a compact tag per destination and a
+serialized ``RoutingTableEntryMsg``. The caller commits or rolls back: lr never commits here. The
+writer takes no lock and updates no shared row, so concurrent application transactions are not
+serialized; the commit position is drawn at commit by a deferred trigger (see the migration).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import psycopg2.extensions
+from psycopg2.extras import execute_values
+
+from airflow_provider_lr.engine.errors import TransmitError
+from airflow_provider_lr.engine.site.schema import site_identity
+from airflow_provider_lr.proto import lr_pb2
+
+DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+PREPARED_INSERT = "lr_transmit_v1"  # versioned: a new lr with another insert uses a new name
+
+
+class LogWriter:
+    """Writes one client's entries into the shared log, inside the caller's transaction.
+
+    ``conn`` is the application's open psycopg2 connection; nothing is committed here.
+    """
+
+    def __init__(
+        self,
+        conn: psycopg2.extensions.connection,
+        client_name: str,
+        max_payload_bytes: int | None = None,
+        prepared: bool = True,
+    ) -> None:
+        if not client_name or not client_name.replace("_", "").replace("-", "").isalnum():
+            raise TransmitError(f"invalid client name {client_name!r}: use letters, digits, '-' or '_'")
+        self.conn = conn
+        self.client_name = client_name
+        self.max_payload_bytes = max_payload_bytes or DEFAULT_MAX_PAYLOAD_BYTES
+        idle = conn.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
+        self.source_site_id, _ = site_identity(conn)
+        self.client_id = 0
+        self._tag_ids: dict[str, int] = {}  # the sinks this client replicates to -> their tag
+        self._load_routes(max_payload_bytes is None)
+        self.prepared = prepared
+        if prepared:
+            self._prepare()
+        if idle:
+            conn.rollback()  # leave the caller's connection as we found it (read only so far)
+
+    def _load_routes(self, topology_limit: bool = False) -> None:
+        """The client's id and its sinks (and, unless the caller set one, the payload limit: the
+        topology's ``max_payload_bytes``), from the topology applied to this site."""
+        with self.conn.cursor() as cur:
+            if topology_limit:
+                cur.execute("SELECT (document #>> '{settings,max_payload_bytes}')::bigint FROM lr.topology")
+                row = cur.fetchone()
+                self.max_payload_bytes = (row and row[0]) or DEFAULT_MAX_PAYLOAD_BYTES
+            cur.execute("SELECT client_id FROM lr.clients WHERE client_name = %s", (self.client_name,))
+            row = cur.fetchone()
+            self.client_id = row[0] if row else 0
+            cur.execute(
+                "SELECT r.site_id, r.tag_id FROM lr.source_sessions s JOIN lr.remote_sites r ON r.site_id = s.sink_site_id "
+                "WHERE s.client_name = %s",
+                (self.client_name,),
+            )
+            self._tag_ids = dict(cur.fetchall())
+
+    def _prepare(self) -> None:
+        """Prepare the single-entry insert once per connection: parse and plan are most of what an
+        extra INSERT costs the server in a small application transaction. Prepared statements are
+        per session and survive rollback. Pass ``prepared=False`` behind a pooler that discards
+        session state (``DISCARD ALL``) between transactions."""
+        with self.conn.cursor() as cur:
+            cur.execute("SELECT 1 FROM pg_prepared_statements WHERE name = %s", (PREPARED_INSERT,))
+            if cur.fetchone() is None:
+                cur.execute(
+                    f"PREPARE {PREPARED_INSERT} (smallint, integer[], integer, bytea) AS "
+                    "INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) VALUES ($1, $2, $3, $4)"
+                )
+
+    def _row(
+        self, stream: int, payload: bytes, destinations: Sequence[str], kind: int, **fields: object
+    ) -> tuple[int, list[int], bytes]:
+        """One message as a log row (stream, tag ids, serialized message); ``TransmitError``, with
+        nothing written, when the payload or its destinations are refused."""
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise TransmitError(f"payload must be bytes, not {type(payload).__name__}; nothing was written")
+        size = payload.nbytes if isinstance(payload, memoryview) else len(payload)  # bytes, not items
+        if size > self.max_payload_bytes:
+            raise TransmitError(
+                f"payload of {size} bytes exceeds the maximum of {self.max_payload_bytes} bytes "
+                f"(client {self.client_name!r}); nothing was written"
+            )
+        if isinstance(destinations, str) or not destinations:
+            raise TransmitError("destinations must be a non-empty list of site ids; nothing was written")
+        unique = list(dict.fromkeys(destinations))
+        if self.source_site_id in unique:
+            raise TransmitError(f"site {self.source_site_id!r} cannot transmit to itself; nothing was written")
+        unknown = [d for d in unique if d not in self._tag_ids]
+        if unknown:
+            self._load_routes()  # the topology may have been applied since this client started
+            unknown = [d for d in unique if d not in self._tag_ids]
+        if unknown:
+            if not self.client_id:
+                raise TransmitError(
+                    f"client {self.client_name!r} is not in the topology applied to {self.source_site_id!r} "
+                    f"(add it to a replication and run `lr topology apply`); nothing was written"
+                )
+            raise TransmitError(
+                f"unknown destination(s) {unknown} for client {self.client_name!r} at source "
+                f"{self.source_site_id!r}: the topology replicates it to {sorted(self._tag_ids)} "
+                f"(edit the topology and run `lr topology apply`); nothing was written"
+            )
+        message = lr_pb2.RoutingTableEntryMsg(
+            destinations=unique,
+            type=kind,
+            opaque_payload=bytes(payload),
+            source_site_id=self.source_site_id,
+            client_name=self.client_name,
+            **fields,
+        )
+        return stream, [self._tag_ids[d] for d in unique], message.SerializeToString()
+
+    def _insert(self, rows: list[tuple[int, list[int], bytes]]) -> None:
+        """Insert rows made by ``_row``, in order, in the caller's transaction."""
+        with self.conn.cursor() as cur:
+            if len(rows) == 1:
+                stream, tags, message = rows[0]
+                statement = (
+                    f"EXECUTE {PREPARED_INSERT} (%s, %s, %s, %s)" if self.prepared else
+                    "INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) VALUES (%s, %s::int[], %s, %s)"
+                )
+                cur.execute(statement, (stream, tags, self.client_id, psycopg2.Binary(message)))
+            else:
+                # entry ids follow the VALUES order: transmit order within the transaction is kept.
+                execute_values(
+                    cur,
+                    "INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) VALUES %s",
+                    [(s, t, self.client_id, psycopg2.Binary(m)) for s, t, m in rows],
+                    template="(%s, %s::int[], %s, %s)",
+                    page_size=1000,
+                )
