@@ -1,6 +1,6 @@
 """Subscriber delivery rate: a sink's receive queue drained by ``RoutingQueueSubscriber.poll``.
 
-The queue is filled the way the replicator fills it (``writes._SinkWrite.insert``: entries packed into
+The queue is filled the way the replicator fills it (``writes.SinkTransaction.insert``: entries packed into
 rows, ``engine/sink/queue_rows.py``) and, for comparison, with one entry per row (the form before schema
 V0005, still valid). The listener does nothing but acknowledge, so the figure is lr's own cost of
 reading, unpacking, calling back and consuming (delete / ``delivered``), one transaction per batch.
@@ -57,7 +57,7 @@ def fill(dsn: str, entries: int, packed: bool) -> int:
     messages = [lr_pb2.RoutingTableEntryMsg(type=lr_pb2.LOG_ENTRY_SYNC, opaque_payload=os.urandom(256),
                                             source_site_id=SOURCE, client_name=CLIENT).SerializeToString()
                 for _ in range(min(entries, 10_000))]
-    write = writes._SinkWrite(conn, SOURCE, CLIENT, epoch=1)
+    write = writes.SinkTransaction(conn, SOURCE, CLIENT, epoch=1)
     with write as (cur, _):
         for start in range(0, entries, 10_000):
             batch = [(lr_pb2.LOG_ENTRY_SYNC, start + i, start + i, m)

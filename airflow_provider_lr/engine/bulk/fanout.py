@@ -9,8 +9,8 @@ only decides where step 2 runs (and tests run it with a plain loop):
    snapshot. The range to move is ``(min demand, commit barrier]`` (capped by ``max_entries``
    at a transaction boundary), cut into position *chunks* of about equal entry counts.
 2. **tee** (the chunks of one source in order, in one task): for a chunk ``(lo, hi]`` every
-   session that still needs it opens ONE fenced sink transaction (``writes._SinkWrite``: session row
-   locked, lease epoch checked); it refuses unless the sink's ``last_log_entry_processed`` is where
+   session that still needs it opens ONE fenced sink transaction (``writes.SinkTransaction``: session
+   row locked, lease epoch checked); it refuses unless the sink's ``last_log_entry_processed`` is where
    the chunk starts for it and skips the chunk when the sink is already at or past ``hi``. The
    chunk is then read ONCE from the source with a binary ``COPY TO STDOUT`` in (position, entry id)
    order, the source server computing per entry the bit mask of the sessions that want it (tag,
@@ -444,10 +444,10 @@ class _SessionTee:
         self.demand = demand
         self.writer: ReceiveQueueWriter | None = None
         self.conn = psycopg2.connect(plan.sink_dsns[demand.sink])
-        self.write = writes._SinkWrite(self.conn, plan.source, demand.client, demand.epoch)
+        self.transaction = writes.SinkTransaction(self.conn, plan.source, demand.client, demand.epoch)
         self.done = False  # the sink already processed the whole chunk: nothing to write
         try:
-            _, meta = self.write.__enter__()  # locks the session row (a duplicate attempt waits here)
+            meta = self.transaction.open()  # locks the session row (a duplicate attempt waits here)
             if not meta.data_consistent or meta.snapshot_applied != demand.base:
                 raise StaleBatchError(
                     f"fan-out for base {demand.base} but the sink of {plan.source}/{demand.client} is at base "
@@ -475,14 +475,14 @@ class _SessionTee:
             if self.writer.copied != self.writer.rows:
                 raise StaleBatchError(f"{self.demand.session}: the sink took {self.writer.copied} of "
                                       f"{self.writer.rows} rows")
-            self.write.update(last_log_entry_processed=end)
+            self.transaction.update(last_log_entry_processed=end)
             if self.entries:
-                self.write.announce()
-        except BaseException as exc:
-            self.write.__exit__(type(exc), exc, None)
+                self.transaction.announce()
+        except BaseException:
+            self.transaction.abort()
             self.conn.close()
             raise
-        self.write.__exit__(None, None, None)
+        self.transaction.commit()
         self.conn.close()
         self.position = end
 

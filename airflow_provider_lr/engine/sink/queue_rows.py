@@ -18,7 +18,7 @@ The rule (V0005):
 * ``delivered``: how many leading entries of the row a subscriber has consumed (a delivery that
   ends inside a row advances it; the one that takes the rest deletes the row).
 
-``Packer`` is the one place that forms rows; every writer (the session cycle's ``sink._SinkWrite``,
+``Packer`` is the one place that forms rows; every writer (the session cycle's ``writes.SinkTransaction``,
 the fan-out's binary COPY) goes through it, and ``unpack`` is the one place that reads them.
 """
 from __future__ import annotations

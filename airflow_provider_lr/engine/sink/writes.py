@@ -92,13 +92,21 @@ INSERT_BYTES = 4 << 20
 INSERT_ENTRIES = 4096
 
 
-class _SinkWrite:
-    """One fenced sink transaction: lock the session row, check the epoch, then write."""
+class SinkTransaction:
+    """One fenced sink transaction: ``open`` locks the session row and checks the writer's lease
+    epoch (a replicator whose lease was taken over is refused before it writes anything), the
+    writes follow, then ``commit`` or ``abort``. As a context manager
+    (``with SinkTransaction(...) as (cur, meta)``) it commits on a clean exit and aborts on an
+    exception; the fan-out calls the methods itself, its transactions span a whole chunk's read."""
+
+    cur: psycopg2.extensions.cursor  # the transaction's cursor, from ``open`` on
 
     def __init__(self, conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> None:
         self.conn, self.source, self.client, self.epoch = conn, source, client, epoch
 
-    def __enter__(self) -> tuple[psycopg2.extensions.cursor, SinkMetadata]:
+    def open(self) -> SinkMetadata:
+        """Lock the session's row (a concurrent writer of the session waits here), refuse a stale
+        epoch, raise the sink's epoch to ours; the sink's metadata as it stands under the lock."""
         self.cur = self.conn.cursor()
         try:
             self.cur.execute(
@@ -120,21 +128,37 @@ class _SinkWrite:
                     "UPDATE lr.sink_sessions SET lease_epoch = %s WHERE source_site_id = %s AND client_name = %s",
                     (self.epoch, self.source, self.client),
                 )
-            return self.cur, meta
+            return meta
         except BaseException:
             self.cur.close()
             if not self.conn.closed:
                 self.conn.rollback()
             raise
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def commit(self) -> None:
+        """Make data and metadata visible together."""
         try:
-            if exc_type is None:
-                self.conn.commit()
-            elif not self.conn.closed:  # a lost server: keep its error, not the rollback's
+            self.conn.commit()
+        finally:
+            self.cur.close()
+
+    def abort(self) -> None:
+        """Roll back: nothing of the transaction becomes visible."""
+        try:
+            if not self.conn.closed:  # a lost server: keep its error, not the rollback's
                 self.conn.rollback()
         finally:
             self.cur.close()
+
+    def __enter__(self) -> tuple[psycopg2.extensions.cursor, SinkMetadata]:
+        meta = self.open()
+        return self.cur, meta
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
 
     def update(self, **values: object) -> None:
         sets = ", ".join(f"{k} = %s" for k in values)
@@ -219,7 +243,7 @@ def fence(conn: psycopg2.extensions.connection, source: str, client: str, epoch:
     the sink site's topology id). A new lease holder calls this before it decides anything: from
     then on a replicator whose lease ran out mid-cycle can no longer write here, so the decision is
     taken on metadata no stale writer can change behind it."""
-    write = _SinkWrite(conn, source, client, epoch)
+    write = SinkTransaction(conn, source, client, epoch)
     with write as (cur, meta):
         return replace(meta, lease_epoch=epoch, site_topology_config_id=_site_topology_id(cur))
 
@@ -238,7 +262,7 @@ def start_snapshot(
     Repeating it for the sync already started is a no-op, so an interrupted transfer resumes; a
     sync this sink has already applied is refused (taking it for a resume would apply nothing and
     continue from its old base)."""
-    write = _SinkWrite(conn, source, client, epoch)
+    write = SinkTransaction(conn, source, client, epoch)
     with write as (cur, meta):
         if meta.snapshot_request_id == sync_id and meta.snapshot_applied == meta.snapshot_started >= 0:
             raise StaleBatchError(
@@ -278,7 +302,7 @@ def write_snapshot_messages(
 ) -> SinkMetadata:
     """Append transferred snapshot messages (invisible until apply), in source entry order; what
     was already received is skipped. The end marker completes the transfer."""
-    write = _SinkWrite(conn, source, client, epoch)
+    write = SinkTransaction(conn, source, client, epoch)
     with write as (cur, meta):
         if meta.snapshot_request_id != sync_id:
             raise StaleBatchError(
@@ -307,7 +331,7 @@ def write_snapshot_messages(
 def apply_snapshot(conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> SinkMetadata:
     """Make a transferred snapshot visible, atomically with applied = last processed = base and
     data_consistent. Idempotent; refuses a snapshot whose transfer is not complete."""
-    write = _SinkWrite(conn, source, client, epoch)
+    write = SinkTransaction(conn, source, client, epoch)
     with write as (cur, meta):
         if meta.snapshot_started == -1 or meta.snapshot_transferred != meta.snapshot_started:
             raise StaleBatchError(f"snapshot {meta.snapshot_request_id} of {source}/{client} is not fully transferred")
@@ -357,7 +381,7 @@ def apply_log_stream(
     entries go into ONE sink transaction in pieces, with ``last_log_entry_processed = batch.end``
     set at the end, so a source transaction of any size becomes visible on the sink whole (DESIGN
     §6 property 2) while only a few MiB of it are in memory at a time."""
-    write = _SinkWrite(conn, source, client, epoch)
+    write = SinkTransaction(conn, source, client, epoch)
     with write as (cur, meta):
         if not meta.data_consistent or meta.snapshot_applied != base:
             raise StaleBatchError(
