@@ -106,50 +106,29 @@ class LRSparkFanOutOperator(SparkSubmitOperator):
         return self.result
 
 
-def spark_min_backlog(topo: Any) -> int:
-    """Backlog (entries) from which a source's catch-up goes through Spark: the topology's
-    ``spark_min_backlog`` setting, else the fan-out engine's measured default."""
-    from airflow_provider_lr.engine.bulk.fanout import SPARK_MIN_BACKLOG
-
-    return topo.setting("spark_min_backlog", SPARK_MIN_BACKLOG)
-
-
 def plan_fanout(site: dict[str, str], spark_conn_id: str, topology_file: str | None = None) -> dict[str, Any]:
-    """Choose how a source's backlog moves this run: ``spark`` when it is at least
-    ``spark_min_backlog`` and Spark is usable (job installed, connection defined); else ``tee`` (the
-    fan-out in the worker, ``LRFanOutOperator``) when it is at least ``tee_min_backlog``; else
-    ``in_process``: the sessions' own log-entry steps (a small batch must not pay for a Spark start
-    or a fan-out plan). Small dict for XCom."""
+    """How a source's backlog moves this run, as ``engine/bulk/catchup`` decides it (Spark when the
+    job is installed and the connection defined): ``spark``, ``tee`` (the fan-out in the worker,
+    ``LRFanOutOperator``) or ``in_process`` (the sessions' own log-entry steps). Small dict for XCom."""
     from airflow.sdk import BaseHook
 
-    from airflow_provider_lr.engine.bulk.fanout import use_tee
+    from airflow_provider_lr.engine.bulk import catchup
+    from airflow_provider_lr.engine.session.runner import SessionSettings
     from airflow_provider_lr.engine.site import status
     from airflow_provider_lr.operators.common import site_connection
 
-    topo = load_topology(topology_file)
-    threshold = spark_min_backlog(topo)
-    with site_connection(site["conn_id"], site["site"]) as conn:
-        backlog = status.source_backlog(conn)
-    plan = {"source": site["site"], "backlog": backlog, "threshold": threshold, "path": "in_process", "why": ""}
-    if backlog < threshold:
-        plan["why"] = f"backlog {backlog} < spark_min_backlog {threshold}"
-    elif not (spark_jobs_dir() / "lr_fanout.py").exists():
-        plan["why"] = f"backlog {backlog} but the Spark job is not installed in {spark_jobs_dir()}"
-    else:
+    def why_no_spark() -> str | None:
+        if not (spark_jobs_dir() / "lr_fanout.py").exists():
+            return f"the Spark job is not installed in {spark_jobs_dir()}"
         try:
             BaseHook.get_connection(spark_conn_id)
-            plan["path"], plan["why"] = "spark", f"backlog {backlog} >= spark_min_backlog {threshold}"
         except Exception:
-            plan["why"] = f"backlog {backlog} but no Spark connection {spark_conn_id!r}"
-    tee_min = tee_min_backlog(topo)
-    if plan["path"] == "in_process" and use_tee(backlog, tee_min):
-        plan["path"], plan["why"] = "tee", f"{plan['why']}; backlog {backlog} >= tee_min_backlog {tee_min}"
-    return plan
+            return f"no Spark connection {spark_conn_id!r}"
+        return None
 
-
-def tee_min_backlog(topo: Any) -> int:
-    """Backlog (entries) from which a source's catch-up goes through the in-process tee: the
-    topology's ``tee_min_backlog`` setting, else the engine's default (0: never)."""
-    from airflow_provider_lr.engine.session.runner import SessionSettings
-
-    return SessionSettings.from_topology(topo).tee_min_backlog
+    settings = SessionSettings.from_topology(load_topology(topology_file))
+    with site_connection(site["conn_id"], site["site"]) as conn:
+        backlog = status.source_backlog(conn)
+    choice = catchup.choose(backlog, settings, why_no_spark)
+    return {"source": site["site"], "backlog": backlog, "threshold": settings.spark_min_backlog,
+            "path": choice.path.value, "why": choice.why}

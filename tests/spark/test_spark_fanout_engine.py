@@ -9,7 +9,8 @@ import threading
 import pytest
 
 from airflow_provider_lr.engine import vocabulary
-from airflow_provider_lr.engine.bulk import fanout
+from airflow_provider_lr.engine.bulk import catchup, fanout
+from airflow_provider_lr.engine.session.runner import SPARK_MIN_BACKLOG, SessionSettings
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.proto import lr_pb2
@@ -147,11 +148,18 @@ def test_byte_level_strip_is_parse_and_serialize(fields):
 def test_backlog_per_session_decides_spark_or_in_process(scenario):
     topo, lr_sites = scenario
     conn = lr_sites[0].connect()
-    assert not fanout.use_spark(status.session_backlogs(conn), threshold=500)
+    settings = SessionSettings(spark_min_backlog=500, tee_min_backlog=0)
+
+    def path(backlogs: list[status.SessionBacklog], rules: SessionSettings = settings) -> catchup.CatchupPath:
+        return catchup.choose(status.log_entry_backlog(backlogs), rules, spark=lambda: None).path
+
+    assert path(status.session_backlogs(conn)) is catchup.CatchupPath.SESSION_CYCLES
     transmit_backlog(lr_sites[0], 800, clients=CLIENTS, per_txn=100)
     backlogs = status.session_backlogs(conn)
     expected = {(s.site_id, c): len(expected_queue(lr_sites[0], s.site_id, c)) for s in lr_sites[1:] for c in CLIENTS}
     assert {(b.sink, b.client): b.entries for b in backlogs} == expected
-    assert fanout.use_spark(backlogs, threshold=500) and not fanout.use_spark(backlogs, threshold=10_000)
-    assert topo.setting("spark_min_backlog", fanout.SPARK_MIN_BACKLOG) == fanout.SPARK_MIN_BACKLOG
+    higher = SessionSettings(spark_min_backlog=10_000, tee_min_backlog=0)
+    assert path(backlogs) is catchup.CatchupPath.SPARK
+    assert path(backlogs, higher) is catchup.CatchupPath.SESSION_CYCLES
+    assert SessionSettings.from_topology(topo).spark_min_backlog == SPARK_MIN_BACKLOG
     conn.close()

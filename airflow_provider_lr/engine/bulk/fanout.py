@@ -61,7 +61,6 @@ from airflow_provider_lr.engine.session.negotiation import Decision
 from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.sink.queue_rows import HEADS, piece
-from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.site.conninfo import ConnInfo
 from airflow_provider_lr.engine.site.topology import Topology, site_conninfo
 from airflow_provider_lr.engine.source.log_reader import (
@@ -75,15 +74,6 @@ from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, SessionKey
 
 log = logging.getLogger(__name__)
 
-# Backlog from which a catch-up goes through Spark rather than in-process cycles, counted as
-# ``status.session_backlogs`` / ``status.source_backlog`` count it: entries still to deliver summed over
-# the source's sessions in log-entry sync (= deliveries). Measured on the 2-core machine
-# (docs/spark.md "Choosing in-process or Spark", 2026-11-23, packed receive-queue rows): spark-submit
-# costs 11-15 s before the first row moves (JVM, context, Python workers, warm-up job), in-process
-# session cycles deliver ~55k deliveries/s, the warm Spark fan-out ~300-490k/s; break-even
-# 11.3-14.7 s / (1/55k - 1/400k) ≈ 720k-940k deliveries. The DAG reads the topology setting
-# ``spark_min_backlog`` with this as its default.
-SPARK_MIN_BACKLOG = 800_000
 PARTITION_ENTRIES = 250_000  # default chunk size when the caller does not fix a count
 MAX_DEMANDS = 63  # one bit per demand in the source-side bigint mask
 # A row of the partition's read, binary: field count, then (length, value) of position, entry id
@@ -725,7 +715,7 @@ def staged_coverage(cur: psycopg2.extensions.cursor, source: str, client: str, p
     return None
 
 
-# --- the whole run, and choosing it -------------------------------------------------------------
+# --- the whole run -----------------------------------------------------------------------------
 MapChunks = Callable[[FanoutPlan], Iterable[ChunkResult]]
 
 
@@ -755,13 +745,3 @@ def local_map(plan: FanoutPlan) -> Iterable[ChunkResult]:
     """Tee the chunks one after the other in this process (no Spark), as they are done."""
     return tee_chunks(plan)
 
-
-def use_spark(backlogs: list[status.SessionBacklog], threshold: int = SPARK_MIN_BACKLOG) -> bool:
-    """Spark pays off when the entries to deliver in log-entry sync reach ``threshold``."""
-    return status.log_entry_backlog(backlogs) >= threshold
-
-
-def use_tee(backlog: int, threshold: int) -> bool:
-    """The in-process tee pays off when a source's log-entry backlog reaches ``threshold``
-    (``SessionSettings.tee_min_backlog``; 0 turns it off)."""
-    return 0 < threshold <= backlog

@@ -14,7 +14,7 @@ from typing import Callable, Mapping
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.bulk import fanout
+from airflow_provider_lr.engine.bulk import catchup, fanout
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError
 from airflow_provider_lr.engine.session.lease import new_owner_id
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, SessionSettings, record_error
@@ -86,15 +86,16 @@ class Replicator:
         return reports
 
     def _catch_up(self, source: str) -> dict[str, int]:
-        """Move a large log-entry backlog of ``source`` with the read-once tee in this process (one
-        source read for all its sinks, packed rows, exactly once: ``engine/bulk/fanout.py``); the session
-        cycles then go on from where it left each sink. Returns deliveries per session (``str(SessionKey)``). Any
-        failure leaves the work to the session cycles, which report their own errors."""
-        if self.settings.tee_min_backlog <= 0 or source in self._no_tee:
+        """Move a log-entry backlog of ``source`` that ``bulk/catchup`` sends to the tee (this process
+        runs no Spark) with the read-once tee here (one source read for all its sinks, packed rows,
+        exactly once: ``engine/bulk/fanout.py``); the session cycles then go on from where it left
+        each sink. Returns deliveries per session (``str(SessionKey)``). Any failure leaves the work
+        to the session cycles, which report their own errors."""
+        if source in self._no_tee or not catchup.backlog_matters(self.settings):
             return {}
         try:
-            backlog = status.source_backlog(self._conn(source))
-            if not fanout.use_tee(backlog, self.settings.tee_min_backlog):
+            choice = catchup.choose(status.source_backlog(self._conn(source)), self.settings)
+            if choice.path is not catchup.CatchupPath.TEE:
                 return {}
             driver = fanout.FanoutDriver(self.topology, source, owner=self.owner, settings=self.settings,
                                          connect=self.connect, sessions=self.sessions)
@@ -111,7 +112,7 @@ class Replicator:
             self._drop(source)
             return {}
         try:
-            log.info("catching up %s: %d entries to deliver, by the in-process fan-out", source, backlog)
+            log.info("catching up %s by the in-process fan-out: %s", source, choice.why)
             result = fanout.run_fanout(driver, fanout.local_map)
         except Exception as exc:  # nothing half-done is visible; the session cycles carry on
             log.warning("in-process fan-out of %s failed (%s); session cycles carry on", source, exc)

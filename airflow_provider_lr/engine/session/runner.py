@@ -50,11 +50,20 @@ log = logging.getLogger(__name__)
 SNAPSHOT_CHUNK = 5_000  # snapshot messages per sink transaction during transfer
 SNAPSHOT_CHUNK_BYTES = 8 << 20  # ... and their bytes (at least one message): memory bounded by bytes
 MAX_BACKOFF_FACTOR = 16  # data timeout grows x2 per consecutive timeout, up to this factor
-# Log-entry backlog (deliveries, summed over a source's sessions) from which a Replicator cycle
-# first moves it with the read-once tee in its own process (engine/bulk/fanout.py: ~470k deliveries/s
-# against ~55k for session cycles, docs/spark.md), then carries on with session cycles. The tee's
-# plan costs ~0.1-0.5 s (leases, negotiation, chunk bounds): worth it from ~10k deliveries.
+# The catch-up thresholds (``engine/bulk/catchup.py`` compares them; topology settings of the same
+# names override them), in deliveries: entries still to deliver summed over a source's sessions in
+# log-entry sync, as ``status.source_backlog`` counts them.
+# From TEE_MIN_BACKLOG a catch-up first moves the backlog with the read-once tee in its own process
+# (engine/bulk/fanout.py: ~470k deliveries/s against ~55k for session cycles, docs/spark.md), then
+# carries on with session cycles. The tee's plan costs ~0.1-0.5 s (leases, negotiation, chunk
+# bounds): worth it from ~10k deliveries.
 TEE_MIN_BACKLOG = 50_000
+# From SPARK_MIN_BACKLOG it goes through Spark where Spark can run (the lr_replication DAG).
+# Measured on the 2-core machine (docs/spark.md "Choosing in-process or Spark", 2026-11-23, packed
+# receive-queue rows): spark-submit costs 11-15 s before the first row moves (JVM, context, Python
+# workers, warm-up job), in-process session cycles deliver ~55k deliveries/s, the warm Spark fan-out
+# ~300-490k/s; break-even 11.3-14.7 s / (1/55k - 1/400k) ≈ 720k-940k deliveries.
+SPARK_MIN_BACKLOG = 800_000
 
 
 @dataclass
@@ -66,6 +75,7 @@ class SessionSettings:
     data_timeout: float = full_sync.DEFAULT_DATA_TIMEOUT
     barrier_timeout: float = 5.0
     tee_min_backlog: int = TEE_MIN_BACKLOG  # 0: never tee, session cycles only
+    spark_min_backlog: int = SPARK_MIN_BACKLOG  # where Spark can run (the DAG); lr sync runs none
 
     @classmethod
     def from_topology(cls, topology: Topology, **overrides: object) -> "SessionSettings":
@@ -74,6 +84,7 @@ class SessionSettings:
             "data_timeout": topology.setting("full_sync_data_timeout_s", full_sync.DEFAULT_DATA_TIMEOUT),
             "lease_seconds": topology.setting("lease_seconds", leases.DEFAULT_LEASE_SECONDS),
             "tee_min_backlog": topology.setting("tee_min_backlog", TEE_MIN_BACKLOG),
+            "spark_min_backlog": topology.setting("spark_min_backlog", SPARK_MIN_BACKLOG),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

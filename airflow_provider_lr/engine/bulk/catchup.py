@@ -1,0 +1,66 @@
+"""Which path catches a source's log-entry backlog up, and why: the one place that decides it.
+
+* **session cycles** (``session/runner``): each session reads and writes its own batches; no plan,
+  no start-up cost, ~55k deliveries/s. Always right for a small backlog.
+* **the read-once tee** in this process (``bulk/fanout.run_fanout`` with ``local_map``): one source
+  read for every sink, ~470k deliveries/s, after a plan of ~0.1-0.5 s.
+* **Spark** (``spark_jobs/lr_fanout.py``): the same tee on Spark, after a spark-submit of 11-15 s.
+
+The inputs: the backlog, counted as ``status.source_backlog`` counts it (entries still to deliver
+summed over the source's sessions in log-entry sync); the two thresholds of ``SessionSettings``
+(``spark_min_backlog``; ``tee_min_backlog``, 0 turning the tee off), whose measured defaults and
+topology settings live there; and whether Spark can run here, which only the caller knows (``lr
+sync`` never; the DAG when the job is installed and its connection defined). That last is asked
+only of a backlog large enough for Spark, so a small one costs no look-up.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable
+
+from airflow_provider_lr.engine.session.runner import SessionSettings
+
+# Why Spark cannot run here ("no Spark connection 'spark_default'"), or None when it can.
+SparkCheck = Callable[[], "str | None"]
+
+
+class CatchupPath(enum.Enum):
+    """The three paths. The values are what the ``lr_replication`` DAG branches on (its plan
+    task's XCom ``path``): session cycles are its ``in_process`` log-entry steps."""
+
+    SPARK = "spark"
+    TEE = "tee"
+    SESSION_CYCLES = "in_process"
+
+
+@dataclass(frozen=True)
+class Catchup:
+    """The path chosen for one backlog and, for a log or a task's XCom, why."""
+
+    path: CatchupPath
+    why: str
+
+
+def backlog_matters(settings: SessionSettings, spark: SparkCheck | None = None) -> bool:
+    """False when no backlog could leave the session cycles (no Spark here and the tee off): the
+    caller need not measure it."""
+    return spark is not None or settings.tee_min_backlog > 0
+
+
+def choose(backlog: int, settings: SessionSettings, spark: SparkCheck | None = None) -> Catchup:
+    """Spark from ``spark_min_backlog`` when ``spark`` says it can run (``None``: this process runs
+    no Spark); else the tee from ``tee_min_backlog`` (unless 0); else the session cycles."""
+    spark_min, tee_min = settings.spark_min_backlog, settings.tee_min_backlog
+    if backlog < spark_min:
+        why = f"backlog {backlog} < spark_min_backlog {spark_min}"
+    else:
+        unusable = spark() if spark is not None else "this process runs no Spark"
+        if unusable is None:
+            return Catchup(CatchupPath.SPARK, f"backlog {backlog} >= spark_min_backlog {spark_min}")
+        why = f"backlog {backlog} but {unusable}"
+    if tee_min <= 0:
+        return Catchup(CatchupPath.SESSION_CYCLES, f"{why}; the tee is off (tee_min_backlog 0)")
+    if backlog < tee_min:
+        return Catchup(CatchupPath.SESSION_CYCLES, f"{why}; backlog {backlog} < tee_min_backlog {tee_min}")
+    return Catchup(CatchupPath.TEE, f"{why}; backlog {backlog} >= tee_min_backlog {tee_min}")
