@@ -3,12 +3,13 @@
     spark-submit spark_jobs/lr_fanout.py --source SITE_ID [--topology PATH] [--max-entries N]
                                          [--partitions N]
 
-A thin driver over ``airflow_provider_lr.engine.bulk.fanout``: plan (leases, demands, position chunks)
-on the driver, then one Spark task tees the source's chunks in order: each chunk is read once
-(binary COPY) and streamed straight into every demanding session's receive queue inside one fenced
-sink transaction per session. A retried task resumes from what the sinks committed.
-Prints ``LR_RESULT {json}`` (deliveries per session, timings, peak memory); exits 1 if any session
-failed. Sites are resolved from ``AIRFLOW_CONN_<ID>`` or ``$LR_CONNECTIONS_FILE``, never from argv.
+A thin driver over ``airflow_provider_lr.engine.bulk.fanout``: plan (leases, demands, position
+chunks) on the driver, then one Spark task tees the source's chunks in order (``bulk.tee``): each
+chunk is read once (binary COPY) and streamed straight into every demanding session's receive queue
+inside one fenced sink transaction per session. A retried task resumes from what the sinks
+committed. Prints ``LR_RESULT {json}`` (deliveries per session, timings, peak memory); exits 1 if
+any session failed. Sites are resolved from ``AIRFLOW_CONN_<ID>`` or ``$LR_CONNECTIONS_FILE``, never
+from argv.
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ import lr_spark  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 
 from airflow_provider_lr.engine.bulk import fanout  # noqa: E402
+from airflow_provider_lr.engine.bulk.peak_memory import ancestor_peak_kb  # noqa: E402
+from airflow_provider_lr.engine.bulk.plan import ChunkResult, FanoutPlan, FanoutResult  # noqa: E402
+from airflow_provider_lr.engine.bulk.tee import tee_chunks  # noqa: E402
 from airflow_provider_lr.engine.site.topology import Topology  # noqa: E402
 
 
@@ -32,14 +36,14 @@ def spark_map(spark: SparkSession) -> fanout.MapChunks:
     parallelism is the sinks' concurrent ingest (a sender thread per session) next to the source's
     read. Fan-outs of different sources are different jobs and run side by side."""
 
-    def run(plan: fanout.FanoutPlan) -> list[fanout.ChunkResult]:
-        def tee(_: Iterable[int]) -> Iterator[fanout.ChunkResult]:
+    def run(plan: FanoutPlan) -> list[ChunkResult]:
+        def tee(_: Iterable[int]) -> Iterator[ChunkResult]:
             from pyspark import TaskContext
 
             ctx = TaskContext.get()
             attempt = ctx.attemptNumber() if ctx is not None else 0
-            for chunk in fanout.tee_chunks(plan, attempt):
-                chunk.jvm_peak_kb = fanout.ancestor_peak_kb("java")
+            for chunk in tee_chunks(plan, attempt):
+                chunk.jvm_peak_kb = ancestor_peak_kb("java")
                 yield chunk
 
         sc = spark.sparkContext
@@ -50,7 +54,7 @@ def spark_map(spark: SparkSession) -> fanout.MapChunks:
 
 
 def fan_out(spark: SparkSession, topo: Topology, source: str, max_entries: int | None = None,
-            partitions: int | None = None) -> fanout.FanoutResult:
+            partitions: int | None = None) -> FanoutResult:
     """One fan-out run of ``source`` on ``spark``; the sessions' leases are released at the end."""
     warmup = lr_spark.warm_up(spark)
     driver = fanout.FanoutDriver(topo, source)

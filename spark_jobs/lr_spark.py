@@ -15,11 +15,11 @@ import os
 import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any, Callable
 
 from pyspark.sql import SparkSession
 
+from airflow_provider_lr.engine.bulk.peak_memory import process_peak_kb
 from airflow_provider_lr.engine.errors import LRError
 from airflow_provider_lr.engine.site import topology as topologies
 
@@ -65,16 +65,9 @@ def jvm_peak_kb(spark: SparkSession) -> int:
     """Peak resident memory of the driver's JVM (in local mode it runs the executors too)."""
     try:
         pid = int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
-        return _vm_hwm(pid)
     except Exception:
         return 0
-
-
-def _vm_hwm(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    return 0
+    return process_peak_kb(pid)
 
 
 def run(main: Callable[[argparse.Namespace], dict[str, Any]], args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """The read-once fan-out of one source's backlog in the Airflow worker itself (no Spark).
 
 For backlogs between ``tee_min_backlog`` and ``spark_min_backlog`` (topology settings): the same
-engine as the Spark job (``engine.fanout``: one source read for all the source's sinks, packed
+engine as the Spark job (``engine/bulk/fanout``: one source read for all the source's sinks, packed
 receive-queue rows, one fenced sink transaction per session and chunk), run in this task's process,
 so it pays no Spark start. Sites are reached through ``LRSiteHook`` (whatever connection backend
 Airflow uses); nothing is written to disk. The small summary of ``FanoutResult`` is the XCom.

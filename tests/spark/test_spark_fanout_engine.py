@@ -10,6 +10,8 @@ import pytest
 
 from airflow_provider_lr.engine import vocabulary
 from airflow_provider_lr.engine.bulk import catchup, fanout
+from airflow_provider_lr.engine.bulk.plan import ChunkResult
+from airflow_provider_lr.engine.bulk.tee import tee_chunk
 from airflow_provider_lr.engine.session.runner import SPARK_MIN_BACKLOG, SessionSettings
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.vocabulary import SessionKey
@@ -68,7 +70,7 @@ def test_session_whose_lease_was_taken_over_is_fenced(scenario):
         chunks = list(fanout.local_map(plan))
         result = driver.finish(plan, chunks)
         # a retry of chunk 0: the sink itself refuses the old epoch, the others already have it
-        again = fanout.tee_chunk(plan, plan.ranges[0])
+        again = tee_chunk(plan, plan.ranges[0])
         other.close()
     finally:
         driver.close()
@@ -91,13 +93,13 @@ def test_chunk_rerun_after_partial_commit_and_concurrent_duplicates_deliver_once
         plan = driver.plan(partitions=2)
         first, second = plan.ranges
         done_early = [d for d in plan.demands if d.sink == "site-b"]
-        partial = fanout.tee_chunk(plan, first, exclude=[d.session for d in plan.demands if d.sink != "site-b"])
+        partial = tee_chunk(plan, first, exclude=[d.session for d in plan.demands if d.sink != "site-b"])
         assert set(partial.delivered) == {d.session for d in done_early}
-        rerun = fanout.tee_chunk(plan, first)
+        rerun = tee_chunk(plan, first)
         assert {s for s, n in rerun.delivered.items() if n} == {d.session for d in plan.demands if d.sink == "site-c"}
         assert all(rerun.delivered[d.session] == 0 for d in done_early)
-        outcomes: list[fanout.ChunkResult] = []
-        attempts = [threading.Thread(target=lambda: outcomes.append(fanout.tee_chunk(plan, second)))
+        outcomes: list[ChunkResult] = []
+        attempts = [threading.Thread(target=lambda: outcomes.append(tee_chunk(plan, second)))
                     for _ in range(3)]
         for t in attempts:
             t.start()
@@ -124,7 +126,7 @@ def test_a_chunk_that_cannot_start_where_its_sink_is_is_refused(scenario):
     driver = fanout.FanoutDriver(topo, "site-a")
     try:
         plan = driver.plan(partitions=3)
-        out = fanout.tee_chunk(plan, plan.ranges[1])
+        out = tee_chunk(plan, plan.ranges[1])
     finally:
         driver.close()
     assert set(out.errors) == {d.session for d in plan.demands}

@@ -29,7 +29,7 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine import vocabulary
-from airflow_provider_lr.engine.bulk.fanout import peak_rss_kb, staged_coverage
+from airflow_provider_lr.engine.bulk.peak_memory import peak_rss_kb
 from airflow_provider_lr.engine.bulk.pgcopy import RowReader, StagingWriter, staging_prefix, staging_row
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, StaleBatchError
 from airflow_provider_lr.engine.session import lease as leases
@@ -254,6 +254,27 @@ def stage_range(plan: SnapshotPlan, part: EntryRange) -> dict:
             writer.abandon()
         src.close()
         dst.close()
+
+
+def staged_coverage(cur: psycopg2.extensions.cursor, source: str, client: str, plan_id: str,
+                    lo: int, hi: int) -> int | None:
+    """Rows staged in ``lr.spark_staging`` for ``(lo, hi]`` by a plan's partitions, or None unless
+    they cover it all (a partition that failed leaves a gap: nothing is transferred then)."""
+    cur.execute(
+        "SELECT range_lo, range_hi, staged_rows FROM lr.spark_staged_ranges "
+        "WHERE source_site_id = %s AND client_name = %s AND plan_id = %s ORDER BY range_lo",
+        (source, client, plan_id),
+    )
+    reach, rows = None, 0
+    for range_lo, range_hi, staged in cur.fetchall():
+        if range_hi <= lo:
+            continue
+        if (reach is None and range_lo > lo) or (reach is not None and range_lo != reach):
+            return None
+        reach, rows = range_hi, rows + staged
+        if reach >= hi:
+            return rows
+    return None
 
 
 def run_transfer(transfer: SnapshotTransfer, map_ranges: Callable[[SnapshotPlan], Iterable[dict]],

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import psycopg2
 import psycopg2.extensions
+from psycopg2.extensions import AsIs
 
 from airflow_provider_lr.engine.errors import FencedError
 
@@ -105,6 +106,12 @@ def release_quietly(conn: psycopg2.extensions.connection, lease: Lease) -> None:
                 conn.rollback()
             except psycopg2.Error:
                 pass
+
+
+def renew(conn: psycopg2.extensions.connection, lease: Lease, seconds: float) -> None:
+    """Extend a held lease by ``seconds`` from now; FencedError when it was taken over since (its
+    epoch changed). Commits."""
+    update_session(conn, lease, lease_expires_at=AsIs(f"now() + make_interval(secs => {float(seconds)})"))
 
 
 def update_session(conn: psycopg2.extensions.connection, lease: Lease, commit: bool = True, **values: object) -> None:

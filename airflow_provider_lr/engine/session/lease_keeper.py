@@ -1,0 +1,45 @@
+"""A thread that keeps a long run's session leases alive (the fan-out's plan takes them; its
+chunks may run for longer than ``lease_seconds``, and a lease that ran out would let another
+replicator take the session over in the middle of the run)."""
+from __future__ import annotations
+
+import logging
+import threading
+
+import psycopg2
+
+from airflow_provider_lr.engine.errors import FencedError
+from airflow_provider_lr.engine.session import lease as leases
+
+log = logging.getLogger(__name__)
+
+
+class LeaseKeeper:
+    """Renews ``held`` on the source every third of ``seconds`` (on its own connection) until
+    ``stop``. A lease taken over since is left alone: the sink fences its writer."""
+
+    def __init__(self, dsn: str, held: list[leases.Lease], seconds: float) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(dsn, held, seconds), daemon=True,
+                                        name="lr-fanout-lease-keeper")
+        if held:
+            self._thread.start()
+
+    def _run(self, dsn: str, held: list[leases.Lease], seconds: float) -> None:
+        conn = None
+        try:
+            while not self._stop.wait(max(1.0, seconds / 3)):
+                conn = conn if conn is not None and not conn.closed else psycopg2.connect(dsn)
+                for lease in held:
+                    try:
+                        leases.renew(conn, lease, seconds)
+                    except (FencedError, psycopg2.Error) as exc:
+                        log.warning("lease of %s/%s not renewed: %s", lease.sink, lease.client, exc)
+        finally:
+            if conn is not None:
+                conn.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
