@@ -1,15 +1,15 @@
 """Spark job: read-once fan-out of one source's shared log to every sink in log-entry sync.
 
     spark-submit spark_jobs/lr_fanout.py --source SITE_ID [--topology PATH] [--max-entries N]
-                                         [--partitions N]
+                                         [--partitions N] [--result-file PATH]
 
 A thin driver over ``airflow_provider_lr.engine.bulk.fanout``: plan (leases, demands, position
 chunks) on the driver, then one Spark task tees the source's chunks in order (``bulk.tee``): each
 chunk is read once (binary COPY) and streamed straight into every demanding session's receive queue
 inside one fenced sink transaction per session. A retried task resumes from what the sinks
-committed. Prints ``LR_RESULT {json}`` (deliveries per session, timings, peak memory); exits 1 if
-any session failed. Sites are resolved from ``AIRFLOW_CONN_<ID>`` or ``$LR_CONNECTIONS_FILE``, never
-from argv.
+committed. Prints ``LR_RESULT {json}`` (deliveries per session, timings, peak memory; also written
+to ``--result-file`` when given); exits 1 if any session failed. Sites are resolved from
+``AIRFLOW_CONN_<ID>`` or ``$LR_CONNECTIONS_FILE``, never from argv.
 """
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 from pyspark.sql import SparkSession
@@ -33,6 +34,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--topology", default=None,
                    help=f"topology YAML (default: ${topologies.TOPOLOGY_ENV} or the shipped include/topology.yaml)")
+    p.add_argument("--result-file", default=None,
+                   help="also write the result's JSON to this file (how LRSparkFanOutOperator reads it)")
     return p
 
 
@@ -71,7 +74,8 @@ def jvm_peak_kb(spark: SparkSession) -> int:
 
 
 def run(main: Callable[[argparse.Namespace], dict[str, Any]], args: argparse.Namespace) -> int:
-    """Run a job body: print ``LR_RESULT {json}`` and return the exit code (0 only when ok)."""
+    """Run a job body: print ``LR_RESULT {json}`` (and write the JSON to ``--result-file``), and
+    return the exit code (0 only when ok)."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -82,7 +86,10 @@ def run(main: Callable[[argparse.Namespace], dict[str, Any]], args: argparse.Nam
     except Exception as exc:  # report it in the result line too; the traceback goes to stderr
         traceback.print_exc()
         result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    print(RESULT_PREFIX + json.dumps(result, sort_keys=True, default=str), flush=True)
+    line = json.dumps(result, sort_keys=True, default=str)
+    print(RESULT_PREFIX + line, flush=True)
+    if args.result_file:
+        Path(args.result_file).write_text(line)
     return 0 if result.get("ok") else 1
 
 

@@ -4,16 +4,17 @@ The job resolves sites from ``$LR_CONNECTIONS_FILE`` (Airflow's connections-file
 operator materializes the connections the job needs — the source and its sinks, resolved
 through ``LRSiteHook`` from whatever backend Airflow uses — into a temporary 0600 file, passes its
 path in the environment (never credentials on the command line or in logs) and removes it when
-the job ends. The job prints ``LR_RESULT {json}``; that small summary is the task's XCom.
+the job ends. The job writes its small summary (the ``LR_RESULT`` it prints) to a private file
+named by ``--result-file``; that summary is the task's XCom.
 """
 from __future__ import annotations
 
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
-from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 
 from airflow_provider_lr.engine.site.conninfo import CONNECTIONS_FILE_ENV
@@ -21,27 +22,6 @@ from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.operators import telemetry
 from airflow_provider_lr.operators.common import load_topology, topology_path
 from airflow_provider_lr.paths import spark_jobs_dir
-
-RESULT_PREFIX = "LR_RESULT "
-
-
-class _ResultCapturingHook(SparkSubmitHook):
-    """SparkSubmitHook that also keeps the job's ``LR_RESULT`` line."""
-
-    result: dict[str, Any] | None = None
-
-    def _process_spark_submit_log(self, itr: Iterator[Any]) -> None:
-        def lines() -> Iterator[Any]:
-            for raw in itr:
-                line = raw.strip() if isinstance(raw, str) else raw.decode(errors="replace").strip()
-                if line.startswith(RESULT_PREFIX):
-                    try:
-                        self.result = json.loads(line[len(RESULT_PREFIX):])
-                    except ValueError:
-                        self.log.warning("unreadable %s line: %s", RESULT_PREFIX.strip(), line[:200])
-                yield raw
-
-        super()._process_spark_submit_log(lines())
 
 
 def write_connections_file(conn_ids: Sequence[str], directory: str | None = None) -> str:
@@ -59,6 +39,24 @@ def write_connections_file(conn_ids: Sequence[str], directory: str | None = None
     return path
 
 
+@contextmanager
+def _result_file() -> Iterator[str]:
+    """A new empty 0600 file for the job to write its result to (``--result-file``), removed after."""
+    fd, path = tempfile.mkstemp(prefix="lr-result-", suffix=".json")
+    os.close(fd)
+    try:
+        yield path
+    finally:
+        os.unlink(path)
+
+
+def _read_result(path: str) -> dict[str, Any] | None:
+    """The job's result (None if it wrote none)."""
+    with open(path) as handle:
+        text = handle.read()
+    return json.loads(text) if text.strip() else None
+
+
 class LRSparkFanOutOperator(SparkSubmitOperator):
     """Deliver one source's backlog to all its sinks with the Spark fan-out job.
 
@@ -66,7 +64,7 @@ class LRSparkFanOutOperator(SparkSubmitOperator):
     :param max_entries: cap on entries this run delivers (the job's ``--max-entries``)
     :param conn_id: the Spark connection (master from its host, e.g. ``local[2]`` or ``spark://host:7077``)
     Other SparkSubmitOperator arguments pass through. Client deploy mode only: the connections file
-    lives on the worker that submits.
+    and the result file live on the worker that submits.
     """
 
     template_fields: Sequence[str] = (*SparkSubmitOperator.template_fields, "source", "topology_path")
@@ -77,27 +75,23 @@ class LRSparkFanOutOperator(SparkSubmitOperator):
         self.source, self.topology_path, self.max_entries = source, topology_path, max_entries
         self.result: dict[str, Any] | None = None
 
-    def _get_hook(self) -> SparkSubmitHook:
-        hook = super()._get_hook()
-        hook.__class__ = _ResultCapturingHook  # same state, plus the LR_RESULT capture
-        return hook
-
     def execute(self, context: Any) -> dict[str, Any] | None:
         path = topology_path(self.topology_path)
         topo = load_topology(path)
         sites = {self.source, *(k.sink for k in topo.sessions(source=self.source))}
-        args = ["--source", self.source, "--topology", path]
-        if self.max_entries:
-            args += ["--max-entries", str(int(self.max_entries))]
-        self.application_args = args
-        conns_file = write_connections_file([topo.conn_id(s) for s in sites])
-        self.env_vars = {**(self.env_vars or {}), CONNECTIONS_FILE_ENV: conns_file}
-        self._hook = None  # build the hook with this run's arguments and environment
-        try:
-            super().execute(context)
-        finally:
-            os.unlink(conns_file)
-        self.result = getattr(self._hook, "result", None)
+        with _result_file() as result_file:
+            args = ["--source", self.source, "--topology", path, "--result-file", result_file]
+            if self.max_entries:
+                args += ["--max-entries", str(int(self.max_entries))]
+            self.application_args = args
+            conns_file = write_connections_file([topo.conn_id(s) for s in sites])
+            self.env_vars = {**(self.env_vars or {}), CONNECTIONS_FILE_ENV: conns_file}
+            self._hook = None  # build the hook with this run's arguments and environment
+            try:
+                super().execute(context)
+            finally:
+                os.unlink(conns_file)
+            self.result = _read_result(result_file)
         self.log.info("fan-out of %s: %s", self.source, self.result)
         for session, delivered in ((self.result or {}).get("deliveries") or {}).items():
             telemetry.session_step(session, delivered=delivered, source=self.source)
