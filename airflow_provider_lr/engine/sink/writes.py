@@ -167,6 +167,11 @@ class SinkTransaction:
             (*values.values(), self.source, self.client),
         )
 
+    def metadata(self) -> SinkMetadata:
+        """The session's metadata as this transaction has just written it: what the caller goes on from."""
+        self.cur.execute(_SELECT, (self.source, self.client))
+        return _metadata(self.cur.fetchone())
+
     def insert(self, entries: Iterable[tuple[int, int, int, bytes]], sync_id: str | None = None,
                visible: bool = True) -> int:
         """Entries (kind, position, entry id, message) appended in order, packed into receive-queue
@@ -288,8 +293,7 @@ def start_snapshot(
             data_consistent=False,
             topology_config_id=topology_config_id,
         )
-        cur.execute(_SELECT, (source, client))
-        return _metadata(cur.fetchone())
+        return write.metadata()
 
 
 def write_snapshot_messages(
@@ -324,8 +328,7 @@ def write_snapshot_messages(
         if ended:
             changes["snapshot_transferred"] = meta.snapshot_started
         write.update(**changes)
-        cur.execute(_SELECT, (source, client))
-        return _metadata(cur.fetchone())
+        return write.metadata()
 
 
 def apply_snapshot(conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> SinkMetadata:
@@ -349,8 +352,7 @@ def apply_snapshot(conn: psycopg2.extensions.connection, source: str, client: st
             snapshot_completed_at=AsIs("now()"),
         )
         write.announce()
-        cur.execute(_SELECT, (source, client))
-        return _metadata(cur.fetchone())
+        return write.metadata()
 
 
 def apply_log_entries(
