@@ -6,7 +6,9 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
@@ -14,7 +16,7 @@ import psycopg2
 
 from airflow_provider_lr.engine import progress
 from airflow_provider_lr.engine.errors import LRError
-from airflow_provider_lr.engine.session import replicator
+from airflow_provider_lr.engine.session import replicator, stream
 from airflow_provider_lr.engine.site import conninfo, metrics, schema, status, topology
 from airflow_provider_lr.engine.site import roles as site_roles
 from airflow_provider_lr.engine.source import full_sync, trim
@@ -139,11 +141,23 @@ def cmd_sync(args: argparse.Namespace) -> int:
                       + (f" ERROR {r.error}" if r.error else "") + (f" ({r.reason})" if r.reason and r.error else ""),
                       flush=True)
 
+    def show_end(end: stream.StreamEnd) -> None:
+        print(f"{end.session}: stream handed back after {end.delivered} entries: {end.reason}"
+              + (f" ERROR {end.error}" if end.error else ""), flush=True)
+
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a service manager's stop: leave cleanly
+    streaming = not (args.once or args.cycles or args.until_idle or args.no_stream)
+    reports: list = []
     try:
         cycles = 1 if args.once else args.cycles
         with _progress_bars():
-            reports = repl.run(max_cycles=cycles, until_idle=args.until_idle, interval=args.interval, on_cycle=show,
-                               give_up_after=args.give_up_after)
+            if streaming:
+                stream.Streamer(repl).run(stop, interval=args.interval, on_cycle=show, on_end=show_end)
+            else:
+                reports = repl.run(max_cycles=cycles, until_idle=args.until_idle, interval=args.interval,
+                                   on_cycle=show, give_up_after=args.give_up_after, stop=stop)
     except KeyboardInterrupt:
         reports = []
     finally:
@@ -377,14 +391,20 @@ def build_parser() -> argparse.ArgumentParser:
         func=cmd_topology_validate
     )
 
-    sync = with_topology(sub.add_parser("sync", help="run replication cycles for all sessions (no Airflow)"))
+    sync = with_topology(sub.add_parser(
+        "sync", help="replicate every session (no Airflow): streaming until stopped, or cycles (--once, "
+                     "--cycles, --until-idle, --no-stream)"))
     sync.add_argument("--once", action="store_true", help="one cycle")
     sync.add_argument("--cycles", type=_positive_int, default=None, help="at most this many cycles (default: forever)")
     sync.add_argument("--until-idle", action="store_true", help="stop when every session is caught up")
     sync.add_argument("--give-up-after", type=_seconds, default=60.0, metavar="SECONDS",
                       help="with --until-idle: stop, exit 1 and say why, after this long without progress while "
                            "sessions still fail or wait (default 60)")
-    sync.add_argument("--interval", type=_seconds, default=1.0, help="pause between idle cycles (s)")
+    sync.add_argument("--no-stream", action="store_true",
+                      help="cycles only, as a batch replicator: negotiate every session each cycle, sleep "
+                           "--interval when idle (default: sessions in log-entry sync stream, woken by commits)")
+    sync.add_argument("--interval", type=_seconds, default=1.0,
+                      help="pause between idle cycles (s); streaming: between cycles of the sessions not streaming")
     sync.add_argument("-v", "--verbose", action="store_true", help="also print idle cycles")
     sync.set_defaults(func=cmd_sync)
 

@@ -11,6 +11,7 @@ from airflow_provider_lr.operators.session import (
     LRRunCheckOperator,
     LRSnapshotSyncOperator,
 )
+from airflow_provider_lr.operators.stream import LRStreamOperator
 
 __all__ = [
     "LRDiscoverSessionsOperator",
@@ -20,5 +21,6 @@ __all__ = [
     "LRRunCheckOperator",
     "LRSnapshotSyncOperator",
     "LRStaleLeaseCleanupOperator",
+    "LRStreamOperator",
     "LRTrimOperator",
 ]

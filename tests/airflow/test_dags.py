@@ -25,7 +25,8 @@ from tests.support.session import App, final_state, queue, replicator, source_st
 
 def test_dags_import_without_errors(dagbag):
     assert dagbag.import_errors == {}
-    assert {"lr_replication", "lr_full_sync", "lr_maintenance", "example_lr_user_pipeline"} <= set(dagbag.dags)
+    assert {"lr_replication", "lr_full_sync", "lr_maintenance", "lr_streaming",
+            "example_lr_user_pipeline"} <= set(dagbag.dags)
 
 
 def test_replication_maps_one_group_per_session_with_skip_branches(dagbag):
@@ -218,4 +219,46 @@ def test_a_large_backlog_goes_through_a_fan_out_and_the_sessions_find_nothing_le
         assert metric(statsd_packets, f"lr.session.site-a.{sink}.policy.delivered") == [15.0]
     assert got[("check", -1)] == "success" and str(run.state) == "success"
     assert {ti.rendered_map_index for ti in run.get_task_instances() if ti.task_id == task_id} == {"site-a"}
+    app.close()
+
+
+@pytest.mark.slow
+def test_streaming_dag_streams_for_its_run_then_ends_for_the_next_run(dagbag, airflow_sites):
+    """``lr_streaming`` (``@continuous``, one run at a time, paused when created): its one task
+    makes first contact, streams what the application commits meanwhile within the run, and ends
+    by itself after ``run_for_seconds`` with a summary; the next run goes on from the sinks."""
+    import threading
+
+    dag = dagbag.dags["lr_streaming"]
+    assert dag.max_active_runs == 1 and dag.is_paused_upon_creation and type(dag.timetable).__name__ == "ContinuousTimetable"
+    source, sink_b, sink_c = airflow_sites.sites
+    app = App(source)
+
+    def write_while_it_runs() -> None:
+        deadline = time.monotonic() + 60
+        while source.query("SELECT count(*) FROM lr.source_sessions WHERE acked_position >= 0 "
+                           "AND lease_owner IS NOT NULL") != [(2,)]:  # first contact made: streaming
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        for i in range(20):
+            app.put(f"k{i}", i, ["site-b", "site-c"])
+            time.sleep(0.05)
+
+    writer = threading.Thread(target=write_while_it_runs)
+    writer.start()
+    started = time.monotonic()
+    run = run_dag(dagbag, "lr_streaming", {"run_for_seconds": 8})
+    writer.join()
+    assert str(run.state) == "success", states(run)
+    assert time.monotonic() - started >= 8
+    summary = xcom(run, "stream")
+    assert summary["failing"] == [] and sum(summary["delivered"].values()) > 0, summary
+    for sink in (sink_b, sink_c):  # what the full sync did not cover arrived as log entries, in order
+        entries = queue(sink, "site-a")
+        logs = [p for k, p in entries if k == "log"]
+        assert final_state(entries) == source_state(source) and logs == [f"k{i}={i}" for i in range(20 - len(logs), 20)]
+    app.put("k99", 99, ["site-b"])
+    again = run_dag(dagbag, "lr_streaming", {"run_for_seconds": 2})
+    assert str(again.state) == "success"
+    assert [p for k, p in queue(sink_b, "site-a") if k == "log"][-1] == "k99=99"
     app.close()

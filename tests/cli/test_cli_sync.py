@@ -111,3 +111,44 @@ def test_consistent_and_ready_are_checked_against_the_trim_mark():
               "data_consistent": None}
     assert readiness(source, trim_mark=40) == "ready"
     assert readiness(source, trim_mark=41) == "not ready (behind trim)"
+
+
+def test_lr_sync_streams_by_default_until_sigterm_then_releases_its_leases(lr_sites, tmp_path, monkeypatch):
+    """`lr sync` with no --once/--cycles/--until-idle streams: entries committed while it runs reach
+    the sinks, no cycle is printed for a streaming session, and SIGTERM (a service manager's stop)
+    ends it with exit 0, its leases released and its acks recorded."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    source, sink_b, sink_c = lr_sites
+    topo = _topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    app = App(source)
+    child = subprocess.Popen([sys.executable, "-m", "airflow_provider_lr.cli", "sync", "--topology", topo],
+                             env={**os.environ}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while source.query("SELECT count(*) FROM lr.source_sessions WHERE acked_position >= 0") != [(2,)]:
+            assert time.monotonic() < deadline and child.poll() is None, "first contact"
+            time.sleep(0.05)
+        for i in range(30):
+            app.put(f"k{i}", i, ["site-b", "site-c"])
+        while [p for k, p in queue(sink_c, "site-a") if k == "log"][-1:] != ["k29=29"]:
+            assert time.monotonic() < deadline and child.poll() is None, "streamed"
+            time.sleep(0.02)
+        child.send_signal(signal.SIGTERM)
+        out, _ = child.communicate(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 0, out
+    assert "stream handed back after" in out and ": stopped" in out
+    for sink in (sink_b, sink_c):
+        assert [p for k, p in queue(sink, "site-a") if k == "log"] == [f"k{i}={i}" for i in range(30)]
+        position = sink.query("SELECT last_log_entry_processed FROM lr.sink_sessions")[0][0]
+        assert source.query("SELECT acked_position, lease_owner FROM lr.source_sessions WHERE sink_site_id = %s",
+                            (sink.site_id,)) == [(position, None)]
+    app.close()

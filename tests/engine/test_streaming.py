@@ -52,15 +52,10 @@ class Streaming:
         self.repl.close()
 
     def streaming(self, timeout: float = 30) -> None:
-        """Wait until every session streams (its last cycle left it in log-entry sync, caught up)."""
+        """Wait until every session streams (a cycle left it in log-entry sync, under our lease)."""
         deadline = time.monotonic() + timeout
-        while True:
-            last = {r.session: r for r in self.cycles}
-            if len(last) == len(self.repl.sessions) and all(
-                    r.state == "IN_LOG_ENTRY_SYNC" and not r.error and not r.skipped and r.remaining == 0
-                    for r in last.values()):
-                return
-            assert time.monotonic() < deadline, f"sessions never settled: {list(last.values())}"
+        while set(self.repl.sessions) - self.streamer.streaming:
+            assert time.monotonic() < deadline, f"sessions never all streamed: {self.cycles[-len(self.repl.sessions):]}"
             time.sleep(0.02)
 
 

@@ -16,7 +16,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.bulk import catchup, fanout
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError
-from airflow_provider_lr.engine.session.lease import new_owner_id
+from airflow_provider_lr.engine.session.lease import Lease, new_owner_id
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, SessionSettings, record_error
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.site.topology import Topology
@@ -65,16 +65,18 @@ class Replicator:
             )
         return runner
 
-    def run_cycle(self) -> list[CycleReport]:
-        """One cycle of every session; never raises for one session's failure. A source whose
-        log-entry backlog reaches ``settings.tee_min_backlog`` is first caught up by the tee."""
+    def run_cycle(self, keys: list[SessionKey] | None = None) -> list[CycleReport]:
+        """One cycle of every session (or of ``keys``, the ones not streaming); never raises for one
+        session's failure. A source whose log-entry backlog reaches ``settings.tee_min_backlog`` is
+        first caught up by the tee."""
+        keys = self.sessions if keys is None else keys
         teed: dict[str, int] = {}
-        for source in sorted({key.source for key in self.sessions}):
-            teed.update(self._catch_up(source))
+        for source in sorted({key.source for key in keys}):
+            teed.update(self._catch_up(source, keys))
         for session, n in teed.items():
             self.teed[session] = self.teed.get(session, 0) + n
         reports = []
-        for key in self.sessions:
+        for key in keys:
             try:
                 report = self._runner(key).run_cycle()
             except Exception as exc:  # one session's failure must not stop the others
@@ -85,7 +87,12 @@ class Replicator:
             reports.append(report)
         return reports
 
-    def _catch_up(self, source: str) -> dict[str, int]:
+    def lease_of(self, key: SessionKey) -> Lease | None:
+        """The lease this replicator's last cycle of ``key`` holds, if any (a stream carries it on)."""
+        runner = self._runners.get(key)
+        return runner.lease if runner is not None else None
+
+    def _catch_up(self, source: str, keys: list[SessionKey]) -> dict[str, int]:
         """Move a log-entry backlog of ``source`` that ``bulk/catchup`` sends to the tee (this process
         runs no Spark) with the read-once tee here (one source read for all its sinks, packed rows,
         exactly once: ``engine/bulk/fanout.py``); the session cycles then go on from where it left
@@ -98,7 +105,7 @@ class Replicator:
             if choice.path is not catchup.CatchupPath.TEE:
                 return {}
             driver = fanout.FanoutDriver(self.topology, source, owner=self.owner, settings=self.settings,
-                                         connect=self.connect, sessions=self.sessions)
+                                         connect=self.connect, sessions=keys)
         except SiteUnreachableError as exc:  # a site that is down: the session cycles report it; retried
             log.info("in-process fan-out of %s not used now: %s", source, exc)
             self._drop(source)

@@ -296,7 +296,8 @@ class Streamer:
 
     def __init__(self, cycles: Cycles, options: StreamSettings | None = None) -> None:
         self.cycles, self.options = cycles, options or StreamSettings()
-        self.ends: list[StreamEnd] = []  # every hand-back so far, in order
+        self.ends: list[StreamEnd] = []  # every stream that ended (handed back, or "stopped" with the run)
+        self.streaming: set[SessionKey] = set()  # the sessions streaming now
 
     def run(self, stop: threading.Event, interval: float = 1.0,
             on_cycle: Callable[[list[CycleReport]], None] | None = None,
@@ -310,14 +311,7 @@ class Streamer:
         try:
             while not stop.is_set():
                 while not ended.empty():
-                    end = ended.get()
-                    streams.pop(SessionKey.parse(end.session)).join()
-                    self.ends.append(end)
-                    (log.warning if end.error else log.info)("stream %s handed back after %d entries: %s%s",
-                                                            end.session, end.delivered, end.reason,
-                                                            f" ({end.error})" if end.error else "")
-                    if on_end:
-                        on_end(end)
+                    self._ended(ended.get(), streams, on_end)
                     due = 0.0  # negotiate it now
                 idle = [k for k in self.cycles.sessions if k not in streams]
                 if idle and time.monotonic() >= due:
@@ -332,10 +326,23 @@ class Streamer:
                 stop.wait(0.05 if streams or idle else interval)
         finally:
             halt.set()
-            for thread in streams.values():
+            for thread in list(streams.values()):
                 thread.join()
+            while not ended.empty():  # the streams stopped with the run ("stopped")
+                self._ended(ended.get(), streams, on_end)
             for watch in watches.values():
                 watch.close()
+
+    def _ended(self, end: StreamEnd, streams: dict[SessionKey, threading.Thread],
+               on_end: Callable[[StreamEnd], None] | None) -> None:
+        key = SessionKey.parse(end.session)
+        streams.pop(key).join()
+        self.streaming.discard(key)
+        self.ends.append(end)
+        (log.warning if end.error else log.info)("stream %s handed back after %d entries: %s%s", end.session,
+                                                end.delivered, end.reason, f" ({end.error})" if end.error else "")
+        if on_end:
+            on_end(end)
 
     def _start(self, key: SessionKey, streams: dict[SessionKey, threading.Thread], watches: dict[str, SourceWatch],
                halt: threading.Event, ended: queue.SimpleQueue) -> None:
@@ -359,4 +366,5 @@ class Streamer:
                 ended.put(StreamEnd(str(key), "failed", stream.delivered, f"{type(exc).__name__}: {exc}"))
 
         thread = streams[key] = threading.Thread(target=run, daemon=True, name=f"lr-stream-{key}")
+        self.streaming.add(key)
         thread.start()
