@@ -212,7 +212,7 @@ def test_a_read_fetches_large_entries_out_of_line_and_still_returns_whole_transa
     reader = LogReader(conn, "site-b", client_name="policy")
     got, after, ends = [], 0, []
     while True:
-        batch = reader.read(after, max_entries=1000, max_bytes=2 * MIB)  # fetch_bytes: 1 MiB
+        batch = reader.read_stream(after, max_entries=1000, max_bytes=2 * MIB).collect()  # fetch_bytes: 1 MiB
         if batch.end <= after:
             break
         got += [lr_pb2.RoutingTableEntryMsg.FromString(r.message).opaque_payload for r in batch.records]

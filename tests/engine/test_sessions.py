@@ -148,7 +148,7 @@ def test_duplicate_overlapping_and_gapped_batches(lr_sites):
     meta = writes.read_metadata(sink_b.connect(), "site-a", "policy")
     src = source.connect()
     reader = LogReader(src, "site-b", client_name="policy")
-    batch = reader.read(meta.last_log_entry_processed)
+    batch = reader.read_stream(meta.last_log_entry_processed).collect()
     first, rest = batch.records[:3], batch.records[3:]
     mid = first[-1].position
     epoch = source.query("SELECT lease_epoch FROM lr.source_sessions")[0][0]
@@ -208,7 +208,7 @@ def test_fencing_a_replicator_whose_lease_was_taken_over_cannot_write(lr_sites):
     assert new_epoch == old.epoch + 1
     app.put("k", 2, ["site-b"])  # the stale replicator wakes up and tries to deliver it
     src = source.connect()
-    batch = LogReader(src, "site-b", client_name="policy").read(report.acked_position)
+    batch = LogReader(src, "site-b", client_name="policy").read_stream(report.acked_position).collect()
     base = sink_b.query("SELECT snapshot_applied FROM lr.sink_sessions")[0][0]
     with pytest.raises(FencedError):
         writes.apply_log_entries(sink_b.connect(), "site-a", "policy", old.epoch, batch.after, batch.end, batch.records, base)

@@ -181,7 +181,7 @@ def test_six_writers_on_shared_counters_with_an_open_transaction(source, dests, 
         reader, position = LogReader(source.connect(), dests[0]), 0
         while True:
             done = stop_reading.is_set()
-            batch = reader.read(position, max_entries=50, final=final)
+            batch = reader.read_stream(position, max_entries=50, final=final).collect()
             received.extend(batch.records)
             position = batch.end
             if done and not batch.has_more:
@@ -209,10 +209,10 @@ def test_final_prefix_stops_at_a_position_in_flight_and_the_barrier_passes_a_rol
     RoutingQueueClient(t2, "policy").transmit_log_entry_message(b"T2", dests)
     t2.commit()
     reader = LogReader(source.connect(), dests[0])
-    batch = reader.read(0, final=True)
+    batch = reader.read_stream(0, final=True).collect()
     assert (batch.records, batch.end, batch.has_more) == ([], 0, True)  # 2 committed, 1 in flight
     t1.commit()
-    batch = reader.read(0, final=True)
+    batch = reader.read_stream(0, final=True).collect()
     assert payloads(batch.records) == [b"T1", b"T2"] and batch.end == 2
 
     with t1.cursor() as cur:
@@ -221,9 +221,9 @@ def test_final_prefix_stops_at_a_position_in_flight_and_the_barrier_passes_a_rol
     t1.rollback()
     RoutingQueueClient(t2, "policy").transmit_log_entry_message(b"T4", dests)
     t2.commit()
-    stuck = reader.read(2, final=True)
+    stuck = reader.read_stream(2, final=True).collect()
     assert (stuck.records, stuck.end, stuck.has_more) == ([], 2, True)
-    passed = reader.read(2)  # behind the barrier: 3 is final (rolled back), so 4 is read
+    passed = reader.read_stream(2).collect()  # behind the barrier: 3 is final (rolled back), so 4 is read
     assert payloads(passed.records) == [b"T4"] and passed.end == 4
 
 
@@ -237,14 +237,14 @@ def test_transactions_stay_whole_and_in_transmit_order_across_small_batches(sour
     reader = LogReader(source.connect(), dests[0])
     position, batches = 0, []
     while True:
-        batch = reader.read(position, max_entries=2)  # smaller than a transaction
+        batch = reader.read_stream(position, max_entries=2).collect()  # smaller than a transaction
         if not batch.records:
             break
         batches.append(payloads(batch.records))
         position = batch.end
     assert batches == [[f"{tx}.{i}".encode() for i in range(3)] for tx in range(4)]
 
-    by_bytes = reader.read(0, max_bytes=1)
+    by_bytes = reader.read_stream(0, max_bytes=1).collect()
     assert len(by_bytes.records) == 3 and by_bytes.has_more
 
 
@@ -292,7 +292,7 @@ def test_prepared_transaction_holds_the_barrier_and_is_reported(source, dests):
     admin.autocommit = True
     try:
         reader = LogReader(source.connect(), dests[0], barrier_timeout=0.3)
-        batch = reader.read(0)
+        batch = reader.read_stream(0).collect()
         assert batch.records == [] and batch.end == 0
         assert [(h.kind, h.gid) for h in batch.blocked_by] == [("prepared_transaction", "lr-test-gid")]
         assert "COMMIT/ROLLBACK PREPARED" in batch.blocked_by[0].describe()

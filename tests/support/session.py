@@ -197,7 +197,7 @@ def drain(reader: LogReader, after: int = 0, **limits) -> tuple[list, int]:
     """Read everything available; returns (records, last end position)."""
     records = []
     while True:
-        batch = reader.read(after, **limits)
+        batch = reader.read_stream(after, **limits).collect()
         records += batch.records
         after = batch.end
         if not batch.has_more:

@@ -113,26 +113,22 @@ class CycleReport:
         return not self.delivered and not self.snapshot_messages
 
 
+@dataclass(eq=False)
 class SessionRunner:
-    """Runs cycles of one session between an open source and sink connection."""
+    """Runs cycles of one session between an open source and sink connection (``lease``: the one
+    its last cycle took, which a stream carries on)."""
 
-    def __init__(
-        self,
-        key: SessionKey,
-        source: psycopg2.extensions.connection,
-        sink_conn: psycopg2.extensions.connection,
-        owner: str,
-        settings: SessionSettings | None = None,
-        provider: Provider | None = None,
-    ) -> None:
-        self.key = key
-        self.source = source
-        self.sink = sink_conn
-        self.owner = owner
-        self.settings = settings or SessionSettings()
-        self.provider = provider
-        self.lease: leases.Lease | None = None
-        self._reader: LogReader | None = None
+    key: SessionKey
+    source: psycopg2.extensions.connection
+    sink: psycopg2.extensions.connection
+    owner: str
+    settings: SessionSettings = field(default_factory=SessionSettings)
+    provider: Provider | None = None
+    lease: leases.Lease | None = field(default=None, init=False)
+    _reader: LogReader | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.settings = self.settings or SessionSettings()  # callers may pass None for the defaults
 
     # --- the cycle ----------------------------------------------------------------------------
     def run_cycle(self) -> CycleReport:

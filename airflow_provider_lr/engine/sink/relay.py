@@ -163,24 +163,12 @@ class Relay:
         self._thread = threading.Thread(target=self._tap_loop, name="lr-relay-tap", daemon=True)
         self._thread.start()
 
-    def subscribe(
-        self,
-        listener: Listener,
-        client_name: str,
-        sources: Iterable[str] | None = None,
-        connect: Connect | None = None,
-        batch_size: int | None = None,
-        poll_interval: float | None = None,
-        retry_interval: float | None = None,
-        batch_bytes: int | None = None,
-    ) -> Subscription:
+    def subscribe(self, listener: Listener, client_name: str, sources: Iterable[str] | None = None,
+                  connect: Connect | None = None, options: FollowOptions | None = None) -> Subscription:
         """Join: deliver ``client_name``'s queues (from ``sources`` only, if given) to ``listener``
-        on a new thread and connection, starting with what is already queued."""
-        defaults = self._defaults
-        options = FollowOptions(
-            batch_size or defaults.batch_size, poll_interval or defaults.poll_interval,
-            retry_interval or defaults.retry_interval, batch_bytes or defaults.batch_bytes,
-        )
+        on a new thread and connection (``connect``), starting with what is already queued.
+        ``options``: batch sizes and pauses of this subscription (default: the relay's)."""
+        options = options or self._defaults
         sub = Subscription(
             self, listener, Demand(client_name, None if sources is None else frozenset(sources)),
             connect or self._connect, options,

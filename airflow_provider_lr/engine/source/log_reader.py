@@ -164,6 +164,13 @@ class LogStream:
             if not quiet:
                 raise
 
+    def collect(self) -> LogBatch:
+        """All of it in memory, as a ``LogBatch`` (tests and small reads; the session path streams)."""
+        with self:
+            records = list(self)
+        return LogBatch(after=self.after, end=self.end, records=records, barrier=self.barrier,
+                        blocked_by=self.blocked_by)
+
     def __iter__(self) -> Iterator[LogRecord]:
         if self._started:
             raise RuntimeError("a LogStream is read once")
@@ -249,23 +256,6 @@ class LogReader:
             raise ConfigurationError(f"destination {destination!r} is not a known remote site of this source")
         self.tag_id: int = row[0]
 
-    def read(
-        self,
-        after: int,
-        max_entries: int = DEFAULT_MAX_ENTRIES,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-        split: BaseSplit | None = None,
-        final: bool = False,
-    ) -> LogBatch:
-        """Entries after ``after`` (a persisted ``end``), whole transactions only, bounded by count and
-        bytes (a single larger transaction is still returned whole). ``split``: leave out what a
-        full sync with that base snapshot already covered; ``final``: read the final prefix with no
-        barrier (``_read_final``). Holds the batch in memory: the session path uses ``read_stream``."""
-        with self.read_stream(after, max_entries, max_bytes, split, final) as stream:
-            records = list(stream)
-        return LogBatch(after=after, end=stream.end, records=records, barrier=stream.barrier,
-                        blocked_by=stream.blocked_by)
-
     def read_stream(
         self,
         after: int,
@@ -274,8 +264,11 @@ class LogReader:
         split: BaseSplit | None = None,
         final: bool = False,
     ) -> LogStream:
-        """``read``, but the entries are read as they are consumed (see ``LogStream``): what a batch
-        holds in memory is bounded by bytes whatever the size of its transactions. The barrier (or,
+        """Entries after ``after`` (a persisted ``end``), whole transactions only, bounded by count and
+        bytes (a single larger transaction is still returned whole); ``split``: leave out what a
+        full sync with that base snapshot already covered. Read as they are consumed (see
+        ``LogStream``; ``collect()`` for a ``LogBatch``): what a batch holds in memory is bounded by
+        bytes whatever the size of its transactions. The barrier (or,
         ``final``, the final prefix) and the trim check (``TrimmedError``) happen here, before
         anything is read."""
         if final:
