@@ -84,12 +84,23 @@ class SessionKey:
 
 # --- queues -------------------------------------------------------------------------------------
 RECEIVE_QUEUE_PREFIX = "LRQ_Recv_"
-NOTIFY_CHANNEL = "lr_recv"  # sink NOTIFY on delivery; payload "<client>/<source>"
+NOTIFY_CHANNEL = "lr_recv"  # sink NOTIFY on delivery; payload ``wakeup_payload(client, source)``
 
 
 def receive_queue_name(client: str, source: str) -> str:
     """The sink's receive queue of one client for one source (a name in lr.registry)."""
     return f"{RECEIVE_QUEUE_PREFIX}{client}_{source}"
+
+
+def wakeup_payload(client: str, source: str) -> str:
+    """The NOTIFY payload that wakes the subscribers of one receive queue (client names hold no '/')."""
+    return f"{client}/{source}"
+
+
+def parse_wakeup(payload: str) -> tuple[str, str]:
+    """(client, source) of a ``wakeup_payload``."""
+    client, _, source = payload.partition("/")
+    return client, source
 
 
 # --- advisory-lock keys (one namespace: 0x6C72 = "lr") -------------------------------------------

@@ -68,6 +68,11 @@ def test_session_key_has_one_spelling_and_reads_back():
         SessionKey.parse("site-b/policy")
 
 
+def test_wakeup_payload_reads_back_with_any_site_or_client_name():
+    for client, source in [("policy", "site-a"), ("a_b", "site_c-1"), ("x", "y")]:
+        assert vocabulary.parse_wakeup(vocabulary.wakeup_payload(client, source)) == (client, source)
+
+
 def test_open_statuses_sql_lists_the_open_statuses():
     assert vocabulary.OPEN_STATUSES_SQL == "('pending', 'supplied')"
     assert set(vocabulary.OPEN_STATUSES) < set(RequestStatus)

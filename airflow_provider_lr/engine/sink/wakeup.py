@@ -30,7 +30,7 @@ from airflow_provider_lr.engine.sink.receive import (
     Listener,
     ReceiveQueueReader,
 )
-from airflow_provider_lr.engine.vocabulary import NOTIFY_CHANNEL
+from airflow_provider_lr.engine.vocabulary import NOTIFY_CHANNEL, parse_wakeup
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Tap(NotifyChannel):
         payloads = self.wait(timeout)
         if payloads is None:
             return ALL
-        return [(client, source) for client, _, source in (p.partition("/") for p in payloads)]
+        return [parse_wakeup(p) for p in payloads]
 
 
 class Wakeups(Protocol):

@@ -20,7 +20,13 @@ from psycopg2.extras import execute_values
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, StaleBatchError
 from airflow_provider_lr.engine.sink.queue_rows import Packer
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogBatch, LogRecord, LogStream
-from airflow_provider_lr.engine.vocabulary import MALFORMED, NOTIFY_CHANNEL, receive_queue_name, strip_destinations
+from airflow_provider_lr.engine.vocabulary import (
+    MALFORMED,
+    NOTIFY_CHANNEL,
+    receive_queue_name,
+    strip_destinations,
+    wakeup_payload,
+)
 from airflow_provider_lr.proto import lr_pb2
 
 log = logging.getLogger(__name__)
@@ -240,7 +246,7 @@ class SinkTransaction:
     def announce(self) -> None:
         """Register the receive queue (first write after any restart) and wake subscribers at commit."""
         self.register()
-        self.cur.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, f"{self.client}/{self.source}"))
+        self.cur.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, wakeup_payload(self.client, self.source)))
 
 
 def fence(conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> SinkMetadata:
