@@ -14,6 +14,11 @@
    least-privilege writer role of the client (docs/security.md: row-level security checks the
    entry's client, the commit position is drawn by the owner's SECURITY DEFINER trigger) instead
    of the schema owner, which row-level security does not apply to.
+   Beside them, the wake-up of a streaming replicator (issue 19), two ways: ``transmit_notify``,
+   the same transaction plus a ``pg_notify`` (what a commit trigger waking the replicator by
+   LISTEN/NOTIFY would add to every application transaction), and ``transmit_probed``, the plain
+   transmit while another process probes the commit-position sequence every ``PROBE_EVERY`` s (what
+   ``engine/session/stream.SourceWatch`` does while a stream waits).
 2. Log bytes per entry (heap + indexes of lr.log_entries, plus lr.log_commits per transaction) as
    the number of destinations goes 1 → 3 → 10, beside the size of the tag list it adds.
 
@@ -47,7 +52,9 @@ from airflow_provider_lr.engine.site import (
 REMOTES = [f"sink-{i:02d}" for i in range(1, 11)]
 
 
-VARIANTS = ("plain", "floor", "insert_only", "transmit", "transmit_unprepared", "plain10", "transmit10")
+VARIANTS = ("plain", "floor", "insert_only", "transmit", "transmit_unprepared", "plain10", "transmit10",
+            "transmit_notify", "transmit_probed")
+PROBE_EVERY = 0.0002  # StreamSettings.poll_min: the probe's pace while commits keep coming
 ROLE_VARIANTS = ("writer_plain", "writer_transmit")  # as the writer role (schema version >= 6)
 WRITER_ROLE = "lr_bench_writer"
 
@@ -78,8 +85,11 @@ def writer(dsn: str, variant: str, seconds: float, start_at: float, out: mp.Queu
             elif variant == "insert_only":  # the same row into a table with no commit position
                 cur.execute("EXECUTE bench_insert_only (1, %s, 1, %s)",
                             ([1, 2, 3], psycopg2.Binary(client._row(1, os.urandom(256), dests, 1)[2])))
-            elif variant in ("transmit", "transmit_unprepared"):
+            elif variant in ("transmit", "transmit_unprepared", "transmit_probed"):
                 client.transmit_log_entry_message(os.urandom(256), dests)
+            elif variant == "transmit_notify":
+                client.transmit_log_entry_message(os.urandom(256), dests)
+                cur.execute("SELECT pg_notify('lr_commit', '')")
             elif variant == "transmit10":
                 client.transmit_log_entry_messages(
                     [LRMessageWithDestinations(os.urandom(256), dests) for _ in range(10)]
@@ -90,13 +100,33 @@ def writer(dsn: str, variant: str, seconds: float, start_at: float, out: mp.Queu
     out.put(done)
 
 
+def prober(dsn: str, seconds: float, start_at: float, out: mp.Queue) -> None:
+    """The streaming replicator's wake-up probe, at its fastest pace, for the whole measurement."""
+    conn = psycopg2.connect(dsn)
+    conn.autocommit = True
+    probes = 0
+    while time.time() < start_at:
+        time.sleep(0.001)
+    with conn.cursor() as cur:
+        while time.time() < start_at + seconds:
+            cur.execute("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM lr.commit_position_seq")
+            cur.fetchone()
+            probes += 1
+            time.sleep(PROBE_EVERY)
+    conn.close()
+    out.put(probes)
+
+
 def throughput(dsn: str, variant: str, writers: int, seconds: float) -> float:
     out: mp.Queue = mp.Queue()
+    probes: mp.Queue = mp.Queue()
     start_at = time.time() + 1.0
     procs = [mp.Process(target=writer, args=(dsn, variant, seconds, start_at, out)) for _ in range(writers)]
+    if variant == "transmit_probed":
+        procs.append(mp.Process(target=prober, args=(dsn, seconds, start_at, probes)))
     for p in procs:
         p.start()
-    total = sum(out.get() for _ in procs)
+    total = sum(out.get() for _ in range(writers))
     for p in procs:
         p.join()
     return total / seconds
@@ -137,6 +167,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--writers", type=int, default=8)
+    parser.add_argument("--only", default=None, help="comma-separated variants (default: all)")
     parser.add_argument("--schema-version", type=int, default=None,
                         help="install migrations only up to this version (default: all)")
     args = parser.parse_args()
@@ -175,6 +206,8 @@ def main() -> None:
             conn.commit()
             variants = VARIANTS + ROLE_VARIANTS
         conn.close()
+        if args.only:
+            variants = tuple(v for v in variants if v in args.only.split(","))
 
         tps: dict[str, list[float]] = {v: [] for v in variants}
         for r in range(args.rounds):
@@ -186,6 +219,16 @@ def main() -> None:
         manager.down(remove=True)
 
     med = {v: statistics.median(tps[v]) for v in variants}
+    if "transmit" in med and {"transmit_notify", "transmit_probed"} & set(med):
+        print(f"\nwake-up of a streaming replicator, {args.writers} writers (medians of {args.rounds} rounds):")
+        for v in ("transmit_notify", "transmit_probed"):
+            if v in med:
+                print(f"  {v:<16} {med[v]:>8,.0f} tx/s  ratio to transmit {med[v] / med['transmit']:.2f}")
+    if args.only:
+        (Path(__file__).resolve().parent / "results").mkdir(exist_ok=True)
+        (Path(__file__).resolve().parent / "results" / "transmit_bench_only.json").write_text(
+            json.dumps({"writers": args.writers, "tps": tps, "medians": med}, indent=2))
+        return
     ratio, ratio10, floor = med["transmit"] / med["plain"], med["transmit10"] / med["plain10"], med["floor"] / med["plain"]
     print(f"\nwriter throughput, {args.writers} writer processes, medians of {args.rounds} rounds of {args.seconds:.0f} s:")
     print(f"  1 row:                         {med['plain']:>8,.0f} tx/s")

@@ -234,8 +234,10 @@ class SessionStream:
         return moved
 
     def _check(self) -> None:
-        """Renew the lease (FencedError when taken over) and hand back when negotiation is due."""
-        leases.renew(self.src, self.lease, self.settings.lease_seconds)
+        """Renew the lease (FencedError when taken over), note the success (a stream with nothing to
+        do is healthy: ``lr status`` shows the age of the last success), and hand back when
+        negotiation is due."""
+        leases.renew(self.src, self.lease, self.settings.lease_seconds, last_success_at=AsIs("now()"))
         if self._topology_id() != self.topology_id:
             raise _Handback("the topology changed")
         if full_sync.open_request(self.src, self.key.sink, self.key.client) is not None:
