@@ -151,7 +151,7 @@ def _read_and_route(plan: FanoutPlan, part: PositionRange, tees: list[tuple[int,
     Returns the sessions still in the chunk and the entries read."""
     src = psycopg2.connect(plan.source_dsn)
     try:
-        mark = snapshot_trim_mark(src)
+        (mark,) = snapshot_trim_mark(src)
         kept = []
         for bit, tee in tees:
             if mark > tee.position:

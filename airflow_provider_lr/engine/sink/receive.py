@@ -221,11 +221,12 @@ class ReceiveQueueReader:
         ``max_bytes`` of rows, at least one); returns (entries handed over, their payload bytes,
         queue done for this pass). Malformed entries at the head are moved aside first (their own
         committed transaction)."""
-        rows = self._lock_and_read(client, source, limit, max_bytes or self.batch_bytes)
-        if rows is None:
+        head = self._lock_and_read(client, source, limit, max_bytes or self.batch_bytes)
+        if head is None:
             report.busy += 1
             report.failed.add(source)
             return 0, 0, True
+        rows, whole = head
         entries = _entries(rows, limit)
         if not entries:
             self.conn.commit()
@@ -256,7 +257,9 @@ class ReceiveQueueReader:
             return (self._failed(listener, client, source, len(run), report, "delivery transaction failed", exc),
                     size, True)
         report.delivered += len(run)
-        return len(run), size, False
+        # the read saw the whole queue and this run took all of it: done, without reading it again
+        # (what arrives meanwhile comes with its own wake-up)
+        return len(run), size, whole and len(run) == sum(r.count - r.delivered for r in rows)
 
     def _consume(self, rows: Sequence[_Row], taken: Sequence[_Entry]) -> None:
         """Remove the leading ``taken`` entries from the queue: rows they finish are deleted, a row
@@ -292,28 +295,27 @@ class ReceiveQueueReader:
         _on_error(listener, source, exc)
         return count
 
-    def _lock_and_read(self, client: str, source: str, limit: int, max_bytes: int) -> list[_Row] | None:
+    def _lock_and_read(self, client: str, source: str, limit: int, max_bytes: int) -> tuple[list[_Row], bool] | None:
         """Open the delivery transaction: take the queue's consumer lock (None if another consumer
         has it) and read the visible rows that hold its next ``limit`` entries (at most
-        ``max_bytes`` of rows, at least one), in sink order. Rows behind a snapshot still being
-        transferred (an invisible row with a lower seq) wait for it, so full-sync data stays ahead."""
+        ``max_bytes`` of rows, at least one), in sink order; True with them when they are all the
+        queue holds. Rows behind a snapshot still being transferred (an invisible row with a lower
+        seq) wait for it, so full-sync data stays ahead."""
         with self.conn.cursor() as cur:
-            cur.execute(
-                "SELECT pg_try_advisory_xact_lock(%s, hashtext(%s))",
-                (CONSUMER_LOCK_CLASS, receive_queue_name(client, source)),
+            cur.execute(  # one round trip: the lock, then (only if taken) the snapshot barrier
+                "SELECT locked, CASE WHEN locked THEN (SELECT min(seq) FROM lr.receive_queue "
+                "WHERE source_site_id = %s AND client_name = %s AND NOT visible) END "
+                "FROM (SELECT pg_try_advisory_xact_lock(%s, hashtext(%s)) AS locked) l",
+                (source, client, CONSUMER_LOCK_CLASS, receive_queue_name(client, source)),
             )
-            if not cur.fetchone()[0]:
+            locked, barrier = cur.fetchone()
+            if not locked:
                 self.conn.rollback()
                 return None
-            cur.execute(
-                "SELECT min(seq) FROM lr.receive_queue WHERE source_site_id = %s AND client_name = %s AND NOT visible",
-                (source, client),
-            )
-            barrier = cur.fetchone()[0]
         return self._read_head(client, source, limit, barrier, max_bytes)
 
     def _read_head(self, client: str, source: str, limit: int, barrier: int | None,
-                   max_bytes: int = DEFAULT_BATCH_BYTES) -> list[_Row]:
+                   max_bytes: int = DEFAULT_BATCH_BYTES) -> tuple[list[_Row], bool]:
         """The visible rows before ``barrier`` that hold the queue's next ``limit`` entries, and no
         more than ``max_bytes`` of rows (at least one), in ``seq`` order: a cursor over the delivery
         index, fetched a few rows at a time (a row holds one entry or ~28), so neither one-entry
@@ -331,22 +333,23 @@ class ReceiveQueueReader:
                 (INLINE_BYTES, client, source),
             )
             first = min(limit, HEAD_FETCH)
-            full = False
+            full = whole = False
             while not full:
-                fetched = cur.fetchmany(min(most, first or max(1, math.ceil(wanted / per_row))))
+                size = min(most, first or max(1, math.ceil(wanted / per_row)))
+                fetched = cur.fetchmany(size)
                 first = 0
-                if not fetched:
-                    break
-                for seq, kind, count, delivered, size, message in fetched:
-                    if (barrier is not None and seq >= barrier) or (heads and taken + size > max_bytes):
-                        full = True
+                whole = len(fetched) < size  # the cursor ran out: these are the queue's last rows
+                for n, (seq, kind, count, delivered, length, message) in enumerate(fetched):
+                    if (barrier is not None and seq >= barrier) or (heads and taken + length > max_bytes):
+                        full, whole = True, False
                         break
                     heads.append((seq, kind, count, delivered, message))
-                    taken += size
+                    taken += length
                     wanted -= count - delivered
                     if wanted <= 0:
-                        full = True
+                        full, whole = True, whole and n == len(fetched) - 1
                         break
+                full = full or whole
                 per_row = max(1.0, (limit - wanted) / max(1, len(heads)))
         large: dict[int, Any] = {}
         wanted_large = [head[0] for head in heads if head[4] is None]
@@ -361,7 +364,7 @@ class ReceiveQueueReader:
                 if message is None:  # gone meanwhile (not by a consumer: they hold the queue's lock)
                     break
             rows.append(_Row(seq, kind, count, delivered, bytes(message)))
-        return rows
+        return rows, whole and len(rows) == len(heads)
 
     def _move_aside(
         self, client: str, source: str, rows: Sequence[_Row], bad: list[_Entry], report: PassReport,

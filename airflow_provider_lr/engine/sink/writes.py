@@ -115,11 +115,11 @@ class SinkTransaction:
         epoch, raise the sink's epoch to ours; the sink's metadata as it stands under the lock."""
         self.cur = self.conn.cursor()
         try:
-            self.cur.execute(
-                "INSERT INTO lr.sink_sessions (source_site_id, client_name) VALUES (%s, %s) ON CONFLICT DO NOTHING",
-                (self.source, self.client),
+            self.cur.execute(  # one round trip: the row made if missing, then locked and read
+                "INSERT INTO lr.sink_sessions (source_site_id, client_name) VALUES (%s, %s) ON CONFLICT DO NOTHING; "
+                + _SELECT + " FOR UPDATE",
+                (self.source, self.client, self.source, self.client),
             )
-            self.cur.execute(_SELECT + " FOR UPDATE", (self.source, self.client))
             meta = _metadata(self.cur.fetchone())
             if meta.lease_epoch > self.epoch:
                 self.cur.execute("SELECT site_id FROM lr.site_info")
@@ -243,9 +243,11 @@ class SinkTransaction:
             (f"lrq_recv_{self.client}", self.source, self.client, name),
         )
 
-    def announce(self) -> None:
-        """Register the receive queue (first write after any restart) and wake subscribers at commit."""
-        self.register()
+    def announce(self, register: bool = True) -> None:
+        """Register the receive queue (first write after any restart; a stream that registered it
+        once passes ``register=False``) and wake subscribers at commit."""
+        if register:
+            self.register()
         self.cur.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, wakeup_payload(self.client, self.source)))
 
 
@@ -384,11 +386,13 @@ def apply_log_stream(
     epoch: int,
     batch: LogBatch | LogStream,
     base: int,
+    register: bool = True,
 ) -> int:
     """``apply_log_entries`` for a batch read as it is written (``LogReader.read_stream``): its
     entries go into ONE sink transaction in pieces, with ``last_log_entry_processed = batch.end``
     set at the end, so a source transaction of any size becomes visible on the sink whole (DESIGN
-    §6 property 2) while only a few MiB of it are in memory at a time."""
+    §6 property 2) while only a few MiB of it are in memory at a time. ``register``: see
+    ``SinkTransaction.announce``."""
     write = SinkTransaction(conn, source, client, epoch)
     with write as (cur, meta):
         if not meta.data_consistent or meta.snapshot_applied != base:
@@ -407,7 +411,7 @@ def apply_log_stream(
             return last
         write.update(last_log_entry_processed=end)
         if written:
-            write.announce()
+            write.announce(register)
         return end
 
 

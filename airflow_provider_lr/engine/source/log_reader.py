@@ -114,8 +114,18 @@ class LogBatch:
     def bytes(self) -> int:
         return sum(len(r.message) for r in self.records)
 
+    @property
+    def entries(self) -> int:
+        return len(self.records)
+
     def __iter__(self) -> Iterator[LogRecord]:
         return iter(self.records)
+
+    def __enter__(self) -> "LogBatch":  # read already: used where a LogStream would be
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
 
 
 class LogStream:
@@ -293,15 +303,43 @@ class LogReader:
         or a transaction that rolled back after drawing it (it never does): the stream's
         ``barrier`` is then the highest committed position, above ``end``, and the caller, seeing
         no progress, decides with ``read_stream``'s barrier. Costs no ``pg_locks`` read."""
-        check_trim(self.conn, after, f"destination {self.destination!r}")  # starts the read's snapshot
-        with self.conn.cursor() as cur:
-            cur.execute(_FINAL_PREFIX_SQL, {"after": after, "scan": max(1, max_entries)})
-            end, highest = cur.fetchone()
+        end, highest = check_trim(self.conn, after, f"destination {self.destination!r}",  # the read's snapshot
+                                  (_FINAL_PREFIX_SQL, {"after": after, "scan": max(1, max_entries)}))
         if end <= after:
             self.conn.rollback()
             return LogStream(self.conn, after, after, max(after, highest))
         return LogStream(self.conn, after, end, max(end, highest), [], max_entries, max_bytes,
                          self._query(after, end, split))
+
+    def read_final_batch(self, after: int, max_bytes: int = DEFAULT_MAX_BYTES,
+                         split: BaseSplit | None = None) -> LogBatch | None:
+        """The final prefix after ``after`` in ONE statement (one snapshot: trim mark, prefix and
+        entries together), for a stream reading again at once: a whole batch when it is small (at
+        most ``FETCH_ROWS`` entries, each inline), else None and the caller takes
+        ``read_stream(final=True)``, which bounds what it holds by bytes. Two round trips (the
+        statement and its rollback) where the general read takes six: a stream under load reads
+        hundreds of times a second, and each read is work the source server does beside its writers."""
+        covered = ""
+        params: dict = {"after": after, "scan": FETCH_ROWS, "rows": FETCH_ROWS + 1, "stream": self.stream,
+                        "tag": self.tag_id, "client": self.client_id,
+                        "inline": max(1, fetch_bytes(max_bytes) // FETCH_ROWS)}
+        if split is not None and split.upto > after:
+            covered = "AND NOT (f.position <= %(upto)s AND pg_visible_in_snapshot(f.tx, %(snapshot)s::pg_snapshot))"
+            params.update(upto=split.upto, snapshot=split.snapshot)
+        client = "AND e.client_id = %(client)s" if self.client_id is not None else ""
+        try:
+            with self.conn.cursor() as cur:
+                cur.execute(_FINAL_BATCH_SQL.format(client=client, covered=covered), params)
+                rows = cur.fetchall()
+        finally:
+            self.conn.rollback()
+        mark, end, highest = rows[0][:3]
+        if mark > after:
+            raise trimmed_error(f"destination {self.destination!r}", after, mark)
+        entries = [r[3:] for r in rows if r[3] is not None]
+        if len(entries) > FETCH_ROWS or any(message is None for *_, message in entries):
+            return None  # large: read by the general path
+        return LogBatch(after, end, [LogRecord(p, e, bytes(m)) for p, e, m in entries], max(end, highest))
 
     def _query(self, after: int, upto: int, split: BaseSplit | None) -> tuple[str, tuple]:
         """The read of this destination's entries with positions in ``(after, upto]``, in (position,
@@ -331,25 +369,50 @@ class LogReader:
 # The final prefix after a position: the longest run after + 1, after + 2, ... of committed positions
 # (at most ``scan`` of them, by the primary key), and the highest committed position.
 _FINAL_PREFIX_SQL = """
-SELECT coalesce(max(position) FILTER (WHERE position = %(after)s + n), %(after)s),
-       coalesce((SELECT max(position) FROM lr.log_commits), 0)
+SELECT coalesce(max(position) FILTER (WHERE position = %(after)s + n), %(after)s) AS final_end,
+       coalesce((SELECT max(position) FROM lr.log_commits), 0) AS highest
 FROM (SELECT position, row_number() OVER (ORDER BY position) AS n
       FROM (SELECT position FROM lr.log_commits WHERE position > %(after)s ORDER BY position LIMIT %(scan)s) p) d
 """
 
 
-def snapshot_trim_mark(conn: psycopg2.extensions.connection) -> int:
-    """Open a REPEATABLE READ transaction on ``conn`` and return the trim mark in its snapshot.
+# ``read_final_batch``'s one statement: the trim mark, the final prefix's end, the highest committed
+# position and the destination's entries in the prefix (at most ``rows``; a message over ``inline``
+# bytes comes back NULL), a row each (one row with NULL entry columns when there is none).
+_FINAL_BATCH_SQL = """
+WITH d AS (
+    SELECT position, tx, position - row_number() OVER (ORDER BY position) AS gap
+    FROM (SELECT position, tx FROM lr.log_commits WHERE position > %(after)s ORDER BY position LIMIT %(scan)s) p
+), f AS (SELECT position, tx FROM d WHERE gap = %(after)s)
+SELECT (SELECT trim_mark FROM lr.log_trim), coalesce((SELECT max(position) FROM f), %(after)s),
+       coalesce((SELECT max(position) FROM lr.log_commits), 0), r.position, r.entry_id, r.message
+FROM (SELECT 1) one LEFT JOIN LATERAL (
+    SELECT f.position, e.entry_id, CASE WHEN octet_length(e.message) <= %(inline)s THEN e.message END AS message
+    FROM f CROSS JOIN LATERAL (
+        SELECT e.entry_id, e.message FROM lr.log_entries e
+        WHERE e.tx = f.tx AND e.stream = %(stream)s AND e.tag_ids @> ARRAY[%(tag)s] {client}
+        OFFSET 0  -- a per-commit index lookup, as the general read
+    ) e
+    WHERE true {covered}
+    ORDER BY f.position, e.entry_id LIMIT %(rows)s
+) r ON true
+"""
+
+
+def snapshot_trim_mark(conn: psycopg2.extensions.connection, also: tuple[str, dict] | None = None) -> tuple:
+    """Open a REPEATABLE READ transaction on ``conn`` and return the trim mark in its snapshot (and
+    the columns of the one-row query ``also`` after it, read in the same snapshot and round trip).
 
     Every read of log entries runs in such a transaction, after this: the trim deletes entries and
     raises the mark in one transaction, so the snapshot sees both or neither, and a trim that
     commits meanwhile cannot remove part of what the read returns."""
     if conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
         conn.rollback()
+    sql, params = also or ("SELECT", {})
     with conn.cursor() as cur:
-        cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-        cur.execute("SELECT trim_mark FROM lr.log_trim")
-        return cur.fetchone()[0]
+        cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; "
+                    f"SELECT t.trim_mark, a.* FROM lr.log_trim t, ({sql}) a", params)
+        return tuple(cur.fetchone())
 
 
 def trimmed_error(reader: str, after: int, mark: int) -> TrimmedError:
@@ -360,14 +423,15 @@ def trimmed_error(reader: str, after: int, mark: int) -> TrimmedError:
     )
 
 
-def check_trim(conn: psycopg2.extensions.connection, after: int, reader: str) -> int:
+def check_trim(conn: psycopg2.extensions.connection, after: int, reader: str,
+               also: tuple[str, dict] | None = None) -> tuple:
     """``snapshot_trim_mark``, refusing (``TrimmedError``, transaction ended) when the log no
-    longer holds every entry after ``after``."""
-    mark = snapshot_trim_mark(conn)
+    longer holds every entry after ``after``; returns the columns of ``also``."""
+    mark, *extra = snapshot_trim_mark(conn, also)
     if mark > after:
         conn.rollback()
         raise trimmed_error(reader, after, mark)
-    return mark
+    return tuple(extra)
 
 
 def commit_barrier(conn: psycopg2.extensions.connection, timeout: float = 5.0) -> tuple[int | None, list[HoldBack]]:
