@@ -9,6 +9,7 @@ import pytest
 
 from airflow_provider_lr.engine.errors import FencedError, StaleBatchError
 from airflow_provider_lr.engine.session import lease
+from airflow_provider_lr.engine.session.stream import Streamer
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import schema
 from airflow_provider_lr.engine.source.log_reader import LogReader
@@ -83,9 +84,11 @@ def test_two_sinks_only_one_addressed_gets_exactly_its_entries(lr_sites):
     app.close()
 
 
-def test_snapshot_hand_off_while_writers_keep_writing(lr_sites):
+@pytest.mark.parametrize("mode", ["cycles", "streaming"])
+def test_snapshot_hand_off_while_writers_keep_writing(lr_sites, mode):
     """DESIGN §6 property 6: writers run before, during and after the full sync; every key's values
-    arrive as snapshot value, then exactly each later value once, in order."""
+    arrive as snapshot value, then exactly each later value once, in order (streaming: the stream
+    starts right after the apply, reading past the base snapshot's split)."""
     source, sink_b, _ = lr_sites
     topo = apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
     keys = [f"k{i}" for i in range(4)]
@@ -115,11 +118,25 @@ def test_snapshot_hand_off_while_writers_keep_writing(lr_sites):
         t.start()
     time.sleep(0.3)
     repl = replicator(topo, lr_sites, providers={"policy": slow_provider})
-    repl.run(max_cycles=4, interval=0.05)
+    if mode == "cycles":
+        repl.run(max_cycles=4, interval=0.05)
+    else:
+        streaming = threading.Event()
+        streamer = threading.Thread(target=Streamer(repl).run, args=(streaming,), kwargs={"interval": 0.05})
+        streamer.start()
+        time.sleep(1.5)
     stop.set()
     for t in threads:
         t.join()
-    repl.run(max_cycles=10, until_idle=True, interval=0.05)
+    if mode == "cycles":
+        repl.run(max_cycles=10, until_idle=True, interval=0.05)
+    else:
+        deadline = time.monotonic() + 30
+        while final_state(queue(sink_b, "site-a")) != source_state(source):
+            assert time.monotonic() < deadline, "the stream caught up"
+            time.sleep(0.05)
+        streaming.set()
+        streamer.join()
     entries = queue(sink_b, "site-a")
     kinds = [k for k, _ in entries]
     assert kinds[0] == "start" and "end" in kinds and kinds.index("end") < kinds.index("log")

@@ -227,6 +227,38 @@ def test_final_prefix_stops_at_a_position_in_flight_and_the_barrier_passes_a_rol
     assert payloads(passed.records) == [b"T4"] and passed.end == 4
 
 
+def test_final_batch_in_one_statement_reads_what_the_general_read_does(source, dests):
+    """``read_final_batch`` (a stream's small read) gives the records, end and barrier of the
+    general final-prefix read, with a base snapshot's split left out too; a prefix of more than
+    FETCH_ROWS entries is left to the general read (None), never cut inside a transaction."""
+    from airflow_provider_lr.engine.source.log_reader import FETCH_ROWS, BaseSplit
+
+    conn = app_conn(source)
+    client = RoutingQueueClient(conn, "policy")
+    for i in range(30):
+        client.transmit_log_entry_message(f"e{i}".encode(), dests if i % 3 else dests[1:])
+        if i % 4 == 3:
+            conn.commit()
+    conn.commit()
+    reader = LogReader(source.connect(), dests[0], client_name="policy")
+    with source.connect() as snap_conn, snap_conn.cursor() as cur:  # a split that covers positions 1-4
+        cur.execute("SELECT pg_current_snapshot()::text, 4")
+        split = BaseSplit(*cur.fetchone())
+    for after, cut in [(0, None), (2, None), (0, split), (3, split)]:
+        fast = reader.read_final_batch(after, split=cut)
+        general = reader.read_stream(after, split=cut, final=True).collect()
+        assert fast is not None
+        assert (fast.records, fast.end, fast.barrier) == (general.records, general.end, general.barrier), (after, cut)
+    end = reader.read_stream(0, final=True).collect().end
+    client.transmit_log_entry_messages(
+        [LRMessageWithDestinations(b"big", dests) for _ in range(FETCH_ROWS + 1)])  # one transaction
+    conn.commit()
+    assert reader.read_final_batch(end) is None
+    whole = reader.read_stream(end, final=True).collect()
+    assert len(whole.records) == FETCH_ROWS + 1
+    conn.close()
+
+
 def test_transactions_stay_whole_and_in_transmit_order_across_small_batches(source, dests):
     conn = app_conn(source)
     client = RoutingQueueClient(conn, "policy")

@@ -63,9 +63,7 @@ class SessionTee:
             if self.writer.copied != self.writer.rows:
                 raise StaleBatchError(f"{self.demand.session}: the sink took {self.writer.copied} of "
                                       f"{self.writer.rows} rows")
-            self.transaction.update(last_log_entry_processed=end)
-            if self.entries:
-                self.transaction.announce()
+            self.transaction.advance(end, self.entries > 0)
         except BaseException:
             self.transaction.abort()
             self.conn.close()

@@ -163,10 +163,13 @@ class SessionStream:
         self.settings, self.opts = settings, stream_settings
         self.delivered = 0
         self.src = connect(key.source)
+        self.peek = self.sink = None
         try:
+            self.peek = connect(key.source)  # autocommit: the one-statement reads of small batches
+            self.peek.autocommit = True
             self.sink = connect(key.sink)
         except BaseException:
-            self.src.close()
+            self.close()
             raise
         # acks and renewals only: the sink's position is the truth, a lost ack delays trim only
         with self.src.cursor() as cur:
@@ -177,6 +180,7 @@ class SessionStream:
         self.acked = -1
         self.registered = False  # the receive queue, by this stream's first write of entries
         self.reader = LogReader(self.src, key.sink, STREAM_LOG_ENTRIES, settings.barrier_timeout, client_name=key.client)
+        self.small = LogReader(self.peek, key.sink, STREAM_LOG_ENTRIES, client_name=key.client)
         self.topology_id = self._topology_id()
         log.info("session %s streams from position %d", key, self.after)
 
@@ -238,7 +242,7 @@ class SessionStream:
         rolled back and is passed)."""
         settings, batch = self.settings, None
         if not barrier:
-            batch = self.reader.read_final_batch(self.after, settings.max_bytes, self.split)
+            batch = self.small.read_final_batch(self.after, settings.max_bytes, self.split)
         if batch is None:
             batch = self.reader.read_stream(self.after, settings.max_entries, settings.max_bytes, self.split,
                                             final=not barrier)
@@ -287,8 +291,8 @@ class SessionStream:
         return row[0] if row else None
 
     def close(self) -> None:
-        for conn in (self.src, self.sink):
-            if not conn.closed:
+        for conn in (self.src, self.peek, self.sink):
+            if conn is not None and not conn.closed:
                 conn.close()
 
 

@@ -173,6 +173,18 @@ class SinkTransaction:
             (*values.values(), self.source, self.client),
         )
 
+    def advance(self, end: int, wrote: bool, register: bool = True) -> None:
+        """Record a log-entry batch's end; when it ``wrote`` entries, also register the queue (see
+        ``announce``) and wake the subscribers at commit: position and wake-up in one round trip."""
+        if wrote and register:
+            self.register()
+        wake = "; SELECT pg_notify(%s, %s)" if wrote else ""
+        self.cur.execute(
+            "UPDATE lr.sink_sessions SET last_log_entry_processed = %s, updated_at = now() "
+            "WHERE source_site_id = %s AND client_name = %s" + wake,
+            (end, self.source, self.client) + ((NOTIFY_CHANNEL, wakeup_payload(self.client, self.source)) if wrote else ()),
+        )
+
     def metadata(self) -> SinkMetadata:
         """The session's metadata as this transaction has just written it: what the caller goes on from."""
         self.cur.execute(_SELECT, (self.source, self.client))
@@ -243,11 +255,9 @@ class SinkTransaction:
             (f"lrq_recv_{self.client}", self.source, self.client, name),
         )
 
-    def announce(self, register: bool = True) -> None:
-        """Register the receive queue (first write after any restart; a stream that registered it
-        once passes ``register=False``) and wake subscribers at commit."""
-        if register:
-            self.register()
+    def announce(self) -> None:
+        """Register the receive queue (first write after any restart) and wake subscribers at commit."""
+        self.register()
         self.cur.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, wakeup_payload(self.client, self.source)))
 
 
@@ -391,8 +401,8 @@ def apply_log_stream(
     """``apply_log_entries`` for a batch read as it is written (``LogReader.read_stream``): its
     entries go into ONE sink transaction in pieces, with ``last_log_entry_processed = batch.end``
     set at the end, so a source transaction of any size becomes visible on the sink whole (DESIGN
-    §6 property 2) while only a few MiB of it are in memory at a time. ``register``: see
-    ``SinkTransaction.announce``."""
+    §6 property 2) while only a few MiB of it are in memory at a time. ``register=False``: the queue
+    is registered already (a stream registers it with its first write)."""
     write = SinkTransaction(conn, source, client, epoch)
     with write as (cur, meta):
         if not meta.data_consistent or meta.snapshot_applied != base:
@@ -409,9 +419,7 @@ def apply_log_stream(
         end = batch.end  # final now that the batch was read
         if end <= last:
             return last
-        write.update(last_log_entry_processed=end)
-        if written:
-            write.announce(register)
+        write.advance(end, written > 0, register)
         return end
 
 

@@ -316,8 +316,9 @@ class LogReader:
         """The final prefix after ``after`` in ONE statement (one snapshot: trim mark, prefix and
         entries together), for a stream reading again at once: a whole batch when it is small (at
         most ``FETCH_ROWS`` entries, each inline), else None and the caller takes
-        ``read_stream(final=True)``, which bounds what it holds by bytes. Two round trips (the
-        statement and its rollback) where the general read takes six: a stream under load reads
+        ``read_stream(final=True)``, which bounds what it holds by bytes. One round trip on an
+        autocommit connection (two otherwise: the statement and its rollback) where the general
+        read takes six: a stream under load reads
         hundreds of times a second, and each read is work the source server does beside its writers."""
         covered = ""
         params: dict = {"after": after, "scan": FETCH_ROWS, "rows": FETCH_ROWS + 1, "stream": self.stream,
@@ -332,7 +333,8 @@ class LogReader:
                 cur.execute(_FINAL_BATCH_SQL.format(client=client, covered=covered), params)
                 rows = cur.fetchall()
         finally:
-            self.conn.rollback()
+            if not self.conn.autocommit:  # on an autocommit connection the statement was all of it
+                self.conn.rollback()
         mark, end, highest = rows[0][:3]
         if mark > after:
             raise trimmed_error(f"destination {self.destination!r}", after, mark)
