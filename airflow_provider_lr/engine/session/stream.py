@@ -8,18 +8,21 @@ handed to a ``SessionStream``, which keeps its lease and its sink position in me
 1. waits until the source's commit position moves past its sink (``SourceWatch``: one cheap probe
    of the commit-position sequence per source, polled only while a stream waits, faster while
    commits keep coming);
-2. reads the *final prefix* after the sink (``LogReader.read_stream(final=True)``: the positions after it that
-   are all committed, in one snapshot with the trim mark; no ``pg_locks`` barrier, which costs the
-   writers' lock manager on every read) and writes it in ONE fenced sink transaction
+2. reads the *final prefix* after the sink (``LogReader.read_final_batch``, or
+   ``read_stream(final=True)`` when it is large: the positions after it that are all committed,
+   in one snapshot with the trim mark; no ``pg_locks`` barrier, which costs the writers' lock
+   manager on every read) and writes it in ONE fenced sink transaction
    (``writes.apply_log_stream``, exactly as a cycle does: epoch checked, position advanced with
    the entries, subscribers woken);
 3. acknowledges on the source lazily (every ``ack_interval``, asynchronously committed: the sink's
-   own position is the truth, so a lost ack only delays trim).
+   own position is the truth, so a lost ack only delays trim);
+4. under load, lingers before the next read so batches grow (``busy_rate``, ``linger``): the fixed
+   cost of a read and a sink transaction would otherwise be CPU taken from the writers.
 
 Negotiation runs again only when something changed: the lease was taken over or could not be
 renewed, the topology changed, a full sync was requested, the log was trimmed past the sink, or a
 site failed (a sink restart drops its connection). The stream then hands the session back to the
-cycles (``Replicator.stream``), which renegotiate and, once the session is in log-entry sync
+cycles (``Streamer``), which renegotiate and, once the session is in log-entry sync
 again, stream it anew. A batch is whatever committed since the last read, up to
 ``max_entries``/``max_bytes``: one entry at a low rate, thousands under load.
 """
@@ -60,8 +63,8 @@ class StreamSettings:
     ack_interval: float = 0.2  # acknowledged position recorded on the source at most this often
     check_interval: float = 1.0  # lease renewed, topology and full-sync requests checked
     gap_timeout: float = 0.05  # a missing position this old is resolved with the commit barrier
-    # Under load (the session's entries arrive at ``busy_rate`` per second or more, a moving
-    # average), wait ``linger`` before reading again: a read and a sink transaction cost about the
+    # Under load (the session's entries arrive at ``busy_rate`` per second or more, over the last
+    # 0.1 s: ``RateWindow``), wait ``linger`` before reading again: a read and a sink transaction cost about the
     # same for one entry as for hundreds, and on a busy machine that fixed cost is taken from the
     # writers (docs/streaming.md). Below it, every commit is read at once, one small batch each.
     busy_rate: float = 2000.0
@@ -149,6 +152,24 @@ class StreamEnd:
     error: str = ""
 
 
+class RateWindow:
+    """Entries per second over the last whole window (``seconds``): a burst of commits inside a
+    window does not make a stream at a modest rate linger, a sustained rate does."""
+
+    def __init__(self, seconds: float = 0.1) -> None:
+        self.seconds, self.rate = seconds, 0.0
+        self._start, self._count = time.monotonic(), 0
+
+    def add(self, entries: int) -> float:
+        """Count ``entries`` read now; the rate of the last whole window."""
+        self._count += entries
+        now = time.monotonic()
+        if now - self._start >= self.seconds:
+            self.rate = self._count / (now - self._start)
+            self._start, self._count = now, 0
+        return self.rate
+
+
 class _Handback(Exception):
     """Something changed that calls for negotiation: end the stream, keep the lease."""
 
@@ -207,7 +228,7 @@ class SessionStream:
         last_ack = 0.0
         stalled_since: float | None = None  # a drawn position has not shown up since then
         pause = opts.poll_min
-        rate, last_read = 0.0, time.monotonic()  # entries per second, moving average; when read last
+        rate = RateWindow()
         while not stop.is_set():
             now = time.monotonic()
             if now >= next_check:
@@ -223,10 +244,7 @@ class SessionStream:
             moved = self._step(barrier)
             if moved:
                 stalled_since, pause = None, opts.poll_min
-                now = time.monotonic()
-                rate = 0.8 * rate + 0.2 * moved / max(now - last_read, 1e-4)
-                last_read = now
-                if rate >= opts.busy_rate:
+                if rate.add(moved) >= opts.busy_rate:
                     stop.wait(opts.linger)
                 continue
             # drawn but not visible: a commit in flight (shows up in a moment), or one that rolled back
@@ -248,7 +266,7 @@ class SessionStream:
                                             final=not barrier)
         with batch:
             if batch.end <= self.after:
-                return False
+                return 0
             after = writes.apply_log_stream(self.sink, self.key.source, self.key.client, self.lease.epoch,
                                             batch, self.base, register=not self.registered)
         fault_point("stream_after_sink_apply")

@@ -292,9 +292,16 @@ def session_backlogs(
             CROSS JOIN LATERAL (
                 SELECT count(*) AS n, coalesce(max(c.position), -1) AS highest,
                        coalesce(round(extract(epoch FROM now() - min(c.committed_at))::numeric, 1), 0)::float8 AS lag
-                FROM lr.log_commits c JOIN lr.log_entries e ON e.tx = c.tx
-                WHERE c.position > greatest(s.acked_position, 0) AND e.stream = %(stream)s
-                  AND e.tag_ids @> ARRAY[r.tag_id] AND e.client_id = k.client_id
+                FROM lr.log_commits c
+                CROSS JOIN LATERAL (
+                    SELECT 1 FROM lr.log_entries e
+                    WHERE e.tx = c.tx AND e.stream = %(stream)s AND e.tag_ids @> ARRAY[r.tag_id]
+                      AND e.client_id = k.client_id
+                    OFFSET 0  -- per-commit index lookups, driven by the position range: the cost
+                              -- follows the backlog, not the size of the log (a join of the whole
+                              -- log cost 26 ms for a backlog of 200 among 60k entries)
+                ) e
+                WHERE c.position > greatest(s.acked_position, 0)
             ) p
             WHERE (%(sink)s::text IS NULL OR s.sink_site_id = %(sink)s)
               AND (%(client)s::text IS NULL OR s.client_name = %(client)s)
