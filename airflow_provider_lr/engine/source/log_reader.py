@@ -532,9 +532,11 @@ def refresh_last_transmitted(conn: psycopg2.extensions.connection, timeout: floa
                     WITH latest AS (
                         SELECT t.tag_id, max(c.position) AS position, max(e.entry_id) AS entry_id
                         FROM lr.log_commits c
-                        JOIN lr.log_entries e ON e.tx = c.tx
+                        CROSS JOIN LATERAL (  -- per-commit lookups: the cost follows the range scanned
+                            SELECT e.entry_id, e.tag_ids FROM lr.log_entries e
+                            WHERE e.tx = c.tx AND e.stream = %s OFFSET 0) e
                         CROSS JOIN LATERAL unnest(e.tag_ids) AS t(tag_id)
-                        WHERE c.position > %s AND c.position <= %s AND e.stream = %s
+                        WHERE c.position > %s AND c.position <= %s
                         GROUP BY t.tag_id
                     )
                     UPDATE lr.destination_log_state d
@@ -543,7 +545,7 @@ def refresh_last_transmitted(conn: psycopg2.extensions.connection, timeout: floa
                     FROM latest JOIN lr.remote_sites r ON r.tag_id = latest.tag_id
                     WHERE d.site_id = r.site_id
                     """,
-                    (scanned, upto, STREAM_LOG_ENTRIES),
+                    (STREAM_LOG_ENTRIES, scanned, upto),
                 )
                 cur.execute("UPDATE lr.log_scan_state SET scanned_up_to = %s", (upto,))
             cur.execute("SELECT site_id, last_transmitted_position, last_transmitted_entry FROM lr.destination_log_state")
