@@ -317,40 +317,45 @@ class ReceiveQueueReader:
     def _read_head(self, client: str, source: str, limit: int, barrier: int | None,
                    max_bytes: int = DEFAULT_BATCH_BYTES) -> tuple[list[_Row], bool]:
         """The visible rows before ``barrier`` that hold the queue's next ``limit`` entries, and no
-        more than ``max_bytes`` of rows (at least one), in ``seq`` order: a cursor over the delivery
-        index, fetched a few rows at a time (a row holds one entry or ~28), so neither one-entry
-        rows nor packed ones read more than they need. Messages over ``INLINE_BYTES`` (single
+        more than ``max_bytes`` of rows (at least one), in ``seq`` order: the first few rows by one
+        query, then (a longer head) a cursor over the delivery index, fetched a few rows at a time
+        (a row holds one entry or ~28), so neither one-entry rows nor packed ones read more than
+        they need. Messages over ``INLINE_BYTES`` (single
         large entries) are left out of the cursor's rows and fetched by ``seq`` for the rows
         taken: no round trip brings much more than ``max_bytes``, whatever the entries' size."""
         heads: list[tuple[int, int, int, int, Any]] = []  # (seq, kind, count, delivered, message | None)
-        wanted, per_row, taken = limit, 1.0, 0
+        wanted, taken = limit, 0
         most = max(1, max_bytes // INLINE_BYTES)  # rows per fetch
-        with self.conn.cursor(name="lr_receive_head") as cur:  # a cursor plan: the index, in order
-            cur.execute(
-                "SELECT seq, kind, entry_count, delivered, octet_length(message), "
-                "CASE WHEN octet_length(message) <= %s THEN message END FROM lr.receive_queue "
-                "WHERE client_name = %s AND source_site_id = %s AND visible ORDER BY seq",
-                (INLINE_BYTES, client, source),
-            )
-            first = min(limit, HEAD_FETCH)
-            full = whole = False
-            while not full:
-                size = min(most, first or max(1, math.ceil(wanted / per_row)))
-                fetched = cur.fetchmany(size)
-                first = 0
-                whole = len(fetched) < size  # the cursor ran out: these are the queue's last rows
-                for n, (seq, kind, count, delivered, length, message) in enumerate(fetched):
-                    if (barrier is not None and seq >= barrier) or (heads and taken + length > max_bytes):
-                        full, whole = True, False
-                        break
-                    heads.append((seq, kind, count, delivered, message))
-                    taken += length
-                    wanted -= count - delivered
-                    if wanted <= 0:
-                        full, whole = True, whole and n == len(fetched) - 1
-                        break
-                full = full or whole
-                per_row = max(1.0, (limit - wanted) / max(1, len(heads)))
+
+        def take(fetched: list[tuple], size: int) -> tuple[bool, bool]:
+            """Take fetched rows while they fit; (full: take no more, whole: the queue ran out)."""
+            nonlocal wanted, taken
+            whole = len(fetched) < size  # the read ran out: these are the queue's last rows
+            for n, (seq, kind, count, delivered, length, message) in enumerate(fetched):
+                if (barrier is not None and seq >= barrier) or (heads and taken + length > max_bytes):
+                    return True, False
+                heads.append((seq, kind, count, delivered, message))
+                taken += length
+                wanted -= count - delivered
+                if wanted <= 0:
+                    return True, whole and n == len(fetched) - 1
+            return whole, whole
+
+        select = ("SELECT seq, kind, entry_count, delivered, octet_length(message), "
+                  "CASE WHEN octet_length(message) <= %s THEN message END FROM lr.receive_queue "
+                  "WHERE client_name = %s AND source_site_id = %s AND visible{} ORDER BY seq")
+        params: tuple = (INLINE_BYTES, client, source)
+        first = min(limit, HEAD_FETCH, most)
+        with self.conn.cursor() as cur:  # the usual head, a few rows: one round trip
+            cur.execute(select.format("") + " LIMIT %s", params + (first,))
+            full, whole = take(cur.fetchall(), first)
+        if not full:  # a longer head: a cursor over the delivery index, in order, after what was taken
+            with self.conn.cursor(name="lr_receive_head") as cur:
+                cur.execute(select.format(" AND seq > %s"), params + (heads[-1][0],))
+                while not full:
+                    per_row = max(1.0, (limit - wanted) / max(1, len(heads)))
+                    size = min(most, max(1, math.ceil(wanted / per_row)))
+                    full, whole = take(cur.fetchmany(size), size)
         large: dict[int, Any] = {}
         wanted_large = [head[0] for head in heads if head[4] is None]
         if wanted_large:
