@@ -438,6 +438,37 @@ def test_replicator_runs_cycles_full_syncs_status_and_trim(world):
             conn.close()
 
 
+def test_replicator_role_streams(world):
+    """``lr sync``'s streaming mode needs nothing the replicator role lacks: the commit-position
+    probe, the one-statement final prefix, lazy acks and lease renewals, fenced sink writes."""
+    from airflow_provider_lr.engine.session.stream import Streamer, StreamSettings
+
+    repl = replicator(world.topo, sites_as(world.sites, world.replicator),
+                      providers={c: provider(c) for c in CLIENTS})
+    streamer = Streamer(repl, StreamSettings(check_interval=0.2, ack_interval=0.05))
+    stop = threading.Event()
+    thread = threading.Thread(target=streamer.run, args=(stop,), kwargs={"interval": 0.05})
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while streamer.streaming != set(repl.sessions):
+            assert time.monotonic() < deadline and not streamer.ends, streamer.ends
+            time.sleep(0.05)
+        transmit_both(world)
+        while any(len([p for k, p in queue(sink, "site-a", c) if k == "log"]) < 3
+                  for sink in world.sites[1:] for c in CLIENTS):
+            assert time.monotonic() < deadline and not streamer.ends, streamer.ends
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        thread.join()
+        repl.close()
+    assert [e.reason for e in streamer.ends] == ["stopped"] * len(repl.sessions)  # no hand-back, no error
+    for sink in world.sites[1:]:
+        for client in CLIENTS:
+            assert [p for k, p in queue(sink, "site-a", client) if k == "log"] == [f"{client}{i}={i}" for i in range(3)]
+
+
 def test_replicator_fanout_copies_under_row_level_security(world, tmp_path: Path, monkeypatch):
     """The in-process tee COPYs into lr.receive_queue, which PostgreSQL refuses under row-level
     security: a replicator role's rows go through a temporary table, in order."""
