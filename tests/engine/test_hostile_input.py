@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import textwrap
+import threading
+import time
 
 import psycopg2
 import pytest
@@ -14,8 +16,10 @@ from airflow_provider_lr.embedded.sites import SiteManager
 from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError, TransmitError
 from airflow_provider_lr.engine.session.replicator import Replicator
 from airflow_provider_lr.engine.session.runner import SessionSettings
+from airflow_provider_lr.engine.session.stream import Streamer
 from airflow_provider_lr.engine.site import schema, topology
 from airflow_provider_lr.engine.source import trim
+from airflow_provider_lr.proto import lr_pb2
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 from tests.support.session import App, apply, queue, replicator
 from tests.support.spark_env import lr_connections  # noqa: F401 (fixture: the tee resolves the sites by id)
@@ -252,7 +256,7 @@ class _AcceptAll:
 
 
 # --- corrupted log entries ---------------------------------------------------------------------
-@pytest.mark.parametrize("path", ["session", "tee"])
+@pytest.mark.parametrize("path", ["session", "tee", "stream"])
 def test_a_corrupted_source_entry_is_passed_on_and_dead_lettered_alone_by_every_path(lr_sites, lr_connections, path):
     source, sink_b, _ = lr_sites
     topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:empty_provider"})
@@ -260,13 +264,37 @@ def test_a_corrupted_source_entry_is_passed_on_and_dead_lettered_alone_by_every_
     repl.run(max_cycles=3, until_idle=True, interval=0.01)
     repl.close()
     app = App(source)
-    for i in range(30):
-        app.put(f"k{i}", i, ["site-b"])
-    source.query("UPDATE lr.log_entries SET message = '\\x08ff0a'::bytea WHERE entry_id = "
-                 "(SELECT min(entry_id) + 10 FROM lr.log_entries WHERE stream = 1)")
+    corrupt = ("UPDATE lr.log_entries SET message = '\\x08ff0a'::bytea WHERE entry_id = "
+               "(SELECT min(entry_id) + 10 FROM lr.log_entries WHERE stream = 1)")
     repl = replicator(topo, lr_sites, tee_min_backlog=1 if path == "tee" else 0)
-    reports = repl.run(max_cycles=3, until_idle=True, interval=0.01)
-    assert not any(r.error for r in reports), reports
+    if path == "stream":
+        streamer, stop = Streamer(repl), threading.Event()
+        thread = threading.Thread(target=streamer.run, args=(stop,), kwargs={"interval": 0.05})
+        thread.start()
+        try:
+            deadline = time.monotonic() + 30
+            while not streamer.streaming:
+                assert time.monotonic() < deadline, streamer.ends
+                time.sleep(0.02)
+            for i in range(30):  # one transaction, corrupted before it commits: the stream reads it so
+                app.client.transmit_log_entry_message(f"k{i}={i}".encode(), ["site-b"])
+            with app.conn.cursor() as cur:
+                cur.execute(corrupt)
+            app.conn.commit()
+            while sink_b.query("SELECT coalesce(sum(entry_count), 0) FROM lr.receive_queue WHERE visible "
+                               "AND kind <> %s", (lr_pb2.SNAPSHOT_SYNC_START,)) < [(30 + 1,)]:
+                assert time.monotonic() < deadline, streamer.ends  # the 30 and the first contact's end marker
+                time.sleep(0.02)
+        finally:
+            stop.set()
+            thread.join(30)
+        assert [(e.reason, e.error, e.delivered) for e in streamer.ends] == [("stopped", "", 30)]
+    else:
+        for i in range(30):
+            app.put(f"k{i}", i, ["site-b"])
+        source.query(corrupt)
+        reports = repl.run(max_cycles=3, until_idle=True, interval=0.01)
+        assert not any(r.error for r in reports), reports
     if path == "tee":
         assert sum(repl.teed.values()) == 30
     repl.close()
