@@ -52,9 +52,9 @@ class LRFanOutOperator(BaseOperator):
         summary = {k: v for k, v in result.as_dict().items() if k not in ("peak_rss_kb",)}
         self.log.info("fan-out of %s: %s", self.source, summary)
         for session, delivered in result.deliveries.items():
-            telemetry.session_step(session, delivered=delivered, source=self.source)
+            telemetry.session_step(session, delivered=delivered)
         for session in result.errors:
-            telemetry.session_error(session, source=self.source)
+            telemetry.session_error(session)
         if not result.ok:
             raise AirflowException(f"fan-out of {self.source}: sessions not delivered: {result.errors}")
         return summary

@@ -94,9 +94,9 @@ class LRSparkFanOutOperator(SparkSubmitOperator):
             self.result = _read_result(result_file)
         self.log.info("fan-out of %s: %s", self.source, self.result)
         for session, delivered in ((self.result or {}).get("deliveries") or {}).items():
-            telemetry.session_step(session, delivered=delivered, source=self.source)
+            telemetry.session_step(session, delivered=delivered)
         for session in (self.result or {}).get("errors") or {}:
-            telemetry.session_error(session, source=self.source)
+            telemetry.session_error(session)
         return self.result
 
 

@@ -27,6 +27,7 @@ import os
 from typing import Any, Iterator
 
 from airflow_provider_lr.engine import progress
+from airflow_provider_lr.engine.vocabulary import SessionKey
 
 PROGRESS_EVERY_ENV = "LR_PROGRESS_EVERY_S"
 DEFAULT_PROGRESS_EVERY = 5.0
@@ -80,24 +81,19 @@ def _emit(kind: str, metric: str, value: float, source: str, sink: str, client: 
         logging.getLogger(__name__).debug("metric %s not sent", metric, exc_info=True)
 
 
-def _parts(session: dict[str, Any] | str, source: str | None = None) -> tuple[str, str, str]:
-    """(source, sink, client) of a session dict, a session name ``source->sink/client``, or a
-    fan-out's ``sink/client`` key with its ``source``."""
+def _parts(session: dict[str, Any] | str) -> tuple[str, str, str]:
+    """(source, sink, client) of a session dict or of its one spelling ``source->sink/client``."""
     if isinstance(session, dict):
         return session["source"], session["sink"], session["client"]
-    if "->" in session:
-        source, session = session.split("->", 1)
-    sink, client = session.rsplit("/", 1)
-    if not source:
-        raise ValueError(f"no source for session {session!r}")
-    return source, sink, client
+    key = SessionKey.parse(session)
+    return key.source, key.sink, key.client
 
 
 def session_step(session: dict[str, Any] | str, delivered: int = 0, snapshot_messages: int = 0,
-                 lag_entries: int | None = None, lag_seconds: float | None = None, source: str | None = None) -> None:
-    """What one step (or report) of a session did and left (``source`` with a ``sink/client`` key)."""
+                 lag_entries: int | None = None, lag_seconds: float | None = None) -> None:
+    """What one step (or report) of a session did and left."""
     try:
-        parts = _parts(session, source)
+        parts = _parts(session)
     except (KeyError, ValueError):
         logging.getLogger(__name__).debug("no metrics for %r", session)
         return
@@ -111,9 +107,9 @@ def session_step(session: dict[str, Any] | str, delivered: int = 0, snapshot_mes
         _emit("gauge", "lag_seconds", lag_seconds, *parts)
 
 
-def session_error(session: dict[str, Any] | str, source: str | None = None) -> None:
+def session_error(session: dict[str, Any] | str) -> None:
     try:
-        parts = _parts(session, source)
+        parts = _parts(session)
     except (KeyError, ValueError):
         logging.getLogger(__name__).debug("no metrics for %r", session)
         return

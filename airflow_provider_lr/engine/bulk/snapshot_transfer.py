@@ -77,7 +77,7 @@ class SnapshotPlan:
     sink_dsn: str = field(repr=False)
 
     def describe(self) -> str:
-        return (f"snapshot {self.request_id} of {self.source}->{self.sink}/{self.client}: {self.entries} entries "
+        return (f"snapshot {self.request_id} of {SessionKey(self.source, self.sink, self.client)}: {self.entries} entries "
                 f"to transfer in {len(self.ranges)} partitions (plan {self.plan_id[:8]})")
 
 

@@ -23,6 +23,7 @@ from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogBatch, Lo
 from airflow_provider_lr.engine.vocabulary import (
     MALFORMED,
     NOTIFY_CHANNEL,
+    SessionKey,
     receive_queue_name,
     strip_destinations,
     wakeup_payload,
@@ -125,7 +126,7 @@ class SinkTransaction:
                 self.cur.execute("SELECT site_id FROM lr.site_info")
                 here = (self.cur.fetchone() or ("this sink",))[0]
                 raise FencedError(
-                    f"session {self.source}->{here}/{self.client}: lease epoch {self.epoch} is stale "
+                    f"session {SessionKey(self.source, here, self.client)}: lease epoch {self.epoch} is stale "
                     f"(the sink has seen epoch {meta.lease_epoch}); another replicator owns this session",
                     sink_epoch=meta.lease_epoch,
                 )

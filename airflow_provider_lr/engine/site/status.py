@@ -200,7 +200,7 @@ def render(status: SiteStatus, source_marks: dict[str, int] | None = None) -> st
         if s.get("last_error"):
             lines.append(f"         last error: {s['last_error']}")
     for r in status.full_sync_requests:
-        lines.append(f"  full sync {r['status']:<9} {status.site_id}->{r['sink']}/{r['client']} request {r['request_id']}"
+        lines.append(f"  full sync {r['status']:<9} {SessionKey(status.site_id, r['sink'], r['client'])} request {r['request_id']}"
                      f" ({'forced' if r['forced'] else 'by negotiation'}: {r['reason'] or '-'}), asked {_age(r['age_s'])}")
     for q in status.receive_queues:
         lines.append(f"  queue  {q['queue']:<32} {q['waiting']} waiting for subscribers"

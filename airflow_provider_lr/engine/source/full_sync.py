@@ -30,7 +30,7 @@ from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session.lease import Lease
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, commit_barrier
 from airflow_provider_lr.engine.source.log_writer import LogWriter
-from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES_SQL, STREAM_SNAP_SYNC, RequestStatus
+from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES_SQL, STREAM_SNAP_SYNC, RequestStatus, SessionKey
 from airflow_provider_lr.proto import lr_pb2
 
 DEFAULT_DATA_TIMEOUT = 120.0  # seconds without client data before a request is restarted
@@ -188,7 +188,7 @@ class FullSyncContext:
         self.count = 0
         self._rows: list = []
         self.tracker = progress.track(
-            f"full sync {request.request_id[:8]} {client.source_site_id}->{request.sink_site_id}/{request.client_name}: "
+            f"full sync {request.request_id[:8]} {SessionKey(client.source_site_id, request.sink_site_id, request.client_name)}: "
             "supply", unit="messages")
         self._bytes = 0  # of the messages in ``_rows``
 
