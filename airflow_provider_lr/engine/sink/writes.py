@@ -20,14 +20,8 @@ from psycopg2.extras import execute_values
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, StaleBatchError
 from airflow_provider_lr.engine.sink.queue_rows import Packer
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogBatch, LogRecord, LogStream
-from airflow_provider_lr.engine.vocabulary import (
-    MALFORMED,
-    NOTIFY_CHANNEL,
-    SessionKey,
-    receive_queue_name,
-    strip_destinations,
-    wakeup_payload,
-)
+from airflow_provider_lr.engine.vocabulary import MALFORMED, NOTIFY_CHANNEL, SessionKey, receive_queue_name
+from airflow_provider_lr.engine.vocabulary import strip_destinations, wakeup_payload
 from airflow_provider_lr.proto import lr_pb2
 
 log = logging.getLogger(__name__)
