@@ -43,6 +43,7 @@ import psycopg2  # noqa: E402
 
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient  # noqa: E402
 from airflow_provider_lr.embedded.sites import SiteManager  # noqa: E402
+from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL  # noqa: E402
 from airflow_provider_lr.engine.site import (
     roles,
     schema,
@@ -109,7 +110,7 @@ def prober(dsn: str, seconds: float, start_at: float, out: mp.Queue) -> None:
         time.sleep(0.001)
     with conn.cursor() as cur:
         while time.time() < start_at + seconds:
-            cur.execute("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM lr.commit_position_seq")
+            cur.execute(LAST_DRAWN_POSITION_SQL)
             cur.fetchone()
             probes += 1
             time.sleep(PROBE_EVERY)

@@ -46,7 +46,7 @@ from airflow_provider_lr.engine.session.runner import CycleReport, SessionSettin
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.source import full_sync
-from airflow_provider_lr.engine.source.log_reader import LogReader
+from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, LogReader
 from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, SessionKey, SessionState
 
 log = logging.getLogger(__name__)
@@ -63,10 +63,10 @@ class StreamSettings:
     ack_interval: float = 0.2  # acknowledged position recorded on the source at most this often
     check_interval: float = 1.0  # lease renewed, topology and full-sync requests checked
     gap_timeout: float = 0.05  # a missing position this old is resolved with the commit barrier
-    # Under load (the session's entries arrive at ``busy_rate`` per second or more, over the last
-    # 0.1 s: ``RateWindow``), wait ``linger`` before reading again: a read and a sink transaction cost about the
-    # same for one entry as for hundreds, and on a busy machine that fixed cost is taken from the
-    # writers (docs/streaming.md). Below it, every commit is read at once, one small batch each.
+    # Under load (the session's entries arrive at ``busy_rate`` per second or more over the last
+    # 0.1 s: ``RateWindow``), wait ``linger`` before reading again: a read and a sink transaction
+    # cost about the same for one entry as for hundreds, and on a busy machine that fixed cost is
+    # taken from the writers (docs/streaming.md). Below it, every commit is read at once.
     busy_rate: float = 2000.0
     linger: float = 0.02
 
@@ -105,7 +105,7 @@ class SourceWatch:
             self._conn = self._connect()
             self._conn.autocommit = True
         with self._conn.cursor() as cur:
-            cur.execute("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM lr.commit_position_seq")
+            cur.execute(LAST_DRAWN_POSITION_SQL)
             return cur.fetchone()[0]
 
     def _run(self) -> None:

@@ -28,7 +28,7 @@ from airflow_provider_lr.engine import progress
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, FullSyncError
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session.lease import Lease
-from airflow_provider_lr.engine.source.log_reader import BaseSplit, commit_barrier
+from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, BaseSplit, commit_barrier
 from airflow_provider_lr.engine.source.log_writer import LogWriter
 from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES_SQL, STREAM_SNAP_SYNC, RequestStatus, SessionKey
 from airflow_provider_lr.proto import lr_pb2
@@ -246,7 +246,7 @@ def serve_full_sync_requests(client: LogWriter, provider: Provider, max_requests
                 cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
                 cur.execute("SELECT pg_current_snapshot()::text")  # fixes the transaction's snapshot
                 snapshot = cur.fetchone()[0]
-                cur.execute("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM lr.commit_position_seq")
+                cur.execute(LAST_DRAWN_POSITION_SQL)
                 upto = cur.fetchone()[0]
                 cur.execute(
                     f"SELECT {_COLUMNS} FROM lr.full_sync_requests WHERE client_name = %s AND status = '{RequestStatus.PENDING}' "

@@ -45,6 +45,9 @@ def fetch_bytes(max_bytes: int) -> int:
     it (so a batch takes a few round trips, not one huge one), between 1 and 8 MiB."""
     return min(MAX_FETCH_BYTES, max(MIN_FETCH_BYTES, max_bytes // 2))
 
+# The last commit position drawn (by a commit that may still be in flight), 0 before the first.
+LAST_DRAWN_POSITION_SQL = "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM lr.commit_position_seq"
+
 _HOLDERS_SQL = """
 SELECT l.virtualtransaction, l.pid
 FROM pg_locks l
@@ -368,26 +371,25 @@ class LogReader:
         return sql, params
 
 
-# The final prefix after a position: the longest run after + 1, after + 2, ... of committed positions
-# (at most ``scan`` of them, by the primary key), and the highest committed position.
-_FINAL_PREFIX_SQL = """
-SELECT coalesce(max(position) FILTER (WHERE position = %(after)s + n), %(after)s) AS final_end,
-       coalesce((SELECT max(position) FROM lr.log_commits), 0) AS highest
-FROM (SELECT position, row_number() OVER (ORDER BY position) AS n
-      FROM (SELECT position FROM lr.log_commits WHERE position > %(after)s ORDER BY position LIMIT %(scan)s) p) d
+# The final prefix after a position, once for both reads that take it: ``f`` is the longest run
+# after + 1, after + 2, ... of committed positions (at most ``scan`` of them, by the primary key),
+# and ``_FINAL_ENDS`` its end and the highest committed position.
+_FINAL_PREFIX = """
+WITH d AS (
+    SELECT position, tx, position - row_number() OVER (ORDER BY position) AS gap
+    FROM (SELECT position, tx FROM lr.log_commits WHERE position > %(after)s ORDER BY position LIMIT %(scan)s) p
+), f AS (SELECT position, tx FROM d WHERE gap = %(after)s)
 """
+_FINAL_ENDS = ("coalesce((SELECT max(position) FROM f), %(after)s) AS final_end, "
+               "coalesce((SELECT max(position) FROM lr.log_commits), 0) AS highest")
+_FINAL_PREFIX_SQL = _FINAL_PREFIX + "SELECT " + _FINAL_ENDS
 
 
 # ``read_final_batch``'s one statement: the trim mark, the final prefix's end, the highest committed
 # position and the destination's entries in the prefix (at most ``rows``; a message over ``inline``
 # bytes comes back NULL), a row each (one row with NULL entry columns when there is none).
-_FINAL_BATCH_SQL = """
-WITH d AS (
-    SELECT position, tx, position - row_number() OVER (ORDER BY position) AS gap
-    FROM (SELECT position, tx FROM lr.log_commits WHERE position > %(after)s ORDER BY position LIMIT %(scan)s) p
-), f AS (SELECT position, tx FROM d WHERE gap = %(after)s)
-SELECT (SELECT trim_mark FROM lr.log_trim), coalesce((SELECT max(position) FROM f), %(after)s),
-       coalesce((SELECT max(position) FROM lr.log_commits), 0), r.position, r.entry_id, r.message
+_FINAL_BATCH_SQL = _FINAL_PREFIX + """
+SELECT (SELECT trim_mark FROM lr.log_trim), """ + _FINAL_ENDS + """, r.position, r.entry_id, r.message
 FROM (SELECT 1) one LEFT JOIN LATERAL (
     SELECT f.position, e.entry_id, CASE WHEN octet_length(e.message) <= %(inline)s THEN e.message END AS message
     FROM f CROSS JOIN LATERAL (
@@ -445,7 +447,7 @@ def commit_barrier(conn: psycopg2.extensions.connection, timeout: float = 5.0) -
     """
     try:
         with conn.cursor() as cur:
-            cur.execute("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM lr.commit_position_seq")
+            cur.execute(LAST_DRAWN_POSITION_SQL)
             noted = cur.fetchone()[0]
             cur.execute(_HOLDERS_SQL, (COMMIT_LOCK_KEY,))
             waiting = {vxid for vxid, _ in cur.fetchall()}
