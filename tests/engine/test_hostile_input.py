@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import textwrap
-import threading
-import time
 
 import psycopg2
 import pytest
@@ -16,12 +14,11 @@ from airflow_provider_lr.embedded.sites import SiteManager
 from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError, TransmitError
 from airflow_provider_lr.engine.session.replicator import Replicator
 from airflow_provider_lr.engine.session.runner import SessionSettings
-from airflow_provider_lr.engine.session.stream import Streamer
 from airflow_provider_lr.engine.site import schema, topology
 from airflow_provider_lr.engine.source import trim
 from airflow_provider_lr.proto import lr_pb2
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
-from tests.support.session import App, apply, queue, replicator
+from tests.support.session import App, Streaming, apply, queue, replicator, wait_for
 from tests.support.spark_env import lr_connections  # noqa: F401 (fixture: the tee resolves the sites by id)
 
 ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
@@ -268,26 +265,17 @@ def test_a_corrupted_source_entry_is_passed_on_and_dead_lettered_alone_by_every_
                "(SELECT min(entry_id) + 10 FROM lr.log_entries WHERE stream = 1)")
     repl = replicator(topo, lr_sites, tee_min_backlog=1 if path == "tee" else 0)
     if path == "stream":
-        streamer, stop = Streamer(repl), threading.Event()
-        thread = threading.Thread(target=streamer.run, args=(stop,), kwargs={"interval": 0.05})
-        thread.start()
-        try:
-            deadline = time.monotonic() + 30
-            while not streamer.streaming:
-                assert time.monotonic() < deadline, streamer.ends
-                time.sleep(0.02)
+        with Streaming(repl) as streaming:
+            streaming.streaming()
             for i in range(30):  # one transaction, corrupted before it commits: the stream reads it so
                 app.client.transmit_log_entry_message(f"k{i}={i}".encode(), ["site-b"])
             with app.conn.cursor() as cur:
                 cur.execute(corrupt)
             app.conn.commit()
-            while sink_b.query("SELECT coalesce(sum(entry_count), 0) FROM lr.receive_queue WHERE visible "
-                               "AND kind <> %s", (lr_pb2.SNAPSHOT_SYNC_START,)) < [(30 + 1,)]:
-                assert time.monotonic() < deadline, streamer.ends  # the 30 and the first contact's end marker
-                time.sleep(0.02)
-        finally:
-            stop.set()
-            thread.join(30)
+            wait_for(lambda: sink_b.query("SELECT coalesce(sum(entry_count), 0) FROM lr.receive_queue WHERE visible "
+                                          "AND kind <> %s", (lr_pb2.SNAPSHOT_SYNC_START,)) >= [(30 + 1,)],
+                     30, "the 30 entries and the first contact's end marker")
+        streamer = streaming.streamer
         assert [(e.reason, e.error, e.delivered) for e in streamer.ends] == [("stopped", "", 30)]
     else:
         for i in range(30):
@@ -297,7 +285,8 @@ def test_a_corrupted_source_entry_is_passed_on_and_dead_lettered_alone_by_every_
         assert not any(r.error for r in reports), reports
     if path == "tee":
         assert sum(repl.teed.values()) == 30
-    repl.close()
+    if path != "stream":  # the streaming replicator was closed with its streamer
+        repl.close()
     listener = _AcceptAll()
     RoutingQueueSubscriber(sink_b.dsn, client_name="policy").poll(listener)
     assert len(listener.log) == 29 and b"k10=10" not in listener.log

@@ -33,7 +33,7 @@ from airflow_provider_lr.engine.site.conninfo import ConnInfo
 from airflow_provider_lr.engine.source import full_sync, trim
 from airflow_provider_lr.proto import lr_pb2
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
-from tests.support.session import apply, queue, replicator
+from tests.support.session import Streaming, apply, queue, replicator, wait_for
 
 DENIED = psycopg2.errors.InsufficientPrivilege  # privileges and row-level security violations alike
 _names = itertools.count(1)
@@ -441,28 +441,17 @@ def test_replicator_runs_cycles_full_syncs_status_and_trim(world):
 def test_replicator_role_streams(world):
     """``lr sync``'s streaming mode needs nothing the replicator role lacks: the commit-position
     probe, the one-statement final prefix, lazy acks and lease renewals, fenced sink writes."""
-    from airflow_provider_lr.engine.session.stream import Streamer, StreamSettings
+    from airflow_provider_lr.engine.session.stream import StreamSettings
 
     repl = replicator(world.topo, sites_as(world.sites, world.replicator),
                       providers={c: provider(c) for c in CLIENTS})
-    streamer = Streamer(repl, StreamSettings(check_interval=0.2, ack_interval=0.05))
-    stop = threading.Event()
-    thread = threading.Thread(target=streamer.run, args=(stop,), kwargs={"interval": 0.05})
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while streamer.streaming != set(repl.sessions):
-            assert time.monotonic() < deadline and not streamer.ends, streamer.ends
-            time.sleep(0.05)
+    with Streaming(repl, StreamSettings(check_interval=0.2, ack_interval=0.05)) as streaming:
+        streamer = streaming.streamer
+        streaming.streaming()
+        assert not streamer.ends, streamer.ends
         transmit_both(world)
-        while any(len([p for k, p in queue(sink, "site-a", c) if k == "log"]) < 3
-                  for sink in world.sites[1:] for c in CLIENTS):
-            assert time.monotonic() < deadline and not streamer.ends, streamer.ends
-            time.sleep(0.05)
-    finally:
-        stop.set()
-        thread.join()
-        repl.close()
+        wait_for(lambda: streamer.ends or all(len([p for k, p in queue(sink, "site-a", c) if k == "log"]) >= 3
+                                              for sink in world.sites[1:] for c in CLIENTS), 30, "the entries")
     assert [e.reason for e in streamer.ends] == ["stopped"] * len(repl.sessions)  # no hand-back, no error
     for sink in world.sites[1:]:
         for client in CLIENTS:

@@ -9,13 +9,13 @@ import pytest
 
 from airflow_provider_lr.engine.errors import FencedError, StaleBatchError
 from airflow_provider_lr.engine.session import lease
-from airflow_provider_lr.engine.session.stream import Streamer
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import schema
 from airflow_provider_lr.engine.source.log_reader import LogReader
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.support.session import (
     App,
+    Streaming,
     apply,
     empty_provider,
     final_state,
@@ -23,6 +23,7 @@ from tests.support.session import (
     replicator,
     source_state,
     table_provider,
+    wait_for,
 )
 
 
@@ -120,23 +121,17 @@ def test_snapshot_hand_off_while_writers_keep_writing(lr_sites, mode):
     repl = replicator(topo, lr_sites, providers={"policy": slow_provider})
     if mode == "cycles":
         repl.run(max_cycles=4, interval=0.05)
-    else:
-        streaming = threading.Event()
-        streamer = threading.Thread(target=Streamer(repl).run, args=(streaming,), kwargs={"interval": 0.05})
-        streamer.start()
-        time.sleep(1.5)
-    stop.set()
-    for t in threads:
-        t.join()
-    if mode == "cycles":
+        stop.set()
+        for t in threads:
+            t.join()
         repl.run(max_cycles=10, until_idle=True, interval=0.05)
     else:
-        deadline = time.monotonic() + 30
-        while final_state(queue(sink_b, "site-a")) != source_state(source):
-            assert time.monotonic() < deadline, "the stream caught up"
-            time.sleep(0.05)
-        streaming.set()
-        streamer.join()
+        with Streaming(repl):
+            time.sleep(1.5)
+            stop.set()
+            for t in threads:
+                t.join()
+            wait_for(lambda: final_state(queue(sink_b, "site-a")) == source_state(source), 30, "the stream to catch up")
     entries = queue(sink_b, "site-a")
     kinds = [k for k, _ in entries]
     assert kinds[0] == "start" and "end" in kinds and kinds.index("end") < kinds.index("log")

@@ -4,18 +4,18 @@ sink restart and a lease handover mid-stream, a forced full sync handed back to 
 (The kill of the streaming process is a row of tests/engine/test_crash_windows.py.)"""
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 
 import pytest
 
-from airflow_provider_lr.engine.session.stream import Streamer, StreamSettings
+from airflow_provider_lr.engine.session.stream import StreamSettings
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.support.session import (
     App,
     CounterWriters,
+    Streaming,
     apply,
     empty_provider,
     final_state,
@@ -24,46 +24,16 @@ from tests.support.session import (
     sink_queue,
     source_state,
     table_provider,
+    wait_for,
 )
 
 TWO_SINKS = [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy"]}]
 FAST = StreamSettings(check_interval=0.2, ack_interval=0.05)
 
 
-class Streaming:
-    """A replicator in streaming mode on a thread of this process (``lr sync``'s default)."""
-
-    def __init__(self, topo, sites, options: StreamSettings = FAST, provider=table_provider, **settings) -> None:
-        self.repl = replicator(topo, sites, providers={"policy": provider}, lease_seconds=2.0, **settings)
-        self.streamer = Streamer(self.repl, options)
-        self.cycles: list = []  # every cycle report, in order
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.streamer.run, args=(self.stop,),
-                                       kwargs={"interval": 0.05, "on_cycle": self.cycles.extend})
-
-    def __enter__(self) -> "Streaming":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(30)
-        assert not self.thread.is_alive(), "the streamer stops when asked"
-        self.repl.close()
-
-    def streaming(self, timeout: float = 30) -> None:
-        """Wait until every session streams (a cycle left it in log-entry sync, under our lease)."""
-        deadline = time.monotonic() + timeout
-        while set(self.repl.sessions) - self.streamer.streaming:
-            assert time.monotonic() < deadline, f"sessions never all streamed: {self.cycles[-len(self.repl.sessions):]}"
-            time.sleep(0.02)
-
-
-def wait_for(predicate, timeout: float = 30, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
+def streaming_over(topo, sites, options: StreamSettings = FAST, provider=table_provider, **settings) -> Streaming:
+    """A replicator of ``topo`` over ``sites`` (short leases) streaming on a thread of this process."""
+    return Streaming(replicator(topo, sites, providers={"policy": provider}, lease_seconds=2.0, **settings), options)
 
 
 def logs(sink) -> list[str]:
@@ -76,7 +46,7 @@ def test_streaming_delivers_each_commit_at_once_without_renegotiating(lr_sites):
     source, sink_b, sink_c = lr_sites
     topo = apply(lr_sites, TWO_SINKS, providers={"policy": "tests.support.session:table_provider"})
     app = App(source)
-    with Streaming(topo, lr_sites) as streaming:
+    with streaming_over(topo, lr_sites) as streaming:
         streaming.streaming()
         cycles, epochs = len(streaming.cycles), source.query("SELECT lease_epoch FROM lr.source_sessions")
         lags = []
@@ -107,7 +77,7 @@ def test_streaming_keeps_commit_order_with_late_commits_gaps_and_an_open_transac
     with idle.cursor() as cur:
         cur.execute("SELECT pg_current_xact_id()")  # an open transaction holding an xid, all along
     writers = CounterWriters(source, ["site-b", "site-c"], per_writer=120, rollback_every=40)
-    with Streaming(topo, lr_sites, provider=empty_provider) as streaming:
+    with streaming_over(topo, lr_sites, provider=empty_provider) as streaming:
         streaming.streaming()
         writers.run()
         for sink in lr_sites[1:]:
@@ -125,7 +95,7 @@ def test_sink_restarts_mid_stream_then_every_entry_arrives_once(lr_sites, site_m
     sink_b.query(f'ALTER DATABASE "{sink_b.dbname}" SET synchronous_commit = on')  # a durable sink
     topo = apply(lr_sites, TWO_SINKS)
     app = App(source)
-    with Streaming(topo, lr_sites) as streaming:
+    with streaming_over(topo, lr_sites) as streaming:
         streaming.streaming()
         for i in range(50):
             app.put(f"k{i}", i, ["site-b", "site-c"])
@@ -155,13 +125,13 @@ def test_lease_handover_mid_stream_fences_the_old_holder_and_delivers_once(lr_si
     topo = apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
     app = App(source)
     slow_renewal = StreamSettings(check_interval=3600, ack_interval=0.05)
-    with Streaming(topo, lr_sites, options=slow_renewal) as a:
+    with streaming_over(topo, lr_sites, options=slow_renewal) as a:
         a.streaming()
         for i in range(20):
             app.put(f"k{i}", i, ["site-b"])
         wait_for(lambda: len(logs(sink_b)) == 20, 10, "A streams")
         source.query("UPDATE lr.source_sessions SET lease_expires_at = now() - interval '1 second'")
-        with Streaming(topo, lr_sites) as b:
+        with streaming_over(topo, lr_sites) as b:
             b.streaming()
             for i in range(20, 60):
                 app.put(f"k{i}", i, ["site-b"])
@@ -183,7 +153,7 @@ def test_a_full_sync_request_or_a_topology_change_hands_the_stream_back(lr_sites
     one = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
     topo = apply(lr_sites, one, providers={"policy": "tests.support.session:table_provider"})
     app = App(source)
-    with Streaming(topo, lr_sites) as streaming:
+    with streaming_over(topo, lr_sites) as streaming:
         streaming.streaming()
         for i in range(10):
             app.put(f"k{i}", i, ["site-b"])

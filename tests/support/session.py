@@ -12,6 +12,7 @@ import psycopg2
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.session.replicator import Replicator
 from airflow_provider_lr.engine.session.runner import SessionSettings
+from airflow_provider_lr.engine.session.stream import Streamer, StreamSettings
 from airflow_provider_lr.engine.sink.queue_rows import unpack
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.source.log_reader import LogReader
@@ -266,3 +267,40 @@ class CounterWriters:
             values.setdefault(counter, []).append(value)
         for counter, seen in values.items():
             assert seen == list(range(1, len(seen) + 1)), f"{where}: counter {counter} out of order"
+
+
+class Streaming:
+    """``repl`` in streaming mode (``lr sync``'s default) on a thread of this process, as a context
+    manager: on exit the streamer is stopped and joined and the replicator closed."""
+
+    def __init__(self, repl: Replicator, options: StreamSettings | None = None, interval: float = 0.05) -> None:
+        self.repl = repl
+        self.streamer = Streamer(repl, options)
+        self.cycles: list = []  # every cycle report, in order
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.streamer.run, args=(self.stop,),
+                                       kwargs={"interval": interval, "on_cycle": self.cycles.extend})
+
+    def __enter__(self) -> "Streaming":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(30)
+        self.repl.close()
+        assert not self.thread.is_alive(), "the streamer stops when asked"
+
+    def streaming(self, timeout: float = 30) -> None:
+        """Wait until every session streams (a cycle left it in log-entry sync, under our lease)."""
+        wait_for(lambda: not set(self.repl.sessions) - self.streamer.streaming, timeout,
+                 f"every session to stream (last cycles: {self.cycles[-len(self.repl.sessions):]}, "
+                 f"ends: {self.streamer.ends})")
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 30, what: str = "") -> None:
+    """Poll ``predicate`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
