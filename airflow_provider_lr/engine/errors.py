@@ -52,3 +52,12 @@ class TrimmedError(LRError):
         super().__init__(message)
         self.after = after
         self.trim_mark = trim_mark
+
+
+class TableError(LRError):
+    """A federated table cannot be opened or replicated as asked (no primary key, not found)."""
+
+
+class SchemaMismatchError(TableError):
+    """A federated table differs between source and sink (a missing column, another type or key):
+    the session stops before writing anything of it and ``lr status`` says why."""

@@ -17,10 +17,12 @@ from google.protobuf.message import DecodeError
 
 from airflow_provider_lr.proto import lr_pb2
 
-# --- streams of the shared log (lr.log_entries.stream; V0002 CHECK (stream IN (1, 2))) ----------
+# --- streams of the shared log (lr.log_entries.stream; V0008 CHECK (stream IN (1, 2, 3))) -------
 STREAM_LOG_ENTRIES = 1
 STREAM_SNAP_SYNC = 2
-STREAM_NAMES = {STREAM_LOG_ENTRIES: "LRQ_Send_LogEntries", STREAM_SNAP_SYNC: "LRQ_Send_SnapSync"}
+STREAM_TABLE_CHANGES = 3  # federated tables' changes, captured by lr.capture_table_changes()
+STREAM_NAMES = {STREAM_LOG_ENTRIES: "LRQ_Send_LogEntries", STREAM_SNAP_SYNC: "LRQ_Send_SnapSync",
+                STREAM_TABLE_CHANGES: "LRQ_Send_TableChanges"}
 
 
 class _Word(str, Enum):

@@ -72,6 +72,8 @@ from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSett
 from airflow_provider_lr.engine.site.conninfo import ConnInfo
 from airflow_provider_lr.engine.site.topology import Topology, site_conninfo
 from airflow_provider_lr.engine.source.log_reader import LogReader, commit_barrier
+from airflow_provider_lr.engine.tables import registry
+from airflow_provider_lr.engine.tables import snapshot as table_snapshot
 from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, SessionKey, SessionState
 
 log = logging.getLogger(__name__)
@@ -146,6 +148,11 @@ class FanoutDriver:
                 return report.skipped or f"negotiation refused: {report.error}"
             if negotiation.decision is not Decision.LOG_ENTRY_SYNC:
                 return f"needs {negotiation.decision.value} ({negotiation.reason}); left to the session cycle"
+            if registry.federated_tables(self.src, key.client) or table_snapshot.splits(sink_conn, key):
+                # the fan-out routes routing-queue entries only; a table's changes go with the session's
+                # own reads (a table federated after this check is not synced on the sink yet: its
+                # snapshot, taken later by a cycle, holds whatever this run passes over)
+                return "carries federated tables; left to the session cycle"
             assert meta is not None and runner.lease is not None
             reader = LogReader(self.src, key.sink, STREAM_LOG_ENTRIES, client_name=key.client)
             assert reader.client_id is not None

@@ -35,8 +35,11 @@ from airflow_provider_lr.engine.source.log_reader import (
     DEFAULT_MAX_ENTRIES,
     LogReader,
     LogRecord,
+    TableSplits,
 )
 from airflow_provider_lr.engine.source.transmit import RoutingQueueClient
+from airflow_provider_lr.engine.tables import registry
+from airflow_provider_lr.engine.tables import snapshot as table_snapshot
 from airflow_provider_lr.engine.vocabulary import (
     STREAM_LOG_ENTRIES,
     STREAM_SNAP_SYNC,
@@ -64,6 +67,10 @@ TEE_MIN_BACKLOG = 50_000
 # workers, warm-up job), in-process session cycles deliver ~55k deliveries/s, the warm Spark fan-out
 # ~300-490k/s; break-even 11.3-14.7 s / (1/55k - 1/400k) ≈ 720k-940k deliveries.
 SPARK_MIN_BACKLOG = 800_000
+# A federated tables' snapshot of at least this many rows (the planner's estimate) is left to the
+# Spark job where Spark can run (docs/tables.md "in process or Spark"); smaller ones are written
+# in process by the session's cycle.
+TABLE_SPARK_MIN_ROWS = 500_000
 
 
 @dataclass
@@ -76,6 +83,7 @@ class SessionSettings:
     barrier_timeout: float = 5.0
     tee_min_backlog: int = TEE_MIN_BACKLOG  # 0: never tee, session cycles only
     spark_min_backlog: int = SPARK_MIN_BACKLOG  # where Spark can run (the DAG); lr sync runs none
+    table_spark_min_rows: int = TABLE_SPARK_MIN_ROWS  # a table snapshot this large goes to Spark (the DAG)
 
     @classmethod
     def from_topology(cls, topology: Topology, **overrides: object) -> "SessionSettings":
@@ -85,6 +93,7 @@ class SessionSettings:
             "lease_seconds": topology.setting("lease_seconds", leases.DEFAULT_LEASE_SECONDS),
             "tee_min_backlog": topology.setting("tee_min_backlog", TEE_MIN_BACKLOG),
             "spark_min_backlog": topology.setting("spark_min_backlog", SPARK_MIN_BACKLOG),
+            "table_spark_min_rows": topology.setting("table_spark_min_rows", TABLE_SPARK_MIN_ROWS),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
@@ -107,6 +116,8 @@ class CycleReport:
     blocked_by: list[str] = field(default_factory=list)
     request_id: str = ""  # snapshot sync: the full-sync request worked on
     waiting: bool = False  # snapshot sync: the client's data has not been supplied yet
+    tables: list[str] = field(default_factory=list)  # federated tables snapshotted (table: state)
+    tables_for_spark: list[str] = field(default_factory=list)  # ... left to the Spark job (large)
 
     @property
     def idle(self) -> bool:
@@ -124,7 +135,9 @@ class SessionRunner:
     owner: str
     settings: SessionSettings = field(default_factory=SessionSettings)
     provider: Provider | None = None
+    spark_tables: bool = False  # large table snapshots are left to the Spark job (the DAG runs one)
     lease: leases.Lease | None = field(default=None, init=False)
+    tables: TableSplits = field(default_factory=TableSplits, init=False)  # synced tables, for the reader
     _reader: LogReader | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -255,9 +268,12 @@ class SessionRunner:
         else None (waiting for the client's data)."""
         request = self._current_request(meta)
         report.request_id = request.request_id
-        if request.status == RequestStatus.PENDING and self.provider is not None:
+        provider = self.provider
+        if provider is None and registry.federated_tables(self.source, self.key.client):
+            provider = registry.no_queue_data  # a client of tables only: its tables follow the full sync
+        if request.status == RequestStatus.PENDING and provider is not None:
             client = RoutingQueueClient(self.source, self.key.client)
-            full_sync.serve_full_sync_requests(client, self.provider)
+            full_sync.serve_full_sync_requests(client, provider)
             request = full_sync.get_request(self.source, request.request_id) or request
         if request.status == RequestStatus.PENDING:
             if full_sync.expired(self.source, request):
@@ -369,11 +385,13 @@ class SessionRunner:
         range was delivered, and the session needs a snapshot sync."""
         after, base, split = meta.last_log_entry_processed, meta.snapshot_applied, meta.split
         self._update(state=SessionState.IN_LOG_ENTRY_SYNC, acked_position=after, last_error=None)
+        self.sync_tables(report)
         reader = self.reader()
         tracker: progress.Tracker | None = None
         for _ in range(self.settings.max_batches):
             try:
-                batch = reader.read_stream(after, self.settings.max_entries, self.settings.max_bytes, split)
+                batch = reader.read_stream(after, self.settings.max_entries, self.settings.max_bytes, split,
+                                           tables=self.tables)
             except TrimmedError as exc:
                 log.warning("session %s: %s", self.key, exc)
                 report.reason = str(exc)
@@ -392,7 +410,28 @@ class SessionRunner:
             tracker = self._catch_up_progress(tracker, report.delivered)
         if tracker is not None:
             tracker.finish()
+        self.sync_tables(report)  # the set is re-read at the end too: a table federated meanwhile joins now
         return True
+
+    def sync_tables(self, report: CycleReport) -> None:
+        """Re-read the client's federated tables and snapshot those the sink lacks, at the session's
+        position now (the cycle holds the lease: nothing advances until they are written); a large
+        snapshot is left to the Spark job when ``spark_tables``. Then the reader's ``TableSplits``."""
+        lacking = table_snapshot.needed(self.source, self.sink, self.key,
+                                        registry.federated_tables(self.source, self.key.client))
+        if lacking:
+            snap = table_snapshot.TableSnapshot(self.source, self.key.client,
+                                                [table_snapshot.SinkSide(self.key, self.sink, self._epoch(), lacking)])
+            try:
+                snap.open()
+                if self.spark_tables and snap.estimated_rows() >= self.settings.table_spark_min_rows:
+                    report.tables_for_spark = [str(t.table) for t in lacking]
+                else:
+                    snap.write()
+                    report.tables += [f"{name}: {state}" for name, state in snap.report.tables.items()]
+            finally:
+                snap.close()
+        self.tables = table_snapshot.splits(self.sink, self.key)
 
     def _catch_up_progress(self, tracker: progress.Tracker | None, delivered: int) -> progress.Tracker:
         """A catch-up longer than one batch reports progress (rate, ETA against the backlog counted

@@ -47,6 +47,8 @@ from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, LogReader
+from airflow_provider_lr.engine.tables import registry
+from airflow_provider_lr.engine.tables import snapshot as table_snapshot
 from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, SessionKey, SessionState
 
 log = logging.getLogger(__name__)
@@ -202,6 +204,7 @@ class SessionStream:
         self.registered = False  # the receive queue, by this stream's first write of entries
         self.reader = LogReader(self.src, key.sink, STREAM_LOG_ENTRIES, settings.barrier_timeout, client_name=key.client)
         self.small = LogReader(self.peek, key.sink, STREAM_LOG_ENTRIES, client_name=key.client)
+        self.tables = table_snapshot.splits(self.sink, key)  # the synced federated tables come along
         self.topology_id = self._topology_id()
         log.info("session %s streams from position %d", key, self.after)
 
@@ -260,10 +263,10 @@ class SessionStream:
         rolled back and is passed)."""
         settings, batch = self.settings, None
         if not barrier:
-            batch = self.small.read_final_batch(self.after, settings.max_bytes, self.split)
+            batch = self.small.read_final_batch(self.after, settings.max_bytes, self.split, self.tables)
         if batch is None:
             batch = self.reader.read_stream(self.after, settings.max_entries, settings.max_bytes, self.split,
-                                            final=not barrier)
+                                            final=not barrier, tables=self.tables)
         with batch:
             if batch.end <= self.after:
                 return 0
@@ -284,6 +287,8 @@ class SessionStream:
             raise _Handback("the topology changed")
         if full_sync.open_request(self.src, self.key.sink, self.key.client) is not None:
             raise _Handback("a full sync was requested")
+        if table_snapshot.needed(self.src, self.sink, self.key, registry.federated_tables(self.src, self.key.client)):
+            raise _Handback("a table was federated (its snapshot is taken by a cycle)")
 
     def _ack(self) -> None:
         """Record the sink's position on the source, then what is still to send behind it."""

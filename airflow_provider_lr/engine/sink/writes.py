@@ -20,6 +20,7 @@ from psycopg2.extras import execute_values
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, StaleBatchError
 from airflow_provider_lr.engine.sink.queue_rows import Packer
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogBatch, LogRecord, LogStream
+from airflow_provider_lr.engine.tables.sink import ChangeApplier, forget_session
 from airflow_provider_lr.engine.vocabulary import MALFORMED, NOTIFY_CHANNEL, SessionKey, receive_queue_name
 from airflow_provider_lr.engine.vocabulary import strip_destinations, wakeup_payload
 from airflow_provider_lr.proto import lr_pb2
@@ -60,6 +61,12 @@ def _metadata(row: tuple, site_topology: str | None = None) -> SinkMetadata:
     if values["snapshot_request_id"] is not None:
         values["snapshot_request_id"] = str(values["snapshot_request_id"])
     return SinkMetadata(**values, site_topology_config_id=site_topology)
+
+
+def _sink_id(cur: psycopg2.extensions.cursor) -> str:
+    """This site's id, for messages."""
+    cur.execute("SELECT site_id FROM lr.site_info")
+    return (cur.fetchone() or ("this sink",))[0]
 
 
 def _site_topology_id(cur: psycopg2.extensions.cursor) -> str | None:
@@ -117,8 +124,7 @@ class SinkTransaction:
             )
             meta = _metadata(self.cur.fetchone())
             if meta.lease_epoch > self.epoch:
-                self.cur.execute("SELECT site_id FROM lr.site_info")
-                here = (self.cur.fetchone() or ("this sink",))[0]
+                here = _sink_id(self.cur)
                 raise FencedError(
                     f"session {SessionKey(self.source, here, self.client)}: lease epoch {self.epoch} is stale "
                     f"(the sink has seen epoch {meta.lease_epoch}); another replicator owns this session",
@@ -294,6 +300,7 @@ def start_snapshot(
             (source, client),
         )
         write.register()  # the first write of a snapshot sync registers the queue (seed 000)
+        forget_session(cur, source, client)  # its federated tables take new snapshots after this one
         write.update(
             snapshot_request_id=sync_id,
             snapshot_started=base,
@@ -410,7 +417,9 @@ def apply_log_stream(
             return last
         if batch.after > last:
             raise StaleBatchError(f"batch starts after {batch.after} but the sink has only processed up to {last}")
-        written = write.insert(_sink_entries(batch, last, source, client))
+        tables = ChangeApplier(cur, source, client)
+        written = write.insert(_sink_entries(batch, last, source, client, tables))
+        tables.flush()
         end = batch.end  # final now that the batch was read
         if end <= last:
             return last
@@ -418,11 +427,14 @@ def apply_log_stream(
         return end
 
 
-def _sink_entries(records: Iterable[LogRecord], last: int, source: str,
-                  client: str) -> Iterator[tuple[int, int, int, bytes]]:
-    """The receive-queue form of the records after ``last`` (what the sink does not have yet)."""
+def _sink_entries(records: Iterable[LogRecord], last: int, source: str, client: str,
+                  tables: ChangeApplier) -> Iterator[tuple[int, int, int, bytes]]:
+    """The receive-queue form of the records after ``last`` (what the sink does not have yet);
+    federated tables' changes are applied to their tables on the way, in the same transaction."""
     for record in records:
-        if record.position > last:
+        if record.position > last and record.table_id is not None:
+            tables.add(record)
+        elif record.position > last:
             kind, message = strip_destinations(record.message)
             if kind == MALFORMED:
                 log.warning("entry %s at position %s from %s for client %s is malformed; passed on to the "

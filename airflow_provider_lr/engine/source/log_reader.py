@@ -27,7 +27,7 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, TrimmedError
-from airflow_provider_lr.engine.vocabulary import COMMIT_LOCK_KEY, STREAM_LOG_ENTRIES
+from airflow_provider_lr.engine.vocabulary import COMMIT_LOCK_KEY, STREAM_LOG_ENTRIES, STREAM_TABLE_CHANGES
 from airflow_provider_lr.proto import lr_pb2
 
 DEFAULT_MAX_ENTRIES = 10_000
@@ -60,7 +60,8 @@ WHERE l.locktype = 'advisory' AND l.granted AND l.database = (SELECT oid FROM pg
 class LogRecord:
     position: int  # commit position of the entry's transaction
     entry_id: int  # transmit order within the transaction
-    message: bytes  # serialized RoutingTableEntryMsg
+    message: bytes  # serialized RoutingTableEntryMsg (a table change: lr's capture format)
+    table_id: int | None = None  # a federated table's change (stream 3): which table
 
     def decode(self) -> lr_pb2.RoutingTableEntryMsg:
         return lr_pb2.RoutingTableEntryMsg.FromString(self.message)
@@ -73,6 +74,34 @@ class BaseSplit:
 
     snapshot: str
     upto: int
+
+
+@dataclass(frozen=True)
+class TableSplits:
+    """The federated tables a session's sink has synced (their ``table_id``s) and the split of each
+    one's snapshot: the read brings their changes (stream 3) with the session's entries, less the
+    changes a table's snapshot already holds (position <= upto and visible in its snapshot: the
+    same rule as ``BaseSplit``). Changes of other tables are left out: a table not synced yet gets
+    a snapshot, taken after everything the sink has read, which holds them."""
+
+    ids: tuple[int, ...] = ()
+    uptos: tuple[int, ...] = ()
+    snapshots: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.ids)
+
+    def params(self) -> dict:
+        return {"t_ids": list(self.ids), "t_uptos": list(self.uptos), "t_snaps": list(self.snapshots),
+                "t_stream": STREAM_TABLE_CHANGES}
+
+
+# The entries a read takes of one commit (``e``, lateral to ``c`` the commit): the stream's own,
+# and, with tables, the synced tables' changes their snapshots do not hold.
+_TABLES_CLAUSE = """OR (e.stream = %(t_stream)s AND e.table_id = ANY (%(t_ids)s::int[]) AND NOT EXISTS (
+                    SELECT 1 FROM unnest(%(t_ids)s::int[], %(t_uptos)s::bigint[], %(t_snaps)s::text[]) s(id, upto, snap)
+                    WHERE s.id = e.table_id AND {c}.position <= s.upto
+                      AND pg_visible_in_snapshot({c}.tx, s.snap::pg_snapshot)))"""
 
 
 @dataclass(frozen=True)
@@ -143,7 +172,7 @@ class LogStream:
 
     def __init__(self, conn: psycopg2.extensions.connection, after: int, end: int, barrier: int,
                  blocked_by: list[HoldBack] | None = None, max_entries: int = DEFAULT_MAX_ENTRIES,
-                 max_bytes: int = DEFAULT_MAX_BYTES, query: tuple[str, tuple] | None = None) -> None:
+                 max_bytes: int = DEFAULT_MAX_BYTES, query: tuple[str, dict] | None = None) -> None:
         self.conn = conn
         self.after, self.end, self.barrier = after, end, barrier
         self.blocked_by = blocked_by or []
@@ -192,14 +221,14 @@ class LogStream:
             return
         sql, params = self._query
         inline = max(1, self.fetch_bytes // FETCH_ROWS)
-        group: list[tuple[int, int, str]] = []  # consecutive out-of-line entries: (position, entry id, tx)
+        group: list[tuple[int, int, str, int | None]] = []  # consecutive out-of-line entries: (position, entry id, tx, table)
         group_bytes = 0
         last: int | None = None
         try:
             with self.conn.cursor(name=f"lr_read_{id(self)}") as cur:
                 cur.itersize = FETCH_ROWS  # a round trip brings at most FETCH_ROWS * inline bytes
-                cur.execute(sql, (inline,) + params)
-                for position, entry_id, size, message, tx in cur:
+                cur.execute(sql, {**params, "inline": inline})
+                for position, entry_id, size, message, tx, table_id in cur:
                     if last is not None and position != last and (
                         self.entries >= self.max_entries or self.bytes >= self.max_bytes
                     ):
@@ -212,30 +241,30 @@ class LogStream:
                         if group and group_bytes + size > self.fetch_bytes:
                             yield from self._out_of_line(group)
                             group, group_bytes = [], 0
-                        group.append((position, entry_id, tx))
+                        group.append((position, entry_id, tx, table_id))
                         group_bytes += size
                         continue
                     if group:
                         yield from self._out_of_line(group)
                         group, group_bytes = [], 0
-                    yield LogRecord(position, entry_id, bytes(message))
+                    yield LogRecord(position, entry_id, bytes(message), table_id)
                 if group:
                     yield from self._out_of_line(group)
         finally:
             self.close(quiet=True)
 
-    def _out_of_line(self, group: list[tuple[int, int, str]]) -> Iterator[LogRecord]:
+    def _out_of_line(self, group: list[tuple[int, int, str, int | None]]) -> Iterator[LogRecord]:
         """The messages of ``group`` (at most ``fetch_bytes``, or one entry), by key, in the read's
         snapshot; yielded in order, each dropped once handed over."""
         with self.conn.cursor() as cur:
             cur.execute(
                 "SELECT e.entry_id, e.message FROM unnest(%s::text[]::xid8[], %s::bigint[]) AS k(tx, entry_id) "
                 "JOIN lr.log_entries e ON e.tx = k.tx AND e.entry_id = k.entry_id",
-                ([tx for _, _, tx in group], [entry_id for _, entry_id, _ in group]),
+                ([tx for _, _, tx, _ in group], [entry_id for _, entry_id, _, _ in group]),
             )
             found = dict(cur.fetchall())
-        for position, entry_id, _ in group:
-            yield LogRecord(position, entry_id, bytes(found.pop(entry_id)))
+        for position, entry_id, _, table_id in group:
+            yield LogRecord(position, entry_id, bytes(found.pop(entry_id)), table_id)
 
 
 class LogReader:
@@ -276,25 +305,29 @@ class LogReader:
         max_bytes: int = DEFAULT_MAX_BYTES,
         split: BaseSplit | None = None,
         final: bool = False,
+        tables: TableSplits | None = None,
     ) -> LogStream:
         """Entries after ``after`` (a persisted ``end``), whole transactions only, bounded by count and
         bytes (a single larger transaction is still returned whole); ``split``: leave out what a
-        full sync with that base snapshot already covered. Read as they are consumed (see
+        full sync with that base snapshot already covered; ``tables``: the session's synced federated
+        tables, whose changes come along (``TableSplits``). Read as they are consumed (see
         ``LogStream``; ``collect()`` for a ``LogBatch``): what a batch holds in memory is bounded by
         bytes whatever the size of its transactions. The barrier (or,
         ``final``, the final prefix) and the trim check (``TrimmedError``) happen here, before
         anything is read."""
         if final:
-            return self._read_final(after, max_entries, max_bytes, split)
+            return self._read_final(after, max_entries, max_bytes, split, tables)
         upto, blocked = commit_barrier(self.conn, self.barrier_timeout)
         if upto is None:  # a commit in flight outlasted the timeout: no position is known final
             return LogStream(self.conn, after, after, after, blocked)
         if upto <= after:
             return LogStream(self.conn, after, max(after, upto), upto)
         check_trim(self.conn, after, f"destination {self.destination!r}")  # starts the read's snapshot
-        return LogStream(self.conn, after, upto, upto, [], max_entries, max_bytes, self._query(after, upto, split))
+        return LogStream(self.conn, after, upto, upto, [], max_entries, max_bytes,
+                         self._query(after, upto, split, tables))
 
-    def _read_final(self, after: int, max_entries: int, max_bytes: int, split: BaseSplit | None) -> LogStream:
+    def _read_final(self, after: int, max_entries: int, max_bytes: int, split: BaseSplit | None,
+                    tables: TableSplits | None) -> LogStream:
         """``read_stream`` without the barrier, for a reader that reads again at once (streaming):
         reads the *final prefix* after ``after``, the positions ``after + 1, after + 2, ...`` that
         are all committed in the read's snapshot, up to the first one that is not.
@@ -312,10 +345,10 @@ class LogReader:
             self.conn.rollback()
             return LogStream(self.conn, after, after, max(after, highest))
         return LogStream(self.conn, after, end, max(end, highest), [], max_entries, max_bytes,
-                         self._query(after, end, split))
+                         self._query(after, end, split, tables))
 
     def read_final_batch(self, after: int, max_bytes: int = DEFAULT_MAX_BYTES,
-                         split: BaseSplit | None = None) -> LogBatch | None:
+                         split: BaseSplit | None = None, tables: TableSplits | None = None) -> LogBatch | None:
         """The final prefix after ``after`` in ONE statement (one snapshot: trim mark, prefix and
         entries together), for a stream reading again at once: a whole batch when it is small (at
         most ``FETCH_ROWS`` entries, each inline), else None and the caller takes
@@ -331,9 +364,12 @@ class LogReader:
             covered = "AND NOT (f.position <= %(upto)s AND pg_visible_in_snapshot(f.tx, %(snapshot)s::pg_snapshot))"
             params.update(upto=split.upto, snapshot=split.snapshot)
         client = "AND e.client_id = %(client)s" if self.client_id is not None else ""
+        extra = ""
+        if tables:
+            extra, params = _TABLES_CLAUSE.format(c="f"), {**params, **tables.params()}
         try:
             with self.conn.cursor() as cur:
-                cur.execute(_FINAL_BATCH_SQL.format(client=client, covered=covered), params)
+                cur.execute(_FINAL_BATCH_SQL.format(client=client, covered=covered, tables=extra), params)
                 rows = cur.fetchall()
         finally:
             if not self.conn.autocommit:  # on an autocommit connection the statement was all of it
@@ -342,32 +378,39 @@ class LogReader:
         if mark > after:
             raise trimmed_error(f"destination {self.destination!r}", after, mark)
         entries = [r[3:] for r in rows if r[3] is not None]
-        if len(entries) > FETCH_ROWS or any(message is None for *_, message in entries):
+        if len(entries) > FETCH_ROWS or any(message is None for _, _, message, _ in entries):
             return None  # large: read by the general path
-        return LogBatch(after, end, [LogRecord(p, e, bytes(m)) for p, e, m in entries], max(end, highest))
+        return LogBatch(after, end, [LogRecord(p, e, bytes(m), t) for p, e, m, t in entries], max(end, highest))
 
-    def _query(self, after: int, upto: int, split: BaseSplit | None) -> tuple[str, tuple]:
+    def _query(self, after: int, upto: int, split: BaseSplit | None,
+               tables: TableSplits | None = None) -> tuple[str, dict]:
         """The read of this destination's entries with positions in ``(after, upto]``, in (position,
-        entry id) order, less what the base snapshot ``split`` covered."""
-        covered, covered_params = "", ()
+        entry id) order, less what the base snapshot ``split`` covered (and, with ``tables``, the
+        synced tables' changes less what their snapshots hold)."""
+        params: dict = {"stream": self.stream, "tag": self.tag_id, "client": self.client_id,
+                        "after": after, "upto": upto}
+        covered = ""
         if split is not None and split.upto > after:
-            covered = "AND NOT (c.position <= %s AND pg_visible_in_snapshot(c.tx, %s::pg_snapshot))"
-            covered_params = (split.upto, split.snapshot)
-        client = "AND e.client_id = %s" if self.client_id is not None else ""
+            covered = "AND NOT (c.position <= %(split_upto)s AND pg_visible_in_snapshot(c.tx, %(split_snap)s::pg_snapshot))"
+            params.update(split_upto=split.upto, split_snap=split.snapshot)
+        client = "AND e.client_id = %(client)s" if self.client_id is not None else ""
+        extra = ""
+        if tables:
+            extra = _TABLES_CLAUSE.format(c="c")
+            params.update(tables.params())
         sql = f"""
             SELECT c.position, e.entry_id, octet_length(e.message),
-                   CASE WHEN octet_length(e.message) <= %s THEN e.message END, c.tx::text
+                   CASE WHEN octet_length(e.message) <= %(inline)s THEN e.message END, c.tx::text, e.table_id
             FROM lr.log_commits c
             CROSS JOIN LATERAL (
-                SELECT e.entry_id, e.message FROM lr.log_entries e
-                WHERE e.tx = c.tx AND e.stream = %s AND e.tag_ids @> ARRAY[%s] {client}
+                SELECT e.entry_id, e.message, e.table_id FROM lr.log_entries e
+                WHERE e.tx = c.tx AND e.tag_ids @> ARRAY[%(tag)s] {client}
+                  AND (e.stream = %(stream)s {extra})
                 OFFSET 0  -- keeps this a per-commit index lookup: drive the read by position range
             ) e
-            WHERE c.position > %s AND c.position <= %s {covered}
+            WHERE c.position > %(after)s AND c.position <= %(upto)s {covered}
             ORDER BY c.position, e.entry_id
             """
-        params = ((self.stream, self.tag_id) + ((self.client_id,) if client else ()) + (after, upto)
-                  + covered_params)
         return sql, params
 
 
@@ -389,12 +432,13 @@ _FINAL_PREFIX_SQL = _FINAL_PREFIX + "SELECT " + _FINAL_ENDS
 # position and the destination's entries in the prefix (at most ``rows``; a message over ``inline``
 # bytes comes back NULL), a row each (one row with NULL entry columns when there is none).
 _FINAL_BATCH_SQL = _FINAL_PREFIX + """
-SELECT (SELECT trim_mark FROM lr.log_trim), """ + _FINAL_ENDS + """, r.position, r.entry_id, r.message
+SELECT (SELECT trim_mark FROM lr.log_trim), """ + _FINAL_ENDS + """, r.position, r.entry_id, r.message, r.table_id
 FROM (SELECT 1) one LEFT JOIN LATERAL (
-    SELECT f.position, e.entry_id, CASE WHEN octet_length(e.message) <= %(inline)s THEN e.message END AS message
+    SELECT f.position, e.entry_id, CASE WHEN octet_length(e.message) <= %(inline)s THEN e.message END AS message,
+           e.table_id
     FROM f CROSS JOIN LATERAL (
-        SELECT e.entry_id, e.message FROM lr.log_entries e
-        WHERE e.tx = f.tx AND e.stream = %(stream)s AND e.tag_ids @> ARRAY[%(tag)s] {client}
+        SELECT e.entry_id, e.message, e.table_id FROM lr.log_entries e
+        WHERE e.tx = f.tx AND e.tag_ids @> ARRAY[%(tag)s] {client} AND (e.stream = %(stream)s {tables})
         OFFSET 0  -- a per-commit index lookup, as the general read
     ) e
     WHERE true {covered}

@@ -1,0 +1,109 @@
+"""Rows of a table straight from a source's binary COPY into one or more sinks' COPY, streamed.
+
+The bytes are never decoded: source and sink tables have the same column types (checked before,
+``definition.check_same``), and binary COPY names the columns on both sides, so their order may
+differ. Each sink's ``COPY FROM STDIN`` runs in a thread of its own and reads from a bounded
+queue: memory stays at a few MiB whatever the size of the range, and the slowest sink sets the pace.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Sequence
+
+import psycopg2.extensions
+from psycopg2 import sql
+
+from airflow_provider_lr.engine.tables.definition import TableDefinition
+
+QUEUE_CHUNKS = 64  # chunks of the source's output buffered per sink (the server sends ~64 KiB or a row each)
+_END = b""
+
+
+class _QueueReader:
+    """``read`` target of ``copy_expert(COPY ... FROM STDIN)``: the chunks put in its queue."""
+
+    def __init__(self) -> None:
+        self.chunks: queue.Queue[bytes] = queue.Queue(QUEUE_CHUNKS)
+        self.pending = b""
+        self.ended = False
+
+    def read(self, size: int = -1) -> bytes:
+        while not self.pending and not self.ended:
+            chunk = self.chunks.get()
+            if chunk == _END:
+                self.ended = True
+            self.pending = chunk
+        if size is None or size < 0 or size >= len(self.pending):
+            out, self.pending = self.pending, b""
+        else:
+            out, self.pending = self.pending[:size], self.pending[size:]
+        return out
+
+    readline = read
+
+
+class _Tee:
+    """``write`` target of the source's ``COPY ... TO STDOUT``: every chunk to every sink."""
+
+    def __init__(self, readers: Sequence[_QueueReader], failed: list[BaseException]) -> None:
+        self.readers, self.failed = readers, failed
+        self.bytes = 0
+
+    def write(self, chunk: bytes) -> int:
+        if self.failed:
+            raise self.failed[0]  # a sink gave up: stop the source's COPY too
+        data = bytes(chunk)
+        if not data:
+            return 0  # an empty chunk would read as the end
+        self.bytes += len(data)
+        for reader in self.readers:
+            reader.chunks.put(data)
+        return len(data)
+
+
+def select_statement(definition: TableDefinition, where: sql.Composable | None = None) -> sql.Composed:
+    """The source's rows of the table (``where``: a key range), its columns by name."""
+    cols = sql.SQL(", ").join(map(sql.Identifier, definition.column_names))
+    query = sql.SQL("SELECT {} FROM {}").format(cols, definition.table.ident)
+    if where is not None:
+        query = sql.SQL("{} WHERE {}").format(query, where)
+    return sql.SQL("COPY ({}) TO STDOUT (FORMAT binary)").format(query)
+
+
+def insert_statement(definition: TableDefinition, target: sql.Composable | None = None) -> sql.Composed:
+    cols = sql.SQL(", ").join(map(sql.Identifier, definition.column_names))
+    return sql.SQL("COPY {} ({}) FROM STDIN (FORMAT binary)").format(target or definition.table.ident, cols)
+
+
+def copy_rows(source: psycopg2.extensions.cursor, select: sql.Composed,
+              sinks: Sequence[tuple[psycopg2.extensions.cursor, sql.Composed]]) -> int:
+    """Run ``select`` (a ``COPY ... TO STDOUT``) on ``source`` and feed its output to each sink's
+    ``COPY ... FROM STDIN`` in the sinks' open transactions. Returns the bytes copied. A failure on
+    any side raises here, with the sinks' transactions left for the caller to roll back."""
+    readers = [_QueueReader() for _ in sinks]
+    failed: list[BaseException] = []
+
+    def load(cur: psycopg2.extensions.cursor, statement: sql.Composed, reader: _QueueReader) -> None:
+        try:
+            cur.copy_expert(statement, reader)
+        except BaseException as exc:  # noqa: BLE001 - handed to the source's thread
+            failed.append(exc)
+            while not reader.ended:  # drain, so the source's writer never blocks on a full queue
+                reader.read()
+
+    threads = [threading.Thread(target=load, args=(cur, stmt, reader), daemon=True)
+               for (cur, stmt), reader in zip(sinks, readers)]
+    for thread in threads:
+        thread.start()
+    tee = _Tee(readers, failed)
+    try:
+        source.copy_expert(select, tee)
+    finally:
+        for reader in readers:
+            reader.chunks.put(_END)
+        for thread in threads:
+            thread.join()
+    if failed:
+        raise failed[0]
+    return tee.bytes

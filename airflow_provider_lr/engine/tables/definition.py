@@ -1,0 +1,127 @@
+"""A federated table's name and shape: what source and sink must agree on before rows move.
+
+Names are ``schema.table`` (both parts plain identifiers, as PostgreSQL folds them); the shape is
+its columns (name, type as ``format_type`` prints it, nullability) and its primary key. A sink
+table of the same name with another shape refuses the session (``SchemaMismatchError``): rows
+carried into a table missing a column would lose it silently.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import psycopg2.extensions
+from psycopg2 import sql
+
+from airflow_provider_lr.engine.errors import SchemaMismatchError, TableError
+
+_PART = r"[a-z_][a-z0-9_$]{0,62}"
+_NAME = re.compile(rf"({_PART})\.({_PART})")
+
+
+@dataclass(frozen=True, order=True)
+class TableName:
+    schema: str
+    name: str
+
+    @classmethod
+    def parse(cls, text: str) -> "TableName":
+        """``schema.table``; a bare ``table`` is in ``public``."""
+        text = text.strip()
+        if "." not in text:
+            text = f"public.{text}"
+        match = _NAME.fullmatch(text)
+        if match is None:
+            raise TableError(
+                f"table name {text!r} is not schema.table with lower-case identifiers "
+                "(letters, digits, _ and $, at most 63 characters each)"
+            )
+        return cls(match.group(1), match.group(2))
+
+    def __str__(self) -> str:
+        return f"{self.schema}.{self.name}"
+
+    @property
+    def ident(self) -> sql.Composed:
+        return sql.Identifier(self.schema, self.name)
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: str
+    not_null: bool
+
+
+@dataclass(frozen=True)
+class TableDefinition:
+    table: TableName
+    columns: tuple[Column, ...]
+    key: tuple[str, ...]
+
+    @property
+    def column_names(self) -> list[str]:
+        return [c.name for c in self.columns]
+
+    def to_json(self) -> dict:
+        return {"table": str(self.table), "key": list(self.key),
+                "columns": [[c.name, c.type, c.not_null] for c in self.columns]}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "TableDefinition":
+        return cls(TableName.parse(doc["table"]), tuple(Column(n, t, bool(nn)) for n, t, nn in doc["columns"]),
+                   tuple(doc["key"]))
+
+    def create_statement(self) -> sql.Composed:
+        """``CREATE TABLE`` of this shape (a sink that never had the table gets the source's)."""
+        cols = [sql.SQL("{} {}{}").format(sql.Identifier(c.name), sql.SQL(c.type),
+                                          sql.SQL(" NOT NULL" if c.not_null else "")) for c in self.columns]
+        cols.append(sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(map(sql.Identifier, self.key))))
+        return sql.SQL("CREATE SCHEMA IF NOT EXISTS {}; CREATE TABLE IF NOT EXISTS {} ({})").format(
+            sql.Identifier(self.table.schema), self.table.ident, sql.SQL(", ").join(cols))
+
+    def mismatch(self, other: "TableDefinition") -> list[str]:
+        """How ``other`` (the sink's table) differs in what replication needs: the same columns with
+        the same types and the same key (nullability and column order may differ)."""
+        mine = {c.name: c.type for c in self.columns}
+        theirs = {c.name: c.type for c in other.columns}
+        problems = [f"column {n} is missing on the sink" for n in mine if n not in theirs]
+        problems += [f"column {n} exists only on the sink" for n in theirs if n not in mine]
+        problems += [f"column {n} is {mine[n]} on the source but {theirs[n]} on the sink"
+                     for n in mine if n in theirs and mine[n] != theirs[n]]
+        if tuple(self.key) != tuple(other.key):
+            problems.append(f"primary key ({', '.join(self.key)}) on the source but "
+                            f"({', '.join(other.key) or 'none'}) on the sink")
+        return problems
+
+
+def read_definition(cur: psycopg2.extensions.cursor, table: TableName) -> TableDefinition | None:
+    """The table's shape as ``cur``'s transaction sees it; None when there is no such table."""
+    cur.execute("SELECT to_regclass(%s)::oid", (sql.Identifier(table.schema, table.name).as_string(cur),))
+    (oid,) = cur.fetchone()
+    if oid is None:
+        return None
+    cur.execute(
+        "SELECT a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull FROM pg_attribute a "
+        "WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '' ORDER BY a.attnum",
+        (oid,),
+    )
+    columns = tuple(Column(*row) for row in cur.fetchall())
+    cur.execute(
+        "SELECT a.attname FROM pg_index i JOIN LATERAL unnest(i.indkey) WITH ORDINALITY k(attnum, n) ON true "
+        "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum "
+        "WHERE i.indrelid = %s AND i.indisprimary ORDER BY k.n",
+        (oid,),
+    )
+    key = tuple(r[0] for r in cur.fetchall())
+    return TableDefinition(table, columns, key)
+
+
+def check_same(source: TableDefinition, sink: TableDefinition, where: str) -> None:
+    """Refuse (``SchemaMismatchError``) when the sink's table cannot take the source's rows."""
+    problems = source.mismatch(sink)
+    if problems:
+        raise SchemaMismatchError(
+            f"{where}: table {source.table} differs between source and sink: {'; '.join(problems)}. "
+            "Nothing of it was applied; make the two tables alike (or open it with --no-federated on the sink)"
+        )

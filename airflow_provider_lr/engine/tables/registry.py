@@ -1,0 +1,173 @@
+"""Which tables a site replicates (seed 002): ``lr.registry`` rows of kind ``table``.
+
+Opening a table as federated for a client records it and installs its capture triggers (one
+statement-level trigger per operation, ``lr.capture_table_changes`` in V0008): from the commit of
+``open_table`` on, every change to the table is written to the shared log in the writer's
+transaction, tagged for the client's sinks, under the same commit-position barrier as the client's
+routing-queue messages. Each federation draws a new ``table_id``: a sink that synced an older one
+takes a new snapshot (changes made while the table was not federated were never captured).
+
+Opening it with ``federated=False`` records that this site does not replicate it: on a source the
+capture stops; on a sink, data for it from any source is dropped and its registry entry is kept.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psycopg2.extensions
+from psycopg2 import sql
+
+from airflow_provider_lr.engine.errors import TableError
+from airflow_provider_lr.engine.tables.definition import TableName, read_definition
+
+_TRIGGERS = {  # operation -> its transition tables (statement-level triggers see all rows at once)
+    "INSERT": "REFERENCING NEW TABLE AS lr_new",
+    "UPDATE": "REFERENCING OLD TABLE AS lr_old NEW TABLE AS lr_new",
+    "DELETE": "REFERENCING OLD TABLE AS lr_old",
+    "TRUNCATE": "",
+}
+
+
+def trigger_name(operation: str) -> str:
+    return f"lr_capture_{operation.lower()}"
+
+
+@dataclass(frozen=True)
+class RegisteredTable:
+    table: TableName
+    federated: bool
+    client_name: str | None
+    table_id: int | None  # this site's current federation of it (None: not captured here)
+    source_site_id: str | None  # sink side: the source that registered it here first
+
+    def describe(self) -> str:
+        flag = "federated" if self.federated else "not federated"
+        origin = f" (from {self.source_site_id})" if self.source_site_id else ""
+        return f"{self.table} {flag} client={self.client_name or '-'}{origin}"
+
+
+def open_table(conn: psycopg2.extensions.connection, name: str, client: str, federated: bool = True) -> RegisteredTable:
+    """Record ``name`` for ``client`` on this site and start (``federated``) or stop capturing it.
+    One transaction; idempotent (re-opening a federated table as federated changes nothing)."""
+    table = TableName.parse(name)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT 1 FROM lr.clients WHERE client_name = %s", (client,))
+            if federated and cur.fetchone() is None:
+                raise TableError(f"client {client!r} is not in the topology applied to this site; "
+                                 "apply a topology that replicates it first")
+            current = _read(cur, table, lock=True)
+            if federated:
+                result = _federate(cur, table, client, current)
+            else:
+                _stop_capture(cur, table)
+                cur.execute(
+                    "INSERT INTO lr.registry (stream_name, kind, is_federated, client_name) VALUES (%s, 'table', false, %s) "
+                    "ON CONFLICT (stream_name) DO UPDATE SET is_federated = false, client_name = EXCLUDED.client_name, "
+                    "table_id = NULL, key_columns = NULL, registered_at = now() WHERE lr.registry.kind = 'table'",
+                    (str(table), client),
+                )
+                result = _read(cur, table)
+                if result is None or result.federated:
+                    raise TableError(f"{table} is registered here as something else than a table")
+        conn.commit()
+        return result
+    except BaseException:
+        conn.rollback()
+        raise
+
+
+def _federate(cur: psycopg2.extensions.cursor, table: TableName, client: str,
+              current: RegisteredTable | None) -> RegisteredTable:
+    definition = read_definition(cur, table)
+    if definition is None:
+        raise TableError(f"table {table} does not exist on this site")
+    if not definition.key:
+        raise TableError(f"table {table} has no primary key; lr applies changes by key, so it needs one")
+    if current and current.federated and current.client_name == client and current.table_id is not None \
+            and _capturing(cur, table):
+        return current
+    cur.execute("SELECT nextval('lr.table_id_seq')")
+    (table_id,) = cur.fetchone()
+    cur.execute(
+        "INSERT INTO lr.registry (stream_name, kind, is_federated, client_name, table_id, key_columns, stream_tags) "
+        "VALUES (%s, 'table', true, %s, %s, %s, ARRAY[%s]) "
+        "ON CONFLICT (stream_name) DO UPDATE SET is_federated = true, client_name = EXCLUDED.client_name, "
+        "table_id = EXCLUDED.table_id, key_columns = EXCLUDED.key_columns, stream_tags = EXCLUDED.stream_tags, "
+        "registered_at = now() WHERE lr.registry.kind = 'table'",
+        (str(table), client, table_id, list(definition.key), f"lrq_table_{client}"),
+    )
+    if cur.rowcount != 1:
+        raise TableError(f"{table} is registered here as something else than a table")
+    _stop_capture(cur, table)
+    for operation, referencing in _TRIGGERS.items():
+        level = "STATEMENT"
+        cur.execute(sql.SQL(
+            "CREATE TRIGGER {} AFTER {} ON {} " + referencing + " FOR EACH " + level
+            + " EXECUTE FUNCTION lr.capture_table_changes({}, {})"
+        ).format(sql.Identifier(trigger_name(operation)), sql.SQL(operation), table.ident,
+                 sql.Literal(client), sql.Literal(str(table_id))))
+    result = _read(cur, table)
+    assert result is not None
+    return result
+
+
+def _capturing(cur: psycopg2.extensions.cursor, table: TableName) -> bool:
+    cur.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = to_regclass(%s) AND tgname LIKE 'lr\\_capture\\_%%'",
+                (table.ident.as_string(cur),))
+    return cur.fetchone()[0] == len(_TRIGGERS)
+
+
+def _stop_capture(cur: psycopg2.extensions.cursor, table: TableName) -> None:
+    cur.execute("SELECT to_regclass(%s)", (table.ident.as_string(cur),))
+    if cur.fetchone()[0] is None:
+        return
+    for operation in _TRIGGERS:
+        cur.execute(sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(sql.Identifier(trigger_name(operation)), table.ident))
+
+
+def _read(cur: psycopg2.extensions.cursor, table: TableName, lock: bool = False) -> RegisteredTable | None:
+    cur.execute(
+        "SELECT stream_name, is_federated, client_name, table_id, source_site_id FROM lr.registry "
+        "WHERE stream_name = %s AND kind = 'table'" + (" FOR UPDATE" if lock else ""),
+        (str(table),),
+    )
+    row = cur.fetchone()
+    return None if row is None else RegisteredTable(TableName.parse(row[0]), *row[1:])
+
+
+def list_tables(conn: psycopg2.extensions.connection) -> list[RegisteredTable]:
+    """Every table registered on this site, by name."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT stream_name, is_federated, client_name, table_id, source_site_id FROM lr.registry "
+                    "WHERE kind = 'table' ORDER BY stream_name")
+        rows = cur.fetchall()
+    conn.rollback()
+    return [RegisteredTable(TableName.parse(r[0]), *r[1:]) for r in rows]
+
+
+@dataclass(frozen=True)
+class FederatedTable:
+    table: TableName
+    table_id: int
+
+
+def federated_tables(conn: psycopg2.extensions.connection, client: str) -> list[FederatedTable]:
+    """The client's tables this source captures now (the set every sync re-reads)."""
+    idle = conn.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT stream_name, table_id FROM lr.registry WHERE kind = 'table' AND is_federated "
+            "AND client_name = %s AND table_id IS NOT NULL ORDER BY stream_name",
+            (client,),
+        )
+        rows = cur.fetchall()
+    if idle:
+        conn.rollback()
+    return [FederatedTable(TableName.parse(name), table_id) for name, table_id in rows]
+
+
+def no_queue_data(ctx: object) -> None:
+    """The full-sync provider of a client that has federated tables and no routing-queue data to
+    supply: its full sync carries no messages, and its tables follow it by their own snapshot.
+    The session uses it when the topology names no provider for such a client."""

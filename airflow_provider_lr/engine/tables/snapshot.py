@@ -1,0 +1,418 @@
+"""Snapshot sync of federated tables: a consistent read of the tables a session's sink lacks, from
+one exported snapshot, written to the sink, then log-entry sync from exactly that snapshot.
+
+The seam (the same base-split rule as a routing queue's full sync, ``BaseSplit``): the snapshot is
+taken after every entry the sink has read is final, so each of them is in it; then ``upto``, the
+commit positions drawn so far, is noted. A later change of the table is covered by the snapshot
+when its position is <= ``upto`` and its transaction is visible in the snapshot; every other one is
+applied as a log entry (``LogReader``'s ``TableSplits``). The session does not advance while the
+snapshot is written (the cycle holding its lease does both), so nothing is lost or applied twice.
+
+Two ways to write it:
+
+* in process (``write``): per sink and table, ONE fenced sink transaction clears the source's rows,
+  streams the rows in by binary COPY and records the table synced with its split: never half
+  applied. Reading once for all the sinks that need the table.
+* on Spark (``begin`` → ``copy_range`` in parallel tasks → ``finish``): the tables' key ranges are
+  read by tasks that join the exported snapshot (``SET TRANSACTION SNAPSHOT``); each range is one
+  sink transaction that records the range as written, so a retried task skips it (no duplicate).
+  The table reads ``syncing`` on the sink until ``finish``. The exported snapshot lives as long as
+  the driver's transaction: a driver that dies leaves the table ``syncing``, and the next run takes
+  a new snapshot and writes it again from a cleared table.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import psycopg2
+import psycopg2.extensions
+from psycopg2 import sql
+
+from airflow_provider_lr.engine import progress
+from airflow_provider_lr.engine.errors import FencedError, StaleBatchError
+from airflow_provider_lr.engine.faults import fault_point
+from airflow_provider_lr.engine.sink.writes import SinkTransaction
+from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, BaseSplit, TableSplits
+from airflow_provider_lr.engine.tables import copy as table_copy
+from airflow_provider_lr.engine.tables import sink as sink_tables
+from airflow_provider_lr.engine.tables.definition import TableDefinition, TableName, read_definition
+from airflow_provider_lr.engine.tables.registry import FederatedTable
+from airflow_provider_lr.engine.tables.sink import Target, TableState
+from airflow_provider_lr.engine.vocabulary import SessionKey
+
+log = logging.getLogger(__name__)
+
+RANGE_ROWS = 100_000  # rows per key range a Spark task reads (about 20 MB of 200-byte rows)
+_INTEGER_TYPES = {"smallint", "integer", "bigint"}
+
+
+@dataclass(frozen=True)
+class KeyRange:
+    """Part of one table: its key in ``[lo, hi)`` (text forms cast to the key's type; None: open)."""
+
+    table: str
+    range_no: int
+    lo: str | None = None
+    hi: str | None = None
+
+    def where(self, definition: TableDefinition) -> sql.Composable | None:
+        if self.lo is None and self.hi is None:
+            return None
+        key = definition.key[0]
+        kind = next(c.type for c in definition.columns if c.name == key)
+        parts = []
+        if self.lo is not None:
+            parts.append(sql.SQL("{} >= {}::{}").format(sql.Identifier(key), sql.Literal(self.lo), sql.SQL(kind)))
+        if self.hi is not None:
+            parts.append(sql.SQL("{} < {}::{}").format(sql.Identifier(key), sql.Literal(self.hi), sql.SQL(kind)))
+        return sql.SQL(" AND ").join(parts)
+
+
+@dataclass
+class SinkSide:
+    """One sink taking the snapshot: its session, connection and lease epoch, and the tables it lacks."""
+
+    key: SessionKey
+    conn: psycopg2.extensions.connection
+    epoch: int
+    tables: list[FederatedTable]
+
+
+@dataclass
+class SnapshotReport:
+    tables: dict[str, str] = field(default_factory=dict)  # table -> state it ended in
+    rows: int = 0
+    bytes: int = 0
+
+
+def needed(source: psycopg2.extensions.connection, sink: psycopg2.extensions.connection, key: SessionKey,
+           federated: Sequence[FederatedTable]) -> list[FederatedTable]:
+    """The source's federated tables the session's sink has not synced (in their current
+    federation), or holds as a conflict that no longer is one (the sink reopened the table)."""
+    with sink.cursor() as cur:
+        have = sink_tables.session_tables(cur, key.source, key.client)
+        cur.execute("SELECT stream_name FROM lr.registry WHERE kind = 'table' AND NOT is_federated")
+        not_here = {r[0] for r in cur.fetchall()}
+    sink.rollback()
+    lacking = []
+    for table in federated:
+        held = have.get(table.table)
+        if held is not None and held.source_table_id == table.table_id and (
+            held.state == TableState.SYNCED or (held.state == TableState.CONFLICT and str(table.table) in not_here)
+        ):
+            continue
+        lacking.append(table)
+    return lacking
+
+
+def splits(sink: psycopg2.extensions.connection, key: SessionKey) -> TableSplits:
+    """The session's synced tables as the reader takes them (``TableSplits``)."""
+    with sink.cursor() as cur:
+        held = sink_tables.session_tables(cur, key.source, key.client)
+    sink.rollback()
+    synced = sorted((t.source_table_id, t.split) for t in held.values() if t.state == TableState.SYNCED and t.split)
+    return TableSplits(tuple(i for i, _ in synced), tuple(s.upto for _, s in synced),
+                       tuple(s.snapshot for _, s in synced))
+
+
+class TableSnapshot:
+    """One snapshot of a client's federated tables on a source, for one or more sinks."""
+
+    def __init__(self, source: psycopg2.extensions.connection, client: str, sinks: Sequence[SinkSide]) -> None:
+        self.source, self.client, self.sinks = source, client, list(sinks)
+        self.exported: str = ""
+        self.split: BaseSplit | None = None
+        self.definitions: dict[TableName, TableDefinition] = {}
+        self.run_id = str(uuid.uuid4())
+        self.report = SnapshotReport()
+
+    # --- the source ---------------------------------------------------------------------------
+    def open(self) -> BaseSplit:
+        """Start the snapshot: a REPEATABLE READ transaction on the source, exported so parallel
+        readers can join it, its split, and the tables' definitions as it sees them."""
+        if self.source.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
+            self.source.rollback()
+        with self.source.cursor() as cur:
+            cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            cur.execute("SELECT pg_export_snapshot(), pg_current_snapshot()::text")  # fixes the snapshot
+            self.exported, snapshot = cur.fetchone()
+            cur.execute(LAST_DRAWN_POSITION_SQL)  # after the snapshot: what it may not hold is above
+            self.split = BaseSplit(snapshot, cur.fetchone()[0])
+            for side in self.sinks:
+                for table in side.tables:
+                    if table.table not in self.definitions:
+                        definition = read_definition(cur, table.table)
+                        if definition is None:
+                            raise StaleBatchError(f"federated table {table.table} was dropped on the source")
+                        self.definitions[table.table] = definition
+        return self.split
+
+    def close(self) -> None:
+        """End the source's snapshot transaction."""
+        if not self.source.closed:
+            self.source.rollback()
+
+    def estimated_rows(self) -> int:
+        with self.source.cursor() as cur:
+            cur.execute("SELECT coalesce(sum(greatest(reltuples, 0)), 0)::bigint FROM pg_class "
+                        "WHERE oid = ANY (%s::regclass[])", ([str(t) for t in self.definitions],))
+            return cur.fetchone()[0]
+
+    def plan(self, ranges_per_table: int | None = None) -> list[KeyRange]:
+        """Key ranges of every table, read in the snapshot (about ``RANGE_ROWS`` rows each)."""
+        found: list[KeyRange] = []
+        with self.source.cursor() as cur:
+            for definition in self.definitions.values():
+                found += plan_ranges(cur, definition, ranges_per_table)
+        return found
+
+    # --- in process ---------------------------------------------------------------------------
+    def write(self) -> SnapshotReport:
+        """The whole snapshot in this process: per table, one sink transaction at each sink that
+        needs it (atomic there), the rows read once for all of them."""
+        assert self.split is not None, "open() first"
+        tracker = progress.track(f"table snapshot {self.client}", len(self.definitions), "tables")
+        for n, (table, definition) in enumerate(sorted(self.definitions.items())):
+            writes: list[tuple[SinkSide, SinkTransaction, Target]] = []
+            try:
+                for side in self.sinks:
+                    federated = next((t for t in side.tables if t.table == table), None)
+                    if federated is None:
+                        continue
+                    write = SinkTransaction(side.conn, side.key.source, side.key.client, side.epoch)
+                    write.open()
+                    try:
+                        target = self._prepare(write.cur, side, federated, definition, TableState.SYNCED)
+                    except BaseException:
+                        write.abort()
+                        raise
+                    if target is None:
+                        write.commit()
+                        continue
+                    writes.append((side, write, target))
+                if writes:
+                    with self.source.cursor() as cur:
+                        copied, rows = copy_to_targets(cur, definition, None, [(w.cur, t) for _, w, t in writes])
+                    self.report.bytes += copied
+                    fault_point("table_snapshot_before_commit")
+                while writes:
+                    (side, write, _), count = writes.pop(0), rows.pop(0)
+                    sink_tables.record(write.cur, side.key.source, side.key.client, table,
+                                       self._table_id(side, table), TableState.SYNCED, run_id=None,
+                                       split_snapshot=self.split.snapshot, split_upto=self.split.upto,
+                                       rows_copied=count)
+                    write.commit()
+                    self.report.tables[f"{side.key}:{table}"] = TableState.SYNCED
+                    self.report.rows += count
+            finally:
+                for _, write, _ in writes:
+                    write.abort()
+            tracker.update(n + 1)
+        tracker.finish()
+        return self.report
+
+    # --- on Spark -----------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Before the parallel tasks: each sink's tables prepared, cleared of this source's rows and
+        marked ``syncing`` under this run (one sink transaction per sink)."""
+        for side in self.sinks:
+            with SinkTransaction(side.conn, side.key.source, side.key.client, side.epoch) as (cur, _):
+                for table in side.tables:
+                    self._prepare(cur, side, table, self.definitions[table.table], TableState.SYNCING)
+
+    def finish(self, ranges: Sequence[KeyRange]) -> SnapshotReport:
+        """After the tasks: each sink's tables whose ranges are all written are recorded synced with
+        the split; a missing range is an error (the run is left ``syncing``: the next one starts over)."""
+        assert self.split is not None
+        expected: dict[str, int] = {}
+        for r in ranges:
+            expected[r.table] = expected.get(r.table, 0) + 1
+        for side in self.sinks:
+            with SinkTransaction(side.conn, side.key.source, side.key.client, side.epoch) as (cur, _):
+                held = sink_tables.session_tables(cur, side.key.source, side.key.client)
+                for table in side.tables:
+                    row = held.get(table.table)
+                    if row is None or row.state == TableState.CONFLICT:
+                        self.report.tables[f"{side.key}:{table.table}"] = TableState.CONFLICT
+                        continue
+                    if row.run_id != self.run_id:
+                        raise StaleBatchError(f"session {side.key}: table {table.table} is now written by run "
+                                              f"{row.run_id}, not {self.run_id}")
+                    cur.execute("SELECT count(*), coalesce(sum(rows_copied), 0) FROM lr.sink_table_ranges "
+                                "WHERE run_id = %s AND table_name = %s", (self.run_id, str(table.table)))
+                    done, rows = cur.fetchone()
+                    if done != expected.get(str(table.table), 0):
+                        raise StaleBatchError(f"session {side.key}: table {table.table} has {done} of "
+                                              f"{expected.get(str(table.table), 0)} ranges written")
+                    sink_tables.record(cur, side.key.source, side.key.client, table.table, table.table_id,
+                                       TableState.SYNCED, run_id=None, split_snapshot=self.split.snapshot,
+                                       split_upto=self.split.upto, rows_copied=rows)
+                    cur.execute("DELETE FROM lr.sink_table_ranges WHERE run_id = %s AND table_name = %s",
+                                (self.run_id, str(table.table)))
+                    self.report.tables[f"{side.key}:{table.table}"] = TableState.SYNCED
+        return self.report
+
+    def task(self) -> dict:
+        """What a parallel task needs, as plain data (see ``copy_range``)."""
+        assert self.split is not None
+        return {
+            "exported": self.exported, "run_id": self.run_id, "client": self.client,
+            "definitions": {str(t): d.to_json() for t, d in self.definitions.items()},
+            "sinks": [{"source": s.key.source, "sink": s.key.sink, "epoch": s.epoch,
+                       "tables": [str(t.table) for t in s.tables]} for s in self.sinks],
+        }
+
+    # --- shared -------------------------------------------------------------------------------
+    def _prepare(self, cur: psycopg2.extensions.cursor, side: SinkSide, table: FederatedTable,
+                 definition: TableDefinition, state: str) -> Target | None:
+        """The sink's target for ``table`` (None: a conflict, recorded), cleared of this source's rows."""
+        sink_tables.applying(cur)
+        where = f"session {side.key}"
+        target = sink_tables.prepare(cur, side.key.source, side.key.client, definition, where)
+        if target is None:
+            sink_tables.record(cur, side.key.source, side.key.client, table.table, table.table_id,
+                               TableState.CONFLICT, run_id=None, split_snapshot=None, split_upto=None,
+                               detail="opened on this sink with is_federated = false: its data is not applied here")
+            log.warning("%s: %s is not federated on the sink; its data is dropped there", where, table.table)
+            self.report.tables[f"{side.key}:{table.table}"] = TableState.CONFLICT
+            return None
+        sink_tables.clear(cur, target)
+        sink_tables.record(cur, side.key.source, side.key.client, table.table, table.table_id, state,
+                           run_id=self.run_id, split_snapshot=None, split_upto=None, detail=None,
+                           rows_copied=None)
+        return target
+
+    @staticmethod
+    def _table_id(side: SinkSide, table: TableName) -> int:
+        return next(t.table_id for t in side.tables if t.table == table)
+
+
+def copy_to_targets(source: psycopg2.extensions.cursor, definition: TableDefinition, where: sql.Composable | None,
+                    targets: list[tuple[psycopg2.extensions.cursor, Target]]) -> tuple[int, list[int]]:
+    """Rows of ``definition``'s table (``where``: a key range) from the source's snapshot into each
+    target: straight into the table when only this source writes it (it was just cleared), else
+    through a temporary table and an upsert that keeps the origin ledger. Returns the bytes read
+    and the rows written at each target."""
+    sinks, staged = [], []
+    for cur, target in targets:
+        if target.shared:
+            stage = sql.Identifier(f"lr_stage_{uuid.uuid4().hex[:12]}")
+            cur.execute(sql.SQL("CREATE TEMP TABLE {} (LIKE {}) ON COMMIT DROP").format(stage, definition.table.ident))
+            sinks.append((cur, table_copy.insert_statement(definition, stage)))
+            staged.append((cur, target, stage))
+        else:
+            sinks.append((cur, table_copy.insert_statement(definition)))
+    copied = table_copy.copy_rows(source, table_copy.select_statement(definition, where), sinks)
+    rows = [max(cur.rowcount, 0) for cur, _ in targets]
+    for cur, target, stage in staged:
+        rows[[c for c, _ in targets].index(cur)] = sink_tables.upsert_from(cur, target, stage)
+    return copied, rows
+
+
+def plan_ranges(cur: psycopg2.extensions.cursor, definition: TableDefinition,
+                parts: int | None = None) -> list[KeyRange]:
+    """Key ranges of one table: ``parts`` of them (default: about ``RANGE_ROWS`` rows each) on a
+    single-column key, evenly between min and max for an integer key, by percentiles otherwise; a
+    composite key is one range."""
+    name = str(definition.table)
+    if len(definition.key) != 1:
+        return [KeyRange(name, 0)]
+    key = sql.Identifier(definition.key[0])
+    kind = next(c.type for c in definition.columns if c.name == definition.key[0])
+    if parts is None:
+        cur.execute("SELECT greatest(reltuples, 0)::bigint FROM pg_class WHERE oid = %s::regclass", (name,))
+        parts = max(1, -(-cur.fetchone()[0] // RANGE_ROWS))
+    if parts <= 1:
+        return [KeyRange(name, 0)]
+    if kind in _INTEGER_TYPES:
+        cur.execute(sql.SQL("SELECT min({k}), max({k}) FROM {t}").format(k=key, t=definition.table.ident))
+        lo, hi = cur.fetchone()
+        if lo is None:
+            return [KeyRange(name, 0)]
+        step = max(1, -(-(hi - lo + 1) // parts))
+        bounds = [str(b) for b in range(lo + step, hi + 1, step)]
+    else:
+        cur.execute(sql.SQL("SELECT percentile_disc(%s::float8[]) WITHIN GROUP (ORDER BY {k})::text[] FROM {t}")
+                    .format(k=key, t=definition.table.ident), ([i / parts for i in range(1, parts)],))
+        bounds = _ordered_unique(cur, [b for b in (cur.fetchone()[0] or []) if b is not None], kind)
+    edges: list[str | None] = [None, *bounds, None]
+    return [KeyRange(name, i, edges[i], edges[i + 1]) for i in range(len(edges) - 1)]
+
+
+def _ordered_unique(cur: psycopg2.extensions.cursor, bounds: list[str], kind: str) -> list[str]:
+    """Distinct bounds in the key type's own order (text order may differ)."""
+    if not bounds:
+        return []
+    cur.execute(sql.SQL("SELECT array_agg(b::text ORDER BY b) FROM (SELECT DISTINCT unnest(%s::text[])::{} AS b) x")
+                .format(sql.SQL(kind)), (bounds,))
+    return list(cur.fetchone()[0] or [])
+
+
+def copy_range(task: dict, key_range: KeyRange, connect: Callable[[str], psycopg2.extensions.connection]) -> int:
+    """One Spark task: the range read in the exported snapshot on the source, written at every sink
+    of the task that takes its table, one sink transaction each that first records the range (a
+    range already recorded is skipped: a retried task writes nothing twice). Returns rows written."""
+    definition = TableDefinition.from_json(task["definitions"][key_range.table])
+    sides = [s for s in task["sinks"] if key_range.table in s["tables"]]
+    source = connect(sides[0]["source"]) if sides else None
+    conns: list[psycopg2.extensions.connection] = []
+    written = 0
+    try:
+        if source is None:
+            return 0
+        with source.cursor() as cur:
+            cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            cur.execute("SET TRANSACTION SNAPSHOT %s", (task["exported"],))
+        targets = []
+        for side in sides:
+            conn = connect(side["sink"])
+            conns.append(conn)
+            cur = conn.cursor()
+            target = _range_target(cur, task, side, key_range, definition)
+            if target is not None:
+                targets.append((cur, target))
+        if targets:
+            with source.cursor() as cur:
+                _, rows = copy_to_targets(cur, definition, key_range.where(definition), targets)
+            fault_point("table_range_before_commit")
+            for (cur, _), count in zip(targets, rows):
+                written += count
+                cur.execute("UPDATE lr.sink_table_ranges SET rows_copied = %s "
+                            "WHERE run_id = %s AND table_name = %s AND range_no = %s",
+                            (count, task["run_id"], key_range.table, key_range.range_no))
+        for conn in conns:
+            conn.commit()
+        return written
+    finally:
+        for conn in [*conns, *([source] if source else [])]:
+            if not conn.closed:
+                conn.rollback()
+                conn.close()
+
+
+def _range_target(cur: psycopg2.extensions.cursor, task: dict, side: dict, key_range: KeyRange,
+                  definition: TableDefinition) -> Target | None:
+    """Fence and claim one range at one sink: None when the range is written already there."""
+    where = f"session {SessionKey(side['source'], side['sink'], task['client'])}"
+    cur.execute("SELECT lease_epoch FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s FOR SHARE",
+                (side["source"], task["client"]))
+    row = cur.fetchone()
+    if row is None or row[0] > side["epoch"]:
+        raise FencedError(f"{where}: lease epoch {side['epoch']} is stale (the sink has seen "
+                          f"{row[0] if row else 'none'}); another replicator owns this session")
+    cur.execute("SELECT state, run_id::text FROM lr.sink_tables WHERE source_site_id = %s AND client_name = %s "
+                "AND table_name = %s", (side["source"], task["client"], key_range.table))
+    state = cur.fetchone()
+    if state is None or state[0] == TableState.CONFLICT:
+        return None
+    if state != (TableState.SYNCING, task["run_id"]):
+        raise StaleBatchError(f"{where}: table {key_range.table} is not being written by run {task['run_id']}")
+    cur.execute("INSERT INTO lr.sink_table_ranges (run_id, table_name, range_no, rows_copied) VALUES (%s, %s, %s, 0) "
+                "ON CONFLICT DO NOTHING", (task["run_id"], key_range.table, key_range.range_no))
+    if cur.rowcount == 0:
+        return None  # written by an earlier attempt of this task
+    sink_tables.applying(cur)
+    return sink_tables.target_of(cur, side["source"], definition.table, lambda: where)
