@@ -1,0 +1,125 @@
+"""The driver of a parallel table snapshot (the Spark job ``spark_jobs/lr_table_snapshot.py``):
+leases, the exported snapshot, the key ranges handed to tasks, and the finish.
+
+The driver takes the lease of every session of ``client`` from ``source`` that is in log-entry
+sync and lacks tables (negotiating as a cycle would), keeps them renewed while the tasks run, and
+holds the exported snapshot's transaction open until ``finish``: no cycle advances those sessions
+meanwhile, which is what makes the snapshot's split exact (``snapshot.py``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import psycopg2
+import psycopg2.extensions
+
+from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.session import lease as leases
+from airflow_provider_lr.engine.session.lease_keeper import LeaseKeeper
+from airflow_provider_lr.engine.session.negotiation import Decision
+from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings
+from airflow_provider_lr.engine.site.conninfo import ConnInfo
+from airflow_provider_lr.engine.site.topology import Topology, site_conninfo
+from airflow_provider_lr.engine.tables import registry
+from airflow_provider_lr.engine.tables.snapshot import KeyRange, SinkSide, TableSnapshot, copy_range, needed
+
+log = logging.getLogger(__name__)
+
+MapRanges = Callable[[dict, Sequence[KeyRange]], Iterable[int]]  # (task, ranges) -> rows per range
+
+
+@dataclass
+class ParallelResult:
+    source: str
+    client: str
+    sessions: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    tables: dict[str, str] = field(default_factory=dict)
+    ranges: int = 0
+    rows: int = 0  # written, summed over the sinks
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_table_snapshot(topology: Topology, source: str, client: str, map_ranges: MapRanges,
+                       owner: str | None = None, parts: int | None = None,
+                       settings: SessionSettings | None = None,
+                       conninfo: Callable[[str], ConnInfo] | None = None) -> ParallelResult:
+    """Snapshot the tables the client's sinks lack, the ranges written by ``map_ranges`` (Spark
+    tasks calling ``copy_range``, or ``local_ranges``); ``conninfo``: how to reach each site
+    (default: the topology's connections)."""
+    settings = settings or SessionSettings.from_topology(topology)
+    owner = owner or leases.new_owner_id()
+    keys = [k for k in topology.sessions(source=source) if k.client == client]
+    if not keys:
+        raise ConfigurationError(f"site {source!r} is the source of no session of client {client!r}")
+    resolve = conninfo or (lambda site: site_conninfo(topology, site))
+    dsns = {site: resolve(site).dsn for site in {source, *(k.sink for k in keys)}}
+    result = ParallelResult(source, client)
+    t0 = time.monotonic()
+    src = psycopg2.connect(dsns[source])
+    sides: list[SinkSide] = []
+    held: list[leases.Lease] = []
+    keeper: LeaseKeeper | None = None
+    snap: TableSnapshot | None = None
+    try:
+        federated = registry.federated_tables(src, client)
+        for key in keys:
+            sink = psycopg2.connect(dsns[key.sink])
+            runner = SessionRunner(key, src, sink, owner, settings)
+            report, _, negotiation = runner.begin()
+            if runner.lease is not None:
+                held.append(runner.lease)
+            why = report.skipped or report.error
+            if negotiation is not None and negotiation.decision is not Decision.LOG_ENTRY_SYNC:
+                why = f"needs {negotiation.decision.value}; its cycle snapshots the tables after it"
+            lacking = [] if why else needed(src, sink, key, federated)
+            if why or not lacking:
+                result.skipped[str(key)] = why or "has every table"
+                sink.close()
+                continue
+            assert runner.lease is not None
+            sides.append(SinkSide(key, sink, runner.lease.epoch, lacking))
+            result.sessions.append(str(key))
+        if not sides:
+            return result
+        keeper = LeaseKeeper(dsns[source], held, settings.lease_seconds)
+        snap = TableSnapshot(src, client, sides)
+        snap.open()
+        snap.begin()
+        ranges = snap.plan(parts)
+        task = {**snap.task(), "dsns": dsns}
+        result.ranges = len(ranges)
+        t1 = time.monotonic()
+        result.rows = sum(map_ranges(task, ranges))
+        t2 = time.monotonic()
+        result.tables = snap.finish(ranges).tables
+        result.seconds = {"plan": round(t1 - t0, 3), "copy": round(t2 - t1, 3),
+                          "total": round(time.monotonic() - t0, 3)}
+        log.info("table snapshot of %s/%s: %d ranges, %d rows in %.1fs", source, client, len(ranges),
+                 result.rows, t2 - t1)
+        return result
+    finally:
+        if snap is not None:
+            snap.close()
+        if keeper is not None:
+            keeper.stop()
+        for lease in held:
+            leases.release_quietly(src, lease)
+        for side in sides:
+            side.conn.close()
+        src.close()
+
+
+def connect_by_task(task: dict) -> Callable[[str], psycopg2.extensions.connection]:
+    return lambda site: psycopg2.connect(task["dsns"][site])
+
+
+def local_ranges(task: dict, ranges: Sequence[KeyRange]) -> list[int]:
+    """``MapRanges`` in this process, one range after another (tests, small runs)."""
+    return [copy_range(task, r, connect_by_task(task)) for r in ranges]
