@@ -20,6 +20,7 @@ from airflow_provider_lr.engine.session import replicator, stream
 from airflow_provider_lr.engine.site import conninfo, metrics, schema, status, topology
 from airflow_provider_lr.engine.site import roles as site_roles
 from airflow_provider_lr.engine.source import full_sync, trim
+from airflow_provider_lr.engine.tables import registry as table_registry
 from airflow_provider_lr.paths import lr_home
 
 if TYPE_CHECKING:
@@ -288,6 +289,40 @@ def cmd_roles_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tables_open(args: argparse.Namespace) -> int:
+    """lr tables open: record a table for a client on each site given (default, when federating:
+    the sources of the client's sessions)."""
+    topo = _topology(args)
+    if not args.federated and not args.site:
+        raise LRError("--no-federated: name the --site(s) that keep out of the table (on a source it stops "
+                      "the capture; on a sink its data is dropped)")
+    sites = args.site or sorted({k.source for k in topo.sessions() if k.client == args.client})
+    if not sites:
+        raise LRError(f"client {args.client!r} is replicated by no session of the topology; name the --site")
+    for site_id in sites:
+        conn = _connect(topo)(site_id)
+        try:
+            table = table_registry.open_table(conn, args.table, args.client, args.federated)
+        finally:
+            conn.close()
+        print(f"{site_id}: {table.describe()}")
+    return 0
+
+
+def cmd_tables_list(args: argparse.Namespace) -> int:
+    topo = _topology(args)
+    for site_id in (args.site or sorted(topo.sites)):
+        conn = _connect(topo)(site_id)
+        try:
+            found = table_registry.list_tables(conn)
+        finally:
+            conn.close()
+        print(f"{site_id}: " + ("no tables registered" if not found else ""))
+        for table in found:
+            print(f"  {table.describe()}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     with _embedded_tooling(args):
         from airflow_provider_lr.embedded import demo
@@ -446,6 +481,20 @@ def build_parser() -> argparse.ArgumentParser:
     shown = access.add_parser("list", help="the roles granted on each site")
     shown.add_argument("--site", action="append", help="DSN or Airflow connection id (default: all embedded sites)")
     shown.set_defaults(func=cmd_roles_list)
+
+    tables = sub.add_parser("tables", help="federated tables: replicated by lr itself (docs/tables.md)").add_subparsers(
+        dest="tables_command", required=True)
+    op = with_topology(tables.add_parser("open", help="record a table for a client; --federated (default) "
+                                         "captures and replicates it, --no-federated keeps a site out of it"))
+    op.add_argument("table", help="SCHEMA.TABLE (a bare name is in public)")
+    op.add_argument("--client", required=True, help="the client whose sessions carry the table")
+    op.add_argument("--federated", action=argparse.BooleanOptionalAction, default=True)
+    op.add_argument("--site", action="append", help="site id (repeatable; default with --federated: the "
+                    "client's sources)")
+    op.set_defaults(func=cmd_tables_open)
+    ls = with_topology(tables.add_parser("list", help="the tables registered on each site"))
+    ls.add_argument("--site", action="append", help="site id (repeatable; default: every site)")
+    ls.set_defaults(func=cmd_tables_list)
 
     demo = sub.add_parser("demo", help="run the end-to-end demo on embedded sites")
     demo.add_argument("--sinks", type=_positive_int, default=2)

@@ -44,6 +44,7 @@ class SiteStatus:
     full_sync_requests: list[dict] = field(default_factory=list)  # open ones, this site as the source
     receive_queues: list[dict] = field(default_factory=list)  # this site as a sink
     held_back_by: list[dict] = field(default_factory=list)
+    tables: list[dict] = field(default_factory=list)  # registered tables, and each sink session's
 
     def as_dict(self) -> dict:
         return _jsonable(asdict(self))
@@ -112,7 +113,25 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
         ]
     if any(s["role"] == "sink" for s in result.sessions):
         result.receive_queues = receive_queues(conn)
+    if version >= 8:
+        result.tables = tables(conn)
     return result
+
+
+def tables(conn: psycopg2.extensions.connection) -> list[dict]:
+    """Federated tables (seed 002): each registered on this site (``role`` registry) and each a sink
+    session takes here (``role`` sink: its state, rows of its snapshot, a conflict's reason)."""
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT 'registry', stream_name, client_name, source_site_id, is_federated, table_id, NULL, NULL, NULL "
+            "FROM lr.registry WHERE kind = 'table' "
+            "UNION ALL SELECT 'sink', table_name, client_name, source_site_id, NULL, source_table_id, state, "
+            "rows_copied, detail FROM lr.sink_tables ORDER BY 1, 2, 4"
+        )
+        keys = ("role", "table", "client", "source", "federated", "table_id", "state", "rows", "detail")
+        found = [dict(zip(keys, r)) for r in cur.fetchall()]
+    conn.commit()
+    return found
 
 
 def session_key(session: dict) -> SessionKey:
@@ -207,6 +226,16 @@ def render(status: SiteStatus, source_marks: dict[str, int] | None = None) -> st
                      + (f" (oldest {q['oldest_waiting_s']:.0f}s)" if q["waiting"] else "")
                      + (f", {q['unapplied_snapshot']} of a full sync not applied yet" if q["unapplied_snapshot"] else "")
                      + (f", {q['dead_letters']} dead letters" if q["dead_letters"] else ""))
+    for t in status.tables:
+        if t["role"] == "registry":
+            flag = "federated" if t["federated"] else "not federated (its data from sources is dropped here)"
+            origin = f", registered by {t['source']}" if t["source"] else ""
+            lines.append(f"  table  {t['table']:<32} {flag}, client {t['client'] or '-'}{origin}")
+        else:
+            session = SessionKey(t["source"], status.site_id, t["client"])
+            rows = f", {t['rows']} rows in its snapshot" if t["rows"] is not None else ""
+            detail = f": {t['detail']}" if t["detail"] else ""
+            lines.append(f"  table  {t['table']:<32} {t['state']} from {session}{rows}{detail}")
     for h in status.held_back_by:
         lines.append(f"  held back: {h['describe']}")
     return "\n".join(lines)
