@@ -34,6 +34,8 @@ FAULT_POINTS: dict[str, str] = {
     "after_timeout": "request timed out on the source, the next request not made",
     "fanout_mid_write": "fan-out chunk half written into the sinks' open transactions",
     "fanout_after_commit": "fan-out chunk committed on every sink, the source's acks not recorded",
+    "table_snapshot_before_commit": "a table's snapshot rows written in the sinks' open transactions, not committed",
+    "table_range_before_commit": "a Spark task's key range written in the sinks' open transactions, not committed",
 }
 
 _hooks: dict[str, Callable[[], None]] = {}

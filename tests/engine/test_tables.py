@@ -7,13 +7,15 @@ import pytest
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import TableError
 from airflow_provider_lr.engine.tables import registry
-from airflow_provider_lr.engine.session.replicator import run_until_idle
-from tests.support.session import apply, queue, replicator
+from tests.support.session import apply, queue, replicator, run_crashing_replicator
 from tests.support.tables import TableWriter, create_accounts, federate, rows
 
 
 def _sync(repl, cycles: int = 40) -> list:
-    return run_until_idle(repl, max_cycles=cycles)
+    """Cycles until idle; every cycle's reports."""
+    seen: list = []
+    repl.run(max_cycles=cycles, until_idle=True, interval=0.05, on_cycle=seen.extend)
+    return seen
 
 
 def test_rows_before_federation_and_changes_during_and_after_reach_both_sinks_row_for_row(lr_sites):
@@ -89,3 +91,168 @@ def test_opening_a_table_without_primary_key_or_for_an_unknown_client_is_refused
     with pytest.raises(TableError, match="does not exist"):
         federate(source, "public.missing")
     assert registry.list_tables(source.connect()) == []
+
+
+def _status(site) -> str:
+    from airflow_provider_lr.engine.site import status
+
+    conn = site.connect()
+    try:
+        return status.render(status.site_status(conn))
+    finally:
+        conn.close()
+
+
+def test_a_sink_that_opened_the_table_as_not_federated_keeps_out_and_shows_the_conflict(lr_sites):
+    source, refusing, taking = lr_sites
+    topo = apply(lr_sites)
+    create_accounts(source, rows=20)
+    create_accounts(refusing)
+    refusing.query("INSERT INTO public.accounts (id, owner) VALUES (1, 'local')")
+    federate(refusing, federated=False)
+    federate(source)
+    repl = replicator(topo, lr_sites)
+    _sync(repl)
+    source.query("UPDATE public.accounts SET owner = 'changed' WHERE id < 5")
+    _sync(repl)
+    assert rows(taking) == rows(source)
+    assert refusing.query("SELECT id, owner FROM public.accounts") == [(1, "local")]  # nothing applied
+    assert refusing.query("SELECT is_federated, source_site_id FROM lr.registry WHERE stream_name = 'public.accounts'") \
+        == [(False, None)]  # its registry entry is not overwritten
+    shown = _status(refusing)
+    assert "public.accounts" in shown and "conflict from site-a->site-b/policy" in shown
+    assert "not federated (its data from sources is dropped here)" in shown
+
+
+def test_a_table_the_sink_never_opened_is_created_registered_and_applied(lr_sites):
+    source, sink, _ = lr_sites
+    topo = apply(lr_sites)
+    create_accounts(source, rows=30)
+    federate(source)
+    _sync(replicator(topo, lr_sites))
+    assert rows(sink) == rows(source)
+    assert sink.query("SELECT kind, is_federated, source_site_id, client_name FROM lr.registry "
+                      "WHERE stream_name = 'public.accounts'") == [("table", True, "site-a", "policy")]
+    shape = "SELECT column_name, data_type, is_nullable FROM information_schema.columns " \
+            "WHERE table_name = 'accounts' ORDER BY ordinal_position"
+    assert sink.query(shape) == source.query(shape)
+    assert "synced from site-a->site-b/policy, 30 rows in its snapshot" in _status(sink)
+
+
+def test_two_sources_into_one_sink_table_never_clear_each_others_rows(lr_sites):
+    a, b, sink = lr_sites
+    topo = apply(lr_sites, replication=[{"source": a.site_id, "sinks": [sink.site_id], "clients": ["policy"]},
+                                        {"source": b.site_id, "sinks": [sink.site_id], "clients": ["policy"]}])
+    create_accounts(a, rows=50)  # keys 1..50
+    create_accounts(b, rows=50, start=1000)  # keys 1001..1050
+    federate(a)
+    repl = replicator(topo, lr_sites)
+    _sync(repl)
+    federate(b)  # the second source's snapshot must not clear a's rows (CorfuDB #3502)
+    _sync(repl)
+    assert rows(sink) == sorted(rows(a) + rows(b))
+    # each source's snapshot again (re-federated: a new snapshot each), and a TRUNCATE at one
+    federate(a, federated=False)
+    federate(a)
+    federate(b, federated=False)
+    federate(b)
+    _sync(repl)
+    assert rows(sink) == sorted(rows(a) + rows(b))
+    b.query("TRUNCATE public.accounts")
+    b.query("INSERT INTO public.accounts (id, owner) VALUES (2000, 'b')")
+    a.query("UPDATE public.accounts SET owner = 'a2' WHERE id < 10")
+    _sync(repl)
+    assert rows(sink) == sorted(rows(a) + rows(b))
+    assert len(rows(sink)) == 51
+    a.query("TRUNCATE public.accounts")
+    _sync(repl)
+    assert rows(sink) == rows(b)
+
+
+def test_a_sink_table_of_another_shape_refuses_the_session_until_it_is_fixed(lr_sites):
+    source, sink, _ = lr_sites
+    topo = apply(lr_sites)
+    create_accounts(source, rows=10)
+    sink.query("CREATE TABLE public.accounts (id bigint PRIMARY KEY, owner text NOT NULL)")  # columns missing
+    federate(source)
+    repl = replicator(topo, lr_sites)
+    reports = _sync(repl, cycles=3)
+    assert any("differs between source and sink" in (r.error or "") for r in reports)
+    assert sink.query("SELECT count(*) FROM public.accounts") == [(0,)]
+    assert "column balance is missing on the sink" in _status(source)
+    sink.query("DROP TABLE public.accounts")
+    _sync(repl)
+    assert rows(sink) == rows(source)
+    # the source's table changes shape later: the batch is refused whole, then applies once fixed
+    source.query("ALTER TABLE public.accounts ADD COLUMN region text")
+    source.query("UPDATE public.accounts SET region = 'eu' WHERE id <= 3")
+    source.query("INSERT INTO public.accounts (id, owner) VALUES (500, 'new')")
+    reports = _sync(repl, cycles=3)
+    assert any("do not fit the sink's table" in (r.error or "") for r in reports)
+    assert sink.query("SELECT count(*) FROM public.accounts WHERE id = 500") == [(0,)]
+    sink.query("ALTER TABLE public.accounts ADD COLUMN region text")
+    _sync(repl)
+    assert rows(sink) == rows(source)
+
+
+def test_a_table_federated_during_a_snapshot_joins_at_the_next_one_with_nothing_lost(lr_sites, monkeypatch):
+    from airflow_provider_lr.engine.tables import snapshot
+
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    create_accounts(source, rows=40)
+    source.query("CREATE TABLE public.orders (id int PRIMARY KEY, item text)")
+    source.query("INSERT INTO public.orders SELECT g, 'i' || g FROM generate_series(1, 10) g")
+    federate(source)
+    opened = snapshot.TableSnapshot.open
+
+    def open_then_federate(self):
+        split = opened(self)
+        if not any(str(t) == "public.orders" for t in self.definitions):
+            federate(source, "public.orders")  # during the accounts snapshot: not in it
+            source.query("INSERT INTO public.orders VALUES (11, 'during')")
+        return split
+
+    monkeypatch.setattr(snapshot.TableSnapshot, "open", open_then_federate)
+    repl = replicator(topo, lr_sites)
+    reports = _sync(repl)
+    assert any("public.orders" in " ".join(r.tables) for r in reports)
+    source.query("UPDATE public.orders SET item = 'after' WHERE id = 1")
+    _sync(repl)
+    for sink in sinks:
+        assert rows(sink) == rows(source)
+        assert rows(sink, "public.orders") == rows(source, "public.orders")
+
+
+def test_a_table_federated_again_gets_a_new_snapshot_with_the_changes_made_in_between(lr_sites):
+    source, sink, _ = lr_sites
+    topo = apply(lr_sites)
+    create_accounts(source, rows=10)
+    federate(source)
+    repl = replicator(topo, lr_sites)
+    _sync(repl)
+    federate(source, federated=False)
+    source.query("DELETE FROM public.accounts WHERE id <= 5")  # not captured
+    _sync(repl)
+    assert len(rows(sink)) == 10
+    federate(source)
+    _sync(repl)
+    assert rows(sink) == rows(source)
+
+
+def test_a_replicator_killed_while_writing_a_table_snapshot_leaves_nothing_half_done(lr_sites):
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    create_accounts(source, rows=2000)
+    federate(source)
+    with TableWriter(source, truncate=False) as writer:
+        crashed = run_crashing_replicator(topo, lr_sites, "table_snapshot_before_commit")
+        assert crashed.returncode == -9, crashed.stderr[-2000:]
+        for sink in sinks:  # the rows were in the sink's open transaction: gone with the process
+            assert sink.query("SELECT count(*) FROM lr.sink_tables WHERE state = 'synced'") == [(0,)]
+        repl = replicator(topo, lr_sites)
+        _sync(repl, cycles=5)
+    assert writer.transactions > 0
+    _sync(repl)
+    for sink in sinks:
+        assert rows(sink) == rows(source)

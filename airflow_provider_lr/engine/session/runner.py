@@ -121,7 +121,7 @@ class CycleReport:
 
     @property
     def idle(self) -> bool:
-        return not self.delivered and not self.snapshot_messages
+        return not self.delivered and not self.snapshot_messages and not self.tables
 
 
 @dataclass(eq=False)
