@@ -64,6 +64,9 @@ PRIVILEGES: dict[str, tuple[Privilege, ...]] = {
         Privilege("SELECT, INSERT, UPDATE", ("sink_sessions", "registry")),
         Privilege("SELECT, INSERT, UPDATE, DELETE", ("receive_queue", "spark_staging", "spark_staged_ranges")),
         Privilege("SELECT", ("receive_dead_letters",)),  # counted by status
+        # federated tables at a sink: each session's tables, Spark ranges written, the origin ledger
+        # (the tables themselves are the application's: grant them to the replicator, docs/tables.md)
+        Privilege("SELECT, INSERT, UPDATE, DELETE", ("sink_tables", "sink_table_ranges", "table_row_origin")),
     ),
     "writer": (
         # its client's id, the sinks it replicates to (the topology's payload limit)
