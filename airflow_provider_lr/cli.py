@@ -317,7 +317,7 @@ def cmd_tables_list(args: argparse.Namespace) -> int:
             found = table_registry.list_tables(conn)
         finally:
             conn.close()
-        print(f"{site_id}: " + ("no tables registered" if not found else ""))
+        print(f"{site_id}:" + ("" if found else " no tables registered"))
         for table in found:
             print(f"  {table.describe()}")
     return 0

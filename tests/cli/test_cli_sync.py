@@ -10,11 +10,13 @@ from airflow_provider_lr import cli
 from tests.support.session import App, final_state, queue, source_state, topology_doc
 
 
-def _topology_file(tmp_path, sites, monkeypatch) -> str:
+def topology_file(tmp_path, sites, monkeypatch, providers: dict | None = None) -> str:
+    """A topology YAML over ``sites`` reached through Airflow-style connections (default provider:
+    the App's table)."""
     for site in sites:
         conn_id = f"lr_test_{site.site_id.replace('-', '_')}"
         monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(site.server.airflow_conn(site.dbname)))
-    doc = topology_doc(sites, providers={"policy": "tests.support.session:table_provider"},
+    doc = topology_doc(sites, providers={"policy": "tests.support.session:table_provider"} if providers is None else providers,
                        conn_ids=lambda site_id: f"lr_test_{site_id.replace('-', '_')}")
     path = tmp_path / "topology.yaml"
     path.write_text(yaml.safe_dump(doc))
@@ -23,7 +25,7 @@ def _topology_file(tmp_path, sites, monkeypatch) -> str:
 
 def test_lr_sync_replicates_every_session_and_status_shows_them(lr_sites, tmp_path, monkeypatch, capsys):
     source, sink_b, sink_c = lr_sites
-    topo = _topology_file(tmp_path, lr_sites, monkeypatch)
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
     app = App(source)
     for i in range(5):
@@ -54,7 +56,7 @@ def test_lr_sync_replicates_every_session_and_status_shows_them(lr_sites, tmp_pa
 
 
 def test_lr_commands_name_what_is_wrong(lr_sites, tmp_path, monkeypatch, capsys):
-    topo = _topology_file(tmp_path, lr_sites, monkeypatch)
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
     capsys.readouterr()
     assert cli.main(["full-sync", "--topology", topo, "--sink", "site-x"]) == 1
@@ -124,7 +126,7 @@ def test_lr_sync_streams_by_default_until_sigterm_then_releases_its_leases(lr_si
     import time
 
     source, sink_b, sink_c = lr_sites
-    topo = _topology_file(tmp_path, lr_sites, monkeypatch)
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
     app = App(source)
     child = subprocess.Popen([sys.executable, "-m", "airflow_provider_lr.cli", "sync", "--topology", topo],
