@@ -15,6 +15,7 @@ from airflow_provider_lr.engine.source.log_reader import holdback
 from airflow_provider_lr.engine.vocabulary import (
     OPEN_STATUSES_SQL,
     STREAM_LOG_ENTRIES,
+    STREAM_TABLE_CHANGES,
     RequestStatus,
     SessionKey,
     SessionState,
@@ -309,8 +310,9 @@ def session_backlogs(
     conn: psycopg2.extensions.connection, sink: str | None = None, client: str | None = None
 ) -> list[SessionBacklog]:
     """Per session of this source (optionally one sink and/or client): entries still to deliver.
-    The one place that says what "remaining" means: committed, in LRQ_Send_LogEntries, tagged
-    for the sink, of the session's client, after the sink's acknowledged position."""
+    The one place that says what "remaining" means: committed, in LRQ_Send_LogEntries (or a
+    federated table's change), tagged for the sink, of the session's client, after the sink's
+    acknowledged position."""
     with conn.cursor() as cur:
         cur.execute(
             """
@@ -324,7 +326,7 @@ def session_backlogs(
                 FROM lr.log_commits c
                 CROSS JOIN LATERAL (
                     SELECT 1 FROM lr.log_entries e
-                    WHERE e.tx = c.tx AND e.stream = %(stream)s AND e.tag_ids @> ARRAY[r.tag_id]
+                    WHERE e.tx = c.tx AND e.stream IN (%(stream)s, %(tables)s) AND e.tag_ids @> ARRAY[r.tag_id]
                       AND e.client_id = k.client_id
                     OFFSET 0  -- per-commit index lookups, driven by the position range: the cost
                               -- follows the backlog, not the size of the log (a join of the whole
@@ -336,7 +338,7 @@ def session_backlogs(
               AND (%(client)s::text IS NULL OR s.client_name = %(client)s)
             ORDER BY 1, 2
             """,
-            {"stream": STREAM_LOG_ENTRIES, "sink": sink, "client": client},
+            {"stream": STREAM_LOG_ENTRIES, "tables": STREAM_TABLE_CHANGES, "sink": sink, "client": client},
         )
         rows = [SessionBacklog(*row) for row in cur.fetchall()]
     conn.commit()
