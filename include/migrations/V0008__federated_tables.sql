@@ -28,6 +28,7 @@ DECLARE
     tags     integer[];
     keys     text[];
     nonkey   text[];
+    gen      text[];  -- generated columns: each site computes its own, rows do not carry them
 BEGIN
     IF current_setting('lr.applying', true) = 'on' THEN
         RETURN NULL;
@@ -46,11 +47,11 @@ BEGIN
         VALUES (3, tags, cid, tid, convert_to('{"op": "t"}', 'UTF8'));
         RETURN NULL;
     END IF;
-    IF TG_OP <> 'INSERT' THEN
-        SELECT g.key_columns INTO keys FROM lr.registry g WHERE g.table_id = tid;
-        SELECT coalesce(array_agg(a.attname::text), '{}') INTO nonkey FROM pg_attribute a
-        WHERE a.attrelid = TG_RELID AND a.attnum > 0 AND NOT a.attisdropped AND a.attname::text <> ALL (keys);
-    END IF;
+    SELECT g.key_columns INTO keys FROM lr.registry g WHERE g.table_id = tid;
+    SELECT coalesce(array_agg(a.attname::text) FILTER (WHERE a.attname::text <> ALL (keys)), '{}'),
+           coalesce(array_agg(a.attname::text) FILTER (WHERE a.attgenerated <> ''), '{}')
+    INTO nonkey, gen FROM pg_attribute a
+    WHERE a.attrelid = TG_RELID AND a.attnum > 0 AND NOT a.attisdropped;
     IF TG_OP = 'UPDATE' THEN
         INSERT INTO lr.log_entries (stream, tag_ids, client_id, table_id, message)
         SELECT 3, tags, cid, tid, convert_to(jsonb_build_object('op', 'd', 'rows', jsonb_agg(k))::text, 'UTF8')
@@ -67,7 +68,8 @@ BEGIN
     ELSE
         INSERT INTO lr.log_entries (stream, tag_ids, client_id, table_id, message)
         SELECT 3, tags, cid, tid, convert_to(jsonb_build_object('op', 'u', 'rows', jsonb_agg(r))::text, 'UTF8')
-        FROM (SELECT to_jsonb(n) AS r, (row_number() OVER () - 1) / 500 AS chunk FROM lr_new n) c
+        FROM (SELECT CASE WHEN gen = '{}' THEN to_jsonb(n) ELSE to_jsonb(n) - gen END AS r,
+                     (row_number() OVER () - 1) / 500 AS chunk FROM lr_new n) c
         GROUP BY chunk;
     END IF;
     RETURN NULL;

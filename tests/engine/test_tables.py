@@ -256,3 +256,21 @@ def test_a_replicator_killed_while_writing_a_table_snapshot_leaves_nothing_half_
     _sync(repl)
     for sink in sinks:
         assert rows(sink) == rows(source)
+
+
+def test_generated_columns_are_computed_on_each_site_not_carried(lr_sites):
+    source, sink, _ = lr_sites
+    topo = apply(lr_sites)
+    ddl = "CREATE TABLE public.lines (id int PRIMARY KEY, qty int NOT NULL, price numeric NOT NULL, " \
+          "total numeric GENERATED ALWAYS AS (qty * price) STORED)"
+    source.query(ddl)
+    sink.query(ddl)
+    source.query("INSERT INTO public.lines (id, qty, price) VALUES (1, 2, 3.5)")
+    federate(source, "public.lines")
+    repl = replicator(topo, lr_sites)
+    _sync(repl)
+    source.query("INSERT INTO public.lines (id, qty, price) VALUES (2, 4, 1)")
+    source.query("UPDATE public.lines SET qty = 10 WHERE id = 1")
+    _sync(repl)
+    assert rows(sink, "public.lines") == rows(source, "public.lines")
+    assert sink.query("SELECT total FROM public.lines ORDER BY id") == [(35,), (4,)]
