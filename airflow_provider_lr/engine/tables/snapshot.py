@@ -92,6 +92,8 @@ def needed(source: psycopg2.extensions.connection, sink: psycopg2.extensions.con
            federated: Sequence[FederatedTable]) -> list[FederatedTable]:
     """The source's federated tables the session's sink has not synced (in their current
     federation), or holds as a conflict that no longer is one (the sink reopened the table)."""
+    if not federated:
+        return []
     with sink.cursor() as cur:
         have = sink_tables.session_tables(cur, key.source, key.client)
         cur.execute("SELECT stream_name FROM lr.registry WHERE kind = 'table' AND NOT is_federated")
