@@ -274,3 +274,26 @@ def test_generated_columns_are_computed_on_each_site_not_carried(lr_sites):
     _sync(repl)
     assert rows(sink, "public.lines") == rows(source, "public.lines")
     assert sink.query("SELECT total FROM public.lines ORDER BY id") == [(35,), (4,)]
+
+
+def test_streaming_carries_table_changes_and_a_table_federated_meanwhile_joins_through_a_cycle(lr_sites):
+    from tests.support.session import Streaming, wait_for
+
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    create_accounts(source, rows=20)
+    source.query("CREATE TABLE public.orders (id int PRIMARY KEY, item text)")
+    source.query("INSERT INTO public.orders VALUES (1, 'before')")
+    federate(source)
+    with Streaming(replicator(topo, lr_sites)) as streaming:
+        streaming.streaming()
+        with TableWriter(source, truncate=False):
+            wait_for(lambda: len(streaming.cycles) > 0 and all(rows(s) for s in sinks), 30, "the first snapshot")
+            federate(source, "public.orders")  # the stream hands back; a cycle snapshots it
+            source.query("INSERT INTO public.orders VALUES (2, 'after')")
+            wait_for(lambda: all(s.query("SELECT count(*) FROM pg_class WHERE oid = to_regclass('public.orders')")
+                                 == [(1,)] and len(rows(s, "public.orders")) == 2 for s in sinks), 30, "the new table")
+        wait_for(lambda: all(rows(s) == rows(source) for s in sinks), 30, "the streamed changes")
+    assert any("a table was federated" in e.reason for e in streaming.streamer.ends)
+    for sink in sinks:
+        assert rows(sink, "public.orders") == rows(source, "public.orders")
