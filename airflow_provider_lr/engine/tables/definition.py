@@ -96,25 +96,27 @@ class TableDefinition:
 
 
 def read_definition(cur: psycopg2.extensions.cursor, table: TableName) -> TableDefinition | None:
-    """The table's shape as ``cur``'s transaction sees it; None when there is no such table."""
-    cur.execute("SELECT to_regclass(%s)::oid", (sql.Identifier(table.schema, table.name).as_string(cur),))
-    (oid,) = cur.fetchone()
+    """The table's shape as ``cur``'s transaction sees it (one round trip: a sink reads it for every
+    batch of changes); None when there is no such table."""
+    cur.execute(
+        """
+        WITH t AS (SELECT to_regclass(%s) AS oid)
+        SELECT t.oid,
+               ARRAY(SELECT ARRAY[a.attname::text, format_type(a.atttypid, a.atttypmod), a.attnotnull::text]
+                     FROM pg_attribute a WHERE a.attrelid = t.oid AND a.attnum > 0 AND NOT a.attisdropped
+                       AND a.attgenerated = '' ORDER BY a.attnum),
+               ARRAY(SELECT a.attname::text FROM pg_index i
+                     JOIN LATERAL unnest(i.indkey) WITH ORDINALITY k(attnum, n) ON true
+                     JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+                     WHERE i.indrelid = t.oid AND i.indisprimary ORDER BY k.n)
+        FROM t
+        """,
+        (sql.Identifier(table.schema, table.name).as_string(cur),),
+    )
+    oid, columns, key = cur.fetchone()
     if oid is None:
         return None
-    cur.execute(
-        "SELECT a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull FROM pg_attribute a "
-        "WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '' ORDER BY a.attnum",
-        (oid,),
-    )
-    columns = tuple(Column(*row) for row in cur.fetchall())
-    cur.execute(
-        "SELECT a.attname FROM pg_index i JOIN LATERAL unnest(i.indkey) WITH ORDINALITY k(attnum, n) ON true "
-        "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum "
-        "WHERE i.indrelid = %s AND i.indisprimary ORDER BY k.n",
-        (oid,),
-    )
-    key = tuple(r[0] for r in cur.fetchall())
-    return TableDefinition(table, columns, key)
+    return TableDefinition(table, tuple(Column(n, t, nn == "true") for n, t, nn in columns), tuple(key))
 
 
 def check_same(source: TableDefinition, sink: TableDefinition, where: str) -> None:
