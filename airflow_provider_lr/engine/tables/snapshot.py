@@ -164,11 +164,20 @@ class TableSnapshot:
             return cur.fetchone()[0]
 
     def plan(self, ranges_per_table: int | None = None) -> list[KeyRange]:
-        """Key ranges of every table, read in the snapshot (about ``RANGE_ROWS`` rows each)."""
+        """Key ranges of every table, read in the snapshot (about ``RANGE_ROWS`` rows each).
+
+        Read in a savepoint rolled back after: the tables' ACCESS SHARE locks are released, so the
+        snapshot's transaction holds none while the tasks run. Held, a TRUNCATE (or ALTER) queued
+        behind it would queue every task's read behind itself, and the tasks never end: a deadlock
+        PostgreSQL cannot see (the driver waits in Spark, not on a lock). Unheld, the TRUNCATE
+        commits; a range read after it is empty in the snapshot, and the TRUNCATE itself, after
+        the split, is applied from the log: the sink ends the same."""
         found: list[KeyRange] = []
         with self.source.cursor() as cur:
+            cur.execute("SAVEPOINT lr_plan")
             for definition in self.definitions.values():
                 found += plan_ranges(cur, definition, ranges_per_table)
+            cur.execute("ROLLBACK TO SAVEPOINT lr_plan")
         return found
 
     # --- in process ---------------------------------------------------------------------------
