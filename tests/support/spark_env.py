@@ -191,9 +191,10 @@ def _session(master: str, app_name: str, conf: dict[str, str]) -> SparkSession:
     return session
 
 
-def local_spark_session(app_name: str = "lr-tests", **conf: str) -> SparkSession:
-    """A ``local[2]`` session with small memory and no UI (the 2-core machine's whole budget)."""
-    return _session("local[2]", app_name, conf)
+def local_spark_session(app_name: str = "lr-tests", master: str = "local[2]", **conf: str) -> SparkSession:
+    """A ``local[2]`` session with small memory and no UI (the 2-core machine's whole budget);
+    ``master="local[2,4]"`` lets a failed task be retried (local mode's default is no retry)."""
+    return _session(master, app_name, conf)
 
 
 def cluster_spark_session(master_url: str, app_name: str = "lr-tests-cluster", **conf: str) -> SparkSession:
