@@ -55,6 +55,7 @@ SETTINGS: dict[str, tuple[dict, str]] = {
     "lease_seconds": (_POSITIVE_SECONDS, "session lease; a replicator that loses it is fenced"),
     "tee_min_backlog": (_COUNT, "lr sync and the DAG: larger backlogs are caught up by the read-once tee (0: off)"),
     "spark_min_backlog": (_COUNT, "lr_replication DAG: larger backlogs go through the Spark fan-out"),
+    "table_spark_min_rows": (_COUNT, "the DAGs: federated-table snapshots of more rows go through the Spark job"),
     "max_payload_bytes": ({"type": "integer", "minimum": 1, "maximum": MAX_PAYLOAD_BYTES},
                           "largest payload transmit accepts on the sites of this topology"),
 }
