@@ -53,8 +53,8 @@ def snapshot_tables(spark: SparkSession, topo: Topology, source: str, client: st
 
 def main(args: Any) -> dict[str, Any]:
     spark = lr_spark.spark_session(f"lr-table-snapshot-{args.source}-{args.client}")
-    return snapshot_tables(spark, lr_spark.load_topology(args.topology), args.source, args.client,
-                           args.parts).as_dict()
+    result = snapshot_tables(spark, lr_spark.load_topology(args.topology), args.source, args.client, args.parts)
+    return {"ok": True, **result.as_dict()}  # a failure raises (lr_spark.run reports it, exit 1)
 
 
 if __name__ == "__main__":
