@@ -10,12 +10,18 @@ listed by its session's name. ``check`` is the run's verdict: the run fails when
 full sync or catch-up failed (the catch-up runs anyway and does nothing while its session still
 needs the full sync, so it too is listed by name rather than left ``upstream_failed``).
 
+Federated tables are part of the full sync: it forgets the session's tables on the sink, and the
+catch-up snapshots them again, in the step, or, for a snapshot the engine deems large
+(``table_spark_min_rows``) when this worker can run Spark (``LR_SPARK_CONN_ID``), through
+``spark_table_snapshot`` (``spark_jobs/lr_table_snapshot.py``), once per source and client.
+
 Empty optional fields (client, source) mean "all": they are ``null`` in the run's conf and show as
 an empty select box in the form (``values_display`` maps ``null`` to an empty label; without it
 Airflow's form shows the word ``null``).
 """
 from __future__ import annotations
 
+import os
 from datetime import datetime, timedelta, timezone
 
 from airflow.sdk import Param, TriggerRule, dag, get_current_context, task
@@ -25,6 +31,9 @@ from airflow_provider_lr.engine.site.topology_schema import CLIENT_NAME_PATTERN,
 from airflow_provider_lr.operators import LRLogEntrySyncOperator, LRRunCheckOperator, LRSnapshotSyncOperator
 from airflow_provider_lr.operators.common import parse_time_topology
 from airflow_provider_lr.operators.session import SESSION_LABEL
+from airflow_provider_lr.operators.spark import LRSparkTableSnapshotOperator
+
+SPARK_CONN_ID = os.environ.get("LR_SPARK_CONN_ID", "spark_default")
 
 _topology = parse_time_topology()
 _sessions = _topology.sessions() if _topology else []
@@ -101,8 +110,23 @@ def lr_full_sync() -> None:
     # labelled by its session even when that session's full sync failed
     catch_up = LRLogEntrySyncOperator.partial(
         task_id="log_entry_sync", map_index_template=SESSION_LABEL, trigger_rule=TriggerRule.ALL_DONE,
+        spark_conn_id=SPARK_CONN_ID,
     ).expand(session=sessions)
-    snapshot >> catch_up >> LRRunCheckOperator(
+
+    @task(trigger_rule=TriggerRule.ALL_DONE)
+    def table_snapshots(sessions: list[dict]) -> list[dict]:
+        """The (source, client) pairs whose catch-up left a large table snapshot to Spark."""
+        from airflow_provider_lr.operators.spark import tables_left_to_spark
+
+        return tables_left_to_spark(get_current_context()["ti"], sessions, "log_entry_sync")
+
+    pairs = table_snapshots(sessions)
+    tables = LRSparkTableSnapshotOperator.partial(
+        task_id="spark_table_snapshot", conn_id=SPARK_CONN_ID, conf={"spark.ui.enabled": "false"},
+        map_index_template="{{ task.source }}/{{ task.client }}",
+    ).expand_kwargs(pairs)
+    snapshot >> catch_up >> pairs
+    [catch_up, tables] >> LRRunCheckOperator(
         task_id="check", sessions=sessions, session_tasks=("snapshot_sync", "log_entry_sync"), retries=0,
     )
 

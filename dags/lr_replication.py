@@ -7,7 +7,14 @@ fan-outs, then one task group per session:
 
     decide (negotiation) ─┬─ snapshot_sync   (skips itself unless chosen) ─┬─ report (all_done)
                           └─ log_entry_sync  (skips itself unless chosen) ─┘
-    ... every session's group ──→ check (all_done: the run's verdict)
+    ... every session's group ──→ table_snapshots ──→ spark_table_snapshot (one per source/client)
+                              ──→ check (all_done: the run's verdict)
+
+Federated tables: a session's ``log_entry_sync`` snapshots the tables its sink lacks in the step,
+except a snapshot the engine deems large (``table_spark_min_rows``), which it leaves to Spark when
+this worker can run the job (``LR_SPARK_CONN_ID`` defined). ``table_snapshots`` (all_done) collects
+the (source, client) pairs whose sessions left tables to Spark, and ``spark_table_snapshot`` runs
+``spark_jobs/lr_table_snapshot.py`` once per pair for all its sinks (none: skipped).
 
 ``@task.branch`` inside a mapped task group runs both branches in Airflow 3.3.2 (#67265), hence
 the skip-in-branch pattern; the branches are ``all_done`` too, so when ``decide`` fails they run,
@@ -39,11 +46,12 @@ from airflow_provider_lr.operators import (
 )
 from airflow_provider_lr.operators.fanout import LRFanOutOperator
 from airflow_provider_lr.operators.session import SESSION_LABEL
-from airflow_provider_lr.operators.spark import LRSparkFanOutOperator
+from airflow_provider_lr.operators.spark import LRSparkFanOutOperator, LRSparkTableSnapshotOperator
 
 INTERVAL = timedelta(seconds=float(os.environ.get("LR_REPLICATION_INTERVAL_S", "30")))
 SPARK_CONN_ID = os.environ.get("LR_SPARK_CONN_ID", "spark_default")
 SOURCE_LABEL = "{{ task.source }}"  # tasks mapped over sources: listed by the source's site id
+PAIR_LABEL = "{{ task.source }}/{{ task.client }}"  # tasks mapped over (source, client) pairs
 
 
 @dag(
@@ -118,13 +126,28 @@ def lr_replication() -> None:
         decide = LRNegotiateOperator(task_id="decide", session=session, **common)
         snapshot = LRSnapshotSyncOperator(task_id="snapshot_sync", session=session, decision=decide.output, **common)
         log_entries = LRLogEntrySyncOperator(task_id="log_entry_sync", session=session, decision=decide.output,
-                                             **common)
+                                             spark_conn_id=SPARK_CONN_ID, **common)
         decide >> [snapshot, log_entries] >> report(session)
 
     groups = replicate.expand(session=sessions.output)
     [fanout, tee] >> groups
+
+    @task(trigger_rule=TriggerRule.ALL_DONE)
+    def table_snapshots(sessions: list[dict]) -> list[dict]:
+        """The (source, client) pairs whose sessions left a large table snapshot to Spark."""
+        from airflow_provider_lr.operators.spark import tables_left_to_spark
+
+        return tables_left_to_spark(get_current_context()["ti"], sessions, "session.log_entry_sync")
+
+    pairs = table_snapshots(sessions.output)
+    tables = LRSparkTableSnapshotOperator.partial(
+        task_id="spark_table_snapshot", conn_id=SPARK_CONN_ID, conf={"spark.ui.enabled": "false"},
+        execution_timeout=timedelta(minutes=30), map_index_template=PAIR_LABEL,
+    ).expand_kwargs(pairs)
+    groups >> pairs
     # the run's verdict: failed when any session failed, after every healthy session delivered
-    groups >> LRRunCheckOperator(task_id="check", sessions=sessions.output, report_task_id="session.report", retries=0)
+    [groups, tables] >> LRRunCheckOperator(task_id="check", sessions=sessions.output,
+                                           report_task_id="session.report", retries=0)
 
 
 lr_replication()

@@ -15,7 +15,10 @@ from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.site.topology import Topology
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.hooks.site import LRSiteHook
+from airflow_provider_lr.paths import spark_jobs_dir
 
+FANOUT_JOB = "lr_fanout.py"  # the Spark jobs in spark_jobs/ the operators submit
+TABLE_SNAPSHOT_JOB = "lr_table_snapshot.py"
 TOPOLOGY_VARIABLE = "lr_topology"  # Airflow Variable (or AIRFLOW_VAR_LR_TOPOLOGY) naming the topology file
 
 
@@ -103,3 +106,17 @@ def site_connection(conn_id_: str, site_id: str) -> Iterator[psycopg2.extensions
         yield conn
     finally:
         conn.close()
+
+
+def spark_unavailable(spark_conn_id: str, job: str) -> str | None:
+    """Why this worker cannot run the Spark job ``job`` (a file of ``spark_jobs/``) through the
+    Spark connection ``spark_conn_id``; None when it can."""
+    from airflow.sdk import BaseHook
+
+    if not (spark_jobs_dir() / job).exists():
+        return f"the Spark job is not installed in {spark_jobs_dir()}"
+    try:
+        BaseHook.get_connection(spark_conn_id)
+    except Exception:
+        return f"no Spark connection {spark_conn_id!r}"
+    return None

@@ -27,7 +27,14 @@ from airflow_provider_lr.engine.session.negotiation import Decision
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, SessionSettings, record_error
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.operators import telemetry
-from airflow_provider_lr.operators.common import load_topology, session_dicts, session_key, site_connection
+from airflow_provider_lr.operators.common import (
+    TABLE_SNAPSHOT_JOB,
+    load_topology,
+    session_dicts,
+    session_key,
+    site_connection,
+    spark_unavailable,
+)
 
 # negotiation decision -> the branch task that carries it out
 BRANCH_OF = {
@@ -72,15 +79,21 @@ class LRDiscoverSessionsOperator(BaseOperator):
 class _SessionStepOperator(BaseOperator):
     """One engine step of one session. ``decision`` (the negotiation task's output) makes the
     step skip itself unless negotiation chose ``branch``; without it the step always runs (the
-    engine still negotiates first and does nothing the session is not ready for)."""
+    engine still negotiates first and does nothing the session is not ready for).
+
+    ``spark_conn_id``: when given and this worker can run the table snapshot job through it, the
+    engine leaves a snapshot of federated tables it deems large (``table_spark_min_rows``) to
+    Spark, naming the tables in the report's ``tables_for_spark`` (the DAG then runs
+    ``LRSparkTableSnapshotOperator``); otherwise every table snapshot is written in the step."""
 
     template_fields: Sequence[str] = ("session", "decision", "topology_path")
     branch = ""
 
     def __init__(self, *, session: dict[str, Any], decision: dict[str, Any] | None = None,
-                 topology_path: str | None = None, **kwargs: Any) -> None:
+                 topology_path: str | None = None, spark_conn_id: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.session, self.decision, self.topology_path = session, decision, topology_path
+        self.spark_conn_id = spark_conn_id
         # given an upstream's output: it resolves to None when that upstream failed (all_done branch)
         self.decision_expected = decision is not None
 
@@ -116,7 +129,7 @@ class _SessionStepOperator(BaseOperator):
             try:
                 with site_connection(self.session["sink_conn_id"], key.sink) as sink:
                     runner = SessionRunner(key, source, sink, f"airflow:{new_owner_id()}", self._settings(topo),
-                                           provider)
+                                           provider, spark_tables=self._spark_tables())
                     try:
                         yield runner
                     finally:
@@ -124,6 +137,15 @@ class _SessionStepOperator(BaseOperator):
             except Exception as exc:  # a sink that is down, a provider error: `lr status` shows it
                 self._record_error(source, key, f"{type(exc).__name__}: {exc}".strip())
                 raise
+
+    def _spark_tables(self) -> bool:
+        """Whether large table snapshots may be left to the Spark task (see the class)."""
+        if not self.spark_conn_id:
+            return False
+        why = spark_unavailable(self.spark_conn_id, TABLE_SNAPSHOT_JOB)
+        if why:
+            self.log.info("table snapshots are written in this step: %s", why)
+        return why is None
 
     def _record_error(self, source: Any, key: Any, error: str) -> None:
         try:

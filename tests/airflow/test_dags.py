@@ -21,6 +21,7 @@ from tests.support.airflow_env import (  # noqa: F401
     xcom,
 )
 from tests.support.session import App, final_state, queue, replicator, source_state, table_provider
+from tests.support.tables import create_accounts, federate, rows
 
 
 def test_dags_import_without_errors(dagbag):
@@ -262,3 +263,82 @@ def test_streaming_dag_streams_for_its_run_then_ends_for_the_next_run(dagbag, ai
     assert str(again.state) == "success"
     assert [p for k, p in queue(sink_b, "site-a") if k == "log"][-1] == "k99=99"
     app.close()
+
+
+def test_large_table_snapshots_have_a_spark_task_after_the_sessions_in_both_dags(dagbag):
+    from airflow.sdk import TriggerRule
+
+    replication = dagbag.dags["lr_replication"]
+    assert replication.get_task("session.log_entry_sync").spark_conn_id == "spark_default"
+    collect = replication.get_task("table_snapshots")
+    assert collect.trigger_rule == TriggerRule.ALL_DONE and "session.report" in collect.upstream_task_ids
+    assert {t.task_id for t in collect.downstream_list} == {"spark_table_snapshot"}
+    assert "spark_table_snapshot" in replication.get_task("check").upstream_task_ids
+    full = dagbag.dags["lr_full_sync"]
+    assert full.get_task("log_entry_sync").partial_kwargs["spark_conn_id"] == "spark_default"
+    assert "log_entry_sync" in full.get_task("table_snapshots").upstream_task_ids
+    assert "spark_table_snapshot" in full.get_task("check").upstream_task_ids
+    for dag in (replication, full):
+        assert dag.get_task("spark_table_snapshot").map_index_template  # listed as source/client
+
+
+def large_federated_table(airflow_sites, monkeypatch, rows_: int = 3000) -> None:
+    """``table_spark_min_rows`` 1000 in the topology, the sessions in log-entry sync (first contact
+    in process), then ``public.accounts`` of ``rows_`` rows (analyzed: the estimate is the
+    planner's) federated at the source; Spark on local[2] as ``spark_default``."""
+    source = airflow_sites.sites[0]
+    reconfigure(airflow_sites, settings={"table_spark_min_rows": 1000})
+    App(source).close()  # the topology's full-sync provider reads its table
+    first = replicator(airflow_sites.topology, airflow_sites.sites, providers={"policy": table_provider})
+    first.run(max_cycles=3, until_idle=True, interval=0.01)
+    first.close()
+    create_accounts(source, rows=rows_)
+    source.query("ANALYZE public.accounts")
+    federate(source)
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[2]"}))
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # spark-submit
+
+
+@pytest.mark.slow
+def test_a_large_table_snapshot_goes_through_the_spark_task_of_lr_replication(dagbag, airflow_sites, monkeypatch):
+    """The sessions' log-entry steps leave the 3,000-row table (over ``table_spark_min_rows``) to
+    Spark; one spark-submit of lr_table_snapshot.py writes it at both sinks."""
+    large_federated_table(airflow_sites, monkeypatch)
+    source, sink_b, sink_c = airflow_sites.sites
+    run = run_dag(dagbag, "lr_replication")
+    got = states(run)
+    assert str(run.state) == "success" and got[("spark_table_snapshot", 0)] == "success", got
+    for index in (0, 1):
+        assert xcom(run, "session.log_entry_sync", index)["tables_for_spark"] == ["public.accounts"]
+    assert xcom(run, "table_snapshots") == [{"source": "site-a", "client": "policy"}]
+    result = xcom(run, "spark_table_snapshot", 0)
+    sessions = ["site-a->site-b/policy", "site-a->site-c/policy"]
+    assert result["ok"] and result["sessions"] == sessions and result["rows"] == 6000, result
+    assert result["tables"] == {f"{s}:public.accounts": "synced" for s in sessions}
+    assert {ti.rendered_map_index for ti in run.get_task_instances() if ti.task_id == "spark_table_snapshot"} \
+        == {"site-a/policy"}
+    for sink in (sink_b, sink_c):
+        assert rows(sink) == rows(source)
+
+
+@pytest.mark.slow
+def test_the_forms_full_sync_snapshots_the_sinks_tables_again_through_spark(dagbag, airflow_sites, monkeypatch):
+    """lr_full_sync (the UI form's run, forced) forgets site-b's tables; its catch-up leaves the
+    large table to Spark, which snapshots it again for site-b only: rows removed at the sink
+    meanwhile are back, site-c is left alone."""
+    large_federated_table(airflow_sites, monkeypatch)
+    source, sink_b, sink_c = airflow_sites.sites
+    synced = replicator(airflow_sites.topology, airflow_sites.sites)  # the tables, in process
+    synced.run(max_cycles=5, until_idle=True, interval=0.01)
+    synced.close()
+    assert rows(sink_b) == rows(sink_c) == rows(source)
+    sink_b.query("DELETE FROM public.accounts WHERE id <= 100")  # drifted: only a new snapshot restores it
+    run = run_dag(dagbag, "lr_full_sync", {"sink": "site-b", "reason": "tables too", "client": None})
+    got = states(run)
+    assert str(run.state) == "success" and got[("spark_table_snapshot", 0)] == "success", got
+    assert xcom(run, "log_entry_sync", 0)["tables_for_spark"] == ["public.accounts"]
+    result = xcom(run, "spark_table_snapshot", 0)
+    assert result["sessions"] == ["site-a->site-b/policy"] and result["rows"] == 3000, result
+    assert result["skipped"] == {"site-a->site-c/policy": "has every table"}
+    assert rows(sink_b) == rows(source)
+    assert sink_b.query("SELECT state, rows_copied FROM lr.sink_tables") == [("synced", 3000)]
