@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 
 RANGE_ROWS = 100_000  # rows per key range a Spark task reads (about 20 MB of 200-byte rows)
 _INTEGER_TYPES = {"smallint", "integer", "bigint"}
+# The planner's row count, or for a table never analyzed (reltuples -1) its size at ~200 bytes a row:
+# an unanalyzed large table must not pass for an empty one.
+_ROWS_ESTIMATE = "CASE WHEN reltuples >= 0 THEN reltuples ELSE pg_relation_size(oid) / 200 END"
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,7 @@ class TableSnapshot:
 
     def estimated_rows(self) -> int:
         with self.source.cursor() as cur:
-            cur.execute("SELECT coalesce(sum(greatest(reltuples, 0)), 0)::bigint FROM pg_class "
+            cur.execute(f"SELECT coalesce(sum({_ROWS_ESTIMATE}), 0)::bigint FROM pg_class "
                         "WHERE oid = ANY (%s::regclass[])", ([str(t) for t in self.definitions],))
             return cur.fetchone()[0]
 
@@ -334,7 +337,7 @@ def plan_ranges(cur: psycopg2.extensions.cursor, definition: TableDefinition,
     key = sql.Identifier(definition.key[0])
     kind = next(c.type for c in definition.columns if c.name == definition.key[0])
     if parts is None:
-        cur.execute("SELECT greatest(reltuples, 0)::bigint FROM pg_class WHERE oid = %s::regclass", (name,))
+        cur.execute(f"SELECT ({_ROWS_ESTIMATE})::bigint FROM pg_class WHERE oid = %s::regclass", (name,))
         parts = max(1, -(-cur.fetchone()[0] // RANGE_ROWS))
     if parts <= 1:
         return [KeyRange(name, 0)]
