@@ -14,7 +14,7 @@ import yaml
 from airflow_provider_lr import cli
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
-from tests.cli.test_cli_sync import _topology_file
+from tests.cli.test_cli_sync import topology_file
 from tests.support.session import App
 
 
@@ -32,7 +32,7 @@ def _synced(topo: str) -> None:
 
 
 def test_status_lag_moves_with_committed_but_undelivered_entries(lr_sites, tmp_path, monkeypatch, capsys):
-    topo = _topology_file(tmp_path, lr_sites, monkeypatch)
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
     app = App(lr_sites[0])
     app.put("k", 0, ["site-b", "site-c"])
@@ -67,7 +67,7 @@ def test_status_lag_moves_with_committed_but_undelivered_entries(lr_sites, tmp_p
 
 
 def test_status_exit_code_is_degraded_when_a_session_errs(lr_sites, tmp_path, monkeypatch, capsys):
-    topo = _topology_file(tmp_path, lr_sites, monkeypatch)
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
     App(lr_sites[0]).put("k", 0, ["site-b"])
     _synced(topo)
@@ -82,7 +82,7 @@ def test_status_exit_code_is_degraded_when_a_session_errs(lr_sites, tmp_path, mo
 
 def test_status_shows_a_pending_full_sync_with_its_reason_and_what_the_session_waits_for(
         lr_sites, tmp_path, monkeypatch, capsys):
-    topo_path = _topology_file(tmp_path, lr_sites, monkeypatch)
+    topo_path = topology_file(tmp_path, lr_sites, monkeypatch)
     doc = yaml.safe_load(open(topo_path))
     del doc["providers"]  # nobody supplies the client's data
     open(topo_path, "w").write(yaml.safe_dump(doc))
@@ -108,7 +108,7 @@ def test_status_shows_a_pending_full_sync_with_its_reason_and_what_the_session_w
 
 
 def test_until_idle_ends_when_a_session_keeps_failing(lr_sites, tmp_path, monkeypatch, capsys):
-    topo = _topology_file(tmp_path, lr_sites, monkeypatch)
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
     App(lr_sites[0]).put("k", 0, ["site-b", "site-c"])
     monkeypatch.setenv("AIRFLOW_CONN_LR_TEST_SITE_C", json.dumps({"conn_type": "postgres", "host": "127.0.0.1",
@@ -121,7 +121,7 @@ def test_until_idle_ends_when_a_session_keeps_failing(lr_sites, tmp_path, monkey
 
 def test_topology_apply_prune_removes_sessions_no_longer_in_the_topology_once_consumed(
         lr_sites, tmp_path, monkeypatch, capsys):
-    topo = _topology_file(tmp_path, lr_sites, monkeypatch)
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
     App(lr_sites[0]).put("k", 0, ["site-b", "site-c"])
     _synced(topo)
@@ -148,7 +148,7 @@ class _Accept:
 
 
 def test_status_never_shows_application_data_and_survives_a_closed_pipe(lr_sites, tmp_path, monkeypatch, repo_root):
-    topo = _topology_file(tmp_path, lr_sites, monkeypatch)
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
     open_tx = lr_sites[0].connect()  # an application transaction with an uncommitted secret payload
     RoutingQueueClient(open_tx, "policy").transmit_log_entry_message(b"SECRET-card-4111", ["site-b"])
