@@ -68,9 +68,12 @@ TEE_MIN_BACKLOG = 50_000
 # ~300-490k/s; break-even 11.3-14.7 s / (1/55k - 1/400k) ≈ 720k-940k deliveries.
 SPARK_MIN_BACKLOG = 800_000
 # A federated tables' snapshot of at least this many rows (the planner's estimate) is left to the
-# Spark job where Spark can run (docs/tables.md "in process or Spark"); smaller ones are written
-# in process by the session's cycle.
-TABLE_SPARK_MIN_ROWS = 500_000
+# Spark job where Spark can run; smaller ones are written in process by the session's cycle.
+# Measured on the 2-core machine (docs/tables-bench.md, 2026-11-24): both paths cost ~2.6 s per 1M
+# rows to 2 sinks (the sinks' COPY is the bound, and local Spark has no spare cores), and
+# spark-submit costs ~8 s before the first row: in process is never slower below ~10M rows. Lower
+# it (topology setting) where Spark executors have cores of their own.
+TABLE_SPARK_MIN_ROWS = 10_000_000
 
 
 @dataclass
