@@ -356,20 +356,12 @@ class LogReader:
         autocommit connection (two otherwise: the statement and its rollback) where the general
         read takes six: a stream under load reads
         hundreds of times a second, and each read is work the source server does beside its writers."""
-        covered = ""
-        params: dict = {"after": after, "scan": FETCH_ROWS, "rows": FETCH_ROWS + 1, "stream": self.stream,
-                        "tag": self.tag_id, "client": self.client_id,
-                        "inline": max(1, fetch_bytes(max_bytes) // FETCH_ROWS)}
-        if split is not None and split.upto > after:
-            covered = "AND NOT (f.position <= %(upto)s AND pg_visible_in_snapshot(f.tx, %(snapshot)s::pg_snapshot))"
-            params.update(upto=split.upto, snapshot=split.snapshot)
-        client = "AND e.client_id = %(client)s" if self.client_id is not None else ""
-        extra = ""
-        if tables:
-            extra, params = _TABLES_CLAUSE.format(c="f"), {**params, **tables.params()}
+        clauses, params = self._filters("f", after, split, tables)
+        params.update(after=after, scan=FETCH_ROWS, rows=FETCH_ROWS + 1,
+                      inline=max(1, fetch_bytes(max_bytes) // FETCH_ROWS))
         try:
             with self.conn.cursor() as cur:
-                cur.execute(_FINAL_BATCH_SQL.format(client=client, covered=covered, tables=extra), params)
+                cur.execute(_FINAL_BATCH_SQL.format(**clauses), params)
                 rows = cur.fetchall()
         finally:
             if not self.conn.autocommit:  # on an autocommit connection the statement was all of it
@@ -382,22 +374,31 @@ class LogReader:
             return None  # large: read by the general path
         return LogBatch(after, end, [LogRecord(p, e, bytes(m), t) for p, e, m, t in entries], max(end, highest))
 
+    def _filters(self, commit: str, after: int, split: BaseSplit | None,
+                 tables: TableSplits | None) -> tuple[dict[str, str], dict]:
+        """What both reads add to their query, for the commit row ``commit``: the client's entries only,
+        less what the base snapshot ``split`` covered, plus the synced tables' changes (``tables``).
+        Returns the clauses (``client``, ``covered``, ``tables``) and their parameters."""
+        params: dict = {"stream": self.stream, "tag": self.tag_id, "client": self.client_id}
+        clauses = {"client": "AND e.client_id = %(client)s" if self.client_id is not None else "",
+                   "covered": "", "tables": ""}
+        if split is not None and split.upto > after:
+            clauses["covered"] = (f"AND NOT ({commit}.position <= %(split_upto)s "
+                                  f"AND pg_visible_in_snapshot({commit}.tx, %(split_snap)s::pg_snapshot))")
+            params.update(split_upto=split.upto, split_snap=split.snapshot)
+        if tables:
+            clauses["tables"] = _TABLES_CLAUSE.format(c=commit)
+            params.update(tables.params())
+        return clauses, params
+
     def _query(self, after: int, upto: int, split: BaseSplit | None,
                tables: TableSplits | None = None) -> tuple[str, dict]:
         """The read of this destination's entries with positions in ``(after, upto]``, in (position,
         entry id) order, less what the base snapshot ``split`` covered (and, with ``tables``, the
         synced tables' changes less what their snapshots hold)."""
-        params: dict = {"stream": self.stream, "tag": self.tag_id, "client": self.client_id,
-                        "after": after, "upto": upto}
-        covered = ""
-        if split is not None and split.upto > after:
-            covered = "AND NOT (c.position <= %(split_upto)s AND pg_visible_in_snapshot(c.tx, %(split_snap)s::pg_snapshot))"
-            params.update(split_upto=split.upto, split_snap=split.snapshot)
-        client = "AND e.client_id = %(client)s" if self.client_id is not None else ""
-        extra = ""
-        if tables:
-            extra = _TABLES_CLAUSE.format(c="c")
-            params.update(tables.params())
+        clauses, params = self._filters("c", after, split, tables)
+        params.update(after=after, upto=upto)
+        client, covered, extra = clauses["client"], clauses["covered"], clauses["tables"]
         sql = f"""
             SELECT c.position, e.entry_id, octet_length(e.message),
                    CASE WHEN octet_length(e.message) <= %(inline)s THEN e.message END, c.tx::text, e.table_id

@@ -101,10 +101,9 @@ def _federate(cur: psycopg2.extensions.cursor, table: TableName, client: str,
         raise TableError(f"{table} is registered here as something else than a table")
     _stop_capture(cur, table)
     for operation, referencing in _TRIGGERS.items():
-        level = "STATEMENT"
         cur.execute(sql.SQL(
-            "CREATE TRIGGER {} AFTER {} ON {} " + referencing + " FOR EACH " + level
-            + " EXECUTE FUNCTION lr.capture_table_changes({}, {})"
+            "CREATE TRIGGER {} AFTER {} ON {} " + referencing + " FOR EACH STATEMENT"
+            " EXECUTE FUNCTION lr.capture_table_changes({}, {})"
         ).format(sql.Identifier(trigger_name(operation)), sql.SQL(operation), table.ident,
                  sql.Literal(client), sql.Literal(str(table_id))))
     result = _read(cur, table)

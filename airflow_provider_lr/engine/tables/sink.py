@@ -103,11 +103,12 @@ class Target:
     def table(self) -> TableName:
         return self.definition.table
 
-    def key_object(self, alias: str) -> sql.Composed:
-        """The jsonb form of a row's key (``alias.k``), as the origin ledger stores it."""
+    def key_object(self, row: sql.Composable) -> sql.Composed:
+        """The jsonb form of a row's key (``row.k``; ``row`` an alias or a record expression), as
+        the origin ledger stores it."""
         parts = []
         for k in self.definition.key:
-            parts += [sql.Literal(k), sql.SQL("{}.{}").format(sql.Identifier(alias), sql.Identifier(k))]
+            parts += [sql.Literal(k), sql.SQL("{}.{}").format(row, sql.Identifier(k))]
         return sql.SQL("jsonb_build_object({})").format(sql.SQL(", ").join(parts))
 
 
@@ -168,11 +169,11 @@ def clear(cur: psycopg2.extensions.cursor, target: Target) -> None:
     elif target.primary:
         cur.execute(sql.SQL(
             "DELETE FROM {} x WHERE NOT EXISTS (SELECT 1 FROM lr.table_row_origin o WHERE o.table_name = {} "
-            "AND o.key = {})").format(t, sql.Literal(name), target.key_object("x")))
+            "AND o.key = {})").format(t, sql.Literal(name), target.key_object(sql.Identifier("x"))))
     else:
         cur.execute(sql.SQL(
             "DELETE FROM {} x USING lr.table_row_origin o WHERE o.table_name = {} AND o.source_site_id = {} "
-            "AND o.key = {}").format(t, sql.Literal(name), sql.Literal(target.source), target.key_object("x")))
+            "AND o.key = {}").format(t, sql.Literal(name), sql.Literal(target.source), target.key_object(sql.Identifier("x"))))
         cur.execute("DELETE FROM lr.table_row_origin WHERE table_name = %s AND source_site_id = %s",
                     (name, target.source))
 
@@ -186,7 +187,7 @@ def upsert_from(cur: psycopg2.extensions.cursor, target: Target, staging: sql.Co
         d.table.ident, cols, cols, staging, _on_conflict(d)))
     rows = max(cur.rowcount, 0)
     if target.shared:
-        _ledger(cur, target, sql.SQL("SELECT {} AS key FROM {} s").format(target.key_object("s"), staging), upserted=True)
+        _ledger(cur, target, sql.SQL("SELECT {} AS key FROM {} s").format(target.key_object(sql.Identifier("s")), staging))
     return rows
 
 
@@ -200,10 +201,10 @@ def _on_conflict(d: TableDefinition) -> sql.Composed:
         sql.SQL(", ").join(sql.SQL("EXCLUDED.{}").format(sql.Identifier(c)) for c in rest))
 
 
-def _ledger(cur: psycopg2.extensions.cursor, target: Target, keys: sql.Composable, upserted: bool) -> None:
-    """Keep ``lr.table_row_origin`` for the rows whose key objects ``keys`` yields: a row upserted by a
-    non-primary source is listed under it; otherwise it leaves the list."""
-    if upserted and not target.primary:
+def _ledger(cur: psycopg2.extensions.cursor, target: Target, keys: sql.Composable) -> None:
+    """Keep ``lr.table_row_origin`` for the rows upserted whose key objects ``keys`` yields: listed
+    under a non-primary source; a primary source's rows leave the list."""
+    if not target.primary:
         cur.execute(sql.SQL(
             "INSERT INTO lr.table_row_origin (table_name, key, source_site_id) SELECT DISTINCT {}, k.key, {} FROM ({}) k "
             "ON CONFLICT (table_name, key) DO UPDATE SET source_site_id = EXCLUDED.source_site_id").format(
@@ -307,8 +308,7 @@ class ChangeApplier:
         cols = sql.SQL(", ").join(map(sql.Identifier, d.column_names))
         ledger = sql.SQL("")
         if target.shared:
-            key_obj = sql.SQL("jsonb_build_object({})").format(sql.SQL(", ").join(
-                sql.SQL("{}, (ch.p).{}").format(sql.Literal(k), sql.Identifier(k)) for k in d.key))
+            key_obj = target.key_object(sql.SQL("(ch.p)"))
             name = sql.Literal(str(target.table))
             if target.primary:
                 ledger = sql.SQL(", own AS (DELETE FROM lr.table_row_origin o USING ch WHERE o.table_name = {} "

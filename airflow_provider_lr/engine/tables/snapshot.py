@@ -190,7 +190,7 @@ class TableSnapshot:
         assert self.split is not None, "open() first"
         tracker = progress.track(f"table snapshot {self.client}", len(self.definitions), "tables")
         for n, (table, definition) in enumerate(sorted(self.definitions.items())):
-            writes: list[tuple[SinkSide, SinkTransaction, Target]] = []
+            writes: list[tuple[SinkSide, SinkTransaction, Target, int]] = []
             try:
                 for side in self.sinks:
                     federated = next((t for t in side.tables if t.table == table), None)
@@ -206,23 +206,23 @@ class TableSnapshot:
                     if target is None:
                         write.commit()
                         continue
-                    writes.append((side, write, target))
+                    writes.append((side, write, target, federated.table_id))
                 if writes:
                     with self.source.cursor() as cur:
-                        copied, rows = copy_to_targets(cur, definition, None, [(w.cur, t) for _, w, t in writes])
+                        copied, rows = copy_to_targets(cur, definition, None, [(w.cur, t) for _, w, t, _ in writes])
                     self.report.bytes += copied
                     fault_point("table_snapshot_before_commit")
                 while writes:
-                    (side, write, _), count = writes.pop(0), rows.pop(0)
+                    (side, write, _, table_id), count = writes.pop(0), rows.pop(0)
                     sink_tables.record(write.cur, side.key.source, side.key.client, table,
-                                       self._table_id(side, table), TableState.SYNCED, run_id=None,
+                                       table_id, TableState.SYNCED, run_id=None,
                                        split_snapshot=self.split.snapshot, split_upto=self.split.upto,
                                        rows_copied=count)
                     write.commit()
                     self.report.tables[f"{side.key}:{table}"] = TableState.SYNCED
                     self.report.rows += count
             finally:
-                for _, write, _ in writes:
+                for _, write, _, _ in writes:
                     write.abort()
             tracker.update(n + 1)
         tracker.finish()
@@ -298,10 +298,6 @@ class TableSnapshot:
                            run_id=self.run_id, split_snapshot=None, split_upto=None, detail=None,
                            rows_copied=None)
         return target
-
-    @staticmethod
-    def _table_id(side: SinkSide, table: TableName) -> int:
-        return next(t.table_id for t in side.tables if t.table == table)
 
 
 def copy_to_targets(source: psycopg2.extensions.cursor, definition: TableDefinition, where: sql.Composable | None,
