@@ -17,6 +17,8 @@ Anchors, each a function ``(BenchEnv, Workload) -> Measurement`` in ``ANCHORS``:
 * ``native_initial``   PostgreSQL logical replication, initial table sync: a publication per sink
                        (row filter on the destination bit for "subset"), a subscription on each
                        sink, timed until every table is ready (``srsubstate = 'r'``).
+* ``native_initial_binary`` the same with the subscription option ``binary = true`` (native's
+                       fastest initial sync: lr's catch-up is compared with this one).
 * ``native_streaming`` logical replication steady state: subscriptions in place on an empty
                        table, then concurrent writers commit N rows in 1000-row transactions;
                        timed from the writers' start until every sink has applied the last commit.
@@ -407,7 +409,9 @@ def create_publications(env: BenchEnv, table: str, variant: str) -> None:
                 f"CREATE PUBLICATION {pub} FOR TABLE {table} (id, payload){where} WITH (publish = 'insert')")
 
 
-def create_subscriptions(env: BenchEnv, table: str, copy_data: bool) -> None:
+def create_subscriptions(env: BenchEnv, table: str, copy_data: bool, binary: bool = False) -> None:
+    """``binary``: the subscription option ``binary = true`` (initial COPY and changes in binary
+    format; 2.64x faster initial sync than text here, so the fair anchor for lr's binary COPY)."""
     for i, dsn in enumerate(env.sink_dsns):
         pub, sub = _names(table, i)
         # The CONNECTION string is libpq's, as the sink server's walreceiver sees it: the source's
@@ -415,7 +419,8 @@ def create_subscriptions(env: BenchEnv, table: str, copy_data: bool) -> None:
         conn = psycopg2.connect(dsn)
         conn.autocommit = True
         with conn.cursor() as cur:
-            cur.execute(f"CREATE SUBSCRIPTION {sub} CONNECTION %s PUBLICATION {pub} WITH (copy_data = {copy_data})",
+            cur.execute(f"CREATE SUBSCRIPTION {sub} CONNECTION %s PUBLICATION {pub} "
+                        f"WITH (copy_data = {copy_data}, binary = {binary})",
                         (env.source_dsn,))
         conn.close()
 
@@ -470,24 +475,30 @@ def _ready_query(table: str) -> str:
             f"WHERE sub.subname LIKE '{table}_sub_%'")
 
 
-def native_initial(env: BenchEnv, workload: Workload) -> Measurement:
+def native_initial(env: BenchEnv, workload: Workload, binary: bool = False) -> Measurement:
     """CREATE SUBSCRIPTION on 3 sinks at once; time until each table sync is ready."""
+    name = "native_initial_binary" if binary else "native_initial"
     expected = expected_per_sink(env, BACKLOG_TABLE)
     truncate_sinks(env, BACKLOG_TABLE)
     create_publications(env, BACKLOG_TABLE, workload.variant)
     checkpoint_all(env)
     try:
         started = time.perf_counter()
-        create_subscriptions(env, BACKLOG_TABLE, copy_data=True)
+        create_subscriptions(env, BACKLOG_TABLE, copy_data=True, binary=binary)
         poll_from = time.perf_counter()
         per_sink = _poll(env.sink_dsns, _ready_query(BACKLOG_TABLE),
                          lambda rows: bool(rows) and all(state == "r" for state, _ in rows), timeout_s=3600)
         seconds = time.perf_counter() - started
-        verify_sinks(env, BACKLOG_TABLE, expected, "native_initial")
+        verify_sinks(env, BACKLOG_TABLE, expected, name)
     finally:
         drop_replication(env)
-    return Measurement("native_initial", workload.variant, workload.entries, sum(expected), seconds,
+    return Measurement(name, workload.variant, workload.entries, sum(expected), seconds,
                        {"per_sink_s": [round(poll_from - started + s, 3) for s in per_sink]})
+
+
+def native_initial_binary(env: BenchEnv, workload: Workload) -> Measurement:
+    """The same initial sync with the subscriptions' ``binary = true``: native at its best."""
+    return native_initial(env, workload, binary=True)
 
 
 def _stream_writer(dsn: str, ids: range, workload: Workload, seed: int, barrier: Any, results: mp.Queue) -> None:
@@ -554,5 +565,6 @@ ANCHORS: dict[str, Anchor] = {
     "physical_tee": physical_tee,
     "naive_python": naive_python,
     "native_initial": native_initial,
+    "native_initial_binary": native_initial_binary,
     "native_streaming": native_streaming,
 }

@@ -71,9 +71,9 @@ MEASUREMENTS.update(fanout_lr.MEASUREMENTS)
 
 
 def print_table(results: list[Measurement]) -> None:
-    print(f"\n{'measurement':<18} {'variant':<7} {'entries':>10} {'deliveries':>11} {'seconds':>8} {'deliveries/s':>13}")
+    print(f"\n{'measurement':<22} {'variant':<7} {'entries':>10} {'deliveries':>11} {'seconds':>8} {'deliveries/s':>13}")
     for m in results:
-        print(f"{m.name:<18} {m.variant:<7} {m.entries:>10,} {m.deliveries:>11,} {m.seconds:>8.2f} {m.per_second:>13,.0f}")
+        print(f"{m.name:<22} {m.variant:<7} {m.entries:>10,} {m.deliveries:>11,} {m.seconds:>8.2f} {m.per_second:>13,.0f}")
     others = [m for m in results if m.name not in ANCHORS]
     for m in others:
         anchors = [a for a in results if a.name in ANCHORS and a.variant == m.variant]
