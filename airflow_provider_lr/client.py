@@ -1,4 +1,6 @@
 """Public source-side API (``../shared/DESIGN.md`` §5): transmit payloads inside your transaction."""
+from airflow_provider_lr.engine.errors import DeliveryTimeout
+from airflow_provider_lr.engine.source.delivery import Delivery, DeliveryState, Ticket
 from airflow_provider_lr.engine.source.transmit import LRMessageWithDestinations, RoutingQueueClient
 
-__all__ = ["LRMessageWithDestinations", "RoutingQueueClient"]
+__all__ = ["Delivery", "DeliveryState", "DeliveryTimeout", "LRMessageWithDestinations", "RoutingQueueClient", "Ticket"]

@@ -45,7 +45,6 @@ def example_lr_user_pipeline() -> None:
     @task
     def record_orders() -> dict:
         from airflow_provider_lr.client import RoutingQueueClient
-        from airflow_provider_lr.engine.site import status
         from airflow_provider_lr.operators.common import load_topology, site_connection
 
         params = get_current_context()["params"]
@@ -59,12 +58,10 @@ def example_lr_user_pipeline() -> None:
                 for i in range(params["orders"]):
                     cur.execute("INSERT INTO example_orders (amount_cents) VALUES (%s) RETURNING id", (100 * (i + 1),))
                     order_id = cur.fetchone()[0]
-                    client.transmit_log_entry_message(f"order {order_id} {100 * (i + 1)}".encode(),
-                                                      params["destinations"])
-                cur.execute("SELECT pg_current_xact_id()::text")
-                tx = cur.fetchone()[0]
+                    ticket = client.transmit_log_entry_message(f"order {order_id} {100 * (i + 1)}".encode(),
+                                                               params["destinations"])
             conn.commit()  # the orders and their payloads, together
-            position = status.commit_position(conn, tx)
+            position = client.delivery(ticket).position  # drawn at commit: after it, not before
         return {"orders": params["orders"], "position": position}
 
     @task

@@ -61,3 +61,15 @@ class TableError(LRError):
 class SchemaMismatchError(TableError):
     """A federated table differs between source and sink (a missing column, another type or key):
     the session stops before writing anything of it and ``lr status`` says why."""
+
+
+class DeliveryTimeout(LRError, TimeoutError):
+    """A wait for delivery (``wait_until_safe`` / ``wait_until_ready``) ran out of time: names the
+    destinations that have not acknowledged. Nothing is lost: the entries stay in the log and are
+    delivered when the sinks come back; waiting again is safe."""
+
+    def __init__(self, message: str, position: int | None, missing: list[str], regions: list[str]) -> None:
+        super().__init__(message)
+        self.position = position
+        self.missing = missing
+        self.regions = regions

@@ -97,10 +97,13 @@ class LRDeliveredSensor(_LRSensor):
     """Waits until the entry transmitted at commit ``position`` on ``source`` for ``client`` is
     safe on every named destination and/or durable in ``min_regions`` distinct regions.
 
-    Refuses (fails at once, no wait) a destination that is not a sink of that client, and a
+    Only sinks the entry named count, for destinations and regions; neither given, the topology's
+    ``durability`` rule, else every sink the entry named (the rule of
+    ``RoutingQueueClient.wait_until_safe``, docs/delivery.md). Refuses (fails at once, no wait) a
+    destination that is not a sink of that client, or that the entry did not name, and a
     ``min_regions`` the destinations can never reach (DESIGN seed 004, minRegionsForDurability).
-    Get ``position`` after the transmitting transaction commits:
-    ``engine.status.commit_position(conn, tx)`` with ``tx`` from ``SELECT pg_current_xact_id()``.
+    Get ``position`` after the transmitting transaction commits: ``ticket = client.transmit_...``
+    then ``client.delivery(ticket).position``.
     """
 
     template_fields: Sequence[str] = ("source", "client", "position", "destinations", "min_regions", "topology_path")
@@ -110,8 +113,6 @@ class LRDeliveredSensor(_LRSensor):
         super().__init__(**kwargs)
         self.client, self.position = client, position
         self.destinations, self.min_regions = destinations, min_regions
-        if not destinations and not min_regions:
-            raise ValueError(f"{self.task_id}: name destinations, min_regions, or both")
 
     def build_trigger(self) -> LRDeliveredTrigger:
         topo = load_topology(self.topology_path)

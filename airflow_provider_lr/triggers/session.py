@@ -20,7 +20,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_provider_lr.engine.errors import SiteUnreachableError
 from airflow_provider_lr.engine.site import status
-from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.source import delivery, full_sync
 from airflow_provider_lr.engine.vocabulary import RequestStatus
 from airflow_provider_lr.hooks.site import LRSiteHook
 
@@ -53,11 +53,14 @@ def new_entries_status(conn: psycopg2.extensions.connection, sink: str, client: 
     return None
 
 
-def delivered_status(conn: psycopg2.extensions.connection, target: status.DeliveryTarget, position: int) -> dict[str, Any] | None:
-    done, have, regions = target.progress(status.acknowledged(conn, target.client), position)
-    if done:
-        return {"status": "success", "position": position, "safe_on": have, "regions": regions}
-    return None
+def delivered_status(conn: psycopg2.extensions.connection, client: str, position: int, destinations: list[str],
+                     min_regions: int) -> dict[str, Any] | None:
+    """The event once the entry at ``position`` is safe where asked (``engine.source.delivery``:
+    only sinks the entry named count, for destinations and regions)."""
+    found = delivery.delivered(conn, client, position, destinations, min_regions or None)
+    if found is None:
+        return None
+    return {"status": "success", "position": position, "safe_on": found.safe_on, "regions": found.stored_regions}
 
 
 class _PollingTrigger(BaseTrigger):
@@ -142,32 +145,24 @@ class LRSnapshotEndTrigger(_PollingTrigger):
 
 class LRDeliveredTrigger(_PollingTrigger):
     """Fires when the entry at commit ``position`` is safe on every one of ``destinations`` and
-    stored in at least ``min_regions`` distinct regions (the source's region counts), judged from
-    the sinks' acknowledgements recorded on the source. ``candidates`` maps the sinks that may
-    count to their regions (validated by ``engine.status.delivery_target`` before deferring)."""
+    stored in at least ``min_regions`` distinct regions (the source's counts; only sinks the entry
+    named count). Neither given: the topology's durability rule, else every sink it named. The
+    rule is ``engine.source.delivery``'s, shared with ``RoutingQueueClient.wait_until_safe``."""
 
-    def __init__(self, source_conn_id: str, source: str, client: str, position: int, candidates: dict[str, str],
-                 source_region: str, destinations: list[str] | None = None, min_regions: int = 0,
-                 **kwargs: Any) -> None:
+    def __init__(self, source_conn_id: str, source: str, client: str, position: int,
+                 destinations: list[str] | None = None, min_regions: int = 0, **kwargs: Any) -> None:
         super().__init__(source_conn_id, **kwargs)
         self.source, self.client, self.position = source, client, int(position)
-        self.candidates, self.source_region = dict(candidates), source_region
         self.destinations, self.min_regions = list(destinations or []), int(min_regions)
 
     @classmethod
     def for_target(cls, source_conn_id: str, target: status.DeliveryTarget, position: int, **kwargs: Any) -> "LRDeliveredTrigger":
-        return cls(source_conn_id, target.source, target.client, position, target.candidates, target.source_region,
-                   list(target.destinations), target.min_regions, **kwargs)
-
-    @property
-    def target(self) -> status.DeliveryTarget:
-        return status.DeliveryTarget(self.source, self.client, tuple(self.destinations), self.candidates,
-                                     self.source_region, self.min_regions)
+        return cls(source_conn_id, target.source, target.client, position, list(target.destinations),
+                   target.min_regions, **kwargs)
 
     def _kwargs(self) -> dict[str, Any]:
         return {**super()._kwargs(), "source": self.source, "client": self.client, "position": self.position,
-                "candidates": self.candidates, "source_region": self.source_region,
                 "destinations": self.destinations, "min_regions": self.min_regions}
 
     def check(self, conn: psycopg2.extensions.connection) -> dict[str, Any] | None:
-        return delivered_status(conn, self.target, self.position)
+        return delivered_status(conn, self.client, self.position, self.destinations, self.min_regions)

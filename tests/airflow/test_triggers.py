@@ -23,8 +23,7 @@ from tests.support.session import App, replicator, table_provider
 TRIGGERS = [
     LRNewLogEntriesTrigger("lr_site_a", "site-b", "policy", min_entries=3, poll_interval=0.5, max_poll_interval=4),
     LRSnapshotEndTrigger("lr_site_a", "6f1c0e1e-0000-4000-8000-000000000000", "2026-11-23T12:00:00+00:00"),
-    LRDeliveredTrigger("lr_site_a", "site-a", "policy", 42, {"site-b": "region-2", "site-c": "region-3"},
-                       "region-1", ["site-b"], 2, poll_interval=0.2),
+    LRDeliveredTrigger("lr_site_a", "site-a", "policy", 42, ["site-b"], 2, poll_interval=0.2),
 ]
 
 

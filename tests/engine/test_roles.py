@@ -26,7 +26,7 @@ from psycopg2.extras import execute_values
 
 from airflow_provider_lr import cli
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
-from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError
+from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeout, SchemaError
 from airflow_provider_lr.engine.sink import receive
 from airflow_provider_lr.engine.site import roles, schema, status, topology
 from airflow_provider_lr.engine.site.conninfo import ConnInfo
@@ -241,6 +241,27 @@ def test_writer_cannot_forge_commit_positions_change_the_trim_or_read_the_log(wo
     assert source.query("SELECT trim_mark FROM lr.log_trim") == [(0,)]
     positions = [p for (p,) in source.query("SELECT position FROM lr.log_commits ORDER BY 1")]
     assert len(positions) == before + 2 and positions == list(range(1, before + 3))
+
+
+def test_writer_waits_until_its_transmit_is_safe_and_guards_only_its_client(world):
+    source = world.source
+    conn = connect_as(source, world.writer["alpha"])
+    alpha = RoutingQueueClient(conn, "alpha")
+    with conn.cursor() as cur:
+        cur.execute("INSERT INTO app_state VALUES ('alpha', 'w', 1)")
+    ticket = alpha.transmit_log_entry_message(b"w=1", ["site-b"])
+    conn.commit()
+    with pytest.raises(DeliveryTimeout, match=r"not acknowledged by \['site-b'\]"):
+        alpha.wait_until_safe(ticket, timeout=0.3)  # as the writer: position, acks and its guard
+    run_until_idle(replicator(world.topo, sites_as(world.sites, world.replicator),
+                              providers={c: provider(c) for c in CLIENTS}))
+    assert alpha.wait_until_safe(ticket, timeout=10).safe_on == ["site-b"]
+    with conn.cursor() as cur:
+        with pytest.raises(DENIED, match="row-level security"):
+            cur.execute("INSERT INTO lr.delivery_guards (guard_id, client_name, position, destinations, expires_at) "
+                        "VALUES (gen_random_uuid(), 'beta', 1, '{site-b}', now())")
+    conn.rollback()
+    conn.close()
 
 
 def test_writer_supplies_only_its_clients_full_syncs(world, made):

@@ -9,7 +9,7 @@ from typing import Callable
 
 import psycopg2
 
-from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.client import RoutingQueueClient, Ticket
 from airflow_provider_lr.engine.session.replicator import Replicator
 from airflow_provider_lr.engine.session.runner import SessionSettings
 from airflow_provider_lr.engine.session.stream import Streamer, StreamSettings
@@ -80,13 +80,14 @@ class App:
         self.conn.commit()
         self.client = RoutingQueueClient(self.conn, client)
 
-    def put(self, key: str, value: int, destinations: list[str]) -> None:
+    def put(self, key: str, value: int, destinations: list[str]) -> Ticket:
         with self.conn.cursor() as cur:
             cur.execute(
                 "INSERT INTO app_state VALUES (%s, %s) ON CONFLICT (k) DO UPDATE SET v = EXCLUDED.v", (key, value)
             )
-        self.client.transmit_log_entry_message(f"{key}={value}".encode(), destinations)
+        ticket = self.client.transmit_log_entry_message(f"{key}={value}".encode(), destinations)
         self.conn.commit()
+        return ticket
 
     def close(self) -> None:
         self.conn.close()

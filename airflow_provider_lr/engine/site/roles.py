@@ -67,11 +67,12 @@ PRIVILEGES: dict[str, tuple[Privilege, ...]] = {
         # federated tables at a sink: each session's tables, Spark ranges written, the origin ledger
         # (the tables themselves are the application's: grant them to the replicator, docs/tables.md)
         Privilege("SELECT, INSERT, UPDATE, DELETE", ("sink_tables", "sink_table_ranges", "table_row_origin")),
+        Privilege("SELECT, DELETE", ("delivery_guards",)),  # status reads them; stale ones expire
     ),
     "writer": (
         # its client's id, the sinks it replicates to (the topology's payload limit)
         Privilege("SELECT", ("clients", "remote_sites", "topology")),
-        Privilege("SELECT (sink_site_id, client_name)", ("source_sessions",)),
+        Privilege("SELECT (sink_site_id, client_name, acked_position)", ("source_sessions",)),
         # an entry: tx and entry_id always take their defaults; client_id is checked by policy
         Privilege("INSERT (stream, tag_ids, client_id, message)", ("log_entries",)),
         Privilege("USAGE", ("log_entry_id_seq",), "SEQUENCE"),
@@ -81,6 +82,9 @@ PRIVILEGES: dict[str, tuple[Privilege, ...]] = {
             "SELECT, UPDATE (status, supplied_at, supplied_tx, base_position, base_snapshot, base_upto, entries, note)",
             ("full_sync_requests",),
         ),
+        # waiting for its transmits to be safe (docs/delivery.md): the sinks' acknowledged positions
+        # (above) and a guard while it waits; its commit position through lr.commit_position_of
+        Privilege("SELECT, INSERT, DELETE", ("delivery_guards",)),
     ),
     "consumer": (
         Privilege("SELECT", ("registry",)),  # discovery of its queues

@@ -5,13 +5,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from datetime import date, datetime
 from decimal import Decimal
+from typing import Sequence
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeout
 from airflow_provider_lr.engine.site import schema
 from airflow_provider_lr.engine.site.topology import Topology
-from airflow_provider_lr.engine.source.log_reader import holdback
+from airflow_provider_lr.engine.source import delivery
+from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, commit_barrier, holdback
 from airflow_provider_lr.engine.vocabulary import (
     OPEN_STATUSES_SQL,
     STREAM_LOG_ENTRIES,
@@ -46,6 +48,9 @@ class SiteStatus:
     receive_queues: list[dict] = field(default_factory=list)  # this site as a sink
     held_back_by: list[dict] = field(default_factory=list)
     tables: list[dict] = field(default_factory=list)  # registered tables, and each sink session's
+    # this site as a source: the highest position up to which every entry is durable
+    # (``delivery.durable_position``), the rule it was judged by, and the last position drawn
+    durable: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return _jsonable(asdict(self))
@@ -104,9 +109,12 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
                 key = (s["sink_site_id"], s["client_name"])
                 backlog = live.get(key)
                 s["remaining_entries_to_send"] = backlog.entries if backlog else 0
+                s["first_guarded"] = backlog.first_guarded if backlog else None
+                s["unsafe_before_guard"] = backlog.before_guard if backlog else 0
                 s["lag_seconds"] = backlog.lag_seconds if backlog else 0.0
                 s["last_success_age_s"] = last_ok.get(key)
                 s["waiting_for"] = waiting_for(s, requests.get(key))
+        result.durable = durability(conn)
         result.held_back_by = [
             {"kind": h.kind, "pid": h.pid, "age_s": round(h.age_seconds, 1), "state": h.state, "gid": h.gid,
              "describe": h.describe()}
@@ -133,6 +141,20 @@ def tables(conn: psycopg2.extensions.connection) -> list[dict]:
         found = [dict(zip(keys, r)) for r in cur.fetchall()]
     conn.commit()
     return found
+
+
+def durability(conn: psycopg2.extensions.connection) -> dict:
+    """The durable position of this source: by the topology's ``min_regions_for_durability``, or
+    without a rule, delivered to every sink each entry named."""
+    rule = delivery.durability_rule(conn)
+    regions = rule.min_regions_for_durability if rule else None
+    position = delivery.durable_position(conn, regions if regions is not None else delivery.EVERY_NAMED_SINK)
+    with conn.cursor() as cur:
+        cur.execute(LAST_DRAWN_POSITION_SQL)
+        drawn = cur.fetchone()[0]
+    conn.commit()
+    rule_text = f"stored in >= {regions} regions" if regions else "acknowledged by every sink it named"
+    return {"position": position, "min_regions": regions, "rule": rule_text, "last_position": drawn}
 
 
 def session_key(session: dict) -> SessionKey:
@@ -182,6 +204,10 @@ def readiness(session: dict, trim_mark: int | None = None) -> str:
         return "not ready (snapshot)" if session["sync_type"] == "SNAPSHOT" else "not ready (not started)"
     if behind:
         return "not ready (behind trim)"
+    guard = session.get("first_guarded")
+    if guard is not None:  # Qpid's ready: everything before the first guarded position is safe
+        unsafe = session.get("unsafe_before_guard") or 0
+        return "ready" if unsafe == 0 else f"catching up ({unsafe} before guard {guard})"
     remaining = session["remaining_entries_to_send"] or 0
     return "ready" if remaining == 0 else f"catching up ({remaining} to send)"
 
@@ -237,6 +263,9 @@ def render(status: SiteStatus, source_marks: dict[str, int] | None = None) -> st
             rows = f", {t['rows']} rows in its snapshot" if t["rows"] is not None else ""
             detail = f": {t['detail']}" if t["detail"] else ""
             lines.append(f"  table  {t['table']:<32} {t['state']} from {session}{rows}{detail}")
+    if status.durable:
+        d = status.durable
+        lines.append(f"  durable up to position {d['position']} of {d['last_position']} (every entry {d['rule']})")
     for h in status.held_back_by:
         lines.append(f"  held back: {h['describe']}")
     return "\n".join(lines)
@@ -304,6 +333,8 @@ class SessionBacklog:
     entries: int  # log entries committed for the session after that position
     highest: int  # the highest commit position among them, -1 without any
     lag_seconds: float = 0.0  # age of the oldest of them (0 without any)
+    first_guarded: int | None = None  # the lowest position a producer waits on for this sink
+    before_guard: int = 0  # of ``entries``, those before it (all of them without a guard)
 
 
 def session_backlogs(
@@ -316,13 +347,18 @@ def session_backlogs(
     with conn.cursor() as cur:
         cur.execute(
             """
-            SELECT s.sink_site_id, s.client_name, s.state, s.acked_position, p.n, p.highest, p.lag
+            SELECT s.sink_site_id, s.client_name, s.state, s.acked_position, p.n, p.highest, p.lag, g.first, p.before
             FROM lr.source_sessions s
             JOIN lr.remote_sites r ON r.site_id = s.sink_site_id
             LEFT JOIN lr.clients k ON k.client_name = s.client_name
+            CROSS JOIN LATERAL (  -- the first guarded position (docs/delivery.md): producers waiting
+                SELECT min(d.position) AS first FROM lr.delivery_guards d
+                WHERE d.client_name = s.client_name AND s.sink_site_id = ANY (d.destinations) AND d.expires_at > now()
+            ) g
             CROSS JOIN LATERAL (
                 SELECT count(*) AS n, coalesce(max(c.position), -1) AS highest,
-                       coalesce(round(extract(epoch FROM now() - min(c.committed_at))::numeric, 1), 0)::float8 AS lag
+                       coalesce(round(extract(epoch FROM now() - min(c.committed_at))::numeric, 1), 0)::float8 AS lag,
+                       count(*) FILTER (WHERE g.first IS NULL OR c.position < g.first) AS before
                 FROM lr.log_commits c
                 CROSS JOIN LATERAL (
                     SELECT 1 FROM lr.log_entries e
@@ -362,36 +398,71 @@ def pending_entries(conn: psycopg2.extensions.connection, sink: str, client: str
     return (found[0].entries, found[0].highest) if found else (0, -1)
 
 
-# --- delivery of one transmitted entry (the `delivered` sensor) ---------------------------------
-def commit_position(conn: psycopg2.extensions.connection, tx: int | str) -> int | None:
-    """The commit position of a transaction (its ``pg_current_xact_id()``); None until it has
-    committed with log entries (or if it rolled back, or was trimmed)."""
-    with conn.cursor() as cur:
-        cur.execute("SELECT position FROM lr.log_commits WHERE tx = %s::text::xid8", (str(tx),))
-        row = cur.fetchone()
-    conn.commit()
-    return row[0] if row else None
+# --- readiness (seed 001: a destination is *ready*; the guards are engine/source/delivery's) --------
+@dataclass(frozen=True)
+class Readiness:
+    """A destination's readiness for one client: everything committed for it before
+    ``first_guarded`` (or everything committed, without a guard) is safe when ``unsafe`` is 0."""
+
+    sink: str
+    client: str
+    acked: int
+    first_guarded: int | None
+    unsafe: int  # committed entries for the sink after ``acked`` (and before the first guard)
+
+    @property
+    def ready(self) -> bool:
+        return self.unsafe == 0
 
 
+def readiness_of(conn: psycopg2.extensions.connection, client: str, sinks: Sequence[str] | None = None) -> list[Readiness]:
+    """Each (named) sink's readiness for ``client``, counted live."""
+    found = [b for b in session_backlogs(conn, client=client) if sinks is None or b.sink in sinks]
+    return [Readiness(b.sink, client, b.acked, b.first_guarded, b.before_guard) for b in found]
+
+
+def wait_until_ready(conn: psycopg2.extensions.connection, client: str, destinations: Sequence[str],
+                     timeout: float = 30.0) -> list[Readiness]:
+    """Return once every destination holds, safe, everything committed for ``client`` before this
+    call (a guard at the next position: Qpid's *ready*), or raise ``DeliveryTimeout``."""
+    if not destinations:
+        raise ConfigurationError("name the destinations to wait for")
+    known = {b.sink for b in session_backlogs(conn, client=client)}
+    unknown = sorted(set(destinations) - known)
+    if unknown:
+        raise ConfigurationError(f"{unknown} are not sinks of client {client!r} at this site; its sinks are {sorted(known)}")
+    noted, holders = commit_barrier(conn, timeout=timeout)
+    if noted is None:
+        raise DeliveryTimeout(f"commits in flight outlasted {timeout:g}s: {[h.describe() for h in holders]}",
+                              position=None, missing=sorted(destinations), regions=[])
+    guard = delivery.add_guard(conn, client, noted + 1, destinations, timeout)
+    try:
+        last: list[list[Readiness]] = []
+
+        def check() -> bool:
+            last[:] = [readiness_of(conn, client, destinations)]
+            return all(r.ready for r in last[0])
+
+        if delivery.poll(check, timeout):
+            return last[0]
+        behind = {r.sink: r.unsafe for r in last[0] if not r.ready}
+        raise DeliveryTimeout(f"client {client!r}: not ready after {timeout:g}s: entries before position {noted + 1} "
+                              f"not yet acknowledged, per sink {behind}", position=noted, missing=sorted(behind),
+                              regions=[])
+    finally:
+        delivery.remove_guard(conn, guard)
+
+
+# --- what a delivery wait may ask for (the `delivered` sensor) ---------------------------------
 @dataclass(frozen=True)
 class DeliveryTarget:
-    """When an entry counts as delivered: safe on every named destination and, with
-    ``min_regions``, stored in at least that many distinct regions (the source's counts: the
-    entry is committed there)."""
+    """What a caller of the topology may wait for (checked before any site is read); whether an
+    entry meets it is ``engine.source.delivery``'s rule, against the sinks the entry named."""
 
     source: str
     client: str
     destinations: tuple[str, ...]  # must all have it (may be empty)
-    candidates: dict[str, str]  # sink -> region: the sinks that may count for min_regions
-    source_region: str
     min_regions: int = 0
-
-    def progress(self, acked: dict[str, int], position: int) -> tuple[bool, list[str], list[str]]:
-        """(delivered, the sinks that have it, the regions it is in)."""
-        have = sorted(s for s, p in acked.items() if s in self.candidates and p >= position)
-        regions = sorted({self.source_region, *(self.candidates[s] for s in have)})
-        done = all(d in have for d in self.destinations) and len(regions) >= self.min_regions
-        return done, have, regions
 
 
 def delivery_target(
@@ -411,27 +482,14 @@ def delivery_target(
         )
     if min_regions < 0:
         raise ConfigurationError(f"min_regions must be >= 0, not {min_regions}")
-    source_region = topology.site(source).region
-    candidates = {s: topology.site(s).region for s in (destinations or sinks)}
-    regions = {source_region, *candidates.values()}
+    regions = {topology.site(source).region, *(topology.site(s).region for s in (destinations or sinks))}
     if min_regions > len(regions):
         named = f"the named destinations {sorted(destinations)}" if destinations else f"the sinks {sorted(sinks)}"
         raise ConfigurationError(
             f"min_regions={min_regions} can never be met: {source!r} and {named} span only {len(regions)} "
             f"region(s) {sorted(regions)}; name destinations in more regions or lower min_regions"
         )
-    return DeliveryTarget(source, client, tuple(sorted(destinations)), candidates, source_region, min_regions)
-
-
-def acknowledged(conn: psycopg2.extensions.connection, client: str) -> dict[str, int]:
-    """Per sink: the position its sink acknowledged for the client's session (from the source)."""
-    with conn.cursor() as cur:
-        cur.execute(
-            "SELECT sink_site_id, acked_position FROM lr.source_sessions WHERE client_name = %s", (client,)
-        )
-        acked = dict(cur.fetchall())
-    conn.commit()
-    return acked
+    return DeliveryTarget(source, client, tuple(sorted(destinations)), min_regions)
 
 
 # --- receive queues of a sink (maintenance checkpoints) -----------------------------------------

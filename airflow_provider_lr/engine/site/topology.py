@@ -18,6 +18,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError
 from airflow_provider_lr.engine.site.conninfo import ConnInfo, resolve
+from airflow_provider_lr.engine.site.durability import check_rule
 from airflow_provider_lr.engine.site.topology_schema import Origin, read, validate
 from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES_SQL, RequestStatus, SessionKey, receive_queue_name
 from airflow_provider_lr.paths import include_dir
@@ -46,6 +47,8 @@ class Topology:
     settings: dict[str, Any] = field(default_factory=dict)
     # client name -> full-sync provider as "package.module:function"
     providers: dict[str, str] = field(default_factory=dict)
+    # seed 004: min_regions_for_durability, ack_quorum, write_quorum (engine/site/durability.py)
+    durability: dict[str, int] = field(default_factory=dict)
 
     def sessions(self, source: str | None = None) -> list[SessionKey]:
         """Every session the topology defines (optionally only those of one source), sorted."""
@@ -73,6 +76,7 @@ class Topology:
             ],
             "settings": self.settings,
             **({"providers": dict(sorted(self.providers.items()))} if self.providers else {}),
+            **({"durability": dict(sorted(self.durability.items()))} if self.durability else {}),
         }
 
     @property
@@ -115,7 +119,25 @@ def from_document(doc: Any, origin: Origin | None = None) -> Topology:
             raise origin.error(["replication", index, "sinks"], f"site {source!r} cannot replicate to itself")
         replications.append(Replication(source, sinks, tuple(raw["clients"])))
     _refuse_ambiguous_queue_names(replications, origin)
-    return Topology(sites, tuple(replications), dict(doc.get("settings") or {}), dict(doc.get("providers") or {}))
+    durability = dict(doc.get("durability") or {})
+    if durability:
+        _refuse_unsound_durability(durability, sites, replications, origin)
+    return Topology(sites, tuple(replications), dict(doc.get("settings") or {}), dict(doc.get("providers") or {}),
+                    durability)
+
+
+def _refuse_unsound_durability(rule: dict[str, int], sites: dict[str, SiteSpec], replications: list[Replication],
+                               origin: Origin) -> None:
+    """Each source with its sinks must be able to meet ``durability`` and never meet its ack
+    quorum in fewer regions than it asks (seed 004; ``durability.check_rule``)."""
+    sinks_of: dict[str, set[str]] = {}
+    for r in replications:
+        sinks_of.setdefault(r.source, set()).update(r.sinks)
+    for source, sinks in sorted(sinks_of.items()):
+        regions = {site: sites[site].region for site in {source, *sinks}}
+        problem = check_rule(regions, rule["min_regions_for_durability"], rule.get("ack_quorum"), rule.get("write_quorum"))
+        if problem is not None:
+            raise origin.error(["durability", problem.key], f"source {source!r} and its {len(sinks)} sinks: {problem.message}")
 
 
 def _refuse_ambiguous_queue_names(replications: list[Replication], origin: Origin) -> None:

@@ -104,6 +104,16 @@ SCHEMA: dict[str, Any] = {
             "additionalProperties": False,
             "properties": {name: schema for name, (schema, _) in SETTINGS.items()},
         },
+        "durability": {  # seed 004; checked further by durability.check_rule (docs/delivery.md)
+            "type": ["object", "null"],
+            "additionalProperties": False,
+            "required": ["min_regions_for_durability"],
+            "properties": {
+                "min_regions_for_durability": {"type": "integer", "minimum": 1, "maximum": 1000},
+                "ack_quorum": {"type": "integer", "minimum": 1, "maximum": 100_000},
+                "write_quorum": {"type": "integer", "minimum": 1, "maximum": 100_000},
+            },
+        },
     },
 }
 _VALIDATOR = Draft202012Validator(SCHEMA)

@@ -20,6 +20,7 @@ from airflow_provider_lr.proto import lr_pb2
 
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 PREPARED_INSERT = "lr_transmit_v1"  # versioned: a new lr with another insert uses a new name
+_CURRENT_TX = "SELECT pg_current_xact_id()::text"
 
 
 class LogWriter:
@@ -125,8 +126,9 @@ class LogWriter:
         )
         return stream, [self._tag_ids[d] for d in unique], message.SerializeToString()
 
-    def _insert(self, rows: list[tuple[int, list[int], bytes]]) -> None:
-        """Insert rows made by ``_row``, in order, in the caller's transaction."""
+    def _insert(self, rows: list[tuple[int, list[int], bytes]]) -> int:
+        """Insert rows made by ``_row``, in order, in the caller's transaction; returns the
+        transaction's id (what a delivery ticket names: its commit position is drawn at commit)."""
         with self.conn.cursor() as cur:
             if len(rows) == 1:
                 stream, tags, message = rows[0]
@@ -134,7 +136,9 @@ class LogWriter:
                     f"EXECUTE {PREPARED_INSERT} (%s, %s, %s, %s)" if self.prepared else
                     "INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) VALUES (%s, %s::int[], %s, %s)"
                 )
-                cur.execute(statement, (stream, tags, self.client_id, psycopg2.Binary(message)))
+                # the transaction id in the same round trip (the last statement's result is returned)
+                cur.execute(statement + "; " + _CURRENT_TX, (stream, tags, self.client_id, psycopg2.Binary(message)))
+                return int(cur.fetchone()[0])
             else:
                 # entry ids follow the VALUES order: transmit order within the transaction is kept.
                 execute_values(
@@ -144,3 +148,5 @@ class LogWriter:
                     template="(%s, %s::int[], %s, %s)",
                     page_size=1000,
                 )
+                cur.execute(_CURRENT_TX)
+                return int(cur.fetchone()[0])

@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.source import delivery, full_sync
+from airflow_provider_lr.engine.source.delivery import Ticket
 from airflow_provider_lr.engine.source.log_writer import LogWriter
 from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES
 from airflow_provider_lr.proto import lr_pb2
@@ -30,15 +32,41 @@ class RoutingQueueClient(LogWriter):
     ``conn`` is the application's open psycopg2 connection; nothing is committed here.
     """
 
-    def transmit_log_entry_message(self, payload: bytes, destinations: Sequence[str]) -> None:
-        """Store one payload for ``destinations`` as one log entry (visible when the caller commits)."""
-        self.transmit_log_entry_messages([LRMessageWithDestinations(payload, destinations)])
+    def transmit_log_entry_message(self, payload: bytes, destinations: Sequence[str]) -> Ticket:
+        """Store one payload for ``destinations`` as one log entry (visible when the caller commits).
+        Returns a ticket to wait on after commit (``wait_until_safe``)."""
+        return self.transmit_log_entry_messages([LRMessageWithDestinations(payload, destinations)])
 
-    def transmit_log_entry_messages(self, messages: Iterable[LRMessageWithDestinations]) -> None:
-        """Store many payloads, in order, in the caller's transaction; all validated before any write."""
+    def transmit_log_entry_messages(self, messages: Iterable[LRMessageWithDestinations]) -> Ticket | None:
+        """Store many payloads, in order, in the caller's transaction; all validated before any write.
+        Returns a ticket naming the transaction and every destination named (None for no message)."""
+        messages = list(messages)
         rows = [self._row(STREAM_LOG_ENTRIES, m.payload, m.destinations, lr_pb2.LOG_ENTRY_SYNC) for m in messages]
-        if rows:
-            self._insert(rows)
+        if not rows:
+            return None
+        tx = self._insert(rows)
+        named = sorted({d for m in messages for d in m.destinations})
+        return Ticket(self.source_site_id, self.client_name, tx, tuple(named))
+
+    def wait_until_safe(self, ticket: Ticket, destinations: Sequence[str] = (), min_regions: int | None = None,
+                        timeout: float = 30.0) -> delivery.Delivery:
+        """After commit: return once the ticket's entries are *safe* (acknowledged after the sink's
+        durable apply) on every one of ``destinations``, and stored in at least ``min_regions``
+        distinct regions (the source's counts; only sinks the entries named count). Neither given:
+        the topology's ``durability`` rule if it has one, else every destination the entries named.
+        Raises ``DeliveryTimeout`` naming the destinations that have not acknowledged, and
+        ``ConfigurationError`` for a destination the entries did not name or a ``min_regions`` they
+        can never reach. The entries are *delayed* (guarded) while it waits. See docs/delivery.md."""
+        return delivery.wait_until_safe(self.conn, ticket, destinations, min_regions, timeout)
+
+    def wait_until_ready(self, destinations: Sequence[str], timeout: float = 30.0) -> list[status.Readiness]:
+        """Return once every one of ``destinations`` holds, safe, everything this client committed
+        before the call (the destination is *ready*), or raise ``DeliveryTimeout``."""
+        return status.wait_until_ready(self.conn, self.client_name, destinations, timeout)
+
+    def delivery(self, ticket: Ticket) -> delivery.Delivery:
+        """The ticket's state on each destination it named (new, delayed, safe), read now."""
+        return delivery.ticket_delivery(self.conn, ticket)
 
     def serve_full_sync_requests(self, provider: full_sync.Provider, max_requests: int | None = None) -> list[str]:
         """Supply the pending full-sync requests of this client's sessions with ``provider(ctx)``,
