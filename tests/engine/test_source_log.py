@@ -64,7 +64,7 @@ def test_clients_sharing_a_connection_transmit_in_its_transaction(source, dests,
     conn.commit()
     assert payloads(drain(LogReader(source.connect(), dests[0]))[0]) == [b"one", b"two"]
     with conn.cursor() as cur:
-        cur.execute("SELECT count(*) FROM pg_prepared_statements WHERE name = 'lr_transmit_v1'")
+        cur.execute("SELECT count(*) FROM pg_prepared_statements WHERE name = 'lr_transmit_v2'")
         assert cur.fetchone()[0] == (1 if prepared else 0)
 
 

@@ -19,8 +19,12 @@ from airflow_provider_lr.engine.site.schema import site_identity
 from airflow_provider_lr.proto import lr_pb2
 
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
-PREPARED_INSERT = "lr_transmit_v1"  # versioned: a new lr with another insert uses a new name
+PREPARED_INSERT = "lr_transmit_v2"  # versioned: a new lr with another insert uses a new name
 _CURRENT_TX = "SELECT pg_current_xact_id()::text"
+# one entry, and the transaction's id in the same statement (a ticket names it): a data-modifying
+# CTE needs no RETURNING, which a writer role could not use (it may not read the log)
+_INSERT_ONE = ("WITH entry AS (INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) VALUES ({})) "
+               "SELECT pg_current_xact_id()::text")
 
 
 class LogWriter:
@@ -78,10 +82,8 @@ class LogWriter:
         with self.conn.cursor() as cur:
             cur.execute("SELECT 1 FROM pg_prepared_statements WHERE name = %s", (PREPARED_INSERT,))
             if cur.fetchone() is None:
-                cur.execute(
-                    f"PREPARE {PREPARED_INSERT} (smallint, integer[], integer, bytea) AS "
-                    "INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) VALUES ($1, $2, $3, $4)"
-                )
+                cur.execute(f"PREPARE {PREPARED_INSERT} (smallint, integer[], integer, bytea) AS "
+                            + _INSERT_ONE.format("$1, $2, $3, $4"))
 
     def _row(
         self, stream: int, payload: bytes, destinations: Sequence[str], kind: int, **fields: object
@@ -132,12 +134,9 @@ class LogWriter:
         with self.conn.cursor() as cur:
             if len(rows) == 1:
                 stream, tags, message = rows[0]
-                statement = (
-                    f"EXECUTE {PREPARED_INSERT} (%s, %s, %s, %s)" if self.prepared else
-                    "INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) VALUES (%s, %s::int[], %s, %s)"
-                )
-                # the transaction id in the same round trip (the last statement's result is returned)
-                cur.execute(statement + "; " + _CURRENT_TX, (stream, tags, self.client_id, psycopg2.Binary(message)))
+                statement = (f"EXECUTE {PREPARED_INSERT} (%s, %s, %s, %s)" if self.prepared
+                             else _INSERT_ONE.format("%s, %s::int[], %s, %s"))
+                cur.execute(statement, (stream, tags, self.client_id, psycopg2.Binary(message)))
                 return int(cur.fetchone()[0])
             else:
                 # entry ids follow the VALUES order: transmit order within the transaction is kept.
