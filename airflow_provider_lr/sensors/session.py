@@ -13,6 +13,7 @@ from airflow_provider_lr.operators.common import load_topology, site_connection
 from airflow_provider_lr.triggers.session import (
     LRDeliveredTrigger,
     LRNewLogEntriesTrigger,
+    LRReadyTrigger,
     LRSnapshotEndTrigger,
     _PollingTrigger,
 )
@@ -119,3 +120,20 @@ class LRDeliveredSensor(_LRSensor):
         target = status.delivery_target(topo, self.source, self.client, list(self.destinations or []),
                                         int(self.min_regions or 0))
         return LRDeliveredTrigger.for_target(topo.conn_id(self.source), target, int(self.position), **self._polling())
+
+
+class LRReadySensor(_LRSensor):
+    """Waits until every one of ``destinations`` is *ready* for ``client`` (seed 001): everything
+    committed for it before its first guarded position — without a producer waiting, everything
+    committed — is safe. Counted live on the source (docs/delivery.md); e.g. gate a step that
+    reads the sinks after a bulk load at the source."""
+
+    template_fields: Sequence[str] = ("source", "client", "destinations", "topology_path")
+
+    def __init__(self, *, client: str, destinations: list[str], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.client, self.destinations = client, destinations
+
+    def build_trigger(self) -> LRReadyTrigger:
+        status.delivery_target(load_topology(self.topology_path), self.source, self.client, list(self.destinations))
+        return LRReadyTrigger(self._source_conn_id(), self.client, list(self.destinations), **self._polling())

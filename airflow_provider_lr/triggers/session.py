@@ -18,7 +18,7 @@ import psycopg2
 import psycopg2.extensions
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from airflow_provider_lr.engine.errors import SiteUnreachableError
+from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.source import delivery, full_sync
 from airflow_provider_lr.engine.vocabulary import RequestStatus
@@ -166,3 +166,31 @@ class LRDeliveredTrigger(_PollingTrigger):
 
     def check(self, conn: psycopg2.extensions.connection) -> dict[str, Any] | None:
         return delivered_status(conn, self.client, self.position, self.destinations, self.min_regions)
+
+
+def ready_status(conn: psycopg2.extensions.connection, client: str, destinations: list[str]) -> dict[str, Any] | None:
+    """The event once every destination is *ready* for ``client`` (``engine.site.status``:
+    everything committed for it before its first guarded position, or everything committed, is
+    safe), counted live; None while one is behind."""
+    found = {r.sink: r for r in status.readiness_of(conn, client, destinations)}
+    unknown = sorted(set(destinations) - set(found))
+    if unknown:
+        raise ConfigurationError(f"{unknown} are not sinks of client {client!r} at this site")
+    if all(r.ready for r in found.values()):
+        return {"status": "success", "client": client, "ready": sorted(found),
+                "acked": {s: r.acked for s, r in sorted(found.items())}}
+    return None
+
+
+class LRReadyTrigger(_PollingTrigger):
+    """Fires when every one of ``destinations`` is ready for ``client`` (``ready_status``)."""
+
+    def __init__(self, source_conn_id: str, client: str, destinations: list[str], **kwargs: Any) -> None:
+        super().__init__(source_conn_id, **kwargs)
+        self.client, self.destinations = client, list(destinations)
+
+    def _kwargs(self) -> dict[str, Any]:
+        return {**super()._kwargs(), "client": self.client, "destinations": self.destinations}
+
+    def check(self, conn: psycopg2.extensions.connection) -> dict[str, Any] | None:
+        return ready_status(conn, self.client, self.destinations)

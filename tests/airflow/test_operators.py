@@ -20,8 +20,8 @@ from airflow_provider_lr.operators import (
     LRTrimOperator,
 )
 from airflow_provider_lr.operators.spark import plan_fanout, write_connections_file
-from airflow_provider_lr.sensors import LRDeliveredSensor
-from airflow_provider_lr.triggers import LRDeliveredTrigger, LRSnapshotEndTrigger
+from airflow_provider_lr.sensors import LRDeliveredSensor, LRReadySensor
+from airflow_provider_lr.triggers import LRDeliveredTrigger, LRReadyTrigger, LRSnapshotEndTrigger
 from tests.support.airflow_env import airflow_sites, reconfigure  # noqa: F401
 from tests.support.session import App, queue, table_provider
 
@@ -159,6 +159,22 @@ def test_delivered_sensor_returns_at_once_when_delivered_and_defers_otherwise(ai
         impossible.execute({})
     with pytest.raises(AirflowException, match="error: boom"):
         sensor.execute_complete({}, {"status": "error", "message": "boom"})
+    app.close()
+
+
+def test_ready_sensor_waits_until_the_destination_holds_everything_committed(airflow_sites):
+    source = airflow_sites.site("site-a")
+    app = _app_with_sinks_in_log_entry_sync(source)
+    app.put("k", 1, ["site-b"])
+    app.put("j", 2, ["site-c"])
+    sensor = LRReadySensor(task_id="ready", source="site-a", client="policy", destinations=["site-b"])
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor.execute({})  # site-b lacks its entry: not ready
+    assert isinstance(deferred.value.trigger, LRReadyTrigger)
+    _step(LRLogEntrySyncOperator, _sessions(sink="site-b")[0])
+    assert sensor.execute({})["ready"] == ["site-b"]  # site-c's backlog does not matter to it
+    with pytest.raises(ConfigurationError, match="not sinks of 'site-a'"):
+        LRReadySensor(task_id="ready", source="site-a", client="policy", destinations=["site-z"]).execute({})
     app.close()
 
 

@@ -16,7 +16,7 @@ from airflow_provider_lr.engine.session.runner import SessionSettings
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.vocabulary import SessionKey
-from airflow_provider_lr.triggers import LRDeliveredTrigger, LRNewLogEntriesTrigger, LRSnapshotEndTrigger
+from airflow_provider_lr.triggers import LRDeliveredTrigger, LRNewLogEntriesTrigger, LRReadyTrigger, LRSnapshotEndTrigger
 from tests.support.airflow_env import airflow_sites, reconfigure  # noqa: F401
 from tests.support.session import App, replicator, table_provider
 
@@ -24,6 +24,7 @@ TRIGGERS = [
     LRNewLogEntriesTrigger("lr_site_a", "site-b", "policy", min_entries=3, poll_interval=0.5, max_poll_interval=4),
     LRSnapshotEndTrigger("lr_site_a", "6f1c0e1e-0000-4000-8000-000000000000", "2026-11-23T12:00:00+00:00"),
     LRDeliveredTrigger("lr_site_a", "site-a", "policy", 42, ["site-b"], 2, poll_interval=0.2),
+    LRReadyTrigger("lr_site_a", "policy", ["site-b", "site-c"], poll_interval=0.3),
 ]
 
 
