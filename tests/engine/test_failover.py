@@ -227,3 +227,79 @@ def test_a_failover_killed_after_promoting_finishes_when_run_again(lr_sites):
     again = failover.promote(A, B, _connect(lr_sites, down=(A,)))  # a third run changes nothing
     assert again.outcome == result.outcome and sink_queue(site_c, "policy") == sink_queue(site_b, "policy")
     app.close()
+
+
+class _Writer(threading.Thread):
+    """Transmits ``<prefix><n>`` for n = 0, 1, ... to ``destinations``, one transaction each, until
+    stopped or its server goes away; ``committed`` counts the commits that returned."""
+
+    def __init__(self, site, prefix: str, destinations: list[str]) -> None:
+        super().__init__(daemon=True)
+        self.site, self.prefix, self.destinations = site, prefix, destinations
+        self.stop, self.committed = threading.Event(), 0
+
+    def run(self) -> None:
+        conn = self.site.connect()
+        client = RoutingQueueClient(conn, "policy")
+        try:
+            while not self.stop.is_set():
+                client.transmit_log_entry_message(f"{self.prefix}{self.committed}".encode(), self.destinations)
+                conn.commit()
+                self.committed += 1
+        except psycopg2.Error:
+            pass  # the server was stopped under it
+
+
+def _consumed_log(site, source: str) -> list[str]:
+    rec = Recorder()
+    sub = RoutingQueueSubscriber(site.dsn, "policy", sources=[source])
+    try:
+        sub.poll(rec)
+    finally:
+        sub.close()
+    return [p for k, p in rec.events.get(source, []) if k == "log"]
+
+
+def test_role_switch_under_load_loses_and_duplicates_nothing_at_any_remaining_sink(lr_sites, site_manager):
+    site_a, site_b, site_c = lr_sites
+    topo = apply(lr_sites)
+    App(site_a).close(), App(site_b).close()  # the sources' tables, read by their full-sync providers
+    repl = replicator(topo, lr_sites, providers=PROVIDERS)
+    run_until_idle(repl)  # first contact (empty full syncs): every entry below arrives as a log entry
+    writer = _Writer(site_a, "a", [B, C])
+    writer.start()
+    stop = threading.Event()
+    cycles = threading.Thread(target=repl.run, kwargs={"stop": stop, "interval": 0.01}, daemon=True)
+    cycles.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (writer.committed < 300 or any(
+            s.query("SELECT count(*) FROM lr.sink_sessions WHERE data_consistent AND last_log_entry_processed > 100")
+            == [(0,)] for s in (site_b, site_c))):
+        time.sleep(0.05)
+    site_manager.down([A], mode="immediate")  # mid-flight: the writer and the replicator lose site-a
+    stop.set()
+    cycles.join(60)
+    writer.join(30)
+    repl.close()
+    try:
+        result = failover.promote(A, B, _connect(lr_sites), same_destinations=True, reason="site-a lost")
+        assert not result.planned and result.pending == [A] and result.full_syncs == []
+
+        new_writer = _Writer(site_b, "b", [C, A])
+        new_writer.start()
+        time.sleep(1.0)
+        new_writer.stop.set()
+        new_writer.join(30)
+        run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(B, C, "policy")]))
+
+        at_b, at_c = _consumed_log(site_b, A), _consumed_log(site_c, A)
+        assert at_b == [f"a{n}" for n in range(len(at_b))] and len(at_b) > 0  # in order, no gap, no duplicate
+        assert at_c == at_b
+        assert _consumed_log(site_c, B) == [f"b{n}" for n in range(new_writer.committed)]
+    finally:
+        site_manager.up(site_ids=[A])
+    back = failover.rejoin(A, _connect(lr_sites), result.topology)
+    assert back.tail["policy"] >= 0 and back.topology_config_id == result.topology.topology_config_id
+    run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(B, A, "policy")]))
+    entries = queue(site_a, source=B)
+    assert entries[0] == ("start", "") and ("end", "") in entries  # a full sync from site-b: consistent with it
