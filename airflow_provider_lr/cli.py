@@ -202,7 +202,7 @@ def cmd_failover(args: argparse.Namespace) -> int:
             print(f"  {client}: {count} entries committed here after the cut were received by nobody (not replicated)")
         print("  its sessions from the new source start with a full sync (`lr sync` or the lr_replication DAG)")
         return 0
-    old = args.from_site or _only_source(topo, args.promote)
+    old = args.from_site or failover.only_source(topo, args.promote)
     done = failover.promote(old, args.promote, _connect(topo), topology=topo, clients=args.client or None,
                             reason=args.reason, same_destinations=args.same_destinations, planned=args.planned)
     out = args.out or os.path.join(lr_home(), f"topology-{done.topology.topology_config_id}.yaml")
@@ -220,13 +220,6 @@ def cmd_failover(args: argparse.Namespace) -> int:
     for site in done.pending:
         print(f"  {site} was not reached: when it is back, run `lr failover --rejoin {site}`")
     return 0
-
-
-def _only_source(topo: topology.Topology, sink: str) -> str:
-    sources = sorted({k.source for k in topo.sessions() if k.sink == sink})
-    if len(sources) != 1:
-        raise LRError(f"site {sink!r} receives from {sources or 'no source'}; name the old source with --from")
-    return sources[0]
 
 
 def _site_statuses(topo: topology.Topology) -> dict[str, status.SiteStatus | str]:

@@ -138,6 +138,15 @@ def derive(topology: Topology, from_site: str, to_site: str, clients: list[str] 
     return topologies.from_document(doc, Origin(f"the topology after failing {from_site} over to {to_site}")), wanted
 
 
+def only_source(topology: Topology, sink: str) -> str:
+    """The one source ``sink`` receives from (the old source of a failover that names none)."""
+    sources = sorted({k.source for k in topology.sessions() if k.sink == sink})
+    if len(sources) != 1:
+        raise ConfigurationError(f"site {sink!r} receives from {sources or 'no source'}; name the old source "
+                                 "(--from, from_site)")
+    return sources[0]
+
+
 def _involved(topology: Topology, from_site: str, to_site: str, clients: list[str]) -> list[str]:
     """The other sinks of the failed-over clients: the new source's sinks, the old source aside."""
     return sorted({k.sink for k in topology.sessions(source=to_site) if k.client in clients and k.sink != from_site})
