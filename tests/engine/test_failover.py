@@ -201,7 +201,11 @@ def test_the_old_source_returns_refuses_to_negotiate_then_rejoins_as_a_sink_with
     new_app.close()
 
 
-def test_a_failover_killed_after_promoting_finishes_when_run_again(lr_sites):
+FAILOVER_FAULTS = ["failover_after_fence", "failover_after_promote", "failover_after_reconcile"]
+
+
+@pytest.mark.parametrize("fault", FAILOVER_FAULTS)
+def test_a_failover_killed_after_promoting_finishes_when_run_again(lr_sites, fault):
     _, app = _ahead(lr_sites, C, 6)  # site-c ahead: extras to remove
     site_b, site_c = lr_sites[1], lr_sites[2]
     spec = {"dsns": {s.site_id: s.dsn for s in lr_sites}, "down": [A], "from": A, "to": B}
@@ -213,15 +217,17 @@ def test_a_failover_killed_after_promoting_finishes_when_run_again(lr_sites):
             "    if s in spec['down']: raise SiteUnreachableError(s)\n"
             "    return psycopg2.connect(spec['dsns'][s])\n"
             "failover.promote(spec['from'], spec['to'], connect)\n")
-    child = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env={**os.environ, "LR_FAULT":
-                           "failover_after_promote"}, cwd=Path(__file__).resolve().parents[2], capture_output=True,
-                           text=True, timeout=120)
+    child = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env={**os.environ, "LR_FAULT": fault},
+                           cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
     assert child.returncode == -9, child.stderr
-    assert site_b.query("SELECT status FROM lr.failovers") == [("promoted",)]
-    assert _session_row(site_c)[2] is None  # fenced, not reconciled
+    assert _session_row(site_c)[1] == B  # fenced whatever the window
+    if fault == "failover_after_promote":
+        assert site_b.query("SELECT status FROM lr.failovers") == [("promoted",)]
+        assert _session_row(site_c)[2] is None  # not reconciled
 
     result = failover.promote(A, B, _connect(lr_sites, down=(A,)))
-    assert result.resumed
+    assert result.resumed == (fault != "failover_after_fence")
+    assert "6 extra entries" in result.outcome[C]["policy"]
     assert site_b.query("SELECT status FROM lr.failovers") == [("completed",)]
     assert sink_queue(site_c, "policy") == sink_queue(site_b, "policy")
     again = failover.promote(A, B, _connect(lr_sites, down=(A,)))  # a third run changes nothing
