@@ -13,11 +13,12 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import psycopg2
+import yaml
 
 from airflow_provider_lr.engine import progress
 from airflow_provider_lr.engine.errors import LRError
 from airflow_provider_lr.engine.session import replicator, stream
-from airflow_provider_lr.engine.site import conninfo, metrics, schema, status, topology
+from airflow_provider_lr.engine.site import conninfo, failover, metrics, schema, status, topology
 from airflow_provider_lr.engine.site import roles as site_roles
 from airflow_provider_lr.engine.source import full_sync, trim
 from airflow_provider_lr.engine.tables import registry as table_registry
@@ -185,6 +186,39 @@ def cmd_full_sync(args: argparse.Namespace) -> int:
         finally:
             conn.close()
         print(f"{key}: full sync requested ({request.request_id}); `lr sync` or the lr_replication DAG carries it out")
+    return 0
+
+
+def cmd_failover(args: argparse.Namespace) -> int:
+    """``--promote SITE``: fail its source's clients over to it (docs/failover.md); ``--rejoin SITE``:
+    the old source (or a site the failover could not reach) takes the new topology."""
+    topo = _topology(args)
+    if args.rejoin:
+        back = failover.rejoin(args.rejoin, _connect(topo), topo)
+        print(f"{back.site}: topology {back.topology_config_id} of failover {back.failover_id} applied")
+        for name in back.retired:
+            print(f"  retired source session {name}")
+        for client, count in back.tail.items():
+            print(f"  {client}: {count} entries committed here after the cut were received by nobody (not replicated)")
+        print("  its sessions from the new source start with a full sync (`lr sync` or the lr_replication DAG)")
+        return 0
+    old = args.from_site or failover.only_source(topo, args.promote)
+    done = failover.promote(old, args.promote, _connect(topo), topology=topo, clients=args.client or None,
+                            reason=args.reason, same_destinations=args.same_destinations, planned=args.planned)
+    out = args.out or os.path.join(lr_home(), f"topology-{done.topology.topology_config_id}.yaml")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w", encoding="utf-8") as fh:
+        yaml.safe_dump(done.topology.document, fh, sort_keys=False)
+    kind = "planned switchover" if done.planned else "unplanned failover"
+    print(f"{kind} {done.failover_id}{' (resumed)' if done.resumed else ''}: {done.to_site} is the source of "
+          f"{', '.join(done.clients)} (was {done.from_site}); cut at {done.positions}, new sessions after {done.base}")
+    for site, notes in sorted(done.outcome.items()):
+        for client, note in notes.items():
+            print(f"  {site}/{client}: {note}")
+    print(f"  lost: {done.lost}")
+    print(f"  new topology {done.topology.topology_config_id} written to {out}: use it from now on (LR_TOPOLOGY)")
+    for site in done.pending:
+        print(f"  {site} was not reached: when it is back, run `lr failover --rejoin {site}`")
     return 0
 
 
@@ -448,6 +482,22 @@ def build_parser() -> argparse.ArgumentParser:
     fs.add_argument("--client")
     fs.add_argument("--reason", default="requested from the command line")
     fs.set_defaults(func=cmd_full_sync)
+
+    fo = with_topology(sub.add_parser("failover", help="make a sink the source of its clients, or rejoin the old "
+                                      "source as a sink (docs/failover.md)"))
+    which = fo.add_mutually_exclusive_group(required=True)
+    which.add_argument("--promote", metavar="SITE", help="the sink that becomes the source")
+    which.add_argument("--rejoin", metavar="SITE", help="apply the failover's topology on a site that was not reached")
+    fo.add_argument("--from", dest="from_site", metavar="SITE", help="the old source (default: the promoted site's)")
+    fo.add_argument("--client", action="append", help="a client to fail over (repeat; default: all it receives)")
+    fo.add_argument("--reason", default="failover from the command line")
+    fo.add_argument("--same-destinations", action="store_true",
+                    help="every entry of these clients went to all their sinks: a sink behind the promoted one "
+                         "gets the gap copied from it instead of a full sync")
+    fo.add_argument("--planned", action=argparse.BooleanOptionalAction, default=None,
+                    help="drain the old source first (default: when it can be reached)")
+    fo.add_argument("--out", help="where to write the new topology (default: $LR_HOME/topology-<id>.yaml)")
+    fo.set_defaults(func=cmd_failover)
 
     st = with_topology(sub.add_parser("status", help="sessions, states, lag and what holds the log back "
                                                      "(exit 0 healthy, 1 degraded, 2 unreachable)"))

@@ -35,6 +35,9 @@ FAULT_POINTS: dict[str, str] = {
     "fanout_mid_write": "fan-out chunk half written into the sinks' open transactions",
     "fanout_after_commit": "fan-out chunk committed on every sink, the source's acks not recorded",
     "table_snapshot_before_commit": "a table's snapshot rows written in the sinks' open transactions, not committed",
+    "failover_after_fence": "sinks of the old source fenced, the new source not promoted yet",
+    "failover_after_promote": "the new source promoted and recorded, no other sink reconciled yet",
+    "failover_after_reconcile": "one sink reconciled with the new source, the others not yet",
     "table_range_before_commit": "a Spark task's key range written in the sinks' open transactions, not committed",
 }
 

@@ -57,6 +57,18 @@ class RequestStatus(_Word):
     TIMED_OUT = "timed_out"
 
 
+class FailoverStatus(_Word):
+    """A failover's status on the promoted site (lr.failovers.status, V0010): 'promoted' once the
+    new source took over (its sessions, positions and base recorded), 'completed' once every
+    involved sink was reconciled and every reachable site has the new topology."""
+
+    PROMOTED = "promoted"
+    COMPLETED = "completed"
+
+
+RECONCILING_SETTING = "lr.reconciling"  # set locally while a failover removes extras (V0010 trigger)
+
+
 OPEN_STATUSES = (RequestStatus.PENDING, RequestStatus.SUPPLIED)  # an open request holds safe trim
 OPEN_STATUSES_SQL = "(" + ", ".join(f"'{s}'" for s in OPEN_STATUSES) + ")"  # for ``status IN ...``
 

@@ -1,4 +1,5 @@
 """Airflow operators for lr: each step of a session's state machine as one task."""
+from airflow_provider_lr.operators.failover import LRFailoverOperator
 from airflow_provider_lr.operators.maintenance import (
     LRReceiveQueueReportOperator,
     LRStaleLeaseCleanupOperator,
@@ -15,6 +16,7 @@ from airflow_provider_lr.operators.stream import LRStreamOperator
 
 __all__ = [
     "LRDiscoverSessionsOperator",
+    "LRFailoverOperator",
     "LRLogEntrySyncOperator",
     "LRNegotiateOperator",
     "LRReceiveQueueReportOperator",

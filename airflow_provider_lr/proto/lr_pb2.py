@@ -24,27 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x08lr.proto\x12\x02lr\"\x80\x02\n\x14RoutingTableEntryMsg\x12\x14\n\x0c\x64\x65stinations\x18\x01 \x03(\t\x12!\n\x04type\x18\x02 \x01(\x0e\x32\x13.lr.ReplicationType\x12\x16\n\x0eopaque_payload\x18\x03 \x01(\x0c\x12\x16\n\x0esource_site_id\x18\x04 \x01(\t\x12\x13\n\x0b\x63lient_name\x18\x05 \x01(\t\x12\x1b\n\x13snapshot_request_id\x18\x06 \x01(\t\x12\x15\n\rbase_snapshot\x18\x07 \x01(\x03\x12\x1a\n\x12\x62\x61se_snapshot_xids\x18\x08 \x01(\t\x12\x1a\n\x12\x62\x61se_snapshot_upto\x18\t \x01(\x03\"$\n\x11ReceiveQueueBatch\x12\x0f\n\x07\x65ntries\x18\x01 \x03(\x0c\"|\n\x12ReplicationSession\x12\x16\n\x0esource_site_id\x18\x01 \x01(\t\x12\x14\n\x0csink_site_id\x18\x02 \x01(\t\x12#\n\x05model\x18\x03 \x01(\x0e\x32\x14.lr.ReplicationModel\x12\x13\n\x0b\x63lient_name\x18\x04 \x01(\t\"\x8b\x02\n\x11ReplicationStatus\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.lr.ReplicationSession\x12\x1f\n\tsync_type\x18\x02 \x01(\x0e\x32\x0c.lr.SyncType\x12\x1e\n\x06status\x18\x03 \x01(\x0e\x32\x0e.lr.SyncStatus\x12\x15\n\rbase_snapshot\x18\x04 \x01(\x03\x12\x1d\n\x15last_applied_position\x18\x05 \x01(\x03\x12!\n\x19remaining_entries_to_send\x18\x06 \x01(\x03\x12\x17\n\x0f\x64\x61ta_consistent\x18\x07 \x01(\x08\x12\x1a\n\x12topology_config_id\x18\x08 \x01(\t*u\n\x0fReplicationType\x12\x08\n\x04NONE\x10\x00\x12\x12\n\x0eLOG_ENTRY_SYNC\x10\x01\x12\x11\n\rSNAPSHOT_SYNC\x10\x02\x12\x18\n\x14LAST_FULL_SYNC_ENTRY\x10\x03\x12\x17\n\x13SNAPSHOT_SYNC_START\x10\x04*6\n\x10ReplicationModel\x12\x12\n\x0eROUTING_QUEUES\x10\x00\x12\x0e\n\nFULL_TABLE\x10\x01*B\n\x08SyncType\x12\x19\n\x15SYNC_TYPE_UNSPECIFIED\x10\x00\x12\x0c\n\x08SNAPSHOT\x10\x01\x12\r\n\tLOG_ENTRY\x10\x02*d\n\nSyncStatus\x12\x0f\n\x0bNOT_STARTED\x10\x00\x12\x0b\n\x07ONGOING\x10\x01\x12\r\n\tCOMPLETED\x10\x02\x12\x0b\n\x07STOPPED\x10\x03\x12\t\n\x05\x45RROR\x10\x04\x12\x11\n\rNOT_AVAILABLE\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x08lr.proto\x12\x02lr\"\x80\x02\n\x14RoutingTableEntryMsg\x12\x14\n\x0c\x64\x65stinations\x18\x01 \x03(\t\x12!\n\x04type\x18\x02 \x01(\x0e\x32\x13.lr.ReplicationType\x12\x16\n\x0eopaque_payload\x18\x03 \x01(\x0c\x12\x16\n\x0esource_site_id\x18\x04 \x01(\t\x12\x13\n\x0b\x63lient_name\x18\x05 \x01(\t\x12\x1b\n\x13snapshot_request_id\x18\x06 \x01(\t\x12\x15\n\rbase_snapshot\x18\x07 \x01(\x03\x12\x1a\n\x12\x62\x61se_snapshot_xids\x18\x08 \x01(\t\x12\x1a\n\x12\x62\x61se_snapshot_upto\x18\t \x01(\x03\"O\n\x11ReceiveQueueBatch\x12\x0f\n\x07\x65ntries\x18\x01 \x03(\x0c\x12\x15\n\rrun_positions\x18\x02 \x03(\x03\x12\x12\n\nrun_counts\x18\x03 \x03(\r\"|\n\x12ReplicationSession\x12\x16\n\x0esource_site_id\x18\x01 \x01(\t\x12\x14\n\x0csink_site_id\x18\x02 \x01(\t\x12#\n\x05model\x18\x03 \x01(\x0e\x32\x14.lr.ReplicationModel\x12\x13\n\x0b\x63lient_name\x18\x04 \x01(\t\"\x8b\x02\n\x11ReplicationStatus\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.lr.ReplicationSession\x12\x1f\n\tsync_type\x18\x02 \x01(\x0e\x32\x0c.lr.SyncType\x12\x1e\n\x06status\x18\x03 \x01(\x0e\x32\x0e.lr.SyncStatus\x12\x15\n\rbase_snapshot\x18\x04 \x01(\x03\x12\x1d\n\x15last_applied_position\x18\x05 \x01(\x03\x12!\n\x19remaining_entries_to_send\x18\x06 \x01(\x03\x12\x17\n\x0f\x64\x61ta_consistent\x18\x07 \x01(\x08\x12\x1a\n\x12topology_config_id\x18\x08 \x01(\t*u\n\x0fReplicationType\x12\x08\n\x04NONE\x10\x00\x12\x12\n\x0eLOG_ENTRY_SYNC\x10\x01\x12\x11\n\rSNAPSHOT_SYNC\x10\x02\x12\x18\n\x14LAST_FULL_SYNC_ENTRY\x10\x03\x12\x17\n\x13SNAPSHOT_SYNC_START\x10\x04*6\n\x10ReplicationModel\x12\x12\n\x0eROUTING_QUEUES\x10\x00\x12\x0e\n\nFULL_TABLE\x10\x01*B\n\x08SyncType\x12\x19\n\x15SYNC_TYPE_UNSPECIFIED\x10\x00\x12\x0c\n\x08SNAPSHOT\x10\x01\x12\r\n\tLOG_ENTRY\x10\x02*d\n\nSyncStatus\x12\x0f\n\x0bNOT_STARTED\x10\x00\x12\x0b\n\x07ONGOING\x10\x01\x12\r\n\tCOMPLETED\x10\x02\x12\x0b\n\x07STOPPED\x10\x03\x12\t\n\x05\x45RROR\x10\x04\x12\x11\n\rNOT_AVAILABLE\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lr_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REPLICATIONTYPE']._serialized_start=709
-  _globals['_REPLICATIONTYPE']._serialized_end=826
-  _globals['_REPLICATIONMODEL']._serialized_start=828
-  _globals['_REPLICATIONMODEL']._serialized_end=882
-  _globals['_SYNCTYPE']._serialized_start=884
-  _globals['_SYNCTYPE']._serialized_end=950
-  _globals['_SYNCSTATUS']._serialized_start=952
-  _globals['_SYNCSTATUS']._serialized_end=1052
+  _globals['_REPLICATIONTYPE']._serialized_start=752
+  _globals['_REPLICATIONTYPE']._serialized_end=869
+  _globals['_REPLICATIONMODEL']._serialized_start=871
+  _globals['_REPLICATIONMODEL']._serialized_end=925
+  _globals['_SYNCTYPE']._serialized_start=927
+  _globals['_SYNCTYPE']._serialized_end=993
+  _globals['_SYNCSTATUS']._serialized_start=995
+  _globals['_SYNCSTATUS']._serialized_end=1095
   _globals['_ROUTINGTABLEENTRYMSG']._serialized_start=17
   _globals['_ROUTINGTABLEENTRYMSG']._serialized_end=273
   _globals['_RECEIVEQUEUEBATCH']._serialized_start=275
-  _globals['_RECEIVEQUEUEBATCH']._serialized_end=311
-  _globals['_REPLICATIONSESSION']._serialized_start=313
-  _globals['_REPLICATIONSESSION']._serialized_end=437
-  _globals['_REPLICATIONSTATUS']._serialized_start=440
-  _globals['_REPLICATIONSTATUS']._serialized_end=707
+  _globals['_RECEIVEQUEUEBATCH']._serialized_end=354
+  _globals['_REPLICATIONSESSION']._serialized_start=356
+  _globals['_REPLICATIONSESSION']._serialized_end=480
+  _globals['_REPLICATIONSTATUS']._serialized_start=483
+  _globals['_REPLICATIONSTATUS']._serialized_end=750
 # @@protoc_insertion_point(module_scope)

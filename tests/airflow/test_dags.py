@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from airflow_provider_lr.engine.session.replicator import run_until_idle
 from tests.support.airflow_env import (  # noqa: F401
     airflow_db,
     airflow_sites,
@@ -342,3 +343,26 @@ def test_the_forms_full_sync_snapshots_the_sinks_tables_again_through_spark(dagb
     assert result["skipped"] == {"site-a->site-c/policy": "has every table"}
     assert rows(sink_b) == rows(source)
     assert sink_b.query("SELECT state, rows_copied FROM lr.sink_tables") == [("synced", 3000)]
+
+
+def test_the_failover_dag_promotes_a_sink_from_its_form_and_rejoins_the_old_source(dagbag, airflow_sites):
+    source, sink_b, sink_c = airflow_sites.sites
+    app = App(source)
+    for i in range(3):
+        app.put(f"k{i}", i, ["site-b", "site-c"])
+    run_until_idle(replicator(airflow_sites.topology, airflow_sites.sites, providers={"policy": table_provider}))
+    app.put("k9", 9, ["site-b", "site-c"])  # not replicated yet: the planned switchover drains it
+    App(sink_b).close()
+    form = {"promote": "site-b", "from_site": None, "clients": [], "reason": "dc-1 maintenance",
+            "same_destinations": False, "rejoin": None}
+    run = run_dag(dagbag, "lr_failover", form)
+    assert str(run.state) == "success", states(run)
+    done = xcom(run, "failover")
+    assert (done["from"], done["to"], done["clients"], done["planned"]) == ("site-a", "site-b", ["policy"], True)
+    assert sink_b.query("SELECT reason, status FROM lr.failovers") == [("dc-1 maintenance", "completed")]
+    for sink in (sink_b, sink_c):
+        assert [p for k, p in queue(sink, "site-a") if k == "log"][-1] == "k9=9"
+    again = run_dag(dagbag, "lr_failover", {**form, "promote": None, "rejoin": "site-a"})
+    assert str(again.state) == "success", states(again)
+    assert xcom(again, "failover")["tail"] == {"policy": 0}
+    app.close()

@@ -88,3 +88,12 @@ def test_receive_queue_name_is_the_one_the_sink_registers(lr_sites):
     run_until_idle(replicator(topo, lr_sites, providers={"policy": empty_provider}))
     names = {r[0] for r in sink.query("SELECT stream_name FROM lr.registry WHERE kind = 'receive_queue'")}
     assert names == {receive_queue_name("policy", source.site_id)}
+
+
+def test_failover_statuses_are_exactly_what_the_schema_allows(lr_sites):
+    assert _check_values(lr_sites[0], "failovers", "status") == {s.value for s in vocabulary.FailoverStatus}
+
+
+def test_consumed_trigger_skips_under_the_reconciling_setting(lr_sites):
+    bodies = [r[0] for r in lr_sites[0].query("SELECT prosrc FROM pg_proc WHERE proname = 'note_consumed'")]
+    assert bodies and f"current_setting('{vocabulary.RECONCILING_SETTING}', true)" in bodies[0]

@@ -15,6 +15,8 @@ The rule (V0005):
   source order, all of the row's ``kind``; ``source_position`` / ``source_entry_id`` are those of
   the last entry;
 * full-sync start and end markers are never packed;
+* a packed row also carries its entries' source positions, as runs (``positions``; rows written
+  before V0010 do not): a failover cuts a row at a position (``engine/site/failover``);
 * ``delivered``: how many leading entries of the row a subscriber has consumed (a delivery that
   ends inside a row advances it; the one that takes the rest deletes the row).
 
@@ -119,7 +121,7 @@ class Packer:
             if end - start == 1:
                 message = _unpiece(run[start][0])
             else:
-                message = b"".join(map(itemgetter(0), run[start:end]))
+                message = b"".join(map(itemgetter(0), run[start:end])) + _runs(run[start:end])
             self._emit(QueueRow(kind, position, entry_id, end - start, message))
             base, start = ends[end - 1], end
         return []
@@ -128,6 +130,33 @@ class Packer:
         self.rows += 1
         self.entries += row.count
         self.emit(row)
+
+
+def _runs(entries: list[tuple[bytes, int, int, int]]) -> bytes:
+    """The ``ReceiveQueueBatch`` position runs of a packed row's entries (appended after them: a
+    protobuf message may carry its fields in any order). One run for a row of one transaction."""
+    runs = [(position, sum(1 for _ in group)) for position, group in groupby(map(itemgetter(2), entries))]
+    return lr_pb2.ReceiveQueueBatch(run_positions=[p for p, _ in runs], run_counts=[n for _, n in runs]).SerializeToString()
+
+
+def positions(entry_count: int, message: bytes, last_position: int) -> list[int] | None:
+    """Each entry's source commit position, in order (a row of one entry: the row's); None for a
+    packed row written before V0010, which does not say."""
+    if entry_count == 1:
+        return [last_position]
+    batch = lr_pb2.ReceiveQueueBatch.FromString(message)
+    if not batch.run_counts:
+        return None
+    return [p for p, n in zip(batch.run_positions, batch.run_counts) for _ in range(n)]
+
+
+def repack(entries: list[bytes], entry_positions: list[int]) -> bytes:
+    """The message of a row holding ``entries`` (at ``entry_positions``): what a failover writes
+    when it cuts a row (``unpack``/``positions`` read it back)."""
+    if len(entries) == 1:
+        return entries[0]
+    pending = [(piece(m), 0, p, 0) for m, p in zip(entries, entry_positions)]
+    return b"".join(map(itemgetter(0), pending)) + _runs(pending)
 
 
 def unpack(entry_count: int, message: bytes) -> list[bytes]:

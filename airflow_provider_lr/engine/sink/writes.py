@@ -43,6 +43,7 @@ class SinkMetadata:
     last_log_entry_processed: int
     data_consistent: bool
     lease_epoch: int
+    failed_over_to: str | None = None  # the session was failed over (V0010): no writer is accepted
     site_topology_config_id: str | None = None  # the topology applied to the sink site
 
     @property
@@ -123,6 +124,13 @@ class SinkTransaction:
                 (self.source, self.client, self.source, self.client),
             )
             meta = _metadata(self.cur.fetchone())
+            if meta.failed_over_to is not None:
+                here = _sink_id(self.cur)
+                raise FencedError(
+                    f"session {SessionKey(self.source, here, self.client)} was failed over: {self.client!r} now "
+                    f"comes from {meta.failed_over_to!r} (`lr failover`); {self.source!r} writes no more here, "
+                    f"whatever its epoch (rejoin it with `lr failover --rejoin {self.source}`)"
+                )
             if meta.lease_epoch > self.epoch:
                 here = _sink_id(self.cur)
                 raise FencedError(

@@ -1,0 +1,55 @@
+"""Failover from Airflow: one task that calls the engine's failover (``engine/site/failover``)."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from airflow.sdk import BaseOperator
+
+from airflow_provider_lr.engine.site import failover
+from airflow_provider_lr.hooks.site import LRSiteHook
+from airflow_provider_lr.operators.common import load_topology
+
+
+class LRFailoverOperator(BaseOperator):
+    """Make ``promote`` the source of its source's clients (``from_site``: default, the one source
+    it receives from), or with ``rejoin`` apply the failover's topology on a site it could not
+    reach. Re-running it finishes an interrupted failover (the sites' records say what is done).
+    Returns a small summary (positions, what each sink's reconcile did, the new topology id)."""
+
+    template_fields: Sequence[str] = ("promote", "from_site", "clients", "reason", "rejoin", "same_destinations")
+
+    def __init__(self, *, promote: str | None = None, rejoin: str | None = None, from_site: str | None = None,
+                 clients: list[str] | None = None, reason: str = "failover from Airflow",
+                 same_destinations: bool | str = False, planned: bool | None = None, topology_path: str | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.promote, self.rejoin, self.from_site, self.clients = promote, rejoin, from_site, clients
+        self.reason, self.same_destinations, self.planned = reason, same_destinations, planned
+        self.topology_path = topology_path
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        topo = load_topology(self.topology_path)
+
+        def connect(site_id: str):
+            return LRSiteHook(lr_conn_id=topo.conn_id(site_id)).connect_site(site_id)
+
+        if self.rejoin:
+            back = failover.rejoin(self.rejoin, connect, topo)
+            self.log.info("%s rejoined: retired %s; committed after the cut, received by nobody: %s",
+                          back.site, back.retired, back.tail)
+            return {"site": back.site, "failover_id": back.failover_id, "retired": back.retired, "tail": back.tail,
+                    "topology_config_id": back.topology_config_id}
+        if not self.promote:
+            raise ValueError("LRFailoverOperator needs promote (the new source) or rejoin (a site to rejoin)")
+        old = self.from_site or failover.only_source(topo, self.promote)
+        done = failover.promote(old, self.promote, connect, topology=topo, clients=self.clients or None,
+                                reason=self.reason, same_destinations=self.same_destinations in (True, "True", "true"),
+                                planned=self.planned)
+        self.log.info("failover %s: %s is the source of %s (was %s); cut %s; lost: %s", done.failover_id, done.to_site,
+                      done.clients, done.from_site, done.positions, done.lost)
+        for site in done.pending:
+            self.log.warning("%s was not reached: rejoin it when it is back", site)
+        return {"failover_id": done.failover_id, "from": done.from_site, "to": done.to_site, "clients": done.clients,
+                "positions": done.positions, "base": done.base, "planned": done.planned, "outcome": done.outcome,
+                "full_syncs": done.full_syncs, "pending": done.pending, "lost": done.lost,
+                "topology_config_id": done.topology.topology_config_id, "topology": done.topology.document}

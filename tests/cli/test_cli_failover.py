@@ -1,0 +1,53 @@
+"""`lr failover`: a planned switchover from the command line (the old source drained first, then
+refused as a source), the new topology written for the operator, and `--rejoin`."""
+from __future__ import annotations
+
+import pytest
+
+from airflow_provider_lr import cli
+from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.engine.errors import TransmitError
+from tests.cli.test_cli_sync import topology_file
+from tests.support.session import App, sink_queue
+
+SYNC = ["--until-idle", "--cycles", "10", "--interval", "0.01"]
+
+
+def test_a_planned_switchover_drains_the_old_source_then_refuses_its_writers(lr_sites, tmp_path, monkeypatch, capsys):
+    site_a, site_b, site_c = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    app = App(site_a)
+    assert cli.main(["sync", "--topology", topo, *SYNC]) == 0
+    for i in range(6):
+        app.put(f"k{i}", i, ["site-b", "site-c"])  # committed at site-a, not replicated yet
+    App(site_b).close()
+    capsys.readouterr()
+
+    new = tmp_path / "after.yaml"
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--reason", "maintenance of site-a",
+                     "--out", str(new)]) == 0
+    out = capsys.readouterr().out
+    assert "planned switchover" in out and "site-b is the source of policy (was site-a)" in out
+    assert "lost: nothing" in out and str(new) in out
+    expected = [f"k{i}={i}".encode() for i in range(6)]
+    assert sink_queue(site_b, "policy") == expected and sink_queue(site_c, "policy") == expected  # drained
+    with pytest.raises(TransmitError, match="unknown destination"):
+        RoutingQueueClient(site_a.connect(), "policy").transmit_log_entry_message(b"late", ["site-b"])
+
+    App(site_b).put("b0", 0, ["site-c", "site-a"])
+    assert cli.main(["sync", "--topology", str(new), *SYNC]) == 0
+    assert sink_queue(site_c, "policy", source="site-b") == [b"b0=0"]
+    assert cli.main(["failover", "--topology", str(new), "--rejoin", "site-a"]) == 0
+    assert "0 entries committed here after the cut" in capsys.readouterr().out
+    app.close()
+
+
+def test_lr_failover_names_what_is_wrong(lr_sites, tmp_path, monkeypatch, capsys):
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    capsys.readouterr()
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-a"]) == 1
+    assert "receives from no source; name the old source (--from" in capsys.readouterr().err
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-c", "--from", "site-b"]) == 1
+    assert "is not a sink of 'site-b'" in capsys.readouterr().err

@@ -1,0 +1,311 @@
+"""Failover (issue 15, seed 001): a sink becomes the source of its clients; every other sink is cut at
+the promoted site's position of the old source's stream (extras removed, gaps copied or a full
+sync with its reason), the old source is fenced and rejoins as a sink. Real servers, no mocks."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psycopg2
+import pytest
+
+from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.subscriber import RoutingQueueSubscriber
+from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError
+from airflow_provider_lr.engine.session.replicator import run_until_idle
+from airflow_provider_lr.engine.site import failover
+from airflow_provider_lr.engine.site import topology as topologies
+from airflow_provider_lr.engine.vocabulary import SessionKey
+from tests.support.session import App, apply, queue, sink_queue, table_provider
+from tests.support.session import replicator as _replicator
+from tests.support.subscriber import Recorder
+
+A, B, C = "site-a", "site-b", "site-c"
+PROVIDERS = {"policy": table_provider}
+
+
+def replicator(topo, sites, **options):
+    """One owner for every replicator of a test: a cycle takes over the leases the last one left."""
+    return _replicator(topo, sites, owner="failover-test", **options)
+
+
+def _connect(sites, down: tuple[str, ...] = ()):
+    dsns = {s.site_id: s.dsn for s in sites}
+
+    def connect(site_id: str):
+        if site_id in down:
+            raise SiteUnreachableError(f"site {site_id!r} is down (test)")
+        return psycopg2.connect(dsns[site_id])
+    return connect
+
+
+def _setup(lr_sites, first: int = 3):
+    """site-a replicates client policy to site-b and site-c; ``first`` entries reach both."""
+    topo = apply(lr_sites)
+    app = App(lr_sites[0])
+    for i in range(first):
+        app.put(f"k{i}", i, [B, C])
+    run_until_idle(replicator(topo, lr_sites, providers=PROVIDERS))
+    return topo, app
+
+
+def _ahead(lr_sites, sink: str, extra: int):
+    """``_setup``, then ``extra`` more entries for both sinks that only ``sink`` receives."""
+    topo, app = _setup(lr_sites)
+    for i in range(3, 3 + extra):
+        app.put(f"k{i}", i, [B, C])
+    run_until_idle(replicator(topo, lr_sites, providers=PROVIDERS, sessions=[SessionKey(A, sink, "policy")]))
+    return topo, app
+
+
+def _consume(site, count: int | None = None) -> list[str]:
+    """What site's applications consume from site-a's queue (all, or the first ``count`` log entries)."""
+    rec = Recorder()
+    sub = RoutingQueueSubscriber(site.dsn, "policy", sources=[A])
+    try:
+        sub.poll(rec, max_messages=count)
+    finally:
+        sub.close()
+    return [p for k, p in rec.events.get(A, []) if k == "log"]
+
+
+def _session_row(site, source: str = A):
+    return site.query("SELECT last_log_entry_processed, failed_over_to, failover_note FROM lr.sink_sessions "
+                      "WHERE source_site_id = %s AND client_name = 'policy'", (source,))[0]
+
+
+def test_a_sink_ahead_of_the_promoted_one_loses_its_unconsumed_extras_and_nothing_is_resent(lr_sites):
+    topo, app = _ahead(lr_sites, C, 7)  # site-c is 7 entries ahead of site-b
+    site_b, site_c = lr_sites[1], lr_sites[2]
+    assert len(sink_queue(site_c, "policy")) == len(sink_queue(site_b, "policy")) + 7
+
+    result = failover.promote(A, B, _connect(lr_sites, down=(A,)), reason="site-a lost")
+    assert not result.planned and result.pending == [A]
+    assert sink_queue(site_c, "policy") == sink_queue(site_b, "policy")  # the extras are gone, nothing re-sent
+    cut = result.positions["policy"]
+    assert _session_row(site_c)[:2] == (cut, B)
+    assert "7 extra entries" in _session_row(site_c)[2]
+    assert result.full_syncs == []
+
+    # the new source's writers address site-c and site-a; site-c gets them once, in order, from the base
+    new_app = App(site_b)
+    for i in range(5):
+        new_app.put(f"b{i}", i, [C, A])
+    run_until_idle(replicator(result.topology, lr_sites, sessions=[SessionKey(B, C, "policy")]))
+    assert sink_queue(site_c, "policy", source=B) == [f"b{i}={i}".encode() for i in range(5)]
+    assert site_c.query("SELECT count(*) FROM lr.receive_queue WHERE source_site_id = %s AND kind <> 1", (B,)) == [(0,)]
+    app.close()
+    new_app.close()
+
+
+def test_a_sink_ahead_whose_extras_were_consumed_gets_a_full_sync_with_the_reason(lr_sites):
+    topo, app = _ahead(lr_sites, C, 5)
+    site_c = lr_sites[2]
+    _consume(site_c)  # the application at site-c applied everything, extras included
+
+    result = failover.promote(A, B, _connect(lr_sites, down=(A,)))
+    assert result.full_syncs == [f"{B}->{C}/policy"]
+    rows = lr_sites[1].query("SELECT reason, forced FROM lr.full_sync_requests WHERE sink_site_id = %s "
+                             "AND status = 'pending'", (C,))
+    assert len(rows) == 1 and rows[0][1]
+    assert rows[0][0].startswith(f"failover: {C} had consumed entries of {A} beyond {B}'s position")
+
+    App(lr_sites[1]).close()  # the new source's application table, which its provider reads
+    run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(B, C, "policy")]))
+    kinds = [k for k, _ in site_c.query("SELECT kind, 1 FROM lr.receive_queue WHERE source_site_id = %s", (B,))]
+    assert kinds and kinds[0] == 4  # the snapshot from site-b starts with its start marker
+    app.close()
+
+
+def test_a_sink_behind_gets_exactly_the_gap_from_the_promoted_sinks_queue(lr_sites):
+    topo, app = _ahead(lr_sites, B, 6)  # site-b is 6 entries ahead of site-c
+    site_b, site_c = lr_sites[1], lr_sites[2]
+    before = sink_queue(site_c, "policy")
+
+    result = failover.promote(A, B, _connect(lr_sites, down=(A,)), same_destinations=True)
+    after = sink_queue(site_c, "policy")
+    assert after == sink_queue(site_b, "policy")
+    assert after[:len(before)] == before and len(after) - len(before) == 6  # exactly the gap, once
+    assert "6 entries" in _session_row(site_c)[2] and result.full_syncs == []
+    assert _consume(site_c) == [p.decode() for p in after]
+    app.close()
+
+
+def test_a_sink_behind_without_same_destinations_gets_a_full_sync_not_a_guess(lr_sites):
+    _, app = _ahead(lr_sites, B, 1)
+    result = failover.promote(A, B, _connect(lr_sites, down=(A,)))
+    assert result.full_syncs == [f"{B}->{C}/policy"]
+    reason = lr_sites[1].query("SELECT reason FROM lr.full_sync_requests WHERE sink_site_id = %s", (C,))[0][0]
+    assert "cannot tell which of its own were addressed to site-c" in reason
+    app.close()
+
+
+def test_a_stale_old_source_replicator_is_fenced_at_every_sink_after_failover(lr_sites):
+    topo, app = _setup(lr_sites)
+    site_c = lr_sites[2]
+    failover.promote(A, B, _connect(lr_sites, down=(A,)))  # site-a partitioned, not dead
+    held = sink_queue(site_c, "policy")
+    app.put("late", 99, [B, C])
+    stale = replicator(topo, lr_sites, providers=PROVIDERS, sessions=[SessionKey(A, C, "policy")])
+    reports = stale.run_cycle()
+    stale.close()
+    assert "failed over" in reports[0].error or "topology config id mismatch" in reports[0].error
+    # even with the old topology re-applied on the sink (so negotiation passes), the sink refuses it
+    topologies.apply_to_site(site_c.connect(), topo, C)
+    stale = replicator(topo, lr_sites, providers=PROVIDERS, sessions=[SessionKey(A, C, "policy")])
+    reports = stale.run_cycle()
+    stale.close()
+    assert "was failed over" in reports[0].error, reports[0]
+    assert sink_queue(site_c, "policy") == held
+    app.close()
+
+
+def test_failover_refuses_unknown_sites_non_sinks_and_an_unreachable_promoted_site(lr_sites):
+    topo = apply(lr_sites, [{"source": A, "sinks": [B], "clients": ["policy"]},
+                            {"source": A, "sinks": [C], "clients": ["other"]}])
+    connect = _connect(lr_sites, down=(A,))
+    with pytest.raises(ConfigurationError, match="unknown site 'site-x'"):
+        failover.promote(A, "site-x", connect, topology=topo)
+    with pytest.raises(ConfigurationError, match=r"site 'site-c' is not a sink of 'site-a' for client\(s\) \['policy'\]"):
+        failover.promote(A, C, connect, topology=topo, clients=["policy"])
+    with pytest.raises(SiteUnreachableError, match="site 'site-b' .the site to promote. cannot be reached"):
+        failover.promote(A, B, _connect(lr_sites, down=(A, B)), topology=topo)
+    with pytest.raises(ConfigurationError, match="holds no consistent copy"):
+        failover.promote(A, B, connect, topology=topo)  # site-b never received anything from site-a
+    assert lr_sites[1].query("SELECT count(*) FROM lr.failovers") == [(0,)]
+
+
+def test_the_old_source_returns_refuses_to_negotiate_then_rejoins_as_a_sink_with_its_tail_reported(lr_sites):
+    topo, app = _setup(lr_sites)
+    app.put("after-cut", 1, [B, C])  # committed at site-a, received by nobody before it went down
+    result = failover.promote(A, B, _connect(lr_sites, down=(A,)))
+    old = replicator(topo, lr_sites, providers=PROVIDERS, sessions=[SessionKey(A, B, "policy")])
+    assert "was failed over" in old.run_cycle()[0].error  # site-a, back with its old topology, is refused
+    old.close()
+
+    back = failover.rejoin(A, _connect(lr_sites), topo)
+    assert back.tail == {"policy": 1} and back.retired == [f"{A}->{B}/policy", f"{A}->{C}/policy"]
+    with pytest.raises(Exception, match="not in the topology|unknown destination"):
+        RoutingQueueClient(lr_sites[0].connect(), "policy").transmit_log_entry_message(b"x", [B])
+    new_app = App(lr_sites[1])
+    new_app.put("k0", 100, [A, C])
+    run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS))
+    entries = queue(lr_sites[0], source=B)
+    assert entries[0] == ("start", "") and ("end", "") in entries  # first contact: a full sync from site-b
+    app.close()
+    new_app.close()
+
+
+FAILOVER_FAULTS = ["failover_after_fence", "failover_after_promote", "failover_after_reconcile"]
+
+
+@pytest.mark.parametrize("fault", FAILOVER_FAULTS)
+def test_a_failover_killed_after_promoting_finishes_when_run_again(lr_sites, fault):
+    _, app = _ahead(lr_sites, C, 6)  # site-c ahead: extras to remove
+    site_b, site_c = lr_sites[1], lr_sites[2]
+    spec = {"dsns": {s.site_id: s.dsn for s in lr_sites}, "down": [A], "from": A, "to": B}
+    code = ("import json, sys, psycopg2\n"
+            "from airflow_provider_lr.engine.errors import SiteUnreachableError\n"
+            "from airflow_provider_lr.engine.site import failover\n"
+            "spec = json.loads(sys.argv[1])\n"
+            "def connect(s):\n"
+            "    if s in spec['down']: raise SiteUnreachableError(s)\n"
+            "    return psycopg2.connect(spec['dsns'][s])\n"
+            "failover.promote(spec['from'], spec['to'], connect)\n")
+    child = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env={**os.environ, "LR_FAULT": fault},
+                           cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
+    assert child.returncode == -9, child.stderr
+    assert _session_row(site_c)[1] == B  # fenced whatever the window
+    if fault == "failover_after_promote":
+        assert site_b.query("SELECT status FROM lr.failovers") == [("promoted",)]
+        assert _session_row(site_c)[2] is None  # not reconciled
+
+    result = failover.promote(A, B, _connect(lr_sites, down=(A,)))
+    assert result.resumed == (fault != "failover_after_fence")
+    assert "6 extra entries" in result.outcome[C]["policy"]
+    assert site_b.query("SELECT status FROM lr.failovers") == [("completed",)]
+    assert sink_queue(site_c, "policy") == sink_queue(site_b, "policy")
+    again = failover.promote(A, B, _connect(lr_sites, down=(A,)))  # a third run changes nothing
+    assert again.outcome == result.outcome and sink_queue(site_c, "policy") == sink_queue(site_b, "policy")
+    app.close()
+
+
+class _Writer(threading.Thread):
+    """Transmits ``<prefix><n>`` for n = 0, 1, ... to ``destinations``, one transaction each, until
+    stopped or its server goes away; ``committed`` counts the commits that returned."""
+
+    def __init__(self, site, prefix: str, destinations: list[str]) -> None:
+        super().__init__(daemon=True)
+        self.site, self.prefix, self.destinations = site, prefix, destinations
+        self.stop, self.committed = threading.Event(), 0
+
+    def run(self) -> None:
+        conn = self.site.connect()
+        client = RoutingQueueClient(conn, "policy")
+        try:
+            while not self.stop.is_set():
+                client.transmit_log_entry_message(f"{self.prefix}{self.committed}".encode(), self.destinations)
+                conn.commit()
+                self.committed += 1
+        except psycopg2.Error:
+            pass  # the server was stopped under it
+
+
+def _consumed_log(site, source: str) -> list[str]:
+    rec = Recorder()
+    sub = RoutingQueueSubscriber(site.dsn, "policy", sources=[source])
+    try:
+        sub.poll(rec)
+    finally:
+        sub.close()
+    return [p for k, p in rec.events.get(source, []) if k == "log"]
+
+
+def test_role_switch_under_load_loses_and_duplicates_nothing_at_any_remaining_sink(lr_sites, site_manager):
+    site_a, site_b, site_c = lr_sites
+    topo = apply(lr_sites)
+    App(site_a).close(), App(site_b).close()  # the sources' tables, read by their full-sync providers
+    repl = replicator(topo, lr_sites, providers=PROVIDERS)
+    run_until_idle(repl)  # first contact (empty full syncs): every entry below arrives as a log entry
+    writer = _Writer(site_a, "a", [B, C])
+    writer.start()
+    stop = threading.Event()
+    cycles = threading.Thread(target=repl.run, kwargs={"stop": stop, "interval": 0.01}, daemon=True)
+    cycles.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (writer.committed < 300 or any(
+            s.query("SELECT count(*) FROM lr.sink_sessions WHERE data_consistent AND last_log_entry_processed > 100")
+            == [(0,)] for s in (site_b, site_c))):
+        time.sleep(0.05)
+    site_manager.down([A], mode="immediate")  # mid-flight: the writer and the replicator lose site-a
+    stop.set()
+    cycles.join(60)
+    writer.join(30)
+    repl.close()
+    try:
+        result = failover.promote(A, B, _connect(lr_sites), same_destinations=True, reason="site-a lost")
+        assert not result.planned and result.pending == [A] and result.full_syncs == []
+
+        new_writer = _Writer(site_b, "b", [C, A])
+        new_writer.start()
+        time.sleep(1.0)
+        new_writer.stop.set()
+        new_writer.join(30)
+        run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(B, C, "policy")]))
+
+        at_b, at_c = _consumed_log(site_b, A), _consumed_log(site_c, A)
+        assert at_b == [f"a{n}" for n in range(len(at_b))] and len(at_b) > 0  # in order, no gap, no duplicate
+        assert at_c == at_b
+        assert _consumed_log(site_c, B) == [f"b{n}" for n in range(new_writer.committed)]
+    finally:
+        site_manager.up(site_ids=[A])
+    back = failover.rejoin(A, _connect(lr_sites), result.topology)
+    assert back.tail["policy"] >= 0 and back.topology_config_id == result.topology.topology_config_id
+    run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(B, A, "policy")]))
+    entries = queue(site_a, source=B)
+    assert entries[0] == ("start", "") and ("end", "") in entries  # a full sync from site-b: consistent with it
