@@ -38,6 +38,8 @@ FAULT_POINTS: dict[str, str] = {
     "failover_after_fence": "sinks of the old source fenced, the new source not promoted yet",
     "failover_after_promote": "the new source promoted and recorded, no other sink reconciled yet",
     "failover_after_reconcile": "one sink reconciled with the new source, the others not yet",
+    "peer_seed_before_commit": "a peer's tables and position written in the sink's open transaction, not committed",
+    "after_peer_seed": "the sink seeded from a peer and committed, the source's session not recorded yet",
     "table_range_before_commit": "a Spark task's key range written in the sinks' open transactions, not committed",
 }
 

@@ -22,10 +22,12 @@ import psycopg2
 from airflow.sdk import BaseOperator, TriggerRule
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 
+from airflow_provider_lr.engine.session import nearest_copy
 from airflow_provider_lr.engine.session.lease import new_owner_id
 from airflow_provider_lr.engine.session.negotiation import Decision
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, SessionSettings, record_error
 from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.operators import telemetry
 from airflow_provider_lr.operators.common import (
     TABLE_SNAPSHOT_JOB,
@@ -128,8 +130,10 @@ class _SessionStepOperator(BaseOperator):
         with site_connection(self.session["source_conn_id"], key.source) as source:
             try:
                 with site_connection(self.session["sink_conn_id"], key.sink) as sink:
+                    peers = nearest_copy.peers_in_region(
+                        topo, key, lambda site: LRSiteHook(lr_conn_id=topo.conn_id(site)).connect_site(site))
                     runner = SessionRunner(key, source, sink, f"airflow:{new_owner_id()}", self._settings(topo),
-                                           provider, spark_tables=self._spark_tables())
+                                           provider, spark_tables=self._spark_tables(), peers=peers)
                     try:
                         yield runner
                     finally:

@@ -45,9 +45,9 @@ def topology_doc(sites, replication: list[dict] | None = None, providers: dict |
 
 
 def apply(sites, replication: list[dict] | None = None, providers: dict | None = None, settings: dict | None = None,
-          only=None) -> topology.Topology:
+          only=None, regions: dict[str, str] | None = None) -> topology.Topology:
     """Apply a topology over ``sites`` (``topology_doc``) to all of them (or to the ``only`` ones)."""
-    topo = topology.from_document(topology_doc(sites, replication, providers, settings))
+    topo = topology.from_document(topology_doc(sites, replication, providers, settings, regions=regions))
     apply_to(only or sites, topo)
     return topo
 

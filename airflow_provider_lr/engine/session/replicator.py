@@ -16,6 +16,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.bulk import catchup, fanout
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError
+from airflow_provider_lr.engine.session import nearest_copy
 from airflow_provider_lr.engine.session.lease import Lease, new_owner_id
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, SessionSettings, record_error
 from airflow_provider_lr.engine.site import status
@@ -61,7 +62,8 @@ class Replicator:
         runner = self._runners.get(key)
         if runner is None or runner.source.closed or runner.sink.closed:
             runner = self._runners[key] = SessionRunner(
-                key, self._conn(key.source), self._conn(key.sink), self.owner, self.settings, self.providers.get(key.client)
+                key, self._conn(key.source), self._conn(key.sink), self.owner, self.settings, self.providers.get(key.client),
+                peers=nearest_copy.peers_in_region(self.topology, key, self.connect),
             )
         return runner
 

@@ -23,6 +23,8 @@ from airflow_provider_lr.engine import progress
 from airflow_provider_lr.engine.errors import FencedError, LRError, TrimmedError
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import lease as leases
+from airflow_provider_lr.engine.session import nearest_copy
+from airflow_provider_lr.engine.session.nearest_copy import PROBE_DELAY
 from airflow_provider_lr.engine.session.negotiation import Decision, Negotiation, SinkView, SourceView, negotiate
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import status
@@ -87,6 +89,8 @@ class SessionSettings:
     tee_min_backlog: int = TEE_MIN_BACKLOG  # 0: never tee, session cycles only
     spark_min_backlog: int = SPARK_MIN_BACKLOG  # where Spark can run (the DAG); lr sync runs none
     table_spark_min_rows: int = TABLE_SPARK_MIN_ROWS  # a table snapshot this large goes to Spark (the DAG)
+    nearest_copy: bool = True  # a client of tables only may be seeded from a peer sink in its region
+    peer_probe_delay: float = PROBE_DELAY  # seconds the first peer has to answer (x2 each next)
 
     @classmethod
     def from_topology(cls, topology: Topology, **overrides: object) -> "SessionSettings":
@@ -97,6 +101,8 @@ class SessionSettings:
             "tee_min_backlog": topology.setting("tee_min_backlog", TEE_MIN_BACKLOG),
             "spark_min_backlog": topology.setting("spark_min_backlog", SPARK_MIN_BACKLOG),
             "table_spark_min_rows": topology.setting("table_spark_min_rows", TABLE_SPARK_MIN_ROWS),
+            "nearest_copy": topology.setting("nearest_copy", True),
+            "peer_probe_delay": topology.setting("peer_probe_delay_s", PROBE_DELAY),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
@@ -139,6 +145,7 @@ class SessionRunner:
     settings: SessionSettings = field(default_factory=SessionSettings)
     provider: Provider | None = None
     spark_tables: bool = False  # large table snapshots are left to the Spark job (the DAG runs one)
+    peers: list[nearest_copy.Peer] = field(default_factory=list)  # nearest copies first (nearest_copy.py)
     lease: leases.Lease | None = field(default=None, init=False)
     tables: TableSplits = field(default_factory=TableSplits, init=False)  # synced tables, for the reader
     _reader: LogReader | None = field(default=None, init=False, repr=False)
@@ -269,6 +276,9 @@ class SessionRunner:
     def snapshot_sync(self, meta: writes.SinkMetadata, report: CycleReport) -> writes.SinkMetadata | None:
         """Advance the session's full sync as far as it can go now; the sink metadata once applied,
         else None (waiting for the client's data)."""
+        seeded = self.seed_from_peer(report)
+        if seeded is not None:
+            return seeded
         request = self._current_request(meta)
         report.request_id = request.request_id
         provider = self.provider
@@ -293,6 +303,33 @@ class SessionRunner:
         meta, sent = self.transfer_snapshot(request, meta)
         report.snapshot_messages += sent
         return self.apply_snapshot(meta)
+
+    def seed_from_peer(self, report: CycleReport) -> writes.SinkMetadata | None:
+        """A client of tables only takes its snapshot from a peer sink in its region when one
+        qualifies (``nearest_copy``); the sink's metadata then, else None (the source's snapshot
+        follows). A full sync forced on the source is always taken from the source."""
+        if not (self.settings.nearest_copy and self.peers) or self.provider is not None:
+            return None
+        federated = registry.federated_tables(self.source, self.key.client)
+        request = full_sync.open_request(self.source, self.key.sink, self.key.client)
+        if not federated or (request is not None and request.forced):
+            return None
+
+        def close_request() -> None:  # before the sink's commit: an open request would hold trim forever
+            if request is not None:
+                full_sync.finish_request(self.source, request.request_id, RequestStatus.CANCELLED,
+                                         "the sink is seeded from a peer sink instead")
+
+        seed = nearest_copy.seed_from_peers(self.source, self.sink, self.key, self._epoch(), federated, self.peers,
+                                            self.settings.peer_probe_delay, before_write=close_request)
+        report.reason = f"{report.reason}; {seed.describe()}".lstrip("; ")
+        if seed.peer is None:
+            return None
+        fault_point("after_peer_seed")
+        meta = writes.read_metadata(self.sink, self.key.source, self.key.client)
+        self._record_applied(meta)
+        report.tables += [f"{name}: synced from {seed.peer}" for name in seed.tables]
+        return meta
 
     def _current_request(self, meta: writes.SinkMetadata) -> FullSyncRequest:
         """The open request to work on, creating one (which cancels stale ones) when needed."""

@@ -64,6 +64,13 @@ def _metadata(row: tuple, site_topology: str | None = None) -> SinkMetadata:
     return SinkMetadata(**values, site_topology_config_id=site_topology)
 
 
+def metadata_in(cur: psycopg2.extensions.cursor, source: str, client: str) -> SinkMetadata | None:
+    """The session's metadata as ``cur``'s transaction sees it (None: no such session); no row made."""
+    cur.execute(_SELECT, (source, client))
+    row = cur.fetchone()
+    return None if row is None else _metadata(row)
+
+
 def _sink_id(cur: psycopg2.extensions.cursor) -> str:
     """This site's id, for messages."""
     cur.execute("SELECT site_id FROM lr.site_info")

@@ -138,7 +138,7 @@ def prepare(cur: psycopg2.extensions.cursor, source: str, client: str, source_de
             "stream_tags) VALUES (%s, 'table', true, %s, %s, %s, ARRAY[%s])",
             (str(table), client, source, list(sink_def.key), f"lrq_table_{client}"),
         )
-    return Target(sink_def, source, *_origin(cur, table, source), created=created)
+    return Target(sink_def, source, *origin(cur, table, source), created=created)
 
 
 def target_of(cur: psycopg2.extensions.cursor, source: str, table: TableName, where: Callable[[], str]) -> Target:
@@ -146,10 +146,10 @@ def target_of(cur: psycopg2.extensions.cursor, source: str, table: TableName, wh
     sink_def = read_definition(cur, table)
     if sink_def is None:
         raise SchemaMismatchError(f"{where()}: table {table} no longer exists on the sink")
-    return Target(sink_def, source, *_origin(cur, table, source))
+    return Target(sink_def, source, *origin(cur, table, source))
 
 
-def _origin(cur: psycopg2.extensions.cursor, table: TableName, source: str) -> tuple[bool, bool]:
+def origin(cur: psycopg2.extensions.cursor, table: TableName, source: str) -> tuple[bool, bool]:
     """(primary, shared) of ``source``'s rows in ``table`` (see the module's rules)."""
     cur.execute(
         "SELECT (SELECT source_site_id FROM lr.registry WHERE stream_name = %(t)s) IS NOT DISTINCT FROM %(s)s, "

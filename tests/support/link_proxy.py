@@ -1,0 +1,113 @@
+"""A user-space TCP link between a client and a PostgreSQL server, to emulate a far or stalled
+network path where ``tc netem`` is not available (this machine's kernel has no sch_netem).
+
+``LinkProxy(target_port, delay=0.04, rate=12.5e6)`` listens on 127.0.0.1 and forwards every
+connection to the target, each direction through its own pipe that delivers a chunk ``delay``
+seconds after it was read (one-way latency; RTT is twice that) and no faster than ``rate`` bytes
+per second (a token bucket per direction, per connection; ``None``: unlimited). ``stalled=True``
+accepts connections and never forwards a byte: a host that hangs rather than refuses."""
+from __future__ import annotations
+
+import collections
+import socket
+import threading
+import time
+
+
+class LinkProxy:
+    def __init__(self, target_port: int, delay: float = 0.0, rate: float | None = None, stalled: bool = False,
+                 target_host: str = "127.0.0.1") -> None:
+        self.target = (target_host, target_port)
+        self.delay, self.rate, self.stalled = delay, rate, stalled
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self.port = self.listener.getsockname()[1]
+        self.bytes = 0  # forwarded, both directions
+        self._closed = threading.Event()
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, name="link-proxy", daemon=True).start()
+
+    def dsn(self, dsn: str) -> str:
+        """``dsn`` (key=value form) pointed at this proxy."""
+        parts = [p for p in dsn.split() if not p.startswith(("host=", "port="))]
+        return " ".join(parts + ["host=127.0.0.1", f"port={self.port}"])
+
+    def close(self) -> None:
+        self._closed.set()
+        for s in [self.listener, *self._sockets]:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def __enter__(self) -> "LinkProxy":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self._sockets.append(client)
+            if self.stalled:
+                continue  # held open, never answered
+            server = socket.create_connection(self.target)
+            self._sockets.append(server)
+            for s in (client, server):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._pipe(client, server)
+            self._pipe(server, client)
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        """Read from ``src`` at once; deliver each chunk to ``dst`` after the delay, at the rate."""
+        queue: collections.deque[tuple[float, bytes]] = collections.deque()
+        ready = threading.Condition()
+
+        def read() -> None:
+            while True:
+                try:
+                    data = src.recv(65536)
+                except OSError:
+                    data = b""
+                with ready:
+                    queue.append((time.monotonic() + self.delay, data))
+                    ready.notify()
+                if not data:
+                    return
+
+        def write() -> None:
+            sent_at, budget = time.monotonic(), 0.0
+            while True:
+                with ready:
+                    while not queue:
+                        ready.wait()
+                    due, data = queue.popleft()
+                wait = due - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                if not data:
+                    try:
+                        dst.shutdown(socket.SHUT_WR)
+                    except OSError:
+                        pass
+                    return
+                if self.rate:
+                    now = time.monotonic()
+                    budget = min(budget + (now - sent_at) * self.rate, self.rate * 0.01) - len(data)
+                    sent_at = now
+                    if budget < 0:
+                        time.sleep(-budget / self.rate)
+                try:
+                    dst.sendall(data)
+                except OSError:
+                    return
+                self.bytes += len(data)
+
+        threading.Thread(target=read, daemon=True).start()
+        threading.Thread(target=write, daemon=True).start()
