@@ -10,6 +10,10 @@ listed by its session's name. ``check`` is the run's verdict: the run fails when
 full sync or catch-up failed (the catch-up runs anyway and does nothing while its session still
 needs the full sync, so it too is listed by name rather than left ``upstream_failed``).
 
+A transfer of at least ``snapshot_spark_min_entries`` entries goes through
+``spark_snapshot_transfer`` (``spark_jobs/lr_snapshot_transfer.py``) when this worker can run
+Spark, before the catch-up.
+
 Federated tables are part of the full sync: it forgets the session's tables on the sink, and the
 catch-up snapshots them again, in the step, or, for a snapshot the engine deems large
 (``table_spark_min_rows``) when this worker can run Spark (``LR_SPARK_CONN_ID``), through
@@ -31,7 +35,7 @@ from airflow_provider_lr.engine.site.topology_schema import CLIENT_NAME_PATTERN,
 from airflow_provider_lr.operators import LRLogEntrySyncOperator, LRRunCheckOperator, LRSnapshotSyncOperator
 from airflow_provider_lr.operators.common import parse_time_topology
 from airflow_provider_lr.operators.session import SESSION_LABEL
-from airflow_provider_lr.operators.spark import LRSparkTableSnapshotOperator
+from airflow_provider_lr.operators.spark import LRSparkSnapshotTransferOperator, LRSparkTableSnapshotOperator
 
 SPARK_CONN_ID = os.environ.get("LR_SPARK_CONN_ID", "spark_default")
 
@@ -104,8 +108,21 @@ def lr_full_sync() -> None:
 
     sessions = request_full_sync()
     snapshot = LRSnapshotSyncOperator.partial(
-        task_id="snapshot_sync", wait_for_data=True, map_index_template=SESSION_LABEL,
+        task_id="snapshot_sync", wait_for_data=True, map_index_template=SESSION_LABEL, spark_conn_id=SPARK_CONN_ID,
     ).expand(session=sessions)
+
+    @task(trigger_rule=TriggerRule.ALL_DONE)
+    def snapshot_transfers(sessions: list[dict]) -> list[dict]:
+        """The sessions whose snapshot step left a large full-sync transfer to Spark."""
+        from airflow_provider_lr.operators.spark import transfers_left_to_spark
+
+        return transfers_left_to_spark(get_current_context()["ti"], sessions, "snapshot_sync")
+
+    moves = snapshot_transfers(sessions)
+    transfers = LRSparkSnapshotTransferOperator.partial(
+        task_id="spark_snapshot_transfer", conn_id=SPARK_CONN_ID, conf={"spark.ui.enabled": "false"},
+        map_index_template="{{ task.source }}->{{ task.sink }}/{{ task.client }}",
+    ).expand_kwargs(moves)
     # all_done: runs (negotiates, does nothing while the session still needs its full sync) and is
     # labelled by its session even when that session's full sync failed
     catch_up = LRLogEntrySyncOperator.partial(
@@ -125,8 +142,8 @@ def lr_full_sync() -> None:
         task_id="spark_table_snapshot", conn_id=SPARK_CONN_ID, conf={"spark.ui.enabled": "false"},
         map_index_template="{{ task.source }}/{{ task.client }}",
     ).expand_kwargs(pairs)
-    snapshot >> catch_up >> pairs
-    [catch_up, tables] >> LRRunCheckOperator(
+    snapshot >> moves >> transfers >> catch_up >> pairs
+    [catch_up, tables, transfers] >> LRRunCheckOperator(
         task_id="check", sessions=sessions, session_tasks=("snapshot_sync", "log_entry_sync"), retries=0,
     )
 

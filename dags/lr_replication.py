@@ -8,7 +8,13 @@ fan-outs, then one task group per session:
     decide (negotiation) ─┬─ snapshot_sync   (skips itself unless chosen) ─┬─ report (all_done)
                           └─ log_entry_sync  (skips itself unless chosen) ─┘
     ... every session's group ──→ table_snapshots ──→ spark_table_snapshot (one per source/client)
+                              ──→ snapshot_transfers ──→ spark_snapshot_transfer (one per session)
                               ──→ check (all_done: the run's verdict)
+
+Full syncs: a session's ``snapshot_sync`` transfers the client's supplied data in the step, except
+a transfer of at least ``snapshot_spark_min_entries`` entries when this worker can run Spark: it
+is left to ``spark_snapshot_transfer`` (``spark_jobs/lr_snapshot_transfer.py``: ranges staged in
+parallel, one server-side move, then the apply); the next run catches the session up.
 
 Federated tables: a session's ``log_entry_sync`` snapshots the tables its sink lacks in the step,
 except a snapshot the engine deems large (``table_spark_min_rows``), which it leaves to Spark when
@@ -46,12 +52,17 @@ from airflow_provider_lr.operators import (
 )
 from airflow_provider_lr.operators.fanout import LRFanOutOperator
 from airflow_provider_lr.operators.session import SESSION_LABEL
-from airflow_provider_lr.operators.spark import LRSparkFanOutOperator, LRSparkTableSnapshotOperator
+from airflow_provider_lr.operators.spark import (
+    LRSparkFanOutOperator,
+    LRSparkSnapshotTransferOperator,
+    LRSparkTableSnapshotOperator,
+)
 
 INTERVAL = timedelta(seconds=float(os.environ.get("LR_REPLICATION_INTERVAL_S", "30")))
 SPARK_CONN_ID = os.environ.get("LR_SPARK_CONN_ID", "spark_default")
 SOURCE_LABEL = "{{ task.source }}"  # tasks mapped over sources: listed by the source's site id
 PAIR_LABEL = "{{ task.source }}/{{ task.client }}"  # tasks mapped over (source, client) pairs
+TRANSFER_LABEL = "{{ task.source }}->{{ task.sink }}/{{ task.client }}"  # tasks mapped over sessions' transfers
 
 
 @dag(
@@ -124,7 +135,8 @@ def lr_replication() -> None:
         # ends upstream_failed, the one state whose instances the grid cannot label (they never run)
         common = {"map_index_template": SESSION_LABEL, "trigger_rule": TriggerRule.ALL_DONE}
         decide = LRNegotiateOperator(task_id="decide", session=session, **common)
-        snapshot = LRSnapshotSyncOperator(task_id="snapshot_sync", session=session, decision=decide.output, **common)
+        snapshot = LRSnapshotSyncOperator(task_id="snapshot_sync", session=session, decision=decide.output,
+                                          spark_conn_id=SPARK_CONN_ID, **common)
         log_entries = LRLogEntrySyncOperator(task_id="log_entry_sync", session=session, decision=decide.output,
                                              spark_conn_id=SPARK_CONN_ID, **common)
         decide >> [snapshot, log_entries] >> report(session)
@@ -145,8 +157,22 @@ def lr_replication() -> None:
         execution_timeout=timedelta(minutes=30), map_index_template=PAIR_LABEL,
     ).expand_kwargs(pairs)
     groups >> pairs
+
+    @task(trigger_rule=TriggerRule.ALL_DONE)
+    def snapshot_transfers(sessions: list[dict]) -> list[dict]:
+        """The sessions whose snapshot step left a large full-sync transfer to Spark."""
+        from airflow_provider_lr.operators.spark import transfers_left_to_spark
+
+        return transfers_left_to_spark(get_current_context()["ti"], sessions, "session.snapshot_sync")
+
+    moves = snapshot_transfers(sessions.output)
+    transfers = LRSparkSnapshotTransferOperator.partial(
+        task_id="spark_snapshot_transfer", conn_id=SPARK_CONN_ID, conf={"spark.ui.enabled": "false"},
+        execution_timeout=timedelta(minutes=30), map_index_template=TRANSFER_LABEL,
+    ).expand_kwargs(moves)
+    groups >> moves
     # the run's verdict: failed when any session failed, after every healthy session delivered
-    [groups, tables] >> LRRunCheckOperator(task_id="check", sessions=sessions.output,
+    [groups, tables, transfers] >> LRRunCheckOperator(task_id="check", sessions=sessions.output,
                                            report_task_id="session.report", retries=0)
 
 

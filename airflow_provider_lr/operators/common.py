@@ -19,6 +19,8 @@ from airflow_provider_lr.paths import spark_jobs_dir
 
 FANOUT_JOB = "lr_fanout.py"  # the Spark jobs in spark_jobs/ the operators submit
 TABLE_SNAPSHOT_JOB = "lr_table_snapshot.py"
+SNAPSHOT_TRANSFER_JOB = "lr_snapshot_transfer.py"
+APPLY_QUEUE_JOB = "lr_apply_receive_queue.py"
 TOPOLOGY_VARIABLE = "lr_topology"  # Airflow Variable (or AIRFLOW_VAR_LR_TOPOLOGY) naming the topology file
 
 

@@ -30,6 +30,7 @@ from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.operators import telemetry
 from airflow_provider_lr.operators.common import (
+    SNAPSHOT_TRANSFER_JOB,
     TABLE_SNAPSHOT_JOB,
     load_topology,
     session_dicts,
@@ -83,10 +84,11 @@ class _SessionStepOperator(BaseOperator):
     step skip itself unless negotiation chose ``branch``; without it the step always runs (the
     engine still negotiates first and does nothing the session is not ready for).
 
-    ``spark_conn_id``: when given and this worker can run the table snapshot job through it, the
-    engine leaves a snapshot of federated tables it deems large (``table_spark_min_rows``) to
-    Spark, naming the tables in the report's ``tables_for_spark`` (the DAG then runs
-    ``LRSparkTableSnapshotOperator``); otherwise every table snapshot is written in the step."""
+    ``spark_conn_id``: when given and this worker can run lr's Spark jobs through it, the engine
+    leaves what it deems large to Spark: a snapshot of federated tables (``table_spark_min_rows``;
+    the report's ``tables_for_spark``, for ``LRSparkTableSnapshotOperator``) and a full-sync
+    transfer (``snapshot_spark_min_entries``; the report's ``transfer_for_spark``, for
+    ``LRSparkSnapshotTransferOperator``). Otherwise everything is written in the step."""
 
     template_fields: Sequence[str] = ("session", "decision", "topology_path")
     branch = ""
@@ -133,7 +135,8 @@ class _SessionStepOperator(BaseOperator):
                     peers = nearest_copy.peers_in_region(
                         topo, key, lambda site: LRSiteHook(lr_conn_id=topo.conn_id(site)).connect_site(site))
                     runner = SessionRunner(key, source, sink, f"airflow:{new_owner_id()}", self._settings(topo),
-                                           provider, spark_tables=self._spark_tables(), peers=peers)
+                                           provider, spark_tables=self._spark_can_run(TABLE_SNAPSHOT_JOB),
+                                           spark_transfer=self._spark_can_run(SNAPSHOT_TRANSFER_JOB), peers=peers)
                     try:
                         yield runner
                     finally:
@@ -142,13 +145,13 @@ class _SessionStepOperator(BaseOperator):
                 self._record_error(source, key, f"{type(exc).__name__}: {exc}".strip())
                 raise
 
-    def _spark_tables(self) -> bool:
-        """Whether large table snapshots may be left to the Spark task (see the class)."""
+    def _spark_can_run(self, job: str) -> bool:
+        """Whether large work of Spark job ``job`` may be left to the Spark task (see the class)."""
         if not self.spark_conn_id:
             return False
-        why = spark_unavailable(self.spark_conn_id, TABLE_SNAPSHOT_JOB)
+        why = spark_unavailable(self.spark_conn_id, job)
         if why:
-            self.log.info("table snapshots are written in this step: %s", why)
+            self.log.info("what %s would do is done in this step: %s", job, why)
         return why is None
 
     def _record_error(self, source: Any, key: Any, error: str) -> None:

@@ -1,6 +1,8 @@
 """lr's Spark jobs as SparkSubmitOperators: the fan-out of one source's backlog
-(``spark_jobs/lr_fanout.py``) and the snapshot of a client's federated tables
-(``spark_jobs/lr_table_snapshot.py``).
+(``spark_jobs/lr_fanout.py``), the snapshot of a client's federated tables
+(``spark_jobs/lr_table_snapshot.py``), a session's full-sync transfer
+(``spark_jobs/lr_snapshot_transfer.py``) and the bulk apply of a sink's receive queues
+(``spark_jobs/lr_apply_receive_queue.py``).
 
 The jobs resolve sites from ``$LR_CONNECTIONS_FILE`` (Airflow's connections-file format), so these
 operators materialize the connections the job needs — the source and its sinks, resolved
@@ -24,7 +26,9 @@ from airflow_provider_lr.engine.site.topology import Topology
 from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.operators import telemetry
 from airflow_provider_lr.operators.common import (
+    APPLY_QUEUE_JOB,
     FANOUT_JOB,
+    SNAPSHOT_TRANSFER_JOB,
     TABLE_SNAPSHOT_JOB,
     load_topology,
     spark_unavailable,
@@ -154,6 +158,90 @@ class LRSparkTableSnapshotOperator(_LRSparkJobOperator):
         self._submit(context, path, topo, {self.source, *sinks}, args)
         self.log.info("table snapshot of %s/%s: %s", self.source, self.client, self.result)
         return self.result
+
+
+class LRSparkSnapshotTransferOperator(_LRSparkJobOperator):
+    """Move one session's supplied full-sync data to its sink and apply it with the Spark job
+    ``spark_jobs/lr_snapshot_transfer.py``: entry-id ranges staged on the sink by parallel tasks,
+    then one server-side move into the receive queue (``engine/bulk/snapshot_transfer``). A rerun
+    after any failure resumes; nothing is written twice.
+
+    :param source, sink, client: the session (templated)
+    :param request_id: the supplied full-sync request (templated; default: the session's open one)
+    :param partitions: entry-id ranges (the job's ``--partitions``; default: Spark's parallelism)
+    :param conn_id: the Spark connection. Other SparkSubmitOperator arguments pass through.
+    Returns the job's result: entries staged and moved, whether applied, seconds per phase.
+    """
+
+    template_fields: Sequence[str] = (*SparkSubmitOperator.template_fields, "source", "sink", "client",
+                                      "request_id", "topology_path")
+
+    def __init__(self, *, source: str, sink: str, client: str, request_id: str | None = None,
+                 partitions: int | None = None, name: str = "lr-snapshot-transfer", **kwargs: Any) -> None:
+        super().__init__(job=SNAPSHOT_TRANSFER_JOB, name=name, **kwargs)
+        self.source, self.sink, self.client = source, sink, client
+        self.request_id, self.partitions = request_id, partitions
+
+    def execute(self, context: Any) -> dict[str, Any] | None:
+        path = topology_path(self.topology_path)
+        topo = load_topology(path)
+        args = ["--source", self.source, "--sink", self.sink, "--client", self.client]
+        if self.request_id:
+            args += ["--request-id", self.request_id]
+        if self.partitions:
+            args += ["--partitions", str(int(self.partitions))]
+        self._submit(context, path, topo, {self.source, self.sink}, args)
+        self.log.info("full-sync transfer of %s->%s/%s: %s", self.source, self.sink, self.client, self.result)
+        telemetry.session_step({"source": self.source, "sink": self.sink, "client": self.client},
+                               snapshot_messages=(self.result or {}).get("transferred", 0))
+        return self.result
+
+
+class LRSparkApplyReceiveQueueOperator(_LRSparkJobOperator):
+    """Apply a sink's receive queues of one client with your function, in bulk, on Spark
+    (``spark_jobs/lr_apply_receive_queue.py``): one task per source queue, each run of entries in
+    source order in one sink transaction with the delete of what it applied (exactly once; the
+    subscriber's per-queue lock keeps a subscriber and the job from interleaving one queue).
+
+    :param sink: the sink site id (templated)
+    :param client: the client whose queues are applied (templated)
+    :param function: ``package.module:function`` taking an ``ApplyBatch`` (importable on the executors)
+    :param batch: entries per run (the job's ``--batch``)
+    :param conn_id: the Spark connection. Other SparkSubmitOperator arguments pass through.
+    Returns the job's result: entries applied per source.
+    """
+
+    template_fields: Sequence[str] = (*SparkSubmitOperator.template_fields, "sink", "client", "function",
+                                      "topology_path")
+
+    def __init__(self, *, sink: str, client: str, function: str, batch: int | None = None,
+                 name: str = "lr-apply-receive-queue", **kwargs: Any) -> None:
+        super().__init__(job=APPLY_QUEUE_JOB, name=name, **kwargs)
+        self.sink, self.client, self.function, self.batch = sink, client, function, batch
+
+    def execute(self, context: Any) -> dict[str, Any] | None:
+        path = topology_path(self.topology_path)
+        topo = load_topology(path)
+        args = ["--sink", self.sink, "--client", self.client, "--function", self.function]
+        if self.batch:
+            args += ["--batch", str(int(self.batch))]
+        self._submit(context, path, topo, {self.sink}, args)
+        self.log.info("bulk apply of %s's %s queues: %s", self.sink, self.client, self.result)
+        return self.result
+
+
+def transfers_left_to_spark(ti: Any, sessions: list[dict[str, Any]], step_task_id: str) -> list[dict[str, str]]:
+    """The sessions whose step ``step_task_id`` (mapped one index per session, in ``sessions``'
+    order) left its full-sync transfer to Spark (``transfer_for_spark`` in its report), as
+    ``expand_kwargs`` input for ``LRSparkSnapshotTransferOperator``:
+    ``[{"source", "sink", "client", "request_id"}]``."""
+    found = []
+    for index, session in enumerate(sessions):
+        report = ti.xcom_pull(task_ids=step_task_id, map_indexes=index)
+        if report and report.get("transfer_for_spark"):
+            found.append({"source": session["source"], "sink": session["sink"], "client": session["client"],
+                          "request_id": report["transfer_for_spark"]})
+    return found
 
 
 def tables_left_to_spark(ti: Any, sessions: list[dict[str, Any]], step_task_id: str) -> list[dict[str, str]]:

@@ -366,3 +366,78 @@ def test_the_failover_dag_promotes_a_sink_from_its_form_and_rejoins_the_old_sour
     assert str(again.state) == "success", states(again)
     assert xcom(again, "failover")["tail"] == {"policy": 0}
     app.close()
+
+
+def test_large_full_sync_transfers_have_a_spark_task_in_both_dags(dagbag):
+    from airflow.sdk import TriggerRule
+
+    replication = dagbag.dags["lr_replication"]
+    assert replication.get_task("session.snapshot_sync").spark_conn_id == "spark_default"
+    collect = replication.get_task("snapshot_transfers")
+    assert collect.trigger_rule == TriggerRule.ALL_DONE and "session.report" in collect.upstream_task_ids
+    assert {t.task_id for t in collect.downstream_list} == {"spark_snapshot_transfer"}
+    assert "spark_snapshot_transfer" in replication.get_task("check").upstream_task_ids
+    full = dagbag.dags["lr_full_sync"]
+    assert full.get_task("snapshot_sync").partial_kwargs["spark_conn_id"] == "spark_default"
+    assert "spark_snapshot_transfer" in full.get_task("log_entry_sync").upstream_task_ids  # catch-up after it
+    for dag in (replication, full):
+        assert dag.get_task("spark_snapshot_transfer").map_index_template  # listed as source->sink/client
+
+
+def large_full_sync(airflow_sites, monkeypatch, rows_: int = 1500) -> App:
+    """``snapshot_spark_min_entries`` 1000 in the topology, the test app's table of ``rows_`` rows
+    (its full sync: ``rows_`` + 2 entries with the markers); Spark on local[2] as ``spark_default``."""
+    reconfigure(airflow_sites, settings={"snapshot_spark_min_entries": 1000})
+    app = App(airflow_sites.sites[0])
+    with app.conn.cursor() as cur:
+        cur.execute("INSERT INTO app_state SELECT 'k' || i, i FROM generate_series(1, %s) i", (rows_,))
+    app.conn.commit()
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[2]"}))
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # spark-submit
+    return app
+
+
+@pytest.mark.slow
+def test_a_large_full_sync_transfer_goes_through_the_spark_task_of_lr_replication(dagbag, airflow_sites, monkeypatch):
+    """First contact: each session's snapshot step has its client's data supplied (1,502 entries,
+    over ``snapshot_spark_min_entries``) and leaves the transfer to Spark; one spark-submit of
+    lr_snapshot_transfer.py per session moves and applies it; the next run catches up in process."""
+    app = large_full_sync(airflow_sites, monkeypatch)
+    source, sink_b, sink_c = airflow_sites.sites
+    run = run_dag(dagbag, "lr_replication")
+    got = states(run)
+    assert str(run.state) == "success", got
+    for index in (0, 1):
+        assert got[("spark_snapshot_transfer", index)] == "success", got
+        request_id = xcom(run, "session.snapshot_sync", index)["transfer_for_spark"]
+        result = xcom(run, "spark_snapshot_transfer", index)
+        assert result["ok"] and result["applied"] and result["transferred"] == 1502 and result["request_id"] == request_id
+    assert {ti.rendered_map_index for ti in run.get_task_instances() if ti.task_id == "spark_snapshot_transfer"} \
+        == {"site-a->site-b/policy", "site-a->site-c/policy"}
+    app.put("after", 1, ["site-b", "site-c"])
+    again = run_dag(dagbag, "lr_replication")
+    assert str(again.state) == "success" and not xcom(again, "snapshot_transfers")
+    for sink in (sink_b, sink_c):
+        entries = queue(sink, "site-a")
+        assert final_state(entries) == source_state(source)
+        assert [p for k, p in entries if k == "log"] == ["after=1"]
+    app.close()
+
+
+@pytest.mark.slow
+def test_the_forms_full_sync_moves_a_large_transfer_through_spark_then_catches_up(dagbag, airflow_sites, monkeypatch):
+    """lr_full_sync (the UI form, forced) for site-b: the supplied data goes through Spark, then the
+    catch-up in the same run delivers what was written after the full sync's base."""
+    app = large_full_sync(airflow_sites, monkeypatch)
+    source, sink_b, sink_c = airflow_sites.sites
+    first = replicator(airflow_sites.topology, airflow_sites.sites, providers={"policy": table_provider})
+    first.run(max_cycles=3, until_idle=True, interval=0.01)
+    first.close()
+    run = run_dag(dagbag, "lr_full_sync", {"sink": "site-b", "reason": "rebuild", "client": None})
+    got = states(run)
+    assert str(run.state) == "success" and got[("spark_snapshot_transfer", 0)] == "success", got
+    assert xcom(run, "snapshot_transfers") == [{"source": "site-a", "sink": "site-b", "client": "policy",
+                                                 "request_id": xcom(run, "snapshot_sync", 0)["transfer_for_spark"]}]
+    assert xcom(run, "spark_snapshot_transfer", 0)["applied"]
+    assert final_state(queue(sink_b, "site-a")) == source_state(source)
+    app.close()

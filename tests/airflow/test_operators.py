@@ -6,6 +6,7 @@ import os
 import stat
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException, TaskDeferred
@@ -229,6 +230,32 @@ def test_spark_fan_out_operator_delivers_the_backlog_and_cleans_up(airflow_sites
     conns_file = op.env_vars["LR_CONNECTIONS_FILE"]  # handed to the job through the environment only
     assert os.path.dirname(conns_file) == str(tmp_path) and not os.path.exists(conns_file)  # removed after
     assert not any("password" in str(a) or "lr-connections" in str(a) for a in op.application_args)
+    app.close()
+
+
+@pytest.mark.slow
+def test_bulk_apply_operator_applies_the_sinks_queue_in_source_order_once(airflow_sites, monkeypatch):
+    """A user's DAG step: LRSparkApplyReceiveQueueOperator submits lr_apply_receive_queue.py with
+    the user's function; every entry is applied once, in source order, and left the queue."""
+    from airflow_provider_lr.operators.spark import LRSparkApplyReceiveQueueOperator
+
+    source, sink_b, _ = airflow_sites.sites
+    app = _app_with_sinks_in_log_entry_sync(source)
+    for i in range(30):
+        app.put(f"k{i}", i, ["site-b"])
+    for session in _sessions(sink="site-b"):
+        _step(LRLogEntrySyncOperator, session)
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_LOCAL", json.dumps({"conn_type": "spark", "host": "local[2]"}))
+    monkeypatch.setenv("PATH", f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}")
+    op = LRSparkApplyReceiveQueueOperator(task_id="apply", sink="site-b", client="policy",
+                                          function="tests.support.spark_env:record_applied", batch=7,
+                                          conn_id="spark_local", conf={"spark.ui.enabled": "false"},
+                                          env_vars={"PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    result = op.execute({})
+    assert result["ok"], result
+    applied = [p for (p,) in sink_b.query("SELECT payload FROM applied WHERE kind = 'log' ORDER BY n")]
+    assert applied == [f"k{i}={i}" for i in range(30)]
+    assert [k for k, _ in queue(sink_b, "site-a")] == []  # delivered: gone from the queue
     app.close()
 
 

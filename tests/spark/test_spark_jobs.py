@@ -42,7 +42,8 @@ def test_snapshot_transfer_in_parallel_resumes_and_hands_off(local_spark, lr_sit
         results = local_spark.sparkContext.parallelize(list(plan.ranges), 3).map(lambda p: staged(plan, p)).collect()
         assert sum(r["staged"] for r in results) == ROWS + 2
         assert staged(plan, plan.ranges[1])["staged"] == results[1]["staged"]
-        assert sink_b.query("SELECT count(*) FROM lr.spark_staging")[0][0] == ROWS + 2  # nothing twice
+        # nothing twice, and packed: far fewer rows than entries
+        assert sink_b.query("SELECT sum(entry_count), count(*) < %s FROM lr.spark_staging", (ROWS // 10,))[0] == (ROWS + 2, True)
         result = job.commit(plan)
     finally:
         job.close()

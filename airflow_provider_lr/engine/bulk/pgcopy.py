@@ -107,17 +107,18 @@ def uuid_field(value: str | None) -> bytes:
     return b"\xff\xff\xff\xff" if value is None else _I32.pack(16) + uuid.UUID(value).bytes
 
 
-_STAGED_ROW = struct.Struct(">iqiqihi")  # 8, position, 8, entry id, 2, kind, message length
-STAGING_COLUMNS = "source_site_id, client_name, sync_id, source_position, source_entry_id, kind, message"
+_STAGED_ROW = struct.Struct(">iqiqihiii")  # 8, position, 8, entry id, 2, kind, 4, count, message length
+STAGING_COLUMNS = "source_site_id, client_name, sync_id, source_position, source_entry_id, kind, entry_count, message"
 
 
 def staging_prefix(source: str, client: str, sync_id: str | None = None) -> bytes:
     """The leading fields of every staged row of one session (field count, source, client, sync)."""
-    return _I16.pack(7) + text(source) + text(client) + uuid_field(sync_id)
+    return _I16.pack(8) + text(source) + text(client) + uuid_field(sync_id)
 
 
-def staging_row(prefix: bytes, position: int, entry_id: int, kind: int, message: bytes) -> bytes:
-    return prefix + _STAGED_ROW.pack(8, position, 8, entry_id, 2, kind, len(message)) + message
+def staging_row(prefix: bytes, position: int, entry_id: int, kind: int, count: int, message: bytes) -> bytes:
+    """A staged receive-queue row (``queue_rows.QueueRow``: ``entry_id`` its last entry's, ``count`` entries)."""
+    return prefix + _STAGED_ROW.pack(8, position, 8, entry_id, 2, kind, 4, count, len(message)) + message
 
 
 class CopyWriter:

@@ -5,16 +5,16 @@
    SNAPSHOT_START on the sink (``writes.start_snapshot``: a no-op when this sync already started,
    so an interrupted transfer resumes), and cut the request's entries still to transfer (source
    entry ids after the sink's ``snapshot_last_entry``) into entry-id ranges.
-2. **stage** (one call per range, in parallel): read the range once from the source and stage it
-   on the sink (``lr.spark_staging`` with the request's ``sync_id``), replacing whatever an
+2. **stage** (one call per range, in parallel): read the range once from the source, pack it into
+   receive-queue rows (``sink/queue_rows``; a pack never spans two ranges) and stage them on the sink (``lr.spark_staging`` with the request's ``sync_id``), replacing whatever an
    earlier attempt staged for it, with a record of the range: retries write nothing twice.
-3. **commit** (driver): only when the staged ranges cover everything still to transfer, feed the
-   staged messages in entry-id order to ``writes.write_snapshot_messages`` — the same fenced,
-   resumable write the in-process transfer uses — in chunks, logging progress; then apply the
-   snapshot the way a session cycle does (``SessionRunner.apply_snapshot``).
+3. **commit** (driver): only when the staged ranges cover everything still to transfer, move the
+   staged messages into the receive queue in entry-id order, server-side, in one fenced sink
+   transaction with the transfer's metadata (no message passes through the driver); then apply
+   the snapshot the way a session cycle does (``SessionRunner.apply_snapshot``).
 
-Federated tables (a table snapshot read in parallel from one ``pg_export_snapshot()``) do not
-exist yet; when they do, their read belongs in step 2 with ``SET TRANSACTION SNAPSHOT``.
+Federated tables have their own parallel snapshot (``engine/tables/parallel.py``: one exported
+snapshot, key ranges read by tasks that join it).
 """
 from __future__ import annotations
 
@@ -31,18 +31,13 @@ import psycopg2.extensions
 from airflow_provider_lr.engine import vocabulary
 from airflow_provider_lr.engine.bulk.peak_memory import peak_rss_kb
 from airflow_provider_lr.engine.bulk.pgcopy import RowReader, StagingWriter, staging_prefix, staging_row
+from airflow_provider_lr.engine.sink.queue_rows import Packer
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, StaleBatchError
 from airflow_provider_lr.engine.session import lease as leases
-from airflow_provider_lr.engine.session.runner import (
-    SNAPSHOT_CHUNK,
-    SNAPSHOT_CHUNK_BYTES,
-    SessionRunner,
-    SessionSettings,
-)
+from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site.topology import Topology, site_conninfo
 from airflow_provider_lr.engine.source import full_sync
-from airflow_provider_lr.engine.source.log_reader import LogRecord
 from airflow_provider_lr.engine.vocabulary import (
     STAGING_LOCK_CLASS,
     STREAM_SNAP_SYNC,
@@ -50,8 +45,11 @@ from airflow_provider_lr.engine.vocabulary import (
     SessionKey,
     SessionState,
 )
+from airflow_provider_lr.proto import lr_pb2
 
 log = logging.getLogger(__name__)
+
+PACK_PENDING = 4096  # entries waiting to be packed in a staging task (memory bounded, as the fan-out's tee)
 
 
 @dataclass(frozen=True)
@@ -145,44 +143,57 @@ class SnapshotTransfer:
         return SnapshotPlan(str(uuid.uuid4()), self.key.source, self.key.sink, self.key.client, request.request_id,
                             str(request.supplied_tx), int(count), tuple(ranges), self.source_dsn, self.sink_dsn)
 
-    def commit(self, plan: SnapshotPlan, apply: bool = True,
-               progress: Callable[[int, int], None] | None = None) -> SnapshotResult:
-        """Transfer the staged ranges in entry order (resumable chunks), then apply."""
+    def commit(self, plan: SnapshotPlan, apply: bool = True) -> SnapshotResult:
+        """Move the staged messages into the sink's receive queue, then apply.
+
+        One fenced sink transaction, server-side: the messages after what the sink already holds go
+        from ``lr.spark_staging`` into ``lr.receive_queue`` in entry order (invisible, this sync; the
+        rows the staging tasks packed), with the transfer's metadata; no message passes through this
+        process. Refused
+        unless the staged ranges cover everything still to transfer. Rerun after a failure, it
+        moves what is left (nothing twice: the sink's ``snapshot_last_entry`` bounds it)."""
         result = SnapshotResult(plan.request_id, str(self.key))
-        meta = writes.read_metadata(self.sink, plan.source, plan.client)
-        if meta.snapshot_request_id != plan.request_id:
-            raise StaleBatchError(f"sink of {self.key} is on sync {meta.snapshot_request_id}, not {plan.request_id}")
-        reader = psycopg2.connect(self.sink_dsn)
-        try:
-            if plan.ranges:
-                with reader.cursor() as cur:
-                    covered = staged_coverage(cur, plan.source, plan.client, plan.plan_id,
-                                              max(meta.snapshot_last_entry, plan.ranges[0].lo), plan.ranges[-1].hi)
-                reader.rollback()
-                if covered is None:
+        started = time.monotonic()
+        write = writes.SinkTransaction(self.sink, plan.source, plan.client, self.runner._epoch())
+        with write as (cur, meta):
+            if meta.snapshot_request_id != plan.request_id:
+                raise StaleBatchError(f"sink of {self.key} is on sync {meta.snapshot_request_id}, not {plan.request_id}")
+            if plan.ranges and meta.snapshot_transferred != meta.snapshot_started:
+                if meta.snapshot_last_entry > plan.ranges[0].lo:  # a staged pack could straddle it
+                    raise StaleBatchError(f"snapshot {plan.request_id}: the sink received entries up to "
+                                          f"{meta.snapshot_last_entry} since the plan began at {plan.ranges[0].lo}; rerun")
+                if staged_coverage(cur, plan.source, plan.client, plan.plan_id,
+                                   max(meta.snapshot_last_entry, plan.ranges[0].lo), plan.ranges[-1].hi) is None:
                     raise StaleBatchError(f"snapshot {plan.request_id}: entries after {meta.snapshot_last_entry} are "
                                           f"not all staged on {plan.sink} (a partition failed); rerun")
-            while meta.snapshot_transferred != meta.snapshot_started:
-                chunk = _staged_chunk(reader, plan, meta.snapshot_last_entry)
-                if not chunk:
-                    raise LRError(f"snapshot {plan.request_id}: staged data ends at entry {meta.snapshot_last_entry} "
-                                  "before the end marker; rerun the transfer")
-                meta = writes.write_snapshot_messages(self.sink, plan.source, plan.client, self.runner._epoch(),
-                                                    plan.request_id, chunk)
-                result.transferred += len(chunk)
-                if progress:
-                    progress(result.transferred, plan.entries)
-            with reader.cursor() as cur:
-                cur.execute("DELETE FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s AND sync_id = %s",
-                            (plan.source, plan.client, plan.request_id))
-                cur.execute("DELETE FROM lr.spark_staged_ranges WHERE source_site_id = %s AND client_name = %s "
-                            "AND plan_id = %s", (plan.source, plan.client, plan.plan_id))
-            reader.commit()
-        finally:
-            reader.close()
+                cur.execute(
+                    "WITH moved AS (INSERT INTO lr.receive_queue (source_site_id, client_name, kind, source_position, "
+                    " source_entry_id, sync_id, visible, entry_count, message) "
+                    " SELECT source_site_id, client_name, kind, source_position, source_entry_id, sync_id, false, "
+                    " entry_count, message FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s "
+                    " AND sync_id = %s AND source_entry_id > %s ORDER BY source_entry_id "
+                    " RETURNING source_entry_id, kind, entry_count) "
+                    "SELECT coalesce(sum(entry_count), 0), max(source_entry_id), coalesce(bool_or(kind = %s), false) "
+                    "FROM moved",
+                    (plan.source, plan.client, plan.request_id, meta.snapshot_last_entry, lr_pb2.LAST_FULL_SYNC_ENTRY),
+                )
+                moved, last, ended = cur.fetchone()
+                if not ended:
+                    raise LRError(f"snapshot {plan.request_id}: staged data ends at entry {last} before the end "
+                                  "marker; rerun the transfer")
+                write.update(snapshot_transferred_seq=meta.snapshot_transferred_seq + moved,
+                             snapshot_last_entry=last, snapshot_transferred=meta.snapshot_started)
+                result.transferred = moved
+            cur.execute("DELETE FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s AND sync_id = %s",
+                        (plan.source, plan.client, plan.request_id))
+            cur.execute("DELETE FROM lr.spark_staged_ranges WHERE source_site_id = %s AND client_name = %s "
+                        "AND plan_id = %s", (plan.source, plan.client, plan.plan_id))
+        log.info("snapshot %s: moved %d staged entries into the receive queue", plan.request_id, result.transferred)
+        result.seconds["move"] = round(time.monotonic() - started, 3)
         if apply:
-            self.runner.apply_snapshot(meta)
+            self.runner.apply_snapshot(writes.read_metadata(self.sink, plan.source, plan.client))
             result.applied = True
+            result.seconds["apply"] = round(time.monotonic() - started - result.seconds["move"], 3)
         return result
 
     def close(self) -> None:
@@ -190,25 +201,6 @@ class SnapshotTransfer:
         for conn in (self.src, self.sink):
             if not conn.closed:
                 conn.close()
-
-
-def _staged_chunk(conn: psycopg2.extensions.connection, plan: SnapshotPlan, after_entry: int) -> list[LogRecord]:
-    """The next staged messages after ``after_entry``: at most ``SNAPSHOT_CHUNK`` of them and, past
-    the first, while the bytes before them stay under ``SNAPSHOT_CHUNK_BYTES`` (memory bounded by
-    bytes; the sizes are read without fetching the messages)."""
-    with conn.cursor() as cur:
-        cur.execute(
-            "SELECT source_position, source_entry_id, message FROM ("
-            " SELECT source_position, source_entry_id, message,"
-            "  sum(octet_length(message)) OVER (ORDER BY source_entry_id) - octet_length(message) AS before"
-            " FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s AND sync_id = %s"
-            " AND source_entry_id > %s ORDER BY source_entry_id LIMIT %s) chunk "
-            "WHERE before < %s ORDER BY source_entry_id",
-            (plan.source, plan.client, plan.request_id, after_entry, SNAPSHOT_CHUNK, SNAPSHOT_CHUNK_BYTES),
-        )
-        rows = [LogRecord(p, e, bytes(m)) for p, e, m in cur.fetchall()]
-    conn.rollback()
-    return rows
 
 
 def stage_range(plan: SnapshotPlan, part: EntryRange) -> dict:
@@ -225,11 +217,14 @@ def stage_range(plan: SnapshotPlan, part: EntryRange) -> dict:
                         (plan.source, plan.client, plan.request_id, part.lo, part.hi))
         writer = StagingWriter(dst)
         prefix = staging_prefix(plan.source, plan.client, plan.request_id)
+        packer = Packer(lambda r: writer.add(staging_row(prefix, r.position, r.entry_id, r.kind, r.count, r.message)))
 
         def on_row(fields: list[bytes | None]) -> None:
             kind, message = vocabulary.strip_destinations(fields[2] or b"")
-            writer.add(staging_row(prefix, int.from_bytes(fields[0] or b"", "big", signed=True),
-                                   int.from_bytes(fields[1] or b"", "big", signed=True), kind, message))
+            packer.add(kind, int.from_bytes(fields[0] or b"", "big", signed=True),
+                       int.from_bytes(fields[1] or b"", "big", signed=True), message)
+            if len(packer.pending) >= PACK_PENDING:
+                packer.flush(final=False)  # memory bounded: the unfinished last pack waits
 
         with src.cursor() as cur:
             cur.copy_expert(cur.mogrify(
@@ -238,16 +233,18 @@ def stage_range(plan: SnapshotPlan, part: EntryRange) -> dict:
                 "TO STDOUT (FORMAT binary)", (plan.supplied_tx, STREAM_SNAP_SYNC, part.lo, part.hi)).decode(),
                 RowReader(on_row))
         src.rollback()
+        packer.flush()
         writer.close()
         with dst.cursor() as cur:
             cur.execute(
                 "INSERT INTO lr.spark_staged_ranges (source_site_id, client_name, plan_id, range_lo, range_hi, "
                 "staged_rows) VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (source_site_id, client_name, plan_id, "
                 "range_lo) DO UPDATE SET staged_rows = EXCLUDED.staged_rows, staged_at = now()",
-                (plan.source, plan.client, plan.plan_id, part.lo, part.hi, writer.rows))
+                (plan.source, plan.client, plan.plan_id, part.lo, part.hi, packer.entries))
         dst.commit()
-        log.info("snapshot %s: staged %d entries (%d, %d]", plan.request_id, writer.rows, part.lo, part.hi)
-        return {"index": part.index, "staged": writer.rows, "seconds": round(time.monotonic() - started, 3),
+        log.info("snapshot %s: staged %d entries in %d rows (%d, %d]", plan.request_id, packer.entries, packer.rows,
+                 part.lo, part.hi)
+        return {"index": part.index, "staged": packer.entries, "seconds": round(time.monotonic() - started, 3),
                 "peak_rss_kb": peak_rss_kb(), "pid": os.getpid()}
     finally:
         if writer is not None:
@@ -286,11 +283,8 @@ def run_transfer(transfer: SnapshotTransfer, map_ranges: Callable[[SnapshotPlan]
     staged = list(map_ranges(plan)) if plan.ranges else []
     t2 = time.monotonic()
 
-    def progress(done: int, total: int) -> None:
-        log.info("snapshot %s: transferred %d of %d entries", plan.request_id, done, total)
-
-    result = transfer.commit(plan, apply, progress)
+    result = transfer.commit(plan, apply)
     result.staged, result.partitions = sum(s["staged"] for s in staged), len(staged)
-    result.seconds = {"plan": round(t1 - t0, 3), "stage": round(t2 - t1, 3), "commit": round(time.monotonic() - t2, 3)}
+    result.seconds = {"plan": round(t1 - t0, 3), "stage": round(t2 - t1, 3), **result.seconds}
     result.peak_rss_kb = {"driver": peak_rss_kb(), "executor_python": max((s["peak_rss_kb"] for s in staged), default=0)}
     return result

@@ -76,6 +76,7 @@ SPARK_MIN_BACKLOG = 800_000
 # spark-submit costs ~8 s before the first row: in process is never slower below ~10M rows. Lower
 # it (topology setting) where Spark executors have cores of their own.
 TABLE_SPARK_MIN_ROWS = 10_000_000
+SNAPSHOT_SPARK_MIN_ENTRIES = 1_000_000  # measured: docs/spark.md "Full sync on Spark"
 
 
 @dataclass
@@ -89,6 +90,7 @@ class SessionSettings:
     tee_min_backlog: int = TEE_MIN_BACKLOG  # 0: never tee, session cycles only
     spark_min_backlog: int = SPARK_MIN_BACKLOG  # where Spark can run (the DAG); lr sync runs none
     table_spark_min_rows: int = TABLE_SPARK_MIN_ROWS  # a table snapshot this large goes to Spark (the DAG)
+    snapshot_spark_min_entries: int = SNAPSHOT_SPARK_MIN_ENTRIES  # a full-sync transfer this large goes to Spark (the DAGs)
     nearest_copy: bool = True  # a client of tables only may be seeded from a peer sink in its region
     peer_probe_delay: float = PROBE_DELAY  # seconds the first peer has to answer (x2 each next)
 
@@ -101,6 +103,7 @@ class SessionSettings:
             "tee_min_backlog": topology.setting("tee_min_backlog", TEE_MIN_BACKLOG),
             "spark_min_backlog": topology.setting("spark_min_backlog", SPARK_MIN_BACKLOG),
             "table_spark_min_rows": topology.setting("table_spark_min_rows", TABLE_SPARK_MIN_ROWS),
+            "snapshot_spark_min_entries": topology.setting("snapshot_spark_min_entries", SNAPSHOT_SPARK_MIN_ENTRIES),
             "nearest_copy": topology.setting("nearest_copy", True),
             "peer_probe_delay": topology.setting("peer_probe_delay_s", PROBE_DELAY),
         }
@@ -127,6 +130,7 @@ class CycleReport:
     waiting: bool = False  # snapshot sync: the client's data has not been supplied yet
     tables: list[str] = field(default_factory=list)  # federated tables snapshotted (table: state)
     tables_for_spark: list[str] = field(default_factory=list)  # ... left to the Spark job (large)
+    transfer_for_spark: str = ""  # snapshot sync: the supplied request whose transfer is left to Spark (large)
 
     @property
     def idle(self) -> bool:
@@ -145,6 +149,7 @@ class SessionRunner:
     settings: SessionSettings = field(default_factory=SessionSettings)
     provider: Provider | None = None
     spark_tables: bool = False  # large table snapshots are left to the Spark job (the DAG runs one)
+    spark_transfer: bool = False  # ... and large full-sync transfers (lr_snapshot_transfer.py)
     peers: list[nearest_copy.Peer] = field(default_factory=list)  # nearest copies first (nearest_copy.py)
     lease: leases.Lease | None = field(default=None, init=False)
     tables: TableSplits = field(default_factory=TableSplits, init=False)  # synced tables, for the reader
@@ -295,6 +300,10 @@ class SessionRunner:
             report.waiting = True
             return None
         assert request.base_position is not None
+        if self.spark_transfer and (request.entries or 0) >= self.settings.snapshot_spark_min_entries:
+            report.transfer_for_spark = request.request_id
+            report.reason = f"{report.reason}; the transfer of {request.entries} entries is left to Spark".lstrip("; ")
+            return None
         meta = writes.start_snapshot(
             self.sink, self.key.source, self.key.client, self._epoch(), request.request_id,
             request.base_position, request.split, self._topology_id(),
@@ -383,14 +392,20 @@ class SessionRunner:
         with self.source.cursor() as cur:
             # messages are sent only while the bytes before them stay under the chunk's budget (sizes
             # are read from the tuples without fetching the messages)
+            # One transaction, so one commit position: read apart. The entries in primary-key order
+            # (tx, entry_id), never sorted: right after the supplying transaction the table's
+            # statistics are stale (a handful of rows expected), and the planner sorted every remaining
+            # entry for each chunk: a full sync of 1M entries took 75 s in process, quadratic.
+            cur.execute("SET LOCAL enable_sort = off; SET LOCAL enable_bitmapscan = off")
             cur.execute(
-                "SELECT position, entry_id, message FROM ("
-                " SELECT c.position, e.entry_id, e.message,"
+                "SELECT (SELECT position FROM lr.log_commits WHERE tx = %s::xid8), entry_id, message FROM ("
+                " SELECT e.entry_id, e.message,"
                 "  sum(octet_length(e.message)) OVER (ORDER BY e.entry_id) - octet_length(e.message) AS before"
-                " FROM lr.log_entries e JOIN lr.log_commits c ON c.tx = e.tx"
+                " FROM lr.log_entries e"
                 " WHERE e.tx = %s::xid8 AND e.stream = %s AND e.entry_id > %s ORDER BY e.entry_id LIMIT %s) chunk "
                 "WHERE before < %s ORDER BY entry_id",
-                (request.supplied_tx, STREAM_SNAP_SYNC, after_entry, SNAPSHOT_CHUNK, SNAPSHOT_CHUNK_BYTES),
+                (request.supplied_tx, request.supplied_tx, STREAM_SNAP_SYNC, after_entry, SNAPSHOT_CHUNK,
+                 SNAPSHOT_CHUNK_BYTES),
             )
             rows = [LogRecord(p, e, bytes(m)) for p, e, m in cur.fetchall()]
         self.source.commit()

@@ -37,7 +37,7 @@ ApplyFunction = Callable[[ApplyBatch], object]
 
 def load_apply_function(target: str) -> ApplyFunction:
     """``package.module:function`` (the same loader as full-sync providers)."""
-    return load_provider(target)  # type: ignore[return-value]
+    return load_provider(target, "apply function")  # type: ignore[return-value]
 
 
 class _Applier:

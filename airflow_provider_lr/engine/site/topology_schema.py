@@ -56,6 +56,7 @@ SETTINGS: dict[str, tuple[dict, str]] = {
     "tee_min_backlog": (_COUNT, "lr sync and the DAG: larger backlogs are caught up by the read-once tee (0: off)"),
     "spark_min_backlog": (_COUNT, "lr_replication DAG: larger backlogs go through the Spark fan-out"),
     "table_spark_min_rows": (_COUNT, "the DAGs: federated-table snapshots of more rows go through the Spark job"),
+    "snapshot_spark_min_entries": (_COUNT, "the DAGs: full-sync transfers of more entries go through the Spark job"),
     "nearest_copy": ({"type": "boolean"},
                      "a sink of a client of tables only may take its snapshot from a peer sink in its region"),
     "peer_probe_delay_s": (_POSITIVE_SECONDS, "seconds the nearest peer has to answer before the next is asked"),

@@ -218,15 +218,16 @@ class FullSyncContext:
 Provider = Callable[[FullSyncContext], None]
 
 
-def load_provider(target: str) -> Provider:
-    """A provider named ``package.module:function``."""
+def load_provider(target: str, what: str = "full-sync provider") -> Provider:
+    """A provider (or, as ``what`` says, another function) named ``package.module:function``."""
     module_name, _, attr = target.partition(":")
     try:
         provider = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise ConfigurationError(f"cannot load full-sync provider {target!r}: {exc}") from exc
+        raise ConfigurationError(f"cannot load {what} {target!r}: {exc} (it must be importable where lr runs: "
+                                 "install its package there or add it to PYTHONPATH)") from exc
     if not callable(provider):
-        raise ConfigurationError(f"full-sync provider {target!r} is not callable")
+        raise ConfigurationError(f"{what} {target!r} is not callable")
     return provider
 
 

@@ -1,0 +1,174 @@
+"""Full-sync transfer (issue 20): the session step's in-process transfer vs the Spark job
+(``spark_jobs/lr_snapshot_transfer.py``), to set ``SNAPSHOT_SPARK_MIN_ENTRIES``.
+
+Servers: 2 embedded PostgreSQL servers of ``fanout_anchors.start_env`` (the source and one sink;
+the other two idle). Per size (``--sizes``, entries of ``--payload`` bytes): a fresh pair of
+databases, a full-sync request supplied by a provider that transmits the entries in one
+transaction, then the request moved to the sink and applied, timed from the supplied request to the
+applied snapshot:
+
+* ``in-process``: ``SessionRunner.snapshot_step()`` (what ``lr sync`` and the DAG's step run:
+  chunks of ``SNAPSHOT_CHUNK`` messages read from the source and written to the sink);
+* ``spark local[N]``: ``lr_snapshot_transfer.transfer`` on a SparkSession made here (its start is
+  timed apart, the run excludes it): entry-id ranges staged in parallel tasks, then one
+  server-side move into the receive queue;
+
+checked each time: the sink's snapshot rows count equals the entries. Then straight lines
+t = a + b·entries fitted to each, and the break-even where in-process = Spark start + Spark run.
+Run: .venv/bin/python bench/snapshot_transfer_bench.py [--sizes 100000,300000,1000000] [--payload 256]
+     [--master local[2]]
+Writes bench/results/snapshot_transfer_bench.json and prints markdown.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg2
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "spark_jobs")]
+
+from fanout_anchors import execute, start_env, stop_env  # noqa: E402
+
+from airflow_provider_lr.engine.session.lease import new_owner_id  # noqa: E402
+from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings  # noqa: E402
+from airflow_provider_lr.engine.site import schema, topology  # noqa: E402
+from airflow_provider_lr.engine.source import full_sync  # noqa: E402
+from airflow_provider_lr.engine.source.transmit import RoutingQueueClient  # noqa: E402
+from airflow_provider_lr.engine.vocabulary import SessionKey  # noqa: E402
+
+CLIENT = "bench"
+KEY = SessionKey("src", "dst", CLIENT)
+
+
+def _dsn(admin: str, db: str) -> str:
+    return " ".join([p for p in admin.split() if not p.startswith("dbname=")] + [f"dbname={db}"])
+
+
+def prepare(admins: dict[str, str], entries: int, payload: int) -> tuple[topology.Topology, dict[str, str], str]:
+    """Fresh databases, the topology applied, and a supplied full-sync request of ``entries``."""
+    doc = {"sites": [{"id": "src"}, {"id": "dst"}],
+           "replication": [{"source": "src", "sinks": ["dst"], "clients": [CLIENT]}], "settings": {"lease_seconds": 600}}
+    topo = topology.from_document(doc)
+    dsns = {}
+    for site, admin in admins.items():
+        execute(admin, "DROP DATABASE IF EXISTS transfer_bench WITH (FORCE)", "CREATE DATABASE transfer_bench")
+        dsns[site] = _dsn(admin, "transfer_bench")
+        conn = psycopg2.connect(dsns[site])
+        schema.init_site(conn, site)
+        topology.apply_to_site(conn, topo, site)
+        conn.close()
+    body = os.urandom(payload)
+
+    def provider(ctx) -> None:
+        for _ in range(entries):
+            ctx.transmit(body)
+
+    conn = psycopg2.connect(dsns["src"])
+    request = full_sync.request_full_sync(conn, "dst", CLIENT, reason="bench")
+    RoutingQueueClient(conn, CLIENT).serve_full_sync_requests(provider)
+    conn.close()
+    return topo, dsns, request.request_id
+
+
+def snapshot_rows(dsn: str) -> int:
+    return execute(dsn, "SELECT coalesce(sum(entry_count), 0) FROM lr.receive_queue WHERE kind = 2")[0][0]
+
+
+def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-9)
+    return my - b * mx, b
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="100000,300000,1000000")
+    parser.add_argument("--payload", type=int, default=256)
+    parser.add_argument("--master", default="local[2]")
+    parser.add_argument("--out", default="snapshot_transfer_bench.json", help="file name under bench/results")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    env = start_env(Path(tempfile.mkdtemp(prefix="lr-transfer-")))
+    admins = {"src": env.source_dsn, "dst": env.sink_dsns[0]}
+    runs: list[dict] = []
+    try:
+        import lr_snapshot_transfer
+        from pyspark.sql import SparkSession
+
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors import the engine too
+        t0 = time.monotonic()
+        spark = SparkSession.builder.master(args.master).appName("lr-transfer-bench") \
+            .config("spark.ui.enabled", "false").getOrCreate()
+        spark.sparkContext.parallelize([0], 1).collect()
+        spark_start = time.monotonic() - t0
+        print(f"Spark {args.master} start (with a first task): {spark_start:.1f}s", flush=True)
+        for entries in sizes:
+            for method in ("in-process", f"spark {args.master}"):
+                topo, dsns, request_id = prepare(admins, entries, args.payload)
+                started, phases = time.monotonic(), {}
+                if method == "in-process":
+                    src, dst = psycopg2.connect(dsns["src"]), psycopg2.connect(dsns["dst"])
+                    runner = SessionRunner(KEY, src, dst, new_owner_id(), SessionSettings(lease_seconds=600))
+                    report = runner.snapshot_step()
+                    runner.release()
+                    src.close()
+                    dst.close()
+                    if report.error:
+                        raise RuntimeError(report.error)
+                else:
+                    os.environ["AIRFLOW_CONN_SRC"] = json.dumps(_conn(dsns["src"], "src"))
+                    os.environ["AIRFLOW_CONN_DST"] = json.dumps(_conn(dsns["dst"], "dst"))
+                    result = lr_snapshot_transfer.transfer(spark, topo, "src", "dst", CLIENT, request_id)
+                    if not result.applied:
+                        raise RuntimeError(f"not applied: {result}")
+                    phases = result.seconds
+                seconds = time.monotonic() - started
+                got = snapshot_rows(dsns["dst"])
+                if got != entries:
+                    raise RuntimeError(f"{method}: {got} snapshot entries at the sink, not {entries}")
+                runs.append({"method": method, "entries": entries, "seconds": round(seconds, 3),
+                             "entries_per_s": round(entries / seconds), "phases_s": phases})
+                print(f"  {method:<16} {entries:>9} entries  {seconds:7.2f}s  {entries / seconds:>10,.0f}/s "
+                      f"{phases or ''}", flush=True)
+        spark.stop()
+    finally:
+        stop_env(env)
+    lines = {}
+    for method in sorted({r["method"] for r in runs}):
+        mine = [r for r in runs if r["method"] == method]
+        lines[method] = fit([r["entries"] for r in mine], [r["seconds"] for r in mine])
+    (a_in, b_in), (a_sp, b_sp) = lines["in-process"], lines[f"spark {args.master}"]
+    slope = b_in - b_sp
+    even = (a_sp + spark_start - a_in) / slope if slope > 0 else None
+    out = {"machine": platform.platform(), "cores": os.cpu_count(), "payload": args.payload, "master": args.master,
+           "spark_start_s": round(spark_start, 2), "runs": runs,
+           "fits": {m: {"a_s": round(a, 3), "us_per_entry": round(b * 1e6, 3)} for m, (a, b) in lines.items()},
+           "break_even_entries": round(even) if even else None}
+    path = ROOT / "bench" / "results" / args.out
+    path.write_text(json.dumps(out, indent=2))
+    print("\n| entries | in-process s | Spark run s (start excluded) | in-process /s | Spark /s |\n|---|---|---|---|---|")
+    for entries in sizes:
+        i = next(r for r in runs if r["entries"] == entries and r["method"] == "in-process")
+        s = next(r for r in runs if r["entries"] == entries and r["method"] != "in-process")
+        print(f"| {entries:,} | {i['seconds']:.2f} | {s['seconds']:.2f} | {i['entries_per_s']:,} | {s['entries_per_s']:,} |")
+    print(f"\nfits: {out['fits']}; Spark start {spark_start:.1f}s; break-even (cold Spark): "
+          f"{out['break_even_entries'] or 'none: Spark is not faster per entry'} entries\nwritten to {path}")
+
+
+def _conn(dsn: str, site: str) -> dict:
+    p = psycopg2.extensions.parse_dsn(dsn)
+    return {"conn_type": "lr_site", "host": p.get("host"), "port": int(p.get("port", 5432)), "login": p.get("user"),
+            "password": p.get("password"), "schema": p["dbname"], "extra": {"site_id": site}}
+
+
+if __name__ == "__main__":
+    main()
