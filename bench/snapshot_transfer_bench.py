@@ -16,12 +16,13 @@ applied snapshot:
 checked each time: the sink's snapshot rows count equals the entries. Then straight lines
 t = a + b·entries fitted to each, and the break-even where in-process = Spark start + Spark run.
 Run: .venv/bin/python bench/snapshot_transfer_bench.py [--sizes 100000,300000,1000000] [--payload 256]
-     [--master local[2]]
+     [--master local[2] | local[1] | standalone:2 (a Master and 2 Workers of 1 core, started here)]
 Writes bench/results/snapshot_transfer_bench.json and prints markdown.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -100,15 +101,23 @@ def main() -> None:
     env = start_env(Path(tempfile.mkdtemp(prefix="lr-transfer-")))
     admins = {"src": env.source_dsn, "dst": env.sink_dsns[0]}
     runs: list[dict] = []
+    stack = contextlib.ExitStack()
     try:
         import lr_snapshot_transfer
         from pyspark.sql import SparkSession
 
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors import the engine too
         t0 = time.monotonic()
-        spark = SparkSession.builder.master(args.master).appName("lr-transfer-bench") \
-            .config("spark.ui.enabled", "false").getOrCreate()
-        spark.sparkContext.parallelize([0], 1).collect()
+        if args.master.startswith("standalone:"):  # N workers of 1 core, started here (tests' helper)
+            from tests.support.spark_env import cluster_spark_session, standalone_cluster
+
+            workers = int(args.master.split(":")[1])
+            cluster = stack.enter_context(standalone_cluster(Path(tempfile.mkdtemp(prefix="lr-spark-")), workers=workers))
+            spark = cluster_spark_session(cluster.url, "lr-transfer-bench", **{"spark.cores.max": str(workers)})
+        else:
+            spark = SparkSession.builder.master(args.master).appName("lr-transfer-bench") \
+                .config("spark.ui.enabled", "false").getOrCreate()
+        spark.sparkContext.parallelize(range(4), 4).collect()
         spark_start = time.monotonic() - t0
         print(f"Spark {args.master} start (with a first task): {spark_start:.1f}s", flush=True)
         for entries in sizes:
@@ -141,6 +150,7 @@ def main() -> None:
                       f"{phases or ''}", flush=True)
         spark.stop()
     finally:
+        stack.close()
         stop_env(env)
     lines = {}
     for method in sorted({r["method"] for r in runs}):

@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -64,7 +64,8 @@ class StandaloneCluster:
     webui_url: str
     log_dir: Path
     master: subprocess.Popen
-    worker: subprocess.Popen | None = None
+    worker: subprocess.Popen | None = None  # the first worker
+    workers: list[subprocess.Popen] = field(default_factory=list)  # every worker
 
     def status(self) -> dict:
         """The master's JSON status page (workers, cores, apps)."""
@@ -113,7 +114,7 @@ def _stop(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
 def _wait_for(cluster: StandaloneCluster, ready, what: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
-        for proc in (cluster.master, cluster.worker):
+        for proc in (cluster.master, *cluster.workers):
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"Spark daemon exited ({proc.returncode}) while waiting for {what}\n{cluster.logs()}")
         try:
@@ -127,13 +128,14 @@ def _wait_for(cluster: StandaloneCluster, ready, what: str, timeout_s: float) ->
 
 
 @contextmanager
-def standalone_cluster(tmp_path: Path, cores: int = 1, memory: str = "1g") -> Iterator[StandaloneCluster]:
-    """Start a Spark standalone Master and one Worker on 127.0.0.1; yield once the worker registered."""
+def standalone_cluster(tmp_path: Path, cores: int = 1, memory: str = "1g", workers: int = 1) -> Iterator[StandaloneCluster]:
+    """Start a Spark standalone Master and ``workers`` Workers of ``cores`` each on 127.0.0.1; yield
+    once every worker registered."""
     log_dir = Path(tmp_path) / "spark-standalone"
     work_dir = log_dir / "work"
     work_dir.mkdir(parents=True, exist_ok=True)
     env = spark_env()
-    port, webui_port, worker_webui_port = _free_port(), _free_port(), _free_port()
+    port, webui_port = _free_port(), _free_port()
     master = _spawn(
         "org.apache.spark.deploy.master.Master",
         ["--host", "127.0.0.1", "--port", str(port), "--webui-port", str(webui_port)],
@@ -144,24 +146,28 @@ def standalone_cluster(tmp_path: Path, cores: int = 1, memory: str = "1g") -> It
     cluster = StandaloneCluster(f"spark://127.0.0.1:{port}", f"http://127.0.0.1:{webui_port}", log_dir, master)
     try:
         _wait_for(cluster, lambda s: s.get("status") == "ALIVE", "ALIVE master", START_TIMEOUT_S)
-        cluster.worker = _spawn(
-            "org.apache.spark.deploy.worker.Worker",
-            [
-                cluster.url,
-                "--host", "127.0.0.1",
-                "--cores", str(cores),
-                "--memory", memory,
-                "--webui-port", str(worker_webui_port),
-                "--work-dir", str(work_dir),
-            ],
-            log_dir / "worker.log",
-            env,
-            log_dir,
-        )
-        _wait_for(cluster, lambda s: s.get("aliveworkers", 0) >= 1, "registered worker", START_TIMEOUT_S)
+        for n in range(workers):
+            cluster.workers.append(_spawn(
+                "org.apache.spark.deploy.worker.Worker",
+                [
+                    cluster.url,
+                    "--host", "127.0.0.1",
+                    "--cores", str(cores),
+                    "--memory", memory,
+                    "--webui-port", str(_free_port()),
+                    "--work-dir", str(work_dir / f"worker-{n}"),
+                ],
+                log_dir / f"worker-{n}.log",
+                env,
+                log_dir,
+            ))
+        cluster.worker = cluster.workers[0]
+        _wait_for(cluster, lambda s: s.get("aliveworkers", 0) >= workers, f"{workers} registered worker(s)",
+                  START_TIMEOUT_S)
         yield cluster
     finally:
-        _stop(cluster.worker)
+        for worker in cluster.workers:
+            _stop(worker)
         _stop(cluster.master)
 
 
