@@ -90,3 +90,29 @@ def test_apply_receive_queue_in_source_order_with_delete_in_the_same_transaction
     assert len(applied) >= len(expected) - 100 and kept[-1] == "policy:poison"
     kinds = [k for (k,) in sink_b.query("SELECT kind FROM applied ORDER BY n")]
     assert kinds[:2] == ["snapshot_start", "snapshot_complete"]  # the empty full sync came first
+
+
+def test_a_range_read_by_a_parallel_plan_on_the_source_is_still_packed_in_entry_order(lr_sites, lr_connections):
+    """The source's planner may split a range's read over parallel workers (a big request, or as
+    here every cost set to favour it): the staged packs must still hold the entries in entry order."""
+    source, sink_b = lr_sites[0], lr_sites[1]
+    topo = apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
+    conn = source.connect()
+    request = full_sync.request_full_sync(conn, "site-b", "policy", reason="parallel plan")
+    RoutingQueueClient(conn, "policy").serve_full_sync_requests(rows_provider)
+    conn.close()
+    settings = {"max_parallel_workers_per_gather": 4, "parallel_setup_cost": 0, "parallel_tuple_cost": 0,
+                "min_parallel_table_scan_size": 0, "enable_indexscan": "off", "enable_bitmapscan": "off", "enable_nestloop": "off",
+                "parallel_leader_participation": "off"}
+    for name, value in settings.items():
+        source.query(f"ALTER DATABASE {source.dbname} SET {name} = {value}")
+    job = snapshot_transfer.SnapshotTransfer(topo, "site-a", "site-b", "policy")
+    try:
+        plan = job.plan(request.request_id, partitions=1)
+        snapshot_transfer.stage_range(plan, plan.ranges[0])
+        result = job.commit(plan)
+    finally:
+        job.close()
+        source.query(f"ALTER DATABASE {source.dbname} RESET ALL")
+    assert result.applied
+    assert [p for k, p in queue(sink_b, "site-a") if k == "snap"] == [f"row{i}={i}" for i in range(ROWS)]

@@ -229,7 +229,8 @@ def stage_range(plan: SnapshotPlan, part: EntryRange) -> dict:
         with src.cursor() as cur:
             cur.copy_expert(cur.mogrify(
                 "COPY (SELECT c.position, e.entry_id, e.message FROM lr.log_entries e JOIN lr.log_commits c "
-                "ON c.tx = e.tx WHERE e.tx = %s::xid8 AND e.stream = %s AND e.entry_id > %s AND e.entry_id <= %s) "
+                "ON c.tx = e.tx WHERE e.tx = %s::xid8 AND e.stream = %s AND e.entry_id > %s AND e.entry_id <= %s "
+                "ORDER BY e.entry_id) "  # packed here: a pack's entries must be in entry order
                 "TO STDOUT (FORMAT binary)", (plan.supplied_tx, STREAM_SNAP_SYNC, part.lo, part.hi)).decode(),
                 RowReader(on_row))
         src.rollback()
