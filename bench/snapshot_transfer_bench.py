@@ -90,12 +90,68 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
+def components(dsns: dict[str, str], request_id: str) -> dict[str, float]:
+    """Per-entry costs (µs) of a staging task's parts, each alone, on the request just transferred:
+    the source's ``COPY`` out parsed by ``RowReader`` (wall, and this process's CPU: the rest is the
+    source server), destination stripping and packing in Python (CPU), and the sink's ``COPY`` in of
+    the packed staging rows (wall)."""
+    from airflow_provider_lr.engine import vocabulary
+    from airflow_provider_lr.engine.bulk.pgcopy import RowReader, StagingWriter, staging_prefix, staging_row
+    from airflow_provider_lr.engine.sink.queue_rows import Packer
+    from airflow_provider_lr.engine.vocabulary import STREAM_SNAP_SYNC
+
+    src = psycopg2.connect(dsns["src"])
+    with src.cursor() as cur:
+        cur.execute("SELECT supplied_tx FROM lr.full_sync_requests WHERE request_id = %s", (request_id,))
+        (tx,) = cur.fetchone()
+        rows: list[list] = []
+        wall, cpu = time.monotonic(), time.process_time()
+        cur.copy_expert(cur.mogrify("COPY (SELECT c.position, e.entry_id, e.message FROM lr.log_entries e "
+                                    "JOIN lr.log_commits c ON c.tx = e.tx WHERE e.tx = %s::xid8 AND e.stream = %s "
+                                    "ORDER BY e.entry_id) TO STDOUT (FORMAT binary)", (tx, STREAM_SNAP_SYNC)).decode(),
+                        RowReader(rows.append))
+        read_wall, read_cpu = time.monotonic() - wall, time.process_time() - cpu
+    src.close()
+    n = len(rows)
+    staged: list[bytes] = []
+    prefix = staging_prefix("src", CLIENT, request_id)
+    packer = Packer(lambda r: staged.append(staging_row(prefix, r.position, r.entry_id, r.kind, r.count, r.message)))
+    cpu = time.process_time()
+    for position, entry_id, message in rows:
+        kind, body = vocabulary.strip_destinations(message or b"")
+        packer.add(kind, int.from_bytes(position or b"", "big", signed=True),
+                   int.from_bytes(entry_id or b"", "big", signed=True), body)
+    packer.flush()
+    pack_cpu = time.process_time() - cpu
+    dst = psycopg2.connect(dsns["dst"])
+    with dst.cursor() as cur:
+        cur.execute("DELETE FROM lr.spark_staging")
+    writer = StagingWriter(dst)
+    wall = time.monotonic()
+    for row in staged:
+        writer.add(row)
+    writer.close()
+    dst.commit()
+    ingest_wall = time.monotonic() - wall
+    with dst.cursor() as cur:
+        cur.execute("DELETE FROM lr.spark_staging")
+    dst.commit()
+    dst.close()
+    us = 1e6 / n
+    return {"entries": n, "staged_rows": len(staged), "source_read_wall_us": round(read_wall * us, 3),
+            "source_read_client_cpu_us": round(read_cpu * us, 3),
+            "source_read_server_us": round((read_wall - read_cpu) * us, 3),
+            "strip_and_pack_cpu_us": round(pack_cpu * us, 3), "sink_ingest_wall_us": round(ingest_wall * us, 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="100000,300000,1000000")
     parser.add_argument("--payload", type=int, default=256)
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--out", default="snapshot_transfer_bench.json", help="file name under bench/results")
+    parser.add_argument("--components", action="store_true",
+                        help="also time a staging task's parts alone at the largest size (for the model)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     env = start_env(Path(tempfile.mkdtemp(prefix="lr-transfer-")))
@@ -144,6 +200,10 @@ def main() -> None:
                 got = snapshot_rows(dsns["dst"])
                 if got != entries:
                     raise RuntimeError(f"{method}: {got} snapshot entries at the sink, not {entries}")
+                if args.components and entries == max(sizes) and method != "in-process":
+                    parts = components(dsns, request_id)
+                    print(f"  components: {parts}", flush=True)
+                    runs.append({"method": "components", **parts})
                 runs.append({"method": method, "entries": entries, "seconds": round(seconds, 3),
                              "entries_per_s": round(entries / seconds), "phases_s": phases})
                 print(f"  {method:<16} {entries:>9} entries  {seconds:7.2f}s  {entries / seconds:>10,.0f}/s "
@@ -153,7 +213,7 @@ def main() -> None:
         stack.close()
         stop_env(env)
     lines = {}
-    for method in sorted({r["method"] for r in runs}):
+    for method in sorted({r["method"] for r in runs} - {"components"}):
         mine = [r for r in runs if r["method"] == method]
         lines[method] = fit([r["entries"] for r in mine], [r["seconds"] for r in mine])
     (a_in, b_in), (a_sp, b_sp) = lines["in-process"], lines[f"spark {args.master}"]
@@ -168,7 +228,7 @@ def main() -> None:
     print("\n| entries | in-process s | Spark run s (start excluded) | in-process /s | Spark /s |\n|---|---|---|---|---|")
     for entries in sizes:
         i = next(r for r in runs if r["entries"] == entries and r["method"] == "in-process")
-        s = next(r for r in runs if r["entries"] == entries and r["method"] != "in-process")
+        s = next(r for r in runs if r["entries"] == entries and r["method"] not in ("in-process", "components"))
         print(f"| {entries:,} | {i['seconds']:.2f} | {s['seconds']:.2f} | {i['entries_per_s']:,} | {s['entries_per_s']:,} |")
     print(f"\nfits: {out['fits']}; Spark start {spark_start:.1f}s; break-even (cold Spark): "
           f"{out['break_even_entries'] or 'none: Spark is not faster per entry'} entries\nwritten to {path}")
