@@ -6,7 +6,8 @@
    so an interrupted transfer resumes), and cut the request's entries still to transfer (source
    entry ids after the sink's ``snapshot_last_entry``) into entry-id ranges.
 2. **stage** (one call per range, in parallel): read the range once from the source, pack it into
-   receive-queue rows (``sink/queue_rows``; a pack never spans two ranges) and stage them on the sink (``lr.spark_staging`` with the request's ``sync_id``), replacing whatever an
+   receive-queue rows (``sink/queue_rows``; a pack never spans two ranges) and stage them on the
+   sink (``lr.spark_staging`` with the request's ``sync_id``), replacing whatever an
    earlier attempt staged for it, with a record of the range: retries write nothing twice.
 3. **commit** (driver): only when the staged ranges cover everything still to transfer, move the
    staged messages into the receive queue in entry-id order, server-side, in one fenced sink
@@ -149,9 +150,8 @@ class SnapshotTransfer:
         One fenced sink transaction, server-side: the messages after what the sink already holds go
         from ``lr.spark_staging`` into ``lr.receive_queue`` in entry order (invisible, this sync; the
         rows the staging tasks packed), with the transfer's metadata; no message passes through this
-        process. Refused
-        unless the staged ranges cover everything still to transfer. Rerun after a failure, it
-        moves what is left (nothing twice: the sink's ``snapshot_last_entry`` bounds it)."""
+        process. Refused unless the staged ranges cover everything still to transfer. All or
+        nothing: a failed move leaves the sink as it was, and a rerun moves it whole."""
         result = SnapshotResult(plan.request_id, str(self.key))
         started = time.monotonic()
         write = writes.SinkTransaction(self.sink, plan.source, plan.client, self.runner._epoch())

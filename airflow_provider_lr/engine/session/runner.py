@@ -390,8 +390,8 @@ class SessionRunner:
 
     def _snapshot_records(self, request: FullSyncRequest, after_entry: int) -> list[LogRecord]:
         with self.source.cursor() as cur:
-            # messages are sent only while the bytes before them stay under the chunk's budget (sizes
-            # are read from the tuples without fetching the messages)
+            # Messages are sent only while the bytes before them stay under the chunk's budget (sizes
+            # are read from the tuples without fetching the messages).
             # One transaction, so one commit position: read apart. The entries in primary-key order
             # (tx, entry_id), never sorted: right after the supplying transaction the table's
             # statistics are stale (a handful of rows expected), and the planner sorted every remaining
