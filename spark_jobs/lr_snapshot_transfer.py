@@ -5,9 +5,10 @@
 
 A thin driver over ``airflow_provider_lr.engine.bulk.snapshot_transfer``: the driver records the
 snapshot start on the sink and cuts the supplied request's entries into entry-id ranges; one
-Spark task per range stages it on the sink; the driver then transfers the staged messages in
-entry order with the session's own resumable, fenced writes (progress in the log) and applies the
-snapshot. Rerunning after any failure resumes. Prints ``LR_RESULT {json}``; exits 1 on failure.
+Spark task per range packs it into receive-queue rows and stages them on the sink; the driver then
+moves the staged rows into the receive queue in entry order, server-side, in one fenced sink
+transaction, and applies the snapshot. Rerunning after any failure resumes. Prints
+``LR_RESULT {json}``; exits 1 on failure.
 """
 from __future__ import annotations
 
