@@ -1,13 +1,15 @@
 """Spark job: read-once fan-out of one source's shared log to every sink in log-entry sync.
 
     spark-submit spark_jobs/lr_fanout.py --source SITE_ID [--topology PATH] [--max-entries N]
-                                         [--partitions N] [--result-file PATH]
+                                         [--partitions N] [--tasks N] [--result-file PATH]
 
 A thin driver over ``airflow_provider_lr.engine.bulk.fanout``: plan (leases, demands, position
-chunks) on the driver, then one Spark task tees the source's chunks in order (``bulk.tee``): each
-chunk is read once (binary COPY) and streamed straight into every demanding session's receive queue
-inside one fenced sink transaction per session. A retried task resumes from what the sinks
-committed. Prints ``LR_RESULT {json}`` (deliveries per session, timings, peak memory; also written
+chunks) on the driver, then either one Spark task tees the source's chunks in order (``bulk.tee``,
+``--tasks 1``): each chunk is read once (binary COPY) and streamed straight into every demanding
+session's receive queue inside one fenced sink transaction per session; or ``--tasks N`` tasks tee
+chunks at once (``bulk.staged_tee``): each stages its chunk on the sinks and publishes whatever
+continues each sink's position, so entries still become visible in source order, once. A retried
+or speculative task resumes from what the sinks committed. Prints ``LR_RESULT {json}`` (deliveries per session, timings, peak memory; also written
 to ``--result-file`` when given); exits 1 if any session failed. Sites are resolved from
 ``AIRFLOW_CONN_<ID>`` or ``$LR_CONNECTIONS_FILE``, never from argv.
 """
@@ -25,6 +27,7 @@ from pyspark.sql import SparkSession  # noqa: E402
 from airflow_provider_lr.engine.bulk import fanout  # noqa: E402
 from airflow_provider_lr.engine.bulk.peak_memory import ancestor_peak_kb  # noqa: E402
 from airflow_provider_lr.engine.bulk.plan import ChunkResult, FanoutPlan, FanoutResult  # noqa: E402
+from airflow_provider_lr.engine.bulk.staged_tee import stage_chunk  # noqa: E402
 from airflow_provider_lr.engine.bulk.tee import tee_chunks  # noqa: E402
 from airflow_provider_lr.engine.site.topology import Topology  # noqa: E402
 
@@ -53,13 +56,37 @@ def spark_map(spark: SparkSession) -> fanout.MapChunks:
     return run
 
 
+def staged_map(spark: SparkSession) -> fanout.MapChunks:
+    """A Spark task per chunk, run at once (as many as the cluster has cores): each stages its
+    chunk and publishes what continues each sink's position (``bulk/staged_tee.py``)."""
+
+    def run(plan: FanoutPlan) -> list[ChunkResult]:
+        def stage(indexes: Iterable[int]) -> Iterator[ChunkResult]:
+            from pyspark import TaskContext
+
+            ctx = TaskContext.get()
+            attempt = ctx.attemptNumber() if ctx is not None else 0
+            for index in indexes:
+                chunk = stage_chunk(plan, plan.ranges[index], f"_p{index}_a{attempt}")
+                chunk.jvm_peak_kb = ancestor_peak_kb("java")
+                yield chunk
+
+        sc = spark.sparkContext
+        sc.setJobDescription(f"lr staged fan-out {plan.plan_id[:8]} of {plan.source}: {len(plan.ranges)} chunks")
+        return sc.parallelize(range(len(plan.ranges)), len(plan.ranges)).mapPartitions(stage).collect()
+
+    return run
+
+
 def fan_out(spark: SparkSession, topo: Topology, source: str, max_entries: int | None = None,
-            partitions: int | None = None) -> FanoutResult:
-    """One fan-out run of ``source`` on ``spark``; the sessions' leases are released at the end."""
+            partitions: int | None = None, tasks: int = 1) -> FanoutResult:
+    """One fan-out run of ``source`` on ``spark`` (``tasks`` > 1: that many chunks teed at once,
+    staged); the sessions' leases are released at the end."""
     warmup = lr_spark.warm_up(spark)
     driver = fanout.FanoutDriver(topo, source)
     try:
-        result = fanout.run_fanout(driver, spark_map(spark), max_entries, partitions)
+        mapper = staged_map(spark) if tasks > 1 else spark_map(spark)
+        result = fanout.run_fanout(driver, mapper, max_entries, partitions, tasks)
     finally:
         driver.close()
     result.peak_rss_kb["driver_jvm"] = lr_spark.jvm_peak_kb(spark)
@@ -70,7 +97,8 @@ def fan_out(spark: SparkSession, topo: Topology, source: str, max_entries: int |
 def main(args: Any) -> dict[str, Any]:
     spark = lr_spark.spark_session(f"lr-fanout-{args.source}")
     topo = lr_spark.load_topology(args.topology)
-    result = fan_out(spark, topo, args.source, args.max_entries, args.partitions)
+    tasks = args.tasks or spark.sparkContext.defaultParallelism
+    result = fan_out(spark, topo, args.source, args.max_entries, args.partitions, tasks)
     return result.as_dict()
 
 
@@ -79,4 +107,6 @@ if __name__ == "__main__":
     p.add_argument("--source", required=True, help="site id of the source whose log is fanned out")
     p.add_argument("--max-entries", type=int, default=None, help="move at most about this many log entries")
     p.add_argument("--partitions", type=int, default=None, help="position chunks (default: by size)")
+    p.add_argument("--tasks", type=int, default=None,
+                   help="chunks teed at once (default: the cluster's cores; 1: in order, unstaged)")
     sys.exit(lr_spark.run(main, p.parse_args()))

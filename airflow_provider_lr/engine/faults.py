@@ -1,8 +1,9 @@
 """Fault points: named places where a test can kill the running process for real.
 
 ``LR_FAULT=<name>`` in the environment makes the process SIGKILL itself when it reaches that
-point (no cleanup, no rollback message: exactly like a crash). Unset, a fault point costs one
-dictionary lookup and one environment lookup.
+point (no cleanup, no rollback message: exactly like a crash); ``LR_FAULT=<name>:stall=<seconds>``
+makes it sleep there instead (a slow task or executor, e.g. to make Spark speculate). Unset, a
+fault point costs one dictionary lookup and one environment lookup.
 
 In-process race tests use :func:`on_fault` instead: the callback runs at the point (for example a
 trim committed on another connection between two batches), deterministically, with no thread.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -34,6 +36,7 @@ FAULT_POINTS: dict[str, str] = {
     "after_timeout": "request timed out on the source, the next request not made",
     "fanout_mid_write": "fan-out chunk half written into the sinks' open transactions",
     "fanout_after_commit": "fan-out chunk committed on every sink, the source's acks not recorded",
+    "fanout_after_stage": "staged fan-out chunk committed (invisible) on the sinks, not published",
     "table_snapshot_before_commit": "a table's snapshot rows written in the sinks' open transactions, not committed",
     "failover_after_fence": "sinks of the old source fenced, the new source not promoted yet",
     "failover_after_promote": "the new source promoted and recorded, no other sink reconciled yet",
@@ -51,8 +54,11 @@ def fault_point(name: str) -> None:
         hook = _hooks.get(name)
         if hook is not None:
             hook()
-    if os.environ.get(FAULT_ENV) == name:
+    armed = os.environ.get(FAULT_ENV)
+    if armed == name:
         os.kill(os.getpid(), signal.SIGKILL)
+    elif armed and armed.startswith(name + ":stall="):
+        time.sleep(float(armed.partition(":stall=")[2]))
 
 
 def hooked() -> bool:

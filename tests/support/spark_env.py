@@ -128,9 +128,11 @@ def _wait_for(cluster: StandaloneCluster, ready, what: str, timeout_s: float) ->
 
 
 @contextmanager
-def standalone_cluster(tmp_path: Path, cores: int = 1, memory: str = "1g", workers: int = 1) -> Iterator[StandaloneCluster]:
+def standalone_cluster(tmp_path: Path, cores: int = 1, memory: str = "1g", workers: int = 1,
+                       hosts: bool = False) -> Iterator[StandaloneCluster]:
     """Start a Spark standalone Master and ``workers`` Workers of ``cores`` each on 127.0.0.1; yield
-    once every worker registered."""
+    once every worker registered. ``hosts``: worker n listens on 127.0.0.(n + 1), a host of its own
+    (Spark never runs a speculative copy of a task on a host where it already ran)."""
     log_dir = Path(tmp_path) / "spark-standalone"
     work_dir = log_dir / "work"
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -147,18 +149,19 @@ def standalone_cluster(tmp_path: Path, cores: int = 1, memory: str = "1g", worke
     try:
         _wait_for(cluster, lambda s: s.get("status") == "ALIVE", "ALIVE master", START_TIMEOUT_S)
         for n in range(workers):
+            host = f"127.0.0.{n + 1}" if hosts else "127.0.0.1"
             cluster.workers.append(_spawn(
                 "org.apache.spark.deploy.worker.Worker",
                 [
                     cluster.url,
-                    "--host", "127.0.0.1",
+                    "--host", host,
                     "--cores", str(cores),
                     "--memory", memory,
                     "--webui-port", str(_free_port()),
                     "--work-dir", str(work_dir / f"worker-{n}"),
                 ],
                 log_dir / f"worker-{n}.log",
-                env,
+                {**env, "SPARK_LOCAL_IP": host},
                 log_dir,
             ))
         cluster.worker = cluster.workers[0]
@@ -325,3 +328,32 @@ def lr_connections(lr_sites, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     path = write_connections_file(tmp_path / "connections.json", lr_sites)
     monkeypatch.setenv("LR_CONNECTIONS_FILE", str(path))
     return path
+
+
+@contextmanager
+def prefixes_only(lr_sites, expected: dict, clients) -> Iterator[list]:
+    """While the block runs, a reader checks that every sink's visible queue of each client is a
+    prefix of ``expected[(sink id, client)]`` (the source order); yields the violations found."""
+    import threading
+
+    from tests.support.session import sink_queue
+
+    stop, violations, samples = threading.Event(), [], [0]
+
+    def watch() -> None:
+        while not stop.is_set():
+            for sink in lr_sites[1:]:
+                for client in clients:
+                    seen = sink_queue(sink, client)
+                    if seen != expected[(sink.site_id, client)][:len(seen)]:
+                        violations.append((sink.site_id, client, len(seen)))
+            samples[0] += 1
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        yield violations
+    finally:
+        stop.set()
+        watcher.join()
+    assert samples[0] > 1

@@ -53,7 +53,7 @@ import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
 from airflow_provider_lr.engine import progress
-from airflow_provider_lr.engine.bulk import peak_memory
+from airflow_provider_lr.engine.bulk import peak_memory, staged_tee
 from airflow_provider_lr.engine.bulk.plan import (
     MAX_DEMANDS,
     ChunkResult,
@@ -69,6 +69,7 @@ from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.lease_keeper import LeaseKeeper
 from airflow_provider_lr.engine.session.negotiation import Decision
 from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings
+from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site.conninfo import ConnInfo
 from airflow_provider_lr.engine.site.topology import Topology, site_conninfo
 from airflow_provider_lr.engine.source.log_reader import LogReader, commit_barrier
@@ -105,12 +106,16 @@ class FanoutDriver:
         self.leases: dict[str, leases.Lease] = {}
         self._keeper: LeaseKeeper | None = None
 
-    def plan(self, max_entries: int | None = None, partitions: int | None = None) -> FanoutPlan:
-        """Take the sessions' leases, negotiate, and cut the range to move into chunks."""
+    def plan(self, max_entries: int | None = None, partitions: int | None = None, tasks: int = 1) -> FanoutPlan:
+        """Take the sessions' leases, negotiate, and cut the range to move into chunks. ``tasks`` > 1:
+        that many tasks will tee chunks at once, staged and published in order
+        (``bulk/staged_tee.py``): at least one chunk each, and what earlier staged runs left on
+        the sinks is dropped first."""
+        staged = tasks > 1
         demands, skipped = [], {}
         for key in self.sessions:
             try:
-                demand = self._demand(key)
+                demand = self._demand(key, staged)
             except Exception as exc:  # one sink down must not stop the others
                 skipped[str(key)] = f"{type(exc).__name__}: {exc}".strip()
                 log.warning("fan-out of %s: session %s left out: %s", self.source, key, exc)
@@ -125,7 +130,7 @@ class FanoutDriver:
         plan_id = str(uuid.uuid4())
         base = dict(plan_id=plan_id, source=self.source, demands=tuple(demands), source_dsn=self._dsns[self.source],
                     sink_dsns={d.sink: self._dsns[d.sink] for d in demands}, skipped=skipped,
-                    faults=os.environ.get(FAULT_ENV))
+                    faults=os.environ.get(FAULT_ENV), staged=staged)
         if not demands:
             return FanoutPlan(lo=0, end=0, barrier=0, ranges=(), **base)
         barrier, blocked = commit_barrier(self.src, self.settings.barrier_timeout)
@@ -133,10 +138,10 @@ class FanoutDriver:
         if barrier is None or barrier <= lo:
             return FanoutPlan(lo=lo, end=lo, barrier=barrier or lo, ranges=(),
                               blocked_by=tuple(h.describe() for h in blocked), **base)
-        ranges, end = self._ranges(lo, barrier, max_entries, partitions)
+        ranges, end = self._ranges(lo, barrier, max_entries, partitions, tasks)
         return FanoutPlan(lo=lo, end=end, barrier=barrier, ranges=ranges, **base)
 
-    def _demand(self, key: SessionKey) -> Demand | str:
+    def _demand(self, key: SessionKey, staged: bool = False) -> Demand | str:
         """The session's demand, or why it is left out (lease held elsewhere, snapshot needed)."""
         sink_conn = self._connect(key.sink)
         try:
@@ -158,13 +163,16 @@ class FanoutDriver:
             assert reader.client_id is not None
             leases.update_session(self.src, runner.lease, state=SessionState.IN_LOG_ENTRY_SYNC,
                                   acked_position=meta.last_log_entry_processed, last_error=None)
+            if staged:
+                with writes.SinkTransaction(sink_conn, key.source, key.client, runner.lease.epoch) as (cur, _):
+                    staged_tee.clear_staged(cur, key.source, key.client)
             return Demand(key.source, key.sink, key.client, reader.client_id, reader.tag_id, meta.last_log_entry_processed,
                           meta.snapshot_applied, meta.split, runner.lease.epoch)
         finally:
             sink_conn.close()
 
-    def _ranges(self, lo: int, barrier: int, max_entries: int | None,
-                partitions: int | None) -> tuple[tuple[PositionRange, ...], int]:
+    def _ranges(self, lo: int, barrier: int, max_entries: int | None, partitions: int | None,
+                tasks: int = 1) -> tuple[tuple[PositionRange, ...], int]:
         """Sub-ranges of ``(lo, barrier]`` with about equal entry counts (whole transactions),
         capped at ``max_entries``; computed by the source, only the boundaries come back."""
         cap = max_entries or 2**62
@@ -179,7 +187,7 @@ class FanoutDriver:
             )
             _, total = cur.fetchone()
             wanted = min(int(total), cap)
-            parts = partitions or max(1, math.ceil(wanted / PARTITION_ENTRIES))
+            parts = partitions or max(tasks, math.ceil(wanted / PARTITION_ENTRIES))
             cur.execute(
                 """
                 WITH per AS (
@@ -226,6 +234,8 @@ class FanoutDriver:
             result.positions.update(part.positions)
             for session, rows in part.delivered.items():
                 delivered[session] = delivered.get(session, 0) + rows
+        if plan.staged:
+            self._settle_staged(plan, result, delivered)
         for demand in plan.demands:
             lease, session = self.leases[demand.session], demand.session
             position = result.positions.get(session, demand.after)
@@ -249,6 +259,21 @@ class FanoutDriver:
                      plan.plan_id[:8], session, result.deliveries[session], position)
         return result
 
+    @staticmethod
+    def _settle_staged(plan: FanoutPlan, result: FanoutResult, delivered: dict[str, int]) -> None:
+        """A staged run's last publish per session (whatever its tasks left staged in order), its
+        position and the entries the run made visible, counted from the sink's range records
+        (a task attempt Spark discarded may have published some)."""
+        for demand in plan.demands:
+            session = demand.session
+            try:
+                position, _ = staged_tee.publish(plan, demand)
+                delivered[session] = staged_tee.published_entries(plan, demand, position)
+                result.positions[session] = position
+            except Exception as exc:
+                result.errors.setdefault(session, f"{type(exc).__name__}: {exc}".strip())
+                result.positions.pop(session, None)
+
     def close(self) -> None:
         """Release the leases taken by ``plan`` and close connections."""
         if self._keeper is not None:
@@ -264,10 +289,11 @@ MapChunks = Callable[[FanoutPlan], Iterable[ChunkResult]]
 
 
 def run_fanout(driver: FanoutDriver, map_chunks: MapChunks, max_entries: int | None = None,
-               partitions: int | None = None) -> FanoutResult:
-    """Plan, tee every chunk in order with ``map_chunks`` (a Spark task, or this process), sum up."""
+               partitions: int | None = None, tasks: int = 1) -> FanoutResult:
+    """Plan, tee every chunk with ``map_chunks`` (in order in one task or this process; ``tasks`` > 1:
+    at once, staged, in that many tasks), sum up."""
     t0 = time.monotonic()
-    plan = driver.plan(max_entries, partitions)
+    plan = driver.plan(max_entries, partitions, tasks)
     log.info("fan-out %s", plan.describe())
     t1 = time.monotonic()
     chunks: list[ChunkResult] = []

@@ -221,7 +221,27 @@ def receive_prefix(source: str, client: str) -> bytes:
     return _I16.pack(9) + text(source) + text(client)
 
 
-class ReceiveQueueWriter(CopyWriter):
+class PackedRows:
+    """Entries appended one by one (``append``: ``(queue_rows.piece(message), kind, position, entry
+    id)``), packed into receive-queue rows (``queue_rows.Packer``) in the order added; mixed into a
+    ``CopyWriter`` whose ``packer`` emits each row into its block."""
+
+    packer: Packer
+
+    def pack(self) -> None:
+        """Turn the entries appended so far into rows (the unfinished last pack waits for more)."""
+        self.packer.flush(final=False)
+
+    @property
+    def entries(self) -> int:
+        return self.packer.entries + len(self.packer.pending)
+
+    def sync(self) -> None:
+        self.packer.flush()  # a pack in progress ends here: what was added is all in the sink
+        super().sync()  # type: ignore[misc]
+
+
+class ReceiveQueueWriter(PackedRows, CopyWriter):
     """One session's visible entries into ``lr.receive_queue``, packed (``queue_rows.Packer``) in
     the order added, so ``seq`` follows it. ``entries`` counts what was added, ``rows`` the rows.
 
@@ -260,18 +280,6 @@ class ReceiveQueueWriter(CopyWriter):
         if len(block) >= self.block_bytes:
             self.flush()
 
-    def pack(self) -> None:
-        """Turn the entries appended so far into rows (the unfinished last pack waits for more)."""
-        self.packer.flush(final=False)
-
-    @property
-    def entries(self) -> int:
-        return self.packer.entries + len(self.packer.pending)
-
-    def sync(self) -> None:
-        self.packer.flush()  # a pack in progress ends here: what was added is all in the sink
-        super().sync()
-
     def close(self) -> None:
         super().close()
         if self.staged:  # into the queue in the order copied (seq follows it); ``copied`` is what it took
@@ -280,6 +288,20 @@ class ReceiveQueueWriter(CopyWriter):
                             f"SELECT {RECEIVE_COLUMNS} FROM {self._STAGED} ORDER BY ord")
                 self.copied = cur.rowcount
                 cur.execute(f"DROP TABLE {self._STAGED}")
+
+
+class StagedQueueWriter(PackedRows, StagingWriter):
+    """One session's log entries of a staged fan-out chunk (``bulk/staged_tee.py``), packed as the
+    receive queue holds them, into ``lr.spark_staging`` (no sync id); fed like ``ReceiveQueueWriter``."""
+
+    def __init__(self, conn: psycopg2.extensions.connection, source: str, client: str) -> None:
+        super().__init__(conn)
+        self.prefix = staging_prefix(source, client)
+        self.packer = Packer(self._add_row)
+        self.append = self.packer.append
+
+    def _add_row(self, row: QueueRow) -> None:
+        self.add(staging_row(self.prefix, row.position, row.entry_id, row.kind, row.count, row.message))
 
 
 def _rls_applies(conn: psycopg2.extensions.connection) -> bool:

@@ -58,6 +58,7 @@ class FanoutPlan:
     skipped: Mapping[str, str] = field(default_factory=dict)
     blocked_by: tuple[str, ...] = ()
     faults: str | None = field(default=None, repr=False)  # $LR_FAULT of the driver (tests)
+    staged: bool = False  # chunks teed at once, staged and published in order (``bulk/staged_tee.py``)
 
     @property
     def entries(self) -> int:
@@ -66,7 +67,8 @@ class FanoutPlan:
     def describe(self) -> str:
         sessions = ", ".join(f"{d.session}@{d.after}" for d in self.demands) or "none"
         return (f"plan {self.plan_id[:8]} of {self.source}: positions ({self.lo}, {self.end}] "
-                f"barrier {self.barrier}, {self.entries} entries in {len(self.ranges)} partitions; "
+                f"barrier {self.barrier}, {self.entries} entries in {len(self.ranges)} partitions"
+                f"{' (staged, teed at once)' if self.staged else ''}; "
                 f"sessions {sessions}")
 
 
@@ -78,7 +80,8 @@ class ChunkResult:
     lo: int
     hi: int
     read: int = 0  # log entries read from the source
-    delivered: dict[str, int] = field(default_factory=dict)  # session -> rows committed (0: already done)
+    delivered: dict[str, int] = field(default_factory=dict)  # session -> entries made visible (0: already done)
+    staged: dict[str, int] = field(default_factory=dict)  # session -> entries staged (``bulk/staged_tee.py``)
     positions: dict[str, int] = field(default_factory=dict)  # session -> sink's last processed after it
     errors: dict[str, str] = field(default_factory=dict)  # session -> why it was refused
     seconds: float = 0.0

@@ -13,7 +13,7 @@ from typing import Iterable, Iterator
 import psycopg2
 
 from airflow_provider_lr.engine.bulk import peak_memory
-from airflow_provider_lr.engine.bulk.pgcopy import ReceiveQueueWriter
+from airflow_provider_lr.engine.bulk.pgcopy import PackedRows, ReceiveQueueWriter
 from airflow_provider_lr.engine.bulk.plan import ChunkResult, Demand, FanoutPlan, PositionRange
 from airflow_provider_lr.engine.bulk.router import copy_and_route
 from airflow_provider_lr.engine.errors import StaleBatchError
@@ -24,7 +24,39 @@ from airflow_provider_lr.engine.source.log_reader import snapshot_trim_mark, tri
 log = logging.getLogger(__name__)
 
 
-class SessionTee:
+class SessionChunk:
+    """One session's side of a chunk, in either tee: a sink connection with its open transaction
+    and the COPY writer the chunk's router feeds (``writer``, None when there is nothing to write)."""
+
+    conn: psycopg2.extensions.connection
+    writer: PackedRows | None = None
+
+    @property
+    def entries(self) -> int:
+        """Entries routed to this session in the chunk (all in its rows once committed)."""
+        return self.writer.entries if self.writer is not None else 0
+
+    def abandon(self) -> None:
+        """Drop the transaction (nothing of this chunk becomes visible) and the connection."""
+        if self.writer is not None:
+            self.writer.abandon()
+        if not self.conn.closed:
+            try:
+                self.conn.rollback()
+            except psycopg2.Error:
+                pass
+            self.conn.close()
+
+
+def check_base(meta: writes.SinkMetadata, plan: FanoutPlan, demand: Demand) -> None:
+    """Refuse a sink that is not consistent at the snapshot base the plan was made for."""
+    if not meta.data_consistent or meta.snapshot_applied != demand.base:
+        raise StaleBatchError(
+            f"fan-out for base {demand.base} but the sink of {plan.source}/{demand.client} is at base "
+            f"{meta.snapshot_applied} (consistent: {meta.data_consistent}); renegotiate")
+
+
+class SessionTee(SessionChunk):
     """One session's side of a chunk: its fenced sink transaction (``writes.SinkTransaction``) and
     the COPY into its receive queue (``pgcopy.ReceiveQueueWriter``)."""
 
@@ -36,10 +68,7 @@ class SessionTee:
         self.done = False  # the sink already processed the whole chunk: nothing to write
         try:
             meta = self.transaction.open()  # locks the session row (a duplicate attempt waits here)
-            if not meta.data_consistent or meta.snapshot_applied != demand.base:
-                raise StaleBatchError(
-                    f"fan-out for base {demand.base} but the sink of {plan.source}/{demand.client} is at base "
-                    f"{meta.snapshot_applied} (consistent: {meta.data_consistent}); renegotiate")
+            check_base(meta, plan, demand)
             last, start = meta.last_log_entry_processed, max(part.lo, demand.after)
             self.position = last
             if last >= part.hi:
@@ -72,23 +101,6 @@ class SessionTee:
         self.conn.close()
         self.position = end
 
-    @property
-    def entries(self) -> int:
-        """Entries routed to this session in the chunk (all in its rows once committed)."""
-        return self.writer.entries if self.writer is not None else 0
-
-    def abandon(self) -> None:
-        """Drop the transaction (nothing of this chunk becomes visible) and the connection."""
-        if self.writer is not None:
-            self.writer.abandon()
-        if not self.conn.closed:
-            try:
-                self.conn.rollback()
-            except psycopg2.Error:
-                pass
-            self.conn.close()
-
-
 def tee_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "",
               exclude: Iterable[str] = ()) -> ChunkResult:
     """Deliver one chunk ``(lo, hi]`` to every session that still needs it (see ``bulk/fanout.py``).
@@ -102,7 +114,7 @@ def tee_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "",
     started = time.monotonic()
     out = ChunkResult(part.index, part.lo, part.hi)
     skip = set(exclude)
-    faults = _armed(plan.faults) or hooked()
+    faults = armed(plan.faults) or hooked()
     tees: list[tuple[int, SessionTee]] = []
     try:
         for bit, d in enumerate(plan.demands):
@@ -120,7 +132,7 @@ def tee_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "",
             else:
                 tees.append((bit, tee))
         if tees:
-            tees, out.read = _read_and_route(plan, part, tees, out, fault_tag if faults else None)
+            tees, out.read = read_and_route(plan, part, tees, out, fault_tag if faults else None)
         for _, tee in tees:
             try:
                 tee.commit(part.hi)
@@ -140,7 +152,7 @@ def tee_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "",
     return out
 
 
-def _read_and_route(plan: FanoutPlan, part: PositionRange, tees: list[tuple[int, SessionTee]],
+def read_and_route(plan: FanoutPlan, part: PositionRange, tees: list[tuple[int, SessionTee]],
                     out: ChunkResult, fault_tag: str | None) -> tuple[list[tuple[int, SessionTee]], int]:
     """Read the chunk ONCE from the source (binary COPY, in (position, entry id) order, demand mask
     computed by the source) and append each entry's receive-queue row to every demanding session's
@@ -176,7 +188,7 @@ def tee_chunks(plan: FanoutPlan, attempt: int = 0) -> Iterator[ChunkResult]:
         yield chunk
 
 
-def _armed(faults: str | None) -> bool:
+def armed(faults: str | None) -> bool:
     """Fault points follow the driver's environment, in whatever process runs the partition (on
     a cluster the executors do not share it; a reused Python worker must not keep an old one)."""
     if faults:

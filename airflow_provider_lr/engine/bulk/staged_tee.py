@@ -1,0 +1,238 @@
+"""The fan-out's parallel form: the chunks of one run teed by several tasks at once, each chunk
+staged on the sinks and published over the contiguous prefix (``spark_jobs/lr_fanout.py --tasks N``).
+
+The ordered tee (``bulk/tee.py``) commits a session's chunks one after the other into its receive
+queue, so a source's fan-out is one task however big the cluster. Here any number of tasks run
+chunks at once, and the guarantees stay those of the ordered tee:
+
+1. **stage** (a task per chunk ``(lo, hi]``): the chunk is read ONCE from the source
+   (``router.copy_and_route``: binary COPY, demand mask computed by the source) and, for every
+   session that still needs it, packed into receive-queue rows and COPYed into the sink's
+   ``lr.spark_staging`` (invisible to subscribers) in ONE transaction per session, together with a
+   record of the staged range (``lr.spark_staged_ranges``: the plan, ``(start, hi]``, its entries).
+   A transaction-level advisory lock per (session, plan, chunk) makes a retry or a speculative
+   duplicate wait, then find the range staged and stage nothing. Just before it commits, the
+   stage re-reads the session row ``FOR SHARE``: a sink already past ``hi`` (another attempt
+   published the chunk) or a lease taken over since the plan (epoch) rolls the stage back.
+2. **publish** (after each stage, and once more by the driver): in the session's fenced sink
+   transaction (``writes.SinkTransaction``, row locked), the plan's staged ranges that continue
+   the sink's ``last_log_entry_processed`` with no gap are moved server-side into
+   ``lr.receive_queue`` in (position, entry id) order, so ``seq`` follows the source; the moved
+   entry count must equal what the range records say; the position advances to the end of the
+   prefix and the subscribers are woken, all in that one commit. A range staged ahead of a gap
+   waits invisible until the gap is filled; whoever fills it publishes both.
+
+Why exactly once and in order: entries become visible only by a publish, which takes only ranges
+starting exactly at the sink's position, under the session row lock, and advances the position in
+the same commit; a stage that would land behind a publish never commits (the ``FOR SHARE`` check
+serialises with the publish's ``FOR UPDATE``). A killed task leaves its open stage transactions
+uncommitted; a retry stages again what is missing; staged ranges a run never publishes (a gap
+that stayed, a task that never returned) are dropped by the next plan of the session
+(``clear_staged``) before it stages anything.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import psycopg2
+import psycopg2.extensions
+
+from airflow_provider_lr.engine.bulk import peak_memory
+from airflow_provider_lr.engine.bulk.pgcopy import StagedQueueWriter
+from airflow_provider_lr.engine.bulk.plan import ChunkResult, Demand, FanoutPlan, PositionRange
+from airflow_provider_lr.engine.bulk.tee import SessionChunk, armed, check_base, read_and_route
+from airflow_provider_lr.engine.errors import FencedError, StaleBatchError
+from airflow_provider_lr.engine.faults import fault_point, hooked
+from airflow_provider_lr.engine.sink import writes
+from airflow_provider_lr.engine.vocabulary import STAGING_LOCK_CLASS
+
+log = logging.getLogger(__name__)
+
+
+class SessionStage(SessionChunk):
+    """One session's side of a staged chunk: its stage transaction on the sink and the COPY."""
+
+    def __init__(self, plan: FanoutPlan, demand: Demand, part: PositionRange) -> None:
+        self.plan, self.demand, self.part = plan, demand, part
+        self.position = max(part.lo, demand.after)  # where this session's part of the chunk starts
+        self.writer: StagedQueueWriter | None = None
+        self.done = False  # published already, or staged by another attempt: nothing to write
+        self.conn = psycopg2.connect(plan.sink_dsns[demand.sink])
+        try:
+            meta = writes.read_metadata(self.conn, plan.source, demand.client)
+            check_base(meta, plan, demand)
+            with self.conn.cursor() as cur:  # a duplicate attempt of this chunk waits here
+                cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+                            (STAGING_LOCK_CLASS, f"{plan.source}/{demand.client}/{plan.plan_id}/{self.position}"))
+                cur.execute("SELECT last_log_entry_processed FROM lr.sink_sessions WHERE source_site_id = %s "
+                            "AND client_name = %s", (plan.source, demand.client))
+                (last,) = cur.fetchone()
+                cur.execute("SELECT 1 FROM lr.spark_staged_ranges WHERE source_site_id = %s AND client_name = %s "
+                            "AND plan_id = %s AND range_lo = %s", (plan.source, demand.client, plan.plan_id,
+                                                                   self.position))
+                self.done = last >= part.hi or cur.fetchone() is not None
+                if not self.done:  # rows an attempt of an earlier plan left in the range
+                    cur.execute("DELETE FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s "
+                                "AND sync_id IS NULL AND source_position > %s AND source_position <= %s",
+                                (plan.source, demand.client, self.position, part.hi))
+                    self.writer = StagedQueueWriter(self.conn, plan.source, demand.client)
+        except BaseException:
+            self.abandon()
+            raise
+        if self.done:
+            self.abandon()
+
+    def commit(self) -> bool:
+        """Record the staged range and commit; False (rolled back) when the sink moved past the
+        chunk meanwhile. Raises ``FencedError`` when the session's lease was taken over."""
+        assert self.writer is not None
+        plan, demand = self.plan, self.demand
+        try:
+            self.writer.close()
+            if self.writer.copied != self.writer.rows:
+                raise StaleBatchError(f"{demand.session}: the sink staged {self.writer.copied} of "
+                                      f"{self.writer.rows} rows")
+            with self.conn.cursor() as cur:  # a publish of the session waits from here to the commit
+                cur.execute("SELECT last_log_entry_processed, lease_epoch, failed_over_to FROM lr.sink_sessions "
+                            "WHERE source_site_id = %s AND client_name = %s FOR SHARE", (plan.source, demand.client))
+                last, epoch, failed_over_to = cur.fetchone()
+                if failed_over_to is not None or epoch > demand.epoch:
+                    raise FencedError(f"session {demand.session}: lease epoch {demand.epoch} is stale at the sink "
+                                      f"(epoch {epoch}{', failed over' if failed_over_to else ''}); staged nothing")
+                if last >= self.part.hi:
+                    self.abandon()
+                    return False
+                cur.execute(
+                    "INSERT INTO lr.spark_staged_ranges (source_site_id, client_name, plan_id, range_lo, range_hi, "
+                    "staged_rows) VALUES (%s, %s, %s, %s, %s, %s)",
+                    (plan.source, demand.client, plan.plan_id, self.position, self.part.hi, self.entries))
+        except BaseException:
+            self.abandon()
+            raise
+        self.conn.commit()
+        self.conn.close()
+        return True
+
+
+def stage_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "") -> ChunkResult:
+    """Stage chunk ``(lo, hi]`` for every session that still needs it, then publish what each of
+    them can (see the module doc). ``delivered`` is what this call's publishes made visible
+    (chunks staged by other tasks included); ``staged`` what it staged. One session refused does
+    not stop the others; an error of the source read fails the chunk (nothing of it committed).
+    Fault points (``LR_FAULT``, ``fault_tag`` e.g. ``_p1_a0``): ``fanout_mid_write`` halfway
+    through the read, ``fanout_after_stage`` once staged, ``fanout_after_commit`` once published."""
+    started = time.monotonic()
+    out = ChunkResult(part.index, part.lo, part.hi)
+    faults = armed(plan.faults) or hooked()
+    stages: list[tuple[int, SessionStage]] = []
+    try:
+        for bit, d in enumerate(plan.demands):
+            if d.after >= part.hi:
+                continue
+            try:
+                stage = SessionStage(plan, d, part)
+            except Exception as exc:
+                out.errors[d.session] = f"{type(exc).__name__}: {exc}".strip()
+                log.warning("fan-out %s chunk %d: session %s refused: %s", plan.plan_id[:8], part.index, d.session, exc)
+                continue
+            if not stage.done:
+                stages.append((bit, stage))
+        if stages:
+            stages, out.read = read_and_route(plan, part, stages, out, fault_tag if faults else None)
+        for _, stage in stages:
+            try:
+                if stage.commit():
+                    out.staged[stage.demand.session] = stage.entries
+            except Exception as exc:
+                out.errors[stage.demand.session] = f"{type(exc).__name__}: {exc}".strip()
+                log.warning("fan-out %s chunk %d: session %s not staged: %s", plan.plan_id[:8], part.index,
+                            stage.demand.session, exc)
+        if faults:
+            fault_point(f"fanout_after_stage{fault_tag}")
+        for d in plan.demands:
+            if d.after >= part.hi or d.session in out.errors:
+                continue
+            try:
+                out.positions[d.session], out.delivered[d.session] = publish(plan, d)
+            except Exception as exc:
+                out.errors[d.session] = f"{type(exc).__name__}: {exc}".strip()
+        if faults:
+            fault_point(f"fanout_after_commit{fault_tag}")
+    finally:
+        for _, stage in stages:
+            stage.abandon()  # no-op for the committed ones
+    out.seconds, out.peak_rss_kb, out.pid = time.monotonic() - started, peak_memory.peak_rss_kb(), os.getpid()
+    return out
+
+
+def publish(plan: FanoutPlan, demand: Demand) -> tuple[int, int]:
+    """Make the plan's staged ranges that continue the sink's position visible, in source order, in
+    one fenced sink transaction; returns the sink's position after it and the entries published."""
+    conn = psycopg2.connect(plan.sink_dsns[demand.sink])
+    try:
+        write = writes.SinkTransaction(conn, plan.source, demand.client, demand.epoch)
+        with write as (cur, meta):
+            check_base(meta, plan, demand)
+            last = meta.last_log_entry_processed
+            cur.execute("SELECT range_lo, range_hi, staged_rows FROM lr.spark_staged_ranges WHERE source_site_id = %s "
+                        "AND client_name = %s AND plan_id = %s AND range_hi > %s ORDER BY range_lo",
+                        (plan.source, demand.client, plan.plan_id, last))
+            reach, expected = last, 0
+            for lo, hi, entries in cur.fetchall():
+                if lo != reach:
+                    break  # a gap: the chunk before this range is not staged yet
+                reach, expected = hi, expected + entries
+            if reach == last:
+                return last, 0
+            cur.execute(
+                "WITH moved AS (DELETE FROM lr.spark_staging WHERE source_site_id = %(source)s "
+                " AND client_name = %(client)s AND sync_id IS NULL AND source_position > %(last)s "
+                " AND source_position <= %(reach)s RETURNING *), "
+                "queued AS (INSERT INTO lr.receive_queue (source_site_id, client_name, kind, source_position, "
+                " source_entry_id, visible, entry_count, message) SELECT source_site_id, client_name, kind, "
+                " source_position, source_entry_id, true, entry_count, message FROM moved "
+                " ORDER BY source_position, source_entry_id RETURNING entry_count) "
+                "SELECT coalesce(sum(entry_count), 0) FROM queued",
+                {"source": plan.source, "client": demand.client, "last": last, "reach": reach})
+            (moved,) = cur.fetchone()
+            if moved != expected:
+                raise StaleBatchError(f"{demand.session}: staged ({last}, {reach}] holds {moved} entries, its "
+                                      f"ranges say {expected}; nothing published, rerun the fan-out")
+            write.advance(reach, moved > 0)
+        return reach, int(moved)
+    finally:
+        conn.close()
+
+
+def published_entries(plan: FanoutPlan, demand: Demand, position: int) -> int:
+    """Entries the plan published for ``demand`` up to ``position`` (its range records); then, in
+    the same fenced sink transaction, the plan's records and what it left staged are dropped. What
+    the driver reports once all tasks are done (a task's own count is lost with a discarded attempt)."""
+    conn = psycopg2.connect(plan.sink_dsns[demand.sink])
+    try:
+        with writes.SinkTransaction(conn, plan.source, demand.client, demand.epoch) as (cur, _):
+            cur.execute("SELECT coalesce(sum(staged_rows), 0) FROM lr.spark_staged_ranges WHERE source_site_id = %s "
+                        "AND client_name = %s AND plan_id = %s AND range_lo >= %s AND range_hi <= %s",
+                        (plan.source, demand.client, plan.plan_id, demand.after, position))
+            (entries,) = cur.fetchone()
+            _clear(cur, plan.source, demand.client, plan.plan_id)
+        return int(entries)
+    finally:
+        conn.close()
+
+
+def clear_staged(cur: psycopg2.extensions.cursor, source: str, client: str) -> None:
+    """Drop every staged fan-out range of a session (of runs that never published them): a plan
+    calls it, inside its fenced sink transaction, before any of its tasks stages."""
+    _clear(cur, source, client, None)
+
+
+def _clear(cur: psycopg2.extensions.cursor, source: str, client: str, plan_id: str | None) -> None:
+    of_plan = "" if plan_id is None else " AND plan_id = %s"
+    cur.execute("DELETE FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s AND sync_id IS NULL",
+                (source, client))
+    cur.execute("DELETE FROM lr.spark_staged_ranges WHERE source_site_id = %s AND client_name = %s" + of_plan,
+                (source, client, *(() if plan_id is None else (plan_id,))))
+
