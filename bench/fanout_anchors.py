@@ -12,6 +12,8 @@ Anchors, each a function ``(BenchEnv, Workload) -> Measurement`` in ``ANCHORS``:
                        routed (by the ``dests`` bit, payload untouched) into the 3 sinks' COPYs,
                        which the sink servers ingest concurrently. On 2 cores this beats
                        ``physical_copy`` (3 source scans), by ~1.8× for "all".
+* ``physical_tee_packed`` the same with lr's row shape: the source forms packs of 28 entries
+                       in SQL (one output row per pack and sink mask), routed into the sinks.
 * ``naive_python``     a hand-written replicator: read ``id > last`` batches with psycopg2, insert
                        each sink's rows with ``execute_values``, one sink after the other.
 * ``native_initial``   PostgreSQL logical replication, initial table sync: a publication per sink
@@ -358,6 +360,74 @@ def physical_tee(env: BenchEnv, workload: Workload) -> Measurement:
                        {"readers": 1, "route": "copy block to all" if workload.variant == "all" else "per row by dests bit"})
 
 
+PACK_ENTRIES = 28  # entries per row, as lr's receive queue packs 256-byte entries (~8 kB rows)
+PACKED_TABLE = "fanout_packed"
+
+
+def physical_tee_packed(env: BenchEnv, workload: Workload) -> Measurement:
+    """The physical tee of packed rows, lr's own row shape: the source forms the packs in SQL
+    (``PACK_ENTRIES`` consecutive entries of one sink in one bytea, one output row per pack, read
+    by one binary COPY) and the packs are routed by their sink mask into the sinks' binary COPYs of
+    ``(id, entries, payload)``. Per-row costs on the sinks shrink by ``PACK_ENTRIES``."""
+    expected = expected_per_sink(env, BACKLOG_TABLE)
+    for dsn in env.sink_dsns:
+        execute(dsn, f"DROP TABLE IF EXISTS {PACKED_TABLE}",
+                f"CREATE TABLE {PACKED_TABLE} (id bigint PRIMARY KEY, entries int NOT NULL, payload bytea NOT NULL)")
+    checkpoint_all(env)
+    if workload.variant == "all":  # one pack for every sink
+        packs = (f"SELECT {ALL_SINKS_MASK}::int2, min(id), count(*)::int4, string_agg(payload, ''::bytea ORDER BY id) "
+                 f"FROM {BACKLOG_TABLE} GROUP BY id / {PACK_ENTRIES}")
+    else:  # each sink's own packs of the entries that name it
+        packs = (f"SELECT (1 << b.bit)::int2, min(e.id), count(*)::int4, string_agg(e.payload, ''::bytea ORDER BY e.id) "
+                 f"FROM {BACKLOG_TABLE} e CROSS JOIN generate_series(0, {SINKS - 1}) b(bit) "
+                 f"WHERE e.dests & (1 << b.bit) <> 0 GROUP BY b.bit, e.id / {PACK_ENTRIES}")
+    with psycopg.connect(env.source_dsn) as src:
+        sinks = [psycopg.connect(dsn) for dsn in env.sink_dsns]
+        try:
+            started = time.perf_counter()
+            with contextlib.ExitStack() as stack:
+                into = [stack.enter_context(conn.cursor().copy(
+                    f"COPY {PACKED_TABLE} (id, entries, payload) FROM STDIN (FORMAT binary)")) for conn in sinks]
+                with src.cursor().copy(f"COPY ({packs}) TO STDOUT (FORMAT binary)") as out:
+                    _route_packs(out, into)
+            for conn in sinks:
+                conn.commit()
+            seconds = time.perf_counter() - started
+        finally:
+            for conn in sinks:
+                conn.close()
+    got = [execute(dsn, f"SELECT coalesce(sum(entries), 0), coalesce(sum(length(payload)), 0) FROM {PACKED_TABLE}")[0]
+           for dsn in env.sink_dsns]
+    if [int(n) for n, _ in got] != expected or any(int(b) != int(n) * PAYLOAD_BYTES for n, b in got):
+        raise AssertionError(f"physical_tee_packed: sinks hold {got}, expected {expected} entries")
+    for dsn in env.sink_dsns:
+        execute(dsn, f"DROP TABLE {PACKED_TABLE}")
+    return Measurement("physical_tee_packed", workload.variant, workload.entries, sum(expected), seconds,
+                       {"readers": 1, "entries_per_row": PACK_ENTRIES, "packed_by": "source SQL"})
+
+
+def _route_packs(chunks: Iterable[Buffer], sinks: list[psycopg.Copy]) -> None:
+    """Rows (mask int2, id int8, entries int4, payload bytea) into each masked sink's
+    (id, entries, payload) COPY. Layout: int16 4 | int32 2, mask | int32 8, id | int32 4, n | ..."""
+    blocks = [bytearray(_PGCOPY_HEADER) for _ in sinks]
+    first = True
+    for chunk in chunks:
+        row = bytes(chunk)
+        if first:
+            row, first = row[len(_PGCOPY_HEADER):], False
+        if len(row) == 2:  # trailer
+            continue
+        mask, out = row[7], b"\x00\x03" + row[8:]
+        for i, block in enumerate(blocks):
+            if mask >> i & 1:
+                block += out
+                if len(block) >= COPY_BLOCK:
+                    sinks[i].write(bytes(block))
+                    block.clear()
+    for sink, block in zip(sinks, blocks):
+        sink.write(bytes(block + _PGCOPY_TRAILER))
+
+
 # --- d) naive Python replicator -----------------------------------------------------------------
 def naive_python(env: BenchEnv, workload: Workload) -> Measurement:
     """What a user would write first: poll ``id > last``, insert per sink with execute_values."""
@@ -563,6 +633,7 @@ def native_streaming(env: BenchEnv, workload: Workload) -> Measurement:
 ANCHORS: dict[str, Anchor] = {
     "physical_copy": physical_copy,
     "physical_tee": physical_tee,
+    "physical_tee_packed": physical_tee_packed,
     "naive_python": naive_python,
     "native_initial": native_initial,
     "native_initial_binary": native_initial_binary,

@@ -1,8 +1,11 @@
 """lr's own runs for the fan-out benchmark (merged into ``fanout_bench.MEASUREMENTS``).
 
-* ``lr_catchup``   the Spark fan-out job (``spark_jobs/lr_fanout.py``) submitted with
-                   ``spark-submit --master local[2]``, moving the whole backlog from the source's
-                   shared log into the 3 sinks' receive queues. Timed inside the job from plan to
+* ``lr_catchup``   the Spark fan-out job (``spark_jobs/lr_fanout.py --tasks 1``: the ordered tee in
+                   one task) submitted with ``spark-submit --master local[2]``, moving the whole
+                   backlog from the source's shared log into the 3 sinks' receive queues.
+* ``lr_staged_1core`` / ``lr_staged_2cores`` the staged fan-out (``--tasks 2``: chunks teed at
+                   once, staged, published in order) on ``local[1]`` (one task at a time) and on
+                   ``local[2]`` (two at once): the 1-vs-N-tasks figure. Timed inside the job from plan to
                    the last commit (the Spark session is up, its first job is included); the
                    wall time with the Spark start is in the details, with peak memory of the
                    driver (Python, JVM) and the executors' Python workers.
@@ -231,27 +234,40 @@ def spark_submit(job: str, args: list[str], connections: Path, master: str = SPA
     return {**json.loads(lines[-1][len("LR_RESULT "):]), "wall_s": round(wall, 3)}
 
 
-def lr_catchup(env: BenchEnv, workload: Workload) -> Measurement:
-    sites = LrSites(env, f"lr_{workload.variant}")
-    try:
-        sites.fill_backlog(env, workload)
-        sites.checkpoint()
-        result = spark_submit("lr_fanout.py", ["--source", SOURCE_ID, "--topology", str(sites.topology_file)],
-                              sites.connections)
-        got = sites.verify(env, "lr_catchup")
-    finally:
-        sites.drop()
-    seconds = result["seconds"]["total"]
-    delivered = result["total_deliveries"]
-    if delivered != sum(got):
-        raise AssertionError(f"lr_catchup reported {delivered} deliveries, sinks hold {sum(got)}")
-    mib = {k: round(v / 1024, 1) for k, v in result["peak_rss_kb"].items()}
-    return Measurement("lr_catchup", workload.variant, workload.entries, delivered, seconds, {
-        "master": SPARK_MASTER, "partitions": result["partitions"], "phases_s": result["seconds"],
-        "wall_with_spark_start_s": result["wall_s"],
-        "deliveries_per_s_with_spark_start": round(delivered / result["wall_s"], 1),
-        "peak_mib": mib,
-    })
+def spark_catchup(name: str, master: str, tasks: int):
+    """A Spark fan-out measurement: ``spark_jobs/lr_fanout.py --tasks N`` on ``master``."""
+
+    def measure(env: BenchEnv, workload: Workload) -> Measurement:
+        sites = LrSites(env, f"lr_{workload.variant}")
+        try:
+            sites.fill_backlog(env, workload)
+            sites.checkpoint()
+            result = spark_submit("lr_fanout.py", ["--source", SOURCE_ID, "--topology", str(sites.topology_file),
+                                                   "--tasks", str(tasks)], sites.connections, master)
+            got = sites.verify(env, name)
+        finally:
+            sites.drop()
+        seconds = result["seconds"]["total"]
+        delivered = result["total_deliveries"]
+        if delivered != sum(got):
+            raise AssertionError(f"{name} reported {delivered} deliveries, sinks hold {sum(got)}")
+        mib = {k: round(v / 1024, 1) for k, v in result["peak_rss_kb"].items()}
+        return Measurement(name, workload.variant, workload.entries, delivered, seconds, {
+            "master": master, "tasks": tasks, "staged": tasks > 1, "partitions": result["partitions"],
+            "phases_s": result["seconds"], "wall_with_spark_start_s": result["wall_s"],
+            "spark_start_s": round(result["wall_s"] - seconds, 2),
+            "deliveries_per_s_with_spark_start": round(delivered / result["wall_s"], 1),
+            "peak_mib": mib,
+        })
+
+    measure.__name__ = name
+    return measure
+
+
+# the ordered tee in one task; the staged fan-out with 2 chunks at once on 1 core, then on 2
+lr_catchup = spark_catchup("lr_catchup", SPARK_MASTER, tasks=1)
+lr_staged_1core = spark_catchup("lr_staged_1core", "local[1]", tasks=2)
+lr_staged_2cores = spark_catchup("lr_staged_2cores", "local[2]", tasks=2)
 
 
 def lr_inprocess(env: BenchEnv, workload: Workload) -> Measurement:
@@ -327,5 +343,5 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-MEASUREMENTS = {"lr_catchup": lr_catchup, "lr_inprocess": lr_inprocess, "lr_inprocess_tee": lr_inprocess_tee,
-                "lr_sync": lr_sync}
+MEASUREMENTS = {"lr_catchup": lr_catchup, "lr_staged_1core": lr_staged_1core, "lr_staged_2cores": lr_staged_2cores,
+                "lr_inprocess": lr_inprocess, "lr_inprocess_tee": lr_inprocess_tee, "lr_sync": lr_sync}

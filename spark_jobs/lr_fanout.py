@@ -24,11 +24,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lr_spark  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 
-from airflow_provider_lr.engine.bulk import fanout  # noqa: E402
+from airflow_provider_lr.engine.bulk import catchup, fanout  # noqa: E402
 from airflow_provider_lr.engine.bulk.peak_memory import ancestor_peak_kb  # noqa: E402
 from airflow_provider_lr.engine.bulk.plan import ChunkResult, FanoutPlan, FanoutResult  # noqa: E402
 from airflow_provider_lr.engine.bulk.staged_tee import stage_chunk  # noqa: E402
 from airflow_provider_lr.engine.bulk.tee import tee_chunks  # noqa: E402
+from airflow_provider_lr.engine.session.runner import SessionSettings  # noqa: E402
 from airflow_provider_lr.engine.site.topology import Topology  # noqa: E402
 
 
@@ -97,7 +98,8 @@ def fan_out(spark: SparkSession, topo: Topology, source: str, max_entries: int |
 def main(args: Any) -> dict[str, Any]:
     spark = lr_spark.spark_session(f"lr-fanout-{args.source}")
     topo = lr_spark.load_topology(args.topology)
-    tasks = args.tasks or spark.sparkContext.defaultParallelism
+    settings = SessionSettings.from_topology(topo)
+    tasks = args.tasks or catchup.fanout_tasks(settings, spark.sparkContext.defaultParallelism)
     result = fan_out(spark, topo, args.source, args.max_entries, args.partitions, tasks)
     return result.as_dict()
 
@@ -108,5 +110,6 @@ if __name__ == "__main__":
     p.add_argument("--max-entries", type=int, default=None, help="move at most about this many log entries")
     p.add_argument("--partitions", type=int, default=None, help="position chunks (default: by size)")
     p.add_argument("--tasks", type=int, default=None,
-                   help="chunks teed at once (default: the cluster's cores; 1: in order, unstaged)")
+                   help="chunks teed at once (1: in order, unstaged; default: the topology's fanout_tasks, "
+                        "else the cluster's cores from 4 of them, else 1)")
     sys.exit(lr_spark.run(main, p.parse_args()))

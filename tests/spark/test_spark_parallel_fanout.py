@@ -79,7 +79,9 @@ SPECULATION = {
     "spark.speculation.interval": "100ms",
     "spark.speculation.quantile": "0.5",
     "spark.speculation.multiplier": "1.5",
-    "spark.speculation.minTaskRuntime": "500ms",
+    # a copy only after 4 s: the original attempt, whose executor may still be starting its Python
+    # worker, has staged its chunk by then (else the copy stages it, also correct but not this test)
+    "spark.speculation.minTaskRuntime": "4s",
 }
 
 

@@ -8,8 +8,9 @@ import threading
 
 import pytest
 
-from airflow_provider_lr.engine.bulk import fanout, staged_tee
+from airflow_provider_lr.engine.bulk import catchup, fanout, staged_tee
 from airflow_provider_lr.engine.bulk.plan import ChunkResult
+from airflow_provider_lr.engine.session.runner import STAGED_MIN_TASKS, SessionSettings
 from tests.support.session import replicator, sink_queue
 from tests.support.spark_env import (  # noqa: F401 (lr_connections is a fixture)
     expected_queue,
@@ -167,3 +168,11 @@ def test_what_a_failed_staged_run_left_is_dropped_by_the_next_plan(scenario):
     assert visible(lr_sites) == {(s.site_id, c): expected_queue(lr_sites[0], s.site_id, c)
                                  for s in lr_sites[1:] for c in CLIENTS}
     assert staged_left(lr_sites) == 0
+
+
+def test_the_fanout_is_staged_over_the_cores_of_a_cluster_of_four_or_more_unless_the_topology_says():
+    auto = SessionSettings()
+    assert [catchup.fanout_tasks(auto, c) for c in (1, 2, STAGED_MIN_TASKS - 1)] == [1, 1, 1]
+    assert catchup.fanout_tasks(auto, STAGED_MIN_TASKS) == STAGED_MIN_TASKS and catchup.fanout_tasks(auto, 16) == 16
+    assert catchup.fanout_tasks(SessionSettings(fanout_tasks=1), 16) == 1
+    assert catchup.fanout_tasks(SessionSettings(fanout_tasks=6), 2) == 6

@@ -4,7 +4,8 @@
   no start-up cost, ~55k deliveries/s. Always right for a small backlog.
 * **the read-once tee** in this process (``bulk/fanout.run_fanout`` with ``local_map``): one source
   read for every sink, ~470k deliveries/s, after a plan of ~0.1-0.5 s.
-* **Spark** (``spark_jobs/lr_fanout.py``): the same tee on Spark, after a spark-submit of 11-15 s.
+* **Spark** (``spark_jobs/lr_fanout.py``): the same tee on Spark, after a spark-submit of 11-15 s;
+  on a cluster of ``STAGED_MIN_TASKS`` cores or more, chunks teed at once (``fanout_tasks``).
 
 The inputs: the backlog, counted as ``status.source_backlog`` counts it (entries still to deliver
 summed over the source's sessions in log-entry sync); the two thresholds of ``SessionSettings``
@@ -19,7 +20,7 @@ import enum
 from dataclasses import dataclass
 from typing import Callable
 
-from airflow_provider_lr.engine.session.runner import SessionSettings
+from airflow_provider_lr.engine.session.runner import STAGED_MIN_TASKS, SessionSettings
 
 # Why Spark cannot run here ("no Spark connection 'spark_default'"), or None when it can.
 SparkCheck = Callable[[], "str | None"]
@@ -64,3 +65,12 @@ def choose(backlog: int, settings: SessionSettings, spark: SparkCheck | None = N
     if backlog < tee_min:
         return Catchup(CatchupPath.SESSION_CYCLES, f"{why}; backlog {backlog} < tee_min_backlog {tee_min}")
     return Catchup(CatchupPath.TEE, f"{why}; backlog {backlog} >= tee_min_backlog {tee_min}")
+
+
+def fanout_tasks(settings: SessionSettings, cores: int) -> int:
+    """How many chunks the Spark fan-out tees at once on a cluster of ``cores`` task slots: the
+    ``fanout_tasks`` setting when given; else all the cores from ``STAGED_MIN_TASKS`` of them (the
+    staged fan-out, ``bulk/staged_tee.py``), below that 1 (the ordered tee, ``bulk/tee.py``)."""
+    if settings.fanout_tasks > 0:
+        return settings.fanout_tasks
+    return cores if cores >= STAGED_MIN_TASKS else 1

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import psycopg2
 import psycopg2.extensions
@@ -151,13 +152,7 @@ def stage_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "") -> C
                             stage.demand.session, exc)
         if faults:
             fault_point(f"fanout_after_stage{fault_tag}")
-        for d in plan.demands:
-            if d.after >= part.hi or d.session in out.errors:
-                continue
-            try:
-                out.positions[d.session], out.delivered[d.session] = publish(plan, d)
-            except Exception as exc:
-                out.errors[d.session] = f"{type(exc).__name__}: {exc}".strip()
+        publish_all(plan, [d for d in plan.demands if d.after < part.hi and d.session not in out.errors], out)
         if faults:
             fault_point(f"fanout_after_commit{fault_tag}")
     finally:
@@ -165,6 +160,27 @@ def stage_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "") -> C
             stage.abandon()  # no-op for the committed ones
     out.seconds, out.peak_rss_kb, out.pid = time.monotonic() - started, peak_memory.peak_rss_kb(), os.getpid()
     return out
+
+
+def publish_all(plan: FanoutPlan, demands: list[Demand], out: ChunkResult) -> None:
+    """``publish`` every session at once (a thread each: the sinks move their rows concurrently, as
+    they ingest them in the ordered tee); positions, entries published and errors into ``out``."""
+    def one(demand: Demand) -> None:
+        try:
+            out.positions[demand.session], out.delivered[demand.session] = publish(plan, demand)
+        except Exception as exc:
+            out.errors[demand.session] = f"{type(exc).__name__}: {exc}".strip()
+
+    if len(demands) == 1:
+        one(demands[0])
+    elif demands:
+        with ThreadPoolExecutor(len(demands), thread_name_prefix="lr-publish") as pool:
+            list(pool.map(one, demands))
+
+
+# a session's staged log entries in (last, reach]: the rows a publish moves
+_STAGED_PREFIX = ("source_position > %(last)s AND source_position <= %(reach)s AND source_site_id = %(source)s "
+                  "AND client_name = %(client)s AND sync_id IS NULL")
 
 
 def publish(plan: FanoutPlan, demand: Demand) -> tuple[int, int]:
@@ -186,20 +202,21 @@ def publish(plan: FanoutPlan, demand: Demand) -> tuple[int, int]:
                 reach, expected = hi, expected + entries
             if reach == last:
                 return last, 0
-            cur.execute(
-                "WITH moved AS (DELETE FROM lr.spark_staging WHERE source_site_id = %(source)s "
-                " AND client_name = %(client)s AND sync_id IS NULL AND source_position > %(last)s "
-                " AND source_position <= %(reach)s RETURNING *), "
-                "queued AS (INSERT INTO lr.receive_queue (source_site_id, client_name, kind, source_position, "
+            prefix = {"source": plan.source, "client": demand.client, "last": last, "reach": reach}
+            # the staging table has no statistics worth the name (rows come and go by the chunk): a
+            # sequential scan would read every session's packs and the dead ones of earlier publishes
+            cur.execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_sort = off; SET LOCAL enable_bitmapscan = off")
+            cur.execute(  # in the staging key's order: an index range scan, no sort of the packs
+                "WITH queued AS (INSERT INTO lr.receive_queue (source_site_id, client_name, kind, source_position, "
                 " source_entry_id, visible, entry_count, message) SELECT source_site_id, client_name, kind, "
-                " source_position, source_entry_id, true, entry_count, message FROM moved "
-                " ORDER BY source_position, source_entry_id RETURNING entry_count) "
-                "SELECT coalesce(sum(entry_count), 0) FROM queued",
-                {"source": plan.source, "client": demand.client, "last": last, "reach": reach})
+                " source_position, source_entry_id, true, entry_count, message FROM lr.spark_staging "
+                " WHERE " + _STAGED_PREFIX + " ORDER BY source_position, source_entry_id RETURNING entry_count) "
+                "SELECT coalesce(sum(entry_count), 0) FROM queued", prefix)
             (moved,) = cur.fetchone()
             if moved != expected:
                 raise StaleBatchError(f"{demand.session}: staged ({last}, {reach}] holds {moved} entries, its "
                                       f"ranges say {expected}; nothing published, rerun the fan-out")
+            cur.execute("DELETE FROM lr.spark_staging WHERE " + _STAGED_PREFIX, prefix)
             write.advance(reach, moved > 0)
         return reach, int(moved)
     finally:
@@ -208,8 +225,9 @@ def publish(plan: FanoutPlan, demand: Demand) -> tuple[int, int]:
 
 def published_entries(plan: FanoutPlan, demand: Demand, position: int) -> int:
     """Entries the plan published for ``demand`` up to ``position`` (its range records); then, in
-    the same fenced sink transaction, the plan's records and what it left staged are dropped. What
-    the driver reports once all tasks are done (a task's own count is lost with a discarded attempt)."""
+    the same fenced sink transaction, the plan's records and what it left staged past ``position``
+    (after a gap) are dropped. What the driver reports once all tasks are done (a task's own count
+    is lost with an attempt Spark discarded)."""
     conn = psycopg2.connect(plan.sink_dsns[demand.sink])
     try:
         with writes.SinkTransaction(conn, plan.source, demand.client, demand.epoch) as (cur, _):
@@ -217,22 +235,24 @@ def published_entries(plan: FanoutPlan, demand: Demand, position: int) -> int:
                         "AND client_name = %s AND plan_id = %s AND range_lo >= %s AND range_hi <= %s",
                         (plan.source, demand.client, plan.plan_id, demand.after, position))
             (entries,) = cur.fetchone()
-            _clear(cur, plan.source, demand.client, plan.plan_id)
+            _clear(cur, plan.source, demand.client, position, plan.plan_id)
         return int(entries)
     finally:
         conn.close()
 
 
-def clear_staged(cur: psycopg2.extensions.cursor, source: str, client: str) -> None:
-    """Drop every staged fan-out range of a session (of runs that never published them): a plan
-    calls it, inside its fenced sink transaction, before any of its tasks stages."""
-    _clear(cur, source, client, None)
+def clear_staged(cur: psycopg2.extensions.cursor, source: str, client: str, after: int) -> None:
+    """Drop every staged fan-out range of a session past ``after``, its sink's position (runs that
+    never published them): a plan calls it, inside its fenced sink transaction, before any of its
+    tasks stages. (Nothing is staged at or below a sink's position: a publish moves what it
+    passes, and a stage that would land there never commits.)"""
+    _clear(cur, source, client, after, None)
 
 
-def _clear(cur: psycopg2.extensions.cursor, source: str, client: str, plan_id: str | None) -> None:
+def _clear(cur: psycopg2.extensions.cursor, source: str, client: str, after: int, plan_id: str | None) -> None:
+    # by position first: the staging key's index, not a scan of a table a big publish left full of dead rows
+    cur.execute("DELETE FROM lr.spark_staging WHERE source_position > %s AND source_site_id = %s AND client_name = %s "
+                "AND sync_id IS NULL", (after, source, client))
     of_plan = "" if plan_id is None else " AND plan_id = %s"
-    cur.execute("DELETE FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s AND sync_id IS NULL",
-                (source, client))
     cur.execute("DELETE FROM lr.spark_staged_ranges WHERE source_site_id = %s AND client_name = %s" + of_plan,
                 (source, client, *(() if plan_id is None else (plan_id,))))
-

@@ -77,6 +77,13 @@ SPARK_MIN_BACKLOG = 800_000
 # it (topology setting) where Spark executors have cores of their own.
 TABLE_SPARK_MIN_ROWS = 10_000_000
 SNAPSHOT_SPARK_MIN_ENTRIES = 1_000_000  # measured: docs/spark.md "Full sync on Spark"
+# The Spark fan-out tees chunks at once (staged, bulk/staged_tee.py) from this many concurrent tasks;
+# below, one task tees them in order (bulk/tee.py). The staged path costs the sinks 2.1x the CPU
+# per delivery (stage, then move) and gains a task per executor core: measured on the 2-core
+# machine, where Spark and the sites share the cores, the ordered tee is 1.6x faster (docs/spark.md
+# "The fan-out spread over tasks"); the model there puts the crossover at 2-3 tasks whose cores the
+# sites do not share, so a cluster of 4 or more cores is taken to be one.
+STAGED_MIN_TASKS = 4
 
 
 @dataclass
@@ -91,6 +98,7 @@ class SessionSettings:
     spark_min_backlog: int = SPARK_MIN_BACKLOG  # where Spark can run (the DAG); lr sync runs none
     table_spark_min_rows: int = TABLE_SPARK_MIN_ROWS  # a table snapshot this large goes to Spark (the DAG)
     snapshot_spark_min_entries: int = SNAPSHOT_SPARK_MIN_ENTRIES  # a full-sync transfer this large goes to Spark (the DAGs)
+    fanout_tasks: int = 0  # chunks the Spark fan-out tees at once (1: in order; 0: by the cluster's cores)
     nearest_copy: bool = True  # a client of tables only may be seeded from a peer sink in its region
     peer_probe_delay: float = PROBE_DELAY  # seconds the first peer has to answer (x2 each next)
 
@@ -104,6 +112,7 @@ class SessionSettings:
             "spark_min_backlog": topology.setting("spark_min_backlog", SPARK_MIN_BACKLOG),
             "table_spark_min_rows": topology.setting("table_spark_min_rows", TABLE_SPARK_MIN_ROWS),
             "snapshot_spark_min_entries": topology.setting("snapshot_spark_min_entries", SNAPSHOT_SPARK_MIN_ENTRIES),
+            "fanout_tasks": topology.setting("fanout_tasks", 0),
             "nearest_copy": topology.setting("nearest_copy", True),
             "peer_probe_delay": topology.setting("peer_probe_delay_s", PROBE_DELAY),
         }

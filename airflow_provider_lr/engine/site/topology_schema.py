@@ -57,6 +57,8 @@ SETTINGS: dict[str, tuple[dict, str]] = {
     "spark_min_backlog": (_COUNT, "lr_replication DAG: larger backlogs go through the Spark fan-out"),
     "table_spark_min_rows": (_COUNT, "the DAGs: federated-table snapshots of more rows go through the Spark job"),
     "snapshot_spark_min_entries": (_COUNT, "the DAGs: full-sync transfers of more entries go through the Spark job"),
+    "fanout_tasks": ({"type": "integer", "minimum": 0, "maximum": 1024},
+                     "chunks the Spark fan-out tees at once (1: in order in one task; 0: by the cluster's cores)"),
     "nearest_copy": ({"type": "boolean"},
                      "a sink of a client of tables only may take its snapshot from a peer sink in its region"),
     "peer_probe_delay_s": (_POSITIVE_SECONDS, "seconds the nearest peer has to answer before the next is asked"),
