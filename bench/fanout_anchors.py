@@ -327,6 +327,25 @@ def _route_rows(chunks: Iterable[Buffer], sinks: list[psycopg.Copy]) -> None:
         sink.write(bytes(block + _PGCOPY_TRAILER))
 
 
+def _tee(env: BenchEnv, out_sql: str, in_sql: str, route: Callable[[psycopg.Copy, list[psycopg.Copy]], None]) -> float:
+    """One binary COPY out of the source, ``route``d into every sink's COPY in; the seconds it took
+    until every sink committed."""
+    with psycopg.connect(env.source_dsn) as src:
+        sinks = [psycopg.connect(dsn) for dsn in env.sink_dsns]
+        try:
+            started = time.perf_counter()
+            with contextlib.ExitStack() as stack:
+                into = [stack.enter_context(conn.cursor().copy(in_sql)) for conn in sinks]
+                with src.cursor().copy(out_sql) as out:
+                    route(out, into)
+            for conn in sinks:
+                conn.commit()
+            return time.perf_counter() - started
+        finally:
+            for conn in sinks:
+                conn.close()
+
+
 def physical_tee(env: BenchEnv, workload: Workload) -> Measurement:
     """One binary COPY out of the source, teed into the 3 sinks' binary COPY in, which the sink
     servers ingest concurrently: the ceiling for moving these rows on this machine (the source is
@@ -334,27 +353,15 @@ def physical_tee(env: BenchEnv, workload: Workload) -> Measurement:
     expected = expected_per_sink(env, BACKLOG_TABLE)
     truncate_sinks(env, BACKLOG_TABLE)
     checkpoint_all(env)
-    with psycopg.connect(env.source_dsn) as src:
-        sinks = [psycopg.connect(dsn) for dsn in env.sink_dsns]
-        try:
-            started = time.perf_counter()
-            with contextlib.ExitStack() as stack:
-                into = [stack.enter_context(conn.cursor().copy(
-                    f"COPY {BACKLOG_TABLE} (id, payload) FROM STDIN (FORMAT binary)")) for conn in sinks]
-                if workload.variant == "all":
-                    with src.cursor().copy(f"COPY {BACKLOG_TABLE} (id, payload) TO STDOUT (FORMAT binary)") as out:
-                        for block in coalesced(out):
-                            for copy in into:
-                                copy.write(block)
-                else:
-                    with src.cursor().copy(f"COPY {BACKLOG_TABLE} (id, dests, payload) TO STDOUT (FORMAT binary)") as out:
-                        _route_rows(out, into)
-            for conn in sinks:
-                conn.commit()
-            seconds = time.perf_counter() - started
-        finally:
-            for conn in sinks:
-                conn.close()
+    if workload.variant == "all":
+        def route(out: psycopg.Copy, into: list[psycopg.Copy]) -> None:
+            for block in coalesced(out):
+                for copy in into:
+                    copy.write(block)
+        out_sql = f"COPY {BACKLOG_TABLE} (id, payload) TO STDOUT (FORMAT binary)"
+    else:
+        route, out_sql = _route_rows, f"COPY {BACKLOG_TABLE} (id, dests, payload) TO STDOUT (FORMAT binary)"
+    seconds = _tee(env, out_sql, f"COPY {BACKLOG_TABLE} (id, payload) FROM STDIN (FORMAT binary)", route)
     verify_sinks(env, BACKLOG_TABLE, expected, "physical_tee")
     return Measurement("physical_tee", workload.variant, workload.entries, sum(expected), seconds,
                        {"readers": 1, "route": "copy block to all" if workload.variant == "all" else "per row by dests bit"})
@@ -381,21 +388,8 @@ def physical_tee_packed(env: BenchEnv, workload: Workload) -> Measurement:
         packs = (f"SELECT (1 << b.bit)::int2, min(e.id), count(*)::int4, string_agg(e.payload, ''::bytea ORDER BY e.id) "
                  f"FROM {BACKLOG_TABLE} e CROSS JOIN generate_series(0, {SINKS - 1}) b(bit) "
                  f"WHERE e.dests & (1 << b.bit) <> 0 GROUP BY b.bit, e.id / {PACK_ENTRIES}")
-    with psycopg.connect(env.source_dsn) as src:
-        sinks = [psycopg.connect(dsn) for dsn in env.sink_dsns]
-        try:
-            started = time.perf_counter()
-            with contextlib.ExitStack() as stack:
-                into = [stack.enter_context(conn.cursor().copy(
-                    f"COPY {PACKED_TABLE} (id, entries, payload) FROM STDIN (FORMAT binary)")) for conn in sinks]
-                with src.cursor().copy(f"COPY ({packs}) TO STDOUT (FORMAT binary)") as out:
-                    _route_packs(out, into)
-            for conn in sinks:
-                conn.commit()
-            seconds = time.perf_counter() - started
-        finally:
-            for conn in sinks:
-                conn.close()
+    seconds = _tee(env, f"COPY ({packs}) TO STDOUT (FORMAT binary)",
+                   f"COPY {PACKED_TABLE} (id, entries, payload) FROM STDIN (FORMAT binary)", _route_packs)
     got = [execute(dsn, f"SELECT coalesce(sum(entries), 0), coalesce(sum(length(payload)), 0) FROM {PACKED_TABLE}")[0]
            for dsn in env.sink_dsns]
     if [int(n) for n, _ in got] != expected or any(int(b) != int(n) * PAYLOAD_BYTES for n, b in got):

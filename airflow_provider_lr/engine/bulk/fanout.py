@@ -26,9 +26,13 @@ source read), ``session/lease_keeper.py`` (the leases kept alive meanwhile).
    routing and the sinks' ingest overlap. Then each session checks its row and entry counts, sets
    ``last_log_entry_processed = hi``, wakes subscribers and commits.
 
-Why exactly once and in order with no staging: a chunk's rows become visible only at its session's
-commit, together with the new position; rows are inserted in source order, so ``seq`` follows it,
-and a session's chunks commit one after the other. A killed task leaves its sink transactions
+   Or, with ``tasks`` > 1, the chunks at once in that many tasks: each stages its chunk on the
+   sinks and publishes what continues each sink's position (``bulk/staged_tee.py``, which says why
+   that is still exactly once and in order).
+
+Why the ordered tee is exactly once and in order with no staging: a chunk's rows become visible
+only at its session's commit, together with the new position; rows are inserted in source order,
+so ``seq`` follows it, and a session's chunks commit one after the other. A killed task leaves its sink transactions
 uncommitted (nothing visible); a retry or rerun resumes from each sink's own processed position
 (chunks already committed are skipped, per session); a speculative duplicate waits on the session
 row lock and then finds the chunk done; a lease taken over since the plan fences the session at
