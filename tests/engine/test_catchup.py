@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from airflow_provider_lr.engine.bulk.catchup import CatchupPath, backlog_matters, choose
+from airflow_provider_lr.engine.bulk.catchup import CatchupPath, backlog_cap, backlog_matters, choose
 from airflow_provider_lr.engine.session.runner import SPARK_MIN_BACKLOG, TEE_MIN_BACKLOG, SessionSettings
 from airflow_provider_lr.engine.site import topology
 from tests.support.session import topology_doc
@@ -38,6 +38,15 @@ def test_why_names_the_thresholds_and_what_kept_spark_out():
     assert unusable.why == ("backlog 5000 but the Spark job is not installed in /x; "
                             "backlog 5000 >= tee_min_backlog 100")
     assert "this process runs no Spark" in choose(5000, RULES).why
+
+
+def test_a_backlog_is_counted_only_as_far_as_the_decision_needs():
+    assert backlog_cap(RULES) == 100 and backlog_cap(RULES, spark_usable) == 1000
+    assert backlog_cap(SessionSettings(spark_min_backlog=1000, tee_min_backlog=0)) == 1
+    capped = choose(100, RULES, counted_to=100)
+    assert capped.path is CatchupPath.TEE
+    assert capped.why == "this process runs no Spark; backlog of at least 100 >= tee_min_backlog 100"
+    assert choose(1000, RULES, spark_usable, counted_to=1000).path is CatchupPath.SPARK
 
 
 def test_a_tee_threshold_of_zero_turns_the_tee_off():

@@ -164,4 +164,9 @@ def test_backlog_per_session_decides_spark_or_in_process(scenario):
     assert path(backlogs) is catchup.CatchupPath.SPARK
     assert path(backlogs, higher) is catchup.CatchupPath.SESSION_CYCLES
     assert SessionSettings.from_topology(topo).spark_min_backlog == SPARK_MIN_BACKLOG
+    # counted only as far as a decision needs: each session stops at the cap, its oldest entries first
+    capped = status.session_backlogs(conn, at_most=50)
+    assert {(b.sink, b.client): b.entries for b in capped} == {k: min(n, 50) for k, n in expected.items()}
+    assert all(c.highest <= b.highest for c, b in zip(capped, backlogs))
+    assert status.source_backlog(conn, at_most=50) == sum(min(n, 50) for n in expected.values())
     conn.close()

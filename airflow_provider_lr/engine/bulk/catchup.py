@@ -49,23 +49,33 @@ def backlog_matters(settings: SessionSettings, spark: SparkCheck | None = None) 
     return spark is not None or settings.tee_min_backlog > 0
 
 
-def choose(backlog: int, settings: SessionSettings, spark: SparkCheck | None = None) -> Catchup:
+def backlog_cap(settings: SessionSettings, spark: SparkCheck | None = None) -> int:
+    """How far a backlog must be counted for ``choose`` to decide: its highest threshold that can
+    matter (a larger backlog takes the same path), so a caller counts at most that much."""
+    return max(settings.tee_min_backlog, settings.spark_min_backlog if spark is not None else 0, 1)
+
+
+def choose(backlog: int, settings: SessionSettings, spark: SparkCheck | None = None,
+           counted_to: int | None = None) -> Catchup:
     """Spark from ``spark_min_backlog`` when ``spark`` says it can run (``None``: this process runs
-    no Spark); else the tee from ``tee_min_backlog`` (unless 0); else the session cycles."""
+    no Spark); else the tee from ``tee_min_backlog`` (unless 0); else the session cycles.
+    ``counted_to``: the backlog was counted only up to there (``backlog_cap``)."""
     spark_min, tee_min = settings.spark_min_backlog, settings.tee_min_backlog
-    if backlog < spark_min:
-        why = f"backlog {backlog} < spark_min_backlog {spark_min}"
+    size = f"backlog of at least {backlog}" if counted_to is not None and backlog >= counted_to else f"backlog {backlog}"
+    if spark is None:
+        why = "this process runs no Spark"
+    elif backlog < spark_min:
+        why = f"{size} < spark_min_backlog {spark_min}"
     else:
-        unusable = spark() if spark is not None else "this process runs no Spark"
+        unusable = spark()
         if unusable is None:
-            return Catchup(CatchupPath.SPARK, f"backlog {backlog} >= spark_min_backlog {spark_min}")
-        why = f"backlog {backlog} but {unusable}"
+            return Catchup(CatchupPath.SPARK, f"{size} >= spark_min_backlog {spark_min}")
+        why = f"{size} but {unusable}"
     if tee_min <= 0:
         return Catchup(CatchupPath.SESSION_CYCLES, f"{why}; the tee is off (tee_min_backlog 0)")
     if backlog < tee_min:
-        return Catchup(CatchupPath.SESSION_CYCLES, f"{why}; backlog {backlog} < tee_min_backlog {tee_min}")
-    return Catchup(CatchupPath.TEE, f"{why}; backlog {backlog} >= tee_min_backlog {tee_min}")
-
+        return Catchup(CatchupPath.SESSION_CYCLES, f"{why}; {size} < tee_min_backlog {tee_min}")
+    return Catchup(CatchupPath.TEE, f"{why}; {size} >= tee_min_backlog {tee_min}")
 
 def fanout_tasks(settings: SessionSettings, cores: int) -> int:
     """How many chunks the Spark fan-out tees at once on a cluster of ``cores`` task slots: the

@@ -103,7 +103,8 @@ class Replicator:
         if source in self._no_tee or not catchup.backlog_matters(self.settings):
             return {}
         try:
-            choice = catchup.choose(status.source_backlog(self._conn(source)), self.settings)
+            cap = catchup.backlog_cap(self.settings)  # no need to count a backlog of millions
+            choice = catchup.choose(status.source_backlog(self._conn(source), at_most=cap), self.settings, counted_to=cap)
             if choice.path is not catchup.CatchupPath.TEE:
                 return {}
             driver = fanout.FanoutDriver(self.topology, source, owner=self.owner, settings=self.settings,

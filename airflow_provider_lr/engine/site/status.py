@@ -338,12 +338,15 @@ class SessionBacklog:
 
 
 def session_backlogs(
-    conn: psycopg2.extensions.connection, sink: str | None = None, client: str | None = None
+    conn: psycopg2.extensions.connection, sink: str | None = None, client: str | None = None,
+    at_most: int | None = None,
 ) -> list[SessionBacklog]:
     """Per session of this source (optionally one sink and/or client): entries still to deliver.
     The one place that says what "remaining" means: committed, in LRQ_Send_LogEntries (or a
     federated table's change), tagged for the sink, of the session's client, after the sink's
-    acknowledged position."""
+    acknowledged position. ``at_most``: stop counting a session there (its oldest entries, so
+    ``lag_seconds`` holds; ``highest`` is then the highest counted) — a decision against a threshold
+    need not count a backlog of millions."""
     with conn.cursor() as cur:
         cur.execute(
             """
@@ -359,22 +362,26 @@ def session_backlogs(
                 SELECT count(*) AS n, coalesce(max(c.position), -1) AS highest,
                        coalesce(round(extract(epoch FROM now() - min(c.committed_at))::numeric, 1), 0)::float8 AS lag,
                        count(*) FILTER (WHERE g.first IS NULL OR c.position < g.first) AS before
-                FROM lr.log_commits c
-                CROSS JOIN LATERAL (
-                    SELECT 1 FROM lr.log_entries e
-                    WHERE e.tx = c.tx AND e.stream IN (%(stream)s, %(tables)s) AND e.tag_ids @> ARRAY[r.tag_id]
-                      AND e.client_id = k.client_id
-                    OFFSET 0  -- per-commit index lookups, driven by the position range: the cost
-                              -- follows the backlog, not the size of the log (a join of the whole
-                              -- log cost 26 ms for a backlog of 200 among 60k entries)
-                ) e
-                WHERE c.position > greatest(s.acked_position, 0)
+                FROM (
+                    SELECT c.position, c.committed_at FROM lr.log_commits c
+                    CROSS JOIN LATERAL (
+                        SELECT 1 FROM lr.log_entries e
+                        WHERE e.tx = c.tx AND e.stream IN (%(stream)s, %(tables)s) AND e.tag_ids @> ARRAY[r.tag_id]
+                          AND e.client_id = k.client_id
+                        OFFSET 0  -- per-commit index lookups, driven by the position range: the cost
+                                  -- follows the backlog, not the size of the log (a join of the whole
+                                  -- log cost 26 ms for a backlog of 200 among 60k entries)
+                    ) e
+                    WHERE c.position > greatest(s.acked_position, 0)
+                    ORDER BY c.position LIMIT %(at_most)s  -- NULL: no limit
+                ) c
             ) p
             WHERE (%(sink)s::text IS NULL OR s.sink_site_id = %(sink)s)
               AND (%(client)s::text IS NULL OR s.client_name = %(client)s)
             ORDER BY 1, 2
             """,
-            {"stream": STREAM_LOG_ENTRIES, "tables": STREAM_TABLE_CHANGES, "sink": sink, "client": client},
+            {"stream": STREAM_LOG_ENTRIES, "tables": STREAM_TABLE_CHANGES, "sink": sink, "client": client,
+             "at_most": at_most},
         )
         rows = [SessionBacklog(*row) for row in cur.fetchall()]
     conn.commit()
@@ -387,8 +394,10 @@ def log_entry_backlog(backlogs: list[SessionBacklog]) -> int:
     return sum(b.entries for b in backlogs if b.state == SessionState.IN_LOG_ENTRY_SYNC)
 
 
-def source_backlog(conn: psycopg2.extensions.connection) -> int:
-    return log_entry_backlog(session_backlogs(conn))
+def source_backlog(conn: psycopg2.extensions.connection, at_most: int | None = None) -> int:
+    """The source's log-entry backlog (``at_most``: each session counted up to there; the sum is
+    then at least ``at_most`` whenever one session's backlog is)."""
+    return log_entry_backlog(session_backlogs(conn, at_most=at_most))
 
 
 def pending_entries(conn: psycopg2.extensions.connection, sink: str, client: str) -> tuple[int, int]:
