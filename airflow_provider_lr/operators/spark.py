@@ -103,16 +103,18 @@ class LRSparkFanOutOperator(_LRSparkJobOperator):
 
     :param source: the source site id (templated)
     :param max_entries: cap on entries this run delivers (the job's ``--max-entries``)
+    :param tasks: chunks teed at once (the job's ``--tasks``; 1: in order in one task; default: the
+        topology's ``fanout_tasks``, else ``catchup.fanout_tasks`` of the cluster's cores)
     :param conn_id: the Spark connection (master from its host, e.g. ``local[2]`` or ``spark://host:7077``)
     Other SparkSubmitOperator arguments pass through.
     """
 
     template_fields: Sequence[str] = (*SparkSubmitOperator.template_fields, "source", "topology_path")
 
-    def __init__(self, *, source: str, max_entries: int | None = None, name: str = "lr-fanout",
-                 **kwargs: Any) -> None:
+    def __init__(self, *, source: str, max_entries: int | None = None, tasks: int | None = None,
+                 name: str = "lr-fanout", **kwargs: Any) -> None:
         super().__init__(job=FANOUT_JOB, name=name, **kwargs)
-        self.source, self.max_entries = source, max_entries
+        self.source, self.max_entries, self.tasks = source, max_entries, tasks
 
     def execute(self, context: Any) -> dict[str, Any] | None:
         path = topology_path(self.topology_path)
@@ -120,6 +122,8 @@ class LRSparkFanOutOperator(_LRSparkJobOperator):
         args = ["--source", self.source]
         if self.max_entries:
             args += ["--max-entries", str(int(self.max_entries))]
+        if self.tasks:
+            args += ["--tasks", str(int(self.tasks))]
         self._submit(context, path, topo, {self.source, *(k.sink for k in topo.sessions(source=self.source))}, args)
         self.log.info("fan-out of %s: %s", self.source, self.result)
         for session, delivered in ((self.result or {}).get("deliveries") or {}).items():

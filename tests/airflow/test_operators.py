@@ -211,7 +211,7 @@ def test_connections_file_for_spark_is_private_and_complete(airflow_sites, tmp_p
 
 
 @pytest.mark.slow
-def test_spark_fan_out_operator_delivers_the_backlog_and_cleans_up(airflow_sites, monkeypatch, tmp_path):
+def test_spark_fan_out_operator_delivers_the_backlog_staged_by_two_tasks_and_cleans_up(airflow_sites, monkeypatch, tmp_path):
     from airflow_provider_lr.operators.spark import LRSparkFanOutOperator
 
     source, sink_b, sink_c = airflow_sites.sites
@@ -221,10 +221,11 @@ def test_spark_fan_out_operator_delivers_the_backlog_and_cleans_up(airflow_sites
     monkeypatch.setenv("AIRFLOW_CONN_SPARK_LOCAL", json.dumps({"conn_type": "spark", "host": "local[2]"}))
     monkeypatch.setenv("PATH", f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the connections file is written
-    op = LRSparkFanOutOperator(task_id="fanout", source="site-a", conn_id="spark_local",
+    op = LRSparkFanOutOperator(task_id="fanout", source="site-a", conn_id="spark_local", tasks=2,
                                conf={"spark.ui.enabled": "false"})
     result = op.execute({})
     assert result["ok"] and result["total_deliveries"] == 20
+    assert op.application_args[op.application_args.index("--tasks") + 1] == "2"  # staged, published in order
     for sink in (sink_b, sink_c):
         assert [p for k, p in queue(sink, "site-a") if k == "log"] == [f"k{i}={i}" for i in range(10)]
     conns_file = op.env_vars["LR_CONNECTIONS_FILE"]  # handed to the job through the environment only
