@@ -47,7 +47,7 @@ def spark_map(spark: SparkSession) -> fanout.MapChunks:
             ctx = TaskContext.get()
             attempt = ctx.attemptNumber() if ctx is not None else 0
             for chunk in tee_chunks(plan, attempt):
-                chunk.jvm_peak_kb = ancestor_peak_kb("java")
+                chunk.jvm_peak_kb, chunk.attempt = ancestor_peak_kb("java"), attempt
                 yield chunk
 
         sc = spark.sparkContext
@@ -69,7 +69,7 @@ def staged_map(spark: SparkSession) -> fanout.MapChunks:
             attempt = ctx.attemptNumber() if ctx is not None else 0
             for index in indexes:
                 chunk = stage_chunk(plan, plan.ranges[index], f"_p{index}_a{attempt}")
-                chunk.jvm_peak_kb = ancestor_peak_kb("java")
+                chunk.jvm_peak_kb, chunk.attempt = ancestor_peak_kb("java"), attempt
                 yield chunk
 
         sc = spark.sparkContext

@@ -62,6 +62,7 @@ def test_tasks_killed_and_retried_deliver_once_in_source_order(retrying_spark, l
     with prefixes_only(lr_sites, expected, CLIENTS) as violations:
         result = lr_fanout.fan_out(retrying_spark, topo, "site-a", partitions=4, tasks=2)
     assert violations == []
+    assert result.retried == 1, "the attempt was killed at the fault point and its task retried"
     assert result.partitions == 4 and result.entries_read <= 3000  # a retry reads only what is not staged
     delivered_once_in_order(lr_sites, expected, result)
 

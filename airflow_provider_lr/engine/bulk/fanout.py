@@ -227,6 +227,7 @@ class FanoutDriver:
                               blocked_by=list(plan.blocked_by))
         parts = list(chunks)
         result.partitions = len(parts)
+        result.retried = sum(1 for p in parts if p.attempt > 0)
         result.entries_read = sum(p.read for p in parts)
         result.peak_rss_kb["executor_python"] = max((p.peak_rss_kb for p in parts), default=0)
         result.peak_rss_kb["executor_jvm"] = max((p.jvm_peak_kb for p in parts), default=0)

@@ -88,6 +88,7 @@ class ChunkResult:
     peak_rss_kb: int = 0  # of the process that ran it (an executor's Python worker)
     jvm_peak_kb: int = 0  # of the executor JVM it ran under (set by the Spark job)
     pid: int = 0
+    attempt: int = 0  # the task attempt that returned it (> 0: a retry or speculative copy)
 
 
 @dataclass
@@ -104,6 +105,7 @@ class FanoutResult:
     skipped: dict[str, str] = field(default_factory=dict)
     blocked_by: list[str] = field(default_factory=list)  # what held the commit barrier back
     partitions: int = 0  # chunks
+    retried: int = 0  # chunks whose result came from a task retry or a speculative copy
     entries_read: int = 0
     seconds: dict[str, float] = field(default_factory=dict)  # plan, tee, finish
     peak_rss_kb: dict[str, int] = field(default_factory=dict)  # driver, executors
