@@ -66,5 +66,5 @@ if __name__ == "__main__":
     p.add_argument("--sink", required=True)
     p.add_argument("--client", required=True)
     p.add_argument("--function", required=True, help="apply function as package.module:function")
-    p.add_argument("--batch", type=int, default=bulk_apply.DEFAULT_APPLY_BATCH)
+    p.add_argument("--batch", type=lr_spark.count, default=bulk_apply.DEFAULT_APPLY_BATCH)
     sys.exit(lr_spark.run(main, p.parse_args()))

@@ -107,9 +107,9 @@ def main(args: Any) -> dict[str, Any]:
 if __name__ == "__main__":
     p = lr_spark.parser(__doc__.splitlines()[0])
     p.add_argument("--source", required=True, help="site id of the source whose log is fanned out")
-    p.add_argument("--max-entries", type=int, default=None, help="move at most about this many log entries")
-    p.add_argument("--partitions", type=int, default=None, help="position chunks (default: by size)")
-    p.add_argument("--tasks", type=int, default=None,
+    p.add_argument("--max-entries", type=lr_spark.count, default=None, help="move at most about this many log entries")
+    p.add_argument("--partitions", type=lr_spark.count, default=None, help="position chunks (default: by size)")
+    p.add_argument("--tasks", type=lr_spark.count, default=None,
                    help="chunks teed at once (1: in order, unstaged; default: the topology's fanout_tasks, "
                         "else the cluster's cores from 4 of them, else 1)")
     sys.exit(lr_spark.run(main, p.parse_args()))

@@ -55,6 +55,6 @@ if __name__ == "__main__":
     p.add_argument("--sink", required=True)
     p.add_argument("--client", required=True)
     p.add_argument("--request-id", default=None, help="the supplied full-sync request (default: the open one)")
-    p.add_argument("--partitions", type=int, default=None)
+    p.add_argument("--partitions", type=lr_spark.count, default=None)
     p.add_argument("--no-apply", action="store_true", help="transfer only; the session cycle applies it")
     sys.exit(lr_spark.run(main, p.parse_args()))

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from pyspark.sql import SparkSession
 
 from airflow_provider_lr.engine.bulk.peak_memory import process_peak_kb
-from airflow_provider_lr.engine.errors import LRError
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError, require_counts
 from airflow_provider_lr.engine.site import topology as topologies
 
 RESULT_PREFIX = "LR_RESULT "
@@ -37,6 +37,17 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--result-file", default=None,
                    help="also write the result's JSON to this file (how LRSparkFanOutOperator reads it)")
     return p
+
+
+def count(text: str) -> int:
+    """An argument that counts something (chunks, tasks, entries): refused before Spark starts
+    unless a whole number of at least 1 (``errors.require_counts``)."""
+    try:
+        value = int(text)
+        require_counts(value=value)
+    except (ValueError, ConfigurationError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1") from None
+    return value
 
 
 def spark_session(app_name: str) -> SparkSession:

@@ -61,5 +61,5 @@ if __name__ == "__main__":
     p = lr_spark.parser(__doc__.splitlines()[0])
     p.add_argument("--source", required=True, help="site id of the source of the tables")
     p.add_argument("--client", required=True, help="the client whose federated tables are snapshotted")
-    p.add_argument("--parts", type=int, default=None, help="key ranges per table (default: ~100k rows each)")
+    p.add_argument("--parts", type=lr_spark.count, default=None, help="key ranges per table (default: ~100k rows each)")
     sys.exit(lr_spark.run(main, p.parse_args()))

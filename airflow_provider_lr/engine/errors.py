@@ -73,3 +73,12 @@ class DeliveryTimeout(LRError, TimeoutError):
         self.position = position
         self.missing = missing
         self.regions = regions
+
+
+def require_counts(**counts: object) -> None:
+    """Refuse a count given but not a whole number of at least 1 (chunks, tasks, entries, rows per
+    batch): a zero or negative one would otherwise mean "everything", "nothing" or a crash later.
+    ``None`` means "the default" and passes."""
+    for name, value in counts.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigurationError(f"{name} must be a whole number of at least 1, not {value!r}")

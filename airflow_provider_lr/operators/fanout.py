@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException
 
+from airflow_provider_lr.engine.errors import require_counts
 from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.operators import telemetry
 from airflow_provider_lr.operators.common import load_topology
@@ -32,6 +33,7 @@ class LRFanOutOperator(BaseOperator):
 
     def __init__(self, *, source: str, topology_path: str | None = None, max_entries: int | None = None,
                  **kwargs: Any) -> None:
+        require_counts(max_entries=max_entries)
         super().__init__(**kwargs)
         self.source, self.topology_path, self.max_entries = source, topology_path, max_entries
 

@@ -22,6 +22,7 @@ import psycopg2
 from airflow.sdk import BaseOperator, TriggerRule
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 
+from airflow_provider_lr.engine.errors import require_counts
 from airflow_provider_lr.engine.session import nearest_copy
 from airflow_provider_lr.engine.session.lease import new_owner_id
 from airflow_provider_lr.engine.session.negotiation import Decision
@@ -275,6 +276,7 @@ class LRLogEntrySyncOperator(_SessionStepOperator):
     ui_color = "#e3f6e3"
 
     def __init__(self, *, max_batches: int | None = None, max_entries: int | None = None, **kwargs: Any) -> None:
+        require_counts(max_batches=max_batches, max_entries=max_entries)
         super().__init__(**kwargs)
         self.max_batches, self.max_entries = max_batches, max_entries
 

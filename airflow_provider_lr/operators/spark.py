@@ -21,6 +21,7 @@ from typing import Any, Iterator, Sequence
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 
+from airflow_provider_lr.engine.errors import require_counts
 from airflow_provider_lr.engine.site.conninfo import CONNECTIONS_FILE_ENV
 from airflow_provider_lr.engine.site.topology import Topology
 from airflow_provider_lr.hooks.site import LRSiteHook
@@ -113,6 +114,7 @@ class LRSparkFanOutOperator(_LRSparkJobOperator):
 
     def __init__(self, *, source: str, max_entries: int | None = None, tasks: int | None = None,
                  name: str = "lr-fanout", **kwargs: Any) -> None:
+        require_counts(max_entries=max_entries, tasks=tasks)
         super().__init__(job=FANOUT_JOB, name=name, **kwargs)
         self.source, self.max_entries, self.tasks = source, max_entries, tasks
 
@@ -120,9 +122,9 @@ class LRSparkFanOutOperator(_LRSparkJobOperator):
         path = topology_path(self.topology_path)
         topo = load_topology(path)
         args = ["--source", self.source]
-        if self.max_entries:
+        if self.max_entries is not None:
             args += ["--max-entries", str(int(self.max_entries))]
-        if self.tasks:
+        if self.tasks is not None:
             args += ["--tasks", str(int(self.tasks))]
         self._submit(context, path, topo, {self.source, *(k.sink for k in topo.sessions(source=self.source))}, args)
         self.log.info("fan-out of %s: %s", self.source, self.result)
@@ -149,6 +151,7 @@ class LRSparkTableSnapshotOperator(_LRSparkJobOperator):
 
     def __init__(self, *, source: str, client: str, parts: int | None = None, name: str = "lr-table-snapshot",
                  **kwargs: Any) -> None:
+        require_counts(parts=parts)
         super().__init__(job=TABLE_SNAPSHOT_JOB, name=name, **kwargs)
         self.source, self.client, self.parts = source, client, parts
 
@@ -156,7 +159,7 @@ class LRSparkTableSnapshotOperator(_LRSparkJobOperator):
         path = topology_path(self.topology_path)
         topo = load_topology(path)
         args = ["--source", self.source, "--client", self.client]
-        if self.parts:
+        if self.parts is not None:
             args += ["--parts", str(int(self.parts))]
         sinks = {k.sink for k in topo.sessions(source=self.source) if k.client == self.client}
         self._submit(context, path, topo, {self.source, *sinks}, args)
@@ -182,6 +185,7 @@ class LRSparkSnapshotTransferOperator(_LRSparkJobOperator):
 
     def __init__(self, *, source: str, sink: str, client: str, request_id: str | None = None,
                  partitions: int | None = None, name: str = "lr-snapshot-transfer", **kwargs: Any) -> None:
+        require_counts(partitions=partitions)
         super().__init__(job=SNAPSHOT_TRANSFER_JOB, name=name, **kwargs)
         self.source, self.sink, self.client = source, sink, client
         self.request_id, self.partitions = request_id, partitions
@@ -192,7 +196,7 @@ class LRSparkSnapshotTransferOperator(_LRSparkJobOperator):
         args = ["--source", self.source, "--sink", self.sink, "--client", self.client]
         if self.request_id:
             args += ["--request-id", self.request_id]
-        if self.partitions:
+        if self.partitions is not None:
             args += ["--partitions", str(int(self.partitions))]
         self._submit(context, path, topo, {self.source, self.sink}, args)
         self.log.info("full-sync transfer of %s->%s/%s: %s", self.source, self.sink, self.client, self.result)
@@ -220,6 +224,7 @@ class LRSparkApplyReceiveQueueOperator(_LRSparkJobOperator):
 
     def __init__(self, *, sink: str, client: str, function: str, batch: int | None = None,
                  name: str = "lr-apply-receive-queue", **kwargs: Any) -> None:
+        require_counts(batch=batch)
         super().__init__(job=APPLY_QUEUE_JOB, name=name, **kwargs)
         self.sink, self.client, self.function, self.batch = sink, client, function, batch
 
@@ -227,7 +232,7 @@ class LRSparkApplyReceiveQueueOperator(_LRSparkJobOperator):
         path = topology_path(self.topology_path)
         topo = load_topology(path)
         args = ["--sink", self.sink, "--client", self.client, "--function", self.function]
-        if self.batch:
+        if self.batch is not None:
             args += ["--batch", str(int(self.batch))]
         self._submit(context, path, topo, {self.sink}, args)
         self.log.info("bulk apply of %s's %s queues: %s", self.sink, self.client, self.result)

@@ -20,7 +20,15 @@ from airflow_provider_lr.operators import (
     LRSnapshotSyncOperator,
     LRTrimOperator,
 )
-from airflow_provider_lr.operators.spark import plan_fanout, write_connections_file
+from airflow_provider_lr.operators.fanout import LRFanOutOperator
+from airflow_provider_lr.operators.spark import (
+    LRSparkApplyReceiveQueueOperator,
+    LRSparkFanOutOperator,
+    LRSparkSnapshotTransferOperator,
+    LRSparkTableSnapshotOperator,
+    plan_fanout,
+    write_connections_file,
+)
 from airflow_provider_lr.sensors import LRDeliveredSensor, LRReadySensor
 from airflow_provider_lr.triggers import LRDeliveredTrigger, LRReadyTrigger, LRSnapshotEndTrigger
 from tests.support.airflow_env import airflow_sites, reconfigure  # noqa: F401
@@ -212,8 +220,6 @@ def test_connections_file_for_spark_is_private_and_complete(airflow_sites, tmp_p
 
 @pytest.mark.slow
 def test_spark_fan_out_operator_delivers_the_backlog_staged_by_two_tasks_and_cleans_up(airflow_sites, monkeypatch, tmp_path):
-    from airflow_provider_lr.operators.spark import LRSparkFanOutOperator
-
     source, sink_b, sink_c = airflow_sites.sites
     app = _app_with_sinks_in_log_entry_sync(source)
     for i in range(10):
@@ -258,6 +264,21 @@ def test_bulk_apply_operator_applies_the_sinks_queue_in_source_order_once(airflo
     assert applied == [f"k{i}={i}" for i in range(30)]
     assert [k for k, _ in queue(sink_b, "site-a")] == []  # delivered: gone from the queue
     app.close()
+
+
+@pytest.mark.parametrize("operator, kwargs", [
+    (LRSparkFanOutOperator, {"source": "site-a", "tasks": 0}),
+    (LRSparkFanOutOperator, {"source": "site-a", "max_entries": -5}),
+    (LRFanOutOperator, {"source": "site-a", "max_entries": 0}),
+    (LRSparkTableSnapshotOperator, {"source": "site-a", "client": "policy", "parts": 0}),
+    (LRSparkSnapshotTransferOperator, {"source": "site-a", "sink": "site-b", "client": "policy", "partitions": -1}),
+    (LRSparkApplyReceiveQueueOperator, {"sink": "site-b", "client": "policy", "function": "m:f", "batch": 0}),
+    (LRLogEntrySyncOperator, {"max_batches": 0}),
+])
+def test_an_operator_with_a_count_below_one_is_refused_when_the_dag_is_parsed(operator, kwargs):
+    name = next(k for k in kwargs if k in ("tasks", "max_entries", "parts", "partitions", "batch", "max_batches"))
+    with pytest.raises(ConfigurationError, match=f"{name} must be a whole number of at least 1"):
+        operator(task_id="bad_count", **kwargs)
 
 
 def test_every_module_the_provider_declares_imports():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+import time
 
 import psycopg2
 import pytest
@@ -72,6 +73,45 @@ def test_trim_retention_must_be_a_sane_number_of_seconds(value, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["trim", "--retention", value])
     assert exit_.value.code == 2 and "number of seconds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("job, args, flag", [
+    ("lr_fanout.py", ["--source", "site-a"], "--tasks"),
+    ("lr_fanout.py", ["--source", "site-a"], "--partitions"),
+    ("lr_fanout.py", ["--source", "site-a"], "--max-entries"),
+    ("lr_snapshot_transfer.py", ["--source", "site-a", "--sink", "site-b", "--client", "policy"], "--partitions"),
+    ("lr_table_snapshot.py", ["--source", "site-a", "--client", "policy"], "--parts"),
+    ("lr_apply_receive_queue.py", ["--sink", "site-b", "--client", "policy", "--function", "m:f"], "--batch"),
+])
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_a_spark_job_refuses_a_count_below_one_before_spark_starts(repo_root, job, args, flag, value):
+    import subprocess
+    import sys
+
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, str(repo_root / "spark_jobs" / job), *args, flag, value],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"argument {flag}" in out.stderr and "whole number of at least 1" in out.stderr
+    assert "SparkContext" not in out.stderr and time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("counts", [{"partitions": 0}, {"tasks": -1}, {"max_entries": 0}, {"tasks": True}])
+def test_a_fan_out_with_a_count_below_one_is_refused_naming_it(lr_sites, lr_connections, counts):
+    from airflow_provider_lr.engine.bulk import fanout
+
+    topo = apply(lr_sites, ONE_SINK)
+    driver = fanout.FanoutDriver(topo, "site-a")
+    try:
+        with pytest.raises(ConfigurationError, match=f"{next(iter(counts))} must be a whole number of at least 1"):
+            driver.plan(**counts)
+    finally:
+        driver.close()
+
+
+@pytest.mark.parametrize("field", ["max_entries", "max_bytes", "max_batches"])
+def test_session_settings_refuse_a_batch_of_nothing(field):
+    with pytest.raises(ConfigurationError, match=f"{field} must be a whole number of at least 1, not 0"):
+        SessionSettings(**{field: 0})
 
 
 def test_a_negative_retention_never_trims_what_no_sink_has(lr_sites):

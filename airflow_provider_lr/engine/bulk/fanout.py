@@ -67,7 +67,7 @@ from airflow_provider_lr.engine.bulk.plan import (
     PositionRange,
 )
 from airflow_provider_lr.engine.bulk.tee import tee_chunks
-from airflow_provider_lr.engine.errors import ConfigurationError, FencedError
+from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, require_counts
 from airflow_provider_lr.engine.faults import FAULT_ENV
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.lease_keeper import LeaseKeeper
@@ -115,6 +115,7 @@ class FanoutDriver:
         that many tasks will tee chunks at once, staged and published in order
         (``bulk/staged_tee.py``): at least one chunk each, and what earlier staged runs left on
         the sinks is dropped first."""
+        require_counts(max_entries=max_entries, partitions=partitions, tasks=tasks)
         staged = tasks > 1
         demands, skipped = [], {}
         for key in self.sessions:

@@ -33,7 +33,7 @@ from airflow_provider_lr.engine import vocabulary
 from airflow_provider_lr.engine.bulk.peak_memory import peak_rss_kb
 from airflow_provider_lr.engine.bulk.pgcopy import RowReader, StagingWriter, staging_prefix, staging_row
 from airflow_provider_lr.engine.sink.queue_rows import Packer
-from airflow_provider_lr.engine.errors import ConfigurationError, LRError, StaleBatchError
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError, StaleBatchError, require_counts
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings
 from airflow_provider_lr.engine.sink import writes
@@ -111,6 +111,7 @@ class SnapshotTransfer:
         self.runner = SessionRunner(self.key, self.src, self.sink, owner or leases.new_owner_id(), self.settings)
 
     def plan(self, request_id: str | None = None, partitions: int = 2) -> SnapshotPlan:
+        require_counts(partitions=partitions)
         runner = self.runner
         runner.lease = leases.acquire(self.src, self.key.sink, self.key.client, runner.owner, self.settings.lease_seconds)
         if runner.lease is None:

@@ -20,7 +20,7 @@ import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
 from airflow_provider_lr.engine import progress
-from airflow_provider_lr.engine.errors import FencedError, LRError, TrimmedError
+from airflow_provider_lr.engine.errors import FencedError, LRError, TrimmedError, require_counts
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session import nearest_copy
@@ -101,6 +101,9 @@ class SessionSettings:
     fanout_tasks: int = 0  # chunks the Spark fan-out tees at once (1: in order; 0: by the cluster's cores)
     nearest_copy: bool = True  # a client of tables only may be seeded from a peer sink in its region
     peer_probe_delay: float = PROBE_DELAY  # seconds the first peer has to answer (x2 each next)
+
+    def __post_init__(self) -> None:  # a batch of 0 would make every cycle a silent no-op
+        require_counts(max_entries=self.max_entries, max_bytes=self.max_bytes, max_batches=self.max_batches)
 
     @classmethod
     def from_topology(cls, topology: Topology, **overrides: object) -> "SessionSettings":

@@ -32,7 +32,7 @@ import psycopg2.extensions
 from psycopg2 import sql
 
 from airflow_provider_lr.engine import progress
-from airflow_provider_lr.engine.errors import FencedError, StaleBatchError
+from airflow_provider_lr.engine.errors import FencedError, StaleBatchError, require_counts
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.sink.writes import SinkTransaction
 from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, BaseSplit, TableSplits
@@ -175,6 +175,7 @@ class TableSnapshot:
         PostgreSQL cannot see (the driver waits in Spark, not on a lock). Unheld, the TRUNCATE
         commits; a range read after it is empty in the snapshot, and the TRUNCATE itself, after
         the split, is applied from the log: the sink ends the same."""
+        require_counts(ranges_per_table=ranges_per_table)
         found: list[KeyRange] = []
         with self.source.cursor() as cur:
             cur.execute("SAVEPOINT lr_plan")
