@@ -116,3 +116,32 @@ def test_a_range_read_by_a_parallel_plan_on_the_source_is_still_packed_in_entry_
         source.query(f"ALTER DATABASE {source.dbname} RESET ALL")
     assert result.applied
     assert [p for k, p in queue(sink_b, "site-a") if k == "snap"] == [f"row{i}={i}" for i in range(ROWS)]
+
+
+@pytest.mark.parametrize("then", ["a newer sync starts", "the same sync is applied in process"])
+def test_an_abandoned_spark_transfer_leaves_nothing_staged_once_the_session_moves_on(lr_sites, lr_connections, then):
+    """A transfer job that died after staging part of its sync (never committed): its staged rows
+    are dropped when the session moves on, whichever way, and the sink gets every row once."""
+    source, sink_b = lr_sites[0], lr_sites[1]
+    topo = apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
+    conn = source.connect()
+    client = RoutingQueueClient(conn, "policy")
+    request = full_sync.request_full_sync(conn, "site-b", "policy", reason="to be abandoned on Spark")
+    client.serve_full_sync_requests(rows_provider)
+    job = snapshot_transfer.SnapshotTransfer(topo, "site-a", "site-b", "policy")
+    try:
+        plan = job.plan(request.request_id, partitions=2)
+        snapshot_transfer.stage_range(plan, plan.ranges[0])  # one task done, then the job is gone
+    finally:
+        job.close()
+    assert sink_b.query("SELECT count(*) > 0 FROM lr.spark_staging")[0][0]
+    if then == "a newer sync starts":
+        full_sync.request_full_sync(conn, "site-b", "policy", reason="a newer sync")
+        client.serve_full_sync_requests(rows_provider)
+    conn.close()
+
+    repl = replicator(topo, lr_sites)
+    repl.run(max_cycles=5, until_idle=True, interval=0.01)
+    repl.close()
+    assert [p for k, p in queue(sink_b, "site-a") if k == "snap"] == [f"row{i}={i}" for i in range(ROWS)]
+    assert sink_b.query("SELECT (SELECT count(*) FROM lr.spark_staging), (SELECT count(*) FROM lr.spark_staged_ranges)")[0] == (0, 0)

@@ -169,8 +169,8 @@ class FanoutDriver:
             leases.update_session(self.src, runner.lease, state=SessionState.IN_LOG_ENTRY_SYNC,
                                   acked_position=meta.last_log_entry_processed, last_error=None)
             if staged:
-                with writes.SinkTransaction(sink_conn, key.source, key.client, runner.lease.epoch) as (cur, sink_meta):
-                    staged_tee.clear_staged(cur, key.source, key.client, sink_meta.last_log_entry_processed)
+                with writes.SinkTransaction(sink_conn, key.source, key.client, runner.lease.epoch) as (cur, _):
+                    writes.discard_staged(cur, key.source, key.client)
             return Demand(key.source, key.sink, key.client, reader.client_id, reader.tag_id, meta.last_log_entry_processed,
                           meta.snapshot_applied, meta.split, runner.lease.epoch)
         finally:

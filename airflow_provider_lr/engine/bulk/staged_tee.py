@@ -28,7 +28,7 @@ the same commit; a stage that would land behind a publish never commits (the ``F
 serialises with the publish's ``FOR UPDATE``). A killed task leaves its open stage transactions
 uncommitted; a retry stages again what is missing; staged ranges a run never publishes (a gap
 that stayed, a task that never returned) are dropped by the next plan of the session
-(``clear_staged``) before it stages anything.
+(``writes.discard_staged``) before it stages anything.
 """
 from __future__ import annotations
 
@@ -38,7 +38,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import psycopg2
-import psycopg2.extensions
 
 from airflow_provider_lr.engine.bulk import peak_memory
 from airflow_provider_lr.engine.bulk.pgcopy import StagedQueueWriter
@@ -225,8 +224,8 @@ def publish(plan: FanoutPlan, demand: Demand) -> tuple[int, int]:
 
 def published_entries(plan: FanoutPlan, demand: Demand, position: int) -> int:
     """Entries the plan published for ``demand`` up to ``position`` (its range records); then, in
-    the same fenced sink transaction, the plan's records and what it left staged past ``position``
-    (after a gap) are dropped. What the driver reports once all tasks are done (a task's own count
+    the same fenced sink transaction, the records and what the run left staged (past a gap) are
+    dropped. What the driver reports once all tasks are done (a task's own count
     is lost with an attempt Spark discarded)."""
     conn = psycopg2.connect(plan.sink_dsns[demand.sink])
     try:
@@ -235,24 +234,7 @@ def published_entries(plan: FanoutPlan, demand: Demand, position: int) -> int:
                         "AND client_name = %s AND plan_id = %s AND range_lo >= %s AND range_hi <= %s",
                         (plan.source, demand.client, plan.plan_id, demand.after, position))
             (entries,) = cur.fetchone()
-            _clear(cur, plan.source, demand.client, position, plan.plan_id)
+            writes.discard_staged(cur, plan.source, demand.client)
         return int(entries)
     finally:
         conn.close()
-
-
-def clear_staged(cur: psycopg2.extensions.cursor, source: str, client: str, after: int) -> None:
-    """Drop every staged fan-out range of a session past ``after``, its sink's position (runs that
-    never published them): a plan calls it, inside its fenced sink transaction, before any of its
-    tasks stages. (Nothing is staged at or below a sink's position: a publish moves what it
-    passes, and a stage that would land there never commits.)"""
-    _clear(cur, source, client, after, None)
-
-
-def _clear(cur: psycopg2.extensions.cursor, source: str, client: str, after: int, plan_id: str | None) -> None:
-    # by position first: the staging key's index, not a scan of a table a big publish left full of dead rows
-    cur.execute("DELETE FROM lr.spark_staging WHERE source_position > %s AND source_site_id = %s AND client_name = %s "
-                "AND sync_id IS NULL", (after, source, client))
-    of_plan = "" if plan_id is None else " AND plan_id = %s"
-    cur.execute("DELETE FROM lr.spark_staged_ranges WHERE source_site_id = %s AND client_name = %s" + of_plan,
-                (source, client, *(() if plan_id is None else (plan_id,))))

@@ -287,6 +287,17 @@ def fence(conn: psycopg2.extensions.connection, source: str, client: str, epoch:
         return replace(meta, lease_epoch=epoch, site_topology_config_id=_site_topology_id(cur))
 
 
+def discard_staged(cur: psycopg2.extensions.cursor, source: str, client: str) -> None:
+    """Drop everything Spark jobs staged for the session on this sink and never moved into its
+    receive queue (``lr.spark_staging``: fan-out packs and snapshot data, and their range records).
+    Staged rows are never visible: once the session moves on (a fan-out plan starts or ends, a
+    snapshot sync starts or is applied) what a failed, abandoned or superseded job left there is
+    dead weight. Called inside the session's fenced sink transaction; a job fenced out by it cannot
+    publish or move what it stages later (the next of these calls drops that)."""
+    cur.execute("DELETE FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s", (source, client))
+    cur.execute("DELETE FROM lr.spark_staged_ranges WHERE source_site_id = %s AND client_name = %s", (source, client))
+
+
 def start_snapshot(
     conn: psycopg2.extensions.connection,
     source: str,
@@ -297,7 +308,8 @@ def start_snapshot(
     split: BaseSplit,
     topology_config_id: str,
 ) -> SinkMetadata:
-    """SNAPSHOT_START: record the new sync and discard any unapplied data of an older one.
+    """SNAPSHOT_START: record the new sync and discard any unapplied data of an older one (and
+    whatever Spark jobs left staged for the session).
     Repeating it for the sync already started is a no-op, so an interrupted transfer resumes; a
     sync this sink has already applied is refused (taking it for a resume would apply nothing and
     continue from its old base)."""
@@ -314,6 +326,7 @@ def start_snapshot(
             "DELETE FROM lr.receive_queue WHERE source_site_id = %s AND client_name = %s AND NOT visible",
             (source, client),
         )
+        discard_staged(cur, source, client)
         write.register()  # the first write of a snapshot sync registers the queue (seed 000)
         forget_session(cur, source, client)  # its federated tables take new snapshots after this one
         write.update(
@@ -380,6 +393,7 @@ def apply_snapshot(conn: psycopg2.extensions.connection, source: str, client: st
             "WHERE source_site_id = %s AND client_name = %s AND sync_id = %s AND NOT visible",
             (source, client, meta.snapshot_request_id),
         )
+        discard_staged(cur, source, client)  # a Spark transfer of it abandoned, then the sync moved in process
         write.update(
             snapshot_applied=meta.snapshot_started,
             last_log_entry_processed=meta.snapshot_started,
