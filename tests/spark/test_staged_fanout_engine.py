@@ -145,18 +145,23 @@ def test_a_session_taken_over_since_the_plan_stages_nothing_and_the_others_go_on
                                  for s in lr_sites[1:] for c in CLIENTS}  # site-b/policy once, by the other
 
 
-def test_what_a_failed_staged_run_left_is_dropped_by_the_next_plan(scenario):
-    """A run whose first chunk never staged leaves the later chunks staged on the sinks; the next
-    plan drops them before its own tasks stage, and delivers everything once."""
-    topo, lr_sites = scenario
+def failed_staged_run(topo, lr_sites, chunks: tuple[int, ...]) -> None:
+    """1,500 entries planned in 3 chunks over 3 tasks, of which only ``chunks`` ever stage."""
     transmit_backlog(lr_sites[0], 1500, clients=CLIENTS, per_txn=100)
     driver = fanout.FanoutDriver(topo, "site-a")
     try:
         plan = driver.plan(partitions=3, tasks=3)
-        staged_tee.stage_chunk(plan, plan.ranges[1])
-        staged_tee.stage_chunk(plan, plan.ranges[2])
+        for index in chunks:
+            staged_tee.stage_chunk(plan, plan.ranges[index])
     finally:
         driver.close()
+
+
+def test_what_a_failed_staged_run_left_is_dropped_by_the_next_plan(scenario):
+    """A run whose first chunk never staged leaves the later chunks staged on the sinks; the next
+    plan drops them before its own tasks stage, and delivers everything once."""
+    topo, lr_sites = scenario
+    failed_staged_run(topo, lr_sites, chunks=(1, 2))
     assert staged_left(lr_sites) > 0 and all(v == [] for v in visible(lr_sites).values())
     again = fanout.FanoutDriver(topo, "site-a")
     try:
@@ -175,13 +180,7 @@ def test_what_a_failed_staged_run_left_behind_a_session_cycle_is_dropped_by_the_
     staged chunks (now behind the sinks' positions, never to be published): the next plan, with
     nothing left to deliver, still drops them; the sinks hold every entry once."""
     topo, lr_sites = scenario
-    transmit_backlog(lr_sites[0], 1500, clients=CLIENTS, per_txn=100)
-    driver = fanout.FanoutDriver(topo, "site-a")
-    try:
-        plan = driver.plan(partitions=3, tasks=3)
-        staged_tee.stage_chunk(plan, plan.ranges[2])
-    finally:
-        driver.close()
+    failed_staged_run(topo, lr_sites, chunks=(2,))
     repl = replicator(topo, lr_sites)
     repl.run(max_cycles=10, until_idle=True, interval=0.01)
     repl.close()
