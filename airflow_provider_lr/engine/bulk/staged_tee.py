@@ -32,7 +32,6 @@ that stayed, a task that never returned) are dropped by the next plan of the ses
 """
 from __future__ import annotations
 
-import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,13 +41,12 @@ import psycopg2
 from airflow_provider_lr.engine.bulk import peak_memory
 from airflow_provider_lr.engine.bulk.pgcopy import StagedQueueWriter
 from airflow_provider_lr.engine.bulk.plan import ChunkResult, Demand, FanoutPlan, PositionRange
-from airflow_provider_lr.engine.bulk.tee import SessionChunk, armed, check_base, read_and_route
+from airflow_provider_lr.engine.bulk.tee import SessionChunk, armed, check_base, read_and_route, refuse
 from airflow_provider_lr.engine.errors import FencedError, StaleBatchError
 from airflow_provider_lr.engine.faults import fault_point, hooked
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.vocabulary import STAGING_LOCK_CLASS
 
-log = logging.getLogger(__name__)
 
 
 class SessionStage(SessionChunk):
@@ -134,8 +132,7 @@ def stage_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "") -> C
             try:
                 stage = SessionStage(plan, d, part)
             except Exception as exc:
-                out.errors[d.session] = f"{type(exc).__name__}: {exc}".strip()
-                log.warning("fan-out %s chunk %d: session %s refused: %s", plan.plan_id[:8], part.index, d.session, exc)
+                refuse(plan, part, out, d.session, exc)
                 continue
             if not stage.done:
                 stages.append((bit, stage))
@@ -146,9 +143,7 @@ def stage_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "") -> C
                 if stage.commit():
                     out.staged[stage.demand.session] = stage.entries
             except Exception as exc:
-                out.errors[stage.demand.session] = f"{type(exc).__name__}: {exc}".strip()
-                log.warning("fan-out %s chunk %d: session %s not staged: %s", plan.plan_id[:8], part.index,
-                            stage.demand.session, exc)
+                refuse(plan, part, out, stage.demand.session, exc, "not staged")
         if faults:
             fault_point(f"fanout_after_stage{fault_tag}")
         publish_all(plan, [d for d in plan.demands if d.after < part.hi and d.session not in out.errors], out)

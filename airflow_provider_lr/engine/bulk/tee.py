@@ -29,6 +29,8 @@ class SessionChunk:
     and the COPY writer the chunk's router feeds (``writer``, None when there is nothing to write)."""
 
     conn: psycopg2.extensions.connection
+    demand: Demand
+    position: int  # where the session's part of the chunk starts (the sink's position for the ordered tee)
     writer: PackedRows | None = None
 
     @property
@@ -123,8 +125,7 @@ def tee_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "",
             try:
                 tee = SessionTee(plan, d, part)
             except Exception as exc:  # this session only
-                out.errors[d.session] = f"{type(exc).__name__}: {exc}".strip()
-                log.warning("fan-out %s chunk %d: session %s refused: %s", plan.plan_id[:8], part.index, d.session, exc)
+                refuse(plan, part, out, d.session, exc)
                 continue
             out.positions[d.session] = tee.position
             if tee.done:
@@ -137,9 +138,7 @@ def tee_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "",
             try:
                 tee.commit(part.hi)
             except Exception as exc:
-                out.errors[tee.demand.session] = f"{type(exc).__name__}: {exc}".strip()
-                log.warning("fan-out %s chunk %d: session %s not committed: %s", plan.plan_id[:8], part.index,
-                            tee.demand.session, exc)
+                refuse(plan, part, out, tee.demand.session, exc, "not committed")
                 continue
             out.delivered[tee.demand.session] = tee.entries
             out.positions[tee.demand.session] = tee.position
@@ -152,8 +151,15 @@ def tee_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "",
     return out
 
 
-def read_and_route(plan: FanoutPlan, part: PositionRange, tees: list[tuple[int, SessionTee]],
-                    out: ChunkResult, fault_tag: str | None) -> tuple[list[tuple[int, SessionTee]], int]:
+def refuse(plan: FanoutPlan, part: PositionRange, out: ChunkResult, session: str, exc: BaseException,
+           what: str = "refused") -> None:
+    """Leave ``session`` out of this chunk, saying why (``out.errors`` and the log); the others go on."""
+    out.errors[session] = f"{type(exc).__name__}: {exc}".strip()
+    log.warning("fan-out %s chunk %d: session %s %s: %s", plan.plan_id[:8], part.index, session, what, exc)
+
+
+def read_and_route(plan: FanoutPlan, part: PositionRange, tees: list[tuple[int, SessionChunk]],
+                   out: ChunkResult, fault_tag: str | None) -> tuple[list[tuple[int, SessionChunk]], int]:
     """Read the chunk ONCE from the source (binary COPY, in (position, entry id) order, demand mask
     computed by the source) and append each entry's receive-queue row to every demanding session's
     COPY. The read runs in one snapshot with the trim mark: a session whose sink stands below it
