@@ -82,3 +82,10 @@ def require_counts(**counts: object) -> None:
     for name, value in counts.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigurationError(f"{name} must be a whole number of at least 1, not {value!r}")
+
+
+def one_line(exc: BaseException | str) -> str:
+    """An error as one line, for logs, status and the CLI: psycopg's messages carry newlines (DETAIL,
+    HINT, CONTEXT) that break "one line per error"; they are joined with ' | ' instead."""
+    text = exc if isinstance(exc, str) else (str(exc) or type(exc).__name__)
+    return " | ".join(part.strip() for part in text.splitlines() if part.strip())
