@@ -303,8 +303,15 @@ class SessionRunner:
             provider = registry.no_queue_data  # a client of tables only: its tables follow the full sync
         if request.status == RequestStatus.PENDING and provider is not None:
             client = RoutingQueueClient(self.source, self.key.client)
-            full_sync.serve_full_sync_requests(client, provider)
+            full_sync.serve_full_sync_requests(client, provider, sink=self.key.sink)
             request = full_sync.get_request(self.source, request.request_id) or request
+            if self._behind_sink(request, meta):
+                raise LRError(
+                    f"session {self.key}: full sync {request.request_id} was supplied just now at position "
+                    f"{request.base_position}, behind the {meta.last_log_entry_processed} the sink has processed: "
+                    "the source's positions went backwards (restored from a backup?); re-create the session's sink "
+                    "state (`lr failover` or a new sink database)"
+                )
         if request.status == RequestStatus.PENDING:
             if full_sync.expired(self.source, request):
                 self._restart_after_timeout(request)
@@ -353,10 +360,22 @@ class SessionRunner:
         return meta
 
     def _current_request(self, meta: writes.SinkMetadata) -> FullSyncRequest:
-        """The open request to work on, creating one (which cancels stale ones) when needed."""
+        """The open request to work on, creating one (which cancels stale ones) when needed. A request
+        supplied at a base the sink has since passed (supplied while the session still streamed, or
+        by the client's own serve loop) is asked again, keeping its reason: applied, it would set the
+        sink back and deliver the entries after its base twice."""
         request = full_sync.open_request(self.source, self.key.sink, self.key.client)
         if self.reconcile(meta, request):
             request = None  # applied: never reused
+        if request is not None and self._behind_sink(request, meta):
+            log.info("session %s: full sync %s was supplied at position %s, behind the sink's %s; asking again",
+                     self.key, request.request_id, request.base_position, meta.last_log_entry_processed)
+            request = full_sync.request_full_sync(
+                self.source, self.key.sink, self.key.client, reason=request.reason, forced=request.forced,
+                data_timeout=self.settings.data_timeout, lease=self.lease,
+                note=f"supplied at position {request.base_position}, behind the sink's "
+                     f"{meta.last_log_entry_processed}: requested again",
+            )
         if request is None:
             attempts = self._attempts()
             timeout = self.settings.data_timeout * min(2**attempts, MAX_BACKOFF_FACTOR)
@@ -368,6 +387,11 @@ class SessionRunner:
             fault_point("after_request")
         self._update(state=SessionState.IN_SNAPSHOT_SYNC, sync_id=request.request_id, last_error=None)
         return request
+
+    @staticmethod
+    def _behind_sink(request: FullSyncRequest, meta: writes.SinkMetadata) -> bool:
+        return (request.base_position is not None and request.request_id != meta.snapshot_request_id
+                and request.base_position < meta.last_log_entry_processed)
 
     def _restart_after_timeout(self, request: FullSyncRequest) -> None:
         """No client data within the timeout: close the request; the next cycle asks again with a

@@ -312,7 +312,9 @@ def start_snapshot(
     whatever Spark jobs left staged for the session).
     Repeating it for the sync already started is a no-op, so an interrupted transfer resumes; a
     sync this sink has already applied is refused (taking it for a resume would apply nothing and
-    continue from its old base)."""
+    continue from its old base), and so is one whose base is behind the position the sink has
+    processed (supplied while the session still streamed: a sink never moves backwards, so no
+    entry is delivered twice)."""
     write = SinkTransaction(conn, source, client, epoch)
     with write as (cur, meta):
         if meta.snapshot_request_id == sync_id and meta.snapshot_applied == meta.snapshot_started >= 0:
@@ -322,6 +324,12 @@ def start_snapshot(
             )
         if meta.snapshot_request_id == sync_id and meta.snapshot_started == base:
             return meta
+        if base < meta.last_log_entry_processed:
+            # applying it would set the sink back to ``base`` and deliver every entry after it again
+            raise StaleBatchError(
+                f"full sync {sync_id} of {source}/{client} has its base at position {base}, behind the "
+                f"{meta.last_log_entry_processed} this sink has processed; its data must be supplied again"
+            )
         cur.execute(
             "DELETE FROM lr.receive_queue WHERE source_site_id = %s AND client_name = %s AND NOT visible",
             (source, client),

@@ -76,10 +76,12 @@ def request_full_sync(
     forced: bool = False,
     data_timeout: float = DEFAULT_DATA_TIMEOUT,
     lease: Lease | None = None,
+    note: str = "superseded by a newer request",
 ) -> FullSyncRequest:
     """Record a full-sync request for the session (sink, client) on this source, cancelling any
-    open one for the same session first. Commits. A replicator passes its ``lease``: the request is
-    made only while that lease is current (a stale one must not cancel its successor's sync)."""
+    open one for the same session first (with ``note``). Commits. A replicator passes its ``lease``:
+    the request is made only while that lease is current (a stale one must not cancel its
+    successor's sync)."""
     try:
         with conn.cursor() as cur:
             if lease is not None:
@@ -104,9 +106,8 @@ def request_full_sync(
                 )
             cur.execute(
                 f"UPDATE lr.full_sync_requests SET status = '{RequestStatus.CANCELLED}', finished_at = now(), "
-                "note = 'superseded by a newer request' "
-                f"WHERE sink_site_id = %s AND client_name = %s AND status IN {OPEN_STATUSES_SQL}",
-                (sink, client),
+                f"note = %s WHERE sink_site_id = %s AND client_name = %s AND status IN {OPEN_STATUSES_SQL}",
+                (note, sink, client),
             )
             cur.execute(
                 f"INSERT INTO lr.full_sync_requests (request_id, sink_site_id, client_name, forced, reason, data_deadline) "
@@ -231,9 +232,12 @@ def load_provider(target: str, what: str = "full-sync provider") -> Provider:
     return provider
 
 
-def serve_full_sync_requests(client: LogWriter, provider: Provider, max_requests: int | None = None) -> list[str]:
-    """Supply every pending request of the client's sessions (one transaction each); returns the
-    request ids supplied. The connection must not be inside a transaction."""
+def serve_full_sync_requests(client: LogWriter, provider: Provider, max_requests: int | None = None,
+                             sink: str | None = None) -> list[str]:
+    """Supply every pending request of the client's sessions (one transaction each), or only those of
+    ``sink`` (a replicator's cycle supplies its own session's request, never one that another
+    session, still streaming past its base, would apply later); returns the request ids supplied.
+    The connection must not be inside a transaction."""
     conn = client.conn
     if conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
         raise FullSyncError("serve_full_sync_requests needs a connection outside any transaction (commit first)")
@@ -251,8 +255,8 @@ def serve_full_sync_requests(client: LogWriter, provider: Provider, max_requests
                 upto = cur.fetchone()[0]
                 cur.execute(
                     f"SELECT {_COLUMNS} FROM lr.full_sync_requests WHERE client_name = %s AND status = '{RequestStatus.PENDING}' "
-                    "ORDER BY requested_at LIMIT 1 FOR UPDATE SKIP LOCKED",
-                    (client.client_name,),
+                    "AND (%s::text IS NULL OR sink_site_id = %s) ORDER BY requested_at LIMIT 1 FOR UPDATE SKIP LOCKED",
+                    (client.client_name, sink, sink),
                 )
                 row = cur.fetchone()
                 if row is None:
