@@ -2,7 +2,7 @@
 
 Run as ``python -m tests.support.crash_runner '<json>'`` with ``{"topology": doc, "dsns": {site: dsn},
 "providers": {client: "module:function"}, "owner": str, "lease_seconds": float, "cycles": int,
-"settings": {SessionSettings field: value}, "stream": seconds}`` (settings override the defaults
+"settings": {SessionSettings field: value}, "stream": seconds, "check_interval": seconds}`` (settings override the defaults
 below; with ``stream``, the replicator runs in streaming mode, as ``lr sync`` does, for that long).
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main(spec: dict) -> int:
         stop = threading.Event()
         threading.Timer(spec["stream"], stop.set).start()
         reports: list = []
-        Streamer(repl, StreamSettings(check_interval=0.2)).run(stop, interval=0.05, on_cycle=reports.extend)
+        Streamer(repl, StreamSettings(check_interval=spec.get("check_interval", 0.2))).run(stop, interval=0.05, on_cycle=reports.extend)
     else:
         reports = repl.run(max_cycles=spec.get("cycles", 5), until_idle=True, interval=0.01)
     repl.close()

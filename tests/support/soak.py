@@ -50,6 +50,17 @@ def counters_provider(ctx) -> None:
             ctx.transmit(f"{k}={v}".encode())
 
 
+def large_counters_provider(ctx) -> None:
+    """``counters_provider`` as a large client's would be: the same ``k=v`` set 200 times over (its
+    replay is the same), so a supply takes long enough for requests to be asked meanwhile."""
+    with ctx.conn.cursor() as cur:
+        cur.execute("SELECT k, v FROM soak_counters WHERE sink = %s ORDER BY k", (ctx.destination,))
+        rows = cur.fetchall()
+    for _ in range(200):
+        for k, v in rows:
+            ctx.transmit(f"{k}={v}".encode())
+
+
 def prepare_sites(sites) -> None:
     """The counters table on the source; every test database made durable across an immediate stop.
 
@@ -82,8 +93,10 @@ class WriterStats:
 class Writer:
     """The application at a steady rate, in a thread; survives its server being restarted."""
 
-    def __init__(self, site, seed: int, rate: float = 150.0, multi: float = 0.25) -> None:
+    def __init__(self, site, seed: int, rate: float = 150.0, multi: float = 0.25, tag: str = "") -> None:
         self.site, self.rate, self.multi = site, rate, multi
+        self.tag = tag  # set: every payload is unique (``k#<tag><n>``), so a log entry delivered twice shows
+        self.serial = 0
         self.rng = random.Random(seed)
         self.stats = WriterStats()
         self.errors: list[str] = []  # unexpected (non-connection) errors, for the report
@@ -127,7 +140,9 @@ class Writer:
                     for k, sinks in work:
                         for s in sinks:
                             cur.execute(INCREMENT, (s, k))
-                        client.transmit_log_entry_message(k.encode(), list(sinks))
+                        self.serial += 1
+                        payload = f"{k}#{self.tag}{self.serial}" if self.tag else k
+                        client.transmit_log_entry_message(payload.encode(), list(sinks))
                 committing = True
                 conn.commit()
                 self.stats.committed += 1
@@ -165,6 +180,12 @@ class Replay:
     log_entries: int = 0
     snapshot_entries: int = 0
     full_syncs: int = 0
+    seen: dict[str, int] = field(default_factory=dict)  # log payload -> times in the queue (whole queue)
+
+    @property
+    def twice(self) -> list[str]:
+        """Unique payloads that reach the queue as a log entry more than once, across full syncs too."""
+        return sorted(p for p, n in self.seen.items() if n > 1 and "#" in p)
 
     @property
     def checked(self) -> int:
@@ -183,8 +204,10 @@ def replay(entries: list[tuple[str, str]]) -> Replay:
             out.state[k] = int(v)
             out.snapshot_entries += 1
         elif kind == "log":
-            out.state[payload] = out.state.get(payload, 0) + 1
+            k = payload.split("#", 1)[0]  # a unique payload names its key first
+            out.state[k] = out.state.get(k, 0) + 1
             out.log_entries += 1
+            out.seen[payload] = out.seen.get(payload, 0) + 1
     return out
 
 
@@ -217,10 +240,13 @@ def expire_leases(source) -> None:
 
 
 def spawn_runner(topo, sites, owner: str, settings: dict, cycles: int, log_path: Path,
-                 fault: str | None = None) -> subprocess.Popen:
+                 fault: str | None = None, stream: float = 0.0, check_interval: float = 0.2) -> subprocess.Popen:
     """``tests.support.crash_runner`` in a child process (to be killed from outside); its output goes to
-    ``log_path`` (a pipe nobody reads would block it)."""
+    ``log_path`` (a pipe nobody reads would block it). ``stream``: it streams (``lr sync``'s default
+    mode) for that many seconds instead of running ``cycles``."""
     spec = {
+        "stream": stream,
+        "check_interval": check_interval,
         "topology": topo.document,
         "dsns": {s.site_id: s.dsn for s in sites},
         "providers": {},  # the topology names the provider
