@@ -362,20 +362,16 @@ class SessionRunner:
     def _current_request(self, meta: writes.SinkMetadata) -> FullSyncRequest:
         """The open request to work on, creating one (which cancels stale ones) when needed. A request
         supplied at a base the sink has since passed (supplied while the session still streamed, or
-        by the client's own serve loop) is asked again, keeping its reason: applied, it would set the
+        by the client's own serve loop) is supplied again under its id: applied, it would set the
         sink back and deliver the entries after its base twice."""
         request = full_sync.open_request(self.source, self.key.sink, self.key.client)
         if self.reconcile(meta, request):
             request = None  # applied: never reused
         if request is not None and self._behind_sink(request, meta):
-            log.info("session %s: full sync %s was supplied at position %s, behind the sink's %s; asking again",
-                     self.key, request.request_id, request.base_position, meta.last_log_entry_processed)
-            request = full_sync.request_full_sync(
-                self.source, self.key.sink, self.key.client, reason=request.reason, forced=request.forced,
-                data_timeout=self.settings.data_timeout, lease=self.lease,
-                note=f"supplied at position {request.base_position}, behind the sink's "
-                     f"{meta.last_log_entry_processed}: requested again",
-            )
+            note = (f"supplied at position {request.base_position}, behind the sink's "
+                    f"{meta.last_log_entry_processed}: supplied again")
+            log.info("session %s: full sync %s was %s", self.key, request.request_id, note)
+            request = full_sync.supply_again(self.source, request.request_id, note, self.settings.data_timeout)
         if request is None:
             attempts = self._attempts()
             timeout = self.settings.data_timeout * min(2**attempts, MAX_BACKOFF_FACTOR)

@@ -76,12 +76,10 @@ def request_full_sync(
     forced: bool = False,
     data_timeout: float = DEFAULT_DATA_TIMEOUT,
     lease: Lease | None = None,
-    note: str = "superseded by a newer request",
 ) -> FullSyncRequest:
     """Record a full-sync request for the session (sink, client) on this source, cancelling any
-    open one for the same session first (with ``note``). Commits. A replicator passes its ``lease``:
-    the request is made only while that lease is current (a stale one must not cancel its
-    successor's sync)."""
+    open one for the same session first. Commits. A replicator passes its ``lease``: the request is
+    made only while that lease is current (a stale one must not cancel its successor's sync)."""
     try:
         with conn.cursor() as cur:
             if lease is not None:
@@ -106,8 +104,9 @@ def request_full_sync(
                 )
             cur.execute(
                 f"UPDATE lr.full_sync_requests SET status = '{RequestStatus.CANCELLED}', finished_at = now(), "
-                f"note = %s WHERE sink_site_id = %s AND client_name = %s AND status IN {OPEN_STATUSES_SQL}",
-                (note, sink, client),
+                "note = 'superseded by a newer request' "
+                f"WHERE sink_site_id = %s AND client_name = %s AND status IN {OPEN_STATUSES_SQL}",
+                (sink, client),
             )
             cur.execute(
                 f"INSERT INTO lr.full_sync_requests (request_id, sink_site_id, client_name, forced, reason, data_deadline) "
@@ -150,13 +149,35 @@ def finish_request(conn: psycopg2.extensions.connection, request_id: str, status
     try:
         with conn.cursor() as cur:
             cur.execute(
-                "UPDATE lr.full_sync_requests SET status = %s, finished_at = now(), note = %s "
+                "UPDATE lr.full_sync_requests SET status = %s, finished_at = now(), note = coalesce(%s, note) "
                 f"WHERE request_id = %s AND status IN {OPEN_STATUSES_SQL}",
                 (status, note or None, request_id),
             )
             closed = cur.rowcount == 1
         conn.commit()
         return closed
+    except BaseException:
+        conn.rollback()
+        raise
+
+
+def supply_again(conn: psycopg2.extensions.connection, request_id: str, note: str,
+                 data_timeout: float = DEFAULT_DATA_TIMEOUT) -> FullSyncRequest | None:
+    """Send a supplied request back to ``pending`` under the same id (who waits for it keeps waiting
+    for it): its data, at a base the sink has since passed, is left for trim and supplied anew.
+    Commits; the request, or None when it was no longer supplied (closed meanwhile)."""
+    try:
+        with conn.cursor() as cur:
+            cur.execute(
+                f"UPDATE lr.full_sync_requests SET status = '{RequestStatus.PENDING}', supplied_at = NULL, "
+                "supplied_tx = NULL, base_position = NULL, base_snapshot = NULL, base_upto = NULL, entries = NULL, "
+                "note = %s, data_deadline = now() + make_interval(secs => %s) "
+                f"WHERE request_id = %s AND status = '{RequestStatus.SUPPLIED}' RETURNING {_COLUMNS}",
+                (note, data_timeout, request_id),
+            )
+            row = cur.fetchone()
+        conn.commit()
+        return _request(row) if row else None
     except BaseException:
         conn.rollback()
         raise
