@@ -11,18 +11,24 @@ failover, and do not download what the backup already has"):
 2. **promote** B, in one transaction on B: pB per client read under the lock of B's own A-session,
    B's last drawn commit position noted as the *base* of its new sessions, the new topology applied
    (B the source of K, A one of its sinks), the sessions B->X/K started in log-entry sync from that
-   base (X already holds A's stream: no first-contact full sync), and the failover recorded in
-   ``lr.failovers``;
+   base (X already holds A's stream: no first-contact full sync), the federated tables B holds of
+   those clients captured on B (``tables/handover``), and the failover recorded in ``lr.failovers``;
 3. **reconcile** each other sink X, in one transaction on X: pX == pB: nothing moves; pX > pB:
    X's unconsumed entries beyond pB are removed (a packed row is cut at pB), or, when X's
    applications consumed some of them, a full sync from B is requested with the reason; pX < pB:
    the gap is copied from B's receive queue only when the operator says every entry of K was
    addressed to all its sinks (``same_destinations``; B's copy is stripped of destinations, so it
    cannot tell otherwise) and B still holds it unconsumed, else a full sync from B with the
-   reason. Then X's session from B starts at the base and X gets the new topology;
+   reason. Then X's session from B starts at the base, X's tables of those clients move to B (a
+   table snapshot from B replaces A's rows at the next cycle: the cut of tables) and X gets the new
+   topology;
 4. the new topology is applied to every other reachable site. A, when it returns, refuses to
    negotiate (topology id mismatch) until ``rejoin``: the new topology there retires its sessions
-   of K, and what A committed for K after pB (received by nobody) is counted and reported.
+   of K, what A committed for K after pB (received by nobody) is counted and reported, and A's
+   tables of K stop being captured there (their writers are refused; B's snapshot replaces them).
+
+A failover that would stop a federated table's replication (another sink takes it from A, B does
+not hold it synced) is refused unless ``allow_table_divergence``; ``lr status`` marks such a table.
 
 Each step commits on one site and is repeated safely: a re-run of the same failover resumes from
 ``lr.failovers`` on B and each sink's ``failover_note`` (docs/crash-windows.md rows 16-18).
@@ -200,7 +206,7 @@ def promote(from_site: str, to_site: str, connect: Connect, topology: Topology |
             for site in [to_site, *sinks]:
                 _fence(conns[site], from_site, to_site, fid, wanted)
             fault_point("failover_after_fence")
-            record = _promote(new, from_site, to_site, fid, wanted, target, reason, planned)
+            record = _promote(new, from_site, to_site, fid, wanted, target, reason, planned, diverged)
             fault_point("failover_after_promote")
             resumed = False
         else:
@@ -338,9 +344,10 @@ def _fence(conn: psycopg2.extensions.connection, from_site: str, to_site: str, f
 
 
 def _promote(conn: psycopg2.extensions.connection, from_site: str, to_site: str, fid: str, clients: list[str],
-             target: Topology, reason: str, planned: bool) -> dict:
+             target: Topology, reason: str, planned: bool, diverged: list[str]) -> dict:
     """One transaction on the new source: the cut (pB per client, under the lock of its own session
-    from the old source), the base, the new topology, its sessions in log-entry sync, the record."""
+    from the old source), the base, the new topology, its sessions in log-entry sync, the clients'
+    federated tables it holds captured here (``handover.take_over``), the record."""
     try:
         with conn.cursor() as cur:
             cuts = {}
@@ -373,7 +380,7 @@ def _promote(conn: psycopg2.extensions.connection, from_site: str, to_site: str,
                 "INSERT INTO lr.failovers (failover_id, from_site_id, to_site_id, clients, positions, base_position, "
                 "topology_config_id, topology, reason, outcome) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                 (fid, from_site, to_site, clients, json.dumps(cuts), base, target.topology_config_id,
-                 json.dumps(target.document), reason, json.dumps({"planned": planned, "tables": tables})),
+                 json.dumps(target.document), reason, json.dumps({"planned": planned, "tables": tables, "diverged": diverged})),
             )
         conn.commit()
     except BaseException:

@@ -9,6 +9,10 @@ takes a new snapshot (changes made while the table was not federated were never 
 
 Opening it with ``federated=False`` records that this site does not replicate it: on a source the
 capture stops; on a sink, data for it from any source is dropped and its registry entry is kept.
+
+A failover moves a table's capture (``tables/handover``): the promoted site federates it here
+(``federate``), the old source's capture triggers become guards that refuse its applications'
+writes (``guard_writes``, ``lr.refuse_table_writes`` in V0014); opening the table again drops them.
 """
 from __future__ import annotations
 
