@@ -205,10 +205,8 @@ def test_the_old_source_returns_refuses_to_negotiate_then_rejoins_as_a_sink_with
 FAILOVER_FAULTS = ["failover_after_fence", "failover_after_promote", "failover_after_reconcile"]
 
 
-@pytest.mark.parametrize("fault", FAILOVER_FAULTS)
-def test_a_failover_killed_after_promoting_finishes_when_run_again(lr_sites, fault):
-    _, app = _ahead(lr_sites, C, 6)  # site-c ahead: extras to remove
-    site_b, site_c = lr_sites[1], lr_sites[2]
+def _killed_failover(lr_sites, fault: str) -> None:
+    """``failover.promote(A, B)`` (site-a down) in a child process that is killed at ``fault``."""
     spec = {"dsns": {s.site_id: s.dsn for s in lr_sites}, "down": [A], "from": A, "to": B}
     code = ("import json, sys, psycopg2\n"
             "from airflow_provider_lr.engine.errors import SiteUnreachableError\n"
@@ -221,6 +219,13 @@ def test_a_failover_killed_after_promoting_finishes_when_run_again(lr_sites, fau
     child = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env={**os.environ, "LR_FAULT": fault},
                            cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
     assert child.returncode == -9, child.stderr
+
+
+@pytest.mark.parametrize("fault", FAILOVER_FAULTS)
+def test_a_failover_killed_after_promoting_finishes_when_run_again(lr_sites, fault):
+    _, app = _ahead(lr_sites, C, 6)  # site-c ahead: extras to remove
+    site_b, site_c = lr_sites[1], lr_sites[2]
+    _killed_failover(lr_sites, fault)
     assert _session_row(site_c)[1] == B  # fenced whatever the window
     if fault == "failover_after_promote":
         assert site_b.query("SELECT status FROM lr.failovers") == [("promoted",)]
@@ -440,4 +445,23 @@ def test_failover_refuses_to_stop_a_tables_replication_unless_allowed_and_status
     assert len(shown) == 1 and line in shown[0]  # one line
     code, reasons = status.health({C: at_c})
     assert code == status.DEGRADED and any("public.accounts DIVERGED" in r for r in reasons)
+    app.close()
+
+
+def test_a_failover_killed_between_promoting_and_reconciling_hands_the_tables_over_when_run_again(lr_sites):
+    site_a, site_b, site_c = lr_sites
+    topo, app = _tables_setup(lr_sites)
+    _write(app, "DELETE FROM public.accounts WHERE id <= 5", "k3", 3, [B, C])
+    run_until_idle(replicator(topo, lr_sites, providers=PROVIDERS, sessions=[SessionKey(A, C, "policy")]))
+    _killed_failover(lr_sites, "failover_after_promote")
+    assert site_b.query("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'public.accounts'::regclass "
+                        "AND tgname LIKE 'lr\\_capture\\_%%'") == [(4,)]  # captured at site-b already
+    assert site_c.query("SELECT source_site_id FROM lr.sink_tables") == [(A,)]  # site-c not reconciled yet
+
+    result = failover.promote(A, B, _connect(lr_sites, down=(A,)))
+    assert result.resumed and result.tables == {"policy": ["public.accounts"]}
+    assert "table public.accounts: a snapshot from site-b" in result.outcome[C]["policy"]
+    site_b.query("UPDATE public.accounts SET owner = 'site-b' WHERE id = 6")
+    run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(B, C, "policy")]))
+    assert rows(site_c) == rows(site_b) and len(rows(site_c)) == 40  # site-a's delete beyond the cut is undone
     app.close()
