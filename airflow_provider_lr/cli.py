@@ -200,11 +200,18 @@ def cmd_failover(args: argparse.Namespace) -> int:
             print(f"  retired source session {name}")
         for client, count in back.tail.items():
             print(f"  {client}: {count} entries committed here after the cut were received by nobody (not replicated)")
+        for client, count in back.table_tail.items():
+            if count:
+                print(f"  {client}: {count} table change entries committed here after the cut were received by nobody: "
+                      "the new source's table snapshot replaces them")
+        for table in back.guarded:
+            print(f"  table {table}: a sink of the new source now; writes of this site's applications are refused")
         print("  its sessions from the new source start with a full sync (`lr sync` or the lr_replication DAG)")
         return 0
     old = args.from_site or failover.only_source(topo, args.promote)
     done = failover.promote(old, args.promote, _connect(topo), topology=topo, clients=args.client or None,
-                            reason=args.reason, same_destinations=args.same_destinations, planned=args.planned)
+                            reason=args.reason, same_destinations=args.same_destinations, planned=args.planned,
+                            allow_table_divergence=args.allow_table_divergence)
     out = args.out or os.path.join(lr_home(), f"topology-{done.topology.topology_config_id}.yaml")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w", encoding="utf-8") as fh:
@@ -215,6 +222,12 @@ def cmd_failover(args: argparse.Namespace) -> int:
     for site, notes in sorted(done.outcome.items()):
         for client, note in notes.items():
             print(f"  {site}/{client}: {note}")
+    for client, tables in sorted(done.tables.items()):
+        if tables:
+            print(f"  {client}: {done.to_site} captures its federated table(s) {', '.join(tables)}; every other sink "
+                  f"takes a snapshot of them from {done.to_site}")
+    for table in done.diverged:
+        print(f"  DIVERGED table {table}: its replication stops (lr status lists it)")
     print(f"  lost: {done.lost}")
     print(f"  new topology {done.topology.topology_config_id} written to {out}: use it from now on (LR_TOPOLOGY)")
     for site in done.pending:
@@ -496,6 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "gets the gap copied from it instead of a full sync")
     fo.add_argument("--planned", action=argparse.BooleanOptionalAction, default=None,
                     help="drain the old source first (default: when it can be reached)")
+    fo.add_argument("--allow-table-divergence", action="store_true",
+                    help="promote even when it does not hold a federated table another sink takes from the old "
+                         "source: that table stops replicating (lr status marks it DIVERGED)")
     fo.add_argument("--out", help="where to write the new topology (default: $LR_HOME/topology-<id>.yaml)")
     fo.set_defaults(func=cmd_failover)
 

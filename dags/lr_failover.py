@@ -52,6 +52,9 @@ def _site(values: list[str], **schema: object) -> Param:
         "reason": Param("failover from the Airflow UI", type="string", minLength=1, maxLength=500, title="Reason"),
         "same_destinations": Param(False, type="boolean", title="Entries went to all sinks alike",
                                    description="A sink behind the promoted one gets the gap copied from it, not a full sync"),
+        "allow_table_divergence": Param(False, type="boolean", title="Allow federated tables to diverge",
+                                        description="Promote even if the site lacks a federated table another sink "
+                                                    "takes: its replication stops (lr status marks it DIVERGED)"),
         "rejoin": _site(SITES, title="Rejoin a site", description="Instead of a failover: the old source is back"),
     },
 )
@@ -60,6 +63,7 @@ def lr_failover() -> None:
         task_id="failover", retries=0,
         promote="{{ params.promote }}", from_site="{{ params.from_site }}", clients="{{ params.clients }}",
         reason="{{ params.reason }}", rejoin="{{ params.rejoin }}", same_destinations="{{ params.same_destinations }}",
+        allow_table_divergence="{{ params.allow_table_divergence }}",
     )
 
 

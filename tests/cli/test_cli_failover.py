@@ -2,6 +2,7 @@
 refused as a source), the new topology written for the operator, and `--rejoin`."""
 from __future__ import annotations
 
+import psycopg2
 import pytest
 
 from airflow_provider_lr import cli
@@ -9,6 +10,7 @@ from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import TransmitError
 from tests.cli.test_cli_sync import topology_file
 from tests.support.session import App, sink_queue
+from tests.support.tables import create_accounts, federate, rows
 
 SYNC = ["--until-idle", "--cycles", "10", "--interval", "0.01"]
 
@@ -51,3 +53,62 @@ def test_lr_failover_names_what_is_wrong(lr_sites, tmp_path, monkeypatch, capsys
     assert "receives from no source; name the old source (--from" in capsys.readouterr().err
     assert cli.main(["failover", "--topology", topo, "--promote", "site-c", "--from", "site-b"]) == 1
     assert "is not a sink of 'site-b'" in capsys.readouterr().err
+
+
+def test_a_planned_switchover_carries_federated_tables_and_refuses_the_old_sources_table_writers(
+        lr_sites, tmp_path, monkeypatch, capsys):
+    site_a, site_b, site_c = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    create_accounts(site_a, rows=20)
+    federate(site_a)
+    app = App(site_a)
+    assert cli.main(["sync", "--topology", topo, *SYNC]) == 0
+    site_a.query("UPDATE public.accounts SET owner = 'late' WHERE id <= 4")  # not replicated yet: drained
+    site_a.query("DELETE FROM public.accounts WHERE id = 20")
+    App(site_b).close()
+    capsys.readouterr()
+
+    new = tmp_path / "after.yaml"
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--out", str(new)]) == 0
+    out = capsys.readouterr().out
+    assert "planned switchover" in out and "lost: nothing" in out
+    assert "policy: site-b captures its federated table(s) public.accounts" in out
+    assert rows(site_b) == rows(site_a)  # the drain carried the table's last changes
+    with pytest.raises(psycopg2.Error, match="replicated from site site-b since a failover"):
+        site_a.query("UPDATE public.accounts SET owner = 'too late' WHERE id = 1")
+
+    site_b.query("UPDATE public.accounts SET balance = 99 WHERE id <= 2")
+    assert cli.main(["sync", "--topology", str(new), *SYNC]) == 0
+    assert rows(site_c) == rows(site_b) == rows(site_a)
+    assert cli.main(["status", "--topology", str(new)]) in (0, 1)
+    assert "DIVERGED" not in capsys.readouterr().out
+    app.close()
+
+
+def test_lr_failover_refuses_to_stop_a_tables_replication_and_lr_status_shows_the_divergence(
+        lr_sites, tmp_path, monkeypatch, capsys):
+    site_a, site_b, site_c = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    create_accounts(site_a, rows=5)
+    create_accounts(site_b)
+    federate(site_b, federated=False)  # site-b keeps out of the table
+    federate(site_a)
+    App(site_a).close()
+    assert cli.main(["sync", "--topology", topo, *SYNC]) == 0
+    capsys.readouterr()
+
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--no-planned"]) == 1
+    err = capsys.readouterr().err
+    assert "policy: public.accounts (conflict there; held by site-c)" in err and "--allow-table-divergence" in err
+    assert len(err.strip().splitlines()) == 1
+
+    new = tmp_path / "after.yaml"
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--no-planned",
+                     "--allow-table-divergence", "--out", str(new)]) == 0
+    assert "DIVERGED table policy: public.accounts" in capsys.readouterr().out
+    assert cli.main(["status", "--topology", str(new)]) == 1  # degraded
+    shown = [line for line in capsys.readouterr().out.splitlines() if "DIVERGED" in line]
+    assert any(line.strip().startswith("table  public.accounts DIVERGED (client policy): its session "
+                                       "site-a->site-c/policy was failed over to site-b") for line in shown), shown

@@ -18,12 +18,13 @@ from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError
 from airflow_provider_lr.engine.session.replicator import run_until_idle
-from airflow_provider_lr.engine.site import failover
+from airflow_provider_lr.engine.site import failover, status
 from airflow_provider_lr.engine.site import topology as topologies
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.support.session import App, apply, queue, sink_queue, table_provider
 from tests.support.session import replicator as _replicator
 from tests.support.subscriber import Recorder
+from tests.support.tables import create_accounts, federate, rows, site_status
 
 A, B, C = "site-a", "site-b", "site-c"
 PROVIDERS = {"policy": table_provider}
@@ -204,10 +205,8 @@ def test_the_old_source_returns_refuses_to_negotiate_then_rejoins_as_a_sink_with
 FAILOVER_FAULTS = ["failover_after_fence", "failover_after_promote", "failover_after_reconcile"]
 
 
-@pytest.mark.parametrize("fault", FAILOVER_FAULTS)
-def test_a_failover_killed_after_promoting_finishes_when_run_again(lr_sites, fault):
-    _, app = _ahead(lr_sites, C, 6)  # site-c ahead: extras to remove
-    site_b, site_c = lr_sites[1], lr_sites[2]
+def _killed_failover(lr_sites, fault: str) -> None:
+    """``failover.promote(A, B)`` (site-a down) in a child process that is killed at ``fault``."""
     spec = {"dsns": {s.site_id: s.dsn for s in lr_sites}, "down": [A], "from": A, "to": B}
     code = ("import json, sys, psycopg2\n"
             "from airflow_provider_lr.engine.errors import SiteUnreachableError\n"
@@ -220,6 +219,13 @@ def test_a_failover_killed_after_promoting_finishes_when_run_again(lr_sites, fau
     child = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env={**os.environ, "LR_FAULT": fault},
                            cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
     assert child.returncode == -9, child.stderr
+
+
+@pytest.mark.parametrize("fault", FAILOVER_FAULTS)
+def test_a_failover_killed_after_promoting_finishes_when_run_again(lr_sites, fault):
+    _, app = _ahead(lr_sites, C, 6)  # site-c ahead: extras to remove
+    site_b, site_c = lr_sites[1], lr_sites[2]
+    _killed_failover(lr_sites, fault)
     assert _session_row(site_c)[1] == B  # fenced whatever the window
     if fault == "failover_after_promote":
         assert site_b.query("SELECT status FROM lr.failovers") == [("promoted",)]
@@ -309,3 +315,153 @@ def test_role_switch_under_load_loses_and_duplicates_nothing_at_any_remaining_si
     run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(B, A, "policy")]))
     entries = queue(site_a, source=B)
     assert entries[0] == ("start", "") and ("end", "") in entries  # a full sync from site-b: consistent with it
+
+
+# --- federated tables --------------------------------------------------------------------------------
+def _tables_setup(lr_sites):
+    """site-a replicates client policy, a federated table (public.accounts, 40 rows) and
+    routing-queue messages, to site-b and site-c; both hold everything."""
+    topo = apply(lr_sites)
+    create_accounts(lr_sites[0], rows=40)
+    federate(lr_sites[0])
+    app = App(lr_sites[0])
+    for i in range(3):
+        app.put(f"k{i}", i, [B, C])
+    run_until_idle(replicator(topo, lr_sites, providers=PROVIDERS))
+    return topo, app
+
+
+def _write(app: App, statement: str, key: str, value: int, destinations: list[str]) -> None:
+    """One application transaction: a change of the table and a message."""
+    with app.conn.cursor() as cur:
+        cur.execute(statement)
+    app.put(key, value, destinations)
+
+
+def test_after_failover_the_promoted_site_captures_the_table_and_every_other_sink_follows_it(lr_sites):
+    site_a, site_b, site_c = lr_sites
+    topo, app = _tables_setup(lr_sites)
+    for i in range(3, 6):
+        _write(app, f"UPDATE public.accounts SET balance = balance + {i} WHERE id <= 10", f"k{i}", i, [B, C])
+    run_until_idle(replicator(topo, lr_sites, providers=PROVIDERS))
+    assert rows(site_b) == rows(site_a) == rows(site_c)
+
+    result = failover.promote(A, B, _connect(lr_sites, down=(A,)), reason="site-a lost")
+    assert result.tables == {"policy": ["public.accounts"]} and result.diverged == []
+    assert site_b.query("SELECT table_id IS NOT NULL, source_site_id FROM lr.registry "
+                        "WHERE stream_name = 'public.accounts'") == [(True, None)]  # site-b's own, captured there
+
+    new_app = App(site_b)  # site-b's writers change the table and transmit, in one transaction each
+    for i in range(4):
+        _write(new_app, f"UPDATE public.accounts SET owner = 'b{i}' WHERE id = {i + 1}", f"b{i}", i, [C, A])
+    _write(new_app, "DELETE FROM public.accounts WHERE id > 35", "b4", 4, [C, A])
+    _write(new_app, "INSERT INTO public.accounts (id, owner, balance) VALUES (1000, 'site-b', 1)", "b5", 5, [C, A])
+    run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(B, C, "policy")]))
+
+    assert rows(site_c) == rows(site_b)
+    assert site_c.query("SELECT owner FROM public.accounts WHERE id IN (1, 1000) ORDER BY id") == [("b0",), ("site-b",)]
+    assert sink_queue(site_c, "policy", source=B) == [f"b{i}={i}".encode() for i in range(6)]  # once each
+    assert sink_queue(site_c, "policy") == [f"k{i}={i}".encode() for i in range(3, 6)]  # site-a's, once each
+    assert queue(site_c, source=A) == queue(site_b, source=A)
+    assert site_status(site_c).diverged == [] and site_status(site_b).diverged == []
+    app.close()
+    new_app.close()
+
+
+@pytest.mark.parametrize("ahead", [C, B], ids=["sink-ahead", "sink-behind"])
+def test_a_sink_ahead_of_or_behind_the_promoted_one_at_the_cut_gets_its_table_from_it(lr_sites, ahead):
+    site_a, site_b, site_c = lr_sites
+    topo, app = _tables_setup(lr_sites)
+    _write(app, "UPDATE public.accounts SET owner = 'late' WHERE id <= 5", "k3", 3, [B, C])
+    _write(app, "DELETE FROM public.accounts WHERE id BETWEEN 30 AND 33", "k4", 4, [B, C])
+    _write(app, "INSERT INTO public.accounts (id, owner) VALUES (500, 'late')", "k5", 5, [B, C])
+    run_until_idle(replicator(topo, lr_sites, providers=PROVIDERS, sessions=[SessionKey(A, ahead, "policy")]))
+    assert rows(site_c) != rows(site_b)  # only one of them has site-a's last changes
+
+    result = failover.promote(A, B, _connect(lr_sites, down=(A,)), same_destinations=True)
+    assert "table public.accounts: a snapshot from site-b replaces site-a's rows" in result.outcome[C]["policy"]
+    waiting = [t for t in site_status(site_c).tables if t["role"] == "sink" and t["source"] == B]
+    assert [(t["table"], t["state"]) for t in waiting] == [("public.accounts", "syncing")]  # shown, not silent
+
+    run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(B, C, "policy")]))
+    assert rows(site_c) == rows(site_b)
+    assert sink_queue(site_c, "policy") == sink_queue(site_b, "policy")
+    app.close()
+
+
+def test_the_old_source_rejoins_as_a_sink_of_its_tables_with_its_late_changes_reported_and_replaced(lr_sites):
+    site_a, site_b, site_c = lr_sites
+    topo, app = _tables_setup(lr_sites)
+    _write(app, "UPDATE public.accounts SET owner = 'after the cut' WHERE id <= 3", "late", 1, [B, C])  # nobody got it
+    result = failover.promote(A, B, _connect(lr_sites, down=(A,)))
+    new_app = App(site_b)  # its app_state: the provider of site-a's first-contact full sync
+    _write(new_app, "UPDATE public.accounts SET owner = 'site-b' WHERE id BETWEEN 10 AND 12", "b0", 0, [C, A])
+    site_b.query("DELETE FROM public.accounts WHERE id > 38")
+
+    back = failover.rejoin(A, _connect(lr_sites), topo)
+    assert back.tail == {"policy": 1} and back.table_tail == {"policy": 1}
+    assert back.guarded == ["public.accounts"]
+    assert site_a.query("SELECT is_federated, table_id, source_site_id FROM lr.registry "
+                        "WHERE stream_name = 'public.accounts'") == [(True, None, B)]  # a sink of site-b now
+    assert site_a.query("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'public.accounts'::regclass "
+                        "AND tgname LIKE 'lr\\_capture\\_%%'") == [(0,)]
+    with pytest.raises(psycopg2.Error, match="replicated from site site-b since a failover: write it there"):
+        site_a.query("UPDATE public.accounts SET owner = 'local' WHERE id = 1")  # would diverge: refused
+
+    run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(B, A, "policy")]))
+    assert rows(site_a) == rows(site_b)
+    site_b.query("UPDATE public.accounts SET balance = 7 WHERE id <= 2")
+    run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS))
+    assert rows(site_a) == rows(site_b) == rows(site_c)
+    assert all(site_status(s).diverged == [] for s in lr_sites)
+    app.close()
+    new_app.close()
+
+
+def test_failover_refuses_to_stop_a_tables_replication_unless_allowed_and_status_marks_it_diverged(lr_sites):
+    site_a, site_b, site_c = lr_sites
+    topo = apply(lr_sites)
+    create_accounts(site_a, rows=10)
+    create_accounts(site_b)
+    federate(site_b, federated=False)  # site-b keeps out of the table: it cannot become its source
+    federate(site_a)
+    app = App(site_a)
+    app.put("k0", 0, [B, C])
+    run_until_idle(replicator(topo, lr_sites, providers=PROVIDERS))
+    assert rows(site_c) == rows(site_a)
+
+    with pytest.raises(ConfigurationError, match=r"site 'site-b' holds no synced copy of federated table\(s\) that "
+                       r"other sinks take from 'site-a': policy: public.accounts \(conflict there; held by site-c\)"):
+        failover.promote(A, B, _connect(lr_sites, down=(A,)))
+    assert site_b.query("SELECT count(*) FROM lr.failovers") == [(0,)] and _session_row(site_c)[1] is None
+
+    result = failover.promote(A, B, _connect(lr_sites, down=(A,)), allow_table_divergence=True)
+    assert result.diverged == ["policy: public.accounts (conflict there; held by site-c)"]
+    assert "diverged: site-b does not replicate it" in result.outcome[C]["policy"]
+    at_c = site_status(site_c)
+    line = f"public.accounts DIVERGED (client policy): its session {A}->{C}/policy was failed over to {B}"
+    assert [d for d in at_c.diverged if d.startswith(line)] == at_c.diverged and len(at_c.diverged) == 1
+    shown = [x for x in status.render(at_c).splitlines() if "DIVERGED" in x]
+    assert len(shown) == 1 and line in shown[0]  # one line
+    code, reasons = status.health({C: at_c})
+    assert code == status.DEGRADED and any("public.accounts DIVERGED" in r for r in reasons)
+    app.close()
+
+
+def test_a_failover_killed_between_promoting_and_reconciling_hands_the_tables_over_when_run_again(lr_sites):
+    site_a, site_b, site_c = lr_sites
+    topo, app = _tables_setup(lr_sites)
+    _write(app, "DELETE FROM public.accounts WHERE id <= 5", "k3", 3, [B, C])
+    run_until_idle(replicator(topo, lr_sites, providers=PROVIDERS, sessions=[SessionKey(A, C, "policy")]))
+    _killed_failover(lr_sites, "failover_after_promote")
+    assert site_b.query("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'public.accounts'::regclass "
+                        "AND tgname LIKE 'lr\\_capture\\_%%'") == [(4,)]  # captured at site-b already
+    assert site_c.query("SELECT source_site_id FROM lr.sink_tables") == [(A,)]  # site-c not reconciled yet
+
+    result = failover.promote(A, B, _connect(lr_sites, down=(A,)))
+    assert result.resumed and result.tables == {"policy": ["public.accounts"]}
+    assert "table public.accounts: a snapshot from site-b" in result.outcome[C]["policy"]
+    site_b.query("UPDATE public.accounts SET owner = 'site-b' WHERE id = 6")
+    run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(B, C, "policy")]))
+    assert rows(site_c) == rows(site_b) and len(rows(site_c)) == 40  # site-a's delete beyond the cut is undone
+    app.close()

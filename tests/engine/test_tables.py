@@ -8,7 +8,7 @@ from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import TableError
 from airflow_provider_lr.engine.tables import registry
 from tests.support.session import apply, queue, replicator, run_crashing_replicator
-from tests.support.tables import TableWriter, create_accounts, federate, rows
+from tests.support.tables import TableWriter, create_accounts, federate, rows, site_status
 
 
 def _sync(repl, cycles: int = 40) -> list:
@@ -96,11 +96,7 @@ def test_opening_a_table_without_primary_key_or_for_an_unknown_client_is_refused
 def _status(site) -> str:
     from airflow_provider_lr.engine.site import status
 
-    conn = site.connect()
-    try:
-        return status.render(status.site_status(conn))
-    finally:
-        conn.close()
+    return status.render(site_status(site))
 
 
 def test_a_sink_that_opened_the_table_as_not_federated_keeps_out_and_shows_the_conflict(lr_sites):

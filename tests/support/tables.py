@@ -7,6 +7,7 @@ import threading
 
 import psycopg2
 
+from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.tables import registry
 
 ACCOUNTS = "CREATE TABLE IF NOT EXISTS public.accounts (id bigint PRIMARY KEY, owner text NOT NULL, " \
@@ -26,6 +27,15 @@ def federate(site, table: str = "public.accounts", client: str = "policy", feder
     conn = site.connect()
     try:
         return registry.open_table(conn, table, client, federated)
+    finally:
+        conn.close()
+
+
+def site_status(site) -> status.SiteStatus:
+    """What ``lr status`` reads on one site (its tables, and those that diverged)."""
+    conn = site.connect()
+    try:
+        return status.site_status(conn)
     finally:
         conn.close()
 

@@ -11,18 +11,24 @@ failover, and do not download what the backup already has"):
 2. **promote** B, in one transaction on B: pB per client read under the lock of B's own A-session,
    B's last drawn commit position noted as the *base* of its new sessions, the new topology applied
    (B the source of K, A one of its sinks), the sessions B->X/K started in log-entry sync from that
-   base (X already holds A's stream: no first-contact full sync), and the failover recorded in
-   ``lr.failovers``;
+   base (X already holds A's stream: no first-contact full sync), the federated tables B holds of
+   those clients captured on B (``tables/handover``), and the failover recorded in ``lr.failovers``;
 3. **reconcile** each other sink X, in one transaction on X: pX == pB: nothing moves; pX > pB:
    X's unconsumed entries beyond pB are removed (a packed row is cut at pB), or, when X's
    applications consumed some of them, a full sync from B is requested with the reason; pX < pB:
    the gap is copied from B's receive queue only when the operator says every entry of K was
    addressed to all its sinks (``same_destinations``; B's copy is stripped of destinations, so it
    cannot tell otherwise) and B still holds it unconsumed, else a full sync from B with the
-   reason. Then X's session from B starts at the base and X gets the new topology;
+   reason. Then X's session from B starts at the base, X's tables of those clients move to B (a
+   table snapshot from B replaces A's rows at the next cycle: the cut of tables) and X gets the new
+   topology;
 4. the new topology is applied to every other reachable site. A, when it returns, refuses to
    negotiate (topology id mismatch) until ``rejoin``: the new topology there retires its sessions
-   of K, and what A committed for K after pB (received by nobody) is counted and reported.
+   of K, what A committed for K after pB (received by nobody) is counted and reported, and A's
+   tables of K stop being captured there (their writers are refused; B's snapshot replaces them).
+
+A failover that would stop a federated table's replication (another sink takes it from A, B does
+not hold it synced) is refused unless ``allow_table_divergence``; ``lr status`` marks such a table.
 
 Each step commits on one site and is repeated safely: a re-run of the same failover resumes from
 ``lr.failovers`` on B and each sink's ``failover_note`` (docs/crash-windows.md rows 16-18).
@@ -50,9 +56,12 @@ from airflow_provider_lr.engine.site.topology import Replication, Topology, appl
 from airflow_provider_lr.engine.site.topology_schema import Origin
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, LogReader, commit_barrier
+from airflow_provider_lr.engine.tables import handover, registry
+from airflow_provider_lr.engine.tables import snapshot as table_snapshot
 from airflow_provider_lr.engine.vocabulary import (
     RECONCILING_SETTING,
     STREAM_LOG_ENTRIES,
+    STREAM_TABLE_CHANGES,
     FailoverStatus,
     SessionKey,
     SessionState,
@@ -83,6 +92,8 @@ class FailoverResult:
     applied: list[str] = field(default_factory=list)  # sites that now have the new topology
     pending: list[str] = field(default_factory=list)  # reachable later: `lr failover --rejoin SITE`
     tail: dict[str, int] = field(default_factory=dict)  # planned: what the old source committed after the cut
+    tables: dict[str, list[str]] = field(default_factory=dict)  # client -> federated tables the new source captures
+    diverged: list[str] = field(default_factory=list)  # tables whose replication stops (allow_table_divergence)
 
     @property
     def lost(self) -> str:
@@ -101,6 +112,8 @@ class RejoinResult:
     topology_config_id: str
     retired: list[str]  # the site's sessions of the failed-over clients, removed
     tail: dict[str, int]  # client -> entries it committed after the cut that nobody received
+    table_tail: dict[str, int] = field(default_factory=dict)  # client -> table change entries likewise (replaced)
+    guarded: list[str] = field(default_factory=list)  # its tables of the clients, now refused to its writers
 
 
 # --- the new topology -----------------------------------------------------------------------------
@@ -155,11 +168,13 @@ def _involved(topology: Topology, from_site: str, to_site: str, clients: list[st
 # --- promote ------------------------------------------------------------------------------------
 def promote(from_site: str, to_site: str, connect: Connect, topology: Topology | None = None,
             clients: list[str] | None = None, reason: str = "", same_destinations: bool = False,
-            planned: bool | None = None) -> FailoverResult:
+            planned: bool | None = None, allow_table_divergence: bool = False) -> FailoverResult:
     """Fail ``from_site``'s clients over to ``to_site`` (module docstring). ``topology``: the current
     one (default: the one applied to ``to_site``). ``planned``: drain ``from_site`` first (default:
     when it can be reached). Re-running the same failover finishes it. Refuses, with nothing done,
-    when ``to_site`` or a sink involved cannot be reached."""
+    when ``to_site`` or a sink involved cannot be reached, or when a federated table another sink
+    takes from ``from_site`` is not synced at ``to_site`` (its replication would stop) unless
+    ``allow_table_divergence``."""
     if topology is not None:
         topology.site(from_site), topology.site(to_site)  # an unknown site is refused before any connection
     conns: dict[str, psycopg2.extensions.connection] = {}
@@ -181,6 +196,8 @@ def promote(from_site: str, to_site: str, connect: Connect, topology: Topology |
             raise SiteUnreachableError(f"site {from_site!r} cannot be reached: a planned switchover drains it first; "
                                        "nothing was done (leave out --planned for an unplanned failover)")
         tail: dict[str, int] = {}
+        diverged = [] if record is not None else _untaken_tables(conns, from_site, to_site, sinks, wanted,
+                                                                  allow_table_divergence)
         if record is None and planned:
             assert old is not None
             _drain(old, conns, from_site, [to_site, *sinks], wanted, target)
@@ -189,14 +206,16 @@ def promote(from_site: str, to_site: str, connect: Connect, topology: Topology |
             for site in [to_site, *sinks]:
                 _fence(conns[site], from_site, to_site, fid, wanted)
             fault_point("failover_after_fence")
-            record = _promote(new, from_site, to_site, fid, wanted, target, reason, planned)
+            record = _promote(new, from_site, to_site, fid, wanted, target, reason, planned, diverged)
             fault_point("failover_after_promote")
             resumed = False
         else:
             resumed = True
             planned = bool(record["outcome"].get("planned"))
         result = FailoverResult(record["failover_id"], from_site, to_site, wanted, dict(record["positions"]),
-                                record["base_position"], target, record["reason"], planned, resumed)
+                                record["base_position"], target, record["reason"], planned, resumed,
+                                tables=dict(record["outcome"].get("tables", {})),
+                                diverged=diverged or list(record["outcome"].get("diverged", [])))
         result.outcome[to_site] = {c: "promoted: the new source" for c in wanted}
         for sink in sinks:
             result.outcome[sink] = _reconcile(conns[sink], new, sink, result, same_destinations)
@@ -229,6 +248,27 @@ def _reach(connect: Connect, site: str, conns: dict, role: str) -> psycopg2.exte
         raise SiteUnreachableError(f"site {site!r} ({role}) cannot be reached: a failover needs the promoted site "
                                    "and every sink involved; nothing was done on this run (run it again when it is up)")
     return conn
+
+
+def _untaken_tables(conns: dict, from_site: str, to_site: str, sinks: list[str], clients: list[str],
+                    allowed: bool) -> list[str]:
+    """The federated tables whose replication the failover would stop: taken from ``from_site`` by
+    another sink but not synced at ``to_site``, which therefore cannot become their source. Refused
+    (nothing done) unless ``allowed``; then returned, and ``lr status`` marks them diverged."""
+    found = []
+    for client in clients:
+        held = {}
+        for site in [to_site, *sinks]:
+            with conns[site].cursor() as cur:
+                held[site] = handover.held_from(cur, from_site, client)
+            conns[site].commit()
+        found += [f"{client}: {t}" for t in handover.missing(held.pop(to_site), held)]
+    if found and not allowed:
+        raise ConfigurationError(
+            f"site {to_site!r} holds no synced copy of federated table(s) that other sinks take from {from_site!r}: "
+            f"{'; '.join(found)}; promoting it would stop their replication; promote a site that holds them, or "
+            "allow it (--allow-table-divergence: lr status then marks them DIVERGED); nothing was done")
+    return found
 
 
 def _try(connect: Connect, site: str, conns: dict) -> psycopg2.extensions.connection | None:
@@ -304,9 +344,10 @@ def _fence(conn: psycopg2.extensions.connection, from_site: str, to_site: str, f
 
 
 def _promote(conn: psycopg2.extensions.connection, from_site: str, to_site: str, fid: str, clients: list[str],
-             target: Topology, reason: str, planned: bool) -> dict:
+             target: Topology, reason: str, planned: bool, diverged: list[str]) -> dict:
     """One transaction on the new source: the cut (pB per client, under the lock of its own session
-    from the old source), the base, the new topology, its sessions in log-entry sync, the record."""
+    from the old source), the base, the new topology, its sessions in log-entry sync, the clients'
+    federated tables it holds captured here (``handover.take_over``), the record."""
     try:
         with conn.cursor() as cur:
             cuts = {}
@@ -328,6 +369,8 @@ def _promote(conn: psycopg2.extensions.connection, from_site: str, to_site: str,
                 "WHERE client_name = ANY (%s) AND sink_site_id <> %s AND acked_position = -1",
                 (SessionState.IN_LOG_ENTRY_SYNC, base, base, clients, from_site),
             )
+            # its federated tables of the clients: captured here from now on (the topology gave them sinks)
+            tables = {c: [str(t.table) for t in handover.take_over(cur, from_site, c)] for c in clients}
             cur.execute(
                 "UPDATE lr.sink_sessions SET failed_over_to = %s, failover_id = %s, failover_note = %s, "
                 "lease_epoch = lease_epoch + 1, updated_at = now() WHERE source_site_id = %s AND client_name = ANY (%s)",
@@ -337,7 +380,7 @@ def _promote(conn: psycopg2.extensions.connection, from_site: str, to_site: str,
                 "INSERT INTO lr.failovers (failover_id, from_site_id, to_site_id, clients, positions, base_position, "
                 "topology_config_id, topology, reason, outcome) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                 (fid, from_site, to_site, clients, json.dumps(cuts), base, target.topology_config_id,
-                 json.dumps(target.document), reason, json.dumps({"planned": planned})),
+                 json.dumps(target.document), reason, json.dumps({"planned": planned, "tables": tables, "diverged": diverged})),
             )
         conn.commit()
     except BaseException:
@@ -349,7 +392,8 @@ def _promote(conn: psycopg2.extensions.connection, from_site: str, to_site: str,
 
 
 def _complete(conn: psycopg2.extensions.connection, result: FailoverResult) -> None:
-    outcome = {"planned": result.planned, "sinks": result.outcome, "pending": result.pending, "tail": result.tail}
+    outcome = {"planned": result.planned, "sinks": result.outcome, "pending": result.pending, "tail": result.tail,
+               "tables": result.tables, "diverged": result.diverged}
     with conn.cursor() as cur:
         cur.execute(
             "UPDATE lr.failovers SET status = %s, outcome = %s, completed_at = coalesce(completed_at, now()) "
@@ -372,6 +416,7 @@ def _reconcile(conn: psycopg2.extensions.connection, new: psycopg2.extensions.co
     new source, first) with the reason. Idempotent: a session reconciled before keeps its note."""
     old, to = result.from_site, result.to_site
     notes: dict[str, str] = {}
+    federated = {client: registry.federated_tables(new, client) for client in result.clients}
     try:
         with conn.cursor() as cur:
             cur.execute("SELECT set_config(%s, 'on', true)", (RECONCILING_SETTING,))
@@ -404,6 +449,8 @@ def _reconcile(conn: psycopg2.extensions.connection, new: psycopg2.extensions.co
                     reason = f"failover: {why}"
                     full_sync.request_full_sync(new, sink, client, reason=reason, forced=True)
                     note, position = f"full sync from {to} requested ({reason})", last
+                tables = handover.follow(cur, old, to, client, federated[client])
+                note += "".join(f"; table {name}: {what}" for name, what in tables.items())
                 cur.execute(
                     "UPDATE lr.sink_sessions SET failed_over_to = %s, failover_id = %s, failover_note = %s, "
                     "last_log_entry_processed = %s, lease_epoch = lease_epoch + 1, updated_at = now() "
@@ -518,10 +565,19 @@ def _start_at_base(cur: psycopg2.extensions.cursor, result: FailoverResult, clie
 def _drain(old: psycopg2.extensions.connection, conns: dict, from_site: str, sinks: list[str], clients: list[str],
            target: Topology) -> None:
     """A planned switchover: the new topology on the old source first (its writers of the clients
-    are refused from then on), then everything it committed for each sink copied into that sink
-    (fenced sink transactions, as a session cycle writes them), so the cut loses nothing."""
-    if _topology_id(old) != target.topology_config_id:
-        apply_to_site(old, target, from_site)
+    are refused from then on, its federated tables' writers too), then everything it committed for
+    each sink (``sinks``, the site to promote first) copied into that sink (fenced sink
+    transactions, as a session cycle writes them; table changes applied), so the cut loses nothing."""
+    try:
+        if _topology_id(old) != target.topology_config_id:
+            apply_to_site(old, target, from_site, commit=False)
+        with old.cursor() as cur:  # its tables' writers are refused from now on, as its routing-queue writers
+            for client in clients:
+                handover.retire(cur, client, sinks[0], None)
+        old.commit()
+    except BaseException:
+        old.rollback()
+        raise
     upto, holders = commit_barrier(old, 30.0)
     if upto is None:
         raise LRError(f"site {from_site!r}: commits in flight for 30 s ({', '.join(h.describe() for h in holders)}); "
@@ -534,8 +590,9 @@ def _drain(old: psycopg2.extensions.connection, conns: dict, from_site: str, sin
                 continue  # reconciled by the failover itself (a full sync, or done before)
             epoch = writes.fence(conn, from_site, client, meta.lease_epoch + 1).lease_epoch
             reader, after = LogReader(old, sink, STREAM_LOG_ENTRIES, client_name=client), meta.last_log_entry_processed
+            tables = table_snapshot.splits(conn, SessionKey(from_site, sink, client))  # their changes too
             while after < upto:
-                with reader.read_stream(after, split=meta.split) as batch:
+                with reader.read_stream(after, split=meta.split, tables=tables) as batch:
                     if batch.end <= after:
                         break
                     after = writes.apply_log_stream(conn, from_site, client, epoch, batch, meta.snapshot_applied)
@@ -571,24 +628,30 @@ def rejoin_site(conn: psycopg2.extensions.connection, site: str, record: dict) -
     it committed for the clients after the cut (nobody received it: reported, not replicated)."""
     target = topologies.from_document(record["topology"], Origin("the failover recorded on the promoted site"))
     tail: dict[str, int] = {}
+    table_tail: dict[str, int] = {}
     retired: list[str] = []
+    guarded: list[str] = []
     try:
         with conn.cursor() as cur:
             if record["from_site_id"] == site:
                 for client in record["clients"]:
                     cut = record["positions"][client]
                     cur.execute(
-                        "SELECT count(*) FROM lr.log_entries e JOIN lr.log_commits c ON c.tx = e.tx "
-                        "JOIN lr.clients k ON k.client_id = e.client_id "
-                        "WHERE k.client_name = %s AND e.stream = %s AND c.position > %s",
-                        (client, STREAM_LOG_ENTRIES, cut))
-                    tail[client] = cur.fetchone()[0]
+                        "SELECT count(*) FILTER (WHERE e.stream = %s), count(*) FILTER (WHERE e.stream = %s) "
+                        "FROM lr.log_entries e JOIN lr.log_commits c ON c.tx = e.tx "
+                        "JOIN lr.clients k ON k.client_id = e.client_id WHERE k.client_name = %s AND c.position > %s",
+                        (STREAM_LOG_ENTRIES, STREAM_TABLE_CHANGES, client, cut))
+                    tail[client], table_tail[client] = cur.fetchone()
                 cur.execute("SELECT sink_site_id, client_name FROM lr.source_sessions WHERE client_name = ANY (%s) "
                             "ORDER BY 1, 2", (list(record["clients"]),))
                 retired = [str(SessionKey(site, s, c)) for s, c in cur.fetchall()]
             apply_to_site(conn, target, site, commit=False)
+            if record["from_site_id"] == site:  # a sink of its tables now: the new source's snapshot replaces them
+                taken = record["outcome"].get("tables", {})
+                for client in record["clients"]:
+                    guarded += handover.retire(cur, client, record["to_site_id"], taken.get(client, []))
         conn.commit()
     except BaseException:
         conn.rollback()
         raise
-    return RejoinResult(site, record["failover_id"], target.topology_config_id, retired, tail)
+    return RejoinResult(site, record["failover_id"], target.topology_config_id, retired, tail, table_tail, guarded)

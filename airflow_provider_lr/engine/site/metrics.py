@@ -23,6 +23,7 @@ _HELP = {
     "lr_receive_queue_dead_letters": "entries moved to dead letters",
     "lr_log_held_back": "transactions holding the log's read barrier or with uncommitted entries",
     "lr_log_trim_mark": "commit position up to which the site's log is trimmed",
+    "lr_tables_diverged": "federated tables of the site that do not replicate (lr status: DIVERGED)",
 }
 
 
@@ -43,6 +44,7 @@ def exposition(found: dict[str, SiteStatus | str]) -> str:
             continue
         samples["lr_log_trim_mark"].append(f"{_labels(site=site)} {st.trim_mark}")
         samples["lr_log_held_back"].append(f"{_labels(site=site)} {len(st.held_back_by)}")
+        samples["lr_tables_diverged"].append(f"{_labels(site=site)} {len(st.diverged)}")
         for s in st.sessions:
             if s["role"] != "source":
                 continue

@@ -14,6 +14,7 @@ from airflow_provider_lr.engine.site import schema
 from airflow_provider_lr.engine.site.topology import Topology
 from airflow_provider_lr.engine.source import delivery
 from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, commit_barrier, holdback
+from airflow_provider_lr.engine.tables import handover
 from airflow_provider_lr.engine.vocabulary import (
     OPEN_STATUSES_SQL,
     STREAM_LOG_ENTRIES,
@@ -48,6 +49,7 @@ class SiteStatus:
     receive_queues: list[dict] = field(default_factory=list)  # this site as a sink
     held_back_by: list[dict] = field(default_factory=list)
     tables: list[dict] = field(default_factory=list)  # registered tables, and each sink session's
+    diverged: list[str] = field(default_factory=list)  # federated tables not replicating, one line each
     # this site as a source: the highest position up to which every entry is durable
     # (``delivery.durable_position``), the rule it was judged by, and the last position drawn
     durable: dict = field(default_factory=dict)
@@ -124,6 +126,8 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
         result.receive_queues = receive_queues(conn)
     if version >= 8:
         result.tables = tables(conn)
+    if version >= 10:
+        result.diverged = [d.describe() for d in handover.diverged(conn)]
     return result
 
 
@@ -263,6 +267,8 @@ def render(status: SiteStatus, source_marks: dict[str, int] | None = None) -> st
             rows = f", {t['rows']} rows in its snapshot" if t["rows"] is not None else ""
             detail = f": {t['detail']}" if t["detail"] else ""
             lines.append(f"  table  {t['table']:<32} {t['state']} from {session}{rows}{detail}")
+    for d in status.diverged:
+        lines.append(f"  table  {d}")
     if status.durable:
         d = status.durable
         lines.append(f"  durable up to position {d['position']} of {d['last_position']} (every entry {d['rule']})")
@@ -286,8 +292,8 @@ def render_sites(found: dict[str, SiteStatus | str]) -> str:
 
 def health(found: dict[str, SiteStatus | str], max_lag_seconds: float | None = None) -> tuple[int, list[str]]:
     """(exit code, reasons): UNREACHABLE when a site could not be read, DEGRADED when a session
-    errs, stands behind its source's trim mark, or lags more than ``max_lag_seconds``, else
-    HEALTHY."""
+    errs, stands behind its source's trim mark, or lags more than ``max_lag_seconds``, or a
+    federated table does not replicate (diverged), else HEALTHY."""
     reasons = [f"{site}: unreachable" for site, st in found.items() if isinstance(st, str)]
     if reasons:
         return UNREACHABLE, reasons
@@ -301,6 +307,7 @@ def health(found: dict[str, SiteStatus | str], max_lag_seconds: float | None = N
                 reasons.append(f"{name}: {state}")
             elif max_lag_seconds is not None and (s.get("lag_seconds") or 0.0) > max_lag_seconds:
                 reasons.append(f"{name}: lag {s['lag_seconds']:.0f}s over {max_lag_seconds:.0f}s")
+        reasons += [f"{st.site_id}: table {d}" for d in st.diverged]
     return (DEGRADED if reasons else HEALTHY), reasons
 
 

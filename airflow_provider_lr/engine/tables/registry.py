@@ -9,6 +9,10 @@ takes a new snapshot (changes made while the table was not federated were never 
 
 Opening it with ``federated=False`` records that this site does not replicate it: on a source the
 capture stops; on a sink, data for it from any source is dropped and its registry entry is kept.
+
+A failover moves a table's capture (``tables/handover``): the promoted site federates it here
+(``federate``), the old source's capture triggers become guards that refuse its applications'
+writes (``guard_writes``, ``lr.refuse_table_writes`` in V0014); opening the table again drops them.
 """
 from __future__ import annotations
 
@@ -28,8 +32,16 @@ _TRIGGERS = {  # operation -> its transition tables (statement-level triggers se
 }
 
 
+OPERATIONS = tuple(_TRIGGERS)
+
+
 def trigger_name(operation: str) -> str:
     return f"lr_capture_{operation.lower()}"
+
+
+def guard_name(operation: str) -> str:
+    """The old source's guard after a failover handed the table over (``guard_writes``)."""
+    return f"lr_refuse_{operation.lower()}"
 
 
 @dataclass(frozen=True)
@@ -56,18 +68,18 @@ def open_table(conn: psycopg2.extensions.connection, name: str, client: str, fed
             if federated and cur.fetchone() is None:
                 raise TableError(f"client {client!r} is not in the topology applied to this site; "
                                  "apply a topology that replicates it first")
-            current = _read(cur, table, lock=True)
+            current = read(cur, table, lock=True)
             if federated:
-                result = _federate(cur, table, client, current)
+                result = federate(cur, table, client, current)
             else:
-                _stop_capture(cur, table)
+                stop_capture(cur, table)
                 cur.execute(
                     "INSERT INTO lr.registry (stream_name, kind, is_federated, client_name) VALUES (%s, 'table', false, %s) "
                     "ON CONFLICT (stream_name) DO UPDATE SET is_federated = false, client_name = EXCLUDED.client_name, "
                     "table_id = NULL, key_columns = NULL, registered_at = now() WHERE lr.registry.kind = 'table'",
                     (str(table), client),
                 )
-                result = _read(cur, table)
+                result = read(cur, table)
                 if result is None or result.federated:
                     raise TableError(f"{table} is registered here as something else than a table")
         conn.commit()
@@ -77,7 +89,7 @@ def open_table(conn: psycopg2.extensions.connection, name: str, client: str, fed
         raise
 
 
-def _federate(cur: psycopg2.extensions.cursor, table: TableName, client: str,
+def federate(cur: psycopg2.extensions.cursor, table: TableName, client: str,
               current: RegisteredTable | None) -> RegisteredTable:
     definition = read_definition(cur, table)
     if definition is None:
@@ -85,7 +97,7 @@ def _federate(cur: psycopg2.extensions.cursor, table: TableName, client: str,
     if not definition.key:
         raise TableError(f"table {table} has no primary key; lr applies changes by key, so it needs one")
     if current and current.federated and current.client_name == client and current.table_id is not None \
-            and _capturing(cur, table):
+            and capturing(cur, table):
         return current
     cur.execute("SELECT nextval('lr.table_id_seq')")
     (table_id,) = cur.fetchone()
@@ -99,33 +111,46 @@ def _federate(cur: psycopg2.extensions.cursor, table: TableName, client: str,
     )
     if cur.rowcount != 1:
         raise TableError(f"{table} is registered here as something else than a table")
-    _stop_capture(cur, table)
+    stop_capture(cur, table)
     for operation, referencing in _TRIGGERS.items():
         cur.execute(sql.SQL(
             "CREATE TRIGGER {} AFTER {} ON {} " + referencing + " FOR EACH STATEMENT"
             " EXECUTE FUNCTION lr.capture_table_changes({}, {})"
         ).format(sql.Identifier(trigger_name(operation)), sql.SQL(operation), table.ident,
                  sql.Literal(client), sql.Literal(str(table_id))))
-    result = _read(cur, table)
+    result = read(cur, table)
     assert result is not None
     return result
 
 
-def _capturing(cur: psycopg2.extensions.cursor, table: TableName) -> bool:
+def capturing(cur: psycopg2.extensions.cursor, table: TableName) -> bool:
     cur.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = to_regclass(%s) AND tgname LIKE 'lr\\_capture\\_%%'",
                 (table.ident.as_string(cur),))
     return cur.fetchone()[0] == len(_TRIGGERS)
 
 
-def _stop_capture(cur: psycopg2.extensions.cursor, table: TableName) -> None:
+def stop_capture(cur: psycopg2.extensions.cursor, table: TableName) -> None:
+    """Drop the table's capture triggers (and a failover's guards: the site decides anew)."""
     cur.execute("SELECT to_regclass(%s)", (table.ident.as_string(cur),))
     if cur.fetchone()[0] is None:
         return
     for operation in _TRIGGERS:
-        cur.execute(sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(sql.Identifier(trigger_name(operation)), table.ident))
+        for name in (trigger_name(operation), guard_name(operation)):
+            cur.execute(sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(sql.Identifier(name), table.ident))
 
 
-def _read(cur: psycopg2.extensions.cursor, table: TableName, lock: bool = False) -> RegisteredTable | None:
+def guard_writes(cur: psycopg2.extensions.cursor, table: TableName, client: str, source: str) -> None:
+    """Capture stops and applications' writes are refused (``lr.refuse_table_writes``, V0014): the
+    table is ``source``'s now, written here by lr's apply only (a failover's old source)."""
+    stop_capture(cur, table)
+    for operation in _TRIGGERS:
+        cur.execute(sql.SQL(
+            "CREATE TRIGGER {} BEFORE {} ON {} FOR EACH STATEMENT EXECUTE FUNCTION lr.refuse_table_writes({}, {})"
+        ).format(sql.Identifier(guard_name(operation)), sql.SQL(operation), table.ident, sql.Literal(client),
+                 sql.Literal(source)))
+
+
+def read(cur: psycopg2.extensions.cursor, table: TableName, lock: bool = False) -> RegisteredTable | None:
     cur.execute(
         "SELECT stream_name, is_federated, client_name, table_id, source_site_id FROM lr.registry "
         "WHERE stream_name = %s AND kind = 'table'" + (" FOR UPDATE" if lock else ""),

@@ -1,0 +1,174 @@
+"""Federated tables in a failover: the promoted site becomes their source, every other sink takes
+a snapshot from it, the old source becomes one of their sinks (docs/failover.md).
+
+Table changes are applied to the sinks' tables, not queued, so a sink ahead of the promoted site
+(changes of the old source beyond the cut applied) or behind it cannot be cut back by entries.
+The rule is therefore a table snapshot from the new source for every other sink: its origin moves
+to the new source here, and the next cycle of its session from the new source clears the old
+source's rows and copies the new source's (``tables/snapshot``), then applies its changes.
+
+Each step runs inside the failover's own transaction on that site, so it commits with the rest of
+that site's part of the failover or not at all:
+
+* ``take_over`` on the promoted site (its promote transaction): each table it holds synced from
+  the old source is federated here (capture triggers, a new ``table_id``) and becomes its own;
+* ``follow`` on every other sink (its reconcile transaction): the table's origin moves to the new
+  source and it waits for that source's snapshot (state ``syncing``, shown by ``lr status``);
+* ``retire`` on the old source (when it rejoins, or a planned switchover drains it): its capture
+  triggers become guards that refuse its applications' writes (lr's own apply passes), and the
+  registry names the new source as the table's origin;
+* ``diverged``: every table of a site whose replication is not running (``lr status``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psycopg2.extensions
+
+from airflow_provider_lr.engine.tables import registry
+from airflow_provider_lr.engine.tables import sink as sink_tables
+from airflow_provider_lr.engine.tables.definition import TableName
+from airflow_provider_lr.engine.tables.registry import FederatedTable
+from airflow_provider_lr.engine.tables.sink import TableState
+from airflow_provider_lr.engine.vocabulary import SessionKey
+
+
+def held_from(cur: psycopg2.extensions.cursor, source: str, client: str) -> dict[str, str]:
+    """The tables this site takes from ``source`` for ``client``: name -> state."""
+    cur.execute("SELECT table_name, state FROM lr.sink_tables WHERE source_site_id = %s AND client_name = %s "
+                "ORDER BY table_name", (source, client))
+    return dict(cur.fetchall())
+
+
+def missing(promoted: dict[str, str], others: dict[str, dict[str, str]]) -> list[str]:
+    """Why promoting a site whose tables are ``promoted`` (``held_from`` the old source) would stop
+    a table's replication: a table some other sink takes from the old source (``others``: sink ->
+    its ``held_from``) that the promoted site does not hold synced. One text per table."""
+    found: dict[str, list[str]] = {}
+    for sink, held in sorted(others.items()):
+        for table, state in held.items():
+            if state != TableState.CONFLICT and promoted.get(table) != TableState.SYNCED:
+                found.setdefault(table, []).append(sink)
+    return [f"{table} ({promoted.get(table, 'never synced')} there; held by {', '.join(sinks)})"
+            for table, sinks in sorted(found.items())]
+
+
+def take_over(cur: psycopg2.extensions.cursor, old_source: str, client: str) -> list[FederatedTable]:
+    """On the promoted site: each table it holds synced from ``old_source`` for ``client`` is
+    captured here from now on (a new federation of it: every sink takes a snapshot of it) and its
+    rows are this site's own. Tables it does not hold synced are left as they are."""
+    taken = []
+    for name, state in held_from(cur, old_source, client).items():
+        if state != TableState.SYNCED:
+            continue
+        table = TableName.parse(name)
+        cur.execute("SELECT source_site_id FROM lr.registry WHERE stream_name = %s AND kind = 'table'", (name,))
+        row = cur.fetchone()
+        primary = row is not None and row[0] == old_source
+        found = registry.federate(cur, table, client, registry.read(cur, table, lock=True))
+        if primary:  # the old source's rows were the unlisted ones: now this site's own
+            cur.execute("UPDATE lr.registry SET source_site_id = NULL WHERE stream_name = %s", (name,))
+            cur.execute("DELETE FROM lr.table_row_origin WHERE table_name = %s AND source_site_id = %s",
+                        (name, old_source))
+        else:  # another origin is primary here: this site's rows stay listed, under itself
+            cur.execute("UPDATE lr.table_row_origin SET source_site_id = (SELECT site_id FROM lr.site_info) "
+                        "WHERE table_name = %s AND source_site_id = %s", (name, old_source))
+        cur.execute("DELETE FROM lr.sink_tables WHERE source_site_id = %s AND client_name = %s AND table_name = %s",
+                    (old_source, client, name))
+        assert found.table_id is not None
+        taken.append(FederatedTable(table, found.table_id))
+    return taken
+
+
+def follow(cur: psycopg2.extensions.cursor, old_source: str, new_source: str, client: str,
+           federated: list[FederatedTable]) -> dict[str, str]:
+    """On another sink: each table it takes from ``old_source`` that ``new_source`` now captures
+    (``federated``) moves to the new source, whose snapshot replaces the old source's rows at the
+    next cycle of the session (the cut of tables). A table the new source does not capture stays
+    as it is, and ``diverged`` shows it. Returns table -> what was done."""
+    captured = {str(t.table): t for t in federated}
+    done = {}
+    for name, state in held_from(cur, old_source, client).items():
+        table = captured.get(name)
+        if table is None:
+            if state != TableState.CONFLICT:
+                done[name] = f"diverged: {new_source} does not replicate it (no synced copy there)"
+            continue
+        cur.execute("DELETE FROM lr.sink_tables WHERE source_site_id = %s AND client_name = %s AND table_name = %s",
+                    (old_source, client, name))
+        cur.execute("UPDATE lr.registry SET source_site_id = %s WHERE stream_name = %s AND kind = 'table' "
+                    "AND source_site_id = %s", (new_source, name, old_source))
+        cur.execute("UPDATE lr.table_row_origin SET source_site_id = %s WHERE table_name = %s AND source_site_id = %s",
+                    (new_source, name, old_source))
+        if state == TableState.CONFLICT:
+            continue  # not federated here: the new source's snapshot records the conflict again
+        sink_tables.record(cur, new_source, client, table.table, table.table_id, TableState.SYNCING, run_id=None,
+                           split_snapshot=None, split_upto=None, rows_copied=None,
+                           detail=f"failover: waits for a snapshot from {new_source}, which replaces the rows "
+                                  f"of {old_source} (the cut of tables)")
+        done[name] = f"a snapshot from {new_source} replaces {old_source}'s rows at the next cycle"
+    return done
+
+
+def retire(cur: psycopg2.extensions.cursor, client: str, new_source: str, tables: list[str] | None) -> list[str]:
+    """On the old source: the client's tables it captures (``tables``: only those; None: all) are
+    no longer captured here; a guard refuses its applications' writes (lr's apply passes), and,
+    for ``tables``, the registry names ``new_source`` as their origin. Returns the tables guarded."""
+    cur.execute("SELECT stream_name FROM lr.registry WHERE kind = 'table' AND is_federated AND client_name = %s "
+                "AND table_id IS NOT NULL ORDER BY stream_name", (client,))
+    names = [r[0] for r in cur.fetchall() if tables is None or r[0] in tables]
+    for name in names:
+        registry.guard_writes(cur, TableName.parse(name), client, new_source)
+        if tables is not None:
+            cur.execute("UPDATE lr.registry SET table_id = NULL, source_site_id = %s WHERE stream_name = %s",
+                        (new_source, name))
+    return names
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """A federated table of this site whose replication is not running, and why."""
+
+    table: str
+    client: str | None
+    why: str
+
+    def describe(self) -> str:
+        return f"{self.table} DIVERGED (client {self.client or '-'}): {self.why}"
+
+
+def diverged(conn: psycopg2.extensions.connection) -> list[Divergence]:
+    """Every federated table of this site that is not replicating:
+
+    * as a sink: it holds the table (synced or syncing) from a session that was failed over (and
+      the promoted site, which did not hold it, did not take it over) or that no longer exists;
+    * as a source: it is captured here (a ``table_id``) but its capture triggers are gone, or its
+      client has no sink session from this site (the triggers then capture nothing)."""
+    found = []
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT t.table_name, t.client_name, t.source_site_id, s.source_site_id IS NULL, s.failed_over_to "
+            "FROM lr.sink_tables t LEFT JOIN lr.sink_sessions s ON s.source_site_id = t.source_site_id "
+            "AND s.client_name = t.client_name WHERE (s.source_site_id IS NULL OR s.failed_over_to IS NOT NULL) "
+            "AND t.state IN (%s, %s) ORDER BY 1, 3", (TableState.SYNCED, TableState.SYNCING))
+        rows = cur.fetchall()
+        cur.execute("SELECT site_id FROM lr.site_info")
+        here = cur.fetchone()[0]
+        for name, client, source, gone, to in rows:
+            session = SessionKey(source, here, client)
+            why = (f"its session {session} is gone" if gone else
+                   f"its session {session} was failed over to {to}, which does not replicate it")
+            found.append(Divergence(name, client, f"{why}; its rows stay as {source} left them"))
+        cur.execute(
+            "SELECT g.stream_name, g.client_name, EXISTS (SELECT 1 FROM lr.source_sessions s "
+            "WHERE s.client_name = g.client_name) FROM lr.registry g "
+            "WHERE g.kind = 'table' AND g.is_federated AND g.table_id IS NOT NULL ORDER BY 1")
+        for name, client, has_sink in cur.fetchall():
+            if not registry.capturing(cur, TableName.parse(name)):
+                found.append(Divergence(name, client, "captured here but its capture triggers are gone: changes are "
+                                                      "not replicated (reopen it: lr tables open)"))
+            elif not has_sink:
+                found.append(Divergence(name, client, f"captured here but client {client!r} has no sink from this "
+                                                      "site: changes are not replicated"))
+    conn.commit()
+    return found
