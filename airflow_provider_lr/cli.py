@@ -16,8 +16,9 @@ import psycopg2
 import yaml
 
 from airflow_provider_lr.engine import progress
-from airflow_provider_lr.engine.errors import LRError
+from airflow_provider_lr.engine.errors import LRError, RepeatedErrors, one_line, still_failing
 from airflow_provider_lr.engine.session import replicator, stream
+from airflow_provider_lr.engine.session.runner import CycleReport
 from airflow_provider_lr.engine.site import conninfo, failover, metrics, schema, status, topology
 from airflow_provider_lr.engine.site import roles as site_roles
 from airflow_provider_lr.engine.source import full_sync, trim
@@ -51,6 +52,9 @@ def cmd_sites_up(args: argparse.Namespace) -> int:
     print(f"{'site':<10} {'region':<10} {'connection':<14} dsn")
     for site in sites:
         print(f"{site.site_id:<10} {site.region:<10} {site.conn_id:<14} {site.dsn()}")
+    note = manager.relocation_note(sites)
+    if note:
+        print(f"\n{note}")
     print(f"\nAirflow connections: {manager.home / 'connections.json'} (conn_file_path for dag.test)")
     print(f"                     {manager.home / 'airflow.env'} (source it: set -a; . {manager.home / 'airflow.env'})")
     return 0
@@ -72,6 +76,9 @@ def cmd_sites_list(args: argparse.Namespace) -> int:
     for site in sites:
         state = "running" if manager.is_running(site) else "stopped"
         print(f"{site.site_id:<10} {site.region:<10} {state:<8} {site.port:<6} {site.pgdata}")
+    note = manager.relocation_note(sites)
+    if note:
+        print(note)
     return 0
 
 
@@ -131,21 +138,48 @@ def cmd_topology_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cycle_line(r: CycleReport) -> str:
+    """One session's cycle as ``lr sync`` prints it: only what the cycle knows (a session that failed
+    before it was negotiated has no state, position or backlog to show, so none is made up)."""
+    if r.error and not r.decision:
+        return f"{r.session}: ERROR {r.error}"
+    parts = [r.decision or "-", f"state={r.state or '-'}", f"delivered={r.delivered}"]
+    if r.snapshot_messages:
+        parts.append(f"snapshot={r.snapshot_messages}")
+    if r.tables:
+        prefix = f"{r.session}:"
+        names = ", ".join(t.removeprefix(prefix) for t in r.tables)
+        parts.append(f"table rows={r.table_rows} ({names})")
+    if r.acked_position >= 0:
+        parts.append(f"acked={r.acked_position}")
+    if not r.error:
+        parts.append(f"remaining={r.remaining}")
+    line = f"{r.session}: {' '.join(parts)}"
+    return line + (f" ERROR {r.error}" + (f" ({one_line(r.reason)})" if r.reason else "") if r.error else "")
+
+
 def cmd_sync(args: argparse.Namespace) -> int:
     topo = _topology(args)
-    repl = replicator.Replicator(topo, _connect(topo))
+    repl = replicator.Replicator(topo, _connect(topo), log_failures=False)  # each report is printed here
+    failing = RepeatedErrors()  # a sink down for minutes is said once, then "still failing (N times)"
 
-    def show(reports: list) -> None:
+    def say(subject: str, line: str, error: str, quiet: bool = False) -> None:
+        if not error:
+            failing.cleared(subject)
+            if not quiet:
+                print(line, flush=True)
+            return
+        times = failing.due(subject, error)
+        if times:
+            print(line if times == 1 else f"{subject}: {still_failing(times, error)}", flush=True)
+
+    def show(reports: list[CycleReport]) -> None:
         for r in reports:
-            if r.error or not r.idle or args.verbose:
-                print(f"{r.session}: {r.decision or '-'} state={r.state or '-'} delivered={r.delivered} "
-                      f"snapshot={r.snapshot_messages} acked={r.acked_position} remaining={r.remaining}"
-                      + (f" ERROR {r.error}" if r.error else "") + (f" ({r.reason})" if r.reason and r.error else ""),
-                      flush=True)
+            say(r.session, cycle_line(r), r.error, quiet=r.idle and not args.verbose)
 
     def show_end(end: stream.StreamEnd) -> None:
-        print(f"{end.session}: stream handed back after {end.delivered} entries: {end.reason}"
-              + (f" ERROR {end.error}" if end.error else ""), flush=True)
+        say(end.session, f"{end.session}: stream handed back after {end.delivered} entries: {end.reason}"
+            + (f" ERROR {end.error}" if end.error else ""), end.error)
 
     stop = threading.Event()
     if threading.current_thread() is threading.main_thread():
@@ -229,12 +263,12 @@ def _site_statuses(topo: topology.Topology) -> dict[str, status.SiteStatus | str
         try:
             conn = _connect(topo)(site_id)
         except Exception as exc:
-            found[site_id] = f"{site_id}: UNREACHABLE ({str(exc).strip()})"
+            found[site_id] = f"{site_id}: UNREACHABLE ({one_line(exc)})"
             continue
         try:
             found[site_id] = status.site_status(conn, site_id)
         except (LRError, psycopg2.Error) as exc:
-            found[site_id] = f"{site_id}: UNREADABLE ({str(exc).strip()})"
+            found[site_id] = f"{site_id}: UNREADABLE ({one_line(exc)})"
         finally:
             conn.close()
     return found
@@ -561,7 +595,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return func(args)
     except LRError as exc:
-        print(f"lr: {exc}", file=sys.stderr)
+        print(f"lr: {one_line(exc)}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `lr status | head`: the reader went away; stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

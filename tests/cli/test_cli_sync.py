@@ -154,3 +154,44 @@ def test_lr_sync_streams_by_default_until_sigterm_then_releases_its_leases(lr_si
         assert source.query("SELECT acked_position, lease_owner FROM lr.source_sessions WHERE sink_site_id = %s",
                             (sink.site_id,)) == [(position, None)]
     app.close()
+
+
+def test_lr_sync_says_a_down_sink_once_on_one_line_without_made_up_figures(lr_sites, tmp_path, monkeypatch, capsys):
+    """A sink that cannot be reached: its session's line names the error (psycopg's multi-line
+    message on one line) and none of the figures a failed cycle never learnt (state, ack, backlog);
+    the failure repeated every cycle is said once, not once a cycle, and once only (no log copy)."""
+    source, _, _ = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    app = App(source)
+    app.put("k0", 1, ["site-b", "site-c"])
+    down = {"conn_type": "lr_site", "host": "127.0.0.1", "port": 1, "login": "postgres", "schema": "postgres",
+            "extra": {"site_id": "site-c"}}
+    monkeypatch.setenv("AIRFLOW_CONN_LR_TEST_SITE_C", json.dumps(down))
+    capsys.readouterr()
+    rc = cli.main(["sync", "--topology", topo, "--until-idle", "--give-up-after", "2", "--interval", "0.01"])
+    out, err = capsys.readouterr()
+    assert rc == 1
+    failed = [line for line in out.splitlines() if line.startswith("site-a->site-c/policy")]
+    assert len(failed) == 1, out  # dozens of failed cycles in 2 s, said once
+    assert "ERROR" in failed[0] and "port 1" in failed[0]
+    assert "state=-" not in failed[0] and "acked=-1" not in failed[0] and "remaining=0" not in failed[0]
+    assert all(line.startswith(("site-a->", "lr sync:", "  site-a->")) for line in out.splitlines() if line), out
+    assert "site-a->site-c/policy failed" not in err  # printed above, not logged a second time
+    app.close()
+
+
+def test_repeated_errors_are_said_once_then_as_still_failing_at_a_slower_cadence():
+    from airflow_provider_lr.engine.errors import RepeatedErrors
+
+    now = [0.0]
+    repeats = RepeatedErrors(every=30.0, clock=lambda: now[0])
+    assert repeats.due("s", "sink down\nDETAIL: refused") == 1
+    said = []
+    for _ in range(40):  # a cycle a second for 40 s
+        now[0] += 1.0
+        said.append(repeats.due("s", "sink down\nDETAIL: refused"))
+    assert [t for t in said if t] == [31]  # said again once, 30 s later, with the count
+    assert repeats.due("s", "another error") == 1  # a new error is said at once
+    assert repeats.cleared("s") and not repeats.cleared("s")
+    assert repeats.due("s", "another error") == 1  # after a success, in full again

@@ -41,3 +41,19 @@ def test_lr_tables_open_names_what_is_wrong(lr_sites, tmp_path, monkeypatch, cap
     assert cli.main(["tables", "open", "public.accounts", "--client", "policy", "--no-federated",
                      "--topology", topo]) == 1
     assert "--site" in capsys.readouterr().err
+
+
+def test_lr_sync_counts_the_rows_of_table_snapshots_it_wrote(lr_sites, tmp_path, monkeypatch, capsys):
+    source, sink_b, sink_c = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={})
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    create_accounts(source, rows=1000)
+    assert cli.main(["tables", "open", "public.accounts", "--client", "policy", "--topology", topo]) == 0
+    capsys.readouterr()
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert rows(sink_b) == rows(source) == rows(sink_c)
+    for sink in ("site-b", "site-c"):
+        line = next(line for line in out.splitlines()
+                    if line.startswith(f"site-a->{sink}/policy") and "table rows=" in line)
+        assert "table rows=1000 (public.accounts: synced)" in line, out

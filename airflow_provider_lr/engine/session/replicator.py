@@ -15,7 +15,7 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.bulk import catchup, fanout
-from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError
+from airflow_provider_lr.engine.errors import ConfigurationError, RepeatedErrors, SiteUnreachableError, error_line, still_failing
 from airflow_provider_lr.engine.session import nearest_copy
 from airflow_provider_lr.engine.session.lease import Lease, new_owner_id
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, SessionSettings, record_error
@@ -38,8 +38,12 @@ class Replicator:
         settings: SessionSettings | None = None,
         providers: Mapping[str, Provider] | None = None,
         sessions: list[SessionKey] | None = None,
+        log_failures: bool = True,
     ) -> None:
+        """``log_failures``: log each failed session (repeats suppressed); off when the caller
+        reports every cycle itself (``lr sync`` prints them), or each failure is said twice."""
         self.topology = topology
+        self.failures = RepeatedErrors() if log_failures else None
         self.connect = connect
         self.owner = owner or new_owner_id()
         self.settings = settings or SessionSettings.from_topology(topology)
@@ -82,9 +86,14 @@ class Replicator:
             try:
                 report = self._runner(key).run_cycle()
             except Exception as exc:  # one session's failure must not stop the others
-                report = CycleReport(str(key), error=f"{type(exc).__name__}: {exc}".strip())
-                log.warning("session %s failed: %s", key, report.error)
+                report = CycleReport(str(key), error=error_line(exc))
+                times = self.failures.due(str(key), report.error) if self.failures else None
+                if times:
+                    log.warning("session %s failed: %s", key,
+                                report.error if times == 1 else still_failing(times, report.error))
                 self._recover(key, report.error, exc)
+            if not report.error and self.failures:
+                self.failures.cleared(str(key))
             report.delivered += teed.get(str(key), 0)
             reports.append(report)
         return reports
