@@ -16,13 +16,14 @@ import psycopg2
 import yaml
 
 from airflow_provider_lr.engine import progress
-from airflow_provider_lr.engine.errors import LRError, RepeatedErrors, one_line, still_failing
+from airflow_provider_lr.engine.errors import LRError, RepeatedErrors, listing, one_line, still_failing
 from airflow_provider_lr.engine.session import replicator, stream
 from airflow_provider_lr.engine.session.runner import CycleReport
 from airflow_provider_lr.engine.site import conninfo, failover, metrics, schema, status, topology
 from airflow_provider_lr.engine.site import roles as site_roles
 from airflow_provider_lr.engine.source import full_sync, trim
 from airflow_provider_lr.engine.tables import registry as table_registry
+from airflow_provider_lr.engine.tables.definition import TableName
 from airflow_provider_lr.paths import lr_home
 
 if TYPE_CHECKING:
@@ -116,11 +117,17 @@ def _connect(topo: topology.Topology):
     return lambda site_id: topology.site_conninfo(topo, site_id).connect()
 
 
+def _warn_providers(topo: topology.Topology) -> None:
+    for warning in topology.provider_warnings(topo):
+        print(f"lr: warning: {warning}", file=sys.stderr)
+
+
 def cmd_topology_apply(args: argparse.Namespace) -> int:
     topo = _topology(args)
+    _warn_providers(topo)
     for site_id, (pruned, kept) in topology.apply_everywhere(topo, _connect(topo), prune=args.prune).items():
         sessions = [str(k) for k in topo.sessions(source=site_id)]
-        print(f"{site_id}: topology {topo.topology_config_id} applied; source of {sessions or 'no sessions'}")
+        print(f"{site_id}: topology {topo.topology_config_id} applied; source of {listing(sessions) if sessions else 'no sessions'}")
         for name in pruned:
             print(f"  pruned sink session {name} (no longer in the topology)")
         for why in kept:
@@ -135,6 +142,7 @@ def cmd_topology_validate(args: argparse.Namespace) -> int:
           f"{topo.topology_config_id}, {len(topo.sites)} sites, {len(sessions)} sessions")
     for key in sessions:
         print(f"  {key}")
+    _warn_providers(topo)
     return 0
 
 
@@ -245,7 +253,7 @@ def cmd_failover(args: argparse.Namespace) -> int:
         yaml.safe_dump(done.topology.document, fh, sort_keys=False)
     kind = "planned switchover" if done.planned else "unplanned failover"
     print(f"{kind} {done.failover_id}{' (resumed)' if done.resumed else ''}: {done.to_site} is the source of "
-          f"{', '.join(done.clients)} (was {done.from_site}); cut at {done.positions}, new sessions after {done.base}")
+          f"{', '.join(done.clients)} (was {done.from_site}); cut at {listing(done.positions)}, new sessions after {done.base}")
     for site, notes in sorted(done.outcome.items()):
         for client, note in notes.items():
             print(f"  {site}/{client}: {note}")
@@ -357,6 +365,45 @@ def cmd_roles_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client_sources(topo: topology.Topology, client: str) -> list[str]:
+    """The sources of ``client``'s sessions; a client the topology does not replicate is refused
+    (it would be recorded on the sites and never carried)."""
+    clients = sorted({k.client for k in topo.sessions()})
+    if client not in clients:
+        raise LRError(f"client {client!r} is replicated by no session of the topology; its clients: "
+                      f"{listing(clients)} (fix --client, or add it to the topology and apply it)")
+    return sorted({k.source for k in topo.sessions() if k.client == client})
+
+
+@contextmanager
+def _at_site(site_id: str) -> Iterator[None]:
+    """An error of one site's step names the site (when its message does not already)."""
+    try:
+        yield
+    except LRError as exc:
+        if site_id in str(exc):
+            raise
+        raise LRError(f"{site_id}: {one_line(exc)}") from exc
+
+
+def _read_each(site_ids: Sequence[str], connect: Callable[[str], psycopg2.extensions.connection],
+               read: Callable[[psycopg2.extensions.connection], object]) -> Iterator[tuple[str, object]]:
+    """(site, what ``read`` returned) per site; a site that cannot be reached gives its error as
+    one line (``str``) and the others are still read, as ``lr status`` does."""
+    for site_id in site_ids:
+        try:
+            conn = connect(site_id)
+        except LRError as exc:
+            yield site_id, f"UNREACHABLE ({one_line(exc)})"
+            continue
+        try:
+            yield site_id, read(conn)
+        except (LRError, psycopg2.Error) as exc:
+            yield site_id, f"UNREADABLE ({one_line(exc)})"
+        finally:
+            conn.close()
+
+
 def cmd_tables_open(args: argparse.Namespace) -> int:
     """lr tables open: record a table for a client on each site given (default, when federating:
     the sources of the client's sessions)."""
@@ -364,31 +411,61 @@ def cmd_tables_open(args: argparse.Namespace) -> int:
     if not args.federated and not args.site:
         raise LRError("--no-federated: name the --site(s) that keep out of the table (on a source it stops "
                       "the capture; on a sink its data is dropped)")
-    sites = args.site or sorted({k.source for k in topo.sessions() if k.client == args.client})
-    if not sites:
-        raise LRError(f"client {args.client!r} is replicated by no session of the topology; name the --site")
+    sites = args.site or _client_sources(topo, args.client)
+    if args.site:
+        _client_sources(topo, args.client)  # a --site does not make an unknown client right
     for site_id in sites:
-        conn = _connect(topo)(site_id)
-        try:
-            table = table_registry.open_table(conn, args.table, args.client, args.federated)
-        finally:
-            conn.close()
+        with _at_site(site_id):
+            conn = _connect(topo)(site_id)
+            try:
+                table = table_registry.open_table(conn, args.table, args.client, args.federated)
+            finally:
+                conn.close()
         print(f"{site_id}: {table.describe()}")
     return 0
 
 
-def cmd_tables_list(args: argparse.Namespace) -> int:
+def cmd_tables_close(args: argparse.Namespace) -> int:
+    """lr tables close: stop replicating a table from each source given (default: every site that
+    captures it). Its sinks keep their copy."""
     topo = _topology(args)
-    for site_id in (args.site or sorted(topo.sites)):
-        conn = _connect(topo)(site_id)
-        try:
-            found = table_registry.list_tables(conn)
-        finally:
-            conn.close()
+    name = TableName.parse(args.table)
+    sites = args.site or sorted(topo.sites)
+    closed = 0
+    for site_id in sites:
+        with _at_site(site_id):
+            conn = _connect(topo)(site_id)
+            try:
+                here = {str(t.table): t for t in table_registry.list_tables(conn)}
+                table = here.get(str(name))
+                if not args.site and (table is None or table.table_id is None or table.source_site_id):
+                    continue  # not captured here: nothing of it to close on this site
+                table = table_registry.close_table(conn, args.table)
+            finally:
+                conn.close()
+        sinks = sorted({k.sink for k in topo.sessions(source=site_id) if k.client == table.client_name})
+        closed += 1
+        print(f"{site_id}: {table.table} closed: no longer captured or carried by its sessions"
+              + (f"; its sinks {listing(sinks)} keep their copy, no longer updated" if sinks else ""))
+    if not closed:
+        raise LRError(f"{args.table} is captured on no site of the topology (lr tables list)")
+    return 0
+
+
+def cmd_tables_list(args: argparse.Namespace) -> int:
+    """Exit 2 when a site could not be read (the others are listed all the same)."""
+    topo = _topology(args)
+    code = 0
+    for site_id, found in _read_each(args.site or sorted(topo.sites), _connect(topo), table_registry.list_tables):
+        if isinstance(found, str):
+            print(f"{site_id}: {found}")
+            code = 2
+            continue
+        assert isinstance(found, list)
         print(f"{site_id}:" + ("" if found else " no tables registered"))
         for table in found:
             print(f"  {table.describe()}")
-    return 0
+    return code
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -576,7 +653,13 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--site", action="append", help="site id (repeatable; default with --federated: the "
                     "client's sources)")
     op.set_defaults(func=cmd_tables_open)
-    ls = with_topology(tables.add_parser("list", help="the tables registered on each site"))
+    cl = with_topology(tables.add_parser("close", help="stop replicating a table (capture dropped at its source; "
+                                         "its sinks keep their copy, no longer updated); open it again to resume"))
+    cl.add_argument("table", help="SCHEMA.TABLE (a bare name is in public)")
+    cl.add_argument("--site", action="append", help="site id (repeatable; default: every site that captures it)")
+    cl.set_defaults(func=cmd_tables_close)
+    ls = with_topology(tables.add_parser("list", help="the tables registered on each site (exit 2: a site "
+                                         "could not be read)"))
     ls.add_argument("--site", action="append", help="site id (repeatable; default: every site)")
     ls.set_defaults(func=cmd_tables_list)
 

@@ -24,7 +24,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from airflow_provider_lr.engine.errors import ConfigurationError, one_line
+from airflow_provider_lr.engine.errors import ConfigurationError, listing, one_line
 from airflow_provider_lr.engine.site.conninfo import ConnInfo, from_airflow_dict
 from airflow_provider_lr.engine.site.topology_schema import valid_site_id
 from airflow_provider_lr.paths import lr_home
@@ -54,7 +54,7 @@ def _check_ids(wanted: list[str], known: dict[str, "EmbeddedSite"]) -> None:
     the site-id pattern (no path, no quote, no newline) and two ids that map to one connection."""
     bad = [s for s in wanted if not valid_site_id(s)]
     if bad:
-        raise ConfigurationError(f"invalid site id(s) {bad}: use 1-63 lowercase letters, digits, '-' or '_', "
+        raise ConfigurationError(f"invalid site id(s) {listing(bad)}: use 1-63 lowercase letters, digits, '-' or '_', "
                                  "starting with a letter or digit")
     owners: dict[str, str] = {}
     for site_id in [*known, *wanted]:

@@ -132,3 +132,15 @@ class RepeatedErrors:
 def still_failing(times: int, error: str) -> str:
     """How a failure said before is said again (``RepeatedErrors``)."""
     return f"still failing ({times} times): {one_line(error)}"
+
+
+def listing(items: object) -> str:
+    """Names or figures for a message, without Python's brackets and quotes: ``site-a, site-b``,
+    ``policy 85, audit 3`` (a mapping); ``none`` when empty."""
+    if isinstance(items, dict):
+        parts = [f"{k} {v}" for k, v in items.items()]
+    elif isinstance(items, (str, bytes)):
+        parts = [str(items)]
+    else:
+        parts = [str(i) for i in items]  # type: ignore[attr-defined]
+    return ", ".join(parts) or "none"

@@ -27,7 +27,7 @@ import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
 
-from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError
+from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError, listing
 
 KINDS = ("replicator", "writer", "consumer")
 ROLES_SCHEMA_VERSION = 6  # lr.role_grants and the policies
@@ -133,7 +133,7 @@ def check_request(kind: str, role: str, clients: Sequence[str]) -> list[str]:
         raise ConfigurationError(f"a {kind} is the {kind} of a client: give --client NAME")
     bad = [c for c in unique if not CLIENT_NAME.match(c)]
     if bad:
-        raise ConfigurationError(f"invalid client name(s) {bad}: letters, digits, '-' or '_', at most 63")
+        raise ConfigurationError(f"invalid client name(s) {listing(bad)}: letters, digits, '-' or '_', at most 63")
     return unique
 
 

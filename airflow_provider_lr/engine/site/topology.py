@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError, LRError
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError, listing, one_line
 from airflow_provider_lr.engine.site.conninfo import ConnInfo, resolve
 from airflow_provider_lr.engine.site.durability import check_rule
 from airflow_provider_lr.engine.site.topology_schema import Origin, read, validate
@@ -94,8 +94,30 @@ class Topology:
             return self.sites[site_id]
         except KeyError:
             raise ConfigurationError(
-                f"unknown site {site_id!r}; the topology knows {sorted(self.sites)}"
+                f"unknown site {site_id!r}; the topology knows {listing(sorted(self.sites))}"
             ) from None
+
+
+def provider_warnings(topology: Topology) -> list[str]:
+    """What makes a client's sessions wait for full-sync data forever, said where a topology is
+    checked (``lr topology validate`` and ``apply``): a provider that cannot be imported here, or
+    none at all (then only an application serving the requests, or a client of federated tables
+    only, lets a full sync finish)."""
+    from airflow_provider_lr.engine.source.full_sync import load_provider
+
+    found = []
+    for client in sorted({key.client for key in topology.sessions()}):
+        target = topology.providers.get(client)
+        if target is None:
+            found.append(f"client {client!r} has no full-sync provider: unless its application serves the "
+                         "requests (RoutingQueueClient.serve_full_sync_requests) or it replicates federated "
+                         "tables only, its sessions wait for client data forever; name one under providers:")
+            continue
+        try:
+            load_provider(target)
+        except LRError as exc:
+            found.append(f"client {client!r}: {one_line(exc)}; until it can, its sessions wait for client data")
+    return found
 
 
 def from_document(doc: Any, origin: Origin | None = None) -> Topology:
@@ -114,7 +136,7 @@ def from_document(doc: Any, origin: Origin | None = None) -> Topology:
         source, sinks = raw["source"], tuple(raw["sinks"])
         for key, name in [("source", source), *(("sinks", sink) for sink in sinks)]:
             if name not in sites:
-                raise origin.error(["replication", index, key], f"unknown site {name!r}; known: {sorted(sites)}")
+                raise origin.error(["replication", index, key], f"unknown site {name!r}; known: {listing(sorted(sites))}")
         if source in sinks:
             raise origin.error(["replication", index, "sinks"], f"site {source!r} cannot replicate to itself")
         replications.append(Replication(source, sinks, tuple(raw["clients"])))
