@@ -97,13 +97,14 @@ def cmd_init(args: argparse.Namespace) -> int:
         site_id = args.site_id or info.site_id
         if not site_id:
             raise LRError(f"{info.safe_dsn}: give --site-id (the connection has no site_id extra)")
-        conn = info.connect()
-        try:
-            before = schema.current_version(conn)
-            result = schema.init_site(conn, site_id, args.region or info.region)  # None: keep the recorded one
-            refreshed = site_roles.reapply(conn) if result.applied else []  # new tables for existing roles
-        finally:
-            conn.close()
+        with _at_site(site_id):
+            conn = info.connect()
+            try:
+                before = schema.current_version(conn)
+                result = schema.init_site(conn, site_id, args.region or info.region)  # None: keep the recorded one
+                refreshed = site_roles.reapply(conn) if result.applied else []  # new tables for existing roles
+            finally:
+                conn.close()
         change = f"upgraded {before} → {result.version}" if result.applied else f"up to date (v{result.version})"
         print(f"{site_id}: lr schema {change}" + (f"; grants refreshed for {', '.join(refreshed)}" if refreshed else ""))
     return 0
@@ -309,11 +310,12 @@ def cmd_trim(args: argparse.Namespace) -> int:
     topo = _topology(args)
     sources = sorted({k.source for k in topo.sessions()})
     for site_id in sources:
-        conn = _connect(topo)(site_id)
-        try:
-            result = trim.retention_trim(conn, args.retention) if args.retention is not None else trim.safe_trim(conn)
-        finally:
-            conn.close()
+        with _at_site(site_id):
+            conn = _connect(topo)(site_id)
+            try:
+                result = trim.retention_trim(conn, args.retention) if args.retention is not None else trim.safe_trim(conn)
+            finally:
+                conn.close()
         print(f"{site_id}: " + (f"trimmed to {result.trim_mark} ({result.entries_removed} entries removed)"
                                 if result else "not trimmed (a commit in flight holds the barrier)"))
     return 0
@@ -326,43 +328,56 @@ def _site_name(info: conninfo.ConnInfo) -> str:
 def cmd_roles_change(args: argparse.Namespace) -> int:
     """lr roles grant|revoke: the same plan on every site (``--print``: show it, change nothing)."""
     password = None
+    if getattr(args, "create", False) and not (args.password_env or args.no_password):
+        raise LRError("--create makes a LOGIN role: give its password with --password-env VAR (the variable "
+                      "that holds it), or pass --no-password for a role that logs in without one")
     if getattr(args, "password_env", None):
-        import os
-
+        if args.no_password:
+            raise LRError("--password-env and --no-password: give one of them")
         password = os.environ.get(args.password_env)
         if password is None:
             raise LRError(f"--password-env {args.password_env}: that environment variable is not set")
     for info in _targets(args):
-        conn = info.connect()
-        try:
-            if args.roles_command == "grant":
-                plan = site_roles.plan_grant(conn, args.kind, args.role, args.client or (), args.create, password)
-            else:
-                plan = site_roles.plan_revoke(conn, args.kind, args.role, args.client or ())
-            if args.dry_run:
-                print(f"-- {_site_name(info)}")
-                print("\n".join(site_roles.render(conn, plan)))
-                continue
-            site_roles.run(conn, plan)
-        finally:
-            conn.close()
-        what = args.kind + (f" of {', '.join(args.client)}" if args.client else "")
-        done = "granted to" if args.roles_command == "grant" else "revoked from"
-        print(f"{_site_name(info)}: {what} {done} {args.role}")
+        with _at_site(_site_name(info)):
+            _change_roles(args, info, password)
+        if not args.dry_run:
+            what = args.kind + (f" of {', '.join(args.client)}" if args.client else "")
+            done = "granted to" if args.roles_command == "grant" else "revoked from"
+            print(f"{_site_name(info)}: {what} {done} {args.role}")
     return 0
+
+
+def _change_roles(args: argparse.Namespace, info: conninfo.ConnInfo, password: str | None) -> None:
+    """One site's grant or revoke (``--print``: its SQL, nothing changed)."""
+    conn = info.connect()
+    try:
+        if args.roles_command == "grant":
+            plan = site_roles.plan_grant(conn, args.kind, args.role, args.client or (), args.create, password)
+        else:
+            plan = site_roles.plan_revoke(conn, args.kind, args.role, args.client or ())
+        if args.dry_run:
+            print(f"-- {_site_name(info)}")
+            print("\n".join(site_roles.render(conn, plan)))
+            return
+        site_roles.run(conn, plan)
+    finally:
+        conn.close()
 
 
 def cmd_roles_list(args: argparse.Namespace) -> int:
-    for info in _targets(args):
-        conn = info.connect()
-        try:
-            found = site_roles.list_grants(conn)
-        finally:
-            conn.close()
-        print(f"{_site_name(info)}: " + ("no roles granted" if not found else ""))
+    """Exit 2 when a site could not be read (the others are listed all the same)."""
+    targets = {_site_name(info): info for info in _targets(args)}
+    code = 0
+    for name, found in _read_each(list(targets), lambda n: targets[n].connect(), site_roles.list_grants):
+        if isinstance(found, str):
+            print(f"{name}: {found}")
+            code = 2
+            continue
+        assert isinstance(found, list)
+        print(f"{name}: " + ("no roles granted" if not found else ""))
         for grant in found:
             print(f"  {grant.describe()}")
-    return 0
+    return code
 
 
 def _client_sources(topo: topology.Topology, client: str) -> list[str]:
@@ -638,6 +653,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "grant":
             change.add_argument("--create", action="store_true", help="create the role (LOGIN) where it is missing")
             change.add_argument("--password-env", metavar="VAR", help="--create: its password, from this variable")
+            change.add_argument("--no-password", action="store_true",
+                                help="--create: a role without a password (only where the server trusts local "
+                                     "connections, as the embedded sites do)")
         change.set_defaults(func=cmd_roles_change)
     shown = access.add_parser("list", help="the roles granted on each site")
     shown.add_argument("--site", action="append", help="DSN or Airflow connection id (default: all embedded sites)")

@@ -51,3 +51,23 @@ def test_lr_failover_names_what_is_wrong(lr_sites, tmp_path, monkeypatch, capsys
     assert "receives from no source; name the old source (--from" in capsys.readouterr().err
     assert cli.main(["failover", "--topology", topo, "--promote", "site-c", "--from", "site-b"]) == 1
     assert "is not a sink of 'site-b'" in capsys.readouterr().err
+
+
+def test_status_marks_the_sink_sessions_of_a_failed_over_source(lr_sites, tmp_path, monkeypatch, capsys):
+    """After a failover the sinks' sessions from the old source are closed for good: `lr status`
+    says so, instead of calling them consistent with nothing to tell them apart."""
+    site_a = lr_sites[0]
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    app = App(site_a)
+    app.put("k0", 0, ["site-b", "site-c"])
+    assert cli.main(["sync", "--topology", topo, *SYNC]) == 0
+    new = tmp_path / "after.yaml"
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--out", str(new)]) == 0
+    capsys.readouterr()
+    cli.main(["status", "--topology", str(new)])
+    out = capsys.readouterr().out
+    old = next(line for line in out.splitlines() if "sink   site-a->site-c/policy" in line)
+    assert f"{'site-a->site-c/policy':<32} failed over to site-b" in old  # its readiness, not "consistent"
+    assert "its clients failed over to site-b: this session is closed" in out
+    app.close()

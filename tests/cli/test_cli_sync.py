@@ -195,3 +195,20 @@ def test_repeated_errors_are_said_once_then_as_still_failing_at_a_slower_cadence
     assert repeats.due("s", "another error") == 1  # a new error is said at once
     assert repeats.cleared("s") and not repeats.cleared("s")
     assert repeats.due("s", "another error") == 1  # after a success, in full again
+
+
+def test_topology_validate_and_apply_warn_of_a_provider_that_cannot_be_imported(lr_sites, tmp_path, monkeypatch,
+                                                                                capsys):
+    """Sessions of a client whose provider cannot be imported (or that has none) wait for client
+    data forever: validate and apply still accept the file, and say so, naming client and provider."""
+    broken = topology_file(tmp_path, lr_sites, monkeypatch, providers={"policy": "myapp.lr:policy_full_state"})
+    for command in ("validate", "apply"):
+        assert cli.main(["topology", command, "--topology", broken]) == 0
+        err = capsys.readouterr().err
+        assert "warning: client 'policy': cannot load full-sync provider 'myapp.lr:policy_full_state'" in err
+        assert len(err.strip().splitlines()) == 1
+    assert cli.main(["topology", "validate"]) == 0  # the shipped topology names none
+    assert "warning: client 'policy' has no full-sync provider" in capsys.readouterr().err
+    fine = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "validate", "--topology", fine]) == 0
+    assert "warning" not in capsys.readouterr().err

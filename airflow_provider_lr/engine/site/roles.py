@@ -241,7 +241,7 @@ def plan_grant(
     if not exists and not create:
         raise ConfigurationError(
             f"role {role!r} does not exist on site {_where(conn)}: create it (CREATE ROLE ... LOGIN PASSWORD ...) "
-            "or pass --create"
+            "or pass --create --password-env VAR"
         )
     plan = [] if exists else [_create_statement(role, password)]
     return plan + grant_statements(kind, role, clients)
