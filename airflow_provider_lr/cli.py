@@ -128,7 +128,8 @@ def cmd_topology_apply(args: argparse.Namespace) -> int:
     _warn_providers(topo)
     for site_id, (pruned, kept) in topology.apply_everywhere(topo, _connect(topo), prune=args.prune).items():
         sessions = [str(k) for k in topo.sessions(source=site_id)]
-        print(f"{site_id}: topology {topo.topology_config_id} applied; source of {listing(sessions) if sessions else 'no sessions'}")
+        print(f"{site_id}: topology {topo.topology_config_id} applied; source of "
+              f"{listing(sessions) if sessions else 'no sessions'}")
         for name in pruned:
             print(f"  pruned sink session {name} (no longer in the topology)")
         for why in kept:
@@ -254,7 +255,8 @@ def cmd_failover(args: argparse.Namespace) -> int:
         yaml.safe_dump(done.topology.document, fh, sort_keys=False)
     kind = "planned switchover" if done.planned else "unplanned failover"
     print(f"{kind} {done.failover_id}{' (resumed)' if done.resumed else ''}: {done.to_site} is the source of "
-          f"{', '.join(done.clients)} (was {done.from_site}); cut at {listing(done.positions)}, new sessions after {done.base}")
+          f"{', '.join(done.clients)} (was {done.from_site}); cut at {listing(done.positions)}, "
+          f"new sessions after {done.base}")
     for site, notes in sorted(done.outcome.items()):
         for client, note in notes.items():
             print(f"  {site}/{client}: {note}")
@@ -313,7 +315,8 @@ def cmd_trim(args: argparse.Namespace) -> int:
         with _at_site(site_id):
             conn = _connect(topo)(site_id)
             try:
-                result = trim.retention_trim(conn, args.retention) if args.retention is not None else trim.safe_trim(conn)
+                result = (trim.retention_trim(conn, args.retention) if args.retention is not None
+                          else trim.safe_trim(conn))
             finally:
                 conn.close()
         print(f"{site_id}: " + (f"trimmed to {result.trim_mark} ({result.entries_removed} entries removed)"

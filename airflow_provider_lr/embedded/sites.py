@@ -302,7 +302,8 @@ class SiteManager:
         except subprocess.CalledProcessError as exc:
             output = exc.stdout.decode(errors="replace")
             errors = [line for line in output.splitlines() if "error" in line.lower() or "fatal" in line.lower()]
-            raise ConfigurationError(one_line(f"{tool} {' '.join(args)} failed: " + "\n".join(errors or output.splitlines()[-3:]))) from exc
+            said = "\n".join(errors or output.splitlines()[-3:])
+            raise ConfigurationError(one_line(f"{tool} {' '.join(args)} failed: {said}")) from exc
 
 
 def _blocked_for(path: Path, user: pwd.struct_passwd) -> Path | None:

@@ -174,10 +174,15 @@ def test_lr_sync_says_a_down_sink_once_on_one_line_without_made_up_figures(lr_si
     assert rc == 1
     failed = [line for line in out.splitlines() if line.startswith("site-a->site-c/policy")]
     assert len(failed) == 1, out  # dozens of failed cycles in 2 s, said once
-    assert "ERROR" in failed[0] and "port 1" in failed[0]
+    assert "ERROR" in failed[0] and "Connection refused | Is the server running" in failed[0]  # psycopg's 2 lines
     assert "state=-" not in failed[0] and "acked=-1" not in failed[0] and "remaining=0" not in failed[0]
     assert all(line.startswith(("site-a->", "lr sync:", "  site-a->")) for line in out.splitlines() if line), out
     assert "site-a->site-c/policy failed" not in err  # printed above, not logged a second time
+    cli.main(["status", "--topology", topo])
+    out = capsys.readouterr().out
+    stored = next(line for line in out.splitlines() if "last error:" in line)  # as the source stored it
+    assert "Connection refused | Is the server running" in stored, out
+    assert "site-c: UNREACHABLE (" in out and "Connection refused | Is the server running" in out.split("site-c: UNREACHABLE")[1].splitlines()[0]
     app.close()
 
 

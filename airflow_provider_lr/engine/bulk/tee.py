@@ -16,7 +16,7 @@ from airflow_provider_lr.engine.bulk import peak_memory
 from airflow_provider_lr.engine.bulk.pgcopy import PackedRows, ReceiveQueueWriter
 from airflow_provider_lr.engine.bulk.plan import ChunkResult, Demand, FanoutPlan, PositionRange
 from airflow_provider_lr.engine.bulk.router import copy_and_route
-from airflow_provider_lr.engine.errors import StaleBatchError, error_line
+from airflow_provider_lr.engine.errors import StaleBatchError, error_line, one_line
 from airflow_provider_lr.engine.faults import FAULT_ENV, fault_point, hooked
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.source.log_reader import snapshot_trim_mark, trimmed_error
@@ -155,7 +155,7 @@ def refuse(plan: FanoutPlan, part: PositionRange, out: ChunkResult, session: str
            what: str = "refused") -> None:
     """Leave ``session`` out of this chunk, saying why (``out.errors`` and the log); the others go on."""
     out.errors[session] = error_line(exc)
-    log.warning("fan-out %s chunk %d: session %s %s: %s", plan.plan_id[:8], part.index, session, what, exc)
+    log.warning("fan-out %s chunk %d: session %s %s: %s", plan.plan_id[:8], part.index, session, what, one_line(exc))
 
 
 def read_and_route(plan: FanoutPlan, part: PositionRange, tees: list[tuple[int, SessionChunk]],

@@ -15,7 +15,14 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.bulk import catchup, fanout
-from airflow_provider_lr.engine.errors import ConfigurationError, RepeatedErrors, SiteUnreachableError, error_line, still_failing
+from airflow_provider_lr.engine.errors import (
+    ConfigurationError,
+    RepeatedErrors,
+    SiteUnreachableError,
+    error_line,
+    one_line,
+    still_failing,
+)
 from airflow_provider_lr.engine.session import nearest_copy
 from airflow_provider_lr.engine.session.lease import Lease, new_owner_id
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, SessionSettings, record_error
@@ -119,22 +126,22 @@ class Replicator:
             driver = fanout.FanoutDriver(self.topology, source, owner=self.owner, settings=self.settings,
                                          connect=self.connect, sessions=keys)
         except SiteUnreachableError as exc:  # a site that is down: the session cycles report it; retried
-            log.info("in-process fan-out of %s not used now: %s", source, exc)
+            log.info("in-process fan-out of %s not used now: %s", source, one_line(exc))
             self._drop(source)
             return {}
         except ConfigurationError as exc:  # the sites' DSNs do not resolve here (the tee needs them)
-            log.info("in-process fan-out of %s not used: %s", source, exc)
+            log.info("in-process fan-out of %s not used: %s", source, one_line(exc))
             self._no_tee.add(source)
             return {}
         except psycopg2.Error as exc:  # a site that is down: the session cycles report it
-            log.info("in-process fan-out of %s not used: %s", source, exc)
+            log.info("in-process fan-out of %s not used: %s", source, one_line(exc))
             self._drop(source)
             return {}
         try:
             log.info("catching up %s by the in-process fan-out: %s", source, choice.why)
             result = fanout.run_fanout(driver, fanout.local_map)
         except Exception as exc:  # nothing half-done is visible; the session cycles carry on
-            log.warning("in-process fan-out of %s failed (%s); session cycles carry on", source, exc)
+            log.warning("in-process fan-out of %s failed (%s); session cycles carry on", source, one_line(exc))
             return {}
         finally:
             driver.close()

@@ -39,7 +39,7 @@ import psycopg2
 import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
-from airflow_provider_lr.engine.errors import FencedError, LRError, StaleBatchError, TrimmedError, error_line
+from airflow_provider_lr.engine.errors import FencedError, LRError, StaleBatchError, TrimmedError, error_line, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionSettings
@@ -214,7 +214,7 @@ class SessionStream:
         try:
             self._loop(stop)
         except _Handback as exc:
-            end.reason = str(exc)
+            end.reason = one_line(exc)
         except (FencedError, StaleBatchError, TrimmedError) as exc:
             end.reason = error_line(exc)
         except (psycopg2.Error, LRError) as exc:
@@ -304,7 +304,7 @@ class SessionStream:
         try:
             self._ack()
         except (psycopg2.Error, LRError) as exc:  # the next holder records its own; trim waits meanwhile
-            log.info("stream %s: last ack not recorded: %s", self.key, exc)
+            log.info("stream %s: last ack not recorded: %s", self.key, one_line(exc))
 
     def _topology_id(self) -> str | None:
         with self.src.cursor() as cur:

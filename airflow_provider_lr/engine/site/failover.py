@@ -41,7 +41,7 @@ from typing import Callable
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError, LRError, SiteUnreachableError, listing
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError, SiteUnreachableError, listing, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.sink.queue_rows import positions, repack, unpack
@@ -237,7 +237,7 @@ def _try(connect: Connect, site: str, conns: dict) -> psycopg2.extensions.connec
     try:
         conns[site] = connect(site)
     except (psycopg2.Error, SiteUnreachableError) as exc:
-        log.info("site %s cannot be reached: %s", site, exc)
+        log.info("site %s cannot be reached: %s", site, one_line(exc))
         return None
     return conns[site]
 

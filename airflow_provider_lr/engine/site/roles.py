@@ -27,7 +27,7 @@ import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
 
-from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError, listing
+from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError, listing, one_line
 
 KINDS = ("replicator", "writer", "consumer")
 ROLES_SCHEMA_VERSION = 6  # lr.role_grants and the policies
@@ -285,7 +285,7 @@ def run(conn: psycopg2.extensions.connection, plan: Iterable[Statement]) -> None
         conn.rollback()
         user = conn.get_dsn_parameters().get("user", "?")
         raise ConfigurationError(
-            f"role {user!r} may not change roles on site {_where(conn)} ({str(exc).strip()}); run `lr roles` as the "
+            f"role {user!r} may not change roles on site {_where(conn)} ({one_line(exc)}); run `lr roles` as the "
             "owner of the lr schema (creating a role also needs CREATEROLE)"
         ) from exc
     except BaseException:

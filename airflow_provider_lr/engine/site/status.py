@@ -472,7 +472,8 @@ def wait_until_ready(conn: psycopg2.extensions.connection, client: str, destinat
     known = {b.sink for b in session_backlogs(conn, client=client)}
     unknown = sorted(set(destinations) - known)
     if unknown:
-        raise ConfigurationError(f"{listing(unknown)}: not sinks of client {client!r} at this site; its sinks are {listing(sorted(known))}")
+        raise ConfigurationError(f"{listing(unknown)}: not sinks of client {client!r} at this site; its sinks are "
+                                 f"{listing(sorted(known))}")
     noted, holders = commit_barrier(conn, timeout=timeout)
     if noted is None:
         raise DeliveryTimeout(f"commits in flight outlasted {timeout:g}s: {listing(h.describe() for h in holders)}",
@@ -526,7 +527,8 @@ def delivery_target(
         raise ConfigurationError(f"min_regions must be >= 0, not {min_regions}")
     regions = {topology.site(source).region, *(topology.site(s).region for s in (destinations or sinks))}
     if min_regions > len(regions):
-        named = f"the named destinations {listing(sorted(destinations))}" if destinations else f"the sinks {listing(sorted(sinks))}"
+        named = (f"the named destinations {listing(sorted(destinations))}" if destinations
+                 else f"the sinks {listing(sorted(sinks))}")
         raise ConfigurationError(
             f"min_regions={min_regions} can never be met: {source!r} and {named} span only {len(regions)} "
             f"region(s) {listing(sorted(regions))}; name destinations in more regions or lower min_regions"

@@ -309,7 +309,7 @@ def apply_everywhere(topology: Topology, connect: Callable[[str], psycopg2.exten
                 recorded, _ = site_identity(conn)
                 conn.rollback()
             except (psycopg2.Error, LRError) as exc:
-                raise ConfigurationError(f"site {site_id!r} ({topology.conn_id(site_id)}): {exc}".strip()
+                raise ConfigurationError(f"site {site_id!r} ({topology.conn_id(site_id)}): {one_line(exc)}"
                                          + "; nothing was applied on any site") from exc
             if recorded != site_id:
                 raise ConfigurationError(f"connection {topology.conn_id(site_id)!r} of site {site_id!r} reaches site "
@@ -320,7 +320,7 @@ def apply_everywhere(topology: Topology, connect: Callable[[str], psycopg2.exten
                 apply_to_site(conn, topology, site_id, commit=False)
                 outcome[site_id] = prune_sink_sessions(conn, topology, site_id) if prune else ([], [])
             except psycopg2.Error as exc:  # e.g. a role that may not change lr's tables
-                raise ConfigurationError(f"site {site_id!r}: {str(exc).strip()}; nothing was applied on any site "
+                raise ConfigurationError(f"site {site_id!r}: {one_line(exc)}; nothing was applied on any site "
                                          "(apply the topology as the owner of the lr schema)") from exc
         for conn in conns.values():
             conn.commit()
