@@ -148,6 +148,7 @@ def test_lr_sync_streams_by_default_until_sigterm_then_releases_its_leases(lr_si
             child.kill()
     assert child.returncode == 0, out
     assert "stream handed back after" in out and ": stopped" in out
+    assert out.count("handed back after") == 2, out  # once per session: printed, not logged beside it
     for sink in (sink_b, sink_c):
         assert [p for k, p in queue(sink, "site-a") if k == "log"] == [f"k{i}={i}" for i in range(30)]
         position = sink.query("SELECT last_log_entry_processed FROM lr.sink_sessions")[0][0]
