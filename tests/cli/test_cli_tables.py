@@ -1,6 +1,8 @@
 """`lr tables open/list` and what `lr status` says of tables, through the CLI as a user runs it."""
 from __future__ import annotations
 
+import json
+
 from airflow_provider_lr import cli
 from tests.cli.test_cli_sync import topology_file
 from tests.support.tables import create_accounts, rows
@@ -91,6 +93,10 @@ def test_lr_tables_close_stops_replicating_a_table_sinks_keep_their_copy_and_reo
     assert "closed (captured no more; its sinks keep their copy" in status_out
     assert status_out.count("(closed at site-a: this copy is kept, no longer updated)") == 2
     assert status_out.count("public.accounts") == 3  # the source's registration and one line per sink
+    assert cli.main(["status", "--json", "--topology", topo]) == 0
+    found = json.loads(capsys.readouterr().out)["sites"]
+    assert [t["closed"] for site in ("site-a", "site-b", "site-c") for t in found[site]["tables"]
+            if t["role"] == "sink" or site == "site-a"] == [True, True, True]
     assert cli.main(["tables", "list", "--topology", topo]) == 0
     assert "site-a:\n  public.accounts closed" in capsys.readouterr().out
     assert cli.main(["tables", "close", "public.accounts", "--topology", topo]) == 1  # captured nowhere now

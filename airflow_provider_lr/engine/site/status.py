@@ -339,7 +339,7 @@ def health(found: dict[str, SiteStatus | str], max_lag_seconds: float | None = N
 
 def sites_as_dict(found: dict[str, SiteStatus | str], max_lag_seconds: float | None = None) -> dict:
     """``lr status --json``: every site, with readiness computed across sites, and the health verdict."""
-    marks = trim_marks(found)
+    marks, closed = trim_marks(found), closed_tables(found)
     sites = {}
     for site, st in found.items():
         if isinstance(st, str):
@@ -348,6 +348,8 @@ def sites_as_dict(found: dict[str, SiteStatus | str], max_lag_seconds: float | N
         data = st.as_dict()
         for s in data["sessions"]:
             s["readiness"] = readiness(s, marks.get(s["source_site_id"]))
+        for t in data["tables"]:  # closed at its source (the registry row there, or a sink's copy)
+            t["closed"] = (t["source"] if t["role"] == "sink" else site, t["table"]) in closed
         sites[site] = {"reachable": True, **data}
     code, reasons = health(found, max_lag_seconds)
     return {"health": {HEALTHY: "healthy", DEGRADED: "degraded", UNREACHABLE: "unreachable"}[code],
