@@ -168,8 +168,17 @@ def cycle_line(r: CycleReport) -> str:
     return line + (f" ERROR {r.error}" + (f" ({one_line(r.reason)})" if r.reason else "") if r.error else "")
 
 
-def cmd_sync(args: argparse.Namespace) -> int:
+def _replicated(args: argparse.Namespace, what: str) -> topology.Topology:
+    """The topology, refused when it has no session: ``what`` would silently do nothing."""
     topo = _topology(args)
+    if not topo.sessions():
+        raise LRError(f"{args.topology or topology.default_path()}: the topology replicates nothing (no "
+                      f"replication: entry), so there is nothing to {what}")
+    return topo
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    topo = _replicated(args, "sync")
     repl = replicator.Replicator(topo, _connect(topo), log_failures=False)  # each report is printed here
     failing = RepeatedErrors()  # a sink down for minutes is said once, then "still failing (N times)"
 
@@ -309,7 +318,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 
 
 def cmd_trim(args: argparse.Namespace) -> int:
-    topo = _topology(args)
+    topo = _replicated(args, "trim")
     sources = sorted({k.source for k in topo.sessions()})
     for site_id in sources:
         with _at_site(site_id):

@@ -218,3 +218,11 @@ def test_topology_validate_and_apply_warn_of_a_provider_that_cannot_be_imported(
     fine = topology_file(tmp_path, lr_sites, monkeypatch)
     assert cli.main(["topology", "validate", "--topology", fine]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_lr_sync_and_trim_refuse_a_topology_that_replicates_nothing(tmp_path, capsys):
+    path = tmp_path / "sites-only.yaml"
+    path.write_text(yaml.safe_dump({"sites": [{"id": "site-a"}, {"id": "site-b"}]}))
+    for command in (["sync"], ["sync", "--once"], ["trim"]):
+        assert cli.main([*command, "--topology", str(path)]) == 1  # streaming would wait for nothing, forever
+        assert "the topology replicates nothing (no replication: entry)" in capsys.readouterr().err
