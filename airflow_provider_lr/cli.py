@@ -16,12 +16,14 @@ import psycopg2
 import yaml
 
 from airflow_provider_lr.engine import progress
-from airflow_provider_lr.engine.errors import LRError
+from airflow_provider_lr.engine.errors import LRError, RepeatedErrors, listing, one_line, still_failing
 from airflow_provider_lr.engine.session import replicator, stream
+from airflow_provider_lr.engine.session.runner import CycleReport
 from airflow_provider_lr.engine.site import conninfo, failover, metrics, schema, status, topology
 from airflow_provider_lr.engine.site import roles as site_roles
 from airflow_provider_lr.engine.source import full_sync, trim
 from airflow_provider_lr.engine.tables import registry as table_registry
+from airflow_provider_lr.engine.tables.definition import TableName
 from airflow_provider_lr.paths import lr_home
 
 if TYPE_CHECKING:
@@ -51,6 +53,9 @@ def cmd_sites_up(args: argparse.Namespace) -> int:
     print(f"{'site':<10} {'region':<10} {'connection':<14} dsn")
     for site in sites:
         print(f"{site.site_id:<10} {site.region:<10} {site.conn_id:<14} {site.dsn()}")
+    note = manager.relocation_note(sites)
+    if note:
+        print(f"\n{note}")
     print(f"\nAirflow connections: {manager.home / 'connections.json'} (conn_file_path for dag.test)")
     print(f"                     {manager.home / 'airflow.env'} (source it: set -a; . {manager.home / 'airflow.env'})")
     return 0
@@ -72,6 +77,9 @@ def cmd_sites_list(args: argparse.Namespace) -> int:
     for site in sites:
         state = "running" if manager.is_running(site) else "stopped"
         print(f"{site.site_id:<10} {site.region:<10} {state:<8} {site.port:<6} {site.pgdata}")
+    note = manager.relocation_note(sites)
+    if note:
+        print(note)
     return 0
 
 
@@ -89,13 +97,14 @@ def cmd_init(args: argparse.Namespace) -> int:
         site_id = args.site_id or info.site_id
         if not site_id:
             raise LRError(f"{info.safe_dsn}: give --site-id (the connection has no site_id extra)")
-        conn = info.connect()
-        try:
-            before = schema.current_version(conn)
-            result = schema.init_site(conn, site_id, args.region or info.region)  # None: keep the recorded one
-            refreshed = site_roles.reapply(conn) if result.applied else []  # new tables for existing roles
-        finally:
-            conn.close()
+        with _at_site(site_id):
+            conn = info.connect()
+            try:
+                before = schema.current_version(conn)
+                result = schema.init_site(conn, site_id, args.region or info.region)  # None: keep the recorded one
+                refreshed = site_roles.reapply(conn) if result.applied else []  # new tables for existing roles
+            finally:
+                conn.close()
         change = f"upgraded {before} → {result.version}" if result.applied else f"up to date (v{result.version})"
         print(f"{site_id}: lr schema {change}" + (f"; grants refreshed for {', '.join(refreshed)}" if refreshed else ""))
     return 0
@@ -109,11 +118,18 @@ def _connect(topo: topology.Topology):
     return lambda site_id: topology.site_conninfo(topo, site_id).connect()
 
 
+def _warn_providers(topo: topology.Topology) -> None:
+    for warning in topology.provider_warnings(topo):
+        print(f"lr: warning: {warning}", file=sys.stderr)
+
+
 def cmd_topology_apply(args: argparse.Namespace) -> int:
     topo = _topology(args)
+    _warn_providers(topo)
     for site_id, (pruned, kept) in topology.apply_everywhere(topo, _connect(topo), prune=args.prune).items():
         sessions = [str(k) for k in topo.sessions(source=site_id)]
-        print(f"{site_id}: topology {topo.topology_config_id} applied; source of {sessions or 'no sessions'}")
+        print(f"{site_id}: topology {topo.topology_config_id} applied; source of "
+              f"{listing(sessions) if sessions else 'no sessions'}")
         for name in pruned:
             print(f"  pruned sink session {name} (no longer in the topology)")
         for why in kept:
@@ -128,24 +144,61 @@ def cmd_topology_validate(args: argparse.Namespace) -> int:
           f"{topo.topology_config_id}, {len(topo.sites)} sites, {len(sessions)} sessions")
     for key in sessions:
         print(f"  {key}")
+    _warn_providers(topo)
     return 0
 
 
-def cmd_sync(args: argparse.Namespace) -> int:
-    topo = _topology(args)
-    repl = replicator.Replicator(topo, _connect(topo))
+def cycle_line(r: CycleReport) -> str:
+    """One session's cycle as ``lr sync`` prints it: only what the cycle knows (a session that failed
+    before it was negotiated has no state, position or backlog to show, so none is made up)."""
+    if r.error and not r.decision:
+        return f"{r.session}: ERROR {r.error}"
+    parts = [r.decision or "-", f"state={r.state or '-'}", f"delivered={r.delivered}"]
+    if r.snapshot_messages:
+        parts.append(f"snapshot={r.snapshot_messages}")
+    if r.tables:
+        prefix = f"{r.session}:"
+        names = ", ".join(t.removeprefix(prefix) for t in r.tables)
+        parts.append(f"table rows={r.table_rows} ({names})")
+    if r.acked_position >= 0:
+        parts.append(f"acked={r.acked_position}")
+    if not r.error:
+        parts.append(f"remaining={r.remaining}")
+    line = f"{r.session}: {' '.join(parts)}"
+    return line + (f" ERROR {r.error}" + (f" ({one_line(r.reason)})" if r.reason else "") if r.error else "")
 
-    def show(reports: list) -> None:
+
+def _replicated(args: argparse.Namespace, what: str) -> topology.Topology:
+    """The topology, refused when it has no session: ``what`` would silently do nothing."""
+    topo = _topology(args)
+    if not topo.sessions():
+        raise LRError(f"{args.topology or topology.default_path()}: the topology replicates nothing (no "
+                      f"replication: entry), so there is nothing to {what}")
+    return topo
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    topo = _replicated(args, "sync")
+    repl = replicator.Replicator(topo, _connect(topo), log_failures=False)  # each report is printed here
+    failing = RepeatedErrors()  # a sink down for minutes is said once, then "still failing (N times)"
+
+    def say(subject: str, line: str, error: str, quiet: bool = False) -> None:
+        if not error:
+            failing.cleared(subject)
+            if not quiet:
+                print(line, flush=True)
+            return
+        times = failing.due(subject, error)
+        if times:
+            print(line if times == 1 else f"{subject}: {still_failing(times, error)}", flush=True)
+
+    def show(reports: list[CycleReport]) -> None:
         for r in reports:
-            if r.error or not r.idle or args.verbose:
-                print(f"{r.session}: {r.decision or '-'} state={r.state or '-'} delivered={r.delivered} "
-                      f"snapshot={r.snapshot_messages} acked={r.acked_position} remaining={r.remaining}"
-                      + (f" ERROR {r.error}" if r.error else "") + (f" ({r.reason})" if r.reason and r.error else ""),
-                      flush=True)
+            say(r.session, cycle_line(r), r.error, quiet=r.idle and not args.verbose)
 
     def show_end(end: stream.StreamEnd) -> None:
-        print(f"{end.session}: stream handed back after {end.delivered} entries: {end.reason}"
-              + (f" ERROR {end.error}" if end.error else ""), flush=True)
+        say(end.session, f"{end.session}: stream handed back after {end.delivered} entries: {end.reason}"
+            + (f" ERROR {end.error}" if end.error else ""), end.error)
 
     stop = threading.Event()
     if threading.current_thread() is threading.main_thread():
@@ -218,7 +271,8 @@ def cmd_failover(args: argparse.Namespace) -> int:
         yaml.safe_dump(done.topology.document, fh, sort_keys=False)
     kind = "planned switchover" if done.planned else "unplanned failover"
     print(f"{kind} {done.failover_id}{' (resumed)' if done.resumed else ''}: {done.to_site} is the source of "
-          f"{', '.join(done.clients)} (was {done.from_site}); cut at {done.positions}, new sessions after {done.base}")
+          f"{', '.join(done.clients)} (was {done.from_site}); cut at {listing(done.positions)}, "
+          f"new sessions after {done.base}")
     for site, notes in sorted(done.outcome.items()):
         for client, note in notes.items():
             print(f"  {site}/{client}: {note}")
@@ -242,12 +296,12 @@ def _site_statuses(topo: topology.Topology) -> dict[str, status.SiteStatus | str
         try:
             conn = _connect(topo)(site_id)
         except Exception as exc:
-            found[site_id] = f"{site_id}: UNREACHABLE ({str(exc).strip()})"
+            found[site_id] = f"{site_id}: UNREACHABLE ({one_line(exc)})"
             continue
         try:
             found[site_id] = status.site_status(conn, site_id)
         except (LRError, psycopg2.Error) as exc:
-            found[site_id] = f"{site_id}: UNREADABLE ({str(exc).strip()})"
+            found[site_id] = f"{site_id}: UNREADABLE ({one_line(exc)})"
         finally:
             conn.close()
     return found
@@ -277,14 +331,16 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 
 
 def cmd_trim(args: argparse.Namespace) -> int:
-    topo = _topology(args)
+    topo = _replicated(args, "trim")
     sources = sorted({k.source for k in topo.sessions()})
     for site_id in sources:
-        conn = _connect(topo)(site_id)
-        try:
-            result = trim.retention_trim(conn, args.retention) if args.retention is not None else trim.safe_trim(conn)
-        finally:
-            conn.close()
+        with _at_site(site_id):
+            conn = _connect(topo)(site_id)
+            try:
+                result = (trim.retention_trim(conn, args.retention) if args.retention is not None
+                          else trim.safe_trim(conn))
+            finally:
+                conn.close()
         print(f"{site_id}: " + (f"trimmed to {result.trim_mark} ({result.entries_removed} entries removed)"
                                 if result else "not trimmed (a commit in flight holds the barrier)"))
     return 0
@@ -297,43 +353,95 @@ def _site_name(info: conninfo.ConnInfo) -> str:
 def cmd_roles_change(args: argparse.Namespace) -> int:
     """lr roles grant|revoke: the same plan on every site (``--print``: show it, change nothing)."""
     password = None
+    if getattr(args, "create", False) and not (args.password_env or args.no_password):
+        raise LRError("--create makes a LOGIN role: give its password with --password-env VAR (the variable "
+                      "that holds it), or pass --no-password for a role that logs in without one")
     if getattr(args, "password_env", None):
-        import os
-
+        if args.no_password:
+            raise LRError("--password-env and --no-password: give one of them")
         password = os.environ.get(args.password_env)
         if password is None:
             raise LRError(f"--password-env {args.password_env}: that environment variable is not set")
     for info in _targets(args):
-        conn = info.connect()
-        try:
-            if args.roles_command == "grant":
-                plan = site_roles.plan_grant(conn, args.kind, args.role, args.client or (), args.create, password)
-            else:
-                plan = site_roles.plan_revoke(conn, args.kind, args.role, args.client or ())
-            if args.dry_run:
-                print(f"-- {_site_name(info)}")
-                print("\n".join(site_roles.render(conn, plan)))
-                continue
-            site_roles.run(conn, plan)
-        finally:
-            conn.close()
-        what = args.kind + (f" of {', '.join(args.client)}" if args.client else "")
-        done = "granted to" if args.roles_command == "grant" else "revoked from"
-        print(f"{_site_name(info)}: {what} {done} {args.role}")
+        with _at_site(_site_name(info)):
+            _change_roles(args, info, password)
+        if not args.dry_run:
+            what = args.kind + (f" of {', '.join(args.client)}" if args.client else "")
+            done = "granted to" if args.roles_command == "grant" else "revoked from"
+            print(f"{_site_name(info)}: {what} {done} {args.role}")
     return 0
+
+
+def _change_roles(args: argparse.Namespace, info: conninfo.ConnInfo, password: str | None) -> None:
+    """One site's grant or revoke (``--print``: its SQL, nothing changed)."""
+    conn = info.connect()
+    try:
+        if args.roles_command == "grant":
+            plan = site_roles.plan_grant(conn, args.kind, args.role, args.client or (), args.create, password)
+        else:
+            plan = site_roles.plan_revoke(conn, args.kind, args.role, args.client or ())
+        if args.dry_run:
+            print(f"-- {_site_name(info)}")
+            print("\n".join(site_roles.render(conn, plan)))
+            return
+        site_roles.run(conn, plan)
+    finally:
+        conn.close()
 
 
 def cmd_roles_list(args: argparse.Namespace) -> int:
-    for info in _targets(args):
-        conn = info.connect()
-        try:
-            found = site_roles.list_grants(conn)
-        finally:
-            conn.close()
-        print(f"{_site_name(info)}: " + ("no roles granted" if not found else ""))
+    """Exit 2 when a site could not be read (the others are listed all the same)."""
+    targets = {_site_name(info): info for info in _targets(args)}
+    code = 0
+    for name, found in _read_each(list(targets), lambda n: targets[n].connect(), site_roles.list_grants):
+        if isinstance(found, str):
+            print(f"{name}: {found}")
+            code = 2
+            continue
+        assert isinstance(found, list)
+        print(f"{name}: " + ("no roles granted" if not found else ""))
         for grant in found:
             print(f"  {grant.describe()}")
-    return 0
+    return code
+
+
+def _client_sources(topo: topology.Topology, client: str) -> list[str]:
+    """The sources of ``client``'s sessions; a client the topology does not replicate is refused
+    (it would be recorded on the sites and never carried)."""
+    clients = sorted({k.client for k in topo.sessions()})
+    if client not in clients:
+        raise LRError(f"client {client!r} is replicated by no session of the topology; its clients: "
+                      f"{listing(clients)} (fix --client, or add it to the topology and apply it)")
+    return sorted({k.source for k in topo.sessions() if k.client == client})
+
+
+@contextmanager
+def _at_site(site_id: str) -> Iterator[None]:
+    """An error of one site's step names the site (when its message does not already)."""
+    try:
+        yield
+    except LRError as exc:
+        if site_id in str(exc):
+            raise
+        raise LRError(f"{site_id}: {one_line(exc)}") from exc
+
+
+def _read_each(site_ids: Sequence[str], connect: Callable[[str], psycopg2.extensions.connection],
+               read: Callable[[psycopg2.extensions.connection], object]) -> Iterator[tuple[str, object]]:
+    """(site, what ``read`` returned) per site; a site that cannot be reached gives its error as
+    one line (``str``) and the others are still read, as ``lr status`` does."""
+    for site_id in site_ids:
+        try:
+            conn = connect(site_id)
+        except LRError as exc:
+            yield site_id, f"UNREACHABLE ({one_line(exc)})"
+            continue
+        try:
+            yield site_id, read(conn)
+        except (LRError, psycopg2.Error) as exc:
+            yield site_id, f"UNREADABLE ({one_line(exc)})"
+        finally:
+            conn.close()
 
 
 def cmd_tables_open(args: argparse.Namespace) -> int:
@@ -343,31 +451,61 @@ def cmd_tables_open(args: argparse.Namespace) -> int:
     if not args.federated and not args.site:
         raise LRError("--no-federated: name the --site(s) that keep out of the table (on a source it stops "
                       "the capture; on a sink its data is dropped)")
-    sites = args.site or sorted({k.source for k in topo.sessions() if k.client == args.client})
-    if not sites:
-        raise LRError(f"client {args.client!r} is replicated by no session of the topology; name the --site")
+    sites = args.site or _client_sources(topo, args.client)
+    if args.site:
+        _client_sources(topo, args.client)  # a --site does not make an unknown client right
     for site_id in sites:
-        conn = _connect(topo)(site_id)
-        try:
-            table = table_registry.open_table(conn, args.table, args.client, args.federated)
-        finally:
-            conn.close()
+        with _at_site(site_id):
+            conn = _connect(topo)(site_id)
+            try:
+                table = table_registry.open_table(conn, args.table, args.client, args.federated)
+            finally:
+                conn.close()
         print(f"{site_id}: {table.describe()}")
     return 0
 
 
-def cmd_tables_list(args: argparse.Namespace) -> int:
+def cmd_tables_close(args: argparse.Namespace) -> int:
+    """lr tables close: stop replicating a table from each source given (default: every site that
+    captures it). Its sinks keep their copy."""
     topo = _topology(args)
-    for site_id in (args.site or sorted(topo.sites)):
-        conn = _connect(topo)(site_id)
-        try:
-            found = table_registry.list_tables(conn)
-        finally:
-            conn.close()
+    name = TableName.parse(args.table)
+    sites = args.site or sorted(topo.sites)
+    closed = 0
+    for site_id in sites:
+        with _at_site(site_id):
+            conn = _connect(topo)(site_id)
+            try:
+                here = {str(t.table): t for t in table_registry.list_tables(conn)}
+                table = here.get(str(name))
+                if not args.site and (table is None or table.table_id is None or table.source_site_id):
+                    continue  # not captured here: nothing of it to close on this site
+                table = table_registry.close_table(conn, args.table)
+            finally:
+                conn.close()
+        sinks = sorted({k.sink for k in topo.sessions(source=site_id) if k.client == table.client_name})
+        closed += 1
+        print(f"{site_id}: {table.table} closed: no longer captured or carried by its sessions"
+              + (f"; its sinks {listing(sinks)} keep their copy, no longer updated" if sinks else ""))
+    if not closed:
+        raise LRError(f"{args.table} is captured on no site of the topology (lr tables list)")
+    return 0
+
+
+def cmd_tables_list(args: argparse.Namespace) -> int:
+    """Exit 2 when a site could not be read (the others are listed all the same)."""
+    topo = _topology(args)
+    code = 0
+    for site_id, found in _read_each(args.site or sorted(topo.sites), _connect(topo), table_registry.list_tables):
+        if isinstance(found, str):
+            print(f"{site_id}: {found}")
+            code = 2
+            continue
+        assert isinstance(found, list)
         print(f"{site_id}:" + ("" if found else " no tables registered"))
         for table in found:
             print(f"  {table.describe()}")
-    return 0
+    return code
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -543,6 +681,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "grant":
             change.add_argument("--create", action="store_true", help="create the role (LOGIN) where it is missing")
             change.add_argument("--password-env", metavar="VAR", help="--create: its password, from this variable")
+            change.add_argument("--no-password", action="store_true",
+                                help="--create: a role without a password (only where the server trusts local "
+                                     "connections, as the embedded sites do)")
         change.set_defaults(func=cmd_roles_change)
     shown = access.add_parser("list", help="the roles granted on each site")
     shown.add_argument("--site", action="append", help="DSN or Airflow connection id (default: all embedded sites)")
@@ -558,7 +699,13 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--site", action="append", help="site id (repeatable; default with --federated: the "
                     "client's sources)")
     op.set_defaults(func=cmd_tables_open)
-    ls = with_topology(tables.add_parser("list", help="the tables registered on each site"))
+    cl = with_topology(tables.add_parser("close", help="stop replicating a table (capture dropped at its source; "
+                                         "its sinks keep their copy, no longer updated); open it again to resume"))
+    cl.add_argument("table", help="SCHEMA.TABLE (a bare name is in public)")
+    cl.add_argument("--site", action="append", help="site id (repeatable; default: every site that captures it)")
+    cl.set_defaults(func=cmd_tables_close)
+    ls = with_topology(tables.add_parser("list", help="the tables registered on each site (exit 2: a site "
+                                         "could not be read)"))
     ls.add_argument("--site", action="append", help="site id (repeatable; default: every site)")
     ls.set_defaults(func=cmd_tables_list)
 
@@ -577,7 +724,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return func(args)
     except LRError as exc:
-        print(f"lr: {exc}", file=sys.stderr)
+        print(f"lr: {one_line(exc)}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `lr status | head`: the reader went away; stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

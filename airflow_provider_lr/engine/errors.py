@@ -1,6 +1,9 @@
 """Errors lr raises on purpose. Each message names the site, session or input and the fix."""
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 
 class LRError(Exception):
     """Base of every error lr raises on purpose."""
@@ -89,3 +92,55 @@ def one_line(exc: BaseException | str) -> str:
     HINT, CONTEXT) that break "one line per error"; they are joined with ' | ' instead."""
     text = exc if isinstance(exc, str) else (str(exc) or type(exc).__name__)
     return " | ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+def error_line(exc: BaseException) -> str:
+    """``one_line`` with the exception's type in front (``OperationalError: ...``): what a session's
+    report, ``last_error`` and a stream's hand-back carry."""
+    return one_line(f"{type(exc).__name__}: {exc}")
+
+
+class RepeatedErrors:
+    """Say an error once: the same error of the same subject (a session, a site) again only as
+    "still failing (N times)", at most every ``every`` seconds, so a sink that is down for a minute
+    is not reported a hundred times; another error, or the next one after a success, is said at
+    once."""
+
+    def __init__(self, every: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every, self.clock = every, clock
+        self._seen: dict[str, tuple[str, int, float]] = {}  # subject -> (error, times, when last said)
+
+    def due(self, subject: str, error: str) -> int | None:
+        """This failure of ``subject`` is its Nth in a row with the same error: N when it is to be
+        said now (1: in full; more: ``still_failing``), None to keep quiet."""
+        error = one_line(error)
+        last = self._seen.get(subject)
+        now = self.clock()
+        if last is None or last[0] != error:
+            self._seen[subject] = (error, 1, now)
+            return 1
+        times = last[1] + 1
+        due = now - last[2] >= self.every
+        self._seen[subject] = (error, times, now if due else last[2])
+        return times if due else None
+
+    def cleared(self, subject: str) -> bool:
+        """``subject`` succeeded: True when it was failing (its next failure is said in full)."""
+        return self._seen.pop(subject, None) is not None
+
+
+def still_failing(times: int, error: str) -> str:
+    """How a failure said before is said again (``RepeatedErrors``)."""
+    return f"still failing ({times} times): {one_line(error)}"
+
+
+def listing(items: object) -> str:
+    """Names or figures for a message, without Python's brackets and quotes: ``site-a, site-b``,
+    ``policy 85, audit 3`` (a mapping); ``none`` when empty."""
+    if isinstance(items, dict):
+        parts = [f"{k} {v}" for k, v in items.items()]
+    elif isinstance(items, (str, bytes)):
+        parts = [str(items)]
+    else:
+        parts = [str(i) for i in items]  # type: ignore[attr-defined]
+    return ", ".join(parts) or "none"

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import SiteUnreachableError
+from airflow_provider_lr.engine.errors import SiteUnreachableError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class NotifyChannel:
                     cur.execute(f"LISTEN {self.channel}")
                 self._conn = conn
             except (psycopg2.Error, SiteUnreachableError) as exc:  # a server that is down: retried
-                log.warning("LISTEN %s connection failed (%s); polling until it is back", self.channel, exc)
+                log.warning("LISTEN %s connection failed (%s); polling until it is back", self.channel, one_line(exc))
                 self._select([], min(timeout, 0.5))
             return None
         if not self.wanted and self._conn is not None:

@@ -6,7 +6,7 @@ from typing import Any
 import psycopg2.extensions
 from airflow.sdk import BaseHook
 
-from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.errors import ConfigurationError, one_line
 from airflow_provider_lr.engine.site import conninfo, schema
 
 
@@ -76,7 +76,7 @@ class LRSiteHook(BaseHook):
         try:
             conn = self.get_conn()
         except Exception as exc:  # the UI shows the message
-            return False, str(exc)
+            return False, one_line(exc)
         try:
             version = schema.current_version(conn)
         finally:

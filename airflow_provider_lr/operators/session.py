@@ -22,7 +22,7 @@ import psycopg2
 from airflow.sdk import BaseOperator, TriggerRule
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 
-from airflow_provider_lr.engine.errors import require_counts
+from airflow_provider_lr.engine.errors import error_line, require_counts
 from airflow_provider_lr.engine.session import nearest_copy
 from airflow_provider_lr.engine.session.lease import new_owner_id
 from airflow_provider_lr.engine.session.negotiation import Decision
@@ -143,7 +143,7 @@ class _SessionStepOperator(BaseOperator):
                     finally:
                         runner.release()
             except Exception as exc:  # a sink that is down, a provider error: `lr status` shows it
-                self._record_error(source, key, f"{type(exc).__name__}: {exc}".strip())
+                self._record_error(source, key, error_line(exc))
                 raise
 
     def _spark_can_run(self, job: str) -> bool:

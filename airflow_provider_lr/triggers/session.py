@@ -18,7 +18,7 @@ import psycopg2
 import psycopg2.extensions
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError
+from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, error_line, one_line
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.source import delivery, full_sync
 from airflow_provider_lr.engine.vocabulary import RequestStatus
@@ -96,7 +96,8 @@ class _PollingTrigger(BaseTrigger):
                         conn = await asyncio.to_thread(info.connect)
                     event = await asyncio.to_thread(self.check, conn)
                 except (psycopg2.OperationalError, psycopg2.InterfaceError, SiteUnreachableError) as exc:
-                    log.warning("%s: source %s unreachable, retrying: %s", type(self).__name__, self.source_conn_id, exc)
+                    log.warning("%s: source %s unreachable, retrying: %s", type(self).__name__, self.source_conn_id,
+                                one_line(exc))
                     if conn is not None:
                         conn.close()
                     conn, event = None, None
@@ -106,7 +107,7 @@ class _PollingTrigger(BaseTrigger):
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, self.max_poll_interval)
         except Exception as exc:  # a configuration or schema problem: end the wait, the task reports it
-            yield TriggerEvent({"status": "error", "message": f"{type(exc).__name__}: {exc}"})
+            yield TriggerEvent({"status": "error", "message": error_line(exc)})
         finally:
             if conn is not None and not conn.closed:
                 conn.close()

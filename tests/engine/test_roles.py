@@ -593,6 +593,30 @@ def test_lr_roles_grant_print_list_revoke(lr_sites, made, capsys, monkeypatch):
         assert message in capsys.readouterr().err
 
 
+def test_lr_roles_grant_create_needs_a_password_or_says_it_has_none(lr_sites, made, capsys, monkeypatch):
+    """`--create` without `--password-env` made a LOGIN role with no password, silently."""
+    site = lr_sites[0]
+    role = made.name("writer")
+    assert cli.main(["roles", "grant", "writer", "--client", "policy", "--role", role, "--site", site.dsn,
+                     "--create"]) == 1
+    assert "give its password with --password-env VAR" in capsys.readouterr().err
+    assert site.query("SELECT count(*) FROM pg_roles WHERE rolname = %s", (role,)) == [(0,)]
+    monkeypatch.setenv("LR_TEST_PASSWORD", "pw")
+    assert cli.main(["roles", "grant", "writer", "--client", "policy", "--role", role, "--site", site.dsn,
+                     "--create", "--password-env", "LR_TEST_PASSWORD", "--no-password"]) == 1
+    assert cli.main(["roles", "grant", "writer", "--client", "policy", "--role", role, "--site", site.dsn,
+                     "--create", "--no-password"]) == 0
+    assert site.query("SELECT rolcanlogin, rolpassword IS NULL FROM pg_authid WHERE rolname = %s", (role,)) == [(True, True)]
+
+
+def test_lr_roles_list_reads_the_sites_it_reaches(lr_sites, capsys):
+    down = "host=127.0.0.1 port=1 user=postgres dbname=postgres connect_timeout=2"
+    assert cli.main(["roles", "list", "--site", lr_sites[0].dsn, "--site", down]) == 2
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith(": no roles granted") and "UNREACHABLE (cannot connect to site" in out[1]
+    assert len(out) == 2  # the error on one line
+
+
 def test_roles_need_the_v6_schema(sites):
     conn = sites[0].connect()
     schema.migrate(conn, target=5)

@@ -67,7 +67,7 @@ from airflow_provider_lr.engine.bulk.plan import (
     PositionRange,
 )
 from airflow_provider_lr.engine.bulk.tee import tee_chunks
-from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, require_counts
+from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, error_line, one_line, require_counts
 from airflow_provider_lr.engine.faults import FAULT_ENV
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.lease_keeper import LeaseKeeper
@@ -122,8 +122,8 @@ class FanoutDriver:
             try:
                 demand = self._demand(key, staged)
             except Exception as exc:  # one sink down must not stop the others
-                skipped[str(key)] = f"{type(exc).__name__}: {exc}".strip()
-                log.warning("fan-out of %s: session %s left out: %s", self.source, key, exc)
+                skipped[str(key)] = error_line(exc)
+                log.warning("fan-out of %s: session %s left out: %s", self.source, key, one_line(exc))
                 continue
             if isinstance(demand, str):
                 skipped[str(key)] = demand
@@ -258,7 +258,7 @@ class FanoutDriver:
                 leases.update_session(self.src, lease, acked_position=position, last_error=None,
                                       last_success_at=AsIs("now()"))
             except FencedError as exc:  # taken over since: the new holder records its own progress
-                result.errors.setdefault(session, f"FencedError: {exc}")
+                result.errors.setdefault(session, error_line(exc))
                 result.deliveries.pop(session, None)
                 continue
             log.info("fan-out %s: %s delivered %d entries, sink at position %s",
@@ -277,7 +277,7 @@ class FanoutDriver:
                 delivered[session] = staged_tee.published_entries(plan, demand, position)
                 result.positions[session] = position
             except Exception as exc:
-                result.errors.setdefault(session, f"{type(exc).__name__}: {exc}".strip())
+                result.errors.setdefault(session, error_line(exc))
                 result.positions.pop(session, None)
 
     def close(self) -> None:

@@ -42,7 +42,7 @@ from airflow_provider_lr.engine.bulk import peak_memory
 from airflow_provider_lr.engine.bulk.pgcopy import StagedQueueWriter
 from airflow_provider_lr.engine.bulk.plan import ChunkResult, Demand, FanoutPlan, PositionRange
 from airflow_provider_lr.engine.bulk.tee import SessionChunk, armed, check_base, read_and_route, refuse
-from airflow_provider_lr.engine.errors import FencedError, StaleBatchError
+from airflow_provider_lr.engine.errors import FencedError, StaleBatchError, error_line
 from airflow_provider_lr.engine.faults import fault_point, hooked
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.vocabulary import STAGING_LOCK_CLASS
@@ -163,7 +163,7 @@ def publish_all(plan: FanoutPlan, demands: list[Demand], out: ChunkResult) -> No
         try:
             out.positions[demand.session], out.delivered[demand.session] = publish(plan, demand)
         except Exception as exc:
-            out.errors[demand.session] = f"{type(exc).__name__}: {exc}".strip()
+            out.errors[demand.session] = error_line(exc)
 
     if len(demands) == 1:
         one(demands[0])

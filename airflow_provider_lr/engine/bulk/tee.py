@@ -16,7 +16,7 @@ from airflow_provider_lr.engine.bulk import peak_memory
 from airflow_provider_lr.engine.bulk.pgcopy import PackedRows, ReceiveQueueWriter
 from airflow_provider_lr.engine.bulk.plan import ChunkResult, Demand, FanoutPlan, PositionRange
 from airflow_provider_lr.engine.bulk.router import copy_and_route
-from airflow_provider_lr.engine.errors import StaleBatchError
+from airflow_provider_lr.engine.errors import StaleBatchError, error_line, one_line
 from airflow_provider_lr.engine.faults import FAULT_ENV, fault_point, hooked
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.source.log_reader import snapshot_trim_mark, trimmed_error
@@ -154,8 +154,8 @@ def tee_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "",
 def refuse(plan: FanoutPlan, part: PositionRange, out: ChunkResult, session: str, exc: BaseException,
            what: str = "refused") -> None:
     """Leave ``session`` out of this chunk, saying why (``out.errors`` and the log); the others go on."""
-    out.errors[session] = f"{type(exc).__name__}: {exc}".strip()
-    log.warning("fan-out %s chunk %d: session %s %s: %s", plan.plan_id[:8], part.index, session, what, exc)
+    out.errors[session] = error_line(exc)
+    log.warning("fan-out %s chunk %d: session %s %s: %s", plan.plan_id[:8], part.index, session, what, one_line(exc))
 
 
 def read_and_route(plan: FanoutPlan, part: PositionRange, tees: list[tuple[int, SessionChunk]],

@@ -8,7 +8,7 @@ import threading
 
 import psycopg2
 
-from airflow_provider_lr.engine.errors import FencedError
+from airflow_provider_lr.engine.errors import FencedError, one_line
 from airflow_provider_lr.engine.session import lease as leases
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class LeaseKeeper:
                     try:
                         leases.renew(conn, lease, seconds)
                     except (FencedError, psycopg2.Error) as exc:
-                        log.warning("lease of %s/%s not renewed: %s", lease.sink, lease.client, exc)
+                        log.warning("lease of %s/%s not renewed: %s", lease.sink, lease.client, one_line(exc))
         finally:
             if conn is not None:
                 conn.close()

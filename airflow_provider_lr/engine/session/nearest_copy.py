@@ -35,7 +35,7 @@ import psycopg2
 import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
-from airflow_provider_lr.engine.errors import LRError
+from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site.topology import Topology
@@ -107,14 +107,14 @@ def seed_from_peers(source: psycopg2.extensions.connection, sink: psycopg2.exten
         try:
             conn = _probe(peer, wait)
         except PeerUnfit as exc:
-            result.passed.append(f"{peer.site}: {exc}")
+            result.passed.append(f"{peer.site}: {one_line(exc)}")
             continue
         try:
             view = _peer_view(conn, key, trim_mark, topology_id, wanted)
             before_write()
             copied = _write(conn, sink, key, epoch, peer.site, view)
         except (PeerUnfit, psycopg2.Error) as exc:
-            result.passed.append(f"{peer.site}: {str(exc).strip() or type(exc).__name__}")
+            result.passed.append(f"{peer.site}: {one_line(exc)}")
             continue
         finally:
             conn.close()

@@ -15,7 +15,14 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.bulk import catchup, fanout
-from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError
+from airflow_provider_lr.engine.errors import (
+    ConfigurationError,
+    RepeatedErrors,
+    SiteUnreachableError,
+    error_line,
+    one_line,
+    still_failing,
+)
 from airflow_provider_lr.engine.session import nearest_copy
 from airflow_provider_lr.engine.session.lease import Lease, new_owner_id
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, SessionSettings, record_error
@@ -38,8 +45,12 @@ class Replicator:
         settings: SessionSettings | None = None,
         providers: Mapping[str, Provider] | None = None,
         sessions: list[SessionKey] | None = None,
+        log_failures: bool = True,
     ) -> None:
+        """``log_failures``: log each failed session (repeats suppressed); off when the caller
+        reports every cycle itself (``lr sync`` prints them), or each failure is said twice."""
         self.topology = topology
+        self.failures = RepeatedErrors() if log_failures else None
         self.connect = connect
         self.owner = owner or new_owner_id()
         self.settings = settings or SessionSettings.from_topology(topology)
@@ -82,9 +93,14 @@ class Replicator:
             try:
                 report = self._runner(key).run_cycle()
             except Exception as exc:  # one session's failure must not stop the others
-                report = CycleReport(str(key), error=f"{type(exc).__name__}: {exc}".strip())
-                log.warning("session %s failed: %s", key, report.error)
+                report = CycleReport(str(key), error=error_line(exc))
+                times = self.failures.due(str(key), report.error) if self.failures else None
+                if times:
+                    log.warning("session %s failed: %s", key,
+                                report.error if times == 1 else still_failing(times, report.error))
                 self._recover(key, report.error, exc)
+            if not report.error and self.failures:
+                self.failures.cleared(str(key))
             report.delivered += teed.get(str(key), 0)
             reports.append(report)
         return reports
@@ -110,22 +126,22 @@ class Replicator:
             driver = fanout.FanoutDriver(self.topology, source, owner=self.owner, settings=self.settings,
                                          connect=self.connect, sessions=keys)
         except SiteUnreachableError as exc:  # a site that is down: the session cycles report it; retried
-            log.info("in-process fan-out of %s not used now: %s", source, exc)
+            log.info("in-process fan-out of %s not used now: %s", source, one_line(exc))
             self._drop(source)
             return {}
         except ConfigurationError as exc:  # the sites' DSNs do not resolve here (the tee needs them)
-            log.info("in-process fan-out of %s not used: %s", source, exc)
+            log.info("in-process fan-out of %s not used: %s", source, one_line(exc))
             self._no_tee.add(source)
             return {}
         except psycopg2.Error as exc:  # a site that is down: the session cycles report it
-            log.info("in-process fan-out of %s not used: %s", source, exc)
+            log.info("in-process fan-out of %s not used: %s", source, one_line(exc))
             self._drop(source)
             return {}
         try:
             log.info("catching up %s by the in-process fan-out: %s", source, choice.why)
             result = fanout.run_fanout(driver, fanout.local_map)
         except Exception as exc:  # nothing half-done is visible; the session cycles carry on
-            log.warning("in-process fan-out of %s failed (%s); session cycles carry on", source, exc)
+            log.warning("in-process fan-out of %s failed (%s); session cycles carry on", source, one_line(exc))
             return {}
         finally:
             driver.close()

@@ -20,7 +20,7 @@ import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
 from airflow_provider_lr.engine import progress
-from airflow_provider_lr.engine.errors import FencedError, LRError, TrimmedError, require_counts
+from airflow_provider_lr.engine.errors import FencedError, LRError, TrimmedError, one_line, require_counts
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session import nearest_copy
@@ -141,6 +141,7 @@ class CycleReport:
     request_id: str = ""  # snapshot sync: the full-sync request worked on
     waiting: bool = False  # snapshot sync: the client's data has not been supplied yet
     tables: list[str] = field(default_factory=list)  # federated tables snapshotted (table: state)
+    table_rows: int = 0  # rows those snapshots wrote to the sink
     tables_for_spark: list[str] = field(default_factory=list)  # ... left to the Spark job (large)
     transfer_for_spark: str = ""  # snapshot sync: the supplied request whose transfer is left to Spark (large)
 
@@ -516,6 +517,7 @@ class SessionRunner:
                 else:
                     snap.write()
                     report.tables += [f"{name}: {state}" for name, state in snap.report.tables.items()]
+                    report.table_rows += snap.report.rows
             finally:
                 snap.close()
         self.tables = table_snapshot.splits(self.sink, self.key)
@@ -588,7 +590,7 @@ def record_error(conn: psycopg2.extensions.connection, key: SessionKey, error: s
         cur.execute(
             "UPDATE lr.source_sessions SET last_error = %s, updated_at = now() "
             "WHERE sink_site_id = %s AND client_name = %s",
-            (error[:2000], key.sink, key.client),
+            (one_line(error)[:2000], key.sink, key.client),
         )
     conn.commit()
 

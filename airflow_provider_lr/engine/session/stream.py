@@ -39,7 +39,7 @@ import psycopg2
 import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
-from airflow_provider_lr.engine.errors import FencedError, LRError, StaleBatchError, TrimmedError
+from airflow_provider_lr.engine.errors import FencedError, LRError, StaleBatchError, TrimmedError, error_line, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionSettings
@@ -214,11 +214,11 @@ class SessionStream:
         try:
             self._loop(stop)
         except _Handback as exc:
-            end.reason = str(exc)
+            end.reason = one_line(exc)
         except (FencedError, StaleBatchError, TrimmedError) as exc:
-            end.reason = f"{type(exc).__name__}: {exc}"
+            end.reason = error_line(exc)
         except (psycopg2.Error, LRError) as exc:
-            end.reason, end.error = "failed", f"{type(exc).__name__}: {exc}".strip()
+            end.reason, end.error = "failed", error_line(exc)
         finally:
             end.delivered = self.delivered
             self._ack_quietly()
@@ -304,7 +304,7 @@ class SessionStream:
         try:
             self._ack()
         except (psycopg2.Error, LRError) as exc:  # the next holder records its own; trim waits meanwhile
-            log.info("stream %s: last ack not recorded: %s", self.key, exc)
+            log.info("stream %s: last ack not recorded: %s", self.key, one_line(exc))
 
     def _topology_id(self) -> str | None:
         with self.src.cursor() as cur:
@@ -388,10 +388,11 @@ class Streamer:
         streams.pop(key).join()
         self.streaming.discard(key)
         self.ends.append(end)
-        (log.warning if end.error else log.info)("stream %s handed back after %d entries: %s%s", end.session,
-                                                end.delivered, end.reason, f" ({end.error})" if end.error else "")
-        if on_end:
+        if on_end:  # the listener reports it (``lr sync`` prints it): logged as well, it was said twice
             on_end(end)
+        else:
+            (log.warning if end.error else log.info)("stream %s handed back after %d entries: %s%s", end.session,
+                                                    end.delivered, end.reason, f" ({end.error})" if end.error else "")
 
     def _start(self, key: SessionKey, streams: dict[SessionKey, threading.Thread], watches: dict[str, SourceWatch],
                halt: threading.Event, ended: queue.SimpleQueue) -> None:
@@ -406,13 +407,13 @@ class Streamer:
                 stream = SessionStream(key, lease, self.cycles.connect, watches[key.source], self.cycles.settings,
                                        self.options)
             except Exception as exc:  # a site down: the cycles report it
-                ended.put(StreamEnd(str(key), "failed", error=f"{type(exc).__name__}: {exc}".strip()))
+                ended.put(StreamEnd(str(key), "failed", error=error_line(exc)))
                 return
             try:
                 ended.put(stream.run(halt))
             except Exception as exc:  # pragma: no cover - a bug: hand the session back all the same
                 log.exception("stream %s failed", key)
-                ended.put(StreamEnd(str(key), "failed", stream.delivered, f"{type(exc).__name__}: {exc}"))
+                ended.put(StreamEnd(str(key), "failed", stream.delivered, error_line(exc)))
 
         thread = streams[key] = threading.Thread(target=run, daemon=True, name=f"lr-stream-{key}")
         self.streaming.add(key)

@@ -16,7 +16,7 @@ from typing import Callable
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import LRError
+from airflow_provider_lr.engine.errors import LRError, error_line
 from airflow_provider_lr.engine.sink.receive import ReceiveQueueReader
 from airflow_provider_lr.engine.source.full_sync import load_provider
 
@@ -64,7 +64,7 @@ class _Applier:
         return self._call(source, "log", payloads)
 
     def on_error(self, source: str, exc: Exception) -> None:
-        self.error = f"{type(exc).__name__}: {exc}"
+        self.error = error_line(exc)
 
 
 def apply_queue(conn: psycopg2.extensions.connection, client: str, source: str, fn: ApplyFunction,

@@ -36,7 +36,7 @@ import psycopg2
 import psycopg2.extensions
 from google.protobuf.message import DecodeError
 
-from airflow_provider_lr.engine.errors import MalformedEntryError
+from airflow_provider_lr.engine.errors import MalformedEntryError, one_line
 from airflow_provider_lr.engine.sink.queue_rows import unpack
 from airflow_provider_lr.engine.vocabulary import CONSUMER_LOCK_CLASS, receive_queue_name
 from airflow_provider_lr.proto import lr_pb2
@@ -289,7 +289,7 @@ class ReceiveQueueReader:
         self._rollback()
         report.failures += 1
         report.failed.add(source)
-        text = f"{receive_queue_name(client, source)}: {what} {type(exc).__name__}: {exc}".strip()
+        text = one_line(f"{receive_queue_name(client, source)}: {what} {type(exc).__name__}: {exc}")
         report.note_error(text)
         log.warning("%s (%d entries kept for redelivery)", text, count, exc_info=True)
         _on_error(listener, source, exc)

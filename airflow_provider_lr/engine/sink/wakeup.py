@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Protocol
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import SiteUnreachableError
+from airflow_provider_lr.engine.errors import SiteUnreachableError, one_line
 from airflow_provider_lr.engine.notify import NotifyChannel
 from airflow_provider_lr.engine.sink.receive import (
     DEFAULT_BATCH,
@@ -138,8 +138,8 @@ def follow(
                     )
                 except (psycopg2.OperationalError, psycopg2.InterfaceError, SiteUnreachableError) as exc:
                     stats.failures += 1
-                    stats.note_error(f"sink connection lost: {exc}".strip())
-                    log.warning("receive-queue delivery: sink connection lost (%s); reconnecting", exc)
+                    stats.note_error(f"sink connection lost: {one_line(exc)}")
+                    log.warning("receive-queue delivery: sink connection lost (%s); reconnecting", one_line(exc))
                     conn = _close(conn, on_conn)
                     next_full = time.monotonic() + options.retry_interval
                     stop.wait(options.retry_interval)

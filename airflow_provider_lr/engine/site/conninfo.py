@@ -16,7 +16,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError
+from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, one_line
 from airflow_provider_lr.paths import lr_home
 
 CONNECTIONS_FILE_ENV = "LR_CONNECTIONS_FILE"
@@ -51,7 +51,7 @@ class ConnInfo:
             return psycopg2.connect(self.dsn, **overrides)
         except psycopg2.OperationalError as exc:
             where = f"site {self.site_id!r}" if self.site_id else "site"
-            reason = str(exc).strip()
+            reason = one_line(exc)
             if misconfigured(exc):
                 raise ConfigurationError(f"cannot connect to {where} ({self.safe_dsn}): {reason}; check the "
                                          "connection's host, database, user and password") from exc

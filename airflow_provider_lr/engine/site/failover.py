@@ -47,7 +47,7 @@ from typing import Callable
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError, LRError, SiteUnreachableError
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError, SiteUnreachableError, listing, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.sink.queue_rows import positions, repack, unpack
@@ -99,9 +99,9 @@ class FailoverResult:
     def lost(self) -> str:
         if self.planned:
             return (f"nothing: {self.from_site} was drained into every sink before the cut"
-                    + (f" (but it committed {self.tail} after the switch)" if any(self.tail.values()) else ""))
+                    + (f" (but it committed {listing(self.tail)} after the switch)" if any(self.tail.values()) else ""))
         return (f"whatever {self.from_site} committed for {', '.join(self.clients)} after position(s) "
-                f"{self.positions} that {self.to_site} had not received; `lr failover --rejoin {self.from_site}` "
+                f"{listing(self.positions)} that {self.to_site} had not received; `lr failover --rejoin {self.from_site}` "
                 "counts it when it returns")
 
 
@@ -277,7 +277,7 @@ def _try(connect: Connect, site: str, conns: dict) -> psycopg2.extensions.connec
     try:
         conns[site] = connect(site)
     except (psycopg2.Error, SiteUnreachableError) as exc:
-        log.info("site %s cannot be reached: %s", site, exc)
+        log.info("site %s cannot be reached: %s", site, one_line(exc))
         return None
     return conns[site]
 

@@ -27,7 +27,7 @@ import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
 
-from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError
+from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError, listing, one_line
 
 KINDS = ("replicator", "writer", "consumer")
 ROLES_SCHEMA_VERSION = 6  # lr.role_grants and the policies
@@ -133,7 +133,7 @@ def check_request(kind: str, role: str, clients: Sequence[str]) -> list[str]:
         raise ConfigurationError(f"a {kind} is the {kind} of a client: give --client NAME")
     bad = [c for c in unique if not CLIENT_NAME.match(c)]
     if bad:
-        raise ConfigurationError(f"invalid client name(s) {bad}: letters, digits, '-' or '_', at most 63")
+        raise ConfigurationError(f"invalid client name(s) {listing(bad)}: letters, digits, '-' or '_', at most 63")
     return unique
 
 
@@ -241,7 +241,7 @@ def plan_grant(
     if not exists and not create:
         raise ConfigurationError(
             f"role {role!r} does not exist on site {_where(conn)}: create it (CREATE ROLE ... LOGIN PASSWORD ...) "
-            "or pass --create"
+            "or pass --create --password-env VAR"
         )
     plan = [] if exists else [_create_statement(role, password)]
     return plan + grant_statements(kind, role, clients)
@@ -285,7 +285,7 @@ def run(conn: psycopg2.extensions.connection, plan: Iterable[Statement]) -> None
         conn.rollback()
         user = conn.get_dsn_parameters().get("user", "?")
         raise ConfigurationError(
-            f"role {user!r} may not change roles on site {_where(conn)} ({str(exc).strip()}); run `lr roles` as the "
+            f"role {user!r} may not change roles on site {_where(conn)} ({one_line(exc)}); run `lr roles` as the "
             "owner of the lr schema (creating a role also needs CREATEROLE)"
         ) from exc
     except BaseException:

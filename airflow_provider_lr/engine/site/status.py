@@ -9,12 +9,13 @@ from typing import Sequence
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeout
+from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeout, listing, one_line
 from airflow_provider_lr.engine.site import schema
 from airflow_provider_lr.engine.site.topology import Topology
 from airflow_provider_lr.engine.source import delivery
 from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, commit_barrier, holdback
 from airflow_provider_lr.engine.tables import handover
+from airflow_provider_lr.engine.tables.registry import is_closed
 from airflow_provider_lr.engine.vocabulary import (
     OPEN_STATUSES_SQL,
     STREAM_LOG_ENTRIES,
@@ -102,6 +103,14 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
             last_ok = {(sink, client): age for sink, client, age in cur.fetchall()}
         else:
             last_ok = {}
+        if version >= 10:  # a sink's session from a source its clients failed over from: closed for good
+            cur.execute("SELECT source_site_id, client_name, failed_over_to, failover_note FROM lr.sink_sessions "
+                        "WHERE failed_over_to IS NOT NULL")
+            failed_over = {(source, client): (to, note) for source, client, to, note in cur.fetchall()}
+            for s in result.sessions:
+                found = failed_over.get((s["source_site_id"], s["client_name"])) if s["role"] == "sink" else None
+                if found:
+                    s["failed_over_to"], s["failover_note"] = found
     conn.commit()
     if any(s["role"] == "source" for s in result.sessions):
         live = {(b.sink, b.client): b for b in session_backlogs(conn)}  # not the last cycle's count
@@ -196,6 +205,8 @@ def readiness(session: dict, trim_mark: int | None = None) -> str:
       needs are gone: only a new full sync makes it consistent again."""
     if session.get("last_error"):
         return "not ready (error)"
+    if session.get("failed_over_to"):  # its data stops at the failover's cut: nothing more comes this way
+        return f"failed over to {session['failed_over_to']}"
     position = session["last_applied_position"]
     behind = trim_mark is not None and position is not None and position < trim_mark
     if session["role"] == "sink":
@@ -224,9 +235,12 @@ def _age(seconds: float | None) -> str:
     return f"{seconds / 60:.0f}m ago" if seconds < 7200 else f"{seconds / 3600:.1f}h ago"
 
 
-def render(status: SiteStatus, source_marks: dict[str, int] | None = None) -> str:
+def render(status: SiteStatus, source_marks: dict[str, int] | None = None,
+           closed: set[tuple[str, str]] | None = None) -> str:
     """``source_marks``: the trim mark of each source site reached in the same status run
-    (``trim_marks``; a sink's sessions are checked against their source's)."""
+    (``trim_marks``; a sink's sessions are checked against their source's); ``closed``: the
+    (source, table) closed at sources reached in it (``closed_tables``)."""
+    closed = {*(closed or set()), *closed_tables({status.site_id: status})}
     marks = {**(source_marks or {}), status.site_id: status.trim_mark}
     lines = [
         f"{status.site_id}: schema v{status.schema_version}, topology {status.topology_config_id or '(none applied)'}, "
@@ -248,7 +262,11 @@ def render(status: SiteStatus, source_marks: dict[str, int] | None = None) -> st
         if s.get("waiting_for"):
             lines.append(f"         waiting for {s['waiting_for']}")
         if s.get("last_error"):
-            lines.append(f"         last error: {s['last_error']}")
+            lines.append(f"         last error: {one_line(s['last_error'])}")
+        if s.get("failed_over_to"):
+            lines.append(f"         its clients failed over to {s['failed_over_to']}: this session is closed"
+                         + (f"; reconciled: {one_line(s['failover_note'])}" if s.get("failover_note") else
+                            "; not reconciled yet"))
     for r in status.full_sync_requests:
         lines.append(f"  full sync {r['status']:<9} {SessionKey(status.site_id, r['sink'], r['client'])} request {r['request_id']}"
                      f" ({'forced' if r['forced'] else 'by negotiation'}: {r['reason'] or '-'}), asked {_age(r['age_s'])}")
@@ -257,16 +275,24 @@ def render(status: SiteStatus, source_marks: dict[str, int] | None = None) -> st
                      + (f" (oldest {q['oldest_waiting_s']:.0f}s)" if q["waiting"] else "")
                      + (f", {q['unapplied_snapshot']} of a full sync not applied yet" if q["unapplied_snapshot"] else "")
                      + (f", {q['dead_letters']} dead letters" if q["dead_letters"] else ""))
+    received = {(t["source"], t["table"]) for t in status.tables if t["role"] == "sink"}
     for t in status.tables:
         if t["role"] == "registry":
-            flag = "federated" if t["federated"] else "not federated (its data from sources is dropped here)"
+            if t["source"] and (t["source"], t["table"]) in received:
+                continue  # a table this sink takes: its session's line below says it all
+            if (status.site_id, t["table"]) in closed:
+                flag = "closed (captured no more; its sinks keep their copy, no longer updated)"
+            else:
+                flag = "federated" if t["federated"] else "not federated (its data from sources is dropped here)"
             origin = f", registered by {t['source']}" if t["source"] else ""
             lines.append(f"  table  {t['table']:<32} {flag}, client {t['client'] or '-'}{origin}")
         else:
             session = SessionKey(t["source"], status.site_id, t["client"])
             rows = f", {t['rows']} rows in its snapshot" if t["rows"] is not None else ""
-            detail = f": {t['detail']}" if t["detail"] else ""
-            lines.append(f"  table  {t['table']:<32} {t['state']} from {session}{rows}{detail}")
+            detail = f": {one_line(t['detail'])}" if t["detail"] else ""
+            shut = (f" (closed at {t['source']}: this copy is kept, no longer updated)"
+                    if (t["source"], t["table"]) in closed else "")
+            lines.append(f"  table  {t['table']:<32} {t['state']} from {session}{rows}{detail}{shut}")
     for d in status.diverged:
         lines.append(f"  table  {d}")
     if status.durable:
@@ -283,11 +309,18 @@ def trim_marks(found: dict[str, SiteStatus | str]) -> dict[str, int]:
     return {site: st.trim_mark for site, st in found.items() if isinstance(st, SiteStatus)}
 
 
+def closed_tables(found: dict[str, SiteStatus | str]) -> set[tuple[str, str]]:
+    """(site, table) of every table closed at a site read in one status run (``lr tables close``):
+    opened there as federated, captured no more. Its sinks' copies are marked with it."""
+    return {(site, t["table"]) for site, st in found.items() if isinstance(st, SiteStatus) for t in st.tables
+            if t["role"] == "registry" and is_closed(t["federated"], t["table_id"], t["source"])}
+
+
 def render_sites(found: dict[str, SiteStatus | str]) -> str:
     """Every site's status (or why it could not be read), each sink's sessions checked against
-    the trim mark of its source read in the same run."""
-    marks = trim_marks(found)
-    return "\n".join(st if isinstance(st, str) else render(st, marks) for st in found.values())
+    the trim mark of its source read in the same run, and its tables against their sources'."""
+    marks, closed = trim_marks(found), closed_tables(found)
+    return "\n".join(st if isinstance(st, str) else render(st, marks, closed) for st in found.values())
 
 
 def health(found: dict[str, SiteStatus | str], max_lag_seconds: float | None = None) -> tuple[int, list[str]]:
@@ -313,7 +346,7 @@ def health(found: dict[str, SiteStatus | str], max_lag_seconds: float | None = N
 
 def sites_as_dict(found: dict[str, SiteStatus | str], max_lag_seconds: float | None = None) -> dict:
     """``lr status --json``: every site, with readiness computed across sites, and the health verdict."""
-    marks = trim_marks(found)
+    marks, closed = trim_marks(found), closed_tables(found)
     sites = {}
     for site, st in found.items():
         if isinstance(st, str):
@@ -322,6 +355,8 @@ def sites_as_dict(found: dict[str, SiteStatus | str], max_lag_seconds: float | N
         data = st.as_dict()
         for s in data["sessions"]:
             s["readiness"] = readiness(s, marks.get(s["source_site_id"]))
+        for t in data["tables"]:  # closed at its source (the registry row there, or a sink's copy)
+            t["closed"] = (t["source"] if t["role"] == "sink" else site, t["table"]) in closed
         sites[site] = {"reachable": True, **data}
     code, reasons = health(found, max_lag_seconds)
     return {"health": {HEALTHY: "healthy", DEGRADED: "degraded", UNREACHABLE: "unreachable"}[code],
@@ -446,10 +481,11 @@ def wait_until_ready(conn: psycopg2.extensions.connection, client: str, destinat
     known = {b.sink for b in session_backlogs(conn, client=client)}
     unknown = sorted(set(destinations) - known)
     if unknown:
-        raise ConfigurationError(f"{unknown} are not sinks of client {client!r} at this site; its sinks are {sorted(known)}")
+        raise ConfigurationError(f"{listing(unknown)}: not sinks of client {client!r} at this site; its sinks are "
+                                 f"{listing(sorted(known))}")
     noted, holders = commit_barrier(conn, timeout=timeout)
     if noted is None:
-        raise DeliveryTimeout(f"commits in flight outlasted {timeout:g}s: {[h.describe() for h in holders]}",
+        raise DeliveryTimeout(f"commits in flight outlasted {timeout:g}s: {listing(h.describe() for h in holders)}",
                               position=None, missing=sorted(destinations), regions=[])
     guard = delivery.add_guard(conn, client, noted + 1, destinations, timeout)
     try:
@@ -463,7 +499,7 @@ def wait_until_ready(conn: psycopg2.extensions.connection, client: str, destinat
             return last[0]
         behind = {r.sink: r.unsafe for r in last[0] if not r.ready}
         raise DeliveryTimeout(f"client {client!r}: not ready after {timeout:g}s: entries before position {noted + 1} "
-                              f"not yet acknowledged, per sink {behind}", position=noted, missing=sorted(behind),
+                              f"not yet acknowledged, per sink {listing(behind)}", position=noted, missing=sorted(behind),
                               regions=[])
     finally:
         delivery.remove_guard(conn, guard)
@@ -494,16 +530,17 @@ def delivery_target(
     unknown = sorted(set(destinations) - sinks)
     if unknown:
         raise ConfigurationError(
-            f"{unknown} not sinks of {source!r} for client {client!r}; its sinks are {sorted(sinks)}"
+            f"{listing(unknown)}: not sinks of {source!r} for client {client!r}; its sinks are {listing(sorted(sinks))}"
         )
     if min_regions < 0:
         raise ConfigurationError(f"min_regions must be >= 0, not {min_regions}")
     regions = {topology.site(source).region, *(topology.site(s).region for s in (destinations or sinks))}
     if min_regions > len(regions):
-        named = f"the named destinations {sorted(destinations)}" if destinations else f"the sinks {sorted(sinks)}"
+        named = (f"the named destinations {listing(sorted(destinations))}" if destinations
+                 else f"the sinks {listing(sorted(sinks))}")
         raise ConfigurationError(
             f"min_regions={min_regions} can never be met: {source!r} and {named} span only {len(regions)} "
-            f"region(s) {sorted(regions)}; name destinations in more regions or lower min_regions"
+            f"region(s) {listing(sorted(regions))}; name destinations in more regions or lower min_regions"
         )
     return DeliveryTarget(source, client, tuple(sorted(destinations)), min_regions)
 

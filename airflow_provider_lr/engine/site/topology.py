@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError, LRError
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError, listing, one_line
 from airflow_provider_lr.engine.site.conninfo import ConnInfo, resolve
 from airflow_provider_lr.engine.site.durability import check_rule
 from airflow_provider_lr.engine.site.topology_schema import Origin, read, validate
@@ -94,8 +94,30 @@ class Topology:
             return self.sites[site_id]
         except KeyError:
             raise ConfigurationError(
-                f"unknown site {site_id!r}; the topology knows {sorted(self.sites)}"
+                f"unknown site {site_id!r}; the topology knows {listing(sorted(self.sites))}"
             ) from None
+
+
+def provider_warnings(topology: Topology) -> list[str]:
+    """What makes a client's sessions wait for full-sync data forever, said where a topology is
+    checked (``lr topology validate`` and ``apply``): a provider that cannot be imported here, or
+    none at all (then only an application serving the requests, or a client of federated tables
+    only, lets a full sync finish)."""
+    from airflow_provider_lr.engine.source.full_sync import load_provider
+
+    found = []
+    for client in sorted({key.client for key in topology.sessions()}):
+        target = topology.providers.get(client)
+        if target is None:
+            found.append(f"client {client!r} has no full-sync provider: unless its application serves the "
+                         "requests (RoutingQueueClient.serve_full_sync_requests) or it replicates federated "
+                         "tables only, its sessions wait for client data forever; name one under providers:")
+            continue
+        try:
+            load_provider(target)
+        except LRError as exc:
+            found.append(f"client {client!r}: {one_line(exc)}; until it can, its sessions wait for client data")
+    return found
 
 
 def from_document(doc: Any, origin: Origin | None = None) -> Topology:
@@ -114,7 +136,7 @@ def from_document(doc: Any, origin: Origin | None = None) -> Topology:
         source, sinks = raw["source"], tuple(raw["sinks"])
         for key, name in [("source", source), *(("sinks", sink) for sink in sinks)]:
             if name not in sites:
-                raise origin.error(["replication", index, key], f"unknown site {name!r}; known: {sorted(sites)}")
+                raise origin.error(["replication", index, key], f"unknown site {name!r}; known: {listing(sorted(sites))}")
         if source in sinks:
             raise origin.error(["replication", index, "sinks"], f"site {source!r} cannot replicate to itself")
         replications.append(Replication(source, sinks, tuple(raw["clients"])))
@@ -287,7 +309,7 @@ def apply_everywhere(topology: Topology, connect: Callable[[str], psycopg2.exten
                 recorded, _ = site_identity(conn)
                 conn.rollback()
             except (psycopg2.Error, LRError) as exc:
-                raise ConfigurationError(f"site {site_id!r} ({topology.conn_id(site_id)}): {exc}".strip()
+                raise ConfigurationError(f"site {site_id!r} ({topology.conn_id(site_id)}): {one_line(exc)}"
                                          + "; nothing was applied on any site") from exc
             if recorded != site_id:
                 raise ConfigurationError(f"connection {topology.conn_id(site_id)!r} of site {site_id!r} reaches site "
@@ -298,7 +320,7 @@ def apply_everywhere(topology: Topology, connect: Callable[[str], psycopg2.exten
                 apply_to_site(conn, topology, site_id, commit=False)
                 outcome[site_id] = prune_sink_sessions(conn, topology, site_id) if prune else ([], [])
             except psycopg2.Error as exc:  # e.g. a role that may not change lr's tables
-                raise ConfigurationError(f"site {site_id!r}: {str(exc).strip()}; nothing was applied on any site "
+                raise ConfigurationError(f"site {site_id!r}: {one_line(exc)}; nothing was applied on any site "
                                          "(apply the topology as the owner of the lr schema)") from exc
         for conn in conns.values():
             conn.commit()

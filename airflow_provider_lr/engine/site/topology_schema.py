@@ -21,7 +21,7 @@ import yaml
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import ValidationError
 
-from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.errors import ConfigurationError, one_line
 
 # Names become SQL literals, stream tags, queue names and file names: one pattern each, matched
 # with fullmatch (``re.match`` with ``$`` lets a trailing newline through).
@@ -181,7 +181,7 @@ def parse(text: str, name: str) -> tuple[Any, Origin]:
         context = f" ({exc.context} from line {exc.context_mark.line + 1})" if exc.context and exc.context_mark else ""
         raise ConfigurationError(f"{name}{line}: YAML syntax error: {exc.problem}{context}") from None
     except yaml.YAMLError as exc:
-        raise ConfigurationError(f"{name}: YAML syntax error: {exc}") from None
+        raise ConfigurationError(f"{name}: YAML syntax error: {one_line(exc)}") from None
     return doc, Origin(name, node)
 
 

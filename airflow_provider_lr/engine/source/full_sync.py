@@ -25,7 +25,7 @@ import psycopg2.errors
 import psycopg2.extensions
 
 from airflow_provider_lr.engine import progress
-from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, FullSyncError
+from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, FullSyncError, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session.lease import Lease
 from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, BaseSplit, commit_barrier
@@ -246,7 +246,7 @@ def load_provider(target: str, what: str = "full-sync provider") -> Provider:
     try:
         provider = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise ConfigurationError(f"cannot load {what} {target!r}: {exc} (it must be importable where lr runs: "
+        raise ConfigurationError(f"cannot load {what} {target!r}: {one_line(exc)} (it must be importable where lr runs: "
                                  "install its package there or add it to PYTHONPATH)") from exc
     if not callable(provider):
         raise ConfigurationError(f"{what} {target!r} is not callable")
@@ -292,7 +292,7 @@ def serve_full_sync_requests(client: LogWriter, provider: Provider, max_requests
                 except Exception as exc:
                     raise FullSyncError(
                         f"full-sync provider for client {client.client_name!r} failed on request "
-                        f"{request.request_id} (sink {request.sink_site_id}): {exc}"
+                        f"{request.request_id} (sink {request.sink_site_id}): {one_line(exc)}"
                     ) from exc
                 ctx._add(b"", lr_pb2.LAST_FULL_SYNC_ENTRY)
                 ctx.flush()
@@ -312,7 +312,7 @@ def serve_full_sync_requests(client: LogWriter, provider: Provider, max_requests
         except BaseException as exc:
             conn.rollback()
             if isinstance(exc, FullSyncError):
-                _note(conn, request.request_id, str(exc))
+                _note(conn, request.request_id, one_line(exc))
             raise
     return served
 

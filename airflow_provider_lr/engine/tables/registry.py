@@ -44,6 +44,12 @@ def guard_name(operation: str) -> str:
     return f"lr_refuse_{operation.lower()}"
 
 
+def is_closed(federated: bool | None, table_id: int | None, source_site_id: str | None) -> bool:
+    """A registry row of a table opened here as federated, then closed (``close_table``): still
+    registered, captured no more (a sink's row names its source instead)."""
+    return bool(federated) and table_id is None and source_site_id is None
+
+
 @dataclass(frozen=True)
 class RegisteredTable:
     table: TableName
@@ -52,8 +58,13 @@ class RegisteredTable:
     table_id: int | None  # this site's current federation of it (None: not captured here)
     source_site_id: str | None  # sink side: the source that registered it here first
 
+    @property
+    def closed(self) -> bool:
+        return is_closed(self.federated, self.table_id, self.source_site_id)
+
     def describe(self) -> str:
-        flag = "federated" if self.federated else "not federated"
+        flag = "closed (not captured; its sinks keep their copy)" if self.closed else (
+            "federated" if self.federated else "not federated")
         origin = f" (from {self.source_site_id})" if self.source_site_id else ""
         return f"{self.table} {flag} client={self.client_name or '-'}{origin}"
 
@@ -82,6 +93,38 @@ def open_table(conn: psycopg2.extensions.connection, name: str, client: str, fed
                 result = read(cur, table)
                 if result is None or result.federated:
                     raise TableError(f"{table} is registered here as something else than a table")
+        conn.commit()
+        return result
+    except BaseException:
+        conn.rollback()
+        raise
+
+
+def close_table(conn: psycopg2.extensions.connection, name: str) -> RegisteredTable:
+    """Stop replicating ``name`` from this site (the counterpart of PostgreSQL's ``ALTER PUBLICATION
+    ... DROP TABLE``): its capture triggers are dropped and its registry row is kept, closed (no
+    ``table_id``), so no session carries it any more. Changes committed before stay in the log and
+    reach the sinks; the sinks keep their copy, which is no longer updated. ``open_table`` again
+    draws a new ``table_id``: each sink then takes a new snapshot. One transaction."""
+    table = TableName.parse(name)
+    try:
+        with conn.cursor() as cur:
+            current = read(cur, table, lock=True)
+            if current is None:
+                raise TableError(f"{table} is not registered on this site (lr tables list shows what is)")
+            if not current.federated:
+                raise TableError(f"{table} is opened here as not federated: nothing to close")
+            if current.closed:
+                conn.rollback()
+                return current
+            if current.table_id is None:
+                raise TableError(f"{table} is not captured on this site: it is a sink's copy from "
+                                 f"{current.source_site_id}; close it at its source")
+            stop_capture(cur, table)
+            cur.execute("UPDATE lr.registry SET table_id = NULL, registered_at = now() "
+                        "WHERE stream_name = %s AND kind = 'table'", (str(table),))
+            result = read(cur, table)
+            assert result is not None and result.closed
         conn.commit()
         return result
     except BaseException:
