@@ -20,6 +20,7 @@ from airflow_provider_lr.engine.errors import LRError
 from airflow_provider_lr.engine.session import replicator, stream
 from airflow_provider_lr.engine.site import conninfo, failover, metrics, schema, status, topology
 from airflow_provider_lr.engine.site import roles as site_roles
+from airflow_provider_lr.engine.site.timeouts import Purpose
 from airflow_provider_lr.engine.source import full_sync, trim
 from airflow_provider_lr.engine.tables import registry as table_registry
 from airflow_provider_lr.paths import lr_home
@@ -89,7 +90,7 @@ def cmd_init(args: argparse.Namespace) -> int:
         site_id = args.site_id or info.site_id
         if not site_id:
             raise LRError(f"{info.safe_dsn}: give --site-id (the connection has no site_id extra)")
-        conn = info.connect()
+        conn = info.connect(Purpose.BULK)  # a migration may rewrite a large table: no statement timeout
         try:
             before = schema.current_version(conn)
             result = schema.init_site(conn, site_id, args.region or info.region)  # None: keep the recorded one
@@ -105,8 +106,8 @@ def _topology(args: argparse.Namespace) -> topology.Topology:
     return topology.load(args.topology)
 
 
-def _connect(topo: topology.Topology):
-    return lambda site_id: topology.site_conninfo(topo, site_id).connect()
+def _connect(topo: topology.Topology, purpose: Purpose = Purpose.SESSION):
+    return lambda site_id: topology.site_conninfo(topo, site_id).connect(purpose)
 
 
 def cmd_topology_apply(args: argparse.Namespace) -> int:
@@ -267,7 +268,7 @@ def cmd_trim(args: argparse.Namespace) -> int:
     topo = _topology(args)
     sources = sorted({k.source for k in topo.sessions()})
     for site_id in sources:
-        conn = _connect(topo)(site_id)
+        conn = _connect(topo, Purpose.BULK)(site_id)  # a trim may delete millions of rows at once
         try:
             result = trim.retention_trim(conn, args.retention) if args.retention is not None else trim.safe_trim(conn)
         finally:

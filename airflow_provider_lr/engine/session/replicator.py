@@ -20,6 +20,7 @@ from airflow_provider_lr.engine.session import nearest_copy
 from airflow_provider_lr.engine.session.lease import Lease, new_owner_id
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, SessionSettings, record_error
 from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.site.timeouts import failure
 from airflow_provider_lr.engine.site.topology import Topology
 from airflow_provider_lr.engine.source.full_sync import Provider, load_provider
 from airflow_provider_lr.engine.vocabulary import SessionKey, SessionState
@@ -82,7 +83,7 @@ class Replicator:
             try:
                 report = self._runner(key).run_cycle()
             except Exception as exc:  # one session's failure must not stop the others
-                report = CycleReport(str(key), error=f"{type(exc).__name__}: {exc}".strip())
+                report = CycleReport(str(key), error=failure(exc))
                 log.warning("session %s failed: %s", key, report.error)
                 self._recover(key, report.error, exc)
             report.delivered += teed.get(str(key), 0)

@@ -29,6 +29,7 @@ from airflow_provider_lr.engine.session.negotiation import Decision, Negotiation
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.site.schema import site_identity
+from airflow_provider_lr.engine.site.timeouts import lifted
 from airflow_provider_lr.engine.site.topology import Topology
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest, Provider
@@ -303,7 +304,8 @@ class SessionRunner:
             provider = registry.no_queue_data  # a client of tables only: its tables follow the full sync
         if request.status == RequestStatus.PENDING and provider is not None:
             client = RoutingQueueClient(self.source, self.key.client)
-            full_sync.serve_full_sync_requests(client, provider)
+            with lifted(self.source):  # the provider's queries take as long as its data
+                full_sync.serve_full_sync_requests(client, provider)
             request = full_sync.get_request(self.source, request.request_id) or request
         if request.status == RequestStatus.PENDING:
             if full_sync.expired(self.source, request):
@@ -490,12 +492,13 @@ class SessionRunner:
             snap = table_snapshot.TableSnapshot(self.source, self.key.client,
                                                 [table_snapshot.SinkSide(self.key, self.sink, self._epoch(), lacking)])
             try:
-                snap.open()
-                if self.spark_tables and snap.estimated_rows() >= self.settings.table_spark_min_rows:
-                    report.tables_for_spark = [str(t.table) for t in lacking]
-                else:
-                    snap.write()
-                    report.tables += [f"{name}: {state}" for name, state in snap.report.tables.items()]
+                with lifted(self.source, self.sink):  # whole tables, one COPY each: as long as they take
+                    snap.open()
+                    if self.spark_tables and snap.estimated_rows() >= self.settings.table_spark_min_rows:
+                        report.tables_for_spark = [str(t.table) for t in lacking]
+                    else:
+                        snap.write()
+                        report.tables += [f"{name}: {state}" for name, state in snap.report.tables.items()]
             finally:
                 snap.close()
         self.tables = table_snapshot.splits(self.sink, self.key)
