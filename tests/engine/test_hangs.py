@@ -11,10 +11,11 @@ import time
 
 import pytest
 
+from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.session.replicator import Replicator
 from airflow_provider_lr.engine.session.runner import SessionSettings
 from airflow_provider_lr.engine.session.stream import StreamSettings
-from airflow_provider_lr.engine.site import conninfo
+from airflow_provider_lr.engine.site import conninfo, topology
 from airflow_provider_lr.engine.site.timeouts import DEADLINES, Purpose
 from tests.support.link_proxy import LinkProxy
 from tests.support.session import App, Streaming, apply, queue, table_provider, wait_for
@@ -43,6 +44,22 @@ def logs(sink) -> list[str]:
 
 def last_error(source) -> str:
     return source.query("SELECT coalesce(last_error, '') FROM lr.source_sessions WHERE sink_site_id = 'site-b'")[0][0]
+
+
+@pytest.mark.parametrize("setting, value, error", [
+    ("keepalives_count", 0, "0 is less than the minimum of 1"),
+    ("lock_timeout_s", -1, "-1 is less than the minimum of 0"),
+    ("statement_timeout_s", "2m", "'2m' is not of type 'number'"),
+    ("keepalives_idle_s", 1.5, "1.5 is not of type 'integer'"),
+    ("lock_timeout", 5, "unknown key 'lock_timeout'"),
+])
+def test_the_bounds_are_strict_topology_settings(setting, value, error):
+    doc = {"sites": [{"id": "site-a"}, {"id": "site-b"}], "replication": ONE_SINK, "settings": {setting: value}}
+    with pytest.raises(ConfigurationError) as refused:
+        topology.from_document(doc)
+    assert f"settings.{setting}: {error}" in str(refused.value)
+    doc["settings"] = BOUNDS
+    assert topology.from_document(doc).timeouts.deadline_s(Purpose.SESSION) == DEADLINE
 
 
 def test_the_topology_bounds_every_connection_lr_opens(lr_sites):
@@ -147,4 +164,32 @@ def test_a_half_open_link_to_the_sink_is_noticed_within_the_deadline_and_the_str
                 app.put(f"k{i}", i, ["site-b"])
             wait_for(lambda: len(logs(sink_b)) >= 50, 30, "streaming again")
     assert logs(sink_b) == [f"k{i}={i}" for i in range(50)]
+    app.close()
+
+
+def test_an_idle_stream_and_idle_cycles_outlast_their_own_bounds(lr_sites):
+    """lr's own connections never sit idle in a transaction: a stream and cycles left idle for
+    several times ``idle_in_transaction_timeout_s`` are not ended by their servers (a bound that
+    fired on a healthy session would hand it back, or fail a cycle, for nothing)."""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK, settings={**BOUNDS, "idle_in_transaction_timeout_s": 0.5})
+    app = App(source)
+    dsns = {s.site_id: s.dsn for s in lr_sites}
+    with Streaming(bounded(topo, dsns), RETRY) as streaming:
+        streaming.streaming()
+        for round_ in range(3):
+            app.put(f"k{round_}", round_, ["site-b"])
+            wait_for(lambda: len(logs(sink_b)) == round_ + 1, 30, "the entry to stream")
+            time.sleep(2)  # idle: four times the bound
+        assert not streaming.streamer.ends, streaming.streamer.ends
+    cycles = bounded(topo, dsns)
+    try:
+        for round_ in range(3, 5):
+            app.put(f"k{round_}", round_, ["site-b"])
+            reports = cycles.run_cycle()
+            assert not [r.error for r in reports if r.error]
+            time.sleep(2)
+    finally:
+        cycles.close()
+    assert logs(sink_b) == [f"k{i}={i}" for i in range(5)] and last_error(source) == ""
     app.close()
