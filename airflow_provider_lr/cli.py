@@ -106,8 +106,8 @@ def _topology(args: argparse.Namespace) -> topology.Topology:
     return topology.load(args.topology)
 
 
-def _connect(topo: topology.Topology, purpose: Purpose = Purpose.SESSION):
-    return lambda site_id: topology.site_conninfo(topo, site_id).connect(purpose)
+def _connect(topo: topology.Topology):
+    return lambda site_id: topology.site_conninfo(topo, site_id).connect()
 
 
 def cmd_topology_apply(args: argparse.Namespace) -> int:
@@ -268,7 +268,7 @@ def cmd_trim(args: argparse.Namespace) -> int:
     topo = _topology(args)
     sources = sorted({k.source for k in topo.sessions()})
     for site_id in sources:
-        conn = _connect(topo, Purpose.BULK)(site_id)  # a trim may delete millions of rows at once
+        conn = _connect(topo)(site_id)
         try:
             result = trim.retention_trim(conn, args.retention) if args.retention is not None else trim.safe_trim(conn)
         finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import psycopg2.errors
 import pytest
 
 from airflow_provider_lr.engine.errors import ConfigurationError
@@ -16,7 +17,7 @@ from airflow_provider_lr.engine.session.replicator import Replicator
 from airflow_provider_lr.engine.session.runner import SessionSettings
 from airflow_provider_lr.engine.session.stream import StreamSettings
 from airflow_provider_lr.engine.site import conninfo, topology
-from airflow_provider_lr.engine.site.timeouts import DEADLINES, Purpose
+from airflow_provider_lr.engine.site.timeouts import DEADLINES, Purpose, lifted
 from tests.support.link_proxy import LinkProxy
 from tests.support.session import App, Streaming, apply, queue, table_provider, wait_for
 
@@ -40,6 +41,12 @@ def bounded(topo, dsns: dict[str, str]) -> Replicator:
 
 def logs(sink) -> list[str]:
     return [p for k, p in queue(sink, "site-a") if k == "log"]
+
+
+def _setting(conn, name: str) -> str:
+    with conn.cursor() as cur:
+        cur.execute("SELECT current_setting(%s)", (name,))
+        return str(cur.fetchone()[0])
 
 
 def last_error(source) -> str:
@@ -81,6 +88,19 @@ def test_the_topology_bounds_every_connection_lr_opens(lr_sites):
             conn.close()
 
     assert shown(Purpose.SESSION) == (("4s", "1s", "3s"), "9", DEADLINE)
+    conn = info.connect()
+    try:  # long work lifts a session connection's bounds for its duration, even when it fails
+        with pytest.raises(psycopg2.errors.DivisionByZero), lifted(conn):
+            assert conn.deadline_s is None and _setting(conn, "statement_timeout") == "0"
+            conn.cursor().execute("SELECT 1/0")  # the work fails: its transaction is left aborted
+        assert conn.deadline_s == DEADLINE and _setting(conn, "statement_timeout") == "4s"
+        # a named cursor's rows are read a round trip at a time, each under the deadline
+        with conn.cursor(name="many") as cur:
+            cur.itersize = 1000
+            cur.execute("SELECT generate_series(1, 2500)")
+            assert [n for (n,) in cur] == list(range(1, 2501))
+    finally:
+        conn.close()
     assert shown(Purpose.BULK) == (("0", "1min", "0"), "9", None)
     assert shown(Purpose.APPLICATION)[0] == ("0", "0", "0")
 

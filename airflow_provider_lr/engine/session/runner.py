@@ -428,7 +428,8 @@ class SessionRunner:
     def apply_snapshot(self, meta: writes.SinkMetadata) -> writes.SinkMetadata:
         fault_point("before_snapshot_apply")
         with progress.track(f"full sync {str(meta.snapshot_request_id)[:8]} {self.key}: apply", 1, "snapshots") as t:
-            meta = writes.apply_snapshot(self.sink, self.key.source, self.key.client, self._epoch())
+            with lifted(self.sink):  # a full sync of millions of entries made visible at once
+                meta = writes.apply_snapshot(self.sink, self.key.source, self.key.client, self._epoch())
             t.update(1)
         fault_point("after_snapshot_apply")
         self._record_applied(meta)

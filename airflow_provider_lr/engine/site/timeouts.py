@@ -215,8 +215,19 @@ class BoundedCursor(psycopg2.extensions.cursor):
     def fetchall(self) -> Any:
         return self._fetch(super().fetchall)
 
-    def __next__(self) -> Any:
-        return self._fetch(super().__next__)
+    def __iter__(self) -> Any:
+        """A named cursor's rows a round trip (``itersize``) at a time, each watched; a client-side
+        cursor's as psycopg2 gives them (no per-row cost: ``__next__`` is not overridden)."""
+        if self.name is None:
+            return super().__iter__()
+        return self._named_rows()
+
+    def _named_rows(self) -> Iterator[Any]:
+        while True:
+            rows = self._fetch(super().fetchmany, self.itersize)
+            if not rows:
+                return
+            yield from rows
 
 
 class BoundedConnection(psycopg2.extensions.connection):
@@ -279,9 +290,10 @@ def lifted(*conns: psycopg2.extensions.connection) -> Iterator[None]:
             if conn.closed:
                 continue
             try:
-                if conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_INERROR:
-                    _set(conn, _RESTORE)
-            except psycopg2.Error as exc:  # the caller's error handling closes or rolls it back
+                if conn.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_INERROR:
+                    conn.rollback()  # failed: it can only be rolled back, and the bounds must come back
+                _set(conn, _RESTORE)
+            except psycopg2.Error as exc:  # lost: the caller drops it
                 log.debug("bounds not restored on a connection: %s", exc)
             if isinstance(conn, BoundedConnection):
                 conn.deadline_s = deadline
