@@ -101,8 +101,9 @@ class Timeouts:
             "keepalives_idle": self.keepalives_idle_s,
             "keepalives_interval": self.keepalives_interval_s,
             "keepalives_count": self.keepalives_count,
-            "tcp_user_timeout": round(self.tcp_user_timeout_s * 1000),
         }
+        if psycopg2.extensions.libpq_version() >= 120000:  # libpq 12 added it; an older one refuses the key
+            params["tcp_user_timeout"] = round(self.tcp_user_timeout_s * 1000)
         params.update({k: v for k, v in given.items() if v is not None})
         ours = " ".join(f"-c {name}={round(seconds * 1000)}" for name, seconds in self.session_options(purpose).items())
         theirs = str(given.get("options") or "")
