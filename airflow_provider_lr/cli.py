@@ -21,6 +21,7 @@ from airflow_provider_lr.engine.session import replicator, stream
 from airflow_provider_lr.engine.session.runner import CycleReport
 from airflow_provider_lr.engine.site import conninfo, failover, metrics, schema, status, topology
 from airflow_provider_lr.engine.site import roles as site_roles
+from airflow_provider_lr.engine.site.timeouts import Purpose
 from airflow_provider_lr.engine.source import full_sync, trim
 from airflow_provider_lr.engine.tables import registry as table_registry
 from airflow_provider_lr.engine.tables.definition import TableName
@@ -98,7 +99,7 @@ def cmd_init(args: argparse.Namespace) -> int:
         if not site_id:
             raise LRError(f"{info.safe_dsn}: give --site-id (the connection has no site_id extra)")
         with _at_site(site_id):
-            conn = info.connect()
+            conn = info.connect(Purpose.BULK)  # a migration may rewrite a large table: no statement timeout
             try:
                 before = schema.current_version(conn)
                 result = schema.init_site(conn, site_id, args.region or info.region)  # None: keep the recorded one

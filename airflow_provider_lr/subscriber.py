@@ -25,6 +25,7 @@ from airflow_provider_lr.engine.sink.receive import DeliveryContext, DeliverySta
 from airflow_provider_lr.engine.sink.wakeup import Demand, FollowOptions
 from airflow_provider_lr.engine.sink.relay import Relay, Subscription
 from airflow_provider_lr.engine.site.conninfo import ConnInfo, resolve
+from airflow_provider_lr.engine.site.timeouts import Purpose
 
 __all__ = [
     "DeliveryStats", "Listener", "MalformedEntryError", "Relay", "RoutingQueueSubscriber", "Subscription", "open_relay",
@@ -102,7 +103,7 @@ class RoutingQueueSubscriber(DeliveryContext):
         options = FollowOptions(self.batch_size, self.poll_interval, self.retry_interval, self.batch_bytes)
         try:
             wakeup.follow(
-                self.info.connect, listener, lambda: self.demand, wakeup.TapWakeups(tap, lambda: self.demand, stop),
+                self._connect, listener, lambda: self.demand, wakeup.TapWakeups(tap, lambda: self.demand, stop),
                 stop, stats, options, on_conn=self._set_delivering,
             )
         finally:
@@ -112,8 +113,13 @@ class RoutingQueueSubscriber(DeliveryContext):
 
     def _poll_conn(self) -> psycopg2.extensions.connection:
         if self._conn is None or self._conn.closed:
-            self._conn = self.info.connect()
+            self._conn = self._connect()
         return self._conn
+
+    def _connect(self) -> psycopg2.extensions.connection:
+        """A delivery connection: the listener's statements run in its transactions, so it gets the
+        network bounds only (keepalives, connect and TCP timeouts), never lr's session timeouts."""
+        return self.info.connect(Purpose.APPLICATION)
 
     def _close_poll_conn(self) -> None:
         if self._conn is not None and not self._conn.closed:
@@ -133,5 +139,5 @@ class RoutingQueueSubscriber(DeliveryContext):
 def open_relay(dsn: str | ConnInfo, **options: object) -> Relay:
     """A relay for many subscriptions in one process sharing one LISTEN connection (see Relay)."""
     info = _conninfo(dsn)
-    return Relay(info.connect, **options)  # type: ignore[arg-type]
+    return Relay(lambda: info.connect(Purpose.APPLICATION), **options)  # type: ignore[arg-type]
 

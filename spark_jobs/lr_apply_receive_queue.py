@@ -17,21 +17,23 @@ from typing import Any, Iterable, Iterator
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lr_spark  # noqa: E402
-import psycopg2  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 
 from airflow_provider_lr.engine.sink import (
     bulk_apply,
     receive,  # noqa: E402
 )
+from airflow_provider_lr.engine.site.conninfo import connect_dsn  # noqa: E402
+from airflow_provider_lr.engine.site.timeouts import Purpose  # noqa: E402
 from airflow_provider_lr.engine.site.topology import Topology, site_conninfo  # noqa: E402
 
 
 def apply_queues(spark: SparkSession, topo: Topology, sink: str, client: str, function: str,
                  batch: int = bulk_apply.DEFAULT_APPLY_BATCH) -> dict[str, Any]:
     bulk_apply.load_apply_function(function)  # fail early, on the driver, if it cannot be loaded
-    dsn = site_conninfo(topo, sink).dsn
-    conn = psycopg2.connect(dsn)
+    info = site_conninfo(topo, sink)
+    dsn = info.dsn_for(Purpose.APPLICATION)  # the user's function writes in the queue's transaction
+    conn = info.connect()
     try:
         sources = receive.discover(conn, client)
     finally:
@@ -42,7 +44,7 @@ def apply_queues(spark: SparkSession, topo: Topology, sink: str, client: str, fu
     def apply(names: Iterable[str]) -> Iterator[tuple[str, int, str]]:
         fn = bulk_apply.load_apply_function(function)
         for source in names:
-            queue_conn = psycopg2.connect(dsn)
+            queue_conn = connect_dsn(dsn, Purpose.APPLICATION)
             try:
                 yield source, bulk_apply.apply_queue(queue_conn, client, source, fn, batch), ""
             except Exception as exc:  # reported per queue; the others go on

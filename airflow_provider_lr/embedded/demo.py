@@ -11,14 +11,14 @@ import random
 import time
 from pathlib import Path
 
-import psycopg2
 import yaml
 
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
 from airflow_provider_lr.embedded.sites import SiteManager
 from airflow_provider_lr.engine.session.replicator import Replicator
 from airflow_provider_lr.engine.session.runner import CycleReport
-from airflow_provider_lr.engine.site import schema, status, topology
+from airflow_provider_lr.engine.site import conninfo, schema, status, topology
+from airflow_provider_lr.engine.site.timeouts import Purpose
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 
 CLIENT = "policy"
@@ -67,7 +67,7 @@ class SinkApplication:
 
 def consume(site_id: str, dsn: str) -> None:
     """One subscriber pass at a sink, applying into the sink application's own table."""
-    own = psycopg2.connect(dsn)
+    own = conninfo.connect_dsn(dsn, Purpose.APPLICATION)  # the sink application's own connection
     with own.cursor() as cur:
         cur.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} (k text PRIMARY KEY, v bigint NOT NULL)")
     own.commit()

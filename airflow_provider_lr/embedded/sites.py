@@ -29,7 +29,8 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from airflow_provider_lr.engine.errors import ConfigurationError, listing, one_line
+from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, listing, one_line
+from airflow_provider_lr.engine.site import conninfo
 from airflow_provider_lr.engine.site.conninfo import ConnInfo, from_airflow_dict
 from airflow_provider_lr.engine.site.topology_schema import valid_site_id
 from airflow_provider_lr.paths import lr_home
@@ -349,14 +350,12 @@ def _free_port() -> int:
 
 def wait_until_accepting(site: EmbeddedSite, timeout: float = 30.0) -> None:
     """Block until the site accepts connections (after a restart)."""
-    import psycopg2
-
     deadline = time.monotonic() + timeout
     while True:
         try:
-            psycopg2.connect(site.dsn(), connect_timeout=2).close()
+            conninfo.connect_dsn(site.dsn(), connect_timeout=2).close()
             return
-        except psycopg2.OperationalError:
+        except SiteUnreachableError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)

@@ -8,6 +8,7 @@ from airflow.sdk import BaseHook
 
 from airflow_provider_lr.engine.errors import ConfigurationError, one_line
 from airflow_provider_lr.engine.site import conninfo, schema
+from airflow_provider_lr.engine.site.timeouts import DEFAULT, Timeouts
 
 
 def _as_dict(conn: Any) -> dict[str, Any]:
@@ -35,21 +36,22 @@ class LRSiteHook(BaseHook):
     conn_type = "lr_site"
     hook_name = "lr site (PostgreSQL)"
 
-    def __init__(self, lr_conn_id: str = default_conn_name, **kwargs: Any) -> None:
+    def __init__(self, lr_conn_id: str = default_conn_name, timeouts: Timeouts | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.lr_conn_id = lr_conn_id
+        self.timeouts = timeouts or DEFAULT  # the topology's bounds on the connection (``topology.timeouts``)
 
     def connection_dict(self) -> dict[str, Any]:
         """The connection in Airflow's JSON form (secrets included: write it only to 0600 files)."""
         return _as_dict(self.get_connection(self.lr_conn_id))
 
     def get_conninfo(self) -> conninfo.ConnInfo:
-        return conninfo.from_airflow_dict(self.connection_dict(), self.lr_conn_id)
+        return conninfo.from_airflow_dict(self.connection_dict(), self.lr_conn_id).with_timeouts(self.timeouts)
 
     async def aget_conninfo(self) -> conninfo.ConnInfo:
         """For triggers: resolve the connection without blocking the triggerer's event loop."""
         conn = await self.aget_connection(self.lr_conn_id)
-        return conninfo.from_airflow_dict(_as_dict(conn), self.lr_conn_id)
+        return conninfo.from_airflow_dict(_as_dict(conn), self.lr_conn_id).with_timeouts(self.timeouts)
 
     def get_conn(self) -> psycopg2.extensions.connection:
         return self.get_conninfo().connect()

@@ -12,6 +12,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.site.timeouts import Timeouts
 from airflow_provider_lr.engine.site.topology import Topology
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.hooks.site import LRSiteHook
@@ -101,9 +102,11 @@ def session_key(topo: Topology, session: dict[str, Any]) -> SessionKey:
 
 
 @contextlib.contextmanager
-def site_connection(conn_id_: str, site_id: str) -> Iterator[psycopg2.extensions.connection]:
-    """An open connection to a site through its Airflow connection, closed afterwards."""
-    conn = LRSiteHook(lr_conn_id=conn_id_).connect_site(site_id)
+def site_connection(conn_id_: str, site_id: str, timeouts: Timeouts | None = None
+                    ) -> Iterator[psycopg2.extensions.connection]:
+    """An open connection to a site through its Airflow connection (bounded by ``timeouts``, the
+    topology's, else the defaults), closed afterwards."""
+    conn = LRSiteHook(lr_conn_id=conn_id_, timeouts=timeouts).connect_site(site_id)
     try:
         yield conn
     finally:

@@ -14,6 +14,7 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException
 
 from airflow_provider_lr.engine.errors import require_counts
+from airflow_provider_lr.engine.site.timeouts import Purpose
 from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.operators import telemetry
 from airflow_provider_lr.operators.common import load_topology
@@ -43,9 +44,9 @@ class LRFanOutOperator(BaseOperator):
         topo = load_topology(self.topology_path)
 
         def conninfo(site: str):
-            return LRSiteHook(lr_conn_id=topo.conn_id(site)).get_conninfo()
+            return LRSiteHook(lr_conn_id=topo.conn_id(site), timeouts=topo.timeouts).get_conninfo()
 
-        driver = fanout.FanoutDriver(topo, self.source, conninfo=conninfo, connect=lambda site: conninfo(site).connect())
+        driver = fanout.FanoutDriver(topo, self.source, conninfo=conninfo, connect=lambda site: conninfo(site).connect(Purpose.BULK))
         try:
             with telemetry.task_progress(self.log):  # the engine's progress lines, in this task's log
                 result = fanout.run_fanout(driver, fanout.local_map, self.max_entries)

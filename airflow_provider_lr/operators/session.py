@@ -130,11 +130,12 @@ class _SessionStepOperator(BaseOperator):
         key = session_key(topo, self.session)
         target = topo.providers.get(key.client)
         provider = full_sync.load_provider(target) if target else None
-        with site_connection(self.session["source_conn_id"], key.source) as source:
+        with site_connection(self.session["source_conn_id"], key.source, topo.timeouts) as source:
             try:
-                with site_connection(self.session["sink_conn_id"], key.sink) as sink:
+                with site_connection(self.session["sink_conn_id"], key.sink, topo.timeouts) as sink:
                     peers = nearest_copy.peers_in_region(
-                        topo, key, lambda site: LRSiteHook(lr_conn_id=topo.conn_id(site)).connect_site(site))
+                        topo, key, lambda site: LRSiteHook(lr_conn_id=topo.conn_id(site),
+                                                           timeouts=topo.timeouts).connect_site(site))
                     runner = SessionRunner(key, source, sink, f"airflow:{new_owner_id()}", self._settings(topo),
                                            provider, spark_tables=self._spark_can_run(TABLE_SNAPSHOT_JOB),
                                            spark_transfer=self._spark_can_run(SNAPSHOT_TRANSFER_JOB), peers=peers)

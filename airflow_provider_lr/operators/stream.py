@@ -55,7 +55,7 @@ class LRStreamOperator(BaseOperator):
         topo = load_topology(self.topology_path)
         sessions = topo.sessions(source=self.source)
         seconds = self.run_for.total_seconds() if isinstance(self.run_for, timedelta) else float(self.run_for)
-        repl = Replicator(topo, lambda site: LRSiteHook(lr_conn_id=topo.conn_id(site)).get_conninfo().connect(),
+        repl = Replicator(topo, lambda site: LRSiteHook(lr_conn_id=topo.conn_id(site), timeouts=topo.timeouts).get_conninfo().connect(),
                           sessions=sessions)
         streamer = Streamer(repl)
         delivered: Counter[str] = Counter()

@@ -5,7 +5,13 @@ network path where ``tc netem`` is not available (this machine's kernel has no s
 connection to the target, each direction through its own pipe that delivers a chunk ``delay``
 seconds after it was read (one-way latency; RTT is twice that) and no faster than ``rate`` bytes
 per second (a token bucket per direction, per connection; ``None``: unlimited). ``stalled=True``
-accepts connections and never forwards a byte: a host that hangs rather than refuses."""
+accepts connections and never forwards a byte: a host that hangs rather than refuses.
+
+``stall()`` turns a working link half-open mid-run: the connections open through it stop
+forwarding for good, in both directions, without closing (their bytes are still read, so TCP
+acknowledges them: only a deadline above TCP notices), and new connections hang as with
+``stalled``; ``heal()`` lets new connections through again (the stalled ones stay dead, as a
+path's do after a partition)."""
 from __future__ import annotations
 
 import collections
@@ -25,6 +31,7 @@ class LinkProxy:
         self.listener.listen(64)
         self.port = self.listener.getsockname()[1]
         self.bytes = 0  # forwarded, both directions
+        self._generation = 0  # connections accepted before a stall() belong to an older generation
         self._closed = threading.Event()
         self._sockets: list[socket.socket] = []
         threading.Thread(target=self._accept, name="link-proxy", daemon=True).start()
@@ -33,6 +40,15 @@ class LinkProxy:
         """``dsn`` (key=value form) pointed at this proxy."""
         parts = [p for p in dsn.split() if not p.startswith(("host=", "port="))]
         return " ".join(parts + ["host=127.0.0.1", f"port={self.port}"])
+
+    def stall(self) -> None:
+        """Stop forwarding on every open connection and hang new ones (see the module docstring)."""
+        self._generation += 1
+        self.stalled = True
+
+    def heal(self) -> None:
+        """Forward new connections again; the ones stalled stay silent."""
+        self.stalled = False
 
     def close(self) -> None:
         self._closed.set()
@@ -61,10 +77,10 @@ class LinkProxy:
             self._sockets.append(server)
             for s in (client, server):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._pipe(client, server)
-            self._pipe(server, client)
+            self._pipe(client, server, self._generation)
+            self._pipe(server, client, self._generation)
 
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, generation: int) -> None:
         """Read from ``src`` at once; deliver each chunk to ``dst`` after the delay, at the rate."""
         queue: collections.deque[tuple[float, bytes]] = collections.deque()
         ready = threading.Condition()
@@ -88,6 +104,8 @@ class LinkProxy:
                     while not queue:
                         ready.wait()
                     due, data = queue.popleft()
+                if generation != self._generation:
+                    return  # stalled: nothing more goes through, not even the close (half-open)
                 wait = due - time.monotonic()
                 if wait > 0:
                     time.sleep(wait)

@@ -74,7 +74,8 @@ from airflow_provider_lr.engine.session.lease_keeper import LeaseKeeper
 from airflow_provider_lr.engine.session.negotiation import Decision
 from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.site.conninfo import ConnInfo
+from airflow_provider_lr.engine.site.conninfo import ConnInfo, connect_dsn
+from airflow_provider_lr.engine.site.timeouts import Purpose, lift
 from airflow_provider_lr.engine.site.topology import Topology, site_conninfo
 from airflow_provider_lr.engine.source.log_reader import LogReader, commit_barrier
 from airflow_provider_lr.engine.tables import registry
@@ -104,9 +105,10 @@ class FanoutDriver:
         if not self.sessions:
             raise ConfigurationError(f"site {source!r} is the source of no session in the topology")
         resolve = conninfo or (lambda site: site_conninfo(topology, site))  # how the tee reaches each site
-        self._dsns = {site: resolve(site).dsn for site in {source, *(k.sink for k in self.sessions)}}
-        self._connect = connect or (lambda site: psycopg2.connect(self._dsns[site]))
+        self._dsns = {site: resolve(site).dsn_for(Purpose.BULK) for site in {source, *(k.sink for k in self.sessions)}}
+        self._connect = connect or (lambda site: connect_dsn(self._dsns[site], Purpose.BULK))
         self.src = self._connect(source)
+        lift(self.src)  # its own: a session connection from ``connect`` too gets the bulk bounds
         self.leases: dict[str, leases.Lease] = {}
         self._keeper: LeaseKeeper | None = None
 

@@ -34,6 +34,8 @@ from airflow_provider_lr.engine.bulk.peak_memory import peak_rss_kb
 from airflow_provider_lr.engine.bulk.pgcopy import RowReader, StagingWriter, staging_prefix, staging_row
 from airflow_provider_lr.engine.sink.queue_rows import Packer
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, StaleBatchError, require_counts
+from airflow_provider_lr.engine.site.conninfo import connect_dsn
+from airflow_provider_lr.engine.site.timeouts import Purpose
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings
 from airflow_provider_lr.engine.sink import writes
@@ -104,10 +106,10 @@ class SnapshotTransfer:
         if self.key not in topology.sessions(source=source):
             raise ConfigurationError(f"session {self.key} is not in the topology")
         self.settings = settings or SessionSettings.from_topology(topology)
-        self.source_dsn = site_conninfo(topology, source).dsn
-        self.sink_dsn = site_conninfo(topology, sink_id).dsn
-        self.src = psycopg2.connect(self.source_dsn)
-        self.sink = psycopg2.connect(self.sink_dsn)
+        self.source_dsn = site_conninfo(topology, source).dsn_for(Purpose.BULK)
+        self.sink_dsn = site_conninfo(topology, sink_id).dsn_for(Purpose.BULK)
+        self.src = connect_dsn(self.source_dsn, Purpose.BULK)
+        self.sink = connect_dsn(self.sink_dsn, Purpose.BULK)
         self.runner = SessionRunner(self.key, self.src, self.sink, owner or leases.new_owner_id(), self.settings)
 
     def plan(self, request_id: str | None = None, partitions: int = 2) -> SnapshotPlan:
@@ -207,7 +209,7 @@ class SnapshotTransfer:
 def stage_range(plan: SnapshotPlan, part: EntryRange) -> dict:
     """Stage the request's entries ``(lo, hi]`` on the sink (idempotent); returns a small summary."""
     started = time.monotonic()
-    src, dst = psycopg2.connect(plan.source_dsn), psycopg2.connect(plan.sink_dsn)
+    src, dst = connect_dsn(plan.source_dsn, Purpose.BULK), connect_dsn(plan.sink_dsn, Purpose.BULK)
     writer: StagingWriter | None = None
     try:
         with dst.cursor() as cur:

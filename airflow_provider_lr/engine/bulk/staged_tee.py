@@ -36,13 +36,14 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import psycopg2
 
 from airflow_provider_lr.engine.bulk import peak_memory
 from airflow_provider_lr.engine.bulk.pgcopy import StagedQueueWriter
 from airflow_provider_lr.engine.bulk.plan import ChunkResult, Demand, FanoutPlan, PositionRange
 from airflow_provider_lr.engine.bulk.tee import SessionChunk, armed, check_base, read_and_route, refuse
 from airflow_provider_lr.engine.errors import FencedError, StaleBatchError, error_line
+from airflow_provider_lr.engine.site.conninfo import connect_dsn
+from airflow_provider_lr.engine.site.timeouts import Purpose
 from airflow_provider_lr.engine.faults import fault_point, hooked
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.vocabulary import STAGING_LOCK_CLASS
@@ -57,7 +58,7 @@ class SessionStage(SessionChunk):
         self.position = max(part.lo, demand.after)  # where this session's part of the chunk starts
         self.writer: StagedQueueWriter | None = None
         self.done = False  # published already, or staged by another attempt: nothing to write
-        self.conn = psycopg2.connect(plan.sink_dsns[demand.sink])
+        self.conn = connect_dsn(plan.sink_dsns[demand.sink], Purpose.BULK)
         try:
             meta = writes.read_metadata(self.conn, plan.source, demand.client)
             check_base(meta, plan, demand)
@@ -180,7 +181,7 @@ _STAGED_PREFIX = ("source_position > %(last)s AND source_position <= %(reach)s A
 def publish(plan: FanoutPlan, demand: Demand) -> tuple[int, int]:
     """Make the plan's staged ranges that continue the sink's position visible, in source order, in
     one fenced sink transaction; returns the sink's position after it and the entries published."""
-    conn = psycopg2.connect(plan.sink_dsns[demand.sink])
+    conn = connect_dsn(plan.sink_dsns[demand.sink], Purpose.BULK)
     try:
         write = writes.SinkTransaction(conn, plan.source, demand.client, demand.epoch)
         with write as (cur, meta):
@@ -222,7 +223,7 @@ def published_entries(plan: FanoutPlan, demand: Demand, position: int) -> int:
     the same fenced sink transaction, the records and what the run left staged (past a gap) are
     dropped. What the driver reports once all tasks are done (a task's own count
     is lost with an attempt Spark discarded)."""
-    conn = psycopg2.connect(plan.sink_dsns[demand.sink])
+    conn = connect_dsn(plan.sink_dsns[demand.sink], Purpose.BULK)
     try:
         with writes.SinkTransaction(conn, plan.source, demand.client, demand.epoch) as (cur, _):
             cur.execute("SELECT coalesce(sum(staged_rows), 0) FROM lr.spark_staged_ranges WHERE source_site_id = %s "

@@ -17,6 +17,8 @@ from airflow_provider_lr.engine.bulk.pgcopy import PackedRows, ReceiveQueueWrite
 from airflow_provider_lr.engine.bulk.plan import ChunkResult, Demand, FanoutPlan, PositionRange
 from airflow_provider_lr.engine.bulk.router import copy_and_route
 from airflow_provider_lr.engine.errors import StaleBatchError, error_line, one_line
+from airflow_provider_lr.engine.site.conninfo import connect_dsn
+from airflow_provider_lr.engine.site.timeouts import Purpose
 from airflow_provider_lr.engine.faults import FAULT_ENV, fault_point, hooked
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.source.log_reader import snapshot_trim_mark, trimmed_error
@@ -65,7 +67,7 @@ class SessionTee(SessionChunk):
     def __init__(self, plan: FanoutPlan, demand: Demand, part: PositionRange) -> None:
         self.demand = demand
         self.writer: ReceiveQueueWriter | None = None
-        self.conn = psycopg2.connect(plan.sink_dsns[demand.sink])
+        self.conn = connect_dsn(plan.sink_dsns[demand.sink], Purpose.BULK)
         self.transaction = writes.SinkTransaction(self.conn, plan.source, demand.client, demand.epoch)
         self.done = False  # the sink already processed the whole chunk: nothing to write
         try:
@@ -165,7 +167,7 @@ def read_and_route(plan: FanoutPlan, part: PositionRange, tees: list[tuple[int, 
     COPY. The read runs in one snapshot with the trim mark: a session whose sink stands below it
     is refused (``TrimmedError`` in ``out.errors``, nothing written) and left out of the read.
     Returns the sessions still in the chunk and the entries read."""
-    src = psycopg2.connect(plan.source_dsn)
+    src = connect_dsn(plan.source_dsn, Purpose.BULK)
     try:
         (mark,) = snapshot_trim_mark(src)
         kept = []

@@ -10,6 +10,7 @@ import psycopg2
 
 from airflow_provider_lr.engine.errors import FencedError, one_line
 from airflow_provider_lr.engine.session import lease as leases
+from airflow_provider_lr.engine.site.conninfo import connect_dsn
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ class LeaseKeeper:
         conn = None
         try:
             while not self._stop.wait(max(1.0, seconds / 3)):
-                conn = conn if conn is not None and not conn.closed else psycopg2.connect(dsn)
+                conn = conn if conn is not None and not conn.closed else connect_dsn(dsn)
                 for lease in held:
                     try:
                         leases.renew(conn, lease, seconds)

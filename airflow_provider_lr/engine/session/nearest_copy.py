@@ -38,6 +38,7 @@ from psycopg2.extensions import AsIs
 from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.sink import writes
+from airflow_provider_lr.engine.site.timeouts import lifted
 from airflow_provider_lr.engine.site.topology import Topology
 from airflow_provider_lr.engine.tables import sink as sink_tables
 from airflow_provider_lr.engine.tables.definition import read_definition
@@ -112,7 +113,8 @@ def seed_from_peers(source: psycopg2.extensions.connection, sink: psycopg2.exten
         try:
             view = _peer_view(conn, key, trim_mark, topology_id, wanted)
             before_write()
-            copied = _write(conn, sink, key, epoch, peer.site, view)
+            with lifted(conn, sink):  # a whole table copied in one statement: as long as it takes
+                copied = _write(conn, sink, key, epoch, peer.site, view)
         except (PeerUnfit, psycopg2.Error) as exc:
             result.passed.append(f"{peer.site}: {one_line(exc)}")
             continue

@@ -19,7 +19,6 @@ from airflow_provider_lr.engine.errors import (
     ConfigurationError,
     RepeatedErrors,
     SiteUnreachableError,
-    error_line,
     one_line,
     still_failing,
 )
@@ -27,6 +26,7 @@ from airflow_provider_lr.engine.session import nearest_copy
 from airflow_provider_lr.engine.session.lease import Lease, new_owner_id
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, SessionSettings, record_error
 from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.site.timeouts import failure
 from airflow_provider_lr.engine.site.topology import Topology
 from airflow_provider_lr.engine.source.full_sync import Provider, load_provider
 from airflow_provider_lr.engine.vocabulary import SessionKey, SessionState
@@ -93,7 +93,7 @@ class Replicator:
             try:
                 report = self._runner(key).run_cycle()
             except Exception as exc:  # one session's failure must not stop the others
-                report = CycleReport(str(key), error=error_line(exc))
+                report = CycleReport(str(key), error=failure(exc))
                 times = self.failures.due(str(key), report.error) if self.failures else None
                 if times:
                     log.warning("session %s failed: %s", key,

@@ -29,6 +29,7 @@ from airflow_provider_lr.engine.session.negotiation import Decision, Negotiation
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.site.schema import site_identity
+from airflow_provider_lr.engine.site.timeouts import lifted
 from airflow_provider_lr.engine.site.topology import Topology
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest, Provider
@@ -304,7 +305,8 @@ class SessionRunner:
             provider = registry.no_queue_data  # a client of tables only: its tables follow the full sync
         if request.status == RequestStatus.PENDING and provider is not None:
             client = RoutingQueueClient(self.source, self.key.client)
-            full_sync.serve_full_sync_requests(client, provider, sink=self.key.sink)
+            with lifted(self.source):  # the provider's queries take as long as its data
+                full_sync.serve_full_sync_requests(client, provider, sink=self.key.sink)
             request = full_sync.get_request(self.source, request.request_id) or request
             if self._behind_sink(request, meta):
                 raise LRError(
@@ -447,7 +449,8 @@ class SessionRunner:
     def apply_snapshot(self, meta: writes.SinkMetadata) -> writes.SinkMetadata:
         fault_point("before_snapshot_apply")
         with progress.track(f"full sync {str(meta.snapshot_request_id)[:8]} {self.key}: apply", 1, "snapshots") as t:
-            meta = writes.apply_snapshot(self.sink, self.key.source, self.key.client, self._epoch())
+            with lifted(self.sink):  # a full sync of millions of entries made visible at once
+                meta = writes.apply_snapshot(self.sink, self.key.source, self.key.client, self._epoch())
             t.update(1)
         fault_point("after_snapshot_apply")
         self._record_applied(meta)
@@ -511,13 +514,14 @@ class SessionRunner:
             snap = table_snapshot.TableSnapshot(self.source, self.key.client,
                                                 [table_snapshot.SinkSide(self.key, self.sink, self._epoch(), lacking)])
             try:
-                snap.open()
-                if self.spark_tables and snap.estimated_rows() >= self.settings.table_spark_min_rows:
-                    report.tables_for_spark = [str(t.table) for t in lacking]
-                else:
-                    snap.write()
-                    report.tables += [f"{name}: {state}" for name, state in snap.report.tables.items()]
-                    report.table_rows += snap.report.rows
+                with lifted(self.source, self.sink):  # whole tables, one COPY each: as long as they take
+                    snap.open()
+                    if self.spark_tables and snap.estimated_rows() >= self.settings.table_spark_min_rows:
+                        report.tables_for_spark = [str(t.table) for t in lacking]
+                    else:
+                        snap.write()
+                        report.tables += [f"{name}: {state}" for name, state in snap.report.tables.items()]
+                        report.table_rows += snap.report.rows
             finally:
                 snap.close()
         self.tables = table_snapshot.splits(self.sink, self.key)

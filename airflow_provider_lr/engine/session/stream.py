@@ -42,9 +42,10 @@ from psycopg2.extensions import AsIs
 from airflow_provider_lr.engine.errors import FencedError, LRError, StaleBatchError, TrimmedError, error_line, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import lease as leases
-from airflow_provider_lr.engine.session.runner import CycleReport, SessionSettings
+from airflow_provider_lr.engine.session.runner import CycleReport, SessionSettings, record_error
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.site.timeouts import failure
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, LogReader
 from airflow_provider_lr.engine.tables import registry
@@ -71,6 +72,11 @@ class StreamSettings:
     # taken from the writers (docs/streaming.md). Below it, every commit is read at once.
     busy_rate: float = 2000.0
     linger: float = 0.02
+    # A session whose cycle fails (a site down, a lock or statement timeout) is retried after
+    # ``retry_min``, doubling with each failure in a row up to ``retry_max``; a stream that fails is
+    # renegotiated at once.
+    retry_min: float = 1.0
+    retry_max: float = 30.0
 
 
 class SourceWatch:
@@ -217,13 +223,25 @@ class SessionStream:
             end.reason = one_line(exc)
         except (FencedError, StaleBatchError, TrimmedError) as exc:
             end.reason = error_line(exc)
-        except (psycopg2.Error, LRError) as exc:
-            end.reason, end.error = "failed", error_line(exc)
+        except (psycopg2.Error, LRError) as exc:  # a bound that fired, a lost site: retried by the cycles
+            end.reason, end.error = "failed", failure(exc)
         finally:
             end.delivered = self.delivered
             self._ack_quietly()
+            if end.error:
+                self._record_quietly(end.error)
             self.close()
         return end
+
+    def _record_quietly(self, error: str) -> None:
+        """The failure in the session's ``last_error`` (``lr status``), when the source is reachable;
+        the cycle that takes the session back records its own otherwise."""
+        try:
+            if not self.src.closed:
+                self.src.rollback()
+                record_error(self.src, self.key, f"stream: {error}")
+        except (psycopg2.Error, LRError) as exc:
+            log.info("stream %s: error not recorded: %s", self.key, one_line(exc))
 
     def _loop(self, stop: threading.Event) -> None:
         opts = self.opts
@@ -302,6 +320,7 @@ class SessionStream:
         if self.acked >= self.after or self.src.closed:
             return
         try:
+            self.src.rollback()  # a statement that failed on the source left its transaction aborted
             self._ack()
         except (psycopg2.Error, LRError) as exc:  # the next holder records its own; trim waits meanwhile
             log.info("stream %s: last ack not recorded: %s", self.key, one_line(exc))
@@ -347,6 +366,7 @@ class Streamer:
         self.cycles, self.options = cycles, options or StreamSettings()
         self.ends: list[StreamEnd] = []  # every stream that ended (handed back, or "stopped" with the run)
         self.streaming: set[SessionKey] = set()  # the sessions streaming now
+        self.backoff: dict[SessionKey, tuple[int, float]] = {}  # failing sessions: (failures in a row, retry at)
 
     def run(self, stop: threading.Event, interval: float = 1.0,
             on_cycle: Callable[[list[CycleReport]], None] | None = None,
@@ -363,11 +383,14 @@ class Streamer:
                     self._ended(ended.get(), streams, on_end)
                     due = 0.0  # negotiate it now
                 idle = [k for k in self.cycles.sessions if k not in streams]
-                if idle and time.monotonic() >= due:
-                    reports = self.cycles.run_cycle(idle)
+                now = time.monotonic()
+                ready = [k for k in idle if self.backoff.get(k, (0, 0.0))[1] <= now]
+                if ready and now >= due:
+                    reports = self.cycles.run_cycle(ready)
                     if on_cycle:
                         on_cycle(reports)
-                    for key, report in zip(idle, reports):
+                    for key, report in zip(ready, reports):
+                        self._note(key, report)
                         if streamable(report):
                             self._start(key, streams, watches, halt, ended)
                     busy = any(not r.idle for r in reports)
@@ -381,6 +404,17 @@ class Streamer:
                 self._ended(ended.get(), streams, on_end)
             for watch in watches.values():
                 watch.close()
+
+    def _note(self, key: SessionKey, report: CycleReport) -> None:
+        """Back a failing session off (``retry_min`` doubling to ``retry_max``): a site that is
+        down or a lock held elsewhere is not hammered, the other sessions go on."""
+        if not report.error:
+            self.backoff.pop(key, None)
+            return
+        failures = self.backoff.get(key, (0, 0.0))[0] + 1
+        pause = min(self.options.retry_max, self.options.retry_min * 2 ** (failures - 1))
+        self.backoff[key] = (failures, time.monotonic() + pause)
+        log.info("session %s failed %d time(s) in a row; retried in %.1fs", key, failures, pause)
 
     def _ended(self, end: StreamEnd, streams: dict[SessionKey, threading.Thread],
                on_end: Callable[[StreamEnd], None] | None) -> None:
@@ -407,13 +441,13 @@ class Streamer:
                 stream = SessionStream(key, lease, self.cycles.connect, watches[key.source], self.cycles.settings,
                                        self.options)
             except Exception as exc:  # a site down: the cycles report it
-                ended.put(StreamEnd(str(key), "failed", error=error_line(exc)))
+                ended.put(StreamEnd(str(key), "failed", error=failure(exc)))
                 return
             try:
                 ended.put(stream.run(halt))
             except Exception as exc:  # pragma: no cover - a bug: hand the session back all the same
                 log.exception("stream %s failed", key)
-                ended.put(StreamEnd(str(key), "failed", stream.delivered, error_line(exc)))
+                ended.put(StreamEnd(str(key), "failed", stream.delivered, failure(exc)))
 
         thread = streams[key] = threading.Thread(target=run, daemon=True, name=f"lr-stream-{key}")
         self.streaming.add(key)

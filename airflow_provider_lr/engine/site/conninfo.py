@@ -1,5 +1,10 @@
 """How lr finds a site's PostgreSQL: a DSN, or an Airflow connection (env var or connections file).
 
+It is also the one place lr connects (``tests/test_connect_owner.py`` fails on a
+``psycopg2.connect`` anywhere else): every connection gets the keepalives, timeouts and call
+deadline of its ``Purpose`` (``timeouts.py``), from the topology's settings where the caller has
+a topology, else the defaults; the DSN's own parameters win.
+
 This module reads Airflow's connection *formats* (``AIRFLOW_CONN_<ID>`` as URI or JSON, and the
 local-filesystem connections file) without importing Airflow, so the CLI, Spark executors and the
 engine resolve connections the same way the Airflow hook does.
@@ -8,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -17,6 +22,7 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, one_line
+from airflow_provider_lr.engine.site.timeouts import DEFAULT, BoundedConnection, Purpose, Timeouts, deadline_for
 from airflow_provider_lr.paths import lr_home
 
 CONNECTIONS_FILE_ENV = "LR_CONNECTIONS_FILE"
@@ -32,6 +38,7 @@ class ConnInfo:
     site_id: str | None = None
     region: str | None = None
     conn_id: str | None = field(default=None, compare=False)
+    timeouts: Timeouts = field(default=DEFAULT, compare=False)  # the topology's, where there is one
 
     @property
     def dsn(self) -> str:
@@ -44,11 +51,25 @@ class ConnInfo:
         shown = {k: ("***" if k == "password" else v) for k, v in self.params.items() if v is not None}
         return psycopg2.extensions.make_dsn(**shown)
 
-    def connect(self, **overrides: Any) -> psycopg2.extensions.connection:
-        """A connection; ``SiteUnreachableError`` when the server cannot be reached now (retry),
-        ``ConfigurationError`` when these parameters can never work (fix them)."""
+    def with_timeouts(self, timeouts: Timeouts) -> "ConnInfo":
+        return replace(self, timeouts=timeouts)
+
+    def params_for(self, purpose: Purpose) -> dict[str, Any]:
+        """The libpq parameters of a connection for ``purpose``: the DSN's, plus the bounds it sets none of."""
+        return self.timeouts.libpq_params(purpose, self.params)
+
+    def dsn_for(self, purpose: Purpose) -> str:
+        """A DSN with the bounds of ``purpose`` written in, for a process that connects later (a Spark
+        task, the lease keeper): ``connect_dsn`` there keeps them (password included: never log it)."""
+        return psycopg2.extensions.make_dsn(**self.params_for(purpose))
+
+    def connect(self, purpose: Purpose = Purpose.SESSION, **overrides: Any) -> psycopg2.extensions.connection:
+        """A connection for ``purpose``, bounded (``timeouts.py``); ``SiteUnreachableError`` when the
+        server cannot be reached now (retry), ``ConfigurationError`` when these parameters can never
+        work (fix them)."""
         try:
-            return psycopg2.connect(self.dsn, **overrides)
+            conn = psycopg2.connect(psycopg2.extensions.make_dsn(**self.params_for(purpose)),
+                                    connection_factory=BoundedConnection, **overrides)
         except psycopg2.OperationalError as exc:
             where = f"site {self.site_id!r}" if self.site_id else "site"
             reason = one_line(exc)
@@ -59,6 +80,16 @@ class ConnInfo:
                 f"cannot connect to {where} ({self.safe_dsn}): {reason}; "
                 "is the server up? (`lr sites list` for embedded sites)"
             ) from exc
+        conn.deadline_s = deadline_for(self.timeouts, purpose, self.params)
+        conn.site = self.site_id or self.conn_id
+        return conn
+
+
+def connect_dsn(dsn: str, purpose: Purpose = Purpose.SESSION, timeouts: Timeouts | None = None,
+                **overrides: Any) -> psycopg2.extensions.connection:
+    """``from_dsn(dsn).connect(purpose)``: for code handed a DSN (Spark tasks, bulk plans)."""
+    info = from_dsn(dsn)
+    return (info.with_timeouts(timeouts) if timeouts else info).connect(purpose, **overrides)
 
 
 # What a failed connect says when retrying cannot help: the server answered and refused these

@@ -18,6 +18,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, listing, one_line
 from airflow_provider_lr.engine.site.conninfo import ConnInfo, resolve
+from airflow_provider_lr.engine.site.timeouts import Timeouts
 from airflow_provider_lr.engine.site.durability import check_rule
 from airflow_provider_lr.engine.site.topology_schema import Origin, read, validate
 from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES_SQL, RequestStatus, SessionKey, receive_queue_name
@@ -60,6 +61,11 @@ class Topology:
             if source is None or r.source == source
         }
         return sorted(found)
+
+    @property
+    def timeouts(self) -> Timeouts:
+        """The bounds on every connection lr opens to this topology's sites (``settings:``)."""
+        return Timeouts.from_settings(self.settings)
 
     def setting(self, name: str, default: Any) -> Any:
         return type(default)(self.settings.get(name, default))
@@ -205,8 +211,9 @@ def from_site(conn: psycopg2.extensions.connection) -> Topology:
 
 
 def site_conninfo(topology: Topology, site_id: str) -> ConnInfo:
-    """How to reach a site of the topology (see ``Topology.conn_id``)."""
-    return resolve(topology.conn_id(site_id))
+    """How to reach a site of the topology (see ``Topology.conn_id``), with the topology's bounds
+    on its connections (keepalives, timeouts: ``timeouts.py``)."""
+    return resolve(topology.conn_id(site_id)).with_timeouts(topology.timeouts)
 
 
 def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site_id: str, commit: bool = True) -> None:

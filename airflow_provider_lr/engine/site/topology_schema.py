@@ -48,6 +48,8 @@ _SITE_ID = {"type": "string", "pattern": _anchored(SITE_ID_PATTERN)}
 _CLIENT = {"type": "string", "pattern": _anchored(CLIENT_NAME_PATTERN)}
 _POSITIVE_SECONDS = {"type": "number", "exclusiveMinimum": 0, "maximum": 86_400 * 365}
 _COUNT = {"type": "integer", "minimum": 0}
+_TIMEOUT = {"type": "number", "minimum": 0, "maximum": 86_400}  # seconds, 0: off
+_PROBE = {"type": "integer", "minimum": 1, "maximum": 3600}
 
 # name -> (schema, what it sets); the defaults live with the code that uses them.
 SETTINGS: dict[str, tuple[dict, str]] = {
@@ -64,6 +66,17 @@ SETTINGS: dict[str, tuple[dict, str]] = {
     "peer_probe_delay_s": (_POSITIVE_SECONDS, "seconds the nearest peer has to answer before the next is asked"),
     "max_payload_bytes": ({"type": "integer", "minimum": 1, "maximum": MAX_PAYLOAD_BYTES},
                           "largest payload transmit accepts on the sites of this topology"),
+    # the bounds on every connection lr opens (engine/site/timeouts.py; a DSN's own win)
+    "connect_timeout_s": (_TIMEOUT, "a server that does not answer the connect within this fails it"),
+    "keepalives_idle_s": (_PROBE, "an idle link is probed after this long"),
+    "keepalives_interval_s": (_PROBE, "then probed again every this long"),
+    "keepalives_count": (_PROBE, "and called dead after this many probes unanswered"),
+    "tcp_user_timeout_s": (_TIMEOUT, "data sent and not acknowledged this long: the link is dead"),
+    "statement_timeout_s": (_TIMEOUT, "one statement on a session connection; with the link check, a call's deadline"),
+    "lock_timeout_s": (_TIMEOUT, "a session's wait for a lock another transaction holds"),
+    "idle_in_transaction_timeout_s": (_TIMEOUT, "a session's transaction left open this long is ended by its server"),
+    "bulk_statement_timeout_s": (_TIMEOUT, "one statement of a bulk move (0: none)"),
+    "bulk_lock_timeout_s": (_TIMEOUT, "a bulk move's wait for a lock"),
 }
 
 SCHEMA: dict[str, Any] = {

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.site.timeouts import lifted
 from airflow_provider_lr.engine.source.log_reader import commit_barrier
 from airflow_provider_lr.engine.vocabulary import RequestStatus
 
@@ -58,9 +59,10 @@ def safe_trim_mark(conn: psycopg2.extensions.connection) -> int | None:
 
 def trim(conn: psycopg2.extensions.connection, upto: int) -> TrimResult:
     """Remove every entry with a commit position <= ``upto`` (except data of full syncs still
-    being transferred) and raise the trim mark; never lowers it. Commits."""
+    being transferred) and raise the trim mark; never lowers it. Commits. Runs as long as it takes
+    (millions of rows at once): no statement timeout for its duration."""
     try:
-        with conn.cursor() as cur:
+        with lifted(conn), conn.cursor() as cur:
             cur.execute("SELECT trim_mark FROM lr.log_trim FOR UPDATE")
             mark = max(cur.fetchone()[0], upto)
             cur.execute(

@@ -21,7 +21,8 @@ from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.lease_keeper import LeaseKeeper
 from airflow_provider_lr.engine.session.negotiation import Decision
 from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings
-from airflow_provider_lr.engine.site.conninfo import ConnInfo
+from airflow_provider_lr.engine.site.conninfo import ConnInfo, connect_dsn
+from airflow_provider_lr.engine.site.timeouts import Purpose
 from airflow_provider_lr.engine.site.topology import Topology, site_conninfo
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables.snapshot import KeyRange, SinkSide, TableSnapshot, copy_range, needed
@@ -59,10 +60,10 @@ def run_table_snapshot(topology: Topology, source: str, client: str, map_ranges:
     if not keys:
         raise ConfigurationError(f"site {source!r} is the source of no session of client {client!r}")
     resolve = conninfo or (lambda site: site_conninfo(topology, site))
-    dsns = {site: resolve(site).dsn for site in {source, *(k.sink for k in keys)}}
+    dsns = {site: resolve(site).dsn_for(Purpose.BULK) for site in {source, *(k.sink for k in keys)}}
     result = ParallelResult(source, client)
     t0 = time.monotonic()
-    src = psycopg2.connect(dsns[source])
+    src = connect_dsn(dsns[source], Purpose.BULK)
     sides: list[SinkSide] = []
     held: list[leases.Lease] = []
     keeper: LeaseKeeper | None = None
@@ -70,7 +71,7 @@ def run_table_snapshot(topology: Topology, source: str, client: str, map_ranges:
     try:
         federated = registry.federated_tables(src, client)
         for key in keys:
-            sink = psycopg2.connect(dsns[key.sink])
+            sink = connect_dsn(dsns[key.sink], Purpose.BULK)
             runner = SessionRunner(key, src, sink, owner, settings)
             report, _, negotiation = runner.begin()
             if runner.lease is not None:
@@ -117,7 +118,7 @@ def run_table_snapshot(topology: Topology, source: str, client: str, map_ranges:
 
 
 def connect_by_task(task: dict) -> Callable[[str], psycopg2.extensions.connection]:
-    return lambda site: psycopg2.connect(task["dsns"][site])
+    return lambda site: connect_dsn(task["dsns"][site], Purpose.BULK)
 
 
 def local_ranges(task: dict, ranges: Sequence[KeyRange]) -> list[int]:

@@ -1,0 +1,324 @@
+"""What bounds a call on a connection lr opens: TCP keepalives, timeouts, and a deadline per call.
+
+Without them a sink lock held by someone else, or a half-open link, stalls a replicator for good.
+``conninfo`` is the one place that connects; it asks this module for the parameters of each
+connection, by what the connection is for (``Purpose``):
+
+* the network, on every connection: ``connect_timeout``; TCP keepalives (``keepalives_idle`` +
+  ``keepalives_interval`` x ``keepalives_count``: an idle link that stopped answering fails in
+  25 s by default) and ``tcp_user_timeout`` (data sent and never acknowledged fails in 30 s);
+* the session, on lr's own connections: ``statement_timeout``, ``lock_timeout`` and
+  ``idle_in_transaction_session_timeout`` (``-c`` options at connect: no round trip); bulk moves
+  get their own, looser ones (``bulk_*``); a connection the application's statements run in (a
+  subscriber's, whose listener writes in its transaction) gets none: those are the application's;
+* a *deadline* per call on session connections (``Deadlines``): statement_timeout plus the time
+  the keepalives need to call a link dead. A link that acknowledges every byte and answers none
+  (a stalled proxy or load balancer, a stopped server process) fools TCP; past the deadline lr
+  shuts the connection's socket itself, so the call fails like a lost connection.
+
+Every setting is a topology setting (``settings:``, docs/topology.md); a DSN (or an Airflow
+connection's extras) that sets one of the libpq parameters, or the same option in ``options``,
+wins over it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from enum import Enum
+from typing import Any, Iterator, Mapping
+
+import psycopg2
+import psycopg2.extensions
+
+from airflow_provider_lr.engine.errors import error_line
+
+log = logging.getLogger(__name__)
+
+
+class Purpose(str, Enum):
+    """What a connection is for: which session settings it gets."""
+
+    SESSION = "session"  # replication work (cycles, streams, the CLI, operators): every bound
+    BULK = "bulk"  # long moves (Spark, the tee, snapshots, migrations): the bulk_* bounds, no deadline
+    APPLICATION = "application"  # statements of the application run in it (a subscriber's listener): network bounds only
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds (0: off). The topology setting of each field has the same name."""
+
+    connect_timeout_s: float = 10  # a server that does not answer the connect
+    keepalives_idle_s: int = 10  # an idle link is probed after this long ...
+    keepalives_interval_s: int = 5  # ... every this long ...
+    keepalives_count: int = 3  # ... and called dead after this many probes unanswered (10 + 5 x 3 = 25 s)
+    tcp_user_timeout_s: float = 30  # data sent and not acknowledged this long: the link is dead
+    statement_timeout_s: float = 120  # one statement of a session (reads and writes are batches: ms to s)
+    lock_timeout_s: float = 5  # waiting for a lock another transaction holds (a sink row, a table)
+    idle_in_transaction_timeout_s: float = 60  # a session's transaction left open (its client hung or cut off)
+    bulk_statement_timeout_s: float = 0  # bulk COPY runs as long as the data takes
+    bulk_lock_timeout_s: float = 60  # bulk writes wait longer for their locks
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> "Timeouts":
+        """The topology's ``settings:`` (unknown keys ignored: they are other settings)."""
+        names = {f.name: f.type for f in fields(cls)}
+        return cls(**{k: (int(v) if names[k] == "int" else float(v)) for k, v in settings.items() if k in names})
+
+    @property
+    def link_check_s(self) -> float:
+        """How long the keepalives take to call an idle, silent link dead."""
+        return self.keepalives_idle_s + self.keepalives_interval_s * self.keepalives_count
+
+    def deadline_s(self, purpose: Purpose) -> float | None:
+        """The longest a call on a connection of ``purpose`` may take before lr cuts it, or None."""
+        if purpose is not Purpose.SESSION or not self.statement_timeout_s:
+            return None
+        return self.statement_timeout_s + self.link_check_s
+
+    def session_options(self, purpose: Purpose) -> dict[str, float]:
+        """The server settings (milliseconds) of a connection of ``purpose``."""
+        if purpose is Purpose.APPLICATION:
+            return {}
+        bulk = purpose is Purpose.BULK
+        return {
+            "statement_timeout": self.bulk_statement_timeout_s if bulk else self.statement_timeout_s,
+            "lock_timeout": self.bulk_lock_timeout_s if bulk else self.lock_timeout_s,
+            # a bulk transaction may hold an exported snapshot open while other tasks copy
+            "idle_in_transaction_session_timeout": 0 if bulk else self.idle_in_transaction_timeout_s,
+        }
+
+    def libpq_params(self, purpose: Purpose, given: Mapping[str, Any]) -> dict[str, Any]:
+        """``given`` (a DSN's parameters) with these bounds added where it sets none."""
+        params: dict[str, Any] = {
+            "connect_timeout": max(2, round(self.connect_timeout_s)) if self.connect_timeout_s else 0,
+            "keepalives": 1,
+            "keepalives_idle": self.keepalives_idle_s,
+            "keepalives_interval": self.keepalives_interval_s,
+            "keepalives_count": self.keepalives_count,
+        }
+        if psycopg2.extensions.libpq_version() >= 120000:  # libpq 12 added it; an older one refuses the key
+            params["tcp_user_timeout"] = round(self.tcp_user_timeout_s * 1000)
+        params.update({k: v for k, v in given.items() if v is not None})
+        ours = " ".join(f"-c {name}={round(seconds * 1000)}" for name, seconds in self.session_options(purpose).items())
+        theirs = str(given.get("options") or "")
+        options = f"{ours} {theirs}".strip()  # a later -c wins: the DSN's own options override ours
+        if options:
+            params["options"] = options
+        return params
+
+
+DEFAULT = Timeouts()
+
+_STATEMENT_TIMEOUT_OPTION = re.compile(r"statement_timeout\s*=")
+
+
+def deadline_for(timeouts: Timeouts, purpose: Purpose, given: Mapping[str, Any]) -> float | None:
+    """The call deadline of a connection: none when its DSN sets its own statement timeout (lr
+    cannot know how long the DSN's author lets a statement run)."""
+    if _STATEMENT_TIMEOUT_OPTION.search(str(given.get("options") or "")):
+        return None
+    return timeouts.deadline_s(purpose)
+
+
+class Deadlines:
+    """One thread for the process: a call on a ``BoundedConnection`` that runs past its deadline
+    gets its socket shut down, so libpq returns at once with the connection lost (a retryable
+    ``OperationalError``) instead of waiting for an answer that a dead link will never bring."""
+
+    def __init__(self) -> None:
+        self._calls: dict[tuple[int, int], tuple[float, "BoundedConnection"]] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.cut = 0  # connections cut, for tests and logs
+
+    def begin(self, conn: "BoundedConnection") -> tuple[int, int] | None:
+        seconds = conn.deadline_s
+        if seconds is None:
+            return None
+        token = (id(conn), threading.get_ident())
+        self._calls[token] = (time.monotonic() + seconds, conn)
+        if self._thread is None:
+            self._start()
+        return token
+
+    def end(self, token: tuple[int, int] | None) -> None:
+        if token is not None:
+            self._calls.pop(token, None)
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True, name="lr-call-deadlines")
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.25)
+            now = time.monotonic()
+            for token, (due, conn) in list(self._calls.items()):
+                if now >= due and self._calls.get(token, (None,))[0] == due:
+                    self._calls.pop(token, None)
+                    self._cut(conn)
+
+    def _cut(self, conn: "BoundedConnection") -> None:
+        self.cut += 1
+        conn.was_cut = True
+        log.warning("%s: a call ran past its deadline of %.0f s (statement_timeout + link check): the link is taken "
+                    "as dead and the connection cut; the caller retries on a new one", conn.describe(), conn.deadline_s)
+        try:
+            with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except (OSError, psycopg2.Error):  # already closed
+            pass
+
+
+DEADLINES = Deadlines()
+
+
+def _watched(conn: "BoundedConnection", call: Any, *args: Any) -> Any:
+    """``call(*args)``, a call to the server, under ``DEADLINES``."""
+    token = DEADLINES.begin(conn)
+    try:
+        return call(*args)
+    finally:
+        DEADLINES.end(token)
+
+
+class BoundedCursor(psycopg2.extensions.cursor):
+    """A cursor whose calls to the server are watched by ``DEADLINES``."""
+
+    def execute(self, query: Any, vars: Any = None) -> Any:
+        return _watched(self.connection, super().execute, query, vars)
+
+    def executemany(self, query: Any, vars_list: Any) -> Any:
+        return _watched(self.connection, super().executemany, query, vars_list)
+
+    def copy_expert(self, sql: Any, file: Any, size: int = 8192) -> Any:
+        return _watched(self.connection, super().copy_expert, sql, file, size)
+
+    def _fetch(self, method: Any, *args: Any) -> Any:
+        if self.name is None:  # a client-side cursor: the rows are here already
+            return method(*args)
+        return _watched(self.connection, method, *args)  # a named cursor fetches from the server
+
+    def fetchone(self) -> Any:
+        return self._fetch(super().fetchone)
+
+    def fetchmany(self, size: int | None = None) -> Any:
+        return self._fetch(super().fetchmany) if size is None else self._fetch(super().fetchmany, size)
+
+    def fetchall(self) -> Any:
+        return self._fetch(super().fetchall)
+
+    def __iter__(self) -> Any:
+        """A named cursor's rows a round trip (``itersize``) at a time, each watched; a client-side
+        cursor's as psycopg2 gives them (no per-row cost: ``__next__`` is not overridden)."""
+        if self.name is None:
+            return super().__iter__()
+        return self._named_rows()
+
+    def _named_rows(self) -> Iterator[Any]:
+        while True:
+            rows = self._fetch(super().fetchmany, self.itersize)
+            if not rows:
+                return
+            yield from rows
+
+
+class BoundedConnection(psycopg2.extensions.connection):
+    """A connection of lr's whose calls have a deadline (``deadline_s``; None: unbounded)."""
+
+    deadline_s: float | None = None
+    site: str | None = None
+    was_cut = False  # by ``DEADLINES``: its failure is a dead link, not the server's
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cursor_factory = BoundedCursor
+
+    def describe(self) -> str:
+        try:
+            where = f"{self.info.host}:{self.info.port}"
+        except psycopg2.Error:
+            where = "?"
+        return f"connection to site {self.site!r} ({where})" if self.site else f"connection to {where}"
+
+    def commit(self) -> None:
+        _watched(self, super().commit)
+
+    def rollback(self) -> None:
+        _watched(self, super().rollback)
+
+
+def _set(conn: psycopg2.extensions.connection, statement: str) -> None:
+    """Run a SET; outside a transaction, commit it at once (psycopg2 opened one for it)."""
+    idle = not conn.autocommit and conn.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
+    with conn.cursor() as cur:
+        cur.execute(statement)
+    if idle:
+        conn.commit()
+
+
+_LIFT = "SET statement_timeout = 0; SET idle_in_transaction_session_timeout = 0"
+_RESTORE = "RESET statement_timeout; RESET idle_in_transaction_session_timeout"
+
+
+def lift(conn: psycopg2.extensions.connection) -> None:
+    """Make a session connection a bulk one for the rest of its life (a connection the caller owns
+    and closes): no statement or idle-in-transaction timeout, no call deadline."""
+    _set(conn, _LIFT)
+    if isinstance(conn, BoundedConnection):
+        conn.deadline_s = None
+
+
+@contextmanager
+def lifted(*conns: psycopg2.extensions.connection) -> Iterator[None]:
+    """Long work on session connections for a while (a provider's full sync, a table snapshot
+    written in a cycle): unbounded like ``lift``, then the connection's own bounds again."""
+    saved = [(conn, getattr(conn, "deadline_s", None)) for conn in conns]
+    for conn in conns:
+        lift(conn)
+    try:
+        yield
+    finally:
+        for conn, deadline in saved:
+            if conn.closed:
+                continue
+            try:
+                if conn.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_INERROR:
+                    conn.rollback()  # failed: it can only be rolled back, and the bounds must come back
+                _set(conn, _RESTORE)
+            except psycopg2.Error as exc:  # lost: the caller drops it
+                log.debug("bounds not restored on a connection: %s", exc)
+            if isinstance(conn, BoundedConnection):
+                conn.deadline_s = deadline
+
+
+# SQLSTATEs of the bounds above, and what each means for the session (one line each)
+_EXPLAINED = {
+    "55P03": "a lock lr needs is held by another transaction (lock_timeout)",
+    "57014": "a statement ran past statement_timeout (or was cancelled)",
+    "25P03": "the server ended a transaction left idle (idle_in_transaction_timeout)",
+}
+
+
+def explain(exc: BaseException) -> str | None:
+    """What a bound that fired means, to prefix an error with; None for other errors."""
+    conn = getattr(getattr(exc, "cursor", None), "connection", None)
+    if getattr(conn, "was_cut", False):
+        return (f"{conn.describe()} gave no answer within its call deadline of {conn.deadline_s:.0f} s "
+                "(statement_timeout + link check): a dead or stalled link, cut by lr")
+    return _EXPLAINED.get(getattr(exc, "pgcode", None) or "")
+
+
+def failure(exc: BaseException) -> str:
+    """A failed step as the one line a session's status and ``lr sync`` show: what the bound that
+    fired means (if one did), the error's type and its text."""
+    why = explain(exc)
+    return (f"{why}: " if why else "") + error_line(exc)

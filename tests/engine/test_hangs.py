@@ -1,0 +1,215 @@
+"""Nothing stalls a replicator for good (docs/operations.md "Hung calls"): a lock held elsewhere and a
+half-open link each fail the streaming session with its reason in ``lr status``, the session is
+retried with backoff, and once the cause is gone every entry arrives exactly once, in order.
+
+The replicators here connect as ``lr sync`` does (``conninfo`` with the topology's bounds), with
+short bounds so the tests stay short: a call is cut after ``statement_timeout_s`` plus the link
+check (``keepalives_idle_s + keepalives_interval_s * keepalives_count``), ``DEADLINE`` below."""
+from __future__ import annotations
+
+import time
+
+import psycopg2.errors
+import pytest
+
+from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.session.replicator import Replicator
+from airflow_provider_lr.engine.session.runner import SessionSettings
+from airflow_provider_lr.engine.session.stream import StreamSettings
+from airflow_provider_lr.engine.site import conninfo, topology
+from airflow_provider_lr.engine.site.timeouts import DEADLINES, Purpose, lifted
+from tests.support.link_proxy import LinkProxy
+from tests.support.session import App, Streaming, apply, queue, table_provider, wait_for
+
+ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
+BOUNDS = {"statement_timeout_s": 4, "lock_timeout_s": 1, "idle_in_transaction_timeout_s": 3,
+          "keepalives_idle_s": 1, "keepalives_interval_s": 1, "keepalives_count": 2,
+          "tcp_user_timeout_s": 3, "connect_timeout_s": 2}
+# The bound on noticing a link that acknowledges and never answers: statement_timeout_s + the link
+# check = 4 + 1 + 1 x 2 = 7 s, plus the deadline thread's tick (0.25 s).
+DEADLINE = 7.0
+SLACK = 8.0  # a shared 2-core machine: scheduling, not the bound
+RETRY = StreamSettings(check_interval=0.2, ack_interval=0.05, retry_min=0.2, retry_max=2.0)
+
+
+def bounded(topo, dsns: dict[str, str]) -> Replicator:
+    """A replicator connecting as ``lr sync`` does: through ``conninfo``, bounded by the topology."""
+    return Replicator(topo, lambda site: conninfo.from_dsn(dsns[site]).with_timeouts(topo.timeouts).connect(),
+                      settings=SessionSettings(data_timeout=30.0, barrier_timeout=2.0, lease_seconds=30.0),
+                      providers={"policy": table_provider})
+
+
+def logs(sink) -> list[str]:
+    return [p for k, p in queue(sink, "site-a") if k == "log"]
+
+
+def _setting(conn, name: str) -> str:
+    with conn.cursor() as cur:
+        cur.execute("SELECT current_setting(%s)", (name,))
+        return str(cur.fetchone()[0])
+
+
+def last_error(source) -> str:
+    return source.query("SELECT coalesce(last_error, '') FROM lr.source_sessions WHERE sink_site_id = 'site-b'")[0][0]
+
+
+@pytest.mark.parametrize("setting, value, error", [
+    ("keepalives_count", 0, "0 is less than the minimum of 1"),
+    ("lock_timeout_s", -1, "-1 is less than the minimum of 0"),
+    ("statement_timeout_s", "2m", "'2m' is not of type 'number'"),
+    ("keepalives_idle_s", 1.5, "1.5 is not of type 'integer'"),
+    ("lock_timeout", 5, "unknown key 'lock_timeout'"),
+])
+def test_the_bounds_are_strict_topology_settings(setting, value, error):
+    doc = {"sites": [{"id": "site-a"}, {"id": "site-b"}], "replication": ONE_SINK, "settings": {setting: value}}
+    with pytest.raises(ConfigurationError) as refused:
+        topology.from_document(doc)
+    assert f"settings.{setting}: {error}" in str(refused.value)
+    doc["settings"] = BOUNDS
+    assert topology.from_document(doc).timeouts.deadline_s(Purpose.SESSION) == DEADLINE
+
+
+def test_the_topology_bounds_every_connection_lr_opens(lr_sites):
+    """The settings reach the server (``-c`` options at connect) and the socket (keepalives); a DSN's
+    own value wins; a bulk connection has no statement timeout; an application's gets none of lr's."""
+    source = lr_sites[0]
+    topo = apply(lr_sites, ONE_SINK, settings=BOUNDS)
+    info = conninfo.from_dsn(source.dsn + " keepalives_idle=9").with_timeouts(topo.timeouts)
+
+    def shown(purpose: Purpose) -> tuple:
+        conn = info.connect(purpose)
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SELECT current_setting('statement_timeout'), current_setting('lock_timeout'), "
+                            "current_setting('idle_in_transaction_session_timeout')")
+                row = cur.fetchone()
+            return row, conn.get_dsn_parameters().get("keepalives_idle"), conn.deadline_s
+        finally:
+            conn.close()
+
+    assert shown(Purpose.SESSION) == (("4s", "1s", "3s"), "9", DEADLINE)
+    conn = info.connect()
+    try:  # long work lifts a session connection's bounds for its duration, even when it fails
+        with pytest.raises(psycopg2.errors.DivisionByZero), lifted(conn):
+            assert conn.deadline_s is None and _setting(conn, "statement_timeout") == "0"
+            conn.cursor().execute("SELECT 1/0")  # the work fails: its transaction is left aborted
+        assert conn.deadline_s == DEADLINE and _setting(conn, "statement_timeout") == "4s"
+        # a named cursor's rows are read a round trip at a time, each under the deadline
+        with conn.cursor(name="many") as cur:
+            cur.itersize = 1000
+            cur.execute("SELECT generate_series(1, 2500)")
+            assert [n for (n,) in cur] == list(range(1, 2501))
+    finally:
+        conn.close()
+    assert shown(Purpose.BULK) == (("0", "1min", "0"), "9", None)
+    assert shown(Purpose.APPLICATION)[0] == ("0", "0", "0")
+
+
+@pytest.mark.timeout(240)
+def test_a_sink_lock_held_elsewhere_fails_the_stream_with_its_reason_then_every_entry_arrives_once(lr_sites):
+    """Another session holds the sink's session row (the lock every sink write takes). The stream's
+    write fails after lock_timeout instead of waiting for good; the reason is the session's
+    ``last_error`` (one line); the cycles retry with backoff; once the lock goes, every entry is
+    delivered exactly once, in order."""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK, settings=BOUNDS)
+    app = App(source)
+    with Streaming(bounded(topo, {s.site_id: s.dsn for s in lr_sites}), RETRY) as streaming:
+        streaming.streaming()
+        for i in range(10):
+            app.put(f"k{i}", i, ["site-b"])
+        wait_for(lambda: len(logs(sink_b)) == 10, 30, "the first entries to stream")
+        holder = sink_b.connect()
+        try:
+            with holder.cursor() as cur:
+                cur.execute("SELECT 1 FROM lr.sink_sessions FOR UPDATE")
+            for i in range(10, 30):
+                app.put(f"k{i}", i, ["site-b"])
+            wait_for(lambda: any("lock_timeout" in e.error for e in streaming.streamer.ends), 30,
+                     "the stream to fail on the lock")
+            wait_for(lambda: "lock_timeout" in last_error(source), 30, "the reason in the session's status")
+            time.sleep(1.5)  # the cycles keep trying while the lock is held: still nothing written
+            assert logs(sink_b) == [f"k{i}={i}" for i in range(10)]
+            error = last_error(source)
+            assert "\n" not in error and "LockNotAvailable" in error, error
+            assert streaming.streamer.backoff, "a failing session is backed off"
+        finally:
+            holder.rollback()
+            holder.close()
+        wait_for(lambda: len(logs(sink_b)) >= 30, 60, "every entry once the lock is gone")
+        streaming.streaming()
+        wait_for(lambda: last_error(source) == "", 10, "the error cleared by the next success")
+    assert logs(sink_b) == [f"k{i}={i}" for i in range(30)]
+    app.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_half_open_link_to_the_sink_is_noticed_within_the_deadline_and_the_stream_resumes_once_it_heals(lr_sites):
+    """The link to the sink goes half-open mid-stream: the proxy stops forwarding without closing,
+    and keeps acknowledging (TCP sees nothing wrong). The stream's next sink write is cut at its
+    deadline (``DEADLINE``) and hands back; the cycles fail (the cut connection, then connects
+    that time out) and back off; the sink's server ends the transaction the stream left open
+    (idle_in_transaction_timeout_s), releasing its lock; once the link heals the session
+    renegotiates and streams again, and the sink has every entry exactly once, in order."""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK, settings=BOUNDS)
+    app = App(source)
+    link = LinkProxy(sink_b.conninfo.params["port"])
+    dsns = {"site-a": source.dsn, "site-b": link.dsn(sink_b.dsn)}
+    with Streaming(bounded(topo, dsns), RETRY) as streaming:
+        with link:  # closed first on the way out: a call still stuck on it returns (a failure, not a hang)
+            streaming.streaming()
+            for i in range(20):
+                app.put(f"k{i}", i, ["site-b"])
+            wait_for(lambda: len(logs(sink_b)) == 20, 30, "the first entries to stream")
+            cut_before = DEADLINES.cut
+            link.stall()
+            stalled = time.monotonic()
+            for i in range(20, 40):
+                app.put(f"k{i}", i, ["site-b"])
+            wait_for(lambda: any(e.error for e in streaming.streamer.ends), DEADLINE + SLACK,
+                     "the stream to notice the stalled link")
+            noticed = time.monotonic() - stalled
+            assert noticed <= DEADLINE + SLACK, noticed
+            assert DEADLINES.cut > cut_before, "the stalled call was cut at its deadline"
+            (end,) = [e for e in streaming.streamer.ends if e.error]
+            assert end.session == "site-a->site-b/policy" and "OperationalError" in end.error, end
+            wait_for(lambda: "OperationalError" in last_error(source) or "SiteUnreachable" in last_error(source),
+                     DEADLINE + SLACK, "the failure in the session's status")
+            assert logs(sink_b) == [f"k{i}={i}" for i in range(20)]
+            link.heal()
+            wait_for(lambda: len(logs(sink_b)) >= 40, 60, "every entry once the link heals")
+            streaming.streaming()
+            for i in range(40, 50):
+                app.put(f"k{i}", i, ["site-b"])
+            wait_for(lambda: len(logs(sink_b)) >= 50, 30, "streaming again")
+    assert logs(sink_b) == [f"k{i}={i}" for i in range(50)]
+    app.close()
+
+
+def test_an_idle_stream_and_idle_cycles_outlast_their_own_bounds(lr_sites):
+    """lr's own connections never sit idle in a transaction: a stream and cycles left idle for
+    several times ``idle_in_transaction_timeout_s`` are not ended by their servers (a bound that
+    fired on a healthy session would hand it back, or fail a cycle, for nothing)."""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK, settings={**BOUNDS, "idle_in_transaction_timeout_s": 0.5})
+    app = App(source)
+    dsns = {s.site_id: s.dsn for s in lr_sites}
+    with Streaming(bounded(topo, dsns), RETRY) as streaming:
+        streaming.streaming()
+        for round_ in range(3):
+            app.put(f"k{round_}", round_, ["site-b"])
+            wait_for(lambda: len(logs(sink_b)) == round_ + 1, 30, "the entry to stream")
+            time.sleep(2)  # idle: four times the bound
+        assert not streaming.streamer.ends, streaming.streamer.ends
+    cycles = bounded(topo, dsns)
+    try:
+        for round_ in range(3, 5):
+            app.put(f"k{round_}", round_, ["site-b"])
+            reports = cycles.run_cycle()
+            assert not [r.error for r in reports if r.error]
+            time.sleep(2)
+    finally:
+        cycles.close()
+    assert logs(sink_b) == [f"k{i}={i}" for i in range(5)] and last_error(source) == ""
+    app.close()
