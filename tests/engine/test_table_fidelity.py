@@ -1,0 +1,60 @@
+"""Federated tables carry what the writer wrote, whatever the table: column names like the words of
+lr's own SQL never break the writer's statement, a valid source transaction always applies at the
+sink (in the source's order), and every built-in type arrives exactly."""
+from __future__ import annotations
+
+from tests.support.session import apply, replicator
+from tests.support.tables import federate, rows
+
+
+def _sync(repl, cycles: int = 40) -> list:
+    """Cycles until idle; every cycle's reports."""
+    seen: list = []
+    repl.run(max_cycles=cycles, until_idle=True, interval=0.05, on_cycle=seen.extend)
+    return seen
+
+
+def _errors(reports) -> list[str]:
+    return [r.error for r in reports if r.error]
+
+
+# Columns named like every identifier of the capture trigger (its variables, its aliases, its
+# transition tables, the JSON keys it writes) and like SQL words, quoted mixed case and spaces.
+HOSTILE_COLUMNS = ["n", "o", "k", "r", "c", "g", "s", "a", "nonkey", "keys", "key", "old", "new", "op", "row", "rows",
+                   "data", "lr", "table_id", "client", "tid", "cid", "tags", "gen", "chunk", "gone", "lr_old",
+                   "lr_new", "lr_o", "lr_n", "lr_key", "lr_row", "lr_seq", "lr_tags", "lr_keys", "lr_nonkey",
+                   "lr_generated", "lr_table_id", "lr_client_id", "lr_gone", "lr_changed", "lr_k", "MixedCase",
+                   "with space", "select", "from", "order", "user", "tg_op", "tg_argv", "message", "stream"]
+
+
+def _hostile_table(site, name: str, key: list[str]) -> None:
+    cols = ", ".join(f'"{c}" text' if c not in key else f'"{c}" int NOT NULL' for c in HOSTILE_COLUMNS)
+    site.query(f"CREATE TABLE public.{name} ({cols}, PRIMARY KEY ({', '.join(chr(34) + k + chr(34) for k in key)}))")
+
+
+def test_a_table_whose_columns_are_named_like_the_capture_triggers_words_is_captured_and_applied(lr_sites):
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    _hostile_table(source, "hostile", ["n"])
+    _hostile_table(source, "hostile2", ["nonkey", "select"])  # a composite key of hostile names
+    source.query("INSERT INTO public.hostile (n, nonkey, \"with space\") SELECT g, 'v' || g, 's' FROM generate_series(1, 5) g")
+    federate(source, "public.hostile")
+    federate(source, "public.hostile2")
+    repl = replicator(topo, lr_sites)
+    _sync(repl)
+    # every kind of statement, in the writer's transaction: none may fail
+    source.query("INSERT INTO public.hostile (n, nonkey, op, \"MixedCase\", tags) "
+                 "SELECT g, 'new' || g, 'u', 'M', '{1}' FROM generate_series(6, 1200) g")  # several entries
+    source.query("UPDATE public.hostile SET nonkey = 'changed', \"row\" = 'r', data = 'd' WHERE n <= 600")
+    source.query("UPDATE public.hostile SET n = n + 5000 WHERE n BETWEEN 10 AND 20")  # key changes
+    source.query("DELETE FROM public.hostile WHERE n BETWEEN 30 AND 40")
+    source.query("INSERT INTO public.hostile2 (nonkey, \"select\", n, k) SELECT g, g %% 3, 'x', 'y' "
+                 "FROM generate_series(1, 30) g")
+    source.query("UPDATE public.hostile2 SET \"select\" = \"select\" + 10 WHERE nonkey < 10")  # key changes
+    source.query("UPDATE public.hostile2 SET lr = 'l', \"from\" = 'f' WHERE nonkey >= 10")
+    source.query("DELETE FROM public.hostile2 WHERE nonkey = 29")
+    assert _errors(_sync(repl)) == []
+    for sink in sinks:
+        assert rows(sink, "public.hostile") == rows(source, "public.hostile")
+        assert rows(sink, "public.hostile2") == rows(source, "public.hostile2")
+    assert len(rows(source, "public.hostile")) == 1200 - 11
