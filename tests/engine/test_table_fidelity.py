@@ -58,3 +58,86 @@ def test_a_table_whose_columns_are_named_like_the_capture_triggers_words_is_capt
         assert rows(sink, "public.hostile") == rows(source, "public.hostile")
         assert rows(sink, "public.hostile2") == rows(source, "public.hostile2")
     assert len(rows(source, "public.hostile")) == 1200 - 11
+
+
+def _both(sites, ddl: str) -> None:
+    for site in sites:
+        site.query(ddl)
+
+
+def _in_one_transaction(site, *statements: str) -> None:
+    conn = site.connect()
+    try:
+        with conn.cursor() as cur:
+            for statement in statements:
+                cur.execute(statement)
+        conn.commit()
+    finally:
+        conn.close()
+
+
+def test_transactions_valid_at_the_source_apply_at_a_sink_with_the_same_constraints(lr_sites):
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    _both(lr_sites, "CREATE TABLE public.people (id int PRIMARY KEY, email text NOT NULL UNIQUE, "
+                    "badge int UNIQUE DEFERRABLE INITIALLY IMMEDIATE, name text)")
+    source.query("INSERT INTO public.people SELECT g, 'e' || g, g, 'p' || g FROM generate_series(1, 9) g")
+    federate(source, "public.people")
+    repl = replicator(topo, lr_sites)
+    _sync(repl)
+    scenarios = {
+        "swap through a temporary value": [
+            "UPDATE public.people SET email = 'tmp' WHERE id = 1",
+            "UPDATE public.people SET email = 'e1' WHERE id = 2",
+            "UPDATE public.people SET email = 'e2' WHERE id = 1"],
+        "a chain a->b, b->c, c->a": [
+            "UPDATE public.people SET email = 'tmp' WHERE id = 3",
+            "UPDATE public.people SET email = 'e3' WHERE id = 5",
+            "UPDATE public.people SET email = 'e5' WHERE id = 4",
+            "UPDATE public.people SET email = 'e4' WHERE id = 3"],
+        "a value deleted under one key and inserted under another": [
+            "DELETE FROM public.people WHERE id = 6",
+            "INSERT INTO public.people VALUES (60, 'e6', 6, 'moved')"],
+        "primary keys change, unique values stay with their rows": [
+            "UPDATE public.people SET id = id + 100"],
+        "a deferrable constraint swapped in two statements, checked at commit": [
+            "SET CONSTRAINTS ALL DEFERRED",
+            "UPDATE public.people SET badge = 8 WHERE id = 107",
+            "UPDATE public.people SET badge = 7 WHERE id = 108"],
+        "and back again, each in its own transaction": [],
+    }
+    for what, statements in scenarios.items():
+        if statements:
+            _in_one_transaction(source, *statements)
+        assert _errors(_sync(repl)) == [], what
+        for sink in sinks:
+            assert rows(sink, "public.people") == rows(source, "public.people"), what
+    # the same history again from the start, all of it in one batch (one sink transaction)
+    _in_one_transaction(source, "DELETE FROM public.people",
+                        "INSERT INTO public.people SELECT g, 'e' || g, g, 'p' || g FROM generate_series(1, 9) g")
+    for statements in scenarios.values():
+        if statements:
+            _in_one_transaction(source, *statements)
+    assert _errors(_sync(repl)) == []
+    for sink in sinks:
+        assert rows(sink, "public.people") == rows(source, "public.people")
+
+
+def test_changes_of_two_tables_apply_in_the_source_order_across_tables(lr_sites):
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    _both(lr_sites, "CREATE TABLE public.parents (id int PRIMARY KEY, name text)")
+    _both(lr_sites, "CREATE TABLE public.children (id int PRIMARY KEY, parent int NOT NULL REFERENCES public.parents)")
+    federate(source, "public.parents")
+    federate(source, "public.children")
+    repl = replicator(topo, lr_sites)
+    _sync(repl)
+    _in_one_transaction(source, "INSERT INTO public.parents VALUES (1, 'a'), (2, 'b')",
+                        "INSERT INTO public.children VALUES (10, 1), (20, 2)")
+    _sync(repl)
+    _in_one_transaction(source, "DELETE FROM public.children WHERE parent = 1", "DELETE FROM public.parents WHERE id = 1",
+                        "INSERT INTO public.parents VALUES (3, 'c')", "UPDATE public.children SET parent = 3")
+    assert _errors(_sync(repl)) == []
+    for sink in sinks:
+        assert rows(sink, "public.parents") == rows(source, "public.parents")
+        assert rows(sink, "public.children") == rows(source, "public.children")
