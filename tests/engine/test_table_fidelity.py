@@ -4,7 +4,7 @@ sink (in the source's order), and every built-in type arrives exactly."""
 from __future__ import annotations
 
 from tests.support.session import apply, replicator
-from tests.support.tables import federate, rows
+from tests.support.tables import create_accounts, federate, rows
 
 
 def _sync(repl, cycles: int = 40) -> list:
@@ -141,3 +141,37 @@ def test_changes_of_two_tables_apply_in_the_source_order_across_tables(lr_sites)
     for sink in sinks:
         assert rows(sink, "public.parents") == rows(source, "public.parents")
         assert rows(sink, "public.children") == rows(source, "public.children")
+
+
+def _status(site) -> str:
+    from airflow_provider_lr.engine.site import status
+
+    conn = site.connect()
+    try:
+        return status.render(status.site_status(conn))
+    finally:
+        conn.close()
+
+
+def test_a_batch_the_sink_refuses_shows_in_status_and_applies_by_itself_once_the_sink_is_fixed(lr_sites):
+    source, sink, other = lr_sites
+    topo = apply(lr_sites)
+    create_accounts(source, rows=20)
+    federate(source)
+    repl = replicator(topo, lr_sites)
+    _sync(repl)
+    sink.query("ALTER TABLE public.accounts ADD CONSTRAINT small CHECK (balance < 1000)")  # the source has none
+    source.query("UPDATE public.accounts SET balance = 5000, owner = 'rich' WHERE id = 3")
+    source.query("INSERT INTO public.accounts (id, owner) VALUES (100, 'after')")
+    errors = _errors(_sync(repl, cycles=3))
+    assert errors and all("site-a->site-b/policy" in e for e in errors)
+    assert any('the sink refused table public.accounts: new row for relation "accounts" violates check '
+               'constraint "small"' in e for e in errors)
+    shown = [line for line in _status(source).splitlines() if "the sink refused" in line]
+    assert len(shown) == 1 and "fix it there" in shown[0]  # one line, naming the fix
+    assert sink.query("SELECT owner FROM public.accounts WHERE id IN (3, 100) ORDER BY id") == [("owner3",)]
+    assert rows(other) == rows(source)  # the other sink is not held back
+    sink.query("ALTER TABLE public.accounts DROP CONSTRAINT small")
+    assert _errors(_sync(repl)) == []
+    assert rows(sink) == rows(source)
+    assert "the sink refused" not in _status(source)
