@@ -105,12 +105,12 @@ class Target:
     def table(self) -> TableName:
         return self.definition.table
 
-    def key_object(self, row: sql.Composable) -> sql.Composed:
-        """The jsonb form of a row's key (``row.k``; ``row`` an alias or a record expression), as
-        the origin ledger stores it."""
+    def key_object(self, row: sql.Composable, value: Callable[[str], sql.Composable] | None = None) -> sql.Composed:
+        """The jsonb form of a row's key (``row.k``; ``row`` an alias or a record expression; or
+        ``value(k)``), as the origin ledger stores it."""
         parts = []
         for k in self.definition.key:
-            parts += [sql.Literal(k), sql.SQL("{}.{}").format(row, sql.Identifier(k))]
+            parts += [sql.Literal(k), value(k) if value else sql.SQL("{}.{}").format(row, sql.Identifier(k))]
         return sql.SQL("jsonb_build_object({})").format(sql.SQL(", ").join(parts))
 
 
@@ -130,6 +130,7 @@ def prepare(cur: psycopg2.extensions.cursor, source: str, client: str, source_de
     sink_def = read_definition(cur, table)
     created = False
     if sink_def is None:
+        _require_types(cur, source_def, where)
         cur.execute(source_def.create_statement())
         sink_def, created = read_definition(cur, table), True
         assert sink_def is not None
@@ -141,6 +142,20 @@ def prepare(cur: psycopg2.extensions.cursor, source: str, client: str, source_de
             (str(table), client, source, list(sink_def.key), f"lrq_table_{client}"),
         )
     return Target(sink_def, source, *origin(cur, table, source), created=created)
+
+
+def _require_types(cur: psycopg2.extensions.cursor, source_def: TableDefinition, where: str) -> None:
+    """lr creates a missing table, not the types it uses: a type the sink lacks (an enum, composite
+    or domain of the source's) refuses the session, naming it."""
+    types = sorted({c.type for c in source_def.columns})
+    cur.execute("SELECT t FROM unnest(%s::text[]) t WHERE to_regtype(t) IS NULL", (types,))
+    missing = [r[0] for r in cur.fetchall()]
+    if missing:
+        raise SchemaMismatchError(
+            f"{where}: table {source_def.table} uses type(s) {', '.join(missing)} that the sink does not have. "
+            "lr creates the table, not its types: create them on the sink as on the source (for an enum, the "
+            "same labels) and the next cycle goes on"
+        )
 
 
 def target_of(cur: psycopg2.extensions.cursor, source: str, table: TableName, where: Callable[[], str]) -> Target:
@@ -231,6 +246,7 @@ class _Run:
 
     tid: int
     op: str
+    text: tuple[str, ...]  # columns the entries carry as their text form (see V0014)
     docs: list[bytes] = field(default_factory=list)
     lo: list[int] = field(default_factory=list)
     hi: list[int] = field(default_factory=list)
@@ -300,7 +316,8 @@ class ChangeApplier:
     def _queue(self, tid: int, target: Target, op: str, message: bytes) -> None:
         """The entry's rows onto the runs, checked against the sink's columns."""
         d = target.definition
-        rows = json.loads(message, parse_float=Decimal)["rows"]
+        entry = json.loads(message, parse_float=Decimal)
+        rows, text = entry["rows"], tuple(entry.get("text", ()))
         need = set(d.column_names) if op == "u" else set(d.key)
         bad = sum(1 for r in rows if (set(r) != need if op == "u" else not need <= set(r)))
         if bad:
@@ -312,8 +329,8 @@ class ChangeApplier:
         run = self.runs[-1] if self.runs else None
         for n, row in enumerate(rows, start=1):
             key = _key(row, d.key) if op == "u" else None
-            if run is None or run.tid != tid or run.op != op or key in run.keys:
-                run = _Run(tid, op)
+            if run is None or (run.tid, run.op, run.text) != (tid, op, text) or key in run.keys:
+                run = _Run(tid, op, text)
                 self.runs.append(run)
             if key is not None:
                 run.keys.add(key)
@@ -325,7 +342,8 @@ class ChangeApplier:
         if not runs:
             return
         statements = [self.cur.mogrify(self._statement(run), {"docs": [psycopg2.Binary(m) for m in run.docs],
-                                                                "lo": run.lo, "hi": run.hi}) for run in runs]
+                                                                "lo": run.lo, "hi": run.hi, "text": list(run.text)})
+                      for run in runs]
         try:
             self.cur.execute(b";\n".join(statements))
         except psycopg2.Error as exc:
@@ -343,23 +361,30 @@ class ChangeApplier:
         assert target is not None
         d = target.definition
         rows = sql.SQL(  # ORDER BY: the source's order, and the subquery is not pulled up (p computed once)
-            "SELECT jsonb_populate_record(NULL::{t}, r.d) AS p FROM unnest(%(docs)s::bytea[], %(lo)s::int[], "
+            "SELECT jsonb_populate_record(NULL::{t}, r.d - %(text)s::text[]) AS p, r.d FROM unnest(%(docs)s::bytea[], %(lo)s::int[], "
             "%(hi)s::int[]) WITH ORDINALITY AS t(doc, lo, hi, ord) CROSS JOIN LATERAL "
             "jsonb_array_elements(convert_from(t.doc, 'UTF8')::jsonb -> 'rows') WITH ORDINALITY AS r(d, i) "
             "WHERE r.i BETWEEN t.lo AND t.hi ORDER BY t.ord, r.i").format(t=d.table.ident)
+        types = {c.name: c.type for c in d.columns}
+
+        def value(col: str) -> sql.Composable:  # a column of row s: from the record, or cast from its text
+            if col in run.text:
+                return sql.SQL("(s.d ->> {})::{}").format(sql.Literal(col), sql.SQL(types[col]))
+            return sql.SQL("(s.p).{}").format(sql.Identifier(col))
+
         if run.op == "d":
             x_key = sql.SQL(", ").join(sql.SQL("x.{}").format(sql.Identifier(k)) for k in d.key)
-            s_key = sql.SQL(", ").join(sql.SQL("(s.p).{}").format(sql.Identifier(k)) for k in d.key)
+            s_key = sql.SQL(", ").join(value(k) for k in d.key)
             statement = sql.SQL("DELETE FROM {t} x USING ({rows}) s WHERE ({xk}) = ({sk})").format(
                 t=d.table.ident, rows=rows, xk=x_key, sk=s_key)
         else:
             cols = sql.SQL(", ").join(map(sql.Identifier, d.column_names))
-            s_cols = sql.SQL(", ").join(sql.SQL("(s.p).{}").format(sql.Identifier(c)) for c in d.column_names)
+            s_cols = sql.SQL(", ").join(value(c) for c in d.column_names)
             statement = sql.SQL("INSERT INTO {t} ({cols}) SELECT {s_cols} FROM ({rows}) s {conflict}").format(
                 t=d.table.ident, cols=cols, s_cols=s_cols, rows=rows, conflict=_on_conflict(d))
         if not target.shared:
             return statement
-        keys = sql.SQL("SELECT {} AS key FROM ({}) s").format(target.key_object(sql.SQL("(s.p)")), rows)
+        keys = sql.SQL("SELECT {} AS key FROM ({}) s").format(target.key_object(sql.SQL("(s.p)"), value), rows)
         return sql.SQL("{}; {}").format(statement, _ledger(target, keys, upserted=run.op == "u"))
 
     def _target(self, tid: int) -> Target | None:
