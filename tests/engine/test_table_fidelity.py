@@ -4,14 +4,7 @@ sink (in the source's order), and every built-in type arrives exactly."""
 from __future__ import annotations
 
 from tests.support.session import apply, replicator
-from tests.support.tables import create_accounts, federate, rows
-
-
-def _sync(repl, cycles: int = 40) -> list:
-    """Cycles until idle; every cycle's reports."""
-    seen: list = []
-    repl.run(max_cycles=cycles, until_idle=True, interval=0.05, on_cycle=seen.extend)
-    return seen
+from tests.support.tables import create_accounts, federate, rows, status_text, sync
 
 
 def _errors(reports) -> list[str]:
@@ -46,7 +39,7 @@ def test_a_table_whose_columns_are_named_like_the_capture_triggers_words_is_capt
     federate(source, "public.hostile")
     federate(source, "public.hostile2")
     repl = replicator(topo, lr_sites)
-    _sync(repl)
+    sync(repl)
     # every kind of statement, in the writer's transaction: none may fail
     source.query("INSERT INTO public.hostile (n, nonkey, op, \"MixedCase\", tags) "
                  "SELECT g, 'new' || g, 'u', 'M', '{1}' FROM generate_series(6, 1200) g")  # several entries
@@ -59,7 +52,7 @@ def test_a_table_whose_columns_are_named_like_the_capture_triggers_words_is_capt
     source.query("UPDATE public.hostile2 SET \"select\" = \"select\" + 10 WHERE nonkey < 10")  # key changes
     source.query("UPDATE public.hostile2 SET lr = 'l', \"from\" = 'f' WHERE nonkey >= 10")
     source.query("DELETE FROM public.hostile2 WHERE nonkey = 29")
-    assert _errors(_sync(repl)) == []
+    assert _errors(sync(repl)) == []
     for sink in sinks:
         assert rows(sink, "public.hostile") == rows(source, "public.hostile")
         assert rows(sink, "public.hostile2") == rows(source, "public.hostile2")
@@ -90,7 +83,7 @@ def test_transactions_valid_at_the_source_apply_at_a_sink_with_the_same_constrai
     source.query("INSERT INTO public.people SELECT g, 'e' || g, g, 'p' || g FROM generate_series(1, 9) g")
     federate(source, "public.people")
     repl = replicator(topo, lr_sites)
-    _sync(repl)
+    sync(repl)
     scenarios = {
         "swap through a temporary value": [
             "UPDATE public.people SET email = 'tmp' WHERE id = 1",
@@ -115,7 +108,7 @@ def test_transactions_valid_at_the_source_apply_at_a_sink_with_the_same_constrai
     for what, statements in scenarios.items():
         if statements:
             _in_one_transaction(source, *statements)
-        assert _errors(_sync(repl)) == [], what
+        assert _errors(sync(repl)) == [], what
         for sink in sinks:
             assert rows(sink, "public.people") == rows(source, "public.people"), what
     # the same history again from the start, all of it in one batch (one sink transaction)
@@ -124,7 +117,7 @@ def test_transactions_valid_at_the_source_apply_at_a_sink_with_the_same_constrai
     for statements in scenarios.values():
         if statements:
             _in_one_transaction(source, *statements)
-    assert _errors(_sync(repl)) == []
+    assert _errors(sync(repl)) == []
     for sink in sinks:
         assert rows(sink, "public.people") == rows(source, "public.people")
 
@@ -137,26 +130,16 @@ def test_changes_of_two_tables_apply_in_the_source_order_across_tables(lr_sites)
     federate(source, "public.parents")
     federate(source, "public.children")
     repl = replicator(topo, lr_sites)
-    _sync(repl)
+    sync(repl)
     _in_one_transaction(source, "INSERT INTO public.parents VALUES (1, 'a'), (2, 'b')",
                         "INSERT INTO public.children VALUES (10, 1), (20, 2)")
-    _sync(repl)
+    sync(repl)
     _in_one_transaction(source, "DELETE FROM public.children WHERE parent = 1", "DELETE FROM public.parents WHERE id = 1",
                         "INSERT INTO public.parents VALUES (3, 'c')", "UPDATE public.children SET parent = 3")
-    assert _errors(_sync(repl)) == []
+    assert _errors(sync(repl)) == []
     for sink in sinks:
         assert rows(sink, "public.parents") == rows(source, "public.parents")
         assert rows(sink, "public.children") == rows(source, "public.children")
-
-
-def _status(site) -> str:
-    from airflow_provider_lr.engine.site import status
-
-    conn = site.connect()
-    try:
-        return status.render(status.site_status(conn))
-    finally:
-        conn.close()
 
 
 def test_a_batch_the_sink_refuses_shows_in_status_and_applies_by_itself_once_the_sink_is_fixed(lr_sites):
@@ -165,22 +148,22 @@ def test_a_batch_the_sink_refuses_shows_in_status_and_applies_by_itself_once_the
     create_accounts(source, rows=20)
     federate(source)
     repl = replicator(topo, lr_sites)
-    _sync(repl)
+    sync(repl)
     sink.query("ALTER TABLE public.accounts ADD CONSTRAINT small CHECK (balance < 1000)")  # the source has none
     source.query("UPDATE public.accounts SET balance = 5000, owner = 'rich' WHERE id = 3")
     source.query("INSERT INTO public.accounts (id, owner) VALUES (100, 'after')")
-    errors = _errors(_sync(repl, cycles=3))
+    errors = _errors(sync(repl, cycles=3))
     assert errors and all("site-a->site-b/policy" in e for e in errors)
     assert any('the sink refused table public.accounts: new row for relation "accounts" violates check '
                'constraint "small"' in e for e in errors)
-    shown = [line for line in _status(source).splitlines() if "the sink refused" in line]
+    shown = [line for line in status_text(source).splitlines() if "the sink refused" in line]
     assert len(shown) == 1 and "fix it there" in shown[0]  # one line, naming the fix
     assert sink.query("SELECT owner FROM public.accounts WHERE id IN (3, 100) ORDER BY id") == [("owner3",)]
     assert rows(other) == rows(source)  # the other sink is not held back
     sink.query("ALTER TABLE public.accounts DROP CONSTRAINT small")
-    assert _errors(_sync(repl)) == []
+    assert _errors(sync(repl)) == []
     assert rows(sink) == rows(source)
-    assert "the sink refused" not in _status(source)
+    assert "the sink refused" not in status_text(source)
 
 
 # Every built-in type (and user-defined enum, composite, domain, in and out of arrays) with its
@@ -308,12 +291,12 @@ def test_every_built_in_type_round_trips_through_the_snapshot_and_through_change
     _insert_every_type(source, "every_type", 1)  # carried by the snapshot (binary COPY)
     federate(source, "public.every_type")
     repl = replicator(topo, lr_sites)
-    assert _errors(_sync(repl)) == []
+    assert _errors(sync(repl)) == []
     for sink in sinks:
         assert _differences(source, sink, "every_type") == []
     _insert_every_type(source, "every_type", 11)  # carried as changes
     source.query("UPDATE public.every_type SET id = id + 100 WHERE id = 12")  # a key change moves every value
-    assert _errors(_sync(repl)) == []
+    assert _errors(sync(repl)) == []
     for sink in sinks:
         assert _differences(source, sink, "every_type") == []
 
@@ -328,14 +311,14 @@ def test_a_sink_without_the_tables_own_types_is_refused_naming_them_until_it_cre
     source.query("INSERT INTO public.moods VALUES (1, 'ok', ARRAY[ROW(1, 'a', 'sad')::public.pair], 1.5)")
     federate(source, "public.moods")
     repl = replicator(topo, lr_sites)
-    errors = _errors(_sync(repl, cycles=3))
+    errors = _errors(sync(repl, cycles=3))
     assert any("site-a->site-b/policy: table public.moods uses type(s) public.mood, public.pair[] that the sink "
                "does not have" in e for e in errors), errors
     assert sink.query("SELECT to_regclass('public.moods') IS NULL") == [(True,)]
     assert rows(other, "public.moods") == rows(source, "public.moods")
     for ddl in TYPES_DDL:
         sink.query(ddl)
-    assert _errors(_sync(repl)) == []
+    assert _errors(sync(repl)) == []
     assert rows(sink, "public.moods") == rows(source, "public.moods")
 
 
@@ -360,7 +343,7 @@ def test_a_writer_whose_search_path_puts_lookalikes_of_lrs_names_first_transmits
     create_accounts(source)
     federate(source)
     repl = replicator(topo, lr_sites)
-    _sync(repl)
+    sync(repl)
     source.query(TRAP)
     conn = source.connect()
     try:
@@ -382,6 +365,6 @@ def test_a_writer_whose_search_path_puts_lookalikes_of_lrs_names_first_transmits
         assert client.delivery(ticket) is not None
     finally:
         conn.close()
-    assert _errors(_sync(repl)) == []
+    assert _errors(sync(repl)) == []
     assert [p for k, p in queue(sink) if k == "log"] == ["one", "two", "three"]
     assert rows(sink) == rows(source) and len(rows(sink)) == 1

@@ -30,6 +30,24 @@ def federate(site, table: str = "public.accounts", client: str = "policy", feder
         conn.close()
 
 
+def sync(repl, cycles: int = 40) -> list:
+    """Replicator cycles until idle; every cycle's reports."""
+    seen: list = []
+    repl.run(max_cycles=cycles, until_idle=True, interval=0.05, on_cycle=seen.extend)
+    return seen
+
+
+def status_text(site) -> str:
+    """What ``lr status`` prints for ``site``."""
+    from airflow_provider_lr.engine.site import status
+
+    conn = site.connect()
+    try:
+        return status.render(status.site_status(conn))
+    finally:
+        conn.close()
+
+
 def rows(site, table: str = "public.accounts") -> list[tuple]:
     """Every row, by key, as text (so types compare exactly across sites)."""
     return site.query(f"SELECT t::text FROM {table} t ORDER BY 1")

@@ -346,6 +346,8 @@ class ChangeApplier:
                       for run in runs]
         try:
             self.cur.execute(b";\n".join(statements))
+        except (psycopg2.OperationalError, psycopg2.InterfaceError):
+            raise  # the sink went away (or a deadlock): not the data's fault, the caller retries as ever
         except psycopg2.Error as exc:
             failed = getattr(exc.diag, "table_name", None)
             tables = sorted({str(self.targets[r.tid].table) for r in runs})  # type: ignore[union-attr]
@@ -361,9 +363,10 @@ class ChangeApplier:
         assert target is not None
         d = target.definition
         rows = sql.SQL(  # ORDER BY: the source's order, and the subquery is not pulled up (p computed once)
-            "SELECT jsonb_populate_record(NULL::{t}, r.d - %(text)s::text[]) AS p, r.d FROM unnest(%(docs)s::bytea[], %(lo)s::int[], "
-            "%(hi)s::int[]) WITH ORDINALITY AS t(doc, lo, hi, ord) CROSS JOIN LATERAL "
-            "jsonb_array_elements(convert_from(t.doc, 'UTF8')::jsonb -> 'rows') WITH ORDINALITY AS r(d, i) "
+            "SELECT jsonb_populate_record(NULL::{t}, r.d - %(text)s::text[]) AS p, r.d "
+            "FROM unnest(%(docs)s::bytea[], %(lo)s::int[], %(hi)s::int[]) WITH ORDINALITY AS t(doc, lo, hi, ord) "
+            "CROSS JOIN LATERAL jsonb_array_elements(convert_from(t.doc, 'UTF8')::jsonb -> 'rows') "
+            "WITH ORDINALITY AS r(d, i) "
             "WHERE r.i BETWEEN t.lo AND t.hi ORDER BY t.ord, r.i").format(t=d.table.ident)
         types = {c.name: c.type for c in d.columns}
 
