@@ -331,6 +331,10 @@ CREATE TYPE trap.bytea AS (x int);
 CREATE TABLE trap.pg_prepared_statements (name text);
 INSERT INTO trap.pg_prepared_statements VALUES ('lr_transmit_v2');
 CREATE TABLE trap.log_entries (x int);
+CREATE TABLE trap.pg_locks (AS_OF int);
+CREATE TABLE trap.pg_locks_like AS SELECT * FROM pg_catalog.pg_locks LIMIT 0;
+DROP TABLE trap.pg_locks;
+ALTER TABLE trap.pg_locks_like RENAME TO pg_locks;
 """
 
 
@@ -368,3 +372,33 @@ def test_a_writer_whose_search_path_puts_lookalikes_of_lrs_names_first_transmits
     assert _errors(sync(repl)) == []
     assert [p for k, p in queue(sink) if k == "log"] == ["one", "two", "three"]
     assert rows(sink) == rows(source) and len(rows(sink)) == 1
+
+
+def test_the_commit_barrier_on_a_writers_connection_sees_commits_in_flight_whatever_its_search_path(lr_sites):
+    """A client's full-sync supply waits for the commits in flight on the writer's connection: an
+    empty table of the writer's named pg_locks must not hide a prepared transaction's commit."""
+    from airflow_provider_lr.client import RoutingQueueClient
+    from airflow_provider_lr.engine.source.log_reader import commit_barrier
+
+    source, sink, _ = lr_sites
+    apply(lr_sites)
+    source.query(TRAP)
+    prepared = source.connect()
+    RoutingQueueClient(prepared, "policy").transmit_log_entry_message(b"prepared", [sink.site_id])
+    with prepared.cursor() as cur:
+        cur.execute("PREPARE TRANSACTION 'lr-trap-gid'")
+    prepared.close()
+    writer = source.connect()
+    try:
+        with writer.cursor() as cur:
+            cur.execute("SET search_path = trap, pg_catalog, public")
+        writer.commit()
+        position, holders = commit_barrier(writer, timeout=0.3)
+        assert position is None and [h.gid for h in holders] == ["lr-trap-gid"]
+    finally:
+        writer.close()
+        admin = source.connect()
+        admin.autocommit = True
+        with admin.cursor() as cur:
+            cur.execute("ROLLBACK PREPARED 'lr-trap-gid'")
+        admin.close()
