@@ -267,8 +267,9 @@ class ChangeApplier:
 
     The source's order is the order PostgreSQL accepted: transactions in commit order, statements
     in the order they ran, rows in the order each statement changed them. Replayed in that order,
-    every intermediate state at the sink is one the source went through, so a sink table with the
-    source's constraints accepts every valid history (a swap of UNIQUE values through a temporary
+    the sink's table after each source statement is as the source's was (within a statement, the
+    keys an UPDATE moved away from are deleted first), so a sink table with the source's
+    constraints accepts every valid history (a swap of UNIQUE values through a temporary
     one, a chain a->b->c->a, a value deleted under one key and inserted under another, key
     changes). Reducing changes to the last one per key would reorder them across keys and break
     exactly those. What the sink checks at commit, the source did too: the transaction sets its
