@@ -8,14 +8,7 @@ from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import TableError
 from airflow_provider_lr.engine.tables import registry
 from tests.support.session import apply, queue, replicator, run_crashing_replicator
-from tests.support.tables import TableWriter, create_accounts, federate, rows, site_status
-
-
-def _sync(repl, cycles: int = 40) -> list:
-    """Cycles until idle; every cycle's reports."""
-    seen: list = []
-    repl.run(max_cycles=cycles, until_idle=True, interval=0.05, on_cycle=seen.extend)
-    return seen
+from tests.support.tables import TableWriter, create_accounts, federate, rows, site_status, status_text, sync
 
 
 def test_rows_before_federation_and_changes_during_and_after_reach_both_sinks_row_for_row(lr_sites):
@@ -27,7 +20,7 @@ def test_rows_before_federation_and_changes_during_and_after_reach_both_sinks_ro
     with TableWriter(source) as writer:
         for _ in range(6):
             repl.run_cycle()
-    _sync(repl)
+    sync(repl)
     expected = rows(source)
     assert writer.transactions > 50
     for sink in sinks:
@@ -40,7 +33,7 @@ def test_a_transaction_that_changes_a_table_and_transmits_arrives_whole_in_one_o
     create_accounts(source)
     federate(source)
     repl = replicator(topo, lr_sites)
-    _sync(repl)
+    sync(repl)
     conn = source.connect()
     client = RoutingQueueClient(conn, "policy")
     for i in range(1, 6):
@@ -54,7 +47,7 @@ def test_a_transaction_that_changes_a_table_and_transmits_arrives_whole_in_one_o
     conn.rollback()
     conn.close()
     # one sink transaction per batch: row i and message i are applied together
-    _sync(repl)
+    sync(repl)
     assert [r[0] for r in sink.query("SELECT id FROM public.accounts ORDER BY id")] == [1, 2, 3, 4, 5]
     assert [p for k, p in queue(sink) if k == "log"] == [f"row {i}" for i in range(1, 6)]
 
@@ -65,16 +58,16 @@ def test_updates_key_changes_deletes_and_truncate_apply_exactly(lr_sites):
     create_accounts(source, rows=50)
     federate(source)
     repl = replicator(topo, lr_sites)
-    _sync(repl)
+    sync(repl)
     source.query("UPDATE public.accounts SET id = id + 1000")  # every key changes
     source.query("UPDATE public.accounts SET id = id - 1000 WHERE id > 1040")  # ... and some back to old keys
     source.query("UPDATE public.accounts SET id = id - 1030 WHERE id BETWEEN 1031 AND 1035")  # 1..5 again
     source.query("UPDATE public.accounts SET balance = -1 WHERE id %% 7 = 0")
     source.query("DELETE FROM public.accounts WHERE id BETWEEN 10 AND 20")
-    _sync(repl)
+    sync(repl)
     assert rows(sink) == rows(source)
     source.query("BEGIN; TRUNCATE public.accounts; INSERT INTO public.accounts (id, owner) VALUES (1, 'after'); COMMIT")
-    _sync(repl)
+    sync(repl)
     assert rows(sink) == rows(source) == [(r[0],) for r in source.query("SELECT t::text FROM public.accounts t")]
     assert len(rows(sink)) == 1
 
@@ -93,12 +86,6 @@ def test_opening_a_table_without_primary_key_or_for_an_unknown_client_is_refused
     assert registry.list_tables(source.connect()) == []
 
 
-def _status(site) -> str:
-    from airflow_provider_lr.engine.site import status
-
-    return status.render(site_status(site))
-
-
 def test_a_sink_that_opened_the_table_as_not_federated_keeps_out_and_shows_the_conflict(lr_sites):
     source, refusing, taking = lr_sites
     topo = apply(lr_sites)
@@ -108,14 +95,14 @@ def test_a_sink_that_opened_the_table_as_not_federated_keeps_out_and_shows_the_c
     federate(refusing, federated=False)
     federate(source)
     repl = replicator(topo, lr_sites)
-    _sync(repl)
+    sync(repl)
     source.query("UPDATE public.accounts SET owner = 'changed' WHERE id < 5")
-    _sync(repl)
+    sync(repl)
     assert rows(taking) == rows(source)
     assert refusing.query("SELECT id, owner FROM public.accounts") == [(1, "local")]  # nothing applied
     assert refusing.query("SELECT is_federated, source_site_id FROM lr.registry WHERE stream_name = 'public.accounts'") \
         == [(False, None)]  # its registry entry is not overwritten
-    shown = _status(refusing)
+    shown = status_text(refusing)
     assert "public.accounts" in shown and "conflict from site-a->site-b/policy" in shown
     assert "not federated (its data from sources is dropped here)" in shown
 
@@ -125,14 +112,14 @@ def test_a_table_the_sink_never_opened_is_created_registered_and_applied(lr_site
     topo = apply(lr_sites)
     create_accounts(source, rows=30)
     federate(source)
-    _sync(replicator(topo, lr_sites))
+    sync(replicator(topo, lr_sites))
     assert rows(sink) == rows(source)
     assert sink.query("SELECT kind, is_federated, source_site_id, client_name FROM lr.registry "
                       "WHERE stream_name = 'public.accounts'") == [("table", True, "site-a", "policy")]
     shape = "SELECT column_name, data_type, is_nullable FROM information_schema.columns " \
             "WHERE table_name = 'accounts' ORDER BY ordinal_position"
     assert sink.query(shape) == source.query(shape)
-    assert "synced from site-a->site-b/policy, 30 rows in its snapshot" in _status(sink)
+    assert "synced from site-a->site-b/policy, 30 rows in its snapshot" in status_text(sink)
 
 
 def test_two_sources_into_one_sink_table_never_clear_each_others_rows(lr_sites):
@@ -143,25 +130,25 @@ def test_two_sources_into_one_sink_table_never_clear_each_others_rows(lr_sites):
     create_accounts(b, rows=50, start=1000)  # keys 1001..1050
     federate(a)
     repl = replicator(topo, lr_sites)
-    _sync(repl)
+    sync(repl)
     federate(b)  # the second source's snapshot must not clear a's rows (CorfuDB #3502)
-    _sync(repl)
+    sync(repl)
     assert rows(sink) == sorted(rows(a) + rows(b))
     # each source's snapshot again (re-federated: a new snapshot each), and a TRUNCATE at one
     federate(a, federated=False)
     federate(a)
     federate(b, federated=False)
     federate(b)
-    _sync(repl)
+    sync(repl)
     assert rows(sink) == sorted(rows(a) + rows(b))
     b.query("TRUNCATE public.accounts")
     b.query("INSERT INTO public.accounts (id, owner) VALUES (2000, 'b')")
     a.query("UPDATE public.accounts SET owner = 'a2' WHERE id < 10")
-    _sync(repl)
+    sync(repl)
     assert rows(sink) == sorted(rows(a) + rows(b))
     assert len(rows(sink)) == 51
     a.query("TRUNCATE public.accounts")
-    _sync(repl)
+    sync(repl)
     assert rows(sink) == rows(b)
 
 
@@ -172,22 +159,22 @@ def test_a_sink_table_of_another_shape_refuses_the_session_until_it_is_fixed(lr_
     sink.query("CREATE TABLE public.accounts (id bigint PRIMARY KEY, owner text NOT NULL)")  # columns missing
     federate(source)
     repl = replicator(topo, lr_sites)
-    reports = _sync(repl, cycles=3)
+    reports = sync(repl, cycles=3)
     assert any("differs between source and sink" in (r.error or "") for r in reports)
     assert sink.query("SELECT count(*) FROM public.accounts") == [(0,)]
-    assert "column balance is missing on the sink" in _status(source)
+    assert "column balance is missing on the sink" in status_text(source)
     sink.query("DROP TABLE public.accounts")
-    _sync(repl)
+    sync(repl)
     assert rows(sink) == rows(source)
     # the source's table changes shape later: the batch is refused whole, then applies once fixed
     source.query("ALTER TABLE public.accounts ADD COLUMN region text")
     source.query("UPDATE public.accounts SET region = 'eu' WHERE id <= 3")
     source.query("INSERT INTO public.accounts (id, owner) VALUES (500, 'new')")
-    reports = _sync(repl, cycles=3)
+    reports = sync(repl, cycles=3)
     assert any("do not fit the sink's table" in (r.error or "") for r in reports)
     assert sink.query("SELECT count(*) FROM public.accounts WHERE id = 500") == [(0,)]
     sink.query("ALTER TABLE public.accounts ADD COLUMN region text")
-    _sync(repl)
+    sync(repl)
     assert rows(sink) == rows(source)
 
 
@@ -211,10 +198,10 @@ def test_a_table_federated_during_a_snapshot_joins_at_the_next_one_with_nothing_
 
     monkeypatch.setattr(snapshot.TableSnapshot, "open", open_then_federate)
     repl = replicator(topo, lr_sites)
-    reports = _sync(repl)
+    reports = sync(repl)
     assert any("public.orders" in " ".join(r.tables) for r in reports)
     source.query("UPDATE public.orders SET item = 'after' WHERE id = 1")
-    _sync(repl)
+    sync(repl)
     for sink in sinks:
         assert rows(sink) == rows(source)
         assert rows(sink, "public.orders") == rows(source, "public.orders")
@@ -226,13 +213,13 @@ def test_a_table_federated_again_gets_a_new_snapshot_with_the_changes_made_in_be
     create_accounts(source, rows=10)
     federate(source)
     repl = replicator(topo, lr_sites)
-    _sync(repl)
+    sync(repl)
     federate(source, federated=False)
     source.query("DELETE FROM public.accounts WHERE id <= 5")  # not captured
-    _sync(repl)
+    sync(repl)
     assert len(rows(sink)) == 10
     federate(source)
-    _sync(repl)
+    sync(repl)
     assert rows(sink) == rows(source)
 
 
@@ -247,9 +234,9 @@ def test_a_replicator_killed_while_writing_a_table_snapshot_leaves_nothing_half_
         for sink in sinks:  # the rows were in the sink's open transaction: gone with the process
             assert sink.query("SELECT count(*) FROM lr.sink_tables WHERE state = 'synced'") == [(0,)]
         repl = replicator(topo, lr_sites)
-        _sync(repl, cycles=5)
+        sync(repl, cycles=5)
     assert writer.transactions > 0
-    _sync(repl)
+    sync(repl)
     for sink in sinks:
         assert rows(sink) == rows(source)
 
@@ -264,10 +251,10 @@ def test_generated_columns_are_computed_on_each_site_not_carried(lr_sites):
     source.query("INSERT INTO public.lines (id, qty, price) VALUES (1, 2, 3.5)")
     federate(source, "public.lines")
     repl = replicator(topo, lr_sites)
-    _sync(repl)
+    sync(repl)
     source.query("INSERT INTO public.lines (id, qty, price) VALUES (2, 4, 1)")
     source.query("UPDATE public.lines SET qty = 10 WHERE id = 1")
-    _sync(repl)
+    sync(repl)
     assert rows(sink, "public.lines") == rows(source, "public.lines")
     assert sink.query("SELECT total FROM public.lines ORDER BY id") == [(35,), (4,)]
 

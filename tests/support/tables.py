@@ -40,6 +40,18 @@ def site_status(site) -> status.SiteStatus:
         conn.close()
 
 
+def sync(repl, cycles: int = 40) -> list:
+    """Replicator cycles until idle; every cycle's reports."""
+    seen: list = []
+    repl.run(max_cycles=cycles, until_idle=True, interval=0.05, on_cycle=seen.extend)
+    return seen
+
+
+def status_text(site) -> str:
+    """What ``lr status`` prints for ``site``."""
+    return status.render(site_status(site))
+
+
 def rows(site, table: str = "public.accounts") -> list[tuple]:
     """Every row, by key, as text (so types compare exactly across sites)."""
     return site.query(f"SELECT t::text FROM {table} t ORDER BY 1")

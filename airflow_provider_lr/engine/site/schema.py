@@ -81,10 +81,10 @@ def current_version(conn: psycopg2.extensions.connection) -> int:
     """The site's schema version, 0 when lr was never installed there."""
     try:
         with conn.cursor() as cur:
-            cur.execute("SELECT to_regclass('lr.schema_migrations') IS NOT NULL")
+            cur.execute("SELECT pg_catalog.to_regclass('lr.schema_migrations') IS NOT NULL")
             if not cur.fetchone()[0]:
                 return 0
-            cur.execute("SELECT coalesce(max(version), 0) FROM lr.schema_migrations")
+            cur.execute("SELECT coalesce(pg_catalog.max(version), 0) FROM lr.schema_migrations")
             return cur.fetchone()[0]
     except psycopg2.errors.InsufficientPrivilege as exc:
         conn.rollback()

@@ -167,7 +167,7 @@ def commit_position(conn: psycopg2.extensions.connection, tx: int | str) -> int 
     """The commit position of a transaction; None until it has committed with log entries (or if
     it rolled back, or was trimmed)."""
     with conn.cursor() as cur:
-        cur.execute("SELECT lr.commit_position_of(%s::text::xid8)", (str(tx),))
+        cur.execute("SELECT lr.commit_position_of(%s::pg_catalog.text::pg_catalog.xid8)", (str(tx),))
         row = cur.fetchone()
     conn.commit()
     return row[0] if row and row[0] is not None else None

@@ -185,7 +185,7 @@ def supply_again(conn: psycopg2.extensions.connection, request_id: str, note: st
 
 def expired(conn: psycopg2.extensions.connection, request: FullSyncRequest) -> bool:
     with conn.cursor() as cur:
-        cur.execute("SELECT now() > %s", (request.data_deadline,))
+        cur.execute("SELECT pg_catalog.now() > %s", (request.data_deadline,))
         late = cur.fetchone()[0]
     conn.commit()
     return late
@@ -270,7 +270,7 @@ def serve_full_sync_requests(client: LogWriter, provider: Provider, max_requests
         try:
             with conn.cursor() as cur:
                 cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-                cur.execute("SELECT pg_current_snapshot()::text")  # fixes the transaction's snapshot
+                cur.execute("SELECT pg_catalog.pg_current_snapshot()::pg_catalog.text")  # fixes the transaction's snapshot
                 snapshot = cur.fetchone()[0]
                 cur.execute(LAST_DRAWN_POSITION_SQL)
                 upto = cur.fetchone()[0]
@@ -300,8 +300,8 @@ def serve_full_sync_requests(client: LogWriter, provider: Provider, max_requests
                 ctx.tracker.finish()
                 fault_point("during_supply")
                 cur.execute(
-                    f"UPDATE lr.full_sync_requests SET status = '{RequestStatus.SUPPLIED}', supplied_at = now(), "
-                    "supplied_tx = pg_current_xact_id(), base_position = %s, base_snapshot = %s, base_upto = %s, "
+                    f"UPDATE lr.full_sync_requests SET status = '{RequestStatus.SUPPLIED}', supplied_at = pg_catalog.now(), "
+                    "supplied_tx = pg_catalog.pg_current_xact_id(), base_position = %s, base_snapshot = %s, base_upto = %s, "
                     "entries = %s WHERE request_id = %s",
                     (base, snapshot, upto, ctx.count, request.request_id),
                 )

@@ -48,10 +48,13 @@ def fetch_bytes(max_bytes: int) -> int:
 # The last commit position drawn (by a commit that may still be in flight), 0 before the first.
 LAST_DRAWN_POSITION_SQL = "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM lr.commit_position_seq"
 
+# Runs on a writer's connection too (a client's full-sync supply), under its search_path: qualified,
+# so a table of the writer's named pg_locks cannot hide the commits in flight from the barrier.
 _HOLDERS_SQL = """
 SELECT l.virtualtransaction, l.pid
-FROM pg_locks l
-WHERE l.locktype = 'advisory' AND l.granted AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+FROM pg_catalog.pg_locks l
+WHERE l.locktype = 'advisory' AND l.granted
+  AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database())
   AND l.classid = 0 AND l.objid = %s AND l.objsubid = 1
 """
 
@@ -518,15 +521,16 @@ def in_flight_commits(conn: psycopg2.extensions.connection, vxids: set[str] | No
     with conn.cursor() as cur:
         cur.execute(
             """
-            SELECT l.virtualtransaction, l.pid, a.xact_start::text, a.query_start::text, a.state, a.query,
-                   extract(epoch FROM now() - coalesce(a.xact_start, p.prepared, now()))::float8, p.gid
-            FROM pg_locks l
-            LEFT JOIN pg_stat_activity a ON a.pid = l.pid
-            LEFT JOIN pg_locks x ON l.pid IS NULL AND x.locktype = 'transactionid'
+            SELECT l.virtualtransaction, l.pid, a.xact_start::pg_catalog.text, a.query_start::pg_catalog.text,
+                   a.state, a.query, extract(epoch FROM pg_catalog.now()
+                                             - coalesce(a.xact_start, p.prepared, pg_catalog.now()))::float8, p.gid
+            FROM pg_catalog.pg_locks l
+            LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
+            LEFT JOIN pg_catalog.pg_locks x ON l.pid IS NULL AND x.locktype = 'transactionid'
                  AND x.virtualtransaction = l.virtualtransaction
-            LEFT JOIN pg_prepared_xacts p ON p.transaction = x.transactionid
+            LEFT JOIN pg_catalog.pg_prepared_xacts p ON p.transaction = x.transactionid
             WHERE l.locktype = 'advisory' AND l.granted AND l.classid = 0 AND l.objid = %s AND l.objsubid = 1
-              AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+              AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database())
             """,
             (COMMIT_LOCK_KEY,),
         )

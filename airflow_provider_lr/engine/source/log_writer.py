@@ -20,11 +20,33 @@ from airflow_provider_lr.proto import lr_pb2
 
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 PREPARED_INSERT = "lr_transmit_v2"  # versioned: a new lr with another insert uses a new name
-_CURRENT_TX = "SELECT pg_current_xact_id()::text"
+# Everything here runs in the application's transaction under its search_path: every function and
+# type is qualified, so a schema of the application's (put before pg_catalog) with a function or type
+# named like one of them (pg_current_xact_id, text, bytea) cannot stand in for it.
+_CURRENT_TX = "SELECT pg_catalog.pg_current_xact_id()::pg_catalog.text"
 # one entry, and the transaction's id in the same statement (a ticket names it): a data-modifying
 # CTE needs no RETURNING, which a writer role could not use (it may not read the log)
 _INSERT_ONE = ("WITH entry AS (INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) VALUES ({})) "
-               "SELECT pg_current_xact_id()::text")
+               "SELECT pg_catalog.pg_current_xact_id()::pg_catalog.text")
+
+
+class Bytea:
+    """Bytes as a query parameter cast to ``pg_catalog.bytea`` (psycopg2's ``Binary`` casts to a bare
+    ``bytea``, which the application's search_path resolves)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.binary = psycopg2.Binary(data)
+
+    def __conform__(self, protocol: object) -> "Bytea | None":
+        return self if protocol is psycopg2.extensions.ISQLQuote else None
+
+    def prepare(self, conn: psycopg2.extensions.connection) -> None:
+        self.binary.prepare(conn)
+
+    def getquoted(self) -> bytes:
+        quoted = self.binary.getquoted()
+        assert quoted.endswith(b"::bytea")
+        return quoted[: -len(b"bytea")] + b"pg_catalog.bytea"
 
 
 class LogWriter:
@@ -80,9 +102,10 @@ class LogWriter:
         per session and survive rollback. Pass ``prepared=False`` behind a pooler that discards
         session state (``DISCARD ALL``) between transactions."""
         with self.conn.cursor() as cur:
-            cur.execute("SELECT 1 FROM pg_prepared_statements WHERE name = %s", (PREPARED_INSERT,))
+            cur.execute("SELECT 1 FROM pg_catalog.pg_prepared_statements WHERE name = %s", (PREPARED_INSERT,))
             if cur.fetchone() is None:
-                cur.execute(f"PREPARE {PREPARED_INSERT} (smallint, integer[], integer, bytea) AS "
+                cur.execute(f"PREPARE {PREPARED_INSERT} (pg_catalog.int2, pg_catalog.int4[], pg_catalog.int4, "
+                            "pg_catalog.bytea) AS "
                             + _INSERT_ONE.format("$1, $2, $3, $4"))
 
     def _row(
@@ -135,16 +158,16 @@ class LogWriter:
             if len(rows) == 1:
                 stream, tags, message = rows[0]
                 statement = (f"EXECUTE {PREPARED_INSERT} (%s, %s, %s, %s)" if self.prepared
-                             else _INSERT_ONE.format("%s, %s::int[], %s, %s"))
-                cur.execute(statement, (stream, tags, self.client_id, psycopg2.Binary(message)))
+                             else _INSERT_ONE.format("%s, %s::pg_catalog.int4[], %s, %s"))
+                cur.execute(statement, (stream, tags, self.client_id, Bytea(message)))
                 return int(cur.fetchone()[0])
             else:
                 # entry ids follow the VALUES order: transmit order within the transaction is kept.
                 execute_values(
                     cur,
                     "INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) VALUES %s",
-                    [(s, t, self.client_id, psycopg2.Binary(m)) for s, t, m in rows],
-                    template="(%s, %s::int[], %s, %s)",
+                    [(s, t, self.client_id, Bytea(m)) for s, t, m in rows],
+                    template="(%s, %s::pg_catalog.int4[], %s, %s)",
                     page_size=1000,
                 )
                 cur.execute(_CURRENT_TX)

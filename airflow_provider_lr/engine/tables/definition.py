@@ -1,7 +1,9 @@
 """A federated table's name and shape: what source and sink must agree on before rows move.
 
 Names are ``schema.table`` (both parts plain identifiers, as PostgreSQL folds them); the shape is
-its columns (name, type as ``format_type`` prints it, nullability) and its primary key. A sink
+its columns (name, type as ``format_type`` prints it, a type outside ``pg_catalog`` always with its
+schema: the sink reads it whatever its search_path, and ``mood`` of one schema is not another's),
+nullability) and its primary key. A sink
 table of the same name with another shape refuses the session (``SchemaMismatchError``): rows
 carried into a table missing a column would lose it silently.
 """
@@ -102,8 +104,12 @@ def read_definition(cur: psycopg2.extensions.cursor, table: TableName) -> TableD
         """
         WITH t AS (SELECT to_regclass(%s) AS oid)
         SELECT t.oid,
-               ARRAY(SELECT ARRAY[a.attname::text, format_type(a.atttypid, a.atttypmod), a.attnotnull::text]
-                     FROM pg_attribute a WHERE a.attrelid = t.oid AND a.attnum > 0 AND NOT a.attisdropped
+               ARRAY(SELECT ARRAY[a.attname::text, CASE WHEN n.nspname = 'pg_catalog' OR NOT pg_type_is_visible(y.oid)
+                                      THEN format_type(a.atttypid, a.atttypmod)
+                                      ELSE quote_ident(n.nspname) || '.' || format_type(a.atttypid, a.atttypmod) END,
+                                  a.attnotnull::text]
+                     FROM pg_attribute a JOIN pg_type y ON y.oid = a.atttypid JOIN pg_namespace n ON n.oid = y.typnamespace
+                     WHERE a.attrelid = t.oid AND a.attnum > 0 AND NOT a.attisdropped
                        AND a.attgenerated = '' ORDER BY a.attnum),
                ARRAY(SELECT a.attname::text FROM pg_index i
                      JOIN LATERAL unnest(i.indkey) WITH ORDINALITY k(attnum, n) ON true

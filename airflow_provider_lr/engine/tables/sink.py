@@ -19,13 +19,15 @@ The rules (seed 002, CorfuDB #3502):
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import Callable
+from decimal import Decimal
+from typing import Callable, Sequence
 
 import psycopg2.extensions
 from psycopg2 import sql
 
-from airflow_provider_lr.engine.errors import SchemaMismatchError
+from airflow_provider_lr.engine.errors import SchemaMismatchError, TableError, one_line
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogRecord
 from airflow_provider_lr.engine.tables.definition import TableDefinition, TableName, check_same, read_definition
 from airflow_provider_lr.engine.vocabulary import SessionKey
@@ -103,12 +105,12 @@ class Target:
     def table(self) -> TableName:
         return self.definition.table
 
-    def key_object(self, row: sql.Composable) -> sql.Composed:
-        """The jsonb form of a row's key (``row.k``; ``row`` an alias or a record expression), as
-        the origin ledger stores it."""
+    def key_object(self, row: sql.Composable, value: Callable[[str], sql.Composable] | None = None) -> sql.Composed:
+        """The jsonb form of a row's key (``row.k``; ``row`` an alias or a record expression; or
+        ``value(k)``), as the origin ledger stores it."""
         parts = []
         for k in self.definition.key:
-            parts += [sql.Literal(k), sql.SQL("{}.{}").format(row, sql.Identifier(k))]
+            parts += [sql.Literal(k), value(k) if value else sql.SQL("{}.{}").format(row, sql.Identifier(k))]
         return sql.SQL("jsonb_build_object({})").format(sql.SQL(", ").join(parts))
 
 
@@ -128,6 +130,7 @@ def prepare(cur: psycopg2.extensions.cursor, source: str, client: str, source_de
     sink_def = read_definition(cur, table)
     created = False
     if sink_def is None:
+        _require_types(cur, source_def, where)
         cur.execute(source_def.create_statement())
         sink_def, created = read_definition(cur, table), True
         assert sink_def is not None
@@ -139,6 +142,20 @@ def prepare(cur: psycopg2.extensions.cursor, source: str, client: str, source_de
             (str(table), client, source, list(sink_def.key), f"lrq_table_{client}"),
         )
     return Target(sink_def, source, *origin(cur, table, source), created=created)
+
+
+def _require_types(cur: psycopg2.extensions.cursor, source_def: TableDefinition, where: str) -> None:
+    """lr creates a missing table, not the types it uses: a type the sink lacks (an enum, composite
+    or domain of the source's) refuses the session, naming it."""
+    types = sorted({c.type for c in source_def.columns})
+    cur.execute("SELECT t FROM unnest(%s::text[]) t WHERE to_regtype(t) IS NULL", (types,))
+    missing = [r[0] for r in cur.fetchall()]
+    if missing:
+        raise SchemaMismatchError(
+            f"{where}: table {source_def.table} uses type(s) {', '.join(missing)} that the sink does not have. "
+            "lr creates the table, not its types: create them on the sink as on the source (for an enum, the "
+            "same labels) and the next cycle goes on"
+        )
 
 
 def target_of(cur: psycopg2.extensions.cursor, source: str, table: TableName, where: Callable[[], str]) -> Target:
@@ -187,7 +204,8 @@ def upsert_from(cur: psycopg2.extensions.cursor, target: Target, staging: sql.Co
         d.table.ident, cols, cols, staging, _on_conflict(d)))
     rows = max(cur.rowcount, 0)
     if target.shared:
-        _ledger(cur, target, sql.SQL("SELECT {} AS key FROM {} s").format(target.key_object(sql.Identifier("s")), staging))
+        cur.execute(_ledger(target, sql.SQL("SELECT {} AS key FROM {} s").format(
+            target.key_object(sql.Identifier("s")), staging), upserted=True))
     return rows
 
 
@@ -201,67 +219,177 @@ def _on_conflict(d: TableDefinition) -> sql.Composed:
         sql.SQL(", ").join(sql.SQL("EXCLUDED.{}").format(sql.Identifier(c)) for c in rest))
 
 
-def _ledger(cur: psycopg2.extensions.cursor, target: Target, keys: sql.Composable) -> None:
-    """Keep ``lr.table_row_origin`` for the rows upserted whose key objects ``keys`` yields: listed
-    under a non-primary source; a primary source's rows leave the list."""
-    if not target.primary:
-        cur.execute(sql.SQL(
+def _ledger(target: Target, keys: sql.Composable, upserted: bool) -> sql.Composed:
+    """Keep ``lr.table_row_origin`` for the rows whose key objects ``keys`` yields (a query with a
+    ``key`` column): rows upserted by a non-primary source are listed under it; a primary source's
+    rows, and deleted rows, leave the list."""
+    name = sql.Literal(str(target.table))
+    if upserted and not target.primary:
+        return sql.SQL(
             "INSERT INTO lr.table_row_origin (table_name, key, source_site_id) SELECT DISTINCT {}, k.key, {} FROM ({}) k "
             "ON CONFLICT (table_name, key) DO UPDATE SET source_site_id = EXCLUDED.source_site_id").format(
-            sql.Literal(str(target.table)), sql.Literal(target.source), keys))
-    else:
-        cur.execute(sql.SQL("DELETE FROM lr.table_row_origin o USING ({}) k WHERE o.table_name = {} AND o.key = k.key")
-                    .format(keys, sql.Literal(str(target.table))))
+            name, sql.Literal(target.source), keys)
+    return sql.SQL("DELETE FROM lr.table_row_origin o USING ({}) k WHERE o.table_name = {} AND o.key = k.key").format(
+        keys, name)
+
+
+class ApplyError(TableError):
+    """The sink refused a batch of table changes (a constraint, trigger or privilege of the sink's
+    table the source does not have): nothing of the batch was applied; the session retries it."""
 
 
 @dataclass
-class _Pending:
-    ops: list[str] = field(default_factory=list)
+class _Run:
+    """Consecutive changes of one table, all deletes or all upserts, no key twice among the
+    upserts: one statement applies them with the effect of applying them one by one in order.
+    ``docs[n]`` contributes its rows ``lo[n]..hi[n]`` (1-based)."""
+
+    tid: int
+    op: str
+    text: tuple[str, ...]  # columns the entries carry as their text form (see V0015)
     docs: list[bytes] = field(default_factory=list)
+    lo: list[int] = field(default_factory=list)
+    hi: list[int] = field(default_factory=list)
+    keys: set = field(default_factory=set)
+
+    def take(self, doc: bytes, row: int) -> None:
+        if self.docs and self.docs[-1] is doc and self.hi[-1] == row - 1:
+            self.hi[-1] = row
+        else:
+            self.docs.append(doc)
+            self.lo.append(row)
+            self.hi.append(row)
 
 
 class ChangeApplier:
-    """Applies a sink transaction's table changes (stream 3 records) in commit order, a few MiB at
-    a time. Per table and flush, the changes are reduced to the last one per key (a whole-row upsert
-    or a delete) and applied by two set statements; a TRUNCATE applies what came before it, then
+    """Applies a sink transaction's table changes (stream 3 records) in the source's order, a few
+    MiB at a time.
+
+    The source's order is the order PostgreSQL accepted: transactions in commit order, statements
+    in the order they ran, rows in the order each statement changed them. Replayed in that order,
+    the sink's table after each source statement is as the source's was (within a statement, the
+    keys an UPDATE moved away from are deleted first), so a sink table with the source's
+    constraints accepts every valid history (a swap of UNIQUE values through a temporary
+    one, a chain a->b->c->a, a value deleted under one key and inserted under another, key
+    changes). Reducing changes to the last one per key would reorder them across keys and break
+    exactly those. What the sink checks at commit, the source did too: the transaction sets its
+    deferrable constraints DEFERRED (a source whose constraint is deferrable swaps in one
+    statement; a sink with the same constraint checks the swap at commit, as the source did).
+
+    For speed, consecutive changes of one table and one kind become one set statement (a run):
+    deletes in one ``DELETE``; upserts in one ``INSERT ... ON CONFLICT DO UPDATE`` that takes its
+    rows in order, cut before a key comes back (one statement cannot change a row twice, and the
+    second change must follow what came between). A TRUNCATE applies what came before it, then
     clears the source's rows. The source reads only the tables this session has synced, so every
     record here has a target (or a conflict, whose changes are dropped)."""
 
     def __init__(self, cur: psycopg2.extensions.cursor, source: str, client: str) -> None:
         self.cur, self.source, self.client = cur, source, client
         self.targets: dict[int, Target | None] = {}
-        self.pending: dict[int, _Pending] = {}
+        self.runs: list[_Run] = []
         self.bytes = 0
         self.applied = 0  # change entries
-        self._armed = False
+        self._here: str | None = None
 
     def add(self, record: LogRecord) -> None:
-        if not self._armed:
+        if self._here is None:
             applying(self.cur)
-            self._armed = True
+            self.cur.execute("SET CONSTRAINTS ALL DEFERRED; SELECT site_id FROM lr.site_info")
+            self._here = f"session {SessionKey(self.source, self.cur.fetchone()[0], self.client)}"
         tid = record.table_id
         assert tid is not None
         if tid not in self.targets:
             self.targets[tid] = self._target(tid)
-        if self.targets[tid] is None:
+        target = self.targets[tid]
+        if target is None:
             return  # conflict: dropped here
-        pending = self.pending.setdefault(tid, _Pending())
         op = _op(record.message)
+        self.applied += 1
         if op == "t":
-            self._apply(tid)
-            clear(self.cur, self.targets[tid])  # type: ignore[arg-type]
-            self.applied += 1
+            self.flush()
+            clear(self.cur, target)
             return
-        pending.ops.append(op)
-        pending.docs.append(record.message)
+        self._queue(tid, target, op, record.message)
         self.bytes += len(record.message)
         if self.bytes >= FLUSH_BYTES:
             self.flush()
 
+    def _queue(self, tid: int, target: Target, op: str, message: bytes) -> None:
+        """The entry's rows onto the runs, checked against the sink's columns."""
+        d = target.definition
+        entry = json.loads(message, parse_float=Decimal)
+        rows, text = entry["rows"], tuple(entry.get("text", ()))
+        need = set(d.column_names) if op == "u" else set(d.key)
+        bad = sum(1 for r in rows if (set(r) != need if op == "u" else not need <= set(r)))
+        if bad:
+            raise SchemaMismatchError(
+                f"{self._where()}: {bad} changed rows of {target.table} do not fit the sink's table "
+                f"(columns {', '.join(d.column_names)}): the source's table changed shape. Nothing of the batch "
+                "was applied; give the sink's table the same columns"
+            )
+        run = self.runs[-1] if self.runs else None
+        for n, row in enumerate(rows, start=1):
+            key = _key(row, d.key) if op == "u" else None
+            if run is None or (run.tid, run.op, run.text) != (tid, op, text) or key in run.keys:
+                run = _Run(tid, op, text)
+                self.runs.append(run)
+            if key is not None:
+                run.keys.add(key)
+            run.take(message, n)
+
     def flush(self) -> None:
-        for tid in list(self.pending):
-            self._apply(tid)
-        self.bytes = 0
+        """Apply the runs queued, in order, in one round trip."""
+        runs, self.runs, self.bytes = self.runs, [], 0
+        if not runs:
+            return
+        statements = [self.cur.mogrify(self._statement(run), {"docs": [psycopg2.Binary(m) for m in run.docs],
+                                                                "lo": run.lo, "hi": run.hi, "text": list(run.text)})
+                      for run in runs]
+        try:
+            self.cur.execute(b";\n".join(statements))
+        except (psycopg2.OperationalError, psycopg2.InterfaceError):
+            raise  # the sink went away (or a deadlock): not the data's fault, the caller retries as ever
+        except psycopg2.Error as exc:
+            failed = getattr(exc.diag, "table_name", None)
+            tables = sorted({str(self.targets[r.tid].table) for r in runs})  # type: ignore[union-attr]
+            named = f"table {exc.diag.schema_name}.{failed}" if failed else f"changes of {', '.join(tables)}"
+            raise ApplyError(
+                f"{self._where()}: the sink refused {named}: {one_line(exc)}. Nothing of the batch was applied; "
+                "the sink's table has a constraint, trigger or privilege the source's has not: fix it there, and "
+                "the next cycle applies the batch"
+            ) from exc
+
+    def _statement(self, run: _Run) -> sql.Composed:
+        target = self.targets[run.tid]
+        assert target is not None
+        d = target.definition
+        rows = sql.SQL(  # ORDER BY: the source's order, and the subquery is not pulled up (p computed once)
+            "SELECT jsonb_populate_record(NULL::{t}, r.d - %(text)s::text[]) AS p, r.d "
+            "FROM unnest(%(docs)s::bytea[], %(lo)s::int[], %(hi)s::int[]) WITH ORDINALITY AS t(doc, lo, hi, ord) "
+            "CROSS JOIN LATERAL jsonb_array_elements(convert_from(t.doc, 'UTF8')::jsonb -> 'rows') "
+            "WITH ORDINALITY AS r(d, i) "
+            "WHERE r.i BETWEEN t.lo AND t.hi ORDER BY t.ord, r.i").format(t=d.table.ident)
+        types = {c.name: c.type for c in d.columns}
+
+        def value(col: str) -> sql.Composable:  # a column of row s: from the record, or cast from its text
+            if col in run.text:
+                return sql.SQL("(s.d ->> {})::{}").format(sql.Literal(col), sql.SQL(types[col]))
+            return sql.SQL("(s.p).{}").format(sql.Identifier(col))
+
+        if run.op == "d":
+            x_key = sql.SQL(", ").join(sql.SQL("x.{}").format(sql.Identifier(k)) for k in d.key)
+            s_key = sql.SQL(", ").join(value(k) for k in d.key)
+            statement = sql.SQL("DELETE FROM {t} x USING ({rows}) s WHERE ({xk}) = ({sk})").format(
+                t=d.table.ident, rows=rows, xk=x_key, sk=s_key)
+        else:
+            cols = sql.SQL(", ").join(map(sql.Identifier, d.column_names))
+            s_cols = sql.SQL(", ").join(value(c) for c in d.column_names)
+            statement = sql.SQL("INSERT INTO {t} ({cols}) SELECT {s_cols} FROM ({rows}) s {conflict}").format(
+                t=d.table.ident, cols=cols, s_cols=s_cols, rows=rows, conflict=_on_conflict(d))
+        if not target.shared:
+            return statement
+        keys = sql.SQL("SELECT {} AS key FROM ({}) s").format(target.key_object(sql.SQL("(s.p)"), value), rows)
+        return sql.SQL("{}; {}").format(statement, _ledger(target, keys, upserted=run.op == "u"))
 
     def _target(self, tid: int) -> Target | None:
         self.cur.execute(
@@ -273,59 +401,22 @@ class ChangeApplier:
         return target_of(self.cur, self.source, TableName.parse(row[0]), self._where)
 
     def _where(self) -> str:
-        self.cur.execute("SELECT site_id FROM lr.site_info")
-        return f"session {SessionKey(self.source, self.cur.fetchone()[0], self.client)}"
+        assert self._here is not None
+        return self._here
 
-    def _apply(self, tid: int) -> None:
-        pending = self.pending.pop(tid, None)
-        target = self.targets.get(tid)
-        if not pending or not pending.ops or target is None:
-            return
-        d = target.definition
-        params = {"ops": pending.ops, "docs": [psycopg2.Binary(m) for m in pending.docs],
-                  "cols": d.column_names, "keys": list(d.key)}
-        src = sql.SQL(
-            "SELECT t.ord, r.i, t.op, r.d FROM unnest(%(ops)s::text[], %(docs)s::bytea[]) WITH ORDINALITY AS t(op, doc, ord) "
-            "CROSS JOIN LATERAL jsonb_array_elements(convert_from(t.doc, 'UTF8')::jsonb -> 'rows') WITH ORDINALITY AS r(d, i)")
-        self.cur.execute(sql.SQL(
-            "SELECT count(*) FROM ({}) s WHERE (s.op = 'u' AND ((s.d - %(cols)s::text[]) <> '{{}}'::jsonb "
-            "OR NOT s.d ?& %(cols)s::text[])) OR (s.op = 'd' AND NOT s.d ?& %(keys)s::text[])").format(src), params)
-        (bad,) = self.cur.fetchone()
-        if bad:
-            raise SchemaMismatchError(
-                f"{self._where()}: {bad} changed rows of {target.table} do not fit the sink's table "
-                f"(columns {', '.join(d.column_names)}): the source's table changed shape. Nothing of the batch "
-                "was applied; give the sink's table the same columns"
-            )
-        key_of_p = sql.SQL(", ").join(sql.SQL("(s.p).{}").format(sql.Identifier(k)) for k in d.key)
-        ch = sql.SQL(
-            "SELECT DISTINCT ON ({key}) s.op, s.p FROM (SELECT src.ord, src.i, src.op, "
-            "jsonb_populate_record(NULL::{t}, src.d) AS p FROM ({src}) src) s ORDER BY {key}, s.ord DESC, s.i DESC"
-        ).format(key=key_of_p, t=d.table.ident, src=src)
-        x_key = sql.SQL(", ").join(sql.SQL("x.{}").format(sql.Identifier(k)) for k in d.key)
-        c_key = sql.SQL(", ").join(sql.SQL("(ch.p).{}").format(sql.Identifier(k)) for k in d.key)
-        c_cols = sql.SQL(", ").join(sql.SQL("(ch.p).{}").format(sql.Identifier(c)) for c in d.column_names)
-        cols = sql.SQL(", ").join(map(sql.Identifier, d.column_names))
-        ledger = sql.SQL("")
-        if target.shared:
-            key_obj = target.key_object(sql.SQL("(ch.p)"))
-            name = sql.Literal(str(target.table))
-            if target.primary:
-                ledger = sql.SQL(", own AS (DELETE FROM lr.table_row_origin o USING ch WHERE o.table_name = {} "
-                                 "AND o.key = {})").format(name, key_obj)
-            else:
-                ledger = sql.SQL(
-                    ", own AS (DELETE FROM lr.table_row_origin o USING ch WHERE ch.op = 'd' AND o.table_name = {n} "
-                    "AND o.key = {k}), mine AS (INSERT INTO lr.table_row_origin (table_name, key, source_site_id) "
-                    "SELECT {n}, {k}, {s} FROM ch WHERE ch.op = 'u' ON CONFLICT (table_name, key) "
-                    "DO UPDATE SET source_site_id = EXCLUDED.source_site_id)").format(
-                    n=name, k=key_obj, s=sql.Literal(self.source))
-        self.cur.execute(sql.SQL(
-            "WITH ch AS ({ch}), gone AS (DELETE FROM {t} x USING ch WHERE ch.op = 'd' AND ({xk}) = ({ck})){ledger} "
-            "INSERT INTO {t} ({cols}) SELECT {ccols} FROM ch WHERE ch.op = 'u' {conflict}"
-        ).format(ch=ch, t=d.table.ident, xk=x_key, ck=c_key, ledger=ledger, cols=cols, ccols=c_cols,
-                 conflict=_on_conflict(d)), params)
-        self.applied += len(pending.ops)
+
+def _key(row: dict, key: Sequence[str]) -> object:
+    """A row's key as a hashable value, equal for two rows PostgreSQL sees under one key (numbers
+    by value: 1.0 and 1.00 are one numeric; composite and array parts as sorted JSON)."""
+    parts = []
+    for k in key:
+        value = row[k]
+        if isinstance(value, Decimal):
+            value = value.normalize()
+        elif isinstance(value, (dict, list)):
+            value = json.dumps(value, sort_keys=True, default=str)
+        parts.append(value)
+    return tuple(parts)
 
 
 def _op(message: bytes) -> str:

@@ -1,0 +1,404 @@
+"""Federated tables carry what the writer wrote, whatever the table: column names like the words of
+lr's own SQL never break the writer's statement, a valid source transaction always applies at the
+sink (in the source's order), and every built-in type arrives exactly."""
+from __future__ import annotations
+
+from tests.support.session import apply, replicator
+from tests.support.tables import create_accounts, federate, rows, status_text, sync
+
+
+def _errors(reports) -> list[str]:
+    return [r.error for r in reports if r.error]
+
+
+# Columns named like every identifier of the capture trigger (its variables, its aliases, its
+# transition tables, the JSON keys it writes) and like SQL words, quoted mixed case and spaces.
+HOSTILE_COLUMNS = ["n", "o", "k", "r", "c", "g", "s", "a", "nonkey", "keys", "key", "old", "new", "op", "row", "rows",
+                   "data", "lr", "table_id", "client", "tid", "cid", "tags", "gen", "chunk", "gone", "lr_old",
+                   "lr_new", "lr_o", "lr_n", "lr_key", "lr_row", "lr_seq", "lr_tags", "lr_keys", "lr_nonkey",
+                   "lr_generated", "lr_table_id", "lr_client_id", "lr_gone", "lr_changed", "lr_k", "MixedCase",
+                   "with space", "select", "from", "order", "user", "tg_op", "tg_argv", "message", "stream"]
+
+
+HOSTILE_TYPES = {"data": "jsonb", "tags": "int[]", "lr_row": "int[]", "lr_image": "json", "row": "text[]"}
+
+
+def _hostile_table(site, name: str, key: list[str]) -> None:
+    """Text columns, some (also named like lr's words) of types that travel as their text form."""
+    cols = ", ".join(f'"{c}" int NOT NULL' if c in key else f'"{c}" {HOSTILE_TYPES.get(c, "text")}'
+                     for c in HOSTILE_COLUMNS + ["lr_image", "lr_text", "lr_extra", "lr_col", "q"])
+    site.query(f"CREATE TABLE public.{name} ({cols}, PRIMARY KEY ({', '.join(chr(34) + k + chr(34) for k in key)}))")
+
+
+def test_a_table_whose_columns_are_named_like_the_capture_triggers_words_is_captured_and_applied(lr_sites):
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    _hostile_table(source, "hostile", ["n"])
+    _hostile_table(source, "hostile2", ["nonkey", "select"])  # a composite key of hostile names
+    source.query("INSERT INTO public.hostile (n, nonkey, \"with space\") SELECT g, 'v' || g, 's' FROM generate_series(1, 5) g")
+    federate(source, "public.hostile")
+    federate(source, "public.hostile2")
+    repl = replicator(topo, lr_sites)
+    sync(repl)
+    # every kind of statement, in the writer's transaction: none may fail
+    source.query("INSERT INTO public.hostile (n, nonkey, op, \"MixedCase\", tags) "
+                 "SELECT g, 'new' || g, 'u', 'M', '{1}' FROM generate_series(6, 1200) g")  # several entries
+    source.query("UPDATE public.hostile SET nonkey = 'changed', \"row\" = '{r}', data = '\"d\"', lr_row = '{1}', "
+                 "lr_image = '[1,  2]' WHERE n <= 600")
+    source.query("UPDATE public.hostile SET n = n + 5000 WHERE n BETWEEN 10 AND 20")  # key changes
+    source.query("DELETE FROM public.hostile WHERE n BETWEEN 30 AND 40")
+    source.query("INSERT INTO public.hostile2 (nonkey, \"select\", n, k) SELECT g, g %% 3, 'x', 'y' "
+                 "FROM generate_series(1, 30) g")
+    source.query("UPDATE public.hostile2 SET \"select\" = \"select\" + 10 WHERE nonkey < 10")  # key changes
+    source.query("UPDATE public.hostile2 SET lr = 'l', \"from\" = 'f' WHERE nonkey >= 10")
+    source.query("DELETE FROM public.hostile2 WHERE nonkey = 29")
+    assert _errors(sync(repl)) == []
+    for sink in sinks:
+        assert rows(sink, "public.hostile") == rows(source, "public.hostile")
+        assert rows(sink, "public.hostile2") == rows(source, "public.hostile2")
+    assert len(rows(source, "public.hostile")) == 1200 - 11
+
+
+def _both(sites, ddl: str) -> None:
+    for site in sites:
+        site.query(ddl)
+
+
+def _in_one_transaction(site, *statements: str) -> None:
+    conn = site.connect()
+    try:
+        with conn.cursor() as cur:
+            for statement in statements:
+                cur.execute(statement)
+        conn.commit()
+    finally:
+        conn.close()
+
+
+def test_transactions_valid_at_the_source_apply_at_a_sink_with_the_same_constraints(lr_sites):
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    _both(lr_sites, "CREATE TABLE public.people (id int PRIMARY KEY, email text NOT NULL UNIQUE, "
+                    "badge int UNIQUE DEFERRABLE INITIALLY IMMEDIATE, name text)")
+    source.query("INSERT INTO public.people SELECT g, 'e' || g, g, 'p' || g FROM generate_series(1, 9) g")
+    federate(source, "public.people")
+    repl = replicator(topo, lr_sites)
+    sync(repl)
+    scenarios = {
+        "swap through a temporary value": [
+            "UPDATE public.people SET email = 'tmp' WHERE id = 1",
+            "UPDATE public.people SET email = 'e1' WHERE id = 2",
+            "UPDATE public.people SET email = 'e2' WHERE id = 1"],
+        "a chain a->b, b->c, c->a": [
+            "UPDATE public.people SET email = 'tmp' WHERE id = 3",
+            "UPDATE public.people SET email = 'e3' WHERE id = 5",
+            "UPDATE public.people SET email = 'e5' WHERE id = 4",
+            "UPDATE public.people SET email = 'e4' WHERE id = 3"],
+        "a value deleted under one key and inserted under another": [
+            "DELETE FROM public.people WHERE id = 6",
+            "INSERT INTO public.people VALUES (60, 'e6', 6, 'moved')"],
+        "primary keys change, unique values stay with their rows": [
+            "UPDATE public.people SET id = id + 100"],
+        "a deferrable constraint swapped in two statements, checked at commit": [
+            "SET CONSTRAINTS ALL DEFERRED",
+            "UPDATE public.people SET badge = 8 WHERE id = 107",
+            "UPDATE public.people SET badge = 7 WHERE id = 108"],
+        "and back again, each in its own transaction": [],
+    }
+    for what, statements in scenarios.items():
+        if statements:
+            _in_one_transaction(source, *statements)
+        assert _errors(sync(repl)) == [], what
+        for sink in sinks:
+            assert rows(sink, "public.people") == rows(source, "public.people"), what
+    # the same history again from the start, all of it in one batch (one sink transaction)
+    _in_one_transaction(source, "DELETE FROM public.people",
+                        "INSERT INTO public.people SELECT g, 'e' || g, g, 'p' || g FROM generate_series(1, 9) g")
+    for statements in scenarios.values():
+        if statements:
+            _in_one_transaction(source, *statements)
+    assert _errors(sync(repl)) == []
+    for sink in sinks:
+        assert rows(sink, "public.people") == rows(source, "public.people")
+
+
+def test_changes_of_two_tables_apply_in_the_source_order_across_tables(lr_sites):
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    _both(lr_sites, "CREATE TABLE public.parents (id int PRIMARY KEY, name text)")
+    _both(lr_sites, "CREATE TABLE public.children (id int PRIMARY KEY, parent int NOT NULL REFERENCES public.parents)")
+    federate(source, "public.parents")
+    federate(source, "public.children")
+    repl = replicator(topo, lr_sites)
+    sync(repl)
+    _in_one_transaction(source, "INSERT INTO public.parents VALUES (1, 'a'), (2, 'b')",
+                        "INSERT INTO public.children VALUES (10, 1), (20, 2)")
+    sync(repl)
+    _in_one_transaction(source, "DELETE FROM public.children WHERE parent = 1", "DELETE FROM public.parents WHERE id = 1",
+                        "INSERT INTO public.parents VALUES (3, 'c')", "UPDATE public.children SET parent = 3")
+    assert _errors(sync(repl)) == []
+    for sink in sinks:
+        assert rows(sink, "public.parents") == rows(source, "public.parents")
+        assert rows(sink, "public.children") == rows(source, "public.children")
+
+
+def test_a_batch_the_sink_refuses_shows_in_status_and_applies_by_itself_once_the_sink_is_fixed(lr_sites):
+    source, sink, other = lr_sites
+    topo = apply(lr_sites)
+    create_accounts(source, rows=20)
+    federate(source)
+    repl = replicator(topo, lr_sites)
+    sync(repl)
+    sink.query("ALTER TABLE public.accounts ADD CONSTRAINT small CHECK (balance < 1000)")  # the source has none
+    source.query("UPDATE public.accounts SET balance = 5000, owner = 'rich' WHERE id = 3")
+    source.query("INSERT INTO public.accounts (id, owner) VALUES (100, 'after')")
+    errors = _errors(sync(repl, cycles=3))
+    assert errors and all("site-a->site-b/policy" in e for e in errors)
+    assert any('the sink refused table public.accounts: new row for relation "accounts" violates check '
+               'constraint "small"' in e for e in errors)
+    shown = [line for line in status_text(source).splitlines() if "the sink refused" in line]
+    assert len(shown) == 1 and "fix it there" in shown[0]  # one line, naming the fix
+    assert sink.query("SELECT owner FROM public.accounts WHERE id IN (3, 100) ORDER BY id") == [("owner3",)]
+    assert rows(other) == rows(source)  # the other sink is not held back
+    sink.query("ALTER TABLE public.accounts DROP CONSTRAINT small")
+    assert _errors(sync(repl)) == []
+    assert rows(sink) == rows(source)
+    assert "the sink refused" not in status_text(source)
+
+
+# Every built-in type (and user-defined enum, composite, domain, in and out of arrays) with its
+# edge values. (column, type, SQL value of row 2, of row 3); row 1 is NULL in every column.
+TYPES = [
+    ("b", "boolean", "true", "false"),
+    ('"char"', '"char"', "'x'", "'\\377'"),
+    ("i2", "smallint", "-32768", "32767"),
+    ("i4", "integer", "-2147483648", "2147483647"),
+    ("i8", "bigint", "-9223372036854775808", "9223372036854775807"),
+    ("f4", "real", "'NaN'", "'-Infinity'"),
+    ("f8", "double precision", "'Infinity'", "1.0000000000000002e-300"),
+    ("f8b", "double precision", "0.1", "-1.7976931348623157e308"),
+    ("num", "numeric", "'NaN'", "'-Infinity'"),
+    ("num2", "numeric", "'Infinity'", "-123456789012345678901234567890.123456789012345678900"),
+    ("nums", "numeric(12, 4)", "1.5", "-0.0001"),
+    ("mon", "money", "12.34", "-92233720368547758.08"),
+    ("t", "text", "E'tab\\there\\nnewline \\\\ back ''quote'' \"dq\"'", "'ünïcødé ✓ 😀 עברית e\u0301 \u200b'"),
+    ("vc", "varchar(10)", "'  padded  '", "''"),
+    ("ch", "char(5)", "'ab'", "'abcde'"),
+    ("nm", "name", "'a name'", "repeat('n', 63)"),
+    ("by", "bytea", "(SELECT string_agg(set_byte('\\x00'::bytea, 0, g), ''::bytea) FROM generate_series(0, 255) g)",
+     "''::bytea"),
+    ("uu", "uuid", "'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11'", "'00000000-0000-0000-0000-000000000000'"),
+    ("d", "date", "'infinity'", "'-infinity'"),
+    ("d2", "date", "'4713-01-01 BC'", "'5874897-12-31'"),
+    ("ts", "timestamp", "'-infinity'", "'294276-12-31 23:59:59.999999'"),
+    ("tz", "timestamptz", "'infinity'", "'1999-12-31 23:59:59.123456+05:30'"),
+    ("tz2", "timestamptz", "'2000-01-01 00:00:00 BC'", "'2026-03-29 01:30:00 Europe/Berlin'"),
+    ("tm", "time", "'24:00:00'", "'00:00:00.000001'"),
+    ("ttz", "timetz", "'23:59:59.999999-15:59'", "'12:00+14'"),
+    ("iv", "interval", "'-178000000 years'", "'1 mon -2 days 03:04:05.678901'"),
+    ("iv2", "interval", "'infinity'", "'-1 days +02:03:00'"),
+    ("js", "json", "'{\"b\": 1,  \"a\": [1, 2.50, null], \"b\": 2}'", "'\"just a string\"'"),
+    ("jb", "jsonb", "'{\"n\": 1.50, \"deep\": {\"x\": [true, null]}}'", "'null'"),
+    ("bt", "bit(8)", "B'10101010'", "B'00000000'"),
+    ("vb", "varbit", "B'1'", "B''"),
+    ("tsv", "tsvector", "'a fat:1A cat:2B,3 sat'", "''"),
+    ("tsq", "tsquery", "'fat & (rat | cat) <-> !sat'", "'x:*'"),
+    ("pt", "point", "'(1.5,-2.25)'", "'(NaN,Infinity)'"),
+    ("ln", "line", "'{1,-1,0}'", "'{0,1,2.5}'"),
+    ("ls", "lseg", "'[(0,0),(1,1)]'", "'[(-1e300,2),(3,4)]'"),
+    ("bx", "box", "'(1,1),(0,0)'", "'(2,3),(2,3)'"),
+    ("pa", "path", "'[(0,0),(1,1),(2,0)]'", "'((0,0),(1,1))'"),
+    ("pg", "polygon", "'((0,0),(1,1),(1,0))'", "'((0,0))'"),
+    ("ci", "circle", "'<(0,0),1.5>'", "'<(1e-300,2),0>'"),
+    ("ip", "inet", "'192.168.0.1/24'", "'::ffff:1.2.3.4/128'"),
+    ("cd", "cidr", "'10.0.0.0/8'", "'2001:db8::/32'"),
+    ("mac", "macaddr", "'08:00:2b:01:02:03'", "'ff:ff:ff:ff:ff:ff'"),
+    ("mac8", "macaddr8", "'08:00:2b:01:02:03:04:05'", "'00:00:00:ff:fe:00:00:00'"),
+    ("lsn", "pg_lsn", "'16/B374D848'", "'FFFFFFFF/FFFFFFFF'"),
+    ("o", "oid", "4294967295", "0"),
+    ("i4r", "int4range", "'[1,10)'", "'empty'"),
+    ("nr", "numrange", "'(,1.50]'", "'[-Infinity,Infinity)'"),
+    ("tsr", "tsrange", "'[2026-01-01,infinity)'", "'(-infinity,2026-01-01 12:00]'"),
+    ("tzr", "tstzrange", "'[2026-01-01 00:00+02,2026-01-02 00:00+02)'", "'(,)'"),
+    ("dr", "daterange", "'[2026-01-31,2026-02-28]'", "'empty'"),
+    ("mr", "int8multirange", "'{[1,3), [5,8)}'", "'{}'"),
+    ("dmr", "datemultirange", "'{[2026-02-01,2026-03-01)}'", "'{(,2026-01-01)}'"),
+    ("ai", "integer[]", "'{1,NULL,3}'", "'{}'"),
+    ("a2", "integer[]", "'{{1,2},{3,4}}'", "'[0:1]={5,6}'"),
+    ("at", "text[]", "ARRAY['a,b', 'c\"d', NULL, '', 'NULL', 'ü']", "'{}'"),
+    ("atz", "timestamptz[]", "ARRAY['infinity', '2026-01-01 00:00:00.5+00']::timestamptz[]", "'{}'"),
+    ("an", "numeric[]", "ARRAY['NaN', '1.10', '-Infinity']::numeric[]", "'{NULL}'"),
+    ("ab", "bytea[]", "ARRAY['\\x00ff'::bytea, '']", "'{}'"),
+    ("ajb", "jsonb[]", "ARRAY['{\"a\": 1}'::jsonb, 'null']", "'{}'"),
+    ("e", "public.mood", "'happy'", "'sad'"),
+    ("ae", "public.mood[]", "'{ok,NULL,happy}'", "'{}'"),
+    ("cp", "public.pair", "ROW(1, 'x,\"y\"', 'ok')::public.pair", "ROW(NULL, NULL, NULL)::public.pair"),
+    ("acp", "public.pair[]", "ARRAY[ROW(2, 'z', 'sad')::public.pair, NULL]", "'{}'"),
+    ("dm", "public.positive", "1", "2147483647"),
+    ("adm", "public.positive[]", "'{1,2}'", "'{}'"),
+    ("big", "text", "repeat('large text ✓ ', 80000)", "repeat('y', 3000)"),  # TOASTed
+    ("bigb", "bytea", "decode(repeat('00ff10', 350000), 'hex')", "decode(repeat('ab', 2500), 'hex')"),
+]
+TYPES_DDL = ["CREATE TYPE public.mood AS ENUM ('sad', 'ok', 'happy')",
+             "CREATE TYPE public.pair AS (a int, b text, m public.mood)",
+             "CREATE DOMAIN public.positive AS integer CHECK (VALUE > 0)"]
+
+
+def _every_type_table(site, name: str) -> None:
+    site.query(f"CREATE TABLE public.{name} (id int PRIMARY KEY, "
+               + ", ".join(f"{col} {kind}" for col, kind, _, _ in TYPES) + ")")
+
+
+def _insert_every_type(site, name: str, first: int) -> None:
+    cols = ", ".join(col for col, _, _, _ in TYPES)
+    site.query(f"INSERT INTO public.{name} (id) VALUES ({first})")
+    for n, which in ((first + 1, 2), (first + 2, 3)):
+        values = ", ".join(f"({t[which]})::{t[1]}" for t in TYPES)
+        site.query(f"INSERT INTO public.{name} (id, {cols}) VALUES ({n}, {values})".replace("%", "%%"))
+
+
+def _differences(source, sink, name: str) -> list[str]:
+    """Every (row, column) whose value differs: the sink's value read back on the source and
+    compared with IS NOT DISTINCT FROM (types without equality, and every type besides, by text)."""
+    differ = []
+    for col, kind, _, _ in TYPES:
+        here = dict(source.query(f"SELECT id, {col}::text FROM public.{name}"))
+        there = dict(sink.query(f"SELECT id, {col}::text FROM public.{name}"))
+        if here != there:
+            differ += [f"{col} of row {k}: {str(here.get(k))[:80]!r} != {str(there.get(k))[:80]!r}"
+                       for k in set(here) | set(there) if here.get(k) != there.get(k)]
+            continue
+        equality = source.query("SELECT oprcode IS NOT NULL FROM (SELECT %s::regtype AS t) x LEFT JOIN pg_operator o "
+                                "ON o.oprname = '=' AND o.oprleft = x.t AND o.oprright = x.t", (kind,))
+        if equality and equality[0][0]:
+            (bad,) = source.query(
+                f"SELECT count(*) FROM public.{name} s JOIN unnest(%s::int[], %s::text[]) v(id, val) USING (id) "
+                f"WHERE NOT (s.{col} IS NOT DISTINCT FROM v.val::{kind})", (list(there), list(there.values())))[0]
+            if bad:
+                differ.append(f"{col}: {bad} rows differ")
+    return differ
+
+
+def test_every_built_in_type_round_trips_through_the_snapshot_and_through_changes(lr_sites):
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    for site in lr_sites:  # the sink requires the table's own types: lr does not create them
+        if site is not source:  # ... and they have other oids there (binary COPY must not carry them)
+            site.query("CREATE TYPE public.unrelated AS (x int); CREATE TYPE public.unrelated2 AS ENUM ('y')")
+        for ddl in TYPES_DDL:
+            site.query(ddl)
+    _every_type_table(source, "every_type")
+    _insert_every_type(source, "every_type", 1)  # carried by the snapshot (binary COPY)
+    federate(source, "public.every_type")
+    repl = replicator(topo, lr_sites)
+    assert _errors(sync(repl)) == []
+    for sink in sinks:
+        assert _differences(source, sink, "every_type") == []
+    _insert_every_type(source, "every_type", 11)  # carried as changes
+    source.query("UPDATE public.every_type SET id = id + 100 WHERE id = 12")  # a key change moves every value
+    assert _errors(sync(repl)) == []
+    for sink in sinks:
+        assert _differences(source, sink, "every_type") == []
+
+
+def test_a_sink_without_the_tables_own_types_is_refused_naming_them_until_it_creates_them(lr_sites):
+    source, sink, other = lr_sites
+    topo = apply(lr_sites)
+    for site in (source, other):
+        for ddl in TYPES_DDL:
+            site.query(ddl)
+    source.query("CREATE TABLE public.moods (id int PRIMARY KEY, m public.mood, p public.pair[], n numeric(12, 4))")
+    source.query("INSERT INTO public.moods VALUES (1, 'ok', ARRAY[ROW(1, 'a', 'sad')::public.pair], 1.5)")
+    federate(source, "public.moods")
+    repl = replicator(topo, lr_sites)
+    errors = _errors(sync(repl, cycles=3))
+    assert any("site-a->site-b/policy: table public.moods uses type(s) public.mood, public.pair[] that the sink "
+               "does not have" in e for e in errors), errors
+    assert sink.query("SELECT to_regclass('public.moods') IS NULL") == [(True,)]
+    assert rows(other, "public.moods") == rows(source, "public.moods")
+    for ddl in TYPES_DDL:
+        sink.query(ddl)
+    assert _errors(sync(repl)) == []
+    assert rows(sink, "public.moods") == rows(source, "public.moods")
+
+
+TRAP = """
+CREATE SCHEMA trap;
+CREATE FUNCTION trap.pg_current_xact_id() RETURNS xid8 LANGUAGE sql AS $$ SELECT '1'::xid8 $$;
+CREATE FUNCTION trap.to_jsonb(anyelement) RETURNS jsonb LANGUAGE sql AS $$ SELECT 'null'::jsonb $$;
+CREATE DOMAIN trap.text AS pg_catalog.varchar(1);
+CREATE TYPE trap.bytea AS (x int);
+CREATE TABLE trap.pg_prepared_statements (name text);
+INSERT INTO trap.pg_prepared_statements VALUES ('lr_transmit_v2');
+CREATE TABLE trap.log_entries (x int);
+CREATE TABLE trap.pg_locks (AS_OF int);
+CREATE TABLE trap.pg_locks_like AS SELECT * FROM pg_catalog.pg_locks LIMIT 0;
+DROP TABLE trap.pg_locks;
+ALTER TABLE trap.pg_locks_like RENAME TO pg_locks;
+"""
+
+
+def test_a_writer_whose_search_path_puts_lookalikes_of_lrs_names_first_transmits_and_is_captured(lr_sites):
+    from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
+    from tests.support.session import queue
+
+    source, sink, _ = lr_sites
+    topo = apply(lr_sites)
+    create_accounts(source)
+    federate(source)
+    repl = replicator(topo, lr_sites)
+    sync(repl)
+    source.query(TRAP)
+    conn = source.connect()
+    try:
+        with conn.cursor() as cur:  # the application's session: its schema before pg_catalog
+            cur.execute("SET search_path = trap, pg_catalog, public")
+        conn.commit()
+        client = RoutingQueueClient(conn, "policy")
+        with conn.cursor() as cur:
+            cur.execute("INSERT INTO accounts (id, owner, tags, note) VALUES (1, 'trapped', '{a}', '{\"k\": 1}')")
+            cur.execute("UPDATE accounts SET balance = 2 WHERE id = 1")
+        ticket = client.transmit_log_entry_message(b"one", [sink.site_id])
+        client.transmit_log_entry_messages([LRMessageWithDestinations(b"two", [sink.site_id]),
+                                            LRMessageWithDestinations(b"three", [sink.site_id])])
+        with conn.cursor() as cur:
+            cur.execute("SELECT pg_catalog.pg_current_xact_id()::pg_catalog.text")
+            (tx,) = cur.fetchone()
+        conn.commit()
+        assert ticket.tx == int(tx)
+        assert client.delivery(ticket) is not None
+    finally:
+        conn.close()
+    assert _errors(sync(repl)) == []
+    assert [p for k, p in queue(sink) if k == "log"] == ["one", "two", "three"]
+    assert rows(sink) == rows(source) and len(rows(sink)) == 1
+
+
+def test_the_commit_barrier_on_a_writers_connection_sees_commits_in_flight_whatever_its_search_path(lr_sites):
+    """A client's full-sync supply waits for the commits in flight on the writer's connection: an
+    empty table of the writer's named pg_locks must not hide a prepared transaction's commit."""
+    from airflow_provider_lr.client import RoutingQueueClient
+    from airflow_provider_lr.engine.source.log_reader import commit_barrier
+
+    source, sink, _ = lr_sites
+    apply(lr_sites)
+    source.query(TRAP)
+    prepared = source.connect()
+    RoutingQueueClient(prepared, "policy").transmit_log_entry_message(b"prepared", [sink.site_id])
+    with prepared.cursor() as cur:
+        cur.execute("PREPARE TRANSACTION 'lr-trap-gid'")
+    prepared.close()
+    writer = source.connect()
+    try:
+        with writer.cursor() as cur:
+            cur.execute("SET search_path = trap, pg_catalog, public")
+        writer.commit()
+        position, holders = commit_barrier(writer, timeout=0.3)
+        assert position is None and [h.gid for h in holders] == ["lr-trap-gid"]
+    finally:
+        writer.close()
+        admin = source.connect()
+        admin.autocommit = True
+        with admin.cursor() as cur:
+            cur.execute("ROLLBACK PREPARED 'lr-trap-gid'")
+        admin.close()
