@@ -8,7 +8,7 @@ from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import TableError
 from airflow_provider_lr.engine.tables import registry
 from tests.support.session import apply, queue, replicator, run_crashing_replicator
-from tests.support.tables import TableWriter, create_accounts, federate, rows, site_status, status_text, sync
+from tests.support.tables import TableWriter, create_accounts, federate, rows, status_text, sync
 
 
 def test_rows_before_federation_and_changes_during_and_after_reach_both_sinks_row_for_row(lr_sites):
