@@ -131,6 +131,21 @@ def test_refused_negotiation_fails_without_retry_and_is_recorded(airflow_sites):
     assert "topology config id mismatch" in errors[0][0]
 
 
+def test_a_step_from_a_topology_file_the_source_does_not_run_fails_naming_the_file(airflow_sites):
+    from airflow_provider_lr.engine.site import topology
+
+    edited = topology.from_document({**airflow_sites.topology.document, "settings": {"lease_seconds": 30}})
+    conn = airflow_sites.site("site-a").connect()
+    topology.apply_to_site(conn, edited, "site-a")  # the source runs another topology than the tasks' file
+    conn.close()
+    session = _sessions(sink="site-b")[0]
+    with pytest.raises(AirflowFailException) as failed:
+        _step(LRNegotiateOperator, session)
+    assert (f"topology file {airflow_sites.topology_path} has id {airflow_sites.topology.topology_config_id}; "
+            f"sites hold {edited.topology_config_id} (site-a)") in str(failed.value)
+    assert "lease" not in str(failed.value)
+
+
 def test_a_connection_to_the_wrong_database_is_refused(airflow_sites, monkeypatch):
     monkeypatch.setenv(*[airflow_sites.env(airflow_sites.site("site-c"))[0],
                          airflow_sites.env(airflow_sites.site("site-b"))[1]])
