@@ -119,3 +119,20 @@ def test_full_sync_wait_succeeds_once_a_running_lr_sync_applied_the_request(lr_s
         assert note.startswith("applied by ") and f":{streaming.pid}:" in note  # by that lr sync process
         assert [k for k, _ in queue(sink_b, "site-a")].count("start") == 2
     app.close()
+
+
+def test_a_running_replicator_goes_on_when_its_own_file_is_edited_and_applied(lr_sites, tmp_path, monkeypatch):
+    """Not stale: the file it read was edited and applied meanwhile (it reads the file again)."""
+    from airflow_provider_lr.engine.session.replicator import Replicator
+
+    path, app = _replicating(lr_sites, tmp_path, monkeypatch)
+    running = topology.load(path)
+    repl = Replicator(running, cli._connect(running))
+    doc = yaml.safe_load(Path(path).read_text())
+    Path(path).write_text(yaml.safe_dump({**doc, "settings": {"lease_seconds": 30}}))
+    assert cli.main(["topology", "apply", "--topology", path]) == 0
+    app.put("k1", 1, ["site-b"])
+    reports = repl.run_cycle()
+    repl.close()
+    assert [r.error for r in reports] == ["", ""] and sum(r.delivered for r in reports) == 1
+    app.close()

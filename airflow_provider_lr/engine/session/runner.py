@@ -29,7 +29,7 @@ from airflow_provider_lr.engine.session.negotiation import Decision, Negotiation
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.site.schema import site_identity
-from airflow_provider_lr.engine.site.topology import Topology, drift, recorded_id
+from airflow_provider_lr.engine.site.topology import Topology, drift, recorded_id, reread
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest, Provider
 from airflow_provider_lr.engine.source.log_reader import (
@@ -163,7 +163,7 @@ class SessionRunner:
     spark_tables: bool = False  # large table snapshots are left to the Spark job (the DAG runs one)
     spark_transfer: bool = False  # ... and large full-sync transfers (lr_snapshot_transfer.py)
     peers: list[nearest_copy.Peer] = field(default_factory=list)  # nearest copies first (nearest_copy.py)
-    topology: Topology | None = None  # the topology this runner works from: refused where the source runs another
+    topology: Topology | None = None  # the file this runner works from: refused where the source runs another
     lease: leases.Lease | None = field(default=None, init=False)
     tables: TableSplits = field(default_factory=TableSplits, init=False)  # synced tables, for the reader
     _reader: LogReader | None = field(default=None, init=False, repr=False)
@@ -195,8 +195,10 @@ class SessionRunner:
         The negotiation is None when there is nothing to do: the lease is held elsewhere
         (``report.skipped``) or negotiation refused (``report.error``, recorded on the source)."""
         report = CycleReport(str(self.key))
-        if self.topology is not None:  # a stale topology file: said as such, not as a lease or a refusal
-            found = drift(self.topology, {self.key.source: recorded_id(self.source)})
+        if self.topology is not None and self.topology.path:  # a stale file: said so, not as a lease or a refusal
+            held = {self.key.source: recorded_id(self.source)}
+            # the file may have been edited and applied since this process read it: then it is not stale
+            found = drift(self.topology, held) and drift(reread(self.topology), held)
             if found is not None:
                 report.decision, report.error = Decision.REFUSE.value, found.message()
                 return report, None, None

@@ -185,6 +185,17 @@ def load(path: Path | str | None = None) -> Topology:
     return replace(from_document(*read(path)), path=str(path))
 
 
+def reread(topology: Topology) -> Topology:
+    """The topology's file as it is now (a long-running replicator's copy may predate an edit that
+    was applied since); the topology itself when it has no file or the file cannot be read."""
+    if not topology.path:
+        return topology
+    try:
+        return load(topology.path)
+    except LRError:
+        return topology
+
+
 def recorded_id(conn: psycopg2.extensions.connection) -> str | None:
     """The id of the topology last applied to a site (None: none applied)."""
     with conn.cursor() as cur:
