@@ -315,8 +315,8 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     or a scrape through `lr metrics --listen`)."""
     topo = _topology(args)
     if args.listen:
-        return metrics.serve(lambda: metrics.exposition(_site_statuses(topo)), args.listen)
-    sys.stdout.write(metrics.exposition(_site_statuses(topo)))
+        return metrics.serve(lambda: metrics.exposition(_site_statuses(topo), topo), args.listen)
+    sys.stdout.write(metrics.exposition(_site_statuses(topo), topo))
     return 0
 
 

@@ -57,6 +57,8 @@ def test_after_a_failover_the_old_file_is_named_by_every_command(lr_sites, tmp_p
     out = capsys.readouterr().out
     assert out.startswith(f"WARNING: {named()}") and "health: degraded" in out
 
+    assert cli.main(["metrics", "--topology", old]) == 0
+    assert 'lr_site_topology_matches_file{site="site-c"} 0' in capsys.readouterr().out
     assert cli.main(["status", "--topology", new]) == 0  # the file in use: healthy, no warning
     assert "WARNING" not in capsys.readouterr().out
     assert cli.main(["sync", "--topology", new, "--once"]) == 0
