@@ -145,12 +145,12 @@ def _check_sync(topo: topology.Topology) -> None:
     are refused cycle by cycle (each one's error names the file), while the others replicate."""
     sites = {site for key in topo.sessions() for site in (key.source, key.sink)}
     recorded = topology.recorded_ids(topo, _connect(topo), sites)
-    stale = topology.drift(topo, recorded)
-    if stale is None:
-        return
-    if topo.topology_config_id not in recorded.values():
+    stale = topology.unheld(topo, recorded)
+    if stale is not None:
         raise TopologyMismatchError(stale.message())
-    print(f"lr sync: {stale.message()}; their sessions are refused", file=sys.stderr, flush=True)
+    behind = topology.drift(topo, recorded)
+    if behind is not None:
+        print(f"lr sync: {behind.message()}; their sessions are refused", file=sys.stderr, flush=True)
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
@@ -241,9 +241,8 @@ def cmd_failover(args: argparse.Namespace) -> int:
     the old source (or a site the failover could not reach) takes the new topology."""
     topo = _topology(args)
     if args.rejoin:  # the site rejoining runs an older topology by design: the file must be the others'
-        others = topology.recorded_ids(topo, _connect(topo), set(topo.sites) - {args.rejoin})
-        stale = topology.drift(topo, others)
-        if stale is not None and topo.topology_config_id not in others.values():
+        stale = topology.unheld(topo, topology.recorded_ids(topo, _connect(topo), set(topo.sites) - {args.rejoin}))
+        if stale is not None:
             raise TopologyMismatchError(stale.message())
         back = failover.rejoin(args.rejoin, _connect(topo), topo)
         print(f"{back.site}: topology {back.topology_config_id} of failover {back.failover_id} applied")

@@ -51,6 +51,8 @@ def test_after_a_failover_the_old_file_is_named_by_every_command(lr_sites, tmp_p
     assert named("site-a, site-c") in capsys.readouterr().err
     assert cli.main(["failover", "--topology", old, "--promote", "site-c", "--from", "site-a"]) == 1
     assert named() in capsys.readouterr().err
+    assert cli.main(["failover", "--topology", old, "--rejoin", "site-a"]) == 1  # the others' file is wanted
+    assert named("site-b, site-c") in capsys.readouterr().err
     assert cli.main(["tables", "list", "--topology", old]) == 1
     assert named() in capsys.readouterr().err
     assert cli.main(["status", "--topology", old]) == 1

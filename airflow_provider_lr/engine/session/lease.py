@@ -65,8 +65,7 @@ def holder(conn: psycopg2.extensions.connection, sink: str, client: str) -> str 
     when this source has no such session (the topology applied here does not have it). Commits."""
     with conn.cursor() as cur:
         cur.execute(
-            "SELECT CASE WHEN lease_expires_at > now() THEN lease_owner END, "
-            "(SELECT topology_config_id FROM lr.topology) FROM lr.source_sessions "
+            "SELECT CASE WHEN lease_expires_at > now() THEN lease_owner END FROM lr.source_sessions "
             "WHERE sink_site_id = %s AND client_name = %s",
             (sink, client),
         )

@@ -235,6 +235,14 @@ def drift(topology: Topology, recorded: Mapping[str, str | None], also: Collecti
     return TopologyDrift(topology, held) if held else None
 
 
+def unheld(topology: Topology, recorded: Mapping[str, str | None]) -> TopologyDrift | None:
+    """``drift`` when none of the sites of ``recorded`` runs ``topology`` (the file is stale or not
+    applied anywhere); None when some do (the others are behind it: a site a failover could not
+    reach, or one rejoining)."""
+    found = drift(topology, recorded)
+    return found if found is not None and topology.topology_config_id not in recorded.values() else None
+
+
 def recorded_ids(topology: Topology, connect: Callable[[str], psycopg2.extensions.connection],
                  sites: Collection[str] | None = None) -> dict[str, str | None]:
     """The topology id each of ``sites`` (default: all of the topology's) holds, for those that can
