@@ -9,14 +9,15 @@ import os
 import signal
 import sys
 import threading
+import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import psycopg2
 import yaml
 
 from airflow_provider_lr.engine import progress
-from airflow_provider_lr.engine.errors import LRError, RepeatedErrors, listing, one_line, still_failing
+from airflow_provider_lr.engine.errors import LRError, RepeatedErrors, TopologyMismatchError, listing, one_line, still_failing
 from airflow_provider_lr.engine.session import replicator, stream
 from airflow_provider_lr.engine.session.runner import CycleReport
 from airflow_provider_lr.engine.site import conninfo, failover, metrics, schema, status, topology
@@ -124,6 +125,12 @@ def _warn_providers(topo: topology.Topology) -> None:
         print(f"lr: warning: {warning}", file=sys.stderr)
 
 
+def _check(topo: topology.Topology, sites: Iterable[str] | None = None, also: Iterable[str] = ()) -> None:
+    """Refuse a topology file that the reachable ``sites`` (default: all) do not run (a stale file
+    after a failover, an edited one not applied), naming the file and the ids the sites hold."""
+    topology.check_sites(topo, _connect(topo), None if sites is None else set(sites), set(also))
+
+
 def cmd_topology_apply(args: argparse.Namespace) -> int:
     topo = _topology(args)
     _warn_providers(topo)
@@ -166,7 +173,24 @@ def cycle_line(r: CycleReport) -> str:
     if not r.error:
         parts.append(f"remaining={r.remaining}")
     line = f"{r.session}: {' '.join(parts)}"
+    line += f" SKIPPED: {r.skipped}" if r.skipped else ""
     return line + (f" ERROR {r.error}" + (f" ({one_line(r.reason)})" if r.reason else "") if r.error else "")
+
+
+def _check_sync(topo: topology.Topology) -> None:
+    """``lr sync`` from a file no reachable site runs is refused outright (a stale file, an edited
+    one not applied). When only some sites run another topology (a site a failover could not
+    reach, before ``lr failover --rejoin``), it is said once here and the sessions on those sites
+    are refused cycle by cycle (each one's error names the file), while the others replicate."""
+    sites = {site for key in topo.sessions() for site in (key.source, key.sink)}
+    recorded = topology.recorded_ids(topo, _connect(topo), sites)
+    stale = topology.unheld(topo, recorded)
+    if stale is not None:
+        raise TopologyMismatchError(stale.message())
+    behind = topology.drift(topo, recorded)
+    if behind is not None:
+        print(f"lr sync: {behind.message()}; their sessions are refused", file=sys.stderr, flush=True)
+
 
 
 def _replicated(args: argparse.Namespace, what: str) -> topology.Topology:
@@ -180,7 +204,9 @@ def _replicated(args: argparse.Namespace, what: str) -> topology.Topology:
 
 def cmd_sync(args: argparse.Namespace) -> int:
     topo = _replicated(args, "sync")
+    _check_sync(topo)
     repl = replicator.Replicator(topo, _connect(topo), log_failures=False)  # each report is printed here
+    skips: dict[str, str] = {}  # a session leased elsewhere is said once, and again when that changes
     failing = RepeatedErrors()  # a sink down for minutes is said once, then "still failing (N times)"
 
     def say(subject: str, line: str, error: str, quiet: bool = False) -> None:
@@ -195,7 +221,9 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
     def show(reports: list[CycleReport]) -> None:
         for r in reports:
-            say(r.session, cycle_line(r), r.error, quiet=r.idle and not args.verbose)
+            new_skip = bool(r.skipped) and skips.get(r.session) != r.skipped  # said once, again when it changes
+            skips[r.session] = r.skipped
+            say(r.session, cycle_line(r), r.error, quiet=r.idle and not (args.verbose or args.once or new_skip))
 
     def show_end(end: stream.StreamEnd) -> None:
         say(end.session, f"{end.session}: stream handed back after {end.delivered} entries: {end.reason}"
@@ -228,26 +256,50 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 
 def cmd_full_sync(args: argparse.Namespace) -> int:
+    """Force a full sync of the chosen sessions (a sink, a source, a client, or all of them at
+    once); ``--wait``: until each request is applied at its sink, by whichever replicator."""
     topo = _topology(args)
-    clients = [args.client] if args.client else sorted({k.client for k in topo.sessions() if k.sink == args.sink})
-    sessions = [k for k in topo.sessions() if k.sink == args.sink and k.client in clients]
-    if not sessions:
-        raise LRError(f"no session replicates to {args.sink!r}" + (f" for client {args.client!r}" if args.client else ""))
-    for key in sessions:
-        conn = _connect(topo)(key.source)
-        try:
-            request = full_sync.request_full_sync(conn, key.sink, key.client, args.reason, forced=True)
-        finally:
-            conn.close()
-        print(f"{key}: full sync requested ({request.request_id}); `lr sync` or the lr_replication DAG carries it out")
-    return 0
+    keys = topo.select(args.source, args.sink, args.client)
+    _check(topo, {site for k in keys for site in (k.source, k.sink)})
+    requests = full_sync.request_for_sessions(keys, _connect(topo), args.reason)
+    print(f"full sync requested for {len(requests)} session(s):")
+    for key, request in requests.items():
+        print(f"  {key}: request {request.request_id}")
+    if args.wait is None:
+        print("`lr sync`, lr_streaming or the lr_replication DAG carries them out (`lr full-sync --wait` waits)")
+        return 0
+    outcomes = _wait_applied(topo, {key: r.request_id for key, r in requests.items()}, args.wait)
+    for key, found in outcomes.items():
+        print(f"  {key}: {found.describe() if found is not None else 'request gone'}")
+    return 0 if all(f is not None and f.outcome is full_sync.Outcome.APPLIED for f in outcomes.values()) else 1
+
+
+def _wait_applied(topo: topology.Topology, requests: dict, timeout: float) -> dict:
+    """Each request's outcome (``full_sync.outcome``) once it is final, or after ``timeout`` seconds."""
+    deadline, pause = time.monotonic() + timeout, 0.2
+    found: dict = {}
+    while True:
+        for source in sorted({k.source for k in requests}):
+            conn = _connect(topo)(source)
+            try:
+                for key in (k for k in requests if k.source == source):
+                    found[key] = full_sync.outcome(conn, requests[key])
+            finally:
+                conn.close()
+        if all(f is None or f.final for f in found.values()) or time.monotonic() > deadline:
+            return found
+        time.sleep(pause)
+        pause = min(pause * 2, 5.0)
 
 
 def cmd_failover(args: argparse.Namespace) -> int:
     """``--promote SITE``: fail its source's clients over to it (docs/failover.md); ``--rejoin SITE``:
     the old source (or a site the failover could not reach) takes the new topology."""
     topo = _topology(args)
-    if args.rejoin:
+    if args.rejoin:  # the site rejoining runs an older topology by design: the file must be the others'
+        stale = topology.unheld(topo, topology.recorded_ids(topo, _connect(topo), set(topo.sites) - {args.rejoin}))
+        if stale is not None:
+            raise TopologyMismatchError(stale.message())
         back = failover.rejoin(args.rejoin, _connect(topo), topo)
         print(f"{back.site}: topology {back.topology_config_id} of failover {back.failover_id} applied")
         for name in back.retired:
@@ -263,6 +315,8 @@ def cmd_failover(args: argparse.Namespace) -> int:
         print("  its sessions from the new source start with a full sync (`lr sync` or the lr_replication DAG)")
         return 0
     old = args.from_site or failover.only_source(topo, args.promote)
+    # sites already on this failover's topology (a re-run finishing it) are fine; any other id is not
+    _check(topo, also={failover.derive(topo, old, args.promote, args.client or None)[0].topology_config_id})
     done = failover.promote(old, args.promote, _connect(topo), topology=topo, clients=args.client or None,
                             reason=args.reason, same_destinations=args.same_destinations, planned=args.planned,
                             allow_table_divergence=args.allow_table_divergence)
@@ -311,11 +365,15 @@ def _site_statuses(topo: topology.Topology) -> dict[str, status.SiteStatus | str
 def cmd_status(args: argparse.Namespace) -> int:
     """Exit code: 0 healthy, 1 degraded (a session errs, is behind its trim mark or lags more
     than --max-lag), 2 a site could not be reached."""
-    found = _site_statuses(_topology(args))
-    code, reasons = status.health(found, args.max_lag)
+    topo = _topology(args)
+    found = _site_statuses(topo)
+    code, reasons = status.health(found, args.max_lag, topo)
     if args.json:
-        print(json.dumps(status.sites_as_dict(found, args.max_lag), indent=2))
+        print(json.dumps(status.sites_as_dict(found, args.max_lag, topo), indent=2))
         return code
+    stale = status.topology_drift(found, topo)
+    if stale is not None:
+        print(f"WARNING: {stale.message()}")
     print(status.render_sites(found))
     print(f"health: {['healthy', 'degraded', 'unreachable'][code]}" + "".join(f"\n  {r}" for r in reasons))
     return code
@@ -326,14 +384,15 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     or a scrape through `lr metrics --listen`)."""
     topo = _topology(args)
     if args.listen:
-        return metrics.serve(lambda: metrics.exposition(_site_statuses(topo)), args.listen)
-    sys.stdout.write(metrics.exposition(_site_statuses(topo)))
+        return metrics.serve(lambda: metrics.exposition(_site_statuses(topo), topo), args.listen)
+    sys.stdout.write(metrics.exposition(_site_statuses(topo), topo))
     return 0
 
 
 def cmd_trim(args: argparse.Namespace) -> int:
     topo = _replicated(args, "trim")
     sources = sorted({k.source for k in topo.sessions()})
+    _check(topo, sources)
     for site_id in sources:
         with _at_site(site_id):
             conn = _connect(topo)(site_id)
@@ -455,6 +514,7 @@ def cmd_tables_open(args: argparse.Namespace) -> int:
     sites = args.site or _client_sources(topo, args.client)
     if args.site:
         _client_sources(topo, args.client)  # a --site does not make an unknown client right
+    _check(topo, sites)
     for site_id in sites:
         with _at_site(site_id):
             conn = _connect(topo)(site_id)
@@ -472,6 +532,7 @@ def cmd_tables_close(args: argparse.Namespace) -> int:
     topo = _topology(args)
     name = TableName.parse(args.table)
     sites = args.site or sorted(topo.sites)
+    _check(topo, sites)
     closed = 0
     for site_id in sites:
         with _at_site(site_id):
@@ -497,7 +558,9 @@ def cmd_tables_list(args: argparse.Namespace) -> int:
     """Exit 2 when a site could not be read (the others are listed all the same)."""
     topo = _topology(args)
     code = 0
-    for site_id, found in _read_each(args.site or sorted(topo.sites), _connect(topo), table_registry.list_tables):
+    sites = args.site or sorted(topo.sites)
+    _check(topo, sites)
+    for site_id, found in _read_each(sites, _connect(topo), table_registry.list_tables):
         if isinstance(found, str):
             print(f"{site_id}: {found}")
             code = 2
@@ -629,10 +692,15 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument("-v", "--verbose", action="store_true", help="also print idle cycles")
     sync.set_defaults(func=cmd_sync)
 
-    fs = with_topology(sub.add_parser("full-sync", help="force a full (snapshot) sync of the sessions to a sink"))
-    fs.add_argument("--sink", required=True)
-    fs.add_argument("--client")
+    fs = with_topology(sub.add_parser("full-sync", help="force a full (snapshot) sync of the chosen sessions "
+                                      "(none chosen: every session of the topology)"))
+    fs.add_argument("--sink", help="only the sessions to this sink (default: every sink)")
+    fs.add_argument("--source", help="only the sessions from this source (default: every source)")
+    fs.add_argument("--client", help="only this client's sessions (default: every client)")
     fs.add_argument("--reason", default="requested from the command line")
+    fs.add_argument("--wait", type=_seconds, default=None, metavar="SECONDS",
+                    help="wait up to this long until each request is applied at its sink, by whichever replicator "
+                         "(`lr sync`, lr_streaming, lr_replication); exit 1 unless every one was")
     fs.set_defaults(func=cmd_full_sync)
 
     fo = with_topology(sub.add_parser("failover", help="make a sink the source of its clients, or rejoin the old "

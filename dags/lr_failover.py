@@ -1,15 +1,16 @@
 """lr_failover: make a sink the source of its source's clients (docs/failover.md), by hand.
 
-Trigger it from the UI form: the site to promote (the topology's sinks), optionally the old source
-(empty: the one it receives from), the clients (empty: every client it receives from there) and a
-reason. One task, ``failover``, calls the engine (``LRFailoverOperator``): the old source's sinks
-are fenced, the promoted site takes over at its position of the old stream, every other sink is
-reconciled to that position, and the new topology is applied to every reachable site. Its XCom
-holds the new topology (save it as the topology file the other DAGs read) and what each sink's
-reconcile did. A planned switchover happens when the old source can be reached (it is drained
-first). Running the DAG again with the same form finishes an interrupted failover.
+Trigger it from the UI form: the site to promote (required: one of the topology's sinks),
+optionally the old source (empty: the one it receives from), the clients (empty: every client it
+receives from there) and a reason. One task, ``failover``, calls the engine
+(``LRFailoverOperator``): the old source's sinks are fenced, the promoted site takes over at its
+position of the old stream, every other sink is reconciled to that position, and the new topology
+is applied to every reachable site. Its XCom holds the new topology (save it as the topology file
+the other DAGs read) and what each sink's reconcile did. A planned switchover happens when the old
+source can be reached (it is drained first). Running the DAG again with the same form finishes an
+interrupted failover.
 
-The old source, when it is back: trigger again with ``rejoin`` set to it (``promote`` empty).
+The old source, when it is back: trigger ``lr_rejoin`` with it.
 """
 from __future__ import annotations
 
@@ -19,21 +20,13 @@ from airflow.sdk import Param, dag
 
 from airflow_provider_lr.engine.site.topology_schema import CLIENT_NAME_PATTERN, SITE_ID_PATTERN
 from airflow_provider_lr.operators import LRFailoverOperator
-from airflow_provider_lr.operators.common import parse_time_topology
+from airflow_provider_lr.operators.common import form_choice, parse_time_topology
 
 _topology = parse_time_topology()
 _sessions = _topology.sessions() if _topology else []
 SINKS = sorted({k.sink for k in _sessions})
 SITES = sorted(_topology.sites) if _topology else []
-CLIENTS = sorted({k.client for k in _sessions})
 _SITE = f"^{SITE_ID_PATTERN.pattern}$"
-
-
-def _site(values: list[str], **schema: object) -> Param:
-    """An optional site: empty (``null``) or one of ``values`` (a validated text field without a topology)."""
-    if values:
-        return Param(None, type=["null", "string"], enum=[None, *values], values_display={"null": ""}, **schema)
-    return Param(None, type=["null", "string"], pattern=_SITE, **schema)
 
 
 @dag(
@@ -45,9 +38,11 @@ def _site(values: list[str], **schema: object) -> Param:
     tags=["lr", "failover"],
     doc_md=__doc__,
     params={
-        "promote": _site(SINKS, title="Site to promote", description="The sink that becomes the source"),
-        "from_site": _site(SITES, title="Old source", description="Empty: the one source the promoted site receives from"),
-        "clients": Param([], type="array", items={"type": "string", "pattern": f"^{CLIENT_NAME_PATTERN.pattern}$"},
+        "promote": form_choice(SINKS, _SITE, required=True, title="Site to promote",
+                               description="The sink that becomes the source"),
+        "from_site": form_choice(SITES, _SITE, title="Old source",
+                                 description="Empty: the one source the promoted site receives from"),
+        "clients": Param(None, type=["null", "array"], items={"type": "string", "pattern": f"^{CLIENT_NAME_PATTERN.pattern}$"},
                          title="Clients", description="Empty: every client the promoted site receives from the old source"),
         "reason": Param("failover from the Airflow UI", type="string", minLength=1, maxLength=500, title="Reason"),
         "same_destinations": Param(False, type="boolean", title="Entries went to all sinks alike",
@@ -55,14 +50,13 @@ def _site(values: list[str], **schema: object) -> Param:
         "allow_table_divergence": Param(False, type="boolean", title="Allow federated tables to diverge",
                                         description="Promote even if the site lacks a federated table another sink "
                                                     "takes: its replication stops (lr status marks it DIVERGED)"),
-        "rejoin": _site(SITES, title="Rejoin a site", description="Instead of a failover: the old source is back"),
     },
 )
 def lr_failover() -> None:
     LRFailoverOperator(
         task_id="failover", retries=0,
         promote="{{ params.promote }}", from_site="{{ params.from_site }}", clients="{{ params.clients }}",
-        reason="{{ params.reason }}", rejoin="{{ params.rejoin }}", same_destinations="{{ params.same_destinations }}",
+        reason="{{ params.reason }}", same_destinations="{{ params.same_destinations }}",
         allow_table_divergence="{{ params.allow_table_divergence }}",
     )
 

@@ -1,14 +1,23 @@
-"""lr_full_sync: force a snapshot (full) sync of the sessions to one sink, and carry it out.
+"""lr_full_sync: force a snapshot (full) sync of chosen sessions, and see it applied.
 
-Trigger it from the UI form: pick the sink (the topology's sinks), optionally a client and a
-source, and give a reason. The form is validated server-side (the enums come from the topology
-this file was parsed with: ``$LR_TOPOLOGY`` or the shipped one), and the first task checks the
-choice again against the topology the run uses. Then for every matching session: a forced
-full-sync request on its source, the snapshot sync (waiting, deferred, for the client's data when
-its provider is not in the topology), and a log-entry catch-up after it; every mapped instance is
-listed by its session's name. ``check`` is the run's verdict: the run fails when any session's
-full sync or catch-up failed (the catch-up runs anyway and does nothing while its session still
-needs the full sync, so it too is listed by name rather than left ``upstream_failed``).
+Trigger it from the UI form: optionally a sink, a client and a source (each empty: every one; all
+empty: every session of the topology, CorfuDB's global forced snapshot sync), and a reason. The
+form is validated server-side (the enums come from the topology this file was parsed with:
+``$LR_TOPOLOGY`` or the shipped one), and the first task checks the choice again against the
+topology the run uses, and that file against the topology the sites run (a stale file fails the
+run, named). It records a forced full-sync request per session (its log lists them) and hands the
+request ids on.
+
+Then, per session (every mapped instance is listed by its session's name), ``snapshot_sync`` sees
+ITS request applied at the sink, by whichever replicator: when nobody holds the session's lease
+it carries the sync out itself (waiting, deferred, for the client's data when its provider is not
+in the topology); while another replicator holds it (``lr_streaming``, ``lr sync``, an
+``lr_replication`` run) it waits, deferred, for that replicator to apply the request (and takes
+over if the lease is let go first), instead of failing. A log-entry catch-up follows. ``check`` is
+the run's verdict, per session, from each request's outcome on its source (applied; or timed out,
+cancelled, with the reason) and the session tasks' states (the catch-up runs anyway and does
+nothing while its session still needs the full sync, so it too is listed by name rather than left
+``upstream_failed``).
 
 A transfer of at least ``snapshot_spark_min_entries`` entries goes through
 ``spark_snapshot_transfer`` (``spark_jobs/lr_snapshot_transfer.py``) when this worker can run
@@ -19,9 +28,9 @@ catch-up snapshots them again, in the step, or, for a snapshot the engine deems 
 (``table_spark_min_rows``) when this worker can run Spark (``LR_SPARK_CONN_ID``), through
 ``spark_table_snapshot`` (``spark_jobs/lr_table_snapshot.py``), once per source and client.
 
-Empty optional fields (client, source) mean "all": they are ``null`` in the run's conf and show as
-an empty select box in the form (``values_display`` maps ``null`` to an empty label; without it
-Airflow's form shows the word ``null``).
+Empty optional fields mean "all": they are ``null`` in the run's conf and show as an empty select
+box in the form (``values_display`` maps ``null`` to an empty label; without it Airflow's form
+shows the word ``null``).
 """
 from __future__ import annotations
 
@@ -33,7 +42,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_lr.engine.site.topology_schema import CLIENT_NAME_PATTERN, SITE_ID_PATTERN
 from airflow_provider_lr.operators import LRLogEntrySyncOperator, LRRunCheckOperator, LRSnapshotSyncOperator
-from airflow_provider_lr.operators.common import parse_time_topology
+from airflow_provider_lr.operators.common import form_choice, parse_time_topology
 from airflow_provider_lr.operators.session import SESSION_LABEL
 from airflow_provider_lr.operators.spark import LRSparkSnapshotTransferOperator, LRSparkTableSnapshotOperator
 
@@ -46,36 +55,21 @@ SOURCES = sorted({k.source for k in _sessions})
 CLIENTS = sorted({k.client for k in _sessions})
 
 
-def _choice(values: list[str], pattern: str, **schema: object) -> Param:
-    """A required pick from ``values`` (a select box), or a validated text field without a topology."""
-    if values:
-        return Param(type="string", enum=values, **schema)
-    return Param(type="string", pattern=pattern, **schema)
-
-
-def _optional_choice(values: list[str], pattern: str, **schema: object) -> Param:
-    """An optional pick: empty (``null``: every one) or one of ``values``. The form's select box
-    labels ``null`` from ``values_display``; an empty label keeps it empty, not the word "null"."""
-    if values:
-        return Param(None, type=["null", "string"], enum=[None, *values], values_display={"null": ""}, **schema)
-    return Param(None, type=["null", "string"], pattern=pattern, **schema)
-
-
 @dag(
     dag_id="lr_full_sync",
     schedule=None,
     start_date=datetime(2026, 1, 1, tzinfo=timezone.utc),
     catchup=False,
-    default_args={"retries": 3, "retry_delay": timedelta(seconds=20)},  # e.g. lr_replication holds the lease
+    default_args={"retries": 3, "retry_delay": timedelta(seconds=20)},  # a site restarting (a held lease is waited for)
     tags=["lr", "replication"],
     doc_md=__doc__,
     params={
-        "sink": _choice(SINKS, f"^{SITE_ID_PATTERN.pattern}$", title="Sink site",
-                        description="The destination that gets everything again"),
-        "client": _optional_choice(CLIENTS, f"^{CLIENT_NAME_PATTERN.pattern}$", title="Client",
-                                   description="Only this client's session (empty: every client replicating to the sink)"),
-        "source": _optional_choice(SOURCES, f"^{SITE_ID_PATTERN.pattern}$", title="Source site",
-                                   description="Only from this source (empty: every source replicating to the sink)"),
+        "sink": form_choice(SINKS, f"^{SITE_ID_PATTERN.pattern}$", title="Sink site",
+                                 description="The destination that gets everything again (empty: every sink)"),
+        "client": form_choice(CLIENTS, f"^{CLIENT_NAME_PATTERN.pattern}$", title="Client",
+                                   description="Only this client's sessions (empty: every client)"),
+        "source": form_choice(SOURCES, f"^{SITE_ID_PATTERN.pattern}$", title="Source site",
+                                   description="Only from this source (empty: every source)"),
         "reason": Param("requested from the Airflow UI", type="string", minLength=1, maxLength=500, title="Reason",
                         description="Recorded with the request on the source (lr status shows it)"),
     },
@@ -83,28 +77,23 @@ def _optional_choice(values: list[str], pattern: str, **schema: object) -> Param
 def lr_full_sync() -> None:
     @task
     def request_full_sync() -> list[dict]:
-        """Check the form against the run's topology, then record a forced request per session."""
+        """Check the form against the run's topology and that topology against the sites, then
+        record a forced request per session; the sessions, each with its ``request_id``."""
+        from airflow_provider_lr.engine.errors import ConfigurationError
         from airflow_provider_lr.engine.source import full_sync
-        from airflow_provider_lr.operators.common import load_topology, session_dicts, site_connection
+        from airflow_provider_lr.operators.common import check_topology, connect_site, load_topology, session_dict
 
         params = get_current_context()["params"]
         topo = load_topology()
-        sessions = session_dicts(topo, params.get("source") or None, params["sink"], params.get("client") or None)
-        if not sessions:
-            known = [str(k) for k in topo.sessions()]
-            raise AirflowFailException(
-                f"no session replicates to {params['sink']!r}"
-                + (f" for client {params['client']!r}" if params.get("client") else "")
-                + (f" from {params['source']!r}" if params.get("source") else "")
-                + f"; the topology's sessions are {known}"
-            )
-        for session in sessions:
-            with site_connection(session["source_conn_id"], session["source"]) as conn:
-                request = full_sync.request_full_sync(
-                    conn, session["sink"], session["client"], params["reason"], forced=True
-                )
-            session["request_id"] = request.request_id
-        return sessions
+        try:
+            keys = topo.select(params.get("source") or None, params.get("sink") or None, params.get("client") or None)
+        except ConfigurationError as exc:
+            raise AirflowFailException(str(exc)) from None
+        check_topology(topo, {site for k in keys for site in (k.source, k.sink)})
+        requests = full_sync.request_for_sessions(keys, lambda site: connect_site(topo, site), params["reason"])
+        for key, request in requests.items():
+            print(f"{key}: full sync requested ({request.request_id})")
+        return [{**session_dict(topo, key), "request_id": request.request_id} for key, request in requests.items()]
 
     sessions = request_full_sync()
     snapshot = LRSnapshotSyncOperator.partial(
@@ -145,6 +134,7 @@ def lr_full_sync() -> None:
     snapshot >> moves >> transfers >> catch_up >> pairs
     [catch_up, tables, transfers] >> LRRunCheckOperator(
         task_id="check", sessions=sessions, session_tasks=("snapshot_sync", "log_entry_sync"), retries=0,
+        full_sync_requests=True,
     )
 
 

@@ -13,6 +13,11 @@ class ConfigurationError(LRError):
     """A site, connection, topology or argument is missing or invalid."""
 
 
+class TopologyMismatchError(ConfigurationError):
+    """The topology file in hand is not the one the sites run (a stale file after a failover, an
+    edited one not applied): nothing is done from it."""
+
+
 class SiteUnreachableError(LRError):
     """A site's server cannot be reached now (down, restarting, refusing or out of connections):
     nothing was done; whoever waits on the site retries, unlike a ``ConfigurationError``."""

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.errors import ConfigurationError, TopologyMismatchError
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.site.timeouts import Timeouts
 from airflow_provider_lr.engine.site.topology import Topology
@@ -49,6 +49,19 @@ def parse_time_topology() -> Topology | None:
         return None
 
 
+def form_choice(values: list[str], pattern: str, required: bool = False, **schema: Any) -> Any:
+    """A form field picking one of ``values`` (a select box; a validated text field without a
+    topology). Optional (``required`` False): empty is ``null`` ("every one"); ``values_display``
+    labels it with an empty string, or Airflow's form shows the word "null"."""
+    from airflow.sdk import Param
+
+    if required:
+        return Param(type="string", **({"enum": values} if values else {"pattern": pattern}), **schema)
+    if values:
+        return Param(None, type=["null", "string"], enum=[None, *values], values_display={"null": ""}, **schema)
+    return Param(None, type=["null", "string"], pattern=pattern, **schema)
+
+
 def load_topology(path: str | None = None) -> Topology:
     return topology.load(topology_path(path))
 
@@ -67,11 +80,23 @@ def session_dict(topo: Topology, key: SessionKey) -> dict[str, str]:
 def session_dicts(
     topo: Topology, source: str | None = None, sink: str | None = None, client: str | None = None
 ) -> list[dict[str, str]]:
-    keys = [
-        k for k in topo.sessions(source=source)
-        if (sink is None or k.sink == sink) and (client is None or k.client == client)
-    ]
-    return [session_dict(topo, k) for k in keys]
+    return [session_dict(topo, k) for k in topo.sessions(source, sink, client)]
+
+
+def connect_site(topo: Topology, site_id: str) -> psycopg2.extensions.connection:
+    """A connection to a site of the topology through its Airflow connection (the caller closes it)."""
+    return LRSiteHook(lr_conn_id=topo.conn_id(site_id)).connect_site(site_id)
+
+
+def check_topology(topo: Topology, sites: Any = None) -> None:
+    """Fail the task (no retry) when a reachable site of ``sites`` (default: all) runs another
+    topology than the file the task read: a stale file, named, rather than a failure elsewhere."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    try:
+        topology.check_sites(topo, lambda site: connect_site(topo, site), sites)
+    except TopologyMismatchError as exc:
+        raise AirflowFailException(str(exc)) from None
 
 
 def site_dict(topo: Topology, site_id: str) -> dict[str, str]:

@@ -28,6 +28,7 @@ from airflow_provider_lr.engine.session.lease import new_owner_id
 from airflow_provider_lr.engine.session.negotiation import Decision
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, SessionSettings, record_error
 from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.source.full_sync import Outcome
 from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.operators import telemetry
 from airflow_provider_lr.operators.common import (
@@ -138,7 +139,8 @@ class _SessionStepOperator(BaseOperator):
                                                            timeouts=topo.timeouts).connect_site(site))
                     runner = SessionRunner(key, source, sink, f"airflow:{new_owner_id()}", self._settings(topo),
                                            provider, spark_tables=self._spark_can_run(TABLE_SNAPSHOT_JOB),
-                                           spark_transfer=self._spark_can_run(SNAPSHOT_TRANSFER_JOB), peers=peers)
+                                           spark_transfer=self._spark_can_run(SNAPSHOT_TRANSFER_JOB), peers=peers,
+                                           topology=topo)
                     try:
                         yield runner
                     finally:
@@ -193,13 +195,18 @@ class LRSnapshotSyncOperator(_SessionStepOperator):
     """Snapshot (full) sync of one session: request → wait for the client's data → transfer →
     apply → complete.
 
-    :param wait_for_data: when the client has not supplied the data yet, wait for its end marker
-        (deferring to ``LRSnapshotEndTrigger``, no worker slot held) instead of returning
-        ``waiting`` for the next run to pick up; and fail (for the task's retries) rather than
-        return when another replicator holds the session's lease. ``lr_replication`` does not
-        wait (one slow client must not hold every session's next cycle); ``lr_full_sync`` does.
+    :param wait_for_data: carry the full sync out (``lr_full_sync``) rather than do what can be
+        done now (``lr_replication``: one slow client must not hold every session's next cycle).
+        When the client has not supplied the data yet, wait for its end marker (deferring to
+        ``LRSnapshotEndTrigger``). When the session's ``request_id`` (its dict's key, recorded by
+        the DAG) is known, the task succeeds once THAT request is applied at the sink, by whichever
+        replicator: while another one (``lr_streaming``, ``lr sync``, ``lr_replication``) holds
+        the session's lease, it waits for the request (``LRFullSyncOutcomeTrigger``) instead of
+        failing, and carries the sync out itself if the lease is let go first. It fails when the
+        request was closed without being applied (``full_sync.outcome``: timed out, cancelled).
     :param deferrable: wait in the triggerer (default True; False polls from the worker)
     :param poll_interval: first poll interval of the wait, doubled up to ``max_poll_interval``
+    :param wait_timeout: how long to wait for a request another replicator carries out
     """
 
     branch = "snapshot_sync"
@@ -207,36 +214,81 @@ class LRSnapshotSyncOperator(_SessionStepOperator):
 
     def __init__(self, *, wait_for_data: bool = False,
                  deferrable: bool = True,  # lr never holds a worker slot to wait
-                 poll_interval: float = 1.0, max_poll_interval: float = 30.0, **kwargs: Any) -> None:
+                 poll_interval: float = 1.0, max_poll_interval: float = 30.0,
+                 wait_timeout: timedelta = timedelta(hours=6), **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.wait_for_data, self.deferrable = wait_for_data, deferrable
         self.poll_interval, self.max_poll_interval = poll_interval, max_poll_interval
+        self.wait_timeout = wait_timeout
+
+    @property
+    def request_id(self) -> str | None:
+        """The full-sync request this task carries out (``lr_full_sync`` records one per session)."""
+        return (self.session or {}).get("request_id") if self.wait_for_data else None
 
     def execute(self, context: Any) -> dict[str, Any]:
         self._skip_unless_chosen()
+        if self.request_id:
+            done = self._outcome_now()
+            if done is not None:  # already applied (e.g. by the stream) or failed
+                return self.outcome_complete(context, done)
         with self.runner() as runner:
             report = runner.snapshot_step()
+        return self._after_step(context, report)
+
+    def _after_step(self, context: Any, report: CycleReport) -> dict[str, Any]:
         if report.skipped and self.wait_for_data:
-            # asked to carry the sync out (lr_full_sync): let the task's retries try again
-            raise AirflowException(f"session {report.session}: {report.skipped}; retrying")
-        if not (report.waiting and self.wait_for_data):
-            return self._result(report)
-        deadline = self._deadline(report.request_id)
-        self.log.info("session %s: waiting for the client's data of request %s until %s",
-                      report.session, report.request_id, deadline.isoformat())
-        if self.deferrable:
+            if not self.request_id:  # nothing to wait for but the lease: let the task's retries try again
+                raise AirflowException(f"session {report.session}: {report.skipped}; retrying")
+            self.log.info("session %s: %s; waiting for full sync %s to be applied by it", report.session,
+                          report.skipped, self.request_id)
+            return self._wait(context, self._outcome_trigger(), self.wait_timeout, "outcome_complete")
+        if report.waiting and self.wait_for_data:
+            deadline = self._deadline(report.request_id)
+            self.log.info("session %s: waiting for the client's data of request %s until %s",
+                          report.session, report.request_id, deadline.isoformat())
             from airflow_provider_lr.triggers.session import LRSnapshotEndTrigger
 
-            self.defer(
-                trigger=LRSnapshotEndTrigger(
-                    source_conn_id=self.session["source_conn_id"], request_id=report.request_id,
-                    deadline=deadline.isoformat(), poll_interval=self.poll_interval,
-                    max_poll_interval=self.max_poll_interval,
-                ),
-                method_name="execute_complete",
-                timeout=deadline - datetime.now(timezone.utc) + timedelta(minutes=5),
-            )
-        return self.execute_complete(context, self._wait_here(report.request_id, deadline))
+            trigger = LRSnapshotEndTrigger(
+                source_conn_id=self.session["source_conn_id"], request_id=report.request_id,
+                deadline=deadline.isoformat(), **self._polling())
+            return self._wait(context, trigger, deadline - datetime.now(timezone.utc) + timedelta(minutes=5),
+                              "execute_complete")
+        result = self._result(report)
+        if self.request_id and not report.transfer_for_spark:  # done here: say what became of the request
+            done = self._outcome_now()
+            if done is not None:
+                return {**result, **self.outcome_complete(context, done)}
+        return result
+
+    def _polling(self) -> dict[str, float]:
+        return {"poll_interval": self.poll_interval, "max_poll_interval": self.max_poll_interval}
+
+    def _outcome_trigger(self) -> Any:
+        from airflow_provider_lr.triggers.session import LRFullSyncOutcomeTrigger
+
+        return LRFullSyncOutcomeTrigger(self.session["source_conn_id"], str(self.request_id), lease_free=True,
+                                        **self._polling())
+
+    def _outcome_now(self) -> dict[str, Any] | None:
+        from airflow_provider_lr.triggers.session import full_sync_outcome_status
+
+        with site_connection(self.session["source_conn_id"], self.session["source"]) as conn:
+            return full_sync_outcome_status(conn, str(self.request_id))
+
+    def _wait(self, context: Any, trigger: Any, timeout: timedelta, method_name: str) -> dict[str, Any]:
+        """Defer to ``trigger`` (no worker slot held), or with ``deferrable=False`` poll its check here."""
+        if self.deferrable:
+            self.defer(trigger=trigger, method_name=method_name, timeout=timeout)
+        deadline = time.monotonic() + timeout.total_seconds()
+        with site_connection(self.session["source_conn_id"], self.session["source"]) as conn:
+            pause = self.poll_interval
+            while (event := trigger.check(conn)) is None:
+                if time.monotonic() > deadline:
+                    raise AirflowException(f"session {self.session['session']}: still waiting after {timeout}")
+                time.sleep(pause)
+                pause = min(pause * 2, self.max_poll_interval)
+        return getattr(self, method_name)(context, event)
 
     def _deadline(self, request_id: str) -> datetime:
         with site_connection(self.session["source_conn_id"], self.session["source"]) as conn:
@@ -244,20 +296,8 @@ class LRSnapshotSyncOperator(_SessionStepOperator):
         assert request is not None
         return request.data_deadline.astimezone(timezone.utc)
 
-    def _wait_here(self, request_id: str, deadline: datetime) -> dict[str, Any]:
-        """The non-deferrable wait: the same check as the trigger, polling in the worker."""
-        from airflow_provider_lr.triggers.session import snapshot_end_status
-
-        with site_connection(self.session["source_conn_id"], self.session["source"]) as conn:
-            pause = self.poll_interval
-            while True:
-                event = snapshot_end_status(conn, request_id, deadline)
-                if event is not None:
-                    return event
-                time.sleep(pause)
-                pause = min(pause * 2, self.max_poll_interval)
-
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
+        """The client's data came (or not): carry on from where the wait began."""
         with self.runner() as runner:
             report = runner.snapshot_step()  # transfers and applies; records a timeout if it passed
         if event.get("status") != "supplied":
@@ -266,7 +306,20 @@ class LRSnapshotSyncOperator(_SessionStepOperator):
                 f"{event.get('request_id')} ({event.get('message', event.get('status'))}); run the client's "
                 "provider (client.serve_full_sync_requests) or name one under `providers:` in the topology"
             )
-        return self._result(report)
+        return self._after_step(context, report)
+
+    def outcome_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
+        """The request was applied (by anyone), failed, or its session's lease was let go (then
+        this step carries it out itself)."""
+        name = self.session["session"]
+        if event.get("status") == "lease_free":
+            return self.execute(context)
+        if event.get("status") != Outcome.APPLIED.value:
+            telemetry.session_error(self.session)
+            raise AirflowFailException(f"session {name}: {event.get('message', event)}")
+        self.log.info("session %s: %s", name, event.get("message"))
+        return {"session": name, "request_id": self.request_id, "outcome": event["status"],
+                "applied_request": event.get("applied_request"), "message": event.get("message")}
 
 
 class LRLogEntrySyncOperator(_SessionStepOperator):
@@ -302,6 +355,9 @@ class LRRunCheckOperator(BaseOperator):
     :param session_tasks: ids (or prefixes, e.g. a task group ``"session."``) of the tasks mapped
         one index per session
     :param report_task_id: a task returning ``{"last_error": ...}`` per session (shown in the message)
+    :param full_sync_requests: the sessions carry the ``request_id`` of a full sync the run asked
+        for (``lr_full_sync``): a session whose request was not applied at its sink (by whichever
+        replicator: ``full_sync.outcome``) failed, with what became of the request
     Returns ``{"sessions": n, "failed_sessions": [...], "failed_tasks": [...]}`` when nothing failed.
     """
 
@@ -309,9 +365,11 @@ class LRRunCheckOperator(BaseOperator):
     ui_color = "#ececec"
 
     def __init__(self, *, sessions: list[dict[str, Any]] | None = None, session_tasks: Sequence[str] = ("session.",),
-                 report_task_id: str | None = None, trigger_rule: str = TriggerRule.ALL_DONE, **kwargs: Any) -> None:
+                 report_task_id: str | None = None, full_sync_requests: bool = False,
+                 trigger_rule: str = TriggerRule.ALL_DONE, **kwargs: Any) -> None:
         super().__init__(trigger_rule=trigger_rule, **kwargs)
         self.sessions, self.session_tasks, self.report_task_id = sessions, tuple(session_tasks), report_task_id
+        self.full_sync_requests = full_sync_requests
 
     def _is_session_task(self, task_id: str) -> bool:
         return any(task_id == t or (t.endswith(".") and task_id.startswith(t)) for t in self.session_tasks)
@@ -330,6 +388,10 @@ class LRRunCheckOperator(BaseOperator):
                 per_session.setdefault(sessions[index]["session"], []).append(f"{c['task_id']} {state}")
             else:
                 others.append(f"{c['task_id']}{f'[{index}]' if index >= 0 else ''} {state}")
+        for session in sessions if self.full_sync_requests else []:
+            outcome = self._request_outcome(session)
+            if outcome is not None:
+                per_session.setdefault(session["session"], []).append(outcome)
         telemetry.failed_sessions(ti.dag_id, len(per_session))
         for name, tasks in per_session.items():
             why = self._last_error(ti, sessions, name)
@@ -346,6 +408,20 @@ class LRRunCheckOperator(BaseOperator):
                                        "shows each session's last_error)")
         self.log.info("all %d session(s) ran without failure", len(sessions))
         return {"sessions": len(sessions), "failed_sessions": [], "failed_tasks": []}
+
+    def _request_outcome(self, session: dict[str, Any]) -> str | None:
+        """Why the session's full-sync request failed, or None when it was applied."""
+        try:
+            with site_connection(session["source_conn_id"], session["source"]) as conn:
+                found = full_sync.outcome(conn, session["request_id"])
+        except Exception as exc:  # the source is down: the request's fate is unknown, not a success
+            return f"full sync {session['request_id']}: outcome unknown ({type(exc).__name__}: {exc})".strip()
+        if found is None:
+            return f"full sync {session['request_id']}: no such request on {session['source']}"
+        if found.outcome is Outcome.APPLIED:
+            self.log.info("session %s: %s", session["session"], found.describe())
+            return None
+        return found.describe()
 
     def _last_error(self, ti: Any, sessions: list[dict[str, Any]], name: str) -> str:
         if not self.report_task_id:

@@ -12,13 +12,14 @@ from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.operators.common import load_topology, site_connection
 from airflow_provider_lr.triggers.session import (
     LRDeliveredTrigger,
+    LRFullSyncOutcomeTrigger,
     LRNewLogEntriesTrigger,
     LRReadyTrigger,
     LRSnapshotEndTrigger,
     _PollingTrigger,
 )
 
-_SUCCESS = ("success", "supplied")
+_SUCCESS = ("success", "supplied", "applied")
 
 
 class _LRSensor(BaseSensorOperator):
@@ -92,6 +93,22 @@ class LRSnapshotEndSensor(_LRSensor):
 
     def build_trigger(self) -> LRSnapshotEndTrigger:
         return LRSnapshotEndTrigger(self._source_conn_id(), str(self.request_id), None, **self._polling())
+
+
+class LRFullSyncAppliedSensor(_LRSensor):
+    """Waits until full-sync request ``request_id`` (``lr full-sync``, ``full_sync.request_full_sync``)
+    is applied at its sink, by whichever replicator carries it out (``lr_streaming``, ``lr sync``,
+    ``lr_replication``), or a newer request of the same session is; fails when it was closed
+    without being applied (timed out, cancelled), with the reason recorded on the source."""
+
+    template_fields: Sequence[str] = ("source", "request_id", "topology_path")
+
+    def __init__(self, *, request_id: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.request_id = request_id
+
+    def build_trigger(self) -> LRFullSyncOutcomeTrigger:
+        return LRFullSyncOutcomeTrigger(self._source_conn_id(), str(self.request_id), **self._polling())
 
 
 class LRDeliveredSensor(_LRSensor):

@@ -1,5 +1,5 @@
 """Triggers that wait on a source site's metadata: new log entries for a session, a full sync's
-end marker, an entry delivered to destinations or regions.
+end marker, a full sync applied, an entry delivered to destinations or regions.
 
 They poll with backoff rather than LISTEN: a NOTIFY sent by ``transmit`` would take PostgreSQL's
 global notify lock at every application commit and serialize the writers (DESIGN §6 property 3).
@@ -20,7 +20,9 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, error_line, one_line
 from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.source import delivery, full_sync
+from airflow_provider_lr.engine.source.full_sync import Outcome
 from airflow_provider_lr.engine.vocabulary import RequestStatus
 from airflow_provider_lr.hooks.site import LRSiteHook
 
@@ -43,6 +45,24 @@ def snapshot_end_status(
         return {"status": "closed", "request_id": request_id, "message": f"request {request.status}"}
     if deadline is not None and datetime.now(timezone.utc) > deadline:
         return {"status": "timeout", "request_id": request_id, "message": f"no data by {deadline.isoformat()}"}
+    return None
+
+
+def full_sync_outcome_status(conn: psycopg2.extensions.connection, request_id: str,
+                             lease_free: bool = False) -> dict[str, Any] | None:
+    """The event once a full-sync request is applied at its sink, by whichever replicator (or a
+    newer request of its session is: ``full_sync.outcome``), or failed; with ``lease_free``, also
+    as soon as nobody holds its session's lease (``lease_free``: the waiting step may do the work
+    itself). None while it is pending and the lease is held."""
+    found = full_sync.outcome(conn, request_id)
+    if found is None:
+        return {"status": Outcome.FAILED.value, "request_id": request_id, "message": "no such full-sync request"}
+    event = {"status": found.outcome.value, "request_id": request_id, "applied_request": found.applied_request,
+             "message": found.describe()}
+    if found.final:
+        return event
+    if lease_free and leases.holder(conn, found.request.sink_site_id, found.request.client_name) is None:
+        return {**event, "status": "lease_free"}
     return None
 
 
@@ -142,6 +162,22 @@ class LRSnapshotEndTrigger(_PollingTrigger):
     def check(self, conn: psycopg2.extensions.connection) -> dict[str, Any] | None:
         deadline = datetime.fromisoformat(self.deadline) if self.deadline else None
         return snapshot_end_status(conn, self.request_id, deadline)
+
+
+class LRFullSyncOutcomeTrigger(_PollingTrigger):
+    """Fires when full-sync request ``request_id`` is applied at its sink by whichever replicator
+    (a DAG's step, ``lr_streaming``, ``lr sync``) or failed; with ``lease_free``, also when nobody
+    holds its session's lease (``full_sync_outcome_status``)."""
+
+    def __init__(self, source_conn_id: str, request_id: str, lease_free: bool = False, **kwargs: Any) -> None:
+        super().__init__(source_conn_id, **kwargs)
+        self.request_id, self.lease_free = request_id, bool(lease_free)
+
+    def _kwargs(self) -> dict[str, Any]:
+        return {**super()._kwargs(), "request_id": self.request_id, "lease_free": self.lease_free}
+
+    def check(self, conn: psycopg2.extensions.connection) -> dict[str, Any] | None:
+        return full_sync_outcome_status(conn, self.request_id, self.lease_free)
 
 
 class LRDeliveredTrigger(_PollingTrigger):

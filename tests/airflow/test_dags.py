@@ -21,13 +21,13 @@ from tests.support.airflow_env import (  # noqa: F401
     statsd_packets,  # noqa: F401
     xcom,
 )
-from tests.support.session import App, final_state, queue, replicator, source_state, table_provider
+from tests.support.session import App, final_state, lr_sync_process, queue, replicator, source_state, table_provider
 from tests.support.tables import create_accounts, federate, rows
 
 
 def test_dags_import_without_errors(dagbag):
     assert dagbag.import_errors == {}
-    assert {"lr_replication", "lr_full_sync", "lr_maintenance", "lr_streaming",
+    assert {"lr_replication", "lr_full_sync", "lr_maintenance", "lr_streaming", "lr_failover", "lr_rejoin",
             "example_lr_user_pipeline"} <= set(dagbag.dags)
 
 
@@ -56,8 +56,8 @@ def test_replication_maps_one_group_per_session_with_skip_branches(dagbag):
 
 def test_full_sync_form_offers_the_topologys_sinks(dagbag):
     params = dagbag.dags["lr_full_sync"].params
-    assert params.get_param("sink").schema["enum"] == ["site-b", "site-c"]
-    for optional in ("client", "source"):
+    assert params.get_param("sink").schema["enum"] == [None, "site-b", "site-c"]  # empty: every sink
+    for optional in ("sink", "client", "source"):
         schema = params.get_param(optional).schema
         assert schema["enum"][0] is None and schema["type"] == ["null", "string"]
         assert schema["values_display"] == {"null": ""}  # the form shows an empty select box, not "null"
@@ -68,6 +68,17 @@ def test_full_sync_form_offers_the_topologys_sinks(dagbag):
     for task_id in ("snapshot_sync", "log_entry_sync"):
         assert dag.get_task(task_id).map_index_template
     assert dag.get_task("check").trigger_rule == "all_done"
+
+
+def test_failover_form_requires_the_site_to_promote_and_not_the_clients(dagbag):
+    params = dagbag.dags["lr_failover"].params
+    promote = params.get_param("promote").schema
+    assert promote["type"] == "string" and promote["enum"] == ["site-b", "site-c"]  # required: no null
+    for optional in ("from_site", "clients"):  # "empty: ..." in their help: null allowed
+        assert "null" in params.get_param(optional).schema["type"]
+    assert params.get_param("clients").resolve(None) is None
+    assert "rejoin" not in params  # its own DAG, whose one field is required
+    assert dagbag.dags["lr_rejoin"].params.get_param("site").schema["type"] == "string"
 
 
 def test_full_sync_form_refuses_an_unknown_sink(dagbag):
@@ -176,6 +187,30 @@ def test_a_sink_that_is_down_fails_the_run_after_the_other_session_delivered(dag
     assert metric(statsd_packets, "lr.session.site-a.site-c.policy.lag_entries")[-1] == 1.0
     assert metric(statsd_packets, "lr.run.lr_replication.failed_sessions") == [1.0]
     assert metric(statsd_packets, "lr.session.errors") == [1.0]
+    app.close()
+
+
+@pytest.mark.slow
+def test_a_forms_full_sync_succeeds_when_a_running_lr_sync_applied_it(dagbag, airflow_sites):
+    """The issue's case: a replicator streams (here ``lr sync``, a process of its own, holding every
+    session's lease all along), and the form asks for a full sync of every sink. The run does not
+    fail on the lease: each ``snapshot_sync`` waits, deferred, for its own request, which the
+    stream applies; ``check`` reports each session from its request's outcome."""
+    source, sink_b, sink_c = airflow_sites.sites
+    app = App(source)
+    app.put("k", 1, ["site-b", "site-c"])
+    with lr_sync_process(airflow_sites.topology_path, source) as streaming:
+        run = run_dag(dagbag, "lr_full_sync", {"sink": None, "client": None, "source": None, "reason": "audit"})
+        got = states(run)
+        assert str(run.state) == "success", got
+        assert got[("snapshot_sync", 0)] == got[("snapshot_sync", 1)] == "success" and got[("check", -1)] == "success"
+        notes = source.query("SELECT request_id::text, note FROM lr.full_sync_requests WHERE forced ORDER BY sink_site_id")
+        assert len(notes) == 2
+        for index, (request_id, note) in enumerate(notes):
+            assert xcom(run, "snapshot_sync", index)["applied_request"] == request_id
+            assert f":{streaming.pid}:" in note, note  # applied by the lr sync process, not by the DAG's step
+        for sink in (sink_b, sink_c):
+            assert [k for k, _ in queue(sink, "site-a")].count("start") == 2
     app.close()
 
 
@@ -353,8 +388,8 @@ def test_the_failover_dag_promotes_a_sink_from_its_form_and_rejoins_the_old_sour
     run_until_idle(replicator(airflow_sites.topology, airflow_sites.sites, providers={"policy": table_provider}))
     app.put("k9", 9, ["site-b", "site-c"])  # not replicated yet: the planned switchover drains it
     App(sink_b).close()
-    form = {"promote": "site-b", "from_site": None, "clients": [], "reason": "dc-1 maintenance",
-            "same_destinations": False, "rejoin": None}
+    form = {"promote": "site-b", "from_site": None, "clients": None, "reason": "dc-1 maintenance",
+            "same_destinations": False}
     run = run_dag(dagbag, "lr_failover", form)
     assert str(run.state) == "success", states(run)
     done = xcom(run, "failover")
@@ -362,9 +397,9 @@ def test_the_failover_dag_promotes_a_sink_from_its_form_and_rejoins_the_old_sour
     assert sink_b.query("SELECT reason, status FROM lr.failovers") == [("dc-1 maintenance", "completed")]
     for sink in (sink_b, sink_c):
         assert [p for k, p in queue(sink, "site-a") if k == "log"][-1] == "k9=9"
-    again = run_dag(dagbag, "lr_failover", {**form, "promote": None, "rejoin": "site-a"})
+    again = run_dag(dagbag, "lr_rejoin", {"site": "site-a"})
     assert str(again.state) == "success", states(again)
-    assert xcom(again, "failover")["tail"] == {"policy": 0}
+    assert xcom(again, "rejoin")["tail"] == {"policy": 0}
     app.close()
 
 

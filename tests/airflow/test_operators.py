@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+from contextlib import closing
 import sys
 import tempfile
 from pathlib import Path
@@ -32,7 +33,8 @@ from airflow_provider_lr.operators.spark import (
 from airflow_provider_lr.sensors import LRDeliveredSensor, LRReadySensor
 from airflow_provider_lr.triggers import LRDeliveredTrigger, LRReadyTrigger, LRSnapshotEndTrigger
 from tests.support.airflow_env import airflow_sites, reconfigure  # noqa: F401
-from tests.support.session import App, queue, table_provider
+from airflow_provider_lr.engine.vocabulary import SessionKey
+from tests.support.session import App, queue, replicator, table_provider
 
 
 def _sessions(**filters) -> list[dict]:
@@ -127,6 +129,21 @@ def test_refused_negotiation_fails_without_retry_and_is_recorded(airflow_sites):
         _step(LRNegotiateOperator, session)
     errors = airflow_sites.site("site-a").query("SELECT last_error FROM lr.source_sessions WHERE sink_site_id = 'site-c'")
     assert "topology config id mismatch" in errors[0][0]
+
+
+def test_a_step_from_a_topology_file_the_source_does_not_run_fails_naming_the_file(airflow_sites):
+    from airflow_provider_lr.engine.site import topology
+
+    edited = topology.from_document({**airflow_sites.topology.document, "settings": {"lease_seconds": 30}})
+    conn = airflow_sites.site("site-a").connect()
+    topology.apply_to_site(conn, edited, "site-a")  # the source runs another topology than the tasks' file
+    conn.close()
+    session = _sessions(sink="site-b")[0]
+    with pytest.raises(AirflowFailException) as failed:
+        _step(LRNegotiateOperator, session)
+    assert (f"topology file {airflow_sites.topology_path} has id {airflow_sites.topology.topology_config_id}; "
+            f"sites hold {edited.topology_config_id} (site-a)") in str(failed.value)
+    assert "lease" not in str(failed.value)
 
 
 def test_a_connection_to_the_wrong_database_is_refused(airflow_sites, monkeypatch):
@@ -294,18 +311,82 @@ def test_every_module_the_provider_declares_imports():
         importlib.import_module(module)
 
 
-def test_a_full_sync_step_retries_while_another_replicator_holds_the_session(airflow_sites):
-    from airflow_provider_lr.engine.session import lease
+def _requested(airflow_sites, sink: str) -> dict:
+    """The session to ``sink`` with a forced full-sync request, as lr_full_sync hands it on."""
+    from airflow_provider_lr.engine.source import full_sync
 
-    session = _sessions(sink="site-b")[0]
+    session = _sessions(sink=sink)[0]
+    conn = airflow_sites.site("site-a").connect()
+    request = full_sync.request_full_sync(conn, sink, "policy", "audit", forced=True)
+    conn.close()
+    return {**session, "request_id": request.request_id}
+
+
+def test_a_full_sync_step_waits_for_its_request_while_another_replicator_holds_the_session(airflow_sites):
+    """lr_full_sync's step does not fail on a lease held elsewhere: it defers until ITS request is
+    applied, here by the replicator holding the lease (as ``lr sync`` or the stream would)."""
+    from airflow_provider_lr.engine.session import lease
+    from airflow_provider_lr.triggers import LRFullSyncOutcomeTrigger
+
+    app = _app_with_sinks_in_log_entry_sync(airflow_sites.site("site-a"))
+    session = _requested(airflow_sites, "site-b")
     conn = airflow_sites.site("site-a").connect()
     held = lease.acquire(conn, "site-b", "policy", "lr-sync-elsewhere", 60)
     assert held is not None
-    assert _step(LRSnapshotSyncOperator, session)["skipped"]  # lr_replication's mode: nothing to do now
-    with pytest.raises(AirflowException, match="another replicator holds this session's lease; retrying"):
-        _step(LRSnapshotSyncOperator, session, wait_for_data=True)
-    lease.release(conn, held)
+    assert "another replicator holds this session's lease (lr-sync-elsewhere)" in \
+        _step(LRSnapshotSyncOperator, session)["skipped"]  # lr_replication's mode: nothing to do now
+    op = LRSnapshotSyncOperator(task_id="snapshot", session=session, wait_for_data=True)
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute({})
+    trigger = deferred.value.trigger
+    assert isinstance(trigger, LRFullSyncOutcomeTrigger) and deferred.value.method_name == "outcome_complete"
+    assert trigger.request_id == session["request_id"]
+    with closing(airflow_sites.site("site-a").connect()) as probe:
+        assert trigger.check(probe) is None  # pending, and the lease is held: keep waiting
+
+    elsewhere = replicator(airflow_sites.topology, airflow_sites.sites, providers={"policy": table_provider},
+                           owner="lr-sync-elsewhere", sessions=[SessionKey("site-a", "site-b", "policy")])
+    assert elsewhere.run_cycle()[0].snapshot_messages > 0  # the other replicator applies the request
+    elsewhere.close()
+    with closing(airflow_sites.site("site-a").connect()) as probe:
+        event = trigger.check(probe)
+    assert event["status"] == "applied" and "applied by lr-sync-elsewhere" in event["message"]
+    done = op.outcome_complete({}, event)
+    assert done["outcome"] == "applied" and done["applied_request"] == session["request_id"]
+    assert [k for k, _ in queue(airflow_sites.site("site-b"), "site-a")].count("start") == 2
     conn.close()
+    app.close()
+
+
+def test_a_waiting_full_sync_step_carries_the_request_out_itself_once_the_lease_is_let_go(airflow_sites):
+    from airflow_provider_lr.engine.session import lease
+
+    app = _app_with_sinks_in_log_entry_sync(airflow_sites.site("site-a"))
+    session = _requested(airflow_sites, "site-c")
+    conn = airflow_sites.site("site-a").connect()
+    held = lease.acquire(conn, "site-c", "policy", "lr-sync-elsewhere", 60)
+    op = LRSnapshotSyncOperator(task_id="snapshot", session=session, wait_for_data=True)
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute({})
+    lease.release(conn, held)  # that replicator stopped without doing it
+    with closing(airflow_sites.site("site-a").connect()) as probe:
+        event = deferred.value.trigger.check(probe)
+    assert event["status"] == "lease_free"
+    done = op.outcome_complete({}, event)  # the step runs again, and this time it holds the lease
+    assert done["outcome"] == "applied" and done["snapshot_messages"] > 0
+    (note,) = airflow_sites.site("site-a").query(
+        "SELECT note FROM lr.full_sync_requests WHERE request_id = %s", (session["request_id"],))[0]
+    assert note.startswith("applied by airflow:")
+    conn.close()
+    app.close()
+
+
+def test_a_full_sync_step_fails_with_what_became_of_its_request(airflow_sites):
+    session = _requested(airflow_sites, "site-b")
+    airflow_sites.site("site-a").query(
+        "UPDATE lr.full_sync_requests SET status = 'cancelled', note = 'session removed from the topology'")
+    with pytest.raises(AirflowFailException, match=r"site-a->site-b/policy: full sync .* cancelled: session removed"):
+        _step(LRSnapshotSyncOperator, session, wait_for_data=True)
 
 
 def test_new_log_entries_sensor_pokes_and_defers(airflow_sites):

@@ -16,7 +16,13 @@ from airflow_provider_lr.engine.session.runner import SessionSettings
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.vocabulary import SessionKey
-from airflow_provider_lr.triggers import LRDeliveredTrigger, LRNewLogEntriesTrigger, LRReadyTrigger, LRSnapshotEndTrigger
+from airflow_provider_lr.triggers import (
+    LRDeliveredTrigger,
+    LRFullSyncOutcomeTrigger,
+    LRNewLogEntriesTrigger,
+    LRReadyTrigger,
+    LRSnapshotEndTrigger,
+)
 from tests.support.airflow_env import airflow_sites, reconfigure  # noqa: F401
 from tests.support.session import App, replicator, table_provider
 
@@ -25,6 +31,7 @@ TRIGGERS = [
     LRSnapshotEndTrigger("lr_site_a", "6f1c0e1e-0000-4000-8000-000000000000", "2026-11-23T12:00:00+00:00"),
     LRDeliveredTrigger("lr_site_a", "site-a", "policy", 42, ["site-b"], 2, poll_interval=0.2),
     LRReadyTrigger("lr_site_a", "policy", ["site-b", "site-c"], poll_interval=0.3),
+    LRFullSyncOutcomeTrigger("lr_site_a", "6f1c0e1e-0000-4000-8000-000000000000", lease_free=True, poll_interval=0.2),
 ]
 
 
@@ -178,3 +185,21 @@ def test_delivered_refuses_what_can_never_be_met(airflow_sites):
     same_region = reconfigure(airflow_sites, regions={"site-b": "region-1", "site-c": "region-1"})
     with pytest.raises(ConfigurationError, match=r"span only 1 region\(s\)"):
         status.delivery_target(same_region, "site-a", "policy", [], min_regions=2)
+
+
+def test_full_sync_outcome_fires_when_a_newer_request_of_the_session_is_applied(airflow_sites):
+    """A request superseded by a newer one of its session is satisfied once that one is applied
+    (the sink then holds a full sync requested after it); until then the wait goes on."""
+    conn = airflow_sites.site("site-a").connect()
+    first = full_sync.request_full_sync(conn, "site-b", "policy", "first", forced=True)
+    second = full_sync.request_full_sync(conn, "site-b", "policy", "second", forced=True)  # cancels the first
+    conn.close()
+    assert airflow_sites.site("site-a").query("SELECT status FROM lr.full_sync_requests WHERE request_id = %s",
+                                              (first.request_id,)) == [("cancelled",)]
+    repl = replicator(airflow_sites.topology, airflow_sites.sites, providers={"policy": table_provider},
+                      sessions=[SessionKey("site-a", "site-b", "policy")])
+    App(airflow_sites.site("site-a")).close()
+    trigger = LRFullSyncOutcomeTrigger("lr_site_a", first.request_id, poll_interval=0.1, max_poll_interval=0.2)
+    event = asyncio.run(_first_event(trigger, act=lambda: repl.run_cycle()))
+    repl.close()
+    assert event["status"] == "applied" and event["applied_request"] == second.request_id

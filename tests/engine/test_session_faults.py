@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 
+from airflow_provider_lr.engine.site.topology import recorded_id
 from airflow_provider_lr.engine.source import full_sync, trim
 from tests.support.session import (
     App,
@@ -292,7 +293,7 @@ def test_a_replicator_whose_lease_ran_out_mid_snapshot_cannot_write_once_the_suc
     assert decided.decision.value == "snapshot_sync" and successor.lease.epoch > stale.lease.epoch
     with pytest.raises(FencedError):
         writes.start_snapshot(stale.sink, "site-a", "policy", stale.lease.epoch, request.request_id,
-                            request.base_position, request.split, stale._topology_id())
+                            request.base_position, request.split, recorded_id(stale.source))
     with pytest.raises(FencedError):
         full_sync.request_full_sync(stale.source, "site-b", "policy", lease=stale.lease)
     report = successor.run_cycle()

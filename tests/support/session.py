@@ -2,10 +2,16 @@
 and transmits every change, its full-sync provider, and what a sink's receive queue holds."""
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import signal
+import subprocess
+import sys
 import threading
 import time
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterator
 
 import psycopg2
 
@@ -305,3 +311,24 @@ def wait_for(predicate: Callable[[], object], timeout: float = 30, what: str = "
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.005)
+
+
+@contextlib.contextmanager
+def lr_sync_process(topology_path: str | Path, source) -> Iterator[subprocess.Popen]:
+    """``lr sync`` (streaming, the default) in a process of its own, as an operator would run it
+    beside Airflow, once both sessions of ``source`` stream under its leases; stopped (SIGTERM,
+    its service-manager stop) on the way out."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    process = subprocess.Popen([sys.executable, "-m", "airflow_provider_lr.cli", "sync", "--topology", str(topology_path)],
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while source.query("SELECT count(*) FROM lr.source_sessions WHERE state = 'IN_LOG_ENTRY_SYNC' "
+                           "AND lease_owner IS NOT NULL") != [(2,)]:  # first contact made; it streams now
+            assert time.monotonic() < deadline and process.poll() is None, "lr sync did not start streaming"
+            time.sleep(0.1)
+        yield process
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)

@@ -39,7 +39,7 @@ from airflow_provider_lr.engine.site.timeouts import Purpose
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.site.topology import Topology, site_conninfo
+from airflow_provider_lr.engine.site.topology import Topology, recorded_id, site_conninfo
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.vocabulary import (
     STAGING_LOCK_CLASS,
@@ -127,7 +127,7 @@ class SnapshotTransfer:
             raise LRError(f"session {self.key}: no supplied full-sync request "
                           f"({request.status if request else 'none'}); the client's provider must supply it first")
         meta = writes.start_snapshot(self.sink, self.key.source, self.key.client, runner.lease.epoch, request.request_id,
-                                   request.base_position, request.split, runner._topology_id())
+                                   request.base_position, request.split, recorded_id(self.src))
         leases.update_session(self.src, runner.lease, state=SessionState.IN_SNAPSHOT_SYNC, sync_id=request.request_id,
                               last_error=None)
         with self.src.cursor() as cur:

@@ -16,7 +16,7 @@ import psycopg2
 import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
-from airflow_provider_lr.engine.errors import FencedError
+from airflow_provider_lr.engine.errors import ConfigurationError, FencedError
 
 DEFAULT_LEASE_SECONDS = 60.0
 
@@ -58,6 +58,29 @@ def acquire(
     except BaseException:
         conn.rollback()
         raise
+
+
+def holder(conn: psycopg2.extensions.connection, sink: str, client: str) -> str | None:
+    """Who holds the session's lease now (None: nobody, or an expired holder); ConfigurationError
+    when this source has no such session (the topology applied here does not have it). Commits."""
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT CASE WHEN lease_expires_at > now() THEN lease_owner END FROM lr.source_sessions "
+            "WHERE sink_site_id = %s AND client_name = %s",
+            (sink, client),
+        )
+        row = cur.fetchone()
+        if row is None:
+            cur.execute("SELECT topology_config_id FROM lr.topology")
+            applied = cur.fetchone()
+    conn.commit()
+    if row is None:
+        raise ConfigurationError(
+            f"this source has no session to {sink!r} for client {client!r} (topology "
+            f"{applied[0] if applied else '(none)'} is applied here): apply the topology that has it, or use the "
+            "topology file the sites run"
+        )
+    return row[0]
 
 
 def advance_epoch(conn: psycopg2.extensions.connection, lease: Lease, above: int) -> Lease:

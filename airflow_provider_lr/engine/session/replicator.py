@@ -74,7 +74,7 @@ class Replicator:
         if runner is None or runner.source.closed or runner.sink.closed:
             runner = self._runners[key] = SessionRunner(
                 key, self._conn(key.source), self._conn(key.sink), self.owner, self.settings, self.providers.get(key.client),
-                peers=nearest_copy.peers_in_region(self.topology, key, self.connect),
+                peers=nearest_copy.peers_in_region(self.topology, key, self.connect), topology=self.topology,
             )
         return runner
 

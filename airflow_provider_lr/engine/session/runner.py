@@ -20,7 +20,7 @@ import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
 from airflow_provider_lr.engine import progress
-from airflow_provider_lr.engine.errors import FencedError, LRError, TrimmedError, one_line, require_counts
+from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, LRError, TrimmedError, one_line, require_counts
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session import nearest_copy
@@ -30,7 +30,7 @@ from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.site.schema import site_identity
 from airflow_provider_lr.engine.site.timeouts import lifted
-from airflow_provider_lr.engine.site.topology import Topology
+from airflow_provider_lr.engine.site.topology import Topology, drift, recorded_id, reread
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest, Provider
 from airflow_provider_lr.engine.source.log_reader import (
@@ -165,6 +165,7 @@ class SessionRunner:
     spark_tables: bool = False  # large table snapshots are left to the Spark job (the DAG runs one)
     spark_transfer: bool = False  # ... and large full-sync transfers (lr_snapshot_transfer.py)
     peers: list[nearest_copy.Peer] = field(default_factory=list)  # nearest copies first (nearest_copy.py)
+    topology: Topology | None = None  # the file this runner works from: refused where the source runs another
     lease: leases.Lease | None = field(default=None, init=False)
     tables: TableSplits = field(default_factory=TableSplits, init=False)  # synced tables, for the reader
     _reader: LogReader | None = field(default=None, init=False, repr=False)
@@ -196,9 +197,21 @@ class SessionRunner:
         The negotiation is None when there is nothing to do: the lease is held elsewhere
         (``report.skipped``) or negotiation refused (``report.error``, recorded on the source)."""
         report = CycleReport(str(self.key))
+        if self.topology is not None and self.topology.path:  # a stale file: said so, not as a lease or a refusal
+            held = {self.key.source: recorded_id(self.source)}
+            # the file may have been edited and applied since this process read it: then it is not stale
+            found = drift(self.topology, held) and drift(reread(self.topology), held)
+            if found is not None:
+                report.decision, report.error = Decision.REFUSE.value, found.message()
+                return report, None, None
         self.lease = leases.acquire(self.source, self.key.sink, self.key.client, self.owner, self.settings.lease_seconds)
         if self.lease is None:
-            report.skipped = "another replicator holds this session's lease"
+            try:
+                owner = leases.holder(self.source, self.key.sink, self.key.client)
+            except ConfigurationError as exc:  # no such session here: nobody holds anything
+                report.decision, report.error = Decision.REFUSE.value, f"site {self.key.source!r}: {exc}"
+                return report, None, None
+            report.skipped = f"another replicator holds this session's lease ({owner or 'just released'})"
             return report, None, None
         fault_point("after_lease")
         try:
@@ -328,7 +341,7 @@ class SessionRunner:
             return None
         meta = writes.start_snapshot(
             self.sink, self.key.source, self.key.client, self._epoch(), request.request_id,
-            request.base_position, request.split, self._topology_id(),
+            request.base_position, request.split, recorded_id(self.source),
         )
         fault_point("after_snapshot_start")
         meta, sent = self.transfer_snapshot(request, meta)
@@ -464,8 +477,9 @@ class SessionRunner:
         leases.update_session(self.source, self.lease, commit=False, state=SessionState.IN_LOG_ENTRY_SYNC,
                               base_position=meta.snapshot_applied, acked_position=meta.last_log_entry_processed,
                               attempts=0, last_error=None)
-        if meta.snapshot_request_id:
-            full_sync.finish_request(self.source, meta.snapshot_request_id, RequestStatus.APPLIED, note)
+        if meta.snapshot_request_id:  # who applied it: a DAG's step, a stream, `lr sync` (RequestOutcome)
+            full_sync.finish_request(self.source, meta.snapshot_request_id, RequestStatus.APPLIED,
+                                     note or f"applied by {self.owner}")
         else:
             self.source.commit()
 
@@ -559,13 +573,6 @@ class SessionRunner:
             attempts = cur.fetchone()[0]
         self.source.commit()
         return attempts
-
-    def _topology_id(self) -> str:
-        with self.source.cursor() as cur:
-            cur.execute("SELECT topology_config_id FROM lr.topology")
-            topo = cur.fetchone()[0]
-        self.source.commit()
-        return topo
 
     def _status(self, ok: bool = True) -> tuple[str, int, int]:
         """State, acked position and entries still to send (committed, tagged for the sink);

@@ -46,6 +46,7 @@ from airflow_provider_lr.engine.session.runner import CycleReport, SessionSettin
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.site.timeouts import failure
+from airflow_provider_lr.engine.site.topology import recorded_id
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, LogReader
 from airflow_provider_lr.engine.tables import registry
@@ -211,7 +212,7 @@ class SessionStream:
         self.reader = LogReader(self.src, key.sink, STREAM_LOG_ENTRIES, settings.barrier_timeout, client_name=key.client)
         self.small = LogReader(self.peek, key.sink, STREAM_LOG_ENTRIES, client_name=key.client)
         self.tables = table_snapshot.splits(self.sink, key)  # the synced federated tables come along
-        self.topology_id = self._topology_id()
+        self.topology_id = recorded_id(self.src)
         log.info("session %s streams from position %d", key, self.after)
 
     def run(self, stop: threading.Event) -> StreamEnd:
@@ -301,7 +302,7 @@ class SessionStream:
         do is healthy: ``lr status`` shows the age of the last success), and hand back when
         negotiation is due."""
         leases.renew(self.src, self.lease, self.settings.lease_seconds, last_success_at=AsIs("now()"))
-        if self._topology_id() != self.topology_id:
+        if recorded_id(self.src) != self.topology_id:
             raise _Handback("the topology changed")
         if full_sync.open_request(self.src, self.key.sink, self.key.client) is not None:
             raise _Handback("a full sync was requested")
@@ -324,13 +325,6 @@ class SessionStream:
             self._ack()
         except (psycopg2.Error, LRError) as exc:  # the next holder records its own; trim waits meanwhile
             log.info("stream %s: last ack not recorded: %s", self.key, one_line(exc))
-
-    def _topology_id(self) -> str | None:
-        with self.src.cursor() as cur:
-            cur.execute("SELECT topology_config_id FROM lr.topology")
-            row = cur.fetchone()
-        self.src.commit()
-        return row[0] if row else None
 
     def close(self) -> None:
         for conn in (self.src, self.peek, self.sink):

@@ -52,7 +52,7 @@ from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.sink.queue_rows import positions, repack, unpack
 from airflow_provider_lr.engine.site import topology as topologies
-from airflow_provider_lr.engine.site.topology import Replication, Topology, apply_to_site
+from airflow_provider_lr.engine.site.topology import Replication, Topology, apply_to_site, recorded_id
 from airflow_provider_lr.engine.site.topology_schema import Origin
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, LogReader, commit_barrier
@@ -230,7 +230,7 @@ def promote(from_site: str, to_site: str, connect: Connect, topology: Topology |
                 tail = rejoin_site(conn, site, record).tail
                 result.applied.append(site)
             else:
-                if _topology_id(conn) != target.topology_config_id:
+                if recorded_id(conn) != target.topology_config_id:
                     apply_to_site(conn, target, site)
                 result.applied.append(site)
         result.tail = tail
@@ -282,14 +282,6 @@ def _try(connect: Connect, site: str, conns: dict) -> psycopg2.extensions.connec
     return conns[site]
 
 
-def _topology_id(conn: psycopg2.extensions.connection) -> str | None:
-    with conn.cursor() as cur:
-        cur.execute("SELECT topology_config_id FROM lr.topology")
-        row = cur.fetchone()
-    conn.commit()
-    return row[0] if row else None
-
-
 _RECORD_COLUMNS = ("failover_id", "from_site_id", "to_site_id", "clients", "positions", "base_position",
                    "topology", "reason", "status", "outcome")
 
@@ -317,7 +309,7 @@ def _finished(conn: psycopg2.extensions.connection, from_site: str) -> dict | No
     if record is None:
         return None
     applied = topologies.from_document(record["topology"], Origin("the failover recorded on the promoted site"))
-    return record if applied.topology_config_id == _topology_id(conn) else None
+    return record if applied.topology_config_id == recorded_id(conn) else None
 
 
 def failovers(conn: psycopg2.extensions.connection) -> list[dict]:
@@ -569,7 +561,7 @@ def _drain(old: psycopg2.extensions.connection, conns: dict, from_site: str, sin
     each sink (``sinks``, the site to promote first) copied into that sink (fenced sink
     transactions, as a session cycle writes them; table changes applied), so the cut loses nothing."""
     try:
-        if _topology_id(old) != target.topology_config_id:
+        if recorded_id(old) != target.topology_config_id:
             apply_to_site(old, target, from_site, commit=False)
         with old.cursor() as cur:  # its tables' writers are refused from now on, as its routing-queue writers
             for client in clients:

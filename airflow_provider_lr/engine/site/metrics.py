@@ -7,11 +7,13 @@ import http.server
 from typing import Callable
 
 from airflow_provider_lr.engine.site.status import SiteStatus, readiness, trim_marks
+from airflow_provider_lr.engine.site.topology import Topology
 
 # Every metric is a gauge: each sample is a level read at scrape time (lag, waiting entries, ages),
 # not a count kept by this process, so the help text is all that differs.
 _HELP = {
     "lr_site_up": "1 when the site could be read",
+    "lr_site_topology_matches_file": "1 when the site runs the topology of the file lr read (0: a stale or unapplied file)",
     "lr_session_lag_entries": "committed entries not yet acknowledged by the sink",
     "lr_session_lag_seconds": "age of the oldest committed entry not yet acknowledged by the sink",
     "lr_session_ready": "1 when the sink holds everything committed for it (source side)",
@@ -34,14 +36,18 @@ def _labels(**values: str) -> str:
     return "{" + ",".join(f'{k}="{quote(v)}"' for k, v in values.items()) + "}"
 
 
-def exposition(found: dict[str, SiteStatus | str]) -> str:
-    """Every site's metrics; a site that could not be read is ``lr_site_up 0``."""
+def exposition(found: dict[str, SiteStatus | str], topology: Topology | None = None) -> str:
+    """Every site's metrics; a site that could not be read is ``lr_site_up 0``. With the
+    ``topology`` read from a file, whether each site runs it (``lr status``'s file check)."""
     samples: dict[str, list[str]] = {name: [] for name in _HELP}
     marks = trim_marks(found)
     for site, st in found.items():
         samples["lr_site_up"].append(f"{_labels(site=site)} {0 if isinstance(st, str) else 1}")
         if isinstance(st, str):
             continue
+        if topology is not None:
+            matches = st.topology_config_id == topology.topology_config_id
+            samples["lr_site_topology_matches_file"].append(f"{_labels(site=site)} {int(matches)}")
         samples["lr_log_trim_mark"].append(f"{_labels(site=site)} {st.trim_mark}")
         samples["lr_log_held_back"].append(f"{_labels(site=site)} {len(st.held_back_by)}")
         samples["lr_tables_diverged"].append(f"{_labels(site=site)} {len(st.diverged)}")

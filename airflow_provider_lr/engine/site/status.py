@@ -11,7 +11,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeout, listing, one_line
 from airflow_provider_lr.engine.site import schema
-from airflow_provider_lr.engine.site.topology import Topology
+from airflow_provider_lr.engine.site.topology import Topology, TopologyDrift, drift
 from airflow_provider_lr.engine.source import delivery
 from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, commit_barrier, holdback
 from airflow_provider_lr.engine.tables import handover
@@ -323,13 +323,24 @@ def render_sites(found: dict[str, SiteStatus | str]) -> str:
     return "\n".join(st if isinstance(st, str) else render(st, marks, closed) for st in found.values())
 
 
-def health(found: dict[str, SiteStatus | str], max_lag_seconds: float | None = None) -> tuple[int, list[str]]:
+def topology_drift(found: dict[str, SiteStatus | str], topology: Topology | None) -> TopologyDrift | None:
+    """The sites read that run another topology than ``topology`` (the file status was given)."""
+    if topology is None:
+        return None
+    return drift(topology, {site: st.topology_config_id for site, st in found.items() if isinstance(st, SiteStatus)})
+
+
+def health(found: dict[str, SiteStatus | str], max_lag_seconds: float | None = None,
+           topology: Topology | None = None) -> tuple[int, list[str]]:
     """(exit code, reasons): UNREACHABLE when a site could not be read, DEGRADED when a session
     errs, stands behind its source's trim mark, or lags more than ``max_lag_seconds``, or a
-    federated table does not replicate (diverged), else HEALTHY."""
-    reasons = [f"{site}: unreachable" for site, st in found.items() if isinstance(st, str)]
-    if reasons:
-        return UNREACHABLE, reasons
+    federated table does not replicate (diverged), or when sites run another topology than
+    ``topology`` (the file in hand), else HEALTHY."""
+    stale = topology_drift(found, topology)
+    reasons = [stale.message()] if stale is not None else []
+    unreachable = [f"{site}: unreachable" for site, st in found.items() if isinstance(st, str)]
+    if unreachable:
+        return UNREACHABLE, unreachable + reasons
     marks = trim_marks(found)
     for st in found.values():
         assert isinstance(st, SiteStatus)
@@ -344,7 +355,8 @@ def health(found: dict[str, SiteStatus | str], max_lag_seconds: float | None = N
     return (DEGRADED if reasons else HEALTHY), reasons
 
 
-def sites_as_dict(found: dict[str, SiteStatus | str], max_lag_seconds: float | None = None) -> dict:
+def sites_as_dict(found: dict[str, SiteStatus | str], max_lag_seconds: float | None = None,
+                  topology: Topology | None = None) -> dict:
     """``lr status --json``: every site, with readiness computed across sites, and the health verdict."""
     marks, closed = trim_marks(found), closed_tables(found)
     sites = {}
@@ -358,9 +370,13 @@ def sites_as_dict(found: dict[str, SiteStatus | str], max_lag_seconds: float | N
         for t in data["tables"]:  # closed at its source (the registry row there, or a sink's copy)
             t["closed"] = (t["source"] if t["role"] == "sink" else site, t["table"]) in closed
         sites[site] = {"reachable": True, **data}
-    code, reasons = health(found, max_lag_seconds)
+    code, reasons = health(found, max_lag_seconds, topology)
+    stale = topology_drift(found, topology)
+    file = {} if topology is None else {"topology_file": {
+        "path": topology.path, "topology_config_id": topology.topology_config_id,
+        "sites_holding_another": stale.held if stale is not None else {}}}
     return {"health": {HEALTHY: "healthy", DEGRADED: "degraded", UNREACHABLE: "unreachable"}[code],
-            "exit_code": code, "reasons": reasons, "sites": sites}
+            "exit_code": code, "reasons": reasons, **file, "sites": sites}
 
 
 # --- work waiting on a source (Airflow's sensors and the replication plan) ---------------------

@@ -10,19 +10,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection, Mapping
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError, LRError, listing, one_line
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError, TopologyMismatchError, listing, one_line
 from airflow_provider_lr.engine.site.conninfo import ConnInfo, resolve
 from airflow_provider_lr.engine.site.timeouts import Timeouts
 from airflow_provider_lr.engine.site.durability import check_rule
 from airflow_provider_lr.engine.site.topology_schema import Origin, read, validate
 from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES_SQL, RequestStatus, SessionKey, receive_queue_name
-from airflow_provider_lr.paths import include_dir
+from airflow_provider_lr.paths import include_dir, lr_home
 
 TOPOLOGY_ENV = "LR_TOPOLOGY"
 
@@ -50,15 +50,18 @@ class Topology:
     providers: dict[str, str] = field(default_factory=dict)
     # seed 004: min_regions_for_durability, ack_quorum, write_quorum (engine/site/durability.py)
     durability: dict[str, int] = field(default_factory=dict)
+    # the file it was read from (``load``): named by every error about it; not part of its id
+    path: str | None = field(default=None, compare=False)
 
-    def sessions(self, source: str | None = None) -> list[SessionKey]:
-        """Every session the topology defines (optionally only those of one source), sorted."""
+    def sessions(self, source: str | None = None, sink: str | None = None, client: str | None = None) -> list[SessionKey]:
+        """Every session the topology defines (optionally only those of one source, sink or
+        client), sorted."""
         found = {
-            SessionKey(r.source, sink, client)
+            SessionKey(r.source, s, c)
             for r in self.replications
-            for sink in r.sinks
-            for client in r.clients
-            if source is None or r.source == source
+            for s in r.sinks
+            for c in r.clients
+            if (source is None or r.source == source) and (sink is None or s == sink) and (client is None or c == client)
         }
         return sorted(found)
 
@@ -66,6 +69,18 @@ class Topology:
     def timeouts(self) -> Timeouts:
         """The bounds on every connection lr opens to this topology's sites (``settings:``)."""
         return Timeouts.from_settings(self.settings)
+
+    def select(self, source: str | None = None, sink: str | None = None, client: str | None = None) -> list[SessionKey]:
+        """``sessions`` for a user's choice (``lr full-sync``, the lr_full_sync form): none chosen
+        is every session; a choice that matches nothing is refused, naming the sessions there are."""
+        found = self.sessions(source, sink, client)
+        if not found:
+            chosen = " ".join(f"{what} {name!r}" for what, name in (("from", source), ("to", sink), ("for client", client))
+                              if name)
+            raise ConfigurationError(f"no session replicates {chosen or 'anything'} in topology "
+                                     f"{self.path or self.topology_config_id}; its sessions are "
+                                     f"{[str(k) for k in self.sessions()]}")
+        return found
 
     def setting(self, name: str, default: Any) -> Any:
         return type(default)(self.settings.get(name, default))
@@ -195,7 +210,93 @@ def load(path: Path | str | None = None) -> Topology:
     path = Path(path) if path else default_path()
     if not path.is_file():
         raise ConfigurationError(f"topology file {path} not found (set {TOPOLOGY_ENV} or pass a path)")
-    return from_document(*read(path))
+    return replace(from_document(*read(path)), path=str(path))
+
+
+def reread(topology: Topology) -> Topology:
+    """The topology's file as it is now (a long-running replicator's copy may predate an edit that
+    was applied since); the topology itself when it has no file or the file cannot be read."""
+    if not topology.path:
+        return topology
+    try:
+        return load(topology.path)
+    except LRError:
+        return topology
+
+
+def recorded_id(conn: psycopg2.extensions.connection) -> str | None:
+    """The id of the topology last applied to a site (None: none applied)."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT topology_config_id FROM lr.topology")
+        row = cur.fetchone()
+    conn.commit()
+    return row[0] if row else None
+
+
+@dataclass(frozen=True)
+class TopologyDrift:
+    """The topology in hand (a file) is not the one some sites run: ``held`` maps each such site
+    to the id it holds. Every command and task that works from a file refuses (or, ``lr status``,
+    flags) it, so a stale file is named as such rather than as a lease or negotiation problem."""
+
+    topology: Topology
+    held: dict[str, str | None]
+
+    def message(self) -> str:
+        by_id: dict[str | None, list[str]] = {}
+        for site, held in sorted(self.held.items()):
+            by_id.setdefault(held, []).append(site)
+        holds = ", ".join(f"{held or '(none applied)'} ({', '.join(sites)})" for held, sites in by_id.items())
+        name = self.topology.path or "in use"
+        written = [str(p) for p in (lr_home() / f"topology-{held}.yaml" for held in by_id if held) if p.is_file()]
+        return (f"topology file {name} has id {self.topology.topology_config_id}; sites hold {holds}: apply the "
+                f"current file with `lr topology apply --topology {name}` or point --topology (Airflow: the "
+                f"Variable lr_topology or ${TOPOLOGY_ENV}) at the file in use"
+                + (f" (`lr failover` wrote {', '.join(written)})" if written else ""))
+
+
+def drift(topology: Topology, recorded: Mapping[str, str | None], also: Collection[str] = ()) -> TopologyDrift | None:
+    """The sites of ``recorded`` (site -> id it holds) that run another topology than ``topology``
+    (or one of the ids ``also`` accepts); None when every one runs it."""
+    accepted = {topology.topology_config_id, *also}
+    held = {site: found for site, found in recorded.items() if found not in accepted}
+    return TopologyDrift(topology, held) if held else None
+
+
+def unheld(topology: Topology, recorded: Mapping[str, str | None]) -> TopologyDrift | None:
+    """``drift`` when none of the sites of ``recorded`` runs ``topology`` (the file is stale or not
+    applied anywhere); None when some do (the others are behind it: a site a failover could not
+    reach, or one rejoining)."""
+    found = drift(topology, recorded)
+    return found if found is not None and topology.topology_config_id not in recorded.values() else None
+
+
+def recorded_ids(topology: Topology, connect: Callable[[str], psycopg2.extensions.connection],
+                 sites: Collection[str] | None = None) -> dict[str, str | None]:
+    """The topology id each of ``sites`` (default: all of the topology's) holds, for those that can
+    be reached and read (the command itself reports the others)."""
+    found: dict[str, str | None] = {}
+    for site_id in sorted(topology.sites if sites is None else sites):
+        try:
+            conn = connect(site_id)
+        except (psycopg2.Error, LRError):
+            continue
+        try:
+            found[site_id] = recorded_id(conn)
+        except psycopg2.Error:
+            pass
+        finally:
+            conn.close()
+    return found
+
+
+def check_sites(topology: Topology, connect: Callable[[str], psycopg2.extensions.connection],
+                sites: Collection[str] | None = None, also: Collection[str] = ()) -> None:
+    """Refuse (``TopologyMismatchError``, naming the file and the sites) when a reachable site of
+    ``sites`` runs another topology than ``topology``."""
+    found = drift(topology, recorded_ids(topology, connect, sites), also)
+    if found is not None:
+        raise TopologyMismatchError(found.message())
 
 
 def from_site(conn: psycopg2.extensions.connection) -> Topology:

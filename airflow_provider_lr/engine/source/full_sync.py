@@ -18,6 +18,7 @@ import importlib
 import uuid
 from dataclasses import dataclass, fields
 from datetime import datetime
+from enum import Enum
 from typing import Callable
 
 import psycopg2
@@ -30,7 +31,7 @@ from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session.lease import Lease
 from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, BaseSplit, commit_barrier
 from airflow_provider_lr.engine.source.log_writer import LogWriter
-from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES_SQL, STREAM_SNAP_SYNC, RequestStatus, SessionKey
+from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES, OPEN_STATUSES_SQL, STREAM_SNAP_SYNC, RequestStatus, SessionKey
 from airflow_provider_lr.proto import lr_pb2
 
 DEFAULT_DATA_TIMEOUT = 120.0  # seconds without client data before a request is restarted
@@ -51,6 +52,7 @@ class FullSyncRequest:
     base_snapshot: str | None
     base_upto: int | None
     entries: int | None
+    note: str | None = None  # why it was closed, or who applied it
 
     @property
     def split(self) -> BaseSplit:
@@ -140,6 +142,75 @@ def get_request(conn: psycopg2.extensions.connection, request_id: str) -> FullSy
         row = cur.fetchone()
     conn.commit()
     return _request(row) if row else None
+
+
+def request_for_sessions(keys: list[SessionKey], connect: Callable[[str], psycopg2.extensions.connection],
+                         reason: str) -> dict[SessionKey, FullSyncRequest]:
+    """A forced full sync of each of ``keys`` (``lr full-sync``, the lr_full_sync DAG: a sink, a
+    source, a client or every session at once), one connection per source."""
+    made: dict[SessionKey, FullSyncRequest] = {}
+    for source in sorted({k.source for k in keys}):
+        conn = connect(source)
+        try:
+            for key in (k for k in keys if k.source == source):
+                made[key] = request_full_sync(conn, key.sink, key.client, reason, forced=True)
+        finally:
+            conn.close()
+    return made
+
+
+class Outcome(str, Enum):
+    APPLIED = "applied"  # the sink holds a full sync requested no earlier than this request
+    PENDING = "pending"  # not yet: this request, or a newer one of its session, is still open
+    FAILED = "failed"  # closed without being applied, and no newer request of its session was
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    """What became of a full-sync request, whichever replicator worked on it (a DAG's step, the
+    stream, ``lr sync``). A newer request of the same session cancels it (one open per session)
+    but satisfies it once applied: the sink then holds a full sync requested after this one."""
+
+    request: FullSyncRequest
+    outcome: Outcome
+    applied_request: str | None = None  # the request whose apply satisfied this one
+    note: str = ""
+
+    @property
+    def final(self) -> bool:
+        return self.outcome is not Outcome.PENDING
+
+    def describe(self) -> str:
+        own = self.applied_request == self.request.request_id
+        if self.outcome is Outcome.APPLIED:
+            by = "" if own else f" (through newer request {self.applied_request})"
+            return f"full sync {self.request.request_id} applied{by}" + (f": {self.note}" if self.note else "")
+        if self.outcome is Outcome.PENDING:
+            return f"full sync {self.request.request_id} not applied yet ({self.request.status})"
+        return f"full sync {self.request.request_id} {self.request.status}" + (f": {self.note}" if self.note else "")
+
+
+def outcome(conn: psycopg2.extensions.connection, request_id: str) -> RequestOutcome | None:
+    """The outcome of a request (``RequestOutcome``); None when there is no such request."""
+    request = get_request(conn, request_id)
+    if request is None:
+        return None
+    if request.status == RequestStatus.APPLIED:
+        return RequestOutcome(request, Outcome.APPLIED, request.request_id, request.note or "")
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT request_id::text, status, note FROM lr.full_sync_requests WHERE sink_site_id = %s "
+            "AND client_name = %s AND requested_at > %s ORDER BY requested_at",
+            (request.sink_site_id, request.client_name, request.requested_at),
+        )
+        newer = cur.fetchall()
+    conn.commit()
+    for newer_id, status, note in newer:
+        if status == RequestStatus.APPLIED:
+            return RequestOutcome(request, Outcome.APPLIED, newer_id, note or "")
+    if request.status in OPEN_STATUSES or any(status in OPEN_STATUSES for _, status, _ in newer):
+        return RequestOutcome(request, Outcome.PENDING)
+    return RequestOutcome(request, Outcome.FAILED, note=request.note or "")
 
 
 def finish_request(conn: psycopg2.extensions.connection, request_id: str, status: str, note: str = "") -> bool:

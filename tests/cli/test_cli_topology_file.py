@@ -1,0 +1,142 @@
+"""A topology file the sites do not run (stale after a failover, edited and not applied) is named
+as such by every command that reads one, never reported as a lease held elsewhere or a silent
+no-op; and `lr full-sync` over any choice of sessions, waiting for whichever replicator applies it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from airflow_provider_lr import cli
+from airflow_provider_lr.engine.site import topology
+from tests.cli.test_cli_sync import topology_file
+from tests.support.session import App, lr_sync_process, queue
+
+SYNC = ["--until-idle", "--cycles", "10", "--interval", "0.01"]
+
+
+def _ids(*paths: str) -> list[str]:
+    return [topology.load(p).topology_config_id for p in paths]
+
+
+def _replicating(lr_sites, tmp_path, monkeypatch) -> tuple[str, App]:
+    """A topology file applied and replicated once (site-a's application put one key)."""
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    app = App(lr_sites[0])
+    app.put("k0", 0, ["site-b", "site-c"])
+    assert cli.main(["sync", "--topology", topo, *SYNC]) == 0
+    return topo, app
+
+
+def test_after_a_failover_the_old_file_is_named_by_every_command(lr_sites, tmp_path, monkeypatch, capsys):
+    site_b = lr_sites[1]
+    old, app = _replicating(lr_sites, tmp_path, monkeypatch)
+    App(site_b).close()  # the new source's application (its table supplies its full syncs)
+    new = str(tmp_path / "after.yaml")
+    assert cli.main(["failover", "--topology", old, "--promote", "site-b", "--out", new]) == 0
+    capsys.readouterr()
+    old_id, new_id = _ids(old, new)
+
+    def named(sites: str = "site-a, site-b, site-c") -> str:
+        return (f"topology file {old} has id {old_id}; sites hold {new_id} ({sites}): apply the current file with "
+                f"`lr topology apply --topology {old}` or point --topology")
+
+    assert cli.main(["sync", "--topology", old, "--until-idle", "--give-up-after", "1"]) == 1
+    err = capsys.readouterr().err
+    assert named() in err and "lease" not in err
+    assert cli.main(["sync", "--topology", old, "--once"]) == 1  # never silent, never 0
+    assert named() in capsys.readouterr().err
+    assert cli.main(["full-sync", "--topology", old, "--sink", "site-c"]) == 1  # the sites it would touch
+    assert named("site-a, site-c") in capsys.readouterr().err
+    assert cli.main(["failover", "--topology", old, "--promote", "site-c", "--from", "site-a"]) == 1
+    assert named() in capsys.readouterr().err
+    assert cli.main(["failover", "--topology", old, "--rejoin", "site-a"]) == 1  # the others' file is wanted
+    assert named("site-b, site-c") in capsys.readouterr().err
+    assert cli.main(["tables", "list", "--topology", old]) == 1
+    assert named() in capsys.readouterr().err
+    assert cli.main(["status", "--topology", old]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"WARNING: {named()}") and "health: degraded" in out
+
+    assert cli.main(["metrics", "--topology", old]) == 0
+    assert 'lr_site_topology_matches_file{site="site-c"} 0' in capsys.readouterr().out
+    assert cli.main(["status", "--topology", new]) == 0  # the file in use: healthy, no warning
+    assert "WARNING" not in capsys.readouterr().out
+    assert cli.main(["sync", "--topology", new, "--once"]) == 0
+    assert "site-b->site-c/policy" in capsys.readouterr().out  # --once lists every session it cycled
+    app.close()
+
+
+def test_a_file_edited_and_not_applied_is_refused_and_one_site_behind_refuses_only_its_sessions(
+        lr_sites, tmp_path, monkeypatch, capsys):
+    site_a, _, _ = lr_sites
+    applied = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", applied]) == 0
+    edited = tmp_path / "edited.yaml"
+    doc = yaml.safe_load(Path(applied).read_text())
+    edited.write_text(yaml.safe_dump({**doc, "settings": {"lease_seconds": 30}}))
+    capsys.readouterr()
+    assert cli.main(["sync", "--topology", str(edited), "--once"]) == 1
+    err = capsys.readouterr().err
+    assert f"topology file {edited} has id {_ids(str(edited))[0]}; sites hold {_ids(applied)[0]} (site-a, site-b, site-c)" in err
+
+    # only the source runs the edited topology: the file is right for the sinks, the source's sessions are refused
+    conn = site_a.connect()
+    topology.apply_to_site(conn, topology.load(edited), "site-a")
+    conn.close()
+    assert cli.main(["sync", "--topology", applied, "--once"]) == 1
+    captured = capsys.readouterr()
+    assert "their sessions are refused" in captured.err
+    lines = [line for line in captured.out.splitlines() if " ERROR " in line]
+    assert len(lines) == 2 and all(f"sites hold {_ids(str(edited))[0]} (site-a)" in line for line in lines), captured.out
+    assert "lease" not in captured.out
+
+
+def test_full_sync_of_every_session_or_a_source_is_listed_and_carried_out(lr_sites, tmp_path, monkeypatch, capsys):
+    _, sink_b, sink_c = lr_sites
+    topo, app = _replicating(lr_sites, tmp_path, monkeypatch)
+    capsys.readouterr()
+    assert cli.main(["full-sync", "--topology", topo, "--reason", "global"]) == 0  # no --sink: every session
+    out = capsys.readouterr().out
+    assert "full sync requested for 2 session(s):" in out
+    assert "site-a->site-b/policy: request " in out and "site-a->site-c/policy: request " in out
+    assert cli.main(["full-sync", "--topology", topo, "--source", "site-a", "--client", "policy"]) == 0
+    assert "for 2 session(s)" in capsys.readouterr().out
+    assert cli.main(["full-sync", "--topology", topo, "--source", "site-b"]) == 1
+    assert "no session replicates from 'site-b'" in capsys.readouterr().err
+    assert cli.main(["sync", "--topology", topo, *SYNC]) == 0
+    for sink in (sink_b, sink_c):
+        assert [k for k, _ in queue(sink, "site-a")].count("start") == 2
+    app.close()
+
+
+def test_full_sync_wait_succeeds_once_a_running_lr_sync_applied_the_request(lr_sites, tmp_path, monkeypatch, capsys):
+    source, sink_b, _ = lr_sites
+    topo, app = _replicating(lr_sites, tmp_path, monkeypatch)
+    with lr_sync_process(topo, source) as streaming:
+        capsys.readouterr()
+        assert cli.main(["full-sync", "--topology", topo, "--sink", "site-b", "--wait", "60"]) == 0
+        out = capsys.readouterr().out
+        assert "site-a->site-b/policy: full sync" in out and " applied: applied by " in out
+        (note,) = source.query("SELECT note FROM lr.full_sync_requests WHERE forced")[0]
+        assert note.startswith("applied by ") and f":{streaming.pid}:" in note  # by that lr sync process
+        assert [k for k, _ in queue(sink_b, "site-a")].count("start") == 2
+    app.close()
+
+
+def test_a_running_replicator_goes_on_when_its_own_file_is_edited_and_applied(lr_sites, tmp_path, monkeypatch):
+    """Not stale: the file it read was edited and applied meanwhile (it reads the file again)."""
+    from airflow_provider_lr.engine.session.replicator import Replicator
+
+    path, app = _replicating(lr_sites, tmp_path, monkeypatch)
+    running = topology.load(path)
+    repl = Replicator(running, cli._connect(running))
+    doc = yaml.safe_load(Path(path).read_text())
+    Path(path).write_text(yaml.safe_dump({**doc, "settings": {"lease_seconds": 30}}))
+    assert cli.main(["topology", "apply", "--topology", path]) == 0
+    app.put("k1", 1, ["site-b"])
+    reports = repl.run_cycle()
+    repl.close()
+    assert [r.error for r in reports] == ["", ""] and sum(r.delivered for r in reports) == 1
+    app.close()
