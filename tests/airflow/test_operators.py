@@ -366,3 +366,43 @@ def test_a_branch_whose_negotiation_failed_skips_itself(airflow_sites):
     op.decision = None  # what templating leaves when decide failed
     with pytest.raises(AirflowSkipException, match="negotiation did not complete"):
         op.execute({})
+
+
+def test_a_stream_killed_early_says_how_long_it_streamed_and_logs_its_progress(airflow_sites):
+    """``LRStreamOperator`` planned for 600 s and killed after a few: its summary and its last line
+    give the seconds it really streamed, not the 600 planned, and name what stopped it; meanwhile a
+    line every ``report_every`` seconds gives entries/s and the lag, counting what it delivered."""
+    import re
+    import threading
+    import time
+
+    from airflow_provider_lr.operators.stream import LRStreamOperator
+
+    source, sink_b, _ = airflow_sites.sites
+    app = _app_with_sinks_in_log_entry_sync(source)
+    op = LRStreamOperator(task_id="stream", run_for=600, report_every=0.3)
+    done: dict = {}
+    runner = threading.Thread(target=lambda: done.update(zip(("summary", "lines"), _task_log_lines(op))))
+    started = time.monotonic()
+    runner.start()
+    for i in range(10):
+        app.put(f"k{i}", i, ["site-b", "site-c"])
+    deadline = time.monotonic() + 60
+    while [p for k, p in queue(sink_b, "site-a") if k == "log"][-1:] != ["k9=9"]:
+        assert time.monotonic() < deadline, "the stream delivered nothing"
+        time.sleep(0.1)
+    time.sleep(1.5)  # a few progress lines after the last delivery
+    op.on_kill()
+    runner.join(60)
+    killed_after = time.monotonic() - started
+    summary, lines = done["summary"], done["lines"]
+    assert 0 < summary["seconds"] <= killed_after < 600 and summary["planned_seconds"] == 600, summary
+    delivered = sum(summary["delivered"].values())
+    assert delivered >= 20, summary  # 10 entries to each of two sinks
+    ended = [line for line in lines if line.startswith("streamed for ")]
+    assert ended and re.match(r"streamed for \d+ s of 600 s planned \(stopped by on_kill\)", ended[0]), ended
+    pulses = [line for line in lines if re.match(r"streaming \d of 2 sessions: \d+ entries in \d+s "
+                                                 r"\([\d.]+ entries/s, \d+ in all\), lag ", line)]
+    assert pulses, lines
+    assert any(f", {delivered} in all)" in line for line in pulses), pulses  # counted where delivered
+    app.close()

@@ -39,12 +39,13 @@ import psycopg2
 import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
-from airflow_provider_lr.engine.errors import FencedError, LRError, StaleBatchError, TrimmedError
+from airflow_provider_lr.engine.errors import FencedError, LRError, StaleBatchError, TrimmedError, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionSettings
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.site.metrics import Pulse, ReplicationCounters
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, LogReader
 from airflow_provider_lr.engine.tables import registry
@@ -181,9 +182,11 @@ class SessionStream:
     source and sink; holds the lease the cycle took (same owner and epoch) and renews it."""
 
     def __init__(self, key: SessionKey, lease: leases.Lease, connect: Connect, watch: SourceWatch,
-                 settings: SessionSettings, stream_settings: StreamSettings) -> None:
+                 settings: SessionSettings, stream_settings: StreamSettings,
+                 counters: ReplicationCounters | None = None) -> None:
         self.key, self.lease, self.watch = key, lease, watch
         self.settings, self.opts = settings, stream_settings
+        self.counters = counters if counters is not None else ReplicationCounters()
         self.delivered = 0
         self.src = connect(key.source)
         self.peek = self.sink = None
@@ -216,9 +219,9 @@ class SessionStream:
         except _Handback as exc:
             end.reason = str(exc)
         except (FencedError, StaleBatchError, TrimmedError) as exc:
-            end.reason = f"{type(exc).__name__}: {exc}"
+            end.reason = f"{type(exc).__name__}: {one_line(exc)}"
         except (psycopg2.Error, LRError) as exc:
-            end.reason, end.error = "failed", f"{type(exc).__name__}: {exc}".strip()
+            end.reason, end.error = "failed", f"{type(exc).__name__}: {one_line(exc)}"
         finally:
             end.delivered = self.delivered
             self._ack_quietly()
@@ -275,6 +278,7 @@ class SessionStream:
         fault_point("stream_after_sink_apply")
         self.registered = self.registered or batch.entries > 0
         self.delivered += batch.entries
+        self.counters.delivered(self.key, batch.entries, batch.bytes)
         moved, self.after = after > self.after, after
         return max(batch.entries, 1) if moved else 0
 
@@ -297,6 +301,7 @@ class SessionStream:
         (backlog,) = status.session_backlogs(self.src, self.key.sink, self.key.client)  # commits both
         leases.update_session(self.src, self.lease, remaining_entries=backlog.entries)
         self.acked = self.after
+        self.counters.lag(self.key, backlog.entries, backlog.lag_seconds)
 
     def _ack_quietly(self) -> None:
         if self.acked >= self.after or self.src.closed:
@@ -343,15 +348,20 @@ class Streamer:
     a ``SessionStream`` thread for each session in log-entry sync (one ``SourceWatch`` per source).
     A stream that hands back is cycled at once; cycles of the others run every ``interval``."""
 
-    def __init__(self, cycles: Cycles, options: StreamSettings | None = None) -> None:
+    def __init__(self, cycles: Cycles, options: StreamSettings | None = None,
+                 counters: ReplicationCounters | None = None) -> None:
         self.cycles, self.options = cycles, options or StreamSettings()
+        self.counters = counters if counters is not None else ReplicationCounters()  # of cycles and streams
         self.ends: list[StreamEnd] = []  # every stream that ended (handed back, or "stopped" with the run)
         self.streaming: set[SessionKey] = set()  # the sessions streaming now
 
     def run(self, stop: threading.Event, interval: float = 1.0,
             on_cycle: Callable[[list[CycleReport]], None] | None = None,
-            on_end: Callable[[StreamEnd], None] | None = None) -> None:
-        """Until ``stop`` is set."""
+            on_end: Callable[[StreamEnd], None] | None = None,
+            on_pulse: Callable[[str], None] | None = None, pulse_every: float = 30.0) -> None:
+        """Until ``stop`` is set. ``on_pulse`` gets a line every ``pulse_every`` seconds: entries
+        per second since the last one and the lag of the session most behind (``metrics.Pulse``)."""
+        pulse = Pulse(self.counters, pulse_every if on_pulse else 0.0, on_pulse or (lambda line: None))
         halt = threading.Event()
         ended: queue.SimpleQueue[StreamEnd] = queue.SimpleQueue()
         streams: dict[SessionKey, threading.Thread] = {}
@@ -365,6 +375,7 @@ class Streamer:
                 idle = [k for k in self.cycles.sessions if k not in streams]
                 if idle and time.monotonic() >= due:
                     reports = self.cycles.run_cycle(idle)
+                    self.counters.cycle(reports)
                     if on_cycle:
                         on_cycle(reports)
                     for key, report in zip(idle, reports):
@@ -372,6 +383,7 @@ class Streamer:
                             self._start(key, streams, watches, halt, ended)
                     busy = any(not r.idle for r in reports)
                     due = time.monotonic() + (0.0 if busy else interval)
+                pulse.tick(len(streams), len(self.cycles.sessions))
                 stop.wait(0.05 if streams or idle else interval)
         finally:
             halt.set()
@@ -388,6 +400,10 @@ class Streamer:
         streams.pop(key).join()
         self.streaming.discard(key)
         self.ends.append(end)
+        if end.reason != "stopped":
+            self.counters.hand_back(key)
+        if end.error:
+            self.counters.error(key)
         (log.warning if end.error else log.info)("stream %s handed back after %d entries: %s%s", end.session,
                                                 end.delivered, end.reason, f" ({end.error})" if end.error else "")
         if on_end:
@@ -404,15 +420,15 @@ class Streamer:
         def run() -> None:
             try:
                 stream = SessionStream(key, lease, self.cycles.connect, watches[key.source], self.cycles.settings,
-                                       self.options)
+                                       self.options, self.counters)
             except Exception as exc:  # a site down: the cycles report it
-                ended.put(StreamEnd(str(key), "failed", error=f"{type(exc).__name__}: {exc}".strip()))
+                ended.put(StreamEnd(str(key), "failed", error=f"{type(exc).__name__}: {one_line(exc)}"))
                 return
             try:
                 ended.put(stream.run(halt))
             except Exception as exc:  # pragma: no cover - a bug: hand the session back all the same
                 log.exception("stream %s failed", key)
-                ended.put(StreamEnd(str(key), "failed", stream.delivered, f"{type(exc).__name__}: {exc}"))
+                ended.put(StreamEnd(str(key), "failed", stream.delivered, f"{type(exc).__name__}: {one_line(exc)}"))
 
         thread = streams[key] = threading.Thread(target=run, daemon=True, name=f"lr-stream-{key}")
         self.streaming.add(key)
