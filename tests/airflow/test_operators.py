@@ -406,3 +406,22 @@ def test_a_stream_killed_early_says_how_long_it_streamed_and_logs_its_progress(a
     assert pulses, lines
     assert any(f", {delivered} in all)" in line for line in pulses), pulses  # counted where delivered
     app.close()
+
+
+def test_a_session_without_spark_says_so_once_not_in_every_step(airflow_sites, monkeypatch):
+    """Without the Spark connection, a session's group says "what lr_table_snapshot.py would do is
+    done in this step" once, in the step that would leave work to it (log-entry sync); negotiation
+    leaves nothing to Spark and says nothing about it."""
+    monkeypatch.delenv("AIRFLOW_CONN_SPARK_DEFAULT", raising=False)
+    source = airflow_sites.sites[0]
+    app = _app_with_sinks_in_log_entry_sync(source)
+    app.put("k", 1, ["site-b"])
+    session = _sessions(sink="site-b")[0]
+    decided, decide_lines = _task_log_lines(LRNegotiateOperator(task_id="decide", session=session,
+                                                                spark_conn_id="spark_default"))
+    assert decided["branch"] == "log_entry_sync"
+    _, step_lines = _task_log_lines(LRLogEntrySyncOperator(task_id="log_entry_sync", session=session, decision=decided,
+                                                           spark_conn_id="spark_default"))
+    said = [line for line in decide_lines + step_lines if "would do is done in this step" in line]
+    assert said == ["what lr_table_snapshot.py would do is done in this step: no Spark connection 'spark_default'"]
+    app.close()

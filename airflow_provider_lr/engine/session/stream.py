@@ -39,7 +39,14 @@ import psycopg2
 import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
-from airflow_provider_lr.engine.errors import FencedError, LRError, StaleBatchError, TrimmedError, one_line
+from airflow_provider_lr.engine.errors import (
+    FencedError,
+    LRError,
+    SiteUnreachableError,
+    StaleBatchError,
+    TrimmedError,
+    one_line,
+)
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionSettings
@@ -79,10 +86,14 @@ class SourceWatch:
 
     One probe (``SELECT last_value`` of the commit-position sequence: no lock, no table) serves every
     session of the source, and it runs only while some stream waits: a busy stream reads again at
-    once and needs no wake-up. A position drawn may still be committing; the stream's read tells."""
+    once and needs no wake-up. A position drawn may still be committing; the stream's read tells.
+    A source that is down is probed again every 0.5 s; what cannot heal (a refused connection, a
+    bug) stops the watch with ``error``, which ``wait_beyond`` raises to every stream waiting on it."""
 
-    def __init__(self, connect: Callable[[], psycopg2.extensions.connection], settings: StreamSettings) -> None:
-        self._connect, self.settings = connect, settings
+    def __init__(self, connect: Callable[[], psycopg2.extensions.connection], settings: StreamSettings,
+                 source: str = "") -> None:
+        self._connect, self.settings, self.source = connect, settings, source
+        self.error: BaseException | None = None
         self.latest = 0
         self._cond = threading.Condition()
         self._waiting = 0
@@ -99,9 +110,16 @@ class SourceWatch:
             self._waiting += 1
             self._cond.notify_all()  # wakes the probe loop if it sleeps for want of waiters
             try:
-                return self._cond.wait_for(lambda: self.latest > position or self._stop.is_set(), timeout)
+                moved = self._cond.wait_for(lambda: self.latest > position or self._stop.is_set(), timeout)
             finally:
                 self._waiting -= 1
+        if self.error is not None:
+            raise LRError(f"the commit-position watch of source {self.source!r} stopped: {one_line(self.error)}")
+        return moved
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
 
     def _probe(self) -> int:
         if self._conn is None or self._conn.closed:
@@ -118,11 +136,19 @@ class SourceWatch:
                 self._cond.wait_for(lambda: self._waiting > 0 or self._stop.is_set())
             try:
                 value = self._probe()
-            except (psycopg2.Error, LRError) as exc:  # the streams find out for themselves; retry slowly
-                log.debug("commit-position probe failed: %s", exc)
-                self._close()
+            except (psycopg2.OperationalError, psycopg2.InterfaceError, SiteUnreachableError) as exc:
+                log.debug("commit-position probe of %s failed: %s", self.source, one_line(exc))  # retried slowly:
+                self._close()  # the streams find out for themselves
                 self._stop.wait(0.5)
                 continue
+            except Exception as exc:  # cannot heal: the streams waiting on this watch hand back with it
+                log.error("commit-position watch of %s stopped: %s", self.source, one_line(exc))
+                self.error = exc
+                self._stop.set()
+                with self._cond:
+                    self._cond.notify_all()
+                self._close()
+                return
             if value != self.latest:
                 with self._cond:
                     self.latest = value
@@ -414,8 +440,10 @@ class Streamer:
         lease = self.cycles.lease_of(key)
         if lease is None:
             return
-        if key.source not in watches:
-            watches[key.source] = SourceWatch(lambda: self.cycles.connect(key.source), self.options)
+        if key.source not in watches or watches[key.source].failed:  # a failed watch is replaced
+            if key.source in watches:
+                watches[key.source].close()
+            watches[key.source] = SourceWatch(lambda: self.cycles.connect(key.source), self.options, key.source)
 
         def run() -> None:
             try:
