@@ -178,7 +178,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
             metrics.stop_serving(*served[:2])
     stuck = replicator.unsettled(reports) if args.until_idle else []
     if stuck:
-        print(f"lr sync: {len(stuck)} session(s) not settled, no progress for {args.give_up_after:.0f}s:",
+        print(f"lr sync: {len(stuck)} session(s) not settled, no progress for {repl.stalled_for:.0f}s:",
               file=sys.stderr)
         for line in stuck:
             print(f"  {line}", file=sys.stderr)

@@ -107,6 +107,25 @@ def test_status_shows_a_pending_full_sync_with_its_reason_and_what_the_session_w
     assert "full sync pending" in out and "audit 2026-11" in out and "waiting for the client's full-sync data" in out
 
 
+def test_until_idle_says_how_long_it_really_made_no_progress(lr_sites, tmp_path, monkeypatch, capsys):
+    """`lr sync --until-idle` that ends by its cycle limit with sessions unsettled says for how long it
+    measured no progress, not its --give-up-after."""
+    import re
+
+    topo_path = topology_file(tmp_path, lr_sites, monkeypatch)
+    doc = yaml.safe_load(open(topo_path))
+    del doc["providers"]  # nobody supplies the client's data: the sessions wait
+    open(topo_path, "w").write(yaml.safe_dump(doc))
+    assert cli.main(["topology", "apply", "--topology", topo_path]) == 0
+    started = time.monotonic()
+    code = cli.main(["sync", "--topology", topo_path, "--until-idle", "--cycles", "2", "--give-up-after", "600",
+                     "--interval", "0.05"])
+    took = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert code == 1 and "2 session(s) not settled" in err, err
+    assert float(re.search(r"no progress for (\d+)s", err).group(1)) <= took + 1 < 600, err
+
+
 def test_until_idle_ends_when_a_session_keeps_failing(lr_sites, tmp_path, monkeypatch, capsys):
     topo = topology_file(tmp_path, lr_sites, monkeypatch)
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
@@ -272,3 +291,37 @@ def test_lr_sync_counts_what_it_delivers_and_prints_a_progress_line(lr_sites, tm
         code = child.stop()
     assert code == 0, child.lines
     app.close()
+
+
+def test_status_names_who_holds_each_session_and_since_when(lr_sites, tmp_path, monkeypatch, capsys):
+    """`lr status` (and `--json`) name the replicator holding each session's lease and when it took
+    it: a renewal by the holder keeps that time, a takeover after the lease ran out sets a new one;
+    a session nobody holds says so."""
+    from airflow_provider_lr.engine.session import lease as leases
+
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    source = lr_sites[0]
+    conn = source.connect()
+    try:
+        assert leases.acquire(conn, "site-b", "policy", "host-1:4242:replicator", 60) is not None
+        taken = source.query("SELECT lease_acquired_at FROM lr.source_sessions WHERE sink_site_id = 'site-b'")[0][0]
+        time.sleep(1.1)
+        assert leases.acquire(conn, "site-b", "policy", "host-1:4242:replicator", 60) is not None  # a renewal
+        capsys.readouterr()
+        _, report = _status(topo, capsys)
+        b, c = _session(report, "site-a", "site-b"), _session(report, "site-a", "site-c")
+        assert b["lease_owner"] == "host-1:4242:replicator" and b["lease_acquired_at"] == taken.isoformat()
+        assert b["lease_held_s"] >= 1.0 and 0 < b["lease_expires_in_s"] <= 60
+        assert c["lease_owner"] is None and c["lease_acquired_at"] is None
+        cli.main(["status", "--topology", topo])
+        text = capsys.readouterr().out
+        assert f"lease held by host-1:4242:replicator since {taken.isoformat(timespec='seconds')} (" in text, text
+        assert "lease no holder" in text
+        source.query("UPDATE lr.source_sessions SET lease_expires_at = now() - interval '1 second'")  # ran out
+        assert leases.acquire(conn, "site-b", "policy", "host-2:7:replicator", 60) is not None  # taken over
+        _, report = _status(topo, capsys)
+        b = _session(report, "site-a", "site-b")
+        assert b["lease_owner"] == "host-2:7:replicator" and b["lease_acquired_at"] > taken.isoformat()
+    finally:
+        conn.close()
