@@ -94,6 +94,7 @@ class SourceWatch:
                  source: str = "") -> None:
         self._connect, self.settings, self.source = connect, settings, source
         self.error: BaseException | None = None
+        self.failed_at = 0.0  # monotonic time of ``error``
         self.latest = 0
         self._cond = threading.Condition()
         self._waiting = 0
@@ -143,7 +144,7 @@ class SourceWatch:
                 continue
             except Exception as exc:  # cannot heal: the streams waiting on this watch hand back with it
                 log.error("commit-position watch of %s stopped: %s", self.source, one_line(exc))
-                self.error = exc
+                self.error, self.failed_at = exc, time.monotonic()
                 self._stop.set()
                 with self._cond:
                     self._cond.notify_all()
@@ -350,6 +351,9 @@ class SessionStream:
                 conn.close()
 
 
+WATCH_RETRY = 10.0  # seconds before a source whose commit watch failed gets a new one (and streams again)
+
+
 class Cycles(Protocol):
     """What the streaming mode needs of a ``Replicator``: its sessions, connections, settings, and
     cycles for the sessions that are not streaming (negotiation, snapshot sync, catch-up, errors)."""
@@ -440,9 +444,13 @@ class Streamer:
         lease = self.cycles.lease_of(key)
         if lease is None:
             return
-        if key.source not in watches or watches[key.source].failed:  # a failed watch is replaced
-            if key.source in watches:
-                watches[key.source].close()
+        watch = watches.get(key.source)
+        if watch is not None and watch.failed:  # replaced after a while; the cycles carry the session meanwhile
+            if time.monotonic() - watch.failed_at < WATCH_RETRY:
+                return
+            watch.close()
+            del watches[key.source]
+        if key.source not in watches:
             watches[key.source] = SourceWatch(lambda: self.cycles.connect(key.source), self.options, key.source)
 
         def run() -> None:
