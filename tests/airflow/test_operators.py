@@ -378,7 +378,7 @@ def test_a_stream_killed_early_says_how_long_it_streamed_and_logs_its_progress(a
 
     from airflow_provider_lr.operators.stream import LRStreamOperator
 
-    source, sink_b, _ = airflow_sites.sites
+    source, sink_b, sink_c = airflow_sites.sites
     app = _app_with_sinks_in_log_entry_sync(source)
     op = LRStreamOperator(task_id="stream", run_for=600, report_every=0.3)
     done: dict = {}
@@ -388,10 +388,11 @@ def test_a_stream_killed_early_says_how_long_it_streamed_and_logs_its_progress(a
     for i in range(10):
         app.put(f"k{i}", i, ["site-b", "site-c"])
     deadline = time.monotonic() + 60
-    while [p for k, p in queue(sink_b, "site-a") if k == "log"][-1:] != ["k9=9"]:
-        assert time.monotonic() < deadline, "the stream delivered nothing"
-        time.sleep(0.1)
-    time.sleep(1.5)  # a few progress lines after the last delivery
+    for sink in (sink_b, sink_c):
+        while [p for k, p in queue(sink, "site-a") if k == "log"][-1:] != ["k9=9"]:
+            assert time.monotonic() < deadline, f"the stream delivered nothing to {sink.site_id}"
+            time.sleep(0.1)
+    time.sleep(3)  # progress lines after the last delivery (one every 0.3 s)
     op.on_kill()
     runner.join(60)
     killed_after = time.monotonic() - started

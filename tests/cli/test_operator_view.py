@@ -279,10 +279,11 @@ def test_lr_sync_counts_what_it_delivers_and_prints_a_progress_line(lr_sites, tm
             time.sleep(0.05)
         b, c = 'client="policy",sink="site-b",source="site-a"', 'client="policy",sink="site-c",source="site-a"'
         page = ""
-        while f"lr_entries_delivered_total{{{b}}} 30.0" not in page:  # the stream counts as it writes
+        while not (f"lr_entries_delivered_total{{{b}}} 30.0" in page  # the streams count as they write
+                   and f"lr_entries_delivered_total{{{c}}} 10.0" in page):
             assert time.monotonic() < deadline, page
+            time.sleep(0.1)
             page = _get(url)[1]
-        assert f"lr_entries_delivered_total{{{c}}} 10.0" in page
         assert 0 < _sample(page, f"lr_bytes_delivered_total{{{c}}}") < _sample(page, f"lr_bytes_delivered_total{{{b}}}")
         assert f"lr_full_syncs_total{{{b}}} 1.0" in page and f"lr_full_syncs_total{{{c}}} 1.0" in page
         assert _sample(page, f"lr_delivery_lag_seconds_count{{{b}}}") >= 1  # observed at the stream's acks
