@@ -397,7 +397,7 @@ def test_a_stream_killed_early_says_how_long_it_streamed_and_logs_its_progress(a
     runner.join(60)
     killed_after = time.monotonic() - started
     summary, lines = done["summary"], done["lines"]
-    assert 0 < summary["seconds"] <= killed_after < 600 and summary["planned_seconds"] == 600, summary
+    assert 0 < summary["seconds"] <= killed_after + 0.05 < 600 and summary["planned_seconds"] == 600, summary  # to 0.1 s
     delivered = sum(summary["delivered"].values())
     assert delivered >= 20, summary  # 10 entries to each of two sinks
     ended = [line for line in lines if line.startswith("streamed for ")]
