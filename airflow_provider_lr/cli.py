@@ -229,26 +229,38 @@ def cmd_sync(args: argparse.Namespace) -> int:
         say(end.session, f"{end.session}: stream handed back after {end.delivered} entries: {end.reason}"
             + (f" ERROR {end.error}" if end.error else ""), end.error)
 
+    def show_counted(reports: list) -> None:
+        counters.cycle(reports)  # the streamer counts its own cycles
+        show(reports)
+
     stop = threading.Event()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a service manager's stop: leave cleanly
     streaming = not (args.once or args.cycles or args.until_idle or args.no_stream)
     reports: list = []
+    counters = metrics.ReplicationCounters()
+    served = metrics.start(counters.registry, args.metrics_listen) if args.metrics_listen else None
+    if served:
+        print(f"lr sync: counters at {served[2]}", flush=True)
     try:
         cycles = 1 if args.once else args.cycles
         with _progress_bars():
             if streaming:
-                stream.Streamer(repl).run(stop, interval=args.interval, on_cycle=show, on_end=show_end)
+                stream.Streamer(repl, counters=counters).run(
+                    stop, interval=args.interval, on_cycle=show, on_end=show_end,
+                    on_pulse=lambda line: print(line, flush=True), pulse_every=args.report_every)
             else:
                 reports = repl.run(max_cycles=cycles, until_idle=args.until_idle, interval=args.interval,
-                                   on_cycle=show, give_up_after=args.give_up_after, stop=stop)
+                                   on_cycle=show_counted, give_up_after=args.give_up_after, stop=stop)
     except KeyboardInterrupt:
         reports = []
     finally:
         repl.close()
+        if served:
+            metrics.stop_serving(*served[:2])
     stuck = replicator.unsettled(reports) if args.until_idle else []
     if stuck:
-        print(f"lr sync: {len(stuck)} session(s) not settled, no progress for {args.give_up_after:.0f}s:",
+        print(f"lr sync: {len(stuck)} session(s) not settled, no progress for {repl.stalled_for:.0f}s:",
               file=sys.stderr)
         for line in stuck:
             print(f"  {line}", file=sys.stderr)
@@ -383,9 +395,10 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     """Prometheus text exposition of every site's status (for node_exporter's textfile collector,
     or a scrape through `lr metrics --listen`)."""
     topo = _topology(args)
+    registry = metrics.status_registry(lambda: _site_statuses(topo), topo)
     if args.listen:
-        return metrics.serve(lambda: metrics.exposition(_site_statuses(topo), topo), args.listen)
-    sys.stdout.write(metrics.exposition(_site_statuses(topo), topo))
+        return metrics.serve(registry, args.listen, announce=lambda line: print(line, flush=True))
+    sys.stdout.write(metrics.exposition(registry))
     return 0
 
 
@@ -690,6 +703,12 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument("--interval", type=_seconds, default=1.0,
                       help="pause between idle cycles (s); streaming: between cycles of the sessions not streaming")
     sync.add_argument("-v", "--verbose", action="store_true", help="also print idle cycles")
+    sync.add_argument("--report-every", type=_seconds, default=30.0, metavar="SECONDS",
+                      help="streaming: a progress line this often (entries/s, lag of the session most behind; "
+                           "0: none; default 30)")
+    sync.add_argument("--metrics-listen", metavar="HOST:PORT",
+                      help="serve this replicator's counters (entries and bytes delivered, full syncs, errors, "
+                           "hand-backs, a lag histogram) for Prometheus on /metrics")
     sync.set_defaults(func=cmd_sync)
 
     fs = with_topology(sub.add_parser("full-sync", help="force a full (snapshot) sync of the chosen sessions "
@@ -729,7 +748,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also degraded when a session's oldest undelivered entry is older than this")
     st.set_defaults(func=cmd_status)
     me = with_topology(sub.add_parser("metrics", help="status as Prometheus metrics (text exposition)"))
-    me.add_argument("--listen", metavar="HOST:PORT", help="serve /metrics over HTTP instead of printing once")
+    me.add_argument("--listen", metavar="HOST:PORT",
+                    help="serve /metrics over HTTP (read from the sites at each scrape) instead of printing once")
     me.set_defaults(func=cmd_metrics)
 
     tr = with_topology(sub.add_parser("trim", help="trim the shared logs of the sources"))

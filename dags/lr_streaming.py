@@ -35,10 +35,14 @@ from airflow_provider_lr.operators.stream import LRStreamOperator
                                  description="How long one run streams before it ends and the next run starts"),
         "source": Param(None, type=["null", "string"], title="Source",
                         description="Only this source's sessions (empty: every session of the topology)"),
+        "report_every_seconds": Param(30, type="integer", minimum=0, title="Progress line every (seconds)",
+                                      description="A line in the task log with entries/s and the lag of the "
+                                                  "session most behind, this often (0: none)"),
     },
 )
 def lr_streaming() -> None:
-    LRStreamOperator(task_id="stream", run_for="{{ params.run_for_seconds }}", source="{{ params.source }}")
+    LRStreamOperator(task_id="stream", run_for="{{ params.run_for_seconds }}", source="{{ params.source }}",
+                     report_every="{{ params.report_every_seconds }}")
 
 
 lr_streaming()

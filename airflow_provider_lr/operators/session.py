@@ -94,6 +94,9 @@ class _SessionStepOperator(BaseOperator):
 
     template_fields: Sequence[str] = ("session", "decision", "topology_path")
     branch = ""
+    # the Spark jobs this step may leave work to: only those are checked (and said unavailable,
+    # once per session: negotiation leaves nothing to Spark)
+    spark_jobs: tuple[str, ...] = ()
 
     def __init__(self, *, session: dict[str, Any], decision: dict[str, Any] | None = None,
                  topology_path: str | None = None, spark_conn_id: str | None = None, **kwargs: Any) -> None:
@@ -151,7 +154,7 @@ class _SessionStepOperator(BaseOperator):
 
     def _spark_can_run(self, job: str) -> bool:
         """Whether large work of Spark job ``job`` may be left to the Spark task (see the class)."""
-        if not self.spark_conn_id:
+        if not self.spark_conn_id or job not in self.spark_jobs:
             return False
         why = spark_unavailable(self.spark_conn_id, job)
         if why:
@@ -210,6 +213,7 @@ class LRSnapshotSyncOperator(_SessionStepOperator):
     """
 
     branch = "snapshot_sync"
+    spark_jobs = (SNAPSHOT_TRANSFER_JOB,)  # a large full sync's transfer
     ui_color = "#fde2e2"
 
     def __init__(self, *, wait_for_data: bool = False,
@@ -327,6 +331,7 @@ class LRLogEntrySyncOperator(_SessionStepOperator):
     read in commit order and applied idempotently at the sink."""
 
     branch = "log_entry_sync"
+    spark_jobs = (TABLE_SNAPSHOT_JOB,)  # a large snapshot of federated tables
     ui_color = "#e3f6e3"
 
     def __init__(self, *, max_batches: int | None = None, max_entries: int | None = None, **kwargs: Any) -> None:

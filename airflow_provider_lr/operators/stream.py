@@ -14,6 +14,7 @@ Sites are reached through ``LRSiteHook`` (whatever connection backend Airflow us
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from datetime import timedelta
 from typing import Any, Sequence
@@ -26,6 +27,9 @@ from airflow_provider_lr.operators import telemetry
 from airflow_provider_lr.operators.common import load_topology
 
 
+DEFAULT_REPORT_EVERY = 30.0
+
+
 class LRStreamOperator(BaseOperator):
     """Stream every session of the topology (or of one ``source``) for ``run_for``, then return.
 
@@ -34,24 +38,30 @@ class LRStreamOperator(BaseOperator):
     :param source: only this source's sessions (default: all)
     :param interval: seconds between cycles of the sessions not streaming (snapshot syncs, errors)
     :param topology_path: the topology file (default: ``$LR_TOPOLOGY`` or the shipped one)
-    Returns a small summary: deliveries per session and the streams' hand-backs. Fails when every
-    session ended the run in error (one bad session does not stop the others).
+    :param report_every: seconds between the progress lines in the task log (entries/s, lag of the
+        session most behind); 0 for none (templated)
+    Returns a small summary: the seconds it really streamed (a kill ends it early), deliveries per
+    session and the streams' hand-backs. Fails when every session ended the run in error (one bad
+    session does not stop the others).
     """
 
-    template_fields: Sequence[str] = ("run_for", "source", "topology_path")
+    template_fields: Sequence[str] = ("run_for", "source", "topology_path", "report_every")
     ui_color = "#d9f2e6"
 
     def __init__(self, *, run_for: float | timedelta = timedelta(minutes=10), source: str | None = None,
-                 interval: float = 1.0, topology_path: str | None = None, **kwargs: Any) -> None:
+                 interval: float = 1.0, topology_path: str | None = None,
+                 report_every: float | str = DEFAULT_REPORT_EVERY, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.run_for, self.source, self.interval, self.topology_path = run_for, source, interval, topology_path
+        self.report_every = report_every
         self._stop = threading.Event()  # a new one per run (an operator object may run again)
+        self._stopped_by = ""  # what set it: "run_for" or "on_kill"
 
     def execute(self, context: Any) -> dict[str, Any]:
         from airflow_provider_lr.engine.session.replicator import Replicator
         from airflow_provider_lr.engine.session.stream import Streamer
 
-        self._stop = threading.Event()
+        self._stop, self._stopped_by = threading.Event(), ""
         topo = load_topology(self.topology_path)
         sessions = topo.sessions(source=self.source)
         seconds = self.run_for.total_seconds() if isinstance(self.run_for, timedelta) else float(self.run_for)
@@ -68,27 +78,37 @@ class LRStreamOperator(BaseOperator):
                 if r.error:
                     telemetry.session_error(r.session)
 
-        timer = threading.Timer(seconds, self._stop.set)
+        timer = threading.Timer(seconds, self._halt, args=("run_for",))
         timer.start()
-        self.log.info("streaming %d sessions for %.0f s", len(sessions), seconds)
+        self.log.info("streaming %d sessions for up to %.0f s", len(sessions), seconds)
+        started = time.monotonic()
         try:
             with telemetry.task_progress(self.log):
-                streamer.run(self._stop, interval=self.interval, on_cycle=on_cycle)
+                streamer.run(self._stop, interval=self.interval, on_cycle=on_cycle, on_pulse=self.log.info,
+                             pulse_every=float(self.report_every))
         finally:
             timer.cancel()
             repl.close()
+        streamed = time.monotonic() - started  # measured: a kill or a failure ends it before ``run_for``
         for end in streamer.ends:
             delivered[end.session] += end.delivered
         for session, n in delivered.items():
             telemetry.session_step(session, delivered=n)
         failing = sorted(s for s, r in last.items() if r.error)
-        summary = {"seconds": seconds, "delivered": dict(delivered), "failing": failing,
+        summary = {"seconds": round(streamed, 1), "planned_seconds": seconds, "delivered": dict(delivered),
+                   "failing": failing,
                    "hand_backs": [f"{e.session}: {e.reason}" for e in streamer.ends if e.reason != "stopped"]}
-        self.log.info("streamed for %.0f s: %s", seconds, summary)
+        self.log.info("streamed for %.0f s%s: %s", streamed,
+                      "" if self._stopped_by == "run_for" else f" of {seconds:.0f} s planned (stopped by {self._stopped_by})",
+                      summary)
         if sessions and len(failing) == len(sessions):
             raise AirflowException(f"every session failed: {', '.join(f'{s}: {last[s].error}' for s in failing)}")
         return summary
 
+    def _halt(self, by: str) -> None:
+        self._stopped_by = self._stopped_by or by
+        self._stop.set()
+
     def on_kill(self) -> None:
         """Stop streaming (the sessions hand their leases back on the way out)."""
-        self._stop.set()
+        self._halt("on_kill")

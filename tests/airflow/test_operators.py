@@ -447,3 +447,63 @@ def test_a_branch_whose_negotiation_failed_skips_itself(airflow_sites):
     op.decision = None  # what templating leaves when decide failed
     with pytest.raises(AirflowSkipException, match="negotiation did not complete"):
         op.execute({})
+
+
+def test_a_stream_killed_early_says_how_long_it_streamed_and_logs_its_progress(airflow_sites):
+    """``LRStreamOperator`` planned for 600 s and killed after a few: its summary and its last line
+    give the seconds it really streamed, not the 600 planned, and name what stopped it; meanwhile a
+    line every ``report_every`` seconds gives entries/s and the lag, counting what it delivered."""
+    import re
+    import threading
+    import time
+
+    from airflow_provider_lr.operators.stream import LRStreamOperator
+
+    source, sink_b, sink_c = airflow_sites.sites
+    app = _app_with_sinks_in_log_entry_sync(source)
+    op = LRStreamOperator(task_id="stream", run_for=600, report_every=0.3)
+    done: dict = {}
+    runner = threading.Thread(target=lambda: done.update(zip(("summary", "lines"), _task_log_lines(op))))
+    started = time.monotonic()
+    runner.start()
+    for i in range(10):
+        app.put(f"k{i}", i, ["site-b", "site-c"])
+    deadline = time.monotonic() + 60
+    for sink in (sink_b, sink_c):
+        while [p for k, p in queue(sink, "site-a") if k == "log"][-1:] != ["k9=9"]:
+            assert time.monotonic() < deadline, f"the stream delivered nothing to {sink.site_id}"
+            time.sleep(0.1)
+    time.sleep(3)  # progress lines after the last delivery (one every 0.3 s)
+    op.on_kill()
+    runner.join(60)
+    killed_after = time.monotonic() - started
+    summary, lines = done["summary"], done["lines"]
+    assert 0 < summary["seconds"] <= killed_after + 0.05 < 600 and summary["planned_seconds"] == 600, summary  # to 0.1 s
+    delivered = sum(summary["delivered"].values())
+    assert delivered >= 20, summary  # 10 entries to each of two sinks
+    ended = [line for line in lines if line.startswith("streamed for ")]
+    assert ended and re.match(r"streamed for \d+ s of 600 s planned \(stopped by on_kill\)", ended[0]), ended
+    pulses = [line for line in lines if re.match(r"streaming \d of 2 sessions: \d+ entries in \d+s "
+                                                 r"\([\d.]+ entries/s, \d+ in all\), lag ", line)]
+    assert pulses, lines
+    assert any(f", {delivered} in all)" in line for line in pulses), pulses  # counted where delivered
+    app.close()
+
+
+def test_a_session_without_spark_says_so_once_not_in_every_step(airflow_sites, monkeypatch):
+    """Without the Spark connection, a session's group says "what lr_table_snapshot.py would do is
+    done in this step" once, in the step that would leave work to it (log-entry sync); negotiation
+    leaves nothing to Spark and says nothing about it."""
+    monkeypatch.delenv("AIRFLOW_CONN_SPARK_DEFAULT", raising=False)
+    source = airflow_sites.sites[0]
+    app = _app_with_sinks_in_log_entry_sync(source)
+    app.put("k", 1, ["site-b"])
+    session = _sessions(sink="site-b")[0]
+    decided, decide_lines = _task_log_lines(LRNegotiateOperator(task_id="decide", session=session,
+                                                                spark_conn_id="spark_default"))
+    assert decided["branch"] == "log_entry_sync"
+    _, step_lines = _task_log_lines(LRLogEntrySyncOperator(task_id="log_entry_sync", session=session, decision=decided,
+                                                           spark_conn_id="spark_default"))
+    said = [line for line in decide_lines + step_lines if "would do is done in this step" in line]
+    assert said == ["what lr_table_snapshot.py would do is done in this step: no Spark connection 'spark_default'"]
+    app.close()

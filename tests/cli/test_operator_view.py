@@ -15,7 +15,7 @@ from airflow_provider_lr import cli
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 from tests.cli.test_cli_sync import topology_file
-from tests.support.session import App
+from tests.support.session import App, queue
 
 
 def _status(topo: str, capsys, *extra: str) -> tuple[int, dict]:
@@ -54,8 +54,8 @@ def test_status_lag_moves_with_committed_but_undelivered_entries(lr_sites, tmp_p
     assert code == 1 and any("lag" in r for r in report["reasons"])  # ... unless it lags more than asked
     assert cli.main(["metrics", "--topology", topo]) == 0
     metrics = capsys.readouterr().out
-    assert 'lr_session_lag_entries{source="site-a",sink="site-b",client="policy"} 500' in metrics
-    assert 'lr_site_up{site="site-c"} 1' in metrics
+    assert 'lr_session_lag_entries{client="policy",sink="site-b",source="site-a"} 500.0' in metrics
+    assert 'lr_site_up{site="site-c"} 1.0' in metrics
     _synced(topo)
     capsys.readouterr()
     code, report = _status(topo, capsys, "--max-lag", "0.5")
@@ -105,6 +105,25 @@ def test_status_shows_a_pending_full_sync_with_its_reason_and_what_the_session_w
     cli.main(["status", "--topology", topo_path])
     out = capsys.readouterr().out
     assert "full sync pending" in out and "audit 2026-11" in out and "waiting for the client's full-sync data" in out
+
+
+def test_until_idle_says_how_long_it_really_made_no_progress(lr_sites, tmp_path, monkeypatch, capsys):
+    """`lr sync --until-idle` that ends by its cycle limit with sessions unsettled says for how long it
+    measured no progress, not its --give-up-after."""
+    import re
+
+    topo_path = topology_file(tmp_path, lr_sites, monkeypatch)
+    doc = yaml.safe_load(open(topo_path))
+    del doc["providers"]  # nobody supplies the client's data: the sessions wait
+    open(topo_path, "w").write(yaml.safe_dump(doc))
+    assert cli.main(["topology", "apply", "--topology", topo_path]) == 0
+    started = time.monotonic()
+    code = cli.main(["sync", "--topology", topo_path, "--until-idle", "--cycles", "2", "--give-up-after", "600",
+                     "--interval", "0.05"])
+    took = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert code == 1 and "2 session(s) not settled" in err, err
+    assert float(re.search(r"no progress for (\d+)s", err).group(1)) <= took + 1 < 600, err
 
 
 def test_until_idle_ends_when_a_session_keeps_failing(lr_sites, tmp_path, monkeypatch, capsys):
@@ -163,3 +182,147 @@ def test_status_never_shows_application_data_and_survives_a_closed_pipe(lr_sites
     finally:
         open_tx.rollback()
         open_tx.close()
+
+
+class _Child:
+    """An `lr` command in its own process, its output lines collected as they come."""
+
+    def __init__(self, *args: str) -> None:
+        import os
+        import threading
+
+        self.process = subprocess.Popen([sys.executable, "-m", "airflow_provider_lr.cli", *args], env={**os.environ},
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True)
+        self._reader.start()
+
+    def wait_for(self, pattern: str, timeout: float = 60) -> "re.Match[str]":
+        import re
+
+        deadline = time.monotonic() + timeout
+        while True:
+            found = next((m for m in map(re.compile(pattern).search, list(self.lines)) if m), None)
+            if found:
+                return found
+            assert time.monotonic() < deadline and self.process.poll() is None, f"no {pattern!r} in {self.lines}"
+            time.sleep(0.05)
+
+    def stop(self) -> int:
+        import signal
+
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=30)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+            self._reader.join(5)
+
+
+def _get(url: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=30) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, ""
+
+
+def _sample(page: str, name: str) -> float:
+    """The value of one sample of an exposition (``name`` with its labels)."""
+    return float(next(line.rsplit(" ", 1)[1] for line in page.splitlines() if line.startswith(name + " ")))
+
+
+def test_lr_metrics_listen_says_where_and_serves_the_status_with_the_topology_info(lr_sites, tmp_path, monkeypatch):
+    """`lr metrics --listen` says where it serves on start; `/metrics` (and `/`, not a 404) give the
+    live gauges and an info metric naming each site's topology and schema version."""
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    topology_id = lr_sites[0].query("SELECT topology_config_id FROM lr.topology")[0][0]
+    version = lr_sites[0].query("SELECT max(version) FROM lr.schema_migrations")[0][0]
+    child = _Child("metrics", "--topology", topo, "--listen", "127.0.0.1:0")
+    try:
+        url = child.wait_for(r"lr metrics: serving (http://127\.0\.0\.1:\d+/metrics)").group(1)
+        code, page = _get(url)
+        assert code == 200 and 'lr_site_up{site="site-b"} 1.0' in page
+        assert (f'lr_site_info{{schema_version="{version}",site="site-a",topology_id="{topology_id}"}} 1.0'
+                in page), page
+        assert 'lr_session_lag_entries{client="policy",sink="site-b",source="site-a"} 0.0' in page
+        assert _get(url.removesuffix("metrics"))[0] == 200
+    finally:
+        child.stop()
+
+
+def test_lr_sync_counts_what_it_delivers_and_prints_a_progress_line(lr_sites, tmp_path, monkeypatch):
+    """A streaming `lr sync --metrics-listen` serves counters of what it did (entries and bytes
+    delivered, full syncs applied, per session; a lag histogram) and prints a progress line every
+    `--report-every` seconds with entries/s and the lag."""
+    source, sink_b, sink_c = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    app = App(source)
+    child = _Child("sync", "--topology", topo, "--metrics-listen", "127.0.0.1:0", "--report-every", "0.5")
+    try:
+        url = child.wait_for(r"lr sync: counters at (http://127\.0\.0\.1:\d+/metrics)").group(1)
+        deadline = time.monotonic() + 60
+        while source.query("SELECT count(*) FROM lr.source_sessions WHERE acked_position >= 0") != [(2,)]:
+            assert time.monotonic() < deadline, "first contact"
+            time.sleep(0.05)
+        for i in range(30):
+            app.put(f"k{i}", i, ["site-b"] if i % 3 else ["site-b", "site-c"])
+        while [p for k, p in queue(sink_b, "site-a") if k == "log"][-1:] != ["k29=29"]:
+            assert time.monotonic() < deadline, "streamed"
+            time.sleep(0.05)
+        b, c = 'client="policy",sink="site-b",source="site-a"', 'client="policy",sink="site-c",source="site-a"'
+        page = ""
+        while not (f"lr_entries_delivered_total{{{b}}} 30.0" in page  # the streams count as they write
+                   and f"lr_entries_delivered_total{{{c}}} 10.0" in page):
+            assert time.monotonic() < deadline, page
+            time.sleep(0.1)
+            page = _get(url)[1]
+        assert 0 < _sample(page, f"lr_bytes_delivered_total{{{c}}}") < _sample(page, f"lr_bytes_delivered_total{{{b}}}")
+        assert f"lr_full_syncs_total{{{b}}} 1.0" in page and f"lr_full_syncs_total{{{c}}} 1.0" in page
+        assert _sample(page, f"lr_delivery_lag_seconds_count{{{b}}}") >= 1  # observed at the stream's acks
+        child.wait_for(r"streaming 2 of 2 sessions: \d+ entries in \d+s \([\d.]+ entries/s, 40 in all\), lag ")
+    finally:
+        code = child.stop()
+    assert code == 0, child.lines
+    app.close()
+
+
+def test_status_names_who_holds_each_session_and_since_when(lr_sites, tmp_path, monkeypatch, capsys):
+    """`lr status` (and `--json`) name the replicator holding each session's lease and when it took
+    it: a renewal by the holder keeps that time, a takeover after the lease ran out sets a new one;
+    a session nobody holds says so."""
+    from airflow_provider_lr.engine.session import lease as leases
+
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    source = lr_sites[0]
+    conn = source.connect()
+    try:
+        assert leases.acquire(conn, "site-b", "policy", "host-1:4242:replicator", 60) is not None
+        taken = source.query("SELECT lease_acquired_at FROM lr.source_sessions WHERE sink_site_id = 'site-b'")[0][0]
+        time.sleep(1.1)
+        assert leases.acquire(conn, "site-b", "policy", "host-1:4242:replicator", 60) is not None  # a renewal
+        capsys.readouterr()
+        _, report = _status(topo, capsys)
+        b, c = _session(report, "site-a", "site-b"), _session(report, "site-a", "site-c")
+        assert b["lease_owner"] == "host-1:4242:replicator" and b["lease_acquired_at"] == taken.isoformat()
+        assert b["lease_held_s"] >= 1.0 and 0 < b["lease_expires_in_s"] <= 60
+        assert c["lease_owner"] is None and c["lease_acquired_at"] is None
+        cli.main(["status", "--topology", topo])
+        text = capsys.readouterr().out
+        assert f"lease held by host-1:4242:replicator since {taken.isoformat(timespec='seconds')} (" in text, text
+        assert "lease no holder" in text
+        source.query("UPDATE lr.source_sessions SET lease_expires_at = now() - interval '1 second'")  # ran out
+        assert leases.acquire(conn, "site-b", "policy", "host-2:7:replicator", 60) is not None  # taken over
+        _, report = _status(topo, capsys)
+        b = _session(report, "site-a", "site-b")
+        assert b["lease_owner"] == "host-2:7:replicator" and b["lease_acquired_at"] > taken.isoformat()
+    finally:
+        conn.close()

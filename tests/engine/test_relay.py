@@ -11,7 +11,17 @@ import pytest
 from airflow_provider_lr.engine.errors import LRError
 from airflow_provider_lr.subscriber import open_relay
 from tests.support.session import App, apply, empty_provider, queue, replicator, table_provider
-from tests.support.subscriber import Background, Recorder, expected, listen_sessions, settle, wait_until
+from tests.support.subscriber import (
+    Background,
+    Recorder,
+    crash_and_restart,
+    expected,
+    insert_log,
+    listen_sessions,
+    refused_login,
+    settle,
+    wait_until,
+)
 
 TWO_SOURCES_TWO_CLIENTS = [
     {"source": "site-a", "sinks": ["site-b"], "clients": ["policy", "inventory"]},
@@ -199,3 +209,63 @@ def test_closing_from_inside_callbacks_never_deadlocks(scene):
     wait_until(lambda: not others[1].running, 10, "the blocked subscription to end once released")
     with pytest.raises(LRError, match="relay is closed"):
         relay.subscribe(Recorder(), "policy")
+
+
+def test_a_subscription_whose_login_is_refused_ends_with_the_error_on_one_line(lr_sites, caplog):
+    """A subscription whose own connection is refused ends at once with the ConfigurationError
+    (``join`` raises it), logged on one line without a traceback; the relay goes on for others."""
+    from airflow_provider_lr.engine.errors import ConfigurationError
+    from airflow_provider_lr.engine.site.conninfo import from_dsn
+
+    _, sink, _ = lr_sites
+    relay = open_relay(sink.dsn)
+    refused = relay.subscribe(Recorder(), "policy", connect=refused_login(sink).connect)
+    with pytest.raises(ConfigurationError, match="no_such_role.*check the connection"):
+        refused.join(10)
+    assert not refused.running and refused not in relay.subscriptions
+    stopped = [r for r in caplog.records if "stopped" in r.getMessage() and r.name.startswith("airflow_provider_lr")]
+    assert stopped and all(r.exc_info is None and "\n" not in r.getMessage() for r in stopped)
+    recorder = Recorder()
+    relay.subscribe(recorder, "policy", connect=from_dsn(sink.dsn).connect)  # the relay itself is fine
+    insert_log(sink, "site-x", "x=1")
+    wait_until(lambda: recorder.of("site-x") == [("log", "x=1")], 15, "delivery to the good subscription")
+    assert relay.close()
+
+
+def test_a_relay_whose_listen_login_is_refused_stops_every_subscription_with_the_error(lr_sites):
+    """The relay's tap (its one LISTEN connection) is refused: the relay ends with the
+    ConfigurationError (``join`` raises it), every subscription ends with it rather than running
+    on without wake-ups, and a new subscription is refused naming it."""
+    from airflow_provider_lr.engine.errors import ConfigurationError
+    from airflow_provider_lr.engine.sink.relay import Relay
+    from airflow_provider_lr.engine.site.conninfo import from_dsn
+
+    _, sink, _ = lr_sites
+    relay = Relay(refused_login(sink).connect)
+    sub = relay.subscribe(Recorder(), "policy", connect=from_dsn(sink.dsn).connect)
+    with pytest.raises(ConfigurationError, match="no_such_role"):
+        relay.join(10)
+    with pytest.raises(ConfigurationError, match="no_such_role"):
+        sub.join(10)
+    assert not sub.running and relay.subscriptions == []
+    with pytest.raises(LRError, match="the relay stopped: .*no_such_role"):
+        relay.subscribe(Recorder(), "policy")
+    relay.close()
+
+
+def test_a_relay_rides_out_a_sink_restart_and_delivers_what_came_meanwhile(lr_sites, site_manager):
+    """The sink's server restarts under a relay: its tap reopens its LISTEN and the subscription's
+    follow loop reconnects (a server that is down heals); nothing ends, delivery resumes."""
+    _, sink, _ = lr_sites
+    sink.query(f'ALTER DATABASE "{sink.dbname}" SET synchronous_commit = on')  # acks survive the crash
+    relay = open_relay(sink.dsn, poll_interval=0.3, retry_interval=0.1)
+    recorder = Recorder()
+    sub = relay.subscribe(recorder, "policy")
+    insert_log(sink, "site-x", "x=0")
+    wait_until(lambda: recorder.of("site-x") == [("log", "x=0")], 15, "the first entry")
+    crash_and_restart(site_manager, sink, lambda: sub.stats.failures >= 1)
+    insert_log(sink, "site-x", "x=1")
+    wait_until(lambda: recorder.of("site-x") == [("log", "x=0"), ("log", "x=1")], 30, "delivery after the restart")
+    wait_until(lambda: relay.listening and listen_sessions(sink) == 1, 15, "the tap to LISTEN again")
+    assert sub.running and sub.error is None and relay.error is None
+    assert relay.close()

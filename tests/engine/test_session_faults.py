@@ -302,3 +302,50 @@ def test_a_replicator_whose_lease_ran_out_mid_snapshot_cannot_write_once_the_suc
     assert [k for k, _ in entries].count("start") == 1
     assert final_state(entries) == source_state(source)
     app.close()
+
+
+def test_the_lease_keeper_rides_out_a_source_restart_and_renews_again(lr_sites, site_manager):
+    """The source restarts while a long run's leases are kept alive: the keeper's renewals fail
+    while it is down (its thread lives on) and the leases are renewed again once it is back."""
+    from airflow_provider_lr.engine.session import lease as leases
+    from airflow_provider_lr.engine.session.lease_keeper import LeaseKeeper
+
+    source, _, _ = lr_sites
+    source.query(f'ALTER DATABASE "{source.dbname}" SET synchronous_commit = on')  # the lease survives the crash
+    apply(lr_sites, ONE_SINK)
+    conn = source.connect()
+    held = leases.acquire(conn, "site-b", "policy", "fanout-test", seconds=3)
+    conn.close()
+    keeper = LeaseKeeper(source.dsn, [held], seconds=3)  # renews every second
+    try:
+        site_manager.down([source.site_id], mode="immediate")
+        time.sleep(2.5)  # renewals fail meanwhile: the connection is gone, new ones are refused
+        site_manager.up(site_ids=[source.site_id])
+        renewed_after = source.query("SELECT now()")[0][0]
+        deadline = time.monotonic() + 15
+        while source.query("SELECT lease_owner, lease_expires_at > %s + interval '2 seconds' FROM lr.source_sessions",
+                           (renewed_after,)) != [("fanout-test", True)]:
+            assert time.monotonic() < deadline, "the keeper renewed nothing after the restart"
+            time.sleep(0.2)
+        assert keeper._thread.is_alive() and keeper.error is None
+    finally:
+        keeper.stop()
+
+
+def test_a_commit_watch_whose_login_is_refused_stops_its_streams_with_the_error(lr_sites):
+    """A source's commit-position watch cannot heal a refused login: it stops, and a stream
+    waiting on it gets the error (naming the source) instead of waiting for commits forever."""
+    from airflow_provider_lr.engine.errors import LRError
+    from airflow_provider_lr.engine.session.stream import SourceWatch, StreamSettings
+    from tests.support.subscriber import refused_login
+
+    source, _, _ = lr_sites
+    watch = SourceWatch(refused_login(source).connect, StreamSettings(), "site-a")
+    try:
+        with pytest.raises(LRError, match="commit-position watch of source 'site-a' stopped: .*no_such_role"):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                watch.wait_beyond(0, 0.5)
+        assert watch.failed
+    finally:
+        watch.close()

@@ -17,9 +17,12 @@ from tests.support.subscriber import (
     Background,
     Flaky,
     Recorder,
+    crash_and_restart,
     expected,
+    insert_log,
     insert_raw,
     listen_sessions,
+    refused_login,
     session_replicator,
     settle,
     started_session,
@@ -335,3 +338,37 @@ def test_run_against_a_sink_that_is_down_reports_and_stops_cleanly():
     stats = running.stop(timeout=5)
     assert stats.failures >= 2 and stats.delivered == 0
     assert "cannot connect" in stats.errors[-1] and "port=1" in stats.errors[-1]
+
+
+def test_a_subscriber_whose_login_is_refused_stops_at_once_with_the_fix(lr_sites):
+    """A login the sink refuses cannot heal by retrying: ``run()`` raises a ConfigurationError on
+    one line naming what to check, promptly, instead of running on without delivering."""
+    from airflow_provider_lr.engine.errors import ConfigurationError
+
+    _, sink_site, _ = lr_sites
+    sub = RoutingQueueSubscriber(refused_login(sink_site), client_name="policy", retry_interval=0.05)
+    running = Background(lambda stop: sub.run(Recorder(), stop=stop))
+    running.thread.join(10)
+    assert not running.thread.is_alive(), "run() went on with a refused login"
+    assert isinstance(running.error, ConfigurationError)
+    message = str(running.error)
+    assert "no_such_role" in message and "check the connection's host, database, user and password" in message
+    assert listen_sessions(sink_site) == 0
+
+
+def test_a_subscriber_rides_out_a_sink_restart_and_delivers_what_came_meanwhile(lr_sites, site_manager):
+    """The sink's server restarts under a running subscriber: its delivery and its LISTEN reconnect
+    (a server that is down heals), and what was queued before and after is delivered."""
+    _, sink_site, _ = lr_sites
+    sink_site.query(f'ALTER DATABASE "{sink_site.dbname}" SET synchronous_commit = on')  # acks survive the crash
+    recorder = Recorder()
+    sub = RoutingQueueSubscriber(sink_site.dsn, client_name="policy", poll_interval=0.3, retry_interval=0.1)
+    running = Background(lambda stop: sub.run(recorder, stop=stop))
+    insert_log(sink_site, "site-x", "x=0")
+    wait_until(lambda: recorder.of("site-x") == [("log", "x=0")], 15, "the first entry")
+    crash_and_restart(site_manager, sink_site, lambda: sub.run_stats.failures >= 1)
+    insert_log(sink_site, "site-x", "x=1")
+    wait_until(lambda: recorder.of("site-x") == [("log", "x=0"), ("log", "x=1")], 30, "delivery after the restart")
+    wait_until(lambda: listen_sessions(sink_site) == 1, 15, "the LISTEN to be back")
+    assert running.thread.is_alive()
+    running.stop()

@@ -8,8 +8,11 @@ import time
 from typing import Callable
 
 import psycopg2
+import psycopg2.extensions
 
+from airflow_provider_lr.engine.site.conninfo import ConnInfo
 from airflow_provider_lr.engine.vocabulary import SessionKey
+from airflow_provider_lr.proto import lr_pb2
 from tests.support.session import App, apply, replicator, source_state, table_provider
 
 Event = tuple[str, str]  # (kind, payload): kind in start / snap / end / log
@@ -166,3 +169,24 @@ def started_session(lr_sites, keys: int = 0):
     repl = session_replicator(topo, lr_sites, "site-a", "site-b", providers={"policy": table_provider})
     settle(repl)
     return app, repl, source_state(lr_sites[0])
+
+
+def insert_log(site, source: str, payload: str) -> None:
+    """One log entry straight into ``site``'s receive queue from ``source`` (visible, registered)."""
+    msg = lr_pb2.RoutingTableEntryMsg(type=lr_pb2.LOG_ENTRY_SYNC, opaque_payload=payload.encode())
+    insert_raw(site, source, lr_pb2.LOG_ENTRY_SYNC, msg.SerializeToString())
+
+
+def crash_and_restart(site_manager, site, noticed: Callable[[], bool]) -> None:
+    """Stop ``site``'s server as a crash would, wait until ``noticed()``, start it again."""
+    site_manager.down([site.site_id], mode="immediate")
+    try:
+        wait_until(noticed, 15, "the crash to be noticed")
+    finally:
+        site_manager.up(site_ids=[site.site_id])
+
+
+def refused_login(site) -> ConnInfo:
+    """``site``'s connection with a login its server refuses: a role it does not know, the same
+    ``ConfigurationError`` as a wrong password (which these trust-auth test servers never check)."""
+    return ConnInfo({**psycopg2.extensions.parse_dsn(site.dsn), "user": "no_such_role"})

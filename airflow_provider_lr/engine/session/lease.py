@@ -44,6 +44,8 @@ def acquire(
                 UPDATE lr.source_sessions
                 SET lease_epoch = CASE WHEN lease_owner = %(owner)s AND lease_expires_at > now()
                                        THEN lease_epoch ELSE lease_epoch + 1 END,
+                    lease_acquired_at = CASE WHEN lease_owner = %(owner)s AND lease_expires_at > now()
+                                             THEN lease_acquired_at ELSE now() END,  -- V0016: since when
                     lease_owner = %(owner)s,
                     lease_expires_at = now() + make_interval(secs => %(seconds)s)
                 WHERE sink_site_id = %(sink)s AND client_name = %(client)s

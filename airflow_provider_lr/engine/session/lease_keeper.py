@@ -8,7 +8,7 @@ import threading
 
 import psycopg2
 
-from airflow_provider_lr.engine.errors import FencedError, one_line
+from airflow_provider_lr.engine.errors import FencedError, LRError, one_line
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.site.conninfo import connect_dsn
 
@@ -17,10 +17,14 @@ log = logging.getLogger(__name__)
 
 class LeaseKeeper:
     """Renews ``held`` on the source every third of ``seconds`` (on its own connection) until
-    ``stop``. A lease taken over since is left alone: the sink fences its writer."""
+    ``stop``. A lease taken over since is left alone: the sink fences its writer. A source that
+    cannot be reached is tried again at the next renewal (a new connection); anything else stops
+    the keeper, logged on one line and kept in ``error``: the owner's writes are then fenced once
+    the leases run out, and its ``finish`` names the sessions."""
 
     def __init__(self, dsn: str, held: list[leases.Lease], seconds: float) -> None:
         self._stop = threading.Event()
+        self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(dsn, held, seconds), daemon=True,
                                         name="lr-fanout-lease-keeper")
         if held:
@@ -30,12 +34,20 @@ class LeaseKeeper:
         conn = None
         try:
             while not self._stop.wait(max(1.0, seconds / 3)):
-                conn = conn if conn is not None and not conn.closed else connect_dsn(dsn)
+                try:
+                    conn = conn if conn is not None and not conn.closed else connect_dsn(dsn)
+                except psycopg2.OperationalError as exc:
+                    log.warning("leases not renewed (source unreachable, tried again in %.0f s): %s",
+                                max(1.0, seconds / 3), one_line(exc))
+                    continue
                 for lease in held:
                     try:
                         leases.renew(conn, lease, seconds)
                     except (FencedError, psycopg2.Error) as exc:
                         log.warning("lease of %s/%s not renewed: %s", lease.sink, lease.client, one_line(exc))
+        except Exception as exc:  # a bug: never silent
+            self.error = exc
+            (log.error if isinstance(exc, LRError) else log.exception)("lease keeper stopped: %s", one_line(exc))
         finally:
             if conn is not None:
                 conn.close()

@@ -61,6 +61,7 @@ class Replicator:
         self._conns: dict[str, psycopg2.extensions.connection] = {}
         self._runners: dict[SessionKey, SessionRunner] = {}
         self.teed: dict[str, int] = {}  # str(SessionKey) -> entries the tee delivered, all cycles
+        self.stalled_for = 0.0  # seconds the last run had made no progress when it ended (measured)
         self._no_tee: set[str] = set()  # sources whose sites' DSNs do not resolve (no tee for them)
 
     def _conn(self, site: str) -> psycopg2.extensions.connection:
@@ -186,10 +187,12 @@ class Replicator:
         (``until_idle``), or until ``stop`` is set; returns the last cycle's reports. With
         ``until_idle``, ``give_up_after`` seconds without any progress while some session is
         still unsettled (failing, waiting for client data, leased elsewhere) also end the run:
-        ``unsettled(reports)`` says why."""
+        ``unsettled(reports)`` says why, and ``stalled_for`` how long it had made no progress
+        (measured: the run may also have ended by ``max_cycles`` or ``stop``)."""
         stop = stop or threading.Event()
         cycles, reports = 0, []
         last_progress = time.monotonic()
+        self.stalled_for = 0.0
         while not stop.is_set() and (max_cycles is None or cycles < max_cycles):
             reports = self.run_cycle()
             cycles += 1
@@ -200,7 +203,8 @@ class Replicator:
                 last_progress = time.monotonic()
             if until_idle and not busy and all(_settled(r) for r in reports):
                 break
-            if until_idle and give_up_after is not None and time.monotonic() - last_progress > give_up_after:
+            self.stalled_for = time.monotonic() - last_progress
+            if until_idle and give_up_after is not None and self.stalled_for > give_up_after:
                 break
             if not busy:
                 stop.wait(interval)

@@ -133,6 +133,8 @@ class CycleReport:
     reason: str = ""
     state: str = ""
     delivered: int = 0  # log entries written to the sink
+    delivered_bytes: int = 0  # ... their messages' bytes
+    full_syncs: int = 0  # full (snapshot) syncs applied at the sink by this cycle
     snapshot_messages: int = 0  # full-sync messages transferred
     acked_position: int = -1
     remaining: int = 0
@@ -169,12 +171,14 @@ class SessionRunner:
     lease: leases.Lease | None = field(default=None, init=False)
     tables: TableSplits = field(default_factory=TableSplits, init=False)  # synced tables, for the reader
     _reader: LogReader | None = field(default=None, init=False, repr=False)
+    full_syncs_applied: int = field(default=0, init=False)  # by this runner, for the cycle reports
 
     def __post_init__(self) -> None:
         self.settings = self.settings or SessionSettings()  # callers may pass None for the defaults
 
     # --- the cycle ----------------------------------------------------------------------------
     def run_cycle(self) -> CycleReport:
+        applied = self.full_syncs_applied
         report, meta, negotiation = self.begin()
         if negotiation is None:
             return report
@@ -190,6 +194,7 @@ class SessionRunner:
             report.decision, report.reason = negotiation.decision.value, negotiation.reason
             if negotiation.decision is Decision.SNAPSHOT_SYNC:
                 self.snapshot_sync(meta, report)
+        report.full_syncs = self.full_syncs_applied - applied
         return self.finish(report)
 
     def begin(self) -> tuple[CycleReport, writes.SinkMetadata | None, Negotiation | None]:
@@ -467,6 +472,7 @@ class SessionRunner:
             t.update(1)
         fault_point("after_snapshot_apply")
         self._record_applied(meta)
+        self.full_syncs_applied += 1
         return meta
 
     def _record_applied(self, meta: writes.SinkMetadata, note: str = "") -> None:
@@ -509,6 +515,7 @@ class SessionRunner:
                 after = writes.apply_log_stream(self.sink, self.key.source, self.key.client, self._epoch(), batch, base)
             fault_point("after_sink_apply")
             report.delivered += batch.entries
+            report.delivered_bytes += batch.bytes
             self._update(acked_position=after)
             if not batch.has_more:
                 break

@@ -39,7 +39,15 @@ import psycopg2
 import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
-from airflow_provider_lr.engine.errors import FencedError, LRError, StaleBatchError, TrimmedError, error_line, one_line
+from airflow_provider_lr.engine.errors import (
+    FencedError,
+    LRError,
+    SiteUnreachableError,
+    StaleBatchError,
+    TrimmedError,
+    error_line,
+    one_line,
+)
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionSettings, record_error
@@ -47,6 +55,7 @@ from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.site.timeouts import failure
 from airflow_provider_lr.engine.site.topology import recorded_id
+from airflow_provider_lr.engine.site.metrics import Pulse, ReplicationCounters
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, LogReader
 from airflow_provider_lr.engine.tables import registry
@@ -85,10 +94,15 @@ class SourceWatch:
 
     One probe (``SELECT last_value`` of the commit-position sequence: no lock, no table) serves every
     session of the source, and it runs only while some stream waits: a busy stream reads again at
-    once and needs no wake-up. A position drawn may still be committing; the stream's read tells."""
+    once and needs no wake-up. A position drawn may still be committing; the stream's read tells.
+    A source that is down is probed again every 0.5 s; what cannot heal (a refused connection, a
+    bug) stops the watch with ``error``, which ``wait_beyond`` raises to every stream waiting on it."""
 
-    def __init__(self, connect: Callable[[], psycopg2.extensions.connection], settings: StreamSettings) -> None:
-        self._connect, self.settings = connect, settings
+    def __init__(self, connect: Callable[[], psycopg2.extensions.connection], settings: StreamSettings,
+                 source: str = "") -> None:
+        self._connect, self.settings, self.source = connect, settings, source
+        self.error: BaseException | None = None
+        self.failed_at = 0.0  # monotonic time of ``error``
         self.latest = 0
         self._cond = threading.Condition()
         self._waiting = 0
@@ -105,9 +119,16 @@ class SourceWatch:
             self._waiting += 1
             self._cond.notify_all()  # wakes the probe loop if it sleeps for want of waiters
             try:
-                return self._cond.wait_for(lambda: self.latest > position or self._stop.is_set(), timeout)
+                moved = self._cond.wait_for(lambda: self.latest > position or self._stop.is_set(), timeout)
             finally:
                 self._waiting -= 1
+        if self.error is not None:
+            raise LRError(f"the commit-position watch of source {self.source!r} stopped: {one_line(self.error)}")
+        return moved
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
 
     def _probe(self) -> int:
         if self._conn is None or self._conn.closed:
@@ -124,11 +145,19 @@ class SourceWatch:
                 self._cond.wait_for(lambda: self._waiting > 0 or self._stop.is_set())
             try:
                 value = self._probe()
-            except (psycopg2.Error, LRError) as exc:  # the streams find out for themselves; retry slowly
-                log.debug("commit-position probe failed: %s", exc)
-                self._close()
+            except (psycopg2.OperationalError, psycopg2.InterfaceError, SiteUnreachableError) as exc:
+                log.debug("commit-position probe of %s failed: %s", self.source, one_line(exc))  # retried slowly:
+                self._close()  # the streams find out for themselves
                 self._stop.wait(0.5)
                 continue
+            except Exception as exc:  # cannot heal: the streams waiting on this watch hand back with it
+                log.error("commit-position watch of %s stopped: %s", self.source, one_line(exc))
+                self.error, self.failed_at = exc, time.monotonic()
+                self._stop.set()
+                with self._cond:
+                    self._cond.notify_all()
+                self._close()
+                return
             if value != self.latest:
                 with self._cond:
                     self.latest = value
@@ -188,9 +217,11 @@ class SessionStream:
     source and sink; holds the lease the cycle took (same owner and epoch) and renews it."""
 
     def __init__(self, key: SessionKey, lease: leases.Lease, connect: Connect, watch: SourceWatch,
-                 settings: SessionSettings, stream_settings: StreamSettings) -> None:
+                 settings: SessionSettings, stream_settings: StreamSettings,
+                 counters: ReplicationCounters | None = None) -> None:
         self.key, self.lease, self.watch = key, lease, watch
         self.settings, self.opts = settings, stream_settings
+        self.counters = counters if counters is not None else ReplicationCounters()
         self.delivered = 0
         self.src = connect(key.source)
         self.peek = self.sink = None
@@ -294,6 +325,7 @@ class SessionStream:
         fault_point("stream_after_sink_apply")
         self.registered = self.registered or batch.entries > 0
         self.delivered += batch.entries
+        self.counters.delivered(self.key, batch.entries, batch.bytes)
         moved, self.after = after > self.after, after
         return max(batch.entries, 1) if moved else 0
 
@@ -316,6 +348,7 @@ class SessionStream:
         (backlog,) = status.session_backlogs(self.src, self.key.sink, self.key.client)  # commits both
         leases.update_session(self.src, self.lease, remaining_entries=backlog.entries)
         self.acked = self.after
+        self.counters.lag(self.key, backlog.entries, backlog.lag_seconds)
 
     def _ack_quietly(self) -> None:
         if self.acked >= self.after or self.src.closed:
@@ -330,6 +363,9 @@ class SessionStream:
         for conn in (self.src, self.peek, self.sink):
             if conn is not None and not conn.closed:
                 conn.close()
+
+
+WATCH_RETRY = 10.0  # seconds before a source whose commit watch failed gets a new one (and streams again)
 
 
 class Cycles(Protocol):
@@ -356,16 +392,21 @@ class Streamer:
     a ``SessionStream`` thread for each session in log-entry sync (one ``SourceWatch`` per source).
     A stream that hands back is cycled at once; cycles of the others run every ``interval``."""
 
-    def __init__(self, cycles: Cycles, options: StreamSettings | None = None) -> None:
+    def __init__(self, cycles: Cycles, options: StreamSettings | None = None,
+                 counters: ReplicationCounters | None = None) -> None:
         self.cycles, self.options = cycles, options or StreamSettings()
+        self.counters = counters if counters is not None else ReplicationCounters()  # of cycles and streams
         self.ends: list[StreamEnd] = []  # every stream that ended (handed back, or "stopped" with the run)
         self.streaming: set[SessionKey] = set()  # the sessions streaming now
         self.backoff: dict[SessionKey, tuple[int, float]] = {}  # failing sessions: (failures in a row, retry at)
 
     def run(self, stop: threading.Event, interval: float = 1.0,
             on_cycle: Callable[[list[CycleReport]], None] | None = None,
-            on_end: Callable[[StreamEnd], None] | None = None) -> None:
-        """Until ``stop`` is set."""
+            on_end: Callable[[StreamEnd], None] | None = None,
+            on_pulse: Callable[[str], None] | None = None, pulse_every: float = 30.0) -> None:
+        """Until ``stop`` is set. ``on_pulse`` gets a line every ``pulse_every`` seconds: entries
+        per second since the last one and the lag of the session most behind (``metrics.Pulse``)."""
+        pulse = Pulse(self.counters, pulse_every if on_pulse else 0.0, on_pulse or (lambda line: None))
         halt = threading.Event()
         ended: queue.SimpleQueue[StreamEnd] = queue.SimpleQueue()
         streams: dict[SessionKey, threading.Thread] = {}
@@ -381,6 +422,7 @@ class Streamer:
                 ready = [k for k in idle if self.backoff.get(k, (0, 0.0))[1] <= now]
                 if ready and now >= due:
                     reports = self.cycles.run_cycle(ready)
+                    self.counters.cycle(reports)
                     if on_cycle:
                         on_cycle(reports)
                     for key, report in zip(ready, reports):
@@ -389,6 +431,7 @@ class Streamer:
                             self._start(key, streams, watches, halt, ended)
                     busy = any(not r.idle for r in reports)
                     due = time.monotonic() + (0.0 if busy else interval)
+                pulse.tick(len(streams), len(self.cycles.sessions))
                 stop.wait(0.05 if streams or idle else interval)
         finally:
             halt.set()
@@ -416,6 +459,10 @@ class Streamer:
         streams.pop(key).join()
         self.streaming.discard(key)
         self.ends.append(end)
+        if end.reason != "stopped":
+            self.counters.hand_back(key)
+        if end.error:
+            self.counters.error(key)
         if on_end:  # the listener reports it (``lr sync`` prints it): logged as well, it was said twice
             on_end(end)
         else:
@@ -427,13 +474,19 @@ class Streamer:
         lease = self.cycles.lease_of(key)
         if lease is None:
             return
+        watch = watches.get(key.source)
+        if watch is not None and watch.failed:  # replaced after a while; the cycles carry the session meanwhile
+            if time.monotonic() - watch.failed_at < WATCH_RETRY:
+                return
+            watch.close()
+            del watches[key.source]
         if key.source not in watches:
-            watches[key.source] = SourceWatch(lambda: self.cycles.connect(key.source), self.options)
+            watches[key.source] = SourceWatch(lambda: self.cycles.connect(key.source), self.options, key.source)
 
         def run() -> None:
             try:
                 stream = SessionStream(key, lease, self.cycles.connect, watches[key.source], self.cycles.settings,
-                                       self.options)
+                                       self.options, self.counters)
             except Exception as exc:  # a site down: the cycles report it
                 ended.put(StreamEnd(str(key), "failed", error=failure(exc)))
                 return

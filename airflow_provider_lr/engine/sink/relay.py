@@ -15,6 +15,14 @@ listener, share ONE LISTEN connection:
 Subscriptions join, change demands (``update``) and leave (``close``) at any time. No lock is held
 while joining a thread, calling a listener or touching the database; ``close`` joins with a
 timeout and a subscription may close itself (or the relay) from inside its own callback.
+
+No thread dies silently. A sink that is down or restarting is retried by every thread (the tap
+reopens its LISTEN, each follow loop its connection). What cannot heal ends its owner with the
+error, logged on one line: a subscription whose connection is refused (a wrong password, an unknown
+database: ``ConfigurationError``) or whose loop failed ends with it in ``Subscription.error``;
+the tap's own failure ends the whole relay (``Relay.error``, every subscription ended with it,
+``subscribe`` refused). ``Relay.join`` and ``Subscription.join`` return when that happens and
+raise the error.
 """
 from __future__ import annotations
 
@@ -28,7 +36,7 @@ from typing import Callable, Iterable
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import LRError
+from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.engine.sink.receive import DeliveryContext, DeliveryStats, Listener
 from airflow_provider_lr.engine.sink.wakeup import ALL, Demand, FollowOptions, Tap, follow
 
@@ -64,6 +72,7 @@ class Subscription(DeliveryContext):
         self._full = False
         self._event = threading.Event()
         self._stop = threading.Event()
+        self._ended = threading.Event()  # the delivery thread has returned (closed or failed)
         self._thread = threading.Thread(target=self._main, name=f"lr-subscription-{self.id}", daemon=True)
 
     # --- what the application uses ---------------------------------------------------------------
@@ -87,6 +96,14 @@ class Subscription(DeliveryContext):
         self._demand = Demand(client or current.client, new_sources)
         self.relay._reindex()
         self.wake(ALL)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Block until the subscription ends (closed, or failed) or ``timeout`` passes; True when it
+        ended. Raises what ended it when it failed (``error``), e.g. a ``ConfigurationError``."""
+        ended = self._ended.wait(timeout)
+        if self.error is not None:
+            raise self.error
+        return ended
 
     def close(self, timeout: float = 10.0) -> bool:
         """Leave the relay and stop delivering; True when the delivery thread has ended. A callback
@@ -129,10 +146,22 @@ class Subscription(DeliveryContext):
         try:
             follow(self._connect, self.listener, lambda: self._demand, self, self._stop, self.stats, self._options,
                    on_conn=self._set_delivering)
-        except BaseException as exc:  # a bug or an unexpected error: keep it for the application
-            self.error = exc
-            log.exception("subscription %s (%s) stopped", self.id, self._demand)
+        except BaseException as exc:  # what follow cannot heal (it retries a sink that is down)
+            self.fail(exc)
             self.relay._leave(self)
+        finally:
+            self._ended.set()
+
+    def fail(self, exc: BaseException) -> None:
+        """End this subscription with ``exc`` (kept in ``error``, raised by ``join``)."""
+        if self.error is None:
+            self.error = exc
+            if isinstance(exc, LRError):  # lr's own, with its fix: one line, no traceback
+                log.error("subscription %s (%s) stopped: %s", self.id, self._demand, one_line(exc))
+            else:
+                log.exception("subscription %s (%s) stopped", self.id, self._demand)
+        self._stop.set()
+        self._event.set()
 
     def __repr__(self) -> str:
         return f"Subscription({self.id}, {self._demand})"
@@ -157,6 +186,7 @@ class Relay:
         self._subs: dict[int, Subscription] = {}
         self._by_client: dict[str, list[Subscription]] = {}
         self._closing = threading.Event()
+        self.error: BaseException | None = None  # what ended the tap, and with it the relay
         self._tap = Tap(connect)
         self._tap.wanted = False
         self.notified: Counter[tuple[str, str]] = Counter()  # (client, source) wake-ups read from the tap
@@ -174,6 +204,8 @@ class Relay:
             connect or self._connect, options,
         )
         with self._lock:
+            if self.error is not None:
+                raise LRError(f"the relay stopped: {one_line(self.error)}") from self.error
             if self._closing.is_set():
                 raise LRError("the relay is closed; create a new one to subscribe")
             self._subs[sub.id] = sub
@@ -203,6 +235,14 @@ class Relay:
             self._thread.join(max(0.0, deadline - time.monotonic()))
             ended = ended and not self._thread.is_alive()
         return ended
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Block until the relay is closed or fails, or ``timeout`` passes; True when it ended.
+        Raises what ended its tap (e.g. a ``ConfigurationError``: every subscription ended with it)."""
+        self._thread.join(timeout)
+        if self.error is not None:
+            raise self.error
+        return not self._thread.is_alive()
 
     def __enter__(self) -> "Relay":
         return self
@@ -242,7 +282,19 @@ class Relay:
                         targets = [s for s in self._by_client.get(client, ()) if s.demand.wants(client, source)]
                     for sub in targets:
                         sub.wake(source)
-        except BaseException:
-            log.exception("relay tap stopped; subscriptions fall back to polling")
+        except BaseException as exc:  # what the tap cannot heal (it reopens a LISTEN that was lost)
+            self._fail(exc)
         finally:
             self._tap.close()
+
+    def _fail(self, exc: BaseException) -> None:
+        """The tap cannot go on: end the relay and every subscription with ``exc``."""
+        self.error = exc
+        if isinstance(exc, LRError):
+            log.error("relay stopped: its LISTEN connection failed: %s", one_line(exc))
+        else:
+            log.exception("relay stopped: its tap failed")
+        self._closing.set()
+        for sub in self.subscriptions:
+            sub.fail(exc)
+            self._leave(sub)

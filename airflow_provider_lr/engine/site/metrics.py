@@ -1,105 +1,250 @@
-"""lr's status as Prometheus metrics (text exposition format 0.0.4): the same live figures as
-``lr status``, for the monitoring people already run (a node_exporter textfile collector fed by
-``lr metrics > file``, or a scrape of ``lr metrics --listen host:port``)."""
+"""lr as Prometheus metrics, on ``prometheus_client`` (its registry, exposition and HTTP server).
+
+Two kinds, from two places, because each figure is read where it is true:
+
+* **Levels, read at scrape time** (``StatusCollector``; ``lr metrics``): the same live figures as
+  ``lr status`` (lag, readiness, waiting entries, ages) and an info metric per site naming its
+  topology and schema version. Any process that reaches the sites can serve them.
+* **Counts, kept where the work happens** (``ReplicationCounters``; ``lr sync --metrics-listen``):
+  entries and bytes delivered, full syncs applied, failed steps and stream hand-backs per session,
+  and a histogram of the delivery lag seen at each acknowledgement. They are incremented by the
+  replicator process as it delivers (its cycles' reports, each stream's sink writes), so they live
+  as long as that process: Prometheus' ``rate()``/``increase()`` take a restart's reset in their
+  stride. (Durable totals in PostgreSQL would cost a write on every delivery; Airflow tasks send
+  their own counters through Airflow's metrics, ``operators/telemetry``.)
+"""
 from __future__ import annotations
 
-import http.server
-from typing import Callable
+import threading
+import time
+from typing import Any, Callable, Iterable, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
 
 from airflow_provider_lr.engine.site.status import SiteStatus, readiness, trim_marks
 from airflow_provider_lr.engine.site.topology import Topology
+from airflow_provider_lr.engine.vocabulary import SessionKey
 
-# Every metric is a gauge: each sample is a level read at scrape time (lag, waiting entries, ages),
-# not a count kept by this process, so the help text is all that differs.
-_HELP = {
-    "lr_site_up": "1 when the site could be read",
-    "lr_site_topology_matches_file": "1 when the site runs the topology of the file lr read (0: a stale or unapplied file)",
-    "lr_session_lag_entries": "committed entries not yet acknowledged by the sink",
-    "lr_session_lag_seconds": "age of the oldest committed entry not yet acknowledged by the sink",
-    "lr_session_ready": "1 when the sink holds everything committed for it (source side)",
-    "lr_session_error": "1 when the session's last step failed",
-    "lr_session_last_success_age_seconds": "seconds since the session last completed a step",
-    "lr_full_sync_requests_open": "full-sync requests pending or supplied, not applied yet",
-    "lr_receive_queue_waiting_entries": "entries in a receive queue not yet consumed by subscribers",
-    "lr_receive_queue_oldest_seconds": "age of the oldest entry waiting in a receive queue",
-    "lr_receive_queue_dead_letters": "entries moved to dead letters",
-    "lr_log_held_back": "transactions holding the log's read barrier or with uncommitted entries",
-    "lr_log_trim_mark": "commit position up to which the site's log is trimmed",
-    "lr_tables_diverged": "federated tables of the site that do not replicate (lr status: DIVERGED)",
-}
+SESSION_LABELS = ("source", "sink", "client")
+QUEUE_LABELS = ("sink", "source", "client")
+# The delivery lag's buckets (seconds): a stream's milliseconds up to a sink down for an hour.
+LAG_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
 
 
-def _labels(**values: str) -> str:
-    def quote(v: str) -> str:
-        return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+class StatusCollector(Collector):
+    """Every site's status as gauges, read from the sites on each collect (``statuses``: site id →
+    ``SiteStatus``, or why it could not be read); a site that could not be read is ``lr_site_up 0``.
+    With the ``topology`` read from a file, whether each site runs it (``lr status``'s file check)."""
 
-    return "{" + ",".join(f'{k}="{quote(v)}"' for k, v in values.items()) + "}"
+    def __init__(self, statuses: Callable[[], dict[str, SiteStatus | str]], topology: Topology | None = None) -> None:
+        self.statuses, self.topology = statuses, topology
 
+    def collect(self) -> Iterable[Any]:
+        found = self.statuses()
+        marks = trim_marks(found)
 
-def exposition(found: dict[str, SiteStatus | str], topology: Topology | None = None) -> str:
-    """Every site's metrics; a site that could not be read is ``lr_site_up 0``. With the
-    ``topology`` read from a file, whether each site runs it (``lr status``'s file check)."""
-    samples: dict[str, list[str]] = {name: [] for name in _HELP}
-    marks = trim_marks(found)
-    for site, st in found.items():
-        samples["lr_site_up"].append(f"{_labels(site=site)} {0 if isinstance(st, str) else 1}")
-        if isinstance(st, str):
-            continue
-        if topology is not None:
-            matches = st.topology_config_id == topology.topology_config_id
-            samples["lr_site_topology_matches_file"].append(f"{_labels(site=site)} {int(matches)}")
-        samples["lr_log_trim_mark"].append(f"{_labels(site=site)} {st.trim_mark}")
-        samples["lr_log_held_back"].append(f"{_labels(site=site)} {len(st.held_back_by)}")
-        samples["lr_tables_diverged"].append(f"{_labels(site=site)} {len(st.diverged)}")
-        for s in st.sessions:
-            if s["role"] != "source":
+        def family(name: str, text: str, labels: tuple[str, ...]) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, text, labels=list(labels))
+
+        up = family("lr_site_up", "1 when the site could be read", ("site",))
+        info = InfoMetricFamily("lr_site", "the topology applied at the site and its lr schema version",
+                                labels=["site"])
+        trim = family("lr_log_trim_mark", "commit position up to which the site's log is trimmed", ("site",))
+        held = family("lr_log_held_back", "transactions holding the log's read barrier or with uncommitted entries",
+                      ("site",))
+        matches = family("lr_site_topology_matches_file",
+                         "1 when the site runs the topology of the file lr read (0: a stale or unapplied file)", ("site",))
+        diverged = family("lr_tables_diverged", "federated tables of the site that do not replicate (lr status: DIVERGED)",
+                          ("site",))
+        lag_entries = family("lr_session_lag_entries", "committed entries not yet acknowledged by the sink",
+                             SESSION_LABELS)
+        lag_seconds = family("lr_session_lag_seconds",
+                             "age of the oldest committed entry not yet acknowledged by the sink", SESSION_LABELS)
+        ready = family("lr_session_ready", "1 when the sink holds everything committed for it (source side)",
+                       SESSION_LABELS)
+        error = family("lr_session_error", "1 when the session's last step failed", SESSION_LABELS)
+        success_age = family("lr_session_last_success_age_seconds", "seconds since the session last completed a step",
+                             SESSION_LABELS)
+        requests = family("lr_full_sync_requests_open", "full-sync requests pending or supplied, not applied yet",
+                          (*SESSION_LABELS, "status"))
+        waiting = family("lr_receive_queue_waiting_entries", "entries in a receive queue not yet consumed by subscribers",
+                         QUEUE_LABELS)
+        oldest = family("lr_receive_queue_oldest_seconds", "age of the oldest entry waiting in a receive queue",
+                        QUEUE_LABELS)
+        dead = family("lr_receive_queue_dead_letters", "entries moved to dead letters", QUEUE_LABELS)
+        for site, st in found.items():
+            up.add_metric([site], 0 if isinstance(st, str) else 1)
+            if isinstance(st, str):
                 continue
-            labels = _labels(source=s["source_site_id"], sink=s["sink_site_id"], client=s["client_name"])
-            samples["lr_session_lag_entries"].append(f"{labels} {s['remaining_entries_to_send'] or 0}")
-            samples["lr_session_lag_seconds"].append(f"{labels} {s.get('lag_seconds') or 0.0}")
-            ready = readiness(s, marks.get(s["source_site_id"])) == "ready"
-            samples["lr_session_ready"].append(f"{labels} {int(ready)}")
-            samples["lr_session_error"].append(f"{labels} {int(bool(s.get('last_error')))}")
-            if s.get("last_success_age_s") is not None:
-                samples["lr_session_last_success_age_seconds"].append(f"{labels} {s['last_success_age_s']}")
-        for r in st.full_sync_requests:
-            samples["lr_full_sync_requests_open"].append(
-                f"{_labels(source=site, sink=r['sink'], client=r['client'], status=r['status'])} 1")
-        for q in st.receive_queues:
-            labels = _labels(sink=site, source=q["source"], client=q["client"])
-            samples["lr_receive_queue_waiting_entries"].append(f"{labels} {q['waiting']}")
-            samples["lr_receive_queue_oldest_seconds"].append(f"{labels} {q['oldest_waiting_s']}")
-            samples["lr_receive_queue_dead_letters"].append(f"{labels} {q['dead_letters']}")
-    lines = []
-    for name, text in _HELP.items():
-        lines += [f"# HELP {name} {text}", f"# TYPE {name} gauge"] + [f"{name}{sample}" for sample in samples[name]]
-    return "\n".join(lines) + "\n"
+            info.add_metric([site], {"topology_id": st.topology_config_id or "", "schema_version": str(st.schema_version)})
+            trim.add_metric([site], st.trim_mark)
+            held.add_metric([site], len(st.held_back_by))
+            diverged.add_metric([site], len(st.diverged))
+            if self.topology is not None:
+                matches.add_metric([site], int(st.topology_config_id == self.topology.topology_config_id))
+            for s in st.sessions:
+                if s["role"] != "source":
+                    continue
+                labels = [s["source_site_id"], s["sink_site_id"], s["client_name"]]
+                lag_entries.add_metric(labels, s["remaining_entries_to_send"] or 0)
+                lag_seconds.add_metric(labels, s.get("lag_seconds") or 0.0)
+                ready.add_metric(labels, int(readiness(s, marks.get(s["source_site_id"])) == "ready"))
+                error.add_metric(labels, int(bool(s.get("last_error"))))
+                if s.get("last_success_age_s") is not None:
+                    success_age.add_metric(labels, s["last_success_age_s"])
+            for r in st.full_sync_requests:
+                requests.add_metric([site, r["sink"], r["client"], r["status"]], 1)
+            for q in st.receive_queues:
+                labels = [site, q["source"], q["client"]]
+                waiting.add_metric(labels, q["waiting"])
+                oldest.add_metric(labels, q["oldest_waiting_s"])
+                dead.add_metric(labels, q["dead_letters"])
+        yield from (up, info, lag_entries, lag_seconds, ready, error, success_age, requests, waiting, oldest, dead,
+                    held, trim, diverged)
+        if self.topology is not None:
+            yield matches
 
 
-def serve(render: Callable[[], str], listen: str) -> int:
-    """Serve ``/metrics`` (computed on each scrape) on ``host:port`` until interrupted."""
+def status_registry(statuses: Callable[[], dict[str, SiteStatus | str]],
+                    topology: Topology | None = None) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(StatusCollector(statuses, topology))
+    return registry
+
+
+def exposition(registry: CollectorRegistry) -> str:
+    """The registry in Prometheus' text format (what a scrape gets)."""
+    return generate_latest(registry).decode()
+
+
+class Delivery(Protocol):
+    """What a cycle reports that the counters count (``runner.CycleReport``)."""
+
+    session: str
+    delivered: int
+    delivered_bytes: int
+    full_syncs: int
+    error: str
+
+
+class ReplicationCounters:
+    """What one replicator process did, per session, counted as it happens (see the module
+    docstring), plus the totals the periodic progress line reads (``Pulse``). Thread-safe: the
+    stream threads and the cycles count into one."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+
+        def counter(name: str, text: str) -> Counter:
+            return Counter(name, text, SESSION_LABELS, registry=self.registry)
+
+        self._entries = counter("lr_entries_delivered", "log entries this replicator made visible at the sink")
+        self._bytes = counter("lr_bytes_delivered", "bytes of log-entry messages this replicator made visible at the sink")
+        self._full_syncs = counter("lr_full_syncs", "full (snapshot) syncs this replicator applied at the sink")
+        self._errors = counter("lr_session_errors", "failed session steps (a cycle or a stream)")
+        self._hand_backs = counter("lr_stream_hand_backs", "streams handed back to the cycles to renegotiate")
+        self._lag = Histogram("lr_delivery_lag_seconds", "age of the oldest entry not yet acknowledged by the sink, "
+                              "seen at each acknowledgement", SESSION_LABELS, buckets=LAG_BUCKETS,
+                              registry=self.registry)
+        self._lock = threading.Lock()
+        self.entries = 0  # every session's, for the progress line
+        self.lags: dict[str, tuple[int, float]] = {}  # session → (entries, seconds) at its last acknowledgement
+
+    @staticmethod
+    def _labels(session: str | SessionKey) -> tuple[str, str, str]:
+        key = session if isinstance(session, SessionKey) else SessionKey.parse(session)
+        return key.source, key.sink, key.client
+
+    def delivered(self, session: str | SessionKey, entries: int, nbytes: int = 0) -> None:
+        if entries <= 0 and nbytes <= 0:
+            return
+        labels = self._labels(session)
+        self._entries.labels(*labels).inc(entries)
+        self._bytes.labels(*labels).inc(nbytes)
+        with self._lock:
+            self.entries += entries
+
+    def lag(self, session: str | SessionKey, entries: int, seconds: float) -> None:
+        self._lag.labels(*self._labels(session)).observe(seconds)
+        with self._lock:
+            self.lags[str(session)] = (entries, seconds)
+
+    def full_sync(self, session: str | SessionKey) -> None:
+        self._full_syncs.labels(*self._labels(session)).inc()
+
+    def error(self, session: str | SessionKey) -> None:
+        self._errors.labels(*self._labels(session)).inc()
+
+    def hand_back(self, session: str | SessionKey) -> None:
+        self._hand_backs.labels(*self._labels(session)).inc()
+
+    def cycle(self, reports: Iterable[Delivery]) -> None:
+        """Count what cycles did (their delivered entries, full syncs applied, failures)."""
+        for r in reports:
+            self.delivered(r.session, r.delivered, r.delivered_bytes)
+            for _ in range(r.full_syncs):
+                self.full_sync(r.session)
+            if r.error:
+                self.error(r.session)
+
+    def most_behind(self) -> tuple[str, int, float] | None:
+        """The session whose last acknowledgement left the oldest entry behind: (session, entries, s)."""
+        with self._lock:
+            if not self.lags:
+                return None
+            session, (entries, seconds) = max(self.lags.items(), key=lambda item: (item[1][1], item[1][0]))
+        return session, entries, seconds
+
+
+class Pulse:
+    """A periodic line from a running stream, every ``every`` seconds (0: never): entries per
+    second since the last line, as counted, and the lag of the session most behind."""
+
+    def __init__(self, counters: ReplicationCounters, every: float, emit: Callable[[str], None]) -> None:
+        self.counters, self.every, self.emit = counters, every, emit
+        self._since, self._entries = time.monotonic(), counters.entries
+
+    def tick(self, streaming: int, sessions: int) -> None:
+        """Emit the line when it is due (the caller's loop calls this often)."""
+        now = time.monotonic()
+        if self.every <= 0 or now - self._since < self.every:
+            return
+        total = self.counters.entries
+        done, seconds = total - self._entries, now - self._since
+        self._since, self._entries = now, total
+        behind = self.counters.most_behind()
+        lag = (f"lag {behind[1]} entries / {behind[2]:.1f}s ({behind[0]})" if behind and (behind[1] or behind[2])
+               else "lag 0")
+        self.emit(f"streaming {streaming} of {sessions} sessions: {done} entries in {seconds:.0f}s "
+                  f"({done / seconds:.1f} entries/s, {total} in all), {lag}")
+
+
+def start(registry: CollectorRegistry, listen: str) -> tuple[Any, threading.Thread, str]:
+    """Serve ``registry`` on ``host:port`` in a daemon thread (prometheus_client's server: the
+    metrics on ``/metrics`` and on any other path); the server, its thread and its URL."""
     host, _, port = listen.rpartition(":")
+    server, thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=registry)
+    bound_host, bound_port = server.server_address[:2]
+    return server, thread, f"http://{bound_host}:{bound_port}/metrics"
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            if self.path.split("?")[0] != "/metrics":
-                self.send_error(404, "only /metrics here")
-                return
-            body = render().encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
 
-        def log_message(self, format: str, *args: object) -> None:  # scrapes are not news
-            pass
+def stop_serving(server: Any, thread: threading.Thread) -> None:
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
 
-    server = http.server.ThreadingHTTPServer((host or "127.0.0.1", int(port)), Handler)
+
+def serve(registry: CollectorRegistry, listen: str, announce: Callable[[str], None] = print,
+          stop: threading.Event | None = None) -> int:
+    """Serve ``registry`` until interrupted (or ``stop``), saying where on start."""
+    server, thread, url = start(registry, listen)
+    announce(f"lr metrics: serving {url} (read from the sites at each scrape; Ctrl-C stops)")
     try:
-        server.serve_forever()
+        (stop or threading.Event()).wait()
     except KeyboardInterrupt:
         pass
     finally:
-        server.server_close()
+        stop_serving(server, thread)
     return 0

@@ -111,6 +111,7 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
                 found = failed_over.get((s["source_site_id"], s["client_name"])) if s["role"] == "sink" else None
                 if found:
                     s["failed_over_to"], s["failover_note"] = found
+        holders = lease_holders(cur, version)
     conn.commit()
     if any(s["role"] == "source" for s in result.sessions):
         live = {(b.sink, b.client): b for b in session_backlogs(conn)}  # not the last cycle's count
@@ -124,6 +125,7 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
                 s["unsafe_before_guard"] = backlog.before_guard if backlog else 0
                 s["lag_seconds"] = backlog.lag_seconds if backlog else 0.0
                 s["last_success_age_s"] = last_ok.get(key)
+                s.update(holders.get(key, NO_HOLDER))
                 s["waiting_for"] = waiting_for(s, requests.get(key))
         result.durable = durability(conn)
         result.held_back_by = [
@@ -138,6 +140,33 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
     if version >= 10:
         result.diverged = [d.describe() for d in handover.diverged(conn)]
     return result
+
+
+NO_HOLDER = {"lease_owner": None, "lease_acquired_at": None, "lease_held_s": None, "lease_expires_in_s": None}
+
+
+def lease_holders(cur: psycopg2.extensions.cursor, version: int) -> dict[tuple[str, str], dict]:
+    """Who holds each source session's lease now (an unexpired one), since when (schema v14 on)
+    and for how much longer: (sink, client) → the ``NO_HOLDER`` keys, for sessions held only."""
+    acquired = "lease_acquired_at" if version >= 16 else "NULL::timestamptz"
+    cur.execute(
+        f"SELECT sink_site_id, client_name, lease_owner, {acquired}, "
+        f"round(extract(epoch FROM now() - {acquired})::numeric, 1)::float8, "
+        "round(extract(epoch FROM lease_expires_at - now())::numeric, 1)::float8 "
+        "FROM lr.source_sessions WHERE lease_owner IS NOT NULL AND lease_expires_at > now()"
+    )
+    return {(sink, client): {"lease_owner": owner, "lease_acquired_at": since, "lease_held_s": held,
+                             "lease_expires_in_s": left}
+            for sink, client, owner, since, held, left in cur.fetchall()}
+
+
+def holder(session: dict) -> str:
+    """A source session's lease holder as ``lr status`` says it."""
+    if not session.get("lease_owner"):
+        return "no holder"
+    since = session.get("lease_acquired_at")
+    when = f" since {since.isoformat(timespec='seconds')} ({_age(session['lease_held_s'])})" if since else ""
+    return f"held by {session['lease_owner']}{when}, expires in {session['lease_expires_in_s']:.0f}s"
 
 
 def tables(conn: psycopg2.extensions.connection) -> list[dict]:
@@ -259,6 +288,8 @@ def render(status: SiteStatus, source_marks: dict[str, int] | None = None,
             f"  {s['role']:<6} {session:<32} {readiness(s, mark):<24} {s['sync_type'] or '-':<9} {s['status']:<11} "
             f"base {s['base_snapshot']}, applied {s['last_applied_position']}, {detail}"
         )
+        if s["role"] == "source":
+            lines.append(f"         lease {holder(s)}")
         if s.get("waiting_for"):
             lines.append(f"         waiting for {s['waiting_for']}")
         if s.get("last_error"):
