@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import psycopg2
 
@@ -93,8 +94,11 @@ class WriterStats:
 class Writer:
     """The application at a steady rate, in a thread; survives its server being restarted."""
 
-    def __init__(self, site, seed: int, rate: float = 150.0, multi: float = 0.25, tag: str = "") -> None:
-        self.site, self.rate, self.multi = site, rate, multi
+    def __init__(self, site, seed: int, rate: float = 150.0, multi: float = 0.25, tag: str = "",
+                 subsets: tuple[tuple[str, ...], ...] = SUBSETS, extra: Callable[[Any, random.Random], None] | None = None,
+                 client: str = CLIENT) -> None:
+        self.site, self.rate, self.multi, self.subsets, self.extra = site, rate, multi, subsets, extra
+        self.client = client
         self.tag = tag  # set: every payload is unique (``k#<tag><n>``), so a log entry delivered twice shows
         self.serial = 0
         self.rng = random.Random(seed)
@@ -115,7 +119,7 @@ class Writer:
     def _connect(self):
         conn = psycopg2.connect(self.site.dsn, connect_timeout=3)
         try:
-            return conn, RoutingQueueClient(conn, CLIENT)
+            return conn, RoutingQueueClient(conn, self.client)
         except BaseException:
             conn.close()
             raise
@@ -133,7 +137,7 @@ class Writer:
                     self._stop.wait(0.1)
                     continue
             n = 1 if self.rng.random() >= self.multi else self.rng.randint(2, 3)
-            work = [(self.rng.choice(KEYS), self.rng.choice(SUBSETS)) for _ in range(n)]
+            work = [(self.rng.choice(KEYS), self.rng.choice(self.subsets)) for _ in range(n)]
             committing = False
             try:
                 with conn.cursor() as cur:
@@ -143,6 +147,8 @@ class Writer:
                         self.serial += 1
                         payload = f"{k}#{self.tag}{self.serial}" if self.tag else k
                         client.transmit_log_entry_message(payload.encode(), list(sinks))
+                    if self.extra is not None:  # more of the application's work, in the same transaction
+                        self.extra(cur, self.rng)
                 committing = True
                 conn.commit()
                 self.stats.committed += 1

@@ -117,3 +117,117 @@ class TableWriter:
             self.error = exc
         finally:
             conn.close()
+
+
+# --- every built-in type PostgreSQL's logical replication carries, with its odd values ---------
+TYPES = [
+    ("b", "boolean", "true", "false"),
+    ('"char"', '"char"', "'x'", "'\\377'"),
+    ("i2", "smallint", "-32768", "32767"),
+    ("i4", "integer", "-2147483648", "2147483647"),
+    ("i8", "bigint", "-9223372036854775808", "9223372036854775807"),
+    ("f4", "real", "'NaN'", "'-Infinity'"),
+    ("f8", "double precision", "'Infinity'", "1.0000000000000002e-300"),
+    ("f8b", "double precision", "0.1", "-1.7976931348623157e308"),
+    ("num", "numeric", "'NaN'", "'-Infinity'"),
+    ("num2", "numeric", "'Infinity'", "-123456789012345678901234567890.123456789012345678900"),
+    ("nums", "numeric(12, 4)", "1.5", "-0.0001"),
+    ("mon", "money", "12.34", "-92233720368547758.08"),
+    ("t", "text", "E'tab\\there\\nnewline \\\\ back ''quote'' \"dq\"'", "'ünïcødé ✓ 😀 עברית e\u0301 \u200b'"),
+    ("vc", "varchar(10)", "'  padded  '", "''"),
+    ("ch", "char(5)", "'ab'", "'abcde'"),
+    ("nm", "name", "'a name'", "repeat('n', 63)"),
+    ("by", "bytea", "(SELECT string_agg(set_byte('\\x00'::bytea, 0, g), ''::bytea) FROM generate_series(0, 255) g)",
+     "''::bytea"),
+    ("uu", "uuid", "'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11'", "'00000000-0000-0000-0000-000000000000'"),
+    ("d", "date", "'infinity'", "'-infinity'"),
+    ("d2", "date", "'4713-01-01 BC'", "'5874897-12-31'"),
+    ("ts", "timestamp", "'-infinity'", "'294276-12-31 23:59:59.999999'"),
+    ("tz", "timestamptz", "'infinity'", "'1999-12-31 23:59:59.123456+05:30'"),
+    ("tz2", "timestamptz", "'2000-01-01 00:00:00 BC'", "'2026-03-29 01:30:00 Europe/Berlin'"),
+    ("tm", "time", "'24:00:00'", "'00:00:00.000001'"),
+    ("ttz", "timetz", "'23:59:59.999999-15:59'", "'12:00+14'"),
+    ("iv", "interval", "'-178000000 years'", "'1 mon -2 days 03:04:05.678901'"),
+    ("iv2", "interval", "'infinity'", "'-1 days +02:03:00'"),
+    ("js", "json", "'{\"b\": 1,  \"a\": [1, 2.50, null], \"b\": 2}'", "'\"just a string\"'"),
+    ("jb", "jsonb", "'{\"n\": 1.50, \"deep\": {\"x\": [true, null]}}'", "'null'"),
+    ("bt", "bit(8)", "B'10101010'", "B'00000000'"),
+    ("vb", "varbit", "B'1'", "B''"),
+    ("tsv", "tsvector", "'a fat:1A cat:2B,3 sat'", "''"),
+    ("tsq", "tsquery", "'fat & (rat | cat) <-> !sat'", "'x:*'"),
+    ("pt", "point", "'(1.5,-2.25)'", "'(NaN,Infinity)'"),
+    ("ln", "line", "'{1,-1,0}'", "'{0,1,2.5}'"),
+    ("ls", "lseg", "'[(0,0),(1,1)]'", "'[(-1e300,2),(3,4)]'"),
+    ("bx", "box", "'(1,1),(0,0)'", "'(2,3),(2,3)'"),
+    ("pa", "path", "'[(0,0),(1,1),(2,0)]'", "'((0,0),(1,1))'"),
+    ("pg", "polygon", "'((0,0),(1,1),(1,0))'", "'((0,0))'"),
+    ("ci", "circle", "'<(0,0),1.5>'", "'<(1e-300,2),0>'"),
+    ("ip", "inet", "'192.168.0.1/24'", "'::ffff:1.2.3.4/128'"),
+    ("cd", "cidr", "'10.0.0.0/8'", "'2001:db8::/32'"),
+    ("mac", "macaddr", "'08:00:2b:01:02:03'", "'ff:ff:ff:ff:ff:ff'"),
+    ("mac8", "macaddr8", "'08:00:2b:01:02:03:04:05'", "'00:00:00:ff:fe:00:00:00'"),
+    ("lsn", "pg_lsn", "'16/B374D848'", "'FFFFFFFF/FFFFFFFF'"),
+    ("o", "oid", "4294967295", "0"),
+    ("i4r", "int4range", "'[1,10)'", "'empty'"),
+    ("nr", "numrange", "'(,1.50]'", "'[-Infinity,Infinity)'"),
+    ("tsr", "tsrange", "'[2026-01-01,infinity)'", "'(-infinity,2026-01-01 12:00]'"),
+    ("tzr", "tstzrange", "'[2026-01-01 00:00+02,2026-01-02 00:00+02)'", "'(,)'"),
+    ("dr", "daterange", "'[2026-01-31,2026-02-28]'", "'empty'"),
+    ("mr", "int8multirange", "'{[1,3), [5,8)}'", "'{}'"),
+    ("dmr", "datemultirange", "'{[2026-02-01,2026-03-01)}'", "'{(,2026-01-01)}'"),
+    ("ai", "integer[]", "'{1,NULL,3}'", "'{}'"),
+    ("a2", "integer[]", "'{{1,2},{3,4}}'", "'[0:1]={5,6}'"),
+    ("at", "text[]", "ARRAY['a,b', 'c\"d', NULL, '', 'NULL', 'ü']", "'{}'"),
+    ("atz", "timestamptz[]", "ARRAY['infinity', '2026-01-01 00:00:00.5+00']::timestamptz[]", "'{}'"),
+    ("an", "numeric[]", "ARRAY['NaN', '1.10', '-Infinity']::numeric[]", "'{NULL}'"),
+    ("ab", "bytea[]", "ARRAY['\\x00ff'::bytea, '']", "'{}'"),
+    ("ajb", "jsonb[]", "ARRAY['{\"a\": 1}'::jsonb, 'null']", "'{}'"),
+    ("e", "public.mood", "'happy'", "'sad'"),
+    ("ae", "public.mood[]", "'{ok,NULL,happy}'", "'{}'"),
+    ("cp", "public.pair", "ROW(1, 'x,\"y\"', 'ok')::public.pair", "ROW(NULL, NULL, NULL)::public.pair"),
+    ("acp", "public.pair[]", "ARRAY[ROW(2, 'z', 'sad')::public.pair, NULL]", "'{}'"),
+    ("dm", "public.positive", "1", "2147483647"),
+    ("adm", "public.positive[]", "'{1,2}'", "'{}'"),
+    ("big", "text", "repeat('large text ✓ ', 80000)", "repeat('y', 3000)"),  # TOASTed
+    ("bigb", "bytea", "decode(repeat('00ff10', 350000), 'hex')", "decode(repeat('ab', 2500), 'hex')"),
+]
+TYPES_DDL = ["CREATE TYPE public.mood AS ENUM ('sad', 'ok', 'happy')",
+             "CREATE TYPE public.pair AS (a int, b text, m public.mood)",
+             "CREATE DOMAIN public.positive AS integer CHECK (VALUE > 0)"]
+
+
+def every_type_table(site, name: str) -> None:
+    """A table with a column of every built-in type (``TYPES``; ``TYPES_DDL`` first on every site)."""
+    site.query(f"CREATE TABLE public.{name} (id int PRIMARY KEY, "
+               + ", ".join(f"{col} {kind}" for col, kind, _, _ in TYPES) + ")")
+
+
+def insert_every_type(site, name: str, first: int) -> None:
+    """Rows ``first`` (all NULL), ``first + 1`` and ``first + 2`` (each column's two odd values)."""
+    cols = ", ".join(col for col, _, _, _ in TYPES)
+    site.query(f"INSERT INTO public.{name} (id) VALUES ({first})")
+    for n, which in ((first + 1, 2), (first + 2, 3)):
+        values = ", ".join(f"({t[which]})::{t[1]}" for t in TYPES)
+        site.query(f"INSERT INTO public.{name} (id, {cols}) VALUES ({n}, {values})".replace("%", "%%"))
+
+
+def type_differences(source, sink, name: str) -> list[str]:
+    """Every (row, column) whose value differs: the sink's value read back on the source and
+    compared with IS NOT DISTINCT FROM (types without equality, and every type besides, by text)."""
+    differ = []
+    for col, kind, _, _ in TYPES:
+        here = dict(source.query(f"SELECT id, {col}::text FROM public.{name}"))
+        there = dict(sink.query(f"SELECT id, {col}::text FROM public.{name}"))
+        if here != there:
+            differ += [f"{col} of row {k}: {str(here.get(k))[:80]!r} != {str(there.get(k))[:80]!r}"
+                       for k in set(here) | set(there) if here.get(k) != there.get(k)]
+            continue
+        equality = source.query("SELECT oprcode IS NOT NULL FROM (SELECT %s::regtype AS t) x LEFT JOIN pg_operator o "
+                                "ON o.oprname = '=' AND o.oprleft = x.t AND o.oprright = x.t", (kind,))
+        if equality and equality[0][0]:
+            (bad,) = source.query(
+                f"SELECT count(*) FROM public.{name} s JOIN unnest(%s::int[], %s::text[]) v(id, val) USING (id) "
+                f"WHERE NOT (s.{col} IS NOT DISTINCT FROM v.val::{kind})", (list(there), list(there.values())))[0]
+            if bad:
+                differ.append(f"{col}: {bad} rows differ")
+    return differ
