@@ -274,9 +274,9 @@ def test_streaming_soak_delivers_every_message_once_through_full_syncs_kills_rac
     site_a, site_b, site_c = lr_sites
     dsns = {s.site_id: s.dsn for s in lr_sites}
     prepare_sites(lr_sites)
-    prepare_tables(lr_sites)
     topo = apply(lr_sites, [{"source": SOURCE, "sinks": list(SINKS), "clients": [CLIENT]}],
                  providers={CLIENT: LARGE_PROVIDER}, settings={"lease_seconds": SETTINGS["lease_seconds"]})
+    prepare_tables(lr_sites)
     started = time.monotonic()
     summary: dict = {"seed": seed, "chaos_seconds": CHAOS_SECONDS}
 
