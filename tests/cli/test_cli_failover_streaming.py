@@ -27,7 +27,8 @@ from tests.support.tables import federate, rows
 ITEMS = 40
 TABLE = ("CREATE TABLE public.items (id int PRIMARY KEY, u int NOT NULL UNIQUE, n int NOT NULL DEFAULT 0, "
          "nonkey text, \"Mixed Case\" jsonb)")
-SYNC = ["--until-idle", "--cycles", "60", "--interval", "0.02"]
+SYNC = ["--until-idle", "--cycles", "400", "--interval", "0.05", "--give-up-after", "30"]  # a killed streamer's
+# leases lapse first
 
 
 class SwapWriter:

@@ -8,7 +8,7 @@ import threading
 
 import psycopg2
 
-from airflow_provider_lr.engine.errors import FencedError, LRError, one_line
+from airflow_provider_lr.engine.errors import FencedError, LRError, SiteUnreachableError, one_line
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.site.conninfo import connect_dsn
 
@@ -36,7 +36,7 @@ class LeaseKeeper:
             while not self._stop.wait(max(1.0, seconds / 3)):
                 try:
                     conn = conn if conn is not None and not conn.closed else connect_dsn(dsn)
-                except psycopg2.OperationalError as exc:
+                except (psycopg2.OperationalError, SiteUnreachableError) as exc:  # conninfo names the site
                     log.warning("leases not renewed (source unreachable, tried again in %.0f s): %s",
                                 max(1.0, seconds / 3), one_line(exc))
                     continue
