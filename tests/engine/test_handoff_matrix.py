@@ -264,6 +264,71 @@ def test_a_session_taken_over_in_the_middle_of_a_tee_is_fenced_there_and_deliver
     app.close()
 
 
+def test_a_topology_applied_between_two_chunks_of_a_tee_is_negotiated_by_the_next_cycles(
+        lr_sites, lr_connections, monkeypatch):
+    """A new topology (a setting changed) is applied to every site after the tee's first chunk: the
+    tee's later chunks go on (the entries were tagged for these sinks when written), the cycles
+    that follow negotiate the new topology; no full sync is needed and every entry arrives once."""
+    monkeypatch.setattr(fanout, "PARTITION_ENTRIES", 100)
+    source, sink_b, sink_c = lr_sites
+    topo, app = _backlog_for_the_tee(lr_sites)
+    hook = once(lambda: apply(lr_sites, TWO_SINKS, providers=PROVIDERS, settings={"max_payload_bytes": 4096}))
+    repl = replicator(topo, lr_sites, providers={"policy": table_provider}, tee_min_backlog=100)
+    try:
+        with on_fault("fanout_after_commit_p0_a0", hook):
+            repl.run_cycle()
+        assert hook.fired and repl.teed == {B: 300, C: 300}
+        for i in range(300, 320):
+            app.put(f"k{i % 7}", i, ["site-b", "site-c"])
+        reports = repl.run(max_cycles=5, until_idle=True, interval=0.01)
+    finally:
+        repl.close()
+    assert not any(r.error for r in reports), reports
+    new_id = source.query("SELECT topology_config_id FROM lr.topology")[0][0]
+    for sink in (sink_b, sink_c):
+        assert sink.query("SELECT topology_config_id FROM lr.topology") == [(new_id,)]
+        assert starts(sink) == 1 and logs(sink) == [f"k{i % 7}={i}" for i in range(320)]
+    assert_handed_off(source, [sink_b, sink_c])
+    app.close()
+
+
+@pytest.mark.parametrize("mover", ["cycles", "tee"])
+def test_a_sink_restarted_between_two_batches_of_a_catch_up_gets_every_entry_once(
+        lr_sites, lr_connections, site_manager, monkeypatch, mover):
+    """site-b's server stops (immediate) and starts again in the middle of a catch-up: right after a
+    session cycle's batch committed there, or while the tee's first chunk is half written into its
+    open transaction. The mover's write to it fails, site-c's go on, and the next cycles reconnect
+    and resume from site-b's own position."""
+    monkeypatch.setattr(fanout, "PARTITION_ENTRIES", 100)
+    source, sink_b, sink_c = lr_sites
+    sink_b.query(f'ALTER DATABASE "{sink_b.dbname}" SET synchronous_commit = on')  # a durable sink
+    topo, app = _backlog_for_the_tee(lr_sites)
+
+    def restart() -> None:
+        site_manager.down([sink_b.site_id], mode="immediate")
+        site_manager.up(site_ids=[sink_b.site_id])
+
+    hook = once(restart)
+    settings = {"tee_min_backlog": 100} if mover == "tee" else {"tee_min_backlog": 0, "max_entries": 50}
+    repl = replicator(topo, lr_sites, providers={"policy": table_provider}, **settings)
+    try:
+        with on_fault("fanout_mid_write_p0_a0" if mover == "tee" else "after_sink_apply", hook):
+            first = repl.run_cycle()
+        assert hook.fired
+        if mover == "tee":
+            assert B not in repl.teed and repl.teed[C] == 300, repl.teed
+        else:
+            assert "site-b" in first[0].session and "OperationalError" in first[0].error, first
+        reports = repl.run(max_cycles=10, until_idle=True, interval=0.05)
+    finally:
+        repl.close()
+    assert not any(r.error for r in reports), reports
+    for sink in (sink_b, sink_c):
+        assert starts(sink) == 1 and logs(sink) == [f"k{i % 7}={i}" for i in range(300)], sink.site_id
+    assert_handed_off(source, [sink_b, sink_c])
+    app.close()
+
+
 # --- the snapshot transfer in process --------------------------------------------------------------
 def test_a_full_sync_taken_over_mid_transfer_is_finished_once_by_the_new_holder(lr_sites):
     """The replicator transferring a full sync of three chunks stalls after the first: its lease runs
@@ -297,6 +362,45 @@ def test_a_full_sync_taken_over_mid_transfer_is_finished_once_by_the_new_holder(
     assert [r[0] for r in source.query("SELECT status FROM lr.full_sync_requests")] == ["applied"]
     assert_handed_off(source, [sink_b])
     app.close()
+
+
+@pytest.mark.parametrize("requests", [["site-b"], ["site-b", "site-b"]], ids=["one", "back_to_back"])
+def test_a_full_sync_requested_in_the_middle_of_a_transfer_is_applied_after_it_and_nothing_arrives_twice(
+        lr_sites, requests):
+    """Between two chunks of a transfer, an operator forces a full sync (or two, back to back) and the
+    client supplies it at once. The transfer under way finishes and is applied, and the same cycle's
+    log-entry sync then takes the sink past the new request's base: that request is asked again
+    (never applied behind the sink) and applied next; every entry once."""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK, providers=PROVIDERS)
+    app, meanwhile = App(source), App(source)
+    seed_rows(app, 12_000)
+
+    def commit_then_request() -> None:
+        for i in range(10):
+            meanwhile.put(f"k{i % 7}", i, ["site-b"])
+        request_full_syncs(source, requests, supply=True)
+
+    hook = once(commit_then_request)
+    repl = replicator(topo, lr_sites, providers={"policy": table_provider})
+    try:
+        with on_fault("after_snapshot_chunk", hook):
+            repl.run_cycle()
+        assert hook.fired
+        for i in range(10, 20):
+            app.put(f"k{i % 7}", i, ["site-b"])
+        reports = repl.run(max_cycles=5, until_idle=True, interval=0.01)
+    finally:
+        repl.close()
+    assert not any(r.error for r in reports), reports
+    forced = [r[0] for r in source.query("SELECT status FROM lr.full_sync_requests WHERE forced ORDER BY requested_at")]
+    assert forced[-1] == "applied" and set(forced[:-1]) == {"cancelled"} and len(forced) > len(requests), forced
+    notes = source.query("SELECT note FROM lr.full_sync_requests WHERE forced AND status = 'cancelled'")
+    assert any("behind the sink" in n for (n,) in notes), notes
+    assert starts(sink_b) == 2
+    assert_handed_off(source, [sink_b])
+    app.close()
+    meanwhile.close()
 
 
 @pytest.mark.parametrize("kind", ["safe", "retention"])
