@@ -1,0 +1,66 @@
+"""Cells of the hand-off matrix (docs/crash-windows.md) for the Spark movers. A Spark job's tasks run
+the engine's own functions (``snapshot_transfer.stage_range``); here they run in this process, in
+the order the race needs, as ``test_spark_jobs.py`` does for an abandoned transfer: no Spark start-up."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.engine.bulk import snapshot_transfer
+from airflow_provider_lr.engine.errors import FencedError
+from airflow_provider_lr.engine.source import full_sync
+from tests.support.session import App, apply, final_state, queue, replicator, source_state, table_provider
+from tests.support.spark_env import lr_connections  # noqa: F401 (fixture: the job resolves the sites by id)
+
+ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
+ROWS = 7_000
+
+
+def test_a_spark_transfer_whose_lease_is_taken_over_between_its_tasks_is_fenced_and_applied_once(
+        lr_sites, lr_connections):
+    """The transfer job has planned (lease, fence, SNAPSHOT_START) and one task has staged its range
+    when the driver stalls and its lease runs out. A replicator takes the session over and moves the
+    same request in process, and applies it. The job's last task stages, its commit is refused by
+    the sink's fence; the sink holds one full set, once, nothing left staged, and log entries follow."""
+    source, sink_b = lr_sites[0], lr_sites[1]
+    topo = apply(lr_sites, ONE_SINK)
+    app = App(source)
+    with app.conn.cursor() as cur:
+        cur.execute("INSERT INTO app_state SELECT 'row' || i, i FROM generate_series(1, %s) i", (ROWS,))
+    app.conn.commit()
+    conn = source.connect()
+    request = full_sync.request_full_sync(conn, "site-b", "policy", reason="large: left to Spark")
+    RoutingQueueClient(conn, "policy").serve_full_sync_requests(table_provider)
+    conn.close()
+
+    job = snapshot_transfer.SnapshotTransfer(topo, "site-a", "site-b", "policy", owner="spark-driver")
+    successor = replicator(topo, lr_sites, owner="successor", providers={"policy": table_provider})
+    try:
+        plan = job.plan(request.request_id, partitions=2)
+        snapshot_transfer.stage_range(plan, plan.ranges[0])
+        source.query("UPDATE lr.source_sessions SET lease_expires_at = now() - interval '1 second'")
+        (took,) = successor.run_cycle()
+        assert not took.error and took.state == "IN_LOG_ENTRY_SYNC" and took.snapshot_messages == ROWS + 2, took
+        snapshot_transfer.stage_range(plan, plan.ranges[1])  # the stalled driver's last task
+        with pytest.raises(FencedError):
+            job.commit(plan)
+        for i in range(20):
+            app.put(f"k{i % 7}", i, ["site-b"])
+        successor.run(max_cycles=3, until_idle=True, interval=0.01)
+    finally:
+        job.close()
+        successor.close()
+    entries = queue(sink_b, "site-a")
+    assert [k for k, _ in entries].count("start") == 1
+    snaps = [p for k, p in entries if k == "snap"]
+    assert len(snaps) == len(set(snaps)) == ROWS
+    logs = [p for k, p in entries if k == "log"]
+    assert logs == [f"k{i % 7}={i}" for i in range(20)] and not [p for p, n in Counter(logs).items() if n > 1]
+    assert final_state(entries) == source_state(source)
+    assert full_sync.get_request(source.connect(), request.request_id).status == "applied"
+    assert source.query("SELECT count(*) FROM lr.full_sync_requests WHERE status IN ('pending', 'supplied')") == [(0,)]
+    left = sink_b.query("SELECT (SELECT count(*) FROM lr.spark_staging), (SELECT count(*) FROM lr.spark_staged_ranges)")
+    assert left == [(0, 0)], "what the fenced job staged does not outlive it"
+    app.close()
