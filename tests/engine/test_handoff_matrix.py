@@ -403,6 +403,33 @@ def test_a_full_sync_requested_in_the_middle_of_a_transfer_is_applied_after_it_a
     meanwhile.close()
 
 
+def test_a_topology_applied_in_the_middle_of_a_transfer_lets_it_finish_and_the_next_cycles_negotiate_it(lr_sites):
+    """A new topology (a setting changed) is applied to every site between two chunks of a transfer:
+    the transfer goes on and is applied, and the next cycles negotiate the new topology without
+    another full sync; the sink ends on the new topology with every entry once."""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK, providers=PROVIDERS)
+    app = App(source)
+    seed_rows(app, 12_000)
+    hook = once(lambda: apply(lr_sites, ONE_SINK, providers=PROVIDERS, settings={"max_payload_bytes": 4096}))
+    repl = replicator(topo, lr_sites, providers={"policy": table_provider})
+    try:
+        with on_fault("after_snapshot_chunk", hook):
+            (report,) = repl.run_cycle()
+        assert hook.fired and not report.error and report.snapshot_messages == 12_002, report
+        for i in range(20):
+            app.put(f"k{i % 7}", i, ["site-b"])
+        reports = repl.run(max_cycles=5, until_idle=True, interval=0.01)
+    finally:
+        repl.close()
+    assert not any(r.error for r in reports), reports
+    assert sink_b.query("SELECT topology_config_id FROM lr.topology") == source.query(
+        "SELECT topology_config_id FROM lr.topology")
+    assert starts(sink_b) == 1 and logs(sink_b) == [f"k{i % 7}={i}" for i in range(20)]
+    assert_handed_off(source, [sink_b])
+    app.close()
+
+
 @pytest.mark.parametrize("kind", ["safe", "retention"])
 def test_a_trim_in_the_middle_of_a_full_sync_transfer_keeps_its_data_and_loses_nothing(lr_sites, kind):
     """Entries commit and the log is trimmed between two chunks of a transfer. Neither trim removes
