@@ -9,15 +9,19 @@ nothing is lost, and no full-sync request is left open.
 sink restart, lease takeover and topology change cells are ``test_streaming.py``.)"""
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from typing import Callable
 
+import psycopg2
 import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.bulk import fanout
+from airflow_provider_lr.engine.errors import TransmitError
 from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.session.stream import StreamSettings
+from airflow_provider_lr.engine.site import failover
 from airflow_provider_lr.engine.source import full_sync, trim
 from airflow_provider_lr.engine.tables import snapshot as table_snapshot
 from tests.support.session import (
@@ -174,6 +178,61 @@ def test_a_trim_while_the_session_streams_loses_nothing_and_delivers_nothing_twi
         assert sink_at >= trimmed[0].trim_mark
     app.close()
     meanwhile.close()
+
+
+def test_a_planned_switchover_while_the_sessions_stream_delivers_every_entry_once_to_both_sinks(lr_sites):
+    """The old source's sessions stream, and a writer keeps committing at it, while an operator
+    promotes site-b (a planned switchover: the failover drains site-a into its sinks while the
+    streams still run). Both sinks end with the same entries of site-a, in order, each once, with
+    no gap; what the writer (whose client kept its routes) committed after the cut is site-a's tail,
+    at neither sink; a writer that starts now is refused; site-b's entries reach site-c."""
+    source, sink_b, sink_c = lr_sites
+    topo = apply(lr_sites, TWO_SINKS, providers=PROVIDERS)
+    App(source).close()
+    App(sink_b).close()  # the new source's table, for its provider
+    options = StreamSettings(check_interval=0.2, ack_interval=0.05)
+    dsns = {s.site_id: s.dsn for s in lr_sites}
+    stop, written = threading.Event(), []
+
+    def write() -> None:
+        app = App(source)
+        while not stop.is_set():
+            n = len(written)
+            app.put(f"k{n % 7}", n, ["site-b", "site-c"])
+            written.append(n)
+            stop.wait(0.005)
+        app.close()
+
+    writer = threading.Thread(target=write)
+    with Streaming(replicator(topo, lr_sites, providers={"policy": table_provider}, lease_seconds=5.0),
+                   options) as streaming:
+        streaming.streaming()
+        writer.start()
+        try:
+            wait_for(lambda: len(logs(sink_c)) >= 30, 20, "entries streamed")
+            result = failover.promote("site-a", "site-b", lambda site: psycopg2.connect(dsns[site]),
+                                      reason="maintenance of site-a")
+            wait_for(lambda: len(written) > len(logs(sink_b)) + 5, 20, "the writer to go on past the cut")
+        finally:
+            stop.set()
+            writer.join()
+        assert result.planned
+        late = source.connect()
+        with pytest.raises(TransmitError, match="unknown destination"):  # a writer that starts now (failover.md)
+            RoutingQueueClient(late, "policy").transmit_log_entry_message(b"late", ["site-b"])
+        late.close()
+    got = logs(sink_b)
+    assert got == logs(sink_c) == [f"k{i % 7}={i}" for i in range(len(got))] and len(got) >= 30
+    assert len(written) > len(got), "the writer's entries after the cut stay at site-a"
+    assert [k for k, _ in queue(sink_c, "site-a")].count("start") == 1
+    App(sink_b).put("b0", 0, ["site-c", "site-a"])
+    after = replicator(result.topology, lr_sites, providers={"policy": table_provider},
+                       sessions=[k for k in result.topology.sessions() if k.sink == "site-c"])
+    try:
+        after.run(max_cycles=5, until_idle=True, interval=0.01)
+    finally:
+        after.close()
+    assert [p for k, p in queue(sink_c, "site-b") if k == "log"] == ["b0=0"]
 
 
 # --- the in-process tee --------------------------------------------------------------------------
