@@ -641,3 +641,45 @@ def test_a_retention_trim_while_a_table_snapshot_is_written_sends_the_session_to
     assert_handed_off(source, [sink_b], tables=True)
     app.close()
     meanwhile.close()
+
+
+# --- the nearest-copy seed ---------------------------------------------------------------------------
+def test_a_retention_trim_while_a_sink_is_seeded_from_its_peer_sends_it_to_the_sources_snapshot(lr_sites):
+    """site-c (a client of tables only) is seeded from site-b, its peer in its region, at site-b's
+    position. While the seed is in site-c's open transaction the table changes and a retention trim
+    passes that position: once the seed commits, site-c's next read is refused (TrimmedError), no
+    peer qualifies any more (behind the trim mark), and the source's snapshot brings it back."""
+    from airflow_provider_lr.engine.vocabulary import SessionKey
+
+    source, peer, new = lr_sites
+    topo = apply(lr_sites, regions={"site-a": "us-east", "site-b": "eu-west", "site-c": "eu-west"})
+    create_accounts(source, rows=500)
+    federate(source)
+    settings = {"peer_probe_delay": 0.5}
+    only_b = replicator(topo, lr_sites, sessions=[SessionKey("site-a", "site-b", "policy")], **settings)
+    only_c = replicator(topo, lr_sites, sessions=[SessionKey("site-a", "site-c", "policy")], **settings)
+    trimmed: list = []
+
+    def change_then_trim() -> None:
+        source.query("UPDATE public.accounts SET balance = balance + 1 WHERE id <= 50")
+        trimmed.append(trim_now(source, "retention"))
+
+    hook = once(change_then_trim)
+    seen: list = []
+    try:
+        only_b.run(max_cycles=10, until_idle=True, interval=0.01)
+        assert rows(peer) == rows(source)
+        with on_fault("peer_seed_before_commit", hook):
+            only_c.run(max_cycles=10, until_idle=True, interval=0.01, on_cycle=seen.extend)
+        only_b.run(max_cycles=10, until_idle=True, interval=0.01)
+    finally:
+        only_b.close()
+        only_c.close()
+    assert hook.fired and trimmed[0] is not None and trimmed[0].entries_removed > 0
+    # the seed committed (its fault point is on the way to that commit), then the same cycle's read
+    # found the log trimmed past it and renegotiated: to the source, the peer being behind too
+    assert "past the sink's position" in seen[0].reason and "passed over site-b" in seen[0].reason, seen[0]
+    assert [r[0] for r in source.query("SELECT status FROM lr.full_sync_requests WHERE sink_site_id = 'site-c'")] \
+        == ["applied"], "the source's snapshot brought site-c back"
+    assert rows(new) == rows(peer) == rows(source)
+    assert open_requests(source) == 0

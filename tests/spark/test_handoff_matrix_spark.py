@@ -1,6 +1,7 @@
 """Cells of the hand-off matrix (docs/crash-windows.md) for the Spark movers. A Spark job's tasks run
-the engine's own functions (``snapshot_transfer.stage_range``); here they run in this process, in
-the order the race needs, as ``test_spark_jobs.py`` does for an abandoned transfer: no Spark start-up."""
+the engine's own functions (``snapshot_transfer.stage_range``, ``staged_tee.stage_chunk``); here they
+run in this process, in the order the race needs, as ``test_spark_jobs.py`` and
+``test_staged_fanout_engine.py`` do: no Spark start-up."""
 from __future__ import annotations
 
 from collections import Counter
@@ -8,9 +9,10 @@ from collections import Counter
 import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
-from airflow_provider_lr.engine.bulk import snapshot_transfer
+from airflow_provider_lr.engine.bulk import fanout, snapshot_transfer, staged_tee
 from airflow_provider_lr.engine.errors import FencedError
-from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.faults import on_fault
+from airflow_provider_lr.engine.source import full_sync, trim
 from tests.support.session import App, apply, final_state, queue, replicator, source_state, table_provider
 from tests.support.spark_env import lr_connections  # noqa: F401 (fixture: the job resolves the sites by id)
 
@@ -63,4 +65,54 @@ def test_a_spark_transfer_whose_lease_is_taken_over_between_its_tasks_is_fenced_
     assert source.query("SELECT count(*) FROM lr.full_sync_requests WHERE status IN ('pending', 'supplied')") == [(0,)]
     left = sink_b.query("SELECT (SELECT count(*) FROM lr.spark_staging), (SELECT count(*) FROM lr.spark_staged_ranges)")
     assert left == [(0, 0)], "what the fenced job staged does not outlive it"
+    app.close()
+
+
+def test_a_retention_trim_between_two_staged_chunks_stops_the_session_there_and_a_full_sync_follows(
+        lr_sites, lr_connections):
+    """The staged fan-out (two tasks) stages and publishes its first chunk; then a retention trim
+    removes the rest of the range. The next chunk's read finds the trim mark in its own snapshot
+    and leaves the session out (TrimmedError): nothing of the trimmed range is taken as delivered,
+    nothing stays staged, and the session's cycles bring the sink back with a full sync."""
+    source, sink_b = lr_sites[0], lr_sites[1]
+    topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:table_provider"})
+    app = App(source)
+    first = replicator(topo, lr_sites, providers={"policy": table_provider}, tee_min_backlog=0)
+    first.run(max_cycles=3, until_idle=True, interval=0.01)
+    first.close()
+    for i in range(400):
+        app.put(f"k{i % 7}", i, ["site-b"])
+    trimmed: list = []
+
+    def trim_once() -> None:
+        if not trimmed:
+            conn = source.connect()
+            trimmed.append(trim.retention_trim(conn, keep_seconds=0.0))
+            conn.close()
+
+    driver = fanout.FanoutDriver(topo, "site-a")
+    try:
+        with on_fault("fanout_after_commit_p0_a0", trim_once):  # chunk 0 staged and published
+            result = fanout.run_fanout(driver, lambda p: [staged_tee.stage_chunk(p, r, f"_p{r.index}_a0")
+                                                          for r in p.ranges],
+                                       partitions=4, tasks=2)
+    finally:
+        driver.close()
+    session = "site-a->site-b/policy"
+    assert trimmed and trimmed[0].trim_mark >= result.end
+    assert "TrimmedError" in result.errors[session], result.errors
+    assert result.positions[session] < result.end, "the chunks after the trim were not taken as delivered"
+    repl = replicator(topo, lr_sites, providers={"policy": table_provider}, tee_min_backlog=0)
+    try:
+        repl.run(max_cycles=5, until_idle=True, interval=0.01)
+    finally:
+        repl.close()
+    entries = queue(sink_b, "site-a")
+    assert [k for k, _ in entries].count("start") == 2
+    logs = [p for k, p in entries if k == "log"]
+    assert not [p for p, n in Counter(logs).items() if n > 1]
+    assert final_state(entries) == source_state(source)
+    assert source.query("SELECT count(*) FROM lr.full_sync_requests WHERE status IN ('pending', 'supplied')") == [(0,)]
+    left = sink_b.query("SELECT (SELECT count(*) FROM lr.spark_staging), (SELECT count(*) FROM lr.spark_staged_ranges)")
+    assert left == [(0, 0)]
     app.close()
