@@ -323,6 +323,34 @@ def test_a_session_taken_over_in_the_middle_of_a_tee_is_fenced_there_and_deliver
     app.close()
 
 
+def test_a_planned_switchover_between_two_chunks_of_a_tee_leaves_both_sinks_with_the_same_entries_once(
+        lr_sites, lr_connections, monkeypatch):
+    """site-b is promoted (a planned switchover: site-a drained into both sinks) right after the
+    tee's first chunk committed. The tee's later chunks are refused at both sinks (their sessions
+    from site-a are failed over), and both sinks end with every entry of site-a once, in order."""
+    monkeypatch.setattr(fanout, "PARTITION_ENTRIES", 100)
+    source, sink_b, sink_c = lr_sites
+    topo, app = _backlog_for_the_tee(lr_sites)
+    App(sink_b).close()  # the new source's table, for its provider
+    dsns = {s.site_id: s.dsn for s in lr_sites}
+    promoted: list = []
+    hook = once(lambda: promoted.append(failover.promote(
+        "site-a", "site-b", lambda site: psycopg2.connect(dsns[site]), reason="maintenance of site-a")))
+    repl = replicator(topo, lr_sites, providers={"policy": table_provider}, tee_min_backlog=100)
+    try:
+        with on_fault("fanout_after_commit_p0_a0", hook):
+            reports = repl.run_cycle()
+    finally:
+        repl.close()
+    assert hook.fired and promoted[0].planned
+    assert not set(repl.teed) & {B, C}, "no session counted as teed past the failover"
+    assert all(r.error or r.skipped for r in reports), reports
+    expected = [f"k{i % 7}={i}" for i in range(300)]
+    assert logs(sink_b) == logs(sink_c) == expected
+    assert starts(sink_b) == starts(sink_c) == 1
+    app.close()
+
+
 def test_a_topology_applied_between_two_chunks_of_a_tee_is_negotiated_by_the_next_cycles(
         lr_sites, lr_connections, monkeypatch):
     """A new topology (a setting changed) is applied to every site after the tee's first chunk: the
@@ -641,6 +669,47 @@ def test_a_retention_trim_while_a_table_snapshot_is_written_sends_the_session_to
     assert_handed_off(source, [sink_b], tables=True)
     app.close()
     meanwhile.close()
+
+
+@pytest.mark.parametrize("event", ["topology", "sink_restart"])
+def test_a_topology_change_or_a_sink_restart_while_a_table_snapshot_is_written_leaves_the_table_whole(
+        lr_sites, site_manager, event):
+    """While the cycle's table snapshot is in the sink's open transaction, a new topology is applied
+    to every site (the snapshot commits, the next cycles negotiate the new topology), or the sink's
+    server stops and starts again (the transaction dies with it; the next cycle takes a new
+    snapshot). Either way the table ends row for row, the queue with every entry once."""
+    source, sink_b, _ = lr_sites
+    sink_b.query(f'ALTER DATABASE "{sink_b.dbname}" SET synchronous_commit = on')  # a durable sink
+    topo, app, _ = _tables_and_queue(lr_sites)
+
+    def restart() -> None:
+        site_manager.down([sink_b.site_id], mode="immediate")
+        site_manager.up(site_ids=[sink_b.site_id])
+
+    hook = once(restart if event == "sink_restart" else lambda: apply(
+        lr_sites, ONE_SINK, providers=PROVIDERS, settings={"max_payload_bytes": 4096}))
+    repl = replicator(topo, lr_sites, providers={"policy": table_provider})
+    try:
+        with TableWriter(source, truncate=False):
+            with on_fault("table_snapshot_before_commit", hook):
+                first = repl.run_cycle()
+            for i in range(20):
+                app.put(f"k{i % 7}", i, ["site-b"])
+            repl.run(max_cycles=3, interval=0.01)
+        reports = repl.run(max_cycles=10, until_idle=True, interval=0.01)
+    finally:
+        repl.close()
+    assert hook.fired
+    if event == "sink_restart":
+        assert "OperationalError" in first[0].error or "InterfaceError" in first[0].error, first
+    else:
+        assert not first[0].error and first[0].tables == [f"{B}:public.accounts: synced"], first
+    assert not any(r.error for r in reports), reports
+    assert sink_b.query("SELECT topology_config_id FROM lr.topology") == source.query(
+        "SELECT topology_config_id FROM lr.topology")
+    assert starts(sink_b) == 1 and logs(sink_b) == [f"k{i % 7}={i}" for i in range(20)]
+    assert_handed_off(source, [sink_b], tables=True)
+    app.close()
 
 
 # --- the nearest-copy seed ---------------------------------------------------------------------------
