@@ -18,7 +18,7 @@ import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.bulk import fanout
-from airflow_provider_lr.engine.errors import TransmitError
+from airflow_provider_lr.engine.errors import SiteUnreachableError, TransmitError
 from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.session.stream import StreamSettings
 from airflow_provider_lr.engine.site import failover
@@ -233,6 +233,57 @@ def test_a_planned_switchover_while_the_sessions_stream_delivers_every_entry_onc
     finally:
         after.close()
     assert [p for k, p in queue(sink_c, "site-b") if k == "log"] == ["b0=0"]
+
+
+def test_the_source_lost_while_its_sessions_stream_then_failed_over_leaves_both_sinks_with_the_same_entries_once(
+        lr_sites, site_manager):
+    """A writer commits at site-a and both sessions stream when site-a's server stops (immediate):
+    the streams end, and site-b is promoted without site-a (an unplanned failover, same
+    destinations). site-c is cut at site-b's position of site-a's stream (extras removed or the gap
+    copied): both hold the same gap-free prefix of site-a's entries, each once."""
+    source, sink_b, sink_c = lr_sites
+    topo = apply(lr_sites, TWO_SINKS, providers=PROVIDERS)
+    App(source).close()
+    App(sink_b).close()
+    dsns = {s.site_id: s.dsn for s in lr_sites}
+
+    def connect(site: str):
+        if site == "site-a":
+            raise SiteUnreachableError("site 'site-a' is down (test)")
+        return psycopg2.connect(dsns[site])
+
+    stop, written = threading.Event(), []
+
+    def write() -> None:
+        app = App(source)
+        try:
+            while not stop.is_set():
+                n = len(written)
+                app.put(f"k{n % 7}", n, ["site-b", "site-c"])
+                written.append(n)
+        except psycopg2.Error:  # site-a went away
+            pass
+        finally:
+            app.close()
+
+    writer = threading.Thread(target=write)
+    options = StreamSettings(check_interval=0.2, ack_interval=0.05)
+    try:
+        with Streaming(replicator(topo, lr_sites, providers={"policy": table_provider}, lease_seconds=5.0),
+                       options) as streaming:
+            streaming.streaming()
+            writer.start()
+            wait_for(lambda: len(logs(sink_b)) >= 50 and len(logs(sink_c)) >= 50, 30, "entries streamed")
+            site_manager.down([source.site_id], mode="immediate")
+            stop.set()
+            writer.join(30)
+            wait_for(lambda: len(streaming.streamer.ends) >= 2, 30, "both streams to end")
+        result = failover.promote("site-a", "site-b", connect, same_destinations=True, reason="site-a lost")
+        assert not result.planned and result.pending == ["site-a"]
+        got = logs(sink_b)
+        assert got == logs(sink_c) == [f"k{i % 7}={i}" for i in range(len(got))] and len(got) >= 50
+    finally:
+        site_manager.up(site_ids=[source.site_id])
 
 
 # --- the in-process tee --------------------------------------------------------------------------
