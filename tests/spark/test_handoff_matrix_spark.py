@@ -10,7 +10,7 @@ import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.bulk import fanout, snapshot_transfer, staged_tee
-from airflow_provider_lr.engine.errors import FencedError
+from airflow_provider_lr.engine.errors import FencedError, StaleBatchError
 from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.source import full_sync, trim
 from tests.support.session import App, apply, final_state, queue, replicator, source_state, table_provider
@@ -65,6 +65,64 @@ def test_a_spark_transfer_whose_lease_is_taken_over_between_its_tasks_is_fenced_
     assert source.query("SELECT count(*) FROM lr.full_sync_requests WHERE status IN ('pending', 'supplied')") == [(0,)]
     left = sink_b.query("SELECT (SELECT count(*) FROM lr.spark_staging), (SELECT count(*) FROM lr.spark_staged_ranges)")
     assert left == [(0, 0)], "what the fenced job staged does not outlive it"
+    app.close()
+
+
+@pytest.mark.parametrize("event", ["topology", "sink_restart"])
+def test_a_topology_change_or_a_sink_restart_between_a_spark_transfers_tasks_leaves_it_whole(
+        lr_sites, lr_connections, site_manager, event):
+    """Between the transfer job's two tasks a new topology is applied to every site (the staged range
+    stays, the commit moves and applies the whole sync), or the sink's server stops and starts
+    again (staging is UNLOGGED: the crash empties it, the commit refuses, the job is rerun and
+    applies it). Then the cycles negotiate and deliver every entry once."""
+    source, sink_b = lr_sites[0], lr_sites[1]
+    sink_b.query(f'ALTER DATABASE "{sink_b.dbname}" SET synchronous_commit = on')  # a durable sink
+    topo = apply(lr_sites, ONE_SINK)
+    app = App(source)
+    with app.conn.cursor() as cur:
+        cur.execute("INSERT INTO app_state SELECT 'row' || i, i FROM generate_series(1, %s) i", (ROWS,))
+    app.conn.commit()
+    conn = source.connect()
+    request = full_sync.request_full_sync(conn, "site-b", "policy", reason="large: left to Spark")
+    RoutingQueueClient(conn, "policy").serve_full_sync_requests(table_provider)
+    conn.close()
+    job = snapshot_transfer.SnapshotTransfer(topo, "site-a", "site-b", "policy")
+    try:
+        plan = job.plan(request.request_id, partitions=2)
+        snapshot_transfer.stage_range(plan, plan.ranges[0])
+        if event == "topology":
+            topo = apply(lr_sites, ONE_SINK, settings={"max_payload_bytes": 4096})
+        else:
+            site_manager.down([sink_b.site_id], mode="immediate")
+            site_manager.up(site_ids=[sink_b.site_id])
+            job.sink.close()
+            job.sink = job.runner.sink = sink_b.connect()  # the driver's own sink connection died with it
+        snapshot_transfer.stage_range(plan, plan.ranges[1])
+        if event == "sink_restart":
+            with pytest.raises(StaleBatchError, match="not all staged"):
+                job.commit(plan)
+            job.close()
+            job = snapshot_transfer.SnapshotTransfer(topo, "site-a", "site-b", "policy")  # the rerun
+            plan = job.plan(request.request_id, partitions=2)
+            for part in plan.ranges:
+                snapshot_transfer.stage_range(plan, part)
+        result = job.commit(plan)
+    finally:
+        job.close()
+    assert result.applied and result.transferred == ROWS + 2
+    for i in range(20):
+        app.put(f"k{i % 7}", i, ["site-b"])
+    repl = replicator(topo, lr_sites, providers={"policy": table_provider})
+    try:
+        reports = repl.run(max_cycles=5, until_idle=True, interval=0.01)
+    finally:
+        repl.close()
+    assert not any(r.error for r in reports), reports
+    entries = queue(sink_b, "site-a")
+    assert [k for k, _ in entries].count("start") == 1
+    assert [p for k, p in entries if k == "log"] == [f"k{i % 7}={i}" for i in range(20)]
+    assert final_state(entries) == source_state(source)
+    assert source.query("SELECT count(*) FROM lr.full_sync_requests WHERE status IN ('pending', 'supplied')") == [(0,)]
     app.close()
 
 
