@@ -20,6 +20,21 @@ ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
 ROWS = 7_000
 
 
+def supplied_for_spark(lr_sites):
+    """site-a -> site-b for policy, ROWS application rows only a full sync carries, and a full sync
+    requested and supplied for the transfer job; (topology, the application, the request)."""
+    topo = apply(lr_sites, ONE_SINK)
+    app = App(lr_sites[0])
+    with app.conn.cursor() as cur:
+        cur.execute("INSERT INTO app_state SELECT 'row' || i, i FROM generate_series(1, %s) i", (ROWS,))
+    app.conn.commit()
+    conn = lr_sites[0].connect()
+    request = full_sync.request_full_sync(conn, "site-b", "policy", reason="large: left to Spark")
+    RoutingQueueClient(conn, "policy").serve_full_sync_requests(table_provider)
+    conn.close()
+    return topo, app, request
+
+
 def test_a_spark_transfer_whose_lease_is_taken_over_between_its_tasks_is_fenced_and_applied_once(
         lr_sites, lr_connections):
     """The transfer job has planned (lease, fence, SNAPSHOT_START) and one task has staged its range
@@ -27,15 +42,7 @@ def test_a_spark_transfer_whose_lease_is_taken_over_between_its_tasks_is_fenced_
     same request in process, and applies it. The job's last task stages, its commit is refused by
     the sink's fence; the sink holds one full set, once, nothing left staged, and log entries follow."""
     source, sink_b = lr_sites[0], lr_sites[1]
-    topo = apply(lr_sites, ONE_SINK)
-    app = App(source)
-    with app.conn.cursor() as cur:
-        cur.execute("INSERT INTO app_state SELECT 'row' || i, i FROM generate_series(1, %s) i", (ROWS,))
-    app.conn.commit()
-    conn = source.connect()
-    request = full_sync.request_full_sync(conn, "site-b", "policy", reason="large: left to Spark")
-    RoutingQueueClient(conn, "policy").serve_full_sync_requests(table_provider)
-    conn.close()
+    topo, app, request = supplied_for_spark(lr_sites)
 
     job = snapshot_transfer.SnapshotTransfer(topo, "site-a", "site-b", "policy", owner="spark-driver")
     successor = replicator(topo, lr_sites, owner="successor", providers={"policy": table_provider})
@@ -77,15 +84,7 @@ def test_a_topology_change_or_a_sink_restart_between_a_spark_transfers_tasks_lea
     applies it). Then the cycles negotiate and deliver every entry once."""
     source, sink_b = lr_sites[0], lr_sites[1]
     sink_b.query(f'ALTER DATABASE "{sink_b.dbname}" SET synchronous_commit = on')  # a durable sink
-    topo = apply(lr_sites, ONE_SINK)
-    app = App(source)
-    with app.conn.cursor() as cur:
-        cur.execute("INSERT INTO app_state SELECT 'row' || i, i FROM generate_series(1, %s) i", (ROWS,))
-    app.conn.commit()
-    conn = source.connect()
-    request = full_sync.request_full_sync(conn, "site-b", "policy", reason="large: left to Spark")
-    RoutingQueueClient(conn, "policy").serve_full_sync_requests(table_provider)
-    conn.close()
+    topo, app, request = supplied_for_spark(lr_sites)
     job = snapshot_transfer.SnapshotTransfer(topo, "site-a", "site-b", "policy")
     try:
         plan = job.plan(request.request_id, partitions=2)
