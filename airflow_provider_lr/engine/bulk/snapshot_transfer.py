@@ -245,6 +245,12 @@ def stage_range(plan: SnapshotPlan, part: EntryRange) -> dict:
                 "staged_rows) VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (source_site_id, client_name, plan_id, "
                 "range_lo) DO UPDATE SET staged_rows = EXCLUDED.staged_rows, staged_at = now()",
                 (plan.source, plan.client, plan.plan_id, part.lo, part.hi, packer.entries))
+            if not _still_transferring(cur, plan):
+                dst.rollback()
+                log.info("snapshot %s: the sink of %s/%s moved on from this sync; range (%d, %d] not staged",
+                         plan.request_id, plan.source, plan.client, part.lo, part.hi)
+                return {"index": part.index, "staged": 0, "seconds": round(time.monotonic() - started, 3),
+                        "peak_rss_kb": peak_rss_kb(), "pid": os.getpid()}
         dst.commit()
         log.info("snapshot %s: staged %d entries in %d rows (%d, %d]", plan.request_id, packer.entries, packer.rows,
                  part.lo, part.hi)
@@ -255,6 +261,17 @@ def stage_range(plan: SnapshotPlan, part: EntryRange) -> dict:
             writer.abandon()
         src.close()
         dst.close()
+
+
+def _still_transferring(cur: psycopg2.extensions.cursor, plan: SnapshotPlan) -> bool:
+    """Whether the sink still transfers the plan's sync, read under a share lock of the session row
+    held until the stage commits (an apply or a newer sync, which drops what is staged, waits for
+    it). A stage that lands after the sync moved on (its job fenced out by a successor that moved
+    it in process) would otherwise stay staged until the session's next full sync or fan-out."""
+    cur.execute("SELECT snapshot_request_id = %s AND snapshot_transferred <> snapshot_started FROM lr.sink_sessions "
+                "WHERE source_site_id = %s AND client_name = %s FOR SHARE", (plan.request_id, plan.source, plan.client))
+    row = cur.fetchone()
+    return bool(row and row[0])
 
 
 def staged_coverage(cur: psycopg2.extensions.cursor, source: str, client: str, plan_id: str,

@@ -293,7 +293,8 @@ def discard_staged(cur: psycopg2.extensions.cursor, source: str, client: str) ->
     Staged rows are never visible: once the session moves on (a fan-out plan starts or ends, a
     snapshot sync starts or is applied) what a failed, abandoned or superseded job left there is
     dead weight. Called inside the session's fenced sink transaction; a job fenced out by it cannot
-    publish or move what it stages later (the next of these calls drops that)."""
+    publish or move what it stages later (the next of these calls drops that; a snapshot transfer's
+    stage for a sync the sink no longer transfers rolls itself back: ``snapshot_transfer.stage_range``)."""
     cur.execute("DELETE FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s", (source, client))
     cur.execute("DELETE FROM lr.spark_staged_ranges WHERE source_site_id = %s AND client_name = %s", (source, client))
 

@@ -1,0 +1,175 @@
+"""Cells of the hand-off matrix (docs/crash-windows.md) for the Spark movers. A Spark job's tasks run
+the engine's own functions (``snapshot_transfer.stage_range``, ``staged_tee.stage_chunk``); here they
+run in this process, in the order the race needs, as ``test_spark_jobs.py`` and
+``test_staged_fanout_engine.py`` do: no Spark start-up."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.engine.bulk import fanout, snapshot_transfer, staged_tee
+from airflow_provider_lr.engine.errors import FencedError, StaleBatchError
+from airflow_provider_lr.engine.faults import on_fault
+from airflow_provider_lr.engine.source import full_sync, trim
+from tests.support.session import App, apply, final_state, queue, replicator, source_state, table_provider
+from tests.support.spark_env import lr_connections  # noqa: F401 (fixture: the job resolves the sites by id)
+
+ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
+ROWS = 7_000
+
+
+def supplied_for_spark(lr_sites):
+    """site-a -> site-b for policy, ROWS application rows only a full sync carries, and a full sync
+    requested and supplied for the transfer job; (topology, the application, the request)."""
+    topo = apply(lr_sites, ONE_SINK)
+    app = App(lr_sites[0])
+    with app.conn.cursor() as cur:
+        cur.execute("INSERT INTO app_state SELECT 'row' || i, i FROM generate_series(1, %s) i", (ROWS,))
+    app.conn.commit()
+    conn = lr_sites[0].connect()
+    request = full_sync.request_full_sync(conn, "site-b", "policy", reason="large: left to Spark")
+    RoutingQueueClient(conn, "policy").serve_full_sync_requests(table_provider)
+    conn.close()
+    return topo, app, request
+
+
+def test_a_spark_transfer_whose_lease_is_taken_over_between_its_tasks_is_fenced_and_applied_once(
+        lr_sites, lr_connections):
+    """The transfer job has planned (lease, fence, SNAPSHOT_START) and one task has staged its range
+    when the driver stalls and its lease runs out. A replicator takes the session over and moves the
+    same request in process, and applies it. The job's last task stages, its commit is refused by
+    the sink's fence; the sink holds one full set, once, nothing left staged, and log entries follow."""
+    source, sink_b = lr_sites[0], lr_sites[1]
+    topo, app, request = supplied_for_spark(lr_sites)
+
+    job = snapshot_transfer.SnapshotTransfer(topo, "site-a", "site-b", "policy", owner="spark-driver")
+    successor = replicator(topo, lr_sites, owner="successor", providers={"policy": table_provider})
+    try:
+        plan = job.plan(request.request_id, partitions=2)
+        snapshot_transfer.stage_range(plan, plan.ranges[0])
+        source.query("UPDATE lr.source_sessions SET lease_expires_at = now() - interval '1 second'")
+        (took,) = successor.run_cycle()
+        assert not took.error and took.state == "IN_LOG_ENTRY_SYNC" and took.snapshot_messages == ROWS + 2, took
+        snapshot_transfer.stage_range(plan, plan.ranges[1])  # the stalled driver's last task
+        with pytest.raises(FencedError):
+            job.commit(plan)
+        for i in range(20):
+            app.put(f"k{i % 7}", i, ["site-b"])
+        successor.run(max_cycles=3, until_idle=True, interval=0.01)
+    finally:
+        job.close()
+        successor.close()
+    entries = queue(sink_b, "site-a")
+    assert [k for k, _ in entries].count("start") == 1
+    snaps = [p for k, p in entries if k == "snap"]
+    assert len(snaps) == len(set(snaps)) == ROWS
+    logs = [p for k, p in entries if k == "log"]
+    assert logs == [f"k{i % 7}={i}" for i in range(20)] and not [p for p, n in Counter(logs).items() if n > 1]
+    assert final_state(entries) == source_state(source)
+    assert full_sync.get_request(source.connect(), request.request_id).status == "applied"
+    assert source.query("SELECT count(*) FROM lr.full_sync_requests WHERE status IN ('pending', 'supplied')") == [(0,)]
+    left = sink_b.query("SELECT (SELECT count(*) FROM lr.spark_staging), (SELECT count(*) FROM lr.spark_staged_ranges)")
+    assert left == [(0, 0)], "what the fenced job staged does not outlive it"
+    app.close()
+
+
+@pytest.mark.parametrize("event", ["topology", "sink_restart"])
+def test_a_topology_change_or_a_sink_restart_between_a_spark_transfers_tasks_leaves_it_whole(
+        lr_sites, lr_connections, site_manager, event):
+    """Between the transfer job's two tasks a new topology is applied to every site (the staged range
+    stays, the commit moves and applies the whole sync), or the sink's server stops and starts
+    again (staging is UNLOGGED: the crash empties it, the commit refuses, the job is rerun and
+    applies it). Then the cycles negotiate and deliver every entry once."""
+    source, sink_b = lr_sites[0], lr_sites[1]
+    sink_b.query(f'ALTER DATABASE "{sink_b.dbname}" SET synchronous_commit = on')  # a durable sink
+    topo, app, request = supplied_for_spark(lr_sites)
+    job = snapshot_transfer.SnapshotTransfer(topo, "site-a", "site-b", "policy")
+    try:
+        plan = job.plan(request.request_id, partitions=2)
+        snapshot_transfer.stage_range(plan, plan.ranges[0])
+        if event == "topology":
+            topo = apply(lr_sites, ONE_SINK, settings={"max_payload_bytes": 4096})
+        else:
+            site_manager.down([sink_b.site_id], mode="immediate")
+            site_manager.up(site_ids=[sink_b.site_id])
+            job.sink.close()
+            job.sink = job.runner.sink = sink_b.connect()  # the driver's own sink connection died with it
+        snapshot_transfer.stage_range(plan, plan.ranges[1])
+        if event == "sink_restart":
+            with pytest.raises(StaleBatchError, match="not all staged"):
+                job.commit(plan)
+            job.close()
+            job = snapshot_transfer.SnapshotTransfer(topo, "site-a", "site-b", "policy")  # the rerun
+            plan = job.plan(request.request_id, partitions=2)
+            for part in plan.ranges:
+                snapshot_transfer.stage_range(plan, part)
+        result = job.commit(plan)
+    finally:
+        job.close()
+    assert result.applied and result.transferred == ROWS + 2
+    for i in range(20):
+        app.put(f"k{i % 7}", i, ["site-b"])
+    repl = replicator(topo, lr_sites, providers={"policy": table_provider})
+    try:
+        reports = repl.run(max_cycles=5, until_idle=True, interval=0.01)
+    finally:
+        repl.close()
+    assert not any(r.error for r in reports), reports
+    entries = queue(sink_b, "site-a")
+    assert [k for k, _ in entries].count("start") == 1
+    assert [p for k, p in entries if k == "log"] == [f"k{i % 7}={i}" for i in range(20)]
+    assert final_state(entries) == source_state(source)
+    assert source.query("SELECT count(*) FROM lr.full_sync_requests WHERE status IN ('pending', 'supplied')") == [(0,)]
+    app.close()
+
+
+def test_a_retention_trim_between_two_staged_chunks_stops_the_session_there_and_a_full_sync_follows(
+        lr_sites, lr_connections):
+    """The staged fan-out (two tasks) stages and publishes its first chunk; then a retention trim
+    removes the rest of the range. The next chunk's read finds the trim mark in its own snapshot
+    and leaves the session out (TrimmedError): nothing of the trimmed range is taken as delivered,
+    nothing stays staged, and the session's cycles bring the sink back with a full sync."""
+    source, sink_b = lr_sites[0], lr_sites[1]
+    topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:table_provider"})
+    app = App(source)
+    first = replicator(topo, lr_sites, providers={"policy": table_provider}, tee_min_backlog=0)
+    first.run(max_cycles=3, until_idle=True, interval=0.01)
+    first.close()
+    for i in range(400):
+        app.put(f"k{i % 7}", i, ["site-b"])
+    trimmed: list = []
+
+    def trim_once() -> None:
+        if not trimmed:
+            conn = source.connect()
+            trimmed.append(trim.retention_trim(conn, keep_seconds=0.0))
+            conn.close()
+
+    driver = fanout.FanoutDriver(topo, "site-a")
+    try:
+        with on_fault("fanout_after_commit_p0_a0", trim_once):  # chunk 0 staged and published
+            result = fanout.run_fanout(driver, lambda p: [staged_tee.stage_chunk(p, r, f"_p{r.index}_a0")
+                                                          for r in p.ranges],
+                                       partitions=4, tasks=2)
+    finally:
+        driver.close()
+    session = "site-a->site-b/policy"
+    assert trimmed and trimmed[0].trim_mark >= result.end
+    assert "TrimmedError" in result.errors[session], result.errors
+    assert result.positions[session] < result.end, "the chunks after the trim were not taken as delivered"
+    repl = replicator(topo, lr_sites, providers={"policy": table_provider}, tee_min_backlog=0)
+    try:
+        repl.run(max_cycles=5, until_idle=True, interval=0.01)
+    finally:
+        repl.close()
+    entries = queue(sink_b, "site-a")
+    assert [k for k, _ in entries].count("start") == 2
+    logs = [p for k, p in entries if k == "log"]
+    assert not [p for p, n in Counter(logs).items() if n > 1]
+    assert final_state(entries) == source_state(source)
+    assert source.query("SELECT count(*) FROM lr.full_sync_requests WHERE status IN ('pending', 'supplied')") == [(0,)]
+    left = sink_b.query("SELECT (SELECT count(*) FROM lr.spark_staging), (SELECT count(*) FROM lr.spark_staged_ranges)")
+    assert left == [(0, 0)]
+    app.close()
