@@ -832,3 +832,95 @@ def test_a_retention_trim_while_a_sink_is_seeded_from_its_peer_sends_it_to_the_s
         == ["applied"], "the source's snapshot brought site-c back"
     assert rows(new) == rows(peer) == rows(source)
     assert open_requests(source) == 0
+
+
+# --- the failover reconcile --------------------------------------------------------------------------
+def _switchover_with_a_tail(lr_sites, durable: str | None = None):
+    """site-a -> site-b, site-c for policy past first contact, 100 entries delivered by the cycles, then 50 more the
+    sinks have not got yet (a planned switchover drains them); ``durable``: that sink commits
+    synchronously (it is restarted). Returns the topology, the writer and ``connect``."""
+    if durable:
+        site = next(s for s in lr_sites if s.site_id == durable)
+        site.query(f'ALTER DATABASE "{site.dbname}" SET synchronous_commit = on')
+    topo, connect = _switchover_scene(lr_sites)
+    app = App(lr_sites[0])
+    catch_up = replicator(topo, lr_sites, providers={"policy": table_provider})
+    try:
+        catch_up.run(max_cycles=3, until_idle=True, interval=0.01)  # first contact
+        for i in range(100):
+            app.put(f"k{i % 7}", i, ["site-b", "site-c"])
+        catch_up.run(max_cycles=5, until_idle=True, interval=0.01)
+    finally:
+        catch_up.close()
+    for i in range(100, 150):
+        app.put(f"k{i % 7}", i, ["site-b", "site-c"])
+    return topo, app, connect
+
+
+def _site_b_reaches_site_c(lr_sites, result) -> None:
+    """After the failover, an entry written at the promoted site-b reaches site-c, once."""
+    _, sink_b, sink_c = lr_sites
+    App(sink_b).put("b0", 0, ["site-c", "site-a"])
+    after = replicator(result.topology, lr_sites, providers={"policy": table_provider},
+                       sessions=[k for k in result.topology.sessions() if k.sink == "site-c"])
+    try:
+        reports = after.run(max_cycles=5, until_idle=True, interval=0.01)
+    finally:
+        after.close()
+    assert not any(r.error for r in reports), reports
+    assert [p for k, p in queue(sink_c, "site-b") if k == "log"] == ["b0=0"]
+
+
+def test_a_sink_down_while_a_switchover_reconciles_it_is_reconciled_by_the_rerun_and_gets_every_entry_once(
+        lr_sites, site_manager):
+    """A planned switchover to site-b has drained site-a into both sinks, fenced them and promoted
+    site-b when site-c's server stops (immediate): its reconcile fails and the failover stops there.
+    Once site-c is up the same failover is run again: it resumes from site-b's record, reconciles
+    site-c and completes. Both sinks hold site-a's 150 entries once, no full sync, and site-b's own
+    entries reach site-c."""
+    source, sink_b, sink_c = lr_sites
+    topo, app, connect = _switchover_with_a_tail(lr_sites, durable="site-c")
+
+    def stop_site_c() -> None:
+        site_manager.down([sink_c.site_id], mode="immediate")
+
+    hook = once(stop_site_c)
+    try:
+        with on_fault("failover_after_promote", hook), pytest.raises(psycopg2.Error):
+            failover.promote("site-a", "site-b", connect, reason="maintenance of site-a")
+        assert hook.fired
+    finally:
+        site_manager.up(site_ids=[sink_c.site_id])
+    assert sink_c.query("SELECT failed_over_to, failover_note FROM lr.sink_sessions "
+                        "WHERE source_site_id = 'site-a'") == [("site-b", None)], "fenced, not reconciled"
+    result = failover.promote("site-a", "site-b", connect, reason="maintenance of site-a")
+    assert result.resumed and result.planned and result.full_syncs == [], result.outcome
+    assert "nothing moved" in result.outcome["site-c"]["policy"], result.outcome
+    assert logs(sink_b) == logs(sink_c) == [f"k{i % 7}={i}" for i in range(150)]
+    assert starts(sink_b) == starts(sink_c) == 1
+    assert_handed_off(source, [sink_b, sink_c])
+    _site_b_reaches_site_c(lr_sites, result)
+    app.close()
+
+
+@pytest.mark.parametrize("kind", ["safe", "retention"])
+def test_a_trim_on_the_old_source_while_a_switchover_reconciles_loses_nothing(lr_sites, kind):
+    """A planned switchover to site-b has drained site-a into both sinks and fenced them when site-a's
+    log is trimmed (a safe trim, or a retention trim keeping nothing). The drain has already taken
+    everything up to the barrier, and the reconcile cuts the sinks at site-b's position, which
+    reads no log of site-a: the failover completes without a full sync, both sinks hold the 150
+    entries once, and site-b's own entries reach site-c."""
+    source, sink_b, sink_c = lr_sites
+    topo, app, connect = _switchover_with_a_tail(lr_sites)
+    trimmed: list = []
+    hook = once(lambda: trimmed.append(trim_now(source, kind)))
+    with on_fault("failover_after_fence", hook):
+        result = failover.promote("site-a", "site-b", connect, reason="maintenance of site-a")
+    assert hook.fired and result.planned and result.full_syncs == [], result.outcome
+    if kind == "retention":
+        assert trimmed[0] is not None and trimmed[0].entries_removed >= 150, trimmed
+    assert logs(sink_b) == logs(sink_c) == [f"k{i % 7}={i}" for i in range(150)]
+    assert starts(sink_b) == starts(sink_c) == 1
+    assert_handed_off(source, [sink_b, sink_c])
+    _site_b_reaches_site_c(lr_sites, result)
+    app.close()
