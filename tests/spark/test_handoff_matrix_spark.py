@@ -6,17 +6,21 @@ from __future__ import annotations
 
 from collections import Counter
 
+import psycopg2
 import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.bulk import fanout, snapshot_transfer, staged_tee
 from airflow_provider_lr.engine.errors import FencedError, StaleBatchError
 from airflow_provider_lr.engine.faults import on_fault
+from airflow_provider_lr.engine.site import failover
 from airflow_provider_lr.engine.source import full_sync, trim
 from tests.support.session import App, apply, final_state, queue, replicator, source_state, table_provider
 from tests.support.spark_env import lr_connections  # noqa: F401 (fixture: the job resolves the sites by id)
 
 ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
+TWO_SINKS = [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy"]}]
+B, C = "site-a->site-b/policy", "site-a->site-c/policy"
 ROWS = 7_000
 
 
@@ -172,4 +176,110 @@ def test_a_retention_trim_between_two_staged_chunks_stops_the_session_there_and_
     assert source.query("SELECT count(*) FROM lr.full_sync_requests WHERE status IN ('pending', 'supplied')") == [(0,)]
     left = sink_b.query("SELECT (SELECT count(*) FROM lr.spark_staging), (SELECT count(*) FROM lr.spark_staged_ranges)")
     assert left == [(0, 0)]
+    app.close()
+
+
+# --- the staged fan-out × a sink restart, a failover --------------------------------------------------
+def backlog_for_the_staged_fanout(lr_sites, n: int = 300):
+    """Both sessions of TWO_SINKS through first contact, then ``n`` transactions to both sinks."""
+    topo = apply(lr_sites, TWO_SINKS, providers={"policy": "tests.support.session:table_provider"})
+    app = App(lr_sites[0])
+    first = replicator(topo, lr_sites, providers={"policy": table_provider}, tee_min_backlog=0)
+    first.run(max_cycles=3, until_idle=True, interval=0.01)
+    first.close()
+    for i in range(n):
+        app.put(f"k{i % 7}", i, ["site-b", "site-c"])
+    return topo, app
+
+
+def staged_fanout(topo, event: str, action) -> fanout.FanoutResult:
+    """The staged fan-out of site-a (two tasks, three chunks run in order), ``action`` run once at
+    the first chunk's fault point ``event`` (``fanout_mid_write``, ``fanout_after_commit``)."""
+    done: list = []
+
+    def once() -> None:
+        if not done:
+            done.append(action())
+
+    driver = fanout.FanoutDriver(topo, "site-a")
+    try:
+        with on_fault(f"{event}_p0_a0", once):
+            result = fanout.run_fanout(driver, lambda p: [staged_tee.stage_chunk(p, r, f"_p{r.index}_a0")
+                                                          for r in p.ranges], partitions=3, tasks=2)
+    finally:
+        driver.close()
+    assert done, f"{event} was reached"
+    return result
+
+
+def logs_of(sink) -> list[str]:
+    return [p for k, p in queue(sink, "site-a") if k == "log"]
+
+
+def nothing_staged(sink) -> bool:
+    return sink.query("SELECT (SELECT count(*) FROM lr.spark_staging), "
+                      "(SELECT count(*) FROM lr.spark_staged_ranges)") == [(0, 0)]
+
+
+def test_a_sink_restarted_while_the_staged_fanout_stages_its_first_chunk_gets_every_entry_once(
+        lr_sites, lr_connections, site_manager):
+    """site-b's server stops (immediate) and starts again while the first chunk is being read and
+    staged into both sinks. site-b's stage dies with its connection (staging is UNLOGGED: nothing
+    of it survives), so site-b's later chunks have a gap before them and are not published;
+    site-c's chunks are staged and published. site-b's cycles then catch it up from its own
+    position: both sinks hold every entry once, in order, nothing staged is left behind."""
+    source, sink_b, sink_c = lr_sites
+    sink_b.query(f'ALTER DATABASE "{sink_b.dbname}" SET synchronous_commit = on')  # a durable sink
+    topo, app = backlog_for_the_staged_fanout(lr_sites)
+
+    def restart() -> None:
+        site_manager.down([sink_b.site_id], mode="immediate")
+        site_manager.up(site_ids=[sink_b.site_id])
+
+    result = staged_fanout(topo, "fanout_mid_write", restart)
+    assert result.positions[C] == result.end and result.positions[B] < result.end, result.positions
+    assert B in result.errors, result.errors
+    repl = replicator(topo, lr_sites, providers={"policy": table_provider}, tee_min_backlog=0)
+    try:
+        reports = repl.run(max_cycles=10, until_idle=True, interval=0.05)
+    finally:
+        repl.close()
+    assert not any(r.error for r in reports), reports
+    for sink in (sink_b, sink_c):
+        assert [k for k, _ in queue(sink, "site-a")].count("start") == 1
+        assert logs_of(sink) == [f"k{i % 7}={i}" for i in range(300)], sink.site_id
+        assert final_state(queue(sink, "site-a")) == source_state(source)
+        assert nothing_staged(sink), f"{sink.site_id}: staged rows left behind"
+    assert source.query("SELECT count(*) FROM lr.full_sync_requests WHERE status IN ('pending', 'supplied')") == [(0,)]
+    app.close()
+
+
+@pytest.mark.parametrize("event", ["fanout_after_stage", "fanout_after_commit"], ids=["staged", "published"])
+def test_a_planned_switchover_between_two_staged_chunks_leaves_both_sinks_with_the_same_entries_once(
+        lr_sites, lr_connections, event):
+    """site-b is promoted (a planned switchover: site-a drained into both sinks) right after the
+    staged fan-out staged its first chunk at both sinks, or once it published it. What is staged
+    then is never published (the sessions from site-a are failed over: the failover drops it), the
+    later chunks are refused at both sinks, the fan-out takes nothing as delivered past the
+    failover, and both sinks end with every entry of site-a once, nothing staged left behind."""
+    source, sink_b, sink_c = lr_sites
+    topo, app = backlog_for_the_staged_fanout(lr_sites)
+    App(sink_b).close()  # the new source's table, for its provider
+    dsns = {s.site_id: s.dsn for s in lr_sites}
+    promoted: list = []
+
+    def promote() -> None:
+        promoted.append(failover.promote("site-a", "site-b", lambda site: psycopg2.connect(dsns[site]),
+                                         reason="maintenance of site-a"))
+
+    result = staged_fanout(topo, event, promote)
+    assert promoted[0].planned and promoted[0].full_syncs == [], promoted[0].outcome
+    assert set(result.errors) == {B, C} and all("FencedError" in e for e in result.errors.values()), result.errors
+    expected = [f"k{i % 7}={i}" for i in range(300)]
+    for sink in (sink_b, sink_c):
+        assert [k for k, _ in queue(sink, "site-a")].count("start") == 1
+        assert logs_of(sink) == expected, sink.site_id
+        assert final_state(queue(sink, "site-a")) == source_state(source)
+        assert nothing_staged(sink), f"{sink.site_id}: staged rows left behind"
+    assert source.query("SELECT count(*) FROM lr.full_sync_requests WHERE status IN ('pending', 'supplied')") == [(0,)]
     app.close()
