@@ -638,6 +638,86 @@ def test_a_trim_in_the_middle_of_a_full_sync_transfer_keeps_its_data_and_loses_n
     meanwhile.close()
 
 
+def _full_sync_of_site_c_supplied(lr_sites, rows_: int):
+    """Both sinks past first contact with 20 entries of site-a; then ``rows_`` application rows only
+    a full sync carries, and a forced full sync of site-c, supplied: its transfer is several chunks.
+    Returns the topology, the writer and ``connect``."""
+    source = lr_sites[0]
+    topo, connect = _switchover_scene(lr_sites)
+    app = App(source)
+    first = replicator(topo, lr_sites, providers={"policy": table_provider})
+    try:
+        first.run(max_cycles=3, until_idle=True, interval=0.01)
+        for i in range(20):
+            app.put(f"k{i % 7}", i, ["site-b", "site-c"])
+        first.run(max_cycles=3, until_idle=True, interval=0.01)
+    finally:
+        first.close()
+    seed_rows(app, rows_)
+    request_full_syncs(source, ["site-c"], supply=True)
+    return topo, app, connect
+
+
+def promote_site_b_up_to_date(lr_sites, connect, promoted: list) -> None:
+    """site-b's application holds site-a's state (it consumed what it replicated); site-b is promoted
+    in a planned switchover."""
+    source, sink_b, _ = lr_sites
+    with sink_b.connect() as conn, conn.cursor() as cur:
+        cur.executemany("INSERT INTO app_state (k, v) VALUES (%s, %s)", sorted(source_state(source).items()))
+    promoted.append(failover.promote("site-a", "site-b", connect, reason="maintenance of site-a"))
+
+
+def site_c_follows_site_b(lr_sites, result) -> None:
+    """The cycles of the promoted topology bring site-c its full sync from site-b; site-c's queue
+    from site-b replays to site-b's state, and nothing of site-a's unapplied sync is left there."""
+    source, sink_b, sink_c = lr_sites
+    after = replicator(result.topology, lr_sites, providers={"policy": table_provider},
+                       sessions=[k for k in result.topology.sessions() if k.sink == "site-c"])
+    try:
+        reports = after.run(max_cycles=5, until_idle=True, interval=0.01)
+        App(sink_b).put("b0", 0, ["site-c", "site-a"])
+        reports += after.run(max_cycles=3, until_idle=True, interval=0.01)
+    finally:
+        after.close()
+    assert not any(r.error for r in reports), reports
+    from_b = queue(sink_c, "site-b")
+    assert [k for k, _ in from_b].count("start") == 1 and [p for k, p in from_b if k == "log"] == ["b0=0"]
+    assert final_state(from_b) == source_state(sink_b)
+    assert sink_b.query("SELECT status FROM lr.full_sync_requests WHERE sink_site_id = 'site-c'") == [("applied",)]
+    assert logs(sink_c) == logs(sink_b) == [f"k{i % 7}={i}" for i in range(20)], "site-a's stream, cut at site-b's, once"
+    assert open_requests(source) == open_requests(sink_b) == 0
+    left = sink_c.query("SELECT (SELECT count(*) FROM lr.receive_queue WHERE NOT visible), "
+                        "(SELECT count(*) FROM lr.spark_staging), (SELECT count(*) FROM lr.spark_staged_ranges)")
+    assert left == [(0, 0, 0)], "nothing of site-a's unapplied sync left behind, staged or in the queue"
+
+
+def test_a_planned_switchover_in_the_middle_of_a_full_sync_transfer_gives_the_sink_a_full_sync_from_the_new_source(
+        lr_sites):
+    """site-c's forced full sync is being transferred (several chunks) when site-b, up to date, is
+    promoted (planned). site-c had not applied that sync, so it cannot be cut at site-b's position:
+    the failover requests a full sync from site-b for it, and the transfer's next chunk is refused
+    (the session from site-a is failed over). The promoted topology's cycles bring site-c site-b's
+    full sync: site-c ends equal to site-b, site-a's entries once, no request left open."""
+    _, _, sink_c = lr_sites
+    topo, app, connect = _full_sync_of_site_c_supplied(lr_sites, 12_000)
+    promoted: list = []
+    hook = once(lambda: promote_site_b_up_to_date(lr_sites, connect, promoted))
+    repl = replicator(topo, lr_sites, providers={"policy": table_provider},
+                      sessions=[k for k in topo.sessions() if k.sink == "site-c"])
+    try:
+        with on_fault("after_snapshot_chunk", hook):
+            (report,) = repl.run_cycle()
+    finally:
+        repl.close()
+    assert hook.fired and "FencedError" in report.error and "failed over" in report.error, report
+    result = promoted[0]
+    assert result.full_syncs == ["site-b->site-c/policy"], result.outcome
+    assert "had not applied its full sync" in result.outcome["site-c"]["policy"], result.outcome
+    assert starts(sink_c) == 1, "site-a's sync never became visible"
+    site_c_follows_site_b(lr_sites, result)
+    app.close()
+
+
 # --- the table snapshot in process -------------------------------------------------------------
 def _tables_and_queue(lr_sites):
     """Client policy both transmits (its full sync: ``table_provider``) and federates public.accounts."""
