@@ -638,7 +638,7 @@ def test_a_trim_in_the_middle_of_a_full_sync_transfer_keeps_its_data_and_loses_n
     meanwhile.close()
 
 
-def _full_sync_of_site_c_supplied(lr_sites, rows_: int):
+def full_sync_of_site_c_supplied(lr_sites, rows_: int):
     """Both sinks past first contact with 20 entries of site-a; then ``rows_`` application rows only
     a full sync carries, and a forced full sync of site-c, supplied: its transfer is several chunks.
     Returns the topology, the writer and ``connect``."""
@@ -699,7 +699,7 @@ def test_a_planned_switchover_in_the_middle_of_a_full_sync_transfer_gives_the_si
     (the session from site-a is failed over). The promoted topology's cycles bring site-c site-b's
     full sync: site-c ends equal to site-b, site-a's entries once, no request left open."""
     _, _, sink_c = lr_sites
-    topo, app, connect = _full_sync_of_site_c_supplied(lr_sites, 12_000)
+    topo, app, connect = full_sync_of_site_c_supplied(lr_sites, 12_000)
     promoted: list = []
     hook = once(lambda: promote_site_b_up_to_date(lr_sites, connect, promoted))
     repl = replicator(topo, lr_sites, providers={"policy": table_provider},

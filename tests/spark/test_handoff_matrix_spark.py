@@ -15,6 +15,7 @@ from airflow_provider_lr.engine.errors import FencedError, StaleBatchError
 from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.site import failover
 from airflow_provider_lr.engine.source import full_sync, trim
+from tests.engine.test_handoff_matrix import full_sync_of_site_c_supplied, promote_site_b_up_to_date, site_c_follows_site_b
 from tests.support.session import App, apply, final_state, queue, replicator, source_state, table_provider
 from tests.support.spark_env import lr_connections  # noqa: F401 (fixture: the job resolves the sites by id)
 
@@ -76,6 +77,35 @@ def test_a_spark_transfer_whose_lease_is_taken_over_between_its_tasks_is_fenced_
     assert source.query("SELECT count(*) FROM lr.full_sync_requests WHERE status IN ('pending', 'supplied')") == [(0,)]
     left = sink_b.query("SELECT (SELECT count(*) FROM lr.spark_staging), (SELECT count(*) FROM lr.spark_staged_ranges)")
     assert left == [(0, 0)], "what the fenced job staged does not outlive it"
+    app.close()
+
+
+def test_a_planned_switchover_between_a_spark_transfers_tasks_gives_the_sink_a_full_sync_from_the_new_source(
+        lr_sites, lr_connections):
+    """The transfer job of site-c's forced full sync has planned (SNAPSHOT_START at site-c) and staged
+    its first range when site-b, up to date, is promoted (planned). site-c had not applied the sync:
+    the failover requests a full sync from site-b for it and drops what was staged. The job's last
+    task then stages nothing (the sink no longer transfers that sync: it is failed over), and its
+    commit is refused. The promoted topology's cycles bring site-c site-b's full sync; nothing of
+    site-a's sync is left at site-c, staged or in its queue."""
+    source, _, sink_c = lr_sites
+    topo, app, connect = full_sync_of_site_c_supplied(lr_sites, ROWS)
+    (request_id,), = source.query("SELECT request_id FROM lr.full_sync_requests WHERE status = 'supplied'")
+    job = snapshot_transfer.SnapshotTransfer(topo, "site-a", "site-c", "policy", owner="spark-driver")
+    promoted: list = []
+    try:
+        plan = job.plan(str(request_id), partitions=2)
+        snapshot_transfer.stage_range(plan, plan.ranges[0])
+        promote_site_b_up_to_date(lr_sites, connect, promoted)
+        assert snapshot_transfer.stage_range(plan, plan.ranges[1])["staged"] == 0  # the stalled driver's last task
+        with pytest.raises(FencedError, match="failed over"):
+            job.commit(plan)
+    finally:
+        job.close()
+    result = promoted[0]
+    assert result.full_syncs == ["site-b->site-c/policy"], result.outcome
+    assert [k for k, _ in queue(sink_c, "site-a")].count("start") == 1, "site-a's sync never became visible"
+    site_c_follows_site_b(lr_sites, result)
     app.close()
 
 
