@@ -1004,3 +1004,59 @@ def test_a_trim_on_the_old_source_while_a_switchover_reconciles_loses_nothing(lr
     assert_handed_off(source, [sink_b, sink_c])
     _site_b_reaches_site_c(lr_sites, result)
     app.close()
+
+
+# --- the nearest-copy seed × a failover ---------------------------------------------------------------
+def test_a_switchover_while_a_sink_is_seeded_from_its_peer_waits_for_the_seed_and_the_sink_follows_the_peer(
+        lr_sites):
+    """site-c (a client of tables only) is being seeded from site-b, its peer, when site-b is promoted
+    (planned): the seed's fenced sink transaction holds site-c's session row, so the failover waits
+    for it at site-c (the hook returns once it waits). The seed commits at site-b's position; the
+    failover drains site-a into site-c from there under a higher epoch (the seeding cycle's next
+    write is refused: FencedError) and fences it; the reconcile finds site-c at site-b's position
+    (nothing moved), its table following site-b. A change made at site-b then reaches site-c."""
+    from airflow_provider_lr.engine.vocabulary import SessionKey
+
+    source, peer, new = lr_sites
+    topo = apply(lr_sites, regions={"site-a": "us-east", "site-b": "eu-west", "site-c": "eu-west"})
+    create_accounts(source, rows=500)
+    federate(source)
+    dsns = {s.site_id: s.dsn for s in lr_sites}
+    settings = {"peer_probe_delay": 0.5}
+    only_b = replicator(topo, lr_sites, sessions=[SessionKey("site-a", "site-b", "policy")], **settings)
+    only_c = replicator(topo, lr_sites, sessions=[SessionKey("site-a", "site-c", "policy")], **settings)
+    promoted: list = []
+    thread = threading.Thread(target=lambda: promoted.append(failover.promote(
+        "site-a", "site-b", lambda site: psycopg2.connect(dsns[site]), reason="maintenance of site-a")))
+
+    def promote_waiting_on_the_seed() -> None:
+        thread.start()
+        wait_for(lambda: new.query("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                   "AND query LIKE '%%lr.sink_sessions%%'")[0][0] == 1,
+                 30, "the failover to wait for the seed at site-c")
+
+    hook = once(promote_waiting_on_the_seed)
+    try:
+        only_b.run(max_cycles=10, until_idle=True, interval=0.01)
+        with on_fault("peer_seed_before_commit", hook):
+            (report,) = only_c.run_cycle()
+        thread.join(60)
+    finally:
+        only_b.close()
+        only_c.close()
+    assert hook.fired and promoted, "the failover completed once the seed committed"
+    assert "FencedError" in report.error, report
+    result = promoted[0]
+    assert result.planned and result.full_syncs == [], result.outcome
+    assert "nothing moved" in result.outcome["site-c"]["policy"], result.outcome
+    assert rows(new) == rows(peer) == rows(source)
+    peer.query("UPDATE public.accounts SET owner = 'site-b' WHERE id <= 10")
+    after = replicator(result.topology, lr_sites,
+                       sessions=[k for k in result.topology.sessions() if k.sink == "site-c"])
+    try:
+        reports = after.run(max_cycles=5, until_idle=True, interval=0.01)
+    finally:
+        after.close()
+    assert not any(r.error for r in reports), reports
+    assert rows(new) == rows(peer) and new.query("SELECT count(*) FROM public.accounts WHERE owner = 'site-b'") == [(10,)]
+    assert open_requests(source) == open_requests(peer) == 0
