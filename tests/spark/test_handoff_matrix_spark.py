@@ -33,6 +33,7 @@ from tests.support.tables import create_accounts, federate, rows
 ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
 TWO_SINKS = [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy"]}]
 B, C = "site-a->site-b/policy", "site-a->site-c/policy"
+PROVIDERS = {"policy": "tests.support.session:table_provider"}
 ROWS = 7_000
 
 
@@ -177,7 +178,7 @@ def test_a_retention_trim_between_two_staged_chunks_stops_the_session_there_and_
     and leaves the session out (TrimmedError): nothing of the trimmed range is taken as delivered,
     nothing stays staged, and the session's cycles bring the sink back with a full sync."""
     source, sink_b = lr_sites[0], lr_sites[1]
-    topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:table_provider"})
+    topo = apply(lr_sites, ONE_SINK, providers=PROVIDERS)
     app = App(source)
     first = replicator(topo, lr_sites, providers={"policy": table_provider}, tee_min_backlog=0)
     first.run(max_cycles=3, until_idle=True, interval=0.01)
@@ -223,7 +224,7 @@ def test_a_retention_trim_between_two_staged_chunks_stops_the_session_there_and_
 # --- the staged fan-out × a sink restart, a failover --------------------------------------------------
 def backlog_for_the_staged_fanout(lr_sites, n: int = 300):
     """Both sessions of TWO_SINKS through first contact, then ``n`` transactions to both sinks."""
-    topo = apply(lr_sites, TWO_SINKS, providers={"policy": "tests.support.session:table_provider"})
+    topo = apply(lr_sites, TWO_SINKS, providers=PROVIDERS)
     app = App(lr_sites[0])
     first = replicator(topo, lr_sites, providers={"policy": table_provider}, tee_min_backlog=0)
     first.run(max_cycles=3, until_idle=True, interval=0.01)
@@ -333,7 +334,7 @@ TABLE_ROWS = 2_000
 def tables_lacking_at_both_sinks(lr_sites):
     """site-a -> site-b, site-c for policy past first contact (its queue: ``table_provider``), then
     public.accounts (TABLE_ROWS rows) federated at site-a: both sinks lack it, no cycle has run since."""
-    topo = apply(lr_sites, TWO_SINKS, providers={"policy": "tests.support.session:table_provider"})
+    topo = apply(lr_sites, TWO_SINKS, providers=PROVIDERS)
     app = App(lr_sites[0])
     first = replicator(topo, lr_sites, providers={"policy": table_provider})
     try:
@@ -400,8 +401,8 @@ def test_a_request_a_trim_or_a_topology_change_between_a_spark_table_snapshots_t
 
     between = {"back_to_back": lambda: request_full_syncs(source, ["site-b", "site-b"], supply=True),
                "trim": commit_then_trim,
-               "topology": lambda: apply(lr_sites, TWO_SINKS, providers={"policy": "tests.support.session:table_provider"},
-                                         settings={"max_payload_bytes": 4096})}[event]
+               "topology": lambda: apply(lr_sites, TWO_SINKS, providers=PROVIDERS, settings={"max_payload_bytes": 4096})
+               }[event]
     result, raised = table_job(topo, between)
     assert raised is None and result.tables == {f"{k}:public.accounts": "synced" for k in (B, C)}, raised or result
     assert result.rows == 2 * TABLE_ROWS
@@ -423,9 +424,9 @@ def test_a_lease_taken_over_between_a_spark_table_snapshots_tasks_fences_the_res
         lr_sites, lr_connections):
     """Between the job's tasks its lease on site-b's session runs out and a successor takes the
     session over (one cycle: it snapshots site-b's table itself, in process). The job's next task
-    is refused at site-b (the epoch, under a share lock) and writes nothing anywhere (one task:
-    one outcome); the job fails, site-c's table stays syncing, and the cycles that follow snapshot
-    it again from the start. Tables row for row at both sinks, every entry once."""
+    is refused at site-b (the epoch, under a share lock) and commits at neither sink; the job
+    fails, site-c's table stays syncing, and the cycles that follow snapshot it again from the
+    start, dropping the failed run's range records. Tables row for row, every entry once."""
     source, sink_b, sink_c = lr_sites
     topo, app = tables_lacking_at_both_sinks(lr_sites)
     takeover = Takeover(topo, lr_sites)
