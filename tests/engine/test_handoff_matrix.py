@@ -105,6 +105,21 @@ def request_full_syncs(source, sinks: list[str], supply: bool) -> None:
         conn.close()
 
 
+def newest_forced_base(source) -> int:
+    """The base the newest forced full sync was supplied at."""
+    return source.query("SELECT base_position FROM lr.full_sync_requests WHERE forced "
+                        "ORDER BY requested_at DESC LIMIT 1")[0][0]
+
+
+def supplied_again_past(source, first_base: int) -> list[str]:
+    """The forced requests' statuses, in order; the one applied was supplied anew, past ``first_base``
+    (``SessionRunner._behind_sink``: a request behind the sink goes back to pending, same id)."""
+    ((applied_base,),) = source.query("SELECT base_position FROM lr.full_sync_requests WHERE forced "
+                                      "AND status = 'applied'")
+    assert applied_base > first_base, "the request applied was supplied again, at a base past the sink"
+    return [r[0] for r in source.query("SELECT status FROM lr.full_sync_requests WHERE forced ORDER BY requested_at")]
+
+
 def expire_lease(source, sink: str) -> None:
     """The holder of the session's lease stalls: its lease runs out."""
     source.query("UPDATE lr.source_sessions SET lease_expires_at = now() - interval '1 second' "
@@ -536,7 +551,7 @@ def test_a_full_sync_requested_in_the_middle_of_a_transfer_is_applied_after_it_a
         lr_sites, requests):
     """Between two chunks of a transfer, an operator forces a full sync (or two, back to back) and the
     client supplies it at once. The transfer under way finishes and is applied, and the same cycle's
-    log-entry sync then takes the sink past the new request's base: that request is asked again
+    log-entry sync then takes the sink past the new request's base: that request is supplied again
     (never applied behind the sink) and applied next; every entry once."""
     source, sink_b, _ = lr_sites
     topo = apply(lr_sites, ONE_SINK, providers=PROVIDERS)
@@ -547,7 +562,9 @@ def test_a_full_sync_requested_in_the_middle_of_a_transfer_is_applied_after_it_a
         for i in range(10):
             meanwhile.put(f"k{i % 7}", i, ["site-b"])
         request_full_syncs(source, requests, supply=True)
+        first_base.append(newest_forced_base(source))
 
+    first_base: list[int] = []
     hook = once(commit_then_request)
     repl = replicator(topo, lr_sites, providers={"policy": table_provider})
     try:
@@ -560,10 +577,7 @@ def test_a_full_sync_requested_in_the_middle_of_a_transfer_is_applied_after_it_a
     finally:
         repl.close()
     assert not any(r.error for r in reports), reports
-    forced = [r[0] for r in source.query("SELECT status FROM lr.full_sync_requests WHERE forced ORDER BY requested_at")]
-    assert forced[-1] == "applied" and set(forced[:-1]) == {"cancelled"} and len(forced) > len(requests), forced
-    notes = source.query("SELECT note FROM lr.full_sync_requests WHERE forced AND status = 'cancelled'")
-    assert any("behind the sink" in n for (n,) in notes), notes
+    assert supplied_again_past(source, first_base[0]) == ["cancelled"] * (len(requests) - 1) + ["applied"]
     assert starts(sink_b) == 2
     assert_handed_off(source, [sink_b])
     app.close()
@@ -638,6 +652,86 @@ def test_a_trim_in_the_middle_of_a_full_sync_transfer_keeps_its_data_and_loses_n
     meanwhile.close()
 
 
+def full_sync_of_site_c_supplied(lr_sites, rows_: int):
+    """Both sinks past first contact with 20 entries of site-a; then ``rows_`` application rows only
+    a full sync carries, and a forced full sync of site-c, supplied: its transfer is several chunks.
+    Returns the topology, the writer and ``connect``."""
+    source = lr_sites[0]
+    topo, connect = _switchover_scene(lr_sites)
+    app = App(source)
+    first = replicator(topo, lr_sites, providers={"policy": table_provider})
+    try:
+        first.run(max_cycles=3, until_idle=True, interval=0.01)
+        for i in range(20):
+            app.put(f"k{i % 7}", i, ["site-b", "site-c"])
+        first.run(max_cycles=3, until_idle=True, interval=0.01)
+    finally:
+        first.close()
+    seed_rows(app, rows_)
+    request_full_syncs(source, ["site-c"], supply=True)
+    return topo, app, connect
+
+
+def promote_site_b_up_to_date(lr_sites, connect, promoted: list) -> None:
+    """site-b's application holds site-a's state (it consumed what it replicated); site-b is promoted
+    in a planned switchover."""
+    source, sink_b, _ = lr_sites
+    with sink_b.connect() as conn, conn.cursor() as cur:
+        cur.executemany("INSERT INTO app_state (k, v) VALUES (%s, %s)", sorted(source_state(source).items()))
+    promoted.append(failover.promote("site-a", "site-b", connect, reason="maintenance of site-a"))
+
+
+def site_c_follows_site_b(lr_sites, result) -> None:
+    """The cycles of the promoted topology bring site-c its full sync from site-b; site-c's queue
+    from site-b replays to site-b's state, and nothing of site-a's unapplied sync is left there."""
+    source, sink_b, sink_c = lr_sites
+    after = replicator(result.topology, lr_sites, providers={"policy": table_provider},
+                       sessions=[k for k in result.topology.sessions() if k.sink == "site-c"])
+    try:
+        reports = after.run(max_cycles=5, until_idle=True, interval=0.01)
+        App(sink_b).put("b0", 0, ["site-c", "site-a"])
+        reports += after.run(max_cycles=3, until_idle=True, interval=0.01)
+    finally:
+        after.close()
+    assert not any(r.error for r in reports), reports
+    from_b = queue(sink_c, "site-b")
+    assert [k for k, _ in from_b].count("start") == 1 and [p for k, p in from_b if k == "log"] == ["b0=0"]
+    assert final_state(from_b) == source_state(sink_b)
+    assert sink_b.query("SELECT status FROM lr.full_sync_requests WHERE sink_site_id = 'site-c'") == [("applied",)]
+    assert logs(sink_c) == logs(sink_b) == [f"k{i % 7}={i}" for i in range(20)], "site-a's stream cut at site-b's"
+    assert open_requests(source) == open_requests(sink_b) == 0
+    left = sink_c.query("SELECT (SELECT count(*) FROM lr.receive_queue WHERE NOT visible), "
+                        "(SELECT count(*) FROM lr.spark_staging), (SELECT count(*) FROM lr.spark_staged_ranges)")
+    assert left == [(0, 0, 0)], "nothing of site-a's unapplied sync left behind, staged or in the queue"
+
+
+def test_a_planned_switchover_in_the_middle_of_a_full_sync_transfer_gives_the_sink_a_full_sync_from_the_new_source(
+        lr_sites):
+    """site-c's forced full sync is being transferred (several chunks) when site-b, up to date, is
+    promoted (planned). site-c had not applied that sync, so it cannot be cut at site-b's position:
+    the failover requests a full sync from site-b for it, and the transfer's next chunk is refused
+    (the session from site-a is failed over). The promoted topology's cycles bring site-c site-b's
+    full sync: site-c ends equal to site-b, site-a's entries once, no request left open."""
+    _, _, sink_c = lr_sites
+    topo, app, connect = full_sync_of_site_c_supplied(lr_sites, 12_000)
+    promoted: list = []
+    hook = once(lambda: promote_site_b_up_to_date(lr_sites, connect, promoted))
+    repl = replicator(topo, lr_sites, providers={"policy": table_provider},
+                      sessions=[k for k in topo.sessions() if k.sink == "site-c"])
+    try:
+        with on_fault("after_snapshot_chunk", hook):
+            (report,) = repl.run_cycle()
+    finally:
+        repl.close()
+    assert hook.fired and "FencedError" in report.error and "failed over" in report.error, report
+    result = promoted[0]
+    assert result.full_syncs == ["site-b->site-c/policy"], result.outcome
+    assert "had not applied its full sync" in result.outcome["site-c"]["policy"], result.outcome
+    assert starts(sink_c) == 1, "site-a's sync never became visible"
+    site_c_follows_site_b(lr_sites, result)
+    app.close()
+
+
 # --- the table snapshot in process -------------------------------------------------------------
 def _tables_and_queue(lr_sites):
     """Client policy both transmits (its full sync: ``table_provider``) and federates public.accounts."""
@@ -651,14 +745,16 @@ def _tables_and_queue(lr_sites):
 def test_a_full_sync_supplied_while_a_table_snapshot_is_written_is_applied_once_and_the_table_follows(lr_sites):
     """A forced full sync is requested and supplied by the client while the cycle's table snapshot
     is in the sink's open transaction, with entries committed before and after it; the cycle then
-    streams on past its base. The request is asked again (never applied behind the sink), the
+    streams on past its base. The request is supplied again (never applied behind the sink), the
     tables are snapshotted again after it, and nothing is lost or doubled."""
     source, sink_b, _ = lr_sites
     topo, app, meanwhile = _tables_and_queue(lr_sites)
+    first_base: list[int] = []
 
     def request_amid_entries() -> None:
         meanwhile.put("k1", 1, ["site-b"])
         request_full_syncs(source, ["site-b"], supply=True)
+        first_base.append(newest_forced_base(source))
         meanwhile.put("k2", 2, ["site-b"])
 
     hook = once(request_amid_entries)
@@ -674,8 +770,7 @@ def test_a_full_sync_supplied_while_a_table_snapshot_is_written_is_applied_once_
     finally:
         repl.close()
     assert hook.fired and writer.transactions > 0
-    forced = source.query("SELECT status, note FROM lr.full_sync_requests WHERE forced ORDER BY requested_at")
-    assert [s for s, _ in forced] == ["cancelled", "applied"] and "behind the sink" in forced[0][1], forced
+    assert supplied_again_past(source, first_base[0]) == ["applied"]
     assert_handed_off(source, [sink_b], tables=True)
     app.close()
     meanwhile.close()
@@ -832,3 +927,152 @@ def test_a_retention_trim_while_a_sink_is_seeded_from_its_peer_sends_it_to_the_s
         == ["applied"], "the source's snapshot brought site-c back"
     assert rows(new) == rows(peer) == rows(source)
     assert open_requests(source) == 0
+
+
+# --- the failover reconcile --------------------------------------------------------------------------
+def _switchover_with_a_tail(lr_sites, durable: str | None = None):
+    """site-a -> site-b, site-c for policy past first contact, 100 entries delivered by the cycles, then 50 more the
+    sinks have not got yet (a planned switchover drains them); ``durable``: that sink commits
+    synchronously (it is restarted). Returns the topology, the writer and ``connect``."""
+    if durable:
+        site = next(s for s in lr_sites if s.site_id == durable)
+        site.query(f'ALTER DATABASE "{site.dbname}" SET synchronous_commit = on')
+    topo, connect = _switchover_scene(lr_sites)
+    app = App(lr_sites[0])
+    catch_up = replicator(topo, lr_sites, providers={"policy": table_provider})
+    try:
+        catch_up.run(max_cycles=3, until_idle=True, interval=0.01)  # first contact
+        for i in range(100):
+            app.put(f"k{i % 7}", i, ["site-b", "site-c"])
+        catch_up.run(max_cycles=5, until_idle=True, interval=0.01)
+    finally:
+        catch_up.close()
+    for i in range(100, 150):
+        app.put(f"k{i % 7}", i, ["site-b", "site-c"])
+    return topo, app, connect
+
+
+def _site_b_reaches_site_c(lr_sites, result) -> None:
+    """After the failover, an entry written at the promoted site-b reaches site-c, once."""
+    _, sink_b, sink_c = lr_sites
+    App(sink_b).put("b0", 0, ["site-c", "site-a"])
+    after = replicator(result.topology, lr_sites, providers={"policy": table_provider},
+                       sessions=[k for k in result.topology.sessions() if k.sink == "site-c"])
+    try:
+        reports = after.run(max_cycles=5, until_idle=True, interval=0.01)
+    finally:
+        after.close()
+    assert not any(r.error for r in reports), reports
+    assert [p for k, p in queue(sink_c, "site-b") if k == "log"] == ["b0=0"]
+
+
+def test_a_sink_down_while_a_switchover_reconciles_it_is_reconciled_by_the_rerun_and_gets_every_entry_once(
+        lr_sites, site_manager):
+    """A planned switchover to site-b has drained site-a into both sinks, fenced them and promoted
+    site-b when site-c's server stops (immediate): its reconcile fails and the failover stops there.
+    Once site-c is up the same failover is run again: it resumes from site-b's record, reconciles
+    site-c and completes. Both sinks hold site-a's 150 entries once, no full sync, and site-b's own
+    entries reach site-c."""
+    source, sink_b, sink_c = lr_sites
+    topo, app, connect = _switchover_with_a_tail(lr_sites, durable="site-c")
+
+    def stop_site_c() -> None:
+        site_manager.down([sink_c.site_id], mode="immediate")
+
+    hook = once(stop_site_c)
+    try:
+        with on_fault("failover_after_promote", hook), pytest.raises(psycopg2.Error):
+            failover.promote("site-a", "site-b", connect, reason="maintenance of site-a")
+        assert hook.fired
+    finally:
+        site_manager.up(site_ids=[sink_c.site_id])
+    assert sink_c.query("SELECT failed_over_to, failover_note FROM lr.sink_sessions "
+                        "WHERE source_site_id = 'site-a'") == [("site-b", None)], "fenced, not reconciled"
+    result = failover.promote("site-a", "site-b", connect, reason="maintenance of site-a")
+    assert result.resumed and result.planned and result.full_syncs == [], result.outcome
+    assert "nothing moved" in result.outcome["site-c"]["policy"], result.outcome
+    assert logs(sink_b) == logs(sink_c) == [f"k{i % 7}={i}" for i in range(150)]
+    assert starts(sink_b) == starts(sink_c) == 1
+    assert_handed_off(source, [sink_b, sink_c])
+    _site_b_reaches_site_c(lr_sites, result)
+    app.close()
+
+
+@pytest.mark.parametrize("kind", ["safe", "retention"])
+def test_a_trim_on_the_old_source_while_a_switchover_reconciles_loses_nothing(lr_sites, kind):
+    """A planned switchover to site-b has drained site-a into both sinks and fenced them when site-a's
+    log is trimmed (a safe trim, or a retention trim keeping nothing). The drain has already taken
+    everything up to the barrier, and the reconcile cuts the sinks at site-b's position, which
+    reads no log of site-a: the failover completes without a full sync, both sinks hold the 150
+    entries once, and site-b's own entries reach site-c."""
+    source, sink_b, sink_c = lr_sites
+    topo, app, connect = _switchover_with_a_tail(lr_sites)
+    trimmed: list = []
+    hook = once(lambda: trimmed.append(trim_now(source, kind)))
+    with on_fault("failover_after_fence", hook):
+        result = failover.promote("site-a", "site-b", connect, reason="maintenance of site-a")
+    assert hook.fired and result.planned and result.full_syncs == [], result.outcome
+    if kind == "retention":
+        assert trimmed[0] is not None and trimmed[0].entries_removed >= 150, trimmed
+    assert logs(sink_b) == logs(sink_c) == [f"k{i % 7}={i}" for i in range(150)]
+    assert starts(sink_b) == starts(sink_c) == 1
+    assert_handed_off(source, [sink_b, sink_c])
+    _site_b_reaches_site_c(lr_sites, result)
+    app.close()
+
+
+# --- the nearest-copy seed × a failover ---------------------------------------------------------------
+def test_a_switchover_while_a_sink_is_seeded_from_its_peer_waits_for_the_seed_and_the_sink_follows_the_peer(
+        lr_sites):
+    """site-c (a client of tables only) is being seeded from site-b, its peer, when site-b is promoted
+    (planned): the seed's fenced sink transaction holds site-c's session row, so the failover waits
+    for it at site-c (the hook returns once it waits). The seed commits at site-b's position; the
+    failover drains site-a into site-c from there under a higher epoch (the seeding cycle's next
+    write is refused: FencedError) and fences it; the reconcile finds site-c at site-b's position
+    (nothing moved), its table following site-b. A change made at site-b then reaches site-c."""
+    from airflow_provider_lr.engine.vocabulary import SessionKey
+
+    source, peer, new = lr_sites
+    topo = apply(lr_sites, regions={"site-a": "us-east", "site-b": "eu-west", "site-c": "eu-west"})
+    create_accounts(source, rows=500)
+    federate(source)
+    dsns = {s.site_id: s.dsn for s in lr_sites}
+    settings = {"peer_probe_delay": 0.5}
+    only_b = replicator(topo, lr_sites, sessions=[SessionKey("site-a", "site-b", "policy")], **settings)
+    only_c = replicator(topo, lr_sites, sessions=[SessionKey("site-a", "site-c", "policy")], **settings)
+    promoted: list = []
+    thread = threading.Thread(target=lambda: promoted.append(failover.promote(
+        "site-a", "site-b", lambda site: psycopg2.connect(dsns[site]), reason="maintenance of site-a")))
+
+    def promote_waiting_on_the_seed() -> None:
+        thread.start()
+        wait_for(lambda: new.query("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                   "AND query LIKE '%%lr.sink_sessions%%'")[0][0] == 1,
+                 30, "the failover to wait for the seed at site-c")
+
+    hook = once(promote_waiting_on_the_seed)
+    try:
+        only_b.run(max_cycles=10, until_idle=True, interval=0.01)
+        with on_fault("peer_seed_before_commit", hook):
+            (report,) = only_c.run_cycle()
+        thread.join(60)
+    finally:
+        only_b.close()
+        only_c.close()
+    assert hook.fired and promoted, "the failover completed once the seed committed"
+    assert "FencedError" in report.error, report
+    result = promoted[0]
+    assert result.planned and result.full_syncs == [], result.outcome
+    assert "nothing moved" in result.outcome["site-c"]["policy"], result.outcome
+    assert rows(new) == rows(peer) == rows(source)
+    peer.query("UPDATE public.accounts SET owner = 'site-b' WHERE id <= 10")
+    after = replicator(result.topology, lr_sites,
+                       sessions=[k for k in result.topology.sessions() if k.sink == "site-c"])
+    try:
+        reports = after.run(max_cycles=5, until_idle=True, interval=0.01)
+    finally:
+        after.close()
+    assert not any(r.error for r in reports), reports
+    assert rows(new) == rows(peer)
+    assert new.query("SELECT count(*) FROM public.accounts WHERE owner = 'site-b'") == [(10,)]
+    assert open_requests(source) == open_requests(peer) == 0

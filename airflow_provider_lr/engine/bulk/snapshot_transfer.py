@@ -267,8 +267,10 @@ def _still_transferring(cur: psycopg2.extensions.cursor, plan: SnapshotPlan) -> 
     """Whether the sink still transfers the plan's sync, read under a share lock of the session row
     held until the stage commits (an apply or a newer sync, which drops what is staged, waits for
     it). A stage that lands after the sync moved on (its job fenced out by a successor that moved
-    it in process) would otherwise stay staged until the session's next full sync or fan-out."""
-    cur.execute("SELECT snapshot_request_id = %s AND snapshot_transferred <> snapshot_started FROM lr.sink_sessions "
+    it in process) would otherwise stay staged until the session's next full sync or fan-out, and
+    one that lands after a failover (which dropped what was staged before it) for good."""
+    cur.execute("SELECT snapshot_request_id = %s AND snapshot_transferred <> snapshot_started "
+                "AND failed_over_to IS NULL FROM lr.sink_sessions "
                 "WHERE source_site_id = %s AND client_name = %s FOR SHARE", (plan.request_id, plan.source, plan.client))
     row = cur.fetchone()
     return bool(row and row[0])

@@ -299,6 +299,16 @@ def discard_staged(cur: psycopg2.extensions.cursor, source: str, client: str) ->
     cur.execute("DELETE FROM lr.spark_staged_ranges WHERE source_site_id = %s AND client_name = %s", (source, client))
 
 
+def discard_unapplied(cur: psycopg2.extensions.cursor, source: str, client: str) -> None:
+    """Drop what the session holds on this sink that was never made visible: the rows of a full sync
+    not applied (they stay invisible unless it is) and what Spark jobs staged (``discard_staged``).
+    Called inside the session's fenced sink transaction when that data can no longer be applied: a
+    newer sync starts, or the session is failed over (``site.failover``)."""
+    cur.execute("DELETE FROM lr.receive_queue WHERE source_site_id = %s AND client_name = %s AND NOT visible",
+                (source, client))
+    discard_staged(cur, source, client)
+
+
 def start_snapshot(
     conn: psycopg2.extensions.connection,
     source: str,
@@ -331,11 +341,7 @@ def start_snapshot(
                 f"full sync {sync_id} of {source}/{client} has its base at position {base}, behind the "
                 f"{meta.last_log_entry_processed} this sink has processed; its data must be supplied again"
             )
-        cur.execute(
-            "DELETE FROM lr.receive_queue WHERE source_site_id = %s AND client_name = %s AND NOT visible",
-            (source, client),
-        )
-        discard_staged(cur, source, client)
+        discard_unapplied(cur, source, client)
         write.register()  # the first write of a snapshot sync registers the queue (seed 000)
         forget_session(cur, source, client)  # its federated tables take new snapshots after this one
         write.update(

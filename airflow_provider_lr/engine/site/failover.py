@@ -353,6 +353,7 @@ def _promote(conn: psycopg2.extensions.connection, from_site: str, to_site: str,
                         f"site {to_site!r} holds no consistent copy of {from_site!r}'s client {client!r} (no session, "
                         "or a full sync not applied); promote a sink that has one; nothing was promoted")
                 cuts[client] = row[0]
+                writes.discard_unapplied(cur, from_site, client)  # the old session applies and publishes no more
             cur.execute(LAST_DRAWN_POSITION_SQL)
             base = cur.fetchone()[0]
             apply_to_site(conn, target, to_site, commit=False)
@@ -405,7 +406,9 @@ def _reconcile(conn: psycopg2.extensions.connection, new: psycopg2.extensions.co
     """One transaction on the sink: every failed-over client's session from the old source cut at
     pB (extras removed, or the gap copied), its session from the new source set at the base, the
     new topology. Where cutting is impossible a full sync from the new source is requested (on the
-    new source, first) with the reason. Idempotent: a session reconciled before keeps its note."""
+    new source, first) with the reason. What the old session holds unapplied (a full sync's rows,
+    what Spark jobs staged) is dropped.
+    Idempotent: a session reconciled before keeps its note."""
     old, to = result.from_site, result.to_site
     notes: dict[str, str] = {}
     federated = {client: registry.federated_tables(new, client) for client in result.clients}
@@ -418,6 +421,7 @@ def _reconcile(conn: psycopg2.extensions.connection, new: psycopg2.extensions.co
                     "SELECT last_log_entry_processed, data_consistent, snapshot_applied, failover_note, failover_id "
                     "FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s FOR UPDATE", (old, client))
                 row = cur.fetchone()
+                writes.discard_unapplied(cur, old, client)  # fenced: its unapplied sync and staged data never apply
                 if row is None:
                     notes[client] = f"nothing of {old} held: first contact with {to} (full sync)"
                     continue

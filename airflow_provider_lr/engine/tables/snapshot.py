@@ -283,8 +283,13 @@ class TableSnapshot:
     # --- shared -------------------------------------------------------------------------------
     def _prepare(self, cur: psycopg2.extensions.cursor, side: SinkSide, table: FederatedTable,
                  definition: TableDefinition, state: str) -> Target | None:
-        """The sink's target for ``table`` (None: a conflict, recorded), cleared of this source's rows."""
+        """The sink's target for ``table`` (None: a conflict, recorded), cleared of this source's rows.
+        The range records of a run that was writing the table and never finished (fenced, its sink
+        restarted: left ``syncing``) go too: only that run's finish would have removed them."""
         sink_tables.applying(cur)
+        cur.execute("DELETE FROM lr.sink_table_ranges r USING lr.sink_tables t WHERE t.source_site_id = %s "
+                    "AND t.client_name = %s AND t.table_name = %s AND r.run_id = t.run_id "
+                    "AND r.table_name = t.table_name", (side.key.source, side.key.client, str(table.table)))
         where = f"session {side.key}"
         target = sink_tables.prepare(cur, side.key.source, side.key.client, definition, where)
         if target is None:
