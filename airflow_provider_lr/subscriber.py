@@ -1,4 +1,4 @@
-"""Public sink-side API (``../shared/DESIGN.md`` §5): consume what arrived for a client.
+"""Public sink-side API (the README's "Consume"): consume what arrived for a client.
 
 ```python
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
