@@ -574,24 +574,32 @@ def _drain(old: psycopg2.extensions.connection, conns: dict, from_site: str, sin
     except BaseException:
         old.rollback()
         raise
-    upto, holders = commit_barrier(old, 30.0)
-    if upto is None:
-        raise LRError(f"site {from_site!r}: commits in flight for 30 s ({', '.join(h.describe() for h in holders)}); "
-                      "nothing was promoted; run the switchover again")
+    # Every sink is fenced before the barrier: a replicator still streaming from the old source could
+    # otherwise deliver an entry committed after the barrier (by a writer whose client loaded its
+    # routes before the switch) to a sink the drain had not fenced yet, leaving that sink ahead of
+    # the others at the cut. (It cannot move past the fence: its source sessions are gone with the
+    # new topology, so it holds no lease to raise its epoch with.)
+    fenced: list[tuple[str, str, writes.SinkMetadata]] = []
     for sink in sinks:
         conn = conns[sink]
         for client in clients:
             meta = writes.read_metadata(conn, from_site, client)
             if not meta.data_consistent or meta.failed_over_to is not None:
                 continue  # reconciled by the failover itself (a full sync, or done before)
-            epoch = writes.fence(conn, from_site, client, meta.lease_epoch + 1).lease_epoch
-            reader, after = LogReader(old, sink, STREAM_LOG_ENTRIES, client_name=client), meta.last_log_entry_processed
-            tables = table_snapshot.splits(conn, SessionKey(from_site, sink, client))  # their changes too
-            while after < upto:
-                with reader.read_stream(after, split=meta.split, tables=tables) as batch:
-                    if batch.end <= after:
-                        break
-                    after = writes.apply_log_stream(conn, from_site, client, epoch, batch, meta.snapshot_applied)
+            fenced.append((sink, client, writes.fence(conn, from_site, client, meta.lease_epoch + 1)))
+    upto, holders = commit_barrier(old, 30.0)
+    if upto is None:
+        raise LRError(f"site {from_site!r}: commits in flight for 30 s ({', '.join(h.describe() for h in holders)}); "
+                      "nothing was promoted; run the switchover again")
+    for sink, client, meta in fenced:
+        conn = conns[sink]
+        reader, after = LogReader(old, sink, STREAM_LOG_ENTRIES, client_name=client), meta.last_log_entry_processed
+        tables = table_snapshot.splits(conn, SessionKey(from_site, sink, client))  # their changes too
+        while after < upto:
+            with reader.read_stream(after, split=meta.split, tables=tables) as batch:
+                if batch.end <= after:
+                    break
+                after = writes.apply_log_stream(conn, from_site, client, meta.lease_epoch, batch, meta.snapshot_applied)
 
 
 # --- the old source's return ------------------------------------------------------------------------
