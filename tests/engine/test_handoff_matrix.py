@@ -323,9 +323,9 @@ def test_the_source_lost_while_its_sessions_stream_then_failed_over_leaves_both_
 
 
 # --- the in-process tee --------------------------------------------------------------------------
-def _backlog_for_the_tee(lr_sites, n: int = 300):
-    """Both sessions through first contact, then ``n`` transactions to both sinks (a backlog of 2n
-    deliveries); a replicator that tees from 100 and cuts its tee into chunks of 100 entries."""
+def backlog_to_both_sinks(lr_sites, n: int = 300):
+    """Both sessions of TWO_SINKS through first contact, then ``n`` transactions to both sinks (a
+    backlog of 2n deliveries, for the tee and the staged fan-out alike)."""
     topo = apply(lr_sites, TWO_SINKS, providers=PROVIDERS)
     app = App(lr_sites[0])
     first = replicator(topo, lr_sites, providers={"policy": table_provider}, tee_min_backlog=0)
@@ -341,7 +341,7 @@ def test_a_full_sync_requested_before_a_tee_leaves_its_session_to_the_cycle_and_
     """The tee's plan negotiates as a cycle does: the session with a forced full sync pending is left
     out of the tee and gets its full sync from its own cycle; the other session is teed."""
     source, sink_b, sink_c = lr_sites
-    topo, app = _backlog_for_the_tee(lr_sites)
+    topo, app = backlog_to_both_sinks(lr_sites)
     request_full_syncs(source, ["site-b"], supply=False)
     repl = replicator(topo, lr_sites, providers={"policy": table_provider}, tee_min_backlog=100)
     try:
@@ -363,7 +363,7 @@ def test_full_syncs_requested_back_to_back_and_supplied_while_the_tee_writes_del
     session's cycle applies its newest request; nothing arrives twice."""
     monkeypatch.setattr(fanout, "PARTITION_ENTRIES", 100)  # several chunks
     source, sink_b, sink_c = lr_sites
-    topo, app = _backlog_for_the_tee(lr_sites)
+    topo, app = backlog_to_both_sinks(lr_sites)
     hook = once(lambda: request_full_syncs(source, ["site-b", "site-b", "site-c"], supply=True))
     repl = replicator(topo, lr_sites, providers={"policy": table_provider}, tee_min_backlog=100)
     try:
@@ -390,7 +390,7 @@ def test_a_session_taken_over_in_the_middle_of_a_tee_is_fenced_there_and_deliver
     refused at site-b (the epoch), site-c's go on, and site-b gets every entry once."""
     monkeypatch.setattr(fanout, "PARTITION_ENTRIES", 100)
     source, sink_b, sink_c = lr_sites
-    topo, app = _backlog_for_the_tee(lr_sites)
+    topo, app = backlog_to_both_sinks(lr_sites)
     takeover = Takeover(topo, lr_sites, tee_min_backlog=0)
     repl = replicator(topo, lr_sites, owner="teeing", providers={"policy": table_provider}, tee_min_backlog=100)
     try:
@@ -417,7 +417,7 @@ def test_a_planned_switchover_between_two_chunks_of_a_tee_leaves_both_sinks_with
     from site-a are failed over), and both sinks end with every entry of site-a once, in order."""
     monkeypatch.setattr(fanout, "PARTITION_ENTRIES", 100)
     source, sink_b, sink_c = lr_sites
-    topo, app = _backlog_for_the_tee(lr_sites)
+    topo, app = backlog_to_both_sinks(lr_sites)
     App(sink_b).close()  # the new source's table, for its provider
     dsns = {s.site_id: s.dsn for s in lr_sites}
     promoted: list = []
@@ -445,7 +445,7 @@ def test_a_topology_applied_between_two_chunks_of_a_tee_is_negotiated_by_the_nex
     that follow negotiate the new topology; no full sync is needed and every entry arrives once."""
     monkeypatch.setattr(fanout, "PARTITION_ENTRIES", 100)
     source, sink_b, sink_c = lr_sites
-    topo, app = _backlog_for_the_tee(lr_sites)
+    topo, app = backlog_to_both_sinks(lr_sites)
     hook = once(lambda: apply(lr_sites, TWO_SINKS, providers=PROVIDERS, settings={"max_payload_bytes": 4096}))
     repl = replicator(topo, lr_sites, providers={"policy": table_provider}, tee_min_backlog=100)
     try:
@@ -476,7 +476,7 @@ def test_a_sink_restarted_between_two_batches_of_a_catch_up_gets_every_entry_onc
     monkeypatch.setattr(fanout, "PARTITION_ENTRIES", 100)
     source, sink_b, sink_c = lr_sites
     sink_b.query(f'ALTER DATABASE "{sink_b.dbname}" SET synchronous_commit = on')  # a durable sink
-    topo, app = _backlog_for_the_tee(lr_sites)
+    topo, app = backlog_to_both_sinks(lr_sites)
 
     def restart() -> None:
         site_manager.down([sink_b.site_id], mode="immediate")

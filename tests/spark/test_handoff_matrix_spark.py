@@ -20,6 +20,7 @@ from airflow_provider_lr.engine.tables.snapshot import copy_range
 from tests.engine.test_handoff_matrix import (
     Takeover,
     assert_handed_off,
+    backlog_to_both_sinks,
     full_sync_of_site_c_supplied,
     promote_site_b_up_to_date,
     request_full_syncs,
@@ -222,18 +223,6 @@ def test_a_retention_trim_between_two_staged_chunks_stops_the_session_there_and_
 
 
 # --- the staged fan-out × a sink restart, a failover --------------------------------------------------
-def backlog_for_the_staged_fanout(lr_sites, n: int = 300):
-    """Both sessions of TWO_SINKS through first contact, then ``n`` transactions to both sinks."""
-    topo = apply(lr_sites, TWO_SINKS, providers=PROVIDERS)
-    app = App(lr_sites[0])
-    first = replicator(topo, lr_sites, providers={"policy": table_provider}, tee_min_backlog=0)
-    first.run(max_cycles=3, until_idle=True, interval=0.01)
-    first.close()
-    for i in range(n):
-        app.put(f"k{i % 7}", i, ["site-b", "site-c"])
-    return topo, app
-
-
 def staged_fanout(topo, event: str, action) -> fanout.FanoutResult:
     """The staged fan-out of site-a (two tasks, three chunks run in order), ``action`` run once at
     the first chunk's fault point ``event`` (``fanout_mid_write``, ``fanout_after_commit``)."""
@@ -272,7 +261,7 @@ def test_a_sink_restarted_while_the_staged_fanout_stages_its_first_chunk_gets_ev
     position: both sinks hold every entry once, in order, nothing staged is left behind."""
     source, sink_b, sink_c = lr_sites
     sink_b.query(f'ALTER DATABASE "{sink_b.dbname}" SET synchronous_commit = on')  # a durable sink
-    topo, app = backlog_for_the_staged_fanout(lr_sites)
+    topo, app = backlog_to_both_sinks(lr_sites)
 
     def restart() -> None:
         site_manager.down([sink_b.site_id], mode="immediate")
@@ -305,7 +294,7 @@ def test_a_planned_switchover_between_two_staged_chunks_leaves_both_sinks_with_t
     later chunks are refused at both sinks, the fan-out takes nothing as delivered past the
     failover, and both sinks end with every entry of site-a once, nothing staged left behind."""
     source, sink_b, sink_c = lr_sites
-    topo, app = backlog_for_the_staged_fanout(lr_sites)
+    topo, app = backlog_to_both_sinks(lr_sites)
     App(sink_b).close()  # the new source's table, for its provider
     dsns = {s.site_id: s.dsn for s in lr_sites}
     promoted: list = []
