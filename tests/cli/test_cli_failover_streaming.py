@@ -22,7 +22,7 @@ from airflow_provider_lr import cli
 from airflow_provider_lr.client import RoutingQueueClient
 from tests.cli.test_cli_sync import topology_file
 from tests.support.session import App, final_state, queue, source_state, wait_for
-from tests.support.tables import federate, rows
+from tests.support.tables import federate, rows, swap_unique
 
 ITEMS = 40
 TABLE = ("CREATE TABLE public.items (id int PRIMARY KEY, u int NOT NULL UNIQUE, n int NOT NULL DEFAULT 0, "
@@ -57,21 +57,14 @@ class SwapWriter:
             a, b = self.rng.sample(range(1, ITEMS + 1), 2)
             try:
                 with conn.cursor() as cur:
-                    cur.execute("SELECT u FROM public.items WHERE id = %s FOR UPDATE", (a,))
-                    (ua,) = cur.fetchone()
-                    cur.execute("SELECT u FROM public.items WHERE id = %s FOR UPDATE", (b,))
-                    (ub,) = cur.fetchone()
-                    cur.execute("UPDATE public.items SET u = -u WHERE id = %s", (a,))
-                    cur.execute("UPDATE public.items SET u = %s, n = n + 1, nonkey = %s WHERE id = %s",
-                                (ua, self.tag, b))
-                    cur.execute("UPDATE public.items SET u = %s, n = n + 1 WHERE id = %s", (ub, a))
+                    swap_unique(cur, "public.items", a, b, self.tag)
                     n = self.count + 1
                     cur.execute("INSERT INTO app_state VALUES (%s, %s) ON CONFLICT (k) DO UPDATE SET v = EXCLUDED.v",
                                 (f"k{a}", n))
                     client.transmit_log_entry_message(f"k{a}={n}#{self.tag}{n}".encode(), self.sinks)
                 conn.commit()
                 self.count = n
-            except psycopg2.Error as exc:  # a deadlock between two writers: the source refused it, fine
+            except psycopg2.Error as exc:  # counted: the writers assert their transactions commit
                 conn.rollback()
                 self.errors.append(f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
             self.stop.wait(0.005)

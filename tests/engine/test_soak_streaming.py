@@ -55,7 +55,16 @@ from tests.support.soak import (
     source_counters,
     spawn_runner,
 )
-from tests.support.tables import TYPES, TYPES_DDL, every_type_table, federate, insert_every_type, rows, type_differences
+from tests.support.tables import (
+    TYPES,
+    TYPES_DDL,
+    every_type_table,
+    federate,
+    insert_every_type,
+    rows,
+    swap_unique,
+    type_differences,
+)
 
 # leases that run out fast after a kill; small batches (more boundaries); a short data timeout
 SETTINGS = {"lease_seconds": 1.5, "max_entries": 500, "data_timeout": 10.0, "barrier_timeout": 2.0}
@@ -105,11 +114,7 @@ def table_work(cur, rng: random.Random) -> None:
     a sink that applies them in another order refuses them), and now and then a row of every type
     set to odd values or NULLs (the TOAST-sized ones rarely)."""
     a, b = rng.sample(range(1, ITEMS + 1), 2)
-    cur.execute("SELECT id, u FROM public.soak_items WHERE id IN (%s, %s) ORDER BY id FOR UPDATE", (a, b))
-    u = dict(cur.fetchall())
-    cur.execute("UPDATE public.soak_items SET u = -u WHERE id = %s", (a,))
-    cur.execute("UPDATE public.soak_items SET u = %s, n = n + 1, nonkey = 'swapped' WHERE id = %s", (u[a], b))
-    cur.execute("UPDATE public.soak_items SET u = %s, n = n + 1 WHERE id = %s", (u[b], a))
+    swap_unique(cur, "public.soak_items", a, b, "swapped")
     if rng.random() < 0.05:
         which = rng.choice((2, 3))
         sets = ", ".join(f"{col} = ({t[which]})::{kind}" if rng.random() < 0.85 else f"{col} = NULL"

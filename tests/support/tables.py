@@ -52,6 +52,17 @@ def status_text(site) -> str:
     return status.render(site_status(site))
 
 
+def swap_unique(cur, table: str, a: int, b: int, note: str) -> None:
+    """Swap ``u`` (UNIQUE) between rows ``a`` and ``b`` of ``table`` in three statements, the
+    constraint holding after each (a sink that applies them in another order refuses them); both
+    rows get ``n + 1``, and ``b`` the ``nonkey`` note. Rows locked in key order: writers never deadlock."""
+    cur.execute(f"SELECT id, u FROM {table} WHERE id IN (%s, %s) ORDER BY id FOR UPDATE", (a, b))
+    u = dict(cur.fetchall())
+    cur.execute(f"UPDATE {table} SET u = -u WHERE id = %s", (a,))
+    cur.execute(f"UPDATE {table} SET u = %s, n = n + 1, nonkey = %s WHERE id = %s", (u[a], note, b))
+    cur.execute(f"UPDATE {table} SET u = %s, n = n + 1 WHERE id = %s", (u[b], a))
+
+
 def rows(site, table: str = "public.accounts") -> list[tuple]:
     """Every row, by key, as text (so types compare exactly across sites)."""
     return site.query(f"SELECT t::text FROM {table} t ORDER BY 1")
