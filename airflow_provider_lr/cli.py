@@ -18,11 +18,13 @@ import yaml
 
 from airflow_provider_lr.engine import progress
 from airflow_provider_lr.engine.errors import LRError, RepeatedErrors, TopologyMismatchError, listing, one_line, still_failing
-from airflow_provider_lr.engine.session import replicator, stream
+from airflow_provider_lr.engine.site import replicator
+from airflow_provider_lr.engine.session import stream
 from airflow_provider_lr.engine.session.runner import CycleReport
-from airflow_provider_lr.engine.site import conninfo, failover, metrics, schema, status, topology
+from airflow_provider_lr.engine.db import conninfo, schema
+from airflow_provider_lr.engine.site import failover, metrics, status, topology
 from airflow_provider_lr.engine.site import roles as site_roles
-from airflow_provider_lr.engine.site.timeouts import Purpose
+from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.source import full_sync, trim
 from airflow_provider_lr.engine.tables import registry as table_registry
 from airflow_provider_lr.engine.tables.definition import TableName

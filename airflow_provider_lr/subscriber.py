@@ -24,8 +24,8 @@ from airflow_provider_lr.engine.sink import receive, wakeup
 from airflow_provider_lr.engine.sink.receive import DeliveryContext, DeliveryStats, Listener
 from airflow_provider_lr.engine.sink.wakeup import Demand, FollowOptions
 from airflow_provider_lr.engine.sink.relay import Relay, Subscription
-from airflow_provider_lr.engine.site.conninfo import ConnInfo, resolve
-from airflow_provider_lr.engine.site.timeouts import Purpose
+from airflow_provider_lr.engine.db.conninfo import ConnInfo, resolve
+from airflow_provider_lr.engine.db.timeouts import Purpose
 
 __all__ = [
     "DeliveryStats", "Listener", "MalformedEntryError", "Relay", "RoutingQueueSubscriber", "Subscription", "open_relay",

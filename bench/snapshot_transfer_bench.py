@@ -40,7 +40,8 @@ from fanout_anchors import execute, start_env, stop_env  # noqa: E402
 
 from airflow_provider_lr.engine.session.lease import new_owner_id  # noqa: E402
 from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings  # noqa: E402
-from airflow_provider_lr.engine.site import schema, topology  # noqa: E402
+from airflow_provider_lr.engine.db import schema
+from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.source import full_sync  # noqa: E402
 from airflow_provider_lr.engine.source.transmit import RoutingQueueClient  # noqa: E402
 from airflow_provider_lr.engine.vocabulary import SessionKey  # noqa: E402

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from airflow_provider_lr.embedded.sites import SiteManager  # noqa: E402
 from airflow_provider_lr.engine.sink import writes  # noqa: E402
-from airflow_provider_lr.engine.site import schema
+from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.proto import lr_pb2  # noqa: E402
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber  # noqa: E402
 

@@ -115,7 +115,8 @@ from streaming_bench import (
 )
 
 from airflow_provider_lr.embedded.sites import SiteManager
-from airflow_provider_lr.engine.tables import parallel, registry
+from airflow_provider_lr.engine.bulk import parallel_tables as parallel
+from airflow_provider_lr.engine.tables import registry
 
 SITES = ["site-a", "site-b", "site-c"]
 SOURCE, SINK_SITES = SITES[0], SITES[1:]

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 
 from airflow.sdk import Param, dag
 
-from airflow_provider_lr.engine.site.topology_schema import CLIENT_NAME_PATTERN, SITE_ID_PATTERN
+from airflow_provider_lr.engine.db.topology_schema import CLIENT_NAME_PATTERN, SITE_ID_PATTERN
 from airflow_provider_lr.operators import LRFailoverOperator
 from airflow_provider_lr.operators.common import form_choice, parse_time_topology
 

@@ -40,7 +40,7 @@ from datetime import datetime, timedelta, timezone
 from airflow.sdk import Param, TriggerRule, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException
 
-from airflow_provider_lr.engine.site.topology_schema import CLIENT_NAME_PATTERN, SITE_ID_PATTERN
+from airflow_provider_lr.engine.db.topology_schema import CLIENT_NAME_PATTERN, SITE_ID_PATTERN
 from airflow_provider_lr.operators import LRLogEntrySyncOperator, LRRunCheckOperator, LRSnapshotSyncOperator
 from airflow_provider_lr.operators.common import form_choice, parse_time_topology
 from airflow_provider_lr.operators.session import SESSION_LABEL

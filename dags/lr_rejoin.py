@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 
 from airflow.sdk import dag
 
-from airflow_provider_lr.engine.site.topology_schema import SITE_ID_PATTERN
+from airflow_provider_lr.engine.db.topology_schema import SITE_ID_PATTERN
 from airflow_provider_lr.operators import LRFailoverOperator
 from airflow_provider_lr.operators.common import form_choice, parse_time_topology
 

@@ -23,8 +23,8 @@ from airflow_provider_lr.engine.sink import (
     bulk_apply,
     receive,  # noqa: E402
 )
-from airflow_provider_lr.engine.site.conninfo import connect_dsn  # noqa: E402
-from airflow_provider_lr.engine.site.timeouts import Purpose  # noqa: E402
+from airflow_provider_lr.engine.db.conninfo import connect_dsn  # noqa: E402
+from airflow_provider_lr.engine.db.timeouts import Purpose  # noqa: E402
 from airflow_provider_lr.engine.site.topology import Topology, site_conninfo  # noqa: E402
 
 

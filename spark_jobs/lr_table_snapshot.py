@@ -3,7 +3,7 @@
     spark-submit spark_jobs/lr_table_snapshot.py --source SITE_ID --client NAME [--topology PATH]
                                                  [--parts N] [--result-file PATH]
 
-A thin driver over ``airflow_provider_lr.engine.tables.parallel``: the driver takes the sessions'
+A thin driver over ``airflow_provider_lr.engine.bulk.parallel_tables``: the driver takes the sessions'
 leases, opens one exported snapshot of the tables on the source and cuts them into key ranges;
 one Spark task per range joins that snapshot (``SET TRANSACTION SNAPSHOT``) and streams the range
 by binary COPY into every sink that takes the table, each in one sink transaction that records the
@@ -23,7 +23,7 @@ import lr_spark  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 
 from airflow_provider_lr.engine.site.topology import Topology  # noqa: E402
-from airflow_provider_lr.engine.tables import parallel  # noqa: E402
+from airflow_provider_lr.engine.bulk import parallel_tables as parallel
 from airflow_provider_lr.engine.tables.snapshot import KeyRange, copy_range  # noqa: E402
 
 

@@ -22,8 +22,8 @@ import psycopg2  # noqa: E402
 import pytest  # noqa: E402
 
 from airflow_provider_lr.embedded.sites import EmbeddedSite, SiteManager  # noqa: E402
-from airflow_provider_lr.engine.site import schema  # noqa: E402
-from airflow_provider_lr.engine.site.conninfo import ConnInfo  # noqa: E402
+from airflow_provider_lr.engine.db import schema
+from airflow_provider_lr.engine.db.conninfo import ConnInfo  # noqa: E402
 
 SITE_COUNT = 3
 # Tests trade durability for speed; the bench runs with PostgreSQL's defaults.

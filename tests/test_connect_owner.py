@@ -1,5 +1,5 @@
-"""Every connection lr opens is bounded (keepalives, timeouts, a call deadline: engine/site/timeouts.py)
-because one module opens them all: ``engine/site/conninfo.py``. A ``psycopg2.connect`` (or
+"""Every connection lr opens is bounded (keepalives, timeouts, a call deadline: engine/db/timeouts.py)
+because one module opens them all: ``engine/db/conninfo.py``. A ``psycopg2.connect`` (or
 ``psycopg.connect``) anywhere else in the package or the Spark jobs would open one without its
 bounds, and a hung call there would stall its process for good; this source scan refuses it."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SCANNED = [REPO / "airflow_provider_lr", REPO / "spark_jobs", REPO / "dags"]
-OWNER = REPO / "airflow_provider_lr" / "engine" / "site" / "conninfo.py"
+OWNER = REPO / "airflow_provider_lr" / "engine" / "db" / "conninfo.py"
 DRIVERS = {"psycopg2", "psycopg"}
 
 
@@ -40,7 +40,7 @@ def direct_connects(path: Path) -> list[str]:
 def test_only_conninfo_connects():
     offenders = [hit for root in SCANNED for path in sorted(root.rglob("*.py")) if path != OWNER
                  for hit in direct_connects(path)]
-    assert not offenders, ("connect through engine/site/conninfo.py (ConnInfo.connect, connect_dsn) so the "
+    assert not offenders, ("connect through engine/db/conninfo.py (ConnInfo.connect, connect_dsn) so the "
                            "connection gets lr's keepalives and timeouts:\n" + "\n".join(offenders))
 
 

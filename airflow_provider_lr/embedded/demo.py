@@ -15,10 +15,11 @@ import yaml
 
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
 from airflow_provider_lr.embedded.sites import SiteManager
-from airflow_provider_lr.engine.session.replicator import Replicator
+from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.session.runner import CycleReport
-from airflow_provider_lr.engine.site import conninfo, schema, status, topology
-from airflow_provider_lr.engine.site.timeouts import Purpose
+from airflow_provider_lr.engine.db import conninfo, schema
+from airflow_provider_lr.engine.site import status, topology
+from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 
 CLIENT = "policy"

@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, listing, one_line
-from airflow_provider_lr.engine.site import conninfo
-from airflow_provider_lr.engine.site.conninfo import ConnInfo, from_airflow_dict
-from airflow_provider_lr.engine.site.topology_schema import valid_site_id
+from airflow_provider_lr.engine.db import conninfo
+from airflow_provider_lr.engine.db.conninfo import ConnInfo, from_airflow_dict
+from airflow_provider_lr.engine.db.topology_schema import valid_site_id
 from airflow_provider_lr.paths import lr_home
 
 DEFAULT_SETTINGS: dict[str, str] = {

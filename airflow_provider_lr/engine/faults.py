@@ -9,7 +9,7 @@ In-process race tests use :func:`on_fault` instead: the callback runs at the poi
 trim committed on another connection between two batches), deterministically, with no thread.
 
 Every fault point lr has is listed in ``FAULT_POINTS`` (docs/crash-windows.md says what a crash at
-each one leaves and why the next cycle repairs it; ``tests/engine/test_crash_windows.py`` kills there).
+each one leaves and why the next cycle repairs it; ``tests/guarantees/test_crash_windows.py`` kills there).
 """
 from __future__ import annotations
 

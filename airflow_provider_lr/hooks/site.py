@@ -7,8 +7,8 @@ import psycopg2.extensions
 from airflow.sdk import BaseHook
 
 from airflow_provider_lr.engine.errors import ConfigurationError, one_line
-from airflow_provider_lr.engine.site import conninfo, schema
-from airflow_provider_lr.engine.site.timeouts import DEFAULT, Timeouts
+from airflow_provider_lr.engine.db import conninfo, schema
+from airflow_provider_lr.engine.db.timeouts import DEFAULT, Timeouts
 
 
 def _as_dict(conn: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, TopologyMismatchError
 from airflow_provider_lr.engine.site import topology
-from airflow_provider_lr.engine.site.timeouts import Timeouts
+from airflow_provider_lr.engine.db.timeouts import Timeouts
 from airflow_provider_lr.engine.site.topology import Topology
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.hooks.site import LRSiteHook

@@ -14,7 +14,7 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException
 
 from airflow_provider_lr.engine.errors import require_counts
-from airflow_provider_lr.engine.site.timeouts import Purpose
+from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.operators import telemetry
 from airflow_provider_lr.operators.common import load_topology

@@ -22,7 +22,7 @@ from typing import Any, Iterator, Sequence
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 
 from airflow_provider_lr.engine.errors import require_counts
-from airflow_provider_lr.engine.site.conninfo import CONNECTIONS_FILE_ENV
+from airflow_provider_lr.engine.db.conninfo import CONNECTIONS_FILE_ENV
 from airflow_provider_lr.engine.site.topology import Topology
 from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.operators import telemetry

@@ -58,7 +58,7 @@ class LRStreamOperator(BaseOperator):
         self._stopped_by = ""  # what set it: "run_for" or "on_kill"
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from airflow_provider_lr.engine.session.replicator import Replicator
+        from airflow_provider_lr.engine.site.replicator import Replicator
         from airflow_provider_lr.engine.session.stream import Streamer
 
         self._stop, self._stopped_by = threading.Event(), ""

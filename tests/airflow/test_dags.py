@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_provider_lr.engine.session.replicator import run_until_idle
+from airflow_provider_lr.engine.site.replicator import run_until_idle
 from tests.support.airflow_env import (  # noqa: F401
     airflow_db,
     airflow_sites,

@@ -7,7 +7,7 @@ import json
 import yaml
 
 from airflow_provider_lr import cli
-from airflow_provider_lr.engine.session.replicator import run_until_idle
+from airflow_provider_lr.engine.site.replicator import run_until_idle
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.source import delivery
 from airflow_provider_lr.engine.vocabulary import SessionKey

@@ -127,7 +127,7 @@ def test_full_sync_wait_succeeds_once_a_running_lr_sync_applied_the_request(lr_s
 
 def test_a_running_replicator_goes_on_when_its_own_file_is_edited_and_applied(lr_sites, tmp_path, monkeypatch):
     """Not stale: the file it read was edited and applied meanwhile (it reads the file again)."""
-    from airflow_provider_lr.engine.session.replicator import Replicator
+    from airflow_provider_lr.engine.site.replicator import Replicator
 
     path, app = _replicating(lr_sites, tmp_path, monkeypatch)
     running = topology.load(path)

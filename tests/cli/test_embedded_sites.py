@@ -13,7 +13,7 @@ import pytest
 
 from airflow_provider_lr import cli
 from airflow_provider_lr.embedded.sites import SiteManager
-from airflow_provider_lr.engine.site import conninfo
+from airflow_provider_lr.engine.db import conninfo
 from tests.conftest import FAST_SETTINGS
 
 

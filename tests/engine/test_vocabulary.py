@@ -7,7 +7,7 @@ import re
 import pytest
 
 from airflow_provider_lr.engine import vocabulary
-from airflow_provider_lr.engine.session.replicator import run_until_idle
+from airflow_provider_lr.engine.site.replicator import run_until_idle
 from airflow_provider_lr.engine.vocabulary import (
     COMMIT_LOCK_KEY,
     STREAM_NAMES,

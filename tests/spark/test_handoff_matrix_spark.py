@@ -15,9 +15,9 @@ from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, S
 from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.site import failover
 from airflow_provider_lr.engine.source import full_sync, trim
-from airflow_provider_lr.engine.tables import parallel
+from airflow_provider_lr.engine.bulk import parallel_tables as parallel
 from airflow_provider_lr.engine.tables.snapshot import copy_range
-from tests.engine.test_handoff_matrix import (
+from tests.guarantees.test_handoff_matrix import (
     Takeover,
     assert_handed_off,
     backlog_to_both_sinks,

@@ -13,7 +13,7 @@ import psycopg2
 import pytest
 
 from airflow_provider_lr.engine.faults import FAULT_ENV
-from airflow_provider_lr.engine.session.replicator import run_until_idle
+from airflow_provider_lr.engine.site.replicator import run_until_idle
 from airflow_provider_lr.engine.tables.snapshot import copy_range
 from tests.support.session import replicator
 from tests.support.spark_env import (  # noqa: F401 (lr_connections is a fixture)

@@ -13,7 +13,7 @@ import threading
 
 import psycopg2
 
-from airflow_provider_lr.engine.session.replicator import Replicator
+from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.session.runner import SessionSettings
 from airflow_provider_lr.engine.session.stream import Streamer, StreamSettings
 from airflow_provider_lr.engine.site import topology

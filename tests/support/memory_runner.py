@@ -1,4 +1,4 @@
-"""The work whose memory tests/engine/test_memory_bounds.py measures, in a process of its own, so the peak
+"""The work whose memory tests/guarantees/test_memory_bounds.py measures, in a process of its own, so the peak
 resident memory the kernel records for it (``VmHWM``, ``ru_maxrss``) is that work's and nothing else's.
 
 Run as ``python -m tests.support.memory_runner '<json>'`` with ``{"mode": "sync" | "subscribe", ...}``:
@@ -90,7 +90,7 @@ class Checker:
 
 
 def sync(spec: dict) -> dict:
-    from airflow_provider_lr.engine.session.replicator import Replicator
+    from airflow_provider_lr.engine.site.replicator import Replicator
     from airflow_provider_lr.engine.session.runner import SessionSettings
     from airflow_provider_lr.engine.site import topology
 

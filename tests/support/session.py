@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import psycopg2
 
 from airflow_provider_lr.client import RoutingQueueClient, Ticket
-from airflow_provider_lr.engine.session.replicator import Replicator
+from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.session.runner import SessionSettings
 from airflow_provider_lr.engine.session.stream import Streamer, StreamSettings
 from airflow_provider_lr.engine.sink.queue_rows import unpack

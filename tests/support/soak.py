@@ -1,4 +1,4 @@
-"""Helpers of the random-fault soak (``tests/engine/test_soak.py``, issue "No silent loss").
+"""Helpers of the random-fault soak (``tests/guarantees/test_soak.py``, issue "No silent loss").
 
 The application keeps one counter per (sink, key) on the source, ``soak_counters``; each of its
 transactions increments the counters of a key for a random non-empty subset of the sinks and

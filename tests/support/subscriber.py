@@ -10,7 +10,7 @@ from typing import Callable
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.site.conninfo import ConnInfo
+from airflow_provider_lr.engine.db.conninfo import ConnInfo
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.proto import lr_pb2
 from tests.support.session import App, apply, replicator, source_state, table_provider

@@ -74,8 +74,8 @@ from airflow_provider_lr.engine.session.lease_keeper import LeaseKeeper
 from airflow_provider_lr.engine.session.negotiation import Decision
 from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.site.conninfo import ConnInfo, connect_dsn
-from airflow_provider_lr.engine.site.timeouts import Purpose, lift
+from airflow_provider_lr.engine.db.conninfo import ConnInfo, connect_dsn
+from airflow_provider_lr.engine.db.timeouts import Purpose, lift
 from airflow_provider_lr.engine.site.topology import Topology, site_conninfo
 from airflow_provider_lr.engine.source.log_reader import LogReader, commit_barrier
 from airflow_provider_lr.engine.tables import registry

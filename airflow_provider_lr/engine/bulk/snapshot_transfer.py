@@ -14,7 +14,7 @@
    transaction with the transfer's metadata (no message passes through the driver); then apply
    the snapshot the way a session cycle does (``SessionRunner.apply_snapshot``).
 
-Federated tables have their own parallel snapshot (``engine/tables/parallel.py``: one exported
+Federated tables have their own parallel snapshot (``engine/bulk/parallel_tables.py``: one exported
 snapshot, key ranges read by tasks that join it).
 """
 from __future__ import annotations
@@ -34,8 +34,8 @@ from airflow_provider_lr.engine.bulk.peak_memory import peak_rss_kb
 from airflow_provider_lr.engine.bulk.pgcopy import RowReader, StagingWriter, staging_prefix, staging_row
 from airflow_provider_lr.engine.sink.queue_rows import Packer
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, StaleBatchError, require_counts
-from airflow_provider_lr.engine.site.conninfo import connect_dsn
-from airflow_provider_lr.engine.site.timeouts import Purpose
+from airflow_provider_lr.engine.db.conninfo import connect_dsn
+from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings
 from airflow_provider_lr.engine.sink import writes

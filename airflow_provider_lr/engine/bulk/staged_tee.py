@@ -42,8 +42,8 @@ from airflow_provider_lr.engine.bulk.pgcopy import StagedQueueWriter
 from airflow_provider_lr.engine.bulk.plan import ChunkResult, Demand, FanoutPlan, PositionRange
 from airflow_provider_lr.engine.bulk.tee import SessionChunk, armed, check_base, read_and_route, refuse
 from airflow_provider_lr.engine.errors import FencedError, StaleBatchError, error_line
-from airflow_provider_lr.engine.site.conninfo import connect_dsn
-from airflow_provider_lr.engine.site.timeouts import Purpose
+from airflow_provider_lr.engine.db.conninfo import connect_dsn
+from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.faults import fault_point, hooked
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.vocabulary import STAGING_LOCK_CLASS

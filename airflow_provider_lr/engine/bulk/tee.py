@@ -17,8 +17,8 @@ from airflow_provider_lr.engine.bulk.pgcopy import PackedRows, ReceiveQueueWrite
 from airflow_provider_lr.engine.bulk.plan import ChunkResult, Demand, FanoutPlan, PositionRange
 from airflow_provider_lr.engine.bulk.router import copy_and_route
 from airflow_provider_lr.engine.errors import StaleBatchError, error_line, one_line
-from airflow_provider_lr.engine.site.conninfo import connect_dsn
-from airflow_provider_lr.engine.site.timeouts import Purpose
+from airflow_provider_lr.engine.db.conninfo import connect_dsn
+from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.faults import FAULT_ENV, fault_point, hooked
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.source.log_reader import snapshot_trim_mark, trimmed_error

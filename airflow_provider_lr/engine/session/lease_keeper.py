@@ -10,7 +10,7 @@ import psycopg2
 
 from airflow_provider_lr.engine.errors import FencedError, LRError, SiteUnreachableError, one_line
 from airflow_provider_lr.engine.session import lease as leases
-from airflow_provider_lr.engine.site.conninfo import connect_dsn
+from airflow_provider_lr.engine.db.conninfo import connect_dsn
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from psycopg2.extensions import AsIs
 from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.site.timeouts import lifted
+from airflow_provider_lr.engine.db.timeouts import lifted
 from airflow_provider_lr.engine.site.topology import Topology
 from airflow_provider_lr.engine.tables import sink as sink_tables
 from airflow_provider_lr.engine.tables.definition import read_definition

@@ -28,8 +28,8 @@ from airflow_provider_lr.engine.session.nearest_copy import PROBE_DELAY
 from airflow_provider_lr.engine.session.negotiation import Decision, Negotiation, SinkView, SourceView, negotiate
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import status
-from airflow_provider_lr.engine.site.schema import site_identity
-from airflow_provider_lr.engine.site.timeouts import lifted
+from airflow_provider_lr.engine.db.schema import site_identity
+from airflow_provider_lr.engine.db.timeouts import lifted
 from airflow_provider_lr.engine.site.topology import Topology, drift, recorded_id, reread
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest, Provider

@@ -53,7 +53,7 @@ from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionSettings, record_error
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import status
-from airflow_provider_lr.engine.site.timeouts import failure
+from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.site.topology import recorded_id
 from airflow_provider_lr.engine.site.metrics import Pulse, ReplicationCounters
 from airflow_provider_lr.engine.source import full_sync

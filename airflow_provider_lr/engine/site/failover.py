@@ -53,7 +53,7 @@ from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.sink.queue_rows import positions, repack, unpack
 from airflow_provider_lr.engine.site import topology as topologies
 from airflow_provider_lr.engine.site.topology import Replication, Topology, apply_to_site, recorded_id
-from airflow_provider_lr.engine.site.topology_schema import Origin
+from airflow_provider_lr.engine.db.topology_schema import Origin
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, LogReader, commit_barrier
 from airflow_provider_lr.engine.tables import handover, registry

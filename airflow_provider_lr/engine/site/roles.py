@@ -138,7 +138,7 @@ def check_request(kind: str, role: str, clients: Sequence[str]) -> list[str]:
 
 
 def _require_roles_schema(conn: psycopg2.extensions.connection) -> None:
-    from airflow_provider_lr.engine.site.schema import current_version  # schema imports nothing of this
+    from airflow_provider_lr.engine.db.schema import current_version  # schema imports nothing of this
 
     version = current_version(conn)
     if version < ROLES_SCHEMA_VERSION:
@@ -352,7 +352,7 @@ def list_grants(conn: psycopg2.extensions.connection) -> list[RoleGrant]:
 
 
 def _version(conn: psycopg2.extensions.connection) -> int:
-    from airflow_provider_lr.engine.site.schema import current_version
+    from airflow_provider_lr.engine.db.schema import current_version
 
     version = current_version(conn)
     conn.rollback()

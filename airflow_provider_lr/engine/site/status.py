@@ -10,7 +10,7 @@ from typing import Sequence
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeout, listing, one_line
-from airflow_provider_lr.engine.site import schema
+from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.site.topology import Topology, TopologyDrift, drift
 from airflow_provider_lr.engine.source import delivery
 from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, commit_barrier, holdback

@@ -17,10 +17,10 @@ from typing import Any, Callable, Collection, Mapping
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, TopologyMismatchError, listing, one_line
-from airflow_provider_lr.engine.site.conninfo import ConnInfo, resolve
-from airflow_provider_lr.engine.site.timeouts import Timeouts
-from airflow_provider_lr.engine.site.durability import check_rule
-from airflow_provider_lr.engine.site.topology_schema import Origin, read, validate
+from airflow_provider_lr.engine.db.conninfo import ConnInfo, resolve
+from airflow_provider_lr.engine.db.timeouts import Timeouts
+from airflow_provider_lr.engine.db.durability import check_rule
+from airflow_provider_lr.engine.db.topology_schema import Origin, read, validate
 from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES_SQL, RequestStatus, SessionKey, receive_queue_name
 from airflow_provider_lr.paths import include_dir, lr_home
 
@@ -48,7 +48,7 @@ class Topology:
     settings: dict[str, Any] = field(default_factory=dict)
     # client name -> full-sync provider as "package.module:function"
     providers: dict[str, str] = field(default_factory=dict)
-    # seed 004: min_regions_for_durability, ack_quorum, write_quorum (engine/site/durability.py)
+    # seed 004: min_regions_for_durability, ack_quorum, write_quorum (engine/db/durability.py)
     durability: dict[str, int] = field(default_factory=dict)
     # the file it was read from (``load``): named by every error about it; not part of its id
     path: str | None = field(default=None, compare=False)
@@ -407,7 +407,7 @@ def apply_everywhere(topology: Topology, connect: Callable[[str], psycopg2.exten
     together once every write succeeded. One site unreachable or wrong: nothing changes anywhere.
     ``prune``: also remove the sink sessions the topology no longer has (``prune_sink_sessions``).
     Returns, per site id, the sink sessions pruned and kept."""
-    from airflow_provider_lr.engine.site.schema import site_identity
+    from airflow_provider_lr.engine.db.schema import site_identity
 
     conns: dict[str, psycopg2.extensions.connection] = {}
     try:

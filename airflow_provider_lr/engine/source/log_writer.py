@@ -15,7 +15,7 @@ import psycopg2.extensions
 from psycopg2.extras import execute_values
 
 from airflow_provider_lr.engine.errors import TransmitError
-from airflow_provider_lr.engine.site.schema import site_identity
+from airflow_provider_lr.engine.db.schema import site_identity
 from airflow_provider_lr.proto import lr_pb2
 
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024

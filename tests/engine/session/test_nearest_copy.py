@@ -10,7 +10,7 @@ import pytest
 
 from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.session import nearest_copy
-from airflow_provider_lr.engine.session.replicator import Replicator
+from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.session.runner import SessionSettings
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.tables import registry

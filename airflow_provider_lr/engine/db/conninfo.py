@@ -22,7 +22,7 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, one_line
-from airflow_provider_lr.engine.site.timeouts import DEFAULT, BoundedConnection, Purpose, Timeouts, deadline_for
+from airflow_provider_lr.engine.db.timeouts import DEFAULT, BoundedConnection, Purpose, Timeouts, deadline_for
 from airflow_provider_lr.paths import lr_home
 
 CONNECTIONS_FILE_ENV = "LR_CONNECTIONS_FILE"

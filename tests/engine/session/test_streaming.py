@@ -1,7 +1,7 @@
 """Streaming mode (issue 19): sessions in log-entry sync stay in a loop woken by commits, and keep
 every correctness property of the cycles: late commits and commit order, exactly once through a
 sink restart and a lease handover mid-stream, a forced full sync handed back to negotiation.
-(The kill of the streaming process is a row of tests/engine/test_crash_windows.py.)"""
+(The kill of the streaming process is a row of tests/guarantees/test_crash_windows.py.)"""
 from __future__ import annotations
 
 import time

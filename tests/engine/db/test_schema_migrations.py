@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_lr.engine.errors import SchemaError
-from airflow_provider_lr.engine.site import schema
+from airflow_provider_lr.engine.db import schema
 
 
 def copy_shipped(directory: Path) -> int:

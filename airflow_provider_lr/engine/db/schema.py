@@ -18,7 +18,7 @@ import psycopg2.errors
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import SchemaError
-from airflow_provider_lr.engine.site.topology_schema import valid_site_id
+from airflow_provider_lr.engine.db.topology_schema import valid_site_id
 from airflow_provider_lr.engine.vocabulary import SCHEMA_LOCK_KEY
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from airflow_provider_lr.engine.sink.queue_rows import PACK_BYTES, Packer, QueueRow, piece, unpack
-from airflow_provider_lr.engine.site import schema
+from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.proto import lr_pb2
 from airflow_provider_lr.subscriber import MalformedEntryError, RoutingQueueSubscriber
 from tests.support.subscriber import Flaky, Recorder, expected, insert_raw, settle, started_session

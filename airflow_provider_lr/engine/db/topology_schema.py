@@ -66,7 +66,7 @@ SETTINGS: dict[str, tuple[dict, str]] = {
     "peer_probe_delay_s": (_POSITIVE_SECONDS, "seconds the nearest peer has to answer before the next is asked"),
     "max_payload_bytes": ({"type": "integer", "minimum": 1, "maximum": MAX_PAYLOAD_BYTES},
                           "largest payload transmit accepts on the sites of this topology"),
-    # the bounds on every connection lr opens (engine/site/timeouts.py; a DSN's own win)
+    # the bounds on every connection lr opens (engine/db/timeouts.py; a DSN's own win)
     "connect_timeout_s": (_TIMEOUT, "a server that does not answer the connect within this fails it"),
     "keepalives_idle_s": (_PROBE, "an idle link is probed after this long"),
     "keepalives_interval_s": (_PROBE, "then probed again every this long"),

@@ -215,7 +215,7 @@ def test_a_subscription_whose_login_is_refused_ends_with_the_error_on_one_line(l
     """A subscription whose own connection is refused ends at once with the ConfigurationError
     (``join`` raises it), logged on one line without a traceback; the relay goes on for others."""
     from airflow_provider_lr.engine.errors import ConfigurationError
-    from airflow_provider_lr.engine.site.conninfo import from_dsn
+    from airflow_provider_lr.engine.db.conninfo import from_dsn
 
     _, sink, _ = lr_sites
     relay = open_relay(sink.dsn)
@@ -238,7 +238,7 @@ def test_a_relay_whose_listen_login_is_refused_stops_every_subscription_with_the
     on without wake-ups, and a new subscription is refused naming it."""
     from airflow_provider_lr.engine.errors import ConfigurationError
     from airflow_provider_lr.engine.sink.relay import Relay
-    from airflow_provider_lr.engine.site.conninfo import from_dsn
+    from airflow_provider_lr.engine.db.conninfo import from_dsn
 
     _, sink, _ = lr_sites
     relay = Relay(refused_login(sink).connect)

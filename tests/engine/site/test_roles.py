@@ -28,8 +28,9 @@ from airflow_provider_lr import cli
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
 from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeout, SchemaError
 from airflow_provider_lr.engine.sink import receive
-from airflow_provider_lr.engine.site import roles, schema, status, topology
-from airflow_provider_lr.engine.site.conninfo import ConnInfo
+from airflow_provider_lr.engine.site import roles, status, topology
+from airflow_provider_lr.engine.db import schema
+from airflow_provider_lr.engine.db.conninfo import ConnInfo
 from airflow_provider_lr.engine.source import full_sync, trim
 from airflow_provider_lr.proto import lr_pb2
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber

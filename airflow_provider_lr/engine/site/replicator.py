@@ -26,7 +26,7 @@ from airflow_provider_lr.engine.session import nearest_copy
 from airflow_provider_lr.engine.session.lease import Lease, new_owner_id
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, SessionSettings, record_error
 from airflow_provider_lr.engine.site import status
-from airflow_provider_lr.engine.site.timeouts import failure
+from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.site.topology import Topology
 from airflow_provider_lr.engine.source.full_sync import Provider, load_provider
 from airflow_provider_lr.engine.vocabulary import SessionKey, SessionState

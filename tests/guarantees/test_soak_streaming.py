@@ -19,7 +19,7 @@ holds the same federated tables (each value compared), and no full-sync request 
 Knobs: ``LR_SOAK_SEED`` (default 11; ``random`` for a fresh one), ``LR_STREAM_SOAK_SECONDS`` (chaos
 seconds before the failover, default 20 in CI; a third as long after it), ``LR_SOAK_RATE``
 (transactions/s, default 150), ``LR_SOAK_REPORT`` (summary as JSON there).
-``pytest tests/engine/test_soak_streaming.py -s`` prints the summary.
+``pytest tests/guarantees/test_soak_streaming.py -s`` prints the summary.
 """
 from __future__ import annotations
 

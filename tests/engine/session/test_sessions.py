@@ -10,7 +10,7 @@ import pytest
 from airflow_provider_lr.engine.errors import FencedError, StaleBatchError
 from airflow_provider_lr.engine.session import lease
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.site import schema
+from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.source.log_reader import LogReader
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.support.session import (

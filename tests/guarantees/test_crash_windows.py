@@ -87,21 +87,21 @@ WINDOWS = [
 
 # the federated tables' windows, with their own scenarios (rows 14 and 15 of docs/crash-windows.md)
 TABLE_WINDOWS = {
-    "table_snapshot_before_commit": "tests/engine/test_tables.py::test_a_replicator_killed_while_writing_a_table_snapshot_leaves_nothing_half_done",
+    "table_snapshot_before_commit": "tests/engine/tables/test_tables.py::test_a_replicator_killed_while_writing_a_table_snapshot_leaves_nothing_half_done",
     "table_range_before_commit": "tests/spark/test_table_snapshot.py",
 }
 
 
 # a failover's windows (rows 16-18), killed and re-run in their own scenario
 FAILOVER_WINDOWS = {
-    name: "tests/engine/test_failover.py::test_a_failover_killed_after_promoting_finishes_when_run_again"
+    name: "tests/engine/site/test_failover.py::test_a_failover_killed_after_promoting_finishes_when_run_again"
     for name in ("failover_after_fence", "failover_after_promote", "failover_after_reconcile")
 }
 
 
 # a seed from a peer sink's copy (rows 19 and 20)
 NEAREST_COPY_WINDOWS = {
-    name: "tests/engine/test_nearest_copy.py::test_a_replicator_killed_while_seeding_from_a_peer_leaves_the_sink_whole"
+    name: "tests/engine/session/test_nearest_copy.py::test_a_replicator_killed_while_seeding_from_a_peer_leaves_the_sink_whole"
     for name in ("peer_seed_before_commit", "after_peer_seed")
 }
 

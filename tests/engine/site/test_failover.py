@@ -17,7 +17,7 @@ import pytest
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError
-from airflow_provider_lr.engine.session.replicator import run_until_idle
+from airflow_provider_lr.engine.site.replicator import run_until_idle
 from airflow_provider_lr.engine.site import failover, status
 from airflow_provider_lr.engine.site import topology as topologies
 from airflow_provider_lr.engine.vocabulary import SessionKey

@@ -11,7 +11,7 @@ open; every session's acknowledged position is its sink's; safe trim reaches the
 
 Knobs (environment): ``LR_SOAK_SEED`` (default 7; ``random`` for a fresh one, printed), ``LR_SOAK_SECONDS`` (chaos
 seconds, default 45), ``LR_SOAK_RATE`` (application transactions/s, default 150),
-``LR_SOAK_REPORT`` (write the summary there as JSON). ``pytest tests/engine/test_soak.py -s`` shows the
+``LR_SOAK_REPORT`` (write the summary there as JSON). ``pytest tests/guarantees/test_soak.py -s`` shows the
 summary line; ``-m soak`` selects this test.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from airflow_provider_lr.engine.errors import ConfigurationError
-from airflow_provider_lr.engine.site import conninfo, schema
+from airflow_provider_lr.engine.db import conninfo, schema
 
 
 def test_env_connection_json_and_uri_forms(monkeypatch):

@@ -1,0 +1,1 @@
+"""The PostgreSQL underneath every site: connecting, call deadlines, schema migrations, durability rules."""
