@@ -3,6 +3,7 @@
 # lock file, then runs the demo or the test suite.
 #   ./dev.sh demo        install, start embedded PostgreSQL sites, run the demo
 #   ./dev.sh test [...]  install, run the whole test suite (extra args go to pytest)
+#   ./dev.sh lint        install, run ruff (lint + format check) and mypy, as CI does before the tests
 #   ./dev.sh install     install only
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -78,5 +79,6 @@ case "$cmd" in
   install) install; need_chromium ;;
   demo) install; exec "$VENV/bin/lr" demo "$@" ;;
   test) install; need_chromium; exec "$VENV/bin/python" -m pytest "$@" ;;
-  *) echo "usage: ./dev.sh demo | test [pytest args] | install" >&2; exit 2 ;;
+  lint) install; "$VENV/bin/ruff" check . && "$VENV/bin/ruff" format --check . && exec "$VENV/bin/mypy" ;;
+  *) echo "usage: ./dev.sh demo | test [pytest args] | lint | install" >&2; exit 2 ;;
 esac

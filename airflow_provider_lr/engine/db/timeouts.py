@@ -68,7 +68,8 @@ class Timeouts:
     def from_settings(cls, settings: Mapping[str, Any]) -> "Timeouts":
         """The topology's ``settings:`` (unknown keys ignored: they are other settings)."""
         names = {f.name: f.type for f in fields(cls)}
-        return cls(**{k: (int(v) if names[k] == "int" else float(v)) for k, v in settings.items() if k in names})
+        given = {k: (int(v) if names[k] == "int" else float(v)) for k, v in settings.items() if k in names}
+        return cls(**given)  # type: ignore[arg-type]  # each value converted to its field's type above
 
     @property
     def link_check_s(self) -> float:
@@ -311,7 +312,7 @@ _EXPLAINED = {
 def explain(exc: BaseException) -> str | None:
     """What a bound that fired means, to prefix an error with; None for other errors."""
     conn = getattr(getattr(exc, "cursor", None), "connection", None)
-    if getattr(conn, "was_cut", False):
+    if conn is not None and getattr(conn, "was_cut", False):
         return (f"{conn.describe()} gave no answer within its call deadline of {conn.deadline_s:.0f} s "
                 "(statement_timeout + link check): a dead or stalled link, cut by lr")
     return _EXPLAINED.get(getattr(exc, "pgcode", None) or "")

@@ -221,7 +221,7 @@ def validate(doc: Any, origin: Origin | None = None) -> None:
 def _explain(error: ValidationError, origin: Origin) -> ConfigurationError:
     path = list(error.absolute_path)
     if error.validator == "additionalProperties" and isinstance(error.instance, dict):
-        known = sorted(error.schema.get("properties", {}))  # type: ignore[union-attr]
+        known = sorted(error.schema.get("properties", {}))
         extra = sorted(str(k) for k in error.instance if k not in known)
         hint = f" (known: {', '.join(known)})" if known else ""
         return origin.error(path + extra[:1], f"unknown key {extra[0]!r}{hint}")
