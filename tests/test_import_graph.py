@@ -14,6 +14,9 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 ENGINE = f"{PACKAGE}.engine"
 # What the engine must never import: the dev tooling and the Airflow adapters.
 ENGINE_FORBIDDEN = tuple(f"{PACKAGE}.{name}" for name in ("embedded", "hooks", "operators", "sensors", "triggers"))
+# The engine's folders, lowest first (docs/architecture.md says what each owns). A module may import
+# its own folder and the folders below it; "" is the engine's top-level modules (its words).
+LAYERS = ("", "db", "store", "source", "tables", "sink", "session", "bulk", "site")
 
 
 def module_names(root: Path = ROOT) -> dict[str, Path]:
@@ -109,6 +112,48 @@ def test_the_engine_imports_neither_the_embedded_tooling_nor_the_airflow_adapter
         if target.startswith(ENGINE_FORBIDDEN)
     ]
     assert offenders == []
+
+
+def layer(module: str) -> str | None:
+    """The engine folder a module belongs to ("" for the engine's top-level modules), None outside it."""
+    if module != ENGINE and not module.startswith(ENGINE + "."):
+        return None
+    parts = module[len(ENGINE) + 1:].split(".") if module != ENGINE else []
+    return parts[0] if len(parts) > 1 else ""
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from an engine folder into a folder above it (or into one not in ``LAYERS``)."""
+    offenders = []
+    for module, targets in sorted(graph.items()):
+        here = layer(module)
+        if here is None:
+            continue
+        for target in sorted(targets):
+            there = layer(target)
+            if there is None or there == here:
+                continue
+            if here not in LAYERS or there not in LAYERS or LAYERS.index(there) > LAYERS.index(here):
+                offenders.append(f"{module} ({here or 'top'}) imports {target} ({there or 'top'})")
+    return offenders
+
+
+def test_the_engine_folders_are_layers():
+    """No engine folder imports one above it, so no two folders import each other and each folder
+    can be read knowing only the ones below."""
+    offenders = upward_imports(import_graph())
+    assert offenders == [], "imports against the layer order " + " < ".join(n or "top" for n in LAYERS) + ":\n" + "\n".join(offenders)
+
+
+def test_every_engine_folder_has_a_place_in_the_layers():
+    folders = {p.name for p in (ROOT / "engine").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(LAYERS) - {""}
+
+
+def test_the_layer_check_sees_two_folders_importing_each_other():
+    """The detector itself: of a pair of folders importing each other, the upward import is reported."""
+    graph = {f"{ENGINE}.sink.writes": {f"{ENGINE}.tables.sink"}, f"{ENGINE}.tables.snapshot": {f"{ENGINE}.sink.writes"}}
+    assert upward_imports(graph) == [f"{ENGINE}.tables.snapshot (tables) imports {ENGINE}.sink.writes (sink)"]
 
 
 def test_the_graph_sees_function_local_and_relative_imports(tmp_path: Path):
