@@ -13,7 +13,7 @@ from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeou
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.site.topology import Topology, TopologyDrift, drift
 from airflow_provider_lr.engine.source import delivery
-from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, commit_barrier, holdback
+from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, commit_barrier, holdback
 from airflow_provider_lr.engine.tables import handover
 from airflow_provider_lr.engine.tables.registry import is_closed
 from airflow_provider_lr.engine.vocabulary import (
