@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1] / "airflow_provider_lr"
 
 def sizes(root: Path = ROOT) -> dict[str, int]:
     """Lines of every ``.py`` under ``root``, by path relative to the repository."""
-    return {str(path.relative_to(root.parent)): len(path.read_text().splitlines()) for path in sorted(root.rglob("*.py"))}
+    return {str(path.relative_to(root.parent)): len(path.read_text().splitlines())
+            for path in sorted(root.rglob("*.py"))}
 
 
 def test_every_module_is_at_most_500_lines():
