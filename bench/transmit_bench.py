@@ -43,7 +43,7 @@ import psycopg2  # noqa: E402
 
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient  # noqa: E402
 from airflow_provider_lr.embedded.sites import SiteManager  # noqa: E402
-from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL  # noqa: E402
+from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL  # noqa: E402
 from airflow_provider_lr.engine.site import roles, topology
 from airflow_provider_lr.engine.db import schema
 

@@ -95,11 +95,15 @@ def lr_replication() -> None:
 
     @task
     def spark_sources(plans: list[dict]) -> list[str]:
-        return [p["source"] for p in plans if p["path"] == "spark"]
+        from airflow_provider_lr.engine.bulk.catchup import CatchupPath
+
+        return [p["source"] for p in plans if p["path"] == CatchupPath.SPARK.value]
 
     @task
     def tee_sources(plans: list[dict]) -> list[str]:
-        return [p["source"] for p in plans if p["path"] == "tee"]
+        from airflow_provider_lr.engine.bulk.catchup import CatchupPath
+
+        return [p["source"] for p in plans if p["path"] == CatchupPath.TEE.value]
 
     plans = plan.expand(site=sources(sessions.output))
     fanout = LRSparkFanOutOperator.partial(

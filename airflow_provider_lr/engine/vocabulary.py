@@ -35,15 +35,13 @@ class _Word(str, Enum):
 
 class SessionState(_Word):
     """Where a session stands, source side (lr.source_sessions.state), after CorfuDB's
-    ``LogReplicationStateType``."""
+    ``LogReplicationStateType``: only the states lr writes (a transferred snapshot waiting for its
+    apply stays IN_SNAPSHOT_SYNC; an error is the session's ``last_error``, not a state)."""
 
-    INITIALIZED = "INITIALIZED"
+    INITIALIZED = "INITIALIZED"  # written by the column's DEFAULT when the topology adds the session
     NEGOTIATING = "NEGOTIATING"
     IN_SNAPSHOT_SYNC = "IN_SNAPSHOT_SYNC"
-    WAIT_SNAPSHOT_APPLY = "WAIT_SNAPSHOT_APPLY"
     IN_LOG_ENTRY_SYNC = "IN_LOG_ENTRY_SYNC"
-    STOPPED = "STOPPED"
-    ERROR = "ERROR"
 
 
 class RequestStatus(_Word):

@@ -302,9 +302,11 @@ class LRSnapshotSyncOperator(_SessionStepOperator):
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         """The client's data came (or not): carry on from where the wait began."""
+        from airflow_provider_lr.triggers.session import TriggerStatus
+
         with self.runner() as runner:
             report = runner.snapshot_step()  # transfers and applies; records a timeout if it passed
-        if event.get("status") != "supplied":
+        if event.get("status") != TriggerStatus.SUPPLIED:
             raise AirflowException(
                 f"session {report.session}: the client supplied no full-sync data for request "
                 f"{event.get('request_id')} ({event.get('message', event.get('status'))}); run the client's "
@@ -315,8 +317,10 @@ class LRSnapshotSyncOperator(_SessionStepOperator):
     def outcome_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         """The request was applied (by anyone), failed, or its session's lease was let go (then
         this step carries it out itself)."""
+        from airflow_provider_lr.triggers.session import TriggerStatus
+
         name = self.session["session"]
-        if event.get("status") == "lease_free":
+        if event.get("status") == TriggerStatus.LEASE_FREE:
             return self.execute(context)
         if event.get("status") != Outcome.APPLIED.value:
             telemetry.session_error(self.session)

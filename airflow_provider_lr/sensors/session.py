@@ -9,6 +9,7 @@ from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException
 
 from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.source.full_sync import Outcome
 from airflow_provider_lr.operators.common import load_topology, site_connection
 from airflow_provider_lr.triggers.session import (
     LRDeliveredTrigger,
@@ -16,10 +17,11 @@ from airflow_provider_lr.triggers.session import (
     LRNewLogEntriesTrigger,
     LRReadyTrigger,
     LRSnapshotEndTrigger,
+    TriggerStatus,
     _PollingTrigger,
 )
 
-_SUCCESS = ("success", "supplied", "applied")
+_SUCCESS = (TriggerStatus.SUCCESS, TriggerStatus.SUPPLIED, Outcome.APPLIED)
 
 
 class _LRSensor(BaseSensorOperator):

@@ -10,6 +10,7 @@ sensors' non-deferrable mode.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from datetime import datetime, timezone
 from typing import Any, AsyncIterator
@@ -30,6 +31,23 @@ log = logging.getLogger(__name__)
 _MODULE = __name__
 
 
+class TriggerStatus(str, enum.Enum):
+    """An event's ``status``, beside a full sync's ``Outcome`` (``applied``, ``pending``, ``failed``)
+    that ``full_sync_outcome_status`` passes on. Events carry the plain value (they are serialized)."""
+
+    SUCCESS = "success"  # what the sensor waited for happened
+    SUPPLIED = "supplied"  # the client supplied a full sync's data
+    CLOSED = "closed"  # the full-sync request was closed (or is gone) without data
+    TIMEOUT = "timeout"  # no data by the request's deadline
+    LEASE_FREE = "lease_free"  # nobody holds the session's lease: the waiting step may do the work
+    ERROR = "error"  # the wait ended on an error that is not a lost connection
+
+
+def status_event(status: TriggerStatus, **fields: Any) -> dict[str, Any]:
+    """A trigger event: its status as the plain word, then what the waiting task reads."""
+    return {"status": status.value, **fields}
+
+
 def snapshot_end_status(
     conn: psycopg2.extensions.connection, request_id: str, deadline: datetime | None
 ) -> dict[str, Any] | None:
@@ -38,13 +56,13 @@ def snapshot_end_status(
     ``deadline``; None while still pending."""
     request = full_sync.get_request(conn, request_id)
     if request is None:
-        return {"status": "closed", "request_id": request_id, "message": "no such full-sync request"}
+        return status_event(TriggerStatus.CLOSED, request_id=request_id, message="no such full-sync request")
     if request.status in (RequestStatus.SUPPLIED, RequestStatus.APPLIED):
-        return {"status": "supplied", "request_id": request_id, "entries": request.entries}
+        return status_event(TriggerStatus.SUPPLIED, request_id=request_id, entries=request.entries)
     if request.status != RequestStatus.PENDING:
-        return {"status": "closed", "request_id": request_id, "message": f"request {request.status}"}
+        return status_event(TriggerStatus.CLOSED, request_id=request_id, message=f"request {request.status}")
     if deadline is not None and datetime.now(timezone.utc) > deadline:
-        return {"status": "timeout", "request_id": request_id, "message": f"no data by {deadline.isoformat()}"}
+        return status_event(TriggerStatus.TIMEOUT, request_id=request_id, message=f"no data by {deadline.isoformat()}")
     return None
 
 
@@ -62,14 +80,15 @@ def full_sync_outcome_status(conn: psycopg2.extensions.connection, request_id: s
     if found.final:
         return event
     if lease_free and leases.holder(conn, found.request.sink_site_id, found.request.client_name) is None:
-        return {**event, "status": "lease_free"}
+        return {**event, "status": TriggerStatus.LEASE_FREE.value}
     return None
 
 
 def new_entries_status(conn: psycopg2.extensions.connection, sink: str, client: str, min_entries: int = 1) -> dict[str, Any] | None:
     count, highest = status.pending_entries(conn, sink, client)
     if count >= min_entries:
-        return {"status": "success", "sink": sink, "client": client, "pending": count, "highest_position": highest}
+        return status_event(TriggerStatus.SUCCESS, sink=sink, client=client, pending=count,
+                            highest_position=highest)
     return None
 
 
@@ -80,7 +99,7 @@ def delivered_status(conn: psycopg2.extensions.connection, client: str, position
     found = delivery.delivered(conn, client, position, destinations, min_regions or None)
     if found is None:
         return None
-    return {"status": "success", "position": position, "safe_on": found.safe_on, "regions": found.stored_regions}
+    return status_event(TriggerStatus.SUCCESS, position=position, safe_on=found.safe_on, regions=found.stored_regions)
 
 
 class _PollingTrigger(BaseTrigger):
@@ -127,7 +146,7 @@ class _PollingTrigger(BaseTrigger):
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, self.max_poll_interval)
         except Exception as exc:  # a configuration or schema problem: end the wait, the task reports it
-            yield TriggerEvent({"status": "error", "message": error_line(exc)})
+            yield TriggerEvent(status_event(TriggerStatus.ERROR, message=error_line(exc)))
         finally:
             if conn is not None and not conn.closed:
                 conn.close()
@@ -214,8 +233,8 @@ def ready_status(conn: psycopg2.extensions.connection, client: str, destinations
     if unknown:
         raise ConfigurationError(f"{unknown} are not sinks of client {client!r} at this site")
     if all(r.ready for r in found.values()):
-        return {"status": "success", "client": client, "ready": sorted(found),
-                "acked": {s: r.acked for s, r in sorted(found.items())}}
+        return status_event(TriggerStatus.SUCCESS, client=client, ready=sorted(found),
+                            acked={s: r.acked for s, r in sorted(found.items())})
     return None
 
 

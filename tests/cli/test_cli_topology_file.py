@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 
 from airflow_provider_lr import cli
+from airflow_provider_lr.cli.common import connector
 from airflow_provider_lr.engine.site import topology
 from tests.cli.test_cli_sync import topology_file
 from tests.support.session import App, lr_sync_process, queue
@@ -131,7 +132,7 @@ def test_a_running_replicator_goes_on_when_its_own_file_is_edited_and_applied(lr
 
     path, app = _replicating(lr_sites, tmp_path, monkeypatch)
     running = topology.load(path)
-    repl = Replicator(running, cli._connect(running))
+    repl = Replicator(running, connector(running))
     doc = yaml.safe_load(Path(path).read_text())
     Path(path).write_text(yaml.safe_dump({**doc, "settings": {"lease_seconds": 30}}))
     assert cli.main(["topology", "apply", "--topology", path]) == 0

@@ -2,11 +2,15 @@
 key added in one place only fails here."""
 from __future__ import annotations
 
+import ast
 import re
+from pathlib import Path
 
 import pytest
 
+import airflow_provider_lr
 from airflow_provider_lr.engine import vocabulary
+from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.site.replicator import run_until_idle
 from airflow_provider_lr.engine.vocabulary import (
     COMMIT_LOCK_KEY,
@@ -97,3 +101,70 @@ def test_failover_statuses_are_exactly_what_the_schema_allows(lr_sites):
 def test_consumed_trigger_skips_under_the_reconciling_setting(lr_sites):
     bodies = [r[0] for r in lr_sites[0].query("SELECT prosrc FROM pg_proc WHERE proname = 'note_consumed'")]
     assert bodies and f"current_setting('{vocabulary.RECONCILING_SETTING}', true)" in bodies[0]
+
+
+# --- every word has a writer -----------------------------------------------------------------------
+PACKAGE = Path(airflow_provider_lr.__file__).parent
+ENUM_BASES = {"Enum", "_Word"}  # enum.Enum, str-Enums, and vocabulary's stored words
+# Members the schema writes, not Python: (enum, member) -> the migration text that writes it.
+SCHEMA_WRITES = {("SessionState", "INITIALIZED"): r"\bstate\s+text NOT NULL DEFAULT 'INITIALIZED'"}
+
+
+def _modules() -> dict[Path, ast.Module]:
+    return {path: ast.parse(path.read_text(), str(path)) for path in sorted(PACKAGE.rglob("*.py"))
+            if "proto" not in path.relative_to(PACKAGE).parts}  # generated protobuf code
+
+
+def _enums(modules: dict[Path, ast.Module]) -> dict[str, list[str]]:
+    """Every enum class of lr (by name) and its members, read from the source."""
+    found: dict[str, list[str]] = {}
+    for tree in modules.values():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = {b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "") for b in node.bases}
+            if bases & ENUM_BASES:
+                members = [t.id for stmt in node.body if isinstance(stmt, ast.Assign) for t in stmt.targets
+                           if isinstance(t, ast.Name) and t.id.isupper()]
+                if members:
+                    assert node.name not in found, f"two enums named {node.name}: the check cannot tell them apart"
+                    found[node.name] = members
+    return found
+
+
+def _written(modules: dict[Path, ast.Module], enums: dict[str, list[str]]) -> set[tuple[str, str]]:
+    """(enum, member) for every ``Enum.MEMBER`` (or ``module.Enum.MEMBER``) that is assigned, passed,
+    returned or stored: not an operand of a comparison, nor a key of a mapping that translates it."""
+    written: set[tuple[str, str]] = set()
+    for tree in modules.values():
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            owner = node.value.id if isinstance(node.value, ast.Name) else getattr(node.value, "attr", None)
+            if owner not in enums or node.attr not in enums[owner]:
+                continue
+            child, parent = node, parents.get(node)
+            while parent is not None and not isinstance(parent, (ast.stmt, ast.Compare)):
+                if isinstance(parent, ast.Dict) and child in parent.keys:
+                    break
+                child, parent = parent, parents.get(parent)
+            else:
+                if not isinstance(parent, ast.Compare):
+                    written.add((owner, node.attr))
+    return written
+
+
+def test_every_state_and_decision_has_a_writer():
+    """A member nothing writes is a word that tells a reader of a branch on it something that never
+    happens: delete it, or write it where the state really occurs."""
+    modules = _modules()
+    enums = _enums(modules)
+    assert {"SessionState", "RequestStatus", "Decision", "CatchupPath", "TriggerStatus"} <= set(enums)
+    written = _written(modules, enums)
+    migrations = "\n".join(m.sql for m in schema.available_migrations())
+    for (name, member), pattern in SCHEMA_WRITES.items():
+        assert re.search(pattern, migrations), f"{name}.{member}: the schema no longer writes it ({pattern})"
+    unwritten = sorted(f"{name}.{member}" for name, members in enums.items() for member in members
+                       if (name, member) not in written and (name, member) not in SCHEMA_WRITES)
+    assert not unwritten, f"enum members nothing in airflow_provider_lr/ writes: {unwritten}"

@@ -277,7 +277,7 @@ def test_the_commit_barrier_on_a_writers_connection_sees_commits_in_flight_whate
     """A client's full-sync supply waits for the commits in flight on the writer's connection: an
     empty table of the writer's named pg_locks must not hide a prepared transaction's commit."""
     from airflow_provider_lr.client import RoutingQueueClient
-    from airflow_provider_lr.engine.source.log_reader import commit_barrier
+    from airflow_provider_lr.engine.source.commit_barrier import commit_barrier
 
     source, sink, _ = lr_sites
     apply(lr_sites)

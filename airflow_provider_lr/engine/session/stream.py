@@ -57,7 +57,8 @@ from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.site.topology import recorded_id
 from airflow_provider_lr.engine.site.metrics import Pulse, ReplicationCounters
 from airflow_provider_lr.engine.source import full_sync
-from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, LogReader
+from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL
+from airflow_provider_lr.engine.source.log_reader import LogReader
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables import snapshot as table_snapshot
 from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, SessionKey, SessionState

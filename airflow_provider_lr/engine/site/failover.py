@@ -55,7 +55,8 @@ from airflow_provider_lr.engine.site import topology as topologies
 from airflow_provider_lr.engine.site.topology import Replication, Topology, apply_to_site, recorded_id
 from airflow_provider_lr.engine.db.topology_schema import Origin
 from airflow_provider_lr.engine.source import full_sync
-from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, LogReader, commit_barrier
+from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, commit_barrier
+from airflow_provider_lr.engine.source.log_reader import LogReader
 from airflow_provider_lr.engine.tables import handover, registry
 from airflow_provider_lr.engine.tables import snapshot as table_snapshot
 from airflow_provider_lr.engine.vocabulary import (

@@ -13,7 +13,7 @@ from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeou
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.site.topology import Topology, TopologyDrift, drift
 from airflow_provider_lr.engine.source import delivery
-from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, commit_barrier, holdback
+from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, commit_barrier, holdback
 from airflow_provider_lr.engine.tables import handover
 from airflow_provider_lr.engine.tables.registry import is_closed
 from airflow_provider_lr.engine.vocabulary import (
@@ -213,8 +213,6 @@ def waiting_for(session: dict, request: dict | None) -> str | None:
                     f"{request['age_s']:.0f}s ago, restarts in {max(request['data_deadline_in_s'], 0):.0f}s): its "
                     "provider must be importable by the replicator, or the client must serve the request")
         return f"the transfer and apply of full sync {request['request_id']}"
-    if session["state"] == SessionState.WAIT_SNAPSHOT_APPLY:
-        return "the sink to apply its transferred full sync"
     if session["state"] == SessionState.NEGOTIATING and session.get("last_error"):
         return "negotiation to succeed (see last error)"
     if session["state"] == SessionState.INITIALIZED:

@@ -30,7 +30,7 @@ from typing import Sequence
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeout, TransmitError
-from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL
+from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL
 from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, STREAM_TABLE_CHANGES
 
 GUARD_GRACE_S = 60.0  # a guard outlives its wait's timeout by this much (a waiter that died)

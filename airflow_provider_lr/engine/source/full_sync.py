@@ -29,7 +29,8 @@ from airflow_provider_lr.engine import progress
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, FullSyncError, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session.lease import Lease
-from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, BaseSplit, commit_barrier
+from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, commit_barrier
+from airflow_provider_lr.engine.source.log_reader import BaseSplit
 from airflow_provider_lr.engine.source.log_writer import LogWriter
 from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES, OPEN_STATUSES_SQL, STREAM_SNAP_SYNC, RequestStatus, SessionKey
 from airflow_provider_lr.proto import lr_pb2

@@ -4,22 +4,12 @@ Why not ``entry_id > last_seen``: ids come from a sequence before commit, so a t
 commits late has a smaller id than entries already read and would be skipped forever. Why not xid
 order below ``pg_snapshot_xmin``: complete, but not commit order, so two transactions that touch the
 same application row can arrive swapped. lr instead reads by *commit position*, drawn at commit
-time under a shared advisory lock (see ``V0002__shared_log.sql``), behind a barrier:
-
-1. note ``N``, the commit-position sequence's last value;
-2. wait until every transaction that held the commit lock at that moment has ended — any
-   transaction with a position <= N drew it while holding the lock, so after this all of them are
-   final (committed or rolled back) and visible to a new snapshot;
-3. read positions in ``(after, N]``.
-
-The barrier never blocks writers (it polls ``pg_locks`` instead of queueing for the lock), and an
-open transaction elsewhere in the database does not hold the reader back: only commits already in
-flight do, and a prepared transaction holding its position until COMMIT PREPARED. ``holdback``
-names those, and the open transactions whose entries are still to come.
+time under a shared advisory lock (see ``V0002__shared_log.sql``), behind the commit barrier
+(``commit_barrier``: every position up to the one it returns is final), or, for a stream reading
+again at once, up to the final prefix (``LogReader.read_stream(final=True)``).
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -27,7 +17,8 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, TrimmedError
-from airflow_provider_lr.engine.vocabulary import COMMIT_LOCK_KEY, STREAM_LOG_ENTRIES, STREAM_TABLE_CHANGES
+from airflow_provider_lr.engine.source.commit_barrier import HoldBack, commit_barrier
+from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, STREAM_TABLE_CHANGES
 from airflow_provider_lr.proto import lr_pb2
 
 DEFAULT_MAX_ENTRIES = 10_000
@@ -44,19 +35,6 @@ def fetch_bytes(max_bytes: int) -> int:
     """Bytes of messages one round trip of a read may bring, from the batch's byte budget: half of
     it (so a batch takes a few round trips, not one huge one), between 1 and 8 MiB."""
     return min(MAX_FETCH_BYTES, max(MIN_FETCH_BYTES, max_bytes // 2))
-
-# The last commit position drawn (by a commit that may still be in flight), 0 before the first.
-LAST_DRAWN_POSITION_SQL = "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM lr.commit_position_seq"
-
-# Runs on a writer's connection too (a client's full-sync supply), under its search_path: qualified,
-# so a table of the writer's named pg_locks cannot hide the commits in flight from the barrier.
-_HOLDERS_SQL = """
-SELECT l.virtualtransaction, l.pid
-FROM pg_catalog.pg_locks l
-WHERE l.locktype = 'advisory' AND l.granted
-  AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database())
-  AND l.classid = 0 AND l.objid = %s AND l.objsubid = 1
-"""
 
 
 @dataclass(frozen=True)
@@ -107,28 +85,6 @@ _TABLES_CLAUSE = """OR (e.stream = %(t_stream)s AND e.table_id = ANY (%(t_ids)s:
                       AND pg_visible_in_snapshot({c}.tx, s.snap::pg_snapshot)))"""
 
 
-@dataclass(frozen=True)
-class HoldBack:
-    """Something that keeps entries from being delivered yet."""
-
-    kind: str  # "in_flight_commit" | "prepared_transaction" | "open_transaction"
-    pid: int | None
-    age_seconds: float
-    xact_start: str | None = None
-    query_start: str | None = None
-    state: str | None = None
-    query: str | None = None
-    gid: str | None = None
-
-    def describe(self) -> str:
-        who = f"prepared transaction {self.gid!r}" if self.gid else f"pid {self.pid}"
-        what = {
-            "in_flight_commit": "is committing and blocks the read barrier",
-            "prepared_transaction": "holds its commit position until COMMIT/ROLLBACK PREPARED",
-            "open_transaction": "has transmitted entries that are not committed yet",
-        }[self.kind]
-        # never the query text: it can carry application data (payload bytes in hex)
-        return f"{who} {what} (for {self.age_seconds:.1f}s{', ' + self.state if self.state else ''})"
 
 
 @dataclass
@@ -484,125 +440,3 @@ def check_trim(conn: psycopg2.extensions.connection, after: int, reader: str,
         conn.rollback()
         raise trimmed_error(reader, after, mark)
     return tuple(extra)
-
-
-def commit_barrier(conn: psycopg2.extensions.connection, timeout: float = 5.0) -> tuple[int | None, list[HoldBack]]:
-    """Note the commit sequence, then wait for the commits in flight at that moment to end.
-
-    Returns ``(N, [])``, or ``(None, holders)`` when some outlast ``timeout`` (a prepared
-    transaction, a stuck commit): their positions are drawn but invisible, so no position above
-    what the caller already read is known to be final.
-    """
-    try:
-        with conn.cursor() as cur:
-            cur.execute(LAST_DRAWN_POSITION_SQL)
-            noted = cur.fetchone()[0]
-            cur.execute(_HOLDERS_SQL, (COMMIT_LOCK_KEY,))
-            waiting = {vxid for vxid, _ in cur.fetchall()}
-            conn.rollback()
-            deadline = time.monotonic() + timeout
-            pause = 0.0005
-            while waiting:
-                if time.monotonic() > deadline:
-                    return None, in_flight_commits(conn, waiting)
-                time.sleep(pause)
-                pause = min(pause * 2, 0.02)
-                cur.execute(_HOLDERS_SQL, (COMMIT_LOCK_KEY,))
-                waiting &= {vxid for vxid, _ in cur.fetchall()}
-                conn.rollback()
-        return noted, []
-    except BaseException:
-        conn.rollback()
-        raise
-
-
-def in_flight_commits(conn: psycopg2.extensions.connection, vxids: set[str] | None = None) -> list[HoldBack]:
-    """Transactions holding the commit-position lock (committing now, or prepared)."""
-    with conn.cursor() as cur:
-        cur.execute(
-            """
-            SELECT l.virtualtransaction, l.pid, a.xact_start::pg_catalog.text, a.query_start::pg_catalog.text,
-                   a.state, a.query, extract(epoch FROM pg_catalog.now()
-                                             - coalesce(a.xact_start, p.prepared, pg_catalog.now()))::float8, p.gid
-            FROM pg_catalog.pg_locks l
-            LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
-            LEFT JOIN pg_catalog.pg_locks x ON l.pid IS NULL AND x.locktype = 'transactionid'
-                 AND x.virtualtransaction = l.virtualtransaction
-            LEFT JOIN pg_catalog.pg_prepared_xacts p ON p.transaction = x.transactionid
-            WHERE l.locktype = 'advisory' AND l.granted AND l.classid = 0 AND l.objid = %s AND l.objsubid = 1
-              AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database())
-            """,
-            (COMMIT_LOCK_KEY,),
-        )
-        rows = cur.fetchall()
-    conn.rollback()
-    found = []
-    for vxid, pid, xact_start, query_start, state, query, age, gid in rows:
-        if vxids is not None and vxid not in vxids:
-            continue
-        kind = "prepared_transaction" if gid or not pid else "in_flight_commit"
-        found.append(HoldBack(kind, pid or None, age or 0.0, xact_start, query_start, state, query, gid))
-    return found
-
-
-def holdback(conn: psycopg2.extensions.connection) -> list[HoldBack]:
-    """Everything that keeps entries from being read now, oldest first: in-flight commits and
-    prepared transactions holding the barrier, and open transactions with uncommitted entries."""
-    found = in_flight_commits(conn)
-    with conn.cursor() as cur:
-        cur.execute(
-            """
-            SELECT DISTINCT a.pid, a.xact_start::text, a.query_start::text, a.state, a.query,
-                   extract(epoch FROM now() - a.xact_start)::float8
-            FROM pg_locks l
-            JOIN pg_stat_activity a ON a.pid = l.pid
-            WHERE l.locktype = 'relation' AND l.relation = 'lr.log_entries'::regclass
-              AND l.mode = 'RowExclusiveLock' AND l.granted AND a.pid <> pg_backend_pid()
-              AND a.backend_xid IS NOT NULL
-            """
-        )
-        in_flight = {h.pid for h in found}
-        for pid, xact_start, query_start, state, query, age in cur.fetchall():
-            if pid not in in_flight:
-                found.append(HoldBack("open_transaction", pid, age or 0.0, xact_start, query_start, state, query))
-    conn.rollback()
-    return sorted(found, key=lambda h: -h.age_seconds)
-
-
-def refresh_last_transmitted(conn: psycopg2.extensions.connection, timeout: float = 5.0) -> dict[str, tuple[int, int]]:
-    """Advance each destination's last transmitted (position, entry id) over entries committed since
-    the last refresh; returns the state for every destination. Incremental and off the writers' path."""
-    upto, _ = commit_barrier(conn, timeout)
-    try:
-        with conn.cursor() as cur:
-            cur.execute("SELECT scanned_up_to FROM lr.log_scan_state FOR UPDATE")
-            scanned = cur.fetchone()[0]
-            if upto is not None and upto > scanned:
-                cur.execute(
-                    """
-                    WITH latest AS (
-                        SELECT t.tag_id, max(c.position) AS position, max(e.entry_id) AS entry_id
-                        FROM lr.log_commits c
-                        CROSS JOIN LATERAL (  -- per-commit lookups: the cost follows the range scanned
-                            SELECT e.entry_id, e.tag_ids FROM lr.log_entries e
-                            WHERE e.tx = c.tx AND e.stream = %s OFFSET 0) e
-                        CROSS JOIN LATERAL unnest(e.tag_ids) AS t(tag_id)
-                        WHERE c.position > %s AND c.position <= %s
-                        GROUP BY t.tag_id
-                    )
-                    UPDATE lr.destination_log_state d
-                    SET last_transmitted_position = greatest(d.last_transmitted_position, latest.position),
-                        last_transmitted_entry = greatest(d.last_transmitted_entry, latest.entry_id)
-                    FROM latest JOIN lr.remote_sites r ON r.tag_id = latest.tag_id
-                    WHERE d.site_id = r.site_id
-                    """,
-                    (STREAM_LOG_ENTRIES, scanned, upto),
-                )
-                cur.execute("UPDATE lr.log_scan_state SET scanned_up_to = %s", (upto,))
-            cur.execute("SELECT site_id, last_transmitted_position, last_transmitted_entry FROM lr.destination_log_state")
-            state = {site: (pos, entry) for site, pos, entry in cur.fetchall()}
-        conn.commit()
-        return state
-    except BaseException:
-        conn.rollback()
-        raise

@@ -16,7 +16,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.db.timeouts import lifted
-from airflow_provider_lr.engine.source.log_reader import commit_barrier
+from airflow_provider_lr.engine.source.commit_barrier import commit_barrier
 from airflow_provider_lr.engine.vocabulary import RequestStatus
 
 MAX_RETENTION = 100 * 365 * 86_400.0  # seconds; beyond this a retention trim is a typo

@@ -35,7 +35,8 @@ from airflow_provider_lr.engine import progress
 from airflow_provider_lr.engine.errors import FencedError, StaleBatchError, require_counts
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.sink.writes import SinkTransaction
-from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, BaseSplit, TableSplits
+from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL
+from airflow_provider_lr.engine.source.log_reader import BaseSplit, TableSplits
 from airflow_provider_lr.engine.tables import copy as table_copy
 from airflow_provider_lr.engine.tables import sink as sink_tables
 from airflow_provider_lr.engine.tables.definition import TableDefinition, TableName, read_definition

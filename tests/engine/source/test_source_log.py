@@ -8,7 +8,8 @@ import pytest
 
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
 from airflow_provider_lr.engine.errors import TransmitError
-from airflow_provider_lr.engine.source.log_reader import LogReader, holdback, refresh_last_transmitted
+from airflow_provider_lr.engine.source.commit_barrier import holdback
+from airflow_provider_lr.engine.source.log_reader import LogReader
 from airflow_provider_lr.proto import lr_pb2
 from tests.support.session import CounterWriters, apply, drain
 
@@ -336,19 +337,3 @@ def test_prepared_transaction_holds_the_barrier_and_is_reported(source, dests):
             cur.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database()")
             for (gid,) in cur.fetchall():
                 cur.execute(f"ROLLBACK PREPARED '{gid}'")
-
-
-def test_last_transmitted_position_per_destination(source, dests):
-    conn = app_conn(source)
-    client = RoutingQueueClient(conn, "policy")
-    client.transmit_log_entry_message(b"1", dests)
-    conn.commit()
-    client.transmit_log_entry_message(b"2", [dests[0]])
-    conn.commit()
-    meta = source.connect()
-    state = refresh_last_transmitted(meta)
-    assert state[dests[0]][0] == 2 and state[dests[1]][0] == 1
-    client.transmit_log_entry_message(b"3", [dests[1]])
-    conn.commit()
-    state = refresh_last_transmitted(meta)
-    assert state[dests[0]][0] == 2 and state[dests[1]][0] == 3

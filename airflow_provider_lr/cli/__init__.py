@@ -1,0 +1,49 @@
+"""The ``lr`` command line: local sites, schema install, replication without Airflow, status, demo.
+
+One module per command group (its commands and their arguments); ``main`` is the console entry point
+(``lr = airflow_provider_lr.cli:main`` in setup.cfg), ``python -m airflow_provider_lr.cli`` runs it too."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Callable, Sequence
+
+from airflow_provider_lr.cli import failover, replication, roles, sites, status, tables
+from airflow_provider_lr.engine.errors import LRError, one_line
+from airflow_provider_lr.paths import lr_home
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lr", description="Log replication between PostgreSQL sites.")
+    parser.add_argument("--home", default=None, help=f"state directory (default $LR_HOME or {lr_home()})")
+    sub = parser.add_subparsers(dest="command", required=True)
+    # in the order `lr --help` lists them
+    sites.add_sites(sub)
+    sites.add_init(sub)
+    replication.add_topology(sub)
+    replication.add_sync(sub)
+    failover.add_failover(sub)
+    status.add_status(sub)
+    replication.add_trim(sub)
+    roles.add_roles(sub)
+    tables.add_tables(sub)
+    sites.add_demo(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # progress of long work (full-sync transfers) and per-session failures, on stderr
+    logging.basicConfig(level=logging.WARNING, format="lr: %(message)s")
+    logging.getLogger("airflow_provider_lr").setLevel(logging.INFO)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except LRError as exc:
+        print(f"lr: {one_line(exc)}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `lr status | head`: the reader went away; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141

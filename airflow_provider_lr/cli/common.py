@@ -1,0 +1,113 @@
+"""What the ``lr`` commands share: the sites they act on, the topology file and its check, one
+site's error named by the site, and the argument types."""
+from __future__ import annotations
+
+import argparse
+import math
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
+
+import psycopg2
+
+from airflow_provider_lr.engine.db import conninfo
+from airflow_provider_lr.engine.errors import LRError, one_line
+from airflow_provider_lr.engine.site import topology
+
+if TYPE_CHECKING:
+    from airflow_provider_lr.embedded.sites import SiteManager
+
+
+@contextmanager
+def embedded_tooling(args: argparse.Namespace, hint: str = "") -> Iterator[None]:
+    """Import the embedded tooling (``lr sites``, ``lr demo``) only in the commands that use it: it
+    is the ``[embedded]`` extra, which an Airflow worker does not install; without it, say so."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:  # the embedded package's own message names the extra to install
+        raise LRError(f"{args.command}: {exc}{hint}") from exc
+
+
+def site_manager(args: argparse.Namespace, hint: str = "") -> SiteManager:
+    with embedded_tooling(args, hint):
+        from airflow_provider_lr.embedded.sites import SiteManager
+    return SiteManager(args.home)
+
+
+def target_sites(args: argparse.Namespace) -> list[conninfo.ConnInfo]:
+    if args.site:
+        return [conninfo.resolve(s) for s in args.site]
+    sites = site_manager(args, hint=" (or name the sites with --site)").sites()
+    if not sites:
+        raise LRError("no --site given and no embedded sites (lr sites up --count 3)")
+    return [s.conninfo() for s in sites]
+
+
+def load_topology(args: argparse.Namespace) -> topology.Topology:
+    return topology.load(args.topology)
+
+
+def connector(topo: topology.Topology) -> Callable[[str], psycopg2.extensions.connection]:
+    """Connects to a site of ``topo`` by its id (what the engine's multi-site calls take)."""
+    return lambda site_id: topology.site_conninfo(topo, site_id).connect()
+
+
+def check_topology(topo: topology.Topology, sites: Iterable[str] | None = None, also: Iterable[str] = ()) -> None:
+    """Refuse a topology file that the reachable ``sites`` (default: all) do not run (a stale file
+    after a failover, an edited one not applied), naming the file and the ids the sites hold."""
+    topology.check_sites(topo, connector(topo), None if sites is None else set(sites), set(also))
+
+
+@contextmanager
+def at_site(site_id: str) -> Iterator[None]:
+    """An error of one site's step names the site (when its message does not already)."""
+    try:
+        yield
+    except LRError as exc:
+        if site_id in str(exc):
+            raise
+        raise LRError(f"{site_id}: {one_line(exc)}") from exc
+
+
+def read_each(site_ids: Sequence[str], connect: Callable[[str], psycopg2.extensions.connection],
+              read: Callable[[psycopg2.extensions.connection], object]) -> Iterator[tuple[str, object]]:
+    """(site, what ``read`` returned) per site; a site that cannot be reached gives its error as
+    one line (``str``) and the others are still read, as ``lr status`` does."""
+    for site_id in site_ids:
+        try:
+            conn = connect(site_id)
+        except LRError as exc:
+            yield site_id, f"UNREACHABLE ({one_line(exc)})"
+            continue
+        try:
+            yield site_id, read(conn)
+        except (LRError, psycopg2.Error) as exc:
+            yield site_id, f"UNREADABLE ({one_line(exc)})"
+        finally:
+            conn.close()
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
+
+
+def nonnegative_seconds(text: str) -> float:
+    """A finite, non-negative number of seconds."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 or more)")
+    return seconds
+
+
+def with_topology(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """A command that reads the topology file takes ``--topology``."""
+    p.add_argument("--topology", help="topology YAML (default $LR_TOPOLOGY or include/topology.yaml)")
+    return p

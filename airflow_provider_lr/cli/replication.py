@@ -1,0 +1,323 @@
+"""``lr topology``, ``lr sync``, ``lr full-sync`` and ``lr trim``: replication without Airflow."""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+from airflow_provider_lr.cli.common import (
+    at_site,
+    check_topology,
+    connector,
+    load_topology,
+    nonnegative_seconds,
+    positive_int,
+    with_topology,
+)
+from airflow_provider_lr.engine import progress
+from airflow_provider_lr.engine.errors import (
+    LRError,
+    RepeatedErrors,
+    TopologyMismatchError,
+    listing,
+    one_line,
+    still_failing,
+)
+from airflow_provider_lr.engine.session import stream
+from airflow_provider_lr.engine.session.runner import CycleReport
+from airflow_provider_lr.engine.site import metrics, replicator, topology
+from airflow_provider_lr.engine.source import full_sync, trim
+
+
+def _warn_providers(topo: topology.Topology) -> None:
+    for warning in topology.provider_warnings(topo):
+        print(f"lr: warning: {warning}", file=sys.stderr)
+
+
+def cmd_topology_apply(args: argparse.Namespace) -> int:
+    topo = load_topology(args)
+    _warn_providers(topo)
+    for site_id, (pruned, kept) in topology.apply_everywhere(topo, connector(topo), prune=args.prune).items():
+        sessions = [str(k) for k in topo.sessions(source=site_id)]
+        print(f"{site_id}: topology {topo.topology_config_id} applied; source of "
+              f"{listing(sessions) if sessions else 'no sessions'}")
+        for name in pruned:
+            print(f"  pruned sink session {name} (no longer in the topology)")
+        for why in kept:
+            print(f"  kept sink session {why}; prune again once they are consumed")
+    return 0
+
+
+def cmd_topology_validate(args: argparse.Namespace) -> int:
+    topo = load_topology(args)
+    sessions = topo.sessions()
+    print(f"{args.topology or topology.default_path()}: valid; topology "
+          f"{topo.topology_config_id}, {len(topo.sites)} sites, {len(sessions)} sessions")
+    for key in sessions:
+        print(f"  {key}")
+    _warn_providers(topo)
+    return 0
+
+
+def cycle_line(r: CycleReport) -> str:
+    """One session's cycle as ``lr sync`` prints it: only what the cycle knows (a session that failed
+    before it was negotiated has no state, position or backlog to show, so none is made up)."""
+    if r.error and not r.decision:
+        return f"{r.session}: ERROR {r.error}"
+    parts = [r.decision or "-", f"state={r.state or '-'}", f"delivered={r.delivered}"]
+    if r.snapshot_messages:
+        parts.append(f"snapshot={r.snapshot_messages}")
+    if r.tables:
+        prefix = f"{r.session}:"
+        names = ", ".join(t.removeprefix(prefix) for t in r.tables)
+        parts.append(f"table rows={r.table_rows} ({names})")
+    if r.acked_position >= 0:
+        parts.append(f"acked={r.acked_position}")
+    if not r.error:
+        parts.append(f"remaining={r.remaining}")
+    line = f"{r.session}: {' '.join(parts)}"
+    line += f" SKIPPED: {r.skipped}" if r.skipped else ""
+    return line + (f" ERROR {r.error}" + (f" ({one_line(r.reason)})" if r.reason else "") if r.error else "")
+
+
+def _check_sync(topo: topology.Topology) -> None:
+    """``lr sync`` from a file no reachable site runs is refused outright (a stale file, an edited
+    one not applied). When only some sites run another topology (a site a failover could not
+    reach, before ``lr failover --rejoin``), it is said once here and the sessions on those sites
+    are refused cycle by cycle (each one's error names the file), while the others replicate."""
+    sites = {site for key in topo.sessions() for site in (key.source, key.sink)}
+    recorded = topology.recorded_ids(topo, connector(topo), sites)
+    stale = topology.unheld(topo, recorded)
+    if stale is not None:
+        raise TopologyMismatchError(stale.message())
+    behind = topology.drift(topo, recorded)
+    if behind is not None:
+        print(f"lr sync: {behind.message()}; their sessions are refused", file=sys.stderr, flush=True)
+
+
+def _replicated(args: argparse.Namespace, what: str) -> topology.Topology:
+    """The topology, refused when it has no session: ``what`` would silently do nothing."""
+    topo = load_topology(args)
+    if not topo.sessions():
+        raise LRError(f"{args.topology or topology.default_path()}: the topology replicates nothing (no "
+                      f"replication: entry), so there is nothing to {what}")
+    return topo
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    topo = _replicated(args, "sync")
+    _check_sync(topo)
+    repl = replicator.Replicator(topo, connector(topo), log_failures=False)  # each report is printed here
+    skips: dict[str, str] = {}  # a session leased elsewhere is said once, and again when that changes
+    failing = RepeatedErrors()  # a sink down for minutes is said once, then "still failing (N times)"
+
+    def say(subject: str, line: str, error: str, quiet: bool = False) -> None:
+        if not error:
+            failing.cleared(subject)
+            if not quiet:
+                print(line, flush=True)
+            return
+        times = failing.due(subject, error)
+        if times:
+            print(line if times == 1 else f"{subject}: {still_failing(times, error)}", flush=True)
+
+    def show(reports: list[CycleReport]) -> None:
+        for r in reports:
+            new_skip = bool(r.skipped) and skips.get(r.session) != r.skipped  # said once, again when it changes
+            skips[r.session] = r.skipped
+            say(r.session, cycle_line(r), r.error, quiet=r.idle and not (args.verbose or args.once or new_skip))
+
+    def show_end(end: stream.StreamEnd) -> None:
+        say(end.session, f"{end.session}: stream handed back after {end.delivered} entries: {end.reason}"
+            + (f" ERROR {end.error}" if end.error else ""), end.error)
+
+    def show_counted(reports: list) -> None:
+        counters.cycle(reports)  # the streamer counts its own cycles
+        show(reports)
+
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a service manager's stop: leave cleanly
+    streaming = not (args.once or args.cycles or args.until_idle or args.no_stream)
+    reports: list = []
+    counters = metrics.ReplicationCounters()
+    served = metrics.start(counters.registry, args.metrics_listen) if args.metrics_listen else None
+    if served:
+        print(f"lr sync: counters at {served[2]}", flush=True)
+    try:
+        cycles = 1 if args.once else args.cycles
+        with _progress_bars():
+            if streaming:
+                stream.Streamer(repl, counters=counters).run(
+                    stop, interval=args.interval, on_cycle=show, on_end=show_end,
+                    on_pulse=lambda line: print(line, flush=True), pulse_every=args.report_every)
+            else:
+                reports = repl.run(max_cycles=cycles, until_idle=args.until_idle, interval=args.interval,
+                                   on_cycle=show_counted, give_up_after=args.give_up_after, stop=stop)
+    except KeyboardInterrupt:
+        reports = []
+    finally:
+        repl.close()
+        if served:
+            metrics.stop_serving(*served[:2])
+    stuck = replicator.unsettled(reports) if args.until_idle else []
+    if stuck:
+        print(f"lr sync: {len(stuck)} session(s) not settled, no progress for {repl.stalled_for:.0f}s:",
+              file=sys.stderr)
+        for line in stuck:
+            print(f"  {line}", file=sys.stderr)
+    return 1 if stuck or any(r.error for r in reports) else 0
+
+
+def cmd_full_sync(args: argparse.Namespace) -> int:
+    """Force a full sync of the chosen sessions (a sink, a source, a client, or all of them at
+    once); ``--wait``: until each request is applied at its sink, by whichever replicator."""
+    topo = load_topology(args)
+    keys = topo.select(args.source, args.sink, args.client)
+    check_topology(topo, {site for k in keys for site in (k.source, k.sink)})
+    requests = full_sync.request_for_sessions(keys, connector(topo), args.reason)
+    print(f"full sync requested for {len(requests)} session(s):")
+    for key, request in requests.items():
+        print(f"  {key}: request {request.request_id}")
+    if args.wait is None:
+        print("`lr sync`, lr_streaming or the lr_replication DAG carries them out (`lr full-sync --wait` waits)")
+        return 0
+    outcomes = _wait_applied(topo, {key: r.request_id for key, r in requests.items()}, args.wait)
+    for key, found in outcomes.items():
+        print(f"  {key}: {found.describe() if found is not None else 'request gone'}")
+    return 0 if all(f is not None and f.outcome is full_sync.Outcome.APPLIED for f in outcomes.values()) else 1
+
+
+def _wait_applied(topo: topology.Topology, requests: dict, timeout: float) -> dict:
+    """Each request's outcome (``full_sync.outcome``) once it is final, or after ``timeout`` seconds."""
+    deadline, pause = time.monotonic() + timeout, 0.2
+    found: dict = {}
+    while True:
+        for source in sorted({k.source for k in requests}):
+            conn = connector(topo)(source)
+            try:
+                for key in (k for k in requests if k.source == source):
+                    found[key] = full_sync.outcome(conn, requests[key])
+            finally:
+                conn.close()
+        if all(f is None or f.final for f in found.values()) or time.monotonic() > deadline:
+            return found
+        time.sleep(pause)
+        pause = min(pause * 2, 5.0)
+
+
+def cmd_trim(args: argparse.Namespace) -> int:
+    topo = _replicated(args, "trim")
+    sources = sorted({k.source for k in topo.sessions()})
+    check_topology(topo, sources)
+    for site_id in sources:
+        with at_site(site_id):
+            conn = connector(topo)(site_id)
+            try:
+                result = (trim.retention_trim(conn, args.retention) if args.retention is not None
+                          else trim.safe_trim(conn))
+            finally:
+                conn.close()
+        print(f"{site_id}: " + (f"trimmed to {result.trim_mark} ({result.entries_removed} entries removed)"
+                                if result else "not trimmed (a commit in flight holds the barrier)"))
+    return 0
+
+
+@contextmanager
+def _progress_bars() -> Iterator[None]:
+    """Long work (full-sync supply, transfer, apply; catch-ups) as progress bars on a terminal;
+    elsewhere (a pipe, a log file) the engine's periodic log lines stay."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+    bars = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+                    TextColumn("{task.completed:,.0f} {task.fields[unit]}"), TimeRemainingColumn(),
+                    console=Console(stderr=True), transient=False)
+    tasks: dict[int, object] = {}
+
+    def show(item: progress.Progress) -> None:
+        task = tasks.get(id(item))
+        if task is None:
+            task = tasks[id(item)] = bars.add_task(item.task, total=item.total, unit=item.unit)
+        bars.update(task, completed=item.done, total=item.total)
+        if item.finished:
+            bars.stop_task(task)
+            del tasks[id(item)]
+
+    with bars, progress.listen(show):
+        yield
+
+
+def _retention(text: str) -> float:
+    """``--retention``: seconds, refused here by the engine's own rule (``trim.check_retention``)."""
+    try:
+        return trim.check_retention(nonnegative_seconds(text))
+    except LRError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of seconds between 0 and {trim.MAX_RETENTION:.0f}") from None
+
+
+def add_topology(sub: argparse._SubParsersAction) -> None:
+    """``lr topology apply|validate``."""
+    topo = sub.add_parser("topology", help="the sites and who replicates to whom").add_subparsers(
+        dest="topology_command", required=True
+    )
+    ap = with_topology(topo.add_parser("apply", help="record the topology on every site (all or nothing)"))
+    ap.add_argument("--prune", action="store_true",
+                    help="also remove sink sessions the topology no longer has (kept while entries wait in their queue)")
+    ap.set_defaults(func=cmd_topology_apply)
+    with_topology(topo.add_parser("validate", help="check the topology file against its schema")).set_defaults(
+        func=cmd_topology_validate
+    )
+
+
+def add_sync(sub: argparse._SubParsersAction) -> None:
+    """``lr sync`` and ``lr full-sync``."""
+    sync = with_topology(sub.add_parser(
+        "sync", help="replicate every session (no Airflow): streaming until stopped, or cycles (--once, "
+                     "--cycles, --until-idle, --no-stream)"))
+    sync.add_argument("--once", action="store_true", help="one cycle")
+    sync.add_argument("--cycles", type=positive_int, default=None, help="at most this many cycles (default: forever)")
+    sync.add_argument("--until-idle", action="store_true", help="stop when every session is caught up")
+    sync.add_argument("--give-up-after", type=nonnegative_seconds, default=60.0, metavar="SECONDS",
+                      help="with --until-idle: stop, exit 1 and say why, after this long without progress while "
+                           "sessions still fail or wait (default 60)")
+    sync.add_argument("--no-stream", action="store_true",
+                      help="cycles only, as a batch replicator: negotiate every session each cycle, sleep "
+                           "--interval when idle (default: sessions in log-entry sync stream, woken by commits)")
+    sync.add_argument("--interval", type=nonnegative_seconds, default=1.0,
+                      help="pause between idle cycles (s); streaming: between cycles of the sessions not streaming")
+    sync.add_argument("-v", "--verbose", action="store_true", help="also print idle cycles")
+    sync.add_argument("--report-every", type=nonnegative_seconds, default=30.0, metavar="SECONDS",
+                      help="streaming: a progress line this often (entries/s, lag of the session most behind; "
+                           "0: none; default 30)")
+    sync.add_argument("--metrics-listen", metavar="HOST:PORT",
+                      help="serve this replicator's counters (entries and bytes delivered, full syncs, errors, "
+                           "hand-backs, a lag histogram) for Prometheus on /metrics")
+    sync.set_defaults(func=cmd_sync)
+
+    fs = with_topology(sub.add_parser("full-sync", help="force a full (snapshot) sync of the chosen sessions "
+                                      "(none chosen: every session of the topology)"))
+    fs.add_argument("--sink", help="only the sessions to this sink (default: every sink)")
+    fs.add_argument("--source", help="only the sessions from this source (default: every source)")
+    fs.add_argument("--client", help="only this client's sessions (default: every client)")
+    fs.add_argument("--reason", default="requested from the command line")
+    fs.add_argument("--wait", type=nonnegative_seconds, default=None, metavar="SECONDS",
+                    help="wait up to this long until each request is applied at its sink, by whichever replicator "
+                         "(`lr sync`, lr_streaming, lr_replication); exit 1 unless every one was")
+    fs.set_defaults(func=cmd_full_sync)
+
+
+def add_trim(sub: argparse._SubParsersAction) -> None:
+    """``lr trim``."""
+    tr = with_topology(sub.add_parser("trim", help="trim the shared logs of the sources"))
+    tr.add_argument("--retention", type=_retention, default=None, metavar="SECONDS",
+                    help="trim what is older than this even if a session lags (default: safe trim)")
+    tr.set_defaults(func=cmd_trim)

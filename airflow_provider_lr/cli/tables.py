@@ -1,0 +1,111 @@
+"""``lr tables open|close|list``: federated tables, replicated by lr itself (docs/tables.md)."""
+from __future__ import annotations
+
+import argparse
+
+from airflow_provider_lr.cli.common import at_site, check_topology, connector, load_topology, read_each, with_topology
+from airflow_provider_lr.engine.errors import LRError, listing
+from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.tables import registry as table_registry
+from airflow_provider_lr.engine.tables.definition import TableName
+
+
+def _client_sources(topo: topology.Topology, client: str) -> list[str]:
+    """The sources of ``client``'s sessions; a client the topology does not replicate is refused
+    (it would be recorded on the sites and never carried)."""
+    clients = sorted({k.client for k in topo.sessions()})
+    if client not in clients:
+        raise LRError(f"client {client!r} is replicated by no session of the topology; its clients: "
+                      f"{listing(clients)} (fix --client, or add it to the topology and apply it)")
+    return sorted({k.source for k in topo.sessions() if k.client == client})
+
+
+def cmd_tables_open(args: argparse.Namespace) -> int:
+    """lr tables open: record a table for a client on each site given (default, when federating:
+    the sources of the client's sessions)."""
+    topo = load_topology(args)
+    if not args.federated and not args.site:
+        raise LRError("--no-federated: name the --site(s) that keep out of the table (on a source it stops "
+                      "the capture; on a sink its data is dropped)")
+    sites = args.site or _client_sources(topo, args.client)
+    if args.site:
+        _client_sources(topo, args.client)  # a --site does not make an unknown client right
+    check_topology(topo, sites)
+    for site_id in sites:
+        with at_site(site_id):
+            conn = connector(topo)(site_id)
+            try:
+                table = table_registry.open_table(conn, args.table, args.client, args.federated)
+            finally:
+                conn.close()
+        print(f"{site_id}: {table.describe()}")
+    return 0
+
+
+def cmd_tables_close(args: argparse.Namespace) -> int:
+    """lr tables close: stop replicating a table from each source given (default: every site that
+    captures it). Its sinks keep their copy."""
+    topo = load_topology(args)
+    name = TableName.parse(args.table)
+    sites = args.site or sorted(topo.sites)
+    check_topology(topo, sites)
+    closed = 0
+    for site_id in sites:
+        with at_site(site_id):
+            conn = connector(topo)(site_id)
+            try:
+                here = {str(t.table): t for t in table_registry.list_tables(conn)}
+                table = here.get(str(name))
+                if not args.site and (table is None or table.table_id is None or table.source_site_id):
+                    continue  # not captured here: nothing of it to close on this site
+                table = table_registry.close_table(conn, args.table)
+            finally:
+                conn.close()
+        sinks = sorted({k.sink for k in topo.sessions(source=site_id) if k.client == table.client_name})
+        closed += 1
+        print(f"{site_id}: {table.table} closed: no longer captured or carried by its sessions"
+              + (f"; its sinks {listing(sinks)} keep their copy, no longer updated" if sinks else ""))
+    if not closed:
+        raise LRError(f"{args.table} is captured on no site of the topology (lr tables list)")
+    return 0
+
+
+def cmd_tables_list(args: argparse.Namespace) -> int:
+    """Exit 2 when a site could not be read (the others are listed all the same)."""
+    topo = load_topology(args)
+    code = 0
+    sites = args.site or sorted(topo.sites)
+    check_topology(topo, sites)
+    for site_id, found in read_each(sites, connector(topo), table_registry.list_tables):
+        if isinstance(found, str):
+            print(f"{site_id}: {found}")
+            code = 2
+            continue
+        assert isinstance(found, list)
+        print(f"{site_id}:" + ("" if found else " no tables registered"))
+        for table in found:
+            print(f"  {table.describe()}")
+    return code
+
+
+def add_tables(sub: argparse._SubParsersAction) -> None:
+    """``lr tables open|close|list``."""
+    tables = sub.add_parser("tables", help="federated tables: replicated by lr itself (docs/tables.md)").add_subparsers(
+        dest="tables_command", required=True)
+    op = with_topology(tables.add_parser("open", help="record a table for a client; --federated (default) "
+                                         "captures and replicates it, --no-federated keeps a site out of it"))
+    op.add_argument("table", help="SCHEMA.TABLE (a bare name is in public)")
+    op.add_argument("--client", required=True, help="the client whose sessions carry the table")
+    op.add_argument("--federated", action=argparse.BooleanOptionalAction, default=True)
+    op.add_argument("--site", action="append", help="site id (repeatable; default with --federated: the "
+                    "client's sources)")
+    op.set_defaults(func=cmd_tables_open)
+    cl = with_topology(tables.add_parser("close", help="stop replicating a table (capture dropped at its source; "
+                                         "its sinks keep their copy, no longer updated); open it again to resume"))
+    cl.add_argument("table", help="SCHEMA.TABLE (a bare name is in public)")
+    cl.add_argument("--site", action="append", help="site id (repeatable; default: every site that captures it)")
+    cl.set_defaults(func=cmd_tables_close)
+    ls = with_topology(tables.add_parser("list", help="the tables registered on each site (exit 2: a site "
+                                         "could not be read)"))
+    ls.add_argument("--site", action="append", help="site id (repeatable; default: every site)")
+    ls.set_defaults(func=cmd_tables_list)
