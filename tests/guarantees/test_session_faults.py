@@ -270,7 +270,8 @@ def test_a_replicator_whose_lease_ran_out_mid_snapshot_cannot_write_once_the_suc
     """The successor fences the sink before it negotiates, so the stale replicator's remaining
     snapshot writes are refused and exactly one full set arrives (not one from each)."""
     from airflow_provider_lr.engine.errors import FencedError
-    from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings
+    from airflow_provider_lr.engine.session.runner import SessionRunner
+    from airflow_provider_lr.engine.session.settings import SessionSettings
     from airflow_provider_lr.engine.sink import writes
     from airflow_provider_lr.engine.vocabulary import SessionKey
 
@@ -336,7 +337,8 @@ def test_a_commit_watch_whose_login_is_refused_stops_its_streams_with_the_error(
     """A source's commit-position watch cannot heal a refused login: it stops, and a stream
     waiting on it gets the error (naming the source) instead of waiting for commits forever."""
     from airflow_provider_lr.engine.errors import LRError
-    from airflow_provider_lr.engine.session.stream import SourceWatch, StreamSettings
+    from airflow_provider_lr.engine.session.stream import SourceWatch
+    from airflow_provider_lr.engine.session.settings import StreamSettings
     from tests.support.subscriber import refused_login
 
     source, _, _ = lr_sites

@@ -3,7 +3,7 @@
 The Spark job ``spark_jobs/lr_fanout.py``, ``lr sync``'s catch-up and ``LRFanOutOperator`` run it
 in two steps; the engine has every rule, a caller only decides where step 2 runs (``run_fanout``'s
 ``map_chunks``: a Spark task, or ``local_map`` in this process). Which of them catches a backlog up
-at all is ``bulk/catchup.py``'s decision. This module is the run and its driver; the parts:
+at all is ``session/catchup.py``'s decision. This module is the run and its driver; the parts:
 ``bulk/plan.py`` (what moves, what comes back), ``bulk/tee.py`` (one chunk), ``bulk/router.py`` (its
 source read), ``session/lease_keeper.py`` (the leases kept alive meanwhile).
 
@@ -72,7 +72,8 @@ from airflow_provider_lr.engine.faults import FAULT_ENV
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.lease_keeper import LeaseKeeper
 from airflow_provider_lr.engine.session.negotiation import Decision
-from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings
+from airflow_provider_lr.engine.session.runner import SessionRunner
+from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.db.conninfo import ConnInfo, connect_dsn
 from airflow_provider_lr.engine.db.timeouts import Purpose, lift

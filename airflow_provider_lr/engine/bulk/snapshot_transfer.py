@@ -37,7 +37,8 @@ from airflow_provider_lr.engine.errors import ConfigurationError, LRError, Stale
 from airflow_provider_lr.engine.db.conninfo import connect_dsn
 from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.session import lease as leases
-from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings
+from airflow_provider_lr.engine.session.runner import SessionRunner
+from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site.topology import Topology, recorded_id, site_conninfo
 from airflow_provider_lr.engine.source import full_sync

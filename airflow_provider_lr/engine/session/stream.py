@@ -50,7 +50,8 @@ from airflow_provider_lr.engine.errors import (
 )
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import lease as leases
-from airflow_provider_lr.engine.session.runner import CycleReport, SessionSettings, record_error
+from airflow_provider_lr.engine.session.runner import CycleReport, record_error
+from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.db.timeouts import failure
