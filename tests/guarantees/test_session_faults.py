@@ -337,7 +337,7 @@ def test_a_commit_watch_whose_login_is_refused_stops_its_streams_with_the_error(
     """A source's commit-position watch cannot heal a refused login: it stops, and a stream
     waiting on it gets the error (naming the source) instead of waiting for commits forever."""
     from airflow_provider_lr.engine.errors import LRError
-    from airflow_provider_lr.engine.session.stream import SourceWatch
+    from airflow_provider_lr.engine.session.source_watch import SourceWatch
     from airflow_provider_lr.engine.session.settings import StreamSettings
     from tests.support.subscriber import refused_login
 

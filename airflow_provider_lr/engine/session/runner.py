@@ -144,7 +144,7 @@ class SessionRunner:
         (``report.skipped``) or it was refused (``report.error``; by negotiation: recorded on the source)."""
         report = CycleReport(str(self.key))
         hs = handshake(self.source, self.sink, self.key, self.owner, self.settings.lease_seconds, self.topology,
-                       on_lease=self._hold)
+                       on_lease=self.hold)
         if hs.negotiation is not None:
             report.decision, report.reason = hs.negotiation.decision.value, hs.negotiation.reason
         if hs.outcome is Outcome.SKIPPED:
@@ -422,7 +422,7 @@ class SessionRunner:
         return self._reader
 
     # --- metadata -----------------------------------------------------------------------------
-    def _hold(self, lease: leases.Lease | None) -> None:
+    def hold(self, lease: leases.Lease | None) -> None:
         self.lease = lease  # as soon as taken: released by ``release`` even when a later step fails
 
     def _position(self, meta: writes.SinkMetadata) -> Position:
