@@ -283,14 +283,14 @@ def test_a_replicator_whose_lease_ran_out_mid_snapshot_cannot_write_once_the_suc
     key = SessionKey("site-a", "site-b", "policy")
     settings = SessionSettings(barrier_timeout=2.0)
     stale = SessionRunner(key, source.connect(), sink_b.connect(), "stale", settings, table_provider)
-    report, meta, negotiation = stale.begin()
-    assert negotiation.decision.value == "snapshot_sync"
-    request = stale._current_request(meta)
+    _, hs = stale.begin()
+    assert hs.decision.value == "snapshot_sync"
+    request = stale._current_request(hs.meta)
     app.client.serve_full_sync_requests(table_provider)
     request = full_sync.get_request(source.connect(), request.request_id)
     _expire_leases(source)  # the stale replicator pauses here; its lease runs out
     successor = SessionRunner(key, source.connect(), sink_b.connect(), "successor", settings, table_provider)
-    _, _, decided = successor.begin()
+    _, decided = successor.begin()
     assert decided.decision.value == "snapshot_sync" and successor.lease.epoch > stale.lease.epoch
     with pytest.raises(FencedError):
         writes.start_snapshot(stale.sink, "site-a", "policy", stale.lease.epoch, request.request_id,
