@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from airflow_provider_lr.engine.bulk import fanout
-from airflow_provider_lr.engine.session import catchup, staged_tee
+from airflow_provider_lr.engine.bulk import fanout, staged_tee
+from airflow_provider_lr.engine.session import catchup
 from airflow_provider_lr.engine.bulk.plan import ChunkResult
 from airflow_provider_lr.engine.session.settings import STAGED_MIN_TASKS, SessionSettings
 from tests.support.session import replicator, sink_queue
