@@ -48,7 +48,7 @@ from fanout_anchors import BACKLOG_TABLE, SINKS, BenchEnv, Measurement, Workload
 from airflow_provider_lr.client import RoutingQueueClient  # noqa: E402
 from airflow_provider_lr.engine.bulk import pgcopy
 from airflow_provider_lr.engine.site.replicator import Replicator  # noqa: E402
-from airflow_provider_lr.engine.session.runner import SessionSettings  # noqa: E402
+from airflow_provider_lr.engine.session.settings import SessionSettings  # noqa: E402
 from airflow_provider_lr.engine.sink import queue_rows
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.site import topology

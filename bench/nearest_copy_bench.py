@@ -44,7 +44,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 from fanout_anchors import execute, start_env, stop_env  # noqa: E402
 
 from airflow_provider_lr.engine.site.replicator import Replicator  # noqa: E402
-from airflow_provider_lr.engine.session.runner import SessionSettings  # noqa: E402
+from airflow_provider_lr.engine.session.settings import SessionSettings  # noqa: E402
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.tables import registry  # noqa: E402

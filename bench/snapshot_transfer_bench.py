@@ -39,7 +39,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "spark_jobs")]
 from fanout_anchors import execute, start_env, stop_env  # noqa: E402
 
 from airflow_provider_lr.engine.session.lease import new_owner_id  # noqa: E402
-from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings  # noqa: E402
+from airflow_provider_lr.engine.session.runner import SessionRunner  # noqa: E402
+from airflow_provider_lr.engine.session.settings import SessionSettings  # noqa: E402
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.source import full_sync  # noqa: E402

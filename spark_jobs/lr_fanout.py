@@ -24,12 +24,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lr_spark  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 
-from airflow_provider_lr.engine.bulk import catchup, fanout  # noqa: E402
+from airflow_provider_lr.engine.bulk import fanout  # noqa: E402
+from airflow_provider_lr.engine.session import catchup  # noqa: E402
 from airflow_provider_lr.engine.bulk.peak_memory import ancestor_peak_kb  # noqa: E402
 from airflow_provider_lr.engine.bulk.plan import ChunkResult, FanoutPlan, FanoutResult  # noqa: E402
 from airflow_provider_lr.engine.bulk.staged_tee import stage_chunk  # noqa: E402
 from airflow_provider_lr.engine.bulk.tee import tee_chunks  # noqa: E402
-from airflow_provider_lr.engine.session.runner import SessionSettings  # noqa: E402
+from airflow_provider_lr.engine.session.settings import SessionSettings  # noqa: E402
 from airflow_provider_lr.engine.site.topology import Topology  # noqa: E402
 
 

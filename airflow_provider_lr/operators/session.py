@@ -26,7 +26,8 @@ from airflow_provider_lr.engine.errors import error_line, require_counts
 from airflow_provider_lr.engine.session import nearest_copy
 from airflow_provider_lr.engine.session.lease import new_owner_id
 from airflow_provider_lr.engine.session.negotiation import Decision
-from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, SessionSettings, record_error
+from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, record_error
+from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.full_sync import Outcome
 from airflow_provider_lr.hooks.site import LRSiteHook

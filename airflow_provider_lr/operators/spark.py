@@ -267,11 +267,11 @@ def tables_left_to_spark(ti: Any, sessions: list[dict[str, Any]], step_task_id: 
 
 
 def plan_fanout(site: dict[str, str], spark_conn_id: str, topology_file: str | None = None) -> dict[str, Any]:
-    """How a source's backlog moves this run, as ``engine/bulk/catchup`` decides it (Spark when the
+    """How a source's backlog moves this run, as ``engine/session/catchup`` decides it (Spark when the
     job is installed and the connection defined): ``spark``, ``tee`` (the fan-out in the worker,
     ``LRFanOutOperator``) or ``in_process`` (the sessions' own log-entry steps). Small dict for XCom."""
-    from airflow_provider_lr.engine.bulk import catchup
-    from airflow_provider_lr.engine.session.runner import SessionSettings
+    from airflow_provider_lr.engine.session import catchup
+    from airflow_provider_lr.engine.session.settings import SessionSettings
     from airflow_provider_lr.engine.site import status
     from airflow_provider_lr.operators.common import site_connection
 

@@ -12,7 +12,7 @@ import pytest
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.site.replicator import Replicator
-from airflow_provider_lr.engine.session.runner import SessionSettings
+from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.vocabulary import SessionKey

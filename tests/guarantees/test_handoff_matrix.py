@@ -21,7 +21,7 @@ from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.bulk import fanout
 from airflow_provider_lr.engine.errors import SiteUnreachableError, TransmitError
 from airflow_provider_lr.engine.faults import on_fault
-from airflow_provider_lr.engine.session.stream import StreamSettings
+from airflow_provider_lr.engine.session.settings import StreamSettings
 from airflow_provider_lr.engine.site import failover
 from airflow_provider_lr.engine.source import full_sync, trim
 from airflow_provider_lr.engine.tables import snapshot as table_snapshot

@@ -9,7 +9,7 @@ from collections import Counter
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import StaleBatchError
-from airflow_provider_lr.engine.session.stream import StreamSettings
+from airflow_provider_lr.engine.session.settings import StreamSettings
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.source import full_sync
 from tests.support.session import (

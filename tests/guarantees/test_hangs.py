@@ -14,8 +14,7 @@ import pytest
 
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.site.replicator import Replicator
-from airflow_provider_lr.engine.session.runner import SessionSettings
-from airflow_provider_lr.engine.session.stream import StreamSettings
+from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
 from airflow_provider_lr.engine.db import conninfo
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.db.timeouts import DEADLINES, Purpose, lifted

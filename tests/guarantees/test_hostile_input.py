@@ -14,7 +14,7 @@ from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.embedded.sites import SiteManager
 from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError, TransmitError
 from airflow_provider_lr.engine.site.replicator import Replicator
-from airflow_provider_lr.engine.session.runner import SessionSettings
+from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.source import trim

@@ -7,7 +7,7 @@ from collections import Counter
 
 from airflow_provider_lr.engine.bulk import fanout
 from airflow_provider_lr.engine.faults import on_fault
-from airflow_provider_lr.engine.session.runner import SessionSettings
+from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.source import full_sync, trim
 from tests.support.session import (
     App,

@@ -270,7 +270,8 @@ def test_a_replicator_whose_lease_ran_out_mid_snapshot_cannot_write_once_the_suc
     """The successor fences the sink before it negotiates, so the stale replicator's remaining
     snapshot writes are refused and exactly one full set arrives (not one from each)."""
     from airflow_provider_lr.engine.errors import FencedError
-    from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings
+    from airflow_provider_lr.engine.session.runner import SessionRunner
+    from airflow_provider_lr.engine.session.settings import SessionSettings
     from airflow_provider_lr.engine.sink import writes
     from airflow_provider_lr.engine.vocabulary import SessionKey
 
@@ -282,14 +283,14 @@ def test_a_replicator_whose_lease_ran_out_mid_snapshot_cannot_write_once_the_suc
     key = SessionKey("site-a", "site-b", "policy")
     settings = SessionSettings(barrier_timeout=2.0)
     stale = SessionRunner(key, source.connect(), sink_b.connect(), "stale", settings, table_provider)
-    report, meta, negotiation = stale.begin()
-    assert negotiation.decision.value == "snapshot_sync"
-    request = stale._current_request(meta)
+    _, hs = stale.begin()
+    assert hs.decision.value == "snapshot_sync"
+    request = stale._current_request(hs.meta)
     app.client.serve_full_sync_requests(table_provider)
     request = full_sync.get_request(source.connect(), request.request_id)
     _expire_leases(source)  # the stale replicator pauses here; its lease runs out
     successor = SessionRunner(key, source.connect(), sink_b.connect(), "successor", settings, table_provider)
-    _, _, decided = successor.begin()
+    _, decided = successor.begin()
     assert decided.decision.value == "snapshot_sync" and successor.lease.epoch > stale.lease.epoch
     with pytest.raises(FencedError):
         writes.start_snapshot(stale.sink, "site-a", "policy", stale.lease.epoch, request.request_id,
@@ -336,7 +337,8 @@ def test_a_commit_watch_whose_login_is_refused_stops_its_streams_with_the_error(
     """A source's commit-position watch cannot heal a refused login: it stops, and a stream
     waiting on it gets the error (naming the source) instead of waiting for commits forever."""
     from airflow_provider_lr.engine.errors import LRError
-    from airflow_provider_lr.engine.session.stream import SourceWatch, StreamSettings
+    from airflow_provider_lr.engine.session.source_watch import SourceWatch
+    from airflow_provider_lr.engine.session.settings import StreamSettings
     from tests.support.subscriber import refused_login
 
     source, _, _ = lr_sites

@@ -8,7 +8,7 @@ import pytest
 
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError
 from airflow_provider_lr.engine.site.replicator import Replicator
-from airflow_provider_lr.engine.session.runner import SessionSettings
+from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.db.conninfo import ConnInfo, from_dsn
 from tests.support.session import sink_queue
 from tests.support.spark_env import expected_queue, in_log_entry_sync, lr_connections, transmit_backlog  # noqa: F401

@@ -36,7 +36,7 @@ import pytest
 
 import psycopg2
 
-from airflow_provider_lr.engine.session.stream import StreamSettings
+from airflow_provider_lr.engine.session.settings import StreamSettings
 from airflow_provider_lr.engine.site import failover
 from airflow_provider_lr.engine.source import full_sync, trim
 from tests.support.session import apply, queue

@@ -9,10 +9,11 @@ import threading
 import pytest
 
 from airflow_provider_lr.engine import vocabulary
-from airflow_provider_lr.engine.bulk import catchup, fanout
+from airflow_provider_lr.engine.bulk import fanout
+from airflow_provider_lr.engine.session import catchup
 from airflow_provider_lr.engine.bulk.plan import ChunkResult
 from airflow_provider_lr.engine.bulk.tee import tee_chunk
-from airflow_provider_lr.engine.session.runner import SPARK_MIN_BACKLOG, SessionSettings
+from airflow_provider_lr.engine.session.settings import SPARK_MIN_BACKLOG, SessionSettings
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.proto import lr_pb2

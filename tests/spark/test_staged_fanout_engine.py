@@ -8,9 +8,10 @@ import threading
 
 import pytest
 
-from airflow_provider_lr.engine.bulk import catchup, fanout, staged_tee
+from airflow_provider_lr.engine.bulk import fanout, staged_tee
+from airflow_provider_lr.engine.session import catchup
 from airflow_provider_lr.engine.bulk.plan import ChunkResult
-from airflow_provider_lr.engine.session.runner import STAGED_MIN_TASKS, SessionSettings
+from airflow_provider_lr.engine.session.settings import STAGED_MIN_TASKS, SessionSettings
 from tests.support.session import replicator, sink_queue
 from tests.support.spark_env import (  # noqa: F401 (lr_connections is a fixture)
     expected_queue,

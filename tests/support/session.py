@@ -17,8 +17,8 @@ import psycopg2
 
 from airflow_provider_lr.client import RoutingQueueClient, Ticket
 from airflow_provider_lr.engine.site.replicator import Replicator
-from airflow_provider_lr.engine.session.runner import SessionSettings
-from airflow_provider_lr.engine.session.stream import Streamer, StreamSettings
+from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
+from airflow_provider_lr.engine.session.stream import Streamer
 from airflow_provider_lr.engine.sink.queue_rows import unpack
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.source.log_reader import LogReader

@@ -3,14 +3,15 @@
 The Spark job ``spark_jobs/lr_fanout.py``, ``lr sync``'s catch-up and ``LRFanOutOperator`` run it
 in two steps; the engine has every rule, a caller only decides where step 2 runs (``run_fanout``'s
 ``map_chunks``: a Spark task, or ``local_map`` in this process). Which of them catches a backlog up
-at all is ``bulk/catchup.py``'s decision. This module is the run and its driver; the parts:
+at all is ``session/catchup.py``'s decision. This module is the run and its driver; the parts:
 ``bulk/plan.py`` (what moves, what comes back), ``bulk/tee.py`` (one chunk), ``bulk/router.py`` (its
 source read), ``session/lease_keeper.py`` (the leases kept alive meanwhile).
 
-1. **plan** (driver): every session of the source takes its lease (the epoch travels with the plan)
-   and negotiates exactly as a session cycle does; the sessions in log-entry sync become
-   *demands*: a sink, a client, the position the sink has processed, the split of its base
-   snapshot. The range to move is ``(min demand, commit barrier]`` (capped by ``max_entries``
+1. **plan** (driver): every session of the source runs the handshake a session cycle runs
+   (``session/handshake.py``: lease, fence, negotiation); the sessions in log-entry sync become
+   *demands*: a sink, a client and the handshake's ``Position`` (the position the sink has
+   processed, its base and the split of its base snapshot, the lease epoch, which travels with
+   the plan). The range to move is ``(min demand, commit barrier]`` (capped by ``max_entries``
    at a transaction boundary), cut into position *chunks* of about equal entry counts.
 2. **tee** (the chunks of one source in order, in one task): for a chunk ``(lo, hi]`` every
    session that still needs it opens ONE fenced sink transaction (``writes.SinkTransaction``:
@@ -72,7 +73,8 @@ from airflow_provider_lr.engine.faults import FAULT_ENV
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.lease_keeper import LeaseKeeper
 from airflow_provider_lr.engine.session.negotiation import Decision
-from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings
+from airflow_provider_lr.engine.session.handshake import handshake
+from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.db.conninfo import ConnInfo, connect_dsn
 from airflow_provider_lr.engine.db.timeouts import Purpose, lift
@@ -142,7 +144,7 @@ class FanoutDriver:
         if not demands:
             return FanoutPlan(lo=0, end=0, barrier=0, ranges=(), **base)
         barrier, blocked = commit_barrier(self.src, self.settings.barrier_timeout)
-        lo = min(d.after for d in demands)
+        lo = min(d.position.after for d in demands)
         if barrier is None or barrier <= lo:
             return FanoutPlan(lo=lo, end=lo, barrier=barrier or lo, ranges=(),
                               blocked_by=tuple(h.describe() for h in blocked), **base)
@@ -153,29 +155,26 @@ class FanoutDriver:
         """The session's demand, or why it is left out (lease held elsewhere, snapshot needed)."""
         sink_conn = self._connect(key.sink)
         try:
-            runner = SessionRunner(key, self.src, sink_conn, self.owner, self.settings)
-            report, meta, negotiation = runner.begin()
-            if runner.lease is not None:
-                self.leases[str(key)] = runner.lease
-            if negotiation is None:
-                return report.skipped or f"negotiation refused: {report.error}"
-            if negotiation.decision is not Decision.LOG_ENTRY_SYNC:
-                return f"needs {negotiation.decision.value} ({negotiation.reason}); left to the session cycle"
+            hs = handshake(self.src, sink_conn, key, self.owner, self.settings.lease_seconds)
+            if hs.lease is not None:
+                self.leases[str(key)] = hs.lease
+            why = hs.left_out(Decision.LOG_ENTRY_SYNC)
+            if why is not None:
+                return why
             if registry.federated_tables(self.src, key.client) or table_snapshot.splits(sink_conn, key):
                 # the fan-out routes routing-queue entries only; a table's changes go with the session's
                 # own reads (a table federated after this check is not synced on the sink yet: its
                 # snapshot, taken later by a cycle, holds whatever this run passes over)
                 return "carries federated tables; left to the session cycle"
-            assert meta is not None and runner.lease is not None
+            assert hs.position is not None and hs.lease is not None
             reader = LogReader(self.src, key.sink, STREAM_LOG_ENTRIES, client_name=key.client)
             assert reader.client_id is not None
-            leases.update_session(self.src, runner.lease, state=SessionState.IN_LOG_ENTRY_SYNC,
-                                  acked_position=meta.last_log_entry_processed, last_error=None)
+            leases.update_session(self.src, hs.lease, state=SessionState.IN_LOG_ENTRY_SYNC,
+                                  acked_position=hs.position.after, last_error=None)
             if staged:
-                with writes.SinkTransaction(sink_conn, key.source, key.client, runner.lease.epoch) as (cur, _):
+                with writes.SinkTransaction(sink_conn, key.source, key.client, hs.position.epoch) as (cur, _):
                     writes.discard_staged(cur, key.source, key.client)
-            return Demand(key.source, key.sink, key.client, reader.client_id, reader.tag_id, meta.last_log_entry_processed,
-                          meta.snapshot_applied, meta.split, runner.lease.epoch)
+            return Demand(key.source, key.sink, key.client, reader.client_id, reader.tag_id, hs.position)
         finally:
             sink_conn.close()
 
@@ -247,14 +246,14 @@ class FanoutDriver:
             self._settle_staged(plan, result, delivered)
         for demand in plan.demands:
             lease, session = self.leases[demand.session], demand.session
-            position = result.positions.get(session, demand.after)
+            position = result.positions.get(session, demand.position.after)
             if session not in result.errors and position < plan.end:
                 result.errors[session] = f"StaleBatchError: stopped at position {position} of {plan.end}"
             try:
                 if session in result.errors:
                     log.error("fan-out %s: session %s stopped at %s: %s", plan.plan_id[:8], session, position,
                               result.errors[session])
-                    leases.update_session(self.src, lease, acked_position=max(position, demand.after),
+                    leases.update_session(self.src, lease, acked_position=max(position, demand.position.after),
                                           last_error=f"fan-out: {result.errors[session]}"[:2000])
                     continue
                 result.deliveries[session] = delivered.get(session, 0)

@@ -1,8 +1,8 @@
 """The driver of a parallel table snapshot (the Spark job ``spark_jobs/lr_table_snapshot.py``):
 leases, the exported snapshot, the key ranges handed to tasks, and the finish.
 
-The driver takes the lease of every session of ``client`` from ``source`` that is in log-entry
-sync and lacks tables (negotiating as a cycle would), keeps them renewed while the tasks run, and
+The driver runs the handshake of every session of ``client`` from ``source`` (``session/handshake.py``,
+as a cycle would) and keeps the lease of those in log-entry sync that lack tables, keeps them renewed while the tasks run, and
 holds the exported snapshot's transaction open until ``finish``: no cycle advances those sessions
 meanwhile, which is what makes the snapshot's split exact (``snapshot.py``).
 """
@@ -20,7 +20,8 @@ from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.lease_keeper import LeaseKeeper
 from airflow_provider_lr.engine.session.negotiation import Decision
-from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings
+from airflow_provider_lr.engine.session.handshake import handshake
+from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.db.conninfo import ConnInfo, connect_dsn
 from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.site.topology import Topology, site_conninfo
@@ -72,20 +73,17 @@ def run_table_snapshot(topology: Topology, source: str, client: str, map_ranges:
         federated = registry.federated_tables(src, client)
         for key in keys:
             sink = connect_dsn(dsns[key.sink], Purpose.BULK)
-            runner = SessionRunner(key, src, sink, owner, settings)
-            report, _, negotiation = runner.begin()
-            if runner.lease is not None:
-                held.append(runner.lease)
-            why = report.skipped or report.error
-            if negotiation is not None and negotiation.decision is not Decision.LOG_ENTRY_SYNC:
-                why = f"needs {negotiation.decision.value}; its cycle snapshots the tables after it"
+            hs = handshake(src, sink, key, owner, settings.lease_seconds)
+            if hs.lease is not None:
+                held.append(hs.lease)
+            why = hs.left_out(Decision.LOG_ENTRY_SYNC, "its cycle snapshots the tables after it")
             lacking = [] if why else needed(src, sink, key, federated)
             if why or not lacking:
                 result.skipped[str(key)] = why or "has every table"
                 sink.close()
                 continue
-            assert runner.lease is not None
-            sides.append(SinkSide(key, sink, runner.lease.epoch, lacking))
+            assert hs.position is not None
+            sides.append(SinkSide(key, sink, hs.position.epoch, lacking))
             result.sessions.append(str(key))
         if not sides:
             return result

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Mapping
 
-from airflow_provider_lr.engine.source.log_reader import BaseSplit
+from airflow_provider_lr.engine.session.handshake import Position
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
 MAX_DEMANDS = 63  # one bit per demand in the source-side bigint mask (``bulk/router.py``)
@@ -21,10 +21,7 @@ class Demand:
     client: str
     client_id: int
     tag_id: int
-    after: int  # the sink's last processed commit position
-    base: int  # the snapshot base the sink is at (the commit refuses a sink that moved to another)
-    split: BaseSplit | None  # what the base snapshot covered
-    epoch: int  # lease epoch, checked by every sink write
+    position: Position  # the session's handshake: sink position, base, split, lease epoch
 
     @property
     def session(self) -> str:
@@ -65,7 +62,7 @@ class FanoutPlan:
         return sum(r.entries for r in self.ranges)
 
     def describe(self) -> str:
-        sessions = ", ".join(f"{d.session}@{d.after}" for d in self.demands) or "none"
+        sessions = ", ".join(f"{d.session}@{d.position.after}" for d in self.demands) or "none"
         return (f"plan {self.plan_id[:8]} of {self.source}: positions ({self.lo}, {self.end}] "
                 f"barrier {self.barrier}, {self.entries} entries in {len(self.ranges)} partitions"
                 f"{' (staged, teed at once)' if self.staged else ''}; "

@@ -38,10 +38,10 @@ def _demand_mask_sql(targets: list[Target]) -> sql.Composable:
     terms = []
     for bit, d, _ in targets:
         cond = sql.SQL("e.client_id = {} AND e.tag_ids @> ARRAY[{}]::int[] AND c.position > {}").format(
-            sql.Literal(d.client_id), sql.Literal(d.tag_id), sql.Literal(d.after))
-        if d.split is not None and d.split.upto > d.after:
+            sql.Literal(d.client_id), sql.Literal(d.tag_id), sql.Literal(d.position.after))
+        if d.position.split is not None and d.position.split.upto > d.position.after:
             cond = sql.SQL("{} AND NOT (c.position <= {} AND pg_visible_in_snapshot(c.tx, {}::pg_snapshot))").format(
-                cond, sql.Literal(d.split.upto), sql.Literal(d.split.snapshot))
+                cond, sql.Literal(d.position.split.upto), sql.Literal(d.position.split.snapshot))
         terms.append(sql.SQL("CASE WHEN {} THEN {}::int8 ELSE 0 END").format(cond, sql.Literal(1 << bit)))
     return sql.SQL(" | ").join(terms)
 

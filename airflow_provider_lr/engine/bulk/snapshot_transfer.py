@@ -1,7 +1,8 @@
 """A session's full-sync data (``LRQ_Send_SnapSync``) moved to its sink in parallel (Spark job
 ``spark_jobs/lr_snapshot_transfer.py``), with the transfer semantics of a session cycle.
 
-1. **plan** (driver): take the session's lease, find the supplied full-sync request, record
+1. **plan** (driver): the session's handshake (``session/handshake.py``: lease, fence, negotiation;
+   refused or held elsewhere: an error), find the supplied full-sync request, record
    SNAPSHOT_START on the sink (``writes.start_snapshot``: a no-op when this sync already started,
    so an interrupted transfer resumes), and cut the request's entries still to transfer (source
    entry ids after the sink's ``snapshot_last_entry``) into entry-id ranges.
@@ -37,7 +38,9 @@ from airflow_provider_lr.engine.errors import ConfigurationError, LRError, Stale
 from airflow_provider_lr.engine.db.conninfo import connect_dsn
 from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.session import lease as leases
-from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings
+from airflow_provider_lr.engine.session.handshake import handshake
+from airflow_provider_lr.engine.session.runner import SessionRunner
+from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site.topology import Topology, recorded_id, site_conninfo
 from airflow_provider_lr.engine.source import full_sync
@@ -115,19 +118,20 @@ class SnapshotTransfer:
     def plan(self, request_id: str | None = None, partitions: int = 2) -> SnapshotPlan:
         require_counts(partitions=partitions)
         runner = self.runner
-        runner.lease = leases.acquire(self.src, self.key.sink, self.key.client, runner.owner, self.settings.lease_seconds)
-        if runner.lease is None:
-            raise LRError(f"session {self.key}: another replicator holds its lease; try again later")
-        fenced = writes.fence(self.sink, self.key.source, self.key.client, runner.lease.epoch)
+        hs = handshake(self.src, self.sink, self.key, runner.owner, self.settings.lease_seconds, on_lease=runner.hold)
+        if not hs.proceeds:
+            what = "another replicator holds its lease; try again later" if hs.lease is None else hs.reason
+            raise LRError(f"session {self.key}: {what}")
+        assert hs.meta is not None and hs.position is not None
         request = (full_sync.get_request(self.src, request_id) if request_id
                    else full_sync.open_request(self.src, self.key.sink, self.key.client))
-        if runner.reconcile(fenced, request):  # the sink applied it before a crash: closed, not reused
+        if runner.reconcile(hs.meta, request):  # the sink applied it before a crash: closed, not reused
             request = full_sync.get_request(self.src, request.request_id)
         if request is None or request.status != RequestStatus.SUPPLIED or request.base_position is None:
             raise LRError(f"session {self.key}: no supplied full-sync request "
                           f"({request.status if request else 'none'}); the client's provider must supply it first")
-        meta = writes.start_snapshot(self.sink, self.key.source, self.key.client, runner.lease.epoch, request.request_id,
-                                   request.base_position, request.split, recorded_id(self.src))
+        meta = writes.start_snapshot(self.sink, self.key.source, self.key.client, hs.position.epoch,
+                                     request.request_id, request.base_position, request.split, recorded_id(self.src))
         leases.update_session(self.src, runner.lease, state=SessionState.IN_SNAPSHOT_SYNC, sync_id=request.request_id,
                               last_error=None)
         with self.src.cursor() as cur:

@@ -55,7 +55,7 @@ class SessionStage(SessionChunk):
 
     def __init__(self, plan: FanoutPlan, demand: Demand, part: PositionRange) -> None:
         self.plan, self.demand, self.part = plan, demand, part
-        self.position = max(part.lo, demand.after)  # where this session's part of the chunk starts
+        self.position = max(part.lo, demand.position.after)  # where this session's part of the chunk starts
         self.writer: StagedQueueWriter | None = None
         self.done = False  # published already, or staged by another attempt: nothing to write
         self.conn = connect_dsn(plan.sink_dsns[demand.sink], Purpose.BULK)
@@ -97,8 +97,8 @@ class SessionStage(SessionChunk):
                 cur.execute("SELECT last_log_entry_processed, lease_epoch, failed_over_to FROM lr.sink_sessions "
                             "WHERE source_site_id = %s AND client_name = %s FOR SHARE", (plan.source, demand.client))
                 last, epoch, failed_over_to = cur.fetchone()
-                if failed_over_to is not None or epoch > demand.epoch:
-                    raise FencedError(f"session {demand.session}: lease epoch {demand.epoch} is stale at the sink "
+                if failed_over_to is not None or epoch > demand.position.epoch:
+                    raise FencedError(f"session {demand.session}: lease epoch {demand.position.epoch} is stale at the sink "
                                       f"(epoch {epoch}{', failed over' if failed_over_to else ''}); staged nothing")
                 if last >= self.part.hi:
                     self.abandon()
@@ -128,7 +128,7 @@ def stage_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "") -> C
     stages: list[tuple[int, SessionStage]] = []
     try:
         for bit, d in enumerate(plan.demands):
-            if d.after >= part.hi:
+            if d.position.after >= part.hi:
                 continue
             try:
                 stage = SessionStage(plan, d, part)
@@ -147,7 +147,7 @@ def stage_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "") -> C
                 refuse(plan, part, out, stage.demand.session, exc, "not staged")
         if faults:
             fault_point(f"fanout_after_stage{fault_tag}")
-        publish_all(plan, [d for d in plan.demands if d.after < part.hi and d.session not in out.errors], out)
+        publish_all(plan, [d for d in plan.demands if d.position.after < part.hi and d.session not in out.errors], out)
         if faults:
             fault_point(f"fanout_after_commit{fault_tag}")
     finally:
@@ -183,7 +183,7 @@ def publish(plan: FanoutPlan, demand: Demand) -> tuple[int, int]:
     one fenced sink transaction; returns the sink's position after it and the entries published."""
     conn = connect_dsn(plan.sink_dsns[demand.sink], Purpose.BULK)
     try:
-        write = writes.SinkTransaction(conn, plan.source, demand.client, demand.epoch)
+        write = writes.SinkTransaction(conn, plan.source, demand.client, demand.position.epoch)
         with write as (cur, meta):
             check_base(meta, plan, demand)
             last = meta.last_log_entry_processed
@@ -225,10 +225,10 @@ def published_entries(plan: FanoutPlan, demand: Demand, position: int) -> int:
     is lost with an attempt Spark discarded)."""
     conn = connect_dsn(plan.sink_dsns[demand.sink], Purpose.BULK)
     try:
-        with writes.SinkTransaction(conn, plan.source, demand.client, demand.epoch) as (cur, _):
+        with writes.SinkTransaction(conn, plan.source, demand.client, demand.position.epoch) as (cur, _):
             cur.execute("SELECT coalesce(sum(staged_rows), 0) FROM lr.spark_staged_ranges WHERE source_site_id = %s "
                         "AND client_name = %s AND plan_id = %s AND range_lo >= %s AND range_hi <= %s",
-                        (plan.source, demand.client, plan.plan_id, demand.after, position))
+                        (plan.source, demand.client, plan.plan_id, demand.position.after, position))
             (entries,) = cur.fetchone()
             writes.discard_staged(cur, plan.source, demand.client)
         return int(entries)

@@ -54,9 +54,9 @@ class SessionChunk:
 
 def check_base(meta: writes.SinkMetadata, plan: FanoutPlan, demand: Demand) -> None:
     """Refuse a sink that is not consistent at the snapshot base the plan was made for."""
-    if not meta.data_consistent or meta.snapshot_applied != demand.base:
+    if not meta.data_consistent or meta.snapshot_applied != demand.position.base:
         raise StaleBatchError(
-            f"fan-out for base {demand.base} but the sink of {plan.source}/{demand.client} is at base "
+            f"fan-out for base {demand.position.base} but the sink of {plan.source}/{demand.client} is at base "
             f"{meta.snapshot_applied} (consistent: {meta.data_consistent}); renegotiate")
 
 
@@ -68,12 +68,12 @@ class SessionTee(SessionChunk):
         self.demand = demand
         self.writer: ReceiveQueueWriter | None = None
         self.conn = connect_dsn(plan.sink_dsns[demand.sink], Purpose.BULK)
-        self.transaction = writes.SinkTransaction(self.conn, plan.source, demand.client, demand.epoch)
+        self.transaction = writes.SinkTransaction(self.conn, plan.source, demand.client, demand.position.epoch)
         self.done = False  # the sink already processed the whole chunk: nothing to write
         try:
             meta = self.transaction.open()  # locks the session row (a duplicate attempt waits here)
             check_base(meta, plan, demand)
-            last, start = meta.last_log_entry_processed, max(part.lo, demand.after)
+            last, start = meta.last_log_entry_processed, max(part.lo, demand.position.after)
             self.position = last
             if last >= part.hi:
                 self.done = True
@@ -122,7 +122,7 @@ def tee_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "",
     tees: list[tuple[int, SessionTee]] = []
     try:
         for bit, d in enumerate(plan.demands):
-            if d.after >= part.hi or d.session in skip:
+            if d.position.after >= part.hi or d.session in skip:
                 continue
             try:
                 tee = SessionTee(plan, d, part)

@@ -1,4 +1,5 @@
-"""One session's replication cycle: lease → negotiate → snapshot sync or log-entry sync.
+"""One session's replication cycle: the handshake (``handshake.py``: lease → fence → negotiate), then
+snapshot sync or log-entry sync from the ``Position`` it returns.
 
 Every step reads its starting point from the two sites' metadata and persists its outcome there,
 so a cycle can be killed anywhere and the next one (in this process or another) resumes:
@@ -9,7 +10,9 @@ so a cycle can be killed anywhere and the next one (in this process or another) 
 * log-entry sync: read the destination's entries after the sink's last processed position, in
   commit order, leaving out what the base snapshot covered, and apply each batch idempotently.
 
-The Airflow operators and the Spark jobs call these same functions.
+The Airflow operators and the Spark jobs call these same functions. Settings and thresholds:
+``session/settings.py`` (measured in docs/spark.md "Thresholds"); when work goes to Spark:
+``session/catchup.py``.
 """
 from __future__ import annotations
 
@@ -20,108 +23,45 @@ import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
 from airflow_provider_lr.engine import progress
-from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, LRError, TrimmedError, one_line, require_counts
+from airflow_provider_lr.engine.errors import LRError, TrimmedError, one_line
 from airflow_provider_lr.engine.faults import fault_point
+from airflow_provider_lr.engine.session import catchup, nearest_copy
 from airflow_provider_lr.engine.session import lease as leases
-from airflow_provider_lr.engine.session import nearest_copy
-from airflow_provider_lr.engine.session.nearest_copy import PROBE_DELAY
-from airflow_provider_lr.engine.session.negotiation import Decision, Negotiation, SinkView, SourceView, negotiate
+from airflow_provider_lr.engine.session.handshake import (
+    Handshake,
+    Outcome,
+    Position,
+    handshake,
+    negotiate_session,
+    reconcile,
+    record_applied,
+)
+from airflow_provider_lr.engine.session.negotiation import Decision, Negotiation
+from airflow_provider_lr.engine.session.settings import (
+    MAX_BACKOFF_FACTOR,
+    SNAPSHOT_CHUNK,
+    SNAPSHOT_CHUNK_BYTES,
+    SessionSettings,
+)
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.db.schema import site_identity
 from airflow_provider_lr.engine.db.timeouts import lifted
-from airflow_provider_lr.engine.site.topology import Topology, drift, recorded_id, reread
+from airflow_provider_lr.engine.site.topology import Topology, recorded_id
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest, Provider
-from airflow_provider_lr.engine.source.log_reader import (
-    DEFAULT_MAX_BYTES,
-    DEFAULT_MAX_ENTRIES,
-    LogReader,
-    LogRecord,
-    TableSplits,
-)
+from airflow_provider_lr.engine.source.log_reader import LogReader, TableSplits
 from airflow_provider_lr.engine.source.transmit import RoutingQueueClient
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables import snapshot as table_snapshot
 from airflow_provider_lr.engine.vocabulary import (
     STREAM_LOG_ENTRIES,
-    STREAM_SNAP_SYNC,
     RequestStatus,
     SessionKey,
     SessionState,
 )
 
 log = logging.getLogger(__name__)
-
-SNAPSHOT_CHUNK = 5_000  # snapshot messages per sink transaction during transfer
-SNAPSHOT_CHUNK_BYTES = 8 << 20  # ... and their bytes (at least one message): memory bounded by bytes
-MAX_BACKOFF_FACTOR = 16  # data timeout grows x2 per consecutive timeout, up to this factor
-# The catch-up thresholds (``engine/bulk/catchup.py`` compares them; topology settings of the same
-# names override them), in deliveries: entries still to deliver summed over a source's sessions in
-# log-entry sync, as ``status.source_backlog`` counts them.
-# From TEE_MIN_BACKLOG a catch-up first moves the backlog with the read-once tee in its own process
-# (engine/bulk/fanout.py: ~470k deliveries/s against ~55k for session cycles, docs/spark.md), then
-# carries on with session cycles. The tee's plan costs ~0.1-0.5 s (leases, negotiation, chunk
-# bounds): worth it from ~10k deliveries.
-TEE_MIN_BACKLOG = 50_000
-# From SPARK_MIN_BACKLOG it goes through Spark where Spark can run (the lr_replication DAG).
-# Measured on the 2-core machine (docs/spark.md "Choosing in-process or Spark", 2026-11-23, packed
-# receive-queue rows): spark-submit costs 11-15 s before the first row moves (JVM, context, Python
-# workers, warm-up job), in-process session cycles deliver ~55k deliveries/s, the warm Spark fan-out
-# ~300-490k/s; break-even 11.3-14.7 s / (1/55k - 1/400k) ≈ 720k-940k deliveries.
-SPARK_MIN_BACKLOG = 800_000
-# A federated tables' snapshot of at least this many rows (the planner's estimate) is left to the
-# Spark job where Spark can run; smaller ones are written in process by the session's cycle.
-# Measured on the 2-core machine (docs/tables-bench.md, 2026-11-24): both paths cost ~2.6 s per 1M
-# rows to 2 sinks (the sinks' COPY is the bound, and local Spark has no spare cores), and
-# spark-submit costs ~8 s before the first row: in process is never slower below ~10M rows. Lower
-# it (topology setting) where Spark executors have cores of their own.
-TABLE_SPARK_MIN_ROWS = 10_000_000
-SNAPSHOT_SPARK_MIN_ENTRIES = 1_000_000  # measured: docs/spark.md "Full sync on Spark"
-# The Spark fan-out tees chunks at once (staged, bulk/staged_tee.py) from this many concurrent tasks;
-# below, one task tees them in order (bulk/tee.py). The staged path costs the sinks 2.1x the CPU
-# per delivery (stage, then move) and gains a task per executor core: measured on the 2-core
-# machine, where Spark and the sites share the cores, the ordered tee is 1.6x faster (docs/spark.md
-# "The fan-out spread over tasks"); the model there puts the crossover at 2-3 tasks whose cores the
-# sites do not share, so a cluster of 4 or more cores is taken to be one.
-STAGED_MIN_TASKS = 4
-
-
-@dataclass
-class SessionSettings:
-    max_entries: int = DEFAULT_MAX_ENTRIES
-    max_bytes: int = DEFAULT_MAX_BYTES
-    max_batches: int = 100  # log-entry batches per cycle (fairness between sessions)
-    lease_seconds: float = leases.DEFAULT_LEASE_SECONDS
-    data_timeout: float = full_sync.DEFAULT_DATA_TIMEOUT
-    barrier_timeout: float = 5.0
-    tee_min_backlog: int = TEE_MIN_BACKLOG  # 0: never tee, session cycles only
-    spark_min_backlog: int = SPARK_MIN_BACKLOG  # where Spark can run (the DAG); lr sync runs none
-    table_spark_min_rows: int = TABLE_SPARK_MIN_ROWS  # a table snapshot this large goes to Spark (the DAG)
-    snapshot_spark_min_entries: int = SNAPSHOT_SPARK_MIN_ENTRIES  # a full-sync transfer this large goes to Spark (the DAGs)
-    fanout_tasks: int = 0  # chunks the Spark fan-out tees at once (1: in order; 0: by the cluster's cores)
-    nearest_copy: bool = True  # a client of tables only may be seeded from a peer sink in its region
-    peer_probe_delay: float = PROBE_DELAY  # seconds the first peer has to answer (x2 each next)
-
-    def __post_init__(self) -> None:  # a batch of 0 would make every cycle a silent no-op
-        require_counts(max_entries=self.max_entries, max_bytes=self.max_bytes, max_batches=self.max_batches)
-
-    @classmethod
-    def from_topology(cls, topology: Topology, **overrides: object) -> "SessionSettings":
-        """The settings a topology asks for (``settings:`` in its YAML), with explicit overrides."""
-        values: dict[str, object] = {
-            "data_timeout": topology.setting("full_sync_data_timeout_s", full_sync.DEFAULT_DATA_TIMEOUT),
-            "lease_seconds": topology.setting("lease_seconds", leases.DEFAULT_LEASE_SECONDS),
-            "tee_min_backlog": topology.setting("tee_min_backlog", TEE_MIN_BACKLOG),
-            "spark_min_backlog": topology.setting("spark_min_backlog", SPARK_MIN_BACKLOG),
-            "table_spark_min_rows": topology.setting("table_spark_min_rows", TABLE_SPARK_MIN_ROWS),
-            "snapshot_spark_min_entries": topology.setting("snapshot_spark_min_entries", SNAPSHOT_SPARK_MIN_ENTRIES),
-            "fanout_tasks": topology.setting("fanout_tasks", 0),
-            "nearest_copy": topology.setting("nearest_copy", True),
-            "peer_probe_delay": topology.setting("peer_probe_delay_s", PROBE_DELAY),
-        }
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -179,14 +119,15 @@ class SessionRunner:
     # --- the cycle ----------------------------------------------------------------------------
     def run_cycle(self) -> CycleReport:
         applied = self.full_syncs_applied
-        report, meta, negotiation = self.begin()
-        if negotiation is None:
+        report, hs = self.begin()
+        if not hs.proceeds:
             return report
-        if negotiation.decision is Decision.SNAPSHOT_SYNC:
-            meta = self.snapshot_sync(meta, report)
-        elif negotiation.decision is Decision.WAIT_SNAPSHOT_APPLY:
-            meta = self.apply_snapshot(meta)
-        if meta is not None and meta.data_consistent and not self.log_entry_sync(meta, report):
+        meta: writes.SinkMetadata | None = hs.meta
+        if hs.decision is Decision.SNAPSHOT_SYNC:
+            meta = self.snapshot_sync(hs.meta, report)
+        elif hs.decision is Decision.WAIT_SNAPSHOT_APPLY:
+            meta = self.apply_snapshot(hs.meta)
+        if meta is not None and meta.data_consistent and not self.log_entry_sync(self._position(meta), report):
             # the log was trimmed past the sink mid-cycle: renegotiate now (→ snapshot sync), so the
             # cycle never ends reporting log-entry sync for a session the log can no longer serve
             meta = writes.read_metadata(self.sink, self.key.source, self.key.client)
@@ -197,47 +138,22 @@ class SessionRunner:
         report.full_syncs = self.full_syncs_applied - applied
         return self.finish(report)
 
-    def begin(self) -> tuple[CycleReport, writes.SinkMetadata | None, Negotiation | None]:
-        """The first step of every cycle (and of every Airflow step): take the lease, then negotiate.
-        The negotiation is None when there is nothing to do: the lease is held elsewhere
-        (``report.skipped``) or negotiation refused (``report.error``, recorded on the source)."""
+    def begin(self) -> tuple[CycleReport, Handshake]:
+        """The first step of every cycle (and of every Airflow step): the handshake (``handshake.py``),
+        said in a report. Nothing to do unless it proceeds: the lease is held elsewhere
+        (``report.skipped``) or it was refused (``report.error``; by negotiation: recorded on the source)."""
         report = CycleReport(str(self.key))
-        if self.topology is not None and self.topology.path:  # a stale file: said so, not as a lease or a refusal
-            held = {self.key.source: recorded_id(self.source)}
-            # the file may have been edited and applied since this process read it: then it is not stale
-            found = drift(self.topology, held) and drift(reread(self.topology), held)
-            if found is not None:
-                report.decision, report.error = Decision.REFUSE.value, found.message()
-                return report, None, None
-        self.lease = leases.acquire(self.source, self.key.sink, self.key.client, self.owner, self.settings.lease_seconds)
-        if self.lease is None:
-            try:
-                owner = leases.holder(self.source, self.key.sink, self.key.client)
-            except ConfigurationError as exc:  # no such session here: nobody holds anything
-                report.decision, report.error = Decision.REFUSE.value, f"site {self.key.source!r}: {exc}"
-                return report, None, None
-            report.skipped = f"another replicator holds this session's lease ({owner or 'just released'})"
-            return report, None, None
-        fault_point("after_lease")
-        try:
-            meta = writes.fence(self.sink, self.key.source, self.key.client, self.lease.epoch)
-        except FencedError as exc:
-            if exc.sink_epoch is None:
-                raise
-            # we hold the source's lease, yet the sink has seen a higher epoch: the source forgot
-            # it (session re-added); move past it rather than stay fenced until the epochs catch up
-            log.info("session %s: the sink has seen epoch %s, above the source's %s; moving past it",
-                     self.key, exc.sink_epoch, self.lease.epoch)
-            self.lease = leases.advance_epoch(self.source, self.lease, exc.sink_epoch)
-            meta = writes.fence(self.sink, self.key.source, self.key.client, self.lease.epoch)
-        fault_point("after_fence")
-        negotiation = self.negotiate(meta)
-        report.decision, report.reason = negotiation.decision.value, negotiation.reason
-        if negotiation.decision is Decision.REFUSE:
-            self._update(state=SessionState.NEGOTIATING, last_error=f"negotiation refused: {negotiation.reason}")
-            report.state, report.error = SessionState.NEGOTIATING, negotiation.reason
-            return report, meta, None
-        return report, meta, negotiation
+        hs = handshake(self.source, self.sink, self.key, self.owner, self.settings.lease_seconds, self.topology,
+                       on_lease=self.hold)
+        if hs.negotiation is not None:
+            report.decision, report.reason = hs.negotiation.decision.value, hs.negotiation.reason
+        if hs.outcome is Outcome.SKIPPED:
+            report.skipped = hs.reason
+        elif hs.outcome is Outcome.REFUSED:
+            report.decision, report.error = Decision.REFUSE.value, hs.reason
+            if hs.negotiation is not None:
+                report.state = SessionState.NEGOTIATING
+        return report, hs
 
     def finish(self, report: CycleReport) -> CycleReport:
         report.state, report.acked_position, report.remaining = self._status(ok=not report.error)
@@ -246,68 +162,43 @@ class SessionRunner:
     # --- single steps (what the Airflow operators run, one task each) --------------------------
     def negotiate_step(self) -> CycleReport:
         """Only negotiation: what the session needs next (``report.decision``), nothing moved."""
-        report, _, negotiation = self.begin()
-        return report if negotiation is None else self.finish(report)
+        report, hs = self.begin()
+        return self.finish(report) if hs.proceeds else report
 
     def snapshot_step(self) -> CycleReport:
         """Only the snapshot part of a cycle: request → client data → transfer → apply → complete,
         as far as it can go now (``report.waiting`` while the client's data is not supplied).
         Does nothing when negotiation calls for log-entry sync."""
-        report, meta, negotiation = self.begin()
-        if negotiation is None:
+        report, hs = self.begin()
+        if not hs.proceeds:
             return report
-        assert meta is not None
-        if negotiation.decision is Decision.SNAPSHOT_SYNC:
-            self.snapshot_sync(meta, report)
-        elif negotiation.decision is Decision.WAIT_SNAPSHOT_APPLY:
-            self.apply_snapshot(meta)
+        assert hs.meta is not None
+        if hs.decision is Decision.SNAPSHOT_SYNC:
+            self.snapshot_sync(hs.meta, report)
+        elif hs.decision is Decision.WAIT_SNAPSHOT_APPLY:
+            self.apply_snapshot(hs.meta)
         return self.finish(report)
 
     def log_entry_step(self) -> CycleReport:
         """Only log-entry sync (up to ``settings.max_batches`` batches); does nothing unless
         negotiation calls for it (a session that needs a snapshot is left to the snapshot step)."""
-        report, meta, negotiation = self.begin()
-        if negotiation is None:
+        report, hs = self.begin()
+        if not hs.proceeds:
             return report
-        assert meta is not None
-        if negotiation.decision is Decision.LOG_ENTRY_SYNC and not self.log_entry_sync(meta, report):
+        assert hs.position is not None
+        if hs.decision is Decision.LOG_ENTRY_SYNC and not self.log_entry_sync(hs.position, report):
             report.decision = Decision.SNAPSHOT_SYNC.value  # left to the snapshot step of the next run
         return self.finish(report)
 
     def negotiate(self, meta: writes.SinkMetadata) -> Negotiation:
-        with self.source.cursor() as cur:
-            cur.execute("SELECT topology_config_id FROM lr.topology")
-            topo = cur.fetchone()
-            cur.execute("SELECT trim_mark FROM lr.log_trim")
-            trim_mark = cur.fetchone()[0]
-        self.source.commit()
-        request = full_sync.open_request(self.source, self.key.sink, self.key.client)
-        if request is not None and self.reconcile(meta, request):
-            request = None
-        forced = bool(request and request.forced and request.request_id != meta.snapshot_request_id)
-        return negotiate(
-            SourceView(topo[0] if topo else None, trim_mark, forced),
-            SinkView(
-                meta.site_topology_config_id,
-                meta.snapshot_started,
-                meta.snapshot_transferred,
-                meta.snapshot_applied,
-                meta.last_log_entry_processed,
-                meta.data_consistent,
-            ),
-        )
+        """Negotiate again under the lease this cycle holds (``handshake.negotiate_session``)."""
+        assert self.lease is not None
+        return negotiate_session(self.source, self.key, self.lease, self.owner, meta)
 
     def reconcile(self, meta: writes.SinkMetadata, request: FullSyncRequest | None) -> bool:
-        """Close the source's open request when the sink's own metadata says it was applied: the
-        crash window between the sink's apply and the source's record (docs/crash-windows.md).
-        Left open, it would hold safe trim at its base forever and be taken for a resume later.
-        Idempotent; True when it closed ``request``."""
-        if request is None or request.request_id != meta.snapshot_request_id or not _applied(meta):
-            return False
-        log.info("session %s: full sync %s was applied on the sink; closing it on the source", self.key,
-                 request.request_id)
-        self._record_applied(meta, note="closed from the sink's metadata (applied before a crash)")
-        return True
+        """``handshake.reconcile`` under this cycle's lease."""
+        assert self.lease is not None
+        return reconcile(self.source, self.key, self.lease, self.owner, meta, request)
 
     # --- snapshot sync ------------------------------------------------------------------------
     def snapshot_sync(self, meta: writes.SinkMetadata, report: CycleReport) -> writes.SinkMetadata | None:
@@ -340,7 +231,7 @@ class SessionRunner:
             report.waiting = True
             return None
         assert request.base_position is not None
-        if self.spark_transfer and (request.entries or 0) >= self.settings.snapshot_spark_min_entries:
+        if catchup.transfer_to_spark(request.entries, self.settings, self.spark_transfer):
             report.transfer_for_spark = request.request_id
             report.reason = f"{report.reason}; the transfer of {request.entries} entries is left to Spark".lstrip("; ")
             return None
@@ -426,7 +317,8 @@ class SessionRunner:
         tracker = progress.track(f"full sync {request.request_id[:8]} {self.key}: transfer", total, "messages")
         tracker.update(meta.snapshot_transferred_seq + 1)
         while meta.snapshot_transferred != meta.snapshot_started:
-            chunk = self._snapshot_records(request, meta.snapshot_last_entry)
+            chunk = full_sync.supplied_records(self.source, request, meta.snapshot_last_entry, SNAPSHOT_CHUNK,
+                                               SNAPSHOT_CHUNK_BYTES)
             if not chunk:
                 full_sync.finish_request(self.source, request.request_id, RequestStatus.CANCELLED, "data missing from the log")
                 raise LRError(
@@ -441,29 +333,6 @@ class SessionRunner:
         tracker.finish()
         return meta, sent
 
-    def _snapshot_records(self, request: FullSyncRequest, after_entry: int) -> list[LogRecord]:
-        with self.source.cursor() as cur:
-            # Messages are sent only while the bytes before them stay under the chunk's budget (sizes
-            # are read from the tuples without fetching the messages).
-            # One transaction, so one commit position: read apart. The entries in primary-key order
-            # (tx, entry_id), never sorted: right after the supplying transaction the table's
-            # statistics are stale (a handful of rows expected), and the planner sorted every remaining
-            # entry for each chunk: a full sync of 1M entries took 75 s in process, quadratic.
-            cur.execute("SET LOCAL enable_sort = off; SET LOCAL enable_bitmapscan = off")
-            cur.execute(
-                "SELECT (SELECT position FROM lr.log_commits WHERE tx = %s::xid8), entry_id, message FROM ("
-                " SELECT e.entry_id, e.message,"
-                "  sum(octet_length(e.message)) OVER (ORDER BY e.entry_id) - octet_length(e.message) AS before"
-                " FROM lr.log_entries e"
-                " WHERE e.tx = %s::xid8 AND e.stream = %s AND e.entry_id > %s ORDER BY e.entry_id LIMIT %s) chunk "
-                "WHERE before < %s ORDER BY entry_id",
-                (request.supplied_tx, request.supplied_tx, STREAM_SNAP_SYNC, after_entry, SNAPSHOT_CHUNK,
-                 SNAPSHOT_CHUNK_BYTES),
-            )
-            rows = [LogRecord(p, e, bytes(m)) for p, e, m in cur.fetchall()]
-        self.source.commit()
-        return rows
-
     def apply_snapshot(self, meta: writes.SinkMetadata) -> writes.SinkMetadata:
         fault_point("before_snapshot_apply")
         with progress.track(f"full sync {str(meta.snapshot_request_id)[:8]} {self.key}: apply", 1, "snapshots") as t:
@@ -476,25 +345,15 @@ class SessionRunner:
         return meta
 
     def _record_applied(self, meta: writes.SinkMetadata, note: str = "") -> None:
-        """One source transaction: the session's new base and ack, and its request closed. (Two
-        commits would open a window where the request is closed and the ack not yet recorded, and
-        safe trim, held by neither, could remove what the sink needs next.)"""
         assert self.lease is not None
-        leases.update_session(self.source, self.lease, commit=False, state=SessionState.IN_LOG_ENTRY_SYNC,
-                              base_position=meta.snapshot_applied, acked_position=meta.last_log_entry_processed,
-                              attempts=0, last_error=None)
-        if meta.snapshot_request_id:  # who applied it: a DAG's step, a stream, `lr sync` (RequestOutcome)
-            full_sync.finish_request(self.source, meta.snapshot_request_id, RequestStatus.APPLIED,
-                                     note or f"applied by {self.owner}")
-        else:
-            self.source.commit()
+        record_applied(self.source, self.lease, self.owner, meta, note)
 
     # --- log-entry sync -----------------------------------------------------------------------
-    def log_entry_sync(self, meta: writes.SinkMetadata, report: CycleReport) -> bool:
-        """Up to ``settings.max_batches`` batches. False when the log was trimmed past the sink
-        (every read checks the trim mark in the snapshot it reads from): nothing of the trimmed
-        range was delivered, and the session needs a snapshot sync."""
-        after, base, split = meta.last_log_entry_processed, meta.snapshot_applied, meta.split
+    def log_entry_sync(self, position: Position, report: CycleReport) -> bool:
+        """Up to ``settings.max_batches`` batches from ``position``. False when the log was trimmed
+        past the sink (every read checks the trim mark in the snapshot it reads from): nothing of
+        the trimmed range was delivered, and the session needs a snapshot sync."""
+        after, base, split = position.after, position.base, position.split
         self._update(state=SessionState.IN_LOG_ENTRY_SYNC, acked_position=after, last_error=None)
         self.sync_tables(report)
         reader = self.reader()
@@ -537,7 +396,7 @@ class SessionRunner:
             try:
                 with lifted(self.source, self.sink):  # whole tables, one COPY each: as long as they take
                     snap.open()
-                    if self.spark_tables and snap.estimated_rows() >= self.settings.table_spark_min_rows:
+                    if catchup.tables_to_spark(snap.estimated_rows(), self.settings, self.spark_tables):
                         report.tables_for_spark = [str(t.table) for t in lacking]
                     else:
                         snap.write()
@@ -563,6 +422,12 @@ class SessionRunner:
         return self._reader
 
     # --- metadata -----------------------------------------------------------------------------
+    def hold(self, lease: leases.Lease | None) -> None:
+        self.lease = lease  # as soon as taken: released by ``release`` even when a later step fails
+
+    def _position(self, meta: writes.SinkMetadata) -> Position:
+        return Position.of(meta, self._epoch())
+
     def _epoch(self) -> int:
         assert self.lease is not None, "run_cycle takes the lease first"
         return self.lease.epoch
@@ -594,11 +459,6 @@ class SessionRunner:
         if self.lease is not None:
             leases.release_quietly(self.source, self.lease)
             self.lease = None
-
-
-def _applied(meta: writes.SinkMetadata) -> bool:
-    """The sink has applied its current full sync (and is consistent on it)."""
-    return meta.snapshot_started >= 0 and meta.snapshot_applied == meta.snapshot_started and meta.data_consistent
 
 
 def record_error(conn: psycopg2.extensions.connection, key: SessionKey, error: str) -> None:

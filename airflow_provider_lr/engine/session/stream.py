@@ -3,7 +3,8 @@
 A replication *cycle* (``runner``) pays for a lease, a fence, a negotiation and a commit barrier
 before it reads anything, and ``lr sync`` sleeps between idle cycles: fine for a batch, tens of
 milliseconds of lag per entry for a stream. Here a session that a cycle left in log-entry sync is
-handed to a ``SessionStream``, which keeps its lease and its sink position in memory and only:
+handed to a ``SessionStream``, which renews the cycle's lease with one handshake (``handshake.py``),
+keeps the ``Position`` it returns in memory and only:
 
 1. waits until the source's commit position moves past its sink (``SourceWatch``: one cheap probe
    of the commit-position sequence per source, polled only while a stream waits, faster while
@@ -42,22 +43,24 @@ from psycopg2.extensions import AsIs
 from airflow_provider_lr.engine.errors import (
     FencedError,
     LRError,
-    SiteUnreachableError,
     StaleBatchError,
     TrimmedError,
     error_line,
     one_line,
 )
+from airflow_provider_lr.engine.counters import DeliveryCounters, Pulse
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import lease as leases
-from airflow_provider_lr.engine.session.runner import CycleReport, SessionSettings, record_error
+from airflow_provider_lr.engine.session.handshake import Position, handshake
+from airflow_provider_lr.engine.session.negotiation import Decision
+from airflow_provider_lr.engine.session.runner import CycleReport, record_error
+from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
+from airflow_provider_lr.engine.session.source_watch import SourceWatch
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.site.topology import recorded_id
-from airflow_provider_lr.engine.site.metrics import Pulse, ReplicationCounters
 from airflow_provider_lr.engine.source import full_sync
-from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL
 from airflow_provider_lr.engine.source.log_reader import LogReader
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables import snapshot as table_snapshot
@@ -66,119 +69,6 @@ from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, SessionKey
 log = logging.getLogger(__name__)
 
 Connect = Callable[[str], psycopg2.extensions.connection]
-
-
-@dataclass
-class StreamSettings:
-    """How a stream waits and how often it looks around (seconds)."""
-
-    poll_min: float = 0.0002  # probe pause while commits keep coming
-    poll_max: float = 0.01  # ... growing to this while none come (the wake-up lag of a first commit)
-    ack_interval: float = 0.2  # acknowledged position recorded on the source at most this often
-    check_interval: float = 1.0  # lease renewed, topology and full-sync requests checked
-    gap_timeout: float = 0.05  # a missing position this old is resolved with the commit barrier
-    # Under load (the session's entries arrive at ``busy_rate`` per second or more over the last
-    # 0.1 s: ``RateWindow``), wait ``linger`` before reading again: a read and a sink transaction
-    # cost about the same for one entry as for hundreds, and on a busy machine that fixed cost is
-    # taken from the writers (docs/streaming.md). Below it, every commit is read at once.
-    busy_rate: float = 2000.0
-    linger: float = 0.02
-    # A session whose cycle fails (a site down, a lock or statement timeout) is retried after
-    # ``retry_min``, doubling with each failure in a row up to ``retry_max``; a stream that fails is
-    # renegotiated at once.
-    retry_min: float = 1.0
-    retry_max: float = 30.0
-
-
-class SourceWatch:
-    """The newest commit position drawn on one source, for the streams of its sessions.
-
-    One probe (``SELECT last_value`` of the commit-position sequence: no lock, no table) serves every
-    session of the source, and it runs only while some stream waits: a busy stream reads again at
-    once and needs no wake-up. A position drawn may still be committing; the stream's read tells.
-    A source that is down is probed again every 0.5 s; what cannot heal (a refused connection, a
-    bug) stops the watch with ``error``, which ``wait_beyond`` raises to every stream waiting on it."""
-
-    def __init__(self, connect: Callable[[], psycopg2.extensions.connection], settings: StreamSettings,
-                 source: str = "") -> None:
-        self._connect, self.settings, self.source = connect, settings, source
-        self.error: BaseException | None = None
-        self.failed_at = 0.0  # monotonic time of ``error``
-        self.latest = 0
-        self._cond = threading.Condition()
-        self._waiting = 0
-        self._stop = threading.Event()
-        self._conn: psycopg2.extensions.connection | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True, name="lr-source-watch")
-        self._thread.start()
-
-    def wait_beyond(self, position: int, timeout: float) -> bool:
-        """Block until a position above ``position`` is drawn (True) or ``timeout`` passes."""
-        with self._cond:
-            if self.latest > position:
-                return True
-            self._waiting += 1
-            self._cond.notify_all()  # wakes the probe loop if it sleeps for want of waiters
-            try:
-                moved = self._cond.wait_for(lambda: self.latest > position or self._stop.is_set(), timeout)
-            finally:
-                self._waiting -= 1
-        if self.error is not None:
-            raise LRError(f"the commit-position watch of source {self.source!r} stopped: {one_line(self.error)}")
-        return moved
-
-    @property
-    def failed(self) -> bool:
-        return self.error is not None
-
-    def _probe(self) -> int:
-        if self._conn is None or self._conn.closed:
-            self._conn = self._connect()
-            self._conn.autocommit = True
-        with self._conn.cursor() as cur:
-            cur.execute(LAST_DRAWN_POSITION_SQL)
-            return cur.fetchone()[0]
-
-    def _run(self) -> None:
-        pause = self.settings.poll_min
-        while not self._stop.is_set():
-            with self._cond:
-                self._cond.wait_for(lambda: self._waiting > 0 or self._stop.is_set())
-            try:
-                value = self._probe()
-            except (psycopg2.OperationalError, psycopg2.InterfaceError, SiteUnreachableError) as exc:
-                log.debug("commit-position probe of %s failed: %s", self.source, one_line(exc))  # retried slowly:
-                self._close()  # the streams find out for themselves
-                self._stop.wait(0.5)
-                continue
-            except Exception as exc:  # cannot heal: the streams waiting on this watch hand back with it
-                log.error("commit-position watch of %s stopped: %s", self.source, one_line(exc))
-                self.error, self.failed_at = exc, time.monotonic()
-                self._stop.set()
-                with self._cond:
-                    self._cond.notify_all()
-                self._close()
-                return
-            if value != self.latest:
-                with self._cond:
-                    self.latest = value
-                    self._cond.notify_all()
-                pause = self.settings.poll_min
-            else:
-                pause = min(pause * 2, self.settings.poll_max)
-            self._stop.wait(pause)
-
-    def _close(self) -> None:
-        if self._conn is not None and not self._conn.closed:
-            self._conn.close()
-        self._conn = None
-
-    def close(self) -> None:
-        self._stop.set()
-        with self._cond:
-            self._cond.notify_all()
-        self._thread.join(timeout=5)
-        self._close()
 
 
 @dataclass
@@ -219,10 +109,10 @@ class SessionStream:
 
     def __init__(self, key: SessionKey, lease: leases.Lease, connect: Connect, watch: SourceWatch,
                  settings: SessionSettings, stream_settings: StreamSettings,
-                 counters: ReplicationCounters | None = None) -> None:
+                 counters: DeliveryCounters | None = None) -> None:
         self.key, self.lease, self.watch = key, lease, watch
         self.settings, self.opts = settings, stream_settings
-        self.counters = counters if counters is not None else ReplicationCounters()
+        self.counters = counters if counters is not None else DeliveryCounters()
         self.delivered = 0
         self.src = connect(key.source)
         self.peek = self.sink = None
@@ -237,20 +127,24 @@ class SessionStream:
         with self.src.cursor() as cur:
             cur.execute("SET synchronous_commit = off")
         self.src.commit()
-        meta = writes.read_metadata(self.sink, key.source, key.client)
-        self.after, self.base, self.split = meta.last_log_entry_processed, meta.snapshot_applied, meta.split
+        self.position: Position | None = None  # the handshake's, advanced by every write (``run``)
         self.acked = -1
         self.registered = False  # the receive queue, by this stream's first write of entries
         self.reader = LogReader(self.src, key.sink, STREAM_LOG_ENTRIES, settings.barrier_timeout, client_name=key.client)
         self.small = LogReader(self.peek, key.sink, STREAM_LOG_ENTRIES, client_name=key.client)
         self.tables = table_snapshot.splits(self.sink, key)  # the synced federated tables come along
         self.topology_id = recorded_id(self.src)
-        log.info("session %s streams from position %d", key, self.after)
+
+    @property
+    def after(self) -> int:
+        """The sink's position: where the next read starts."""
+        return self.position.after if self.position is not None else -1
 
     def run(self, stop: threading.Event) -> StreamEnd:
         """Stream until ``stop`` or a hand-back; always leaves the connections closed."""
         end = StreamEnd(str(self.key), "stopped")
         try:
+            self._begin()
             self._loop(stop)
         except _Handback as exc:
             end.reason = one_line(exc)
@@ -265,6 +159,18 @@ class SessionStream:
                 self._record_quietly(end.error)
             self.close()
         return end
+
+    def _begin(self) -> None:
+        """The handshake, as the cycle's lease holder (the same owner: renewed, same epoch); the
+        stream starts from its ``Position`` and hands back unless it is log-entry sync."""
+        hs = handshake(self.src, self.sink, self.key, self.lease.owner, self.settings.lease_seconds)
+        if hs.lease is not None:
+            self.lease = hs.lease
+        why = hs.left_out(Decision.LOG_ENTRY_SYNC, "left to the cycles")
+        if why is not None:
+            raise _Handback(why)
+        self.position = hs.position
+        log.info("session %s streams from position %d", self.key, self.after)
 
     def _record_quietly(self, error: str) -> None:
         """The failure in the session's ``last_error`` (``lr status``), when the source is reachable;
@@ -312,22 +218,23 @@ class SessionStream:
         moved, the entries written (at least 1), else 0. ``barrier``: read behind the commit barrier
         instead (it waits for the commits in flight, so a position still missing after it was
         rolled back and is passed)."""
-        settings, batch = self.settings, None
+        settings, batch, position = self.settings, None, self.position
+        assert position is not None, "run takes the handshake first"
         if not barrier:
-            batch = self.small.read_final_batch(self.after, settings.max_bytes, self.split, self.tables)
+            batch = self.small.read_final_batch(position.after, settings.max_bytes, position.split, self.tables)
         if batch is None:
-            batch = self.reader.read_stream(self.after, settings.max_entries, settings.max_bytes, self.split,
+            batch = self.reader.read_stream(position.after, settings.max_entries, settings.max_bytes, position.split,
                                             final=not barrier, tables=self.tables)
         with batch:
-            if batch.end <= self.after:
+            if batch.end <= position.after:
                 return 0
-            after = writes.apply_log_stream(self.sink, self.key.source, self.key.client, self.lease.epoch,
-                                            batch, self.base, register=not self.registered)
+            after = writes.apply_log_stream(self.sink, self.key.source, self.key.client, position.epoch,
+                                            batch, position.base, register=not self.registered)
         fault_point("stream_after_sink_apply")
         self.registered = self.registered or batch.entries > 0
         self.delivered += batch.entries
         self.counters.delivered(self.key, batch.entries, batch.bytes)
-        moved, self.after = after > self.after, after
+        moved, self.position = after > position.after, position.advanced(after)
         return max(batch.entries, 1) if moved else 0
 
     def _check(self) -> None:
@@ -394,9 +301,10 @@ class Streamer:
     A stream that hands back is cycled at once; cycles of the others run every ``interval``."""
 
     def __init__(self, cycles: Cycles, options: StreamSettings | None = None,
-                 counters: ReplicationCounters | None = None) -> None:
+                 counters: DeliveryCounters | None = None) -> None:
         self.cycles, self.options = cycles, options or StreamSettings()
-        self.counters = counters if counters is not None else ReplicationCounters()  # of cycles and streams
+        # of cycles and streams: the replicator's process passes its own (``site/metrics``) to export them
+        self.counters = counters if counters is not None else DeliveryCounters()
         self.ends: list[StreamEnd] = []  # every stream that ended (handed back, or "stopped" with the run)
         self.streaming: set[SessionKey] = set()  # the sessions streaming now
         self.backoff: dict[SessionKey, tuple[int, float]] = {}  # failing sessions: (failures in a row, retry at)
@@ -406,7 +314,7 @@ class Streamer:
             on_end: Callable[[StreamEnd], None] | None = None,
             on_pulse: Callable[[str], None] | None = None, pulse_every: float = 30.0) -> None:
         """Until ``stop`` is set. ``on_pulse`` gets a line every ``pulse_every`` seconds: entries
-        per second since the last one and the lag of the session most behind (``metrics.Pulse``)."""
+        per second since the last one and the lag of the session most behind (``counters.Pulse``)."""
         pulse = Pulse(self.counters, pulse_every if on_pulse else 0.0, on_pulse or (lambda line: None))
         halt = threading.Event()
         ended: queue.SimpleQueue[StreamEnd] = queue.SimpleQueue()

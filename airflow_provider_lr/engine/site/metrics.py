@@ -16,13 +16,13 @@ Two kinds, from two places, because each figure is read where it is true:
 from __future__ import annotations
 
 import threading
-import time
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
+from airflow_provider_lr.engine.counters import DeliveryCounters
 from airflow_provider_lr.engine.site.status import SiteStatus, readiness, trim_marks
 from airflow_provider_lr.engine.site.topology import Topology
 from airflow_provider_lr.engine.vocabulary import SessionKey
@@ -119,22 +119,13 @@ def exposition(registry: CollectorRegistry) -> str:
     return generate_latest(registry).decode()
 
 
-class Delivery(Protocol):
-    """What a cycle reports that the counters count (``runner.CycleReport``)."""
-
-    session: str
-    delivered: int
-    delivered_bytes: int
-    full_syncs: int
-    error: str
-
-
-class ReplicationCounters:
+class ReplicationCounters(DeliveryCounters):
     """What one replicator process did, per session, counted as it happens (see the module
-    docstring), plus the totals the periodic progress line reads (``Pulse``). Thread-safe: the
-    stream threads and the cycles count into one."""
+    docstring), as Prometheus counters, plus the totals the periodic progress line reads
+    (``counters.Pulse``). Thread-safe: the stream threads and the cycles count into one."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        super().__init__()
         self.registry = registry if registry is not None else CollectorRegistry()
 
         def counter(name: str, text: str) -> Counter:
@@ -148,9 +139,6 @@ class ReplicationCounters:
         self._lag = Histogram("lr_delivery_lag_seconds", "age of the oldest entry not yet acknowledged by the sink, "
                               "seen at each acknowledgement", SESSION_LABELS, buckets=LAG_BUCKETS,
                               registry=self.registry)
-        self._lock = threading.Lock()
-        self.entries = 0  # every session's, for the progress line
-        self.lags: dict[str, tuple[int, float]] = {}  # session → (entries, seconds) at its last acknowledgement
 
     @staticmethod
     def _labels(session: str | SessionKey) -> tuple[str, str, str]:
@@ -163,13 +151,11 @@ class ReplicationCounters:
         labels = self._labels(session)
         self._entries.labels(*labels).inc(entries)
         self._bytes.labels(*labels).inc(nbytes)
-        with self._lock:
-            self.entries += entries
+        super().delivered(session, entries, nbytes)
 
     def lag(self, session: str | SessionKey, entries: int, seconds: float) -> None:
         self._lag.labels(*self._labels(session)).observe(seconds)
-        with self._lock:
-            self.lags[str(session)] = (entries, seconds)
+        super().lag(session, entries, seconds)
 
     def full_sync(self, session: str | SessionKey) -> None:
         self._full_syncs.labels(*self._labels(session)).inc()
@@ -179,46 +165,6 @@ class ReplicationCounters:
 
     def hand_back(self, session: str | SessionKey) -> None:
         self._hand_backs.labels(*self._labels(session)).inc()
-
-    def cycle(self, reports: Iterable[Delivery]) -> None:
-        """Count what cycles did (their delivered entries, full syncs applied, failures)."""
-        for r in reports:
-            self.delivered(r.session, r.delivered, r.delivered_bytes)
-            for _ in range(r.full_syncs):
-                self.full_sync(r.session)
-            if r.error:
-                self.error(r.session)
-
-    def most_behind(self) -> tuple[str, int, float] | None:
-        """The session whose last acknowledgement left the oldest entry behind: (session, entries, s)."""
-        with self._lock:
-            if not self.lags:
-                return None
-            session, (entries, seconds) = max(self.lags.items(), key=lambda item: (item[1][1], item[1][0]))
-        return session, entries, seconds
-
-
-class Pulse:
-    """A periodic line from a running stream, every ``every`` seconds (0: never): entries per
-    second since the last line, as counted, and the lag of the session most behind."""
-
-    def __init__(self, counters: ReplicationCounters, every: float, emit: Callable[[str], None]) -> None:
-        self.counters, self.every, self.emit = counters, every, emit
-        self._since, self._entries = time.monotonic(), counters.entries
-
-    def tick(self, streaming: int, sessions: int) -> None:
-        """Emit the line when it is due (the caller's loop calls this often)."""
-        now = time.monotonic()
-        if self.every <= 0 or now - self._since < self.every:
-            return
-        total = self.counters.entries
-        done, seconds = total - self._entries, now - self._since
-        self._since, self._entries = now, total
-        behind = self.counters.most_behind()
-        lag = (f"lag {behind[1]} entries / {behind[2]:.1f}s ({behind[0]})" if behind and (behind[1] or behind[2])
-               else "lag 0")
-        self.emit(f"streaming {streaming} of {sessions} sessions: {done} entries in {seconds:.0f}s "
-                  f"({done / seconds:.1f} entries/s, {total} in all), {lag}")
 
 
 def start(registry: CollectorRegistry, listen: str) -> tuple[Any, threading.Thread, str]:

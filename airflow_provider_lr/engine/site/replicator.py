@@ -14,7 +14,7 @@ from typing import Callable, Mapping
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.bulk import catchup, fanout
+from airflow_provider_lr.engine.bulk import fanout
 from airflow_provider_lr.engine.errors import (
     ConfigurationError,
     RepeatedErrors,
@@ -22,9 +22,10 @@ from airflow_provider_lr.engine.errors import (
     one_line,
     still_failing,
 )
-from airflow_provider_lr.engine.session import nearest_copy
+from airflow_provider_lr.engine.session import catchup, nearest_copy
 from airflow_provider_lr.engine.session.lease import Lease, new_owner_id
-from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, SessionSettings, record_error
+from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, record_error
+from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.site.topology import Topology
@@ -112,7 +113,7 @@ class Replicator:
         return runner.lease if runner is not None else None
 
     def _catch_up(self, source: str, keys: list[SessionKey]) -> dict[str, int]:
-        """Move a log-entry backlog of ``source`` that ``bulk/catchup`` sends to the tee (this process
+        """Move a log-entry backlog of ``source`` that ``session/catchup`` sends to the tee (this process
         runs no Spark) with the read-once tee here (one source read for all its sinks, packed rows,
         exactly once: ``engine/bulk/fanout.py``); the session cycles then go on from where it left
         each sink. Returns deliveries per session (``str(SessionKey)``). Any failure leaves the work

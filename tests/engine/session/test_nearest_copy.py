@@ -11,7 +11,7 @@ import pytest
 from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.session import nearest_copy
 from airflow_provider_lr.engine.site.replicator import Replicator
-from airflow_provider_lr.engine.session.runner import SessionSettings
+from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.vocabulary import SessionKey

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from airflow_provider_lr.engine.session.stream import StreamSettings
+from airflow_provider_lr.engine.session.settings import StreamSettings
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.support.session import (

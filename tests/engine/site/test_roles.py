@@ -463,7 +463,7 @@ def test_replicator_runs_cycles_full_syncs_status_and_trim(world):
 def test_replicator_role_streams(world):
     """``lr sync``'s streaming mode needs nothing the replicator role lacks: the commit-position
     probe, the one-statement final prefix, lazy acks and lease renewals, fenced sink writes."""
-    from airflow_provider_lr.engine.session.stream import StreamSettings
+    from airflow_provider_lr.engine.session.settings import StreamSettings
 
     repl = replicator(world.topo, sites_as(world.sites, world.replicator),
                       providers={c: provider(c) for c in CLIENTS})

@@ -1,4 +1,12 @@
-"""Which path catches a source's log-entry backlog up, and why: the one place that decides it.
+"""When work leaves the session cycles for the tee or Spark: the three "go to Spark" rules, side by
+side, as pure functions over numbers and ``SessionSettings`` (no I/O; the callers measure).
+
+* a source's log-entry backlog (catch-up): ``choose``, below;
+* a full-sync transfer: ``transfer_to_spark`` (``snapshot_spark_min_entries``);
+* a federated tables' snapshot: ``tables_to_spark`` (``table_spark_min_rows``).
+
+The last two apply only where Spark can run (the DAGs): the caller says so (``spark``). Which path
+catches a source's log-entry backlog up, and why:
 
 * **session cycles** (``session/runner``): each session reads and writes its own batches; no plan,
   no start-up cost, ~55k deliveries/s. Always right for a small backlog.
@@ -10,8 +18,8 @@
 The inputs: the backlog, counted as ``status.source_backlog`` counts it (entries still to deliver
 summed over the source's sessions in log-entry sync); the two thresholds of ``SessionSettings``
 (``spark_min_backlog``; ``tee_min_backlog``, 0 turning the tee off), whose measured defaults and
-topology settings live there; and whether Spark can run here, which only the caller knows (``lr
-sync`` never; the DAG when the job is installed and its connection defined). That last is asked
+topology settings live in ``session/settings.py``; and whether Spark can run here, which only the
+caller knows (``lr sync`` never; the DAG when the job is installed and its connection defined). That last is asked
 only of a backlog large enough for Spark, so a small one costs no look-up.
 """
 from __future__ import annotations
@@ -20,7 +28,7 @@ import enum
 from dataclasses import dataclass
 from typing import Callable
 
-from airflow_provider_lr.engine.session.runner import STAGED_MIN_TASKS, SessionSettings
+from airflow_provider_lr.engine.session.settings import STAGED_MIN_TASKS, SessionSettings
 
 # Why Spark cannot run here ("no Spark connection 'spark_default'"), or None when it can.
 SparkCheck = Callable[[], "str | None"]
@@ -76,6 +84,19 @@ def choose(backlog: int, settings: SessionSettings, spark: SparkCheck | None = N
     if backlog < tee_min:
         return Catchup(CatchupPath.SESSION_CYCLES, f"{why}; {size} < tee_min_backlog {tee_min}")
     return Catchup(CatchupPath.TEE, f"{why}; {size} >= tee_min_backlog {tee_min}")
+
+
+def transfer_to_spark(entries: int | None, settings: SessionSettings, spark: bool) -> bool:
+    """A supplied full sync of ``entries`` is transferred by the Spark job (``spark``: one runs
+    here, the DAGs), from ``snapshot_spark_min_entries``; else by the session's own cycle."""
+    return spark and (entries or 0) >= settings.snapshot_spark_min_entries
+
+
+def tables_to_spark(estimated_rows: int, settings: SessionSettings, spark: bool) -> bool:
+    """A federated tables' snapshot of ``estimated_rows`` (the planner's estimate) is written by the
+    Spark job (``spark``: one runs here, the DAG), from ``table_spark_min_rows``; else in process."""
+    return spark and estimated_rows >= settings.table_spark_min_rows
+
 
 def fanout_tasks(settings: SessionSettings, cores: int) -> int:
     """How many chunks the Spark fan-out tees at once on a cluster of ``cores`` task slots: the

@@ -1,4 +1,4 @@
-"""The one catch-up path decision (engine/bulk/catchup.py): Spark, the read-once tee or the session
+"""The one catch-up path decision (engine/session/catchup.py): Spark, the read-once tee or the session
 cycles, from the backlog, the two thresholds of SessionSettings and whether Spark can run here."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from airflow_provider_lr.engine.bulk.catchup import CatchupPath, backlog_cap, backlog_matters, choose
-from airflow_provider_lr.engine.session.runner import SPARK_MIN_BACKLOG, TEE_MIN_BACKLOG, SessionSettings
+from airflow_provider_lr.engine.session.catchup import CatchupPath, backlog_cap, backlog_matters, choose
+from airflow_provider_lr.engine.session.settings import SPARK_MIN_BACKLOG, TEE_MIN_BACKLOG, SessionSettings
 from airflow_provider_lr.engine.site import topology
 from tests.support.session import topology_doc
 

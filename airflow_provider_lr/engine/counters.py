@@ -1,0 +1,95 @@
+"""What a replicator process delivered, counted as it happens, and the periodic line that says so.
+
+Core (no I/O, no Prometheus): the stream (``session/stream.py``) and the cycles count into a
+``DeliveryCounters``; ``site/metrics.ReplicationCounters`` extends it with Prometheus counters for
+``lr sync --metrics-listen``, and the replicator passes that one in. So the stream reports to
+whoever passes the counters, without importing the layer above it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Iterable, Protocol
+
+from airflow_provider_lr.engine.vocabulary import SessionKey
+
+
+class Delivery(Protocol):
+    """What a cycle reports that the counters count (``runner.CycleReport``)."""
+
+    session: str
+    delivered: int
+    delivered_bytes: int
+    full_syncs: int
+    error: str
+
+
+class DeliveryCounters:
+    """Totals the periodic progress line reads (``Pulse``): entries delivered by every session and
+    each session's lag at its last acknowledgement. Thread-safe: the stream threads and the cycles
+    count into one. The per-session events (full syncs, errors, hand-backs) are hooks a subclass
+    exports (``site/metrics.ReplicationCounters``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.entries = 0  # every session's, for the progress line
+        self.lags: dict[str, tuple[int, float]] = {}  # session → (entries, seconds) at its last acknowledgement
+
+    def delivered(self, session: str | SessionKey, entries: int, nbytes: int = 0) -> None:
+        if entries <= 0:
+            return
+        with self._lock:
+            self.entries += entries
+
+    def lag(self, session: str | SessionKey, entries: int, seconds: float) -> None:
+        with self._lock:
+            self.lags[str(session)] = (entries, seconds)
+
+    def full_sync(self, session: str | SessionKey) -> None:
+        """A full sync applied (counted by subclasses)."""
+
+    def error(self, session: str | SessionKey) -> None:
+        """A failed step (counted by subclasses)."""
+
+    def hand_back(self, session: str | SessionKey) -> None:
+        """A stream handed back to the cycles (counted by subclasses)."""
+
+    def cycle(self, reports: Iterable[Delivery]) -> None:
+        """Count what cycles did (their delivered entries, full syncs applied, failures)."""
+        for r in reports:
+            self.delivered(r.session, r.delivered, r.delivered_bytes)
+            for _ in range(r.full_syncs):
+                self.full_sync(r.session)
+            if r.error:
+                self.error(r.session)
+
+    def most_behind(self) -> tuple[str, int, float] | None:
+        """The session whose last acknowledgement left the oldest entry behind: (session, entries, s)."""
+        with self._lock:
+            if not self.lags:
+                return None
+            session, (entries, seconds) = max(self.lags.items(), key=lambda item: (item[1][1], item[1][0]))
+        return session, entries, seconds
+
+
+class Pulse:
+    """A periodic line from a running stream, every ``every`` seconds (0: never): entries per
+    second since the last line, as counted, and the lag of the session most behind."""
+
+    def __init__(self, counters: DeliveryCounters, every: float, emit: Callable[[str], None]) -> None:
+        self.counters, self.every, self.emit = counters, every, emit
+        self._since, self._entries = time.monotonic(), counters.entries
+
+    def tick(self, streaming: int, sessions: int) -> None:
+        """Emit the line when it is due (the caller's loop calls this often)."""
+        now = time.monotonic()
+        if self.every <= 0 or now - self._since < self.every:
+            return
+        total = self.counters.entries
+        done, seconds = total - self._entries, now - self._since
+        self._since, self._entries = now, total
+        behind = self.counters.most_behind()
+        lag = (f"lag {behind[1]} entries / {behind[2]:.1f}s ({behind[0]})" if behind and (behind[1] or behind[2])
+               else "lag 0")
+        self.emit(f"streaming {streaming} of {sessions} sessions: {done} entries in {seconds:.0f}s "
+                  f"({done / seconds:.1f} entries/s, {total} in all), {lag}")

@@ -1,0 +1,201 @@
+"""The handshake every mover of a session runs before it moves anything, and the one value it returns.
+
+Cycles and their single steps, the stream, the read-once tee and its staged form (the fan-out
+driver hands each chunk the position), the snapshot transfer, the parallel table snapshots and the
+nearest copy all start the same way: check the topology file is not stale, take the session's
+lease on the source (held elsewhere: skipped), fence the sink at the lease's epoch (moving the
+epoch past a higher one the sink has seen), negotiate. ``handshake`` does it once; what comes back
+is a ``Handshake``: the outcome (proceed, skipped or refused, with why), the lease, the sink's
+metadata, the negotiation, and a frozen ``Position`` (after, base, split, epoch).
+
+Why one value: Debezium's ``ChangeEventSourceCoordinator`` restores one offset context, runs the
+snapshot source with it and starts the streaming source from the offset the snapshot returns; no
+source re-derives where it starts. Here the ``Position`` plays that part: the movers read it from
+the handshake (or the fan-out plan's demand, made from it) instead of each re-reading the sink and
+re-deciding "skipped, refused, or which decision" its own way. The fault points ``after_lease`` and
+``after_fence`` stay where crash tests kill (docs/crash-windows.md).
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import psycopg2.extensions
+
+from airflow_provider_lr.engine.errors import ConfigurationError, FencedError
+from airflow_provider_lr.engine.faults import fault_point
+from airflow_provider_lr.engine.session import lease as leases
+from airflow_provider_lr.engine.session.negotiation import Decision, Negotiation, SinkView, SourceView, negotiate
+from airflow_provider_lr.engine.sink import writes
+from airflow_provider_lr.engine.site.topology import Topology, drift, recorded_id, reread
+from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.source.full_sync import FullSyncRequest
+from airflow_provider_lr.engine.source.log_reader import BaseSplit
+from airflow_provider_lr.engine.vocabulary import RequestStatus, SessionKey, SessionState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a session's sink stands and under which lease epoch its writes go: what every mover
+    starts from. Picklable (it travels in a fan-out plan to Spark tasks)."""
+
+    after: int  # the sink's last processed commit position
+    base: int  # the snapshot base the sink is at (a writer refuses a sink that moved to another)
+    split: BaseSplit | None  # what the base snapshot covered
+    epoch: int  # the lease epoch, checked by every sink write
+
+    @classmethod
+    def of(cls, meta: writes.SinkMetadata, epoch: int) -> "Position":
+        return cls(meta.last_log_entry_processed, meta.snapshot_applied, meta.split, epoch)
+
+    def advanced(self, after: int) -> "Position":
+        return replace(self, after=after)
+
+
+class Outcome(enum.Enum):
+    PROCEED = "proceed"  # lease held, sink fenced, negotiation decided what to do
+    SKIPPED = "skipped"  # another replicator holds the lease: nothing to do, nothing wrong
+    REFUSED = "refused"  # a stale topology file, no such session here, or negotiation refused
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """What ``handshake`` found (see the module docstring)."""
+
+    key: SessionKey
+    outcome: Outcome
+    reason: str = ""  # skipped or refused: why (refused by negotiation: its reason)
+    lease: leases.Lease | None = None
+    meta: writes.SinkMetadata | None = None
+    negotiation: Negotiation | None = None
+    position: Position | None = None
+
+    @property
+    def proceeds(self) -> bool:
+        return self.outcome is Outcome.PROCEED
+
+    @property
+    def decision(self) -> Decision | None:
+        return self.negotiation.decision if self.negotiation is not None else None
+
+    def left_out(self, wanted: Decision, why: str = "left to the session cycle") -> str | None:
+        """Why a mover that only does ``wanted`` (the fan-out, table snapshots: log-entry sync)
+        leaves this session out, or None when it may go on."""
+        if self.outcome is Outcome.SKIPPED:
+            return self.reason
+        if self.outcome is Outcome.REFUSED:
+            return f"negotiation refused: {self.reason}"
+        assert self.negotiation is not None
+        if self.negotiation.decision is not wanted:
+            return f"needs {self.negotiation.decision.value} ({self.negotiation.reason}); {why}"
+        return None
+
+
+def handshake(source: psycopg2.extensions.connection, sink: psycopg2.extensions.connection, key: SessionKey,
+              owner: str, lease_seconds: float = leases.DEFAULT_LEASE_SECONDS,
+              topology: Topology | None = None,
+              on_lease: Callable[[leases.Lease | None], None] = lambda lease: None) -> Handshake:
+    """Drift check → lease → fence → negotiate (see the module docstring). A negotiation refused is
+    recorded on the source (state NEGOTIATING, ``last_error``); everything else is the caller's.
+    ``on_lease`` hears of the lease as soon as it is asked for (None: not taken) and again when its
+    epoch moves, so a caller releases it even when the fence or the negotiation fails."""
+    if topology is not None and topology.path:  # a stale file: said so, not as a lease or a refusal
+        held = {key.source: recorded_id(source)}
+        # the file may have been edited and applied since this process read it: then it is not stale
+        found = drift(topology, held) and drift(reread(topology), held)
+        if found is not None:
+            return Handshake(key, Outcome.REFUSED, found.message())
+    lease = leases.acquire(source, key.sink, key.client, owner, lease_seconds)
+    on_lease(lease)
+    if lease is None:
+        try:
+            holder = leases.holder(source, key.sink, key.client)
+        except ConfigurationError as exc:  # no such session here: nobody holds anything
+            return Handshake(key, Outcome.REFUSED, f"site {key.source!r}: {exc}")
+        return Handshake(key, Outcome.SKIPPED,
+                         f"another replicator holds this session's lease ({holder or 'just released'})")
+    fault_point("after_lease")
+    try:
+        meta = writes.fence(sink, key.source, key.client, lease.epoch)
+    except FencedError as exc:
+        if exc.sink_epoch is None:
+            raise
+        # we hold the source's lease, yet the sink has seen a higher epoch: the source forgot
+        # it (session re-added); move past it rather than stay fenced until the epochs catch up
+        log.info("session %s: the sink has seen epoch %s, above the source's %s; moving past it",
+                 key, exc.sink_epoch, lease.epoch)
+        lease = leases.advance_epoch(source, lease, exc.sink_epoch)
+        on_lease(lease)
+        meta = writes.fence(sink, key.source, key.client, lease.epoch)
+    fault_point("after_fence")
+    negotiation = negotiate_session(source, key, lease, owner, meta)
+    position = Position.of(meta, lease.epoch)
+    if negotiation.decision is Decision.REFUSE:
+        leases.update_session(source, lease, state=SessionState.NEGOTIATING,
+                              last_error=f"negotiation refused: {negotiation.reason}")
+        return Handshake(key, Outcome.REFUSED, negotiation.reason, lease, meta, negotiation, position)
+    return Handshake(key, Outcome.PROCEED, "", lease, meta, negotiation, position)
+
+
+def negotiate_session(source: psycopg2.extensions.connection, key: SessionKey, lease: leases.Lease, owner: str,
+                      meta: writes.SinkMetadata) -> Negotiation:
+    """Both ends' views, read now, negotiated (``negotiation.negotiate``); an open request the sink
+    already applied is closed first (``reconcile``)."""
+    with source.cursor() as cur:
+        cur.execute("SELECT topology_config_id FROM lr.topology")
+        topo = cur.fetchone()
+        cur.execute("SELECT trim_mark FROM lr.log_trim")
+        trim_mark = cur.fetchone()[0]
+    source.commit()
+    request = full_sync.open_request(source, key.sink, key.client)
+    if request is not None and reconcile(source, key, lease, owner, meta, request):
+        request = None
+    forced = bool(request and request.forced and request.request_id != meta.snapshot_request_id)
+    return negotiate(
+        SourceView(topo[0] if topo else None, trim_mark, forced),
+        SinkView(
+            meta.site_topology_config_id,
+            meta.snapshot_started,
+            meta.snapshot_transferred,
+            meta.snapshot_applied,
+            meta.last_log_entry_processed,
+            meta.data_consistent,
+        ),
+    )
+
+
+def reconcile(source: psycopg2.extensions.connection, key: SessionKey, lease: leases.Lease, owner: str,
+              meta: writes.SinkMetadata, request: FullSyncRequest | None) -> bool:
+    """Close the source's open request when the sink's own metadata says it was applied: the
+    crash window between the sink's apply and the source's record (docs/crash-windows.md).
+    Left open, it would hold safe trim at its base forever and be taken for a resume later.
+    Idempotent; True when it closed ``request``."""
+    if request is None or request.request_id != meta.snapshot_request_id or not applied(meta):
+        return False
+    log.info("session %s: full sync %s was applied on the sink; closing it on the source", key, request.request_id)
+    record_applied(source, lease, owner, meta, note="closed from the sink's metadata (applied before a crash)")
+    return True
+
+
+def record_applied(source: psycopg2.extensions.connection, lease: leases.Lease, owner: str,
+                   meta: writes.SinkMetadata, note: str = "") -> None:
+    """One source transaction: the session's new base and ack, and its request closed. (Two
+    commits would open a window where the request is closed and the ack not yet recorded, and
+    safe trim, held by neither, could remove what the sink needs next.)"""
+    leases.update_session(source, lease, commit=False, state=SessionState.IN_LOG_ENTRY_SYNC,
+                          base_position=meta.snapshot_applied, acked_position=meta.last_log_entry_processed,
+                          attempts=0, last_error=None)
+    if meta.snapshot_request_id:  # who applied it: a DAG's step, a stream, `lr sync` (RequestOutcome)
+        full_sync.finish_request(source, meta.snapshot_request_id, RequestStatus.APPLIED,
+                                 note or f"applied by {owner}")
+    else:
+        source.commit()
+
+
+def applied(meta: writes.SinkMetadata) -> bool:
+    """The sink has applied its current full sync (and is consistent on it)."""
+    return meta.snapshot_started >= 0 and meta.snapshot_applied == meta.snapshot_started and meta.data_consistent

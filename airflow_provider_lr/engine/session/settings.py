@@ -1,0 +1,92 @@
+"""What a session's movers are tuned by: ``SessionSettings`` (cycles, the tee, the Spark jobs, the
+nearest copy), ``StreamSettings`` (the stream) and the measured thresholds behind their defaults.
+
+One module, so a threshold, its topology setting and its default are read side by side; the
+measurements behind each default are in docs/spark.md "Thresholds and how they were measured", and
+the rules that compare them are ``session/catchup.py``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from airflow_provider_lr.engine.errors import require_counts
+from airflow_provider_lr.engine.session.lease import DEFAULT_LEASE_SECONDS
+from airflow_provider_lr.engine.source.full_sync import DEFAULT_DATA_TIMEOUT
+from airflow_provider_lr.engine.source.log_reader import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
+
+SNAPSHOT_CHUNK = 5_000  # snapshot messages per sink transaction during transfer
+SNAPSHOT_CHUNK_BYTES = 8 << 20  # ... and their bytes (at least one message): memory bounded by bytes
+MAX_BACKOFF_FACTOR = 16  # data timeout grows x2 per consecutive timeout, up to this factor
+# The thresholds; topology settings of the same names override them (docs/spark.md "Thresholds").
+TEE_MIN_BACKLOG = 50_000  # deliveries from which a catch-up is teed once in its own process
+SPARK_MIN_BACKLOG = 800_000  # deliveries from which a catch-up goes through Spark where it can run
+TABLE_SPARK_MIN_ROWS = 10_000_000  # a table snapshot this large (planner's estimate) is left to Spark
+SNAPSHOT_SPARK_MIN_ENTRIES = 1_000_000  # a full-sync transfer this large is left to Spark
+STAGED_MIN_TASKS = 4  # cores from which the Spark fan-out tees chunks at once (bulk/staged_tee.py)
+PROBE_DELAY = 2.0  # seconds the first peer has to answer (nearest copy); each next one gets twice as long
+
+
+class Configured(Protocol):
+    """Where settings come from: a topology's ``settings:`` (``Topology.setting``)."""
+
+    def setting(self, name: str, default: Any) -> Any: ...
+
+
+@dataclass
+class SessionSettings:
+    max_entries: int = DEFAULT_MAX_ENTRIES
+    max_bytes: int = DEFAULT_MAX_BYTES
+    max_batches: int = 100  # log-entry batches per cycle (fairness between sessions)
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
+    data_timeout: float = DEFAULT_DATA_TIMEOUT
+    barrier_timeout: float = 5.0
+    tee_min_backlog: int = TEE_MIN_BACKLOG  # 0: never tee, session cycles only
+    spark_min_backlog: int = SPARK_MIN_BACKLOG  # where Spark can run (the DAG); lr sync runs none
+    table_spark_min_rows: int = TABLE_SPARK_MIN_ROWS  # a table snapshot this large goes to Spark (the DAG)
+    snapshot_spark_min_entries: int = SNAPSHOT_SPARK_MIN_ENTRIES  # a full-sync transfer this large goes to Spark (the DAGs)
+    fanout_tasks: int = 0  # chunks the Spark fan-out tees at once (1: in order; 0: by the cluster's cores)
+    nearest_copy: bool = True  # a client of tables only may be seeded from a peer sink in its region
+    peer_probe_delay: float = PROBE_DELAY  # seconds the first peer has to answer (x2 each next)
+
+    def __post_init__(self) -> None:  # a batch of 0 would make every cycle a silent no-op
+        require_counts(max_entries=self.max_entries, max_bytes=self.max_bytes, max_batches=self.max_batches)
+
+    @classmethod
+    def from_topology(cls, topology: Configured, **overrides: object) -> "SessionSettings":
+        """The settings a topology asks for (``settings:`` in its YAML), with explicit overrides."""
+        values: dict[str, object] = {
+            "data_timeout": topology.setting("full_sync_data_timeout_s", DEFAULT_DATA_TIMEOUT),
+            "lease_seconds": topology.setting("lease_seconds", DEFAULT_LEASE_SECONDS),
+            "tee_min_backlog": topology.setting("tee_min_backlog", TEE_MIN_BACKLOG),
+            "spark_min_backlog": topology.setting("spark_min_backlog", SPARK_MIN_BACKLOG),
+            "table_spark_min_rows": topology.setting("table_spark_min_rows", TABLE_SPARK_MIN_ROWS),
+            "snapshot_spark_min_entries": topology.setting("snapshot_spark_min_entries", SNAPSHOT_SPARK_MIN_ENTRIES),
+            "fanout_tasks": topology.setting("fanout_tasks", 0),
+            "nearest_copy": topology.setting("nearest_copy", True),
+            "peer_probe_delay": topology.setting("peer_probe_delay_s", PROBE_DELAY),
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]
+
+
+@dataclass
+class StreamSettings:
+    """How a stream waits and how often it looks around (seconds)."""
+
+    poll_min: float = 0.0002  # probe pause while commits keep coming
+    poll_max: float = 0.01  # ... growing to this while none come (the wake-up lag of a first commit)
+    ack_interval: float = 0.2  # acknowledged position recorded on the source at most this often
+    check_interval: float = 1.0  # lease renewed, topology and full-sync requests checked
+    gap_timeout: float = 0.05  # a missing position this old is resolved with the commit barrier
+    # Under load (the session's entries arrive at ``busy_rate`` per second or more over the last
+    # 0.1 s: ``RateWindow``), wait ``linger`` before reading again: a read and a sink transaction
+    # cost about the same for one entry as for hundreds, and on a busy machine that fixed cost is
+    # taken from the writers (docs/streaming.md). Below it, every commit is read at once.
+    busy_rate: float = 2000.0
+    linger: float = 0.02
+    # A session whose cycle fails (a site down, a lock or statement timeout) is retried after
+    # ``retry_min``, doubling with each failure in a row up to ``retry_max``; a stream that fails is
+    # renegotiated at once.
+    retry_min: float = 1.0
+    retry_max: float = 30.0

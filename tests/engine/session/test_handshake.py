@@ -1,0 +1,76 @@
+"""The one handshake every mover runs (engine/session/handshake.py), on real sites: it proceeds with
+a Position, skips a session whose lease another holds, refuses a mismatched topology or an unknown
+session, and moves its epoch past a higher one the sink has seen."""
+from __future__ import annotations
+
+from airflow_provider_lr.engine.session.handshake import Outcome, Position, handshake
+from airflow_provider_lr.engine.session.negotiation import Decision
+from airflow_provider_lr.engine.vocabulary import SessionKey, SessionState
+from tests.support.session import apply
+
+ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
+KEY = SessionKey("site-a", "site-b", "policy")
+SINK_EPOCH = "SELECT lease_epoch FROM lr.sink_sessions WHERE source_site_id = 'site-a' AND client_name = 'policy'"
+SOURCE_ROW = ("SELECT lease_epoch, lease_owner, state, last_error FROM lr.source_sessions "
+              "WHERE sink_site_id = 'site-b' AND client_name = 'policy'")
+
+
+def test_a_first_handshake_proceeds_fenced_with_the_sinks_position(lr_sites):
+    source, sink, _ = lr_sites
+    apply(lr_sites, ONE_SINK)
+    heard = []
+    hs = handshake(source.connect(), sink.connect(), KEY, "one", on_lease=heard.append)
+    assert hs.outcome is Outcome.PROCEED and hs.proceeds and hs.decision is Decision.SNAPSHOT_SYNC
+    assert hs.lease is not None and hs.lease.owner == "one" and heard == [hs.lease]
+    assert hs.position == Position.of(hs.meta, hs.lease.epoch) == Position(-1, -1, None, hs.lease.epoch)
+    assert sink.query(SINK_EPOCH) == [(hs.lease.epoch,)]  # fenced before anything was decided
+    assert hs.left_out(Decision.LOG_ENTRY_SYNC).startswith("needs snapshot_sync (first contact")
+    again = handshake(source.connect(), sink.connect(), KEY, "one")  # the holder renews: the same epoch
+    assert again.proceeds and again.lease == hs.lease
+
+
+def test_a_session_whose_lease_another_holds_is_skipped_untouched(lr_sites):
+    source, sink, _ = lr_sites
+    apply(lr_sites, ONE_SINK)
+    first = handshake(source.connect(), sink.connect(), KEY, "one")
+    heard = []
+    second = handshake(source.connect(), sink.connect(), KEY, "two", on_lease=heard.append)
+    assert second.outcome is Outcome.SKIPPED and not second.proceeds and heard == [None]
+    assert second.lease is None and second.position is None and second.negotiation is None
+    assert second.reason == "another replicator holds this session's lease (one)"
+    assert second.left_out(Decision.LOG_ENTRY_SYNC) == second.reason
+    assert source.query(SOURCE_ROW)[0][:2] == (first.lease.epoch, "one")
+    assert sink.query(SINK_EPOCH) == [(first.lease.epoch,)]
+
+
+def test_a_mismatched_topology_is_refused_and_recorded_on_the_source(lr_sites):
+    source, sink, _ = lr_sites
+    apply(lr_sites, ONE_SINK)
+    apply(lr_sites, ONE_SINK, settings={"lease_seconds": 30}, only=[source])  # another id on the source only
+    hs = handshake(source.connect(), sink.connect(), KEY, "one")
+    assert hs.outcome is Outcome.REFUSED and hs.decision is Decision.REFUSE and hs.lease is not None
+    assert "topology config id mismatch" in hs.reason and hs.position is not None
+    assert hs.left_out(Decision.LOG_ENTRY_SYNC) == f"negotiation refused: {hs.reason}"
+    _, owner, state, error = source.query(SOURCE_ROW)[0]
+    assert (owner, state) == ("one", SessionState.NEGOTIATING) and error == f"negotiation refused: {hs.reason}"
+
+
+def test_a_session_the_source_does_not_have_is_refused(lr_sites):
+    source, _, sink_c = lr_sites
+    apply(lr_sites, ONE_SINK)
+    hs = handshake(source.connect(), sink_c.connect(), SessionKey("site-a", "site-c", "policy"), "one")
+    assert hs.outcome is Outcome.REFUSED and hs.lease is None and hs.negotiation is None
+    assert hs.reason.startswith("site 'site-a': this source has no session to 'site-c'")
+
+
+def test_the_epoch_moves_past_a_higher_one_the_sink_has_seen(lr_sites):
+    """A session removed and added back: the source forgot the epochs the sink has seen."""
+    source, sink, _ = lr_sites
+    apply(lr_sites, ONE_SINK)
+    sink.query("INSERT INTO lr.sink_sessions (source_site_id, client_name, lease_epoch) VALUES ('site-a', 'policy', 41) "
+               "ON CONFLICT (source_site_id, client_name) DO UPDATE SET lease_epoch = 41")
+    heard = []
+    hs = handshake(source.connect(), sink.connect(), KEY, "one", on_lease=heard.append)
+    assert hs.proceeds and hs.lease.epoch == 42 and hs.position.epoch == 42
+    assert [lease.epoch for lease in heard] == [heard[0].epoch, 42] and heard[0].epoch < 41
+    assert sink.query(SINK_EPOCH) == [(42,)] and source.query(SOURCE_ROW)[0][:2] == (42, "one")
