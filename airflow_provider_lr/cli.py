@@ -23,6 +23,7 @@ from airflow_provider_lr.engine.session import stream
 from airflow_provider_lr.engine.session.runner import CycleReport
 from airflow_provider_lr.engine.db import conninfo, schema
 from airflow_provider_lr.engine.site import failover, metrics, status, topology
+from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.site import roles as site_roles
 from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.source import full_sync, trim
@@ -114,20 +115,20 @@ def cmd_init(args: argparse.Namespace) -> int:
     return 0
 
 
-def _topology(args: argparse.Namespace) -> topology.Topology:
-    return topology.load(args.topology)
+def _topology(args: argparse.Namespace) -> topologies.Topology:
+    return topologies.load(args.topology)
 
 
-def _connect(topo: topology.Topology):
-    return lambda site_id: topology.site_conninfo(topo, site_id).connect()
+def _connect(topo: topologies.Topology):
+    return lambda site_id: topologies.site_conninfo(topo, site_id).connect()
 
 
-def _warn_providers(topo: topology.Topology) -> None:
+def _warn_providers(topo: topologies.Topology) -> None:
     for warning in topology.provider_warnings(topo):
         print(f"lr: warning: {warning}", file=sys.stderr)
 
 
-def _check(topo: topology.Topology, sites: Iterable[str] | None = None, also: Iterable[str] = ()) -> None:
+def _check(topo: topologies.Topology, sites: Iterable[str] | None = None, also: Iterable[str] = ()) -> None:
     """Refuse a topology file that the reachable ``sites`` (default: all) do not run (a stale file
     after a failover, an edited one not applied), naming the file and the ids the sites hold."""
     topology.check_sites(topo, _connect(topo), None if sites is None else set(sites), set(also))
@@ -150,7 +151,7 @@ def cmd_topology_apply(args: argparse.Namespace) -> int:
 def cmd_topology_validate(args: argparse.Namespace) -> int:
     topo = _topology(args)
     sessions = topo.sessions()
-    print(f"{args.topology or topology.default_path()}: valid; topology "
+    print(f"{args.topology or topologies.default_path()}: valid; topology "
           f"{topo.topology_config_id}, {len(topo.sites)} sites, {len(sessions)} sessions")
     for key in sessions:
         print(f"  {key}")
@@ -179,7 +180,7 @@ def cycle_line(r: CycleReport) -> str:
     return line + (f" ERROR {r.error}" + (f" ({one_line(r.reason)})" if r.reason else "") if r.error else "")
 
 
-def _check_sync(topo: topology.Topology) -> None:
+def _check_sync(topo: topologies.Topology) -> None:
     """``lr sync`` from a file no reachable site runs is refused outright (a stale file, an edited
     one not applied). When only some sites run another topology (a site a failover could not
     reach, before ``lr failover --rejoin``), it is said once here and the sessions on those sites
@@ -195,11 +196,11 @@ def _check_sync(topo: topology.Topology) -> None:
 
 
 
-def _replicated(args: argparse.Namespace, what: str) -> topology.Topology:
+def _replicated(args: argparse.Namespace, what: str) -> topologies.Topology:
     """The topology, refused when it has no session: ``what`` would silently do nothing."""
     topo = _topology(args)
     if not topo.sessions():
-        raise LRError(f"{args.topology or topology.default_path()}: the topology replicates nothing (no "
+        raise LRError(f"{args.topology or topologies.default_path()}: the topology replicates nothing (no "
                       f"replication: entry), so there is nothing to {what}")
     return topo
 
@@ -288,7 +289,7 @@ def cmd_full_sync(args: argparse.Namespace) -> int:
     return 0 if all(f is not None and f.outcome is full_sync.Outcome.APPLIED for f in outcomes.values()) else 1
 
 
-def _wait_applied(topo: topology.Topology, requests: dict, timeout: float) -> dict:
+def _wait_applied(topo: topologies.Topology, requests: dict, timeout: float) -> dict:
     """Each request's outcome (``full_sync.outcome``) once it is final, or after ``timeout`` seconds."""
     deadline, pause = time.monotonic() + timeout, 0.2
     found: dict = {}
@@ -358,7 +359,7 @@ def cmd_failover(args: argparse.Namespace) -> int:
     return 0
 
 
-def _site_statuses(topo: topology.Topology) -> dict[str, status.SiteStatus | str]:
+def _site_statuses(topo: topologies.Topology) -> dict[str, status.SiteStatus | str]:
     """Every site's status, or why it could not be read (a site that is down is part of the status)."""
     found: dict[str, status.SiteStatus | str] = {}
     for site_id in sorted(topo.sites):
@@ -480,7 +481,7 @@ def cmd_roles_list(args: argparse.Namespace) -> int:
     return code
 
 
-def _client_sources(topo: topology.Topology, client: str) -> list[str]:
+def _client_sources(topo: topologies.Topology, client: str) -> list[str]:
     """The sources of ``client``'s sessions; a client the topology does not replicate is refused
     (it would be recorded on the sites and never carried)."""
     clients = sorted({k.client for k in topo.sessions()})

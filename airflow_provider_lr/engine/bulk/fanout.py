@@ -76,7 +76,7 @@ from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSett
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.db.conninfo import ConnInfo, connect_dsn
 from airflow_provider_lr.engine.db.timeouts import Purpose, lift
-from airflow_provider_lr.engine.site.topology import Topology, site_conninfo
+from airflow_provider_lr.engine.store.topology import Topology, site_conninfo
 from airflow_provider_lr.engine.source.log_reader import LogReader, commit_barrier
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables import snapshot as table_snapshot

@@ -39,7 +39,7 @@ from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.runner import SessionRunner, SessionSettings
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.site.topology import Topology, recorded_id, site_conninfo
+from airflow_provider_lr.engine.store.topology import Topology, recorded_id, site_conninfo
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.vocabulary import (
     STAGING_LOCK_CLASS,

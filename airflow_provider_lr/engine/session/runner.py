@@ -27,10 +27,12 @@ from airflow_provider_lr.engine.session import nearest_copy
 from airflow_provider_lr.engine.session.nearest_copy import PROBE_DELAY
 from airflow_provider_lr.engine.session.negotiation import Decision, Negotiation, SinkView, SourceView, negotiate
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.source.backlog import session_backlogs, source_backlog
 from airflow_provider_lr.engine.db.schema import site_identity
 from airflow_provider_lr.engine.db.timeouts import lifted
-from airflow_provider_lr.engine.site.topology import Topology, drift, recorded_id, reread
+from airflow_provider_lr.engine.site.topology import drift
+from airflow_provider_lr.engine.store import source_sessions
+from airflow_provider_lr.engine.store.topology import Topology, config_id, recorded_id, reread
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest, Provider
 from airflow_provider_lr.engine.source.log_reader import (
@@ -58,7 +60,7 @@ SNAPSHOT_CHUNK_BYTES = 8 << 20  # ... and their bytes (at least one message): me
 MAX_BACKOFF_FACTOR = 16  # data timeout grows x2 per consecutive timeout, up to this factor
 # The catch-up thresholds (``engine/bulk/catchup.py`` compares them; topology settings of the same
 # names override them), in deliveries: entries still to deliver summed over a source's sessions in
-# log-entry sync, as ``status.source_backlog`` counts them.
+# log-entry sync, as ``backlog.source_backlog`` counts them.
 # From TEE_MIN_BACKLOG a catch-up first moves the backlog with the read-once tee in its own process
 # (engine/bulk/fanout.py: ~470k deliveries/s against ~55k for session cycles, docs/spark.md), then
 # carries on with session cycles. The tee's plan costs ~0.1-0.5 s (leases, negotiation, chunk
@@ -276,8 +278,7 @@ class SessionRunner:
 
     def negotiate(self, meta: writes.SinkMetadata) -> Negotiation:
         with self.source.cursor() as cur:
-            cur.execute("SELECT topology_config_id FROM lr.topology")
-            topo = cur.fetchone()
+            topology_id = config_id(cur)
             cur.execute("SELECT trim_mark FROM lr.log_trim")
             trim_mark = cur.fetchone()[0]
         self.source.commit()
@@ -286,7 +287,7 @@ class SessionRunner:
             request = None
         forced = bool(request and request.forced and request.request_id != meta.snapshot_request_id)
         return negotiate(
-            SourceView(topo[0] if topo else None, trim_mark, forced),
+            SourceView(topology_id, trim_mark, forced),
             SinkView(
                 meta.site_topology_config_id,
                 meta.snapshot_started,
@@ -551,7 +552,7 @@ class SessionRunner:
         """A catch-up longer than one batch reports progress (rate, ETA against the backlog counted
         once, after its first batch); one batch says nothing."""
         if tracker is None:
-            (backlog,) = status.session_backlogs(self.source, self.key.sink, self.key.client)
+            (backlog,) = session_backlogs(self.source, self.key.sink, self.key.client)
             tracker = progress.track(f"catch-up {self.key}", delivered + backlog.entries, "entries")
         tracker.update(delivered)
         return tracker
@@ -573,18 +574,14 @@ class SessionRunner:
 
     def _attempts(self) -> int:
         with self.source.cursor() as cur:
-            cur.execute(
-                "SELECT attempts FROM lr.source_sessions WHERE sink_site_id = %s AND client_name = %s",
-                (self.key.sink, self.key.client),
-            )
-            attempts = cur.fetchone()[0]
+            found = source_sessions.attempts(cur, self.key.sink, self.key.client)
         self.source.commit()
-        return attempts
+        return found
 
     def _status(self, ok: bool = True) -> tuple[str, int, int]:
         """State, acked position and entries still to send (committed, tagged for the sink);
         records them, and the time of this success (``ok``), on the source."""
-        (backlog,) = status.session_backlogs(self.source, self.key.sink, self.key.client)
+        (backlog,) = session_backlogs(self.source, self.key.sink, self.key.client)
         if self.lease is not None:
             done = {"last_success_at": AsIs("now()")} if ok else {}
             leases.update_session(self.source, self.lease, remaining_entries=backlog.entries, **done)
@@ -605,11 +602,7 @@ def record_error(conn: psycopg2.extensions.connection, key: SessionKey, error: s
     """Note a failed step in the session's ``last_error`` on its source (``lr status`` shows it;
     the next successful step clears it). Commits."""
     with conn.cursor() as cur:
-        cur.execute(
-            "UPDATE lr.source_sessions SET last_error = %s, updated_at = now() "
-            "WHERE sink_site_id = %s AND client_name = %s",
-            (one_line(error)[:2000], key.sink, key.client),
-        )
+        source_sessions.set_last_error(cur, key.sink, key.client, one_line(error)[:2000])
     conn.commit()
 
 
@@ -619,17 +612,7 @@ def clear_stale_leases(conn: psycopg2.extensions.connection) -> list[str]:
     fenced. Returns the sessions released ("source->sink/client (owner)"). Commits."""
     source, _ = site_identity(conn)
     with conn.cursor() as cur:
-        cur.execute(
-            """
-            WITH stale AS (
-                SELECT sink_site_id, client_name, lease_owner FROM lr.source_sessions
-                WHERE lease_owner IS NOT NULL AND lease_expires_at <= now() FOR UPDATE
-            )
-            UPDATE lr.source_sessions s SET lease_owner = NULL, lease_expires_at = NULL
-            FROM stale WHERE s.sink_site_id = stale.sink_site_id AND s.client_name = stale.client_name
-            RETURNING stale.sink_site_id, stale.client_name, stale.lease_owner
-            """
-        )
-        released = sorted(f"{SessionKey(source, sink, client)} ({owner})" for sink, client, owner in cur.fetchall())
+        released = sorted(f"{SessionKey(source, sink, client)} ({owner})"
+                          for sink, client, owner in source_sessions.release_expired_leases(cur))
     conn.commit()
     return released

@@ -52,9 +52,9 @@ from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionSettings, record_error
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.source.backlog import session_backlogs
 from airflow_provider_lr.engine.db.timeouts import failure
-from airflow_provider_lr.engine.site.topology import recorded_id
+from airflow_provider_lr.engine.store.topology import recorded_id
 from airflow_provider_lr.engine.site.metrics import Pulse, ReplicationCounters
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.log_reader import LAST_DRAWN_POSITION_SQL, LogReader
@@ -345,7 +345,7 @@ class SessionStream:
         """Record the sink's position on the source, then what is still to send behind it."""
         leases.update_session(self.src, self.lease, commit=False, acked_position=self.after, last_error=None,
                               last_success_at=AsIs("now()"))
-        (backlog,) = status.session_backlogs(self.src, self.key.sink, self.key.client)  # commits both
+        (backlog,) = session_backlogs(self.src, self.key.sink, self.key.client)  # commits both
         leases.update_session(self.src, self.lease, remaining_entries=backlog.entries)
         self.acked = self.after
         self.counters.lag(self.key, backlog.entries, backlog.lag_seconds)
