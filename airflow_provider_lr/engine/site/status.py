@@ -18,7 +18,13 @@ from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store.topology import Topology, config_id
 from airflow_provider_lr.engine.tables import handover
 from airflow_provider_lr.engine.tables.registry import is_closed
-from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES_SQL, RequestStatus, SessionKey, SessionState, receive_queue_name
+from airflow_provider_lr.engine.vocabulary import (
+    OPEN_STATUSES_SQL,
+    RequestStatus,
+    SessionKey,
+    SessionState,
+    receive_queue_name,
+)
 
 _COLUMNS = (
     "role", "source_site_id", "sink_site_id", "client_name", "sync_type", "status", "base_snapshot",

@@ -188,7 +188,8 @@ def attempts(cur: psycopg2.extensions.cursor, sink: str, client: str) -> int:
 
 def set_last_error(cur: psycopg2.extensions.cursor, sink: str, client: str, error: str) -> None:
     cur.execute(
-        "UPDATE lr.source_sessions SET last_error = %s, updated_at = now() WHERE sink_site_id = %s AND client_name = %s",
+        "UPDATE lr.source_sessions SET last_error = %s, updated_at = now() "
+        "WHERE sink_site_id = %s AND client_name = %s",
         (error, sink, client),
     )
 
