@@ -52,6 +52,7 @@ from airflow_provider_lr.engine.session.settings import SessionSettings  # noqa:
 from airflow_provider_lr.engine.sink import queue_rows
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES  # noqa: E402
 from airflow_provider_lr.proto import lr_pb2  # noqa: E402
 
@@ -98,7 +99,7 @@ class LrSites:
                "settings": {"lease_seconds": 600}}
         if providers:
             doc["providers"] = providers
-        self.topology = topology.from_document(doc)
+        self.topology = topologies.from_document(doc)
         self.topology_file = self.dir / "topology.json"  # JSON is YAML
         self.topology_file.write_text(json.dumps(doc))
         for site, dsn in self.dsns.items():

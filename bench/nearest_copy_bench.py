@@ -47,6 +47,7 @@ from airflow_provider_lr.engine.site.replicator import Replicator  # noqa: E402
 from airflow_provider_lr.engine.session.settings import SessionSettings  # noqa: E402
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.tables import registry  # noqa: E402
 from airflow_provider_lr.engine.vocabulary import SessionKey  # noqa: E402
 from tests.support.link_proxy import LinkProxy  # noqa: E402
@@ -62,7 +63,7 @@ def _dsn(admin: str, db: str) -> str:
     return " ".join(parts + [f"dbname={db}"])
 
 
-def fresh_site(admin: str, db: str, site: str, topo: topology.Topology) -> str:
+def fresh_site(admin: str, db: str, site: str, topo: topologies.Topology) -> str:
     execute(admin, f"DROP DATABASE IF EXISTS {db} WITH (FORCE)", f"CREATE DATABASE {db}")
     dsn = _dsn(admin, db)
     conn = psycopg2.connect(dsn)
@@ -76,7 +77,7 @@ def table_hash(dsn: str) -> tuple[int, str]:
     return execute(dsn, f"SELECT count(*), md5(string_agg(t::text, ',' ORDER BY id)) FROM {TABLE} t")[0]
 
 
-def sync(topo: topology.Topology, connect, keys: list[SessionKey], nearest: bool) -> list:
+def sync(topo: topologies.Topology, connect, keys: list[SessionKey], nearest: bool) -> list:
     settings = SessionSettings(barrier_timeout=5.0, max_batches=1_000_000, lease_seconds=600, tee_min_backlog=0,
                                nearest_copy=nearest, peer_probe_delay=2.0)
     repl = Replicator(topo, connect, settings=settings, sessions=keys)
@@ -102,7 +103,7 @@ def main() -> None:
     doc = {"sites": [{"id": "src", "region": "far"}, {"id": "peer", "region": "near"}, {"id": "new", "region": "near"}],
            "replication": [{"source": "src", "sinks": ["peer", "new"], "clients": [CLIENT]}],
            "settings": {"lease_seconds": 600}}
-    topo = topology.from_document(doc)
+    topo = topologies.from_document(doc)
     results: list[dict] = []
     try:
         dsns = {site: fresh_site(admins[site], f"nearest_{site}", site, topo) for site in SITES}

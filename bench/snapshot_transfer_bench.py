@@ -43,6 +43,7 @@ from airflow_provider_lr.engine.session.runner import SessionRunner  # noqa: E40
 from airflow_provider_lr.engine.session.settings import SessionSettings  # noqa: E402
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.source import full_sync  # noqa: E402
 from airflow_provider_lr.engine.source.transmit import RoutingQueueClient  # noqa: E402
 from airflow_provider_lr.engine.vocabulary import SessionKey  # noqa: E402
@@ -55,11 +56,11 @@ def _dsn(admin: str, db: str) -> str:
     return " ".join([p for p in admin.split() if not p.startswith("dbname=")] + [f"dbname={db}"])
 
 
-def prepare(admins: dict[str, str], entries: int, payload: int) -> tuple[topology.Topology, dict[str, str], str]:
+def prepare(admins: dict[str, str], entries: int, payload: int) -> tuple[topologies.Topology, dict[str, str], str]:
     """Fresh databases, the topology applied, and a supplied full-sync request of ``entries``."""
     doc = {"sites": [{"id": "src"}, {"id": "dst"}],
            "replication": [{"source": "src", "sinks": ["dst"], "clients": [CLIENT]}], "settings": {"lease_seconds": 600}}
-    topo = topology.from_document(doc)
+    topo = topologies.from_document(doc)
     dsns = {}
     for site, admin in admins.items():
         execute(admin, "DROP DATABASE IF EXISTS transfer_bench WITH (FORCE)", "CREATE DATABASE transfer_bench")

@@ -45,6 +45,7 @@ from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueCl
 from airflow_provider_lr.embedded.sites import SiteManager  # noqa: E402
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL  # noqa: E402
 from airflow_provider_lr.engine.site import roles, topology
+from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.db import schema
 
 REMOTES = [f"sink-{i:02d}" for i in range(1, 11)]
@@ -184,7 +185,7 @@ def main() -> None:
             conn.commit()
         else:
             schema.init_site(conn, site.site_id)
-        topo = topology.from_document(
+        topo = topologies.from_document(
             {
                 "sites": [{"id": site.site_id}] + [{"id": r} for r in REMOTES],
                 "replication": [{"source": site.site_id, "sinks": REMOTES, "clients": ["bench"]}],

@@ -95,13 +95,13 @@ def lr_replication() -> None:
 
     @task
     def spark_sources(plans: list[dict]) -> list[str]:
-        from airflow_provider_lr.engine.bulk.catchup import CatchupPath
+        from airflow_provider_lr.engine.session.catchup import CatchupPath
 
         return [p["source"] for p in plans if p["path"] == CatchupPath.SPARK.value]
 
     @task
     def tee_sources(plans: list[dict]) -> list[str]:
-        from airflow_provider_lr.engine.bulk.catchup import CatchupPath
+        from airflow_provider_lr.engine.session.catchup import CatchupPath
 
         return [p["source"] for p in plans if p["path"] == CatchupPath.TEE.value]
 

@@ -25,7 +25,7 @@ from airflow_provider_lr.engine.sink import (
 )
 from airflow_provider_lr.engine.db.conninfo import connect_dsn  # noqa: E402
 from airflow_provider_lr.engine.db.timeouts import Purpose  # noqa: E402
-from airflow_provider_lr.engine.site.topology import Topology, site_conninfo  # noqa: E402
+from airflow_provider_lr.engine.store.topology import Topology, site_conninfo  # noqa: E402
 
 
 def apply_queues(spark: SparkSession, topo: Topology, sink: str, client: str, function: str,

@@ -31,7 +31,7 @@ from airflow_provider_lr.engine.bulk.plan import ChunkResult, FanoutPlan, Fanout
 from airflow_provider_lr.engine.bulk.staged_tee import stage_chunk  # noqa: E402
 from airflow_provider_lr.engine.bulk.tee import tee_chunks  # noqa: E402
 from airflow_provider_lr.engine.session.settings import SessionSettings  # noqa: E402
-from airflow_provider_lr.engine.site.topology import Topology  # noqa: E402
+from airflow_provider_lr.engine.store.topology import Topology  # noqa: E402
 
 
 def spark_map(spark: SparkSession) -> fanout.MapChunks:

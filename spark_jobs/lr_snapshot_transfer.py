@@ -22,7 +22,7 @@ import lr_spark  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 
 from airflow_provider_lr.engine.bulk import snapshot_transfer as transfers  # noqa: E402
-from airflow_provider_lr.engine.site.topology import Topology  # noqa: E402
+from airflow_provider_lr.engine.store.topology import Topology  # noqa: E402
 
 
 def transfer(spark: SparkSession, topo: Topology, source: str, sink: str, client: str, request_id: str | None = None,

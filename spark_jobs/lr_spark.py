@@ -22,7 +22,7 @@ from pyspark.sql import SparkSession
 
 from airflow_provider_lr.engine.bulk.peak_memory import process_peak_kb
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, require_counts
-from airflow_provider_lr.engine.site import topology as topologies
+from airflow_provider_lr.engine.store import topology as topologies
 
 RESULT_PREFIX = "LR_RESULT "
 DEFAULT_MASTER = "local[*]"

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lr_spark  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 
-from airflow_provider_lr.engine.site.topology import Topology  # noqa: E402
+from airflow_provider_lr.engine.store.topology import Topology  # noqa: E402
 from airflow_provider_lr.engine.bulk import parallel_tables as parallel
 from airflow_provider_lr.engine.tables.snapshot import KeyRange, copy_range  # noqa: E402
 

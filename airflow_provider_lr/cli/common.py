@@ -12,6 +12,7 @@ import psycopg2
 from airflow_provider_lr.engine.db import conninfo
 from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.store import topology as topologies
 
 if TYPE_CHECKING:
     from airflow_provider_lr.embedded.sites import SiteManager
@@ -42,16 +43,16 @@ def target_sites(args: argparse.Namespace) -> list[conninfo.ConnInfo]:
     return [s.conninfo() for s in sites]
 
 
-def load_topology(args: argparse.Namespace) -> topology.Topology:
-    return topology.load(args.topology)
+def load_topology(args: argparse.Namespace) -> topologies.Topology:
+    return topologies.load(args.topology)
 
 
-def connector(topo: topology.Topology) -> Callable[[str], psycopg2.extensions.connection]:
+def connector(topo: topologies.Topology) -> Callable[[str], psycopg2.extensions.connection]:
     """Connects to a site of ``topo`` by its id (what the engine's multi-site calls take)."""
-    return lambda site_id: topology.site_conninfo(topo, site_id).connect()
+    return lambda site_id: topologies.site_conninfo(topo, site_id).connect()
 
 
-def check_topology(topo: topology.Topology, sites: Iterable[str] | None = None, also: Iterable[str] = ()) -> None:
+def check_topology(topo: topologies.Topology, sites: Iterable[str] | None = None, also: Iterable[str] = ()) -> None:
     """Refuse a topology file that the reachable ``sites`` (default: all) do not run (a stale file
     after a failover, an edited one not applied), naming the file and the ids the sites hold."""
     topology.check_sites(topo, connector(topo), None if sites is None else set(sites), set(also))

@@ -9,6 +9,7 @@ import yaml
 from airflow_provider_lr.cli.common import check_topology, connector, load_topology, with_topology
 from airflow_provider_lr.engine.errors import TopologyMismatchError, listing
 from airflow_provider_lr.engine.site import failover, topology
+from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.paths import lr_home
 
 
@@ -17,7 +18,7 @@ def cmd_failover(args: argparse.Namespace) -> int:
     the old source (or a site the failover could not reach) takes the new topology."""
     topo = load_topology(args)
     if args.rejoin:  # the site rejoining runs an older topology by design: the file must be the others'
-        stale = topology.unheld(topo, topology.recorded_ids(topo, connector(topo), set(topo.sites) - {args.rejoin}))
+        stale = topologies.unheld(topo, topology.recorded_ids(topo, connector(topo), set(topo.sites) - {args.rejoin}))
         if stale is not None:
             raise TopologyMismatchError(stale.message())
         back = failover.rejoin(args.rejoin, connector(topo), topo)

@@ -30,10 +30,11 @@ from airflow_provider_lr.engine.errors import (
 from airflow_provider_lr.engine.session import stream
 from airflow_provider_lr.engine.session.runner import CycleReport
 from airflow_provider_lr.engine.site import metrics, replicator, topology
+from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.source import full_sync, trim
 
 
-def _warn_providers(topo: topology.Topology) -> None:
+def _warn_providers(topo: topologies.Topology) -> None:
     for warning in topology.provider_warnings(topo):
         print(f"lr: warning: {warning}", file=sys.stderr)
 
@@ -55,7 +56,7 @@ def cmd_topology_apply(args: argparse.Namespace) -> int:
 def cmd_topology_validate(args: argparse.Namespace) -> int:
     topo = load_topology(args)
     sessions = topo.sessions()
-    print(f"{args.topology or topology.default_path()}: valid; topology "
+    print(f"{args.topology or topologies.default_path()}: valid; topology "
           f"{topo.topology_config_id}, {len(topo.sites)} sites, {len(sessions)} sessions")
     for key in sessions:
         print(f"  {key}")
@@ -84,26 +85,26 @@ def cycle_line(r: CycleReport) -> str:
     return line + (f" ERROR {r.error}" + (f" ({one_line(r.reason)})" if r.reason else "") if r.error else "")
 
 
-def _check_sync(topo: topology.Topology) -> None:
+def _check_sync(topo: topologies.Topology) -> None:
     """``lr sync`` from a file no reachable site runs is refused outright (a stale file, an edited
     one not applied). When only some sites run another topology (a site a failover could not
     reach, before ``lr failover --rejoin``), it is said once here and the sessions on those sites
     are refused cycle by cycle (each one's error names the file), while the others replicate."""
     sites = {site for key in topo.sessions() for site in (key.source, key.sink)}
     recorded = topology.recorded_ids(topo, connector(topo), sites)
-    stale = topology.unheld(topo, recorded)
+    stale = topologies.unheld(topo, recorded)
     if stale is not None:
         raise TopologyMismatchError(stale.message())
-    behind = topology.drift(topo, recorded)
+    behind = topologies.drift(topo, recorded)
     if behind is not None:
         print(f"lr sync: {behind.message()}; their sessions are refused", file=sys.stderr, flush=True)
 
 
-def _replicated(args: argparse.Namespace, what: str) -> topology.Topology:
+def _replicated(args: argparse.Namespace, what: str) -> topologies.Topology:
     """The topology, refused when it has no session: ``what`` would silently do nothing."""
     topo = load_topology(args)
     if not topo.sessions():
-        raise LRError(f"{args.topology or topology.default_path()}: the topology replicates nothing (no "
+        raise LRError(f"{args.topology or topologies.default_path()}: the topology replicates nothing (no "
                       f"replication: entry), so there is nothing to {what}")
     return topo
 
@@ -192,7 +193,7 @@ def cmd_full_sync(args: argparse.Namespace) -> int:
     return 0 if all(f is not None and f.outcome is full_sync.Outcome.APPLIED for f in outcomes.values()) else 1
 
 
-def _wait_applied(topo: topology.Topology, requests: dict, timeout: float) -> dict:
+def _wait_applied(topo: topologies.Topology, requests: dict, timeout: float) -> dict:
     """Each request's outcome (``full_sync.outcome``) once it is final, or after ``timeout`` seconds."""
     deadline, pause = time.monotonic() + timeout, 0.2
     found: dict = {}

@@ -9,10 +9,11 @@ import psycopg2
 
 from airflow_provider_lr.cli.common import connector, load_topology, nonnegative_seconds, with_topology
 from airflow_provider_lr.engine.errors import LRError, one_line
-from airflow_provider_lr.engine.site import metrics, status, topology
+from airflow_provider_lr.engine.site import metrics, status
+from airflow_provider_lr.engine.store import topology as topologies
 
 
-def _site_statuses(topo: topology.Topology) -> dict[str, status.SiteStatus | str]:
+def _site_statuses(topo: topologies.Topology) -> dict[str, status.SiteStatus | str]:
     """Every site's status, or why it could not be read (a site that is down is part of the status)."""
     found: dict[str, status.SiteStatus | str] = {}
     for site_id in sorted(topo.sites):

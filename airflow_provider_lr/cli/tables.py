@@ -5,12 +5,12 @@ import argparse
 
 from airflow_provider_lr.cli.common import at_site, check_topology, connector, load_topology, read_each, with_topology
 from airflow_provider_lr.engine.errors import LRError, listing
-from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.tables import registry as table_registry
 from airflow_provider_lr.engine.tables.definition import TableName
 
 
-def _client_sources(topo: topology.Topology, client: str) -> list[str]:
+def _client_sources(topo: topologies.Topology, client: str) -> list[str]:
     """The sources of ``client``'s sessions; a client the topology does not replicate is refused
     (it would be recorded on the sites and never carried)."""
     clients = sorted({k.client for k in topo.sessions()})

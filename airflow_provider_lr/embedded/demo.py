@@ -19,6 +19,7 @@ from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.session.runner import CycleReport
 from airflow_provider_lr.engine.db import conninfo, schema
 from airflow_provider_lr.engine.site import status, topology
+from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 
@@ -121,7 +122,7 @@ def run(manager: SiteManager, sink_count: int = 2) -> int:
 
     ids = [s.site_id for s in sites]
     source, sinks = ids[0], ids[1:]
-    topo = topology.load(write_topology(manager, ids))
+    topo = topologies.load(write_topology(manager, ids))
     by_id = {s.site_id: s for s in sites}
     connect = lambda site_id: by_id[site_id].conninfo().connect()  # noqa: E731
     for site_id in ids:

@@ -12,8 +12,9 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, TopologyMismatchError
 from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.db.timeouts import Timeouts
-from airflow_provider_lr.engine.site.topology import Topology
+from airflow_provider_lr.engine.store.topology import Topology
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.paths import spark_jobs_dir
@@ -37,14 +38,14 @@ def topology_path(explicit: str | None = None) -> str:
         value = Variable.get(TOPOLOGY_VARIABLE, default=None)
     except Exception:  # outside a task there is no Variable access: fall back to the environment
         value = None
-    return str(value or topology.default_path())
+    return str(value or topologies.default_path())
 
 
 def parse_time_topology() -> Topology | None:
     """The topology seen when a DAG file is parsed ($LR_TOPOLOGY or the shipped file); None if it
     cannot be read (the DAG still parses; its tasks report the problem)."""
     try:
-        return topology.load(os.environ.get(topology.TOPOLOGY_ENV) or None)
+        return topologies.load(os.environ.get(topologies.TOPOLOGY_ENV) or None)
     except Exception:
         return None
 
@@ -63,7 +64,7 @@ def form_choice(values: list[str], pattern: str, required: bool = False, **schem
 
 
 def load_topology(path: str | None = None) -> Topology:
-    return topology.load(topology_path(path))
+    return topologies.load(topology_path(path))
 
 
 def session_dict(topo: Topology, key: SessionKey) -> dict[str, str]:

@@ -23,7 +23,7 @@ from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOpe
 
 from airflow_provider_lr.engine.errors import require_counts
 from airflow_provider_lr.engine.db.conninfo import CONNECTIONS_FILE_ENV
-from airflow_provider_lr.engine.site.topology import Topology
+from airflow_provider_lr.engine.store.topology import Topology
 from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.operators import telemetry
 from airflow_provider_lr.operators.common import (
@@ -272,12 +272,12 @@ def plan_fanout(site: dict[str, str], spark_conn_id: str, topology_file: str | N
     ``LRFanOutOperator``) or ``in_process`` (the sessions' own log-entry steps). Small dict for XCom."""
     from airflow_provider_lr.engine.session import catchup
     from airflow_provider_lr.engine.session.settings import SessionSettings
-    from airflow_provider_lr.engine.site import status
+    from airflow_provider_lr.engine.source.backlog import source_backlog
     from airflow_provider_lr.operators.common import site_connection
 
     settings = SessionSettings.from_topology(load_topology(topology_file))
     with site_connection(site["conn_id"], site["site"]) as conn:
-        backlog = status.source_backlog(conn)
+        backlog = source_backlog(conn)
     choice = catchup.choose(backlog, settings, lambda: spark_unavailable(spark_conn_id, FANOUT_JOB))
     return {"source": site["site"], "backlog": backlog, "threshold": settings.spark_min_backlog,
             "path": choice.path.value, "why": choice.why}

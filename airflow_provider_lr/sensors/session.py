@@ -8,8 +8,8 @@ from typing import Any, Sequence
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException
 
-from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.source.full_sync import Outcome
+from airflow_provider_lr.engine.source.backlog import delivery_target
 from airflow_provider_lr.operators.common import load_topology, site_connection
 from airflow_provider_lr.triggers.session import (
     LRDeliveredTrigger,
@@ -136,7 +136,7 @@ class LRDeliveredSensor(_LRSensor):
 
     def build_trigger(self) -> LRDeliveredTrigger:
         topo = load_topology(self.topology_path)
-        target = status.delivery_target(topo, self.source, self.client, list(self.destinations or []),
+        target = delivery_target(topo, self.source, self.client, list(self.destinations or []),
                                         int(self.min_regions or 0))
         return LRDeliveredTrigger.for_target(topo.conn_id(self.source), target, int(self.position), **self._polling())
 
@@ -154,5 +154,5 @@ class LRReadySensor(_LRSensor):
         self.client, self.destinations = client, destinations
 
     def build_trigger(self) -> LRReadyTrigger:
-        status.delivery_target(load_topology(self.topology_path), self.source, self.client, list(self.destinations))
+        delivery_target(load_topology(self.topology_path), self.source, self.client, list(self.destinations))
         return LRReadyTrigger(self._source_conn_id(), self.client, list(self.destinations), **self._polling())

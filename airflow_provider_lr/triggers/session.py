@@ -20,7 +20,7 @@ import psycopg2.extensions
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, error_line, one_line
-from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.source.backlog import DeliveryTarget, pending_entries, readiness_of
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.source import delivery, full_sync
 from airflow_provider_lr.engine.source.full_sync import Outcome
@@ -85,7 +85,7 @@ def full_sync_outcome_status(conn: psycopg2.extensions.connection, request_id: s
 
 
 def new_entries_status(conn: psycopg2.extensions.connection, sink: str, client: str, min_entries: int = 1) -> dict[str, Any] | None:
-    count, highest = status.pending_entries(conn, sink, client)
+    count, highest = pending_entries(conn, sink, client)
     if count >= min_entries:
         return status_event(TriggerStatus.SUCCESS, sink=sink, client=client, pending=count,
                             highest_position=highest)
@@ -212,7 +212,7 @@ class LRDeliveredTrigger(_PollingTrigger):
         self.destinations, self.min_regions = list(destinations or []), int(min_regions)
 
     @classmethod
-    def for_target(cls, source_conn_id: str, target: status.DeliveryTarget, position: int, **kwargs: Any) -> "LRDeliveredTrigger":
+    def for_target(cls, source_conn_id: str, target: DeliveryTarget, position: int, **kwargs: Any) -> "LRDeliveredTrigger":
         return cls(source_conn_id, target.source, target.client, position, list(target.destinations),
                    target.min_regions, **kwargs)
 
@@ -225,10 +225,10 @@ class LRDeliveredTrigger(_PollingTrigger):
 
 
 def ready_status(conn: psycopg2.extensions.connection, client: str, destinations: list[str]) -> dict[str, Any] | None:
-    """The event once every destination is *ready* for ``client`` (``engine.site.status``:
+    """The event once every destination is *ready* for ``client`` (``engine.source.backlog``:
     everything committed for it before its first guarded position, or everything committed, is
     safe), counted live; None while one is behind."""
-    found = {r.sink: r for r in status.readiness_of(conn, client, destinations)}
+    found = {r.sink: r for r in readiness_of(conn, client, destinations)}
     unknown = sorted(set(destinations) - set(found))
     if unknown:
         raise ConfigurationError(f"{unknown} are not sinks of client {client!r} at this site")

@@ -133,8 +133,9 @@ def test_refused_negotiation_fails_without_retry_and_is_recorded(airflow_sites):
 
 def test_a_step_from_a_topology_file_the_source_does_not_run_fails_naming_the_file(airflow_sites):
     from airflow_provider_lr.engine.site import topology
+    from airflow_provider_lr.engine.store import topology as topologies
 
-    edited = topology.from_document({**airflow_sites.topology.document, "settings": {"lease_seconds": 30}})
+    edited = topologies.from_document({**airflow_sites.topology.document, "settings": {"lease_seconds": 30}})
     conn = airflow_sites.site("site-a").connect()
     topology.apply_to_site(conn, edited, "site-a")  # the source runs another topology than the tasks' file
     conn.close()

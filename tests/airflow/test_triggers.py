@@ -13,7 +13,7 @@ from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.session.settings import SessionSettings
-from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.source.backlog import delivery_target, pending_entries
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.triggers import (
@@ -84,7 +84,7 @@ def test_new_log_entries_fires_once_enough_entries_wait_for_the_sink(airflow_sit
 
     event = asyncio.run(_first_event(trigger, act=lambda: app.put("y", 2, ["site-b", "site-c"])))
     assert event["status"] == "success" and event["pending"] == 2
-    assert event["highest_position"] == status.pending_entries(source.connect(), "site-b", "policy")[1]
+    assert event["highest_position"] == pending_entries(source.connect(), "site-b", "policy")[1]
     repl.run(max_cycles=2, until_idle=True, interval=0.01)  # delivered: nothing pending any more
     quiet = LRNewLogEntriesTrigger("lr_site_a", "site-b", "policy", poll_interval=0.1)
     assert asyncio.run(_first_event(quiet, act=lambda: app.put("z", 3, ["site-b"])))["pending"] == 1
@@ -148,10 +148,10 @@ def test_delivered_waits_for_the_named_sink_then_for_enough_regions(airflow_site
     position = source.query("SELECT max(position) FROM lr.log_commits")[0][0]
     topo = airflow_sites.topology
     on_b = LRDeliveredTrigger.for_target(
-        "lr_site_a", status.delivery_target(topo, "site-a", "policy", ["site-b"], min_regions=2), position,
+        "lr_site_a", delivery_target(topo, "site-a", "policy", ["site-b"], min_regions=2), position,
         poll_interval=0.1)
     three_regions = LRDeliveredTrigger.for_target(
-        "lr_site_a", status.delivery_target(topo, "site-a", "policy", [], min_regions=3), position,
+        "lr_site_a", delivery_target(topo, "site-a", "policy", [], min_regions=3), position,
         poll_interval=0.1)
     dsns = {s.site_id: s.dsn for s in airflow_sites.sites}
 
@@ -177,14 +177,14 @@ def test_an_unknown_connection_ends_the_wait_with_an_error_event():
 def test_delivered_refuses_what_can_never_be_met(airflow_sites):
     topo = airflow_sites.topology
     with pytest.raises(ConfigurationError, match="min_regions=3 can never be met"):
-        status.delivery_target(topo, "site-a", "policy", ["site-b"], min_regions=3)
+        delivery_target(topo, "site-a", "policy", ["site-b"], min_regions=3)
     with pytest.raises(ConfigurationError, match="min_regions=4 can never be met"):
-        status.delivery_target(topo, "site-a", "policy", [], min_regions=4)
+        delivery_target(topo, "site-a", "policy", [], min_regions=4)
     with pytest.raises(ConfigurationError, match=r"site-z: not sinks of 'site-a'"):
-        status.delivery_target(topo, "site-a", "policy", ["site-z"], min_regions=0)
+        delivery_target(topo, "site-a", "policy", ["site-z"], min_regions=0)
     same_region = reconfigure(airflow_sites, regions={"site-b": "region-1", "site-c": "region-1"})
     with pytest.raises(ConfigurationError, match=r"span only 1 region\(s\)"):
-        status.delivery_target(same_region, "site-a", "policy", [], min_regions=2)
+        delivery_target(same_region, "site-a", "policy", [], min_regions=2)
 
 
 def test_full_sync_outcome_fires_when_a_newer_request_of_the_session_is_applied(airflow_sites):

@@ -8,7 +8,7 @@ import yaml
 
 from airflow_provider_lr import cli
 from airflow_provider_lr.engine.site.replicator import run_until_idle
-from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.store import topology
 from airflow_provider_lr.engine.source import delivery
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.cli.test_cli_sync import topology_file

@@ -86,7 +86,7 @@ def test_demo_replicates_on_its_own_embedded_sites(tmp_path, capsys):
 
 
 def test_status_says_whether_each_session_is_ready():
-    from airflow_provider_lr.engine.site.status import readiness
+    from airflow_provider_lr.engine.source.backlog import readiness
 
     source = {"role": "source", "state": "IN_LOG_ENTRY_SYNC", "sync_type": "LOG_ENTRY",
               "remaining_entries_to_send": 0, "last_error": None, "data_consistent": None,
@@ -102,7 +102,7 @@ def test_status_says_whether_each_session_is_ready():
 def test_consistent_and_ready_are_checked_against_the_trim_mark():
     """A sink whose position is behind its source's trim mark lost entries it needs: never
     "consistent" or "ready" until a full sync; and "consistent" is not claimed unchecked."""
-    from airflow_provider_lr.engine.site.status import readiness
+    from airflow_provider_lr.engine.source.backlog import readiness
 
     sink = {"role": "sink", "state": None, "sync_type": "LOG_ENTRY", "remaining_entries_to_send": None,
             "last_error": None, "data_consistent": True, "last_applied_position": 40}

@@ -10,6 +10,7 @@ import yaml
 from airflow_provider_lr import cli
 from airflow_provider_lr.cli.common import connector
 from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.store import topology as topologies
 from tests.cli.test_cli_sync import topology_file
 from tests.support.session import App, lr_sync_process, queue
 
@@ -17,7 +18,7 @@ SYNC = ["--until-idle", "--cycles", "10", "--interval", "0.01"]
 
 
 def _ids(*paths: str) -> list[str]:
-    return [topology.load(p).topology_config_id for p in paths]
+    return [topologies.load(p).topology_config_id for p in paths]
 
 
 def _replicating(lr_sites, tmp_path, monkeypatch) -> tuple[str, App]:
@@ -84,7 +85,7 @@ def test_a_file_edited_and_not_applied_is_refused_and_one_site_behind_refuses_on
 
     # only the source runs the edited topology: the file is right for the sinks, the source's sessions are refused
     conn = site_a.connect()
-    topology.apply_to_site(conn, topology.load(edited), "site-a")
+    topology.apply_to_site(conn, topologies.load(edited), "site-a")
     conn.close()
     assert cli.main(["sync", "--topology", applied, "--once"]) == 1
     captured = capsys.readouterr()
@@ -131,7 +132,7 @@ def test_a_running_replicator_goes_on_when_its_own_file_is_edited_and_applied(lr
     from airflow_provider_lr.engine.site.replicator import Replicator
 
     path, app = _replicating(lr_sites, tmp_path, monkeypatch)
-    running = topology.load(path)
+    running = topologies.load(path)
     repl = Replicator(running, connector(running))
     doc = yaml.safe_load(Path(path).read_text())
     Path(path).write_text(yaml.safe_dump({**doc, "settings": {"lease_seconds": 30}}))

@@ -4,6 +4,7 @@ requests, what a session waits for, queue depths), exit codes scripts can alert 
 metrics, and no application data in the output."""
 from __future__ import annotations
 
+import re
 import json
 import subprocess
 import sys
@@ -197,7 +198,7 @@ class _Child:
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True)
         self._reader.start()
 
-    def wait_for(self, pattern: str, timeout: float = 60) -> "re.Match[str]":
+    def wait_for(self, pattern: str, timeout: float = 60) -> re.Match[str]:
         import re
 
         deadline = time.monotonic() + timeout

@@ -10,7 +10,7 @@ from airflow_provider_lr.engine import vocabulary
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.sink import queue_rows
 from airflow_provider_lr.engine.sink.receive import _entries, _Row
-from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.store import topology
 from airflow_provider_lr.engine.db import topology_schema
 from airflow_provider_lr.proto import lr_pb2
 

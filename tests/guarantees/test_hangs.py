@@ -16,7 +16,7 @@ from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
 from airflow_provider_lr.engine.db import conninfo
-from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.store import topology
 from airflow_provider_lr.engine.db.timeouts import DEADLINES, Purpose, lifted
 from tests.support.link_proxy import LinkProxy
 from tests.support.session import App, Streaming, apply, queue, table_provider, wait_for

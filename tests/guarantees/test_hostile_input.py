@@ -17,6 +17,7 @@ from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.source import trim
 from airflow_provider_lr.proto import lr_pb2
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
@@ -160,7 +161,7 @@ settings:
 def test_a_topology_file_with_a_mistake_is_refused_naming_file_line_and_key(tmp_path, text, where):
     path = _write(tmp_path, text)
     with pytest.raises(ConfigurationError) as error:
-        topology.load(path)
+        topologies.load(path)
     message = str(error.value)
     assert message.startswith(str(path)) and where in message, message
     assert "\n" not in message.strip()
@@ -177,7 +178,7 @@ def test_lr_topology_validate_says_what_the_file_defines_or_what_is_wrong(tmp_pa
 
 
 def test_the_shipped_topology_is_valid_and_its_payload_limit_is_enforced(lr_sites, repo_root):
-    shipped = topology.load(repo_root / "include" / "topology.yaml")
+    shipped = topologies.load(repo_root / "include" / "topology.yaml")
     assert shipped.settings["max_payload_bytes"] == 16 * 1024 * 1024
     apply(lr_sites, ONE_SINK, settings={"max_payload_bytes": 1000})
     conn = lr_sites[0].connect()
@@ -191,7 +192,7 @@ def test_the_shipped_topology_is_valid_and_its_payload_limit_is_enforced(lr_site
 def test_topology_apply_is_all_or_nothing_when_a_site_is_unreachable(lr_sites):
     apply(lr_sites, ONE_SINK)
     before = [s.query("SELECT topology_config_id FROM lr.topology") for s in lr_sites]
-    two = topology.from_document({"sites": [{"id": s.site_id} for s in lr_sites], "replication": [
+    two = topologies.from_document({"sites": [{"id": s.site_id} for s in lr_sites], "replication": [
         {"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy"]}]})
 
     def connect(site_id: str):
@@ -243,7 +244,7 @@ def test_a_queue_name_reused_by_a_later_topology_is_registered_once_the_old_queu
         conn.close()
 
     def topo_of(source: str, client: str):
-        topo = topology.from_document({"sites": [{"id": i} for i in ids], "replication": [
+        topo = topologies.from_document({"sites": [{"id": i} for i in ids], "replication": [
             {"source": source, "sinks": ["k"], "clients": [client]}]})
         for site_id, site in ids.items():
             conn = site.connect()

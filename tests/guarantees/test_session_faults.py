@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from airflow_provider_lr.engine.site.topology import recorded_id
+from airflow_provider_lr.engine.store.topology import recorded_id
 from airflow_provider_lr.engine.source import full_sync, trim
 from tests.support.session import (
     App,

@@ -14,7 +14,7 @@ from airflow_provider_lr.engine.session import catchup
 from airflow_provider_lr.engine.bulk.plan import ChunkResult
 from airflow_provider_lr.engine.bulk.tee import tee_chunk
 from airflow_provider_lr.engine.session.settings import SPARK_MIN_BACKLOG, SessionSettings
-from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.source.backlog import SessionBacklog, log_entry_backlog, session_backlogs, source_backlog
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.proto import lr_pb2
 from tests.support.session import replicator, sink_queue
@@ -153,12 +153,12 @@ def test_backlog_per_session_decides_spark_or_in_process(scenario):
     conn = lr_sites[0].connect()
     settings = SessionSettings(spark_min_backlog=500, tee_min_backlog=0)
 
-    def path(backlogs: list[status.SessionBacklog], rules: SessionSettings = settings) -> catchup.CatchupPath:
-        return catchup.choose(status.log_entry_backlog(backlogs), rules, spark=lambda: None).path
+    def path(backlogs: list[SessionBacklog], rules: SessionSettings = settings) -> catchup.CatchupPath:
+        return catchup.choose(log_entry_backlog(backlogs), rules, spark=lambda: None).path
 
-    assert path(status.session_backlogs(conn)) is catchup.CatchupPath.SESSION_CYCLES
+    assert path(session_backlogs(conn)) is catchup.CatchupPath.SESSION_CYCLES
     transmit_backlog(lr_sites[0], 800, clients=CLIENTS, per_txn=100)
-    backlogs = status.session_backlogs(conn)
+    backlogs = session_backlogs(conn)
     expected = {(s.site_id, c): len(expected_queue(lr_sites[0], s.site_id, c)) for s in lr_sites[1:] for c in CLIENTS}
     assert {(b.sink, b.client): b.entries for b in backlogs} == expected
     higher = SessionSettings(spark_min_backlog=10_000, tee_min_backlog=0)
@@ -166,8 +166,8 @@ def test_backlog_per_session_decides_spark_or_in_process(scenario):
     assert path(backlogs, higher) is catchup.CatchupPath.SESSION_CYCLES
     assert SessionSettings.from_topology(topo).spark_min_backlog == SPARK_MIN_BACKLOG
     # counted only as far as a decision needs: each session stops at the cap, its oldest entries first
-    capped = status.session_backlogs(conn, at_most=50)
+    capped = session_backlogs(conn, at_most=50)
     assert {(b.sink, b.client): b.entries for b in capped} == {k: min(n, 50) for k, n in expected.items()}
     assert all(c.highest <= b.highest for c, b in zip(capped, backlogs))
-    assert status.source_backlog(conn, at_most=50) == sum(min(n, 50) for n in expected.values())
+    assert source_backlog(conn, at_most=50) == sum(min(n, 50) for n in expected.values())
     conn.close()

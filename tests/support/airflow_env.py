@@ -10,8 +10,8 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from airflow_provider_lr.engine.site import topology
-from airflow_provider_lr.engine.site.topology import Topology
+from airflow_provider_lr.engine.store import topology
+from airflow_provider_lr.engine.store.topology import Topology
 from tests.support.session import apply_to, topology_doc
 
 DAGS_DIR = Path(__file__).resolve().parents[2] / "dags"

@@ -16,7 +16,8 @@ import psycopg2
 from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
 from airflow_provider_lr.engine.session.stream import Streamer
-from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.store import topology
+from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.source.full_sync import load_provider
 
 

@@ -92,7 +92,7 @@ class Checker:
 def sync(spec: dict) -> dict:
     from airflow_provider_lr.engine.site.replicator import Replicator
     from airflow_provider_lr.engine.session.settings import SessionSettings
-    from airflow_provider_lr.engine.site import topology
+    from airflow_provider_lr.engine.store import topology
 
     dsns = spec["dsns"]
     repl = Replicator(

@@ -21,6 +21,7 @@ from airflow_provider_lr.engine.session.settings import SessionSettings, StreamS
 from airflow_provider_lr.engine.session.stream import Streamer
 from airflow_provider_lr.engine.sink.queue_rows import unpack
 from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.source.log_reader import LogReader
 from airflow_provider_lr.proto import lr_pb2
 
@@ -51,14 +52,14 @@ def topology_doc(sites, replication: list[dict] | None = None, providers: dict |
 
 
 def apply(sites, replication: list[dict] | None = None, providers: dict | None = None, settings: dict | None = None,
-          only=None, regions: dict[str, str] | None = None) -> topology.Topology:
+          only=None, regions: dict[str, str] | None = None) -> topologies.Topology:
     """Apply a topology over ``sites`` (``topology_doc``) to all of them (or to the ``only`` ones)."""
-    topo = topology.from_document(topology_doc(sites, replication, providers, settings, regions=regions))
+    topo = topologies.from_document(topology_doc(sites, replication, providers, settings, regions=regions))
     apply_to(only or sites, topo)
     return topo
 
 
-def apply_to(sites, topo: topology.Topology) -> None:
+def apply_to(sites, topo: topologies.Topology) -> None:
     for site in sites:
         conn = site.connect()
         topology.apply_to_site(conn, topo, site.site_id)

@@ -78,7 +78,7 @@ from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.db.conninfo import ConnInfo, connect_dsn
 from airflow_provider_lr.engine.db.timeouts import Purpose, lift
-from airflow_provider_lr.engine.site.topology import Topology, site_conninfo
+from airflow_provider_lr.engine.store.topology import Topology, site_conninfo
 from airflow_provider_lr.engine.source.commit_barrier import commit_barrier
 from airflow_provider_lr.engine.source.log_reader import LogReader
 from airflow_provider_lr.engine.tables import registry

@@ -24,7 +24,7 @@ from airflow_provider_lr.engine.session.handshake import handshake
 from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.db.conninfo import ConnInfo, connect_dsn
 from airflow_provider_lr.engine.db.timeouts import Purpose
-from airflow_provider_lr.engine.site.topology import Topology, site_conninfo
+from airflow_provider_lr.engine.store.topology import Topology, site_conninfo
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables.snapshot import KeyRange, SinkSide, TableSnapshot, copy_range, needed
 

@@ -42,7 +42,7 @@ from airflow_provider_lr.engine.session.handshake import handshake
 from airflow_provider_lr.engine.session.runner import SessionRunner
 from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.site.topology import Topology, recorded_id, site_conninfo
+from airflow_provider_lr.engine.store.topology import Topology, recorded_id, site_conninfo
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.vocabulary import (
     STAGING_LOCK_CLASS,

@@ -15,7 +15,7 @@ catches a source's log-entry backlog up, and why:
 * **Spark** (``spark_jobs/lr_fanout.py``): the same tee on Spark, after a spark-submit of 11-15 s;
   on a cluster of ``STAGED_MIN_TASKS`` cores or more, chunks teed at once (``fanout_tasks``).
 
-The inputs: the backlog, counted as ``status.source_backlog`` counts it (entries still to deliver
+The inputs: the backlog, counted as ``backlog.source_backlog`` counts it (entries still to deliver
 summed over the source's sessions in log-entry sync); the two thresholds of ``SessionSettings``
 (``spark_min_backlog``; ``tee_min_backlog``, 0 turning the tee off), whose measured defaults and
 topology settings live in ``session/settings.py``; and whether Spark can run here, which only the

@@ -29,7 +29,7 @@ from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.negotiation import Decision, Negotiation, SinkView, SourceView, negotiate
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.site.topology import Topology, drift, recorded_id, reread
+from airflow_provider_lr.engine.store.topology import Topology, config_id, drift, recorded_id, reread
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest
 from airflow_provider_lr.engine.source.log_reader import BaseSplit
@@ -146,8 +146,7 @@ def negotiate_session(source: psycopg2.extensions.connection, key: SessionKey, l
     """Both ends' views, read now, negotiated (``negotiation.negotiate``); an open request the sink
     already applied is closed first (``reconcile``)."""
     with source.cursor() as cur:
-        cur.execute("SELECT topology_config_id FROM lr.topology")
-        topo = cur.fetchone()
+        topology_id = config_id(cur)
         cur.execute("SELECT trim_mark FROM lr.log_trim")
         trim_mark = cur.fetchone()[0]
     source.commit()
@@ -156,7 +155,7 @@ def negotiate_session(source: psycopg2.extensions.connection, key: SessionKey, l
         request = None
     forced = bool(request and request.forced and request.request_id != meta.snapshot_request_id)
     return negotiate(
-        SourceView(topo[0] if topo else None, trim_mark, forced),
+        SourceView(topology_id, trim_mark, forced),
         SinkView(
             meta.site_topology_config_id,
             meta.snapshot_started,

@@ -17,6 +17,8 @@ import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError
+from airflow_provider_lr.engine.store import source_sessions
+from airflow_provider_lr.engine.store.topology import config_id
 
 DEFAULT_LEASE_SECONDS = 60.0
 
@@ -39,24 +41,9 @@ def acquire(
     """Take or renew the session's lease; None when another owner holds an unexpired one. Commits."""
     try:
         with conn.cursor() as cur:
-            cur.execute(
-                """
-                UPDATE lr.source_sessions
-                SET lease_epoch = CASE WHEN lease_owner = %(owner)s AND lease_expires_at > now()
-                                       THEN lease_epoch ELSE lease_epoch + 1 END,
-                    lease_acquired_at = CASE WHEN lease_owner = %(owner)s AND lease_expires_at > now()
-                                             THEN lease_acquired_at ELSE now() END,  -- V0016: since when
-                    lease_owner = %(owner)s,
-                    lease_expires_at = now() + make_interval(secs => %(seconds)s)
-                WHERE sink_site_id = %(sink)s AND client_name = %(client)s
-                  AND (lease_owner IS NULL OR lease_owner = %(owner)s OR lease_expires_at <= now())
-                RETURNING lease_epoch
-                """,
-                {"owner": owner, "seconds": seconds, "sink": sink, "client": client},
-            )
-            row = cur.fetchone()
+            epoch = source_sessions.take_lease(cur, sink, client, owner, seconds)
         conn.commit()
-        return Lease(sink, client, owner, row[0]) if row else None
+        return Lease(sink, client, owner, epoch) if epoch is not None else None
     except BaseException:
         conn.rollback()
         raise
@@ -66,23 +53,16 @@ def holder(conn: psycopg2.extensions.connection, sink: str, client: str) -> str 
     """Who holds the session's lease now (None: nobody, or an expired holder); ConfigurationError
     when this source has no such session (the topology applied here does not have it). Commits."""
     with conn.cursor() as cur:
-        cur.execute(
-            "SELECT CASE WHEN lease_expires_at > now() THEN lease_owner END FROM lr.source_sessions "
-            "WHERE sink_site_id = %s AND client_name = %s",
-            (sink, client),
-        )
-        row = cur.fetchone()
-        if row is None:
-            cur.execute("SELECT topology_config_id FROM lr.topology")
-            applied = cur.fetchone()
+        found, owner = source_sessions.current_holder(cur, sink, client)
+        applied = None if found else config_id(cur)
     conn.commit()
-    if row is None:
+    if not found:
         raise ConfigurationError(
             f"this source has no session to {sink!r} for client {client!r} (topology "
-            f"{applied[0] if applied else '(none)'} is applied here): apply the topology that has it, or use the "
+            f"{applied or '(none)'} is applied here): apply the topology that has it, or use the "
             "topology file the sites run"
         )
-    return row[0]
+    return owner
 
 
 def advance_epoch(conn: psycopg2.extensions.connection, lease: Lease, above: int) -> Lease:
@@ -92,30 +72,21 @@ def advance_epoch(conn: psycopg2.extensions.connection, lease: Lease, above: int
     otherwise. Commits."""
     try:
         with conn.cursor() as cur:
-            cur.execute(
-                "UPDATE lr.source_sessions SET lease_epoch = %s WHERE sink_site_id = %s AND client_name = %s "
-                "AND lease_owner = %s AND lease_epoch = %s AND lease_expires_at > now() RETURNING lease_epoch",
-                (above + 1, lease.sink, lease.client, lease.owner, lease.epoch),
-            )
-            row = cur.fetchone()
+            epoch = source_sessions.raise_epoch(cur, lease.sink, lease.client, lease, above + 1)
         conn.commit()
     except BaseException:
         conn.rollback()
         raise
-    if row is None:
+    if epoch is None:
         raise FencedError(f"session to {lease.sink!r} for {lease.client!r}: lease epoch {lease.epoch} of "
                           f"{lease.owner} was taken over; stopping")
-    return Lease(lease.sink, lease.client, lease.owner, row[0])
+    return Lease(lease.sink, lease.client, lease.owner, epoch)
 
 
 def release(conn: psycopg2.extensions.connection, lease: Lease) -> None:
     """Give the lease up (the epoch stays, so the next owner bumps past it). Commits."""
     with conn.cursor() as cur:
-        cur.execute(
-            "UPDATE lr.source_sessions SET lease_owner = NULL, lease_expires_at = NULL "
-            "WHERE sink_site_id = %s AND client_name = %s AND lease_owner = %s AND lease_epoch = %s",
-            (lease.sink, lease.client, lease.owner, lease.epoch),
-        )
+        source_sessions.release_lease(cur, lease.sink, lease.client, lease)
     conn.commit()
 
 
@@ -142,15 +113,9 @@ def renew(conn: psycopg2.extensions.connection, lease: Lease, seconds: float, **
 def update_session(conn: psycopg2.extensions.connection, lease: Lease, commit: bool = True, **values: object) -> None:
     """Update the source session row, only while ``lease`` is still the current one. Commits,
     unless ``commit`` is False (the caller commits more with it, in one transaction)."""
-    sets = ", ".join(f"{k} = %s" for k in values)
     try:
         with conn.cursor() as cur:
-            cur.execute(
-                f"UPDATE lr.source_sessions SET {sets}, updated_at = now() "
-                "WHERE sink_site_id = %s AND client_name = %s AND lease_owner = %s AND lease_epoch = %s",
-                (*values.values(), lease.sink, lease.client, lease.owner, lease.epoch),
-            )
-            if cur.rowcount == 0:
+            if not source_sessions.update_held(cur, lease.sink, lease.client, lease, values):
                 raise FencedError(
                     f"session to {lease.sink!r} for {lease.client!r}: lease epoch {lease.epoch} of {lease.owner} "
                     "was taken over; stopping"

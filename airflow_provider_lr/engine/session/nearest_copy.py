@@ -39,7 +39,7 @@ from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.db.timeouts import lifted
-from airflow_provider_lr.engine.site.topology import Topology
+from airflow_provider_lr.engine.store.topology import Topology, config_id
 from airflow_provider_lr.engine.tables import sink as sink_tables
 from airflow_provider_lr.engine.tables.definition import read_definition
 from airflow_provider_lr.engine.tables.registry import FederatedTable
@@ -133,8 +133,9 @@ def _source_view(source: psycopg2.extensions.connection,
                  federated: Sequence[FederatedTable]) -> tuple[int, str | None, dict]:
     """The source's trim mark, topology id and its tables' definitions (a peer's must be the same)."""
     with source.cursor() as cur:
-        cur.execute("SELECT (SELECT trim_mark FROM lr.log_trim), (SELECT topology_config_id FROM lr.topology)")
-        trim_mark, topology_id = cur.fetchone()
+        cur.execute("SELECT trim_mark FROM lr.log_trim")
+        trim_mark = cur.fetchone()[0]
+        topology_id = config_id(cur)
         wanted = {t.table: (t, read_definition(cur, t.table)) for t in federated}
     source.commit()
     return trim_mark, topology_id, wanted

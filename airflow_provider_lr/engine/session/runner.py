@@ -44,10 +44,11 @@ from airflow_provider_lr.engine.session.settings import (
     SessionSettings,
 )
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.source.backlog import session_backlogs
 from airflow_provider_lr.engine.db.schema import site_identity
 from airflow_provider_lr.engine.db.timeouts import lifted
-from airflow_provider_lr.engine.site.topology import Topology, recorded_id
+from airflow_provider_lr.engine.store.topology import Topology, recorded_id
+from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest, Provider
 from airflow_provider_lr.engine.source.log_reader import LogReader, TableSplits
@@ -410,7 +411,7 @@ class SessionRunner:
         """A catch-up longer than one batch reports progress (rate, ETA against the backlog counted
         once, after its first batch); one batch says nothing."""
         if tracker is None:
-            (backlog,) = status.session_backlogs(self.source, self.key.sink, self.key.client)
+            (backlog,) = session_backlogs(self.source, self.key.sink, self.key.client)
             tracker = progress.track(f"catch-up {self.key}", delivered + backlog.entries, "entries")
         tracker.update(delivered)
         return tracker
@@ -438,18 +439,14 @@ class SessionRunner:
 
     def _attempts(self) -> int:
         with self.source.cursor() as cur:
-            cur.execute(
-                "SELECT attempts FROM lr.source_sessions WHERE sink_site_id = %s AND client_name = %s",
-                (self.key.sink, self.key.client),
-            )
-            attempts = cur.fetchone()[0]
+            found = source_sessions.attempts(cur, self.key.sink, self.key.client)
         self.source.commit()
-        return attempts
+        return found
 
     def _status(self, ok: bool = True) -> tuple[str, int, int]:
         """State, acked position and entries still to send (committed, tagged for the sink);
         records them, and the time of this success (``ok``), on the source."""
-        (backlog,) = status.session_backlogs(self.source, self.key.sink, self.key.client)
+        (backlog,) = session_backlogs(self.source, self.key.sink, self.key.client)
         if self.lease is not None:
             done = {"last_success_at": AsIs("now()")} if ok else {}
             leases.update_session(self.source, self.lease, remaining_entries=backlog.entries, **done)
@@ -465,11 +462,7 @@ def record_error(conn: psycopg2.extensions.connection, key: SessionKey, error: s
     """Note a failed step in the session's ``last_error`` on its source (``lr status`` shows it;
     the next successful step clears it). Commits."""
     with conn.cursor() as cur:
-        cur.execute(
-            "UPDATE lr.source_sessions SET last_error = %s, updated_at = now() "
-            "WHERE sink_site_id = %s AND client_name = %s",
-            (one_line(error)[:2000], key.sink, key.client),
-        )
+        source_sessions.set_last_error(cur, key.sink, key.client, one_line(error)[:2000])
     conn.commit()
 
 
@@ -479,17 +472,7 @@ def clear_stale_leases(conn: psycopg2.extensions.connection) -> list[str]:
     fenced. Returns the sessions released ("source->sink/client (owner)"). Commits."""
     source, _ = site_identity(conn)
     with conn.cursor() as cur:
-        cur.execute(
-            """
-            WITH stale AS (
-                SELECT sink_site_id, client_name, lease_owner FROM lr.source_sessions
-                WHERE lease_owner IS NOT NULL AND lease_expires_at <= now() FOR UPDATE
-            )
-            UPDATE lr.source_sessions s SET lease_owner = NULL, lease_expires_at = NULL
-            FROM stale WHERE s.sink_site_id = stale.sink_site_id AND s.client_name = stale.client_name
-            RETURNING stale.sink_site_id, stale.client_name, stale.lease_owner
-            """
-        )
-        released = sorted(f"{SessionKey(source, sink, client)} ({owner})" for sink, client, owner in cur.fetchall())
+        released = sorted(f"{SessionKey(source, sink, client)} ({owner})"
+                          for sink, client, owner in source_sessions.release_expired_leases(cur))
     conn.commit()
     return released

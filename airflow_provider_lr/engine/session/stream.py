@@ -57,9 +57,9 @@ from airflow_provider_lr.engine.session.runner import CycleReport, record_error
 from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
 from airflow_provider_lr.engine.session.source_watch import SourceWatch
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.source.backlog import session_backlogs
 from airflow_provider_lr.engine.db.timeouts import failure
-from airflow_provider_lr.engine.site.topology import recorded_id
+from airflow_provider_lr.engine.store.topology import recorded_id
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.log_reader import LogReader
 from airflow_provider_lr.engine.tables import registry
@@ -253,7 +253,7 @@ class SessionStream:
         """Record the sink's position on the source, then what is still to send behind it."""
         leases.update_session(self.src, self.lease, commit=False, acked_position=self.after, last_error=None,
                               last_success_at=AsIs("now()"))
-        (backlog,) = status.session_backlogs(self.src, self.key.sink, self.key.client)  # commits both
+        (backlog,) = session_backlogs(self.src, self.key.sink, self.key.client)  # commits both
         leases.update_session(self.src, self.lease, remaining_entries=backlog.entries)
         self.acked = self.after
         self.counters.lag(self.key, backlog.entries, backlog.lag_seconds)

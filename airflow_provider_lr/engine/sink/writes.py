@@ -20,6 +20,7 @@ from psycopg2.extras import execute_values
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, StaleBatchError
 from airflow_provider_lr.engine.sink.queue_rows import Packer
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogBatch, LogRecord, LogStream
+from airflow_provider_lr.engine.store.topology import config_id
 from airflow_provider_lr.engine.tables.sink import ChangeApplier, forget_session
 from airflow_provider_lr.engine.vocabulary import MALFORMED, NOTIFY_CHANNEL, SessionKey, receive_queue_name
 from airflow_provider_lr.engine.vocabulary import strip_destinations, wakeup_payload
@@ -77,13 +78,6 @@ def _sink_id(cur: psycopg2.extensions.cursor) -> str:
     return (cur.fetchone() or ("this sink",))[0]
 
 
-def _site_topology_id(cur: psycopg2.extensions.cursor) -> str | None:
-    """The topology config id applied to the sink site (negotiation compares it)."""
-    cur.execute("SELECT topology_config_id FROM lr.topology")
-    row = cur.fetchone()
-    return row[0] if row else None
-
-
 def read_metadata(conn: psycopg2.extensions.connection, source: str, client: str) -> SinkMetadata:
     """The sink's metadata for a session (created on first contact), with the sink site's topology id."""
     try:
@@ -94,7 +88,7 @@ def read_metadata(conn: psycopg2.extensions.connection, source: str, client: str
             )
             cur.execute(_SELECT, (source, client))
             row = cur.fetchone()
-            topo = _site_topology_id(cur)
+            topo = config_id(cur)
         conn.commit()
         return _metadata(row, topo)
     except BaseException:
@@ -284,7 +278,7 @@ def fence(conn: psycopg2.extensions.connection, source: str, client: str, epoch:
     taken on metadata no stale writer can change behind it."""
     write = SinkTransaction(conn, source, client, epoch)
     with write as (cur, meta):
-        return replace(meta, lease_epoch=epoch, site_topology_config_id=_site_topology_id(cur))
+        return replace(meta, lease_epoch=epoch, site_topology_config_id=config_id(cur))
 
 
 def discard_staged(cur: psycopg2.extensions.cursor, source: str, client: str) -> None:

@@ -51,8 +51,9 @@ from airflow_provider_lr.engine.errors import ConfigurationError, LRError, SiteU
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.sink.queue_rows import positions, repack, unpack
-from airflow_provider_lr.engine.site import topology as topologies
-from airflow_provider_lr.engine.site.topology import Replication, Topology, apply_to_site, recorded_id
+from airflow_provider_lr.engine.store import topology as topologies
+from airflow_provider_lr.engine.site.topology import apply_to_site
+from airflow_provider_lr.engine.store.topology import Replication, Topology, recorded_id
 from airflow_provider_lr.engine.db.topology_schema import Origin
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, commit_barrier

@@ -23,8 +23,9 @@ from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from airflow_provider_lr.engine.counters import DeliveryCounters
-from airflow_provider_lr.engine.site.status import SiteStatus, readiness, trim_marks
-from airflow_provider_lr.engine.site.topology import Topology
+from airflow_provider_lr.engine.site.status import SiteStatus, trim_marks
+from airflow_provider_lr.engine.store.topology import Topology
+from airflow_provider_lr.engine.source.backlog import readiness
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
 SESSION_LABELS = ("source", "sink", "client")

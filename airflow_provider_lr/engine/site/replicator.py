@@ -26,9 +26,9 @@ from airflow_provider_lr.engine.session import catchup, nearest_copy
 from airflow_provider_lr.engine.session.lease import Lease, new_owner_id
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, record_error
 from airflow_provider_lr.engine.session.settings import SessionSettings
-from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.source.backlog import source_backlog
 from airflow_provider_lr.engine.db.timeouts import failure
-from airflow_provider_lr.engine.site.topology import Topology
+from airflow_provider_lr.engine.store.topology import Topology
 from airflow_provider_lr.engine.source.full_sync import Provider, load_provider
 from airflow_provider_lr.engine.vocabulary import SessionKey, SessionState
 
@@ -122,7 +122,7 @@ class Replicator:
             return {}
         try:
             cap = catchup.backlog_cap(self.settings)  # no need to count a backlog of millions
-            choice = catchup.choose(status.source_backlog(self._conn(source), at_most=cap), self.settings, counted_to=cap)
+            choice = catchup.choose(source_backlog(self._conn(source), at_most=cap), self.settings, counted_to=cap)
             if choice.path is not catchup.CatchupPath.TEE:
                 return {}
             driver = fanout.FanoutDriver(self.topology, source, owner=self.owner, settings=self.settings,

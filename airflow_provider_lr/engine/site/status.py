@@ -5,21 +5,21 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from datetime import date, datetime
 from decimal import Decimal
-from typing import Sequence
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeout, listing, one_line
+from airflow_provider_lr.engine.errors import one_line
 from airflow_provider_lr.engine.db import schema
-from airflow_provider_lr.engine.site.topology import Topology, TopologyDrift, drift
+from airflow_provider_lr.engine.store.topology import TopologyDrift, drift
 from airflow_provider_lr.engine.source import delivery
-from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, commit_barrier, holdback
+from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, holdback
+from airflow_provider_lr.engine.source.backlog import readiness, session_backlogs
+from airflow_provider_lr.engine.store import source_sessions
+from airflow_provider_lr.engine.store.topology import Topology, config_id
 from airflow_provider_lr.engine.tables import handover
 from airflow_provider_lr.engine.tables.registry import is_closed
 from airflow_provider_lr.engine.vocabulary import (
     OPEN_STATUSES_SQL,
-    STREAM_LOG_ENTRIES,
-    STREAM_TABLE_CHANGES,
     RequestStatus,
     SessionKey,
     SessionState,
@@ -82,9 +82,7 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
     if version < 3:
         return result
     with conn.cursor() as cur:
-        cur.execute("SELECT topology_config_id FROM lr.topology")
-        row = cur.fetchone()
-        result.topology_config_id = row[0] if row else None
+        result.topology_config_id = config_id(cur)
         cur.execute("SELECT trim_mark FROM lr.log_trim")
         result.trim_mark = cur.fetchone()[0]
         cur.execute(f"SELECT {', '.join(_COLUMNS)} FROM lr.replication_status ORDER BY 1, 2, 3, 4")
@@ -97,12 +95,7 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
         )
         keys = ("request_id", "sink", "client", "status", "forced", "reason", "age_s", "data_deadline_in_s", "note")
         result.full_sync_requests = [dict(zip(keys, r)) for r in cur.fetchall()]
-        if version >= 7:
-            cur.execute("SELECT sink_site_id, client_name, round(extract(epoch FROM now() - last_success_at)::numeric, 1)"
-                        "::float8 FROM lr.source_sessions")
-            last_ok = {(sink, client): age for sink, client, age in cur.fetchall()}
-        else:
-            last_ok = {}
+        last_ok = source_sessions.last_success_ages(cur) if version >= 7 else {}
         if version >= 10:  # a sink's session from a source its clients failed over from: closed for good
             cur.execute("SELECT source_site_id, client_name, failed_over_to, failover_note FROM lr.sink_sessions "
                         "WHERE failed_over_to IS NOT NULL")
@@ -148,16 +141,9 @@ NO_HOLDER = {"lease_owner": None, "lease_acquired_at": None, "lease_held_s": Non
 def lease_holders(cur: psycopg2.extensions.cursor, version: int) -> dict[tuple[str, str], dict]:
     """Who holds each source session's lease now (an unexpired one), since when (schema v14 on)
     and for how much longer: (sink, client) → the ``NO_HOLDER`` keys, for sessions held only."""
-    acquired = "lease_acquired_at" if version >= 16 else "NULL::timestamptz"
-    cur.execute(
-        f"SELECT sink_site_id, client_name, lease_owner, {acquired}, "
-        f"round(extract(epoch FROM now() - {acquired})::numeric, 1)::float8, "
-        "round(extract(epoch FROM lease_expires_at - now())::numeric, 1)::float8 "
-        "FROM lr.source_sessions WHERE lease_owner IS NOT NULL AND lease_expires_at > now()"
-    )
     return {(sink, client): {"lease_owner": owner, "lease_acquired_at": since, "lease_held_s": held,
                              "lease_expires_in_s": left}
-            for sink, client, owner, since, held, left in cur.fetchall()}
+            for sink, client, owner, since, held, left in source_sessions.held_leases(cur, since_known=version >= 16)}
 
 
 def holder(session: dict) -> str:
@@ -218,40 +204,6 @@ def waiting_for(session: dict, request: dict | None) -> str | None:
     if session["state"] == SessionState.INITIALIZED:
         return "its first replication cycle (lr sync or the lr_replication DAG)"
     return None
-
-
-def readiness(session: dict, trim_mark: int | None = None) -> str:
-    """Whether a session's sink holds everything committed for it so far (Qpid HA's *ready*):
-    ``ready`` / ``consistent``, ``catching up`` or ``not ready`` (why). What is compared:
-
-    * source side: in log-entry sync, the sink's acknowledged position is not behind this site's
-      trim mark, and no committed entry for the sink lies after it (``remaining``, counted live);
-    * sink side: the sink applied its full sync (``data_consistent``) *and* its last processed
-      position is not behind the source's trim mark (``trim_mark``: the source's, None when the
-      source was not reached — then "consistent" is not claimed). Behind the trim mark, entries it
-      needs are gone: only a new full sync makes it consistent again."""
-    if session.get("last_error"):
-        return "not ready (error)"
-    if session.get("failed_over_to"):  # its data stops at the failover's cut: nothing more comes this way
-        return f"failed over to {session['failed_over_to']}"
-    position = session["last_applied_position"]
-    behind = trim_mark is not None and position is not None and position < trim_mark
-    if session["role"] == "sink":
-        if not session["data_consistent"]:
-            return "not ready (snapshot)"
-        if trim_mark is None:
-            return "unchecked (source not reached)"
-        return "not ready (behind trim)" if behind else "consistent"
-    if session["state"] != SessionState.IN_LOG_ENTRY_SYNC:
-        return "not ready (snapshot)" if session["sync_type"] == "SNAPSHOT" else "not ready (not started)"
-    if behind:
-        return "not ready (behind trim)"
-    guard = session.get("first_guarded")
-    if guard is not None:  # Qpid's ready: everything before the first guarded position is safe
-        unsafe = session.get("unsafe_before_guard") or 0
-        return "ready" if unsafe == 0 else f"catching up ({unsafe} before guard {guard})"
-    remaining = session["remaining_entries_to_send"] or 0
-    return "ready" if remaining == 0 else f"catching up ({remaining} to send)"
 
 
 def _age(seconds: float | None) -> str:
@@ -406,188 +358,6 @@ def sites_as_dict(found: dict[str, SiteStatus | str], max_lag_seconds: float | N
         "sites_holding_another": stale.held if stale is not None else {}}}
     return {"health": {HEALTHY: "healthy", DEGRADED: "degraded", UNREACHABLE: "unreachable"}[code],
             "exit_code": code, "reasons": reasons, **file, "sites": sites}
-
-
-# --- work waiting on a source (Airflow's sensors and the replication plan) ---------------------
-@dataclass(frozen=True)
-class SessionBacklog:
-    """What a session of this source still has to deliver."""
-
-    sink: str
-    client: str
-    state: str
-    acked: int  # the position its sink acknowledged
-    entries: int  # log entries committed for the session after that position
-    highest: int  # the highest commit position among them, -1 without any
-    lag_seconds: float = 0.0  # age of the oldest of them (0 without any)
-    first_guarded: int | None = None  # the lowest position a producer waits on for this sink
-    before_guard: int = 0  # of ``entries``, those before it (all of them without a guard)
-
-
-def session_backlogs(
-    conn: psycopg2.extensions.connection, sink: str | None = None, client: str | None = None,
-    at_most: int | None = None,
-) -> list[SessionBacklog]:
-    """Per session of this source (optionally one sink and/or client): entries still to deliver.
-    The one place that says what "remaining" means: committed, in LRQ_Send_LogEntries (or a
-    federated table's change), tagged for the sink, of the session's client, after the sink's
-    acknowledged position. ``at_most``: stop counting a session there (its oldest entries, so
-    ``lag_seconds`` holds; ``highest`` is then the highest counted) — a decision against a threshold
-    need not count a backlog of millions."""
-    with conn.cursor() as cur:
-        cur.execute(
-            """
-            SELECT s.sink_site_id, s.client_name, s.state, s.acked_position, p.n, p.highest, p.lag, g.first, p.before
-            FROM lr.source_sessions s
-            JOIN lr.remote_sites r ON r.site_id = s.sink_site_id
-            LEFT JOIN lr.clients k ON k.client_name = s.client_name
-            CROSS JOIN LATERAL (  -- the first guarded position (docs/delivery.md): producers waiting
-                SELECT min(d.position) AS first FROM lr.delivery_guards d
-                WHERE d.client_name = s.client_name AND s.sink_site_id = ANY (d.destinations) AND d.expires_at > now()
-            ) g
-            CROSS JOIN LATERAL (
-                SELECT count(*) AS n, coalesce(max(c.position), -1) AS highest,
-                       coalesce(round(extract(epoch FROM now() - min(c.committed_at))::numeric, 1), 0)::float8 AS lag,
-                       count(*) FILTER (WHERE g.first IS NULL OR c.position < g.first) AS before
-                FROM (
-                    SELECT c.position, c.committed_at FROM lr.log_commits c
-                    CROSS JOIN LATERAL (
-                        SELECT 1 FROM lr.log_entries e
-                        WHERE e.tx = c.tx AND e.stream IN (%(stream)s, %(tables)s) AND e.tag_ids @> ARRAY[r.tag_id]
-                          AND e.client_id = k.client_id
-                        OFFSET 0  -- per-commit index lookups, driven by the position range: the cost
-                                  -- follows the backlog, not the size of the log (a join of the whole
-                                  -- log cost 26 ms for a backlog of 200 among 60k entries)
-                    ) e
-                    WHERE c.position > greatest(s.acked_position, 0)
-                    ORDER BY c.position LIMIT %(at_most)s  -- NULL: no limit
-                ) c
-            ) p
-            WHERE (%(sink)s::text IS NULL OR s.sink_site_id = %(sink)s)
-              AND (%(client)s::text IS NULL OR s.client_name = %(client)s)
-            ORDER BY 1, 2
-            """,
-            {"stream": STREAM_LOG_ENTRIES, "tables": STREAM_TABLE_CHANGES, "sink": sink, "client": client,
-             "at_most": at_most},
-        )
-        rows = [SessionBacklog(*row) for row in cur.fetchall()]
-    conn.commit()
-    return rows
-
-
-def log_entry_backlog(backlogs: list[SessionBacklog]) -> int:
-    """Entries still to deliver, summed over the sessions in log-entry sync (what decides between
-    an in-process batch and a Spark fan-out)."""
-    return sum(b.entries for b in backlogs if b.state == SessionState.IN_LOG_ENTRY_SYNC)
-
-
-def source_backlog(conn: psycopg2.extensions.connection, at_most: int | None = None) -> int:
-    """The source's log-entry backlog (``at_most``: each session counted up to there; the sum is
-    then at least ``at_most`` whenever one session's backlog is)."""
-    return log_entry_backlog(session_backlogs(conn, at_most=at_most))
-
-
-def pending_entries(conn: psycopg2.extensions.connection, sink: str, client: str) -> tuple[int, int]:
-    """(count, highest position) of committed entries for the session after what its sink
-    acknowledged; (0, -1) when there are none (or no such session)."""
-    found = session_backlogs(conn, sink, client)
-    return (found[0].entries, found[0].highest) if found else (0, -1)
-
-
-# --- readiness (seed 001: a destination is *ready*; the guards are engine/source/delivery's) --------
-@dataclass(frozen=True)
-class Readiness:
-    """A destination's readiness for one client: everything committed for it before
-    ``first_guarded`` (or everything committed, without a guard) is safe when ``unsafe`` is 0."""
-
-    sink: str
-    client: str
-    acked: int
-    first_guarded: int | None
-    unsafe: int  # committed entries for the sink after ``acked`` (and before the first guard)
-
-    @property
-    def ready(self) -> bool:
-        return self.unsafe == 0
-
-
-def readiness_of(conn: psycopg2.extensions.connection, client: str, sinks: Sequence[str] | None = None) -> list[Readiness]:
-    """Each (named) sink's readiness for ``client``, counted live."""
-    found = [b for b in session_backlogs(conn, client=client) if sinks is None or b.sink in sinks]
-    return [Readiness(b.sink, client, b.acked, b.first_guarded, b.before_guard) for b in found]
-
-
-def wait_until_ready(conn: psycopg2.extensions.connection, client: str, destinations: Sequence[str],
-                     timeout: float = 30.0) -> list[Readiness]:
-    """Return once every destination holds, safe, everything committed for ``client`` before this
-    call (a guard at the next position: Qpid's *ready*), or raise ``DeliveryTimeout``."""
-    if not destinations:
-        raise ConfigurationError("name the destinations to wait for")
-    known = {b.sink for b in session_backlogs(conn, client=client)}
-    unknown = sorted(set(destinations) - known)
-    if unknown:
-        raise ConfigurationError(f"{listing(unknown)}: not sinks of client {client!r} at this site; its sinks are "
-                                 f"{listing(sorted(known))}")
-    noted, holders = commit_barrier(conn, timeout=timeout)
-    if noted is None:
-        raise DeliveryTimeout(f"commits in flight outlasted {timeout:g}s: {listing(h.describe() for h in holders)}",
-                              position=None, missing=sorted(destinations), regions=[])
-    guard = delivery.add_guard(conn, client, noted + 1, destinations, timeout)
-    try:
-        last: list[list[Readiness]] = []
-
-        def check() -> bool:
-            last[:] = [readiness_of(conn, client, destinations)]
-            return all(r.ready for r in last[0])
-
-        if delivery.poll(check, timeout):
-            return last[0]
-        behind = {r.sink: r.unsafe for r in last[0] if not r.ready}
-        raise DeliveryTimeout(f"client {client!r}: not ready after {timeout:g}s: entries before position {noted + 1} "
-                              f"not yet acknowledged, per sink {listing(behind)}", position=noted, missing=sorted(behind),
-                              regions=[])
-    finally:
-        delivery.remove_guard(conn, guard)
-
-
-# --- what a delivery wait may ask for (the `delivered` sensor) ---------------------------------
-@dataclass(frozen=True)
-class DeliveryTarget:
-    """What a caller of the topology may wait for (checked before any site is read); whether an
-    entry meets it is ``engine.source.delivery``'s rule, against the sinks the entry named."""
-
-    source: str
-    client: str
-    destinations: tuple[str, ...]  # must all have it (may be empty)
-    min_regions: int = 0
-
-
-def delivery_target(
-    topology: Topology, source: str, client: str, destinations: list[str] | tuple[str, ...] = (), min_regions: int = 0
-) -> DeliveryTarget:
-    """Validate what a caller waits for. Refused (DESIGN seed 004, minRegionsForDurability): a
-    destination that is not a sink of the source for this client, and a ``min_regions`` that the
-    sinks could never reach — or, with named destinations, one their acknowledgements could be
-    complete without (all of them acking must prove durability in ``min_regions`` regions)."""
-    sinks = {k.sink for k in topology.sessions(source=source) if k.client == client}
-    if not sinks:
-        raise ConfigurationError(f"site {source!r} replicates nothing for client {client!r} in the topology")
-    unknown = sorted(set(destinations) - sinks)
-    if unknown:
-        raise ConfigurationError(
-            f"{listing(unknown)}: not sinks of {source!r} for client {client!r}; its sinks are {listing(sorted(sinks))}"
-        )
-    if min_regions < 0:
-        raise ConfigurationError(f"min_regions must be >= 0, not {min_regions}")
-    regions = {topology.site(source).region, *(topology.site(s).region for s in (destinations or sinks))}
-    if min_regions > len(regions):
-        named = (f"the named destinations {listing(sorted(destinations))}" if destinations
-                 else f"the sinks {listing(sorted(sinks))}")
-        raise ConfigurationError(
-            f"min_regions={min_regions} can never be met: {source!r} and {named} span only {len(regions)} "
-            f"region(s) {listing(sorted(regions))}; name destinations in more regions or lower min_regions"
-        )
-    return DeliveryTarget(source, client, tuple(sorted(destinations)), min_regions)
 
 
 # --- receive queues of a sink (maintenance checkpoints) -----------------------------------------

@@ -1,122 +1,21 @@
-"""The topology: which sites exist, in which region, and who replicates to whom for which clients.
+"""Operations on the topology across sites: recording it on every site at once, checking which
+sites run the file in hand (drift), and pruning the sessions it no longer has.
 
-It is a YAML document (``include/topology.yaml`` by default); its ``topology_config_id`` is a hash
-of its normalized content, so any change yields a new id and negotiation can refuse to proceed
-across different ids. ``apply_to_site`` records it in a site's metadata, which is what the
-transmit path validates destinations against.
+The model itself (``Topology``, its document, ``load``) and every read of ``lr.topology`` are
+``engine/store/topology.py``'s.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, Callable, Collection, Mapping
+from typing import Callable, Collection
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError, LRError, TopologyMismatchError, listing, one_line
-from airflow_provider_lr.engine.db.conninfo import ConnInfo, resolve
-from airflow_provider_lr.engine.db.timeouts import Timeouts
-from airflow_provider_lr.engine.db.durability import check_rule
-from airflow_provider_lr.engine.db.topology_schema import Origin, read, validate
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError, TopologyMismatchError, one_line
+from airflow_provider_lr.engine.store import source_sessions
+from airflow_provider_lr.engine.store import topology as topologies
+from airflow_provider_lr.engine.store.topology import Topology, drift, recorded_id
 from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES_SQL, RequestStatus, SessionKey, receive_queue_name
-from airflow_provider_lr.paths import include_dir, lr_home
 
-TOPOLOGY_ENV = "LR_TOPOLOGY"
-
-
-@dataclass(frozen=True)
-class SiteSpec:
-    site_id: str
-    region: str = "default"
-    conn_id: str | None = None
-
-
-@dataclass(frozen=True)
-class Replication:
-    source: str
-    sinks: tuple[str, ...]
-    clients: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Topology:
-    sites: dict[str, SiteSpec]
-    replications: tuple[Replication, ...] = ()
-    settings: dict[str, Any] = field(default_factory=dict)
-    # client name -> full-sync provider as "package.module:function"
-    providers: dict[str, str] = field(default_factory=dict)
-    # seed 004: min_regions_for_durability, ack_quorum, write_quorum (engine/db/durability.py)
-    durability: dict[str, int] = field(default_factory=dict)
-    # the file it was read from (``load``): named by every error about it; not part of its id
-    path: str | None = field(default=None, compare=False)
-
-    def sessions(self, source: str | None = None, sink: str | None = None, client: str | None = None) -> list[SessionKey]:
-        """Every session the topology defines (optionally only those of one source, sink or
-        client), sorted."""
-        found = {
-            SessionKey(r.source, s, c)
-            for r in self.replications
-            for s in r.sinks
-            for c in r.clients
-            if (source is None or r.source == source) and (sink is None or s == sink) and (client is None or c == client)
-        }
-        return sorted(found)
-
-    @property
-    def timeouts(self) -> Timeouts:
-        """The bounds on every connection lr opens to this topology's sites (``settings:``)."""
-        return Timeouts.from_settings(self.settings)
-
-    def select(self, source: str | None = None, sink: str | None = None, client: str | None = None) -> list[SessionKey]:
-        """``sessions`` for a user's choice (``lr full-sync``, the lr_full_sync form): none chosen
-        is every session; a choice that matches nothing is refused, naming the sessions there are."""
-        found = self.sessions(source, sink, client)
-        if not found:
-            chosen = " ".join(f"{what} {name!r}" for what, name in (("from", source), ("to", sink), ("for client", client))
-                              if name)
-            raise ConfigurationError(f"no session replicates {chosen or 'anything'} in topology "
-                                     f"{self.path or self.topology_config_id}; its sessions are "
-                                     f"{[str(k) for k in self.sessions()]}")
-        return found
-
-    def setting(self, name: str, default: Any) -> Any:
-        return type(default)(self.settings.get(name, default))
-
-    @property
-    def document(self) -> dict[str, Any]:
-        return {
-            "sites": [
-                {"id": s.site_id, "region": s.region, **({"conn_id": s.conn_id} if s.conn_id else {})}
-                for s in sorted(self.sites.values(), key=lambda s: s.site_id)
-            ],
-            "replication": [
-                {"source": r.source, "sinks": list(r.sinks), "clients": list(r.clients)} for r in self.replications
-            ],
-            "settings": self.settings,
-            **({"providers": dict(sorted(self.providers.items()))} if self.providers else {}),
-            **({"durability": dict(sorted(self.durability.items()))} if self.durability else {}),
-        }
-
-    @property
-    def topology_config_id(self) -> str:
-        canonical = json.dumps(self.document, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
-
-    def conn_id(self, site_id: str) -> str:
-        """The connection that reaches a site: its ``conn_id`` (an Airflow connection, an entry of the
-        connections file), or without one the site id itself."""
-        return self.site(site_id).conn_id or site_id
-
-    def site(self, site_id: str) -> SiteSpec:
-        try:
-            return self.sites[site_id]
-        except KeyError:
-            raise ConfigurationError(
-                f"unknown site {site_id!r}; the topology knows {listing(sorted(self.sites))}"
-            ) from None
 
 
 def provider_warnings(topology: Topology) -> list[str]:
@@ -139,136 +38,6 @@ def provider_warnings(topology: Topology) -> list[str]:
         except LRError as exc:
             found.append(f"client {client!r}: {one_line(exc)}; until it can, its sessions wait for client data")
     return found
-
-
-def from_document(doc: Any, origin: Origin | None = None) -> Topology:
-    """Validate and build a topology from its YAML/JSON document (``topology_schema``); errors
-    name the file, line and key when ``origin`` says where the document came from."""
-    origin = origin or Origin()
-    validate(doc, origin)
-    sites: dict[str, SiteSpec] = {}
-    for index, raw in enumerate(doc["sites"]):
-        site_id = raw["id"]
-        if site_id in sites:
-            raise origin.error(["sites", index, "id"], f"site {site_id!r} appears twice")
-        sites[site_id] = SiteSpec(site_id, raw.get("region", "default"), raw.get("conn_id"))
-    replications = []
-    for index, raw in enumerate(doc.get("replication") or []):
-        source, sinks = raw["source"], tuple(raw["sinks"])
-        for key, name in [("source", source), *(("sinks", sink) for sink in sinks)]:
-            if name not in sites:
-                raise origin.error(["replication", index, key], f"unknown site {name!r}; known: {listing(sorted(sites))}")
-        if source in sinks:
-            raise origin.error(["replication", index, "sinks"], f"site {source!r} cannot replicate to itself")
-        replications.append(Replication(source, sinks, tuple(raw["clients"])))
-    _refuse_ambiguous_queue_names(replications, origin)
-    durability = dict(doc.get("durability") or {})
-    if durability:
-        _refuse_unsound_durability(durability, sites, replications, origin)
-    return Topology(sites, tuple(replications), dict(doc.get("settings") or {}), dict(doc.get("providers") or {}),
-                    durability)
-
-
-def _refuse_unsound_durability(rule: dict[str, int], sites: dict[str, SiteSpec], replications: list[Replication],
-                               origin: Origin) -> None:
-    """Each source with its sinks must be able to meet ``durability`` and never meet its ack
-    quorum in fewer regions than it asks (seed 004; ``durability.check_rule``)."""
-    sinks_of: dict[str, set[str]] = {}
-    for r in replications:
-        sinks_of.setdefault(r.source, set()).update(r.sinks)
-    for source, sinks in sorted(sinks_of.items()):
-        regions = {site: sites[site].region for site in {source, *sinks}}
-        problem = check_rule(regions, rule["min_regions_for_durability"], rule.get("ack_quorum"), rule.get("write_quorum"))
-        if problem is not None:
-            raise origin.error(["durability", problem.key], f"source {source!r} and its {len(sinks)} sinks: {problem.message}")
-
-
-def _refuse_ambiguous_queue_names(replications: list[Replication], origin: Origin) -> None:
-    """Receive queues are named ``LRQ_Recv_<client>_<source>``; with '_' allowed in both names two
-    sessions into one sink could get the same queue name (client ``a_b`` from ``c`` and client
-    ``a`` from ``b_c``) and their data would be mixed up. Such topologies are refused."""
-    seen: dict[tuple[str, str], tuple[str, str]] = {}
-    for index, r in enumerate(replications):
-        for sink in r.sinks:
-            for client in r.clients:
-                name = (sink, receive_queue_name(client, r.source))
-                other = seen.setdefault(name, (client, r.source))
-                if other != (client, r.source):
-                    raise origin.error(
-                        ["replication", index, "clients"],
-                        f"sink {sink!r} would get one receive queue {name[1]!r} for client {client!r} from "
-                        f"{r.source!r} and for client {other[0]!r} from {other[1]!r}; rename one (avoid '_' in "
-                        "client or site names)",
-                    )
-
-
-def default_path() -> Path:
-    return Path(os.environ.get(TOPOLOGY_ENV) or include_dir() / "topology.yaml")
-
-
-def load(path: Path | str | None = None) -> Topology:
-    path = Path(path) if path else default_path()
-    if not path.is_file():
-        raise ConfigurationError(f"topology file {path} not found (set {TOPOLOGY_ENV} or pass a path)")
-    return replace(from_document(*read(path)), path=str(path))
-
-
-def reread(topology: Topology) -> Topology:
-    """The topology's file as it is now (a long-running replicator's copy may predate an edit that
-    was applied since); the topology itself when it has no file or the file cannot be read."""
-    if not topology.path:
-        return topology
-    try:
-        return load(topology.path)
-    except LRError:
-        return topology
-
-
-def recorded_id(conn: psycopg2.extensions.connection) -> str | None:
-    """The id of the topology last applied to a site (None: none applied)."""
-    with conn.cursor() as cur:
-        cur.execute("SELECT topology_config_id FROM lr.topology")
-        row = cur.fetchone()
-    conn.commit()
-    return row[0] if row else None
-
-
-@dataclass(frozen=True)
-class TopologyDrift:
-    """The topology in hand (a file) is not the one some sites run: ``held`` maps each such site
-    to the id it holds. Every command and task that works from a file refuses (or, ``lr status``,
-    flags) it, so a stale file is named as such rather than as a lease or negotiation problem."""
-
-    topology: Topology
-    held: dict[str, str | None]
-
-    def message(self) -> str:
-        by_id: dict[str | None, list[str]] = {}
-        for site, held in sorted(self.held.items()):
-            by_id.setdefault(held, []).append(site)
-        holds = ", ".join(f"{held or '(none applied)'} ({', '.join(sites)})" for held, sites in by_id.items())
-        name = self.topology.path or "in use"
-        written = [str(p) for p in (lr_home() / f"topology-{held}.yaml" for held in by_id if held) if p.is_file()]
-        return (f"topology file {name} has id {self.topology.topology_config_id}; sites hold {holds}: apply the "
-                f"current file with `lr topology apply --topology {name}` or point --topology (Airflow: the "
-                f"Variable lr_topology or ${TOPOLOGY_ENV}) at the file in use"
-                + (f" (`lr failover` wrote {', '.join(written)})" if written else ""))
-
-
-def drift(topology: Topology, recorded: Mapping[str, str | None], also: Collection[str] = ()) -> TopologyDrift | None:
-    """The sites of ``recorded`` (site -> id it holds) that run another topology than ``topology``
-    (or one of the ids ``also`` accepts); None when every one runs it."""
-    accepted = {topology.topology_config_id, *also}
-    held = {site: found for site, found in recorded.items() if found not in accepted}
-    return TopologyDrift(topology, held) if held else None
-
-
-def unheld(topology: Topology, recorded: Mapping[str, str | None]) -> TopologyDrift | None:
-    """``drift`` when none of the sites of ``recorded`` runs ``topology`` (the file is stale or not
-    applied anywhere); None when some do (the others are behind it: a site a failover could not
-    reach, or one rejoining)."""
-    found = drift(topology, recorded)
-    return found if found is not None and topology.topology_config_id not in recorded.values() else None
 
 
 def recorded_ids(topology: Topology, connect: Callable[[str], psycopg2.extensions.connection],
@@ -299,24 +68,6 @@ def check_sites(topology: Topology, connect: Callable[[str], psycopg2.extensions
         raise TopologyMismatchError(found.message())
 
 
-def from_site(conn: psycopg2.extensions.connection) -> Topology:
-    """The topology last applied to a site: what its sessions run under (and what negotiation
-    compares), readable without the YAML file."""
-    with conn.cursor() as cur:
-        cur.execute("SELECT document FROM lr.topology")
-        row = cur.fetchone()
-    conn.commit()
-    if row is None:
-        raise ConfigurationError("no topology has been applied to this site (run `lr topology apply`)")
-    return from_document(row[0], Origin("the topology stored on the site"))
-
-
-def site_conninfo(topology: Topology, site_id: str) -> ConnInfo:
-    """How to reach a site of the topology (see ``Topology.conn_id``), with the topology's bounds
-    on its connections (keepalives, timeouts: ``timeouts.py``)."""
-    return resolve(topology.conn_id(site_id)).with_timeouts(topology.timeouts)
-
-
 def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site_id: str, commit: bool = True) -> None:
     """Record the topology on one site: every other site becomes addressable from it, its clients
     are registered, and the sessions it is the source of are created (sessions it no longer is
@@ -342,28 +93,15 @@ def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site
                     "INSERT INTO lr.destination_log_state (site_id) VALUES (%s) ON CONFLICT DO NOTHING",
                     (spec.site_id,),
                 )
-            cur.execute(
-                "DELETE FROM lr.source_sessions WHERE NOT (sink_site_id || '/' || client_name = ANY (%s::text[]))",
-                ([f"{k.sink}/{k.client}" for k in mine],),
-            )
-            for key in mine:
-                cur.execute(
-                    "INSERT INTO lr.source_sessions (sink_site_id, client_name) VALUES (%s, %s) ON CONFLICT DO NOTHING",
-                    (key.sink, key.client),
-                )
+            source_sessions.keep_only(cur, [(k.sink, k.client) for k in mine])
             # a removed session's open full sync would hold safe trim at its base forever
             cur.execute(
-                f"UPDATE lr.full_sync_requests r SET status = '{RequestStatus.CANCELLED}', finished_at = now(), "
+                f"UPDATE lr.full_sync_requests SET status = '{RequestStatus.CANCELLED}', finished_at = now(), "
                 f"note = 'session removed from the topology' WHERE status IN {OPEN_STATUSES_SQL} "
-                "AND NOT EXISTS (SELECT 1 FROM lr.source_sessions s "
-                "                WHERE s.sink_site_id = r.sink_site_id AND s.client_name = r.client_name)"
+                "AND NOT (sink_site_id || '/' || client_name = ANY (%s::text[]))",
+                ([f"{k.sink}/{k.client}" for k in mine],),
             )
-            cur.execute(
-                "INSERT INTO lr.topology (topology_config_id, document) VALUES (%s, %s) "
-                "ON CONFLICT (singleton) DO UPDATE SET topology_config_id = EXCLUDED.topology_config_id, "
-                "document = EXCLUDED.document, applied_at = now()",
-                (topology.topology_config_id, json.dumps(topology.document)),
-            )
+            topologies.record(cur, topology)
         if commit:
             conn.commit()
     except BaseException:
@@ -379,6 +117,7 @@ def prune_sink_sessions(conn: psycopg2.extensions.connection, topology: Topology
     wanted = {(k.source, k.client) for k in topology.sessions() if k.sink == site_id}
     pruned, kept = [], []
     with conn.cursor() as cur:
+        # store-sink: lr.sink_sessions is engine/store/sink_sessions.py's
         cur.execute("SELECT source_site_id, client_name FROM lr.sink_sessions ORDER BY 1, 2")
         for source, client in cur.fetchall():
             if (source, client) in wanted:
@@ -394,6 +133,7 @@ def prune_sink_sessions(conn: psycopg2.extensions.connection, topology: Topology
             cur.execute("DELETE FROM lr.receive_queue WHERE source_site_id = %s AND client_name = %s", (source, client))
             cur.execute("DELETE FROM lr.registry WHERE kind = 'receive_queue' AND source_site_id = %s "
                         "AND client_name = %s", (source, client))
+            # store-sink: lr.sink_sessions is engine/store/sink_sessions.py's
             cur.execute("DELETE FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s", (source, client))
             pruned.append(name)
     return pruned, kept

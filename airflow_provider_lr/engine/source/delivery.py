@@ -31,6 +31,8 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeout, TransmitError
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL
+from airflow_provider_lr.engine.store import source_sessions
+from airflow_provider_lr.engine.store.topology import applied_durability
 from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, STREAM_TABLE_CHANGES
 
 GUARD_GRACE_S = 60.0  # a guard outlives its wait's timeout by this much (a waiter that died)
@@ -121,13 +123,8 @@ class WaitFor:
 
 def durability_rule(conn: psycopg2.extensions.connection) -> DurabilityRule | None:
     """The ``durability`` of the topology applied to this site, or None without one."""
-    with conn.cursor() as cur:
-        cur.execute("SELECT document -> 'durability' FROM lr.topology")
-        row = cur.fetchone()
-    conn.commit()
-    if not row or not row[0]:
-        return None
-    return DurabilityRule(**row[0])
+    rule = applied_durability(conn)
+    return DurabilityRule(**rule) if rule else None
 
 
 def wait_for(addressed: dict[str, str], source_region: str, destinations: Sequence[str] = (),
@@ -201,8 +198,7 @@ def read_delivery(conn: psycopg2.extensions.connection, client: str, position: i
     its processed position, read from the sinks) tells *sent* from *new*; without it an entry not
     yet acknowledged is *new* (or *delayed*)."""
     with conn.cursor() as cur:
-        cur.execute("SELECT sink_site_id, acked_position FROM lr.source_sessions WHERE client_name = %s", (client,))
-        acked = dict(cur.fetchall())
+        acked = source_sessions.acked_positions(cur, client)
         cur.execute("SELECT DISTINCT unnest(destinations) FROM lr.delivery_guards "
                     "WHERE client_name = %s AND position <= %s AND expires_at > now()", (client, position))
         guarded = {d for (d,) in cur.fetchall()}
@@ -326,12 +322,7 @@ _ENTRIES_NAMING_SINKS = """
     JOIN lr.log_entries e ON e.tx = c.tx AND e.stream IN (%(log)s, %(tables)s)
     JOIN s ON s.tag_id = ANY (e.tag_ids) AND s.client_id = e.client_id
 """
-_SESSIONS_CTE = """
-    WITH s AS (
-        SELECT s.acked_position AS acked, r.tag_id, r.region, k.client_id
-        FROM lr.source_sessions s JOIN lr.remote_sites r ON r.site_id = s.sink_site_id
-        JOIN lr.clients k ON k.client_name = s.client_name)
-"""
+_SESSIONS_CTE = source_sessions.ACKED_SINKS_CTE
 
 
 def durable_position(conn: psycopg2.extensions.connection, min_regions: int) -> int:
@@ -348,8 +339,7 @@ def durable_position(conn: psycopg2.extensions.connection, min_regions: int) -> 
         drawn = cur.fetchone()[0]
         cur.execute("SELECT region FROM lr.site_info")
         args["home"] = cur.fetchone()[0]
-        cur.execute("SELECT coalesce(min(acked_position), -1), coalesce(max(acked_position), -1) FROM lr.source_sessions")
-        args["lo"], args["hi"] = cur.fetchone()
+        args["lo"], args["hi"] = source_sessions.acked_range(cur)
         if min_regions <= 1:
             conn.commit()
             return drawn  # the source's region holds every committed entry

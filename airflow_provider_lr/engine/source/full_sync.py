@@ -28,10 +28,11 @@ import psycopg2.extensions
 from airflow_provider_lr.engine import progress
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, FullSyncError, one_line
 from airflow_provider_lr.engine.faults import fault_point
-from airflow_provider_lr.engine.session.lease import Lease
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, commit_barrier
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogRecord
 from airflow_provider_lr.engine.source.log_writer import LogWriter
+from airflow_provider_lr.engine.store import source_sessions
+from airflow_provider_lr.engine.store.source_sessions import Holding
 from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES, OPEN_STATUSES_SQL, STREAM_SNAP_SYNC, RequestStatus, SessionKey
 from airflow_provider_lr.proto import lr_pb2
 
@@ -78,7 +79,7 @@ def request_full_sync(
     reason: str = "",
     forced: bool = False,
     data_timeout: float = DEFAULT_DATA_TIMEOUT,
-    lease: Lease | None = None,
+    lease: Holding | None = None,
 ) -> FullSyncRequest:
     """Record a full-sync request for the session (sink, client) on this source, cancelling any
     open one for the same session first. Commits. A replicator passes its ``lease``: the request is
@@ -86,22 +87,13 @@ def request_full_sync(
     try:
         with conn.cursor() as cur:
             if lease is not None:
-                cur.execute(
-                    "SELECT 1 FROM lr.source_sessions WHERE sink_site_id = %s AND client_name = %s "
-                    "AND lease_owner = %s AND lease_epoch = %s FOR UPDATE",
-                    (sink, client, lease.owner, lease.epoch),
-                )
-                if cur.fetchone() is None:
+                if not source_sessions.lock_held(cur, sink, client, lease):
                     raise FencedError(
                         f"session to {sink!r} for {client!r}: lease epoch {lease.epoch} of {lease.owner} was taken "
                         "over; no full sync requested"
                     )
-            cur.execute(
-                "SELECT 1 FROM lr.source_sessions WHERE sink_site_id = %s AND client_name = %s", (sink, client)
-            )
-            if cur.fetchone() is None:
-                cur.execute("SELECT sink_site_id || '/' || client_name FROM lr.source_sessions ORDER BY 1")
-                known = [r[0] for r in cur.fetchall()]
+            if not source_sessions.exists(cur, sink, client):
+                known = source_sessions.names(cur)
                 raise ConfigurationError(
                     f"no session to sink {sink!r} for client {client!r} on this source; sessions are {known}"
                 )

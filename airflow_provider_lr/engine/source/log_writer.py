@@ -16,6 +16,8 @@ from psycopg2.extras import execute_values
 
 from airflow_provider_lr.engine.errors import TransmitError
 from airflow_provider_lr.engine.db.schema import site_identity
+from airflow_provider_lr.engine.store import source_sessions
+from airflow_provider_lr.engine.store.topology import applied_max_payload_bytes
 from airflow_provider_lr.proto import lr_pb2
 
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
@@ -83,18 +85,11 @@ class LogWriter:
         topology's ``max_payload_bytes``), from the topology applied to this site."""
         with self.conn.cursor() as cur:
             if topology_limit:
-                cur.execute("SELECT (document #>> '{settings,max_payload_bytes}')::bigint FROM lr.topology")
-                row = cur.fetchone()
-                self.max_payload_bytes = (row and row[0]) or DEFAULT_MAX_PAYLOAD_BYTES
+                self.max_payload_bytes = applied_max_payload_bytes(cur) or DEFAULT_MAX_PAYLOAD_BYTES
             cur.execute("SELECT client_id FROM lr.clients WHERE client_name = %s", (self.client_name,))
             row = cur.fetchone()
             self.client_id = row[0] if row else 0
-            cur.execute(
-                "SELECT r.site_id, r.tag_id FROM lr.source_sessions s JOIN lr.remote_sites r ON r.site_id = s.sink_site_id "
-                "WHERE s.client_name = %s",
-                (self.client_name,),
-            )
-            self._tag_ids = dict(cur.fetchall())
+            self._tag_ids = source_sessions.sink_tags(cur, self.client_name)
 
     def _prepare(self) -> None:
         """Prepare the single-entry insert once per connection: parse and plan are most of what an

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.source.backlog import Readiness, wait_until_ready
 from airflow_provider_lr.engine.source import delivery, full_sync
 from airflow_provider_lr.engine.source.delivery import Ticket
 from airflow_provider_lr.engine.source.log_writer import LogWriter
@@ -59,10 +59,10 @@ class RoutingQueueClient(LogWriter):
         can never reach. The entries are *delayed* (guarded) while it waits. See docs/delivery.md."""
         return delivery.wait_until_safe(self.conn, ticket, destinations, min_regions, timeout)
 
-    def wait_until_ready(self, destinations: Sequence[str], timeout: float = 30.0) -> list[status.Readiness]:
+    def wait_until_ready(self, destinations: Sequence[str], timeout: float = 30.0) -> list[Readiness]:
         """Return once every one of ``destinations`` holds, safe, everything this client committed
         before the call (the destination is *ready*), or raise ``DeliveryTimeout``."""
-        return status.wait_until_ready(self.conn, self.client_name, destinations, timeout)
+        return wait_until_ready(self.conn, self.client_name, destinations, timeout)
 
     def delivery(self, ticket: Ticket) -> delivery.Delivery:
         """The ticket's state on each destination it named (new, delayed, safe), read now."""

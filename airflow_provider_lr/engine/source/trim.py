@@ -17,6 +17,7 @@ import psycopg2.extensions
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.db.timeouts import lifted
 from airflow_provider_lr.engine.source.commit_barrier import commit_barrier
+from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.vocabulary import RequestStatus
 
 MAX_RETENTION = 100 * 365 * 86_400.0  # seconds; beyond this a retention trim is a typo
@@ -43,16 +44,7 @@ def safe_trim_mark(conn: psycopg2.extensions.connection) -> int | None:
     if barrier is None:
         return None
     with conn.cursor() as cur:
-        cur.execute(
-            f"""
-            SELECT min(p) FROM (
-                SELECT acked_position AS p FROM lr.source_sessions WHERE acked_position >= 0
-                UNION ALL
-                SELECT base_position FROM lr.full_sync_requests WHERE status = '{RequestStatus.SUPPLIED}'
-            ) holds
-            """
-        )
-        held = cur.fetchone()[0]
+        held = source_sessions.lowest_hold(cur)
     conn.commit()
     return barrier if held is None else min(held, barrier)
 

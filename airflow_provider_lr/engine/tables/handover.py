@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables import sink as sink_tables
 from airflow_provider_lr.engine.tables.definition import TableName
@@ -159,11 +160,11 @@ def diverged(conn: psycopg2.extensions.connection) -> list[Divergence]:
             why = (f"its session {session} is gone" if gone else
                    f"its session {session} was failed over to {to}, which does not replicate it")
             found.append(Divergence(name, client, f"{why}; its rows stay as {source} left them"))
-        cur.execute(
-            "SELECT g.stream_name, g.client_name, EXISTS (SELECT 1 FROM lr.source_sessions s "
-            "WHERE s.client_name = g.client_name) FROM lr.registry g "
-            "WHERE g.kind = 'table' AND g.is_federated AND g.table_id IS NOT NULL ORDER BY 1")
-        for name, client, has_sink in cur.fetchall():
+        with_sinks = source_sessions.clients_with_sessions(cur)
+        cur.execute("SELECT g.stream_name, g.client_name FROM lr.registry g "
+                    "WHERE g.kind = 'table' AND g.is_federated AND g.table_id IS NOT NULL ORDER BY 1")
+        for name, client in cur.fetchall():
+            has_sink = client in with_sinks
             if not registry.capturing(cur, TableName.parse(name)):
                 found.append(Divergence(name, client, "captured here but its capture triggers are gone: changes are "
                                                       "not replicated (reopen it: lr tables open)"))

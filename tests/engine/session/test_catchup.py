@@ -8,7 +8,7 @@ import pytest
 
 from airflow_provider_lr.engine.session.catchup import CatchupPath, backlog_cap, backlog_matters, choose
 from airflow_provider_lr.engine.session.settings import SPARK_MIN_BACKLOG, TEE_MIN_BACKLOG, SessionSettings
-from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.store import topology
 from tests.support.session import topology_doc
 
 RULES = SessionSettings(spark_min_backlog=1000, tee_min_backlog=100)

@@ -13,6 +13,7 @@ from airflow_provider_lr.engine.session import nearest_copy
 from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.support.link_proxy import LinkProxy
@@ -133,7 +134,7 @@ def test_a_peer_that_is_not_consistent_is_not_used_and_a_client_with_queue_data_
 def test_nearest_copy_off_in_the_topology_takes_the_source(lr_sites):
     source, peer, new = lr_sites
     _peer_synced(lr_sites, rows_=50)
-    topo = topology.from_document(topology_doc(lr_sites, regions=REGIONS, settings={"nearest_copy": False}))
+    topo = topologies.from_document(topology_doc(lr_sites, regions=REGIONS, settings={"nearest_copy": False}))
     assert SessionSettings.from_topology(topo).nearest_copy is False
     for site in lr_sites:
         conn = site.connect()

@@ -29,6 +29,7 @@ from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueCl
 from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeout, SchemaError
 from airflow_provider_lr.engine.sink import receive
 from airflow_provider_lr.engine.site import roles, status, topology
+from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.db.conninfo import ConnInfo
 from airflow_provider_lr.engine.source import full_sync, trim
@@ -532,7 +533,7 @@ def test_an_owner_without_create_on_the_database_installs_into_its_schema(sites,
     result = schema.init_site(conn, site.site_id, site.region)
     assert result.applied == [m.version for m in schema.available_migrations()]
     assert schema.init_site(conn, site.site_id).applied == []
-    topo = topology.from_document({
+    topo = topologies.from_document({
         "sites": [{"id": s.site_id} for s in sites[:2]],
         "replication": [{"source": site.site_id, "sinks": [sites[1].site_id], "clients": ["alpha"]}],
     })

@@ -5,6 +5,7 @@ import pytest
 
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.store import topology as topologies
 
 DOC = {
     "sites": [{"id": "site-a", "region": "eu"}, {"id": "site-b", "region": "us"}, {"id": "site-c"}],
@@ -13,7 +14,7 @@ DOC = {
 
 
 def test_sessions_are_one_per_destination_and_client():
-    topo = topology.from_document(DOC)
+    topo = topologies.from_document(DOC)
     assert [str(k) for k in topo.sessions()] == [
         "site-a->site-b/audit", "site-a->site-b/policy", "site-a->site-c/audit", "site-a->site-c/policy",
     ]
@@ -21,11 +22,11 @@ def test_sessions_are_one_per_destination_and_client():
 
 
 def test_any_change_gives_a_new_config_id_and_key_order_does_not():
-    base = topology.from_document(DOC).topology_config_id
+    base = topologies.from_document(DOC).topology_config_id
     reordered = {"replication": DOC["replication"], "sites": DOC["sites"]}
-    assert topology.from_document(reordered).topology_config_id == base
+    assert topologies.from_document(reordered).topology_config_id == base
     moved = {**DOC, "sites": [{**DOC["sites"][0], "region": "asia"}, *DOC["sites"][1:]]}
-    assert topology.from_document(moved).topology_config_id != base
+    assert topologies.from_document(moved).topology_config_id != base
 
 
 @pytest.mark.parametrize("doc, error", [
@@ -45,22 +46,22 @@ def test_any_change_gives_a_new_config_id_and_key_order_does_not():
 ])
 def test_bad_topologies_are_refused_with_the_reason(doc, error):
     with pytest.raises(ConfigurationError, match=error):
-        topology.from_document(doc)
+        topologies.from_document(doc)
 
 
 def test_missing_file_names_the_override(tmp_path):
     with pytest.raises(ConfigurationError, match="LR_TOPOLOGY"):
-        topology.load(tmp_path / "nope.yaml")
+        topologies.load(tmp_path / "nope.yaml")
 
 
 def test_applied_topology_is_read_back_from_the_site(lr_sites):
     doc = {**DOC, "sites": [{"id": s.site_id, "region": s.region} for s in lr_sites]}
-    topo = topology.from_document(doc)
+    topo = topologies.from_document(doc)
     conn = lr_sites[0].connect()
     with pytest.raises(ConfigurationError, match="lr topology apply"):
-        topology.from_site(conn)
+        topologies.from_site(conn)
     topology.apply_to_site(conn, topo, "site-a")
-    back = topology.from_site(conn)
+    back = topologies.from_site(conn)
     assert back.topology_config_id == topo.topology_config_id and back.sessions() == topo.sessions()
     sessions = lr_sites[0].query("SELECT sink_site_id, client_name FROM lr.source_sessions ORDER BY 1, 2")
     assert sessions == [(k.sink, k.client) for k in topo.sessions()]

@@ -11,6 +11,8 @@ import pytest
 from airflow_provider_lr.client import DeliveryState, DeliveryTimeout
 from airflow_provider_lr.engine.errors import ConfigurationError, TransmitError
 from airflow_provider_lr.engine.site import status, topology
+from airflow_provider_lr.engine.source.backlog import readiness, readiness_of
+from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.source import delivery
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.support.session import App, apply, replicator, topology_doc
@@ -73,7 +75,7 @@ def test_a_waiting_producer_delays_its_entry_until_the_sink_acknowledges(lr_site
         assert time.monotonic() < deadline, "the waiter's guard never showed"
         time.sleep(0.02)
     # guarded: site-b is not ready while the guarded entry is unacknowledged
-    assert [r.ready for r in status.readiness_of(watcher, "policy", ["site-b"])] == [True]  # nothing before the guard
+    assert [r.ready for r in readiness_of(watcher, "policy", ["site-b"])] == [True]  # nothing before the guard
     assert result == {}
     _deliver(topo, lr_sites, "site-b")
     waiter.join(10)
@@ -91,18 +93,18 @@ def test_readiness_counts_only_what_precedes_the_first_guard(lr_sites):
     app.put("a", 1, ["site-b"])
     app.put("b", 2, ["site-b"])
     conn = source.connect()
-    (before,) = status.readiness_of(conn, "policy", ["site-b"])
+    (before,) = readiness_of(conn, "policy", ["site-b"])
     assert not before.ready and before.unsafe == 2 and before.first_guarded is None
     # a producer guards a later position: the two before it must be safe for site-b to be ready
     last = app.put("c", 3, ["site-b"])
     guard = delivery.add_guard(conn, "policy", delivery.resolve(conn, last), ["site-b"], 30)
-    (guarded,) = status.readiness_of(conn, "policy", ["site-b"])
+    (guarded,) = readiness_of(conn, "policy", ["site-b"])
     assert guarded.first_guarded == delivery.resolve(conn, last) and guarded.unsafe == 2
     sessions = status.site_status(conn).sessions
     (row,) = [s for s in sessions if s["sink_site_id"] == "site-b"]
-    assert status.readiness(row) == f"catching up (2 before guard {guarded.first_guarded})"
+    assert readiness(row) == f"catching up (2 before guard {guarded.first_guarded})"
     _deliver(topo, lr_sites, "site-b")
-    (after,) = status.readiness_of(conn, "policy", ["site-b"])
+    (after,) = readiness_of(conn, "policy", ["site-b"])
     assert after.ready
     delivery.remove_guard(conn, guard)
     conn.close()
@@ -203,7 +205,7 @@ def test_the_topology_rule_is_the_default_wait(lr_sites):
     source, _, _ = lr_sites
     doc = topology_doc(lr_sites, providers=PROVIDER)
     doc["durability"] = {"min_regions_for_durability": 2, "ack_quorum": 2}
-    topo = topology.from_document(doc)
+    topo = topologies.from_document(doc)
     for site in lr_sites:
         conn = site.connect()
         topology.apply_to_site(conn, topo, site.site_id)
@@ -249,30 +251,30 @@ def test_seed_004_example_ack_quorum_8_of_15_over_3_regions_of_20_is_refused_9_a
     doc = _sites(3, 20)
     doc["durability"] = {"min_regions_for_durability": 2, "write_quorum": 15, "ack_quorum": 8}
     with pytest.raises(ConfigurationError) as refused:
-        topology.from_document(doc)
+        topologies.from_document(doc)
     message = str(refused.value)
     assert "durability.ack_quorum" in message
     assert "ack_quorum 8 could be met in fewer than 2 regions" in message and "puts 8 copies in 1 region" in message
     doc["durability"]["ack_quorum"] = 9
-    assert topology.from_document(doc).durability["ack_quorum"] == 9
+    assert topologies.from_document(doc).durability["ack_quorum"] == 9
 
 
 def test_durability_the_sites_cannot_reach_is_refused_with_the_numbers():
     doc = _sites(2, 3)
     doc["durability"] = {"min_regions_for_durability": 3}
     with pytest.raises(ConfigurationError, match=r"3 regions can never be reached: the sites span only 2"):
-        topology.from_document(doc)
+        topologies.from_document(doc)
     doc["durability"] = {"min_regions_for_durability": 2, "write_quorum": 7}
     with pytest.raises(ConfigurationError, match="write_quorum 7 exceeds the 6 sites"):
-        topology.from_document(doc)
+        topologies.from_document(doc)
     doc["durability"] = {"min_regions_for_durability": 2, "write_quorum": 4, "ack_quorum": 5}
     with pytest.raises(ConfigurationError, match="ack_quorum 5 exceeds write_quorum 4"):
-        topology.from_document(doc)
+        topologies.from_document(doc)
     doc["durability"] = {"min_regions_for_durability": 2, "ack_quorum": 2}  # write all 6: 3 in one region
     with pytest.raises(ConfigurationError, match="ack_quorum 2 could be met"):
-        topology.from_document(doc)
+        topologies.from_document(doc)
     doc["durability"] = {"min_regions_for_durability": 2, "ack_quorum": 4}
-    assert topology.from_document(doc).durability == {"min_regions_for_durability": 2, "ack_quorum": 4}
+    assert topologies.from_document(doc).durability == {"min_regions_for_durability": 2, "ack_quorum": 4}
     doc["durability"] = {"min_regions_for_durability": 2, "ack_quorm": 4}
     with pytest.raises(ConfigurationError, match="unknown key 'ack_quorm'"):
-        topology.from_document(doc)
+        topologies.from_document(doc)
