@@ -56,7 +56,7 @@ class Position:
         return replace(self, after=after)
 
 
-class Outcome(enum.Enum):
+class Verdict(enum.Enum):
     PROCEED = "proceed"  # lease held, sink fenced, negotiation decided what to do
     SKIPPED = "skipped"  # another replicator holds the lease: nothing to do, nothing wrong
     REFUSED = "refused"  # a stale topology file, no such session here, or negotiation refused
@@ -67,7 +67,7 @@ class Handshake:
     """What ``handshake`` found (see the module docstring)."""
 
     key: SessionKey
-    outcome: Outcome
+    outcome: Verdict
     reason: str = ""  # skipped or refused: why (refused by negotiation: its reason)
     lease: leases.Lease | None = None
     meta: writes.SinkMetadata | None = None
@@ -76,7 +76,7 @@ class Handshake:
 
     @property
     def proceeds(self) -> bool:
-        return self.outcome is Outcome.PROCEED
+        return self.outcome is Verdict.PROCEED
 
     @property
     def decision(self) -> Decision | None:
@@ -85,9 +85,9 @@ class Handshake:
     def left_out(self, wanted: Decision, why: str = "left to the session cycle") -> str | None:
         """Why a mover that only does ``wanted`` (the fan-out, table snapshots: log-entry sync)
         leaves this session out, or None when it may go on."""
-        if self.outcome is Outcome.SKIPPED:
+        if self.outcome is Verdict.SKIPPED:
             return self.reason
-        if self.outcome is Outcome.REFUSED:
+        if self.outcome is Verdict.REFUSED:
             return f"negotiation refused: {self.reason}"
         assert self.negotiation is not None
         if self.negotiation.decision is not wanted:
@@ -108,15 +108,15 @@ def handshake(source: psycopg2.extensions.connection, sink: psycopg2.extensions.
         # the file may have been edited and applied since this process read it: then it is not stale
         found = drift(topology, held) and drift(reread(topology), held)
         if found is not None:
-            return Handshake(key, Outcome.REFUSED, found.message())
+            return Handshake(key, Verdict.REFUSED, found.message())
     lease = leases.acquire(source, key.sink, key.client, owner, lease_seconds)
     on_lease(lease)
     if lease is None:
         try:
             holder = leases.holder(source, key.sink, key.client)
         except ConfigurationError as exc:  # no such session here: nobody holds anything
-            return Handshake(key, Outcome.REFUSED, f"site {key.source!r}: {exc}")
-        return Handshake(key, Outcome.SKIPPED,
+            return Handshake(key, Verdict.REFUSED, f"site {key.source!r}: {exc}")
+        return Handshake(key, Verdict.SKIPPED,
                          f"another replicator holds this session's lease ({holder or 'just released'})")
     fault_point("after_lease")
     try:
@@ -137,8 +137,8 @@ def handshake(source: psycopg2.extensions.connection, sink: psycopg2.extensions.
     if negotiation.decision is Decision.REFUSE:
         leases.update_session(source, lease, state=SessionState.NEGOTIATING,
                               last_error=f"negotiation refused: {negotiation.reason}")
-        return Handshake(key, Outcome.REFUSED, negotiation.reason, lease, meta, negotiation, position)
-    return Handshake(key, Outcome.PROCEED, "", lease, meta, negotiation, position)
+        return Handshake(key, Verdict.REFUSED, negotiation.reason, lease, meta, negotiation, position)
+    return Handshake(key, Verdict.PROCEED, "", lease, meta, negotiation, position)
 
 
 def negotiate_session(source: psycopg2.extensions.connection, key: SessionKey, lease: leases.Lease, owner: str,

@@ -29,7 +29,7 @@ from airflow_provider_lr.engine.session import catchup, nearest_copy
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.handshake import (
     Handshake,
-    Outcome,
+    Verdict,
     Position,
     handshake,
     negotiate_session,
@@ -148,9 +148,9 @@ class SessionRunner:
                        on_lease=self.hold)
         if hs.negotiation is not None:
             report.decision, report.reason = hs.negotiation.decision.value, hs.negotiation.reason
-        if hs.outcome is Outcome.SKIPPED:
+        if hs.outcome is Verdict.SKIPPED:
             report.skipped = hs.reason
-        elif hs.outcome is Outcome.REFUSED:
+        elif hs.outcome is Verdict.REFUSED:
             report.decision, report.error = Decision.REFUSE.value, hs.reason
             if hs.negotiation is not None:
                 report.state = SessionState.NEGOTIATING
