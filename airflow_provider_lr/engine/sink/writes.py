@@ -179,7 +179,7 @@ def discard_unapplied(cur: psycopg2.extensions.cursor, source: str, client: str)
     """Drop what the session holds on this sink that was never made visible: the rows of a full sync
     not applied (they stay invisible unless it is) and what Spark jobs staged (``discard_staged``).
     Called inside the session's fenced sink transaction when that data can no longer be applied: a
-    newer sync starts, or the session is failed over (``site.failover``)."""
+    newer sync starts, or the session is failed over (``site.failover_reconcile``)."""
     receive_queue.discard_invisible(cur, source, client)
     discard_staged(cur, source, client)
 
