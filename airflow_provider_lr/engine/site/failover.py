@@ -61,7 +61,7 @@ from airflow_provider_lr.engine.site.failover_record import (
     failovers,
     finished,
     reach,
-    record as recorded_failover,
+    read_record,
     try_connect,
 )
 from airflow_provider_lr.engine.site.failover_rejoin import RejoinResult, rejoin_site
@@ -138,7 +138,7 @@ def promote(from_site: str, to_site: str, connect: Connect, topology: Topology |
     conns: dict[str, psycopg2.extensions.connection] = {}
     try:
         new = reach(connect, to_site, conns, "the site to promote")
-        record = recorded_failover(new, from_site, FailoverStatus.PROMOTED) or finished(new, from_site)
+        record = read_record(new, from_site, FailoverStatus.PROMOTED) or finished(new, from_site)
         if record is not None:
             target = topologies.from_document(record["topology"], Origin("the failover recorded on the promoted site"))
             wanted = list(record["clients"])
@@ -265,7 +265,7 @@ def _promote(conn: psycopg2.extensions.connection, from_site: str, to_site: str,
     except BaseException:
         conn.rollback()
         raise
-    record = recorded_failover(conn, from_site, FailoverStatus.PROMOTED)
+    record = read_record(conn, from_site, FailoverStatus.PROMOTED)
     assert record is not None
     return record
 

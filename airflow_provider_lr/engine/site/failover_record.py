@@ -80,7 +80,7 @@ _RECORD_COLUMNS = ("failover_id", "from_site_id", "to_site_id", "clients", "posi
                    "topology", "reason", "status", "outcome")
 
 
-def record(conn: psycopg2.extensions.connection, from_site: str, status: str | None = None) -> dict | None:
+def read_record(conn: psycopg2.extensions.connection, from_site: str, status: str | None = None) -> dict | None:
     """The newest failover of ``from_site`` recorded on this site (with that ``status``)."""
     with conn.cursor() as cur:
         cur.execute(
@@ -99,7 +99,7 @@ def record(conn: psycopg2.extensions.connection, from_site: str, status: str | N
 
 def finished(conn: psycopg2.extensions.connection, from_site: str) -> dict | None:
     """The completed failover whose topology this site still runs: a re-run replays it (no-op)."""
-    record = record(conn, from_site, FailoverStatus.COMPLETED)
+    record = read_record(conn, from_site, FailoverStatus.COMPLETED)
     if record is None:
         return None
     applied = topologies.from_document(record["topology"], Origin("the failover recorded on the promoted site"))
