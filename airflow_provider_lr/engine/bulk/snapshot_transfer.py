@@ -170,8 +170,9 @@ class SnapshotTransfer:
                                    max(meta.snapshot_last_entry, plan.ranges[0].lo), plan.ranges[-1].hi) is None:
                     raise StaleBatchError(f"snapshot {plan.request_id}: entries after {meta.snapshot_last_entry} are "
                                           f"not all staged on {plan.sink} (a partition failed); rerun")
-                moved, last, ended = receive_queue.move_staged_snapshot(
-                    cur, plan.source, plan.client, plan.request_id, meta.snapshot_last_entry, lr_pb2.LAST_FULL_SYNC_ENTRY)
+                moved, last, ended = receive_queue.move_staged_snapshot(cur, plan.source, plan.client, plan.request_id,
+                                                                        meta.snapshot_last_entry,
+                                                                        lr_pb2.LAST_FULL_SYNC_ENTRY)
                 if not ended:
                     raise LRError(f"snapshot {plan.request_id}: staged data ends at entry {last} before the end "
                                   "marker; rerun the transfer")

@@ -253,8 +253,8 @@ def _promote(conn: psycopg2.extensions.connection, from_site: str, to_site: str,
             )
             # its federated tables of the clients: captured here from now on (the topology gave them sinks)
             tables = {c: [str(t.table) for t in handover.take_over(cur, from_site, c)] for c in clients}
-            sink_sessions.close_promoted(cur, from_site, to_site, fid,
-                                         f"promoted: {to_site} is the new source (cut of {from_site}'s stream)", clients)
+            note = f"promoted: {to_site} is the new source (cut of {from_site}'s stream)"
+            sink_sessions.close_promoted(cur, from_site, to_site, fid, note, clients)
             cur.execute(
                 "INSERT INTO lr.failovers (failover_id, from_site_id, to_site_id, clients, positions, base_position, "
                 "topology_config_id, topology, reason, outcome) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",

@@ -55,8 +55,8 @@ def reconcile(conn: psycopg2.extensions.connection, new: psycopg2.extensions.con
                     continue
                 try:
                     if not consistent or applied > cut:
-                        raise _FullSync(f"{sink} {'had not applied its full sync' if not consistent else f'applied a full sync at {applied}'} "
-                                        f"from {old}, beyond {to}'s position {cut}")
+                        what = "had not applied its full sync" if not consistent else f"applied a full sync at {applied}"
+                        raise _FullSync(f"{sink} {what} from {old}, beyond {to}'s position {cut}")
                     if last > cut:
                         note = _remove_extras(cur, sink, result, client, cut)
                     elif last < cut:
@@ -84,10 +84,9 @@ def reconcile(conn: psycopg2.extensions.connection, new: psycopg2.extensions.con
 def _rows_after(cur: psycopg2.extensions.cursor, source: str, client: str, after: int) -> list[tuple]:
     """The visible rows of a session's queue that hold entries after ``after``: (seq, kind, count,
     delivered, entry id, each entry's position or None, entries)."""
-    rows = []
-    for seq, kind, count, delivered, position, entry_id, message in receive_queue.rows_after(cur, source, client, after):
-        rows.append((seq, kind, count, delivered, entry_id, positions(count, message, position), unpack(count, message)))
-    return rows
+    return [(seq, kind, count, delivered, entry_id, positions(count, message, position), unpack(count, message))
+            for seq, kind, count, delivered, position, entry_id, message
+            in receive_queue.rows_after(cur, source, client, after)]
 
 
 def _remove_extras(cur: psycopg2.extensions.cursor, sink: str, result: FailoverResult, client: str, cut: int) -> str:
