@@ -24,6 +24,7 @@ from typing import Callable
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.sink.queue_rows import Packer, QueueRow
+from airflow_provider_lr.engine.store.receive_queue import QueueWriter
 
 SIGNATURE = b"PGCOPY\n\xff\r\n\x00"
 HEADER = SIGNATURE + bytes(8)  # signature, flags (int32 0), header extension length (int32 0)
@@ -211,16 +212,6 @@ class StagingWriter(CopyWriter):
 
 
 # --- receive-queue rows (the fan-out writes them directly) -----------------------------------------
-RECEIVE_COLUMNS = ("source_site_id, client_name, kind, source_position, source_entry_id, sync_id, visible, "
-                   "entry_count, message")
-_RECEIVE_ROW = struct.Struct(">ihiqiqiiBiii")  # 2, kind, 8, position, 8, entry id, NULL sync id, 1, visible, 4, count, length
-
-
-def receive_prefix(source: str, client: str) -> bytes:
-    """The leading fields of every receive-queue row of one session (field count, source, client)."""
-    return _I16.pack(9) + text(source) + text(client)
-
-
 class PackedRows:
     """Entries appended one by one (``append``: ``(queue_rows.piece(message), kind, position, entry
     id)``), packed into receive-queue rows (``queue_rows.Packer``) in the order added; mixed into a
@@ -243,51 +234,31 @@ class PackedRows:
 
 class ReceiveQueueWriter(PackedRows, CopyWriter):
     """One session's visible entries into ``lr.receive_queue``, packed (``queue_rows.Packer``) in
-    the order added, so ``seq`` follows it. ``entries`` counts what was added, ``rows`` the rows.
-
-    PostgreSQL refuses ``COPY FROM`` into a table whose row-level security applies to the caller:
-    a replicator role (docs/security.md) copies into a temporary table of its transaction instead,
-    moved into the queue in order by ``close``."""
-
-    COPY_SQL = f"COPY lr.receive_queue ({RECEIVE_COLUMNS}) FROM STDIN (FORMAT binary)"
-    _STAGED = "lr_receive_copy"  # the temporary table (one per transaction: ON COMMIT DROP)
+    the order added, so ``seq`` follows it: the COPY form of the queue's writer
+    (``store.receive_queue.QueueWriter``, which also says what a role under row-level security
+    copies into). ``entries`` counts what was added, ``rows`` the rows."""
 
     def __init__(self, conn: psycopg2.extensions.connection, source: str, client: str,
                  block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
-        self.staged = _rls_applies(conn)
-        if self.staged:
-            with conn.cursor() as cur:
-                cur.execute(
-                    f"CREATE TEMP TABLE {self._STAGED} (ord bigint GENERATED ALWAYS AS IDENTITY, source_site_id text, "
-                    "client_name text, kind smallint, source_position bigint, source_entry_id bigint, sync_id uuid, "
-                    "visible boolean, entry_count integer, message bytea) ON COMMIT DROP"
-                )
-            self.COPY_SQL = f"COPY {self._STAGED} ({RECEIVE_COLUMNS}) FROM STDIN (FORMAT binary)"
+        self.queue = QueueWriter(source, client)
+        self.COPY_SQL = self.queue.copy_sql(conn)
         super().__init__(conn, block_bytes)
-        self.prefix = receive_prefix(source, client)
         self.packer = Packer(self._add_row)
         self.append = self.packer.append  # (queue_rows.piece(message), kind, position, entry id)
 
     def _add_row(self, row: QueueRow) -> None:
-        """A visible row (no sync id) in binary COPY form, appended to the block in place (packs are
-        ~8 kB: no copy of the row is made first)."""
+        """A row appended to the block in its binary COPY form."""
         block = self.block
-        block += self.prefix
-        block += _RECEIVE_ROW.pack(2, row.kind, 8, row.position, 8, row.entry_id, -1, 1, 1, 4, row.count,
-                                   len(row.message))
-        block += row.message
+        self.queue.copy_row(block, row)
         self.rows += 1
         if len(block) >= self.block_bytes:
             self.flush()
 
     def close(self) -> None:
         super().close()
-        if self.staged:  # into the queue in the order copied (seq follows it); ``copied`` is what it took
-            with self.conn.cursor() as cur:
-                cur.execute(f"INSERT INTO lr.receive_queue ({RECEIVE_COLUMNS}) "
-                            f"SELECT {RECEIVE_COLUMNS} FROM {self._STAGED} ORDER BY ord")
-                self.copied = cur.rowcount
-                cur.execute(f"DROP TABLE {self._STAGED}")
+        moved = self.queue.copy_finish(self.conn)  # the temporary table's rows, in the order copied
+        if moved is not None:
+            self.copied = moved
 
 
 class StagedQueueWriter(PackedRows, StagingWriter):
@@ -303,10 +274,3 @@ class StagedQueueWriter(PackedRows, StagingWriter):
     def _add_row(self, row: QueueRow) -> None:
         self.add(staging_row(self.prefix, row.position, row.entry_id, row.kind, row.count, row.message))
 
-
-def _rls_applies(conn: psycopg2.extensions.connection) -> bool:
-    """Whether row-level security applies to this connection's role on ``lr.receive_queue`` (not to
-    its owner, a superuser or a BYPASSRLS role)."""
-    with conn.cursor() as cur:
-        cur.execute("SELECT row_security_active('lr.receive_queue')")
-        return bool(cur.fetchone()[0])

@@ -42,6 +42,7 @@ from airflow_provider_lr.engine.session.handshake import handshake
 from airflow_provider_lr.engine.session.runner import SessionRunner
 from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.sink import writes
+from airflow_provider_lr.engine.store import receive_queue, sink_sessions
 from airflow_provider_lr.engine.store.topology import Topology, recorded_id, site_conninfo
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.vocabulary import (
@@ -173,18 +174,9 @@ class SnapshotTransfer:
                                    max(meta.snapshot_last_entry, plan.ranges[0].lo), plan.ranges[-1].hi) is None:
                     raise StaleBatchError(f"snapshot {plan.request_id}: entries after {meta.snapshot_last_entry} are "
                                           f"not all staged on {plan.sink} (a partition failed); rerun")
-                cur.execute(
-                    "WITH moved AS (INSERT INTO lr.receive_queue (source_site_id, client_name, kind, source_position, "
-                    " source_entry_id, sync_id, visible, entry_count, message) "
-                    " SELECT source_site_id, client_name, kind, source_position, source_entry_id, sync_id, false, "
-                    " entry_count, message FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s "
-                    " AND sync_id = %s AND source_entry_id > %s ORDER BY source_entry_id "
-                    " RETURNING source_entry_id, kind, entry_count) "
-                    "SELECT coalesce(sum(entry_count), 0), max(source_entry_id), coalesce(bool_or(kind = %s), false) "
-                    "FROM moved",
-                    (plan.source, plan.client, plan.request_id, meta.snapshot_last_entry, lr_pb2.LAST_FULL_SYNC_ENTRY),
-                )
-                moved, last, ended = cur.fetchone()
+                moved, last, ended = receive_queue.move_staged_snapshot(cur, plan.source, plan.client, plan.request_id,
+                                                                        meta.snapshot_last_entry,
+                                                                        lr_pb2.LAST_FULL_SYNC_ENTRY)
                 if not ended:
                     raise LRError(f"snapshot {plan.request_id}: staged data ends at entry {last} before the end "
                                   "marker; rerun the transfer")
@@ -273,11 +265,7 @@ def _still_transferring(cur: psycopg2.extensions.cursor, plan: SnapshotPlan) -> 
     it). A stage that lands after the sync moved on (its job fenced out by a successor that moved
     it in process) would otherwise stay staged until the session's next full sync or fan-out, and
     one that lands after a failover (which dropped what was staged before it) for good."""
-    cur.execute("SELECT snapshot_request_id = %s AND snapshot_transferred <> snapshot_started "
-                "AND failed_over_to IS NULL FROM lr.sink_sessions "
-                "WHERE source_site_id = %s AND client_name = %s FOR SHARE", (plan.request_id, plan.source, plan.client))
-    row = cur.fetchone()
-    return bool(row and row[0])
+    return sink_sessions.still_transferring(cur, plan.source, plan.client, plan.request_id)
 
 
 def staged_coverage(cur: psycopg2.extensions.cursor, source: str, client: str, plan_id: str,

@@ -46,6 +46,7 @@ from airflow_provider_lr.engine.db.conninfo import connect_dsn
 from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.faults import fault_point, hooked
 from airflow_provider_lr.engine.sink import writes
+from airflow_provider_lr.engine.store import receive_queue, sink_sessions
 from airflow_provider_lr.engine.vocabulary import STAGING_LOCK_CLASS
 
 
@@ -65,9 +66,7 @@ class SessionStage(SessionChunk):
             with self.conn.cursor() as cur:  # a duplicate attempt of this chunk waits here
                 cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
                             (STAGING_LOCK_CLASS, f"{plan.source}/{demand.client}/{plan.plan_id}/{self.position}"))
-                cur.execute("SELECT last_log_entry_processed FROM lr.sink_sessions WHERE source_site_id = %s "
-                            "AND client_name = %s", (plan.source, demand.client))
-                (last,) = cur.fetchone()
+                last = sink_sessions.last_processed(cur, plan.source, demand.client)
                 cur.execute("SELECT 1 FROM lr.spark_staged_ranges WHERE source_site_id = %s AND client_name = %s "
                             "AND plan_id = %s AND range_lo = %s", (plan.source, demand.client, plan.plan_id,
                                                                    self.position))
@@ -94,9 +93,7 @@ class SessionStage(SessionChunk):
                 raise StaleBatchError(f"{demand.session}: the sink staged {self.writer.copied} of "
                                       f"{self.writer.rows} rows")
             with self.conn.cursor() as cur:  # a publish of the session waits from here to the commit
-                cur.execute("SELECT last_log_entry_processed, lease_epoch, failed_over_to FROM lr.sink_sessions "
-                            "WHERE source_site_id = %s AND client_name = %s FOR SHARE", (plan.source, demand.client))
-                last, epoch, failed_over_to = cur.fetchone()
+                last, epoch, failed_over_to = sink_sessions.share_position(cur, plan.source, demand.client)
                 if failed_over_to is not None or epoch > demand.position.epoch:
                     raise FencedError(f"session {demand.session}: lease epoch {demand.position.epoch} is stale at the sink "
                                       f"(epoch {epoch}{', failed over' if failed_over_to else ''}); staged nothing")
@@ -173,11 +170,6 @@ def publish_all(plan: FanoutPlan, demands: list[Demand], out: ChunkResult) -> No
             list(pool.map(one, demands))
 
 
-# a session's staged log entries in (last, reach]: the rows a publish moves
-_STAGED_PREFIX = ("source_position > %(last)s AND source_position <= %(reach)s AND source_site_id = %(source)s "
-                  "AND client_name = %(client)s AND sync_id IS NULL")
-
-
 def publish(plan: FanoutPlan, demand: Demand) -> tuple[int, int]:
     """Make the plan's staged ranges that continue the sink's position visible, in source order, in
     one fenced sink transaction; returns the sink's position after it and the entries published."""
@@ -197,21 +189,11 @@ def publish(plan: FanoutPlan, demand: Demand) -> tuple[int, int]:
                 reach, expected = hi, expected + entries
             if reach == last:
                 return last, 0
-            prefix = {"source": plan.source, "client": demand.client, "last": last, "reach": reach}
-            # the staging table has no statistics worth the name (rows come and go by the chunk): a
-            # sequential scan would read every session's packs and the dead ones of earlier publishes
-            cur.execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_sort = off; SET LOCAL enable_bitmapscan = off")
-            cur.execute(  # in the staging key's order: an index range scan, no sort of the packs
-                "WITH queued AS (INSERT INTO lr.receive_queue (source_site_id, client_name, kind, source_position, "
-                " source_entry_id, visible, entry_count, message) SELECT source_site_id, client_name, kind, "
-                " source_position, source_entry_id, true, entry_count, message FROM lr.spark_staging "
-                " WHERE " + _STAGED_PREFIX + " ORDER BY source_position, source_entry_id RETURNING entry_count) "
-                "SELECT coalesce(sum(entry_count), 0) FROM queued", prefix)
-            (moved,) = cur.fetchone()
+            moved = receive_queue.move_staged_log(cur, plan.source, demand.client, last, reach)
             if moved != expected:
                 raise StaleBatchError(f"{demand.session}: staged ({last}, {reach}] holds {moved} entries, its "
                                       f"ranges say {expected}; nothing published, rerun the fan-out")
-            cur.execute("DELETE FROM lr.spark_staging WHERE " + _STAGED_PREFIX, prefix)
+            receive_queue.drop_staged_log(cur, plan.source, demand.client, last, reach)
             write.advance(reach, moved > 0)
         return reach, int(moved)
     finally:

@@ -38,6 +38,7 @@ from psycopg2.extensions import AsIs
 from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.sink import writes
+from airflow_provider_lr.engine.store import receive_queue
 from airflow_provider_lr.engine.db.timeouts import lifted
 from airflow_provider_lr.engine.store.topology import Topology, config_id
 from airflow_provider_lr.engine.tables import sink as sink_tables
@@ -259,6 +260,4 @@ def _write(peer: psycopg2.extensions.connection, sink: psycopg2.extensions.conne
 
 
 def _empty_queue(cur: psycopg2.extensions.cursor, key: SessionKey) -> bool:
-    cur.execute("SELECT NOT EXISTS (SELECT 1 FROM lr.receive_queue WHERE source_site_id = %s AND client_name = %s)",
-                (key.source, key.client))
-    return cur.fetchone()[0]
+    return receive_queue.is_empty(cur, key.source, key.client)

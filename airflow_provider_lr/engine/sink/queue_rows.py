@@ -16,7 +16,7 @@ The rule (V0005):
   the last entry;
 * full-sync start and end markers are never packed;
 * a packed row also carries its entries' source positions, as runs (``positions``; rows written
-  before V0010 do not): a failover cuts a row at a position (``engine/site/failover``);
+  before V0010 do not): a failover cuts a row at a position (``engine/site/failover_reconcile``);
 * ``delivered``: how many leading entries of the row a subscriber has consumed (a delivery that
   ends inside a row advances it; the one that takes the rest deletes the row).
 

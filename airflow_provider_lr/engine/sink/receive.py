@@ -38,7 +38,8 @@ from google.protobuf.message import DecodeError
 
 from airflow_provider_lr.engine.errors import MalformedEntryError, one_line
 from airflow_provider_lr.engine.sink.queue_rows import unpack
-from airflow_provider_lr.engine.vocabulary import CONSUMER_LOCK_CLASS, receive_queue_name
+from airflow_provider_lr.engine.store import receive_queue
+from airflow_provider_lr.engine.vocabulary import receive_queue_name
 from airflow_provider_lr.proto import lr_pb2
 
 log = logging.getLogger(__name__)
@@ -277,10 +278,7 @@ class ReceiveQueueReader:
             else:
                 partial = (done, row.seq)
         with self.conn.cursor() as cur:
-            if finished:
-                cur.execute("DELETE FROM lr.receive_queue WHERE seq = ANY(%s)", (finished,))
-            if partial is not None:
-                cur.execute("UPDATE lr.receive_queue SET delivered = %s WHERE seq = %s", partial)
+            receive_queue.consume(cur, finished, partial)
 
     def _failed(
         self, listener: Listener, client: str, source: str, count: int, report: PassReport, what: str, exc: Exception
@@ -301,14 +299,8 @@ class ReceiveQueueReader:
         ``max_bytes`` of rows, at least one), in sink order; True with them when they are all the
         queue holds. Rows behind a snapshot still being transferred (an invisible row with a lower
         seq) wait for it, so full-sync data stays ahead."""
-        with self.conn.cursor() as cur:
-            cur.execute(  # one round trip: the lock, then (only if taken) the snapshot barrier
-                "SELECT locked, CASE WHEN locked THEN (SELECT min(seq) FROM lr.receive_queue "
-                "WHERE source_site_id = %s AND client_name = %s AND NOT visible) END "
-                "FROM (SELECT pg_try_advisory_xact_lock(%s, hashtext(%s)) AS locked) l",
-                (source, client, CONSUMER_LOCK_CLASS, receive_queue_name(client, source)),
-            )
-            locked, barrier = cur.fetchone()
+        with self.conn.cursor() as cur:  # one round trip: the lock, then (only if taken) the snapshot barrier
+            locked, barrier = receive_queue.lock_head(cur, source, client)
             if not locked:
                 self.conn.rollback()
                 return None
@@ -341,17 +333,13 @@ class ReceiveQueueReader:
                     return True, whole and n == len(fetched) - 1
             return whole, whole
 
-        select = ("SELECT seq, kind, entry_count, delivered, octet_length(message), "
-                  "CASE WHEN octet_length(message) <= %s THEN message END FROM lr.receive_queue "
-                  "WHERE client_name = %s AND source_site_id = %s AND visible{} ORDER BY seq")
-        params: tuple = (INLINE_BYTES, client, source)
         first = min(limit, HEAD_FETCH, most)
         with self.conn.cursor() as cur:  # the usual head, a few rows: one round trip
-            cur.execute(select.format("") + " LIMIT %s", params + (first,))
+            receive_queue.select_head(cur, source, client, INLINE_BYTES, limit=first)
             full, whole = take(cur.fetchall(), first)
         if not full:  # a longer head: a cursor over the delivery index, in order, after what was taken
             with self.conn.cursor(name="lr_receive_head") as cur:
-                cur.execute(select.format(" AND seq > %s"), params + (heads[-1][0],))
+                receive_queue.select_head(cur, source, client, INLINE_BYTES, after=heads[-1][0])
                 while not full:
                     per_row = max(1.0, (limit - wanted) / max(1, len(heads)))
                     size = min(most, max(1, math.ceil(wanted / per_row)))
@@ -360,8 +348,7 @@ class ReceiveQueueReader:
         wanted_large = [head[0] for head in heads if head[4] is None]
         if wanted_large:
             with self.conn.cursor() as cur:
-                cur.execute("SELECT seq, message FROM lr.receive_queue WHERE seq = ANY(%s)", (wanted_large,))
-                large = dict(cur.fetchall())
+                large = receive_queue.messages(cur, wanted_large)
         rows: list[_Row] = []
         for seq, kind, count, delivered, message in heads:
             if message is None:

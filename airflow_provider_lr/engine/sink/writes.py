@@ -1,8 +1,10 @@
 """The sink end of a session: its metadata, and every write into its receive queue.
 
 Each function is one sink transaction that first locks the session's metadata row and checks the
-writer's lease epoch (fencing: a replicator whose lease was taken over can never write again),
-then writes data and metadata together, so a crash anywhere leaves either both or neither.
+writer's lease epoch (fencing: a replicator whose lease was taken over can never write again:
+``store.sink_sessions.FencedTransaction``), then writes data and metadata together, so a crash
+anywhere leaves either both or neither. The statements are the stores' (``store.sink_sessions``,
+``store.receive_queue``); the rules of what a write may do are here.
 Log-entry batches are idempotent through ``last_log_entry_processed`` (a replay or an overlap
 writes only what is new); snapshot messages through the source entry id they end at.
 """
@@ -15,14 +17,14 @@ from typing import Iterable, Iterator, Sequence
 
 import psycopg2.extensions
 from psycopg2.extensions import AsIs
-from psycopg2.extras import execute_values
 
-from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, StaleBatchError
+from airflow_provider_lr.engine.errors import StaleBatchError
 from airflow_provider_lr.engine.sink.queue_rows import Packer
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogBatch, LogRecord, LogStream
+from airflow_provider_lr.engine.store import receive_queue, sink_sessions
 from airflow_provider_lr.engine.store.topology import config_id
 from airflow_provider_lr.engine.tables.sink import ChangeApplier, forget_session
-from airflow_provider_lr.engine.vocabulary import MALFORMED, NOTIFY_CHANNEL, SessionKey, receive_queue_name
+from airflow_provider_lr.engine.vocabulary import MALFORMED, NOTIFY_CHANNEL
 from airflow_provider_lr.engine.vocabulary import strip_destinations, wakeup_payload
 from airflow_provider_lr.proto import lr_pb2
 
@@ -54,12 +56,11 @@ class SinkMetadata:
         return BaseSplit(self.base_snapshot, self.base_upto)
 
 
-_COLUMNS = [f.name for f in fields(SinkMetadata) if f.name != "site_topology_config_id"]
-_SELECT = f"SELECT {', '.join(_COLUMNS)} FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s"
+assert sink_sessions.COLUMNS == tuple(f.name for f in fields(SinkMetadata) if f.name != "site_topology_config_id")
 
 
-def _metadata(row: tuple, site_topology: str | None = None) -> SinkMetadata:
-    values = dict(zip(_COLUMNS, row))
+def _metadata(row: sink_sessions.Row, site_topology: str | None = None) -> SinkMetadata:
+    values = dict(row)
     if values["snapshot_request_id"] is not None:
         values["snapshot_request_id"] = str(values["snapshot_request_id"])
     return SinkMetadata(**values, site_topology_config_id=site_topology)
@@ -67,27 +68,17 @@ def _metadata(row: tuple, site_topology: str | None = None) -> SinkMetadata:
 
 def metadata_in(cur: psycopg2.extensions.cursor, source: str, client: str) -> SinkMetadata | None:
     """The session's metadata as ``cur``'s transaction sees it (None: no such session); no row made."""
-    cur.execute(_SELECT, (source, client))
-    row = cur.fetchone()
+    row = sink_sessions.read(cur, source, client)
     return None if row is None else _metadata(row)
 
 
-def _sink_id(cur: psycopg2.extensions.cursor) -> str:
-    """This site's id, for messages."""
-    cur.execute("SELECT site_id FROM lr.site_info")
-    return (cur.fetchone() or ("this sink",))[0]
 
 
 def read_metadata(conn: psycopg2.extensions.connection, source: str, client: str) -> SinkMetadata:
     """The sink's metadata for a session (created on first contact), with the sink site's topology id."""
     try:
         with conn.cursor() as cur:
-            cur.execute(
-                "INSERT INTO lr.sink_sessions (source_site_id, client_name) VALUES (%s, %s) ON CONFLICT DO NOTHING",
-                (source, client),
-            )
-            cur.execute(_SELECT, (source, client))
-            row = cur.fetchone()
+            row = sink_sessions.read_or_create(cur, source, client)
             topo = config_id(cur)
         conn.commit()
         return _metadata(row, topo)
@@ -102,103 +93,30 @@ INSERT_BYTES = 4 << 20
 INSERT_ENTRIES = 4096
 
 
-class SinkTransaction:
-    """One fenced sink transaction: ``open`` locks the session row and checks the writer's lease
-    epoch (a replicator whose lease was taken over is refused before it writes anything), the
-    writes follow, then ``commit`` or ``abort``. As a context manager
-    (``with SinkTransaction(...) as (cur, meta)``) it commits on a clean exit and aborts on an
-    exception; the fan-out calls the methods itself, its transactions span a whole chunk's read."""
-
-    cur: psycopg2.extensions.cursor  # the transaction's cursor, from ``open`` on
-
-    def __init__(self, conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> None:
-        self.conn, self.source, self.client, self.epoch = conn, source, client, epoch
+class SinkTransaction(sink_sessions.FencedTransaction):
+    """One fenced sink transaction (``FencedTransaction``: the session row locked, a stale writer
+    refused) that gives the sink's metadata and writes the session's receive queue. As a context
+    manager (``with SinkTransaction(...) as (cur, meta)``) it commits on a clean exit and aborts on
+    an exception; the fan-out calls the methods itself, its transactions span a whole chunk's read."""
 
     def open(self) -> SinkMetadata:
-        """Lock the session's row (a concurrent writer of the session waits here), refuse a stale
-        epoch, raise the sink's epoch to ours; the sink's metadata as it stands under the lock."""
-        self.cur = self.conn.cursor()
-        try:
-            self.cur.execute(  # one round trip: the row made if missing, then locked and read
-                "INSERT INTO lr.sink_sessions (source_site_id, client_name) VALUES (%s, %s) ON CONFLICT DO NOTHING; "
-                + _SELECT + " FOR UPDATE",
-                (self.source, self.client, self.source, self.client),
-            )
-            meta = _metadata(self.cur.fetchone())
-            if meta.failed_over_to is not None:
-                here = _sink_id(self.cur)
-                raise FencedError(
-                    f"session {SessionKey(self.source, here, self.client)} was failed over: {self.client!r} now "
-                    f"comes from {meta.failed_over_to!r} (`lr failover`); {self.source!r} writes no more here, "
-                    f"whatever its epoch (rejoin it with `lr failover --rejoin {self.source}`)"
-                )
-            if meta.lease_epoch > self.epoch:
-                here = _sink_id(self.cur)
-                raise FencedError(
-                    f"session {SessionKey(self.source, here, self.client)}: lease epoch {self.epoch} is stale "
-                    f"(the sink has seen epoch {meta.lease_epoch}); another replicator owns this session",
-                    sink_epoch=meta.lease_epoch,
-                )
-            if meta.lease_epoch < self.epoch:
-                self.cur.execute(
-                    "UPDATE lr.sink_sessions SET lease_epoch = %s WHERE source_site_id = %s AND client_name = %s",
-                    (self.epoch, self.source, self.client),
-                )
-            return meta
-        except BaseException:
-            self.cur.close()
-            if not self.conn.closed:
-                self.conn.rollback()
-            raise
-
-    def commit(self) -> None:
-        """Make data and metadata visible together."""
-        try:
-            self.conn.commit()
-        finally:
-            self.cur.close()
-
-    def abort(self) -> None:
-        """Roll back: nothing of the transaction becomes visible."""
-        try:
-            if not self.conn.closed:  # a lost server: keep its error, not the rollback's
-                self.conn.rollback()
-        finally:
-            self.cur.close()
+        """Lock the session's row, refuse a stale epoch, raise the sink's epoch to ours; the sink's
+        metadata as it stands under the lock."""
+        return _metadata(super().open())
 
     def __enter__(self) -> tuple[psycopg2.extensions.cursor, SinkMetadata]:
-        meta = self.open()
-        return self.cur, meta
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
-
-    def update(self, **values: object) -> None:
-        sets = ", ".join(f"{k} = %s" for k in values)
-        self.cur.execute(
-            f"UPDATE lr.sink_sessions SET {sets}, updated_at = now() WHERE source_site_id = %s AND client_name = %s",
-            (*values.values(), self.source, self.client),
-        )
+        return super().__enter__()
 
     def advance(self, end: int, wrote: bool, register: bool = True) -> None:
         """Record a log-entry batch's end; when it ``wrote`` entries, also register the queue (see
         ``announce``) and wake the subscribers at commit: position and wake-up in one round trip."""
         if wrote and register:
             self.register()
-        wake = "; SELECT pg_notify(%s, %s)" if wrote else ""
-        self.cur.execute(
-            "UPDATE lr.sink_sessions SET last_log_entry_processed = %s, updated_at = now() "
-            "WHERE source_site_id = %s AND client_name = %s" + wake,
-            (end, self.source, self.client) + ((NOTIFY_CHANNEL, wakeup_payload(self.client, self.source)) if wrote else ()),
-        )
+        self.advance_to(end, (NOTIFY_CHANNEL, wakeup_payload(self.client, self.source)) if wrote else None)
 
     def metadata(self) -> SinkMetadata:
         """The session's metadata as this transaction has just written it: what the caller goes on from."""
-        self.cur.execute(_SELECT, (self.source, self.client))
-        return _metadata(self.cur.fetchone())
+        return _metadata(self.row())
 
     def insert(self, entries: Iterable[tuple[int, int, int, bytes]], sync_id: str | None = None,
                visible: bool = True) -> int:
@@ -207,63 +125,23 @@ class SinkTransaction:
 
         ``entries`` may be a stream (``LogStream``): rows are sent every ``INSERT_BYTES`` (or
         ``INSERT_ENTRIES``) in this same transaction, so a batch of any size costs a few MiB here."""
-        rows: list[tuple] = []
-        packer = Packer(lambda r: rows.append((self.source, self.client, r.kind, r.position, r.entry_id, sync_id,
-                                               visible, r.count, psycopg2.Binary(r.message))))
+        writer = receive_queue.QueueWriter(self.source, self.client, sync_id, visible)
+        packer = Packer(writer.add)
         waiting = 0  # bytes added since the last flush
         for entry in entries:
             packer.add(*entry)
             waiting += len(entry[3])
             if waiting >= INSERT_BYTES or len(packer.pending) >= INSERT_ENTRIES:
                 packer.flush(final=False)  # the unfinished last pack waits for more
-                self._send(rows)
+                writer.send(self.cur)
                 waiting = sum(len(p[0]) for p in packer.pending)
         packer.flush()
-        self._send(rows)
+        writer.send(self.cur)
         return packer.entries
 
-    def _send(self, rows: list[tuple]) -> None:
-        """INSERT the formed rows (then forget them)."""
-        if not rows:
-            return
-        execute_values(
-            self.cur,
-            "INSERT INTO lr.receive_queue (source_site_id, client_name, kind, source_position, source_entry_id, "
-            "sync_id, visible, entry_count, message) VALUES %s",
-            rows,
-            template="(%s, %s, %s, %s, %s, %s::uuid, %s, %s, %s)",
-            page_size=1000,
-        )
-        rows.clear()
-
     def register(self) -> None:
-        """Register the receive queue so subscribers discover it by prefix (idempotent). A name
-        once registered for another session (client ``a_b`` from ``c``, then client ``a`` from
-        ``b_c`` in a later topology) is taken over when nothing of that session waits in the
-        queue; otherwise the write is refused: registering nothing would hide this session's
-        data from its subscribers."""
-        name = receive_queue_name(self.client, self.source)
-        self.cur.execute(
-            "INSERT INTO lr.registry (stream_name, kind, stream_tags, source_site_id, client_name) "
-            "VALUES (%s, 'receive_queue', ARRAY[%s], %s, %s) ON CONFLICT (stream_name) DO NOTHING",
-            (name, f"lrq_recv_{self.client}", self.source, self.client),
-        )
-        self.cur.execute("SELECT source_site_id, client_name FROM lr.registry WHERE stream_name = %s", (name,))
-        owner = tuple(self.cur.fetchone())
-        if owner == (self.source, self.client):
-            return
-        self.cur.execute("SELECT 1 FROM lr.receive_queue WHERE source_site_id = %s AND client_name = %s LIMIT 1", owner)
-        if self.cur.fetchone() is not None:
-            raise ConfigurationError(
-                f"receive queue {name!r} on this sink still holds entries of client {owner[1]!r} from {owner[0]!r}; "
-                f"client {self.client!r} from {self.source!r} would get the same queue name. Let the subscribers "
-                "drain it, or rename the client or site (avoid '_' in their names)"
-            )
-        self.cur.execute(
-            "UPDATE lr.registry SET kind = 'receive_queue', stream_tags = ARRAY[%s], source_site_id = %s, "
-            "client_name = %s WHERE stream_name = %s",
-            (f"lrq_recv_{self.client}", self.source, self.client, name),
-        )
+        """Register the receive queue so subscribers discover it (``receive_queue.register``)."""
+        receive_queue.register(self.cur, self.source, self.client)
 
     def announce(self) -> None:
         """Register the receive queue (first write after any restart) and wake subscribers at commit."""
@@ -297,9 +175,8 @@ def discard_unapplied(cur: psycopg2.extensions.cursor, source: str, client: str)
     """Drop what the session holds on this sink that was never made visible: the rows of a full sync
     not applied (they stay invisible unless it is) and what Spark jobs staged (``discard_staged``).
     Called inside the session's fenced sink transaction when that data can no longer be applied: a
-    newer sync starts, or the session is failed over (``site.failover``)."""
-    cur.execute("DELETE FROM lr.receive_queue WHERE source_site_id = %s AND client_name = %s AND NOT visible",
-                (source, client))
+    newer sync starts, or the session is failed over (``site.failover_reconcile``)."""
+    receive_queue.discard_invisible(cur, source, client)
     discard_staged(cur, source, client)
 
 
@@ -397,11 +274,7 @@ def apply_snapshot(conn: psycopg2.extensions.connection, source: str, client: st
             raise StaleBatchError(f"snapshot {meta.snapshot_request_id} of {source}/{client} is not fully transferred")
         if meta.snapshot_applied == meta.snapshot_started and meta.data_consistent:
             return meta
-        cur.execute(
-            "UPDATE lr.receive_queue SET visible = true "
-            "WHERE source_site_id = %s AND client_name = %s AND sync_id = %s AND NOT visible",
-            (source, client, meta.snapshot_request_id),
-        )
+        receive_queue.make_visible(cur, source, client, meta.snapshot_request_id)
         discard_staged(cur, source, client)  # a Spark transfer of it abandoned, then the sync moved in process
         write.update(
             snapshot_applied=meta.snapshot_started,

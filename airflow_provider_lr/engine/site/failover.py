@@ -34,89 +34,47 @@ Each step commits on one site and is repeated safely: a re-run of the same failo
 ``lr.failovers`` on B and each sink's ``failover_note`` (docs/crash-windows.md rows 16-18).
 A planned switchover (A reachable) first applies the new topology on A, so A's writers of K are
 refused, and drains A's log into every sink of K, so the cut loses nothing.
+
+Here: the entry points (``promote``, ``rejoin``), the new topology, steps 1-2 and the drain. Step 3
+is ``site/failover_reconcile``, step 4 on a returning site ``site/failover_rejoin``; the record in
+``lr.failovers``, the results and the connections to the sites are ``site/failover_record``.
 """
 from __future__ import annotations
 
 import json
 import logging
 import uuid
-from bisect import bisect_right
-from dataclasses import dataclass, field
-from typing import Callable
 
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError, LRError, SiteUnreachableError, listing, one_line
+from airflow_provider_lr.engine.db.topology_schema import Origin
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError, SiteUnreachableError
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.sink.queue_rows import positions, repack, unpack
-from airflow_provider_lr.engine.store import topology as topologies
+from airflow_provider_lr.engine.store import topology as topology_model
+from airflow_provider_lr.engine.site.failover_reconcile import reconcile
+from airflow_provider_lr.engine.site.failover_record import (
+    Connect,
+    FailoverResult,
+    complete,
+    failovers,
+    finished,
+    reach,
+    read_record,
+    try_connect,
+)
+from airflow_provider_lr.engine.site.failover_rejoin import RejoinResult, rejoin_site
 from airflow_provider_lr.engine.site.topology import apply_to_site
 from airflow_provider_lr.engine.store.topology import Replication, Topology, recorded_id
-from airflow_provider_lr.engine.db.topology_schema import Origin
-from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, commit_barrier
 from airflow_provider_lr.engine.source.log_reader import LogReader
-from airflow_provider_lr.engine.tables import handover, registry
+from airflow_provider_lr.engine.store import sink_sessions, source_sessions
+from airflow_provider_lr.engine.tables import handover
 from airflow_provider_lr.engine.tables import snapshot as table_snapshot
-from airflow_provider_lr.engine.vocabulary import (
-    RECONCILING_SETTING,
-    STREAM_LOG_ENTRIES,
-    STREAM_TABLE_CHANGES,
-    FailoverStatus,
-    SessionKey,
-    SessionState,
-)
-from airflow_provider_lr.proto import lr_pb2
+from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, FailoverStatus, SessionKey, SessionState
 
 log = logging.getLogger(__name__)
-
-Connect = Callable[[str], psycopg2.extensions.connection]
-
-
-@dataclass
-class FailoverResult:
-    """What a failover did; ``outcome`` says, per sink, what reconciling it did (per client)."""
-
-    failover_id: str
-    from_site: str
-    to_site: str
-    clients: list[str]
-    positions: dict[str, int]  # client -> pB, the cut of the old source's stream
-    base: int  # the promoted site's commit position its new sessions start after
-    topology: Topology
-    reason: str = ""
-    planned: bool = False
-    resumed: bool = False
-    outcome: dict[str, dict[str, str]] = field(default_factory=dict)
-    full_syncs: list[str] = field(default_factory=list)  # sessions sent to a full sync from the new source
-    applied: list[str] = field(default_factory=list)  # sites that now have the new topology
-    pending: list[str] = field(default_factory=list)  # reachable later: `lr failover --rejoin SITE`
-    tail: dict[str, int] = field(default_factory=dict)  # planned: what the old source committed after the cut
-    tables: dict[str, list[str]] = field(default_factory=dict)  # client -> federated tables the new source captures
-    diverged: list[str] = field(default_factory=list)  # tables whose replication stops (allow_table_divergence)
-
-    @property
-    def lost(self) -> str:
-        if self.planned:
-            return (f"nothing: {self.from_site} was drained into every sink before the cut"
-                    + (f" (but it committed {listing(self.tail)} after the switch)" if any(self.tail.values()) else ""))
-        return (f"whatever {self.from_site} committed for {', '.join(self.clients)} after position(s) "
-                f"{listing(self.positions)} that {self.to_site} had not received; `lr failover --rejoin {self.from_site}` "
-                "counts it when it returns")
-
-
-@dataclass
-class RejoinResult:
-    site: str
-    failover_id: str
-    topology_config_id: str
-    retired: list[str]  # the site's sessions of the failed-over clients, removed
-    tail: dict[str, int]  # client -> entries it committed after the cut that nobody received
-    table_tail: dict[str, int] = field(default_factory=dict)  # client -> table change entries likewise (replaced)
-    guarded: list[str] = field(default_factory=list)  # its tables of the clients, now refused to its writers
-
 
 # --- the new topology -----------------------------------------------------------------------------
 def derive(topology: Topology, from_site: str, to_site: str, clients: list[str] | None = None) -> tuple[Topology, list[str]]:
@@ -150,7 +108,7 @@ def derive(topology: Topology, from_site: str, to_site: str, clients: list[str] 
     new = [Replication(to_site, sinks, tuple(cs)) for sinks, cs in groups.items()]
     doc = {**topology.document,
            "replication": [{"source": r.source, "sinks": list(r.sinks), "clients": list(r.clients)} for r in kept + new]}
-    return topologies.from_document(doc, Origin(f"the topology after failing {from_site} over to {to_site}")), wanted
+    return topology_model.from_document(doc, Origin(f"the topology after failing {from_site} over to {to_site}")), wanted
 
 
 def only_source(topology: Topology, sink: str) -> str:
@@ -181,18 +139,18 @@ def promote(from_site: str, to_site: str, connect: Connect, topology: Topology |
         topology.site(from_site), topology.site(to_site)  # an unknown site is refused before any connection
     conns: dict[str, psycopg2.extensions.connection] = {}
     try:
-        new = _reach(connect, to_site, conns, "the site to promote")
-        record = _record(new, from_site, FailoverStatus.PROMOTED) or _finished(new, from_site)
+        new = reach(connect, to_site, conns, "the site to promote")
+        record = read_record(new, from_site, FailoverStatus.PROMOTED) or finished(new, from_site)
         if record is not None:
-            target = topologies.from_document(record["topology"], Origin("the failover recorded on the promoted site"))
+            target = topology_model.from_document(record["topology"], Origin("the failover recorded on the promoted site"))
             wanted = list(record["clients"])
         else:
-            current = topology or topologies.from_site(new)
+            current = topology or topology_model.from_site(new)
             target, wanted = derive(current, from_site, to_site, clients)
         sinks = _involved(target, from_site, to_site, wanted)
         for sink in sinks:
-            _reach(connect, sink, conns, f"a sink of {from_site!r} for {', '.join(wanted)}")
-        old = _try(connect, from_site, conns)
+            reach(connect, sink, conns, f"a sink of {from_site!r} for {', '.join(wanted)}")
+        old = try_connect(connect, from_site, conns)
         planned = (old is not None) if planned is None else planned
         if planned and old is None:
             raise SiteUnreachableError(f"site {from_site!r} cannot be reached: a planned switchover drains it first; "
@@ -220,12 +178,12 @@ def promote(from_site: str, to_site: str, connect: Connect, topology: Topology |
                                 diverged=diverged or list(record["outcome"].get("diverged", [])))
         result.outcome[to_site] = {c: "promoted: the new source" for c in wanted}
         for sink in sinks:
-            result.outcome[sink] = _reconcile(conns[sink], new, sink, result, same_destinations)
+            result.outcome[sink] = reconcile(conns[sink], new, sink, result, same_destinations)
             fault_point("failover_after_reconcile")
         result.full_syncs = [str(SessionKey(to_site, s, c)) for s, notes in result.outcome.items()
                              for c, note in notes.items() if "full sync" in note]
         for site in sorted(target.sites):
-            conn = conns.get(site) or _try(connect, site, conns)
+            conn = conns.get(site) or try_connect(connect, site, conns)
             if conn is None:
                 result.pending.append(site)
             elif site == from_site:
@@ -236,21 +194,12 @@ def promote(from_site: str, to_site: str, connect: Connect, topology: Topology |
                     apply_to_site(conn, target, site)
                 result.applied.append(site)
         result.tail = tail
-        _complete(new, result)
+        complete(new, result)
         return result
     finally:
         for conn in conns.values():
             if not conn.closed:
                 conn.close()
-
-
-def _reach(connect: Connect, site: str, conns: dict, role: str) -> psycopg2.extensions.connection:
-    conn = _try(connect, site, conns)
-    if conn is None:
-        raise SiteUnreachableError(f"site {site!r} ({role}) cannot be reached: a failover needs the promoted site "
-                                   "and every sink involved; nothing was done on this run (run it again when it is up)")
-    return conn
-
 
 def _untaken_tables(conns: dict, from_site: str, to_site: str, sinks: list[str], clients: list[str],
                     allowed: bool) -> list[str]:
@@ -272,70 +221,13 @@ def _untaken_tables(conns: dict, from_site: str, to_site: str, sinks: list[str],
             "allow it (--allow-table-divergence: lr status then marks them DIVERGED); nothing was done")
     return found
 
-
-def _try(connect: Connect, site: str, conns: dict) -> psycopg2.extensions.connection | None:
-    if site in conns:
-        return conns[site]
-    try:
-        conns[site] = connect(site)
-    except (psycopg2.Error, SiteUnreachableError) as exc:
-        log.info("site %s cannot be reached: %s", site, one_line(exc))
-        return None
-    return conns[site]
-
-
-_RECORD_COLUMNS = ("failover_id", "from_site_id", "to_site_id", "clients", "positions", "base_position",
-                   "topology", "reason", "status", "outcome")
-
-
-def _record(conn: psycopg2.extensions.connection, from_site: str, status: str | None = None) -> dict | None:
-    """The newest failover of ``from_site`` recorded on this site (with that ``status``)."""
-    with conn.cursor() as cur:
-        cur.execute(
-            f"SELECT {', '.join(_RECORD_COLUMNS)} FROM lr.failovers WHERE from_site_id = %s "
-            "AND (%s::text IS NULL OR status = %s) ORDER BY started_at DESC LIMIT 1",
-            (from_site, status, status),
-        )
-        row = cur.fetchone()
-    conn.commit()
-    if row is None:
-        return None
-    record = dict(zip(_RECORD_COLUMNS, row))
-    record["failover_id"] = str(record["failover_id"])
-    return record
-
-
-def _finished(conn: psycopg2.extensions.connection, from_site: str) -> dict | None:
-    """The completed failover whose topology this site still runs: a re-run replays it (no-op)."""
-    record = _record(conn, from_site, FailoverStatus.COMPLETED)
-    if record is None:
-        return None
-    applied = topologies.from_document(record["topology"], Origin("the failover recorded on the promoted site"))
-    return record if applied.topology_config_id == recorded_id(conn) else None
-
-
-def failovers(conn: psycopg2.extensions.connection) -> list[dict]:
-    """Every failover recorded on this site, newest first (``lr status``, the docs' history)."""
-    with conn.cursor() as cur:
-        cur.execute(f"SELECT {', '.join(_RECORD_COLUMNS)}, started_at, completed_at FROM lr.failovers "
-                    "ORDER BY started_at DESC")
-        rows = [dict(zip((*_RECORD_COLUMNS, "started_at", "completed_at"), r)) for r in cur.fetchall()]
-    conn.commit()
-    return rows
-
-
 def _fence(conn: psycopg2.extensions.connection, from_site: str, to_site: str, fid: str, clients: list[str]) -> None:
     """Close the sink's sessions from the old source to every writer (a raised epoch alone would not
     do: a replicator that holds its source's lease moves its epoch past a sink's). Idempotent; a
     session already reconciled keeps its note."""
     with conn.cursor() as cur:
-        cur.execute(
-            "UPDATE lr.sink_sessions SET failed_over_to = %s, failover_id = %s, lease_epoch = lease_epoch + 1, "
-            "updated_at = now() WHERE source_site_id = %s AND client_name = ANY (%s) AND failover_note IS NULL",
-            (to_site, fid, from_site, clients),
-        )
+        sink_sessions.fence_failed_over(cur, from_site, to_site, fid, clients)
     conn.commit()
-
 
 def _promote(conn: psycopg2.extensions.connection, from_site: str, to_site: str, fid: str, clients: list[str],
              target: Topology, reason: str, planned: bool, diverged: list[str]) -> dict:
@@ -346,10 +238,7 @@ def _promote(conn: psycopg2.extensions.connection, from_site: str, to_site: str,
         with conn.cursor() as cur:
             cuts = {}
             for client in clients:
-                cur.execute(
-                    "SELECT last_log_entry_processed, data_consistent FROM lr.sink_sessions "
-                    "WHERE source_site_id = %s AND client_name = %s FOR UPDATE", (from_site, client))
-                row = cur.fetchone()
+                row = sink_sessions.lock_cut(cur, from_site, client)
                 if row is None or not row[1]:
                     raise ConfigurationError(
                         f"site {to_site!r} holds no consistent copy of {from_site!r}'s client {client!r} (no session, "
@@ -359,18 +248,12 @@ def _promote(conn: psycopg2.extensions.connection, from_site: str, to_site: str,
             cur.execute(LAST_DRAWN_POSITION_SQL)
             base = cur.fetchone()[0]
             apply_to_site(conn, target, to_site, commit=False)
-            cur.execute(
-                "UPDATE lr.source_sessions SET state = %s, base_position = %s, acked_position = %s, updated_at = now() "
-                "WHERE client_name = ANY (%s) AND sink_site_id <> %s AND acked_position = -1",
-                (SessionState.IN_LOG_ENTRY_SYNC, base, base, clients, from_site),
-            )
+            # the new source's sessions in log-entry sync from the base
+            source_sessions.start_unstarted(cur, clients, from_site, SessionState.IN_LOG_ENTRY_SYNC, base)
             # its federated tables of the clients: captured here from now on (the topology gave them sinks)
             tables = {c: [str(t.table) for t in handover.take_over(cur, from_site, c)] for c in clients}
-            cur.execute(
-                "UPDATE lr.sink_sessions SET failed_over_to = %s, failover_id = %s, failover_note = %s, "
-                "lease_epoch = lease_epoch + 1, updated_at = now() WHERE source_site_id = %s AND client_name = ANY (%s)",
-                (to_site, fid, f"promoted: {to_site} is the new source (cut of {from_site}'s stream)", from_site, clients),
-            )
+            note = f"promoted: {to_site} is the new source (cut of {from_site}'s stream)"
+            sink_sessions.close_promoted(cur, from_site, to_site, fid, note, clients)
             cur.execute(
                 "INSERT INTO lr.failovers (failover_id, from_site_id, to_site_id, clients, positions, base_position, "
                 "topology_config_id, topology, reason, outcome) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
@@ -381,183 +264,9 @@ def _promote(conn: psycopg2.extensions.connection, from_site: str, to_site: str,
     except BaseException:
         conn.rollback()
         raise
-    record = _record(conn, from_site, FailoverStatus.PROMOTED)
+    record = read_record(conn, from_site, FailoverStatus.PROMOTED)
     assert record is not None
     return record
-
-
-def _complete(conn: psycopg2.extensions.connection, result: FailoverResult) -> None:
-    outcome = {"planned": result.planned, "sinks": result.outcome, "pending": result.pending, "tail": result.tail,
-               "tables": result.tables, "diverged": result.diverged}
-    with conn.cursor() as cur:
-        cur.execute(
-            "UPDATE lr.failovers SET status = %s, outcome = %s, completed_at = coalesce(completed_at, now()) "
-            "WHERE failover_id = %s",
-            (FailoverStatus.COMPLETED, json.dumps(outcome), result.failover_id),
-        )
-    conn.commit()
-
-
-# --- reconcile a sink -----------------------------------------------------------------------------
-class _FullSync(Exception):
-    """Reconciling a session by entries is impossible: why (the full sync request's reason)."""
-
-
-def _reconcile(conn: psycopg2.extensions.connection, new: psycopg2.extensions.connection, sink: str,
-               result: FailoverResult, same_destinations: bool) -> dict[str, str]:
-    """One transaction on the sink: every failed-over client's session from the old source cut at
-    pB (extras removed, or the gap copied), its session from the new source set at the base, the
-    new topology. Where cutting is impossible a full sync from the new source is requested (on the
-    new source, first) with the reason. What the old session holds unapplied (a full sync's rows,
-    what Spark jobs staged) is dropped.
-    Idempotent: a session reconciled before keeps its note."""
-    old, to = result.from_site, result.to_site
-    notes: dict[str, str] = {}
-    federated = {client: registry.federated_tables(new, client) for client in result.clients}
-    try:
-        with conn.cursor() as cur:
-            cur.execute("SELECT set_config(%s, 'on', true)", (RECONCILING_SETTING,))
-            for client in result.clients:
-                cut = result.positions[client]
-                cur.execute(
-                    "SELECT last_log_entry_processed, data_consistent, snapshot_applied, failover_note, failover_id "
-                    "FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s FOR UPDATE", (old, client))
-                row = cur.fetchone()
-                writes.discard_unapplied(cur, old, client)  # fenced: its unapplied sync and staged data never apply
-                if row is None:
-                    notes[client] = f"nothing of {old} held: first contact with {to} (full sync)"
-                    continue
-                last, consistent, applied, note, fid = row
-                if note is not None and str(fid) == result.failover_id:
-                    notes[client] = note
-                    continue
-                try:
-                    if not consistent or applied > cut:
-                        raise _FullSync(f"{sink} {'had not applied its full sync' if not consistent else f'applied a full sync at {applied}'} "
-                                        f"from {old}, beyond {to}'s position {cut}")
-                    if last > cut:
-                        note = _remove_extras(cur, sink, result, client, cut)
-                    elif last < cut:
-                        note = _copy_gap(cur, new, sink, result, client, last, cut, same_destinations)
-                    else:
-                        note = f"at {to}'s position {cut}: nothing moved"
-                    _start_at_base(cur, result, client)
-                    position = cut
-                except _FullSync as why:
-                    reason = f"failover: {why}"
-                    full_sync.request_full_sync(new, sink, client, reason=reason, forced=True)
-                    note, position = f"full sync from {to} requested ({reason})", last
-                tables = handover.follow(cur, old, to, client, federated[client])
-                note += "".join(f"; table {name}: {what}" for name, what in tables.items())
-                cur.execute(
-                    "UPDATE lr.sink_sessions SET failed_over_to = %s, failover_id = %s, failover_note = %s, "
-                    "last_log_entry_processed = %s, lease_epoch = lease_epoch + 1, updated_at = now() "
-                    "WHERE source_site_id = %s AND client_name = %s",
-                    (to, result.failover_id, note, position, old, client),
-                )
-                notes[client] = note
-            apply_to_site(conn, result.topology, sink, commit=False)
-        conn.commit()
-    except BaseException:
-        conn.rollback()
-        raise
-    return notes
-
-
-def _consumed(cur: psycopg2.extensions.cursor, source: str, client: str) -> int:
-    """The highest position of ``source``'s entries this site's applications consumed whole."""
-    cur.execute("SELECT position FROM lr.receive_consumed WHERE source_site_id = %s AND client_name = %s",
-                (source, client))
-    row = cur.fetchone()
-    return row[0] if row else -1
-
-
-def _rows_after(cur: psycopg2.extensions.cursor, source: str, client: str, after: int) -> list[tuple]:
-    """The visible rows of a session's queue that hold entries after ``after``: (seq, kind, count,
-    delivered, entry id, each entry's position or None, entries)."""
-    cur.execute(
-        "SELECT seq, kind, entry_count, delivered, source_position, source_entry_id, message FROM lr.receive_queue "
-        "WHERE source_site_id = %s AND client_name = %s AND visible AND source_position > %s ORDER BY seq",
-        (source, client, after),
-    )
-    rows = []
-    for seq, kind, count, delivered, position, entry_id, message in cur.fetchall():
-        message = bytes(message)
-        rows.append((seq, kind, count, delivered, entry_id, positions(count, message, position), unpack(count, message)))
-    return rows
-
-
-def _remove_extras(cur: psycopg2.extensions.cursor, sink: str, result: FailoverResult, client: str, cut: int) -> str:
-    old, to = result.from_site, result.to_site
-    consumed = _consumed(cur, old, client)
-    if consumed > cut:
-        raise _FullSync(f"{sink} had consumed entries of {old} beyond {to}'s position {cut} (up to {consumed})")
-    rows, removed = _rows_after(cur, old, client, cut), 0
-    plan = []
-    for seq, kind, count, delivered, _, where, entries in rows:
-        if kind != lr_pb2.LOG_ENTRY_SYNC:
-            raise _FullSync(f"{sink} holds full-sync data of {old} beyond {to}'s position {cut}")
-        if where is None:
-            raise _FullSync(f"a receive-queue row of {sink} written before V0010 holds entries on both sides of "
-                            f"{to}'s position {cut}")
-        keep = bisect_right(where, cut)
-        if delivered > keep:
-            raise _FullSync(f"{sink} had consumed entries of {old} beyond {to}'s position {cut}")
-        plan.append((seq, keep, where, entries))
-    for seq, keep, where, entries in plan:
-        removed += len(entries) - keep
-        if keep == 0:
-            cur.execute("DELETE FROM lr.receive_queue WHERE seq = %s", (seq,))
-        else:
-            cur.execute("UPDATE lr.receive_queue SET entry_count = %s, source_position = %s, message = %s WHERE seq = %s",
-                        (keep, where[keep - 1], psycopg2.Binary(repack(entries[:keep], where[:keep])), seq))
-    return f"{removed} extra entries of {old} beyond {to}'s position {cut} removed, unconsumed"
-
-
-def _copy_gap(cur: psycopg2.extensions.cursor, new: psycopg2.extensions.connection, sink: str,
-              result: FailoverResult, client: str, last: int, cut: int, same_destinations: bool) -> str:
-    old, to = result.from_site, result.to_site
-    if not same_destinations:
-        raise _FullSync(f"{sink} lacks {old}'s entries in ({last}, {cut}] and {to} cannot tell which of its own were "
-                        f"addressed to {sink} (a sink's copy carries no destinations)")
-    with new.cursor() as src:
-        if _consumed(src, old, client) > last:
-            new.commit()
-            raise _FullSync(f"{sink} lacks {old}'s entries in ({last}, {cut}] and {to}'s applications consumed some")
-        rows = _rows_after(src, old, client, last)
-    new.commit()
-    gap = []
-    for _, kind, count, delivered, entry_id, where, entries in rows:
-        if kind != lr_pb2.LOG_ENTRY_SYNC or where is None:
-            raise _FullSync(f"{sink} lacks {old}'s entries in ({last}, {cut}] and {to} holds them only as a full sync "
-                            "or in a row written before V0010")
-        first = bisect_right(where, last)
-        if delivered > first:
-            raise _FullSync(f"{sink} lacks {old}'s entries in ({last}, {cut}] and {to}'s applications consumed some")
-        gap += [(kind, p, entry_id, e) for p, e in zip(where[first:], entries[first:]) if p <= cut]
-    copy = writes.SinkTransaction(cur.connection, old, client, 0)
-    copy.cur = cur  # this reconciling transaction: the session row is locked already
-    copy.insert(gap)
-    if gap:
-        copy.announce()
-    return f"{len(gap)} entries of {old} in ({last}, {cut}] copied from {to} (nothing it already held)"
-
-
-def _start_at_base(cur: psycopg2.extensions.cursor, result: FailoverResult, client: str) -> None:
-    """The sink's session from the new source, consistent at the base: log-entry sync from there."""
-    base = result.base
-    cur.execute(
-        "INSERT INTO lr.sink_sessions (source_site_id, client_name, topology_config_id, snapshot_started, "
-        "snapshot_transferred, snapshot_applied, last_log_entry_processed, data_consistent) "
-        "VALUES (%s, %s, %s, %s, %s, %s, %s, true) ON CONFLICT (source_site_id, client_name) DO UPDATE SET "
-        "topology_config_id = EXCLUDED.topology_config_id, snapshot_started = EXCLUDED.snapshot_started, "
-        "snapshot_transferred = EXCLUDED.snapshot_transferred, snapshot_applied = EXCLUDED.snapshot_applied, "
-        "last_log_entry_processed = EXCLUDED.last_log_entry_processed, data_consistent = true, "
-        "snapshot_request_id = NULL, base_snapshot = NULL, base_upto = NULL, failed_over_to = NULL, "
-        "failover_id = NULL, failover_note = NULL, updated_at = now()",
-        (result.to_site, client, result.topology.topology_config_id, base, base, base, base),
-    )
-
 
 # --- planned: drain the old source first -----------------------------------------------------------
 def _drain(old: psycopg2.extensions.connection, conns: dict, from_site: str, sinks: list[str], clients: list[str],
@@ -611,10 +320,10 @@ def rejoin(site: str, connect: Connect, topology: Topology) -> RejoinResult:
     its sessions of the failed-over clients are retired and its unreplicated tail is counted."""
     conns: dict[str, psycopg2.extensions.connection] = {}
     try:
-        conn = _reach(connect, site, conns, "the site to rejoin")
+        conn = reach(connect, site, conns, "the site to rejoin")
         found: list[dict] = []
         for other in sorted(set(topology.sites) - {site}):
-            peer = _try(connect, other, conns)
+            peer = try_connect(connect, other, conns)
             if peer is not None:
                 found += [r for r in failovers(peer) if r["to_site_id"] == other]
         if not found:
@@ -627,37 +336,3 @@ def rejoin(site: str, connect: Connect, topology: Topology) -> RejoinResult:
         for conn in conns.values():
             if not conn.closed:
                 conn.close()
-
-
-def rejoin_site(conn: psycopg2.extensions.connection, site: str, record: dict) -> RejoinResult:
-    """Apply a failover's topology on ``site`` (one transaction); on its old source, first count what
-    it committed for the clients after the cut (nobody received it: reported, not replicated)."""
-    target = topologies.from_document(record["topology"], Origin("the failover recorded on the promoted site"))
-    tail: dict[str, int] = {}
-    table_tail: dict[str, int] = {}
-    retired: list[str] = []
-    guarded: list[str] = []
-    try:
-        with conn.cursor() as cur:
-            if record["from_site_id"] == site:
-                for client in record["clients"]:
-                    cut = record["positions"][client]
-                    cur.execute(
-                        "SELECT count(*) FILTER (WHERE e.stream = %s), count(*) FILTER (WHERE e.stream = %s) "
-                        "FROM lr.log_entries e JOIN lr.log_commits c ON c.tx = e.tx "
-                        "JOIN lr.clients k ON k.client_id = e.client_id WHERE k.client_name = %s AND c.position > %s",
-                        (STREAM_LOG_ENTRIES, STREAM_TABLE_CHANGES, client, cut))
-                    tail[client], table_tail[client] = cur.fetchone()
-                cur.execute("SELECT sink_site_id, client_name FROM lr.source_sessions WHERE client_name = ANY (%s) "
-                            "ORDER BY 1, 2", (list(record["clients"]),))
-                retired = [str(SessionKey(site, s, c)) for s, c in cur.fetchall()]
-            apply_to_site(conn, target, site, commit=False)
-            if record["from_site_id"] == site:  # a sink of its tables now: the new source's snapshot replaces them
-                taken = record["outcome"].get("tables", {})
-                for client in record["clients"]:
-                    guarded += handover.retire(cur, client, record["to_site_id"], taken.get(client, []))
-        conn.commit()
-    except BaseException:
-        conn.rollback()
-        raise
-    return RejoinResult(site, record["failover_id"], target.topology_config_id, retired, tail, table_tail, guarded)

@@ -14,7 +14,7 @@ from airflow_provider_lr.engine.store.topology import TopologyDrift, drift
 from airflow_provider_lr.engine.source import delivery
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, holdback
 from airflow_provider_lr.engine.source.backlog import readiness, session_backlogs
-from airflow_provider_lr.engine.store import source_sessions
+from airflow_provider_lr.engine.store import receive_queue, sink_sessions, source_sessions
 from airflow_provider_lr.engine.store.topology import Topology, config_id
 from airflow_provider_lr.engine.tables import handover
 from airflow_provider_lr.engine.tables.registry import is_closed
@@ -97,9 +97,7 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
         result.full_sync_requests = [dict(zip(keys, r)) for r in cur.fetchall()]
         last_ok = source_sessions.last_success_ages(cur) if version >= 7 else {}
         if version >= 10:  # a sink's session from a source its clients failed over from: closed for good
-            cur.execute("SELECT source_site_id, client_name, failed_over_to, failover_note FROM lr.sink_sessions "
-                        "WHERE failed_over_to IS NOT NULL")
-            failed_over = {(source, client): (to, note) for source, client, to, note in cur.fetchall()}
+            failed_over = sink_sessions.failed_over(cur)
             for s in result.sessions:
                 found = failed_over.get((s["source_site_id"], s["client_name"])) if s["role"] == "sink" else None
                 if found:
@@ -365,25 +363,7 @@ def receive_queues(conn: psycopg2.extensions.connection) -> list[dict]:
     """Per receive queue on this sink: entries waiting for subscribers, snapshot entries not yet
     applied, the age of the oldest waiting message, and dead letters."""
     with conn.cursor() as cur:
-        cur.execute(
-            """
-            SELECT q.source_site_id, q.client_name,
-                   coalesce(sum(q.entry_count - q.delivered) FILTER (WHERE q.visible), 0)::bigint,
-                   coalesce(sum(q.entry_count) FILTER (WHERE NOT q.visible), 0)::bigint,
-                   coalesce(extract(epoch FROM now() - min(q.received_at) FILTER (WHERE q.visible)), 0)::float8,
-                   (SELECT count(*) FROM lr.receive_dead_letters d
-                    WHERE d.source_site_id = q.source_site_id AND d.client_name = q.client_name)
-            FROM lr.receive_queue q GROUP BY 1, 2
-            UNION
-            SELECT d.source_site_id, d.client_name, 0, 0, 0.0, count(*)
-            FROM lr.receive_dead_letters d
-            WHERE NOT EXISTS (SELECT 1 FROM lr.receive_queue q
-                              WHERE q.source_site_id = d.source_site_id AND q.client_name = d.client_name)
-            GROUP BY 1, 2
-            ORDER BY 1, 2
-            """
-        )
-        rows = cur.fetchall()
+        rows = receive_queue.queue_report(cur)
     conn.commit()
     return [
         {"queue": receive_queue_name(client, source), "source": source, "client": client, "waiting": waiting,

@@ -11,7 +11,7 @@ from typing import Callable, Collection
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, TopologyMismatchError, one_line
-from airflow_provider_lr.engine.store import source_sessions
+from airflow_provider_lr.engine.store import receive_queue, sink_sessions, source_sessions
 from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.store.topology import Topology, drift, recorded_id
 from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES_SQL, RequestStatus, SessionKey, receive_queue_name
@@ -117,24 +117,17 @@ def prune_sink_sessions(conn: psycopg2.extensions.connection, topology: Topology
     wanted = {(k.source, k.client) for k in topology.sessions() if k.sink == site_id}
     pruned, kept = [], []
     with conn.cursor() as cur:
-        # store-sink: lr.sink_sessions is engine/store/sink_sessions.py's
-        cur.execute("SELECT source_site_id, client_name FROM lr.sink_sessions ORDER BY 1, 2")
-        for source, client in cur.fetchall():
+        for source, client in sink_sessions.keys(cur):
             if (source, client) in wanted:
                 continue
             name = str(SessionKey(source, site_id, client))
-            cur.execute("SELECT coalesce(sum(entry_count - delivered), 0) FROM lr.receive_queue "
-                        "WHERE source_site_id = %s AND client_name = %s AND visible", (source, client))
-            waiting = cur.fetchone()[0]
+            waiting = receive_queue.waiting(cur, source, client)
             if waiting:
                 queue = receive_queue_name(client, source)
                 kept.append(f"{name}: {waiting} entries still wait for subscribers in {queue}")
                 continue
-            cur.execute("DELETE FROM lr.receive_queue WHERE source_site_id = %s AND client_name = %s", (source, client))
-            cur.execute("DELETE FROM lr.registry WHERE kind = 'receive_queue' AND source_site_id = %s "
-                        "AND client_name = %s", (source, client))
-            # store-sink: lr.sink_sessions is engine/store/sink_sessions.py's
-            cur.execute("DELETE FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s", (source, client))
+            receive_queue.drop(cur, source, client)
+            sink_sessions.delete(cur, source, client)
             pruned.append(name)
     return pruned, kept
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.store import source_sessions
+from airflow_provider_lr.engine.store import sink_sessions, source_sessions
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables import sink as sink_tables
 from airflow_provider_lr.engine.tables.definition import TableName
@@ -147,12 +147,7 @@ def diverged(conn: psycopg2.extensions.connection) -> list[Divergence]:
       client has no sink session from this site (the triggers then capture nothing)."""
     found = []
     with conn.cursor() as cur:
-        cur.execute(
-            "SELECT t.table_name, t.client_name, t.source_site_id, s.source_site_id IS NULL, s.failed_over_to "
-            "FROM lr.sink_tables t LEFT JOIN lr.sink_sessions s ON s.source_site_id = t.source_site_id "
-            "AND s.client_name = t.client_name WHERE (s.source_site_id IS NULL OR s.failed_over_to IS NOT NULL) "
-            "AND t.state IN (%s, %s) ORDER BY 1, 3", (TableState.SYNCED, TableState.SYNCING))
-        rows = cur.fetchall()
+        rows = sink_sessions.tables_of_closed_sessions(cur, (TableState.SYNCED, TableState.SYNCING))
         cur.execute("SELECT site_id FROM lr.site_info")
         here = cur.fetchone()[0]
         for name, client, source, gone, to in rows:

@@ -34,9 +34,10 @@ from psycopg2 import sql
 from airflow_provider_lr.engine import progress
 from airflow_provider_lr.engine.errors import FencedError, StaleBatchError, require_counts
 from airflow_provider_lr.engine.faults import fault_point
-from airflow_provider_lr.engine.sink.writes import SinkTransaction
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, TableSplits
+from airflow_provider_lr.engine.store import sink_sessions
+from airflow_provider_lr.engine.store.sink_sessions import FencedTransaction
 from airflow_provider_lr.engine.tables import copy as table_copy
 from airflow_provider_lr.engine.tables import sink as sink_tables
 from airflow_provider_lr.engine.tables.definition import TableDefinition, TableName, read_definition
@@ -192,13 +193,13 @@ class TableSnapshot:
         assert self.split is not None, "open() first"
         tracker = progress.track(f"table snapshot {self.client}", len(self.definitions), "tables")
         for n, (table, definition) in enumerate(sorted(self.definitions.items())):
-            writes: list[tuple[SinkSide, SinkTransaction, Target, int]] = []
+            writes: list[tuple[SinkSide, FencedTransaction, Target, int]] = []
             try:
                 for side in self.sinks:
                     federated = next((t for t in side.tables if t.table == table), None)
                     if federated is None:
                         continue
-                    write = SinkTransaction(side.conn, side.key.source, side.key.client, side.epoch)
+                    write = FencedTransaction(side.conn, side.key.source, side.key.client, side.epoch)
                     write.open()
                     try:
                         target = self._prepare(write.cur, side, federated, definition, TableState.SYNCED)
@@ -235,7 +236,7 @@ class TableSnapshot:
         """Before the parallel tasks: each sink's tables prepared, cleared of this source's rows and
         marked ``syncing`` under this run (one sink transaction per sink)."""
         for side in self.sinks:
-            with SinkTransaction(side.conn, side.key.source, side.key.client, side.epoch) as (cur, _):
+            with FencedTransaction(side.conn, side.key.source, side.key.client, side.epoch) as (cur, _):
                 for table in side.tables:
                     self._prepare(cur, side, table, self.definitions[table.table], TableState.SYNCING)
 
@@ -247,7 +248,7 @@ class TableSnapshot:
         for r in ranges:
             expected[r.table] = expected.get(r.table, 0) + 1
         for side in self.sinks:
-            with SinkTransaction(side.conn, side.key.source, side.key.client, side.epoch) as (cur, _):
+            with FencedTransaction(side.conn, side.key.source, side.key.client, side.epoch) as (cur, _):
                 held = sink_tables.session_tables(cur, side.key.source, side.key.client)
                 for table in side.tables:
                     row = held.get(table.table)
@@ -414,12 +415,10 @@ def _range_target(cur: psycopg2.extensions.cursor, task: dict, side: dict, key_r
                   definition: TableDefinition) -> Target | None:
     """Fence and claim one range at one sink: None when the range is written already there."""
     where = f"session {SessionKey(side['source'], side['sink'], task['client'])}"
-    cur.execute("SELECT lease_epoch FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s FOR SHARE",
-                (side["source"], task["client"]))
-    row = cur.fetchone()
-    if row is None or row[0] > side["epoch"]:
+    epoch = sink_sessions.share_epoch(cur, side["source"], task["client"])
+    if epoch is None or epoch > side["epoch"]:
         raise FencedError(f"{where}: lease epoch {side['epoch']} is stale (the sink has seen "
-                          f"{row[0] if row else 'none'}); another replicator owns this session")
+                          f"{'none' if epoch is None else epoch}); another replicator owns this session")
     cur.execute("SELECT state, run_id::text FROM lr.sink_tables WHERE source_site_id = %s AND client_name = %s "
                 "AND table_name = %s", (side["source"], task["client"], key_range.table))
     state = cur.fetchone()

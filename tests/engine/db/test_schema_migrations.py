@@ -48,7 +48,6 @@ def test_rerun_is_a_noop(sites):
 
 def test_newer_version_upgrades_in_place_keeping_data(sites, tmp_path: Path):
     site = sites[0]
-    shipped = schema.available_migrations()
     conn = site.connect()
     schema.migrate(conn, target=1)
     assert schema.current_version(conn) == 1

@@ -1,0 +1,127 @@
+"""What a failover leaves behind and what it reaches: its record on the promoted site
+(``lr.failovers``: resumed from by a re-run, read by ``lr status`` and by a returning site), the
+results it reports, and the connections to the sites involved (``site/failover`` promotes,
+``site/failover_reconcile`` cuts the other sinks, ``site/failover_rejoin`` brings a site back).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import psycopg2
+import psycopg2.extensions
+
+from airflow_provider_lr.engine.db.topology_schema import Origin
+from airflow_provider_lr.engine.errors import SiteUnreachableError, listing, one_line
+from airflow_provider_lr.engine.store import topology as topology_model
+from airflow_provider_lr.engine.store.topology import Topology, recorded_id
+from airflow_provider_lr.engine.vocabulary import FailoverStatus
+
+log = logging.getLogger(__name__)
+
+Connect = Callable[[str], psycopg2.extensions.connection]
+
+
+@dataclass
+class FailoverResult:
+    """What a failover did; ``outcome`` says, per sink, what reconciling it did (per client)."""
+
+    failover_id: str
+    from_site: str
+    to_site: str
+    clients: list[str]
+    positions: dict[str, int]  # client -> pB, the cut of the old source's stream
+    base: int  # the promoted site's commit position its new sessions start after
+    topology: Topology
+    reason: str = ""
+    planned: bool = False
+    resumed: bool = False
+    outcome: dict[str, dict[str, str]] = field(default_factory=dict)
+    full_syncs: list[str] = field(default_factory=list)  # sessions sent to a full sync from the new source
+    applied: list[str] = field(default_factory=list)  # sites that now have the new topology
+    pending: list[str] = field(default_factory=list)  # reachable later: `lr failover --rejoin SITE`
+    tail: dict[str, int] = field(default_factory=dict)  # planned: what the old source committed after the cut
+    tables: dict[str, list[str]] = field(default_factory=dict)  # client -> federated tables the new source captures
+    diverged: list[str] = field(default_factory=list)  # tables whose replication stops (allow_table_divergence)
+
+    @property
+    def lost(self) -> str:
+        if self.planned:
+            return (f"nothing: {self.from_site} was drained into every sink before the cut"
+                    + (f" (but it committed {listing(self.tail)} after the switch)" if any(self.tail.values()) else ""))
+        return (f"whatever {self.from_site} committed for {', '.join(self.clients)} after position(s) "
+                f"{listing(self.positions)} that {self.to_site} had not received; `lr failover --rejoin {self.from_site}` "
+                "counts it when it returns")
+
+
+# --- the sites --------------------------------------------------------------------------------------
+def reach(connect: Connect, site: str, conns: dict, role: str) -> psycopg2.extensions.connection:
+    conn = try_connect(connect, site, conns)
+    if conn is None:
+        raise SiteUnreachableError(f"site {site!r} ({role}) cannot be reached: a failover needs the promoted site "
+                                   "and every sink involved; nothing was done on this run (run it again when it is up)")
+    return conn
+
+def try_connect(connect: Connect, site: str, conns: dict) -> psycopg2.extensions.connection | None:
+    if site in conns:
+        return conns[site]
+    try:
+        conns[site] = connect(site)
+    except (psycopg2.Error, SiteUnreachableError) as exc:
+        log.info("site %s cannot be reached: %s", site, one_line(exc))
+        return None
+    return conns[site]
+
+
+# --- the record -------------------------------------------------------------------------------------
+_RECORD_COLUMNS = ("failover_id", "from_site_id", "to_site_id", "clients", "positions", "base_position",
+                   "topology", "reason", "status", "outcome")
+
+
+def read_record(conn: psycopg2.extensions.connection, from_site: str, status: str | None = None) -> dict | None:
+    """The newest failover of ``from_site`` recorded on this site (with that ``status``)."""
+    with conn.cursor() as cur:
+        cur.execute(
+            f"SELECT {', '.join(_RECORD_COLUMNS)} FROM lr.failovers WHERE from_site_id = %s "
+            "AND (%s::text IS NULL OR status = %s) ORDER BY started_at DESC LIMIT 1",
+            (from_site, status, status),
+        )
+        row = cur.fetchone()
+    conn.commit()
+    if row is None:
+        return None
+    record = dict(zip(_RECORD_COLUMNS, row))
+    record["failover_id"] = str(record["failover_id"])
+    return record
+
+
+def finished(conn: psycopg2.extensions.connection, from_site: str) -> dict | None:
+    """The completed failover whose topology this site still runs: a re-run replays it (no-op)."""
+    record = read_record(conn, from_site, FailoverStatus.COMPLETED)
+    if record is None:
+        return None
+    applied = topology_model.from_document(record["topology"], Origin("the failover recorded on the promoted site"))
+    return record if applied.topology_config_id == recorded_id(conn) else None
+
+
+def failovers(conn: psycopg2.extensions.connection) -> list[dict]:
+    """Every failover recorded on this site, newest first (``lr status``, the docs' history)."""
+    with conn.cursor() as cur:
+        cur.execute(f"SELECT {', '.join(_RECORD_COLUMNS)}, started_at, completed_at FROM lr.failovers "
+                    "ORDER BY started_at DESC")
+        rows = [dict(zip((*_RECORD_COLUMNS, "started_at", "completed_at"), r)) for r in cur.fetchall()]
+    conn.commit()
+    return rows
+
+def complete(conn: psycopg2.extensions.connection, result: FailoverResult) -> None:
+    outcome = {"planned": result.planned, "sinks": result.outcome, "pending": result.pending, "tail": result.tail,
+               "tables": result.tables, "diverged": result.diverged}
+    with conn.cursor() as cur:
+        cur.execute(
+            "UPDATE lr.failovers SET status = %s, outcome = %s, completed_at = coalesce(completed_at, now()) "
+            "WHERE failover_id = %s",
+            (FailoverStatus.COMPLETED, json.dumps(outcome), result.failover_id),
+        )
+    conn.commit()

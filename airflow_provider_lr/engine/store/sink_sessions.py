@@ -1,0 +1,279 @@
+"""The owner of ``lr.sink_sessions``: every statement that names it is here.
+
+A sink keeps one row per session it receives (source, client): where the session's full sync
+stands, the last position it processed, the lease epoch of the newest writer it has seen, and,
+once the session was failed over, the site its client now comes from.
+
+``FencedTransaction`` is the sink transaction every writer of a session opens: the row locked,
+a writer whose lease was taken over (or a session failed over) refused before it writes anything.
+The sink's rules about what a write may do (``sink/writes``: never move backwards, a full sync
+applied once) sit above it; table snapshots (``tables/snapshot``) use it as it is.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg2.extensions
+
+from airflow_provider_lr.engine.errors import FencedError
+from airflow_provider_lr.engine.vocabulary import SessionKey
+
+# the row as a writer reads it (``writes.SinkMetadata``'s fields, in this order)
+COLUMNS = ("source_site_id", "client_name", "topology_config_id", "snapshot_request_id", "snapshot_started",
+           "snapshot_transferred", "snapshot_applied", "snapshot_transferred_seq", "snapshot_last_entry",
+           "base_snapshot", "base_upto", "last_log_entry_processed", "data_consistent", "lease_epoch",
+           "failed_over_to")
+_SELECT = f"SELECT {', '.join(COLUMNS)} FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s"
+_CREATE = "INSERT INTO lr.sink_sessions (source_site_id, client_name) VALUES (%s, %s) ON CONFLICT DO NOTHING"
+
+Row = dict[str, Any]  # COLUMNS -> value
+
+
+def read(cur: psycopg2.extensions.cursor, source: str, client: str) -> Row | None:
+    """The session's row as ``cur``'s transaction sees it (None: no such session); no row made."""
+    cur.execute(_SELECT, (source, client))
+    row = cur.fetchone()
+    return None if row is None else dict(zip(COLUMNS, row))
+
+
+def read_or_create(cur: psycopg2.extensions.cursor, source: str, client: str) -> Row:
+    """The session's row, made on first contact."""
+    cur.execute(_CREATE, (source, client))
+    cur.execute(_SELECT, (source, client))
+    return dict(zip(COLUMNS, cur.fetchone()))
+
+
+def _sink_id(cur: psycopg2.extensions.cursor) -> str:
+    """This site's id, for messages."""
+    cur.execute("SELECT site_id FROM lr.site_info")
+    return (cur.fetchone() or ("this sink",))[0]
+
+
+class FencedTransaction:
+    """One fenced sink transaction: ``open`` locks the session row and checks the writer's lease
+    epoch (a replicator whose lease was taken over is refused before it writes anything), the
+    writes follow, then ``commit`` or ``abort``. As a context manager
+    (``with FencedTransaction(...) as (cur, row)``) it commits on a clean exit and aborts on an
+    exception; the fan-out calls the methods itself, its transactions span a whole chunk's read."""
+
+    cur: psycopg2.extensions.cursor  # the transaction's cursor, from ``open`` on
+
+    def __init__(self, conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> None:
+        self.conn, self.source, self.client, self.epoch = conn, source, client, epoch
+
+    def open(self) -> Any:
+        """Lock the session's row (a concurrent writer of the session waits here), refuse a stale
+        epoch or a failed-over session, raise the sink's epoch to ours; the row as it stands under
+        the lock."""
+        self.cur = self.conn.cursor()
+        try:
+            self.cur.execute(_CREATE + "; " + _SELECT + " FOR UPDATE",  # one round trip: made if missing, locked, read
+                             (self.source, self.client, self.source, self.client))
+            row = dict(zip(COLUMNS, self.cur.fetchone()))
+            if row["failed_over_to"] is not None:
+                here = _sink_id(self.cur)
+                raise FencedError(
+                    f"session {SessionKey(self.source, here, self.client)} was failed over: {self.client!r} now "
+                    f"comes from {row['failed_over_to']!r} (`lr failover`); {self.source!r} writes no more here, "
+                    f"whatever its epoch (rejoin it with `lr failover --rejoin {self.source}`)"
+                )
+            if row["lease_epoch"] > self.epoch:
+                here = _sink_id(self.cur)
+                raise FencedError(
+                    f"session {SessionKey(self.source, here, self.client)}: lease epoch {self.epoch} is stale "
+                    f"(the sink has seen epoch {row['lease_epoch']}); another replicator owns this session",
+                    sink_epoch=row["lease_epoch"],
+                )
+            if row["lease_epoch"] < self.epoch:
+                self.cur.execute(
+                    "UPDATE lr.sink_sessions SET lease_epoch = %s WHERE source_site_id = %s AND client_name = %s",
+                    (self.epoch, self.source, self.client),
+                )
+            return row
+        except BaseException:
+            self.cur.close()
+            if not self.conn.closed:
+                self.conn.rollback()
+            raise
+
+    def commit(self) -> None:
+        """Make data and metadata visible together."""
+        try:
+            self.conn.commit()
+        finally:
+            self.cur.close()
+
+    def abort(self) -> None:
+        """Roll back: nothing of the transaction becomes visible."""
+        try:
+            if not self.conn.closed:  # a lost server: keep its error, not the rollback's
+                self.conn.rollback()
+        finally:
+            self.cur.close()
+
+    def __enter__(self) -> tuple[psycopg2.extensions.cursor, Any]:
+        opened = self.open()
+        return self.cur, opened
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+    def update(self, **values: object) -> None:
+        """Set columns of the session's row (names from the code, never from input)."""
+        sets = ", ".join(f"{k} = %s" for k in values)
+        self.cur.execute(
+            f"UPDATE lr.sink_sessions SET {sets}, updated_at = now() WHERE source_site_id = %s AND client_name = %s",
+            (*values.values(), self.source, self.client),
+        )
+
+    def advance_to(self, end: int, notify: tuple[str, str] | None = None) -> None:
+        """Record the last processed position; with ``notify`` (channel, payload), wake at commit in
+        the same round trip."""
+        wake = "; SELECT pg_notify(%s, %s)" if notify else ""
+        self.cur.execute(
+            "UPDATE lr.sink_sessions SET last_log_entry_processed = %s, updated_at = now() "
+            "WHERE source_site_id = %s AND client_name = %s" + wake,
+            (end, self.source, self.client) + (notify or ()),
+        )
+
+    def row(self) -> Row:
+        """The session's row as this transaction has just written it."""
+        self.cur.execute(_SELECT, (self.source, self.client))
+        return dict(zip(COLUMNS, self.cur.fetchone()))
+
+
+# --- checks of a writer outside the session's fenced transaction --------------------------------
+def last_processed(cur: psycopg2.extensions.cursor, source: str, client: str) -> int:
+    """The session's last processed position (the row exists)."""
+    cur.execute("SELECT last_log_entry_processed FROM lr.sink_sessions WHERE source_site_id = %s "
+                "AND client_name = %s", (source, client))
+    return cur.fetchone()[0]
+
+
+def share_position(cur: psycopg2.extensions.cursor, source: str, client: str) -> tuple[int, int, str | None]:
+    """(last processed position, lease epoch, failed over to), the row share-locked until commit:
+    a fenced transaction of the session waits for this one."""
+    cur.execute("SELECT last_log_entry_processed, lease_epoch, failed_over_to FROM lr.sink_sessions "
+                "WHERE source_site_id = %s AND client_name = %s FOR SHARE", (source, client))
+    last, epoch, failed_over_to = cur.fetchone()
+    return last, epoch, failed_over_to
+
+
+def share_epoch(cur: psycopg2.extensions.cursor, source: str, client: str) -> int | None:
+    """The session's lease epoch, the row share-locked until commit (None: no such session)."""
+    cur.execute("SELECT lease_epoch FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s FOR SHARE",
+                (source, client))
+    row = cur.fetchone()
+    return None if row is None else row[0]
+
+
+def still_transferring(cur: psycopg2.extensions.cursor, source: str, client: str, sync_id: str) -> bool:
+    """Whether the sink still transfers full sync ``sync_id`` of the session (not applied, not
+    failed over), the row share-locked until commit."""
+    cur.execute("SELECT snapshot_request_id = %s AND snapshot_transferred <> snapshot_started "
+                "AND failed_over_to IS NULL FROM lr.sink_sessions "
+                "WHERE source_site_id = %s AND client_name = %s FOR SHARE", (sync_id, source, client))
+    row = cur.fetchone()
+    return bool(row and row[0])
+
+
+# --- failover -------------------------------------------------------------------------------------
+def fence_failed_over(cur: psycopg2.extensions.cursor, source: str, to_site: str, failover_id: str,
+                      clients: list[str]) -> None:
+    """Close the sessions of ``clients`` from ``source`` to every writer (failed over to ``to_site``;
+    epoch raised); a session already reconciled (it has a note) is left as it is."""
+    cur.execute(
+        "UPDATE lr.sink_sessions SET failed_over_to = %s, failover_id = %s, lease_epoch = lease_epoch + 1, "
+        "updated_at = now() WHERE source_site_id = %s AND client_name = ANY (%s) AND failover_note IS NULL",
+        (to_site, failover_id, source, clients),
+    )
+
+
+def lock_cut(cur: psycopg2.extensions.cursor, source: str, client: str) -> tuple[int, bool] | None:
+    """(last processed position, data consistent) of the session, its row locked (None: no session)."""
+    cur.execute("SELECT last_log_entry_processed, data_consistent FROM lr.sink_sessions "
+                "WHERE source_site_id = %s AND client_name = %s FOR UPDATE", (source, client))
+    row = cur.fetchone()
+    return None if row is None else (row[0], row[1])
+
+
+def close_promoted(cur: psycopg2.extensions.cursor, source: str, to_site: str, failover_id: str, note: str,
+                   clients: list[str]) -> None:
+    """The promoted site's sessions of ``clients`` from the old source: failed over, with ``note``."""
+    cur.execute(
+        "UPDATE lr.sink_sessions SET failed_over_to = %s, failover_id = %s, failover_note = %s, "
+        "lease_epoch = lease_epoch + 1, updated_at = now() WHERE source_site_id = %s AND client_name = ANY (%s)",
+        (to_site, failover_id, note, source, clients),
+    )
+
+
+def lock_reconcile(cur: psycopg2.extensions.cursor, source: str,
+                   client: str) -> tuple[int, bool, int, str | None, Any] | None:
+    """(last processed, data consistent, snapshot applied, failover note, failover id) of the
+    session, its row locked (None: no session)."""
+    cur.execute(
+        "SELECT last_log_entry_processed, data_consistent, snapshot_applied, failover_note, failover_id "
+        "FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s FOR UPDATE", (source, client))
+    row = cur.fetchone()
+    return None if row is None else tuple(row)  # type: ignore[return-value]
+
+
+def close_reconciled(cur: psycopg2.extensions.cursor, source: str, client: str, to_site: str, failover_id: str,
+                     note: str, position: int) -> None:
+    """A reconciled session from the old source: failed over at ``position``, with what was done."""
+    cur.execute(
+        "UPDATE lr.sink_sessions SET failed_over_to = %s, failover_id = %s, failover_note = %s, "
+        "last_log_entry_processed = %s, lease_epoch = lease_epoch + 1, updated_at = now() "
+        "WHERE source_site_id = %s AND client_name = %s",
+        (to_site, failover_id, note, position, source, client),
+    )
+
+
+def start_in_log_entry_sync(cur: psycopg2.extensions.cursor, source: str, client: str, topology_config_id: str,
+                            base: int) -> None:
+    """The session from ``source`` consistent at ``base`` and in log-entry sync from there (made
+    or reset: no full sync, no failover left on it)."""
+    cur.execute(
+        "INSERT INTO lr.sink_sessions (source_site_id, client_name, topology_config_id, snapshot_started, "
+        "snapshot_transferred, snapshot_applied, last_log_entry_processed, data_consistent) "
+        "VALUES (%s, %s, %s, %s, %s, %s, %s, true) ON CONFLICT (source_site_id, client_name) DO UPDATE SET "
+        "topology_config_id = EXCLUDED.topology_config_id, snapshot_started = EXCLUDED.snapshot_started, "
+        "snapshot_transferred = EXCLUDED.snapshot_transferred, snapshot_applied = EXCLUDED.snapshot_applied, "
+        "last_log_entry_processed = EXCLUDED.last_log_entry_processed, data_consistent = true, "
+        "snapshot_request_id = NULL, base_snapshot = NULL, base_upto = NULL, failed_over_to = NULL, "
+        "failover_id = NULL, failover_note = NULL, updated_at = now()",
+        (source, client, topology_config_id, base, base, base, base),
+    )
+
+
+# --- the operator's side --------------------------------------------------------------------------
+def failed_over(cur: psycopg2.extensions.cursor) -> dict[tuple[str, str], tuple[str, str | None]]:
+    """(source, client) -> (failed over to, note) of every session failed over."""
+    cur.execute("SELECT source_site_id, client_name, failed_over_to, failover_note FROM lr.sink_sessions "
+                "WHERE failed_over_to IS NOT NULL")
+    return {(source, client): (to, note) for source, client, to, note in cur.fetchall()}
+
+
+def keys(cur: psycopg2.extensions.cursor) -> list[tuple[str, str]]:
+    """(source, client) of every session of this sink, sorted."""
+    cur.execute("SELECT source_site_id, client_name FROM lr.sink_sessions ORDER BY 1, 2")
+    return [(source, client) for source, client in cur.fetchall()]
+
+
+def delete(cur: psycopg2.extensions.cursor, source: str, client: str) -> None:
+    """Forget the session (its row)."""
+    cur.execute("DELETE FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s", (source, client))
+
+
+def tables_of_closed_sessions(cur: psycopg2.extensions.cursor, states: tuple[str, ...]) -> list[tuple]:
+    """The sink tables in ``states`` held from a session that is gone or failed over: (table, client,
+    source, session gone, failed over to), by table then source."""
+    cur.execute(
+        "SELECT t.table_name, t.client_name, t.source_site_id, s.source_site_id IS NULL, s.failed_over_to "
+        "FROM lr.sink_tables t LEFT JOIN lr.sink_sessions s ON s.source_site_id = t.source_site_id "
+        "AND s.client_name = t.client_name WHERE (s.source_site_id IS NULL OR s.failed_over_to IS NOT NULL) "
+        "AND t.state IN %s ORDER BY 1, 3", (states,))
+    return cur.fetchall()
