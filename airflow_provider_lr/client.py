@@ -1,4 +1,5 @@
 """Public source-side API (the README's "Transmit"): transmit payloads inside your transaction."""
+
 from airflow_provider_lr.engine.errors import DeliveryTimeout
 from airflow_provider_lr.engine.source.delivery import Delivery, DeliveryState, Ticket
 from airflow_provider_lr.engine.source.transmit import LRMessageWithDestinations, RoutingQueueClient

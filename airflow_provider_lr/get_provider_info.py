@@ -3,6 +3,7 @@
 Airflow never reads a provider.yaml for third-party packages: everything it shows (connection
 form fields included) comes from this dict. ``package-name`` must equal the distribution name.
 """
+
 from __future__ import annotations
 
 from airflow_provider_lr import __version__

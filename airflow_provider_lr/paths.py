@@ -6,6 +6,7 @@ protos) sit beside the package in a source checkout or editable install; a wheel
 ``<prefix>/share/airflow-provider-lr``. ``LR_SHARE_DIR`` overrides both. The migrations are package
 data (``airflow_provider_lr.migrations``), read with ``importlib.resources`` by ``engine/site/schema``.
 """
+
 from __future__ import annotations
 
 import os

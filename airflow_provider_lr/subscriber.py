@@ -12,6 +12,7 @@ The listener's callbacks run inside the subscriber's delivery transaction: ``sub
 together with the delete of the delivered entries (exactly once) or roll back with it. Never
 commit or roll back that connection yourself. See docs/subscriber.md.
 """
+
 from __future__ import annotations
 
 import threading
@@ -19,16 +20,22 @@ import threading
 import psycopg2
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.db.conninfo import ConnInfo, resolve
+from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.errors import ConfigurationError, MalformedEntryError
 from airflow_provider_lr.engine.sink import receive, wakeup
 from airflow_provider_lr.engine.sink.receive import DeliveryContext, DeliveryStats, Listener
-from airflow_provider_lr.engine.sink.wakeup import Demand, FollowOptions
 from airflow_provider_lr.engine.sink.relay import Relay, Subscription
-from airflow_provider_lr.engine.db.conninfo import ConnInfo, resolve
-from airflow_provider_lr.engine.db.timeouts import Purpose
+from airflow_provider_lr.engine.sink.wakeup import Demand, FollowOptions
 
 __all__ = [
-    "DeliveryStats", "Listener", "MalformedEntryError", "Relay", "RoutingQueueSubscriber", "Subscription", "open_relay",
+    "DeliveryStats",
+    "Listener",
+    "MalformedEntryError",
+    "Relay",
+    "RoutingQueueSubscriber",
+    "Subscription",
+    "open_relay",
 ]
 
 
@@ -71,7 +78,9 @@ class RoutingQueueSubscriber(DeliveryContext):
 
     def sources(self) -> list[str]:
         """Sources whose receive queue for this client is registered on the sink (discovery)."""
-        return [s for s in receive.discover(self._poll_conn(), self.client_name) if self.demand.wants(self.client_name, s)]
+        return [
+            s for s in receive.discover(self._poll_conn(), self.client_name) if self.demand.wants(self.client_name, s)
+        ]
 
     def poll(self, listener: Listener, max_messages: int | None = None, max_bytes: int | None = None) -> int:
         """One pass over every queue (new sources included): delivers in order until each queue is
@@ -103,8 +112,14 @@ class RoutingQueueSubscriber(DeliveryContext):
         options = FollowOptions(self.batch_size, self.poll_interval, self.retry_interval, self.batch_bytes)
         try:
             wakeup.follow(
-                self._connect, listener, lambda: self.demand, wakeup.TapWakeups(tap, lambda: self.demand, stop),
-                stop, stats, options, on_conn=self._set_delivering,
+                self._connect,
+                listener,
+                lambda: self.demand,
+                wakeup.TapWakeups(tap, lambda: self.demand, stop),
+                stop,
+                stats,
+                options,
+                on_conn=self._set_delivering,
             )
         finally:
             tap.close()
@@ -129,7 +144,7 @@ class RoutingQueueSubscriber(DeliveryContext):
     def close(self) -> None:
         self._close_poll_conn()
 
-    def __enter__(self) -> "RoutingQueueSubscriber":
+    def __enter__(self) -> RoutingQueueSubscriber:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -140,4 +155,3 @@ def open_relay(dsn: str | ConnInfo, **options: object) -> Relay:
     """A relay for many subscriptions in one process sharing one LISTEN connection (see Relay)."""
     info = _conninfo(dsn)
     return Relay(lambda: info.connect(Purpose.APPLICATION), **options)  # type: ignore[arg-type]
-

@@ -30,6 +30,7 @@ filled by ``prepare_source``; the streaming anchor uses its own table ``fanout_s
 tables are ``(id bigint PRIMARY KEY, payload bytea)`` for every anchor, and every anchor checks
 each sink's row count, and a sample of rows byte for byte, against the source before it reports.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,9 +39,10 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import psycopg
 import psycopg2
@@ -151,8 +153,10 @@ def settle(env: BenchEnv, timeout: float = 180.0) -> float:
     started = time.perf_counter()
     quiet = 0
     while quiet < 2 and time.perf_counter() - started < timeout:
-        busy = sum(execute(dsn, "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'")[0][0]
-                   for dsn in (env.source_dsn, *env.sink_dsns))
+        busy = sum(
+            execute(dsn, "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'")[0][0]
+            for dsn in (env.source_dsn, *env.sink_dsns)
+        )
         quiet = quiet + 1 if busy == 0 else 0
         time.sleep(0.5)
     checkpoint_all(env)
@@ -160,10 +164,17 @@ def settle(env: BenchEnv, timeout: float = 180.0) -> float:
 
 
 def create_tables(env: BenchEnv, table: str) -> None:
-    execute(env.source_dsn, f"DROP TABLE IF EXISTS {table}",
-            f"CREATE TABLE {table} (id bigint PRIMARY KEY, dests smallint NOT NULL, payload bytea NOT NULL)")
+    execute(
+        env.source_dsn,
+        f"DROP TABLE IF EXISTS {table}",
+        f"CREATE TABLE {table} (id bigint PRIMARY KEY, dests smallint NOT NULL, payload bytea NOT NULL)",
+    )
     for dsn in env.sink_dsns:
-        execute(dsn, f"DROP TABLE IF EXISTS {table}", f"CREATE TABLE {table} (id bigint PRIMARY KEY, payload bytea NOT NULL)")
+        execute(
+            dsn,
+            f"DROP TABLE IF EXISTS {table}",
+            f"CREATE TABLE {table} (id bigint PRIMARY KEY, payload bytea NOT NULL)",
+        )
 
 
 def truncate_sinks(env: BenchEnv, table: str) -> None:
@@ -189,7 +200,9 @@ def verify_sinks(env: BenchEnv, table: str, expected: list[int], anchor: str) ->
         want = {(id_, digest) for id_, dests, digest in source_rows if dests & (1 << i)}
         have = set(execute(dsn, f"SELECT id, md5(payload) FROM {table} WHERE {sample}"))
         if have != want:
-            raise AssertionError(f"{anchor}: sink {i} differs from the source in sampled rows {sorted(want ^ have)[:5]}")
+            raise AssertionError(
+                f"{anchor}: sink {i} differs from the source in sampled rows {sorted(want ^ have)[:5]}"
+            )
 
 
 def _copy_rows(dsn: str, table: str, ids: range, workload: Workload, rng: random.Random, per_txn: int) -> None:
@@ -201,15 +214,21 @@ def _copy_rows(dsn: str, table: str, ids: range, workload: Workload, rng: random
             with conn.cursor().copy(f"COPY {table} (id, dests, payload) FROM STDIN (FORMAT binary)") as copy:
                 copy.set_types(["int8", "int2", "bytea"])
                 for k, id_ in enumerate(range(start, stop)):
-                    copy.write_row((id_, workload.dests(rng), blob[k * PAYLOAD_BYTES:(k + 1) * PAYLOAD_BYTES]))
+                    copy.write_row((id_, workload.dests(rng), blob[k * PAYLOAD_BYTES : (k + 1) * PAYLOAD_BYTES]))
             conn.commit()
 
 
 def prepare_source(env: BenchEnv, workload: Workload) -> list[int]:
     """Create and fill the backlog table (ids 1..N); return the deliveries each sink is owed."""
     create_tables(env, BACKLOG_TABLE)
-    _copy_rows(env.source_dsn, BACKLOG_TABLE, range(1, workload.entries + 1), workload,
-               random.Random(workload.seed), per_txn=100_000)
+    _copy_rows(
+        env.source_dsn,
+        BACKLOG_TABLE,
+        range(1, workload.entries + 1),
+        workload,
+        random.Random(workload.seed),
+        per_txn=100_000,
+    )
     # Set hint bits and the visibility map now, or the first anchor to read the table pays for it.
     execute(env.source_dsn, f"VACUUM (ANALYZE) {BACKLOG_TABLE}")
     return expected_per_sink(env, BACKLOG_TABLE)
@@ -270,10 +289,13 @@ def _copy_to_sink(source_dsn: str, sink_dsn: str, bit: int, variant: str, barrie
             if variant == "all":  # the plain table COPY: the cheapest read there is
                 out_sql = f"COPY {BACKLOG_TABLE} (id, payload) TO STDOUT (FORMAT binary)"
             else:
-                out_sql = (f"COPY (SELECT id, payload FROM {BACKLOG_TABLE} WHERE dests & {bit} <> 0) "
-                           "TO STDOUT (FORMAT binary)")
-            with src.cursor().copy(out_sql) as out, \
-                    dst.cursor().copy(f"COPY {BACKLOG_TABLE} (id, payload) FROM STDIN (FORMAT binary)") as into:
+                out_sql = (
+                    f"COPY (SELECT id, payload FROM {BACKLOG_TABLE} WHERE dests & {bit} <> 0) TO STDOUT (FORMAT binary)"
+                )
+            with (
+                src.cursor().copy(out_sql) as out,
+                dst.cursor().copy(f"COPY {BACKLOG_TABLE} (id, payload) FROM STDIN (FORMAT binary)") as into,
+            ):
                 for block in coalesced(out):
                     into.write(block)
             dst.commit()
@@ -292,8 +314,9 @@ def physical_copy(env: BenchEnv, workload: Workload) -> Measurement:
     started, ended, _ = _run_parallel(_copy_to_sink, args)
     seconds = ended - started
     verify_sinks(env, BACKLOG_TABLE, expected, "physical_copy")
-    return Measurement("physical_copy", workload.variant, workload.entries, sum(expected), seconds,
-                       {"processes": SINKS})
+    return Measurement(
+        "physical_copy", workload.variant, workload.entries, sum(expected), seconds, {"processes": SINKS}
+    )
 
 
 _PGCOPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + bytes(8)  # signature, flags, header-extension length
@@ -313,7 +336,7 @@ def _route_rows(chunks: Iterable[Buffer], sinks: list[psycopg.Copy]) -> None:
         if first:  # the server sends the file header in front of the first row
             if not row.startswith(_PGCOPY_HEADER) or row[19:25] != b"\x00\x03\x00\x00\x00\x08":
                 raise ValueError("unexpected binary COPY layout")
-            row, first = row[len(_PGCOPY_HEADER):], False
+            row, first = row[len(_PGCOPY_HEADER) :], False
         if len(row) == 2:  # trailer
             continue
         out, dests = b"\x00\x02" + row[2:14] + row[20:], row[19]  # low byte of dests: up to 8 sinks
@@ -354,17 +377,25 @@ def physical_tee(env: BenchEnv, workload: Workload) -> Measurement:
     truncate_sinks(env, BACKLOG_TABLE)
     checkpoint_all(env)
     if workload.variant == "all":
+
         def route(out: psycopg.Copy, into: list[psycopg.Copy]) -> None:
             for block in coalesced(out):
                 for copy in into:
                     copy.write(block)
+
         out_sql = f"COPY {BACKLOG_TABLE} (id, payload) TO STDOUT (FORMAT binary)"
     else:
         route, out_sql = _route_rows, f"COPY {BACKLOG_TABLE} (id, dests, payload) TO STDOUT (FORMAT binary)"
     seconds = _tee(env, out_sql, f"COPY {BACKLOG_TABLE} (id, payload) FROM STDIN (FORMAT binary)", route)
     verify_sinks(env, BACKLOG_TABLE, expected, "physical_tee")
-    return Measurement("physical_tee", workload.variant, workload.entries, sum(expected), seconds,
-                       {"readers": 1, "route": "copy block to all" if workload.variant == "all" else "per row by dests bit"})
+    return Measurement(
+        "physical_tee",
+        workload.variant,
+        workload.entries,
+        sum(expected),
+        seconds,
+        {"readers": 1, "route": "copy block to all" if workload.variant == "all" else "per row by dests bit"},
+    )
 
 
 PACK_ENTRIES = 28  # entries per row, as lr's receive queue packs 256-byte entries (~8 kB rows)
@@ -378,26 +409,45 @@ def physical_tee_packed(env: BenchEnv, workload: Workload) -> Measurement:
     ``(id, entries, payload)``. Per-row costs on the sinks shrink by ``PACK_ENTRIES``."""
     expected = expected_per_sink(env, BACKLOG_TABLE)
     for dsn in env.sink_dsns:
-        execute(dsn, f"DROP TABLE IF EXISTS {PACKED_TABLE}",
-                f"CREATE TABLE {PACKED_TABLE} (id bigint PRIMARY KEY, entries int NOT NULL, payload bytea NOT NULL)")
+        execute(
+            dsn,
+            f"DROP TABLE IF EXISTS {PACKED_TABLE}",
+            f"CREATE TABLE {PACKED_TABLE} (id bigint PRIMARY KEY, entries int NOT NULL, payload bytea NOT NULL)",
+        )
     checkpoint_all(env)
     if workload.variant == "all":  # one pack for every sink
-        packs = (f"SELECT {ALL_SINKS_MASK}::int2, min(id), count(*)::int4, string_agg(payload, ''::bytea ORDER BY id) "
-                 f"FROM {BACKLOG_TABLE} GROUP BY id / {PACK_ENTRIES}")
+        packs = (
+            f"SELECT {ALL_SINKS_MASK}::int2, min(id), count(*)::int4, string_agg(payload, ''::bytea ORDER BY id) "
+            f"FROM {BACKLOG_TABLE} GROUP BY id / {PACK_ENTRIES}"
+        )
     else:  # each sink's own packs of the entries that name it
-        packs = (f"SELECT (1 << b.bit)::int2, min(e.id), count(*)::int4, string_agg(e.payload, ''::bytea ORDER BY e.id) "
-                 f"FROM {BACKLOG_TABLE} e CROSS JOIN generate_series(0, {SINKS - 1}) b(bit) "
-                 f"WHERE e.dests & (1 << b.bit) <> 0 GROUP BY b.bit, e.id / {PACK_ENTRIES}")
-    seconds = _tee(env, f"COPY ({packs}) TO STDOUT (FORMAT binary)",
-                   f"COPY {PACKED_TABLE} (id, entries, payload) FROM STDIN (FORMAT binary)", _route_packs)
-    got = [execute(dsn, f"SELECT coalesce(sum(entries), 0), coalesce(sum(length(payload)), 0) FROM {PACKED_TABLE}")[0]
-           for dsn in env.sink_dsns]
+        packs = (
+            f"SELECT (1 << b.bit)::int2, min(e.id), count(*)::int4, string_agg(e.payload, ''::bytea ORDER BY e.id) "
+            f"FROM {BACKLOG_TABLE} e CROSS JOIN generate_series(0, {SINKS - 1}) b(bit) "
+            f"WHERE e.dests & (1 << b.bit) <> 0 GROUP BY b.bit, e.id / {PACK_ENTRIES}"
+        )
+    seconds = _tee(
+        env,
+        f"COPY ({packs}) TO STDOUT (FORMAT binary)",
+        f"COPY {PACKED_TABLE} (id, entries, payload) FROM STDIN (FORMAT binary)",
+        _route_packs,
+    )
+    got = [
+        execute(dsn, f"SELECT coalesce(sum(entries), 0), coalesce(sum(length(payload)), 0) FROM {PACKED_TABLE}")[0]
+        for dsn in env.sink_dsns
+    ]
     if [int(n) for n, _ in got] != expected or any(int(b) != int(n) * PAYLOAD_BYTES for n, b in got):
         raise AssertionError(f"physical_tee_packed: sinks hold {got}, expected {expected} entries")
     for dsn in env.sink_dsns:
         execute(dsn, f"DROP TABLE {PACKED_TABLE}")
-    return Measurement("physical_tee_packed", workload.variant, workload.entries, sum(expected), seconds,
-                       {"readers": 1, "entries_per_row": PACK_ENTRIES, "packed_by": "source SQL"})
+    return Measurement(
+        "physical_tee_packed",
+        workload.variant,
+        workload.entries,
+        sum(expected),
+        seconds,
+        {"readers": 1, "entries_per_row": PACK_ENTRIES, "packed_by": "source SQL"},
+    )
 
 
 def _route_packs(chunks: Iterable[Buffer], sinks: list[psycopg.Copy]) -> None:
@@ -408,7 +458,7 @@ def _route_packs(chunks: Iterable[Buffer], sinks: list[psycopg.Copy]) -> None:
     for chunk in chunks:
         row = bytes(chunk)
         if first:
-            row, first = row[len(_PGCOPY_HEADER):], False
+            row, first = row[len(_PGCOPY_HEADER) :], False
         if len(row) == 2:  # trailer
             continue
         mask, out = row[7], b"\x00\x03" + row[8:]
@@ -436,8 +486,10 @@ def naive_python(env: BenchEnv, workload: Workload) -> Measurement:
         last = 0
         with src.cursor() as read:
             while True:
-                read.execute(f"SELECT id, dests, payload FROM {BACKLOG_TABLE} WHERE id > %s ORDER BY id LIMIT %s",
-                             (last, workload.batch))
+                read.execute(
+                    f"SELECT id, dests, payload FROM {BACKLOG_TABLE} WHERE id > %s ORDER BY id LIMIT %s",
+                    (last, workload.batch),
+                )
                 rows = read.fetchall()
                 if not rows:
                     break
@@ -446,7 +498,10 @@ def naive_python(env: BenchEnv, workload: Workload) -> Measurement:
                     if mine:
                         with sink.cursor() as cur:
                             psycopg2.extras.execute_values(
-                                cur, f"INSERT INTO {BACKLOG_TABLE} (id, payload) VALUES %s", mine, page_size=workload.batch
+                                cur,
+                                f"INSERT INTO {BACKLOG_TABLE} (id, payload) VALUES %s",
+                                mine,
+                                page_size=workload.batch,
                             )
                     sink.commit()
                 last = rows[-1][0]
@@ -455,8 +510,9 @@ def naive_python(env: BenchEnv, workload: Workload) -> Measurement:
         for conn in (src, *sinks):
             conn.close()
     verify_sinks(env, BACKLOG_TABLE, expected, "naive_python")
-    return Measurement("naive_python", workload.variant, workload.entries, sum(expected), seconds,
-                       {"batch": workload.batch})
+    return Measurement(
+        "naive_python", workload.variant, workload.entries, sum(expected), seconds, {"batch": workload.batch}
+    )
 
 
 # --- b, c) native logical replication -----------------------------------------------------------
@@ -469,8 +525,11 @@ def create_publications(env: BenchEnv, table: str, variant: str) -> None:
     for i in range(SINKS):
         pub, _ = _names(table, i)
         where = f" WHERE ((dests & {1 << i}) <> 0)" if variant == "subset" else ""
-        execute(env.source_dsn, f"DROP PUBLICATION IF EXISTS {pub}",
-                f"CREATE PUBLICATION {pub} FOR TABLE {table} (id, payload){where} WITH (publish = 'insert')")
+        execute(
+            env.source_dsn,
+            f"DROP PUBLICATION IF EXISTS {pub}",
+            f"CREATE PUBLICATION {pub} FOR TABLE {table} (id, payload){where} WITH (publish = 'insert')",
+        )
 
 
 def create_subscriptions(env: BenchEnv, table: str, copy_data: bool, binary: bool = False) -> None:
@@ -483,9 +542,11 @@ def create_subscriptions(env: BenchEnv, table: str, copy_data: bool, binary: boo
         conn = psycopg2.connect(dsn)
         conn.autocommit = True
         with conn.cursor() as cur:
-            cur.execute(f"CREATE SUBSCRIPTION {sub} CONNECTION %s PUBLICATION {pub} "
-                        f"WITH (copy_data = {copy_data}, binary = {binary})",
-                        (env.source_dsn,))
+            cur.execute(
+                f"CREATE SUBSCRIPTION {sub} CONNECTION %s PUBLICATION {pub} "
+                f"WITH (copy_data = {copy_data}, binary = {binary})",
+                (env.source_dsn,),
+            )
         conn.close()
 
 
@@ -524,7 +585,9 @@ def _poll(dsns: list[str], query: str, done: Callable[[list[tuple]], bool], time
                     if done(cur.fetchall()):
                         finished[i] = time.perf_counter() - started
             if time.perf_counter() - started > timeout_s:
-                raise TimeoutError(f"not done after {timeout_s:.0f} s on sinks {sorted(set(range(len(conns))) - set(finished))}")
+                raise TimeoutError(
+                    f"not done after {timeout_s:.0f} s on sinks {sorted(set(range(len(conns))) - set(finished))}"
+                )
             time.sleep(POLL_S)
     finally:
         for conn in conns:
@@ -533,10 +596,12 @@ def _poll(dsns: list[str], query: str, done: Callable[[list[tuple]], bool], time
 
 
 def _ready_query(table: str) -> str:
-    return (f"SELECT r.srsubstate, s.pid IS NOT NULL FROM pg_subscription_rel r "
-            f"JOIN pg_subscription sub ON sub.oid = r.srsubid "
-            f"LEFT JOIN pg_stat_subscription s ON s.subid = sub.oid AND s.relid IS NULL "
-            f"WHERE sub.subname LIKE '{table}_sub_%'")
+    return (
+        f"SELECT r.srsubstate, s.pid IS NOT NULL FROM pg_subscription_rel r "
+        f"JOIN pg_subscription sub ON sub.oid = r.srsubid "
+        f"LEFT JOIN pg_stat_subscription s ON s.subid = sub.oid AND s.relid IS NULL "
+        f"WHERE sub.subname LIKE '{table}_sub_%'"
+    )
 
 
 def native_initial(env: BenchEnv, workload: Workload, binary: bool = False) -> Measurement:
@@ -550,14 +615,24 @@ def native_initial(env: BenchEnv, workload: Workload, binary: bool = False) -> M
         started = time.perf_counter()
         create_subscriptions(env, BACKLOG_TABLE, copy_data=True, binary=binary)
         poll_from = time.perf_counter()
-        per_sink = _poll(env.sink_dsns, _ready_query(BACKLOG_TABLE),
-                         lambda rows: bool(rows) and all(state == "r" for state, _ in rows), timeout_s=3600)
+        per_sink = _poll(
+            env.sink_dsns,
+            _ready_query(BACKLOG_TABLE),
+            lambda rows: bool(rows) and all(state == "r" for state, _ in rows),
+            timeout_s=3600,
+        )
         seconds = time.perf_counter() - started
         verify_sinks(env, BACKLOG_TABLE, expected, name)
     finally:
         drop_replication(env)
-    return Measurement(name, workload.variant, workload.entries, sum(expected), seconds,
-                       {"per_sink_s": [round(poll_from - started + s, 3) for s in per_sink]})
+    return Measurement(
+        name,
+        workload.variant,
+        workload.entries,
+        sum(expected),
+        seconds,
+        {"per_sink_s": [round(poll_from - started + s, 3) for s in per_sink]},
+    )
 
 
 def native_initial_binary(env: BenchEnv, workload: Workload) -> Measurement:
@@ -592,11 +667,17 @@ def native_streaming(env: BenchEnv, workload: Workload) -> Measurement:
     create_publications(env, STREAM_TABLE, workload.variant)
     try:
         create_subscriptions(env, STREAM_TABLE, copy_data=False)
-        _poll(env.sink_dsns, _ready_query(STREAM_TABLE),
-              lambda rows: bool(rows) and all(state == "r" and running for state, running in rows), timeout_s=120)
+        _poll(
+            env.sink_dsns,
+            _ready_query(STREAM_TABLE),
+            lambda rows: bool(rows) and all(state == "r" and running for state, running in rows),
+            timeout_s=120,
+        )
         checkpoint_all(env)
         ids = range(1, workload.entries + 1)
-        args = [(env.source_dsn, part, workload, workload.seed + k) for k, part in enumerate(_split(ids, workload.writers))]
+        args = [
+            (env.source_dsn, part, workload, workload.seed + k) for k, part in enumerate(_split(ids, workload.writers))
+        ]
         started, writers_done, _ = _run_parallel(_stream_writer, args)
         writers_s = writers_done - started
         marker = workload.entries + 1
@@ -612,7 +693,11 @@ def native_streaming(env: BenchEnv, workload: Workload) -> Measurement:
         for dsn in (env.source_dsn, *env.sink_dsns):
             execute(dsn, f"DROP TABLE IF EXISTS {STREAM_TABLE}")
     return Measurement(
-        "native_streaming", workload.variant, workload.entries, sum(expected), seconds,
+        "native_streaming",
+        workload.variant,
+        workload.entries,
+        sum(expected),
+        seconds,
         {
             "writers": workload.writers,
             "rows_per_txn": workload.batch,

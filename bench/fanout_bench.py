@@ -13,6 +13,7 @@ Run: .venv/bin/python bench/fanout_bench.py [--entries 1000000] [--variants all,
      [--only physical_copy,native_initial] [--writers 4] [--batch 1000] [--fast] [--keep]
 Writes bench/results/fanout_bench.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,8 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -71,9 +72,13 @@ MEASUREMENTS.update(fanout_lr.MEASUREMENTS)
 
 
 def print_table(results: list[Measurement]) -> None:
-    print(f"\n{'measurement':<22} {'variant':<7} {'entries':>10} {'deliveries':>11} {'seconds':>8} {'deliveries/s':>13}")
+    print(
+        f"\n{'measurement':<22} {'variant':<7} {'entries':>10} {'deliveries':>11} {'seconds':>8} {'deliveries/s':>13}"
+    )
     for m in results:
-        print(f"{m.name:<22} {m.variant:<7} {m.entries:>10,} {m.deliveries:>11,} {m.seconds:>8.2f} {m.per_second:>13,.0f}")
+        print(
+            f"{m.name:<22} {m.variant:<7} {m.entries:>10,} {m.deliveries:>11,} {m.seconds:>8.2f} {m.per_second:>13,.0f}"
+        )
     others = [m for m in results if m.name not in ANCHORS]
     for m in others:
         anchors = [a for a in results if a.name in ANCHORS and a.variant == m.variant]
@@ -116,15 +121,20 @@ def main(argv: list[str] | None = None) -> int:
             workload = Workload(args.entries, variant, writers=args.writers, batch=args.batch)
             t0 = time.perf_counter()
             owed = prepare_source(env, workload)
-            print(f"[{variant}] source filled: {args.entries:,} entries, sinks owed {owed} "
-                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+            print(
+                f"[{variant}] source filled: {args.entries:,} entries, sinks owed {owed} "
+                f"({time.perf_counter() - t0:.1f} s)",
+                flush=True,
+            )
             for name in chosen:
                 waited = settle(env)
                 print(f"[{variant}] {name} (settled {waited:.1f} s) …", end=" ", flush=True)
                 m = MEASUREMENTS[name](env, workload)
                 results.append(m)
-                print(f"{m.deliveries:,} deliveries in {m.seconds:.2f} s = {m.per_second:,.0f}/s {m.details or ''}",
-                      flush=True)
+                print(
+                    f"{m.deliveries:,} deliveries in {m.seconds:.2f} s = {m.per_second:,.0f}/s {m.details or ''}",
+                    flush=True,
+                )
             execute(env.source_dsn, f"DROP TABLE IF EXISTS {BACKLOG_TABLE}")
     finally:
         stop_env(env, remove=not args.keep)
@@ -133,17 +143,27 @@ def main(argv: list[str] | None = None) -> int:
 
     print_table(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "entries": args.entries,
-        "variants": variants,
-        "fast": args.fast,
-        "writers": args.writers,
-        "batch": args.batch,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
-        "server": info,
-        "measurements": [m.as_dict() for m in results],
-    }, indent=2))
+    args.out.write_text(
+        json.dumps(
+            {
+                "entries": args.entries,
+                "variants": variants,
+                "fast": args.fast,
+                "writers": args.writers,
+                "batch": args.batch,
+                "machine": {
+                    "cpus": os.cpu_count(),
+                    "platform": platform.platform(),
+                    "python": platform.python_version(),
+                    "loadavg_before": load_before,
+                    "loadavg_after": os.getloadavg(),
+                },
+                "server": info,
+                "measurements": [m.as_dict() for m in results],
+            },
+            indent=2,
+        )
+    )
     print(f"\nwrote {args.out}")
     return 0
 

@@ -24,6 +24,7 @@ per-sink counts, source order of ``seq`` and a sample of payloads byte for byte.
 
 Must not import ``fanout_bench`` (run as ``__main__`` it would be a second copy).
 """
+
 from __future__ import annotations
 
 import io
@@ -47,11 +48,11 @@ from fanout_anchors import BACKLOG_TABLE, SINKS, BenchEnv, Measurement, Workload
 
 from airflow_provider_lr.client import RoutingQueueClient  # noqa: E402
 from airflow_provider_lr.engine.bulk import pgcopy
-from airflow_provider_lr.engine.site.replicator import Replicator  # noqa: E402
+from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.session.settings import SessionSettings  # noqa: E402
 from airflow_provider_lr.engine.sink import queue_rows
-from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.site.replicator import Replicator  # noqa: E402
 from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES  # noqa: E402
 from airflow_provider_lr.proto import lr_pb2  # noqa: E402
@@ -70,8 +71,14 @@ def _dsn(dsn: str, dbname: str) -> str:
 class LrSites:
     """Fresh lr databases on the bench servers, a topology over them and a connections file."""
 
-    def __init__(self, env: BenchEnv, name: str, site_ids: list[str] | None = None,
-                 providers: dict[str, str] | None = None, initial_sync: bool = True) -> None:
+    def __init__(
+        self,
+        env: BenchEnv,
+        name: str,
+        site_ids: list[str] | None = None,
+        providers: dict[str, str] | None = None,
+        initial_sync: bool = True,
+    ) -> None:
         """``site_ids``: the source's, then one per sink of ``env`` (default ``bench-src`` and 3
         sinks); ``providers``: the topology's (``client: "module:function"``); ``initial_sync``:
         bring every session through its (empty) full sync here, in process."""
@@ -88,15 +95,23 @@ class LrSites:
         conns = {}
         for site, dsn in self.dsns.items():
             p = psycopg2.extensions.parse_dsn(dsn)
-            conns[site] = {"conn_type": "lr_site", "host": p.get("host"), "port": int(p.get("port", 5432)),
-                           "login": p.get("user"), "password": p.get("password"), "schema": p["dbname"],
-                           "extra": {"site_id": site}}
+            conns[site] = {
+                "conn_type": "lr_site",
+                "host": p.get("host"),
+                "port": int(p.get("port", 5432)),
+                "login": p.get("user"),
+                "password": p.get("password"),
+                "schema": p["dbname"],
+                "extra": {"site_id": site},
+            }
         self.connections = self.dir / "connections.json"
         self.connections.write_text(json.dumps(conns))
         self.connections.chmod(0o600)
-        doc = {"sites": [{"id": s, "conn_id": s} for s in self.dsns],
-               "replication": [{"source": site_ids[0], "sinks": site_ids[1:], "clients": [CLIENT]}],
-               "settings": {"lease_seconds": 600}}
+        doc = {
+            "sites": [{"id": s, "conn_id": s} for s in self.dsns],
+            "replication": [{"source": site_ids[0], "sinks": site_ids[1:], "clients": [CLIENT]}],
+            "settings": {"lease_seconds": 600},
+        }
         if providers:
             doc["providers"] = providers
         self.topology = topologies.from_document(doc)
@@ -119,10 +134,15 @@ class LrSites:
 
     def replicator(self, tee_min_backlog: int = 0) -> Replicator:
         """``lr sync``'s engine; by default session cycles only (``tee_min_backlog`` 0)."""
-        settings = SessionSettings(barrier_timeout=5.0, max_batches=1_000_000, lease_seconds=600,
-                                   tee_min_backlog=tee_min_backlog)
-        return Replicator(self.topology, lambda site: psycopg2.connect(self.dsns[site]), settings=settings,
-                          providers={CLIENT: lambda ctx: None})
+        settings = SessionSettings(
+            barrier_timeout=5.0, max_batches=1_000_000, lease_seconds=600, tee_min_backlog=tee_min_backlog
+        )
+        return Replicator(
+            self.topology,
+            lambda site: psycopg2.connect(self.dsns[site]),
+            settings=settings,
+            providers={CLIENT: lambda ctx: None},
+        )
 
     def fill_backlog(self, env: BenchEnv, workload: Workload) -> None:
         """The bench table's rows as log entries, written as ``transmit`` writes them (one entry per
@@ -145,8 +165,12 @@ class LrSites:
                 for dests, payload in read:
                     names = [SINK_IDS[i] for i in range(SINKS) if dests >> i & 1]
                     message = lr_pb2.RoutingTableEntryMsg(
-                        destinations=names, type=lr_pb2.LOG_ENTRY_SYNC, opaque_payload=bytes(payload),
-                        source_site_id=SOURCE_ID, client_name=CLIENT).SerializeToString()
+                        destinations=names,
+                        type=lr_pb2.LOG_ENTRY_SYNC,
+                        opaque_payload=bytes(payload),
+                        source_site_id=SOURCE_ID,
+                        client_name=CLIENT,
+                    ).SerializeToString()
                     block += head + _int_array([tags[n] for n in names]) + client_field
                     block += pgcopy._I32.pack(len(message)) + message
                     rows += 1
@@ -167,28 +191,40 @@ class LrSites:
     def verify(self, env: BenchEnv, name: str) -> list[int]:
         """Per-sink entry counts equal the bench's, rows follow source order, and a sample of rows
         holds, byte for byte, the payloads of the sink's entries that end at the row's last entry."""
-        expected = [execute(env.source_dsn, f"SELECT count(*) FROM {BACKLOG_TABLE} WHERE dests & {1 << i} <> 0")[0][0]
-                    for i in range(SINKS)]
+        expected = [
+            execute(env.source_dsn, f"SELECT count(*) FROM {BACKLOG_TABLE} WHERE dests & {1 << i} <> 0")[0][0]
+            for i in range(SINKS)
+        ]
         got, out_of_order = [], []
         for sink in SINK_IDS:
-            (count, disorder), = execute(self.dsns[sink], """
+            ((count, disorder),) = execute(
+                self.dsns[sink],
+                """
                 SELECT coalesce(sum(entry_count), 0), count(*) FILTER (WHERE prev >= (source_position, source_entry_id))
                 FROM (SELECT entry_count, source_position, source_entry_id,
                              lag((source_position, source_entry_id)) OVER (ORDER BY seq) AS prev
-                      FROM lr.receive_queue WHERE kind = 1) q""")
+                      FROM lr.receive_queue WHERE kind = 1) q""",
+            )
             got.append(int(count))
             out_of_order.append(disorder)
         if got != expected or any(out_of_order):
             raise AssertionError(f"{name}: sinks hold {got} entries (expected {expected}), out of order {out_of_order}")
         tags = dict(execute(self.dsns[SOURCE_ID], "SELECT site_id, tag_id FROM lr.remote_sites"))
         for sink in SINK_IDS:
-            for last_id, count, message in execute(self.dsns[sink], "SELECT source_entry_id, entry_count, message "
-                                                                    "FROM lr.receive_queue WHERE kind = 1 AND seq % 211 = 1"):
-                sent = execute(self.dsns[SOURCE_ID], f"SELECT message FROM lr.log_entries WHERE entry_id <= {last_id} "
-                               f"AND tag_ids @> ARRAY[{tags[sink]}] ORDER BY entry_id DESC LIMIT {count}")
-                want = [lr_pb2.RoutingTableEntryMsg.FromString(bytes(m)).opaque_payload for m, in reversed(sent)]
-                have = [lr_pb2.RoutingTableEntryMsg.FromString(e).opaque_payload
-                        for e in queue_rows.unpack(count, bytes(message))]
+            for last_id, count, message in execute(
+                self.dsns[sink],
+                "SELECT source_entry_id, entry_count, message FROM lr.receive_queue WHERE kind = 1 AND seq % 211 = 1",
+            ):
+                sent = execute(
+                    self.dsns[SOURCE_ID],
+                    f"SELECT message FROM lr.log_entries WHERE entry_id <= {last_id} "
+                    f"AND tag_ids @> ARRAY[{tags[sink]}] ORDER BY entry_id DESC LIMIT {count}",
+                )
+                want = [lr_pb2.RoutingTableEntryMsg.FromString(bytes(m)).opaque_payload for (m,) in reversed(sent)]
+                have = [
+                    lr_pb2.RoutingTableEntryMsg.FromString(e).opaque_payload
+                    for e in queue_rows.unpack(count, bytes(message))
+                ]
                 if have != want:
                     raise AssertionError(f"{name}: the row ending at entry {last_id} differs on {sink}")
         return got
@@ -219,18 +255,33 @@ def spark_submit(job: str, args: list[str], connections: Path, master: str = SPA
     import pyspark
 
     spark_home = Path(pyspark.__file__).resolve().parent
-    env = {**os.environ, "SPARK_HOME": str(spark_home), "SPARK_LOCAL_IP": "127.0.0.1",
-           "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
-           "LR_CONNECTIONS_FILE": str(connections), "PYTHONPATH": str(REPO)}
-    cmd = [str(spark_home / "bin" / "spark-submit"), "--master", master, "--driver-memory", "1g",
-           "--conf", "spark.ui.enabled=false", str(REPO / "spark_jobs" / job), *args]
+    env = {
+        **os.environ,
+        "SPARK_HOME": str(spark_home),
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+        "LR_CONNECTIONS_FILE": str(connections),
+        "PYTHONPATH": str(REPO),
+    }
+    cmd = [
+        str(spark_home / "bin" / "spark-submit"),
+        "--master",
+        master,
+        "--driver-memory",
+        "1g",
+        "--conf",
+        "spark.ui.enabled=false",
+        str(REPO / "spark_jobs" / job),
+        *args,
+    ]
     started = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     wall = time.perf_counter() - started
     lines = [line for line in proc.stdout.splitlines() if line.startswith("LR_RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{job} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return {**json.loads(lines[-1][len("LR_RESULT "):]), "wall_s": round(wall, 3)}
+    return {**json.loads(lines[-1][len("LR_RESULT ") :]), "wall_s": round(wall, 3)}
 
 
 def spark_catchup(name: str, master: str, tasks: int):
@@ -241,8 +292,12 @@ def spark_catchup(name: str, master: str, tasks: int):
         try:
             sites.fill_backlog(env, workload)
             sites.checkpoint()
-            result = spark_submit("lr_fanout.py", ["--source", SOURCE_ID, "--topology", str(sites.topology_file),
-                                                   "--tasks", str(tasks)], sites.connections, master)
+            result = spark_submit(
+                "lr_fanout.py",
+                ["--source", SOURCE_ID, "--topology", str(sites.topology_file), "--tasks", str(tasks)],
+                sites.connections,
+                master,
+            )
             got = sites.verify(env, name)
         finally:
             sites.drop()
@@ -251,13 +306,24 @@ def spark_catchup(name: str, master: str, tasks: int):
         if delivered != sum(got):
             raise AssertionError(f"{name} reported {delivered} deliveries, sinks hold {sum(got)}")
         mib = {k: round(v / 1024, 1) for k, v in result["peak_rss_kb"].items()}
-        return Measurement(name, workload.variant, workload.entries, delivered, seconds, {
-            "master": master, "tasks": tasks, "staged": tasks > 1, "partitions": result["partitions"],
-            "phases_s": result["seconds"], "wall_with_spark_start_s": result["wall_s"],
-            "spark_start_s": round(result["wall_s"] - seconds, 2),
-            "deliveries_per_s_with_spark_start": round(delivered / result["wall_s"], 1),
-            "peak_mib": mib,
-        })
+        return Measurement(
+            name,
+            workload.variant,
+            workload.entries,
+            delivered,
+            seconds,
+            {
+                "master": master,
+                "tasks": tasks,
+                "staged": tasks > 1,
+                "partitions": result["partitions"],
+                "phases_s": result["seconds"],
+                "wall_with_spark_start_s": result["wall_s"],
+                "spark_start_s": round(result["wall_s"] - seconds, 2),
+                "deliveries_per_s_with_spark_start": round(delivered / result["wall_s"], 1),
+                "peak_mib": mib,
+            },
+        )
 
     measure.__name__ = name
     return measure
@@ -297,9 +363,14 @@ def _replicate(env: BenchEnv, workload: Workload, name: str, tee_min_backlog: in
     finally:
         _restore_env("LR_CONNECTIONS_FILE", previous)
         sites.drop()
-    return Measurement(name, workload.variant, workload.entries, sum(got), seconds,
-                       {"batch_entries": SessionSettings().max_entries, "tee_min_backlog": tee_min_backlog,
-                        "by_tee": teed})
+    return Measurement(
+        name,
+        workload.variant,
+        workload.entries,
+        sum(got),
+        seconds,
+        {"batch_entries": SessionSettings().max_entries, "tee_min_backlog": tee_min_backlog, "by_tee": teed},
+    )
 
 
 def _restore_env(name: str, value: str | None) -> None:
@@ -332,9 +403,14 @@ def lr_inprocess_tee(env: BenchEnv, workload: Workload) -> Measurement:
     delivered = sum(result.deliveries.values())
     if not result.ok or delivered != sum(got):
         raise AssertionError(f"lr_inprocess_tee: {result.errors or delivered} (sinks hold {sum(got)})")
-    return Measurement("lr_inprocess_tee", workload.variant, workload.entries, delivered, result.seconds["total"],
-                       {"chunks": result.partitions, "phases_s": result.seconds,
-                        "python_cpu_s": round(cpu, 2)})  # this process, sender threads included
+    return Measurement(
+        "lr_inprocess_tee",
+        workload.variant,
+        workload.entries,
+        delivered,
+        result.seconds["total"],
+        {"chunks": result.partitions, "phases_s": result.seconds, "python_cpu_s": round(cpu, 2)},
+    )  # this process, sender threads included
 
 
 def _cpu_seconds() -> float:
@@ -342,5 +418,11 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-MEASUREMENTS = {"lr_catchup": lr_catchup, "lr_staged_1core": lr_staged_1core, "lr_staged_2cores": lr_staged_2cores,
-                "lr_inprocess": lr_inprocess, "lr_inprocess_tee": lr_inprocess_tee, "lr_sync": lr_sync}
+MEASUREMENTS = {
+    "lr_catchup": lr_catchup,
+    "lr_staged_1core": lr_staged_1core,
+    "lr_staged_2cores": lr_staged_2cores,
+    "lr_inprocess": lr_inprocess,
+    "lr_inprocess_tee": lr_inprocess_tee,
+    "lr_sync": lr_sync,
+}

@@ -25,6 +25,7 @@ several rates. Run:
         [--rates 12.5e6,62.5e6] [--rounds 1]
 Writes bench/results/nearest_copy_bench.json and prints markdown.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,10 +44,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from fanout_anchors import execute, start_env, stop_env  # noqa: E402
 
-from airflow_provider_lr.engine.site.replicator import Replicator  # noqa: E402
-from airflow_provider_lr.engine.session.settings import SessionSettings  # noqa: E402
 from airflow_provider_lr.engine.db import schema
+from airflow_provider_lr.engine.session.settings import SessionSettings  # noqa: E402
 from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.site.replicator import Replicator  # noqa: E402
 from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.tables import registry  # noqa: E402
 from airflow_provider_lr.engine.vocabulary import SessionKey  # noqa: E402
@@ -78,8 +79,14 @@ def table_hash(dsn: str) -> tuple[int, str]:
 
 
 def sync(topo: topologies.Topology, connect, keys: list[SessionKey], nearest: bool) -> list:
-    settings = SessionSettings(barrier_timeout=5.0, max_batches=1_000_000, lease_seconds=600, tee_min_backlog=0,
-                               nearest_copy=nearest, peer_probe_delay=2.0)
+    settings = SessionSettings(
+        barrier_timeout=5.0,
+        max_batches=1_000_000,
+        lease_seconds=600,
+        tee_min_backlog=0,
+        nearest_copy=nearest,
+        peer_probe_delay=2.0,
+    )
     repl = Replicator(topo, connect, settings=settings, sessions=keys)
     try:
         return repl.run(max_cycles=20, until_idle=True, interval=0.01)
@@ -100,35 +107,52 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="lr-nearest-"))
     env = start_env(home)
     admins = {"src": env.source_dsn, "peer": env.sink_dsns[0], "new": env.sink_dsns[1]}
-    doc = {"sites": [{"id": "src", "region": "far"}, {"id": "peer", "region": "near"}, {"id": "new", "region": "near"}],
-           "replication": [{"source": "src", "sinks": ["peer", "new"], "clients": [CLIENT]}],
-           "settings": {"lease_seconds": 600}}
+    doc = {
+        "sites": [{"id": "src", "region": "far"}, {"id": "peer", "region": "near"}, {"id": "new", "region": "near"}],
+        "replication": [{"source": "src", "sinks": ["peer", "new"], "clients": [CLIENT]}],
+        "settings": {"lease_seconds": 600},
+    }
     topo = topologies.from_document(doc)
     results: list[dict] = []
     try:
         dsns = {site: fresh_site(admins[site], f"nearest_{site}", site, topo) for site in SITES}
-        execute(dsns["src"], DDL, f"INSERT INTO {TABLE} SELECT g, g % 100, now(), repeat(md5(g::text), 5) || "
-                                  f"'xxxx' FROM generate_series(1, {args.rows}) g")
+        execute(
+            dsns["src"],
+            DDL,
+            f"INSERT INTO {TABLE} SELECT g, g % 100, now(), repeat(md5(g::text), 5) || "
+            f"'xxxx' FROM generate_series(1, {args.rows}) g",
+        )
         conn = psycopg2.connect(dsns["src"])
         registry.open_table(conn, TABLE, CLIENT)
         conn.close()
         direct = lambda site: psycopg2.connect(dsns[site])  # noqa: E731
         sync(topo, direct, [SessionKey("src", "peer", CLIENT)], nearest=False)
-        execute(dsns["src"], *[f"UPDATE {TABLE} SET grp = grp + 1 WHERE id = {i * 7 % args.rows + 1}"
-                               for i in range(args.updates)])
+        execute(
+            dsns["src"],
+            *[f"UPDATE {TABLE} SET grp = grp + 1 WHERE id = {i * 7 % args.rows + 1}" for i in range(args.updates)],
+        )
         expected = table_hash(dsns["src"])
         table_mb = execute(dsns["src"], f"SELECT pg_table_size('{TABLE}') / 1e6")[0][0]
-        print(f"table: {args.rows} rows, {table_mb:.0f} MB at the source; peer behind by {args.updates} updates",
-              flush=True)
+        print(
+            f"table: {args.rows} rows, {table_mb:.0f} MB at the source; peer behind by {args.updates} updates",
+            flush=True,
+        )
 
         def run(mode: str, rate: float | None) -> dict:
             dsns["new"] = fresh_site(admins["new"], "nearest_new", "new", topo)
-            far = LinkProxy(int(psycopg2.extensions.parse_dsn(dsns["src"])["port"]), delay=args.delay, rate=rate) \
-                if rate is not None else None
+            far = (
+                LinkProxy(int(psycopg2.extensions.parse_dsn(dsns["src"])["port"]), delay=args.delay, rate=rate)
+                if rate is not None
+                else None
+            )
             route = {**dsns, "src": far.dsn(dsns["src"]) if far else dsns["src"]}
             started = time.monotonic()
-            reports = sync(topo, lambda site: psycopg2.connect(route[site]), [SessionKey("src", "new", CLIENT)],
-                           nearest=mode.startswith("peer"))
+            reports = sync(
+                topo,
+                lambda site: psycopg2.connect(route[site]),
+                [SessionKey("src", "new", CLIENT)],
+                nearest=mode.startswith("peer"),
+            )
             seconds = time.monotonic() - started
             far_bytes = far.bytes if far else None
             if far:
@@ -138,11 +162,20 @@ def main() -> None:
             if errors or got != expected:
                 raise RuntimeError(f"{mode}: {errors or 'rows differ from the source'}")
             reason = next((r.reason for r in reports if "peer" in r.reason), "")
-            row = {"mode": mode, "rate_bytes_s": rate, "one_way_delay_s": args.delay if rate else 0,
-                   "seconds": round(seconds, 2), "rows_per_s": round(args.rows / seconds),
-                   "far_link_mb": round(far_bytes / 1e6, 1) if far_bytes is not None else None, "reason": reason}
-            print(f"  {mode:<18} rate {rate or 0:>10.3g} B/s  {seconds:7.2f}s  far link "
-                  f"{row['far_link_mb'] if far_bytes is not None else '-'} MB", flush=True)
+            row = {
+                "mode": mode,
+                "rate_bytes_s": rate,
+                "one_way_delay_s": args.delay if rate else 0,
+                "seconds": round(seconds, 2),
+                "rows_per_s": round(args.rows / seconds),
+                "far_link_mb": round(far_bytes / 1e6, 1) if far_bytes is not None else None,
+                "reason": reason,
+            }
+            print(
+                f"  {mode:<18} rate {rate or 0:>10.3g} B/s  {seconds:7.2f}s  far link "
+                f"{row['far_link_mb'] if far_bytes is not None else '-'} MB",
+                flush=True,
+            )
             return row
 
         for _ in range(args.rounds):
@@ -152,8 +185,14 @@ def main() -> None:
                 results.append(run("peer, far source", rate))
     finally:
         stop_env(env)
-    out = {"machine": platform.platform(), "rows": args.rows, "updates": args.updates, "table_mb": float(table_mb),
-           "one_way_delay_s": args.delay, "runs": results}
+    out = {
+        "machine": platform.platform(),
+        "rows": args.rows,
+        "updates": args.updates,
+        "table_mb": float(table_mb),
+        "one_way_delay_s": args.delay,
+        "runs": results,
+    }
     path = ROOT / "bench" / "results" / "nearest_copy_bench.json"
     path.write_text(json.dumps(out, indent=2))
     print("\n| mode | far link | seconds | rows/s | MB over the far link |\n|---|---|---|---|---|")

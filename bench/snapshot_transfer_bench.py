@@ -19,6 +19,7 @@ Run: .venv/bin/python bench/snapshot_transfer_bench.py [--sizes 100000,300000,10
      [--master local[2] | local[1] | standalone:2 (a Master and 2 Workers of 1 core, started here)]
 Writes bench/results/snapshot_transfer_bench.json and prints markdown.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,14 +39,14 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "spark_jobs")]
 
 from fanout_anchors import execute, start_env, stop_env  # noqa: E402
 
+from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.session.lease import new_owner_id  # noqa: E402
 from airflow_provider_lr.engine.session.runner import SessionRunner  # noqa: E402
 from airflow_provider_lr.engine.session.settings import SessionSettings  # noqa: E402
-from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.site import topology
-from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.source import full_sync  # noqa: E402
 from airflow_provider_lr.engine.source.transmit import RoutingQueueClient  # noqa: E402
+from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.vocabulary import SessionKey  # noqa: E402
 
 CLIENT = "bench"
@@ -58,8 +59,11 @@ def _dsn(admin: str, db: str) -> str:
 
 def prepare(admins: dict[str, str], entries: int, payload: int) -> tuple[topologies.Topology, dict[str, str], str]:
     """Fresh databases, the topology applied, and a supplied full-sync request of ``entries``."""
-    doc = {"sites": [{"id": "src"}, {"id": "dst"}],
-           "replication": [{"source": "src", "sinks": ["dst"], "clients": [CLIENT]}], "settings": {"lease_seconds": 600}}
+    doc = {
+        "sites": [{"id": "src"}, {"id": "dst"}],
+        "replication": [{"source": "src", "sinks": ["dst"], "clients": [CLIENT]}],
+        "settings": {"lease_seconds": 600},
+    }
     topo = topologies.from_document(doc)
     dsns = {}
     for site, admin in admins.items():
@@ -109,10 +113,15 @@ def components(dsns: dict[str, str], request_id: str) -> dict[str, float]:
         (tx,) = cur.fetchone()
         rows: list[list] = []
         wall, cpu = time.monotonic(), time.process_time()
-        cur.copy_expert(cur.mogrify("COPY (SELECT c.position, e.entry_id, e.message FROM lr.log_entries e "
-                                    "JOIN lr.log_commits c ON c.tx = e.tx WHERE e.tx = %s::xid8 AND e.stream = %s "
-                                    "ORDER BY e.entry_id) TO STDOUT (FORMAT binary)", (tx, STREAM_SNAP_SYNC)).decode(),
-                        RowReader(rows.append))
+        cur.copy_expert(
+            cur.mogrify(
+                "COPY (SELECT c.position, e.entry_id, e.message FROM lr.log_entries e "
+                "JOIN lr.log_commits c ON c.tx = e.tx WHERE e.tx = %s::xid8 AND e.stream = %s "
+                "ORDER BY e.entry_id) TO STDOUT (FORMAT binary)",
+                (tx, STREAM_SNAP_SYNC),
+            ).decode(),
+            RowReader(rows.append),
+        )
         read_wall, read_cpu = time.monotonic() - wall, time.process_time() - cpu
     src.close()
     n = len(rows)
@@ -122,8 +131,12 @@ def components(dsns: dict[str, str], request_id: str) -> dict[str, float]:
     cpu = time.process_time()
     for position, entry_id, message in rows:
         kind, body = vocabulary.strip_destinations(message or b"")
-        packer.add(kind, int.from_bytes(position or b"", "big", signed=True),
-                   int.from_bytes(entry_id or b"", "big", signed=True), body)
+        packer.add(
+            kind,
+            int.from_bytes(position or b"", "big", signed=True),
+            int.from_bytes(entry_id or b"", "big", signed=True),
+            body,
+        )
     packer.flush()
     pack_cpu = time.process_time() - cpu
     dst = psycopg2.connect(dsns["dst"])
@@ -141,10 +154,15 @@ def components(dsns: dict[str, str], request_id: str) -> dict[str, float]:
     dst.commit()
     dst.close()
     us = 1e6 / n
-    return {"entries": n, "staged_rows": len(staged), "source_read_wall_us": round(read_wall * us, 3),
-            "source_read_client_cpu_us": round(read_cpu * us, 3),
-            "source_read_server_us": round((read_wall - read_cpu) * us, 3),
-            "strip_and_pack_cpu_us": round(pack_cpu * us, 3), "sink_ingest_wall_us": round(ingest_wall * us, 3)}
+    return {
+        "entries": n,
+        "staged_rows": len(staged),
+        "source_read_wall_us": round(read_wall * us, 3),
+        "source_read_client_cpu_us": round(read_cpu * us, 3),
+        "source_read_server_us": round((read_wall - read_cpu) * us, 3),
+        "strip_and_pack_cpu_us": round(pack_cpu * us, 3),
+        "sink_ingest_wall_us": round(ingest_wall * us, 3),
+    }
 
 
 def main() -> None:
@@ -153,8 +171,11 @@ def main() -> None:
     parser.add_argument("--payload", type=int, default=256)
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--out", default="snapshot_transfer_bench.json", help="file name under bench/results")
-    parser.add_argument("--components", action="store_true",
-                        help="also time a staging task's parts alone at the largest size (for the model)")
+    parser.add_argument(
+        "--components",
+        action="store_true",
+        help="also time a staging task's parts alone at the largest size (for the model)",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     env = start_env(Path(tempfile.mkdtemp(prefix="lr-transfer-")))
@@ -171,11 +192,17 @@ def main() -> None:
             from tests.support.spark_env import cluster_spark_session, standalone_cluster
 
             workers = int(args.master.split(":")[1])
-            cluster = stack.enter_context(standalone_cluster(Path(tempfile.mkdtemp(prefix="lr-spark-")), workers=workers))
+            cluster = stack.enter_context(
+                standalone_cluster(Path(tempfile.mkdtemp(prefix="lr-spark-")), workers=workers)
+            )
             spark = cluster_spark_session(cluster.url, "lr-transfer-bench", **{"spark.cores.max": str(workers)})
         else:
-            spark = SparkSession.builder.master(args.master).appName("lr-transfer-bench") \
-                .config("spark.ui.enabled", "false").getOrCreate()
+            spark = (
+                SparkSession.builder.master(args.master)
+                .appName("lr-transfer-bench")
+                .config("spark.ui.enabled", "false")
+                .getOrCreate()
+            )
         spark.sparkContext.parallelize(range(4), 4).collect()
         spark_start = time.monotonic() - t0
         print(f"Spark {args.master} start (with a first task): {spark_start:.1f}s", flush=True)
@@ -207,10 +234,20 @@ def main() -> None:
                     parts = components(dsns, request_id)
                     print(f"  components: {parts}", flush=True)
                     runs.append({"method": "components", **parts})
-                runs.append({"method": method, "entries": entries, "seconds": round(seconds, 3),
-                             "entries_per_s": round(entries / seconds), "phases_s": phases})
-                print(f"  {method:<16} {entries:>9} entries  {seconds:7.2f}s  {entries / seconds:>10,.0f}/s "
-                      f"{phases or ''}", flush=True)
+                runs.append(
+                    {
+                        "method": method,
+                        "entries": entries,
+                        "seconds": round(seconds, 3),
+                        "entries_per_s": round(entries / seconds),
+                        "phases_s": phases,
+                    }
+                )
+                print(
+                    f"  {method:<16} {entries:>9} entries  {seconds:7.2f}s  {entries / seconds:>10,.0f}/s "
+                    f"{phases or ''}",
+                    flush=True,
+                )
         spark.stop()
     finally:
         stack.close()
@@ -222,25 +259,44 @@ def main() -> None:
     (a_in, b_in), (a_sp, b_sp) = lines["in-process"], lines[f"spark {args.master}"]
     slope = b_in - b_sp
     even = (a_sp + spark_start - a_in) / slope if slope > 0 else None
-    out = {"machine": platform.platform(), "cores": os.cpu_count(), "payload": args.payload, "master": args.master,
-           "spark_start_s": round(spark_start, 2), "runs": runs,
-           "fits": {m: {"a_s": round(a, 3), "us_per_entry": round(b * 1e6, 3)} for m, (a, b) in lines.items()},
-           "break_even_entries": round(even) if even else None}
+    out = {
+        "machine": platform.platform(),
+        "cores": os.cpu_count(),
+        "payload": args.payload,
+        "master": args.master,
+        "spark_start_s": round(spark_start, 2),
+        "runs": runs,
+        "fits": {m: {"a_s": round(a, 3), "us_per_entry": round(b * 1e6, 3)} for m, (a, b) in lines.items()},
+        "break_even_entries": round(even) if even else None,
+    }
     path = ROOT / "bench" / "results" / args.out
     path.write_text(json.dumps(out, indent=2))
-    print("\n| entries | in-process s | Spark run s (start excluded) | in-process /s | Spark /s |\n|---|---|---|---|---|")
+    print(
+        "\n| entries | in-process s | Spark run s (start excluded) | in-process /s | Spark /s |\n|---|---|---|---|---|"
+    )
     for entries in sizes:
         i = next(r for r in runs if r["entries"] == entries and r["method"] == "in-process")
         s = next(r for r in runs if r["entries"] == entries and r["method"] not in ("in-process", "components"))
-        print(f"| {entries:,} | {i['seconds']:.2f} | {s['seconds']:.2f} | {i['entries_per_s']:,} | {s['entries_per_s']:,} |")
-    print(f"\nfits: {out['fits']}; Spark start {spark_start:.1f}s; break-even (cold Spark): "
-          f"{out['break_even_entries'] or 'none: Spark is not faster per entry'} entries\nwritten to {path}")
+        print(
+            f"| {entries:,} | {i['seconds']:.2f} | {s['seconds']:.2f} | {i['entries_per_s']:,} | {s['entries_per_s']:,} |"
+        )
+    print(
+        f"\nfits: {out['fits']}; Spark start {spark_start:.1f}s; break-even (cold Spark): "
+        f"{out['break_even_entries'] or 'none: Spark is not faster per entry'} entries\nwritten to {path}"
+    )
 
 
 def _conn(dsn: str, site: str) -> dict:
     p = psycopg2.extensions.parse_dsn(dsn)
-    return {"conn_type": "lr_site", "host": p.get("host"), "port": int(p.get("port", 5432)), "login": p.get("user"),
-            "password": p.get("password"), "schema": p["dbname"], "extra": {"site_id": site}}
+    return {
+        "conn_type": "lr_site",
+        "host": p.get("host"),
+        "port": int(p.get("port", 5432)),
+        "login": p.get("user"),
+        "password": p.get("password"),
+        "schema": p["dbname"],
+        "extra": {"site_id": site},
+    }
 
 
 if __name__ == "__main__":

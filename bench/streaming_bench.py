@@ -49,6 +49,7 @@ Run: .venv/bin/python bench/streaming_bench.py [--rates 1000,5000,max] [--system
      [--seconds 30] [--warmup 3] [--writers 4] [--max-writers 8] [--lr-cmd "lr sync"] [--keep]
 Writes bench/results/streaming_bench.json. Ctrl-C stops everything it started (servers included).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,9 +72,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import psycopg2
@@ -144,8 +146,9 @@ class Writers:
         self.errors: list[str] = []
         self.start_mono = self.start_ns = 0.0
         self._barrier = threading.Barrier(plan.writers + 1, action=self._mark_start)
-        self._threads = [threading.Thread(target=self._run, args=(w,), name=f"writer-{w}", daemon=True)
-                         for w in range(plan.writers)]
+        self._threads = [
+            threading.Thread(target=self._run, args=(w,), name=f"writer-{w}", daemon=True) for w in range(plan.writers)
+        ]
 
     def _mark_start(self) -> None:
         self.start_mono, self.start_ns = time.monotonic(), time.time_ns()
@@ -228,8 +231,12 @@ def figures(writers: Writers, arrivals: dict[str, tuple[np.ndarray, np.ndarray, 
     order = np.argsort(pre_keys)
     pre_keys, pre_times = pre_keys[order], pre_times[order]
     in_window = int(((pre_times >= lo) & (pre_times < hi)).sum())
-    out: dict[str, Any] = {"committed": int(len(pre_keys)), "committed_in_window": in_window,
-                           "achieved_per_s": round(in_window / writers.plan.seconds, 1), "sinks": {}}
+    out: dict[str, Any] = {
+        "committed": int(len(pre_keys)),
+        "committed_in_window": in_window,
+        "achieved_per_s": round(in_window / writers.plan.seconds, 1),
+        "sinks": {},
+    }
     lags = []
     for sink, (w, s, t) in arrivals.items():
         keys = _keys(w, s)
@@ -242,9 +249,12 @@ def figures(writers: Writers, arrivals: dict[str, tuple[np.ndarray, np.ndarray, 
         chosen = (committed_at >= lo) & (committed_at < hi)
         lag = (arrived_at[chosen] - committed_at[chosen]) / 1e6
         lags.append(lag)
-        out["sinks"][sink] = {"delivered": delivered, "lost": int(len(pre_keys) - delivered),
-                              "duplicated": int(len(keys) - len(uniq) + (~known).sum()),
-                              "lag_ms": _percentiles(lag)}
+        out["sinks"][sink] = {
+            "delivered": delivered,
+            "lost": int(len(pre_keys) - delivered),
+            "duplicated": int(len(keys) - len(uniq) + (~known).sum()),
+            "lag_ms": _percentiles(lag),
+        }
     pooled = np.concatenate(lags) if lags else np.empty(0)
     out["lag_ms"] = _percentiles(pooled)
     for k in ("delivered", "lost", "duplicated"):
@@ -256,9 +266,15 @@ def _percentiles(lag: np.ndarray) -> dict[str, float | int | None]:
     if not len(lag):
         return {"n": 0, "p50": None, "p95": None, "p99": None, "max": None, "mean": None, "min": None}
     p50, p95, p99 = np.percentile(lag, [50, 95, 99])
-    return {"n": int(len(lag)), "p50": round(float(p50), 2), "p95": round(float(p95), 2),
-            "p99": round(float(p99), 2), "max": round(float(lag.max()), 2), "mean": round(float(lag.mean()), 2),
-            "min": round(float(lag.min()), 2)}
+    return {
+        "n": int(len(lag)),
+        "p50": round(float(p50), 2),
+        "p95": round(float(p95), 2),
+        "p99": round(float(p99), 2),
+        "max": round(float(lag.max()), 2),
+        "mean": round(float(lag.mean()), 2),
+        "min": round(float(lag.min()), 2),
+    }
 
 
 # --- processes ----------------------------------------------------------------------------------
@@ -327,11 +343,22 @@ def _subscribe(dsn: str, out: str, ready: Any, stop: Any, count: Any) -> None:
     finally:
         sub.close()
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    Path(out).write_bytes(pickle.dumps({
-        "writer": recorder.writer.tobytes(), "seq": recorder.seq.tobytes(), "at": recorder.at.tobytes(),
-        "error": error, "cpu_s": round(usage.ru_utime + usage.ru_stime, 2), "full_syncs": recorder.full_syncs,
-        "stats": {k: getattr(stats, k, None) for k in ("delivered", "refused", "failures", "dead_letters", "busy")},
-        "errors": [str(e) for e in getattr(stats, "errors", [])][-5:]}))
+    Path(out).write_bytes(
+        pickle.dumps(
+            {
+                "writer": recorder.writer.tobytes(),
+                "seq": recorder.seq.tobytes(),
+                "at": recorder.at.tobytes(),
+                "error": error,
+                "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+                "full_syncs": recorder.full_syncs,
+                "stats": {
+                    k: getattr(stats, k, None) for k in ("delivered", "refused", "failures", "dead_letters", "busy")
+                },
+                "errors": [str(e) for e in getattr(stats, "errors", [])][-5:],
+            }
+        )
+    )
 
 
 def _cpu_s(pid: int) -> float | None:
@@ -364,6 +391,7 @@ class System:
     def collect(self) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]: ...
     def details(self) -> dict[str, Any]:
         return {}
+
     def teardown(self) -> None: ...
 
 
@@ -388,27 +416,45 @@ class LrSystem(System):
             ready, count = self.ctx.Event(), self.ctx.Value("q", 0)
             out = self.home / f"arrivals-{sink}.pickle"
             out.unlink(missing_ok=True)
-            proc = self.ctx.Process(target=_subscribe, args=(self.sites.dsns[sink], str(out), ready, self.stop_subs, count),
-                                    name=f"subscriber-{sink}", daemon=True)
+            proc = self.ctx.Process(
+                target=_subscribe,
+                args=(self.sites.dsns[sink], str(out), ready, self.stop_subs, count),
+                name=f"subscriber-{sink}",
+                daemon=True,
+            )
             proc.start()
             self.subs.append((sink, proc, ready, count, out))
         cmd = [*lr_command(self.lr_cmd), "--topology", str(self.sites.topology_file)]
-        env = {**os.environ, "LR_CONNECTIONS_FILE": str(self.sites.connections), "LR_HOME": str(self.home / "lr-home"),
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), str(REPO), os.environ.get("PYTHONPATH")])),
-               "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            "LR_CONNECTIONS_FILE": str(self.sites.connections),
+            "LR_HOME": str(self.home / "lr-home"),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), str(REPO), os.environ.get("PYTHONPATH")])),
+            "PYTHONUNBUFFERED": "1",
+        }
         self._details["lr_cmd"] = shlex.join(cmd)
         with open(self.log, "wb") as log:
             log.write(f"=== {shlex.join(cmd)}\n".encode())
             log.flush()
             # Its own session: a Ctrl-C on the bench's terminal does not reach it; the bench stops it
             # (SIGINT: `lr sync` closes its sessions and exits), and PDEATHSIG if the bench is killed.
-            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         cwd=self.home, start_new_session=True, preexec_fn=_lr_preexec)
+            self.proc = subprocess.Popen(
+                cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.home,
+                start_new_session=True,
+                preexec_fn=_lr_preexec,
+            )
         deadline = time.monotonic() + self.ready_timeout
         while not all(ready.is_set() for _, _, ready, _, _ in self.subs):
             self.check_alive()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"sessions not in log-entry sync after {self.ready_timeout:.0f} s\n{self.log_tail()}")
+                raise TimeoutError(
+                    f"sessions not in log-entry sync after {self.ready_timeout:.0f} s\n{self.log_tail()}"
+                )
             time.sleep(POLL_S)
 
     def source_dsn(self) -> str:
@@ -441,13 +487,16 @@ class LrSystem(System):
             if got["error"]:
                 raise RuntimeError(f"the subscriber of {sink} failed: {got['error']}")
             self._details.setdefault("subscribers", {})[sink] = {
-                k: got[k] for k in ("cpu_s", "full_syncs", "stats", "errors")}
+                k: got[k] for k in ("cpu_s", "full_syncs", "stats", "errors")
+            }
             out[sink] = tuple(np.frombuffer(got[k], dtype=np.int64) for k in ("writer", "seq", "at"))
         return out
 
     def details(self) -> dict[str, Any]:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        self._details["lr_log_error_lines"] = sum(1 for line in text.splitlines() if "ERROR" in line or " failed" in line)
+        self._details["lr_log_error_lines"] = sum(
+            1 for line in text.splitlines() if "ERROR" in line or " failed" in line
+        )
         self._details["lr_exit"] = self.proc.returncode if self.proc else None
         return self._details
 
@@ -502,21 +551,29 @@ class NativeSystem(System):
 
     def setup(self) -> None:
         self.teardown()
-        execute(self.env.source_dsn,
-                f"CREATE TABLE {TABLE} (writer int, seq bigint, payload bytea NOT NULL, PRIMARY KEY (writer, seq))")
+        execute(
+            self.env.source_dsn,
+            f"CREATE TABLE {TABLE} (writer int, seq bigint, payload bytea NOT NULL, PRIMARY KEY (writer, seq))",
+        )
         for i, dsn in enumerate(self.env.sink_dsns):
-            execute(dsn,
-                    f"CREATE TABLE {TABLE} (writer int, seq bigint, payload bytea NOT NULL, arrived_at timestamptz, "
-                    "PRIMARY KEY (writer, seq))",
-                    f"CREATE FUNCTION {TABLE}_arrival() RETURNS trigger LANGUAGE plpgsql AS "
-                    "$$ BEGIN NEW.arrived_at := clock_timestamp(); RETURN NEW; END $$",
-                    f"CREATE TRIGGER {TABLE}_arrival BEFORE INSERT ON {TABLE} FOR EACH ROW EXECUTE FUNCTION {TABLE}_arrival()",
-                    f"ALTER TABLE {TABLE} ENABLE ALWAYS TRIGGER {TABLE}_arrival")  # apply workers fire ALWAYS triggers
+            execute(
+                dsn,
+                f"CREATE TABLE {TABLE} (writer int, seq bigint, payload bytea NOT NULL, arrived_at timestamptz, "
+                "PRIMARY KEY (writer, seq))",
+                f"CREATE FUNCTION {TABLE}_arrival() RETURNS trigger LANGUAGE plpgsql AS "
+                "$$ BEGIN NEW.arrived_at := clock_timestamp(); RETURN NEW; END $$",
+                f"CREATE TRIGGER {TABLE}_arrival BEFORE INSERT ON {TABLE} FOR EACH ROW EXECUTE FUNCTION {TABLE}_arrival()",
+                f"ALTER TABLE {TABLE} ENABLE ALWAYS TRIGGER {TABLE}_arrival",
+            )  # apply workers fire ALWAYS triggers
             pub, _ = _names(TABLE, i)
             execute(self.env.source_dsn, f"CREATE PUBLICATION {pub} FOR TABLE {TABLE} WITH (publish = 'insert')")
         create_subscriptions(self.env, TABLE, copy_data=False)
-        _poll(self.env.sink_dsns, _ready_query(TABLE),
-              lambda rows: bool(rows) and all(state == "r" and running for state, running in rows), timeout_s=120)
+        _poll(
+            self.env.sink_dsns,
+            _ready_query(TABLE),
+            lambda rows: bool(rows) and all(state == "r" and running for state, running in rows),
+            timeout_s=120,
+        )
 
     def source_dsn(self) -> str:
         return self.env.source_dsn
@@ -561,8 +618,12 @@ class Result:
 def measure(system: System, plan: Plan, drain_timeout: float, stall: float) -> Result:
     t0 = time.perf_counter()
     system.setup()
-    print(f"[{plan.label} {system.name}] ready in {time.perf_counter() - t0:.1f} s; "
-          f"writing {plan.warmup:g} + {plan.seconds:g} s with {plan.writers} writers …", end=" ", flush=True)
+    print(
+        f"[{plan.label} {system.name}] ready in {time.perf_counter() - t0:.1f} s; "
+        f"writing {plan.warmup:g} + {plan.seconds:g} s with {plan.writers} writers …",
+        end=" ",
+        flush=True,
+    )
     writers = Writers(plan, system.source_dsn(), system.make_send)
     watch = threading.Event()
 
@@ -598,8 +659,11 @@ def measure(system: System, plan: Plan, drain_timeout: float, stall: float) -> R
     drain_s = time.monotonic() - drain_from
     fig = figures(writers, system.collect())
     lag = fig["lag_ms"]
-    print(f"{fig['achieved_per_s']:,.0f}/s, p50 {lag['p50']} ms, p99 {lag['p99']} ms, "
-          f"lost {fig['lost']}, duplicated {fig['duplicated']} (drained in {drain_s:.1f} s)", flush=True)
+    print(
+        f"{fig['achieved_per_s']:,.0f}/s, p50 {lag['p50']} ms, p99 {lag['p99']} ms, "
+        f"lost {fig['lost']}, duplicated {fig['duplicated']} (drained in {drain_s:.1f} s)",
+        flush=True,
+    )
     return Result(plan.label, system.name, plan.writers, fig, round(drain_s, 2), drained, system.details())
 
 
@@ -614,7 +678,9 @@ def start_servers(manager: SiteManager) -> BenchEnv:
 
 def versions(env: BenchEnv, lr_cmd: str) -> dict[str, Any]:
     keys = ("server_version", "fsync", "synchronous_commit", "full_page_writes", "wal_level", "shared_buffers")
-    out: dict[str, Any] = {"server": dict(execute(env.source_dsn, f"SELECT name, setting FROM pg_settings WHERE name IN {keys!r}"))}
+    out: dict[str, Any] = {
+        "server": dict(execute(env.source_dsn, f"SELECT name, setting FROM pg_settings WHERE name IN {keys!r}"))
+    }
     for dist in ("airflow-provider-lr", "psycopg2-binary", "numpy"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             out[dist] = importlib.metadata.version(dist)
@@ -625,19 +691,25 @@ def versions(env: BenchEnv, lr_cmd: str) -> dict[str, Any]:
 
 
 def print_table(results: list[Result]) -> None:
-    print(f"\n{'rate':<8} {'system':<7} {'writers':>7} {'achieved/s':>10} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} "
-          f"{'max ms':>8} {'delivered':>10} {'lost':>6} {'dup':>5}")
+    print(
+        f"\n{'rate':<8} {'system':<7} {'writers':>7} {'achieved/s':>10} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} "
+        f"{'max ms':>8} {'delivered':>10} {'lost':>6} {'dup':>5}"
+    )
     for r in results:
         f, lag = r.figures, r.figures["lag_ms"]
 
         def ms(v: float | None) -> str:
             return "-" if v is None else f"{v:,.1f}"
 
-        print(f"{r.rate:<8} {r.system:<7} {r.writers:>7} {f['achieved_per_s']:>10,.0f} {ms(lag['p50']):>8} "
-              f"{ms(lag['p95']):>8} {ms(lag['p99']):>8} {ms(lag['max']):>8} {f['delivered']:>10,} {f['lost']:>6,} "
-              f"{f['duplicated']:>5,}" + ("" if r.drained else "  (not drained)"))
-    print("delivered, lost, duplicated: summed over both sinks, every committed transaction (warm-up included); "
-          "lag: transactions committed in the measured window")
+        print(
+            f"{r.rate:<8} {r.system:<7} {r.writers:>7} {f['achieved_per_s']:>10,.0f} {ms(lag['p50']):>8} "
+            f"{ms(lag['p95']):>8} {ms(lag['p99']):>8} {ms(lag['max']):>8} {f['delivered']:>10,} {f['lost']:>6,} "
+            f"{f['duplicated']:>5,}" + ("" if r.drained else "  (not drained)")
+        )
+    print(
+        "delivered, lost, duplicated: summed over both sinks, every committed transaction (warm-up included); "
+        "lag: transactions committed in the measured window"
+    )
 
 
 def _rates(text: str) -> list[int | None]:
@@ -658,16 +730,23 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", type=_rates, default=_rates("1000,5000,max"),
-                        help="comma list of total transactions/s, or max (unpaced, --max-writers threads)")
+    parser.add_argument(
+        "--rates",
+        type=_rates,
+        default=_rates("1000,5000,max"),
+        help="comma list of total transactions/s, or max (unpaced, --max-writers threads)",
+    )
     parser.add_argument("--systems", default="lr,native", help="comma list of: lr, native")
     parser.add_argument("--seconds", type=float, default=30.0, help="measured seconds per run")
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds written before the measured window")
     parser.add_argument("--writers", type=int, default=4, help="writer threads of the paced rates")
     parser.add_argument("--max-writers", type=int, default=8, help="writer threads of the rate 'max'")
-    parser.add_argument("--lr-cmd", default="lr sync",
-                        help="the replicator's command line (default: %(default)s; a leading 'lr' is the venv's); "
-                             "the bench appends --topology FILE and sets LR_CONNECTIONS_FILE")
+    parser.add_argument(
+        "--lr-cmd",
+        default="lr sync",
+        help="the replicator's command line (default: %(default)s; a leading 'lr' is the venv's); "
+        "the bench appends --topology FILE and sets LR_CONNECTIONS_FILE",
+    )
     parser.add_argument("--drain-timeout", type=float, default=300.0, help="longest wait for the last arrivals (s)")
     parser.add_argument("--stall", type=float, default=60.0, help="stop waiting after this long without an arrival (s)")
     parser.add_argument("--keep", action="store_true", help="leave the servers' data directory (and logs) in place")
@@ -682,8 +761,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     load_before = os.getloadavg()
     home = Path(tempfile.mkdtemp(prefix="lr-streaming-bench-"))
-    print(f"machine: {os.cpu_count()} cores, load {load_before[0]:.2f}; {platform.platform()}; "
-          f"python {platform.python_version()}", flush=True)
+    print(
+        f"machine: {os.cpu_count()} cores, load {load_before[0]:.2f}; {platform.platform()}; "
+        f"python {platform.python_version()}",
+        flush=True,
+    )
     print(f"starting {len(SITES)} PostgreSQL servers under {home} (default durability)", flush=True)
     manager = SiteManager(home)  # PostgreSQL's defaults beside the sites' own (wal_level=logical)
     results: list[Result] = []
@@ -692,13 +774,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         env = start_servers(manager)
         info = versions(env, args.lr_cmd)
-        print(f"PostgreSQL {info['server'].get('server_version')}, lr {info.get('airflow-provider-lr')} "
-              f"({info['git']}), replicator: {args.lr_cmd}", flush=True)
+        print(
+            f"PostgreSQL {info['server'].get('server_version')}, lr {info.get('airflow-provider-lr')} "
+            f"({info['git']}), replicator: {args.lr_cmd}",
+            flush=True,
+        )
         for rate in args.rates:
             plan = Plan(rate, args.writers if rate else args.max_writers, args.warmup, args.seconds)
             for name in systems:
                 settle(env)
-                system: System = LrSystem(env, home, args.lr_cmd, str(rate or "max")) if name == "lr" else NativeSystem(env)
+                system: System = (
+                    LrSystem(env, home, args.lr_cmd, str(rate or "max")) if name == "lr" else NativeSystem(env)
+                )
                 try:
                     results.append(measure(system, plan, args.drain_timeout, args.stall))
                 finally:
@@ -721,15 +808,37 @@ def main(argv: list[str] | None = None) -> int:
     if results:
         print_table(results)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({
-            "args": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                     "rates": [r or "max" for r in args.rates]},
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                        "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
-            "versions": info,
-            "results": [{"rate": r.rate, "system": r.system, "writers": r.writers, **r.figures, "drain_s": r.drain_s,
-                         "drained": r.drained, "details": r.details} for r in results],
-        }, indent=2))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "args": {
+                        **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                        "rates": [r or "max" for r in args.rates],
+                    },
+                    "machine": {
+                        "cpus": os.cpu_count(),
+                        "platform": platform.platform(),
+                        "python": platform.python_version(),
+                        "loadavg_before": load_before,
+                        "loadavg_after": os.getloadavg(),
+                    },
+                    "versions": info,
+                    "results": [
+                        {
+                            "rate": r.rate,
+                            "system": r.system,
+                            "writers": r.writers,
+                            **r.figures,
+                            "drain_s": r.drain_s,
+                            "drained": r.drained,
+                            "details": r.details,
+                        }
+                        for r in results
+                    ],
+                },
+                indent=2,
+            )
+        )
         print(f"\nwrote {args.out}")
     return 130 if interrupted else 0
 

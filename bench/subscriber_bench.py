@@ -7,6 +7,7 @@ reading, unpacking, calling back and consuming (delete / ``delivered``), one tra
 
 Run: PYTHONPATH=. .venv/bin/python bench/subscriber_bench.py [--entries 200000] [--batch 500,2000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,8 @@ import psycopg2
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from airflow_provider_lr.embedded.sites import SiteManager  # noqa: E402
-from airflow_provider_lr.engine.sink import writes  # noqa: E402
 from airflow_provider_lr.engine.db import schema
+from airflow_provider_lr.engine.sink import writes  # noqa: E402
 from airflow_provider_lr.proto import lr_pb2  # noqa: E402
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber  # noqa: E402
 
@@ -54,20 +55,27 @@ class Ack:
 def fill(dsn: str, entries: int, packed: bool) -> int:
     """Queue ``entries`` log entries of 256 random bytes; returns the rows it took."""
     conn = psycopg2.connect(dsn)
-    messages = [lr_pb2.RoutingTableEntryMsg(type=lr_pb2.LOG_ENTRY_SYNC, opaque_payload=os.urandom(256),
-                                            source_site_id=SOURCE, client_name=CLIENT).SerializeToString()
-                for _ in range(min(entries, 10_000))]
+    messages = [
+        lr_pb2.RoutingTableEntryMsg(
+            type=lr_pb2.LOG_ENTRY_SYNC, opaque_payload=os.urandom(256), source_site_id=SOURCE, client_name=CLIENT
+        ).SerializeToString()
+        for _ in range(min(entries, 10_000))
+    ]
     write = writes.SinkTransaction(conn, SOURCE, CLIENT, epoch=1)
     with write as (cur, _):
         for start in range(0, entries, 10_000):
-            batch = [(lr_pb2.LOG_ENTRY_SYNC, start + i, start + i, m)
-                     for i, m in enumerate(messages[:min(10_000, entries - start)])]
+            batch = [
+                (lr_pb2.LOG_ENTRY_SYNC, start + i, start + i, m)
+                for i, m in enumerate(messages[: min(10_000, entries - start)])
+            ]
             if packed:
                 write.insert(batch)
             else:
-                cur.executemany("INSERT INTO lr.receive_queue (source_site_id, client_name, kind, source_position, "
-                                "source_entry_id, visible, message) VALUES (%s, %s, %s, %s, %s, true, %s)",
-                                [(SOURCE, CLIENT, k, p, e, m) for k, p, e, m in batch])
+                cur.executemany(
+                    "INSERT INTO lr.receive_queue (source_site_id, client_name, kind, source_position, "
+                    "source_entry_id, visible, message) VALUES (%s, %s, %s, %s, %s, true, %s)",
+                    [(SOURCE, CLIENT, k, p, e, m) for k, p, e, m in batch],
+                )
         write.register()
         cur.execute("SELECT count(*) FROM lr.receive_queue")
         rows = cur.fetchone()[0]
@@ -105,8 +113,11 @@ def main() -> int:
                 seconds = time.perf_counter() - started
                 sub.close()
                 assert listener.n == args.entries, (listener.n, args.entries)
-                print(f"{('packed ' if packed else 'single ') + str(rows):>12} {batch:>6} {listener.n:>9,} "
-                      f"{seconds:>8.2f} {listener.n / seconds:>10,.0f}", flush=True)
+                print(
+                    f"{('packed ' if packed else 'single ') + str(rows):>12} {batch:>6} {listener.n:>9,} "
+                    f"{seconds:>8.2f} {listener.n / seconds:>10,.0f}",
+                    flush=True,
+                )
     finally:
         manager.down(remove=True)
         shutil.rmtree(home, ignore_errors=True)

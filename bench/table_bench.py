@@ -62,6 +62,7 @@ Run: .venv/bin/python bench/table_bench.py [--rows 1000000] [--sizes 100000,3000
      [--lag-rate 500] [--lag-seconds 10] [--skip snapshot,writers,lag,spark,spark-submit] [--quick]
 Writes bench/results/table_bench.json (``--quick``: table_bench_quick.json) and prints markdown.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -93,26 +94,9 @@ REPO = BENCH.parent
 for _p in (REPO, BENCH, REPO / "spark_jobs"):
     sys.path.insert(0, str(_p))
 
-from fanout_anchors import (
-    BenchEnv,
-    _names,
-    _poll,
-    _ready_query,
-    coalesced,
-    drop_replication,
-    execute,
-    settle,
-)
+from fanout_anchors import BenchEnv, _names, _poll, _ready_query, coalesced, drop_replication, execute, settle
 from fanout_lr import CLIENT, LrSites, spark_submit
-from streaming_bench import (
-    LR_STOP_S,
-    Plan,
-    Writers,
-    _lr_preexec,
-    _percentiles,
-    figures,
-    lr_command,
-)
+from streaming_bench import LR_STOP_S, Plan, Writers, _lr_preexec, _percentiles, figures, lr_command
 
 from airflow_provider_lr.embedded.sites import SiteManager
 from airflow_provider_lr.engine.bulk import parallel_tables as parallel
@@ -137,16 +121,22 @@ def create_table(dsn: str, table: str, rows: int = 0) -> None:
 def add_rows(dsn: str, table: str, first: int, last: int) -> None:
     """Rows ``first..last``, not captured (``lr.applying``: the capture triggers skip them), then
     VACUUM ANALYZE (hint bits, visibility map, ``reltuples`` for the range planner)."""
-    execute(dsn, "SELECT set_config('lr.applying', 'on', false)",
-            f"INSERT INTO {table} SELECT g, g % 1000, timestamptz '2026-01-01 00:00:00+00' + g * interval '1 second', "
-            f"substr(repeat(md5(g::text), 6), 1, {PAYLOAD_CHARS}) FROM generate_series({first}, {last}) g",
-            f"VACUUM (ANALYZE) {table}")
+    execute(
+        dsn,
+        "SELECT set_config('lr.applying', 'on', false)",
+        f"INSERT INTO {table} SELECT g, g % 1000, timestamptz '2026-01-01 00:00:00+00' + g * interval '1 second', "
+        f"substr(repeat(md5(g::text), 6), 1, {PAYLOAD_CHARS}) FROM generate_series({first}, {last}) g",
+        f"VACUUM (ANALYZE) {table}",
+    )
 
 
 def checksum(dsn: str, table: str) -> tuple[int, str]:
     """(rows, a hash of every row): equal on two sites = the same rows, row for row."""
-    ((n, h),) = execute(dsn, "SET TIME ZONE 'UTC'",
-                        f"SELECT count(*), coalesce(sum(hashtextextended(t::text, 0)), 0)::text FROM {table} t")
+    ((n, h),) = execute(
+        dsn,
+        "SET TIME ZONE 'UTC'",
+        f"SELECT count(*), coalesce(sum(hashtextextended(t::text, 0)), 0)::text FROM {table} t",
+    )
     return n, h
 
 
@@ -209,8 +199,13 @@ class SnapshotRun:
         return self.rows / self.seconds if self.seconds > 0 else float("nan")
 
     def as_dict(self) -> dict[str, Any]:
-        return {"method": self.method, "rows": self.rows, "seconds": round(self.seconds, 3),
-                "rows_per_s": round(self.rows_per_s), **self.details}
+        return {
+            "method": self.method,
+            "rows": self.rows,
+            "seconds": round(self.seconds, 3),
+            "rows_per_s": round(self.rows_per_s),
+            **self.details,
+        }
 
 
 class SnapshotBench:
@@ -239,8 +234,14 @@ class SnapshotBench:
     def reset_sinks(self) -> None:
         """lr's sinks as before any snapshot of the table: no table, no table state."""
         for dsn in self.sinks:
-            execute(dsn, f"DROP TABLE IF EXISTS {TABLE}", "DELETE FROM lr.sink_table_ranges", "DELETE FROM lr.sink_tables",
-                    "DELETE FROM lr.table_row_origin", "DELETE FROM lr.registry WHERE kind = 'table'")
+            execute(
+                dsn,
+                f"DROP TABLE IF EXISTS {TABLE}",
+                "DELETE FROM lr.sink_table_ranges",
+                "DELETE FROM lr.sink_tables",
+                "DELETE FROM lr.table_row_origin",
+                "DELETE FROM lr.registry WHERE kind = 'table'",
+            )
 
     def _measured(self, method: str, run: Callable[[], tuple[float, dict[str, Any]]], sinks: list[str]) -> SnapshotRun:
         waited = quiet(self.env)
@@ -249,8 +250,10 @@ class SnapshotBench:
         cpu = self.meter() - cpu
         verify(self.src, sinks, TABLE, method)
         out = SnapshotRun(method, self.rows, seconds, {**details, "cpu_s": round(cpu, 2), "settled_s": waited})
-        print(f"  {method:<34} {self.rows:>9,} rows {seconds:7.2f} s {out.rows_per_s:>10,.0f} rows/s, "
-              f"CPU {cpu:.2f} s", flush=True)
+        print(
+            f"  {method:<34} {self.rows:>9,} rows {seconds:7.2f} s {out.rows_per_s:>10,.0f} rows/s, CPU {cpu:.2f} s",
+            flush=True,
+        )
         return out
 
     # lr, in process
@@ -274,8 +277,13 @@ class SnapshotBench:
         finally:
             self.reset_sinks()
 
-    def parallel_run(self, method: str, map_ranges: parallel.MapRanges, parts: int | None,
-                     extra: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> SnapshotRun:
+    def parallel_run(
+        self,
+        method: str,
+        map_ranges: parallel.MapRanges,
+        parts: int | None,
+        extra: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    ) -> SnapshotRun:
         def run() -> tuple[float, dict[str, Any]]:
             with env_var("LR_CONNECTIONS_FILE", str(self.sites.connections)):
                 result = parallel.run_table_snapshot(self.sites.topology, SOURCE, CLIENT, map_ranges, parts=parts)
@@ -296,21 +304,34 @@ class SnapshotBench:
     def start_spark(self) -> dict[str, float]:
         from pyspark.sql import SparkSession
 
-        for name, value in (("SPARK_LOCAL_IP", "127.0.0.1"), ("PYSPARK_PYTHON", sys.executable),
-                            ("PYSPARK_DRIVER_PYTHON", sys.executable)):
+        for name, value in (
+            ("SPARK_LOCAL_IP", "127.0.0.1"),
+            ("PYSPARK_PYTHON", sys.executable),
+            ("PYSPARK_DRIVER_PYTHON", sys.executable),
+        ):
             os.environ.setdefault(name, value)
         started = time.perf_counter()
-        self.spark = (SparkSession.builder.master("local[*]").appName("lr-table-bench")
-                      .config("spark.ui.enabled", "false")
-                      .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+        self.spark = (
+            SparkSession.builder.master("local[*]")
+            .appName("lr-table-bench")
+            .config("spark.ui.enabled", "false")
+            .config("spark.ui.showConsoleProgress", "false")
+            .getOrCreate()
+        )
         self.spark.sparkContext.setLogLevel("ERROR")
         session_s = time.perf_counter() - started
         import lr_spark
 
-        self.spark_start = {"session_s": round(session_s, 3), "warmup_s": lr_spark.warm_up(self.spark),
-                            "parallelism": self.spark.sparkContext.defaultParallelism}
-        print(f"  Spark local[*] ({self.spark_start['parallelism']} slots): session {session_s:.2f} s, "
-              f"first warm-up {self.spark_start['warmup_s']:.2f} s", flush=True)
+        self.spark_start = {
+            "session_s": round(session_s, 3),
+            "warmup_s": lr_spark.warm_up(self.spark),
+            "parallelism": self.spark.sparkContext.defaultParallelism,
+        }
+        print(
+            f"  Spark local[*] ({self.spark_start['parallelism']} slots): session {session_s:.2f} s, "
+            f"first warm-up {self.spark_start['warmup_s']:.2f} s",
+            flush=True,
+        )
         return self.spark_start
 
     def spark_run(self, parts: int | None) -> SnapshotRun:
@@ -326,17 +347,33 @@ class SnapshotBench:
             note = ""
             started = time.perf_counter()
             try:
-                spark_submit("lr_table_snapshot.py", ["--source", SOURCE, "--client", CLIENT, "--topology",
-                                                      str(self.sites.topology_file), "--result-file", str(result_file)],
-                             self.sites.connections, master="local[*]")
+                spark_submit(
+                    "lr_table_snapshot.py",
+                    [
+                        "--source",
+                        SOURCE,
+                        "--client",
+                        CLIENT,
+                        "--topology",
+                        str(self.sites.topology_file),
+                        "--result-file",
+                        str(result_file),
+                    ],
+                    self.sites.connections,
+                    master="local[*]",
+                )
             except RuntimeError as exc:  # judged by the result below: the rows must all be there
                 note = str(exc).splitlines()[0]
             wall = time.perf_counter() - started
             result = json.loads(result_file.read_text()) if result_file.exists() else {}
             if result.get("rows") != self.rows * len(SINK_SITES):
                 raise RuntimeError(f"spark-submit: {note} {result}")
-            return wall, {"ranges": result["ranges"], "phases_s": result["seconds"], "exit": note or "0",
-                          "start_s": round(wall - result["seconds"]["total"], 3)}
+            return wall, {
+                "ranges": result["ranges"],
+                "phases_s": result["seconds"],
+                "exit": note or "0",
+                "start_s": round(wall - result["seconds"]["total"], 3),
+            }
 
         try:
             return self._measured("lr spark-submit (wall)", run, self.sinks)
@@ -357,8 +394,11 @@ class SnapshotBench:
                     conn = psycopg2.connect(dsn)
                     conn.autocommit = True
                     with conn.cursor() as cur:
-                        cur.execute(f"CREATE SUBSCRIPTION {sub} CONNECTION %s PUBLICATION {pub} "
-                                    "WITH (binary = true, copy_data = true)", (self.src,))
+                        cur.execute(
+                            f"CREATE SUBSCRIPTION {sub} CONNECTION %s PUBLICATION {pub} "
+                            "WITH (binary = true, copy_data = true)",
+                            (self.src,),
+                        )
                     conn.close()
                 except Exception as exc:  # noqa: BLE001 - reported below
                     errors.append(f"{sub}: {exc!r}")
@@ -372,11 +412,18 @@ class SnapshotBench:
             created = time.perf_counter() - started
             if errors:
                 raise RuntimeError(errors[0])
-            per_sink = _poll(self.native, _ready_query(TABLE), lambda rows: bool(rows) and all(s == "r" for s, _ in rows),
-                             timeout_s=1800)
+            per_sink = _poll(
+                self.native,
+                _ready_query(TABLE),
+                lambda rows: bool(rows) and all(s == "r" for s, _ in rows),
+                timeout_s=1800,
+            )
             seconds = time.perf_counter() - started
-            return seconds, {"create_subscriptions_s": round(created, 3),
-                             "per_sink_ready_s": [round(created + s, 3) for s in per_sink], "binary": True}
+            return seconds, {
+                "create_subscriptions_s": round(created, 3),
+                "per_sink_ready_s": [round(created + s, 3) for s in per_sink],
+                "binary": True,
+            }
 
         drop_replication(env)
         execute(self.src, f"CREATE PUBLICATION {pub} FOR TABLE {TABLE}")
@@ -458,15 +505,19 @@ class SnapshotBench:
             conns = [stack.enter_context(psycopg.connect(dsn)) for dsn in self.sinks]
             started = time.perf_counter()
             with contextlib.ExitStack() as copies:
-                into = [copies.enter_context(c.cursor().copy(f"COPY prof_tee ({cols}) FROM STDIN (FORMAT binary)"))
-                        for c in conns]
+                into = [
+                    copies.enter_context(c.cursor().copy(f"COPY prof_tee ({cols}) FROM STDIN (FORMAT binary)"))
+                    for c in conns
+                ]
                 with src.cursor().copy(copy_out) as copy:
                     for block in coalesced(copy):
                         for c in into:
                             c.write(block)
             if index_after:
-                threads = [threading.Thread(target=c.execute, args=("ALTER TABLE prof_tee ADD PRIMARY KEY (id)",))
-                           for c in conns]
+                threads = [
+                    threading.Thread(target=c.execute, args=("ALTER TABLE prof_tee ADD PRIMARY KEY (id)",))
+                    for c in conns
+                ]
                 for t in threads:
                     t.start()
                 for t in threads:
@@ -508,8 +559,11 @@ def snapshot_part(env: BenchEnv, home: Path, args: argparse.Namespace, meter: Cp
             out["spark_start"] = bench.start_spark()
         for size in sizes:
             bench.grow(size)
-            print(f"table of {size:,} rows ({row_bytes(bench.src, TABLE):.0f} bytes a row, "
-                  f"{table_mib(bench.src, TABLE)})", flush=True)
+            print(
+                f"table of {size:,} rows ({row_bytes(bench.src, TABLE):.0f} bytes a row, "
+                f"{table_mib(bench.src, TABLE)})",
+                flush=True,
+            )
             bench.tee()  # not recorded: the sinks' first write of this much (new WAL segments) bills no method
             key: list[Callable[[], SnapshotRun]] = [bench.cycle, bench.tee]
             if spark:
@@ -546,10 +600,20 @@ def summarize(runs: list[SnapshotRun]) -> list[dict[str, Any]]:
     for (method, rows), rs in groups.items():
         secs = [r.seconds for r in rs]
         med = float(np.median(secs))
-        out.append({"method": method, "rows": rows, "n": len(rs), "median_s": round(med, 3), "min_s": round(min(secs), 3),
-                    "max_s": round(max(secs), 3), "rows_per_s": round(rows / med),
-                    "ranges": rs[0].details.get("ranges"), "start_s": rs[0].details.get("start_s"),
-                    "cpu_s": round(float(np.median([r.details["cpu_s"] for r in rs])), 2)})
+        out.append(
+            {
+                "method": method,
+                "rows": rows,
+                "n": len(rs),
+                "median_s": round(med, 3),
+                "min_s": round(min(secs), 3),
+                "max_s": round(max(secs), 3),
+                "rows_per_s": round(rows / med),
+                "ranges": rs[0].details.get("ranges"),
+                "start_s": rs[0].details.get("start_s"),
+                "cpu_s": round(float(np.median([r.details["cpu_s"] for r in rs])), 2),
+            }
+        )
     return out
 
 
@@ -591,9 +655,13 @@ def threshold(summary: list[dict[str, Any]], spark_start: dict[str, float] | Non
             a_sp, b_sp = fit(pts, [spk[n] for n in pts])
             gain = b_ip - b_sp  # seconds Spark saves per row
             out[label][span] = {
-                "in_process_per_1m_s": round(b_ip * 1e6, 2), "spark_per_1m_s": round(b_sp * 1e6, 2),
-                "break_even_rows": {name: (None if gain <= 0 else max(0, int(round((start + a_sp - a_ip) / gain, -4))))
-                                    for name, start in {**starts, "warm": 0.0}.items()}}
+                "in_process_per_1m_s": round(b_ip * 1e6, 2),
+                "spark_per_1m_s": round(b_sp * 1e6, 2),
+                "break_even_rows": {
+                    name: (None if gain <= 0 else max(0, int(round((start + a_sp - a_ip) / gain, -4))))
+                    for name, start in {**starts, "warm": 0.0}.items()
+                },
+            }
     return out
 
 
@@ -617,7 +685,9 @@ END
 $$"""
 
 
-ROW_TRIGGER = _capture_function("bench_capture_row", """
+ROW_TRIGGER = _capture_function(
+    "bench_capture_row",
+    """
     IF TG_OP = 'DELETE' OR (TG_OP = 'UPDATE' AND OLD.id IS DISTINCT FROM NEW.id) THEN
         INSERT INTO lr.log_entries (stream, tag_ids, client_id, table_id, message)
         VALUES (3, tags, cid, tid, convert_to(jsonb_build_object('op', 'd', 'rows',
@@ -627,9 +697,12 @@ ROW_TRIGGER = _capture_function("bench_capture_row", """
         INSERT INTO lr.log_entries (stream, tag_ids, client_id, table_id, message)
         VALUES (3, tags, cid, tid, convert_to(jsonb_build_object('op', 'u', 'rows',
                 jsonb_build_array(to_jsonb(NEW)))::text, 'UTF8'));
-    END IF;""")
+    END IF;""",
+)
 # lr.capture_table_changes for INSERT and UPDATE, with what it looks up per statement as arguments
-CAPTURE_ARGS = _capture_function("bench_capture_args", """
+CAPTURE_ARGS = _capture_function(
+    "bench_capture_args",
+    """
     IF TG_OP = 'UPDATE' THEN  -- keys no new row has (a key change), as lr's capture sends them
         INSERT INTO lr.log_entries (stream, tag_ids, client_id, table_id, message)
         SELECT 3, tags, cid, tid, convert_to(jsonb_build_object('op', 'd', 'rows', jsonb_agg(g.k))::text, 'UTF8')
@@ -639,7 +712,8 @@ CAPTURE_ARGS = _capture_function("bench_capture_args", """
     INSERT INTO lr.log_entries (stream, tag_ids, client_id, table_id, message)
     SELECT 3, tags, cid, tid, convert_to(jsonb_build_object('op', 'u', 'rows', jsonb_agg(g.r))::text, 'UTF8')
     FROM (SELECT to_jsonb(n) AS r, (row_number() OVER () - 1) / 500 AS part FROM lr_new n) g GROUP BY g.part;""",
-                                 declare="\n    nonkey text[] := TG_ARGV[3]::text[];")
+    declare="\n    nonkey text[] := TG_ARGV[3]::text[];",
+)
 WRITER_PREFILL = 20_000
 WORKLOADS = [  # (name, threads, rows per transaction, kind)
     ("insert 1 row", 1, 1, "insert"),
@@ -688,8 +762,16 @@ class CpuMeter:
         return ticks / self.TICK
 
 
-def run_writers(dsn: str, table: str, threads: int, rows: int, kind: str, seconds: float, id_base: int,
-                meter: Callable[[], float] | None = None) -> dict[str, Any]:
+def run_writers(
+    dsn: str,
+    table: str,
+    threads: int,
+    rows: int,
+    kind: str,
+    seconds: float,
+    id_base: int,
+    meter: Callable[[], float] | None = None,
+) -> dict[str, Any]:
     """``threads`` connections, each committing transactions back to back for ``seconds``; with
     ``meter``, the CPU seconds the machine's bench processes used in that window too."""
     latencies: list[list[float]] = [[] for _ in range(threads)]
@@ -724,15 +806,23 @@ def run_writers(dsn: str, table: str, threads: int, rows: int, kind: str, second
                 if t0 >= window[1]:
                     break
                 if kind == "update":
-                    cur.execute(f"UPDATE {table} SET grp = grp + 1, payload = %s WHERE id = %s",
-                                (payload, 1 + w * span + rng.randrange(span)))
+                    cur.execute(
+                        f"UPDATE {table} SET grp = grp + 1, payload = %s WHERE id = %s",
+                        (payload, 1 + w * span + rng.randrange(span)),
+                    )
                 elif rows == 1:
-                    cur.execute(f"INSERT INTO {table} (id, grp, created, payload) VALUES (%s, %s, now(), %s)",
-                                (next_id, w, payload))
+                    cur.execute(
+                        f"INSERT INTO {table} (id, grp, created, payload) VALUES (%s, %s, now(), %s)",
+                        (next_id, w, payload),
+                    )
                 else:
                     psycopg2.extras.execute_values(
-                        cur, f"INSERT INTO {table} (id, grp, created, payload) VALUES %s",
-                        [(next_id + i, w, payload) for i in range(rows)], template="(%s, %s, now(), %s)", page_size=rows)
+                        cur,
+                        f"INSERT INTO {table} (id, grp, created, payload) VALUES %s",
+                        [(next_id + i, w, payload) for i in range(rows)],
+                        template="(%s, %s, now(), %s)",
+                        page_size=rows,
+                    )
                 next_id += rows
                 conn.commit()
                 lat.append(time.perf_counter() - t0)
@@ -754,8 +844,12 @@ def run_writers(dsn: str, table: str, threads: int, rows: int, kind: str, second
         raise RuntimeError(errors[0])
     elapsed = window[2] - window[0]
     flat = [x for lat in latencies for x in lat]
-    out = {"tps": round(len(flat) / elapsed, 1), "rows_per_s": round(len(flat) * rows / elapsed, 1),
-           "txns": len(flat), "latency_ms": _ms(flat)}
+    out = {
+        "tps": round(len(flat) / elapsed, 1),
+        "rows_per_s": round(len(flat) * rows / elapsed, 1),
+        "txns": len(flat),
+        "latency_ms": _ms(flat),
+    }
     if meter:
         out["cpu_ms_per_txn"] = round((cpu[1] - cpu[0]) * 1000 / max(1, len(flat)), 3)
         out["cpu_cores_busy"] = round((cpu[1] - cpu[0]) / elapsed, 2)
@@ -781,20 +875,28 @@ class WriterBench:
                 registry.open_table(conn, f"public.{self.tables[variant]}", CLIENT)
         src = self.dsn("row trigger")
         ((cid, tags, tid),) = execute(
-            src, "SELECT c.client_id, array_agg(r.tag_id ORDER BY r.tag_id)::text, nextval('lr.table_id_seq') "
+            src,
+            "SELECT c.client_id, array_agg(r.tag_id ORDER BY r.tag_id)::text, nextval('lr.table_id_seq') "
             "FROM lr.clients c JOIN lr.source_sessions s ON s.client_name = c.client_name "
-            f"JOIN lr.remote_sites r ON r.site_id = s.sink_site_id WHERE c.client_name = '{CLIENT}' GROUP BY c.client_id")
+            f"JOIN lr.remote_sites r ON r.site_id = s.sink_site_id WHERE c.client_name = '{CLIENT}' GROUP BY c.client_id",
+        )
         self.row_trigger = {"client_id": cid, "tags": tags, "table_id": tid}
-        execute(src, ROW_TRIGGER,
-                f"CREATE TRIGGER bench_capture AFTER INSERT OR UPDATE OR DELETE ON {self.tables['row trigger']} "
-                f"FOR EACH ROW EXECUTE FUNCTION public.bench_capture_row('{cid}', '{tags}', '{tid}')")
+        execute(
+            src,
+            ROW_TRIGGER,
+            f"CREATE TRIGGER bench_capture AFTER INSERT OR UPDATE OR DELETE ON {self.tables['row trigger']} "
+            f"FOR EACH ROW EXECUTE FUNCTION public.bench_capture_row('{cid}', '{tags}', '{tid}')",
+        )
         args = f"'{cid}', '{tags}', '{tid}', '{{grp,created,payload}}'"
         table = self.tables["lr capture, args"]
-        execute(src, CAPTURE_ARGS,
-                f"CREATE TRIGGER bench_capture_i AFTER INSERT ON {table} REFERENCING NEW TABLE AS lr_new "
-                f"FOR EACH STATEMENT EXECUTE FUNCTION public.bench_capture_args({args})",
-                f"CREATE TRIGGER bench_capture_u AFTER UPDATE ON {table} REFERENCING OLD TABLE AS lr_old NEW TABLE AS lr_new "
-                f"FOR EACH STATEMENT EXECUTE FUNCTION public.bench_capture_args({args})")
+        execute(
+            src,
+            CAPTURE_ARGS,
+            f"CREATE TRIGGER bench_capture_i AFTER INSERT ON {table} REFERENCING NEW TABLE AS lr_new "
+            f"FOR EACH STATEMENT EXECUTE FUNCTION public.bench_capture_args({args})",
+            f"CREATE TRIGGER bench_capture_u AFTER UPDATE ON {table} REFERENCING OLD TABLE AS lr_old NEW TABLE AS lr_new "
+            f"FOR EACH STATEMENT EXECUTE FUNCTION public.bench_capture_args({args})",
+        )
 
     def dsn(self, variant: str) -> str:
         return (self.stream_sites if variant == "lr streaming" else self.sites).dsns[SOURCE]
@@ -815,7 +917,11 @@ class WriterBench:
         if variant == "lr streaming":
             sinks = [self.stream_sites.dsns[s] for s in SINK_SITES]
             with lr_sync(self.stream_sites, self.home, f"writers-{self.round_no}") as proc:
-                _wait(lambda: all(_count(dsn, table) == WRITER_PREFILL for dsn in sinks), 300, "the streamed table's snapshot")
+                _wait(
+                    lambda: all(_count(dsn, table) == WRITER_PREFILL for dsn in sinks),
+                    300,
+                    "the streamed table's snapshot",
+                )
                 self.meter.extra = [proc.pid]
                 try:
                     yield info
@@ -847,8 +953,11 @@ def native_streaming(src: str, sinks: list[str], table: str, columns: str) -> No
         conn = psycopg2.connect(dsn)
         conn.autocommit = True
         with conn.cursor() as cur:
-            cur.execute(f"CREATE SUBSCRIPTION {_names(table, i)[1]} CONNECTION %s PUBLICATION {pub} "
-                        "WITH (binary = true, copy_data = true)", (src,))
+            cur.execute(
+                f"CREATE SUBSCRIPTION {_names(table, i)[1]} CONNECTION %s PUBLICATION {pub} "
+                "WITH (binary = true, copy_data = true)",
+                (src,),
+            )
         conn.close()
     _poll(sinks, _ready_query(table), lambda rows: bool(rows) and all(s == "r" and up for s, up in rows), timeout_s=300)
 
@@ -881,11 +990,23 @@ def lr_sync(sites: LrSites, home: Path, tag: str) -> Iterator[subprocess.Popen]:
     sites' topology; its output in ``home/lr-sync-<tag>.log``. Stopped with SIGINT (it releases its
     sessions), then SIGTERM, then SIGKILL."""
     cmd = [*lr_command("lr sync"), "--topology", str(sites.topology_file)]
-    env = {**os.environ, "LR_CONNECTIONS_FILE": str(sites.connections), "LR_HOME": str(home / "lr-home"),
-           "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "LR_CONNECTIONS_FILE": str(sites.connections),
+        "LR_HOME": str(home / "lr-home"),
+        "PYTHONUNBUFFERED": "1",
+    }
     with open(home / f"lr-sync-{tag}.log", "wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=home,
-                                start_new_session=True, preexec_fn=_lr_preexec)  # noqa: PLW1509 (as streaming_bench)
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=home,
+            start_new_session=True,
+            preexec_fn=_lr_preexec,
+        )  # noqa: PLW1509 (as streaming_bench)
     try:
         yield proc
         if proc.poll() is not None:
@@ -914,12 +1035,23 @@ def writers_part(env: BenchEnv, home: Path, args: argparse.Namespace, pgdatas: l
                 with bench.replicating(variant) as info:
                     got = {}
                     for n, (name, threads, rows, kind) in enumerate(WORKLOADS):
-                        got[f"{name} x{threads}"] = run_writers(bench.dsn(variant), bench.tables[variant], threads, rows,
-                                                                kind, args.writer_seconds, 10_000_000 * (n + 1), meter)
+                        got[f"{name} x{threads}"] = run_writers(
+                            bench.dsn(variant),
+                            bench.tables[variant],
+                            threads,
+                            rows,
+                            kind,
+                            args.writer_seconds,
+                            10_000_000 * (n + 1),
+                            meter,
+                        )
                 this["variants"][variant] = {"workloads": got, "info": info}
-                print(f"  round {round_no + 1} {variant:<13} " + ", ".join(
-                    f"{k} {v['tps']:,.0f}/s {v['cpu_ms_per_txn']} ms cpu" for k, v in got.items())
-                      + f" {info or ''}", flush=True)
+                print(
+                    f"  round {round_no + 1} {variant:<13} "
+                    + ", ".join(f"{k} {v['tps']:,.0f}/s {v['cpu_ms_per_txn']} ms cpu" for k, v in got.items())
+                    + f" {info or ''}",
+                    flush=True,
+                )
         finally:
             bench.close()
         rounds.append(this)
@@ -932,7 +1064,8 @@ def writers_part(env: BenchEnv, home: Path, args: argparse.Namespace, pgdatas: l
                 "tps_rounds": [f["tps"] for f in figs],
                 "p50_ms": round(float(np.median([f["latency_ms"]["p50"] for f in figs])), 3),
                 "p99_ms": round(float(np.median([f["latency_ms"]["p99"] for f in figs])), 3),
-                "cpu_ms_per_txn": round(float(np.median([f["cpu_ms_per_txn"] for f in figs])), 3)}
+                "cpu_ms_per_txn": round(float(np.median([f["cpu_ms_per_txn"] for f in figs])), 3),
+            }
     return {"seconds_each": args.writer_seconds, "rounds": rounds, "summary": summary}
 
 
@@ -946,29 +1079,45 @@ LAG_COLUMNS = "(id bigint PRIMARY KEY, grp integer NOT NULL, seq bigint NOT NULL
 
 
 def _lag_table(dsn: str, table: str, writers: int) -> None:
-    execute(dsn, f"DROP TABLE IF EXISTS {table}", f"CREATE TABLE {table} {LAG_COLUMNS}",
-            f"INSERT INTO {table} SELECT g, -1, -1, 'init' FROM generate_series(0, {writers * LAG_KEYS - 1}) g",
-            f"VACUUM (ANALYZE) {table}")
+    execute(
+        dsn,
+        f"DROP TABLE IF EXISTS {table}",
+        f"CREATE TABLE {table} {LAG_COLUMNS}",
+        f"INSERT INTO {table} SELECT g, -1, -1, 'init' FROM generate_series(0, {writers * LAG_KEYS - 1}) g",
+        f"VACUUM (ANALYZE) {table}",
+    )
 
 
 def _arrival_trigger(dsn: str, table: str) -> None:
-    execute(dsn, ARRIVALS, "TRUNCATE lag_arrivals",
-            f"CREATE TRIGGER lag_arrival AFTER INSERT OR UPDATE ON {table} FOR EACH ROW EXECUTE FUNCTION public.lag_arrival()",
-            f"ALTER TABLE {table} ENABLE ALWAYS TRIGGER lag_arrival")  # apply workers fire ALWAYS triggers
+    execute(
+        dsn,
+        ARRIVALS,
+        "TRUNCATE lag_arrivals",
+        f"CREATE TRIGGER lag_arrival AFTER INSERT OR UPDATE ON {table} FOR EACH ROW EXECUTE FUNCTION public.lag_arrival()",
+        f"ALTER TABLE {table} ENABLE ALWAYS TRIGGER lag_arrival",
+    )  # apply workers fire ALWAYS triggers
 
 
 def _arrivals(sinks: dict[str, str]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     out = {}
     for site, dsn in sinks.items():
-        rows = execute(dsn, "SELECT writer, seq, (extract(epoch FROM at) * 1000000)::bigint FROM lag_arrivals WHERE seq >= 0")
+        rows = execute(
+            dsn, "SELECT writer, seq, (extract(epoch FROM at) * 1000000)::bigint FROM lag_arrivals WHERE seq >= 0"
+        )
         a = np.array(rows, dtype=np.int64).reshape(-1, 3)
         out[site] = (a[:, 0], a[:, 1], a[:, 2] * 1000)
     return out
 
 
 def _drain(sinks: dict[str, str], committed: int, timeout: float = 120.0) -> float:
-    return _wait(lambda: all(execute(dsn, "SELECT count(*) FROM lag_arrivals WHERE seq >= 0")[0][0] >= committed
-                             for dsn in sinks.values()), timeout, "the last updates at the sinks")
+    return _wait(
+        lambda: all(
+            execute(dsn, "SELECT count(*) FROM lag_arrivals WHERE seq >= 0")[0][0] >= committed
+            for dsn in sinks.values()
+        ),
+        timeout,
+        "the last updates at the sinks",
+    )
 
 
 def lag_part(env: BenchEnv, home: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -980,7 +1129,8 @@ def lag_part(env: BenchEnv, home: Path, args: argparse.Namespace) -> dict[str, A
         cur = conn.cursor()
         return lambda w, seq, payload: cur.execute(
             f"UPDATE {table} SET grp = %s, seq = %s, payload = %s WHERE id = %s",
-            (w, seq, payload.hex()[:PAYLOAD_CHARS], w * LAG_KEYS + seq % LAG_KEYS))
+            (w, seq, payload.hex()[:PAYLOAD_CHARS], w * LAG_KEYS + seq % LAG_KEYS),
+        )
 
     def measure(system: str, src: str, sinks: dict[str, str]) -> dict[str, Any]:
         writers = Writers(plan, src, make_send)
@@ -988,8 +1138,11 @@ def lag_part(env: BenchEnv, home: Path, args: argparse.Namespace) -> dict[str, A
         drained = _drain(sinks, writers.committed)
         fig = figures(writers, _arrivals(sinks))
         lag = fig["lag_ms"]
-        print(f"  {system:<7} {fig['achieved_per_s']:,.0f}/s p50 {lag['p50']} ms p95 {lag['p95']} ms p99 {lag['p99']} ms "
-              f"(lost {fig['lost']}, duplicated {fig['duplicated']}, drained in {drained} s)", flush=True)
+        print(
+            f"  {system:<7} {fig['achieved_per_s']:,.0f}/s p50 {lag['p50']} ms p95 {lag['p95']} ms p99 {lag['p99']} ms "
+            f"(lost {fig['lost']}, duplicated {fig['duplicated']}, drained in {drained} s)",
+            flush=True,
+        )
         return {**fig, "drain_s": drained}
 
     # lr: federated table, its snapshot by the first cycle, then streaming
@@ -1001,8 +1154,11 @@ def lag_part(env: BenchEnv, home: Path, args: argparse.Namespace) -> dict[str, A
             registry.open_table(conn, f"public.{table}", CLIENT)
         quiet(env)
         with lr_sync(sites, home, "lag"):
-            _wait(lambda: all(_count(dsn, table) == plan.writers * LAG_KEYS for dsn in sinks.values()), 300,
-                  "the lag table's snapshot")
+            _wait(
+                lambda: all(_count(dsn, table) == plan.writers * LAG_KEYS for dsn in sinks.values()),
+                300,
+                "the lag table's snapshot",
+            )
             for dsn in sinks.values():
                 _arrival_trigger(dsn, table)
             out["lr"] = measure("lr", src, sinks)
@@ -1011,7 +1167,9 @@ def lag_part(env: BenchEnv, home: Path, args: argparse.Namespace) -> dict[str, A
         sites.drop()
     # native: publication, one subscription per sink server (binary), the same writers
     src = psycopg2.extensions.make_dsn(env.source_dsn, dbname=f"{NATIVE_DB}_lag")
-    sinks = {s: psycopg2.extensions.make_dsn(dsn, dbname=f"{NATIVE_DB}_lag") for s, dsn in zip(SINK_SITES, env.sink_dsns)}
+    sinks = {
+        s: psycopg2.extensions.make_dsn(dsn, dbname=f"{NATIVE_DB}_lag") for s, dsn in zip(SINK_SITES, env.sink_dsns)
+    }
     for admin in (env.source_dsn, *env.sink_dsns):
         execute(admin, f"DROP DATABASE IF EXISTS {NATIVE_DB}_lag WITH (FORCE)", f"CREATE DATABASE {NATIVE_DB}_lag")
     nenv = BenchEnv(src, list(sinks.values()))
@@ -1039,9 +1197,12 @@ def markdown(result: dict[str, Any]) -> str:
         summary = snap["summary"]
         native = next((r for r in summary if r["method"].startswith("native")), None)
         paired = snap.get("paired_ratio_to_native", {})
-        lines += ["### Snapshot to 2 sinks (median of runs; min–max)", "",
-                  "| method | rows | runs | seconds | rows/s | × native | ranges | CPU s |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "### Snapshot to 2 sinks (median of runs; min–max)",
+            "",
+            "| method | rows | runs | seconds | rows/s | × native | ranges | CPU s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in summary:
             ratio = ""
             if native and r["rows"] == native["rows"]:
@@ -1049,43 +1210,72 @@ def markdown(result: dict[str, Any]) -> str:
                 if r["method"] in paired:
                     ratio += f" (paired {paired[r['method']]['median']:.2f})"
             spread = f"{r['median_s']:.2f}" + (f" ({r['min_s']:.2f}–{r['max_s']:.2f})" if r["n"] > 1 else "")
-            lines.append(f"| {r['method']} | {r['rows']:,} | {r['n']} | {spread} | {r['rows_per_s']:,} | {ratio} | "
-                         f"{r['ranges'] or ''} | {r['cpu_s']} |")
+            lines.append(
+                f"| {r['method']} | {r['rows']:,} | {r['n']} | {spread} | {r['rows_per_s']:,} | {ratio} | "
+                f"{r['ranges'] or ''} | {r['cpu_s']} |"
+            )
         if snap.get("spark_start"):
             s = snap["spark_start"]
-            lines += ["", (f"Spark local[*] start: session {s['session_s']} s + first warm-up {s['warmup_s']} s "
-                           f"({s['parallelism']} task slots).")]
+            lines += [
+                "",
+                (
+                    f"Spark local[*] start: session {s['session_s']} s + first warm-up {s['warmup_s']} s "
+                    f"({s['parallelism']} task slots)."
+                ),
+            ]
         if snap.get("profile"):
-            lines += ["", f"Profile at {snap['rows']:,} rows: "
-                      + ", ".join(f"{k} {v}" for k, v in snap["profile"].items()) + "."]
+            lines += [
+                "",
+                f"Profile at {snap['rows']:,} rows: " + ", ".join(f"{k} {v}" for k, v in snap["profile"].items()) + ".",
+            ]
         th = snap.get("threshold")
         if th:
-            lines += ["", f"Threshold (Spark auto parts + cold start {th['start_s']} s against in-process): "
-                      + "; ".join(f"{k}, {span}: {v}" for k in ("cycle", "tee") for span, v in th.get(k, {}).items()) + "."]
+            lines += [
+                "",
+                f"Threshold (Spark auto parts + cold start {th['start_s']} s against in-process): "
+                + "; ".join(f"{k}, {span}: {v}" for k in ("cycle", "tee") for span, v in th.get(k, {}).items())
+                + ".",
+            ]
         lines.append("")
     wr = result.get("writers")
     if wr:
-        lines += [("### Writer overhead (median of rounds: transactions/s (× plain); latency p50 / p99 ms; "
-                   "CPU ms per transaction, all bench processes)"), "",
-                  "| workload | " + " | ".join(VARIANTS) + " |", "|---|" + "---:|" * len(VARIANTS)]
+        lines += [
+            (
+                "### Writer overhead (median of rounds: transactions/s (× plain); latency p50 / p99 ms; "
+                "CPU ms per transaction, all bench processes)"
+            ),
+            "",
+            "| workload | " + " | ".join(VARIANTS) + " |",
+            "|---|" + "---:|" * len(VARIANTS),
+        ]
         for key, by in wr["summary"].items():
             cells = []
             for v in VARIANTS:
                 f = by[v]
                 rel = f" ({f['tps'] / by['plain']['tps']:.0%})" if v != "plain" else ""
-                cells.append(f"{f['tps']:,.0f}{rel}<br>{f['p50_ms']:.2f} / {f['p99_ms']:.2f}<br>{f['cpu_ms_per_txn']:.2f}")
+                cells.append(
+                    f"{f['tps']:,.0f}{rel}<br>{f['p50_ms']:.2f} / {f['p99_ms']:.2f}<br>{f['cpu_ms_per_txn']:.2f}"
+                )
             lines.append(f"| {key} | " + " | ".join(cells) + " |")
         lines.append("")
     lag = result.get("lag")
     if lag:
-        lines += [(f"### Table-change lag ({lag['rate']}/s single-row updates, {lag['writers']} writers, "
-                   f"{lag['seconds']} s)"), "", "| system | achieved/s | p50 ms | p95 ms | p99 ms | max ms | lost | dup |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            (
+                f"### Table-change lag ({lag['rate']}/s single-row updates, {lag['writers']} writers, "
+                f"{lag['seconds']} s)"
+            ),
+            "",
+            "| system | achieved/s | p50 ms | p95 ms | p99 ms | max ms | lost | dup |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for system in ("lr", "native"):
             if system in lag:
                 f, p = lag[system], lag[system]["lag_ms"]
-                lines.append(f"| {system} | {f['achieved_per_s']:,.0f} | {p['p50']} | {p['p95']} | {p['p99']} | {p['max']} | "
-                             f"{f['lost']} | {f['duplicated']} |")
+                lines.append(
+                    f"| {system} | {f['achieved_per_s']:,.0f} | {p['p50']} | {p['p95']} | {p['p99']} | {p['max']} | "
+                    f"{f['lost']} | {f['duplicated']} |"
+                )
         lines.append("")
     return "\n".join(lines)
 
@@ -1101,20 +1291,35 @@ def _interrupt(signum: int, frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows of the snapshot table (largest size)")
-    parser.add_argument("--sizes", type=_ints, default=[100_000, 300_000, 3_000_000],
-                        help="other sizes for the in-process/Spark threshold (comma list; in-process and Spark only)")
-    parser.add_argument("--parts", type=_parts, default=[None, 2, 4, 8],
-                        help="Spark key ranges to try at --rows (comma list; auto = the engine's default)")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="rounds of the key figures at --rows (native, tee, Spark auto, cycle; order rotated)")
+    parser.add_argument(
+        "--sizes",
+        type=_ints,
+        default=[100_000, 300_000, 3_000_000],
+        help="other sizes for the in-process/Spark threshold (comma list; in-process and Spark only)",
+    )
+    parser.add_argument(
+        "--parts",
+        type=_parts,
+        default=[None, 2, 4, 8],
+        help="Spark key ranges to try at --rows (comma list; auto = the engine's default)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds of the key figures at --rows (native, tee, Spark auto, cycle; order rotated)",
+    )
     parser.add_argument("--writer-seconds", type=float, default=3.0, help="seconds per writer workload and variant")
     parser.add_argument("--writer-rounds", type=int, default=2, help="rounds of the writer workloads (fresh databases)")
     parser.add_argument("--lag-rate", type=int, default=500, help="single-row updates per second, all writers")
     parser.add_argument("--lag-writers", type=int, default=2)
     parser.add_argument("--lag-seconds", type=float, default=10.0)
     parser.add_argument("--skip", default="", help="comma list of: snapshot, writers, lag, spark, spark-submit")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 20k rows, sizes 5k/10k/40k, parts auto/2, 2 rounds, 1 s writers, 1 round, 3 s of lag at 200/s")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 20k rows, sizes 5k/10k/40k, parts auto/2, 2 rounds, 1 s writers, 1 round, 3 s of lag at 200/s",
+    )
     parser.add_argument("--keep", action="store_true", help="leave the servers' data directory in place")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -1131,8 +1336,11 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     wall = time.perf_counter()
     home = Path(tempfile.mkdtemp(prefix="lr-table-bench-"))
-    print(f"machine: {os.cpu_count()} cores, load {load_before[0]:.2f}; {platform.platform()}; "
-          f"python {platform.python_version()}", flush=True)
+    print(
+        f"machine: {os.cpu_count()} cores, load {load_before[0]:.2f}; {platform.platform()}; "
+        f"python {platform.python_version()}",
+        flush=True,
+    )
     manager = SiteManager(home)
     result: dict[str, Any] = {}
     interrupted = False
@@ -1140,7 +1348,9 @@ def main(argv: list[str] | None = None) -> int:
         servers = manager.up(count=len(SITES))
         env = BenchEnv(servers[0].dsn(), [s.dsn() for s in servers[1:]], manager)
         keys = ("server_version", "synchronous_commit", "wal_level", "shared_buffers", "max_wal_size")
-        result["server"] = dict(execute(env.source_dsn, f"SELECT name, setting FROM pg_settings WHERE name IN {keys!r}"))
+        result["server"] = dict(
+            execute(env.source_dsn, f"SELECT name, setting FROM pg_settings WHERE name IN {keys!r}")
+        )
         print(f"PostgreSQL {result['server']['server_version']} x3 under {home}", flush=True)
         if "snapshot" not in args.skip:
             print("\n1. snapshot", flush=True)
@@ -1160,12 +1370,21 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(home, ignore_errors=True)
     if result:
-        git = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True,
-                             check=False)
-        result["run"] = {"argv": sys.argv[1:], "quick": args.quick, "git": git.stdout.strip(),
-                         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "wall_s": round(time.perf_counter() - wall, 1),
-                         "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                         "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
+        git = subprocess.run(
+            ["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True, check=False
+        )
+        result["run"] = {
+            "argv": sys.argv[1:],
+            "quick": args.quick,
+            "git": git.stdout.strip(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "wall_s": round(time.perf_counter() - wall, 1),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+        }
         text = markdown(result)
         print("\n" + text)
         print(f"wall {result['run']['wall_s']} s, load before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")

@@ -25,6 +25,7 @@
 Run: .venv/bin/python bench/transmit_bench.py [--seconds 6] [--rounds 3] [--writers 8]
      [--schema-version N]  (install migrations only up to N, e.g. 5 for the owner before roles)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,16 +44,25 @@ import psycopg2  # noqa: E402
 
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient  # noqa: E402
 from airflow_provider_lr.embedded.sites import SiteManager  # noqa: E402
-from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL  # noqa: E402
-from airflow_provider_lr.engine.site import roles, topology
-from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.db import schema
+from airflow_provider_lr.engine.site import roles, topology
+from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL  # noqa: E402
+from airflow_provider_lr.engine.store import topology as topologies
 
 REMOTES = [f"sink-{i:02d}" for i in range(1, 11)]
 
 
-VARIANTS = ("plain", "floor", "insert_only", "transmit", "transmit_unprepared", "plain10", "transmit10",
-            "transmit_notify", "transmit_probed")
+VARIANTS = (
+    "plain",
+    "floor",
+    "insert_only",
+    "transmit",
+    "transmit_unprepared",
+    "plain10",
+    "transmit10",
+    "transmit_notify",
+    "transmit_probed",
+)
 PROBE_EVERY = 0.0002  # StreamSettings.poll_min: the probe's pace while commits keep coming
 ROLE_VARIANTS = ("writer_plain", "writer_transmit")  # as the writer role (schema version >= 6)
 WRITER_ROLE = "lr_bench_writer"
@@ -67,8 +77,10 @@ def writer(dsn: str, variant: str, seconds: float, start_at: float, out: mp.Queu
     rows = 10 if variant.endswith("10") else 1
     if variant == "insert_only":
         with conn.cursor() as cur:
-            cur.execute("PREPARE bench_insert_only (smallint, integer[], integer, bytea) AS "
-                        "INSERT INTO bench_plain_log (stream, tag_ids, client_id, message) VALUES ($1, $2, $3, $4)")
+            cur.execute(
+                "PREPARE bench_insert_only (smallint, integer[], integer, bytea) AS "
+                "INSERT INTO bench_plain_log (stream, tag_ids, client_id, message) VALUES ($1, $2, $3, $4)"
+            )
     done = 0
     while time.time() < start_at:
         time.sleep(0.001)
@@ -82,8 +94,10 @@ def writer(dsn: str, variant: str, seconds: float, start_at: float, out: mp.Queu
             if variant == "floor":
                 cur.execute("SELECT 1")
             elif variant == "insert_only":  # the same row into a table with no commit position
-                cur.execute("EXECUTE bench_insert_only (1, %s, 1, %s)",
-                            ([1, 2, 3], psycopg2.Binary(client._row(1, os.urandom(256), dests, 1)[2])))
+                cur.execute(
+                    "EXECUTE bench_insert_only (1, %s, 1, %s)",
+                    ([1, 2, 3], psycopg2.Binary(client._row(1, os.urandom(256), dests, 1)[2])),
+                )
             elif variant in ("transmit", "transmit_unprepared", "transmit_probed"):
                 client.transmit_log_entry_message(os.urandom(256), dests)
             elif variant == "transmit_notify":
@@ -167,8 +181,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--writers", type=int, default=8)
     parser.add_argument("--only", default=None, help="comma-separated variants (default: all)")
-    parser.add_argument("--schema-version", type=int, default=None,
-                        help="install migrations only up to this version (default: all)")
+    parser.add_argument(
+        "--schema-version", type=int, default=None, help="install migrations only up to this version (default: all)"
+    )
     args = parser.parse_args()
     variants = VARIANTS
 
@@ -226,24 +241,39 @@ def main() -> None:
     if args.only:
         (Path(__file__).resolve().parent / "results").mkdir(exist_ok=True)
         (Path(__file__).resolve().parent / "results" / "transmit_bench_only.json").write_text(
-            json.dumps({"writers": args.writers, "tps": tps, "medians": med}, indent=2))
+            json.dumps({"writers": args.writers, "tps": tps, "medians": med}, indent=2)
+        )
         return
-    ratio, ratio10, floor = med["transmit"] / med["plain"], med["transmit10"] / med["plain10"], med["floor"] / med["plain"]
-    print(f"\nwriter throughput, {args.writers} writer processes, medians of {args.rounds} rounds of {args.seconds:.0f} s:")
+    ratio, ratio10, floor = (
+        med["transmit"] / med["plain"],
+        med["transmit10"] / med["plain10"],
+        med["floor"] / med["plain"],
+    )
+    print(
+        f"\nwriter throughput, {args.writers} writer processes, medians of {args.rounds} rounds of {args.seconds:.0f} s:"
+    )
     print(f"  1 row:                         {med['plain']:>8,.0f} tx/s")
     print(f"  1 row + SELECT 1 (floor):      {med['floor']:>8,.0f} tx/s  ratio {floor:.2f}")
-    print(f"  1 row + the same log row, no commit position: {med['insert_only']:>8,.0f} tx/s  "
-          f"ratio {med['insert_only'] / med['plain']:.2f} (the floor of any design that stores the entry)")
-    print(f"  1 row + transmit (3 dests):    {med['transmit']:>8,.0f} tx/s  ratio {ratio:.2f}  (aim >= 0.80; "
-          f"{med['transmit'] / med['insert_only']:.2f} of that floor)")
-    print(f"    same, insert not prepared:   {med['transmit_unprepared']:>8,.0f} tx/s  "
-          f"ratio {med['transmit_unprepared'] / med['plain']:.2f}")
+    print(
+        f"  1 row + the same log row, no commit position: {med['insert_only']:>8,.0f} tx/s  "
+        f"ratio {med['insert_only'] / med['plain']:.2f} (the floor of any design that stores the entry)"
+    )
+    print(
+        f"  1 row + transmit (3 dests):    {med['transmit']:>8,.0f} tx/s  ratio {ratio:.2f}  (aim >= 0.80; "
+        f"{med['transmit'] / med['insert_only']:.2f} of that floor)"
+    )
+    print(
+        f"    same, insert not prepared:   {med['transmit_unprepared']:>8,.0f} tx/s  "
+        f"ratio {med['transmit_unprepared'] / med['plain']:.2f}"
+    )
     print(f"  10 rows:                       {med['plain10']:>8,.0f} tx/s")
     print(f"  10 rows + 10 messages, 1 call: {med['transmit10']:>8,.0f} tx/s  ratio {ratio10:.2f}")
     if "writer_transmit" in med:
-        print(f"  as the writer role: 1 row {med['writer_plain']:>8,.0f} tx/s, + transmit {med['writer_transmit']:>8,.0f} "
-              f"tx/s  ratio {med['writer_transmit'] / med['writer_plain']:.2f}; writer/owner transmit "
-              f"{med['writer_transmit'] / med['transmit']:.2f}")
+        print(
+            f"  as the writer role: 1 row {med['writer_plain']:>8,.0f} tx/s, + transmit {med['writer_transmit']:>8,.0f} "
+            f"tx/s  ratio {med['writer_transmit'] / med['writer_plain']:.2f}; writer/owner transmit "
+            f"{med['writer_transmit'] / med['transmit']:.2f}"
+        )
     print("\nlog bytes per entry (256 B payload):")
     print(f"  {'dests':>5} {'row':>7} {'stored':>8} {'tag text':>9}")
     for s in sizes:
@@ -252,8 +282,16 @@ def main() -> None:
     tag_growth = sizes[-1]["tag_text_bytes"] - sizes[0]["tag_text_bytes"]
     print(f"  1 → 10 destinations: stored bytes grow by {growth:.1f}; the tag list text grows by {tag_growth}")
     results = {
-        "writers": args.writers, "seconds": args.seconds, "tps": tps, "medians": med,
-        "ratio": ratio, "ratio_floor": floor, "ratio_10": ratio10, "bytes_per_entry": sizes, "growth_1_to_10": growth, "tag_text_growth_1_to_10": tag_growth,
+        "writers": args.writers,
+        "seconds": args.seconds,
+        "tps": tps,
+        "medians": med,
+        "ratio": ratio,
+        "ratio_floor": floor,
+        "ratio_10": ratio10,
+        "bytes_per_entry": sizes,
+        "growth_1_to_10": growth,
+        "tag_text_growth_1_to_10": tag_growth,
         "schema_version": args.schema_version,
     }
     out = Path(__file__).resolve().parent / "results"

@@ -9,6 +9,7 @@
    are safe on the destinations *and* durable in ``min_regions`` distinct regions.
 4. ``announce`` runs only then.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,13 @@ SINKS = sorted({k.sink for k in _topology.sessions(source=SOURCE) if k.client ==
     doc_md=__doc__,
     params={
         "orders": Param(3, type="integer", minimum=1, maximum=10_000, title="Orders to record"),
-        "destinations": Param(SINKS, type="array", items={"type": "string"}, title="Destinations",
-                              description=f"Sinks of {SOURCE} for client {CLIENT} that must have the orders"),
+        "destinations": Param(
+            SINKS,
+            type="array",
+            items={"type": "string"},
+            title="Destinations",
+            description=f"Sinks of {SOURCE} for client {CLIENT} that must have the orders",
+        ),
         "min_regions": Param(2, type="integer", minimum=1, title="Durable in at least this many regions"),
     },
 )
@@ -50,16 +56,19 @@ def example_lr_user_pipeline() -> None:
         params = get_current_context()["params"]
         with site_connection(load_topology().conn_id(SOURCE), SOURCE) as conn:
             with conn.cursor() as cur:
-                cur.execute("CREATE TABLE IF NOT EXISTS example_orders "
-                            "(id bigserial PRIMARY KEY, amount_cents bigint NOT NULL, at timestamptz DEFAULT now())")
+                cur.execute(
+                    "CREATE TABLE IF NOT EXISTS example_orders "
+                    "(id bigserial PRIMARY KEY, amount_cents bigint NOT NULL, at timestamptz DEFAULT now())"
+                )
             conn.commit()
             client = RoutingQueueClient(conn, CLIENT)
             with conn.cursor() as cur:
                 for i in range(params["orders"]):
                     cur.execute("INSERT INTO example_orders (amount_cents) VALUES (%s) RETURNING id", (100 * (i + 1),))
                     order_id = cur.fetchone()[0]
-                    ticket = client.transmit_log_entry_message(f"order {order_id} {100 * (i + 1)}".encode(),
-                                                               params["destinations"])
+                    ticket = client.transmit_log_entry_message(
+                        f"order {order_id} {100 * (i + 1)}".encode(), params["destinations"]
+                    )
             conn.commit()  # the orders and their payloads, together
             position = client.delivery(ticket).position  # drawn at commit: after it, not before
         return {"orders": params["orders"], "position": position}
@@ -72,9 +81,14 @@ def example_lr_user_pipeline() -> None:
     sessions = LRDiscoverSessionsOperator(task_id="sessions", source=SOURCE, client=CLIENT)
     push = LRLogEntrySyncOperator.partial(task_id="push_now").expand(session=sessions.output)
     delivered = LRDeliveredSensor(
-        task_id="delivered", source=SOURCE, client=CLIENT, position=recorded["position"],
-        destinations="{{ params.destinations }}", min_regions="{{ params.min_regions }}",
-        timeout=3600, poll_interval=1.0,
+        task_id="delivered",
+        source=SOURCE,
+        client=CLIENT,
+        position=recorded["position"],
+        destinations="{{ params.destinations }}",
+        min_regions="{{ params.min_regions }}",
+        timeout=3600,
+        poll_interval=1.0,
     )
     recorded >> sessions
     push >> delivered >> announce(recorded)

@@ -12,6 +12,7 @@ interrupted failover.
 
 The old source, when it is back: trigger ``lr_rejoin`` with it.
 """
+
 from __future__ import annotations
 
 from datetime import datetime, timezone
@@ -38,25 +39,44 @@ _SITE = f"^{SITE_ID_PATTERN.pattern}$"
     tags=["lr", "failover"],
     doc_md=__doc__,
     params={
-        "promote": form_choice(SINKS, _SITE, required=True, title="Site to promote",
-                               description="The sink that becomes the source"),
-        "from_site": form_choice(SITES, _SITE, title="Old source",
-                                 description="Empty: the one source the promoted site receives from"),
-        "clients": Param(None, type=["null", "array"], items={"type": "string", "pattern": f"^{CLIENT_NAME_PATTERN.pattern}$"},
-                         title="Clients", description="Empty: every client the promoted site receives from the old source"),
+        "promote": form_choice(
+            SINKS, _SITE, required=True, title="Site to promote", description="The sink that becomes the source"
+        ),
+        "from_site": form_choice(
+            SITES, _SITE, title="Old source", description="Empty: the one source the promoted site receives from"
+        ),
+        "clients": Param(
+            None,
+            type=["null", "array"],
+            items={"type": "string", "pattern": f"^{CLIENT_NAME_PATTERN.pattern}$"},
+            title="Clients",
+            description="Empty: every client the promoted site receives from the old source",
+        ),
         "reason": Param("failover from the Airflow UI", type="string", minLength=1, maxLength=500, title="Reason"),
-        "same_destinations": Param(False, type="boolean", title="Entries went to all sinks alike",
-                                   description="A sink behind the promoted one gets the gap copied from it, not a full sync"),
-        "allow_table_divergence": Param(False, type="boolean", title="Allow federated tables to diverge",
-                                        description="Promote even if the site lacks a federated table another sink "
-                                                    "takes: its replication stops (lr status marks it DIVERGED)"),
+        "same_destinations": Param(
+            False,
+            type="boolean",
+            title="Entries went to all sinks alike",
+            description="A sink behind the promoted one gets the gap copied from it, not a full sync",
+        ),
+        "allow_table_divergence": Param(
+            False,
+            type="boolean",
+            title="Allow federated tables to diverge",
+            description="Promote even if the site lacks a federated table another sink "
+            "takes: its replication stops (lr status marks it DIVERGED)",
+        ),
     },
 )
 def lr_failover() -> None:
     LRFailoverOperator(
-        task_id="failover", retries=0,
-        promote="{{ params.promote }}", from_site="{{ params.from_site }}", clients="{{ params.clients }}",
-        reason="{{ params.reason }}", same_destinations="{{ params.same_destinations }}",
+        task_id="failover",
+        retries=0,
+        promote="{{ params.promote }}",
+        from_site="{{ params.from_site }}",
+        clients="{{ params.clients }}",
+        reason="{{ params.reason }}",
+        same_destinations="{{ params.same_destinations }}",
         allow_table_divergence="{{ params.allow_table_divergence }}",
     )
 

@@ -32,6 +32,7 @@ Empty optional fields mean "all": they are ``null`` in the run's conf and show a
 box in the form (``values_display`` maps ``null`` to an empty label; without it Airflow's form
 shows the word ``null``).
 """
+
 from __future__ import annotations
 
 import os
@@ -64,14 +65,32 @@ CLIENTS = sorted({k.client for k in _sessions})
     tags=["lr", "replication"],
     doc_md=__doc__,
     params={
-        "sink": form_choice(SINKS, f"^{SITE_ID_PATTERN.pattern}$", title="Sink site",
-                                 description="The destination that gets everything again (empty: every sink)"),
-        "client": form_choice(CLIENTS, f"^{CLIENT_NAME_PATTERN.pattern}$", title="Client",
-                                   description="Only this client's sessions (empty: every client)"),
-        "source": form_choice(SOURCES, f"^{SITE_ID_PATTERN.pattern}$", title="Source site",
-                                   description="Only from this source (empty: every source)"),
-        "reason": Param("requested from the Airflow UI", type="string", minLength=1, maxLength=500, title="Reason",
-                        description="Recorded with the request on the source (lr status shows it)"),
+        "sink": form_choice(
+            SINKS,
+            f"^{SITE_ID_PATTERN.pattern}$",
+            title="Sink site",
+            description="The destination that gets everything again (empty: every sink)",
+        ),
+        "client": form_choice(
+            CLIENTS,
+            f"^{CLIENT_NAME_PATTERN.pattern}$",
+            title="Client",
+            description="Only this client's sessions (empty: every client)",
+        ),
+        "source": form_choice(
+            SOURCES,
+            f"^{SITE_ID_PATTERN.pattern}$",
+            title="Source site",
+            description="Only from this source (empty: every source)",
+        ),
+        "reason": Param(
+            "requested from the Airflow UI",
+            type="string",
+            minLength=1,
+            maxLength=500,
+            title="Reason",
+            description="Recorded with the request on the source (lr status shows it)",
+        ),
     },
 )
 def lr_full_sync() -> None:
@@ -97,7 +116,7 @@ def lr_full_sync() -> None:
 
     sessions = request_full_sync()
     snapshot = LRSnapshotSyncOperator.partial(
-        task_id="snapshot_sync", wait_for_data=True, map_index_template=SESSION_LABEL, spark_conn_id=SPARK_CONN_ID,
+        task_id="snapshot_sync", wait_for_data=True, map_index_template=SESSION_LABEL, spark_conn_id=SPARK_CONN_ID
     ).expand(session=sessions)
 
     @task(trigger_rule=TriggerRule.ALL_DONE)
@@ -109,13 +128,17 @@ def lr_full_sync() -> None:
 
     moves = snapshot_transfers(sessions)
     transfers = LRSparkSnapshotTransferOperator.partial(
-        task_id="spark_snapshot_transfer", conn_id=SPARK_CONN_ID, conf={"spark.ui.enabled": "false"},
+        task_id="spark_snapshot_transfer",
+        conn_id=SPARK_CONN_ID,
+        conf={"spark.ui.enabled": "false"},
         map_index_template="{{ task.source }}->{{ task.sink }}/{{ task.client }}",
     ).expand_kwargs(moves)
     # all_done: runs (negotiates, does nothing while the session still needs its full sync) and is
     # labelled by its session even when that session's full sync failed
     catch_up = LRLogEntrySyncOperator.partial(
-        task_id="log_entry_sync", map_index_template=SESSION_LABEL, trigger_rule=TriggerRule.ALL_DONE,
+        task_id="log_entry_sync",
+        map_index_template=SESSION_LABEL,
+        trigger_rule=TriggerRule.ALL_DONE,
         spark_conn_id=SPARK_CONN_ID,
     ).expand(session=sessions)
 
@@ -128,12 +151,17 @@ def lr_full_sync() -> None:
 
     pairs = table_snapshots(sessions)
     tables = LRSparkTableSnapshotOperator.partial(
-        task_id="spark_table_snapshot", conn_id=SPARK_CONN_ID, conf={"spark.ui.enabled": "false"},
+        task_id="spark_table_snapshot",
+        conn_id=SPARK_CONN_ID,
+        conf={"spark.ui.enabled": "false"},
         map_index_template="{{ task.source }}/{{ task.client }}",
     ).expand_kwargs(pairs)
     snapshot >> moves >> transfers >> catch_up >> pairs
     [catch_up, tables, transfers] >> LRRunCheckOperator(
-        task_id="check", sessions=sessions, session_tasks=("snapshot_sync", "log_entry_sync"), retries=0,
+        task_id="check",
+        sessions=sessions,
+        session_tasks=("snapshot_sync", "log_entry_sync"),
+        retries=0,
         full_sync_requests=True,
     )
 

@@ -7,6 +7,7 @@
 * receive-queue checkpoints on every sink: depth, unapplied snapshot rows, oldest waiting message
   and dead letters per queue, with a warning past ``queue_warn_after_seconds``.
 """
+
 from __future__ import annotations
 
 from datetime import datetime, timezone
@@ -28,11 +29,20 @@ SITE_LABEL = "{{ task.site['site'] }}"
     tags=["lr", "maintenance"],
     doc_md=__doc__,
     params={
-        "retention_seconds": Param(None, type=["null", "integer"], minimum=0, title="Retention (seconds)",
-                                   description="Also trim entries older than this, even if a session lags "
-                                   "(empty: safe trim only)"),
-        "queue_warn_after_seconds": Param(3600, type="integer", minimum=1, title="Warn after (seconds)",
-                                          description="Warn when a receive queue's oldest message waits longer"),
+        "retention_seconds": Param(
+            None,
+            type=["null", "integer"],
+            minimum=0,
+            title="Retention (seconds)",
+            description="Also trim entries older than this, even if a session lags (empty: safe trim only)",
+        ),
+        "queue_warn_after_seconds": Param(
+            3600,
+            type="integer",
+            minimum=1,
+            title="Warn after (seconds)",
+            description="Warn when a receive queue's oldest message waits longer",
+        ),
     },
 )
 def lr_maintenance() -> None:

@@ -6,6 +6,7 @@ Trigger it from the UI form with the site to rejoin (required). One task, ``rejo
 topology; on the old source, its sessions of the failed-over clients are retired and what it
 committed after the cut (received by nobody) is counted in the task's XCom.
 """
+
 from __future__ import annotations
 
 from datetime import datetime, timezone
@@ -27,8 +28,15 @@ SITES = sorted(_topology.sites) if _topology else []
     catchup=False,
     tags=["lr", "failover"],
     doc_md=__doc__,
-    params={"site": form_choice(SITES, f"^{SITE_ID_PATTERN.pattern}$", required=True, title="Site to rejoin",
-                                description="The old source (or another site the failover could not reach)")},
+    params={
+        "site": form_choice(
+            SITES,
+            f"^{SITE_ID_PATTERN.pattern}$",
+            required=True,
+            title="Site to rejoin",
+            description="The old source (or another site the failover could not reach)",
+        )
+    },
 )
 def lr_rejoin() -> None:
     LRFailoverOperator(task_id="rejoin", retries=0, rejoin="{{ params.site }}")

@@ -36,6 +36,7 @@ gate in a continuous run would hold busy sessions back, while a short interval b
 idle cost and the latency (``LR_REPLICATION_INTERVAL_S``, default 30 s). A snapshot waiting for
 its client's data does not hold the run: the next run picks it up.
 """
+
 from __future__ import annotations
 
 import os
@@ -107,12 +108,14 @@ def lr_replication() -> None:
 
     plans = plan.expand(site=sources(sessions.output))
     fanout = LRSparkFanOutOperator.partial(
-        task_id="spark_fanout", conn_id=SPARK_CONN_ID, conf={"spark.ui.enabled": "false"},
+        task_id="spark_fanout",
+        conn_id=SPARK_CONN_ID,
+        conf={"spark.ui.enabled": "false"},
         execution_timeout=timedelta(minutes=30),  # a stuck job must not hold the one active run
         map_index_template=SOURCE_LABEL,
     ).expand(source=spark_sources(plans))
     tee = LRFanOutOperator.partial(
-        task_id="inprocess_fanout", execution_timeout=timedelta(minutes=30), map_index_template=SOURCE_LABEL,
+        task_id="inprocess_fanout", execution_timeout=timedelta(minutes=30), map_index_template=SOURCE_LABEL
     ).expand(source=tee_sources(plans))
 
     @task(trigger_rule=TriggerRule.ALL_DONE, map_index_template="{{ lr_session }}")
@@ -125,12 +128,22 @@ def lr_replication() -> None:
         get_current_context()["lr_session"] = session["session"]  # type: ignore[typeddict-unknown-key]
         with site_connection(session["source_conn_id"], session["source"]) as conn:
             rows = status.site_status(conn, session["source"]).sessions
-        row = next(r for r in rows if r["role"] == "source" and r["sink_site_id"] == session["sink"]
-                   and r["client_name"] == session["client"])
-        telemetry.session_step(session, lag_entries=row["remaining_entries_to_send"], lag_seconds=row.get("lag_seconds"))
-        return {"session": session["session"], "state": row["state"], "acked": row["last_applied_position"],
-                "remaining": row["remaining_entries_to_send"], "lag_seconds": row.get("lag_seconds"),
-                "last_error": row["last_error"]}
+        row = next(
+            r
+            for r in rows
+            if r["role"] == "source" and r["sink_site_id"] == session["sink"] and r["client_name"] == session["client"]
+        )
+        telemetry.session_step(
+            session, lag_entries=row["remaining_entries_to_send"], lag_seconds=row.get("lag_seconds")
+        )
+        return {
+            "session": session["session"],
+            "state": row["state"],
+            "acked": row["last_applied_position"],
+            "remaining": row["remaining_entries_to_send"],
+            "lag_seconds": row.get("lag_seconds"),
+            "last_error": row["last_error"],
+        }
 
     @task_group(group_id="session")
     def replicate(session: dict) -> None:
@@ -139,10 +152,12 @@ def lr_replication() -> None:
         # ends upstream_failed, the one state whose instances the grid cannot label (they never run)
         common = {"map_index_template": SESSION_LABEL, "trigger_rule": TriggerRule.ALL_DONE}
         decide = LRNegotiateOperator(task_id="decide", session=session, **common)
-        snapshot = LRSnapshotSyncOperator(task_id="snapshot_sync", session=session, decision=decide.output,
-                                          spark_conn_id=SPARK_CONN_ID, **common)
-        log_entries = LRLogEntrySyncOperator(task_id="log_entry_sync", session=session, decision=decide.output,
-                                             spark_conn_id=SPARK_CONN_ID, **common)
+        snapshot = LRSnapshotSyncOperator(
+            task_id="snapshot_sync", session=session, decision=decide.output, spark_conn_id=SPARK_CONN_ID, **common
+        )
+        log_entries = LRLogEntrySyncOperator(
+            task_id="log_entry_sync", session=session, decision=decide.output, spark_conn_id=SPARK_CONN_ID, **common
+        )
         decide >> [snapshot, log_entries] >> report(session)
 
     groups = replicate.expand(session=sessions.output)
@@ -157,8 +172,11 @@ def lr_replication() -> None:
 
     pairs = table_snapshots(sessions.output)
     tables = LRSparkTableSnapshotOperator.partial(
-        task_id="spark_table_snapshot", conn_id=SPARK_CONN_ID, conf={"spark.ui.enabled": "false"},
-        execution_timeout=timedelta(minutes=30), map_index_template=PAIR_LABEL,
+        task_id="spark_table_snapshot",
+        conn_id=SPARK_CONN_ID,
+        conf={"spark.ui.enabled": "false"},
+        execution_timeout=timedelta(minutes=30),
+        map_index_template=PAIR_LABEL,
     ).expand_kwargs(pairs)
     groups >> pairs
 
@@ -171,13 +189,17 @@ def lr_replication() -> None:
 
     moves = snapshot_transfers(sessions.output)
     transfers = LRSparkSnapshotTransferOperator.partial(
-        task_id="spark_snapshot_transfer", conn_id=SPARK_CONN_ID, conf={"spark.ui.enabled": "false"},
-        execution_timeout=timedelta(minutes=30), map_index_template=TRANSFER_LABEL,
+        task_id="spark_snapshot_transfer",
+        conn_id=SPARK_CONN_ID,
+        conf={"spark.ui.enabled": "false"},
+        execution_timeout=timedelta(minutes=30),
+        map_index_template=TRANSFER_LABEL,
     ).expand_kwargs(moves)
     groups >> moves
     # the run's verdict: failed when any session failed, after every healthy session delivered
-    [groups, tables, transfers] >> LRRunCheckOperator(task_id="check", sessions=sessions.output,
-                                           report_task_id="session.report", retries=0)
+    [groups, tables, transfers] >> LRRunCheckOperator(
+        task_id="check", sessions=sessions.output, report_task_id="session.report", retries=0
+    )
 
 
 lr_replication()

@@ -10,6 +10,7 @@ lag matters (both at once are safe, the leases keep them apart, but ``lr_replica
 mostly find its sessions leased). ``lr_replication`` stays for batch users: it holds no slot
 between runs, and its lag is its schedule interval. Paused when created: unpause it to stream.
 """
+
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
@@ -31,18 +32,36 @@ from airflow_provider_lr.operators.stream import LRStreamOperator
     doc_md=__doc__,
     default_args={"retries": 3, "retry_delay": timedelta(seconds=10)},
     params={
-        "run_for_seconds": Param(600, type="integer", minimum=1, title="Run for (seconds)",
-                                 description="How long one run streams before it ends and the next run starts"),
-        "source": Param(None, type=["null", "string"], title="Source",
-                        description="Only this source's sessions (empty: every session of the topology)"),
-        "report_every_seconds": Param(30, type="integer", minimum=0, title="Progress line every (seconds)",
-                                      description="A line in the task log with entries/s and the lag of the "
-                                                  "session most behind, this often (0: none)"),
+        "run_for_seconds": Param(
+            600,
+            type="integer",
+            minimum=1,
+            title="Run for (seconds)",
+            description="How long one run streams before it ends and the next run starts",
+        ),
+        "source": Param(
+            None,
+            type=["null", "string"],
+            title="Source",
+            description="Only this source's sessions (empty: every session of the topology)",
+        ),
+        "report_every_seconds": Param(
+            30,
+            type="integer",
+            minimum=0,
+            title="Progress line every (seconds)",
+            description="A line in the task log with entries/s and the lag of the "
+            "session most behind, this often (0: none)",
+        ),
     },
 )
 def lr_streaming() -> None:
-    LRStreamOperator(task_id="stream", run_for="{{ params.run_for_seconds }}", source="{{ params.source }}",
-                     report_every="{{ params.report_every_seconds }}")
+    LRStreamOperator(
+        task_id="stream",
+        run_for="{{ params.run_for_seconds }}",
+        source="{{ params.source }}",
+        report_every="{{ params.report_every_seconds }}",
+    )
 
 
 lr_streaming()

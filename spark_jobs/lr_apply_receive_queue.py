@@ -8,28 +8,36 @@ within one the entries are applied in source order, each run in one sink transac
 delete of what it applied (``airflow_provider_lr.engine.sink.bulk_apply``). Prints ``LR_RESULT {json}``
 with the entries applied per source; exits 1 if any queue failed.
 """
+
 from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lr_spark  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 
+from airflow_provider_lr.engine.db.conninfo import connect_dsn  # noqa: E402
+from airflow_provider_lr.engine.db.timeouts import Purpose  # noqa: E402
 from airflow_provider_lr.engine.sink import (
     bulk_apply,
     receive,  # noqa: E402
 )
-from airflow_provider_lr.engine.db.conninfo import connect_dsn  # noqa: E402
-from airflow_provider_lr.engine.db.timeouts import Purpose  # noqa: E402
 from airflow_provider_lr.engine.store.topology import Topology, site_conninfo  # noqa: E402
 
 
-def apply_queues(spark: SparkSession, topo: Topology, sink: str, client: str, function: str,
-                 batch: int = bulk_apply.DEFAULT_APPLY_BATCH) -> dict[str, Any]:
+def apply_queues(
+    spark: SparkSession,
+    topo: Topology,
+    sink: str,
+    client: str,
+    function: str,
+    batch: int = bulk_apply.DEFAULT_APPLY_BATCH,
+) -> dict[str, Any]:
     bulk_apply.load_apply_function(function)  # fail early, on the driver, if it cannot be loaded
     info = site_conninfo(topo, sink)
     dsn = info.dsn_for(Purpose.APPLICATION)  # the user's function writes in the queue's transaction
@@ -54,8 +62,13 @@ def apply_queues(spark: SparkSession, topo: Topology, sink: str, client: str, fu
 
     outcomes = spark.sparkContext.parallelize(sources, len(sources)).mapPartitions(apply).collect()
     errors = {s: e for s, _, e in outcomes if e}
-    return {"ok": not errors, "sink": sink, "client": client, "errors": errors,
-            "applied": {s: n for s, n, e in outcomes if not e}}
+    return {
+        "ok": not errors,
+        "sink": sink,
+        "client": client,
+        "errors": errors,
+        "applied": {s: n for s, n, e in outcomes if not e},
+    }
 
 
 def main(args: Any) -> dict[str, Any]:

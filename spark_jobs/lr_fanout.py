@@ -13,11 +13,13 @@ or speculative task resumes from what the sinks committed. Prints ``LR_RESULT {j
 to ``--result-file`` when given); exits 1 if any session failed. Sites are resolved from
 ``AIRFLOW_CONN_<ID>`` or ``$LR_CONNECTIONS_FILE``, never from argv.
 """
+
 from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,11 +27,11 @@ import lr_spark  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 
 from airflow_provider_lr.engine.bulk import fanout  # noqa: E402
-from airflow_provider_lr.engine.session import catchup  # noqa: E402
 from airflow_provider_lr.engine.bulk.peak_memory import ancestor_peak_kb  # noqa: E402
 from airflow_provider_lr.engine.bulk.plan import ChunkResult, FanoutPlan, FanoutResult  # noqa: E402
 from airflow_provider_lr.engine.bulk.staged_tee import stage_chunk  # noqa: E402
 from airflow_provider_lr.engine.bulk.tee import tee_chunks  # noqa: E402
+from airflow_provider_lr.engine.session import catchup  # noqa: E402
 from airflow_provider_lr.engine.session.settings import SessionSettings  # noqa: E402
 from airflow_provider_lr.engine.store.topology import Topology  # noqa: E402
 
@@ -80,8 +82,14 @@ def staged_map(spark: SparkSession) -> fanout.MapChunks:
     return run
 
 
-def fan_out(spark: SparkSession, topo: Topology, source: str, max_entries: int | None = None,
-            partitions: int | None = None, tasks: int = 1) -> FanoutResult:
+def fan_out(
+    spark: SparkSession,
+    topo: Topology,
+    source: str,
+    max_entries: int | None = None,
+    partitions: int | None = None,
+    tasks: int = 1,
+) -> FanoutResult:
     """One fan-out run of ``source`` on ``spark`` (``tasks`` > 1: that many chunks teed at once,
     staged); the sessions' leases are released at the end."""
     warmup = lr_spark.warm_up(spark)
@@ -110,7 +118,11 @@ if __name__ == "__main__":
     p.add_argument("--source", required=True, help="site id of the source whose log is fanned out")
     p.add_argument("--max-entries", type=lr_spark.count, default=None, help="move at most about this many log entries")
     p.add_argument("--partitions", type=lr_spark.count, default=None, help="position chunks (default: by size)")
-    p.add_argument("--tasks", type=lr_spark.count, default=None,
-                   help="chunks teed at once (1: in order, unstaged; default: the topology's fanout_tasks, "
-                        "else the cluster's cores from 4 of them, else 1)")
+    p.add_argument(
+        "--tasks",
+        type=lr_spark.count,
+        default=None,
+        help="chunks teed at once (1: in order, unstaged; default: the topology's fanout_tasks, "
+        "else the cluster's cores from 4 of them, else 1)",
+    )
     sys.exit(lr_spark.run(main, p.parse_args()))

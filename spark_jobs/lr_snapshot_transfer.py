@@ -10,11 +10,13 @@ moves the staged rows into the receive queue in entry order, server-side, in one
 transaction, and applies the snapshot. Rerunning after any failure resumes. Prints
 ``LR_RESULT {json}``; exits 1 on failure.
 """
+
 from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,8 +27,16 @@ from airflow_provider_lr.engine.bulk import snapshot_transfer as transfers  # no
 from airflow_provider_lr.engine.store.topology import Topology  # noqa: E402
 
 
-def transfer(spark: SparkSession, topo: Topology, source: str, sink: str, client: str, request_id: str | None = None,
-             partitions: int | None = None, apply: bool = True) -> transfers.SnapshotResult:
+def transfer(
+    spark: SparkSession,
+    topo: Topology,
+    source: str,
+    sink: str,
+    client: str,
+    request_id: str | None = None,
+    partitions: int | None = None,
+    apply: bool = True,
+) -> transfers.SnapshotResult:
     def map_ranges(plan: transfers.SnapshotPlan) -> list[dict]:
         def stage(parts: Iterable[transfers.EntryRange]) -> Iterator[dict]:
             for part in parts:
@@ -36,16 +46,25 @@ def transfer(spark: SparkSession, topo: Topology, source: str, sink: str, client
 
     job = transfers.SnapshotTransfer(topo, source, sink, client)
     try:
-        return transfers.run_transfer(job, map_ranges, request_id,
-                                      partitions or spark.sparkContext.defaultParallelism, apply)
+        return transfers.run_transfer(
+            job, map_ranges, request_id, partitions or spark.sparkContext.defaultParallelism, apply
+        )
     finally:
         job.close()
 
 
 def main(args: Any) -> dict[str, Any]:
     spark = lr_spark.spark_session(f"lr-snapshot-{args.source}-{args.sink}")
-    result = transfer(spark, lr_spark.load_topology(args.topology), args.source, args.sink, args.client,
-                      args.request_id, args.partitions, not args.no_apply)
+    result = transfer(
+        spark,
+        lr_spark.load_topology(args.topology),
+        args.source,
+        args.sink,
+        args.client,
+        args.request_id,
+        args.partitions,
+        not args.no_apply,
+    )
     return result.as_dict()
 
 

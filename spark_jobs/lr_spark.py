@@ -6,6 +6,7 @@ sites through ``engine.topology.site_conninfo`` (``AIRFLOW_CONN_<ID>`` or ``$LR_
 never from its arguments; DSNs reach the executors inside the pickled task closure only, and what
 is logged or printed goes through ``ConnInfo.safe_dsn`` or names sites by id.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,9 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pyspark.sql import SparkSession
 
@@ -32,10 +34,16 @@ log = logging.getLogger("lr.spark")
 
 def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--topology", default=None,
-                   help=f"topology YAML (default: ${topologies.TOPOLOGY_ENV} or the shipped include/topology.yaml)")
-    p.add_argument("--result-file", default=None,
-                   help="also write the result's JSON to this file (how LRSparkFanOutOperator reads it)")
+    p.add_argument(
+        "--topology",
+        default=None,
+        help=f"topology YAML (default: ${topologies.TOPOLOGY_ENV} or the shipped include/topology.yaml)",
+    )
+    p.add_argument(
+        "--result-file",
+        default=None,
+        help="also write the result's JSON to this file (how LRSparkFanOutOperator reads it)",
+    )
     return p
 
 
@@ -87,8 +95,7 @@ def jvm_peak_kb(spark: SparkSession) -> int:
 def run(main: Callable[[argparse.Namespace], dict[str, Any]], args: argparse.Namespace) -> int:
     """Run a job body: print ``LR_RESULT {json}`` (and write the JSON to ``--result-file``), and
     return the exit code (0 only when ok)."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         result = main(args)
     except LRError as exc:

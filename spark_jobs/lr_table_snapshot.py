@@ -11,19 +11,21 @@ range (a retried task skips what an earlier attempt wrote); the driver then reco
 synced with the snapshot's split. Prints ``LR_RESULT {json}``; exits 1 on failure. Sites are
 resolved from ``AIRFLOW_CONN_<ID>`` or ``$LR_CONNECTIONS_FILE``, never from argv.
 """
+
 from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lr_spark  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 
-from airflow_provider_lr.engine.store.topology import Topology  # noqa: E402
 from airflow_provider_lr.engine.bulk import parallel_tables as parallel
+from airflow_provider_lr.engine.store.topology import Topology  # noqa: E402
 from airflow_provider_lr.engine.tables.snapshot import KeyRange, copy_range  # noqa: E402
 
 
@@ -43,8 +45,9 @@ def spark_map(spark: SparkSession) -> parallel.MapRanges:
     return run
 
 
-def snapshot_tables(spark: SparkSession, topo: Topology, source: str, client: str,
-                    parts: int | None = None) -> parallel.ParallelResult:
+def snapshot_tables(
+    spark: SparkSession, topo: Topology, source: str, client: str, parts: int | None = None
+) -> parallel.ParallelResult:
     warmup = lr_spark.warm_up(spark)
     result = parallel.run_table_snapshot(topo, source, client, spark_map(spark), parts=parts)
     result.seconds["warmup"] = warmup

@@ -4,14 +4,15 @@ Three servers (``site-a``, ``site-b``, ``site-c``: separate data directories and
 whole session; every test that asks for ``sites`` gets a fresh database on each server, dropped
 afterwards, so tests are isolated without paying a server start each.
 """
+
 from __future__ import annotations
 
 import itertools
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 # Airflow reads its configuration at import: point it at a throwaway home before any test imports it.
 os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="lr-airflow-home-"))

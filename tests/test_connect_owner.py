@@ -2,6 +2,7 @@
 because one module opens them all: ``engine/db/conninfo.py``. A ``psycopg2.connect`` (or
 ``psycopg.connect``) anywhere else in the package or the Spark jobs would open one without its
 bounds, and a hung call there would stall its process for good; this source scan refuses it."""
+
 from __future__ import annotations
 
 import ast
@@ -17,8 +18,13 @@ def direct_connects(path: Path) -> list[str]:
     """``file:line`` of each call of a driver's ``connect`` in ``path``: ``psycopg2.connect(...)``,
     ``psycopg2.extensions.connection(...)``, or a ``connect`` imported from a driver."""
     tree = ast.parse(path.read_text(), str(path))
-    imported = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                and (node.module or "").split(".")[0] in DRIVERS for alias in node.names if alias.name == "connect"}
+    imported = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in DRIVERS
+        for alias in node.names
+        if alias.name == "connect"
+    }
     found = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
@@ -38,17 +44,22 @@ def direct_connects(path: Path) -> list[str]:
 
 
 def test_only_conninfo_connects():
-    offenders = [hit for root in SCANNED for path in sorted(root.rglob("*.py")) if path != OWNER
-                 for hit in direct_connects(path)]
-    assert not offenders, ("connect through engine/db/conninfo.py (ConnInfo.connect, connect_dsn) so the "
-                           "connection gets lr's keepalives and timeouts:\n" + "\n".join(offenders))
+    offenders = [
+        hit for root in SCANNED for path in sorted(root.rglob("*.py")) if path != OWNER for hit in direct_connects(path)
+    ]
+    assert not offenders, (
+        "connect through engine/db/conninfo.py (ConnInfo.connect, connect_dsn) so the "
+        "connection gets lr's keepalives and timeouts:\n" + "\n".join(offenders)
+    )
 
 
 def test_the_scan_sees_a_direct_connect(tmp_path):
     """The scan itself can fail: each spelling of a direct connect is found."""
     module = tmp_path / "m.py"
-    module.write_text("import psycopg2\nfrom psycopg import connect as c\n"
-                      "a = psycopg2.connect('')\nb = c('')\nd = psycopg2.extensions.connection('')\n")
+    module.write_text(
+        "import psycopg2\nfrom psycopg import connect as c\n"
+        "a = psycopg2.connect('')\nb = c('')\nd = psycopg2.extensions.connection('')\n"
+    )
     global REPO
     saved, REPO = REPO, tmp_path
     try:

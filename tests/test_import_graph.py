@@ -4,6 +4,7 @@ that imports it back, and the engine reaches neither the dev tooling nor the Air
 A function-local import only hides a circle from the interpreter; it still ties two modules'
 rules together, so every import counts here (module level, function level, ``TYPE_CHECKING``).
 """
+
 from __future__ import annotations
 
 import ast
@@ -71,7 +72,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state:
                 cycle = visit(nxt)
                 if cycle:
@@ -118,7 +119,7 @@ def layer(module: str) -> str | None:
     """The engine folder a module belongs to ("" for the engine's top-level modules), None outside it."""
     if module != ENGINE and not module.startswith(ENGINE + "."):
         return None
-    parts = module[len(ENGINE) + 1:].split(".") if module != ENGINE else []
+    parts = module[len(ENGINE) + 1 :].split(".") if module != ENGINE else []
     return parts[0] if len(parts) > 1 else ""
 
 
@@ -142,7 +143,9 @@ def test_the_engine_folders_are_layers():
     """No engine folder imports one above it, so no two folders import each other and each folder
     can be read knowing only the ones below."""
     offenders = upward_imports(import_graph())
-    assert offenders == [], "imports against the layer order " + " < ".join(n or "top" for n in LAYERS) + ":\n" + "\n".join(offenders)
+    assert offenders == [], (
+        "imports against the layer order " + " < ".join(n or "top" for n in LAYERS) + ":\n" + "\n".join(offenders)
+    )
 
 
 def test_every_engine_folder_has_a_place_in_the_layers():

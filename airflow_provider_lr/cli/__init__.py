@@ -2,13 +2,14 @@
 
 One module per command group (its commands and their arguments); ``main`` is the console entry point
 (``lr = airflow_provider_lr.cli:main`` in setup.cfg), ``python -m airflow_provider_lr.cli`` runs it too."""
+
 from __future__ import annotations
 
 import argparse
 import logging
 import os
 import sys
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from airflow_provider_lr.cli import failover, replication, roles, sites, status, tables
 from airflow_provider_lr.engine.errors import LRError, one_line

@@ -1,11 +1,13 @@
 """What the ``lr`` commands share: the sites they act on, the topology file and its check, one
 site's error named by the site, and the argument types."""
+
 from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import psycopg2
 
@@ -69,8 +71,11 @@ def at_site(site_id: str) -> Iterator[None]:
         raise LRError(f"{site_id}: {one_line(exc)}") from exc
 
 
-def read_each(site_ids: Sequence[str], connect: Callable[[str], psycopg2.extensions.connection],
-              read: Callable[[psycopg2.extensions.connection], object]) -> Iterator[tuple[str, object]]:
+def read_each(
+    site_ids: Sequence[str],
+    connect: Callable[[str], psycopg2.extensions.connection],
+    read: Callable[[psycopg2.extensions.connection], object],
+) -> Iterator[tuple[str, object]]:
     """(site, what ``read`` returned) per site; a site that cannot be reached gives its error as
     one line (``str``) and the others are still read, as ``lr status`` does."""
     for site_id in site_ids:

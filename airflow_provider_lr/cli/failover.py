@@ -1,4 +1,5 @@
 """``lr failover``: a sink becomes the source of its clients; the old source rejoins."""
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,10 @@ def cmd_failover(args: argparse.Namespace) -> int:
             print(f"  {client}: {count} entries committed here after the cut were received by nobody (not replicated)")
         for client, count in back.table_tail.items():
             if count:
-                print(f"  {client}: {count} table change entries committed here after the cut were received by nobody: "
-                      "the new source's table snapshot replaces them")
+                print(
+                    f"  {client}: {count} table change entries committed here after the cut were received by nobody: "
+                    "the new source's table snapshot replaces them"
+                )
         for table in back.guarded:
             print(f"  table {table}: a sink of the new source now; writes of this site's applications are refused")
         print("  its sessions from the new source start with a full sync (`lr sync` or the lr_replication DAG)")
@@ -38,24 +41,36 @@ def cmd_failover(args: argparse.Namespace) -> int:
     old = args.from_site or failover.only_source(topo, args.promote)
     # sites already on this failover's topology (a re-run finishing it) are fine; any other id is not
     check_topology(topo, also={failover.derive(topo, old, args.promote, args.client or None)[0].topology_config_id})
-    done = failover.promote(old, args.promote, connector(topo), topology=topo, clients=args.client or None,
-                            reason=args.reason, same_destinations=args.same_destinations, planned=args.planned,
-                            allow_table_divergence=args.allow_table_divergence)
+    done = failover.promote(
+        old,
+        args.promote,
+        connector(topo),
+        topology=topo,
+        clients=args.client or None,
+        reason=args.reason,
+        same_destinations=args.same_destinations,
+        planned=args.planned,
+        allow_table_divergence=args.allow_table_divergence,
+    )
     out = args.out or os.path.join(lr_home(), f"topology-{done.topology.topology_config_id}.yaml")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w", encoding="utf-8") as fh:
         yaml.safe_dump(done.topology.document, fh, sort_keys=False)
     kind = "planned switchover" if done.planned else "unplanned failover"
-    print(f"{kind} {done.failover_id}{' (resumed)' if done.resumed else ''}: {done.to_site} is the source of "
-          f"{', '.join(done.clients)} (was {done.from_site}); cut at {listing(done.positions)}, "
-          f"new sessions after {done.base}")
+    print(
+        f"{kind} {done.failover_id}{' (resumed)' if done.resumed else ''}: {done.to_site} is the source of "
+        f"{', '.join(done.clients)} (was {done.from_site}); cut at {listing(done.positions)}, "
+        f"new sessions after {done.base}"
+    )
     for site, notes in sorted(done.outcome.items()):
         for client, note in notes.items():
             print(f"  {site}/{client}: {note}")
     for client, tables in sorted(done.tables.items()):
         if tables:
-            print(f"  {client}: {done.to_site} captures its federated table(s) {', '.join(tables)}; every other sink "
-                  f"takes a snapshot of them from {done.to_site}")
+            print(
+                f"  {client}: {done.to_site} captures its federated table(s) {', '.join(tables)}; every other sink "
+                f"takes a snapshot of them from {done.to_site}"
+            )
     for table in done.diverged:
         print(f"  DIVERGED table {table}: its replication stops (lr status lists it)")
     print(f"  lost: {done.lost}")
@@ -67,21 +82,35 @@ def cmd_failover(args: argparse.Namespace) -> int:
 
 def add_failover(sub: argparse._SubParsersAction) -> None:
     """``lr failover --promote|--rejoin``."""
-    fo = with_topology(sub.add_parser("failover", help="make a sink the source of its clients, or rejoin the old "
-                                      "source as a sink (docs/failover.md)"))
+    fo = with_topology(
+        sub.add_parser(
+            "failover",
+            help="make a sink the source of its clients, or rejoin the old source as a sink (docs/failover.md)",
+        )
+    )
     which = fo.add_mutually_exclusive_group(required=True)
     which.add_argument("--promote", metavar="SITE", help="the sink that becomes the source")
     which.add_argument("--rejoin", metavar="SITE", help="apply the failover's topology on a site that was not reached")
     fo.add_argument("--from", dest="from_site", metavar="SITE", help="the old source (default: the promoted site's)")
     fo.add_argument("--client", action="append", help="a client to fail over (repeat; default: all it receives)")
     fo.add_argument("--reason", default="failover from the command line")
-    fo.add_argument("--same-destinations", action="store_true",
-                    help="every entry of these clients went to all their sinks: a sink behind the promoted one "
-                         "gets the gap copied from it instead of a full sync")
-    fo.add_argument("--planned", action=argparse.BooleanOptionalAction, default=None,
-                    help="drain the old source first (default: when it can be reached)")
-    fo.add_argument("--allow-table-divergence", action="store_true",
-                    help="promote even when it does not hold a federated table another sink takes from the old "
-                         "source: that table stops replicating (lr status marks it DIVERGED)")
+    fo.add_argument(
+        "--same-destinations",
+        action="store_true",
+        help="every entry of these clients went to all their sinks: a sink behind the promoted one "
+        "gets the gap copied from it instead of a full sync",
+    )
+    fo.add_argument(
+        "--planned",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="drain the old source first (default: when it can be reached)",
+    )
+    fo.add_argument(
+        "--allow-table-divergence",
+        action="store_true",
+        help="promote even when it does not hold a federated table another sink takes from the old "
+        "source: that table stops replicating (lr status marks it DIVERGED)",
+    )
     fo.add_argument("--out", help="where to write the new topology (default: $LR_HOME/topology-<id>.yaml)")
     fo.set_defaults(func=cmd_failover)

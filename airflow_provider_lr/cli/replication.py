@@ -1,4 +1,5 @@
 """``lr topology``, ``lr sync``, ``lr full-sync`` and ``lr trim``: replication without Airflow."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,8 +7,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from airflow_provider_lr.cli.common import (
     at_site,
@@ -30,8 +31,8 @@ from airflow_provider_lr.engine.errors import (
 from airflow_provider_lr.engine.session import stream
 from airflow_provider_lr.engine.session.runner import CycleReport
 from airflow_provider_lr.engine.site import metrics, replicator, topology
-from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.source import full_sync, trim
+from airflow_provider_lr.engine.store import topology as topologies
 
 
 def _warn_providers(topo: topologies.Topology) -> None:
@@ -44,8 +45,10 @@ def cmd_topology_apply(args: argparse.Namespace) -> int:
     _warn_providers(topo)
     for site_id, (pruned, kept) in topology.apply_everywhere(topo, connector(topo), prune=args.prune).items():
         sessions = [str(k) for k in topo.sessions(source=site_id)]
-        print(f"{site_id}: topology {topo.topology_config_id} applied; source of "
-              f"{listing(sessions) if sessions else 'no sessions'}")
+        print(
+            f"{site_id}: topology {topo.topology_config_id} applied; source of "
+            f"{listing(sessions) if sessions else 'no sessions'}"
+        )
         for name in pruned:
             print(f"  pruned sink session {name} (no longer in the topology)")
         for why in kept:
@@ -56,8 +59,10 @@ def cmd_topology_apply(args: argparse.Namespace) -> int:
 def cmd_topology_validate(args: argparse.Namespace) -> int:
     topo = load_topology(args)
     sessions = topo.sessions()
-    print(f"{args.topology or topologies.default_path()}: valid; topology "
-          f"{topo.topology_config_id}, {len(topo.sites)} sites, {len(sessions)} sessions")
+    print(
+        f"{args.topology or topologies.default_path()}: valid; topology "
+        f"{topo.topology_config_id}, {len(topo.sites)} sites, {len(sessions)} sessions"
+    )
     for key in sessions:
         print(f"  {key}")
     _warn_providers(topo)
@@ -104,8 +109,10 @@ def _replicated(args: argparse.Namespace, what: str) -> topologies.Topology:
     """The topology, refused when it has no session: ``what`` would silently do nothing."""
     topo = load_topology(args)
     if not topo.sessions():
-        raise LRError(f"{args.topology or topologies.default_path()}: the topology replicates nothing (no "
-                      f"replication: entry), so there is nothing to {what}")
+        raise LRError(
+            f"{args.topology or topologies.default_path()}: the topology replicates nothing (no "
+            f"replication: entry), so there is nothing to {what}"
+        )
     return topo
 
 
@@ -133,8 +140,12 @@ def cmd_sync(args: argparse.Namespace) -> int:
             say(r.session, cycle_line(r), r.error, quiet=r.idle and not (args.verbose or args.once or new_skip))
 
     def show_end(end: stream.StreamEnd) -> None:
-        say(end.session, f"{end.session}: stream handed back after {end.delivered} entries: {end.reason}"
-            + (f" ERROR {end.error}" if end.error else ""), end.error)
+        say(
+            end.session,
+            f"{end.session}: stream handed back after {end.delivered} entries: {end.reason}"
+            + (f" ERROR {end.error}" if end.error else ""),
+            end.error,
+        )
 
     def show_counted(reports: list) -> None:
         counters.cycle(reports)  # the streamer counts its own cycles
@@ -154,11 +165,22 @@ def cmd_sync(args: argparse.Namespace) -> int:
         with _progress_bars():
             if streaming:
                 stream.Streamer(repl, counters=counters).run(
-                    stop, interval=args.interval, on_cycle=show, on_end=show_end,
-                    on_pulse=lambda line: print(line, flush=True), pulse_every=args.report_every)
+                    stop,
+                    interval=args.interval,
+                    on_cycle=show,
+                    on_end=show_end,
+                    on_pulse=lambda line: print(line, flush=True),
+                    pulse_every=args.report_every,
+                )
             else:
-                reports = repl.run(max_cycles=cycles, until_idle=args.until_idle, interval=args.interval,
-                                   on_cycle=show_counted, give_up_after=args.give_up_after, stop=stop)
+                reports = repl.run(
+                    max_cycles=cycles,
+                    until_idle=args.until_idle,
+                    interval=args.interval,
+                    on_cycle=show_counted,
+                    give_up_after=args.give_up_after,
+                    stop=stop,
+                )
     except KeyboardInterrupt:
         reports = []
     finally:
@@ -167,8 +189,9 @@ def cmd_sync(args: argparse.Namespace) -> int:
             metrics.stop_serving(*served[:2])
     stuck = replicator.unsettled(reports) if args.until_idle else []
     if stuck:
-        print(f"lr sync: {len(stuck)} session(s) not settled, no progress for {repl.stalled_for:.0f}s:",
-              file=sys.stderr)
+        print(
+            f"lr sync: {len(stuck)} session(s) not settled, no progress for {repl.stalled_for:.0f}s:", file=sys.stderr
+        )
         for line in stuck:
             print(f"  {line}", file=sys.stderr)
     return 1 if stuck or any(r.error for r in reports) else 0
@@ -219,12 +242,19 @@ def cmd_trim(args: argparse.Namespace) -> int:
         with at_site(site_id):
             conn = connector(topo)(site_id)
             try:
-                result = (trim.retention_trim(conn, args.retention) if args.retention is not None
-                          else trim.safe_trim(conn))
+                result = (
+                    trim.retention_trim(conn, args.retention) if args.retention is not None else trim.safe_trim(conn)
+                )
             finally:
                 conn.close()
-        print(f"{site_id}: " + (f"trimmed to {result.trim_mark} ({result.entries_removed} entries removed)"
-                                if result else "not trimmed (a commit in flight holds the barrier)"))
+        print(
+            f"{site_id}: "
+            + (
+                f"trimmed to {result.trim_mark} ({result.entries_removed} entries removed)"
+                if result
+                else "not trimmed (a commit in flight holds the barrier)"
+            )
+        )
     return 0
 
 
@@ -238,9 +268,15 @@ def _progress_bars() -> Iterator[None]:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
-    bars = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
-                    TextColumn("{task.completed:,.0f} {task.fields[unit]}"), TimeRemainingColumn(),
-                    console=Console(stderr=True), transient=False)
+    bars = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TextColumn("{task.completed:,.0f} {task.fields[unit]}"),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=False,
+    )
     tasks: dict[int, object] = {}
 
     def show(item: progress.Progress) -> None:
@@ -262,7 +298,8 @@ def _retention(text: str) -> float:
         return trim.check_retention(nonnegative_seconds(text))
     except LRError:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a number of seconds between 0 and {trim.MAX_RETENTION:.0f}") from None
+            f"{text!r} is not a number of seconds between 0 and {trim.MAX_RETENTION:.0f}"
+        ) from None
 
 
 def add_topology(sub: argparse._SubParsersAction) -> None:
@@ -271,8 +308,11 @@ def add_topology(sub: argparse._SubParsersAction) -> None:
         dest="topology_command", required=True
     )
     ap = with_topology(topo.add_parser("apply", help="record the topology on every site (all or nothing)"))
-    ap.add_argument("--prune", action="store_true",
-                    help="also remove sink sessions the topology no longer has (kept while entries wait in their queue)")
+    ap.add_argument(
+        "--prune",
+        action="store_true",
+        help="also remove sink sessions the topology no longer has (kept while entries wait in their queue)",
+    )
     ap.set_defaults(func=cmd_topology_apply)
     with_topology(topo.add_parser("validate", help="check the topology file against its schema")).set_defaults(
         func=cmd_topology_validate
@@ -281,44 +321,81 @@ def add_topology(sub: argparse._SubParsersAction) -> None:
 
 def add_sync(sub: argparse._SubParsersAction) -> None:
     """``lr sync`` and ``lr full-sync``."""
-    sync = with_topology(sub.add_parser(
-        "sync", help="replicate every session (no Airflow): streaming until stopped, or cycles (--once, "
-                     "--cycles, --until-idle, --no-stream)"))
+    sync = with_topology(
+        sub.add_parser(
+            "sync",
+            help="replicate every session (no Airflow): streaming until stopped, or cycles (--once, "
+            "--cycles, --until-idle, --no-stream)",
+        )
+    )
     sync.add_argument("--once", action="store_true", help="one cycle")
     sync.add_argument("--cycles", type=positive_int, default=None, help="at most this many cycles (default: forever)")
     sync.add_argument("--until-idle", action="store_true", help="stop when every session is caught up")
-    sync.add_argument("--give-up-after", type=nonnegative_seconds, default=60.0, metavar="SECONDS",
-                      help="with --until-idle: stop, exit 1 and say why, after this long without progress while "
-                           "sessions still fail or wait (default 60)")
-    sync.add_argument("--no-stream", action="store_true",
-                      help="cycles only, as a batch replicator: negotiate every session each cycle, sleep "
-                           "--interval when idle (default: sessions in log-entry sync stream, woken by commits)")
-    sync.add_argument("--interval", type=nonnegative_seconds, default=1.0,
-                      help="pause between idle cycles (s); streaming: between cycles of the sessions not streaming")
+    sync.add_argument(
+        "--give-up-after",
+        type=nonnegative_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="with --until-idle: stop, exit 1 and say why, after this long without progress while "
+        "sessions still fail or wait (default 60)",
+    )
+    sync.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="cycles only, as a batch replicator: negotiate every session each cycle, sleep "
+        "--interval when idle (default: sessions in log-entry sync stream, woken by commits)",
+    )
+    sync.add_argument(
+        "--interval",
+        type=nonnegative_seconds,
+        default=1.0,
+        help="pause between idle cycles (s); streaming: between cycles of the sessions not streaming",
+    )
     sync.add_argument("-v", "--verbose", action="store_true", help="also print idle cycles")
-    sync.add_argument("--report-every", type=nonnegative_seconds, default=30.0, metavar="SECONDS",
-                      help="streaming: a progress line this often (entries/s, lag of the session most behind; "
-                           "0: none; default 30)")
-    sync.add_argument("--metrics-listen", metavar="HOST:PORT",
-                      help="serve this replicator's counters (entries and bytes delivered, full syncs, errors, "
-                           "hand-backs, a lag histogram) for Prometheus on /metrics")
+    sync.add_argument(
+        "--report-every",
+        type=nonnegative_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="streaming: a progress line this often (entries/s, lag of the session most behind; 0: none; default 30)",
+    )
+    sync.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve this replicator's counters (entries and bytes delivered, full syncs, errors, "
+        "hand-backs, a lag histogram) for Prometheus on /metrics",
+    )
     sync.set_defaults(func=cmd_sync)
 
-    fs = with_topology(sub.add_parser("full-sync", help="force a full (snapshot) sync of the chosen sessions "
-                                      "(none chosen: every session of the topology)"))
+    fs = with_topology(
+        sub.add_parser(
+            "full-sync",
+            help="force a full (snapshot) sync of the chosen sessions (none chosen: every session of the topology)",
+        )
+    )
     fs.add_argument("--sink", help="only the sessions to this sink (default: every sink)")
     fs.add_argument("--source", help="only the sessions from this source (default: every source)")
     fs.add_argument("--client", help="only this client's sessions (default: every client)")
     fs.add_argument("--reason", default="requested from the command line")
-    fs.add_argument("--wait", type=nonnegative_seconds, default=None, metavar="SECONDS",
-                    help="wait up to this long until each request is applied at its sink, by whichever replicator "
-                         "(`lr sync`, lr_streaming, lr_replication); exit 1 unless every one was")
+    fs.add_argument(
+        "--wait",
+        type=nonnegative_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="wait up to this long until each request is applied at its sink, by whichever replicator "
+        "(`lr sync`, lr_streaming, lr_replication); exit 1 unless every one was",
+    )
     fs.set_defaults(func=cmd_full_sync)
 
 
 def add_trim(sub: argparse._SubParsersAction) -> None:
     """``lr trim``."""
     tr = with_topology(sub.add_parser("trim", help="trim the shared logs of the sources"))
-    tr.add_argument("--retention", type=_retention, default=None, metavar="SECONDS",
-                    help="trim what is older than this even if a session lags (default: safe trim)")
+    tr.add_argument(
+        "--retention",
+        type=_retention,
+        default=None,
+        metavar="SECONDS",
+        help="trim what is older than this even if a session lags (default: safe trim)",
+    )
     tr.set_defaults(func=cmd_trim)

@@ -1,4 +1,5 @@
 """``lr roles grant|revoke|list``: least-privilege roles on each site (docs/security.md)."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,10 @@ def cmd_roles_change(args: argparse.Namespace) -> int:
     """lr roles grant|revoke: the same plan on every site (``--print``: show it, change nothing)."""
     password = None
     if getattr(args, "create", False) and not (args.password_env or args.no_password):
-        raise LRError("--create makes a LOGIN role: give its password with --password-env VAR (the variable "
-                      "that holds it), or pass --no-password for a role that logs in without one")
+        raise LRError(
+            "--create makes a LOGIN role: give its password with --password-env VAR (the variable "
+            "that holds it), or pass --no-password for a role that logs in without one"
+        )
     if getattr(args, "password_env", None):
         if args.no_password:
             raise LRError("--password-env and --no-password: give one of them")
@@ -71,22 +74,29 @@ def cmd_roles_list(args: argparse.Namespace) -> int:
 
 def add_roles(sub: argparse._SubParsersAction) -> None:
     """``lr roles grant|revoke|list``."""
-    access = sub.add_parser("roles", help="least-privilege roles: replicator, writer or consumer of a client "
-                            "(docs/security.md)").add_subparsers(dest="roles_command", required=True)
+    access = sub.add_parser(
+        "roles", help="least-privilege roles: replicator, writer or consumer of a client (docs/security.md)"
+    ).add_subparsers(dest="roles_command", required=True)
     for name, verb in (("grant", "give"), ("revoke", "take")):
         change = access.add_parser(name, help=f"{verb} a role the rights of a replicator, writer or consumer")
         change.add_argument("kind", choices=site_roles.KINDS)
         change.add_argument("--role", required=True, help="the PostgreSQL role (a login role, or a group of them)")
         change.add_argument("--client", action="append", help="writer/consumer: the client (repeatable)")
-        change.add_argument("--site", action="append", help="DSN or Airflow connection id, as the owner of the lr "
-                            "schema (default: all embedded sites)")
+        change.add_argument(
+            "--site",
+            action="append",
+            help="DSN or Airflow connection id, as the owner of the lr schema (default: all embedded sites)",
+        )
         change.add_argument("--print", dest="dry_run", action="store_true", help="print the SQL, change nothing")
         if name == "grant":
             change.add_argument("--create", action="store_true", help="create the role (LOGIN) where it is missing")
             change.add_argument("--password-env", metavar="VAR", help="--create: its password, from this variable")
-            change.add_argument("--no-password", action="store_true",
-                                help="--create: a role without a password (only where the server trusts local "
-                                     "connections, as the embedded sites do)")
+            change.add_argument(
+                "--no-password",
+                action="store_true",
+                help="--create: a role without a password (only where the server trusts local "
+                "connections, as the embedded sites do)",
+            )
         change.set_defaults(func=cmd_roles_change)
     shown = access.add_parser("list", help="the roles granted on each site")
     shown.add_argument("--site", action="append", help="DSN or Airflow connection id (default: all embedded sites)")

@@ -1,4 +1,5 @@
 """``lr sites``, ``lr init`` and ``lr demo``: embedded sites for local use, the schema on any site."""
+
 from __future__ import annotations
 
 import argparse
@@ -61,7 +62,9 @@ def cmd_init(args: argparse.Namespace) -> int:
             finally:
                 conn.close()
         change = f"upgraded {before} → {result.version}" if result.applied else f"up to date (v{result.version})"
-        print(f"{site_id}: lr schema {change}" + (f"; grants refreshed for {', '.join(refreshed)}" if refreshed else ""))
+        print(
+            f"{site_id}: lr schema {change}" + (f"; grants refreshed for {', '.join(refreshed)}" if refreshed else "")
+        )
     return 0
 
 

@@ -1,4 +1,5 @@
 """``lr status`` and ``lr metrics``: every site's sessions, read from the sites themselves."""
+
 from __future__ import annotations
 
 import argparse
@@ -61,13 +62,25 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 
 def add_status(sub: argparse._SubParsersAction) -> None:
     """``lr status`` and ``lr metrics``."""
-    st = with_topology(sub.add_parser("status", help="sessions, states, lag and what holds the log back "
-                                                     "(exit 0 healthy, 1 degraded, 2 unreachable)"))
+    st = with_topology(
+        sub.add_parser(
+            "status",
+            help="sessions, states, lag and what holds the log back (exit 0 healthy, 1 degraded, 2 unreachable)",
+        )
+    )
     st.add_argument("--json", action="store_true", help="machine-readable, for scripts")
-    st.add_argument("--max-lag", type=nonnegative_seconds, default=None, metavar="SECONDS",
-                    help="also degraded when a session's oldest undelivered entry is older than this")
+    st.add_argument(
+        "--max-lag",
+        type=nonnegative_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="also degraded when a session's oldest undelivered entry is older than this",
+    )
     st.set_defaults(func=cmd_status)
     me = with_topology(sub.add_parser("metrics", help="status as Prometheus metrics (text exposition)"))
-    me.add_argument("--listen", metavar="HOST:PORT",
-                    help="serve /metrics over HTTP (read from the sites at each scrape) instead of printing once")
+    me.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="serve /metrics over HTTP (read from the sites at each scrape) instead of printing once",
+    )
     me.set_defaults(func=cmd_metrics)

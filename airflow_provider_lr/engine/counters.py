@@ -5,11 +5,13 @@ Core (no I/O, no Prometheus): the stream (``session/stream.py``) and the cycles 
 ``lr sync --metrics-listen``, and the replicator passes that one in. So the stream reports to
 whoever passes the counters, without importing the layer above it.
 """
+
 from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Iterable, Protocol
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
@@ -89,7 +91,12 @@ class Pulse:
         done, seconds = total - self._entries, now - self._since
         self._since, self._entries = now, total
         behind = self.counters.most_behind()
-        lag = (f"lag {behind[1]} entries / {behind[2]:.1f}s ({behind[0]})" if behind and (behind[1] or behind[2])
-               else "lag 0")
-        self.emit(f"streaming {streaming} of {sessions} sessions: {done} entries in {seconds:.0f}s "
-                  f"({done / seconds:.1f} entries/s, {total} in all), {lag}")
+        lag = (
+            f"lag {behind[1]} entries / {behind[2]:.1f}s ({behind[0]})"
+            if behind and (behind[1] or behind[2])
+            else "lag 0"
+        )
+        self.emit(
+            f"streaming {streaming} of {sessions} sessions: {done} entries in {seconds:.0f}s "
+            f"({done / seconds:.1f} entries/s, {total} in all), {lag}"
+        )

@@ -1,8 +1,9 @@
 """Errors lr raises on purpose. Each message names the site, session or input and the fix."""
+
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class LRError(Exception):

@@ -11,13 +11,14 @@ trim committed on another connection between two batches), deterministically, wi
 Every fault point lr has is listed in ``FAULT_POINTS`` (docs/crash-windows.md says what a crash at
 each one leaves and why the next cycle repairs it; ``tests/guarantees/test_crash_windows.py`` kills there).
 """
+
 from __future__ import annotations
 
 import os
 import signal
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 FAULT_ENV = "LR_FAULT"
 

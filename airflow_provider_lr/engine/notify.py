@@ -9,6 +9,7 @@ while someone wants it). Notifications sent while nothing listened are not seen,
 
 The sink's receive-queue tap (``sink/wakeup.Tap``) is one; the channel is the caller's.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,7 +17,8 @@ import os
 import re
 import select
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import psycopg2
 import psycopg2.extensions

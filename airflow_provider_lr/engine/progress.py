@@ -6,14 +6,16 @@ The engine reports; it does not decide how progress is shown. By default progres
 log gets a line every few seconds, never one per batch); the ``lr`` command replaces that with
 progress bars on a terminal (``listen``).
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 log = logging.getLogger("airflow_provider_lr.progress")
 LOG_EVERY = 5.0  # seconds between two log lines of one task
@@ -44,7 +46,11 @@ class Progress:
     def describe(self) -> str:
         of = f" of {self.total:,}" if self.total is not None else ""
         eta = f", ETA {self.eta_seconds:.0f}s" if self.eta_seconds is not None else ""
-        state = "done in %.1fs" % (time.monotonic() - self.started) if self.finished else f"{self.rate:,.0f} {self.unit}/s{eta}"
+        state = (
+            "done in %.1fs" % (time.monotonic() - self.started)
+            if self.finished
+            else f"{self.rate:,.0f} {self.unit}/s{eta}"
+        )
         return f"{self.task}: {self.done:,}{of} {self.unit} ({state})"
 
 
@@ -105,7 +111,7 @@ class Tracker:
             self.progress.finished = True
             _notify(self.progress)
 
-    def __enter__(self) -> "Tracker":
+    def __enter__(self) -> Tracker:
         return self
 
     def __exit__(self, *exc: object) -> None:

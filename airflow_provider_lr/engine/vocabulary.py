@@ -8,6 +8,7 @@ so a new state or key is added here and in a new migration, never in one place o
 The destination-stripping rule is here too because it *is* wire vocabulary: the byte layout of a
 ``RoutingTableEntryMsg`` (``proto/lr.proto``) that the sink form depends on.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,8 +22,11 @@ from airflow_provider_lr.proto import lr_pb2
 STREAM_LOG_ENTRIES = 1
 STREAM_SNAP_SYNC = 2
 STREAM_TABLE_CHANGES = 3  # federated tables' changes, captured by lr.capture_table_changes()
-STREAM_NAMES = {STREAM_LOG_ENTRIES: "LRQ_Send_LogEntries", STREAM_SNAP_SYNC: "LRQ_Send_SnapSync",
-                STREAM_TABLE_CHANGES: "LRQ_Send_TableChanges"}
+STREAM_NAMES = {
+    STREAM_LOG_ENTRIES: "LRQ_Send_LogEntries",
+    STREAM_SNAP_SYNC: "LRQ_Send_SnapSync",
+    STREAM_TABLE_CHANGES: "LRQ_Send_TableChanges",
+}
 
 
 class _Word(str, Enum):

@@ -1,4 +1,5 @@
 """Airflow hook for an lr site: resolves an Airflow connection to the engine's connection info."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -6,9 +7,9 @@ from typing import Any
 import psycopg2.extensions
 from airflow.sdk import BaseHook
 
-from airflow_provider_lr.engine.errors import ConfigurationError, one_line
 from airflow_provider_lr.engine.db import conninfo, schema
 from airflow_provider_lr.engine.db.timeouts import DEFAULT, Timeouts
+from airflow_provider_lr.engine.errors import ConfigurationError, one_line
 
 
 def _as_dict(conn: Any) -> dict[str, Any]:

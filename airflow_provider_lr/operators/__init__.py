@@ -1,4 +1,5 @@
 """Airflow operators for lr: each step of a session's state machine as one task."""
+
 from airflow_provider_lr.operators.failover import LRFailoverOperator
 from airflow_provider_lr.operators.maintenance import (
     LRReceiveQueueReportOperator,

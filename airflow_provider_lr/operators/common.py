@@ -2,18 +2,20 @@
 
 XComs carry only small handles (a session or site as a dict of ids); state lives in the sites.
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.db.timeouts import Timeouts
 from airflow_provider_lr.engine.errors import ConfigurationError, TopologyMismatchError
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.store import topology as topologies
-from airflow_provider_lr.engine.db.timeouts import Timeouts
 from airflow_provider_lr.engine.store.topology import Topology
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.hooks.site import LRSiteHook
@@ -108,11 +110,7 @@ def site_dict(topo: Topology, site_id: str) -> dict[str, str]:
 def site_dicts(topo: Topology, role: str | None = None) -> list[dict[str, str]]:
     """Sites of the topology: all of them, or only the sources or sinks of some session."""
     sessions = topo.sessions()
-    wanted = {
-        None: set(topo.sites),
-        "source": {k.source for k in sessions},
-        "sink": {k.sink for k in sessions},
-    }[role]
+    wanted = {None: set(topo.sites), "source": {k.source for k in sessions}, "sink": {k.sink for k in sessions}}[role]
     return [site_dict(topo, s) for s in sorted(wanted)]
 
 
@@ -123,13 +121,16 @@ def session_key(topo: Topology, session: dict[str, Any]) -> SessionKey:
     except (KeyError, TypeError):
         raise ConfigurationError(f"a session is a dict with source, sink and client, not {session!r}") from None
     if key not in topo.sessions():
-        raise ConfigurationError(f"session {key} is not in the topology (its sessions: {[str(k) for k in topo.sessions()]})")
+        raise ConfigurationError(
+            f"session {key} is not in the topology (its sessions: {[str(k) for k in topo.sessions()]})"
+        )
     return key
 
 
 @contextlib.contextmanager
-def site_connection(conn_id_: str, site_id: str, timeouts: Timeouts | None = None
-                    ) -> Iterator[psycopg2.extensions.connection]:
+def site_connection(
+    conn_id_: str, site_id: str, timeouts: Timeouts | None = None
+) -> Iterator[psycopg2.extensions.connection]:
     """An open connection to a site through its Airflow connection (bounded by ``timeouts``, the
     topology's, else the defaults), closed afterwards."""
     conn = LRSiteHook(lr_conn_id=conn_id_, timeouts=timeouts).connect_site(site_id)

@@ -1,7 +1,9 @@
 """Failover from Airflow: one task that calls the engine's failover (``engine/site/failover``)."""
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from airflow.sdk import BaseOperator
 
@@ -18,13 +20,30 @@ class LRFailoverOperator(BaseOperator):
     sink takes (its replication stops; ``lr status`` marks it). Returns a small summary (positions,
     what each sink's reconcile did, the tables taken over or diverged, the new topology id)."""
 
-    template_fields: Sequence[str] = ("promote", "from_site", "clients", "reason", "rejoin", "same_destinations",
-                                      "allow_table_divergence")
+    template_fields: Sequence[str] = (
+        "promote",
+        "from_site",
+        "clients",
+        "reason",
+        "rejoin",
+        "same_destinations",
+        "allow_table_divergence",
+    )
 
-    def __init__(self, *, promote: str | None = None, rejoin: str | None = None, from_site: str | None = None,
-                 clients: list[str] | None = None, reason: str = "failover from Airflow",
-                 same_destinations: bool | str = False, planned: bool | None = None, topology_path: str | None = None,
-                 allow_table_divergence: bool | str = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        promote: str | None = None,
+        rejoin: str | None = None,
+        from_site: str | None = None,
+        clients: list[str] | None = None,
+        reason: str = "failover from Airflow",
+        same_destinations: bool | str = False,
+        planned: bool | None = None,
+        topology_path: str | None = None,
+        allow_table_divergence: bool | str = False,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.promote, self.rejoin, self.from_site, self.clients = promote, rejoin, from_site, clients
         self.reason, self.same_destinations, self.planned = reason, same_destinations, planned
@@ -39,25 +58,62 @@ class LRFailoverOperator(BaseOperator):
 
         if self.rejoin:
             back = failover.rejoin(self.rejoin, connect, topo)
-            self.log.info("%s rejoined: retired %s; committed after the cut, received by nobody: %s",
-                          back.site, back.retired, back.tail)
-            return {"site": back.site, "failover_id": back.failover_id, "retired": back.retired, "tail": back.tail,
-                    "table_tail": back.table_tail, "guarded": back.guarded, "topology_config_id": back.topology_config_id}
+            self.log.info(
+                "%s rejoined: retired %s; committed after the cut, received by nobody: %s",
+                back.site,
+                back.retired,
+                back.tail,
+            )
+            return {
+                "site": back.site,
+                "failover_id": back.failover_id,
+                "retired": back.retired,
+                "tail": back.tail,
+                "table_tail": back.table_tail,
+                "guarded": back.guarded,
+                "topology_config_id": back.topology_config_id,
+            }
         if not self.promote:
             raise ValueError("LRFailoverOperator needs promote (the new source) or rejoin (a site to rejoin)")
         old = self.from_site or failover.only_source(topo, self.promote)
-        done = failover.promote(old, self.promote, connect, topology=topo, clients=self.clients or None,
-                                reason=self.reason, same_destinations=self.same_destinations in (True, "True", "true"),
-                                planned=self.planned,
-                                allow_table_divergence=self.allow_table_divergence in (True, "True", "true"))
-        self.log.info("failover %s: %s is the source of %s (was %s); cut %s; lost: %s", done.failover_id, done.to_site,
-                      done.clients, done.from_site, done.positions, done.lost)
+        done = failover.promote(
+            old,
+            self.promote,
+            connect,
+            topology=topo,
+            clients=self.clients or None,
+            reason=self.reason,
+            same_destinations=self.same_destinations in (True, "True", "true"),
+            planned=self.planned,
+            allow_table_divergence=self.allow_table_divergence in (True, "True", "true"),
+        )
+        self.log.info(
+            "failover %s: %s is the source of %s (was %s); cut %s; lost: %s",
+            done.failover_id,
+            done.to_site,
+            done.clients,
+            done.from_site,
+            done.positions,
+            done.lost,
+        )
         for table in done.diverged:
             self.log.warning("DIVERGED table %s: its replication stops", table)
         for site in done.pending:
             self.log.warning("%s was not reached: rejoin it when it is back", site)
-        return {"failover_id": done.failover_id, "from": done.from_site, "to": done.to_site, "clients": done.clients,
-                "positions": done.positions, "base": done.base, "planned": done.planned, "outcome": done.outcome,
-                "full_syncs": done.full_syncs, "pending": done.pending, "lost": done.lost, "tables": done.tables,
-                "diverged": done.diverged,
-                "topology_config_id": done.topology.topology_config_id, "topology": done.topology.document}
+        return {
+            "failover_id": done.failover_id,
+            "from": done.from_site,
+            "to": done.to_site,
+            "clients": done.clients,
+            "positions": done.positions,
+            "base": done.base,
+            "planned": done.planned,
+            "outcome": done.outcome,
+            "full_syncs": done.full_syncs,
+            "pending": done.pending,
+            "lost": done.lost,
+            "tables": done.tables,
+            "diverged": done.diverged,
+            "topology_config_id": done.topology.topology_config_id,
+            "topology": done.topology.document,
+        }

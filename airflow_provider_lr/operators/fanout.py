@@ -6,15 +6,17 @@ receive-queue rows, one fenced sink transaction per session and chunk), run in t
 so it pays no Spark start. Sites are reached through ``LRSiteHook`` (whatever connection backend
 Airflow uses); nothing is written to disk. The small summary of ``FanoutResult`` is the XCom.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException
 
-from airflow_provider_lr.engine.errors import require_counts
 from airflow_provider_lr.engine.db.timeouts import Purpose
+from airflow_provider_lr.engine.errors import require_counts
 from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.operators import telemetry
 from airflow_provider_lr.operators.common import load_topology
@@ -32,8 +34,9 @@ class LRFanOutOperator(BaseOperator):
 
     template_fields: Sequence[str] = ("source", "topology_path")
 
-    def __init__(self, *, source: str, topology_path: str | None = None, max_entries: int | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *, source: str, topology_path: str | None = None, max_entries: int | None = None, **kwargs: Any
+    ) -> None:
         require_counts(max_entries=max_entries)
         super().__init__(**kwargs)
         self.source, self.topology_path, self.max_entries = source, topology_path, max_entries
@@ -46,7 +49,9 @@ class LRFanOutOperator(BaseOperator):
         def conninfo(site: str):
             return LRSiteHook(lr_conn_id=topo.conn_id(site), timeouts=topo.timeouts).get_conninfo()
 
-        driver = fanout.FanoutDriver(topo, self.source, conninfo=conninfo, connect=lambda site: conninfo(site).connect(Purpose.BULK))
+        driver = fanout.FanoutDriver(
+            topo, self.source, conninfo=conninfo, connect=lambda site: conninfo(site).connect(Purpose.BULK)
+        )
         try:
             with telemetry.task_progress(self.log):  # the engine's progress lines, in this task's log
                 result = fanout.run_fanout(driver, fanout.local_map, self.max_entries)

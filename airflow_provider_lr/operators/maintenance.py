@@ -1,8 +1,10 @@
 """Maintenance operators: trim a source's shared log, report a sink's receive queues, release
 stale session leases. Each takes a site as the small dict ``site_dicts`` returns."""
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from airflow.sdk import BaseOperator
 
@@ -42,13 +44,22 @@ class LRTrimOperator(_SiteOperator):
                 result = trim.retention_trim(conn, float(self.retention_seconds))
         mode = "safe" if self.retention_seconds is None else f"retention {self.retention_seconds}s"
         if result is None:
-            self.log.info("%s: %s trim skipped (a commit in flight holds the barrier, or nothing old enough)",
-                          self.site["site"], mode)
+            self.log.info(
+                "%s: %s trim skipped (a commit in flight holds the barrier, or nothing old enough)",
+                self.site["site"],
+                mode,
+            )
             return {"site": self.site["site"], "mode": mode, "trimmed": False}
-        self.log.info("%s: %s trim to %d, %d entries removed", self.site["site"], mode, result.trim_mark,
-                      result.entries_removed)
-        return {"site": self.site["site"], "mode": mode, "trimmed": True, "trim_mark": result.trim_mark,
-                "entries_removed": result.entries_removed}
+        self.log.info(
+            "%s: %s trim to %d, %d entries removed", self.site["site"], mode, result.trim_mark, result.entries_removed
+        )
+        return {
+            "site": self.site["site"],
+            "mode": mode,
+            "trimmed": True,
+            "trim_mark": result.trim_mark,
+            "entries_removed": result.entries_removed,
+        }
 
 
 class LRReceiveQueueReportOperator(_SiteOperator):
@@ -69,7 +80,11 @@ class LRReceiveQueueReportOperator(_SiteOperator):
             stale = q["oldest_waiting_s"] > float(self.warn_after_seconds)
             (self.log.warning if stale or q["dead_letters"] else self.log.info)(
                 "%s %s: %d waiting (oldest %.0fs), %d unapplied snapshot rows, %d dead letters",
-                self.site["site"], q["queue"], q["waiting"], q["oldest_waiting_s"], q["unapplied_snapshot"],
+                self.site["site"],
+                q["queue"],
+                q["waiting"],
+                q["oldest_waiting_s"],
+                q["unapplied_snapshot"],
                 q["dead_letters"],
             )
         return {"site": self.site["site"], "queues": queues}

@@ -10,13 +10,15 @@ themselves when it did not choose them, or when negotiation did not complete (a 
 ``upstream_failed`` with only a number in the grid). ``LRRunCheckOperator`` is the run's verdict:
 the last task, failing the run when any session failed while the healthy ones still delivered.
 """
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import time
+from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta, timezone
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import psycopg2
 from airflow.sdk import BaseOperator, TriggerRule
@@ -69,16 +71,27 @@ class LRDiscoverSessionsOperator(BaseOperator):
     template_fields: Sequence[str] = ("source", "sink", "client", "topology_path")
     ui_color = "#e8f4fd"
 
-    def __init__(self, *, source: str | None = None, sink: str | None = None, client: str | None = None,
-                 topology_path: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        source: str | None = None,
+        sink: str | None = None,
+        client: str | None = None,
+        topology_path: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.source, self.sink, self.client, self.topology_path = source, sink, client, topology_path
 
     def execute(self, context: Any) -> list[dict[str, str]]:
         topo = load_topology(self.topology_path)
         sessions = session_dicts(topo, self.source or None, self.sink or None, self.client or None)
-        self.log.info("topology %s: %d session(s): %s", topo.topology_config_id, len(sessions),
-                      ", ".join(s["session"] for s in sessions) or "none")
+        self.log.info(
+            "topology %s: %d session(s): %s",
+            topo.topology_config_id,
+            len(sessions),
+            ", ".join(s["session"] for s in sessions) or "none",
+        )
         return sessions
 
 
@@ -99,8 +112,15 @@ class _SessionStepOperator(BaseOperator):
     # once per session: negotiation leaves nothing to Spark)
     spark_jobs: tuple[str, ...] = ()
 
-    def __init__(self, *, session: dict[str, Any], decision: dict[str, Any] | None = None,
-                 topology_path: str | None = None, spark_conn_id: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        session: dict[str, Any],
+        decision: dict[str, Any] | None = None,
+        topology_path: str | None = None,
+        spark_conn_id: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.session, self.decision, self.topology_path = session, decision, topology_path
         self.spark_conn_id = spark_conn_id
@@ -139,12 +159,24 @@ class _SessionStepOperator(BaseOperator):
             try:
                 with site_connection(self.session["sink_conn_id"], key.sink, topo.timeouts) as sink:
                     peers = nearest_copy.peers_in_region(
-                        topo, key, lambda site: LRSiteHook(lr_conn_id=topo.conn_id(site),
-                                                           timeouts=topo.timeouts).connect_site(site))
-                    runner = SessionRunner(key, source, sink, f"airflow:{new_owner_id()}", self._settings(topo),
-                                           provider, spark_tables=self._spark_can_run(TABLE_SNAPSHOT_JOB),
-                                           spark_transfer=self._spark_can_run(SNAPSHOT_TRANSFER_JOB), peers=peers,
-                                           topology=topo)
+                        topo,
+                        key,
+                        lambda site: LRSiteHook(lr_conn_id=topo.conn_id(site), timeouts=topo.timeouts).connect_site(
+                            site
+                        ),
+                    )
+                    runner = SessionRunner(
+                        key,
+                        source,
+                        sink,
+                        f"airflow:{new_owner_id()}",
+                        self._settings(topo),
+                        provider,
+                        spark_tables=self._spark_can_run(TABLE_SNAPSHOT_JOB),
+                        spark_transfer=self._spark_can_run(SNAPSHOT_TRANSFER_JOB),
+                        peers=peers,
+                        topology=topo,
+                    )
                     try:
                         yield runner
                     finally:
@@ -174,8 +206,12 @@ class _SessionStepOperator(BaseOperator):
             telemetry.session_error(self.session)
             # a refused negotiation needs a human (apply the same topology on both sites): no retry
             raise AirflowFailException(f"session {report.session}: {report.error}")
-        telemetry.session_step(self.session, delivered=report.delivered, snapshot_messages=report.snapshot_messages,
-                               lag_entries=None if report.skipped else report.remaining)
+        telemetry.session_step(
+            self.session,
+            delivered=report.delivered,
+            snapshot_messages=report.snapshot_messages,
+            lag_entries=None if report.skipped else report.remaining,
+        )
         result = report_dict(report)
         self.log.info("session %s: %s", report.session, result)
         return result
@@ -217,10 +253,16 @@ class LRSnapshotSyncOperator(_SessionStepOperator):
     spark_jobs = (SNAPSHOT_TRANSFER_JOB,)  # a large full sync's transfer
     ui_color = "#fde2e2"
 
-    def __init__(self, *, wait_for_data: bool = False,
-                 deferrable: bool = True,  # lr never holds a worker slot to wait
-                 poll_interval: float = 1.0, max_poll_interval: float = 30.0,
-                 wait_timeout: timedelta = timedelta(hours=6), **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        wait_for_data: bool = False,
+        deferrable: bool = True,  # lr never holds a worker slot to wait
+        poll_interval: float = 1.0,
+        max_poll_interval: float = 30.0,
+        wait_timeout: timedelta = timedelta(hours=6),
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.wait_for_data, self.deferrable = wait_for_data, deferrable
         self.poll_interval, self.max_poll_interval = poll_interval, max_poll_interval
@@ -245,20 +287,32 @@ class LRSnapshotSyncOperator(_SessionStepOperator):
         if report.skipped and self.wait_for_data:
             if not self.request_id:  # nothing to wait for but the lease: let the task's retries try again
                 raise AirflowException(f"session {report.session}: {report.skipped}; retrying")
-            self.log.info("session %s: %s; waiting for full sync %s to be applied by it", report.session,
-                          report.skipped, self.request_id)
+            self.log.info(
+                "session %s: %s; waiting for full sync %s to be applied by it",
+                report.session,
+                report.skipped,
+                self.request_id,
+            )
             return self._wait(context, self._outcome_trigger(), self.wait_timeout, "outcome_complete")
         if report.waiting and self.wait_for_data:
             deadline = self._deadline(report.request_id)
-            self.log.info("session %s: waiting for the client's data of request %s until %s",
-                          report.session, report.request_id, deadline.isoformat())
+            self.log.info(
+                "session %s: waiting for the client's data of request %s until %s",
+                report.session,
+                report.request_id,
+                deadline.isoformat(),
+            )
             from airflow_provider_lr.triggers.session import LRSnapshotEndTrigger
 
             trigger = LRSnapshotEndTrigger(
-                source_conn_id=self.session["source_conn_id"], request_id=report.request_id,
-                deadline=deadline.isoformat(), **self._polling())
-            return self._wait(context, trigger, deadline - datetime.now(timezone.utc) + timedelta(minutes=5),
-                              "execute_complete")
+                source_conn_id=self.session["source_conn_id"],
+                request_id=report.request_id,
+                deadline=deadline.isoformat(),
+                **self._polling(),
+            )
+            return self._wait(
+                context, trigger, deadline - datetime.now(timezone.utc) + timedelta(minutes=5), "execute_complete"
+            )
         result = self._result(report)
         if self.request_id and not report.transfer_for_spark:  # done here: say what became of the request
             done = self._outcome_now()
@@ -272,8 +326,9 @@ class LRSnapshotSyncOperator(_SessionStepOperator):
     def _outcome_trigger(self) -> Any:
         from airflow_provider_lr.triggers.session import LRFullSyncOutcomeTrigger
 
-        return LRFullSyncOutcomeTrigger(self.session["source_conn_id"], str(self.request_id), lease_free=True,
-                                        **self._polling())
+        return LRFullSyncOutcomeTrigger(
+            self.session["source_conn_id"], str(self.request_id), lease_free=True, **self._polling()
+        )
 
     def _outcome_now(self) -> dict[str, Any] | None:
         from airflow_provider_lr.triggers.session import full_sync_outcome_status
@@ -327,8 +382,13 @@ class LRSnapshotSyncOperator(_SessionStepOperator):
             telemetry.session_error(self.session)
             raise AirflowFailException(f"session {name}: {event.get('message', event)}")
         self.log.info("session %s: %s", name, event.get("message"))
-        return {"session": name, "request_id": self.request_id, "outcome": event["status"],
-                "applied_request": event.get("applied_request"), "message": event.get("message")}
+        return {
+            "session": name,
+            "request_id": self.request_id,
+            "outcome": event["status"],
+            "applied_request": event.get("applied_request"),
+            "message": event.get("message"),
+        }
 
 
 class LRLogEntrySyncOperator(_SessionStepOperator):
@@ -374,9 +434,16 @@ class LRRunCheckOperator(BaseOperator):
     template_fields: Sequence[str] = ("sessions",)
     ui_color = "#ececec"
 
-    def __init__(self, *, sessions: list[dict[str, Any]] | None = None, session_tasks: Sequence[str] = ("session.",),
-                 report_task_id: str | None = None, full_sync_requests: bool = False,
-                 trigger_rule: str = TriggerRule.ALL_DONE, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        sessions: list[dict[str, Any]] | None = None,
+        session_tasks: Sequence[str] = ("session.",),
+        report_task_id: str | None = None,
+        full_sync_requests: bool = False,
+        trigger_rule: str = TriggerRule.ALL_DONE,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(trigger_rule=trigger_rule, **kwargs)
         self.sessions, self.session_tasks, self.report_task_id = sessions, tuple(session_tasks), report_task_id
         self.full_sync_requests = full_sync_requests
@@ -414,8 +481,9 @@ class LRRunCheckOperator(BaseOperator):
                 what.append(f"{len(per_session)} of {len(sessions)} session(s) failed: {', '.join(per_session)}")
             if others:
                 what.append(f"failed task(s): {', '.join(others)}")
-            raise AirflowFailException("; ".join(what) + " (the other sessions ran to completion; `lr status` "
-                                       "shows each session's last_error)")
+            raise AirflowFailException(
+                "; ".join(what) + " (the other sessions ran to completion; `lr status` shows each session's last_error)"
+            )
         self.log.info("all %d session(s) ran without failure", len(sessions))
         return {"sessions": len(sessions), "failed_sessions": [], "failed_tasks": []}
 

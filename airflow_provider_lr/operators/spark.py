@@ -11,18 +11,20 @@ path in the environment (never credentials on the command line or in logs) and r
 the job ends. A job writes its small summary (the ``LR_RESULT`` it prints) to a private file
 named by ``--result-file``; that summary is the task's XCom.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import tempfile
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 
-from airflow_provider_lr.engine.errors import require_counts
 from airflow_provider_lr.engine.db.conninfo import CONNECTIONS_FILE_ENV
+from airflow_provider_lr.engine.errors import require_counts
 from airflow_provider_lr.engine.store.topology import Topology
 from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.operators import telemetry
@@ -77,14 +79,16 @@ class _LRSparkJobOperator(SparkSubmitOperator):
     the result the job wrote as the return value. Client deploy mode only: the connections file
     and the result file live on the worker that submits."""
 
-    def __init__(self, *, job: str, topology_path: str | None = None, application: str | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *, job: str, topology_path: str | None = None, application: str | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(application=application or str(spark_jobs_dir() / job), **kwargs)
         self.topology_path = topology_path
         self.result: dict[str, Any] | None = None
 
-    def _submit(self, context: Any, path: str, topo: Topology, sites: set[str],
-                args: list[str]) -> dict[str, Any] | None:
+    def _submit(
+        self, context: Any, path: str, topo: Topology, sites: set[str], args: list[str]
+    ) -> dict[str, Any] | None:
         """Run the job with ``args`` and the topology at ``path``, reaching ``sites``; its result."""
         with _result_file() as result_file:
             self.application_args = [*args, "--topology", path, "--result-file", result_file]
@@ -112,8 +116,15 @@ class LRSparkFanOutOperator(_LRSparkJobOperator):
 
     template_fields: Sequence[str] = (*SparkSubmitOperator.template_fields, "source", "topology_path")
 
-    def __init__(self, *, source: str, max_entries: int | None = None, tasks: int | None = None,
-                 name: str = "lr-fanout", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        source: str,
+        max_entries: int | None = None,
+        tasks: int | None = None,
+        name: str = "lr-fanout",
+        **kwargs: Any,
+    ) -> None:
         require_counts(max_entries=max_entries, tasks=tasks)
         super().__init__(job=FANOUT_JOB, name=name, **kwargs)
         self.source, self.max_entries, self.tasks = source, max_entries, tasks
@@ -149,8 +160,9 @@ class LRSparkTableSnapshotOperator(_LRSparkJobOperator):
 
     template_fields: Sequence[str] = (*SparkSubmitOperator.template_fields, "source", "client", "topology_path")
 
-    def __init__(self, *, source: str, client: str, parts: int | None = None, name: str = "lr-table-snapshot",
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *, source: str, client: str, parts: int | None = None, name: str = "lr-table-snapshot", **kwargs: Any
+    ) -> None:
         require_counts(parts=parts)
         super().__init__(job=TABLE_SNAPSHOT_JOB, name=name, **kwargs)
         self.source, self.client, self.parts = source, client, parts
@@ -180,11 +192,26 @@ class LRSparkSnapshotTransferOperator(_LRSparkJobOperator):
     Returns the job's result: entries staged and moved, whether applied, seconds per phase.
     """
 
-    template_fields: Sequence[str] = (*SparkSubmitOperator.template_fields, "source", "sink", "client",
-                                      "request_id", "topology_path")
+    template_fields: Sequence[str] = (
+        *SparkSubmitOperator.template_fields,
+        "source",
+        "sink",
+        "client",
+        "request_id",
+        "topology_path",
+    )
 
-    def __init__(self, *, source: str, sink: str, client: str, request_id: str | None = None,
-                 partitions: int | None = None, name: str = "lr-snapshot-transfer", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        source: str,
+        sink: str,
+        client: str,
+        request_id: str | None = None,
+        partitions: int | None = None,
+        name: str = "lr-snapshot-transfer",
+        **kwargs: Any,
+    ) -> None:
         require_counts(partitions=partitions)
         super().__init__(job=SNAPSHOT_TRANSFER_JOB, name=name, **kwargs)
         self.source, self.sink, self.client = source, sink, client
@@ -200,8 +227,10 @@ class LRSparkSnapshotTransferOperator(_LRSparkJobOperator):
             args += ["--partitions", str(int(self.partitions))]
         self._submit(context, path, topo, {self.source, self.sink}, args)
         self.log.info("full-sync transfer of %s->%s/%s: %s", self.source, self.sink, self.client, self.result)
-        telemetry.session_step({"source": self.source, "sink": self.sink, "client": self.client},
-                               snapshot_messages=(self.result or {}).get("transferred", 0))
+        telemetry.session_step(
+            {"source": self.source, "sink": self.sink, "client": self.client},
+            snapshot_messages=(self.result or {}).get("transferred", 0),
+        )
         return self.result
 
 
@@ -219,11 +248,24 @@ class LRSparkApplyReceiveQueueOperator(_LRSparkJobOperator):
     Returns the job's result: entries applied per source.
     """
 
-    template_fields: Sequence[str] = (*SparkSubmitOperator.template_fields, "sink", "client", "function",
-                                      "topology_path")
+    template_fields: Sequence[str] = (
+        *SparkSubmitOperator.template_fields,
+        "sink",
+        "client",
+        "function",
+        "topology_path",
+    )
 
-    def __init__(self, *, sink: str, client: str, function: str, batch: int | None = None,
-                 name: str = "lr-apply-receive-queue", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        sink: str,
+        client: str,
+        function: str,
+        batch: int | None = None,
+        name: str = "lr-apply-receive-queue",
+        **kwargs: Any,
+    ) -> None:
         require_counts(batch=batch)
         super().__init__(job=APPLY_QUEUE_JOB, name=name, **kwargs)
         self.sink, self.client, self.function, self.batch = sink, client, function, batch
@@ -248,8 +290,14 @@ def transfers_left_to_spark(ti: Any, sessions: list[dict[str, Any]], step_task_i
     for index, session in enumerate(sessions):
         report = ti.xcom_pull(task_ids=step_task_id, map_indexes=index)
         if report and report.get("transfer_for_spark"):
-            found.append({"source": session["source"], "sink": session["sink"], "client": session["client"],
-                          "request_id": report["transfer_for_spark"]})
+            found.append(
+                {
+                    "source": session["source"],
+                    "sink": session["sink"],
+                    "client": session["client"],
+                    "request_id": report["transfer_for_spark"],
+                }
+            )
     return found
 
 
@@ -279,5 +327,10 @@ def plan_fanout(site: dict[str, str], spark_conn_id: str, topology_file: str | N
     with site_connection(site["conn_id"], site["site"]) as conn:
         backlog = source_backlog(conn)
     choice = catchup.choose(backlog, settings, lambda: spark_unavailable(spark_conn_id, FANOUT_JOB))
-    return {"source": site["site"], "backlog": backlog, "threshold": settings.spark_min_backlog,
-            "path": choice.path.value, "why": choice.why}
+    return {
+        "source": site["site"],
+        "backlog": backlog,
+        "threshold": settings.spark_min_backlog,
+        "path": choice.path.value,
+        "why": choice.why,
+    }

@@ -11,13 +11,15 @@ cycle negotiates from them, and a run killed outright leaves leases that expire
 
 Sites are reached through ``LRSiteHook`` (whatever connection backend Airflow uses).
 """
+
 from __future__ import annotations
 
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException
@@ -25,7 +27,6 @@ from airflow.sdk.exceptions import AirflowException
 from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.operators import telemetry
 from airflow_provider_lr.operators.common import load_topology
-
 
 DEFAULT_REPORT_EVERY = 30.0
 
@@ -48,9 +49,16 @@ class LRStreamOperator(BaseOperator):
     template_fields: Sequence[str] = ("run_for", "source", "topology_path", "report_every")
     ui_color = "#d9f2e6"
 
-    def __init__(self, *, run_for: float | timedelta = timedelta(minutes=10), source: str | None = None,
-                 interval: float = 1.0, topology_path: str | None = None,
-                 report_every: float | str = DEFAULT_REPORT_EVERY, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        run_for: float | timedelta = timedelta(minutes=10),
+        source: str | None = None,
+        interval: float = 1.0,
+        topology_path: str | None = None,
+        report_every: float | str = DEFAULT_REPORT_EVERY,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.run_for, self.source, self.interval, self.topology_path = run_for, source, interval, topology_path
         self.report_every = report_every
@@ -58,15 +66,18 @@ class LRStreamOperator(BaseOperator):
         self._stopped_by = ""  # what set it: "run_for" or "on_kill"
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from airflow_provider_lr.engine.site.replicator import Replicator
         from airflow_provider_lr.engine.session.stream import Streamer
+        from airflow_provider_lr.engine.site.replicator import Replicator
 
         self._stop, self._stopped_by = threading.Event(), ""
         topo = load_topology(self.topology_path)
         sessions = topo.sessions(source=self.source)
         seconds = self.run_for.total_seconds() if isinstance(self.run_for, timedelta) else float(self.run_for)
-        repl = Replicator(topo, lambda site: LRSiteHook(lr_conn_id=topo.conn_id(site), timeouts=topo.timeouts).get_conninfo().connect(),
-                          sessions=sessions)
+        repl = Replicator(
+            topo,
+            lambda site: LRSiteHook(lr_conn_id=topo.conn_id(site), timeouts=topo.timeouts).get_conninfo().connect(),
+            sessions=sessions,
+        )
         streamer = Streamer(repl)
         delivered: Counter[str] = Counter()
         last: dict[str, Any] = {}
@@ -84,8 +95,13 @@ class LRStreamOperator(BaseOperator):
         started = time.monotonic()
         try:
             with telemetry.task_progress(self.log):
-                streamer.run(self._stop, interval=self.interval, on_cycle=on_cycle, on_pulse=self.log.info,
-                             pulse_every=float(self.report_every))
+                streamer.run(
+                    self._stop,
+                    interval=self.interval,
+                    on_cycle=on_cycle,
+                    on_pulse=self.log.info,
+                    pulse_every=float(self.report_every),
+                )
         finally:
             timer.cancel()
             repl.close()
@@ -95,12 +111,19 @@ class LRStreamOperator(BaseOperator):
         for session, n in delivered.items():
             telemetry.session_step(session, delivered=n)
         failing = sorted(s for s, r in last.items() if r.error)
-        summary = {"seconds": round(streamed, 1), "planned_seconds": seconds, "delivered": dict(delivered),
-                   "failing": failing,
-                   "hand_backs": [f"{e.session}: {e.reason}" for e in streamer.ends if e.reason != "stopped"]}
-        self.log.info("streamed for %.0f s%s: %s", streamed,
-                      "" if self._stopped_by == "run_for" else f" of {seconds:.0f} s planned (stopped by {self._stopped_by})",
-                      summary)
+        summary = {
+            "seconds": round(streamed, 1),
+            "planned_seconds": seconds,
+            "delivered": dict(delivered),
+            "failing": failing,
+            "hand_backs": [f"{e.session}: {e.reason}" for e in streamer.ends if e.reason != "stopped"],
+        }
+        self.log.info(
+            "streamed for %.0f s%s: %s",
+            streamed,
+            "" if self._stopped_by == "run_for" else f" of {seconds:.0f} s planned (stopped by {self._stopped_by})",
+            summary,
+        )
         if sessions and len(failing) == len(sessions):
             raise AirflowException(f"every session failed: {', '.join(f'{s}: {last[s].error}' for s in failing)}")
         return summary

@@ -19,12 +19,14 @@ the name, ``lr.session.<source>.<sink>.<client>.<metric>``, for plain StatsD, wh
 ``lr.run.failed_sessions``      gauge    sessions the last ``lr_replication`` run failed (``check``)
 ==============================  =======  ==========================================================
 """
+
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from airflow_provider_lr.engine import progress
 from airflow_provider_lr.engine.vocabulary import SessionKey
@@ -89,8 +91,13 @@ def _parts(session: dict[str, Any] | str) -> tuple[str, str, str]:
     return key.source, key.sink, key.client
 
 
-def session_step(session: dict[str, Any] | str, delivered: int = 0, snapshot_messages: int = 0,
-                 lag_entries: int | None = None, lag_seconds: float | None = None) -> None:
+def session_step(
+    session: dict[str, Any] | str,
+    delivered: int = 0,
+    snapshot_messages: int = 0,
+    lag_entries: int | None = None,
+    lag_seconds: float | None = None,
+) -> None:
     """What one step (or report) of a session did and left."""
     try:
         parts = _parts(session)

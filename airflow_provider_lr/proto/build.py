@@ -4,6 +4,7 @@ The generated ``lr_pb2.py`` is committed and shipped in the package, so installi
 protoc; this module exists to regenerate it and to let a test prove the shipped copy is current.
 Run: ``python -m airflow_provider_lr.proto.build [--check]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,7 @@ def stale_files() -> list[str]:
         return [
             path.name
             for path in generate(Path(tmp))
-            if not (PACKAGE_DIR / path.name).exists()
-            or (PACKAGE_DIR / path.name).read_bytes() != path.read_bytes()
+            if not (PACKAGE_DIR / path.name).exists() or (PACKAGE_DIR / path.name).read_bytes() != path.read_bytes()
         ]
 
 

@@ -1,5 +1,6 @@
 """Deferrable sensors for lr: new log entries, a full sync's end marker, a full sync applied,
 delivery of an entry, a destination ready."""
+
 from airflow_provider_lr.sensors.session import (
     LRDeliveredSensor,
     LRFullSyncAppliedSensor,
@@ -8,5 +9,10 @@ from airflow_provider_lr.sensors.session import (
     LRSnapshotEndSensor,
 )
 
-__all__ = ["LRDeliveredSensor", "LRFullSyncAppliedSensor", "LRNewLogEntriesSensor", "LRReadySensor",
-           "LRSnapshotEndSensor"]
+__all__ = [
+    "LRDeliveredSensor",
+    "LRFullSyncAppliedSensor",
+    "LRNewLogEntriesSensor",
+    "LRReadySensor",
+    "LRSnapshotEndSensor",
+]

@@ -1,15 +1,17 @@
 """Deferrable sensors over a source site's metadata. Deferred (the default), they wait in the
 triggerer with no worker slot held; ``deferrable=False`` pokes the same check from a worker."""
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any
 
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException
 
-from airflow_provider_lr.engine.source.full_sync import Outcome
 from airflow_provider_lr.engine.source.backlog import delivery_target
+from airflow_provider_lr.engine.source.full_sync import Outcome
 from airflow_provider_lr.operators.common import load_topology, site_connection
 from airflow_provider_lr.triggers.session import (
     LRDeliveredTrigger,
@@ -27,9 +29,16 @@ _SUCCESS = (TriggerStatus.SUCCESS, TriggerStatus.SUPPLIED, Outcome.APPLIED)
 class _LRSensor(BaseSensorOperator):
     template_fields: Sequence[str] = ("source", "topology_path")
 
-    def __init__(self, *, source: str, topology_path: str | None = None,
-                 deferrable: bool = True,  # lr never holds a worker slot to wait
-                 poll_interval: float = 1.0, max_poll_interval: float = 30.0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        source: str,
+        topology_path: str | None = None,
+        deferrable: bool = True,  # lr never holds a worker slot to wait
+        poll_interval: float = 1.0,
+        max_poll_interval: float = 30.0,
+        **kwargs: Any,
+    ) -> None:
         kwargs.setdefault("poke_interval", poll_interval)
         super().__init__(**kwargs)
         self.source, self.topology_path, self.deferrable = source, topology_path, deferrable
@@ -79,8 +88,9 @@ class LRNewLogEntriesSensor(_LRSensor):
         self.sink, self.client, self.min_entries = sink, client, min_entries
 
     def build_trigger(self) -> LRNewLogEntriesTrigger:
-        return LRNewLogEntriesTrigger(self._source_conn_id(), self.sink, self.client, int(self.min_entries),
-                                      **self._polling())
+        return LRNewLogEntriesTrigger(
+            self._source_conn_id(), self.sink, self.client, int(self.min_entries), **self._polling()
+        )
 
 
 class LRSnapshotEndSensor(_LRSensor):
@@ -128,16 +138,24 @@ class LRDeliveredSensor(_LRSensor):
 
     template_fields: Sequence[str] = ("source", "client", "position", "destinations", "min_regions", "topology_path")
 
-    def __init__(self, *, client: str, position: int | str, destinations: list[str] | None = None,
-                 min_regions: int = 0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        client: str,
+        position: int | str,
+        destinations: list[str] | None = None,
+        min_regions: int = 0,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.client, self.position = client, position
         self.destinations, self.min_regions = destinations, min_regions
 
     def build_trigger(self) -> LRDeliveredTrigger:
         topo = load_topology(self.topology_path)
-        target = delivery_target(topo, self.source, self.client, list(self.destinations or []),
-                                        int(self.min_regions or 0))
+        target = delivery_target(
+            topo, self.source, self.client, list(self.destinations or []), int(self.min_regions or 0)
+        )
         return LRDeliveredTrigger.for_target(topo.conn_id(self.source), target, int(self.position), **self._polling())
 
 

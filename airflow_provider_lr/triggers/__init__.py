@@ -1,5 +1,6 @@
 """Triggers for lr's deferrable sensors and operators (shipped in the package: the triggerer
 imports them by class path, never from the DAG bundle)."""
+
 from airflow_provider_lr.triggers.session import (
     LRDeliveredTrigger,
     LRFullSyncOutcomeTrigger,
@@ -8,5 +9,10 @@ from airflow_provider_lr.triggers.session import (
     LRSnapshotEndTrigger,
 )
 
-__all__ = ["LRDeliveredTrigger", "LRFullSyncOutcomeTrigger", "LRNewLogEntriesTrigger", "LRReadyTrigger",
-           "LRSnapshotEndTrigger"]
+__all__ = [
+    "LRDeliveredTrigger",
+    "LRFullSyncOutcomeTrigger",
+    "LRNewLogEntriesTrigger",
+    "LRReadyTrigger",
+    "LRSnapshotEndTrigger",
+]

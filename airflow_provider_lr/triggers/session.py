@@ -7,22 +7,24 @@ Every database call runs in a worker thread (``asyncio.to_thread``): psycopg2 bl
 triggerer's event loop must not. The checks themselves are engine functions, shared with the
 sensors' non-deferrable mode.
 """
+
 from __future__ import annotations
 
 import asyncio
 import enum
 import logging
+from collections.abc import AsyncIterator
 from datetime import datetime, timezone
-from typing import Any, AsyncIterator
+from typing import Any
 
 import psycopg2
 import psycopg2.extensions
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, error_line, one_line
-from airflow_provider_lr.engine.source.backlog import DeliveryTarget, pending_entries, readiness_of
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.source import delivery, full_sync
+from airflow_provider_lr.engine.source.backlog import DeliveryTarget, pending_entries, readiness_of
 from airflow_provider_lr.engine.source.full_sync import Outcome
 from airflow_provider_lr.engine.vocabulary import RequestStatus
 from airflow_provider_lr.hooks.site import LRSiteHook
@@ -66,8 +68,9 @@ def snapshot_end_status(
     return None
 
 
-def full_sync_outcome_status(conn: psycopg2.extensions.connection, request_id: str,
-                             lease_free: bool = False) -> dict[str, Any] | None:
+def full_sync_outcome_status(
+    conn: psycopg2.extensions.connection, request_id: str, lease_free: bool = False
+) -> dict[str, Any] | None:
     """The event once a full-sync request is applied at its sink, by whichever replicator (or a
     newer request of its session is: ``full_sync.outcome``), or failed; with ``lease_free``, also
     as soon as nobody holds its session's lease (``lease_free``: the waiting step may do the work
@@ -75,8 +78,12 @@ def full_sync_outcome_status(conn: psycopg2.extensions.connection, request_id: s
     found = full_sync.outcome(conn, request_id)
     if found is None:
         return {"status": Outcome.FAILED.value, "request_id": request_id, "message": "no such full-sync request"}
-    event = {"status": found.outcome.value, "request_id": request_id, "applied_request": found.applied_request,
-             "message": found.describe()}
+    event = {
+        "status": found.outcome.value,
+        "request_id": request_id,
+        "applied_request": found.applied_request,
+        "message": found.describe(),
+    }
     if found.final:
         return event
     if lease_free and leases.holder(conn, found.request.sink_site_id, found.request.client_name) is None:
@@ -84,16 +91,18 @@ def full_sync_outcome_status(conn: psycopg2.extensions.connection, request_id: s
     return None
 
 
-def new_entries_status(conn: psycopg2.extensions.connection, sink: str, client: str, min_entries: int = 1) -> dict[str, Any] | None:
+def new_entries_status(
+    conn: psycopg2.extensions.connection, sink: str, client: str, min_entries: int = 1
+) -> dict[str, Any] | None:
     count, highest = pending_entries(conn, sink, client)
     if count >= min_entries:
-        return status_event(TriggerStatus.SUCCESS, sink=sink, client=client, pending=count,
-                            highest_position=highest)
+        return status_event(TriggerStatus.SUCCESS, sink=sink, client=client, pending=count, highest_position=highest)
     return None
 
 
-def delivered_status(conn: psycopg2.extensions.connection, client: str, position: int, destinations: list[str],
-                     min_regions: int) -> dict[str, Any] | None:
+def delivered_status(
+    conn: psycopg2.extensions.connection, client: str, position: int, destinations: list[str], min_regions: int
+) -> dict[str, Any] | None:
     """The event once the entry at ``position`` is safe where asked (``engine.source.delivery``:
     only sinks the entry named count, for destinations and regions)."""
     found = delivery.delivered(conn, client, position, destinations, min_regions or None)
@@ -115,8 +124,11 @@ class _PollingTrigger(BaseTrigger):
         self.max_poll_interval = float(max_poll_interval)
 
     def _kwargs(self) -> dict[str, Any]:
-        return {"source_conn_id": self.source_conn_id, "poll_interval": self.poll_interval,
-                "max_poll_interval": self.max_poll_interval}
+        return {
+            "source_conn_id": self.source_conn_id,
+            "poll_interval": self.poll_interval,
+            "max_poll_interval": self.max_poll_interval,
+        }
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return f"{_MODULE}.{type(self).__name__}", self._kwargs()
@@ -135,8 +147,12 @@ class _PollingTrigger(BaseTrigger):
                         conn = await asyncio.to_thread(info.connect)
                     event = await asyncio.to_thread(self.check, conn)
                 except (psycopg2.OperationalError, psycopg2.InterfaceError, SiteUnreachableError) as exc:
-                    log.warning("%s: source %s unreachable, retrying: %s", type(self).__name__, self.source_conn_id,
-                                one_line(exc))
+                    log.warning(
+                        "%s: source %s unreachable, retrying: %s",
+                        type(self).__name__,
+                        self.source_conn_id,
+                        one_line(exc),
+                    )
                     if conn is not None:
                         conn.close()
                     conn, event = None, None
@@ -205,20 +221,43 @@ class LRDeliveredTrigger(_PollingTrigger):
     named count). Neither given: the topology's durability rule, else every sink it named. The
     rule is ``engine.source.delivery``'s, shared with ``RoutingQueueClient.wait_until_safe``."""
 
-    def __init__(self, source_conn_id: str, source: str, client: str, position: int,
-                 destinations: list[str] | None = None, min_regions: int = 0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        source_conn_id: str,
+        source: str,
+        client: str,
+        position: int,
+        destinations: list[str] | None = None,
+        min_regions: int = 0,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(source_conn_id, **kwargs)
         self.source, self.client, self.position = source, client, int(position)
         self.destinations, self.min_regions = list(destinations or []), int(min_regions)
 
     @classmethod
-    def for_target(cls, source_conn_id: str, target: DeliveryTarget, position: int, **kwargs: Any) -> "LRDeliveredTrigger":
-        return cls(source_conn_id, target.source, target.client, position, list(target.destinations),
-                   target.min_regions, **kwargs)
+    def for_target(
+        cls, source_conn_id: str, target: DeliveryTarget, position: int, **kwargs: Any
+    ) -> LRDeliveredTrigger:
+        return cls(
+            source_conn_id,
+            target.source,
+            target.client,
+            position,
+            list(target.destinations),
+            target.min_regions,
+            **kwargs,
+        )
 
     def _kwargs(self) -> dict[str, Any]:
-        return {**super()._kwargs(), "source": self.source, "client": self.client, "position": self.position,
-                "destinations": self.destinations, "min_regions": self.min_regions}
+        return {
+            **super()._kwargs(),
+            "source": self.source,
+            "client": self.client,
+            "position": self.position,
+            "destinations": self.destinations,
+            "min_regions": self.min_regions,
+        }
 
     def check(self, conn: psycopg2.extensions.connection) -> dict[str, Any] | None:
         return delivered_status(conn, self.client, self.position, self.destinations, self.min_regions)
@@ -233,8 +272,12 @@ def ready_status(conn: psycopg2.extensions.connection, client: str, destinations
     if unknown:
         raise ConfigurationError(f"{unknown} are not sinks of client {client!r} at this site")
     if all(r.ready for r in found.values()):
-        return status_event(TriggerStatus.SUCCESS, client=client, ready=sorted(found),
-                            acked={s: r.acked for s, r in sorted(found.items())})
+        return status_event(
+            TriggerStatus.SUCCESS,
+            client=client,
+            ready=sorted(found),
+            acked={s: r.acked for s, r in sorted(found.items())},
+        )
     return None
 
 

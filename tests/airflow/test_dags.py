@@ -1,4 +1,5 @@
 """The DAGs parse, have the shape users rely on, and replicate real sites end to end (dag.test)."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,15 @@ from tests.support.tables import create_accounts, federate, rows
 
 def test_dags_import_without_errors(dagbag):
     assert dagbag.import_errors == {}
-    assert {"lr_replication", "lr_full_sync", "lr_maintenance", "lr_streaming", "lr_failover", "lr_rejoin",
-            "example_lr_user_pipeline"} <= set(dagbag.dags)
+    assert {
+        "lr_replication",
+        "lr_full_sync",
+        "lr_maintenance",
+        "lr_streaming",
+        "lr_failover",
+        "lr_rejoin",
+        "example_lr_user_pipeline",
+    } <= set(dagbag.dags)
 
 
 def test_replication_maps_one_group_per_session_with_skip_branches(dagbag):
@@ -39,8 +47,12 @@ def test_replication_maps_one_group_per_session_with_skip_branches(dagbag):
     assert dag.max_active_runs == 1 and dag.schedule is not None
     groups = [g for g in dag.task_group.children.values() if isinstance(g, MappedTaskGroup)]
     assert [g.group_id for g in groups] == ["session"]
-    assert set(groups[0].children) == {"session.decide", "session.snapshot_sync", "session.log_entry_sync",
-                                       "session.report"}
+    assert set(groups[0].children) == {
+        "session.decide",
+        "session.snapshot_sync",
+        "session.log_entry_sync",
+        "session.report",
+    }
     decide = dag.get_task("session.decide")
     assert {t.task_id for t in decide.downstream_list} == {"session.snapshot_sync", "session.log_entry_sync"}
     for task_id in groups[0].children:  # see the DAG's doc: nothing in the group ends upstream_failed
@@ -99,10 +111,14 @@ def test_users_path_first_sync_deltas_own_pipeline_forced_full_sync_maintenance(
     assert str(first.state) == "success"
     got = states(first)
     assert {k: v for k, v in got.items() if k[0].startswith("session.")} == {
-        ("session.decide", 0): "success", ("session.decide", 1): "success",
-        ("session.snapshot_sync", 0): "success", ("session.snapshot_sync", 1): "success",
-        ("session.log_entry_sync", 0): "skipped", ("session.log_entry_sync", 1): "skipped",
-        ("session.report", 0): "success", ("session.report", 1): "success",
+        ("session.decide", 0): "success",
+        ("session.decide", 1): "success",
+        ("session.snapshot_sync", 0): "success",
+        ("session.snapshot_sync", 1): "success",
+        ("session.log_entry_sync", 0): "skipped",
+        ("session.log_entry_sync", 1): "skipped",
+        ("session.report", 0): "success",
+        ("session.report", 1): "success",
     }
     assert got[("spark_fanout", -1)] == "skipped"  # a small backlog stays in-process
     names = {0: "site-a->site-b/policy", 1: "site-a->site-c/policy"}
@@ -124,8 +140,9 @@ def test_users_path_first_sync_deltas_own_pipeline_forced_full_sync_maintenance(
     assert [p for k, p in queue(sink_c, "site-a") if k == "log"] == ["k9=9"]
     assert xcom(second, "session.report", 0)["remaining"] == 0
 
-    own = run_dag(dagbag, "example_lr_user_pipeline",
-                  {"orders": 2, "destinations": ["site-b", "site-c"], "min_regions": 3})
+    own = run_dag(
+        dagbag, "example_lr_user_pipeline", {"orders": 2, "destinations": ["site-b", "site-c"], "min_regions": 3}
+    )
     assert str(own.state) == "success", states(own)
     delivered = xcom(own, "delivered")
     assert delivered["safe_on"] == ["site-b", "site-c"] and len(delivered["regions"]) == 3
@@ -135,14 +152,19 @@ def test_users_path_first_sync_deltas_own_pipeline_forced_full_sync_maintenance(
     forced = run_dag(dagbag, "lr_full_sync", {"sink": "site-b", "reason": "audit asked for it", "client": None})
     assert str(forced.state) == "success", states(forced)
     assert {(ti.task_id, ti.rendered_map_index) for ti in forced.get_task_instances() if ti.map_index >= 0} == {
-        ("snapshot_sync", "site-a->site-b/policy"), ("log_entry_sync", "site-a->site-b/policy")}
+        ("snapshot_sync", "site-a->site-b/policy"),
+        ("log_entry_sync", "site-a->site-b/policy"),
+    }
     assert [k for k, _ in queue(sink_b, "site-a")].count("start") == 2  # a second full sync, visible
     assert [k for k, _ in queue(sink_c, "site-a")].count("start") == 1  # the other sink untouched
     assert source.query("SELECT reason, status FROM lr.full_sync_requests WHERE forced") == [
-        ("audit asked for it", "applied")]
+        ("audit asked for it", "applied")
+    ]
 
-    source.query("UPDATE lr.source_sessions SET lease_owner = 'worker-that-died', "
-                 "lease_expires_at = now() - interval '1 hour' WHERE sink_site_id = 'site-c'")
+    source.query(
+        "UPDATE lr.source_sessions SET lease_owner = 'worker-that-died', "
+        "lease_expires_at = now() - interval '1 hour' WHERE sink_site_id = 'site-c'"
+    )
     entries_before = source.query("SELECT count(*) FROM lr.log_entries")[0][0]
     upkeep = run_dag(dagbag, "lr_maintenance")
     assert str(upkeep.state) == "success", states(upkeep)
@@ -155,8 +177,9 @@ def test_users_path_first_sync_deltas_own_pipeline_forced_full_sync_maintenance(
     app.close()
 
 
-def test_a_sink_that_is_down_fails_the_run_after_the_other_session_delivered(dagbag, airflow_sites, monkeypatch,
-                                                                            statsd_packets):
+def test_a_sink_that_is_down_fails_the_run_after_the_other_session_delivered(
+    dagbag, airflow_sites, monkeypatch, statsd_packets
+):
     """One sink down: the other session delivers, every instance is listed by its session, and the
     run ends failed (the DAG list shows red), its ``check`` naming the failed session."""
     source, sink_b, sink_c = airflow_sites.sites
@@ -204,7 +227,9 @@ def test_a_forms_full_sync_succeeds_when_a_running_lr_sync_applied_it(dagbag, ai
         got = states(run)
         assert str(run.state) == "success", got
         assert got[("snapshot_sync", 0)] == got[("snapshot_sync", 1)] == "success" and got[("check", -1)] == "success"
-        notes = source.query("SELECT request_id::text, note FROM lr.full_sync_requests WHERE forced ORDER BY sink_site_id")
+        notes = source.query(
+            "SELECT request_id::text, note FROM lr.full_sync_requests WHERE forced ORDER BY sink_site_id"
+        )
         assert len(notes) == 2
         for index, (request_id, note) in enumerate(notes):
             assert xcom(run, "snapshot_sync", index)["applied_request"] == request_id
@@ -228,12 +253,13 @@ def backlog_of_30_after_first_contact(airflow_sites, settings: dict) -> App:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path, task_id, settings", [
-    ("spark", "spark_fanout", {"spark_min_backlog": 20}),
-    ("tee", "inprocess_fanout", {"tee_min_backlog": 20}),
-])
+@pytest.mark.parametrize(
+    "path, task_id, settings",
+    [("spark", "spark_fanout", {"spark_min_backlog": 20}), ("tee", "inprocess_fanout", {"tee_min_backlog": 20})],
+)
 def test_a_large_backlog_goes_through_a_fan_out_and_the_sessions_find_nothing_left(
-        dagbag, airflow_sites, monkeypatch, path, task_id, settings, statsd_packets):
+    dagbag, airflow_sites, monkeypatch, path, task_id, settings, statsd_packets
+):
     """Catch-up through Spark (spark-submit of spark_jobs/lr_fanout.py on local[2]) or the read-once
     tee in the worker (no Spark); the sessions' groups then find nothing left: every entry arrives
     once, in order."""
@@ -267,14 +293,19 @@ def test_streaming_dag_streams_for_its_run_then_ends_for_the_next_run(dagbag, ai
     import threading
 
     dag = dagbag.dags["lr_streaming"]
-    assert dag.max_active_runs == 1 and dag.is_paused_upon_creation and type(dag.timetable).__name__ == "ContinuousTimetable"
+    assert (
+        dag.max_active_runs == 1
+        and dag.is_paused_upon_creation
+        and type(dag.timetable).__name__ == "ContinuousTimetable"
+    )
     source, sink_b, sink_c = airflow_sites.sites
     app = App(source)
 
     def write_while_it_runs() -> None:
         deadline = time.monotonic() + 60
-        while source.query("SELECT count(*) FROM lr.source_sessions WHERE acked_position >= 0 "
-                           "AND lease_owner IS NOT NULL") != [(2,)]:  # first contact made: streaming
+        while source.query(
+            "SELECT count(*) FROM lr.source_sessions WHERE acked_position >= 0 AND lease_owner IS NOT NULL"
+        ) != [(2,)]:  # first contact made: streaming
             assert time.monotonic() < deadline
             time.sleep(0.05)
         for i in range(20):
@@ -351,8 +382,9 @@ def test_a_large_table_snapshot_goes_through_the_spark_task_of_lr_replication(da
     sessions = ["site-a->site-b/policy", "site-a->site-c/policy"]
     assert result["ok"] and result["sessions"] == sessions and result["rows"] == 6000, result
     assert result["tables"] == {f"{s}:public.accounts": "synced" for s in sessions}
-    assert {ti.rendered_map_index for ti in run.get_task_instances() if ti.task_id == "spark_table_snapshot"} \
-        == {"site-a/policy"}
+    assert {ti.rendered_map_index for ti in run.get_task_instances() if ti.task_id == "spark_table_snapshot"} == {
+        "site-a/policy"
+    }
     for sink in (sink_b, sink_c):
         assert rows(sink) == rows(source)
 
@@ -388,8 +420,13 @@ def test_the_failover_dag_promotes_a_sink_from_its_form_and_rejoins_the_old_sour
     run_until_idle(replicator(airflow_sites.topology, airflow_sites.sites, providers={"policy": table_provider}))
     app.put("k9", 9, ["site-b", "site-c"])  # not replicated yet: the planned switchover drains it
     App(sink_b).close()
-    form = {"promote": "site-b", "from_site": None, "clients": None, "reason": "dc-1 maintenance",
-            "same_destinations": False}
+    form = {
+        "promote": "site-b",
+        "from_site": None,
+        "clients": None,
+        "reason": "dc-1 maintenance",
+        "same_destinations": False,
+    }
     run = run_dag(dagbag, "lr_failover", form)
     assert str(run.state) == "success", states(run)
     done = xcom(run, "failover")
@@ -446,9 +483,13 @@ def test_a_large_full_sync_transfer_goes_through_the_spark_task_of_lr_replicatio
         assert got[("spark_snapshot_transfer", index)] == "success", got
         request_id = xcom(run, "session.snapshot_sync", index)["transfer_for_spark"]
         result = xcom(run, "spark_snapshot_transfer", index)
-        assert result["ok"] and result["applied"] and result["transferred"] == 1502 and result["request_id"] == request_id
-    assert {ti.rendered_map_index for ti in run.get_task_instances() if ti.task_id == "spark_snapshot_transfer"} \
-        == {"site-a->site-b/policy", "site-a->site-c/policy"}
+        assert (
+            result["ok"] and result["applied"] and result["transferred"] == 1502 and result["request_id"] == request_id
+        )
+    assert {ti.rendered_map_index for ti in run.get_task_instances() if ti.task_id == "spark_snapshot_transfer"} == {
+        "site-a->site-b/policy",
+        "site-a->site-c/policy",
+    }
     app.put("after", 1, ["site-b", "site-c"])
     again = run_dag(dagbag, "lr_replication")
     assert str(again.state) == "success" and not xcom(again, "snapshot_transfers")
@@ -471,8 +512,14 @@ def test_the_forms_full_sync_moves_a_large_transfer_through_spark_then_catches_u
     run = run_dag(dagbag, "lr_full_sync", {"sink": "site-b", "reason": "rebuild", "client": None})
     got = states(run)
     assert str(run.state) == "success" and got[("spark_snapshot_transfer", 0)] == "success", got
-    assert xcom(run, "snapshot_transfers") == [{"source": "site-a", "sink": "site-b", "client": "policy",
-                                                 "request_id": xcom(run, "snapshot_sync", 0)["transfer_for_spark"]}]
+    assert xcom(run, "snapshot_transfers") == [
+        {
+            "source": "site-a",
+            "sink": "site-b",
+            "client": "policy",
+            "request_id": xcom(run, "snapshot_sync", 0)["transfer_for_spark"],
+        }
+    ]
     assert xcom(run, "spark_snapshot_transfer", 0)["applied"]
     assert final_state(queue(sink_b, "site-a")) == source_state(source)
     app.close()

@@ -1,12 +1,13 @@
 """Operators and sensors run directly (``execute``) against real sites through Airflow connections."""
+
 from __future__ import annotations
 
 import json
 import os
 import stat
-from contextlib import closing
 import sys
 import tempfile
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException, Airfl
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.operators import (
     LRDiscoverSessionsOperator,
     LRLogEntrySyncOperator,
@@ -33,7 +35,6 @@ from airflow_provider_lr.operators.spark import (
 from airflow_provider_lr.sensors import LRDeliveredSensor, LRReadySensor
 from airflow_provider_lr.triggers import LRDeliveredTrigger, LRReadyTrigger, LRSnapshotEndTrigger
 from tests.support.airflow_env import airflow_sites, reconfigure  # noqa: F401
-from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.support.session import App, queue, replicator, table_provider
 
 
@@ -53,10 +54,16 @@ def _app_with_sinks_in_log_entry_sync(source) -> App:
 
 
 def test_discover_returns_small_session_handles(airflow_sites):
-    assert _sessions(sink="site-c") == [{
-        "session": "site-a->site-c/policy", "source": "site-a", "sink": "site-c", "client": "policy",
-        "source_conn_id": "lr_site_a", "sink_conn_id": "lr_site_c",
-    }]
+    assert _sessions(sink="site-c") == [
+        {
+            "session": "site-a->site-c/policy",
+            "source": "site-a",
+            "sink": "site-c",
+            "client": "policy",
+            "source_conn_id": "lr_site_a",
+            "sink_conn_id": "lr_site_c",
+        }
+    ]
     assert [s["sink"] for s in _sessions()] == ["site-b", "site-c"]
 
 
@@ -108,8 +115,9 @@ def test_snapshot_waits_deferred_for_the_clients_data_then_applies_it(airflow_si
 def test_snapshot_without_client_data_fails_with_the_fix(airflow_sites):
     reconfigure(airflow_sites, provider=None)
     session = _sessions(sink="site-b")[0]
-    op = LRSnapshotSyncOperator(task_id="snapshot", session=session, wait_for_data=True, deferrable=False,
-                                poll_interval=0.05)
+    op = LRSnapshotSyncOperator(
+        task_id="snapshot", session=session, wait_for_data=True, deferrable=False, poll_interval=0.05
+    )
     request = None
     waiting = _step(LRSnapshotSyncOperator, session)  # lr_replication's mode: report and move on
     assert waiting["waiting"] is True and waiting["reason"].startswith("waiting for full-sync data")
@@ -118,7 +126,9 @@ def test_snapshot_without_client_data_fails_with_the_fix(airflow_sites):
     source.query("UPDATE lr.full_sync_requests SET data_deadline = now() WHERE request_id = %s", (request,))
     with pytest.raises(AirflowException, match=r"supplied no full-sync data .*client.serve_full_sync_requests"):
         op.execute({})
-    assert source.query("SELECT status FROM lr.full_sync_requests WHERE request_id = %s", (request,)) == [("timed_out",)]
+    assert source.query("SELECT status FROM lr.full_sync_requests WHERE request_id = %s", (request,)) == [
+        ("timed_out",)
+    ]
 
 
 def test_refused_negotiation_fails_without_retry_and_is_recorded(airflow_sites):
@@ -127,7 +137,9 @@ def test_refused_negotiation_fails_without_retry_and_is_recorded(airflow_sites):
     session = _sessions(sink="site-c")[0]
     with pytest.raises(AirflowFailException, match="topology config id mismatch"):
         _step(LRNegotiateOperator, session)
-    errors = airflow_sites.site("site-a").query("SELECT last_error FROM lr.source_sessions WHERE sink_site_id = 'site-c'")
+    errors = airflow_sites.site("site-a").query(
+        "SELECT last_error FROM lr.source_sessions WHERE sink_site_id = 'site-c'"
+    )
     assert "topology config id mismatch" in errors[0][0]
 
 
@@ -142,14 +154,17 @@ def test_a_step_from_a_topology_file_the_source_does_not_run_fails_naming_the_fi
     session = _sessions(sink="site-b")[0]
     with pytest.raises(AirflowFailException) as failed:
         _step(LRNegotiateOperator, session)
-    assert (f"topology file {airflow_sites.topology_path} has id {airflow_sites.topology.topology_config_id}; "
-            f"sites hold {edited.topology_config_id} (site-a)") in str(failed.value)
+    assert (
+        f"topology file {airflow_sites.topology_path} has id {airflow_sites.topology.topology_config_id}; "
+        f"sites hold {edited.topology_config_id} (site-a)"
+    ) in str(failed.value)
     assert "lease" not in str(failed.value)
 
 
 def test_a_connection_to_the_wrong_database_is_refused(airflow_sites, monkeypatch):
-    monkeypatch.setenv(*[airflow_sites.env(airflow_sites.site("site-c"))[0],
-                         airflow_sites.env(airflow_sites.site("site-b"))[1]])
+    monkeypatch.setenv(
+        *[airflow_sites.env(airflow_sites.site("site-c"))[0], airflow_sites.env(airflow_sites.site("site-b"))[1]]
+    )
     with pytest.raises(ConfigurationError, match="connection 'lr_site_c' points at site 'site-b'"):
         _step(LRNegotiateOperator, _sessions(sink="site-c")[0])
 
@@ -173,15 +188,17 @@ def test_delivered_sensor_returns_at_once_when_delivered_and_defers_otherwise(ai
     app = _app_with_sinks_in_log_entry_sync(source)
     app.put("k", 1, ["site-b", "site-c"])
     position = source.query("SELECT max(position) FROM lr.log_commits")[0][0]
-    sensor = LRDeliveredSensor(task_id="delivered", source="site-a", client="policy", position=position,
-                               destinations=["site-b"], min_regions=2)
+    sensor = LRDeliveredSensor(
+        task_id="delivered", source="site-a", client="policy", position=position, destinations=["site-b"], min_regions=2
+    )
     with pytest.raises(TaskDeferred) as deferred:
         sensor.execute({})
     assert isinstance(deferred.value.trigger, LRDeliveredTrigger)
     _step(LRLogEntrySyncOperator, _sessions(sink="site-b")[0])
     assert sensor.execute({})["safe_on"] == ["site-b"]
-    impossible = LRDeliveredSensor(task_id="delivered", source="site-a", client="policy", position=position,
-                                   destinations=["site-b"], min_regions=3)
+    impossible = LRDeliveredSensor(
+        task_id="delivered", source="site-a", client="policy", position=position, destinations=["site-b"], min_regions=3
+    )
     with pytest.raises(ConfigurationError, match="can never be met"):
         impossible.execute({})
     with pytest.raises(AirflowException, match="error: boom"):
@@ -237,7 +254,9 @@ def test_connections_file_for_spark_is_private_and_complete(airflow_sites, tmp_p
 
 
 @pytest.mark.slow
-def test_spark_fan_out_operator_delivers_the_backlog_staged_by_two_tasks_and_cleans_up(airflow_sites, monkeypatch, tmp_path):
+def test_spark_fan_out_operator_delivers_the_backlog_staged_by_two_tasks_and_cleans_up(
+    airflow_sites, monkeypatch, tmp_path
+):
     source, sink_b, sink_c = airflow_sites.sites
     app = _app_with_sinks_in_log_entry_sync(source)
     for i in range(10):
@@ -245,8 +264,9 @@ def test_spark_fan_out_operator_delivers_the_backlog_staged_by_two_tasks_and_cle
     monkeypatch.setenv("AIRFLOW_CONN_SPARK_LOCAL", json.dumps({"conn_type": "spark", "host": "local[2]"}))
     monkeypatch.setenv("PATH", f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the connections file is written
-    op = LRSparkFanOutOperator(task_id="fanout", source="site-a", conn_id="spark_local", tasks=2,
-                               conf={"spark.ui.enabled": "false"})
+    op = LRSparkFanOutOperator(
+        task_id="fanout", source="site-a", conn_id="spark_local", tasks=2, conf={"spark.ui.enabled": "false"}
+    )
     result = op.execute({})
     assert result["ok"] and result["total_deliveries"] == 20
     assert op.application_args[op.application_args.index("--tasks") + 1] == "2"  # staged, published in order
@@ -272,10 +292,16 @@ def test_bulk_apply_operator_applies_the_sinks_queue_in_source_order_once(airflo
         _step(LRLogEntrySyncOperator, session)
     monkeypatch.setenv("AIRFLOW_CONN_SPARK_LOCAL", json.dumps({"conn_type": "spark", "host": "local[2]"}))
     monkeypatch.setenv("PATH", f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}")
-    op = LRSparkApplyReceiveQueueOperator(task_id="apply", sink="site-b", client="policy",
-                                          function="tests.support.spark_env:record_applied", batch=7,
-                                          conn_id="spark_local", conf={"spark.ui.enabled": "false"},
-                                          env_vars={"PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    op = LRSparkApplyReceiveQueueOperator(
+        task_id="apply",
+        sink="site-b",
+        client="policy",
+        function="tests.support.spark_env:record_applied",
+        batch=7,
+        conn_id="spark_local",
+        conf={"spark.ui.enabled": "false"},
+        env_vars={"PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
     result = op.execute({})
     assert result["ok"], result
     applied = [p for (p,) in sink_b.query("SELECT payload FROM applied WHERE kind = 'log' ORDER BY n")]
@@ -284,15 +310,18 @@ def test_bulk_apply_operator_applies_the_sinks_queue_in_source_order_once(airflo
     app.close()
 
 
-@pytest.mark.parametrize("operator, kwargs", [
-    (LRSparkFanOutOperator, {"source": "site-a", "tasks": 0}),
-    (LRSparkFanOutOperator, {"source": "site-a", "max_entries": -5}),
-    (LRFanOutOperator, {"source": "site-a", "max_entries": 0}),
-    (LRSparkTableSnapshotOperator, {"source": "site-a", "client": "policy", "parts": 0}),
-    (LRSparkSnapshotTransferOperator, {"source": "site-a", "sink": "site-b", "client": "policy", "partitions": -1}),
-    (LRSparkApplyReceiveQueueOperator, {"sink": "site-b", "client": "policy", "function": "m:f", "batch": 0}),
-    (LRLogEntrySyncOperator, {"max_batches": 0}),
-])
+@pytest.mark.parametrize(
+    "operator, kwargs",
+    [
+        (LRSparkFanOutOperator, {"source": "site-a", "tasks": 0}),
+        (LRSparkFanOutOperator, {"source": "site-a", "max_entries": -5}),
+        (LRFanOutOperator, {"source": "site-a", "max_entries": 0}),
+        (LRSparkTableSnapshotOperator, {"source": "site-a", "client": "policy", "parts": 0}),
+        (LRSparkSnapshotTransferOperator, {"source": "site-a", "sink": "site-b", "client": "policy", "partitions": -1}),
+        (LRSparkApplyReceiveQueueOperator, {"sink": "site-b", "client": "policy", "function": "m:f", "batch": 0}),
+        (LRLogEntrySyncOperator, {"max_batches": 0}),
+    ],
+)
 def test_an_operator_with_a_count_below_one_is_refused_when_the_dag_is_parsed(operator, kwargs):
     name = next(k for k in kwargs if k in ("tasks", "max_entries", "parts", "partitions", "batch", "max_batches"))
     with pytest.raises(ConfigurationError, match=f"{name} must be a whole number of at least 1"):
@@ -305,8 +334,12 @@ def test_every_module_the_provider_declares_imports():
     from airflow_provider_lr.get_provider_info import get_provider_info
 
     info = get_provider_info()
-    modules = [m for kind in ("hooks", "operators", "sensors", "triggers") for entry in info[kind]
-               for m in entry["python-modules"]]
+    modules = [
+        m
+        for kind in ("hooks", "operators", "sensors", "triggers")
+        for entry in info[kind]
+        for m in entry["python-modules"]
+    ]
     assert len(modules) == 7
     for module in modules:
         importlib.import_module(module)
@@ -334,8 +367,10 @@ def test_a_full_sync_step_waits_for_its_request_while_another_replicator_holds_t
     conn = airflow_sites.site("site-a").connect()
     held = lease.acquire(conn, "site-b", "policy", "lr-sync-elsewhere", 60)
     assert held is not None
-    assert "another replicator holds this session's lease (lr-sync-elsewhere)" in \
-        _step(LRSnapshotSyncOperator, session)["skipped"]  # lr_replication's mode: nothing to do now
+    assert (
+        "another replicator holds this session's lease (lr-sync-elsewhere)"
+        in _step(LRSnapshotSyncOperator, session)["skipped"]
+    )  # lr_replication's mode: nothing to do now
     op = LRSnapshotSyncOperator(task_id="snapshot", session=session, wait_for_data=True)
     with pytest.raises(TaskDeferred) as deferred:
         op.execute({})
@@ -345,8 +380,13 @@ def test_a_full_sync_step_waits_for_its_request_while_another_replicator_holds_t
     with closing(airflow_sites.site("site-a").connect()) as probe:
         assert trigger.check(probe) is None  # pending, and the lease is held: keep waiting
 
-    elsewhere = replicator(airflow_sites.topology, airflow_sites.sites, providers={"policy": table_provider},
-                           owner="lr-sync-elsewhere", sessions=[SessionKey("site-a", "site-b", "policy")])
+    elsewhere = replicator(
+        airflow_sites.topology,
+        airflow_sites.sites,
+        providers={"policy": table_provider},
+        owner="lr-sync-elsewhere",
+        sessions=[SessionKey("site-a", "site-b", "policy")],
+    )
     assert elsewhere.run_cycle()[0].snapshot_messages > 0  # the other replicator applies the request
     elsewhere.close()
     with closing(airflow_sites.site("site-a").connect()) as probe:
@@ -376,7 +416,8 @@ def test_a_waiting_full_sync_step_carries_the_request_out_itself_once_the_lease_
     done = op.outcome_complete({}, event)  # the step runs again, and this time it holds the lease
     assert done["outcome"] == "applied" and done["snapshot_messages"] > 0
     (note,) = airflow_sites.site("site-a").query(
-        "SELECT note FROM lr.full_sync_requests WHERE request_id = %s", (session["request_id"],))[0]
+        "SELECT note FROM lr.full_sync_requests WHERE request_id = %s", (session["request_id"],)
+    )[0]
     assert note.startswith("applied by airflow:")
     conn.close()
     app.close()
@@ -385,7 +426,8 @@ def test_a_waiting_full_sync_step_carries_the_request_out_itself_once_the_lease_
 def test_a_full_sync_step_fails_with_what_became_of_its_request(airflow_sites):
     session = _requested(airflow_sites, "site-b")
     airflow_sites.site("site-a").query(
-        "UPDATE lr.full_sync_requests SET status = 'cancelled', note = 'session removed from the topology'")
+        "UPDATE lr.full_sync_requests SET status = 'cancelled', note = 'session removed from the topology'"
+    )
     with pytest.raises(AirflowFailException, match=r"site-a->site-b/policy: full sync .* cancelled: session removed"):
         _step(LRSnapshotSyncOperator, session, wait_for_data=True)
 
@@ -479,13 +521,22 @@ def test_a_stream_killed_early_says_how_long_it_streamed_and_logs_its_progress(a
     runner.join(60)
     killed_after = time.monotonic() - started
     summary, lines = done["summary"], done["lines"]
-    assert 0 < summary["seconds"] <= killed_after + 0.05 < 600 and summary["planned_seconds"] == 600, summary  # to 0.1 s
+    assert 0 < summary["seconds"] <= killed_after + 0.05 < 600 and summary["planned_seconds"] == 600, (
+        summary
+    )  # to 0.1 s
     delivered = sum(summary["delivered"].values())
     assert delivered >= 20, summary  # 10 entries to each of two sinks
     ended = [line for line in lines if line.startswith("streamed for ")]
     assert ended and re.match(r"streamed for \d+ s of 600 s planned \(stopped by on_kill\)", ended[0]), ended
-    pulses = [line for line in lines if re.match(r"streaming \d of 2 sessions: \d+ entries in \d+s "
-                                                 r"\([\d.]+ entries/s, \d+ in all\), lag ", line)]
+    pulses = [
+        line
+        for line in lines
+        if re.match(
+            r"streaming \d of 2 sessions: \d+ entries in \d+s "
+            r"\([\d.]+ entries/s, \d+ in all\), lag ",
+            line,
+        )
+    ]
     assert pulses, lines
     assert any(f", {delivered} in all)" in line for line in pulses), pulses  # counted where delivered
     app.close()
@@ -500,11 +551,15 @@ def test_a_session_without_spark_says_so_once_not_in_every_step(airflow_sites, m
     app = _app_with_sinks_in_log_entry_sync(source)
     app.put("k", 1, ["site-b"])
     session = _sessions(sink="site-b")[0]
-    decided, decide_lines = _task_log_lines(LRNegotiateOperator(task_id="decide", session=session,
-                                                                spark_conn_id="spark_default"))
+    decided, decide_lines = _task_log_lines(
+        LRNegotiateOperator(task_id="decide", session=session, spark_conn_id="spark_default")
+    )
     assert decided["branch"] == "log_entry_sync"
-    _, step_lines = _task_log_lines(LRLogEntrySyncOperator(task_id="log_entry_sync", session=session, decision=decided,
-                                                           spark_conn_id="spark_default"))
+    _, step_lines = _task_log_lines(
+        LRLogEntrySyncOperator(
+            task_id="log_entry_sync", session=session, decision=decided, spark_conn_id="spark_default"
+        )
+    )
     said = [line for line in decide_lines + step_lines if "would do is done in this step" in line]
     assert said == ["what lr_table_snapshot.py would do is done in this step: no Spark connection 'spark_default'"]
     app.close()

@@ -1,5 +1,6 @@
 """The package is an Airflow provider: discoverable, schema-valid metadata, generated code up to date,
 and a wheel that ships every package and the migrations."""
+
 from __future__ import annotations
 
 import ast
@@ -36,7 +37,11 @@ def test_entry_point_and_airflow_providers_list():
     assert [ep.load()()["package-name"] for ep in eps] == ["airflow-provider-lr"]
     out = subprocess.run(
         [str(Path(sys.executable).parent / "airflow"), "providers", "list", "-o", "json"],
-        capture_output=True, text=True, check=True, env=os.environ, timeout=300,
+        capture_output=True,
+        text=True,
+        check=True,
+        env=os.environ,
+        timeout=300,
     ).stdout
     table = next(line for line in out.splitlines() if line.startswith('[{"package_name"'))
     listed = {p["package_name"]: p for p in json.loads(table)}
@@ -56,7 +61,10 @@ def test_generated_protobuf_code_is_current():
 
 def test_routing_table_entry_round_trips():
     msg = lr_pb2.RoutingTableEntryMsg(
-        destinations=["site-b", "site-c"], type=lr_pb2.LOG_ENTRY_SYNC, opaque_payload=b"\x00\xff", source_site_id="site-a"
+        destinations=["site-b", "site-c"],
+        type=lr_pb2.LOG_ENTRY_SYNC,
+        opaque_payload=b"\x00\xff",
+        source_site_id="site-a",
     )
     back = lr_pb2.RoutingTableEntryMsg.FromString(msg.SerializeToString())
     assert back == msg and list(back.destinations) == ["site-b", "site-c"]
@@ -86,13 +94,31 @@ def test_wheel_ships_every_module_and_the_migrations_as_package_data(tmp_path: P
         shutil.copy(ROOT / name, src / name)
     for name in ("airflow_provider_lr", "include", "dags", "spark_jobs", "proto"):
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(src),
-                    "-w", str(tmp_path / "dist")], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            str(src),
+            "-w",
+            str(tmp_path / "dist"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     with zipfile.ZipFile(wheel) as zf:
         shipped = set(zf.namelist())
-        requires = [line for line in zf.read(next(n for n in shipped if n.endswith("METADATA"))).decode().splitlines()
-                    if line.startswith("Requires-Dist:")]
+        requires = [
+            line
+            for line in zf.read(next(n for n in shipped if n.endswith("METADATA"))).decode().splitlines()
+            if line.startswith("Requires-Dist:")
+        ]
     modules = {p.relative_to(ROOT).as_posix() for p in PACKAGE.rglob("*.py")}
     migrations = {f"airflow_provider_lr/migrations/{p.name}" for p in (ROOT / "include" / "migrations").glob("*.sql")}
     assert migrations and not (modules | migrations) - shipped

@@ -1,5 +1,6 @@
 """Triggers: serialize round-trips, and each wait fires on the real event, not before, without
 blocking the event loop (checks run against real sites through Airflow connections)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,10 +12,10 @@ import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import ConfigurationError
-from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.session.settings import SessionSettings
-from airflow_provider_lr.engine.source.backlog import delivery_target, pending_entries
+from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.source.backlog import delivery_target, pending_entries
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.triggers import (
     LRDeliveredTrigger,
@@ -101,12 +102,14 @@ def test_a_trigger_keeps_waiting_through_a_source_restart_and_fires_after_it(air
     repl.close()
     app = App(source)
     app.close()
-    trigger = LRNewLogEntriesTrigger("lr_site_a", "site-b", "policy", min_entries=1, poll_interval=0.1,
-                                     max_poll_interval=0.5)
+    trigger = LRNewLogEntriesTrigger(
+        "lr_site_a", "site-b", "policy", min_entries=1, poll_interval=0.1, max_poll_interval=0.5
+    )
 
     def restart_then_write() -> None:
         site_manager.down([source.site_id], mode="immediate")
         import time
+
         time.sleep(1.5)  # several checks fail meanwhile: refused connections
         site_manager.up(site_ids=[source.site_id])
         again = App(source)
@@ -148,22 +151,30 @@ def test_delivered_waits_for_the_named_sink_then_for_enough_regions(airflow_site
     position = source.query("SELECT max(position) FROM lr.log_commits")[0][0]
     topo = airflow_sites.topology
     on_b = LRDeliveredTrigger.for_target(
-        "lr_site_a", delivery_target(topo, "site-a", "policy", ["site-b"], min_regions=2), position,
-        poll_interval=0.1)
+        "lr_site_a", delivery_target(topo, "site-a", "policy", ["site-b"], min_regions=2), position, poll_interval=0.1
+    )
     three_regions = LRDeliveredTrigger.for_target(
-        "lr_site_a", delivery_target(topo, "site-a", "policy", [], min_regions=3), position,
-        poll_interval=0.1)
+        "lr_site_a", delivery_target(topo, "site-a", "policy", [], min_regions=3), position, poll_interval=0.1
+    )
     dsns = {s.site_id: s.dsn for s in airflow_sites.sites}
 
     def deliver(sink: str) -> None:
-        repl = Replicator(topo, lambda site: psycopg2.connect(dsns[site]), settings=SessionSettings(barrier_timeout=2),
-                          sessions=[SessionKey("site-a", sink, "policy")])
+        repl = Replicator(
+            topo,
+            lambda site: psycopg2.connect(dsns[site]),
+            settings=SessionSettings(barrier_timeout=2),
+            sessions=[SessionKey("site-a", sink, "policy")],
+        )
         repl.run(max_cycles=2, until_idle=True, interval=0.01)
         repl.close()
 
     event = asyncio.run(_first_event(on_b, act=lambda: deliver("site-b")))
-    assert event == {"status": "success", "position": position, "safe_on": ["site-b"],
-                     "regions": ["region-1", "region-2"]}
+    assert event == {
+        "status": "success",
+        "position": position,
+        "safe_on": ["site-b"],
+        "regions": ["region-1", "region-2"],
+    }
     event = asyncio.run(_first_event(three_regions, act=lambda: deliver("site-c")))
     assert event["safe_on"] == ["site-b", "site-c"] and event["regions"] == ["region-1", "region-2", "region-3"]
     app.close()
@@ -194,10 +205,15 @@ def test_full_sync_outcome_fires_when_a_newer_request_of_the_session_is_applied(
     first = full_sync.request_full_sync(conn, "site-b", "policy", "first", forced=True)
     second = full_sync.request_full_sync(conn, "site-b", "policy", "second", forced=True)  # cancels the first
     conn.close()
-    assert airflow_sites.site("site-a").query("SELECT status FROM lr.full_sync_requests WHERE request_id = %s",
-                                              (first.request_id,)) == [("cancelled",)]
-    repl = replicator(airflow_sites.topology, airflow_sites.sites, providers={"policy": table_provider},
-                      sessions=[SessionKey("site-a", "site-b", "policy")])
+    assert airflow_sites.site("site-a").query(
+        "SELECT status FROM lr.full_sync_requests WHERE request_id = %s", (first.request_id,)
+    ) == [("cancelled",)]
+    repl = replicator(
+        airflow_sites.topology,
+        airflow_sites.sites,
+        providers={"policy": table_provider},
+        sessions=[SessionKey("site-a", "site-b", "policy")],
+    )
     App(airflow_sites.site("site-a")).close()
     trigger = LRFullSyncOutcomeTrigger("lr_site_a", first.request_id, poll_interval=0.1, max_poll_interval=0.2)
     event = asyncio.run(_first_event(trigger, act=lambda: repl.run_cycle()))

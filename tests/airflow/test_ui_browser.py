@@ -8,6 +8,7 @@ full sync is applied at the sink. Screenshots of every step go to ``$LR_ARTIFACT
 Needs Debian's ``chromium`` (``./dev.sh test`` installs it when running as root); without it the
 test is skipped, saying so. Airflow runs in its own process group, stopped as a group at the end.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -31,9 +33,17 @@ from tests.support.session import App, final_state, queue, source_state
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = os.environ.get("LR_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-background-networking", "--disable-extensions", "--no-first-run",
-                 "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-extensions",
+    "--no-first-run",
+    "--disable-component-update",
+    "--disable-sync",
+]
 STARTUP_TIMEOUT = 150  # api-server healthy and the DAGs parsed (about 50 s on 2 cores)
 RUN_TIMEOUT = 90
 
@@ -76,8 +86,13 @@ class Airflow:
     def start(self) -> None:
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "airflow"), "standalone"], env=self.env, cwd=self.home,
-            stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            [str(Path(sys.executable).parent / "airflow"), "standalone"],
+            env=self.env,
+            cwd=self.home,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
 
     def stop(self) -> None:
@@ -124,9 +139,9 @@ class Airflow:
                 raise AssertionError(f"airflow standalone exited with {self.proc.returncode}; see {self.log_path}")
             try:
                 if self.token is None:
-                    self.token = self.request("POST", "/auth/token",
-                                              {"username": "admin", "password": self.password()},
-                                              auth=False)["access_token"]
+                    self.token = self.request(
+                        "POST", "/auth/token", {"username": "admin", "password": self.password()}, auth=False
+                    )["access_token"]
                 found = {d["dag_id"] for d in self.request("GET", "/api/v2/dags?limit=100")["dags"]}
                 if set(dag_ids) <= found:
                     # the execution API (what task processes call) builds its versioned routes at its
@@ -185,22 +200,24 @@ def airflow_ui(airflow_sites, tmp_path: Path, statsd_socket) -> Iterator[Airflow
     home.mkdir()
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW__") and k != "AIRFLOW_HOME"}
-    env.update({
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS_DIR),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__API__HOST": "127.0.0.1",
-        "AIRFLOW__API__PORT": str(port),
-        "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
-        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
-        "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "1",
-        "AIRFLOW__METRICS__STATSD_ON": "True",
-        "AIRFLOW__METRICS__STATSD_HOST": "127.0.0.1",
-        "AIRFLOW__METRICS__STATSD_PORT": str(statsd_socket[0]),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),  # the test's provider
-        # standalone starts its components as `airflow ...` from PATH: this venv's
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
-    })
+    env.update(
+        {
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS_DIR),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__API__HOST": "127.0.0.1",
+            "AIRFLOW__API__PORT": str(port),
+            "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
+            "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "1",
+            "AIRFLOW__METRICS__STATSD_ON": "True",
+            "AIRFLOW__METRICS__STATSD_HOST": "127.0.0.1",
+            "AIRFLOW__METRICS__STATSD_PORT": str(statsd_socket[0]),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),  # the test's provider
+            # standalone starts its components as `airflow ...` from PATH: this venv's
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
+        }
+    )
     airflow = Airflow(home, env, port, artifacts_dir() / "airflow-standalone.log")
     started = time.monotonic()
     airflow.start()
@@ -261,8 +278,12 @@ def test_an_operator_triggers_a_full_sync_from_the_ui_form(airflow_ui, airflow_s
                 page.locator('[data-testid="trigger-dag-submit"]').click()
             assert posted.value.status == 200, posted.value.text()
             run_id = posted.value.json()["dag_run_id"]
-            assert posted.value.json()["conf"] == {"sink": "site-b", "client": None, "source": None,
-                                                    "reason": "browser test: audit asked for it"}
+            assert posted.value.json()["conf"] == {
+                "sink": "site-b",
+                "client": None,
+                "source": None,
+                "reason": "browser test: audit asked for it",
+            }
 
             # the run, as the API and the sink see it
             state = _wait_for_run(airflow_ui, "lr_full_sync", run_id)
@@ -285,7 +306,8 @@ def test_an_operator_triggers_a_full_sync_from_the_ui_form(airflow_ui, airflow_s
     assert sink_b.query("SELECT count(*) FROM lr.sink_sessions WHERE snapshot_applied >= 0")[0][0] == 1
     assert not queue(sink_c, "site-a")
     assert source.query("SELECT reason, status FROM lr.full_sync_requests WHERE forced") == [
-        ("browser test: audit asked for it", "applied")]
+        ("browser test: audit asked for it", "applied")
+    ]
     # the tasks' metrics went out through Airflow's StatsD client
     names = _statsd_names(statsd_socket[1])
     assert "airflow.lr.session.site-a.site-b.policy.snapshot_messages" in names, sorted(names)[:50]

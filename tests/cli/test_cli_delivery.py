@@ -1,5 +1,6 @@
 """`lr status` shows delivery (issue 15): readiness against the first guarded position, counted
 live, and each source's durable position, counting only the sinks each entry named."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ import yaml
 
 from airflow_provider_lr import cli
 from airflow_provider_lr.engine.site.replicator import run_until_idle
-from airflow_provider_lr.engine.store import topology
 from airflow_provider_lr.engine.source import delivery
+from airflow_provider_lr.engine.store import topology
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.cli.test_cli_sync import topology_file
 from tests.support.session import App, replicator

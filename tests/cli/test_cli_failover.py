@@ -1,5 +1,6 @@
 """`lr failover`: a planned switchover from the command line (the old source drained first, then
 refused as a source), the new topology written for the operator, and `--rejoin`."""
+
 from __future__ import annotations
 
 import psycopg2
@@ -27,8 +28,22 @@ def test_a_planned_switchover_drains_the_old_source_then_refuses_its_writers(lr_
     capsys.readouterr()
 
     new = tmp_path / "after.yaml"
-    assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--reason", "maintenance of site-a",
-                     "--out", str(new)]) == 0
+    assert (
+        cli.main(
+            [
+                "failover",
+                "--topology",
+                topo,
+                "--promote",
+                "site-b",
+                "--reason",
+                "maintenance of site-a",
+                "--out",
+                str(new),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "planned switchover" in out and "site-b is the source of policy (was site-a)" in out
     assert "lost: nothing" in out and str(new) in out
@@ -56,7 +71,8 @@ def test_lr_failover_names_what_is_wrong(lr_sites, tmp_path, monkeypatch, capsys
 
 
 def test_a_planned_switchover_carries_federated_tables_and_refuses_the_old_sources_table_writers(
-        lr_sites, tmp_path, monkeypatch, capsys):
+    lr_sites, tmp_path, monkeypatch, capsys
+):
     site_a, site_b, site_c = lr_sites
     topo = topology_file(tmp_path, lr_sites, monkeypatch)
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
@@ -87,7 +103,8 @@ def test_a_planned_switchover_carries_federated_tables_and_refuses_the_old_sourc
 
 
 def test_lr_failover_refuses_to_stop_a_tables_replication_and_lr_status_shows_the_divergence(
-        lr_sites, tmp_path, monkeypatch, capsys):
+    lr_sites, tmp_path, monkeypatch, capsys
+):
     site_a, site_b, site_c = lr_sites
     topo = topology_file(tmp_path, lr_sites, monkeypatch)
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
@@ -105,13 +122,32 @@ def test_lr_failover_refuses_to_stop_a_tables_replication_and_lr_status_shows_th
     assert len(err.strip().splitlines()) == 1
 
     new = tmp_path / "after.yaml"
-    assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--no-planned",
-                     "--allow-table-divergence", "--out", str(new)]) == 0
+    assert (
+        cli.main(
+            [
+                "failover",
+                "--topology",
+                topo,
+                "--promote",
+                "site-b",
+                "--no-planned",
+                "--allow-table-divergence",
+                "--out",
+                str(new),
+            ]
+        )
+        == 0
+    )
     assert "DIVERGED table policy: public.accounts" in capsys.readouterr().out
     assert cli.main(["status", "--topology", str(new)]) == 1  # degraded
     shown = [line for line in capsys.readouterr().out.splitlines() if "DIVERGED" in line]
-    assert any(line.strip().startswith("table  public.accounts DIVERGED (client policy): its session "
-                                       "site-a->site-c/policy was failed over to site-b") for line in shown), shown
+    assert any(
+        line.strip().startswith(
+            "table  public.accounts DIVERGED (client policy): its session "
+            "site-a->site-c/policy was failed over to site-b"
+        )
+        for line in shown
+    ), shown
 
 
 def test_status_marks_the_sink_sessions_of_a_failed_over_source(lr_sites, tmp_path, monkeypatch, capsys):

@@ -4,6 +4,7 @@ transactions, full syncs are asked back to back, `lr failover --promote site-b` 
 the writers carry on at site-b and the old source rejoins. At the end every site holds the same
 table, and each message reached each sink it named as a log entry at most once, with every sink's
 replay equal to its source's state (issue "Exactly once through every hand-off", soak part)."""
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,10 @@ from tests.support.session import App, final_state, queue, source_state, wait_fo
 from tests.support.tables import federate, rows, swap_unique
 
 ITEMS = 40
-TABLE = ("CREATE TABLE public.items (id int PRIMARY KEY, u int NOT NULL UNIQUE, n int NOT NULL DEFAULT 0, "
-         "nonkey text, \"Mixed Case\" jsonb)")
+TABLE = (
+    "CREATE TABLE public.items (id int PRIMARY KEY, u int NOT NULL UNIQUE, n int NOT NULL DEFAULT 0, "
+    'nonkey text, "Mixed Case" jsonb)'
+)
 SYNC = ["--until-idle", "--cycles", "400", "--interval", "0.05", "--give-up-after", "30"]  # a killed streamer's
 # leases lapse first
 
@@ -42,7 +45,7 @@ class SwapWriter:
         self.errors: list[str] = []
         self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "SwapWriter":
+    def __enter__(self) -> SwapWriter:
         self.thread.start()
         return self
 
@@ -59,8 +62,10 @@ class SwapWriter:
                 with conn.cursor() as cur:
                     swap_unique(cur, "public.items", a, b, self.tag)
                     n = self.count + 1
-                    cur.execute("INSERT INTO app_state VALUES (%s, %s) ON CONFLICT (k) DO UPDATE SET v = EXCLUDED.v",
-                                (f"k{a}", n))
+                    cur.execute(
+                        "INSERT INTO app_state VALUES (%s, %s) ON CONFLICT (k) DO UPDATE SET v = EXCLUDED.v",
+                        (f"k{a}", n),
+                    )
                     client.transmit_log_entry_message(f"k{a}={n}#{self.tag}{n}".encode(), self.sinks)
                 conn.commit()
                 self.count = n
@@ -80,8 +85,13 @@ def replay(sink, source: str) -> dict[str, int]:
 
 
 def streamer(topo: str, log) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "airflow_provider_lr.cli", "sync", "--topology", topo],
-                            env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "airflow_provider_lr.cli", "sync", "--topology", topo],
+        env=dict(os.environ),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -91,7 +101,8 @@ def stop(proc: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 def test_failover_with_a_federated_table_while_lr_sync_streams_and_writers_swap_unique_values(
-        lr_sites, tmp_path, monkeypatch):
+    lr_sites, tmp_path, monkeypatch
+):
     site_a, site_b, site_c = lr_sites
     t1 = topology_file(tmp_path, lr_sites, monkeypatch)
     text = open(t1).read().replace("settings: {}", "settings: {lease_seconds: 2}")
@@ -106,14 +117,20 @@ def test_failover_with_a_federated_table_while_lr_sync_streams_and_writers_swap_
 
     proc = streamer(t1, log)
     try:
-        with SwapWriter(site_a, ["site-b", "site-c"], "a", 1) as w1, SwapWriter(site_a, ["site-b", "site-c"], "A", 2) as w2:
+        with (
+            SwapWriter(site_a, ["site-b", "site-c"], "a", 1) as w1,
+            SwapWriter(site_a, ["site-b", "site-c"], "A", 2) as w2,
+        ):
             time.sleep(3)
             for sink in ("site-b", "site-b", "site-c"):
                 assert cli.main(["full-sync", "--topology", t1, "--sink", sink, "--reason", "soak"]) == 0
             time.sleep(3)
         assert w1.count > 50 and w2.count > 50, f"the writers' transactions commit (errors: {Counter(w1.errors)})"
-        wait_for(lambda: rows(site_b, "public.items") == rows(site_c, "public.items") == rows(site_a, "public.items"),
-                 60, "the table at both sinks")
+        wait_for(
+            lambda: rows(site_b, "public.items") == rows(site_c, "public.items") == rows(site_a, "public.items"),
+            60,
+            "the table at both sinks",
+        )
     finally:
         stop(proc)
 
@@ -128,8 +145,11 @@ def test_failover_with_a_federated_table_while_lr_sync_streams_and_writers_swap_
             assert cli.main(["full-sync", "--topology", str(t2), "--sink", "site-c", "--reason", "after"]) == 0
             time.sleep(2)
         assert w3.count > 50, f"site-b's writer commits (errors: {Counter(w3.errors)})"
-        wait_for(lambda: rows(site_a, "public.items") == rows(site_c, "public.items") == rows(site_b, "public.items"),
-                 90, "the table at every site after the failover")
+        wait_for(
+            lambda: rows(site_a, "public.items") == rows(site_c, "public.items") == rows(site_b, "public.items"),
+            90,
+            "the table at every site after the failover",
+        )
     finally:
         stop(proc)
         log.close()

@@ -1,5 +1,6 @@
 """`lr` without Airflow: apply a topology, replicate with `lr sync`, read `lr status`, force a
 full sync, trim — the same engine the DAGs run, through Airflow-style connections."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,11 @@ def topology_file(tmp_path, sites, monkeypatch, providers: dict | None = None) -
     for site in sites:
         conn_id = f"lr_test_{site.site_id.replace('-', '_')}"
         monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(site.server.airflow_conn(site.dbname)))
-    doc = topology_doc(sites, providers={"policy": "tests.support.session:table_provider"} if providers is None else providers,
-                       conn_ids=lambda site_id: f"lr_test_{site_id.replace('-', '_')}")
+    doc = topology_doc(
+        sites,
+        providers={"policy": "tests.support.session:table_provider"} if providers is None else providers,
+        conn_ids=lambda site_id: f"lr_test_{site_id.replace('-', '_')}",
+    )
     path = tmp_path / "topology.yaml"
     path.write_text(yaml.safe_dump(doc))
     return str(path)
@@ -88,9 +92,15 @@ def test_demo_replicates_on_its_own_embedded_sites(tmp_path, capsys):
 def test_status_says_whether_each_session_is_ready():
     from airflow_provider_lr.engine.source.backlog import readiness
 
-    source = {"role": "source", "state": "IN_LOG_ENTRY_SYNC", "sync_type": "LOG_ENTRY",
-              "remaining_entries_to_send": 0, "last_error": None, "data_consistent": None,
-              "last_applied_position": 7}
+    source = {
+        "role": "source",
+        "state": "IN_LOG_ENTRY_SYNC",
+        "sync_type": "LOG_ENTRY",
+        "remaining_entries_to_send": 0,
+        "last_error": None,
+        "data_consistent": None,
+        "last_applied_position": 7,
+    }
     assert readiness(source) == "ready"
     assert readiness({**source, "remaining_entries_to_send": 12}) == "catching up (12 to send)"
     assert readiness({**source, "state": "IN_SNAPSHOT_SYNC", "sync_type": "SNAPSHOT"}) == "not ready (snapshot)"
@@ -104,13 +114,25 @@ def test_consistent_and_ready_are_checked_against_the_trim_mark():
     "consistent" or "ready" until a full sync; and "consistent" is not claimed unchecked."""
     from airflow_provider_lr.engine.source.backlog import readiness
 
-    sink = {"role": "sink", "state": None, "sync_type": "LOG_ENTRY", "remaining_entries_to_send": None,
-            "last_error": None, "data_consistent": True, "last_applied_position": 40}
+    sink = {
+        "role": "sink",
+        "state": None,
+        "sync_type": "LOG_ENTRY",
+        "remaining_entries_to_send": None,
+        "last_error": None,
+        "data_consistent": True,
+        "last_applied_position": 40,
+    }
     assert readiness(sink, trim_mark=40) == "consistent"
     assert readiness(sink, trim_mark=41) == "not ready (behind trim)"
     assert readiness(sink, trim_mark=None) == "unchecked (source not reached)"
-    source = {**sink, "role": "source", "state": "IN_LOG_ENTRY_SYNC", "remaining_entries_to_send": 0,
-              "data_consistent": None}
+    source = {
+        **sink,
+        "role": "source",
+        "state": "IN_LOG_ENTRY_SYNC",
+        "remaining_entries_to_send": 0,
+        "data_consistent": None,
+    }
     assert readiness(source, trim_mark=40) == "ready"
     assert readiness(source, trim_mark=41) == "not ready (behind trim)"
 
@@ -129,8 +151,13 @@ def test_lr_sync_streams_by_default_until_sigterm_then_releases_its_leases(lr_si
     topo = topology_file(tmp_path, lr_sites, monkeypatch)
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
     app = App(source)
-    child = subprocess.Popen([sys.executable, "-m", "airflow_provider_lr.cli", "sync", "--topology", topo],
-                             env={**os.environ}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "airflow_provider_lr.cli", "sync", "--topology", topo],
+        env={**os.environ},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while source.query("SELECT count(*) FROM lr.source_sessions WHERE acked_position >= 0") != [(2,)]:
@@ -152,8 +179,9 @@ def test_lr_sync_streams_by_default_until_sigterm_then_releases_its_leases(lr_si
     for sink in (sink_b, sink_c):
         assert [p for k, p in queue(sink, "site-a") if k == "log"] == [f"k{i}={i}" for i in range(30)]
         position = sink.query("SELECT last_log_entry_processed FROM lr.sink_sessions")[0][0]
-        assert source.query("SELECT acked_position, lease_owner FROM lr.source_sessions WHERE sink_site_id = %s",
-                            (sink.site_id,)) == [(position, None)]
+        assert source.query(
+            "SELECT acked_position, lease_owner FROM lr.source_sessions WHERE sink_site_id = %s", (sink.site_id,)
+        ) == [(position, None)]
     app.close()
 
 
@@ -166,8 +194,14 @@ def test_lr_sync_says_a_down_sink_once_on_one_line_without_made_up_figures(lr_si
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
     app = App(source)
     app.put("k0", 1, ["site-b", "site-c"])
-    down = {"conn_type": "lr_site", "host": "127.0.0.1", "port": 1, "login": "postgres", "schema": "postgres",
-            "extra": {"site_id": "site-c"}}
+    down = {
+        "conn_type": "lr_site",
+        "host": "127.0.0.1",
+        "port": 1,
+        "login": "postgres",
+        "schema": "postgres",
+        "extra": {"site_id": "site-c"},
+    }
     monkeypatch.setenv("AIRFLOW_CONN_LR_TEST_SITE_C", json.dumps(down))
     capsys.readouterr()
     rc = cli.main(["sync", "--topology", topo, "--until-idle", "--give-up-after", "2", "--interval", "0.01"])
@@ -183,7 +217,10 @@ def test_lr_sync_says_a_down_sink_once_on_one_line_without_made_up_figures(lr_si
     out = capsys.readouterr().out
     stored = next(line for line in out.splitlines() if "last error:" in line)  # as the source stored it
     assert "Connection refused | Is the server running" in stored, out
-    assert "site-c: UNREACHABLE (" in out and "Connection refused | Is the server running" in out.split("site-c: UNREACHABLE")[1].splitlines()[0]
+    assert (
+        "site-c: UNREACHABLE (" in out
+        and "Connection refused | Is the server running" in out.split("site-c: UNREACHABLE")[1].splitlines()[0]
+    )
     app.close()
 
 
@@ -203,8 +240,9 @@ def test_repeated_errors_are_said_once_then_as_still_failing_at_a_slower_cadence
     assert repeats.due("s", "another error") == 1  # after a success, in full again
 
 
-def test_topology_validate_and_apply_warn_of_a_provider_that_cannot_be_imported(lr_sites, tmp_path, monkeypatch,
-                                                                                capsys):
+def test_topology_validate_and_apply_warn_of_a_provider_that_cannot_be_imported(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
     """Sessions of a client whose provider cannot be imported (or that has none) wait for client
     data forever: validate and apply still accept the file, and say so, naming client and provider."""
     broken = topology_file(tmp_path, lr_sites, monkeypatch, providers={"policy": "myapp.lr:policy_full_state"})

@@ -1,6 +1,7 @@
 """`lr sync` as users run it (streaming, the default), full syncs asked while it streams, then a
 SIGKILL and a restart: each message reaches each sink as a log entry at most once, and every sink
 replays to the source's state (issue "Exactly once through every hand-off", item 1)."""
+
 from __future__ import annotations
 
 import os
@@ -52,20 +53,29 @@ def write(source, n: int, stop: threading.Event) -> None:
 @pytest.mark.slow
 def test_lr_sync_killed_after_full_syncs_asked_while_streaming_delivers_nothing_twice(lr_sites, tmp_path, monkeypatch):
     source, *sinks = lr_sites
-    topo = topology_file(tmp_path, lr_sites, monkeypatch,
-                         providers={"policy": "tests.cli.test_cli_sync_kill:large_provider"})
+    topo = topology_file(
+        tmp_path, lr_sites, monkeypatch, providers={"policy": "tests.cli.test_cli_sync_kill:large_provider"}
+    )
     text = open(topo).read().replace("settings: {}", "settings: {lease_seconds: 2}")
     open(topo, "w").write(text)
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
     App(source).close()
     log = open(tmp_path / "lr-sync.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "airflow_provider_lr.cli", "sync", "--topology", topo],
-                            env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "airflow_provider_lr.cli", "sync", "--topology", topo],
+        env=dict(os.environ),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     stop = threading.Event()
     writers = [threading.Thread(target=write, args=(source, n, stop)) for n in range(WRITERS)]
     try:
-        wait_for(lambda: all(final_state(queue(s, "site-a")) == source_state(source) and queue(s, "site-a")
-                             for s in sinks), 60, "first contact")
+        wait_for(
+            lambda: all(final_state(queue(s, "site-a")) == source_state(source) and queue(s, "site-a") for s in sinks),
+            60,
+            "first contact",
+        )
         for w in writers:
             w.start()
         started = time.monotonic()
@@ -79,8 +89,11 @@ def test_lr_sync_killed_after_full_syncs_asked_while_streaming_delivers_nothing_
             if w.is_alive() or w.ident:
                 w.join()
     try:
-        wait_for(lambda: all(final_state(queue(s, "site-a")) == source_state(source) for s in sinks), 60,
-                 "the stream to catch up")
+        wait_for(
+            lambda: all(final_state(queue(s, "site-a")) == source_state(source) for s in sinks),
+            60,
+            "the stream to catch up",
+        )
         time.sleep(1.0)
         assert proc.poll() is None, "lr sync still streams"
     finally:

@@ -1,4 +1,5 @@
 """`lr tables open/list` and what `lr status` says of tables, through the CLI as a user runs it."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,23 @@ def test_lr_tables_open_replicates_a_table_and_status_and_list_show_it(lr_sites,
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
     create_accounts(source, rows=25)
     create_accounts(sink_c)
-    assert cli.main(["tables", "open", "public.accounts", "--client", "policy", "--no-federated",
-                     "--site", "site-c", "--topology", topo]) == 0
+    assert (
+        cli.main(
+            [
+                "tables",
+                "open",
+                "public.accounts",
+                "--client",
+                "policy",
+                "--no-federated",
+                "--site",
+                "site-c",
+                "--topology",
+                topo,
+            ]
+        )
+        == 0
+    )
     assert cli.main(["tables", "open", "accounts", "--client", "policy", "--topology", topo]) == 0
     out = capsys.readouterr().out
     assert "site-c: public.accounts not federated client=policy" in out
@@ -40,8 +56,9 @@ def test_lr_tables_open_names_what_is_wrong(lr_sites, tmp_path, monkeypatch, cap
     assert "does not exist" in capsys.readouterr().err
     assert cli.main(["tables", "open", "Bad Name", "--client", "policy", "--topology", topo]) == 1
     assert "schema.table" in capsys.readouterr().err
-    assert cli.main(["tables", "open", "public.accounts", "--client", "policy", "--no-federated",
-                     "--topology", topo]) == 1
+    assert (
+        cli.main(["tables", "open", "public.accounts", "--client", "policy", "--no-federated", "--topology", topo]) == 1
+    )
     assert "--site" in capsys.readouterr().err
 
 
@@ -56,8 +73,9 @@ def test_lr_sync_counts_the_rows_of_table_snapshots_it_wrote(lr_sites, tmp_path,
     out = capsys.readouterr().out
     assert rows(sink_b) == rows(source) == rows(sink_c)
     for sink in ("site-b", "site-c"):
-        line = next(line for line in out.splitlines()
-                    if line.startswith(f"site-a->{sink}/policy") and "table rows=" in line)
+        line = next(
+            line for line in out.splitlines() if line.startswith(f"site-a->{sink}/policy") and "table rows=" in line
+        )
         assert "table rows=1000 (public.accounts: synced)" in line, out
 
 
@@ -66,7 +84,8 @@ def sync(topo: str) -> None:
 
 
 def test_lr_tables_close_stops_replicating_a_table_sinks_keep_their_copy_and_reopen_resumes(
-        lr_sites, tmp_path, monkeypatch, capsys):
+    lr_sites, tmp_path, monkeypatch, capsys
+):
     source, sink_b, sink_c = lr_sites
     topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={})
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
@@ -80,8 +99,9 @@ def test_lr_tables_close_stops_replicating_a_table_sinks_keep_their_copy_and_reo
     assert cli.main(["tables", "close", "public.accounts", "--topology", topo]) == 0
     out = capsys.readouterr().out
     assert "site-a: public.accounts closed" in out and "site-b, site-c keep their copy" in out
-    assert source.query("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'public.accounts'::regclass "
-                        "AND tgname LIKE 'lr_capture%%'") == [(0,)]
+    assert source.query(
+        "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'public.accounts'::regclass AND tgname LIKE 'lr_capture%%'"
+    ) == [(0,)]
     source.query("UPDATE public.accounts SET balance = balance + 1; DELETE FROM public.accounts WHERE id <= 3")
     before = source.query("SELECT count(*) FROM lr.log_entries")
     sync(topo)
@@ -95,8 +115,12 @@ def test_lr_tables_close_stops_replicating_a_table_sinks_keep_their_copy_and_reo
     assert status_out.count("public.accounts") == 3  # the source's registration and one line per sink
     assert cli.main(["status", "--json", "--topology", topo]) == 0
     found = json.loads(capsys.readouterr().out)["sites"]
-    assert [t["closed"] for site in ("site-a", "site-b", "site-c") for t in found[site]["tables"]
-            if t["role"] == "sink" or site == "site-a"] == [True, True, True]
+    assert [
+        t["closed"]
+        for site in ("site-a", "site-b", "site-c")
+        for t in found[site]["tables"]
+        if t["role"] == "sink" or site == "site-a"
+    ] == [True, True, True]
     assert cli.main(["tables", "list", "--topology", topo]) == 0
     assert "site-a:\n  public.accounts closed" in capsys.readouterr().out
     assert cli.main(["tables", "close", "public.accounts", "--topology", topo]) == 1  # captured nowhere now
@@ -113,15 +137,17 @@ def test_lr_tables_close_stops_replicating_a_table_sinks_keep_their_copy_and_reo
     assert "closed" not in capsys.readouterr().out
 
 
-def test_lr_tables_list_reads_the_sites_it_reaches_and_names_the_one_it_cannot(
-        lr_sites, tmp_path, monkeypatch, capsys):
+def test_lr_tables_list_reads_the_sites_it_reaches_and_names_the_one_it_cannot(lr_sites, tmp_path, monkeypatch, capsys):
     source, _, _ = lr_sites
     topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={})
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
     create_accounts(source)
     assert cli.main(["tables", "open", "public.accounts", "--client", "policy", "--topology", topo]) == 0
-    monkeypatch.setenv("AIRFLOW_CONN_LR_TEST_SITE_B", '{"conn_type": "lr_site", "host": "127.0.0.1", "port": 1, '
-                       '"login": "postgres", "schema": "postgres", "extra": {"site_id": "site-b"}}')
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_LR_TEST_SITE_B",
+        '{"conn_type": "lr_site", "host": "127.0.0.1", "port": 1, '
+        '"login": "postgres", "schema": "postgres", "extra": {"site_id": "site-b"}}',
+    )
     capsys.readouterr()
     assert cli.main(["tables", "list", "--topology", topo]) == 2
     out = capsys.readouterr().out
@@ -131,12 +157,28 @@ def test_lr_tables_list_reads_the_sites_it_reaches_and_names_the_one_it_cannot(
 
 
 def test_lr_tables_open_refuses_an_unknown_client_and_names_the_site_of_an_error(
-        lr_sites, tmp_path, monkeypatch, capsys):
+    lr_sites, tmp_path, monkeypatch, capsys
+):
     topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={})
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
     capsys.readouterr()
-    assert cli.main(["tables", "open", "public.accounts", "--no-federated", "--site", "site-c", "--client", "typo",
-                     "--topology", topo]) == 1
+    assert (
+        cli.main(
+            [
+                "tables",
+                "open",
+                "public.accounts",
+                "--no-federated",
+                "--site",
+                "site-c",
+                "--client",
+                "typo",
+                "--topology",
+                topo,
+            ]
+        )
+        == 1
+    )
     assert "client 'typo' is replicated by no session of the topology; its clients: policy" in capsys.readouterr().err
     assert lr_sites[2].query("SELECT count(*) FROM lr.registry WHERE kind = 'table'") == [(0,)]
     assert cli.main(["tables", "open", "public.missing", "--client", "policy", "--topology", topo]) == 1

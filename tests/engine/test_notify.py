@@ -1,5 +1,6 @@
 """``NotifyChannel``: the LISTEN connection the sink's tap is made of, on any channel (a source-side
 process woken by commits would use it too)."""
+
 from __future__ import annotations
 
 import threading

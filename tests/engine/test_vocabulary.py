@@ -1,5 +1,6 @@
 """The shared vocabulary matches what the schema stores and checks: a state, status, stream or lock
 key added in one place only fails here."""
+
 from __future__ import annotations
 
 import ast
@@ -52,15 +53,24 @@ def test_streams_are_exactly_what_the_schema_allows(lr_sites):
 
 def test_commit_trigger_takes_the_commit_lock_key(lr_sites):
     """The migration writes the key as a literal (migrations are checksummed and cannot import it)."""
-    bodies = [r[0] for r in lr_sites[0].query(
-        "SELECT prosrc FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
-        "WHERE n.nspname = 'lr' AND prosrc LIKE %s", ("%advisory_xact_lock_shared%",))]
+    bodies = [
+        r[0]
+        for r in lr_sites[0].query(
+            "SELECT prosrc FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
+            "WHERE n.nspname = 'lr' AND prosrc LIKE %s",
+            ("%advisory_xact_lock_shared%",),
+        )
+    ]
     assert bodies and all(f"pg_advisory_xact_lock_shared({COMMIT_LOCK_KEY})" in b for b in bodies)
 
 
 def test_lock_keys_are_distinct():
-    keys = [vocabulary.SCHEMA_LOCK_KEY, vocabulary.COMMIT_LOCK_KEY, vocabulary.CONSUMER_LOCK_CLASS,
-            vocabulary.STAGING_LOCK_CLASS]
+    keys = [
+        vocabulary.SCHEMA_LOCK_KEY,
+        vocabulary.COMMIT_LOCK_KEY,
+        vocabulary.CONSUMER_LOCK_CLASS,
+        vocabulary.STAGING_LOCK_CLASS,
+    ]
     assert len(set(keys)) == len(keys)
 
 
@@ -111,8 +121,11 @@ SCHEMA_WRITES = {("SessionState", "INITIALIZED"): r"\bstate\s+text NOT NULL DEFA
 
 
 def _modules() -> dict[Path, ast.Module]:
-    return {path: ast.parse(path.read_text(), str(path)) for path in sorted(PACKAGE.rglob("*.py"))
-            if "proto" not in path.relative_to(PACKAGE).parts}  # generated protobuf code
+    return {
+        path: ast.parse(path.read_text(), str(path))
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if "proto" not in path.relative_to(PACKAGE).parts
+    }  # generated protobuf code
 
 
 def _enums(modules: dict[Path, ast.Module]) -> dict[str, list[str]]:
@@ -124,8 +137,13 @@ def _enums(modules: dict[Path, ast.Module]) -> dict[str, list[str]]:
                 continue
             bases = {b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "") for b in node.bases}
             if bases & ENUM_BASES:
-                members = [t.id for stmt in node.body if isinstance(stmt, ast.Assign) for t in stmt.targets
-                           if isinstance(t, ast.Name) and t.id.isupper()]
+                members = [
+                    t.id
+                    for stmt in node.body
+                    if isinstance(stmt, ast.Assign)
+                    for t in stmt.targets
+                    if isinstance(t, ast.Name) and t.id.isupper()
+                ]
                 if members:
                     assert node.name not in found, f"two enums named {node.name}: the check cannot tell them apart"
                     found[node.name] = members
@@ -165,6 +183,10 @@ def test_every_state_and_decision_has_a_writer():
     migrations = "\n".join(m.sql for m in schema.available_migrations())
     for (name, member), pattern in SCHEMA_WRITES.items():
         assert re.search(pattern, migrations), f"{name}.{member}: the schema no longer writes it ({pattern})"
-    unwritten = sorted(f"{name}.{member}" for name, members in enums.items() for member in members
-                       if (name, member) not in written and (name, member) not in SCHEMA_WRITES)
+    unwritten = sorted(
+        f"{name}.{member}"
+        for name, members in enums.items()
+        for member in members
+        if (name, member) not in written and (name, member) not in SCHEMA_WRITES
+    )
     assert not unwritten, f"enum members nothing in airflow_provider_lr/ writes: {unwritten}"

@@ -3,12 +3,13 @@ at the fault point between a commit on one site and the next commit on another, 
 replicator runs. Every row must end with the sinks equal to the source, nothing delivered twice,
 no full-sync request left open, each source's ack equal to its sink's position, and safe trim
 able to reach it. Rows add what is particular to their window (no re-transfer, one request...)."""
+
 from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import pytest
 
@@ -108,13 +109,18 @@ NEAREST_COPY_WINDOWS = {
 
 # the staged fan-out's window (row 21): its tasks killed under Spark, retried
 STAGED_FANOUT_WINDOWS = {
-    "fanout_after_stage": "tests/spark/test_spark_parallel_fanout.py::test_tasks_killed_and_retried_deliver_once_in_source_order",
+    "fanout_after_stage": "tests/spark/test_spark_parallel_fanout.py::test_tasks_killed_and_retried_deliver_once_in_source_order"
 }
 
 
 def test_every_fault_point_has_a_crash_window_scenario():
-    covered = {w.fault.split("_p0")[0] for w in WINDOWS} | set(TABLE_WINDOWS) | set(FAILOVER_WINDOWS) \
-        | set(NEAREST_COPY_WINDOWS) | set(STAGED_FANOUT_WINDOWS)
+    covered = (
+        {w.fault.split("_p0")[0] for w in WINDOWS}
+        | set(TABLE_WINDOWS)
+        | set(FAILOVER_WINDOWS)
+        | set(NEAREST_COPY_WINDOWS)
+        | set(STAGED_FANOUT_WINDOWS)
+    )
     assert covered == set(FAULT_POINTS), set(FAULT_POINTS) ^ covered
 
 
@@ -132,7 +138,7 @@ def _assert_repaired(sites, reports) -> None:
         entries = queue(sink, "site-a")
         assert final_state(entries) == source_state(source), f"{sink.site_id} differs from the source"
         kinds = [k for k, _ in entries]
-        after_last_start = entries[len(kinds) - 1 - kinds[::-1].index("start"):]
+        after_last_start = entries[len(kinds) - 1 - kinds[::-1].index("start") :]
         logs = [p for k, p in after_last_start if k == "log"]
         assert not [p for p, n in Counter(logs).items() if n > 1], f"{sink.site_id}: delivered twice"
     assert source.query("SELECT count(*) FROM lr.full_sync_requests WHERE status IN ('pending', 'supplied')") == [(0,)]
@@ -164,9 +170,16 @@ def test_crash_in_window_is_repaired_by_the_next_cycle(lr_sites, lr_connections,
         for i in range(1, 50):
             app.put(f"k{i % 7}", i, ["site-b", "site-c"] if i % 3 else ["site-b"])
 
-    crashed = run_crashing_replicator(topo, lr_sites, window.fault, providers=None, cycles=cycles,
-                                      settings=window.settings, stream=30.0 if window.phase == "stream" else None,
-                                      during=stream_entries if window.phase == "stream" else None)
+    crashed = run_crashing_replicator(
+        topo,
+        lr_sites,
+        window.fault,
+        providers=None,
+        cycles=cycles,
+        settings=window.settings,
+        stream=30.0 if window.phase == "stream" else None,
+        during=stream_entries if window.phase == "stream" else None,
+    )
     assert crashed.returncode == KILLED, f"fault point {window.fault} not reached: {crashed.stdout[-2000:]}"
     for i in range(300, 310):  # the application goes on while nobody replicates
         app.put(f"k{i % 7}", i, ["site-b", "site-c"])
@@ -183,4 +196,3 @@ def test_crash_in_window_is_repaired_by_the_next_cycle(lr_sites, lr_connections,
     if window.check:
         window.check(lr_sites, reports)
     app.close()
-

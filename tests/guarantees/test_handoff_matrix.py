@@ -7,12 +7,13 @@ nothing is lost, and no full-sync request is left open.
 
 (The stream × full sync and back-to-back requests cells are ``test_handoffs.py``; the stream ×
 sink restart, lease takeover and topology change cells are ``test_streaming.py``.)"""
+
 from __future__ import annotations
 
 import threading
 import time
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 import psycopg2
 import pytest
@@ -74,11 +75,13 @@ def assert_handed_off(source, sinks, tables: bool = False) -> None:
 def once(action: Callable[[], None]) -> Callable[[], None]:
     """A fault-point callback that acts the first time only (whoever recovers, inside ``action`` or
     after it, passes the point again); ``hook.fired`` says whether the action is done."""
+
     def hook() -> None:
         if not hook.started:
             hook.started = True
             action()
             hook.fired = True
+
     hook.started = hook.fired = False
     return hook
 
@@ -107,23 +110,26 @@ def request_full_syncs(source, sinks: list[str], supply: bool) -> None:
 
 def newest_forced_base(source) -> int:
     """The base the newest forced full sync was supplied at."""
-    return source.query("SELECT base_position FROM lr.full_sync_requests WHERE forced "
-                        "ORDER BY requested_at DESC LIMIT 1")[0][0]
+    return source.query(
+        "SELECT base_position FROM lr.full_sync_requests WHERE forced ORDER BY requested_at DESC LIMIT 1"
+    )[0][0]
 
 
 def supplied_again_past(source, first_base: int) -> list[str]:
     """The forced requests' statuses, in order; the one applied was supplied anew, past ``first_base``
     (``SessionRunner._behind_sink``: a request behind the sink goes back to pending, same id)."""
-    ((applied_base,),) = source.query("SELECT base_position FROM lr.full_sync_requests WHERE forced "
-                                      "AND status = 'applied'")
+    ((applied_base,),) = source.query(
+        "SELECT base_position FROM lr.full_sync_requests WHERE forced AND status = 'applied'"
+    )
     assert applied_base > first_base, "the request applied was supplied again, at a base past the sink"
     return [r[0] for r in source.query("SELECT status FROM lr.full_sync_requests WHERE forced ORDER BY requested_at")]
 
 
 def expire_lease(source, sink: str) -> None:
     """The holder of the session's lease stalls: its lease runs out."""
-    source.query("UPDATE lr.source_sessions SET lease_expires_at = now() - interval '1 second' "
-                 "WHERE sink_site_id = %s", (sink,))
+    source.query(
+        "UPDATE lr.source_sessions SET lease_expires_at = now() - interval '1 second' WHERE sink_site_id = %s", (sink,)
+    )
 
 
 class Takeover:
@@ -132,8 +138,14 @@ class Takeover:
 
     def __init__(self, topo, lr_sites, **settings) -> None:
         self.source = lr_sites[0]
-        self.successor = replicator(topo, lr_sites, owner="successor", providers={"policy": table_provider},
-                                    sessions=[k for k in topo.sessions() if k.sink == "site-b"], **settings)
+        self.successor = replicator(
+            topo,
+            lr_sites,
+            owner="successor",
+            providers={"policy": table_provider},
+            sessions=[k for k in topo.sessions() if k.sink == "site-b"],
+            **settings,
+        )
         self.reports: list = []
         self.hook = once(self._take_over)
 
@@ -168,8 +180,9 @@ def test_a_trim_while_the_session_streams_loses_nothing_and_delivers_nothing_twi
             meanwhile.put(f"k{i % 7}", i, ["site-b"])
         trimmed.append(trim_now(source, kind))
 
-    with Streaming(replicator(topo, lr_sites, providers={"policy": table_provider}, lease_seconds=5.0),
-                   options) as streaming:
+    with Streaming(
+        replicator(topo, lr_sites, providers={"policy": table_provider}, lease_seconds=5.0), options
+    ) as streaming:
         streaming.streaming()
         for i in range(10):
             app.put(f"k{i % 7}", i, ["site-b"])
@@ -226,8 +239,12 @@ def test_a_planned_switchover_while_the_sessions_stream_delivers_every_entry_onc
     assert logs(sink_b) == logs(sink_c) == [f"k{i % 7}={i}" for i in range(200)]
     assert starts(sink_b) == starts(sink_c) == 1
     App(sink_b).put("b0", 0, ["site-c", "site-a"])
-    after = replicator(result.topology, lr_sites, providers={"policy": table_provider},
-                       sessions=[k for k in result.topology.sessions() if k.sink == "site-c"])
+    after = replicator(
+        result.topology,
+        lr_sites,
+        providers={"policy": table_provider},
+        sessions=[k for k in result.topology.sessions() if k.sink == "site-c"],
+    )
     try:
         after.run(max_cycles=5, until_idle=True, interval=0.01)
     finally:
@@ -260,8 +277,13 @@ def test_an_entry_committed_after_a_switchovers_barrier_is_not_streamed_to_the_p
 
     monkeypatch.setattr(failover, "commit_barrier", barrier_then_a_late_commit)
     options = StreamSettings(check_interval=3600, ack_interval=0.05)  # the stream does not look around
-    only_b = replicator(topo, lr_sites, providers={"policy": table_provider}, lease_seconds=5.0,
-                        sessions=[k for k in topo.sessions() if k.sink == "site-b"])
+    only_b = replicator(
+        topo,
+        lr_sites,
+        providers={"policy": table_provider},
+        lease_seconds=5.0,
+        sessions=[k for k in topo.sessions() if k.sink == "site-b"],
+    )
     with Streaming(only_b, options) as streaming:
         streaming.streaming()
         result = failover.promote("site-a", "site-b", connect, reason="maintenance of site-a")
@@ -272,7 +294,8 @@ def test_an_entry_committed_after_a_switchovers_barrier_is_not_streamed_to_the_p
 
 
 def test_the_source_lost_while_its_sessions_stream_then_failed_over_leaves_both_sinks_with_the_same_entries_once(
-        lr_sites, site_manager):
+    lr_sites, site_manager
+):
     """A writer commits at site-a and both sessions stream when site-a's server stops (immediate):
     the streams end, and site-b is promoted without site-a (an unplanned failover, same
     destinations). site-c is cut at site-b's position of site-a's stream (extras removed or the gap
@@ -305,8 +328,9 @@ def test_the_source_lost_while_its_sessions_stream_then_failed_over_leaves_both_
     writer = threading.Thread(target=write)
     options = StreamSettings(check_interval=0.2, ack_interval=0.05)
     try:
-        with Streaming(replicator(topo, lr_sites, providers={"policy": table_provider}, lease_seconds=5.0),
-                       options) as streaming:
+        with Streaming(
+            replicator(topo, lr_sites, providers={"policy": table_provider}, lease_seconds=5.0), options
+        ) as streaming:
             streaming.streaming()
             writer.start()
             wait_for(lambda: len(logs(sink_b)) >= 50 and len(logs(sink_c)) >= 50, 30, "entries streamed")
@@ -337,7 +361,8 @@ def backlog_to_both_sinks(lr_sites, n: int = 300):
 
 
 def test_a_full_sync_requested_before_a_tee_leaves_its_session_to_the_cycle_and_tees_the_other(
-        lr_sites, lr_connections):
+    lr_sites, lr_connections
+):
     """The tee's plan negotiates as a cycle does: the session with a forced full sync pending is left
     out of the tee and gets its full sync from its own cycle; the other session is teed."""
     source, sink_b, sink_c = lr_sites
@@ -356,7 +381,8 @@ def test_a_full_sync_requested_before_a_tee_leaves_its_session_to_the_cycle_and_
 
 
 def test_full_syncs_requested_back_to_back_and_supplied_while_the_tee_writes_deliver_every_entry_once(
-        lr_sites, lr_connections, monkeypatch):
+    lr_sites, lr_connections, monkeypatch
+):
     """While the tee's first chunk is half written into both sinks' open transactions, forced full
     syncs are requested back to back (site-b twice, then site-c) and the client supplies them at
     once. The tee finishes its chunks (its plan's range ends below the supplied bases), then each
@@ -384,7 +410,8 @@ def test_full_syncs_requested_back_to_back_and_supplied_while_the_tee_writes_del
 
 
 def test_a_session_taken_over_in_the_middle_of_a_tee_is_fenced_there_and_delivered_once_by_its_new_holder(
-        lr_sites, lr_connections, monkeypatch):
+    lr_sites, lr_connections, monkeypatch
+):
     """After the tee's first chunk commits, its lease on site-b's session runs out and another
     replicator takes the session over and catches it up by its cycles. The tee's later chunks are
     refused at site-b (the epoch), site-c's go on, and site-b gets every entry once."""
@@ -411,7 +438,8 @@ def test_a_session_taken_over_in_the_middle_of_a_tee_is_fenced_there_and_deliver
 
 
 def test_a_planned_switchover_between_two_chunks_of_a_tee_leaves_both_sinks_with_the_same_entries_once(
-        lr_sites, lr_connections, monkeypatch):
+    lr_sites, lr_connections, monkeypatch
+):
     """site-b is promoted (a planned switchover: site-a drained into both sinks) right after the
     tee's first chunk committed. The tee's later chunks are refused at both sinks (their sessions
     from site-a are failed over), and both sinks end with every entry of site-a once, in order."""
@@ -421,8 +449,13 @@ def test_a_planned_switchover_between_two_chunks_of_a_tee_leaves_both_sinks_with
     App(sink_b).close()  # the new source's table, for its provider
     dsns = {s.site_id: s.dsn for s in lr_sites}
     promoted: list = []
-    hook = once(lambda: promoted.append(failover.promote(
-        "site-a", "site-b", lambda site: psycopg2.connect(dsns[site]), reason="maintenance of site-a")))
+    hook = once(
+        lambda: promoted.append(
+            failover.promote(
+                "site-a", "site-b", lambda site: psycopg2.connect(dsns[site]), reason="maintenance of site-a"
+            )
+        )
+    )
     repl = replicator(topo, lr_sites, providers={"policy": table_provider}, tee_min_backlog=100)
     try:
         with on_fault("fanout_after_commit_p0_a0", hook):
@@ -439,7 +472,8 @@ def test_a_planned_switchover_between_two_chunks_of_a_tee_leaves_both_sinks_with
 
 
 def test_a_topology_applied_between_two_chunks_of_a_tee_is_negotiated_by_the_next_cycles(
-        lr_sites, lr_connections, monkeypatch):
+    lr_sites, lr_connections, monkeypatch
+):
     """A new topology (a setting changed) is applied to every site after the tee's first chunk: the
     tee's later chunks go on (the entries were tagged for these sinks when written), the cycles
     that follow negotiate the new topology; no full sync is needed and every entry arrives once."""
@@ -468,7 +502,8 @@ def test_a_topology_applied_between_two_chunks_of_a_tee_is_negotiated_by_the_nex
 
 @pytest.mark.parametrize("mover", ["cycles", "tee"])
 def test_a_sink_restarted_between_two_batches_of_a_catch_up_gets_every_entry_once(
-        lr_sites, lr_connections, site_manager, monkeypatch, mover):
+    lr_sites, lr_connections, site_manager, monkeypatch, mover
+):
     """site-b's server stops (immediate) and starts again in the middle of a catch-up: right after a
     session cycle's batch committed there, or while the tee's first chunk is half written into its
     open transaction. The mover's write to it fails, site-c's go on, and the next cycles reconnect
@@ -540,7 +575,8 @@ def test_a_full_sync_taken_over_mid_transfer_is_finished_once_by_the_new_holder(
 
 @pytest.mark.parametrize("requests", [["site-b"], ["site-b", "site-b"]], ids=["one", "back_to_back"])
 def test_a_full_sync_requested_in_the_middle_of_a_transfer_is_applied_after_it_and_nothing_arrives_twice(
-        lr_sites, requests):
+    lr_sites, requests
+):
     """Between two chunks of a transfer, an operator forces a full sync (or two, back to back) and the
     client supplies it at once. The transfer under way finishes and is applied, and the same cycle's
     log-entry sync then takes the sink past the new request's base: that request is supplied again
@@ -597,7 +633,8 @@ def test_a_topology_applied_in_the_middle_of_a_transfer_lets_it_finish_and_the_n
         repl.close()
     assert not any(r.error for r in reports), reports
     assert sink_b.query("SELECT topology_config_id FROM lr.topology") == source.query(
-        "SELECT topology_config_id FROM lr.topology")
+        "SELECT topology_config_id FROM lr.topology"
+    )
     assert starts(sink_b) == 1 and logs(sink_b) == [f"k{i % 7}={i}" for i in range(20)]
     assert_handed_off(source, [sink_b])
     app.close()
@@ -677,8 +714,12 @@ def site_c_follows_site_b(lr_sites, result) -> None:
     """The cycles of the promoted topology bring site-c its full sync from site-b; site-c's queue
     from site-b replays to site-b's state, and nothing of site-a's unapplied sync is left there."""
     source, sink_b, sink_c = lr_sites
-    after = replicator(result.topology, lr_sites, providers={"policy": table_provider},
-                       sessions=[k for k in result.topology.sessions() if k.sink == "site-c"])
+    after = replicator(
+        result.topology,
+        lr_sites,
+        providers={"policy": table_provider},
+        sessions=[k for k in result.topology.sessions() if k.sink == "site-c"],
+    )
     try:
         reports = after.run(max_cycles=5, until_idle=True, interval=0.01)
         App(sink_b).put("b0", 0, ["site-c", "site-a"])
@@ -692,13 +733,16 @@ def site_c_follows_site_b(lr_sites, result) -> None:
     assert sink_b.query("SELECT status FROM lr.full_sync_requests WHERE sink_site_id = 'site-c'") == [("applied",)]
     assert logs(sink_c) == logs(sink_b) == [f"k{i % 7}={i}" for i in range(20)], "site-a's stream cut at site-b's"
     assert open_requests(source) == open_requests(sink_b) == 0
-    left = sink_c.query("SELECT (SELECT count(*) FROM lr.receive_queue WHERE NOT visible), "
-                        "(SELECT count(*) FROM lr.spark_staging), (SELECT count(*) FROM lr.spark_staged_ranges)")
+    left = sink_c.query(
+        "SELECT (SELECT count(*) FROM lr.receive_queue WHERE NOT visible), "
+        "(SELECT count(*) FROM lr.spark_staging), (SELECT count(*) FROM lr.spark_staged_ranges)"
+    )
     assert left == [(0, 0, 0)], "nothing of site-a's unapplied sync left behind, staged or in the queue"
 
 
 def test_a_planned_switchover_in_the_middle_of_a_full_sync_transfer_gives_the_sink_a_full_sync_from_the_new_source(
-        lr_sites):
+    lr_sites,
+):
     """site-c's forced full sync is being transferred (several chunks) when site-b, up to date, is
     promoted (planned). site-c had not applied that sync, so it cannot be cut at site-b's position:
     the failover requests a full sync from site-b for it, and the transfer's next chunk is refused
@@ -708,8 +752,12 @@ def test_a_planned_switchover_in_the_middle_of_a_full_sync_transfer_gives_the_si
     topo, app, connect = full_sync_of_site_c_supplied(lr_sites, 12_000)
     promoted: list = []
     hook = once(lambda: promote_site_b_up_to_date(lr_sites, connect, promoted))
-    repl = replicator(topo, lr_sites, providers={"policy": table_provider},
-                      sessions=[k for k in topo.sessions() if k.sink == "site-c"])
+    repl = replicator(
+        topo,
+        lr_sites,
+        providers={"policy": table_provider},
+        sessions=[k for k in topo.sessions() if k.sink == "site-c"],
+    )
     try:
         with on_fault("after_snapshot_chunk", hook):
             (report,) = repl.run_cycle()
@@ -768,8 +816,7 @@ def test_a_full_sync_supplied_while_a_table_snapshot_is_written_is_applied_once_
     meanwhile.close()
 
 
-def test_a_table_snapshot_whose_lease_is_taken_over_before_it_writes_is_fenced_and_written_once(
-        lr_sites, monkeypatch):
+def test_a_table_snapshot_whose_lease_is_taken_over_before_it_writes_is_fenced_and_written_once(lr_sites, monkeypatch):
     """The cycle has opened the source's snapshot of the tables its sink lacks when its lease runs out;
     a successor takes the session over and writes the tables. The first one's write is refused at
     the sink (the epoch), so the table is written once, by the successor, at its own split."""
@@ -805,8 +852,7 @@ def test_a_table_snapshot_whose_lease_is_taken_over_before_it_writes_is_fenced_a
     app.close()
 
 
-def test_a_retention_trim_while_a_table_snapshot_is_written_sends_the_session_to_a_full_sync_with_its_tables(
-        lr_sites):
+def test_a_retention_trim_while_a_table_snapshot_is_written_sends_the_session_to_a_full_sync_with_its_tables(lr_sites):
     """While the table snapshot is in the sink's open transaction, the table changes, entries commit
     and a retention trim removes them: once the snapshot commits, the session's next read is
     refused (the sink is behind the trim mark), a full sync follows and the tables are taken again;
@@ -840,7 +886,8 @@ def test_a_retention_trim_while_a_table_snapshot_is_written_sends_the_session_to
 
 @pytest.mark.parametrize("event", ["topology", "sink_restart"])
 def test_a_topology_change_or_a_sink_restart_while_a_table_snapshot_is_written_leaves_the_table_whole(
-        lr_sites, site_manager, event):
+    lr_sites, site_manager, event
+):
     """While the cycle's table snapshot is in the sink's open transaction, a new topology is applied
     to every site (the snapshot commits, the next cycles negotiate the new topology), or the sink's
     server stops and starts again (the transaction dies with it; the next cycle takes a new
@@ -853,8 +900,11 @@ def test_a_topology_change_or_a_sink_restart_while_a_table_snapshot_is_written_l
         site_manager.down([sink_b.site_id], mode="immediate")
         site_manager.up(site_ids=[sink_b.site_id])
 
-    hook = once(restart if event == "sink_restart" else lambda: apply(
-        lr_sites, ONE_SINK, providers=PROVIDERS, settings={"max_payload_bytes": 4096}))
+    hook = once(
+        restart
+        if event == "sink_restart"
+        else lambda: apply(lr_sites, ONE_SINK, providers=PROVIDERS, settings={"max_payload_bytes": 4096})
+    )
     repl = replicator(topo, lr_sites, providers={"policy": table_provider})
     try:
         with TableWriter(source, truncate=False):
@@ -873,7 +923,8 @@ def test_a_topology_change_or_a_sink_restart_while_a_table_snapshot_is_written_l
         assert not first[0].error and first[0].tables == [f"{B}:public.accounts: synced"], first
     assert not any(r.error for r in reports), reports
     assert sink_b.query("SELECT topology_config_id FROM lr.topology") == source.query(
-        "SELECT topology_config_id FROM lr.topology")
+        "SELECT topology_config_id FROM lr.topology"
+    )
     assert starts(sink_b) == 1 and logs(sink_b) == [f"k{i % 7}={i}" for i in range(20)]
     assert_handed_off(source, [sink_b], tables=True)
     app.close()
@@ -915,8 +966,9 @@ def test_a_retention_trim_while_a_sink_is_seeded_from_its_peer_sends_it_to_the_s
     # the seed committed (its fault point is on the way to that commit), then the same cycle's read
     # found the log trimmed past it and renegotiated: to the source, the peer being behind too
     assert "past the sink's position" in seen[0].reason and "passed over site-b" in seen[0].reason, seen[0]
-    assert [r[0] for r in source.query("SELECT status FROM lr.full_sync_requests WHERE sink_site_id = 'site-c'")] \
-        == ["applied"], "the source's snapshot brought site-c back"
+    assert [r[0] for r in source.query("SELECT status FROM lr.full_sync_requests WHERE sink_site_id = 'site-c'")] == [
+        "applied"
+    ], "the source's snapshot brought site-c back"
     assert rows(new) == rows(peer) == rows(source)
     assert open_requests(source) == 0
 
@@ -948,8 +1000,12 @@ def _site_b_reaches_site_c(lr_sites, result) -> None:
     """After the failover, an entry written at the promoted site-b reaches site-c, once."""
     _, sink_b, sink_c = lr_sites
     App(sink_b).put("b0", 0, ["site-c", "site-a"])
-    after = replicator(result.topology, lr_sites, providers={"policy": table_provider},
-                       sessions=[k for k in result.topology.sessions() if k.sink == "site-c"])
+    after = replicator(
+        result.topology,
+        lr_sites,
+        providers={"policy": table_provider},
+        sessions=[k for k in result.topology.sessions() if k.sink == "site-c"],
+    )
     try:
         reports = after.run(max_cycles=5, until_idle=True, interval=0.01)
     finally:
@@ -959,7 +1015,8 @@ def _site_b_reaches_site_c(lr_sites, result) -> None:
 
 
 def test_a_sink_down_while_a_switchover_reconciles_it_is_reconciled_by_the_rerun_and_gets_every_entry_once(
-        lr_sites, site_manager):
+    lr_sites, site_manager
+):
     """A planned switchover to site-b has drained site-a into both sinks, fenced them and promoted
     site-b when site-c's server stops (immediate): its reconcile fails and the failover stops there.
     Once site-c is up the same failover is run again: it resumes from site-b's record, reconciles
@@ -978,8 +1035,9 @@ def test_a_sink_down_while_a_switchover_reconciles_it_is_reconciled_by_the_rerun
         assert hook.fired
     finally:
         site_manager.up(site_ids=[sink_c.site_id])
-    assert sink_c.query("SELECT failed_over_to, failover_note FROM lr.sink_sessions "
-                        "WHERE source_site_id = 'site-a'") == [("site-b", None)], "fenced, not reconciled"
+    assert sink_c.query(
+        "SELECT failed_over_to, failover_note FROM lr.sink_sessions WHERE source_site_id = 'site-a'"
+    ) == [("site-b", None)], "fenced, not reconciled"
     result = failover.promote("site-a", "site-b", connect, reason="maintenance of site-a")
     assert result.resumed and result.planned and result.full_syncs == [], result.outcome
     assert "nothing moved" in result.outcome["site-c"]["policy"], result.outcome
@@ -1014,8 +1072,7 @@ def test_a_trim_on_the_old_source_while_a_switchover_reconciles_loses_nothing(lr
 
 
 # --- the nearest-copy seed × a failover ---------------------------------------------------------------
-def test_a_switchover_while_a_sink_is_seeded_from_its_peer_waits_for_the_seed_and_the_sink_follows_the_peer(
-        lr_sites):
+def test_a_switchover_while_a_sink_is_seeded_from_its_peer_waits_for_the_seed_and_the_sink_follows_the_peer(lr_sites):
     """site-c (a client of tables only) is being seeded from site-b, its peer, when site-b is promoted
     (planned): the seed's fenced sink transaction holds site-c's session row, so the failover waits
     for it at site-c (the hook returns once it waits). The seed commits at site-b's position; the
@@ -1033,14 +1090,25 @@ def test_a_switchover_while_a_sink_is_seeded_from_its_peer_waits_for_the_seed_an
     only_b = replicator(topo, lr_sites, sessions=[SessionKey("site-a", "site-b", "policy")], **settings)
     only_c = replicator(topo, lr_sites, sessions=[SessionKey("site-a", "site-c", "policy")], **settings)
     promoted: list = []
-    thread = threading.Thread(target=lambda: promoted.append(failover.promote(
-        "site-a", "site-b", lambda site: psycopg2.connect(dsns[site]), reason="maintenance of site-a")))
+    thread = threading.Thread(
+        target=lambda: promoted.append(
+            failover.promote(
+                "site-a", "site-b", lambda site: psycopg2.connect(dsns[site]), reason="maintenance of site-a"
+            )
+        )
+    )
 
     def promote_waiting_on_the_seed() -> None:
         thread.start()
-        wait_for(lambda: new.query("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                                   "AND query LIKE '%%lr.sink_sessions%%'")[0][0] == 1,
-                 30, "the failover to wait for the seed at site-c")
+        wait_for(
+            lambda: new.query(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND query LIKE '%%lr.sink_sessions%%'"
+            )[0][0]
+            == 1,
+            30,
+            "the failover to wait for the seed at site-c",
+        )
 
     hook = once(promote_waiting_on_the_seed)
     try:
@@ -1058,8 +1126,9 @@ def test_a_switchover_while_a_sink_is_seeded_from_its_peer_waits_for_the_seed_an
     assert "nothing moved" in result.outcome["site-c"]["policy"], result.outcome
     assert rows(new) == rows(peer) == rows(source)
     peer.query("UPDATE public.accounts SET owner = 'site-b' WHERE id <= 10")
-    after = replicator(result.topology, lr_sites,
-                       sessions=[k for k in result.topology.sessions() if k.sink == "site-c"])
+    after = replicator(
+        result.topology, lr_sites, sessions=[k for k in result.topology.sessions() if k.sink == "site-c"]
+    )
     try:
         reports = after.run(max_cycles=5, until_idle=True, interval=0.01)
     finally:

@@ -2,6 +2,7 @@
 stream, the cycles and full syncs meeting on one session. A payload reaches a sink's queue as a log
 entry once, whatever is requested while the session streams: a full sync never moves a sink's
 position backwards (its base is never behind what the sink already processed)."""
+
 from __future__ import annotations
 
 import threading
@@ -68,11 +69,15 @@ def test_full_sync_supplied_while_the_session_streams_on_is_never_applied_behind
         for i in range(10, 20):
             app.put(f"k{i}", i, ["site-b"])
         wait_for(lambda: len(logs(sink_b)) >= 20, 10, "streamed past the supplied base")
-        wait_for(lambda: starts(sink_b) == 2 and final_state(queue(sink_b, "site-a")) == source_state(source),
-                 30, "the forced full sync to be applied and the sink to catch up")
+        wait_for(
+            lambda: starts(sink_b) == 2 and final_state(queue(sink_b, "site-a")) == source_state(source),
+            30,
+            "the forced full sync to be applied and the sink to catch up",
+        )
     assert twice(sink_b) == [], "no log entry delivered twice"
-    outcome = source.query("SELECT status, base_position FROM lr.full_sync_requests WHERE request_id = %s",
-                           (stale.request_id,))
+    outcome = source.query(
+        "SELECT status, base_position FROM lr.full_sync_requests WHERE request_id = %s", (stale.request_id,)
+    )
     assert outcome[0][0] == "applied" and outcome[0][1] > first_base, "the same request, supplied anew past the sink"
     app.close()
 
@@ -95,8 +100,16 @@ def test_the_sink_refuses_a_full_sync_whose_base_is_behind_its_position(lr_sites
     meta = writes.read_metadata(sink, "site-a", "policy")
     assert meta.last_log_entry_processed > meta.snapshot_applied >= 0
     try:
-        writes.start_snapshot(sink, "site-a", "policy", meta.lease_epoch, writes.new_sync_id(), meta.snapshot_applied,
-                              meta.split, meta.topology_config_id)
+        writes.start_snapshot(
+            sink,
+            "site-a",
+            "policy",
+            meta.lease_epoch,
+            writes.new_sync_id(),
+            meta.snapshot_applied,
+            meta.split,
+            meta.topology_config_id,
+        )
     except StaleBatchError as exc:
         assert "behind" in str(exc)
     else:
@@ -141,9 +154,14 @@ def test_back_to_back_full_syncs_for_both_sinks_while_writers_write_deliver_ever
             stop.set()
             writer.join()
         for sink in (sink_b, sink_c):
-            wait_for(lambda: final_state(queue(sink, "site-a")) == source_state(source), 60, f"{sink.site_id} caught up")
-        wait_for(lambda: not source.query("SELECT 1 FROM lr.full_sync_requests WHERE status IN ('pending', 'supplied')"),
-                 30, "every request closed")
+            wait_for(
+                lambda: final_state(queue(sink, "site-a")) == source_state(source), 60, f"{sink.site_id} caught up"
+            )
+        wait_for(
+            lambda: not source.query("SELECT 1 FROM lr.full_sync_requests WHERE status IN ('pending', 'supplied')"),
+            30,
+            "every request closed",
+        )
     for sink in (sink_b, sink_c):
         assert twice(sink) == [], f"{sink.site_id}: no log entry delivered twice"
     assert written, "the writers wrote"

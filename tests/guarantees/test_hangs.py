@@ -5,6 +5,7 @@ retried with backoff, and once the cause is gone every entry arrives exactly onc
 The replicators here connect as ``lr sync`` does (``conninfo`` with the topology's bounds), with
 short bounds so the tests stay short: a call is cut after ``statement_timeout_s`` plus the link
 check (``keepalives_idle_s + keepalives_interval_s * keepalives_count``), ``DEADLINE`` below."""
+
 from __future__ import annotations
 
 import time
@@ -12,19 +13,26 @@ import time
 import psycopg2.errors
 import pytest
 
-from airflow_provider_lr.engine.errors import ConfigurationError
-from airflow_provider_lr.engine.site.replicator import Replicator
-from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
 from airflow_provider_lr.engine.db import conninfo
-from airflow_provider_lr.engine.store import topology
 from airflow_provider_lr.engine.db.timeouts import DEADLINES, Purpose, lifted
+from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
+from airflow_provider_lr.engine.site.replicator import Replicator
+from airflow_provider_lr.engine.store import topology
 from tests.support.link_proxy import LinkProxy
 from tests.support.session import App, Streaming, apply, queue, table_provider, wait_for
 
 ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
-BOUNDS = {"statement_timeout_s": 4, "lock_timeout_s": 1, "idle_in_transaction_timeout_s": 3,
-          "keepalives_idle_s": 1, "keepalives_interval_s": 1, "keepalives_count": 2,
-          "tcp_user_timeout_s": 3, "connect_timeout_s": 2}
+BOUNDS = {
+    "statement_timeout_s": 4,
+    "lock_timeout_s": 1,
+    "idle_in_transaction_timeout_s": 3,
+    "keepalives_idle_s": 1,
+    "keepalives_interval_s": 1,
+    "keepalives_count": 2,
+    "tcp_user_timeout_s": 3,
+    "connect_timeout_s": 2,
+}
 # The bound on noticing a link that acknowledges and never answers: statement_timeout_s + the link
 # check = 4 + 1 + 1 x 2 = 7 s, plus the deadline thread's tick (0.25 s).
 DEADLINE = 7.0
@@ -34,9 +42,12 @@ RETRY = StreamSettings(check_interval=0.2, ack_interval=0.05, retry_min=0.2, ret
 
 def bounded(topo, dsns: dict[str, str]) -> Replicator:
     """A replicator connecting as ``lr sync`` does: through ``conninfo``, bounded by the topology."""
-    return Replicator(topo, lambda site: conninfo.from_dsn(dsns[site]).with_timeouts(topo.timeouts).connect(),
-                      settings=SessionSettings(data_timeout=30.0, barrier_timeout=2.0, lease_seconds=30.0),
-                      providers={"policy": table_provider})
+    return Replicator(
+        topo,
+        lambda site: conninfo.from_dsn(dsns[site]).with_timeouts(topo.timeouts).connect(),
+        settings=SessionSettings(data_timeout=30.0, barrier_timeout=2.0, lease_seconds=30.0),
+        providers={"policy": table_provider},
+    )
 
 
 def logs(sink) -> list[str]:
@@ -53,13 +64,16 @@ def last_error(source) -> str:
     return source.query("SELECT coalesce(last_error, '') FROM lr.source_sessions WHERE sink_site_id = 'site-b'")[0][0]
 
 
-@pytest.mark.parametrize("setting, value, error", [
-    ("keepalives_count", 0, "0 is less than the minimum of 1"),
-    ("lock_timeout_s", -1, "-1 is less than the minimum of 0"),
-    ("statement_timeout_s", "2m", "'2m' is not of type 'number'"),
-    ("keepalives_idle_s", 1.5, "1.5 is not of type 'integer'"),
-    ("lock_timeout", 5, "unknown key 'lock_timeout'"),
-])
+@pytest.mark.parametrize(
+    "setting, value, error",
+    [
+        ("keepalives_count", 0, "0 is less than the minimum of 1"),
+        ("lock_timeout_s", -1, "-1 is less than the minimum of 0"),
+        ("statement_timeout_s", "2m", "'2m' is not of type 'number'"),
+        ("keepalives_idle_s", 1.5, "1.5 is not of type 'integer'"),
+        ("lock_timeout", 5, "unknown key 'lock_timeout'"),
+    ],
+)
 def test_the_bounds_are_strict_topology_settings(setting, value, error):
     doc = {"sites": [{"id": "site-a"}, {"id": "site-b"}], "replication": ONE_SINK, "settings": {setting: value}}
     with pytest.raises(ConfigurationError) as refused:
@@ -80,8 +94,10 @@ def test_the_topology_bounds_every_connection_lr_opens(lr_sites):
         conn = info.connect(purpose)
         try:
             with conn.cursor() as cur:
-                cur.execute("SELECT current_setting('statement_timeout'), current_setting('lock_timeout'), "
-                            "current_setting('idle_in_transaction_session_timeout')")
+                cur.execute(
+                    "SELECT current_setting('statement_timeout'), current_setting('lock_timeout'), "
+                    "current_setting('idle_in_transaction_session_timeout')"
+                )
                 row = cur.fetchone()
             return row, conn.get_dsn_parameters().get("keepalives_idle"), conn.deadline_s
         finally:
@@ -125,8 +141,11 @@ def test_a_sink_lock_held_elsewhere_fails_the_stream_with_its_reason_then_every_
                 cur.execute("SELECT 1 FROM lr.sink_sessions FOR UPDATE")
             for i in range(10, 30):
                 app.put(f"k{i}", i, ["site-b"])
-            wait_for(lambda: any("lock_timeout" in e.error for e in streaming.streamer.ends), 30,
-                     "the stream to fail on the lock")
+            wait_for(
+                lambda: any("lock_timeout" in e.error for e in streaming.streamer.ends),
+                30,
+                "the stream to fail on the lock",
+            )
             wait_for(lambda: "lock_timeout" in last_error(source), 30, "the reason in the session's status")
             time.sleep(1.5)  # the cycles keep trying while the lock is held: still nothing written
             assert logs(sink_b) == [f"k{i}={i}" for i in range(10)]
@@ -167,15 +186,21 @@ def test_a_half_open_link_to_the_sink_is_noticed_within_the_deadline_and_the_str
             stalled = time.monotonic()
             for i in range(20, 40):
                 app.put(f"k{i}", i, ["site-b"])
-            wait_for(lambda: any(e.error for e in streaming.streamer.ends), DEADLINE + SLACK,
-                     "the stream to notice the stalled link")
+            wait_for(
+                lambda: any(e.error for e in streaming.streamer.ends),
+                DEADLINE + SLACK,
+                "the stream to notice the stalled link",
+            )
             noticed = time.monotonic() - stalled
             assert noticed <= DEADLINE + SLACK, noticed
             assert DEADLINES.cut > cut_before, "the stalled call was cut at its deadline"
             (end,) = [e for e in streaming.streamer.ends if e.error]
             assert end.session == "site-a->site-b/policy" and "OperationalError" in end.error, end
-            wait_for(lambda: "OperationalError" in last_error(source) or "SiteUnreachable" in last_error(source),
-                     DEADLINE + SLACK, "the failure in the session's status")
+            wait_for(
+                lambda: "OperationalError" in last_error(source) or "SiteUnreachable" in last_error(source),
+                DEADLINE + SLACK,
+                "the failure in the session's status",
+            )
             assert logs(sink_b) == [f"k{i}={i}" for i in range(20)]
             link.heal()
             wait_for(lambda: len(logs(sink_b)) >= 40, 60, "every entry once the link heals")

@@ -1,5 +1,6 @@
 """Bad input at every entry point gets a clear error and changes nothing: names, CLI arguments,
 topology files, corrupted log entries, topologies re-applied and names reused across versions."""
+
 from __future__ import annotations
 
 import json
@@ -12,13 +13,13 @@ import pytest
 from airflow_provider_lr import cli
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.embedded.sites import SiteManager
-from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError, TransmitError
-from airflow_provider_lr.engine.site.replicator import Replicator
-from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.db import schema
+from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError, TransmitError
+from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.site import topology
-from airflow_provider_lr.engine.store import topology as topologies
+from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.source import trim
+from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.proto import lr_pb2
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 from tests.support.session import App, Streaming, apply, queue, replicator, wait_for
@@ -43,12 +44,15 @@ def test_an_invalid_site_id_is_refused_before_anything_is_written(sites, site_id
     conn.close()
 
 
-@pytest.mark.parametrize("ids, error", [
-    (["../../escaped"], "invalid site id"),
-    (["a'; touch /tmp/pwned; '"], "invalid site id"),
-    (["ok\n"], "invalid site id"),
-    (["x-1", "x_1"], "share the connection id"),
-])
+@pytest.mark.parametrize(
+    "ids, error",
+    [
+        (["../../escaped"], "invalid site id"),
+        (["a'; touch /tmp/pwned; '"], "invalid site id"),
+        (["ok\n"], "invalid site id"),
+        (["x-1", "x_1"], "share the connection id"),
+    ],
+)
 def test_lr_sites_up_refuses_ids_that_would_escape_lr_home_or_collide(tmp_path, ids, error):
     manager = SiteManager(tmp_path / "home")
     with pytest.raises(ConfigurationError, match=error):
@@ -63,8 +67,11 @@ def test_airflow_env_quotes_what_it_writes(tmp_path):
     manager.write_connections([EmbeddedSite("site-a", "eu'; echo pwned; '", 5432, str(tmp_path))])
     import subprocess
 
-    out = subprocess.run(["bash", "-c", f"set -a; . {tmp_path / 'airflow.env'}; echo \"$AIRFLOW_CONN_LR_SITE_A\""],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        ["bash", "-c", f'set -a; . {tmp_path / "airflow.env"}; echo "$AIRFLOW_CONN_LR_SITE_A"'],
+        capture_output=True,
+        text=True,
+    )
     assert "pwned" not in out.stdout.replace("echo pwned", "") and out.returncode == 0
     assert json.loads(out.stdout)["extra"]["region"] == "eu'; echo pwned; '"
 
@@ -77,22 +84,29 @@ def test_trim_retention_must_be_a_sane_number_of_seconds(value, capsys):
     assert exit_.value.code == 2 and "number of seconds" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("job, args, flag", [
-    ("lr_fanout.py", ["--source", "site-a"], "--tasks"),
-    ("lr_fanout.py", ["--source", "site-a"], "--partitions"),
-    ("lr_fanout.py", ["--source", "site-a"], "--max-entries"),
-    ("lr_snapshot_transfer.py", ["--source", "site-a", "--sink", "site-b", "--client", "policy"], "--partitions"),
-    ("lr_table_snapshot.py", ["--source", "site-a", "--client", "policy"], "--parts"),
-    ("lr_apply_receive_queue.py", ["--sink", "site-b", "--client", "policy", "--function", "m:f"], "--batch"),
-])
+@pytest.mark.parametrize(
+    "job, args, flag",
+    [
+        ("lr_fanout.py", ["--source", "site-a"], "--tasks"),
+        ("lr_fanout.py", ["--source", "site-a"], "--partitions"),
+        ("lr_fanout.py", ["--source", "site-a"], "--max-entries"),
+        ("lr_snapshot_transfer.py", ["--source", "site-a", "--sink", "site-b", "--client", "policy"], "--partitions"),
+        ("lr_table_snapshot.py", ["--source", "site-a", "--client", "policy"], "--parts"),
+        ("lr_apply_receive_queue.py", ["--sink", "site-b", "--client", "policy", "--function", "m:f"], "--batch"),
+    ],
+)
 @pytest.mark.parametrize("value", ["0", "-2", "two"])
 def test_a_spark_job_refuses_a_count_below_one_before_spark_starts(repo_root, job, args, flag, value):
     import subprocess
     import sys
 
     started = time.monotonic()
-    out = subprocess.run([sys.executable, str(repo_root / "spark_jobs" / job), *args, flag, value],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(repo_root / "spark_jobs" / job), *args, flag, value],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and f"argument {flag}" in out.stderr and "whole number of at least 1" in out.stderr
     assert "SparkContext" not in out.stderr and time.monotonic() - started < 30
 
@@ -138,26 +152,38 @@ settings:
 """
 
 
-@pytest.mark.parametrize("text, where", [
-    (GOOD.replace("replication:", "replications:"), ":4: replications: unknown key 'replications'"),
-    (GOOD.replace("sinks:", "sink:"), ":5: replication[0].sink: unknown key 'sink'"),
-    (GOOD.replace("region: r2", "regoin: r2"), ":3: sites[1].regoin: unknown key 'regoin'"),
-    (GOOD.replace("lease_seconds", "lease_secs"), ":7: settings.lease_secs: unknown key 'lease_secs'"),
-    (GOOD.replace("lease_seconds: 30", "lease_seconds: soon"), ":7: settings.lease_seconds: 'soon' is not of type"),
-    (GOOD.replace("clients: [policy]", "clients: policy"), ":5: replication[0].clients: 'policy' is not of type"),
-    (GOOD.replace("id: site-b", 'id: "site-b\\n"'), ":3: sites[1].id: 'site-b\\n' is not a valid site id"),
-    (GOOD.replace("sinks: [site-b]", "sinks: [site-x]"), ":5: replication[0].sinks: unknown site 'site-x'"),
-    (GOOD.replace("sinks: [site-b]", "sinks: [site-a]"), ":5: replication[0].sinks: site 'site-a' cannot replicate"),
-    (GOOD.replace("[policy]}", "[policy]\n"), ":7: YAML syntax error: expected ',' or '}', but got '<scalar>' "
-                                              "(while parsing a flow mapping from line 5)"),
-    ("sites: site-a\n", ":1: sites: 'site-a' is not of type 'array'"),
-    ("- just a list\n", ":1: (document): ['just a list'] is not of type 'object'"),
-    (GOOD + "providers:\n  policy: not-a-module\n", ":9: providers.policy: 'not-a-module' is not a valid provider"),
-    (GOOD.replace("region: r1", "region: r1, conn_id: 'host=db password=hunter2'"),
-     ":2: sites[0].conn_id: holds a password"),
-    (GOOD.replace("region: r1", "region: r1, conn_id: 'postgresql://lr:hunter2@db/app'"),
-     ":2: sites[0].conn_id: holds a password"),
-])
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        (GOOD.replace("replication:", "replications:"), ":4: replications: unknown key 'replications'"),
+        (GOOD.replace("sinks:", "sink:"), ":5: replication[0].sink: unknown key 'sink'"),
+        (GOOD.replace("region: r2", "regoin: r2"), ":3: sites[1].regoin: unknown key 'regoin'"),
+        (GOOD.replace("lease_seconds", "lease_secs"), ":7: settings.lease_secs: unknown key 'lease_secs'"),
+        (GOOD.replace("lease_seconds: 30", "lease_seconds: soon"), ":7: settings.lease_seconds: 'soon' is not of type"),
+        (GOOD.replace("clients: [policy]", "clients: policy"), ":5: replication[0].clients: 'policy' is not of type"),
+        (GOOD.replace("id: site-b", 'id: "site-b\\n"'), ":3: sites[1].id: 'site-b\\n' is not a valid site id"),
+        (GOOD.replace("sinks: [site-b]", "sinks: [site-x]"), ":5: replication[0].sinks: unknown site 'site-x'"),
+        (
+            GOOD.replace("sinks: [site-b]", "sinks: [site-a]"),
+            ":5: replication[0].sinks: site 'site-a' cannot replicate",
+        ),
+        (
+            GOOD.replace("[policy]}", "[policy]\n"),
+            ":7: YAML syntax error: expected ',' or '}', but got '<scalar>' (while parsing a flow mapping from line 5)",
+        ),
+        ("sites: site-a\n", ":1: sites: 'site-a' is not of type 'array'"),
+        ("- just a list\n", ":1: (document): ['just a list'] is not of type 'object'"),
+        (GOOD + "providers:\n  policy: not-a-module\n", ":9: providers.policy: 'not-a-module' is not a valid provider"),
+        (
+            GOOD.replace("region: r1", "region: r1, conn_id: 'host=db password=hunter2'"),
+            ":2: sites[0].conn_id: holds a password",
+        ),
+        (
+            GOOD.replace("region: r1", "region: r1, conn_id: 'postgresql://lr:hunter2@db/app'"),
+            ":2: sites[0].conn_id: holds a password",
+        ),
+    ],
+)
 def test_a_topology_file_with_a_mistake_is_refused_naming_file_line_and_key(tmp_path, text, where):
     path = _write(tmp_path, text)
     with pytest.raises(ConfigurationError) as error:
@@ -192,8 +218,12 @@ def test_the_shipped_topology_is_valid_and_its_payload_limit_is_enforced(lr_site
 def test_topology_apply_is_all_or_nothing_when_a_site_is_unreachable(lr_sites):
     apply(lr_sites, ONE_SINK)
     before = [s.query("SELECT topology_config_id FROM lr.topology") for s in lr_sites]
-    two = topologies.from_document({"sites": [{"id": s.site_id} for s in lr_sites], "replication": [
-        {"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy"]}]})
+    two = topologies.from_document(
+        {
+            "sites": [{"id": s.site_id} for s in lr_sites],
+            "replication": [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy"]}],
+        }
+    )
 
     def connect(site_id: str):
         if site_id == "site-c":
@@ -244,8 +274,12 @@ def test_a_queue_name_reused_by_a_later_topology_is_registered_once_the_old_queu
         conn.close()
 
     def topo_of(source: str, client: str):
-        topo = topologies.from_document({"sites": [{"id": i} for i in ids], "replication": [
-            {"source": source, "sinks": ["k"], "clients": [client]}]})
+        topo = topologies.from_document(
+            {
+                "sites": [{"id": i} for i in ids],
+                "replication": [{"source": source, "sinks": ["k"], "clients": [client]}],
+            }
+        )
         for site_id, site in ids.items():
             conn = site.connect()
             topology.apply_to_site(conn, topo, site_id)
@@ -253,8 +287,12 @@ def test_a_queue_name_reused_by_a_later_topology_is_registered_once_the_old_queu
         return topo
 
     def run(topo):
-        repl = Replicator(topo, lambda s: psycopg2.connect(ids[s].dsn), settings=SessionSettings(barrier_timeout=2.0),
-                          providers={"a_b": lambda ctx: None, "a": lambda ctx: None})
+        repl = Replicator(
+            topo,
+            lambda s: psycopg2.connect(ids[s].dsn),
+            settings=SessionSettings(barrier_timeout=2.0),
+            providers={"a_b": lambda ctx: None, "a": lambda ctx: None},
+        )
         reports = repl.run(max_cycles=3, until_idle=True, interval=0.01)
         repl.close()
         return reports
@@ -271,7 +309,9 @@ def test_a_queue_name_reused_by_a_later_topology_is_registered_once_the_old_queu
     (report,) = run(second)
     assert not report.error, report
     assert RoutingQueueSubscriber(ids["k"].dsn, client_name="a").poll(_AcceptAll()) >= 0
-    registered = ids["k"].query("SELECT source_site_id, client_name FROM lr.registry WHERE stream_name = 'LRQ_Recv_a_b_c'")
+    registered = ids["k"].query(
+        "SELECT source_site_id, client_name FROM lr.registry WHERE stream_name = 'LRQ_Recv_a_b_c'"
+    )
     assert registered == [("b_c", "a")]
 
 
@@ -303,8 +343,10 @@ def test_a_corrupted_source_entry_is_passed_on_and_dead_lettered_alone_by_every_
     repl.run(max_cycles=3, until_idle=True, interval=0.01)
     repl.close()
     app = App(source)
-    corrupt = ("UPDATE lr.log_entries SET message = '\\x08ff0a'::bytea WHERE entry_id = "
-               "(SELECT min(entry_id) + 10 FROM lr.log_entries WHERE stream = 1)")
+    corrupt = (
+        "UPDATE lr.log_entries SET message = '\\x08ff0a'::bytea WHERE entry_id = "
+        "(SELECT min(entry_id) + 10 FROM lr.log_entries WHERE stream = 1)"
+    )
     repl = replicator(topo, lr_sites, tee_min_backlog=1 if path == "tee" else 0)
     if path == "stream":
         with Streaming(repl) as streaming:
@@ -314,9 +356,15 @@ def test_a_corrupted_source_entry_is_passed_on_and_dead_lettered_alone_by_every_
             with app.conn.cursor() as cur:
                 cur.execute(corrupt)
             app.conn.commit()
-            wait_for(lambda: sink_b.query("SELECT coalesce(sum(entry_count), 0) FROM lr.receive_queue WHERE visible "
-                                          "AND kind <> %s", (lr_pb2.SNAPSHOT_SYNC_START,)) >= [(30 + 1,)],
-                     30, "the 30 entries and the first contact's end marker")
+            wait_for(
+                lambda: sink_b.query(
+                    "SELECT coalesce(sum(entry_count), 0) FROM lr.receive_queue WHERE visible AND kind <> %s",
+                    (lr_pb2.SNAPSHOT_SYNC_START,),
+                )
+                >= [(30 + 1,)],
+                30,
+                "the 30 entries and the first contact's end marker",
+            )
         streamer = streaming.streamer
         assert [(e.reason, e.error, e.delivered) for e in streamer.ends] == [("stopped", "", 30)]
     else:

@@ -8,6 +8,7 @@ Each piece of work runs in a child process (``tests/support/memory_runner.py``) 
 it 256 MiB for a quick run); the single transaction is 96 MiB, 256 MiB with ``LR_MEMORY_TEST_GIB=1``.
 Figures: docs/memory.md.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_child(spec: dict, env: dict | None = None, timeout: float = 1800) -> dict:
     """Run ``tests.support.memory_runner`` with ``spec``; its JSON report (``peak_rss_kib`` among it)."""
-    done = subprocess.run([sys.executable, "-m", "tests.support.memory_runner", json.dumps(spec)], cwd=ROOT,
-                          env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.support.memory_runner", json.dumps(spec)],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     shown = {k: v for k, v in report.items() if k in ("delivered", "calls", "largest_call", "teed")}
@@ -82,8 +89,10 @@ def fill_backlog(source, count: int, size: int, per_txn: int, sinks=("site-b",),
 
 
 def sync_in_child(topo, lr_sites, env: dict | None = None, **settings) -> dict:
-    return run_child({"mode": "sync", "topology": topo.document, "dsns": {s.site_id: s.dsn for s in lr_sites},
-                      "settings": settings}, env)
+    return run_child(
+        {"mode": "sync", "topology": topo.document, "dsns": {s.site_id: s.dsn for s in lr_sites}, "settings": settings},
+        env,
+    )
 
 
 def subscribe_in_child(sink, **subscriber) -> dict:
@@ -94,7 +103,9 @@ def queued(sink, kind: int = lr_pb2.LOG_ENTRY_SYNC) -> tuple[int, int]:
     """(visible entries of ``kind``, their rows' bytes) in the sink's receive queue."""
     entries, size = sink.query(
         "SELECT coalesce(sum(entry_count - delivered), 0), coalesce(sum(octet_length(message)), 0) "
-        "FROM lr.receive_queue WHERE visible AND kind = %s", (kind,))[0]
+        "FROM lr.receive_queue WHERE visible AND kind = %s",
+        (kind,),
+    )[0]
     return int(entries), int(size)
 
 
@@ -138,8 +149,10 @@ def test_one_large_source_transaction_arrives_whole_under_a_fixed_memory_ceiling
         try:
             with conn.cursor() as cur:
                 while not stop.is_set():
-                    cur.execute("SELECT coalesce(sum(entry_count), 0) FROM lr.receive_queue "
-                                "WHERE visible AND kind = %s", (lr_pb2.LOG_ENTRY_SYNC,))
+                    cur.execute(
+                        "SELECT coalesce(sum(entry_count), 0) FROM lr.receive_queue WHERE visible AND kind = %s",
+                        (lr_pb2.LOG_ENTRY_SYNC,),
+                    )
                     seen.add(int(cur.fetchone()[0]))
                     stop.wait(0.05)
         finally:
@@ -176,11 +189,13 @@ def test_the_read_once_tee_moves_one_mib_entries_under_a_fixed_memory_ceiling(lr
     assert_under_ceiling(synced)
 
 
-def test_a_full_sync_of_one_mib_messages_is_supplied_transferred_and_delivered_under_a_fixed_memory_ceiling(
-        lr_sites):
+def test_a_full_sync_of_one_mib_messages_is_supplied_transferred_and_delivered_under_a_fixed_memory_ceiling(lr_sites):
     count = 96
-    topo = apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}],
-                 providers={"policy": "tests.support.memory_runner:large_provider"})
+    topo = apply(
+        lr_sites,
+        [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}],
+        providers={"policy": "tests.support.memory_runner:large_provider"},
+    )
 
     synced = sync_in_child(topo, lr_sites, env={"LR_MEMORY_PROVIDER": f"{count}:{MIB}"}, tee_min_backlog=0)
     assert not synced["errors"] and synced["states"] == ["IN_LOG_ENTRY_SYNC"]

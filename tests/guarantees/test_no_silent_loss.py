@@ -1,6 +1,7 @@
 """The two silent-loss defects an independent crash pass found, as scenarios: a retention trim that
 commits in the middle of a catch-up (session cycles and the read-once fan-out), and a replicator
 killed between a sink's snapshot apply and the source's record of it."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -9,15 +10,7 @@ from airflow_provider_lr.engine.bulk import fanout
 from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.source import full_sync, trim
-from tests.support.session import (
-    App,
-    apply,
-    final_state,
-    queue,
-    replicator,
-    run_crashing_replicator,
-    source_state,
-)
+from tests.support.session import App, apply, final_state, queue, replicator, run_crashing_replicator, source_state
 
 ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
 PROVIDERS = {"policy": "tests.support.session:table_provider"}
@@ -92,9 +85,13 @@ def test_retention_trim_mid_fanout_refuses_the_trimmed_chunk_and_the_session_rec
     repl.close()  # releases the session's lease for the fan-out
     _backlog(app, 2000)
     settings = SessionSettings(barrier_timeout=2.0)
-    driver = fanout.FanoutDriver(topo, "site-a", settings=settings, connect=lambda s: next(
-        x for x in lr_sites if x.site_id == s).connect(), conninfo=lambda s: next(
-        x for x in lr_sites if x.site_id == s).conninfo)
+    driver = fanout.FanoutDriver(
+        topo,
+        "site-a",
+        settings=settings,
+        connect=lambda s: next(x for x in lr_sites if x.site_id == s).connect(),
+        conninfo=lambda s: next(x for x in lr_sites if x.site_id == s).conninfo,
+    )
     trimmer = _TrimOnce(source)
     try:
         with on_fault("fanout_after_commit_p0_a0", trimmer):  # chunk 0 committed, then the trim

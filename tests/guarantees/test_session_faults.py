@@ -1,5 +1,6 @@
 """Sessions under real faults: processes killed between steps, a sink server restarted mid-apply,
 the log trimmed under a lagging sink, a client that never supplies its full sync."""
+
 from __future__ import annotations
 
 import threading
@@ -8,8 +9,8 @@ from collections import Counter
 
 import pytest
 
-from airflow_provider_lr.engine.store.topology import recorded_id
 from airflow_provider_lr.engine.source import full_sync, trim
+from airflow_provider_lr.engine.store.topology import recorded_id
 from tests.support.session import (
     App,
     apply,
@@ -59,8 +60,9 @@ def test_replicator_killed_between_sink_write_and_source_metadata_update(lr_site
     entries = queue(sink_b, "site-a")
     _no_duplicates(entries)
     assert [p for k, p in entries if k == "log"] == [f"k{i % 7}={i}" for i in range(60)]
-    assert source.query("SELECT acked_position = %s, remaining_entries FROM lr.source_sessions",
-                        (report.acked_position,)) == [(True, 0)]
+    assert source.query(
+        "SELECT acked_position = %s, remaining_entries FROM lr.source_sessions", (report.acked_position,)
+    ) == [(True, 0)]
     repl.close()
     app.close()
 
@@ -97,11 +99,13 @@ def test_sink_restarts_during_snapshot_apply_then_apply_resumes_without_retransf
         app.put(f"k{i}", i, ["site-b"])
     blocker = None
     repl = replicator(topo, lr_sites, providers={"policy": table_provider})
-    crashed = run_crashing_replicator(topo, lr_sites, "before_snapshot_apply",
-                                      providers={"policy": "tests.support.session:table_provider"})
+    crashed = run_crashing_replicator(
+        topo, lr_sites, "before_snapshot_apply", providers={"policy": "tests.support.session:table_provider"}
+    )
     assert crashed.returncode == KILLED, crashed.stderr
-    transferred = sink_b.query("SELECT snapshot_transferred_seq, snapshot_started = snapshot_transferred "
-                               "FROM lr.sink_sessions")[0]
+    transferred = sink_b.query(
+        "SELECT snapshot_transferred_seq, snapshot_started = snapshot_transferred FROM lr.sink_sessions"
+    )[0]
     assert transferred[1], "the crash point is after a complete transfer"
     _expire_leases(source)
     # Hold one snapshot row so the apply blocks half way through its UPDATE, then stop the sink hard.
@@ -112,8 +116,10 @@ def test_sink_restarts_during_snapshot_apply_then_apply_resumes_without_retransf
     worker = threading.Thread(target=lambda: outcome.extend(repl.run_cycle()))
     worker.start()
     deadline = time.monotonic() + 20
-    while not sink_b.query("SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                           "AND query LIKE 'UPDATE lr.receive_queue SET visible%%'"):
+    while not sink_b.query(
+        "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+        "AND query LIKE 'UPDATE lr.receive_queue SET visible%%'"
+    ):
         assert time.monotonic() < deadline, "the apply never started"
         time.sleep(0.05)
     site_manager.down([sink_b.site_id], mode="immediate")
@@ -141,8 +147,12 @@ def test_trim_while_a_sink_lags_sends_it_back_to_a_snapshot(lr_sites):
     both = replicator(topo, lr_sites, providers={"policy": table_provider})
     both.run(max_cycles=3, until_idle=True, interval=0.01)
     both.close()
-    only_b = replicator(topo, lr_sites, providers={"policy": table_provider},
-                        sessions=[k for k in topo.sessions() if k.sink == "site-b"])
+    only_b = replicator(
+        topo,
+        lr_sites,
+        providers={"policy": table_provider},
+        sessions=[k for k in topo.sessions() if k.sink == "site-b"],
+    )
     for i in range(40):
         app.put(f"k{i % 5}", i, ["site-b", "site-c"])
     only_b.run(max_cycles=3, until_idle=True, interval=0.01)
@@ -151,8 +161,11 @@ def test_trim_while_a_sink_lags_sends_it_back_to_a_snapshot(lr_sites):
     # Safe trim keeps what the lagging sink still needs.
     safe = trim.safe_trim(source.connect())
     assert safe is not None and safe.trim_mark == c_acked
-    still_needed = source.query("SELECT count(*) FROM lr.log_entries e JOIN lr.log_commits c ON c.tx = e.tx "
-                                "WHERE e.stream = 1 AND c.position > %s", (c_acked,))[0][0]
+    still_needed = source.query(
+        "SELECT count(*) FROM lr.log_entries e JOIN lr.log_commits c ON c.tx = e.tx "
+        "WHERE e.stream = 1 AND c.position > %s",
+        (c_acked,),
+    )[0][0]
     assert still_needed == 40
     # Retention trims past it anyway.
     time.sleep(0.05)
@@ -221,9 +234,11 @@ def test_a_new_full_sync_request_cancels_the_pending_one_and_one_full_set_arrive
     repl.run(max_cycles=4, until_idle=True, interval=0.01)
     entries = queue(sink_b, "site-a")
     assert [k for k, _ in entries].count("start") == 2  # first contact + exactly one forced set
-    last_set = entries[len(entries) - 1 - [k for k, _ in entries][::-1].index("start"):]
+    last_set = entries[len(entries) - 1 - [k for k, _ in entries][::-1].index("start") :]
     assert sorted(p for k, p in last_set if k == "snap") == [f"k{i}={i}" for i in range(5)]
-    assert dict(source.query("SELECT request_id::text, status FROM lr.full_sync_requests"))[second.request_id] == "applied"
+    assert (
+        dict(source.query("SELECT request_id::text, status FROM lr.full_sync_requests"))[second.request_id] == "applied"
+    )
     conn.close()
     repl.close()
     app.close()
@@ -259,7 +274,7 @@ def test_two_replicators_racing_on_every_session_deliver_each_entry_once(lr_site
         logs = [p for k, p in entries if k == "log"]
         expected = [f"k{i % 9}={i}" for i in wanted]
         # after the full sync, every later entry exactly once and in order: a suffix with no gap
-        assert logs and logs == expected[len(expected) - len(logs):]
+        assert logs and logs == expected[len(expected) - len(logs) :]
     assert final_state(queue(sink_b, "site-a")) == source_state(source)
     assert epochs > 2  # the lease really changed hands
     final.close()
@@ -293,8 +308,16 @@ def test_a_replicator_whose_lease_ran_out_mid_snapshot_cannot_write_once_the_suc
     _, decided = successor.begin()
     assert decided.decision.value == "snapshot_sync" and successor.lease.epoch > stale.lease.epoch
     with pytest.raises(FencedError):
-        writes.start_snapshot(stale.sink, "site-a", "policy", stale.lease.epoch, request.request_id,
-                            request.base_position, request.split, recorded_id(stale.source))
+        writes.start_snapshot(
+            stale.sink,
+            "site-a",
+            "policy",
+            stale.lease.epoch,
+            request.request_id,
+            request.base_position,
+            request.split,
+            recorded_id(stale.source),
+        )
     with pytest.raises(FencedError):
         full_sync.request_full_sync(stale.source, "site-b", "policy", lease=stale.lease)
     report = successor.run_cycle()
@@ -324,8 +347,9 @@ def test_the_lease_keeper_rides_out_a_source_restart_and_renews_again(lr_sites, 
         site_manager.up(site_ids=[source.site_id])
         renewed_after = source.query("SELECT now()")[0][0]
         deadline = time.monotonic() + 15
-        while source.query("SELECT lease_owner, lease_expires_at > %s + interval '2 seconds' FROM lr.source_sessions",
-                           (renewed_after,)) != [("fanout-test", True)]:
+        while source.query(
+            "SELECT lease_owner, lease_expires_at > %s + interval '2 seconds' FROM lr.source_sessions", (renewed_after,)
+        ) != [("fanout-test", True)]:
             assert time.monotonic() < deadline, "the keeper renewed nothing after the restart"
             time.sleep(0.2)
         assert keeper._thread.is_alive() and keeper.error is None
@@ -337,8 +361,8 @@ def test_a_commit_watch_whose_login_is_refused_stops_its_streams_with_the_error(
     """A source's commit-position watch cannot heal a refused login: it stops, and a stream
     waiting on it gets the error (naming the source) instead of waiting for commits forever."""
     from airflow_provider_lr.engine.errors import LRError
-    from airflow_provider_lr.engine.session.source_watch import SourceWatch
     from airflow_provider_lr.engine.session.settings import StreamSettings
+    from airflow_provider_lr.engine.session.source_watch import SourceWatch
     from tests.support.subscriber import refused_login
 
     source, _, _ = lr_sites

@@ -1,15 +1,16 @@
 """A site that is down is not a misconfigured site: connecting says which (SiteUnreachableError is
 retried, ConfigurationError is not), and lr sync's tee comes back after a source blip."""
+
 from __future__ import annotations
 
 import socket
 
 import pytest
 
-from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError
-from airflow_provider_lr.engine.site.replicator import Replicator
-from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.db.conninfo import ConnInfo, from_dsn
+from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError
+from airflow_provider_lr.engine.session.settings import SessionSettings
+from airflow_provider_lr.engine.site.replicator import Replicator
 from tests.support.session import sink_queue
 from tests.support.spark_env import expected_queue, in_log_entry_sync, lr_connections, transmit_backlog  # noqa: F401
 
@@ -51,8 +52,9 @@ def test_the_tee_is_used_again_after_the_source_was_briefly_down(lr_sites, lr_co
         info = infos[site_id]
         return (_down(info) if site_id == "site-a" and source_down else info).connect()
 
-    repl = Replicator(topo, connect, settings=SessionSettings(data_timeout=30.0, barrier_timeout=2.0,
-                                                              tee_min_backlog=1000))
+    repl = Replicator(
+        topo, connect, settings=SessionSettings(data_timeout=30.0, barrier_timeout=2.0, tee_min_backlog=1000)
+    )
     reports = repl.run_cycle()  # the source is down: every session reports it, nothing raises
     assert all(r.error for r in reports), reports
     assert repl.teed == {}

@@ -14,6 +14,7 @@ seconds, default 45), ``LR_SOAK_RATE`` (application transactions/s, default 150)
 ``LR_SOAK_REPORT`` (write the summary there as JSON). ``pytest tests/guarantees/test_soak.py -s`` shows the
 summary line; ``-m soak`` selects this test.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,10 +52,22 @@ from tests.support.soak import (
 KILLED = -9
 # SessionSettings for every replicator of the soak: the tee from a small backlog, leases that run
 # out fast after a kill, small batches (more batch boundaries to be killed at), a short data timeout.
-SETTINGS = {"tee_min_backlog": 100, "lease_seconds": 1.0, "max_entries": 300, "data_timeout": 5.0,
-            "barrier_timeout": 2.0}
-SNAPSHOT_FAULTS = {"after_request", "during_supply", "after_snapshot_start", "after_snapshot_chunk",
-                   "before_snapshot_apply", "after_snapshot_apply", "after_timeout"}
+SETTINGS = {
+    "tee_min_backlog": 100,
+    "lease_seconds": 1.0,
+    "max_entries": 300,
+    "data_timeout": 5.0,
+    "barrier_timeout": 2.0,
+}
+SNAPSHOT_FAULTS = {
+    "after_request",
+    "during_supply",
+    "after_snapshot_start",
+    "after_snapshot_chunk",
+    "before_snapshot_apply",
+    "after_snapshot_apply",
+    "after_timeout",
+}
 CHAOS_SECONDS = float(os.environ.get("LR_SOAK_SECONDS", "45"))
 ACTIONS = {  # action -> weight
     "crash_at_fault": 25,
@@ -111,8 +124,12 @@ class Chaos:
     def _background(self) -> BackgroundReplicator:
         """An in-process replicator to run around a fault; a third of them without the tee."""
         tee = self.rng.random() < 2 / 3
-        return BackgroundReplicator(self.topo, self.sites, SETTINGS if tee else {**SETTINGS, "tee_min_backlog": 0},
-                                    self._owner("bg" if tee else "bg-notee"))
+        return BackgroundReplicator(
+            self.topo,
+            self.sites,
+            SETTINGS if tee else {**SETTINGS, "tee_min_backlog": 0},
+            self._owner("bg" if tee else "bg-notee"),
+        )
 
     def _maybe_background(self, p: float):
         return self._background() if self.rng.random() < p else None
@@ -153,8 +170,9 @@ class Chaos:
         if base in SNAPSHOT_FAULTS and self.rng.random() < 0.5:
             self.forced_full_sync()  # so a snapshot sync runs and its fault points are on the way
         try:
-            done = run_crashing_replicator(self.topo, self.sites, fault, cycles=self.rng.randint(2, 6),
-                                           settings=SETTINGS, timeout=60)
+            done = run_crashing_replicator(
+                self.topo, self.sites, fault, cycles=self.rng.randint(2, 6), settings=SETTINGS, timeout=60
+            )
             died = done.returncode == KILLED
             if done.returncode not in (0, 1, KILLED):
                 self.notes.append(f"crash runner ({fault}) exited {done.returncode}: {done.stderr[-500:]}")
@@ -167,8 +185,9 @@ class Chaos:
             self._after_kill()
 
     def kill_runner(self) -> None:
-        proc = spawn_runner(self.topo, self.sites, self._owner("victim"), SETTINGS, cycles=1000,
-                            log_path=self.tmp_path / "runners.log")
+        proc = spawn_runner(
+            self.topo, self.sites, self._owner("victim"), SETTINGS, cycles=1000, log_path=self.tmp_path / "runners.log"
+        )
         background = self._maybe_background(0.3)  # a second replicator racing for the leases
 
         def act() -> None:
@@ -225,9 +244,9 @@ class Chaos:
                     self._trim(True, keep / 6)  # most of the catch-up's backlog is older
 
             # small batches, so the catch-up has more to read after the first one
-            background = BackgroundReplicator(self.topo, self.sites,
-                                              {**SETTINGS, "tee_min_backlog": 0, "max_entries": 40},
-                                              self._owner("bg-notee"))
+            background = BackgroundReplicator(
+                self.topo, self.sites, {**SETTINGS, "tee_min_backlog": 0, "max_entries": 40}, self._owner("bg-notee")
+            )
             with on_fault("after_sink_apply", mid_catch_up), background:
                 deadline = time.monotonic() + 3.0
                 while not fired and time.monotonic() < deadline:
@@ -268,22 +287,33 @@ class Chaos:
         its base for good) or was forced and ignored."""
         stale = self.source.query(
             "SELECT request_id::text, sink_site_id, status, forced FROM lr.full_sync_requests "
-            "WHERE status IN ('pending', 'supplied')")
+            "WHERE status IN ('pending', 'supplied')"
+        )
         for request_id, sink_id, status, forced in stale:
             applied = self.by_id[sink_id].query(
                 "SELECT snapshot_request_id::text = %s AND snapshot_applied = snapshot_started AND data_consistent "
-                "FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s", (request_id, SOURCE, CLIENT))
+                "FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s",
+                (request_id, SOURCE, CLIENT),
+            )
             done = "has applied it" if applied and applied[0][0] else "has not applied it"
-            self.stale.append(f"t+{time.monotonic() - self.t0:.0f}s after step {self.serial}: request {request_id} "
-                              f"to {sink_id} still {status} (forced {forced}) while its session is in log-entry "
-                              f"sync; the sink {done}")
+            self.stale.append(
+                f"t+{time.monotonic() - self.t0:.0f}s after step {self.serial}: request {request_id} "
+                f"to {sink_id} still {status} (forced {forced}) while its session is in log-entry "
+                f"sync; the sink {done}"
+            )
 
     def step(self) -> str:
         kinds = sorted(ACTIONS)
         kind = self.rng.choices(kinds, weights=[ACTIONS[k] for k in kinds])[0]
-        {"crash_at_fault": self.crash_at_fault, "kill_runner": self.kill_runner,
-         "restart_sink": self.restart_sink, "restart_source": self.restart_source, "trim": self.trim,
-         "forced_full_sync": self.forced_full_sync_action, "clean_cycles": self.clean_cycles}[kind]()
+        {
+            "crash_at_fault": self.crash_at_fault,
+            "kill_runner": self.kill_runner,
+            "restart_sink": self.restart_sink,
+            "restart_source": self.restart_source,
+            "trim": self.trim,
+            "forced_full_sync": self.forced_full_sync_action,
+            "clean_cycles": self.clean_cycles,
+        }[kind]()
         return kind
 
     def all_up(self) -> None:
@@ -301,15 +331,22 @@ def test_no_silent_loss_under_random_faults(lr_sites, site_manager, tmp_path, mo
     seed = _seed()
     chaos_seconds = CHAOS_SECONDS
     rate = float(os.environ.get("LR_SOAK_RATE", "150"))
-    print(f"\nsoak: seed {seed} (LR_SOAK_SEED={seed} to repeat the choices), {chaos_seconds:.0f}s of chaos, "
-          f"{rate:.0f} tx/s", flush=True)
+    print(
+        f"\nsoak: seed {seed} (LR_SOAK_SEED={seed} to repeat the choices), {chaos_seconds:.0f}s of chaos, "
+        f"{rate:.0f} tx/s",
+        flush=True,
+    )
     rng = random.Random(seed)
     started = time.monotonic()
     source = lr_sites[0]
     monkeypatch.setenv("LR_CONNECTIONS_FILE", str(write_connections_file(tmp_path / "connections.json", lr_sites)))
     prepare_sites(lr_sites)
-    topo = apply(lr_sites, [{"source": SOURCE, "sinks": list(SINKS), "clients": [CLIENT]}],
-                 providers={CLIENT: PROVIDER}, settings={"lease_seconds": 1.0, "tee_min_backlog": 100})
+    topo = apply(
+        lr_sites,
+        [{"source": SOURCE, "sinks": list(SINKS), "clients": [CLIENT]}],
+        providers={CLIENT: PROVIDER},
+        settings={"lease_seconds": 1.0, "tee_min_backlog": 100},
+    )
     chaos = Chaos(rng, lr_sites, site_manager, topo, tmp_path)
     writer = Writer(source, seed=rng.randrange(2**31), rate=rate).start()
     steps: list[str] = []
@@ -330,9 +367,13 @@ def test_no_silent_loss_under_random_faults(lr_sites, site_manager, tmp_path, mo
     # --- the invariants ------------------------------------------------------------------------
     failures: list[str] = [f"mid-chaos: {s}" for s in chaos.stale[:5]]
     if not drained:
-        failures.append(f"sessions never settled after {rounds} drain rounds: "
-                        + "; ".join(f"{r.session} state={r.state} remaining={r.remaining} error={r.error!r} "
-                                    f"skipped={r.skipped!r}" for r in reports))
+        failures.append(
+            f"sessions never settled after {rounds} drain rounds: "
+            + "; ".join(
+                f"{r.session} state={r.state} remaining={r.remaining} error={r.error!r} skipped={r.skipped!r}"
+                for r in reports
+            )
+        )
     per_sink, lost, duplicated, checked = {}, 0, 0, 0
     sinks = {s.site_id: s for s in lr_sites[1:]}
     for sink_id in SINKS:
@@ -340,26 +381,38 @@ def test_no_silent_loss_under_random_faults(lr_sites, site_manager, tmp_path, mo
         seen = replay_sink(sinks[sink_id])
         sink_lost, sink_dup, diffs = compare(truth, seen.state)
         lost, duplicated, checked = lost + sink_lost, duplicated + sink_dup, checked + seen.checked
-        per_sink[sink_id] = {"source_total": sum(truth.values()), "replay_total": sum(seen.state.values()),
-                             "lost": sink_lost, "duplicated": sink_dup, "log_entries": seen.log_entries,
-                             "snapshot_entries": seen.snapshot_entries, "full_syncs": seen.full_syncs}
+        per_sink[sink_id] = {
+            "source_total": sum(truth.values()),
+            "replay_total": sum(seen.state.values()),
+            "lost": sink_lost,
+            "duplicated": sink_dup,
+            "log_entries": seen.log_entries,
+            "snapshot_entries": seen.snapshot_entries,
+            "full_syncs": seen.full_syncs,
+        }
         if diffs:
-            failures.append(f"{sink_id}: replay != source counters: lost {sink_lost}, duplicated {sink_dup}; "
-                            f"(source, replay) per key: {dict(list(diffs.items())[:10])}")
+            failures.append(
+                f"{sink_id}: replay != source counters: lost {sink_lost}, duplicated {sink_dup}; "
+                f"(source, replay) per key: {dict(list(diffs.items())[:10])}"
+            )
     open_requests = source.query(
         "SELECT sink_site_id, status, reason, note FROM lr.full_sync_requests "
-        "WHERE status IN ('pending', 'supplied') ORDER BY requested_at")
+        "WHERE status IN ('pending', 'supplied') ORDER BY requested_at"
+    )
     if open_requests:
         failures.append(f"full-sync requests left open on the source: {open_requests}")
-    acked = dict(source.query("SELECT sink_site_id, acked_position FROM lr.source_sessions WHERE client_name = %s",
-                              (CLIENT,)))
+    acked = dict(
+        source.query("SELECT sink_site_id, acked_position FROM lr.source_sessions WHERE client_name = %s", (CLIENT,))
+    )
     for sink_id in SINKS:
         (processed,) = sinks[sink_id].query(
             "SELECT last_log_entry_processed FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s",
-            (SOURCE, CLIENT))[0]
+            (SOURCE, CLIENT),
+        )[0]
         if acked.get(sink_id) != processed:
-            failures.append(f"{sink_id}: source acked_position {acked.get(sink_id)} != sink "
-                            f"last_log_entry_processed {processed}")
+            failures.append(
+                f"{sink_id}: source acked_position {acked.get(sink_id)} != sink last_log_entry_processed {processed}"
+            )
     conn = source.connect()
     try:
         trimmed = trim.safe_trim(conn)
@@ -367,10 +420,13 @@ def test_no_silent_loss_under_random_faults(lr_sites, site_manager, tmp_path, mo
         conn.close()
     lowest = min(acked.values()) if acked else None
     if trimmed is None or trimmed.trim_mark != lowest:
-        holds = source.query("SELECT request_id::text, sink_site_id, base_position FROM lr.full_sync_requests "
-                             "WHERE status = 'supplied'")
-        failures.append(f"safe trim reached {trimmed.trim_mark if trimmed else None}, not min(acked_position) "
-                        f"{lowest} (supplied requests holding it: {holds})")
+        holds = source.query(
+            "SELECT request_id::text, sink_site_id, base_position FROM lr.full_sync_requests WHERE status = 'supplied'"
+        )
+        failures.append(
+            f"safe trim reached {trimmed.trim_mark if trimmed else None}, not min(acked_position) "
+            f"{lowest} (supplied requests holding it: {holds})"
+        )
 
     summary = {
         "seed": seed,
@@ -394,12 +450,18 @@ def test_no_silent_loss_under_random_faults(lr_sites, site_manager, tmp_path, mo
         "notes": chaos.notes[:10],
         "failures": failures,
     }
-    print(f"soak: seed={seed} seconds={summary['chaos_seconds']} transactions={summary['transactions']} "
-          f"faults={summary['faults']} reached={summary['fault_points_reached']} teed={chaos.teed} "
-          f"entries_checked={checked} lost={lost} duplicated={duplicated}"
-          + (f" FAILED: {len(failures)} invariant(s)" if failures else " ok"), flush=True)
+    print(
+        f"soak: seed={seed} seconds={summary['chaos_seconds']} transactions={summary['transactions']} "
+        f"faults={summary['faults']} reached={summary['fault_points_reached']} teed={chaos.teed} "
+        f"entries_checked={checked} lost={lost} duplicated={duplicated}"
+        + (f" FAILED: {len(failures)} invariant(s)" if failures else " ok"),
+        flush=True,
+    )
     report = os.environ.get("LR_SOAK_REPORT")
     if report:
         Path(report).write_text(json.dumps(summary, indent=2, default=str))
-    assert not failures, f"soak seed {seed} (LR_SOAK_SEED={seed}):\n" + "\n".join(failures) + \
-        f"\nsummary: {json.dumps(summary, default=str)}"
+    assert not failures, (
+        f"soak seed {seed} (LR_SOAK_SEED={seed}):\n"
+        + "\n".join(failures)
+        + f"\nsummary: {json.dumps(summary, default=str)}"
+    )

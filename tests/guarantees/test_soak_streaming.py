@@ -21,6 +21,7 @@ seconds before the failover, default 20 in CI; a third as long after it), ``LR_S
 (transactions/s, default 150), ``LR_SOAK_REPORT`` (summary as JSON there).
 ``pytest tests/guarantees/test_soak_streaming.py -s`` prints the summary.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,12 +30,11 @@ import os
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
-
-import pytest
 
 import psycopg2
+import pytest
 
 from airflow_provider_lr.engine.session.settings import StreamSettings
 from airflow_provider_lr.engine.site import failover
@@ -91,8 +91,10 @@ def _seed() -> int:
 
 
 ITEMS = 30
-ITEMS_DDL = ("CREATE TABLE public.soak_items (id int PRIMARY KEY, u int NOT NULL UNIQUE, n int NOT NULL DEFAULT 0, "
-             "nonkey text)")  # (a column named like a word of the capture trigger's)
+ITEMS_DDL = (
+    "CREATE TABLE public.soak_items (id int PRIMARY KEY, u int NOT NULL UNIQUE, n int NOT NULL DEFAULT 0, "
+    "nonkey text)"
+)  # (a column named like a word of the capture trigger's)
 
 
 def prepare_tables(sites) -> None:
@@ -117,8 +119,12 @@ def table_work(cur, rng: random.Random) -> None:
     swap_unique(cur, "public.soak_items", a, b, "swapped")
     if rng.random() < 0.05:
         which = rng.choice((2, 3))
-        sets = ", ".join(f"{col} = ({t[which]})::{kind}" if rng.random() < 0.85 else f"{col} = NULL"
-                         for t in TYPES for col, kind in [t[:2]] if col not in ("big", "bigb") or rng.random() < 0.1)
+        sets = ", ".join(
+            f"{col} = ({t[which]})::{kind}" if rng.random() < 0.85 else f"{col} = NULL"
+            for t in TYPES
+            for col, kind in [t[:2]]
+            if col not in ("big", "bigb") or rng.random() < 0.1
+        )
         cur.execute(f"UPDATE public.soak_types SET {sets} WHERE id = {rng.choice((1, 2, 3))}")  # no parameters: no %
 
 
@@ -145,9 +151,18 @@ class StreamChaos:
 
     def spawn(self) -> None:
         self.serial += 1
-        self.streamers.append(spawn_runner(self.topo, self.sites, f"stream-soak-{self.serial}", SETTINGS, cycles=0,
-                                           log_path=self.log, stream=STREAM_FOR,
-                                           check_interval=StreamSettings().check_interval))
+        self.streamers.append(
+            spawn_runner(
+                self.topo,
+                self.sites,
+                f"stream-soak-{self.serial}",
+                SETTINGS,
+                cycles=0,
+                log_path=self.log,
+                stream=STREAM_FOR,
+                check_interval=StreamSettings().check_interval,
+            )
+        )
 
     def _request(self, sink: str) -> None:
         conn = self.source.connect()
@@ -239,8 +254,10 @@ def check_phase(phase: str, topo, sites, source, sinks, writer: Writer, summary:
     drained, reports, rounds = drain(topo, sites, SETTINGS, timeout=180)
     failures: list[str] = []
     if not drained:
-        failures.append(f"{phase}: sessions never settled: " + "; ".join(
-            f"{r.session} state={r.state} remaining={r.remaining} error={r.error!r}" for r in reports))
+        failures.append(
+            f"{phase}: sessions never settled: "
+            + "; ".join(f"{r.session} state={r.state} remaining={r.remaining} error={r.error!r}" for r in reports)
+        )
     lost = duplicated = twice = 0
     for sink in sinks:
         truth = source_counters(source, sink.site_id)
@@ -248,20 +265,31 @@ def check_phase(phase: str, topo, sites, source, sinks, writer: Writer, summary:
         sink_lost, sink_dup, diffs = compare(truth, seen.state)
         lost, duplicated, twice = lost + sink_lost, duplicated + sink_dup, twice + len(seen.twice)
         if diffs:
-            failures.append(f"{phase} {sink.site_id}: replay != {source.site_id}: lost {sink_lost}, duplicated "
-                            f"{sink_dup}: {dict(list(diffs.items())[:5])}")
+            failures.append(
+                f"{phase} {sink.site_id}: replay != {source.site_id}: lost {sink_lost}, duplicated "
+                f"{sink_dup}: {dict(list(diffs.items())[:5])}"
+            )
         if seen.twice:
-            failures.append(f"{phase} {sink.site_id}: {len(seen.twice)} messages reached the queue twice as log "
-                            f"entries, e.g. {seen.twice[:3]}")
+            failures.append(
+                f"{phase} {sink.site_id}: {len(seen.twice)} messages reached the queue twice as log "
+                f"entries, e.g. {seen.twice[:3]}"
+            )
     failures += [f"{phase} {f}" for f in table_failures([source, *sinks])]
-    open_requests = source.query("SELECT sink_site_id, status, note FROM lr.full_sync_requests "
-                                 "WHERE status IN ('pending', 'supplied')")
+    open_requests = source.query(
+        "SELECT sink_site_id, status, note FROM lr.full_sync_requests WHERE status IN ('pending', 'supplied')"
+    )
     if open_requests:
         failures.append(f"{phase}: full-sync requests left open: {open_requests}")
     if writer.errors:
         failures.append(f"{phase}: the application's transactions failed: {writer.errors[:3]}")
-    summary[phase] = {"transactions": writer.stats.committed, "messages": writer.stats.messages, "lost": lost,
-                      "duplicated": duplicated, "log_entries_twice": twice, "drain_rounds": rounds}
+    summary[phase] = {
+        "transactions": writer.stats.committed,
+        "messages": writer.stats.messages,
+        "lost": lost,
+        "duplicated": duplicated,
+        "log_entries_twice": twice,
+        "drain_rounds": rounds,
+    }
     return failures
 
 
@@ -269,18 +297,26 @@ def check_phase(phase: str, topo, sites, source, sinks, writer: Writer, summary:
 @pytest.mark.slow
 @pytest.mark.timeout(max(900, int(CHAOS_SECONDS * 3) + 600))
 def test_streaming_soak_delivers_every_message_once_through_full_syncs_kills_races_and_a_failover(
-        lr_sites, site_manager, tmp_path, caplog):
+    lr_sites, site_manager, tmp_path, caplog
+):
     caplog.set_level(logging.ERROR, logger="airflow_provider_lr")
     seed = _seed()
     rate = float(os.environ.get("LR_SOAK_RATE", "150"))
-    print(f"\nstreaming soak: seed {seed}, {CHAOS_SECONDS:.0f}s of chaos then {CHAOS_SECONDS / 3:.0f}s after a "
-          f"failover, {rate:.0f} tx/s", flush=True)
+    print(
+        f"\nstreaming soak: seed {seed}, {CHAOS_SECONDS:.0f}s of chaos then {CHAOS_SECONDS / 3:.0f}s after a "
+        f"failover, {rate:.0f} tx/s",
+        flush=True,
+    )
     rng = random.Random(seed)
     site_a, site_b, site_c = lr_sites
     dsns = {s.site_id: s.dsn for s in lr_sites}
     prepare_sites(lr_sites)
-    topo = apply(lr_sites, [{"source": SOURCE, "sinks": list(SINKS), "clients": [CLIENT]}],
-                 providers={CLIENT: LARGE_PROVIDER}, settings={"lease_seconds": SETTINGS["lease_seconds"]})
+    topo = apply(
+        lr_sites,
+        [{"source": SOURCE, "sinks": list(SINKS), "clients": [CLIENT]}],
+        providers={CLIENT: LARGE_PROVIDER},
+        settings={"lease_seconds": SETTINGS["lease_seconds"]},
+    )
     prepare_tables(lr_sites)
     started = time.monotonic()
     summary: dict = {"seed": seed, "chaos_seconds": CHAOS_SECONDS}
@@ -303,25 +339,44 @@ def test_streaming_soak_delivers_every_message_once_through_full_syncs_kills_rac
     promoted = failover.promote(SOURCE, "site-b", connect, topology=topo, planned=True, reason="stream soak")
     site_b.query(TABLE_DDL)  # the application's own counters there (not replicated)
     after = StreamChaos(rng, lr_sites, site_manager, promoted.topology, tmp_path, site_b, ("site-c", SOURCE))
-    writer_b = Writer(site_b, seed=rng.randrange(2**31), rate=rate, tag="b", extra=table_work,
-                      subsets=(("site-c",), (SOURCE,), ("site-c", SOURCE))).start()
+    writer_b = Writer(
+        site_b,
+        seed=rng.randrange(2**31),
+        rate=rate,
+        tag="b",
+        extra=table_work,
+        subsets=(("site-c",), (SOURCE,), ("site-c", SOURCE)),
+    ).start()
     rejoined: list[str] = []
     try:
-        steps += after.run(CHAOS_SECONDS / 3,
-                           midway=lambda: rejoined.append(failover.rejoin(SOURCE, connect, promoted.topology).site))
+        steps += after.run(
+            CHAOS_SECONDS / 3, midway=lambda: rejoined.append(failover.rejoin(SOURCE, connect, promoted.topology).site)
+        )
     finally:
         writer_b.stop()
         after.stop()
     assert rejoined == [SOURCE], "site-a rejoined half-way"
-    failures += check_phase("after the failover", promoted.topology, lr_sites, site_b, [site_c, site_a], writer_b,
-                            summary)
-    summary.update(steps=len(steps), faults_after=dict(sorted(after.faults.items())),
-                   wall_seconds=round(time.monotonic() - started, 1), failures=failures)
-    totals = {k: sum(summary[p][k] for p in ("before the failover", "after the failover"))
-              for k in ("transactions", "lost", "duplicated", "log_entries_twice")}
-    print(f"streaming soak: seed={seed} seconds={CHAOS_SECONDS:.0f}+{CHAOS_SECONDS / 3:.0f} {totals} "
-          f"faults={summary['faults']} after={summary['faults_after']} tables_equal={not any('soak_' in f for f in failures)}"
-          + (f" FAILED: {len(failures)}" if failures else " ok"), flush=True)
+    failures += check_phase(
+        "after the failover", promoted.topology, lr_sites, site_b, [site_c, site_a], writer_b, summary
+    )
+    summary.update(
+        steps=len(steps),
+        faults_after=dict(sorted(after.faults.items())),
+        wall_seconds=round(time.monotonic() - started, 1),
+        failures=failures,
+    )
+    totals = {
+        k: sum(summary[p][k] for p in ("before the failover", "after the failover"))
+        for k in ("transactions", "lost", "duplicated", "log_entries_twice")
+    }
+    print(
+        f"streaming soak: seed={seed} seconds={CHAOS_SECONDS:.0f}+{CHAOS_SECONDS / 3:.0f} {totals} "
+        f"faults={summary['faults']} after={summary['faults_after']} tables_equal={not any('soak_' in f for f in failures)}"
+        + (f" FAILED: {len(failures)}" if failures else " ok"),
+        flush=True,
+    )
     if os.environ.get("LR_SOAK_REPORT"):
         Path(os.environ["LR_SOAK_REPORT"]).write_text(json.dumps(summary, indent=2, default=str))
-    assert not failures, f"streaming soak seed {seed}:\n" + "\n".join(failures) + f"\n{json.dumps(summary, default=str)}"
+    assert not failures, (
+        f"streaming soak seed {seed}:\n" + "\n".join(failures) + f"\n{json.dumps(summary, default=str)}"
+    )

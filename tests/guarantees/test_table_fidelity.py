@@ -1,6 +1,7 @@
 """Federated tables carry what the writer wrote, whatever the table: column names like the words of
 lr's own SQL never break the writer's statement, a valid source transaction always applies at the
 sink (in the source's order), and every built-in type arrives exactly."""
+
 from __future__ import annotations
 
 from tests.support.session import apply, replicator
@@ -23,11 +24,60 @@ def _errors(reports) -> list[str]:
 
 # Columns named like every identifier of the capture trigger (its variables, its aliases, its
 # transition tables, the JSON keys it writes) and like SQL words, quoted mixed case and spaces.
-HOSTILE_COLUMNS = ["n", "o", "k", "r", "c", "g", "s", "a", "nonkey", "keys", "key", "old", "new", "op", "row", "rows",
-                   "data", "lr", "table_id", "client", "tid", "cid", "tags", "gen", "chunk", "gone", "lr_old",
-                   "lr_new", "lr_o", "lr_n", "lr_key", "lr_row", "lr_seq", "lr_tags", "lr_keys", "lr_nonkey",
-                   "lr_generated", "lr_table_id", "lr_client_id", "lr_gone", "lr_changed", "lr_k", "MixedCase",
-                   "with space", "select", "from", "order", "user", "tg_op", "tg_argv", "message", "stream"]
+HOSTILE_COLUMNS = [
+    "n",
+    "o",
+    "k",
+    "r",
+    "c",
+    "g",
+    "s",
+    "a",
+    "nonkey",
+    "keys",
+    "key",
+    "old",
+    "new",
+    "op",
+    "row",
+    "rows",
+    "data",
+    "lr",
+    "table_id",
+    "client",
+    "tid",
+    "cid",
+    "tags",
+    "gen",
+    "chunk",
+    "gone",
+    "lr_old",
+    "lr_new",
+    "lr_o",
+    "lr_n",
+    "lr_key",
+    "lr_row",
+    "lr_seq",
+    "lr_tags",
+    "lr_keys",
+    "lr_nonkey",
+    "lr_generated",
+    "lr_table_id",
+    "lr_client_id",
+    "lr_gone",
+    "lr_changed",
+    "lr_k",
+    "MixedCase",
+    "with space",
+    "select",
+    "from",
+    "order",
+    "user",
+    "tg_op",
+    "tg_argv",
+    "message",
+    "stream",
+]
 
 
 HOSTILE_TYPES = {"data": "jsonb", "tags": "int[]", "lr_row": "int[]", "lr_image": "json", "row": "text[]"}
@@ -35,8 +85,10 @@ HOSTILE_TYPES = {"data": "jsonb", "tags": "int[]", "lr_row": "int[]", "lr_image"
 
 def _hostile_table(site, name: str, key: list[str]) -> None:
     """Text columns, some (also named like lr's words) of types that travel as their text form."""
-    cols = ", ".join(f'"{c}" int NOT NULL' if c in key else f'"{c}" {HOSTILE_TYPES.get(c, "text")}'
-                     for c in HOSTILE_COLUMNS + ["lr_image", "lr_text", "lr_extra", "lr_col", "q"])
+    cols = ", ".join(
+        f'"{c}" int NOT NULL' if c in key else f'"{c}" {HOSTILE_TYPES.get(c, "text")}'
+        for c in HOSTILE_COLUMNS + ["lr_image", "lr_text", "lr_extra", "lr_col", "q"]
+    )
     site.query(f"CREATE TABLE public.{name} ({cols}, PRIMARY KEY ({', '.join(chr(34) + k + chr(34) for k in key)}))")
 
 
@@ -45,21 +97,29 @@ def test_a_table_whose_columns_are_named_like_the_capture_triggers_words_is_capt
     topo = apply(lr_sites)
     _hostile_table(source, "hostile", ["n"])
     _hostile_table(source, "hostile2", ["nonkey", "select"])  # a composite key of hostile names
-    source.query("INSERT INTO public.hostile (n, nonkey, \"with space\") SELECT g, 'v' || g, 's' FROM generate_series(1, 5) g")
+    source.query(
+        "INSERT INTO public.hostile (n, nonkey, \"with space\") SELECT g, 'v' || g, 's' FROM generate_series(1, 5) g"
+    )
     federate(source, "public.hostile")
     federate(source, "public.hostile2")
     repl = replicator(topo, lr_sites)
     sync(repl)
     # every kind of statement, in the writer's transaction: none may fail
-    source.query("INSERT INTO public.hostile (n, nonkey, op, \"MixedCase\", tags) "
-                 "SELECT g, 'new' || g, 'u', 'M', '{1}' FROM generate_series(6, 1200) g")  # several entries
-    source.query("UPDATE public.hostile SET nonkey = 'changed', \"row\" = '{r}', data = '\"d\"', lr_row = '{1}', "
-                 "lr_image = '[1,  2]' WHERE n <= 600")
+    source.query(
+        'INSERT INTO public.hostile (n, nonkey, op, "MixedCase", tags) '
+        "SELECT g, 'new' || g, 'u', 'M', '{1}' FROM generate_series(6, 1200) g"
+    )  # several entries
+    source.query(
+        "UPDATE public.hostile SET nonkey = 'changed', \"row\" = '{r}', data = '\"d\"', lr_row = '{1}', "
+        "lr_image = '[1,  2]' WHERE n <= 600"
+    )
     source.query("UPDATE public.hostile SET n = n + 5000 WHERE n BETWEEN 10 AND 20")  # key changes
     source.query("DELETE FROM public.hostile WHERE n BETWEEN 30 AND 40")
-    source.query("INSERT INTO public.hostile2 (nonkey, \"select\", n, k) SELECT g, g %% 3, 'x', 'y' "
-                 "FROM generate_series(1, 30) g")
-    source.query("UPDATE public.hostile2 SET \"select\" = \"select\" + 10 WHERE nonkey < 10")  # key changes
+    source.query(
+        "INSERT INTO public.hostile2 (nonkey, \"select\", n, k) SELECT g, g %% 3, 'x', 'y' "
+        "FROM generate_series(1, 30) g"
+    )
+    source.query('UPDATE public.hostile2 SET "select" = "select" + 10 WHERE nonkey < 10')  # key changes
     source.query("UPDATE public.hostile2 SET lr = 'l', \"from\" = 'f' WHERE nonkey >= 10")
     source.query("DELETE FROM public.hostile2 WHERE nonkey = 29")
     assert _errors(sync(repl)) == []
@@ -88,8 +148,11 @@ def _in_one_transaction(site, *statements: str) -> None:
 def test_transactions_valid_at_the_source_apply_at_a_sink_with_the_same_constraints(lr_sites):
     source, *sinks = lr_sites
     topo = apply(lr_sites)
-    _both(lr_sites, "CREATE TABLE public.people (id int PRIMARY KEY, email text NOT NULL UNIQUE, "
-                    "badge int UNIQUE DEFERRABLE INITIALLY IMMEDIATE, name text)")
+    _both(
+        lr_sites,
+        "CREATE TABLE public.people (id int PRIMARY KEY, email text NOT NULL UNIQUE, "
+        "badge int UNIQUE DEFERRABLE INITIALLY IMMEDIATE, name text)",
+    )
     source.query("INSERT INTO public.people SELECT g, 'e' || g, g, 'p' || g FROM generate_series(1, 9) g")
     federate(source, "public.people")
     repl = replicator(topo, lr_sites)
@@ -98,21 +161,24 @@ def test_transactions_valid_at_the_source_apply_at_a_sink_with_the_same_constrai
         "swap through a temporary value": [
             "UPDATE public.people SET email = 'tmp' WHERE id = 1",
             "UPDATE public.people SET email = 'e1' WHERE id = 2",
-            "UPDATE public.people SET email = 'e2' WHERE id = 1"],
+            "UPDATE public.people SET email = 'e2' WHERE id = 1",
+        ],
         "a chain a->b, b->c, c->a": [
             "UPDATE public.people SET email = 'tmp' WHERE id = 3",
             "UPDATE public.people SET email = 'e3' WHERE id = 5",
             "UPDATE public.people SET email = 'e5' WHERE id = 4",
-            "UPDATE public.people SET email = 'e4' WHERE id = 3"],
+            "UPDATE public.people SET email = 'e4' WHERE id = 3",
+        ],
         "a value deleted under one key and inserted under another": [
             "DELETE FROM public.people WHERE id = 6",
-            "INSERT INTO public.people VALUES (60, 'e6', 6, 'moved')"],
-        "primary keys change, unique values stay with their rows": [
-            "UPDATE public.people SET id = id + 100"],
+            "INSERT INTO public.people VALUES (60, 'e6', 6, 'moved')",
+        ],
+        "primary keys change, unique values stay with their rows": ["UPDATE public.people SET id = id + 100"],
         "a deferrable constraint swapped in two statements, checked at commit": [
             "SET CONSTRAINTS ALL DEFERRED",
             "UPDATE public.people SET badge = 8 WHERE id = 107",
-            "UPDATE public.people SET badge = 7 WHERE id = 108"],
+            "UPDATE public.people SET badge = 7 WHERE id = 108",
+        ],
         "and back again, each in its own transaction": [],
     }
     for what, statements in scenarios.items():
@@ -122,8 +188,11 @@ def test_transactions_valid_at_the_source_apply_at_a_sink_with_the_same_constrai
         for sink in sinks:
             assert rows(sink, "public.people") == rows(source, "public.people"), what
     # the same history again from the start, all of it in one batch (one sink transaction)
-    _in_one_transaction(source, "DELETE FROM public.people",
-                        "INSERT INTO public.people SELECT g, 'e' || g, g, 'p' || g FROM generate_series(1, 9) g")
+    _in_one_transaction(
+        source,
+        "DELETE FROM public.people",
+        "INSERT INTO public.people SELECT g, 'e' || g, g, 'p' || g FROM generate_series(1, 9) g",
+    )
     for statements in scenarios.values():
         if statements:
             _in_one_transaction(source, *statements)
@@ -141,11 +210,19 @@ def test_changes_of_two_tables_apply_in_the_source_order_across_tables(lr_sites)
     federate(source, "public.children")
     repl = replicator(topo, lr_sites)
     sync(repl)
-    _in_one_transaction(source, "INSERT INTO public.parents VALUES (1, 'a'), (2, 'b')",
-                        "INSERT INTO public.children VALUES (10, 1), (20, 2)")
+    _in_one_transaction(
+        source,
+        "INSERT INTO public.parents VALUES (1, 'a'), (2, 'b')",
+        "INSERT INTO public.children VALUES (10, 1), (20, 2)",
+    )
     sync(repl)
-    _in_one_transaction(source, "DELETE FROM public.children WHERE parent = 1", "DELETE FROM public.parents WHERE id = 1",
-                        "INSERT INTO public.parents VALUES (3, 'c')", "UPDATE public.children SET parent = 3")
+    _in_one_transaction(
+        source,
+        "DELETE FROM public.children WHERE parent = 1",
+        "DELETE FROM public.parents WHERE id = 1",
+        "INSERT INTO public.parents VALUES (3, 'c')",
+        "UPDATE public.children SET parent = 3",
+    )
     assert _errors(sync(repl)) == []
     for sink in sinks:
         assert rows(sink, "public.parents") == rows(source, "public.parents")
@@ -164,8 +241,10 @@ def test_a_batch_the_sink_refuses_shows_in_status_and_applies_by_itself_once_the
     source.query("INSERT INTO public.accounts (id, owner) VALUES (100, 'after')")
     errors = _errors(sync(repl, cycles=3))
     assert errors and all("site-a->site-b/policy" in e for e in errors)
-    assert any('the sink refused table public.accounts: new row for relation "accounts" violates check '
-               'constraint "small"' in e for e in errors)
+    assert any(
+        'the sink refused table public.accounts: new row for relation "accounts" violates check constraint "small"' in e
+        for e in errors
+    )
     shown = [line for line in status_text(source).splitlines() if "the sink refused" in line]
     assert len(shown) == 1 and "fix it there" in shown[0]  # one line, naming the fix
     assert sink.query("SELECT owner FROM public.accounts WHERE id IN (3, 100) ORDER BY id") == [("owner3",)]
@@ -211,8 +290,11 @@ def test_a_sink_without_the_tables_own_types_is_refused_naming_them_until_it_cre
     federate(source, "public.moods")
     repl = replicator(topo, lr_sites)
     errors = _errors(sync(repl, cycles=3))
-    assert any("site-a->site-b/policy: table public.moods uses type(s) public.mood, public.pair[] that the sink "
-               "does not have" in e for e in errors), errors
+    assert any(
+        "site-a->site-b/policy: table public.moods uses type(s) public.mood, public.pair[] that the sink "
+        "does not have" in e
+        for e in errors
+    ), errors
     assert sink.query("SELECT to_regclass('public.moods') IS NULL") == [(True,)]
     assert rows(other, "public.moods") == rows(source, "public.moods")
     for ddl in TYPES_DDL:
@@ -258,8 +340,9 @@ def test_a_writer_whose_search_path_puts_lookalikes_of_lrs_names_first_transmits
             cur.execute("INSERT INTO accounts (id, owner, tags, note) VALUES (1, 'trapped', '{a}', '{\"k\": 1}')")
             cur.execute("UPDATE accounts SET balance = 2 WHERE id = 1")
         ticket = client.transmit_log_entry_message(b"one", [sink.site_id])
-        client.transmit_log_entry_messages([LRMessageWithDestinations(b"two", [sink.site_id]),
-                                            LRMessageWithDestinations(b"three", [sink.site_id])])
+        client.transmit_log_entry_messages(
+            [LRMessageWithDestinations(b"two", [sink.site_id]), LRMessageWithDestinations(b"three", [sink.site_id])]
+        )
         with conn.cursor() as cur:
             cur.execute("SELECT pg_catalog.pg_current_xact_id()::pg_catalog.text")
             (tx,) = cur.fetchone()

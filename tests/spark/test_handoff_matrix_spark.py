@@ -2,6 +2,7 @@
 the engine's own functions (``snapshot_transfer.stage_range``, ``staged_tee.stage_chunk``); here they
 run in this process, in the order the race needs, as ``test_spark_jobs.py`` and
 ``test_staged_fanout_engine.py`` do: no Spark start-up."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -11,11 +12,11 @@ import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.bulk import fanout, snapshot_transfer, staged_tee
+from airflow_provider_lr.engine.bulk import parallel_tables as parallel
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, StaleBatchError
 from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.site import failover
 from airflow_provider_lr.engine.source import full_sync, trim
-from airflow_provider_lr.engine.bulk import parallel_tables as parallel
 from airflow_provider_lr.engine.tables.snapshot import copy_range
 from tests.guarantees.test_handoff_matrix import (
     Takeover,
@@ -54,7 +55,8 @@ def supplied_for_spark(lr_sites):
 
 
 def test_a_spark_transfer_whose_lease_is_taken_over_between_its_tasks_is_fenced_and_applied_once(
-        lr_sites, lr_connections):
+    lr_sites, lr_connections
+):
     """The transfer job has planned (lease, fence, SNAPSHOT_START) and one task has staged its range
     when the driver stalls and its lease runs out. A replicator takes the session over and moves the
     same request in process, and applies it. The job's last task stages, its commit is refused by
@@ -94,7 +96,8 @@ def test_a_spark_transfer_whose_lease_is_taken_over_between_its_tasks_is_fenced_
 
 
 def test_a_planned_switchover_between_a_spark_transfers_tasks_gives_the_sink_a_full_sync_from_the_new_source(
-        lr_sites, lr_connections):
+    lr_sites, lr_connections
+):
     """The transfer job of site-c's forced full sync has planned (SNAPSHOT_START at site-c) and staged
     its first range when site-b, up to date, is promoted (planned). site-c had not applied the sync:
     the failover requests a full sync from site-b for it and drops what was staged. The job's last
@@ -103,7 +106,7 @@ def test_a_planned_switchover_between_a_spark_transfers_tasks_gives_the_sink_a_f
     site-a's sync is left at site-c, staged or in its queue."""
     source, _, sink_c = lr_sites
     topo, app, connect = full_sync_of_site_c_supplied(lr_sites, ROWS)
-    (request_id,), = source.query("SELECT request_id FROM lr.full_sync_requests WHERE status = 'supplied'")
+    ((request_id,),) = source.query("SELECT request_id FROM lr.full_sync_requests WHERE status = 'supplied'")
     job = snapshot_transfer.SnapshotTransfer(topo, "site-a", "site-c", "policy", owner="spark-driver")
     promoted: list = []
     try:
@@ -124,7 +127,8 @@ def test_a_planned_switchover_between_a_spark_transfers_tasks_gives_the_sink_a_f
 
 @pytest.mark.parametrize("event", ["topology", "sink_restart"])
 def test_a_topology_change_or_a_sink_restart_between_a_spark_transfers_tasks_leaves_it_whole(
-        lr_sites, lr_connections, site_manager, event):
+    lr_sites, lr_connections, site_manager, event
+):
     """Between the transfer job's two tasks a new topology is applied to every site (the staged range
     stays, the commit moves and applies the whole sync), or the sink's server stops and starts
     again (staging is UNLOGGED: the crash empties it, the commit refuses, the job is rerun and
@@ -173,7 +177,8 @@ def test_a_topology_change_or_a_sink_restart_between_a_spark_transfers_tasks_lea
 
 
 def test_a_retention_trim_between_two_staged_chunks_stops_the_session_there_and_a_full_sync_follows(
-        lr_sites, lr_connections):
+    lr_sites, lr_connections
+):
     """The staged fan-out (two tasks) stages and publishes its first chunk; then a retention trim
     removes the rest of the range. The next chunk's read finds the trim mark in its own snapshot
     and leaves the session out (TrimmedError): nothing of the trimmed range is taken as delivered,
@@ -197,9 +202,12 @@ def test_a_retention_trim_between_two_staged_chunks_stops_the_session_there_and_
     driver = fanout.FanoutDriver(topo, "site-a")
     try:
         with on_fault("fanout_after_commit_p0_a0", trim_once):  # chunk 0 staged and published
-            result = fanout.run_fanout(driver, lambda p: [staged_tee.stage_chunk(p, r, f"_p{r.index}_a0")
-                                                          for r in p.ranges],
-                                       partitions=4, tasks=2)
+            result = fanout.run_fanout(
+                driver,
+                lambda p: [staged_tee.stage_chunk(p, r, f"_p{r.index}_a0") for r in p.ranges],
+                partitions=4,
+                tasks=2,
+            )
     finally:
         driver.close()
     session = "site-a->site-b/policy"
@@ -235,8 +243,12 @@ def staged_fanout(topo, event: str, action) -> fanout.FanoutResult:
     driver = fanout.FanoutDriver(topo, "site-a")
     try:
         with on_fault(f"{event}_p0_a0", once):
-            result = fanout.run_fanout(driver, lambda p: [staged_tee.stage_chunk(p, r, f"_p{r.index}_a0")
-                                                          for r in p.ranges], partitions=3, tasks=2)
+            result = fanout.run_fanout(
+                driver,
+                lambda p: [staged_tee.stage_chunk(p, r, f"_p{r.index}_a0") for r in p.ranges],
+                partitions=3,
+                tasks=2,
+            )
     finally:
         driver.close()
     assert done, f"{event} was reached"
@@ -248,12 +260,14 @@ def logs_of(sink) -> list[str]:
 
 
 def nothing_staged(sink) -> bool:
-    return sink.query("SELECT (SELECT count(*) FROM lr.spark_staging), "
-                      "(SELECT count(*) FROM lr.spark_staged_ranges)") == [(0, 0)]
+    return sink.query(
+        "SELECT (SELECT count(*) FROM lr.spark_staging), (SELECT count(*) FROM lr.spark_staged_ranges)"
+    ) == [(0, 0)]
 
 
 def test_a_sink_restarted_while_the_staged_fanout_stages_its_first_chunk_gets_every_entry_once(
-        lr_sites, lr_connections, site_manager):
+    lr_sites, lr_connections, site_manager
+):
     """site-b's server stops (immediate) and starts again while the first chunk is being read and
     staged into both sinks. site-b's stage dies with its connection (staging is UNLOGGED: nothing
     of it survives), so site-b's later chunks have a gap before them and are not published;
@@ -287,7 +301,8 @@ def test_a_sink_restarted_while_the_staged_fanout_stages_its_first_chunk_gets_ev
 
 @pytest.mark.parametrize("event", ["fanout_after_stage", "fanout_after_commit"], ids=["staged", "published"])
 def test_a_planned_switchover_between_two_staged_chunks_leaves_both_sinks_with_the_same_entries_once(
-        lr_sites, lr_connections, event):
+    lr_sites, lr_connections, event
+):
     """site-b is promoted (a planned switchover: site-a drained into both sinks) right after the
     staged fan-out staged its first chunk at both sinks, or once it published it. What is staged
     then is never published (the sessions from site-a are failed over: the failover drops it), the
@@ -300,8 +315,11 @@ def test_a_planned_switchover_between_two_staged_chunks_leaves_both_sinks_with_t
     promoted: list = []
 
     def promote() -> None:
-        promoted.append(failover.promote("site-a", "site-b", lambda site: psycopg2.connect(dsns[site]),
-                                         reason="maintenance of site-a"))
+        promoted.append(
+            failover.promote(
+                "site-a", "site-b", lambda site: psycopg2.connect(dsns[site]), reason="maintenance of site-a"
+            )
+        )
 
     result = staged_fanout(topo, event, promote)
     assert promoted[0].planned and promoted[0].full_syncs == [], promoted[0].outcome
@@ -339,6 +357,7 @@ def table_job(topo, between) -> tuple[parallel.ParallelResult | None, Exception 
     """The table snapshot job of site-a's policy, four key ranges as four tasks run one after the
     other in this process; ``between`` runs once the first task committed its range at both sinks.
     Returns the job's result, or what it raised."""
+
     def map_ranges(task, ranges):
         written = []
         for r in ranges:
@@ -371,7 +390,8 @@ def starts_of(sink) -> int:
 
 @pytest.mark.parametrize("event", ["back_to_back", "trim", "topology"])
 def test_a_request_a_trim_or_a_topology_change_between_a_spark_table_snapshots_tasks_lets_it_finish_then_the_cycles_follow(
-        lr_sites, lr_connections, event):
+    lr_sites, lr_connections, event
+):
     """Between the table snapshot job's tasks: two forced full syncs of site-b are requested back to
     back and supplied, or entries commit and a retention trim removes them, or a new topology is
     applied to every site. The job holds the sessions' leases and the exported snapshot, so none of
@@ -388,10 +408,11 @@ def test_a_request_a_trim_or_a_topology_change_between_a_spark_table_snapshots_t
             meanwhile.put(f"t{i}", i, ["site-b", "site-c"])
         assert trim_now(source, "retention").entries_removed >= 5
 
-    between = {"back_to_back": lambda: request_full_syncs(source, ["site-b", "site-b"], supply=True),
-               "trim": commit_then_trim,
-               "topology": lambda: apply(lr_sites, TWO_SINKS, providers=PROVIDERS, settings={"max_payload_bytes": 4096})
-               }[event]
+    between = {
+        "back_to_back": lambda: request_full_syncs(source, ["site-b", "site-b"], supply=True),
+        "trim": commit_then_trim,
+        "topology": lambda: apply(lr_sites, TWO_SINKS, providers=PROVIDERS, settings={"max_payload_bytes": 4096}),
+    }[event]
     result, raised = table_job(topo, between)
     assert raised is None and result.tables == {f"{k}:public.accounts": "synced" for k in (B, C)}, raised or result
     assert result.rows == 2 * TABLE_ROWS
@@ -399,18 +420,21 @@ def test_a_request_a_trim_or_a_topology_change_between_a_spark_table_snapshots_t
     expected_starts = {"back_to_back": (2, 1), "trim": (2, 2), "topology": (1, 1)}[event]
     assert (starts_of(sink_b), starts_of(sink_c)) == expected_starts
     if event == "back_to_back":
-        assert [r[0] for r in source.query("SELECT status FROM lr.full_sync_requests WHERE forced "
-                                           "ORDER BY requested_at")] == ["cancelled", "applied"]
+        assert [
+            r[0] for r in source.query("SELECT status FROM lr.full_sync_requests WHERE forced ORDER BY requested_at")
+        ] == ["cancelled", "applied"]
     if event == "topology":
         assert sink_b.query("SELECT topology_config_id FROM lr.topology") == source.query(
-            "SELECT topology_config_id FROM lr.topology")
+            "SELECT topology_config_id FROM lr.topology"
+        )
     assert_handed_off(source, [sink_b, sink_c], tables=True)
     app.close()
     meanwhile.close()
 
 
 def test_a_lease_taken_over_between_a_spark_table_snapshots_tasks_fences_the_rest_and_the_cycles_write_the_table(
-        lr_sites, lr_connections):
+    lr_sites, lr_connections
+):
     """Between the job's tasks its lease on site-b's session runs out and a successor takes the
     session over (one cycle: it snapshots site-b's table itself, in process). The job's next task
     is refused at site-b (the epoch, under a share lock) and commits at neither sink; the job
@@ -428,8 +452,11 @@ def test_a_lease_taken_over_between_a_spark_table_snapshots_tasks_fences_the_res
     finally:
         takeover.successor.close()
     cycles_until_idle(topo, lr_sites, app)
-    assert sink_b.query("SELECT state FROM lr.sink_tables") == sink_c.query("SELECT state FROM lr.sink_tables") \
+    assert (
+        sink_b.query("SELECT state FROM lr.sink_tables")
+        == sink_c.query("SELECT state FROM lr.sink_tables")
         == [("synced",)]
+    )
     assert sink_c.query("SELECT count(*) FROM lr.sink_table_ranges") == [(0,)], "the fenced run's ranges are gone"
     assert starts_of(sink_b) == starts_of(sink_c) == 1
     assert_handed_off(source, [sink_b, sink_c], tables=True)
@@ -437,7 +464,8 @@ def test_a_lease_taken_over_between_a_spark_table_snapshots_tasks_fences_the_res
 
 
 def test_a_sink_restarted_between_a_spark_table_snapshots_tasks_leaves_its_table_to_be_taken_again(
-        lr_sites, lr_connections, site_manager):
+    lr_sites, lr_connections, site_manager
+):
     """site-b's server stops (immediate) and starts again between the job's tasks. The ranges already
     committed there survive; the later tasks write site-b again (each connects anew), but the
     driver's own connection to site-b died with it, so the finish fails there and site-b's table
@@ -462,7 +490,8 @@ def test_a_sink_restarted_between_a_spark_table_snapshots_tasks_leaves_its_table
 
 
 def test_a_failover_between_a_spark_table_snapshots_tasks_to_a_sink_it_writes_is_refused_then_done_after_it(
-        lr_sites, lr_connections):
+    lr_sites, lr_connections
+):
     """Between the job's tasks site-b is to be promoted (planned). The job is writing site-b's copy of
     the federated table, so site-b holds no synced copy of a table site-c takes from site-a: the
     failover is refused with nothing done. The job finishes; the failover run again then promotes
@@ -485,8 +514,9 @@ def test_a_failover_between_a_spark_table_snapshots_tasks_to_a_sink_it_writes_is
 
     result, raised = table_job(topo, promote_refused)
     assert raised is None and refused and result.rows == 2 * TABLE_ROWS, raised or result
-    assert source.query("SELECT count(*) FROM lr.failovers") == sink_b.query("SELECT count(*) FROM lr.failovers") \
-        == [(0,)], "nothing was done"
+    assert (
+        source.query("SELECT count(*) FROM lr.failovers") == sink_b.query("SELECT count(*) FROM lr.failovers") == [(0,)]
+    ), "nothing was done"
     cycles_until_idle(topo, lr_sites, app)
     assert_handed_off(source, [sink_b, sink_c], tables=True)
     promoted = failover.promote("site-a", "site-b", connect, reason="maintenance of site-a")
@@ -494,8 +524,12 @@ def test_a_failover_between_a_spark_table_snapshots_tasks_to_a_sink_it_writes_is
     assert logs_of(sink_b) == logs_of(sink_c) == [f"k{i % 7}={i}" for i in range(20)]
     App(sink_b).put("b0", 0, ["site-c", "site-a"])
     sink_b.query("UPDATE public.accounts SET owner = 'site-b' WHERE id <= 10")
-    after = replicator(promoted.topology, lr_sites, providers={"policy": table_provider},
-                       sessions=[k for k in promoted.topology.sessions() if k.sink == "site-c"])
+    after = replicator(
+        promoted.topology,
+        lr_sites,
+        providers={"policy": table_provider},
+        sessions=[k for k in promoted.topology.sessions() if k.sink == "site-c"],
+    )
     try:
         reports = after.run(max_cycles=5, until_idle=True, interval=0.01)
     finally:

@@ -4,13 +4,14 @@ There is no JDBC driver (no Maven), so all PostgreSQL I/O from Spark happens in 
 with psycopg2. This proves that path end to end on a ``spark://`` master: separate executor
 processes, running the venv's Python, write rows with COPY into a real embedded server.
 """
+
 from __future__ import annotations
 
 import hashlib
 import io
 import os
 import sys
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import psycopg2
 import pyarrow as pa

@@ -1,6 +1,7 @@
 """The fan-out job on a real local[2] Spark: read once, deliver each sink exactly its entries in
 source order, survive the task killed mid-write or between chunks, never show a later entry
 before an earlier one. One Spark session for the module (a start costs seconds)."""
+
 from __future__ import annotations
 
 import pytest
@@ -56,7 +57,8 @@ def test_read_once_to_random_subsets_in_source_order_never_ahead(spark, topo, lr
     total = sum(len(v) for v in expected.values())
     assert sum(sum(r.deliveries.values()) for r in results) == total
     assert lr_fanout.fan_out(spark, topo, "site-a").deliveries == {
-        str(SessionKey("site-a", s, c)): 0 for s in ("site-b", "site-c") for c in CLIENTS}
+        str(SessionKey("site-a", s, c)): 0 for s in ("site-b", "site-c") for c in CLIENTS
+    }
 
 
 def test_task_killed_mid_write_or_after_a_chunk_then_rerun(spark, topo, lr_sites, monkeypatch):
@@ -75,12 +77,18 @@ def test_task_killed_mid_write_or_after_a_chunk_then_rerun(spark, topo, lr_sites
         for sink in lr_sites[1:]:
             for client in CLIENTS:
                 seen = sink_queue(sink, client)
-                assert seen == expected[(sink.site_id, client)][:len(seen)], "a prefix in source order"
+                assert seen == expected[(sink.site_id, client)][: len(seen)], "a prefix in source order"
                 assert len(seen) > before[(sink.site_id, client)], "chunk 0 committed"
-                position = sink.query("SELECT last_log_entry_processed FROM lr.sink_sessions WHERE "
-                                      "source_site_id = 'site-a' AND client_name = %s", (client,))[0][0]
-                newest = sink.query("SELECT max(source_position) FROM lr.receive_queue WHERE "
-                                    "source_site_id = 'site-a' AND client_name = %s", (client,))[0][0]
+                position = sink.query(
+                    "SELECT last_log_entry_processed FROM lr.sink_sessions WHERE "
+                    "source_site_id = 'site-a' AND client_name = %s",
+                    (client,),
+                )[0][0]
+                newest = sink.query(
+                    "SELECT max(source_position) FROM lr.receive_queue WHERE "
+                    "source_site_id = 'site-a' AND client_name = %s",
+                    (client,),
+                )[0][0]
                 assert newest <= position, "nothing past the committed position"
                 committed = [p for p, _ in expected_entries(lr_sites[0], sink.site_id, client) if p <= position]
                 assert len(seen) == len(committed)

@@ -2,6 +2,7 @@
 transaction per session and chunk straight into the receive queue in source order, resume from
 the sinks' positions, duplicates that write nothing twice. The Spark runs of the same functions are
 in test_spark_fanout.py."""
+
 from __future__ import annotations
 
 import threading
@@ -10,11 +11,16 @@ import pytest
 
 from airflow_provider_lr.engine import vocabulary
 from airflow_provider_lr.engine.bulk import fanout
-from airflow_provider_lr.engine.session import catchup
 from airflow_provider_lr.engine.bulk.plan import ChunkResult
 from airflow_provider_lr.engine.bulk.tee import tee_chunk
+from airflow_provider_lr.engine.session import catchup
 from airflow_provider_lr.engine.session.settings import SPARK_MIN_BACKLOG, SessionSettings
-from airflow_provider_lr.engine.source.backlog import SessionBacklog, log_entry_backlog, session_backlogs, source_backlog
+from airflow_provider_lr.engine.source.backlog import (
+    SessionBacklog,
+    log_entry_backlog,
+    session_backlogs,
+    source_backlog,
+)
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.proto import lr_pb2
 from tests.support.session import replicator, sink_queue
@@ -64,8 +70,10 @@ def test_session_whose_lease_was_taken_over_is_fenced(scenario):
     try:
         plan = driver.plan(partitions=2)
         # the fan-out's lease on site-b/policy expires and an in-process replicator takes over
-        source.query("UPDATE lr.source_sessions SET lease_expires_at = now() - interval '1 second' "
-                     "WHERE sink_site_id = 'site-b' AND client_name = 'policy'")
+        source.query(
+            "UPDATE lr.source_sessions SET lease_expires_at = now() - interval '1 second' "
+            "WHERE sink_site_id = 'site-b' AND client_name = 'policy'"
+        )
         other = replicator(topo, lr_sites, owner="other", sessions=[SessionKey("site-a", "site-b", "policy")])
         other.run(max_cycles=3, until_idle=True, interval=0.01)
         chunks = list(fanout.local_map(plan))
@@ -75,7 +83,10 @@ def test_session_whose_lease_was_taken_over_is_fenced(scenario):
         other.close()
     finally:
         driver.close()
-    assert "FencedError" in chunks[0].errors["site-a->site-b/policy"] and "site-a->site-b/policy" not in chunks[1].delivered
+    assert (
+        "FencedError" in chunks[0].errors["site-a->site-b/policy"]
+        and "site-a->site-b/policy" not in chunks[1].delivered
+    )
     assert set(again.errors) == {"site-a->site-b/policy"} and "FencedError" in again.errors["site-a->site-b/policy"]
     assert again.read == 0 and set(again.delivered.values()) == {0}
     assert set(result.errors) == {"site-a->site-b/policy"} and "FencedError" in result.errors["site-a->site-b/policy"]
@@ -100,8 +111,7 @@ def test_chunk_rerun_after_partial_commit_and_concurrent_duplicates_deliver_once
         assert {s for s, n in rerun.delivered.items() if n} == {d.session for d in plan.demands if d.sink == "site-c"}
         assert all(rerun.delivered[d.session] == 0 for d in done_early)
         outcomes: list[ChunkResult] = []
-        attempts = [threading.Thread(target=lambda: outcomes.append(tee_chunk(plan, second)))
-                    for _ in range(3)]
+        attempts = [threading.Thread(target=lambda: outcomes.append(tee_chunk(plan, second))) for _ in range(3)]
         for t in attempts:
             t.start()
         for t in attempts:
@@ -114,8 +124,9 @@ def test_chunk_rerun_after_partial_commit_and_concurrent_duplicates_deliver_once
     assert_delivered_exactly(lr_sites)
     assert sum(result.deliveries.values()) == sum(len(sink_queue(s, c)) for s in lr_sites[1:] for c in CLIENTS)
     for sink in lr_sites[1:]:
-        positions = sink.query("SELECT DISTINCT last_log_entry_processed FROM lr.sink_sessions "
-                               "WHERE source_site_id = 'site-a'")
+        positions = sink.query(
+            "SELECT DISTINCT last_log_entry_processed FROM lr.sink_sessions WHERE source_site_id = 'site-a'"
+        )
         assert positions == [(plan.end,)], (sink.site_id, positions)
 
 
@@ -135,14 +146,17 @@ def test_a_chunk_that_cannot_start_where_its_sink_is_is_refused(scenario):
     assert all(sink_queue(s, c) == [] for s in lr_sites[1:] for c in CLIENTS)
 
 
-@pytest.mark.parametrize("fields", [
-    dict(destinations=["site-b", "site-c"], type=lr_pb2.LOG_ENTRY_SYNC, opaque_payload=b"\n\x10x", client_name="p"),
-    dict(destinations=["s" * 200], type=lr_pb2.LOG_ENTRY_SYNC, opaque_payload=b"long destination"),
-    dict(destinations=["site-b"], opaque_payload=b"type 0 is not encoded"),
-    dict(destinations=["site-b"], type=lr_pb2.LOG_ENTRY_SYNC),
-    dict(destinations=["site-b"]),
-    dict(),
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(destinations=["site-b", "site-c"], type=lr_pb2.LOG_ENTRY_SYNC, opaque_payload=b"\n\x10x", client_name="p"),
+        dict(destinations=["s" * 200], type=lr_pb2.LOG_ENTRY_SYNC, opaque_payload=b"long destination"),
+        dict(destinations=["site-b"], opaque_payload=b"type 0 is not encoded"),
+        dict(destinations=["site-b"], type=lr_pb2.LOG_ENTRY_SYNC),
+        dict(destinations=["site-b"]),
+        dict(),
+    ],
+)
 def test_byte_level_strip_is_parse_and_serialize(fields):
     message = lr_pb2.RoutingTableEntryMsg(**fields).SerializeToString()
     assert vocabulary.strip_destinations(message) == vocabulary.rewrite_for_sink(message)

@@ -1,4 +1,5 @@
 """The snapshot-transfer and receive-queue apply jobs on a real local[2] Spark (one session)."""
+
 from __future__ import annotations
 
 import pytest
@@ -43,7 +44,10 @@ def test_snapshot_transfer_in_parallel_resumes_and_hands_off(local_spark, lr_sit
         assert sum(r["staged"] for r in results) == ROWS + 2
         assert staged(plan, plan.ranges[1])["staged"] == results[1]["staged"]
         # nothing twice, and packed: far fewer rows than entries
-        assert sink_b.query("SELECT sum(entry_count), count(*) < %s FROM lr.spark_staging", (ROWS // 10,))[0] == (ROWS + 2, True)
+        assert sink_b.query("SELECT sum(entry_count), count(*) < %s FROM lr.spark_staging", (ROWS // 10,))[0] == (
+            ROWS + 2,
+            True,
+        )
         result = job.commit(plan)
     finally:
         job.close()
@@ -80,7 +84,9 @@ def test_apply_receive_queue_in_source_order_with_delete_in_the_same_transaction
     repl.run(max_cycles=3, until_idle=True, interval=0.01)
     repl.close()
 
-    result = lr_apply.apply_queues(local_spark, topo, "site-b", "policy", "tests.support.spark_env:record_applied", batch=100)
+    result = lr_apply.apply_queues(
+        local_spark, topo, "site-b", "policy", "tests.support.spark_env:record_applied", batch=100
+    )
     assert not result["ok"] and "poison" in result["errors"]["site-a"]
     applied = [p for (p,) in sink_b.query("SELECT payload FROM applied WHERE kind = 'log' ORDER BY n")]
     kept = [p.decode() for p in sink_queue(sink_b, "policy")]
@@ -101,9 +107,16 @@ def test_a_range_read_by_a_parallel_plan_on_the_source_is_still_packed_in_entry_
     request = full_sync.request_full_sync(conn, "site-b", "policy", reason="parallel plan")
     RoutingQueueClient(conn, "policy").serve_full_sync_requests(rows_provider)
     conn.close()
-    settings = {"max_parallel_workers_per_gather": 4, "parallel_setup_cost": 0, "parallel_tuple_cost": 0,
-                "min_parallel_table_scan_size": 0, "enable_indexscan": "off", "enable_bitmapscan": "off", "enable_nestloop": "off",
-                "parallel_leader_participation": "off"}
+    settings = {
+        "max_parallel_workers_per_gather": 4,
+        "parallel_setup_cost": 0,
+        "parallel_tuple_cost": 0,
+        "min_parallel_table_scan_size": 0,
+        "enable_indexscan": "off",
+        "enable_bitmapscan": "off",
+        "enable_nestloop": "off",
+        "parallel_leader_participation": "off",
+    }
     for name, value in settings.items():
         source.query(f"ALTER DATABASE {source.dbname} SET {name} = {value}")
     job = snapshot_transfer.SnapshotTransfer(topo, "site-a", "site-b", "policy")
@@ -144,4 +157,6 @@ def test_an_abandoned_spark_transfer_leaves_nothing_staged_once_the_session_move
     repl.run(max_cycles=5, until_idle=True, interval=0.01)
     repl.close()
     assert [p for k, p in queue(sink_b, "site-a") if k == "snap"] == [f"row{i}={i}" for i in range(ROWS)]
-    assert sink_b.query("SELECT (SELECT count(*) FROM lr.spark_staging), (SELECT count(*) FROM lr.spark_staged_ranges)")[0] == (0, 0)
+    assert sink_b.query(
+        "SELECT (SELECT count(*) FROM lr.spark_staging), (SELECT count(*) FROM lr.spark_staged_ranges)"
+    )[0] == (0, 0)

@@ -2,6 +2,7 @@
 SparkSubmitOperator runs it: sites from ``$LR_CONNECTIONS_FILE``, nothing secret in argv, Spark
 conf or output, and a Python worker killed mid-write on a cluster executor (Spark retries the
 task) still delivers every entry exactly once."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,9 @@ from tests.support.spark_env import (  # noqa: F401 (spark_cluster is a fixture)
 pytestmark = pytest.mark.slow
 
 
-def test_submit_to_cluster_with_killed_worker_keeps_credentials_out(spark_cluster: StandaloneCluster, lr_sites,
-                                                                     tmp_path, monkeypatch):
+def test_submit_to_cluster_with_killed_worker_keeps_credentials_out(
+    spark_cluster: StandaloneCluster, lr_sites, tmp_path, monkeypatch
+):
     password = f"pw-{uuid.uuid4().hex}"
     conns = write_connections_file(tmp_path / "connections.json", lr_sites, password=password)
     monkeypatch.setenv("LR_CONNECTIONS_FILE", str(conns))
@@ -37,14 +39,39 @@ def test_submit_to_cluster_with_killed_worker_keeps_credentials_out(spark_cluste
     topology_file.write_text(json.dumps(topo.document))
     transmit_backlog(lr_sites[0], 2000, per_txn=200)
 
-    env = {**spark_env(), "LR_CONNECTIONS_FILE": str(conns), "LR_SPARK_LOG_LEVEL": "INFO",
-           "LR_FAULT": "fanout_mid_write_p0_a0"}  # the first attempt of partition 0 dies mid-write
-    cmd = [str(SPARK_HOME / "bin" / "spark-submit"), "--verbose", "--master", spark_cluster.url,
-           "--conf", "spark.ui.enabled=false", "--conf", "spark.cores.max=1", "--conf", "spark.executor.memory=512m",
-           "--conf", "spark.driver.host=127.0.0.1", "--conf", f"spark.executorEnv.PYTHONPATH={REPO_ROOT}",
-           "--conf", f"spark.pyspark.python={sys.executable}", "--conf", "spark.task.maxFailures=3",
-           str(REPO_ROOT / "spark_jobs" / "lr_fanout.py"), "--source", "site-a", "--topology", str(topology_file),
-           "--partitions", "2"]
+    env = {
+        **spark_env(),
+        "LR_CONNECTIONS_FILE": str(conns),
+        "LR_SPARK_LOG_LEVEL": "INFO",
+        "LR_FAULT": "fanout_mid_write_p0_a0",
+    }  # the first attempt of partition 0 dies mid-write
+    cmd = [
+        str(SPARK_HOME / "bin" / "spark-submit"),
+        "--verbose",
+        "--master",
+        spark_cluster.url,
+        "--conf",
+        "spark.ui.enabled=false",
+        "--conf",
+        "spark.cores.max=1",
+        "--conf",
+        "spark.executor.memory=512m",
+        "--conf",
+        "spark.driver.host=127.0.0.1",
+        "--conf",
+        f"spark.executorEnv.PYTHONPATH={REPO_ROOT}",
+        "--conf",
+        f"spark.pyspark.python={sys.executable}",
+        "--conf",
+        "spark.task.maxFailures=3",
+        str(REPO_ROOT / "spark_jobs" / "lr_fanout.py"),
+        "--source",
+        "site-a",
+        "--topology",
+        str(topology_file),
+        "--partitions",
+        "2",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]

@@ -3,6 +3,7 @@ source order per session while tasks are killed and retried (local[2] with retri
 (a standalone cluster of 2 workers on 2 loopback hosts, ``spark.speculation`` on with aggressive
 settings, one task stalled). A reader checks all along that each sink only ever shows a prefix of
 the source order."""
+
 from __future__ import annotations
 
 import pytest
@@ -51,8 +52,9 @@ def retrying_spark():
 
 
 @pytest.mark.parametrize("fault", ["fanout_mid_write_p1_a0", "fanout_after_stage_p0_a0", "fanout_after_commit_p2_a0"])
-def test_tasks_killed_and_retried_deliver_once_in_source_order(retrying_spark, lr_sites, lr_connections,
-                                                               monkeypatch, fault):
+def test_tasks_killed_and_retried_deliver_once_in_source_order(
+    retrying_spark, lr_sites, lr_connections, monkeypatch, fault
+):
     """The Python worker of one task attempt SIGKILLs itself: mid-read with its stages open, after
     its stage committed but before it published, or after it published; Spark retries the task and
     the run ends with every entry visible once, in order, and nothing left staged."""
@@ -69,8 +71,9 @@ def test_tasks_killed_and_retried_deliver_once_in_source_order(retrying_spark, l
 
 @pytest.fixture(scope="module")
 def two_hosts(tmp_path_factory):
-    with standalone_cluster(tmp_path_factory.mktemp("spark-2h"), cores=1, memory="1g", workers=2,
-                            hosts=True) as cluster:
+    with standalone_cluster(
+        tmp_path_factory.mktemp("spark-2h"), cores=1, memory="1g", workers=2, hosts=True
+    ) as cluster:
         yield cluster
 
 
@@ -88,7 +91,8 @@ SPECULATION = {
 
 @pytest.mark.slow
 def test_a_stalled_task_is_speculated_on_the_other_host_and_each_entry_is_published_once(
-        two_hosts, lr_sites, lr_connections, monkeypatch):
+    two_hosts, lr_sites, lr_connections, monkeypatch
+):
     """Chunk 1's first attempt stalls 20 s after staging, before it publishes; Spark starts a
     speculative copy on the other worker's host, which finds the chunk staged, publishes it (and
     the chunks after it) and wins; the stalled attempt is killed or wakes to find nothing to do."""
@@ -98,6 +102,7 @@ def test_a_stalled_task_is_speculated_on_the_other_host_and_each_entry_is_publis
     spark = cluster_spark_session(two_hosts.url, "lr-staged-speculation", **SPECULATION)
     attempts: list[tuple[int, int, bool, list]] = []
     try:
+
         def speculative_map(plan):
             def stage(indexes):
                 from pyspark import TaskContext
@@ -107,7 +112,9 @@ def test_a_stalled_task_is_speculated_on_the_other_host_and_each_entry_is_publis
                     chunk = stage_chunk(plan, plan.ranges[index], f"_p{index}_a{ctx.attemptNumber()}")
                     yield ctx.attemptNumber(), chunk
 
-            ran = spark.sparkContext.parallelize(range(len(plan.ranges)), len(plan.ranges)).mapPartitions(stage).collect()
+            ran = (
+                spark.sparkContext.parallelize(range(len(plan.ranges)), len(plan.ranges)).mapPartitions(stage).collect()
+            )
             attempts.extend((a, c.index, bool(c.staged), sorted(c.staged)) for a, c in ran)
             return [c for _, c in ran]
 

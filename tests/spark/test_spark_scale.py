@@ -1,6 +1,7 @@
 """lr's full-sync transfer spread over a standalone cluster of 2 workers of 1 core each, started by
 the test: both executors stage ranges at once, and the sink still gets every entry once, in order.
 (The speed-up itself is measured by ``bench/snapshot_transfer_bench.py --master standalone:2``.)"""
+
 from __future__ import annotations
 
 import pytest
@@ -39,6 +40,7 @@ def test_a_full_sync_staged_by_two_executors_at_once_arrives_whole_and_in_order(
     job = snapshot_transfer.SnapshotTransfer(topo, "site-a", "site-b", "policy")
     staged: list[dict] = []
     try:
+
         def map_ranges(plan):
             def stage(parts):
                 import time

@@ -2,6 +2,7 @@
 order): nothing is visible until every earlier chunk of the session is in, then the contiguous
 prefix is published in source order, once, whatever attempt stages or publishes it. The Spark runs
 (tasks killed, speculation on) are in test_spark_parallel_fanout.py."""
+
 from __future__ import annotations
 
 import threading
@@ -9,8 +10,8 @@ import threading
 import pytest
 
 from airflow_provider_lr.engine.bulk import fanout, staged_tee
-from airflow_provider_lr.engine.session import catchup
 from airflow_provider_lr.engine.bulk.plan import ChunkResult
+from airflow_provider_lr.engine.session import catchup
 from airflow_provider_lr.engine.session.settings import STAGED_MIN_TASKS, SessionSettings
 from tests.support.session import replicator, sink_queue
 from tests.support.spark_env import (  # noqa: F401 (lr_connections is a fixture)
@@ -34,13 +35,18 @@ def visible(lr_sites) -> dict[tuple[str, str], list[bytes]]:
 
 
 def positions(sink) -> set[int]:
-    return {p for (p,) in sink.query("SELECT last_log_entry_processed FROM lr.sink_sessions "
-                                      "WHERE source_site_id = 'site-a'")}
+    return {
+        p
+        for (p,) in sink.query("SELECT last_log_entry_processed FROM lr.sink_sessions WHERE source_site_id = 'site-a'")
+    }
 
 
 def staged_left(lr_sites) -> int:
-    return sum(s.query("SELECT count(*) FROM lr.spark_staging")[0][0]
-               + s.query("SELECT count(*) FROM lr.spark_staged_ranges")[0][0] for s in lr_sites[1:])
+    return sum(
+        s.query("SELECT count(*) FROM lr.spark_staging")[0][0]
+        + s.query("SELECT count(*) FROM lr.spark_staged_ranges")[0][0]
+        for s in lr_sites[1:]
+    )
 
 
 def test_later_chunks_staged_first_stay_invisible_until_the_gap_is_filled(scenario):
@@ -79,8 +85,11 @@ def test_concurrent_duplicate_attempts_of_every_chunk_publish_each_entry_once(sc
         with prefixes_only(lr_sites, expected, CLIENTS) as violations:
             plan = driver.plan(partitions=4, tasks=4)
             outcomes: list[ChunkResult] = []
-            attempts = [threading.Thread(target=lambda p=part: outcomes.append(staged_tee.stage_chunk(plan, p)))
-                        for part in reversed(plan.ranges) for _ in range(3)]
+            attempts = [
+                threading.Thread(target=lambda p=part: outcomes.append(staged_tee.stage_chunk(plan, p)))
+                for part in reversed(plan.ranges)
+                for _ in range(3)
+            ]
             for t in attempts:
                 t.start()
             for t in attempts:
@@ -118,8 +127,9 @@ def test_a_stage_that_lands_after_its_chunk_was_published_is_rolled_back(scenari
     finally:
         driver.close()
     assert result.ok, result.errors
-    assert visible(lr_sites) == {(s.site_id, c): expected_queue(lr_sites[0], s.site_id, c)
-                                 for s in lr_sites[1:] for c in CLIENTS}
+    assert visible(lr_sites) == {
+        (s.site_id, c): expected_queue(lr_sites[0], s.site_id, c) for s in lr_sites[1:] for c in CLIENTS
+    }
 
 
 def test_a_session_taken_over_since_the_plan_stages_nothing_and_the_others_go_on(scenario):
@@ -130,9 +140,12 @@ def test_a_session_taken_over_since_the_plan_stages_nothing_and_the_others_go_on
     taken = "site-a->site-b/policy"
     try:
         plan = driver.plan(partitions=2, tasks=2)
-        source.query("UPDATE lr.source_sessions SET lease_expires_at = now() - interval '1 second' "
-                     "WHERE sink_site_id = 'site-b' AND client_name = 'policy'")
+        source.query(
+            "UPDATE lr.source_sessions SET lease_expires_at = now() - interval '1 second' "
+            "WHERE sink_site_id = 'site-b' AND client_name = 'policy'"
+        )
         from airflow_provider_lr.engine.vocabulary import SessionKey
+
         other = replicator(topo, lr_sites, owner="other", sessions=[SessionKey("site-a", "site-b", "policy")])
         other.run(max_cycles=3, until_idle=True, interval=0.01)
         chunks = [staged_tee.stage_chunk(plan, part) for part in plan.ranges]
@@ -142,8 +155,9 @@ def test_a_session_taken_over_since_the_plan_stages_nothing_and_the_others_go_on
         driver.close()
     assert all("FencedError" in c.errors[taken] for c in chunks)
     assert set(result.errors) == {taken}
-    assert visible(lr_sites) == {(s.site_id, c): expected_queue(source, s.site_id, c)
-                                 for s in lr_sites[1:] for c in CLIENTS}  # site-b/policy once, by the other
+    assert visible(lr_sites) == {
+        (s.site_id, c): expected_queue(source, s.site_id, c) for s in lr_sites[1:] for c in CLIENTS
+    }  # site-b/policy once, by the other
 
 
 def failed_staged_run(topo, lr_sites, chunks: tuple[int, ...]) -> None:
@@ -166,13 +180,15 @@ def test_what_a_failed_staged_run_left_is_dropped_by_the_next_plan(scenario):
     assert staged_left(lr_sites) > 0 and all(v == [] for v in visible(lr_sites).values())
     again = fanout.FanoutDriver(topo, "site-a")
     try:
-        result = fanout.run_fanout(again, lambda p: [staged_tee.stage_chunk(p, r) for r in p.ranges],
-                                   partitions=2, tasks=2)
+        result = fanout.run_fanout(
+            again, lambda p: [staged_tee.stage_chunk(p, r) for r in p.ranges], partitions=2, tasks=2
+        )
     finally:
         again.close()
     assert result.ok, result.errors
-    assert visible(lr_sites) == {(s.site_id, c): expected_queue(lr_sites[0], s.site_id, c)
-                                 for s in lr_sites[1:] for c in CLIENTS}
+    assert visible(lr_sites) == {
+        (s.site_id, c): expected_queue(lr_sites[0], s.site_id, c) for s in lr_sites[1:] for c in CLIENTS
+    }
     assert staged_left(lr_sites) == 0
 
 

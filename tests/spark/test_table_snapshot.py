@@ -3,6 +3,7 @@ task retries (``local[2,4]``): one exported snapshot read by parallel key-range 
 while writers change the table, then session cycles carry the changes from exactly that snapshot;
 a task killed mid-range (and one killed after its range committed) is retried and nothing is
 written twice. One Spark session for the module (a start costs seconds)."""
+
 from __future__ import annotations
 
 import os
@@ -67,14 +68,20 @@ def catch_up_and_compare(topo, lr_sites) -> None:
 def synced_rows(sink) -> int:
     """The snapshot rows the job recorded for the table at ``sink`` (it is ``synced``, no range left)."""
     assert sink.query("SELECT count(*) FROM lr.sink_table_ranges") == [(0,)]
-    ((state, copied),) = sink.query("SELECT state, rows_copied FROM lr.sink_tables "
-                                    "WHERE table_name = 'public.accounts'")
+    ((state, copied),) = sink.query(
+        "SELECT state, rows_copied FROM lr.sink_tables WHERE table_name = 'public.accounts'"
+    )
     assert state == "synced"
     return copied
 
 
-def tasks_with_faults(monkeypatch, attempts: Path, kill_mid_range: int | None = None,
-                      kill_after_commit: int | None = None, truncate_before: tuple[int, str] | None = None) -> None:
+def tasks_with_faults(
+    monkeypatch,
+    attempts: Path,
+    kill_mid_range: int | None = None,
+    kill_after_commit: int | None = None,
+    truncate_before: tuple[int, str] | None = None,
+) -> None:
     """Make the job's Spark tasks (``spark_map`` calls ``copy_range``) misbehave on the FIRST attempt
     of one range each: ``kill_mid_range`` dies with its rows in the sinks' open transactions (fault
     point ``table_range_before_commit``), ``kill_after_commit`` dies right after the sinks committed
@@ -102,7 +109,9 @@ def tasks_with_faults(monkeypatch, attempts: Path, kill_mid_range: int | None = 
             with conn.cursor() as cur:  # a lock the job held would time this out, not hang it
                 cur.execute("SET lock_timeout = '20s'")
                 cur.execute("TRUNCATE public.accounts")
-                cur.execute("INSERT INTO public.accounts (id, owner) SELECT g, 'after' FROM generate_series(5000, 5100) g")
+                cur.execute(
+                    "INSERT INTO public.accounts (id, owner) SELECT g, 'after' FROM generate_series(5000, 5100) g"
+                )
             conn.commit()
             conn.close()
             note("truncated")
@@ -124,7 +133,8 @@ def wrote(log: list[str], range_no: int, attempt: int) -> list[int]:
 
 
 def test_spark_snapshot_to_two_sinks_with_concurrent_writers_and_a_truncate_then_cycles_match_row_for_row(
-        spark, federated, lr_sites, tmp_path, monkeypatch):
+    spark, federated, lr_sites, tmp_path, monkeypatch
+):
     """Writers insert, update, change keys and delete while the job runs; the table is TRUNCATEd
     (and refilled) mid-job, after ranges 0 and 1 were read: the job neither hangs on the TRUNCATE's
     lock nor keeps the rows it cleared (the TRUNCATE comes after the split and is applied from the log)."""
@@ -148,7 +158,8 @@ def test_spark_snapshot_to_two_sinks_with_concurrent_writers_and_a_truncate_then
 
 
 def test_a_task_killed_mid_range_and_one_killed_after_its_commit_are_retried_without_duplicates(
-        spark, federated, lr_sites, tmp_path, monkeypatch):
+    spark, federated, lr_sites, tmp_path, monkeypatch
+):
     """Range 1's first attempt dies with its rows in both sinks' open transactions (fault point
     ``table_range_before_commit``): its retry writes the range. Range 2's first attempt dies right
     after both sinks committed it: its retry finds the range recorded and writes nothing. The

@@ -1,11 +1,13 @@
 """Airflow for tests: the metadata DB in the session's temp AIRFLOW_HOME, the repo's DAGs, and the
 test sites exposed as Airflow connections (``AIRFLOW_CONN_LR_SITE_*``) with a topology file."""
+
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml
@@ -59,11 +61,21 @@ class AirflowSites:
         return f"AIRFLOW_CONN_{conn_id(site.site_id).upper()}", json.dumps(site.server.airflow_conn(site.dbname))
 
 
-def write_topology(path: Path, sites: list, settings: dict | None = None, provider: str | None = PROVIDER,
-                   regions: dict[str, str] | None = None) -> Topology:
+def write_topology(
+    path: Path,
+    sites: list,
+    settings: dict | None = None,
+    provider: str | None = PROVIDER,
+    regions: dict[str, str] | None = None,
+) -> Topology:
     """site-a (the first site) replicates client ``policy`` to the others."""
-    doc = topology_doc(sites, providers={"policy": provider} if provider else None, conn_ids=conn_id, regions=regions,
-                       settings={"full_sync_data_timeout_s": 30, **(settings or {})})
+    doc = topology_doc(
+        sites,
+        providers={"policy": provider} if provider else None,
+        conn_ids=conn_id,
+        regions=regions,
+        settings={"full_sync_data_timeout_s": 30, **(settings or {})},
+    )
     path.write_text(yaml.safe_dump(doc))
     return topology.from_document(doc)
 

@@ -5,6 +5,7 @@ Run as ``python -m tests.support.crash_runner '<json>'`` with ``{"topology": doc
 "settings": {SessionSettings field: value}, "stream": seconds, "check_interval": seconds}`` (settings override the defaults
 below; with ``stream``, the replicator runs in streaming mode, as ``lr sync`` does, for that long).
 """
+
 from __future__ import annotations
 
 import json
@@ -13,12 +14,11 @@ import threading
 
 import psycopg2
 
-from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
 from airflow_provider_lr.engine.session.stream import Streamer
-from airflow_provider_lr.engine.store import topology
-from airflow_provider_lr.engine.session.settings import SessionSettings
+from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.source.full_sync import load_provider
+from airflow_provider_lr.engine.store import topology
 
 
 def main(spec: dict) -> int:
@@ -27,15 +27,18 @@ def main(spec: dict) -> int:
         topology.from_document(spec["topology"]),
         lambda site_id: psycopg2.connect(dsns[site_id]),
         owner=spec.get("owner", "crash-runner"),
-        settings=SessionSettings(**{"lease_seconds": spec.get("lease_seconds", 1.0), "barrier_timeout": 2.0,
-                                    **spec.get("settings", {})}),
+        settings=SessionSettings(
+            **{"lease_seconds": spec.get("lease_seconds", 1.0), "barrier_timeout": 2.0, **spec.get("settings", {})}
+        ),
         providers={c: load_provider(t) for c, t in spec.get("providers", {}).items()},
     )
     if spec.get("stream"):
         stop = threading.Event()
         threading.Timer(spec["stream"], stop.set).start()
         reports: list = []
-        Streamer(repl, StreamSettings(check_interval=spec.get("check_interval", 0.2))).run(stop, interval=0.05, on_cycle=reports.extend)
+        Streamer(repl, StreamSettings(check_interval=spec.get("check_interval", 0.2))).run(
+            stop, interval=0.05, on_cycle=reports.extend
+        )
     else:
         reports = repl.run(max_cycles=spec.get("cycles", 5), until_idle=True, interval=0.01)
     repl.close()

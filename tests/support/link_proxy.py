@@ -12,6 +12,7 @@ forwarding for good, in both directions, without closing (their bytes are still 
 acknowledges them: only a deadline above TCP notices), and new connections hang as with
 ``stalled``; ``heal()`` lets new connections through again (the stalled ones stay dead, as a
 path's do after a partition)."""
+
 from __future__ import annotations
 
 import collections
@@ -21,8 +22,14 @@ import time
 
 
 class LinkProxy:
-    def __init__(self, target_port: int, delay: float = 0.0, rate: float | None = None, stalled: bool = False,
-                 target_host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        target_port: int,
+        delay: float = 0.0,
+        rate: float | None = None,
+        stalled: bool = False,
+        target_host: str = "127.0.0.1",
+    ) -> None:
         self.target = (target_host, target_port)
         self.delay, self.rate, self.stalled = delay, rate, stalled
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -58,7 +65,7 @@ class LinkProxy:
             except OSError:
                 pass
 
-    def __enter__(self) -> "LinkProxy":
+    def __enter__(self) -> LinkProxy:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -11,6 +11,7 @@ Run as ``python -m tests.support.memory_runner '<json>'`` with ``{"mode": "sync"
 
 Prints one JSON line: ``{"peak_rss_kib": ..., "seconds": ..., ...}``.
 """
+
 from __future__ import annotations
 
 import json
@@ -90,13 +91,15 @@ class Checker:
 
 
 def sync(spec: dict) -> dict:
-    from airflow_provider_lr.engine.site.replicator import Replicator
     from airflow_provider_lr.engine.session.settings import SessionSettings
+    from airflow_provider_lr.engine.site.replicator import Replicator
     from airflow_provider_lr.engine.store import topology
 
     dsns = spec["dsns"]
     repl = Replicator(
-        topology.from_document(spec["topology"]), lambda site: psycopg2.connect(dsns[site]), owner="memory-runner",
+        topology.from_document(spec["topology"]),
+        lambda site: psycopg2.connect(dsns[site]),
+        owner="memory-runner",
         settings=SessionSettings(**{"barrier_timeout": 2.0, **spec.get("settings", {})}),
     )
     try:
@@ -112,8 +115,9 @@ def subscribe(spec: dict) -> dict:
     from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 
     checker = Checker()
-    with RoutingQueueSubscriber(spec["dsn"], client_name=spec.get("client", "policy"),
-                                **spec.get("subscriber", {})) as sub:
+    with RoutingQueueSubscriber(
+        spec["dsn"], client_name=spec.get("client", "policy"), **spec.get("subscriber", {})
+    ) as sub:
         delivered = 0
         while True:
             n = sub.poll(checker, max_messages=spec.get("max_messages"))
@@ -121,9 +125,15 @@ def subscribe(spec: dict) -> dict:
             if not n:
                 break
         stats = sub.stats
-    return {"delivered": delivered, "bytes": checker.bytes, "calls": checker.calls,
-            "largest_call": checker.largest_call, "next": checker.next,
-            "errors": checker.errors + stats.errors, "failures": stats.failures}
+    return {
+        "delivered": delivered,
+        "bytes": checker.bytes,
+        "calls": checker.calls,
+        "largest_call": checker.largest_call,
+        "next": checker.next,
+        "errors": checker.errors + stats.errors,
+        "failures": stats.failures,
+    }
 
 
 def main(spec: dict) -> int:

@@ -1,5 +1,6 @@
 """Helpers for session scenarios: a topology over test sites, an application that keeps a table
 and transmits every change, its full-sync provider, and what a sink's receive queue holds."""
+
 from __future__ import annotations
 
 import contextlib
@@ -10,19 +11,19 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import psycopg2
 
 from airflow_provider_lr.client import RoutingQueueClient, Ticket
-from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
 from airflow_provider_lr.engine.session.stream import Streamer
 from airflow_provider_lr.engine.sink.queue_rows import unpack
 from airflow_provider_lr.engine.site import topology
-from airflow_provider_lr.engine.store import topology as topologies
+from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.source.log_reader import LogReader
+from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.proto import lr_pb2
 
 KIND = {
@@ -33,17 +34,28 @@ KIND = {
 }
 
 
-def topology_doc(sites, replication: list[dict] | None = None, providers: dict | None = None,
-                 settings: dict | None = None, conn_ids: Callable[[str], str] | None = None,
-                 regions: dict[str, str] | None = None) -> dict:
+def topology_doc(
+    sites,
+    replication: list[dict] | None = None,
+    providers: dict | None = None,
+    settings: dict | None = None,
+    conn_ids: Callable[[str], str] | None = None,
+    regions: dict[str, str] | None = None,
+) -> dict:
     """The one topology document tests build: ``sites`` (their regions, or ``regions``; an Airflow
     connection id each with ``conn_ids``), by default the first site replicating client ``policy``
     to the others."""
     doc: dict = {
-        "sites": [{"id": s.site_id, "region": (regions or {}).get(s.site_id, s.region),
-                   **({"conn_id": conn_ids(s.site_id)} if conn_ids else {})} for s in sites],
-        "replication": replication or [
-            {"source": sites[0].site_id, "sinks": [s.site_id for s in sites[1:]], "clients": ["policy"]}],
+        "sites": [
+            {
+                "id": s.site_id,
+                "region": (regions or {}).get(s.site_id, s.region),
+                **({"conn_id": conn_ids(s.site_id)} if conn_ids else {}),
+            }
+            for s in sites
+        ],
+        "replication": replication
+        or [{"source": sites[0].site_id, "sinks": [s.site_id for s in sites[1:]], "clients": ["policy"]}],
         "settings": settings or {},
     }
     if providers:
@@ -51,8 +63,14 @@ def topology_doc(sites, replication: list[dict] | None = None, providers: dict |
     return doc
 
 
-def apply(sites, replication: list[dict] | None = None, providers: dict | None = None, settings: dict | None = None,
-          only=None, regions: dict[str, str] | None = None) -> topologies.Topology:
+def apply(
+    sites,
+    replication: list[dict] | None = None,
+    providers: dict | None = None,
+    settings: dict | None = None,
+    only=None,
+    regions: dict[str, str] | None = None,
+) -> topologies.Topology:
     """Apply a topology over ``sites`` (``topology_doc``) to all of them (or to the ``only`` ones)."""
     topo = topologies.from_document(topology_doc(sites, replication, providers, settings, regions=regions))
     apply_to(only or sites, topo)
@@ -66,13 +84,18 @@ def apply_to(sites, topo: topologies.Topology) -> None:
         conn.close()
 
 
-def replicator(topo, sites, providers: dict | None = None, owner: str | None = None, sessions=None,
-               **settings) -> Replicator:
+def replicator(
+    topo, sites, providers: dict | None = None, owner: str | None = None, sessions=None, **settings
+) -> Replicator:
     dsns = {s.site_id: s.dsn for s in sites}
     options = {"data_timeout": 30.0, "barrier_timeout": 2.0, **settings}
     return Replicator(
-        topo, lambda site_id: psycopg2.connect(dsns[site_id]), owner=owner,
-        settings=SessionSettings(**options), providers=providers, sessions=sessions,
+        topo,
+        lambda site_id: psycopg2.connect(dsns[site_id]),
+        owner=owner,
+        settings=SessionSettings(**options),
+        providers=providers,
+        sessions=sessions,
     )
 
 
@@ -112,8 +135,9 @@ def empty_provider(ctx) -> None:
     """A client with nothing to send in a full sync."""
 
 
-def queue_entries(sink, client: str = "policy", source: str | None = None, visible_only: bool = True,
-                  kind: int | None = None) -> list[tuple[int, bytes]]:
+def queue_entries(
+    sink, client: str = "policy", source: str | None = None, visible_only: bool = True, kind: int | None = None
+) -> list[tuple[int, bytes]]:
     """The one reader of a sink's receive queue: (kind, payload) of each undelivered entry, in sink
     order (rows are packed: ``queue_rows``). Checks that rows follow source order and that
     destinations were stripped."""
@@ -165,9 +189,17 @@ def many_rows_provider(ctx) -> None:
         ctx.transmit(f"bulk{i}={i}".encode())
 
 
-def run_crashing_replicator(topo, sites, fault: str, providers: dict[str, str] | None = None, cycles: int = 5,
-                            settings: dict | None = None, timeout: float = 120, stream: float | None = None,
-                            during: Callable[[], None] | None = None):
+def run_crashing_replicator(
+    topo,
+    sites,
+    fault: str,
+    providers: dict[str, str] | None = None,
+    cycles: int = 5,
+    settings: dict | None = None,
+    timeout: float = 120,
+    stream: float | None = None,
+    during: Callable[[], None] | None = None,
+):
     """Run a replicator in a child process that SIGKILLs itself at fault point ``fault``
     (``settings``: SessionSettings overrides, e.g. ``tee_min_backlog``; ``stream``: seconds of
     streaming mode instead of cycles; ``during``: what the application does while it runs)."""
@@ -189,7 +221,11 @@ def run_crashing_replicator(topo, sites, fault: str, providers: dict[str, str] |
     env = {**os.environ, "LR_FAULT": fault}
     child = subprocess.Popen(
         [sys.executable, "-m", "tests.support.crash_runner", json.dumps(spec)],
-        cwd=Path(__file__).resolve().parents[2], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         if during is not None:
@@ -219,8 +255,14 @@ class CounterWriters:
     late); with ``rollback_every``, every so many transactions of a writer first draw a commit
     position and roll back (a permanent gap in positions)."""
 
-    def __init__(self, source, destinations: list[str], writers: int = 6, per_writer: int = 150,
-                 rollback_every: int | None = None) -> None:
+    def __init__(
+        self,
+        source,
+        destinations: list[str],
+        writers: int = 6,
+        per_writer: int = 150,
+        rollback_every: int | None = None,
+    ) -> None:
         self.source, self.destinations = source, destinations
         self.writers, self.per_writer, self.rollback_every = writers, per_writer, rollback_every
         self.errors: list[BaseException] = []
@@ -286,10 +328,11 @@ class Streaming:
         self.streamer = Streamer(repl, options)
         self.cycles: list = []  # every cycle report, in order
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.streamer.run, args=(self.stop,),
-                                       kwargs={"interval": interval, "on_cycle": self.cycles.extend})
+        self.thread = threading.Thread(
+            target=self.streamer.run, args=(self.stop,), kwargs={"interval": interval, "on_cycle": self.cycles.extend}
+        )
 
-    def __enter__(self) -> "Streaming":
+    def __enter__(self) -> Streaming:
         self.thread.start()
         return self
 
@@ -301,9 +344,12 @@ class Streaming:
 
     def streaming(self, timeout: float = 30) -> None:
         """Wait until every session streams (a cycle left it in log-entry sync, under our lease)."""
-        wait_for(lambda: not set(self.repl.sessions) - self.streamer.streaming, timeout,
-                 f"every session to stream (last cycles: {self.cycles[-len(self.repl.sessions):]}, "
-                 f"ends: {self.streamer.ends})")
+        wait_for(
+            lambda: not set(self.repl.sessions) - self.streamer.streaming,
+            timeout,
+            f"every session to stream (last cycles: {self.cycles[-len(self.repl.sessions) :]}, "
+            f"ends: {self.streamer.ends})",
+        )
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = 30, what: str = "") -> None:
@@ -321,12 +367,17 @@ def lr_sync_process(topology_path: str | Path, source) -> Iterator[subprocess.Po
     its service-manager stop) on the way out."""
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    process = subprocess.Popen([sys.executable, "-m", "airflow_provider_lr.cli", "sync", "--topology", str(topology_path)],
-                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "airflow_provider_lr.cli", "sync", "--topology", str(topology_path)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
-        while source.query("SELECT count(*) FROM lr.source_sessions WHERE state = 'IN_LOG_ENTRY_SYNC' "
-                           "AND lease_owner IS NOT NULL") != [(2,)]:  # first contact made; it streams now
+        while source.query(
+            "SELECT count(*) FROM lr.source_sessions WHERE state = 'IN_LOG_ENTRY_SYNC' AND lease_owner IS NOT NULL"
+        ) != [(2,)]:  # first contact made; it streams now
             assert time.monotonic() < deadline and process.poll() is None, "lr sync did not start streaming"
             time.sleep(0.1)
         yield process

@@ -7,6 +7,7 @@ sends ``k=v`` for every counter of the destination sink. A sink's view is the re
 queue: a full sync's start resets it, a snapshot entry ``k=v`` sets a key, a log entry ``k`` adds
 one. The source table is the truth: after any faults, each sink's replay must equal it.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psycopg2
 
@@ -94,9 +96,17 @@ class WriterStats:
 class Writer:
     """The application at a steady rate, in a thread; survives its server being restarted."""
 
-    def __init__(self, site, seed: int, rate: float = 150.0, multi: float = 0.25, tag: str = "",
-                 subsets: tuple[tuple[str, ...], ...] = SUBSETS, extra: Callable[[Any, random.Random], None] | None = None,
-                 client: str = CLIENT) -> None:
+    def __init__(
+        self,
+        site,
+        seed: int,
+        rate: float = 150.0,
+        multi: float = 0.25,
+        tag: str = "",
+        subsets: tuple[tuple[str, ...], ...] = SUBSETS,
+        extra: Callable[[Any, random.Random], None] | None = None,
+        client: str = CLIENT,
+    ) -> None:
         self.site, self.rate, self.multi, self.subsets, self.extra = site, rate, multi, subsets, extra
         self.client = client
         self.tag = tag  # set: every payload is unique (``k#<tag><n>``), so a log entry delivered twice shows
@@ -107,7 +117,7 @@ class Writer:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="soak-writer", daemon=True)
 
-    def start(self) -> "Writer":
+    def start(self) -> Writer:
         self._thread.start()
         return self
 
@@ -241,12 +251,22 @@ def compare(truth: dict[str, int], seen: dict[str, int]) -> tuple[int, int, dict
 # --- replicators -----------------------------------------------------------------------------
 def expire_leases(source) -> None:
     """A killed replicator's leases run out now (rather than after lease_seconds)."""
-    source.query("UPDATE lr.source_sessions SET lease_expires_at = now() - interval '1 second' "
-                 "WHERE lease_owner IS NOT NULL")
+    source.query(
+        "UPDATE lr.source_sessions SET lease_expires_at = now() - interval '1 second' WHERE lease_owner IS NOT NULL"
+    )
 
 
-def spawn_runner(topo, sites, owner: str, settings: dict, cycles: int, log_path: Path,
-                 fault: str | None = None, stream: float = 0.0, check_interval: float = 0.2) -> subprocess.Popen:
+def spawn_runner(
+    topo,
+    sites,
+    owner: str,
+    settings: dict,
+    cycles: int,
+    log_path: Path,
+    fault: str | None = None,
+    stream: float = 0.0,
+    check_interval: float = 0.2,
+) -> subprocess.Popen:
     """``tests.support.crash_runner`` in a child process (to be killed from outside); its output goes to
     ``log_path`` (a pipe nobody reads would block it). ``stream``: it streams (``lr sync``'s default
     mode) for that many seconds instead of running ``cycles``."""
@@ -264,8 +284,14 @@ def spawn_runner(topo, sites, owner: str, settings: dict, cycles: int, log_path:
     if fault:
         env["LR_FAULT"] = fault
     with open(log_path, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "tests.support.crash_runner", json.dumps(spec)], cwd=REPO_ROOT,
-                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "tests.support.crash_runner", json.dumps(spec)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def kill(proc: subprocess.Popen) -> bool:
@@ -305,7 +331,7 @@ class BackgroundReplicator:
             where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-4:]))
             self.crashed = f"{type(exc).__name__}: {str(exc).strip()} at {where}"
 
-    def __enter__(self) -> "BackgroundReplicator":
+    def __enter__(self) -> BackgroundReplicator:
         self._thread.start()
         return self
 
@@ -331,8 +357,7 @@ def close_quietly(repl) -> str:
 
 
 def settled(report) -> bool:
-    return (report.state == "IN_LOG_ENTRY_SYNC" and report.remaining == 0 and not report.error
-            and not report.skipped)
+    return report.state == "IN_LOG_ENTRY_SYNC" and report.remaining == 0 and not report.error and not report.skipped
 
 
 def drain(topo, sites, settings: dict, timeout: float = 60.0) -> tuple[bool, list, int]:

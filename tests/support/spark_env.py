@@ -9,6 +9,7 @@ in the worker's group, so nothing is left behind).
 
 The machine has two cores: one worker with one core and 1 GiB, daemons with 256 MiB heaps.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,10 +21,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import pyspark
 import pytest
@@ -116,7 +117,9 @@ def _wait_for(cluster: StandaloneCluster, ready, what: str, timeout_s: float) ->
     while True:
         for proc in (cluster.master, *cluster.workers):
             if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"Spark daemon exited ({proc.returncode}) while waiting for {what}\n{cluster.logs()}")
+                raise RuntimeError(
+                    f"Spark daemon exited ({proc.returncode}) while waiting for {what}\n{cluster.logs()}"
+                )
         try:
             if ready(cluster.status()):
                 return
@@ -128,8 +131,9 @@ def _wait_for(cluster: StandaloneCluster, ready, what: str, timeout_s: float) ->
 
 
 @contextmanager
-def standalone_cluster(tmp_path: Path, cores: int = 1, memory: str = "1g", workers: int = 1,
-                       hosts: bool = False) -> Iterator[StandaloneCluster]:
+def standalone_cluster(
+    tmp_path: Path, cores: int = 1, memory: str = "1g", workers: int = 1, hosts: bool = False
+) -> Iterator[StandaloneCluster]:
     """Start a Spark standalone Master and ``workers`` Workers of ``cores`` each on 127.0.0.1; yield
     once every worker registered. ``hosts``: worker n listens on 127.0.0.(n + 1), a host of its own
     (Spark never runs a speculative copy of a task on a host where it already ran)."""
@@ -150,23 +154,31 @@ def standalone_cluster(tmp_path: Path, cores: int = 1, memory: str = "1g", worke
         _wait_for(cluster, lambda s: s.get("status") == "ALIVE", "ALIVE master", START_TIMEOUT_S)
         for n in range(workers):
             host = f"127.0.0.{n + 1}" if hosts else "127.0.0.1"
-            cluster.workers.append(_spawn(
-                "org.apache.spark.deploy.worker.Worker",
-                [
-                    cluster.url,
-                    "--host", host,
-                    "--cores", str(cores),
-                    "--memory", memory,
-                    "--webui-port", str(_free_port()),
-                    "--work-dir", str(work_dir / f"worker-{n}"),
-                ],
-                log_dir / f"worker-{n}.log",
-                {**env, "SPARK_LOCAL_IP": host},
-                log_dir,
-            ))
+            cluster.workers.append(
+                _spawn(
+                    "org.apache.spark.deploy.worker.Worker",
+                    [
+                        cluster.url,
+                        "--host",
+                        host,
+                        "--cores",
+                        str(cores),
+                        "--memory",
+                        memory,
+                        "--webui-port",
+                        str(_free_port()),
+                        "--work-dir",
+                        str(work_dir / f"worker-{n}"),
+                    ],
+                    log_dir / f"worker-{n}.log",
+                    {**env, "SPARK_LOCAL_IP": host},
+                    log_dir,
+                )
+            )
         cluster.worker = cluster.workers[0]
-        _wait_for(cluster, lambda s: s.get("aliveworkers", 0) >= workers, f"{workers} registered worker(s)",
-                  START_TIMEOUT_S)
+        _wait_for(
+            cluster, lambda s: s.get("aliveworkers", 0) >= workers, f"{workers} registered worker(s)", START_TIMEOUT_S
+        )
         yield cluster
     finally:
         for worker in cluster.workers:
@@ -259,8 +271,9 @@ def in_log_entry_sync(lr_sites, clients=("policy",), sinks=("site-b", "site-c"),
     return topo
 
 
-def transmit_backlog(source, entries: int, sinks=("site-b", "site-c"), clients=("policy",), per_txn: int = 500,
-                     seed: int = 5) -> None:
+def transmit_backlog(
+    source, entries: int, sinks=("site-b", "site-c"), clients=("policy",), per_txn: int = 500, seed: int = 5
+) -> None:
     """``entries`` log entries on the source, each to a random non-empty subset of ``sinks`` and a
     random client, ``per_txn`` to a transaction; payloads ``<client>:<n>``."""
     import random
@@ -310,8 +323,10 @@ def record_applied(batch) -> None:
         for payload in batch.payloads or [b""]:
             if payload.endswith(b":poison"):
                 raise ValueError(f"cannot apply {payload!r}")
-            cur.execute("INSERT INTO applied (source, kind, payload) VALUES (%s, %s, %s)",
-                        (batch.source, batch.kind, payload.decode()))
+            cur.execute(
+                "INSERT INTO applied (source, kind, payload) VALUES (%s, %s, %s)",
+                (batch.source, batch.kind, payload.decode()),
+            )
 
 
 @pytest.fixture(scope="module")
@@ -345,7 +360,7 @@ def prefixes_only(lr_sites, expected: dict, clients) -> Iterator[list]:
             for sink in lr_sites[1:]:
                 for client in clients:
                     seen = sink_queue(sink, client)
-                    if seen != expected[(sink.site_id, client)][:len(seen)]:
+                    if seen != expected[(sink.site_id, client)][: len(seen)]:
                         violations.append((sink.site_id, client, len(seen)))
             samples[0] += 1
 

@@ -1,11 +1,12 @@
 """Helpers for subscriber and relay scenarios: listeners that record what they acknowledge (and fail
 at random), the sequence a source's transmits must arrive as, and waiting with a deadline."""
+
 from __future__ import annotations
 
 import random
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import psycopg2
 import psycopg2.extensions
@@ -28,8 +29,9 @@ class Recorder:
     ``fail_rate``: the share of callbacks that fail, half by returning False, half by raising;
     ``delay``: seconds each callback takes; ``gate``: an event every callback waits for."""
 
-    def __init__(self, fail_rate: float = 0.0, seed: int = 0, delay: float = 0.0,
-                 gate: threading.Event | None = None) -> None:
+    def __init__(
+        self, fail_rate: float = 0.0, seed: int = 0, delay: float = 0.0, gate: threading.Event | None = None
+    ) -> None:
         self.fail_rate, self.delay, self.gate = fail_rate, delay, gate
         self.rng = random.Random(seed)
         self.events: dict[str, list[Event]] = {}
@@ -133,8 +135,9 @@ def listen_sessions(site) -> int:
     )[0][0]
 
 
-def insert_raw(site, source: str, kind: int, message: bytes, client: str = "policy", register: bool = True,
-               entry_count: int = 1) -> None:
+def insert_raw(
+    site, source: str, kind: int, message: bytes, client: str = "policy", register: bool = True, entry_count: int = 1
+) -> None:
     """Put a row straight into a receive queue (visible), as a damaged or foreign writer would."""
     conn = site.connect()
     with conn.cursor() as cur:

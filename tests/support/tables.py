@@ -1,5 +1,6 @@
 """Helpers for federated-table scenarios: a table at a source, writers that change it in every
 way (inserts, updates, key changes, deletes, TRUNCATE), and the rows a site holds."""
+
 from __future__ import annotations
 
 import random
@@ -10,8 +11,10 @@ import psycopg2
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.tables import registry
 
-ACCOUNTS = "CREATE TABLE IF NOT EXISTS public.accounts (id bigint PRIMARY KEY, owner text NOT NULL, " \
-           "balance numeric(12, 2) NOT NULL DEFAULT 0, tags text[], note jsonb, updated_at timestamptz)"
+ACCOUNTS = (
+    "CREATE TABLE IF NOT EXISTS public.accounts (id bigint PRIMARY KEY, owner text NOT NULL, "
+    "balance numeric(12, 2) NOT NULL DEFAULT 0, tags text[], note jsonb, updated_at timestamptz)"
+)
 
 
 def create_accounts(site, rows: int = 0, start: int = 0) -> None:
@@ -20,7 +23,9 @@ def create_accounts(site, rows: int = 0, start: int = 0) -> None:
         site.query(
             "INSERT INTO public.accounts SELECT g, 'owner' || g, g * 1.5, ARRAY['t' || (g %% 3)], "
             "jsonb_build_object('n', g), '2026-01-01'::timestamptz + g * interval '1 second' "
-            "FROM generate_series(%s, %s) g", (start + 1, start + rows))
+            "FROM generate_series(%s, %s) g",
+            (start + 1, start + rows),
+        )
 
 
 def federate(site, table: str = "public.accounts", client: str = "policy", federated: bool = True):
@@ -83,7 +88,7 @@ class TableWriter:
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "TableWriter":
+    def __enter__(self) -> TableWriter:
         self.thread.start()
         return self
 
@@ -98,20 +103,31 @@ class TableWriter:
         op = rng.random()
         k = rng.randrange(1, n)
         if op < 0.35:
-            cur.execute("INSERT INTO public.accounts (id, owner, balance, tags, note, updated_at) "
-                        "VALUES (%s, %s, %s, %s, %s, now()) ON CONFLICT (id) DO UPDATE SET balance = EXCLUDED.balance",
-                        (k, f"o{k}", rng.randrange(10_000) / 100, [f"x{k % 5}"], '{"w": 1}'))
+            cur.execute(
+                "INSERT INTO public.accounts (id, owner, balance, tags, note, updated_at) "
+                "VALUES (%s, %s, %s, %s, %s, now()) ON CONFLICT (id) DO UPDATE SET balance = EXCLUDED.balance",
+                (k, f"o{k}", rng.randrange(10_000) / 100, [f"x{k % 5}"], '{"w": 1}'),
+            )
         elif op < 0.6:
-            cur.execute("UPDATE public.accounts SET balance = balance + 1, note = jsonb_build_object('u', %s) "
-                        "WHERE id BETWEEN %s AND %s", (k, k, k + rng.randrange(3)))
+            cur.execute(
+                "UPDATE public.accounts SET balance = balance + 1, note = jsonb_build_object('u', %s) "
+                "WHERE id BETWEEN %s AND %s",
+                (k, k, k + rng.randrange(3)),
+            )
         elif op < 0.72:  # a key change (and a collision is refused by the source: fine)
-            cur.execute("UPDATE public.accounts SET id = id + %s WHERE id = %s "
-                        "AND NOT EXISTS (SELECT 1 FROM public.accounts WHERE id = %s)", (n, k, k + n))
+            cur.execute(
+                "UPDATE public.accounts SET id = id + %s WHERE id = %s "
+                "AND NOT EXISTS (SELECT 1 FROM public.accounts WHERE id = %s)",
+                (n, k, k + n),
+            )
         elif op < 0.9:
             cur.execute("DELETE FROM public.accounts WHERE id = %s", (k,))
         elif op < 0.99 or not self.truncate:
-            cur.execute("INSERT INTO public.accounts (id, owner) SELECT g, 'bulk' FROM generate_series(%s, %s) g "
-                        "ON CONFLICT DO NOTHING", (k, k + 20))
+            cur.execute(
+                "INSERT INTO public.accounts (id, owner) SELECT g, 'bulk' FROM generate_series(%s, %s) g "
+                "ON CONFLICT DO NOTHING",
+                (k, k + 20),
+            )
         else:
             cur.execute("TRUNCATE public.accounts")
 
@@ -148,8 +164,12 @@ TYPES = [
     ("vc", "varchar(10)", "'  padded  '", "''"),
     ("ch", "char(5)", "'ab'", "'abcde'"),
     ("nm", "name", "'a name'", "repeat('n', 63)"),
-    ("by", "bytea", "(SELECT string_agg(set_byte('\\x00'::bytea, 0, g), ''::bytea) FROM generate_series(0, 255) g)",
-     "''::bytea"),
+    (
+        "by",
+        "bytea",
+        "(SELECT string_agg(set_byte('\\x00'::bytea, 0, g), ''::bytea) FROM generate_series(0, 255) g)",
+        "''::bytea",
+    ),
     ("uu", "uuid", "'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11'", "'00000000-0000-0000-0000-000000000000'"),
     ("d", "date", "'infinity'", "'-infinity'"),
     ("d2", "date", "'4713-01-01 BC'", "'5874897-12-31'"),
@@ -160,8 +180,8 @@ TYPES = [
     ("ttz", "timetz", "'23:59:59.999999-15:59'", "'12:00+14'"),
     ("iv", "interval", "'-178000000 years'", "'1 mon -2 days 03:04:05.678901'"),
     ("iv2", "interval", "'infinity'", "'-1 days +02:03:00'"),
-    ("js", "json", "'{\"b\": 1,  \"a\": [1, 2.50, null], \"b\": 2}'", "'\"just a string\"'"),
-    ("jb", "jsonb", "'{\"n\": 1.50, \"deep\": {\"x\": [true, null]}}'", "'null'"),
+    ("js", "json", '\'{"b": 1,  "a": [1, 2.50, null], "b": 2}\'', "'\"just a string\"'"),
+    ("jb", "jsonb", '\'{"n": 1.50, "deep": {"x": [true, null]}}\'', "'null'"),
     ("bt", "bit(8)", "B'10101010'", "B'00000000'"),
     ("vb", "varbit", "B'1'", "B''"),
     ("tsv", "tsvector", "'a fat:1A cat:2B,3 sat'", "''"),
@@ -202,15 +222,20 @@ TYPES = [
     ("big", "text", "repeat('large text ✓ ', 80000)", "repeat('y', 3000)"),  # TOASTed
     ("bigb", "bytea", "decode(repeat('00ff10', 350000), 'hex')", "decode(repeat('ab', 2500), 'hex')"),
 ]
-TYPES_DDL = ["CREATE TYPE public.mood AS ENUM ('sad', 'ok', 'happy')",
-             "CREATE TYPE public.pair AS (a int, b text, m public.mood)",
-             "CREATE DOMAIN public.positive AS integer CHECK (VALUE > 0)"]
+TYPES_DDL = [
+    "CREATE TYPE public.mood AS ENUM ('sad', 'ok', 'happy')",
+    "CREATE TYPE public.pair AS (a int, b text, m public.mood)",
+    "CREATE DOMAIN public.positive AS integer CHECK (VALUE > 0)",
+]
 
 
 def every_type_table(site, name: str) -> None:
     """A table with a column of every built-in type (``TYPES``; ``TYPES_DDL`` first on every site)."""
-    site.query(f"CREATE TABLE public.{name} (id int PRIMARY KEY, "
-               + ", ".join(f"{col} {kind}" for col, kind, _, _ in TYPES) + ")")
+    site.query(
+        f"CREATE TABLE public.{name} (id int PRIMARY KEY, "
+        + ", ".join(f"{col} {kind}" for col, kind, _, _ in TYPES)
+        + ")"
+    )
 
 
 def insert_every_type(site, name: str, first: int) -> None:
@@ -230,15 +255,23 @@ def type_differences(source, sink, name: str) -> list[str]:
         here = dict(source.query(f"SELECT id, {col}::text FROM public.{name}"))
         there = dict(sink.query(f"SELECT id, {col}::text FROM public.{name}"))
         if here != there:
-            differ += [f"{col} of row {k}: {str(here.get(k))[:80]!r} != {str(there.get(k))[:80]!r}"
-                       for k in set(here) | set(there) if here.get(k) != there.get(k)]
+            differ += [
+                f"{col} of row {k}: {str(here.get(k))[:80]!r} != {str(there.get(k))[:80]!r}"
+                for k in set(here) | set(there)
+                if here.get(k) != there.get(k)
+            ]
             continue
-        equality = source.query("SELECT oprcode IS NOT NULL FROM (SELECT %s::regtype AS t) x LEFT JOIN pg_operator o "
-                                "ON o.oprname = '=' AND o.oprleft = x.t AND o.oprright = x.t", (kind,))
+        equality = source.query(
+            "SELECT oprcode IS NOT NULL FROM (SELECT %s::regtype AS t) x LEFT JOIN pg_operator o "
+            "ON o.oprname = '=' AND o.oprleft = x.t AND o.oprright = x.t",
+            (kind,),
+        )
         if equality and equality[0][0]:
             (bad,) = source.query(
                 f"SELECT count(*) FROM public.{name} s JOIN unnest(%s::int[], %s::text[]) v(id, val) USING (id) "
-                f"WHERE NOT (s.{col} IS NOT DISTINCT FROM v.val::{kind})", (list(there), list(there.values())))[0]
+                f"WHERE NOT (s.{col} IS NOT DISTINCT FROM v.val::{kind})",
+                (list(there), list(there.values())),
+            )[0]
             if bad:
                 differ.append(f"{col}: {bad} rows differ")
     return differ

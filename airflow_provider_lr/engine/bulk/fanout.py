@@ -44,6 +44,7 @@ task (at most ``router.PACK_EVERY`` entries, and ``PACK_EVERY_BYTES`` of large o
 packed, then one block per session of at most ``pgcopy.DEFAULT_BLOCK_BYTES``, two queued); the
 driver holds only the plan and small summaries.
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,7 +52,7 @@ import math
 import os
 import time
 import uuid
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import psycopg2
 import psycopg2.extensions
@@ -68,19 +69,19 @@ from airflow_provider_lr.engine.bulk.plan import (
     PositionRange,
 )
 from airflow_provider_lr.engine.bulk.tee import tee_chunks
+from airflow_provider_lr.engine.db.conninfo import ConnInfo, connect_dsn
+from airflow_provider_lr.engine.db.timeouts import Purpose, lift
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, error_line, one_line, require_counts
 from airflow_provider_lr.engine.faults import FAULT_ENV
 from airflow_provider_lr.engine.session import lease as leases
+from airflow_provider_lr.engine.session.handshake import handshake
 from airflow_provider_lr.engine.session.lease_keeper import LeaseKeeper
 from airflow_provider_lr.engine.session.negotiation import Decision
-from airflow_provider_lr.engine.session.handshake import handshake
 from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.db.conninfo import ConnInfo, connect_dsn
-from airflow_provider_lr.engine.db.timeouts import Purpose, lift
-from airflow_provider_lr.engine.store.topology import Topology, site_conninfo
 from airflow_provider_lr.engine.source.commit_barrier import commit_barrier
 from airflow_provider_lr.engine.source.log_reader import LogReader
+from airflow_provider_lr.engine.store.topology import Topology, site_conninfo
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables import snapshot as table_snapshot
 from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, SessionKey, SessionState
@@ -93,11 +94,16 @@ PARTITION_ENTRIES = 250_000  # default chunk size when the caller does not fix a
 class FanoutDriver:
     """The driver side of one fan-out run: leases, plan, commits. Close it to release leases."""
 
-    def __init__(self, topology: Topology, source: str, owner: str | None = None,
-                 settings: SessionSettings | None = None,
-                 connect: Callable[[str], psycopg2.extensions.connection] | None = None,
-                 sessions: Iterable[SessionKey] | None = None,
-                 conninfo: Callable[[str], ConnInfo] | None = None) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        source: str,
+        owner: str | None = None,
+        settings: SessionSettings | None = None,
+        connect: Callable[[str], psycopg2.extensions.connection] | None = None,
+        sessions: Iterable[SessionKey] | None = None,
+        conninfo: Callable[[str], ConnInfo] | None = None,
+    ) -> None:
         self.topology = topology
         self.source = source
         self.owner = owner or leases.new_owner_id()
@@ -138,16 +144,24 @@ class FanoutDriver:
             raise ConfigurationError(f"{len(demands)} sessions in one fan-out of {self.source}; at most {MAX_DEMANDS}")
         self._keeper = LeaseKeeper(self._dsns[self.source], list(self.leases.values()), self.settings.lease_seconds)
         plan_id = str(uuid.uuid4())
-        base = dict(plan_id=plan_id, source=self.source, demands=tuple(demands), source_dsn=self._dsns[self.source],
-                    sink_dsns={d.sink: self._dsns[d.sink] for d in demands}, skipped=skipped,
-                    faults=os.environ.get(FAULT_ENV), staged=staged)
+        base = dict(
+            plan_id=plan_id,
+            source=self.source,
+            demands=tuple(demands),
+            source_dsn=self._dsns[self.source],
+            sink_dsns={d.sink: self._dsns[d.sink] for d in demands},
+            skipped=skipped,
+            faults=os.environ.get(FAULT_ENV),
+            staged=staged,
+        )
         if not demands:
             return FanoutPlan(lo=0, end=0, barrier=0, ranges=(), **base)
         barrier, blocked = commit_barrier(self.src, self.settings.barrier_timeout)
         lo = min(d.position.after for d in demands)
         if barrier is None or barrier <= lo:
-            return FanoutPlan(lo=lo, end=lo, barrier=barrier or lo, ranges=(),
-                              blocked_by=tuple(h.describe() for h in blocked), **base)
+            return FanoutPlan(
+                lo=lo, end=lo, barrier=barrier or lo, ranges=(), blocked_by=tuple(h.describe() for h in blocked), **base
+            )
         ranges, end = self._ranges(lo, barrier, max_entries, partitions, tasks)
         return FanoutPlan(lo=lo, end=end, barrier=barrier, ranges=ranges, **base)
 
@@ -169,8 +183,13 @@ class FanoutDriver:
             assert hs.position is not None and hs.lease is not None
             reader = LogReader(self.src, key.sink, STREAM_LOG_ENTRIES, client_name=key.client)
             assert reader.client_id is not None
-            leases.update_session(self.src, hs.lease, state=SessionState.IN_LOG_ENTRY_SYNC,
-                                  acked_position=hs.position.after, last_error=None)
+            leases.update_session(
+                self.src,
+                hs.lease,
+                state=SessionState.IN_LOG_ENTRY_SYNC,
+                acked_position=hs.position.after,
+                last_error=None,
+            )
             if staged:
                 with writes.SinkTransaction(sink_conn, key.source, key.client, hs.position.epoch) as (cur, _):
                     writes.discard_staged(cur, key.source, key.client)
@@ -178,8 +197,9 @@ class FanoutDriver:
         finally:
             sink_conn.close()
 
-    def _ranges(self, lo: int, barrier: int, max_entries: int | None, partitions: int | None,
-                tasks: int = 1) -> tuple[tuple[PositionRange, ...], int]:
+    def _ranges(
+        self, lo: int, barrier: int, max_entries: int | None, partitions: int | None, tasks: int = 1
+    ) -> tuple[tuple[PositionRange, ...], int]:
         """Sub-ranges of ``(lo, barrier]`` with about equal entry counts (whole transactions),
         capped at ``max_entries``; computed by the source, only the boundaries come back."""
         cap = max_entries or 2**62
@@ -226,8 +246,9 @@ class FanoutDriver:
     # --- finish (driver) --------------------------------------------------------------------------
     def finish(self, plan: FanoutPlan, chunks: Iterable[ChunkResult]) -> FanoutResult:
         """Sum up what the chunks committed and record each session's progress on the source."""
-        result = FanoutResult(plan.plan_id, plan.source, plan.lo, plan.end, skipped=dict(plan.skipped),
-                              blocked_by=list(plan.blocked_by))
+        result = FanoutResult(
+            plan.plan_id, plan.source, plan.lo, plan.end, skipped=dict(plan.skipped), blocked_by=list(plan.blocked_by)
+        )
         parts = list(chunks)
         result.partitions = len(parts)
         result.retried = sum(1 for p in parts if p.attempt > 0)
@@ -251,20 +272,35 @@ class FanoutDriver:
                 result.errors[session] = f"StaleBatchError: stopped at position {position} of {plan.end}"
             try:
                 if session in result.errors:
-                    log.error("fan-out %s: session %s stopped at %s: %s", plan.plan_id[:8], session, position,
-                              result.errors[session])
-                    leases.update_session(self.src, lease, acked_position=max(position, demand.position.after),
-                                          last_error=f"fan-out: {result.errors[session]}"[:2000])
+                    log.error(
+                        "fan-out %s: session %s stopped at %s: %s",
+                        plan.plan_id[:8],
+                        session,
+                        position,
+                        result.errors[session],
+                    )
+                    leases.update_session(
+                        self.src,
+                        lease,
+                        acked_position=max(position, demand.position.after),
+                        last_error=f"fan-out: {result.errors[session]}"[:2000],
+                    )
                     continue
                 result.deliveries[session] = delivered.get(session, 0)
-                leases.update_session(self.src, lease, acked_position=position, last_error=None,
-                                      last_success_at=AsIs("now()"))
+                leases.update_session(
+                    self.src, lease, acked_position=position, last_error=None, last_success_at=AsIs("now()")
+                )
             except FencedError as exc:  # taken over since: the new holder records its own progress
                 result.errors.setdefault(session, error_line(exc))
                 result.deliveries.pop(session, None)
                 continue
-            log.info("fan-out %s: %s delivered %d entries, sink at position %s",
-                     plan.plan_id[:8], session, result.deliveries[session], position)
+            log.info(
+                "fan-out %s: %s delivered %d entries, sink at position %s",
+                plan.plan_id[:8],
+                session,
+                result.deliveries[session],
+                position,
+            )
         return result
 
     @staticmethod
@@ -296,8 +332,13 @@ class FanoutDriver:
 MapChunks = Callable[[FanoutPlan], Iterable[ChunkResult]]
 
 
-def run_fanout(driver: FanoutDriver, map_chunks: MapChunks, max_entries: int | None = None,
-               partitions: int | None = None, tasks: int = 1) -> FanoutResult:
+def run_fanout(
+    driver: FanoutDriver,
+    map_chunks: MapChunks,
+    max_entries: int | None = None,
+    partitions: int | None = None,
+    tasks: int = 1,
+) -> FanoutResult:
     """Plan, tee every chunk with ``map_chunks`` (in order in one task or this process; ``tasks`` > 1:
     at once, staged, in that many tasks), sum up."""
     t0 = time.monotonic()
@@ -313,8 +354,12 @@ def run_fanout(driver: FanoutDriver, map_chunks: MapChunks, max_entries: int | N
     t2 = time.monotonic()
     result = driver.finish(plan, chunks)
     t3 = time.monotonic()
-    result.seconds = {"plan": round(t1 - t0, 3), "tee": round(t2 - t1, 3), "finish": round(t3 - t2, 3),
-                      "total": round(t3 - t0, 3)}
+    result.seconds = {
+        "plan": round(t1 - t0, 3),
+        "tee": round(t2 - t1, 3),
+        "finish": round(t3 - t2, 3),
+        "total": round(t3 - t0, 3),
+    }
     result.peak_rss_kb["driver"] = peak_memory.peak_rss_kb()
     return result
 

@@ -6,24 +6,25 @@ as a cycle would) and keeps the lease of those in log-entry sync that lack table
 holds the exported snapshot's transaction open until ``finish``: no cycle advances those sessions
 meanwhile, which is what makes the snapshot's split exact (``snapshot.py``).
 """
+
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Sequence
 
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError
-from airflow_provider_lr.engine.session import lease as leases
-from airflow_provider_lr.engine.session.lease_keeper import LeaseKeeper
-from airflow_provider_lr.engine.session.negotiation import Decision
-from airflow_provider_lr.engine.session.handshake import handshake
-from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.db.conninfo import ConnInfo, connect_dsn
 from airflow_provider_lr.engine.db.timeouts import Purpose
+from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.session import lease as leases
+from airflow_provider_lr.engine.session.handshake import handshake
+from airflow_provider_lr.engine.session.lease_keeper import LeaseKeeper
+from airflow_provider_lr.engine.session.negotiation import Decision
+from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.store.topology import Topology, site_conninfo
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables.snapshot import KeyRange, SinkSide, TableSnapshot, copy_range, needed
@@ -48,10 +49,16 @@ class ParallelResult:
         return asdict(self)
 
 
-def run_table_snapshot(topology: Topology, source: str, client: str, map_ranges: MapRanges,
-                       owner: str | None = None, parts: int | None = None,
-                       settings: SessionSettings | None = None,
-                       conninfo: Callable[[str], ConnInfo] | None = None) -> ParallelResult:
+def run_table_snapshot(
+    topology: Topology,
+    source: str,
+    client: str,
+    map_ranges: MapRanges,
+    owner: str | None = None,
+    parts: int | None = None,
+    settings: SessionSettings | None = None,
+    conninfo: Callable[[str], ConnInfo] | None = None,
+) -> ParallelResult:
     """Snapshot the tables the client's sinks lack, the ranges written by ``map_ranges`` (Spark
     tasks calling ``copy_range``, or ``local_ranges``); ``conninfo``: how to reach each site
     (default: the topology's connections)."""
@@ -98,10 +105,14 @@ def run_table_snapshot(topology: Topology, source: str, client: str, map_ranges:
         result.rows = sum(map_ranges(task, ranges))
         t2 = time.monotonic()
         result.tables = snap.finish(ranges).tables
-        result.seconds = {"plan": round(t1 - t0, 3), "copy": round(t2 - t1, 3),
-                          "total": round(time.monotonic() - t0, 3)}
-        log.info("table snapshot of %s/%s: %d ranges, %d rows in %.1fs", source, client, len(ranges),
-                 result.rows, t2 - t1)
+        result.seconds = {
+            "plan": round(t1 - t0, 3),
+            "copy": round(t2 - t1, 3),
+            "total": round(time.monotonic() - t0, 3),
+        }
+        log.info(
+            "table snapshot of %s/%s: %d ranges, %d rows in %.1fs", source, client, len(ranges), result.rows, t2 - t1
+        )
         return result
     finally:
         if snap is not None:

@@ -1,6 +1,7 @@
 """Peak resident memory of the processes a bulk run goes through (Linux ``ru_maxrss`` and
 ``/proc``): the fan-out and the snapshot transfer report it in their results, so their memory
 bounds (docs/memory.md) are checked on every run, not assumed."""
+
 from __future__ import annotations
 
 import os

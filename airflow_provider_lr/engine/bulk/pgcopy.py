@@ -12,6 +12,7 @@ sends them) and pulls a ``COPY ... FROM STDIN`` from any object with ``read``, s
   ``ReceiveQueueWriter`` (the fan-out, straight into ``lr.receive_queue``) and ``StagingWriter``
   (snapshot transfer, ``lr.spark_staging``) are its two uses.
 """
+
 from __future__ import annotations
 
 import io
@@ -19,7 +20,7 @@ import queue
 import struct
 import threading
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 import psycopg2.extensions
 
@@ -39,8 +40,12 @@ class RowReader:
     """``write`` target of ``copy_expert("COPY (...) TO STDOUT (FORMAT binary)")``: decodes each
     row into a tuple of ``bytes | None`` fields and calls ``on_row(fields)``."""
 
-    def __init__(self, on_row: Callable[[list[bytes | None]], None], fixed: struct.Struct | None = None,
-                 on_fixed: Callable[[tuple, bytes], None] | None = None) -> None:
+    def __init__(
+        self,
+        on_row: Callable[[list[bytes | None]], None],
+        fixed: struct.Struct | None = None,
+        on_fixed: Callable[[tuple, bytes], None] | None = None,
+    ) -> None:
         self.on_row = on_row
         # Optional fast path for rows of fixed-width fields then one variable one: ``fixed``
         # unpacks (field count, then length/value pairs, ending with the last field's length);
@@ -56,7 +61,7 @@ class RowReader:
             head = self.fixed.unpack_from(chunk)
             size = head[-1]
             if self.fixed.size + size == len(chunk):
-                self.on_fixed(head, chunk[self.fixed.size:])
+                self.on_fixed(head, chunk[self.fixed.size :])
                 self.rows += 1
                 return len(chunk)
         buf = self._buf
@@ -87,7 +92,7 @@ class RowReader:
                     continue
                 if cursor + size > end:
                     break
-                fields.append(bytes(buf[cursor:cursor + size]))
+                fields.append(bytes(buf[cursor : cursor + size]))
                 cursor += size
             if len(fields) < count:
                 break  # partial row: wait for the rest
@@ -238,8 +243,9 @@ class ReceiveQueueWriter(PackedRows, CopyWriter):
     (``store.receive_queue.QueueWriter``, which also says what a role under row-level security
     copies into). ``entries`` counts what was added, ``rows`` the rows."""
 
-    def __init__(self, conn: psycopg2.extensions.connection, source: str, client: str,
-                 block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
+    def __init__(
+        self, conn: psycopg2.extensions.connection, source: str, client: str, block_bytes: int = DEFAULT_BLOCK_BYTES
+    ) -> None:
         self.queue = QueueWriter(source, client)
         self.COPY_SQL = self.queue.copy_sql(conn)
         super().__init__(conn, block_bytes)
@@ -273,4 +279,3 @@ class StagedQueueWriter(PackedRows, StagingWriter):
 
     def _add_row(self, row: QueueRow) -> None:
         self.add(staging_row(self.prefix, row.position, row.entry_id, row.kind, row.count, row.message))
-

@@ -1,10 +1,11 @@
 """What one fan-out run moves and what comes back (``bulk/fanout.py`` has the run): the plan the
 driver makes and ships to wherever the chunks are teed, and the small results they return.
 Picklable, so a Spark task can carry them; DSNs travel inside the plan and are never shown."""
+
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Mapping
 
 from airflow_provider_lr.engine.session.handshake import Position
 from airflow_provider_lr.engine.vocabulary import SessionKey
@@ -63,10 +64,12 @@ class FanoutPlan:
 
     def describe(self) -> str:
         sessions = ", ".join(f"{d.session}@{d.position.after}" for d in self.demands) or "none"
-        return (f"plan {self.plan_id[:8]} of {self.source}: positions ({self.lo}, {self.end}] "
-                f"barrier {self.barrier}, {self.entries} entries in {len(self.ranges)} partitions"
-                f"{' (staged, teed at once)' if self.staged else ''}; "
-                f"sessions {sessions}")
+        return (
+            f"plan {self.plan_id[:8]} of {self.source}: positions ({self.lo}, {self.end}] "
+            f"barrier {self.barrier}, {self.entries} entries in {len(self.ranges)} partitions"
+            f"{' (staged, teed at once)' if self.staged else ''}; "
+            f"sessions {sessions}"
+        )
 
 
 @dataclass

@@ -6,10 +6,11 @@ form (destinations stripped) and appends it to the writer of every session whose
 This loop is the fan-out's per-entry Python cost, so the usual row is read in place from the COPY's
 bytes; what waits in memory is bounded by count and by bytes (``PACK_EVERY``, ``PACK_EVERY_BYTES``).
 """
+
 from __future__ import annotations
 
 import struct
-from typing import Callable
+from collections.abc import Callable
 
 import psycopg2.extensions
 from psycopg2 import sql
@@ -38,20 +39,26 @@ def _demand_mask_sql(targets: list[Target]) -> sql.Composable:
     terms = []
     for bit, d, _ in targets:
         cond = sql.SQL("e.client_id = {} AND e.tag_ids @> ARRAY[{}]::int[] AND c.position > {}").format(
-            sql.Literal(d.client_id), sql.Literal(d.tag_id), sql.Literal(d.position.after))
+            sql.Literal(d.client_id), sql.Literal(d.tag_id), sql.Literal(d.position.after)
+        )
         if d.position.split is not None and d.position.split.upto > d.position.after:
             cond = sql.SQL("{} AND NOT (c.position <= {} AND pg_visible_in_snapshot(c.tx, {}::pg_snapshot))").format(
-                cond, sql.Literal(d.position.split.upto), sql.Literal(d.position.split.snapshot))
+                cond, sql.Literal(d.position.split.upto), sql.Literal(d.position.split.snapshot)
+            )
         terms.append(sql.SQL("CASE WHEN {} THEN {}::int8 ELSE 0 END").format(cond, sql.Literal(1 << bit)))
     return sql.SQL(" | ").join(terms)
 
 
-def copy_and_route(src: psycopg2.extensions.connection, part: PositionRange, targets: list[Target],
-                   fault_tag: str | None) -> int:
+def copy_and_route(
+    src: psycopg2.extensions.connection, part: PositionRange, targets: list[Target], fault_tag: str | None
+) -> int:
     """Read the chunk once from ``src`` and route every entry to its sessions' writers; returns the
     entries read. With a ``fault_tag``, the ``fanout_mid_write`` fault point halfway through."""
-    router = CopyRouter({bit: writer for bit, _, writer in targets},
-                        max(1, part.entries // 2) if fault_tag is not None else -1, fault_tag)
+    router = CopyRouter(
+        {bit: writer for bit, _, writer in targets},
+        max(1, part.entries // 2) if fault_tag is not None else -1,
+        fault_tag,
+    )
     query = sql.SQL(
         "COPY (SELECT position, entry_id, mask, message FROM ("
         " SELECT c.position, e.entry_id, ({mask}) AS mask, e.message FROM lr.log_commits c"
@@ -59,8 +66,12 @@ def copy_and_route(src: psycopg2.extensions.connection, part: PositionRange, tar
         "  WHERE e.tx = c.tx AND e.stream = {stream} OFFSET 0) e"  # per-commit index lookups
         " WHERE c.position > {lo} AND c.position <= {hi}) r WHERE mask <> 0 ORDER BY position, entry_id)"
         " TO STDOUT (FORMAT binary)"
-    ).format(mask=_demand_mask_sql(targets), lo=sql.Literal(part.lo), hi=sql.Literal(part.hi),
-             stream=sql.Literal(STREAM_LOG_ENTRIES))
+    ).format(
+        mask=_demand_mask_sql(targets),
+        lo=sql.Literal(part.lo),
+        hi=sql.Literal(part.hi),
+        stream=sql.Literal(STREAM_LOG_ENTRIES),
+    )
     with src.cursor() as cur:
         cur.copy_expert(query.as_string(src), router)
     src.rollback()
@@ -104,8 +115,12 @@ class CopyRouter(RowReader):
                     return size
                 route = self.routes.get(mask) or self._route(mask)
                 length = size - pos  # queue_rows.piece, inline for the usual size
-                entry = (HEADS[length] + chunk[pos:] if length < len(HEADS) else piece(chunk[pos:]), kind,
-                         position, entry_id)
+                entry = (
+                    HEADS[length] + chunk[pos:] if length < len(HEADS) else piece(chunk[pos:]),
+                    kind,
+                    position,
+                    entry_id,
+                )
                 for append in route:
                     append(entry)
                 self.read += 1

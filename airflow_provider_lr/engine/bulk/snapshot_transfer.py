@@ -18,14 +18,15 @@
 Federated tables have their own parallel snapshot (``engine/bulk/parallel_tables.py``: one exported
 snapshot, key ranges read by tasks that join it).
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable
 
 import psycopg2
 import psycopg2.extensions
@@ -33,18 +34,18 @@ import psycopg2.extensions
 from airflow_provider_lr.engine import vocabulary
 from airflow_provider_lr.engine.bulk.peak_memory import peak_rss_kb
 from airflow_provider_lr.engine.bulk.pgcopy import RowReader, StagingWriter, staging_prefix, staging_row
-from airflow_provider_lr.engine.sink.queue_rows import Packer
-from airflow_provider_lr.engine.errors import ConfigurationError, LRError, StaleBatchError, require_counts
 from airflow_provider_lr.engine.db.conninfo import connect_dsn
 from airflow_provider_lr.engine.db.timeouts import Purpose
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError, StaleBatchError, require_counts
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.handshake import handshake
 from airflow_provider_lr.engine.session.runner import SessionRunner
 from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.sink import writes
+from airflow_provider_lr.engine.sink.queue_rows import Packer
+from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.store import receive_queue, sink_sessions
 from airflow_provider_lr.engine.store.topology import Topology, recorded_id, site_conninfo
-from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.vocabulary import (
     STAGING_LOCK_CLASS,
     STREAM_SNAP_SYNC,
@@ -82,8 +83,10 @@ class SnapshotPlan:
     sink_dsn: str = field(repr=False)
 
     def describe(self) -> str:
-        return (f"snapshot {self.request_id} of {SessionKey(self.source, self.sink, self.client)}: {self.entries} entries "
-                f"to transfer in {len(self.ranges)} partitions (plan {self.plan_id[:8]})")
+        return (
+            f"snapshot {self.request_id} of {SessionKey(self.source, self.sink, self.client)}: {self.entries} entries "
+            f"to transfer in {len(self.ranges)} partitions (plan {self.plan_id[:8]})"
+        )
 
 
 @dataclass
@@ -104,8 +107,15 @@ class SnapshotResult:
 class SnapshotTransfer:
     """Driver side of one session's parallel snapshot transfer."""
 
-    def __init__(self, topology: Topology, source: str, sink_id: str, client: str, owner: str | None = None,
-                 settings: SessionSettings | None = None) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        source: str,
+        sink_id: str,
+        client: str,
+        owner: str | None = None,
+        settings: SessionSettings | None = None,
+    ) -> None:
         self.key = SessionKey(source, sink_id, client)
         if self.key not in topology.sessions(source=source):
             raise ConfigurationError(f"session {self.key} is not in the topology")
@@ -124,17 +134,31 @@ class SnapshotTransfer:
             what = "another replicator holds its lease; try again later" if hs.lease is None else hs.reason
             raise LRError(f"session {self.key}: {what}")
         assert hs.meta is not None and hs.position is not None
-        request = (full_sync.get_request(self.src, request_id) if request_id
-                   else full_sync.open_request(self.src, self.key.sink, self.key.client))
+        request = (
+            full_sync.get_request(self.src, request_id)
+            if request_id
+            else full_sync.open_request(self.src, self.key.sink, self.key.client)
+        )
         if runner.reconcile(hs.meta, request):  # the sink applied it before a crash: closed, not reused
             request = full_sync.get_request(self.src, request.request_id)
         if request is None or request.status != RequestStatus.SUPPLIED or request.base_position is None:
-            raise LRError(f"session {self.key}: no supplied full-sync request "
-                          f"({request.status if request else 'none'}); the client's provider must supply it first")
-        meta = writes.start_snapshot(self.sink, self.key.source, self.key.client, hs.position.epoch,
-                                     request.request_id, request.base_position, request.split, recorded_id(self.src))
-        leases.update_session(self.src, runner.lease, state=SessionState.IN_SNAPSHOT_SYNC, sync_id=request.request_id,
-                              last_error=None)
+            raise LRError(
+                f"session {self.key}: no supplied full-sync request "
+                f"({request.status if request else 'none'}); the client's provider must supply it first"
+            )
+        meta = writes.start_snapshot(
+            self.sink,
+            self.key.source,
+            self.key.client,
+            hs.position.epoch,
+            request.request_id,
+            request.base_position,
+            request.split,
+            recorded_id(self.src),
+        )
+        leases.update_session(
+            self.src, runner.lease, state=SessionState.IN_SNAPSHOT_SYNC, sync_id=request.request_id, last_error=None
+        )
         with self.src.cursor() as cur:
             cur.execute(
                 "SELECT count(*), coalesce(min(entry_id), 0), coalesce(max(entry_id), 0) FROM lr.log_entries "
@@ -149,8 +173,18 @@ class SnapshotTransfer:
             while lo < last:
                 ranges.append(EntryRange(len(ranges), lo, min(lo + width, last)))
                 lo += width
-        return SnapshotPlan(str(uuid.uuid4()), self.key.source, self.key.sink, self.key.client, request.request_id,
-                            str(request.supplied_tx), int(count), tuple(ranges), self.source_dsn, self.sink_dsn)
+        return SnapshotPlan(
+            str(uuid.uuid4()),
+            self.key.source,
+            self.key.sink,
+            self.key.client,
+            request.request_id,
+            str(request.supplied_tx),
+            int(count),
+            tuple(ranges),
+            self.source_dsn,
+            self.sink_dsn,
+        )
 
     def commit(self, plan: SnapshotPlan, apply: bool = True) -> SnapshotResult:
         """Move the staged messages into the sink's receive queue, then apply.
@@ -165,28 +199,57 @@ class SnapshotTransfer:
         write = writes.SinkTransaction(self.sink, plan.source, plan.client, self.runner._epoch())
         with write as (cur, meta):
             if meta.snapshot_request_id != plan.request_id:
-                raise StaleBatchError(f"sink of {self.key} is on sync {meta.snapshot_request_id}, not {plan.request_id}")
+                raise StaleBatchError(
+                    f"sink of {self.key} is on sync {meta.snapshot_request_id}, not {plan.request_id}"
+                )
             if plan.ranges and meta.snapshot_transferred != meta.snapshot_started:
                 if meta.snapshot_last_entry > plan.ranges[0].lo:  # a staged pack could straddle it
-                    raise StaleBatchError(f"snapshot {plan.request_id}: the sink received entries up to "
-                                          f"{meta.snapshot_last_entry} since the plan began at {plan.ranges[0].lo}; rerun")
-                if staged_coverage(cur, plan.source, plan.client, plan.plan_id,
-                                   max(meta.snapshot_last_entry, plan.ranges[0].lo), plan.ranges[-1].hi) is None:
-                    raise StaleBatchError(f"snapshot {plan.request_id}: entries after {meta.snapshot_last_entry} are "
-                                          f"not all staged on {plan.sink} (a partition failed); rerun")
-                moved, last, ended = receive_queue.move_staged_snapshot(cur, plan.source, plan.client, plan.request_id,
-                                                                        meta.snapshot_last_entry,
-                                                                        lr_pb2.LAST_FULL_SYNC_ENTRY)
+                    raise StaleBatchError(
+                        f"snapshot {plan.request_id}: the sink received entries up to "
+                        f"{meta.snapshot_last_entry} since the plan began at {plan.ranges[0].lo}; rerun"
+                    )
+                if (
+                    staged_coverage(
+                        cur,
+                        plan.source,
+                        plan.client,
+                        plan.plan_id,
+                        max(meta.snapshot_last_entry, plan.ranges[0].lo),
+                        plan.ranges[-1].hi,
+                    )
+                    is None
+                ):
+                    raise StaleBatchError(
+                        f"snapshot {plan.request_id}: entries after {meta.snapshot_last_entry} are "
+                        f"not all staged on {plan.sink} (a partition failed); rerun"
+                    )
+                moved, last, ended = receive_queue.move_staged_snapshot(
+                    cur,
+                    plan.source,
+                    plan.client,
+                    plan.request_id,
+                    meta.snapshot_last_entry,
+                    lr_pb2.LAST_FULL_SYNC_ENTRY,
+                )
                 if not ended:
-                    raise LRError(f"snapshot {plan.request_id}: staged data ends at entry {last} before the end "
-                                  "marker; rerun the transfer")
-                write.update(snapshot_transferred_seq=meta.snapshot_transferred_seq + moved,
-                             snapshot_last_entry=last, snapshot_transferred=meta.snapshot_started)
+                    raise LRError(
+                        f"snapshot {plan.request_id}: staged data ends at entry {last} before the end "
+                        "marker; rerun the transfer"
+                    )
+                write.update(
+                    snapshot_transferred_seq=meta.snapshot_transferred_seq + moved,
+                    snapshot_last_entry=last,
+                    snapshot_transferred=meta.snapshot_started,
+                )
                 result.transferred = moved
-            cur.execute("DELETE FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s AND sync_id = %s",
-                        (plan.source, plan.client, plan.request_id))
-            cur.execute("DELETE FROM lr.spark_staged_ranges WHERE source_site_id = %s AND client_name = %s "
-                        "AND plan_id = %s", (plan.source, plan.client, plan.plan_id))
+            cur.execute(
+                "DELETE FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s AND sync_id = %s",
+                (plan.source, plan.client, plan.request_id),
+            )
+            cur.execute(
+                "DELETE FROM lr.spark_staged_ranges WHERE source_site_id = %s AND client_name = %s AND plan_id = %s",
+                (plan.source, plan.client, plan.plan_id),
+            )
         log.info("snapshot %s: moved %d staged entries into the receive queue", plan.request_id, result.transferred)
         result.seconds["move"] = round(time.monotonic() - started, 3)
         if apply:
@@ -209,29 +272,41 @@ def stage_range(plan: SnapshotPlan, part: EntryRange) -> dict:
     writer: StagingWriter | None = None
     try:
         with dst.cursor() as cur:
-            cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
-                        (STAGING_LOCK_CLASS, f"{plan.source}/{plan.request_id}/{part.lo}"))
-            cur.execute("DELETE FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s AND sync_id = %s "
-                        "AND source_entry_id > %s AND source_entry_id <= %s",
-                        (plan.source, plan.client, plan.request_id, part.lo, part.hi))
+            cur.execute(
+                "SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+                (STAGING_LOCK_CLASS, f"{plan.source}/{plan.request_id}/{part.lo}"),
+            )
+            cur.execute(
+                "DELETE FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s AND sync_id = %s "
+                "AND source_entry_id > %s AND source_entry_id <= %s",
+                (plan.source, plan.client, plan.request_id, part.lo, part.hi),
+            )
         writer = StagingWriter(dst)
         prefix = staging_prefix(plan.source, plan.client, plan.request_id)
         packer = Packer(lambda r: writer.add(staging_row(prefix, r.position, r.entry_id, r.kind, r.count, r.message)))
 
         def on_row(fields: list[bytes | None]) -> None:
             kind, message = vocabulary.strip_destinations(fields[2] or b"")
-            packer.add(kind, int.from_bytes(fields[0] or b"", "big", signed=True),
-                       int.from_bytes(fields[1] or b"", "big", signed=True), message)
+            packer.add(
+                kind,
+                int.from_bytes(fields[0] or b"", "big", signed=True),
+                int.from_bytes(fields[1] or b"", "big", signed=True),
+                message,
+            )
             if len(packer.pending) >= PACK_PENDING:
                 packer.flush(final=False)  # memory bounded: the unfinished last pack waits
 
         with src.cursor() as cur:
-            cur.copy_expert(cur.mogrify(
-                "COPY (SELECT c.position, e.entry_id, e.message FROM lr.log_entries e JOIN lr.log_commits c "
-                "ON c.tx = e.tx WHERE e.tx = %s::xid8 AND e.stream = %s AND e.entry_id > %s AND e.entry_id <= %s "
-                "ORDER BY e.entry_id) "  # packed here: a pack's entries must be in entry order
-                "TO STDOUT (FORMAT binary)", (plan.supplied_tx, STREAM_SNAP_SYNC, part.lo, part.hi)).decode(),
-                RowReader(on_row))
+            cur.copy_expert(
+                cur.mogrify(
+                    "COPY (SELECT c.position, e.entry_id, e.message FROM lr.log_entries e JOIN lr.log_commits c "
+                    "ON c.tx = e.tx WHERE e.tx = %s::xid8 AND e.stream = %s AND e.entry_id > %s AND e.entry_id <= %s "
+                    "ORDER BY e.entry_id) "  # packed here: a pack's entries must be in entry order
+                    "TO STDOUT (FORMAT binary)",
+                    (plan.supplied_tx, STREAM_SNAP_SYNC, part.lo, part.hi),
+                ).decode(),
+                RowReader(on_row),
+            )
         src.rollback()
         packer.flush()
         writer.close()
@@ -240,18 +315,41 @@ def stage_range(plan: SnapshotPlan, part: EntryRange) -> dict:
                 "INSERT INTO lr.spark_staged_ranges (source_site_id, client_name, plan_id, range_lo, range_hi, "
                 "staged_rows) VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (source_site_id, client_name, plan_id, "
                 "range_lo) DO UPDATE SET staged_rows = EXCLUDED.staged_rows, staged_at = now()",
-                (plan.source, plan.client, plan.plan_id, part.lo, part.hi, packer.entries))
+                (plan.source, plan.client, plan.plan_id, part.lo, part.hi, packer.entries),
+            )
             if not _still_transferring(cur, plan):
                 dst.rollback()
-                log.info("snapshot %s: the sink of %s/%s moved on from this sync; range (%d, %d] not staged",
-                         plan.request_id, plan.source, plan.client, part.lo, part.hi)
-                return {"index": part.index, "staged": 0, "seconds": round(time.monotonic() - started, 3),
-                        "peak_rss_kb": peak_rss_kb(), "pid": os.getpid()}
+                log.info(
+                    "snapshot %s: the sink of %s/%s moved on from this sync; range (%d, %d] not staged",
+                    plan.request_id,
+                    plan.source,
+                    plan.client,
+                    part.lo,
+                    part.hi,
+                )
+                return {
+                    "index": part.index,
+                    "staged": 0,
+                    "seconds": round(time.monotonic() - started, 3),
+                    "peak_rss_kb": peak_rss_kb(),
+                    "pid": os.getpid(),
+                }
         dst.commit()
-        log.info("snapshot %s: staged %d entries in %d rows (%d, %d]", plan.request_id, packer.entries, packer.rows,
-                 part.lo, part.hi)
-        return {"index": part.index, "staged": packer.entries, "seconds": round(time.monotonic() - started, 3),
-                "peak_rss_kb": peak_rss_kb(), "pid": os.getpid()}
+        log.info(
+            "snapshot %s: staged %d entries in %d rows (%d, %d]",
+            plan.request_id,
+            packer.entries,
+            packer.rows,
+            part.lo,
+            part.hi,
+        )
+        return {
+            "index": part.index,
+            "staged": packer.entries,
+            "seconds": round(time.monotonic() - started, 3),
+            "peak_rss_kb": peak_rss_kb(),
+            "pid": os.getpid(),
+        }
     finally:
         if writer is not None:
             writer.abandon()
@@ -268,8 +366,9 @@ def _still_transferring(cur: psycopg2.extensions.cursor, plan: SnapshotPlan) -> 
     return sink_sessions.still_transferring(cur, plan.source, plan.client, plan.request_id)
 
 
-def staged_coverage(cur: psycopg2.extensions.cursor, source: str, client: str, plan_id: str,
-                    lo: int, hi: int) -> int | None:
+def staged_coverage(
+    cur: psycopg2.extensions.cursor, source: str, client: str, plan_id: str, lo: int, hi: int
+) -> int | None:
     """Rows staged in ``lr.spark_staging`` for ``(lo, hi]`` by a plan's partitions, or None unless
     they cover it all (a partition that failed leaves a gap: nothing is transferred then)."""
     cur.execute(
@@ -289,8 +388,13 @@ def staged_coverage(cur: psycopg2.extensions.cursor, source: str, client: str, p
     return None
 
 
-def run_transfer(transfer: SnapshotTransfer, map_ranges: Callable[[SnapshotPlan], Iterable[dict]],
-                 request_id: str | None = None, partitions: int = 2, apply: bool = True) -> SnapshotResult:
+def run_transfer(
+    transfer: SnapshotTransfer,
+    map_ranges: Callable[[SnapshotPlan], Iterable[dict]],
+    request_id: str | None = None,
+    partitions: int = 2,
+    apply: bool = True,
+) -> SnapshotResult:
     t0 = time.monotonic()
     plan = transfer.plan(request_id, partitions)
     log.info("%s", plan.describe())
@@ -301,5 +405,8 @@ def run_transfer(transfer: SnapshotTransfer, map_ranges: Callable[[SnapshotPlan]
     result = transfer.commit(plan, apply)
     result.staged, result.partitions = sum(s["staged"] for s in staged), len(staged)
     result.seconds = {"plan": round(t1 - t0, 3), "stage": round(t2 - t1, 3), **result.seconds}
-    result.peak_rss_kb = {"driver": peak_rss_kb(), "executor_python": max((s["peak_rss_kb"] for s in staged), default=0)}
+    result.peak_rss_kb = {
+        "driver": peak_rss_kb(),
+        "executor_python": max((s["peak_rss_kb"] for s in staged), default=0),
+    }
     return result

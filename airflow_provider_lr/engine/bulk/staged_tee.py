@@ -30,25 +30,24 @@ uncommitted; a retry stages again what is missing; staged ranges a run never pub
 that stayed, a task that never returned) are dropped by the next plan of the session
 (``writes.discard_staged``) before it stages anything.
 """
+
 from __future__ import annotations
 
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-
 from airflow_provider_lr.engine.bulk import peak_memory
 from airflow_provider_lr.engine.bulk.pgcopy import StagedQueueWriter
 from airflow_provider_lr.engine.bulk.plan import ChunkResult, Demand, FanoutPlan, PositionRange
 from airflow_provider_lr.engine.bulk.tee import SessionChunk, armed, check_base, read_and_route, refuse
-from airflow_provider_lr.engine.errors import FencedError, StaleBatchError, error_line
 from airflow_provider_lr.engine.db.conninfo import connect_dsn
 from airflow_provider_lr.engine.db.timeouts import Purpose
+from airflow_provider_lr.engine.errors import FencedError, StaleBatchError, error_line
 from airflow_provider_lr.engine.faults import fault_point, hooked
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.store import receive_queue, sink_sessions
 from airflow_provider_lr.engine.vocabulary import STAGING_LOCK_CLASS
-
 
 
 class SessionStage(SessionChunk):
@@ -64,17 +63,23 @@ class SessionStage(SessionChunk):
             meta = writes.read_metadata(self.conn, plan.source, demand.client)
             check_base(meta, plan, demand)
             with self.conn.cursor() as cur:  # a duplicate attempt of this chunk waits here
-                cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
-                            (STAGING_LOCK_CLASS, f"{plan.source}/{demand.client}/{plan.plan_id}/{self.position}"))
+                cur.execute(
+                    "SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+                    (STAGING_LOCK_CLASS, f"{plan.source}/{demand.client}/{plan.plan_id}/{self.position}"),
+                )
                 last = sink_sessions.last_processed(cur, plan.source, demand.client)
-                cur.execute("SELECT 1 FROM lr.spark_staged_ranges WHERE source_site_id = %s AND client_name = %s "
-                            "AND plan_id = %s AND range_lo = %s", (plan.source, demand.client, plan.plan_id,
-                                                                   self.position))
+                cur.execute(
+                    "SELECT 1 FROM lr.spark_staged_ranges WHERE source_site_id = %s AND client_name = %s "
+                    "AND plan_id = %s AND range_lo = %s",
+                    (plan.source, demand.client, plan.plan_id, self.position),
+                )
                 self.done = last >= part.hi or cur.fetchone() is not None
                 if not self.done:  # rows an attempt of an earlier plan left in the range
-                    cur.execute("DELETE FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s "
-                                "AND sync_id IS NULL AND source_position > %s AND source_position <= %s",
-                                (plan.source, demand.client, self.position, part.hi))
+                    cur.execute(
+                        "DELETE FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s "
+                        "AND sync_id IS NULL AND source_position > %s AND source_position <= %s",
+                        (plan.source, demand.client, self.position, part.hi),
+                    )
                     self.writer = StagedQueueWriter(self.conn, plan.source, demand.client)
         except BaseException:
             self.abandon()
@@ -90,20 +95,24 @@ class SessionStage(SessionChunk):
         try:
             self.writer.close()
             if self.writer.copied != self.writer.rows:
-                raise StaleBatchError(f"{demand.session}: the sink staged {self.writer.copied} of "
-                                      f"{self.writer.rows} rows")
+                raise StaleBatchError(
+                    f"{demand.session}: the sink staged {self.writer.copied} of {self.writer.rows} rows"
+                )
             with self.conn.cursor() as cur:  # a publish of the session waits from here to the commit
                 last, epoch, failed_over_to = sink_sessions.share_position(cur, plan.source, demand.client)
                 if failed_over_to is not None or epoch > demand.position.epoch:
-                    raise FencedError(f"session {demand.session}: lease epoch {demand.position.epoch} is stale at the sink "
-                                      f"(epoch {epoch}{', failed over' if failed_over_to else ''}); staged nothing")
+                    raise FencedError(
+                        f"session {demand.session}: lease epoch {demand.position.epoch} is stale at the sink "
+                        f"(epoch {epoch}{', failed over' if failed_over_to else ''}); staged nothing"
+                    )
                 if last >= self.part.hi:
                     self.abandon()
                     return False
                 cur.execute(
                     "INSERT INTO lr.spark_staged_ranges (source_site_id, client_name, plan_id, range_lo, range_hi, "
                     "staged_rows) VALUES (%s, %s, %s, %s, %s, %s)",
-                    (plan.source, demand.client, plan.plan_id, self.position, self.part.hi, self.entries))
+                    (plan.source, demand.client, plan.plan_id, self.position, self.part.hi, self.entries),
+                )
         except BaseException:
             self.abandon()
             raise
@@ -157,6 +166,7 @@ def stage_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "") -> C
 def publish_all(plan: FanoutPlan, demands: list[Demand], out: ChunkResult) -> None:
     """``publish`` every session at once (a thread each: the sinks move their rows concurrently, as
     they ingest them in the ordered tee); positions, entries published and errors into ``out``."""
+
     def one(demand: Demand) -> None:
         try:
             out.positions[demand.session], out.delivered[demand.session] = publish(plan, demand)
@@ -179,9 +189,11 @@ def publish(plan: FanoutPlan, demand: Demand) -> tuple[int, int]:
         with write as (cur, meta):
             check_base(meta, plan, demand)
             last = meta.last_log_entry_processed
-            cur.execute("SELECT range_lo, range_hi, staged_rows FROM lr.spark_staged_ranges WHERE source_site_id = %s "
-                        "AND client_name = %s AND plan_id = %s AND range_hi > %s ORDER BY range_lo",
-                        (plan.source, demand.client, plan.plan_id, last))
+            cur.execute(
+                "SELECT range_lo, range_hi, staged_rows FROM lr.spark_staged_ranges WHERE source_site_id = %s "
+                "AND client_name = %s AND plan_id = %s AND range_hi > %s ORDER BY range_lo",
+                (plan.source, demand.client, plan.plan_id, last),
+            )
             reach, expected = last, 0
             for lo, hi, entries in cur.fetchall():
                 if lo != reach:
@@ -191,8 +203,10 @@ def publish(plan: FanoutPlan, demand: Demand) -> tuple[int, int]:
                 return last, 0
             moved = receive_queue.move_staged_log(cur, plan.source, demand.client, last, reach)
             if moved != expected:
-                raise StaleBatchError(f"{demand.session}: staged ({last}, {reach}] holds {moved} entries, its "
-                                      f"ranges say {expected}; nothing published, rerun the fan-out")
+                raise StaleBatchError(
+                    f"{demand.session}: staged ({last}, {reach}] holds {moved} entries, its "
+                    f"ranges say {expected}; nothing published, rerun the fan-out"
+                )
             receive_queue.drop_staged_log(cur, plan.source, demand.client, last, reach)
             write.advance(reach, moved > 0)
         return reach, int(moved)
@@ -208,9 +222,11 @@ def published_entries(plan: FanoutPlan, demand: Demand, position: int) -> int:
     conn = connect_dsn(plan.sink_dsns[demand.sink], Purpose.BULK)
     try:
         with writes.SinkTransaction(conn, plan.source, demand.client, demand.position.epoch) as (cur, _):
-            cur.execute("SELECT coalesce(sum(staged_rows), 0) FROM lr.spark_staged_ranges WHERE source_site_id = %s "
-                        "AND client_name = %s AND plan_id = %s AND range_lo >= %s AND range_hi <= %s",
-                        (plan.source, demand.client, plan.plan_id, demand.position.after, position))
+            cur.execute(
+                "SELECT coalesce(sum(staged_rows), 0) FROM lr.spark_staged_ranges WHERE source_site_id = %s "
+                "AND client_name = %s AND plan_id = %s AND range_lo >= %s AND range_hi <= %s",
+                (plan.source, demand.client, plan.plan_id, demand.position.after, position),
+            )
             (entries,) = cur.fetchone()
             writes.discard_staged(cur, plan.source, demand.client)
         return int(entries)

@@ -3,12 +3,13 @@ Airflow worker): every session that still needs the chunk opens ONE fenced sink 
 chunk is read once from the source (``bulk/router.py``) into every demanding session's COPY, then
 each session checks its rows, advances its sink's position and commits. Why this is exactly once
 and in order: ``bulk/fanout.py``."""
+
 from __future__ import annotations
 
 import logging
 import os
 import time
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import psycopg2
 
@@ -16,9 +17,9 @@ from airflow_provider_lr.engine.bulk import peak_memory
 from airflow_provider_lr.engine.bulk.pgcopy import PackedRows, ReceiveQueueWriter
 from airflow_provider_lr.engine.bulk.plan import ChunkResult, Demand, FanoutPlan, PositionRange
 from airflow_provider_lr.engine.bulk.router import copy_and_route
-from airflow_provider_lr.engine.errors import StaleBatchError, error_line, one_line
 from airflow_provider_lr.engine.db.conninfo import connect_dsn
 from airflow_provider_lr.engine.db.timeouts import Purpose
+from airflow_provider_lr.engine.errors import StaleBatchError, error_line, one_line
 from airflow_provider_lr.engine.faults import FAULT_ENV, fault_point, hooked
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.source.log_reader import snapshot_trim_mark, trimmed_error
@@ -57,7 +58,8 @@ def check_base(meta: writes.SinkMetadata, plan: FanoutPlan, demand: Demand) -> N
     if not meta.data_consistent or meta.snapshot_applied != demand.position.base:
         raise StaleBatchError(
             f"fan-out for base {demand.position.base} but the sink of {plan.source}/{demand.client} is at base "
-            f"{meta.snapshot_applied} (consistent: {meta.data_consistent}); renegotiate")
+            f"{meta.snapshot_applied} (consistent: {meta.data_consistent}); renegotiate"
+        )
 
 
 class SessionTee(SessionChunk):
@@ -78,8 +80,10 @@ class SessionTee(SessionChunk):
             if last >= part.hi:
                 self.done = True
             elif last != start:
-                raise StaleBatchError(f"fan-out chunk ({part.lo}, {part.hi}] of {demand.session} starts after "
-                                      f"{start} but its sink has processed up to {last}; rerun")
+                raise StaleBatchError(
+                    f"fan-out chunk ({part.lo}, {part.hi}] of {demand.session} starts after "
+                    f"{start} but its sink has processed up to {last}; rerun"
+                )
             else:
                 self.writer = ReceiveQueueWriter(self.conn, plan.source, demand.client)
         except BaseException:
@@ -94,8 +98,9 @@ class SessionTee(SessionChunk):
         try:
             self.writer.close()
             if self.writer.copied != self.writer.rows:
-                raise StaleBatchError(f"{self.demand.session}: the sink took {self.writer.copied} of "
-                                      f"{self.writer.rows} rows")
+                raise StaleBatchError(
+                    f"{self.demand.session}: the sink took {self.writer.copied} of {self.writer.rows} rows"
+                )
             self.transaction.advance(end, self.entries > 0)
         except BaseException:
             self.transaction.abort()
@@ -105,8 +110,8 @@ class SessionTee(SessionChunk):
         self.conn.close()
         self.position = end
 
-def tee_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "",
-              exclude: Iterable[str] = ()) -> ChunkResult:
+
+def tee_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "", exclude: Iterable[str] = ()) -> ChunkResult:
     """Deliver one chunk ``(lo, hi]`` to every session that still needs it (see ``bulk/fanout.py``).
 
     Sessions in ``exclude`` (failed in an earlier chunk of this run) are left out. One session
@@ -153,15 +158,17 @@ def tee_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "",
     return out
 
 
-def refuse(plan: FanoutPlan, part: PositionRange, out: ChunkResult, session: str, exc: BaseException,
-           what: str = "refused") -> None:
+def refuse(
+    plan: FanoutPlan, part: PositionRange, out: ChunkResult, session: str, exc: BaseException, what: str = "refused"
+) -> None:
     """Leave ``session`` out of this chunk, saying why (``out.errors`` and the log); the others go on."""
     out.errors[session] = error_line(exc)
     log.warning("fan-out %s chunk %d: session %s %s: %s", plan.plan_id[:8], part.index, session, what, one_line(exc))
 
 
-def read_and_route(plan: FanoutPlan, part: PositionRange, tees: list[tuple[int, SessionChunk]],
-                   out: ChunkResult, fault_tag: str | None) -> tuple[list[tuple[int, SessionChunk]], int]:
+def read_and_route(
+    plan: FanoutPlan, part: PositionRange, tees: list[tuple[int, SessionChunk]], out: ChunkResult, fault_tag: str | None
+) -> tuple[list[tuple[int, SessionChunk]], int]:
     """Read the chunk ONCE from the source (binary COPY, in (position, entry id) order, demand mask
     computed by the source) and append each entry's receive-queue row to every demanding session's
     COPY. The read runs in one snapshot with the trim mark: a session whose sink stands below it

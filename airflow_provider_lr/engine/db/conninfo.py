@@ -9,20 +9,22 @@ This module reads Airflow's connection *formats* (``AIRFLOW_CONN_<ID>`` as URI o
 local-filesystem connections file) without importing Airflow, so the CLI, Spark executors and the
 engine resolve connections the same way the Airflow hook does.
 """
+
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, one_line
 from airflow_provider_lr.engine.db.timeouts import DEFAULT, BoundedConnection, Purpose, Timeouts, deadline_for
+from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, one_line
 from airflow_provider_lr.paths import lr_home
 
 CONNECTIONS_FILE_ENV = "LR_CONNECTIONS_FILE"
@@ -51,7 +53,7 @@ class ConnInfo:
         shown = {k: ("***" if k == "password" else v) for k, v in self.params.items() if v is not None}
         return psycopg2.extensions.make_dsn(**shown)
 
-    def with_timeouts(self, timeouts: Timeouts) -> "ConnInfo":
+    def with_timeouts(self, timeouts: Timeouts) -> ConnInfo:
         return replace(self, timeouts=timeouts)
 
     def params_for(self, purpose: Purpose) -> dict[str, Any]:
@@ -68,14 +70,19 @@ class ConnInfo:
         server cannot be reached now (retry), ``ConfigurationError`` when these parameters can never
         work (fix them)."""
         try:
-            conn = psycopg2.connect(psycopg2.extensions.make_dsn(**self.params_for(purpose)),
-                                    connection_factory=BoundedConnection, **overrides)
+            conn = psycopg2.connect(
+                psycopg2.extensions.make_dsn(**self.params_for(purpose)),
+                connection_factory=BoundedConnection,
+                **overrides,
+            )
         except psycopg2.OperationalError as exc:
             where = f"site {self.site_id!r}" if self.site_id else "site"
             reason = one_line(exc)
             if misconfigured(exc):
-                raise ConfigurationError(f"cannot connect to {where} ({self.safe_dsn}): {reason}; check the "
-                                         "connection's host, database, user and password") from exc
+                raise ConfigurationError(
+                    f"cannot connect to {where} ({self.safe_dsn}): {reason}; check the "
+                    "connection's host, database, user and password"
+                ) from exc
             raise SiteUnreachableError(
                 f"cannot connect to {where} ({self.safe_dsn}): {reason}; "
                 "is the server up? (`lr sites list` for embedded sites)"
@@ -85,8 +92,9 @@ class ConnInfo:
         return conn
 
 
-def connect_dsn(dsn: str, purpose: Purpose = Purpose.SESSION, timeouts: Timeouts | None = None,
-                **overrides: Any) -> psycopg2.extensions.connection:
+def connect_dsn(
+    dsn: str, purpose: Purpose = Purpose.SESSION, timeouts: Timeouts | None = None, **overrides: Any
+) -> psycopg2.extensions.connection:
     """``from_dsn(dsn).connect(purpose)``: for code handed a DSN (Spark tasks, bulk plans)."""
     info = from_dsn(dsn)
     return (info.with_timeouts(timeouts) if timeouts else info).connect(purpose, **overrides)
@@ -95,8 +103,15 @@ def connect_dsn(dsn: str, purpose: Purpose = Purpose.SESSION, timeouts: Timeouts
 # What a failed connect says when retrying cannot help: the server answered and refused these
 # parameters (SQLSTATE class 28 and 3D000 when libpq passes them on), or the host name is unknown.
 _MISCONFIGURED_SQLSTATES = ("28000", "28P01", "3D000")
-_MISCONFIGURED_TEXT = ("authentication failed", "no password supplied", "does not exist", "no pg_hba.conf entry",
-                       "could not translate host name", "invalid connection option", "invalid sslmode")
+_MISCONFIGURED_TEXT = (
+    "authentication failed",
+    "no password supplied",
+    "does not exist",
+    "no pg_hba.conf entry",
+    "could not translate host name",
+    "invalid connection option",
+    "invalid sslmode",
+)
 
 
 def misconfigured(exc: psycopg2.OperationalError) -> bool:

@@ -16,6 +16,7 @@ region. An entry is written to ``write_quorum`` of them (default: all) and count
   ``write_quorum`` 15: with one region down, 15 copies over 2 regions put 8 in one of them, so an
   ack quorum of 8 could be met in a single region (refused); 9 cannot (accepted).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -46,7 +47,9 @@ def spread(copies: int, capacities: list[int]) -> list[int] | None:
     return shares
 
 
-def worst_degraded_quorum(sites_per_region: dict[str, int], min_regions: int, write_quorum: int) -> tuple[int, tuple[str, ...]]:
+def worst_degraded_quorum(
+    sites_per_region: dict[str, int], min_regions: int, write_quorum: int
+) -> tuple[int, tuple[str, ...]]:
     """The most copies that ``min_regions - 1`` regions can hold when only ``min_regions`` regions
     are up and the write quorum is spread evenly over them; and the regions up in that case."""
     worst = 0
@@ -62,8 +65,9 @@ def worst_degraded_quorum(sites_per_region: dict[str, int], min_regions: int, wr
     return worst, where
 
 
-def check_rule(site_regions: dict[str, str], min_regions: int, ack_quorum: int | None = None,
-               write_quorum: int | None = None) -> RuleProblem | None:
+def check_rule(
+    site_regions: dict[str, str], min_regions: int, ack_quorum: int | None = None, write_quorum: int | None = None
+) -> RuleProblem | None:
     """The first problem of the rule for one source and its sinks (``site_regions``: site -> region,
     the source included), or None."""
     per_region = Counter(site_regions.values())
@@ -71,9 +75,11 @@ def check_rule(site_regions: dict[str, str], min_regions: int, ack_quorum: int |
     write = write_quorum if write_quorum is not None else sites
     ack = ack_quorum if ack_quorum is not None else write
     if min_regions > len(per_region):
-        return RuleProblem("min_regions_for_durability",
-                           f"{min_regions} regions can never be reached: the sites span only {len(per_region)} "
-                           f"({dict(sorted(per_region.items()))})")
+        return RuleProblem(
+            "min_regions_for_durability",
+            f"{min_regions} regions can never be reached: the sites span only {len(per_region)} "
+            f"({dict(sorted(per_region.items()))})",
+        )
     if write > sites:
         return RuleProblem("write_quorum", f"write_quorum {write} exceeds the {sites} sites there are")
     if ack > write:
@@ -86,5 +92,6 @@ def check_rule(site_regions: dict[str, str], min_regions: int, ack_quorum: int |
             "ack_quorum",
             f"ack_quorum {ack} could be met in fewer than {min_regions} regions: with only {list(up)} up, "
             f"write_quorum {write} spread over them puts {worst} copies in {min_regions - 1} region(s); "
-            f"raise ack_quorum above {worst} (or lower write_quorum)")
+            f"raise ack_quorum above {worst} (or lower write_quorum)",
+        )
     return None

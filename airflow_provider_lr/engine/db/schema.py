@@ -5,6 +5,7 @@ an advisory lock, so two ``lr init`` racing on one site cannot interleave and a 
 site as it was. Each applied version is recorded with its checksum: re-running is a no-op, an edited
 migration or a site newer than this code is refused with a clear error.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -17,8 +18,8 @@ from typing import TYPE_CHECKING
 import psycopg2.errors
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import SchemaError
 from airflow_provider_lr.engine.db.topology_schema import valid_site_id
+from airflow_provider_lr.engine.errors import SchemaError
 from airflow_provider_lr.engine.vocabulary import SCHEMA_LOCK_KEY
 
 if TYPE_CHECKING:
@@ -88,15 +89,18 @@ def current_version(conn: psycopg2.extensions.connection) -> int:
             return cur.fetchone()[0]
     except psycopg2.errors.InsufficientPrivilege as exc:
         conn.rollback()
-        raise SchemaError(_privilege_message(
-            conn, exc, "read the lr schema version",
-            "the owner of the lr schema gives a role what it needs with `lr roles grant` (docs/security.md)")) from exc
+        raise SchemaError(
+            _privilege_message(
+                conn,
+                exc,
+                "read the lr schema version",
+                "the owner of the lr schema gives a role what it needs with `lr roles grant` (docs/security.md)",
+            )
+        ) from exc
 
 
 def migrate(
-    conn: psycopg2.extensions.connection,
-    target: int | None = None,
-    migrations: list[Migration] | None = None,
+    conn: psycopg2.extensions.connection, target: int | None = None, migrations: list[Migration] | None = None
 ) -> MigrationResult:
     """Bring the site to ``target`` (default: latest) and commit; returns what was applied.
 
@@ -174,8 +178,10 @@ def _pending(
     return pending
 
 
-_OWNER_HINT = ("run `lr init` as the owner of the lr schema (a new install also needs CREATE on the database, "
-               "unless the schema exists already)")
+_OWNER_HINT = (
+    "run `lr init` as the owner of the lr schema (a new install also needs CREATE on the database, "
+    "unless the schema exists already)"
+)
 
 
 def _privilege_message(conn: psycopg2.extensions.connection, exc: Exception, what: str, hint: str = _OWNER_HINT) -> str:
@@ -202,8 +208,9 @@ def init_site(conn: psycopg2.extensions.connection, site_id: str, region: str | 
                 cur.execute("SELECT site_id, region FROM lr.site_info FOR UPDATE")
                 row = cur.fetchone()
             if row is None:
-                cur.execute("INSERT INTO lr.site_info (site_id, region) VALUES (%s, %s)",
-                            (site_id, region or "default"))
+                cur.execute(
+                    "INSERT INTO lr.site_info (site_id, region) VALUES (%s, %s)", (site_id, region or "default")
+                )
             elif row[0] != site_id:
                 conn.rollback()
                 raise SchemaError(

@@ -20,6 +20,7 @@ Every setting is a topology setting (``settings:``, docs/topology.md); a DSN (or
 connection's extras) that sets one of the libpq parameters, or the same option in ``options``,
 wins over it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,10 +29,11 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from enum import Enum
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import psycopg2
 import psycopg2.extensions
@@ -46,7 +48,9 @@ class Purpose(str, Enum):
 
     SESSION = "session"  # replication work (cycles, streams, the CLI, operators): every bound
     BULK = "bulk"  # long moves (Spark, the tee, snapshots, migrations): the bulk_* bounds, no deadline
-    APPLICATION = "application"  # statements of the application run in it (a subscriber's listener): network bounds only
+    APPLICATION = (
+        "application"  # statements of the application run in it (a subscriber's listener): network bounds only
+    )
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,7 @@ class Timeouts:
     bulk_lock_timeout_s: float = 60  # bulk writes wait longer for their locks
 
     @classmethod
-    def from_settings(cls, settings: Mapping[str, Any]) -> "Timeouts":
+    def from_settings(cls, settings: Mapping[str, Any]) -> Timeouts:
         """The topology's ``settings:`` (unknown keys ignored: they are other settings)."""
         names = {f.name: f.type for f in fields(cls)}
         given = {k: (int(v) if names[k] == "int" else float(v)) for k, v in settings.items() if k in names}
@@ -133,12 +137,12 @@ class Deadlines:
     ``OperationalError``) instead of waiting for an answer that a dead link will never bring."""
 
     def __init__(self) -> None:
-        self._calls: dict[tuple[int, int], tuple[float, "BoundedConnection"]] = {}
+        self._calls: dict[tuple[int, int], tuple[float, BoundedConnection]] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.cut = 0  # connections cut, for tests and logs
 
-    def begin(self, conn: "BoundedConnection") -> tuple[int, int] | None:
+    def begin(self, conn: BoundedConnection) -> tuple[int, int] | None:
         seconds = conn.deadline_s
         if seconds is None:
             return None
@@ -167,11 +171,15 @@ class Deadlines:
                     self._calls.pop(token, None)
                     self._cut(conn)
 
-    def _cut(self, conn: "BoundedConnection") -> None:
+    def _cut(self, conn: BoundedConnection) -> None:
         self.cut += 1
         conn.was_cut = True
-        log.warning("%s: a call ran past its deadline of %.0f s (statement_timeout + link check): the link is taken "
-                    "as dead and the connection cut; the caller retries on a new one", conn.describe(), conn.deadline_s)
+        log.warning(
+            "%s: a call ran past its deadline of %.0f s (statement_timeout + link check): the link is taken "
+            "as dead and the connection cut; the caller retries on a new one",
+            conn.describe(),
+            conn.deadline_s,
+        )
         try:
             with socket.socket(fileno=os.dup(conn.fileno())) as sock:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -182,7 +190,7 @@ class Deadlines:
 DEADLINES = Deadlines()
 
 
-def _watched(conn: "BoundedConnection", call: Any, *args: Any) -> Any:
+def _watched(conn: BoundedConnection, call: Any, *args: Any) -> Any:
     """``call(*args)``, a call to the server, under ``DEADLINES``."""
     token = DEADLINES.begin(conn)
     try:
@@ -313,8 +321,10 @@ def explain(exc: BaseException) -> str | None:
     """What a bound that fired means, to prefix an error with; None for other errors."""
     conn = getattr(getattr(exc, "cursor", None), "connection", None)
     if conn is not None and getattr(conn, "was_cut", False):
-        return (f"{conn.describe()} gave no answer within its call deadline of {conn.deadline_s:.0f} s "
-                "(statement_timeout + link check): a dead or stalled link, cut by lr")
+        return (
+            f"{conn.describe()} gave no answer within its call deadline of {conn.deadline_s:.0f} s "
+            "(statement_timeout + link check): a dead or stalled link, cut by lr"
+        )
     return _EXPLAINED.get(getattr(exc, "pgcode", None) or "")
 
 

@@ -10,12 +10,14 @@ documents every key. Rules that need more than one value (a replication naming a
 a site replicating to itself, receive-queue names that would collide) are checked by
 ``topology.from_document`` and reported through the same :class:`Origin`.
 """
+
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 from jsonschema import Draft202012Validator
@@ -59,13 +61,19 @@ SETTINGS: dict[str, tuple[dict, str]] = {
     "spark_min_backlog": (_COUNT, "lr_replication DAG: larger backlogs go through the Spark fan-out"),
     "table_spark_min_rows": (_COUNT, "the DAGs: federated-table snapshots of more rows go through the Spark job"),
     "snapshot_spark_min_entries": (_COUNT, "the DAGs: full-sync transfers of more entries go through the Spark job"),
-    "fanout_tasks": ({"type": "integer", "minimum": 0, "maximum": 1024},
-                     "chunks the Spark fan-out tees at once (1: in order in one task; 0: by the cluster's cores)"),
-    "nearest_copy": ({"type": "boolean"},
-                     "a sink of a client of tables only may take its snapshot from a peer sink in its region"),
+    "fanout_tasks": (
+        {"type": "integer", "minimum": 0, "maximum": 1024},
+        "chunks the Spark fan-out tees at once (1: in order in one task; 0: by the cluster's cores)",
+    ),
+    "nearest_copy": (
+        {"type": "boolean"},
+        "a sink of a client of tables only may take its snapshot from a peer sink in its region",
+    ),
     "peer_probe_delay_s": (_POSITIVE_SECONDS, "seconds the nearest peer has to answer before the next is asked"),
-    "max_payload_bytes": ({"type": "integer", "minimum": 1, "maximum": MAX_PAYLOAD_BYTES},
-                          "largest payload transmit accepts on the sites of this topology"),
+    "max_payload_bytes": (
+        {"type": "integer", "minimum": 1, "maximum": MAX_PAYLOAD_BYTES},
+        "largest payload transmit accepts on the sites of this topology",
+    ),
     # the bounds on every connection lr opens (engine/db/timeouts.py; a DSN's own win)
     "connect_timeout_s": (_TIMEOUT, "a server that does not answer the connect within this fails it"),
     "keepalives_idle_s": (_PROBE, "an idle link is probed after this long"),
@@ -214,8 +222,11 @@ def validate(doc: Any, origin: Origin | None = None) -> None:
         raise _explain(errors[0], origin)
     for index, site in enumerate(doc["sites"]):
         if "conn_id" in site and _SECRET.search(site["conn_id"]):
-            raise origin.error(["sites", index, "conn_id"], "holds a password; name an Airflow connection or an "
-                               "entry of the connections file instead (the topology is stored on every site)")
+            raise origin.error(
+                ["sites", index, "conn_id"],
+                "holds a password; name an Airflow connection or an "
+                "entry of the connections file instead (the topology is stored on every site)",
+            )
 
 
 def _explain(error: ValidationError, origin: Origin) -> ConfigurationError:
@@ -232,8 +243,9 @@ def _explain(error: ValidationError, origin: Origin) -> ConfigurationError:
             return origin.error(path, f"{error.instance!r} is not a valid client name: expected {_CLIENT_RULES}")
         return origin.error(path, f"{error.instance!r} is not a valid site id: expected {_SITE_RULES}")
     if error.validator == "propertyNames":
-        return origin.error(path + [str(error.instance)], f"{error.instance!r} is not a valid client name: "
-                                                           f"expected {_CLIENT_RULES}")
+        return origin.error(
+            path + [str(error.instance)], f"{error.instance!r} is not a valid client name: expected {_CLIENT_RULES}"
+        )
     return origin.error(path, error.message)
 
 

@@ -22,11 +22,12 @@ topology settings live in ``session/settings.py``; and whether Spark can run her
 caller knows (``lr sync`` never; the DAG when the job is installed and its connection defined). That last is asked
 only of a backlog large enough for Spark, so a small one costs no look-up.
 """
+
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from airflow_provider_lr.engine.session.settings import STAGED_MIN_TASKS, SessionSettings
 
@@ -63,13 +64,16 @@ def backlog_cap(settings: SessionSettings, spark: SparkCheck | None = None) -> i
     return max(settings.tee_min_backlog, settings.spark_min_backlog if spark is not None else 0, 1)
 
 
-def choose(backlog: int, settings: SessionSettings, spark: SparkCheck | None = None,
-           counted_to: int | None = None) -> Catchup:
+def choose(
+    backlog: int, settings: SessionSettings, spark: SparkCheck | None = None, counted_to: int | None = None
+) -> Catchup:
     """Spark from ``spark_min_backlog`` when ``spark`` says it can run (``None``: this process runs
     no Spark); else the tee from ``tee_min_backlog`` (unless 0); else the session cycles.
     ``counted_to``: the backlog was counted only up to there (``backlog_cap``)."""
     spark_min, tee_min = settings.spark_min_backlog, settings.tee_min_backlog
-    size = f"backlog of at least {backlog}" if counted_to is not None and backlog >= counted_to else f"backlog {backlog}"
+    size = (
+        f"backlog of at least {backlog}" if counted_to is not None and backlog >= counted_to else f"backlog {backlog}"
+    )
     if spark is None:
         why = "this process runs no Spark"
     elif backlog < spark_min:

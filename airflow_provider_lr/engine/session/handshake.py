@@ -15,12 +15,13 @@ the handshake (or the fan-out plan's demand, made from it) instead of each re-re
 re-deciding "skipped, refused, or which decision" its own way. The fault points ``after_lease`` and
 ``after_fence`` stay where crash tests kill (docs/crash-windows.md).
 """
+
 from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import psycopg2.extensions
 
@@ -29,10 +30,10 @@ from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.negotiation import Decision, Negotiation, SinkView, SourceView, negotiate
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.store.topology import Topology, config_id, drift, recorded_id, reread
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest
 from airflow_provider_lr.engine.source.log_reader import BaseSplit
+from airflow_provider_lr.engine.store.topology import Topology, config_id, drift, recorded_id, reread
 from airflow_provider_lr.engine.vocabulary import RequestStatus, SessionKey, SessionState
 
 log = logging.getLogger(__name__)
@@ -49,10 +50,10 @@ class Position:
     epoch: int  # the lease epoch, checked by every sink write
 
     @classmethod
-    def of(cls, meta: writes.SinkMetadata, epoch: int) -> "Position":
+    def of(cls, meta: writes.SinkMetadata, epoch: int) -> Position:
         return cls(meta.last_log_entry_processed, meta.snapshot_applied, meta.split, epoch)
 
-    def advanced(self, after: int) -> "Position":
+    def advanced(self, after: int) -> Position:
         return replace(self, after=after)
 
 
@@ -95,10 +96,15 @@ class Handshake:
         return None
 
 
-def handshake(source: psycopg2.extensions.connection, sink: psycopg2.extensions.connection, key: SessionKey,
-              owner: str, lease_seconds: float = leases.DEFAULT_LEASE_SECONDS,
-              topology: Topology | None = None,
-              on_lease: Callable[[leases.Lease | None], None] = lambda lease: None) -> Handshake:
+def handshake(
+    source: psycopg2.extensions.connection,
+    sink: psycopg2.extensions.connection,
+    key: SessionKey,
+    owner: str,
+    lease_seconds: float = leases.DEFAULT_LEASE_SECONDS,
+    topology: Topology | None = None,
+    on_lease: Callable[[leases.Lease | None], None] = lambda lease: None,
+) -> Handshake:
     """Drift check → lease → fence → negotiate (see the module docstring). A negotiation refused is
     recorded on the source (state NEGOTIATING, ``last_error``); everything else is the caller's.
     ``on_lease`` hears of the lease as soon as it is asked for (None: not taken) and again when its
@@ -116,8 +122,9 @@ def handshake(source: psycopg2.extensions.connection, sink: psycopg2.extensions.
             holder = leases.holder(source, key.sink, key.client)
         except ConfigurationError as exc:  # no such session here: nobody holds anything
             return Handshake(key, Verdict.REFUSED, f"site {key.source!r}: {exc}")
-        return Handshake(key, Verdict.SKIPPED,
-                         f"another replicator holds this session's lease ({holder or 'just released'})")
+        return Handshake(
+            key, Verdict.SKIPPED, f"another replicator holds this session's lease ({holder or 'just released'})"
+        )
     fault_point("after_lease")
     try:
         meta = writes.fence(sink, key.source, key.client, lease.epoch)
@@ -126,8 +133,12 @@ def handshake(source: psycopg2.extensions.connection, sink: psycopg2.extensions.
             raise
         # we hold the source's lease, yet the sink has seen a higher epoch: the source forgot
         # it (session re-added); move past it rather than stay fenced until the epochs catch up
-        log.info("session %s: the sink has seen epoch %s, above the source's %s; moving past it",
-                 key, exc.sink_epoch, lease.epoch)
+        log.info(
+            "session %s: the sink has seen epoch %s, above the source's %s; moving past it",
+            key,
+            exc.sink_epoch,
+            lease.epoch,
+        )
         lease = leases.advance_epoch(source, lease, exc.sink_epoch)
         on_lease(lease)
         meta = writes.fence(sink, key.source, key.client, lease.epoch)
@@ -135,14 +146,16 @@ def handshake(source: psycopg2.extensions.connection, sink: psycopg2.extensions.
     negotiation = negotiate_session(source, key, lease, owner, meta)
     position = Position.of(meta, lease.epoch)
     if negotiation.decision is Decision.REFUSE:
-        leases.update_session(source, lease, state=SessionState.NEGOTIATING,
-                              last_error=f"negotiation refused: {negotiation.reason}")
+        leases.update_session(
+            source, lease, state=SessionState.NEGOTIATING, last_error=f"negotiation refused: {negotiation.reason}"
+        )
         return Handshake(key, Verdict.REFUSED, negotiation.reason, lease, meta, negotiation, position)
     return Handshake(key, Verdict.PROCEED, "", lease, meta, negotiation, position)
 
 
-def negotiate_session(source: psycopg2.extensions.connection, key: SessionKey, lease: leases.Lease, owner: str,
-                      meta: writes.SinkMetadata) -> Negotiation:
+def negotiate_session(
+    source: psycopg2.extensions.connection, key: SessionKey, lease: leases.Lease, owner: str, meta: writes.SinkMetadata
+) -> Negotiation:
     """Both ends' views, read now, negotiated (``negotiation.negotiate``); an open request the sink
     already applied is closed first (``reconcile``)."""
     with source.cursor() as cur:
@@ -167,8 +180,14 @@ def negotiate_session(source: psycopg2.extensions.connection, key: SessionKey, l
     )
 
 
-def reconcile(source: psycopg2.extensions.connection, key: SessionKey, lease: leases.Lease, owner: str,
-              meta: writes.SinkMetadata, request: FullSyncRequest | None) -> bool:
+def reconcile(
+    source: psycopg2.extensions.connection,
+    key: SessionKey,
+    lease: leases.Lease,
+    owner: str,
+    meta: writes.SinkMetadata,
+    request: FullSyncRequest | None,
+) -> bool:
     """Close the source's open request when the sink's own metadata says it was applied: the
     crash window between the sink's apply and the source's record (docs/crash-windows.md).
     Left open, it would hold safe trim at its base forever and be taken for a resume later.
@@ -180,17 +199,24 @@ def reconcile(source: psycopg2.extensions.connection, key: SessionKey, lease: le
     return True
 
 
-def record_applied(source: psycopg2.extensions.connection, lease: leases.Lease, owner: str,
-                   meta: writes.SinkMetadata, note: str = "") -> None:
+def record_applied(
+    source: psycopg2.extensions.connection, lease: leases.Lease, owner: str, meta: writes.SinkMetadata, note: str = ""
+) -> None:
     """One source transaction: the session's new base and ack, and its request closed. (Two
     commits would open a window where the request is closed and the ack not yet recorded, and
     safe trim, held by neither, could remove what the sink needs next.)"""
-    leases.update_session(source, lease, commit=False, state=SessionState.IN_LOG_ENTRY_SYNC,
-                          base_position=meta.snapshot_applied, acked_position=meta.last_log_entry_processed,
-                          attempts=0, last_error=None)
+    leases.update_session(
+        source,
+        lease,
+        commit=False,
+        state=SessionState.IN_LOG_ENTRY_SYNC,
+        base_position=meta.snapshot_applied,
+        acked_position=meta.last_log_entry_processed,
+        attempts=0,
+        last_error=None,
+    )
     if meta.snapshot_request_id:  # who applied it: a DAG's step, a stream, `lr sync` (RequestOutcome)
-        full_sync.finish_request(source, meta.snapshot_request_id, RequestStatus.APPLIED,
-                                 note or f"applied by {owner}")
+        full_sync.finish_request(source, meta.snapshot_request_id, RequestStatus.APPLIED, note or f"applied by {owner}")
     else:
         source.commit()
 

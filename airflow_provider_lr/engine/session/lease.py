@@ -5,6 +5,7 @@ lease from nobody, or from an owner whose lease expired, bumps the epoch; every 
 the epoch and the sink refuses any epoch lower than the highest it has seen. So two replicators on
 one session never both write: the one that lost its lease is refused even if it wakes up later.
 """
+
 from __future__ import annotations
 
 import os
@@ -78,8 +79,10 @@ def advance_epoch(conn: psycopg2.extensions.connection, lease: Lease, above: int
         conn.rollback()
         raise
     if epoch is None:
-        raise FencedError(f"session to {lease.sink!r} for {lease.client!r}: lease epoch {lease.epoch} of "
-                          f"{lease.owner} was taken over; stopping")
+        raise FencedError(
+            f"session to {lease.sink!r} for {lease.client!r}: lease epoch {lease.epoch} of "
+            f"{lease.owner} was taken over; stopping"
+        )
     return Lease(lease.sink, lease.client, lease.owner, epoch)
 
 

@@ -1,6 +1,7 @@
 """A thread that keeps a long run's session leases alive (the fan-out's plan takes them; its
 chunks may run for longer than ``lease_seconds``, and a lease that ran out would let another
 replicator take the session over in the middle of the run)."""
+
 from __future__ import annotations
 
 import logging
@@ -8,9 +9,9 @@ import threading
 
 import psycopg2
 
+from airflow_provider_lr.engine.db.conninfo import connect_dsn
 from airflow_provider_lr.engine.errors import FencedError, LRError, SiteUnreachableError, one_line
 from airflow_provider_lr.engine.session import lease as leases
-from airflow_provider_lr.engine.db.conninfo import connect_dsn
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +26,9 @@ class LeaseKeeper:
     def __init__(self, dsn: str, held: list[leases.Lease], seconds: float) -> None:
         self._stop = threading.Event()
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(dsn, held, seconds), daemon=True,
-                                        name="lr-fanout-lease-keeper")
+        self._thread = threading.Thread(
+            target=self._run, args=(dsn, held, seconds), daemon=True, name="lr-fanout-lease-keeper"
+        )
         if held:
             self._thread.start()
 
@@ -37,8 +39,11 @@ class LeaseKeeper:
                 try:
                     conn = conn if conn is not None and not conn.closed else connect_dsn(dsn)
                 except (psycopg2.OperationalError, SiteUnreachableError) as exc:  # conninfo names the site
-                    log.warning("leases not renewed (source unreachable, tried again in %.0f s): %s",
-                                max(1.0, seconds / 3), one_line(exc))
+                    log.warning(
+                        "leases not renewed (source unreachable, tried again in %.0f s): %s",
+                        max(1.0, seconds / 3),
+                        one_line(exc),
+                    )
                     continue
                 for lease in held:
                     try:

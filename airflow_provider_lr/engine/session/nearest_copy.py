@@ -23,23 +23,24 @@ answer its probe (connect, then the metadata read) within the delay is passed ov
 gets twice the delay, and when none qualifies the source's snapshot runs as before. Each passed
 peer and why is in the result (``SessionRunner`` puts it in the cycle's reason).
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import psycopg2
 import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
+from airflow_provider_lr.engine.db.timeouts import lifted
 from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.store import receive_queue
-from airflow_provider_lr.engine.db.timeouts import lifted
 from airflow_provider_lr.engine.store.topology import Topology, config_id
 from airflow_provider_lr.engine.tables import sink as sink_tables
 from airflow_provider_lr.engine.tables.definition import read_definition
@@ -77,26 +78,38 @@ class PeerSeed:
         passed = f" (passed over {'; '.join(self.passed)})" if self.passed else ""
         if self.peer is None:
             return f"no peer sink could seed it{passed}: snapshot from the source"
-        return (f"seeded from peer {self.peer} at position {self.position}: {len(self.tables)} tables, "
-                f"{self.rows} rows in {self.seconds:.1f}s{passed}")
+        return (
+            f"seeded from peer {self.peer} at position {self.position}: {len(self.tables)} tables, "
+            f"{self.rows} rows in {self.seconds:.1f}s{passed}"
+        )
 
 
 class PeerUnfit(LRError):
     """The peer cannot seed this sink now (the message says why); the next candidate is tried."""
 
 
-def peers_in_region(topology: Topology, key: SessionKey,
-                    connect: Callable[[str], psycopg2.extensions.connection]) -> list[Peer]:
+def peers_in_region(
+    topology: Topology, key: SessionKey, connect: Callable[[str], psycopg2.extensions.connection]
+) -> list[Peer]:
     """The other sinks of ``key``'s source and client in the sink's region, in topology order."""
     region = topology.site(key.sink).region
-    return [Peer(other.sink, lambda site=other.sink: connect(site))
-            for other in topology.sessions(source=key.source)
-            if other.client == key.client and other.sink != key.sink and topology.site(other.sink).region == region]
+    return [
+        Peer(other.sink, lambda site=other.sink: connect(site))
+        for other in topology.sessions(source=key.source)
+        if other.client == key.client and other.sink != key.sink and topology.site(other.sink).region == region
+    ]
 
 
-def seed_from_peers(source: psycopg2.extensions.connection, sink: psycopg2.extensions.connection, key: SessionKey,
-                    epoch: int, federated: Sequence[FederatedTable], peers: Sequence[Peer],
-                    delay: float = PROBE_DELAY, before_write: Callable[[], None] = lambda: None) -> PeerSeed:
+def seed_from_peers(
+    source: psycopg2.extensions.connection,
+    sink: psycopg2.extensions.connection,
+    key: SessionKey,
+    epoch: int,
+    federated: Sequence[FederatedTable],
+    peers: Sequence[Peer],
+    delay: float = PROBE_DELAY,
+    before_write: Callable[[], None] = lambda: None,
+) -> PeerSeed:
     """Seed the sink from the first peer that qualifies (see the module); ``peer`` None when none did
     and the caller takes the source's snapshot. ``before_write`` runs once a peer qualified, before
     the sink is written (the runner closes the source's open request there). Never leaves the sink
@@ -105,7 +118,7 @@ def seed_from_peers(source: psycopg2.extensions.connection, sink: psycopg2.exten
     trim_mark, topology_id, wanted = _source_view(source, federated)
     for n, peer in enumerate(peers):
         started = time.monotonic()
-        wait = delay * 2 ** n
+        wait = delay * 2**n
         try:
             conn = _probe(peer, wait)
         except PeerUnfit as exc:
@@ -130,8 +143,9 @@ def seed_from_peers(source: psycopg2.extensions.connection, sink: psycopg2.exten
     return result
 
 
-def _source_view(source: psycopg2.extensions.connection,
-                 federated: Sequence[FederatedTable]) -> tuple[int, str | None, dict]:
+def _source_view(
+    source: psycopg2.extensions.connection, federated: Sequence[FederatedTable]
+) -> tuple[int, str | None, dict]:
     """The source's trim mark, topology id and its tables' definitions (a peer's must be the same)."""
     with source.cursor() as cur:
         cur.execute("SELECT trim_mark FROM lr.log_trim")
@@ -180,8 +194,9 @@ class _PeerView:
     tables: dict  # TableName -> (SinkTable at the peer, FederatedTable, TableDefinition)
 
 
-def _peer_view(conn: psycopg2.extensions.connection, key: SessionKey, trim_mark: int, topology_id: str | None,
-               wanted: dict) -> _PeerView:
+def _peer_view(
+    conn: psycopg2.extensions.connection, key: SessionKey, trim_mark: int, topology_id: str | None, wanted: dict
+) -> _PeerView:
     """Open the peer's repeatable-read snapshot (kept open for the copy) and check it qualifies."""
     cur = conn.cursor()
     cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
@@ -190,9 +205,12 @@ def _peer_view(conn: psycopg2.extensions.connection, key: SessionKey, trim_mark:
         raise PeerUnfit(f"has no session with {key.source} for {key.client}")
     if meta.failed_over_to is not None:
         raise PeerUnfit(f"its session was failed over to {meta.failed_over_to}")
-    if not (meta.data_consistent and meta.snapshot_started >= 0
-            and meta.snapshot_applied == meta.snapshot_transferred == meta.snapshot_started
-            and meta.last_log_entry_processed >= meta.snapshot_started):
+    if not (
+        meta.data_consistent
+        and meta.snapshot_started >= 0
+        and meta.snapshot_applied == meta.snapshot_transferred == meta.snapshot_started
+        and meta.last_log_entry_processed >= meta.snapshot_started
+    ):
         raise PeerUnfit("not consistent (its own full sync is not applied)")
     if meta.topology_config_id != topology_id:
         raise PeerUnfit(f"on topology {meta.topology_config_id}, the source on {topology_id}")
@@ -202,8 +220,12 @@ def _peer_view(conn: psycopg2.extensions.connection, key: SessionKey, trim_mark:
     tables = {}
     for name, (federated, source_def) in wanted.items():
         have = held.get(name)
-        if have is None or have.state != TableState.SYNCED or have.split is None \
-                or have.source_table_id != federated.table_id:
+        if (
+            have is None
+            or have.state != TableState.SYNCED
+            or have.split is None
+            or have.source_table_id != federated.table_id
+        ):
             continue  # left to the session's own table snapshot from the source
         _, shared = sink_tables.origin(cur, name, key.source)
         if shared:
@@ -219,8 +241,14 @@ def _peer_view(conn: psycopg2.extensions.connection, key: SessionKey, trim_mark:
     return _PeerView(meta, tables)
 
 
-def _write(peer: psycopg2.extensions.connection, sink: psycopg2.extensions.connection, key: SessionKey,
-           epoch: int, peer_site: str, view: _PeerView) -> tuple[int, int]:
+def _write(
+    peer: psycopg2.extensions.connection,
+    sink: psycopg2.extensions.connection,
+    key: SessionKey,
+    epoch: int,
+    peer_site: str,
+    view: _PeerView,
+) -> tuple[int, int]:
     """One fenced sink transaction: every table the peer holds, cleared of the source's rows and
     copied from the peer's snapshot with its split, then the peer's session position and base."""
     write = writes.SinkTransaction(sink, key.source, key.client, epoch)
@@ -240,16 +268,34 @@ def _write(peer: psycopg2.extensions.connection, sink: psycopg2.extensions.conne
                 sink_tables.clear(write.cur, target)
                 n, (count,) = copy_to_targets(read, definition, None, [(write.cur, target)])
                 copied, rows = copied + n, rows + count
-                sink_tables.record(write.cur, key.source, key.client, name, federated.table_id, TableState.SYNCED,
-                                   run_id=None, split_snapshot=held.split.snapshot, split_upto=held.split.upto,
-                                   rows_copied=count, detail=f"copied from peer {peer_site} at position {at}")
+                sink_tables.record(
+                    write.cur,
+                    key.source,
+                    key.client,
+                    name,
+                    federated.table_id,
+                    TableState.SYNCED,
+                    run_id=None,
+                    split_snapshot=held.split.snapshot,
+                    split_upto=held.split.upto,
+                    rows_copied=count,
+                    detail=f"copied from peer {peer_site} at position {at}",
+                )
         m = view.meta
-        write.update(topology_config_id=m.topology_config_id, snapshot_request_id=None,
-                     snapshot_started=m.snapshot_started, snapshot_transferred=m.snapshot_transferred,
-                     snapshot_applied=m.snapshot_applied, snapshot_transferred_seq=m.snapshot_transferred_seq,
-                     snapshot_last_entry=m.snapshot_last_entry, base_snapshot=m.base_snapshot,
-                     base_upto=m.base_upto, last_log_entry_processed=at, data_consistent=True,
-                     snapshot_completed_at=AsIs("now()"))
+        write.update(
+            topology_config_id=m.topology_config_id,
+            snapshot_request_id=None,
+            snapshot_started=m.snapshot_started,
+            snapshot_transferred=m.snapshot_transferred,
+            snapshot_applied=m.snapshot_applied,
+            snapshot_transferred_seq=m.snapshot_transferred_seq,
+            snapshot_last_entry=m.snapshot_last_entry,
+            base_snapshot=m.base_snapshot,
+            base_upto=m.base_upto,
+            last_log_entry_processed=at,
+            data_consistent=True,
+            snapshot_completed_at=AsIs("now()"),
+        )
         fault_point("peer_seed_before_commit")
     except BaseException:
         write.abort()

@@ -13,6 +13,7 @@ A pure function (no I/O), so every rule has a table-driven test. The rules follo
   (``trim_mark <= last``)                                   → LOG_ENTRY_SYNC from ``last``
 * anything else (notably a trim past the sink's position)    → SNAPSHOT_SYNC
 """
+
 from __future__ import annotations
 
 import enum

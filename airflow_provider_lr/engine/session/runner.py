@@ -14,6 +14,7 @@ The Airflow operators and the Spark jobs call these same functions. Settings and
 ``session/settings.py`` (measured in docs/spark.md "Thresholds"); when work goes to Spark:
 ``session/catchup.py``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,14 +24,16 @@ import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
 from airflow_provider_lr.engine import progress
+from airflow_provider_lr.engine.db.schema import site_identity
+from airflow_provider_lr.engine.db.timeouts import lifted
 from airflow_provider_lr.engine.errors import LRError, TrimmedError, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import catchup, nearest_copy
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.handshake import (
     Handshake,
-    Verdict,
     Position,
+    Verdict,
     handshake,
     negotiate_session,
     reconcile,
@@ -44,23 +47,16 @@ from airflow_provider_lr.engine.session.settings import (
     SessionSettings,
 )
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.source.backlog import session_backlogs
-from airflow_provider_lr.engine.db.schema import site_identity
-from airflow_provider_lr.engine.db.timeouts import lifted
-from airflow_provider_lr.engine.store.topology import Topology, recorded_id
-from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.source.backlog import session_backlogs
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest, Provider
 from airflow_provider_lr.engine.source.log_reader import LogReader, TableSplits
 from airflow_provider_lr.engine.source.transmit import RoutingQueueClient
+from airflow_provider_lr.engine.store import source_sessions
+from airflow_provider_lr.engine.store.topology import Topology, recorded_id
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables import snapshot as table_snapshot
-from airflow_provider_lr.engine.vocabulary import (
-    STREAM_LOG_ENTRIES,
-    RequestStatus,
-    SessionKey,
-    SessionState,
-)
+from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, RequestStatus, SessionKey, SessionState
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +140,9 @@ class SessionRunner:
         said in a report. Nothing to do unless it proceeds: the lease is held elsewhere
         (``report.skipped``) or it was refused (``report.error``; by negotiation: recorded on the source)."""
         report = CycleReport(str(self.key))
-        hs = handshake(self.source, self.sink, self.key, self.owner, self.settings.lease_seconds, self.topology,
-                       on_lease=self.hold)
+        hs = handshake(
+            self.source, self.sink, self.key, self.owner, self.settings.lease_seconds, self.topology, on_lease=self.hold
+        )
         if hs.negotiation is not None:
             report.decision, report.reason = hs.negotiation.decision.value, hs.negotiation.reason
         if hs.outcome is Verdict.SKIPPED:
@@ -237,8 +234,14 @@ class SessionRunner:
             report.reason = f"{report.reason}; the transfer of {request.entries} entries is left to Spark".lstrip("; ")
             return None
         meta = writes.start_snapshot(
-            self.sink, self.key.source, self.key.client, self._epoch(), request.request_id,
-            request.base_position, request.split, recorded_id(self.source),
+            self.sink,
+            self.key.source,
+            self.key.client,
+            self._epoch(),
+            request.request_id,
+            request.base_position,
+            request.split,
+            recorded_id(self.source),
         )
         fault_point("after_snapshot_start")
         meta, sent = self.transfer_snapshot(request, meta)
@@ -258,11 +261,23 @@ class SessionRunner:
 
         def close_request() -> None:  # before the sink's commit: an open request would hold trim forever
             if request is not None:
-                full_sync.finish_request(self.source, request.request_id, RequestStatus.CANCELLED,
-                                         "the sink is seeded from a peer sink instead")
+                full_sync.finish_request(
+                    self.source,
+                    request.request_id,
+                    RequestStatus.CANCELLED,
+                    "the sink is seeded from a peer sink instead",
+                )
 
-        seed = nearest_copy.seed_from_peers(self.source, self.sink, self.key, self._epoch(), federated, self.peers,
-                                            self.settings.peer_probe_delay, before_write=close_request)
+        seed = nearest_copy.seed_from_peers(
+            self.source,
+            self.sink,
+            self.key,
+            self._epoch(),
+            federated,
+            self.peers,
+            self.settings.peer_probe_delay,
+            before_write=close_request,
+        )
         report.reason = f"{report.reason}; {seed.describe()}".lstrip("; ")
         if seed.peer is None:
             return None
@@ -281,15 +296,21 @@ class SessionRunner:
         if self.reconcile(meta, request):
             request = None  # applied: never reused
         if request is not None and self._behind_sink(request, meta):
-            note = (f"supplied at position {request.base_position}, behind the sink's "
-                    f"{meta.last_log_entry_processed}: supplied again")
+            note = (
+                f"supplied at position {request.base_position}, behind the sink's "
+                f"{meta.last_log_entry_processed}: supplied again"
+            )
             log.info("session %s: full sync %s was %s", self.key, request.request_id, note)
             request = full_sync.supply_again(self.source, request.request_id, note, self.settings.data_timeout)
         if request is None:
             attempts = self._attempts()
             timeout = self.settings.data_timeout * min(2**attempts, MAX_BACKOFF_FACTOR)
             request = full_sync.request_full_sync(
-                self.source, self.key.sink, self.key.client, reason="negotiation", data_timeout=timeout,
+                self.source,
+                self.key.sink,
+                self.key.client,
+                reason="negotiation",
+                data_timeout=timeout,
                 lease=self.lease,
             )
             log.info("session %s: full sync requested (%s), data timeout %.0fs", self.key, request.request_id, timeout)
@@ -299,16 +320,26 @@ class SessionRunner:
 
     @staticmethod
     def _behind_sink(request: FullSyncRequest, meta: writes.SinkMetadata) -> bool:
-        return (request.base_position is not None and request.request_id != meta.snapshot_request_id
-                and request.base_position < meta.last_log_entry_processed)
+        return (
+            request.base_position is not None
+            and request.request_id != meta.snapshot_request_id
+            and request.base_position < meta.last_log_entry_processed
+        )
 
     def _restart_after_timeout(self, request: FullSyncRequest) -> None:
         """No client data within the timeout: close the request; the next cycle asks again with a
         longer timeout (backoff), so a slow provider is not restarted forever (CorfuDB #4119)."""
         assert self.lease is not None
-        leases.update_session(self.source, self.lease, commit=False, attempts=AsIs("attempts + 1"),
-                              last_error=f"full-sync request {request.request_id} timed out without client data")
-        full_sync.finish_request(self.source, request.request_id, RequestStatus.TIMED_OUT, "no client data within the timeout")
+        leases.update_session(
+            self.source,
+            self.lease,
+            commit=False,
+            attempts=AsIs("attempts + 1"),
+            last_error=f"full-sync request {request.request_id} timed out without client data",
+        )
+        full_sync.finish_request(
+            self.source, request.request_id, RequestStatus.TIMED_OUT, "no client data within the timeout"
+        )
         fault_point("after_timeout")
 
     def transfer_snapshot(self, request: FullSyncRequest, meta: writes.SinkMetadata) -> tuple[writes.SinkMetadata, int]:
@@ -318,16 +349,20 @@ class SessionRunner:
         tracker = progress.track(f"full sync {request.request_id[:8]} {self.key}: transfer", total, "messages")
         tracker.update(meta.snapshot_transferred_seq + 1)
         while meta.snapshot_transferred != meta.snapshot_started:
-            chunk = full_sync.supplied_records(self.source, request, meta.snapshot_last_entry, SNAPSHOT_CHUNK,
-                                               SNAPSHOT_CHUNK_BYTES)
+            chunk = full_sync.supplied_records(
+                self.source, request, meta.snapshot_last_entry, SNAPSHOT_CHUNK, SNAPSHOT_CHUNK_BYTES
+            )
             if not chunk:
-                full_sync.finish_request(self.source, request.request_id, RequestStatus.CANCELLED, "data missing from the log")
+                full_sync.finish_request(
+                    self.source, request.request_id, RequestStatus.CANCELLED, "data missing from the log"
+                )
                 raise LRError(
                     f"session {self.key}: full-sync data of request {request.request_id} is missing from the log "
                     "(trimmed?); a new full sync will be requested"
                 )
-            meta = writes.write_snapshot_messages(self.sink, self.key.source, self.key.client, self._epoch(),
-                                                request.request_id, chunk)
+            meta = writes.write_snapshot_messages(
+                self.sink, self.key.source, self.key.client, self._epoch(), request.request_id, chunk
+            )
             sent += len(chunk)
             tracker.update(meta.snapshot_transferred_seq + 1)
             fault_point("after_snapshot_chunk")
@@ -361,8 +396,9 @@ class SessionRunner:
         tracker: progress.Tracker | None = None
         for _ in range(self.settings.max_batches):
             try:
-                batch = reader.read_stream(after, self.settings.max_entries, self.settings.max_bytes, split,
-                                           tables=self.tables)
+                batch = reader.read_stream(
+                    after, self.settings.max_entries, self.settings.max_bytes, split, tables=self.tables
+                )
             except TrimmedError as exc:
                 log.warning("session %s: %s", self.key, exc)
                 report.reason = str(exc)
@@ -389,11 +425,13 @@ class SessionRunner:
         """Re-read the client's federated tables and snapshot those the sink lacks, at the session's
         position now (the cycle holds the lease: nothing advances until they are written); a large
         snapshot is left to the Spark job when ``spark_tables``. Then the reader's ``TableSplits``."""
-        lacking = table_snapshot.needed(self.source, self.sink, self.key,
-                                        registry.federated_tables(self.source, self.key.client))
+        lacking = table_snapshot.needed(
+            self.source, self.sink, self.key, registry.federated_tables(self.source, self.key.client)
+        )
         if lacking:
-            snap = table_snapshot.TableSnapshot(self.source, self.key.client,
-                                                [table_snapshot.SinkSide(self.key, self.sink, self._epoch(), lacking)])
+            snap = table_snapshot.TableSnapshot(
+                self.source, self.key.client, [table_snapshot.SinkSide(self.key, self.sink, self._epoch(), lacking)]
+            )
             try:
                 with lifted(self.source, self.sink):  # whole tables, one COPY each: as long as they take
                     snap.open()
@@ -418,8 +456,13 @@ class SessionRunner:
 
     def reader(self) -> LogReader:
         if self._reader is None:
-            self._reader = LogReader(self.source, self.key.sink, STREAM_LOG_ENTRIES,
-                                     self.settings.barrier_timeout, client_name=self.key.client)
+            self._reader = LogReader(
+                self.source,
+                self.key.sink,
+                STREAM_LOG_ENTRIES,
+                self.settings.barrier_timeout,
+                client_name=self.key.client,
+            )
         return self._reader
 
     # --- metadata -----------------------------------------------------------------------------
@@ -472,7 +515,9 @@ def clear_stale_leases(conn: psycopg2.extensions.connection) -> list[str]:
     fenced. Returns the sessions released ("source->sink/client (owner)"). Commits."""
     source, _ = site_identity(conn)
     with conn.cursor() as cur:
-        released = sorted(f"{SessionKey(source, sink, client)} ({owner})"
-                          for sink, client, owner in source_sessions.release_expired_leases(cur))
+        released = sorted(
+            f"{SessionKey(source, sink, client)} ({owner})"
+            for sink, client, owner in source_sessions.release_expired_leases(cur)
+        )
     conn.commit()
     return released

@@ -5,6 +5,7 @@ One module, so a threshold, its topology setting and its default are read side b
 measurements behind each default are in docs/spark.md "Thresholds and how they were measured", and
 the rules that compare them are ``session/catchup.py``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,7 +45,9 @@ class SessionSettings:
     tee_min_backlog: int = TEE_MIN_BACKLOG  # 0: never tee, session cycles only
     spark_min_backlog: int = SPARK_MIN_BACKLOG  # where Spark can run (the DAG); lr sync runs none
     table_spark_min_rows: int = TABLE_SPARK_MIN_ROWS  # a table snapshot this large goes to Spark (the DAG)
-    snapshot_spark_min_entries: int = SNAPSHOT_SPARK_MIN_ENTRIES  # a full-sync transfer this large goes to Spark (the DAGs)
+    snapshot_spark_min_entries: int = (
+        SNAPSHOT_SPARK_MIN_ENTRIES  # a full-sync transfer this large goes to Spark (the DAGs)
+    )
     fanout_tasks: int = 0  # chunks the Spark fan-out tees at once (1: in order; 0: by the cluster's cores)
     nearest_copy: bool = True  # a client of tables only may be seeded from a peer sink in its region
     peer_probe_delay: float = PROBE_DELAY  # seconds the first peer has to answer (x2 each next)
@@ -53,7 +56,7 @@ class SessionSettings:
         require_counts(max_entries=self.max_entries, max_bytes=self.max_bytes, max_batches=self.max_batches)
 
     @classmethod
-    def from_topology(cls, topology: Configured, **overrides: object) -> "SessionSettings":
+    def from_topology(cls, topology: Configured, **overrides: object) -> SessionSettings:
         """The settings a topology asks for (``settings:`` in its YAML), with explicit overrides."""
         values: dict[str, object] = {
             "data_timeout": topology.setting("full_sync_data_timeout_s", DEFAULT_DATA_TIMEOUT),

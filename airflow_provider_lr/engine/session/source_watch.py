@@ -1,11 +1,12 @@
 """The newest commit position drawn on a source, watched for the streams of its sessions
 (``session/stream.py``): one cheap probe per source, run only while some stream waits."""
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import psycopg2
 import psycopg2.extensions
@@ -26,8 +27,9 @@ class SourceWatch:
     A source that is down is probed again every 0.5 s; what cannot heal (a refused connection, a
     bug) stops the watch with ``error``, which ``wait_beyond`` raises to every stream waiting on it."""
 
-    def __init__(self, connect: Callable[[], psycopg2.extensions.connection], settings: StreamSettings,
-                 source: str = "") -> None:
+    def __init__(
+        self, connect: Callable[[], psycopg2.extensions.connection], settings: StreamSettings, source: str = ""
+    ) -> None:
         self._connect, self.settings, self.source = connect, settings, source
         self.error: BaseException | None = None
         self.failed_at = 0.0  # monotonic time of ``error``

@@ -27,28 +27,24 @@ cycles (``Streamer``), which renegotiate and, once the session is in log-entry s
 again, stream it anew. A batch is whatever committed since the last read, up to
 ``max_entries``/``max_bytes``: one entry at a low rate, thousands under load.
 """
+
 from __future__ import annotations
 
 import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import psycopg2
 import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
-from airflow_provider_lr.engine.errors import (
-    FencedError,
-    LRError,
-    StaleBatchError,
-    TrimmedError,
-    error_line,
-    one_line,
-)
 from airflow_provider_lr.engine.counters import DeliveryCounters, Pulse
+from airflow_provider_lr.engine.db.timeouts import failure
+from airflow_provider_lr.engine.errors import FencedError, LRError, StaleBatchError, TrimmedError, error_line, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.handshake import Position, handshake
@@ -57,11 +53,10 @@ from airflow_provider_lr.engine.session.runner import CycleReport, record_error
 from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
 from airflow_provider_lr.engine.session.source_watch import SourceWatch
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.source.backlog import session_backlogs
-from airflow_provider_lr.engine.db.timeouts import failure
-from airflow_provider_lr.engine.store.topology import recorded_id
 from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.source.backlog import session_backlogs
 from airflow_provider_lr.engine.source.log_reader import LogReader
+from airflow_provider_lr.engine.store.topology import recorded_id
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables import snapshot as table_snapshot
 from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, SessionKey, SessionState
@@ -107,9 +102,16 @@ class SessionStream:
     """One session in log-entry sync, streaming (see the module docstring). Own connections to its
     source and sink; holds the lease the cycle took (same owner and epoch) and renews it."""
 
-    def __init__(self, key: SessionKey, lease: leases.Lease, connect: Connect, watch: SourceWatch,
-                 settings: SessionSettings, stream_settings: StreamSettings,
-                 counters: DeliveryCounters | None = None) -> None:
+    def __init__(
+        self,
+        key: SessionKey,
+        lease: leases.Lease,
+        connect: Connect,
+        watch: SourceWatch,
+        settings: SessionSettings,
+        stream_settings: StreamSettings,
+        counters: DeliveryCounters | None = None,
+    ) -> None:
         self.key, self.lease, self.watch = key, lease, watch
         self.settings, self.opts = settings, stream_settings
         self.counters = counters if counters is not None else DeliveryCounters()
@@ -130,7 +132,9 @@ class SessionStream:
         self.position: Position | None = None  # the handshake's, advanced by every write (``run``)
         self.acked = -1
         self.registered = False  # the receive queue, by this stream's first write of entries
-        self.reader = LogReader(self.src, key.sink, STREAM_LOG_ENTRIES, settings.barrier_timeout, client_name=key.client)
+        self.reader = LogReader(
+            self.src, key.sink, STREAM_LOG_ENTRIES, settings.barrier_timeout, client_name=key.client
+        )
         self.small = LogReader(self.peek, key.sink, STREAM_LOG_ENTRIES, client_name=key.client)
         self.tables = table_snapshot.splits(self.sink, key)  # the synced federated tables come along
         self.topology_id = recorded_id(self.src)
@@ -223,13 +227,26 @@ class SessionStream:
         if not barrier:
             batch = self.small.read_final_batch(position.after, settings.max_bytes, position.split, self.tables)
         if batch is None:
-            batch = self.reader.read_stream(position.after, settings.max_entries, settings.max_bytes, position.split,
-                                            final=not barrier, tables=self.tables)
+            batch = self.reader.read_stream(
+                position.after,
+                settings.max_entries,
+                settings.max_bytes,
+                position.split,
+                final=not barrier,
+                tables=self.tables,
+            )
         with batch:
             if batch.end <= position.after:
                 return 0
-            after = writes.apply_log_stream(self.sink, self.key.source, self.key.client, position.epoch,
-                                            batch, position.base, register=not self.registered)
+            after = writes.apply_log_stream(
+                self.sink,
+                self.key.source,
+                self.key.client,
+                position.epoch,
+                batch,
+                position.base,
+                register=not self.registered,
+            )
         fault_point("stream_after_sink_apply")
         self.registered = self.registered or batch.entries > 0
         self.delivered += batch.entries
@@ -251,8 +268,14 @@ class SessionStream:
 
     def _ack(self) -> None:
         """Record the sink's position on the source, then what is still to send behind it."""
-        leases.update_session(self.src, self.lease, commit=False, acked_position=self.after, last_error=None,
-                              last_success_at=AsIs("now()"))
+        leases.update_session(
+            self.src,
+            self.lease,
+            commit=False,
+            acked_position=self.after,
+            last_error=None,
+            last_success_at=AsIs("now()"),
+        )
         (backlog,) = session_backlogs(self.src, self.key.sink, self.key.client)  # commits both
         leases.update_session(self.src, self.lease, remaining_entries=backlog.entries)
         self.acked = self.after
@@ -291,8 +314,12 @@ class Cycles(Protocol):
 
 def streamable(report: CycleReport) -> bool:
     """A cycle left the session in log-entry sync, under our lease, with nothing wrong."""
-    return (report.state == SessionState.IN_LOG_ENTRY_SYNC and not report.error and not report.skipped
-            and not report.waiting)
+    return (
+        report.state == SessionState.IN_LOG_ENTRY_SYNC
+        and not report.error
+        and not report.skipped
+        and not report.waiting
+    )
 
 
 class Streamer:
@@ -300,8 +327,9 @@ class Streamer:
     a ``SessionStream`` thread for each session in log-entry sync (one ``SourceWatch`` per source).
     A stream that hands back is cycled at once; cycles of the others run every ``interval``."""
 
-    def __init__(self, cycles: Cycles, options: StreamSettings | None = None,
-                 counters: DeliveryCounters | None = None) -> None:
+    def __init__(
+        self, cycles: Cycles, options: StreamSettings | None = None, counters: DeliveryCounters | None = None
+    ) -> None:
         self.cycles, self.options = cycles, options or StreamSettings()
         # of cycles and streams: the replicator's process passes its own (``site/metrics``) to export them
         self.counters = counters if counters is not None else DeliveryCounters()
@@ -309,10 +337,15 @@ class Streamer:
         self.streaming: set[SessionKey] = set()  # the sessions streaming now
         self.backoff: dict[SessionKey, tuple[int, float]] = {}  # failing sessions: (failures in a row, retry at)
 
-    def run(self, stop: threading.Event, interval: float = 1.0,
-            on_cycle: Callable[[list[CycleReport]], None] | None = None,
-            on_end: Callable[[StreamEnd], None] | None = None,
-            on_pulse: Callable[[str], None] | None = None, pulse_every: float = 30.0) -> None:
+    def run(
+        self,
+        stop: threading.Event,
+        interval: float = 1.0,
+        on_cycle: Callable[[list[CycleReport]], None] | None = None,
+        on_end: Callable[[StreamEnd], None] | None = None,
+        on_pulse: Callable[[str], None] | None = None,
+        pulse_every: float = 30.0,
+    ) -> None:
         """Until ``stop`` is set. ``on_pulse`` gets a line every ``pulse_every`` seconds: entries
         per second since the last one and the lag of the session most behind (``counters.Pulse``)."""
         pulse = Pulse(self.counters, pulse_every if on_pulse else 0.0, on_pulse or (lambda line: None))
@@ -362,8 +395,9 @@ class Streamer:
         self.backoff[key] = (failures, time.monotonic() + pause)
         log.info("session %s failed %d time(s) in a row; retried in %.1fs", key, failures, pause)
 
-    def _ended(self, end: StreamEnd, streams: dict[SessionKey, threading.Thread],
-               on_end: Callable[[StreamEnd], None] | None) -> None:
+    def _ended(
+        self, end: StreamEnd, streams: dict[SessionKey, threading.Thread], on_end: Callable[[StreamEnd], None] | None
+    ) -> None:
         key = SessionKey.parse(end.session)
         streams.pop(key).join()
         self.streaming.discard(key)
@@ -375,11 +409,22 @@ class Streamer:
         if on_end:  # the listener reports it (``lr sync`` prints it): logged as well, it was said twice
             on_end(end)
         else:
-            (log.warning if end.error else log.info)("stream %s handed back after %d entries: %s%s", end.session,
-                                                    end.delivered, end.reason, f" ({end.error})" if end.error else "")
+            (log.warning if end.error else log.info)(
+                "stream %s handed back after %d entries: %s%s",
+                end.session,
+                end.delivered,
+                end.reason,
+                f" ({end.error})" if end.error else "",
+            )
 
-    def _start(self, key: SessionKey, streams: dict[SessionKey, threading.Thread], watches: dict[str, SourceWatch],
-               halt: threading.Event, ended: queue.SimpleQueue) -> None:
+    def _start(
+        self,
+        key: SessionKey,
+        streams: dict[SessionKey, threading.Thread],
+        watches: dict[str, SourceWatch],
+        halt: threading.Event,
+        ended: queue.SimpleQueue,
+    ) -> None:
         lease = self.cycles.lease_of(key)
         if lease is None:
             return
@@ -394,8 +439,15 @@ class Streamer:
 
         def run() -> None:
             try:
-                stream = SessionStream(key, lease, self.cycles.connect, watches[key.source], self.cycles.settings,
-                                       self.options, self.counters)
+                stream = SessionStream(
+                    key,
+                    lease,
+                    self.cycles.connect,
+                    watches[key.source],
+                    self.cycles.settings,
+                    self.options,
+                    self.counters,
+                )
             except Exception as exc:  # a site down: the cycles report it
                 ended.put(StreamEnd(str(key), "failed", error=failure(exc)))
                 return

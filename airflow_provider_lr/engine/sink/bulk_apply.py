@@ -9,10 +9,11 @@ or roll back with it if it raises — exactly once. Delivery is the subscriber's
 (``receive.ReceiveQueueReader``): same order, same per-queue consumer lock (an apply job and a
 subscriber never interleave one queue), same dead-lettering of malformed entries.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import psycopg2.extensions
 
@@ -67,8 +68,13 @@ class _Applier:
         self.error = error_line(exc)
 
 
-def apply_queue(conn: psycopg2.extensions.connection, client: str, source: str, fn: ApplyFunction,
-                batch_size: int = DEFAULT_APPLY_BATCH) -> int:
+def apply_queue(
+    conn: psycopg2.extensions.connection,
+    client: str,
+    source: str,
+    fn: ApplyFunction,
+    batch_size: int = DEFAULT_APPLY_BATCH,
+) -> int:
     """Apply ``source``'s queue for ``client`` until it is empty; returns the entries applied.
     Raises if the function fails (what it was given stays queued) or another consumer holds the queue."""
     reader = ReceiveQueueReader(conn, batch_size)
@@ -78,7 +84,9 @@ def apply_queue(conn: psycopg2.extensions.connection, client: str, source: str, 
         report = reader.deliver(applier, client, sources=[source])
         applied += report.delivered
         if report.failures or report.refused:
-            raise LRError(f"apply of {client}/{source} stopped after {applied} entries: {applier.error or report.errors}")
+            raise LRError(
+                f"apply of {client}/{source} stopped after {applied} entries: {applier.error or report.errors}"
+            )
         if report.busy:
             raise LRError(f"queue {client}/{source} is being consumed by another subscriber; try again later")
         if not report.delivered and not report.unfinished:

@@ -23,12 +23,14 @@ The rule (V0005):
 ``Packer`` is the one place that forms rows; every writer (the session cycle's ``writes.SinkTransaction``,
 the fan-out's binary COPY) goes through it, and ``unpack`` is the one place that reads them.
 """
+
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Callable
 from itertools import accumulate, groupby
 from operator import itemgetter
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from airflow_provider_lr.proto import lr_pb2
 
@@ -49,7 +51,8 @@ class QueueRow(NamedTuple):
 
 # The record head (tag, varint length) of every entry shorter than 16 KiB, made once.
 HEADS = [bytes((_FIELD_ENTRIES, size)) for size in range(0x80)] + [
-    bytes((_FIELD_ENTRIES, size & 0x7F | 0x80, size >> 7)) for size in range(0x80, 0x4000)]
+    bytes((_FIELD_ENTRIES, size & 0x7F | 0x80, size >> 7)) for size in range(0x80, 0x4000)
+]
 
 
 def piece(message: bytes) -> bytes:
@@ -70,7 +73,7 @@ def _unpiece(record: bytes) -> bytes:
     pos = 1
     while record[pos] & 0x80:
         pos += 1
-    return record[pos + 1:]
+    return record[pos + 1 :]
 
 
 class Packer:
@@ -96,8 +99,7 @@ class Packer:
         if not pending:
             return
         kinds = set(map(itemgetter(1), pending))
-        runs = ([pending] if len(kinds) == 1
-                else [list(run) for _, run in groupby(pending, key=itemgetter(1))])
+        runs = [pending] if len(kinds) == 1 else [list(run) for _, run in groupby(pending, key=itemgetter(1))]
         keep: list[tuple[bytes, int, int, int]] = []
         for number, run in enumerate(runs):
             last_run = number == len(runs) - 1
@@ -136,7 +138,9 @@ def _runs(entries: list[tuple[bytes, int, int, int]]) -> bytes:
     """The ``ReceiveQueueBatch`` position runs of a packed row's entries (appended after them: a
     protobuf message may carry its fields in any order). One run for a row of one transaction."""
     runs = [(position, sum(1 for _ in group)) for position, group in groupby(map(itemgetter(2), entries))]
-    return lr_pb2.ReceiveQueueBatch(run_positions=[p for p, _ in runs], run_counts=[n for _, n in runs]).SerializeToString()
+    return lr_pb2.ReceiveQueueBatch(
+        run_positions=[p for p, _ in runs], run_counts=[n for _, n in runs]
+    ).SerializeToString()
 
 
 def positions(entry_count: int, message: bytes, last_position: int) -> list[int] | None:

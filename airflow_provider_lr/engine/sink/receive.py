@@ -24,13 +24,15 @@ writes through it commits or rolls back together with the delete, which gives ex
 When a consumer looks at its queues (NOTIFY wake-ups, retries, the periodic full pass) is
 ``wakeup``'s business: this module delivers whatever it is asked to, once.
 """
+
 from __future__ import annotations
 
 import itertools
 import logging
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Protocol
 
 import psycopg2
 import psycopg2.extensions
@@ -44,7 +46,7 @@ from airflow_provider_lr.proto import lr_pb2
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BATCH = 500          # entries handed to the listener in one callback at most
+DEFAULT_BATCH = 500  # entries handed to the listener in one callback at most
 # ...and bytes of entries read for one callback (at least one entry): what a delivery holds in memory
 # is bounded by bytes, whatever the size of the entries (500 of 1 MiB would be 500 MiB, several times over).
 DEFAULT_BATCH_BYTES = 8 << 20
@@ -55,7 +57,10 @@ INLINE_BYTES = 8192
 HEAD_FETCH = 16  # rows of a queue's head read first (then as many as the entries still wanted need)
 
 START, SNAPSHOT, COMPLETE, LOG = (
-    lr_pb2.SNAPSHOT_SYNC_START, lr_pb2.SNAPSHOT_SYNC, lr_pb2.LAST_FULL_SYNC_ENTRY, lr_pb2.LOG_ENTRY_SYNC,
+    lr_pb2.SNAPSHOT_SYNC_START,
+    lr_pb2.SNAPSHOT_SYNC,
+    lr_pb2.LAST_FULL_SYNC_ENTRY,
+    lr_pb2.LOG_ENTRY_SYNC,
 )
 KINDS = (START, SNAPSHOT, COMPLETE, LOG)
 
@@ -74,24 +79,24 @@ class DeliveryStats:
     """What delivery did; ``delivered`` counts queue entries acknowledged (markers included)."""
 
     delivered: int = 0
-    refused: int = 0        # entries the listener returned False for (kept for redelivery)
-    failures: int = 0       # listener exceptions (entries kept)
-    dead_letters: int = 0   # malformed entries moved aside
-    busy: int = 0           # queues skipped because another consumer held them
+    refused: int = 0  # entries the listener returned False for (kept for redelivery)
+    failures: int = 0  # listener exceptions (entries kept)
+    dead_letters: int = 0  # malformed entries moved aside
+    busy: int = 0  # queues skipped because another consumer held them
     errors: list[str] = field(default_factory=list)  # the most recent failures, newest last
 
     MAX_ERRORS = 20
 
-    def add(self, other: "DeliveryStats") -> None:
+    def add(self, other: DeliveryStats) -> None:
         self.delivered += other.delivered
         self.refused += other.refused
         self.failures += other.failures
         self.dead_letters += other.dead_letters
         self.busy += other.busy
-        self.errors = (self.errors + other.errors)[-self.MAX_ERRORS:]
+        self.errors = (self.errors + other.errors)[-self.MAX_ERRORS :]
 
     def note_error(self, text: str) -> None:
-        self.errors = (self.errors + [text])[-self.MAX_ERRORS:]
+        self.errors = (self.errors + [text])[-self.MAX_ERRORS :]
 
 
 @dataclass
@@ -99,7 +104,7 @@ class PassReport(DeliveryStats):
     """One delivery pass: the stats plus which queues still hold work (for the follow loop)."""
 
     unfinished: set[str] = field(default_factory=set)  # budget ran out with rows left
-    failed: set[str] = field(default_factory=set)      # refused, raised or busy: retry later
+    failed: set[str] = field(default_factory=set)  # refused, raised or busy: retry later
 
 
 @dataclass(frozen=True)
@@ -168,8 +173,12 @@ def discover(conn: psycopg2.extensions.connection, client: str) -> list[str]:
 class ReceiveQueueReader:
     """Delivers one client's receive queues on one sink connection (not thread-safe: one per thread)."""
 
-    def __init__(self, conn: psycopg2.extensions.connection, batch_size: int = DEFAULT_BATCH,
-                 batch_bytes: int = DEFAULT_BATCH_BYTES) -> None:
+    def __init__(
+        self,
+        conn: psycopg2.extensions.connection,
+        batch_size: int = DEFAULT_BATCH,
+        batch_bytes: int = DEFAULT_BATCH_BYTES,
+    ) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         if batch_bytes < 1:
@@ -203,8 +212,14 @@ class ReceiveQueueReader:
                 if budget <= 0 or byte_budget <= 0:
                     report.unfinished.update(active)
                     break
-                handed, size, done = self._deliver_run(listener, client, source, int(min(budget, self.batch_size)),
-                                                       report, int(min(byte_budget, self.batch_bytes)))
+                handed, size, done = self._deliver_run(
+                    listener,
+                    client,
+                    source,
+                    int(min(budget, self.batch_size)),
+                    report,
+                    int(min(byte_budget, self.batch_bytes)),
+                )
                 budget -= handed
                 byte_budget -= size
                 if done:
@@ -215,8 +230,7 @@ class ReceiveQueueReader:
 
     # --- one run ------------------------------------------------------------------------------
     def _deliver_run(
-        self, listener: Listener, client: str, source: str, limit: int, report: PassReport,
-        max_bytes: int | None = None,
+        self, listener: Listener, client: str, source: str, limit: int, report: PassReport, max_bytes: int | None = None
     ) -> tuple[int, int, bool]:
         """Deliver the next run of ``source``'s queue (at most ``limit`` entries, read from at most
         ``max_bytes`` of rows, at least one); returns (entries handed over, their payload bytes,
@@ -255,8 +269,11 @@ class ReceiveQueueReader:
         except (psycopg2.OperationalError, psycopg2.InterfaceError):
             raise  # a lost sink connection: the caller reconnects; the entries are still queued
         except psycopg2.Error as exc:  # e.g. the listener broke the transaction, then returned True
-            return (self._failed(listener, client, source, len(run), report, "delivery transaction failed", exc),
-                    size, True)
+            return (
+                self._failed(listener, client, source, len(run), report, "delivery transaction failed", exc),
+                size,
+                True,
+            )
         report.delivered += len(run)
         # the read saw the whole queue and this run took all of it: done, without reading it again
         # (what arrives meanwhile comes with its own wake-up)
@@ -306,8 +323,9 @@ class ReceiveQueueReader:
                 return None
         return self._read_head(client, source, limit, barrier, max_bytes)
 
-    def _read_head(self, client: str, source: str, limit: int, barrier: int | None,
-                   max_bytes: int = DEFAULT_BATCH_BYTES) -> tuple[list[_Row], bool]:
+    def _read_head(
+        self, client: str, source: str, limit: int, barrier: int | None, max_bytes: int = DEFAULT_BATCH_BYTES
+    ) -> tuple[list[_Row], bool]:
         """The visible rows before ``barrier`` that hold the queue's next ``limit`` entries, and no
         more than ``max_bytes`` of rows (at least one), in ``seq`` order: the first few rows by one
         query, then (a longer head) a cursor over the delivery index, fetched a few rows at a time
@@ -359,8 +377,7 @@ class ReceiveQueueReader:
         return rows, whole and len(rows) == len(heads)
 
     def _move_aside(
-        self, client: str, source: str, rows: Sequence[_Row], bad: list[_Entry], report: PassReport,
-        listener: Listener,
+        self, client: str, source: str, rows: Sequence[_Row], bad: list[_Entry], report: PassReport, listener: Listener
     ) -> None:
         with self.conn.cursor() as cur:
             for entry in bad:
@@ -374,7 +391,9 @@ class ReceiveQueueReader:
         report.dead_letters += len(bad)
         for entry in bad:
             where = f"seq {entry.seq}" + ("" if entry.index < 0 else f" #{entry.index}")
-            text = f"{receive_queue_name(client, source)}: entry {where} moved to lr.receive_dead_letters: {entry.error}"
+            text = (
+                f"{receive_queue_name(client, source)}: entry {where} moved to lr.receive_dead_letters: {entry.error}"
+            )
             report.note_error(text)
             log.error(text)
             _on_error(listener, source, MalformedEntryError(text))

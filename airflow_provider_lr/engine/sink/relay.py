@@ -24,6 +24,7 @@ the tap's own failure ends the whole relay (``Relay.error``, every subscription 
 ``subscribe`` refused). ``Relay.join`` and ``Subscription.join`` return when that happens and
 raise the error.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -31,7 +32,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import psycopg2
 import psycopg2.extensions
@@ -51,12 +52,7 @@ class Subscription(DeliveryContext):
     """One consumer in a relay: a listener, a demand, a delivery thread and connection."""
 
     def __init__(
-        self,
-        relay: "Relay",
-        listener: Listener,
-        demand: Demand,
-        connect: Connect,
-        options: FollowOptions,
+        self, relay: Relay, listener: Listener, demand: Demand, connect: Connect, options: FollowOptions
     ) -> None:
         self.id = next(_ids)
         self.relay = relay
@@ -144,8 +140,16 @@ class Subscription(DeliveryContext):
 
     def _main(self) -> None:
         try:
-            follow(self._connect, self.listener, lambda: self._demand, self, self._stop, self.stats, self._options,
-                   on_conn=self._set_delivering)
+            follow(
+                self._connect,
+                self.listener,
+                lambda: self._demand,
+                self,
+                self._stop,
+                self.stats,
+                self._options,
+                on_conn=self._set_delivering,
+            )
         except BaseException as exc:  # what follow cannot heal (it retries a sink that is down)
             self.fail(exc)
             self.relay._leave(self)
@@ -193,15 +197,24 @@ class Relay:
         self._thread = threading.Thread(target=self._tap_loop, name="lr-relay-tap", daemon=True)
         self._thread.start()
 
-    def subscribe(self, listener: Listener, client_name: str, sources: Iterable[str] | None = None,
-                  connect: Connect | None = None, options: FollowOptions | None = None) -> Subscription:
+    def subscribe(
+        self,
+        listener: Listener,
+        client_name: str,
+        sources: Iterable[str] | None = None,
+        connect: Connect | None = None,
+        options: FollowOptions | None = None,
+    ) -> Subscription:
         """Join: deliver ``client_name``'s queues (from ``sources`` only, if given) to ``listener``
         on a new thread and connection (``connect``), starting with what is already queued.
         ``options``: batch sizes and pauses of this subscription (default: the relay's)."""
         options = options or self._defaults
         sub = Subscription(
-            self, listener, Demand(client_name, None if sources is None else frozenset(sources)),
-            connect or self._connect, options,
+            self,
+            listener,
+            Demand(client_name, None if sources is None else frozenset(sources)),
+            connect or self._connect,
+            options,
         )
         with self._lock:
             if self.error is not None:
@@ -244,7 +257,7 @@ class Relay:
             raise self.error
         return not self._thread.is_alive()
 
-    def __enter__(self) -> "Relay":
+    def __enter__(self) -> Relay:
         return self
 
     def __exit__(self, *exc: object) -> None:

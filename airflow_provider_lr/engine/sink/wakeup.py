@@ -10,13 +10,15 @@ delivers until stopped: on each wake-up, after a failure's retry interval, and w
 ``RoutingQueueSubscriber.run`` owns its tap (``TapWakeups``); the relay shares one among its
 subscriptions (``relay.Subscription`` is its own ``Wakeups``).
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol
+from typing import Protocol
 
 import psycopg2
 import psycopg2.extensions
@@ -133,7 +135,11 @@ def follow(
                         if on_conn:
                             on_conn(conn)
                     report = ReceiveQueueReader(conn, options.batch_size, options.batch_bytes).deliver(
-                        listener, want.client, sources, max_messages=PASS_RUNS * options.batch_size, skip=waiting,
+                        listener,
+                        want.client,
+                        sources,
+                        max_messages=PASS_RUNS * options.batch_size,
+                        skip=waiting,
                         max_bytes=PASS_RUNS * options.batch_bytes,
                     )
                 except (psycopg2.OperationalError, psycopg2.InterfaceError, SiteUnreachableError) as exc:
@@ -163,8 +169,7 @@ def follow(
 
 
 def _close(
-    conn: psycopg2.extensions.connection | None,
-    on_conn: Callable[[psycopg2.extensions.connection | None], None] | None,
+    conn: psycopg2.extensions.connection | None, on_conn: Callable[[psycopg2.extensions.connection | None], None] | None
 ) -> None:
     """Forget and close a delivery connection (``None``, for ``conn = _close(...)``)."""
     if on_conn:

@@ -8,12 +8,13 @@ anywhere leaves either both or neither. The statements are the stores' (``store.
 Log-entry batches are idempotent through ``last_log_entry_processed`` (a replay or an overlap
 writes only what is new); snapshot messages through the source entry id they end at.
 """
+
 from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Iterable, Iterator, Sequence
 
 import psycopg2.extensions
 from psycopg2.extensions import AsIs
@@ -24,11 +25,11 @@ from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogBatch, Lo
 from airflow_provider_lr.engine.store import receive_queue, sink_sessions
 from airflow_provider_lr.engine.store.topology import config_id
 from airflow_provider_lr.engine.tables.sink import ChangeApplier, forget_session
-from airflow_provider_lr.engine.vocabulary import MALFORMED, NOTIFY_CHANNEL
-from airflow_provider_lr.engine.vocabulary import strip_destinations, wakeup_payload
+from airflow_provider_lr.engine.vocabulary import MALFORMED, NOTIFY_CHANNEL, strip_destinations, wakeup_payload
 from airflow_provider_lr.proto import lr_pb2
 
 log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class SinkMetadata:
@@ -70,8 +71,6 @@ def metadata_in(cur: psycopg2.extensions.cursor, source: str, client: str) -> Si
     """The session's metadata as ``cur``'s transaction sees it (None: no such session); no row made."""
     row = sink_sessions.read(cur, source, client)
     return None if row is None else _metadata(row)
-
-
 
 
 def read_metadata(conn: psycopg2.extensions.connection, source: str, client: str) -> SinkMetadata:
@@ -118,8 +117,9 @@ class SinkTransaction(sink_sessions.FencedTransaction):
         """The session's metadata as this transaction has just written it: what the caller goes on from."""
         return _metadata(self.row())
 
-    def insert(self, entries: Iterable[tuple[int, int, int, bytes]], sync_id: str | None = None,
-               visible: bool = True) -> int:
+    def insert(
+        self, entries: Iterable[tuple[int, int, int, bytes]], sync_id: str | None = None, visible: bool = True
+    ) -> int:
         """Entries (kind, position, entry id, message) appended in order, packed into receive-queue
         rows (``queue_rows``): ``seq`` follows the order. Returns how many were written.
 
@@ -243,9 +243,7 @@ def write_snapshot_messages(
     write = SinkTransaction(conn, source, client, epoch)
     with write as (cur, meta):
         if meta.snapshot_request_id != sync_id:
-            raise StaleBatchError(
-                f"snapshot data of sync {sync_id} for a sink now on sync {meta.snapshot_request_id}"
-            )
+            raise StaleBatchError(f"snapshot data of sync {sync_id} for a sink now on sync {meta.snapshot_request_id}")
         rows, last_entry, ended = [], meta.snapshot_last_entry, False
         for record in records:
             if record.entry_id <= last_entry:
@@ -338,8 +336,9 @@ def apply_log_stream(
         return end
 
 
-def _sink_entries(records: Iterable[LogRecord], last: int, source: str, client: str,
-                  tables: ChangeApplier) -> Iterator[tuple[int, int, int, bytes]]:
+def _sink_entries(
+    records: Iterable[LogRecord], last: int, source: str, client: str, tables: ChangeApplier
+) -> Iterator[tuple[int, int, int, bytes]]:
     """The receive-queue form of the records after ``last`` (what the sink does not have yet);
     federated tables' changes are applied to their tables on the way, in the same transaction."""
     for record in records:
@@ -348,8 +347,13 @@ def _sink_entries(records: Iterable[LogRecord], last: int, source: str, client: 
         elif record.position > last:
             kind, message = strip_destinations(record.message)
             if kind == MALFORMED:
-                log.warning("entry %s at position %s from %s for client %s is malformed; passed on to the "
-                            "sink's dead letters", record.entry_id, record.position, source, client)
+                log.warning(
+                    "entry %s at position %s from %s for client %s is malformed; passed on to the sink's dead letters",
+                    record.entry_id,
+                    record.position,
+                    source,
+                    client,
+                )
             yield kind, record.position, record.entry_id, message
 
 

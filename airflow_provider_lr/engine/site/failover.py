@@ -39,6 +39,7 @@ Here: the entry points (``promote``, ``rejoin``), the new topology, steps 1-2 an
 is ``site/failover_reconcile``, step 4 on a returning site ``site/failover_rejoin``; the record in
 ``lr.failovers``, the results and the connections to the sites are ``site/failover_record``.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,7 +53,6 @@ from airflow_provider_lr.engine.db.topology_schema import Origin
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, SiteUnreachableError
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.store import topology as topology_model
 from airflow_provider_lr.engine.site.failover_reconcile import reconcile
 from airflow_provider_lr.engine.site.failover_record import (
     Connect,
@@ -66,18 +66,22 @@ from airflow_provider_lr.engine.site.failover_record import (
 )
 from airflow_provider_lr.engine.site.failover_rejoin import RejoinResult, rejoin_site
 from airflow_provider_lr.engine.site.topology import apply_to_site
-from airflow_provider_lr.engine.store.topology import Replication, Topology, recorded_id
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, commit_barrier
 from airflow_provider_lr.engine.source.log_reader import LogReader
 from airflow_provider_lr.engine.store import sink_sessions, source_sessions
+from airflow_provider_lr.engine.store import topology as topology_model
+from airflow_provider_lr.engine.store.topology import Replication, Topology, recorded_id
 from airflow_provider_lr.engine.tables import handover
 from airflow_provider_lr.engine.tables import snapshot as table_snapshot
 from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, FailoverStatus, SessionKey, SessionState
 
 log = logging.getLogger(__name__)
 
+
 # --- the new topology -----------------------------------------------------------------------------
-def derive(topology: Topology, from_site: str, to_site: str, clients: list[str] | None = None) -> tuple[Topology, list[str]]:
+def derive(
+    topology: Topology, from_site: str, to_site: str, clients: list[str] | None = None
+) -> tuple[Topology, list[str]]:
     """The topology after the failover: ``to_site`` becomes the source of ``from_site``'s clients
     (all those it is a sink of, by default); it leaves their sinks, ``from_site`` joins them.
     Refuses a site that is unknown or not a sink of ``from_site`` for those clients."""
@@ -106,17 +110,22 @@ def derive(topology: Topology, from_site: str, to_site: str, clients: list[str] 
     for client, sinks in sorted(moved.items()):
         groups.setdefault(tuple(sorted(sinks)), []).append(client)
     new = [Replication(to_site, sinks, tuple(cs)) for sinks, cs in groups.items()]
-    doc = {**topology.document,
-           "replication": [{"source": r.source, "sinks": list(r.sinks), "clients": list(r.clients)} for r in kept + new]}
-    return topology_model.from_document(doc, Origin(f"the topology after failing {from_site} over to {to_site}")), wanted
+    doc = {
+        **topology.document,
+        "replication": [{"source": r.source, "sinks": list(r.sinks), "clients": list(r.clients)} for r in kept + new],
+    }
+    return topology_model.from_document(
+        doc, Origin(f"the topology after failing {from_site} over to {to_site}")
+    ), wanted
 
 
 def only_source(topology: Topology, sink: str) -> str:
     """The one source ``sink`` receives from (the old source of a failover that names none)."""
     sources = sorted({k.source for k in topology.sessions() if k.sink == sink})
     if len(sources) != 1:
-        raise ConfigurationError(f"site {sink!r} receives from {sources or 'no source'}; name the old source "
-                                 "(--from, from_site)")
+        raise ConfigurationError(
+            f"site {sink!r} receives from {sources or 'no source'}; name the old source (--from, from_site)"
+        )
     return sources[0]
 
 
@@ -126,9 +135,17 @@ def _involved(topology: Topology, from_site: str, to_site: str, clients: list[st
 
 
 # --- promote ------------------------------------------------------------------------------------
-def promote(from_site: str, to_site: str, connect: Connect, topology: Topology | None = None,
-            clients: list[str] | None = None, reason: str = "", same_destinations: bool = False,
-            planned: bool | None = None, allow_table_divergence: bool = False) -> FailoverResult:
+def promote(
+    from_site: str,
+    to_site: str,
+    connect: Connect,
+    topology: Topology | None = None,
+    clients: list[str] | None = None,
+    reason: str = "",
+    same_destinations: bool = False,
+    planned: bool | None = None,
+    allow_table_divergence: bool = False,
+) -> FailoverResult:
     """Fail ``from_site``'s clients over to ``to_site`` (module docstring). ``topology``: the current
     one (default: the one applied to ``to_site``). ``planned``: drain ``from_site`` first (default:
     when it can be reached). Re-running the same failover finishes it. Refuses, with nothing done,
@@ -142,7 +159,9 @@ def promote(from_site: str, to_site: str, connect: Connect, topology: Topology |
         new = reach(connect, to_site, conns, "the site to promote")
         record = read_record(new, from_site, FailoverStatus.PROMOTED) or finished(new, from_site)
         if record is not None:
-            target = topology_model.from_document(record["topology"], Origin("the failover recorded on the promoted site"))
+            target = topology_model.from_document(
+                record["topology"], Origin("the failover recorded on the promoted site")
+            )
             wanted = list(record["clients"])
         else:
             current = topology or topology_model.from_site(new)
@@ -153,11 +172,16 @@ def promote(from_site: str, to_site: str, connect: Connect, topology: Topology |
         old = try_connect(connect, from_site, conns)
         planned = (old is not None) if planned is None else planned
         if planned and old is None:
-            raise SiteUnreachableError(f"site {from_site!r} cannot be reached: a planned switchover drains it first; "
-                                       "nothing was done (leave out --planned for an unplanned failover)")
+            raise SiteUnreachableError(
+                f"site {from_site!r} cannot be reached: a planned switchover drains it first; "
+                "nothing was done (leave out --planned for an unplanned failover)"
+            )
         tail: dict[str, int] = {}
-        diverged = [] if record is not None else _untaken_tables(conns, from_site, to_site, sinks, wanted,
-                                                                  allow_table_divergence)
+        diverged = (
+            []
+            if record is not None
+            else _untaken_tables(conns, from_site, to_site, sinks, wanted, allow_table_divergence)
+        )
         if record is None and planned:
             assert old is not None
             _drain(old, conns, from_site, [to_site, *sinks], wanted, target)
@@ -172,16 +196,30 @@ def promote(from_site: str, to_site: str, connect: Connect, topology: Topology |
         else:
             resumed = True
             planned = bool(record["outcome"].get("planned"))
-        result = FailoverResult(record["failover_id"], from_site, to_site, wanted, dict(record["positions"]),
-                                record["base_position"], target, record["reason"], planned, resumed,
-                                tables=dict(record["outcome"].get("tables", {})),
-                                diverged=diverged or list(record["outcome"].get("diverged", [])))
+        result = FailoverResult(
+            record["failover_id"],
+            from_site,
+            to_site,
+            wanted,
+            dict(record["positions"]),
+            record["base_position"],
+            target,
+            record["reason"],
+            planned,
+            resumed,
+            tables=dict(record["outcome"].get("tables", {})),
+            diverged=diverged or list(record["outcome"].get("diverged", [])),
+        )
         result.outcome[to_site] = {c: "promoted: the new source" for c in wanted}
         for sink in sinks:
             result.outcome[sink] = reconcile(conns[sink], new, sink, result, same_destinations)
             fault_point("failover_after_reconcile")
-        result.full_syncs = [str(SessionKey(to_site, s, c)) for s, notes in result.outcome.items()
-                             for c, note in notes.items() if "full sync" in note]
+        result.full_syncs = [
+            str(SessionKey(to_site, s, c))
+            for s, notes in result.outcome.items()
+            for c, note in notes.items()
+            if "full sync" in note
+        ]
         for site in sorted(target.sites):
             conn = conns.get(site) or try_connect(connect, site, conns)
             if conn is None:
@@ -201,8 +239,10 @@ def promote(from_site: str, to_site: str, connect: Connect, topology: Topology |
             if not conn.closed:
                 conn.close()
 
-def _untaken_tables(conns: dict, from_site: str, to_site: str, sinks: list[str], clients: list[str],
-                    allowed: bool) -> list[str]:
+
+def _untaken_tables(
+    conns: dict, from_site: str, to_site: str, sinks: list[str], clients: list[str], allowed: bool
+) -> list[str]:
     """The federated tables whose replication the failover would stop: taken from ``from_site`` by
     another sink but not synced at ``to_site``, which therefore cannot become their source. Refused
     (nothing done) unless ``allowed``; then returned, and ``lr status`` marks them diverged."""
@@ -218,8 +258,10 @@ def _untaken_tables(conns: dict, from_site: str, to_site: str, sinks: list[str],
         raise ConfigurationError(
             f"site {to_site!r} holds no synced copy of federated table(s) that other sinks take from {from_site!r}: "
             f"{'; '.join(found)}; promoting it would stop their replication; promote a site that holds them, or "
-            "allow it (--allow-table-divergence: lr status then marks them DIVERGED); nothing was done")
+            "allow it (--allow-table-divergence: lr status then marks them DIVERGED); nothing was done"
+        )
     return found
+
 
 def _fence(conn: psycopg2.extensions.connection, from_site: str, to_site: str, fid: str, clients: list[str]) -> None:
     """Close the sink's sessions from the old source to every writer (a raised epoch alone would not
@@ -229,8 +271,18 @@ def _fence(conn: psycopg2.extensions.connection, from_site: str, to_site: str, f
         sink_sessions.fence_failed_over(cur, from_site, to_site, fid, clients)
     conn.commit()
 
-def _promote(conn: psycopg2.extensions.connection, from_site: str, to_site: str, fid: str, clients: list[str],
-             target: Topology, reason: str, planned: bool, diverged: list[str]) -> dict:
+
+def _promote(
+    conn: psycopg2.extensions.connection,
+    from_site: str,
+    to_site: str,
+    fid: str,
+    clients: list[str],
+    target: Topology,
+    reason: str,
+    planned: bool,
+    diverged: list[str],
+) -> dict:
     """One transaction on the new source: the cut (pB per client, under the lock of its own session
     from the old source), the base, the new topology, its sessions in log-entry sync, the clients'
     federated tables it holds captured here (``handover.take_over``), the record."""
@@ -242,7 +294,8 @@ def _promote(conn: psycopg2.extensions.connection, from_site: str, to_site: str,
                 if row is None or not row[1]:
                     raise ConfigurationError(
                         f"site {to_site!r} holds no consistent copy of {from_site!r}'s client {client!r} (no session, "
-                        "or a full sync not applied); promote a sink that has one; nothing was promoted")
+                        "or a full sync not applied); promote a sink that has one; nothing was promoted"
+                    )
                 cuts[client] = row[0]
                 writes.discard_unapplied(cur, from_site, client)  # the old session applies and publishes no more
             cur.execute(LAST_DRAWN_POSITION_SQL)
@@ -257,8 +310,18 @@ def _promote(conn: psycopg2.extensions.connection, from_site: str, to_site: str,
             cur.execute(
                 "INSERT INTO lr.failovers (failover_id, from_site_id, to_site_id, clients, positions, base_position, "
                 "topology_config_id, topology, reason, outcome) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                (fid, from_site, to_site, clients, json.dumps(cuts), base, target.topology_config_id,
-                 json.dumps(target.document), reason, json.dumps({"planned": planned, "tables": tables, "diverged": diverged})),
+                (
+                    fid,
+                    from_site,
+                    to_site,
+                    clients,
+                    json.dumps(cuts),
+                    base,
+                    target.topology_config_id,
+                    json.dumps(target.document),
+                    reason,
+                    json.dumps({"planned": planned, "tables": tables, "diverged": diverged}),
+                ),
             )
         conn.commit()
     except BaseException:
@@ -268,9 +331,16 @@ def _promote(conn: psycopg2.extensions.connection, from_site: str, to_site: str,
     assert record is not None
     return record
 
+
 # --- planned: drain the old source first -----------------------------------------------------------
-def _drain(old: psycopg2.extensions.connection, conns: dict, from_site: str, sinks: list[str], clients: list[str],
-           target: Topology) -> None:
+def _drain(
+    old: psycopg2.extensions.connection,
+    conns: dict,
+    from_site: str,
+    sinks: list[str],
+    clients: list[str],
+    target: Topology,
+) -> None:
     """A planned switchover: the new topology on the old source first (its writers of the clients
     are refused from then on, its federated tables' writers too), then everything it committed for
     each sink (``sinks``, the site to promote first) copied into that sink (fenced sink
@@ -300,8 +370,10 @@ def _drain(old: psycopg2.extensions.connection, conns: dict, from_site: str, sin
             fenced.append((sink, client, writes.fence(conn, from_site, client, meta.lease_epoch + 1)))
     upto, holders = commit_barrier(old, 30.0)
     if upto is None:
-        raise LRError(f"site {from_site!r}: commits in flight for 30 s ({', '.join(h.describe() for h in holders)}); "
-                      "nothing was promoted; run the switchover again")
+        raise LRError(
+            f"site {from_site!r}: commits in flight for 30 s ({', '.join(h.describe() for h in holders)}); "
+            "nothing was promoted; run the switchover again"
+        )
     for sink, client, meta in fenced:
         conn = conns[sink]
         reader, after = LogReader(old, sink, STREAM_LOG_ENTRIES, client_name=client), meta.last_log_entry_processed
@@ -327,8 +399,10 @@ def rejoin(site: str, connect: Connect, topology: Topology) -> RejoinResult:
             if peer is not None:
                 found += [r for r in failovers(peer) if r["to_site_id"] == other]
         if not found:
-            raise ConfigurationError(f"no failover is recorded on any reachable site of the topology; nothing to rejoin "
-                                     f"{site!r} to (apply a topology with `lr topology apply`)")
+            raise ConfigurationError(
+                f"no failover is recorded on any reachable site of the topology; nothing to rejoin "
+                f"{site!r} to (apply a topology with `lr topology apply`)"
+            )
         newest = max(found, key=lambda r: r["started_at"])
         record = dict(newest, failover_id=str(newest["failover_id"]))
         return rejoin_site(conn, site, record)

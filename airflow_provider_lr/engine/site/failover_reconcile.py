@@ -7,6 +7,7 @@ source is requested with the reason. Then the sink's session from the new source
 base, its tables of those clients move to the new source, and it gets the new topology; all in
 one transaction on the sink.
 """
+
 from __future__ import annotations
 
 from bisect import bisect_right
@@ -28,8 +29,13 @@ class _FullSync(Exception):
     """Reconciling a session by entries is impossible: why (the full sync request's reason)."""
 
 
-def reconcile(conn: psycopg2.extensions.connection, new: psycopg2.extensions.connection, sink: str,
-              result: FailoverResult, same_destinations: bool) -> dict[str, str]:
+def reconcile(
+    conn: psycopg2.extensions.connection,
+    new: psycopg2.extensions.connection,
+    sink: str,
+    result: FailoverResult,
+    same_destinations: bool,
+) -> dict[str, str]:
     """One transaction on the sink: every failed-over client's session from the old source cut at
     pB (extras removed, or the gap copied), its session from the new source set at the base, the
     new topology. Where cutting is impossible a full sync from the new source is requested (on the
@@ -55,7 +61,9 @@ def reconcile(conn: psycopg2.extensions.connection, new: psycopg2.extensions.con
                     continue
                 try:
                     if not consistent or applied > cut:
-                        what = "had not applied its full sync" if not consistent else f"applied a full sync at {applied}"
+                        what = (
+                            "had not applied its full sync" if not consistent else f"applied a full sync at {applied}"
+                        )
                         raise _FullSync(f"{sink} {what} from {old}, beyond {to}'s position {cut}")
                     if last > cut:
                         note = _remove_extras(cur, sink, result, client, cut)
@@ -84,9 +92,12 @@ def reconcile(conn: psycopg2.extensions.connection, new: psycopg2.extensions.con
 def _rows_after(cur: psycopg2.extensions.cursor, source: str, client: str, after: int) -> list[tuple]:
     """The visible rows of a session's queue that hold entries after ``after``: (seq, kind, count,
     delivered, entry id, each entry's position or None, entries)."""
-    return [(seq, kind, count, delivered, entry_id, positions(count, message, position), unpack(count, message))
-            for seq, kind, count, delivered, position, entry_id, message
-            in receive_queue.rows_after(cur, source, client, after)]
+    return [
+        (seq, kind, count, delivered, entry_id, positions(count, message, position), unpack(count, message))
+        for seq, kind, count, delivered, position, entry_id, message in receive_queue.rows_after(
+            cur, source, client, after
+        )
+    ]
 
 
 def _remove_extras(cur: psycopg2.extensions.cursor, sink: str, result: FailoverResult, client: str, cut: int) -> str:
@@ -96,12 +107,14 @@ def _remove_extras(cur: psycopg2.extensions.cursor, sink: str, result: FailoverR
         raise _FullSync(f"{sink} had consumed entries of {old} beyond {to}'s position {cut} (up to {consumed})")
     rows, removed = _rows_after(cur, old, client, cut), 0
     plan = []
-    for seq, kind, count, delivered, _, where, entries in rows:
+    for seq, kind, _count, delivered, _, where, entries in rows:
         if kind != lr_pb2.LOG_ENTRY_SYNC:
             raise _FullSync(f"{sink} holds full-sync data of {old} beyond {to}'s position {cut}")
         if where is None:
-            raise _FullSync(f"a receive-queue row of {sink} written before V0010 holds entries on both sides of "
-                            f"{to}'s position {cut}")
+            raise _FullSync(
+                f"a receive-queue row of {sink} written before V0010 holds entries on both sides of "
+                f"{to}'s position {cut}"
+            )
         keep = bisect_right(where, cut)
         if delivered > keep:
             raise _FullSync(f"{sink} had consumed entries of {old} beyond {to}'s position {cut}")
@@ -115,12 +128,22 @@ def _remove_extras(cur: psycopg2.extensions.cursor, sink: str, result: FailoverR
     return f"{removed} extra entries of {old} beyond {to}'s position {cut} removed, unconsumed"
 
 
-def _copy_gap(cur: psycopg2.extensions.cursor, new: psycopg2.extensions.connection, sink: str,
-              result: FailoverResult, client: str, last: int, cut: int, same_destinations: bool) -> str:
+def _copy_gap(
+    cur: psycopg2.extensions.cursor,
+    new: psycopg2.extensions.connection,
+    sink: str,
+    result: FailoverResult,
+    client: str,
+    last: int,
+    cut: int,
+    same_destinations: bool,
+) -> str:
     old, to = result.from_site, result.to_site
     if not same_destinations:
-        raise _FullSync(f"{sink} lacks {old}'s entries in ({last}, {cut}] and {to} cannot tell which of its own were "
-                        f"addressed to {sink} (a sink's copy carries no destinations)")
+        raise _FullSync(
+            f"{sink} lacks {old}'s entries in ({last}, {cut}] and {to} cannot tell which of its own were "
+            f"addressed to {sink} (a sink's copy carries no destinations)"
+        )
     with new.cursor() as src:
         if receive_queue.consumed_position(src, old, client) > last:
             new.commit()
@@ -128,10 +151,12 @@ def _copy_gap(cur: psycopg2.extensions.cursor, new: psycopg2.extensions.connecti
         rows = _rows_after(src, old, client, last)
     new.commit()
     gap = []
-    for _, kind, count, delivered, entry_id, where, entries in rows:
+    for _, kind, _count, delivered, entry_id, where, entries in rows:
         if kind != lr_pb2.LOG_ENTRY_SYNC or where is None:
-            raise _FullSync(f"{sink} lacks {old}'s entries in ({last}, {cut}] and {to} holds them only as a full sync "
-                            "or in a row written before V0010")
+            raise _FullSync(
+                f"{sink} lacks {old}'s entries in ({last}, {cut}] and {to} holds them only as a full sync "
+                "or in a row written before V0010"
+            )
         first = bisect_right(where, last)
         if delivered > first:
             raise _FullSync(f"{sink} lacks {old}'s entries in ({last}, {cut}] and {to}'s applications consumed some")
@@ -146,5 +171,4 @@ def _copy_gap(cur: psycopg2.extensions.cursor, new: psycopg2.extensions.connecti
 
 def _start_at_base(cur: psycopg2.extensions.cursor, result: FailoverResult, client: str) -> None:
     """The sink's session from the new source, consistent at the base: log-entry sync from there."""
-    sink_sessions.start_in_log_entry_sync(cur, result.to_site, client, result.topology.topology_config_id,
-                                          result.base)
+    sink_sessions.start_in_log_entry_sync(cur, result.to_site, client, result.topology.topology_config_id, result.base)

@@ -3,12 +3,13 @@
 results it reports, and the connections to the sites involved (``site/failover`` promotes,
 ``site/failover_reconcile`` cuts the other sinks, ``site/failover_rejoin`` brings a site back).
 """
+
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import psycopg2
 import psycopg2.extensions
@@ -49,20 +50,26 @@ class FailoverResult:
     @property
     def lost(self) -> str:
         if self.planned:
-            return (f"nothing: {self.from_site} was drained into every sink before the cut"
-                    + (f" (but it committed {listing(self.tail)} after the switch)" if any(self.tail.values()) else ""))
-        return (f"whatever {self.from_site} committed for {', '.join(self.clients)} after position(s) "
-                f"{listing(self.positions)} that {self.to_site} had not received; `lr failover --rejoin {self.from_site}` "
-                "counts it when it returns")
+            return f"nothing: {self.from_site} was drained into every sink before the cut" + (
+                f" (but it committed {listing(self.tail)} after the switch)" if any(self.tail.values()) else ""
+            )
+        return (
+            f"whatever {self.from_site} committed for {', '.join(self.clients)} after position(s) "
+            f"{listing(self.positions)} that {self.to_site} had not received; `lr failover --rejoin {self.from_site}` "
+            "counts it when it returns"
+        )
 
 
 # --- the sites --------------------------------------------------------------------------------------
 def reach(connect: Connect, site: str, conns: dict, role: str) -> psycopg2.extensions.connection:
     conn = try_connect(connect, site, conns)
     if conn is None:
-        raise SiteUnreachableError(f"site {site!r} ({role}) cannot be reached: a failover needs the promoted site "
-                                   "and every sink involved; nothing was done on this run (run it again when it is up)")
+        raise SiteUnreachableError(
+            f"site {site!r} ({role}) cannot be reached: a failover needs the promoted site "
+            "and every sink involved; nothing was done on this run (run it again when it is up)"
+        )
     return conn
+
 
 def try_connect(connect: Connect, site: str, conns: dict) -> psycopg2.extensions.connection | None:
     if site in conns:
@@ -76,8 +83,18 @@ def try_connect(connect: Connect, site: str, conns: dict) -> psycopg2.extensions
 
 
 # --- the record -------------------------------------------------------------------------------------
-_RECORD_COLUMNS = ("failover_id", "from_site_id", "to_site_id", "clients", "positions", "base_position",
-                   "topology", "reason", "status", "outcome")
+_RECORD_COLUMNS = (
+    "failover_id",
+    "from_site_id",
+    "to_site_id",
+    "clients",
+    "positions",
+    "base_position",
+    "topology",
+    "reason",
+    "status",
+    "outcome",
+)
 
 
 def read_record(conn: psycopg2.extensions.connection, from_site: str, status: str | None = None) -> dict | None:
@@ -109,15 +126,23 @@ def finished(conn: psycopg2.extensions.connection, from_site: str) -> dict | Non
 def failovers(conn: psycopg2.extensions.connection) -> list[dict]:
     """Every failover recorded on this site, newest first (``lr status``, the docs' history)."""
     with conn.cursor() as cur:
-        cur.execute(f"SELECT {', '.join(_RECORD_COLUMNS)}, started_at, completed_at FROM lr.failovers "
-                    "ORDER BY started_at DESC")
+        cur.execute(
+            f"SELECT {', '.join(_RECORD_COLUMNS)}, started_at, completed_at FROM lr.failovers ORDER BY started_at DESC"
+        )
         rows = [dict(zip((*_RECORD_COLUMNS, "started_at", "completed_at"), r)) for r in cur.fetchall()]
     conn.commit()
     return rows
 
+
 def complete(conn: psycopg2.extensions.connection, result: FailoverResult) -> None:
-    outcome = {"planned": result.planned, "sinks": result.outcome, "pending": result.pending, "tail": result.tail,
-               "tables": result.tables, "diverged": result.diverged}
+    outcome = {
+        "planned": result.planned,
+        "sinks": result.outcome,
+        "pending": result.pending,
+        "tail": result.tail,
+        "tables": result.tables,
+        "diverged": result.diverged,
+    }
     with conn.cursor() as cur:
         cur.execute(
             "UPDATE lr.failovers SET status = %s, outcome = %s, completed_at = coalesce(completed_at, now()) "

@@ -3,6 +3,7 @@ topology; the old source first counts what it committed for the failed-over clie
 cut (nobody received it: reported, not replicated) and its tables of those clients stop being
 captured there (the new source's snapshot replaces them).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,9 +11,9 @@ from dataclasses import dataclass, field
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.db.topology_schema import Origin
-from airflow_provider_lr.engine.store import topology as topology_model
 from airflow_provider_lr.engine.site.topology import apply_to_site
 from airflow_provider_lr.engine.store import source_sessions
+from airflow_provider_lr.engine.store import topology as topology_model
 from airflow_provider_lr.engine.tables import handover
 from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, STREAM_TABLE_CHANGES, SessionKey
 
@@ -45,7 +46,8 @@ def rejoin_site(conn: psycopg2.extensions.connection, site: str, record: dict) -
                         "SELECT count(*) FILTER (WHERE e.stream = %s), count(*) FILTER (WHERE e.stream = %s) "
                         "FROM lr.log_entries e JOIN lr.log_commits c ON c.tx = e.tx "
                         "JOIN lr.clients k ON k.client_id = e.client_id WHERE k.client_name = %s AND c.position > %s",
-                        (STREAM_LOG_ENTRIES, STREAM_TABLE_CHANGES, client, cut))
+                        (STREAM_LOG_ENTRIES, STREAM_TABLE_CHANGES, client, cut),
+                    )
                     tail[client], table_tail[client] = cur.fetchone()
                 # the old source's sessions of the clients, retired by the topology below
                 retired = [str(SessionKey(site, s, c)) for s, c in source_sessions.sessions_of(cur, record["clients"])]

@@ -13,10 +13,12 @@ Two kinds, from two places, because each figure is read where it is true:
   stride. (Durable totals in PostgreSQL would cost a write on every delivery; Airflow tasks send
   their own counters through Airflow's metrics, ``operators/telemetry``.)
 """
+
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
@@ -24,8 +26,8 @@ from prometheus_client.registry import Collector
 
 from airflow_provider_lr.engine.counters import DeliveryCounters
 from airflow_provider_lr.engine.site.status import SiteStatus, trim_marks
-from airflow_provider_lr.engine.store.topology import Topology
 from airflow_provider_lr.engine.source.backlog import readiness
+from airflow_provider_lr.engine.store.topology import Topology
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
 SESSION_LABELS = ("source", "sink", "client")
@@ -50,36 +52,57 @@ class StatusCollector(Collector):
             return GaugeMetricFamily(name, text, labels=list(labels))
 
         up = family("lr_site_up", "1 when the site could be read", ("site",))
-        info = InfoMetricFamily("lr_site", "the topology applied at the site and its lr schema version",
-                                labels=["site"])
+        info = InfoMetricFamily(
+            "lr_site", "the topology applied at the site and its lr schema version", labels=["site"]
+        )
         trim = family("lr_log_trim_mark", "commit position up to which the site's log is trimmed", ("site",))
-        held = family("lr_log_held_back", "transactions holding the log's read barrier or with uncommitted entries",
-                      ("site",))
-        matches = family("lr_site_topology_matches_file",
-                         "1 when the site runs the topology of the file lr read (0: a stale or unapplied file)", ("site",))
-        diverged = family("lr_tables_diverged", "federated tables of the site that do not replicate (lr status: DIVERGED)",
-                          ("site",))
-        lag_entries = family("lr_session_lag_entries", "committed entries not yet acknowledged by the sink",
-                             SESSION_LABELS)
-        lag_seconds = family("lr_session_lag_seconds",
-                             "age of the oldest committed entry not yet acknowledged by the sink", SESSION_LABELS)
-        ready = family("lr_session_ready", "1 when the sink holds everything committed for it (source side)",
-                       SESSION_LABELS)
+        held = family(
+            "lr_log_held_back", "transactions holding the log's read barrier or with uncommitted entries", ("site",)
+        )
+        matches = family(
+            "lr_site_topology_matches_file",
+            "1 when the site runs the topology of the file lr read (0: a stale or unapplied file)",
+            ("site",),
+        )
+        diverged = family(
+            "lr_tables_diverged", "federated tables of the site that do not replicate (lr status: DIVERGED)", ("site",)
+        )
+        lag_entries = family(
+            "lr_session_lag_entries", "committed entries not yet acknowledged by the sink", SESSION_LABELS
+        )
+        lag_seconds = family(
+            "lr_session_lag_seconds",
+            "age of the oldest committed entry not yet acknowledged by the sink",
+            SESSION_LABELS,
+        )
+        ready = family(
+            "lr_session_ready", "1 when the sink holds everything committed for it (source side)", SESSION_LABELS
+        )
         error = family("lr_session_error", "1 when the session's last step failed", SESSION_LABELS)
-        success_age = family("lr_session_last_success_age_seconds", "seconds since the session last completed a step",
-                             SESSION_LABELS)
-        requests = family("lr_full_sync_requests_open", "full-sync requests pending or supplied, not applied yet",
-                          (*SESSION_LABELS, "status"))
-        waiting = family("lr_receive_queue_waiting_entries", "entries in a receive queue not yet consumed by subscribers",
-                         QUEUE_LABELS)
-        oldest = family("lr_receive_queue_oldest_seconds", "age of the oldest entry waiting in a receive queue",
-                        QUEUE_LABELS)
+        success_age = family(
+            "lr_session_last_success_age_seconds", "seconds since the session last completed a step", SESSION_LABELS
+        )
+        requests = family(
+            "lr_full_sync_requests_open",
+            "full-sync requests pending or supplied, not applied yet",
+            (*SESSION_LABELS, "status"),
+        )
+        waiting = family(
+            "lr_receive_queue_waiting_entries",
+            "entries in a receive queue not yet consumed by subscribers",
+            QUEUE_LABELS,
+        )
+        oldest = family(
+            "lr_receive_queue_oldest_seconds", "age of the oldest entry waiting in a receive queue", QUEUE_LABELS
+        )
         dead = family("lr_receive_queue_dead_letters", "entries moved to dead letters", QUEUE_LABELS)
         for site, st in found.items():
             up.add_metric([site], 0 if isinstance(st, str) else 1)
             if isinstance(st, str):
                 continue
-            info.add_metric([site], {"topology_id": st.topology_config_id or "", "schema_version": str(st.schema_version)})
+            info.add_metric(
+                [site], {"topology_id": st.topology_config_id or "", "schema_version": str(st.schema_version)}
+            )
             trim.add_metric([site], st.trim_mark)
             held.add_metric([site], len(st.held_back_by))
             diverged.add_metric([site], len(st.diverged))
@@ -102,14 +125,29 @@ class StatusCollector(Collector):
                 waiting.add_metric(labels, q["waiting"])
                 oldest.add_metric(labels, q["oldest_waiting_s"])
                 dead.add_metric(labels, q["dead_letters"])
-        yield from (up, info, lag_entries, lag_seconds, ready, error, success_age, requests, waiting, oldest, dead,
-                    held, trim, diverged)
+        yield from (
+            up,
+            info,
+            lag_entries,
+            lag_seconds,
+            ready,
+            error,
+            success_age,
+            requests,
+            waiting,
+            oldest,
+            dead,
+            held,
+            trim,
+            diverged,
+        )
         if self.topology is not None:
             yield matches
 
 
-def status_registry(statuses: Callable[[], dict[str, SiteStatus | str]],
-                    topology: Topology | None = None) -> CollectorRegistry:
+def status_registry(
+    statuses: Callable[[], dict[str, SiteStatus | str]], topology: Topology | None = None
+) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(StatusCollector(statuses, topology))
     return registry
@@ -133,13 +171,19 @@ class ReplicationCounters(DeliveryCounters):
             return Counter(name, text, SESSION_LABELS, registry=self.registry)
 
         self._entries = counter("lr_entries_delivered", "log entries this replicator made visible at the sink")
-        self._bytes = counter("lr_bytes_delivered", "bytes of log-entry messages this replicator made visible at the sink")
+        self._bytes = counter(
+            "lr_bytes_delivered", "bytes of log-entry messages this replicator made visible at the sink"
+        )
         self._full_syncs = counter("lr_full_syncs", "full (snapshot) syncs this replicator applied at the sink")
         self._errors = counter("lr_session_errors", "failed session steps (a cycle or a stream)")
         self._hand_backs = counter("lr_stream_hand_backs", "streams handed back to the cycles to renegotiate")
-        self._lag = Histogram("lr_delivery_lag_seconds", "age of the oldest entry not yet acknowledged by the sink, "
-                              "seen at each acknowledgement", SESSION_LABELS, buckets=LAG_BUCKETS,
-                              registry=self.registry)
+        self._lag = Histogram(
+            "lr_delivery_lag_seconds",
+            "age of the oldest entry not yet acknowledged by the sink, seen at each acknowledgement",
+            SESSION_LABELS,
+            buckets=LAG_BUCKETS,
+            registry=self.registry,
+        )
 
     @staticmethod
     def _labels(session: str | SessionKey) -> tuple[str, str, str]:
@@ -183,8 +227,12 @@ def stop_serving(server: Any, thread: threading.Thread) -> None:
     thread.join(timeout=5)
 
 
-def serve(registry: CollectorRegistry, listen: str, announce: Callable[[str], None] = print,
-          stop: threading.Event | None = None) -> int:
+def serve(
+    registry: CollectorRegistry,
+    listen: str,
+    announce: Callable[[str], None] = print,
+    stop: threading.Event | None = None,
+) -> int:
     """Serve ``registry`` until interrupted (or ``stop``), saying where on start."""
     server, thread, url = start(registry, listen)
     announce(f"lr metrics: serving {url} (read from the sites at each scrape; Ctrl-C stops)")

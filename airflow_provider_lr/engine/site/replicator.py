@@ -4,17 +4,19 @@ One connection per site is shared by the sessions touching it. A session that fa
 down, a refused negotiation, a provider error) is reported and recorded in its ``last_error``;
 the others go on, and the failed one is retried on the next cycle with fresh connections.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.bulk import fanout
+from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.errors import (
     ConfigurationError,
     RepeatedErrors,
@@ -27,9 +29,8 @@ from airflow_provider_lr.engine.session.lease import Lease, new_owner_id
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, record_error
 from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.source.backlog import source_backlog
-from airflow_provider_lr.engine.db.timeouts import failure
-from airflow_provider_lr.engine.store.topology import Topology
 from airflow_provider_lr.engine.source.full_sync import Provider, load_provider
+from airflow_provider_lr.engine.store.topology import Topology
 from airflow_provider_lr.engine.vocabulary import SessionKey, SessionState
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,14 @@ class Replicator:
         runner = self._runners.get(key)
         if runner is None or runner.source.closed or runner.sink.closed:
             runner = self._runners[key] = SessionRunner(
-                key, self._conn(key.source), self._conn(key.sink), self.owner, self.settings, self.providers.get(key.client),
-                peers=nearest_copy.peers_in_region(self.topology, key, self.connect), topology=self.topology,
+                key,
+                self._conn(key.source),
+                self._conn(key.sink),
+                self.owner,
+                self.settings,
+                self.providers.get(key.client),
+                peers=nearest_copy.peers_in_region(self.topology, key, self.connect),
+                topology=self.topology,
             )
         return runner
 
@@ -98,8 +105,9 @@ class Replicator:
                 report = CycleReport(str(key), error=failure(exc))
                 times = self.failures.due(str(key), report.error) if self.failures else None
                 if times:
-                    log.warning("session %s failed: %s", key,
-                                report.error if times == 1 else still_failing(times, report.error))
+                    log.warning(
+                        "session %s failed: %s", key, report.error if times == 1 else still_failing(times, report.error)
+                    )
                 self._recover(key, report.error, exc)
             if not report.error and self.failures:
                 self.failures.cleared(str(key))
@@ -125,8 +133,9 @@ class Replicator:
             choice = catchup.choose(source_backlog(self._conn(source), at_most=cap), self.settings, counted_to=cap)
             if choice.path is not catchup.CatchupPath.TEE:
                 return {}
-            driver = fanout.FanoutDriver(self.topology, source, owner=self.owner, settings=self.settings,
-                                         connect=self.connect, sessions=keys)
+            driver = fanout.FanoutDriver(
+                self.topology, source, owner=self.owner, settings=self.settings, connect=self.connect, sessions=keys
+            )
         except SiteUnreachableError as exc:  # a site that is down: the session cycles report it; retried
             log.info("in-process fan-out of %s not used now: %s", source, one_line(exc))
             self._drop(source)

@@ -16,12 +16,13 @@ transaction; ``revoke`` deletes rows and resets the role's privileges on the sch
 remaining grants need. Every statement is built with ``psycopg2.sql`` (role names are quoted
 identifiers, values literals), so ``render`` prints exactly what runs.
 """
+
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Iterable, Sequence
 
 import psycopg2.errors
 import psycopg2.extensions
@@ -187,10 +188,14 @@ def grant_statements(kind: str, role: str, clients: Sequence[str]) -> list[State
         target = sql.SQL("SEQUENCE ") if p.kind == "SEQUENCE" else sql.SQL("TABLE ")
         out.append(Statement(sql.SQL("GRANT {} ON {}{} TO {}").format(sql.SQL(p.privileges), target, objects, who)))
     for client in clients:
-        out.append(Statement(sql.SQL(
-            "INSERT INTO lr.role_grants (role_oid, role_name, kind, client_name) "
-            "SELECT oid, rolname, {}, {} FROM pg_roles WHERE rolname = {} ON CONFLICT DO NOTHING"
-        ).format(sql.Literal(kind), sql.Literal(client), sql.Literal(role))))
+        out.append(
+            Statement(
+                sql.SQL(
+                    "INSERT INTO lr.role_grants (role_oid, role_name, kind, client_name) "
+                    "SELECT oid, rolname, {}, {} FROM pg_roles WHERE rolname = {} ON CONFLICT DO NOTHING"
+                ).format(sql.Literal(kind), sql.Literal(client), sql.Literal(role))
+            )
+        )
     return out
 
 
@@ -207,8 +212,7 @@ def _create_statement(role: str, password: str | None) -> Statement:
     query = sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role))
     if password is None:
         return Statement(query)
-    return Statement(query + sql.SQL(" PASSWORD {}").format(sql.Literal(password)),
-                     query + sql.SQL(" PASSWORD '***'"))
+    return Statement(query + sql.SQL(" PASSWORD {}").format(sql.Literal(password)), query + sql.SQL(" PASSWORD '***'"))
 
 
 def _current(cur: psycopg2.extensions.cursor, role: str) -> list[tuple[str, str]]:
@@ -222,8 +226,12 @@ def _current(cur: psycopg2.extensions.cursor, role: str) -> list[tuple[str, str]
 
 
 def plan_grant(
-    conn: psycopg2.extensions.connection, kind: str, role: str, clients: Sequence[str] = (),
-    create: bool = False, password: str | None = None,
+    conn: psycopg2.extensions.connection,
+    kind: str,
+    role: str,
+    clients: Sequence[str] = (),
+    create: bool = False,
+    password: str | None = None,
 ) -> list[Statement]:
     """What ``grant`` would run on this site now (reads only; ends its transaction)."""
     clients = check_request(kind, role, clients)
@@ -262,9 +270,13 @@ def plan_revoke(
         conn.rollback()
     if not exists:
         raise ConfigurationError(f"role {role!r} does not exist on site {_where(conn)}")
-    plan = [Statement(sql.SQL(
-        "DELETE FROM lr.role_grants WHERE role_oid = {} AND kind = {} AND client_name = ANY ({})"
-    ).format(_role_oid(role), sql.Literal(kind), sql.Literal(list(clients))))]
+    plan = [
+        Statement(
+            sql.SQL("DELETE FROM lr.role_grants WHERE role_oid = {} AND kind = {} AND client_name = ANY ({})").format(
+                _role_oid(role), sql.Literal(kind), sql.Literal(list(clients))
+            )
+        )
+    ]
     plan += _reset_statements(role)
     remaining = [(k, c) for k, c in held if not (k == kind and c in clients)]
     for other in KINDS:
@@ -299,8 +311,12 @@ def render(conn: psycopg2.extensions.connection, plan: Iterable[Statement]) -> l
 
 
 def grant(
-    conn: psycopg2.extensions.connection, kind: str, role: str, clients: Sequence[str] = (),
-    create: bool = False, password: str | None = None,
+    conn: psycopg2.extensions.connection,
+    kind: str,
+    role: str,
+    clients: Sequence[str] = (),
+    create: bool = False,
+    password: str | None = None,
 ) -> list[str]:
     """Give ``role`` the rights of ``kind`` (for ``clients``) on this site; returns the SQL run."""
     plan = plan_grant(conn, kind, role, clients, create, password)

@@ -1,5 +1,6 @@
 """ReplicationStatus of a site, readable at a glance: its sessions on both ends, lag, and what
 holds its shared log back (DESIGN §6 property 1: whatever can stall replication is named)."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -8,14 +9,13 @@ from decimal import Decimal
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import one_line
 from airflow_provider_lr.engine.db import schema
-from airflow_provider_lr.engine.store.topology import TopologyDrift, drift
+from airflow_provider_lr.engine.errors import one_line
 from airflow_provider_lr.engine.source import delivery
-from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, holdback
 from airflow_provider_lr.engine.source.backlog import readiness, session_backlogs
+from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, holdback
 from airflow_provider_lr.engine.store import receive_queue, sink_sessions, source_sessions
-from airflow_provider_lr.engine.store.topology import Topology, config_id
+from airflow_provider_lr.engine.store.topology import Topology, TopologyDrift, config_id, drift
 from airflow_provider_lr.engine.tables import handover
 from airflow_provider_lr.engine.tables.registry import is_closed
 from airflow_provider_lr.engine.vocabulary import (
@@ -27,8 +27,18 @@ from airflow_provider_lr.engine.vocabulary import (
 )
 
 _COLUMNS = (
-    "role", "source_site_id", "sink_site_id", "client_name", "sync_type", "status", "base_snapshot",
-    "last_applied_position", "remaining_entries_to_send", "data_consistent", "state", "last_error",
+    "role",
+    "source_site_id",
+    "sink_site_id",
+    "client_name",
+    "sync_type",
+    "status",
+    "base_snapshot",
+    "last_applied_position",
+    "remaining_entries_to_send",
+    "data_consistent",
+    "state",
+    "last_error",
 )
 
 # exit codes of `lr status` (scripts alert on them)
@@ -120,8 +130,14 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
                 s["waiting_for"] = waiting_for(s, requests.get(key))
         result.durable = durability(conn)
         result.held_back_by = [
-            {"kind": h.kind, "pid": h.pid, "age_s": round(h.age_seconds, 1), "state": h.state, "gid": h.gid,
-             "describe": h.describe()}
+            {
+                "kind": h.kind,
+                "pid": h.pid,
+                "age_s": round(h.age_seconds, 1),
+                "state": h.state,
+                "gid": h.gid,
+                "describe": h.describe(),
+            }
             for h in holdback(conn)
         ]
     if any(s["role"] == "sink" for s in result.sessions):
@@ -139,9 +155,15 @@ NO_HOLDER = {"lease_owner": None, "lease_acquired_at": None, "lease_held_s": Non
 def lease_holders(cur: psycopg2.extensions.cursor, version: int) -> dict[tuple[str, str], dict]:
     """Who holds each source session's lease now (an unexpired one), since when (schema v14 on)
     and for how much longer: (sink, client) → the ``NO_HOLDER`` keys, for sessions held only."""
-    return {(sink, client): {"lease_owner": owner, "lease_acquired_at": since, "lease_held_s": held,
-                             "lease_expires_in_s": left}
-            for sink, client, owner, since, held, left in source_sessions.held_leases(cur, since_known=version >= 16)}
+    return {
+        (sink, client): {
+            "lease_owner": owner,
+            "lease_acquired_at": since,
+            "lease_held_s": held,
+            "lease_expires_in_s": left,
+        }
+        for sink, client, owner, since, held, left in source_sessions.held_leases(cur, since_known=version >= 16)
+    }
 
 
 def holder(session: dict) -> str:
@@ -192,10 +214,12 @@ def waiting_for(session: dict, request: dict | None) -> str | None:
     """What a source session waits for before it can move on, or None."""
     if session["state"] == SessionState.IN_SNAPSHOT_SYNC and request is not None:
         if request["status"] == RequestStatus.PENDING:
-            return (f"the client's full-sync data for request {request['request_id']} "
-                    f"({'forced: ' if request['forced'] else ''}{request['reason'] or 'negotiation'}; asked "
-                    f"{request['age_s']:.0f}s ago, restarts in {max(request['data_deadline_in_s'], 0):.0f}s): its "
-                    "provider must be importable by the replicator, or the client must serve the request")
+            return (
+                f"the client's full-sync data for request {request['request_id']} "
+                f"({'forced: ' if request['forced'] else ''}{request['reason'] or 'negotiation'}; asked "
+                f"{request['age_s']:.0f}s ago, restarts in {max(request['data_deadline_in_s'], 0):.0f}s): its "
+                "provider must be importable by the replicator, or the client must serve the request"
+            )
         return f"the transfer and apply of full sync {request['request_id']}"
     if session["state"] == SessionState.NEGOTIATING and session.get("last_error"):
         return "negotiation to succeed (see last error)"
@@ -212,8 +236,9 @@ def _age(seconds: float | None) -> str:
     return f"{seconds / 60:.0f}m ago" if seconds < 7200 else f"{seconds / 3600:.1f}h ago"
 
 
-def render(status: SiteStatus, source_marks: dict[str, int] | None = None,
-           closed: set[tuple[str, str]] | None = None) -> str:
+def render(
+    status: SiteStatus, source_marks: dict[str, int] | None = None, closed: set[tuple[str, str]] | None = None
+) -> str:
     """``source_marks``: the trim mark of each source site reached in the same status run
     (``trim_marks``; a sink's sessions are checked against their source's); ``closed``: the
     (source, table) closed at sources reached in it (``closed_tables``)."""
@@ -227,8 +252,10 @@ def render(status: SiteStatus, source_marks: dict[str, int] | None = None,
         session = str(session_key(s))
         mark = marks.get(s["source_site_id"])
         if s["role"] == "source":
-            detail = (f"lag {s['remaining_entries_to_send']} entries / {s.get('lag_seconds', 0.0):.1f}s, "
-                      f"{s['state']}, last success {_age(s.get('last_success_age_s'))}")
+            detail = (
+                f"lag {s['remaining_entries_to_send']} entries / {s.get('lag_seconds', 0.0):.1f}s, "
+                f"{s['state']}, last success {_age(s.get('last_success_age_s'))}"
+            )
         else:
             against = f"source trim mark {mark}" if mark is not None else "source trim mark unknown"
             detail = f"data consistent {s['data_consistent']}, {against}"
@@ -243,17 +270,26 @@ def render(status: SiteStatus, source_marks: dict[str, int] | None = None,
         if s.get("last_error"):
             lines.append(f"         last error: {one_line(s['last_error'])}")
         if s.get("failed_over_to"):
-            lines.append(f"         its clients failed over to {s['failed_over_to']}: this session is closed"
-                         + (f"; reconciled: {one_line(s['failover_note'])}" if s.get("failover_note") else
-                            "; not reconciled yet"))
+            lines.append(
+                f"         its clients failed over to {s['failed_over_to']}: this session is closed"
+                + (
+                    f"; reconciled: {one_line(s['failover_note'])}"
+                    if s.get("failover_note")
+                    else "; not reconciled yet"
+                )
+            )
     for r in status.full_sync_requests:
-        lines.append(f"  full sync {r['status']:<9} {SessionKey(status.site_id, r['sink'], r['client'])} request {r['request_id']}"
-                     f" ({'forced' if r['forced'] else 'by negotiation'}: {r['reason'] or '-'}), asked {_age(r['age_s'])}")
+        lines.append(
+            f"  full sync {r['status']:<9} {SessionKey(status.site_id, r['sink'], r['client'])} request {r['request_id']}"
+            f" ({'forced' if r['forced'] else 'by negotiation'}: {r['reason'] or '-'}), asked {_age(r['age_s'])}"
+        )
     for q in status.receive_queues:
-        lines.append(f"  queue  {q['queue']:<32} {q['waiting']} waiting for subscribers"
-                     + (f" (oldest {q['oldest_waiting_s']:.0f}s)" if q["waiting"] else "")
-                     + (f", {q['unapplied_snapshot']} of a full sync not applied yet" if q["unapplied_snapshot"] else "")
-                     + (f", {q['dead_letters']} dead letters" if q["dead_letters"] else ""))
+        lines.append(
+            f"  queue  {q['queue']:<32} {q['waiting']} waiting for subscribers"
+            + (f" (oldest {q['oldest_waiting_s']:.0f}s)" if q["waiting"] else "")
+            + (f", {q['unapplied_snapshot']} of a full sync not applied yet" if q["unapplied_snapshot"] else "")
+            + (f", {q['dead_letters']} dead letters" if q["dead_letters"] else "")
+        )
     received = {(t["source"], t["table"]) for t in status.tables if t["role"] == "sink"}
     for t in status.tables:
         if t["role"] == "registry":
@@ -269,8 +305,11 @@ def render(status: SiteStatus, source_marks: dict[str, int] | None = None,
             session = SessionKey(t["source"], status.site_id, t["client"])
             rows = f", {t['rows']} rows in its snapshot" if t["rows"] is not None else ""
             detail = f": {one_line(t['detail'])}" if t["detail"] else ""
-            shut = (f" (closed at {t['source']}: this copy is kept, no longer updated)"
-                    if (t["source"], t["table"]) in closed else "")
+            shut = (
+                f" (closed at {t['source']}: this copy is kept, no longer updated)"
+                if (t["source"], t["table"]) in closed
+                else ""
+            )
             lines.append(f"  table  {t['table']:<32} {t['state']} from {session}{rows}{detail}{shut}")
     for d in status.diverged:
         lines.append(f"  table  {d}")
@@ -291,8 +330,13 @@ def trim_marks(found: dict[str, SiteStatus | str]) -> dict[str, int]:
 def closed_tables(found: dict[str, SiteStatus | str]) -> set[tuple[str, str]]:
     """(site, table) of every table closed at a site read in one status run (``lr tables close``):
     opened there as federated, captured no more. Its sinks' copies are marked with it."""
-    return {(site, t["table"]) for site, st in found.items() if isinstance(st, SiteStatus) for t in st.tables
-            if t["role"] == "registry" and is_closed(t["federated"], t["table_id"], t["source"])}
+    return {
+        (site, t["table"])
+        for site, st in found.items()
+        if isinstance(st, SiteStatus)
+        for t in st.tables
+        if t["role"] == "registry" and is_closed(t["federated"], t["table_id"], t["source"])
+    }
 
 
 def render_sites(found: dict[str, SiteStatus | str]) -> str:
@@ -309,8 +353,9 @@ def topology_drift(found: dict[str, SiteStatus | str], topology: Topology | None
     return drift(topology, {site: st.topology_config_id for site, st in found.items() if isinstance(st, SiteStatus)})
 
 
-def health(found: dict[str, SiteStatus | str], max_lag_seconds: float | None = None,
-           topology: Topology | None = None) -> tuple[int, list[str]]:
+def health(
+    found: dict[str, SiteStatus | str], max_lag_seconds: float | None = None, topology: Topology | None = None
+) -> tuple[int, list[str]]:
     """(exit code, reasons): UNREACHABLE when a site could not be read, DEGRADED when a session
     errs, stands behind its source's trim mark, or lags more than ``max_lag_seconds``, or a
     federated table does not replicate (diverged), or when sites run another topology than
@@ -334,8 +379,9 @@ def health(found: dict[str, SiteStatus | str], max_lag_seconds: float | None = N
     return (DEGRADED if reasons else HEALTHY), reasons
 
 
-def sites_as_dict(found: dict[str, SiteStatus | str], max_lag_seconds: float | None = None,
-                  topology: Topology | None = None) -> dict:
+def sites_as_dict(
+    found: dict[str, SiteStatus | str], max_lag_seconds: float | None = None, topology: Topology | None = None
+) -> dict:
     """``lr status --json``: every site, with readiness computed across sites, and the health verdict."""
     marks, closed = trim_marks(found), closed_tables(found)
     sites = {}
@@ -351,11 +397,24 @@ def sites_as_dict(found: dict[str, SiteStatus | str], max_lag_seconds: float | N
         sites[site] = {"reachable": True, **data}
     code, reasons = health(found, max_lag_seconds, topology)
     stale = topology_drift(found, topology)
-    file = {} if topology is None else {"topology_file": {
-        "path": topology.path, "topology_config_id": topology.topology_config_id,
-        "sites_holding_another": stale.held if stale is not None else {}}}
-    return {"health": {HEALTHY: "healthy", DEGRADED: "degraded", UNREACHABLE: "unreachable"}[code],
-            "exit_code": code, "reasons": reasons, **file, "sites": sites}
+    file = (
+        {}
+        if topology is None
+        else {
+            "topology_file": {
+                "path": topology.path,
+                "topology_config_id": topology.topology_config_id,
+                "sites_holding_another": stale.held if stale is not None else {},
+            }
+        }
+    )
+    return {
+        "health": {HEALTHY: "healthy", DEGRADED: "degraded", UNREACHABLE: "unreachable"}[code],
+        "exit_code": code,
+        "reasons": reasons,
+        **file,
+        "sites": sites,
+    }
 
 
 # --- receive queues of a sink (maintenance checkpoints) -----------------------------------------
@@ -366,7 +425,14 @@ def receive_queues(conn: psycopg2.extensions.connection) -> list[dict]:
         rows = receive_queue.queue_report(cur)
     conn.commit()
     return [
-        {"queue": receive_queue_name(client, source), "source": source, "client": client, "waiting": waiting,
-         "unapplied_snapshot": unapplied, "oldest_waiting_s": round(age, 1), "dead_letters": dead}
+        {
+            "queue": receive_queue_name(client, source),
+            "source": source,
+            "client": client,
+            "waiting": waiting,
+            "unapplied_snapshot": unapplied,
+            "oldest_waiting_s": round(age, 1),
+            "dead_letters": dead,
+        }
         for source, client, waiting, unapplied, age, dead in rows
     ]

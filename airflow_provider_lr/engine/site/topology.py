@@ -4,9 +4,10 @@ sites run the file in hand (drift), and pruning the sessions it no longer has.
 The model itself (``Topology``, its document, ``load``) and every read of ``lr.topology`` are
 ``engine/store/topology.py``'s.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Collection
+from collections.abc import Callable, Collection
 
 import psycopg2.extensions
 
@@ -15,7 +16,6 @@ from airflow_provider_lr.engine.store import receive_queue, sink_sessions, sourc
 from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.store.topology import Topology, drift, recorded_id
 from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES_SQL, RequestStatus, SessionKey, receive_queue_name
-
 
 
 def provider_warnings(topology: Topology) -> list[str]:
@@ -29,9 +29,11 @@ def provider_warnings(topology: Topology) -> list[str]:
     for client in sorted({key.client for key in topology.sessions()}):
         target = topology.providers.get(client)
         if target is None:
-            found.append(f"client {client!r} has no full-sync provider: unless its application serves the "
-                         "requests (RoutingQueueClient.serve_full_sync_requests) or it replicates federated "
-                         "tables only, its sessions wait for client data forever; name one under providers:")
+            found.append(
+                f"client {client!r} has no full-sync provider: unless its application serves the "
+                "requests (RoutingQueueClient.serve_full_sync_requests) or it replicates federated "
+                "tables only, its sessions wait for client data forever; name one under providers:"
+            )
             continue
         try:
             load_provider(target)
@@ -40,8 +42,9 @@ def provider_warnings(topology: Topology) -> list[str]:
     return found
 
 
-def recorded_ids(topology: Topology, connect: Callable[[str], psycopg2.extensions.connection],
-                 sites: Collection[str] | None = None) -> dict[str, str | None]:
+def recorded_ids(
+    topology: Topology, connect: Callable[[str], psycopg2.extensions.connection], sites: Collection[str] | None = None
+) -> dict[str, str | None]:
     """The topology id each of ``sites`` (default: all of the topology's) holds, for those that can
     be reached and read (the command itself reports the others)."""
     found: dict[str, str | None] = {}
@@ -59,8 +62,12 @@ def recorded_ids(topology: Topology, connect: Callable[[str], psycopg2.extension
     return found
 
 
-def check_sites(topology: Topology, connect: Callable[[str], psycopg2.extensions.connection],
-                sites: Collection[str] | None = None, also: Collection[str] = ()) -> None:
+def check_sites(
+    topology: Topology,
+    connect: Callable[[str], psycopg2.extensions.connection],
+    sites: Collection[str] | None = None,
+    also: Collection[str] = (),
+) -> None:
     """Refuse (``TopologyMismatchError``, naming the file and the sites) when a reachable site of
     ``sites`` runs another topology than ``topology``."""
     found = drift(topology, recorded_ids(topology, connect, sites), also)
@@ -90,8 +97,7 @@ def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site
                     (spec.site_id, spec.region),
                 )
                 cur.execute(
-                    "INSERT INTO lr.destination_log_state (site_id) VALUES (%s) ON CONFLICT DO NOTHING",
-                    (spec.site_id,),
+                    "INSERT INTO lr.destination_log_state (site_id) VALUES (%s) ON CONFLICT DO NOTHING", (spec.site_id,)
                 )
             source_sessions.keep_only(cur, [(k.sink, k.client) for k in mine])
             # a removed session's open full sync would hold safe trim at its base forever
@@ -109,7 +115,9 @@ def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site
         raise
 
 
-def prune_sink_sessions(conn: psycopg2.extensions.connection, topology: Topology, site_id: str) -> tuple[list[str], list[str]]:
+def prune_sink_sessions(
+    conn: psycopg2.extensions.connection, topology: Topology, site_id: str
+) -> tuple[list[str], list[str]]:
     """Remove this site's sink sessions that the topology no longer has (their metadata, leftover
     unapplied full-sync rows and queue registration), so status stops listing them. A session
     whose receive queue still holds entries for subscribers is kept (nothing is deleted that an
@@ -132,8 +140,9 @@ def prune_sink_sessions(conn: psycopg2.extensions.connection, topology: Topology
     return pruned, kept
 
 
-def apply_everywhere(topology: Topology, connect: Callable[[str], psycopg2.extensions.connection],
-                     prune: bool = False) -> dict[str, tuple[list[str], list[str]]]:
+def apply_everywhere(
+    topology: Topology, connect: Callable[[str], psycopg2.extensions.connection], prune: bool = False
+) -> dict[str, tuple[list[str], list[str]]]:
     """Apply the topology to every one of its sites, all or nothing: each site is first reached
     and checked (lr schema installed, and the site id recorded there is the one the topology
     gives it), then the topology is written on all of them in open transactions that commit
@@ -150,19 +159,25 @@ def apply_everywhere(topology: Topology, connect: Callable[[str], psycopg2.exten
                 recorded, _ = site_identity(conn)
                 conn.rollback()
             except (psycopg2.Error, LRError) as exc:
-                raise ConfigurationError(f"site {site_id!r} ({topology.conn_id(site_id)}): {one_line(exc)}"
-                                         + "; nothing was applied on any site") from exc
+                raise ConfigurationError(
+                    f"site {site_id!r} ({topology.conn_id(site_id)}): {one_line(exc)}"
+                    + "; nothing was applied on any site"
+                ) from exc
             if recorded != site_id:
-                raise ConfigurationError(f"connection {topology.conn_id(site_id)!r} of site {site_id!r} reaches site "
-                                         f"{recorded!r}; nothing was applied on any site")
+                raise ConfigurationError(
+                    f"connection {topology.conn_id(site_id)!r} of site {site_id!r} reaches site "
+                    f"{recorded!r}; nothing was applied on any site"
+                )
         outcome: dict[str, tuple[list[str], list[str]]] = {}
         for site_id, conn in conns.items():
             try:
                 apply_to_site(conn, topology, site_id, commit=False)
                 outcome[site_id] = prune_sink_sessions(conn, topology, site_id) if prune else ([], [])
             except psycopg2.Error as exc:  # e.g. a role that may not change lr's tables
-                raise ConfigurationError(f"site {site_id!r}: {one_line(exc)}; nothing was applied on any site "
-                                         "(apply the topology as the owner of the lr schema)") from exc
+                raise ConfigurationError(
+                    f"site {site_id!r}: {one_line(exc)}; nothing was applied on any site "
+                    "(apply the topology as the owner of the lr schema)"
+                ) from exc
         for conn in conns.values():
             conn.commit()
         return outcome

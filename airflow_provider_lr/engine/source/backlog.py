@@ -1,10 +1,11 @@
 """What a source still has to deliver, and whether its sinks are *ready* (Qpid HA's word): the
 backlog the catch-up decision, the session cycles, the stream and the sensors count, and the
 readiness the public client (``RoutingQueueClient.wait_until_ready``) and ``lr status`` report."""
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import psycopg2.extensions
 
@@ -33,8 +34,7 @@ class SessionBacklog:
 
 
 def session_backlogs(
-    conn: psycopg2.extensions.connection, sink: str | None = None, client: str | None = None,
-    at_most: int | None = None,
+    conn: psycopg2.extensions.connection, sink: str | None = None, client: str | None = None, at_most: int | None = None
 ) -> list[SessionBacklog]:
     """Per session of this source (optionally one sink and/or client): entries still to deliver.
     The one place that says what "remaining" means: committed, in LRQ_Send_LogEntries (or a
@@ -84,14 +84,17 @@ class Readiness:
         return self.unsafe == 0
 
 
-def readiness_of(conn: psycopg2.extensions.connection, client: str, sinks: Sequence[str] | None = None) -> list[Readiness]:
+def readiness_of(
+    conn: psycopg2.extensions.connection, client: str, sinks: Sequence[str] | None = None
+) -> list[Readiness]:
     """Each (named) sink's readiness for ``client``, counted live."""
     found = [b for b in session_backlogs(conn, client=client) if sinks is None or b.sink in sinks]
     return [Readiness(b.sink, client, b.acked, b.first_guarded, b.before_guard) for b in found]
 
 
-def wait_until_ready(conn: psycopg2.extensions.connection, client: str, destinations: Sequence[str],
-                     timeout: float = 30.0) -> list[Readiness]:
+def wait_until_ready(
+    conn: psycopg2.extensions.connection, client: str, destinations: Sequence[str], timeout: float = 30.0
+) -> list[Readiness]:
     """Return once every destination holds, safe, everything committed for ``client`` before this
     call (a guard at the next position: Qpid's *ready*), or raise ``DeliveryTimeout``."""
     if not destinations:
@@ -99,12 +102,17 @@ def wait_until_ready(conn: psycopg2.extensions.connection, client: str, destinat
     known = {b.sink for b in session_backlogs(conn, client=client)}
     unknown = sorted(set(destinations) - known)
     if unknown:
-        raise ConfigurationError(f"{listing(unknown)}: not sinks of client {client!r} at this site; its sinks are "
-                                 f"{listing(sorted(known))}")
+        raise ConfigurationError(
+            f"{listing(unknown)}: not sinks of client {client!r} at this site; its sinks are {listing(sorted(known))}"
+        )
     noted, holders = commit_barrier(conn, timeout=timeout)
     if noted is None:
-        raise DeliveryTimeout(f"commits in flight outlasted {timeout:g}s: {listing(h.describe() for h in holders)}",
-                              position=None, missing=sorted(destinations), regions=[])
+        raise DeliveryTimeout(
+            f"commits in flight outlasted {timeout:g}s: {listing(h.describe() for h in holders)}",
+            position=None,
+            missing=sorted(destinations),
+            regions=[],
+        )
     guard = delivery.add_guard(conn, client, noted + 1, destinations, timeout)
     try:
         last: list[list[Readiness]] = []
@@ -116,9 +124,13 @@ def wait_until_ready(conn: psycopg2.extensions.connection, client: str, destinat
         if delivery.poll(check, timeout):
             return last[0]
         behind = {r.sink: r.unsafe for r in last[0] if not r.ready}
-        raise DeliveryTimeout(f"client {client!r}: not ready after {timeout:g}s: entries before position {noted + 1} "
-                              f"not yet acknowledged, per sink {listing(behind)}", position=noted, missing=sorted(behind),
-                              regions=[])
+        raise DeliveryTimeout(
+            f"client {client!r}: not ready after {timeout:g}s: entries before position {noted + 1} "
+            f"not yet acknowledged, per sink {listing(behind)}",
+            position=noted,
+            missing=sorted(behind),
+            regions=[],
+        )
     finally:
         delivery.remove_guard(conn, guard)
 
@@ -154,8 +166,11 @@ def delivery_target(
         raise ConfigurationError(f"min_regions must be >= 0, not {min_regions}")
     regions = {topology.site(source).region, *(topology.site(s).region for s in (destinations or sinks))}
     if min_regions > len(regions):
-        named = (f"the named destinations {listing(sorted(destinations))}" if destinations
-                 else f"the sinks {listing(sorted(sinks))}")
+        named = (
+            f"the named destinations {listing(sorted(destinations))}"
+            if destinations
+            else f"the sinks {listing(sorted(sinks))}"
+        )
         raise ConfigurationError(
             f"min_regions={min_regions} can never be met: {source!r} and {named} span only {len(regions)} "
             f"region(s) {listing(sorted(regions))}; name destinations in more regions or lower min_regions"

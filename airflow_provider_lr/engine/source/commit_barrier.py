@@ -14,6 +14,7 @@ open transaction elsewhere in the database does not hold the reader back: only c
 flight do, and a prepared transaction holding its position until COMMIT PREPARED. ``holdback``
 names those, and the open transactions whose entries are still to come.
 """
+
 from __future__ import annotations
 
 import time

@@ -19,13 +19,14 @@ safe (without a guard: everything committed for it), counted live when asked. Re
 is stored in the source's region (committed there) and in the region of every sink it named that
 acknowledged it.
 """
+
 from __future__ import annotations
 
 import enum
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import psycopg2.extensions
 
@@ -95,8 +96,12 @@ class Delivery:
         return sorted(d for d in destinations if self.states.get(d) is not DeliveryState.SAFE)
 
     def as_dict(self) -> dict:
-        return {"position": self.position, "states": {d: s.value for d, s in sorted(self.states.items())},
-                "safe_on": self.safe_on, "regions": self.stored_regions}
+        return {
+            "position": self.position,
+            "states": {d: s.value for d, s in sorted(self.states.items())},
+            "safe_on": self.safe_on,
+            "regions": self.stored_regions,
+        }
 
 
 @dataclass(frozen=True)
@@ -109,8 +114,11 @@ class WaitFor:
     ack_quorum: int = 0
 
     def met(self, delivery: Delivery) -> bool:
-        return (not delivery.pending(self.destinations) and len(delivery.stored_regions) >= self.min_regions
-                and 1 + len(delivery.safe_on) >= self.ack_quorum)
+        return (
+            not delivery.pending(self.destinations)
+            and len(delivery.stored_regions) >= self.min_regions
+            and 1 + len(delivery.safe_on) >= self.ack_quorum
+        )
 
     def describe(self) -> str:
         parts = [f"safe on {list(self.destinations)}"] if self.destinations else []
@@ -127,16 +135,23 @@ def durability_rule(conn: psycopg2.extensions.connection) -> DurabilityRule | No
     return DurabilityRule(**rule) if rule else None
 
 
-def wait_for(addressed: dict[str, str], source_region: str, destinations: Sequence[str] = (),
-             min_regions: int | None = None, rule: DurabilityRule | None = None) -> WaitFor:
+def wait_for(
+    addressed: dict[str, str],
+    source_region: str,
+    destinations: Sequence[str] = (),
+    min_regions: int | None = None,
+    rule: DurabilityRule | None = None,
+) -> WaitFor:
     """Validate what a caller waits for against the sinks the entry named (``addressed``: sink ->
     region). Refused with ``ConfigurationError``: a destination the entry was not sent to, and a
     ``min_regions`` (or the topology's rule, the default when nothing is named) that the named
     sinks could never reach. Nothing named and no rule: every named destination."""
     unknown = sorted(set(destinations) - set(addressed))
     if unknown:
-        raise ConfigurationError(f"the entry was not sent to {unknown}: it named {sorted(addressed)}; "
-                                 "a sink it did not name can never acknowledge it")
+        raise ConfigurationError(
+            f"the entry was not sent to {unknown}: it named {sorted(addressed)}; "
+            "a sink it did not name can never acknowledge it"
+        )
     regions = {source_region, *addressed.values()}
     if min_regions is not None and min_regions < 0:
         raise ConfigurationError(f"min_regions must be >= 0, not {min_regions}")
@@ -148,14 +163,16 @@ def wait_for(addressed: dict[str, str], source_region: str, destinations: Sequen
             raise ConfigurationError(
                 f"the topology's ack_quorum {rule.ack_quorum} can never be met: the entry is held by the source and "
                 f"the {len(addressed)} sink(s) it named {sorted(addressed)}; name more destinations or wait for "
-                "named ones (destinations=...)")
+                "named ones (destinations=...)"
+            )
     else:
         target = WaitFor(tuple(sorted(addressed)))
     if target.min_regions > len(regions):
         raise ConfigurationError(
             f"min_regions={target.min_regions} can never be met: the source's region and those of the sinks the entry "
             f"named {sorted(addressed)} are only {len(regions)}: {sorted(regions)}; name destinations in more regions "
-            "or lower min_regions")
+            "or lower min_regions"
+        )
     return target
 
 
@@ -170,8 +187,9 @@ def commit_position(conn: psycopg2.extensions.connection, tx: int | str) -> int 
     return row[0] if row and row[0] is not None else None
 
 
-def addressed_sinks(conn: psycopg2.extensions.connection, client: str, position: int,
-                    destinations: Sequence[str] | None = None) -> tuple[dict[str, str], str]:
+def addressed_sinks(
+    conn: psycopg2.extensions.connection, client: str, position: int, destinations: Sequence[str] | None = None
+) -> tuple[dict[str, str], str]:
     """(sink -> region for the sinks the entries at ``position`` named — ``destinations`` when the
     caller knows them from the ticket —, the source's region)."""
     with conn.cursor() as cur:
@@ -192,15 +210,24 @@ def addressed_sinks(conn: psycopg2.extensions.connection, client: str, position:
     return found, source_region
 
 
-def read_delivery(conn: psycopg2.extensions.connection, client: str, position: int, addressed: dict[str, str],
-                  source_region: str, sink_positions: dict[str, int] | None = None) -> Delivery:
+def read_delivery(
+    conn: psycopg2.extensions.connection,
+    client: str,
+    position: int,
+    addressed: dict[str, str],
+    source_region: str,
+    sink_positions: dict[str, int] | None = None,
+) -> Delivery:
     """The states of the entry at ``position`` on each sink it named. ``sink_positions`` (sink ->
     its processed position, read from the sinks) tells *sent* from *new*; without it an entry not
     yet acknowledged is *new* (or *delayed*)."""
     with conn.cursor() as cur:
         acked = source_sessions.acked_positions(cur, client)
-        cur.execute("SELECT DISTINCT unnest(destinations) FROM lr.delivery_guards "
-                    "WHERE client_name = %s AND position <= %s AND expires_at > now()", (client, position))
+        cur.execute(
+            "SELECT DISTINCT unnest(destinations) FROM lr.delivery_guards "
+            "WHERE client_name = %s AND position <= %s AND expires_at > now()",
+            (client, position),
+        )
         guarded = {d for (d,) in cur.fetchall()}
     conn.commit()
     states = {}
@@ -219,46 +246,57 @@ def read_delivery(conn: psycopg2.extensions.connection, client: str, position: i
 def resolve(conn: psycopg2.extensions.connection, ticket: Ticket) -> int:
     """The ticket's commit position; ``TransmitError`` while its transaction has not committed."""
     if conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
-        raise TransmitError(f"{ticket}: commit the transaction before waiting on its ticket "
-                            "(lr never commits for you)")
+        raise TransmitError(f"{ticket}: commit the transaction before waiting on its ticket (lr never commits for you)")
     position = commit_position(conn, ticket.tx)
     if position is None:
-        raise TransmitError(f"{ticket} has no commit position: it rolled back, has not committed, "
-                            "or its entries were trimmed")
+        raise TransmitError(
+            f"{ticket} has no commit position: it rolled back, has not committed, or its entries were trimmed"
+        )
     return position
 
 
-def ticket_delivery(conn: psycopg2.extensions.connection, ticket: Ticket,
-                    sink_positions: dict[str, int] | None = None) -> Delivery:
+def ticket_delivery(
+    conn: psycopg2.extensions.connection, ticket: Ticket, sink_positions: dict[str, int] | None = None
+) -> Delivery:
     """The states of a committed ticket's entries on each destination it named."""
     position = resolve(conn, ticket)
     addressed, region = addressed_sinks(conn, ticket.client, position, ticket.destinations)
     return read_delivery(conn, ticket.client, position, addressed, region, sink_positions)
 
 
-def delivered(conn: psycopg2.extensions.connection, client: str, position: int, destinations: Sequence[str] = (),
-              min_regions: int | None = None) -> Delivery | None:
+def delivered(
+    conn: psycopg2.extensions.connection,
+    client: str,
+    position: int,
+    destinations: Sequence[str] = (),
+    min_regions: int | None = None,
+) -> Delivery | None:
     """The entry at commit ``position`` once it is safe where asked (``wait_for``'s rule, the
     sinks it named read from the log), else None: one check of a wait that polls (the Airflow
     sensor and its trigger)."""
     addressed, region = addressed_sinks(conn, client, position)
     if not addressed:
-        raise ConfigurationError(f"no log entry of client {client!r} at commit position {position} "
-                                 "(not committed yet, another client's, or trimmed)")
+        raise ConfigurationError(
+            f"no log entry of client {client!r} at commit position {position} "
+            "(not committed yet, another client's, or trimmed)"
+        )
     target = wait_for(addressed, region, destinations, min_regions, durability_rule(conn))
     found = read_delivery(conn, client, position, addressed, region)
     return found if target.met(found) else None
 
 
 # --- guards and the synchronous wait ----------------------------------------------------------
-def add_guard(conn: psycopg2.extensions.connection, client: str, position: int, destinations: Sequence[str],
-              seconds: float) -> str:
+def add_guard(
+    conn: psycopg2.extensions.connection, client: str, position: int, destinations: Sequence[str], seconds: float
+) -> str:
     """Record that a producer waits on ``position`` for ``destinations`` (committed at once)."""
     guard = str(uuid.uuid4())
     with conn.cursor() as cur:
-        cur.execute("INSERT INTO lr.delivery_guards (guard_id, client_name, position, destinations, expires_at) "
-                    "VALUES (%s, %s, %s, %s, now() + make_interval(secs => %s))",
-                    (guard, client, position, sorted(destinations), seconds + GUARD_GRACE_S))
+        cur.execute(
+            "INSERT INTO lr.delivery_guards (guard_id, client_name, position, destinations, expires_at) "
+            "VALUES (%s, %s, %s, %s, now() + make_interval(secs => %s))",
+            (guard, client, position, sorted(destinations), seconds + GUARD_GRACE_S),
+        )
     conn.commit()
     return guard
 
@@ -287,8 +325,13 @@ def poll(check, timeout: float, first: float = 0.005, longest: float = 0.25):  #
         pause = min(pause * 2, longest)
 
 
-def wait_until_safe(conn: psycopg2.extensions.connection, ticket: Ticket, destinations: Sequence[str] = (),
-                    min_regions: int | None = None, timeout: float = 30.0) -> Delivery:
+def wait_until_safe(
+    conn: psycopg2.extensions.connection,
+    ticket: Ticket,
+    destinations: Sequence[str] = (),
+    min_regions: int | None = None,
+    timeout: float = 30.0,
+) -> Delivery:
     """Return once the ticket's entries are safe where asked (see ``wait_for``), or raise
     ``DeliveryTimeout`` naming the destinations that have not acknowledged. Guards the entry
     meanwhile (its state is *delayed*). ``conn``: the producer's connection, after its commit."""
@@ -311,7 +354,10 @@ def wait_until_safe(conn: psycopg2.extensions.connection, ticket: Ticket, destin
             f"{ticket} (position {position}) not {target.describe()} after {timeout:g}s: "
             f"not acknowledged by {missing or 'none'}, safe on {delivery.safe_on or 'none'}, "
             f"stored in regions {delivery.stored_regions}",
-            position=position, missing=missing, regions=delivery.stored_regions)
+            position=position,
+            missing=missing,
+            regions=delivery.stored_regions,
+        )
     finally:
         remove_guard(conn, guard)
 
@@ -344,21 +390,31 @@ def durable_position(conn: psycopg2.extensions.connection, min_regions: int) -> 
             conn.commit()
             return drawn  # the source's region holds every committed entry
         cur.execute(
-            _SESSIONS_CTE + """
+            _SESSIONS_CTE
+            + """
             SELECT min(position) FROM (
                 SELECT c.position
-                """ + _ENTRIES_NAMING_SINKS + """
+                """
+            + _ENTRIES_NAMING_SINKS
+            + """
                 WHERE c.position > greatest(%(lo)s, 0) AND c.position <= %(hi)s
                 GROUP BY c.position, e.entry_id
                 HAVING NOT bool_and(s.acked >= c.position)
                    AND count(DISTINCT s.region) FILTER (WHERE s.acked >= c.position)
                        + CASE WHEN bool_or(s.acked >= c.position AND s.region = %(home)s) THEN 0 ELSE 1 END
                        < %(min)s) short
-            """, args)
+            """,
+            args,
+        )
         first_short = cur.fetchone()[0]
         if first_short is None:
-            cur.execute(_SESSIONS_CTE + "SELECT min(c.position)" + _ENTRIES_NAMING_SINKS
-                        + "WHERE c.position > greatest(%(hi)s, 0)", args)
+            cur.execute(
+                _SESSIONS_CTE
+                + "SELECT min(c.position)"
+                + _ENTRIES_NAMING_SINKS
+                + "WHERE c.position > greatest(%(hi)s, 0)",
+                args,
+            )
             first_short = cur.fetchone()[0]
     conn.commit()
     return drawn if first_short is None else first_short - 1

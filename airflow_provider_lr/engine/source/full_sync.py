@@ -12,14 +12,15 @@ the split of the log at the base snapshot (DESIGN §6 property 6):
   by then. A position in ``(base, upto]`` whose transaction is visible in the snapshot is covered
   by the full sync; every other position after ``base`` follows as a log entry.
 """
+
 from __future__ import annotations
 
 import importlib
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from datetime import datetime
 from enum import Enum
-from typing import Callable
 
 import psycopg2
 import psycopg2.errors
@@ -33,7 +34,13 @@ from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogRecord
 from airflow_provider_lr.engine.source.log_writer import LogWriter
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store.source_sessions import Holding
-from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES, OPEN_STATUSES_SQL, STREAM_SNAP_SYNC, RequestStatus, SessionKey
+from airflow_provider_lr.engine.vocabulary import (
+    OPEN_STATUSES,
+    OPEN_STATUSES_SQL,
+    STREAM_SNAP_SYNC,
+    RequestStatus,
+    SessionKey,
+)
 from airflow_provider_lr.proto import lr_pb2
 
 DEFAULT_DATA_TIMEOUT = 120.0  # seconds without client data before a request is restarted
@@ -137,8 +144,9 @@ def get_request(conn: psycopg2.extensions.connection, request_id: str) -> FullSy
     return _request(row) if row else None
 
 
-def request_for_sessions(keys: list[SessionKey], connect: Callable[[str], psycopg2.extensions.connection],
-                         reason: str) -> dict[SessionKey, FullSyncRequest]:
+def request_for_sessions(
+    keys: list[SessionKey], connect: Callable[[str], psycopg2.extensions.connection], reason: str
+) -> dict[SessionKey, FullSyncRequest]:
     """A forced full sync of each of ``keys`` (``lr full-sync``, the lr_full_sync DAG: a sink, a
     source, a client or every session at once), one connection per source."""
     made: dict[SessionKey, FullSyncRequest] = {}
@@ -225,8 +233,9 @@ def finish_request(conn: psycopg2.extensions.connection, request_id: str, status
         raise
 
 
-def supply_again(conn: psycopg2.extensions.connection, request_id: str, note: str,
-                 data_timeout: float = DEFAULT_DATA_TIMEOUT) -> FullSyncRequest | None:
+def supply_again(
+    conn: psycopg2.extensions.connection, request_id: str, note: str, data_timeout: float = DEFAULT_DATA_TIMEOUT
+) -> FullSyncRequest | None:
     """Send a supplied request back to ``pending`` under the same id (who waits for it keeps waiting
     for it): its data, at a base the sink has since passed, is left for trim and supplied anew.
     Commits; the request, or None when it was no longer supplied (closed meanwhile)."""
@@ -247,8 +256,9 @@ def supply_again(conn: psycopg2.extensions.connection, request_id: str, note: st
         raise
 
 
-def supplied_records(conn: psycopg2.extensions.connection, request: FullSyncRequest, after_entry: int,
-                     limit: int, max_bytes: int) -> list[LogRecord]:
+def supplied_records(
+    conn: psycopg2.extensions.connection, request: FullSyncRequest, after_entry: int, limit: int, max_bytes: int
+) -> list[LogRecord]:
     """The request's supplied messages after source entry ``after_entry``, in entry order: at most
     ``limit``, and only while the bytes before each stay under ``max_bytes`` (at least one). Commits."""
     with conn.cursor() as cur:
@@ -300,13 +310,20 @@ class FullSyncContext:
         self._rows: list = []
         self.tracker = progress.track(
             f"full sync {request.request_id[:8]} {SessionKey(client.source_site_id, request.sink_site_id, request.client_name)}: "
-            "supply", unit="messages")
+            "supply",
+            unit="messages",
+        )
         self._bytes = 0  # of the messages in ``_rows``
 
     def _add(self, payload: bytes, kind: int, **fields: object) -> None:
         row = self.client._row(
-            STREAM_SNAP_SYNC, payload, [self.destination], kind,
-            snapshot_request_id=self.request.request_id, base_snapshot=self.base, **fields,
+            STREAM_SNAP_SYNC,
+            payload,
+            [self.destination],
+            kind,
+            snapshot_request_id=self.request.request_id,
+            base_snapshot=self.base,
+            **fields,
         )
         self._rows.append(row)
         self._bytes += len(row[2])
@@ -335,15 +352,18 @@ def load_provider(target: str, what: str = "full-sync provider") -> Provider:
     try:
         provider = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise ConfigurationError(f"cannot load {what} {target!r}: {one_line(exc)} (it must be importable where lr runs: "
-                                 "install its package there or add it to PYTHONPATH)") from exc
+        raise ConfigurationError(
+            f"cannot load {what} {target!r}: {one_line(exc)} (it must be importable where lr runs: "
+            "install its package there or add it to PYTHONPATH)"
+        ) from exc
     if not callable(provider):
         raise ConfigurationError(f"{what} {target!r} is not callable")
     return provider
 
 
-def serve_full_sync_requests(client: LogWriter, provider: Provider, max_requests: int | None = None,
-                             sink: str | None = None) -> list[str]:
+def serve_full_sync_requests(
+    client: LogWriter, provider: Provider, max_requests: int | None = None, sink: str | None = None
+) -> list[str]:
     """Supply every pending request of the client's sessions (one transaction each), or only those of
     ``sink`` (a replicator's cycle supplies its own session's request, never one that another
     session, still streaming past its base, would apply later); returns the request ids supplied.
@@ -359,7 +379,9 @@ def serve_full_sync_requests(client: LogWriter, provider: Provider, max_requests
         try:
             with conn.cursor() as cur:
                 cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-                cur.execute("SELECT pg_catalog.pg_current_snapshot()::pg_catalog.text")  # fixes the transaction's snapshot
+                cur.execute(
+                    "SELECT pg_catalog.pg_current_snapshot()::pg_catalog.text"
+                )  # fixes the transaction's snapshot
                 snapshot = cur.fetchone()[0]
                 cur.execute(LAST_DRAWN_POSITION_SQL)
                 upto = cur.fetchone()[0]

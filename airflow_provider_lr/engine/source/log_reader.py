@@ -8,10 +8,11 @@ time under a shared advisory lock (see ``V0002__shared_log.sql``), behind the co
 (``commit_barrier``: every position up to the one it returns is final), or, for a stream reading
 again at once, up to the final prefix (``LogReader.read_stream(final=True)``).
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import psycopg2
 import psycopg2.extensions
@@ -73,8 +74,12 @@ class TableSplits:
         return bool(self.ids)
 
     def params(self) -> dict:
-        return {"t_ids": list(self.ids), "t_uptos": list(self.uptos), "t_snaps": list(self.snapshots),
-                "t_stream": STREAM_TABLE_CHANGES}
+        return {
+            "t_ids": list(self.ids),
+            "t_uptos": list(self.uptos),
+            "t_snaps": list(self.snapshots),
+            "t_stream": STREAM_TABLE_CHANGES,
+        }
 
 
 # The entries a read takes of one commit (``e``, lateral to ``c`` the commit): the stream's own,
@@ -83,8 +88,6 @@ _TABLES_CLAUSE = """OR (e.stream = %(t_stream)s AND e.table_id = ANY (%(t_ids)s:
                     SELECT 1 FROM unnest(%(t_ids)s::int[], %(t_uptos)s::bigint[], %(t_snaps)s::text[]) s(id, upto, snap)
                     WHERE s.id = e.table_id AND {c}.position <= s.upto
                       AND pg_visible_in_snapshot({c}.tx, s.snap::pg_snapshot)))"""
-
-
 
 
 @dataclass
@@ -112,7 +115,7 @@ class LogBatch:
     def __iter__(self) -> Iterator[LogRecord]:
         return iter(self.records)
 
-    def __enter__(self) -> "LogBatch":  # read already: used where a LogStream would be
+    def __enter__(self) -> LogBatch:  # read already: used where a LogStream would be
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -129,9 +132,17 @@ class LogStream:
     resume after it). The read's REPEATABLE READ transaction on the source stays open until the
     entries are read or ``close`` (use it as a context manager). Read once."""
 
-    def __init__(self, conn: psycopg2.extensions.connection, after: int, end: int, barrier: int,
-                 blocked_by: list[HoldBack] | None = None, max_entries: int = DEFAULT_MAX_ENTRIES,
-                 max_bytes: int = DEFAULT_MAX_BYTES, query: tuple[str, dict] | None = None) -> None:
+    def __init__(
+        self,
+        conn: psycopg2.extensions.connection,
+        after: int,
+        end: int,
+        barrier: int,
+        blocked_by: list[HoldBack] | None = None,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        query: tuple[str, dict] | None = None,
+    ) -> None:
         self.conn = conn
         self.after, self.end, self.barrier = after, end, barrier
         self.blocked_by = blocked_by or []
@@ -146,7 +157,7 @@ class LogStream:
     def has_more(self) -> bool:
         return self.end < self.barrier
 
-    def __enter__(self) -> "LogStream":
+    def __enter__(self) -> LogStream:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -169,8 +180,9 @@ class LogStream:
         """All of it in memory, as a ``LogBatch`` (tests and small reads; the session path streams)."""
         with self:
             records = list(self)
-        return LogBatch(after=self.after, end=self.end, records=records, barrier=self.barrier,
-                        blocked_by=self.blocked_by)
+        return LogBatch(
+            after=self.after, end=self.end, records=records, barrier=self.barrier, blocked_by=self.blocked_by
+        )
 
     def __iter__(self) -> Iterator[LogRecord]:
         if self._started:
@@ -180,7 +192,9 @@ class LogStream:
             return
         sql, params = self._query
         inline = max(1, self.fetch_bytes // FETCH_ROWS)
-        group: list[tuple[int, int, str, int | None]] = []  # consecutive out-of-line entries: (position, entry id, tx, table)
+        group: list[
+            tuple[int, int, str, int | None]
+        ] = []  # consecutive out-of-line entries: (position, entry id, tx, table)
         group_bytes = 0
         last: int | None = None
         try:
@@ -188,8 +202,10 @@ class LogStream:
                 cur.itersize = FETCH_ROWS  # a round trip brings at most FETCH_ROWS * inline bytes
                 cur.execute(sql, {**params, "inline": inline})
                 for position, entry_id, size, message, tx, table_id in cur:
-                    if last is not None and position != last and (
-                        self.entries >= self.max_entries or self.bytes >= self.max_bytes
+                    if (
+                        last is not None
+                        and position != last
+                        and (self.entries >= self.max_entries or self.bytes >= self.max_bytes)
                     ):
                         self.end = last  # whole transactions only: stop at this boundary
                         break
@@ -282,11 +298,13 @@ class LogReader:
         if upto <= after:
             return LogStream(self.conn, after, max(after, upto), upto)
         check_trim(self.conn, after, f"destination {self.destination!r}")  # starts the read's snapshot
-        return LogStream(self.conn, after, upto, upto, [], max_entries, max_bytes,
-                         self._query(after, upto, split, tables))
+        return LogStream(
+            self.conn, after, upto, upto, [], max_entries, max_bytes, self._query(after, upto, split, tables)
+        )
 
-    def _read_final(self, after: int, max_entries: int, max_bytes: int, split: BaseSplit | None,
-                    tables: TableSplits | None) -> LogStream:
+    def _read_final(
+        self, after: int, max_entries: int, max_bytes: int, split: BaseSplit | None, tables: TableSplits | None
+    ) -> LogStream:
         """``read_stream`` without the barrier, for a reader that reads again at once (streaming):
         reads the *final prefix* after ``after``, the positions ``after + 1, after + 2, ...`` that
         are all committed in the read's snapshot, up to the first one that is not.
@@ -298,16 +316,26 @@ class LogReader:
         or a transaction that rolled back after drawing it (it never does): the stream's
         ``barrier`` is then the highest committed position, above ``end``, and the caller, seeing
         no progress, decides with ``read_stream``'s barrier. Costs no ``pg_locks`` read."""
-        end, highest = check_trim(self.conn, after, f"destination {self.destination!r}",  # the read's snapshot
-                                  (_FINAL_PREFIX_SQL, {"after": after, "scan": max(1, max_entries)}))
+        end, highest = check_trim(
+            self.conn,
+            after,
+            f"destination {self.destination!r}",  # the read's snapshot
+            (_FINAL_PREFIX_SQL, {"after": after, "scan": max(1, max_entries)}),
+        )
         if end <= after:
             self.conn.rollback()
             return LogStream(self.conn, after, after, max(after, highest))
-        return LogStream(self.conn, after, end, max(end, highest), [], max_entries, max_bytes,
-                         self._query(after, end, split, tables))
+        return LogStream(
+            self.conn, after, end, max(end, highest), [], max_entries, max_bytes, self._query(after, end, split, tables)
+        )
 
-    def read_final_batch(self, after: int, max_bytes: int = DEFAULT_MAX_BYTES,
-                         split: BaseSplit | None = None, tables: TableSplits | None = None) -> LogBatch | None:
+    def read_final_batch(
+        self,
+        after: int,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        split: BaseSplit | None = None,
+        tables: TableSplits | None = None,
+    ) -> LogBatch | None:
         """The final prefix after ``after`` in ONE statement (one snapshot: trim mark, prefix and
         entries together), for a stream reading again at once: a whole batch when it is small (at
         most ``FETCH_ROWS`` entries, each inline), else None and the caller takes
@@ -316,8 +344,9 @@ class LogReader:
         read takes six: a stream under load reads
         hundreds of times a second, and each read is work the source server does beside its writers."""
         clauses, params = self._filters("f", after, split, tables)
-        params.update(after=after, scan=FETCH_ROWS, rows=FETCH_ROWS + 1,
-                      inline=max(1, fetch_bytes(max_bytes) // FETCH_ROWS))
+        params.update(
+            after=after, scan=FETCH_ROWS, rows=FETCH_ROWS + 1, inline=max(1, fetch_bytes(max_bytes) // FETCH_ROWS)
+        )
         try:
             with self.conn.cursor() as cur:
                 cur.execute(_FINAL_BATCH_SQL.format(**clauses), params)
@@ -333,25 +362,32 @@ class LogReader:
             return None  # large: read by the general path
         return LogBatch(after, end, [LogRecord(p, e, bytes(m), t) for p, e, m, t in entries], max(end, highest))
 
-    def _filters(self, commit: str, after: int, split: BaseSplit | None,
-                 tables: TableSplits | None) -> tuple[dict[str, str], dict]:
+    def _filters(
+        self, commit: str, after: int, split: BaseSplit | None, tables: TableSplits | None
+    ) -> tuple[dict[str, str], dict]:
         """What both reads add to their query, for the commit row ``commit``: the client's entries only,
         less what the base snapshot ``split`` covered, plus the synced tables' changes (``tables``).
         Returns the clauses (``client``, ``covered``, ``tables``) and their parameters."""
         params: dict = {"stream": self.stream, "tag": self.tag_id, "client": self.client_id}
-        clauses = {"client": "AND e.client_id = %(client)s" if self.client_id is not None else "",
-                   "covered": "", "tables": ""}
+        clauses = {
+            "client": "AND e.client_id = %(client)s" if self.client_id is not None else "",
+            "covered": "",
+            "tables": "",
+        }
         if split is not None and split.upto > after:
-            clauses["covered"] = (f"AND NOT ({commit}.position <= %(split_upto)s "
-                                  f"AND pg_visible_in_snapshot({commit}.tx, %(split_snap)s::pg_snapshot))")
+            clauses["covered"] = (
+                f"AND NOT ({commit}.position <= %(split_upto)s "
+                f"AND pg_visible_in_snapshot({commit}.tx, %(split_snap)s::pg_snapshot))"
+            )
             params.update(split_upto=split.upto, split_snap=split.snapshot)
         if tables:
             clauses["tables"] = _TABLES_CLAUSE.format(c=commit)
             params.update(tables.params())
         return clauses, params
 
-    def _query(self, after: int, upto: int, split: BaseSplit | None,
-               tables: TableSplits | None = None) -> tuple[str, dict]:
+    def _query(
+        self, after: int, upto: int, split: BaseSplit | None, tables: TableSplits | None = None
+    ) -> tuple[str, dict]:
         """The read of this destination's entries with positions in ``(after, upto]``, in (position,
         entry id) order, less what the base snapshot ``split`` covered (and, with ``tables``, the
         synced tables' changes less what their snapshots hold)."""
@@ -383,16 +419,22 @@ WITH d AS (
     FROM (SELECT position, tx FROM lr.log_commits WHERE position > %(after)s ORDER BY position LIMIT %(scan)s) p
 ), f AS (SELECT position, tx FROM d WHERE gap = %(after)s)
 """
-_FINAL_ENDS = ("coalesce((SELECT max(position) FROM f), %(after)s) AS final_end, "
-               "coalesce((SELECT max(position) FROM lr.log_commits), 0) AS highest")
+_FINAL_ENDS = (
+    "coalesce((SELECT max(position) FROM f), %(after)s) AS final_end, "
+    "coalesce((SELECT max(position) FROM lr.log_commits), 0) AS highest"
+)
 _FINAL_PREFIX_SQL = _FINAL_PREFIX + "SELECT " + _FINAL_ENDS
 
 
 # ``read_final_batch``'s one statement: the trim mark, the final prefix's end, the highest committed
 # position and the destination's entries in the prefix (at most ``rows``; a message over ``inline``
 # bytes comes back NULL), a row each (one row with NULL entry columns when there is none).
-_FINAL_BATCH_SQL = _FINAL_PREFIX + """
-SELECT (SELECT trim_mark FROM lr.log_trim), """ + _FINAL_ENDS + """, r.position, r.entry_id, r.message, r.table_id
+_FINAL_BATCH_SQL = (
+    _FINAL_PREFIX
+    + """
+SELECT (SELECT trim_mark FROM lr.log_trim), """
+    + _FINAL_ENDS
+    + """, r.position, r.entry_id, r.message, r.table_id
 FROM (SELECT 1) one LEFT JOIN LATERAL (
     SELECT f.position, e.entry_id, CASE WHEN octet_length(e.message) <= %(inline)s THEN e.message END AS message,
            e.table_id
@@ -405,6 +447,7 @@ FROM (SELECT 1) one LEFT JOIN LATERAL (
     ORDER BY f.position, e.entry_id LIMIT %(rows)s
 ) r ON true
 """
+)
 
 
 def snapshot_trim_mark(conn: psycopg2.extensions.connection, also: tuple[str, dict] | None = None) -> tuple:
@@ -418,8 +461,10 @@ def snapshot_trim_mark(conn: psycopg2.extensions.connection, also: tuple[str, di
         conn.rollback()
     sql, params = also or ("SELECT", {})
     with conn.cursor() as cur:
-        cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; "
-                    f"SELECT t.trim_mark, a.* FROM lr.log_trim t, ({sql}) a", params)
+        cur.execute(
+            f"SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; SELECT t.trim_mark, a.* FROM lr.log_trim t, ({sql}) a",
+            params,
+        )
         return tuple(cur.fetchone())
 
 
@@ -427,12 +472,14 @@ def trimmed_error(reader: str, after: int, mark: int) -> TrimmedError:
     return TrimmedError(
         f"{reader}: the log was trimmed to position {mark}, past position {after} where the sink stands; "
         "entries it needs are gone, so nothing was delivered and a snapshot sync follows",
-        after, mark,
+        after,
+        mark,
     )
 
 
-def check_trim(conn: psycopg2.extensions.connection, after: int, reader: str,
-               also: tuple[str, dict] | None = None) -> tuple:
+def check_trim(
+    conn: psycopg2.extensions.connection, after: int, reader: str, also: tuple[str, dict] | None = None
+) -> tuple:
     """``snapshot_trim_mark``, refusing (``TrimmedError``, transaction ended) when the log no
     longer holds every entry after ``after``; returns the columns of ``also``."""
     mark, *extra = snapshot_trim_mark(conn, also)

@@ -7,15 +7,16 @@ serialized ``RoutingTableEntryMsg``. The caller commits or rolls back: lr never 
 writer takes no lock and updates no shared row, so concurrent application transactions are not
 serialized; the commit position is drawn at commit by a deferred trigger (see the migration).
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import psycopg2.extensions
 from psycopg2.extras import execute_values
 
-from airflow_provider_lr.engine.errors import TransmitError
 from airflow_provider_lr.engine.db.schema import site_identity
+from airflow_provider_lr.engine.errors import TransmitError
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store.topology import applied_max_payload_bytes
 from airflow_provider_lr.proto import lr_pb2
@@ -28,8 +29,10 @@ PREPARED_INSERT = "lr_transmit_v2"  # versioned: a new lr with another insert us
 _CURRENT_TX = "SELECT pg_catalog.pg_current_xact_id()::pg_catalog.text"
 # one entry, and the transaction's id in the same statement (a ticket names it): a data-modifying
 # CTE needs no RETURNING, which a writer role could not use (it may not read the log)
-_INSERT_ONE = ("WITH entry AS (INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) VALUES ({})) "
-               "SELECT pg_catalog.pg_current_xact_id()::pg_catalog.text")
+_INSERT_ONE = (
+    "WITH entry AS (INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) VALUES ({})) "
+    "SELECT pg_catalog.pg_current_xact_id()::pg_catalog.text"
+)
 
 
 class Bytea:
@@ -39,7 +42,7 @@ class Bytea:
     def __init__(self, data: bytes) -> None:
         self.binary = psycopg2.Binary(data)
 
-    def __conform__(self, protocol: object) -> "Bytea | None":
+    def __conform__(self, protocol: object) -> Bytea | None:
         return self if protocol is psycopg2.extensions.ISQLQuote else None
 
     def prepare(self, conn: psycopg2.extensions.connection) -> None:
@@ -99,9 +102,10 @@ class LogWriter:
         with self.conn.cursor() as cur:
             cur.execute("SELECT 1 FROM pg_catalog.pg_prepared_statements WHERE name = %s", (PREPARED_INSERT,))
             if cur.fetchone() is None:
-                cur.execute(f"PREPARE {PREPARED_INSERT} (pg_catalog.int2, pg_catalog.int4[], pg_catalog.int4, "
-                            "pg_catalog.bytea) AS "
-                            + _INSERT_ONE.format("$1, $2, $3, $4"))
+                cur.execute(
+                    f"PREPARE {PREPARED_INSERT} (pg_catalog.int2, pg_catalog.int4[], pg_catalog.int4, "
+                    "pg_catalog.bytea) AS " + _INSERT_ONE.format("$1, $2, $3, $4")
+                )
 
     def _row(
         self, stream: int, payload: bytes, destinations: Sequence[str], kind: int, **fields: object
@@ -152,8 +156,11 @@ class LogWriter:
         with self.conn.cursor() as cur:
             if len(rows) == 1:
                 stream, tags, message = rows[0]
-                statement = (f"EXECUTE {PREPARED_INSERT} (%s, %s, %s, %s)" if self.prepared
-                             else _INSERT_ONE.format("%s, %s::pg_catalog.int4[], %s, %s"))
+                statement = (
+                    f"EXECUTE {PREPARED_INSERT} (%s, %s, %s, %s)"
+                    if self.prepared
+                    else _INSERT_ONE.format("%s, %s::pg_catalog.int4[], %s, %s")
+                )
                 cur.execute(statement, (stream, tags, self.client_id, Bytea(message)))
                 return int(cur.fetchone()[0])
             else:

@@ -4,13 +4,14 @@ Each message becomes exactly one row of the shared log (``LRQ_Send_LogEntries``)
 number of destinations, written by the client's ``LogWriter`` (``log_writer``), which the
 full-sync supply writes through too. The caller commits or rolls back: lr never commits here.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
-from airflow_provider_lr.engine.source.backlog import Readiness, wait_until_ready
 from airflow_provider_lr.engine.source import delivery, full_sync
+from airflow_provider_lr.engine.source.backlog import Readiness, wait_until_ready
 from airflow_provider_lr.engine.source.delivery import Ticket
 from airflow_provider_lr.engine.source.log_writer import LogWriter
 from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES
@@ -48,8 +49,9 @@ class RoutingQueueClient(LogWriter):
         named = sorted({d for m in messages for d in m.destinations})
         return Ticket(self.source_site_id, self.client_name, tx, tuple(named))
 
-    def wait_until_safe(self, ticket: Ticket, destinations: Sequence[str] = (), min_regions: int | None = None,
-                        timeout: float = 30.0) -> delivery.Delivery:
+    def wait_until_safe(
+        self, ticket: Ticket, destinations: Sequence[str] = (), min_regions: int | None = None, timeout: float = 30.0
+    ) -> delivery.Delivery:
         """After commit: return once the ticket's entries are *safe* (acknowledged after the sink's
         durable apply) on every one of ``destinations``, and stored in at least ``min_regions``
         distinct regions (the source's counts; only sinks the entries named count). Neither given:

@@ -7,6 +7,7 @@
 * Retention trim removes entries older than a limit whatever the sessions say; a session left
   behind the trim mark is sent back to a full sync by negotiation (``trim_mark > last processed``).
 """
+
 from __future__ import annotations
 
 import math
@@ -14,8 +15,8 @@ from dataclasses import dataclass
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.db.timeouts import lifted
+from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.source.commit_barrier import commit_barrier
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.vocabulary import RequestStatus
@@ -87,9 +88,14 @@ def safe_trim(conn: psycopg2.extensions.connection) -> TrimResult | None:
 def check_retention(keep_seconds: object) -> float:
     """A retention is a finite number of seconds between 0 and ``MAX_RETENTION`` (a negative one
     would trim what no sink has; nan, inf or 1e308 are typos); ConfigurationError otherwise."""
-    if not isinstance(keep_seconds, (int, float)) or not math.isfinite(keep_seconds) or not 0 <= keep_seconds <= MAX_RETENTION:
-        raise ConfigurationError(f"retention must be a number of seconds between 0 and {MAX_RETENTION:.0f}, "
-                                 f"not {keep_seconds!r}")
+    if (
+        not isinstance(keep_seconds, (int, float))
+        or not math.isfinite(keep_seconds)
+        or not 0 <= keep_seconds <= MAX_RETENTION
+    ):
+        raise ConfigurationError(
+            f"retention must be a number of seconds between 0 and {MAX_RETENTION:.0f}, not {keep_seconds!r}"
+        )
     return float(keep_seconds)
 
 

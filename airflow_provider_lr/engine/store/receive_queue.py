@@ -16,6 +16,7 @@ until it is applied.
   the record of how far applications consumed a queue, which a trigger writes as rows are deleted).
 * the operator's side: ``queue_report``, ``waiting``, ``drop``.
 """
+
 from __future__ import annotations
 
 import struct
@@ -28,8 +29,7 @@ from psycopg2.extras import execute_values
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.vocabulary import CONSUMER_LOCK_CLASS, receive_queue_name
 
-COLUMNS = ("source_site_id, client_name, kind, source_position, source_entry_id, sync_id, visible, "
-           "entry_count, message")
+COLUMNS = "source_site_id, client_name, kind, source_position, source_entry_id, sync_id, visible, entry_count, message"
 
 _I16 = struct.Struct(">h")
 _I32 = struct.Struct(">i")
@@ -67,20 +67,41 @@ class QueueWriter:
         self.rows: list[tuple] = []  # the INSERT form's rows not sent yet
         self.staged = False  # the COPY form goes through the temporary table
         raw_source, raw_client = source.encode(), client.encode()
-        self.prefix = (_I16.pack(9) + _I32.pack(len(raw_source)) + raw_source  # field count, source, client
-                       + _I32.pack(len(raw_client)) + raw_client)
+        self.prefix = (
+            _I16.pack(9)
+            + _I32.pack(len(raw_source))
+            + raw_source  # field count, source, client
+            + _I32.pack(len(raw_client))
+            + raw_client
+        )
 
     # INSERT form
     def add(self, row: Row) -> None:
-        self.rows.append((self.source, self.client, row.kind, row.position, row.entry_id, self.sync_id,
-                          self.visible, row.count, psycopg2.Binary(row.message)))
+        self.rows.append(
+            (
+                self.source,
+                self.client,
+                row.kind,
+                row.position,
+                row.entry_id,
+                self.sync_id,
+                self.visible,
+                row.count,
+                psycopg2.Binary(row.message),
+            )
+        )
 
     def send(self, cur: psycopg2.extensions.cursor) -> None:
         """INSERT the rows added (then forget them)."""
         if not self.rows:
             return
-        execute_values(cur, f"INSERT INTO lr.receive_queue ({COLUMNS}) VALUES %s", self.rows,
-                       template="(%s, %s, %s, %s, %s, %s::uuid, %s, %s, %s)", page_size=1000)
+        execute_values(
+            cur,
+            f"INSERT INTO lr.receive_queue ({COLUMNS}) VALUES %s",
+            self.rows,
+            template="(%s, %s, %s, %s, %s, %s::uuid, %s, %s, %s)",
+            page_size=1000,
+        )
         self.rows.clear()
 
     # COPY form
@@ -103,8 +124,7 @@ class QueueWriter:
         """A row in binary COPY form, appended to ``block`` in place (packs are ~8 kB: no copy of
         the row is made first)."""
         block += self.prefix
-        block += _COPY_ROW.pack(2, row.kind, 8, row.position, 8, row.entry_id, -1, 1, 1, 4, row.count,
-                                len(row.message))
+        block += _COPY_ROW.pack(2, row.kind, 8, row.position, 8, row.entry_id, -1, 1, 1, 4, row.count, len(row.message))
         block += row.message
 
     def copy_finish(self, conn: psycopg2.extensions.connection) -> int | None:
@@ -128,8 +148,10 @@ def _rls_applies(conn: psycopg2.extensions.connection) -> bool:
 
 
 # a session's staged log entries in (last, reach]: the rows a publish moves
-_STAGED_LOG = ("source_position > %(last)s AND source_position <= %(reach)s AND source_site_id = %(source)s "
-               "AND client_name = %(client)s AND sync_id IS NULL")
+_STAGED_LOG = (
+    "source_position > %(last)s AND source_position <= %(reach)s AND source_site_id = %(source)s "
+    "AND client_name = %(client)s AND sync_id IS NULL"
+)
 
 
 def move_staged_log(cur: psycopg2.extensions.cursor, source: str, client: str, last: int, reach: int) -> int:
@@ -145,18 +167,23 @@ def move_staged_log(cur: psycopg2.extensions.cursor, source: str, client: str, l
         " source_entry_id, visible, entry_count, message) SELECT source_site_id, client_name, kind, "
         " source_position, source_entry_id, true, entry_count, message FROM lr.spark_staging "
         " WHERE " + _STAGED_LOG + " ORDER BY source_position, source_entry_id RETURNING entry_count) "
-        "SELECT coalesce(sum(entry_count), 0) FROM queued", where)
+        "SELECT coalesce(sum(entry_count), 0) FROM queued",
+        where,
+    )
     return cur.fetchone()[0]
 
 
 def drop_staged_log(cur: psycopg2.extensions.cursor, source: str, client: str, last: int, reach: int) -> None:
     """Remove from the stage what ``move_staged_log`` moved."""
-    cur.execute("DELETE FROM lr.spark_staging WHERE " + _STAGED_LOG,
-                {"source": source, "client": client, "last": last, "reach": reach})
+    cur.execute(
+        "DELETE FROM lr.spark_staging WHERE " + _STAGED_LOG,
+        {"source": source, "client": client, "last": last, "reach": reach},
+    )
 
 
-def move_staged_snapshot(cur: psycopg2.extensions.cursor, source: str, client: str, sync_id: str, after: int,
-                         end_kind: int) -> tuple[int, int | None, bool]:
+def move_staged_snapshot(
+    cur: psycopg2.extensions.cursor, source: str, client: str, sync_id: str, after: int, end_kind: int
+) -> tuple[int, int | None, bool]:
     """A full sync's staged rows after entry ``after`` (``bulk/snapshot_transfer``) into the queue,
     invisible, in entry order: (entries moved, the last entry id moved, whether the ``end_kind``
     marker was among them)."""
@@ -178,21 +205,26 @@ def move_staged_snapshot(cur: psycopg2.extensions.cursor, source: str, client: s
 # --- a session's rows as a whole ------------------------------------------------------------------
 def discard_invisible(cur: psycopg2.extensions.cursor, source: str, client: str) -> None:
     """Drop the session's rows never made visible (a full sync's, not applied)."""
-    cur.execute("DELETE FROM lr.receive_queue WHERE source_site_id = %s AND client_name = %s AND NOT visible",
-                (source, client))
+    cur.execute(
+        "DELETE FROM lr.receive_queue WHERE source_site_id = %s AND client_name = %s AND NOT visible", (source, client)
+    )
 
 
 def make_visible(cur: psycopg2.extensions.cursor, source: str, client: str, sync_id: str | None) -> None:
     """A full sync's rows become visible (it is applied)."""
-    cur.execute("UPDATE lr.receive_queue SET visible = true "
-                "WHERE source_site_id = %s AND client_name = %s AND sync_id = %s AND NOT visible",
-                (source, client, sync_id))
+    cur.execute(
+        "UPDATE lr.receive_queue SET visible = true "
+        "WHERE source_site_id = %s AND client_name = %s AND sync_id = %s AND NOT visible",
+        (source, client, sync_id),
+    )
 
 
 def is_empty(cur: psycopg2.extensions.cursor, source: str, client: str) -> bool:
     """Whether the session holds no row on this sink, visible or not."""
-    cur.execute("SELECT NOT EXISTS (SELECT 1 FROM lr.receive_queue WHERE source_site_id = %s AND client_name = %s)",
-                (source, client))
+    cur.execute(
+        "SELECT NOT EXISTS (SELECT 1 FROM lr.receive_queue WHERE source_site_id = %s AND client_name = %s)",
+        (source, client),
+    )
     return cur.fetchone()[0]
 
 
@@ -239,15 +271,23 @@ def lock_head(cur: psycopg2.extensions.cursor, source: str, client: str) -> tupl
     return locked, barrier
 
 
-def select_head(cur: psycopg2.extensions.cursor, source: str, client: str, inline_bytes: int,
-                after: int | None = None, limit: int | None = None) -> None:
+def select_head(
+    cur: psycopg2.extensions.cursor,
+    source: str,
+    client: str,
+    inline_bytes: int,
+    after: int | None = None,
+    limit: int | None = None,
+) -> None:
     """Run, on ``cur``, the read of the queue's visible rows in ``seq`` order (after ``after``, at
     most ``limit``): (seq, kind, entry_count, delivered, message length, message when it is at most
     ``inline_bytes``, else None); the caller fetches."""
     params: tuple = (inline_bytes, client, source)
-    sql = ("SELECT seq, kind, entry_count, delivered, octet_length(message), "
-           "CASE WHEN octet_length(message) <= %s THEN message END FROM lr.receive_queue "
-           "WHERE client_name = %s AND source_site_id = %s AND visible")
+    sql = (
+        "SELECT seq, kind, entry_count, delivered, octet_length(message), "
+        "CASE WHEN octet_length(message) <= %s THEN message END FROM lr.receive_queue "
+        "WHERE client_name = %s AND source_site_id = %s AND visible"
+    )
     if after is not None:
         sql, params = sql + " AND seq > %s", params + (after,)
     sql += " ORDER BY seq"
@@ -274,14 +314,16 @@ def consume(cur: psycopg2.extensions.cursor, finished: list[int], partial: tuple
 # --- a failover's cut -----------------------------------------------------------------------------
 def consumed_position(cur: psycopg2.extensions.cursor, source: str, client: str) -> int:
     """The highest position of ``source``'s entries this site's applications consumed whole (-1: none)."""
-    cur.execute("SELECT position FROM lr.receive_consumed WHERE source_site_id = %s AND client_name = %s",
-                (source, client))
+    cur.execute(
+        "SELECT position FROM lr.receive_consumed WHERE source_site_id = %s AND client_name = %s", (source, client)
+    )
     row = cur.fetchone()
     return row[0] if row else -1
 
 
-def rows_after(cur: psycopg2.extensions.cursor, source: str, client: str,
-               after: int) -> list[tuple[int, int, int, int, int, int, bytes]]:
+def rows_after(
+    cur: psycopg2.extensions.cursor, source: str, client: str, after: int
+) -> list[tuple[int, int, int, int, int, int, bytes]]:
     """The visible rows of the session that hold entries after position ``after``, in ``seq``
     order: (seq, kind, entry_count, delivered, last position, last entry id, message)."""
     cur.execute(
@@ -289,19 +331,22 @@ def rows_after(cur: psycopg2.extensions.cursor, source: str, client: str,
         "WHERE source_site_id = %s AND client_name = %s AND visible AND source_position > %s ORDER BY seq",
         (source, client, after),
     )
-    return [(seq, kind, count, delivered, position, entry_id, bytes(message))
-            for seq, kind, count, delivered, position, entry_id, message in cur.fetchall()]
+    return [
+        (seq, kind, count, delivered, position, entry_id, bytes(message))
+        for seq, kind, count, delivered, position, entry_id, message in cur.fetchall()
+    ]
 
 
-def cut_row(cur: psycopg2.extensions.cursor, seq: int, keep: int, position: int | None,
-            message: bytes | None) -> None:
+def cut_row(cur: psycopg2.extensions.cursor, seq: int, keep: int, position: int | None, message: bytes | None) -> None:
     """A row cut to its first ``keep`` entries (the last at ``position``, ``message`` their packed
     form); ``keep`` 0 deletes it."""
     if keep == 0:
         cur.execute("DELETE FROM lr.receive_queue WHERE seq = %s", (seq,))
     else:
-        cur.execute("UPDATE lr.receive_queue SET entry_count = %s, source_position = %s, message = %s WHERE seq = %s",
-                    (keep, position, psycopg2.Binary(message), seq))
+        cur.execute(
+            "UPDATE lr.receive_queue SET entry_count = %s, source_position = %s, message = %s WHERE seq = %s",
+            (keep, position, psycopg2.Binary(message), seq),
+        )
 
 
 # --- the operator's side --------------------------------------------------------------------------
@@ -332,14 +377,18 @@ def queue_report(cur: psycopg2.extensions.cursor) -> list[tuple[str, str, int, i
 
 def waiting(cur: psycopg2.extensions.cursor, source: str, client: str) -> int:
     """Entries of the session's queue that wait for subscribers."""
-    cur.execute("SELECT coalesce(sum(entry_count - delivered), 0) FROM lr.receive_queue "
-                "WHERE source_site_id = %s AND client_name = %s AND visible", (source, client))
+    cur.execute(
+        "SELECT coalesce(sum(entry_count - delivered), 0) FROM lr.receive_queue "
+        "WHERE source_site_id = %s AND client_name = %s AND visible",
+        (source, client),
+    )
     return cur.fetchone()[0]
 
 
 def drop(cur: psycopg2.extensions.cursor, source: str, client: str) -> None:
     """Remove the session's queue: its rows and its registration."""
     cur.execute("DELETE FROM lr.receive_queue WHERE source_site_id = %s AND client_name = %s", (source, client))
-    cur.execute("DELETE FROM lr.registry WHERE kind = 'receive_queue' AND source_site_id = %s "
-                "AND client_name = %s", (source, client))
-
+    cur.execute(
+        "DELETE FROM lr.registry WHERE kind = 'receive_queue' AND source_site_id = %s AND client_name = %s",
+        (source, client),
+    )

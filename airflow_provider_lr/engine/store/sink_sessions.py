@@ -9,6 +9,7 @@ a writer whose lease was taken over (or a session failed over) refused before it
 The sink's rules about what a write may do (``sink/writes``: never move backwards, a full sync
 applied once) sit above it; table snapshots (``tables/snapshot``) use it as it is.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -19,10 +20,23 @@ from airflow_provider_lr.engine.errors import FencedError
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
 # the row as a writer reads it (``writes.SinkMetadata``'s fields, in this order)
-COLUMNS = ("source_site_id", "client_name", "topology_config_id", "snapshot_request_id", "snapshot_started",
-           "snapshot_transferred", "snapshot_applied", "snapshot_transferred_seq", "snapshot_last_entry",
-           "base_snapshot", "base_upto", "last_log_entry_processed", "data_consistent", "lease_epoch",
-           "failed_over_to")
+COLUMNS = (
+    "source_site_id",
+    "client_name",
+    "topology_config_id",
+    "snapshot_request_id",
+    "snapshot_started",
+    "snapshot_transferred",
+    "snapshot_applied",
+    "snapshot_transferred_seq",
+    "snapshot_last_entry",
+    "base_snapshot",
+    "base_upto",
+    "last_log_entry_processed",
+    "data_consistent",
+    "lease_epoch",
+    "failed_over_to",
+)
 _SELECT = f"SELECT {', '.join(COLUMNS)} FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s"
 _CREATE = "INSERT INTO lr.sink_sessions (source_site_id, client_name) VALUES (%s, %s) ON CONFLICT DO NOTHING"
 
@@ -67,8 +81,10 @@ class FencedTransaction:
         the lock."""
         self.cur = self.conn.cursor()
         try:
-            self.cur.execute(_CREATE + "; " + _SELECT + " FOR UPDATE",  # one round trip: made if missing, locked, read
-                             (self.source, self.client, self.source, self.client))
+            self.cur.execute(
+                _CREATE + "; " + _SELECT + " FOR UPDATE",  # one round trip: made if missing, locked, read
+                (self.source, self.client, self.source, self.client),
+            )
             row = dict(zip(COLUMNS, self.cur.fetchone()))
             if row["failed_over_to"] is not None:
                 here = _sink_id(self.cur)
@@ -148,24 +164,31 @@ class FencedTransaction:
 # --- checks of a writer outside the session's fenced transaction --------------------------------
 def last_processed(cur: psycopg2.extensions.cursor, source: str, client: str) -> int:
     """The session's last processed position (the row exists)."""
-    cur.execute("SELECT last_log_entry_processed FROM lr.sink_sessions WHERE source_site_id = %s "
-                "AND client_name = %s", (source, client))
+    cur.execute(
+        "SELECT last_log_entry_processed FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s",
+        (source, client),
+    )
     return cur.fetchone()[0]
 
 
 def share_position(cur: psycopg2.extensions.cursor, source: str, client: str) -> tuple[int, int, str | None]:
     """(last processed position, lease epoch, failed over to), the row share-locked until commit:
     a fenced transaction of the session waits for this one."""
-    cur.execute("SELECT last_log_entry_processed, lease_epoch, failed_over_to FROM lr.sink_sessions "
-                "WHERE source_site_id = %s AND client_name = %s FOR SHARE", (source, client))
+    cur.execute(
+        "SELECT last_log_entry_processed, lease_epoch, failed_over_to FROM lr.sink_sessions "
+        "WHERE source_site_id = %s AND client_name = %s FOR SHARE",
+        (source, client),
+    )
     last, epoch, failed_over_to = cur.fetchone()
     return last, epoch, failed_over_to
 
 
 def share_epoch(cur: psycopg2.extensions.cursor, source: str, client: str) -> int | None:
     """The session's lease epoch, the row share-locked until commit (None: no such session)."""
-    cur.execute("SELECT lease_epoch FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s FOR SHARE",
-                (source, client))
+    cur.execute(
+        "SELECT lease_epoch FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s FOR SHARE",
+        (source, client),
+    )
     row = cur.fetchone()
     return None if row is None else row[0]
 
@@ -173,16 +196,20 @@ def share_epoch(cur: psycopg2.extensions.cursor, source: str, client: str) -> in
 def still_transferring(cur: psycopg2.extensions.cursor, source: str, client: str, sync_id: str) -> bool:
     """Whether the sink still transfers full sync ``sync_id`` of the session (not applied, not
     failed over), the row share-locked until commit."""
-    cur.execute("SELECT snapshot_request_id = %s AND snapshot_transferred <> snapshot_started "
-                "AND failed_over_to IS NULL FROM lr.sink_sessions "
-                "WHERE source_site_id = %s AND client_name = %s FOR SHARE", (sync_id, source, client))
+    cur.execute(
+        "SELECT snapshot_request_id = %s AND snapshot_transferred <> snapshot_started "
+        "AND failed_over_to IS NULL FROM lr.sink_sessions "
+        "WHERE source_site_id = %s AND client_name = %s FOR SHARE",
+        (sync_id, source, client),
+    )
     row = cur.fetchone()
     return bool(row and row[0])
 
 
 # --- failover -------------------------------------------------------------------------------------
-def fence_failed_over(cur: psycopg2.extensions.cursor, source: str, to_site: str, failover_id: str,
-                      clients: list[str]) -> None:
+def fence_failed_over(
+    cur: psycopg2.extensions.cursor, source: str, to_site: str, failover_id: str, clients: list[str]
+) -> None:
     """Close the sessions of ``clients`` from ``source`` to every writer (failed over to ``to_site``;
     epoch raised); a session already reconciled (it has a note) is left as it is."""
     cur.execute(
@@ -194,14 +221,18 @@ def fence_failed_over(cur: psycopg2.extensions.cursor, source: str, to_site: str
 
 def lock_cut(cur: psycopg2.extensions.cursor, source: str, client: str) -> tuple[int, bool] | None:
     """(last processed position, data consistent) of the session, its row locked (None: no session)."""
-    cur.execute("SELECT last_log_entry_processed, data_consistent FROM lr.sink_sessions "
-                "WHERE source_site_id = %s AND client_name = %s FOR UPDATE", (source, client))
+    cur.execute(
+        "SELECT last_log_entry_processed, data_consistent FROM lr.sink_sessions "
+        "WHERE source_site_id = %s AND client_name = %s FOR UPDATE",
+        (source, client),
+    )
     row = cur.fetchone()
     return None if row is None else (row[0], row[1])
 
 
-def close_promoted(cur: psycopg2.extensions.cursor, source: str, to_site: str, failover_id: str, note: str,
-                   clients: list[str]) -> None:
+def close_promoted(
+    cur: psycopg2.extensions.cursor, source: str, to_site: str, failover_id: str, note: str, clients: list[str]
+) -> None:
     """The promoted site's sessions of ``clients`` from the old source: failed over, with ``note``."""
     cur.execute(
         "UPDATE lr.sink_sessions SET failed_over_to = %s, failover_id = %s, failover_note = %s, "
@@ -210,19 +241,23 @@ def close_promoted(cur: psycopg2.extensions.cursor, source: str, to_site: str, f
     )
 
 
-def lock_reconcile(cur: psycopg2.extensions.cursor, source: str,
-                   client: str) -> tuple[int, bool, int, str | None, Any] | None:
+def lock_reconcile(
+    cur: psycopg2.extensions.cursor, source: str, client: str
+) -> tuple[int, bool, int, str | None, Any] | None:
     """(last processed, data consistent, snapshot applied, failover note, failover id) of the
     session, its row locked (None: no session)."""
     cur.execute(
         "SELECT last_log_entry_processed, data_consistent, snapshot_applied, failover_note, failover_id "
-        "FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s FOR UPDATE", (source, client))
+        "FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s FOR UPDATE",
+        (source, client),
+    )
     row = cur.fetchone()
     return None if row is None else tuple(row)  # type: ignore[return-value]
 
 
-def close_reconciled(cur: psycopg2.extensions.cursor, source: str, client: str, to_site: str, failover_id: str,
-                     note: str, position: int) -> None:
+def close_reconciled(
+    cur: psycopg2.extensions.cursor, source: str, client: str, to_site: str, failover_id: str, note: str, position: int
+) -> None:
     """A reconciled session from the old source: failed over at ``position``, with what was done."""
     cur.execute(
         "UPDATE lr.sink_sessions SET failed_over_to = %s, failover_id = %s, failover_note = %s, "
@@ -232,8 +267,9 @@ def close_reconciled(cur: psycopg2.extensions.cursor, source: str, client: str, 
     )
 
 
-def start_in_log_entry_sync(cur: psycopg2.extensions.cursor, source: str, client: str, topology_config_id: str,
-                            base: int) -> None:
+def start_in_log_entry_sync(
+    cur: psycopg2.extensions.cursor, source: str, client: str, topology_config_id: str, base: int
+) -> None:
     """The session from ``source`` consistent at ``base`` and in log-entry sync from there (made
     or reset: no full sync, no failover left on it)."""
     cur.execute(
@@ -252,8 +288,10 @@ def start_in_log_entry_sync(cur: psycopg2.extensions.cursor, source: str, client
 # --- the operator's side --------------------------------------------------------------------------
 def failed_over(cur: psycopg2.extensions.cursor) -> dict[tuple[str, str], tuple[str, str | None]]:
     """(source, client) -> (failed over to, note) of every session failed over."""
-    cur.execute("SELECT source_site_id, client_name, failed_over_to, failover_note FROM lr.sink_sessions "
-                "WHERE failed_over_to IS NOT NULL")
+    cur.execute(
+        "SELECT source_site_id, client_name, failed_over_to, failover_note FROM lr.sink_sessions "
+        "WHERE failed_over_to IS NOT NULL"
+    )
     return {(source, client): (to, note) for source, client, to, note in cur.fetchall()}
 
 
@@ -275,5 +313,7 @@ def tables_of_closed_sessions(cur: psycopg2.extensions.cursor, states: tuple[str
         "SELECT t.table_name, t.client_name, t.source_site_id, s.source_site_id IS NULL, s.failed_over_to "
         "FROM lr.sink_tables t LEFT JOIN lr.sink_sessions s ON s.source_site_id = t.source_site_id "
         "AND s.client_name = t.client_name WHERE (s.source_site_id IS NULL OR s.failed_over_to IS NOT NULL) "
-        "AND t.state IN %s ORDER BY 1, 3", (states,))
+        "AND t.state IN %s ORDER BY 1, 3",
+        (states,),
+    )
     return cur.fetchall()

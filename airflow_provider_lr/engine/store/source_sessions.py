@@ -5,9 +5,11 @@ Every statement naming the table is here, as a function of a cursor (the caller'
 none of these commits) and plain values. What the values mean — when a lease may be taken, what
 a backlog is for — is the callers' (``session/lease.py``, ``source/backlog.py``, ...).
 """
+
 from __future__ import annotations
 
-from typing import Collection, Mapping, Protocol
+from collections.abc import Collection, Mapping
+from typing import Protocol
 
 import psycopg2.extensions
 from psycopg2 import sql
@@ -79,14 +81,17 @@ def release_lease(cur: psycopg2.extensions.cursor, sink: str, client: str, held:
     )
 
 
-def update_held(cur: psycopg2.extensions.cursor, sink: str, client: str, held: Holding,
-                values: Mapping[str, object]) -> bool:
+def update_held(
+    cur: psycopg2.extensions.cursor, sink: str, client: str, held: Holding, values: Mapping[str, object]
+) -> bool:
     """Set ``values`` (column -> value) on the session row while ``held`` is its current lease;
     False when it is not (taken over)."""
     sets = sql.SQL(", ").join(sql.SQL("{} = %s").format(sql.Identifier(column)) for column in values)
     cur.execute(
-        sql.SQL("UPDATE lr.source_sessions SET {}, updated_at = now() "
-                "WHERE sink_site_id = %s AND client_name = %s AND lease_owner = %s AND lease_epoch = %s").format(sets),
+        sql.SQL(
+            "UPDATE lr.source_sessions SET {}, updated_at = now() "
+            "WHERE sink_site_id = %s AND client_name = %s AND lease_owner = %s AND lease_epoch = %s"
+        ).format(sets),
         (*values.values(), sink, client, held.owner, held.epoch),
     )
     return cur.rowcount > 0
@@ -145,8 +150,10 @@ def names(cur: psycopg2.extensions.cursor) -> list[str]:
 
 def sessions_of(cur: psycopg2.extensions.cursor, clients: Collection[str]) -> list[tuple[str, str]]:
     """(sink, client) of each session of ``clients``, sorted."""
-    cur.execute("SELECT sink_site_id, client_name FROM lr.source_sessions WHERE client_name = ANY (%s) "
-                "ORDER BY 1, 2", (list(clients),))
+    cur.execute(
+        "SELECT sink_site_id, client_name FROM lr.source_sessions WHERE client_name = ANY (%s) ORDER BY 1, 2",
+        (list(clients),),
+    )
     return cur.fetchall()
 
 
@@ -169,8 +176,9 @@ def keep_only(cur: psycopg2.extensions.cursor, sessions: Collection[tuple[str, s
         )
 
 
-def start_unstarted(cur: psycopg2.extensions.cursor, clients: Collection[str], besides_sink: str, state: str,
-                    position: int) -> None:
+def start_unstarted(
+    cur: psycopg2.extensions.cursor, clients: Collection[str], besides_sink: str, state: str, position: int
+) -> None:
     """Set ``state`` and base = acked = ``position`` on the sessions of ``clients`` (but the one to
     ``besides_sink``) that never had a position acknowledged."""
     cur.execute(
@@ -196,8 +204,10 @@ def set_last_error(cur: psycopg2.extensions.cursor, sink: str, client: str, erro
 
 def last_success_ages(cur: psycopg2.extensions.cursor) -> dict[tuple[str, str], float | None]:
     """(sink, client) -> seconds since the session's last successful step (None: never)."""
-    cur.execute("SELECT sink_site_id, client_name, round(extract(epoch FROM now() - last_success_at)::numeric, 1)"
-                "::float8 FROM lr.source_sessions")
+    cur.execute(
+        "SELECT sink_site_id, client_name, round(extract(epoch FROM now() - last_success_at)::numeric, 1)"
+        "::float8 FROM lr.source_sessions"
+    )
     return {(sink, client): age for sink, client, age in cur.fetchall()}
 
 
@@ -250,8 +260,9 @@ def sink_tags(cur: psycopg2.extensions.cursor, client: str) -> dict[str, int]:
     return dict(cur.fetchall())
 
 
-def backlog_rows(cur: psycopg2.extensions.cursor, sink: str | None, client: str | None,
-                 at_most: int | None) -> list[tuple]:
+def backlog_rows(
+    cur: psycopg2.extensions.cursor, sink: str | None, client: str | None, at_most: int | None
+) -> list[tuple]:
     """Per session (optionally of one sink and/or client), sorted: (sink, client, state, acked,
     entries, highest, lag seconds, first guarded, entries before it), where entries are the
     commits after ``acked`` carrying a log entry or table change tagged for the sink, of the
@@ -288,7 +299,12 @@ def backlog_rows(cur: psycopg2.extensions.cursor, sink: str | None, client: str 
           AND (%(client)s::text IS NULL OR s.client_name = %(client)s)
         ORDER BY 1, 2
         """,
-        {"stream": STREAM_LOG_ENTRIES, "tables": STREAM_TABLE_CHANGES, "sink": sink, "client": client,
-         "at_most": at_most},
+        {
+            "stream": STREAM_LOG_ENTRIES,
+            "tables": STREAM_TABLE_CHANGES,
+            "sink": sink,
+            "client": client,
+            "at_most": at_most,
+        },
     )
     return cur.fetchall()

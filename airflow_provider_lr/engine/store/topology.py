@@ -6,26 +6,29 @@ of its normalized content, so any change yields a new id and negotiation can ref
 across different ids. ``engine/site/topology.py`` records it on sites (``apply_to_site``), which is
 what the transmit path validates destinations against; every read of what a site holds is here.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Collection, Mapping
+from typing import Any
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError, LRError, listing
 from airflow_provider_lr.engine.db.conninfo import ConnInfo, resolve
-from airflow_provider_lr.engine.db.timeouts import Timeouts
 from airflow_provider_lr.engine.db.durability import check_rule
+from airflow_provider_lr.engine.db.timeouts import Timeouts
 from airflow_provider_lr.engine.db.topology_schema import Origin, read, validate
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError, listing
 from airflow_provider_lr.engine.vocabulary import SessionKey, receive_queue_name
 from airflow_provider_lr.paths import include_dir, lr_home
 
 TOPOLOGY_ENV = "LR_TOPOLOGY"
+
 
 @dataclass(frozen=True)
 class SiteSpec:
@@ -53,7 +56,9 @@ class Topology:
     # the file it was read from (``load``): named by every error about it; not part of its id
     path: str | None = field(default=None, compare=False)
 
-    def sessions(self, source: str | None = None, sink: str | None = None, client: str | None = None) -> list[SessionKey]:
+    def sessions(
+        self, source: str | None = None, sink: str | None = None, client: str | None = None
+    ) -> list[SessionKey]:
         """Every session the topology defines (optionally only those of one source, sink or
         client), sorted."""
         found = {
@@ -61,7 +66,9 @@ class Topology:
             for r in self.replications
             for s in r.sinks
             for c in r.clients
-            if (source is None or r.source == source) and (sink is None or s == sink) and (client is None or c == client)
+            if (source is None or r.source == source)
+            and (sink is None or s == sink)
+            and (client is None or c == client)
         }
         return sorted(found)
 
@@ -75,11 +82,14 @@ class Topology:
         is every session; a choice that matches nothing is refused, naming the sessions there are."""
         found = self.sessions(source, sink, client)
         if not found:
-            chosen = " ".join(f"{what} {name!r}" for what, name in (("from", source), ("to", sink), ("for client", client))
-                              if name)
-            raise ConfigurationError(f"no session replicates {chosen or 'anything'} in topology "
-                                     f"{self.path or self.topology_config_id}; its sessions are "
-                                     f"{[str(k) for k in self.sessions()]}")
+            chosen = " ".join(
+                f"{what} {name!r}" for what, name in (("from", source), ("to", sink), ("for client", client)) if name
+            )
+            raise ConfigurationError(
+                f"no session replicates {chosen or 'anything'} in topology "
+                f"{self.path or self.topology_config_id}; its sessions are "
+                f"{[str(k) for k in self.sessions()]}"
+            )
         return found
 
     def setting(self, name: str, default: Any) -> Any:
@@ -135,7 +145,9 @@ def from_document(doc: Any, origin: Origin | None = None) -> Topology:
         source, sinks = raw["source"], tuple(raw["sinks"])
         for key, name in [("source", source), *(("sinks", sink) for sink in sinks)]:
             if name not in sites:
-                raise origin.error(["replication", index, key], f"unknown site {name!r}; known: {listing(sorted(sites))}")
+                raise origin.error(
+                    ["replication", index, key], f"unknown site {name!r}; known: {listing(sorted(sites))}"
+                )
         if source in sinks:
             raise origin.error(["replication", index, "sinks"], f"site {source!r} cannot replicate to itself")
         replications.append(Replication(source, sinks, tuple(raw["clients"])))
@@ -143,12 +155,14 @@ def from_document(doc: Any, origin: Origin | None = None) -> Topology:
     durability = dict(doc.get("durability") or {})
     if durability:
         _refuse_unsound_durability(durability, sites, replications, origin)
-    return Topology(sites, tuple(replications), dict(doc.get("settings") or {}), dict(doc.get("providers") or {}),
-                    durability)
+    return Topology(
+        sites, tuple(replications), dict(doc.get("settings") or {}), dict(doc.get("providers") or {}), durability
+    )
 
 
-def _refuse_unsound_durability(rule: dict[str, int], sites: dict[str, SiteSpec], replications: list[Replication],
-                               origin: Origin) -> None:
+def _refuse_unsound_durability(
+    rule: dict[str, int], sites: dict[str, SiteSpec], replications: list[Replication], origin: Origin
+) -> None:
     """Each source with its sinks must be able to meet ``durability`` and never meet its ack
     quorum in fewer regions than it asks (seed 004; ``durability.check_rule``)."""
     sinks_of: dict[str, set[str]] = {}
@@ -156,9 +170,13 @@ def _refuse_unsound_durability(rule: dict[str, int], sites: dict[str, SiteSpec],
         sinks_of.setdefault(r.source, set()).update(r.sinks)
     for source, sinks in sorted(sinks_of.items()):
         regions = {site: sites[site].region for site in {source, *sinks}}
-        problem = check_rule(regions, rule["min_regions_for_durability"], rule.get("ack_quorum"), rule.get("write_quorum"))
+        problem = check_rule(
+            regions, rule["min_regions_for_durability"], rule.get("ack_quorum"), rule.get("write_quorum")
+        )
         if problem is not None:
-            raise origin.error(["durability", problem.key], f"source {source!r} and its {len(sinks)} sinks: {problem.message}")
+            raise origin.error(
+                ["durability", problem.key], f"source {source!r} and its {len(sinks)} sinks: {problem.message}"
+            )
 
 
 def _refuse_ambiguous_queue_names(replications: list[Replication], origin: Origin) -> None:
@@ -279,10 +297,12 @@ class TopologyDrift:
         holds = ", ".join(f"{held or '(none applied)'} ({', '.join(sites)})" for held, sites in by_id.items())
         name = self.topology.path or "in use"
         written = [str(p) for p in (lr_home() / f"topology-{held}.yaml" for held in by_id if held) if p.is_file()]
-        return (f"topology file {name} has id {self.topology.topology_config_id}; sites hold {holds}: apply the "
-                f"current file with `lr topology apply --topology {name}` or point --topology (Airflow: the "
-                f"Variable lr_topology or ${TOPOLOGY_ENV}) at the file in use"
-                + (f" (`lr failover` wrote {', '.join(written)})" if written else ""))
+        return (
+            f"topology file {name} has id {self.topology.topology_config_id}; sites hold {holds}: apply the "
+            f"current file with `lr topology apply --topology {name}` or point --topology (Airflow: the "
+            f"Variable lr_topology or ${TOPOLOGY_ENV}) at the file in use"
+            + (f" (`lr failover` wrote {', '.join(written)})" if written else "")
+        )
 
 
 def drift(topology: Topology, recorded: Mapping[str, str | None], also: Collection[str] = ()) -> TopologyDrift | None:

@@ -12,11 +12,12 @@ and sink, one ``read`` and one send per row at each sink) made Python the bottle
 216 bytes to 2 sinks took 8.3 s (12.0 s of CPU) in one read, against 1.8 s (3.3 s of CPU) in 128 KiB
 blocks; 64 KiB to 2 MiB blocks measured alike (docs/tables-bench.md, bench/table_bench.py).
 """
+
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import psycopg2.extensions
 from psycopg2 import sql
@@ -92,8 +93,11 @@ def insert_statement(definition: TableDefinition, target: sql.Composable | None 
     return sql.SQL("COPY {} ({}) FROM STDIN (FORMAT binary)").format(target or definition.table.ident, cols)
 
 
-def copy_rows(source: psycopg2.extensions.cursor, select: sql.Composed,
-              sinks: Sequence[tuple[psycopg2.extensions.cursor, sql.Composed]]) -> int:
+def copy_rows(
+    source: psycopg2.extensions.cursor,
+    select: sql.Composed,
+    sinks: Sequence[tuple[psycopg2.extensions.cursor, sql.Composed]],
+) -> int:
     """Run ``select`` (a ``COPY ... TO STDOUT``) on ``source`` and feed its output to each sink's
     ``COPY ... FROM STDIN`` in the sinks' open transactions. Returns the bytes copied. A failure on
     any side raises here, with the sinks' transactions left for the caller to roll back."""
@@ -108,8 +112,10 @@ def copy_rows(source: psycopg2.extensions.cursor, select: sql.Composed,
             while not reader.ended:  # drain, so the source's writer never blocks on a full queue
                 reader.read()
 
-    threads = [threading.Thread(target=load, args=(cur, stmt, reader), daemon=True)
-               for (cur, stmt), reader in zip(sinks, readers)]
+    threads = [
+        threading.Thread(target=load, args=(cur, stmt, reader), daemon=True)
+        for (cur, stmt), reader in zip(sinks, readers)
+    ]
     for thread in threads:
         thread.start()
     tee = _Tee(readers, failed)

@@ -7,6 +7,7 @@ nullability) and its primary key. A sink
 table of the same name with another shape refuses the session (``SchemaMismatchError``): rows
 carried into a table missing a column would lose it silently.
 """
+
 from __future__ import annotations
 
 import re
@@ -27,7 +28,7 @@ class TableName:
     name: str
 
     @classmethod
-    def parse(cls, text: str) -> "TableName":
+    def parse(cls, text: str) -> TableName:
         """``schema.table``; a bare ``table`` is in ``public``."""
         text = text.strip()
         if "." not in text:
@@ -66,34 +67,49 @@ class TableDefinition:
         return [c.name for c in self.columns]
 
     def to_json(self) -> dict:
-        return {"table": str(self.table), "key": list(self.key),
-                "columns": [[c.name, c.type, c.not_null] for c in self.columns]}
+        return {
+            "table": str(self.table),
+            "key": list(self.key),
+            "columns": [[c.name, c.type, c.not_null] for c in self.columns],
+        }
 
     @classmethod
-    def from_json(cls, doc: dict) -> "TableDefinition":
-        return cls(TableName.parse(doc["table"]), tuple(Column(n, t, bool(nn)) for n, t, nn in doc["columns"]),
-                   tuple(doc["key"]))
+    def from_json(cls, doc: dict) -> TableDefinition:
+        return cls(
+            TableName.parse(doc["table"]),
+            tuple(Column(n, t, bool(nn)) for n, t, nn in doc["columns"]),
+            tuple(doc["key"]),
+        )
 
     def create_statement(self) -> sql.Composed:
         """``CREATE TABLE`` of this shape (a sink that never had the table gets the source's)."""
-        cols = [sql.SQL("{} {}{}").format(sql.Identifier(c.name), sql.SQL(c.type),
-                                          sql.SQL(" NOT NULL" if c.not_null else "")) for c in self.columns]
+        cols = [
+            sql.SQL("{} {}{}").format(
+                sql.Identifier(c.name), sql.SQL(c.type), sql.SQL(" NOT NULL" if c.not_null else "")
+            )
+            for c in self.columns
+        ]
         cols.append(sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(map(sql.Identifier, self.key))))
         return sql.SQL("CREATE SCHEMA IF NOT EXISTS {}; CREATE TABLE IF NOT EXISTS {} ({})").format(
-            sql.Identifier(self.table.schema), self.table.ident, sql.SQL(", ").join(cols))
+            sql.Identifier(self.table.schema), self.table.ident, sql.SQL(", ").join(cols)
+        )
 
-    def mismatch(self, other: "TableDefinition") -> list[str]:
+    def mismatch(self, other: TableDefinition) -> list[str]:
         """How ``other`` (the sink's table) differs in what replication needs: the same columns with
         the same types and the same key (nullability and column order may differ)."""
         mine = {c.name: c.type for c in self.columns}
         theirs = {c.name: c.type for c in other.columns}
         problems = [f"column {n} is missing on the sink" for n in mine if n not in theirs]
         problems += [f"column {n} exists only on the sink" for n in theirs if n not in mine]
-        problems += [f"column {n} is {mine[n]} on the source but {theirs[n]} on the sink"
-                     for n in mine if n in theirs and mine[n] != theirs[n]]
+        problems += [
+            f"column {n} is {mine[n]} on the source but {theirs[n]} on the sink"
+            for n in mine
+            if n in theirs and mine[n] != theirs[n]
+        ]
         if tuple(self.key) != tuple(other.key):
-            problems.append(f"primary key ({', '.join(self.key)}) on the source but "
-                            f"({', '.join(other.key) or 'none'}) on the sink")
+            problems.append(
+                f"primary key ({', '.join(self.key)}) on the source but ({', '.join(other.key) or 'none'}) on the sink"
+            )
         return problems
 
 

@@ -19,6 +19,7 @@ that site's part of the failover or not at all:
   registry names the new source as the table's origin;
 * ``diverged``: every table of a site whose replication is not running (``lr status``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,8 +37,11 @@ from airflow_provider_lr.engine.vocabulary import SessionKey
 
 def held_from(cur: psycopg2.extensions.cursor, source: str, client: str) -> dict[str, str]:
     """The tables this site takes from ``source`` for ``client``: name -> state."""
-    cur.execute("SELECT table_name, state FROM lr.sink_tables WHERE source_site_id = %s AND client_name = %s "
-                "ORDER BY table_name", (source, client))
+    cur.execute(
+        "SELECT table_name, state FROM lr.sink_tables WHERE source_site_id = %s AND client_name = %s "
+        "ORDER BY table_name",
+        (source, client),
+    )
     return dict(cur.fetchall())
 
 
@@ -50,8 +54,10 @@ def missing(promoted: dict[str, str], others: dict[str, dict[str, str]]) -> list
         for table, state in held.items():
             if state != TableState.CONFLICT and promoted.get(table) != TableState.SYNCED:
                 found.setdefault(table, []).append(sink)
-    return [f"{table} ({promoted.get(table, 'never synced')} there; held by {', '.join(sinks)})"
-            for table, sinks in sorted(found.items())]
+    return [
+        f"{table} ({promoted.get(table, 'never synced')} there; held by {', '.join(sinks)})"
+        for table, sinks in sorted(found.items())
+    ]
 
 
 def take_over(cur: psycopg2.extensions.cursor, old_source: str, client: str) -> list[FederatedTable]:
@@ -69,20 +75,27 @@ def take_over(cur: psycopg2.extensions.cursor, old_source: str, client: str) -> 
         found = registry.federate(cur, table, client, registry.read(cur, table, lock=True))
         if primary:  # the old source's rows were the unlisted ones: now this site's own
             cur.execute("UPDATE lr.registry SET source_site_id = NULL WHERE stream_name = %s", (name,))
-            cur.execute("DELETE FROM lr.table_row_origin WHERE table_name = %s AND source_site_id = %s",
-                        (name, old_source))
+            cur.execute(
+                "DELETE FROM lr.table_row_origin WHERE table_name = %s AND source_site_id = %s", (name, old_source)
+            )
         else:  # another origin is primary here: this site's rows stay listed, under itself
-            cur.execute("UPDATE lr.table_row_origin SET source_site_id = (SELECT site_id FROM lr.site_info) "
-                        "WHERE table_name = %s AND source_site_id = %s", (name, old_source))
-        cur.execute("DELETE FROM lr.sink_tables WHERE source_site_id = %s AND client_name = %s AND table_name = %s",
-                    (old_source, client, name))
+            cur.execute(
+                "UPDATE lr.table_row_origin SET source_site_id = (SELECT site_id FROM lr.site_info) "
+                "WHERE table_name = %s AND source_site_id = %s",
+                (name, old_source),
+            )
+        cur.execute(
+            "DELETE FROM lr.sink_tables WHERE source_site_id = %s AND client_name = %s AND table_name = %s",
+            (old_source, client, name),
+        )
         assert found.table_id is not None
         taken.append(FederatedTable(table, found.table_id))
     return taken
 
 
-def follow(cur: psycopg2.extensions.cursor, old_source: str, new_source: str, client: str,
-           federated: list[FederatedTable]) -> dict[str, str]:
+def follow(
+    cur: psycopg2.extensions.cursor, old_source: str, new_source: str, client: str, federated: list[FederatedTable]
+) -> dict[str, str]:
     """On another sink: each table it takes from ``old_source`` that ``new_source`` now captures
     (``federated``) moves to the new source, whose snapshot replaces the old source's rows at the
     next cycle of the session (the cut of tables). A table the new source does not capture stays
@@ -95,18 +108,35 @@ def follow(cur: psycopg2.extensions.cursor, old_source: str, new_source: str, cl
             if state != TableState.CONFLICT:
                 done[name] = f"diverged: {new_source} does not replicate it (no synced copy there)"
             continue
-        cur.execute("DELETE FROM lr.sink_tables WHERE source_site_id = %s AND client_name = %s AND table_name = %s",
-                    (old_source, client, name))
-        cur.execute("UPDATE lr.registry SET source_site_id = %s WHERE stream_name = %s AND kind = 'table' "
-                    "AND source_site_id = %s", (new_source, name, old_source))
-        cur.execute("UPDATE lr.table_row_origin SET source_site_id = %s WHERE table_name = %s AND source_site_id = %s",
-                    (new_source, name, old_source))
+        cur.execute(
+            "DELETE FROM lr.sink_tables WHERE source_site_id = %s AND client_name = %s AND table_name = %s",
+            (old_source, client, name),
+        )
+        cur.execute(
+            "UPDATE lr.registry SET source_site_id = %s WHERE stream_name = %s AND kind = 'table' "
+            "AND source_site_id = %s",
+            (new_source, name, old_source),
+        )
+        cur.execute(
+            "UPDATE lr.table_row_origin SET source_site_id = %s WHERE table_name = %s AND source_site_id = %s",
+            (new_source, name, old_source),
+        )
         if state == TableState.CONFLICT:
             continue  # not federated here: the new source's snapshot records the conflict again
-        sink_tables.record(cur, new_source, client, table.table, table.table_id, TableState.SYNCING, run_id=None,
-                           split_snapshot=None, split_upto=None, rows_copied=None,
-                           detail=f"failover: waits for a snapshot from {new_source}, which replaces the rows "
-                                  f"of {old_source} (the cut of tables)")
+        sink_tables.record(
+            cur,
+            new_source,
+            client,
+            table.table,
+            table.table_id,
+            TableState.SYNCING,
+            run_id=None,
+            split_snapshot=None,
+            split_upto=None,
+            rows_copied=None,
+            detail=f"failover: waits for a snapshot from {new_source}, which replaces the rows "
+            f"of {old_source} (the cut of tables)",
+        )
         done[name] = f"a snapshot from {new_source} replaces {old_source}'s rows at the next cycle"
     return done
 
@@ -115,14 +145,18 @@ def retire(cur: psycopg2.extensions.cursor, client: str, new_source: str, tables
     """On the old source: the client's tables it captures (``tables``: only those; None: all) are
     no longer captured here; a guard refuses its applications' writes (lr's apply passes), and,
     for ``tables``, the registry names ``new_source`` as their origin. Returns the tables guarded."""
-    cur.execute("SELECT stream_name FROM lr.registry WHERE kind = 'table' AND is_federated AND client_name = %s "
-                "AND table_id IS NOT NULL ORDER BY stream_name", (client,))
+    cur.execute(
+        "SELECT stream_name FROM lr.registry WHERE kind = 'table' AND is_federated AND client_name = %s "
+        "AND table_id IS NOT NULL ORDER BY stream_name",
+        (client,),
+    )
     names = [r[0] for r in cur.fetchall() if tables is None or r[0] in tables]
     for name in names:
         registry.guard_writes(cur, TableName.parse(name), client, new_source)
         if tables is not None:
-            cur.execute("UPDATE lr.registry SET table_id = NULL, source_site_id = %s WHERE stream_name = %s",
-                        (new_source, name))
+            cur.execute(
+                "UPDATE lr.registry SET table_id = NULL, source_site_id = %s WHERE stream_name = %s", (new_source, name)
+            )
     return names
 
 
@@ -152,19 +186,35 @@ def diverged(conn: psycopg2.extensions.connection) -> list[Divergence]:
         here = cur.fetchone()[0]
         for name, client, source, gone, to in rows:
             session = SessionKey(source, here, client)
-            why = (f"its session {session} is gone" if gone else
-                   f"its session {session} was failed over to {to}, which does not replicate it")
+            why = (
+                f"its session {session} is gone"
+                if gone
+                else f"its session {session} was failed over to {to}, which does not replicate it"
+            )
             found.append(Divergence(name, client, f"{why}; its rows stay as {source} left them"))
         with_sinks = source_sessions.clients_with_sessions(cur)
-        cur.execute("SELECT g.stream_name, g.client_name FROM lr.registry g "
-                    "WHERE g.kind = 'table' AND g.is_federated AND g.table_id IS NOT NULL ORDER BY 1")
+        cur.execute(
+            "SELECT g.stream_name, g.client_name FROM lr.registry g "
+            "WHERE g.kind = 'table' AND g.is_federated AND g.table_id IS NOT NULL ORDER BY 1"
+        )
         for name, client in cur.fetchall():
             has_sink = client in with_sinks
             if not registry.capturing(cur, TableName.parse(name)):
-                found.append(Divergence(name, client, "captured here but its capture triggers are gone: changes are "
-                                                      "not replicated (reopen it: lr tables open)"))
+                found.append(
+                    Divergence(
+                        name,
+                        client,
+                        "captured here but its capture triggers are gone: changes are "
+                        "not replicated (reopen it: lr tables open)",
+                    )
+                )
             elif not has_sink:
-                found.append(Divergence(name, client, f"captured here but client {client!r} has no sink from this "
-                                                      "site: changes are not replicated"))
+                found.append(
+                    Divergence(
+                        name,
+                        client,
+                        f"captured here but client {client!r} has no sink from this site: changes are not replicated",
+                    )
+                )
     conn.commit()
     return found

@@ -14,6 +14,7 @@ A failover moves a table's capture (``tables/handover``): the promoted site fede
 (``federate``), the old source's capture triggers become guards that refuse its applications'
 writes (``guard_writes``, ``lr.refuse_table_writes`` in V0014); opening the table again drops them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,8 +64,11 @@ class RegisteredTable:
         return is_closed(self.federated, self.table_id, self.source_site_id)
 
     def describe(self) -> str:
-        flag = "closed (not captured; its sinks keep their copy)" if self.closed else (
-            "federated" if self.federated else "not federated")
+        flag = (
+            "closed (not captured; its sinks keep their copy)"
+            if self.closed
+            else ("federated" if self.federated else "not federated")
+        )
         origin = f" (from {self.source_site_id})" if self.source_site_id else ""
         return f"{self.table} {flag} client={self.client_name or '-'}{origin}"
 
@@ -77,8 +81,10 @@ def open_table(conn: psycopg2.extensions.connection, name: str, client: str, fed
         with conn.cursor() as cur:
             cur.execute("SELECT 1 FROM lr.clients WHERE client_name = %s", (client,))
             if federated and cur.fetchone() is None:
-                raise TableError(f"client {client!r} is not in the topology applied to this site; "
-                                 "apply a topology that replicates it first")
+                raise TableError(
+                    f"client {client!r} is not in the topology applied to this site; "
+                    "apply a topology that replicates it first"
+                )
             current = read(cur, table, lock=True)
             if federated:
                 result = federate(cur, table, client, current)
@@ -118,11 +124,16 @@ def close_table(conn: psycopg2.extensions.connection, name: str) -> RegisteredTa
                 conn.rollback()
                 return current
             if current.table_id is None:
-                raise TableError(f"{table} is not captured on this site: it is a sink's copy from "
-                                 f"{current.source_site_id}; close it at its source")
+                raise TableError(
+                    f"{table} is not captured on this site: it is a sink's copy from "
+                    f"{current.source_site_id}; close it at its source"
+                )
             stop_capture(cur, table)
-            cur.execute("UPDATE lr.registry SET table_id = NULL, registered_at = now() "
-                        "WHERE stream_name = %s AND kind = 'table'", (str(table),))
+            cur.execute(
+                "UPDATE lr.registry SET table_id = NULL, registered_at = now() "
+                "WHERE stream_name = %s AND kind = 'table'",
+                (str(table),),
+            )
             result = read(cur, table)
             assert result is not None and result.closed
         conn.commit()
@@ -132,15 +143,21 @@ def close_table(conn: psycopg2.extensions.connection, name: str) -> RegisteredTa
         raise
 
 
-def federate(cur: psycopg2.extensions.cursor, table: TableName, client: str,
-              current: RegisteredTable | None) -> RegisteredTable:
+def federate(
+    cur: psycopg2.extensions.cursor, table: TableName, client: str, current: RegisteredTable | None
+) -> RegisteredTable:
     definition = read_definition(cur, table)
     if definition is None:
         raise TableError(f"table {table} does not exist on this site")
     if not definition.key:
         raise TableError(f"table {table} has no primary key; lr applies changes by key, so it needs one")
-    if current and current.federated and current.client_name == client and current.table_id is not None \
-            and capturing(cur, table):
+    if (
+        current
+        and current.federated
+        and current.client_name == client
+        and current.table_id is not None
+        and capturing(cur, table)
+    ):
         return current
     cur.execute("SELECT nextval('lr.table_id_seq')")
     (table_id,) = cur.fetchone()
@@ -156,19 +173,28 @@ def federate(cur: psycopg2.extensions.cursor, table: TableName, client: str,
         raise TableError(f"{table} is registered here as something else than a table")
     stop_capture(cur, table)
     for operation, referencing in _TRIGGERS.items():
-        cur.execute(sql.SQL(
-            "CREATE TRIGGER {} AFTER {} ON {} " + referencing + " FOR EACH STATEMENT"
-            " EXECUTE FUNCTION lr.capture_table_changes({}, {})"
-        ).format(sql.Identifier(trigger_name(operation)), sql.SQL(operation), table.ident,
-                 sql.Literal(client), sql.Literal(str(table_id))))
+        cur.execute(
+            sql.SQL(
+                "CREATE TRIGGER {} AFTER {} ON {} " + referencing + " FOR EACH STATEMENT"
+                " EXECUTE FUNCTION lr.capture_table_changes({}, {})"
+            ).format(
+                sql.Identifier(trigger_name(operation)),
+                sql.SQL(operation),
+                table.ident,
+                sql.Literal(client),
+                sql.Literal(str(table_id)),
+            )
+        )
     result = read(cur, table)
     assert result is not None
     return result
 
 
 def capturing(cur: psycopg2.extensions.cursor, table: TableName) -> bool:
-    cur.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = to_regclass(%s) AND tgname LIKE 'lr\\_capture\\_%%'",
-                (table.ident.as_string(cur),))
+    cur.execute(
+        "SELECT count(*) FROM pg_trigger WHERE tgrelid = to_regclass(%s) AND tgname LIKE 'lr\\_capture\\_%%'",
+        (table.ident.as_string(cur),),
+    )
     return cur.fetchone()[0] == len(_TRIGGERS)
 
 
@@ -187,10 +213,17 @@ def guard_writes(cur: psycopg2.extensions.cursor, table: TableName, client: str,
     table is ``source``'s now, written here by lr's apply only (a failover's old source)."""
     stop_capture(cur, table)
     for operation in _TRIGGERS:
-        cur.execute(sql.SQL(
-            "CREATE TRIGGER {} BEFORE {} ON {} FOR EACH STATEMENT EXECUTE FUNCTION lr.refuse_table_writes({}, {})"
-        ).format(sql.Identifier(guard_name(operation)), sql.SQL(operation), table.ident, sql.Literal(client),
-                 sql.Literal(source)))
+        cur.execute(
+            sql.SQL(
+                "CREATE TRIGGER {} BEFORE {} ON {} FOR EACH STATEMENT EXECUTE FUNCTION lr.refuse_table_writes({}, {})"
+            ).format(
+                sql.Identifier(guard_name(operation)),
+                sql.SQL(operation),
+                table.ident,
+                sql.Literal(client),
+                sql.Literal(source),
+            )
+        )
 
 
 def read(cur: psycopg2.extensions.cursor, table: TableName, lock: bool = False) -> RegisteredTable | None:
@@ -206,8 +239,10 @@ def read(cur: psycopg2.extensions.cursor, table: TableName, lock: bool = False) 
 def list_tables(conn: psycopg2.extensions.connection) -> list[RegisteredTable]:
     """Every table registered on this site, by name."""
     with conn.cursor() as cur:
-        cur.execute("SELECT stream_name, is_federated, client_name, table_id, source_site_id FROM lr.registry "
-                    "WHERE kind = 'table' ORDER BY stream_name")
+        cur.execute(
+            "SELECT stream_name, is_federated, client_name, table_id, source_site_id FROM lr.registry "
+            "WHERE kind = 'table' ORDER BY stream_name"
+        )
         rows = cur.fetchall()
     conn.rollback()
     return [RegisteredTable(TableName.parse(r[0]), *r[1:]) for r in rows]

@@ -17,12 +17,13 @@ The rules (seed 002, CorfuDB #3502):
   ``lr.table_row_origin`` lists them under another source; a snapshot or TRUNCATE from a source
   clears only that source's rows. Last writer wins on a key written by two sources.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Callable, Sequence
 
 import psycopg2.extensions
 from psycopg2 import sql
@@ -67,8 +68,15 @@ def session_tables(cur: psycopg2.extensions.cursor, source: str, client: str) ->
     return found
 
 
-def record(cur: psycopg2.extensions.cursor, source: str, client: str, table: TableName, source_table_id: int,
-           state: str, **values: object) -> None:
+def record(
+    cur: psycopg2.extensions.cursor,
+    source: str,
+    client: str,
+    table: TableName,
+    source_table_id: int,
+    state: str,
+    **values: object,
+) -> None:
     """Upsert the session's row for ``table`` (columns not given keep their value, or NULL)."""
     cols = ["source_site_id", "client_name", "table_name", "source_table_id", "state", *values]
     params = [source, client, str(table), source_table_id, state, *values.values()]
@@ -82,8 +90,10 @@ def record(cur: psycopg2.extensions.cursor, source: str, client: str, table: Tab
 
 def forget_session(cur: psycopg2.extensions.cursor, source: str, client: str) -> None:
     """A session's full sync starts over: each of its tables takes a new snapshot after it."""
-    cur.execute("DELETE FROM lr.sink_tables WHERE source_site_id = %s AND client_name = %s AND state <> %s",
-                (source, client, TableState.CONFLICT))
+    cur.execute(
+        "DELETE FROM lr.sink_tables WHERE source_site_id = %s AND client_name = %s AND state <> %s",
+        (source, client, TableState.CONFLICT),
+    )
 
 
 def applying(cur: psycopg2.extensions.cursor) -> None:
@@ -114,14 +124,16 @@ class Target:
         return sql.SQL("jsonb_build_object({})").format(sql.SQL(", ").join(parts))
 
 
-def prepare(cur: psycopg2.extensions.cursor, source: str, client: str, source_def: TableDefinition,
-            where: str) -> Target | None:
+def prepare(
+    cur: psycopg2.extensions.cursor, source: str, client: str, source_def: TableDefinition, where: str
+) -> Target | None:
     """The target for ``source_def``'s rows on this sink, creating and registering the table when
     the sink never opened it; None when the sink opened it as not federated (a conflict: nothing
     is applied, its registry entry is kept). Raises ``SchemaMismatchError`` on another shape."""
     table = source_def.table
-    cur.execute("SELECT is_federated, source_site_id, kind FROM lr.registry WHERE stream_name = %s FOR UPDATE",
-                (str(table),))
+    cur.execute(
+        "SELECT is_federated, source_site_id, kind FROM lr.registry WHERE stream_name = %s FOR UPDATE", (str(table),)
+    )
     row = cur.fetchone()
     if row is not None and row[2] != "table":
         raise SchemaMismatchError(f"{where}: {table} is registered on the sink as a {row[2]}, not a table")
@@ -184,15 +196,22 @@ def clear(cur: psycopg2.extensions.cursor, target: Target) -> None:
     if not target.shared:
         cur.execute(sql.SQL("DELETE FROM {}").format(t))
     elif target.primary:
-        cur.execute(sql.SQL(
-            "DELETE FROM {} x WHERE NOT EXISTS (SELECT 1 FROM lr.table_row_origin o WHERE o.table_name = {} "
-            "AND o.key = {})").format(t, sql.Literal(name), target.key_object(sql.Identifier("x"))))
+        cur.execute(
+            sql.SQL(
+                "DELETE FROM {} x WHERE NOT EXISTS (SELECT 1 FROM lr.table_row_origin o WHERE o.table_name = {} "
+                "AND o.key = {})"
+            ).format(t, sql.Literal(name), target.key_object(sql.Identifier("x")))
+        )
     else:
-        cur.execute(sql.SQL(
-            "DELETE FROM {} x USING lr.table_row_origin o WHERE o.table_name = {} AND o.source_site_id = {} "
-            "AND o.key = {}").format(t, sql.Literal(name), sql.Literal(target.source), target.key_object(sql.Identifier("x"))))
-        cur.execute("DELETE FROM lr.table_row_origin WHERE table_name = %s AND source_site_id = %s",
-                    (name, target.source))
+        cur.execute(
+            sql.SQL(
+                "DELETE FROM {} x USING lr.table_row_origin o WHERE o.table_name = {} AND o.source_site_id = {} "
+                "AND o.key = {}"
+            ).format(t, sql.Literal(name), sql.Literal(target.source), target.key_object(sql.Identifier("x")))
+        )
+        cur.execute(
+            "DELETE FROM lr.table_row_origin WHERE table_name = %s AND source_site_id = %s", (name, target.source)
+        )
 
 
 def upsert_from(cur: psycopg2.extensions.cursor, target: Target, staging: sql.Composable) -> int:
@@ -200,12 +219,18 @@ def upsert_from(cur: psycopg2.extensions.cursor, target: Target, staging: sql.Co
     origin ledger follows when the table is shared. Returns the rows written."""
     d = target.definition
     cols = sql.SQL(", ").join(map(sql.Identifier, d.column_names))
-    cur.execute(sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {} {}").format(
-        d.table.ident, cols, cols, staging, _on_conflict(d)))
+    cur.execute(
+        sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {} {}").format(d.table.ident, cols, cols, staging, _on_conflict(d))
+    )
     rows = max(cur.rowcount, 0)
     if target.shared:
-        cur.execute(_ledger(target, sql.SQL("SELECT {} AS key FROM {} s").format(
-            target.key_object(sql.Identifier("s")), staging), upserted=True))
+        cur.execute(
+            _ledger(
+                target,
+                sql.SQL("SELECT {} AS key FROM {} s").format(target.key_object(sql.Identifier("s")), staging),
+                upserted=True,
+            )
+        )
     return rows
 
 
@@ -215,8 +240,10 @@ def _on_conflict(d: TableDefinition) -> sql.Composed:
     if not rest:
         return sql.SQL("ON CONFLICT ({}) DO NOTHING").format(keys)
     return sql.SQL("ON CONFLICT ({}) DO UPDATE SET ({}) = ROW({})").format(
-        keys, sql.SQL(", ").join(map(sql.Identifier, rest)),
-        sql.SQL(", ").join(sql.SQL("EXCLUDED.{}").format(sql.Identifier(c)) for c in rest))
+        keys,
+        sql.SQL(", ").join(map(sql.Identifier, rest)),
+        sql.SQL(", ").join(sql.SQL("EXCLUDED.{}").format(sql.Identifier(c)) for c in rest),
+    )
 
 
 def _ledger(target: Target, keys: sql.Composable, upserted: bool) -> sql.Composed:
@@ -227,10 +254,11 @@ def _ledger(target: Target, keys: sql.Composable, upserted: bool) -> sql.Compose
     if upserted and not target.primary:
         return sql.SQL(
             "INSERT INTO lr.table_row_origin (table_name, key, source_site_id) SELECT DISTINCT {}, k.key, {} FROM ({}) k "
-            "ON CONFLICT (table_name, key) DO UPDATE SET source_site_id = EXCLUDED.source_site_id").format(
-            name, sql.Literal(target.source), keys)
+            "ON CONFLICT (table_name, key) DO UPDATE SET source_site_id = EXCLUDED.source_site_id"
+        ).format(name, sql.Literal(target.source), keys)
     return sql.SQL("DELETE FROM lr.table_row_origin o USING ({}) k WHERE o.table_name = {} AND o.key = k.key").format(
-        keys, name)
+        keys, name
+    )
 
 
 class ApplyError(TableError):
@@ -342,9 +370,13 @@ class ChangeApplier:
         runs, self.runs, self.bytes = self.runs, [], 0
         if not runs:
             return
-        statements = [self.cur.mogrify(self._statement(run), {"docs": [psycopg2.Binary(m) for m in run.docs],
-                                                                "lo": run.lo, "hi": run.hi, "text": list(run.text)})
-                      for run in runs]
+        statements = [
+            self.cur.mogrify(
+                self._statement(run),
+                {"docs": [psycopg2.Binary(m) for m in run.docs], "lo": run.lo, "hi": run.hi, "text": list(run.text)},
+            )
+            for run in runs
+        ]
         try:
             self.cur.execute(b";\n".join(statements))
         except (psycopg2.OperationalError, psycopg2.InterfaceError):
@@ -368,7 +400,8 @@ class ChangeApplier:
             "FROM unnest(%(docs)s::bytea[], %(lo)s::int[], %(hi)s::int[]) WITH ORDINALITY AS t(doc, lo, hi, ord) "
             "CROSS JOIN LATERAL jsonb_array_elements(convert_from(t.doc, 'UTF8')::jsonb -> 'rows') "
             "WITH ORDINALITY AS r(d, i) "
-            "WHERE r.i BETWEEN t.lo AND t.hi ORDER BY t.ord, r.i").format(t=d.table.ident)
+            "WHERE r.i BETWEEN t.lo AND t.hi ORDER BY t.ord, r.i"
+        ).format(t=d.table.ident)
         types = {c.name: c.type for c in d.columns}
 
         def value(col: str) -> sql.Composable:  # a column of row s: from the record, or cast from its text
@@ -380,12 +413,14 @@ class ChangeApplier:
             x_key = sql.SQL(", ").join(sql.SQL("x.{}").format(sql.Identifier(k)) for k in d.key)
             s_key = sql.SQL(", ").join(value(k) for k in d.key)
             statement = sql.SQL("DELETE FROM {t} x USING ({rows}) s WHERE ({xk}) = ({sk})").format(
-                t=d.table.ident, rows=rows, xk=x_key, sk=s_key)
+                t=d.table.ident, rows=rows, xk=x_key, sk=s_key
+            )
         else:
             cols = sql.SQL(", ").join(map(sql.Identifier, d.column_names))
             s_cols = sql.SQL(", ").join(value(c) for c in d.column_names)
             statement = sql.SQL("INSERT INTO {t} ({cols}) SELECT {s_cols} FROM ({rows}) s {conflict}").format(
-                t=d.table.ident, cols=cols, s_cols=s_cols, rows=rows, conflict=_on_conflict(d))
+                t=d.table.ident, cols=cols, s_cols=s_cols, rows=rows, conflict=_on_conflict(d)
+            )
         if not target.shared:
             return statement
         keys = sql.SQL("SELECT {} AS key FROM ({}) s").format(target.key_object(sql.SQL("(s.p)"), value), rows)
@@ -394,7 +429,9 @@ class ChangeApplier:
     def _target(self, tid: int) -> Target | None:
         self.cur.execute(
             "SELECT table_name, state FROM lr.sink_tables WHERE source_site_id = %s AND client_name = %s "
-            "AND source_table_id = %s", (self.source, self.client, tid))
+            "AND source_table_id = %s",
+            (self.source, self.client, tid),
+        )
         row = self.cur.fetchone()
         if row is None or row[1] == TableState.CONFLICT:
             return None  # not synced here: the source sends none (a conflict's are dropped)

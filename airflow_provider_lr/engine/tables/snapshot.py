@@ -20,12 +20,13 @@ Two ways to write it:
   the driver's transaction: a driver that dies leaves the table ``syncing``, and the next run takes
   a new snapshot and writes it again from a cleared table.
 """
+
 from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import psycopg2
 import psycopg2.extensions
@@ -42,7 +43,7 @@ from airflow_provider_lr.engine.tables import copy as table_copy
 from airflow_provider_lr.engine.tables import sink as sink_tables
 from airflow_provider_lr.engine.tables.definition import TableDefinition, TableName, read_definition
 from airflow_provider_lr.engine.tables.registry import FederatedTable
-from airflow_provider_lr.engine.tables.sink import Target, TableState
+from airflow_provider_lr.engine.tables.sink import TableState, Target
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
 log = logging.getLogger(__name__)
@@ -93,8 +94,12 @@ class SnapshotReport:
     bytes: int = 0
 
 
-def needed(source: psycopg2.extensions.connection, sink: psycopg2.extensions.connection, key: SessionKey,
-           federated: Sequence[FederatedTable]) -> list[FederatedTable]:
+def needed(
+    source: psycopg2.extensions.connection,
+    sink: psycopg2.extensions.connection,
+    key: SessionKey,
+    federated: Sequence[FederatedTable],
+) -> list[FederatedTable]:
     """The source's federated tables the session's sink has not synced (in their current
     federation), or holds as a conflict that no longer is one (the sink reopened the table)."""
     if not federated:
@@ -107,8 +112,12 @@ def needed(source: psycopg2.extensions.connection, sink: psycopg2.extensions.con
     lacking = []
     for table in federated:
         held = have.get(table.table)
-        if held is not None and held.source_table_id == table.table_id and (
-            held.state == TableState.SYNCED or (held.state == TableState.CONFLICT and str(table.table) in not_here)
+        if (
+            held is not None
+            and held.source_table_id == table.table_id
+            and (
+                held.state == TableState.SYNCED or (held.state == TableState.CONFLICT and str(table.table) in not_here)
+            )
         ):
             continue
         lacking.append(table)
@@ -121,8 +130,9 @@ def splits(sink: psycopg2.extensions.connection, key: SessionKey) -> TableSplits
         held = sink_tables.session_tables(cur, key.source, key.client)
     sink.rollback()
     synced = sorted((t.source_table_id, t.split) for t in held.values() if t.state == TableState.SYNCED and t.split)
-    return TableSplits(tuple(i for i, _ in synced), tuple(s.upto for _, s in synced),
-                       tuple(s.snapshot for _, s in synced))
+    return TableSplits(
+        tuple(i for i, _ in synced), tuple(s.upto for _, s in synced), tuple(s.snapshot for _, s in synced)
+    )
 
 
 class TableSnapshot:
@@ -164,8 +174,10 @@ class TableSnapshot:
 
     def estimated_rows(self) -> int:
         with self.source.cursor() as cur:
-            cur.execute(f"SELECT coalesce(sum({_ROWS_ESTIMATE}), 0)::bigint FROM pg_class "
-                        "WHERE oid = ANY (%s::regclass[])", ([str(t) for t in self.definitions],))
+            cur.execute(
+                f"SELECT coalesce(sum({_ROWS_ESTIMATE}), 0)::bigint FROM pg_class WHERE oid = ANY (%s::regclass[])",
+                ([str(t) for t in self.definitions],),
+            )
             return cur.fetchone()[0]
 
     def plan(self, ranges_per_table: int | None = None) -> list[KeyRange]:
@@ -217,10 +229,18 @@ class TableSnapshot:
                     fault_point("table_snapshot_before_commit")
                 while writes:
                     (side, write, _, table_id), count = writes.pop(0), rows.pop(0)
-                    sink_tables.record(write.cur, side.key.source, side.key.client, table,
-                                       table_id, TableState.SYNCED, run_id=None,
-                                       split_snapshot=self.split.snapshot, split_upto=self.split.upto,
-                                       rows_copied=count)
+                    sink_tables.record(
+                        write.cur,
+                        side.key.source,
+                        side.key.client,
+                        table,
+                        table_id,
+                        TableState.SYNCED,
+                        run_id=None,
+                        split_snapshot=self.split.snapshot,
+                        split_upto=self.split.upto,
+                        rows_copied=count,
+                    )
                     write.commit()
                     self.report.tables[f"{side.key}:{table}"] = TableState.SYNCED
                     self.report.rows += count
@@ -256,19 +276,37 @@ class TableSnapshot:
                         self.report.tables[f"{side.key}:{table.table}"] = TableState.CONFLICT
                         continue
                     if row.run_id != self.run_id:
-                        raise StaleBatchError(f"session {side.key}: table {table.table} is now written by run "
-                                              f"{row.run_id}, not {self.run_id}")
-                    cur.execute("SELECT count(*), coalesce(sum(rows_copied), 0) FROM lr.sink_table_ranges "
-                                "WHERE run_id = %s AND table_name = %s", (self.run_id, str(table.table)))
+                        raise StaleBatchError(
+                            f"session {side.key}: table {table.table} is now written by run "
+                            f"{row.run_id}, not {self.run_id}"
+                        )
+                    cur.execute(
+                        "SELECT count(*), coalesce(sum(rows_copied), 0) FROM lr.sink_table_ranges "
+                        "WHERE run_id = %s AND table_name = %s",
+                        (self.run_id, str(table.table)),
+                    )
                     done, rows = cur.fetchone()
                     if done != expected.get(str(table.table), 0):
-                        raise StaleBatchError(f"session {side.key}: table {table.table} has {done} of "
-                                              f"{expected.get(str(table.table), 0)} ranges written")
-                    sink_tables.record(cur, side.key.source, side.key.client, table.table, table.table_id,
-                                       TableState.SYNCED, run_id=None, split_snapshot=self.split.snapshot,
-                                       split_upto=self.split.upto, rows_copied=rows)
-                    cur.execute("DELETE FROM lr.sink_table_ranges WHERE run_id = %s AND table_name = %s",
-                                (self.run_id, str(table.table)))
+                        raise StaleBatchError(
+                            f"session {side.key}: table {table.table} has {done} of "
+                            f"{expected.get(str(table.table), 0)} ranges written"
+                        )
+                    sink_tables.record(
+                        cur,
+                        side.key.source,
+                        side.key.client,
+                        table.table,
+                        table.table_id,
+                        TableState.SYNCED,
+                        run_id=None,
+                        split_snapshot=self.split.snapshot,
+                        split_upto=self.split.upto,
+                        rows_copied=rows,
+                    )
+                    cur.execute(
+                        "DELETE FROM lr.sink_table_ranges WHERE run_id = %s AND table_name = %s",
+                        (self.run_id, str(table.table)),
+                    )
                     self.report.tables[f"{side.key}:{table.table}"] = TableState.SYNCED
         return self.report
 
@@ -276,40 +314,81 @@ class TableSnapshot:
         """What a parallel task needs, as plain data (see ``copy_range``)."""
         assert self.split is not None
         return {
-            "exported": self.exported, "run_id": self.run_id, "client": self.client,
+            "exported": self.exported,
+            "run_id": self.run_id,
+            "client": self.client,
             "definitions": {str(t): d.to_json() for t, d in self.definitions.items()},
-            "sinks": [{"source": s.key.source, "sink": s.key.sink, "epoch": s.epoch,
-                       "tables": [str(t.table) for t in s.tables]} for s in self.sinks],
+            "sinks": [
+                {
+                    "source": s.key.source,
+                    "sink": s.key.sink,
+                    "epoch": s.epoch,
+                    "tables": [str(t.table) for t in s.tables],
+                }
+                for s in self.sinks
+            ],
         }
 
     # --- shared -------------------------------------------------------------------------------
-    def _prepare(self, cur: psycopg2.extensions.cursor, side: SinkSide, table: FederatedTable,
-                 definition: TableDefinition, state: str) -> Target | None:
+    def _prepare(
+        self,
+        cur: psycopg2.extensions.cursor,
+        side: SinkSide,
+        table: FederatedTable,
+        definition: TableDefinition,
+        state: str,
+    ) -> Target | None:
         """The sink's target for ``table`` (None: a conflict, recorded), cleared of this source's rows.
         The range records of a run that was writing the table and never finished (fenced, its sink
         restarted: left ``syncing``) go too: only that run's finish would have removed them."""
         sink_tables.applying(cur)
-        cur.execute("DELETE FROM lr.sink_table_ranges r USING lr.sink_tables t WHERE t.source_site_id = %s "
-                    "AND t.client_name = %s AND t.table_name = %s AND r.run_id = t.run_id "
-                    "AND r.table_name = t.table_name", (side.key.source, side.key.client, str(table.table)))
+        cur.execute(
+            "DELETE FROM lr.sink_table_ranges r USING lr.sink_tables t WHERE t.source_site_id = %s "
+            "AND t.client_name = %s AND t.table_name = %s AND r.run_id = t.run_id "
+            "AND r.table_name = t.table_name",
+            (side.key.source, side.key.client, str(table.table)),
+        )
         where = f"session {side.key}"
         target = sink_tables.prepare(cur, side.key.source, side.key.client, definition, where)
         if target is None:
-            sink_tables.record(cur, side.key.source, side.key.client, table.table, table.table_id,
-                               TableState.CONFLICT, run_id=None, split_snapshot=None, split_upto=None,
-                               detail="opened on this sink with is_federated = false: its data is not applied here")
+            sink_tables.record(
+                cur,
+                side.key.source,
+                side.key.client,
+                table.table,
+                table.table_id,
+                TableState.CONFLICT,
+                run_id=None,
+                split_snapshot=None,
+                split_upto=None,
+                detail="opened on this sink with is_federated = false: its data is not applied here",
+            )
             log.warning("%s: %s is not federated on the sink; its data is dropped there", where, table.table)
             self.report.tables[f"{side.key}:{table.table}"] = TableState.CONFLICT
             return None
         sink_tables.clear(cur, target)
-        sink_tables.record(cur, side.key.source, side.key.client, table.table, table.table_id, state,
-                           run_id=self.run_id, split_snapshot=None, split_upto=None, detail=None,
-                           rows_copied=None)
+        sink_tables.record(
+            cur,
+            side.key.source,
+            side.key.client,
+            table.table,
+            table.table_id,
+            state,
+            run_id=self.run_id,
+            split_snapshot=None,
+            split_upto=None,
+            detail=None,
+            rows_copied=None,
+        )
         return target
 
 
-def copy_to_targets(source: psycopg2.extensions.cursor, definition: TableDefinition, where: sql.Composable | None,
-                    targets: list[tuple[psycopg2.extensions.cursor, Target]]) -> tuple[int, list[int]]:
+def copy_to_targets(
+    source: psycopg2.extensions.cursor,
+    definition: TableDefinition,
+    where: sql.Composable | None,
+    targets: list[tuple[psycopg2.extensions.cursor, Target]],
+) -> tuple[int, list[int]]:
     """Rows of ``definition``'s table (``where``: a key range) from the source's snapshot into each
     target: straight into the table when only this source writes it (it was just cleared), else
     through a temporary table and an upsert that keeps the origin ledger. Returns the bytes read
@@ -330,8 +409,9 @@ def copy_to_targets(source: psycopg2.extensions.cursor, definition: TableDefinit
     return copied, rows
 
 
-def plan_ranges(cur: psycopg2.extensions.cursor, definition: TableDefinition,
-                parts: int | None = None) -> list[KeyRange]:
+def plan_ranges(
+    cur: psycopg2.extensions.cursor, definition: TableDefinition, parts: int | None = None
+) -> list[KeyRange]:
     """Key ranges of one table: ``parts`` of them (default: about ``RANGE_ROWS`` rows each) on a
     single-column key, evenly between min and max for an integer key, by percentiles otherwise; a
     composite key is one range."""
@@ -353,8 +433,12 @@ def plan_ranges(cur: psycopg2.extensions.cursor, definition: TableDefinition,
         step = max(1, -(-(hi - lo + 1) // parts))
         bounds = [str(b) for b in range(lo + step, hi + 1, step)]
     else:
-        cur.execute(sql.SQL("SELECT percentile_disc(%s::float8[]) WITHIN GROUP (ORDER BY {k})::text[] FROM {t}")
-                    .format(k=key, t=definition.table.ident), ([i / parts for i in range(1, parts)],))
+        cur.execute(
+            sql.SQL("SELECT percentile_disc(%s::float8[]) WITHIN GROUP (ORDER BY {k})::text[] FROM {t}").format(
+                k=key, t=definition.table.ident
+            ),
+            ([i / parts for i in range(1, parts)],),
+        )
         bounds = _ordered_unique(cur, [b for b in (cur.fetchone()[0] or []) if b is not None], kind)
     edges: list[str | None] = [None, *bounds, None]
     return [KeyRange(name, i, edges[i], edges[i + 1]) for i in range(len(edges) - 1)]
@@ -364,8 +448,12 @@ def _ordered_unique(cur: psycopg2.extensions.cursor, bounds: list[str], kind: st
     """Distinct bounds in the key type's own order (text order may differ)."""
     if not bounds:
         return []
-    cur.execute(sql.SQL("SELECT array_agg(b::text ORDER BY b) FROM (SELECT DISTINCT unnest(%s::text[])::{} AS b) x")
-                .format(sql.SQL(kind)), (bounds,))
+    cur.execute(
+        sql.SQL("SELECT array_agg(b::text ORDER BY b) FROM (SELECT DISTINCT unnest(%s::text[])::{} AS b) x").format(
+            sql.SQL(kind)
+        ),
+        (bounds,),
+    )
     return list(cur.fetchone()[0] or [])
 
 
@@ -398,9 +486,11 @@ def copy_range(task: dict, key_range: KeyRange, connect: Callable[[str], psycopg
             fault_point("table_range_before_commit")
             for (cur, _), count in zip(targets, rows):
                 written += count
-                cur.execute("UPDATE lr.sink_table_ranges SET rows_copied = %s "
-                            "WHERE run_id = %s AND table_name = %s AND range_no = %s",
-                            (count, task["run_id"], key_range.table, key_range.range_no))
+                cur.execute(
+                    "UPDATE lr.sink_table_ranges SET rows_copied = %s "
+                    "WHERE run_id = %s AND table_name = %s AND range_no = %s",
+                    (count, task["run_id"], key_range.table, key_range.range_no),
+                )
         for conn in conns:
             conn.commit()
         return written
@@ -411,23 +501,32 @@ def copy_range(task: dict, key_range: KeyRange, connect: Callable[[str], psycopg
                 conn.close()
 
 
-def _range_target(cur: psycopg2.extensions.cursor, task: dict, side: dict, key_range: KeyRange,
-                  definition: TableDefinition) -> Target | None:
+def _range_target(
+    cur: psycopg2.extensions.cursor, task: dict, side: dict, key_range: KeyRange, definition: TableDefinition
+) -> Target | None:
     """Fence and claim one range at one sink: None when the range is written already there."""
     where = f"session {SessionKey(side['source'], side['sink'], task['client'])}"
     epoch = sink_sessions.share_epoch(cur, side["source"], task["client"])
     if epoch is None or epoch > side["epoch"]:
-        raise FencedError(f"{where}: lease epoch {side['epoch']} is stale (the sink has seen "
-                          f"{'none' if epoch is None else epoch}); another replicator owns this session")
-    cur.execute("SELECT state, run_id::text FROM lr.sink_tables WHERE source_site_id = %s AND client_name = %s "
-                "AND table_name = %s", (side["source"], task["client"], key_range.table))
+        raise FencedError(
+            f"{where}: lease epoch {side['epoch']} is stale (the sink has seen "
+            f"{'none' if epoch is None else epoch}); another replicator owns this session"
+        )
+    cur.execute(
+        "SELECT state, run_id::text FROM lr.sink_tables WHERE source_site_id = %s AND client_name = %s "
+        "AND table_name = %s",
+        (side["source"], task["client"], key_range.table),
+    )
     state = cur.fetchone()
     if state is None or state[0] == TableState.CONFLICT:
         return None
     if state != (TableState.SYNCING, task["run_id"]):
         raise StaleBatchError(f"{where}: table {key_range.table} is not being written by run {task['run_id']}")
-    cur.execute("INSERT INTO lr.sink_table_ranges (run_id, table_name, range_no, rows_copied) VALUES (%s, %s, %s, 0) "
-                "ON CONFLICT DO NOTHING", (task["run_id"], key_range.table, key_range.range_no))
+    cur.execute(
+        "INSERT INTO lr.sink_table_ranges (run_id, table_name, range_no, rows_copied) VALUES (%s, %s, %s, 0) "
+        "ON CONFLICT DO NOTHING",
+        (task["run_id"], key_range.table, key_range.range_no),
+    )
     if cur.rowcount == 0:
         return None  # written by an earlier attempt of this task
     sink_tables.applying(cur)

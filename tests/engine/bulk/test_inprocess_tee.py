@@ -1,5 +1,6 @@
 """lr sync's catch-up: a large log-entry backlog moves by the read-once tee in the replicator's own
 process (engine/bulk/fanout.py), then session cycles carry on; exactly once, in order, whichever did it."""
+
 from __future__ import annotations
 
 from tests.support.session import replicator, sink_queue
@@ -80,8 +81,10 @@ def test_the_source_lost_in_the_middle_of_a_tee_is_reported_and_the_next_cycles_
     repl = replicator(topo, lr_sites, tee_min_backlog=100)
 
     def cut_source() -> None:  # the source's server drops every other backend, as a restart would
-        lr_sites[0].query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                          "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        lr_sites[0].query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
 
     try:
         with on_fault("fanout_after_commit_p0_a0", cut_source):

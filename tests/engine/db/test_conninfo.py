@@ -1,19 +1,29 @@
 """A site is reached the same way from a DSN, an AIRFLOW_CONN_* variable, a connections file or the hook."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.db import conninfo, schema
+from airflow_provider_lr.engine.errors import ConfigurationError
 
 
 def test_env_connection_json_and_uri_forms(monkeypatch):
     monkeypatch.setenv(
         "AIRFLOW_CONN_LR_EAST",
-        json.dumps({"conn_type": "lr_site", "host": "db.east", "port": 6432, "login": "lr", "password": "p@ss",
-                    "schema": "app", "extra": {"site_id": "east", "region": "eu", "sslmode": "require"}}),
+        json.dumps(
+            {
+                "conn_type": "lr_site",
+                "host": "db.east",
+                "port": 6432,
+                "login": "lr",
+                "password": "p@ss",
+                "schema": "app",
+                "extra": {"site_id": "east", "region": "eu", "sslmode": "require"},
+            }
+        ),
     )
     info = conninfo.resolve("lr_east")
     assert (info.site_id, info.region) == ("east", "eu")

@@ -1,4 +1,5 @@
 """lr init: versioned migrations install the schema, re-run as a no-op, and upgrade in place."""
+
 from __future__ import annotations
 
 import threading
@@ -6,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from airflow_provider_lr.engine.errors import SchemaError
 from airflow_provider_lr.engine.db import schema
+from airflow_provider_lr.engine.errors import SchemaError
 
 
 def copy_shipped(directory: Path) -> int:

@@ -1,5 +1,6 @@
 """The one catch-up path decision (engine/session/catchup.py): Spark, the read-once tee or the session
 cycles, from the backlog, the two thresholds of SessionSettings and whether Spark can run here."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -18,25 +19,31 @@ def spark_usable() -> None:
     return None
 
 
-@pytest.mark.parametrize("backlog, spark, path", [
-    (0, spark_usable, CatchupPath.SESSION_CYCLES),
-    (99, spark_usable, CatchupPath.SESSION_CYCLES),
-    (100, spark_usable, CatchupPath.TEE),  # the thresholds are inclusive
-    (999, spark_usable, CatchupPath.TEE),
-    (1000, spark_usable, CatchupPath.SPARK),
-    (10**9, None, CatchupPath.TEE),  # no Spark here (lr sync): the tee, however large
-    (1000, lambda: "no Spark connection 'spark_default'", CatchupPath.TEE),
-])
+@pytest.mark.parametrize(
+    "backlog, spark, path",
+    [
+        (0, spark_usable, CatchupPath.SESSION_CYCLES),
+        (99, spark_usable, CatchupPath.SESSION_CYCLES),
+        (100, spark_usable, CatchupPath.TEE),  # the thresholds are inclusive
+        (999, spark_usable, CatchupPath.TEE),
+        (1000, spark_usable, CatchupPath.SPARK),
+        (10**9, None, CatchupPath.TEE),  # no Spark here (lr sync): the tee, however large
+        (1000, lambda: "no Spark connection 'spark_default'", CatchupPath.TEE),
+    ],
+)
 def test_the_path_follows_the_backlog_and_what_can_run(backlog, spark, path):
     assert choose(backlog, RULES, spark).path is path
 
 
 def test_why_names_the_thresholds_and_what_kept_spark_out():
-    assert choose(50, RULES, spark_usable).why == "backlog 50 < spark_min_backlog 1000; backlog 50 < tee_min_backlog 100"
+    assert (
+        choose(50, RULES, spark_usable).why == "backlog 50 < spark_min_backlog 1000; backlog 50 < tee_min_backlog 100"
+    )
     assert choose(1000, RULES, spark_usable).why == "backlog 1000 >= spark_min_backlog 1000"
     unusable = choose(5000, RULES, lambda: "the Spark job is not installed in /x")
-    assert unusable.why == ("backlog 5000 but the Spark job is not installed in /x; "
-                            "backlog 5000 >= tee_min_backlog 100")
+    assert unusable.why == (
+        "backlog 5000 but the Spark job is not installed in /x; backlog 5000 >= tee_min_backlog 100"
+    )
     assert "this process runs no Spark" in choose(5000, RULES).why
 
 
@@ -72,7 +79,12 @@ def test_path_values_are_what_the_dag_branches_on():
 def test_both_thresholds_come_from_the_topology_with_measured_defaults():
     sites = [SimpleNamespace(site_id=s, region="r") for s in ("site-a", "site-b")]
     default = SessionSettings.from_topology(topology.from_document(topology_doc(sites)))
-    assert (default.spark_min_backlog, default.tee_min_backlog) == (SPARK_MIN_BACKLOG, TEE_MIN_BACKLOG) == (800_000, 50_000)
-    tuned = SessionSettings.from_topology(topology.from_document(
-        topology_doc(sites, settings={"spark_min_backlog": 20, "tee_min_backlog": 0})))
+    assert (
+        (default.spark_min_backlog, default.tee_min_backlog)
+        == (SPARK_MIN_BACKLOG, TEE_MIN_BACKLOG)
+        == (800_000, 50_000)
+    )
+    tuned = SessionSettings.from_topology(
+        topology.from_document(topology_doc(sites, settings={"spark_min_backlog": 20, "tee_min_backlog": 0}))
+    )
     assert (tuned.spark_min_backlog, tuned.tee_min_backlog) == (20, 0)

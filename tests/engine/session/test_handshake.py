@@ -1,9 +1,10 @@
 """The one handshake every mover runs (engine/session/handshake.py), on real sites: it proceeds with
 a Position, skips a session whose lease another holds, refuses a mismatched topology or an unknown
 session, and moves its epoch past a higher one the sink has seen."""
+
 from __future__ import annotations
 
-from airflow_provider_lr.engine.session.handshake import Verdict, Position, handshake
+from airflow_provider_lr.engine.session.handshake import Position, Verdict, handshake
 from airflow_provider_lr.engine.session.negotiation import Decision
 from airflow_provider_lr.engine.vocabulary import SessionKey, SessionState
 from tests.support.session import apply
@@ -11,8 +12,10 @@ from tests.support.session import apply
 ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
 KEY = SessionKey("site-a", "site-b", "policy")
 SINK_EPOCH = "SELECT lease_epoch FROM lr.sink_sessions WHERE source_site_id = 'site-a' AND client_name = 'policy'"
-SOURCE_ROW = ("SELECT lease_epoch, lease_owner, state, last_error FROM lr.source_sessions "
-              "WHERE sink_site_id = 'site-b' AND client_name = 'policy'")
+SOURCE_ROW = (
+    "SELECT lease_epoch, lease_owner, state, last_error FROM lr.source_sessions "
+    "WHERE sink_site_id = 'site-b' AND client_name = 'policy'"
+)
 
 
 def test_a_first_handshake_proceeds_fenced_with_the_sinks_position(lr_sites):
@@ -67,8 +70,10 @@ def test_the_epoch_moves_past_a_higher_one_the_sink_has_seen(lr_sites):
     """A session removed and added back: the source forgot the epochs the sink has seen."""
     source, sink, _ = lr_sites
     apply(lr_sites, ONE_SINK)
-    sink.query("INSERT INTO lr.sink_sessions (source_site_id, client_name, lease_epoch) VALUES ('site-a', 'policy', 41) "
-               "ON CONFLICT (source_site_id, client_name) DO UPDATE SET lease_epoch = 41")
+    sink.query(
+        "INSERT INTO lr.sink_sessions (source_site_id, client_name, lease_epoch) VALUES ('site-a', 'policy', 41) "
+        "ON CONFLICT (source_site_id, client_name) DO UPDATE SET lease_epoch = 41"
+    )
     heard = []
     hs = handshake(source.connect(), sink.connect(), KEY, "one", on_lease=heard.append)
     assert hs.proceeds and hs.lease.epoch == 42 and hs.position.epoch == 42

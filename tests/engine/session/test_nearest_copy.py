@@ -1,6 +1,7 @@
 """Nearest-copy catch-up (seed 004): a sink of a client of tables only is seeded from a consistent
 peer sink in its region, falls back to the source when no peer answers in time, and a crash at
 either step of the seed leaves it whole."""
+
 from __future__ import annotations
 
 import time
@@ -10,9 +11,9 @@ import pytest
 
 from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.session import nearest_copy
-from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.vocabulary import SessionKey
@@ -43,8 +44,12 @@ def _peer_synced(lr_sites, rows_: int = 3000):
 
 
 def _requests(source, sink: str) -> list[str]:
-    return [r[0] for r in source.query("SELECT status FROM lr.full_sync_requests WHERE sink_site_id = %s "
-                                       "ORDER BY requested_at", (sink,))]
+    return [
+        r[0]
+        for r in source.query(
+            "SELECT status FROM lr.full_sync_requests WHERE sink_site_id = %s ORDER BY requested_at", (sink,)
+        )
+    ]
 
 
 def test_a_new_sink_is_seeded_from_its_regions_peer_then_catches_up_from_the_peers_position(lr_sites):
@@ -79,14 +84,17 @@ def test_peers_that_do_not_answer_are_passed_over_with_a_doubling_delay_then_the
     _peer_synced(lr_sites, rows_=200)
     key = SessionKey("site-a", "site-c", "policy")
     with LinkProxy(1, stalled=True) as hung_1, LinkProxy(1, stalled=True) as hung_2:
-        peers = [nearest_copy.Peer("hung-1", lambda: psycopg2.connect(hung_1.dsn(peer.dsn))),
-                 nearest_copy.Peer("hung-2", lambda: psycopg2.connect(hung_2.dsn(peer.dsn))),
-                 nearest_copy.Peer("site-b", lambda: psycopg2.connect(peer.dsn))]
+        peers = [
+            nearest_copy.Peer("hung-1", lambda: psycopg2.connect(hung_1.dsn(peer.dsn))),
+            nearest_copy.Peer("hung-2", lambda: psycopg2.connect(hung_2.dsn(peer.dsn))),
+            nearest_copy.Peer("site-b", lambda: psycopg2.connect(peer.dsn)),
+        ]
         src, sink = source.connect(), new.connect()
         try:
             started = time.monotonic()
-            seed = nearest_copy.seed_from_peers(src, sink, key, 1, registry.federated_tables(src, "policy"),
-                                                peers, delay=0.3)
+            seed = nearest_copy.seed_from_peers(
+                src, sink, key, 1, registry.federated_tables(src, "policy"), peers, delay=0.3
+            )
             elapsed = time.monotonic() - started
         finally:
             src.close()
@@ -104,8 +112,12 @@ def test_with_its_peer_hung_the_sink_takes_the_sources_snapshot_after_the_delay(
     dsns = {s.site_id: s.dsn for s in lr_sites}
     with LinkProxy(1, stalled=True) as hung:
         route = {**dsns, "site-b": hung.dsn(peer.dsn)}
-        repl = Replicator(topo, lambda site: psycopg2.connect(route[site]),
-                          settings=SessionSettings(**SETTINGS), sessions=[SessionKey("site-a", "site-c", "policy")])
+        repl = Replicator(
+            topo,
+            lambda site: psycopg2.connect(route[site]),
+            settings=SessionSettings(**SETTINGS),
+            sessions=[SessionKey("site-a", "site-c", "policy")],
+        )
         reports = _sync(repl)
     reasons = " ".join(r.reason for r in reports)
     assert "site-b: did not answer within 0.5s" in reasons and "snapshot from the source" in reasons, reasons
@@ -121,11 +133,18 @@ def test_a_peer_that_is_not_consistent_is_not_used_and_a_client_with_queue_data_
     # site-b has never synced: no session there to copy
     repl = replicator(topo, lr_sites, sessions=[SessionKey("site-a", "site-c", "policy")], **SETTINGS)
     reports = _sync(repl)
-    assert any("site-b: has no session with site-a for policy" in r.reason for r in reports), [r.reason for r in reports]
+    assert any("site-b: has no session with site-a for policy" in r.reason for r in reports), [
+        r.reason for r in reports
+    ]
     assert rows(new) == rows(source)
     # a client whose full sync carries the application's data: only the source has it
-    repl = replicator(topo, lr_sites, providers={"policy": lambda ctx: None},
-                      sessions=[SessionKey("site-a", "site-b", "policy")], **SETTINGS)
+    repl = replicator(
+        topo,
+        lr_sites,
+        providers={"policy": lambda ctx: None},
+        sessions=[SessionKey("site-a", "site-b", "policy")],
+        **SETTINGS,
+    )
     reports = _sync(repl)
     assert not any("peer" in r.reason for r in reports)
     assert rows(peer) == rows(source)
@@ -140,8 +159,9 @@ def test_nearest_copy_off_in_the_topology_takes_the_source(lr_sites):
         conn = site.connect()
         topology.apply_to_site(conn, topo, site.site_id)
         conn.close()
-    repl = replicator(topo, lr_sites, sessions=[SessionKey("site-a", "site-c", "policy")], **SETTINGS,
-                      nearest_copy=False)
+    repl = replicator(
+        topo, lr_sites, sessions=[SessionKey("site-a", "site-c", "policy")], **SETTINGS, nearest_copy=False
+    )
     reports = _sync(repl)
     assert not any("peer" in r.reason for r in reports)
     assert _requests(source, "site-c") == ["applied"] and rows(new) == rows(source)

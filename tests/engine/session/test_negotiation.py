@@ -1,4 +1,5 @@
 """Negotiation rules, one row each (reference/corfu_lr.md A3, adapted to commit positions)."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,7 +25,13 @@ CASES = [
     ("transferred, older snapshot applied", SourceView(T), sink(20, 20, 10, 15), Decision.WAIT_SNAPSHOT_APPLY, -1),
     ("applied, nothing since", SourceView(T), sink(10, 10, 10, 10, True), Decision.LOG_ENTRY_SYNC, 10),
     ("applied, deltas since", SourceView(T, trim_mark=5), sink(10, 10, 10, 42, True), Decision.LOG_ENTRY_SYNC, 42),
-    ("trim exactly at the sink's position", SourceView(T, trim_mark=42), sink(10, 10, 10, 42, True), Decision.LOG_ENTRY_SYNC, 42),
+    (
+        "trim exactly at the sink's position",
+        SourceView(T, trim_mark=42),
+        sink(10, 10, 10, 42, True),
+        Decision.LOG_ENTRY_SYNC,
+        42,
+    ),
     ("trimmed past the sink", SourceView(T, trim_mark=43), sink(10, 10, 10, 42, True), Decision.SNAPSHOT_SYNC, -1),
     ("forced full sync", SourceView(T, forced_full_sync=True), sink(10, 10, 10, 42, True), Decision.SNAPSHOT_SYNC, -1),
     ("forced beats apply pending", SourceView(T, forced_full_sync=True), sink(10, 10, -1), Decision.SNAPSHOT_SYNC, -1),

@@ -1,4 +1,5 @@
 """Replication sessions end to end against real sites: negotiation, snapshot sync, log-entry sync."""
+
 from __future__ import annotations
 
 import threading
@@ -7,10 +8,10 @@ import time
 import psycopg2
 import pytest
 
+from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.errors import FencedError, StaleBatchError
 from airflow_provider_lr.engine.session import lease
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.source.log_reader import LogReader
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.support.session import (
@@ -79,7 +80,9 @@ def test_two_sinks_only_one_addressed_gets_exactly_its_entries(lr_sites):
     repl.run(max_cycles=3, until_idle=True, interval=0.01)
     assert [p for k, p in queue(sink_b, "site-a") if k == "log"] == [f"k{i}={i}" for i in range(20)]
     assert [k for k, _ in queue(sink_c, "site-a")] == ["start", "end"]
-    remaining = source.query("SELECT sink_site_id, remaining_entries, acked_position > 0 FROM lr.source_sessions ORDER BY 1")
+    remaining = source.query(
+        "SELECT sink_site_id, remaining_entries, acked_position > 0 FROM lr.source_sessions ORDER BY 1"
+    )
     assert remaining == [("site-b", 0, True), ("site-c", 0, True)]
     repl.close()
     app.close()
@@ -166,7 +169,8 @@ def test_duplicate_overlapping_and_gapped_batches(lr_sites):
     epoch = source.query("SELECT lease_epoch FROM lr.source_sessions")[0][0]
     conn = sink_b.connect()
     apply_batch = lambda after, end, records, base=meta.snapshot_applied: writes.apply_log_entries(  # noqa: E731
-        conn, "site-a", "policy", epoch, after, end, records, base)
+        conn, "site-a", "policy", epoch, after, end, records, base
+    )
     assert apply_batch(batch.after, mid, first) == mid
     assert apply_batch(batch.after, mid, first) == mid  # duplicate: no-op
     with pytest.raises(StaleBatchError, match="only processed up to"):
@@ -223,7 +227,9 @@ def test_fencing_a_replicator_whose_lease_was_taken_over_cannot_write(lr_sites):
     batch = LogReader(src, "site-b", client_name="policy").read_stream(report.acked_position).collect()
     base = sink_b.query("SELECT snapshot_applied FROM lr.sink_sessions")[0][0]
     with pytest.raises(FencedError):
-        writes.apply_log_entries(sink_b.connect(), "site-a", "policy", old.epoch, batch.after, batch.end, batch.records, base)
+        writes.apply_log_entries(
+            sink_b.connect(), "site-a", "policy", old.epoch, batch.after, batch.end, batch.records, base
+        )
     with pytest.raises(FencedError):
         lease.update_session(src, old, acked_position=batch.end)
     (report,) = first.run_cycle()

@@ -2,6 +2,7 @@
 every correctness property of the cycles: late commits and commit order, exactly once through a
 sink restart and a lease handover mid-stream, a forced full sync handed back to negotiation.
 (The kill of the streaming process is a row of tests/guarantees/test_crash_windows.py.)"""
+
 from __future__ import annotations
 
 import time
@@ -61,9 +62,12 @@ def test_streaming_delivers_each_commit_at_once_without_renegotiating(lr_sites):
         lags.sort()
         assert lags[len(lags) // 2] < 0.25, f"median arrival {lags[len(lags) // 2] * 1000:.0f} ms"
         # the lazy ack catches up with the sinks' positions
-        wait_for(lambda: sorted(source.query("SELECT acked_position FROM lr.source_sessions")) == sorted(
-            s.query("SELECT last_log_entry_processed FROM lr.sink_sessions")[0] for s in (sink_b, sink_c)),
-            5, "acks")
+        wait_for(
+            lambda: sorted(source.query("SELECT acked_position FROM lr.source_sessions"))
+            == sorted(s.query("SELECT last_log_entry_processed FROM lr.sink_sessions")[0] for s in (sink_b, sink_c)),
+            5,
+            "acks",
+        )
     app.close()
 
 
@@ -104,8 +108,11 @@ def test_sink_restarts_mid_stream_then_every_entry_arrives_once(lr_sites, site_m
             for i in range(50, 120):
                 app.put(f"k{i}", i, ["site-b", "site-c"])
             wait_for(lambda: len(logs(sink_c)) == 120, 30, "site-c streams on while site-b is down")
-            wait_for(lambda: any("site-b" in e.session and e.error for e in streaming.streamer.ends), 30,
-                     "site-b's stream to hand back")
+            wait_for(
+                lambda: any("site-b" in e.session and e.error for e in streaming.streamer.ends),
+                30,
+                "site-b's stream to hand back",
+            )
         finally:
             site_manager.up(site_ids=[sink_b.site_id])
         for i in range(120, 150):
@@ -136,8 +143,9 @@ def test_lease_handover_mid_stream_fences_the_old_holder_and_delivers_once(lr_si
             for i in range(20, 60):
                 app.put(f"k{i}", i, ["site-b"])
             wait_for(lambda: len(logs(sink_b)) >= 60, 20, "B streams")
-            wait_for(lambda: any(e.reason.startswith("FencedError") for e in a.streamer.ends), 10,
-                     "A's stream to be fenced")
+            wait_for(
+                lambda: any(e.reason.startswith("FencedError") for e in a.streamer.ends), 10, "A's stream to be fenced"
+            )
             time.sleep(0.3)
             assert a.cycles[-1].skipped, "A leaves the session to B"
     assert logs(sink_b) == [f"k{i}={i}" for i in range(60)]
@@ -163,8 +171,12 @@ def test_a_full_sync_request_or_a_topology_change_hands_the_stream_back(lr_sites
             full_sync.request_full_sync(conn, "site-b", "policy", "operator asked", forced=True)
             conn.close()
         else:
-            apply(lr_sites, one, providers={"policy": "tests.support.session:table_provider"},
-                  settings={"max_payload_bytes": 4096})
+            apply(
+                lr_sites,
+                one,
+                providers={"policy": "tests.support.session:table_provider"},
+                settings={"max_payload_bytes": 4096},
+            )
         wait_for(lambda: streaming.streamer.ends, 10, "the stream to hand back")
         end = streaming.streamer.ends[0]
         assert end.session == str(SessionKey("site-a", "site-b", "policy")) and not end.error
@@ -175,11 +187,11 @@ def test_a_full_sync_request_or_a_topology_change_hands_the_stream_back(lr_sites
         streaming.streaming()
     entries = queue(sink_b, "site-a")
     starts = [n for n, (k, _) in enumerate(entries) if k == "start"]
-    after_last_start = [p for k, p in entries[starts[-1]:] if k == "log"]
+    after_last_start = [p for k, p in entries[starts[-1] :] if k == "log"]
     assert not [p for p, n in Counter(after_last_start).items() if n > 1], "nothing twice"
     if change == "full_sync":
         assert len(starts) == 2, "the forced full sync ran"
-        snap = [p for k, p in entries[starts[-1]:] if k == "snap"]
+        snap = [p for k, p in entries[starts[-1] :] if k == "snap"]
         assert not set(snap) & set(after_last_start), "the base snapshot splits the log: nothing in both"
     else:
         assert len(starts) == 1 and logs(sink_b) == [f"k{i}={i}" for i in range(20)]

@@ -1,17 +1,23 @@
 """Receive-queue rows hold several entries (engine/sink/queue_rows.py, schema V0005): writers pack,
 subscribers take a row in pieces, each entry exactly once and in order; a malformed entry inside a
 row is moved aside alone; rows written before V0005 are still delivered."""
+
 from __future__ import annotations
 
 import pytest
 
-from airflow_provider_lr.engine.sink.queue_rows import PACK_BYTES, Packer, QueueRow, piece, unpack
 from airflow_provider_lr.engine.db import schema
+from airflow_provider_lr.engine.sink.queue_rows import PACK_BYTES, Packer, QueueRow, piece, unpack
 from airflow_provider_lr.proto import lr_pb2
 from airflow_provider_lr.subscriber import MalformedEntryError, RoutingQueueSubscriber
 from tests.support.subscriber import Flaky, Recorder, expected, insert_raw, settle, started_session
 
-START, SNAP, END, LOG = lr_pb2.SNAPSHOT_SYNC_START, lr_pb2.SNAPSHOT_SYNC, lr_pb2.LAST_FULL_SYNC_ENTRY, lr_pb2.LOG_ENTRY_SYNC
+START, SNAP, END, LOG = (
+    lr_pb2.SNAPSHOT_SYNC_START,
+    lr_pb2.SNAPSHOT_SYNC,
+    lr_pb2.LAST_FULL_SYNC_ENTRY,
+    lr_pb2.LOG_ENTRY_SYNC,
+)
 
 
 def _entry(kind: int, payload: str = "") -> bytes:
@@ -33,10 +39,20 @@ def test_packer_fills_rows_up_to_the_limit_keeps_markers_alone_and_stores_a_sing
     packer.add(LOG, 3, 11, b"y")
     packer.flush()
 
-    assert [(r.kind, r.count) for r in rows] == [(START, 1), (SNAP, 3), (SNAP, 3), (SNAP, 1), (END, 1),
-                                                 (LOG, 1), (LOG, 1)]
+    assert [(r.kind, r.count) for r in rows] == [
+        (START, 1),
+        (SNAP, 3),
+        (SNAP, 3),
+        (SNAP, 1),
+        (END, 1),
+        (LOG, 1),
+        (LOG, 1),
+    ]
     assert [unpack(r.count, r.message) for r in rows[1:4]] == [
-        [bytes([i]) * 30 for i in range(3)], [bytes([i]) * 30 for i in range(3, 6)], [bytes([6]) * 30]]
+        [bytes([i]) * 30 for i in range(3)],
+        [bytes([i]) * 30 for i in range(3, 6)],
+        [bytes([6]) * 30],
+    ]
     assert (rows[0].message, rows[4].message, rows[5].message) == (b"start", b"end", b"x" * 200)
     assert (rows[2].position, rows[2].entry_id) == (1, 7)  # a row carries its last entry's place
     assert packer.rows == 7 and packer.entries == 11
@@ -90,8 +106,9 @@ def test_large_batches_are_cut_into_rows_of_at_most_a_pack(lr_sites):
         app.client.transmit_log_entry_message(payload.encode(), ["site-b"])
     app.conn.commit()
     settle(repl)
-    sizes = sink_site.query("SELECT entry_count, octet_length(message) FROM lr.receive_queue WHERE kind = %s "
-                            "ORDER BY seq", (LOG,))
+    sizes = sink_site.query(
+        "SELECT entry_count, octet_length(message) FROM lr.receive_queue WHERE kind = %s ORDER BY seq", (LOG,)
+    )
     assert sum(n for n, _ in sizes) == 30
     assert len(sizes) == 5 and all(size <= PACK_BYTES for _, size in sizes)  # 7 of ~1 kB per row
     recorder = Recorder()
@@ -127,12 +144,16 @@ def test_rows_queued_before_the_v0005_upgrade_are_delivered_after_it(sites):
     conn = site.connect()
     schema.migrate(conn, target=4)
     with conn.cursor() as cur:
-        cur.execute("INSERT INTO lr.registry (stream_name, kind, source_site_id, client_name) "
-                    "VALUES ('LRQ_Recv_policy_site-a', 'receive_queue', 'site-a', 'policy')")
+        cur.execute(
+            "INSERT INTO lr.registry (stream_name, kind, source_site_id, client_name) "
+            "VALUES ('LRQ_Recv_policy_site-a', 'receive_queue', 'site-a', 'policy')"
+        )
         for payload in ("old-1", "old-2"):
-            cur.execute("INSERT INTO lr.receive_queue (source_site_id, client_name, kind, source_position, "
-                        "source_entry_id, visible, message) VALUES ('site-a', 'policy', %s, 1, 1, true, %s)",
-                        (LOG, _entry(LOG, payload)))
+            cur.execute(
+                "INSERT INTO lr.receive_queue (source_site_id, client_name, kind, source_position, "
+                "source_entry_id, visible, message) VALUES ('site-a', 'policy', %s, 1, 1, true, %s)",
+                (LOG, _entry(LOG, payload)),
+            )
     conn.commit()
     assert 5 in schema.migrate(conn).applied
     conn.close()

@@ -1,5 +1,6 @@
 """The relay (seed 003): many subscriptions in one process over one LISTEN connection, with demands
 that change while data flows, slow members that hold nobody back, and shutdowns that never hang."""
+
 from __future__ import annotations
 
 import random
@@ -87,9 +88,13 @@ def test_subscriptions_with_different_demands_share_one_listen_connection(scene)
             scene.put("policy", "site-c", i)
         scene.repl.run_cycle()
     settle(scene.repl)
-    wait_until(lambda: policy_a.of("site-a") == scene.expected("policy", "site-a")
-               and policy_c.of("site-c") == scene.expected("policy", "site-c")
-               and inventory.of("site-a") == scene.expected("inventory", "site-a"), 20, "every demand served")
+    wait_until(
+        lambda: policy_a.of("site-a") == scene.expected("policy", "site-a")
+        and policy_c.of("site-c") == scene.expected("policy", "site-c")
+        and inventory.of("site-a") == scene.expected("inventory", "site-a"),
+        20,
+        "every demand served",
+    )
     assert list(policy_a.events) == ["site-a"] and list(policy_c.events) == ["site-c"]
     assert listen_sessions(scene.sink) == 1, "three subscriptions, one LISTEN connection"
     assert relay.notified[("inventory", "site-a")] >= 1 and relay.notified[("policy", "site-c")] >= 1
@@ -163,8 +168,12 @@ def test_concurrent_joins_demand_changes_and_leaves_under_load_deliver_everythin
     assert not churn_errors, churn_errors
     assert closes and all(closes), "every close finished in time"
     final = relay.subscribe(shared, "policy")  # drains whatever the churn left
-    wait_until(lambda: shared.of("site-a") == scene.expected("policy", "site-a")
-               and shared.of("site-c") == scene.expected("policy", "site-c"), 30, "every entry, once, in order")
+    wait_until(
+        lambda: shared.of("site-a") == scene.expected("policy", "site-a")
+        and shared.of("site-c") == scene.expected("policy", "site-c"),
+        30,
+        "every entry, once, in order",
+    )
     replicating.stop()
     assert shared.refused + shared.raised > 0
     assert final.running and relay.close(timeout=10)
@@ -214,8 +223,8 @@ def test_closing_from_inside_callbacks_never_deadlocks(scene):
 def test_a_subscription_whose_login_is_refused_ends_with_the_error_on_one_line(lr_sites, caplog):
     """A subscription whose own connection is refused ends at once with the ConfigurationError
     (``join`` raises it), logged on one line without a traceback; the relay goes on for others."""
-    from airflow_provider_lr.engine.errors import ConfigurationError
     from airflow_provider_lr.engine.db.conninfo import from_dsn
+    from airflow_provider_lr.engine.errors import ConfigurationError
 
     _, sink, _ = lr_sites
     relay = open_relay(sink.dsn)
@@ -236,9 +245,9 @@ def test_a_relay_whose_listen_login_is_refused_stops_every_subscription_with_the
     """The relay's tap (its one LISTEN connection) is refused: the relay ends with the
     ConfigurationError (``join`` raises it), every subscription ends with it rather than running
     on without wake-ups, and a new subscription is refused naming it."""
+    from airflow_provider_lr.engine.db.conninfo import from_dsn
     from airflow_provider_lr.engine.errors import ConfigurationError
     from airflow_provider_lr.engine.sink.relay import Relay
-    from airflow_provider_lr.engine.db.conninfo import from_dsn
 
     _, sink, _ = lr_sites
     relay = Relay(refused_login(sink).connect)

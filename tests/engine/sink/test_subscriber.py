@@ -1,4 +1,5 @@
 """RoutingQueueSubscriber end to end: transmit at a source → replicate → deliver at the sink."""
+
 from __future__ import annotations
 
 import json
@@ -46,7 +47,9 @@ class ApplyingListener:
     def _apply(self, source: str, kind: str, payloads: list[bytes]) -> bool:
         with self.sub.cursor() as cur:
             for p in payloads:
-                cur.execute("INSERT INTO applied (source, kind, payload) VALUES (%s, %s, %s)", (source, kind, p.decode()))
+                cur.execute(
+                    "INSERT INTO applied (source, kind, payload) VALUES (%s, %s, %s)", (source, kind, p.decode())
+                )
         roll = self.rng.random()
         if roll < self.fail_rate / 2:
             self.raised += 1
@@ -111,8 +114,9 @@ def test_run_finds_a_source_that_appears_mid_run_and_keeps_two_sources_apart(lr_
     repl_c = session_replicator(topo, lr_sites, "site-c", "site-b", providers={"policy": table_provider})
     recorder = Recorder(fail_rate=0.25, seed=3)
     # Polling every 60 s: within this test only NOTIFY can bring news after the first passes.
-    sub = RoutingQueueSubscriber(sink_site.dsn, client_name="policy", batch_size=4, poll_interval=60.0,
-                                 retry_interval=0.05)
+    sub = RoutingQueueSubscriber(
+        sink_site.dsn, client_name="policy", batch_size=4, poll_interval=60.0, retry_interval=0.05
+    )
     running = Background(lambda stop: sub.run(recorder, stop=stop), name="subscriber-run")
     wait_until(lambda: listen_sessions(sink_site) == 1, 10, "the subscriber to LISTEN")
 
@@ -197,7 +201,9 @@ def test_malformed_entries_are_moved_aside_and_delivery_goes_on(lr_sites):
 
 
 def _entry(kind: int, payload: str = "") -> bytes:
-    return lr_pb2.RoutingTableEntryMsg(destinations=["site-b"], type=kind, opaque_payload=payload.encode()).SerializeToString()
+    return lr_pb2.RoutingTableEntryMsg(
+        destinations=["site-b"], type=kind, opaque_payload=payload.encode()
+    ).SerializeToString()
 
 
 def test_rows_the_replicator_has_not_made_visible_are_never_delivered(lr_sites):
@@ -206,24 +212,49 @@ def test_rows_the_replicator_has_not_made_visible_are_never_delivered(lr_sites):
     conn = sink_site.connect()
     sync = writes.new_sync_id()
     writes.start_snapshot(conn, "site-a", "policy", 1, sync, 5, BaseSplit("5:5:", 5), "topo-1")
-    writes.write_snapshot_messages(conn, "site-a", "policy", 1, sync, [
-        LogRecord(5, 1, _entry(lr_pb2.SNAPSHOT_SYNC_START)),
-        LogRecord(5, 2, _entry(lr_pb2.SNAPSHOT_SYNC, "s=1")),
-        LogRecord(5, 3, _entry(lr_pb2.SNAPSHOT_SYNC, "s=2")),
-    ])
+    writes.write_snapshot_messages(
+        conn,
+        "site-a",
+        "policy",
+        1,
+        sync,
+        [
+            LogRecord(5, 1, _entry(lr_pb2.SNAPSHOT_SYNC_START)),
+            LogRecord(5, 2, _entry(lr_pb2.SNAPSHOT_SYNC, "s=1")),
+            LogRecord(5, 3, _entry(lr_pb2.SNAPSHOT_SYNC, "s=2")),
+        ],
+    )
     recorder = Recorder()
     sub = RoutingQueueSubscriber(sink_site.dsn, client_name="policy")
     assert sub.sources() == ["site-a"], "the queue is registered at the snapshot's first write"
     assert sub.poll(recorder) == 0 and recorder.calls == 0
-    writes.write_snapshot_messages(conn, "site-a", "policy", 1, sync, [LogRecord(5, 4, _entry(lr_pb2.LAST_FULL_SYNC_ENTRY))])
+    writes.write_snapshot_messages(
+        conn, "site-a", "policy", 1, sync, [LogRecord(5, 4, _entry(lr_pb2.LAST_FULL_SYNC_ENTRY))]
+    )
     assert sub.poll(recorder) == 0 and recorder.calls == 0, "transferred but not applied"
     writes.apply_snapshot(conn, "site-a", "policy", 1)
-    writes.apply_log_entries(conn, "site-a", "policy", 1, 5, 7,
-                           [LogRecord(6, 10, _entry(lr_pb2.LOG_ENTRY_SYNC, "d=1")),
-                            LogRecord(7, 11, _entry(lr_pb2.LOG_ENTRY_SYNC, "d=2"))], 5)
+    writes.apply_log_entries(
+        conn,
+        "site-a",
+        "policy",
+        1,
+        5,
+        7,
+        [
+            LogRecord(6, 10, _entry(lr_pb2.LOG_ENTRY_SYNC, "d=1")),
+            LogRecord(7, 11, _entry(lr_pb2.LOG_ENTRY_SYNC, "d=2")),
+        ],
+        5,
+    )
     assert sub.poll(recorder) == 6
-    assert recorder.of("site-a") == [("start", ""), ("snap", "s=1"), ("snap", "s=2"), ("end", ""),
-                                     ("log", "d=1"), ("log", "d=2")]
+    assert recorder.of("site-a") == [
+        ("start", ""),
+        ("snap", "s=1"),
+        ("snap", "s=2"),
+        ("end", ""),
+        ("log", "d=1"),
+        ("log", "d=2"),
+    ]
     conn.close()
     sub.close()
 
@@ -326,13 +357,14 @@ def test_a_listener_that_breaks_the_delivery_transaction_loses_nothing(lr_sites)
     recorder = Recorder()
     assert sub.poll(recorder) == 1 and recorder.of("site-x") == [("log", "x=1")]
     with pytest.raises(RuntimeError, match="only available inside a listener callback"):
-        sub.connection
+        _ = sub.connection
     sub.close()
 
 
 def test_run_against_a_sink_that_is_down_reports_and_stops_cleanly():
-    sub = RoutingQueueSubscriber("host=127.0.0.1 port=1 dbname=lr user=postgres connect_timeout=2",
-                                 client_name="policy", retry_interval=0.05)
+    sub = RoutingQueueSubscriber(
+        "host=127.0.0.1 port=1 dbname=lr user=postgres connect_timeout=2", client_name="policy", retry_interval=0.05
+    )
     running = Background(lambda stop: sub.run(Recorder(), stop=stop))
     wait_until(lambda: sub.run_stats is not None and sub.run_stats.failures >= 2, 10, "failed attempts")
     stats = running.stop(timeout=5)

@@ -1,6 +1,7 @@
 """Failover (issue 15, seed 001): a sink becomes the source of its clients; every other sink is cut at
 the promoted site's position of the old source's stream (extras removed, gaps copied or a full
 sync with its reason), the old source is fenced and rejoins as a sink. Real servers, no mocks."""
+
 from __future__ import annotations
 
 import json
@@ -15,12 +16,12 @@ import psycopg2
 import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
-from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError
-from airflow_provider_lr.engine.site.replicator import run_until_idle
 from airflow_provider_lr.engine.site import failover, status
 from airflow_provider_lr.engine.site import topology as topologies
+from airflow_provider_lr.engine.site.replicator import run_until_idle
 from airflow_provider_lr.engine.vocabulary import SessionKey
+from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 from tests.support.session import App, apply, queue, sink_queue, table_provider
 from tests.support.session import replicator as _replicator
 from tests.support.subscriber import Recorder
@@ -42,6 +43,7 @@ def _connect(sites, down: tuple[str, ...] = ()):
         if site_id in down:
             raise SiteUnreachableError(f"site {site_id!r} is down (test)")
         return psycopg2.connect(dsns[site_id])
+
     return connect
 
 
@@ -76,8 +78,11 @@ def _consume(site, count: int | None = None) -> list[str]:
 
 
 def _session_row(site, source: str = A):
-    return site.query("SELECT last_log_entry_processed, failed_over_to, failover_note FROM lr.sink_sessions "
-                      "WHERE source_site_id = %s AND client_name = 'policy'", (source,))[0]
+    return site.query(
+        "SELECT last_log_entry_processed, failed_over_to, failover_note FROM lr.sink_sessions "
+        "WHERE source_site_id = %s AND client_name = 'policy'",
+        (source,),
+    )[0]
 
 
 def test_a_sink_ahead_of_the_promoted_one_loses_its_unconsumed_extras_and_nothing_is_resent(lr_sites):
@@ -111,8 +116,9 @@ def test_a_sink_ahead_whose_extras_were_consumed_gets_a_full_sync_with_the_reaso
 
     result = failover.promote(A, B, _connect(lr_sites, down=(A,)))
     assert result.full_syncs == [f"{B}->{C}/policy"]
-    rows = lr_sites[1].query("SELECT reason, forced FROM lr.full_sync_requests WHERE sink_site_id = %s "
-                             "AND status = 'pending'", (C,))
+    rows = lr_sites[1].query(
+        "SELECT reason, forced FROM lr.full_sync_requests WHERE sink_site_id = %s AND status = 'pending'", (C,)
+    )
     assert len(rows) == 1 and rows[0][1]
     assert rows[0][0].startswith(f"failover: {C} had consumed entries of {A} beyond {B}'s position")
 
@@ -131,7 +137,7 @@ def test_a_sink_behind_gets_exactly_the_gap_from_the_promoted_sinks_queue(lr_sit
     result = failover.promote(A, B, _connect(lr_sites, down=(A,)), same_destinations=True)
     after = sink_queue(site_c, "policy")
     assert after == sink_queue(site_b, "policy")
-    assert after[:len(before)] == before and len(after) - len(before) == 6  # exactly the gap, once
+    assert after[: len(before)] == before and len(after) - len(before) == 6  # exactly the gap, once
     assert "6 entries" in _session_row(site_c)[2] and result.full_syncs == []
     assert _consume(site_c) == [p.decode() for p in after]
     app.close()
@@ -167,12 +173,16 @@ def test_a_stale_old_source_replicator_is_fenced_at_every_sink_after_failover(lr
 
 
 def test_failover_refuses_unknown_sites_non_sinks_and_an_unreachable_promoted_site(lr_sites):
-    topo = apply(lr_sites, [{"source": A, "sinks": [B], "clients": ["policy"]},
-                            {"source": A, "sinks": [C], "clients": ["other"]}])
+    topo = apply(
+        lr_sites,
+        [{"source": A, "sinks": [B], "clients": ["policy"]}, {"source": A, "sinks": [C], "clients": ["other"]}],
+    )
     connect = _connect(lr_sites, down=(A,))
     with pytest.raises(ConfigurationError, match="unknown site 'site-x'"):
         failover.promote(A, "site-x", connect, topology=topo)
-    with pytest.raises(ConfigurationError, match=r"site 'site-c' is not a sink of 'site-a' for client\(s\) \['policy'\]"):
+    with pytest.raises(
+        ConfigurationError, match=r"site 'site-c' is not a sink of 'site-a' for client\(s\) \['policy'\]"
+    ):
         failover.promote(A, C, connect, topology=topo, clients=["policy"])
     with pytest.raises(SiteUnreachableError, match="site 'site-b' .the site to promote. cannot be reached"):
         failover.promote(A, B, _connect(lr_sites, down=(A, B)), topology=topo)
@@ -208,16 +218,24 @@ FAILOVER_FAULTS = ["failover_after_fence", "failover_after_promote", "failover_a
 def _killed_failover(lr_sites, fault: str) -> None:
     """``failover.promote(A, B)`` (site-a down) in a child process that is killed at ``fault``."""
     spec = {"dsns": {s.site_id: s.dsn for s in lr_sites}, "down": [A], "from": A, "to": B}
-    code = ("import json, sys, psycopg2\n"
-            "from airflow_provider_lr.engine.errors import SiteUnreachableError\n"
-            "from airflow_provider_lr.engine.site import failover\n"
-            "spec = json.loads(sys.argv[1])\n"
-            "def connect(s):\n"
-            "    if s in spec['down']: raise SiteUnreachableError(s)\n"
-            "    return psycopg2.connect(spec['dsns'][s])\n"
-            "failover.promote(spec['from'], spec['to'], connect)\n")
-    child = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env={**os.environ, "LR_FAULT": fault},
-                           cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
+    code = (
+        "import json, sys, psycopg2\n"
+        "from airflow_provider_lr.engine.errors import SiteUnreachableError\n"
+        "from airflow_provider_lr.engine.site import failover\n"
+        "spec = json.loads(sys.argv[1])\n"
+        "def connect(s):\n"
+        "    if s in spec['down']: raise SiteUnreachableError(s)\n"
+        "    return psycopg2.connect(spec['dsns'][s])\n"
+        "failover.promote(spec['from'], spec['to'], connect)\n"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(spec)],
+        env={**os.environ, "LR_FAULT": fault},
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert child.returncode == -9, child.stderr
 
 
@@ -284,9 +302,14 @@ def test_role_switch_under_load_loses_and_duplicates_nothing_at_any_remaining_si
     cycles = threading.Thread(target=repl.run, kwargs={"stop": stop, "interval": 0.01}, daemon=True)
     cycles.start()
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (writer.committed < 300 or any(
+    while time.monotonic() < deadline and (
+        writer.committed < 300
+        or any(
             s.query("SELECT count(*) FROM lr.sink_sessions WHERE data_consistent AND last_log_entry_processed > 100")
-            == [(0,)] for s in (site_b, site_c))):
+            == [(0,)]
+            for s in (site_b, site_c)
+        )
+    ):
         time.sleep(0.05)
     site_manager.down([A], mode="immediate")  # mid-flight: the writer and the replicator lose site-a
     stop.set()
@@ -302,7 +325,9 @@ def test_role_switch_under_load_loses_and_duplicates_nothing_at_any_remaining_si
         time.sleep(1.0)
         new_writer.stop.set()
         new_writer.join(30)
-        run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(B, C, "policy")]))
+        run_until_idle(
+            replicator(result.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(B, C, "policy")])
+        )
 
         at_b, at_c = _consumed_log(site_b, A), _consumed_log(site_c, A)
         assert at_b == [f"a{n}" for n in range(len(at_b))] and len(at_b) > 0  # in order, no gap, no duplicate
@@ -348,8 +373,9 @@ def test_after_failover_the_promoted_site_captures_the_table_and_every_other_sin
 
     result = failover.promote(A, B, _connect(lr_sites, down=(A,)), reason="site-a lost")
     assert result.tables == {"policy": ["public.accounts"]} and result.diverged == []
-    assert site_b.query("SELECT table_id IS NOT NULL, source_site_id FROM lr.registry "
-                        "WHERE stream_name = 'public.accounts'") == [(True, None)]  # site-b's own, captured there
+    assert site_b.query(
+        "SELECT table_id IS NOT NULL, source_site_id FROM lr.registry WHERE stream_name = 'public.accounts'"
+    ) == [(True, None)]  # site-b's own, captured there
 
     new_app = App(site_b)  # site-b's writers change the table and transmit, in one transaction each
     for i in range(4):
@@ -401,10 +427,13 @@ def test_the_old_source_rejoins_as_a_sink_of_its_tables_with_its_late_changes_re
     back = failover.rejoin(A, _connect(lr_sites), topo)
     assert back.tail == {"policy": 1} and back.table_tail == {"policy": 1}
     assert back.guarded == ["public.accounts"]
-    assert site_a.query("SELECT is_federated, table_id, source_site_id FROM lr.registry "
-                        "WHERE stream_name = 'public.accounts'") == [(True, None, B)]  # a sink of site-b now
-    assert site_a.query("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'public.accounts'::regclass "
-                        "AND tgname LIKE 'lr\\_capture\\_%%'") == [(0,)]
+    assert site_a.query(
+        "SELECT is_federated, table_id, source_site_id FROM lr.registry WHERE stream_name = 'public.accounts'"
+    ) == [(True, None, B)]  # a sink of site-b now
+    assert site_a.query(
+        "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'public.accounts'::regclass "
+        "AND tgname LIKE 'lr\\_capture\\_%%'"
+    ) == [(0,)]
     with pytest.raises(psycopg2.Error, match="replicated from site site-b since a failover: write it there"):
         site_a.query("UPDATE public.accounts SET owner = 'local' WHERE id = 1")  # would diverge: refused
 
@@ -430,8 +459,11 @@ def test_failover_refuses_to_stop_a_tables_replication_unless_allowed_and_status
     run_until_idle(replicator(topo, lr_sites, providers=PROVIDERS))
     assert rows(site_c) == rows(site_a)
 
-    with pytest.raises(ConfigurationError, match=r"site 'site-b' holds no synced copy of federated table\(s\) that "
-                       r"other sinks take from 'site-a': policy: public.accounts \(conflict there; held by site-c\)"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"site 'site-b' holds no synced copy of federated table\(s\) that "
+        r"other sinks take from 'site-a': policy: public.accounts \(conflict there; held by site-c\)",
+    ):
         failover.promote(A, B, _connect(lr_sites, down=(A,)))
     assert site_b.query("SELECT count(*) FROM lr.failovers") == [(0,)] and _session_row(site_c)[1] is None
 
@@ -454,8 +486,10 @@ def test_a_failover_killed_between_promoting_and_reconciling_hands_the_tables_ov
     _write(app, "DELETE FROM public.accounts WHERE id <= 5", "k3", 3, [B, C])
     run_until_idle(replicator(topo, lr_sites, providers=PROVIDERS, sessions=[SessionKey(A, C, "policy")]))
     _killed_failover(lr_sites, "failover_after_promote")
-    assert site_b.query("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'public.accounts'::regclass "
-                        "AND tgname LIKE 'lr\\_capture\\_%%'") == [(4,)]  # captured at site-b already
+    assert site_b.query(
+        "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'public.accounts'::regclass "
+        "AND tgname LIKE 'lr\\_capture\\_%%'"
+    ) == [(4,)]  # captured at site-b already
     assert site_c.query("SELECT source_site_id FROM lr.sink_tables") == [(A,)]  # site-c not reconciled yet
 
     result = failover.promote(A, B, _connect(lr_sites, down=(A,)))

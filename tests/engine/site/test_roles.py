@@ -9,6 +9,7 @@ UNDER the roles `lr roles grant` makes, against real servers.
   in-process fan-out (COPY under row-level security) and the trim;
 * `lr init` on an installed site needs no CREATE on the database.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -26,13 +27,13 @@ from psycopg2.extras import execute_values
 
 from airflow_provider_lr import cli
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
+from airflow_provider_lr.engine.db import schema
+from airflow_provider_lr.engine.db.conninfo import ConnInfo
 from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeout, SchemaError
 from airflow_provider_lr.engine.sink import receive
 from airflow_provider_lr.engine.site import roles, status, topology
-from airflow_provider_lr.engine.store import topology as topologies
-from airflow_provider_lr.engine.db import schema
-from airflow_provider_lr.engine.db.conninfo import ConnInfo
 from airflow_provider_lr.engine.source import full_sync, trim
+from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.proto import lr_pb2
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 from tests.support.session import Streaming, apply, queue, replicator, wait_for
@@ -164,6 +165,7 @@ def provider(client: str):
             cur.execute("SELECT k, v FROM app_state WHERE client = %s ORDER BY k", (client,))
             for k, v in cur.fetchall():
                 ctx.transmit(f"{k}={v}".encode())
+
     return supply
 
 
@@ -191,21 +193,30 @@ def test_writer_transmits_only_as_its_client(world):
     with pytest.raises(DENIED, match="row-level security"):
         beta.transmit_log_entry_message(b"forged", ["site-b"])
     conn.rollback()
-    beta_id, alpha_id = (source.query("SELECT client_id FROM lr.clients WHERE client_name = %s", (c,))[0][0]
-                         for c in ("beta", "alpha"))
+    beta_id, alpha_id = (
+        source.query("SELECT client_id FROM lr.clients WHERE client_name = %s", (c,))[0][0] for c in ("beta", "alpha")
+    )
     with conn.cursor() as cur:
         with pytest.raises(DENIED, match="row-level security"):
-            execute_values(cur, "INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) VALUES %s",
-                           [(1, [1], alpha_id, b"ok"), (1, [1], beta_id, b"forged")])
+            execute_values(
+                cur,
+                "INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) VALUES %s",
+                [(1, [1], alpha_id, b"ok"), (1, [1], beta_id, b"forged")],
+            )
         conn.rollback()
         # tx and entry_id always take their defaults: no collision with another transaction's entry
         with pytest.raises(DENIED, match="permission denied"):
-            cur.execute("INSERT INTO lr.log_entries (tx, entry_id, stream, tag_ids, client_id, message) "
-                        "VALUES (pg_current_xact_id(), 1, 1, '{1}', %s, '\\x00')", (alpha_id,))
+            cur.execute(
+                "INSERT INTO lr.log_entries (tx, entry_id, stream, tag_ids, client_id, message) "
+                "VALUES (pg_current_xact_id(), 1, 1, '{1}', %s, '\\x00')",
+                (alpha_id,),
+            )
         conn.rollback()
     conn.close()
-    written = source.query("SELECT e.client_id, count(*) FROM lr.log_entries e JOIN lr.log_commits c ON c.tx = e.tx "
-                           "WHERE e.stream = 1 GROUP BY 1")
+    written = source.query(
+        "SELECT e.client_id, count(*) FROM lr.log_entries e JOIN lr.log_commits c ON c.tx = e.tx "
+        "WHERE e.stream = 1 GROUP BY 1"
+    )
     assert written == [(alpha_id, 6)]  # committed, with commit positions drawn by the owner's trigger
 
 
@@ -255,13 +266,16 @@ def test_writer_waits_until_its_transmit_is_safe_and_guards_only_its_client(worl
     conn.commit()
     with pytest.raises(DeliveryTimeout, match=r"not acknowledged by \['site-b'\]"):
         alpha.wait_until_safe(ticket, timeout=0.3)  # as the writer: position, acks and its guard
-    run_until_idle(replicator(world.topo, sites_as(world.sites, world.replicator),
-                              providers={c: provider(c) for c in CLIENTS}))
+    run_until_idle(
+        replicator(world.topo, sites_as(world.sites, world.replicator), providers={c: provider(c) for c in CLIENTS})
+    )
     assert alpha.wait_until_safe(ticket, timeout=10).safe_on == ["site-b"]
     with conn.cursor() as cur:
         with pytest.raises(DENIED, match="row-level security"):
-            cur.execute("INSERT INTO lr.delivery_guards (guard_id, client_name, position, destinations, expires_at) "
-                        "VALUES (gen_random_uuid(), 'beta', 1, '{site-b}', now())")
+            cur.execute(
+                "INSERT INTO lr.delivery_guards (guard_id, client_name, position, destinations, expires_at) "
+                "VALUES (gen_random_uuid(), 'beta', 1, '{site-b}', now())"
+            )
     conn.rollback()
     conn.close()
 
@@ -279,10 +293,12 @@ def test_writer_supplies_only_its_clients_full_syncs(world, made):
         cur.execute("UPDATE lr.full_sync_requests SET note = 'x' WHERE client_name = 'beta'")
         assert cur.rowcount == 0
     conn.rollback()
-    for statement in ("UPDATE lr.full_sync_requests SET status = 'applied' WHERE status = 'pending'",
-                      "UPDATE lr.full_sync_requests SET client_name = 'beta'",
-                      "INSERT INTO lr.full_sync_requests (request_id, sink_site_id, client_name, data_deadline) "
-                      "VALUES (gen_random_uuid(), 'site-b', 'alpha', now())"):
+    for statement in (
+        "UPDATE lr.full_sync_requests SET status = 'applied' WHERE status = 'pending'",
+        "UPDATE lr.full_sync_requests SET client_name = 'beta'",
+        "INSERT INTO lr.full_sync_requests (request_id, sink_site_id, client_name, data_deadline) "
+        "VALUES (gen_random_uuid(), 'site-b', 'alpha', now())",
+    ):
         with conn.cursor() as cur, pytest.raises(DENIED):  # only pending or supplied, its clients, no new ones
             cur.execute(statement)
         conn.rollback()
@@ -292,8 +308,11 @@ def test_writer_supplies_only_its_clients_full_syncs(world, made):
     rows = source.query("SELECT client_name, status FROM lr.full_sync_requests WHERE forced ORDER BY 1")
     assert rows == [("alpha", "supplied"), ("beta", "pending")]
     # the replicator (no providers) carries the writer-supplied full sync to the sink
-    repl = replicator(world.topo, sites_as(world.sites, world.replicator),
-                      sessions=[k for k in world.topo.sessions() if k.client == "alpha" and k.sink == "site-b"])
+    repl = replicator(
+        world.topo,
+        sites_as(world.sites, world.replicator),
+        sessions=[k for k in world.topo.sessions() if k.client == "alpha" and k.sink == "site-b"],
+    )
     run_until_idle(repl)
     assert ("snap", "alpha-state") in queue(world.sink, "site-a", "alpha")
 
@@ -316,8 +335,11 @@ def test_a_group_role_holds_the_grant_for_its_members(lr_sites, made):
 
 # --- consumer -------------------------------------------------------------------------------
 def replicate(world, **settings) -> None:
-    run_until_idle(replicator(world.topo, sites_as(world.sites, world.replicator),
-                              providers={c: provider(c) for c in CLIENTS}, **settings))
+    run_until_idle(
+        replicator(
+            world.topo, sites_as(world.sites, world.replicator), providers={c: provider(c) for c in CLIENTS}, **settings
+        )
+    )
 
 
 def transmit_both(world, n: int = 3) -> None:
@@ -360,11 +382,15 @@ def test_consumer_reads_and_acknowledges_only_its_clients_queues(world):
         cur.execute("SELECT count(*) FROM lr.registry WHERE client_name = 'beta'")
         assert cur.fetchone()[0] == 0
     conn.commit()
-    for statement in ("UPDATE lr.receive_queue SET visible = true", "UPDATE lr.receive_queue SET client_name = 'x'",
-                      "INSERT INTO lr.receive_queue (source_site_id, client_name, kind, source_position, "
-                      "source_entry_id, visible, message) VALUES ('site-a', 'alpha', 1, 1, 1, true, '\\x00')",
-                      "SELECT count(*) FROM lr.sink_sessions", "SELECT count(*) FROM lr.topology",
-                      "DELETE FROM lr.registry"):
+    for statement in (
+        "UPDATE lr.receive_queue SET visible = true",
+        "UPDATE lr.receive_queue SET client_name = 'x'",
+        "INSERT INTO lr.receive_queue (source_site_id, client_name, kind, source_position, "
+        "source_entry_id, visible, message) VALUES ('site-a', 'alpha', 1, 1, 1, true, '\\x00')",
+        "SELECT count(*) FROM lr.sink_sessions",
+        "SELECT count(*) FROM lr.topology",
+        "DELETE FROM lr.registry",
+    ):
         with conn.cursor() as cur, pytest.raises(DENIED):
             cur.execute(statement)
         conn.rollback()
@@ -382,9 +408,11 @@ def test_consumer_dead_letters_are_its_own(world):
     sink = world.sink
     bad = b"\xff\xfe not a RoutingTableEntryMsg"
     for client in CLIENTS:  # a malformed entry at the head of each client's queue
-        sink.query("INSERT INTO lr.receive_queue (source_site_id, client_name, kind, source_position, "
-                   "source_entry_id, visible, message) VALUES ('site-a', %s, %s, 1, 1, true, %s)",
-                   (client, lr_pb2.LOG_ENTRY_SYNC, bad))
+        sink.query(
+            "INSERT INTO lr.receive_queue (source_site_id, client_name, kind, source_position, "
+            "source_entry_id, visible, message) VALUES ('site-a', %s, %s, 1, 1, true, %s)",
+            (client, lr_pb2.LOG_ENTRY_SYNC, bad),
+        )
     for client in CLIENTS:
         sub = RoutingQueueSubscriber(info_as(sink, world.consumer[client]), client_name=client)
         sub.poll(Collect())
@@ -397,8 +425,10 @@ def test_consumer_dead_letters_are_its_own(world):
         cur.execute("DELETE FROM lr.receive_dead_letters WHERE client_name = 'beta'")
         assert cur.rowcount == 0
         with pytest.raises(DENIED, match="row-level security"):
-            cur.execute("INSERT INTO lr.receive_dead_letters (seq, source_site_id, client_name, kind, message, error) "
-                        "VALUES (-1, 'site-a', 'beta', 1, '\\x00', 'forged')")
+            cur.execute(
+                "INSERT INTO lr.receive_dead_letters (seq, source_site_id, client_name, kind, message, error) "
+                "VALUES (-1, 'site-a', 'beta', 1, '\\x00', 'forged')"
+            )
     conn.rollback()
     with conn.cursor() as cur:
         cur.execute("DELETE FROM lr.receive_dead_letters")  # its own
@@ -466,15 +496,22 @@ def test_replicator_role_streams(world):
     probe, the one-statement final prefix, lazy acks and lease renewals, fenced sink writes."""
     from airflow_provider_lr.engine.session.settings import StreamSettings
 
-    repl = replicator(world.topo, sites_as(world.sites, world.replicator),
-                      providers={c: provider(c) for c in CLIENTS})
+    repl = replicator(world.topo, sites_as(world.sites, world.replicator), providers={c: provider(c) for c in CLIENTS})
     with Streaming(repl, StreamSettings(check_interval=0.2, ack_interval=0.05)) as streaming:
         streamer = streaming.streamer
         streaming.streaming()
         assert not streamer.ends, streamer.ends
         transmit_both(world)
-        wait_for(lambda: streamer.ends or all(len([p for k, p in queue(sink, "site-a", c) if k == "log"]) >= 3
-                                              for sink in world.sites[1:] for c in CLIENTS), 30, "the entries")
+        wait_for(
+            lambda: streamer.ends
+            or all(
+                len([p for k, p in queue(sink, "site-a", c) if k == "log"]) >= 3
+                for sink in world.sites[1:]
+                for c in CLIENTS
+            ),
+            30,
+            "the entries",
+        )
     assert [e.reason for e in streamer.ends] == ["stopped"] * len(repl.sessions)  # no hand-back, no error
     for sink in world.sites[1:]:
         for client in CLIENTS:
@@ -495,7 +532,8 @@ def test_replicator_fanout_copies_under_row_level_security(world, tmp_path: Path
     sender = RoutingQueueClient(conn, "alpha")
     for t in range(8):
         sender.transmit_log_entry_messages(
-            [LRMessageWithDestinations(f"bulk{t}-{i}".encode(), ["site-b", "site-c"]) for i in range(100)])
+            [LRMessageWithDestinations(f"bulk{t}-{i}".encode(), ["site-b", "site-c"]) for i in range(100)]
+        )
         conn.commit()
     conn.close()
     repl = replicator(world.topo, sites_as(world.sites, world.replicator), tee_min_backlog=100)
@@ -518,8 +556,12 @@ def test_lr_init_on_an_installed_site_needs_no_create_on_the_database(world, mad
     assert cli.main(["init", "--site", info_as(source, stranger).dsn, "--site-id", "site-a"]) == 1
     assert "may not read the lr schema version" in capsys.readouterr().err  # a clear error, no traceback
     # a role that may read but not write the identity gets a clear error, nothing changes
-    assert cli.main(["init", "--site", info_as(source, world.replicator).dsn, "--site-id", "site-a",
-                     "--region", "elsewhere"]) == 1
+    assert (
+        cli.main(
+            ["init", "--site", info_as(source, world.replicator).dsn, "--site-id", "site-a", "--region", "elsewhere"]
+        )
+        == 1
+    )
     assert "may not record the site identity" in capsys.readouterr().err
     assert source.query("SELECT region FROM lr.site_info") == [(source.region,)]
 
@@ -533,10 +575,12 @@ def test_an_owner_without_create_on_the_database_installs_into_its_schema(sites,
     result = schema.init_site(conn, site.site_id, site.region)
     assert result.applied == [m.version for m in schema.available_migrations()]
     assert schema.init_site(conn, site.site_id).applied == []
-    topo = topologies.from_document({
-        "sites": [{"id": s.site_id} for s in sites[:2]],
-        "replication": [{"source": site.site_id, "sinks": [sites[1].site_id], "clients": ["alpha"]}],
-    })
+    topo = topologies.from_document(
+        {
+            "sites": [{"id": s.site_id} for s in sites[:2]],
+            "replication": [{"source": site.site_id, "sinks": [sites[1].site_id], "clients": ["alpha"]}],
+        }
+    )
     topology.apply_to_site(conn, topo, site.site_id)  # the owner applies the topology
     site.query(f'CREATE ROLE "{writer}" LOGIN')
     roles.grant(conn, "writer", writer, ["alpha"])  # the owner grants (no superuser involved)
@@ -557,15 +601,52 @@ def test_lr_roles_grant_print_list_revoke(lr_sites, made, capsys, monkeypatch):
     dsn = site.dsn
     role = made.name('odd "name" x')  # quoted as an identifier everywhere
     monkeypatch.setenv("LR_TEST_PASSWORD", "s3cret'; DROP TABLE x; --")
-    assert cli.main(["roles", "grant", "consumer", "--client", "alpha", "--role", role, "--site", dsn,
-                     "--create", "--password-env", "LR_TEST_PASSWORD", "--print"]) == 0
+    assert (
+        cli.main(
+            [
+                "roles",
+                "grant",
+                "consumer",
+                "--client",
+                "alpha",
+                "--role",
+                role,
+                "--site",
+                dsn,
+                "--create",
+                "--password-env",
+                "LR_TEST_PASSWORD",
+                "--print",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "CREATE ROLE" in printed and "PASSWORD '***'" in printed and "s3cret" not in printed
     assert 'odd ""name"" x"' in printed
     assert site.query("SELECT count(*) FROM pg_roles WHERE rolname = %s", (role,)) == [(0,)]  # --print changed nothing
 
-    assert cli.main(["roles", "grant", "consumer", "--client", "alpha", "--client", "beta", "--role", role,
-                     "--site", dsn, "--create", "--password-env", "LR_TEST_PASSWORD"]) == 0
+    assert (
+        cli.main(
+            [
+                "roles",
+                "grant",
+                "consumer",
+                "--client",
+                "alpha",
+                "--client",
+                "beta",
+                "--role",
+                role,
+                "--site",
+                dsn,
+                "--create",
+                "--password-env",
+                "LR_TEST_PASSWORD",
+            ]
+        )
+        == 0
+    )
     assert cli.main(["roles", "grant", "writer", "--client", "alpha", "--role", role, "--site", dsn]) == 0
     capsys.readouterr()
     assert cli.main(["roles", "list", "--site", dsn]) == 0
@@ -580,7 +661,9 @@ def test_lr_roles_grant_print_list_revoke(lr_sites, made, capsys, monkeypatch):
     privileges = site.query(
         "SELECT has_table_privilege(%(r)s, 'lr.receive_queue', 'DELETE'), "
         "has_table_privilege(%(r)s, 'lr.log_entries', 'INSERT') OR "
-        "has_any_column_privilege(%(r)s, 'lr.log_entries', 'INSERT')", {"r": role})
+        "has_any_column_privilege(%(r)s, 'lr.log_entries', 'INSERT')",
+        {"r": role},
+    )
     assert privileges == [(True, False)]  # the consumer's rights stay, the writer's are gone
 
     capsys.readouterr()
@@ -589,7 +672,10 @@ def test_lr_roles_grant_print_list_revoke(lr_sites, made, capsys, monkeypatch):
         (["roles", "grant", "replicator", "--client", "x", "--role", role, "--site", dsn], "give no --client"),
         (["roles", "grant", "writer", "--client", "bad name;", "--role", role, "--site", dsn], "invalid client"),
         (["roles", "grant", "writer", "--client", "alpha", "--role", "postgres", "--site", dsn], "is a superuser"),
-        (["roles", "grant", "writer", "--client", "alpha", "--role", "lrt_nobody_here", "--site", dsn], "pass --create"),
+        (
+            ["roles", "grant", "writer", "--client", "alpha", "--role", "lrt_nobody_here", "--site", dsn],
+            "pass --create",
+        ),
     ]:
         assert cli.main(argv) == 1, argv
         assert message in capsys.readouterr().err
@@ -599,16 +685,54 @@ def test_lr_roles_grant_create_needs_a_password_or_says_it_has_none(lr_sites, ma
     """`--create` without `--password-env` made a LOGIN role with no password, silently."""
     site = lr_sites[0]
     role = made.name("writer")
-    assert cli.main(["roles", "grant", "writer", "--client", "policy", "--role", role, "--site", site.dsn,
-                     "--create"]) == 1
+    assert (
+        cli.main(["roles", "grant", "writer", "--client", "policy", "--role", role, "--site", site.dsn, "--create"])
+        == 1
+    )
     assert "give its password with --password-env VAR" in capsys.readouterr().err
     assert site.query("SELECT count(*) FROM pg_roles WHERE rolname = %s", (role,)) == [(0,)]
     monkeypatch.setenv("LR_TEST_PASSWORD", "pw")
-    assert cli.main(["roles", "grant", "writer", "--client", "policy", "--role", role, "--site", site.dsn,
-                     "--create", "--password-env", "LR_TEST_PASSWORD", "--no-password"]) == 1
-    assert cli.main(["roles", "grant", "writer", "--client", "policy", "--role", role, "--site", site.dsn,
-                     "--create", "--no-password"]) == 0
-    assert site.query("SELECT rolcanlogin, rolpassword IS NULL FROM pg_authid WHERE rolname = %s", (role,)) == [(True, True)]
+    assert (
+        cli.main(
+            [
+                "roles",
+                "grant",
+                "writer",
+                "--client",
+                "policy",
+                "--role",
+                role,
+                "--site",
+                site.dsn,
+                "--create",
+                "--password-env",
+                "LR_TEST_PASSWORD",
+                "--no-password",
+            ]
+        )
+        == 1
+    )
+    assert (
+        cli.main(
+            [
+                "roles",
+                "grant",
+                "writer",
+                "--client",
+                "policy",
+                "--role",
+                role,
+                "--site",
+                site.dsn,
+                "--create",
+                "--no-password",
+            ]
+        )
+        == 0
+    )
+    assert site.query("SELECT rolcanlogin, rolpassword IS NULL FROM pg_authid WHERE rolname = %s", (role,)) == [
+        (True, True)
+    ]
 
 
 def test_lr_roles_list_reads_the_sites_it_reaches(lr_sites, capsys):

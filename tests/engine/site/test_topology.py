@@ -1,4 +1,5 @@
 """The topology: validated from YAML, versioned by its config id, recorded on and read back from sites."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,7 +17,10 @@ DOC = {
 def test_sessions_are_one_per_destination_and_client():
     topo = topologies.from_document(DOC)
     assert [str(k) for k in topo.sessions()] == [
-        "site-a->site-b/audit", "site-a->site-b/policy", "site-a->site-c/audit", "site-a->site-c/policy",
+        "site-a->site-b/audit",
+        "site-a->site-b/policy",
+        "site-a->site-c/audit",
+        "site-a->site-c/policy",
     ]
     assert topo.sessions(source="site-b") == []
 
@@ -29,21 +33,41 @@ def test_any_change_gives_a_new_config_id_and_key_order_does_not():
     assert topologies.from_document(moved).topology_config_id != base
 
 
-@pytest.mark.parametrize("doc, error", [
-    ({"sites": []}, "sites: \\[\\] should be non-empty"),
-    ({"sites": [{"id": "Site A"}]}, "sites\\[0\\].id: 'Site A' is not a valid site id"),
-    ({"sites": [{"id": "a"}, {"id": "a"}]}, "appears twice"),
-    ({"sites": [{"id": "a"}], "replication": [{"source": "a", "sinks": ["b"], "clients": ["c"]}]}, "unknown site 'b'"),
-    ({"sites": [{"id": "a"}], "replication": [{"source": "a", "sinks": ["a"], "clients": ["c"]}]}, "to itself"),
-    ({"sites": [{"id": "a"}, {"id": "b"}], "replication": [{"source": "a", "sinks": ["b"]}]},
-     "'clients' is a required property"),
-    ({"sites": [{"id": "a"}, {"id": "b"}],
-      "replication": [{"source": "a", "sinks": ["b"], "clients": ["x'; DROP TABLE t;--"]}]}, "is not a valid client name"),
-    ({"sites": [{"id": "a"}], "providers": {"c": "no_colon"}}, "package.module:function"),
-    ({"sites": [{"id": "s"}, {"id": "b_c"}, {"id": "c"}],
-      "replication": [{"source": "b_c", "sinks": ["s"], "clients": ["a"]},
-                      {"source": "c", "sinks": ["s"], "clients": ["a_b"]}]}, "one receive queue 'LRQ_Recv_a_b_c'"),
-])
+@pytest.mark.parametrize(
+    "doc, error",
+    [
+        ({"sites": []}, "sites: \\[\\] should be non-empty"),
+        ({"sites": [{"id": "Site A"}]}, "sites\\[0\\].id: 'Site A' is not a valid site id"),
+        ({"sites": [{"id": "a"}, {"id": "a"}]}, "appears twice"),
+        (
+            {"sites": [{"id": "a"}], "replication": [{"source": "a", "sinks": ["b"], "clients": ["c"]}]},
+            "unknown site 'b'",
+        ),
+        ({"sites": [{"id": "a"}], "replication": [{"source": "a", "sinks": ["a"], "clients": ["c"]}]}, "to itself"),
+        (
+            {"sites": [{"id": "a"}, {"id": "b"}], "replication": [{"source": "a", "sinks": ["b"]}]},
+            "'clients' is a required property",
+        ),
+        (
+            {
+                "sites": [{"id": "a"}, {"id": "b"}],
+                "replication": [{"source": "a", "sinks": ["b"], "clients": ["x'; DROP TABLE t;--"]}],
+            },
+            "is not a valid client name",
+        ),
+        ({"sites": [{"id": "a"}], "providers": {"c": "no_colon"}}, "package.module:function"),
+        (
+            {
+                "sites": [{"id": "s"}, {"id": "b_c"}, {"id": "c"}],
+                "replication": [
+                    {"source": "b_c", "sinks": ["s"], "clients": ["a"]},
+                    {"source": "c", "sinks": ["s"], "clients": ["a_b"]},
+                ],
+            },
+            "one receive queue 'LRQ_Recv_a_b_c'",
+        ),
+    ],
+)
 def test_bad_topologies_are_refused_with_the_reason(doc, error):
     with pytest.raises(ConfigurationError, match=error):
         topologies.from_document(doc)

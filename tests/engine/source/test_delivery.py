@@ -1,6 +1,7 @@
 """Delivery states, readiness, the synchronous wait and durability by region (seeds 001 and 004),
 against real sites: site-a (region-1) replicates client ``policy`` to site-b (region-2) and
 site-c (region-3)."""
+
 from __future__ import annotations
 
 import threading
@@ -11,9 +12,9 @@ import pytest
 from airflow_provider_lr.client import DeliveryState, DeliveryTimeout
 from airflow_provider_lr.engine.errors import ConfigurationError, TransmitError
 from airflow_provider_lr.engine.site import status, topology
+from airflow_provider_lr.engine.source import delivery
 from airflow_provider_lr.engine.source.backlog import readiness, readiness_of
 from airflow_provider_lr.engine.store import topology as topologies
-from airflow_provider_lr.engine.source import delivery
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.support.session import App, apply, replicator, topology_doc
 
@@ -54,8 +55,9 @@ def test_states_flip_new_sent_safe_per_destination_as_the_sink_writes_and_acknow
 
     # the sink holds it but the source has not recorded the acknowledgement: sent
     _deliver(topo, lr_sites, "site-c")
-    source.query("UPDATE lr.source_sessions SET acked_position = %s WHERE sink_site_id = 'site-c'",
-                  (found.position - 1,))
+    source.query(
+        "UPDATE lr.source_sessions SET acked_position = %s WHERE sink_site_id = 'site-c'", (found.position - 1,)
+    )
     sent = delivery.ticket_delivery(app.conn, ticket, sink_positions=_sink_position(sink_c))
     assert sent.states["site-c"] is DeliveryState.SENT
     app.close()
@@ -243,8 +245,10 @@ def test_a_ticket_is_waited_on_only_after_its_commit(lr_sites):
 
 def _sites(regions: int, per_region: int) -> dict:
     sites = [{"id": f"s{r}-{i}", "region": f"region-{r}"} for r in range(regions) for i in range(per_region)]
-    return {"sites": sites,
-            "replication": [{"source": "s0-0", "sinks": [s["id"] for s in sites[1:]], "clients": ["policy"]}]}
+    return {
+        "sites": sites,
+        "replication": [{"source": "s0-0", "sinks": [s["id"] for s in sites[1:]], "clients": ["policy"]}],
+    }
 
 
 def test_seed_004_example_ack_quorum_8_of_15_over_3_regions_of_20_is_refused_9_accepted():

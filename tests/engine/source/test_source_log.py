@@ -1,5 +1,6 @@
 """Source side: transmit inside the application's transaction, and a log reader that never skips
 a late commit and delivers conflicting transactions in commit order (DESIGN §6 properties 1–4)."""
+
 from __future__ import annotations
 
 import threading
@@ -108,8 +109,11 @@ def test_reader_for_a_destination_follows_only_its_tag(source, dests):
     ],
 )
 def test_bad_input_is_refused_clearly_and_nothing_is_written(source, dests, payload, destinations, error):
-    destinations = [{"SELF": source.site_id, "DEST": dests[0]}.get(d, d) for d in destinations] if isinstance(
-        destinations, list) else destinations
+    destinations = (
+        [{"SELF": source.site_id, "DEST": dests[0]}.get(d, d) for d in destinations]
+        if isinstance(destinations, list)
+        else destinations
+    )
     conn = app_conn(source)
     client = RoutingQueueClient(conn, "policy", max_payload_bytes=1024)
     client.transmit_log_entry_message(b"good", dests)
@@ -252,7 +256,8 @@ def test_final_batch_in_one_statement_reads_what_the_general_read_does(source, d
         assert (fast.records, fast.end, fast.barrier) == (general.records, general.end, general.barrier), (after, cut)
     end = reader.read_stream(0, final=True).collect().end
     client.transmit_log_entry_messages(
-        [LRMessageWithDestinations(b"big", dests) for _ in range(FETCH_ROWS + 1)])  # one transaction
+        [LRMessageWithDestinations(b"big", dests) for _ in range(FETCH_ROWS + 1)]
+    )  # one transaction
     conn.commit()
     assert reader.read_final_batch(end) is None
     whole = reader.read_stream(end, final=True).collect()

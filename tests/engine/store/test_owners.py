@@ -4,6 +4,7 @@ Every string constant of the package (f-string parts too, docstrings aside) is s
 table's qualified name; one outside the owner fails the test, named as module:line. A table with
 siblings that are its owner's too lists their names in its pattern.
 """
+
 from __future__ import annotations
 
 import ast
@@ -30,7 +31,11 @@ def _docstrings(tree: ast.AST) -> set[int]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 found.add(id(first.value))
     return found
 
@@ -39,16 +44,26 @@ def naming(source: str, pattern: re.Pattern[str]) -> list[int]:
     """Lines of ``source`` whose string constants (not docstrings; f-string parts included) match ``pattern``."""
     tree = ast.parse(source)
     docs = _docstrings(tree)
-    return sorted({node.lineno for node in ast.walk(tree)
-                   if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
-                   and pattern.search(node.value)})
+    return sorted(
+        {
+            node.lineno
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docs
+            and pattern.search(node.value)
+        }
+    )
 
 
 def offenders(table: str, root: Path = PACKAGE) -> list[str]:
     owner, pattern = OWNERS[table]
-    return [f"{path.relative_to(root.parent)}:{line}"
-            for path in sorted(root.rglob("*.py")) if path.relative_to(root).as_posix() != owner
-            for line in naming(path.read_text(), pattern)]
+    return [
+        f"{path.relative_to(root.parent)}:{line}"
+        for path in sorted(root.rglob("*.py"))
+        if path.relative_to(root).as_posix() != owner
+        for line in naming(path.read_text(), pattern)
+    ]
 
 
 @pytest.mark.parametrize("table", sorted(OWNERS))

@@ -1,5 +1,6 @@
 """Federated tables (seed 002): captured in the writer's transaction, snapshotted from one exported
 snapshot, applied at every sink in commit order; the registry's rules and the seam."""
+
 from __future__ import annotations
 
 import pytest
@@ -100,8 +101,9 @@ def test_a_sink_that_opened_the_table_as_not_federated_keeps_out_and_shows_the_c
     sync(repl)
     assert rows(taking) == rows(source)
     assert refusing.query("SELECT id, owner FROM public.accounts") == [(1, "local")]  # nothing applied
-    assert refusing.query("SELECT is_federated, source_site_id FROM lr.registry WHERE stream_name = 'public.accounts'") \
-        == [(False, None)]  # its registry entry is not overwritten
+    assert refusing.query(
+        "SELECT is_federated, source_site_id FROM lr.registry WHERE stream_name = 'public.accounts'"
+    ) == [(False, None)]  # its registry entry is not overwritten
     shown = status_text(refusing)
     assert "public.accounts" in shown and "conflict from site-a->site-b/policy" in shown
     assert "not federated (its data from sources is dropped here)" in shown
@@ -114,18 +116,26 @@ def test_a_table_the_sink_never_opened_is_created_registered_and_applied(lr_site
     federate(source)
     sync(replicator(topo, lr_sites))
     assert rows(sink) == rows(source)
-    assert sink.query("SELECT kind, is_federated, source_site_id, client_name FROM lr.registry "
-                      "WHERE stream_name = 'public.accounts'") == [("table", True, "site-a", "policy")]
-    shape = "SELECT column_name, data_type, is_nullable FROM information_schema.columns " \
-            "WHERE table_name = 'accounts' ORDER BY ordinal_position"
+    assert sink.query(
+        "SELECT kind, is_federated, source_site_id, client_name FROM lr.registry WHERE stream_name = 'public.accounts'"
+    ) == [("table", True, "site-a", "policy")]
+    shape = (
+        "SELECT column_name, data_type, is_nullable FROM information_schema.columns "
+        "WHERE table_name = 'accounts' ORDER BY ordinal_position"
+    )
     assert sink.query(shape) == source.query(shape)
     assert "synced from site-a->site-b/policy, 30 rows in its snapshot" in status_text(sink)
 
 
 def test_two_sources_into_one_sink_table_never_clear_each_others_rows(lr_sites):
     a, b, sink = lr_sites
-    topo = apply(lr_sites, replication=[{"source": a.site_id, "sinks": [sink.site_id], "clients": ["policy"]},
-                                        {"source": b.site_id, "sinks": [sink.site_id], "clients": ["policy"]}])
+    topo = apply(
+        lr_sites,
+        replication=[
+            {"source": a.site_id, "sinks": [sink.site_id], "clients": ["policy"]},
+            {"source": b.site_id, "sinks": [sink.site_id], "clients": ["policy"]},
+        ],
+    )
     create_accounts(a, rows=50)  # keys 1..50
     create_accounts(b, rows=50, start=1000)  # keys 1001..1050
     federate(a)
@@ -244,8 +254,10 @@ def test_a_replicator_killed_while_writing_a_table_snapshot_leaves_nothing_half_
 def test_generated_columns_are_computed_on_each_site_not_carried(lr_sites):
     source, sink, _ = lr_sites
     topo = apply(lr_sites)
-    ddl = "CREATE TABLE public.lines (id int PRIMARY KEY, qty int NOT NULL, price numeric NOT NULL, " \
-          "total numeric GENERATED ALWAYS AS (qty * price) STORED)"
+    ddl = (
+        "CREATE TABLE public.lines (id int PRIMARY KEY, qty int NOT NULL, price numeric NOT NULL, "
+        "total numeric GENERATED ALWAYS AS (qty * price) STORED)"
+    )
     source.query(ddl)
     sink.query(ddl)
     source.query("INSERT INTO public.lines (id, qty, price) VALUES (1, 2, 3.5)")
@@ -274,8 +286,15 @@ def test_streaming_carries_table_changes_and_a_table_federated_meanwhile_joins_t
             wait_for(lambda: len(streaming.cycles) > 0 and all(rows(s) for s in sinks), 30, "the first snapshot")
             federate(source, "public.orders")  # the stream hands back; a cycle snapshots it
             source.query("INSERT INTO public.orders VALUES (2, 'after')")
-            wait_for(lambda: all(s.query("SELECT count(*) FROM pg_class WHERE oid = to_regclass('public.orders')")
-                                 == [(1,)] and len(rows(s, "public.orders")) == 2 for s in sinks), 30, "the new table")
+            wait_for(
+                lambda: all(
+                    s.query("SELECT count(*) FROM pg_class WHERE oid = to_regclass('public.orders')") == [(1,)]
+                    and len(rows(s, "public.orders")) == 2
+                    for s in sinks
+                ),
+                30,
+                "the new table",
+            )
         wait_for(lambda: all(rows(s) == rows(source) for s in sinks), 30, "the streamed changes")
     assert any("a table was federated" in e.reason for e in streaming.streamer.ends)
     for sink in sinks:
