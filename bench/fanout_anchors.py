@@ -1,4 +1,4 @@
-"""Anchors for the fan-out benchmark (DESIGN §7): what lr's deliveries/s are compared against.
+"""Anchors for the fan-out benchmark (docs/spark.md): what lr's deliveries/s are compared against.
 
 Workload: N entries of 256 random bytes on a source server, each for all 3 sinks (variant "all")
 or for a random non-empty subset of them (variant "subset"); the sinks are 3 other servers.

@@ -1,4 +1,4 @@
-"""Fan-out benchmark (DESIGN §7): lr beside its anchors, same workload, same servers, one run.
+"""Fan-out benchmark (docs/spark.md): lr beside its anchors, same workload, same servers, one run.
 
 Today it measures the anchors from ``fanout_anchors`` (physical binary COPY, a naive Python
 replicator, native logical replication initial sync and streaming). lr's own measurements plug in

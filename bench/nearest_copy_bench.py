@@ -1,4 +1,4 @@
-"""Nearest-copy catch-up (issue 15, seed 004): a new sink's federated-table snapshot from the far
+"""Nearest-copy catch-up: a new sink's federated-table snapshot from the far
 source vs from a consistent peer sink in its own region, over emulated links.
 
 Servers: 4 embedded PostgreSQL servers (``fanout_anchors.start_env``); 3 are used: the source

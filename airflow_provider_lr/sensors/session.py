@@ -131,7 +131,7 @@ class LRDeliveredSensor(_LRSensor):
     ``durability`` rule, else every sink the entry named (the rule of
     ``RoutingQueueClient.wait_until_safe``, docs/delivery.md). Refuses (fails at once, no wait) a
     destination that is not a sink of that client, or that the entry did not name, and a
-    ``min_regions`` the destinations can never reach (DESIGN seed 004, minRegionsForDurability).
+    ``min_regions`` the destinations can never reach (DistributedLog's minRegionsForDurability).
     Get ``position`` after the transmitting transaction commits: ``ticket = client.transmit_...``
     then ``client.delivery(ticket).position``.
     """
@@ -160,7 +160,7 @@ class LRDeliveredSensor(_LRSensor):
 
 
 class LRReadySensor(_LRSensor):
-    """Waits until every one of ``destinations`` is *ready* for ``client`` (seed 001): everything
+    """Waits until every one of ``destinations`` is *ready* for ``client`` (Qpid HA's word): everything
     committed for it before its first guarded position — without a producer waiting, everything
     committed — is safe. Counted live on the source (docs/delivery.md); e.g. gate a step that
     reads the sinks after a bulk load at the source."""

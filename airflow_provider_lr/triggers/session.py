@@ -2,7 +2,7 @@
 end marker, a full sync applied, an entry delivered to destinations or regions.
 
 They poll with backoff rather than LISTEN: a NOTIFY sent by ``transmit`` would take PostgreSQL's
-global notify lock at every application commit and serialize the writers (DESIGN §6 property 3).
+global notify lock at every application commit and serialize the writers (guarantee 3 in docs/architecture.md).
 Every database call runs in a worker thread (``asyncio.to_thread``): psycopg2 blocks, the
 triggerer's event loop must not. The checks themselves are engine functions, shared with the
 sensors' non-deferrable mode.

@@ -134,7 +134,7 @@ def test_a_backlog_of_one_mib_entries_is_synced_and_delivered_under_a_fixed_memo
 
 
 def test_one_large_source_transaction_arrives_whole_under_a_fixed_memory_ceiling(lr_sites):
-    """DESIGN §6 property 2: the entries of one source transaction become visible on the sink
+    """Guarantee 2 (docs/architecture.md): the entries of one source transaction become visible on the sink
     together, though the session path streams it in pieces: a sink observer polling the queue
     while it streams in sees none of it or all of it."""
     topo = in_log_entry_sync(lr_sites, sinks=("site-b",))

@@ -250,7 +250,7 @@ def drain(reader: LogReader, after: int = 0, **limits) -> tuple[list, int]:
 
 
 class CounterWriters:
-    """DESIGN §6 property 2's workload: ``writers`` threads each commit ``per_writer`` transactions
+    """Guarantee 2's workload: ``writers`` threads each commit ``per_writer`` transactions
     that increment one of five shared counters and transmit ``counter:value`` (commits interleave
     late); with ``rollback_every``, every so many transactions of a writer first draw a commit
     position and roll back (a permanent gap in positions)."""

@@ -1,6 +1,6 @@
 """Spark for tests: a real standalone cluster on loopback, and a small ``local[2]`` session.
 
-lr must run on a real ``spark://`` master (DESIGN §8), where executors are separate JVMs launched by
+lr must run on a real ``spark://`` master (docs/spark.md), where executors are separate JVMs launched by
 a worker and Python partitions run in the executors' own Python workers. ``local[2]`` hides that
 (one JVM), so ``standalone_cluster`` starts an actual Master and Worker from the ``pyspark`` wheel
 (``$SPARK_HOME/bin/spark-class``), with ports picked free, logs in a temp directory, and both

@@ -1,4 +1,4 @@
-"""Read-once fan-out of a source's shared log to every sink in log-entry sync (seed 003's relay).
+"""Read-once fan-out of a source's shared log to every sink in log-entry sync (after Synnax's relay).
 
 The Spark job ``spark_jobs/lr_fanout.py``, ``lr sync``'s catch-up and ``LRFanOutOperator`` run it
 in two steps; the engine has every rule, a caller only decides where step 2 runs (``run_fanout``'s

@@ -1,4 +1,4 @@
-"""The topology's durability rule checked against its sites (seed 004, DistributedLog's
+"""The topology's durability rule checked against its sites (DistributedLog's
 region-aware placement): "there is no combination of nodes that would satisfy the ack quorum with
 less than minRegionsForDurability responses [regions]".
 

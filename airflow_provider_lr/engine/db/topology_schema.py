@@ -131,7 +131,7 @@ SCHEMA: dict[str, Any] = {
             "additionalProperties": False,
             "properties": {name: schema for name, (schema, _) in SETTINGS.items()},
         },
-        "durability": {  # seed 004; checked further by durability.check_rule (docs/delivery.md)
+        "durability": {  # checked further by durability.check_rule (docs/delivery.md)
             "type": ["object", "null"],
             "additionalProperties": False,
             "required": ["min_regions_for_durability"],

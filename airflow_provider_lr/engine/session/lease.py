@@ -1,4 +1,4 @@
-"""Session leases with a fencing epoch (DESIGN §6 property 5).
+"""Session leases with a fencing epoch (guarantee 5 in docs/architecture.md).
 
 A replicator works on a session only while it holds the session's lease on the source. Taking a
 lease from nobody, or from an owner whose lease expired, bumps the epoch; every sink write carries

@@ -1,4 +1,4 @@
-"""Nearest-copy catch-up (seed 004's speculative reads): a sink that needs a snapshot takes it from
+"""Nearest-copy catch-up (DistributedLog's speculative reads): a sink that needs a snapshot takes it from
 a peer sink in its own region that is consistent at a known position, and falls back to the source.
 
 Only for a client whose replicated state is all federated tables (no routing-queue full sync: the

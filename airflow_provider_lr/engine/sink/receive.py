@@ -66,7 +66,7 @@ KINDS = (START, SNAPSHOT, COMPLETE, LOG)
 
 
 class Listener(Protocol):
-    """What an application implements (DESIGN §5). Optional: ``on_error(source, error)``."""
+    """What an application implements (the README's user path, docs/subscriber.md). Optional: ``on_error(source, error)``."""
 
     def on_snapshot_sync_start(self, source: str) -> Any: ...
     def on_snapshot_messages(self, source: str, payloads: list[bytes]) -> bool: ...

@@ -1,4 +1,4 @@
-"""The relay (seed 003, Synnax's distribution-layer relay) for receive-queue consumers in one process.
+"""The relay (after Synnax's distribution-layer relay) for receive-queue consumers in one process.
 
 Many subscriptions to one sink, each with its own demand (a client, optionally some sources) and
 listener, share ONE LISTEN connection:

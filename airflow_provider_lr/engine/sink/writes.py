@@ -213,7 +213,7 @@ def start_snapshot(
                 f"{meta.last_log_entry_processed} this sink has processed; its data must be supplied again"
             )
         discard_unapplied(cur, source, client)
-        write.register()  # the first write of a snapshot sync registers the queue (seed 000)
+        write.register()  # the first write of a snapshot sync registers the queue
         forget_session(cur, source, client)  # its federated tables take new snapshots after this one
         write.update(
             snapshot_request_id=sync_id,
@@ -311,8 +311,8 @@ def apply_log_stream(
 ) -> int:
     """``apply_log_entries`` for a batch read as it is written (``LogReader.read_stream``): its
     entries go into ONE sink transaction in pieces, with ``last_log_entry_processed = batch.end``
-    set at the end, so a source transaction of any size becomes visible on the sink whole (DESIGN
-    §6 property 2) while only a few MiB of it are in memory at a time. ``register=False``: the queue
+    set at the end, so a source transaction of any size becomes visible on the sink whole (guarantee 2 in
+    docs/architecture.md) while only a few MiB of it are in memory at a time. ``register=False``: the queue
     is registered already (a stream registers it with its first write)."""
     write = SinkTransaction(conn, source, client, epoch)
     with write as (cur, meta):

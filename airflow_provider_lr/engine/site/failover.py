@@ -1,4 +1,4 @@
-"""Failover: one of a source's sinks becomes the source of some of its clients (issue 15, seed 001).
+"""Failover: one of a source's sinks becomes the source of some of its clients (after Qpid HA's failover).
 
 Positions of the old source A's stream are A's commit positions. Every sink X of A for client K
 holds A's entries for X up to its last processed position pX. The promoted sink B holds them up to

@@ -1,4 +1,4 @@
-"""Least-privilege roles on a site (DESIGN §9, docs/security.md), enforced by the database.
+"""Least-privilege roles on a site (docs/security.md), enforced by the database.
 
 Three kinds, beside the owner of the ``lr`` schema (who installs it and applies the topology):
 

@@ -1,5 +1,5 @@
 """ReplicationStatus of a site, readable at a glance: its sessions on both ends, lag, and what
-holds its shared log back (DESIGN §6 property 1: whatever can stall replication is named)."""
+holds its shared log back (guarantee 1 in docs/architecture.md: whatever can stall replication is named)."""
 
 from __future__ import annotations
 
@@ -176,7 +176,7 @@ def holder(session: dict) -> str:
 
 
 def tables(conn: psycopg2.extensions.connection) -> list[dict]:
-    """Federated tables (seed 002): each registered on this site (``role`` registry) and each a sink
+    """Federated tables: each registered on this site (``role`` registry) and each a sink
     session takes here (``role`` sink: its state, rows of its snapshot, a conflict's reason)."""
     with conn.cursor() as cur:
         cur.execute(

@@ -67,7 +67,7 @@ def pending_entries(conn: psycopg2.extensions.connection, sink: str, client: str
     return (found[0].entries, found[0].highest) if found else (0, -1)
 
 
-# --- readiness (seed 001: a destination is *ready*; the guards are engine/source/delivery's) --------
+# --- readiness (Qpid HA: a destination is *ready*; the guards are engine/source/delivery's) --------
 @dataclass(frozen=True)
 class Readiness:
     """A destination's readiness for one client: everything committed for it before
@@ -150,7 +150,7 @@ class DeliveryTarget:
 def delivery_target(
     topology: Topology, source: str, client: str, destinations: list[str] | tuple[str, ...] = (), min_regions: int = 0
 ) -> DeliveryTarget:
-    """Validate what a caller waits for. Refused (DESIGN seed 004, minRegionsForDurability): a
+    """Validate what a caller waits for. Refused (DistributedLog's minRegionsForDurability): a
     destination that is not a sink of the source for this client, and a ``min_regions`` that the
     sinks could never reach — or, with named destinations, one their acknowledgements could be
     complete without (all of them acking must prove durability in ``min_regions`` regions)."""

@@ -1,4 +1,4 @@
-"""Delivery of transmitted entries, derived from positions (seed 001, Qpid HA; seed 004, regions).
+"""Delivery of transmitted entries, derived from positions (Qpid HA's delivery states; DistributedLog's regions).
 
 A transmit's **ticket** names its transaction; at commit the transaction gets its commit position
 P. Per destination the transaction's entries named, the entry is
@@ -64,7 +64,7 @@ class Ticket:
 
 @dataclass(frozen=True)
 class DurabilityRule:
-    """The topology's ``durability`` (seed 004): an entry is durable once ``ack_quorum`` sites
+    """The topology's ``durability`` (DistributedLog's region-aware rule): an entry is durable once ``ack_quorum`` sites
     (the source counts: it is committed there) hold it, in at least ``min_regions_for_durability``
     distinct regions. ``write_quorum`` is how many sites each entry is meant to reach."""
 

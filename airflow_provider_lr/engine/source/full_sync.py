@@ -4,7 +4,7 @@ The server records a request per session; at most one is open per (sink, client)
 cancels the others (CorfuDB A1.5). The client's provider runs in one REPEATABLE READ transaction
 on the source that writes the start marker, the provider's messages and the end marker into
 ``LRQ_Send_SnapSync`` and marks the request supplied, all or nothing. That transaction also fixes
-the split of the log at the base snapshot (DESIGN §6 property 6):
+the split of the log at the base snapshot (guarantee 6 in docs/architecture.md):
 
 * ``base``: a commit barrier noted *before* the provider's snapshot, so every position <= base was
   final when the snapshot was taken (committed ones are in it);

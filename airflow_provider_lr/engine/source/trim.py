@@ -1,4 +1,4 @@
-"""Trimming the shared log (DESIGN §6 property 7).
+"""Trimming the shared log (guarantee 7 in docs/architecture.md).
 
 * Safe trim removes entries every session that needs them has acknowledged: the mark is the lowest
   acknowledged position of the sessions that are replicating (a session still in its first full

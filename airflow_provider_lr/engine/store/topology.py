@@ -51,7 +51,7 @@ class Topology:
     settings: dict[str, Any] = field(default_factory=dict)
     # client name -> full-sync provider as "package.module:function"
     providers: dict[str, str] = field(default_factory=dict)
-    # seed 004: min_regions_for_durability, ack_quorum, write_quorum (engine/db/durability.py)
+    # DistributedLog's rule: min_regions_for_durability, ack_quorum, write_quorum (engine/db/durability.py)
     durability: dict[str, int] = field(default_factory=dict)
     # the file it was read from (``load``): named by every error about it; not part of its id
     path: str | None = field(default=None, compare=False)
@@ -164,7 +164,7 @@ def _refuse_unsound_durability(
     rule: dict[str, int], sites: dict[str, SiteSpec], replications: list[Replication], origin: Origin
 ) -> None:
     """Each source with its sinks must be able to meet ``durability`` and never meet its ack
-    quorum in fewer regions than it asks (seed 004; ``durability.check_rule``)."""
+    quorum in fewer regions than it asks (``durability.check_rule``)."""
     sinks_of: dict[str, set[str]] = {}
     for r in replications:
         sinks_of.setdefault(r.source, set()).update(r.sinks)

@@ -1,4 +1,4 @@
-"""Which tables a site replicates (seed 002): ``lr.registry`` rows of kind ``table``.
+"""Which tables a site replicates (CorfuDB's federated tables): ``lr.registry`` rows of kind ``table``.
 
 Opening a table as federated for a client records it and installs its capture triggers (one
 statement-level trigger per operation, ``lr.capture_table_changes``, V0008 as replaced by V0015): from the commit of

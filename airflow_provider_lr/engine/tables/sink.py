@@ -4,7 +4,7 @@ Everything here runs inside a fenced ``SinkTransaction`` (or, for a Spark range,
 checked the session's epoch), with ``lr.applying`` set so the sink's own capture triggers, if the
 table is federated onward from here, do not capture it again.
 
-The rules (seed 002, CorfuDB #3502):
+The rules (CorfuDB's federated-table rules, its issue #3502):
 
 * a table this sink opened with ``is_federated = false`` is not applied and its registry entry is
   not overwritten (state ``conflict``, shown by ``lr status``);

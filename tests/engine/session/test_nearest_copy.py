@@ -1,4 +1,4 @@
-"""Nearest-copy catch-up (seed 004): a sink of a client of tables only is seeded from a consistent
+"""Nearest-copy catch-up: a sink of a client of tables only is seeded from a consistent
 peer sink in its region, falls back to the source when no peer answers in time, and a crash at
 either step of the seed leaves it whole."""
 

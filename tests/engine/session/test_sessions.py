@@ -90,7 +90,7 @@ def test_two_sinks_only_one_addressed_gets_exactly_its_entries(lr_sites):
 
 @pytest.mark.parametrize("mode", ["cycles", "streaming"])
 def test_snapshot_hand_off_while_writers_keep_writing(lr_sites, mode):
-    """DESIGN §6 property 6: writers run before, during and after the full sync; every key's values
+    """Guarantee 6 (docs/architecture.md): writers run before, during and after the full sync; every key's values
     arrive as snapshot value, then exactly each later value once, in order (streaming: the stream
     starts right after the apply, reading past the base snapshot's split)."""
     source, sink_b, _ = lr_sites

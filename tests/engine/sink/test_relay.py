@@ -1,4 +1,4 @@
-"""The relay (seed 003): many subscriptions in one process over one LISTEN connection, with demands
+"""The relay: many subscriptions in one process over one LISTEN connection, with demands
 that change while data flows, slow members that hold nobody back, and shutdowns that never hang."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Failover (issue 15, seed 001): a sink becomes the source of its clients; every other sink is cut at
+"""Failover (after Qpid HA's failover): a sink becomes the source of its clients; every other sink is cut at
 the promoted site's position of the old source's stream (extras removed, gaps copied or a full
 sync with its reason), the old source is fenced and rejoins as a sink. Real servers, no mocks."""
 

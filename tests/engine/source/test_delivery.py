@@ -1,4 +1,4 @@
-"""Delivery states, readiness, the synchronous wait and durability by region (seeds 001 and 004),
+"""Delivery states, readiness, the synchronous wait and durability by region (Qpid HA's states, DistributedLog's regions),
 against real sites: site-a (region-1) replicates client ``policy`` to site-b (region-2) and
 site-c (region-3)."""
 

@@ -1,5 +1,5 @@
 """Source side: transmit inside the application's transaction, and a log reader that never skips
-a late commit and delivers conflicting transactions in commit order (DESIGN §6 properties 1–4)."""
+a late commit and delivers conflicting transactions in commit order (guarantees 1–4 in docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -173,7 +173,7 @@ def test_conflicting_transactions_arrive_in_commit_order_not_xid_order(source, d
 
 @BARRIER_OR_FINAL_PREFIX
 def test_six_writers_on_shared_counters_with_an_open_transaction(source, dests, final):
-    """DESIGN §6 property 2's scenario: concurrent increments of shared counters, one unrelated
+    """Guarantee 2's scenario: concurrent increments of shared counters, one unrelated
     transaction holding an xid open. Every entry arrives once, each counter's values in order."""
     idle = source.connect()
     with idle.cursor() as cur:

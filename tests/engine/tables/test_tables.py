@@ -1,4 +1,4 @@
-"""Federated tables (seed 002): captured in the writer's transaction, snapshotted from one exported
+"""Federated tables: captured in the writer's transaction, snapshotted from one exported
 snapshot, applied at every sink in commit order; the registry's rules and the seam."""
 
 from __future__ import annotations
