@@ -4,7 +4,7 @@ The state directory (``lr_home``) is read by the engine (the connections file) a
 embedded tooling, so the rule lives here, below both. Shipped files (topology, DAGs, Spark jobs,
 protos) sit beside the package in a source checkout or editable install; a wheel installs them under
 ``<prefix>/share/airflow-provider-lr``. ``LR_SHARE_DIR`` overrides both. The migrations are package
-data (``airflow_provider_lr.migrations``), read with ``importlib.resources`` by ``engine/site/schema``.
+data (``airflow_provider_lr.migrations``), read with ``importlib.resources`` by ``engine/db/schema``.
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ class LRSparkFanOutOperator(_LRSparkJobOperator):
 class LRSparkTableSnapshotOperator(_LRSparkJobOperator):
     """Snapshot one client's federated tables from a source to the sinks that lack them with the
     Spark job ``spark_jobs/lr_table_snapshot.py``: one exported snapshot, key ranges read by
-    parallel tasks, every sink written once per range (``engine/tables/parallel``).
+    parallel tasks, every sink written once per range (``engine/bulk/parallel_tables``).
 
     :param source: the source site id (templated)
     :param client: the client whose tables are snapshotted (templated)
