@@ -127,7 +127,9 @@ def components(dsns: dict[str, str], request_id: str) -> dict[str, float]:
     n = len(rows)
     staged: list[bytes] = []
     prefix = staging_prefix("src", CLIENT, request_id)
-    packer = Packer(lambda r: staged.append(staging_row(prefix, r.position, r.entry_id, r.kind, r.count, r.message)))
+    packer = Packer(
+        lambda r: staged.append(staging_row(prefix, r.position, r.entry_id, r.kind, r.entry_count, r.message))
+    )
     cpu = time.process_time()
     for position, entry_id, message in rows:
         kind, body = vocabulary.strip_destinations(message or b"")

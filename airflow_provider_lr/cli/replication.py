@@ -266,7 +266,7 @@ def _progress_bars() -> Iterator[None]:
         yield
         return
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, Progress, TaskID, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
     bars = Progress(
         TextColumn("{task.description}"),
@@ -277,7 +277,7 @@ def _progress_bars() -> Iterator[None]:
         console=Console(stderr=True),
         transient=False,
     )
-    tasks: dict[int, object] = {}
+    tasks: dict[int, TaskID] = {}
 
     def show(item: progress.Progress) -> None:
         task = tasks.get(id(item))

@@ -59,7 +59,8 @@ def form_choice(values: list[str], pattern: str, required: bool = False, **schem
     from airflow.sdk import Param
 
     if required:
-        return Param(type="string", **({"enum": values} if values else {"pattern": pattern}), **schema)
+        constraint: dict[str, Any] = {"enum": values} if values else {"pattern": pattern}
+        return Param(type="string", **constraint, **schema)
     if values:
         return Param(None, type=["null", "string"], enum=[None, *values], values_display={"null": ""}, **schema)
     return Param(None, type=["null", "string"], pattern=pattern, **schema)

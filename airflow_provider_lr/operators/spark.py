@@ -129,7 +129,9 @@ class LRSparkFanOutOperator(_LRSparkJobOperator):
         super().__init__(job=FANOUT_JOB, name=name, **kwargs)
         self.source, self.max_entries, self.tasks = source, max_entries, tasks
 
-    def execute(self, context: Any) -> dict[str, Any] | None:
+    # SparkSubmitOperator declares ``execute -> None``, but a returned value is Airflow's XCom (BaseOperator's
+    # ``execute -> Any``): this task's XCom is the job's summary.
+    def execute(self, context: Any) -> dict[str, Any] | None:  # type: ignore[override]
         path = topology_path(self.topology_path)
         topo = load_topology(path)
         args = ["--source", self.source]
@@ -167,7 +169,9 @@ class LRSparkTableSnapshotOperator(_LRSparkJobOperator):
         super().__init__(job=TABLE_SNAPSHOT_JOB, name=name, **kwargs)
         self.source, self.client, self.parts = source, client, parts
 
-    def execute(self, context: Any) -> dict[str, Any] | None:
+    # SparkSubmitOperator declares ``execute -> None``, but a returned value is Airflow's XCom (BaseOperator's
+    # ``execute -> Any``): this task's XCom is the job's summary.
+    def execute(self, context: Any) -> dict[str, Any] | None:  # type: ignore[override]
         path = topology_path(self.topology_path)
         topo = load_topology(path)
         args = ["--source", self.source, "--client", self.client]
@@ -217,7 +221,9 @@ class LRSparkSnapshotTransferOperator(_LRSparkJobOperator):
         self.source, self.sink, self.client = source, sink, client
         self.request_id, self.partitions = request_id, partitions
 
-    def execute(self, context: Any) -> dict[str, Any] | None:
+    # SparkSubmitOperator declares ``execute -> None``, but a returned value is Airflow's XCom (BaseOperator's
+    # ``execute -> Any``): this task's XCom is the job's summary.
+    def execute(self, context: Any) -> dict[str, Any] | None:  # type: ignore[override]
         path = topology_path(self.topology_path)
         topo = load_topology(path)
         args = ["--source", self.source, "--sink", self.sink, "--client", self.client]
@@ -270,7 +276,9 @@ class LRSparkApplyReceiveQueueOperator(_LRSparkJobOperator):
         super().__init__(job=APPLY_QUEUE_JOB, name=name, **kwargs)
         self.sink, self.client, self.function, self.batch = sink, client, function, batch
 
-    def execute(self, context: Any) -> dict[str, Any] | None:
+    # SparkSubmitOperator declares ``execute -> None``, but a returned value is Airflow's XCom (BaseOperator's
+    # ``execute -> Any``): this task's XCom is the job's summary.
+    def execute(self, context: Any) -> dict[str, Any] | None:  # type: ignore[override]
         path = topology_path(self.topology_path)
         topo = load_topology(path)
         args = ["--sink", self.sink, "--client", self.client, "--function", self.function]

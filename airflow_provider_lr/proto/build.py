@@ -2,6 +2,8 @@
 
 The generated ``lr_pb2.py`` is committed and shipped in the package, so installing lr never needs
 protoc; this module exists to regenerate it and to let a test prove the shipped copy is current.
+The ``lr_pb2.pyi`` stub is generated beside it: protoc's module builds its classes at import time,
+so without the stub a type checker sees none of the messages or enum values.
 Run: ``python -m airflow_provider_lr.proto.build [--check]``.
 """
 
@@ -22,10 +24,12 @@ def generate(out_dir: Path) -> list[Path]:
     from grpc_tools import protoc  # build-time tool only
 
     for name in PROTO_FILES:
-        rc = protoc.main(["protoc", f"-I{PROTO_DIR}", f"--python_out={out_dir}", str(PROTO_DIR / name)])
+        rc = protoc.main(
+            ["protoc", f"-I{PROTO_DIR}", f"--python_out={out_dir}", f"--pyi_out={out_dir}", str(PROTO_DIR / name)]
+        )
         if rc != 0:
             raise RuntimeError(f"protoc failed ({rc}) on {PROTO_DIR / name}")
-    return [out_dir / (Path(n).stem + "_pb2.py") for n in PROTO_FILES]
+    return [out_dir / (Path(n).stem + "_pb2" + suffix) for n in PROTO_FILES for suffix in (".py", ".pyi")]
 
 
 def stale_files() -> list[str]:

@@ -53,6 +53,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import psycopg2
 import psycopg2.extensions
@@ -144,10 +145,14 @@ class FanoutDriver:
             raise ConfigurationError(f"{len(demands)} sessions in one fan-out of {self.source}; at most {MAX_DEMANDS}")
         self._keeper = LeaseKeeper(self._dsns[self.source], list(self.leases.values()), self.settings.lease_seconds)
         plan_id = str(uuid.uuid4())
-        base = dict(
+        empty = FanoutPlan(
             plan_id=plan_id,
             source=self.source,
+            lo=0,
+            end=0,
+            barrier=0,
             demands=tuple(demands),
+            ranges=(),
             source_dsn=self._dsns[self.source],
             sink_dsns={d.sink: self._dsns[d.sink] for d in demands},
             skipped=skipped,
@@ -155,15 +160,13 @@ class FanoutDriver:
             staged=staged,
         )
         if not demands:
-            return FanoutPlan(lo=0, end=0, barrier=0, ranges=(), **base)
+            return empty
         barrier, blocked = commit_barrier(self.src, self.settings.barrier_timeout)
         lo = min(d.position.after for d in demands)
         if barrier is None or barrier <= lo:
-            return FanoutPlan(
-                lo=lo, end=lo, barrier=barrier or lo, ranges=(), blocked_by=tuple(h.describe() for h in blocked), **base
-            )
+            return replace(empty, lo=lo, end=lo, barrier=barrier or lo, blocked_by=tuple(h.describe() for h in blocked))
         ranges, end = self._ranges(lo, barrier, max_entries, partitions, tasks)
-        return FanoutPlan(lo=lo, end=end, barrier=barrier, ranges=ranges, **base)
+        return replace(empty, lo=lo, end=end, barrier=barrier, ranges=ranges)
 
     def _demand(self, key: SessionKey, staged: bool = False) -> Demand | str:
         """The session's demand, or why it is left out (lease held elsewhere, snapshot needed)."""

@@ -50,13 +50,15 @@ class RowReader:
         # Optional fast path for rows of fixed-width fields then one variable one: ``fixed``
         # unpacks (field count, then length/value pairs, ending with the last field's length);
         # ``on_fixed(values, last_field)`` gets them. Other chunks take the general path.
+        if (fixed is None) != (on_fixed is None):
+            raise ValueError("the fixed-row fast path needs both fixed and on_fixed")
         self.fixed, self.on_fixed = fixed, on_fixed
         self._buf = bytearray()
         self._header_seen = False
         self.rows = 0
 
     def write(self, chunk: bytes) -> int:
-        if self._header_seen and not self._buf and self.fixed is not None and len(chunk) > 2:
+        if self._header_seen and not self._buf and self.fixed is not None and self.on_fixed and len(chunk) > 2:
             # PostgreSQL sends one CopyData message per row: parse the usual case without copying.
             head = self.fixed.unpack_from(chunk)
             size = head[-1]
@@ -81,7 +83,8 @@ class RowReader:
             if count == -1:  # trailer
                 pos += 2
                 continue
-            cursor, fields = pos + 2, []
+            cursor = pos + 2
+            fields: list[bytes | None] = []
             for _ in range(count):
                 if cursor + 4 > end:
                     break
@@ -217,12 +220,13 @@ class StagingWriter(CopyWriter):
 
 
 # --- receive-queue rows (the fan-out writes them directly) -----------------------------------------
-class PackedRows:
+class PackedRows(CopyWriter):
     """Entries appended one by one (``append``: ``(queue_rows.piece(message), kind, position, entry
-    id)``), packed into receive-queue rows (``queue_rows.Packer``) in the order added; mixed into a
-    ``CopyWriter`` whose ``packer`` emits each row into its block."""
+    id)``), packed into receive-queue rows (``queue_rows.Packer``) in the order added: a
+    ``CopyWriter`` whose ``packer`` emits each row into its block, in the form of the subclass's table."""
 
     packer: Packer
+    append: Callable[[tuple[bytes, int, int, int]], None]  # the packer's, bound by the subclass
 
     def pack(self) -> None:
         """Turn the entries appended so far into rows (the unfinished last pack waits for more)."""
@@ -234,10 +238,10 @@ class PackedRows:
 
     def sync(self) -> None:
         self.packer.flush()  # a pack in progress ends here: what was added is all in the sink
-        super().sync()  # type: ignore[misc]
+        super().sync()
 
 
-class ReceiveQueueWriter(PackedRows, CopyWriter):
+class ReceiveQueueWriter(PackedRows):
     """One session's visible entries into ``lr.receive_queue``, packed (``queue_rows.Packer``) in
     the order added, so ``seq`` follows it: the COPY form of the queue's writer
     (``store.receive_queue.QueueWriter``, which also says what a role under row-level security
@@ -278,4 +282,4 @@ class StagedQueueWriter(PackedRows, StagingWriter):
         self.append = self.packer.append
 
     def _add_row(self, row: QueueRow) -> None:
-        self.add(staging_row(self.prefix, row.position, row.entry_id, row.kind, row.count, row.message))
+        self.add(staging_row(self.prefix, row.position, row.entry_id, row.kind, row.entry_count, row.message))

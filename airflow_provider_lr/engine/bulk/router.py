@@ -16,7 +16,7 @@ import psycopg2.extensions
 from psycopg2 import sql
 
 from airflow_provider_lr.engine import vocabulary
-from airflow_provider_lr.engine.bulk.pgcopy import ReceiveQueueWriter, RowReader
+from airflow_provider_lr.engine.bulk.pgcopy import PackedRows, RowReader
 from airflow_provider_lr.engine.bulk.plan import Demand, PositionRange
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.sink.queue_rows import HEADS, piece
@@ -30,8 +30,8 @@ PACK_EVERY = 4096  # entries appended between two packing passes...
 PACK_EVERY_BYTES = 4 << 20  # ...or bytes of large entries appended: bounded by bytes, whatever their size
 LARGE_ENTRY = 1024  # smaller entries are not counted (PACK_EVERY of them hold <= 4 MiB): spares the hot loop
 
-# One session of the chunk: its bit in the mask, its demand, the COPY into its receive queue.
-Target = tuple[int, Demand, ReceiveQueueWriter]
+# One session of the chunk: its bit in the mask, its demand, the COPY into its receive queue (or staging rows).
+Target = tuple[int, Demand, PackedRows]
 
 
 def _demand_mask_sql(targets: list[Target]) -> sql.Composable:
@@ -89,7 +89,7 @@ class CopyRouter(RowReader):
     ``PACK_EVERY_BYTES``). Anything else goes through ``RowReader``'s general parser and
     ``vocabulary.strip_destinations``."""
 
-    def __init__(self, writers: dict[int, ReceiveQueueWriter], halfway: int, fault_tag: str | None) -> None:
+    def __init__(self, writers: dict[int, PackedRows], halfway: int, fault_tag: str | None) -> None:
         super().__init__(self._general_row)
         self.by_bit = writers
         self.routes: dict[int, list[Callable]] = {}  # mask -> the append of each writer that wants it

@@ -139,7 +139,7 @@ class SnapshotTransfer:
             if request_id
             else full_sync.open_request(self.src, self.key.sink, self.key.client)
         )
-        if runner.reconcile(hs.meta, request):  # the sink applied it before a crash: closed, not reused
+        if request is not None and runner.reconcile(hs.meta, request):  # applied before a crash: closed, not reused
             request = full_sync.get_request(self.src, request.request_id)
         if request is None or request.status != RequestStatus.SUPPLIED or request.base_position is None:
             raise LRError(
@@ -156,6 +156,7 @@ class SnapshotTransfer:
             request.split,
             recorded_id(self.src),
         )
+        assert runner.lease is not None, "a handshake that proceeds holds the lease"
         leases.update_session(
             self.src, runner.lease, state=SessionState.IN_SNAPSHOT_SYNC, sync_id=request.request_id, last_error=None
         )
@@ -283,7 +284,9 @@ def stage_range(plan: SnapshotPlan, part: EntryRange) -> dict:
             )
         writer = StagingWriter(dst)
         prefix = staging_prefix(plan.source, plan.client, plan.request_id)
-        packer = Packer(lambda r: writer.add(staging_row(prefix, r.position, r.entry_id, r.kind, r.count, r.message)))
+        packer = Packer(
+            lambda r: writer.add(staging_row(prefix, r.position, r.entry_id, r.kind, r.entry_count, r.message))
+        )
 
         def on_row(fields: list[bytes | None]) -> None:
             kind, message = vocabulary.strip_destinations(fields[2] or b"")

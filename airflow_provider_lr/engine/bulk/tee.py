@@ -10,13 +10,14 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 import psycopg2
 
 from airflow_provider_lr.engine.bulk import peak_memory
 from airflow_provider_lr.engine.bulk.pgcopy import PackedRows, ReceiveQueueWriter
 from airflow_provider_lr.engine.bulk.plan import ChunkResult, Demand, FanoutPlan, PositionRange
-from airflow_provider_lr.engine.bulk.router import copy_and_route
+from airflow_provider_lr.engine.bulk.router import Target, copy_and_route
 from airflow_provider_lr.engine.db.conninfo import connect_dsn
 from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.errors import StaleBatchError, error_line, one_line
@@ -35,6 +36,11 @@ class SessionChunk:
     demand: Demand
     position: int  # where the session's part of the chunk starts (the sink's position for the ordered tee)
     writer: PackedRows | None = None
+
+    def target(self, bit: int) -> Target:
+        """This session as the router's ``bit``: only a session with rows to write is read for."""
+        assert self.writer is not None, "a session with nothing to write is left out of the read"
+        return bit, self.demand, self.writer
 
     @property
     def entries(self) -> int:
@@ -166,9 +172,12 @@ def refuse(
     log.warning("fan-out %s chunk %d: session %s %s: %s", plan.plan_id[:8], part.index, session, what, one_line(exc))
 
 
+Chunk = TypeVar("Chunk", bound=SessionChunk)  # either tee's session: read_and_route returns what it was given
+
+
 def read_and_route(
-    plan: FanoutPlan, part: PositionRange, tees: list[tuple[int, SessionChunk]], out: ChunkResult, fault_tag: str | None
-) -> tuple[list[tuple[int, SessionChunk]], int]:
+    plan: FanoutPlan, part: PositionRange, tees: list[tuple[int, Chunk]], out: ChunkResult, fault_tag: str | None
+) -> tuple[list[tuple[int, Chunk]], int]:
     """Read the chunk ONCE from the source (binary COPY, in (position, entry id) order, demand mask
     computed by the source) and append each entry's receive-queue row to every demanding session's
     COPY. The read runs in one snapshot with the trim mark: a session whose sink stands below it
@@ -177,7 +186,7 @@ def read_and_route(
     src = connect_dsn(plan.source_dsn, Purpose.BULK)
     try:
         (mark,) = snapshot_trim_mark(src)
-        kept = []
+        kept: list[tuple[int, Chunk]] = []
         for bit, tee in tees:
             if mark > tee.position:
                 error = trimmed_error(f"fan-out of {plan.source} to {tee.demand.session}", tee.position, mark)
@@ -188,7 +197,7 @@ def read_and_route(
                 kept.append((bit, tee))
         if not kept:
             return kept, 0
-        return kept, copy_and_route(src, part, [(bit, tee.demand, tee.writer) for bit, tee in kept], fault_tag)
+        return kept, copy_and_route(src, part, [tee.target(bit) for bit, tee in kept], fault_tag)
     finally:
         src.close()
 

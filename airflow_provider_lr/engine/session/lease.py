@@ -110,7 +110,10 @@ def release_quietly(conn: psycopg2.extensions.connection, lease: Lease) -> None:
 def renew(conn: psycopg2.extensions.connection, lease: Lease, seconds: float, **values: object) -> None:
     """Extend a held lease by ``seconds`` from now (and set ``values`` on the session row with it);
     FencedError when it was taken over since (its epoch changed). Commits."""
-    update_session(conn, lease, lease_expires_at=AsIs(f"now() + make_interval(secs => {float(seconds)})"), **values)
+    # commit given by position, so no key of ``values`` can be taken for it
+    update_session(
+        conn, lease, True, lease_expires_at=AsIs(f"now() + make_interval(secs => {float(seconds)})"), **values
+    )
 
 
 def update_session(conn: psycopg2.extensions.connection, lease: Lease, commit: bool = True, **values: object) -> None:

@@ -55,7 +55,7 @@ from airflow_provider_lr.engine.session.source_watch import SourceWatch
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.backlog import session_backlogs
-from airflow_provider_lr.engine.source.log_reader import LogReader
+from airflow_provider_lr.engine.source.log_reader import LogBatch, LogReader, LogStream
 from airflow_provider_lr.engine.store.topology import recorded_id
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables import snapshot as table_snapshot
@@ -222,7 +222,8 @@ class SessionStream:
         moved, the entries written (at least 1), else 0. ``barrier``: read behind the commit barrier
         instead (it waits for the commits in flight, so a position still missing after it was
         rolled back and is passed)."""
-        settings, batch, position = self.settings, None, self.position
+        settings, position = self.settings, self.position
+        batch: LogBatch | LogStream | None = None
         assert position is not None, "run takes the handshake first"
         if not barrier:
             batch = self.small.read_final_batch(position.after, settings.max_bytes, position.split, self.tables)

@@ -45,7 +45,7 @@ class QueueRow(NamedTuple):
     kind: int
     position: int
     entry_id: int
-    count: int
+    entry_count: int  # the column's name (a field named ``count`` would hide ``tuple.count``)
     message: bytes
 
 
@@ -130,7 +130,7 @@ class Packer:
 
     def _emit(self, row: QueueRow) -> None:
         self.rows += 1
-        self.entries += row.count
+        self.entries += row.entry_count
         self.emit(row)
 
 

@@ -27,6 +27,7 @@ raise the error.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import threading
@@ -45,7 +46,15 @@ log = logging.getLogger(__name__)
 
 Connect = Callable[[], psycopg2.extensions.connection]
 _ids = itertools.count(1)
-_UNSET: object = object()
+
+
+class _Unset(enum.Enum):
+    """``update``'s default for ``sources``: leave them as they are (``None`` means every source)."""
+
+    UNSET = enum.auto()
+
+
+_UNSET = _Unset.UNSET
 
 
 class Subscription(DeliveryContext):
@@ -84,11 +93,11 @@ class Subscription(DeliveryContext):
     def running(self) -> bool:
         return self._thread.is_alive()
 
-    def update(self, client: str | None = None, sources: Iterable[str] | None | object = _UNSET) -> None:
+    def update(self, client: str | None = None, sources: Iterable[str] | None | _Unset = _UNSET) -> None:
         """Change the demand: another client and/or other sources (``None``: every source). Takes
         effect from the next pass, which starts at once."""
         current = self._demand
-        new_sources = current.sources if sources is _UNSET else (None if sources is None else frozenset(sources))  # type: ignore[arg-type]
+        new_sources = current.sources if sources is _UNSET else (None if sources is None else frozenset(sources))
         self._demand = Demand(client or current.client, new_sources)
         self.relay._reindex()
         self.wake(ALL)

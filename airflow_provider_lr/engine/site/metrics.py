@@ -218,6 +218,8 @@ def start(registry: CollectorRegistry, listen: str) -> tuple[Any, threading.Thre
     host, _, port = listen.rpartition(":")
     server, thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=registry)
     bound_host, bound_port = server.server_address[:2]
+    if isinstance(bound_host, bytes):  # an AF_UNIX-style address in the stub's type; TCP gives str
+        bound_host = bound_host.decode()
     return server, thread, f"http://{bound_host}:{bound_port}/metrics"
 
 

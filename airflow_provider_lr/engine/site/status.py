@@ -66,7 +66,7 @@ class SiteStatus:
     durable: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        return _jsonable(asdict(self))
+        return {k: _jsonable(v) for k, v in asdict(self).items()}
 
 
 def _jsonable(value: object) -> object:
@@ -302,7 +302,7 @@ def render(
             origin = f", registered by {t['source']}" if t["source"] else ""
             lines.append(f"  table  {t['table']:<32} {flag}, client {t['client'] or '-'}{origin}")
         else:
-            session = SessionKey(t["source"], status.site_id, t["client"])
+            sink_session = SessionKey(t["source"], status.site_id, t["client"])
             rows = f", {t['rows']} rows in its snapshot" if t["rows"] is not None else ""
             detail = f": {one_line(t['detail'])}" if t["detail"] else ""
             shut = (
@@ -310,12 +310,14 @@ def render(
                 if (t["source"], t["table"]) in closed
                 else ""
             )
-            lines.append(f"  table  {t['table']:<32} {t['state']} from {session}{rows}{detail}{shut}")
+            lines.append(f"  table  {t['table']:<32} {t['state']} from {sink_session}{rows}{detail}{shut}")
     for d in status.diverged:
         lines.append(f"  table  {d}")
     if status.durable:
-        d = status.durable
-        lines.append(f"  durable up to position {d['position']} of {d['last_position']} (every entry {d['rule']})")
+        durable = status.durable
+        lines.append(
+            f"  durable up to position {durable['position']} of {durable['last_position']} (every entry {durable['rule']})"
+        )
     for h in status.held_back_by:
         lines.append(f"  held back: {h['describe']}")
     return "\n".join(lines)

@@ -25,8 +25,9 @@ from __future__ import annotations
 import enum
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import psycopg2.extensions
 
@@ -38,6 +39,7 @@ from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, STREAM_TAB
 
 GUARD_GRACE_S = 60.0  # a guard outlives its wait's timeout by this much (a waiter that died)
 EVERY_NAMED_SINK = 1_000_000  # durable_position's min_regions for "acknowledged by every sink it named"
+T = TypeVar("T")  # what ``poll``'s check returns
 
 
 class DeliveryState(str, enum.Enum):
@@ -313,7 +315,7 @@ def remove_guard(conn: psycopg2.extensions.connection, guard: str) -> None:
         pass  # the source went away: the guard expires by itself
 
 
-def poll(check, timeout: float, first: float = 0.005, longest: float = 0.25):  # type: ignore[no-untyped-def]
+def poll(check: Callable[[], T], timeout: float, first: float = 0.005, longest: float = 0.25) -> T:
     """Call ``check()`` until it returns something truthy or ``timeout`` passes; the last result."""
     deadline = time.monotonic() + timeout
     pause = first

@@ -315,7 +315,9 @@ class FullSyncContext:
         )
         self._bytes = 0  # of the messages in ``_rows``
 
-    def _add(self, payload: bytes, kind: int, **fields: object) -> None:
+    def _add(
+        self, payload: bytes, kind: lr_pb2.ReplicationType, base_snapshot_xids: str = "", base_snapshot_upto: int = 0
+    ) -> None:
         row = self.client._row(
             STREAM_SNAP_SYNC,
             payload,
@@ -323,7 +325,8 @@ class FullSyncContext:
             kind,
             snapshot_request_id=self.request.request_id,
             base_snapshot=self.base,
-            **fields,
+            base_snapshot_xids=base_snapshot_xids,
+            base_snapshot_upto=base_snapshot_upto,
         )
         self._rows.append(row)
         self._bytes += len(row[2])

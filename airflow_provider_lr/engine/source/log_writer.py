@@ -108,10 +108,20 @@ class LogWriter:
                 )
 
     def _row(
-        self, stream: int, payload: bytes, destinations: Sequence[str], kind: int, **fields: object
+        self,
+        stream: int,
+        payload: bytes,
+        destinations: Sequence[str],
+        kind: lr_pb2.ReplicationType,
+        *,
+        snapshot_request_id: str = "",
+        base_snapshot: int = 0,
+        base_snapshot_xids: str = "",
+        base_snapshot_upto: int = 0,
     ) -> tuple[int, list[int], bytes]:
         """One message as a log row (stream, tag ids, serialized message); ``TransmitError``, with
-        nothing written, when the payload or its destinations are refused."""
+        nothing written, when the payload or its destinations are refused. The full-sync fields
+        default to proto3's defaults, which are not serialized: a log entry carries none of them."""
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise TransmitError(f"payload must be bytes, not {type(payload).__name__}; nothing was written")
         size = payload.nbytes if isinstance(payload, memoryview) else len(payload)  # bytes, not items
@@ -146,7 +156,10 @@ class LogWriter:
             opaque_payload=bytes(payload),
             source_site_id=self.source_site_id,
             client_name=self.client_name,
-            **fields,
+            snapshot_request_id=snapshot_request_id,
+            base_snapshot=base_snapshot,
+            base_snapshot_xids=base_snapshot_xids,
+            base_snapshot_upto=base_snapshot_upto,
         )
         return stream, [self._tag_ids[d] for d in unique], message.SerializeToString()
 

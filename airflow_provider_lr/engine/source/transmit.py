@@ -36,7 +36,9 @@ class RoutingQueueClient(LogWriter):
     def transmit_log_entry_message(self, payload: bytes, destinations: Sequence[str]) -> Ticket:
         """Store one payload for ``destinations`` as one log entry (visible when the caller commits).
         Returns a ticket to wait on after commit (``wait_until_safe``)."""
-        return self.transmit_log_entry_messages([LRMessageWithDestinations(payload, destinations)])
+        ticket = self.transmit_log_entry_messages([LRMessageWithDestinations(payload, destinations)])
+        assert ticket is not None, "a transmitted message always makes a ticket"
+        return ticket
 
     def transmit_log_entry_messages(self, messages: Iterable[LRMessageWithDestinations]) -> Ticket | None:
         """Store many payloads, in order, in the caller's transaction; all validated before any write.

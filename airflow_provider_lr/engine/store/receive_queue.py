@@ -39,13 +39,19 @@ _COPY_ROW = struct.Struct(">ihiqiqiiBiii")
 
 
 class Row(Protocol):
-    """A row to write (``queue_rows.QueueRow``): kind, last entry's position and id, count, message."""
+    """A row to write (``queue_rows.QueueRow``): kind, last entry's position and id, entry count, message.
+    Read-only members, so a NamedTuple satisfies it."""
 
-    kind: int
-    position: int
-    entry_id: int
-    count: int
-    message: bytes
+    @property
+    def kind(self) -> int: ...
+    @property
+    def position(self) -> int: ...
+    @property
+    def entry_id(self) -> int: ...
+    @property
+    def entry_count(self) -> int: ...
+    @property
+    def message(self) -> bytes: ...
 
 
 # --- the writer -----------------------------------------------------------------------------------
@@ -86,7 +92,7 @@ class QueueWriter:
                 row.entry_id,
                 self.sync_id,
                 self.visible,
-                row.count,
+                row.entry_count,
                 psycopg2.Binary(row.message),
             )
         )
@@ -124,7 +130,9 @@ class QueueWriter:
         """A row in binary COPY form, appended to ``block`` in place (packs are ~8 kB: no copy of
         the row is made first)."""
         block += self.prefix
-        block += _COPY_ROW.pack(2, row.kind, 8, row.position, 8, row.entry_id, -1, 1, 1, 4, row.count, len(row.message))
+        block += _COPY_ROW.pack(
+            2, row.kind, 8, row.position, 8, row.entry_id, -1, 1, 1, 4, row.entry_count, len(row.message)
+        )
         block += row.message
 
     def copy_finish(self, conn: psycopg2.extensions.connection) -> int | None:

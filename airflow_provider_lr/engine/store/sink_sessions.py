@@ -252,7 +252,7 @@ def lock_reconcile(
         (source, client),
     )
     row = cur.fetchone()
-    return None if row is None else tuple(row)  # type: ignore[return-value]
+    return None if row is None else tuple(row)
 
 
 def close_reconciled(

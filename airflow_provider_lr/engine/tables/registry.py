@@ -96,9 +96,10 @@ def open_table(conn: psycopg2.extensions.connection, name: str, client: str, fed
                     "table_id = NULL, key_columns = NULL, registered_at = now() WHERE lr.registry.kind = 'table'",
                     (str(table), client),
                 )
-                result = read(cur, table)
-                if result is None or result.federated:
+                written = read(cur, table)
+                if written is None or written.federated:
                     raise TableError(f"{table} is registered here as something else than a table")
+                result = written
         conn.commit()
         return result
     except BaseException:

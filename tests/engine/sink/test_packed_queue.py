@@ -39,7 +39,7 @@ def test_packer_fills_rows_up_to_the_limit_keeps_markers_alone_and_stores_a_sing
     packer.add(LOG, 3, 11, b"y")
     packer.flush()
 
-    assert [(r.kind, r.count) for r in rows] == [
+    assert [(r.kind, r.entry_count) for r in rows] == [
         (START, 1),
         (SNAP, 3),
         (SNAP, 3),
@@ -48,7 +48,7 @@ def test_packer_fills_rows_up_to_the_limit_keeps_markers_alone_and_stores_a_sing
         (LOG, 1),
         (LOG, 1),
     ]
-    assert [unpack(r.count, r.message) for r in rows[1:4]] == [
+    assert [unpack(r.entry_count, r.message) for r in rows[1:4]] == [
         [bytes([i]) * 30 for i in range(3)],
         [bytes([i]) * 30 for i in range(3, 6)],
         [bytes([6]) * 30],
