@@ -39,6 +39,7 @@ from psycopg2.extensions import AsIs
 from airflow_provider_lr.engine.db.timeouts import lifted
 from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.engine.faults import fault_point
+from airflow_provider_lr.engine.session.handshake import Position
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.store import receive_queue
 from airflow_provider_lr.engine.store.topology import Topology, config_id
@@ -60,6 +61,15 @@ class Peer:
 
     site: str
     connect: Callable[[], psycopg2.extensions.connection]
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """The peers to ask, nearest first, and how long the first has to answer (each next one gets
+    twice as long)."""
+
+    peers: Sequence[Peer]
+    delay: float = PROBE_DELAY
 
 
 @dataclass
@@ -104,21 +114,21 @@ def seed_from_peers(
     source: psycopg2.extensions.connection,
     sink: psycopg2.extensions.connection,
     key: SessionKey,
-    epoch: int,
+    position: Position,
     federated: Sequence[FederatedTable],
-    peers: Sequence[Peer],
-    delay: float = PROBE_DELAY,
+    candidates: Candidates,
     before_write: Callable[[], None] = lambda: None,
 ) -> PeerSeed:
-    """Seed the sink from the first peer that qualifies (see the module); ``peer`` None when none did
-    and the caller takes the source's snapshot. ``before_write`` runs once a peer qualified, before
-    the sink is written (the runner closes the source's open request there). Never leaves the sink
-    half written."""
+    """Seed the sink from the first of ``candidates`` that qualifies (see the module); ``peer`` None
+    when none did and the caller takes the source's snapshot. ``position``: where the session's
+    handshake left the sink; the seed writes under its lease epoch. ``before_write`` runs once a
+    peer qualified, before the sink is written (the runner closes the source's open request there).
+    Never leaves the sink half written."""
     result = PeerSeed()
     trim_mark, topology_id, wanted = _source_view(source, federated)
-    for n, peer in enumerate(peers):
+    for n, peer in enumerate(candidates.peers):
         started = time.monotonic()
-        wait = delay * 2**n
+        wait = candidates.delay * 2**n
         try:
             conn = _probe(peer, wait)
         except PeerUnfit as exc:
@@ -128,7 +138,7 @@ def seed_from_peers(
             view = _peer_view(conn, key, trim_mark, topology_id, wanted)
             before_write()
             with lifted(conn, sink):  # a whole table copied in one statement: as long as it takes
-                copied = _write(conn, sink, key, epoch, peer.site, view)
+                copied = _write(conn, sink, key, position.epoch, peer.site, view)
         except (PeerUnfit, psycopg2.Error) as exc:
             result.passed.append(f"{peer.site}: {one_line(exc)}")
             continue

@@ -202,7 +202,7 @@ class SessionRunner:
     def snapshot_sync(self, meta: writes.SinkMetadata, report: CycleReport) -> writes.SinkMetadata | None:
         """Advance the session's full sync as far as it can go now; the sink metadata once applied,
         else None (waiting for the client's data)."""
-        seeded = self.seed_from_peer(report)
+        seeded = self.seed_from_peer(meta, report)
         if seeded is not None:
             return seeded
         request = self._current_request(meta)
@@ -238,9 +238,7 @@ class SessionRunner:
             self.key.source,
             self.key.client,
             self._epoch(),
-            request.request_id,
-            request.base_position,
-            request.split,
+            writes.SyncStart.of(request),
             recorded_id(self.source),
         )
         fault_point("after_snapshot_start")
@@ -248,7 +246,7 @@ class SessionRunner:
         report.snapshot_messages += sent
         return self.apply_snapshot(meta)
 
-    def seed_from_peer(self, report: CycleReport) -> writes.SinkMetadata | None:
+    def seed_from_peer(self, meta: writes.SinkMetadata, report: CycleReport) -> writes.SinkMetadata | None:
         """A client of tables only takes its snapshot from a peer sink in its region when one
         qualifies (``nearest_copy``); the sink's metadata then, else None (the source's snapshot
         follows). A full sync forced on the source is always taken from the source."""
@@ -272,10 +270,9 @@ class SessionRunner:
             self.source,
             self.sink,
             self.key,
-            self._epoch(),
+            self._position(meta),
             federated,
-            self.peers,
-            self.settings.peer_probe_delay,
+            nearest_copy.Candidates(self.peers, self.settings.peer_probe_delay),
             before_write=close_request,
         )
         report.reason = f"{report.reason}; {seed.describe()}".lstrip("; ")
