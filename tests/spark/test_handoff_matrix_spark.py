@@ -17,7 +17,7 @@ from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, S
 from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.site import failover
 from airflow_provider_lr.engine.source import full_sync, trim
-from airflow_provider_lr.engine.tables.snapshot import copy_range
+from airflow_provider_lr.engine.tables.range_copy import copy_range
 from tests.guarantees.test_handoff_matrix import (
     Takeover,
     assert_handed_off,

@@ -27,7 +27,8 @@ from airflow_provider_lr.engine.session.negotiation import Decision
 from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.store.topology import Topology, site_conninfo
 from airflow_provider_lr.engine.tables import registry
-from airflow_provider_lr.engine.tables.snapshot import KeyRange, SinkSide, TableSnapshot, copy_range, needed
+from airflow_provider_lr.engine.tables.range_copy import KeyRange, copy_range
+from airflow_provider_lr.engine.tables.snapshot import SinkSide, TableSnapshot, needed
 
 log = logging.getLogger(__name__)
 

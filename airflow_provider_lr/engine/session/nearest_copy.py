@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import psycopg2
 import psycopg2.extensions
@@ -44,10 +45,10 @@ from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.store import receive_queue
 from airflow_provider_lr.engine.store.topology import Topology, config_id
 from airflow_provider_lr.engine.tables import sink as sink_tables
-from airflow_provider_lr.engine.tables.definition import read_definition
+from airflow_provider_lr.engine.tables.definition import TableName, read_definition
+from airflow_provider_lr.engine.tables.range_copy import copy_to_targets
 from airflow_provider_lr.engine.tables.registry import FederatedTable
 from airflow_provider_lr.engine.tables.sink import SinkTable, TableState
-from airflow_provider_lr.engine.tables.snapshot import copy_to_targets
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ def peers_in_region(
     """The other sinks of ``key``'s source and client in the sink's region, in topology order."""
     region = topology.site(key.sink).region
     return [
-        Peer(other.sink, lambda site=other.sink: connect(site))
+        Peer(other.sink, partial(connect, other.sink))
         for other in topology.sessions(source=key.source)
         if other.client == key.client and other.sink != key.sink and topology.site(other.sink).region == region
     ]
@@ -170,7 +171,7 @@ def _probe(peer: Peer, wait: float) -> psycopg2.extensions.connection:
     """A connection to the peer that answered within ``wait`` seconds, or ``PeerUnfit``. The probe
     runs on its own thread, so a peer that hangs (a stalled link, a stopped host) costs the wait and
     no more; its connection, if it ever opens, is closed."""
-    box: dict[str, object] = {}
+    answer = _Answer()
     done = threading.Event()
     abandoned = threading.Event()
 
@@ -180,22 +181,31 @@ def _probe(peer: Peer, wait: float) -> psycopg2.extensions.connection:
             with conn.cursor() as cur:
                 cur.execute("SELECT 1")
             conn.rollback()
-            box["conn"] = conn
+            answer.conn = conn
         except BaseException as exc:  # noqa: BLE001 - reported as the peer's reason
-            box["error"] = exc
+            answer.error = exc
         done.set()
-        if abandoned.is_set() and "conn" in box:
-            box["conn"].close()  # type: ignore[union-attr]
+        if abandoned.is_set() and answer.conn is not None:
+            answer.conn.close()
 
     threading.Thread(target=run, name=f"lr-probe-{peer.site}", daemon=True).start()
     if not done.wait(wait):
         abandoned.set()
-        if done.is_set() and "conn" in box:  # answered in the instant between: still close it
-            box["conn"].close()  # type: ignore[union-attr]
+        if done.is_set() and answer.conn is not None:  # answered in the instant between: still close it
+            answer.conn.close()
         raise PeerUnfit(f"did not answer within {wait:g}s")
-    if "error" in box:
-        raise PeerUnfit(f"unreachable ({str(box['error']).strip() or type(box['error']).__name__})")
-    return box["conn"]  # type: ignore[return-value]
+    if answer.error is not None:
+        raise PeerUnfit(f"unreachable ({str(answer.error).strip() or type(answer.error).__name__})")
+    assert answer.conn is not None, "the probe ended without a connection or an error"
+    return answer.conn
+
+
+@dataclass
+class _Answer:
+    """What a probe's thread found: the peer's connection, or why it has none."""
+
+    conn: psycopg2.extensions.connection | None = None
+    error: BaseException | None = None
 
 
 @dataclass
@@ -226,7 +236,7 @@ def _peer_view(
         raise PeerUnfit(f"on topology {meta.topology_config_id}, the source on {topology_id}")
     if trim_mark > meta.last_log_entry_processed:
         raise PeerUnfit(f"at position {meta.last_log_entry_processed}, behind the source's trim mark {trim_mark}")
-    held: dict[object, SinkTable] = sink_tables.session_tables(cur, key.source, key.client)
+    held: dict[TableName, SinkTable] = sink_tables.session_tables(cur, key.source, key.client)
     tables = {}
     for name, (federated, source_def) in wanted.items():
         have = held.get(name)
