@@ -31,6 +31,7 @@ def get_provider_info() -> dict:
                 "integration-name": INTEGRATION,
                 "python-modules": [
                     "airflow_provider_lr.operators.session",
+                    "airflow_provider_lr.operators.snapshot_sync",
                     "airflow_provider_lr.operators.maintenance",
                     "airflow_provider_lr.operators.spark",
                     "airflow_provider_lr.operators.fanout",

@@ -112,14 +112,13 @@ class RoutingQueueSubscriber(DeliveryContext):
         options = FollowOptions(self.batch_size, self.poll_interval, self.retry_interval, self.batch_bytes)
         try:
             wakeup.follow(
-                self._connect,
+                wakeup.Connector(self._connect, self._set_delivering),
                 listener,
                 lambda: self.demand,
                 wakeup.TapWakeups(tap, lambda: self.demand, stop),
                 stop,
                 stats,
                 options,
-                on_conn=self._set_delivering,
             )
         finally:
             tap.close()

@@ -26,7 +26,7 @@ from pyspark.sql import SparkSession  # noqa: E402
 
 from airflow_provider_lr.engine.bulk import parallel_tables as parallel
 from airflow_provider_lr.engine.store.topology import Topology  # noqa: E402
-from airflow_provider_lr.engine.tables.snapshot import KeyRange, copy_range  # noqa: E402
+from airflow_provider_lr.engine.tables.range_copy import KeyRange, copy_range  # noqa: E402
 
 
 def spark_map(spark: SparkSession) -> parallel.MapRanges:

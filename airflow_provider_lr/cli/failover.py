@@ -42,15 +42,17 @@ def cmd_failover(args: argparse.Namespace) -> int:
     # sites already on this failover's topology (a re-run finishing it) are fine; any other id is not
     check_topology(topo, also={failover.derive(topo, old, args.promote, args.client or None)[0].topology_config_id})
     done = failover.promote(
-        old,
-        args.promote,
+        failover.FailoverRequest(
+            old,
+            args.promote,
+            clients=args.client or None,
+            reason=args.reason,
+            same_destinations=args.same_destinations,
+            planned=args.planned,
+            allow_table_divergence=args.allow_table_divergence,
+        ),
         connector(topo),
         topology=topo,
-        clients=args.client or None,
-        reason=args.reason,
-        same_destinations=args.same_destinations,
-        planned=args.planned,
-        allow_table_divergence=args.allow_table_divergence,
     )
     out = args.out or os.path.join(lr_home(), f"topology-{done.topology.topology_config_id}.yaml")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

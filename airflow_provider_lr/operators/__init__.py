@@ -11,8 +11,8 @@ from airflow_provider_lr.operators.session import (
     LRLogEntrySyncOperator,
     LRNegotiateOperator,
     LRRunCheckOperator,
-    LRSnapshotSyncOperator,
 )
+from airflow_provider_lr.operators.snapshot_sync import LRSnapshotSyncOperator
 from airflow_provider_lr.operators.stream import LRStreamOperator
 
 __all__ = [

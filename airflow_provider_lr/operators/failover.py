@@ -77,15 +77,17 @@ class LRFailoverOperator(BaseOperator):
             raise ValueError("LRFailoverOperator needs promote (the new source) or rejoin (a site to rejoin)")
         old = self.from_site or failover.only_source(topo, self.promote)
         done = failover.promote(
-            old,
-            self.promote,
+            failover.FailoverRequest(
+                old,
+                self.promote,
+                clients=self.clients or None,
+                reason=self.reason,
+                same_destinations=self.same_destinations in (True, "True", "true"),
+                planned=self.planned,
+                allow_table_divergence=self.allow_table_divergence in (True, "True", "true"),
+            ),
             connect,
             topology=topo,
-            clients=self.clients or None,
-            reason=self.reason,
-            same_destinations=self.same_destinations in (True, "True", "true"),
-            planned=self.planned,
-            allow_table_divergence=self.allow_table_divergence in (True, "True", "true"),
         )
         self.log.info(
             "failover %s: %s is the source of %s (was %s); cut %s; lost: %s",

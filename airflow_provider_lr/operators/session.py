@@ -1,5 +1,5 @@
 """Operators for the steps of one replication session: discover, negotiate, snapshot sync,
-log-entry sync. Each is a thin shell: resolve the sites through ``LRSiteHook``, run one engine
+log-entry sync (the snapshot sync step: ``operators/snapshot_sync.py``). Each is a thin shell: resolve the sites through ``LRSiteHook``, run one engine
 step (``SessionRunner``), return a small report. The engine's lease and fencing make a task
 retry, a crashed worker or a concurrent ``lr sync`` safe.
 
@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from collections.abc import Iterator, Sequence
-from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import psycopg2
 from airflow.sdk import BaseOperator, TriggerRule
-from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from airflow_provider_lr.engine.errors import error_line, require_counts
 from airflow_provider_lr.engine.session import nearest_copy
@@ -95,7 +93,7 @@ class LRDiscoverSessionsOperator(BaseOperator):
         return sessions
 
 
-class _SessionStepOperator(BaseOperator):
+class SessionStepOperator(BaseOperator):
     """One engine step of one session. ``decision`` (the negotiation task's output) makes the
     step skip itself unless negotiation chose ``branch``; without it the step always runs (the
     engine still negotiates first and does nothing the session is not ready for).
@@ -217,7 +215,7 @@ class _SessionStepOperator(BaseOperator):
         return result
 
 
-class LRNegotiateOperator(_SessionStepOperator):
+class LRNegotiateOperator(SessionStepOperator):
     """Negotiation only: returns ``{"branch": "snapshot_sync" | "log_entry_sync" | "none", ...}``
     for the branch tasks (``none``: another replicator holds the session's lease right now)."""
 
@@ -231,167 +229,7 @@ class LRNegotiateOperator(_SessionStepOperator):
         return result
 
 
-class LRSnapshotSyncOperator(_SessionStepOperator):
-    """Snapshot (full) sync of one session: request → wait for the client's data → transfer →
-    apply → complete.
-
-    :param wait_for_data: carry the full sync out (``lr_full_sync``) rather than do what can be
-        done now (``lr_replication``: one slow client must not hold every session's next cycle).
-        When the client has not supplied the data yet, wait for its end marker (deferring to
-        ``LRSnapshotEndTrigger``). When the session's ``request_id`` (its dict's key, recorded by
-        the DAG) is known, the task succeeds once THAT request is applied at the sink, by whichever
-        replicator: while another one (``lr_streaming``, ``lr sync``, ``lr_replication``) holds
-        the session's lease, it waits for the request (``LRFullSyncOutcomeTrigger``) instead of
-        failing, and carries the sync out itself if the lease is let go first. It fails when the
-        request was closed without being applied (``full_sync.outcome``: timed out, cancelled).
-    :param deferrable: wait in the triggerer (default True; False polls from the worker)
-    :param poll_interval: first poll interval of the wait, doubled up to ``max_poll_interval``
-    :param wait_timeout: how long to wait for a request another replicator carries out
-    """
-
-    branch = "snapshot_sync"
-    spark_jobs = (SNAPSHOT_TRANSFER_JOB,)  # a large full sync's transfer
-    ui_color = "#fde2e2"
-
-    def __init__(
-        self,
-        *,
-        wait_for_data: bool = False,
-        deferrable: bool = True,  # lr never holds a worker slot to wait
-        poll_interval: float = 1.0,
-        max_poll_interval: float = 30.0,
-        wait_timeout: timedelta = timedelta(hours=6),
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self.wait_for_data, self.deferrable = wait_for_data, deferrable
-        self.poll_interval, self.max_poll_interval = poll_interval, max_poll_interval
-        self.wait_timeout = wait_timeout
-
-    @property
-    def request_id(self) -> str | None:
-        """The full-sync request this task carries out (``lr_full_sync`` records one per session)."""
-        return (self.session or {}).get("request_id") if self.wait_for_data else None
-
-    def execute(self, context: Any) -> dict[str, Any]:
-        self._skip_unless_chosen()
-        if self.request_id:
-            done = self._outcome_now()
-            if done is not None:  # already applied (e.g. by the stream) or failed
-                return self.outcome_complete(context, done)
-        with self.runner() as runner:
-            report = runner.snapshot_step()
-        return self._after_step(context, report)
-
-    def _after_step(self, context: Any, report: CycleReport) -> dict[str, Any]:
-        if report.skipped and self.wait_for_data:
-            if not self.request_id:  # nothing to wait for but the lease: let the task's retries try again
-                raise AirflowException(f"session {report.session}: {report.skipped}; retrying")
-            self.log.info(
-                "session %s: %s; waiting for full sync %s to be applied by it",
-                report.session,
-                report.skipped,
-                self.request_id,
-            )
-            return self._wait(context, self._outcome_trigger(), self.wait_timeout, "outcome_complete")
-        if report.waiting and self.wait_for_data:
-            deadline = self._deadline(report.request_id)
-            self.log.info(
-                "session %s: waiting for the client's data of request %s until %s",
-                report.session,
-                report.request_id,
-                deadline.isoformat(),
-            )
-            from airflow_provider_lr.triggers.session import LRSnapshotEndTrigger
-
-            trigger = LRSnapshotEndTrigger(
-                source_conn_id=self.session["source_conn_id"],
-                request_id=report.request_id,
-                deadline=deadline.isoformat(),
-                **self._polling(),
-            )
-            return self._wait(
-                context, trigger, deadline - datetime.now(timezone.utc) + timedelta(minutes=5), "execute_complete"
-            )
-        result = self._result(report)
-        if self.request_id and not report.transfer_for_spark:  # done here: say what became of the request
-            done = self._outcome_now()
-            if done is not None:
-                return {**result, **self.outcome_complete(context, done)}
-        return result
-
-    def _polling(self) -> dict[str, float]:
-        return {"poll_interval": self.poll_interval, "max_poll_interval": self.max_poll_interval}
-
-    def _outcome_trigger(self) -> Any:
-        from airflow_provider_lr.triggers.session import LRFullSyncOutcomeTrigger
-
-        return LRFullSyncOutcomeTrigger(
-            self.session["source_conn_id"], str(self.request_id), lease_free=True, **self._polling()
-        )
-
-    def _outcome_now(self) -> dict[str, Any] | None:
-        from airflow_provider_lr.triggers.session import full_sync_outcome_status
-
-        with site_connection(self.session["source_conn_id"], self.session["source"]) as conn:
-            return full_sync_outcome_status(conn, str(self.request_id))
-
-    def _wait(self, context: Any, trigger: Any, timeout: timedelta, method_name: str) -> dict[str, Any]:
-        """Defer to ``trigger`` (no worker slot held), or with ``deferrable=False`` poll its check here."""
-        if self.deferrable:
-            self.defer(trigger=trigger, method_name=method_name, timeout=timeout)
-        deadline = time.monotonic() + timeout.total_seconds()
-        with site_connection(self.session["source_conn_id"], self.session["source"]) as conn:
-            pause = self.poll_interval
-            while (event := trigger.check(conn)) is None:
-                if time.monotonic() > deadline:
-                    raise AirflowException(f"session {self.session['session']}: still waiting after {timeout}")
-                time.sleep(pause)
-                pause = min(pause * 2, self.max_poll_interval)
-        return getattr(self, method_name)(context, event)
-
-    def _deadline(self, request_id: str) -> datetime:
-        with site_connection(self.session["source_conn_id"], self.session["source"]) as conn:
-            request = full_sync.get_request(conn, request_id)
-        assert request is not None
-        return request.data_deadline.astimezone(timezone.utc)
-
-    def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
-        """The client's data came (or not): carry on from where the wait began."""
-        from airflow_provider_lr.triggers.session import TriggerStatus
-
-        with self.runner() as runner:
-            report = runner.snapshot_step()  # transfers and applies; records a timeout if it passed
-        if event.get("status") != TriggerStatus.SUPPLIED:
-            raise AirflowException(
-                f"session {report.session}: the client supplied no full-sync data for request "
-                f"{event.get('request_id')} ({event.get('message', event.get('status'))}); run the client's "
-                "provider (client.serve_full_sync_requests) or name one under `providers:` in the topology"
-            )
-        return self._after_step(context, report)
-
-    def outcome_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
-        """The request was applied (by anyone), failed, or its session's lease was let go (then
-        this step carries it out itself)."""
-        from airflow_provider_lr.triggers.session import TriggerStatus
-
-        name = self.session["session"]
-        if event.get("status") == TriggerStatus.LEASE_FREE:
-            return self.execute(context)
-        if event.get("status") != Outcome.APPLIED.value:
-            telemetry.session_error(self.session)
-            raise AirflowFailException(f"session {name}: {event.get('message', event)}")
-        self.log.info("session %s: %s", name, event.get("message"))
-        return {
-            "session": name,
-            "request_id": self.request_id,
-            "outcome": event["status"],
-            "applied_request": event.get("applied_request"),
-            "message": event.get("message"),
-        }
-
-
-class LRLogEntrySyncOperator(_SessionStepOperator):
+class LRLogEntrySyncOperator(SessionStepOperator):
     """Log-entry sync of one session: up to ``max_batches`` batches of ``max_entries`` entries,
     read in commit order and applied idempotently at the sink."""
 

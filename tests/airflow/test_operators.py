@@ -340,7 +340,7 @@ def test_every_module_the_provider_declares_imports():
         for entry in info[kind]
         for m in entry["python-modules"]
     ]
-    assert len(modules) == 7
+    assert len(modules) == 8
     for module in modules:
         importlib.import_module(module)
 

@@ -230,7 +230,7 @@ def test_a_planned_switchover_while_the_sessions_stream_delivers_every_entry_onc
         s.streaming()
         for i in range(200):
             app.put(f"k{i % 7}", i, ["site-b", "site-c"])
-        result = failover.promote("site-a", "site-b", connect, reason="maintenance of site-a")
+        result = failover.promote(failover.FailoverRequest("site-a", "site-b", reason="maintenance of site-a"), connect)
         assert result.planned and result.full_syncs == [], result.outcome
         late = source.connect()
         with pytest.raises(TransmitError, match="unknown destination"):
@@ -286,7 +286,7 @@ def test_an_entry_committed_after_a_switchovers_barrier_is_not_streamed_to_the_p
     )
     with Streaming(only_b, options) as streaming:
         streaming.streaming()
-        result = failover.promote("site-a", "site-b", connect, reason="maintenance of site-a")
+        result = failover.promote(failover.FailoverRequest("site-a", "site-b", reason="maintenance of site-a"), connect)
     assert result.full_syncs == [], result.outcome  # both sinks cut at the same place: nothing to repair
     assert queue(sink_b, "site-a") == queue(sink_c, "site-a")
     assert "k3=10" not in [p for _, p in queue(sink_b, "site-a")], "committed after the switch: the old source's tail"
@@ -338,7 +338,9 @@ def test_the_source_lost_while_its_sessions_stream_then_failed_over_leaves_both_
             stop.set()
             writer.join(30)
             wait_for(lambda: len(streaming.streamer.ends) >= 2, 30, "both streams to end")
-        result = failover.promote("site-a", "site-b", connect, same_destinations=True, reason="site-a lost")
+        result = failover.promote(
+            failover.FailoverRequest("site-a", "site-b", same_destinations=True, reason="site-a lost"), connect
+        )
         assert not result.planned and result.pending == ["site-a"]
         got = logs(sink_b)
         assert got == logs(sink_c) == [f"k{i % 7}={i}" for i in range(len(got))] and len(got) >= 50
@@ -452,7 +454,8 @@ def test_a_planned_switchover_between_two_chunks_of_a_tee_leaves_both_sinks_with
     hook = once(
         lambda: promoted.append(
             failover.promote(
-                "site-a", "site-b", lambda site: psycopg2.connect(dsns[site]), reason="maintenance of site-a"
+                failover.FailoverRequest("site-a", "site-b", reason="maintenance of site-a"),
+                lambda site: psycopg2.connect(dsns[site]),
             )
         )
     )
@@ -707,7 +710,9 @@ def promote_site_b_up_to_date(lr_sites, connect, promoted: list) -> None:
     source, sink_b, _ = lr_sites
     with sink_b.connect() as conn, conn.cursor() as cur:
         cur.executemany("INSERT INTO app_state (k, v) VALUES (%s, %s)", sorted(source_state(source).items()))
-    promoted.append(failover.promote("site-a", "site-b", connect, reason="maintenance of site-a"))
+    promoted.append(
+        failover.promote(failover.FailoverRequest("site-a", "site-b", reason="maintenance of site-a"), connect)
+    )
 
 
 def site_c_follows_site_b(lr_sites, result) -> None:
@@ -1031,14 +1036,14 @@ def test_a_sink_down_while_a_switchover_reconciles_it_is_reconciled_by_the_rerun
     hook = once(stop_site_c)
     try:
         with on_fault("failover_after_promote", hook), pytest.raises(psycopg2.Error):
-            failover.promote("site-a", "site-b", connect, reason="maintenance of site-a")
+            failover.promote(failover.FailoverRequest("site-a", "site-b", reason="maintenance of site-a"), connect)
         assert hook.fired
     finally:
         site_manager.up(site_ids=[sink_c.site_id])
     assert sink_c.query(
         "SELECT failed_over_to, failover_note FROM lr.sink_sessions WHERE source_site_id = 'site-a'"
     ) == [("site-b", None)], "fenced, not reconciled"
-    result = failover.promote("site-a", "site-b", connect, reason="maintenance of site-a")
+    result = failover.promote(failover.FailoverRequest("site-a", "site-b", reason="maintenance of site-a"), connect)
     assert result.resumed and result.planned and result.full_syncs == [], result.outcome
     assert "nothing moved" in result.outcome["site-c"]["policy"], result.outcome
     assert logs(sink_b) == logs(sink_c) == [f"k{i % 7}={i}" for i in range(150)]
@@ -1060,7 +1065,7 @@ def test_a_trim_on_the_old_source_while_a_switchover_reconciles_loses_nothing(lr
     trimmed: list = []
     hook = once(lambda: trimmed.append(trim_now(source, kind)))
     with on_fault("failover_after_fence", hook):
-        result = failover.promote("site-a", "site-b", connect, reason="maintenance of site-a")
+        result = failover.promote(failover.FailoverRequest("site-a", "site-b", reason="maintenance of site-a"), connect)
     assert hook.fired and result.planned and result.full_syncs == [], result.outcome
     if kind == "retention":
         assert trimmed[0] is not None and trimmed[0].entries_removed >= 150, trimmed
@@ -1093,7 +1098,8 @@ def test_a_switchover_while_a_sink_is_seeded_from_its_peer_waits_for_the_seed_an
     thread = threading.Thread(
         target=lambda: promoted.append(
             failover.promote(
-                "site-a", "site-b", lambda site: psycopg2.connect(dsns[site]), reason="maintenance of site-a"
+                failover.FailoverRequest("site-a", "site-b", reason="maintenance of site-a"),
+                lambda site: psycopg2.connect(dsns[site]),
             )
         )
     )

@@ -105,9 +105,7 @@ def test_the_sink_refuses_a_full_sync_whose_base_is_behind_its_position(lr_sites
             "site-a",
             "policy",
             meta.lease_epoch,
-            writes.new_sync_id(),
-            meta.snapshot_applied,
-            meta.split,
+            writes.SyncStart(writes.new_sync_id(), meta.snapshot_applied, meta.split),
             meta.topology_config_id,
         )
     except StaleBatchError as exc:

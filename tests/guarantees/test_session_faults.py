@@ -309,14 +309,7 @@ def test_a_replicator_whose_lease_ran_out_mid_snapshot_cannot_write_once_the_suc
     assert decided.decision.value == "snapshot_sync" and successor.lease.epoch > stale.lease.epoch
     with pytest.raises(FencedError):
         writes.start_snapshot(
-            stale.sink,
-            "site-a",
-            "policy",
-            stale.lease.epoch,
-            request.request_id,
-            request.base_position,
-            request.split,
-            recorded_id(stale.source),
+            stale.sink, "site-a", "policy", stale.lease.epoch, writes.SyncStart.of(request), recorded_id(stale.source)
         )
     with pytest.raises(FencedError):
         full_sync.request_full_sync(stale.source, "site-b", "policy", lease=stale.lease)

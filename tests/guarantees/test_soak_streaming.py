@@ -336,7 +336,9 @@ def test_streaming_soak_delivers_every_message_once_through_full_syncs_kills_rac
     def connect(site_id: str) -> psycopg2.extensions.connection:
         return psycopg2.connect(dsns[site_id])
 
-    promoted = failover.promote(SOURCE, "site-b", connect, topology=topo, planned=True, reason="stream soak")
+    promoted = failover.promote(
+        failover.FailoverRequest(SOURCE, "site-b", planned=True, reason="stream soak"), connect, topology=topo
+    )
     site_b.query(TABLE_DDL)  # the application's own counters there (not replicated)
     after = StreamChaos(rng, lr_sites, site_manager, promoted.topology, tmp_path, site_b, ("site-c", SOURCE))
     writer_b = Writer(

@@ -17,7 +17,7 @@ from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, S
 from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.site import failover
 from airflow_provider_lr.engine.source import full_sync, trim
-from airflow_provider_lr.engine.tables.snapshot import copy_range
+from airflow_provider_lr.engine.tables.range_copy import copy_range
 from tests.guarantees.test_handoff_matrix import (
     Takeover,
     assert_handed_off,
@@ -317,7 +317,8 @@ def test_a_planned_switchover_between_two_staged_chunks_leaves_both_sinks_with_t
     def promote() -> None:
         promoted.append(
             failover.promote(
-                "site-a", "site-b", lambda site: psycopg2.connect(dsns[site]), reason="maintenance of site-a"
+                failover.FailoverRequest("site-a", "site-b", reason="maintenance of site-a"),
+                lambda site: psycopg2.connect(dsns[site]),
             )
         )
 
@@ -509,7 +510,7 @@ def test_a_failover_between_a_spark_table_snapshots_tasks_to_a_sink_it_writes_is
 
     def promote_refused() -> None:
         with pytest.raises(ConfigurationError, match="holds no synced copy") as why:
-            failover.promote("site-a", "site-b", connect, reason="maintenance of site-a")
+            failover.promote(failover.FailoverRequest("site-a", "site-b", reason="maintenance of site-a"), connect)
         refused.append(why.value)
 
     result, raised = table_job(topo, promote_refused)
@@ -519,7 +520,7 @@ def test_a_failover_between_a_spark_table_snapshots_tasks_to_a_sink_it_writes_is
     ), "nothing was done"
     cycles_until_idle(topo, lr_sites, app)
     assert_handed_off(source, [sink_b, sink_c], tables=True)
-    promoted = failover.promote("site-a", "site-b", connect, reason="maintenance of site-a")
+    promoted = failover.promote(failover.FailoverRequest("site-a", "site-b", reason="maintenance of site-a"), connect)
     assert promoted.planned and promoted.full_syncs == [], promoted.outcome
     assert logs_of(sink_b) == logs_of(sink_c) == [f"k{i % 7}={i}" for i in range(20)]
     App(sink_b).put("b0", 0, ["site-c", "site-a"])

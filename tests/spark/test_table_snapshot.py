@@ -15,7 +15,7 @@ import pytest
 
 from airflow_provider_lr.engine.faults import FAULT_ENV
 from airflow_provider_lr.engine.site.replicator import run_until_idle
-from airflow_provider_lr.engine.tables.snapshot import copy_range
+from airflow_provider_lr.engine.tables.range_copy import copy_range
 from tests.support.session import replicator
 from tests.support.spark_env import (  # noqa: F401 (lr_connections is a fixture)
     in_log_entry_sync,

@@ -27,7 +27,8 @@ from airflow_provider_lr.engine.session.negotiation import Decision
 from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.store.topology import Topology, site_conninfo
 from airflow_provider_lr.engine.tables import registry
-from airflow_provider_lr.engine.tables.snapshot import KeyRange, SinkSide, TableSnapshot, copy_range, needed
+from airflow_provider_lr.engine.tables.range_copy import KeyRange, copy_range
+from airflow_provider_lr.engine.tables.snapshot import SinkSide, TableSnapshot, needed
 
 log = logging.getLogger(__name__)
 
@@ -49,25 +50,32 @@ class ParallelResult:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Driver:
+    """Who the driver is and how it reaches the sites: its lease owner id (default: a new one), the
+    session settings (default: the topology's) and each site's connection (default: the topology's)."""
+
+    owner: str | None = None
+    settings: SessionSettings | None = None
+    conninfo: Callable[[str], ConnInfo] | None = None
+
+
 def run_table_snapshot(
     topology: Topology,
     source: str,
     client: str,
     map_ranges: MapRanges,
-    owner: str | None = None,
     parts: int | None = None,
-    settings: SessionSettings | None = None,
-    conninfo: Callable[[str], ConnInfo] | None = None,
+    driver: Driver = Driver(),
 ) -> ParallelResult:
-    """Snapshot the tables the client's sinks lack, the ranges written by ``map_ranges`` (Spark
-    tasks calling ``copy_range``, or ``local_ranges``); ``conninfo``: how to reach each site
-    (default: the topology's connections)."""
-    settings = settings or SessionSettings.from_topology(topology)
-    owner = owner or leases.new_owner_id()
+    """Snapshot the tables the client's sinks lack, in ``parts`` key ranges a table (default: by its
+    size), the ranges written by ``map_ranges`` (Spark tasks calling ``copy_range``, or ``local_ranges``)."""
+    settings = driver.settings or SessionSettings.from_topology(topology)
+    owner = driver.owner or leases.new_owner_id()
     keys = [k for k in topology.sessions(source=source) if k.client == client]
     if not keys:
         raise ConfigurationError(f"site {source!r} is the source of no session of client {client!r}")
-    resolve = conninfo or (lambda site: site_conninfo(topology, site))
+    resolve = driver.conninfo or (lambda site: site_conninfo(topology, site))
     dsns = {site: resolve(site).dsn_for(Purpose.BULK) for site in {source, *(k.sink for k in keys)}}
     result = ParallelResult(source, client)
     t0 = time.monotonic()

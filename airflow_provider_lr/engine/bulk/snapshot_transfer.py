@@ -151,9 +151,7 @@ class SnapshotTransfer:
             self.key.source,
             self.key.client,
             hs.position.epoch,
-            request.request_id,
-            request.base_position,
-            request.split,
+            writes.SyncStart.of(request),
             recorded_id(self.src),
         )
         assert runner.lease is not None, "a handshake that proceeds holds the lease"

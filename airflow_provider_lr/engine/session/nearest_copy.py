@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import psycopg2
 import psycopg2.extensions
@@ -39,14 +40,15 @@ from psycopg2.extensions import AsIs
 from airflow_provider_lr.engine.db.timeouts import lifted
 from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.engine.faults import fault_point
+from airflow_provider_lr.engine.session.handshake import Position
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.store import receive_queue
 from airflow_provider_lr.engine.store.topology import Topology, config_id
 from airflow_provider_lr.engine.tables import sink as sink_tables
-from airflow_provider_lr.engine.tables.definition import read_definition
+from airflow_provider_lr.engine.tables.definition import TableName, read_definition
+from airflow_provider_lr.engine.tables.range_copy import copy_to_targets
 from airflow_provider_lr.engine.tables.registry import FederatedTable
 from airflow_provider_lr.engine.tables.sink import SinkTable, TableState
-from airflow_provider_lr.engine.tables.snapshot import copy_to_targets
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,15 @@ class Peer:
 
     site: str
     connect: Callable[[], psycopg2.extensions.connection]
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """The peers to ask, nearest first, and how long the first has to answer (each next one gets
+    twice as long)."""
+
+    peers: Sequence[Peer]
+    delay: float = PROBE_DELAY
 
 
 @dataclass
@@ -94,7 +105,7 @@ def peers_in_region(
     """The other sinks of ``key``'s source and client in the sink's region, in topology order."""
     region = topology.site(key.sink).region
     return [
-        Peer(other.sink, lambda site=other.sink: connect(site))
+        Peer(other.sink, partial(connect, other.sink))
         for other in topology.sessions(source=key.source)
         if other.client == key.client and other.sink != key.sink and topology.site(other.sink).region == region
     ]
@@ -104,21 +115,21 @@ def seed_from_peers(
     source: psycopg2.extensions.connection,
     sink: psycopg2.extensions.connection,
     key: SessionKey,
-    epoch: int,
+    position: Position,
     federated: Sequence[FederatedTable],
-    peers: Sequence[Peer],
-    delay: float = PROBE_DELAY,
+    candidates: Candidates,
     before_write: Callable[[], None] = lambda: None,
 ) -> PeerSeed:
-    """Seed the sink from the first peer that qualifies (see the module); ``peer`` None when none did
-    and the caller takes the source's snapshot. ``before_write`` runs once a peer qualified, before
-    the sink is written (the runner closes the source's open request there). Never leaves the sink
-    half written."""
+    """Seed the sink from the first of ``candidates`` that qualifies (see the module); ``peer`` None
+    when none did and the caller takes the source's snapshot. ``position``: where the session's
+    handshake left the sink; the seed writes under its lease epoch. ``before_write`` runs once a
+    peer qualified, before the sink is written (the runner closes the source's open request there).
+    Never leaves the sink half written."""
     result = PeerSeed()
     trim_mark, topology_id, wanted = _source_view(source, federated)
-    for n, peer in enumerate(peers):
+    for n, peer in enumerate(candidates.peers):
         started = time.monotonic()
-        wait = delay * 2**n
+        wait = candidates.delay * 2**n
         try:
             conn = _probe(peer, wait)
         except PeerUnfit as exc:
@@ -128,7 +139,7 @@ def seed_from_peers(
             view = _peer_view(conn, key, trim_mark, topology_id, wanted)
             before_write()
             with lifted(conn, sink):  # a whole table copied in one statement: as long as it takes
-                copied = _write(conn, sink, key, epoch, peer.site, view)
+                copied = _write(conn, sink, key, position.epoch, peer.site, view)
         except (PeerUnfit, psycopg2.Error) as exc:
             result.passed.append(f"{peer.site}: {one_line(exc)}")
             continue
@@ -160,7 +171,7 @@ def _probe(peer: Peer, wait: float) -> psycopg2.extensions.connection:
     """A connection to the peer that answered within ``wait`` seconds, or ``PeerUnfit``. The probe
     runs on its own thread, so a peer that hangs (a stalled link, a stopped host) costs the wait and
     no more; its connection, if it ever opens, is closed."""
-    box: dict[str, object] = {}
+    answer = _Answer()
     done = threading.Event()
     abandoned = threading.Event()
 
@@ -170,22 +181,31 @@ def _probe(peer: Peer, wait: float) -> psycopg2.extensions.connection:
             with conn.cursor() as cur:
                 cur.execute("SELECT 1")
             conn.rollback()
-            box["conn"] = conn
+            answer.conn = conn
         except BaseException as exc:  # noqa: BLE001 - reported as the peer's reason
-            box["error"] = exc
+            answer.error = exc
         done.set()
-        if abandoned.is_set() and "conn" in box:
-            box["conn"].close()  # type: ignore[union-attr]
+        if abandoned.is_set() and answer.conn is not None:
+            answer.conn.close()
 
     threading.Thread(target=run, name=f"lr-probe-{peer.site}", daemon=True).start()
     if not done.wait(wait):
         abandoned.set()
-        if done.is_set() and "conn" in box:  # answered in the instant between: still close it
-            box["conn"].close()  # type: ignore[union-attr]
+        if done.is_set() and answer.conn is not None:  # answered in the instant between: still close it
+            answer.conn.close()
         raise PeerUnfit(f"did not answer within {wait:g}s")
-    if "error" in box:
-        raise PeerUnfit(f"unreachable ({str(box['error']).strip() or type(box['error']).__name__})")
-    return box["conn"]  # type: ignore[return-value]
+    if answer.error is not None:
+        raise PeerUnfit(f"unreachable ({str(answer.error).strip() or type(answer.error).__name__})")
+    assert answer.conn is not None, "the probe ended without a connection or an error"
+    return answer.conn
+
+
+@dataclass
+class _Answer:
+    """What a probe's thread found: the peer's connection, or why it has none."""
+
+    conn: psycopg2.extensions.connection | None = None
+    error: BaseException | None = None
 
 
 @dataclass
@@ -216,7 +236,7 @@ def _peer_view(
         raise PeerUnfit(f"on topology {meta.topology_config_id}, the source on {topology_id}")
     if trim_mark > meta.last_log_entry_processed:
         raise PeerUnfit(f"at position {meta.last_log_entry_processed}, behind the source's trim mark {trim_mark}")
-    held: dict[object, SinkTable] = sink_tables.session_tables(cur, key.source, key.client)
+    held: dict[TableName, SinkTable] = sink_tables.session_tables(cur, key.source, key.client)
     tables = {}
     for name, (federated, source_def) in wanted.items():
         have = held.get(name)

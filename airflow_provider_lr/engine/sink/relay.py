@@ -40,7 +40,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.engine.sink.receive import DeliveryContext, DeliveryStats, Listener
-from airflow_provider_lr.engine.sink.wakeup import ALL, Demand, FollowOptions, Tap, follow
+from airflow_provider_lr.engine.sink.wakeup import ALL, Connector, Demand, FollowOptions, Tap, follow
 
 log = logging.getLogger(__name__)
 
@@ -150,14 +150,13 @@ class Subscription(DeliveryContext):
     def _main(self) -> None:
         try:
             follow(
-                self._connect,
+                Connector(self._connect, self._set_delivering),
                 self.listener,
                 lambda: self._demand,
                 self,
                 self._stop,
                 self.stats,
                 self._options,
-                on_conn=self._set_delivering,
             )
         except BaseException as exc:  # what follow cannot heal (it retries a sink that is down)
             self.fail(exc)

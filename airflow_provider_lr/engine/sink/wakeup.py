@@ -93,15 +93,39 @@ class FollowOptions:
     batch_bytes: int = DEFAULT_BATCH_BYTES
 
 
+@dataclass(frozen=True)
+class Connector:
+    """How a follow loop opens its delivery connection to the sink, and who hears which connection
+    it delivers on (None: none now), so that a delivery in progress can be cancelled from outside."""
+
+    connect: Callable[[], psycopg2.extensions.connection]
+    on_conn: Callable[[psycopg2.extensions.connection | None], None] | None = None
+
+    def open(self) -> psycopg2.extensions.connection:
+        conn = self.connect()
+        if self.on_conn:
+            self.on_conn(conn)
+        return conn
+
+    def close(self, conn: psycopg2.extensions.connection | None) -> None:
+        """Forget and close a delivery connection."""
+        if self.on_conn:
+            self.on_conn(None)
+        if conn is not None and not conn.closed:
+            try:
+                conn.close()
+            except psycopg2.Error:
+                pass
+
+
 def follow(
-    connect: Callable[[], psycopg2.extensions.connection],
+    connector: Connector,
     listener: Listener,
     demand: Callable[[], Demand],
     wakeups: Wakeups,
     stop: threading.Event,
     stats: DeliveryStats,
     options: FollowOptions = FollowOptions(),
-    on_conn: Callable[[psycopg2.extensions.connection | None], None] | None = None,
 ) -> None:
     """Deliver until ``stop``: a full pass first and every ``poll_interval`` (discovery: sources that
     appear are found without a restart), a pass over the woken queues on each wake-up, and queues
@@ -131,9 +155,7 @@ def follow(
             if sources is None or sources:
                 try:
                     if conn is None or conn.closed:
-                        conn = connect()
-                        if on_conn:
-                            on_conn(conn)
+                        conn = connector.open()
                     report = ReceiveQueueReader(conn, options.batch_size, options.batch_bytes).deliver(
                         listener,
                         want.client,
@@ -146,7 +168,8 @@ def follow(
                     stats.failures += 1
                     stats.note_error(f"sink connection lost: {one_line(exc)}")
                     log.warning("receive-queue delivery: sink connection lost (%s); reconnecting", one_line(exc))
-                    conn = _close(conn, on_conn)
+                    connector.close(conn)
+                    conn = None
                     next_full = time.monotonic() + options.retry_interval
                     stop.wait(options.retry_interval)
                     continue
@@ -165,21 +188,7 @@ def follow(
             else:
                 todo |= set(woken) - retry
     finally:
-        _close(conn, on_conn)
-
-
-def _close(
-    conn: psycopg2.extensions.connection | None, on_conn: Callable[[psycopg2.extensions.connection | None], None] | None
-) -> None:
-    """Forget and close a delivery connection (``None``, for ``conn = _close(...)``)."""
-    if on_conn:
-        on_conn(None)
-    if conn is not None and not conn.closed:
-        try:
-            conn.close()
-        except psycopg2.Error:
-            pass
-    return None
+        connector.close(conn)
 
 
 class TapWakeups:

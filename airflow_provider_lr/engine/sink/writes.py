@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields, replace
 
 import psycopg2.extensions
@@ -21,6 +21,7 @@ from psycopg2.extensions import AsIs
 
 from airflow_provider_lr.engine.errors import StaleBatchError
 from airflow_provider_lr.engine.sink.queue_rows import Packer
+from airflow_provider_lr.engine.source.full_sync import FullSyncRequest
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogBatch, LogRecord, LogStream
 from airflow_provider_lr.engine.store import receive_queue, sink_sessions
 from airflow_provider_lr.engine.store.topology import config_id
@@ -180,15 +181,28 @@ def discard_unapplied(cur: psycopg2.extensions.cursor, source: str, client: str)
     discard_staged(cur, source, client)
 
 
+@dataclass(frozen=True)
+class SyncStart:
+    """The full sync a sink starts: its id, and the base position and split its data was read at."""
+
+    sync_id: str
+    base: int
+    split: BaseSplit
+
+    @classmethod
+    def of(cls, request: FullSyncRequest) -> SyncStart:
+        """The start of a supplied request (its data read at its base)."""
+        assert request.base_position is not None, f"full sync {request.request_id} is not supplied"
+        return cls(request.request_id, request.base_position, request.split)
+
+
 def start_snapshot(
     conn: psycopg2.extensions.connection,
     source: str,
     client: str,
     epoch: int,
-    sync_id: str,
-    base: int,
-    split: BaseSplit,
-    topology_config_id: str,
+    sync: SyncStart,
+    topology_config_id: str | None,
 ) -> SinkMetadata:
     """SNAPSHOT_START: record the new sync and discard any unapplied data of an older one (and
     whatever Spark jobs left staged for the session).
@@ -197,6 +211,7 @@ def start_snapshot(
     continue from its old base), and so is one whose base is behind the position the sink has
     processed (supplied while the session still streamed: a sink never moves backwards, so no
     entry is delivered twice)."""
+    sync_id, base, split = sync.sync_id, sync.base, sync.split
     write = SinkTransaction(conn, source, client, epoch)
     with write as (cur, meta):
         if meta.snapshot_request_id == sync_id and meta.snapshot_applied == meta.snapshot_started >= 0:
@@ -284,22 +299,6 @@ def apply_snapshot(conn: psycopg2.extensions.connection, source: str, client: st
         return write.metadata()
 
 
-def apply_log_entries(
-    conn: psycopg2.extensions.connection,
-    source: str,
-    client: str,
-    epoch: int,
-    after: int,
-    end: int,
-    records: Sequence[LogRecord],
-    base: int,
-) -> int:
-    """Apply a log-entry batch covering positions ``(after, end]``; returns the sink's last processed
-    position. A batch already applied is a no-op; an overlapping one writes only the new entries;
-    one that would leave a gap, or belongs to another snapshot base, is refused."""
-    return apply_log_stream(conn, source, client, epoch, LogBatch(after, end, list(records)), base)
-
-
 def apply_log_stream(
     conn: psycopg2.extensions.connection,
     source: str,
@@ -309,11 +308,15 @@ def apply_log_stream(
     base: int,
     register: bool = True,
 ) -> int:
-    """``apply_log_entries`` for a batch read as it is written (``LogReader.read_stream``): its
-    entries go into ONE sink transaction in pieces, with ``last_log_entry_processed = batch.end``
-    set at the end, so a source transaction of any size becomes visible on the sink whole (guarantee 2 in
-    docs/architecture.md) while only a few MiB of it are in memory at a time. ``register=False``: the queue
-    is registered already (a stream registers it with its first write)."""
+    """Apply a log-entry batch covering positions ``(batch.after, batch.end]``; returns the sink's last
+    processed position. A batch already applied is a no-op; an overlapping one writes only the new
+    entries; one that would leave a gap, or belongs to another snapshot base, is refused.
+
+    A batch read as it is written (``LogReader.read_stream``) goes into ONE sink transaction in
+    pieces, with ``last_log_entry_processed = batch.end`` set at the end, so a source transaction of
+    any size becomes visible on the sink whole (guarantee 2 in docs/architecture.md) while only a few MiB of it are
+    in memory at a time. ``register=False``: the queue is registered already (a stream registers it
+    with its first write)."""
     write = SinkTransaction(conn, source, client, epoch)
     with write as (cur, meta):
         if not meta.data_consistent or meta.snapshot_applied != base:

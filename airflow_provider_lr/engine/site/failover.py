@@ -45,6 +45,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from dataclasses import dataclass
 
 import psycopg2
 import psycopg2.extensions
@@ -135,23 +136,31 @@ def _involved(topology: Topology, from_site: str, to_site: str, clients: list[st
 
 
 # --- promote ------------------------------------------------------------------------------------
-def promote(
-    from_site: str,
-    to_site: str,
-    connect: Connect,
-    topology: Topology | None = None,
-    clients: list[str] | None = None,
-    reason: str = "",
-    same_destinations: bool = False,
-    planned: bool | None = None,
-    allow_table_divergence: bool = False,
-) -> FailoverResult:
-    """Fail ``from_site``'s clients over to ``to_site`` (module docstring). ``topology``: the current
-    one (default: the one applied to ``to_site``). ``planned``: drain ``from_site`` first (default:
-    when it can be reached). Re-running the same failover finishes it. Refuses, with nothing done,
+@dataclass(frozen=True)
+class FailoverRequest:
+    """What the operator asks of a failover (``lr failover --promote``, ``LRFailoverOperator``):
+    ``to_site`` becomes the source of ``from_site``'s ``clients`` (default: all those it is a sink
+    of). ``reason``: recorded with it. ``same_destinations``: every entry of those clients was
+    addressed to all their sinks, so a sink behind the cut may be caught up from the promoted
+    site's queue (``failover_reconcile``). ``planned``: drain ``from_site`` first (default: when it
+    can be reached). ``allow_table_divergence``: go on though a federated table's replication stops."""
+
+    from_site: str
+    to_site: str
+    clients: list[str] | None = None
+    reason: str = ""
+    same_destinations: bool = False
+    planned: bool | None = None
+    allow_table_divergence: bool = False
+
+
+def promote(request: FailoverRequest, connect: Connect, topology: Topology | None = None) -> FailoverResult:
+    """Carry out ``request`` (module docstring). ``topology``: the current one (default: the one
+    applied to ``to_site``). Re-running the same failover finishes it. Refuses, with nothing done,
     when ``to_site`` or a sink involved cannot be reached, or when a federated table another sink
     takes from ``from_site`` is not synced at ``to_site`` (its replication would stop) unless
     ``allow_table_divergence``."""
+    from_site, to_site = request.from_site, request.to_site
     if topology is not None:
         topology.site(from_site), topology.site(to_site)  # an unknown site is refused before any connection
     conns: dict[str, psycopg2.extensions.connection] = {}
@@ -165,12 +174,12 @@ def promote(
             wanted = list(record["clients"])
         else:
             current = topology or topology_model.from_site(new)
-            target, wanted = derive(current, from_site, to_site, clients)
+            target, wanted = derive(current, from_site, to_site, request.clients)
         sinks = _involved(target, from_site, to_site, wanted)
         for sink in sinks:
             reach(connect, sink, conns, f"a sink of {from_site!r} for {', '.join(wanted)}")
         old = try_connect(connect, from_site, conns)
-        planned = (old is not None) if planned is None else planned
+        planned = (old is not None) if request.planned is None else request.planned
         if planned and old is None:
             raise SiteUnreachableError(
                 f"site {from_site!r} cannot be reached: a planned switchover drains it first; "
@@ -180,7 +189,7 @@ def promote(
         diverged = (
             []
             if record is not None
-            else _untaken_tables(conns, from_site, to_site, sinks, wanted, allow_table_divergence)
+            else _untaken_tables(conns, from_site, to_site, sinks, wanted, request.allow_table_divergence)
         )
         if record is None and planned:
             assert old is not None
@@ -190,7 +199,7 @@ def promote(
             for site in [to_site, *sinks]:
                 _fence(conns[site], from_site, to_site, fid, wanted)
             fault_point("failover_after_fence")
-            record = _promote(new, from_site, to_site, fid, wanted, target, reason, planned, diverged)
+            record = _promote(new, request, _Plan(fid, wanted, target, planned, diverged))
             fault_point("failover_after_promote")
             resumed = False
         else:
@@ -212,7 +221,7 @@ def promote(
         )
         result.outcome[to_site] = {c: "promoted: the new source" for c in wanted}
         for sink in sinks:
-            result.outcome[sink] = reconcile(conns[sink], new, sink, result, same_destinations)
+            result.outcome[sink] = reconcile(conns[sink], new, sink, result, request.same_destinations)
             fault_point("failover_after_reconcile")
         result.full_syncs = [
             str(SessionKey(to_site, s, c))
@@ -272,20 +281,24 @@ def _fence(conn: psycopg2.extensions.connection, from_site: str, to_site: str, f
     conn.commit()
 
 
-def _promote(
-    conn: psycopg2.extensions.connection,
-    from_site: str,
-    to_site: str,
-    fid: str,
-    clients: list[str],
-    target: Topology,
-    reason: str,
-    planned: bool,
-    diverged: list[str],
-) -> dict:
+@dataclass(frozen=True)
+class _Plan:
+    """What a first run of a failover settled before promoting: its id, the clients it moves, the
+    topology after it, whether the old source was drained, the tables whose replication stops."""
+
+    failover_id: str
+    clients: list[str]
+    target: Topology
+    planned: bool
+    diverged: list[str]
+
+
+def _promote(conn: psycopg2.extensions.connection, request: FailoverRequest, plan: _Plan) -> dict:
     """One transaction on the new source: the cut (pB per client, under the lock of its own session
     from the old source), the base, the new topology, its sessions in log-entry sync, the clients'
     federated tables it holds captured here (``handover.take_over``), the record."""
+    from_site, to_site = request.from_site, request.to_site
+    fid, clients, target = plan.failover_id, plan.clients, plan.target
     try:
         with conn.cursor() as cur:
             cuts = {}
@@ -319,8 +332,8 @@ def _promote(
                     base,
                     target.topology_config_id,
                     json.dumps(target.document),
-                    reason,
-                    json.dumps({"planned": planned, "tables": tables, "diverged": diverged}),
+                    request.reason,
+                    json.dumps({"planned": plan.planned, "tables": tables, "diverged": plan.diverged}),
                 ),
             )
         conn.commit()

@@ -67,8 +67,13 @@ def reconcile(
                         raise _FullSync(f"{sink} {what} from {old}, beyond {to}'s position {cut}")
                     if last > cut:
                         note = _remove_extras(cur, sink, result, client, cut)
+                    elif last < cut and not same_destinations:
+                        raise _FullSync(
+                            f"{sink} lacks {old}'s entries in ({last}, {cut}] and {to} cannot tell which of its "
+                            f"own were addressed to {sink} (a sink's copy carries no destinations)"
+                        )
                     elif last < cut:
-                        note = _copy_gap(cur, new, sink, result, client, last, cut, same_destinations)
+                        note = _copy_gap(cur, new, sink, result, client, last, cut)
                     else:
                         note = f"at {to}'s position {cut}: nothing moved"
                     _start_at_base(cur, result, client)
@@ -136,14 +141,11 @@ def _copy_gap(
     client: str,
     last: int,
     cut: int,
-    same_destinations: bool,
 ) -> str:
+    """The entries in ``(last, cut]`` the sink lacks, copied from the promoted site's receive queue
+    (every entry was addressed to all sinks: ``same_destinations``), or ``_FullSync`` when the
+    promoted site's applications consumed some or holds them only as a full sync."""
     old, to = result.from_site, result.to_site
-    if not same_destinations:
-        raise _FullSync(
-            f"{sink} lacks {old}'s entries in ({last}, {cut}] and {to} cannot tell which of its own were "
-            f"addressed to {sink} (a sink's copy carries no destinations)"
-        )
     with new.cursor() as src:
         if receive_queue.consumed_position(src, old, client) > last:
             new.commit()

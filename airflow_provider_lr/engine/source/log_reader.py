@@ -122,6 +122,16 @@ class LogBatch:
         pass
 
 
+@dataclass(frozen=True)
+class StreamRead:
+    """What a ``LogStream`` with entries to read runs: its query (in the read's snapshot, open on the
+    connection) and the bounds its batch stops at (whole transactions: the first boundary past one)."""
+
+    query: tuple[str, dict]
+    max_entries: int = DEFAULT_MAX_ENTRIES
+    max_bytes: int = DEFAULT_MAX_BYTES
+
+
 class LogStream:
     """A ``LogBatch`` read as it is consumed (``LogReader.read_stream``): iterating yields the entries in
     (position, entry id) order without ever holding more than about ``fetch_bytes`` of them, so a
@@ -139,18 +149,15 @@ class LogStream:
         end: int,
         barrier: int,
         blocked_by: list[HoldBack] | None = None,
-        max_entries: int = DEFAULT_MAX_ENTRIES,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-        query: tuple[str, dict] | None = None,
+        read: StreamRead | None = None,
     ) -> None:
         self.conn = conn
         self.after, self.end, self.barrier = after, end, barrier
         self.blocked_by = blocked_by or []
-        self.max_entries, self.max_bytes = max_entries, max_bytes
-        self.fetch_bytes = fetch_bytes(max_bytes)
+        self.fetch_bytes = fetch_bytes(read.max_bytes if read is not None else DEFAULT_MAX_BYTES)
         self.entries = 0  # read so far
         self.bytes = 0  # of their messages
-        self._query = query  # None: nothing to read (no transaction open)
+        self._read = read  # None: nothing to read (no transaction open)
         self._started = False
 
     @property
@@ -165,9 +172,9 @@ class LogStream:
 
     def close(self, quiet: bool = False) -> None:
         """End the read's transaction (``quiet``: on an error path, keep the caller's error)."""
-        if self._query is None:
+        if self._read is None:
             return
-        self._query = None
+        self._read = None
         if self.conn.closed:
             return
         try:
@@ -188,9 +195,9 @@ class LogStream:
         if self._started:
             raise RuntimeError("a LogStream is read once")
         self._started = True
-        if self._query is None:
+        if self._read is None:
             return
-        sql, params = self._query
+        (sql, params), max_entries, max_bytes = self._read.query, self._read.max_entries, self._read.max_bytes
         inline = max(1, self.fetch_bytes // FETCH_ROWS)
         group: list[
             tuple[int, int, str, int | None]
@@ -205,7 +212,7 @@ class LogStream:
                     if (
                         last is not None
                         and position != last
-                        and (self.entries >= self.max_entries or self.bytes >= self.max_bytes)
+                        and (self.entries >= max_entries or self.bytes >= max_bytes)
                     ):
                         self.end = last  # whole transactions only: stop at this boundary
                         break
@@ -298,9 +305,8 @@ class LogReader:
         if upto <= after:
             return LogStream(self.conn, after, max(after, upto), upto)
         check_trim(self.conn, after, f"destination {self.destination!r}")  # starts the read's snapshot
-        return LogStream(
-            self.conn, after, upto, upto, [], max_entries, max_bytes, self._query(after, upto, split, tables)
-        )
+        read = StreamRead(self._query(after, upto, split, tables), max_entries, max_bytes)
+        return LogStream(self.conn, after, upto, upto, [], read)
 
     def _read_final(
         self, after: int, max_entries: int, max_bytes: int, split: BaseSplit | None, tables: TableSplits | None
@@ -325,9 +331,8 @@ class LogReader:
         if end <= after:
             self.conn.rollback()
             return LogStream(self.conn, after, after, max(after, highest))
-        return LogStream(
-            self.conn, after, end, max(end, highest), [], max_entries, max_bytes, self._query(after, end, split, tables)
-        )
+        read = StreamRead(self._query(after, end, split, tables), max_entries, max_bytes)
+        return LogStream(self.conn, after, end, max(end, highest), [], read)
 
     def read_final_batch(
         self,

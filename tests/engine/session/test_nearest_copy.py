@@ -11,7 +11,9 @@ import pytest
 
 from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.session import nearest_copy
+from airflow_provider_lr.engine.session.handshake import Position
 from airflow_provider_lr.engine.session.settings import SessionSettings
+from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.store import topology as topologies
@@ -92,8 +94,9 @@ def test_peers_that_do_not_answer_are_passed_over_with_a_doubling_delay_then_the
         src, sink = source.connect(), new.connect()
         try:
             started = time.monotonic()
+            position = Position.of(writes.read_metadata(sink, key.source, key.client), epoch=1)
             seed = nearest_copy.seed_from_peers(
-                src, sink, key, 1, registry.federated_tables(src, "policy"), peers, delay=0.3
+                src, sink, key, position, registry.federated_tables(src, "policy"), nearest_copy.Candidates(peers, 0.3)
             )
             elapsed = time.monotonic() - started
         finally:

@@ -12,7 +12,7 @@ from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.errors import FencedError, StaleBatchError
 from airflow_provider_lr.engine.session import lease
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.source.log_reader import LogReader
+from airflow_provider_lr.engine.source.log_reader import LogBatch, LogReader
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.support.session import (
     App,
@@ -168,8 +168,8 @@ def test_duplicate_overlapping_and_gapped_batches(lr_sites):
     mid = first[-1].position
     epoch = source.query("SELECT lease_epoch FROM lr.source_sessions")[0][0]
     conn = sink_b.connect()
-    apply_batch = lambda after, end, records, base=meta.snapshot_applied: writes.apply_log_entries(  # noqa: E731
-        conn, "site-a", "policy", epoch, after, end, records, base
+    apply_batch = lambda after, end, records, base=meta.snapshot_applied: writes.apply_log_stream(  # noqa: E731
+        conn, "site-a", "policy", epoch, LogBatch(after, end, list(records)), base
     )
     assert apply_batch(batch.after, mid, first) == mid
     assert apply_batch(batch.after, mid, first) == mid  # duplicate: no-op
@@ -227,9 +227,7 @@ def test_fencing_a_replicator_whose_lease_was_taken_over_cannot_write(lr_sites):
     batch = LogReader(src, "site-b", client_name="policy").read_stream(report.acked_position).collect()
     base = sink_b.query("SELECT snapshot_applied FROM lr.sink_sessions")[0][0]
     with pytest.raises(FencedError):
-        writes.apply_log_entries(
-            sink_b.connect(), "site-a", "policy", old.epoch, batch.after, batch.end, batch.records, base
-        )
+        writes.apply_log_stream(sink_b.connect(), "site-a", "policy", old.epoch, batch, base)
     with pytest.raises(FencedError):
         lease.update_session(src, old, acked_position=batch.end)
     (report,) = first.run_cycle()

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogRecord
+from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogBatch, LogRecord
 from airflow_provider_lr.proto import lr_pb2
 from airflow_provider_lr.subscriber import DeliveryStats, MalformedEntryError, RoutingQueueSubscriber
 from tests.support.session import App, apply, queue, table_provider
@@ -211,7 +211,7 @@ def test_rows_the_replicator_has_not_made_visible_are_never_delivered(lr_sites):
     _, sink_site, _ = lr_sites
     conn = sink_site.connect()
     sync = writes.new_sync_id()
-    writes.start_snapshot(conn, "site-a", "policy", 1, sync, 5, BaseSplit("5:5:", 5), "topo-1")
+    writes.start_snapshot(conn, "site-a", "policy", 1, writes.SyncStart(sync, 5, BaseSplit("5:5:", 5)), "topo-1")
     writes.write_snapshot_messages(
         conn,
         "site-a",
@@ -233,19 +233,15 @@ def test_rows_the_replicator_has_not_made_visible_are_never_delivered(lr_sites):
     )
     assert sub.poll(recorder) == 0 and recorder.calls == 0, "transferred but not applied"
     writes.apply_snapshot(conn, "site-a", "policy", 1)
-    writes.apply_log_entries(
-        conn,
-        "site-a",
-        "policy",
-        1,
+    batch = LogBatch(
         5,
         7,
         [
             LogRecord(6, 10, _entry(lr_pb2.LOG_ENTRY_SYNC, "d=1")),
             LogRecord(7, 11, _entry(lr_pb2.LOG_ENTRY_SYNC, "d=2")),
         ],
-        5,
     )
+    writes.apply_log_stream(conn, "site-a", "policy", 1, batch, 5)
     assert sub.poll(recorder) == 6
     assert recorder.of("site-a") == [
         ("start", ""),

@@ -90,7 +90,7 @@ def test_a_sink_ahead_of_the_promoted_one_loses_its_unconsumed_extras_and_nothin
     site_b, site_c = lr_sites[1], lr_sites[2]
     assert len(sink_queue(site_c, "policy")) == len(sink_queue(site_b, "policy")) + 7
 
-    result = failover.promote(A, B, _connect(lr_sites, down=(A,)), reason="site-a lost")
+    result = failover.promote(failover.FailoverRequest(A, B, reason="site-a lost"), _connect(lr_sites, down=(A,)))
     assert not result.planned and result.pending == [A]
     assert sink_queue(site_c, "policy") == sink_queue(site_b, "policy")  # the extras are gone, nothing re-sent
     cut = result.positions["policy"]
@@ -114,7 +114,7 @@ def test_a_sink_ahead_whose_extras_were_consumed_gets_a_full_sync_with_the_reaso
     site_c = lr_sites[2]
     _consume(site_c)  # the application at site-c applied everything, extras included
 
-    result = failover.promote(A, B, _connect(lr_sites, down=(A,)))
+    result = failover.promote(failover.FailoverRequest(A, B), _connect(lr_sites, down=(A,)))
     assert result.full_syncs == [f"{B}->{C}/policy"]
     rows = lr_sites[1].query(
         "SELECT reason, forced FROM lr.full_sync_requests WHERE sink_site_id = %s AND status = 'pending'", (C,)
@@ -134,7 +134,7 @@ def test_a_sink_behind_gets_exactly_the_gap_from_the_promoted_sinks_queue(lr_sit
     site_b, site_c = lr_sites[1], lr_sites[2]
     before = sink_queue(site_c, "policy")
 
-    result = failover.promote(A, B, _connect(lr_sites, down=(A,)), same_destinations=True)
+    result = failover.promote(failover.FailoverRequest(A, B, same_destinations=True), _connect(lr_sites, down=(A,)))
     after = sink_queue(site_c, "policy")
     assert after == sink_queue(site_b, "policy")
     assert after[: len(before)] == before and len(after) - len(before) == 6  # exactly the gap, once
@@ -145,7 +145,7 @@ def test_a_sink_behind_gets_exactly_the_gap_from_the_promoted_sinks_queue(lr_sit
 
 def test_a_sink_behind_without_same_destinations_gets_a_full_sync_not_a_guess(lr_sites):
     _, app = _ahead(lr_sites, B, 1)
-    result = failover.promote(A, B, _connect(lr_sites, down=(A,)))
+    result = failover.promote(failover.FailoverRequest(A, B), _connect(lr_sites, down=(A,)))
     assert result.full_syncs == [f"{B}->{C}/policy"]
     reason = lr_sites[1].query("SELECT reason FROM lr.full_sync_requests WHERE sink_site_id = %s", (C,))[0][0]
     assert "cannot tell which of its own were addressed to site-c" in reason
@@ -155,7 +155,7 @@ def test_a_sink_behind_without_same_destinations_gets_a_full_sync_not_a_guess(lr
 def test_a_stale_old_source_replicator_is_fenced_at_every_sink_after_failover(lr_sites):
     topo, app = _setup(lr_sites)
     site_c = lr_sites[2]
-    failover.promote(A, B, _connect(lr_sites, down=(A,)))  # site-a partitioned, not dead
+    failover.promote(failover.FailoverRequest(A, B), _connect(lr_sites, down=(A,)))  # site-a partitioned, not dead
     held = sink_queue(site_c, "policy")
     app.put("late", 99, [B, C])
     stale = replicator(topo, lr_sites, providers=PROVIDERS, sessions=[SessionKey(A, C, "policy")])
@@ -179,22 +179,24 @@ def test_failover_refuses_unknown_sites_non_sinks_and_an_unreachable_promoted_si
     )
     connect = _connect(lr_sites, down=(A,))
     with pytest.raises(ConfigurationError, match="unknown site 'site-x'"):
-        failover.promote(A, "site-x", connect, topology=topo)
+        failover.promote(failover.FailoverRequest(A, "site-x"), connect, topology=topo)
     with pytest.raises(
         ConfigurationError, match=r"site 'site-c' is not a sink of 'site-a' for client\(s\) \['policy'\]"
     ):
-        failover.promote(A, C, connect, topology=topo, clients=["policy"])
+        failover.promote(failover.FailoverRequest(A, C, clients=["policy"]), connect, topology=topo)
     with pytest.raises(SiteUnreachableError, match="site 'site-b' .the site to promote. cannot be reached"):
-        failover.promote(A, B, _connect(lr_sites, down=(A, B)), topology=topo)
+        failover.promote(failover.FailoverRequest(A, B), _connect(lr_sites, down=(A, B)), topology=topo)
     with pytest.raises(ConfigurationError, match="holds no consistent copy"):
-        failover.promote(A, B, connect, topology=topo)  # site-b never received anything from site-a
+        failover.promote(
+            failover.FailoverRequest(A, B), connect, topology=topo
+        )  # site-b never received anything from site-a
     assert lr_sites[1].query("SELECT count(*) FROM lr.failovers") == [(0,)]
 
 
 def test_the_old_source_returns_refuses_to_negotiate_then_rejoins_as_a_sink_with_its_tail_reported(lr_sites):
     topo, app = _setup(lr_sites)
     app.put("after-cut", 1, [B, C])  # committed at site-a, received by nobody before it went down
-    result = failover.promote(A, B, _connect(lr_sites, down=(A,)))
+    result = failover.promote(failover.FailoverRequest(A, B), _connect(lr_sites, down=(A,)))
     old = replicator(topo, lr_sites, providers=PROVIDERS, sessions=[SessionKey(A, B, "policy")])
     assert "was failed over" in old.run_cycle()[0].error  # site-a, back with its old topology, is refused
     old.close()
@@ -226,7 +228,7 @@ def _killed_failover(lr_sites, fault: str) -> None:
         "def connect(s):\n"
         "    if s in spec['down']: raise SiteUnreachableError(s)\n"
         "    return psycopg2.connect(spec['dsns'][s])\n"
-        "failover.promote(spec['from'], spec['to'], connect)\n"
+        "failover.promote(failover.FailoverRequest(spec['from'], spec['to']), connect)\n"
     )
     child = subprocess.run(
         [sys.executable, "-c", code, json.dumps(spec)],
@@ -249,12 +251,14 @@ def test_a_failover_killed_after_promoting_finishes_when_run_again(lr_sites, fau
         assert site_b.query("SELECT status FROM lr.failovers") == [("promoted",)]
         assert _session_row(site_c)[2] is None  # not reconciled
 
-    result = failover.promote(A, B, _connect(lr_sites, down=(A,)))
+    result = failover.promote(failover.FailoverRequest(A, B), _connect(lr_sites, down=(A,)))
     assert result.resumed == (fault != "failover_after_fence")
     assert "6 extra entries" in result.outcome[C]["policy"]
     assert site_b.query("SELECT status FROM lr.failovers") == [("completed",)]
     assert sink_queue(site_c, "policy") == sink_queue(site_b, "policy")
-    again = failover.promote(A, B, _connect(lr_sites, down=(A,)))  # a third run changes nothing
+    again = failover.promote(
+        failover.FailoverRequest(A, B), _connect(lr_sites, down=(A,))
+    )  # a third run changes nothing
     assert again.outcome == result.outcome and sink_queue(site_c, "policy") == sink_queue(site_b, "policy")
     app.close()
 
@@ -317,7 +321,9 @@ def test_role_switch_under_load_loses_and_duplicates_nothing_at_any_remaining_si
     writer.join(30)
     repl.close()
     try:
-        result = failover.promote(A, B, _connect(lr_sites), same_destinations=True, reason="site-a lost")
+        result = failover.promote(
+            failover.FailoverRequest(A, B, same_destinations=True, reason="site-a lost"), _connect(lr_sites)
+        )
         assert not result.planned and result.pending == [A] and result.full_syncs == []
 
         new_writer = _Writer(site_b, "b", [C, A])
@@ -371,7 +377,7 @@ def test_after_failover_the_promoted_site_captures_the_table_and_every_other_sin
     run_until_idle(replicator(topo, lr_sites, providers=PROVIDERS))
     assert rows(site_b) == rows(site_a) == rows(site_c)
 
-    result = failover.promote(A, B, _connect(lr_sites, down=(A,)), reason="site-a lost")
+    result = failover.promote(failover.FailoverRequest(A, B, reason="site-a lost"), _connect(lr_sites, down=(A,)))
     assert result.tables == {"policy": ["public.accounts"]} and result.diverged == []
     assert site_b.query(
         "SELECT table_id IS NOT NULL, source_site_id FROM lr.registry WHERE stream_name = 'public.accounts'"
@@ -404,7 +410,7 @@ def test_a_sink_ahead_of_or_behind_the_promoted_one_at_the_cut_gets_its_table_fr
     run_until_idle(replicator(topo, lr_sites, providers=PROVIDERS, sessions=[SessionKey(A, ahead, "policy")]))
     assert rows(site_c) != rows(site_b)  # only one of them has site-a's last changes
 
-    result = failover.promote(A, B, _connect(lr_sites, down=(A,)), same_destinations=True)
+    result = failover.promote(failover.FailoverRequest(A, B, same_destinations=True), _connect(lr_sites, down=(A,)))
     assert "table public.accounts: a snapshot from site-b replaces site-a's rows" in result.outcome[C]["policy"]
     waiting = [t for t in site_status(site_c).tables if t["role"] == "sink" and t["source"] == B]
     assert [(t["table"], t["state"]) for t in waiting] == [("public.accounts", "syncing")]  # shown, not silent
@@ -419,7 +425,7 @@ def test_the_old_source_rejoins_as_a_sink_of_its_tables_with_its_late_changes_re
     site_a, site_b, site_c = lr_sites
     topo, app = _tables_setup(lr_sites)
     _write(app, "UPDATE public.accounts SET owner = 'after the cut' WHERE id <= 3", "late", 1, [B, C])  # nobody got it
-    result = failover.promote(A, B, _connect(lr_sites, down=(A,)))
+    result = failover.promote(failover.FailoverRequest(A, B), _connect(lr_sites, down=(A,)))
     new_app = App(site_b)  # its app_state: the provider of site-a's first-contact full sync
     _write(new_app, "UPDATE public.accounts SET owner = 'site-b' WHERE id BETWEEN 10 AND 12", "b0", 0, [C, A])
     site_b.query("DELETE FROM public.accounts WHERE id > 38")
@@ -464,10 +470,12 @@ def test_failover_refuses_to_stop_a_tables_replication_unless_allowed_and_status
         match=r"site 'site-b' holds no synced copy of federated table\(s\) that "
         r"other sinks take from 'site-a': policy: public.accounts \(conflict there; held by site-c\)",
     ):
-        failover.promote(A, B, _connect(lr_sites, down=(A,)))
+        failover.promote(failover.FailoverRequest(A, B), _connect(lr_sites, down=(A,)))
     assert site_b.query("SELECT count(*) FROM lr.failovers") == [(0,)] and _session_row(site_c)[1] is None
 
-    result = failover.promote(A, B, _connect(lr_sites, down=(A,)), allow_table_divergence=True)
+    result = failover.promote(
+        failover.FailoverRequest(A, B, allow_table_divergence=True), _connect(lr_sites, down=(A,))
+    )
     assert result.diverged == ["policy: public.accounts (conflict there; held by site-c)"]
     assert "diverged: site-b does not replicate it" in result.outcome[C]["policy"]
     at_c = site_status(site_c)
@@ -492,7 +500,7 @@ def test_a_failover_killed_between_promoting_and_reconciling_hands_the_tables_ov
     ) == [(4,)]  # captured at site-b already
     assert site_c.query("SELECT source_site_id FROM lr.sink_tables") == [(A,)]  # site-c not reconciled yet
 
-    result = failover.promote(A, B, _connect(lr_sites, down=(A,)))
+    result = failover.promote(failover.FailoverRequest(A, B), _connect(lr_sites, down=(A,)))
     assert result.resumed and result.tables == {"policy": ["public.accounts"]}
     assert "table public.accounts: a snapshot from site-b" in result.outcome[C]["policy"]
     site_b.query("UPDATE public.accounts SET owner = 'site-b' WHERE id = 6")
