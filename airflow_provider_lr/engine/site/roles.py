@@ -57,7 +57,7 @@ PRIVILEGES: dict[str, tuple[Privilege, ...]] = {
         Privilege("SELECT", ("topology", "remote_sites", "clients", "shared_log", "replication_status")),
         Privilege("SELECT, INSERT, DELETE", ("log_entries",)),
         Privilege("SELECT, DELETE", ("log_commits",)),
-        Privilege("SELECT, UPDATE", ("log_trim", "source_sessions", "destination_log_state")),
+        Privilege("SELECT, UPDATE", ("log_trim", "source_sessions")),
         Privilege("SELECT, INSERT, UPDATE", ("full_sync_requests",)),
         Privilege("SELECT", ("commit_position_seq",), "SEQUENCE"),  # the read barrier notes its value
         Privilege("USAGE", ("log_entry_id_seq",), "SEQUENCE"),  # entry ids of provider-supplied data

@@ -96,9 +96,6 @@ def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site
                     "ON CONFLICT (site_id) DO UPDATE SET region = EXCLUDED.region",
                     (spec.site_id, spec.region),
                 )
-                cur.execute(
-                    "INSERT INTO lr.destination_log_state (site_id) VALUES (%s) ON CONFLICT DO NOTHING", (spec.site_id,)
-                )
             source_sessions.keep_only(cur, [(k.sink, k.client) for k in mine])
             # a removed session's open full sync would hold safe trim at its base forever
             cur.execute(
