@@ -5,7 +5,7 @@ driver hands each chunk the position), the snapshot transfer, the parallel table
 nearest copy all start the same way: check the topology file is not stale, take the session's
 lease on the source (held elsewhere: skipped), fence the sink at the lease's epoch (moving the
 epoch past a higher one the sink has seen), negotiate. ``handshake`` does it once; what comes back
-is a ``Handshake``: the outcome (proceed, skipped or refused, with why), the lease, the sink's
+is a ``Handshake``: the verdict (proceed, skipped or refused, with why), the lease, the sink's
 metadata, the negotiation, and a frozen ``Position`` (after, base, split, epoch).
 
 Why one value: Debezium's ``ChangeEventSourceCoordinator`` restores one offset context, runs the
@@ -68,7 +68,7 @@ class Handshake:
     """What ``handshake`` found (see the module docstring)."""
 
     key: SessionKey
-    outcome: Verdict
+    verdict: Verdict
     reason: str = ""  # skipped or refused: why (refused by negotiation: its reason)
     lease: leases.Lease | None = None
     meta: writes.SinkMetadata | None = None
@@ -77,7 +77,7 @@ class Handshake:
 
     @property
     def proceeds(self) -> bool:
-        return self.outcome is Verdict.PROCEED
+        return self.verdict is Verdict.PROCEED
 
     @property
     def decision(self) -> Decision | None:
@@ -86,9 +86,9 @@ class Handshake:
     def left_out(self, wanted: Decision, why: str = "left to the session cycle") -> str | None:
         """Why a mover that only does ``wanted`` (the fan-out, table snapshots: log-entry sync)
         leaves this session out, or None when it may go on."""
-        if self.outcome is Verdict.SKIPPED:
+        if self.verdict is Verdict.SKIPPED:
             return self.reason
-        if self.outcome is Verdict.REFUSED:
+        if self.verdict is Verdict.REFUSED:
             return f"negotiation refused: {self.reason}"
         assert self.negotiation is not None
         if self.negotiation.decision is not wanted:

@@ -92,9 +92,9 @@ class SessionRunner(SnapshotSync):
         )
         if hs.negotiation is not None:
             report.decision, report.reason = hs.negotiation.decision.value, hs.negotiation.reason
-        if hs.outcome is Verdict.SKIPPED:
+        if hs.verdict is Verdict.SKIPPED:
             report.skipped = hs.reason
-        elif hs.outcome is Verdict.REFUSED:
+        elif hs.verdict is Verdict.REFUSED:
             report.decision, report.error = Decision.REFUSE.value, hs.reason
             if hs.negotiation is not None:
                 report.state = SessionState.NEGOTIATING

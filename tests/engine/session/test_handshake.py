@@ -23,7 +23,7 @@ def test_a_first_handshake_proceeds_fenced_with_the_sinks_position(lr_sites):
     apply(lr_sites, ONE_SINK)
     heard = []
     hs = handshake(source.connect(), sink.connect(), KEY, "one", on_lease=heard.append)
-    assert hs.outcome is Verdict.PROCEED and hs.proceeds and hs.decision is Decision.SNAPSHOT_SYNC
+    assert hs.verdict is Verdict.PROCEED and hs.proceeds and hs.decision is Decision.SNAPSHOT_SYNC
     assert hs.lease is not None and hs.lease.owner == "one" and heard == [hs.lease]
     assert hs.position == Position.of(hs.meta, hs.lease.epoch) == Position(-1, -1, None, hs.lease.epoch)
     assert sink.query(SINK_EPOCH) == [(hs.lease.epoch,)]  # fenced before anything was decided
@@ -38,7 +38,7 @@ def test_a_session_whose_lease_another_holds_is_skipped_untouched(lr_sites):
     first = handshake(source.connect(), sink.connect(), KEY, "one")
     heard = []
     second = handshake(source.connect(), sink.connect(), KEY, "two", on_lease=heard.append)
-    assert second.outcome is Verdict.SKIPPED and not second.proceeds and heard == [None]
+    assert second.verdict is Verdict.SKIPPED and not second.proceeds and heard == [None]
     assert second.lease is None and second.position is None and second.negotiation is None
     assert second.reason == "another replicator holds this session's lease (one)"
     assert second.left_out(Decision.LOG_ENTRY_SYNC) == second.reason
@@ -51,7 +51,7 @@ def test_a_mismatched_topology_is_refused_and_recorded_on_the_source(lr_sites):
     apply(lr_sites, ONE_SINK)
     apply(lr_sites, ONE_SINK, settings={"lease_seconds": 30}, only=[source])  # another id on the source only
     hs = handshake(source.connect(), sink.connect(), KEY, "one")
-    assert hs.outcome is Verdict.REFUSED and hs.decision is Decision.REFUSE and hs.lease is not None
+    assert hs.verdict is Verdict.REFUSED and hs.decision is Decision.REFUSE and hs.lease is not None
     assert "topology config id mismatch" in hs.reason and hs.position is not None
     assert hs.left_out(Decision.LOG_ENTRY_SYNC) == f"negotiation refused: {hs.reason}"
     _, owner, state, error = source.query(SOURCE_ROW)[0]
@@ -62,7 +62,7 @@ def test_a_session_the_source_does_not_have_is_refused(lr_sites):
     source, _, sink_c = lr_sites
     apply(lr_sites, ONE_SINK)
     hs = handshake(source.connect(), sink_c.connect(), SessionKey("site-a", "site-c", "policy"), "one")
-    assert hs.outcome is Verdict.REFUSED and hs.lease is None and hs.negotiation is None
+    assert hs.verdict is Verdict.REFUSED and hs.lease is None and hs.negotiation is None
     assert hs.reason.startswith("site 'site-a': this source has no session to 'site-c'")
 
 
