@@ -224,7 +224,7 @@ def main() -> None:
                 else:
                     os.environ["AIRFLOW_CONN_SRC"] = json.dumps(_conn(dsns["src"], "src"))
                     os.environ["AIRFLOW_CONN_DST"] = json.dumps(_conn(dsns["dst"], "dst"))
-                    result = lr_snapshot_transfer.transfer(spark, topo, "src", "dst", CLIENT, request_id)
+                    result = lr_snapshot_transfer.transfer(spark, topo, KEY, request_id)
                     if not result.applied:
                         raise RuntimeError(f"not applied: {result}")
                     phases = result.seconds

@@ -25,14 +25,13 @@ from pyspark.sql import SparkSession  # noqa: E402
 
 from airflow_provider_lr.engine.bulk import snapshot_transfer as transfers  # noqa: E402
 from airflow_provider_lr.engine.store.topology import Topology  # noqa: E402
+from airflow_provider_lr.engine.vocabulary import SessionKey  # noqa: E402
 
 
 def transfer(
     spark: SparkSession,
     topo: Topology,
-    source: str,
-    sink: str,
-    client: str,
+    key: SessionKey,
     request_id: str | None = None,
     partitions: int | None = None,
     apply: bool = True,
@@ -44,7 +43,7 @@ def transfer(
 
         return spark.sparkContext.parallelize(list(plan.ranges), len(plan.ranges)).mapPartitions(stage).collect()
 
-    job = transfers.SnapshotTransfer(topo, source, sink, client)
+    job = transfers.SnapshotTransfer(topo, key.source, key.sink, key.client)
     try:
         return transfers.run_transfer(
             job, map_ranges, request_id, partitions or spark.sparkContext.defaultParallelism, apply
@@ -58,9 +57,7 @@ def main(args: Any) -> dict[str, Any]:
     result = transfer(
         spark,
         lr_spark.load_topology(args.topology),
-        args.source,
-        args.sink,
-        args.client,
+        SessionKey(args.source, args.sink, args.client),
         args.request_id,
         args.partitions,
         not args.no_apply,

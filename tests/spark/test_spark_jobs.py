@@ -8,6 +8,7 @@ from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.bulk import snapshot_transfer
 from airflow_provider_lr.engine.errors import LRError
 from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.support.session import apply, queue, replicator, sink_queue
 from tests.support.spark_env import (  # noqa: F401 (local_spark, lr_connections are fixtures)
     in_log_entry_sync,
@@ -65,7 +66,7 @@ def test_snapshot_transfer_in_parallel_resumes_and_hands_off(local_spark, lr_sit
     assert [p for k, p in queue(sink_b, "site-a") if k == "log"] == [f"policy:{n}" for n in range(50)]
 
     with pytest.raises(LRError, match="no supplied full-sync request"):  # nothing left to transfer
-        lr_snapshot_transfer.transfer(local_spark, topo, "site-a", "site-b", "policy")
+        lr_snapshot_transfer.transfer(local_spark, topo, SessionKey("site-a", "site-b", "policy"))
 
 
 def test_apply_receive_queue_in_source_order_with_delete_in_the_same_transaction(local_spark, lr_sites, lr_connections):
