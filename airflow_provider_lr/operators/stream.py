@@ -116,7 +116,7 @@ class LRStreamOperator(BaseOperator):
             "planned_seconds": seconds,
             "delivered": dict(delivered),
             "failing": failing,
-            "hand_backs": [f"{e.session}: {e.reason}" for e in streamer.ends if e.reason != "stopped"],
+            "hand_backs": [f"{e.session}: {e.reason}" for e in streamer.ends if e.handed_back],
         }
         self.log.info(
             "streamed for %.0f s%s: %s",

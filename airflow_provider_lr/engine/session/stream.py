@@ -66,14 +66,22 @@ log = logging.getLogger(__name__)
 Connect = Callable[[str], psycopg2.extensions.connection]
 
 
+STOPPED = "stopped"  # a StreamEnd's reason when its run stopped it (not a hand-back)
+
+
 @dataclass
 class StreamEnd:
     """Why a stream handed its session back to the cycles, and what it delivered."""
 
     session: str
-    reason: str
+    reason: str  # why it handed back, or STOPPED
     delivered: int = 0
     error: str = ""
+
+    @property
+    def handed_back(self) -> bool:
+        """Ended by the session's state (a hand-back to the cycles), not by its run stopping."""
+        return self.reason != STOPPED
 
 
 class RateWindow:
@@ -146,7 +154,7 @@ class SessionStream:
 
     def run(self, stop: threading.Event) -> StreamEnd:
         """Stream until ``stop`` or a hand-back; always leaves the connections closed."""
-        end = StreamEnd(str(self.key), "stopped")
+        end = StreamEnd(str(self.key), STOPPED)
         try:
             self._begin()
             self._loop(stop)
@@ -334,7 +342,7 @@ class Streamer:
         self.cycles, self.options = cycles, options or StreamSettings()
         # of cycles and streams: the replicator's process passes its own (``site/metrics``) to export them
         self.counters = counters if counters is not None else DeliveryCounters()
-        self.ends: list[StreamEnd] = []  # every stream that ended (handed back, or "stopped" with the run)
+        self.ends: list[StreamEnd] = []  # every stream that ended (handed back, or STOPPED with the run)
         self.streaming: set[SessionKey] = set()  # the sessions streaming now
         self.backoff: dict[SessionKey, tuple[int, float]] = {}  # failing sessions: (failures in a row, retry at)
 
@@ -380,7 +388,7 @@ class Streamer:
             halt.set()
             for thread in list(streams.values()):
                 thread.join()
-            while not ended.empty():  # the streams stopped with the run ("stopped")
+            while not ended.empty():  # the streams stopped with the run (STOPPED)
                 self._ended(ended.get(), streams, on_end)
             for watch in watches.values():
                 watch.close()
@@ -403,7 +411,7 @@ class Streamer:
         streams.pop(key).join()
         self.streaming.discard(key)
         self.ends.append(end)
-        if end.reason != "stopped":
+        if end.handed_back:
             self.counters.hand_back(key)
         if end.error:
             self.counters.error(key)
