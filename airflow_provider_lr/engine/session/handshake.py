@@ -34,7 +34,7 @@ from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest
 from airflow_provider_lr.engine.source.log_reader import BaseSplit
 from airflow_provider_lr.engine.store.topology import Topology, config_id, drift, recorded_id, reread
-from airflow_provider_lr.engine.vocabulary import RequestStatus, SessionKey, SessionState
+from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES, RequestStatus, SessionKey, SessionState
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,9 @@ def reconcile(
     crash window between the sink's apply and the source's record (docs/crash-windows.md).
     Left open, it would hold safe trim at its base forever and be taken for a resume later.
     Idempotent; True when it closed ``request``."""
-    if request is None or request.request_id != meta.snapshot_request_id or not applied(meta):
+    if request is None or request.status not in OPEN_STATUSES:  # closed already: its outcome stands
+        return False
+    if request.request_id != meta.snapshot_request_id or not applied(meta):
         return False
     log.info("session %s: full sync %s was applied on the sink; closing it on the source", key, request.request_id)
     record_applied(source, lease, owner, meta, note="closed from the sink's metadata (applied before a crash)")

@@ -4,10 +4,12 @@ session, and moves its epoch past a higher one the sink has seen."""
 
 from __future__ import annotations
 
-from airflow_provider_lr.engine.session.handshake import Position, Verdict, handshake
+from airflow_provider_lr.engine.session.handshake import Position, Verdict, applied, handshake, reconcile
 from airflow_provider_lr.engine.session.negotiation import Decision
-from airflow_provider_lr.engine.vocabulary import SessionKey, SessionState
-from tests.support.session import apply
+from airflow_provider_lr.engine.site.replicator import run_until_idle
+from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.vocabulary import RequestStatus, SessionKey, SessionState
+from tests.support.session import apply, empty_provider, replicator
 
 ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
 KEY = SessionKey("site-a", "site-b", "policy")
@@ -79,3 +81,25 @@ def test_the_epoch_moves_past_a_higher_one_the_sink_has_seen(lr_sites):
     assert hs.proceeds and hs.lease.epoch == 42 and hs.position.epoch == 42
     assert [lease.epoch for lease in heard] == [heard[0].epoch, 42] and heard[0].epoch < 41
     assert sink.query(SINK_EPOCH) == [(42,)] and source.query(SOURCE_ROW)[0][:2] == (42, "one")
+
+
+def test_a_request_closed_already_is_not_reconciled_again(lr_sites):
+    """Reconcile closes an open request the sink applied (a crash between the sink's apply and the
+    source's record); a request closed already keeps its outcome and the session row is not
+    written again (the snapshot transfer asks by id after the handshake reconciled it)."""
+    source, sink, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK)
+    repl = replicator(topo, lr_sites, providers={"policy": empty_provider}, sessions=[KEY])
+    run_until_idle(repl)
+    repl.close()  # its lease released: the handshake below takes it
+    src = source.connect()
+    (request_id,) = source.query("SELECT request_id FROM lr.full_sync_requests WHERE status = 'applied'")[0]
+    request = full_sync.get_request(src, request_id)
+    hs = handshake(src, sink.connect(), KEY, "one")
+    assert hs.proceeds and hs.decision is Decision.LOG_ENTRY_SYNC and applied(hs.meta)
+    assert hs.meta.snapshot_request_id == request_id and request.status == RequestStatus.APPLIED
+    source.query("UPDATE lr.source_sessions SET attempts = 7 WHERE sink_site_id = 'site-b' AND client_name = 'policy'")
+    assert not reconcile(src, KEY, hs.lease, "one", hs.meta, request)
+    assert source.query(
+        "SELECT attempts FROM lr.source_sessions WHERE sink_site_id = 'site-b' AND client_name = 'policy'"
+    ) == [(7,)]
