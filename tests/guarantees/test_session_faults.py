@@ -350,21 +350,25 @@ def test_the_lease_keeper_rides_out_a_source_restart_and_renews_again(lr_sites, 
         keeper.stop()
 
 
-def test_a_commit_watch_whose_login_is_refused_stops_its_streams_with_the_error(lr_sites):
-    """A source's commit-position watch cannot heal a refused login: it stops, and a stream
-    waiting on it gets the error (naming the source) instead of waiting for commits forever."""
-    from airflow_provider_lr.engine.errors import LRError
+def test_a_source_stream_whose_login_is_refused_hands_its_session_back_and_the_cycles_carry_it(lr_sites):
+    """The source's stream cannot log in (its cycles' connection was made before the login broke):
+    the session is handed back with the error naming the role instead of waiting for commits
+    forever, and the cycles, backed off, still deliver what the application writes."""
     from airflow_provider_lr.engine.session.settings import StreamSettings
-    from airflow_provider_lr.engine.session.source_watch import SourceWatch
+    from tests.support.session import Streaming, wait_for
     from tests.support.subscriber import refused_login
 
-    source, _, _ = lr_sites
-    watch = SourceWatch(refused_login(source).connect, StreamSettings(), "site-a")
-    try:
-        with pytest.raises(LRError, match="commit-position watch of source 'site-a' stopped: .*no_such_role"):
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                watch.wait_beyond(0, 0.5)
-        assert watch.failed
-    finally:
-        watch.close()
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:table_provider"})
+    repl = replicator(topo, lr_sites, providers={"policy": table_provider}, lease_seconds=2.0)
+    repl.run_cycle()  # the cycles' connections, made while the login still works
+    good = repl.connect
+    repl.connect = lambda site: refused_login(source).connect() if site == "site-a" else good(site)
+    app = App(source)
+    with Streaming(repl, StreamSettings(retry_min=0.1, retry_max=0.2)) as streaming:
+        wait_for(
+            lambda: any("no_such_role" in e.error for e in streaming.streamer.ends), 15, "the refused stream's end"
+        )
+        app.put("k1", 1, ["site-b"])
+        wait_for(lambda: ("log", "k1=1") in queue(sink_b, "site-a"), 15, "the cycles to deliver k1")
+    app.close()

@@ -326,7 +326,7 @@ class LogReader:
             self.conn,
             after,
             f"destination {self.destination!r}",  # the read's snapshot
-            (_FINAL_PREFIX_SQL, {"after": after, "scan": max(1, max_entries)}),
+            (FINAL_PREFIX_SQL, {"after": after, "scan": max(1, max_entries)}),
         )
         if end <= after:
             self.conn.rollback()
@@ -417,28 +417,28 @@ class LogReader:
 
 # The final prefix after a position, once for both reads that take it: ``f`` is the longest run
 # after + 1, after + 2, ... of committed positions (at most ``scan`` of them, by the primary key),
-# and ``_FINAL_ENDS`` its end and the highest committed position.
-_FINAL_PREFIX = """
+# and ``FINAL_ENDS`` its end and the highest committed position.
+FINAL_PREFIX = """
 WITH d AS (
     SELECT position, tx, position - row_number() OVER (ORDER BY position) AS gap
     FROM (SELECT position, tx FROM lr.log_commits WHERE position > %(after)s ORDER BY position LIMIT %(scan)s) p
 ), f AS (SELECT position, tx FROM d WHERE gap = %(after)s)
 """
-_FINAL_ENDS = (
+FINAL_ENDS = (
     "coalesce((SELECT max(position) FROM f), %(after)s) AS final_end, "
     "coalesce((SELECT max(position) FROM lr.log_commits), 0) AS highest"
 )
-_FINAL_PREFIX_SQL = _FINAL_PREFIX + "SELECT " + _FINAL_ENDS
+FINAL_PREFIX_SQL = FINAL_PREFIX + "SELECT " + FINAL_ENDS
 
 
 # ``read_final_batch``'s one statement: the trim mark, the final prefix's end, the highest committed
 # position and the destination's entries in the prefix (at most ``rows``; a message over ``inline``
 # bytes comes back NULL), a row each (one row with NULL entry columns when there is none).
 _FINAL_BATCH_SQL = (
-    _FINAL_PREFIX
+    FINAL_PREFIX
     + """
 SELECT (SELECT trim_mark FROM lr.log_trim), """
-    + _FINAL_ENDS
+    + FINAL_ENDS
     + """, r.position, r.entry_id, r.message, r.table_id
 FROM (SELECT 1) one LEFT JOIN LATERAL (
     SELECT f.position, e.entry_id, CASE WHEN octet_length(e.message) <= %(inline)s THEN e.message END AS message,

@@ -1,0 +1,68 @@
+"""The sink side of a source's stream: one connection per sink site, and the sinks written at once.
+
+A stream writes each session's share of a read in its own fenced sink transaction; sessions of one
+sink site go one after the other on that site's connection, different sites in parallel on a pool
+of writer threads (one per site written to, made as needed). A connection is used by one thread at
+a time: the stream's own between rounds (handshakes, checks), that site's writer during one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Generic, TypeVar
+
+import psycopg2.extensions
+
+Connect = Callable[[str], psycopg2.extensions.connection]
+MAX_WRITERS = 64  # sink sites written to at once (threads made only as sites need them)
+
+Job = TypeVar("Job")  # one session's batch, whatever the stream makes of it
+
+
+class SinkWriters(Generic[Job]):
+    """Connections to the sink sites of one source's stream and the threads that write them."""
+
+    def __init__(self, connect: Connect, name: str) -> None:
+        self.connect = connect
+        self._conns: dict[str, psycopg2.extensions.connection] = {}
+        self._pool = ThreadPoolExecutor(MAX_WRITERS, thread_name_prefix=f"lr-sink-writer-{name}")
+
+    def conn(self, site: str) -> psycopg2.extensions.connection:
+        """The connection to ``site``, made again when it was lost."""
+        conn = self._conns.get(site)
+        if conn is None or conn.closed:
+            conn = self._conns[site] = self.connect(site)
+        return conn
+
+    def drop(self, site: str) -> None:
+        """Close ``site``'s connection (a lost server): the next use makes a new one."""
+        conn = self._conns.pop(site, None)
+        if conn is not None and not conn.closed:
+            conn.close()
+
+    def write(
+        self,
+        jobs: Mapping[str, Sequence[Job]],
+        apply: Callable[[psycopg2.extensions.connection, Job], int],
+    ) -> list[tuple[Job, int | BaseException]]:
+        """Run ``apply`` on each site's jobs, in turn on that site's connection, the sites at once;
+        what each returned or raised, site by site in the order given."""
+        futures = [self._pool.submit(self._write_site, site, batch, apply) for site, batch in jobs.items()]
+        return [done for future in futures for done in future.result()]
+
+    def _write_site(
+        self, site: str, jobs: Sequence[Job], apply: Callable[[psycopg2.extensions.connection, Job], int]
+    ) -> list[tuple[Job, int | BaseException]]:
+        done: list[tuple[Job, int | BaseException]] = []
+        for job in jobs:
+            try:
+                done.append((job, apply(self.conn(site), job)))
+            except Exception as exc:  # this session's: the stream decides what it means
+                done.append((job, exc))
+        return done
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for site in list(self._conns):
+            self.drop(site)

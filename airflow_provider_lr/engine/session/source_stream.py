@@ -1,0 +1,495 @@
+"""One reader per source: the streaming sessions of a source share one read of its log.
+
+A cycle (``runner``) pays for a lease, a fence, a negotiation and a commit barrier before it reads:
+tens of milliseconds of lag per entry for a stream. A session a cycle left in log-entry sync joins
+its source's ``SourceStream`` instead: one handshake (``handshake.py``) renews the cycle's lease and
+gives the ``Position`` kept in memory; then, for all the source's sessions at once, the stream
+probes the last drawn commit position, reads the *final prefix* after the lowest session ONCE
+(``source/routed_read``: the source's server says which sessions want each entry), writes each
+session's share in ONE fenced sink transaction (``writes.apply_log_stream``), the sinks in parallel
+(``sink_writers``), acknowledges lazily (asynchronously committed: the sink's position is the
+truth), and lingers under load so batches grow. Per source: two source connections, one per sink
+site, a thread, a writer thread per sink site: O(sites), whatever the number of sessions.
+
+A session leaves when something calls for negotiation (lease taken over, topology changed, full
+sync requested, table federated, log trimmed past it, its sink failed): it is handed back
+(``StreamEnd``) to the cycles (``Streamer``), which renegotiate and bring it back. A transaction too
+large for one small batch is read per session by the general read, streamed into its sink bounded
+by bytes. The whole story and why each guarantee holds: docs/streaming.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import psycopg2
+import psycopg2.extensions
+from psycopg2.extensions import AsIs
+
+from airflow_provider_lr.engine.counters import DeliveryCounters
+from airflow_provider_lr.engine.db.timeouts import failure
+from airflow_provider_lr.engine.errors import FencedError, LRError, StaleBatchError, TrimmedError, error_line, one_line
+from airflow_provider_lr.engine.faults import fault_point
+from airflow_provider_lr.engine.session import lease as leases
+from airflow_provider_lr.engine.session.handshake import Position, handshake
+from airflow_provider_lr.engine.session.negotiation import Decision
+from airflow_provider_lr.engine.session.runner import record_error
+from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
+from airflow_provider_lr.engine.session.sink_writers import SinkWriters
+from airflow_provider_lr.engine.sink import writes
+from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.source.backlog import SessionBacklog, session_backlogs
+from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL
+from airflow_provider_lr.engine.source.log_reader import LogBatch, LogReader, LogStream, TableSplits
+from airflow_provider_lr.engine.source.routed_read import Reader, RoutedBatch, read_routed
+from airflow_provider_lr.engine.store.topology import recorded_id
+from airflow_provider_lr.engine.tables import registry
+from airflow_provider_lr.engine.tables import snapshot as table_snapshot
+from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, SessionKey
+
+log = logging.getLogger(__name__)
+
+Connect = Callable[[str], psycopg2.extensions.connection]
+
+STOPPED = "stopped"  # a StreamEnd's reason when its run stopped it (not a hand-back)
+REASSIGNED = "reassigned"  # ... when the session left this replicator's share (another one works it now)
+
+
+@dataclass
+class StreamEnd:
+    """Why a session left its stream, and what the stream delivered to it."""
+
+    session: str
+    reason: str  # why it handed back, STOPPED or REASSIGNED
+    delivered: int = 0
+    error: str = ""
+
+    @property
+    def handed_back(self) -> bool:
+        """Ended by the session's state (a hand-back to the cycles), not by its run stopping or the
+        session moving to another replicator."""
+        return self.reason not in (STOPPED, REASSIGNED)
+
+
+class RateWindow:
+    """Entries per second over the last whole window (``seconds``): a burst of commits inside a
+    window does not make a stream at a modest rate linger, a sustained rate does."""
+
+    def __init__(self, seconds: float = 0.1) -> None:
+        self.seconds, self.rate = seconds, 0.0
+        self._start, self._count = time.monotonic(), 0
+
+    def add(self, entries: int) -> float:
+        """Count ``entries`` read now; the rate of the last whole window."""
+        self._count += entries
+        now = time.monotonic()
+        if now - self._start >= self.seconds:
+            self.rate = self._count / (now - self._start)
+            self._start, self._count = now, 0
+        return self.rate
+
+
+class _Handback(Exception):
+    """Something changed that calls for negotiation: the session leaves the stream, keeps the lease."""
+
+
+@dataclass
+class Member:
+    """One session of a source's stream."""
+
+    key: SessionKey
+    lease: leases.Lease
+    position: Position  # the handshake's, advanced by every write
+    reader: LogReader  # the general read, for a transaction too large for the routed read
+    tables: TableSplits  # the synced federated tables, whose changes come along
+    topology_id: str | None  # the topology applied when it joined
+    read_to: int = -1  # every position up to here was read for it (>= its sink's position)
+    acked: int = -1
+    delivered: int = 0
+    registered: bool = False  # its receive queue, by its first write of entries
+    ended: bool = field(default=False, repr=False)
+
+    @property
+    def after(self) -> int:
+        """The sink's position: what is acknowledged on the source."""
+        return self.position.after
+
+    def routed(self) -> Reader:
+        split = (
+            self.position.split if self.position.split is not None and self.position.split.upto > self.read_to else None
+        )
+        assert self.reader.client_id is not None
+        return Reader(self.reader.client_id, self.reader.tag_id, self.read_to, split, self.tables)
+
+
+class SourceStream:
+    """The streaming sessions of one source (see the module docstring), on a thread of its own.
+    ``join``/``leave`` come from the ``Streamer``'s thread; every session that leaves is reported to
+    ``ended``, once, and the thread ends (``finished``) when ``halt`` is set or the source fails."""
+
+    def __init__(
+        self,
+        source: str,
+        connect: Connect,
+        settings: SessionSettings,
+        stream_settings: StreamSettings,
+        ended: Callable[[StreamEnd], None],
+        counters: DeliveryCounters | None = None,
+    ) -> None:
+        self.source, self.connect = source, connect
+        self.settings, self.opts, self.ended = settings, stream_settings, ended
+        self.counters = counters if counters is not None else DeliveryCounters()
+        self.members: dict[SessionKey, Member] = {}
+        self._requests: queue.SimpleQueue[tuple[str, SessionKey, leases.Lease | None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self.sinks: SinkWriters[tuple[Member, LogBatch]] = SinkWriters(connect, source)
+        self._backlogs: dict[tuple[str, str], SessionBacklog] = {}  # as of the last ack, per (sink, client)
+        self.src = connect(source)
+        self.peek: psycopg2.extensions.connection | None = None
+        try:
+            self.peek = connect(source)  # autocommit: the probe and the routed read, one round trip each
+            self.peek.autocommit = True
+            with self.src.cursor() as cur:  # acks and renewals: the sink's position is the truth
+                cur.execute("SET synchronous_commit = off")
+            self.src.commit()
+        except BaseException:
+            self.close()
+            raise
+        self.thread: threading.Thread | None = None
+
+    # --- the Streamer's side ------------------------------------------------------------------
+    def start(self, halt: threading.Event) -> None:
+        self.thread = threading.Thread(target=self.run, args=(halt,), daemon=True, name=f"lr-stream-{self.source}")
+        self.thread.start()
+
+    @property
+    def finished(self) -> bool:
+        return self.thread is not None and not self.thread.is_alive()
+
+    def join(self, key: SessionKey, lease: leases.Lease) -> None:
+        """Stream ``key`` under ``lease`` (its cycle's): the handshake runs on the stream's thread."""
+        self._requests.put(("join", key, lease))
+        self._wake.set()
+
+    def leave(self, key: SessionKey) -> None:
+        """Stop streaming ``key`` and give its lease up: it moved to another replicator."""
+        self._requests.put(("leave", key, None))
+        self._wake.set()
+
+    # --- the stream's thread ------------------------------------------------------------------
+    def run(self, halt: threading.Event) -> None:
+        """Stream until ``halt`` or a failure of the source; every session leaves on the way out."""
+        reason, error = STOPPED, ""
+        try:
+            self._loop(halt)
+        except (psycopg2.Error, LRError) as exc:  # the source is lost: its sessions go back to the cycles
+            reason, error = "failed", failure(exc)
+        except Exception as exc:  # pragma: no cover - a bug: hand every session back all the same
+            log.exception("stream of %s failed", self.source)
+            reason, error = "failed", failure(exc)
+        finally:
+            self._admit()  # a join still queued is answered too
+            for member in list(self.members.values()):
+                self._ack_quietly(member)
+                self._end(member, reason, error)
+            self.close()
+
+    def _loop(self, halt: threading.Event) -> None:
+        opts = self.opts
+        next_check = time.monotonic() + opts.check_interval
+        last_ack = 0.0
+        stalled_since: float | None = None  # a drawn position has not shown up since then
+        pause = opts.poll_min
+        rate = RateWindow()
+        while not halt.is_set():
+            self._admit()
+            if not self.members:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            now = time.monotonic()
+            if now >= next_check:
+                self._advance_idle()
+                self._check()
+                next_check = now + opts.check_interval
+            if now - last_ack >= opts.ack_interval:
+                self._ack()
+                last_ack = now
+            low = min(m.read_to for m in self.members.values())
+            if stalled_since is None and self._latest() <= low:
+                self._wake.wait(pause)  # a join or a leave wakes it at once
+                self._wake.clear()
+                pause = min(pause * 2, opts.poll_max)
+                continue
+            barrier = stalled_since is not None and now - stalled_since >= opts.gap_timeout
+            moved = self._round(barrier)
+            if moved:
+                stalled_since, pause = None, opts.poll_min
+                if rate.add(moved) >= opts.busy_rate:
+                    halt.wait(opts.linger)
+                continue
+            # drawn but not visible: a commit in flight (shows up in a moment), or one that rolled back
+            # after drawing (never does): the barrier tells after ``gap_timeout``, and again after each
+            stalled_since = now if stalled_since is None or barrier else stalled_since
+            time.sleep(pause)
+            pause = min(pause * 2, opts.poll_max)
+
+    def _latest(self) -> int:
+        """The newest commit position drawn on the source (committed or not yet)."""
+        assert self.peek is not None
+        with self.peek.cursor() as cur:
+            cur.execute(LAST_DRAWN_POSITION_SQL)
+            return cur.fetchone()[0]
+
+    def _admit(self) -> None:
+        """Answer the Streamer's joins and leaves."""
+        while not self._requests.empty():
+            what, key, lease = self._requests.get()
+            if what == "leave":
+                member = self.members.get(key)
+                if member is not None:
+                    self._ack_quietly(member)
+                    self._release_quietly(member)
+                    self._end(member, REASSIGNED)
+            elif lease is not None:
+                self._join(key, lease)
+
+    def _join(self, key: SessionKey, lease: leases.Lease) -> None:
+        """The handshake, as the cycle's lease holder (the same owner: renewed, same epoch); the
+        session streams from its ``Position`` unless it is not in log-entry sync."""
+        try:
+            sink = self.sinks.conn(key.sink)
+            hs = handshake(self.src, sink, key, lease.owner, self.settings.lease_seconds)
+            why = hs.left_out(Decision.LOG_ENTRY_SYNC, "left to the cycles")
+            if why is not None:
+                raise _Handback(why)
+            assert hs.lease is not None and hs.position is not None
+            reader = LogReader(
+                self.src, key.sink, STREAM_LOG_ENTRIES, self.settings.barrier_timeout, client_name=key.client
+            )
+            member = Member(key, hs.lease, hs.position, reader, table_snapshot.splits(sink, key), recorded_id(self.src))
+        except Exception as exc:
+            self._refused(key, exc)
+            return
+        member.read_to = member.after  # acked at the next ack round: the lag is known from the start
+        self.members[key] = member
+        log.info("session %s streams from position %d", key, member.after)
+
+    # --- reading and writing ------------------------------------------------------------------
+    def _round(self, barrier: bool) -> int:
+        """Read what is final after the lowest session and write each session's share; the entries
+        written when the read moved (at least 1), else 0. ``barrier``: read behind the commit
+        barrier instead (it waits for the commits in flight, so a position still missing after it
+        was rolled back and is passed), per session."""
+        members = list(self.members.values())
+        low = min(m.read_to for m in members)
+        batch: RoutedBatch | None = None
+        if not barrier:
+            assert self.peek is not None
+            try:
+                batch = read_routed(self.peek, [m.routed() for m in members], self.settings.max_bytes, self.source)
+            except TrimmedError as exc:  # the sessions behind the trim mark go to a snapshot sync
+                for m in members:
+                    if m.read_to < exc.trim_mark:
+                        self._fail(m, exc)
+                return 1
+        if batch is None:
+            return self._round_per_session(members, barrier)
+        if batch.end <= low:
+            return 0
+        jobs: dict[str, list[tuple[Member, LogBatch]]] = {}
+        for member, records in zip(members, batch.records):
+            if records:
+                jobs.setdefault(member.key.sink, []).append((member, LogBatch(member.after, batch.end, records)))
+            else:
+                member.read_to = max(member.read_to, batch.end)
+        self._write(jobs)
+        return max(batch.entries, 1)
+
+    def _round_per_session(self, members: list[Member], barrier: bool) -> int:
+        """Each session read on its own (``LogReader.read_stream``) and streamed into its sink: a
+        transaction too large for the routed read, or a read behind the commit barrier."""
+        moved = 0
+        for member in members:
+            settings, position = self.settings, member.position
+            try:
+                stream = member.reader.read_stream(
+                    position.after,
+                    settings.max_entries,
+                    settings.max_bytes,
+                    position.split,
+                    final=not barrier,
+                    tables=member.tables,
+                )
+                with stream:
+                    if stream.end <= position.after:
+                        continue
+                    after = self._apply(self.sinks.conn(member.key.sink), member, stream)
+                self._applied(member, stream.entries, stream.bytes, after)
+                moved += max(stream.entries, 1)
+            except Exception as exc:
+                self._fail(member, exc)
+                if self.src.closed:
+                    raise
+        return moved
+
+    def _write(self, jobs: dict[str, list[tuple[Member, LogBatch]]]) -> None:
+        """Each sink's batches by its own writer, the sinks at once; then what each did."""
+        for (member, batch), outcome in self.sinks.write(jobs, lambda conn, job: self._apply(conn, *job)):
+            if isinstance(outcome, BaseException):
+                self._fail(member, outcome)
+            else:
+                self._applied(member, batch.entries, batch.bytes, outcome)
+
+    def _apply(self, conn: psycopg2.extensions.connection, member: Member, batch: LogBatch | LogStream) -> int:
+        """One session's batch in one fenced sink transaction; the sink's position after it."""
+        position = member.position
+        after = writes.apply_log_stream(
+            conn, self.source, member.key.client, position.epoch, batch, position.base, register=not member.registered
+        )
+        fault_point("stream_after_sink_apply")
+        return after
+
+    def _applied(self, member: Member, entries: int, nbytes: int, after: int) -> None:
+        member.registered = member.registered or entries > 0
+        member.delivered += entries
+        self.counters.delivered(member.key, entries, nbytes)
+        member.position = member.position.advanced(max(after, member.after))
+        member.read_to = max(member.read_to, member.after)
+
+    # --- looking around -----------------------------------------------------------------------
+    def _check(self) -> None:
+        """Renew every lease (a session taken over leaves), note the success (a stream with nothing
+        to do is healthy: ``lr status`` shows the age of the last success), record what is still to
+        send, and hand back each session whose negotiation is due."""
+        topology_id = recorded_id(self.src)
+        for member in list(self.members.values()):
+            key = member.key
+            try:
+                backlog = self._backlogs.get((key.sink, key.client))
+                leases.renew(
+                    self.src,
+                    member.lease,
+                    self.settings.lease_seconds,
+                    last_success_at=AsIs("now()"),
+                    **({"remaining_entries": backlog.entries} if backlog is not None else {}),
+                )
+                if topology_id != member.topology_id:
+                    raise _Handback("the topology changed")
+                if full_sync.open_request(self.src, key.sink, key.client) is not None:
+                    raise _Handback("a full sync was requested")
+                federated = registry.federated_tables(self.src, key.client)
+                if table_snapshot.needed(self.src, self.sinks.conn(key.sink), key, federated):
+                    raise _Handback("a table was federated (its snapshot is taken by a cycle)")
+            except Exception as exc:
+                self._fail(member, exc)
+                if self.src.closed:
+                    raise
+
+    def _advance_idle(self) -> None:
+        """Move the sinks of the sessions the reads found nothing for to where they were read: their
+        acknowledged positions follow, so trim is not held back by a session that gets nothing."""
+        jobs: dict[str, list[tuple[Member, LogBatch]]] = {}
+        for member in self.members.values():
+            if member.read_to > member.after:
+                jobs.setdefault(member.key.sink, []).append((member, LogBatch(member.after, member.read_to)))
+        if jobs:
+            self._write(jobs)
+
+    def _ack(self) -> None:
+        """Record each sink's position on the source (asynchronously committed: the sink's position
+        is the truth, a lost ack only delays trim), then what each session still has to receive
+        (one count for all of them: the lag the counters show, the backlog ``lr status`` shows)."""
+        acked = []
+        for member in list(self.members.values()):
+            if member.acked < member.after:
+                try:
+                    self._ack_one(member)
+                    acked.append(member)
+                except Exception as exc:
+                    self._fail(member, exc)
+                    if self.src.closed:
+                        raise
+        if acked:
+            self._backlogs = {(b.sink, b.client): b for b in session_backlogs(self.src)}
+            for member in acked:
+                backlog = self._backlogs.get((member.key.sink, member.key.client))
+                if backlog is not None:
+                    self.counters.lag(member.key, backlog.entries, backlog.lag_seconds)
+
+    def _ack_one(self, member: Member) -> None:
+        leases.update_session(
+            self.src, member.lease, acked_position=member.after, last_error=None, last_success_at=AsIs("now()")
+        )
+        member.acked = member.after
+
+    def _ack_quietly(self, member: Member) -> None:
+        if member.acked >= member.after or self.src.closed:
+            return
+        try:
+            self.src.rollback()  # a statement that failed on the source left its transaction aborted
+            self._ack_one(member)
+        except (psycopg2.Error, LRError) as exc:  # the next holder records its own; trim waits meanwhile
+            log.info("stream %s: last ack not recorded: %s", member.key, one_line(exc))
+
+    def _release_quietly(self, member: Member) -> None:
+        if not self.src.closed:
+            leases.release_quietly(self.src, member.lease)
+
+    # --- sessions leaving ---------------------------------------------------------------------
+    def _fail(self, member: Member, exc: BaseException) -> None:
+        """The session leaves the stream, handed back to the cycles, saying why."""
+        if member.ended:
+            return
+        member.ended = True
+        self.members.pop(member.key, None)
+        self._refused(member.key, exc, member.delivered)
+
+    def _refused(self, key: SessionKey, exc: BaseException, delivered: int = 0) -> None:
+        """Report ``key`` handed back because of ``exc`` (its last error recorded when it is one)."""
+        if isinstance(exc, _Handback):
+            reason, error = one_line(exc), ""
+        elif isinstance(exc, (FencedError, StaleBatchError, TrimmedError)):
+            reason, error = error_line(exc), ""
+        elif isinstance(exc, (psycopg2.Error, LRError)):  # a bound that fired, a lost site: retried by the cycles
+            if isinstance(exc, (psycopg2.OperationalError, psycopg2.InterfaceError)):
+                self.sinks.drop(key.sink)
+            reason, error = "failed", failure(exc)
+        else:  # pragma: no cover - a bug: hand the session back all the same
+            log.error("stream %s failed", key, exc_info=exc)
+            reason, error = "failed", failure(exc)
+        if error:
+            self._record_quietly(key, error)
+        self.ended(StreamEnd(str(key), reason, delivered, error))
+
+    def _end(self, member: Member, reason: str, error: str = "") -> None:
+        """The session leaves the stream with the stream (STOPPED, or failed with its source) or to
+        another replicator (REASSIGNED)."""
+        if member.ended:
+            return
+        member.ended = True
+        self.members.pop(member.key, None)
+        if error:
+            self._record_quietly(member.key, error)
+        self.ended(StreamEnd(str(member.key), reason, member.delivered, error))
+
+    def _record_quietly(self, key: SessionKey, error: str) -> None:
+        """The failure in the session's ``last_error`` (``lr status``), when the source is reachable;
+        the cycle that takes the session back records its own otherwise."""
+        try:
+            if not self.src.closed:
+                self.src.rollback()
+                record_error(self.src, key, f"stream: {error}")
+        except (psycopg2.Error, LRError) as exc:
+            log.info("stream %s: error not recorded: %s", key, one_line(exc))
+
+    def close(self) -> None:
+        self.sinks.close()
+        for conn in (self.src, self.peek):
+            if conn is not None and not conn.closed:
+                conn.close()

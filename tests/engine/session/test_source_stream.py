@@ -1,0 +1,59 @@
+"""One reader per source: a source's streaming sessions share one read of its log (the routed
+read, tests/engine/source/test_routed_read.py) and one connection per site, whatever their number;
+each session still gets exactly its own entries, once, in commit order."""
+
+from __future__ import annotations
+
+from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.engine.session.settings import StreamSettings
+from tests.support.session import Streaming, apply, empty_provider, replicator, sink_queue, wait_for
+
+CLIENTS = ["policy", "billing", "audit"]
+SIX_SESSIONS = [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": CLIENTS}]
+FAST = StreamSettings(check_interval=0.2, ack_interval=0.05)
+
+
+def _backends(site) -> int:
+    """Client connections to the test's database on ``site``, other than the one asking."""
+    return site.query(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    )[0][0]
+
+
+def _transmit(conn, client: str, payload: str, destinations: list[str]) -> None:
+    RoutingQueueClient(conn, client).transmit_log_entry_message(payload.encode(), destinations)
+    conn.commit()
+
+
+def test_six_sessions_of_one_source_stream_over_a_fixed_number_of_source_connections(lr_sites):
+    """Three clients to two sinks (six sessions) stream from ONE source stream: the replicator holds
+    three connections to the source (its cycles', the stream's read and its acks), not two per
+    session; every entry reaches exactly the sessions it names, once, in commit order."""
+    source, sink_b, sink_c = lr_sites
+    topo = apply(lr_sites, SIX_SESSIONS, providers={c: "tests.support.session:empty_provider" for c in CLIENTS})
+    before = _backends(source)
+    repl = replicator(topo, lr_sites, providers={c: empty_provider for c in CLIENTS}, lease_seconds=2.0)
+    writer = source.connect()
+    with Streaming(repl, FAST) as streaming:
+        streaming.streaming()
+        assert _backends(source) - before <= 3 + 1, "the replicator's source connections grow with its sessions"
+        assert len(streaming.streamer.sources) == 1
+        for i in range(30):
+            client = CLIENTS[i % 3]
+            where = {"policy": ["site-b"], "billing": ["site-c"], "audit": ["site-b", "site-c"]}[client]
+            _transmit(writer, client, f"{client}-{i}", where)
+        expected = {
+            (sink, client): [f"{client}-{i}".encode() for i in range(30) if CLIENTS[i % 3] == client]
+            for sink in ("site-b", "site-c")
+            for client in CLIENTS
+        }
+        expected[("site-c", "policy")] = []  # policy's entries named site-b only
+        expected[("site-b", "billing")] = []  # billing's named site-c only
+        sinks = {"site-b": sink_b, "site-c": sink_c}
+        wait_for(
+            lambda: all(sink_queue(sinks[s], c) == want for (s, c), want in expected.items()),
+            20,
+            "every session's entries",
+        )
+        assert _backends(source) - before <= 3 + 1
+    writer.close()
