@@ -462,7 +462,7 @@ class NativeSystem(System):
         self.writer_dsn = writer_dsn or env.source_dsn
 
     def setup(self) -> None:
-        self.teardown()
+        self.clear()
         execute(
             self.env.source_dsn,
             f"CREATE TABLE {TABLE} (writer int, seq bigint, payload bytea NOT NULL, PRIMARY KEY (writer, seq))",
@@ -509,6 +509,10 @@ class NativeSystem(System):
         return out
 
     def teardown(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Subscriptions (their slots), publications, tables and the trigger's function."""
         drop_replication(self.env)
         for dsn in (self.env.source_dsn, *self.env.sink_dsns):
             with contextlib.suppress(psycopg2.Error):
