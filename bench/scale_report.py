@@ -101,9 +101,10 @@ def takeover_lines(doc: dict[str, Any]) -> list[str]:
             if t["takeover_s"] is not None
             else f"not within {t['wait_bound_s']:g} s ({t['sessions_resumed']}/{t['sessions']} sessions resumed)"
         )
+        cpu = ", ".join(f"#{k} {v:.2f} s" for k, v in t["cpu_s_before_kill"].items())
         out.append(
             f"Takeover ({t['layout']}, {t['rate']}/s, two `lr sync`, SIGKILL of replicator {t['victim']} after "
-            f"{t['kill_after_s']:g} s; CPU in the 2 s before: {t['cpu_s_before_kill']}): every session delivering "
+            f"{t['kill_after_s']:g} s; CPU in the 2 s before: {cpu}): every session delivering "
             f"entries written after the kill again after **{taken}**; {t['sessions_stalled_over_1s']} sessions "
             f"stalled over 1 s; lost {t['lost']}, duplicated {t['duplicated']}"
             + ("" if t["drained"] else " (not drained)")
@@ -153,7 +154,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"after {args.get('warmup')} s of warm-up; `{doc.get('versions', {}).get('lr_cmd')}` at "
         f"{doc.get('versions', {}).get('git')}; load {doc.get('machine', {}).get('loadavg_before', ['?'])[0]:.2f} before"
     )
-    lines = [head, "", *rows(doc)]
+    lines = [head, "", *rows(doc)] if doc["configurations"] else [head]
     tail = takeover_lines(doc)
     if tail:
         lines += ["", *tail]
