@@ -78,10 +78,14 @@ class LrSites:
         site_ids: list[str] | None = None,
         providers: dict[str, str] | None = None,
         initial_sync: bool = True,
+        clients: list[str] | None = None,
+        settings: dict[str, Any] | None = None,
     ) -> None:
         """``site_ids``: the source's, then one per sink of ``env`` (default ``bench-src`` and 3
         sinks); ``providers``: the topology's (``client: "module:function"``); ``initial_sync``:
-        bring every session through its (empty) full sync here, in process."""
+        bring every session through its (empty) full sync here, in process; ``clients``: each
+        client replicates to every sink (default: ``bench``); ``settings``: the topology's (default:
+        10-minute leases, so no lease runs out under a long measurement)."""
         self.name = name
         self.admin = [env.source_dsn, *env.sink_dsns]
         site_ids = site_ids or [SOURCE_ID, *SINK_IDS]
@@ -109,8 +113,8 @@ class LrSites:
         self.connections.chmod(0o600)
         doc = {
             "sites": [{"id": s, "conn_id": s} for s in self.dsns],
-            "replication": [{"source": site_ids[0], "sinks": site_ids[1:], "clients": [CLIENT]}],
-            "settings": {"lease_seconds": 600},
+            "replication": [{"source": site_ids[0], "sinks": site_ids[1:], "clients": clients or [CLIENT]}],
+            "settings": {"lease_seconds": 600} if settings is None else settings,
         }
         if providers:
             doc["providers"] = providers

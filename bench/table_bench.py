@@ -96,7 +96,7 @@ for _p in (REPO, BENCH, REPO / "spark_jobs"):
 
 from fanout_anchors import BenchEnv, _names, _poll, _ready_query, coalesced, drop_replication, execute, settle
 from fanout_lr import CLIENT, LrSites, spark_submit
-from streaming_bench import LR_STOP_S, Plan, Writers, _lr_preexec, _percentiles, figures, lr_command
+from streaming_common import LR_STOP_S, Plan, Writers, figures, lr_command, lr_preexec, percentiles
 
 from airflow_provider_lr.embedded.sites import SiteManager
 from airflow_provider_lr.engine.bulk import parallel_tables as parallel
@@ -183,7 +183,7 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def _ms(seconds: list[float]) -> dict[str, float | int | None]:
-    return _percentiles(np.array(seconds) * 1000.0)
+    return percentiles(np.array(seconds) * 1000.0)
 
 
 # --- 1. snapshot --------------------------------------------------------------------------------
@@ -1005,7 +1005,7 @@ def lr_sync(sites: LrSites, home: Path, tag: str) -> Iterator[subprocess.Popen]:
             stderr=subprocess.STDOUT,
             cwd=home,
             start_new_session=True,
-            preexec_fn=_lr_preexec,
+            preexec_fn=lr_preexec,
         )  # noqa: PLW1509 (as streaming_bench)
     try:
         yield proc
