@@ -196,6 +196,8 @@ class SourceStream:
             self._admit()  # a join still queued is answered too
             for member in list(self.members.values()):
                 self._ack_quietly(member)
+                if reason == STOPPED:  # the process stops: another replicator may take it at once
+                    self._release_quietly(member)
                 self._end(member, reason, error)
             self.close()
 

@@ -48,6 +48,9 @@ class Cycles(Protocol):
 
     def lease_of(self, key: SessionKey) -> leases.Lease | None: ...
 
+    def rest(self) -> None:
+        """Close the connections the cycles have not used for a while (the streams have their own)."""
+
 
 def streamable(report: CycleReport) -> bool:
     """A cycle left the session in log-entry sync, under our lease, with nothing wrong."""
@@ -115,6 +118,8 @@ class Streamer:
                             self._start(key, streams, halt, ended)
                     busy = any(not r.idle for r in reports)
                     due = time.monotonic() + (0.0 if busy else interval)
+                else:
+                    self.cycles.rest()
                 pulse.tick(len(streams), len(sessions))
                 stop.wait(0.05 if streams or idle else interval)
         finally:

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 Connect = Callable[[str], psycopg2.extensions.connection]
 
 
+REST_AFTER = 5.0  # seconds a site's cycle connection may stay unused before ``rest`` closes it
+
+
 class Replicator:
     def __init__(
         self,
@@ -61,12 +64,14 @@ class Replicator:
             self.providers.setdefault(client, load_provider(target))
         self.sessions = sessions if sessions is not None else topology.sessions()
         self._conns: dict[str, psycopg2.extensions.connection] = {}
+        self._used: dict[str, float] = {}  # site -> when a cycle last used its connection (monotonic)
         self._runners: dict[SessionKey, SessionRunner] = {}
         self.teed: dict[str, int] = {}  # str(SessionKey) -> entries the tee delivered, all cycles
         self.stalled_for = 0.0  # seconds the last run had made no progress when it ended (measured)
         self._no_tee: set[str] = set()  # sources whose sites' DSNs do not resolve (no tee for them)
 
     def _conn(self, site: str) -> psycopg2.extensions.connection:
+        self._used[site] = time.monotonic()
         conn = self._conns.get(site)
         if conn is None or conn.closed:
             conn = self._conns[site] = self.connect(site)
@@ -99,6 +104,7 @@ class Replicator:
             self.teed[session] = self.teed.get(session, 0) + n
         reports = []
         for key in keys:
+            self._used[key.source] = self._used[key.sink] = time.monotonic()
             try:
                 report = self._runner(key).run_cycle()
             except Exception as exc:  # one session's failure must not stop the others
@@ -219,6 +225,14 @@ class Replicator:
             if not busy:
                 stop.wait(interval)
         return reports
+
+    def rest(self, idle_for: float = REST_AFTER) -> None:
+        """Close the connections no cycle used for ``idle_for`` seconds: while every session of a
+        site streams, the streams' own connections serve it (a replicator holds O(sites)); the next
+        cycle that needs the site connects again. Leases are not touched (the streams hold them)."""
+        now = time.monotonic()
+        for site in [s for s in self._conns if now - self._used.get(s, now) > idle_for]:
+            self._drop(site)
 
     def close(self) -> None:
         for runner in self._runners.values():
