@@ -12,8 +12,12 @@ works its share and the leases (fenced by epoch) settle any moment when two view
 * **Balanced**: counts (of sources, of a source's sessions) differ by at most one between members,
   unless only some members reach a source.
 * **Stable**: rendezvous (highest-random-weight) hashing. Each (unit, member) pair has a weight;
-  pairs are taken heaviest first, a member taking a unit while under its share. A member that
-  joins or leaves moves about its own share of the units; the others mostly keep theirs.
+  pairs are taken heaviest first, a member taking a unit while under its share. On one source a
+  member that joins or leaves moves its own share and at most half a share more (the shares shift
+  by one); with several sources a change in how many members read a source can move a source's
+  sessions more, never a reshuffle of all (``tests/engine/session/test_assignment.py``). Fewer
+  moves would take the previous assignment as an input (Kafka's sticky assignors), so members
+  that read it at different moments could disagree for longer; a move costs a lease hand-over.
 """
 
 from __future__ import annotations
@@ -36,72 +40,66 @@ def assign(sessions: Iterable[SessionKey], members: Mapping[str, Sequence[str]])
     for key in sorted(set(sessions)):
         if members.get(key.source):
             by_source.setdefault(key.source, []).append(key)
-    everyone = sorted({m for source in by_source for m in members[source]})
     out: dict[str, list[SessionKey]] = {m: [] for m in sorted({m for ms in members.values() for m in ms})}
-    if not everyone:
-        return out
     eligible = {source: sorted(set(members[source])) for source in by_source}
-    if len(by_source) >= len(everyone):
-        owners = _spread(sorted(by_source), everyone, eligible)
-        for source, member in owners.items():
-            out[member].extend(by_source[source])
-    else:
-        for source, sharing in _shares(by_source, eligible, everyone).items():
-            keys = {str(k): k for k in by_source[source]}
-            for name, member in _spread(sorted(keys), sharing).items():
-                out[member].append(keys[name])
+    for source, readers in _readers(by_source, eligible).items():
+        named = {str(k): k for k in by_source[source]}
+        shares = _Shares(readers, len(named))
+        owner: dict[str, str] = {}
+        for name, member in _heaviest_first(dict.fromkeys(named, readers)):
+            if name not in owner and shares.take(member):
+                owner[name] = member
+        for name, member in owner.items():
+            out[member].append(named[name])
     return {m: sorted(keys) for m, keys in out.items()}
 
 
-def _spread(units: list[str], members: list[str], eligible: Mapping[str, list[str]] | None = None) -> dict[str, str]:
-    """unit → member: heaviest pairs first, each member up to its share (``len(units) // len(members)``,
-    one more for the first ``len(units) % len(members)`` members to reach it). ``eligible``: the
-    members that may take each unit (default: all); a unit left over because all of its eligible
-    members are full goes to its heaviest eligible one."""
-    base, extra = divmod(len(units), len(members))
-    pairs = sorted(
-        ((weight(u, m), u, m) for u in units for m in (members if eligible is None else eligible[u])),
-        key=lambda p: (-p[0], p[1], p[2]),
-    )
-    owner: dict[str, str] = {}
-    load = dict.fromkeys(members, 0)
-    for _, unit, member in pairs:
-        if unit in owner:
-            continue
-        if load[member] < base or (load[member] == base and extra > 0):
-            extra -= load[member] == base
-            owner[unit] = member
-            load[member] += 1
-    for _, unit, member in pairs:  # heaviest first: the first pair of a unit left over
-        owner.setdefault(unit, member)
-    return owner
-
-
-def _shares(
-    by_source: Mapping[str, list[SessionKey]], eligible: Mapping[str, list[str]], everyone: list[str]
-) -> dict[str, list[str]]:
-    """source → the members sharing it, when members outnumber sources: how many each source gets
-    (one each, then the rest one by one to the most sessions per member, never more members than
-    sessions or than reach it), then which ones (heaviest (source, member) pairs first, one source
-    per member)."""
+def _readers(by_source: Mapping[str, list[SessionKey]], eligible: Mapping[str, list[str]]) -> dict[str, list[str]]:
+    """source → the members reading it. How many: one each; when members outnumber sources, the
+    others one by one to the source with the most sessions per reader so far (never more readers
+    than sessions, or than members reaching it). Which: heaviest (source, member) pairs first, a
+    member up to its share of all the readings."""
+    everyone = sorted({m for ms in eligible.values() for m in ms})
     wanted = dict.fromkeys(by_source, 1)
     for _ in range(len(everyone) - len(by_source)):
         room = [s for s in by_source if wanted[s] < min(len(by_source[s]), len(eligible[s]))]
         if not room:
             break
-        most = max(room, key=lambda s: (len(by_source[s]) / wanted[s], s))
-        wanted[most] += 1
+        wanted[max(room, key=lambda s: (len(by_source[s]) / wanted[s], s))] += 1
+    shares = _Shares(everyone, sum(wanted.values()))
+    readers: dict[str, list[str]] = {s: [] for s in by_source}
+    pairs = _heaviest_first(eligible)
+    for source, member in pairs:
+        if len(readers[source]) < wanted[source] and shares.take(member):
+            readers[source].append(member)
+    for source, member in pairs:  # a source whose members are all full: its heaviest one reads it too
+        if not readers[source]:
+            readers[source].append(member)
+    return {s: sorted(ms) for s, ms in readers.items()}
+
+
+def _heaviest_first(candidates: Mapping[str, Sequence[str]]) -> list[tuple[str, str]]:
+    """(unit, member) pairs of unit → its candidate members, by rendezvous weight, heaviest first
+    (ties by name: deterministic)."""
     pairs = sorted(
-        ((weight(s, m), s, m) for s in by_source for m in eligible[s]),
-        key=lambda p: (-p[0], p[1], p[2]),
+        ((weight(u, m), u, m) for u, members in candidates.items() for m in members), key=lambda p: (-p[0], p[1], p[2])
     )
-    sharing: dict[str, list[str]] = {s: [] for s in by_source}
-    taken: set[str] = set()
-    for _, source, member in pairs:
-        if member not in taken and len(sharing[source]) < wanted[source]:
-            sharing[source].append(member)
-            taken.add(member)
-    for _, source, member in pairs:  # a source no free member reaches: its heaviest one takes it too
-        if not sharing[source]:
-            sharing[source].append(member)
-    return {s: sorted(ms) for s, ms in sharing.items()}
+    return [(u, m) for _, u, m in pairs]
+
+
+class _Shares:
+    """Each member's share of ``units`` things: ``units // len(members)``, one more for the first
+    ``units % len(members)`` members to reach that many (so shares differ by at most one)."""
+
+    def __init__(self, members: Sequence[str], units: int) -> None:
+        self.base, self.extra = divmod(units, len(members))
+        self.load = dict.fromkeys(members, 0)
+
+    def take(self, member: str) -> bool:
+        """One more for ``member`` if its share has room."""
+        load = self.load[member]
+        if load < self.base or (load == self.base and self.extra > 0):
+            self.extra -= load == self.base
+            self.load[member] += 1
+            return True
+        return False
