@@ -79,9 +79,13 @@ class Membership:
         return changed
 
     def start(self) -> None:
-        """One heartbeat everywhere now (the first share is read from the sources, not guessed),
-        then a thread per source keeps beating until ``leave``."""
-        self.beat()
+        """Join everywhere and read the members a heartbeat later (processes started together see
+        each other before they work: no share taken only to be handed over), then a thread per
+        source keeps beating until ``leave``."""
+        for _ in range(2):
+            for source in self.sources:
+                self._beat_at(source, due=True)
+            self._stop.wait(self.settings.member_heartbeat)
         for source in self.sources:
             thread = threading.Thread(target=self._keep, args=(source,), daemon=True, name=f"lr-member-{source}")
             self._threads.append(thread)
@@ -92,9 +96,9 @@ class Membership:
         while not self._stop.wait(max(0.0, self._last.get(source, 0.0) + pause - time.monotonic())):
             self._beat_at(source)
 
-    def _beat_at(self, source: str) -> bool:
+    def _beat_at(self, source: str, due: bool = False) -> bool:
         now = time.monotonic()
-        if now - self._last.get(source, float("-inf")) < self.settings.member_heartbeat:
+        if not due and now - self._last.get(source, float("-inf")) < self.settings.member_heartbeat:
             return False
         self._last[source] = now
         try:
