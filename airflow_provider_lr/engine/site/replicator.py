@@ -74,6 +74,7 @@ class Replicator:
         if membership:
             self.membership = Membership(connect, self._given, self.owner, self.settings)
             self.membership.start()
+            self._working = self.membership.assigned()
 
     @property
     def sessions(self) -> list[SessionKey]:

@@ -15,8 +15,9 @@ from airflow_provider_lr.engine.session import lease
 from airflow_provider_lr.engine.session.membership import Membership
 from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.vocabulary import MEMBER_LOCK_CLASS
-from tests.support.session import apply
+from tests.support.session import apply, empty_provider
 
 CLIENTS = ["c0", "c1", "c2"]
 FAST = SessionSettings(member_heartbeat=0.05, member_dead_after=1.0, lease_seconds=60.0)
@@ -192,7 +193,9 @@ def test_status_shows_the_live_members_and_whether_a_holder_is_one(lr_sites, top
         found = status.site_status(conn)
         assert [m["owner"] for m in found.members] == [a.owner, b.owner]
         assert all(m["heartbeat_age_s"] < 1.0 for m in found.members)
-        holders = {s["client_name"]: s for s in found.sessions if s["role"] == "source" and s["sink_site_id"] == "site-b"}
+        holders = {
+            s["client_name"]: s for s in found.sessions if s["role"] == "source" and s["sink_site_id"] == "site-b"
+        }
         assert holders["c0"]["lease_owner_alive"] is True and holders["c1"]["lease_owner_alive"] is None
         text = status.render(found)
         assert f"member {a.owner} since" in text and "(a live member)" in text
@@ -204,3 +207,32 @@ def test_status_shows_the_live_members_and_whether_a_holder_is_one(lr_sites, top
         conn.close()
         a.leave()
         b.leave()
+
+
+def test_two_replicators_cycling_split_the_sessions_and_one_closing_hands_its_leases_over(lr_sites, topo):
+    """`lr sync --no-stream` twice: each cycles its share only (the other's sessions are neither
+    cycled nor skipped), and a clean close releases leases and membership, so the other takes all
+    at its next heartbeat, not after the lease."""
+    source = lr_sites[0]
+    providers = dict.fromkeys(CLIENTS, empty_provider)
+    first, second = (
+        Replicator(topo, connector(lr_sites), owner=owner, settings=FAST, providers=providers, membership=True)
+        for owner in ("host:1:aaaa", "host:2:bbbb")
+    )
+    try:
+        beat_until([], lambda: len(first.sessions) == len(second.sessions) == 3)
+        assert sorted(first.sessions + second.sessions) == topo.sessions()
+        for repl in (first, second):
+            reports = repl.run_cycle()
+            assert [r.session for r in reports] == [str(k) for k in repl.sessions]
+            assert not any(r.skipped or r.error for r in reports), reports
+        held = dict(source.query("SELECT sink_site_id || '/' || client_name, lease_owner FROM lr.source_sessions"))
+        assert sorted(held.values()) == ["host:1:aaaa"] * 3 + ["host:2:bbbb"] * 3
+        first.close()
+        beat_until([], lambda: second.sessions == topo.sessions(), timeout=2.0)
+        reports = second.run_cycle()
+        assert len(reports) == 6 and not any(r.skipped or r.error for r in reports), reports
+        assert {owner for (owner,) in source.query("SELECT lease_owner FROM lr.source_sessions")} == {"host:2:bbbb"}
+    finally:
+        first.close()
+        second.close()
