@@ -11,13 +11,15 @@ import time
 import psycopg2
 import pytest
 
+from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.session import lease
 from airflow_provider_lr.engine.session.membership import Membership
 from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.site.replicator import Replicator
+from airflow_provider_lr.engine.store import topology
 from airflow_provider_lr.engine.vocabulary import MEMBER_LOCK_CLASS
-from tests.support.session import apply, empty_provider
+from tests.support.session import apply, empty_provider, topology_doc
 
 CLIENTS = ["c0", "c1", "c2"]
 FAST = SessionSettings(member_heartbeat=0.05, member_dead_after=1.0, lease_seconds=60.0)
@@ -236,3 +238,11 @@ def test_two_replicators_cycling_split_the_sessions_and_one_closing_hands_its_le
     finally:
         first.close()
         second.close()
+
+
+def test_member_bounds_come_from_the_topology_and_a_dead_after_within_a_heartbeat_is_refused(lr_sites):
+    doc = topology_doc(lr_sites, settings={"member_heartbeat_s": 0.2, "member_dead_after_s": 2})
+    tuned = SessionSettings.from_topology(topology.from_document(doc))
+    assert (tuned.member_heartbeat, tuned.member_dead_after) == (0.2, 2)
+    with pytest.raises(ConfigurationError, match="member_dead_after_s"):
+        SessionSettings(member_heartbeat=1.0, member_dead_after=1.0)
