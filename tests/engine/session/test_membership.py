@@ -15,7 +15,7 @@ from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.session import lease
 from airflow_provider_lr.engine.session.membership import Membership
 from airflow_provider_lr.engine.session.settings import SessionSettings
-from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.site import metrics, status
 from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.store import topology
 from airflow_provider_lr.engine.vocabulary import MEMBER_LOCK_CLASS
@@ -201,6 +201,8 @@ def test_status_shows_the_live_members_and_whether_a_holder_is_one(lr_sites, top
         assert holders["c0"]["lease_owner_alive"] is True and holders["c1"]["lease_owner_alive"] is None
         text = status.render(found)
         assert f"member {a.owner} since" in text and "(a live member)" in text
+        page = metrics.exposition(metrics.status_registry(lambda: {"site-a": found}))
+        assert 'lr_replicator_members{site="site-a"} 2.0' in page
         kill_backend(source, a.owner)
         found = status.site_status(conn)
         assert [m["owner"] for m in found.members] == [b.owner]
