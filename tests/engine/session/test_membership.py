@@ -11,6 +11,7 @@ import time
 import psycopg2
 import pytest
 
+from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.session import lease
 from airflow_provider_lr.engine.session.membership import Membership
@@ -20,6 +21,7 @@ from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.store import topology
 from airflow_provider_lr.engine.vocabulary import MEMBER_LOCK_CLASS
 from tests.support.session import apply, empty_provider, topology_doc
+from tests.support.spark_env import lr_connections  # noqa: F401 (a fixture)
 
 CLIENTS = ["c0", "c1", "c2"]
 FAST = SessionSettings(member_heartbeat=0.05, member_dead_after=1.0, lease_seconds=60.0)
@@ -248,3 +250,37 @@ def test_member_bounds_come_from_the_topology_and_a_dead_after_within_a_heartbea
     assert (tuned.member_heartbeat, tuned.member_dead_after) == (0.2, 2)
     with pytest.raises(ConfigurationError, match="member_dead_after_s"):
         SessionSettings(member_heartbeat=1.0, member_dead_after=1.0)
+
+
+def test_a_member_tees_only_a_backlog_of_its_own_sessions(lr_sites, topo, lr_connections, caplog):
+    """The other member's backlog is not this one's to catch up: no fan-out planned for it (before,
+    every process counted the source's whole backlog and logged a catch-up it then found empty)."""
+    settings = SessionSettings(
+        member_heartbeat=0.05, member_dead_after=1.0, tee_min_backlog=10, data_timeout=30.0, barrier_timeout=2.0
+    )
+    providers = dict.fromkeys(CLIENTS, empty_provider)
+    first, second = (
+        Replicator(topo, connector(lr_sites), owner=owner, settings=settings, providers=providers, membership=True)
+        for owner in ("host:1:aaaa", "host:2:bbbb")
+    )
+    try:
+        beat_until([], lambda: len(first.sessions) == len(second.sessions) == 3)
+        for repl in (first, second):
+            repl.run_cycle()
+        theirs = second.sessions[0]
+        conn = lr_sites[0].connect()
+        transmit = RoutingQueueClient(conn, theirs.client)
+        for i in range(20):
+            transmit.transmit_log_entry_message(f"m{i}".encode(), [theirs.sink])
+        conn.commit()
+        conn.close()
+        catching_up = "catching up site-a by the in-process fan-out"
+        with caplog.at_level(logging.INFO, logger="airflow_provider_lr.engine.site.replicator"):
+            first.run_cycle()
+            assert catching_up not in caplog.text
+            second.run_cycle()
+            assert catching_up in caplog.text
+        assert first.teed == {} and second.teed[str(theirs)] == 20
+    finally:
+        first.close()
+        second.close()
