@@ -55,15 +55,19 @@ def lr_sync(topo: str, log: Path) -> subprocess.Popen:
         )
 
 
-def holders(topo: str, capsys) -> dict[str, str | None]:
-    """Session → the pid in its lease holder's owner id (host:pid:uuid), as `lr status --json` says."""
+def leases(topo: str, capsys) -> dict[str, dict]:
+    """Session → its source row of `lr status --json` (holder, since when, held for how long)."""
     capsys.readouterr()
     cli.main(["status", "--topology", topo, "--json"])
     found = json.loads(capsys.readouterr().out)["sites"]["site-a"]["sessions"]
+    return {f"{s['sink_site_id']}/{s['client_name']}": s for s in found if s["role"] == "source"}
+
+
+def holders(topo: str, capsys) -> dict[str, str | None]:
+    """Session → the pid in its lease holder's owner id (host:pid:uuid)."""
     return {
-        f"{s['sink_site_id']}/{s['client_name']}": s["lease_owner"].split(":")[1] if s["lease_owner"] else None
-        for s in found
-        if s["role"] == "source"
+        session: s["lease_owner"].split(":")[1] if s["lease_owner"] else None
+        for session, s in leases(topo, capsys).items()
     }
 
 
@@ -142,13 +146,20 @@ def test_two_lr_sync_split_the_sessions_and_the_survivor_of_a_sigkill_takes_all_
         wait_for(lambda: streaming(source) == 6 and split(holders(topo, capsys), pids) == [3, 3], 60, "a split")
         with Writers(source) as writers:
             time.sleep(1.5)
+            theirs = {session for session, pid in holders(topo, capsys).items() if pid == str(first.pid)}
+            assert len(theirs) == 3
             first.send_signal(signal.SIGKILL)
             first.wait()
             killed = time.monotonic()
             wait_for(lambda: set(holders(topo, capsys).values()) == {str(second.pid)}, 10, "the survivor to hold all")
             took = time.monotonic() - killed
+            held = {session: s["lease_held_s"] for session, s in leases(topo, capsys).items()}
+            since_kill = time.monotonic() - killed
             time.sleep(1.5)
         assert took < 5.0, f"takeover took {took:.1f}s"
+        # status says since when: the sessions taken over were taken after the kill, the others long before
+        assert all(held[session] <= since_kill + 0.5 for session in theirs), (held, since_kill)
+        assert all(held[session] > since_kill + 1.0 for session in set(held) - theirs), (held, since_kill)
         wait_for(lambda: writers.delivered(sinks), 30, "every entry at every sink")
         writers.check(sinks)
         assert second.poll() is None, "the survivor still streams"

@@ -73,19 +73,21 @@ class Membership:
     def beat(self) -> bool:
         """A heartbeat at each source (one whose last was less than ``member_heartbeat`` ago is left
         alone), registering at the first; True when this member's share changed."""
+        return self._beat_everywhere(due=False)
+
+    def _beat_everywhere(self, due: bool) -> bool:
         changed = False
         for source in self.sources:
-            changed = self._beat_at(source) or changed
+            changed = self._beat_at(source, due) or changed
         return changed
 
     def start(self) -> None:
         """Join everywhere and read the members a heartbeat later (processes started together see
         each other before they work: no share taken only to be handed over), then a thread per
         source keeps beating until ``leave``."""
-        for _ in range(2):
-            for source in self.sources:
-                self._beat_at(source, due=True)
-            self._stop.wait(self.settings.member_heartbeat)
+        self._beat_everywhere(due=True)
+        self._stop.wait(self.settings.member_heartbeat)
+        self._beat_everywhere(due=True)
         for source in self.sources:
             thread = threading.Thread(target=self._keep, args=(source,), daemon=True, name=f"lr-member-{source}")
             self._threads.append(thread)
