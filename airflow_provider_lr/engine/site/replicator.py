@@ -1,4 +1,5 @@
-"""Replication cycles for every session of a topology, in one process (what `lr sync` runs).
+"""Replication cycles for every session of a topology, in one process (what `lr sync` runs), or,
+as a member sharing them with other replicator processes (``session/membership``), for its share.
 
 One connection per site is shared by the sessions touching it. A session that fails (a sink that is
 down, a refused negotiation, a provider error) is reported and recorded in its ``last_error``;
