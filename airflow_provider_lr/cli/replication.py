@@ -119,7 +119,10 @@ def _replicated(args: argparse.Namespace, what: str) -> topologies.Topology:
 def cmd_sync(args: argparse.Namespace) -> int:
     topo = _replicated(args, "sync")
     _check_sync(topo)
-    repl = replicator.Replicator(topo, connector(topo), log_failures=False)  # each report is printed here
+    # an open-ended run shares the sessions with the other `lr sync` processes (membership); a
+    # bounded one (a batch, a catch-up) works every session it can lease, as it ends anyway
+    bounded = bool(args.once or args.cycles or args.until_idle)
+    repl = replicator.Replicator(topo, connector(topo), log_failures=False, membership=not bounded)  # prints reports
     skips: dict[str, str] = {}  # a session leased elsewhere is said once, and again when that changes
     failing = RepeatedErrors()  # a sink down for minutes is said once, then "still failing (N times)"
 
@@ -325,7 +328,8 @@ def add_sync(sub: argparse._SubParsersAction) -> None:
         sub.add_parser(
             "sync",
             help="replicate every session (no Airflow): streaming until stopped, or cycles (--once, "
-            "--cycles, --until-idle, --no-stream)",
+            "--cycles, --until-idle, --no-stream); several running at once share the sessions, and "
+            "take over a stopped or killed one's within seconds",
         )
     )
     sync.add_argument("--once", action="store_true", help="one cycle")

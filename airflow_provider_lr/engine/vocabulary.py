@@ -125,6 +125,7 @@ COMMIT_LOCK_KEY = 0x6C72_0002  # shared by every committing writer (V0002 trigge
 # two-int keys (class, hashtext(...)) never collide with the one-bigint keys above
 CONSUMER_LOCK_CLASS = 0x6C72_7271  # "lrrq": (class, hashtext(queue name)) one consumer per queue
 STAGING_LOCK_CLASS = 0x6C72_7366  # "lrsf": (class, hashtext(range)) while a snapshot part stages
+MEMBER_LOCK_CLASS = 0x6C72_6D62  # "lrmb": (class, lock key) held by a replicator member while it lives (V0020)
 
 # --- the sink form of an entry: destinations stripped -------------------------------------------
 MALFORMED = lr_pb2.NONE  # receive-queue kind of a source entry that does not parse

@@ -70,6 +70,7 @@ def test_lock_keys_are_distinct():
         vocabulary.COMMIT_LOCK_KEY,
         vocabulary.CONSUMER_LOCK_CLASS,
         vocabulary.STAGING_LOCK_CLASS,
+        vocabulary.MEMBER_LOCK_CLASS,
     ]
     assert len(set(keys)) == len(keys)
 

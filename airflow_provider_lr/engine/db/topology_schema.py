@@ -70,6 +70,11 @@ SETTINGS: dict[str, tuple[dict, str]] = {
         "a sink of a client of tables only may take its snapshot from a peer sink in its region",
     ),
     "peer_probe_delay_s": (_POSITIVE_SECONDS, "seconds the nearest peer has to answer before the next is asked"),
+    "member_heartbeat_s": (_POSITIVE_SECONDS, "lr sync processes sharing sessions: seconds between heartbeats"),
+    "member_dead_after_s": (
+        _POSITIVE_SECONDS,
+        "a replicator member whose heartbeat is this old is dead (its sessions are taken over)",
+    ),
     "max_payload_bytes": (
         {"type": "integer", "minimum": 1, "maximum": MAX_PAYLOAD_BYTES},
         "largest payload transmit accepts on the sites of this topology",

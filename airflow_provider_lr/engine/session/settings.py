@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from airflow_provider_lr.engine.errors import require_counts
+from airflow_provider_lr.engine.errors import ConfigurationError, require_counts
 from airflow_provider_lr.engine.session.lease import DEFAULT_LEASE_SECONDS
 from airflow_provider_lr.engine.source.full_sync import DEFAULT_DATA_TIMEOUT
 from airflow_provider_lr.engine.source.log_reader import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
@@ -26,6 +26,11 @@ TABLE_SPARK_MIN_ROWS = 10_000_000  # a table snapshot this large (planner's esti
 SNAPSHOT_SPARK_MIN_ENTRIES = 1_000_000  # a full-sync transfer this large is left to Spark
 STAGED_MIN_TASKS = 4  # cores from which the Spark fan-out tees chunks at once (bulk/staged_tee.py)
 PROBE_DELAY = 2.0  # seconds the first peer has to answer (nearest copy); each next one gets twice as long
+# Replicator members (``session/membership``): a heartbeat this often; a member whose heartbeat is
+# older than ``MEMBER_DEAD_AFTER`` is dead even with its lock held (a process that hangs). A member
+# that exits (killed or not) is dead at once: its lock goes with its connection.
+MEMBER_HEARTBEAT = 0.5
+MEMBER_DEAD_AFTER = 5.0
 
 
 class Configured(Protocol):
@@ -51,9 +56,16 @@ class SessionSettings:
     fanout_tasks: int = 0  # chunks the Spark fan-out tees at once (1: in order; 0: by the cluster's cores)
     nearest_copy: bool = True  # a client of tables only may be seeded from a peer sink in its region
     peer_probe_delay: float = PROBE_DELAY  # seconds the first peer has to answer (x2 each next)
+    member_heartbeat: float = MEMBER_HEARTBEAT  # seconds between a replicator member's heartbeats
+    member_dead_after: float = MEMBER_DEAD_AFTER  # a member's heartbeat this old: dead
 
     def __post_init__(self) -> None:  # a batch of 0 would make every cycle a silent no-op
         require_counts(max_entries=self.max_entries, max_bytes=self.max_bytes, max_batches=self.max_batches)
+        if self.member_dead_after <= self.member_heartbeat:  # every member would look dead between beats
+            raise ConfigurationError(
+                f"member_dead_after_s ({self.member_dead_after}) must be longer than member_heartbeat_s "
+                f"({self.member_heartbeat})"
+            )
 
     @classmethod
     def from_topology(cls, topology: Configured, **overrides: object) -> SessionSettings:
@@ -68,6 +80,8 @@ class SessionSettings:
             "fanout_tasks": topology.setting("fanout_tasks", 0),
             "nearest_copy": topology.setting("nearest_copy", True),
             "peer_probe_delay": topology.setting("peer_probe_delay_s", PROBE_DELAY),
+            "member_heartbeat": topology.setting("member_heartbeat_s", MEMBER_HEARTBEAT),
+            "member_dead_after": topology.setting("member_dead_after_s", MEMBER_DEAD_AFTER),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

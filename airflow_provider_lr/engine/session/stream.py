@@ -40,9 +40,12 @@ class Cycles(Protocol):
     """What the streaming mode needs of a ``Replicator``: its sessions, connections, settings, and
     cycles for the sessions that are not streaming (negotiation, snapshot sync, catch-up, errors)."""
 
-    sessions: list[SessionKey]
     connect: Connect
     settings: SessionSettings
+
+    @property
+    def sessions(self) -> list[SessionKey]:
+        """The sessions this replicator works now (its share, when it is a member: may change)."""
 
     def run_cycle(self, keys: list[SessionKey] | None = None) -> list[CycleReport]: ...
 

@@ -96,6 +96,11 @@ class StatusCollector(Collector):
             "lr_receive_queue_oldest_seconds", "age of the oldest entry waiting in a receive queue", QUEUE_LABELS
         )
         dead = family("lr_receive_queue_dead_letters", "entries moved to dead letters", QUEUE_LABELS)
+        members = family(
+            "lr_replicator_members",
+            "replicator processes alive and sharing the site's sessions (as a source)",
+            ("site",),
+        )
         for site, st in found.items():
             up.add_metric([site], 0 if isinstance(st, str) else 1)
             if isinstance(st, str):
@@ -106,6 +111,7 @@ class StatusCollector(Collector):
             trim.add_metric([site], st.trim_mark)
             held.add_metric([site], len(st.held_back_by))
             diverged.add_metric([site], len(st.diverged))
+            members.add_metric([site], len(st.members))
             if self.topology is not None:
                 matches.add_metric([site], int(st.topology_config_id == self.topology.topology_config_id))
             for s in st.sessions:
@@ -140,6 +146,7 @@ class StatusCollector(Collector):
             held,
             trim,
             diverged,
+            members,
         )
         if self.topology is not None:
             yield matches

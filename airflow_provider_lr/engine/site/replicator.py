@@ -1,4 +1,5 @@
-"""Replication cycles for every session of a topology, in one process (what `lr sync` runs).
+"""Replication cycles for every session of a topology, in one process (what `lr sync` runs), or,
+as a member sharing them with other replicator processes (``session/membership``), for its share.
 
 One connection per site is shared by the sessions touching it. A session that fails (a sink that is
 down, a refused negotiation, a provider error) is reported and recorded in its ``last_error``;
@@ -26,9 +27,10 @@ from airflow_provider_lr.engine.errors import (
 )
 from airflow_provider_lr.engine.session import catchup, nearest_copy
 from airflow_provider_lr.engine.session.lease import Lease, new_owner_id
+from airflow_provider_lr.engine.session.membership import Membership
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, record_error
 from airflow_provider_lr.engine.session.settings import SessionSettings
-from airflow_provider_lr.engine.source.backlog import source_backlog
+from airflow_provider_lr.engine.source.backlog import log_entry_backlog, session_backlogs
 from airflow_provider_lr.engine.source.full_sync import Provider, load_provider
 from airflow_provider_lr.engine.store.topology import Topology
 from airflow_provider_lr.engine.vocabulary import SessionKey, SessionState
@@ -51,9 +53,12 @@ class Replicator:
         providers: Mapping[str, Provider] | None = None,
         sessions: list[SessionKey] | None = None,
         log_failures: bool = True,
+        membership: bool = False,
     ) -> None:
         """``log_failures``: log each failed session (repeats suppressed); off when the caller
-        reports every cycle itself (``lr sync`` prints them), or each failure is said twice."""
+        reports every cycle itself (``lr sync`` prints them), or each failure is said twice.
+        ``membership``: share the sessions with the other replicator processes that do
+        (``session/membership``): this one works its share of them, ``sessions`` says which now."""
         self.topology = topology
         self.failures = RepeatedErrors() if log_failures else None
         self.connect = connect
@@ -62,13 +67,40 @@ class Replicator:
         self.providers: dict[str, Provider] = dict(providers or {})
         for client, target in topology.providers.items():
             self.providers.setdefault(client, load_provider(target))
-        self.sessions = sessions if sessions is not None else topology.sessions()
+        self._given = sessions if sessions is not None else topology.sessions()
+        self._working = list(self._given)  # what ``sessions`` said last
         self._conns: dict[str, psycopg2.extensions.connection] = {}
         self._used: dict[str, float] = {}  # site -> when a cycle last used its connection (monotonic)
         self._runners: dict[SessionKey, SessionRunner] = {}
         self.teed: dict[str, int] = {}  # str(SessionKey) -> entries the tee delivered, all cycles
         self.stalled_for = 0.0  # seconds the last run had made no progress when it ended (measured)
         self._no_tee: set[str] = set()  # sources whose sites' DSNs do not resolve (no tee for them)
+        self.membership: Membership | None = None
+        if membership:
+            self.membership = Membership(connect, self._given, self.owner, self.settings)
+            self.membership.start()
+            self._working = self.membership.assigned()
+
+    @property
+    def sessions(self) -> list[SessionKey]:
+        """The sessions this process works now: every one it was given, or, as a member, its share
+        (recomputed by the membership's heartbeats). A session that left the share has its lease
+        released here, so that the member it went to takes it at once."""
+        if self.membership is None:
+            return self._given
+        share = self.membership.assigned()
+        if share != self._working:
+            for key in self._working:
+                if key not in share:
+                    self._hand_over(key)
+            self._working = share
+        return share
+
+    def _hand_over(self, key: SessionKey) -> None:
+        runner = self._runners.pop(key, None)
+        if runner is not None:
+            runner.release()
+        log.info("session %s: another replicator member works it now", key)
 
     def _conn(self, site: str) -> psycopg2.extensions.connection:
         self._used[site] = time.monotonic()
@@ -136,7 +168,9 @@ class Replicator:
             return {}
         try:
             cap = catchup.backlog_cap(self.settings)  # no need to count a backlog of millions
-            choice = catchup.choose(source_backlog(self._conn(source), at_most=cap), self.settings, counted_to=cap)
+            backlogs = session_backlogs(self._conn(source), at_most=cap)
+            mine = [b for b in backlogs if SessionKey(source, b.sink, b.client) in keys]  # not the others'
+            choice = catchup.choose(log_entry_backlog(mine), self.settings, counted_to=cap)
             if choice.path is not catchup.CatchupPath.TEE:
                 return {}
             driver = fanout.FanoutDriver(
@@ -235,10 +269,14 @@ class Replicator:
             self._drop(site)
 
     def close(self) -> None:
+        """Release the leases, close the connections and, as a member, leave (the others take over
+        at their next heartbeat)."""
         for runner in self._runners.values():
             runner.release()
         for site in list(self._conns):
             self._drop(site)
+        if self.membership is not None:
+            self.membership.leave()
 
 
 def _settled(report: CycleReport) -> bool:

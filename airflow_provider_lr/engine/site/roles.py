@@ -59,6 +59,9 @@ PRIVILEGES: dict[str, tuple[Privilege, ...]] = {
         Privilege("SELECT, DELETE", ("log_commits",)),
         Privilege("SELECT, UPDATE", ("log_trim", "source_sessions")),
         Privilege("SELECT, INSERT, UPDATE", ("full_sync_requests",)),
+        # the replicator processes sharing the sessions (members: join, beat, forget the dead, leave)
+        Privilege("SELECT, INSERT, UPDATE, DELETE", ("replicator_members",)),
+        Privilege("USAGE", ("replicator_member_lock_seq",), "SEQUENCE"),
         Privilege("SELECT", ("commit_position_seq",), "SEQUENCE"),  # the read barrier notes its value
         Privilege("USAGE", ("log_entry_id_seq",), "SEQUENCE"),  # entry ids of provider-supplied data
         # sink: session metadata, every client's receive queue, its registration, Spark staging

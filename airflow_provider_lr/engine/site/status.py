@@ -14,7 +14,7 @@ from airflow_provider_lr.engine.errors import one_line
 from airflow_provider_lr.engine.source import delivery
 from airflow_provider_lr.engine.source.backlog import readiness, session_backlogs
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, holdback
-from airflow_provider_lr.engine.store import receive_queue, sink_sessions, source_sessions
+from airflow_provider_lr.engine.store import members, receive_queue, sink_sessions, source_sessions
 from airflow_provider_lr.engine.store.topology import Topology, TopologyDrift, config_id, drift
 from airflow_provider_lr.engine.tables import handover
 from airflow_provider_lr.engine.tables.registry import is_closed
@@ -64,6 +64,8 @@ class SiteStatus:
     # this site as a source: the highest position up to which every entry is durable
     # (``delivery.durable_position``), the rule it was judged by, and the last position drawn
     durable: dict = field(default_factory=dict)
+    # this site as a source: the replicator processes working its sessions (live members, V0020)
+    members: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {k: _jsonable(v) for k, v in asdict(self).items()}
@@ -113,6 +115,8 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
                 if found:
                     s["failed_over_to"], s["failover_note"] = found
         holders = lease_holders(cur, version)
+        registered = members.registered(cur) if version >= 20 else {}
+        result.members = [asdict(m) for m in members.live(cur)] if version >= 20 else []
     conn.commit()
     if any(s["role"] == "source" for s in result.sessions):
         live = {(b.sink, b.client): b for b in session_backlogs(conn)}  # not the last cycle's count
@@ -127,6 +131,8 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
                 s["lag_seconds"] = backlog.lag_seconds if backlog else 0.0
                 s["last_success_age_s"] = last_ok.get(key)
                 s.update(holders.get(key, NO_HOLDER))
+                # the holder as a replicator member: live, dead (its lease is taken at once), None: not one
+                s["lease_owner_alive"] = registered.get(s["lease_owner"])
                 s["waiting_for"] = waiting_for(s, requests.get(key))
         result.durable = durability(conn)
         result.held_back_by = [
@@ -172,7 +178,9 @@ def holder(session: dict) -> str:
         return "no holder"
     since = session.get("lease_acquired_at")
     when = f" since {since.isoformat(timespec='seconds')} ({_age(session['lease_held_s'])})" if since else ""
-    return f"held by {session['lease_owner']}{when}, expires in {session['lease_expires_in_s']:.0f}s"
+    alive = session.get("lease_owner_alive")
+    member = "" if alive is None else " (a live member)" if alive else " (a dead member: taken over at the next cycle)"
+    return f"held by {session['lease_owner']}{member}{when}, expires in {session['lease_expires_in_s']:.0f}s"
 
 
 def tables(conn: psycopg2.extensions.connection) -> list[dict]:
@@ -248,6 +256,11 @@ def render(
         f"{status.site_id}: schema v{status.schema_version}, topology {status.topology_config_id or '(none applied)'}, "
         f"trim mark {status.trim_mark}"
     ]
+    for m in status.members:
+        lines.append(
+            f"  member {m['owner']} since {m['joined_at'].isoformat(timespec='seconds')}, "
+            f"heartbeat {m['heartbeat_age_s']:.1f}s ago"
+        )
     for s in status.sessions:
         session = str(session_key(s))
         mark = marks.get(s["source_site_id"])

@@ -14,6 +14,7 @@ from typing import Protocol
 import psycopg2.extensions
 from psycopg2 import sql
 
+from airflow_provider_lr.engine.store import members
 from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, STREAM_TABLE_CHANGES, RequestStatus
 
 
@@ -30,9 +31,10 @@ class Holding(Protocol):
 # --- the lease ------------------------------------------------------------------------------------
 def take_lease(cur: psycopg2.extensions.cursor, sink: str, client: str, owner: str, seconds: float) -> int | None:
     """Take or renew the session's lease for ``seconds``; its epoch, bumped unless ``owner`` held it
-    unexpired. None when another owner holds an unexpired one (or there is no such session)."""
+    unexpired. None when another owner holds an unexpired one (or there is no such session), unless
+    that owner is a replicator member found dead (``members.dead_member``): taken at once."""
     cur.execute(
-        """
+        f"""
         UPDATE lr.source_sessions
         SET lease_epoch = CASE WHEN lease_owner = %(owner)s AND lease_expires_at > now()
                                THEN lease_epoch ELSE lease_epoch + 1 END,
@@ -41,7 +43,8 @@ def take_lease(cur: psycopg2.extensions.cursor, sink: str, client: str, owner: s
             lease_owner = %(owner)s,
             lease_expires_at = now() + make_interval(secs => %(seconds)s)
         WHERE sink_site_id = %(sink)s AND client_name = %(client)s
-          AND (lease_owner IS NULL OR lease_owner = %(owner)s OR lease_expires_at <= now())
+          AND (lease_owner IS NULL OR lease_owner = %(owner)s OR lease_expires_at <= now()
+               OR {members.dead_member("lease_owner")})
         RETURNING lease_epoch
         """,
         {"owner": owner, "seconds": seconds, "sink": sink, "client": client},

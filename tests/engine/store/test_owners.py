@@ -19,6 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[3] / "airflow_provider_lr"
 OWNERS: dict[str, tuple[str, re.Pattern[str]]] = {
     "receive_consumed": ("engine/store/receive_queue.py", re.compile(r"\blr\.receive_consumed\b")),
     "receive_queue": ("engine/store/receive_queue.py", re.compile(r"\blr\.receive_queue\b")),
+    "replicator_members": ("engine/store/members.py", re.compile(r"\blr\.replicator_members\b")),
     "sink_sessions": ("engine/store/sink_sessions.py", re.compile(r"\blr\.sink_sessions\b")),
     "source_sessions": ("engine/store/source_sessions.py", re.compile(r"\blr\.source_sessions\b")),
     "topology": ("engine/store/topology.py", re.compile(r"\blr\.topology\b")),
