@@ -1,0 +1,199 @@
+"""``lr_streaming`` maps one stream task per shard: how the topology is cut into shards, what a
+stream task refuses, and shards streaming under ``dag.test`` and as task processes of their own
+(real PostgreSQL sites, a real Airflow metadata DB)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.site.replicator import run_until_idle
+from airflow_provider_lr.engine.store import topology as topologies
+from airflow_provider_lr.operators.stream import LRStreamOperator, shard_sessions, stream_shards
+from tests.support.airflow_env import DAGS_DIR, airflow_db, airflow_sites, dagbag, states, xcom  # noqa: F401
+from tests.support.session import App, queue, replicator, table_provider
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def fan_out_topology(**sinks_by_source: list[str]) -> topologies.Topology:
+    """Sites a..f; each source replicates clients ``policy`` and ``audit`` to its sinks."""
+    return topologies.from_document(
+        {
+            "sites": [{"id": f"site-{s}"} for s in "abcdef"],
+            "replication": [
+                {"source": f"site-{src}", "sinks": [f"site-{s}" for s in sinks], "clients": ["audit", "policy"]}
+                for src, sinks in sinks_by_source.items()
+            ],
+        }
+    )
+
+
+def test_one_shard_per_source_and_a_busy_source_split_into_even_groups_in_topology_order():
+    topo = fan_out_topology(a=["b", "c", "d"], e=["f"])  # site-a: 6 sessions, site-e: 2
+    assert stream_shards(topo) == [
+        {"shard": "site-a", "source": "site-a", "sessions": None},
+        {"shard": "site-e", "source": "site-e", "sessions": None},
+    ]
+    split = stream_shards(topo, sessions_per_shard=4)
+    assert [s["shard"] for s in split] == ["site-a 1/2", "site-a 2/2", "site-e"]
+    assert split[0]["sessions"] == ["site-a->site-b/audit", "site-a->site-b/policy", "site-a->site-c/audit"]
+    assert split[1]["sessions"] == ["site-a->site-c/policy", "site-a->site-d/audit", "site-a->site-d/policy"]
+    assert [len(s["sessions"]) for s in stream_shards(topo, "site-a", sessions_per_shard=4 - 1)] == [3, 3]
+    assert [len(s["sessions"]) for s in stream_shards(topo, "site-a", sessions_per_shard=5 - 1)] == [3, 3]
+    assert [len(s["sessions"]) for s in stream_shards(topo, "site-a", sessions_per_shard=1)] == [1] * 6
+    every = [name for s in stream_shards(topo, sessions_per_shard=5) for name in s["sessions"] or []]
+    assert every == [str(k) for k in topo.sessions("site-a")]  # each session in exactly one shard
+    assert stream_shards(topo, "site-e", sessions_per_shard=2) == [
+        {"shard": "site-e", "source": "site-e", "sessions": None}
+    ]
+
+
+def test_shards_of_an_unknown_source_an_empty_topology_or_size_zero_are_refused():
+    topo = fan_out_topology(a=["b"])
+    with pytest.raises(ConfigurationError, match=r"no session replicates from 'site-b'.*site-a->site-b/audit"):
+        stream_shards(topo, "site-b")
+    with pytest.raises(ConfigurationError, match="no session replicates anything"):
+        stream_shards(fan_out_topology())
+    with pytest.raises(ConfigurationError, match="sessions per shard must be at least 1, not 0"):
+        stream_shards(topo, sessions_per_shard=0)
+
+
+def test_a_shard_is_its_listed_sessions_and_one_naming_no_session_is_refused():
+    topo = fan_out_topology(a=["b", "c"], e=["f"])
+    assert shard_sessions(topo, sessions=["site-e->site-f/audit", "site-a->site-c/policy"]) == sorted(
+        [topo.sessions("site-e", "site-f", "audit")[0], topo.sessions("site-a", "site-c", "policy")[0]]
+    )
+    assert shard_sessions(topo, "site-e") == topo.sessions("site-e")
+    assert shard_sessions(topo) == topo.sessions()
+    refused = {
+        "site-a->site-f/policy": "session site-a->site-f/policy is not a session in topology",
+        "site-a": "not a session (source->sink/client): 'site-a'",
+    }
+    for name, message in refused.items():
+        with pytest.raises(ConfigurationError, match=re.escape(message)):
+            shard_sessions(topo, sessions=[name])
+    with pytest.raises(ConfigurationError, match="is not a session of source 'site-a'"):
+        shard_sessions(topo, "site-a", ["site-e->site-f/audit"])
+    for empty in ([], "site-a->site-b/policy"):
+        with pytest.raises(ConfigurationError, match="a shard is a non-empty list of sessions"):
+            shard_sessions(topo, sessions=empty)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="no session replicates from 'site-z'"):
+        shard_sessions(topo, "site-z")
+
+
+def test_a_stream_task_given_a_shard_of_no_session_fails_at_once_without_retry(tmp_path):
+    path = tmp_path / "topology.yaml"
+    path.write_text(yaml.safe_dump(fan_out_topology(a=["b"]).document))
+    op = LRStreamOperator(
+        task_id="stream", shard="site-a 2/2", sessions=["site-a->site-c/policy"], topology_path=str(path)
+    )
+    started = time.monotonic()
+    with pytest.raises(AirflowFailException, match=r"shard site-a 2/2: session site-a->site-c/policy is not"):
+        op.execute({})
+    with pytest.raises(AirflowFailException, match="shard site-z: no session replicates from 'site-z'"):
+        LRStreamOperator(task_id="stream", source="site-z", topology_path=str(path)).execute({})
+    assert time.monotonic() - started < 5  # nothing streamed for run_for first
+
+
+def test_a_retried_shard_streams_what_is_left_of_its_runs_time():
+    """A first try streams ``run_for``; a retry only the rest of its run's ``run_for`` (the shards
+    of a run end together); a retry after it fails at once, naming the shard."""
+    op = LRStreamOperator(task_id="stream", run_for=600, sessions=["site-a->site-b/policy", "site-a->site-c/policy"])
+    assert op.shard_name == "site-a->site-b/policy, site-a->site-c/policy"
+    run = SimpleNamespace(start_date=datetime.now(timezone.utc) - timedelta(seconds=400))
+    assert op.seconds_to_stream({}) == 600  # outside a DAG run
+    assert op.seconds_to_stream({"ti": SimpleNamespace(try_number=1), "dag_run": run}) == 600
+    assert 199 <= op.seconds_to_stream({"ti": SimpleNamespace(try_number=2), "dag_run": run}) <= 200
+    late = SimpleNamespace(start_date=datetime.now(timezone.utc) - timedelta(seconds=601))
+    with pytest.raises(AirflowFailException, match="try 3 started after its run's 600 s.*the next run streams it"):
+        op.seconds_to_stream({"ti": SimpleNamespace(try_number=3), "dag_run": late})
+
+
+def test_the_dag_maps_its_stream_task_over_the_shards_task(dagbag):
+    dag = dagbag.dags["lr_streaming"]
+    stream = dag.get_task("stream")
+    assert stream.map_index_template == "{{ task.shard_name }}"
+    assert {t.task_id for t in stream.upstream_list} == {"shards"}
+    assert stream.partial_kwargs["retries"] == 3
+    params = dag.params
+    assert params.get_param("source").schema["enum"] == [None, "site-a"]  # the parse-time topology's sources
+    assert params.get_param("sessions_per_shard").resolve(None) is None
+
+
+def sessions_past_first_contact(airflow_sites) -> App:
+    """Both sessions through their first contact (in process, leases let go): what the shards
+    stream afterwards arrives as log entries, one by one. Returns the source application."""
+    app = App(airflow_sites.sites[0])  # its table: the client's full-sync provider reads it
+    first = replicator(airflow_sites.topology, airflow_sites.sites, providers={"policy": table_provider})
+    run_until_idle(first)
+    first.close()
+    return app
+
+
+def holders(source, sink: str) -> list:
+    return [
+        owner
+        for (owner,) in source.query("SELECT lease_owner FROM lr.source_sessions WHERE sink_site_id = %s", (sink,))
+    ]
+
+
+class Writer(threading.Thread):
+    """Once ``sink``'s session is leased (its shard streams), writes ``count`` entries for both
+    sinks, noting meanwhile who holds the other sink's session (``others``)."""
+
+    def __init__(self, app: App, sink: str, count: int) -> None:
+        super().__init__()
+        self.app, self.sink, self.count = app, sink, count
+        self.others: set = set()
+        self.failure: BaseException | None = None
+
+    def run(self) -> None:
+        source, other = self.app.site, "site-c" if self.sink == "site-b" else "site-b"
+        try:
+            deadline = time.monotonic() + 60
+            while holders(source, self.sink) == [None]:
+                assert time.monotonic() < deadline, f"{self.sink}'s shard never streamed"
+                time.sleep(0.05)
+            for i in range(self.count):
+                self.app.put(f"k{i}", i, ["site-b", "site-c"])
+                self.others.update(holders(source, other))
+                time.sleep(0.05)
+        except BaseException as exc:  # the test asserts it after join
+            self.failure = exc
+
+
+@pytest.mark.slow
+def test_a_source_split_in_two_shards_streams_each_in_its_own_task_every_entry_once(dagbag, airflow_sites):
+    """``sessions_per_shard`` 1: two stream task instances, listed ``site-a 1/2`` and ``site-a 2/2``,
+    each streaming its one session only (``dag.test`` runs them one after the other: while the
+    first streams, nobody holds site-c's session; the second then catches it up); every entry
+    reaches each sink once, in order."""
+    source, sink_b, sink_c = airflow_sites.sites
+    app = sessions_past_first_contact(airflow_sites)
+    writer = Writer(app, "site-b", 20)
+    writer.start()
+    run = dagbag.dags["lr_streaming"].test(run_conf={"run_for_seconds": 5, "sessions_per_shard": 1})
+    writer.join()
+    assert writer.failure is None and writer.others == {None}, (writer.failure, writer.others)
+    got = states(run)
+    assert str(run.state) == "success", got
+    assert got == {("shards", -1): "success", ("stream", 0): "success", ("stream", 1): "success"}
+    labels = {ti.map_index: ti.rendered_map_index for ti in run.get_task_instances() if ti.task_id == "stream"}
+    assert labels == {0: "site-a 1/2", 1: "site-a 2/2"}
+    for index, session in enumerate(["site-a->site-b/policy", "site-a->site-c/policy"]):
+        summary = xcom(run, "stream", index)
+        assert summary["sessions"] == [session] and summary["delivered"] == {session: 20}, summary
+        assert summary["failing"] == [] and summary["shard"] == labels[index], summary
+    for sink in (sink_b, sink_c):
+        assert [p for k, p in queue(sink, "site-a") if k == "log"] == [f"k{i}={i}" for i in range(20)]
+    app.close()
