@@ -4,7 +4,10 @@ stream task refuses, and shards streaming under ``dag.test`` and as task process
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -20,7 +23,7 @@ from airflow_provider_lr.engine.site.replicator import run_until_idle
 from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.operators.stream import LRStreamOperator, shard_sessions, stream_shards
 from tests.support.airflow_env import DAGS_DIR, airflow_db, airflow_sites, dagbag, states, xcom  # noqa: F401
-from tests.support.session import App, queue, replicator, table_provider
+from tests.support.session import App, final_state, queue, replicator, table_provider
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -194,6 +197,101 @@ def test_a_source_split_in_two_shards_streams_each_in_its_own_task_every_entry_o
         summary = xcom(run, "stream", index)
         assert summary["sessions"] == [session] and summary["delivered"] == {session: 20}, summary
         assert summary["failing"] == [] and summary["shard"] == labels[index], summary
+    for sink in (sink_b, sink_c):
+        assert [p for k, p in queue(sink, "site-a") if k == "log"] == [f"k{i}={i}" for i in range(20)]
+    app.close()
+
+
+@pytest.mark.slow
+def test_a_shard_whose_sink_is_down_fails_alone_after_the_other_shard_delivered(dagbag, airflow_sites, monkeypatch):
+    """site-c down: shard ``site-a 2/2`` (its one session failing all along) fails, named and
+    listed by its name, without a retry (its run's time is over: the next run streams it); shard
+    ``site-a 1/2`` delivered; the run is red."""
+    import json
+
+    source, sink_b, sink_c = airflow_sites.sites
+    app = App(source)
+    app.put("k", 1, ["site-b", "site-c"])
+    down = dict(sink_c.server.airflow_conn(sink_c.dbname), port=1)  # nothing listens there
+    monkeypatch.setenv("AIRFLOW_CONN_LR_SITE_C", json.dumps(down))
+    run = dagbag.dags["lr_streaming"].test(run_conf={"run_for_seconds": 3, "sessions_per_shard": 1})
+    got = states(run)
+    assert str(run.state) == "failed", got
+    assert got == {("shards", -1): "success", ("stream", 0): "success", ("stream", 1): "failed"}
+    tis = {ti.map_index: ti for ti in run.get_task_instances() if ti.task_id == "stream"}
+    assert tis[1].rendered_map_index == "site-a 2/2" and tis[1].try_number == 1  # not retried
+    assert xcom(run, "stream", 0)["failing"] == []
+    assert final_state(queue(sink_b, "site-a")) == {"k": 1}
+    error = source.query("SELECT last_error FROM lr.source_sessions WHERE sink_site_id = 'site-c'")[0][0]
+    assert "cannot connect to site 'site-c'" in error
+    app.close()
+
+
+@pytest.mark.slow
+def test_a_retried_shard_streams_the_rest_of_its_runs_time_and_delivers(airflow_sites):
+    """The second try of a shard whose run started ``run_for`` - 3 s ago streams about 3 s, not
+    ``run_for``, and delivers what was written meanwhile."""
+    source, sink_b, _ = airflow_sites.sites
+    app = sessions_past_first_contact(airflow_sites)
+    op = LRStreamOperator(task_id="stream", shard="site-a 1/2", sessions=["site-a->site-b/policy"], run_for=60)
+    run = SimpleNamespace(start_date=datetime.now(timezone.utc) - timedelta(seconds=57))
+    for i in range(5):
+        app.put(f"k{i}", i, ["site-b", "site-c"])
+    started = time.monotonic()
+    summary = op.execute({"ti": SimpleNamespace(try_number=2), "dag_run": run})
+    assert time.monotonic() - started < 10 and 2 <= summary["planned_seconds"] <= 3, summary
+    assert summary["delivered"] == {"site-a->site-b/policy": 5}, summary
+    assert [p for k, p in queue(sink_b, "site-a") if k == "log"] == [f"k{i}={i}" for i in range(5)]
+    app.close()
+
+
+def stream_task_process(run_id: str, map_index: int, log: Path) -> subprocess.Popen:
+    """``airflow tasks test lr_streaming stream RUN --map-index N``: one shard's stream task in a
+    process of its own, as a worker runs it (this tree's DAGs and provider; the test's Airflow
+    home, connections and topology through the environment)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS_DIR),
+    }
+    command = [sys.executable, "-m", "airflow", "tasks", "test", "lr_streaming", "stream", run_id]
+    with log.open("w") as out:
+        return subprocess.Popen([*command, "--map-index", str(map_index)], env=env, stdout=out, stderr=out)
+
+
+@pytest.mark.slow
+def test_two_shards_stream_at_the_same_time_in_two_task_processes(dagbag, airflow_sites, tmp_path):
+    """A run's two shard tasks (``sessions_per_shard`` 1), each in an ``airflow tasks test``
+    process: both hold their own session at the same time, under different owners, neither
+    refused by the other; each sink gets every entry once, in order."""
+    source, sink_b, sink_c = airflow_sites.sites
+    app = sessions_past_first_contact(airflow_sites)
+    run = dagbag.dags["lr_streaming"].test(
+        run_conf={"run_for_seconds": 25, "sessions_per_shard": 1}, mark_success_pattern="stream"
+    )  # the shards computed, the stream tasks left to the processes
+    logs = [tmp_path / f"stream-{index}.log" for index in (0, 1)]
+    processes = [stream_task_process(run.run_id, index, logs[index]) for index in (0, 1)]
+    try:
+        deadline = time.monotonic() + 60
+        while None in holders(source, "site-b") + holders(source, "site-c"):
+            assert time.monotonic() < deadline, [log.read_text()[-3000:] for log in logs]
+            assert all(p.poll() is None for p in processes), [log.read_text()[-3000:] for log in logs]
+            time.sleep(0.1)
+        owners = {*holders(source, "site-b"), *holders(source, "site-c")}
+        assert len(owners) == 2  # streaming at once, each its own session
+        for i in range(20):
+            app.put(f"k{i}", i, ["site-b", "site-c"])
+            time.sleep(0.05)
+        for process in processes:
+            assert process.wait(90) == 0
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    for index, session in enumerate(["site-a->site-b/policy", "site-a->site-c/policy"]):
+        summary = xcom(run, "stream", index)
+        assert summary["delivered"] == {session: 20} and summary["failing"] == [], summary
+        assert summary["seconds"] >= 20, summary  # it streamed its run_for, not stopped by the other
     for sink in (sink_b, sink_c):
         assert [p for k, p in queue(sink, "site-a") if k == "log"] == [f"k{i}={i}" for i in range(20)]
     app.close()
