@@ -229,17 +229,17 @@ def test_a_shard_whose_sink_is_down_fails_alone_after_the_other_shard_delivered(
 
 @pytest.mark.slow
 def test_a_retried_shard_streams_the_rest_of_its_runs_time_and_delivers(airflow_sites):
-    """The second try of a shard whose run started ``run_for`` - 3 s ago streams about 3 s, not
+    """The second try of a shard whose run started ``run_for`` - 5 s ago streams at most 5 s, not
     ``run_for``, and delivers what was written meanwhile."""
     source, sink_b, _ = airflow_sites.sites
     app = sessions_past_first_contact(airflow_sites)
     op = LRStreamOperator(task_id="stream", shard="site-a 1/2", sessions=["site-a->site-b/policy"], run_for=60)
-    run = SimpleNamespace(start_date=datetime.now(timezone.utc) - timedelta(seconds=57))
+    run = SimpleNamespace(start_date=datetime.now(timezone.utc) - timedelta(seconds=55))
     for i in range(5):
         app.put(f"k{i}", i, ["site-b", "site-c"])
     started = time.monotonic()
     summary = op.execute({"ti": SimpleNamespace(try_number=2), "dag_run": run})
-    assert time.monotonic() - started < 10 and 2 <= summary["planned_seconds"] <= 3, summary
+    assert 1 <= summary["planned_seconds"] <= 5 and time.monotonic() - started < 15, summary
     assert summary["delivered"] == {"site-a->site-b/policy": 5}, summary
     assert [p for k, p in queue(sink_b, "site-a") if k == "log"] == [f"k{i}={i}" for i in range(5)]
     app.close()
