@@ -1,23 +1,44 @@
-"""lr_streaming: the streaming replicator under Airflow (milliseconds from commit to the sinks).
+"""lr_streaming: the streaming replicator under Airflow (milliseconds from commit to the sinks),
+one long-running task per shard.
 
-One task, ``stream`` (``LRStreamOperator``), runs ``lr sync``'s streaming mode in a worker for
-``run_for_seconds`` and ends; the ``@continuous`` schedule then starts the next run at once, so
-replication never stops for longer than a task start, and every run is a fresh, restartable task
-(a failed one is retried; the sinks' own positions make the seams exact).
+``shards`` cuts the topology's sessions (of one ``source``, when the form names one) into shards:
+one per source, and a source with more than ``sessions_per_shard`` sessions (when set) into
+groups of that many at most. ``stream`` (``LRStreamOperator``) is mapped over them: one task
+instance per shard, listed by its name (``site-a``, or ``site-a 2/3`` for a split source), each
+running ``lr sync``'s streaming mode for its shard's sessions only. A Celery or Kubernetes
+executor spreads them over its workers; the sessions' leases keep the shards (and any ``lr sync``
+beside them) off each other's sessions.
 
-It holds one worker slot all the time. Use it *instead of* scheduled ``lr_replication`` runs when
-lag matters (both at once are safe, the leases keep them apart, but ``lr_replication`` would then
-mostly find its sessions leased). ``lr_replication`` stays for batch users: it holds no slot
-between runs, and its lag is its schedule interval. Paused when created: unpause it to stream.
+Each stream task streams for ``run_for_seconds`` and ends; the run ends when every shard's task
+has, and the ``@continuous`` schedule starts the next run at once (the shards computed again: a
+topology change is picked up), so replication never stops for longer than a task start, and
+every run is fresh and restartable (the sinks' own positions make the seams exact).
+
+A shard whose every session failed the whole run fails, alone (the run shows red, the other
+shards delivered) and is not retried: the next run streams it again. A shard that crashed (a lost
+worker, an error of the task itself) is retried alone (3 tries, 10 s apart) for what is left of
+the run's ``run_for``, so that every shard of a run ends at about the same time.
+
+It holds one worker slot per shard all the time. Use it *instead of* scheduled ``lr_replication``
+runs when lag matters (both at once are safe, the leases keep them apart, but ``lr_replication``
+would then mostly find its sessions leased). ``lr_replication`` stays for batch users: it holds
+no slot between runs, and its lag is its schedule interval. Paused when created: unpause it to
+stream.
 """
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
-from airflow.sdk import Param, dag
+from airflow.sdk import Param, dag, get_current_context, task
+from airflow.sdk.exceptions import AirflowFailException
 
-from airflow_provider_lr.operators.stream import LRStreamOperator
+from airflow_provider_lr.engine.db.topology_schema import SITE_ID_PATTERN
+from airflow_provider_lr.operators.common import form_choice, parse_time_topology
+from airflow_provider_lr.operators.stream import SHARD_LABEL, LRStreamOperator
+
+_topology = parse_time_topology()
+SOURCES = sorted({k.source for k in _topology.sessions()}) if _topology else []
 
 
 @dag(
@@ -39,11 +60,19 @@ from airflow_provider_lr.operators.stream import LRStreamOperator
             title="Run for (seconds)",
             description="How long one run streams before it ends and the next run starts",
         ),
-        "source": Param(
-            None,
-            type=["null", "string"],
+        "source": form_choice(
+            SOURCES,
+            f"^{SITE_ID_PATTERN.pattern}$",
             title="Source",
             description="Only this source's sessions (empty: every session of the topology)",
+        ),
+        "sessions_per_shard": Param(
+            None,
+            type=["null", "integer"],
+            minimum=1,
+            title="Sessions per shard",
+            description="Split a source with more sessions than this into shards of at most this "
+            "many, one stream task each (empty: one shard per source)",
         ),
         "report_every_seconds": Param(
             30,
@@ -56,12 +85,30 @@ from airflow_provider_lr.operators.stream import LRStreamOperator
     },
 )
 def lr_streaming() -> None:
-    LRStreamOperator(
+    @task
+    def shards() -> list[dict]:
+        """The shards of this run, from the topology the run uses; each one's sessions in the log."""
+        from airflow_provider_lr.engine.errors import ConfigurationError
+        from airflow_provider_lr.operators.common import load_topology
+        from airflow_provider_lr.operators.stream import shard_sessions, stream_shards
+
+        params = get_current_context()["params"]
+        topo = load_topology()
+        try:
+            found = stream_shards(topo, params.get("source") or None, params.get("sessions_per_shard"))
+        except ConfigurationError as exc:
+            raise AirflowFailException(str(exc)) from None
+        for shard in found:
+            keys = shard_sessions(topo, shard["source"], shard["sessions"])
+            print(f"shard {shard['shard']}: {len(keys)} sessions: {', '.join(map(str, keys))}")
+        return found
+
+    LRStreamOperator.partial(
         task_id="stream",
         run_for="{{ params.run_for_seconds }}",
-        source="{{ params.source }}",
         report_every="{{ params.report_every_seconds }}",
-    )
+        map_index_template=SHARD_LABEL,
+    ).expand_kwargs(shards())
 
 
 lr_streaming()

@@ -1,4 +1,4 @@
-"""The streaming replicator as a long-running, restartable Airflow task.
+"""The streaming replicator as long-running, restartable Airflow tasks, one per shard.
 
 ``LRStreamOperator`` runs ``lr sync``'s streaming mode (``engine/session/stream``: sessions in
 log-entry sync woken by commits, milliseconds from commit to the sink) in the worker for
@@ -9,6 +9,11 @@ failure). Nothing is lost at the seams: the sinks hold their own positions, the 
 cycle negotiates from them, and a run killed outright leaves leases that expire
 (``lease_seconds``) and sink writes fenced by epoch.
 
+What one task streams is its **shard**: a source's sessions, or an explicit list of sessions.
+``stream_shards`` cuts the topology into shards (one per source, a source with many sessions in
+groups), so that ``lr_streaming`` maps one task per shard and an executor with several workers
+spreads them; the leases keep any two tasks (or an ``lr sync``) off each other's sessions.
+
 Sites are reached through ``LRSiteHook`` (whatever connection backend Airflow uses).
 """
 
@@ -18,35 +23,98 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowException
+from airflow.sdk.exceptions import AirflowFailException
 
+from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.store.topology import Topology
+from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.operators import telemetry
 from airflow_provider_lr.operators.common import load_topology
 
 DEFAULT_REPORT_EVERY = 30.0
+SHARD_LABEL = "{{ task.shard_name }}"  # stream tasks mapped over shards: listed by the shard's name
+
+
+def stream_shards(topo: Topology, source: str | None = None, sessions_per_shard: int | None = None) -> list[dict]:
+    """The shards of the topology's sessions (of ``source`` only, when given), as
+    ``LRStreamOperator`` keyword arguments (``shard``, ``source``, ``sessions``): one per source,
+    its sessions read when the task starts; a source with more than ``sessions_per_shard``
+    sessions is split into as few shards as keep each at most that size, of consecutive sessions
+    in the topology's order (a sink's clients side by side), sizes within one of each other.
+    Each source read costs a read of its log per shard: split only a source too busy for one
+    worker. An unknown source, a topology without sessions or a size below 1 is refused."""
+    if sessions_per_shard is not None and sessions_per_shard < 1:
+        raise ConfigurationError(f"sessions per shard must be at least 1, not {sessions_per_shard}")
+    keys = topo.select(source=source or None)
+    shards: list[dict] = []
+    for site in sorted({k.source for k in keys}):
+        mine = [k for k in keys if k.source == site]
+        if not sessions_per_shard or len(mine) <= sessions_per_shard:
+            shards.append({"shard": site, "source": site, "sessions": None})
+            continue
+        count = -(-len(mine) // sessions_per_shard)
+        size, larger = divmod(len(mine), count)
+        start = 0
+        for index in range(count):
+            end = start + size + (index < larger)
+            part = [str(k) for k in mine[start:end]]
+            shards.append({"shard": f"{site} {index + 1}/{count}", "source": site, "sessions": part})
+            start = end
+    return shards
+
+
+def shard_sessions(
+    topo: Topology, source: str | None = None, sessions: Sequence[str] | None = None
+) -> list[SessionKey]:
+    """The sessions a stream task streams: the listed ones (each a session of the topology, and of
+    ``source`` when both are given), else ``source``'s, else every session. A shard that names no
+    session, or names one the topology lacks, is refused naming the sessions there are."""
+    if sessions is None:
+        return topo.select(source=source or None)
+    if isinstance(sessions, str) or not sessions:
+        raise ConfigurationError(f"a shard is a non-empty list of sessions (source->sink/client), not {sessions!r}")
+    known = set(topo.sessions(source=source or None))
+    keys: set[SessionKey] = set()
+    for name in sessions:
+        try:
+            key = SessionKey.parse(name)
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
+        if key not in known:
+            raise ConfigurationError(
+                f"session {key} is not a session {f'of source {source!r} ' if source else ''}in topology "
+                f"{topo.path or topo.topology_config_id}; its sessions are {[str(k) for k in topo.sessions()]}"
+            )
+        keys.add(key)
+    return sorted(keys)
 
 
 class LRStreamOperator(BaseOperator):
-    """Stream every session of the topology (or of one ``source``) for ``run_for``, then return.
+    """Stream one shard's sessions (default: every session of the topology) for ``run_for``, then return.
 
     :param run_for: how long this task streams before it ends and its DAG starts the next run
-        (seconds or a timedelta; templated)
-    :param source: only this source's sessions (default: all)
+        (seconds or a timedelta; templated). A retry streams only what is left of its DAG run's
+        ``run_for`` (see ``seconds_to_stream``)
+    :param source: only this source's sessions (default: all; templated)
+    :param sessions: only these sessions, named ``source->sink/client`` (templated)
+    :param shard: the shard's name in the task log and the UI's list of mapped instances
+        (default: the source, or the sessions)
     :param interval: seconds between cycles of the sessions not streaming (snapshot syncs, errors)
     :param topology_path: the topology file (default: ``$LR_TOPOLOGY`` or the shipped one)
     :param report_every: seconds between the progress lines in the task log (entries/s, lag of the
         session most behind); 0 for none (templated)
-    Returns a small summary: the seconds it really streamed (a kill ends it early), deliveries per
-    session and the streams' hand-backs. Fails when every session ended the run in error (one bad
-    session does not stop the others).
+    Returns a small summary: the shard and its sessions, the seconds it really streamed (a kill
+    ends it early), deliveries per session and the streams' hand-backs. Fails when every session
+    ended the run in error (one bad session does not stop the others), without a retry: the run's
+    time is over, and the next run streams the shard again.
     """
 
-    template_fields: Sequence[str] = ("run_for", "source", "topology_path", "report_every")
+    template_fields: Sequence[str] = ("run_for", "source", "sessions", "topology_path", "report_every")
     ui_color = "#d9f2e6"
 
     def __init__(
@@ -54,16 +122,49 @@ class LRStreamOperator(BaseOperator):
         *,
         run_for: float | timedelta = timedelta(minutes=10),
         source: str | None = None,
+        sessions: Sequence[str] | None = None,
+        shard: str | None = None,
         interval: float = 1.0,
         topology_path: str | None = None,
         report_every: float | str = DEFAULT_REPORT_EVERY,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.run_for, self.source, self.interval, self.topology_path = run_for, source, interval, topology_path
+        self.run_for, self.source, self.sessions, self.shard = run_for, source, sessions, shard
+        self.interval, self.topology_path = interval, topology_path
         self.report_every = report_every
         self._stop = threading.Event()  # a new one per run (an operator object may run again)
         self._stopped_by = ""  # what set it: "run_for" or "on_kill"
+
+    @property
+    def shard_name(self) -> str:
+        """What the task streams, in a word: its log's lines and the UI's label of a mapped instance."""
+        if self.shard:
+            return str(self.shard)
+        if self.sessions:
+            return (
+                ", ".join(self.sessions)
+                if len(self.sessions) <= 2
+                else f"{self.sessions[0]} and {len(self.sessions) - 1} more"
+            )
+        return self.source or "every session"
+
+    def seconds_to_stream(self, context: Any) -> float:
+        """``run_for`` for a first try. A retry (a crash, a lost worker) streams only what is left
+        of its DAG run's ``run_for``, counted from the run's start: the shards of a run then end
+        together and the next run starts for all, instead of the healthy shards' sessions waiting
+        idle for a retry's full ``run_for``. Nothing left: fail (the next run streams the shard)."""
+        planned = self.run_for.total_seconds() if isinstance(self.run_for, timedelta) else float(self.run_for)
+        ti, run = context.get("ti"), context.get("dag_run")
+        if ti is None or run is None or run.start_date is None or (ti.try_number or 1) <= 1:
+            return planned
+        left = (run.start_date + timedelta(seconds=planned) - datetime.now(timezone.utc)).total_seconds()
+        if left <= 0:
+            raise AirflowFailException(
+                f"shard {self.shard_name}: try {ti.try_number} started after its run's {planned:.0f} s "
+                "(from the run's start); the next run streams it"
+            )
+        return left
 
     def execute(self, context: Any) -> dict[str, Any]:
         from airflow_provider_lr.engine.session.stream import Streamer
@@ -71,8 +172,11 @@ class LRStreamOperator(BaseOperator):
 
         self._stop, self._stopped_by = threading.Event(), ""
         topo = load_topology(self.topology_path)
-        sessions = topo.sessions(source=self.source)
-        seconds = self.run_for.total_seconds() if isinstance(self.run_for, timedelta) else float(self.run_for)
+        try:
+            sessions = shard_sessions(topo, self.source, self.sessions)
+        except ConfigurationError as exc:
+            raise AirflowFailException(f"shard {self.shard_name}: {exc}") from None
+        seconds = self.seconds_to_stream(context)
         repl = Replicator(
             topo,
             lambda site: LRSiteHook(lr_conn_id=topo.conn_id(site), timeouts=topo.timeouts).get_conninfo().connect(),
@@ -91,7 +195,13 @@ class LRStreamOperator(BaseOperator):
 
         timer = threading.Timer(seconds, self._halt, args=("run_for",))
         timer.start()
-        self.log.info("streaming %d sessions for up to %.0f s", len(sessions), seconds)
+        self.log.info(
+            "shard %s: streaming %d sessions for up to %.0f s: %s",
+            self.shard_name,
+            len(sessions),
+            seconds,
+            ", ".join(map(str, sessions)),
+        )
         started = time.monotonic()
         try:
             with telemetry.task_progress(self.log):
@@ -112,8 +222,10 @@ class LRStreamOperator(BaseOperator):
             telemetry.session_step(session, delivered=n)
         failing = sorted(s for s, r in last.items() if r.error)
         summary = {
+            "shard": self.shard_name,
+            "sessions": [str(k) for k in sessions],
             "seconds": round(streamed, 1),
-            "planned_seconds": seconds,
+            "planned_seconds": round(seconds, 1),
             "delivered": dict(delivered),
             "failing": failing,
             "hand_backs": [f"{e.session}: {e.reason}" for e in streamer.ends if e.handed_back],
@@ -124,8 +236,10 @@ class LRStreamOperator(BaseOperator):
             "" if self._stopped_by == "run_for" else f" of {seconds:.0f} s planned (stopped by {self._stopped_by})",
             summary,
         )
-        if sessions and len(failing) == len(sessions):
-            raise AirflowException(f"every session failed: {', '.join(f'{s}: {last[s].error}' for s in failing)}")
+        if len(failing) == len(sessions):
+            raise AirflowFailException(
+                f"shard {self.shard_name}: every session failed: {', '.join(f'{s}: {last[s].error}' for s in failing)}"
+            )
         return summary
 
     def _halt(self, by: str) -> None:

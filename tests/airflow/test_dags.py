@@ -287,9 +287,10 @@ def test_a_large_backlog_goes_through_a_fan_out_and_the_sessions_find_nothing_le
 
 @pytest.mark.slow
 def test_streaming_dag_streams_for_its_run_then_ends_for_the_next_run(dagbag, airflow_sites):
-    """``lr_streaming`` (``@continuous``, one run at a time, paused when created): its one task
-    makes first contact, streams what the application commits meanwhile within the run, and ends
-    by itself after ``run_for_seconds`` with a summary; the next run goes on from the sinks."""
+    """``lr_streaming`` (``@continuous``, one run at a time, paused when created): one shard (the
+    one source), whose stream task makes first contact, streams what the application commits
+    meanwhile within the run, and ends by itself after ``run_for_seconds`` with a summary; the next
+    run goes on from the sinks."""
     import threading
 
     dag = dagbag.dags["lr_streaming"]
@@ -319,8 +320,11 @@ def test_streaming_dag_streams_for_its_run_then_ends_for_the_next_run(dagbag, ai
     writer.join()
     assert str(run.state) == "success", states(run)
     assert time.monotonic() - started >= 8
-    summary = xcom(run, "stream")
+    assert states(run) == {("shards", -1): "success", ("stream", 0): "success"}
+    assert [ti.rendered_map_index for ti in run.get_task_instances() if ti.task_id == "stream"] == ["site-a"]
+    summary = xcom(run, "stream", 0)
     assert summary["failing"] == [] and sum(summary["delivered"].values()) > 0, summary
+    assert summary["sessions"] == ["site-a->site-b/policy", "site-a->site-c/policy"]
     for sink in (sink_b, sink_c):  # what the full sync did not cover arrived as log entries, in order
         entries = queue(sink, "site-a")
         logs = [p for k, p in entries if k == "log"]
