@@ -240,7 +240,8 @@ def record_error(conn: psycopg2.extensions.connection, key: SessionKey, error: s
 
 
 def clear_stale_leases(conn: psycopg2.extensions.connection) -> list[str]:
-    """Release the leases whose holder stopped renewing them (expired), so status shows no owner.
+    """Release the leases whose holder stopped renewing them (expired) or is a dead replicator member,
+    so status shows no owner.
     Safe: an expired lease is taken over anyway, and its epoch stays, so the old holder stays
     fenced. Returns the sessions released ("source->sink/client (owner)"). Commits."""
     source, _ = site_identity(conn)

@@ -111,12 +111,14 @@ def lock_held(cur: psycopg2.extensions.cursor, sink: str, client: str, held: Hol
 
 
 def release_expired_leases(cur: psycopg2.extensions.cursor) -> list[tuple[str, str, str]]:
-    """Clear every expired lease (epochs stay); (sink, client, owner) of each cleared."""
+    """Clear every expired lease, and every lease of a dead member (epochs stay); (sink, client,
+    owner) of each cleared."""
     cur.execute(
-        """
+        f"""
         WITH stale AS (
             SELECT sink_site_id, client_name, lease_owner FROM lr.source_sessions
-            WHERE lease_owner IS NOT NULL AND lease_expires_at <= now() FOR UPDATE
+            WHERE lease_owner IS NOT NULL AND (lease_expires_at <= now() OR {members.dead_member("lease_owner")})
+            FOR UPDATE
         )
         UPDATE lr.source_sessions s SET lease_owner = NULL, lease_expires_at = NULL
         FROM stale WHERE s.sink_site_id = stale.sink_site_id AND s.client_name = stale.client_name

@@ -13,7 +13,7 @@ import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import ConfigurationError
-from airflow_provider_lr.engine.session import lease
+from airflow_provider_lr.engine.session import lease, runner
 from airflow_provider_lr.engine.session.membership import Membership
 from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.site import metrics, status
@@ -95,6 +95,7 @@ def test_a_killed_members_lease_is_taken_at_once_with_a_new_epoch(lr_sites, topo
         kill_backend(source, a.owner)
         started = time.monotonic()
         beat_until([b], lambda: b.assigned() == topo.sessions())
+        assert runner.clear_stale_leases(conn) == [f"site-a->site-b/c0 ({a.owner})"], "status shows no dead holder"
         taken = lease.acquire(conn, "site-b", "c0", b.owner)
         assert taken is not None and taken.epoch == held.epoch + 1
         assert time.monotonic() - started < 2.0, "taken over in heartbeats, not after the 60 s lease"
