@@ -36,8 +36,9 @@ Per configuration:
   the sink applications + their backends; native: walsenders + apply workers. Writers' backends are
   in the JSON, billed to neither;
 * connections: most at once, by database: ``lr sync``'s on the source, the most on one sink, its
-  total over every site; the sink applications' in all; native's walsenders on the source and apply
-  workers per sink;
+  total over every site, and that total at the end of the run (once streaming: the cycles'
+  connections rest after 5 s unused); the sink applications' in all; native's walsenders on the
+  source and apply workers per sink;
 * threads / RSS: the most threads and resident memory of the ``lr sync`` process.
 
 Takeover (``--takeover-sessions``, "" to skip): two ``lr sync`` processes on one topology with the

@@ -64,6 +64,7 @@ class Usage:
     cpu_s: dict[str, float] = field(default_factory=dict)  # role -> CPU seconds between start and stop
     connections: dict[str, dict[str, int]] = field(default_factory=dict)  # role -> database -> most at once
     connections_total: dict[str, int] = field(default_factory=dict)  # role -> most at once, all databases
+    connections_end: dict[str, int] = field(default_factory=dict)  # role -> all databases, at the last sample
     threads: int = 0  # most threads of a watched process
     rss_mb: float = 0.0  # most resident memory of a watched process
     samples: int = 0
@@ -73,6 +74,7 @@ class Usage:
             "cpu_s": {k: round(v, 2) for k, v in sorted(self.cpu_s.items())},
             "connections": self.connections,
             "connections_total": self.connections_total,
+            "connections_end": self.connections_end,
             "threads": self.threads,
             "rss_mb": round(self.rss_mb, 1),
             "samples": self.samples,
@@ -162,6 +164,7 @@ class Probe:
         for role in self.backends:
             total = sum(n for (r, _), n in per_db.items() if r == role)
             self.usage.connections_total[role] = max(self.usage.connections_total.get(role, 0), total)
+            self.usage.connections_end[role] = total
         for pid in self.watch():
             status = proc_status(pid)
             if status:

@@ -285,7 +285,7 @@ class SourceStream:
     # --- reading and writing ------------------------------------------------------------------
     def _round(self, barrier: bool) -> int:
         """Read what is final after the lowest session and write each session's share; the entries
-        written when the read moved (at least 1), else 0. ``barrier``: read behind the commit
+        delivered when the read moved (at least 1), else 0. ``barrier``: read behind the commit
         barrier instead (it waits for the commits in flight, so a position still missing after it
         was rolled back and is passed), per session."""
         members = list(self.members.values())
@@ -311,7 +311,7 @@ class SourceStream:
             else:
                 member.read_to = max(member.read_to, batch.end)
         self._write(jobs)
-        return max(batch.entries, 1)
+        return max(batch.entries, 1)  # deliveries: a round's cost grows with the sink transactions it takes
 
     def _round_per_session(self, members: list[Member], barrier: bool) -> int:
         """Each session read on its own (``LogReader.read_stream``) and streamed into its sink: a
