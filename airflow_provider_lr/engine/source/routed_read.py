@@ -52,7 +52,6 @@ class RoutedBatch:
     end: int  # every reader has everything it wants up to here (or up to its own ``after`` if higher)
     highest: int  # the highest committed position (above ``end``: a commit in flight, or rolled back)
     records: list[list[LogRecord]]  # per reader, in the order of ``readers``
-    read: int = 0  # entries read from the log (each once, however many readers want it)
 
     @property
     def entries(self) -> int:
@@ -163,7 +162,7 @@ def read_routed(
             record = LogRecord(position, entry_id, record.message, table_id)
         for i in members:
             routed[i].append(record)
-    return RoutedBatch(end, max(end, highest), routed, len(entries))
+    return RoutedBatch(end, max(end, highest), routed)
 
 
 def _cut(entries: list[tuple], max_bytes: int) -> int | None:
