@@ -268,7 +268,7 @@ def test_two_shards_stream_at_the_same_time_in_two_task_processes(dagbag, airflo
     source, sink_b, sink_c = airflow_sites.sites
     app = sessions_past_first_contact(airflow_sites)
     run = dagbag.dags["lr_streaming"].test(
-        run_conf={"run_for_seconds": 25, "sessions_per_shard": 1}, mark_success_pattern="stream"
+        run_conf={"run_for_seconds": 15, "sessions_per_shard": 1}, mark_success_pattern="stream"
     )  # the shards computed, the stream tasks left to the processes
     logs = [tmp_path / f"stream-{index}.log" for index in (0, 1)]
     processes = [stream_task_process(run.run_id, index, logs[index]) for index in (0, 1)]
@@ -292,7 +292,7 @@ def test_two_shards_stream_at_the_same_time_in_two_task_processes(dagbag, airflo
     for index, session in enumerate(["site-a->site-b/policy", "site-a->site-c/policy"]):
         summary = xcom(run, "stream", index)
         assert summary["delivered"] == {session: 20} and summary["failing"] == [], summary
-        assert summary["seconds"] >= 20, summary  # it streamed its run_for, not stopped by the other
+        assert summary["seconds"] >= 12, summary  # it streamed its run_for, not stopped by the other
     for sink in (sink_b, sink_c):
         assert [p for k, p in queue(sink, "site-a") if k == "log"] == [f"k{i}={i}" for i in range(20)]
     app.close()

@@ -39,7 +39,7 @@ from tests.support.session import apply_to, topology_doc
 
 SINKS, CLIENTS = 6, 4  # 24 sessions
 RATE = 40.0  # transactions/s, each to every sink: 240 deliveries/s
-WRITE_SECONDS = 15.0
+WRITE_SECONDS = 10.0
 LAG_P50_S, LAG_MAX_S = 0.5, 10.0  # here ~30 ms and ~0.3 s: generous for a loaded machine; a stall fails
 APP_NAME = "lr-test-scale"  # the replicator's application_name, by which its connections are counted
 READY_TIMEOUT, DRAIN_TIMEOUT = 180.0, 120.0

@@ -83,9 +83,10 @@ SPECULATION = {
     "spark.speculation.interval": "100ms",
     "spark.speculation.quantile": "0.5",
     "spark.speculation.multiplier": "1.5",
-    # a copy only after 4 s: the original attempt, whose executor may still be starting its Python
-    # worker, has staged its chunk by then (else the copy stages it, also correct but not this test)
-    "spark.speculation.minTaskRuntime": "4s",
+    # a copy only after 8 s: the original attempt, whose executor may still be starting its Python
+    # worker, has staged its chunk by then even on a loaded machine (else the copy stages it, also
+    # correct but not this test); the stall (20 s) outlasts it
+    "spark.speculation.minTaskRuntime": "8s",
 }
 
 
