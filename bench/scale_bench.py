@@ -102,6 +102,7 @@ from streaming_common import (  # noqa: E402
     measure,
     stop_processes,
     versions,
+    wait_drained,
 )
 from usage_probe import Probe, Usage, group_cpu_s  # noqa: E402
 
@@ -486,22 +487,12 @@ def takeover(servers: Servers, home: Path, args: argparse.Namespace, layout: Lay
         thread.join()
         if failed:
             raise failed[0]
-        owed = system.owed_counts(writers)
-        last: list[int] | None = None
-        last_change, drained = time.monotonic(), False
-        while True:
-            system.check_alive()
-            counts = system.delivered_counts()
-            if all(c >= o for c, o in zip(counts, owed)):
-                drained = True
-                break
-            now = time.monotonic()
-            if counts != last:
-                last, last_change = counts, now
+
+        def give_up(now: float, last_change: float) -> bool:
             waited = now - kill_mono
-            if waited > args.takeover_wait and (now - last_change > 5.0 or waited > args.takeover_wait + args.stall):
-                break
-            time.sleep(POLL_S)
+            return waited > args.takeover_wait and (now - last_change > 5.0 or waited > args.takeover_wait + args.stall)
+
+        drained = wait_drained(system, system.owed_counts(writers), give_up)
         waited_s = time.monotonic() - kill_mono
         arrivals = system.collect()
         fig = figures(writers, arrivals, system.owed)

@@ -531,6 +531,24 @@ class Result:
     details: dict[str, Any] = field(default_factory=dict)
 
 
+def wait_drained(system: System, owed: list[int], give_up: Callable[[float, float], bool]) -> bool:
+    """Poll until every session holds what it owes (True), or ``give_up(now, last_change)`` says
+    to stop waiting (False); ``last_change``: when the delivered counts last moved."""
+    last: list[int] | None = None
+    last_change = time.monotonic()
+    while True:
+        system.check_alive()
+        counts = system.delivered_counts()
+        if all(c >= o for c, o in zip(counts, owed)):
+            return True
+        now = time.monotonic()
+        if counts != last:
+            last, last_change = counts, now
+        if give_up(now, last_change):
+            return False
+        time.sleep(POLL_S)
+
+
 def measure(system: System, plan: Plan, drain_timeout: float, stall: float, label: str = "") -> Result:
     """Set up, write ``plan`` (a replicator that dies mid-run stops the writers early), wait until every
     session holds what it owes (or ``drain_timeout``, or ``stall`` seconds without progress), collect."""
@@ -561,21 +579,12 @@ def measure(system: System, plan: Plan, drain_timeout: float, stall: float, labe
         writers.run()
     finally:
         watch.set()
-    owed = system.owed_counts(writers)
     drain_from = time.monotonic()
-    last, last_change, drained = None, drain_from, False
-    while True:
-        system.check_alive()
-        counts = system.delivered_counts()
-        if all(c >= o for c, o in zip(counts, owed)):
-            drained = True
-            break
-        now = time.monotonic()
-        if counts != last:
-            last, last_change = counts, now
-        if now - last_change > stall or now - drain_from > drain_timeout:
-            break
-        time.sleep(POLL_S)
+    drained = wait_drained(
+        system,
+        system.owed_counts(writers),
+        lambda now, last_change: now - last_change > stall or now - drain_from > drain_timeout,
+    )
     drain_s = time.monotonic() - drain_from
     system.drained()
     fig = figures(writers, system.collect(), system.owed)

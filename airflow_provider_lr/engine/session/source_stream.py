@@ -370,6 +370,9 @@ class SourceStream:
         to do is healthy: ``lr status`` shows the age of the last success), record what is still to
         send, and hand back each session whose negotiation is due."""
         topology_id = recorded_id(self.src)
+        federated: dict[
+            str, list[registry.FederatedTable]
+        ] = {}  # per client: the members of one client to several sinks read it once
         for member in list(self.members.values()):
             key = member.key
             try:
@@ -385,8 +388,9 @@ class SourceStream:
                     raise _Handback("the topology changed")
                 if full_sync.open_request(self.src, key.sink, key.client) is not None:
                     raise _Handback("a full sync was requested")
-                federated = registry.federated_tables(self.src, key.client)
-                if table_snapshot.needed(self.src, self.sinks.conn(key.sink), key, federated):
+                if key.client not in federated:
+                    federated[key.client] = registry.federated_tables(self.src, key.client)
+                if table_snapshot.needed(self.src, self.sinks.conn(key.sink), key, federated[key.client]):
                     raise _Handback("a table was federated (its snapshot is taken by a cycle)")
             except Exception as exc:
                 self._fail(member, exc)
