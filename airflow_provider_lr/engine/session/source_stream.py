@@ -370,9 +370,7 @@ class SourceStream:
         to do is healthy: ``lr status`` shows the age of the last success), record what is still to
         send, and hand back each session whose negotiation is due."""
         topology_id = recorded_id(self.src)
-        federated: dict[
-            str, list[registry.FederatedTable]
-        ] = {}  # per client: the members of one client to several sinks read it once
+        federated: dict[str, list[registry.FederatedTable]] = {}  # per client, read once for its sinks
         for member in list(self.members.values()):
             key = member.key
             try:
