@@ -17,11 +17,10 @@ import psycopg2
 import pyarrow as pa
 from pyspark.sql import functions as F
 
-from tests.support.spark_env import (  # noqa: F401 (spark_cluster is a fixture)
+from tests.support.spark_env import (
     StandaloneCluster,
     cluster_spark_session,
     local_spark_session,
-    spark_cluster,
 )
 
 ROWS = 20_000

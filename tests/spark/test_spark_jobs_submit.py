@@ -13,13 +13,12 @@ import uuid
 import pytest
 
 from tests.support.session import sink_queue
-from tests.support.spark_env import (  # noqa: F401 (spark_cluster is a fixture)
+from tests.support.spark_env import (
     REPO_ROOT,
     SPARK_HOME,
     StandaloneCluster,
     expected_queue,
     in_log_entry_sync,
-    spark_cluster,
     spark_env,
     transmit_backlog,
     write_connections_file,

@@ -19,7 +19,6 @@ from tests.support.spark_env import (  # noqa: F401 (lr_connections is a fixture
     local_spark_session,
     lr_connections,
     prefixes_only,
-    standalone_cluster,
     transmit_backlog,
 )
 
@@ -69,38 +68,63 @@ def test_tasks_killed_and_retried_deliver_once_in_source_order(
     delivered_once_in_order(lr_sites, expected, result)
 
 
-@pytest.fixture(scope="module")
-def two_hosts(tmp_path_factory):
-    with standalone_cluster(
-        tmp_path_factory.mktemp("spark-2h"), cores=1, memory="1g", workers=2, hosts=True
-    ) as cluster:
-        yield cluster
-
-
 SPECULATION = {
     "spark.cores.max": "2",
     "spark.speculation": "true",
     "spark.speculation.interval": "100ms",
     "spark.speculation.quantile": "0.5",
     "spark.speculation.multiplier": "1.5",
-    # a copy only after 8 s: the original attempt, whose executor may still be starting its Python
-    # worker, has staged its chunk by then even on a loaded machine (else the copy stages it, also
-    # correct but not this test); the stall (20 s) outlasts it
-    "spark.speculation.minTaskRuntime": "8s",
+    # a copy after 2 s; it waits until the original attempt has staged its chunk (``until_staged``:
+    # that executor may still be starting its Python worker on a loaded machine), then finds nothing
+    # to stage; the stall (20 s from the staging) outlasts it
+    "spark.speculation.minTaskRuntime": "2s",
 }
+
+
+def until_staged(plan, part, timeout: float = 90.0) -> None:
+    """Wait until every session that needs chunk ``part`` has it staged (or published): what a
+    task's own staging finds done (``staged_tee.SessionStage``), polled without its lock."""
+    import time
+
+    import psycopg2
+
+    from airflow_provider_lr.engine.store import sink_sessions
+
+    deadline = time.monotonic() + timeout
+    for demand in plan.demands:
+        if demand.position.after >= part.hi:
+            continue
+        conn = psycopg2.connect(plan.sink_dsns[demand.sink])
+        conn.autocommit = True
+        try:
+            with conn.cursor() as cur:
+                while time.monotonic() < deadline:
+                    if sink_sessions.last_processed(cur, plan.source, demand.client) >= part.hi:
+                        break
+                    cur.execute(
+                        "SELECT 1 FROM lr.spark_staged_ranges WHERE source_site_id = %s AND client_name = %s "
+                        "AND plan_id = %s AND range_lo = %s",
+                        (plan.source, demand.client, plan.plan_id, max(part.lo, demand.position.after)),
+                    )
+                    if cur.fetchone():
+                        break
+                    time.sleep(0.1)
+        finally:
+            conn.close()
 
 
 @pytest.mark.slow
 def test_a_stalled_task_is_speculated_on_the_other_host_and_each_entry_is_published_once(
-    two_hosts, lr_sites, lr_connections, monkeypatch
+    two_host_cluster, lr_sites, lr_connections, monkeypatch
 ):
     """Chunk 1's first attempt stalls 20 s after staging, before it publishes; Spark starts a
-    speculative copy on the other worker's host, which finds the chunk staged, publishes it (and
-    the chunks after it) and wins; the stalled attempt is killed or wakes to find nothing to do."""
+    speculative copy on the other worker's host, which (once the first attempt staged) finds the
+    chunk staged, publishes it (and the chunks after it) and wins; the stalled attempt is killed
+    or wakes to find nothing to do."""
     topo = in_log_entry_sync(lr_sites, clients=CLIENTS)
     expected = backlog(lr_sites, 4000)
     monkeypatch.setenv(FAULT_ENV, "fanout_after_stage_p1_a0:stall=20")
-    spark = cluster_spark_session(two_hosts.url, "lr-staged-speculation", **SPECULATION)
+    spark = cluster_spark_session(two_host_cluster.url, "lr-staged-speculation", **SPECULATION)
     attempts: list[tuple[int, int, bool, list]] = []
     try:
 
@@ -110,6 +134,8 @@ def test_a_stalled_task_is_speculated_on_the_other_host_and_each_entry_is_publis
 
                 ctx = TaskContext.get()
                 for index in indexes:
+                    if ctx.attemptNumber() > 0:  # a speculative copy: once the original staged
+                        until_staged(plan, plan.ranges[index])
                     chunk = stage_chunk(plan, plan.ranges[index], f"_p{index}_a{ctx.attemptNumber()}")
                     yield ctx.attemptNumber(), chunk
 

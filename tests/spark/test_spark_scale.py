@@ -1,5 +1,5 @@
-"""lr's full-sync transfer spread over a standalone cluster of 2 workers of 1 core each, started by
-the test: both executors stage ranges at once, and the sink still gets every entry once, in order.
+"""lr's full-sync transfer spread over a standalone cluster of 2 workers of 1 core each (the
+session's, shared with the speculation test): both executors stage ranges at once, and the sink still gets every entry once, in order.
 (The speed-up itself is measured by ``bench/snapshot_transfer_bench.py --master standalone:2``.)"""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.bulk import snapshot_transfer
 from airflow_provider_lr.engine.source import full_sync
 from tests.support.session import apply, queue
-from tests.support.spark_env import cluster_spark_session, lr_connections, standalone_cluster  # noqa: F401
+from tests.support.spark_env import cluster_spark_session, lr_connections  # noqa: F401
 
 ROWS = 12_000
 
@@ -20,23 +20,19 @@ def rows_provider(ctx) -> None:
         ctx.transmit(f"row{i}={i}".encode())
 
 
-@pytest.fixture(scope="module")
-def two_workers(tmp_path_factory):
-    with standalone_cluster(tmp_path_factory.mktemp("spark-2w"), cores=1, memory="1g", workers=2) as cluster:
-        yield cluster
-
-
 @pytest.mark.slow
-def test_a_full_sync_staged_by_two_executors_at_once_arrives_whole_and_in_order(two_workers, lr_sites, lr_connections):
+def test_a_full_sync_staged_by_two_executors_at_once_arrives_whole_and_in_order(
+    two_host_cluster, lr_sites, lr_connections
+):
     source, sink_b = lr_sites[0], lr_sites[1]
     topo = apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
     conn = source.connect()
     request = full_sync.request_full_sync(conn, "site-b", "policy", reason="scale test")
     RoutingQueueClient(conn, "policy").serve_full_sync_requests(rows_provider)
     conn.close()
-    assert len(two_workers.status()["workers"]) == 2
+    assert len(two_host_cluster.status()["workers"]) == 2
 
-    spark = cluster_spark_session(two_workers.url, "lr-transfer-2w", **{"spark.cores.max": "2"})
+    spark = cluster_spark_session(two_host_cluster.url, "lr-transfer-2w", **{"spark.cores.max": "2"})
     job = snapshot_transfer.SnapshotTransfer(topo, "site-a", "site-b", "policy")
     staged: list[dict] = []
     try:

@@ -236,8 +236,19 @@ def cluster_spark_session(master_url: str, app_name: str = "lr-tests-cluster", *
 
 @pytest.fixture(scope="session")
 def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandaloneCluster]:
-    """A standalone Master + Worker for the whole test session (import this fixture to use it)."""
+    """A standalone Master + Worker for the whole test session (tests/spark/conftest.py shares it)."""
     with standalone_cluster(tmp_path_factory.mktemp("spark")) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def two_host_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandaloneCluster]:
+    """A standalone Master and two Workers of 1 core and 1 GiB, each on a host of its own
+    (``hosts``), for the whole test session: the modules that spread work over two executors share
+    its start (tests/spark/conftest.py)."""
+    with standalone_cluster(
+        tmp_path_factory.mktemp("spark-2h"), cores=1, memory="1g", workers=2, hosts=True
+    ) as cluster:
         yield cluster
 
 
