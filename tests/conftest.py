@@ -2,7 +2,9 @@
 
 Three servers (``site-a``, ``site-b``, ``site-c``: separate data directories and ports) run for the
 whole session; every test that asks for ``sites`` gets a fresh database on each server, dropped
-afterwards, so tests are isolated without paying a server start each.
+afterwards, so tests are isolated without paying a server start each. A test that asks for
+``lr_sites`` (directly or through another fixture) gets a copy of a template database migrated
+once per session, so it does not pay the migrations either.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.db.conninfo import ConnInfo  # noqa: E402
 
 SITE_COUNT = 3
+LR_TEMPLATE = "lrtest_template"  # on each server: the lr schema migrated, no site id
 # Tests trade durability for speed; the bench runs with PostgreSQL's defaults.
 FAST_SETTINGS = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
 _db_counter = itertools.count(1)
@@ -85,16 +88,39 @@ def _admin(server: EmbeddedSite) -> psycopg2.extensions.connection:
     return conn
 
 
-@pytest.fixture
-def sites(site_manager: SiteManager) -> Iterator[list[TestSite]]:
-    """A fresh, empty database on each of the three servers."""
-    name = f"lrtest_{os.getpid()}_{next(_db_counter)}"
-    created: list[TestSite] = []
+@pytest.fixture(scope="session")
+def lr_template(site_manager: SiteManager) -> str:
+    """On each server, a database with the lr schema migrated (no site identity yet), once per
+    session: a test's lr databases are copies of it (``CREATE DATABASE ... TEMPLATE``), so each
+    test pays a copy, not the migrations."""
     for server in site_manager.sites():
         conn = _admin(server)
         with conn.cursor() as cur:
-            cur.execute(f'CREATE DATABASE "{name}"')
+            cur.execute(f'DROP DATABASE IF EXISTS "{LR_TEMPLATE}" WITH (FORCE)')
+            cur.execute(f'CREATE DATABASE "{LR_TEMPLATE}"')
         conn.close()
+        conn = psycopg2.connect(server.dsn(LR_TEMPLATE))
+        schema.migrate(conn)
+        conn.close()
+    return LR_TEMPLATE
+
+
+def create_database(server: EmbeddedSite, name: str, template: str | None = None) -> None:
+    conn = _admin(server)
+    with conn.cursor() as cur:
+        cur.execute(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else ""))
+    conn.close()
+
+
+@pytest.fixture
+def sites(request: pytest.FixtureRequest, site_manager: SiteManager) -> Iterator[list[TestSite]]:
+    """A fresh, empty database on each of the three servers (a copy of ``lr_template`` when the
+    test uses ``lr_sites``, which records the site ids)."""
+    name = f"lrtest_{os.getpid()}_{next(_db_counter)}"
+    template = request.getfixturevalue("lr_template") if "lr_sites" in request.fixturenames else None
+    created: list[TestSite] = []
+    for server in site_manager.sites():
+        create_database(server, name, template)
         created.append(TestSite(server, name))
     yield created
     for site in created:
@@ -108,7 +134,8 @@ def sites(site_manager: SiteManager) -> Iterator[list[TestSite]]:
 
 @pytest.fixture
 def lr_sites(sites: list[TestSite]) -> list[TestSite]:
-    """The three test databases with the lr schema installed and their site ids recorded."""
+    """The three test databases with the lr schema installed (already migrated: copies of
+    ``lr_template``) and their site ids recorded."""
     for site in sites:
         conn = site.connect()
         schema.init_site(conn, site.site_id, site.region)

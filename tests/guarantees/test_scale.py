@@ -113,8 +113,9 @@ def _admin(server: EmbeddedSite) -> psycopg2.extensions.connection:
 
 
 @pytest.fixture(scope="module")
-def scale_sites(site_manager: SiteManager) -> Iterator[list[SharedSite]]:
-    """The source on the first server, sink i on server (i + 1) mod 3: fresh databases, lr installed."""
+def scale_sites(site_manager: SiteManager, lr_template: str) -> Iterator[list[SharedSite]]:
+    """The source on the first server, sink i on server (i + 1) mod 3: fresh databases, lr installed
+    (copies of the migrated ``lr_template``)."""
     servers = site_manager.sites()
     run = f"lrscale_{os.getpid()}_{next(_runs)}"
     sites = [SharedSite(servers[0], f"{run}_src", "scale-src")]
@@ -122,7 +123,7 @@ def scale_sites(site_manager: SiteManager) -> Iterator[list[SharedSite]]:
     for site in sites:
         admin = _admin(site.server)
         with admin.cursor() as cur:
-            cur.execute(f'CREATE DATABASE "{site.dbname}"')
+            cur.execute(f'CREATE DATABASE "{site.dbname}" TEMPLATE "{lr_template}"')
         admin.close()
         conn = site.connect()
         schema.init_site(conn, site.site_id, site.region)
