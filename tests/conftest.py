@@ -12,9 +12,11 @@ from __future__ import annotations
 import itertools
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 # Airflow reads its configuration at import: point it at a throwaway home before any test imports it.
 os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="lr-airflow-home-"))
@@ -27,6 +29,8 @@ import pytest  # noqa: E402
 from airflow_provider_lr.embedded.sites import EmbeddedSite, SiteManager  # noqa: E402
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.db.conninfo import ConnInfo  # noqa: E402
+
+T = TypeVar("T")
 
 SITE_COUNT = 3
 LR_TEMPLATE = "lrtest_template"  # on each server: the lr schema migrated, no site id
@@ -112,34 +116,44 @@ def create_database(server: EmbeddedSite, name: str, template: str | None = None
     conn.close()
 
 
+def drop_database(server: EmbeddedSite, name: str) -> None:
+    conn = _admin(server)
+    with conn.cursor() as cur:
+        cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    conn.close()
+
+
+def on_each(work: Callable[[T], object], items: list[T]) -> None:
+    """``work`` on every item at once (each server copies or drops its database in its own process)."""
+    with ThreadPoolExecutor(len(items) or 1) as pool:
+        list(pool.map(work, items))
+
+
 @pytest.fixture
 def sites(request: pytest.FixtureRequest, site_manager: SiteManager) -> Iterator[list[TestSite]]:
     """A fresh, empty database on each of the three servers (a copy of ``lr_template`` when the
     test uses ``lr_sites``, which records the site ids)."""
     name = f"lrtest_{os.getpid()}_{next(_db_counter)}"
     template = request.getfixturevalue("lr_template") if "lr_sites" in request.fixturenames else None
-    created: list[TestSite] = []
-    for server in site_manager.sites():
-        create_database(server, name, template)
-        created.append(TestSite(server, name))
+    servers = site_manager.sites()
+    on_each(lambda server: create_database(server, name, template), servers)
+    created = [TestSite(server, name) for server in servers]
     yield created
-    for site in created:
-        if not site_manager.is_running(site.server):
-            continue  # a fault test left it down; the session teardown removes it
-        conn = _admin(site.server)
-        with conn.cursor() as cur:
-            cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        conn.close()
+    # a fault test may have left a server down: the session teardown removes it
+    on_each(lambda server: drop_database(server, name), [s for s in servers if site_manager.is_running(s)])
+
+
+def _init_site(site: TestSite) -> None:
+    conn = site.connect()
+    schema.init_site(conn, site.site_id, site.region)
+    conn.close()
 
 
 @pytest.fixture
 def lr_sites(sites: list[TestSite]) -> list[TestSite]:
     """The three test databases with the lr schema installed (already migrated: copies of
     ``lr_template``) and their site ids recorded."""
-    for site in sites:
-        conn = site.connect()
-        schema.init_site(conn, site.site_id, site.region)
-        conn.close()
+    on_each(_init_site, sites)
     return sites
 
 
