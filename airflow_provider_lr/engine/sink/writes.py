@@ -150,6 +150,14 @@ class SinkTransaction(sink_sessions.FencedTransaction):
         self.cur.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, wakeup_payload(self.client, self.source)))
 
 
+def flush(conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> None:
+    """Make everything committed on the sink so far durable: an empty fenced transaction of the
+    session (its row lock is written to the WAL) committed synchronously, so its commit waits for
+    the WAL flush past every commit before it."""
+    with SinkTransaction(conn, source, client, epoch, synchronous=True):
+        pass
+
+
 def fence(conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> SinkMetadata:
     """Raise the session's lease epoch on the sink to ``epoch`` and return the sink's metadata (with
     the sink site's topology id). A new lease holder calls this before it decides anything: from
@@ -307,6 +315,7 @@ def apply_log_stream(
     batch: LogBatch | LogStream,
     base: int,
     register: bool = True,
+    synchronous: bool | None = None,
 ) -> int:
     """Apply a log-entry batch covering positions ``(batch.after, batch.end]``; returns the sink's last
     processed position. A batch already applied is a no-op; an overlapping one writes only the new
@@ -316,8 +325,10 @@ def apply_log_stream(
     pieces, with ``last_log_entry_processed = batch.end`` set at the end, so a source transaction of
     any size becomes visible on the sink whole (guarantee 2 in docs/architecture.md) while only a few MiB of it are
     in memory at a time. ``register=False``: the queue is registered already (a stream registers it
-    with its first write)."""
-    write = SinkTransaction(conn, source, client, epoch)
+    with its first write). ``synchronous=False``: committed without waiting for the sink's WAL flush
+    (a stream's applies); the caller acknowledges the position only once the flush passed it
+    (``session/durable_acks``). None: as the sink's ``synchronous_commit`` says."""
+    write = SinkTransaction(conn, source, client, epoch, synchronous)
     with write as (cur, meta):
         if not meta.data_consistent or meta.snapshot_applied != base:
             raise StaleBatchError(

@@ -40,6 +40,15 @@ COLUMNS = (
 _SELECT = f"SELECT {', '.join(COLUMNS)} FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s"
 _CREATE = "INSERT INTO lr.sink_sessions (source_site_id, client_name) VALUES (%s, %s) ON CONFLICT DO NOTHING"
 
+# An asynchronous commit (PostgreSQL's apply worker commits so) returns before its WAL is flushed:
+# whoever acknowledges what it wrote waits for the sink's flush position to pass it. The row lock
+# writes WAL, so a synchronous commit of a fenced transaction flushes everything committed before it.
+_COMMIT_MODE = {
+    None: "",
+    True: "SET LOCAL synchronous_commit = on; ",
+    False: "SET LOCAL synchronous_commit = off; ",
+}
+
 Row = dict[str, Any]  # COLUMNS -> value
 
 
@@ -72,8 +81,18 @@ class FencedTransaction:
 
     cur: psycopg2.extensions.cursor  # the transaction's cursor, from ``open`` on
 
-    def __init__(self, conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> None:
+    def __init__(
+        self,
+        conn: psycopg2.extensions.connection,
+        source: str,
+        client: str,
+        epoch: int,
+        synchronous: bool | None = None,
+    ) -> None:
         self.conn, self.source, self.client, self.epoch = conn, source, client, epoch
+        # the commit: as the server's synchronous_commit says (None), waiting for the WAL flush (True),
+        # or not (False: the stream's applies, acknowledged by flush position)
+        self.synchronous = synchronous
 
     def open(self) -> Any:
         """Lock the session's row (a concurrent writer of the session waits here), refuse a stale
@@ -82,7 +101,7 @@ class FencedTransaction:
         self.cur = self.conn.cursor()
         try:
             self.cur.execute(
-                _CREATE + "; " + _SELECT + " FOR UPDATE",  # one round trip: made if missing, locked, read
+                _COMMIT_MODE[self.synchronous] + _CREATE + "; " + _SELECT + " FOR UPDATE",  # one round trip
                 (self.source, self.client, self.source, self.client),
             )
             row = dict(zip(COLUMNS, self.cur.fetchone()))
