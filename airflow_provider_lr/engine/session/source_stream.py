@@ -48,7 +48,7 @@ from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.backlog import SessionBacklog, session_backlogs
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL
 from airflow_provider_lr.engine.source.log_reader import LogBatch, LogReader, LogStream
-from airflow_provider_lr.engine.source.routed_read import RoutedBatch, read_routed
+from airflow_provider_lr.engine.source.routed_read import ROUTED, RoutedBatch, read_routed
 from airflow_provider_lr.engine.store.topology import recorded_id
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables import snapshot as table_snapshot
@@ -109,6 +109,7 @@ class SourceStream:
         try:
             self.peek = connect(source)  # autocommit: the probe and the routed read, one round trip each
             self.peek.autocommit = True
+            ROUTED.prepare(self.peek)
             with self.src.cursor() as cur:  # acks and renewals: the sink's position is the truth
                 cur.execute("SET synchronous_commit = off")
             self.src.commit()
@@ -253,7 +254,9 @@ class SourceStream:
         if not barrier:
             assert self.peek is not None
             try:
-                batch = read_routed(self.peek, [m.routed() for m in members], self.settings.max_bytes, self.source)
+                batch = read_routed(
+                    self.peek, [m.routed() for m in members], self.settings.max_bytes, self.source, prepared=True
+                )
             except TrimmedError as exc:  # the sessions behind the trim mark go to a snapshot sync
                 for m in members:
                     if m.read_to < exc.trim_mark:
@@ -309,16 +312,9 @@ class SourceStream:
 
     def _apply(self, conn: psycopg2.extensions.connection, member: Member, batch: LogBatch | LogStream) -> int:
         """One session's batch in one fenced sink transaction; the sink's position after it."""
-        position = member.position
+        p = member.position  # committed asynchronously: acknowledged once the sink's WAL flush passed it
         after = writes.apply_log_stream(
-            conn,
-            self.source,
-            member.key.client,
-            position.epoch,
-            batch,
-            position.base,
-            register=not member.registered,
-            synchronous=False,
+            conn, self.source, member.key.client, p.epoch, batch, p.base, not member.registered, synchronous=False
         )
         fault_point("stream_after_sink_apply")
         return after
