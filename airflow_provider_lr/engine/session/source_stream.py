@@ -313,9 +313,14 @@ class SourceStream:
     def _apply(self, conn: psycopg2.extensions.connection, member: Member, batch: LogBatch | LogStream) -> int:
         """One session's batch in one fenced sink transaction; the sink's position after it."""
         p = member.position  # committed asynchronously: acknowledged once the sink's WAL flush passed it
-        after = writes.apply_log_stream(
-            conn, self.source, member.key.client, p.epoch, batch, p.base, not member.registered, synchronous=False
-        )
+        conn.autocommit = True  # BEGIN and COMMIT ride with its first and last statements
+        try:
+            after = writes.apply_log_stream(
+                conn, self.source, member.key.client, p.epoch, batch, p.base, not member.registered, synchronous=False
+            )
+        finally:
+            if not conn.closed:
+                conn.autocommit = False
         fault_point("stream_after_sink_apply")
         return after
 

@@ -107,12 +107,13 @@ class SinkTransaction(sink_sessions.FencedTransaction):
     def __enter__(self) -> tuple[psycopg2.extensions.cursor, SinkMetadata]:
         return super().__enter__()
 
-    def advance(self, end: int, wrote: bool, register: bool = True) -> None:
+    def advance(self, end: int, wrote: bool, register: bool = True, last: bool = False) -> None:
         """Record a log-entry batch's end; when it ``wrote`` entries, also register the queue (see
-        ``announce``) and wake the subscribers at commit: position and wake-up in one round trip."""
+        ``announce``) and wake the subscribers at commit: position and wake-up in one round trip
+        (with the commit too when ``last``, on an autocommit connection: ``FencedTransaction``)."""
         if wrote and register:
             self.register()
-        self.advance_to(end, (NOTIFY_CHANNEL, wakeup_payload(self.client, self.source)) if wrote else None)
+        self.advance_to(end, (NOTIFY_CHANNEL, wakeup_payload(self.client, self.source)) if wrote else None, last)
 
     def metadata(self) -> SinkMetadata:
         """The session's metadata as this transaction has just written it: what the caller goes on from."""
@@ -346,7 +347,7 @@ def apply_log_stream(
         end = batch.end  # final now that the batch was read
         if end <= last:
             return last
-        write.advance(end, written > 0, register)
+        write.advance(end, written > 0, register, last=True)
         return end
 
 

@@ -12,8 +12,10 @@ applied once) sit above it; table snapshots (``tables/snapshot``) use it as it i
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
+import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import FencedError
@@ -99,9 +101,17 @@ class FencedTransaction:
         epoch or a failed-over session, raise the sink's epoch to ours; the row as it stands under
         the lock."""
         self.cur = self.conn.cursor()
+        # on an autocommit connection BEGIN and COMMIT ride with the first and last statements
+        # (two round trips fewer: a stream's hot path); otherwise psycopg2 sends them itself
+        self.explicit, self.ended = self.conn.autocommit, False
         try:
             self.cur.execute(
-                _COMMIT_MODE[self.synchronous] + _CREATE + "; " + _SELECT + " FOR UPDATE",  # one round trip
+                ("BEGIN; " if self.explicit else "")
+                + _COMMIT_MODE[self.synchronous]
+                + _CREATE
+                + "; "
+                + _SELECT
+                + " FOR UPDATE",  # one round trip: made if missing, locked, read
                 (self.source, self.client, self.source, self.client),
             )
             row = dict(zip(COLUMNS, self.cur.fetchone()))
@@ -126,22 +136,28 @@ class FencedTransaction:
                 )
             return row
         except BaseException:
-            self.cur.close()
-            if not self.conn.closed:
-                self.conn.rollback()
+            self.abort()
             raise
 
     def commit(self) -> None:
         """Make data and metadata visible together."""
         try:
-            self.conn.commit()
+            if not self.explicit:
+                self.conn.commit()
+            elif not self.ended:
+                self.cur.execute("COMMIT")
         finally:
             self.cur.close()
 
     def abort(self) -> None:
         """Roll back: nothing of the transaction becomes visible."""
         try:
-            if not self.conn.closed:  # a lost server: keep its error, not the rollback's
+            if self.conn.closed:  # a lost server: keep its error, not the rollback's
+                pass
+            elif self.explicit:
+                with contextlib.suppress(psycopg2.Error):  # the error that brought us here is the one to keep
+                    self.cur.execute("ROLLBACK")
+            else:
                 self.conn.rollback()
         finally:
             self.cur.close()
@@ -164,13 +180,14 @@ class FencedTransaction:
             (*values.values(), self.source, self.client),
         )
 
-    def advance_to(self, end: int, notify: tuple[str, str] | None = None) -> None:
+    def advance_to(self, end: int, notify: tuple[str, str] | None = None, last: bool = False) -> None:
         """Record the last processed position; with ``notify`` (channel, payload), wake at commit in
-        the same round trip."""
+        the same round trip. ``last``: the transaction's last statement (its COMMIT may ride along)."""
         wake = "; SELECT pg_notify(%s, %s)" if notify else ""
+        self.ended = last and self.explicit
         self.cur.execute(
             "UPDATE lr.sink_sessions SET last_log_entry_processed = %s, updated_at = now() "
-            "WHERE source_site_id = %s AND client_name = %s" + wake,
+            "WHERE source_site_id = %s AND client_name = %s" + wake + ("; COMMIT" if self.ended else ""),
             (end, self.source, self.client) + (notify or ()),
         )
 
