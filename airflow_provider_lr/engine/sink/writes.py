@@ -109,24 +109,39 @@ class SinkTransaction(sink_sessions.FencedTransaction):
 
     def advance(self, end: int, wrote: bool, register: bool = True, last: bool = False) -> None:
         """Record a log-entry batch's end; when it ``wrote`` entries, also register the queue (see
-        ``announce``) and wake the subscribers at commit: position and wake-up in one round trip
-        (with the commit too when ``last``, on an autocommit connection: ``FencedTransaction``)."""
+        ``announce``) and wake the subscribers at commit: the last rows ``insert`` held back,
+        position and wake-up in one round trip (with the commit too when ``last``, on an
+        autocommit connection: ``FencedTransaction``)."""
         if wrote and register:
             self.register()
-        self.advance_to(end, (NOTIFY_CHANNEL, wakeup_payload(self.client, self.source)) if wrote else None, last)
+        held, self.held = self.held, b""
+        self.advance_to(end, (NOTIFY_CHANNEL, wakeup_payload(self.client, self.source)) if wrote else None, last, held)
+
+    def commit(self) -> None:
+        if self.held:  # rows held back for an ``advance`` that did not come
+            self.cur.execute(self.held)
+            self.held = b""
+        super().commit()
 
     def metadata(self) -> SinkMetadata:
         """The session's metadata as this transaction has just written it: what the caller goes on from."""
         return _metadata(self.row())
 
+    held = b""  # the last INSERT of ``insert(..., hold=True)``, sent with the next ``advance``
+
     def insert(
-        self, entries: Iterable[tuple[int, int, int, bytes]], sync_id: str | None = None, visible: bool = True
+        self,
+        entries: Iterable[tuple[int, int, int, bytes]],
+        sync_id: str | None = None,
+        visible: bool = True,
+        hold: bool = False,
     ) -> int:
         """Entries (kind, position, entry id, message) appended in order, packed into receive-queue
         rows (``queue_rows``): ``seq`` follows the order. Returns how many were written.
 
         ``entries`` may be a stream (``LogStream``): rows are sent every ``INSERT_BYTES`` (or
-        ``INSERT_ENTRIES``) in this same transaction, so a batch of any size costs a few MiB here."""
+        ``INSERT_ENTRIES``) in this same transaction, so a batch of any size costs a few MiB here.
+        ``hold``: the last rows go with the transaction's ``advance`` (one round trip fewer)."""
         writer = receive_queue.QueueWriter(self.source, self.client, sync_id, visible)
         packer = Packer(writer.add)
         waiting = 0  # bytes added since the last flush
@@ -138,7 +153,10 @@ class SinkTransaction(sink_sessions.FencedTransaction):
                 writer.send(self.cur)
                 waiting = sum(len(p[0]) for p in packer.pending)
         packer.flush()
-        writer.send(self.cur)
+        if hold:
+            self.held = writer.statement(self.cur)
+        else:
+            writer.send(self.cur)
         return packer.entries
 
     def register(self) -> None:
@@ -342,7 +360,7 @@ def apply_log_stream(
         if batch.after > last:
             raise StaleBatchError(f"batch starts after {batch.after} but the sink has only processed up to {last}")
         tables = ChangeApplier(cur, source, client)
-        written = write.insert(_sink_entries(batch, last, source, client, tables))
+        written = write.insert(_sink_entries(batch, last, source, client, tables), hold=True)
         tables.flush()
         end = batch.end  # final now that the batch was read
         if end <= last:

@@ -155,8 +155,11 @@ class FencedTransaction:
             if self.conn.closed:  # a lost server: keep its error, not the rollback's
                 pass
             elif self.explicit:
-                with contextlib.suppress(psycopg2.Error):  # the error that brought us here is the one to keep
-                    self.cur.execute("ROLLBACK")
+                with (
+                    contextlib.suppress(psycopg2.Error),
+                    self.conn.cursor() as cur,
+                ):  # keep the error that brought us here
+                    cur.execute("ROLLBACK")
             else:
                 self.conn.rollback()
         finally:
@@ -168,7 +171,11 @@ class FencedTransaction:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         if exc_type is None:
-            self.commit()
+            try:
+                self.commit()
+            except BaseException:  # a failed last statement leaves the connection in no transaction
+                self.abort()
+                raise
         else:
             self.abort()
 
@@ -180,16 +187,20 @@ class FencedTransaction:
             (*values.values(), self.source, self.client),
         )
 
-    def advance_to(self, end: int, notify: tuple[str, str] | None = None, last: bool = False) -> None:
+    def advance_to(
+        self, end: int, notify: tuple[str, str] | None = None, last: bool = False, before: bytes = b""
+    ) -> None:
         """Record the last processed position; with ``notify`` (channel, payload), wake at commit in
-        the same round trip. ``last``: the transaction's last statement (its COMMIT may ride along)."""
+        the same round trip. ``last``: the transaction's last statement (its COMMIT may ride along);
+        ``before``: statements of the transaction sent in the same round trip, ahead of it."""
         wake = "; SELECT pg_notify(%s, %s)" if notify else ""
         self.ended = last and self.explicit
-        self.cur.execute(
+        statement = self.cur.mogrify(
             "UPDATE lr.sink_sessions SET last_log_entry_processed = %s, updated_at = now() "
             "WHERE source_site_id = %s AND client_name = %s" + wake + ("; COMMIT" if self.ended else ""),
             (end, self.source, self.client) + (notify or ()),
         )
+        self.cur.execute(before + b"; " + statement if before else statement)
 
     def row(self) -> Row:
         """The session's row as this transaction has just written it."""
