@@ -237,8 +237,7 @@ class SourceStream:
         except Exception as exc:
             self._refused(key, exc)
             return
-        member.read_to = member.durable = member.after  # the fence committed synchronously: durable
-        # acked at the next ack round: the lag is known from the start
+        member.read_to = member.after  # acked once the sink's flush passed its mark: whatever the sink's settings
         self.members[key] = member
         log.info("session %s streams from position %d", key, member.after)
 

@@ -41,7 +41,7 @@ class Member:
     tables: TableSplits  # the synced federated tables, whose changes come along
     topology_id: str | None  # the topology applied when it joined
     read_to: int = -1  # every position up to here was read for it (>= its sink's position)
-    durable: int = -1  # its sink's WAL flush has passed the commit of this position
+    durable: int = -1  # its sink's WAL flush has passed the commit of this position (-1: not known yet)
     acked: int = -1
     delivered: int = 0
     registered: bool = False  # its receive queue, by its first write of entries
