@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +41,7 @@ from airflow_provider_lr.engine.session.durable_acks import DurableAcks
 from airflow_provider_lr.engine.session.handshake import handshake
 from airflow_provider_lr.engine.session.negotiation import Decision
 from airflow_provider_lr.engine.session.runner import record_error
-from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
+from airflow_provider_lr.engine.session.settings import RateWindow, SessionSettings, StreamSettings
 from airflow_provider_lr.engine.session.sink_writers import SinkWriters
 from airflow_provider_lr.engine.session.stream_member import REASSIGNED, STOPPED, Member, StreamEnd
 from airflow_provider_lr.engine.sink import writes
@@ -57,24 +58,6 @@ from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, SessionKey
 log = logging.getLogger(__name__)
 
 Connect = Callable[[str], psycopg2.extensions.connection]
-
-
-class RateWindow:
-    """Entries per second over the last whole window (``seconds``): a burst of commits inside a
-    window does not make a stream at a modest rate linger, a sustained rate does."""
-
-    def __init__(self, seconds: float = 0.1) -> None:
-        self.seconds, self.rate = seconds, 0.0
-        self._start, self._count = time.monotonic(), 0
-
-    def add(self, entries: int) -> float:
-        """Count ``entries`` read now; the rate of the last whole window."""
-        self._count += entries
-        now = time.monotonic()
-        if now - self._start >= self.seconds:
-            self.rate = self._count / (now - self._start)
-            self._start, self._count = now, 0
-        return self.rate
 
 
 class _Handback(Exception):
@@ -104,6 +87,7 @@ class SourceStream:
         self.sinks: SinkWriters[tuple[Member, LogBatch]] = SinkWriters(connect, source)
         self._backlogs: dict[tuple[str, str], SessionBacklog] = {}  # as of the last ack, per (sink, client)
         self.durable = DurableAcks()
+        self._committed = sys.maxsize  # the highest committed position, as the last routed read saw it
         self.src = connect(source)
         self.peek: psycopg2.extensions.connection | None = None
         try:
@@ -166,6 +150,7 @@ class SourceStream:
         stalled_since: float | None = None  # a drawn position has not shown up since then
         pause = opts.poll_min
         rate = RateWindow()
+        moved = 0  # the last round's: after one that moved, read again without probing first
         while not halt.is_set():
             self._admit()
             if not self.members:
@@ -181,7 +166,8 @@ class SourceStream:
                 self._ack()
                 last_ack = now
             low = min(m.read_to for m in self.members.values())
-            if stalled_since is None and self._latest() <= low:
+            probed = not moved and stalled_since is None
+            if probed and self._latest() <= low:
                 self._wake.wait(pause)  # a join or a leave wakes it at once
                 self._wake.clear()
                 pause = min(pause * 2, opts.poll_max)
@@ -193,6 +179,8 @@ class SourceStream:
                 if rate.add(moved) >= opts.busy_rate:
                     halt.wait(opts.linger)
                 continue
+            if not probed and stalled_since is None and self._committed <= low:
+                continue  # read unprobed, nothing committed since: the next turn probes
             # drawn but not visible: a commit in flight (shows up in a moment), or one that rolled back
             # after drawing (never does): the barrier tells after ``gap_timeout``, and again after each
             stalled_since = now if stalled_since is None or barrier else stalled_since
@@ -249,6 +237,7 @@ class SourceStream:
         was rolled back and is passed), per session."""
         members = list(self.members.values())
         low = min(m.read_to for m in members)
+        self._committed = sys.maxsize
         batch: RoutedBatch | None = None
         if not barrier:
             assert self.peek is not None
@@ -263,6 +252,7 @@ class SourceStream:
                 return 1
         if batch is None:
             return self._round_per_session(members, barrier)
+        self._committed = batch.highest
         if batch.end <= low:
             return 0
         jobs: dict[str, list[tuple[Member, LogBatch]]] = {}
