@@ -165,10 +165,14 @@ def test_crash_in_window_is_repaired_by_the_next_cycle(lr_sites, lr_connections,
             app.put(f"k{i % 7}", i, ["site-b", "site-c"] if i % 3 else ["site-b"])
     cycles = 400 if window.phase == "timeout" else 5
 
-    def stream_entries() -> None:  # written while the sessions stream (the fault is in the stream's write)
-        time.sleep(1.0)
-        for i in range(1, 50):
+    def stream_entries(running: Callable[[], bool]) -> None:
+        """Written while the sessions stream (the fault is in the stream's write): one every 0.1 s
+        until the replicator is killed, however long its first cycles take on a loaded machine."""
+        for i in range(1, 200):
+            if not running():
+                break
             app.put(f"k{i % 7}", i, ["site-b", "site-c"] if i % 3 else ["site-b"])
+            time.sleep(0.1)
 
     crashed = run_crashing_replicator(
         topo,

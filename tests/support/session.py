@@ -198,11 +198,12 @@ def run_crashing_replicator(
     settings: dict | None = None,
     timeout: float = 120,
     stream: float | None = None,
-    during: Callable[[], None] | None = None,
+    during: Callable[[Callable[[], bool]], None] | None = None,
 ):
     """Run a replicator in a child process that SIGKILLs itself at fault point ``fault``
     (``settings``: SessionSettings overrides, e.g. ``tee_min_backlog``; ``stream``: seconds of
-    streaming mode instead of cycles; ``during``: what the application does while it runs)."""
+    streaming mode instead of cycles; ``during``: what the application does while it runs, given
+    a function that says whether the child still runs)."""
     import json
     import os
     import subprocess
@@ -229,7 +230,7 @@ def run_crashing_replicator(
     )
     try:
         if during is not None:
-            during()
+            during(lambda: child.poll() is None)
         out, err = child.communicate(timeout=timeout)
     finally:
         if child.poll() is None:

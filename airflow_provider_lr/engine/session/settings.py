@@ -8,6 +8,7 @@ the rules that compare them are ``session/catchup.py``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -107,3 +108,21 @@ class StreamSettings:
     # renegotiated at once.
     retry_min: float = 1.0
     retry_max: float = 30.0
+
+
+class RateWindow:
+    """Entries per second over the last whole window (``seconds``): a burst of commits inside a
+    window does not make a stream at a modest rate linger, a sustained rate does."""
+
+    def __init__(self, seconds: float = 0.1) -> None:
+        self.seconds, self.rate = seconds, 0.0
+        self._start, self._count = time.monotonic(), 0
+
+    def add(self, entries: int) -> float:
+        """Count ``entries`` read now; the rate of the last whole window."""
+        self._count += entries
+        now = time.monotonic()
+        if now - self._start >= self.seconds:
+            self.rate = self._count / (now - self._start)
+            self._start, self._count = now, 0
+        return self.rate

@@ -46,8 +46,12 @@ class SinkWriters(Generic[Job]):
         jobs: Mapping[str, Sequence[Job]],
         apply: Callable[[psycopg2.extensions.connection, Job], int],
     ) -> list[tuple[Job, int | BaseException]]:
-        """Run ``apply`` on each site's jobs, in turn on that site's connection, the sites at once;
-        what each returned or raised, site by site in the order given."""
+        """Run ``apply`` on each site's jobs, in turn on that site's connection, the sites at once (one
+        site on the calling thread: no hand-off); what each returned or raised, site by site in the
+        order given."""
+        if len(jobs) == 1:
+            ((site, batch),) = jobs.items()
+            return self._write_site(site, batch, apply)
         futures = [self._pool.submit(self._write_site, site, batch, apply) for site, batch in jobs.items()]
         return [done for future in futures for done in future.result()]
 

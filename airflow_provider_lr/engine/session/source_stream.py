@@ -6,9 +6,10 @@ its source's ``SourceStream`` instead: one handshake (``handshake.py``) renews t
 gives the ``Position`` kept in memory; then, for all the source's sessions at once, the stream
 probes the last drawn commit position, reads the *final prefix* after the lowest session ONCE
 (``source/routed_read``: the source's server says which sessions want each entry), writes each
-session's share in ONE fenced sink transaction (``writes.apply_log_stream``), the sinks in parallel
-(``sink_writers``), acknowledges lazily (asynchronously committed: the sink's position is the
-truth), and lingers under load so batches grow. Per source: two source connections, one per sink
+session's share in ONE fenced sink transaction (``writes.apply_log_stream``), committed
+asynchronously, the sinks in parallel (``sink_writers``), acknowledges lazily what each sink's WAL
+flush has passed (``durable_acks``: the sink's position is the truth), and lingers under load so
+batches grow. Per source: two source connections, one per sink
 site, a thread, a writer thread per sink site: O(sites), whatever the number of sessions.
 
 A session leaves when something calls for negotiation (lease taken over, topology changed, full
@@ -22,10 +23,10 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import psycopg2
 import psycopg2.extensions
@@ -36,17 +37,19 @@ from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.errors import FencedError, LRError, StaleBatchError, TrimmedError, error_line, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import lease as leases
-from airflow_provider_lr.engine.session.handshake import Position, handshake
+from airflow_provider_lr.engine.session.durable_acks import DurableAcks
+from airflow_provider_lr.engine.session.handshake import handshake
 from airflow_provider_lr.engine.session.negotiation import Decision
 from airflow_provider_lr.engine.session.runner import record_error
-from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
+from airflow_provider_lr.engine.session.settings import RateWindow, SessionSettings, StreamSettings
 from airflow_provider_lr.engine.session.sink_writers import SinkWriters
+from airflow_provider_lr.engine.session.stream_member import REASSIGNED, STOPPED, Member, StreamEnd
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.backlog import SessionBacklog, session_backlogs
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL
-from airflow_provider_lr.engine.source.log_reader import LogBatch, LogReader, LogStream, TableSplits
-from airflow_provider_lr.engine.source.routed_read import Reader, RoutedBatch, read_routed
+from airflow_provider_lr.engine.source.log_reader import LogBatch, LogReader, LogStream
+from airflow_provider_lr.engine.source.routed_read import ROUTED, RoutedBatch, read_routed
 from airflow_provider_lr.engine.store.topology import recorded_id
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables import snapshot as table_snapshot
@@ -56,75 +59,9 @@ log = logging.getLogger(__name__)
 
 Connect = Callable[[str], psycopg2.extensions.connection]
 
-STOPPED = "stopped"  # a StreamEnd's reason when its run stopped it (not a hand-back)
-REASSIGNED = "reassigned"  # ... when the session left this replicator's share (another one works it now)
-
-
-@dataclass
-class StreamEnd:
-    """Why a session left its stream, and what the stream delivered to it."""
-
-    session: str
-    reason: str  # why it handed back, STOPPED or REASSIGNED
-    delivered: int = 0
-    error: str = ""
-
-    @property
-    def handed_back(self) -> bool:
-        """Ended by the session's state (a hand-back to the cycles), not by its run stopping or the
-        session moving to another replicator."""
-        return self.reason not in (STOPPED, REASSIGNED)
-
-
-class RateWindow:
-    """Entries per second over the last whole window (``seconds``): a burst of commits inside a
-    window does not make a stream at a modest rate linger, a sustained rate does."""
-
-    def __init__(self, seconds: float = 0.1) -> None:
-        self.seconds, self.rate = seconds, 0.0
-        self._start, self._count = time.monotonic(), 0
-
-    def add(self, entries: int) -> float:
-        """Count ``entries`` read now; the rate of the last whole window."""
-        self._count += entries
-        now = time.monotonic()
-        if now - self._start >= self.seconds:
-            self.rate = self._count / (now - self._start)
-            self._start, self._count = now, 0
-        return self.rate
-
 
 class _Handback(Exception):
     """Something changed that calls for negotiation: the session leaves the stream, keeps the lease."""
-
-
-@dataclass
-class Member:
-    """One session of a source's stream."""
-
-    key: SessionKey
-    lease: leases.Lease
-    position: Position  # the handshake's, advanced by every write
-    reader: LogReader  # the general read, for a transaction too large for the routed read
-    tables: TableSplits  # the synced federated tables, whose changes come along
-    topology_id: str | None  # the topology applied when it joined
-    read_to: int = -1  # every position up to here was read for it (>= its sink's position)
-    acked: int = -1
-    delivered: int = 0
-    registered: bool = False  # its receive queue, by its first write of entries
-    ended: bool = field(default=False, repr=False)
-
-    @property
-    def after(self) -> int:
-        """The sink's position: what is acknowledged on the source."""
-        return self.position.after
-
-    def routed(self) -> Reader:
-        split = (
-            self.position.split if self.position.split is not None and self.position.split.upto > self.read_to else None
-        )
-        assert self.reader.client_id is not None
-        return Reader(self.reader.client_id, self.reader.tag_id, self.read_to, split, self.tables)
 
 
 class SourceStream:
@@ -149,11 +86,14 @@ class SourceStream:
         self._wake = threading.Event()
         self.sinks: SinkWriters[tuple[Member, LogBatch]] = SinkWriters(connect, source)
         self._backlogs: dict[tuple[str, str], SessionBacklog] = {}  # as of the last ack, per (sink, client)
+        self.durable = DurableAcks()
+        self._committed = sys.maxsize  # the highest committed position, as the last routed read saw it
         self.src = connect(source)
         self.peek: psycopg2.extensions.connection | None = None
         try:
             self.peek = connect(source)  # autocommit: the probe and the routed read, one round trip each
             self.peek.autocommit = True
+            ROUTED.prepare(self.peek)
             with self.src.cursor() as cur:  # acks and renewals: the sink's position is the truth
                 cur.execute("SET synchronous_commit = off")
             self.src.commit()
@@ -194,6 +134,8 @@ class SourceStream:
             reason, error = "failed", failure(exc)
         finally:
             self._admit()  # a join still queued is answered too
+            if reason == STOPPED:
+                self._flush_quietly(list(self.members.values()))
             for member in list(self.members.values()):
                 self._ack_quietly(member)
                 if reason == STOPPED:  # the process stops: another replicator may take it at once
@@ -208,6 +150,7 @@ class SourceStream:
         stalled_since: float | None = None  # a drawn position has not shown up since then
         pause = opts.poll_min
         rate = RateWindow()
+        moved = 0  # the last round's: after one that moved, read again without probing first
         while not halt.is_set():
             self._admit()
             if not self.members:
@@ -223,7 +166,8 @@ class SourceStream:
                 self._ack()
                 last_ack = now
             low = min(m.read_to for m in self.members.values())
-            if stalled_since is None and self._latest() <= low:
+            probed = not moved and stalled_since is None
+            if probed and self._latest() <= low:
                 self._wake.wait(pause)  # a join or a leave wakes it at once
                 self._wake.clear()
                 pause = min(pause * 2, opts.poll_max)
@@ -235,6 +179,8 @@ class SourceStream:
                 if rate.add(moved) >= opts.busy_rate:
                     halt.wait(opts.linger)
                 continue
+            if not probed and stalled_since is None and self._committed <= low:
+                continue  # read unprobed, nothing committed since: the next turn probes
             # drawn but not visible: a commit in flight (shows up in a moment), or one that rolled back
             # after drawing (never does): the barrier tells after ``gap_timeout``, and again after each
             stalled_since = now if stalled_since is None or barrier else stalled_since
@@ -255,6 +201,7 @@ class SourceStream:
             if what == "leave":
                 member = self.members.get(key)
                 if member is not None:
+                    self._flush_quietly([member])
                     self._ack_quietly(member)
                     self._release_quietly(member)
                     self._end(member, REASSIGNED)
@@ -278,7 +225,7 @@ class SourceStream:
         except Exception as exc:
             self._refused(key, exc)
             return
-        member.read_to = member.after  # acked at the next ack round: the lag is known from the start
+        member.read_to = member.after  # acked once the sink's flush passed its mark: whatever the sink's settings
         self.members[key] = member
         log.info("session %s streams from position %d", key, member.after)
 
@@ -290,11 +237,14 @@ class SourceStream:
         was rolled back and is passed), per session."""
         members = list(self.members.values())
         low = min(m.read_to for m in members)
+        self._committed = sys.maxsize
         batch: RoutedBatch | None = None
         if not barrier:
             assert self.peek is not None
             try:
-                batch = read_routed(self.peek, [m.routed() for m in members], self.settings.max_bytes, self.source)
+                batch = read_routed(
+                    self.peek, [m.routed() for m in members], self.settings.max_bytes, self.source, prepared=True
+                )
             except TrimmedError as exc:  # the sessions behind the trim mark go to a snapshot sync
                 for m in members:
                     if m.read_to < exc.trim_mark:
@@ -302,6 +252,7 @@ class SourceStream:
                 return 1
         if batch is None:
             return self._round_per_session(members, barrier)
+        self._committed = batch.highest
         if batch.end <= low:
             return 0
         jobs: dict[str, list[tuple[Member, LogBatch]]] = {}
@@ -350,10 +301,15 @@ class SourceStream:
 
     def _apply(self, conn: psycopg2.extensions.connection, member: Member, batch: LogBatch | LogStream) -> int:
         """One session's batch in one fenced sink transaction; the sink's position after it."""
-        position = member.position
-        after = writes.apply_log_stream(
-            conn, self.source, member.key.client, position.epoch, batch, position.base, register=not member.registered
-        )
+        p = member.position  # committed asynchronously: acknowledged once the sink's WAL flush passed it
+        conn.autocommit = True  # BEGIN and COMMIT ride with its first and last statements
+        try:
+            after = writes.apply_log_stream(
+                conn, self.source, member.key.client, p.epoch, batch, p.base, not member.registered, synchronous=False
+            )
+        finally:
+            if not conn.closed:
+                conn.autocommit = False
         fault_point("stream_after_sink_apply")
         return after
 
@@ -406,12 +362,14 @@ class SourceStream:
             self._write(jobs)
 
     def _ack(self) -> None:
-        """Record each sink's position on the source (asynchronously committed: the sink's position
-        is the truth, a lost ack only delays trim), then what each session still has to receive
-        (one count for all of them: the lag the counters show, the backlog ``lr status`` shows)."""
+        """Record on the source each sink's position its WAL flush has passed (``durable_acks``;
+        the record itself is asynchronously committed: the sink's position is the truth, a lost ack
+        only delays trim), then what each session still has to receive (one count for all of them:
+        the lag the counters show, the backlog ``lr status`` shows)."""
+        self._observe_durable()
         acked = []
         for member in list(self.members.values()):
-            if member.acked < member.after:
+            if member.acked < member.durable:
                 try:
                     self._ack_one(member)
                     acked.append(member)
@@ -426,14 +384,44 @@ class SourceStream:
                 if backlog is not None:
                     self.counters.lag(member.key, backlog.entries, backlog.lag_seconds)
 
+    def _observe_durable(self) -> None:
+        """Mark where each sink site's sessions stand and learn which earlier marks its WAL flush passed."""
+        standing: dict[str, dict[SessionKey, int]] = {}
+        for member in self.members.values():
+            if member.after > member.durable:
+                standing.setdefault(member.key.sink, {})[member.key] = member.after
+        for site, positions in standing.items():
+            try:
+                durable = self.durable.observe(self.sinks.conn(site), site, positions)
+            except Exception as exc:  # the sink is lost: its sessions go back to the cycles
+                for key in positions:
+                    if key in self.members:
+                        self._fail(self.members[key], exc)
+                continue
+            for key, position in durable.items():
+                if key in self.members:
+                    member = self.members[key]
+                    member.durable = max(member.durable, position)
+
+    def _flush_quietly(self, members: list[Member]) -> None:
+        """Make what ``members`` were written durable on their sinks now (the stream stops or they
+        leave): their last acks then say all of it."""
+        for site, member in {m.key.sink: m for m in members if m.after > m.durable}.items():
+            try:  # one session's fenced transaction flushes all the site's
+                writes.flush(self.sinks.conn(site), self.source, member.key.client, member.position.epoch)
+                for member in (m for m in members if m.key.sink == site):
+                    member.durable = member.after
+            except (psycopg2.Error, LRError) as exc:  # acked up to the flush seen last; the next holder reads the sink
+                log.info("stream of %s: sink %s not flushed: %s", self.source, site, one_line(exc))
+
     def _ack_one(self, member: Member) -> None:
         leases.update_session(
-            self.src, member.lease, acked_position=member.after, last_error=None, last_success_at=AsIs("now()")
+            self.src, member.lease, acked_position=member.durable, last_error=None, last_success_at=AsIs("now()")
         )
-        member.acked = member.after
+        member.acked = member.durable
 
     def _ack_quietly(self, member: Member) -> None:
-        if member.acked >= member.after or self.src.closed:
+        if member.acked >= member.durable or self.src.closed:
             return
         try:
             self.src.rollback()  # a statement that failed on the source left its transaction aborted
@@ -452,6 +440,7 @@ class SourceStream:
             return
         member.ended = True
         self.members.pop(member.key, None)
+        self.durable.forget(member.key.sink)
         self._refused(member.key, exc, member.delivered)
 
     def _refused(self, key: SessionKey, exc: BaseException, delivered: int = 0) -> None:
@@ -478,6 +467,7 @@ class SourceStream:
             return
         member.ended = True
         self.members.pop(member.key, None)
+        self.durable.forget(member.key.sink)
         if error:
             self._record_quietly(member.key, error)
         self.ended(StreamEnd(str(member.key), reason, member.delivered, error))

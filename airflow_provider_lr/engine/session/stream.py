@@ -26,7 +26,8 @@ from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.runner import CycleReport
 from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
-from airflow_provider_lr.engine.session.source_stream import REASSIGNED, STOPPED, SourceStream, StreamEnd
+from airflow_provider_lr.engine.session.source_stream import SourceStream
+from airflow_provider_lr.engine.session.stream_member import REASSIGNED, STOPPED, StreamEnd
 from airflow_provider_lr.engine.vocabulary import SessionKey, SessionState
 
 log = logging.getLogger(__name__)

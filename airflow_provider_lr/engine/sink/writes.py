@@ -107,25 +107,41 @@ class SinkTransaction(sink_sessions.FencedTransaction):
     def __enter__(self) -> tuple[psycopg2.extensions.cursor, SinkMetadata]:
         return super().__enter__()
 
-    def advance(self, end: int, wrote: bool, register: bool = True) -> None:
+    def advance(self, end: int, wrote: bool, register: bool = True, last: bool = False) -> None:
         """Record a log-entry batch's end; when it ``wrote`` entries, also register the queue (see
-        ``announce``) and wake the subscribers at commit: position and wake-up in one round trip."""
+        ``announce``) and wake the subscribers at commit: the last rows ``insert`` held back,
+        position and wake-up in one round trip (with the commit too when ``last``, on an
+        autocommit connection: ``FencedTransaction``)."""
         if wrote and register:
             self.register()
-        self.advance_to(end, (NOTIFY_CHANNEL, wakeup_payload(self.client, self.source)) if wrote else None)
+        held, self.held = self.held, b""
+        self.advance_to(end, (NOTIFY_CHANNEL, wakeup_payload(self.client, self.source)) if wrote else None, last, held)
+
+    def commit(self) -> None:
+        if self.held:  # rows held back for an ``advance`` that did not come
+            self.cur.execute(self.held)
+            self.held = b""
+        super().commit()
 
     def metadata(self) -> SinkMetadata:
         """The session's metadata as this transaction has just written it: what the caller goes on from."""
         return _metadata(self.row())
 
+    held = b""  # the last INSERT of ``insert(..., hold=True)``, sent with the next ``advance``
+
     def insert(
-        self, entries: Iterable[tuple[int, int, int, bytes]], sync_id: str | None = None, visible: bool = True
+        self,
+        entries: Iterable[tuple[int, int, int, bytes]],
+        sync_id: str | None = None,
+        visible: bool = True,
+        hold: bool = False,
     ) -> int:
         """Entries (kind, position, entry id, message) appended in order, packed into receive-queue
         rows (``queue_rows``): ``seq`` follows the order. Returns how many were written.
 
         ``entries`` may be a stream (``LogStream``): rows are sent every ``INSERT_BYTES`` (or
-        ``INSERT_ENTRIES``) in this same transaction, so a batch of any size costs a few MiB here."""
+        ``INSERT_ENTRIES``) in this same transaction, so a batch of any size costs a few MiB here.
+        ``hold``: the last rows go with the transaction's ``advance`` (one round trip fewer)."""
         writer = receive_queue.QueueWriter(self.source, self.client, sync_id, visible)
         packer = Packer(writer.add)
         waiting = 0  # bytes added since the last flush
@@ -137,7 +153,10 @@ class SinkTransaction(sink_sessions.FencedTransaction):
                 writer.send(self.cur)
                 waiting = sum(len(p[0]) for p in packer.pending)
         packer.flush()
-        writer.send(self.cur)
+        if hold:
+            self.held = writer.statement(self.cur)
+        else:
+            writer.send(self.cur)
         return packer.entries
 
     def register(self) -> None:
@@ -148,6 +167,14 @@ class SinkTransaction(sink_sessions.FencedTransaction):
         """Register the receive queue (first write after any restart) and wake subscribers at commit."""
         self.register()
         self.cur.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, wakeup_payload(self.client, self.source)))
+
+
+def flush(conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> None:
+    """Make everything committed on the sink so far durable: an empty fenced transaction of the
+    session (its row lock is written to the WAL) committed synchronously, so its commit waits for
+    the WAL flush past every commit before it."""
+    with SinkTransaction(conn, source, client, epoch, synchronous=True):
+        pass
 
 
 def fence(conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> SinkMetadata:
@@ -307,6 +334,7 @@ def apply_log_stream(
     batch: LogBatch | LogStream,
     base: int,
     register: bool = True,
+    synchronous: bool | None = None,
 ) -> int:
     """Apply a log-entry batch covering positions ``(batch.after, batch.end]``; returns the sink's last
     processed position. A batch already applied is a no-op; an overlapping one writes only the new
@@ -316,8 +344,10 @@ def apply_log_stream(
     pieces, with ``last_log_entry_processed = batch.end`` set at the end, so a source transaction of
     any size becomes visible on the sink whole (guarantee 2 in docs/architecture.md) while only a few MiB of it are
     in memory at a time. ``register=False``: the queue is registered already (a stream registers it
-    with its first write)."""
-    write = SinkTransaction(conn, source, client, epoch)
+    with its first write). ``synchronous=False``: committed without waiting for the sink's WAL flush
+    (a stream's applies); the caller acknowledges the position only once the flush passed it
+    (``session/durable_acks``). None: as the sink's ``synchronous_commit`` says."""
+    write = SinkTransaction(conn, source, client, epoch, synchronous)
     with write as (cur, meta):
         if not meta.data_consistent or meta.snapshot_applied != base:
             raise StaleBatchError(
@@ -330,12 +360,12 @@ def apply_log_stream(
         if batch.after > last:
             raise StaleBatchError(f"batch starts after {batch.after} but the sink has only processed up to {last}")
         tables = ChangeApplier(cur, source, client)
-        written = write.insert(_sink_entries(batch, last, source, client, tables))
+        written = write.insert(_sink_entries(batch, last, source, client, tables), hold=True)
         tables.flush()
         end = batch.end  # final now that the batch was read
         if end <= last:
             return last
-        write.advance(end, written > 0, register)
+        write.advance(end, written > 0, register, last=True)
         return end
 
 

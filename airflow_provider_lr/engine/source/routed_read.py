@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.db.prepared import Prepared
 from airflow_provider_lr.engine.source.log_reader import (
     FETCH_ROWS,
     FINAL_ENDS,
@@ -94,6 +95,23 @@ FROM (SELECT 1) one LEFT JOIN LATERAL (
 """
 )
 
+# prepared by a stream on its connection: planning the statement costs more than running it
+ROUTED = Prepared(
+    "lr_routed_read",
+    _ROUTED_SQL,
+    {
+        "after": "int8",
+        "scan": "int4",
+        "rows": "int4",
+        "inline": "int4",
+        "stream": "int2",
+        "t_stream": "int2",
+        **{name: "int4[]" for name in ("idx", "cids", "tags", "t_idx", "t_ids")},
+        **{name: "int8[]" for name in ("afters", "s_uptos", "t_uptos")},
+        **{name: "text[]" for name in ("s_snaps", "t_snaps")},
+    },
+)
+
 _OUT_OF_LINE_SQL = """
 SELECT c.position, e.entry_id, e.message FROM lr.log_commits c JOIN lr.log_entries e ON e.tx = c.tx
 WHERE (c.position, e.entry_id) IN (SELECT * FROM unnest(%(positions)s::int8[], %(ids)s::int8[]))
@@ -128,16 +146,23 @@ def _params(readers: Sequence[Reader], max_bytes: int) -> dict:
 
 
 def read_routed(
-    conn: psycopg2.extensions.connection, readers: Sequence[Reader], max_bytes: int, source: str = ""
+    conn: psycopg2.extensions.connection,
+    readers: Sequence[Reader],
+    max_bytes: int,
+    source: str = "",
+    prepared: bool = False,
 ) -> RoutedBatch | None:
     """The final prefix after the lowest reader, routed (see the module docstring); None when its
     first transaction alone is too large for one small batch. ``conn`` is autocommit (one round
-    trip), or its transaction is ended here. ``TrimmedError`` when the log was trimmed past the
-    lowest reader."""
+    trip), or its transaction is ended here; ``prepared``: ``ROUTED`` was prepared on it.
+    ``TrimmedError`` when the log was trimmed past the lowest reader."""
     params = _params(readers, max_bytes)
     try:
         with conn.cursor() as cur:
-            cur.execute(_ROUTED_SQL, params)
+            if prepared:
+                ROUTED.execute(cur, params)
+            else:
+                cur.execute(_ROUTED_SQL, params)
             rows = cur.fetchall()
     finally:
         if not conn.autocommit:

@@ -55,6 +55,10 @@ class Row(Protocol):
 
 
 # --- the writer -----------------------------------------------------------------------------------
+_INSERT = f"INSERT INTO lr.receive_queue ({COLUMNS}) VALUES %s"
+_VALUES = "(%s, %s, %s, %s, %s, %s::uuid, %s, %s, %s)"
+
+
 class QueueWriter:
     """Rows of one session into ``lr.receive_queue``, in the caller's transaction and in the order
     given, so ``seq`` follows it.
@@ -101,14 +105,17 @@ class QueueWriter:
         """INSERT the rows added (then forget them)."""
         if not self.rows:
             return
-        execute_values(
-            cur,
-            f"INSERT INTO lr.receive_queue ({COLUMNS}) VALUES %s",
-            self.rows,
-            template="(%s, %s, %s, %s, %s, %s::uuid, %s, %s, %s)",
-            page_size=1000,
-        )
+        execute_values(cur, _INSERT, self.rows, template=_VALUES, page_size=1000)
         self.rows.clear()
+
+    def statement(self, cur: psycopg2.extensions.cursor) -> bytes:
+        """The INSERT of the rows added, as a statement for the caller to send with its next one (then
+        forget them); empty when there are none."""
+        if not self.rows:
+            return b""
+        values = b",".join(cur.mogrify(_VALUES, row) for row in self.rows)
+        self.rows.clear()
+        return _INSERT.replace("%s", "").encode() + values
 
     # COPY form
     def copy_sql(self, conn: psycopg2.extensions.connection) -> str:

@@ -12,8 +12,10 @@ applied once) sit above it; table snapshots (``tables/snapshot``) use it as it i
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
+import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import FencedError
@@ -39,6 +41,15 @@ COLUMNS = (
 )
 _SELECT = f"SELECT {', '.join(COLUMNS)} FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s"
 _CREATE = "INSERT INTO lr.sink_sessions (source_site_id, client_name) VALUES (%s, %s) ON CONFLICT DO NOTHING"
+
+# An asynchronous commit (PostgreSQL's apply worker commits so) returns before its WAL is flushed:
+# whoever acknowledges what it wrote waits for the sink's flush position to pass it. The row lock
+# writes WAL, so a synchronous commit of a fenced transaction flushes everything committed before it.
+_COMMIT_MODE = {
+    None: "",
+    True: "SET LOCAL synchronous_commit = on; ",
+    False: "SET LOCAL synchronous_commit = off; ",
+}
 
 Row = dict[str, Any]  # COLUMNS -> value
 
@@ -72,17 +83,35 @@ class FencedTransaction:
 
     cur: psycopg2.extensions.cursor  # the transaction's cursor, from ``open`` on
 
-    def __init__(self, conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> None:
+    def __init__(
+        self,
+        conn: psycopg2.extensions.connection,
+        source: str,
+        client: str,
+        epoch: int,
+        synchronous: bool | None = None,
+    ) -> None:
         self.conn, self.source, self.client, self.epoch = conn, source, client, epoch
+        # the commit: as the server's synchronous_commit says (None), waiting for the WAL flush (True),
+        # or not (False: the stream's applies, acknowledged by flush position)
+        self.synchronous = synchronous
 
     def open(self) -> Any:
         """Lock the session's row (a concurrent writer of the session waits here), refuse a stale
         epoch or a failed-over session, raise the sink's epoch to ours; the row as it stands under
         the lock."""
         self.cur = self.conn.cursor()
+        # on an autocommit connection BEGIN and COMMIT ride with the first and last statements
+        # (two round trips fewer: a stream's hot path); otherwise psycopg2 sends them itself
+        self.explicit, self.ended = self.conn.autocommit, False
         try:
             self.cur.execute(
-                _CREATE + "; " + _SELECT + " FOR UPDATE",  # one round trip: made if missing, locked, read
+                ("BEGIN; " if self.explicit else "")
+                + _COMMIT_MODE[self.synchronous]
+                + _CREATE
+                + "; "
+                + _SELECT
+                + " FOR UPDATE",  # one round trip: made if missing, locked, read
                 (self.source, self.client, self.source, self.client),
             )
             row = dict(zip(COLUMNS, self.cur.fetchone()))
@@ -107,22 +136,31 @@ class FencedTransaction:
                 )
             return row
         except BaseException:
-            self.cur.close()
-            if not self.conn.closed:
-                self.conn.rollback()
+            self.abort()
             raise
 
     def commit(self) -> None:
         """Make data and metadata visible together."""
         try:
-            self.conn.commit()
+            if not self.explicit:
+                self.conn.commit()
+            elif not self.ended:
+                self.cur.execute("COMMIT")
         finally:
             self.cur.close()
 
     def abort(self) -> None:
         """Roll back: nothing of the transaction becomes visible."""
         try:
-            if not self.conn.closed:  # a lost server: keep its error, not the rollback's
+            if self.conn.closed:  # a lost server: keep its error, not the rollback's
+                pass
+            elif self.explicit:
+                with (
+                    contextlib.suppress(psycopg2.Error),
+                    self.conn.cursor() as cur,
+                ):  # keep the error that brought us here
+                    cur.execute("ROLLBACK")
+            else:
                 self.conn.rollback()
         finally:
             self.cur.close()
@@ -133,7 +171,11 @@ class FencedTransaction:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         if exc_type is None:
-            self.commit()
+            try:
+                self.commit()
+            except BaseException:  # a failed last statement leaves the connection in no transaction
+                self.abort()
+                raise
         else:
             self.abort()
 
@@ -145,15 +187,20 @@ class FencedTransaction:
             (*values.values(), self.source, self.client),
         )
 
-    def advance_to(self, end: int, notify: tuple[str, str] | None = None) -> None:
+    def advance_to(
+        self, end: int, notify: tuple[str, str] | None = None, last: bool = False, before: bytes = b""
+    ) -> None:
         """Record the last processed position; with ``notify`` (channel, payload), wake at commit in
-        the same round trip."""
+        the same round trip. ``last``: the transaction's last statement (its COMMIT may ride along);
+        ``before``: statements of the transaction sent in the same round trip, ahead of it."""
         wake = "; SELECT pg_notify(%s, %s)" if notify else ""
-        self.cur.execute(
+        self.ended = last and self.explicit
+        statement = self.cur.mogrify(
             "UPDATE lr.sink_sessions SET last_log_entry_processed = %s, updated_at = now() "
-            "WHERE source_site_id = %s AND client_name = %s" + wake,
+            "WHERE source_site_id = %s AND client_name = %s" + wake + ("; COMMIT" if self.ended else ""),
             (end, self.source, self.client) + (notify or ()),
         )
+        self.cur.execute(before + b"; " + statement if before else statement)
 
     def row(self) -> Row:
         """The session's row as this transaction has just written it."""

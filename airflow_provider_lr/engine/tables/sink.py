@@ -96,9 +96,12 @@ def forget_session(cur: psycopg2.extensions.cursor, source: str, client: str) ->
     )
 
 
+APPLYING_SQL = "SELECT set_config('lr.applying', 'on', true)"
+
+
 def applying(cur: psycopg2.extensions.cursor) -> None:
     """Mark the transaction as lr's apply: the capture triggers of this site leave it alone."""
-    cur.execute("SELECT set_config('lr.applying', 'on', true)")
+    cur.execute(APPLYING_SQL)
 
 
 @dataclass
@@ -320,9 +323,8 @@ class ChangeApplier:
         self._here: str | None = None
 
     def add(self, record: LogRecord) -> None:
-        if self._here is None:
-            applying(self.cur)
-            self.cur.execute("SET CONSTRAINTS ALL DEFERRED; SELECT site_id FROM lr.site_info")
+        if self._here is None:  # marked as lr's apply (``applying``), constraints as the source's: one round trip
+            self.cur.execute(APPLYING_SQL + "; SET CONSTRAINTS ALL DEFERRED; SELECT site_id FROM lr.site_info")
             self._here = f"session {SessionKey(self.source, self.cur.fetchone()[0], self.client)}"
         tid = record.table_id
         assert tid is not None

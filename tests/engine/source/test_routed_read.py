@@ -11,13 +11,30 @@ from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import TrimmedError
 from airflow_provider_lr.engine.source import routed_read
 from airflow_provider_lr.engine.source.log_reader import FETCH_ROWS, BaseSplit, LogReader, TableSplits
-from airflow_provider_lr.engine.source.routed_read import Reader, read_routed
+from airflow_provider_lr.engine.source.routed_read import ROUTED, Reader
 from tests.support.session import apply
+
+read_routed = routed_read.read_routed  # rebound per test: as text, or prepared as a stream runs it
 
 
 def _transmit(conn, client: str, payload: str, destinations: list[str]) -> None:
     RoutingQueueClient(conn, client).transmit_log_entry_message(payload.encode(), destinations)
     conn.commit()
+
+
+@pytest.fixture(params=["as text", "prepared"], autouse=True)
+def statement(request, monkeypatch):
+    """Each test twice: the routed read sent as text, and prepared on the connection (a stream's way)."""
+    if request.param == "prepared":
+        prepared: set[int] = set()
+
+        def read_prepared(conn, *args, **kwargs):
+            if id(conn) not in prepared:
+                ROUTED.prepare(conn)
+                prepared.add(id(conn))
+            return routed_read.read_routed(conn, *args, **kwargs, prepared=True)
+
+        monkeypatch.setitem(globals(), "read_routed", read_prepared)
 
 
 @pytest.fixture

@@ -1,0 +1,41 @@
+"""Statements prepared once on a connection and executed by name.
+
+psycopg2 sends every statement as text, which the server parses and plans on every call. For a
+statement a stream runs hundreds of times a second that costs more than running it: the routed read
+plans in ~0.3 ms and runs in ~0.1 ms. ``Prepared`` turns a statement written with psycopg2's named
+placeholders (``%(name)s``) into a server-side prepared statement with typed parameters, prepared by
+the connection's owner once (``prepare``), then executed by name with the same parameters as before.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import psycopg2.extensions
+
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+
+
+class Prepared:
+    """One statement, prepared under ``name`` on the connections that ``prepare`` it."""
+
+    def __init__(self, name: str, sql: str, types: Mapping[str, str]) -> None:
+        names = list(dict.fromkeys(_PLACEHOLDER.findall(sql)))  # in order of first use
+        missing = [n for n in names if n not in types]
+        assert not missing, f"no SQL type given for {missing} of prepared statement {name}"
+        numbered = _PLACEHOLDER.sub(lambda m: f"${names.index(m.group(1)) + 1}", sql).replace("%%", "%")  # sent as is
+        self.name, self.names = name, names
+        self.prepare_sql = f"PREPARE {name} ({', '.join(types[n] for n in names)}) AS {numbered}"
+        self.execute_sql = f"EXECUTE {name} ({', '.join(f'%({n})s::{types[n]}' for n in names)})"
+
+    def prepare(self, conn: psycopg2.extensions.connection) -> None:
+        """Prepare it on ``conn`` (once: a prepared statement lives as long as the connection)."""
+        with conn.cursor() as cur:
+            cur.execute(self.prepare_sql)
+        if not conn.autocommit:
+            conn.commit()
+
+    def execute(self, cur: psycopg2.extensions.cursor, params: Mapping[str, object]) -> None:
+        """Run it on ``cur``'s connection, where it was prepared."""
+        cur.execute(self.execute_sql, {n: params[n] for n in self.names})

@@ -1,0 +1,126 @@
+"""A stream commits its sink transactions asynchronously and acknowledges on the source only what
+the sink's WAL flush has passed: a sink crash after an asynchronous commit, before its flush, loses
+that commit on the sink but never an entry (the source still holds it; the stream resends it from
+the sink's durable position)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.engine.session.durable_acks import WAL_POSITIONS_SQL
+from airflow_provider_lr.engine.session.settings import StreamSettings
+from airflow_provider_lr.engine.source import trim
+from tests.support.session import Streaming, apply, empty_provider, replicator, sink_queue, wait_for
+
+ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
+FAST = StreamSettings(check_interval=0.2, ack_interval=0.05)
+
+
+def _acked(source) -> int:
+    return source.query(
+        "SELECT acked_position FROM lr.source_sessions WHERE sink_site_id = 'site-b' AND client_name = 'policy'"
+    )[0][0]
+
+
+def _processed(sink) -> int:
+    rows = sink.query(
+        "SELECT last_log_entry_processed FROM lr.sink_sessions WHERE source_site_id = 'site-a' AND client_name = 'policy'"
+    )
+    return rows[0][0] if rows else -1
+
+
+def _transmit(conn, payload: str) -> None:
+    RoutingQueueClient(conn, "policy").transmit_log_entry_message(payload.encode(), ["site-b"])
+    conn.commit()
+
+
+def _wal_writer(site) -> int:
+    return site.query("SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'")[0][0]
+
+
+@contextlib.contextmanager
+def _wal_writer_stalled(site) -> Iterator[int]:
+    """``site``'s WAL writer stopped (SIGSTOP): its asynchronous commits stay unwritten and
+    unflushed until something else flushes; continued on the way out (if it still runs)."""
+    pid = _wal_writer(site)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield pid
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def test_a_streamed_entry_is_acknowledged_only_once_the_sinks_wal_flush_passed_its_commit(lr_sites):
+    """Entries committed on the sink (visible to its applications) but not yet flushed are not
+    acknowledged on the source, however many ack rounds pass; once the sink flushes, they are."""
+    source, sink, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:empty_provider"})
+    repl = replicator(topo, lr_sites, providers={"policy": empty_provider})
+    writer = source.connect()
+    with Streaming(repl, FAST) as streaming, _wal_writer_stalled(sink):
+        streaming.streaming()
+        for i in range(20):
+            _transmit(writer, f"entry {i}")
+        wait_for(lambda: len(sink_queue(sink, "policy")) == 20, 10, "the entries committed on the sink")
+        applied = _processed(sink)
+        time.sleep(0.5)  # ten ack rounds
+        flushed, inserted = sink.query(WAL_POSITIONS_SQL)[0]
+        assert flushed < inserted, "the sink's WAL was flushed early: nothing left to look at"
+        assert _acked(source) < applied, "a position was acknowledged before the sink's WAL flush passed its commit"
+        sink.query("SET synchronous_commit = on; UPDATE lr.site_info SET site_id = site_id")  # any durable commit
+        wait_for(lambda: _acked(source) == applied, 5, "the acknowledgement once the sink flushed")
+    writer.close()
+
+
+def test_sink_server_killed_after_async_commits_before_their_flush_loses_nothing(lr_sites, site_manager):
+    """The sink's server stops immediately (a crash: what its WAL writer had not written is gone)
+    while entries stream at 400/s; the source is trimmed of everything acknowledged meanwhile. The
+    source never acknowledged more than the restarted sink holds, and every entry arrives once, in
+    order, resent from the sink's durable position."""
+    source, sink, _ = lr_sites
+    for site in (source, sink):  # production durability, but for the stream's own asynchronous commits
+        site.query(f'ALTER DATABASE "{site.dbname}" SET synchronous_commit = on')
+    topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:empty_provider"})
+    repl = replicator(topo, lr_sites, providers={"policy": empty_provider}, lease_seconds=2.0)
+    payloads = [f"entry {i}".encode() for i in range(1200)]
+    writer = source.connect()
+
+    def write() -> None:
+        for i, payload in enumerate(payloads):
+            _transmit(writer, payload.decode())
+            if i % 4 == 0:
+                time.sleep(0.01)
+
+    with Streaming(repl, FAST) as streaming:
+        streaming.streaming()
+        writing = threading.Thread(target=write)
+        writing.start()
+        wait_for(lambda: len(sink_queue(sink, "policy")) > 200, 15, "entries streaming")
+        walwriter = _wal_writer(sink)
+        os.kill(walwriter, signal.SIGSTOP)  # from here the stream's commits on the sink stay in its WAL buffers
+        wait_for(lambda: len(sink_queue(sink, "policy")) > 400, 15, "entries committed, not flushed")
+        applied = _processed(sink)
+        time.sleep(0.3)  # ack rounds pass
+        # the crash: an immediate stop (SIGQUIT to every server process; the stalled WAL writer
+        # handles it once continued, and exits without writing)
+        threading.Timer(0.5, os.kill, (walwriter, signal.SIGCONT)).start()
+        site_manager.down([sink.site_id], mode="immediate")
+        try:
+            acked = _acked(source)
+            trim.safe_trim(source.connect())  # whatever the source believes delivered is gone from it
+        finally:
+            site_manager.up(site_ids=[sink.site_id])
+        recovered = _processed(sink)
+        assert recovered < applied, "the crash lost none of the unflushed commits: the window was not exercised"
+        assert acked <= recovered, f"acknowledged position {acked} beyond the {recovered} the sink held after its crash"
+        writing.join()
+        wait_for(lambda: len(sink_queue(sink, "policy")) >= len(payloads), 60, "every entry after the restart")
+        assert sink_queue(sink, "policy") == payloads, "an entry lost, repeated or out of order"
+    writer.close()
