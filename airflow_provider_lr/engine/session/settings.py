@@ -97,10 +97,11 @@ class StreamSettings:
     ack_interval: float = 0.2  # acknowledged position recorded on the source at most this often
     check_interval: float = 1.0  # lease renewed, topology and full-sync requests checked
     gap_timeout: float = 0.05  # a missing position this old is resolved with the commit barrier
-    # Under load (the session's entries arrive at ``busy_rate`` per second or more over the last
-    # 0.1 s: ``RateWindow``), wait ``linger`` before reading again: a read and a sink transaction
-    # cost about the same for one entry as for hundreds, and on a busy machine that fixed cost is
-    # taken from the writers (docs/streaming.md). Below it, every commit is read at once.
+    # Under load (the sessions' deliveries arrive at ``busy_rate`` per second or more over the last
+    # 0.1 s: ``RateWindow``), wait as long as the last round took, at most ``linger``, before reading
+    # again: a read and a sink transaction cost about the same for one entry as for dozens, so the
+    # stream spends at most half its time in rounds and its batches grow with the load, while at a
+    # modest rate every commit is read at once (docs/streaming.md).
     busy_rate: float = 2000.0
     linger: float = 0.02
     # A session whose cycle fails (a site down, a lock or statement timeout) is retried after

@@ -8,8 +8,8 @@ probes the last drawn commit position, reads the *final prefix* after the lowest
 (``source/routed_read``: the source's server says which sessions want each entry), writes each
 session's share in ONE fenced sink transaction (``writes.apply_log_stream``), committed
 asynchronously, the sinks in parallel (``sink_writers``), acknowledges lazily what each sink's WAL
-flush has passed (``durable_acks``: the sink's position is the truth), and lingers under load so
-batches grow. Per source: two source connections, one per sink
+flush has passed (``durable_acks``: the sink's position is the truth), and under load waits as
+long as its last round took (so batches grow and the writers keep at least half the time). Per source: two source connections, one per sink
 site, a thread, a writer thread per sink site: O(sites), whatever the number of sessions.
 
 A session leaves when something calls for negotiation (lease taken over, topology changed, full
@@ -173,11 +173,12 @@ class SourceStream:
                 pause = min(pause * 2, opts.poll_max)
                 continue
             barrier = stalled_since is not None and now - stalled_since >= opts.gap_timeout
+            started = time.monotonic()
             moved = self._round(barrier)
             if moved:
                 stalled_since, pause = None, opts.poll_min
-                if rate.add(moved) >= opts.busy_rate:
-                    halt.wait(opts.linger)
+                if rate.add(moved) >= opts.busy_rate:  # under load, at most half the time in rounds
+                    halt.wait(min(opts.linger, time.monotonic() - started))
                 continue
             if not probed and stalled_since is None and self._committed <= low:
                 continue  # read unprobed, nothing committed since: the next turn probes
