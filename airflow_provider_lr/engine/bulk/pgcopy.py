@@ -289,4 +289,6 @@ class StagedQueueWriter(PackedRows, StagingWriter):
         self.append = self.packer.append
 
     def _add_row(self, row: QueueRow) -> None:
-        self.add(staging_head(self.prefix, row.position, row.entry_id, row.kind, row.entry_count, row.message), row.message)
+        self.add(
+            staging_head(self.prefix, row.position, row.entry_id, row.kind, row.entry_count, row.message), row.message
+        )

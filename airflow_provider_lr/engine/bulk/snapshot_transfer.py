@@ -283,7 +283,9 @@ def stage_range(plan: SnapshotPlan, part: EntryRange) -> dict:
         writer = StagingWriter(dst)
         prefix = staging_prefix(plan.source, plan.client, plan.request_id)
         packer = Packer(
-            lambda r: writer.add(staging_head(prefix, r.position, r.entry_id, r.kind, r.entry_count, r.message), r.message)
+            lambda r: writer.add(
+                staging_head(prefix, r.position, r.entry_id, r.kind, r.entry_count, r.message), r.message
+            )
         )
 
         def on_row(fields: list[bytes | None]) -> None:

@@ -173,7 +173,12 @@ def _runs(entries: list[tuple[bytes, int, int, int]], start: int = 0, end: int |
         run_positions = b"".join(_varint(p) for p, _ in runs)
         run_counts = b"".join(_varint(n) for _, n in runs)
     return (
-        _RUN_POSITIONS + _varint(len(run_positions)) + run_positions + _RUN_COUNTS + _varint(len(run_counts)) + run_counts
+        _RUN_POSITIONS
+        + _varint(len(run_positions))
+        + run_positions
+        + _RUN_COUNTS
+        + _varint(len(run_counts))
+        + run_counts
     )
 
 

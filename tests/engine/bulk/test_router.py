@@ -51,10 +51,18 @@ def transmit(source, entries: int, per_txn: int) -> None:
             batch = range(start, min(start + per_txn, entries))
             subsets = (["site-b"], ["site-c"], ["site-b", "site-c"])
             policy.transmit_log_entry_messages(
-                [LRMessageWithDestinations(f"policy:{n}".encode().ljust(200, b"."), subsets[n % 3]) for n in batch if n % 4]
+                [
+                    LRMessageWithDestinations(f"policy:{n}".encode().ljust(200, b"."), subsets[n % 3])
+                    for n in batch
+                    if n % 4
+                ]
             )
             audit.transmit_log_entry_messages(
-                [LRMessageWithDestinations(f"audit:{n}".encode().ljust(200, b"."), ["site-b", "site-c"]) for n in batch if not n % 4]
+                [
+                    LRMessageWithDestinations(f"audit:{n}".encode().ljust(200, b"."), ["site-b", "site-c"])
+                    for n in batch
+                    if not n % 4
+                ]
             )
             conn.commit()
     finally:
