@@ -20,11 +20,11 @@ from airflow_provider_lr.engine.bulk.pgcopy import PackedRows, RowReader
 from airflow_provider_lr.engine.bulk.plan import Demand, PositionRange
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.sink.queue_rows import HEADS, piece
-from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, sink_form_at
+from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, TYPE_TAG, sink_form_at
 
 # A row of the chunk's read, binary: field count, then (length, value) of position, entry id
-# and demand mask (int8 each), then the message's length (the message follows).
-_ENTRY_ROW = struct.Struct(">hiqiqiqi")
+# and demand mask (int8 each: their lengths are skipped), then the message's length (the message follows).
+_ENTRY_ROW = struct.Struct(">h4xq4xq4xqi")
 _ENTRY_SIZE = _ENTRY_ROW.size
 PACK_EVERY = 4096  # entries appended between two packing passes...
 PACK_EVERY_BYTES = 4 << 20  # ...or bytes of large entries appended: bounded by bytes, whatever their size
@@ -107,15 +107,17 @@ class CopyRouter(RowReader):
     session whose bit is set in the entry's mask.
 
     The usual row (one CopyData message = one row, destinations of < 128 bytes, a one-byte type)
-    is read in place (``vocabulary.sink_form_at``), with no other call per entry than that, this
-    ``write`` and one list append per session (rows are formed every ``PACK_EVERY`` entries or
-    ``PACK_EVERY_BYTES``). Anything else goes through ``RowReader``'s general parser and
+    is read in place: where it starts with the destination records of the last entry of its mask
+    (entries to the same sinks name them alike) its sink form follows them, else
+    ``vocabulary.sink_form_at`` reads them. No other call per entry than this ``write`` and one
+    list append per session (rows are formed every ``PACK_EVERY`` entries or ``PACK_EVERY_BYTES``). Anything else goes through ``RowReader``'s general parser and
     ``vocabulary.strip_destinations``."""
 
     def __init__(self, writers: dict[int, PackedRows], halfway: int, fault_tag: str | None) -> None:
         super().__init__(self._general_row)
         self.by_bit = writers
         self.routes: dict[int, list[Callable]] = {}  # mask -> the append of each writer that wants it
+        self.destinations: dict[int, bytes] = {}  # mask -> the destination records of its last entry
         self.read = 0
         self.waiting = 0  # bytes of large entries appended since the last packing pass
         self.halfway, self.fault_tag = halfway, fault_tag
@@ -128,10 +130,23 @@ class CopyRouter(RowReader):
     def write(self, chunk: bytes) -> int:
         size = len(chunk)
         if self._header_seen and not self._buf and size > _ENTRY_SIZE:
-            count, _, position, _, entry_id, _, mask, length = _ENTRY_ROW.unpack_from(chunk)
+            count, position, entry_id, mask, length = _ENTRY_ROW.unpack_from(chunk)
             if count == 4 and _ENTRY_SIZE + length == size:
                 try:
-                    kind, pos = sink_form_at(chunk, _ENTRY_SIZE)
+                    # the destinations of the last entry of this mask, if this one starts with them
+                    # (then sink_form_at would read the same records): the usual case, no parsing
+                    known = self.destinations.get(mask)
+                    pos = _ENTRY_SIZE + len(known) if known is not None else 0
+                    if (
+                        pos
+                        and chunk.startswith(known, _ENTRY_SIZE)
+                        and chunk[pos] == TYPE_TAG
+                        and chunk[pos + 1] < 0x80
+                    ):
+                        kind = chunk[pos + 1]
+                    else:
+                        kind, pos = sink_form_at(chunk, _ENTRY_SIZE)
+                        self.destinations[mask] = chunk[_ENTRY_SIZE:pos]
                 except IndexError:
                     self._deliver(position, entry_id, mask, chunk[_ENTRY_SIZE:])
                     self.rows += 1

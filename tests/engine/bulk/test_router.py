@@ -5,8 +5,10 @@ same entries."""
 
 from __future__ import annotations
 
+import struct
+
 from airflow_provider_lr.engine.bulk import router
-from airflow_provider_lr.engine.bulk.pgcopy import PackedRows
+from airflow_provider_lr.engine.bulk.pgcopy import HEADER, PackedRows
 from airflow_provider_lr.engine.bulk.plan import Demand, PositionRange
 from airflow_provider_lr.engine.session.handshake import Position
 from airflow_provider_lr.engine.sink import queue_rows
@@ -98,3 +100,29 @@ def test_each_session_gets_its_client_its_sink_and_what_follows_its_position(lr_
         want = [(p, payload) for p, payload in expected_entries(source, sink, client) if p > after]
         assert want and rows.entries_got() == want, (client, sink)
     assert audit_b.out == audit_c.out
+
+
+def source_row(position: int, entry_id: int, mask: int, destinations: list[str], payload: bytes) -> bytes:
+    """One row of the chunk's binary COPY as the source sends it (one CopyData message)."""
+    message = lr_pb2.RoutingTableEntryMsg(
+        destinations=destinations, type=lr_pb2.LOG_ENTRY_SYNC, opaque_payload=payload, client_name="policy"
+    ).SerializeToString()
+    return struct.pack(">hiqiqiqi", 4, 8, position, 8, entry_id, 8, mask, len(message)) + message
+
+
+def test_an_entry_not_named_like_the_last_of_its_mask_is_read_by_its_own_destinations():
+    # Both entries go to session bit 0 only; the second names fewer sinks, and its payload holds,
+    # where the first one's sink form began, bytes that read like a type field.
+    lure = bytes(4) + b"\x10\x01" + bytes(42)
+    rows = [
+        HEADER + source_row(1, 1, 0b1, ["site-b"], b"zeroth"),  # the first message carries the header
+        source_row(1, 2, 0b1, ["site-b", "site-x"], b"first"),
+        source_row(1, 3, 0b1, ["site-b"], lure),
+        source_row(2, 4, 0b1, ["site-b", "site-x"], b"third"),
+        b"\xff\xff",
+    ]
+    session = CollectedRows()
+    reader = router.CopyRouter({0: session}, -1, None)
+    for row in rows:
+        reader.write(row)
+    assert session.entries_got() == [(1, b"zeroth"), (1, b"first"), (1, lure), (2, b"third")]
