@@ -136,11 +136,10 @@ class CopyRouter(RowReader):
                     # the destinations of the last entry of this mask, if this one starts with them
                     # (then sink_form_at would read the same records): the usual case, no parsing
                     known = self.destinations.get(mask)
-                    pos = _ENTRY_SIZE + len(known) if known is not None else 0
                     if (
-                        pos
+                        known is not None
                         and chunk.startswith(known, _ENTRY_SIZE)
-                        and chunk[pos] == TYPE_TAG
+                        and chunk[pos := _ENTRY_SIZE + len(known)] == TYPE_TAG
                         and chunk[pos + 1] < 0x80
                     ):
                         kind = chunk[pos + 1]
