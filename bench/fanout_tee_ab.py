@@ -57,7 +57,8 @@ def run_tree(sites: fanout_lr.LrSites, tree: str, tag: str) -> dict:
     try:
         env = dict(os.environ, PYTHONPATH=tree, LR_CONNECTIONS_FILE=str(connections))
         args = [sys.executable, "-c", CHILD, str(sites.topology_file), fanout_lr.SOURCE_ID]
-        out = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
+        # run from the tree: ``python -c`` puts the working directory first on the path
+        out = subprocess.run(args, env=env, cwd=tree, capture_output=True, text=True, check=False)
         if out.returncode:
             raise RuntimeError(f"{tree}: {out.stderr[-2000:]}")
         result = json.loads(out.stdout.strip().splitlines()[-1])
