@@ -110,8 +110,9 @@ class CopyRouter(RowReader):
     is read in place: where it starts with the destination records of the last entry of its mask
     (entries to the same sinks name them alike) its sink form follows them, else
     ``vocabulary.sink_form_at`` reads them. No other call per entry than this ``write`` and one
-    list append per session (rows are formed every ``PACK_EVERY`` entries or ``PACK_EVERY_BYTES``). Anything else goes through ``RowReader``'s general parser and
-    ``vocabulary.strip_destinations``."""
+    list append per session (rows are formed every ``PACK_EVERY`` entries or ``PACK_EVERY_BYTES``,
+    once for all the sessions that got the same entries). Anything else goes through
+    ``RowReader``'s general parser and ``vocabulary.strip_destinations``."""
 
     def __init__(self, writers: dict[int, PackedRows], halfway: int, fault_tag: str | None) -> None:
         super().__init__(self._general_row)
