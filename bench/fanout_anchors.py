@@ -37,6 +37,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import random
+import resource
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -138,6 +139,52 @@ def execute(dsn: str, *statements: str) -> list[tuple]:
     finally:
         conn.close()
     return rows
+
+
+def _proc_stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def server_cpu_s(dsn: str) -> float:
+    """CPU seconds one server has used so far, whoever on it spent them: its postmaster with the
+    processes it reaped (cutime, cstime) and every live process it started (Linux /proc)."""
+    conn = psycopg2.connect(dsn)
+    try:
+        postmaster = int(_proc_stat(conn.get_backend_pid())[1])
+    finally:
+        conn.close()
+    ticks = sum(int(f) for f in _proc_stat(postmaster)[11:15])
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                fields = _proc_stat(int(entry.name))
+            except (OSError, IndexError):
+                continue  # ended meanwhile
+            if int(fields[1]) == postmaster:
+                ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_now(env: BenchEnv) -> dict[str, float]:
+    """CPU seconds so far of the source server, the sink servers (summed) and this process with the
+    children it waited for (a measurement's client side: the tee, the replicator)."""
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return {
+        "source": server_cpu_s(env.source_dsn),
+        "sinks": sum(server_cpu_s(dsn) for dsn in env.sink_dsns),
+        "client": sum(u.ru_utime + u.ru_stime for u in usage),
+    }
+
+
+@contextlib.contextmanager
+def cpu_window(env: BenchEnv) -> Iterator[dict[str, float]]:
+    """The CPU seconds by role (``cpu_now``) spent inside the block, the timed part of a
+    measurement: where its time goes, and the core-µs per delivery the model is fitted to."""
+    spent: dict[str, float] = {}
+    before = cpu_now(env)
+    yield spent
+    after = cpu_now(env)
+    spent.update({role: round(after[role] - before[role], 2) for role in after})
 
 
 def checkpoint_all(env: BenchEnv) -> None:
@@ -350,20 +397,24 @@ def _route_rows(chunks: Iterable[Buffer], sinks: list[psycopg.Copy]) -> None:
         sink.write(bytes(block + _PGCOPY_TRAILER))
 
 
-def _tee(env: BenchEnv, out_sql: str, in_sql: str, route: Callable[[psycopg.Copy, list[psycopg.Copy]], None]) -> float:
+def _tee(
+    env: BenchEnv, out_sql: str, in_sql: str, route: Callable[[psycopg.Copy, list[psycopg.Copy]], None]
+) -> tuple[float, dict[str, float]]:
     """One binary COPY out of the source, ``route``d into every sink's COPY in; the seconds it took
-    until every sink committed."""
+    until every sink committed, and the CPU spent by role (``cpu_window``)."""
     with psycopg.connect(env.source_dsn) as src:
         sinks = [psycopg.connect(dsn) for dsn in env.sink_dsns]
         try:
-            started = time.perf_counter()
-            with contextlib.ExitStack() as stack:
-                into = [stack.enter_context(conn.cursor().copy(in_sql)) for conn in sinks]
-                with src.cursor().copy(out_sql) as out:
-                    route(out, into)
-            for conn in sinks:
-                conn.commit()
-            return time.perf_counter() - started
+            with cpu_window(env) as cpu:
+                started = time.perf_counter()
+                with contextlib.ExitStack() as stack:
+                    into = [stack.enter_context(conn.cursor().copy(in_sql)) for conn in sinks]
+                    with src.cursor().copy(out_sql) as out:
+                        route(out, into)
+                for conn in sinks:
+                    conn.commit()
+                seconds = time.perf_counter() - started
+            return seconds, cpu
         finally:
             for conn in sinks:
                 conn.close()
@@ -386,7 +437,7 @@ def physical_tee(env: BenchEnv, workload: Workload) -> Measurement:
         out_sql = f"COPY {BACKLOG_TABLE} (id, payload) TO STDOUT (FORMAT binary)"
     else:
         route, out_sql = _route_rows, f"COPY {BACKLOG_TABLE} (id, dests, payload) TO STDOUT (FORMAT binary)"
-    seconds = _tee(env, out_sql, f"COPY {BACKLOG_TABLE} (id, payload) FROM STDIN (FORMAT binary)", route)
+    seconds, cpu = _tee(env, out_sql, f"COPY {BACKLOG_TABLE} (id, payload) FROM STDIN (FORMAT binary)", route)
     verify_sinks(env, BACKLOG_TABLE, expected, "physical_tee")
     return Measurement(
         "physical_tee",
@@ -394,7 +445,11 @@ def physical_tee(env: BenchEnv, workload: Workload) -> Measurement:
         workload.entries,
         sum(expected),
         seconds,
-        {"readers": 1, "route": "copy block to all" if workload.variant == "all" else "per row by dests bit"},
+        {
+            "readers": 1,
+            "route": "copy block to all" if workload.variant == "all" else "per row by dests bit",
+            "cpu_s": cpu,
+        },
     )
 
 
@@ -426,7 +481,7 @@ def physical_tee_packed(env: BenchEnv, workload: Workload) -> Measurement:
             f"FROM {BACKLOG_TABLE} e CROSS JOIN generate_series(0, {SINKS - 1}) b(bit) "
             f"WHERE e.dests & (1 << b.bit) <> 0 GROUP BY b.bit, e.id / {PACK_ENTRIES}"
         )
-    seconds = _tee(
+    seconds, cpu = _tee(
         env,
         f"COPY ({packs}) TO STDOUT (FORMAT binary)",
         f"COPY {PACKED_TABLE} (id, entries, payload) FROM STDIN (FORMAT binary)",
@@ -446,7 +501,7 @@ def physical_tee_packed(env: BenchEnv, workload: Workload) -> Measurement:
         workload.entries,
         sum(expected),
         seconds,
-        {"readers": 1, "entries_per_row": PACK_ENTRIES, "packed_by": "source SQL"},
+        {"readers": 1, "entries_per_row": PACK_ENTRIES, "packed_by": "source SQL", "cpu_s": cpu},
     )
 
 
@@ -612,16 +667,17 @@ def native_initial(env: BenchEnv, workload: Workload, binary: bool = False) -> M
     create_publications(env, BACKLOG_TABLE, workload.variant)
     checkpoint_all(env)
     try:
-        started = time.perf_counter()
-        create_subscriptions(env, BACKLOG_TABLE, copy_data=True, binary=binary)
-        poll_from = time.perf_counter()
-        per_sink = _poll(
-            env.sink_dsns,
-            _ready_query(BACKLOG_TABLE),
-            lambda rows: bool(rows) and all(state == "r" for state, _ in rows),
-            timeout_s=3600,
-        )
-        seconds = time.perf_counter() - started
+        with cpu_window(env) as cpu:
+            started = time.perf_counter()
+            create_subscriptions(env, BACKLOG_TABLE, copy_data=True, binary=binary)
+            poll_from = time.perf_counter()
+            per_sink = _poll(
+                env.sink_dsns,
+                _ready_query(BACKLOG_TABLE),
+                lambda rows: bool(rows) and all(state == "r" for state, _ in rows),
+                timeout_s=3600,
+            )
+            seconds = time.perf_counter() - started
         verify_sinks(env, BACKLOG_TABLE, expected, name)
     finally:
         drop_replication(env)
@@ -631,7 +687,7 @@ def native_initial(env: BenchEnv, workload: Workload, binary: bool = False) -> M
         workload.entries,
         sum(expected),
         seconds,
-        {"per_sink_s": [round(poll_from - started + s, 3) for s in per_sink]},
+        {"per_sink_s": [round(poll_from - started + s, 3) for s in per_sink], "cpu_s": cpu},
     )
 
 

@@ -72,12 +72,20 @@ MEASUREMENTS.update(fanout_lr.MEASUREMENTS)
 
 
 def print_table(results: list[Measurement]) -> None:
+    """Deliveries/s of each, the CPU it spent by role (source server, the 3 sinks' servers, the
+    client side: this process and its children) in core-µs per delivery, and lr's ratios."""
     print(
         f"\n{'measurement':<22} {'variant':<7} {'entries':>10} {'deliveries':>11} {'seconds':>8} {'deliveries/s':>13}"
+        f" {'core-µs/delivery: source + sinks + client':>42}"
     )
     for m in results:
+        cpu = m.details.get("cpu_s") or {}
+        per = {role: s / m.deliveries * 1e6 for role, s in cpu.items()} if m.deliveries else {}
+        split = " + ".join(f"{per[r]:.2f}" for r in ("source", "sinks", "client") if r in per)
+        total = f"{sum(per.values()):.2f} = {split}" if per else ""
         print(
             f"{m.name:<22} {m.variant:<7} {m.entries:>10,} {m.deliveries:>11,} {m.seconds:>8.2f} {m.per_second:>13,.0f}"
+            f" {total:>42}"
         )
     others = [m for m in results if m.name not in ANCHORS]
     for m in others:

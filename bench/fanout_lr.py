@@ -30,7 +30,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -44,7 +43,7 @@ import psycopg2.extensions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fanout_anchors import BACKLOG_TABLE, SINKS, BenchEnv, Measurement, Workload, execute  # noqa: E402
+from fanout_anchors import BACKLOG_TABLE, SINKS, BenchEnv, Measurement, Workload, cpu_window, execute  # noqa: E402
 
 from airflow_provider_lr.client import RoutingQueueClient  # noqa: E402
 from airflow_provider_lr.engine.bulk import pgcopy
@@ -394,12 +393,11 @@ def lr_inprocess_tee(env: BenchEnv, workload: Workload) -> Measurement:
         sites.fill_backlog(env, workload)
         sites.checkpoint()
         driver = fanout.FanoutDriver(sites.topology, SOURCE_ID)
-        cpu = _cpu_seconds()
         try:
-            result = fanout.run_fanout(driver, fanout.local_map)
+            with cpu_window(env) as cpu:
+                result = fanout.run_fanout(driver, fanout.local_map)
         finally:
             driver.close()
-        cpu = _cpu_seconds() - cpu
         got = sites.verify(env, "lr_inprocess_tee")
     finally:
         _restore_env("LR_CONNECTIONS_FILE", previous)
@@ -413,13 +411,8 @@ def lr_inprocess_tee(env: BenchEnv, workload: Workload) -> Measurement:
         workload.entries,
         delivered,
         result.seconds["total"],
-        {"chunks": result.partitions, "phases_s": result.seconds, "python_cpu_s": round(cpu, 2)},
-    )  # this process, sender threads included
-
-
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+        {"chunks": result.partitions, "phases_s": result.seconds, "python_cpu_s": cpu["client"], "cpu_s": cpu},
+    )  # python_cpu_s: this process, sender threads included
 
 
 MEASUREMENTS = {

@@ -48,7 +48,6 @@ driver holds only the plan and small summaries.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 import uuid
@@ -207,18 +206,7 @@ class FanoutDriver:
         capped at ``max_entries``; computed by the source, only the boundaries come back."""
         cap = max_entries or 2**62
         with self.src.cursor() as cur:
-            cur.execute(
-                """
-                SELECT count(*), coalesce(sum(n), 0) FROM (
-                    SELECT c.position, count(*) AS n FROM lr.log_commits c JOIN lr.log_entries e ON e.tx = c.tx
-                    WHERE c.position > %s AND c.position <= %s AND e.stream = %s GROUP BY c.position) per
-                """,
-                (lo, barrier, STREAM_LOG_ENTRIES),
-            )
-            _, total = cur.fetchone()
-            wanted = min(int(total), cap)
-            parts = partitions or max(tasks, math.ceil(wanted / PARTITION_ENTRIES))
-            cur.execute(
+            cur.execute(  # one pass over the log's entries (the chunks' count needs their total)
                 """
                 WITH per AS (
                     SELECT c.position, count(*) AS n FROM lr.log_commits c JOIN lr.log_entries e ON e.tx = c.tx
@@ -227,20 +215,33 @@ class FanoutDriver:
                     SELECT position, sum(n) OVER (ORDER BY position) AS upto FROM per
                 ), kept AS (  -- whole transactions up to the cap, at least one
                     SELECT position, upto FROM cum WHERE upto <= %(cap)s OR upto = (SELECT min(upto) FROM cum)
+                ), total AS (
+                    SELECT coalesce(max(upto), 0) AS n FROM cum
+                ), parts AS (
+                    SELECT coalesce(%(parts)s, greatest(%(tasks)s, ceil(least(n, %(cap)s) / %(per_part)s::numeric)))
+                        AS n FROM total
                 )
-                SELECT ceil(upto * %(parts)s::numeric / (SELECT max(upto) FROM kept))::int AS bucket,
-                       max(position), max(upto)
+                SELECT ceil(upto * (SELECT n FROM parts) / (SELECT max(upto) FROM kept))::int AS bucket,
+                       max(position), max(upto), (SELECT n FROM total)
                 FROM kept GROUP BY 1 ORDER BY 1
                 """,
-                {"lo": lo, "hi": barrier, "stream": STREAM_LOG_ENTRIES, "cap": cap, "parts": parts},
+                {
+                    "lo": lo,
+                    "hi": barrier,
+                    "stream": STREAM_LOG_ENTRIES,
+                    "cap": cap,
+                    "parts": partitions or None,
+                    "tasks": tasks,
+                    "per_part": PARTITION_ENTRIES,
+                },
             )
             bounds = cur.fetchall()
         self.src.commit()
         if not bounds:  # nothing for anyone up to the barrier: one empty chunk advances the sinks
             return (PositionRange(0, lo, barrier, 0),), barrier
-        capped = int(bounds[-1][2]) < int(total)
+        capped = int(bounds[-1][2]) < int(bounds[-1][3])  # the total
         ranges, prev_pos, prev_upto = [], lo, 0
-        for i, (_, position, upto) in enumerate(bounds):
+        for i, (_, position, upto, _) in enumerate(bounds):
             hi = position if (capped or i < len(bounds) - 1) else barrier
             ranges.append(PositionRange(i, prev_pos, hi, int(upto) - prev_upto))
             prev_pos, prev_upto = hi, int(upto)

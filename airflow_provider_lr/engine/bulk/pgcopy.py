@@ -20,7 +20,7 @@ import queue
 import struct
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import psycopg2.extensions
 
@@ -125,9 +125,15 @@ def staging_prefix(source: str, client: str, sync_id: str | None = None) -> byte
     return _I16.pack(8) + text(source) + text(client) + uuid_field(sync_id)
 
 
+def staging_head(prefix: bytes, position: int, entry_id: int, kind: int, count: int, message: bytes) -> bytes:
+    """A staged receive-queue row (``queue_rows.QueueRow``: ``entry_id`` its last entry's, ``count``
+    entries) up to its message, which follows it."""
+    return prefix + _STAGED_ROW.pack(8, position, 8, entry_id, 2, kind, 4, count, len(message))
+
+
 def staging_row(prefix: bytes, position: int, entry_id: int, kind: int, count: int, message: bytes) -> bytes:
-    """A staged receive-queue row (``queue_rows.QueueRow``: ``entry_id`` its last entry's, ``count`` entries)."""
-    return prefix + _STAGED_ROW.pack(8, position, 8, entry_id, 2, kind, 4, count, len(message)) + message
+    """A whole staged receive-queue row (``staging_head``, then the message)."""
+    return staging_head(prefix, position, entry_id, kind, count, message) + message
 
 
 class CopyWriter:
@@ -145,31 +151,35 @@ class CopyWriter:
     def __init__(self, conn: psycopg2.extensions.connection, block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
         self.conn = conn
         self.block_bytes = block_bytes
-        self.block = bytearray(HEADER)
+        self.block = [HEADER]  # the next block's parts, joined once when it is handed over
+        self.size = len(HEADER)
         self.rows = 0
         self.copied = 0  # rows the server reported copied (blocks sent so far)
         self.flushes = 0
-        self._queue: queue.Queue[bytearray | None] = queue.Queue(maxsize=self.QUEUED_BLOCKS)
+        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=self.QUEUED_BLOCKS)
         self._error: BaseException | None = None
         self._abandoned = False
         self._thread = threading.Thread(target=self._send, daemon=True, name="lr-staging-copy")
         self._thread.start()
 
-    def add(self, row: bytes) -> None:
-        self.block += row
+    def add(self, row: bytes, rest: bytes = b"") -> None:
+        """A row in binary COPY form: ``row``, then ``rest`` (a message kept as it is: its bytes
+        are copied once, when the block is joined, not into a growing buffer)."""
+        self.block += (row, rest)
+        self.size += len(row) + len(rest)
         self.rows += 1
-        if len(self.block) >= self.block_bytes:
+        if self.size >= self.block_bytes:
             self.flush()
 
     def flush(self) -> None:
         """Hand the current block to the sender (blocks while ``QUEUED_BLOCKS`` are waiting)."""
         if self._error is not None:
             raise self._error
-        if len(self.block) == len(HEADER):
+        if len(self.block) == 1:
             return
-        self.block += TRAILER
-        self._queue.put(self.block)
-        self.block = bytearray(HEADER)
+        self.block.append(TRAILER)
+        self._queue.put(b"".join(self.block))
+        self.block, self.size = [HEADER], len(HEADER)
         self.flushes += 1
 
     def sync(self) -> None:
@@ -204,8 +214,8 @@ class CopyWriter:
                     return
                 if self._error is None:
                     with self.conn.cursor() as cur:
-                        # one copy: a BytesIO made from bytes hands them to read() as they are
-                        cur.copy_expert(self.COPY_SQL, io.BytesIO(bytes(block)), size=len(block))
+                        # a BytesIO made from bytes hands them to read() as they are
+                        cur.copy_expert(self.COPY_SQL, io.BytesIO(block), size=len(block))
                         self.copied += max(cur.rowcount, 0)
             except BaseException as exc:  # reported to the producer at its next flush/close
                 self._error = exc
@@ -228,9 +238,10 @@ class PackedRows(CopyWriter):
     packer: Packer
     append: Callable[[tuple[bytes, int, int, int]], None]  # the packer's, bound by the subclass
 
-    def pack(self) -> None:
-        """Turn the entries appended so far into rows (the unfinished last pack waits for more)."""
-        self.packer.flush(final=False)
+    def pack(self, alike: Sequence[PackedRows] = ()) -> None:
+        """Turn the entries appended so far into rows (the unfinished last pack waits for more);
+        the same rows into the ``alike`` writers, whose entries waiting are the same."""
+        self.packer.flush(final=False, alike=[writer.packer for writer in alike])
 
     @property
     def entries(self) -> int:
@@ -258,11 +269,7 @@ class ReceiveQueueWriter(PackedRows):
 
     def _add_row(self, row: QueueRow) -> None:
         """A row appended to the block in its binary COPY form."""
-        block = self.block
-        self.queue.copy_row(block, row)
-        self.rows += 1
-        if len(block) >= self.block_bytes:
-            self.flush()
+        self.add(self.queue.copy_head(row), row.message)
 
     def close(self) -> None:
         super().close()
@@ -282,4 +289,6 @@ class StagedQueueWriter(PackedRows, StagingWriter):
         self.append = self.packer.append
 
     def _add_row(self, row: QueueRow) -> None:
-        self.add(staging_row(self.prefix, row.position, row.entry_id, row.kind, row.entry_count, row.message))
+        self.add(
+            staging_head(self.prefix, row.position, row.entry_id, row.kind, row.entry_count, row.message), row.message
+        )

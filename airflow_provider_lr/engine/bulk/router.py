@@ -20,11 +20,11 @@ from airflow_provider_lr.engine.bulk.pgcopy import PackedRows, RowReader
 from airflow_provider_lr.engine.bulk.plan import Demand, PositionRange
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.sink.queue_rows import HEADS, piece
-from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, sink_form_at
+from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, TYPE_TAG, sink_form_at
 
 # A row of the chunk's read, binary: field count, then (length, value) of position, entry id
-# and demand mask (int8 each), then the message's length (the message follows).
-_ENTRY_ROW = struct.Struct(">hiqiqiqi")
+# and demand mask (int8 each: their lengths are skipped), then the message's length (the message follows).
+_ENTRY_ROW = struct.Struct(">h4xq4xq4xqi")
 _ENTRY_SIZE = _ENTRY_ROW.size
 PACK_EVERY = 4096  # entries appended between two packing passes...
 PACK_EVERY_BYTES = 4 << 20  # ...or bytes of large entries appended: bounded by bytes, whatever their size
@@ -34,19 +34,42 @@ LARGE_ENTRY = 1024  # smaller entries are not counted (PACK_EVERY of them hold <
 Target = tuple[int, Demand, PackedRows]
 
 
-def _demand_mask_sql(targets: list[Target]) -> sql.Composable:
-    """Per entry, the bit of every demand that wants it, computed by the source server."""
+def _demand_mask_sql(part: PositionRange, targets: list[Target]) -> sql.Composable:
+    """Per entry, the bit of every demand that wants it, computed by the source server once per
+    entry (an output column: a filter on it would evaluate it a second time). A condition every
+    entry of the chunk meets is left out: the client where the chunk is for one client, the
+    position where the demand starts at or before the chunk."""
+    one_client = len({d.client_id for _, d, _ in targets}) == 1
     terms = []
     for bit, d, _ in targets:
-        cond = sql.SQL("e.client_id = {} AND e.tag_ids @> ARRAY[{}]::int[] AND c.position > {}").format(
-            sql.Literal(d.client_id), sql.Literal(d.tag_id), sql.Literal(d.position.after)
-        )
+        conds = [sql.SQL("{} = ANY(e.tag_ids)").format(sql.Literal(d.tag_id))]
+        if not one_client:
+            conds.append(sql.SQL("e.client_id = {}").format(sql.Literal(d.client_id)))
+        if d.position.after > part.lo:
+            conds.append(sql.SQL("c.position > {}").format(sql.Literal(d.position.after)))
         if d.position.split is not None and d.position.split.upto > d.position.after:
-            cond = sql.SQL("{} AND NOT (c.position <= {} AND pg_visible_in_snapshot(c.tx, {}::pg_snapshot))").format(
-                cond, sql.Literal(d.position.split.upto), sql.Literal(d.position.split.snapshot)
+            conds.append(
+                sql.SQL("NOT (c.position <= {} AND pg_visible_in_snapshot(c.tx, {}::pg_snapshot))").format(
+                    sql.Literal(d.position.split.upto), sql.Literal(d.position.split.snapshot)
+                )
             )
-        terms.append(sql.SQL("CASE WHEN {} THEN {}::int8 ELSE 0 END").format(cond, sql.Literal(1 << bit)))
+        terms.append(
+            sql.SQL("CASE WHEN {} THEN {}::int8 ELSE 0 END").format(sql.SQL(" AND ").join(conds), sql.Literal(1 << bit))
+        )
     return sql.SQL(" | ").join(terms)
+
+
+def _wanted_sql(targets: list[Target]) -> sql.Composable:
+    """The entries some demand may want (its client, one of its sinks' tags): read nothing else.
+    An entry let through whose mask is 0 (before a demand's position, covered by its full sync)
+    is read and routed nowhere."""
+    tags: dict[int, list[int]] = {}
+    for _, d, _ in targets:
+        tags.setdefault(d.client_id, []).append(d.tag_id)
+    return sql.SQL(" OR ").join(
+        sql.SQL("(e.client_id = {} AND e.tag_ids && {}::int[])").format(sql.Literal(client), sql.Literal(sorted(ids)))
+        for client, ids in tags.items()
+    )
 
 
 def copy_and_route(
@@ -60,14 +83,14 @@ def copy_and_route(
         fault_tag,
     )
     query = sql.SQL(
-        "COPY (SELECT position, entry_id, mask, message FROM ("
-        " SELECT c.position, e.entry_id, ({mask}) AS mask, e.message FROM lr.log_commits c"
+        "COPY (SELECT c.position, e.entry_id, ({mask}) AS mask, e.message FROM lr.log_commits c"
         " CROSS JOIN LATERAL (SELECT e.entry_id, e.client_id, e.tag_ids, e.message FROM lr.log_entries e"
         "  WHERE e.tx = c.tx AND e.stream = {stream} OFFSET 0) e"  # per-commit index lookups
-        " WHERE c.position > {lo} AND c.position <= {hi}) r WHERE mask <> 0 ORDER BY position, entry_id)"
+        " WHERE c.position > {lo} AND c.position <= {hi} AND ({wanted}) ORDER BY c.position, e.entry_id)"
         " TO STDOUT (FORMAT binary)"
     ).format(
-        mask=_demand_mask_sql(targets),
+        mask=_demand_mask_sql(part, targets),
+        wanted=_wanted_sql(targets),
         lo=sql.Literal(part.lo),
         hi=sql.Literal(part.hi),
         stream=sql.Literal(STREAM_LOG_ENTRIES),
@@ -84,15 +107,18 @@ class CopyRouter(RowReader):
     session whose bit is set in the entry's mask.
 
     The usual row (one CopyData message = one row, destinations of < 128 bytes, a one-byte type)
-    is read in place (``vocabulary.sink_form_at``), with no other call per entry than that, this
-    ``write`` and one list append per session (rows are formed every ``PACK_EVERY`` entries or
-    ``PACK_EVERY_BYTES``). Anything else goes through ``RowReader``'s general parser and
-    ``vocabulary.strip_destinations``."""
+    is read in place: where it starts with the destination records of the last entry of its mask
+    (entries to the same sinks name them alike) its sink form follows them, else
+    ``vocabulary.sink_form_at`` reads them. No other call per entry than this ``write`` and one
+    list append per session (rows are formed every ``PACK_EVERY`` entries or ``PACK_EVERY_BYTES``,
+    once for all the sessions that got the same entries). Anything else goes through
+    ``RowReader``'s general parser and ``vocabulary.strip_destinations``."""
 
     def __init__(self, writers: dict[int, PackedRows], halfway: int, fault_tag: str | None) -> None:
         super().__init__(self._general_row)
         self.by_bit = writers
         self.routes: dict[int, list[Callable]] = {}  # mask -> the append of each writer that wants it
+        self.destinations: dict[int, bytes] = {}  # mask -> the destination records of its last entry
         self.read = 0
         self.waiting = 0  # bytes of large entries appended since the last packing pass
         self.halfway, self.fault_tag = halfway, fault_tag
@@ -105,10 +131,22 @@ class CopyRouter(RowReader):
     def write(self, chunk: bytes) -> int:
         size = len(chunk)
         if self._header_seen and not self._buf and size > _ENTRY_SIZE:
-            count, _, position, _, entry_id, _, mask, length = _ENTRY_ROW.unpack_from(chunk)
+            count, position, entry_id, mask, length = _ENTRY_ROW.unpack_from(chunk)
             if count == 4 and _ENTRY_SIZE + length == size:
                 try:
-                    kind, pos = sink_form_at(chunk, _ENTRY_SIZE)
+                    # the destinations of the last entry of this mask, if this one starts with them
+                    # (then sink_form_at would read the same records): the usual case, no parsing
+                    known = self.destinations.get(mask)
+                    if (
+                        known is not None
+                        and chunk.startswith(known, _ENTRY_SIZE)
+                        and chunk[pos := _ENTRY_SIZE + len(known)] == TYPE_TAG
+                        and chunk[pos + 1] < 0x80
+                    ):
+                        kind = chunk[pos + 1]
+                    else:
+                        kind, pos = sink_form_at(chunk, _ENTRY_SIZE)
+                        self.destinations[mask] = chunk[_ENTRY_SIZE:pos]
                 except IndexError:
                     self._deliver(position, entry_id, mask, chunk[_ENTRY_SIZE:])
                     self.rows += 1
@@ -155,8 +193,8 @@ class CopyRouter(RowReader):
         if self.read == self.halfway:
             self._fault()
         if self.read % PACK_EVERY == 0 or self.waiting >= PACK_EVERY_BYTES:
-            for writer in self.by_bit.values():
-                writer.pack()
+            for leader, *alike in alike_writers(list(self.by_bit.values())):
+                leader.pack(alike)
             self.waiting = 0
         self.stop = min(s for s in (self.read + PACK_EVERY - self.read % PACK_EVERY, self.halfway) if s > self.read)
 
@@ -165,3 +203,17 @@ class CopyRouter(RowReader):
         for writer in self.by_bit.values():
             writer.sync()
         fault_point(f"fanout_mid_write{self.fault_tag}")
+
+
+def alike_writers(writers: list[PackedRows]) -> list[list[PackedRows]]:
+    """The writers grouped by what waits to be packed: sessions that got the same entries (every
+    session of a broadcast) form the same rows, so one of each group forms them for all."""
+    groups: list[list[PackedRows]] = []
+    for writer in writers:
+        for group in groups:
+            if group[0].packer.pending == writer.packer.pending:
+                group.append(writer)
+                break
+        else:
+            groups.append([writer])
+    return groups

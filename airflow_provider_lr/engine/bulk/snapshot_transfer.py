@@ -33,7 +33,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine import vocabulary
 from airflow_provider_lr.engine.bulk.peak_memory import peak_rss_kb
-from airflow_provider_lr.engine.bulk.pgcopy import RowReader, StagingWriter, staging_prefix, staging_row
+from airflow_provider_lr.engine.bulk.pgcopy import RowReader, StagingWriter, staging_head, staging_prefix
 from airflow_provider_lr.engine.db.conninfo import connect_dsn
 from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, StaleBatchError, require_counts
@@ -283,7 +283,9 @@ def stage_range(plan: SnapshotPlan, part: EntryRange) -> dict:
         writer = StagingWriter(dst)
         prefix = staging_prefix(plan.source, plan.client, plan.request_id)
         packer = Packer(
-            lambda r: writer.add(staging_row(prefix, r.position, r.entry_id, r.kind, r.entry_count, r.message))
+            lambda r: writer.add(
+                staging_head(prefix, r.position, r.entry_id, r.kind, r.entry_count, r.message), r.message
+            )
         )
 
         def on_row(fields: list[bytes | None]) -> None:

@@ -27,7 +27,7 @@ the fan-out's binary COPY) goes through it, and ``unpack`` is the one place that
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import accumulate, groupby
 from operator import itemgetter
 from typing import NamedTuple
@@ -37,6 +37,8 @@ from airflow_provider_lr.proto import lr_pb2
 PACK_BYTES = 7_900  # a packed message stays below toast_tuple_target with the row's other columns
 PACKABLE = frozenset((lr_pb2.LOG_ENTRY_SYNC, lr_pb2.SNAPSHOT_SYNC))
 _FIELD_ENTRIES = 0x0A  # ReceiveQueueBatch.entries: field 1, length-delimited
+_RUN_POSITIONS = b"\x12"  # run_positions: field 2, packed
+_RUN_COUNTS = b"\x1a"  # run_counts: field 3, packed
 
 
 class QueueRow(NamedTuple):
@@ -94,24 +96,31 @@ class Packer:
     def add(self, kind: int, position: int, entry_id: int, message: bytes) -> None:
         self.append((piece(message), kind, position, entry_id))
 
-    def flush(self, final: bool = True) -> None:
+    def flush(self, final: bool = True, alike: Sequence[Packer] = ()) -> None:
+        """Form the rows of what is pending. ``alike``: packers whose ``pending`` equals this one's
+        (sessions that got the same entries, as every session of a broadcast does): they get the
+        same rows, formed once, and keep the same unfinished pack."""
         pending = self.pending
         if not pending:
             return
         kinds = set(map(itemgetter(1), pending))
         runs = [pending] if len(kinds) == 1 else [list(run) for _, run in groupby(pending, key=itemgetter(1))]
         keep: list[tuple[bytes, int, int, int]] = []
+        packers = (self, *alike)
         for number, run in enumerate(runs):
             last_run = number == len(runs) - 1
             if run[0][1] not in PACKABLE:  # markers: a row each
                 for record, kind, position, entry_id in run:
-                    self._emit(QueueRow(kind, position, entry_id, 1, _unpiece(record)))
+                    self._emit(QueueRow(kind, position, entry_id, 1, _unpiece(record)), packers)
                 continue
-            keep = self._pack(run, final or not last_run)
-        pending.clear()
-        pending.extend(keep)
+            keep = self._pack(run, final or not last_run, packers)
+        for packer in packers:
+            packer.pending.clear()
+            packer.pending.extend(keep)
 
-    def _pack(self, run: list[tuple[bytes, int, int, int]], final: bool) -> list[tuple[bytes, int, int, int]]:
+    def _pack(
+        self, run: list[tuple[bytes, int, int, int]], final: bool, packers: tuple[Packer, ...]
+    ) -> list[tuple[bytes, int, int, int]]:
         """Cut one run of a packable kind greedily into rows; returns the unfinished tail if not final."""
         ends = list(accumulate(map(len, map(itemgetter(0), run))))
         start, base, size = 0, 0, len(run)
@@ -123,24 +132,54 @@ class Packer:
             if end - start == 1:
                 message = _unpiece(run[start][0])
             else:
-                message = b"".join(map(itemgetter(0), run[start:end])) + _runs(run[start:end])
-            self._emit(QueueRow(kind, position, entry_id, end - start, message))
+                records = list(map(itemgetter(0), run[start:end]))
+                records.append(_runs(run, start, end))
+                message = b"".join(records)  # one copy of the entries
+            self._emit(QueueRow(kind, position, entry_id, end - start, message), packers)
             base, start = ends[end - 1], end
         return []
 
-    def _emit(self, row: QueueRow) -> None:
-        self.rows += 1
-        self.entries += row.entry_count
-        self.emit(row)
+    @staticmethod
+    def _emit(row: QueueRow, packers: tuple[Packer, ...]) -> None:
+        for packer in packers:
+            packer.rows += 1
+            packer.entries += row.entry_count
+            packer.emit(row)
 
 
-def _runs(entries: list[tuple[bytes, int, int, int]]) -> bytes:
-    """The ``ReceiveQueueBatch`` position runs of a packed row's entries (appended after them: a
-    protobuf message may carry its fields in any order). One run for a row of one transaction."""
-    runs = [(position, sum(1 for _ in group)) for position, group in groupby(map(itemgetter(2), entries))]
-    return lr_pb2.ReceiveQueueBatch(
-        run_positions=[p for p, _ in runs], run_counts=[n for _, n in runs]
-    ).SerializeToString()
+def _varint(value: int) -> bytes:
+    """A protobuf varint (a negative int64 as its 10-byte two's complement, as protobuf writes it)."""
+    if 0 <= value < 0x80:
+        return bytes((value,))
+    value &= (1 << 64) - 1
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _runs(entries: list[tuple[bytes, int, int, int]], start: int = 0, end: int | None = None) -> bytes:
+    """The ``ReceiveQueueBatch`` position runs of a packed row's entries ``entries[start:end]``
+    (appended after them: a protobuf message may carry its fields in any order), encoded here
+    rather than through a message object (a row of one transaction, the usual one, is one run)."""
+    end = len(entries) if end is None else end
+    first, last = entries[start][2], entries[end - 1][2]
+    if first == last:
+        run_positions, run_counts = _varint(first), _varint(end - start)
+    else:
+        runs = [(position, len(list(group))) for position, group in groupby(map(itemgetter(2), entries[start:end]))]
+        run_positions = b"".join(_varint(p) for p, _ in runs)
+        run_counts = b"".join(_varint(n) for _, n in runs)
+    return (
+        _RUN_POSITIONS
+        + _varint(len(run_positions))
+        + run_positions
+        + _RUN_COUNTS
+        + _varint(len(run_counts))
+        + run_counts
+    )
 
 
 def positions(entry_count: int, message: bytes, last_position: int) -> list[int] | None:

@@ -64,7 +64,7 @@ class QueueWriter:
     given, so ``seq`` follows it.
 
     INSERT form: ``add`` each row, ``send`` what was added (a multi-row INSERT per 1000 rows).
-    COPY form (visible rows with no sync id): ``copy_sql`` opens it, ``copy_row`` appends a row's
+    COPY form (visible rows with no sync id): ``copy_sql`` opens it, ``copy_head`` forms a row's
     binary form to a ``COPY ... FROM STDIN (FORMAT binary)`` block, ``copy_finish`` ends it.
     PostgreSQL refuses ``COPY FROM`` into a table whose row-level security applies to the caller:
     a replicator role (docs/security.md) copies into a temporary table of its transaction instead,
@@ -133,14 +133,12 @@ class QueueWriter:
             )
         return f"COPY {self._STAGED} ({COLUMNS}) FROM STDIN (FORMAT binary)"
 
-    def copy_row(self, block: bytearray, row: Row) -> None:
-        """A row in binary COPY form, appended to ``block`` in place (packs are ~8 kB: no copy of
-        the row is made first)."""
-        block += self.prefix
-        block += _COPY_ROW.pack(
+    def copy_head(self, row: Row) -> bytes:
+        """A row in binary COPY form up to its message, which follows it (packs are ~8 kB: the
+        caller keeps the message as it is, with no copy of the row made first)."""
+        return self.prefix + _COPY_ROW.pack(
             2, row.kind, 8, row.position, 8, row.entry_id, -1, 1, 1, 4, row.entry_count, len(row.message)
         )
-        block += row.message
 
     def copy_finish(self, conn: psycopg2.extensions.connection) -> int | None:
         """After the last block: the temporary table's rows into the queue in the order copied;

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from airflow_provider_lr.engine.db import schema
-from airflow_provider_lr.engine.sink.queue_rows import PACK_BYTES, Packer, QueueRow, piece, unpack
+from airflow_provider_lr.engine.sink.queue_rows import PACK_BYTES, Packer, QueueRow, piece, positions, unpack
 from airflow_provider_lr.proto import lr_pb2
 from airflow_provider_lr.subscriber import MalformedEntryError, RoutingQueueSubscriber
 from tests.support.subscriber import Flaky, Recorder, expected, insert_raw, settle, started_session
@@ -58,6 +58,20 @@ def test_packer_fills_rows_up_to_the_limit_keeps_markers_alone_and_stores_a_sing
     assert packer.rows == 7 and packer.entries == 11
     assert piece(b"z" * 300)[:3] == bytes((0x0A, 300 & 0x7F | 0x80, 300 >> 7))  # a two-byte length
     assert unpack(2, piece(b"a") + piece(b"z" * 300)) == [b"a", b"z" * 300]
+
+
+def test_a_packed_row_says_each_entry_s_commit_position_however_large():
+    rows: list[QueueRow] = []
+    packer = Packer(rows.append)
+    at = [1, 1, 127, 128, 128, 128, 300, 2**40, 2**40, 2**62]  # one- to nine-byte varints, runs of 1 to 3
+    for n, position in enumerate(at):
+        packer.add(LOG, position, n + 1, b"e%d" % n)
+    packer.add(LOG, 2**62, 99, b"last")
+    packer.flush()
+
+    ((row),) = rows
+    assert positions(row.entry_count, row.message, row.position) == [*at, 2**62]
+    assert lr_pb2.ReceiveQueueBatch.FromString(row.message).run_counts == [2, 1, 3, 1, 2, 2]
 
 
 def test_unpack_refuses_a_row_whose_count_or_container_is_wrong():

@@ -1,0 +1,95 @@
+"""The tee's own Python per entry, with no server (docs/spark.md, "Where the tee's time goes"): the
+router (``bulk/router.CopyRouter``) fed the rows of a chunk's source COPY as PostgreSQL sends them
+(one ``write`` per row), routing to 3 sessions, packing (``queue_rows.Packer``) and forming their
+COPY blocks (``pgcopy.ReceiveQueueWriter``), which are dropped instead of sent. What it leaves out:
+psycopg2's side of the COPY (reading the rows, sending the blocks), measured by ``fanout_bench``'s
+``lr_inprocess_tee`` (its ``client`` CPU).
+
+Run: .venv/bin/python bench/fanout_tee_python.py [--entries 200000] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import struct
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from airflow_provider_lr.engine.bulk import pgcopy, router  # noqa: E402
+from airflow_provider_lr.engine.sink.queue_rows import Packer  # noqa: E402
+from airflow_provider_lr.engine.store.receive_queue import QueueWriter  # noqa: E402
+from airflow_provider_lr.proto import lr_pb2  # noqa: E402
+
+SINKS = 3
+
+
+class DroppedBlocks(pgcopy.ReceiveQueueWriter):
+    """A session's rows formed as for its sink, each block joined and then dropped (no connection)."""
+
+    def __init__(self) -> None:  # no sink, no sender thread
+        self.queue = QueueWriter("bench-src", "bench")
+        self.block_bytes = pgcopy.DEFAULT_BLOCK_BYTES
+        self.block, self.size, self.rows, self.flushes = [pgcopy.HEADER], len(pgcopy.HEADER), 0, 0
+        self.packer = Packer(self._add_row)
+        self.append = self.packer.append
+        self.bytes = 0
+
+    def flush(self) -> None:
+        self.bytes += len(b"".join(self.block))
+        self.block, self.size = [pgcopy.HEADER], len(pgcopy.HEADER)
+
+    def sync(self) -> None:
+        self.packer.flush()
+        self.flush()
+
+
+def source_rows(entries: int, variant: str, per_txn: int = 1000) -> list[bytes]:
+    """The chunk's COPY rows: 256-byte payloads, to every sink ("all") or a random subset."""
+    rng = random.Random(1)
+    rows = []
+    for n in range(entries):
+        mask = (1 << SINKS) - 1 if variant == "all" else rng.randint(1, (1 << SINKS) - 1)
+        message = lr_pb2.RoutingTableEntryMsg(
+            destinations=[f"bench-s{i}" for i in range(SINKS) if mask >> i & 1],
+            type=lr_pb2.LOG_ENTRY_SYNC,
+            opaque_payload=rng.randbytes(256),
+            source_site_id="bench-src",
+            client_name="bench",
+        ).SerializeToString()
+        rows.append(struct.pack(">hiqiqiqi", 4, 8, 1 + n // per_txn, 8, n + 1, 8, mask, len(message)) + message)
+    rows[0] = pgcopy.HEADER + rows[0]
+    rows.append(pgcopy.TRAILER)
+    return rows
+
+
+def tee_python_us(rows: list[bytes], entries: int) -> float:
+    """CPU µs per entry of routing, packing and forming the blocks of ``rows``."""
+    sessions = {bit: DroppedBlocks() for bit in range(SINKS)}
+    reader = router.CopyRouter(dict(sessions), -1, None)
+    started = time.process_time()
+    write = reader.write
+    for row in rows:
+        write(row)
+    for session in sessions.values():
+        session.sync()
+    return (time.process_time() - started) / entries * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--entries", type=int, default=200_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    for variant in ("all", "subset"):
+        rows = source_rows(args.entries, variant)
+        best = min(tee_python_us(rows, args.entries) for _ in range(args.rounds))
+        print(f"{variant}: {best:.2f} µs of the tee's Python per entry (best of {args.rounds})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
