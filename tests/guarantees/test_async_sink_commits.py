@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.session.durable_acks import WAL_POSITIONS_SQL
 from airflow_provider_lr.engine.session.settings import StreamSettings
+from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.source import trim
 from tests.support.session import Streaming, apply, empty_provider, replicator, sink_queue, wait_for
 
@@ -74,7 +75,11 @@ def test_a_streamed_entry_is_acknowledged_only_once_the_sinks_wal_flush_passed_i
         flushed, inserted = sink.query(WAL_POSITIONS_SQL)[0]
         assert flushed < inserted, "the sink's WAL was flushed early: nothing left to look at"
         assert _acked(source) < applied, "a position was acknowledged before the sink's WAL flush passed its commit"
-        sink.query("SET synchronous_commit = on; UPDATE lr.site_info SET site_id = site_id")  # any durable commit
+        epoch = sink.query("SELECT lease_epoch FROM lr.sink_sessions")[0][0]
+        conn = sink.connect()
+        writes.flush(conn, "site-a", "policy", epoch)  # what a stopping stream does: one synchronous fenced commit
+        conn.close()
+        assert sink.query(WAL_POSITIONS_SQL)[0][0] >= inserted, "the fenced synchronous commit flushed the WAL"
         wait_for(lambda: _acked(source) == applied, 5, "the acknowledgement once the sink flushed")
     writer.close()
 

@@ -16,7 +16,7 @@ wrote it, what the apply worker reports to its publisher as ``flush_lsn``:
 ``writes.flush`` makes everything committed so far durable at once: a stream that stops acknowledges
 all it wrote. After a crash the sink's own recorded position is the truth (the cycle that takes the
 session back reads it in a fenced, synchronously committed transaction) and the stream resends
-from there: docs/crash-windows.md "A sink's asynchronous commit".
+from there (docs/crash-windows.md, row 22).
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ probes the last drawn commit position, reads the *final prefix* after the lowest
 session's share in ONE fenced sink transaction (``writes.apply_log_stream``), committed
 asynchronously, the sinks in parallel (``sink_writers``), acknowledges lazily what each sink's WAL
 flush has passed (``durable_acks``: the sink's position is the truth), and under load waits as
-long as its last round took (so batches grow and the writers keep at least half the time). Per source: two source connections, one per sink
-site, a thread, a writer thread per sink site: O(sites), whatever the number of sessions.
+long as its last round took (batches grow, the writers keep at least half the time). Per source:
+two source connections, one per sink site, a thread, a writer thread per sink site: O(sites),
+whatever the number of sessions.
 
 A session leaves when something calls for negotiation (lease taken over, topology changed, full
 sync requested, table federated, log trimmed past it, its sink failed): it is handed back

@@ -99,6 +99,8 @@ class SinkTransaction(sink_sessions.FencedTransaction):
     manager (``with SinkTransaction(...) as (cur, meta)``) it commits on a clean exit and aborts on
     an exception; the fan-out calls the methods itself, its transactions span a whole chunk's read."""
 
+    held = b""  # the last INSERT of ``insert(..., hold=True)``, sent with the next ``advance``
+
     def open(self) -> SinkMetadata:
         """Lock the session's row, refuse a stale epoch, raise the sink's epoch to ours; the sink's
         metadata as it stands under the lock."""
@@ -126,8 +128,6 @@ class SinkTransaction(sink_sessions.FencedTransaction):
     def metadata(self) -> SinkMetadata:
         """The session's metadata as this transaction has just written it: what the caller goes on from."""
         return _metadata(self.row())
-
-    held = b""  # the last INSERT of ``insert(..., hold=True)``, sent with the next ``advance``
 
     def insert(
         self,
