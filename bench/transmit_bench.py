@@ -7,9 +7,11 @@
    its own statement pays in round trips, and a 10-row transaction with and without one
    `transmit_log_entry_messages` call of 10 messages. Variants alternate within each round so
    drift hits all; medians are reported with ratios.
-   Beside them, ``insert_only``: the same transaction plus the same log row inserted (prepared) into
-   a copy of ``lr.log_entries`` without the commit-position trigger: what storing an entry with a
-   statement of its own costs before any ordering, so the ratio of transmit to it is lr's own share.
+   Beside them, ``insert_only``: the same transaction plus the same log row, its statement built as
+   transmit builds it, inserted (prepared) into a copy of ``lr.log_entries`` without the
+   commit-position trigger: what storing an entry with a statement of its own costs before any
+   ordering, so the ratio of transmit to it is lr's own share. Every variant also reports the
+   writers' CPU per transaction (client processes and their server backends, from ``/proc``).
    Beside them, ``writer_plain`` and ``writer_transmit``: the same two transactions run as a
    least-privilege writer role of the client (docs/security.md: row-level security checks the
    entry's client, the commit position is drawn by the owner's SECURITY DEFINER trigger) instead
@@ -46,8 +48,11 @@ from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueCl
 from airflow_provider_lr.embedded.sites import SiteManager  # noqa: E402
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.site import roles, topology
+from airflow_provider_lr.engine.source import log_writer  # noqa: E402
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL  # noqa: E402
 from airflow_provider_lr.engine.store import topology as topologies
+from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES
+from airflow_provider_lr.proto import lr_pb2
 
 REMOTES = [f"sink-{i:02d}" for i in range(1, 11)]
 
@@ -100,11 +105,9 @@ def writer(dsn: str, variant: str, seconds: float, start_at: float, out: mp.Queu
                 cur.execute("INSERT INTO app_rows (v) SELECT %s FROM generate_series(1, 10)", (done,))
             if variant == "floor":
                 cur.execute("SELECT 1")
-            elif variant == "insert_only":  # the same row into a table with no commit position
-                cur.execute(
-                    "EXECUTE bench_insert_only (1, %s, 1, %s)",
-                    ([1, 2, 3], psycopg2.Binary(client._row(1, os.urandom(256), dests, 1)[2])),
-                )
+            elif variant == "insert_only":  # the same row, built as transmit builds it, with no commit position
+                row = client._row(STREAM_LOG_ENTRIES, os.urandom(256), dests, lr_pb2.LOG_ENTRY_SYNC)
+                cur.execute("EXECUTE bench_insert_only " + log_writer.values_row(*row, client.client_id))
             elif variant in ("transmit", "transmit_unprepared", "transmit_probed"):
                 client.transmit_log_entry_message(os.urandom(256), dests)
             elif variant == "transmit_notify":
@@ -140,7 +143,7 @@ def prober(dsn: str, seconds: float, start_at: float, out: mp.Queue) -> None:
 
 def throughput(dsn: str, variant: str, writers: int, seconds: float) -> tuple[float, float, float]:
     """Transactions per second, and the writers' CPU per transaction (µs, client processes and their
-    server backends): the CPU figure holds still while other work on the machine moves the rate."""
+    server backends): other work on the machine moves it less than the rate, though contention inflates it too."""
     out: mp.Queue = mp.Queue()
     probes: mp.Queue = mp.Queue()
     start_at = time.time() + 1.0
@@ -254,7 +257,7 @@ def main() -> None:
         }
         for v in variants
     }
-    print(f"\nwriters' CPU per transaction, µs (medians of {args.rounds} rounds; holds still under other load):")
+    print(f"\nwriters' CPU per transaction, µs (medians of {args.rounds} rounds):")
     for v in variants:
         c = cpu_med[v]
         print(f"  {v:<20} client {c['client_us']:>6.1f}  server {c['server_us']:>6.1f}  total {sum(c.values()):>6.1f}")
@@ -284,7 +287,7 @@ def main() -> None:
         f"ratio {med['insert_only'] / med['plain']:.2f} (the floor of any design that stores the entry)"
     )
     print(
-        f"  1 row + transmit (3 dests):    {med['transmit']:>8,.0f} tx/s  ratio {ratio:.2f}  (aim >= 0.80; "
+        f"  1 row + transmit (3 dests):    {med['transmit']:>8,.0f} tx/s  ratio {ratio:.2f}  (aim >= 0.67; "
         f"{med['transmit'] / med['insert_only']:.2f} of that floor)"
     )
     print(

@@ -34,7 +34,7 @@ _INSERT = "INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) VALU
 _PAGE_ROWS = 1000  # entries per INSERT when many are written at once (a full sync's supply)
 
 
-def _values(stream: int, tags: list[int], message: bytes, client_id: int) -> str:
+def values_row(stream: int, tags: list[int], message: bytes, client_id: int) -> str:
     """One entry as a row of literals, built by lr rather than the driver's quoting (on the writer's hot
     path that quoting cost more than the rest of a transmit): integers lr holds and the message's hex
     digits, which need no escaping. The literals take their column's type (an INSERT's VALUES, or the
@@ -158,10 +158,10 @@ class LogWriter:
         transaction's id (what a delivery ticket names: its commit position is drawn at commit)."""
         with self.conn.cursor() as cur:
             if len(rows) == 1 and self.prepared:
-                cur.execute(f"EXECUTE {PREPARED_INSERT} " + _values(*rows[0], self.client_id))
+                cur.execute(f"EXECUTE {PREPARED_INSERT} " + values_row(*rows[0], self.client_id))
                 return int(cur.fetchone()[0])
             # entry ids follow the VALUES order: transmit order within the transaction is kept.
             for start in range(0, len(rows), _PAGE_ROWS):
                 page = rows[start : start + _PAGE_ROWS]
-                cur.execute(_INSERT + ",".join(_values(*row, self.client_id) for row in page) + _RETURNING_TX)
+                cur.execute(_INSERT + ",".join(values_row(*row, self.client_id) for row in page) + _RETURNING_TX)
             return int(cur.fetchone()[0])
