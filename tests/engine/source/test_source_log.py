@@ -108,6 +108,22 @@ def test_every_byte_arrives_as_sent_and_the_ticket_names_the_transaction(source,
     assert payloads(drain(LogReader(source.connect(), dests[0]))[0]) == [every_byte, quoted, b""]
 
 
+def test_one_call_of_more_messages_than_one_statement_holds_keeps_transmit_order(source, dests):
+    """2,500 messages in one call are written 1,000 to a statement: one transaction, in transmit order."""
+    conn = app_conn(source)
+    sent = [f"m{i}".encode() for i in range(2500)]
+    ticket = RoutingQueueClient(conn, "policy").transmit_log_entry_messages(
+        [LRMessageWithDestinations(p, dests[:1]) for p in sent]
+    )
+    with conn.cursor() as cur:
+        cur.execute("SELECT pg_catalog.pg_current_xact_id()::pg_catalog.text")
+        assert ticket is not None and ticket.tx == int(cur.fetchone()[0])
+    conn.commit()
+    records, _ = drain(LogReader(source.connect(), dests[0]))
+    assert payloads(records) == sent
+    assert source.query("SELECT count(*) FROM lr.log_commits") == [(1,)]
+
+
 def test_reader_for_a_destination_follows_only_its_tag(source, dests):
     conn = app_conn(source)
     client = RoutingQueueClient(conn, "policy")
