@@ -310,7 +310,7 @@ CREATE FUNCTION trap.to_jsonb(anyelement) RETURNS jsonb LANGUAGE sql AS $$ SELEC
 CREATE DOMAIN trap.text AS pg_catalog.varchar(1);
 CREATE TYPE trap.bytea AS (x int);
 CREATE TABLE trap.pg_prepared_statements (name text);
-INSERT INTO trap.pg_prepared_statements VALUES ('lr_transmit_v2');
+INSERT INTO trap.pg_prepared_statements VALUES ('lr_transmit_v3');
 CREATE TABLE trap.log_entries (x int);
 CREATE TABLE trap.pg_locks (AS_OF int);
 CREATE TABLE trap.pg_locks_like AS SELECT * FROM pg_catalog.pg_locks LIMIT 0;

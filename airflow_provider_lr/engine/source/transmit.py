@@ -36,9 +36,8 @@ class RoutingQueueClient(LogWriter):
     def transmit_log_entry_message(self, payload: bytes, destinations: Sequence[str]) -> Ticket:
         """Store one payload for ``destinations`` as one log entry (visible when the caller commits).
         Returns a ticket to wait on after commit (``wait_until_safe``)."""
-        ticket = self.transmit_log_entry_messages([LRMessageWithDestinations(payload, destinations)])
-        assert ticket is not None, "a transmitted message always makes a ticket"
-        return ticket
+        row = self._row(STREAM_LOG_ENTRIES, payload, destinations, lr_pb2.LOG_ENTRY_SYNC)
+        return Ticket(self.source_site_id, self.client_name, self._insert([row]), tuple(sorted(set(destinations))))
 
     def transmit_log_entry_messages(self, messages: Iterable[LRMessageWithDestinations]) -> Ticket | None:
         """Store many payloads, in order, in the caller's transaction; all validated before any write.

@@ -66,7 +66,7 @@ def test_clients_sharing_a_connection_transmit_in_its_transaction(source, dests,
     conn.commit()
     assert payloads(drain(LogReader(source.connect(), dests[0]))[0]) == [b"one", b"two"]
     with conn.cursor() as cur:
-        cur.execute("SELECT count(*) FROM pg_prepared_statements WHERE name = 'lr_transmit_v2'")
+        cur.execute("SELECT count(*) FROM pg_prepared_statements WHERE name = 'lr_transmit_v3'")
         assert cur.fetchone()[0] == (1 if prepared else 0)
 
 
@@ -83,6 +83,45 @@ def test_one_stored_entry_per_message_tagged_once_per_destination(source, dests)
         assert msg.type == lr_pb2.LOG_ENTRY_SYNC
         assert msg.opaque_payload == b"\x00payload\xff"
         assert (msg.source_site_id, msg.client_name) == (source.site_id, "policy")
+
+
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared insert", "plain insert"])
+@pytest.mark.parametrize("conforming", ["on", "off"], ids=["standard strings", "backslash-escaped strings"])
+def test_every_byte_arrives_as_sent_and_the_ticket_names_the_transaction(source, dests, prepared, conforming):
+    """The prepared insert's text is built by lr, not the driver: payloads of every byte value (quotes,
+    backslashes, NUL) arrive unchanged whether the application's session reads backslashes in plain
+    string literals as escapes or not, one message or many, and the ticket names the transaction."""
+    conn = app_conn(source)
+    with conn.cursor() as cur:
+        cur.execute(f"SET standard_conforming_strings = {conforming}")
+    conn.commit()
+    client = RoutingQueueClient(conn, "policy", prepared=prepared)
+    every_byte, quoted = bytes(range(256)), b"'\\x41'\\\\E'\\'"
+    ticket = client.transmit_log_entry_message(every_byte, dests)
+    client.transmit_log_entry_messages(
+        [LRMessageWithDestinations(quoted, dests), LRMessageWithDestinations(b"", dests)]
+    )
+    with conn.cursor() as cur:
+        cur.execute("SELECT pg_catalog.pg_current_xact_id()::pg_catalog.text")
+        assert ticket.tx == int(cur.fetchone()[0])
+    conn.commit()
+    assert payloads(drain(LogReader(source.connect(), dests[0]))[0]) == [every_byte, quoted, b""]
+
+
+def test_one_call_of_more_messages_than_one_statement_holds_keeps_transmit_order(source, dests):
+    """2,500 messages in one call are written 1,000 to a statement: one transaction, in transmit order."""
+    conn = app_conn(source)
+    sent = [f"m{i}".encode() for i in range(2500)]
+    ticket = RoutingQueueClient(conn, "policy").transmit_log_entry_messages(
+        [LRMessageWithDestinations(p, dests[:1]) for p in sent]
+    )
+    with conn.cursor() as cur:
+        cur.execute("SELECT pg_catalog.pg_current_xact_id()::pg_catalog.text")
+        assert ticket is not None and ticket.tx == int(cur.fetchone()[0])
+    conn.commit()
+    records, _ = drain(LogReader(source.connect(), dests[0]))
+    assert payloads(records) == sent
+    assert source.query("SELECT count(*) FROM lr.log_commits") == [(1,)]
 
 
 def test_reader_for_a_destination_follows_only_its_tag(source, dests):
