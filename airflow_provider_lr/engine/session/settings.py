@@ -98,10 +98,11 @@ class StreamSettings:
     check_interval: float = 1.0  # lease renewed, topology and full-sync requests checked
     gap_timeout: float = 0.05  # a missing position this old is resolved with the commit barrier
     # Under load (the sessions' deliveries arrive at ``busy_rate`` per second or more over the last
-    # 0.1 s: ``RateWindow``), wait as long as the last round took, at most ``linger``, before reading
-    # again: a read and a sink transaction cost about the same for one entry as for dozens, so the
-    # stream spends at most half its time in rounds and its batches grow with the load, while at a
-    # modest rate every commit is read at once (docs/streaming.md).
+    # 0.1 s: ``RateWindow``), wait before reading again: the last round's time times the square of
+    # the load (rate / busy_rate), at most ``linger``. A read and a sink transaction cost about the
+    # same for one entry as for dozens: at the busy rate the stream spends half its time in rounds,
+    # at twice it a fifth, and at a machine's limit it waits ``linger``, so batches grow with the
+    # load and the writers keep the CPU; below it every commit is read at once (docs/streaming.md).
     busy_rate: float = 2000.0
     linger: float = 0.02
     # A session whose cycle fails (a site down, a lock or statement timeout) is retried after

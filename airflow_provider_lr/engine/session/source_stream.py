@@ -8,8 +8,8 @@ probes the last drawn commit position, reads the *final prefix* after the lowest
 (``source/routed_read``: the source's server says which sessions want each entry), writes each
 session's share in ONE fenced sink transaction (``writes.apply_log_stream``), committed
 asynchronously, the sinks in parallel (``sink_writers``), acknowledges lazily what each sink's WAL
-flush has passed (``durable_acks``: the sink's position is the truth), and under load waits as
-long as its last round took (batches grow, the writers keep at least half the time). Per source:
+flush has passed (``durable_acks``: the sink's position is the truth), and under load waits a
+while after each round (batches grow, the writers keep the CPU: ``StreamSettings``). Per source:
 two source connections, one per sink site, a thread, a writer thread per sink site: O(sites),
 whatever the number of sessions.
 
@@ -178,8 +178,9 @@ class SourceStream:
             moved = self._round(barrier)
             if moved:
                 stalled_since, pause = None, opts.poll_min
-                if rate.add(moved) >= opts.busy_rate:  # under load, at most half the time in rounds
-                    halt.wait(min(opts.linger, time.monotonic() - started))
+                load = rate.add(moved) / opts.busy_rate
+                if load >= 1:  # under load: a wait that grows with the round's time and the load's square
+                    halt.wait(min(opts.linger, (time.monotonic() - started) * load * load))
                 continue
             if not probed and stalled_since is None and self._committed <= low:
                 continue  # read unprobed, nothing committed since: the next turn probes
