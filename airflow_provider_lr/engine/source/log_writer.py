@@ -40,7 +40,7 @@ def values_row(stream: int, tags: list[int], message: bytes, client_id: int) -> 
     digits, which need no escaping. The literals take their column's type (an INSERT's VALUES, or the
     prepared insert's declared parameter types), so the search_path resolves nothing, and
     ``E'\\\\x…'`` reads as bytea's hex form whatever the session's ``standard_conforming_strings``."""
-    tag_list = ",".join(map(str, tags))
+    tag_list = ",".join(f"{tag:d}" for tag in tags)  # integers only (``:d`` refuses anything else)
     return f"({stream:d}, '{{{tag_list}}}', {client_id:d}, E'\\\\x{message.hex()}')"
 
 
