@@ -409,9 +409,9 @@ class SourceStream:
     def _flush_quietly(self, members: list[Member]) -> None:
         """Make what ``members`` were written durable on their sinks now (the stream stops or they
         leave): their last acks then say all of it."""
-        for site, member in {m.key.sink: m for m in members if m.after > m.durable}.items():
+        for site, one in {m.key.sink: m for m in members if m.after > m.durable}.items():
             try:  # one session's fenced transaction flushes all the site's
-                writes.flush(self.sinks.conn(site), self.source, member.key.client, member.position.epoch)
+                writes.flush(self.sinks.conn(site), self.source, one.key.client, one.position.epoch)
                 for member in (m for m in members if m.key.sink == site):
                     member.durable = member.after
             except (psycopg2.Error, LRError) as exc:  # acked up to the flush seen last; the next holder reads the sink

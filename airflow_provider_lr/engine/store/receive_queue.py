@@ -55,7 +55,8 @@ class Row(Protocol):
 
 
 # --- the writer -----------------------------------------------------------------------------------
-_INSERT = f"INSERT INTO lr.receive_queue ({COLUMNS}) VALUES %s"
+_INSERT_HEAD = f"INSERT INTO lr.receive_queue ({COLUMNS}) VALUES "
+_INSERT = _INSERT_HEAD + "%s"  # execute_values fills in the rows
 _VALUES = "(%s, %s, %s, %s, %s, %s::uuid, %s, %s, %s)"
 
 
@@ -115,7 +116,7 @@ class QueueWriter:
             return b""
         values = b",".join(cur.mogrify(_VALUES, row) for row in self.rows)
         self.rows.clear()
-        return _INSERT.replace("%s", "").encode() + values
+        return _INSERT_HEAD.encode() + values
 
     # COPY form
     def copy_sql(self, conn: psycopg2.extensions.connection) -> str:
