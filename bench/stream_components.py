@@ -39,6 +39,7 @@ from airflow_provider_lr.engine.session.settings import SessionSettings  # noqa:
 from airflow_provider_lr.engine.session.stream import Streamer  # noqa: E402
 from airflow_provider_lr.engine.site import topology  # noqa: E402
 from airflow_provider_lr.engine.site.replicator import Replicator  # noqa: E402
+from airflow_provider_lr.engine.source import routed_read  # noqa: E402
 from airflow_provider_lr.engine.store.topology import from_document  # noqa: E402
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber  # noqa: E402
 
@@ -60,7 +61,7 @@ class Clock:
 
 def instrument(clock: Clock) -> None:
     """Timestamps around the stream's read and sink writes (wrapping the module's functions)."""
-    read = source_stream.read_routed
+    read = routed_read.read_routed
 
     def timed_read(*args, **kwargs):
         started = time.perf_counter_ns()
@@ -70,7 +71,7 @@ def instrument(clock: Clock) -> None:
             clock.mark("read_end")
         return batch
 
-    source_stream.read_routed = timed_read
+    routed_read.read_routed = timed_read
     apply = source_stream.SourceStream._apply
 
     def timed_apply(self, conn, member, batch):

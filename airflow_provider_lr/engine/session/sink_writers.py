@@ -45,15 +45,27 @@ class SinkWriters(Generic[Job]):
         self,
         jobs: Mapping[str, Sequence[Job]],
         apply: Callable[[psycopg2.extensions.connection, Job], int],
+        meanwhile: Callable[[], object] | None = None,
     ) -> list[tuple[Job, int | BaseException]]:
-        """Run ``apply`` on each site's jobs, in turn on that site's connection, the sites at once (one
-        site on the calling thread: no hand-off); what each returned or raised, site by site in the
-        order given."""
-        if len(jobs) == 1:
-            ((site, batch),) = jobs.items()
-            return self._write_site(site, batch, apply)
-        futures = [self._pool.submit(self._write_site, site, batch, apply) for site, batch in jobs.items()]
-        return [done for future in futures for done in future.result()]
+        """Run ``apply`` on each site's jobs, in turn on that site's connection, the sites at once (the
+        first site on the calling thread: one hand-off fewer; every site on the writer threads when
+        the caller has something to do ``meanwhile``); what each returned or raised, site by site in
+        the order given."""
+        if not jobs:
+            return []
+        (first, batch), *others = jobs.items()
+        if meanwhile is not None:
+            others = [(first, batch), *others]
+        futures = [self._pool.submit(self._write_site, site, more, apply) for site, more in others]
+        done: list[tuple[Job, int | BaseException]] = []
+        try:
+            if meanwhile is None:
+                done = self._write_site(first, batch, apply)
+            else:
+                meanwhile()
+        finally:  # every write is waited for, whatever the caller's work did
+            rest = [each for future in futures for each in future.result()]
+        return done + rest
 
     def _write_site(
         self, site: str, jobs: Sequence[Job], apply: Callable[[psycopg2.extensions.connection, Job], int]

@@ -45,12 +45,12 @@ from airflow_provider_lr.engine.session.runner import record_error
 from airflow_provider_lr.engine.session.settings import RateWindow, SessionSettings, StreamSettings
 from airflow_provider_lr.engine.session.sink_writers import SinkWriters
 from airflow_provider_lr.engine.session.stream_member import REASSIGNED, STOPPED, Member, StreamEnd
+from airflow_provider_lr.engine.session.stream_read import StreamRead
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.backlog import SessionBacklog, session_backlogs
-from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL
 from airflow_provider_lr.engine.source.log_reader import LogBatch, LogReader, LogStream
-from airflow_provider_lr.engine.source.routed_read import ROUTED, RoutedBatch, read_routed
+from airflow_provider_lr.engine.source.routed_read import RoutedBatch
 from airflow_provider_lr.engine.store.topology import recorded_id
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables import snapshot as table_snapshot
@@ -89,12 +89,11 @@ class SourceStream:
         self._backlogs: dict[tuple[str, str], SessionBacklog] = {}  # as of the last ack, per (sink, client)
         self.durable = DurableAcks()
         self._committed = sys.maxsize  # the highest committed position, as the last routed read saw it
+        self._busy = False  # the last round's rate was the busy rate or more (then no read ahead)
         self.src = connect(source)
-        self.peek: psycopg2.extensions.connection | None = None
+        self.reads: StreamRead | None = None
         try:
-            self.peek = connect(source)  # autocommit: the probe and the routed read, one round trip each
-            self.peek.autocommit = True
-            ROUTED.prepare(self.peek)
+            self.reads = StreamRead(connect, source, settings.max_bytes)
             with self.src.cursor() as cur:  # acks and renewals: the sink's position is the truth
                 cur.execute("SET synchronous_commit = off")
             self.src.commit()
@@ -168,7 +167,8 @@ class SourceStream:
                 last_ack = now
             low = min(m.read_to for m in self.members.values())
             probed = not moved and stalled_since is None
-            if probed and self._latest() <= low:
+            assert self.reads is not None
+            if probed and self.reads.latest() <= low:
                 self._wake.wait(pause)  # a join or a leave wakes it at once
                 self._wake.clear()
                 pause = min(pause * 2, opts.poll_max)
@@ -179,7 +179,8 @@ class SourceStream:
             if moved:
                 stalled_since, pause = None, opts.poll_min
                 load = rate.add(moved) / opts.busy_rate
-                if load >= 1:  # under load: a wait that grows with the round's time and the load's square
+                self._busy = load >= 1
+                if self._busy:  # under load: a wait that grows with the round's time and the load's square
                     halt.wait(min(opts.linger, (time.monotonic() - started) * load * load))
                 continue
             if not probed and stalled_since is None and self._committed <= low:
@@ -189,13 +190,6 @@ class SourceStream:
             stalled_since = now if stalled_since is None or barrier else stalled_since
             time.sleep(pause)
             pause = min(pause * 2, opts.poll_max)
-
-    def _latest(self) -> int:
-        """The newest commit position drawn on the source (committed or not yet)."""
-        assert self.peek is not None
-        with self.peek.cursor() as cur:
-            cur.execute(LAST_DRAWN_POSITION_SQL)
-            return cur.fetchone()[0]
 
     def _admit(self) -> None:
         """Answer the Streamer's joins and leaves."""
@@ -243,11 +237,9 @@ class SourceStream:
         self._committed = sys.maxsize
         batch: RoutedBatch | None = None
         if not barrier:
-            assert self.peek is not None
+            assert self.reads is not None
             try:
-                batch = read_routed(
-                    self.peek, [m.routed() for m in members], self.settings.max_bytes, self.source, prepared=True
-                )
+                batch = self.reads.read(members)
             except TrimmedError as exc:  # the sessions behind the trim mark go to a snapshot sync
                 for m in members:
                     if m.read_to < exc.trim_mark:
@@ -264,7 +256,7 @@ class SourceStream:
                 jobs.setdefault(member.key.sink, []).append((member, LogBatch(member.after, batch.end, records)))
             else:
                 member.read_to = max(member.read_to, batch.end)
-        self._write(jobs)
+        self._write(jobs, None if self._busy else members, batch.end)
         return max(batch.entries, 1)  # deliveries: a round's cost grows with the sink transactions it takes
 
     def _round_per_session(self, members: list[Member], barrier: bool) -> int:
@@ -294,9 +286,14 @@ class SourceStream:
                     raise
         return moved
 
-    def _write(self, jobs: dict[str, list[tuple[Member, LogBatch]]]) -> None:
-        """Each sink's batches by its own writer, the sinks at once; then what each did."""
-        for (member, batch), outcome in self.sinks.write(jobs, lambda conn, job: self._apply(conn, *job)):
+    def _write(
+        self, jobs: dict[str, list[tuple[Member, LogBatch]]], ahead: list[Member] | None = None, end: int = 0
+    ) -> None:
+        """Each sink's batches by its own writer, the sinks at once; then what each did. ``ahead``:
+        meanwhile, read what follows ``end`` for these sessions (``StreamRead.ahead``)."""
+        reads = self.reads
+        meanwhile = None if ahead is None or reads is None else lambda: reads.ahead(ahead, end)
+        for (member, batch), outcome in self.sinks.write(jobs, lambda conn, job: self._apply(conn, *job), meanwhile):
             if isinstance(outcome, BaseException):
                 self._fail(member, outcome)
             else:
@@ -307,9 +304,13 @@ class SourceStream:
         p = member.position  # committed asynchronously: acknowledged once the sink's WAL flush passed it
         conn.autocommit = True  # BEGIN and COMMIT ride with its first and last statements
         try:
-            after = writes.apply_log_stream(
-                conn, self.source, member.key.client, p.epoch, batch, p.base, not member.registered, synchronous=False
-            )
+            after = None
+            if member.registered and isinstance(batch, LogBatch):  # where it left the sink: one round trip
+                after = writes.stream_batch(conn, self.source, member.key.client, p.epoch, batch, p.base)
+            if after is None:
+                after = writes.apply_log_stream(
+                    conn, self.source, member.key.client, p.epoch, batch, p.base, not member.registered, False
+                )
         finally:
             if not conn.closed:
                 conn.autocommit = False
@@ -487,6 +488,7 @@ class SourceStream:
 
     def close(self) -> None:
         self.sinks.close()
-        for conn in (self.src, self.peek):
-            if conn is not None and not conn.closed:
-                conn.close()
+        if self.reads is not None:
+            self.reads.close()
+        if not self.src.closed:
+            self.src.close()

@@ -11,11 +11,13 @@ writes only what is new); snapshot messages through the source entry id they end
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields, replace
 
+import psycopg2
 import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
@@ -369,13 +371,55 @@ def apply_log_stream(
         return end
 
 
+def stream_batch(
+    conn: psycopg2.extensions.connection, source: str, client: str, epoch: int, batch: LogBatch, base: int
+) -> int | None:
+    """A stream's batch in ONE round trip (``synchronous=False``, as ``apply_log_stream``): BEGIN,
+    the session's row moved from ``batch.after`` (where the stream left it) to ``batch.end`` under
+    its lock, the rows, the wake-up and COMMIT sent together; the sink's position after it. None
+    when this does not apply and nothing was written: the row is not where the stream left it (a
+    fence, a failover, another writer: ``apply_log_stream`` reads it and says what is wrong), or
+    the batch carries table changes or is larger than one INSERT. ``conn`` is autocommit and the
+    queue registered (the stream's first write of a session takes the general path)."""
+    if (
+        not conn.autocommit
+        or batch.end <= batch.after
+        or batch.bytes > INSERT_BYTES
+        or len(batch.records) > INSERT_ENTRIES
+        or any(r.table_id is not None for r in batch.records)
+    ):
+        return None
+    writer = receive_queue.QueueWriter(source, client)
+    packer = Packer(writer.add)
+    for entry in _sink_entries(batch.records, batch.after, source, client, None):
+        packer.add(*entry)
+    packer.flush()
+    with conn.cursor() as cur:
+        statements = [sink_sessions.stream_advance(cur, source, client, epoch, base, batch.after, batch.end)]
+        if packer.entries:
+            statements.append(writer.statement(cur))
+            statements.append(cur.mogrify("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, wakeup_payload(client, source))))
+        statements.append(b"COMMIT")
+        try:
+            cur.execute(b"; ".join(statements))
+        except psycopg2.Error as exc:
+            if not conn.closed:
+                with contextlib.suppress(psycopg2.Error):
+                    cur.execute("ROLLBACK")
+            if exc.pgcode == sink_sessions.NOT_WHERE_LEFT:
+                return None
+            raise
+    return batch.end
+
+
 def _sink_entries(
-    records: Iterable[LogRecord], last: int, source: str, client: str, tables: ChangeApplier
+    records: Iterable[LogRecord], last: int, source: str, client: str, tables: ChangeApplier | None
 ) -> Iterator[tuple[int, int, int, bytes]]:
     """The receive-queue form of the records after ``last`` (what the sink does not have yet);
     federated tables' changes are applied to their tables on the way, in the same transaction."""
     for record in records:
         if record.position > last and record.table_id is not None:
+            assert tables is not None, "table changes are applied by a ChangeApplier"
             tables.add(record)
         elif record.position > last:
             kind, message = strip_destinations(record.message)

@@ -208,6 +208,23 @@ class FencedTransaction:
         return dict(zip(COLUMNS, self.cur.fetchone()))
 
 
+# --- a stream's transaction in one round trip -----------------------------------------------------
+NOT_WHERE_LEFT = "LR409"  # SQLSTATE of ``lr.stream_advance``: the row is not as the stream left it
+
+
+def stream_advance(
+    cur: psycopg2.extensions.cursor, source: str, client: str, epoch: int, base: int, after: int, end: int
+) -> bytes:
+    """The opening statements of a stream's asynchronously committed transaction, as text for the
+    caller to send with its rows and COMMIT in one round trip: the session's row locked and moved
+    from ``after`` to ``end`` when it is where the stream left it (``epoch``, ``base``, not failed
+    over: V0021); else the statement raises ``NOT_WHERE_LEFT`` and nothing of the transaction stays."""
+    return cur.mogrify(
+        "BEGIN; " + _COMMIT_MODE[False] + "SELECT lr.stream_advance(%s, %s, %s, %s, %s, %s)",
+        (source, client, epoch, base, after, end),
+    )
+
+
 # --- checks of a writer outside the session's fenced transaction --------------------------------
 def last_processed(cur: psycopg2.extensions.cursor, source: str, client: str) -> int:
     """The session's last processed position (the row exists)."""
