@@ -49,12 +49,13 @@ class StreamRead:
 
     def read(self, members: Sequence[Member]) -> RoutedBatch | None:
         """The routed read after where each of ``members`` was read to: the one taken ahead when it
-        was taken for exactly these sessions from exactly there, else a new one (``read_routed``:
-        None for a transaction too large, ``TrimmedError``)."""
+        was taken for exactly these sessions from exactly there and found something, else a new one
+        (``read_routed``: None for a transaction too large, ``TrimmedError``)."""
         ahead, self._ahead = self._ahead, None
         readers = [m.routed() for m in members]
         if ahead is not None and ahead[0] == [m.key for m in members] and ahead[1] == readers:
-            return ahead[2]
+            if ahead[2].end > min(r.after for r in readers):
+                return ahead[2]
         return self._read(readers)
 
     def ahead(self, members: Sequence[Member], end: int) -> None:

@@ -342,11 +342,11 @@ def replicate(world, **settings) -> None:
     )
 
 
-def transmit_both(world, n: int = 3) -> None:
+def transmit_both(world, n: int = 3, start: int = 0) -> None:
     for client in CLIENTS:
         conn = connect_as(world.source, world.writer[client])
         sender = RoutingQueueClient(conn, client)
-        for i in range(n):
+        for i in range(start, n):
             put(conn, sender, f"{client}{i}", i)
         conn.close()
 
@@ -493,8 +493,16 @@ def test_replicator_runs_cycles_full_syncs_status_and_trim(world):
 
 def test_replicator_role_streams(world):
     """``lr sync``'s streaming mode needs nothing the replicator role lacks: the commit-position
-    probe, the one-statement final prefix, lazy acks and lease renewals, fenced sink writes."""
+    probe, the one-statement final prefix, lazy acks and lease renewals, fenced sink writes (the
+    first of a session, which registers its queue, and the one-round-trip ones after it)."""
     from airflow_provider_lr.engine.session.settings import StreamSettings
+
+    def arrived(count: int) -> bool:
+        return all(
+            len([p for k, p in queue(sink, "site-a", c) if k == "log"]) >= count
+            for sink in world.sites[1:]
+            for c in CLIENTS
+        )
 
     repl = replicator(world.topo, sites_as(world.sites, world.replicator), providers={c: provider(c) for c in CLIENTS})
     with Streaming(repl, StreamSettings(check_interval=0.2, ack_interval=0.05)) as streaming:
@@ -502,20 +510,13 @@ def test_replicator_role_streams(world):
         streaming.streaming()
         assert not streamer.ends, streamer.ends
         transmit_both(world)
-        wait_for(
-            lambda: streamer.ends
-            or all(
-                len([p for k, p in queue(sink, "site-a", c) if k == "log"]) >= 3
-                for sink in world.sites[1:]
-                for c in CLIENTS
-            ),
-            30,
-            "the entries",
-        )
+        wait_for(lambda: streamer.ends or arrived(3), 30, "the entries")
+        transmit_both(world, 6, start=3)
+        wait_for(lambda: streamer.ends or arrived(6), 30, "the next entries")
     assert [e.reason for e in streamer.ends] == ["stopped"] * len(repl.sessions)  # no hand-back, no error
     for sink in world.sites[1:]:
         for client in CLIENTS:
-            assert [p for k, p in queue(sink, "site-a", client) if k == "log"] == [f"{client}{i}={i}" for i in range(3)]
+            assert [p for k, p in queue(sink, "site-a", client) if k == "log"] == [f"{client}{i}={i}" for i in range(6)]
 
 
 def test_replicator_fanout_copies_under_row_level_security(world, tmp_path: Path, monkeypatch):
