@@ -21,12 +21,20 @@ from there (docs/crash-windows.md, row 22).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
+import psycopg2
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.errors import LRError, one_line
+from airflow_provider_lr.engine.session.stream_member import Member
+from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.vocabulary import SessionKey
+
+log = logging.getLogger(__name__)
+Conn = Callable[[str], psycopg2.extensions.connection]  # a sink site's connection, by site
 
 # pg_lsn minus the zero position: a number, compared in Python
 WAL_POSITIONS_SQL = (
@@ -66,6 +74,38 @@ class DurableAcks:
         while marks and marks[0].lsn <= flushed:
             durable.update(marks.pop(0).positions)  # positions only grow: a later mark's win
         return durable
+
+    def observe_members(self, members: Collection[Member], conn: Conn) -> dict[SessionKey, Exception]:
+        """``observe`` for each sink site of ``members`` whose position is not known durable, raising
+        their ``durable``; the sessions of a site that could not be asked, with why (the sink is
+        lost: they go back to the cycles)."""
+        standing: dict[str, dict[SessionKey, int]] = {}
+        for member in members:
+            if member.after > member.durable:
+                standing.setdefault(member.key.sink, {})[member.key] = member.after
+        by_key = {m.key: m for m in members}
+        failed: dict[SessionKey, Exception] = {}
+        for site, positions in standing.items():
+            try:
+                durable = self.observe(conn(site), site, positions)
+            except Exception as exc:
+                failed.update(dict.fromkeys(positions, exc))
+                continue
+            for key, position in durable.items():
+                by_key[key].durable = max(by_key[key].durable, position)
+        return failed
+
+    def flush(self, members: Collection[Member], conn: Conn, source: str) -> None:
+        """Make what ``members`` were written durable on their sinks now (their stream stops or they
+        leave): their last acks then say all of it. A sink that cannot be flushed keeps what its
+        flush was last seen to pass (the next holder reads the sink)."""
+        for site, one in {m.key.sink: m for m in members if m.after > m.durable}.items():
+            try:  # one session's fenced transaction flushes all the site's
+                writes.flush(conn(site), source, one.key.client, one.position.epoch)
+                for member in (m for m in members if m.key.sink == site):
+                    member.durable = member.after
+            except (psycopg2.Error, LRError) as exc:
+                log.info("stream of %s: sink %s not flushed: %s", source, site, one_line(exc))
 
     def forget(self, site: str) -> None:
         """Drop ``site``'s marks: its connection was lost or one of its sessions left. A mark read

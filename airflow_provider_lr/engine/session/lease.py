@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import psycopg2
@@ -111,9 +112,12 @@ def renew(conn: psycopg2.extensions.connection, lease: Lease, seconds: float, **
     """Extend a held lease by ``seconds`` from now (and set ``values`` on the session row with it);
     FencedError when it was taken over since (its epoch changed). Commits."""
     # commit given by position, so no key of ``values`` can be taken for it
-    update_session(
-        conn, lease, True, lease_expires_at=AsIs(f"now() + make_interval(secs => {float(seconds)})"), **values
-    )
+    update_session(conn, lease, True, lease_expires_at=expiry(seconds), **values)
+
+
+def expiry(seconds: float) -> AsIs:
+    """A lease's expiry ``seconds`` from now (the source's clock), as a value of ``update_session(s)``."""
+    return AsIs(f"now() + make_interval(secs => {float(seconds)})")
 
 
 def update_session(conn: psycopg2.extensions.connection, lease: Lease, commit: bool = True, **values: object) -> None:
@@ -122,12 +126,32 @@ def update_session(conn: psycopg2.extensions.connection, lease: Lease, commit: b
     try:
         with conn.cursor() as cur:
             if not source_sessions.update_held(cur, lease.sink, lease.client, lease, values):
-                raise FencedError(
-                    f"session to {lease.sink!r} for {lease.client!r}: lease epoch {lease.epoch} of {lease.owner} "
-                    "was taken over; stopping"
-                )
+                raise _taken_over(lease)
         if commit:
             conn.commit()
     except BaseException:
         conn.rollback()
         raise
+
+
+def update_sessions(
+    conn: psycopg2.extensions.connection, updates: Sequence[tuple[Lease, Mapping[str, object]]]
+) -> dict[Lease, FencedError]:
+    """``update_session`` of several leases, each with its own values, in one statement; the leases
+    taken over since, with their error (nothing set for them). Commits."""
+    try:
+        with conn.cursor() as cur:
+            held = source_sessions.update_each_held(
+                cur, [(lease.sink, lease.client, lease, values) for lease, values in updates]
+            )
+        conn.commit()
+    except BaseException:
+        conn.rollback()
+        raise
+    return {lease: _taken_over(lease) for lease, _ in updates if (lease.sink, lease.client) not in held}
+
+
+def _taken_over(lease: Lease) -> FencedError:
+    return FencedError(
+        f"session to {lease.sink!r} for {lease.client!r}: lease epoch {lease.epoch} of {lease.owner} was taken over; stopping"
+    )

@@ -48,7 +48,7 @@ from airflow_provider_lr.engine.session.stream_member import REASSIGNED, STOPPED
 from airflow_provider_lr.engine.session.stream_read import StreamRead
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.source import full_sync
-from airflow_provider_lr.engine.source.backlog import SessionBacklog, session_backlogs
+from airflow_provider_lr.engine.source.backlog import session_backlogs
 from airflow_provider_lr.engine.source.log_reader import LogBatch, LogReader, LogStream
 from airflow_provider_lr.engine.source.routed_read import RoutedBatch
 from airflow_provider_lr.engine.store.topology import recorded_id
@@ -86,7 +86,6 @@ class SourceStream:
         self._requests: queue.SimpleQueue[tuple[str, SessionKey, leases.Lease | None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self.sinks: SinkWriters[tuple[Member, LogBatch]] = SinkWriters(connect, source)
-        self._backlogs: dict[tuple[str, str], SessionBacklog] = {}  # as of the last ack, per (sink, client)
         self.durable = DurableAcks()
         self._committed = sys.maxsize  # the highest committed position, as the last routed read saw it
         self._busy = False  # the last round's rate was the busy rate or more (then no read ahead)
@@ -135,7 +134,7 @@ class SourceStream:
         finally:
             self._admit()  # a join still queued is answered too
             if reason == STOPPED:
-                self._flush_quietly(list(self.members.values()))
+                self.durable.flush(list(self.members.values()), self.sinks.conn, self.source)
             for member in list(self.members.values()):
                 self._ack_quietly(member)
                 if reason == STOPPED:  # the process stops: another replicator may take it at once
@@ -198,7 +197,7 @@ class SourceStream:
             if what == "leave":
                 member = self.members.get(key)
                 if member is not None:
-                    self._flush_quietly([member])
+                    self.durable.flush([member], self.sinks.conn, self.source)
                     self._ack_quietly(member)
                     self._release_quietly(member)
                     self._end(member, REASSIGNED)
@@ -326,22 +325,32 @@ class SourceStream:
 
     # --- looking around -----------------------------------------------------------------------
     def _check(self) -> None:
-        """Renew every lease (a session taken over leaves), note the success (a stream with nothing
-        to do is healthy: ``lr status`` shows the age of the last success), record what is still to
-        send, and hand back each session whose negotiation is due."""
+        """Count what each session still has to receive (one count for all of them: the lag the
+        counters show, the backlog ``lr status`` shows), renew every lease with it in one statement
+        (a session taken over leaves), note the success (a stream with nothing to do is healthy:
+        ``lr status`` shows the age of the last success), and hand back each session whose
+        negotiation is due."""
+        members = list(self.members.values())
         topology_id = recorded_id(self.src)
+        backlogs = {(b.sink, b.client): b for b in session_backlogs(self.src)}
+        renewals = []
+        for member in members:
+            values: dict[str, object] = {
+                "lease_expires_at": leases.expiry(self.settings.lease_seconds),
+                "last_success_at": AsIs("now()"),
+            }
+            backlog = backlogs.get((member.key.sink, member.key.client))
+            if backlog is not None:
+                values["remaining_entries"] = backlog.entries
+                self.counters.lag(member.key, backlog.entries, backlog.lag_seconds)
+            renewals.append((member.lease, values))
+        lost = self._update_leases(renewals)
         federated: dict[str, list[registry.FederatedTable]] = {}  # per client, read once for its sinks
-        for member in list(self.members.values()):
+        for member in members:
             key = member.key
             try:
-                backlog = self._backlogs.get((key.sink, key.client))
-                leases.renew(
-                    self.src,
-                    member.lease,
-                    self.settings.lease_seconds,
-                    last_success_at=AsIs("now()"),
-                    **({"remaining_entries": backlog.entries} if backlog is not None else {}),
-                )
+                if member.lease in lost:
+                    raise lost[member.lease]
                 if topology_id != member.topology_id:
                     raise _Handback("the topology changed")
                 if full_sync.open_request(self.src, key.sink, key.client) is not None:
@@ -366,62 +375,42 @@ class SourceStream:
             self._write(jobs)
 
     def _ack(self) -> None:
-        """Record on the source each sink's position its WAL flush has passed (``durable_acks``;
-        the record itself is asynchronously committed: the sink's position is the truth, a lost ack
-        only delays trim), then what each session still has to receive (one count for all of them:
-        the lag the counters show, the backlog ``lr status`` shows)."""
-        self._observe_durable()
-        acked = []
-        for member in list(self.members.values()):
-            if member.acked < member.durable:
-                try:
-                    self._ack_one(member)
-                    acked.append(member)
-                except Exception as exc:
+        """Record on the source, in one statement, each sink's position its WAL flush has passed
+        (``durable_acks``; the record itself is asynchronously committed: the sink's position is the
+        truth, a lost ack only delays trim)."""
+        for key, exc in self.durable.observe_members(list(self.members.values()), self.sinks.conn).items():
+            if key in self.members:
+                self._fail(self.members[key], exc)
+        due = [m for m in self.members.values() if m.acked < m.durable]
+        lost = self._update_leases([(m.lease, self._ack_values(m)) for m in due])
+        for member in due:
+            if member.lease in lost:
+                self._fail(member, lost[member.lease])
+            elif member.key in self.members:
+                member.acked = member.durable
+
+    def _update_leases(self, updates: list[tuple[leases.Lease, dict[str, object]]]) -> dict[leases.Lease, Exception]:
+        """Set each session's values on the source while its lease holds (one statement); the
+        sessions that could not be set, with why: taken over, or all of them when the statement
+        failed (the source lost: raised, after they left)."""
+        try:
+            return dict(leases.update_sessions(self.src, updates))
+        except (psycopg2.Error, LRError) as exc:
+            for lease, _ in updates:
+                member = self.members.get(SessionKey(self.source, lease.sink, lease.client))
+                if member is not None:
                     self._fail(member, exc)
-                    if self.src.closed:
-                        raise
-        if acked:
-            self._backlogs = {(b.sink, b.client): b for b in session_backlogs(self.src)}
-            for member in acked:
-                backlog = self._backlogs.get((member.key.sink, member.key.client))
-                if backlog is not None:
-                    self.counters.lag(member.key, backlog.entries, backlog.lag_seconds)
+            if self.src.closed:
+                raise
+            return {}
 
-    def _observe_durable(self) -> None:
-        """Mark where each sink site's sessions stand and learn which earlier marks its WAL flush passed."""
-        standing: dict[str, dict[SessionKey, int]] = {}
-        for member in self.members.values():
-            if member.after > member.durable:
-                standing.setdefault(member.key.sink, {})[member.key] = member.after
-        for site, positions in standing.items():
-            try:
-                durable = self.durable.observe(self.sinks.conn(site), site, positions)
-            except Exception as exc:  # the sink is lost: its sessions go back to the cycles
-                for key in positions:
-                    if key in self.members:
-                        self._fail(self.members[key], exc)
-                continue
-            for key, position in durable.items():
-                if key in self.members:
-                    member = self.members[key]
-                    member.durable = max(member.durable, position)
-
-    def _flush_quietly(self, members: list[Member]) -> None:
-        """Make what ``members`` were written durable on their sinks now (the stream stops or they
-        leave): their last acks then say all of it."""
-        for site, one in {m.key.sink: m for m in members if m.after > m.durable}.items():
-            try:  # one session's fenced transaction flushes all the site's
-                writes.flush(self.sinks.conn(site), self.source, one.key.client, one.position.epoch)
-                for member in (m for m in members if m.key.sink == site):
-                    member.durable = member.after
-            except (psycopg2.Error, LRError) as exc:  # acked up to the flush seen last; the next holder reads the sink
-                log.info("stream of %s: sink %s not flushed: %s", self.source, site, one_line(exc))
+    @staticmethod
+    def _ack_values(member: Member) -> dict[str, object]:
+        return {"acked_position": member.durable, "last_error": None, "last_success_at": AsIs("now()")}
 
     def _ack_one(self, member: Member) -> None:
-        leases.update_session(
-            self.src, member.lease, acked_position=member.durable, last_error=None, last_success_at=AsIs("now()")
-        )
+        for error in leases.update_sessions(self.src, [(member.lease, self._ack_values(member))]).values():
+            raise error
         member.acked = member.durable
 
     def _ack_quietly(self, member: Member) -> None:

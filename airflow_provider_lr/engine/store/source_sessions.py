@@ -8,7 +8,7 @@ a backlog is for — is the callers' (``session/lease.py``, ``source/backlog.py`
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
 import psycopg2.extensions
@@ -89,15 +89,32 @@ def update_held(
 ) -> bool:
     """Set ``values`` (column -> value) on the session row while ``held`` is its current lease;
     False when it is not (taken over)."""
-    sets = sql.SQL(", ").join(sql.SQL("{} = %s").format(sql.Identifier(column)) for column in values)
-    cur.execute(
-        sql.SQL(
-            "UPDATE lr.source_sessions SET {}, updated_at = now() "
-            "WHERE sink_site_id = %s AND client_name = %s AND lease_owner = %s AND lease_epoch = %s"
-        ).format(sets),
-        (*values.values(), sink, client, held.owner, held.epoch),
+    return (sink, client) in update_each_held(cur, [(sink, client, held, values)])
+
+
+def update_each_held(
+    cur: psycopg2.extensions.cursor, updates: Sequence[tuple[str, str, Holding, Mapping[str, object]]]
+) -> set[tuple[str, str]]:
+    """``update_held`` of several sessions, each with its own values, in ONE statement (a stream
+    acknowledges or renews all its sessions in one round trip); the (sink, client) of the rows set,
+    the others' leases were taken over."""
+    if not updates:
+        return set()
+    parts, params = [], []
+    for n, (sink, client, held, values) in enumerate(updates):
+        sets = sql.SQL(", ").join(sql.SQL("{} = %s").format(sql.Identifier(column)) for column in values)
+        parts.append(
+            sql.SQL(
+                "{} AS (UPDATE lr.source_sessions SET {}, updated_at = now() WHERE sink_site_id = %s "
+                "AND client_name = %s AND lease_owner = %s AND lease_epoch = %s RETURNING sink_site_id, client_name)"
+            ).format(sql.Identifier(f"u{n}"), sets)
+        )
+        params += [*values.values(), sink, client, held.owner, held.epoch]
+    union = sql.SQL(" UNION ALL ").join(
+        sql.SQL("SELECT * FROM {}").format(sql.Identifier(f"u{n}")) for n in range(len(updates))
     )
-    return cur.rowcount > 0
+    cur.execute(sql.SQL("WITH {} {}").format(sql.SQL(", ").join(parts), union), params)
+    return {(sink, client) for sink, client in cur.fetchall()}
 
 
 def lock_held(cur: psycopg2.extensions.cursor, sink: str, client: str, held: Holding) -> bool:

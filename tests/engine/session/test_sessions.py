@@ -304,3 +304,34 @@ def test_three_sources_to_one_sink_keep_their_queues_apart(lr_sites):
             app.close()
     finally:
         site_d.drop()
+
+
+def test_a_stream_sets_all_its_sessions_in_one_statement_and_learns_which_were_taken_over(lr_sites):
+    """``lease.update_sessions``: each session's own values in one statement; a session whose lease
+    was taken over meanwhile is named with its FencedError and keeps its row as the new holder left it."""
+    source, _, _ = lr_sites
+    apply(lr_sites, [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy", "billing"]}])
+    conn = source.connect()
+    held = {
+        (sink, client): lease.acquire(conn, sink, client, "replicator-1", 30)
+        for sink in ("site-b", "site-c")
+        for client in ("policy", "billing")
+    }
+    source.query(  # replicator-2 took one over
+        "UPDATE lr.source_sessions SET lease_owner = 'replicator-2', lease_epoch = lease_epoch + 1 "
+        "WHERE sink_site_id = 'site-c' AND client_name = 'billing'"
+    )
+    updates = [(held[k], {"acked_position": n, "last_error": None}) for n, k in enumerate(sorted(held))]
+    lost = lease.update_sessions(conn, updates)
+    assert list(lost) == [held[("site-c", "billing")]] and isinstance(lost[held[("site-c", "billing")]], FencedError)
+    rows = dict(
+        (tuple(r[:2]), r[2])
+        for r in source.query("SELECT sink_site_id, client_name, acked_position FROM lr.source_sessions")
+    )
+    assert rows == {
+        ("site-b", "billing"): 0,
+        ("site-b", "policy"): 1,
+        ("site-c", "billing"): -1,
+        ("site-c", "policy"): 3,
+    }
+    conn.close()
