@@ -345,15 +345,18 @@ class SourceStream:
                 self.counters.lag(member.key, backlog.entries, backlog.lag_seconds)
             renewals.append((member.lease, values))
         lost = self._update_leases(renewals)
+        requested = full_sync.sessions_requested(self.src)
         federated: dict[str, list[registry.FederatedTable]] = {}  # per client, read once for its sinks
         for member in members:
             key = member.key
+            if member.ended:  # the renewal itself failed
+                continue
             try:
                 if member.lease in lost:
                     raise lost[member.lease]
                 if topology_id != member.topology_id:
                     raise _Handback("the topology changed")
-                if full_sync.open_request(self.src, key.sink, key.client) is not None:
+                if (key.sink, key.client) in requested:
                     raise _Handback("a full sync was requested")
                 if key.client not in federated:
                     federated[key.client] = registry.federated_tables(self.src, key.client)

@@ -136,6 +136,18 @@ def open_request(conn: psycopg2.extensions.connection, sink: str, client: str) -
     return _request(row) if row else None
 
 
+def sessions_requested(conn: psycopg2.extensions.connection) -> set[tuple[str, str]]:
+    """(sink, client) of every session of this source with an open (pending or supplied) request:
+    what a stream looks for among all its sessions, in one statement."""
+    with conn.cursor() as cur:
+        cur.execute(
+            f"SELECT DISTINCT sink_site_id, client_name FROM lr.full_sync_requests WHERE status IN {OPEN_STATUSES_SQL}"
+        )
+        found = {(sink, client) for sink, client in cur.fetchall()}
+    conn.commit()
+    return found
+
+
 def get_request(conn: psycopg2.extensions.connection, request_id: str) -> FullSyncRequest | None:
     with conn.cursor() as cur:
         cur.execute(f"SELECT {_COLUMNS} FROM lr.full_sync_requests WHERE request_id = %s", (request_id,))
