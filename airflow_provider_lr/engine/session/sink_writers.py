@@ -1,8 +1,8 @@
 """The sink side of a source's stream: one connection per sink site, and the sinks written at once.
 
-A stream writes each session's share of a read in its own fenced sink transaction; sessions of one
-sink site go one after the other on that site's connection, different sites in parallel on a pool
-of writer threads (one per site written to, made as needed). A connection is used by one thread at
+A stream writes each session's share of a read in its own fenced sink transaction; the sessions of
+one sink site go together on that site's connection (``Apply``: in one round trip where it can),
+different sites in parallel on a pool of writer threads (one per site written to, made as needed). A connection is used by one thread at
 a time: the stream's own between rounds (handshakes, checks), that site's writer during one.
 """
 
@@ -18,6 +18,8 @@ Connect = Callable[[str], psycopg2.extensions.connection]
 MAX_WRITERS = 64  # sink sites written to at once (threads made only as sites need them)
 
 Job = TypeVar("Job")  # one session's batch, whatever the stream makes of it
+# a site's jobs on its connection: what each returned (the sink's position) or raised, in order
+Apply = Callable[[psycopg2.extensions.connection, Sequence[Job]], Sequence[int | Exception]]
 
 
 class SinkWriters(Generic[Job]):
@@ -44,10 +46,10 @@ class SinkWriters(Generic[Job]):
     def write(
         self,
         jobs: Mapping[str, Sequence[Job]],
-        apply: Callable[[psycopg2.extensions.connection, Job], int],
+        apply: Apply[Job],
         meanwhile: Callable[[], object] | None = None,
     ) -> list[tuple[Job, int | BaseException]]:
-        """Run ``apply`` on each site's jobs, in turn on that site's connection, the sites at once (the
+        """Run ``apply`` on each site's jobs on that site's connection, the sites at once (the
         first site on the calling thread: one hand-off fewer; every site on the writer threads when
         the caller has something to do ``meanwhile``); what each returned or raised, site by site in
         the order given."""
@@ -67,16 +69,12 @@ class SinkWriters(Generic[Job]):
             rest = [each for future in futures for each in future.result()]
         return done + rest
 
-    def _write_site(
-        self, site: str, jobs: Sequence[Job], apply: Callable[[psycopg2.extensions.connection, Job], int]
-    ) -> list[tuple[Job, int | BaseException]]:
-        done: list[tuple[Job, int | BaseException]] = []
-        for job in jobs:
-            try:
-                done.append((job, apply(self.conn(site), job)))
-            except Exception as exc:  # this session's: the stream decides what it means
-                done.append((job, exc))
-        return done
+    def _write_site(self, site: str, jobs: Sequence[Job], apply: Apply[Job]) -> list[tuple[Job, int | BaseException]]:
+        try:
+            done: Sequence[int | BaseException] = apply(self.conn(site), jobs)
+        except Exception as exc:  # the site could not be reached: each of its sessions says so
+            done = [exc] * len(jobs)
+        return list(zip(jobs, done))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

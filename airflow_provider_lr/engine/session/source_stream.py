@@ -22,6 +22,7 @@ by bytes. The whole story and why each guarantee holds: docs/streaming.md.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import sys
@@ -36,8 +37,8 @@ from psycopg2.extensions import AsIs
 from airflow_provider_lr.engine.counters import DeliveryCounters
 from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.errors import FencedError, LRError, StaleBatchError, TrimmedError, error_line, one_line
-from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import lease as leases
+from airflow_provider_lr.engine.session import stream_writes
 from airflow_provider_lr.engine.session.durable_acks import DurableAcks
 from airflow_provider_lr.engine.session.handshake import handshake
 from airflow_provider_lr.engine.session.negotiation import Decision
@@ -46,10 +47,9 @@ from airflow_provider_lr.engine.session.settings import RateWindow, SessionSetti
 from airflow_provider_lr.engine.session.sink_writers import SinkWriters
 from airflow_provider_lr.engine.session.stream_member import REASSIGNED, STOPPED, Member, StreamEnd
 from airflow_provider_lr.engine.session.stream_read import StreamRead
-from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.backlog import session_backlogs
-from airflow_provider_lr.engine.source.log_reader import LogBatch, LogReader, LogStream
+from airflow_provider_lr.engine.source.log_reader import LogBatch, LogReader
 from airflow_provider_lr.engine.source.routed_read import RoutedBatch
 from airflow_provider_lr.engine.store.topology import recorded_id
 from airflow_provider_lr.engine.tables import registry
@@ -276,7 +276,7 @@ class SourceStream:
                 with stream:
                     if stream.end <= position.after:
                         continue
-                    after = self._apply(self.sinks.conn(member.key.sink), member, stream)
+                    after = stream_writes.apply_one(self.sinks.conn(member.key.sink), self.source, member, stream)
                 self._applied(member, stream.entries, stream.bytes, after)
                 moved += max(stream.entries, 1)
             except Exception as exc:
@@ -292,29 +292,12 @@ class SourceStream:
         meanwhile, read what follows ``end`` for these sessions (``StreamRead.ahead``)."""
         reads = self.reads
         meanwhile = None if ahead is None or reads is None else lambda: reads.ahead(ahead, end)
-        for (member, batch), outcome in self.sinks.write(jobs, lambda conn, job: self._apply(conn, *job), meanwhile):
+        apply = functools.partial(stream_writes.apply_site, source=self.source)
+        for (member, batch), outcome in self.sinks.write(jobs, apply, meanwhile):
             if isinstance(outcome, BaseException):
                 self._fail(member, outcome)
             else:
                 self._applied(member, batch.entries, batch.bytes, outcome)
-
-    def _apply(self, conn: psycopg2.extensions.connection, member: Member, batch: LogBatch | LogStream) -> int:
-        """One session's batch in one fenced sink transaction; the sink's position after it."""
-        p = member.position  # committed asynchronously: acknowledged once the sink's WAL flush passed it
-        conn.autocommit = True  # BEGIN and COMMIT ride with its first and last statements
-        try:
-            after = None
-            if member.registered and isinstance(batch, LogBatch):  # where it left the sink: one round trip
-                after = writes.stream_batch(conn, self.source, member.key.client, p.epoch, batch, p.base)
-            if after is None:
-                after = writes.apply_log_stream(
-                    conn, self.source, member.key.client, p.epoch, batch, p.base, not member.registered, False
-                )
-        finally:
-            if not conn.closed:
-                conn.autocommit = False
-        fault_point("stream_after_sink_apply")
-        return after
 
     def _applied(self, member: Member, entries: int, nbytes: int, after: int) -> None:
         member.registered = member.registered or entries > 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 
 import psycopg2
@@ -371,19 +371,56 @@ def apply_log_stream(
         return end
 
 
-def stream_batch(
-    conn: psycopg2.extensions.connection, source: str, client: str, epoch: int, batch: LogBatch, base: int
-) -> int | None:
-    """A stream's batch in ONE round trip (``synchronous=False``, as ``apply_log_stream``): BEGIN,
-    the session's row moved from ``batch.after`` (where the stream left it) to ``batch.end`` under
-    its lock, the rows, the wake-up and COMMIT sent together; the sink's position after it. None
-    when this does not apply and nothing was written: the row is not where the stream left it (a
-    fence, a failover, another writer: ``apply_log_stream`` reads it and says what is wrong), or
-    the batch carries table changes or is larger than one INSERT. ``conn`` is autocommit and the
-    queue registered (the stream's first write of a session takes the general path)."""
+@dataclass(frozen=True)
+class StreamWrite:
+    """One session's batch as a stream writes it: where the stream left the session's sink
+    (``batch.after``), at its lease ``epoch`` and snapshot ``base``."""
+
+    client: str
+    epoch: int
+    batch: LogBatch
+    base: int
+
+
+def stream_batches(
+    conn: psycopg2.extensions.connection, source: str, batches: Sequence[StreamWrite]
+) -> list[int | None]:
+    """Sessions' batches, each in its own transaction, all in ONE round trip (committed
+    asynchronously, as ``apply_log_stream(synchronous=False)``): per session BEGIN, its row moved
+    from ``batch.after`` to ``batch.end`` under its lock (``sink_sessions.stream_advance``), its
+    rows, its wake-up, COMMIT. The sink's position after each; None for a batch left to
+    ``apply_log_stream``: one with table changes or larger than one INSERT, and every batch of the
+    round trip when a session's row was not where the stream left it (a fence, a failover, another
+    writer; the transactions before it may have committed: the general path reads each row, adds
+    only what is new and says what is wrong). ``conn`` is autocommit, the queues are registered
+    (a session's first write takes the general path)."""
+    ends: list[int | None] = [None] * len(batches)
+    statements: list[bytes] = []
+    with conn.cursor() as cur:
+        for n, write in enumerate(batches):
+            text = _stream_transaction(cur, source, write)
+            if text is not None:
+                statements.append(text)
+                ends[n] = write.batch.end
+        if not statements:
+            return ends
+        try:
+            cur.execute(b"; ".join(statements))
+        except psycopg2.Error as exc:
+            if not conn.closed:
+                with contextlib.suppress(psycopg2.Error):
+                    cur.execute("ROLLBACK")
+            if exc.pgcode == sink_sessions.NOT_WHERE_LEFT:
+                return [None] * len(batches)
+            raise
+    return ends
+
+
+def _stream_transaction(cur: psycopg2.extensions.cursor, source: str, write: StreamWrite) -> bytes | None:
+    """``stream_batches``' transaction of one session, as text; None when it takes the general path."""
+    batch, client = write.batch, write.client
     if (
-        not conn.autocommit
-        or batch.end <= batch.after
+        batch.end <= batch.after
         or batch.bytes > INSERT_BYTES
         or len(batch.records) > INSERT_ENTRIES
         or any(r.table_id is not None for r in batch.records)
@@ -394,22 +431,12 @@ def stream_batch(
     for entry in _sink_entries(batch.records, batch.after, source, client, None):
         packer.add(*entry)
     packer.flush()
-    with conn.cursor() as cur:
-        statements = [sink_sessions.stream_advance(cur, source, client, epoch, base, batch.after, batch.end)]
-        if packer.entries:
-            statements.append(writer.statement(cur))
-            statements.append(cur.mogrify("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, wakeup_payload(client, source))))
-        statements.append(b"COMMIT")
-        try:
-            cur.execute(b"; ".join(statements))
-        except psycopg2.Error as exc:
-            if not conn.closed:
-                with contextlib.suppress(psycopg2.Error):
-                    cur.execute("ROLLBACK")
-            if exc.pgcode == sink_sessions.NOT_WHERE_LEFT:
-                return None
-            raise
-    return batch.end
+    statements = [sink_sessions.stream_advance(cur, source, client, write.epoch, write.base, batch.after, batch.end)]
+    if packer.entries:
+        statements.append(writer.statement(cur))
+        statements.append(cur.mogrify("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, wakeup_payload(client, source))))
+    statements.append(b"COMMIT")
+    return b"; ".join(statements)
 
 
 def _sink_entries(
