@@ -132,8 +132,11 @@ class RoutingQueueSubscriber(DeliveryContext):
 
     def _connect(self) -> psycopg2.extensions.connection:
         """A delivery connection: the listener's statements run in its transactions, so it gets the
-        network bounds only (keepalives, connect and TCP timeouts), never lr's session timeouts."""
-        return self.info.connect(Purpose.APPLICATION)
+        network bounds only (keepalives, connect and TCP timeouts), never lr's session timeouts.
+        Autocommit: each delivery's BEGIN and COMMIT ride with the reader's statements."""
+        conn = self.info.connect(Purpose.APPLICATION)
+        conn.autocommit = True
+        return conn
 
     def _close_poll_conn(self) -> None:
         if self._conn is not None and not self._conn.closed:

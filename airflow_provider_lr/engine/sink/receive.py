@@ -55,6 +55,8 @@ DEFAULT_BATCH_BYTES = 8 << 20
 # batch are known, so no fetch brings more than about the batch's byte budget.
 INLINE_BYTES = 8192
 HEAD_FETCH = 16  # rows of a queue's head read first (then as many as the entries still wanted need)
+_HEAD_CURSOR = "lr_receive_head"  # the cursor over a longer head (it ends with the delivery transaction)
+_IDLE = psycopg2.extensions.TRANSACTION_STATUS_IDLE
 
 START, SNAPSHOT, COMPLETE, LOG = (
     lr_pb2.SNAPSHOT_SYNC_START,
@@ -186,6 +188,7 @@ class ReceiveQueueReader:
         self.conn = conn
         self.batch_size = batch_size
         self.batch_bytes = batch_bytes
+        self._explicit = conn.autocommit  # this delivery's BEGIN and COMMIT are sent by lr (see _lock_and_read)
 
     def deliver(
         self,
@@ -244,7 +247,7 @@ class ReceiveQueueReader:
         rows, whole = head
         entries = _entries(rows, limit)
         if not entries:
-            self.conn.commit()
+            self._rollback()  # the lock is all the transaction holds
             return 0, 0, True
         if entries[0].error is not None:
             bad = list(itertools.takewhile(lambda e: e.error is not None, entries))
@@ -256,6 +259,8 @@ class ReceiveQueueReader:
         size = sum(map(len, payloads))
         try:
             ok = _call(listener, run[0].kind, source, payloads)
+            if self.conn.autocommit != self._explicit:
+                raise psycopg2.ProgrammingError("the listener changed the delivery connection's autocommit")
         except Exception as exc:
             return self._failed(listener, client, source, len(run), report, "listener raised", exc), size, True
         if not ok:
@@ -264,8 +269,7 @@ class ReceiveQueueReader:
             report.failed.add(source)
             return len(run), size, True
         try:
-            self._consume(rows, run)
-            self.conn.commit()
+            self._consume(rows, run, commit=True)
         except (psycopg2.OperationalError, psycopg2.InterfaceError):
             raise  # a lost sink connection: the caller reconnects; the entries are still queued
         except psycopg2.Error as exc:  # e.g. the listener broke the transaction, then returned True
@@ -279,9 +283,9 @@ class ReceiveQueueReader:
         # (what arrives meanwhile comes with its own wake-up)
         return len(run), size, whole and len(run) == sum(r.count - r.delivered for r in rows)
 
-    def _consume(self, rows: Sequence[_Row], taken: Sequence[_Entry]) -> None:
+    def _consume(self, rows: Sequence[_Row], taken: Sequence[_Entry], commit: bool) -> None:
         """Remove the leading ``taken`` entries from the queue: rows they finish are deleted, a row
-        they end inside has its ``delivered`` advanced."""
+        they end inside has its ``delivered`` advanced; ``commit``: and end the transaction."""
         upto: dict[int, int | None] = {}  # seq -> entries of the row consumed after this (None: all)
         for entry in taken:
             upto[entry.seq] = entry.index + 1 if entry.index >= 0 else None
@@ -294,8 +298,15 @@ class ReceiveQueueReader:
                 finished.append(row.seq)
             else:
                 partial = (done, row.seq)
+        explicit = commit and self._explicit
         with self.conn.cursor() as cur:
-            receive_queue.consume(cur, finished, partial)
+            if explicit and self.conn.info.transaction_status == _IDLE:
+                # the listener ended the delivery transaction itself (``with conn:`` commits): the
+                # consume is a transaction of its own, as it always was then
+                cur.execute("BEGIN")
+            receive_queue.consume(cur, finished, partial, commit=explicit)
+        if commit and not explicit:
+            self.conn.commit()
 
     def _failed(
         self, listener: Listener, client: str, source: str, count: int, report: PassReport, what: str, exc: Exception
@@ -315,24 +326,35 @@ class ReceiveQueueReader:
         has it) and read the visible rows that hold its next ``limit`` entries (at most
         ``max_bytes`` of rows, at least one), in sink order; True with them when they are all the
         queue holds. Rows behind a snapshot still being transferred (an invisible row with a lower
-        seq) wait for it, so full-sync data stays ahead."""
-        with self.conn.cursor() as cur:  # one round trip: the lock, then (only if taken) the snapshot barrier
-            locked, barrier = receive_queue.lock_head(cur, source, client)
-            if not locked:
-                self.conn.rollback()
-                return None
-        return self._read_head(client, source, limit, barrier, max_bytes)
+        seq) wait for it, so full-sync data stays ahead.
+
+        On an autocommit connection (the subscriber's and the relay's) the transaction's BEGIN is
+        sent with the lock and the first rows, and its COMMIT with the consume: a delivery of a
+        short head is two round trips, plus what the listener sends. On any other connection
+        psycopg2 sends them itself (two more)."""
+        self._explicit = self.conn.autocommit
+        if self._explicit and self.conn.info.transaction_status != _IDLE:
+            self._rollback()  # what a delivery that raised to the caller left open
+        first = min(limit, HEAD_FETCH, max(1, max_bytes // INLINE_BYTES))
+        with self.conn.cursor() as cur:  # one round trip: the lock, the snapshot barrier, the first rows
+            locked, barrier, fetched = receive_queue.lock_head(
+                cur, source, client, INLINE_BYTES, first, begin=self._explicit
+            )
+        if not locked:
+            self._rollback()
+            return None
+        return self._read_head(client, source, limit, barrier, max_bytes, fetched)
 
     def _read_head(
-        self, client: str, source: str, limit: int, barrier: int | None, max_bytes: int = DEFAULT_BATCH_BYTES
+        self, client: str, source: str, limit: int, barrier: int | None, max_bytes: int, fetched: list[tuple]
     ) -> tuple[list[_Row], bool]:
         """The visible rows before ``barrier`` that hold the queue's next ``limit`` entries, and no
-        more than ``max_bytes`` of rows (at least one), in ``seq`` order: the first few rows by one
-        query, then (a longer head) a cursor over the delivery index, fetched a few rows at a time
-        (a row holds one entry or ~28), so neither one-entry rows nor packed ones read more than
-        they need. Messages over ``INLINE_BYTES`` (single
-        large entries) are left out of the cursor's rows and fetched by ``seq`` for the rows
-        taken: no round trip brings much more than ``max_bytes``, whatever the entries' size."""
+        more than ``max_bytes`` of rows (at least one), in ``seq`` order: the first few rows
+        (``fetched``, read with the lock), then (a longer head) a cursor over the delivery index,
+        fetched a few rows at a time (a row holds one entry or ~28), so neither one-entry rows nor
+        packed ones read more than they need. Messages over ``INLINE_BYTES`` (single large entries)
+        are left out of the cursor's rows and fetched by ``seq`` for the rows taken: no round trip
+        brings much more than ``max_bytes``, whatever the entries' size."""
         heads: list[tuple[int, int, int, int, Any]] = []  # (seq, kind, count, delivered, message | None)
         wanted, taken = limit, 0
         most = max(1, max_bytes // INLINE_BYTES)  # rows per fetch
@@ -351,17 +373,16 @@ class ReceiveQueueReader:
                     return True, whole and n == len(fetched) - 1
             return whole, whole
 
-        first = min(limit, HEAD_FETCH, most)
-        with self.conn.cursor() as cur:  # the usual head, a few rows: one round trip
-            receive_queue.select_head(cur, source, client, INLINE_BYTES, limit=first)
-            full, whole = take(cur.fetchall(), first)
+        full, whole = take(fetched, min(limit, HEAD_FETCH, most))
         if not full:  # a longer head: a cursor over the delivery index, in order, after what was taken
-            with self.conn.cursor(name="lr_receive_head") as cur:
-                receive_queue.select_head(cur, source, client, INLINE_BYTES, after=heads[-1][0])
+            with self.conn.cursor() as cur:
+                declare = receive_queue.declare_head(cur, _HEAD_CURSOR, source, client, INLINE_BYTES, heads[-1][0])
                 while not full:
                     per_row = max(1.0, (limit - wanted) / max(1, len(heads)))
                     size = min(most, max(1, math.ceil(wanted / per_row)))
-                    full, whole = take(cur.fetchmany(size), size)
+                    cur.execute(declare + f"FETCH FORWARD {size} FROM {_HEAD_CURSOR}".encode())  # DECLARE rides along
+                    declare = b""
+                    full, whole = take(cur.fetchall(), size)
         large: dict[int, Any] = {}
         wanted_large = [head[0] for head in heads if head[4] is None]
         if wanted_large:
@@ -386,8 +407,7 @@ class ReceiveQueueReader:
                     "message, error) VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (seq, entry_index) DO NOTHING",
                     (entry.seq, entry.index, source, client, entry.kind, psycopg2.Binary(entry.payload), entry.error),
                 )
-        self._consume(rows, bad)
-        self.conn.commit()
+        self._consume(rows, bad, commit=True)
         report.dead_letters += len(bad)
         for entry in bad:
             where = f"seq {entry.seq}" + ("" if entry.index < 0 else f" #{entry.index}")
@@ -399,8 +419,18 @@ class ReceiveQueueReader:
             _on_error(listener, source, MalformedEntryError(text))
 
     def _rollback(self) -> None:
-        if not self.conn.closed:
-            self.conn.rollback()
+        """End the delivery transaction, whatever state the listener left the connection in."""
+        conn = self.conn
+        if conn.closed:
+            return
+        if conn.autocommit != self._explicit:  # the listener changed it: end what psycopg2 began, set it back
+            conn.rollback()
+            conn.autocommit = self._explicit
+        if not self._explicit:
+            conn.rollback()
+        elif conn.info.transaction_status != _IDLE:
+            with conn.cursor() as cur:
+                cur.execute("ROLLBACK")
 
 
 def _entries(rows: Sequence[_Row], limit: int) -> list[_Entry]:

@@ -102,7 +102,10 @@ class Connector:
     on_conn: Callable[[psycopg2.extensions.connection | None], None] | None = None
 
     def open(self) -> psycopg2.extensions.connection:
+        """A delivery connection, autocommit: the reader sends each delivery's BEGIN and COMMIT
+        with its own statements (``ReceiveQueueReader``), two round trips fewer per delivery."""
         conn = self.connect()
+        conn.autocommit = True
         if self.on_conn:
             self.on_conn(conn)
         return conn
