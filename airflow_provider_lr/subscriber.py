@@ -24,6 +24,7 @@ from airflow_provider_lr.engine.db.conninfo import ConnInfo, resolve
 from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.errors import ConfigurationError, MalformedEntryError
 from airflow_provider_lr.engine.sink import receive, wakeup
+from airflow_provider_lr.engine.sink.delivery_transaction import delivery_connection
 from airflow_provider_lr.engine.sink.receive import DeliveryContext, DeliveryStats, Listener
 from airflow_provider_lr.engine.sink.relay import Relay, Subscription
 from airflow_provider_lr.engine.sink.wakeup import Demand, FollowOptions
@@ -127,16 +128,13 @@ class RoutingQueueSubscriber(DeliveryContext):
 
     def _poll_conn(self) -> psycopg2.extensions.connection:
         if self._conn is None or self._conn.closed:
-            self._conn = self._connect()
+            self._conn = delivery_connection(self._connect())
         return self._conn
 
     def _connect(self) -> psycopg2.extensions.connection:
         """A delivery connection: the listener's statements run in its transactions, so it gets the
-        network bounds only (keepalives, connect and TCP timeouts), never lr's session timeouts.
-        Autocommit: each delivery's BEGIN and COMMIT ride with the reader's statements."""
-        conn = self.info.connect(Purpose.APPLICATION)
-        conn.autocommit = True
-        return conn
+        network bounds only (keepalives, connect and TCP timeouts), never lr's session timeouts."""
+        return self.info.connect(Purpose.APPLICATION)
 
     def _close_poll_conn(self) -> None:
         if self._conn is not None and not self._conn.closed:

@@ -19,7 +19,8 @@ consumer side, shared by ``RoutingQueueSubscriber`` and the relay's subscription
   a packed row alone, and delivery goes on.
 
 During a callback, ``ReceiveQueueReader.conn`` is in the delivery transaction: whatever the listener
-writes through it commits or rolls back together with the delete, which gives exactly-once.
+writes through it commits or rolls back together with the delete, which gives exactly-once
+(``delivery_transaction``: its round trips, and what a listener may do to the connection).
 
 When a consumer looks at its queues (NOTIFY wake-ups, retries, the periodic full pass) is
 ``wakeup``'s business: this module delivers whatever it is asked to, once.
@@ -39,6 +40,7 @@ import psycopg2.extensions
 from google.protobuf.message import DecodeError
 
 from airflow_provider_lr.engine.errors import MalformedEntryError, one_line
+from airflow_provider_lr.engine.sink.delivery_transaction import DeliveryTransaction
 from airflow_provider_lr.engine.sink.queue_rows import unpack
 from airflow_provider_lr.engine.store import receive_queue
 from airflow_provider_lr.engine.vocabulary import receive_queue_name
@@ -56,7 +58,6 @@ DEFAULT_BATCH_BYTES = 8 << 20
 INLINE_BYTES = 8192
 HEAD_FETCH = 16  # rows of a queue's head read first (then as many as the entries still wanted need)
 _HEAD_CURSOR = "lr_receive_head"  # the cursor over a longer head (it ends with the delivery transaction)
-_IDLE = psycopg2.extensions.TRANSACTION_STATUS_IDLE
 
 START, SNAPSHOT, COMPLETE, LOG = (
     lr_pb2.SNAPSHOT_SYNC_START,
@@ -188,7 +189,7 @@ class ReceiveQueueReader:
         self.conn = conn
         self.batch_size = batch_size
         self.batch_bytes = batch_bytes
-        self._explicit = conn.autocommit  # this delivery's BEGIN and COMMIT are sent by lr (see _lock_and_read)
+        self._tx = DeliveryTransaction(conn)  # the current delivery's
 
     def deliver(
         self,
@@ -247,7 +248,7 @@ class ReceiveQueueReader:
         rows, whole = head
         entries = _entries(rows, limit)
         if not entries:
-            self._rollback()  # the lock is all the transaction holds
+            self._tx.rollback()  # the lock is all the transaction holds
             return 0, 0, True
         if entries[0].error is not None:
             bad = list(itertools.takewhile(lambda e: e.error is not None, entries))
@@ -259,17 +260,16 @@ class ReceiveQueueReader:
         size = sum(map(len, payloads))
         try:
             ok = _call(listener, run[0].kind, source, payloads)
-            if self.conn.autocommit != self._explicit:
-                raise psycopg2.ProgrammingError("the listener changed the delivery connection's autocommit")
+            self._tx.check()
         except Exception as exc:
             return self._failed(listener, client, source, len(run), report, "listener raised", exc), size, True
         if not ok:
-            self._rollback()
+            self._tx.rollback()
             report.refused += len(run)
             report.failed.add(source)
             return len(run), size, True
         try:
-            self._consume(rows, run, commit=True)
+            self._consume(rows, run)
         except (psycopg2.OperationalError, psycopg2.InterfaceError):
             raise  # a lost sink connection: the caller reconnects; the entries are still queued
         except psycopg2.Error as exc:  # e.g. the listener broke the transaction, then returned True
@@ -283,9 +283,9 @@ class ReceiveQueueReader:
         # (what arrives meanwhile comes with its own wake-up)
         return len(run), size, whole and len(run) == sum(r.count - r.delivered for r in rows)
 
-    def _consume(self, rows: Sequence[_Row], taken: Sequence[_Entry], commit: bool) -> None:
-        """Remove the leading ``taken`` entries from the queue: rows they finish are deleted, a row
-        they end inside has its ``delivered`` advanced; ``commit``: and end the transaction."""
+    def _consume(self, rows: Sequence[_Row], taken: Sequence[_Entry]) -> None:
+        """Remove the leading ``taken`` entries from the queue and commit: rows they finish are
+        deleted, a row they end inside has its ``delivered`` advanced."""
         upto: dict[int, int | None] = {}  # seq -> entries of the row consumed after this (None: all)
         for entry in taken:
             upto[entry.seq] = entry.index + 1 if entry.index >= 0 else None
@@ -298,21 +298,13 @@ class ReceiveQueueReader:
                 finished.append(row.seq)
             else:
                 partial = (done, row.seq)
-        explicit = commit and self._explicit
-        with self.conn.cursor() as cur:
-            if explicit and self.conn.info.transaction_status == _IDLE:
-                # the listener ended the delivery transaction itself (``with conn:`` commits): the
-                # consume is a transaction of its own, as it always was then
-                cur.execute("BEGIN")
-            receive_queue.consume(cur, finished, partial, commit=explicit)
-        if commit and not explicit:
-            self.conn.commit()
+        self._tx.consume(finished, partial)
 
     def _failed(
         self, listener: Listener, client: str, source: str, count: int, report: PassReport, what: str, exc: Exception
     ) -> int:
         """Roll the delivery back and report it; the entries stay for redelivery."""
-        self._rollback()
+        self._tx.rollback()
         report.failures += 1
         report.failed.add(source)
         text = one_line(f"{receive_queue_name(client, source)}: {what} {type(exc).__name__}: {exc}")
@@ -322,27 +314,16 @@ class ReceiveQueueReader:
         return count
 
     def _lock_and_read(self, client: str, source: str, limit: int, max_bytes: int) -> tuple[list[_Row], bool] | None:
-        """Open the delivery transaction: take the queue's consumer lock (None if another consumer
-        has it) and read the visible rows that hold its next ``limit`` entries (at most
-        ``max_bytes`` of rows, at least one), in sink order; True with them when they are all the
-        queue holds. Rows behind a snapshot still being transferred (an invisible row with a lower
-        seq) wait for it, so full-sync data stays ahead.
-
-        On an autocommit connection (the subscriber's and the relay's) the transaction's BEGIN is
-        sent with the lock and the first rows, and its COMMIT with the consume: a delivery of a
-        short head is two round trips, plus what the listener sends. On any other connection
-        psycopg2 sends them itself (two more)."""
-        self._explicit = self.conn.autocommit
-        if self._explicit and self.conn.info.transaction_status != _IDLE:
-            self._rollback()  # what a delivery that raised to the caller left open
-        first = min(limit, HEAD_FETCH, max(1, max_bytes // INLINE_BYTES))
-        with self.conn.cursor() as cur:  # one round trip: the lock, the snapshot barrier, the first rows
-            locked, barrier, fetched = receive_queue.lock_head(
-                cur, source, client, INLINE_BYTES, first, begin=self._explicit
-            )
-        if not locked:
-            self._rollback()
+        """Open the delivery transaction (``delivery_transaction``): take the queue's consumer lock
+        (None if another consumer has it) and read the visible rows that hold its next ``limit``
+        entries (at most ``max_bytes`` of rows, at least one), in sink order; True with them when
+        they are all the queue holds. Rows behind a snapshot still being transferred (an invisible
+        row with a lower seq) wait for it, so full-sync data stays ahead."""
+        self._tx = DeliveryTransaction(self.conn)
+        opened = self._tx.open(source, client, INLINE_BYTES, min(limit, HEAD_FETCH, max(1, max_bytes // INLINE_BYTES)))
+        if opened is None:
             return None
+        barrier, fetched = opened
         return self._read_head(client, source, limit, barrier, max_bytes, fetched)
 
     def _read_head(
@@ -407,7 +388,7 @@ class ReceiveQueueReader:
                     "message, error) VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (seq, entry_index) DO NOTHING",
                     (entry.seq, entry.index, source, client, entry.kind, psycopg2.Binary(entry.payload), entry.error),
                 )
-        self._consume(rows, bad, commit=True)
+        self._consume(rows, bad)
         report.dead_letters += len(bad)
         for entry in bad:
             where = f"seq {entry.seq}" + ("" if entry.index < 0 else f" #{entry.index}")
@@ -417,20 +398,6 @@ class ReceiveQueueReader:
             report.note_error(text)
             log.error(text)
             _on_error(listener, source, MalformedEntryError(text))
-
-    def _rollback(self) -> None:
-        """End the delivery transaction, whatever state the listener left the connection in."""
-        conn = self.conn
-        if conn.closed:
-            return
-        if conn.autocommit != self._explicit:  # the listener changed it: end what psycopg2 began, set it back
-            conn.rollback()
-            conn.autocommit = self._explicit
-        if not self._explicit:
-            conn.rollback()
-        elif conn.info.transaction_status != _IDLE:
-            with conn.cursor() as cur:
-                cur.execute("ROLLBACK")
 
 
 def _entries(rows: Sequence[_Row], limit: int) -> list[_Entry]:

@@ -26,6 +26,7 @@ import psycopg2
 import psycopg2.extensions
 from psycopg2.extras import execute_values
 
+from airflow_provider_lr.engine.db.prepared import Prepared
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.vocabulary import CONSUMER_LOCK_CLASS, receive_queue_name
 
@@ -292,14 +293,29 @@ _BARRIER = (
     "AND NOT visible)"
 )
 
+_FIRST = f"SELECT {_BARRIER}, {_HEAD} AND {_LOCKED} ORDER BY seq LIMIT %(limit)s"  # the first rows, with the lock
+# prepared on a subscriber's delivery connection: planning it costs more than running it
+HEAD = Prepared(
+    "lr_receive_head_v1",  # versioned: another lr's statement of this name is never taken for this one
+    _FIRST,
+    {"source": "pg_catalog.text", "client": "pg_catalog.text", "inline": "pg_catalog.int4", "limit": "pg_catalog.int8"},
+)
+
 
 def lock_head(
-    cur: psycopg2.extensions.cursor, source: str, client: str, inline_bytes: int, limit: int, begin: bool = False
+    cur: psycopg2.extensions.cursor,
+    source: str,
+    client: str,
+    inline_bytes: int,
+    limit: int,
+    begin: bool = False,
+    prepared: bool = False,
 ) -> tuple[bool, int | None, list[tuple]]:
     """Take the queue's consumer lock for this transaction and read its first ``limit`` visible
     rows (the head's columns: seq, kind, entry_count, delivered, message length, message when it is
     at most ``inline_bytes``, else None) with the snapshot barrier, in one round trip (``begin``: the
-    transaction's BEGIN rides with it too): (locked, the lowest seq of an invisible row, the rows).
+    transaction's BEGIN rides with it too; ``prepared``: ``HEAD`` was prepared on the connection):
+    (locked, the lowest seq of an invisible row, the rows).
 
     The lock and the read are two statements: the read's snapshot is taken after the lock is held,
     so it sees everything the previous holder of the lock committed (a statement that took the lock
@@ -314,8 +330,7 @@ def lock_head(
         "limit": limit,
     }
     cur.execute(
-        ("BEGIN; " if begin else "")
-        + f"{_LOCK}; SELECT {_BARRIER}, {_HEAD} AND {_LOCKED} ORDER BY seq LIMIT %(limit)s",
+        ("BEGIN; " if begin else "") + f"{_LOCK}; " + (HEAD.execute_sql if prepared else _FIRST),
         params,
     )
     rows = cur.fetchall()
@@ -348,7 +363,8 @@ def consume(
 ) -> None:
     """Delivered: the rows ``finished`` are deleted, ``partial`` = (entries delivered, seq) records
     how far a row was delivered, in one round trip (``commit``: the transaction's COMMIT too)."""
-    statements, params = [], []
+    statements: list[str] = []
+    params: list[Any] = []
     if finished:
         statements.append("DELETE FROM lr.receive_queue WHERE seq = ANY(%s)")
         params.append(finished)

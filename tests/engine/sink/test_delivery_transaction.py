@@ -133,3 +133,25 @@ def test_a_listener_that_turns_autocommit_off_is_rolled_back_and_the_connection_
     assert sub.poll(Applies(lambda: sub.connection)) == 2
     assert applied(sink) == ["x=1", "x=2"] and queue(sink, "site-x") == []
     sub.close()
+
+
+def test_a_connection_that_lost_the_prepared_head_read_goes_on_reading_it_as_text(lr_sites):
+    _, sink, _ = lr_sites
+    log_entries(sink, ["x=1", "x=2", "x=3"])
+    sub = RoutingQueueSubscriber(sink.dsn, client_name="policy", batch_size=1)
+
+    class Deallocates(Recorder):
+        prepared: list[list[str]] = []
+
+        def on_log_entry_messages(self, source, payloads):
+            with sub.cursor() as cur:
+                cur.execute("SELECT name FROM pg_prepared_statements ORDER BY name")
+                self.prepared.append([r[0] for r in cur.fetchall()])
+                cur.execute("DEALLOCATE ALL")
+            return super().on_log_entry_messages(source, payloads)
+
+    listener = Deallocates()
+    assert sub.poll(listener) == 3 and sub.stats.failures == 0
+    assert listener.prepared == [["lr_receive_head_v1"], [], []]
+    assert listener.of("site-x") == [("log", "x=1"), ("log", "x=2"), ("log", "x=3")]
+    sub.close()
