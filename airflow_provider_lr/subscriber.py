@@ -9,8 +9,9 @@ sub.run(listener, stop=threading.Event())  # follows new arrivals (LISTEN/NOTIFY
 
 The listener's callbacks run inside the subscriber's delivery transaction: ``sub.connection`` (or
 ``sub.cursor()``) during a callback is that transaction, so writes made through it commit
-together with the delete of the delivered entries (exactly once) or roll back with it. Never
-commit or roll back that connection yourself. See docs/subscriber.md.
+together with the delete of the delivered entries (exactly once) or roll back with it. The
+connection is in autocommit mode and the subscriber sends BEGIN and COMMIT itself: its ``commit()``
+and ``rollback()`` do nothing in a callback; to undo, raise or return False. See docs/subscriber.md.
 """
 
 from __future__ import annotations

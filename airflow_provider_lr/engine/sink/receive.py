@@ -137,7 +137,7 @@ class _Entry:
 class DeliveryContext:
     """The connection a consumer delivers on, for listener callbacks: writes made through it
     commit with the delete of the delivered entries or roll back with it (exactly once). Never
-    commit or roll it back yourself."""
+    end its transaction yourself (``delivery_transaction``: what a listener may do to it)."""
 
     _delivering: psycopg2.extensions.connection | None = None
 
