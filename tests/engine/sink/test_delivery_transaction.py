@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import psycopg2
 import psycopg2.extensions
+import pytest
 
 from airflow_provider_lr.engine.sink.receive import ReceiveQueueReader
 from airflow_provider_lr.proto import lr_pb2
@@ -154,4 +155,25 @@ def test_a_connection_that_lost_the_prepared_head_read_goes_on_reading_it_as_tex
     assert sub.poll(listener) == 3 and sub.stats.failures == 0
     assert listener.prepared == [["lr_receive_head_v1"], [], []]
     assert listener.of("site-x") == [("log", "x=1"), ("log", "x=2"), ("log", "x=3")]
+    sub.close()
+
+
+def test_the_writes_of_a_callback_interrupted_by_a_base_exception_never_commit_with_a_later_delivery(lr_sites):
+    """A KeyboardInterrupt goes through the delivery to the caller, leaving its transaction open on
+    the kept connection: the next delivery rolls it back instead of committing in it."""
+    _, sink, _ = lr_sites
+    sink.query("CREATE TABLE applied (payload text)")
+    log_entries(sink, ["x=1"])
+    sub = RoutingQueueSubscriber(sink.dsn, client_name="policy")
+
+    class Interrupted(Applies):
+        def on_log_entry_messages(self, source, payloads):
+            super().on_log_entry_messages(source, payloads)
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        sub.poll(Interrupted(lambda: sub.connection))
+    recorder = Recorder()
+    assert sub.poll(recorder) == 1 and recorder.of("site-x") == [("log", "x=1")]
+    assert applied(sink) == [] and queue(sink, "site-x") == []
     sub.close()
