@@ -4,19 +4,20 @@ A delivery (``receive.ReceiveQueueReader``) is one transaction: it takes the que
 reads the head, hands a run to the listener, and consumes the run; the listener writes through the
 same connection, so its writes commit or roll back with the consume (exactly once).
 
-Its round trips are the latency of a streamed entry's last step. On an autocommit connection — a
-subscriber's and a relay's, made by ``delivery_connection`` — the transaction's ``BEGIN`` is sent
-with the lock and the first rows and its ``COMMIT`` with the consume: two round trips, plus what the
-listener sends, where psycopg2 would add its own ``BEGIN`` and ``COMMIT``. There the head read is a
-statement prepared once per connection (planning it costs more than running it); a connection that
-lost it (``DISCARD ALL``, a pooler) reads it as text from then on. On any other connection (the bulk
-apply's, a caller's) psycopg2 sends ``BEGIN`` and ``COMMIT`` itself, as it always did.
+Its round trips are the latency of a streamed entry's last step. On an autocommit connection (a
+subscriber's and a relay's, made by ``delivery_connection``) the transaction's ``BEGIN`` is sent
+with the lock and the first rows and its ``COMMIT`` with the consume: two round trips, plus what
+the listener sends, where psycopg2 would add its own ``BEGIN`` and ``COMMIT``. There the head read
+is a statement prepared once per connection (planning it costs more than running it); a connection
+that lost it (``DEALLOCATE``, a pooler's ``DISCARD ALL``) reads it as text from then on. On any
+other connection (the bulk apply's, a caller's) psycopg2 sends ``BEGIN`` and ``COMMIT`` itself.
 
 What a listener may do to the connection during a callback does not split its writes from the
 consume: on the autocommit connection psycopg2's ``commit()`` and ``rollback()`` do nothing; a
-listener that turns autocommit off fails the delivery (rolled back, redelivered, autocommit set back);
-one that ends the transaction itself (``with conn:``) has the consume run in a transaction of its own,
-as it always had.
+listener that turns autocommit off fails the delivery (rolled back, redelivered, autocommit set
+back); one that ends the transaction itself (``with conn:``) has the consume run in a transaction
+of its own, as it always had. A delivery that raised to its caller (a ``KeyboardInterrupt`` in a
+callback) is rolled back when the next one opens.
 """
 
 from __future__ import annotations
