@@ -9,8 +9,9 @@ sub.run(listener, stop=threading.Event())  # follows new arrivals (LISTEN/NOTIFY
 
 The listener's callbacks run inside the subscriber's delivery transaction: ``sub.connection`` (or
 ``sub.cursor()``) during a callback is that transaction, so writes made through it commit
-together with the delete of the delivered entries (exactly once) or roll back with it. Never
-commit or roll back that connection yourself. See docs/subscriber.md.
+together with the delete of the delivered entries (exactly once) or roll back with it. The
+connection is in autocommit mode and the subscriber sends BEGIN and COMMIT itself: its ``commit()``
+and ``rollback()`` do nothing in a callback; to undo, raise or return False. See docs/subscriber.md.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from airflow_provider_lr.engine.db.conninfo import ConnInfo, resolve
 from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.errors import ConfigurationError, MalformedEntryError
 from airflow_provider_lr.engine.sink import receive, wakeup
+from airflow_provider_lr.engine.sink.delivery_transaction import delivery_connection
 from airflow_provider_lr.engine.sink.receive import DeliveryContext, DeliveryStats, Listener
 from airflow_provider_lr.engine.sink.relay import Relay, Subscription
 from airflow_provider_lr.engine.sink.wakeup import Demand, FollowOptions
@@ -127,7 +129,7 @@ class RoutingQueueSubscriber(DeliveryContext):
 
     def _poll_conn(self) -> psycopg2.extensions.connection:
         if self._conn is None or self._conn.closed:
-            self._conn = self._connect()
+            self._conn = delivery_connection(self._connect())
         return self._conn
 
     def _connect(self) -> psycopg2.extensions.connection:

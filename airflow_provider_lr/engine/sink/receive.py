@@ -19,7 +19,8 @@ consumer side, shared by ``RoutingQueueSubscriber`` and the relay's subscription
   a packed row alone, and delivery goes on.
 
 During a callback, ``ReceiveQueueReader.conn`` is in the delivery transaction: whatever the listener
-writes through it commits or rolls back together with the delete, which gives exactly-once.
+writes through it commits or rolls back together with the delete, which gives exactly-once
+(``delivery_transaction``: its round trips, and what a listener may do to the connection).
 
 When a consumer looks at its queues (NOTIFY wake-ups, retries, the periodic full pass) is
 ``wakeup``'s business: this module delivers whatever it is asked to, once.
@@ -39,6 +40,7 @@ import psycopg2.extensions
 from google.protobuf.message import DecodeError
 
 from airflow_provider_lr.engine.errors import MalformedEntryError, one_line
+from airflow_provider_lr.engine.sink.delivery_transaction import DeliveryTransaction
 from airflow_provider_lr.engine.sink.queue_rows import unpack
 from airflow_provider_lr.engine.store import receive_queue
 from airflow_provider_lr.engine.vocabulary import receive_queue_name
@@ -55,6 +57,7 @@ DEFAULT_BATCH_BYTES = 8 << 20
 # batch are known, so no fetch brings more than about the batch's byte budget.
 INLINE_BYTES = 8192
 HEAD_FETCH = 16  # rows of a queue's head read first (then as many as the entries still wanted need)
+_HEAD_CURSOR = "lr_receive_head"  # the cursor over a longer head (it ends with the delivery transaction)
 
 START, SNAPSHOT, COMPLETE, LOG = (
     lr_pb2.SNAPSHOT_SYNC_START,
@@ -134,7 +137,7 @@ class _Entry:
 class DeliveryContext:
     """The connection a consumer delivers on, for listener callbacks: writes made through it
     commit with the delete of the delivered entries or roll back with it (exactly once). Never
-    commit or roll it back yourself."""
+    end its transaction yourself (``delivery_transaction``: what a listener may do to it)."""
 
     _delivering: psycopg2.extensions.connection | None = None
 
@@ -186,6 +189,7 @@ class ReceiveQueueReader:
         self.conn = conn
         self.batch_size = batch_size
         self.batch_bytes = batch_bytes
+        self._tx = DeliveryTransaction(conn)  # the current delivery's
 
     def deliver(
         self,
@@ -244,7 +248,7 @@ class ReceiveQueueReader:
         rows, whole = head
         entries = _entries(rows, limit)
         if not entries:
-            self.conn.commit()
+            self._tx.rollback()  # the lock is all the transaction holds
             return 0, 0, True
         if entries[0].error is not None:
             bad = list(itertools.takewhile(lambda e: e.error is not None, entries))
@@ -256,16 +260,16 @@ class ReceiveQueueReader:
         size = sum(map(len, payloads))
         try:
             ok = _call(listener, run[0].kind, source, payloads)
+            self._tx.check()
         except Exception as exc:
             return self._failed(listener, client, source, len(run), report, "listener raised", exc), size, True
         if not ok:
-            self._rollback()
+            self._tx.rollback()
             report.refused += len(run)
             report.failed.add(source)
             return len(run), size, True
         try:
             self._consume(rows, run)
-            self.conn.commit()
         except (psycopg2.OperationalError, psycopg2.InterfaceError):
             raise  # a lost sink connection: the caller reconnects; the entries are still queued
         except psycopg2.Error as exc:  # e.g. the listener broke the transaction, then returned True
@@ -280,8 +284,8 @@ class ReceiveQueueReader:
         return len(run), size, whole and len(run) == sum(r.count - r.delivered for r in rows)
 
     def _consume(self, rows: Sequence[_Row], taken: Sequence[_Entry]) -> None:
-        """Remove the leading ``taken`` entries from the queue: rows they finish are deleted, a row
-        they end inside has its ``delivered`` advanced."""
+        """Remove the leading ``taken`` entries from the queue and commit: rows they finish are
+        deleted, a row they end inside has its ``delivered`` advanced."""
         upto: dict[int, int | None] = {}  # seq -> entries of the row consumed after this (None: all)
         for entry in taken:
             upto[entry.seq] = entry.index + 1 if entry.index >= 0 else None
@@ -294,14 +298,13 @@ class ReceiveQueueReader:
                 finished.append(row.seq)
             else:
                 partial = (done, row.seq)
-        with self.conn.cursor() as cur:
-            receive_queue.consume(cur, finished, partial)
+        self._tx.consume(finished, partial)
 
     def _failed(
         self, listener: Listener, client: str, source: str, count: int, report: PassReport, what: str, exc: Exception
     ) -> int:
         """Roll the delivery back and report it; the entries stay for redelivery."""
-        self._rollback()
+        self._tx.rollback()
         report.failures += 1
         report.failed.add(source)
         text = one_line(f"{receive_queue_name(client, source)}: {what} {type(exc).__name__}: {exc}")
@@ -311,28 +314,28 @@ class ReceiveQueueReader:
         return count
 
     def _lock_and_read(self, client: str, source: str, limit: int, max_bytes: int) -> tuple[list[_Row], bool] | None:
-        """Open the delivery transaction: take the queue's consumer lock (None if another consumer
-        has it) and read the visible rows that hold its next ``limit`` entries (at most
-        ``max_bytes`` of rows, at least one), in sink order; True with them when they are all the
-        queue holds. Rows behind a snapshot still being transferred (an invisible row with a lower
-        seq) wait for it, so full-sync data stays ahead."""
-        with self.conn.cursor() as cur:  # one round trip: the lock, then (only if taken) the snapshot barrier
-            locked, barrier = receive_queue.lock_head(cur, source, client)
-            if not locked:
-                self.conn.rollback()
-                return None
-        return self._read_head(client, source, limit, barrier, max_bytes)
+        """Open the delivery transaction (``delivery_transaction``): take the queue's consumer lock
+        (None if another consumer has it) and read the visible rows that hold its next ``limit``
+        entries (at most ``max_bytes`` of rows, at least one), in sink order; True with them when
+        they are all the queue holds. Rows behind a snapshot still being transferred (an invisible
+        row with a lower seq) wait for it, so full-sync data stays ahead."""
+        self._tx = DeliveryTransaction(self.conn)
+        opened = self._tx.open(source, client, INLINE_BYTES, min(limit, HEAD_FETCH, max(1, max_bytes // INLINE_BYTES)))
+        if opened is None:
+            return None
+        barrier, fetched = opened
+        return self._read_head(client, source, limit, barrier, max_bytes, fetched)
 
     def _read_head(
-        self, client: str, source: str, limit: int, barrier: int | None, max_bytes: int = DEFAULT_BATCH_BYTES
+        self, client: str, source: str, limit: int, barrier: int | None, max_bytes: int, fetched: list[tuple]
     ) -> tuple[list[_Row], bool]:
         """The visible rows before ``barrier`` that hold the queue's next ``limit`` entries, and no
-        more than ``max_bytes`` of rows (at least one), in ``seq`` order: the first few rows by one
-        query, then (a longer head) a cursor over the delivery index, fetched a few rows at a time
-        (a row holds one entry or ~28), so neither one-entry rows nor packed ones read more than
-        they need. Messages over ``INLINE_BYTES`` (single
-        large entries) are left out of the cursor's rows and fetched by ``seq`` for the rows
-        taken: no round trip brings much more than ``max_bytes``, whatever the entries' size."""
+        more than ``max_bytes`` of rows (at least one), in ``seq`` order: the first few rows
+        (``fetched``, read with the lock), then (a longer head) a cursor over the delivery index,
+        fetched a few rows at a time (a row holds one entry or ~28), so neither one-entry rows nor
+        packed ones read more than they need. Messages over ``INLINE_BYTES`` (single large entries)
+        are left out of the cursor's rows and fetched by ``seq`` for the rows taken: no round trip
+        brings much more than ``max_bytes``, whatever the entries' size."""
         heads: list[tuple[int, int, int, int, Any]] = []  # (seq, kind, count, delivered, message | None)
         wanted, taken = limit, 0
         most = max(1, max_bytes // INLINE_BYTES)  # rows per fetch
@@ -351,17 +354,16 @@ class ReceiveQueueReader:
                     return True, whole and n == len(fetched) - 1
             return whole, whole
 
-        first = min(limit, HEAD_FETCH, most)
-        with self.conn.cursor() as cur:  # the usual head, a few rows: one round trip
-            receive_queue.select_head(cur, source, client, INLINE_BYTES, limit=first)
-            full, whole = take(cur.fetchall(), first)
+        full, whole = take(fetched, min(limit, HEAD_FETCH, most))
         if not full:  # a longer head: a cursor over the delivery index, in order, after what was taken
-            with self.conn.cursor(name="lr_receive_head") as cur:
-                receive_queue.select_head(cur, source, client, INLINE_BYTES, after=heads[-1][0])
+            with self.conn.cursor() as cur:
+                declare = receive_queue.declare_head(cur, _HEAD_CURSOR, source, client, INLINE_BYTES, heads[-1][0])
                 while not full:
                     per_row = max(1.0, (limit - wanted) / max(1, len(heads)))
                     size = min(most, max(1, math.ceil(wanted / per_row)))
-                    full, whole = take(cur.fetchmany(size), size)
+                    cur.execute(declare + f"FETCH FORWARD {size} FROM {_HEAD_CURSOR}".encode())  # DECLARE rides along
+                    declare = b""
+                    full, whole = take(cur.fetchall(), size)
         large: dict[int, Any] = {}
         wanted_large = [head[0] for head in heads if head[4] is None]
         if wanted_large:
@@ -387,7 +389,6 @@ class ReceiveQueueReader:
                     (entry.seq, entry.index, source, client, entry.kind, psycopg2.Binary(entry.payload), entry.error),
                 )
         self._consume(rows, bad)
-        self.conn.commit()
         report.dead_letters += len(bad)
         for entry in bad:
             where = f"seq {entry.seq}" + ("" if entry.index < 0 else f" #{entry.index}")
@@ -397,10 +398,6 @@ class ReceiveQueueReader:
             report.note_error(text)
             log.error(text)
             _on_error(listener, source, MalformedEntryError(text))
-
-    def _rollback(self) -> None:
-        if not self.conn.closed:
-            self.conn.rollback()
 
 
 def _entries(rows: Sequence[_Row], limit: int) -> list[_Entry]:

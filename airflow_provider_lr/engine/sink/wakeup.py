@@ -25,6 +25,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import SiteUnreachableError, one_line
 from airflow_provider_lr.engine.notify import NotifyChannel
+from airflow_provider_lr.engine.sink.delivery_transaction import delivery_connection
 from airflow_provider_lr.engine.sink.receive import (
     DEFAULT_BATCH,
     DEFAULT_BATCH_BYTES,
@@ -102,7 +103,7 @@ class Connector:
     on_conn: Callable[[psycopg2.extensions.connection | None], None] | None = None
 
     def open(self) -> psycopg2.extensions.connection:
-        conn = self.connect()
+        conn = delivery_connection(self.connect())
         if self.on_conn:
             self.on_conn(conn)
         return conn

@@ -11,7 +11,7 @@ until it is applied.
 * ``QueueWriter``: the one writer, an INSERT form (the session cycle's batches, a failover's copied
   gap) and a binary COPY form (the fan-out); ``move_staged_log`` / ``move_staged_snapshot`` move
   rows Spark jobs staged in ``lr.spark_staging`` server-side.
-* the subscribers' side: ``lock_head``, ``select_head``, ``messages``, ``consume``.
+* the subscribers' side: ``lock_head``, ``declare_head``, ``messages``, ``consume``.
 * a failover's cut: ``rows_after``, ``cut_row``, and ``consumed_position`` (``lr.receive_consumed``,
   the record of how far applications consumed a queue, which a trigger writes as rows are deleted).
 * the operator's side: ``queue_report``, ``waiting``, ``drop``.
@@ -26,6 +26,7 @@ import psycopg2
 import psycopg2.extensions
 from psycopg2.extras import execute_values
 
+from airflow_provider_lr.engine.db.prepared import Prepared
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.vocabulary import CONSUMER_LOCK_CLASS, receive_queue_name
 
@@ -272,42 +273,83 @@ def register(cur: psycopg2.extensions.cursor, source: str, client: str) -> None:
 
 
 # --- the subscribers' side ------------------------------------------------------------------------
-def lock_head(cur: psycopg2.extensions.cursor, source: str, client: str) -> tuple[bool, int | None]:
-    """Take the queue's consumer lock for this transaction, in one round trip with the snapshot
-    barrier: (locked, the lowest seq of an invisible row, only when locked)."""
-    cur.execute(
-        "SELECT locked, CASE WHEN locked THEN (SELECT min(seq) FROM lr.receive_queue "
-        "WHERE source_site_id = %s AND client_name = %s AND NOT visible) END "
-        "FROM (SELECT pg_try_advisory_xact_lock(%s, hashtext(%s)) AS locked) l",
-        (source, client, CONSUMER_LOCK_CLASS, receive_queue_name(client, source)),
-    )
-    locked, barrier = cur.fetchone()
-    return locked, barrier
+# The consumer lock's outcome, for the statements after it in the delivery transaction (a setting
+# local to the transaction: it ends with it).
+_LOCKED = "pg_catalog.current_setting('lr.receive_locked')::boolean"
+_LOCK = (
+    "SELECT pg_catalog.set_config('lr.receive_locked', "
+    "pg_catalog.pg_try_advisory_xact_lock(%(lock_class)s, pg_catalog.hashtext(%(queue)s))::text, true)"
+)
+# the head's columns: (seq, kind, entry_count, delivered, message length, message when it is at most
+# %(inline)s bytes, else NULL), of the queue's visible rows
+_HEAD = (
+    "seq, kind, entry_count, delivered, octet_length(message), "
+    "CASE WHEN octet_length(message) <= %(inline)s THEN message END FROM lr.receive_queue "
+    "WHERE client_name = %(client)s AND source_site_id = %(source)s AND visible"
+)
+# the snapshot barrier: the lowest seq of an invisible row (a full sync still being transferred)
+_BARRIER = (
+    "(SELECT min(seq) FROM lr.receive_queue WHERE source_site_id = %(source)s AND client_name = %(client)s "
+    "AND NOT visible)"
+)
+
+_FIRST = f"SELECT {_BARRIER}, {_HEAD} AND {_LOCKED} ORDER BY seq LIMIT %(limit)s"  # the first rows, with the lock
+# prepared on a subscriber's delivery connection: planning it costs more than running it
+HEAD = Prepared(
+    "lr_receive_head_v1",  # versioned: another lr's statement of this name is never taken for this one
+    _FIRST,
+    {"source": "pg_catalog.text", "client": "pg_catalog.text", "inline": "pg_catalog.int4", "limit": "pg_catalog.int8"},
+)
 
 
-def select_head(
+def lock_head(
     cur: psycopg2.extensions.cursor,
     source: str,
     client: str,
     inline_bytes: int,
-    after: int | None = None,
-    limit: int | None = None,
-) -> None:
-    """Run, on ``cur``, the read of the queue's visible rows in ``seq`` order (after ``after``, at
-    most ``limit``): (seq, kind, entry_count, delivered, message length, message when it is at most
-    ``inline_bytes``, else None); the caller fetches."""
-    params: tuple = (inline_bytes, client, source)
-    sql = (
-        "SELECT seq, kind, entry_count, delivered, octet_length(message), "
-        "CASE WHEN octet_length(message) <= %s THEN message END FROM lr.receive_queue "
-        "WHERE client_name = %s AND source_site_id = %s AND visible"
+    limit: int,
+    begin: bool = False,
+    prepared: bool = False,
+) -> tuple[bool, int | None, list[tuple]]:
+    """Take the queue's consumer lock for this transaction and read its first ``limit`` visible
+    rows (the head's columns: seq, kind, entry_count, delivered, message length, message when it is
+    at most ``inline_bytes``, else None) with the snapshot barrier, in one round trip (``begin``: the
+    transaction's BEGIN rides with it too; ``prepared``: ``HEAD`` was prepared on the connection):
+    (locked, the lowest seq of an invisible row, the rows).
+
+    The lock and the read are two statements: the read's snapshot is taken after the lock is held,
+    so it sees everything the previous holder of the lock committed (a statement that took the lock
+    itself would read with a snapshot from before it). An empty read asks once more whether the
+    lock was taken: the queue is empty, or another consumer holds it (nothing read, locked False)."""
+    params = {
+        "lock_class": CONSUMER_LOCK_CLASS,
+        "queue": receive_queue_name(client, source),
+        "inline": inline_bytes,
+        "client": client,
+        "source": source,
+        "limit": limit,
+    }
+    cur.execute(
+        ("BEGIN; " if begin else "") + f"{_LOCK}; " + (HEAD.execute_sql if prepared else _FIRST),
+        params,
     )
-    if after is not None:
-        sql, params = sql + " AND seq > %s", params + (after,)
-    sql += " ORDER BY seq"
-    if limit is not None:
-        sql, params = sql + " LIMIT %s", params + (limit,)
-    cur.execute(sql, params)
+    rows = cur.fetchall()
+    if rows:
+        return True, rows[0][0], [row[1:] for row in rows]
+    cur.execute(f"SELECT {_LOCKED}")
+    return cur.fetchone()[0], None, []
+
+
+def declare_head(
+    cur: psycopg2.extensions.cursor, name: str, source: str, client: str, inline_bytes: int, after: int
+) -> bytes:
+    """The statement that declares the cursor ``name`` (it ends with the transaction) over the
+    queue's visible rows after ``after`` in ``seq`` order, the head's columns, for the caller to
+    send with its first ``FETCH`` from it."""
+    return cur.mogrify(
+        f"DECLARE {name} NO SCROLL CURSOR FOR SELECT {_HEAD} AND seq > %(after)s ORDER BY seq; ",
+        {"inline": inline_bytes, "client": client, "source": source, "after": after},
+    )
 
 
 def messages(cur: psycopg2.extensions.cursor, seqs: list[int]) -> dict[int, Any]:
@@ -316,13 +358,23 @@ def messages(cur: psycopg2.extensions.cursor, seqs: list[int]) -> dict[int, Any]
     return dict(cur.fetchall())
 
 
-def consume(cur: psycopg2.extensions.cursor, finished: list[int], partial: tuple[int, int] | None) -> None:
+def consume(
+    cur: psycopg2.extensions.cursor, finished: list[int], partial: tuple[int, int] | None, commit: bool = False
+) -> None:
     """Delivered: the rows ``finished`` are deleted, ``partial`` = (entries delivered, seq) records
-    how far a row was delivered."""
+    how far a row was delivered, in one round trip (``commit``: the transaction's COMMIT too)."""
+    statements: list[str] = []
+    params: list[Any] = []
     if finished:
-        cur.execute("DELETE FROM lr.receive_queue WHERE seq = ANY(%s)", (finished,))
+        statements.append("DELETE FROM lr.receive_queue WHERE seq = ANY(%s)")
+        params.append(finished)
     if partial is not None:
-        cur.execute("UPDATE lr.receive_queue SET delivered = %s WHERE seq = %s", partial)
+        statements.append("UPDATE lr.receive_queue SET delivered = %s WHERE seq = %s")
+        params.extend(partial)
+    if commit:
+        statements.append("COMMIT")
+    if statements:
+        cur.execute("; ".join(statements), params)
 
 
 # --- a failover's cut -----------------------------------------------------------------------------
