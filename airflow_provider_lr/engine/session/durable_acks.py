@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import psycopg2
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.db.autocommit import autocommit
 from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.engine.session.stream_member import Member
 from airflow_provider_lr.engine.sink import writes
@@ -61,10 +62,9 @@ class DurableAcks:
     ) -> dict[SessionKey, int]:
         """Mark ``positions`` (where ``site``'s sessions stand now, committed, maybe not flushed) and
         return the newest position of each session now known durable on ``site``."""
-        with conn.cursor() as cur:
+        with autocommit(conn), conn.cursor() as cur:  # one round trip
             cur.execute(WAL_POSITIONS_SQL)
             flushed, inserted = (int(v) for v in cur.fetchone())
-        conn.rollback()
         marks = self._marks.setdefault(site, [])
         if positions and (not marks or marks[-1].positions != positions):
             marks.append(_Mark(inserted, dict(positions)))

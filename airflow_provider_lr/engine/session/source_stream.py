@@ -35,6 +35,7 @@ import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
 from airflow_provider_lr.engine.counters import DeliveryCounters
+from airflow_provider_lr.engine.db.autocommit import autocommit
 from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.errors import FencedError, LRError, StaleBatchError, TrimmedError, error_line, one_line
 from airflow_provider_lr.engine.session import lease as leases
@@ -314,8 +315,9 @@ class SourceStream:
         ``lr status`` shows the age of the last success), and hand back each session whose
         negotiation is due."""
         members = list(self.members.values())
-        topology_id = recorded_id(self.src)
-        backlogs = {(b.sink, b.client): b for b in session_backlogs(self.src)}
+        with autocommit(self.src):  # one round trip each
+            topology_id = recorded_id(self.src)
+            backlogs = {(b.sink, b.client): b for b in session_backlogs(self.src)}
         renewals = []
         for member in members:
             values: dict[str, object] = {
@@ -328,7 +330,8 @@ class SourceStream:
                 self.counters.lag(member.key, backlog.entries, backlog.lag_seconds)
             renewals.append((member.lease, values))
         lost = self._update_leases(renewals)
-        requested = full_sync.sessions_requested(self.src)
+        with autocommit(self.src):
+            requested = full_sync.sessions_requested(self.src)
         federated: dict[str, list[registry.FederatedTable]] = {}  # per client, read once for its sinks
         for member in members:
             key = member.key
@@ -380,7 +383,8 @@ class SourceStream:
         sessions that could not be set, with why: taken over, or all of them when the statement
         failed (the source lost: raised, after they left)."""
         try:
-            return dict(leases.update_sessions(self.src, updates))
+            with autocommit(self.src):  # one round trip
+                return dict(leases.update_sessions(self.src, updates))
         except (psycopg2.Error, LRError) as exc:
             for lease, _ in updates:
                 member = self.members.get(SessionKey(self.source, lease.sink, lease.client))

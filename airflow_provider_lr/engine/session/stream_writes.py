@@ -13,11 +13,11 @@ the general path reads each row, adds only what is new and says what is wrong.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.db.autocommit import autocommit
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session.stream_member import Member
 from airflow_provider_lr.engine.sink import writes
@@ -37,7 +37,7 @@ def apply_site(
             for member, batch in (jobs[n] for n in fast)
         ]
         try:
-            with _autocommit(conn):  # BEGIN and COMMIT ride with the statements
+            with autocommit(conn):  # BEGIN and COMMIT ride with the statements
                 ends = writes.stream_batches(conn, source, batches)
         except Exception as exc:  # the site's: every session of the round trip says so
             done.update(dict.fromkeys(fast, exc))
@@ -58,23 +58,12 @@ def apply_one(conn: psycopg2.extensions.connection, source: str, member: Member,
     """One session's batch by the general path (a batch of any size: ``LogStream``); the sink's
     position after it."""
     p = member.position
-    with _autocommit(conn):  # BEGIN and COMMIT ride with its first and last statements
+    with autocommit(conn):  # BEGIN and COMMIT ride with its first and last statements
         after = writes.apply_log_stream(
             conn, source, member.key.client, p.epoch, batch, p.base, not member.registered, False
         )
     fault_point("stream_after_sink_apply")
     return after
-
-
-@contextlib.contextmanager
-def _autocommit(conn: psycopg2.extensions.connection) -> Iterator[None]:
-    """``conn`` in autocommit while the stream sends a transaction's BEGIN and COMMIT itself."""
-    conn.autocommit = True
-    try:
-        yield
-    finally:
-        if not conn.closed:
-            conn.autocommit = False
 
 
 def _after_apply(end: int) -> int | Exception:
