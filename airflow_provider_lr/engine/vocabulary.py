@@ -122,6 +122,10 @@ def parse_wakeup(payload: str) -> tuple[str, str]:
 # --- advisory-lock keys (one namespace: 0x6C72 = "lr") -------------------------------------------
 SCHEMA_LOCK_KEY = 0x6C72_0001  # pg_advisory_xact_lock(key): schema installs and upgrades
 COMMIT_LOCK_KEY = 0x6C72_0002  # shared by every committing writer (V0002 trigger: 1819410434)
+# held exclusively by a stream asleep; a committing writer that cannot take it shared NOTIFYs
+# COMMIT_CHANNEL (V0022: 1819410435)
+STREAM_WAKE_KEY = 0x6C72_0003
+COMMIT_CHANNEL = "lr_commit"
 # two-int keys (class, hashtext(...)) never collide with the one-bigint keys above
 CONSUMER_LOCK_CLASS = 0x6C72_7271  # "lrrq": (class, hashtext(queue name)) one consumer per queue
 STAGING_LOCK_CLASS = 0x6C72_7366  # "lrsf": (class, hashtext(range)) while a snapshot part stages

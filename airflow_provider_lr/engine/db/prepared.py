@@ -36,6 +36,7 @@ class Prepared:
         if not conn.autocommit:
             conn.commit()
 
-    def execute(self, cur: psycopg2.extensions.cursor, params: Mapping[str, object]) -> None:
-        """Run it on ``cur``'s connection, where it was prepared."""
-        cur.execute(self.execute_sql, {n: params[n] for n in self.names})
+    def execute(self, cur: psycopg2.extensions.cursor, params: Mapping[str, object], before: str = "") -> None:
+        """Run it on ``cur``'s connection, where it was prepared; ``before``: statements (no
+        parameters) sent ahead of it in the same round trip."""
+        cur.execute(before.replace("%", "%%") + self.execute_sql, {n: params[n] for n in self.names})

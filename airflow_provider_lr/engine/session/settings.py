@@ -92,8 +92,13 @@ class SessionSettings:
 class StreamSettings:
     """How a stream waits and how often it looks around (seconds)."""
 
-    poll_min: float = 0.0002  # probe pause while commits keep coming
-    poll_max: float = 0.01  # ... growing to this while none come (the wake-up lag of a first commit)
+    # With nothing to read a stream sleeps until a commit wakes it (``stream_read``), at most
+    # ``sleep_max`` at a time (joins, leaves and a stop are seen within it). When it cannot sleep
+    # (a writer is committing, or another stream of the source sleeps) it looks again after a
+    # pause of ``poll_min``, doubling up to ``poll_max`` while nothing comes.
+    sleep_max: float = 0.05
+    poll_min: float = 0.0002
+    poll_max: float = 0.01
     ack_interval: float = 0.2  # acknowledged position recorded on the source at most this often
     check_interval: float = 1.0  # lease renewed, topology and full-sync requests checked
     gap_timeout: float = 0.05  # a missing position this old is resolved with the commit barrier

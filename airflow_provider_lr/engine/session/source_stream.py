@@ -168,9 +168,8 @@ class SourceStream:
             low = min(m.read_to for m in self.members.values())
             probed = not moved and stalled_since is None
             assert self.reads is not None
-            if probed and self.reads.latest() <= low:
-                self._wake.wait(pause)  # a join or a leave wakes it at once
-                self._wake.clear()
+            due = min(next_check, last_ack + opts.ack_interval) - now
+            if probed and not self.reads.wait_for_commit(low, pause, max(0.0, min(due, opts.sleep_max))):
                 pause = min(pause * 2, opts.poll_max)
                 continue
             barrier = stalled_since is not None and now - stalled_since >= opts.gap_timeout

@@ -151,18 +151,20 @@ def read_routed(
     max_bytes: int,
     source: str = "",
     prepared: bool = False,
+    before: str = "",
 ) -> RoutedBatch | None:
     """The final prefix after the lowest reader, routed (see the module docstring); None when its
     first transaction alone is too large for one small batch. ``conn`` is autocommit (one round
-    trip), or its transaction is ended here; ``prepared``: ``ROUTED`` was prepared on it.
+    trip), or its transaction is ended here; ``prepared``: ``ROUTED`` was prepared on it;
+    ``before``: statements (no parameters) sent ahead of it in the same round trip.
     ``TrimmedError`` when the log was trimmed past the lowest reader."""
     params = _params(readers, max_bytes)
     try:
         with conn.cursor() as cur:
             if prepared:
-                ROUTED.execute(cur, params)
+                ROUTED.execute(cur, params, before)
             else:
-                cur.execute(_ROUTED_SQL, params)
+                cur.execute(before.replace("%", "%%") + _ROUTED_SQL, params)
             rows = cur.fetchall()
     finally:
         if not conn.autocommit:

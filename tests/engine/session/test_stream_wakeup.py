@@ -1,0 +1,99 @@
+"""A stream with nothing to read sleeps until a commit wakes it (``session/stream_read``, V0022):
+woken at once, never asleep past a commit, and writers notify only while a stream sleeps."""
+
+from __future__ import annotations
+
+import select
+import threading
+import time
+
+import psycopg2
+
+from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.engine.session.settings import StreamSettings
+from airflow_provider_lr.engine.session.stream_read import StreamRead
+from airflow_provider_lr.engine.vocabulary import COMMIT_CHANNEL, STREAM_WAKE_KEY
+from tests.support.session import Streaming, apply, empty_provider, replicator, sink_queue, wait_for
+
+ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
+
+
+def _transmit(conn, payload: str) -> None:
+    RoutingQueueClient(conn, "policy").transmit_log_entry_message(payload.encode(), ["site-b"])
+    conn.commit()
+
+
+def _latest(source) -> int:
+    return source.query("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM lr.commit_position_seq")[0][0]
+
+
+def _notified(conn, within: float) -> bool:
+    if select.select([conn], [], [], within)[0]:
+        conn.poll()
+    found = bool(conn.notifies)
+    conn.notifies.clear()
+    return found
+
+
+def test_a_sleeping_stream_is_woken_by_the_commit_not_by_its_next_look(lr_sites):
+    """Every timer of the stream set to seconds: an entry committed while it sleeps arrives in far
+    less (polling alone would take up to ``sleep_max``)."""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:empty_provider"})
+    slow = StreamSettings(sleep_max=8.0, poll_min=4.0, poll_max=8.0, check_interval=30.0, ack_interval=30.0)
+    writer = source.connect()
+    with Streaming(replicator(topo, lr_sites, providers={"policy": empty_provider}), slow) as streaming:
+        streaming.streaming()
+        _transmit(writer, "first")
+        wait_for(lambda: sink_queue(sink_b, "policy") == [b"first"], 20, "the first entry")
+        for n in range(3):
+            time.sleep(0.5)  # asleep by now
+            started = time.monotonic()
+            _transmit(writer, f"e{n}")
+            wait_for(lambda n=n: len(sink_queue(sink_b, "policy")) == n + 2, 20, f"entry {n}")
+            assert time.monotonic() - started < 2.0, "the commit woke the stream"
+    writer.close()
+
+
+def test_the_stream_does_not_sleep_while_a_writer_is_between_drawing_its_position_and_its_end(lr_sites):
+    source, _, _ = lr_sites
+    apply(lr_sites, ONE_SINK)
+    reads = StreamRead(lambda site: source.connect(), "site-a", 1 << 20)
+    committing = source.connect()
+    committing.cursor().execute(
+        "SELECT pg_advisory_lock_shared(%s)", (STREAM_WAKE_KEY,)
+    )  # as a writer's commit holds it
+    started = time.monotonic()
+    assert reads.wait_for_commit(_latest(source), pause=0.01, longest=10.0) is False
+    assert time.monotonic() - started < 2.0, "it paused instead of sleeping"
+    committing.close()
+    woken: list[bool] = []
+    sleeper = threading.Thread(target=lambda: woken.append(reads.wait_for_commit(_latest(source), 0.01, 10.0)))
+    sleeper.start()
+    time.sleep(0.5)
+    assert sleeper.is_alive(), "nothing drawn and nobody committing: it sleeps"
+    writer = source.connect()
+    started = time.monotonic()
+    _transmit(writer, "wake")
+    sleeper.join(5)
+    assert woken == [True] and time.monotonic() - started < 2.0
+    writer.close()
+    reads.close()
+
+
+def test_writers_notify_only_while_a_stream_sleeps(lr_sites):
+    source, _, _ = lr_sites
+    apply(lr_sites, ONE_SINK)
+    listener = source.connect()
+    listener.autocommit = True
+    listener.cursor().execute(f"LISTEN {COMMIT_CHANNEL}")
+    writer = source.connect()
+    _transmit(writer, "awake")
+    assert not _notified(listener, 0.5), "no stream asleep: the commit costs no NOTIFY"
+    sleeping = psycopg2.connect(source.dsn)
+    sleeping.autocommit = True
+    sleeping.cursor().execute("SELECT pg_advisory_lock(%s)", (STREAM_WAKE_KEY,))  # as a stream asleep holds it
+    _transmit(writer, "asleep")
+    assert _notified(listener, 5.0), "a stream asleep is woken by the commit"
+    for conn in (sleeping, writer, listener):
+        conn.close()
