@@ -114,16 +114,18 @@ class TableDefinition:
 
 
 # The shape of the table whose oid is ``t.oid``: its columns (name, type as the module says, "true"
-# when NOT NULL) and its primary key's columns, in order (``read_definition``; ``sink.targets`` reads
-# it for several tables in one statement).
+# when NOT NULL) and its primary key's columns, in order (``read_definition``; ``targets`` reads it
+# for several tables in one statement). A column's type by index lookups, not a join of pg_type.
 SHAPE_COLUMNS = """
-       ARRAY(SELECT ARRAY[a.attname::text, CASE WHEN n.nspname = 'pg_catalog' OR NOT pg_type_is_visible(y.oid)
-                              THEN format_type(a.atttypid, a.atttypmod)
-                              ELSE quote_ident(n.nspname) || '.' || format_type(a.atttypid, a.atttypmod) END,
+       ARRAY(SELECT ARRAY[a.attname::text,
+                          (SELECT CASE WHEN n.nspname = 'pg_catalog' OR NOT pg_type_is_visible(y.oid)
+                                  THEN format_type(a.atttypid, a.atttypmod)
+                                  ELSE quote_ident(n.nspname) || '.' || format_type(a.atttypid, a.atttypmod) END
+                           FROM pg_type y JOIN pg_namespace n ON n.oid = y.typnamespace WHERE y.oid = a.atttypid),
                           a.attnotnull::text]
-             FROM pg_attribute a JOIN pg_type y ON y.oid = a.atttypid JOIN pg_namespace n ON n.oid = y.typnamespace
-             WHERE a.attrelid = t.oid AND a.attnum > 0 AND NOT a.attisdropped
-               AND a.attgenerated = '' ORDER BY a.attnum),
+             FROM pg_attribute a
+             WHERE a.attrelid = t.oid AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''
+             ORDER BY a.attnum),
        ARRAY(SELECT a.attname::text FROM pg_index i
              JOIN LATERAL unnest(i.indkey) WITH ORDINALITY k(attnum, n) ON true
              JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum

@@ -277,7 +277,7 @@ class ChangeApplier:
     def add(self, record: LogRecord) -> None:
         if self._here is None:  # marked as lr's apply (``applying``), constraints as the source's, and the
             # targets of the tables the session's last transactions used (``TargetLookup``): one round trip
-            self.cur.execute(APPLYING_SQL.encode() + b"; SET CONSTRAINTS ALL DEFERRED; " + self.lookup.first())
+            self.cur.execute(self.lookup.first("SET CONSTRAINTS ALL DEFERRED; " + APPLYING_SQL))
             self.lookup.take(self.cur.fetchall())
             self._here = f"session {SessionKey(self.source, self.lookup.site_id, self.client)}"
         tid = record.table_id
@@ -347,44 +347,50 @@ class ChangeApplier:
                 "the next cycle applies the batch"
             ) from exc
 
-    def _statement(self, run: _Run) -> sql.Composed:
+    def _statement(self, run: _Run) -> str:
         target = self.targets[run.tid]
         assert target is not None
-        d = target.definition
-        rows = sql.SQL(  # ORDER BY: the source's order, and the subquery is not pulled up (p computed once)
-            "SELECT jsonb_populate_record(NULL::{t}, r.d - %(text)s::text[]) AS p, r.d "
-            "FROM unnest(%(docs)s::bytea[], %(lo)s::int[], %(hi)s::int[]) WITH ORDINALITY AS t(doc, lo, hi, ord) "
-            "CROSS JOIN LATERAL jsonb_array_elements(convert_from(t.doc, 'UTF8')::jsonb -> 'rows') "
-            "WITH ORDINALITY AS r(d, i) "
-            "WHERE r.i BETWEEN t.lo AND t.hi ORDER BY t.ord, r.i"
-        ).format(t=d.table.ident)
-        types = {c.name: c.type for c in d.columns}
-
-        def value(col: str) -> sql.Composable:  # a column of row s: from the record, or cast from its text
-            if col in run.text:
-                return sql.SQL("(s.d ->> {})::{}").format(sql.Literal(col), sql.SQL(types[col]))
-            return sql.SQL("(s.p).{}").format(sql.Identifier(col))
-
-        if run.op == "d":
-            x_key = sql.SQL(", ").join(sql.SQL("x.{}").format(sql.Identifier(k)) for k in d.key)
-            s_key = sql.SQL(", ").join(value(k) for k in d.key)
-            statement = sql.SQL("DELETE FROM {t} x USING ({rows}) s WHERE ({xk}) = ({sk})").format(
-                t=d.table.ident, rows=rows, xk=x_key, sk=s_key
-            )
-        else:
-            cols = sql.SQL(", ").join(map(sql.Identifier, d.column_names))
-            s_cols = sql.SQL(", ").join(value(c) for c in d.column_names)
-            statement = sql.SQL("INSERT INTO {t} ({cols}) SELECT {s_cols} FROM ({rows}) s {conflict}").format(
-                t=d.table.ident, cols=cols, s_cols=s_cols, rows=rows, conflict=_on_conflict(d)
-            )
-        if not target.shared:
-            return statement
-        keys = sql.SQL("SELECT {} AS key FROM ({}) s").format(target.key_object(sql.SQL("(s.p)"), value), rows)
-        return sql.SQL("{}; {}").format(statement, _ledger(target, keys, upserted=run.op == "u"))
+        key = (target.definition, target.source, target.primary, target.shared, run.op, run.text)
+        return self.lookup.statement(key, lambda: _compose(target, run))
 
     def _where(self) -> str:
         assert self._here is not None
         return self._here
+
+
+def _compose(target: Target, run: _Run) -> sql.Composed:
+    """The statement that applies ``run`` to ``target`` (its parameters: ``flush``'s)."""
+    d = target.definition
+    rows = sql.SQL(  # ORDER BY: the source's order, and the subquery is not pulled up (p computed once)
+        "SELECT jsonb_populate_record(NULL::{t}, r.d - %(text)s::text[]) AS p, r.d "
+        "FROM unnest(%(docs)s::bytea[], %(lo)s::int[], %(hi)s::int[]) WITH ORDINALITY AS t(doc, lo, hi, ord) "
+        "CROSS JOIN LATERAL jsonb_array_elements(convert_from(t.doc, 'UTF8')::jsonb -> 'rows') "
+        "WITH ORDINALITY AS r(d, i) "
+        "WHERE r.i BETWEEN t.lo AND t.hi ORDER BY t.ord, r.i"
+    ).format(t=d.table.ident)
+    types = {c.name: c.type for c in d.columns}
+
+    def value(col: str) -> sql.Composable:  # a column of row s: from the record, or cast from its text
+        if col in run.text:
+            return sql.SQL("(s.d ->> {})::{}").format(sql.Literal(col), sql.SQL(types[col]))
+        return sql.SQL("(s.p).{}").format(sql.Identifier(col))
+
+    if run.op == "d":
+        x_key = sql.SQL(", ").join(sql.SQL("x.{}").format(sql.Identifier(k)) for k in d.key)
+        s_key = sql.SQL(", ").join(value(k) for k in d.key)
+        statement = sql.SQL("DELETE FROM {t} x USING ({rows}) s WHERE ({xk}) = ({sk})").format(
+            t=d.table.ident, rows=rows, xk=x_key, sk=s_key
+        )
+    else:
+        cols = sql.SQL(", ").join(map(sql.Identifier, d.column_names))
+        s_cols = sql.SQL(", ").join(value(c) for c in d.column_names)
+        statement = sql.SQL("INSERT INTO {t} ({cols}) SELECT {s_cols} FROM ({rows}) s {conflict}").format(
+            t=d.table.ident, cols=cols, s_cols=s_cols, rows=rows, conflict=_on_conflict(d)
+        )
+    if not target.shared:
+        return statement
+    keys = sql.SQL("SELECT {} AS key FROM ({}) s").format(target.key_object(sql.SQL("(s.p)"), value), rows)
+    return sql.SQL("{}; {}").format(statement, _ledger(target, keys, upserted=run.op == "u"))
 
 
 def _key(row: dict, key: Sequence[str]) -> object:

@@ -14,8 +14,8 @@ definition, its origin).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
 
 import psycopg2.extensions
 from psycopg2 import sql
@@ -103,34 +103,46 @@ Found = Target | Gone | None  # None: not synced here (a conflict's changes are 
 
 # The sink's site id (for messages), then for each of the session's tables %(tids)s (source table
 # ids) that it has in lr.sink_tables: its name, state, oid (NULL: no such table), shape and origin.
-# Always at least one row (the site id's).
+# Always at least one row (the site id's). Only the tables asked for are read (``LIMIT 1``: a table
+# id twice, one of them, as before).
 LOOKUP_SQL = (
     "SELECT (SELECT site_id FROM lr.site_info), q.* FROM (SELECT 1) one LEFT JOIN LATERAL ("
-    "SELECT w.tid, st.table_name, st.state, t.oid, "
+    "SELECT st.tid, st.table_name, st.state, t.oid, "
     + SHAPE_COLUMNS
     + ", "
     + _ORIGIN.format(t="st.table_name", s="%(source)s")
     + " FROM unnest(%(tids)s::int[]) w(tid) "
-    "JOIN lr.sink_tables st ON st.source_site_id = %(source)s AND st.client_name = %(client)s "
-    "AND st.source_table_id = w.tid "
+    "CROSS JOIN LATERAL (SELECT w.tid, table_name, state FROM lr.sink_tables WHERE source_site_id = %(source)s "
+    "AND client_name = %(client)s AND source_table_id = w.tid LIMIT 1) st "
     "CROSS JOIN LATERAL (SELECT to_regclass(quote_ident(split_part(st.table_name, '.', 1)) || '.' "
     "|| quote_ident(split_part(st.table_name, '.', 2))) AS oid) t) q ON true"
 )
 
-# prepared once per connection (planning it costs several times running it: ~0.5 against ~0.15 ms);
-# the name is versioned, so a connection that holds an older lr's statement is not confused by it
+# prepared once per connection: planned, it costs ~0.5 ms more than it runs (~0.15 ms for a table,
+# ~0.03 ms each more). Its generic plan is the one to run (``GENERIC``: PostgreSQL would otherwise
+# plan it anew each time, expecting a plan for the actual tables to be cheaper). The name is
+# versioned, so a connection that holds an older lr's statement is not confused by it.
 LOOKUP = Prepared("lr_sink_targets_v1", LOOKUP_SQL, {"tids": "int4[]", "source": "text", "client": "text"})
-_PREPARED: weakref.WeakSet[psycopg2.extensions.connection] = weakref.WeakSet()
+GENERIC = "set_config('plan_cache_mode', 'force_generic_plan', true)"  # for the transaction
 
 # How many tables a connection's lookup reads ahead for a session: those its transactions used
 # most lately. A stream's transactions mostly change the same few tables; one beyond these costs
 # one round trip when it comes.
-READ_AHEAD = 8
+READ_AHEAD = 4
+KEPT_STATEMENTS = 64  # statements composed for a connection's targets, kept (then all forgotten)
 
-# connection -> (source, client) -> source table ids, least lately used first
-_USED: weakref.WeakKeyDictionary[psycopg2.extensions.connection, dict[tuple[str, str], dict[int, None]]] = (
-    weakref.WeakKeyDictionary()
-)
+
+@dataclass
+class _Kept:
+    """What a sink connection keeps across its transactions: hints and text, never a target."""
+
+    prepared: bool = False  # LOOKUP is prepared on it
+    used: dict[tuple[str, str], dict[int, None]] = field(default_factory=dict)  # session -> its table ids,
+    # least lately used first
+    statements: dict[Hashable, str] = field(default_factory=dict)  # ``TargetLookup.statement``
+
+
+_KEPT: weakref.WeakKeyDictionary[psycopg2.extensions.connection, _Kept] = weakref.WeakKeyDictionary()
 
 
 class TargetLookup:
@@ -140,21 +152,33 @@ class TargetLookup:
 
     def __init__(self, cur: psycopg2.extensions.cursor, source: str, client: str) -> None:
         self.cur, self.source, self.client = cur, source, client
-        self.used = _USED.setdefault(cur.connection, {}).setdefault((source, client), {})
+        self.kept = _KEPT.setdefault(cur.connection, _Kept())
+        self.used = self.kept.used.setdefault((source, client), {})
         self.found: dict[int, Found] = {}
         self.site_id: str | None = None
 
-    def first(self) -> bytes:
-        """The statement that reads the site id and the targets read ahead (``take`` its rows). The
-        first on a connection prepares ``LOOKUP`` on it, in this transaction (a prepared statement
-        outlives the transaction, whatever its end, as long as the connection)."""
-        conn = self.cur.connection
-        if conn not in _PREPARED:
+    def first(self, before: str) -> bytes:
+        """The statement that reads the site id and the targets read ahead (``take`` its rows), after
+        ``before``: the caller's statements, the last a ``SELECT`` whose result is not read (the
+        lookup's plan mode joins it). The first on a connection prepares ``LOOKUP`` on it, in this
+        transaction (a prepared statement outlives the transaction, whatever its end)."""
+        if not self.kept.prepared:
             self.cur.execute("SELECT 1 FROM pg_catalog.pg_prepared_statements WHERE name = %s", (LOOKUP.name,))
             if self.cur.fetchone() is None:
                 self.cur.execute(LOOKUP.prepare_sql)
-            _PREPARED.add(conn)
-        return self._statement(list(self.used))
+            self.kept.prepared = True
+        return f"{before}, {GENERIC}; ".encode() + self._statement(list(self.used))
+
+    def statement(self, key: Hashable, compose: Callable[[], sql.Composable]) -> str:
+        """The text of the statement ``compose`` makes, kept on the connection under ``key`` (which
+        names everything it is made of: a target's definition and origin, what it does): composing
+        it costs more than sending it."""
+        kept = self.kept.statements
+        if key not in kept:
+            if len(kept) >= KEPT_STATEMENTS:
+                kept.clear()
+            kept[key] = compose().as_string(self.cur)
+        return kept[key]
 
     def take(self, rows: list[tuple]) -> None:
         """The rows of ``first``'s statement."""
@@ -182,7 +206,7 @@ class TargetLookup:
     def _found(self, tids: Iterable[int], rows: list[tuple]) -> None:
         read: dict[int, Found] = {}
         for _site, tid, name, state, oid, columns, key, primary, others in rows:
-            if tid is None or tid in read:  # the site id's row; a table id twice: one of them, as before
+            if tid is None:  # the site id's row
                 continue
             table = TableName.parse(name)
             if state == TableState.CONFLICT:

@@ -15,7 +15,7 @@ from airflow_provider_lr.engine.source.log_reader import LogBatch, LogRecord
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables.definition import TableName
 from airflow_provider_lr.engine.tables.sink import ApplyError, TableState
-from airflow_provider_lr.engine.tables.targets import target_of
+from airflow_provider_lr.engine.tables.targets import Gone, target_of
 from tests.support.session import apply, replicator
 from tests.support.tables import create_accounts, federate, rows, sync
 
@@ -30,17 +30,18 @@ class Stream:
         self.sink = sink
         self.conn = sink.connect()
         self.conn.autocommit = True  # as a stream's sink connection
-        (self.tid,) = sink.query("SELECT source_table_id FROM lr.sink_tables WHERE table_name = 'public.accounts'")[0]
+        self.tids = dict(sink.query("SELECT table_name, source_table_id FROM lr.sink_tables"))
+        self.tid = self.tids["public.accounts"]
         self.base, self.last, self.epoch = sink.query(
             "SELECT snapshot_applied, last_log_entry_processed, lease_epoch FROM lr.sink_sessions "
             "WHERE source_site_id = 'site-a'"
         )[0]
         self.applied: list = []  # each transaction's ChangeApplier
 
-    def change(self, op: str, *rows: dict) -> None:
-        """One source transaction's change of public.accounts, applied in a sink transaction."""
+    def change(self, op: str, *rows: dict, table: str = "public.accounts") -> None:
+        """One source transaction's change of ``table``, applied in a sink transaction."""
         message = json.dumps({"op": op, "rows": list(rows)}).encode()
-        batch = LogBatch(self.last, self.last + 1, [LogRecord(self.last + 1, 1, message, self.tid)])
+        batch = LogBatch(self.last, self.last + 1, [LogRecord(self.last + 1, 1, message, self.tids[table])])
         self.last = writes.apply_log_stream(self.conn, "site-a", "policy", self.epoch, batch, self.base)
 
     def target(self):
@@ -75,6 +76,8 @@ def stream(lr_sites, monkeypatch):
     topo = apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
     create_accounts(source, rows=10)
     federate(source)
+    source.query("CREATE TABLE public.orders (id int PRIMARY KEY, item text)")
+    federate(source, "public.orders")
     repl = replicator(topo, lr_sites)
     sync(repl)
     repl.close()
@@ -165,7 +168,9 @@ def test_a_table_turned_conflict_or_forgotten_at_the_sink_drops_the_next_changes
     stream.change("u", row(8, "synced again"))
     assert stream.target() is not None and stream.target() == stream.fresh_target()
     assert owner(sink, 8) == [("synced again",)]
-    (session_table,) = sink.query("SELECT table_name, source_table_id FROM lr.sink_tables")
+    (session_table,) = sink.query(
+        "SELECT table_name, source_table_id FROM lr.sink_tables WHERE table_name = 'public.accounts'"
+    )
     sink.query("DELETE FROM lr.sink_tables")  # a full sync of the session started over (``forget_session``)
     stream.change("u", row(8, "forgotten"))
     assert stream.target() is None and stream.fresh_target() is None
@@ -226,6 +231,17 @@ def test_the_sink_opening_the_table_as_not_federated_applies_the_next_change_as_
     sink.query("UPDATE lr.sink_tables SET state = 'conflict'")  # ... which marks it so
     stream.change("u", row(1, "dropped"))
     assert stream.target() is None and owner(sink, 1) == [("after the sink opened it",)]
+
+
+def test_a_table_read_ahead_that_the_transaction_does_not_change_refuses_nothing(stream):
+    sink = stream.sink
+    stream.change("u", {"id": 1, "item": "first"}, table="public.orders")  # both tables used lately
+    sink.query("DROP TABLE public.orders")
+    stream.change("u", row(1, "only accounts changed"))
+    assert owner(sink, 1) == [("only accounts changed",)]
+    assert isinstance(stream.applied[-1].lookup.found[stream.tids["public.orders"]], Gone)  # read ahead
+    with pytest.raises(SchemaMismatchError, match="public.orders no longer exists on the sink"):
+        stream.change("u", {"id": 1, "item": "second"}, table="public.orders")
 
 
 def test_the_targets_ride_with_the_first_statement_once_the_connection_used_the_table(stream):
