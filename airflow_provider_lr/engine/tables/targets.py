@@ -5,10 +5,10 @@ transactions make of them.
 A target is read inside the transaction that applies to it, every time: the sink's table may be
 altered, dropped and created again, its ``lr.sink_tables`` row may turn ``conflict``, another source
 may take rows of it, between any two transactions. What a connection keeps across them is only
-which tables its session's transactions used lately (``TargetLookup``): their targets are read
-again, all in one statement that rides with the transaction's first one, so a stream's table
-change pays no round trip of its own for them (three before: the session's row, the table's
-definition, its origin).
+which tables its session's transactions used lately (``TargetLookup``), a statement prepared on it,
+and text it composed: the targets of those tables are read again, all in one statement that rides
+with the transaction's first one, so a stream's table change pays no round trip of its own for them
+(three before, each planned anew: the session's row, the table's definition, its origin).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class TargetLookup:
         self.kept = _KEPT.setdefault(cur.connection, _Kept())
         self.used = self.kept.used.setdefault((source, client), {})
         self.found: dict[int, Found] = {}
-        self.site_id: str | None = None
+        self.site_id = "this sink"  # for messages, once ``take`` read it
 
     def first(self, before: str) -> bytes:
         """The statement that reads the site id and the targets read ahead (``take`` its rows), after
@@ -182,7 +182,7 @@ class TargetLookup:
 
     def take(self, rows: list[tuple]) -> None:
         """The rows of ``first``'s statement."""
-        self.site_id = rows[0][0]
+        self.site_id = rows[0][0] or self.site_id
         self._found(list(self.used), rows)
 
     def get(self, tid: int, where: Callable[[], str]) -> Target | None:
