@@ -277,8 +277,7 @@ class ChangeApplier:
     def add(self, record: LogRecord) -> None:
         if self._here is None:  # marked as lr's apply (``applying``), constraints as the source's, and the
             # targets of the tables the session's last transactions used (``TargetLookup``): one round trip
-            self.cur.execute(self.lookup.first("SET CONSTRAINTS ALL DEFERRED; " + APPLYING_SQL))
-            self.lookup.take(self.cur.fetchall())
+            self.lookup.open("SET CONSTRAINTS ALL DEFERRED; " + APPLYING_SQL)
             self._here = f"session {SessionKey(self.source, self.lookup.site_id, self.client)}"
         tid = record.table_id
         assert tid is not None

@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
+import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
 
@@ -147,27 +148,36 @@ _KEPT: weakref.WeakKeyDictionary[psycopg2.extensions.connection, _Kept] = weakre
 
 class TargetLookup:
     """The targets of one sink transaction of a session, read in the transaction: those of the tables
-    the session's transactions on this connection used lately in the statement ``first`` gives (the
-    caller sends it as, or with, its first), any other in a round trip of its own when it comes."""
+    the session's transactions on this connection used lately with the transaction's first statement
+    (``open``), any other in a round trip of its own when it comes (``get``)."""
 
     def __init__(self, cur: psycopg2.extensions.cursor, source: str, client: str) -> None:
         self.cur, self.source, self.client = cur, source, client
         self.kept = _KEPT.setdefault(cur.connection, _Kept())
         self.used = self.kept.used.setdefault((source, client), {})
         self.found: dict[int, Found] = {}
-        self.site_id = "this sink"  # for messages, once ``take`` read it
+        self.site_id = "this sink"  # for messages, once ``open`` read it
 
-    def first(self, before: str) -> bytes:
-        """The statement that reads the site id and the targets read ahead (``take`` its rows), after
-        ``before``: the caller's statements, the last a ``SELECT`` whose result is not read (the
-        lookup's plan mode joins it). The first on a connection prepares ``LOOKUP`` on it, in this
-        transaction (a prepared statement outlives the transaction, whatever its end)."""
+    def open(self, before: str) -> None:
+        """Read the site id and the targets read ahead, in one round trip with ``before``: the caller's
+        statements, the last a ``SELECT`` whose result is not read (the lookup's plan mode joins
+        it). The first on a connection prepares ``LOOKUP`` on it, in this transaction (a prepared
+        statement outlives the transaction, whatever its end); one gone (a pooler's ``DISCARD ALL``)
+        fails this transaction, and the next prepares it again."""
         if not self.kept.prepared:
             self.cur.execute("SELECT 1 FROM pg_catalog.pg_prepared_statements WHERE name = %s", (LOOKUP.name,))
             if self.cur.fetchone() is None:
                 self.cur.execute(LOOKUP.prepare_sql)
             self.kept.prepared = True
-        return f"{before}, {GENERIC}; ".encode() + self._statement(list(self.used))
+        ahead = list(self.used)
+        try:
+            self.cur.execute(f"{before}, {GENERIC}; ".encode() + self._statement(ahead))
+        except psycopg2.errors.InvalidSqlStatementName:
+            self.kept.prepared = False
+            raise
+        rows = self.cur.fetchall()
+        self.site_id = rows[0][0] or self.site_id
+        self._found(ahead, rows)
 
     def statement(self, key: Hashable, compose: Callable[[], sql.Composable]) -> str:
         """The text of the statement ``compose`` makes, kept on the connection under ``key`` (which
@@ -179,11 +189,6 @@ class TargetLookup:
                 kept.clear()
             kept[key] = compose().as_string(self.cur)
         return kept[key]
-
-    def take(self, rows: list[tuple]) -> None:
-        """The rows of ``first``'s statement."""
-        self.site_id = rows[0][0] or self.site_id
-        self._found(list(self.used), rows)
 
     def get(self, tid: int, where: Callable[[], str]) -> Target | None:
         """The target of the session's table ``tid`` (None: its changes are dropped here); refuses

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import psycopg2.errors
 import pytest
 
 from airflow_provider_lr.engine.errors import SchemaMismatchError
@@ -259,3 +260,12 @@ def test_the_targets_ride_with_the_first_statement_once_the_connection_used_the_
     # the session's row locked; apply mark, constraints and targets; the changes; position and commit
     assert len(statements) == 4, statements
     assert owner(sink, 1) == [("counted",)]
+
+
+def test_a_lookup_discarded_from_the_connection_fails_one_transaction_and_the_next_prepares_it_again(stream):
+    with stream.conn.cursor() as cur:
+        cur.execute("DISCARD ALL")  # what a pooler in transaction mode does between transactions
+    with pytest.raises(psycopg2.errors.InvalidSqlStatementName):
+        stream.change("u", row(1, "lost"))
+    stream.change("u", row(1, "prepared again"))
+    assert owner(stream.sink, 1) == [("prepared again",)]
