@@ -52,6 +52,12 @@ payload 164 characters: ~210 bytes a row on disk (measured and printed).
    ``clock_timestamp()`` for the row's (writer, seq); lag = that − the writer's clock just before
    its commit (both inside the delivering transaction, as in ``streaming_bench.py``); p50/p95/p99
    over both sinks; every update must arrive once at each sink (lost, duplicated counted).
+5. **Sink transaction** of a table change (``sink``, after the lag): ``--sink-transactions`` one-row
+   UPDATE changes of a synced federated table, each applied in its own sink transaction
+   (``writes.apply_log_stream``, committed without waiting for the WAL flush, as a stream's) on one
+   connection, as the stream's sink end does: the sink's share of the lag, without the read, the
+   wake-up or a second process. Time per transaction as this process sees it, the first tenth as
+   warm-up; each change's row checked at the end.
 4. **Threshold** for ``TABLE_SPARK_MIN_ROWS``: from the in-process runs (cycle, and tee) and the
    Spark run (auto parts) at each of ``--sizes`` and ``--rows`` (medians): straight lines t = a + b·rows fitted to each, break-even where
    in-process = Spark start + Spark run (cold: the DAG's job starts its own Spark; start from
@@ -59,7 +65,8 @@ payload 164 characters: ~210 bytes a row on disk (measured and printed).
 
 Run: .venv/bin/python bench/table_bench.py [--rows 1000000] [--sizes 100000,300000,3000000]
      [--parts auto,2,4,8] [--rounds 3] [--writer-seconds 3] [--writer-rounds 2]
-     [--lag-rate 500] [--lag-seconds 10] [--skip snapshot,writers,lag,spark,spark-submit] [--quick]
+     [--lag-rate 500] [--lag-seconds 10] [--sink-transactions 3000]
+     [--skip snapshot,writers,lag,sink,spark,spark-submit] [--quick]
 Writes bench/results/table_bench.json (``--quick``: table_bench_quick.json) and prints markdown.
 """
 
@@ -100,6 +107,8 @@ from streaming_common import LR_STOP_S, Plan, Writers, figures, lr_command, lr_p
 
 from airflow_provider_lr.embedded.sites import SiteManager
 from airflow_provider_lr.engine.bulk import parallel_tables as parallel
+from airflow_provider_lr.engine.sink import writes
+from airflow_provider_lr.engine.source.log_reader import LogBatch, LogRecord
 from airflow_provider_lr.engine.tables import registry
 
 SITES = ["site-a", "site-b", "site-c"]
@@ -1189,6 +1198,57 @@ def lag_part(env: BenchEnv, home: Path, args: argparse.Namespace) -> dict[str, A
     return out
 
 
+# --- 5. the sink transaction of a table change ---------------------------------------------------
+def sink_part(env: BenchEnv, args: argparse.Namespace) -> dict[str, Any]:
+    table, n = "sink_rows", args.sink_transactions
+    sites = LrSites(env, "tables_sink", SITES)
+    try:
+        src, sink = sites.dsns[SOURCE], sites.dsns[SINK_SITES[0]]
+        _lag_table(src, table, 1)
+        with contextlib.closing(psycopg2.connect(src)) as conn:
+            registry.open_table(conn, f"public.{table}", CLIENT)
+        repl = sites.replicator()
+        try:
+            repl.run_cycle()  # the table's snapshot
+        finally:
+            repl.close()
+        ((tid, base, last, epoch),) = execute(
+            sink,
+            "SELECT t.source_table_id, s.snapshot_applied, s.last_log_entry_processed, s.lease_epoch "
+            "FROM lr.sink_tables t JOIN lr.sink_sessions s USING (source_site_id, client_name) "
+            f"WHERE t.table_name = 'public.{table}' AND t.state = 'synced'",
+        )
+        quiet(env)
+        seconds = []
+        with contextlib.closing(psycopg2.connect(sink)) as conn:
+            conn.autocommit = True  # as the stream's sink connection
+            for i in range(n):
+                row = {"id": i % LAG_KEYS, "grp": 0, "seq": i, "payload": f"{i:0{PAYLOAD_CHARS}d}"}
+                message = json.dumps({"op": "u", "rows": [row]}).encode()
+                batch = LogBatch(last, last + 1, [LogRecord(last + 1, 1, message, tid)])
+                started = time.perf_counter()
+                last = writes.apply_log_stream(
+                    conn, SOURCE, CLIENT, epoch, batch, base, register=False, synchronous=False
+                )
+                seconds.append(time.perf_counter() - started)
+        ((changed,),) = execute(
+            sink, f"SELECT count(*) FROM {table} WHERE seq >= 0 AND payload = lpad(seq::text, 164, '0')"
+        )
+        if changed != min(n, LAG_KEYS):
+            raise RuntimeError(f"sink transactions: {changed} rows changed of {min(n, LAG_KEYS)}")
+        kept = np.array(seconds[n // 10 :]) * 1000.0
+        ms = dict(
+            zip(
+                ("p50", "p90", "p99", "max"),
+                (round(float(v), 3) for v in [*np.percentile(kept, [50, 90, 99]), kept.max()]),
+            )
+        )
+        print(f"  {n} sink transactions: p50 {ms['p50']} ms p90 {ms['p90']} ms p99 {ms['p99']} ms", flush=True)
+        return {"transactions": n, "ms": ms}
+    finally:
+        sites.drop()
+
+
 # --- report -------------------------------------------------------------------------------------
 def markdown(result: dict[str, Any]) -> str:
     lines: list[str] = []
@@ -1277,6 +1337,17 @@ def markdown(result: dict[str, Any]) -> str:
                     f"{f['lost']} | {f['duplicated']} |"
                 )
         lines.append("")
+    sink = result.get("sink")
+    if sink:
+        ms = sink["ms"]
+        lines += [
+            f"### Sink transaction of a one-row table change ({sink['transactions']} on one connection)",
+            "",
+            "| p50 ms | p90 ms | p99 ms | max ms |",
+            "|---:|---:|---:|---:|",
+            f"| {ms['p50']} | {ms['p90']} | {ms['p99']} | {ms['max']} |",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -1314,21 +1385,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lag-rate", type=int, default=500, help="single-row updates per second, all writers")
     parser.add_argument("--lag-writers", type=int, default=2)
     parser.add_argument("--lag-seconds", type=float, default=10.0)
-    parser.add_argument("--skip", default="", help="comma list of: snapshot, writers, lag, spark, spark-submit")
+    parser.add_argument("--sink-transactions", type=int, default=3000, help="sink transactions of part 5")
+    parser.add_argument("--skip", default="", help="comma list of: snapshot, writers, lag, sink, spark, spark-submit")
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="smoke run: 20k rows, sizes 5k/10k/40k, parts auto/2, 2 rounds, 1 s writers, 1 round, 3 s of lag at 200/s",
+        help="smoke run: 20k rows, sizes 5k/10k/40k, parts auto/2, 2 rounds, 1 s writers, 1 round, 3 s of lag at 200/s, "
+        "500 sink transactions",
     )
     parser.add_argument("--keep", action="store_true", help="leave the servers' data directory in place")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     args.skip = {s for s in args.skip.split(",") if s}
-    if args.skip - {"snapshot", "writers", "lag", "spark", "spark-submit"}:
-        parser.error(f"--skip: unknown {sorted(args.skip - {'snapshot', 'writers', 'lag', 'spark', 'spark-submit'})}")
+    parts = {"snapshot", "writers", "lag", "sink", "spark", "spark-submit"}
+    if args.skip - parts:
+        parser.error(f"--skip: unknown {sorted(args.skip - parts)}")
     if args.quick:
         args.rows, args.sizes, args.parts, args.rounds = 20_000, [5_000, 10_000, 40_000], [None, 2], 2
         args.writer_seconds, args.writer_rounds, args.lag_rate, args.lag_seconds = 1.0, 1, 200, 3.0
+        args.sink_transactions = 500
     out_path = args.out or BENCH / "results" / ("table_bench_quick.json" if args.quick else "table_bench.json")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -1361,6 +1436,9 @@ def main(argv: list[str] | None = None) -> int:
         if "lag" not in args.skip:
             print("\n3. table-change lag", flush=True)
             result["lag"] = lag_part(env, home, args)
+        if "sink" not in args.skip:
+            print("\n5. sink transaction of a table change", flush=True)
+            result["sink"] = sink_part(env, args)
     except KeyboardInterrupt:
         interrupted = True
         print("\ninterrupted: stopping everything", file=sys.stderr, flush=True)

@@ -113,31 +113,37 @@ class TableDefinition:
         return problems
 
 
+# The shape of the table whose oid is ``t.oid``: its columns (name, type as the module says, "true"
+# when NOT NULL) and its primary key's columns, in order (``read_definition``; ``targets`` reads it
+# for several tables in one statement). A column's type by index lookups, not a join of pg_type.
+SHAPE_COLUMNS = """
+       ARRAY(SELECT ARRAY[a.attname::text,
+                          (SELECT CASE WHEN n.nspname = 'pg_catalog' OR NOT pg_type_is_visible(y.oid)
+                                  THEN format_type(a.atttypid, a.atttypmod)
+                                  ELSE quote_ident(n.nspname) || '.' || format_type(a.atttypid, a.atttypmod) END
+                           FROM pg_type y JOIN pg_namespace n ON n.oid = y.typnamespace WHERE y.oid = a.atttypid),
+                          a.attnotnull::text]
+             FROM pg_attribute a
+             WHERE a.attrelid = t.oid AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''
+             ORDER BY a.attnum),
+       ARRAY(SELECT a.attname::text FROM pg_index i
+             JOIN LATERAL unnest(i.indkey) WITH ORDINALITY k(attnum, n) ON true
+             JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+             WHERE i.indrelid = t.oid AND i.indisprimary ORDER BY k.n)"""
+
+
 def read_definition(cur: psycopg2.extensions.cursor, table: TableName) -> TableDefinition | None:
-    """The table's shape as ``cur``'s transaction sees it (one round trip: a sink reads it for every
-    batch of changes); None when there is no such table."""
+    """The table's shape as ``cur``'s transaction sees it (one round trip); None when there is no such table."""
     cur.execute(
-        """
-        WITH t AS (SELECT to_regclass(%s) AS oid)
-        SELECT t.oid,
-               ARRAY(SELECT ARRAY[a.attname::text, CASE WHEN n.nspname = 'pg_catalog' OR NOT pg_type_is_visible(y.oid)
-                                      THEN format_type(a.atttypid, a.atttypmod)
-                                      ELSE quote_ident(n.nspname) || '.' || format_type(a.atttypid, a.atttypmod) END,
-                                  a.attnotnull::text]
-                     FROM pg_attribute a JOIN pg_type y ON y.oid = a.atttypid JOIN pg_namespace n ON n.oid = y.typnamespace
-                     WHERE a.attrelid = t.oid AND a.attnum > 0 AND NOT a.attisdropped
-                       AND a.attgenerated = '' ORDER BY a.attnum),
-               ARRAY(SELECT a.attname::text FROM pg_index i
-                     JOIN LATERAL unnest(i.indkey) WITH ORDINALITY k(attnum, n) ON true
-                     JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
-                     WHERE i.indrelid = t.oid AND i.indisprimary ORDER BY k.n)
-        FROM t
-        """,
+        f"WITH t AS (SELECT to_regclass(%s) AS oid) SELECT t.oid, {SHAPE_COLUMNS} FROM t",
         (sql.Identifier(table.schema, table.name).as_string(cur),),
     )
     oid, columns, key = cur.fetchone()
-    if oid is None:
-        return None
+    return None if oid is None else shape(table, columns, key)
+
+
+def shape(table: TableName, columns: list[list[str]], key: list[str]) -> TableDefinition:
+    """The definition ``SHAPE_COLUMNS`` read."""
     return TableDefinition(table, tuple(Column(n, t, nn == "true") for n, t, nn in columns), tuple(key))
 
 

@@ -25,6 +25,7 @@ from airflow_provider_lr.engine.tables import copy as table_copy
 from airflow_provider_lr.engine.tables import sink as sink_tables
 from airflow_provider_lr.engine.tables.definition import TableDefinition
 from airflow_provider_lr.engine.tables.sink import TableState, Target
+from airflow_provider_lr.engine.tables.targets import target_of
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
 RANGE_ROWS = 100_000  # rows per key range a Spark task reads (about 20 MB of 200-byte rows)
@@ -203,4 +204,4 @@ def _range_target(
     if cur.rowcount == 0:
         return None  # written by an earlier attempt of this task
     sink_tables.applying(cur)
-    return sink_tables.target_of(cur, side["source"], definition.table, lambda: where)
+    return target_of(cur, side["source"], definition.table, lambda: where)

@@ -21,7 +21,7 @@ The rules (CorfuDB's federated-table rules, its issue #3502):
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 
@@ -31,16 +31,10 @@ from psycopg2 import sql
 from airflow_provider_lr.engine.errors import SchemaMismatchError, TableError, one_line
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogRecord
 from airflow_provider_lr.engine.tables.definition import TableDefinition, TableName, check_same, read_definition
+from airflow_provider_lr.engine.tables.targets import TableState, Target, TargetLookup, origin
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
 FLUSH_BYTES = 4 << 20  # table changes buffered before they are applied (in the same transaction)
-
-
-class TableState:
-    SYNCING = "syncing"
-    SYNCED = "synced"
-    CONFLICT = "conflict"
-    REFUSED = "refused"
 
 
 @dataclass(frozen=True)
@@ -104,29 +98,6 @@ def applying(cur: psycopg2.extensions.cursor) -> None:
     cur.execute(APPLYING_SQL)
 
 
-@dataclass
-class Target:
-    """A sink table that takes a source's rows, and how (see the module's rules)."""
-
-    definition: TableDefinition
-    source: str
-    primary: bool  # rows of this source are the unlisted ones
-    shared: bool  # another origin writes here too: keep lr.table_row_origin
-    created: bool = False
-
-    @property
-    def table(self) -> TableName:
-        return self.definition.table
-
-    def key_object(self, row: sql.Composable, value: Callable[[str], sql.Composable] | None = None) -> sql.Composed:
-        """The jsonb form of a row's key (``row.k``; ``row`` an alias or a record expression; or
-        ``value(k)``), as the origin ledger stores it."""
-        parts = []
-        for k in self.definition.key:
-            parts += [sql.Literal(k), value(k) if value else sql.SQL("{}.{}").format(row, sql.Identifier(k))]
-        return sql.SQL("jsonb_build_object({})").format(sql.SQL(", ").join(parts))
-
-
 def prepare(
     cur: psycopg2.extensions.cursor, source: str, client: str, source_def: TableDefinition, where: str
 ) -> Target | None:
@@ -171,26 +142,6 @@ def _require_types(cur: psycopg2.extensions.cursor, source_def: TableDefinition,
             "lr creates the table, not its types: create them on the sink as on the source (for an enum, the "
             "same labels) and the next cycle goes on"
         )
-
-
-def target_of(cur: psycopg2.extensions.cursor, source: str, table: TableName, where: Callable[[], str]) -> Target:
-    """The target of a table this sink already takes from ``source`` (nothing created)."""
-    sink_def = read_definition(cur, table)
-    if sink_def is None:
-        raise SchemaMismatchError(f"{where()}: table {table} no longer exists on the sink")
-    return Target(sink_def, source, *origin(cur, table, source))
-
-
-def origin(cur: psycopg2.extensions.cursor, table: TableName, source: str) -> tuple[bool, bool]:
-    """(primary, shared) of ``source``'s rows in ``table`` (see the module's rules)."""
-    cur.execute(
-        "SELECT (SELECT source_site_id FROM lr.registry WHERE stream_name = %(t)s) IS NOT DISTINCT FROM %(s)s, "
-        "EXISTS (SELECT 1 FROM lr.sink_tables WHERE table_name = %(t)s AND source_site_id <> %(s)s "
-        "AND state IN ('syncing', 'synced')) OR EXISTS (SELECT 1 FROM lr.table_row_origin WHERE table_name = %(t)s)",
-        {"t": str(table), "s": source},
-    )
-    primary, others = cur.fetchone()
-    return bool(primary), bool(others) or not primary
 
 
 def clear(cur: psycopg2.extensions.cursor, target: Target) -> None:
@@ -316,6 +267,7 @@ class ChangeApplier:
 
     def __init__(self, cur: psycopg2.extensions.cursor, source: str, client: str) -> None:
         self.cur, self.source, self.client = cur, source, client
+        self.lookup = TargetLookup(cur, source, client)
         self.targets: dict[int, Target | None] = {}
         self.runs: list[_Run] = []
         self.bytes = 0
@@ -323,13 +275,14 @@ class ChangeApplier:
         self._here: str | None = None
 
     def add(self, record: LogRecord) -> None:
-        if self._here is None:  # marked as lr's apply (``applying``), constraints as the source's: one round trip
-            self.cur.execute(APPLYING_SQL + "; SET CONSTRAINTS ALL DEFERRED; SELECT site_id FROM lr.site_info")
-            self._here = f"session {SessionKey(self.source, self.cur.fetchone()[0], self.client)}"
+        if self._here is None:  # marked as lr's apply (``applying``), constraints as the source's, and the
+            # targets of the tables the session's last transactions used (``TargetLookup``): one round trip
+            self.lookup.open("SET CONSTRAINTS ALL DEFERRED; " + APPLYING_SQL)
+            self._here = f"session {SessionKey(self.source, self.lookup.site_id, self.client)}"
         tid = record.table_id
         assert tid is not None
         if tid not in self.targets:
-            self.targets[tid] = self._target(tid)
+            self.targets[tid] = self.lookup.get(tid, self._where)
         target = self.targets[tid]
         if target is None:
             return  # conflict: dropped here
@@ -393,55 +346,50 @@ class ChangeApplier:
                 "the next cycle applies the batch"
             ) from exc
 
-    def _statement(self, run: _Run) -> sql.Composed:
+    def _statement(self, run: _Run) -> str:
         target = self.targets[run.tid]
         assert target is not None
-        d = target.definition
-        rows = sql.SQL(  # ORDER BY: the source's order, and the subquery is not pulled up (p computed once)
-            "SELECT jsonb_populate_record(NULL::{t}, r.d - %(text)s::text[]) AS p, r.d "
-            "FROM unnest(%(docs)s::bytea[], %(lo)s::int[], %(hi)s::int[]) WITH ORDINALITY AS t(doc, lo, hi, ord) "
-            "CROSS JOIN LATERAL jsonb_array_elements(convert_from(t.doc, 'UTF8')::jsonb -> 'rows') "
-            "WITH ORDINALITY AS r(d, i) "
-            "WHERE r.i BETWEEN t.lo AND t.hi ORDER BY t.ord, r.i"
-        ).format(t=d.table.ident)
-        types = {c.name: c.type for c in d.columns}
-
-        def value(col: str) -> sql.Composable:  # a column of row s: from the record, or cast from its text
-            if col in run.text:
-                return sql.SQL("(s.d ->> {})::{}").format(sql.Literal(col), sql.SQL(types[col]))
-            return sql.SQL("(s.p).{}").format(sql.Identifier(col))
-
-        if run.op == "d":
-            x_key = sql.SQL(", ").join(sql.SQL("x.{}").format(sql.Identifier(k)) for k in d.key)
-            s_key = sql.SQL(", ").join(value(k) for k in d.key)
-            statement = sql.SQL("DELETE FROM {t} x USING ({rows}) s WHERE ({xk}) = ({sk})").format(
-                t=d.table.ident, rows=rows, xk=x_key, sk=s_key
-            )
-        else:
-            cols = sql.SQL(", ").join(map(sql.Identifier, d.column_names))
-            s_cols = sql.SQL(", ").join(value(c) for c in d.column_names)
-            statement = sql.SQL("INSERT INTO {t} ({cols}) SELECT {s_cols} FROM ({rows}) s {conflict}").format(
-                t=d.table.ident, cols=cols, s_cols=s_cols, rows=rows, conflict=_on_conflict(d)
-            )
-        if not target.shared:
-            return statement
-        keys = sql.SQL("SELECT {} AS key FROM ({}) s").format(target.key_object(sql.SQL("(s.p)"), value), rows)
-        return sql.SQL("{}; {}").format(statement, _ledger(target, keys, upserted=run.op == "u"))
-
-    def _target(self, tid: int) -> Target | None:
-        self.cur.execute(
-            "SELECT table_name, state FROM lr.sink_tables WHERE source_site_id = %s AND client_name = %s "
-            "AND source_table_id = %s",
-            (self.source, self.client, tid),
-        )
-        row = self.cur.fetchone()
-        if row is None or row[1] == TableState.CONFLICT:
-            return None  # not synced here: the source sends none (a conflict's are dropped)
-        return target_of(self.cur, self.source, TableName.parse(row[0]), self._where)
+        key = (target.definition, target.source, target.primary, target.shared, run.op, run.text)
+        return self.lookup.statement(key, lambda: _compose(target, run))
 
     def _where(self) -> str:
         assert self._here is not None
         return self._here
+
+
+def _compose(target: Target, run: _Run) -> sql.Composed:
+    """The statement that applies ``run`` to ``target`` (its parameters: ``flush``'s)."""
+    d = target.definition
+    rows = sql.SQL(  # ORDER BY: the source's order, and the subquery is not pulled up (p computed once)
+        "SELECT jsonb_populate_record(NULL::{t}, r.d - %(text)s::text[]) AS p, r.d "
+        "FROM unnest(%(docs)s::bytea[], %(lo)s::int[], %(hi)s::int[]) WITH ORDINALITY AS t(doc, lo, hi, ord) "
+        "CROSS JOIN LATERAL jsonb_array_elements(convert_from(t.doc, 'UTF8')::jsonb -> 'rows') "
+        "WITH ORDINALITY AS r(d, i) "
+        "WHERE r.i BETWEEN t.lo AND t.hi ORDER BY t.ord, r.i"
+    ).format(t=d.table.ident)
+    types = {c.name: c.type for c in d.columns}
+
+    def value(col: str) -> sql.Composable:  # a column of row s: from the record, or cast from its text
+        if col in run.text:
+            return sql.SQL("(s.d ->> {})::{}").format(sql.Literal(col), sql.SQL(types[col]))
+        return sql.SQL("(s.p).{}").format(sql.Identifier(col))
+
+    if run.op == "d":
+        x_key = sql.SQL(", ").join(sql.SQL("x.{}").format(sql.Identifier(k)) for k in d.key)
+        s_key = sql.SQL(", ").join(value(k) for k in d.key)
+        statement = sql.SQL("DELETE FROM {t} x USING ({rows}) s WHERE ({xk}) = ({sk})").format(
+            t=d.table.ident, rows=rows, xk=x_key, sk=s_key
+        )
+    else:
+        cols = sql.SQL(", ").join(map(sql.Identifier, d.column_names))
+        s_cols = sql.SQL(", ").join(value(c) for c in d.column_names)
+        statement = sql.SQL("INSERT INTO {t} ({cols}) SELECT {s_cols} FROM ({rows}) s {conflict}").format(
+            t=d.table.ident, cols=cols, s_cols=s_cols, rows=rows, conflict=_on_conflict(d)
+        )
+    if not target.shared:
+        return statement
+    keys = sql.SQL("SELECT {} AS key FROM ({}) s").format(target.key_object(sql.SQL("(s.p)"), value), rows)
+    return sql.SQL("{}; {}").format(statement, _ledger(target, keys, upserted=run.op == "u"))
 
 
 def _key(row: dict, key: Sequence[str]) -> object:

@@ -1,0 +1,224 @@
+"""Where a source's rows go on a sink: each federated table's *target* (the sink's table, its
+shape, and whether the source is its primary origin or shares it), and the lookup a stream's sink
+transactions make of them.
+
+A target is read inside the transaction that applies to it, every time: the sink's table may be
+altered, dropped and created again, its ``lr.sink_tables`` row may turn ``conflict``, another source
+may take rows of it, between any two transactions. What a connection keeps across them is only
+which tables its session's transactions used lately (``TargetLookup``), a statement prepared on it,
+and text it composed: the targets of those tables are read again, all in one statement that rides
+with the transaction's first one, so a stream's table change pays no round trip of its own for them
+(three before, each planned anew: the session's row, the table's definition, its origin).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
+
+import psycopg2.errors
+import psycopg2.extensions
+from psycopg2 import sql
+
+from airflow_provider_lr.engine.db.prepared import Prepared
+from airflow_provider_lr.engine.errors import SchemaMismatchError
+from airflow_provider_lr.engine.tables.definition import (
+    SHAPE_COLUMNS,
+    TableDefinition,
+    TableName,
+    read_definition,
+    shape,
+)
+
+
+class TableState:
+    SYNCING = "syncing"
+    SYNCED = "synced"
+    CONFLICT = "conflict"
+    REFUSED = "refused"
+
+
+@dataclass
+class Target:
+    """A sink table that takes a source's rows, and how (see ``tables.sink``'s rules)."""
+
+    definition: TableDefinition
+    source: str
+    primary: bool  # rows of this source are the unlisted ones
+    shared: bool  # another origin writes here too: keep lr.table_row_origin
+    created: bool = False
+
+    @property
+    def table(self) -> TableName:
+        return self.definition.table
+
+    def key_object(self, row: sql.Composable, value: Callable[[str], sql.Composable] | None = None) -> sql.Composed:
+        """The jsonb form of a row's key (``row.k``; ``row`` an alias or a record expression; or
+        ``value(k)``), as the origin ledger stores it."""
+        parts = []
+        for k in self.definition.key:
+            parts += [sql.Literal(k), value(k) if value else sql.SQL("{}.{}").format(row, sql.Identifier(k))]
+        return sql.SQL("jsonb_build_object({})").format(sql.SQL(", ").join(parts))
+
+
+# (primary, others) of source {s}'s rows in table {t}: whether {s} is the table's primary origin, and
+# whether another origin writes the table (another source syncing it, or rows listed under one)
+_ORIGIN = (
+    "(SELECT source_site_id FROM lr.registry WHERE stream_name = {t}) IS NOT DISTINCT FROM {s}, "
+    "EXISTS (SELECT 1 FROM lr.sink_tables WHERE table_name = {t} AND source_site_id <> {s} "
+    "AND state IN ('syncing', 'synced')) OR EXISTS (SELECT 1 FROM lr.table_row_origin WHERE table_name = {t})"
+)
+
+
+def _primary_shared(primary: bool | None, others: bool | None) -> tuple[bool, bool]:
+    return bool(primary), bool(others) or not primary
+
+
+def origin(cur: psycopg2.extensions.cursor, table: TableName, source: str) -> tuple[bool, bool]:
+    """(primary, shared) of ``source``'s rows in ``table`` (see ``tables.sink``'s rules)."""
+    cur.execute("SELECT " + _ORIGIN.format(t="%(t)s", s="%(s)s"), {"t": str(table), "s": source})
+    return _primary_shared(*cur.fetchone())
+
+
+def target_of(cur: psycopg2.extensions.cursor, source: str, table: TableName, where: Callable[[], str]) -> Target:
+    """The target of a table this sink already takes from ``source`` (nothing created)."""
+    sink_def = read_definition(cur, table)
+    if sink_def is None:
+        raise _gone(table, where)
+    return Target(sink_def, source, *origin(cur, table, source))
+
+
+def _gone(table: TableName, where: Callable[[], str]) -> SchemaMismatchError:
+    return SchemaMismatchError(f"{where()}: table {table} no longer exists on the sink")
+
+
+@dataclass(frozen=True)
+class Gone:
+    """A table the session syncs that the sink no longer has: refused when a change of it comes."""
+
+    table: TableName
+
+
+Found = Target | Gone | None  # None: not synced here (a conflict's changes are dropped)
+
+# The sink's site id (for messages), then for each of the session's tables %(tids)s (source table
+# ids) that it has in lr.sink_tables: its name, state, oid (NULL: no such table), shape and origin.
+# Always at least one row (the site id's). Only the tables asked for are read (``LIMIT 1``: a table
+# id twice, one of them, as before).
+LOOKUP_SQL = (
+    "SELECT (SELECT site_id FROM lr.site_info), q.* FROM (SELECT 1) one LEFT JOIN LATERAL ("
+    "SELECT st.tid, st.table_name, st.state, t.oid, "
+    + SHAPE_COLUMNS
+    + ", "
+    + _ORIGIN.format(t="st.table_name", s="%(source)s")
+    + " FROM unnest(%(tids)s::int[]) w(tid) "
+    "CROSS JOIN LATERAL (SELECT w.tid, table_name, state FROM lr.sink_tables WHERE source_site_id = %(source)s "
+    "AND client_name = %(client)s AND source_table_id = w.tid LIMIT 1) st "
+    "CROSS JOIN LATERAL (SELECT to_regclass(quote_ident(split_part(st.table_name, '.', 1)) || '.' "
+    "|| quote_ident(split_part(st.table_name, '.', 2))) AS oid) t) q ON true"
+)
+
+# prepared once per connection: planned, it costs ~0.5 ms more than it runs (~0.15 ms for a table,
+# ~0.03 ms each more). Its generic plan is the one to run (``GENERIC``: PostgreSQL would otherwise
+# plan it anew each time, expecting a plan for the actual tables to be cheaper). The name is
+# versioned, so a connection that holds an older lr's statement is not confused by it.
+LOOKUP = Prepared("lr_sink_targets_v1", LOOKUP_SQL, {"tids": "int4[]", "source": "text", "client": "text"})
+GENERIC = "set_config('plan_cache_mode', 'force_generic_plan', true)"  # for the transaction
+
+# How many tables a connection's lookup reads ahead for a session: those its transactions used
+# most lately. A stream's transactions mostly change the same few tables; one beyond these costs
+# one round trip when it comes.
+READ_AHEAD = 4
+KEPT_STATEMENTS = 64  # statements composed for a connection's targets, kept (then all forgotten)
+
+
+@dataclass
+class _Kept:
+    """What a sink connection keeps across its transactions: hints and text, never a target."""
+
+    prepared: bool = False  # LOOKUP is prepared on it
+    used: dict[tuple[str, str], dict[int, None]] = field(default_factory=dict)  # session -> its table ids,
+    # least lately used first
+    statements: dict[Hashable, str] = field(default_factory=dict)  # ``TargetLookup.statement``
+
+
+_KEPT: weakref.WeakKeyDictionary[psycopg2.extensions.connection, _Kept] = weakref.WeakKeyDictionary()
+
+
+class TargetLookup:
+    """The targets of one sink transaction of a session, read in the transaction: those of the tables
+    the session's transactions on this connection used lately with the transaction's first statement
+    (``open``), any other in a round trip of its own when it comes (``get``)."""
+
+    def __init__(self, cur: psycopg2.extensions.cursor, source: str, client: str) -> None:
+        self.cur, self.source, self.client = cur, source, client
+        self.kept = _KEPT.setdefault(cur.connection, _Kept())
+        self.used = self.kept.used.setdefault((source, client), {})
+        self.found: dict[int, Found] = {}
+        self.site_id = "this sink"  # for messages, once ``open`` read it
+
+    def open(self, before: str) -> None:
+        """Read the site id and the targets read ahead, in one round trip with ``before``: the caller's
+        statements, the last a ``SELECT`` whose result is not read (the lookup's plan mode joins
+        it). The first on a connection prepares ``LOOKUP`` on it, in this transaction (a prepared
+        statement outlives the transaction, whatever its end); one gone (a pooler's ``DISCARD ALL``)
+        fails this transaction, and the next prepares it again."""
+        if not self.kept.prepared:
+            self.cur.execute("SELECT 1 FROM pg_catalog.pg_prepared_statements WHERE name = %s", (LOOKUP.name,))
+            if self.cur.fetchone() is None:
+                self.cur.execute(LOOKUP.prepare_sql)
+            self.kept.prepared = True
+        ahead = list(self.used)
+        try:
+            self.cur.execute(f"{before}, {GENERIC}; ".encode() + self._statement(ahead))
+        except psycopg2.errors.InvalidSqlStatementName:
+            self.kept.prepared = False
+            raise
+        rows = self.cur.fetchall()
+        self.site_id = rows[0][0] or self.site_id
+        self._found(ahead, rows)
+
+    def statement(self, key: Hashable, compose: Callable[[], sql.Composable]) -> str:
+        """The text of the statement ``compose`` makes, kept on the connection under ``key`` (which
+        names everything it is made of: a target's definition and origin, what it does): composing
+        it costs more than sending it."""
+        kept = self.kept.statements
+        if key not in kept:
+            if len(kept) >= KEPT_STATEMENTS:
+                kept.clear()
+            kept[key] = compose().as_string(self.cur)
+        return kept[key]
+
+    def get(self, tid: int, where: Callable[[], str]) -> Target | None:
+        """The target of the session's table ``tid`` (None: its changes are dropped here); refuses
+        (``SchemaMismatchError``) a table the sink no longer has."""
+        if tid not in self.found:
+            self.cur.execute(self._statement([tid]))
+            self._found([tid], self.cur.fetchall())
+        self.used.pop(tid, None)
+        self.used[tid] = None  # the most lately used
+        if len(self.used) > READ_AHEAD:
+            del self.used[next(iter(self.used))]
+        found = self.found[tid]
+        if isinstance(found, Gone):
+            raise _gone(found.table, where)
+        return found
+
+    def _statement(self, tids: list[int]) -> bytes:
+        return self.cur.mogrify(LOOKUP.execute_sql, {"tids": tids, "source": self.source, "client": self.client})
+
+    def _found(self, tids: Iterable[int], rows: list[tuple]) -> None:
+        read: dict[int, Found] = {}
+        for _site, tid, name, state, oid, columns, key, primary, others in rows:
+            if tid is None:  # the site id's row
+                continue
+            table = TableName.parse(name)
+            if state == TableState.CONFLICT:
+                read[tid] = None
+            elif oid is None:
+                read[tid] = Gone(table)
+            else:
+                read[tid] = Target(shape(table, columns, key), self.source, *_primary_shared(primary, others))
+        for tid in tids:
+            self.found[tid] = read.get(tid)
