@@ -105,6 +105,10 @@ class RowReader:
         del buf[:pos]
         return len(chunk)
 
+    def between_rows(self) -> bool:
+        """The header read and no partial row kept: the next chunk starts a row."""
+        return self._header_seen and not self._buf
+
 
 def text(value: str) -> bytes:
     """A text field in binary COPY form."""
