@@ -1,17 +1,25 @@
 """The read of one fan-out chunk: ONE binary ``COPY TO STDOUT`` of the source's log entries in
 ``(lo, hi]``, in (position, entry id) order, the source server computing per entry the bit mask of
-the sessions that want it, and the router that turns the entries into their packed receive-queue
-form (destinations stripped) and hands each to every session whose bit is set.
+the sessions that want it, and the router that hands each entry, in its packed receive-queue form
+(destinations stripped), to every session whose bit is set.
 
-The source sends the entries of a commit in *groups* (``GROUP_ENTRIES`` consecutive entries, each
-of at most ``GROUP_ENTRY_BYTES``; a larger entry comes alone): one COPY row of their ids, masks
-and lengths (arrays) and their messages end to end. Aggregating costs the source server what
-sending each entry as a row of its own did, and the tee gets one row per group instead of one per
-entry: the per-entry steps (cut, strip, head, tuple) run as C-level ``map``/``zip`` over the
-group, with no Python bytecode per entry — the fan-out's hot loop (docs/spark.md, "Where the tee's
-time goes"). What waits in memory is bounded by count and by bytes: a group (at most
-``GROUP_ENTRIES`` × ``GROUP_ENTRY_BYTES``, or one large entry) and what waits to be packed
-(``PACK_EVERY``, ``PACK_EVERY_BYTES``).
+The per-entry work is the source server's, in SQL, not the tee's Python (docs/spark.md, "Where the
+tee's time goes"):
+
+* the entries of a commit come in *groups*: ``GROUP_ENTRIES`` consecutive entries of at most
+  ``GROUP_ENTRY_BYTES`` (a larger one comes alone) in one COPY row of their ids, masks and sizes
+  (arrays) and the entries end to end; aggregating costs the server about what a row per entry
+  did, and the tee reads a row per group;
+* an entry that begins with one of the chunk's *leads* — the destination records, type tag and
+  kind most entries begin with, sampled from the chunk's first ``SAMPLE_ENTRIES``
+  (``leading_records``) — comes already in its packed form (``queue_rows.piece``), cut by the
+  server where the lead's records end: the tee slices it out of the row. An entry that begins
+  otherwise comes whole and is stripped here (``vocabulary.strip_destinations``), so the lead is
+  a hint and the output the same whatever it is.
+
+What waits in memory is bounded by count and by bytes: a group (at most ``GROUP_ENTRIES`` ×
+``GROUP_ENTRY_BYTES``, or one large entry) and what waits to be packed (``PACK_EVERY``,
+``PACK_EVERY_BYTES``).
 """
 
 from __future__ import annotations
@@ -151,21 +159,23 @@ def leading_records(src: psycopg2.extensions.connection, part: PositionRange, ta
 def _chunk_sql(part: PositionRange, targets: list[Target], leads: list[bytes]) -> sql.Composable:
     """The chunk's COPY: per group (``GROUP_ENTRIES`` of a commit, an entry over ``GROUP_ENTRY_BYTES``
     alone) its position, the entries' ids, masks and sizes, and the entries end to end. An entry
-    that begins with one of ``leads`` (a range test: no copy) comes as its packed form
+    that begins with one of ``leads`` comes as its packed form
     (``queue_rows.piece``: the entries record's tag and varint length, then the sink form, from the
     type tag that ends the lead's records) and a positive size; any other comes whole, its size negated."""
-    cut = sql.SQL("-1")
-    if leads:
-        cut = sql.SQL("CASE WHEN length(e.message) > {large} THEN -1{whens} ELSE -1 END").format(
-            large=sql.Literal(GROUP_ENTRY_BYTES),
+    cut: sql.Composable = sql.SQL("-1")
+    for size in sorted({len(lead) for lead in leads}, reverse=True):  # one substr per lead size, then equality tests
+        cut = sql.SQL("CASE substr(e.message, 1, {size}){whens} ELSE {otherwise} END").format(
+            size=sql.Literal(size),
             whens=sql.SQL("").join(
-                sql.SQL(" WHEN e.message >= {lead} AND e.message < {above} THEN {form}").format(
-                    lead=sql.Literal(lead),
-                    above=sql.Literal(lead[:-1] + bytes((lead[-1] + 1,))),
-                    form=sql.Literal(len(lead) - 2),
-                )
+                sql.SQL(" WHEN {lead} THEN {form}").format(lead=sql.Literal(lead), form=sql.Literal(size - 2))
                 for lead in leads
+                if len(lead) == size
             ),
+            otherwise=cut,
+        )
+    if leads:
+        cut = sql.SQL("CASE WHEN length(e.message) > {large} THEN -1 ELSE {cut} END").format(
+            large=sql.Literal(GROUP_ENTRY_BYTES), cut=cut
         )
     rest = sql.SQL("(length(s.message) - s.cut)")  # the sink form's size
     # the record's head and the sink form's first bytes (type tag, kind) as one int4, then the rest
@@ -211,19 +221,15 @@ def _array(buf: bytes, at: int, size: int, width: int) -> tuple[int, ...]:
 
 
 class CopyRouter:
-    """``write`` target of the chunk's source COPY (one call per group row): turns each entry into
-    its packed receive-queue form (``queue_rows.piece``, destinations stripped) and keeps it, with
+    """``write`` target of the chunk's source COPY (one call per group row): slices each entry's
+    packed form out of the row (``_group``; an entry sent whole is stripped here) and keeps it, with
     its mask, in ONE list for all the sessions; every ``PACK_EVERY`` entries (or
     ``PACK_EVERY_BYTES``) a packing pass hands each session its entries (all of them, as the same
     list's items, when every entry had one mask, as in a broadcast) and forms the rows, once for the
     sessions that got the same entries (``alike_writers``).
 
-    A group whose entries all start with the destination records and type tag of the last entry of
-    their mask that was parsed (entries to the same sinks name them alike) is cut in place, by
-    C-level iterators over the row; any other group is read entry by entry (``sink_form_at``,
-    which also learns the records, or ``vocabulary.strip_destinations``). A large entry comes in a
-    row of its own after the group of small ones of its id range: the group is held until then so
-    the entries leave in id order."""
+    A large entry comes in a row of its own after the group of the small ones of its id range:
+    that group is held until the next row so the entries leave in id order."""
 
     def __init__(self, writers: dict[int, PackedRows], halfway: int, fault_tag: str | None) -> None:
         self.by_bit = writers
@@ -250,7 +256,7 @@ class CopyRouter:
         chunk: bytes,
     ) -> tuple[int, Sequence[int], Sequence[int], Sequence[int], bytes, int] | None:
         """A whole group row (one CopyData message = one row, as PostgreSQL sends them): position,
-        ids, masks, lengths, then the row and where its messages begin; None for anything else."""
+        ids, masks, sizes, then the row and where its entries begin; None for anything else."""
         try:
             count, position, size = _GROUP_HEAD.unpack_from(chunk)
             if count != 5:
@@ -271,7 +277,7 @@ class CopyRouter:
             return None
         return position, ids, masks, sizes, chunk, at + 4
 
-    def _general_row(self, fields: list[bytes | None]) -> None:
+    def _general_row(self, fields: list[bytes | None]) -> None:  # the first row (after the header), unusual chunking
         position = int.from_bytes(fields[0] or b"", "big", signed=True)
         ids, masks, sizes, data = (f or b"" for f in fields[1:5])
         self._group(
