@@ -1,10 +1,11 @@
 """The tee's own Python per entry, with no server (docs/spark.md, "Where the tee's time goes"): the
 router (``bulk/router.CopyRouter``) fed the rows of a chunk's source COPY as PostgreSQL sends them
-(one ``write`` per row), routing to 3 sessions, packing (``queue_rows.Packer``) and forming their
-COPY blocks (``pgcopy.ReceiveQueueWriter``), which are dropped instead of sent. The rows are grouped
-as the source groups them (``router.copy_and_route``). What it leaves out:
-psycopg2's side of the COPY (reading the rows, sending the blocks), measured by ``fanout_bench``'s
-``lr_inprocess_tee`` (its ``client`` CPU).
+(one ``write`` per row: a group of entries, cut into their packed form where they begin with a
+lead of the chunk's first entries, as ``router.copy_and_route``'s query forms them), routing to 3
+sessions, packing (``queue_rows.Packer``) and forming their COPY blocks
+(``pgcopy.ReceiveQueueWriter``), which are dropped instead of sent. What it leaves out: the source
+server's work and psycopg2's side of the COPY (reading the rows, sending the blocks), measured by
+``fanout_bench``'s ``lr_inprocess_tee`` (its ``cpu_s``).
 
 Run: .venv/bin/python bench/fanout_tee_python.py [--entries 200000] [--rounds 3]
 """
