@@ -4,7 +4,8 @@ tee's time goes"): on a shared machine only variants run side by side compare.
 The backlog (``fanout_lr.LrSites.fill_backlog``: N entries × 256 B to the 3 sinks) is written
 once; each round copies the 4 lr databases (``CREATE DATABASE … TEMPLATE … STRATEGY FILE_COPY``)
 for each tree and runs ``fanout.run_fanout`` in a child process with that tree first on its
-``PYTHONPATH``, timing the run and the child's CPU (the tee's Python, its sender threads included).
+``PYTHONPATH``, timing the run and the CPU of the child (the tee's Python, its sender threads
+included), of the source server and of the sink servers (``fanout_anchors.server_cpu_s``).
 
 Run: .venv/bin/python bench/fanout_tee_ab.py --entries 500000 --variant all --rounds 3 OLD_TREE NEW_TREE
 (a tree is a directory holding ``airflow_provider_lr``: e.g. ``git archive <commit>`` unpacked).
@@ -24,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fanout_lr  # noqa: E402
-from fanout_anchors import Workload, execute, prepare_source, settle, start_env, stop_env  # noqa: E402
+from fanout_anchors import Workload, execute, prepare_source, server_cpu_s, settle, start_env, stop_env  # noqa: E402
 
 CHILD = """
 import json, resource, sys
@@ -57,13 +58,19 @@ def run_tree(sites: fanout_lr.LrSites, tree: str, tag: str) -> dict:
     try:
         env = dict(os.environ, PYTHONPATH=tree, LR_CONNECTIONS_FILE=str(connections))
         args = [sys.executable, "-c", CHILD, str(sites.topology_file), fanout_lr.SOURCE_ID]
+        servers = [server_cpu_s(sites.admin[0]), sum(server_cpu_s(dsn) for dsn in sites.admin[1:])]
         # run from the tree: ``python -c`` puts the working directory first on the path
         out = subprocess.run(args, env=env, cwd=tree, capture_output=True, text=True, check=False)
+        servers = [
+            server_cpu_s(sites.admin[0]) - servers[0],
+            sum(server_cpu_s(dsn) for dsn in sites.admin[1:]) - servers[1],
+        ]
         if out.returncode:
             raise RuntimeError(f"{tree}: {out.stderr[-2000:]}")
         result = json.loads(out.stdout.strip().splitlines()[-1])
         if not result["ok"]:
             raise RuntimeError(f"{tree}: {result['errors']}")
+        result.update(source_cpu_s=round(servers[0], 2), sinks_cpu_s=round(servers[1], 2))
         return result
     finally:
         for dsn, db in zip(sites.admin, sites.dbnames):
@@ -96,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(result)
                 print(
                     f"round {round_} {tree}: {per_s:,.0f} deliveries/s in {result['seconds']['total']:.2f} s, "
-                    f"tee CPU {result['cpu_s']:.2f} s, load {result['load']:.1f}",
+                    f"CPU s: tee {result['cpu_s']:.2f}, source {result['source_cpu_s']:.2f}, "
+                    f"sinks {result['sinks_cpu_s']:.2f}; load {result['load']:.1f}",
                     flush=True,
                 )
     finally:

@@ -20,9 +20,9 @@ source read), ``session/lease_keeper.py`` (the leases kept alive meanwhile).
    is already at or past ``hi``. The chunk is then read ONCE from the source with a binary
    ``COPY TO STDOUT`` in (position, entry id) order, the source server computing per entry the bit
    mask of the sessions that want it (tag, client, after the sink's position, not covered by its
-   base snapshot); each entry, destinations stripped at the byte level
-   (``vocabulary.strip_destinations``), is appended to every demanding session's packer
-   (``queue_rows``: ~28 entries of 256 B per receive-queue row) and the rows to its binary
+   base snapshot) and, in SQL, each entry's packed form with its destinations stripped (rows of
+   256 entries of a commit: ``bulk/router.py``); each entry is appended to every demanding
+   session's packer (``queue_rows``: ~28 entries of 256 B per receive-queue row) and the rows to its binary
    ``COPY lr.receive_queue FROM STDIN`` — a sender thread per session, so the source read, the
    routing and the sinks' ingest overlap. Then each session checks its row and entry counts, sets
    ``last_log_entry_processed = hi``, wakes subscribers and commits.
@@ -40,8 +40,9 @@ row lock and then finds the chunk done; a lease taken over since the plan fences
 the sink (epoch), and only that session stops.
 
 Memory stays bounded whatever the backlog, by bytes as well as entries: rows stream through the
-task (at most ``router.PACK_EVERY`` entries, and ``PACK_EVERY_BYTES`` of large ones, wait to be
-packed, then one block per session of at most ``pgcopy.DEFAULT_BLOCK_BYTES``, two queued); the
+task (a row of at most ``router.GROUP_ENTRIES`` entries of ``GROUP_ENTRY_BYTES``, or one larger
+entry, then at most ``router.PACK_EVERY`` entries or ``PACK_EVERY_BYTES`` wait to be packed, then
+one block per session of at most ``pgcopy.DEFAULT_BLOCK_BYTES``, two queued); the
 driver holds only the plan and small summaries.
 """
 

@@ -105,6 +105,10 @@ class RowReader:
         del buf[:pos]
         return len(chunk)
 
+    def between_rows(self) -> bool:
+        """The header read and no partial row kept: the next chunk starts a row."""
+        return self._header_seen and not self._buf
+
 
 def text(value: str) -> bytes:
     """A text field in binary COPY form."""
@@ -147,6 +151,7 @@ class CopyWriter:
     QUEUED_BLOCKS = 2
 
     COPY_SQL = ""
+    _last_block: tuple[list[bytes], bytes] = ([], b"")  # the parts of the last block joined, and the join
 
     def __init__(self, conn: psycopg2.extensions.connection, block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
         self.conn = conn
@@ -178,7 +183,11 @@ class CopyWriter:
         if len(self.block) == 1:
             return
         self.block.append(TRAILER)
-        self._queue.put(b"".join(self.block))
+        parts, joined = CopyWriter._last_block
+        if parts != self.block:  # writers fed the same rows (a broadcast's sessions) join each block once
+            joined = b"".join(self.block)
+            CopyWriter._last_block = self.block, joined
+        self._queue.put(joined)
         self.block, self.size = [HEADER], len(HEADER)
         self.flushes += 1
 

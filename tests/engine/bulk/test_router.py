@@ -102,27 +102,91 @@ def test_each_session_gets_its_client_its_sink_and_what_follows_its_position(lr_
     assert audit_b.out == audit_c.out
 
 
-def source_row(position: int, entry_id: int, mask: int, destinations: list[str], payload: bytes) -> bytes:
-    """One row of the chunk's binary COPY as the source sends it (one CopyData message)."""
-    message = lr_pb2.RoutingTableEntryMsg(
+def test_entries_the_source_does_not_cut_and_large_ones_arrive_whole_and_in_order(lr_sites, monkeypatch):
+    # The leads come from the first 20 entries only, so entries named in another order come whole
+    # and are stripped here; groups of 8, and entries over the group bound interleaved with small
+    # ones in one transaction, come in rows of their own after the group of their id range.
+    monkeypatch.setattr(router, "SAMPLE_ENTRIES", 20)
+    monkeypatch.setattr(router, "GROUP_ENTRIES", 8)
+    from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
+
+    source = lr_sites[0]
+    in_log_entry_sync(lr_sites)
+    conn = source.connect()
+    try:
+        policy = RoutingQueueClient(conn, "policy")
+        for txn in range(3):
+            messages = []
+            for n in range(100):
+                size = router.GROUP_ENTRY_BYTES + 500 if n % 13 == 5 else 200
+                named = ["site-c", "site-b"] if n % 7 == 3 and txn else ["site-b", "site-c"]
+                messages.append(LRMessageWithDestinations(f"{txn}:{n}:".encode().ljust(size, b"."), named))
+            policy.transmit_log_entry_messages(messages)
+            conn.commit()
+    finally:
+        conn.close()
+    ((lo, hi),) = source.query("SELECT min(position) - 1, max(position) FROM lr.log_commits")
+    client_id, tag_ids = (
+        source.query("SELECT client_id FROM lr.clients")[0][0],
+        dict(source.query("SELECT site_id, tag_id FROM lr.remote_sites")),
+    )
+    targets = []
+    for bit, sink in enumerate(("site-b", "site-c")):
+        demand = Demand("site-a", sink, "policy", client_id, tag_ids[sink], Position(lo, 0, None, 1))
+        targets.append((bit, demand, CollectedRows()))
+
+    conn = source.connect()
+    try:
+        leads = router.leading_records(conn, PositionRange(0, lo, hi, 300), targets)
+        read = router.copy_and_route(conn, PositionRange(0, lo, hi, 300), targets, None)
+    finally:
+        conn.close()
+
+    assert len(leads) == 1 and read == 300  # the order of the first transaction only: the others come whole
+    for _, demand, rows in targets:
+        assert rows.entries_got() == expected_entries(source, demand.sink, "policy")
+
+
+def group_row(position: int, entries: list[tuple[int, int, bytes]]) -> bytes:
+    """A row of the chunk's binary COPY as the source sends it: a group's position, ids, masks and
+    sizes, then its entries, here all whole (negative sizes)."""
+
+    def array(values: list[int], width: int) -> bytes:
+        body = b"".join(struct.pack(">i", width) + v.to_bytes(width, "big", signed=True) for v in values)
+        head = struct.pack(">iiiii", 1, 0, 20 if width == 8 else 23, len(values), 1)
+        return struct.pack(">i", len(head) + len(body)) + head + body
+
+    messages = b"".join(m for _, _, m in entries)
+    return (
+        struct.pack(">hiq", 5, 8, position)
+        + array([entry_id for entry_id, _, _ in entries], 8)
+        + array([mask for _, mask, _ in entries], 8)
+        + array([-len(m) for _, _, m in entries], 4)
+        + struct.pack(">i", len(messages))
+        + messages
+    )
+
+
+def message(destinations: list[str], payload: bytes) -> bytes:
+    return lr_pb2.RoutingTableEntryMsg(
         destinations=destinations, type=lr_pb2.LOG_ENTRY_SYNC, opaque_payload=payload, client_name="policy"
     ).SerializeToString()
-    return struct.pack(">hiqiqiqi", 4, 8, position, 8, entry_id, 8, mask, len(message)) + message
 
 
-def test_an_entry_not_named_like_the_last_of_its_mask_is_read_by_its_own_destinations():
-    # Both entries go to session bit 0 only; the second names fewer sinks, and its payload holds,
-    # where the first one's sink form began, bytes that read like a type field.
+def test_an_entry_sent_whole_is_read_by_its_own_destinations():
+    # Entries of one mask naming their sinks differently; one holds, where another's sink form
+    # began, bytes that read like a type field. Each is stripped by what it names itself.
     lure = bytes(4) + b"\x10\x01" + bytes(42)
     rows = [
-        HEADER + source_row(1, 1, 0b1, ["site-b"], b"zeroth"),  # the first message carries the header
-        source_row(1, 2, 0b1, ["site-b", "site-x"], b"first"),
-        source_row(1, 3, 0b1, ["site-b"], lure),
-        source_row(2, 4, 0b1, ["site-b", "site-x"], b"third"),
+        HEADER
+        + group_row(1, [(1, 0b1, message(["site-b"], b"zeroth")), (2, 0b1, message(["site-b", "site-x"], b"first"))]),
+        group_row(1, [(3, 0b1, message(["site-b"], lure))]),
+        group_row(2, [(4, 0b1, message(["site-b", "site-x"], b"third"))]),
         b"\xff\xff",
     ]
     session = CollectedRows()
     reader = router.CopyRouter({0: session}, -1, None)
     for row in rows:
         reader.write(row)
+    reader.finish()
     assert session.entries_got() == [(1, b"zeroth"), (1, b"first"), (1, lure), (2, b"third")]
