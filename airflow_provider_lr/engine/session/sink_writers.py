@@ -8,14 +8,11 @@ a time: the stream's own between rounds (handshakes, checks), that site's writer
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Generic, TypeVar
 
 import psycopg2.extensions
-
-log = logging.getLogger(__name__)
 
 Connect = Callable[[str], psycopg2.extensions.connection]
 MAX_WRITERS = 64  # sink sites written to at once (threads made only as sites need them)
@@ -46,27 +43,18 @@ class SinkWriters(Generic[Job]):
         if conn is not None and not conn.closed:
             conn.close()
 
-    def write(
-        self,
-        jobs: Mapping[str, Sequence[Job]],
-        apply: Apply[Job],
-        meanwhile: Callable[[], object] | None = None,
-    ) -> list[tuple[Job, int | BaseException]]:
-        """Run ``apply`` on each site's jobs on that site's connection, the sites at once (the
-        first site on the calling thread: no hand-off on the way to a commit), and ``meanwhile`` on
-        a writer thread; what each site's jobs returned or raised, site by site in the order given."""
+    def write(self, jobs: Mapping[str, Sequence[Job]], apply: Apply[Job]) -> list[tuple[Job, int | BaseException]]:
+        """Run ``apply`` on each site's jobs on that site's connection, the sites at once (the first
+        site on the calling thread: no hand-off on the way to a commit); what each site's jobs
+        returned or raised, site by site in the order given."""
         if not jobs:
             return []
         (first, batch), *others = jobs.items()
         futures = [self._pool.submit(self._write_site, site, more, apply) for site, more in others]
-        aside = self._pool.submit(meanwhile) if meanwhile is not None else None
         try:
             done = self._write_site(first, batch, apply)
-        finally:  # every write and the work aside are waited for, whatever happened here
+        finally:  # every write is waited for, whatever happened here
             rest = [each for future in futures for each in future.result()]
-            failed = aside.exception() if aside is not None else None
-        if failed is not None:  # pragma: no cover - a bug in the caller's work aside: the writes still count
-            log.error("work aside the sink writes failed", exc_info=failed)
         return done + rest
 
     def _write_site(self, site: str, jobs: Sequence[Job], apply: Apply[Job]) -> list[tuple[Job, int | BaseException]]:

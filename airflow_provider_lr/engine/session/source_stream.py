@@ -89,7 +89,6 @@ class SourceStream:
         self.sinks: SinkWriters[tuple[Member, LogBatch]] = SinkWriters(connect, source)
         self.durable = DurableAcks()
         self._committed = sys.maxsize  # the highest committed position, as the last routed read saw it
-        self._busy = False  # the last round's rate was the busy rate or more (then no read ahead)
         self.src = connect(source)
         self.reads: StreamRead | None = None
         try:
@@ -178,8 +177,7 @@ class SourceStream:
             if moved:
                 stalled_since, pause = None, opts.poll_min
                 load = rate.add(moved) / opts.busy_rate
-                self._busy = load >= 1
-                if self._busy:  # under load: a wait that grows with the round's time and the load's square
+                if load >= 1:  # under load: a wait that grows with the round's time and the load's square
                     halt.wait(min(opts.linger, (time.monotonic() - started) * load * load))
                 continue
             if not probed and stalled_since is None and self._committed <= low:
@@ -255,7 +253,7 @@ class SourceStream:
                 jobs.setdefault(member.key.sink, []).append((member, LogBatch(member.after, batch.end, records)))
             else:
                 member.read_to = max(member.read_to, batch.end)
-        self._write(jobs, None if self._busy else members, batch.end)
+        self._write(jobs)
         return max(batch.entries, 1)  # deliveries: a round's cost grows with the sink transactions it takes
 
     def _round_per_session(self, members: list[Member], barrier: bool) -> int:
@@ -285,15 +283,10 @@ class SourceStream:
                     raise
         return moved
 
-    def _write(
-        self, jobs: dict[str, list[tuple[Member, LogBatch]]], ahead: list[Member] | None = None, end: int = 0
-    ) -> None:
-        """Each sink's batches by its own writer, the sinks at once; then what each did. ``ahead``:
-        meanwhile, read what follows ``end`` for these sessions (``StreamRead.ahead``)."""
-        reads = self.reads
-        meanwhile = None if ahead is None or reads is None else lambda: reads.ahead(ahead, end)
+    def _write(self, jobs: dict[str, list[tuple[Member, LogBatch]]]) -> None:
+        """Each sink's batches by its own writer, the sinks at once; then what each did."""
         apply = functools.partial(stream_writes.apply_site, source=self.source)
-        for (member, batch), outcome in self.sinks.write(jobs, apply, meanwhile):
+        for (member, batch), outcome in self.sinks.write(jobs, apply):
             if isinstance(outcome, BaseException):
                 self._fail(member, outcome)
             else:

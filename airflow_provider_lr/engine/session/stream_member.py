@@ -52,9 +52,9 @@ class Member:
         """The sink's position: committed there (perhaps not flushed yet: see ``durable``)."""
         return self.position.after
 
-    def routed(self, read_to: int | None = None) -> Reader:
-        """Where the routed read takes it from: ``read_to``, or where it will be once a write to there succeeded."""
-        after = self.read_to if read_to is None else max(self.read_to, read_to)
-        split = self.position.split if self.position.split is not None and self.position.split.upto > after else None
+    def routed(self) -> Reader:
+        split = (
+            self.position.split if self.position.split is not None and self.position.split.upto > self.read_to else None
+        )
         assert self.reader.client_id is not None
-        return Reader(self.reader.client_id, self.reader.tag_id, after, split, self.tables)
+        return Reader(self.reader.client_id, self.reader.tag_id, self.read_to, split, self.tables)
