@@ -99,6 +99,20 @@ def current_version(conn: psycopg2.extensions.connection) -> int:
         ) from exc
 
 
+def require_current(conn: psycopg2.extensions.connection, what: str) -> None:
+    """Refuse a site whose lr schema is older than this lr's migrations, for ``what`` needs them
+    (a replicator upgraded before its sites were: ``lr init`` migrates them). Ends the transaction
+    it reads in."""
+    have, need = current_version(conn), available_migrations()[-1].version
+    if not conn.autocommit:
+        conn.rollback()
+    if have < need:
+        raise SchemaError(
+            f"site {_where(conn)} has lr schema version {have}, older than this lr's {need}: {what} needs "
+            "it; run `lr init` on the site as the owner of the lr schema"
+        )
+
+
 def migrate(
     conn: psycopg2.extensions.connection, target: int | None = None, migrations: list[Migration] | None = None
 ) -> MigrationResult:

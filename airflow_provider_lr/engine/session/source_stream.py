@@ -35,6 +35,7 @@ import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
 from airflow_provider_lr.engine.counters import DeliveryCounters
+from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.db.autocommit import autocommit
 from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.errors import FencedError, LRError, StaleBatchError, TrimmedError, error_line, one_line
@@ -207,6 +208,7 @@ class SourceStream:
         session streams from its ``Position`` unless it is not in log-entry sync."""
         try:
             sink = self.sinks.conn(key.sink)
+            schema.require_current(sink, "streaming into it")  # its one-round-trip writes (V0021)
             hs = handshake(self.src, sink, key, lease.owner, self.settings.lease_seconds)
             why = hs.left_out(Decision.LOG_ENTRY_SYNC, "left to the cycles")
             if why is not None:

@@ -79,6 +79,9 @@ class Streamer:
         self.ends: list[StreamEnd] = []  # every stream that ended (handed back, or STOPPED with the run)
         self.streaming: set[SessionKey] = set()  # the sessions streaming now
         self.backoff: dict[SessionKey, tuple[int, float]] = {}  # failing sessions: (failures in a row, retry at)
+        # sessions whose stream failed before it delivered anything (it cannot start: a site's schema
+        # too old, a login refused to the stream): streamed again only then, the cycles carry them
+        self.stream_backoff: dict[SessionKey, tuple[int, float]] = {}
         self.sources: dict[str, SourceStream] = {}  # the stream of each source with sessions streaming
 
     def run(
@@ -118,7 +121,7 @@ class Streamer:
                         on_cycle(reports)
                     for key, report in zip(ready, reports):
                         self._note(key, report)
-                        if streamable(report):
+                        if streamable(report) and self.stream_backoff.get(key, (0, 0.0))[1] <= time.monotonic():
                             self._start(key, streams, halt, ended)
                     busy = any(not r.idle for r in reports)
                     due = time.monotonic() + (0.0 if busy else interval)
@@ -141,10 +144,15 @@ class Streamer:
         if not report.error:
             self.backoff.pop(key, None)
             return
-        failures = self.backoff.get(key, (0, 0.0))[0] + 1
+        pause = self._back_off(self.backoff, key)
+        log.info("session %s failed %d time(s) in a row; retried in %.1fs", key, self.backoff[key][0], pause)
+
+    def _back_off(self, failing: dict[SessionKey, tuple[int, float]], key: SessionKey) -> float:
+        """One more failure in a row of ``key``: its retry ``retry_min`` doubling to ``retry_max`` from now."""
+        failures = failing.get(key, (0, 0.0))[0] + 1
         pause = min(self.options.retry_max, self.options.retry_min * 2 ** (failures - 1))
-        self.backoff[key] = (failures, time.monotonic() + pause)
-        log.info("session %s failed %d time(s) in a row; retried in %.1fs", key, failures, pause)
+        failing[key] = (failures, time.monotonic() + pause)
+        return pause
 
     def _ended(
         self,
@@ -158,6 +166,10 @@ class Streamer:
         leaving.discard(key)
         self.streaming.discard(key)
         self.ends.append(end)
+        if end.error and not end.delivered:  # it could not start: the cycles carry it meanwhile
+            self._back_off(self.stream_backoff, key)
+        elif end.delivered:
+            self.stream_backoff.pop(key, None)
         if end.handed_back:
             self.counters.hand_back(key)
         if end.error:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import psycopg2
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.session.stream_member import Member
 from airflow_provider_lr.engine.source import routed_read
 from airflow_provider_lr.engine.source.routed_read import ROUTED, Reader, RoutedBatch
@@ -38,6 +39,7 @@ class StreamRead:
         self.peek = connect(source)
         try:
             self.peek.autocommit = True
+            schema.require_current(self.peek, "streaming from it")
             ROUTED.prepare(self.peek)
             with self.peek.cursor() as cur:
                 cur.execute(f"LISTEN {COMMIT_CHANNEL}")

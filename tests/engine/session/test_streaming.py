@@ -196,3 +196,27 @@ def test_a_full_sync_request_or_a_topology_change_hands_the_stream_back(lr_sites
     else:
         assert len(starts) == 1 and logs(sink_b) == [f"k{i}={i}" for i in range(20)]
     app.close()
+
+
+@pytest.mark.parametrize("site", ["source", "sink"])
+def test_a_site_whose_schema_is_older_than_this_lr_is_not_streamed_the_cycles_carry_it_and_say_why(lr_sites, site):
+    """A replicator upgraded before its sites (`lr init` not run yet): a session with such a site is
+    not streamed, its stream's start backs off instead of retrying every turn, the cycles deliver
+    every entry, and the error says what to do."""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
+    old = source if site == "source" else sink_b
+    newest = old.query("SELECT max(version) FROM lr.schema_migrations")[0][0]
+    old.query("DELETE FROM lr.schema_migrations WHERE version = %s", (newest,))  # as before its last migration
+    app = App(source)
+    with streaming_over(topo, lr_sites, FAST) as streaming:
+        wait_for(lambda: streaming.streamer.ends, 20, "the stream to refuse the site")
+        for i in range(5):
+            app.put(f"k{i}", i, ["site-b"])
+        wait_for(lambda: logs(sink_b) == [f"k{i}={i}" for i in range(5)], 20, "the cycles to deliver")
+        time.sleep(1.5)
+        ends = list(streaming.streamer.ends)
+    assert ends and all("run `lr init`" in e.error and f"version {newest - 1}" in e.error for e in ends), ends
+    assert len(ends) <= 3, f"the stream's start backs off: {len(ends)} attempts"
+    assert not streaming.streamer.streaming
+    app.close()
