@@ -2,8 +2,9 @@
 
 A stream writes each session's share of a read in its own fenced sink transaction; the sessions of
 one sink site go together on that site's connection (``Apply``: in one round trip where it can),
-different sites in parallel on a pool of writer threads (one per site written to, made as needed). A connection is used by one thread at
-a time: the stream's own between rounds (handshakes, checks), that site's writer during one.
+different sites in parallel on a pool of writer threads (one per site written to, made as needed).
+A connection is used by one thread at a time: the stream's own between rounds (handshakes,
+checks), that site's writer during one.
 """
 
 from __future__ import annotations
