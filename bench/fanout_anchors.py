@@ -659,6 +659,17 @@ def _ready_query(table: str) -> str:
     )
 
 
+def subscriptions_ready(dsns: list[str], table: str, timeout_s: float, running: bool = False) -> list[float]:
+    """Wait until every subscription of ``table`` on each sink has its table synced (state ``r``),
+    and with ``running`` its apply worker up; each sink's time to it from now."""
+    return _poll(
+        dsns,
+        _ready_query(table),
+        lambda rows: bool(rows) and all(state == "r" and (up or not running) for state, up in rows),
+        timeout_s=timeout_s,
+    )
+
+
 def native_initial(env: BenchEnv, workload: Workload, binary: bool = False) -> Measurement:
     """CREATE SUBSCRIPTION on 3 sinks at once; time until each table sync is ready."""
     name = "native_initial_binary" if binary else "native_initial"
@@ -671,12 +682,7 @@ def native_initial(env: BenchEnv, workload: Workload, binary: bool = False) -> M
             started = time.perf_counter()
             create_subscriptions(env, BACKLOG_TABLE, copy_data=True, binary=binary)
             poll_from = time.perf_counter()
-            per_sink = _poll(
-                env.sink_dsns,
-                _ready_query(BACKLOG_TABLE),
-                lambda rows: bool(rows) and all(state == "r" for state, _ in rows),
-                timeout_s=3600,
-            )
+            per_sink = subscriptions_ready(env.sink_dsns, BACKLOG_TABLE, timeout_s=3600)
             seconds = time.perf_counter() - started
         verify_sinks(env, BACKLOG_TABLE, expected, name)
     finally:
@@ -723,12 +729,7 @@ def native_streaming(env: BenchEnv, workload: Workload) -> Measurement:
     create_publications(env, STREAM_TABLE, workload.variant)
     try:
         create_subscriptions(env, STREAM_TABLE, copy_data=False)
-        _poll(
-            env.sink_dsns,
-            _ready_query(STREAM_TABLE),
-            lambda rows: bool(rows) and all(state == "r" and running for state, running in rows),
-            timeout_s=120,
-        )
+        subscriptions_ready(env.sink_dsns, STREAM_TABLE, timeout_s=120, running=True)
         checkpoint_all(env)
         ids = range(1, workload.entries + 1)
         args = [

@@ -45,11 +45,10 @@ sys.path.insert(0, str(BENCH))
 from fanout_anchors import (  # noqa: E402
     BenchEnv,
     _names,
-    _poll,
-    _ready_query,
     create_subscriptions,
     drop_replication,
     execute,
+    subscriptions_ready,
 )
 
 TABLE = "stream_lag"
@@ -480,12 +479,7 @@ class NativeSystem(System):
             pub, _ = _names(TABLE, i)
             execute(self.env.source_dsn, f"CREATE PUBLICATION {pub} FOR TABLE {TABLE} WITH (publish = 'insert')")
         create_subscriptions(self.env, TABLE, copy_data=False)
-        _poll(
-            self.env.sink_dsns,
-            _ready_query(TABLE),
-            lambda rows: bool(rows) and all(state == "r" and running for state, running in rows),
-            timeout_s=120,
-        )
+        subscriptions_ready(self.env.sink_dsns, TABLE, timeout_s=120, running=True)
 
     def source_dsn(self) -> str:
         return self.writer_dsn

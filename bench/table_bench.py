@@ -101,7 +101,7 @@ REPO = BENCH.parent
 for _p in (REPO, BENCH, REPO / "spark_jobs"):
     sys.path.insert(0, str(_p))
 
-from fanout_anchors import BenchEnv, _names, _poll, _ready_query, coalesced, drop_replication, execute, settle
+from fanout_anchors import BenchEnv, _names, coalesced, drop_replication, execute, settle, subscriptions_ready
 from fanout_lr import CLIENT, LrSites, spark_submit
 from streaming_common import LR_STOP_S, Plan, Writers, figures, lr_command, lr_preexec, percentiles
 
@@ -421,12 +421,7 @@ class SnapshotBench:
             created = time.perf_counter() - started
             if errors:
                 raise RuntimeError(errors[0])
-            per_sink = _poll(
-                self.native,
-                _ready_query(TABLE),
-                lambda rows: bool(rows) and all(s == "r" for s, _ in rows),
-                timeout_s=1800,
-            )
+            per_sink = subscriptions_ready(self.native, TABLE, timeout_s=1800)
             seconds = time.perf_counter() - started
             return seconds, {
                 "create_subscriptions_s": round(created, 3),
@@ -968,7 +963,7 @@ def native_streaming(src: str, sinks: list[str], table: str, columns: str) -> No
                 (src,),
             )
         conn.close()
-    _poll(sinks, _ready_query(table), lambda rows: bool(rows) and all(s == "r" and up for s, up in rows), timeout_s=300)
+    subscriptions_ready(sinks, table, timeout_s=300, running=True)
 
 
 def _count(dsn: str, table: str) -> int | None:
