@@ -8,6 +8,7 @@ migration or a site newer than this code is refused with a clear error.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass
@@ -99,11 +100,17 @@ def current_version(conn: psycopg2.extensions.connection) -> int:
         ) from exc
 
 
+@functools.cache
+def latest_version() -> int:
+    """The newest migration shipped with this code (read once per process)."""
+    return available_migrations()[-1].version
+
+
 def require_current(conn: psycopg2.extensions.connection, what: str) -> None:
     """Refuse a site whose lr schema is older than this lr's migrations, for ``what`` needs them
     (a replicator upgraded before its sites were: ``lr init`` migrates them). Ends the transaction
     it reads in."""
-    have, need = current_version(conn), available_migrations()[-1].version
+    have, need = current_version(conn), latest_version()
     if not conn.autocommit:
         conn.rollback()
     if have < need:

@@ -91,14 +91,14 @@ class SourceStream:
         self.durable = DurableAcks()
         self._committed = sys.maxsize  # the highest committed position, as the last routed read saw it
         self.src = connect(source)
-        self.reads: StreamRead | None = None
         try:
-            self.reads = StreamRead(connect, source, settings.max_bytes)
             with self.src.cursor() as cur:  # acks and renewals: the sink's position is the truth
                 cur.execute("SET synchronous_commit = off")
             self.src.commit()
+            self.reads = StreamRead(connect, source, settings.max_bytes)  # last: it closes its own on failure
         except BaseException:
-            self.close()
+            self.sinks.close()
+            self.src.close()
             raise
         self.thread: threading.Thread | None = None
 
@@ -167,7 +167,6 @@ class SourceStream:
                 last_ack = now
             low = min(m.read_to for m in self.members.values())
             probed = not moved and stalled_since is None
-            assert self.reads is not None
             due = min(next_check, last_ack + opts.ack_interval) - now
             if probed and not self.reads.wait_for_commit(low, pause, max(0.0, min(due, opts.sleep_max))):
                 pause = min(pause * 2, opts.poll_max)
@@ -236,7 +235,6 @@ class SourceStream:
         self._committed = sys.maxsize
         batch: RoutedBatch | None = None
         if not barrier:
-            assert self.reads is not None
             try:
                 batch = self.reads.read(members)
             except TrimmedError as exc:  # the sessions behind the trim mark go to a snapshot sync
@@ -312,6 +310,7 @@ class SourceStream:
         with autocommit(self.src):  # one round trip each
             topology_id = recorded_id(self.src)
             backlogs = {(b.sink, b.client): b for b in session_backlogs(self.src)}
+            requested = full_sync.sessions_requested(self.src)
         renewals = []
         for member in members:
             values: dict[str, object] = {
@@ -324,8 +323,6 @@ class SourceStream:
                 self.counters.lag(member.key, backlog.entries, backlog.lag_seconds)
             renewals.append((member.lease, values))
         lost = self._update_leases(renewals)
-        with autocommit(self.src):
-            requested = full_sync.sessions_requested(self.src)
         federated: dict[str, list[registry.FederatedTable]] = {}  # per client, read once for its sinks
         for member in members:
             key = member.key
@@ -393,8 +390,9 @@ class SourceStream:
         return {"acked_position": member.durable, "last_error": None, "last_success_at": AsIs("now()")}
 
     def _ack_one(self, member: Member) -> None:
-        for error in leases.update_sessions(self.src, [(member.lease, self._ack_values(member))]).values():
-            raise error
+        lost = leases.update_sessions(self.src, [(member.lease, self._ack_values(member))])
+        if lost:
+            raise lost[member.lease]
         member.acked = member.durable
 
     def _ack_quietly(self, member: Member) -> None:
@@ -461,7 +459,6 @@ class SourceStream:
 
     def close(self) -> None:
         self.sinks.close()
-        if self.reads is not None:
-            self.reads.close()
+        self.reads.close()
         if not self.src.closed:
             self.src.close()

@@ -26,7 +26,7 @@ import psycopg2.extensions
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.session.stream_member import Member
 from airflow_provider_lr.engine.source import routed_read
-from airflow_provider_lr.engine.source.routed_read import ROUTED, Reader, RoutedBatch
+from airflow_provider_lr.engine.source.routed_read import ROUTED, RoutedBatch
 from airflow_provider_lr.engine.vocabulary import COMMIT_CHANNEL, STREAM_WAKE_KEY
 
 
@@ -69,9 +69,7 @@ class StreamRead:
     def read(self, members: Sequence[Member]) -> RoutedBatch | None:
         """The routed read after where each of ``members`` was read to (``read_routed``: None for a
         transaction too large, ``TrimmedError``)."""
-        return self._read([m.routed() for m in members])
-
-    def _read(self, readers: list[Reader]) -> RoutedBatch | None:
+        readers = [m.routed() for m in members]
         return routed_read.read_routed(
             self.peek, readers, self.max_bytes, self.source, prepared=True, before=self._awake()
         )
