@@ -4,11 +4,13 @@ Each session's batch is its own fenced sink transaction, committed asynchronousl
 once the sink's WAL flush passed it: ``durable_acks``). A session the stream wrote to before stands
 on its sink where the stream left it, so its transaction needs nothing read first: the site's such
 sessions go in ONE round trip (``writes.stream_batches``: per session BEGIN, a guard that moves the
-session's row on only from there, rows, wake-up, COMMIT). The others (a session's first write, which
-registers its queue; table changes; a batch too large) take the general path
-(``writes.apply_log_stream``: the row read under its lock, then written), and so does every session
-of the round trip when one was not where the stream left it (a fence, a failover, another writer):
-the general path reads each row, adds only what is new and says what is wrong.
+session's row on only from there, table changes composed from the targets the connection last read
+for it and a check that they still are, rows, wake-up, COMMIT). The others (a session's first write,
+which registers its queue; a change of a table the connection has not read for it; a batch too large)
+take the general path (``writes.apply_log_stream``: the row read under its lock, then written), and
+so does every session of the round trip when one was not where the stream left it (a fence, a
+failover, another writer), a table's target changed or the sink refused a change: the general path
+reads each row and target, adds only what is new and says what is wrong.
 """
 
 from __future__ import annotations

@@ -18,16 +18,18 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 
 import psycopg2
+import psycopg2.errors
 import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
-from airflow_provider_lr.engine.errors import StaleBatchError
+from airflow_provider_lr.engine.errors import StaleBatchError, TableError
 from airflow_provider_lr.engine.sink.queue_rows import Packer
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogBatch, LogRecord, LogStream
 from airflow_provider_lr.engine.store import receive_queue, sink_sessions
 from airflow_provider_lr.engine.store.topology import config_id
 from airflow_provider_lr.engine.tables.sink import ChangeApplier, forget_session
+from airflow_provider_lr.engine.tables.targets import expected, forget_prepared
 from airflow_provider_lr.engine.vocabulary import MALFORMED, NOTIFY_CHANNEL, strip_destinations, wakeup_payload
 from airflow_provider_lr.proto import lr_pb2
 
@@ -388,20 +390,24 @@ def stream_batches(
     """Sessions' batches, each in its own transaction, all in ONE round trip (committed
     asynchronously, as ``apply_log_stream(synchronous=False)``): per session BEGIN, its row moved
     from ``batch.after`` to ``batch.end`` under its lock (``sink_sessions.stream_advance``), its
-    rows, its wake-up, COMMIT. The sink's position after each; None for a batch left to
-    ``apply_log_stream``: one with table changes or larger than one INSERT, and every batch of the
-    round trip when a session's row was not where the stream left it (a fence, a failover, another
-    writer; the transactions before it may have committed: the general path reads each row, adds
-    only what is new and says what is wrong). ``conn`` is autocommit, the queues are registered
-    (a session's first write takes the general path)."""
+    table changes, its rows, its wake-up, COMMIT. The sink's position after each; None for a batch
+    left to ``apply_log_stream``: one larger than one INSERT, or with changes of a table whose
+    target this connection has not read for the session (``targets.expected``), and every batch of
+    the round trip when a session's row was not where the stream left it (a fence, a failover,
+    another writer), a table's target changed, or the sink refused a table change (the
+    transactions before it may have committed: the general path reads each row, adds only what is
+    new and says what is wrong). ``conn`` is autocommit, the queues are registered (a session's
+    first write takes the general path)."""
     ends: list[int | None] = [None] * len(batches)
     statements: list[bytes] = []
+    tables = False
     with conn.cursor() as cur:
         for n, write in enumerate(batches):
             text = _stream_transaction(cur, source, write)
             if text is not None:
                 statements.append(text)
                 ends[n] = write.batch.end
+                tables = tables or any(r.table_id is not None for r in write.batch.records)
         if not statements:
             return ends
         try:
@@ -410,28 +416,43 @@ def stream_batches(
             if not conn.closed:
                 with contextlib.suppress(psycopg2.Error):
                     cur.execute("ROLLBACK")
-            if exc.pgcode == sink_sessions.NOT_WHERE_LEFT:
-                return [None] * len(batches)
-            raise
+            if isinstance(exc, psycopg2.errors.InvalidSqlStatementName):
+                forget_prepared(conn)  # gone (a pooler's DISCARD ALL): the general path prepares it again
+            elif exc.pgcode != sink_sessions.NOT_WHERE_LEFT and not (tables and _refused(exc)):
+                raise
+            return [None] * len(batches)
     return ends
+
+
+def _refused(exc: psycopg2.Error) -> bool:
+    """The sink refused a statement (a constraint, trigger, privilege), not the connection or a lock."""
+    return not isinstance(exc, (psycopg2.OperationalError, psycopg2.InterfaceError))
 
 
 def _stream_transaction(cur: psycopg2.extensions.cursor, source: str, write: StreamWrite) -> bytes | None:
     """``stream_batches``' transaction of one session, as text; None when it takes the general path."""
     batch, client = write.batch, write.client
-    if (
-        batch.end <= batch.after
-        or batch.bytes > INSERT_BYTES
-        or len(batch.records) > INSERT_ENTRIES
-        or any(r.table_id is not None for r in batch.records)
-    ):
+    if batch.end <= batch.after or batch.bytes > INSERT_BYTES or len(batch.records) > INSERT_ENTRIES:
         return None
+    statements = [sink_sessions.stream_advance(cur, source, client, write.epoch, write.base, batch.after, batch.end)]
+    tids = {r.table_id for r in batch.records if r.table_id is not None and r.position > batch.after}
+    tables = None
+    if tids:
+        found = expected(cur.connection, source, client, tids)
+        if found is None:
+            return None
+        tables = ChangeApplier(cur, source, client, found)
     writer = receive_queue.QueueWriter(source, client)
     packer = Packer(writer.add)
-    for entry in _sink_entries(batch.records, batch.after, source, client, None):
-        packer.add(*entry)
+    try:
+        for entry in _sink_entries(batch.records, batch.after, source, client, tables):
+            packer.add(*entry)
+    except TableError:  # a change that does not fit the table: the general path says so
+        return None
     packer.flush()
-    statements = [sink_sessions.stream_advance(cur, source, client, write.epoch, write.base, batch.after, batch.end)]
+    if tables is not None:
+        tables.flush()
+        statements += tables.statements or []
     if packer.entries:
         statements.append(writer.statement(cur))
         statements.append(cur.mogrify("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, wakeup_payload(client, source))))

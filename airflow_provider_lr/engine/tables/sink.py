@@ -31,7 +31,7 @@ from psycopg2 import sql
 from airflow_provider_lr.engine.errors import SchemaMismatchError, TableError, one_line
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogRecord
 from airflow_provider_lr.engine.tables.definition import TableDefinition, TableName, check_same, read_definition
-from airflow_provider_lr.engine.tables.targets import TableState, Target, TargetLookup, origin
+from airflow_provider_lr.engine.tables.targets import GENERIC, Expected, TableState, Target, TargetLookup, origin
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
 FLUSH_BYTES = 4 << 20  # table changes buffered before they are applied (in the same transaction)
@@ -91,6 +91,9 @@ def forget_session(cur: psycopg2.extensions.cursor, source: str, client: str) ->
 
 
 APPLYING_SQL = "SELECT set_config('lr.applying', 'on', true)"
+# a table change's sink transaction starts so: lr's apply, constraints as the source's, and the
+# targets' read (prepared) planned generically
+_OPEN = f"SET CONSTRAINTS ALL DEFERRED; {APPLYING_SQL}, {GENERIC}"
 
 
 def applying(cur: psycopg2.extensions.cursor) -> None:
@@ -146,26 +149,25 @@ def _require_types(cur: psycopg2.extensions.cursor, source_def: TableDefinition,
 
 def clear(cur: psycopg2.extensions.cursor, target: Target) -> None:
     """Remove the rows that came from ``target.source`` (before its snapshot, and on its TRUNCATE)."""
-    t, name = target.definition.table.ident, str(target.table)
+    cur.execute(clearing(target))
+
+
+def clearing(target: Target) -> sql.Composed:
+    """The statements of ``clear``."""
+    t, name = target.definition.table.ident, sql.Literal(str(target.table))
     if not target.shared:
-        cur.execute(sql.SQL("DELETE FROM {}").format(t))
-    elif target.primary:
-        cur.execute(
-            sql.SQL(
-                "DELETE FROM {} x WHERE NOT EXISTS (SELECT 1 FROM lr.table_row_origin o WHERE o.table_name = {} "
-                "AND o.key = {})"
-            ).format(t, sql.Literal(name), target.key_object(sql.Identifier("x")))
-        )
-    else:
-        cur.execute(
-            sql.SQL(
-                "DELETE FROM {} x USING lr.table_row_origin o WHERE o.table_name = {} AND o.source_site_id = {} "
-                "AND o.key = {}"
-            ).format(t, sql.Literal(name), sql.Literal(target.source), target.key_object(sql.Identifier("x")))
-        )
-        cur.execute(
-            "DELETE FROM lr.table_row_origin WHERE table_name = %s AND source_site_id = %s", (name, target.source)
-        )
+        return sql.SQL("DELETE FROM {}").format(t)
+    if target.primary:
+        return sql.SQL(
+            "DELETE FROM {} x WHERE NOT EXISTS (SELECT 1 FROM lr.table_row_origin o WHERE o.table_name = {} "
+            "AND o.key = {})"
+        ).format(t, name, target.key_object(sql.Identifier("x")))
+    return sql.SQL(
+        "DELETE FROM {} x USING lr.table_row_origin o WHERE o.table_name = {} AND o.source_site_id = {} "
+        "AND o.key = {}; DELETE FROM lr.table_row_origin WHERE table_name = {} AND source_site_id = {}"
+    ).format(
+        t, name, sql.Literal(target.source), target.key_object(sql.Identifier("x")), name, sql.Literal(target.source)
+    )
 
 
 def upsert_from(cur: psycopg2.extensions.cursor, target: Target, staging: sql.Composable) -> int:
@@ -263,34 +265,44 @@ class ChangeApplier:
     rows in order, cut before a key comes back (one statement cannot change a row twice, and the
     second change must follow what came between). A TRUNCATE applies what came before it, then
     clears the source's rows. The source reads only the tables this session has synced, so every
-    record here has a target (or a conflict, whose changes are dropped)."""
+    record here has a target (or a conflict, whose changes are dropped).
 
-    def __init__(self, cur: psycopg2.extensions.cursor, source: str, client: str) -> None:
+    With ``expected`` (the targets the session's last transactions read: ``targets.expected``) it
+    runs nothing: ``statements`` collects the transaction's statements, the check that the targets
+    are still so first, for the caller to send with the rest of its transaction."""
+
+    def __init__(
+        self, cur: psycopg2.extensions.cursor, source: str, client: str, expected: Expected | None = None
+    ) -> None:
         self.cur, self.source, self.client = cur, source, client
         self.lookup = TargetLookup(cur, source, client)
         self.targets: dict[int, Target | None] = {}
         self.runs: list[_Run] = []
         self.bytes = 0
-        self.applied = 0  # change entries
+        self.statements: list[bytes] | None = None
         self._here: str | None = None
+        if expected is not None:
+            self.targets = dict(expected.found)
+            self.statements = [_OPEN.encode(), expected.check(cur, source, client)]
+            self._here = f"session {SessionKey(source, 'this sink', client)}"
 
     def add(self, record: LogRecord) -> None:
         if self._here is None:  # marked as lr's apply (``applying``), constraints as the source's, and the
             # targets of the tables the session's last transactions used (``TargetLookup``): one round trip
-            self.lookup.open("SET CONSTRAINTS ALL DEFERRED; " + APPLYING_SQL)
+            self.lookup.open(_OPEN)
             self._here = f"session {SessionKey(self.source, self.lookup.site_id, self.client)}"
         tid = record.table_id
         assert tid is not None
         if tid not in self.targets:
+            assert self.statements is None, f"table {tid} is not among the expected targets"
             self.targets[tid] = self.lookup.get(tid, self._where)
         target = self.targets[tid]
         if target is None:
             return  # conflict: dropped here
         op = _op(record.message)
-        self.applied += 1
         if op == "t":
             self.flush()
-            clear(self.cur, target)
+            self._send(clearing(target).as_string(self.cur).encode())
             return
         self._queue(tid, target, op, record.message)
         self.bytes += len(record.message)
@@ -323,22 +335,33 @@ class ChangeApplier:
     def flush(self) -> None:
         """Apply the runs queued, in order, in one round trip."""
         runs, self.runs, self.bytes = self.runs, [], 0
-        if not runs:
-            return
-        statements = [
-            self.cur.mogrify(
-                self._statement(run),
-                {"docs": [psycopg2.Binary(m) for m in run.docs], "lo": run.lo, "hi": run.hi, "text": list(run.text)},
+        if runs:
+            self._send(
+                b";\n".join(
+                    self.cur.mogrify(
+                        self._statement(run),
+                        {
+                            "docs": [psycopg2.Binary(m) for m in run.docs],
+                            "lo": run.lo,
+                            "hi": run.hi,
+                            "text": list(run.text),
+                        },
+                    )
+                    for run in runs
+                )
             )
-            for run in runs
-        ]
+
+    def _send(self, statement: bytes) -> None:
+        if self.statements is not None:
+            self.statements.append(statement)
+            return
         try:
-            self.cur.execute(b";\n".join(statements))
+            self.cur.execute(statement)
         except (psycopg2.OperationalError, psycopg2.InterfaceError):
             raise  # the sink went away (or a deadlock): not the data's fault, the caller retries as ever
         except psycopg2.Error as exc:
             failed = getattr(exc.diag, "table_name", None)
-            tables = sorted({str(self.targets[r.tid].table) for r in runs})  # type: ignore[union-attr]
+            tables = sorted({str(t.table) for t in self.targets.values() if t is not None})
             named = f"table {exc.diag.schema_name}.{failed}" if failed else f"changes of {', '.join(tables)}"
             raise ApplyError(
                 f"{self._where()}: the sink refused {named}: {one_line(exc)}. Nothing of the batch was applied; "

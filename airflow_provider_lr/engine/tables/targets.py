@@ -102,12 +102,10 @@ class Gone:
 
 Found = Target | Gone | None  # None: not synced here (a conflict's changes are dropped)
 
-# The sink's site id (for messages), then for each of the session's tables %(tids)s (source table
-# ids) that it has in lr.sink_tables: its name, state, oid (NULL: no such table), shape and origin.
-# Always at least one row (the site id's). Only the tables asked for are read (``LIMIT 1``: a table
-# id twice, one of them, as before).
-LOOKUP_SQL = (
-    "SELECT (SELECT site_id FROM lr.site_info), q.* FROM (SELECT 1) one LEFT JOIN LATERAL ("
+# For each of the session's tables %(tids)s (source table ids) that it has in lr.sink_tables: its name,
+# state, oid (NULL: no such table), shape and origin. Only the tables asked for are read (``LIMIT 1``:
+# a table id twice, one of them, as before).
+_TARGETS = (
     "SELECT st.tid, st.table_name, st.state, t.oid, "
     + SHAPE_COLUMNS
     + ", "
@@ -116,14 +114,30 @@ LOOKUP_SQL = (
     "CROSS JOIN LATERAL (SELECT w.tid, table_name, state FROM lr.sink_tables WHERE source_site_id = %(source)s "
     "AND client_name = %(client)s AND source_table_id = w.tid LIMIT 1) st "
     "CROSS JOIN LATERAL (SELECT to_regclass(quote_ident(split_part(st.table_name, '.', 1)) || '.' "
-    "|| quote_ident(split_part(st.table_name, '.', 2))) AS oid) t) q ON true"
+    "|| quote_ident(split_part(st.table_name, '.', 2)))::oid AS oid) t"
+)
+# The sink's site id (for messages), then ``_TARGETS``' rows, each with its text form (what a
+# ``CHECK`` expects). Always at least one row (the site id's).
+LOOKUP_SQL = (
+    "SELECT (SELECT site_id FROM lr.site_info), q.*, q::text FROM (SELECT 1) one LEFT JOIN LATERAL ("
+    + _TARGETS
+    + ") q ON true"
+)
+# ``_TARGETS`` read again, raising LR409 (V0023) unless its rows' text forms are %(expected)s, in
+# table id order: the targets a transaction composed its statements from are still the sink's.
+CHECK_SQL = (
+    "SELECT lr.stream_expect(ARRAY(SELECT x::text FROM (" + _TARGETS + ") x ORDER BY x.tid) = %(expected)s, "
+    "'the session''s tables changed on the sink since its last transaction')"
 )
 
 # prepared once per connection: planned, it costs ~0.5 ms more than it runs (~0.15 ms for a table,
 # ~0.03 ms each more). Its generic plan is the one to run (``GENERIC``: PostgreSQL would otherwise
 # plan it anew each time, expecting a plan for the actual tables to be cheaper). The name is
 # versioned, so a connection that holds an older lr's statement is not confused by it.
-LOOKUP = Prepared("lr_sink_targets_v1", LOOKUP_SQL, {"tids": "int4[]", "source": "text", "client": "text"})
+LOOKUP = Prepared("lr_sink_targets_v2", LOOKUP_SQL, {"tids": "int4[]", "source": "text", "client": "text"})
+CHECK = Prepared(
+    "lr_sink_targets_check_v1", CHECK_SQL, {"tids": "int4[]", "source": "text", "client": "text", "expected": "text[]"}
+)
 GENERIC = "set_config('plan_cache_mode', 'force_generic_plan', true)"  # for the transaction
 
 # How many tables a connection's lookup reads ahead for a session: those its transactions used
@@ -141,6 +155,8 @@ class _Kept:
     used: dict[tuple[str, str], dict[int, None]] = field(default_factory=dict)  # session -> its table ids,
     # least lately used first
     statements: dict[Hashable, str] = field(default_factory=dict)  # ``TargetLookup.statement``
+    last: dict[tuple[str, str], dict[int, tuple[Found, str]]] = field(default_factory=dict)  # session -> the
+    # targets its transactions on this connection last read, each with its row's text form (``Expected``)
 
 
 _KEPT: weakref.WeakKeyDictionary[psycopg2.extensions.connection, _Kept] = weakref.WeakKeyDictionary()
@@ -160,18 +176,18 @@ class TargetLookup:
 
     def open(self, before: str) -> None:
         """Read the site id and the targets read ahead, in one round trip with ``before``: the caller's
-        statements, the last a ``SELECT`` whose result is not read (the lookup's plan mode joins
-        it). The first on a connection prepares ``LOOKUP`` on it, in this transaction (a prepared
+        statements, among them ``GENERIC`` (the lookup runs its generic plan). The first on a connection prepares ``LOOKUP`` on it, in this transaction (a prepared
         statement outlives the transaction, whatever its end); one gone (a pooler's ``DISCARD ALL``)
         fails this transaction, and the next prepares it again."""
         if not self.kept.prepared:
-            self.cur.execute("SELECT 1 FROM pg_catalog.pg_prepared_statements WHERE name = %s", (LOOKUP.name,))
-            if self.cur.fetchone() is None:
-                self.cur.execute(LOOKUP.prepare_sql)
+            for statement in (LOOKUP, CHECK):
+                self.cur.execute("SELECT 1 FROM pg_catalog.pg_prepared_statements WHERE name = %s", (statement.name,))
+                if self.cur.fetchone() is None:
+                    self.cur.execute(statement.prepare_sql)
             self.kept.prepared = True
         ahead = list(self.used)
         try:
-            self.cur.execute(f"{before}, {GENERIC}; ".encode() + self._statement(ahead))
+            self.cur.execute(f"{before}; ".encode() + self._statement(ahead))
         except psycopg2.errors.InvalidSqlStatementName:
             self.kept.prepared = False
             raise
@@ -209,16 +225,66 @@ class TargetLookup:
         return self.cur.mogrify(LOOKUP.execute_sql, {"tids": tids, "source": self.source, "client": self.client})
 
     def _found(self, tids: Iterable[int], rows: list[tuple]) -> None:
-        read: dict[int, Found] = {}
-        for _site, tid, name, state, oid, columns, key, primary, others in rows:
+        read: dict[int, tuple[Found, str]] = {}
+        for _site, tid, name, state, oid, columns, key, primary, others, text in rows:
             if tid is None:  # the site id's row
                 continue
             table = TableName.parse(name)
             if state == TableState.CONFLICT:
-                read[tid] = None
+                read[tid] = (None, text)
             elif oid is None:
-                read[tid] = Gone(table)
+                read[tid] = (Gone(table), text)
             else:
-                read[tid] = Target(shape(table, columns, key), self.source, *_primary_shared(primary, others))
+                read[tid] = (Target(shape(table, columns, key), self.source, *_primary_shared(primary, others)), text)
+        last = self.kept.last.setdefault((self.source, self.client), {})
+        if len(last) >= KEPT_STATEMENTS:
+            last.clear()
         for tid in tids:
-            self.found[tid] = read.get(tid)
+            self.found[tid] = read[tid][0] if tid in read else None
+            if tid in read:
+                last[tid] = read[tid]
+            else:  # not synced here: the general path says so
+                last.pop(tid, None)
+
+
+@dataclass(frozen=True)
+class Expected:
+    """The targets a session's last transactions on a connection read, for a transaction that
+    composes its statements from them without reading them first: ``check`` (sent ahead of those
+    statements, in the same transaction) raises LR409 unless the sink still has them so."""
+
+    found: dict[int, Target | None]  # None: a conflict's changes are dropped
+    texts: list[str]  # the rows' text forms, in table id order
+
+    def check(self, cur: psycopg2.extensions.cursor, source: str, client: str) -> bytes:
+        tids = sorted(self.found)
+        return cur.mogrify(
+            CHECK.execute_sql, {"tids": tids, "source": source, "client": client, "expected": self.texts}
+        )
+
+
+def expected(conn: psycopg2.extensions.connection, source: str, client: str, tids: Iterable[int]) -> Expected | None:
+    """The targets of ``tids`` as the session's transactions on ``conn`` last read them; None when one
+    was not read there (or is gone from the sink: the general path refuses it), or ``CHECK`` is not
+    prepared on ``conn``."""
+    kept = _KEPT.get(conn)
+    last = kept.last.get((source, client), {}) if kept is not None and kept.prepared else {}
+    found: dict[int, Target | None] = {}
+    texts = []
+    for tid in sorted(set(tids)):
+        entry = last.get(tid)
+        if entry is None:
+            return None
+        target, text = entry
+        if isinstance(target, Gone):
+            return None
+        found[tid] = target
+        texts.append(text)
+    return Expected(found, texts)
+
+
+def forget_prepared(conn: psycopg2.extensions.connection) -> None:
+    """A statement prepared on ``conn`` is gone (a pooler's ``DISCARD ALL``): the next lookup prepares them again."""
+    kept = _KEPT.get(conn)
+    if kept is not None:
+        kept.prepared = False

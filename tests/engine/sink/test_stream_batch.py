@@ -128,7 +128,7 @@ def test_another_base_or_an_inconsistent_sink_writes_nothing(session):
     conn.close()
 
 
-def test_a_batch_with_table_changes_is_left_to_the_general_path_untouched(session):
+def test_a_batch_changing_a_table_whose_target_the_connection_never_read_is_left_to_the_general_path(session):
     _, sink, epoch, base, batch = session
     change = LogRecord(batch.records[0].position, batch.records[0].entry_id, batch.records[0].message, 7)
     conn = _autocommit(sink)

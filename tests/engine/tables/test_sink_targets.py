@@ -24,11 +24,14 @@ ACCOUNTS = TableName("public", "accounts")
 
 
 class Stream:
-    """The sink end of site-a's stream into ``sink``: each ``change`` is one sink transaction
-    (``apply_log_stream``) on the same connection, as a stream's are."""
+    """The sink end of site-a's stream into ``sink``: each ``change`` is one sink transaction on the
+    same connection, as a stream's are: by the general path (``apply_log_stream``), or the way a
+    stream writes a session it wrote before (``stream_batches``, composed from the targets the last
+    transaction read, and the general path when it declines)."""
 
-    def __init__(self, sink) -> None:
-        self.sink = sink
+    def __init__(self, sink, path: str) -> None:
+        self.sink, self.path = sink, path
+        self.fast: list[bool] = []  # per change: it went in the stream's one round trip
         self.conn = sink.connect()
         self.conn.autocommit = True  # as a stream's sink connection
         self.tids = dict(sink.query("SELECT table_name, source_table_id FROM lr.sink_tables"))
@@ -43,6 +46,15 @@ class Stream:
         """One source transaction's change of ``table``, applied in a sink transaction."""
         message = json.dumps({"op": op, "rows": list(rows)}).encode()
         batch = LogBatch(self.last, self.last + 1, [LogRecord(self.last + 1, 1, message, self.tids[table])])
+        if self.path == "stream":
+            (end,) = writes.stream_batches(
+                self.conn, "site-a", [writes.StreamWrite("policy", self.epoch, batch, self.base)]
+            )
+            self.fast.append(end is not None)
+            if end is not None:
+                self.last = end
+                return
+            assert self.sink.query("SELECT last_log_entry_processed FROM lr.sink_sessions") == [(self.last,)]
         self.last = writes.apply_log_stream(self.conn, "site-a", "policy", self.epoch, batch, self.base)
 
     def target(self):
@@ -71,8 +83,8 @@ def row(id_: int, owner: str = "o", **more) -> dict:
     return {"id": id_, "owner": owner, "balance": 1, "tags": None, "note": None, "updated_at": None, **more}
 
 
-@pytest.fixture
-def stream(lr_sites, monkeypatch):
+@pytest.fixture(params=["general", "stream"])
+def stream(lr_sites, monkeypatch, request):
     source, sink, _ = lr_sites
     topo = apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
     create_accounts(source, rows=10)
@@ -83,7 +95,7 @@ def stream(lr_sites, monkeypatch):
     sync(repl)
     repl.close()
     assert len(rows(sink)) == 10
-    s = Stream(sink)
+    s = Stream(sink, request.param)
     applier = writes.ChangeApplier
 
     def kept(*args):  # each transaction's applier, to see the target it applied with
@@ -93,7 +105,10 @@ def stream(lr_sites, monkeypatch):
     monkeypatch.setattr(writes, "ChangeApplier", kept)
     s.change("u", row(1, "warm"))  # the connection's transactions have used the table: read ahead from now on
     s.change("u", row(1, "warm again"))
-    assert s.applied[-1].lookup.site_id == "site-b"
+    if s.path == "general":
+        assert s.applied[-1].lookup.site_id == "site-b"
+    else:  # the first read the targets, the second was composed from them
+        assert s.fast == [False, True]
     yield s
     s.close()
 
@@ -240,7 +255,10 @@ def test_a_table_read_ahead_that_the_transaction_does_not_change_refuses_nothing
     sink.query("DROP TABLE public.orders")
     stream.change("u", row(1, "only accounts changed"))
     assert owner(sink, 1) == [("only accounts changed",)]
-    assert isinstance(stream.applied[-1].lookup.found[stream.tids["public.orders"]], Gone)  # read ahead
+    if stream.path == "general":
+        assert isinstance(stream.applied[-1].lookup.found[stream.tids["public.orders"]], Gone)  # read ahead
+    else:  # checked only the table it changes
+        assert stream.fast[-1]
     with pytest.raises(SchemaMismatchError, match="public.orders no longer exists on the sink"):
         stream.change("u", {"id": 1, "item": "second"}, table="public.orders")
 
@@ -257,15 +275,21 @@ def test_the_targets_ride_with_the_first_statement_once_the_connection_used_the_
 
     stream.conn.cursor_factory = Counting
     stream.change("u", row(1, "counted"))
-    # the session's row locked; apply mark, constraints and targets; the changes; position and commit
-    assert len(statements) == 4, statements
+    # the session's row locked; apply mark, constraints and targets; the changes; position and commit;
+    # a stream: all of it in one round trip
+    assert len(statements) == (4 if stream.path == "general" else 1), statements
     assert owner(sink, 1) == [("counted",)]
 
 
 def test_a_lookup_discarded_from_the_connection_fails_one_transaction_and_the_next_prepares_it_again(stream):
     with stream.conn.cursor() as cur:
         cur.execute("DISCARD ALL")  # what a pooler in transaction mode does between transactions
-    with pytest.raises(psycopg2.errors.InvalidSqlStatementName):
-        stream.change("u", row(1, "lost"))
+    if stream.path == "general":
+        with pytest.raises(psycopg2.errors.InvalidSqlStatementName):
+            stream.change("u", row(1, "lost"))
+    else:  # the stream's check is refused first: the general path prepares both again
+        stream.change("u", row(1, "the general path"))
+        assert stream.fast[-1] is False and owner(stream.sink, 1) == [("the general path",)]
     stream.change("u", row(1, "prepared again"))
     assert owner(stream.sink, 1) == [("prepared again",)]
+    assert stream.path == "general" or stream.fast[-1]
