@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+import weakref
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -106,18 +107,56 @@ def latest_version() -> int:
     return available_migrations()[-1].version
 
 
-def require_current(conn: psycopg2.extensions.connection, what: str) -> None:
-    """Refuse a site whose lr schema is older than this lr's migrations, for ``what`` needs them
-    (a replicator upgraded before its sites were: ``lr init`` migrates them). Ends the transaction
-    it reads in."""
-    have, need = current_version(conn), latest_version()
-    if not conn.autocommit:
+# The oldest lr schema lr's work on a site other than the stream runs on: the session cycles, the
+# bulk movers (tee, Spark, snapshot transfer, table snapshots), the replicator members, a failover,
+# a topology apply. V0020: a lease taken from a dead member reads lr.replicator_members. A migration
+# that adds or changes something they use raises it; one only the stream uses (V0021 on) does not.
+# Between it and the latest, the cycles carry a site the stream refuses (``lr status`` says so).
+REPLICATION_SCHEMA = 20
+
+# A connection's site found at a version (versions only grow: a later check that needs no more
+# than it is not read again): the check costs one read per connection, not per cycle.
+_checked: weakref.WeakKeyDictionary[psycopg2.extensions.connection, int] = weakref.WeakKeyDictionary()
+
+
+def require_current(conn: psycopg2.extensions.connection, what: str, oldest: int | None = None) -> None:
+    """Refuse a site whose lr schema is older than ``oldest`` (default: this lr's latest migration),
+    for ``what`` needs it (a replicator upgraded before its sites were: ``lr init`` migrates them);
+    a site without lr is told so. Read once per connection that passes; a transaction it opened to
+    read is ended, the caller's is left open."""
+    need = latest_version() if oldest is None else oldest
+    if _checked.get(conn, 0) >= need:
+        return
+    opened = not conn.autocommit and conn.info.transaction_status == psycopg2.extensions.TRANSACTION_STATUS_IDLE
+    have = current_version(conn)
+    if opened:
         conn.rollback()
+    if have == 0:
+        raise SchemaError(_not_installed(conn))
     if have < need:
+        latest = latest_version()
+        needs = "needs it" if need == latest else f"needs version {need} or later"
         raise SchemaError(
-            f"site {_where(conn)} has lr schema version {have}, older than this lr's {need}: {what} needs "
-            "it; run `lr init` on the site as the owner of the lr schema"
+            f"site {_where(conn)} has lr schema version {have}, older than this lr's {latest}: {what} {needs}; "
+            "run `lr init` on the site as the owner of the lr schema"
         )
+    _checked[conn] = have
+
+
+def behind(version: int) -> str | None:
+    """What a site at ``version`` misses of this lr, as ``lr status`` says it (None: it is current)."""
+    latest = latest_version()
+    if version >= latest:
+        return None
+    refused = (
+        "lr replicates nothing with it"
+        if version < REPLICATION_SCHEMA
+        else "its sessions are not streamed (the session cycles carry them)"
+    )
+    return (
+        f"lr schema v{version} is older than this lr's v{latest}: {refused}; run `lr init` on the site as "
+        "the owner of the lr schema"
+    )
 
 
 def migrate(
@@ -252,13 +291,17 @@ def init_site(conn: psycopg2.extensions.connection, site_id: str, region: str | 
 def site_identity(conn: psycopg2.extensions.connection) -> tuple[str, str]:
     """(site_id, region) recorded by ``lr init``; a clear error when the site was never initialised."""
     if current_version(conn) == 0:
-        raise SchemaError(f"database {_where(conn)} has no lr schema; run `lr init` on it first")
+        raise SchemaError(_not_installed(conn))
     with conn.cursor() as cur:
         cur.execute("SELECT site_id, region FROM lr.site_info")
         row = cur.fetchone()
     if row is None:
         raise SchemaError(f"database {_where(conn)} has the lr schema but no site id; run `lr init --site-id ...`")
     return row[0], row[1]
+
+
+def _not_installed(conn: psycopg2.extensions.connection) -> str:
+    return f"database {_where(conn)} has no lr schema; run `lr init` on it first"
 
 
 def _where(conn: psycopg2.extensions.connection) -> str:

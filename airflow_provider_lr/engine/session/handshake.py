@@ -2,11 +2,12 @@
 
 Cycles and their single steps, the stream, the read-once tee and its staged form (the fan-out
 driver hands each chunk the position), the snapshot transfer, the parallel table snapshots and the
-nearest copy all start the same way: check the topology file is not stale, take the session's
-lease on the source (held elsewhere: skipped), fence the sink at the lease's epoch (moving the
-epoch past a higher one the sink has seen), negotiate. ``handshake`` does it once; what comes back
-is a ``Handshake``: the verdict (proceed, skipped or refused, with why), the lease, the sink's
-metadata, the negotiation, and a frozen ``Position`` (after, base, split, epoch).
+nearest copy all start the same way: refuse a site whose lr schema is older than they need (read
+once per connection), check the topology file is not stale, take the session's lease on the
+source (held elsewhere: skipped), fence the sink at the lease's epoch (moving the epoch past a
+higher one the sink has seen), negotiate. ``handshake`` does it once; what comes back is a
+``Handshake``: the verdict (proceed, skipped or refused, with why), the lease, the sink's metadata,
+the negotiation, and a frozen ``Position`` (after, base, split, epoch).
 
 Why one value: Debezium's ``ChangeEventSourceCoordinator`` restores one offset context, runs the
 snapshot source with it and starts the streaming source from the offset the snapshot returns; no
@@ -25,6 +26,7 @@ from dataclasses import dataclass, replace
 
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import lease as leases
@@ -108,7 +110,10 @@ def handshake(
     """Drift check → lease → fence → negotiate (see the module docstring). A negotiation refused is
     recorded on the source (state NEGOTIATING, ``last_error``); everything else is the caller's.
     ``on_lease`` hears of the lease as soon as it is asked for (None: not taken) and again when its
-    epoch moves, so a caller releases it even when the fence or the negotiation fails."""
+    epoch moves, so a caller releases it even when the fence or the negotiation fails. A site whose
+    lr schema is older than the movers need is refused first (``SchemaError``), nothing written."""
+    schema.require_current(source, "replicating from it", schema.REPLICATION_SCHEMA)  # once per connection
+    schema.require_current(sink, "replicating into it", schema.REPLICATION_SCHEMA)
     if topology is not None and topology.path:  # a stale file: said so, not as a lease or a refusal
         held = {key.source: recorded_id(source)}
         # the file may have been edited and applied since this process read it: then it is not stale

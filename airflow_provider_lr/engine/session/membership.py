@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import psycopg2
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.engine.session.assignment import assign
 from airflow_provider_lr.engine.session.settings import SessionSettings
@@ -140,6 +141,7 @@ class Membership:
         if conn is None or conn.closed:
             conn = self._conns[source] = self.connect(source)
             conn.autocommit = True  # the lock is the session's; each statement stands alone
+            schema.require_current(conn, "sharing its sessions between replicators", schema.REPLICATION_SCHEMA)
             with conn.cursor() as cur:  # a statement stuck this long: this member is as good as dead
                 cur.execute("SELECT pg_catalog.set_config('statement_timeout', %s, false)", (self._bound_ms(),))
         with conn.cursor() as cur:

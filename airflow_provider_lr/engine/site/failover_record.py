@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import psycopg2
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.db.topology_schema import Origin
 from airflow_provider_lr.engine.errors import SiteUnreachableError, listing, one_line
 from airflow_provider_lr.engine.store import topology as topology_model
@@ -72,6 +73,8 @@ def reach(connect: Connect, site: str, conns: dict, role: str) -> psycopg2.exten
 
 
 def try_connect(connect: Connect, site: str, conns: dict) -> psycopg2.extensions.connection | None:
+    """The site's connection (kept in ``conns``), None when it cannot be reached; a site whose lr
+    schema is older than a failover needs is refused (``SchemaError``)."""
     if site in conns:
         return conns[site]
     try:
@@ -79,6 +82,7 @@ def try_connect(connect: Connect, site: str, conns: dict) -> psycopg2.extensions
     except (psycopg2.Error, SiteUnreachableError) as exc:
         log.info("site %s cannot be reached: %s", site, one_line(exc))
         return None
+    schema.require_current(conns[site], "a failover", schema.REPLICATION_SCHEMA)
     return conns[site]
 
 

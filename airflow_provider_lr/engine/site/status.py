@@ -53,6 +53,8 @@ class SiteStatus:
     site_id: str
     schema_version: int
     as_of: str = ""
+    # the schema is older than this lr's migrations: what lr does not do with the site until ``lr init``
+    schema_behind: str | None = None
     topology_config_id: str | None = None
     trim_mark: int = 0
     sessions: list[dict] = field(default_factory=list)
@@ -86,7 +88,7 @@ def _jsonable(value: object) -> object:
 def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None) -> SiteStatus:
     version = schema.current_version(conn)
     site_id = site_id or schema.site_identity(conn)[0]
-    result = SiteStatus(site_id, version)
+    result = SiteStatus(site_id, version, schema_behind=schema.behind(version))
     with conn.cursor() as cur:
         cur.execute("SELECT now()")
         result.as_of = cur.fetchone()[0].isoformat()
@@ -256,6 +258,8 @@ def render(
         f"{status.site_id}: schema v{status.schema_version}, topology {status.topology_config_id or '(none applied)'}, "
         f"trim mark {status.trim_mark}"
     ]
+    if status.schema_behind:
+        lines.append(f"  upgrade: {status.schema_behind}")
     for m in status.members:
         lines.append(
             f"  member {m['owner']} since {m['joined_at'].isoformat(timespec='seconds')}, "
@@ -374,7 +378,7 @@ def health(
     """(exit code, reasons): UNREACHABLE when a site could not be read, DEGRADED when a session
     errs, stands behind its source's trim mark, or lags more than ``max_lag_seconds``, or a
     federated table does not replicate (diverged), or when sites run another topology than
-    ``topology`` (the file in hand), else HEALTHY."""
+    ``topology`` (the file in hand) or an lr schema older than this lr's, else HEALTHY."""
     stale = topology_drift(found, topology)
     reasons = [stale.message()] if stale is not None else []
     unreachable = [f"{site}: unreachable" for site, st in found.items() if isinstance(st, str)]
@@ -391,6 +395,7 @@ def health(
             elif max_lag_seconds is not None and (s.get("lag_seconds") or 0.0) > max_lag_seconds:
                 reasons.append(f"{name}: lag {s['lag_seconds']:.0f}s over {max_lag_seconds:.0f}s")
         reasons += [f"{st.site_id}: table {d}" for d in st.diverged]
+        reasons += [f"{st.site_id}: {st.schema_behind}"] if st.schema_behind else []
     return (DEGRADED if reasons else HEALTHY), reasons
 
 

@@ -141,20 +141,21 @@ def apply_everywhere(
     topology: Topology, connect: Callable[[str], psycopg2.extensions.connection], prune: bool = False
 ) -> dict[str, tuple[list[str], list[str]]]:
     """Apply the topology to every one of its sites, all or nothing: each site is first reached
-    and checked (lr schema installed, and the site id recorded there is the one the topology
-    gives it), then the topology is written on all of them in open transactions that commit
-    together once every write succeeded. One site unreachable or wrong: nothing changes anywhere.
-    ``prune``: also remove the sink sessions the topology no longer has (``prune_sink_sessions``).
-    Returns, per site id, the sink sessions pruned and kept."""
-    from airflow_provider_lr.engine.db.schema import site_identity
+    and checked (lr schema installed and not older than lr's work needs, and the site id recorded
+    there is the one the topology gives it), then the topology is written on all of them in open
+    transactions that commit together once every write succeeded. One site unreachable or wrong:
+    nothing changes anywhere. ``prune``: also remove the sink sessions the topology no longer has
+    (``prune_sink_sessions``). Returns, per site id, the sink sessions pruned and kept."""
+    from airflow_provider_lr.engine.db import schema
 
     conns: dict[str, psycopg2.extensions.connection] = {}
     try:
         for site_id in sorted(topology.sites):
             try:
                 conns[site_id] = conn = connect(site_id)
-                recorded, _ = site_identity(conn)
+                recorded, _ = schema.site_identity(conn)
                 conn.rollback()
+                schema.require_current(conn, "applying a topology", schema.REPLICATION_SCHEMA)
             except (psycopg2.Error, LRError) as exc:
                 raise ConfigurationError(
                     f"site {site_id!r} ({topology.conn_id(site_id)}): {one_line(exc)}"
