@@ -6,11 +6,18 @@ from __future__ import annotations
 
 from tests.support.session import apply, replicator
 from tests.support.tables import (
+    CONSTRAINT_SCENARIOS,
+    PEOPLE,
+    PEOPLE_ROWS,
     TYPES_DDL,
     create_accounts,
+    cycle_errors,
     every_type_table,
     federate,
+    hostile_table,
+    in_one_transaction,
     insert_every_type,
+    on_every_site,
     rows,
     status_text,
     sync,
@@ -18,85 +25,11 @@ from tests.support.tables import (
 )
 
 
-def _errors(reports) -> list[str]:
-    return [r.error for r in reports if r.error]
-
-
-# Columns named like every identifier of the capture trigger (its variables, its aliases, its
-# transition tables, the JSON keys it writes) and like SQL words, quoted mixed case and spaces.
-HOSTILE_COLUMNS = [
-    "n",
-    "o",
-    "k",
-    "r",
-    "c",
-    "g",
-    "s",
-    "a",
-    "nonkey",
-    "keys",
-    "key",
-    "old",
-    "new",
-    "op",
-    "row",
-    "rows",
-    "data",
-    "lr",
-    "table_id",
-    "client",
-    "tid",
-    "cid",
-    "tags",
-    "gen",
-    "chunk",
-    "gone",
-    "lr_old",
-    "lr_new",
-    "lr_o",
-    "lr_n",
-    "lr_key",
-    "lr_row",
-    "lr_seq",
-    "lr_tags",
-    "lr_keys",
-    "lr_nonkey",
-    "lr_generated",
-    "lr_table_id",
-    "lr_client_id",
-    "lr_gone",
-    "lr_changed",
-    "lr_k",
-    "MixedCase",
-    "with space",
-    "select",
-    "from",
-    "order",
-    "user",
-    "tg_op",
-    "tg_argv",
-    "message",
-    "stream",
-]
-
-
-HOSTILE_TYPES = {"data": "jsonb", "tags": "int[]", "lr_row": "int[]", "lr_image": "json", "row": "text[]"}
-
-
-def _hostile_table(site, name: str, key: list[str]) -> None:
-    """Text columns, some (also named like lr's words) of types that travel as their text form."""
-    cols = ", ".join(
-        f'"{c}" int NOT NULL' if c in key else f'"{c}" {HOSTILE_TYPES.get(c, "text")}'
-        for c in HOSTILE_COLUMNS + ["lr_image", "lr_text", "lr_extra", "lr_col", "q"]
-    )
-    site.query(f"CREATE TABLE public.{name} ({cols}, PRIMARY KEY ({', '.join(chr(34) + k + chr(34) for k in key)}))")
-
-
 def test_a_table_whose_columns_are_named_like_the_capture_triggers_words_is_captured_and_applied(lr_sites):
     source, *sinks = lr_sites
     topo = apply(lr_sites)
-    _hostile_table(source, "hostile", ["n"])
-    _hostile_table(source, "hostile2", ["nonkey", "select"])  # a composite key of hostile names
+    hostile_table(source, "hostile", ["n"])
+    hostile_table(source, "hostile2", ["nonkey", "select"])  # a composite key of hostile names
     source.query(
         "INSERT INTO public.hostile (n, nonkey, \"with space\") SELECT g, 'v' || g, 's' FROM generate_series(1, 5) g"
     )
@@ -122,81 +55,37 @@ def test_a_table_whose_columns_are_named_like_the_capture_triggers_words_is_capt
     source.query('UPDATE public.hostile2 SET "select" = "select" + 10 WHERE nonkey < 10')  # key changes
     source.query("UPDATE public.hostile2 SET lr = 'l', \"from\" = 'f' WHERE nonkey >= 10")
     source.query("DELETE FROM public.hostile2 WHERE nonkey = 29")
-    assert _errors(sync(repl)) == []
+    assert cycle_errors(sync(repl)) == []
     for sink in sinks:
         assert rows(sink, "public.hostile") == rows(source, "public.hostile")
         assert rows(sink, "public.hostile2") == rows(source, "public.hostile2")
     assert len(rows(source, "public.hostile")) == 1200 - 11
 
 
-def _both(sites, ddl: str) -> None:
-    for site in sites:
-        site.query(ddl)
-
-
-def _in_one_transaction(site, *statements: str) -> None:
-    conn = site.connect()
-    try:
-        with conn.cursor() as cur:
-            for statement in statements:
-                cur.execute(statement)
-        conn.commit()
-    finally:
-        conn.close()
-
-
 def test_transactions_valid_at_the_source_apply_at_a_sink_with_the_same_constraints(lr_sites):
     source, *sinks = lr_sites
     topo = apply(lr_sites)
-    _both(
-        lr_sites,
-        "CREATE TABLE public.people (id int PRIMARY KEY, email text NOT NULL UNIQUE, "
-        "badge int UNIQUE DEFERRABLE INITIALLY IMMEDIATE, name text)",
-    )
-    source.query("INSERT INTO public.people SELECT g, 'e' || g, g, 'p' || g FROM generate_series(1, 9) g")
+    on_every_site(lr_sites, PEOPLE)
+    source.query(PEOPLE_ROWS)
     federate(source, "public.people")
     repl = replicator(topo, lr_sites)
     sync(repl)
-    scenarios = {
-        "swap through a temporary value": [
-            "UPDATE public.people SET email = 'tmp' WHERE id = 1",
-            "UPDATE public.people SET email = 'e1' WHERE id = 2",
-            "UPDATE public.people SET email = 'e2' WHERE id = 1",
-        ],
-        "a chain a->b, b->c, c->a": [
-            "UPDATE public.people SET email = 'tmp' WHERE id = 3",
-            "UPDATE public.people SET email = 'e3' WHERE id = 5",
-            "UPDATE public.people SET email = 'e5' WHERE id = 4",
-            "UPDATE public.people SET email = 'e4' WHERE id = 3",
-        ],
-        "a value deleted under one key and inserted under another": [
-            "DELETE FROM public.people WHERE id = 6",
-            "INSERT INTO public.people VALUES (60, 'e6', 6, 'moved')",
-        ],
-        "primary keys change, unique values stay with their rows": ["UPDATE public.people SET id = id + 100"],
-        "a deferrable constraint swapped in two statements, checked at commit": [
-            "SET CONSTRAINTS ALL DEFERRED",
-            "UPDATE public.people SET badge = 8 WHERE id = 107",
-            "UPDATE public.people SET badge = 7 WHERE id = 108",
-        ],
-        "and back again, each in its own transaction": [],
-    }
-    for what, statements in scenarios.items():
+    for what, statements in CONSTRAINT_SCENARIOS.items():
         if statements:
-            _in_one_transaction(source, *statements)
-        assert _errors(sync(repl)) == [], what
+            in_one_transaction(source, *statements)
+        assert cycle_errors(sync(repl)) == [], what
         for sink in sinks:
             assert rows(sink, "public.people") == rows(source, "public.people"), what
     # the same history again from the start, all of it in one batch (one sink transaction)
-    _in_one_transaction(
+    in_one_transaction(
         source,
         "DELETE FROM public.people",
-        "INSERT INTO public.people SELECT g, 'e' || g, g, 'p' || g FROM generate_series(1, 9) g",
+        PEOPLE_ROWS,
     )
-    for statements in scenarios.values():
+    for statements in CONSTRAINT_SCENARIOS.values():
         if statements:
-            _in_one_transaction(source, *statements)
-    assert _errors(sync(repl)) == []
+            in_one_transaction(source, *statements)
+    assert cycle_errors(sync(repl)) == []
     for sink in sinks:
         assert rows(sink, "public.people") == rows(source, "public.people")
 
@@ -204,26 +93,28 @@ def test_transactions_valid_at_the_source_apply_at_a_sink_with_the_same_constrai
 def test_changes_of_two_tables_apply_in_the_source_order_across_tables(lr_sites):
     source, *sinks = lr_sites
     topo = apply(lr_sites)
-    _both(lr_sites, "CREATE TABLE public.parents (id int PRIMARY KEY, name text)")
-    _both(lr_sites, "CREATE TABLE public.children (id int PRIMARY KEY, parent int NOT NULL REFERENCES public.parents)")
+    on_every_site(lr_sites, "CREATE TABLE public.parents (id int PRIMARY KEY, name text)")
+    on_every_site(
+        lr_sites, "CREATE TABLE public.children (id int PRIMARY KEY, parent int NOT NULL REFERENCES public.parents)"
+    )
     federate(source, "public.parents")
     federate(source, "public.children")
     repl = replicator(topo, lr_sites)
     sync(repl)
-    _in_one_transaction(
+    in_one_transaction(
         source,
         "INSERT INTO public.parents VALUES (1, 'a'), (2, 'b')",
         "INSERT INTO public.children VALUES (10, 1), (20, 2)",
     )
     sync(repl)
-    _in_one_transaction(
+    in_one_transaction(
         source,
         "DELETE FROM public.children WHERE parent = 1",
         "DELETE FROM public.parents WHERE id = 1",
         "INSERT INTO public.parents VALUES (3, 'c')",
         "UPDATE public.children SET parent = 3",
     )
-    assert _errors(sync(repl)) == []
+    assert cycle_errors(sync(repl)) == []
     for sink in sinks:
         assert rows(sink, "public.parents") == rows(source, "public.parents")
         assert rows(sink, "public.children") == rows(source, "public.children")
@@ -239,7 +130,7 @@ def test_a_batch_the_sink_refuses_shows_in_status_and_applies_by_itself_once_the
     sink.query("ALTER TABLE public.accounts ADD CONSTRAINT small CHECK (balance < 1000)")  # the source has none
     source.query("UPDATE public.accounts SET balance = 5000, owner = 'rich' WHERE id = 3")
     source.query("INSERT INTO public.accounts (id, owner) VALUES (100, 'after')")
-    errors = _errors(sync(repl, cycles=3))
+    errors = cycle_errors(sync(repl, cycles=3))
     assert errors and all("site-a->site-b/policy" in e for e in errors)
     assert any(
         'the sink refused table public.accounts: new row for relation "accounts" violates check constraint "small"' in e
@@ -250,7 +141,7 @@ def test_a_batch_the_sink_refuses_shows_in_status_and_applies_by_itself_once_the
     assert sink.query("SELECT owner FROM public.accounts WHERE id IN (3, 100) ORDER BY id") == [("owner3",)]
     assert rows(other) == rows(source)  # the other sink is not held back
     sink.query("ALTER TABLE public.accounts DROP CONSTRAINT small")
-    assert _errors(sync(repl)) == []
+    assert cycle_errors(sync(repl)) == []
     assert rows(sink) == rows(source)
     assert "the sink refused" not in status_text(source)
 
@@ -269,12 +160,12 @@ def test_every_built_in_type_round_trips_through_the_snapshot_and_through_change
     insert_every_type(source, "every_type", 1)  # carried by the snapshot (binary COPY)
     federate(source, "public.every_type")
     repl = replicator(topo, lr_sites)
-    assert _errors(sync(repl)) == []
+    assert cycle_errors(sync(repl)) == []
     for sink in sinks:
         assert type_differences(source, sink, "every_type") == []
     insert_every_type(source, "every_type", 11)  # carried as changes
     source.query("UPDATE public.every_type SET id = id + 100 WHERE id = 12")  # a key change moves every value
-    assert _errors(sync(repl)) == []
+    assert cycle_errors(sync(repl)) == []
     for sink in sinks:
         assert type_differences(source, sink, "every_type") == []
 
@@ -289,7 +180,7 @@ def test_a_sink_without_the_tables_own_types_is_refused_naming_them_until_it_cre
     source.query("INSERT INTO public.moods VALUES (1, 'ok', ARRAY[ROW(1, 'a', 'sad')::public.pair], 1.5)")
     federate(source, "public.moods")
     repl = replicator(topo, lr_sites)
-    errors = _errors(sync(repl, cycles=3))
+    errors = cycle_errors(sync(repl, cycles=3))
     assert any(
         "site-a->site-b/policy: table public.moods uses type(s) public.mood, public.pair[] that the sink "
         "does not have" in e
@@ -299,7 +190,7 @@ def test_a_sink_without_the_tables_own_types_is_refused_naming_them_until_it_cre
     assert rows(other, "public.moods") == rows(source, "public.moods")
     for ddl in TYPES_DDL:
         sink.query(ddl)
-    assert _errors(sync(repl)) == []
+    assert cycle_errors(sync(repl)) == []
     assert rows(sink, "public.moods") == rows(source, "public.moods")
 
 
@@ -351,7 +242,7 @@ def test_a_writer_whose_search_path_puts_lookalikes_of_lrs_names_first_transmits
         assert client.delivery(ticket) is not None
     finally:
         conn.close()
-    assert _errors(sync(repl)) == []
+    assert cycle_errors(sync(repl)) == []
     assert [p for k, p in queue(sink) if k == "log"] == ["one", "two", "three"]
     assert rows(sink) == rows(source) and len(rows(sink)) == 1
 

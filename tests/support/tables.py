@@ -146,6 +146,134 @@ class TableWriter:
             conn.close()
 
 
+def cycle_errors(reports) -> list[str]:
+    """The errors of cycle reports."""
+    return [r.error for r in reports if r.error]
+
+
+# --- tables whose columns are named like lr's own words ----------------------------------------
+# Columns named like every identifier of the capture trigger (its variables, its aliases, its
+# transition tables, the JSON keys it writes) and like SQL words, quoted mixed case and spaces.
+HOSTILE_COLUMNS = [
+    "n",
+    "o",
+    "k",
+    "r",
+    "c",
+    "g",
+    "s",
+    "a",
+    "nonkey",
+    "keys",
+    "key",
+    "old",
+    "new",
+    "op",
+    "row",
+    "rows",
+    "data",
+    "lr",
+    "table_id",
+    "client",
+    "tid",
+    "cid",
+    "tags",
+    "gen",
+    "chunk",
+    "gone",
+    "lr_old",
+    "lr_new",
+    "lr_o",
+    "lr_n",
+    "lr_key",
+    "lr_row",
+    "lr_seq",
+    "lr_tags",
+    "lr_keys",
+    "lr_nonkey",
+    "lr_generated",
+    "lr_table_id",
+    "lr_client_id",
+    "lr_gone",
+    "lr_changed",
+    "lr_k",
+    "MixedCase",
+    "with space",
+    "select",
+    "from",
+    "order",
+    "user",
+    "tg_op",
+    "tg_argv",
+    "message",
+    "stream",
+]
+
+
+HOSTILE_TYPES = {"data": "jsonb", "tags": "int[]", "lr_row": "int[]", "lr_image": "json", "row": "text[]"}
+
+
+def hostile_table(site, name: str, key: list[str]) -> None:
+    """Text columns, some (also named like lr's words) of types that travel as their text form."""
+    cols = ", ".join(
+        f'"{c}" int NOT NULL' if c in key else f'"{c}" {HOSTILE_TYPES.get(c, "text")}'
+        for c in HOSTILE_COLUMNS + ["lr_image", "lr_text", "lr_extra", "lr_col", "q"]
+    )
+    site.query(f"CREATE TABLE public.{name} ({cols}, PRIMARY KEY ({', '.join(chr(34) + k + chr(34) for k in key)}))")
+
+
+# --- constraints the sink shares with the source -----------------------------------------------
+def on_every_site(sites, ddl: str) -> None:
+    """``ddl`` run on each of ``sites`` (a table the sinks have with the source's constraints)."""
+    for site in sites:
+        site.query(ddl)
+
+
+def in_one_transaction(site, *statements: str) -> None:
+    """``statements`` in one transaction of ``site``."""
+    conn = site.connect()
+    try:
+        with conn.cursor() as cur:
+            for statement in statements:
+                cur.execute(statement)
+        conn.commit()
+    finally:
+        conn.close()
+
+
+PEOPLE = (
+    "CREATE TABLE public.people (id int PRIMARY KEY, email text NOT NULL UNIQUE, "
+    "badge int UNIQUE DEFERRABLE INITIALLY IMMEDIATE, name text)"
+)
+PEOPLE_ROWS = "INSERT INTO public.people SELECT g, 'e' || g, g, 'p' || g FROM generate_series(1, 9) g"
+# Histories valid at the source that a sink with the same constraints accepts only applied in the
+# source's order (each a transaction of ``public.people``, from ``PEOPLE_ROWS``, one after the other).
+CONSTRAINT_SCENARIOS: dict[str, list[str]] = {
+    "swap through a temporary value": [
+        "UPDATE public.people SET email = 'tmp' WHERE id = 1",
+        "UPDATE public.people SET email = 'e1' WHERE id = 2",
+        "UPDATE public.people SET email = 'e2' WHERE id = 1",
+    ],
+    "a chain a->b, b->c, c->a": [
+        "UPDATE public.people SET email = 'tmp' WHERE id = 3",
+        "UPDATE public.people SET email = 'e3' WHERE id = 5",
+        "UPDATE public.people SET email = 'e5' WHERE id = 4",
+        "UPDATE public.people SET email = 'e4' WHERE id = 3",
+    ],
+    "a value deleted under one key and inserted under another": [
+        "DELETE FROM public.people WHERE id = 6",
+        "INSERT INTO public.people VALUES (60, 'e6', 6, 'moved')",
+    ],
+    "primary keys change, unique values stay with their rows": ["UPDATE public.people SET id = id + 100"],
+    "a deferrable constraint swapped in two statements, checked at commit": [
+        "SET CONSTRAINTS ALL DEFERRED",
+        "UPDATE public.people SET badge = 8 WHERE id = 107",
+        "UPDATE public.people SET badge = 7 WHERE id = 108",
+    ],
+    "and back again, each in its own transaction": [],
+}
+
+
 # --- every built-in type PostgreSQL's logical replication carries, with its odd values ---------
 TYPES = [
     ("b", "boolean", "true", "false"),

@@ -1,0 +1,507 @@
+"""The table fidelity guarantees (tests/guarantees/test_table_fidelity.py) with ``lr sync``'s default
+streaming mode carrying the changes: a session the stream wrote before gets its whole sink
+transaction in one round trip, its table statements composed from the targets the connection's last
+transaction read and checked in the same transaction (docs/tables.md, "Apply at the sink"). Whatever
+the table, whatever the sink's table became meanwhile, a change applies as a fresh apply would, or
+is refused saying why, and arrives once the sink is fixed: exactly once."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import psycopg2.extensions
+import pytest
+
+from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.engine.session.settings import StreamSettings
+from airflow_provider_lr.engine.sink import writes
+from airflow_provider_lr.engine.source import full_sync
+from tests.support.session import Streaming, apply, empty_provider, queue, replicator, wait_for
+from tests.support.tables import (
+    CONSTRAINT_SCENARIOS,
+    PEOPLE,
+    PEOPLE_ROWS,
+    TYPES,
+    TYPES_DDL,
+    TableWriter,
+    create_accounts,
+    every_type_table,
+    federate,
+    hostile_table,
+    in_one_transaction,
+    insert_every_type,
+    on_every_site,
+    rows,
+    status_text,
+    type_differences,
+)
+
+FAST = StreamSettings(check_interval=0.2, ack_interval=0.05, retry_min=0.1, retry_max=0.5)
+
+
+class RoundTrips:
+    """What the stream's one-round-trip sink writes (``writes.stream_batches``) applied of table
+    changes: per sink site, the source positions of the changes of each batch so applied."""
+
+    def __init__(self, sites) -> None:
+        self.site_of = {psycopg2.extensions.parse_dsn(s.dsn)["port"]: s.site_id for s in sites}
+        self.batches: dict[str, list[set[int]]] = defaultdict(list)
+
+    def spy(self, real):
+        def stream_batches(conn, source, batches):
+            ends = real(conn, source, batches)
+            site = self.site_of[conn.get_dsn_parameters()["port"]]
+            for write, end in zip(batches, ends):
+                changes = {r.position for r in write.batch.records if r.table_id is not None}
+                if end is not None and changes:
+                    self.batches[site].append(changes)
+            return ends
+
+        return stream_batches
+
+
+@pytest.fixture
+def round_trips(lr_sites, monkeypatch) -> RoundTrips:
+    """The test's stream writes, watched: a test checks the one round trip carried its changes."""
+    trips = RoundTrips(lr_sites)
+    monkeypatch.setattr(writes, "stream_batches", trips.spy(writes.stream_batches))
+    return trips
+
+
+def streaming_over(topo, sites, providers: dict | None = None) -> Streaming:
+    return Streaming(replicator(topo, sites, providers=providers, lease_seconds=2.0), FAST)
+
+
+def streamed(streaming: Streaming, source, sinks, *tables: str, what: str = "") -> None:
+    """Wait until every sink holds exactly the source's rows of ``tables``, carried by the stream:
+    no cycle ran meanwhile."""
+    cycles = len(streaming.cycles)
+    wait_for(lambda: all(rows(s, t) == rows(source, t) for s in sinks for t in tables), 30, f"{what or tables}")
+    assert len(streaming.cycles) == cycles, f"{what}: cycles ran while streaming: {streaming.cycles[cycles:]}"
+
+
+class Application:
+    """The source's application: each transaction changes federated tables and transmits its name,
+    for each of ``clients``, to ``sinks``, atomically; ``sent``: the names committed, in order."""
+
+    def __init__(self, source, sinks, clients: tuple[str, ...] = ("policy",)) -> None:
+        self.conn = source.connect()
+        self.clients = [RoutingQueueClient(self.conn, client) for client in clients]
+        self.to = [s.site_id for s in sinks]
+        self.sent: list[str] = []
+
+    def commit(self, name: str, *statements: str) -> None:
+        with self.conn.cursor() as cur:
+            for statement in statements:
+                cur.execute(statement)
+        for client in self.clients:
+            client.transmit_log_entry_message(name.encode(), self.to)
+        self.conn.commit()
+        self.sent.append(name)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def logs(sink, client: str = "policy") -> list[str]:
+    """The names of the transactions whose entries reached ``sink``'s receive queue, in order."""
+    return [payload for kind, payload in queue(sink, "site-a", client) if kind == "log"]
+
+
+def said(streaming: Streaming, sink: str, text: str, client: str = "policy") -> list[str]:
+    """What the stream's ends and the cycles said of the session into ``sink`` that holds ``text``."""
+    session = f"site-a->{sink}/{client}"
+    errors = [e.error for e in streaming.streamer.ends if e.session == session]
+    errors += [r.error for r in streaming.cycles if r.session == session]
+    return [e for e in errors if e and text in e]
+
+
+def in_one_round_trip(trips: RoundTrips, sinks) -> None:
+    """The stream wrote table changes into every sink in its one round trip (not only the general path)."""
+    assert all(trips.batches[s.site_id] for s in sinks), dict(trips.batches)
+
+
+def processed(sink) -> int:
+    """The position the sink's session has processed."""
+    return sink.query(
+        "SELECT last_log_entry_processed FROM lr.sink_sessions WHERE source_site_id = 'site-a' "
+        "AND client_name = 'policy'"
+    )[0][0]
+
+
+def carried_in_one_round_trip(streaming: Streaming, trips: RoundTrips, source, sinks, table: str, change) -> None:
+    """``change`` (one source transaction) streamed into every sink, by the stream's one round trip."""
+    marks = {s.site_id: processed(s) for s in sinks}
+    change()
+    streamed(streaming, source, sinks, table)
+    wait_for(  # the spy notes a write once it returned: a moment after the sink's commit is visible
+        lambda: all(any(p > marks[s] for batch in trips.batches[s] for p in batch) for s in marks),
+        5,
+        f"the change to be written in one round trip: {dict(trips.batches)}",
+    )
+
+
+def test_streamed_columns_named_like_lrs_words_apply_key_changes_updates_and_deletes(lr_sites, round_trips):
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    hostile_table(source, "hostile", ["n"])
+    hostile_table(source, "hostile2", ["nonkey", "select"])  # a composite key of hostile names
+    source.query("INSERT INTO public.hostile (n, nonkey) SELECT g, 'v' || g FROM generate_series(1, 5) g")
+    federate(source, "public.hostile")
+    federate(source, "public.hostile2")
+    with streaming_over(topo, lr_sites) as streaming:
+        streaming.streaming()
+        source.query(
+            'INSERT INTO public.hostile (n, nonkey, op, "MixedCase", tags) '
+            "SELECT g, 'new' || g, 'u', 'M', '{1}' FROM generate_series(6, 300) g"
+        )
+        streamed(streaming, source, sinks, "public.hostile")  # its target read: the next in one round trip
+        source.query(
+            "UPDATE public.hostile SET nonkey = 'changed', \"row\" = '{r}', data = '\"d\"', lr_row = '{1}', "
+            "lr_image = '[1,  2]' WHERE n <= 150"
+        )
+        source.query("UPDATE public.hostile SET n = n + 5000 WHERE n BETWEEN 10 AND 20")  # key changes
+        source.query("DELETE FROM public.hostile WHERE n BETWEEN 30 AND 40")
+        source.query(
+            "INSERT INTO public.hostile2 (nonkey, \"select\", n, k) SELECT g, g %% 3, 'x', 'y' "
+            "FROM generate_series(1, 30) g"
+        )
+        source.query('UPDATE public.hostile2 SET "select" = "select" + 10 WHERE nonkey < 10')  # key changes
+        source.query("UPDATE public.hostile2 SET lr = 'l', \"from\" = 'f', \"with space\" = 'w' WHERE nonkey >= 10")
+        source.query("DELETE FROM public.hostile2 WHERE nonkey = 29")
+        for column in ("lr_changed", "tg_op", "stream"):  # one column at a time: each its own statement
+            source.query(f'UPDATE public.hostile SET "{column}" = %s WHERE n %% 7 = 0', (column,))
+        streamed(streaming, source, sinks, "public.hostile", "public.hostile2")
+    assert len(rows(source, "public.hostile")) == 300 - 11
+    in_one_round_trip(round_trips, sinks)
+
+
+def test_streamed_constraint_histories_apply_one_by_one_and_several_in_one_stream_batch(lr_sites, round_trips):
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    on_every_site(lr_sites, PEOPLE)
+    source.query(PEOPLE_ROWS)
+    federate(source, "public.people")
+    histories = [(what, statements) for what, statements in CONSTRAINT_SCENARIOS.items() if statements]
+    with streaming_over(topo, lr_sites) as streaming:
+        streaming.streaming()
+        for what, statements in histories:  # each streamed before the next commits
+            in_one_transaction(source, *statements)
+            streamed(streaming, source, sinks, "public.people", what=what)
+        in_one_transaction(source, "DELETE FROM public.people", PEOPLE_ROWS)
+        streamed(streaming, source, sinks, "public.people")
+        # the same histories back to back while the sinks' tables are locked: the stream's next
+        # read takes the transactions committed meanwhile, several of them in one sink batch
+        holds = [sink.connect() for sink in sinks]
+        for hold in holds:
+            with hold.cursor() as cur:
+                cur.execute("LOCK TABLE public.people IN EXCLUSIVE MODE")
+        for _, statements in histories:
+            in_one_transaction(source, *statements)
+        time.sleep(0.2)
+        for hold in holds:
+            hold.rollback()
+            hold.close()
+        streamed(streaming, source, sinks, "public.people")
+    assert rows(source, "public.people")[0] == ("(101,e2,1,p1)",)
+    for sink in sinks:
+        assert max(len(batch) for batch in round_trips.batches[sink.site_id]) >= 2, sink.site_id
+
+
+def test_every_built_in_type_streams_through_inserts_and_a_key_change(lr_sites, round_trips):
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    for site in lr_sites:  # the sink requires the table's own types: lr does not create them
+        if site is not source:  # ... and they have other oids there
+            site.query("CREATE TYPE public.unrelated AS (x int); CREATE TYPE public.unrelated2 AS ENUM ('y')")
+        for ddl in TYPES_DDL:
+            site.query(ddl)
+    every_type_table(source, "every_type")
+    insert_every_type(source, "every_type", 1)  # carried by the snapshot
+    columns = ", ".join(column for column, _, _, _ in TYPES)
+    federate(source, "public.every_type")
+    with streaming_over(topo, lr_sites) as streaming:
+        streaming.streaming()
+        insert_every_type(source, "every_type", 11)  # three transactions: the stream carries them
+        streamed(streaming, source, sinks, "public.every_type")  # its target read: the next in one round trip
+        changes = [
+            lambda: source.query("INSERT INTO public.every_type (id) VALUES (21)"),
+            lambda: source.query(
+                "INSERT INTO public.every_type SELECT id + 10, "
+                + columns
+                + " FROM public.every_type WHERE id IN (12, 13)"
+            ),
+            lambda: source.query(
+                "UPDATE public.every_type SET id = id + 100 WHERE id IN (12, 23)"
+            ),  # every value moves
+            lambda: in_one_transaction(  # a row of the snapshot deleted, another moved onto its key
+                source,
+                "DELETE FROM public.every_type WHERE id = 2",
+                "UPDATE public.every_type SET id = 2 WHERE id = 22",
+            ),
+            lambda: source.query("DELETE FROM public.every_type WHERE id = 3"),
+        ]
+        for change in changes:
+            carried_in_one_round_trip(streaming, round_trips, source, sinks, "public.every_type", change)
+    assert [r[0] for r in source.query("SELECT id FROM public.every_type ORDER BY id")] == [1, 2, 11, 13, 21, 112, 123]
+    for sink in sinks:
+        assert type_differences(source, sink, "every_type") == []
+
+
+def test_streamed_changes_of_two_tables_with_a_foreign_key_apply_in_the_source_order(lr_sites, round_trips):
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    on_every_site(lr_sites, "CREATE TABLE public.parents (id int PRIMARY KEY, name text)")
+    on_every_site(
+        lr_sites, "CREATE TABLE public.children (id int PRIMARY KEY, parent int NOT NULL REFERENCES public.parents)"
+    )
+    federate(source, "public.parents")
+    federate(source, "public.children")
+    with streaming_over(topo, lr_sites) as streaming:
+        streaming.streaming()
+        in_one_transaction(
+            source,
+            "INSERT INTO public.parents VALUES (1, 'a'), (2, 'b')",
+            "INSERT INTO public.children VALUES (10, 1), (20, 2)",
+        )
+        streamed(streaming, source, sinks, "public.parents", "public.children")
+        in_one_transaction(
+            source,
+            "DELETE FROM public.children WHERE parent = 1",
+            "DELETE FROM public.parents WHERE id = 1",
+            "INSERT INTO public.parents VALUES (3, 'c')",
+            "UPDATE public.children SET parent = 3",
+        )
+        in_one_transaction(
+            source,
+            "INSERT INTO public.parents VALUES (4, 'd')",
+            "UPDATE public.children SET parent = 4 WHERE id = 20",
+            "DELETE FROM public.parents WHERE id IN (2, 3)",
+            "INSERT INTO public.children VALUES (30, 4)",
+        )
+        streamed(streaming, source, sinks, "public.parents", "public.children")
+    assert rows(source, "public.children") == [("(20,4)",), ("(30,4)",)]
+    in_one_round_trip(round_trips, sinks)
+
+
+TWO_CLIENTS = [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy", "other"]}]
+
+
+def test_a_streamed_change_the_sink_refuses_holds_back_only_its_session_and_arrives_once_fixed(lr_sites, round_trips):
+    """Each transaction also transmits for a second client: its session into the same sink is written
+    in the same round trip as the refused one, and goes on."""
+    source, sink, other = lr_sites
+    topo = apply(lr_sites, TWO_CLIENTS)
+    create_accounts(source, rows=20)
+    federate(source)
+    app = Application(source, [sink, other], clients=("policy", "other"))
+
+    def everything_arrived(sites) -> bool:
+        return all(rows(s) == rows(source) and logs(s) == logs(s, "other") == app.sent for s in sites)
+
+    with streaming_over(topo, lr_sites, providers={"other": empty_provider}) as streaming:
+        streaming.streaming()
+        for n in (1, 2, 3):  # the first reads the table's target; the next are written in one round trip
+            app.commit(f"before {n}", f"UPDATE public.accounts SET balance = balance + 1 WHERE id = {n}")
+            streamed(streaming, source, [sink, other], "public.accounts")
+            wait_for(lambda: everything_arrived([sink, other]), 10, f"before {n}")
+        in_one_round_trip(round_trips, [sink, other])
+        sink.query("ALTER TABLE public.accounts ADD CONSTRAINT small CHECK (balance < 1000)")  # the source has none
+        app.commit("rich", "UPDATE public.accounts SET balance = 5000, owner = 'rich' WHERE id = 3")
+        app.commit("after", "INSERT INTO public.accounts (id, owner) VALUES (100, 'after')")
+        refusal = 'the sink refused table public.accounts: new row for relation "accounts" violates check constraint'
+        wait_for(  # the stream's own report names the table (it does not wait for a cycle to say it)
+            lambda: any(refusal in e.error for e in streaming.streamer.ends if "site-b/policy" in e.session),
+            10,
+            "the stream to report the refusal",
+        )
+        wait_for(lambda: any(refusal in line for line in status_text(source).splitlines()), 10, "lr status")
+        shown = [line for line in status_text(source).splitlines() if "the sink refused" in line]
+        assert len(shown) == 1 and "site-a->site-b/policy" in shown[0] and "fix it there" in shown[0], shown
+        # only that session is held back: the other sink, and the other client into the same sink, go on
+        wait_for(lambda: everything_arrived([other]), 10, "the other sink")
+        wait_for(lambda: logs(sink, "other") == app.sent, 10, "the other client into the same sink")
+        assert sink.query("SELECT owner FROM public.accounts WHERE id IN (3, 100) ORDER BY id") == [("owner3",)]
+        assert logs(sink) == ["before 1", "before 2", "before 3"]
+        assert said(streaming, "site-c", "") == said(streaming, "site-b", "", client="other") == []
+        sink.query("ALTER TABLE public.accounts DROP CONSTRAINT small")
+        wait_for(lambda: everything_arrived([sink]), 20, "the refused changes, once the sink is fixed")
+        streaming.streaming()
+        app.commit("later", "UPDATE public.accounts SET balance = 7, owner = 'later' WHERE id = 4")
+        streamed(streaming, source, [sink, other], "public.accounts")
+        wait_for(lambda: everything_arrived([sink, other]), 10, "later")
+        wait_for(lambda: "the sink refused" not in status_text(source), 10, "the error cleared")
+    app.close()
+    for site in (sink, other):  # each exactly once
+        assert logs(site) == logs(site, "other") == ["before 1", "before 2", "before 3", "rich", "after", "later"]
+    assert said(streaming, "site-c", "") == said(streaming, "site-b", "", client="other") == []
+
+
+ITEMS = "CREATE TABLE public.items (id int PRIMARY KEY, v text NOT NULL, n int NOT NULL)"
+
+
+def test_a_sink_table_altered_between_streamed_changes_never_takes_one_by_a_stale_definition(lr_sites, round_trips):
+    """Each change after the sink's table changed applies as a fresh apply would (the general path
+    reads the target anew), or is refused saying why and arrives, once, when the sink is fixed."""
+    source, sink, other = lr_sites
+    topo = apply(lr_sites)
+    source.query(ITEMS)
+    source.query("INSERT INTO public.items SELECT g, 'v' || g, 0 FROM generate_series(1, 20) g")
+    federate(source, "public.items")
+    app = Application(source, [sink, other])
+
+    def arrives(what: str) -> None:  # at both sinks, exactly as at the source, its entry once
+        wait_for(lambda: logs(sink) == logs(other) == app.sent, 20, what)
+        for site in (sink, other):
+            assert rows(site, "public.items") == rows(source, "public.items"), what
+
+    def refused(why: str, before: list | None) -> None:  # at site-b only, nothing of it applied there
+        wait_for(lambda: said(streaming, "site-b", why), 20, f"site-b to refuse: {why}")
+        wait_for(lambda: logs(other) == app.sent, 20, "site-c")
+        assert rows(other, "public.items") == rows(source, "public.items")
+        assert logs(sink) == app.sent[:-1]
+        assert before is None or rows(sink, "public.items") == before
+
+    with streaming_over(topo, lr_sites) as streaming:
+        streaming.streaming()
+        for n in (1, 2, 3):
+            app.commit(f"warm {n}", f"UPDATE public.items SET n = n + 1 WHERE id = {n}")
+            arrives(f"warm {n}")
+        in_one_round_trip(round_trips, [sink, other])  # composed from the targets the stream read before
+
+        # a column added: the composed statement would still run (extra NULL); the change does not fit
+        sink.query("ALTER TABLE public.items ADD COLUMN extra int")
+        before = rows(sink, "public.items")
+        app.commit("column added", "UPDATE public.items SET v = 'x', n = n + 1 WHERE id = 4")
+        refused("changed rows of public.items do not fit the sink's table", before)
+        sink.query("ALTER TABLE public.items DROP COLUMN extra")
+        arrives("column added, then dropped")
+        streaming.streaming()
+
+        # a column added and dropped between two changes: the same shape, the change applies
+        sink.query("ALTER TABLE public.items ADD COLUMN extra int; ALTER TABLE public.items DROP COLUMN extra")
+        app.commit("column come and gone", "UPDATE public.items SET v = 'y', n = n + 1 WHERE id = 5")
+        arrives("column come and gone")
+
+        # the table dropped: refused; created again with its shape and rows: the change arrives
+        kept = sink.query("SELECT id, v, n FROM public.items ORDER BY id")
+        sink.query("DROP TABLE public.items")
+        app.commit(
+            "table dropped", "UPDATE public.items SET n = n + 1 WHERE id = 6", "DELETE FROM public.items WHERE id = 20"
+        )
+        refused("table public.items no longer exists on the sink", None)
+        restore = ", ".join(f"({i}, '{v}', {n})" for i, v, n in kept)
+        in_one_transaction(sink, ITEMS, f"INSERT INTO public.items VALUES {restore}")
+        arrives("table created again")
+        streaming.streaming()
+
+        # dropped and created again, same shape and rows, between two changes (a restore)
+        in_one_transaction(
+            sink,
+            "CREATE TABLE public.items_copy AS SELECT * FROM public.items",
+            "DROP TABLE public.items",
+            ITEMS,
+            "INSERT INTO public.items SELECT * FROM public.items_copy",
+            "DROP TABLE public.items_copy",
+        )
+        app.commit(
+            "table restored",
+            "UPDATE public.items SET n = n + 1 WHERE id = 7",
+            "INSERT INTO public.items VALUES (21, 'new', 0)",
+        )
+        arrives("table restored")
+
+        # the sink opens the table as not federated (its session's row turns 'conflict'): the change is
+        # dropped there, its entry arrives
+        in_one_transaction(
+            sink,
+            "UPDATE lr.registry SET is_federated = false WHERE stream_name = 'public.items'",
+            "UPDATE lr.sink_tables SET state = 'conflict' WHERE table_name = 'public.items'",
+        )
+        before = rows(sink, "public.items")
+        app.commit("conflict", "UPDATE public.items SET v = 'dropped at site-b', n = n + 1 WHERE id = 8")
+        wait_for(lambda: logs(sink) == logs(other) == app.sent, 20, "the conflict's entry")
+        assert rows(sink, "public.items") == before and rows(other, "public.items") == rows(source, "public.items")
+        # ... and federated again: lr takes a new snapshot of it and streams on
+        sink.query("UPDATE lr.registry SET is_federated = true WHERE stream_name = 'public.items'")
+        wait_for(lambda: rows(sink, "public.items") == rows(source, "public.items"), 20, "the new snapshot")
+        streaming.streaming()
+        app.commit("conflict lifted", "UPDATE public.items SET v = 'z', n = n + 1 WHERE id = 9")
+        arrives("conflict lifted")
+    app.close()
+    assert (
+        logs(sink)
+        == logs(other)
+        == [
+            "warm 1",
+            "warm 2",
+            "warm 3",
+            "column added",
+            "column come and gone",
+            "table dropped",
+            "table restored",
+            "conflict",
+            "conflict lifted",
+        ]
+    )
+
+
+def test_a_full_sync_requested_while_writers_change_a_streamed_table_leaves_every_sink_equal_to_the_source(
+    lr_sites, round_trips
+):
+    source, sink, other = lr_sites
+    topo = apply(lr_sites)
+    create_accounts(source, rows=200)
+    federate(source)
+    with streaming_over(topo, lr_sites) as streaming:
+        streaming.streaming()
+        with TableWriter(source) as writer:
+            wait_for(lambda: writer.transactions >= 30, 30, "writes streamed")
+            conn = source.connect()
+            full_sync.request_full_sync(conn, "site-b", "policy", "operator asked", forced=True)
+            conn.close()
+            wait_for(lambda: any("full sync" in e.reason for e in streaming.streamer.ends), 10, "the hand-back")
+            applied = "SELECT count(*) FROM lr.full_sync_requests WHERE forced AND status = 'applied'"
+            wait_for(lambda: source.query(applied) == [(1,)], 30, "the full sync")
+            streaming.streaming()
+            streamed_before, done = len(round_trips.batches["site-b"]), writer.transactions
+            wait_for(lambda: writer.transactions >= done + 30, 30, "writes after the full sync")
+        wait_for(lambda: all(rows(s) == rows(source) for s in (sink, other)), 30, "every sink equal to the source")
+    assert len(round_trips.batches["site-b"]) > streamed_before, "streamed in one round trip after the full sync"
+    assert [e.session for e in streaming.streamer.ends if e.handed_back] == ["site-a->site-b/policy"]
+
+
+def test_a_column_added_at_the_source_while_streaming_is_refused_until_the_sink_has_it_then_arrives_once(
+    lr_sites, round_trips
+):
+    source, sink, other = lr_sites
+    topo = apply(lr_sites)
+    source.query(ITEMS)
+    source.query("INSERT INTO public.items SELECT g, 'v' || g, 0 FROM generate_series(1, 10) g")
+    federate(source, "public.items")
+    app = Application(source, [sink, other])
+    with streaming_over(topo, lr_sites) as streaming:
+        streaming.streaming()
+        for n in (1, 2, 3):
+            app.commit(f"warm {n}", f"UPDATE public.items SET n = n + 1 WHERE id = {n}")
+            wait_for(lambda: logs(sink) == logs(other) == app.sent, 10, f"warm {n}")
+        in_one_round_trip(round_trips, [sink, other])
+        source.query("ALTER TABLE public.items ADD COLUMN note text")
+        app.commit("noted", "UPDATE public.items SET note = 'n', n = n + 1 WHERE id = 4")
+        app.commit("deleted", "DELETE FROM public.items WHERE id = 5")
+        for site in (sink, other):
+            wait_for(lambda: said(streaming, site.site_id, "do not fit the sink's table"), 10, f"{site.site_id}")
+        assert logs(sink) == logs(other) == ["warm 1", "warm 2", "warm 3"]
+        assert sink.query("SELECT count(*) FROM public.items WHERE id = 5") == [(1,)]  # nothing of the batch
+        sink.query("ALTER TABLE public.items ADD COLUMN note text")  # one sink gets the column: it goes on
+        wait_for(lambda: logs(sink) == app.sent, 20, "site-b, once it has the column")
+        assert rows(sink, "public.items") == rows(source, "public.items") and logs(other) == app.sent[:3]
+        other.query("ALTER TABLE public.items ADD COLUMN note text")
+        wait_for(lambda: logs(other) == app.sent, 20, "site-c, once it has the column")
+        streaming.streaming()
+        app.commit("later", "UPDATE public.items SET note = 'later' WHERE id BETWEEN 6 AND 8")
+        streamed(streaming, source, [sink, other], "public.items")
+        wait_for(lambda: logs(sink) == logs(other) == app.sent, 10, "later")
+    app.close()
+    assert logs(sink) == logs(other) == ["warm 1", "warm 2", "warm 3", "noted", "deleted", "later"]
