@@ -6,7 +6,7 @@ system, on fresh databases each, and samples the CPU every process on the machin
 measured window. Per run: CPU in cores, the machine's utilisation
 ρ = cores busy ÷ cores, CPU per transaction, and lag p50 / p99 from the bench.
 
-Why: lr's p50 at 1,000/s is above the 2 ms it takes on an idle machine
+Why: lr's p50 at 1,000/s is twice the 1.5 ms its path takes with nothing queued
 (``bench/stream_components.py``); this shows how much of the machine each system's transactions
 take at each rate, and how the lag follows.
 
