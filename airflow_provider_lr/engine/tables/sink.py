@@ -352,6 +352,8 @@ class ChangeApplier:
             )
 
     def _send(self, statement: bytes) -> None:
+        """Run ``statement`` in the transaction (kept for the caller, with ``expected``); a refusal of
+        the sink's (a constraint, trigger, privilege) is an ``ApplyError`` naming the table."""
         if self.statements is not None:
             self.statements.append(statement)
             return

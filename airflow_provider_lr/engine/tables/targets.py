@@ -176,9 +176,10 @@ class TargetLookup:
 
     def open(self, before: str) -> None:
         """Read the site id and the targets read ahead, in one round trip with ``before``: the caller's
-        statements, among them ``GENERIC`` (the lookup runs its generic plan). The first on a connection prepares ``LOOKUP`` on it, in this transaction (a prepared
-        statement outlives the transaction, whatever its end); one gone (a pooler's ``DISCARD ALL``)
-        fails this transaction, and the next prepares it again."""
+        statements, among them ``GENERIC`` (the lookup runs its generic plan). The first on a
+        connection prepares ``LOOKUP`` and ``CHECK`` on it, in this transaction (a prepared statement
+        outlives the transaction, whatever its end); one gone (a pooler's ``DISCARD ALL``) fails this
+        transaction, and the next prepares them again."""
         if not self.kept.prepared:
             for statement in (LOOKUP, CHECK):
                 self.cur.execute("SELECT 1 FROM pg_catalog.pg_prepared_statements WHERE name = %s", (statement.name,))
@@ -243,7 +244,7 @@ class TargetLookup:
             self.found[tid] = read[tid][0] if tid in read else None
             if tid in read:
                 last[tid] = read[tid]
-            else:  # not synced here: the general path says so
+            else:  # not synced here: only the general path drops its changes
                 last.pop(tid, None)
 
 
