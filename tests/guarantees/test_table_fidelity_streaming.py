@@ -341,15 +341,22 @@ def test_a_streamed_change_the_sink_refuses_holds_back_only_its_session_and_arri
 ITEMS = "CREATE TABLE public.items (id int PRIMARY KEY, v text NOT NULL, n int NOT NULL)"
 
 
+def federated_items(lr_sites, count: int) -> tuple:
+    """``public.items`` at site-a with ``count`` rows, federated to both sinks: (topology, the
+    application that changes it and transmits an entry with each change)."""
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    source.query(ITEMS)
+    source.query(f"INSERT INTO public.items SELECT g, 'v' || g, 0 FROM generate_series(1, {count:d}) g")
+    federate(source, "public.items")
+    return topo, Application(source, sinks)
+
+
 def test_a_sink_table_altered_between_streamed_changes_never_takes_one_by_a_stale_definition(lr_sites, round_trips):
     """Each change after the sink's table changed applies as a fresh apply would (the general path
     reads the target anew), or is refused saying why and arrives, once, when the sink is fixed."""
     source, sink, other = lr_sites
-    topo = apply(lr_sites)
-    source.query(ITEMS)
-    source.query("INSERT INTO public.items SELECT g, 'v' || g, 0 FROM generate_series(1, 20) g")
-    federate(source, "public.items")
-    app = Application(source, [sink, other])
+    topo, app = federated_items(lr_sites, 20)
 
     def arrives(what: str) -> None:  # at both sinks, exactly as at the source, its entry once
         wait_for(lambda: logs(sink) == logs(other) == app.sent, 20, what)
@@ -476,11 +483,7 @@ def test_a_column_added_at_the_source_while_streaming_is_refused_until_the_sink_
     lr_sites, round_trips
 ):
     source, sink, other = lr_sites
-    topo = apply(lr_sites)
-    source.query(ITEMS)
-    source.query("INSERT INTO public.items SELECT g, 'v' || g, 0 FROM generate_series(1, 10) g")
-    federate(source, "public.items")
-    app = Application(source, [sink, other])
+    topo, app = federated_items(lr_sites, 10)
     with streaming_over(topo, lr_sites) as streaming:
         streaming.streaming()
         for n in (1, 2, 3):
