@@ -403,11 +403,11 @@ def stream_batches(
     tables = False
     with conn.cursor() as cur:
         for n, write in enumerate(batches):
-            text = _stream_transaction(cur, source, write)
-            if text is not None:
-                statements.append(text)
+            made = _stream_transaction(cur, source, write)
+            if made is not None:
+                statements.append(made[0])
                 ends[n] = write.batch.end
-                tables = tables or any(r.table_id is not None for r in write.batch.records)
+                tables = tables or made[1]
         if not statements:
             return ends
         try:
@@ -429,8 +429,9 @@ def _refused(exc: psycopg2.Error) -> bool:
     return not isinstance(exc, (psycopg2.OperationalError, psycopg2.InterfaceError))
 
 
-def _stream_transaction(cur: psycopg2.extensions.cursor, source: str, write: StreamWrite) -> bytes | None:
-    """``stream_batches``' transaction of one session, as text; None when it takes the general path."""
+def _stream_transaction(cur: psycopg2.extensions.cursor, source: str, write: StreamWrite) -> tuple[bytes, bool] | None:
+    """``stream_batches``' transaction of one session, as text, and whether it changes tables; None
+    when it takes the general path."""
     batch, client = write.batch, write.client
     if batch.end <= batch.after or batch.bytes > INSERT_BYTES or len(batch.records) > INSERT_ENTRIES:
         return None
@@ -457,7 +458,7 @@ def _stream_transaction(cur: psycopg2.extensions.cursor, source: str, write: Str
         statements.append(writer.statement(cur))
         statements.append(cur.mogrify("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, wakeup_payload(client, source))))
     statements.append(b"COMMIT")
-    return b"; ".join(statements)
+    return b"; ".join(statements), tables is not None
 
 
 def _sink_entries(
