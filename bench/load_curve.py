@@ -60,12 +60,14 @@ class WindowProbe:
     def watch(self, proc: subprocess.Popen, log: list[str]) -> None:
         """Read the bench's output as it comes (its "writing" line ends only when the run does)."""
         assert proc.stdout is not None
-        started = False
+        sampler: threading.Thread | None = None
         while chunk := os.read(proc.stdout.fileno(), 4096):
             log.append(chunk.decode(errors="replace"))
-            if not started and "writing" in "".join(log[-2:]):
-                started = True
-                threading.Thread(target=self._sample, daemon=True).start()
+            if sampler is None and "writing" in "".join(log[-2:]):
+                sampler = threading.Thread(target=self._sample, daemon=True)
+                sampler.start()
+        if sampler is not None:  # the output ended: so did the run, and its window long before
+            sampler.join()
 
     def _sample(self) -> None:
         """The processes' CPU over the window (``/proc/<pid>/stat``; the machine-wide ``/proc/stat``
@@ -99,7 +101,6 @@ def run(system: str, rate: int, args: argparse.Namespace) -> dict[str, Any]:
     probe, log = WindowProbe(args.warmup, args.seconds), []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     probe.watch(proc, log)
-    time.sleep(0.1)  # the sample ends with the window, before the drain and the report
     if proc.wait() != 0 or probe.share is None:
         raise RuntimeError(f"{system} at {rate}/s failed:\n{''.join(log[-20:])}")
     (result,) = json.loads(out.read_text())["results"]
