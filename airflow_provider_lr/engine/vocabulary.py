@@ -125,6 +125,9 @@ COMMIT_LOCK_KEY = 0x6C72_0002  # shared by every committing writer (V0002 trigge
 # held exclusively by a stream asleep; a committing writer that cannot take it shared NOTIFYs
 # COMMIT_CHANNEL (V0022: 1819410435)
 STREAM_WAKE_KEY = 0x6C72_0003
+# held shared by a stream asleep beside the one holding STREAM_WAKE_KEY: that one NOTIFYs
+# COMMIT_CHANNEL when it gives the wake-up key back (V0024: 1819410436)
+STREAM_WATCH_KEY = 0x6C72_0004
 COMMIT_CHANNEL = "lr_commit"
 # two-int keys (class, hashtext(...)) never collide with the one-bigint keys above
 CONSUMER_LOCK_CLASS = 0x6C72_7271  # "lrrq": (class, hashtext(queue name)) one consumer per queue

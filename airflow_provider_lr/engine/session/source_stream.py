@@ -180,8 +180,8 @@ class SourceStream:
                 if load >= 1:  # under load: a wait that grows with the round's time and the load's square
                     halt.wait(min(opts.linger, (time.monotonic() - started) * load * load))
                 continue
-            if not probed and stalled_since is None and self._committed <= low:
-                continue  # read unprobed, nothing committed since: the next turn probes
+            if stalled_since is None and self._committed <= low and (not probed or self.reads.drawn <= low):
+                continue  # nothing committed since, nor drawn when it looked (woken by a stream): the next turn probes
             # drawn but not visible: a commit in flight (shows up in a moment), or one that rolled back
             # after drawing (never does): the barrier tells after ``gap_timeout``, and again after each
             stalled_since = now if stalled_since is None or barrier else stalled_since
