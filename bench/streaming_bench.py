@@ -147,10 +147,13 @@ class LrSystem(System):
 
     name = "lr"
 
-    def __init__(self, env: BenchEnv, home: Path, lr_cmd: str, tag: str, ready_timeout: float = 180.0) -> None:
+    def __init__(
+        self, env: BenchEnv, home: Path, lr_cmd: str, tag: str, replicators: int = 1, ready_timeout: float = 180.0
+    ) -> None:
         self.env, self.home, self.lr_cmd, self.ready_timeout = env, home, lr_cmd, ready_timeout
+        self.replicators = replicators
         self.sites: LrSites | None = None
-        self.lr: LrProcess | None = None
+        self.lrs: list[LrProcess] = []  # ``replicators`` of them: they share the sessions (members)
         self.subs: list[tuple[str, Any, Any, Any, Path]] = []  # sink, process, ready, count, out
         self.ctx = mp.get_context("spawn")
         self.stop_subs = self.ctx.Event()
@@ -172,15 +175,19 @@ class LrSystem(System):
             proc.start()
             self.subs.append((sink, proc, ready, count, out))
         self.log.unlink(missing_ok=True)
-        self.lr = LrProcess(self.lr_cmd, self.sites.topology_file, self.sites.connections, self.home, self.log)
-        self._details["lr_cmd"] = shlex.join(self.lr.cmd)
-        self.lr.start()
+        for n in range(self.replicators):
+            log = self.log if n == 0 else self.log.with_name(f"{self.log.stem}-{n + 1}.log")
+            log.unlink(missing_ok=True)
+            self.lrs.append(LrProcess(self.lr_cmd, self.sites.topology_file, self.sites.connections, self.home, log))
+            self.lrs[-1].start()
+        self._details["lr_cmd"] = shlex.join(self.lrs[0].cmd)
+        self._details["replicators"] = self.replicators
         deadline = time.monotonic() + self.ready_timeout
         while not all(ready.is_set() for _, _, ready, _, _ in self.subs):
             self.check_alive()
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"sessions not in log-entry sync after {self.ready_timeout:.0f} s\n{self.lr.log_tail()}"
+                    f"sessions not in log-entry sync after {self.ready_timeout:.0f} s\n{self.lrs[0].log_tail()}"
                 )
             time.sleep(POLL_S)
 
@@ -196,17 +203,17 @@ class LrSystem(System):
         return [count.value for _, _, _, count, _ in self.subs]
 
     def check_alive(self) -> None:
-        if self.lr is not None:
-            self.lr.check_alive()
+        for lr in self.lrs:
+            lr.check_alive()
         for sink, proc, *_ in self.subs:
             if not proc.is_alive():
                 raise RuntimeError(f"the subscriber of {sink} exited ({proc.exitcode})")
 
     def collect(self) -> dict[str, Arrivals]:
-        self._details["lr_cpu_s"] = cpu_s(self.lr.pid) if self.lr else None  # before it exits
+        self._details["lr_cpu_s"] = sum(cpu_s(lr.pid) for lr in self.lrs) if self.lrs else None  # before they exit
         stop_processes([proc for _, proc, *_ in self.subs], self.stop_subs)
-        if self.lr is not None:
-            self.lr.stop()
+        for lr in self.lrs:
+            lr.stop()
         out = {}
         for sink, proc, _, _, path in self.subs:
             if not path.exists():
@@ -221,9 +228,10 @@ class LrSystem(System):
         return out
 
     def details(self) -> dict[str, Any]:
-        if self.lr is not None:
-            self._details["lr_log_error_lines"] = self.lr.error_lines()
-            self._details["lr_exit"] = self.lr.returncode
+        if self.lrs:
+            self._details["lr_log_error_lines"] = sum(lr.error_lines() for lr in self.lrs)
+            exits = [lr.returncode for lr in self.lrs]
+            self._details["lr_exit"] = exits[0] if len(exits) == 1 else exits
         return self._details
 
     def teardown(self) -> None:
@@ -231,8 +239,8 @@ class LrSystem(System):
             stop_processes([proc for _, proc, *_ in self.subs], self.stop_subs)
         finally:
             try:
-                if self.lr is not None:
-                    self.lr.stop()
+                for lr in self.lrs:
+                    lr.stop()
             finally:
                 if self.sites is not None:
                     with contextlib.suppress(psycopg2.Error):
@@ -306,6 +314,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the replicator's command line (default: %(default)s; a leading 'lr' is the venv's); "
         "the bench appends --topology FILE and sets LR_CONNECTIONS_FILE",
     )
+    parser.add_argument(
+        "--replicators",
+        type=int,
+        default=1,
+        help="`lr sync` processes started side by side; they share the sessions (one per sink with 2)",
+    )
     parser.add_argument("--drain-timeout", type=float, default=300.0, help="longest wait for the last arrivals (s)")
     parser.add_argument("--stall", type=float, default=60.0, help="stop waiting after this long without an arrival (s)")
     parser.add_argument("--keep", action="store_true", help="leave the servers' data directory (and logs) in place")
@@ -314,8 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     systems = [s for s in args.systems.split(",") if s]
     if not systems or set(systems) - {"lr", "native"}:
         parser.error(f"--systems: a comma list of lr, native (got {args.systems!r})")
-    if args.seconds <= 0 or args.warmup < 0 or args.writers < 1 or args.max_writers < 1:
-        parser.error("--seconds must be > 0, --warmup >= 0, --writers and --max-writers >= 1")
+    if args.seconds <= 0 or args.warmup < 0 or min(args.writers, args.max_writers, args.replicators) < 1:
+        parser.error("--seconds must be > 0, --warmup >= 0, --writers, --max-writers and --replicators >= 1")
 
     signal.signal(signal.SIGTERM, _interrupt)
     load_before = os.getloadavg()
@@ -343,7 +357,9 @@ def main(argv: list[str] | None = None) -> int:
             for name in systems:
                 settle(env)
                 system: System = (
-                    LrSystem(env, home, args.lr_cmd, str(rate or "max")) if name == "lr" else NativeSystem(env, SINKS)
+                    LrSystem(env, home, args.lr_cmd, str(rate or "max"), args.replicators)
+                    if name == "lr"
+                    else NativeSystem(env, SINKS)
                 )
                 try:
                     results.append(measure(system, plan, args.drain_timeout, args.stall))
