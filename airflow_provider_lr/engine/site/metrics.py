@@ -191,6 +191,8 @@ class ReplicationCounters(DeliveryCounters):
             buckets=LAG_BUCKETS,
             registry=self.registry,
         )
+        # each session's children of the two delivery counters (labels() returns the same ones)
+        self._delivered: dict[str | SessionKey, tuple[Any, Any]] = {}
 
     @staticmethod
     def _labels(session: str | SessionKey) -> tuple[str, str, str]:
@@ -200,9 +202,12 @@ class ReplicationCounters(DeliveryCounters):
     def delivered(self, session: str | SessionKey, entries: int, nbytes: int = 0) -> None:
         if entries <= 0 and nbytes <= 0:
             return
-        labels = self._labels(session)
-        self._entries.labels(*labels).inc(entries)
-        self._bytes.labels(*labels).inc(nbytes)
+        children = self._delivered.get(session)
+        if children is None:  # a label lookup costs more than the increment: once per session
+            labels = self._labels(session)
+            children = self._delivered[session] = (self._entries.labels(*labels), self._bytes.labels(*labels))
+        children[0].inc(entries)
+        children[1].inc(nbytes)
         super().delivered(session, entries, nbytes)
 
     def lag(self, session: str | SessionKey, entries: int, seconds: float) -> None:
