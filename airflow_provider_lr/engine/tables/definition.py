@@ -74,7 +74,7 @@ class TableDefinition:
         return [c.name for c in self.columns]
 
     def to_json(self) -> dict:
-        doc = {
+        doc: dict = {
             "table": str(self.table),
             "key": list(self.key),
             "columns": [[c.name, c.type, c.not_null] for c in self.columns],

@@ -109,7 +109,8 @@ SELECT jsonb_build_object(
       'generated', a.attgenerated, 'identity', a.attidentity,
       'collation', (SELECT quote_ident(n.nspname) || '.' || quote_ident(co.collname) FROM pg_collation co
                     JOIN pg_namespace n ON n.oid = co.collnamespace
-                    WHERE co.oid = a.attcollation AND co.oid <> (SELECT typcollation FROM pg_type WHERE oid = a.atttypid)),
+                    WHERE co.oid = a.attcollation
+                      AND co.oid <> (SELECT typcollation FROM pg_type WHERE oid = a.atttypid)),
       'sequence', (SELECT jsonb_build_object('type', format_type(s.seqtypid, NULL), 'start', s.seqstart,
                           'increment', s.seqincrement, 'min', s.seqmin, 'max', s.seqmax, 'cache', s.seqcache,
                           'cycle', s.seqcycle)
@@ -120,7 +121,8 @@ SELECT jsonb_build_object(
                        ELSE (SELECT dep.refobjid FROM pg_depend dep WHERE dep.classid = 'pg_attrdef'::regclass
                              AND dep.objid = d.oid AND dep.refclassid = 'pg_class'::regclass
                              AND a.atttypid IN ('int2'::regtype, 'int4'::regtype, 'int8'::regtype)
-                             AND pg_get_expr(d.adbin, d.adrelid) = format('nextval(%%L::regclass)', dep.refobjid::regclass))
+                             AND pg_get_expr(d.adbin, d.adrelid)
+                                 = format('nextval(%%L::regclass)', dep.refobjid::regclass))
                        END)
     ) ORDER BY a.attnum)
     FROM pg_attribute a LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum

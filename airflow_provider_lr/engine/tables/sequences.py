@@ -4,9 +4,11 @@ a planned switchover): each sequence a column of it draws from is moved past the
 A sink's rows came with their values (lr's apply, as PostgreSQL's logical replication, never calls
 ``nextval``), so its sequences stayed where they were: the first application insert that relies on
 a default after the promotion would draw a value a replicated row already has (duplicate key).
-``advance`` runs in the promotion's transaction, holds the table against writers until the commit
-(``SHARE`` lock: a row written meanwhile could take a value the sequence is then moved below), and moves every such sequence to the column's greatest value
-(its least, for a descending sequence) when it is not past it already; never back.
+``advance`` runs in the promotion's transaction and holds the table against writers until the
+commit (``SHARE``: a row written meanwhile could take a value the sequence is then moved below).
+It moves every such sequence to the column's greatest value (its least, for a descending
+sequence) when it is not past it already; never back. (``setval`` is not rolled back with a
+promotion that fails after it: the sequence is then past the rows earlier, which harms nothing.)
 
 A column "draws from" a sequence when it is an identity column (its own sequence), or its default
 calls ``nextval`` of one (``serial``, or a sequence the user shares). Only integer columns are
@@ -29,29 +31,28 @@ log = logging.getLogger(__name__)
 # that draws from a sequence
 _SEQUENCES = """
 SELECT a.attname, n.nspname, s.relname, s.oid
-FROM pg_catalog.pg_attribute a
-JOIN pg_catalog.pg_depend d ON (
-       d.classid = 'pg_catalog.pg_class'::pg_catalog.regclass AND d.deptype = 'i'
-       AND d.refobjid = a.attrelid AND d.refobjsubid = a.attnum)
-    OR (d.classid = 'pg_catalog.pg_attrdef'::pg_catalog.regclass AND d.refclassid = 'pg_catalog.pg_class'::pg_catalog.regclass
-       AND d.objid = (SELECT ad.oid FROM pg_catalog.pg_attrdef ad WHERE ad.adrelid = a.attrelid AND ad.adnum = a.attnum))
-JOIN pg_catalog.pg_class s ON s.oid = CASE WHEN d.deptype = 'i' THEN d.objid ELSE d.refobjid END AND s.relkind = 'S'
-JOIN pg_catalog.pg_namespace n ON n.oid = s.relnamespace
-WHERE a.attrelid = %(t)s::pg_catalog.regclass AND a.attnum > 0 AND NOT a.attisdropped
-  AND a.atttypid IN ('pg_catalog.int2'::pg_catalog.regtype, 'pg_catalog.int4'::pg_catalog.regtype,
-                     'pg_catalog.int8'::pg_catalog.regtype)
+FROM pg_attribute a
+LEFT JOIN pg_attrdef ad ON ad.adrelid = a.attrelid AND ad.adnum = a.attnum
+JOIN pg_depend d ON (d.classid = 'pg_class'::regclass AND d.deptype = 'i'
+                     AND d.refobjid = a.attrelid AND d.refobjsubid = a.attnum)
+                 OR (d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass)
+JOIN pg_class s ON s.oid = CASE WHEN d.deptype = 'i' THEN d.objid ELSE d.refobjid END AND s.relkind = 'S'
+JOIN pg_namespace n ON n.oid = s.relnamespace
+WHERE a.attrelid = %(t)s::regclass AND a.attnum > 0 AND NOT a.attisdropped
+  AND a.atttypid IN ('int2'::regtype, 'int4'::regtype, 'int8'::regtype)
 ORDER BY a.attnum, s.oid"""
 
 # setval to the column's greatest (least) value, within the sequence's bounds, when the sequence's
 # next value is not past it; returns the value set (no row: nothing to do)
 _ADVANCE = """
-SELECT pg_catalog.setval({oid}, v.m, true)
-FROM (SELECT CASE WHEN p.seqincrement > 0 THEN least(pg_catalog.max({col}), p.seqmax)
-                  ELSE greatest(pg_catalog.min({col}), p.seqmin) END AS m, p.seqincrement AS inc
-      FROM {table}, pg_catalog.pg_sequence p WHERE p.seqrelid = {oid}
+SELECT setval({oid}, v.m, true)
+FROM (SELECT CASE WHEN p.seqincrement > 0 THEN least(max({col}), p.seqmax) ELSE greatest(min({col}), p.seqmin) END AS m,
+             p.seqincrement AS inc
+      FROM {table}, pg_sequence p WHERE p.seqrelid = {oid}
       GROUP BY p.seqincrement, p.seqmax, p.seqmin) v, {seq} q
 WHERE v.m IS NOT NULL
-  AND (CASE WHEN v.inc > 0 THEN v.m > q.last_value ELSE v.m < q.last_value END OR (v.m = q.last_value AND NOT q.is_called))"""
+  AND (CASE WHEN v.inc > 0 THEN v.m > q.last_value ELSE v.m < q.last_value END
+       OR (v.m = q.last_value AND NOT q.is_called))"""
 
 
 def advance(cur: psycopg2.extensions.cursor, table: TableName) -> dict[str, int]:
@@ -65,7 +66,7 @@ def advance(cur: psycopg2.extensions.cursor, table: TableName) -> dict[str, int]
     for column, schema, name, oid in found:
         cur.execute(
             sql.SQL(_ADVANCE).format(
-                oid=sql.SQL("{}::pg_catalog.regclass").format(sql.Literal(oid)),
+                oid=sql.SQL("{}::regclass").format(sql.Literal(oid)),
                 col=sql.Identifier(column),
                 table=table.ident,
                 seq=sql.Identifier(schema, name),

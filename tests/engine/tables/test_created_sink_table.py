@@ -58,7 +58,8 @@ LEFT JOIN pg_collation co ON co.oid = a.attcollation
 WHERE a.attrelid = %(t)s::regclass AND a.attnum > 0 AND NOT a.attisdropped
 UNION ALL SELECT conname, pg_get_constraintdef(oid), null, null, null, null, null FROM pg_constraint
 WHERE conrelid = %(t)s::regclass AND contype <> 'n'
-UNION ALL SELECT null, pg_get_indexdef(indexrelid), null, null, null, null, null FROM pg_index WHERE indrelid = %(t)s::regclass
+UNION ALL SELECT null, pg_get_indexdef(indexrelid), null, null, null, null, null FROM pg_index
+WHERE indrelid = %(t)s::regclass
 ORDER BY 1, 2"""
 
 
