@@ -17,8 +17,10 @@ Not copied, on purpose: foreign keys (the referenced table may not exist at the 
 table's snapshot is its own transaction: a copy in between would break them), triggers (an
 application's trigger acts at the sink on lr's apply; lr installs its own capture at promotion),
 row-level security policies and grants (roles differ between sites), ownership (the replicator
-creates the table), comments, storage parameters, tablespaces, and a constraint the source has
-``NOT VALID`` (the source holds rows against it, which the sink must take).
+creates the table), comments, storage parameters, tablespaces, a constraint the source has
+``NOT VALID`` (the source holds rows against it, which the sink must take), and a default that uses
+a sequence otherwise than as ``nextval(seq)`` of an integer column (the source's sequence is not the
+sink's to share, and an expression is not lr's to rewrite).
 """
 
 from __future__ import annotations
@@ -100,13 +102,17 @@ class TableExtras:
 
 
 # The extras of the table whose oid is t.oid, as TableExtras.to_json's document; read with
-# search_path = pg_catalog. An index whose definition does not start as expected has using NULL.
+# search_path = pg_catalog. A column's default that uses a sequence (ds) is its "sequence" when it is
+# plain nextval() of it on an integer column, and left out otherwise: the source's sequence is not
+# the sink's to share, and an expression is not lr's to rewrite. An index whose definition does not
+# start as the catalog says it does (never seen) is left out.
 _EXTRAS = """
 WITH t AS (SELECT to_regclass(%s) AS oid)
 SELECT jsonb_build_object(
   'columns', coalesce((SELECT jsonb_agg(jsonb_build_object(
-      'name', a.attname, 'type', format_type(a.atttypid, a.atttypmod), 'expression', pg_get_expr(d.adbin, d.adrelid),
-      'generated', a.attgenerated, 'identity', a.attidentity,
+      'name', a.attname, 'type', format_type(a.atttypid, a.atttypmod), 'generated', a.attgenerated,
+      'identity', a.attidentity,
+      'expression', CASE WHEN ds.seq IS NULL OR ds.plain THEN pg_get_expr(d.adbin, d.adrelid) END,
       'collation', (SELECT quote_ident(n.nspname) || '.' || quote_ident(co.collname) FROM pg_collation co
                     JOIN pg_namespace n ON n.oid = co.collnamespace
                     WHERE co.oid = a.attcollation
@@ -118,22 +124,23 @@ SELECT jsonb_build_object(
                    WHERE s.seqrelid = CASE WHEN a.attidentity <> ''
                        THEN (SELECT dep.objid FROM pg_depend dep WHERE dep.classid = 'pg_class'::regclass
                              AND dep.refobjid = t.oid AND dep.refobjsubid = a.attnum AND dep.deptype = 'i')
-                       ELSE (SELECT dep.refobjid FROM pg_depend dep WHERE dep.classid = 'pg_attrdef'::regclass
-                             AND dep.objid = d.oid AND dep.refclassid = 'pg_class'::regclass
-                             AND a.atttypid IN ('int2'::regtype, 'int4'::regtype, 'int8'::regtype)
-                             AND pg_get_expr(d.adbin, d.adrelid)
-                                 = format('nextval(%%L::regclass)', dep.refobjid::regclass))
-                       END)
+                       WHEN ds.plain THEN ds.seq END)
     ) ORDER BY a.attnum)
     FROM pg_attribute a LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+    LEFT JOIN LATERAL (
+      SELECT dep.refobjid AS seq,
+             a.atttypid IN ('int2'::regtype, 'int4'::regtype, 'int8'::regtype)
+             AND pg_get_expr(d.adbin, d.adrelid) = format('nextval(%%L::regclass)', dep.refobjid::regclass) AS plain
+      FROM pg_depend dep JOIN pg_class sq ON sq.oid = dep.refobjid AND sq.relkind = 'S'
+      WHERE dep.classid = 'pg_attrdef'::regclass AND dep.objid = d.oid AND dep.refclassid = 'pg_class'::regclass
+      ORDER BY 2 DESC LIMIT 1) ds ON true
     WHERE a.attrelid = t.oid AND a.attnum > 0 AND NOT a.attisdropped), '[]'),
   'key_name', (SELECT conname FROM pg_constraint WHERE conrelid = t.oid AND contype = 'p'),
   'constraints', coalesce((SELECT jsonb_agg(jsonb_build_array(c.conname, pg_get_constraintdef(c.oid)) ORDER BY c.oid)
                   FROM pg_constraint c WHERE c.conrelid = t.oid AND c.contype IN ('c', 'u', 'x') AND c.convalidated),
                   '[]'),
-  'indexes', coalesce((SELECT jsonb_agg(jsonb_build_object('name', ic.relname, 'unique', i.indisunique, 'using',
-                        CASE WHEN starts_with(def.text, def.prefix) THEN substr(def.text, length(def.prefix) + 1) END)
-                      ORDER BY i.indexrelid)
+  'indexes', coalesce((SELECT jsonb_agg(jsonb_build_object('name', ic.relname, 'unique', i.indisunique,
+                        'using', substr(def.text, length(def.prefix) + 1)) ORDER BY i.indexrelid)
       FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid
       CROSS JOIN LATERAL (
         SELECT pg_get_indexdef(i.indexrelid) AS text,
@@ -141,7 +148,7 @@ SELECT jsonb_build_object(
                       quote_ident(ic.relname), CASE WHEN ic.relkind = 'I' THEN 'ONLY ' END,
                       quote_ident(n.nspname), quote_ident(c.relname)) AS prefix
         FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = t.oid) def
-      WHERE i.indrelid = t.oid AND i.indisvalid AND NOT i.indisprimary
+      WHERE i.indrelid = t.oid AND i.indisvalid AND NOT i.indisprimary AND starts_with(def.text, def.prefix)
         AND NOT EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conrelid = t.oid AND c.conindid = i.indexrelid)), '[]'))
 FROM t WHERE t.oid IS NOT NULL"""
 
