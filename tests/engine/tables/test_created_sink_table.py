@@ -187,6 +187,35 @@ def test_the_parallel_snapshot_creates_the_sources_table_and_copies_its_rows_by_
         assert rows(sink, "public.orders") == rows(source, "public.orders")
 
 
+def test_a_second_source_upserts_its_rows_into_the_created_tables_always_identity_key(lr_sites):
+    a, b, sink = lr_sites
+    topo = apply(
+        lr_sites,
+        replication=[
+            {"source": a.site_id, "sinks": [sink.site_id], "clients": ["policy"]},
+            {"source": b.site_id, "sinks": [sink.site_id], "clients": ["policy"]},
+        ],
+    )
+    events = (
+        "CREATE TABLE public.events (id bigint GENERATED ALWAYS AS IDENTITY (START WITH {}) PRIMARY KEY, kind text)"
+    )
+    a.query(events.format(1))
+    b.query(events.format(1000))
+    for source in (a, b):
+        source.query("INSERT INTO public.events (kind) SELECT 'k' || g FROM generate_series(1, 5) g")
+    federate(a, "public.events")
+    repl = replicator(topo, lr_sites)
+    sync(repl)  # created from a's definition
+    federate(b, "public.events")  # b's snapshot: staged, then upserted beside a's rows
+    sync(repl)
+    b.query("INSERT INTO public.events (kind) VALUES ('late')")
+    sync(repl)
+    assert rows(sink, "public.events") == sorted(rows(a, "public.events") + rows(b, "public.events"))
+    assert sink.query(
+        "SELECT attidentity FROM pg_attribute WHERE attrelid = 'public.events'::regclass AND attnum = 1"
+    ) == [("a",)]
+
+
 def test_a_sink_table_the_user_created_is_taken_as_it_is(lr_sites):
     source, sink, _ = lr_sites
     topo = apply(lr_sites)
