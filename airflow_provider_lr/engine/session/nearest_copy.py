@@ -162,7 +162,7 @@ def _source_view(
         cur.execute("SELECT trim_mark FROM lr.log_trim")
         trim_mark = cur.fetchone()[0]
         topology_id = config_id(cur)
-        wanted = {t.table: (t, read_definition(cur, t.table)) for t in federated}
+        wanted = {t.table: (t, read_definition(cur, t.table, extras=True)) for t in federated}
     source.commit()
     return trim_mark, topology_id, wanted
 

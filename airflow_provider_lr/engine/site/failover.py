@@ -12,7 +12,8 @@ failover, and do not download what the backup already has"):
    B's last drawn commit position noted as the *base* of its new sessions, the new topology applied
    (B the source of K, A one of its sinks), the sessions B->X/K started in log-entry sync from that
    base (X already holds A's stream: no first-contact full sync), the federated tables B holds of
-   those clients captured on B (``tables/handover``), and the failover recorded in ``lr.failovers``;
+   those clients captured on B, their sequences moved past their rows so B's applications' inserts
+   by default do not collide (``tables/handover``), and the failover recorded in ``lr.failovers``;
 3. **reconcile** each other sink X, in one transaction on X: pX == pB: nothing moves; pX > pB:
    X's unconsumed entries beyond pB are removed (a packed row is cut at pB), or, when X's
    applications consumed some of them, a full sync from B is requested with the reason; pX < pB:
@@ -296,7 +297,8 @@ class _Plan:
 def _promote(conn: psycopg2.extensions.connection, request: FailoverRequest, plan: _Plan) -> dict:
     """One transaction on the new source: the cut (pB per client, under the lock of its own session
     from the old source), the base, the new topology, its sessions in log-entry sync, the clients'
-    federated tables it holds captured here (``handover.take_over``), the record."""
+    federated tables it holds captured here with their sequences past their rows (``handover.take_over``),
+    the record."""
     from_site, to_site = request.from_site, request.to_site
     fid, clients, target = plan.failover_id, plan.clients, plan.target
     try:

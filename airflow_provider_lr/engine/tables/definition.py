@@ -6,17 +6,23 @@ schema: the sink reads it whatever its search_path, and ``mood`` of one schema i
 nullability) and its primary key. A sink
 table of the same name with another shape refuses the session (``SchemaMismatchError``): rows
 carried into a table missing a column would lose it silently.
+
+A source's definition may also carry its *extras* (``tables/extras``: defaults, sequences,
+constraints, indexes): what lr gives a sink table it creates (``tables/create``). They are never
+compared: a sink table the user created keeps the extras the user gave it.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psycopg2.extensions
 from psycopg2 import sql
 
 from airflow_provider_lr.engine.errors import SchemaMismatchError, TableError
+from airflow_provider_lr.engine.tables import extras as table_extras
+from airflow_provider_lr.engine.tables.extras import TableExtras
 
 _PART = r"[a-z_][a-z0-9_$]{0,62}"
 _NAME = re.compile(rf"({_PART})\.({_PART})")
@@ -61,37 +67,31 @@ class TableDefinition:
     table: TableName
     columns: tuple[Column, ...]
     key: tuple[str, ...]
+    extras: TableExtras | None = field(default=None, compare=False)  # a source's, for a sink that creates it
 
     @property
     def column_names(self) -> list[str]:
         return [c.name for c in self.columns]
 
     def to_json(self) -> dict:
-        return {
+        doc: dict = {
             "table": str(self.table),
             "key": list(self.key),
             "columns": [[c.name, c.type, c.not_null] for c in self.columns],
         }
+        if self.extras is not None:
+            doc["extras"] = self.extras.to_json()
+        return doc
 
     @classmethod
     def from_json(cls, doc: dict) -> TableDefinition:
+        """A definition ``to_json`` wrote (one written before extras existed has none)."""
+        extras = doc.get("extras")
         return cls(
             TableName.parse(doc["table"]),
             tuple(Column(n, t, bool(nn)) for n, t, nn in doc["columns"]),
             tuple(doc["key"]),
-        )
-
-    def create_statement(self) -> sql.Composed:
-        """``CREATE TABLE`` of this shape (a sink that never had the table gets the source's)."""
-        cols = [
-            sql.SQL("{} {}{}").format(
-                sql.Identifier(c.name), sql.SQL(c.type), sql.SQL(" NOT NULL" if c.not_null else "")
-            )
-            for c in self.columns
-        ]
-        cols.append(sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(map(sql.Identifier, self.key))))
-        return sql.SQL("CREATE SCHEMA IF NOT EXISTS {}; CREATE TABLE IF NOT EXISTS {} ({})").format(
-            sql.Identifier(self.table.schema), self.table.ident, sql.SQL(", ").join(cols)
+            TableExtras.from_json(extras) if extras is not None else None,
         )
 
     def mismatch(self, other: TableDefinition) -> list[str]:
@@ -132,14 +132,22 @@ SHAPE_COLUMNS = """
              WHERE i.indrelid = t.oid AND i.indisprimary ORDER BY k.n)"""
 
 
-def read_definition(cur: psycopg2.extensions.cursor, table: TableName) -> TableDefinition | None:
-    """The table's shape as ``cur``'s transaction sees it (one round trip); None when there is no such table."""
+def read_definition(cur: psycopg2.extensions.cursor, table: TableName, extras: bool = False) -> TableDefinition | None:
+    """The table's shape as ``cur``'s transaction sees it (one round trip); None when there is no such
+    table. ``extras``: with them (a source's, for the sinks; two more round trips). Extras whose
+    columns are not the shape's (the table altered between the two reads) are left out."""
     cur.execute(
         f"WITH t AS (SELECT to_regclass(%s) AS oid) SELECT t.oid, {SHAPE_COLUMNS} FROM t",
-        (sql.Identifier(table.schema, table.name).as_string(cur),),
+        (table.ident.as_string(cur),),
     )
     oid, columns, key = cur.fetchone()
-    return None if oid is None else shape(table, columns, key)
+    if oid is None:
+        return None
+    found = shape(table, columns, key)
+    more = table_extras.read(cur, table.ident) if extras else None
+    if more is None or [c.name for c in more.columns if not c.generated] != found.column_names:
+        return found
+    return TableDefinition(found.table, found.columns, found.key, more)
 
 
 def shape(table: TableName, columns: list[list[str]], key: list[str]) -> TableDefinition:

@@ -11,7 +11,9 @@ Each step runs inside the failover's own transaction on that site, so it commits
 that site's part of the failover or not at all:
 
 * ``take_over`` on the promoted site (its promote transaction): each table it holds synced from
-  the old source is federated here (capture triggers, a new ``table_id``) and becomes its own;
+  the old source is federated here (capture triggers, a new ``table_id``) and becomes its own; the
+  sequences its columns draw from move past its rows (``tables/sequences``), so its applications'
+  inserts that rely on a default do not collide with a replicated row;
 * ``follow`` on every other sink (its reconcile transaction): the table's origin moves to the new
   source and it waits for that source's snapshot (state ``syncing``, shown by ``lr status``);
 * ``retire`` on the old source (when it rejoins, or a planned switchover drains it): its capture
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.store import sink_sessions, source_sessions
-from airflow_provider_lr.engine.tables import registry
+from airflow_provider_lr.engine.tables import registry, sequences
 from airflow_provider_lr.engine.tables import sink as sink_tables
 from airflow_provider_lr.engine.tables.definition import TableName
 from airflow_provider_lr.engine.tables.registry import FederatedTable
@@ -62,8 +64,9 @@ def missing(promoted: dict[str, str], others: dict[str, dict[str, str]]) -> list
 
 def take_over(cur: psycopg2.extensions.cursor, old_source: str, client: str) -> list[FederatedTable]:
     """On the promoted site: each table it holds synced from ``old_source`` for ``client`` is
-    captured here from now on (a new federation of it: every sink takes a snapshot of it) and its
-    rows are this site's own. Tables it does not hold synced are left as they are."""
+    captured here from now on (a new federation of it: every sink takes a snapshot of it), its rows
+    are this site's own and its sequences are past them. Tables it does not hold synced are left
+    as they are."""
     taken = []
     for name, state in held_from(cur, old_source, client).items():
         if state != TableState.SYNCED:
@@ -73,6 +76,7 @@ def take_over(cur: psycopg2.extensions.cursor, old_source: str, client: str) -> 
         row = cur.fetchone()
         primary = row is not None and row[0] == old_source
         found = registry.federate(cur, table, client, registry.read(cur, table, lock=True))
+        sequences.advance(cur, table)
         if primary:  # the old source's rows were the unlisted ones: now this site's own
             cur.execute("UPDATE lr.registry SET source_site_id = NULL WHERE stream_name = %s", (name,))
             cur.execute(

@@ -30,6 +30,7 @@ from psycopg2 import sql
 
 from airflow_provider_lr.engine.errors import SchemaMismatchError, TableError, one_line
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogRecord
+from airflow_provider_lr.engine.tables.create import create_table
 from airflow_provider_lr.engine.tables.definition import TableDefinition, TableName, check_same, read_definition
 from airflow_provider_lr.engine.tables.targets import GENERIC, Expected, TableState, Target, TargetLookup, origin
 from airflow_provider_lr.engine.vocabulary import SessionKey
@@ -119,8 +120,7 @@ def prepare(
     sink_def = read_definition(cur, table)
     created = False
     if sink_def is None:
-        _require_types(cur, source_def, where)
-        cur.execute(source_def.create_statement())
+        create_table(cur, source_def, where)
         sink_def, created = read_definition(cur, table), True
         assert sink_def is not None
     check_same(source_def, sink_def, where)
@@ -131,20 +131,6 @@ def prepare(
             (str(table), client, source, list(sink_def.key), f"lrq_table_{client}"),
         )
     return Target(sink_def, source, *origin(cur, table, source), created=created)
-
-
-def _require_types(cur: psycopg2.extensions.cursor, source_def: TableDefinition, where: str) -> None:
-    """lr creates a missing table, not the types it uses: a type the sink lacks (an enum, composite
-    or domain of the source's) refuses the session, naming it."""
-    types = sorted({c.type for c in source_def.columns})
-    cur.execute("SELECT t FROM unnest(%s::text[]) t WHERE to_regtype(t) IS NULL", (types,))
-    missing = [r[0] for r in cur.fetchall()]
-    if missing:
-        raise SchemaMismatchError(
-            f"{where}: table {source_def.table} uses type(s) {', '.join(missing)} that the sink does not have. "
-            "lr creates the table, not its types: create them on the sink as on the source (for an enum, the "
-            "same labels) and the next cycle goes on"
-        )
 
 
 def clear(cur: psycopg2.extensions.cursor, target: Target) -> None:
@@ -176,7 +162,9 @@ def upsert_from(cur: psycopg2.extensions.cursor, target: Target, staging: sql.Co
     d = target.definition
     cols = sql.SQL(", ").join(map(sql.Identifier, d.column_names))
     cur.execute(
-        sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {} {}").format(d.table.ident, cols, cols, staging, _on_conflict(d))
+        sql.SQL("INSERT INTO {} ({}) OVERRIDING SYSTEM VALUE SELECT {} FROM {} {}").format(
+            d.table.ident, cols, cols, staging, _on_conflict(d)
+        )
     )
     rows = max(cur.rowcount, 0)
     if target.shared:
@@ -408,9 +396,9 @@ def _compose(target: Target, run: _Run) -> sql.Composed:
     else:
         cols = sql.SQL(", ").join(map(sql.Identifier, d.column_names))
         s_cols = sql.SQL(", ").join(value(c) for c in d.column_names)
-        statement = sql.SQL("INSERT INTO {t} ({cols}) SELECT {s_cols} FROM ({rows}) s {conflict}").format(
-            t=d.table.ident, cols=cols, s_cols=s_cols, rows=rows, conflict=_on_conflict(d)
-        )
+        statement = sql.SQL(  # the source's values, an identity GENERATED ALWAYS's too
+            "INSERT INTO {t} ({cols}) OVERRIDING SYSTEM VALUE SELECT {s_cols} FROM ({rows}) s {conflict}"
+        ).format(t=d.table.ident, cols=cols, s_cols=s_cols, rows=rows, conflict=_on_conflict(d))
     if not target.shared:
         return statement
     keys = sql.SQL("SELECT {} AS key FROM ({}) s").format(target.key_object(sql.SQL("(s.p)"), value), rows)

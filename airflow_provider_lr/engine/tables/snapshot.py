@@ -131,7 +131,7 @@ class TableSnapshot:
             for side in self.sinks:
                 for table in side.tables:
                     if table.table not in self.definitions:
-                        definition = read_definition(cur, table.table)
+                        definition = read_definition(cur, table.table, extras=True)
                         if definition is None:
                             raise StaleBatchError(f"federated table {table.table} was dropped on the source")
                         self.definitions[table.table] = definition

@@ -1,0 +1,267 @@
+"""A federated table lr creates at a sink is the source's: its defaults (a sequence of its own for a
+``serial`` column), identity and generated columns, collations, UNIQUE / CHECK / EXCLUDE constraints and
+indexes, so the sink's copy refuses what the source refuses and has the source's indexes; rows land
+through every snapshot path and as changes. A sink table the user created is taken as it is."""
+
+from __future__ import annotations
+
+import psycopg2
+import pytest
+
+from airflow_provider_lr.engine.bulk.parallel_tables import Driver, local_ranges, run_table_snapshot
+from airflow_provider_lr.engine.tables.definition import TableDefinition
+from tests.guarantees.test_table_fidelity_streaming import (  # noqa: F401 - round_trips: a fixture
+    RoundTrips,
+    in_one_round_trip,
+    round_trips,
+    streamed,
+    streaming_over,
+)
+from tests.support.session import apply, empty_provider, replicator
+from tests.support.tables import (
+    CONSTRAINT_SCENARIOS,
+    PEOPLE,
+    PEOPLE_ROWS,
+    federate,
+    in_one_transaction,
+    rows,
+    status_text,
+    swap_unique,
+    sync,
+)
+
+ORDERS = """
+CREATE TABLE public.orders (
+    id serial,
+    ref bigint GENERATED ALWAYS AS IDENTITY (START WITH 100 INCREMENT BY 10),
+    u int NOT NULL,
+    n int NOT NULL DEFAULT 0,
+    nonkey text COLLATE "C" DEFAULT 'new',
+    qty int NOT NULL DEFAULT 1,
+    total int GENERATED ALWAYS AS (qty * 2) STORED,
+    booked int4range,
+    CONSTRAINT orders_pk PRIMARY KEY (id),
+    CONSTRAINT orders_u_key UNIQUE (u) DEFERRABLE,
+    CONSTRAINT orders_qty_positive CHECK (qty > 0),
+    EXCLUDE USING gist (booked WITH &&)
+);
+CREATE INDEX "orders by Note" ON public.orders (lower(nonkey) DESC) INCLUDE (qty) WHERE qty > 1;
+CREATE TABLE public.events (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, kind text NOT NULL DEFAULT 'e')"""
+
+# What a table is, beyond its rows: every column's type, default, identity, generation and
+# collation; every constraint; every index (their names and definitions, as PostgreSQL prints them).
+DESCRIBE = """
+SELECT a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull, a.attidentity, a.attgenerated,
+       regexp_replace(pg_get_expr(d.adbin, d.adrelid), '_seq\\d*', '_seq'), co.collname
+FROM pg_attribute a LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+LEFT JOIN pg_collation co ON co.oid = a.attcollation
+WHERE a.attrelid = %(t)s::regclass AND a.attnum > 0 AND NOT a.attisdropped
+UNION ALL SELECT conname, pg_get_constraintdef(oid), null, null, null, null, null FROM pg_constraint
+WHERE conrelid = %(t)s::regclass AND contype <> 'n'
+UNION ALL SELECT null, pg_get_indexdef(indexrelid), null, null, null, null, null FROM pg_index
+WHERE indrelid = %(t)s::regclass
+ORDER BY 1, 2"""
+
+
+def describe(site, table: str) -> list[tuple]:
+    return site.query(DESCRIBE, {"t": table})
+
+
+def as_created(described: list[tuple]) -> list[tuple]:
+    """``describe`` of the source's orders as lr creates it: its non-key ``GENERATED ALWAYS`` identity
+    column ``ref`` ``BY DEFAULT`` (lr's apply updates it in place; PostgreSQL updates an ALWAYS one
+    only to DEFAULT)."""
+    return [(*r[:3], "d", *r[4:]) if r[0] == "ref" else r for r in described]
+
+
+def sequence_of(site, table: str, column: str) -> tuple:
+    """The column's own sequence: its owner and parameters (None: it has none)."""
+    found = site.query(
+        "SELECT s.seqtypid::regtype::text, s.seqstart, s.seqincrement FROM pg_sequence s "
+        "WHERE s.seqrelid = pg_get_serial_sequence(%s, %s)::regclass",
+        (table, column),
+    )
+    return found[0] if found else None
+
+
+def create_orders(source, count: int) -> None:
+    source.query(ORDERS)
+    source.query(
+        "INSERT INTO public.orders (u, qty, booked) SELECT g, g %% 3 + 1, int4range(g * 10, g * 10 + 5) "
+        "FROM generate_series(1, %s) g",
+        (count,),
+    )
+    source.query("INSERT INTO public.events (kind) SELECT 'k' || g FROM generate_series(1, 5) g")
+
+
+def refused(site, statement: str) -> type[psycopg2.Error]:
+    """The error class with which ``site`` refuses a local writer's ``statement``."""
+    with pytest.raises(psycopg2.Error) as caught:
+        site.query(statement)
+    return type(caught.value)
+
+
+def test_a_table_lr_creates_at_a_sink_is_the_sources_and_refuses_what_the_source_refuses(lr_sites):
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    create_orders(source, 20)
+    federate(source, "public.orders")
+    federate(source, "public.events")
+    repl = replicator(topo, lr_sites)
+    sync(repl)
+
+    for sink in sinks:
+        assert describe(sink, "public.orders") == as_created(describe(source, "public.orders"))
+        assert describe(sink, "public.events") == describe(source, "public.events")  # a key stays ALWAYS
+        for table in ("public.orders", "public.events"):
+            assert rows(sink, table) == rows(source, table)
+        assert sequence_of(sink, "public.orders", "id") == ("integer", 1, 1)  # its own, as serial makes
+        assert sequence_of(sink, "public.orders", "ref") == ("bigint", 100, 10)
+        # a local writer (its own keys: the sink's sequences move at a promotion, not before)
+        assert refused(sink, "INSERT INTO public.orders (id, u) VALUES (500, 1)") is psycopg2.errors.UniqueViolation
+        assert (
+            refused(sink, "INSERT INTO public.orders (id, u, qty) VALUES (500, 99, 0)")
+            is psycopg2.errors.CheckViolation
+        )
+        overlapping = "INSERT INTO public.orders (id, u, booked) VALUES (500, 98, int4range(12, 13))"
+        assert refused(sink, overlapping) is psycopg2.errors.ExclusionViolation
+        assert refused(sink, "INSERT INTO public.events (id) VALUES (7)") is psycopg2.errors.GeneratedAlways
+
+    conn = source.connect()
+    with conn.cursor() as cur:  # one transaction: changes of every kind
+        cur.execute("INSERT INTO public.orders (u) SELECT g FROM generate_series(21, 25) g")
+        swap_unique(cur, "public.orders", 1, 2, "swapped")
+        cur.execute("UPDATE public.orders SET id = id + 1000, qty = 3 WHERE id = 3")
+        cur.execute("DELETE FROM public.orders WHERE id = 4")
+        cur.execute("INSERT INTO public.events (kind) VALUES ('late')")
+        cur.execute("UPDATE public.events SET kind = 'again' WHERE id = 1")
+    conn.commit()
+    conn.close()
+    sync(repl)
+    for sink in sinks:
+        assert rows(sink, "public.orders") == rows(source, "public.orders")
+        assert rows(sink, "public.events") == rows(source, "public.events")
+
+
+def test_streamed_changes_apply_to_the_tables_lr_created_with_the_sources_constraints(
+    lr_sites, round_trips: RoundTrips
+):
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    create_orders(source, 20)
+    source.query(PEOPLE)  # at the source only: lr creates it at the sinks, its UNIQUE constraints too
+    source.query(PEOPLE_ROWS)
+    for table in ("public.orders", "public.events", "public.people"):
+        federate(source, table)
+    with streaming_over(topo, lr_sites) as streaming:
+        streaming.streaming()
+        for what, statements in CONSTRAINT_SCENARIOS.items():
+            if statements:  # each a history the sink's constraints accept only in the source's order
+                in_one_transaction(source, *statements)
+                streamed(streaming, source, sinks, "public.people", what=what)
+        in_one_transaction(
+            source,
+            "INSERT INTO public.orders (u) SELECT g FROM generate_series(21, 40) g",
+            "UPDATE public.orders SET u = -u WHERE id = 1",
+            "UPDATE public.orders SET u = 1, qty = 2 WHERE id = 2",
+            "UPDATE public.orders SET u = 2, ref = DEFAULT WHERE id = 1",  # a new identity value, in place
+            "INSERT INTO public.events (kind) VALUES ('streamed')",
+        )
+        streamed(streaming, source, sinks, "public.orders", "public.events")
+    in_one_round_trip(round_trips, sinks)
+    for sink in sinks:
+        assert describe(sink, "public.people") == describe(source, "public.people")
+
+
+def test_the_parallel_snapshot_creates_the_sources_table_and_copies_its_rows_by_ranges(lr_sites):
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    create_orders(source, 300)
+    sync(replicator(topo, lr_sites, owner="test", providers={"policy": empty_provider}))  # then tables: parallel
+    federate(source, "public.orders")
+    driver = Driver(owner="test", conninfo=lambda site: next(s.conninfo for s in lr_sites if s.site_id == site))
+    result = run_table_snapshot(topo, "site-a", "policy", local_ranges, parts=3, driver=driver)
+    assert result.ranges == 3 and result.rows == 2 * 300
+    for sink in sinks:
+        assert describe(sink, "public.orders") == as_created(describe(source, "public.orders"))
+        assert rows(sink, "public.orders") == rows(source, "public.orders")
+
+
+def test_a_second_source_upserts_its_rows_into_the_created_tables_always_identity_key(lr_sites):
+    a, b, sink = lr_sites
+    topo = apply(
+        lr_sites,
+        replication=[
+            {"source": a.site_id, "sinks": [sink.site_id], "clients": ["policy"]},
+            {"source": b.site_id, "sinks": [sink.site_id], "clients": ["policy"]},
+        ],
+    )
+    events = (
+        "CREATE TABLE public.events (id bigint GENERATED ALWAYS AS IDENTITY (START WITH {}) PRIMARY KEY, kind text)"
+    )
+    a.query(events.format(1))
+    b.query(events.format(1000))
+    for source in (a, b):
+        source.query("INSERT INTO public.events (kind) SELECT 'k' || g FROM generate_series(1, 5) g")
+    federate(a, "public.events")
+    repl = replicator(topo, lr_sites)
+    sync(repl)  # created from a's definition
+    federate(b, "public.events")  # b's snapshot: staged, then upserted beside a's rows
+    sync(repl)
+    b.query("INSERT INTO public.events (kind) VALUES ('late')")
+    sync(repl)
+    assert rows(sink, "public.events") == sorted(rows(a, "public.events") + rows(b, "public.events"))
+    assert sink.query(
+        "SELECT attidentity FROM pg_attribute WHERE attrelid = 'public.events'::regclass AND attnum = 1"
+    ) == [("a",)]
+
+
+def test_a_sink_table_the_user_created_is_taken_as_it_is(lr_sites):
+    source, sink, _ = lr_sites
+    topo = apply(lr_sites)
+    create_orders(source, 10)
+    sink.query(  # the user's own: the same shape, none of the source's extras, an index of its own
+        "CREATE TABLE public.orders (id int PRIMARY KEY, ref bigint NOT NULL, u int NOT NULL, n int NOT NULL, "
+        "nonkey text, qty int NOT NULL, booked int4range); CREATE INDEX mine ON public.orders (n)"
+    )
+    mine = describe(sink, "public.orders")
+    federate(source, "public.orders")
+    sync(replicator(topo, lr_sites))
+    assert describe(sink, "public.orders") == mine
+    assert sink.query("SELECT id, u FROM public.orders ORDER BY id") == source.query(
+        "SELECT id, u FROM public.orders ORDER BY id"
+    )
+
+
+def test_what_the_sink_lacks_for_the_extras_refuses_the_table_until_it_has_it(lr_sites):
+    source, sink, _ = lr_sites
+    topo = apply(lr_sites)
+    function = "CREATE FUNCTION public.grade(int) RETURNS text LANGUAGE sql IMMUTABLE AS $$ SELECT 'g' || $1 $$"
+    source.query(function)
+    source.query(
+        "CREATE SEQUENCE public.tally; CREATE TABLE public.scores (id int PRIMARY KEY, points int NOT NULL, "
+        "label text NOT NULL DEFAULT public.grade(0), CHECK (public.grade(points) <> 'g-1'), "
+        "ticket text DEFAULT 'T-' || nextval('public.tally'))"
+    )
+    source.query("INSERT INTO public.scores (id, points) VALUES (1, 5)")
+    federate(source, "public.scores")
+    repl = replicator(topo, lr_sites)
+    errors = [r.error for r in sync(repl, cycles=3) if r.error]
+    assert any("could not be created on the sink as the source has it" in e for e in errors), errors
+    assert "function public.grade(integer) does not exist" in status_text(source)
+    assert sink.query("SELECT to_regclass('public.scores')") == [(None,)]  # nothing of it was written
+
+    sink.query(function)
+    sync(repl)
+    assert rows(sink, "public.scores") == rows(source, "public.scores")
+    # all of it but the default that uses the source's sequence, which the sink does not share
+    ticket = [r for r in describe(source, "public.scores") if r[0] == "ticket"]
+    assert [r[5] for r in ticket] == ["('T-'::text || nextval('tally'::regclass))"]
+    without = [(*r[:5], None, r[6]) if r[0] == "ticket" else r for r in describe(source, "public.scores")]
+    assert describe(sink, "public.scores") == without
+
+
+def test_a_definition_written_before_extras_existed_reads_as_the_shape_alone():
+    doc = {"table": "public.t", "key": ["id"], "columns": [["id", "integer", True], ["v", "text", False]]}
+    old = TableDefinition.from_json(doc)
+    assert old.extras is None and old.to_json() == doc
