@@ -299,7 +299,7 @@ def _write(
                     split_snapshot=held.split.snapshot,
                     split_upto=held.split.upto,
                     rows_copied=count,
-                    detail=f"copied from peer {peer_site} at position {at}",
+                    detail="; ".join(filter(None, [f"copied from peer {peer_site} at position {at}", target.note])),
                 )
         m = view.meta
         write.update(

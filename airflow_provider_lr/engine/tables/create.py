@@ -15,13 +15,26 @@ constraints and indexes (``tables/extras`` says what is left out, and why).
 * The primary key keeps its name, never its ``DEFERRABLE`` (it is the apply's ON CONFLICT arbiter,
   which cannot be deferrable).
 
-What the sink lacks for them (a type, function, collation, operator class, extension) refuses the
-session before anything of the table is written, naming it: lr creates the table, not what it uses.
+What the sink lacks for the columns (a type, a collation, what a generated column's expression
+calls) refuses the session before anything of the table is written, naming it: lr creates the
+table, not what it uses, and a table without one of its columns cannot take the source's rows.
+What the sink lacks for a default, a constraint or an index (a function, an operator class, an
+extension) leaves that one out, each tried on its own: the table replicates without it, and
+``create_table`` returns what was left out and why (``lr status`` shows it on the table's line).
+A name taken at the sink by another relation (an index's, a constraint's, the key's) is left to
+PostgreSQL to choose.
+
+Every statement runs with ``search_path`` set to ``pg_catalog`` (as the extras were read): the
+source's text means at the sink what it meant at the source, whatever functions or operators the
+sink's own schemas hold.
 """
 
 from __future__ import annotations
 
+import logging
+
 import psycopg2
+import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
 
@@ -29,48 +42,102 @@ from airflow_provider_lr.engine.errors import SchemaMismatchError, one_line
 from airflow_provider_lr.engine.tables.definition import Column, TableDefinition
 from airflow_provider_lr.engine.tables.extras import ColumnExtras, TableExtras
 
+log = logging.getLogger(__name__)
+
 _SERIAL = {"smallint": "smallserial", "integer": "serial", "bigint": "bigserial"}
 
 
-def create_table(cur: psycopg2.extensions.cursor, definition: TableDefinition, where: str) -> None:
-    """Create ``definition``'s table (and its schema) in ``cur``'s transaction, with its extras."""
+def create_table(cur: psycopg2.extensions.cursor, definition: TableDefinition, where: str) -> tuple[str, ...]:
+    """Create ``definition``'s table (and its schema) in ``cur``'s transaction, with its extras;
+    returns what of them the sink could not create (each with PostgreSQL's reason)."""
     _require_types(cur, definition, where)
+    cur.execute(
+        "SELECT pg_catalog.current_setting('search_path'), "
+        "pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true)"
+    )
+    search_path, _ = cur.fetchone()
     try:
-        cur.execute(
-            sql.SQL("CREATE SCHEMA IF NOT EXISTS {}; CREATE TABLE IF NOT EXISTS {} ({})").format(
-                sql.Identifier(definition.table.schema), definition.table.ident, _columns(definition)
-            )
-        )
-        after = [] if definition.extras is None else _after(cur, definition, definition.extras)
-        if after:
-            cur.execute(sql.SQL("; ").join(after))
+        left_out = _create(cur, definition)
     except (psycopg2.OperationalError, psycopg2.InterfaceError):
         raise  # the sink went away: the caller retries as ever
     except psycopg2.Error as exc:
         raise SchemaMismatchError(
             f"{where}: table {definition.table} could not be created on the sink as the source has it: "
-            f"{one_line(exc)}. Nothing of it was written; lr creates the table, not what its defaults, constraints "
-            "and indexes use: create that on the sink as on the source (a function, collation, operator class or "
-            "extension), or create the table yourself (lr then takes it as it is), and the next cycle goes on"
+            f"{_reason(exc)}. Nothing of it was written; lr creates the table, not what its columns use: create "
+            "that on the sink as on the source (a type, a collation, what a generated column's expression calls), "
+            "or create the table yourself (lr then takes it as it is), and the next cycle goes on"
         ) from exc
+    cur.execute("SELECT pg_catalog.set_config('search_path', %s, true)", (search_path,))
+    if left_out:
+        log.warning("%s: table %s created on the sink without %s", where, definition.table, "; ".join(left_out))
+    return left_out
 
 
-def _columns(definition: TableDefinition) -> sql.Composed:
+def _create(cur: psycopg2.extensions.cursor, definition: TableDefinition) -> tuple[str, ...]:
+    """The table with all its extras in one statement; when that fails, the table with its columns
+    (which raises when it fails too), then each default, constraint and index on its own."""
+    extras, t = definition.extras, definition.table.ident
+    cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(definition.table.schema)))
+    whole = sql.SQL("CREATE TABLE {} ({})").format(t, _columns(definition, defaults=True, key_name=True))
+    if extras is None:
+        cur.execute(whole)
+        return ()
+    named = _named(definition, extras)
+    left_out: list[str] = []
+    if _attempt(cur, [whole, *(statement for _, statement, _ in named)]) is not None:
+        bare = sql.SQL("CREATE TABLE {} ({})").format(t, _columns(definition, defaults=False, key_name=True))
+        if _attempt(cur, [bare]) is not None:
+            cur.execute(sql.SQL("CREATE TABLE {} ({})").format(t, _columns(definition, defaults=False, key_name=False)))
+            left_out.append(f"the primary key's name {extras.key_name} (another relation's at the sink)")
+        for what, statement in _defaults(definition, extras):
+            error = _attempt(cur, [statement])
+            if error is not None:
+                left_out.append(f"{what} ({_reason(error)})")
+        for what, statement, unnamed in named:
+            error = _attempt(cur, [statement])
+            if isinstance(error, psycopg2.errors.DuplicateTable) and _attempt(cur, [unnamed]) is None:
+                left_out.append(f"the name of {what} (another relation's at the sink: PostgreSQL chose one)")
+            elif error is not None:
+                left_out.append(f"{what} ({_reason(error)})")
+    _sequences(cur, definition, extras)
+    return tuple(left_out)
+
+
+def _reason(error: psycopg2.Error) -> str:
+    """PostgreSQL's message without its hint (the note names what was left out, the message why)."""
+    return error.diag.message_primary or one_line(error)
+
+
+def _attempt(cur: psycopg2.extensions.cursor, statements: list[sql.Composable]) -> psycopg2.Error | None:
+    """Run ``statements`` in a savepoint: None when they ran, else the error (they left nothing)."""
+    try:
+        cur.execute(sql.SQL("; ").join([sql.SQL("SAVEPOINT lr_create"), *statements, sql.SQL("RELEASE lr_create")]))
+    except (psycopg2.OperationalError, psycopg2.InterfaceError):
+        raise
+    except psycopg2.Error as exc:
+        cur.execute("ROLLBACK TO SAVEPOINT lr_create; RELEASE lr_create")
+        return exc
+    return None
+
+
+def _columns(definition: TableDefinition, defaults: bool, key_name: bool) -> sql.Composed:
     """The column list of ``CREATE TABLE``: the shape's columns (in the source's order, generated
-    ones too, when the extras say it), then the primary key."""
+    ones too, when the extras say it), then the primary key (under the source's name: ``key_name``)."""
     extras, key = definition.extras, definition.key
     shape = {c.name: c for c in definition.columns}
     if extras is None:
-        cols = [_column(c, None, key) for c in definition.columns]
+        cols = [_column(c, None, key, defaults) for c in definition.columns]
     else:
-        cols = [_column(shape.get(e.name), e, key) for e in extras.columns]
-    name = sql.SQL("CONSTRAINT {} ").format(sql.Identifier(extras.key_name)) if extras and extras.key_name else None
-    cols.append(sql.SQL("{}PRIMARY KEY ({})").format(name or sql.SQL(""), sql.SQL(", ").join(map(sql.Identifier, key))))
+        cols = [_column(shape.get(e.name), e, key, defaults) for e in extras.columns]
+    named = extras is not None and extras.key_name and key_name
+    name = sql.SQL("CONSTRAINT {} ").format(sql.Identifier(extras.key_name)) if named else sql.SQL("")
+    cols.append(sql.SQL("{}PRIMARY KEY ({})").format(name, sql.SQL(", ").join(map(sql.Identifier, key))))
     return sql.SQL(", ").join(cols)
 
 
-def _column(column: Column | None, extras: ColumnExtras | None, key: tuple[str, ...]) -> sql.Composed:
-    """One column: the shape's (``column``; None for a generated one), with its extras."""
+def _column(column: Column | None, extras: ColumnExtras | None, key: tuple[str, ...], default: bool) -> sql.Composed:
+    """One column: the shape's (``column``; None for a generated one), with its extras (its plain
+    default only when ``default``: a sequence's, an identity, a generation are the column's own)."""
     if column is None:
         assert extras is not None and extras.generated and extras.expression is not None
         return sql.SQL("{} {}{} GENERATED ALWAYS AS ({}) {}").format(
@@ -93,7 +160,7 @@ def _column(column: Column | None, extras: ColumnExtras | None, key: tuple[str, 
                     sql.SQL("ALWAYS" if always else "BY DEFAULT"), extras.sequence.clause(with_type=False)
                 )
             )
-        elif extras.expression is not None and not serial:
+        elif extras.expression is not None and not serial and default:
             parts.append(sql.SQL(" DEFAULT {}").format(sql.SQL(extras.expression)))
     if column.not_null:
         parts.append(sql.SQL(" NOT NULL"))
@@ -104,47 +171,75 @@ def _collate(extras: ColumnExtras) -> sql.Composable:
     return sql.SQL(" COLLATE {}").format(sql.SQL(extras.collation)) if extras.collation else sql.SQL("")
 
 
-def _after(cur: psycopg2.extensions.cursor, definition: TableDefinition, extras: TableExtras) -> list[sql.Composed]:
-    """What follows the ``CREATE TABLE``: each serial column's sequence given the source's
-    parameters (and its NOT NULL dropped where the source's column has none), the constraints, the
-    indexes. One round trip to learn the sequences' names (PostgreSQL chose them)."""
+def _defaults(definition: TableDefinition, extras: TableExtras) -> list[tuple[str, sql.Composed]]:
+    """Each plain default (not a sequence's, an identity, a generation): what it is, its statement."""
+    return [
+        (
+            f"the default of column {e.name}",
+            sql.SQL("ALTER TABLE {} ALTER COLUMN {} SET DEFAULT {}").format(
+                definition.table.ident, sql.Identifier(e.name), sql.SQL(e.expression)
+            ),
+        )
+        for e in extras.columns
+        if e.expression is not None and not e.generated and not e.identity and e.sequence is None
+    ]
+
+
+def _named(definition: TableDefinition, extras: TableExtras) -> list[tuple[str, sql.Composed, sql.Composed]]:
+    """Each constraint and index: what it is, its statement, the same under a name PostgreSQL chooses."""
+    t = definition.table.ident
+    found = [
+        (
+            f"constraint {name}",
+            sql.SQL("ALTER TABLE {} ADD CONSTRAINT {} {}").format(t, sql.Identifier(name), sql.SQL(text)),
+            sql.SQL("ALTER TABLE {} ADD {}").format(t, sql.SQL(text)),
+        )
+        for name, text in extras.constraints
+    ]
+    for i in extras.indexes:
+        create = sql.SQL("CREATE UNIQUE INDEX" if i.unique else "CREATE INDEX")
+        found.append(
+            (
+                f"index {i.name}",
+                sql.SQL("{} {} ON {} USING {}").format(create, sql.Identifier(i.name), t, sql.SQL(i.using)),
+                sql.SQL("{} ON {} USING {}").format(create, t, sql.SQL(i.using)),
+            )
+        )
+    return found
+
+
+def _sequences(cur: psycopg2.extensions.cursor, definition: TableDefinition, extras: TableExtras) -> None:
+    """Each serial column's sequence given the source's parameters (and its NOT NULL dropped where
+    the source's column has none). One round trip to learn the sequences' names (PostgreSQL chose them)."""
     t = definition.table.ident
     nullable = {c.name for c in definition.columns if not c.not_null}
     serials = [e for e in extras.columns if e.sequence is not None and not e.identity and not e.generated]
+    if not serials:
+        return
+    cur.execute(
+        "SELECT n.nspname, c.relname FROM unnest(%s::text[]) WITH ORDINALITY x(col, i) "
+        "JOIN pg_catalog.pg_class c ON c.oid = pg_catalog.pg_get_serial_sequence(%s, x.col)::pg_catalog.regclass "
+        "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace ORDER BY x.i",
+        ([e.name for e in serials], t.as_string(cur)),
+    )
     done: list[sql.Composed] = []
-    if serials:
-        cur.execute(
-            "SELECT n.nspname, c.relname FROM unnest(%s::text[]) WITH ORDINALITY x(col, i) "
-            "JOIN pg_catalog.pg_class c ON c.oid = pg_catalog.pg_get_serial_sequence(%s, x.col)::pg_catalog.regclass "
-            "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace ORDER BY x.i",
-            ([e.name for e in serials], t.as_string(cur)),
-        )
-        for e, (schema, name) in zip(serials, cur.fetchall(), strict=True):
-            assert e.sequence is not None
-            done.append(
-                sql.SQL("ALTER SEQUENCE {} {} RESTART").format(
-                    sql.Identifier(schema, name), e.sequence.clause(with_type=True)
-                )
+    for e, (schema, name) in zip(serials, cur.fetchall(), strict=True):
+        assert e.sequence is not None
+        done.append(
+            sql.SQL("ALTER SEQUENCE {} {} RESTART").format(
+                sql.Identifier(schema, name), e.sequence.clause(with_type=True)
             )
-            if e.name in nullable:
-                done.append(sql.SQL("ALTER TABLE {} ALTER COLUMN {} DROP NOT NULL").format(t, sql.Identifier(e.name)))
-    done += [
-        sql.SQL("ALTER TABLE {} ADD CONSTRAINT {} {}").format(t, sql.Identifier(name), sql.SQL(text))
-        for name, text in extras.constraints
-    ]
-    done += [
-        sql.SQL("CREATE {}INDEX {} ON {} USING {}").format(
-            sql.SQL("UNIQUE " if i.unique else ""), sql.Identifier(i.name), t, sql.SQL(i.using)
         )
-        for i in extras.indexes
-    ]
-    return done
+        if e.name in nullable:
+            done.append(sql.SQL("ALTER TABLE {} ALTER COLUMN {} DROP NOT NULL").format(t, sql.Identifier(e.name)))
+    cur.execute(sql.SQL("; ").join(done))
 
 
 def _require_types(cur: psycopg2.extensions.cursor, source_def: TableDefinition, where: str) -> None:
-    """lr creates a missing table, not the types it uses: a type the sink lacks (an enum, composite
-    or domain of the source's) refuses the session, naming it."""
-    types = sorted({c.type for c in source_def.columns})
+    """lr creates a missing table, not the types its columns use: a type the sink lacks (an enum,
+    composite or domain of the source's; a generated column's too) refuses the session, naming it."""
+    extras = source_def.extras.columns if source_def.extras else ()
+    types = sorted({c.type for c in source_def.columns} | {e.type for e in extras if e.generated})
     cur.execute("SELECT t FROM unnest(%s::text[]) t WHERE to_regtype(t) IS NULL", (types,))
     missing = [r[0] for r in cur.fetchall()]
     if missing:

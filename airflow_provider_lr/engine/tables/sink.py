@@ -118,10 +118,10 @@ def prepare(
     if row is not None and not row[0]:
         return None
     sink_def = read_definition(cur, table)
-    created = False
+    left_out: tuple[str, ...] = ()
     if sink_def is None:
-        create_table(cur, source_def, where)
-        sink_def, created = read_definition(cur, table), True
+        left_out = create_table(cur, source_def, where)
+        sink_def = read_definition(cur, table)
         assert sink_def is not None
     check_same(source_def, sink_def, where)
     if row is None:  # never opened here: registered, with this source as the primary origin
@@ -130,7 +130,7 @@ def prepare(
             "stream_tags) VALUES (%s, 'table', true, %s, %s, %s, ARRAY[%s])",
             (str(table), client, source, list(sink_def.key), f"lrq_table_{client}"),
         )
-    return Target(sink_def, source, *origin(cur, table, source), created=created)
+    return Target(sink_def, source, *origin(cur, table, source), left_out=left_out)
 
 
 def clear(cur: psycopg2.extensions.cursor, target: Target) -> None:

@@ -347,7 +347,7 @@ class TableSnapshot:
             run_id=self.run_id,
             split_snapshot=None,
             split_upto=None,
-            detail=None,
+            detail=target.note,
             rows_copied=None,
         )
         return target

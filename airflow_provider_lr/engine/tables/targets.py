@@ -47,11 +47,16 @@ class Target:
     source: str
     primary: bool  # rows of this source are the unlisted ones
     shared: bool  # another origin writes here too: keep lr.table_row_origin
-    created: bool = False
+    left_out: tuple[str, ...] = ()  # of the source's extras, when lr created the table now (tables/create)
 
     @property
     def table(self) -> TableName:
         return self.definition.table
+
+    @property
+    def note(self) -> str | None:
+        """What ``lr status`` says on the table's line when lr created it here without some extras."""
+        return f"created here without {'; '.join(self.left_out)}" if self.left_out else None
 
     def key_object(self, row: sql.Composable, value: Callable[[str], sql.Composable] | None = None) -> sql.Composed:
         """The jsonb form of a row's key (``row.k``; ``row`` an alias or a record expression; or

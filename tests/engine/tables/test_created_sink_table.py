@@ -20,6 +20,7 @@ from tests.guarantees.test_table_fidelity_streaming import (  # noqa: F401 - rou
 from tests.support.session import apply, empty_provider, replicator
 from tests.support.tables import (
     CONSTRAINT_SCENARIOS,
+    cycle_errors,
     PEOPLE,
     PEOPLE_ROWS,
     federate,
@@ -233,32 +234,68 @@ def test_a_sink_table_the_user_created_is_taken_as_it_is(lr_sites):
     )
 
 
-def test_what_the_sink_lacks_for_the_extras_refuses_the_table_until_it_has_it(lr_sites):
+GRADE = "CREATE FUNCTION public.grade(int) RETURNS text LANGUAGE sql IMMUTABLE AS $$ SELECT 'g' || $1 $$"
+SCORES = """
+CREATE SEQUENCE public.tally;
+CREATE TABLE public.scores (id int PRIMARY KEY, points int NOT NULL, label text NOT NULL DEFAULT public.grade(0),
+    ticket text DEFAULT 'T-' || nextval('public.tally'), CONSTRAINT graded CHECK (public.grade(points) <> 'g-1'),
+    CONSTRAINT points_once UNIQUE (points));
+CREATE INDEX scores_by_grade ON public.scores (public.grade(points));
+CREATE INDEX scores_by_label ON public.scores (lower(label))"""
+MISSING = "function public.grade(integer) does not exist"
+
+
+def test_a_default_constraint_or_index_the_sink_cannot_create_is_left_out_and_said(lr_sites):
     source, sink, _ = lr_sites
     topo = apply(lr_sites)
-    function = "CREATE FUNCTION public.grade(int) RETURNS text LANGUAGE sql IMMUTABLE AS $$ SELECT 'g' || $1 $$"
-    source.query(function)
-    source.query(
-        "CREATE SEQUENCE public.tally; CREATE TABLE public.scores (id int PRIMARY KEY, points int NOT NULL, "
-        "label text NOT NULL DEFAULT public.grade(0), CHECK (public.grade(points) <> 'g-1'), "
-        "ticket text DEFAULT 'T-' || nextval('public.tally'))"
-    )
+    source.query(GRADE)  # at the source only
+    source.query(SCORES)
     source.query("INSERT INTO public.scores (id, points) VALUES (1, 5)")
     federate(source, "public.scores")
     repl = replicator(topo, lr_sites)
-    errors = [r.error for r in sync(repl, cycles=3) if r.error]
-    assert any("could not be created on the sink as the source has it" in e for e in errors), errors
-    assert "function public.grade(integer) does not exist" in status_text(source)
-    assert sink.query("SELECT to_regclass('public.scores')") == [(None,)]  # nothing of it was written
-
-    sink.query(function)
-    sync(repl)
+    assert not cycle_errors(sync(repl))
+    source.query("INSERT INTO public.scores (id, points) VALUES (2, 6)")
+    assert not cycle_errors(sync(repl))
     assert rows(sink, "public.scores") == rows(source, "public.scores")
-    # all of it but the default that uses the source's sequence, which the sink does not share
-    ticket = [r for r in describe(source, "public.scores") if r[0] == "ticket"]
-    assert [r[5] for r in ticket] == ["('T-'::text || nextval('tally'::regclass))"]
-    without = [(*r[:5], None, r[6]) if r[0] == "ticket" else r for r in describe(source, "public.scores")]
-    assert describe(sink, "public.scores") == without
+
+    # the rest of the source's table: its key, the UNIQUE constraint, the other index; not the
+    # default that uses the source's sequence (never shared), nor what uses grade()
+    kept = [
+        (*r[:5], None, r[6]) if r[0] in ("label", "ticket") else r
+        for r in describe(source, "public.scores")
+        if r[0] != "graded" and "scores_by_grade" not in r[1]
+    ]
+    assert describe(sink, "public.scores") == kept
+    assert (
+        f"synced from site-a->site-b/policy, 1 rows in its snapshot: created here without the default of column "
+        f"label ({MISSING}); constraint graded ({MISSING}); index scores_by_grade ({MISSING})"
+    ) in status_text(sink)
+
+
+def test_what_a_column_needs_refuses_the_table_naming_it_until_the_sink_has_it(lr_sites):
+    source, *sinks = lr_sites
+    sink = sinks[0]
+    topo = apply(lr_sites)
+    source.query(GRADE)
+    source.query(
+        "CREATE TABLE public.grades (id int PRIMARY KEY, points int, "
+        "grade text GENERATED ALWAYS AS (public.grade(points)) STORED)"
+    )
+    source.query("INSERT INTO public.grades (id, points) VALUES (1, 5)")
+    federate(source, "public.grades")
+    repl = replicator(topo, lr_sites)
+    errors = cycle_errors(sync(repl, cycles=3))
+    assert any(
+        f"table public.grades could not be created on the sink as the source has it: {MISSING}" in e for e in errors
+    ), errors
+    assert MISSING in status_text(source)
+    assert sink.query("SELECT to_regclass('public.grades')") == [(None,)]  # nothing of it was written
+
+    for site in sinks:
+        site.query(GRADE)
+    assert not cycle_errors(sync(repl))
+    assert describe(sink, "public.grades") == describe(source, "public.grades")
+    assert rows(sink, "public.grades") == rows(source, "public.grades")
 
 
 def test_a_definition_written_before_extras_existed_reads_as_the_shape_alone():
