@@ -20,9 +20,9 @@ from tests.guarantees.test_table_fidelity_streaming import (  # noqa: F401 - rou
 from tests.support.session import apply, empty_provider, replicator
 from tests.support.tables import (
     CONSTRAINT_SCENARIOS,
-    cycle_errors,
     PEOPLE,
     PEOPLE_ROWS,
+    cycle_errors,
     federate,
     in_one_transaction,
     rows,
@@ -242,6 +242,7 @@ CREATE TABLE public.scores (id int PRIMARY KEY, points int NOT NULL, label text 
     CONSTRAINT points_once UNIQUE (points));
 CREATE INDEX scores_by_grade ON public.scores (public.grade(points));
 CREATE INDEX scores_by_label ON public.scores (lower(label))"""
+POSITIVE = "CREATE DOMAIN public.positive AS int CHECK (VALUE > 0)"
 MISSING = "function public.grade(integer) does not exist"
 
 
@@ -274,28 +275,31 @@ def test_a_default_constraint_or_index_the_sink_cannot_create_is_left_out_and_sa
 
 def test_what_a_column_needs_refuses_the_table_naming_it_until_the_sink_has_it(lr_sites):
     source, *sinks = lr_sites
-    sink = sinks[0]
     topo = apply(lr_sites)
-    source.query(GRADE)
+    source.query(f"{GRADE}; {POSITIVE}")
     source.query(
+        "CREATE TABLE public.counts (id int PRIMARY KEY, n public.positive); "
         "CREATE TABLE public.grades (id int PRIMARY KEY, points int, "
         "grade text GENERATED ALWAYS AS (public.grade(points)) STORED)"
     )
-    source.query("INSERT INTO public.grades (id, points) VALUES (1, 5)")
+    source.query("INSERT INTO public.counts VALUES (1, 5); INSERT INTO public.grades (id, points) VALUES (1, 5)")
+    federate(source, "public.counts")
     federate(source, "public.grades")
     repl = replicator(topo, lr_sites)
-    errors = cycle_errors(sync(repl, cycles=3))
-    assert any(
-        f"table public.grades could not be created on the sink as the source has it: {MISSING}" in e for e in errors
-    ), errors
-    assert MISSING in status_text(source)
-    assert sink.query("SELECT to_regclass('public.grades')") == [(None,)]  # nothing of it was written
-
-    for site in sinks:
-        site.query(GRADE)
+    for missing, create in (
+        ("table public.counts uses type(s) public.positive that the sink does not have", POSITIVE),
+        (f"table public.grades could not be created on the sink as the source has it: {MISSING}", GRADE),
+    ):
+        errors = cycle_errors(sync(repl, cycles=3))
+        assert any(missing in e for e in errors), errors
+        assert sinks[0].query("SELECT to_regclass('public.grades')") == [(None,)]  # nothing of it was written
+        for sink in sinks:
+            sink.query(create)
     assert not cycle_errors(sync(repl))
-    assert describe(sink, "public.grades") == describe(source, "public.grades")
-    assert rows(sink, "public.grades") == rows(source, "public.grades")
+    for sink in sinks:
+        for table in ("public.counts", "public.grades"):
+            assert describe(sink, table) == describe(source, table)
+            assert rows(sink, table) == rows(source, table)
 
 
 def test_a_definition_written_before_extras_existed_reads_as_the_shape_alone():

@@ -1,0 +1,66 @@
+"""The source's definition is text that lr runs at the sink: a name or a literal the source's users
+chose cannot make it run a statement of its own, nor call a function of the sink's other than the
+one the source's text names, whatever the sink's settings (its ``search_path``, its
+``standard_conforming_strings``)."""
+
+from __future__ import annotations
+
+from tests.engine.tables.test_created_sink_table import DESCRIBE
+from tests.support.session import apply, replicator
+from tests.support.tables import cycle_errors, federate, rows, sync
+
+VICTIM = "CREATE TABLE public.victim (id int PRIMARY KEY)"  # at the sinks: what an injection would drop
+DROP = "DROP TABLE public.victim; --"
+# a literal that, read with backslashes as escapes, would end the CHECK and run DROP
+NOTES = f"""
+CREATE TABLE public.notes (
+    id int PRIMARY KEY,
+    "x""; {DROP}" text DEFAULT E'\\\\'')); {DROP}',
+    body text NOT NULL,
+    CONSTRAINT "c$$; {DROP}" CHECK (body <> E'\\\\'')); {DROP}')
+);
+CREATE INDEX "i""; {DROP} $$" ON public.notes (body) WHERE body <> E'\\\\'')); {DROP}'"""
+
+
+def described(site, table: str) -> list[tuple]:
+    """``DESCRIBE`` as PostgreSQL prints it with ``search_path`` set to ``pg_catalog`` (every function
+    outside it with its schema) and standard strings, whatever the site's own settings."""
+    return site.query(f"SET search_path = pg_catalog; SET standard_conforming_strings = on; {DESCRIBE}", {"t": table})
+
+
+def hostile_sinks(sinks, setting: str) -> None:
+    """Each sink's database has ``setting`` for every new connection (lr's too), and a victim table."""
+    for sink in sinks:
+        sink.query(f"ALTER DATABASE {sink.dbname} SET {setting}; {VICTIM}")
+
+
+def test_a_literal_with_a_backslash_cannot_end_the_statement_at_a_sink_without_standard_strings(lr_sites):
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    hostile_sinks(sinks, "standard_conforming_strings = off")
+    source.query(NOTES)
+    source.query("INSERT INTO public.notes (id, body) VALUES (1, 'one')")
+    federate(source, "public.notes")
+    assert not cycle_errors(sync(replicator(topo, lr_sites)))
+    for sink in sinks:
+        assert sink.query("SELECT to_regclass('public.victim') IS NOT NULL") == [(True,)]
+        assert described(sink, "public.notes") == described(source, "public.notes")
+        assert rows(sink, "public.notes") == rows(source, "public.notes")
+
+
+def test_a_function_planted_in_the_sinks_search_path_is_not_what_the_created_table_calls(lr_sites):
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    hostile_sinks(sinks, "search_path = public, pg_catalog")
+    for sink in sinks:  # runs as whoever writes the table, lr's replicator at the sink
+        sink.query("CREATE FUNCTION public.lower(text) RETURNS text LANGUAGE sql IMMUTABLE AS $$ SELECT 'planted' $$")
+    source.query(
+        "CREATE TABLE public.tags (id int PRIMARY KEY, name text NOT NULL DEFAULT lower('N'), "
+        "CONSTRAINT lower_case CHECK (lower(name) = name)); CREATE UNIQUE INDEX tags_name ON public.tags (lower(name))"
+    )
+    source.query("INSERT INTO public.tags (id, name) VALUES (1, 'planted'), (2, 'x')")
+    federate(source, "public.tags")
+    assert not cycle_errors(sync(replicator(topo, lr_sites)))
+    for sink in sinks:
+        assert described(sink, "public.tags") == described(source, "public.tags")
+        assert rows(sink, "public.tags") == rows(source, "public.tags")
