@@ -9,7 +9,9 @@ import psycopg2
 import pytest
 
 from airflow_provider_lr.engine.bulk.parallel_tables import Driver, local_ranges, run_table_snapshot
-from airflow_provider_lr.engine.tables.definition import TableDefinition
+from airflow_provider_lr.engine.errors import SchemaMismatchError
+from airflow_provider_lr.engine.tables.create import create_table
+from airflow_provider_lr.engine.tables.definition import TableDefinition, TableName, read_definition
 from tests.guarantees.test_table_fidelity_streaming import (  # noqa: F401 - round_trips: a fixture
     RoundTrips,
     in_one_round_trip,
@@ -217,14 +219,17 @@ def test_a_second_source_upserts_its_rows_into_the_created_tables_always_identit
     ) == [("a",)]
 
 
+USERS_ORDERS = (  # the user's own: the same shape, none of the source's extras, an index of its own
+    "CREATE TABLE public.orders (id int PRIMARY KEY, ref bigint NOT NULL, u int NOT NULL, n int NOT NULL, "
+    "nonkey text, qty int NOT NULL, booked int4range); CREATE INDEX mine ON public.orders (n)"
+)
+
+
 def test_a_sink_table_the_user_created_is_taken_as_it_is(lr_sites):
     source, sink, _ = lr_sites
     topo = apply(lr_sites)
     create_orders(source, 10)
-    sink.query(  # the user's own: the same shape, none of the source's extras, an index of its own
-        "CREATE TABLE public.orders (id int PRIMARY KEY, ref bigint NOT NULL, u int NOT NULL, n int NOT NULL, "
-        "nonkey text, qty int NOT NULL, booked int4range); CREATE INDEX mine ON public.orders (n)"
-    )
+    sink.query(USERS_ORDERS)
     mine = describe(sink, "public.orders")
     federate(source, "public.orders")
     sync(replicator(topo, lr_sites))
@@ -232,6 +237,21 @@ def test_a_sink_table_the_user_created_is_taken_as_it_is(lr_sites):
     assert sink.query("SELECT id, u FROM public.orders ORDER BY id") == source.query(
         "SELECT id, u FROM public.orders ORDER BY id"
     )
+
+
+def test_a_table_that_appears_before_lr_creates_it_is_not_given_the_sources_extras(lr_sites):
+    """Another session (a second source's) created the table between the sink's look and lr's
+    creation: lr's creation fails (the next cycle takes the table as it is), adding nothing to it."""
+    source, sink, _ = lr_sites
+    create_orders(source, 0)
+    with source.connect() as conn, conn.cursor() as cur:
+        definition = read_definition(cur, TableName.parse("public.orders"), extras=True)
+    assert definition is not None and definition.extras is not None
+    sink.query(USERS_ORDERS)
+    mine = describe(sink, "public.orders")
+    with sink.connect() as conn, conn.cursor() as cur, pytest.raises(SchemaMismatchError, match="already exists"):
+        create_table(cur, definition, "test")
+    assert describe(sink, "public.orders") == mine
 
 
 GRADE = "CREATE FUNCTION public.grade(int) RETURNS text LANGUAGE sql IMMUTABLE AS $$ SELECT 'g' || $1 $$"
