@@ -139,8 +139,8 @@ def _columns(definition: TableDefinition, defaults: bool, key_name: bool) -> sql
         cols = [_column(c, None, key, defaults) for c in definition.columns]
     else:
         cols = [_column(shape.get(e.name), e, key, defaults) for e in extras.columns]
-    named = extras is not None and extras.key_name and key_name
-    name = sql.SQL("CONSTRAINT {} ").format(sql.Identifier(extras.key_name)) if named else sql.SQL("")
+    named = extras.key_name if extras is not None and key_name else None
+    name = sql.SQL("CONSTRAINT {} ").format(sql.Identifier(named)) if named else sql.SQL("")
     cols.append(sql.SQL("{}PRIMARY KEY ({})").format(name, sql.SQL(", ").join(map(sql.Identifier, key))))
     return sql.SQL(", ").join(cols)
 
