@@ -296,28 +296,36 @@ def test_a_default_constraint_or_index_the_sink_cannot_create_is_left_out_and_sa
 def test_what_a_column_needs_refuses_the_table_naming_it_until_the_sink_has_it(lr_sites):
     source, *sinks = lr_sites
     topo = apply(lr_sites)
-    source.query(f"{GRADE}; {POSITIVE}")
+    collation = "CREATE COLLATION public.bytes (provider = libc, locale = 'C')"
+    source.query(f"{GRADE}; {POSITIVE}; {collation}")
     source.query(
         "CREATE TABLE public.counts (id int PRIMARY KEY, n public.positive); "
         "CREATE TABLE public.grades (id int PRIMARY KEY, points int, "
-        "grade text GENERATED ALWAYS AS (public.grade(points)) STORED)"
+        "grade text GENERATED ALWAYS AS (public.grade(points)) STORED); "
+        "CREATE TABLE public.labels (name text COLLATE public.bytes PRIMARY KEY)"
     )
-    source.query("INSERT INTO public.counts VALUES (1, 5); INSERT INTO public.grades (id, points) VALUES (1, 5)")
-    federate(source, "public.counts")
-    federate(source, "public.grades")
+    source.query(
+        "INSERT INTO public.counts VALUES (1, 5); INSERT INTO public.grades (id, points) VALUES (1, 5); "
+        "INSERT INTO public.labels VALUES ('B'), ('a')"
+    )
+    tables = ("public.counts", "public.grades", "public.labels")
+    for table in tables:
+        federate(source, table)
     repl = replicator(topo, lr_sites)
-    for missing, create in (
+    could_not = "could not be created on the sink as the source has it"
+    for missing, create in (  # each table's snapshot in turn
         ("table public.counts uses type(s) public.positive that the sink does not have", POSITIVE),
-        (f"table public.grades could not be created on the sink as the source has it: {MISSING}", GRADE),
+        (f"table public.grades {could_not}: {MISSING}", GRADE),
+        (f'table public.labels {could_not}: collation "public.bytes" for encoding "UTF8" does not exist', collation),
     ):
         errors = cycle_errors(sync(repl, cycles=3))
         assert any(missing in e for e in errors), errors
-        assert sinks[0].query("SELECT to_regclass('public.grades')") == [(None,)]  # nothing of it was written
+        assert sinks[0].query("SELECT to_regclass('public.labels')") == [(None,)]  # nothing of it was written
         for sink in sinks:
             sink.query(create)
     assert not cycle_errors(sync(repl))
     for sink in sinks:
-        for table in ("public.counts", "public.grades"):
+        for table in tables:
             assert describe(sink, table) == describe(source, table)
             assert rows(sink, table) == rows(source, table)
 
