@@ -4,10 +4,12 @@ primary key) and, when the source's definition carries them (``TableDefinition.e
 defaults, sequences, identity and generated columns, collations, UNIQUE / CHECK / EXCLUDE
 constraints and indexes (``tables/extras`` says what is left out, and why).
 
-* A column whose default is ``nextval`` of a sequence gets a sequence of its own, owned by the
-  column, as ``serial`` makes (a sequence shared at the source is not the sink's to share), with
-  the source sequence's parameters. Its value is not copied: a promotion advances it past the
-  rows (``tables/sequences``).
+* A column whose default is ``nextval`` of a sequence it owns (``serial``) gets a sequence of its
+  own, owned by the column, with the source sequence's parameters. One whose sequence it does not
+  own (shared between tables, or made on its own) draws from the sink's sequence of that name,
+  created with the source's parameters when the sink has none (a relation of that name that is
+  not a sequence: a sequence of its own). No value is copied: a promotion advances each sequence
+  past the rows of every table that draws from it (``tables/sequences``).
 * An identity column stays identity, with its sequence's parameters. ``GENERATED ALWAYS`` stays so
   on a key column (lr's apply inserts with ``OVERRIDING SYSTEM VALUE``, and COPY writes the given
   values, as PostgreSQL documents); a non-key one is created ``BY DEFAULT``: lr's apply updates a
@@ -88,18 +90,20 @@ def _create(cur: psycopg2.extensions.cursor, definition: TableDefinition) -> tup
     (which raises when it fails too), then each default, constraint and index on its own."""
     extras, t = definition.extras, definition.table.ident
     cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(definition.table.schema)))
-    whole = sql.SQL("CREATE TABLE {} ({})").format(t, _columns(definition, defaults=True, key_name=True))
     if extras is None:
-        cur.execute(whole)
+        cur.execute(sql.SQL("CREATE TABLE {} ({})").format(t, _columns(definition, frozenset(), True, True)))
         return ()
+    own = _shared_sequences(cur, extras)
+    whole = sql.SQL("CREATE TABLE {} ({})").format(t, _columns(definition, own, defaults=True, key_name=True))
     named = _named(definition, extras)
     left_out: list[str] = []
     if _attempt(cur, [whole, *(statement for _, statement, _ in named)]) is not None:
-        bare = sql.SQL("CREATE TABLE {} ({})").format(t, _columns(definition, defaults=False, key_name=True))
+        bare = sql.SQL("CREATE TABLE {} ({})").format(t, _columns(definition, own, defaults=False, key_name=True))
         if _attempt(cur, [bare]) is not None:
-            cur.execute(sql.SQL("CREATE TABLE {} ({})").format(t, _columns(definition, defaults=False, key_name=False)))
+            unnamed = _columns(definition, own, defaults=False, key_name=False)
+            cur.execute(sql.SQL("CREATE TABLE {} ({})").format(t, unnamed))
             left_out.append(f"the primary key's name {extras.key_name} (another relation's at the sink)")
-        for what, statement in _defaults(definition, extras):
+        for what, statement in _defaults(definition, extras, own):
             error = _attempt(cur, [statement])
             if error is not None:
                 left_out.append(f"{what} ({_reason(error)})")
@@ -109,8 +113,31 @@ def _create(cur: psycopg2.extensions.cursor, definition: TableDefinition) -> tup
                 left_out.append(f"the name of {what} (another relation's at the sink: PostgreSQL chose one)")
             elif error is not None:
                 left_out.append(f"{what} ({_reason(error)})")
-    _sequences(cur, definition, extras)
+    _sequences(cur, definition, extras, own)
     return tuple(left_out)
+
+
+def _shared_sequences(cur: psycopg2.extensions.cursor, extras: TableExtras) -> frozenset[str]:
+    """The sink's sequence of each column that draws from one it does not own, created when the
+    sink has none; returns the columns that get a sequence of their own (``serial``)."""
+    drawing = [e for e in extras.columns if e.sequence is not None and not e.identity and not e.generated]
+    shared = {e.shared: e.sequence for e in drawing if e.shared}
+    found: dict[str, str | None] = {}
+    if shared:
+        cur.execute(
+            "SELECT n, (SELECT relkind FROM pg_catalog.pg_class WHERE oid = pg_catalog.to_regclass(n)) "
+            "FROM pg_catalog.unnest(%s::text[]) n",
+            (list(shared),),
+        )
+        found = dict(cur.fetchall())
+        missing = [
+            sql.SQL("CREATE SEQUENCE {} {}").format(sql.SQL(name), options.clause(with_type=True))
+            for name, options in shared.items()
+            if found[name] is None and options is not None
+        ]
+        if missing:
+            cur.execute(sql.SQL("; ").join(missing))
+    return frozenset(e.name for e in drawing if not e.shared or found[e.shared] not in (None, "S"))
 
 
 def _reason(error: psycopg2.Error) -> str:
@@ -130,24 +157,28 @@ def _attempt(cur: psycopg2.extensions.cursor, statements: list[sql.Composable]) 
     return None
 
 
-def _columns(definition: TableDefinition, defaults: bool, key_name: bool) -> sql.Composed:
+def _columns(definition: TableDefinition, own: frozenset[str], defaults: bool, key_name: bool) -> sql.Composed:
     """The column list of ``CREATE TABLE``: the shape's columns (in the source's order, generated
-    ones too, when the extras say it), then the primary key (under the source's name: ``key_name``)."""
+    ones too, when the extras say it; a ``serial`` for the ``own`` ones), then the primary key (under
+    the source's name: ``key_name``)."""
     extras, key = definition.extras, definition.key
     shape = {c.name: c for c in definition.columns}
     if extras is None:
-        cols = [_column(c, None, key, defaults) for c in definition.columns]
+        cols = [_column(c, None, key, False, defaults) for c in definition.columns]
     else:
-        cols = [_column(shape.get(e.name), e, key, defaults) for e in extras.columns]
+        cols = [_column(shape.get(e.name), e, key, e.name in own, defaults) for e in extras.columns]
     named = extras.key_name if extras is not None and key_name else None
     name = sql.SQL("CONSTRAINT {} ").format(sql.Identifier(named)) if named else sql.SQL("")
     cols.append(sql.SQL("{}PRIMARY KEY ({})").format(name, sql.SQL(", ").join(map(sql.Identifier, key))))
     return sql.SQL(", ").join(cols)
 
 
-def _column(column: Column | None, extras: ColumnExtras | None, key: tuple[str, ...], default: bool) -> sql.Composed:
-    """One column: the shape's (``column``; None for a generated one), with its extras (its plain
-    default only when ``default``: a sequence's, an identity, a generation are the column's own)."""
+def _column(
+    column: Column | None, extras: ColumnExtras | None, key: tuple[str, ...], serial: bool, default: bool
+) -> sql.Composed:
+    """One column: the shape's (``column``; None for a generated one), with its extras (a sequence
+    of its own when ``serial``; its default only when ``default``: an identity, a generation and a
+    sequence of its own are the column's)."""
     if column is None:
         assert extras is not None and extras.generated and extras.expression is not None
         return sql.SQL("{} {}{} GENERATED ALWAYS AS ({}) {}").format(
@@ -158,7 +189,6 @@ def _column(column: Column | None, extras: ColumnExtras | None, key: tuple[str, 
             sql.SQL("VIRTUAL" if extras.generated == "v" else "STORED"),
         )
     parts: list[sql.Composable] = [sql.Identifier(column.name)]
-    serial = extras is not None and extras.sequence is not None and not extras.identity
     parts.append(sql.SQL(_SERIAL[column.type] if serial else column.type))
     if extras is not None:
         parts.append(_collate(extras))
@@ -181,8 +211,8 @@ def _collate(extras: ColumnExtras) -> sql.Composable:
     return sql.SQL(" COLLATE {}").format(sql.SQL(extras.collation)) if extras.collation else sql.SQL("")
 
 
-def _defaults(definition: TableDefinition, extras: TableExtras) -> list[tuple[str, sql.Composed]]:
-    """Each plain default (not a sequence's, an identity, a generation): what it is, its statement."""
+def _defaults(definition: TableDefinition, extras: TableExtras, own: frozenset[str]) -> list[tuple[str, sql.Composed]]:
+    """Each default but an identity, a generation and a sequence of its own: what it is, its statement."""
     return [
         (
             f"the default of column {e.name}",
@@ -191,7 +221,7 @@ def _defaults(definition: TableDefinition, extras: TableExtras) -> list[tuple[st
             ),
         )
         for e in extras.columns
-        if e.expression is not None and not e.generated and not e.identity and e.sequence is None
+        if e.expression is not None and not e.generated and not e.identity and e.name not in own
     ]
 
 
@@ -218,12 +248,14 @@ def _named(definition: TableDefinition, extras: TableExtras) -> list[tuple[str, 
     return found
 
 
-def _sequences(cur: psycopg2.extensions.cursor, definition: TableDefinition, extras: TableExtras) -> None:
+def _sequences(
+    cur: psycopg2.extensions.cursor, definition: TableDefinition, extras: TableExtras, own: frozenset[str]
+) -> None:
     """Each serial column's sequence given the source's parameters (and its NOT NULL dropped where
     the source's column has none). One round trip to learn the sequences' names (PostgreSQL chose them)."""
     t = definition.table.ident
     nullable = {c.name for c in definition.columns if not c.not_null}
-    serials = [e for e in extras.columns if e.sequence is not None and not e.identity and not e.generated]
+    serials = [e for e in extras.columns if e.name in own]
     if not serials:
         return
     cur.execute(

@@ -19,8 +19,8 @@ application's trigger acts at the sink on lr's apply; lr installs its own captur
 row-level security policies and grants (roles differ between sites), ownership (the replicator
 creates the table), comments, storage parameters, tablespaces, a constraint the source has
 ``NOT VALID`` (the source holds rows against it, which the sink must take), and a default that uses
-a sequence otherwise than as ``nextval(seq)`` of an integer column (the source's sequence is not the
-sink's to share, and an expression is not lr's to rewrite).
+a sequence otherwise than as ``nextval(seq)`` of an integer column (an expression is not lr's to
+rewrite, and the sequence is the source's).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ class ColumnExtras:
     identity: str  # '' | 'a' (ALWAYS) | 'd' (BY DEFAULT)
     sequence: SequenceOptions | None  # an identity's, or the one its default is nextval() of
     collation: str | None  # quoted and qualified, when not its type's
+    shared: str | None = None  # that sequence, quoted and qualified, when the column does not own it
 
 
 @dataclass(frozen=True)
@@ -103,9 +104,9 @@ class TableExtras:
 
 # The extras of the table whose oid is t.oid, as TableExtras.to_json's document; read with
 # search_path = pg_catalog. A column's default that uses a sequence (ds) is its "sequence" when it is
-# plain nextval() of it on an integer column, and left out otherwise: the source's sequence is not
-# the sink's to share, and an expression is not lr's to rewrite. An index whose definition does not
-# start as the catalog says it does (never seen) is left out.
+# plain nextval() of it on an integer column (and the sequence's name is "shared" when the column
+# does not own it, as serial makes it own), and left out otherwise: an expression is not lr's to
+# rewrite. An index whose definition does not start as the catalog says it does (never seen) is left out.
 _EXTRAS = """
 WITH t AS (SELECT to_regclass(%s) AS oid)
 SELECT jsonb_build_object(
@@ -124,7 +125,12 @@ SELECT jsonb_build_object(
                    WHERE s.seqrelid = CASE WHEN a.attidentity <> ''
                        THEN (SELECT dep.objid FROM pg_depend dep WHERE dep.classid = 'pg_class'::regclass
                              AND dep.refobjid = t.oid AND dep.refobjsubid = a.attnum AND dep.deptype = 'i')
-                       WHEN ds.plain THEN ds.seq END)
+                       WHEN ds.plain THEN ds.seq END),
+      'shared', CASE WHEN ds.plain AND NOT EXISTS (
+                       SELECT 1 FROM pg_depend o WHERE o.classid = 'pg_class'::regclass AND o.objid = ds.seq
+                       AND o.refobjid = t.oid AND o.refobjsubid = a.attnum AND o.deptype = 'a')
+                     THEN (SELECT quote_ident(n.nspname) || '.' || quote_ident(sq.relname) FROM pg_class sq
+                           JOIN pg_namespace n ON n.oid = sq.relnamespace WHERE sq.oid = ds.seq) END
     ) ORDER BY a.attnum)
     FROM pg_attribute a LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
     LEFT JOIN LATERAL (
