@@ -43,3 +43,32 @@ def test_a_table_whose_changes_capture_would_miss_or_that_is_lrs_own_is_refused(
         assert len(err.strip().splitlines()) == 1, err
     assert source.query("SELECT count(*) FROM lr.registry WHERE kind = 'table'") == [(0,)]
     assert source.query("SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'lr\\_capture\\_%%'") == [(0,)]
+
+
+def test_a_step_a_site_refuses_is_said_on_one_line_naming_the_site_not_as_a_traceback(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """`lr tables open` while an application's transaction writes the table (its lock is held),
+    `lr trim` while lr's own table is locked: the lock timeout fires and the command says so on one
+    line naming the site (it used to end in a psycopg2 traceback), with nothing half-written."""
+    source = lr_sites[0]
+    topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={})
+    text = open(topo).read().replace("settings: {}", "settings: {lock_timeout_s: 1}")
+    open(topo, "w").write(text)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    source.query("CREATE TABLE public.items (id int PRIMARY KEY, v text)")
+    app = source.connect()
+    with app.cursor() as cur:
+        cur.execute("INSERT INTO public.items VALUES (1, 'in flight')")  # left open: its lock is held
+        for command in (["tables", "open", "public.items", "--client", "policy"], ["trim"]):
+            if command == ["trim"]:
+                cur.execute("LOCK TABLE lr.source_sessions IN ACCESS EXCLUSIVE MODE")
+            capsys.readouterr()
+            assert cli.main([*command, "--topology", topo]) == 1, command
+            err = capsys.readouterr().err
+            assert err.startswith("lr: site-a: a lock lr needs is held by another transaction (lock_timeout)"), err
+            assert len(err.strip().splitlines()) == 1 and "LINE" not in err, err
+    app.rollback()
+    assert source.query("SELECT count(*) FROM lr.registry WHERE kind = 'table'") == [(0,)]
+    assert cli.main(["tables", "open", "public.items", "--client", "policy", "--topology", topo]) == 0
+    app.close()
