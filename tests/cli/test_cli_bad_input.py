@@ -72,3 +72,27 @@ def test_a_step_a_site_refuses_is_said_on_one_line_naming_the_site_not_as_a_trac
     assert source.query("SELECT count(*) FROM lr.registry WHERE kind = 'table'") == [(0,)]
     assert cli.main(["tables", "open", "public.items", "--client", "policy", "--topology", topo]) == 0
     app.close()
+
+
+def test_the_pre_failover_file_applied_again_is_refused_and_the_sites_keep_the_failovers_topology(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """After `lr failover`, every command refuses the old file and advises applying it if it is the
+    current one; applying it used to be accepted: site-a the source of its clients again, its
+    writers accepted, and each of their entries refused for good by the sinks (whose sessions from
+    site-a the failover closed) while `lr status` said healthy."""
+    site_a, site_b, site_c = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={"policy": "tests.support.session:empty_provider"})
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 0
+    new = tmp_path / "after.yaml"
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--out", str(new)]) == 0
+    held = [site.query("SELECT topology_config_id FROM lr.topology") for site in lr_sites]
+    capsys.readouterr()
+
+    assert cli.main(["topology", "apply", "--topology", topo]) == 1
+    err = capsys.readouterr().err
+    assert "session site-a->site-c/policy was failed over to site-b" in err, err
+    assert "nothing was applied on any site" in err and len(err.strip().splitlines()) == 1, err
+    assert [site.query("SELECT topology_config_id FROM lr.topology") for site in lr_sites] == held
+    assert cli.main(["topology", "apply", "--topology", str(new)]) == 0  # the failover's own file, again
