@@ -1,5 +1,5 @@
 """Pairs of features in lr's default mode (streaming) that no other test puts together: a stream
-whose every session is taken away at once, ...
+whose every session is taken away at once; `lr sync --until-idle` run beside a streaming `lr sync`.
 
 Each test is one scenario, cheap, through the engine's streaming replicator (``lr sync``'s default)
 or the ``lr`` CLI."""
@@ -7,8 +7,10 @@ or the ``lr`` CLI."""
 from __future__ import annotations
 
 import logging
+import time
 
 from airflow_provider_lr.engine.session.settings import StreamSettings
+from airflow_provider_lr.engine.site.replicator import unsettled
 from tests.support.session import App, Streaming, apply, queue, replicator, wait_for
 
 ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
@@ -42,4 +44,28 @@ def test_a_stream_whose_every_session_is_taken_over_waits_for_the_next_one_witho
         assert streaming.streamer.sources["site-a"] is stream and not stream.finished, "the same stream goes on"
     failures = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert not failures, failures
+    app.close()
+
+
+def test_until_idle_beside_a_streaming_replicator_ends_once_the_sessions_it_holds_are_caught_up(lr_sites):
+    """`lr sync --until-idle` (a drain in a script) while `lr sync` streams every session: the
+    sessions are another replicator's, caught up, so the run ends at once, settled. It used to wait
+    out --give-up-after (60 s) and exit 1, calling every session unsettled ("another replicator
+    holds this session's lease"), whatever their state."""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:empty_provider"})
+    app = App(source)
+    options = StreamSettings(check_interval=0.1, ack_interval=0.05)
+    with Streaming(replicator(topo, lr_sites, lease_seconds=30.0), options) as streaming:
+        streaming.streaming()
+        for i in range(5):
+            app.put(f"k{i}", i, ["site-b"])
+        wait_for(lambda: len(logs(sink_b)) == 5, 10, "the entries streamed")
+        drain = replicator(topo, lr_sites, owner="a-script", lease_seconds=30.0)
+        started = time.monotonic()
+        reports = drain.run(until_idle=True, give_up_after=5.0, interval=0.05)
+        took = time.monotonic() - started
+        drain.close()
+        assert [r.skipped.startswith("another replicator holds") for r in reports] == [True]
+        assert not unsettled(reports) and took < 3.0, (unsettled(reports), took)
     app.close()
