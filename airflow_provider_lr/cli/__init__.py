@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LRError as exc:
         print(f"lr: {one_line(exc)}", file=sys.stderr)
         return 1
-    except psycopg2.Error as exc:  # a site refused a step (a lock held by an application, a privilege): said, no traceback
+    except psycopg2.Error as exc:  # a site refused a step (a lock an application holds): said, no traceback
         site = getattr(getattr(exc.cursor, "connection", None), "site", None)
         said = " | ".join(p for p in failure(exc).split(" | ") if not p.startswith("LINE ") and p != "^")  # no SQL
         print(f"lr: {f'{site}: ' if site else ''}{said}", file=sys.stderr)

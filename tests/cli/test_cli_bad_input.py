@@ -21,7 +21,9 @@ NOT_CAPTURABLE = {
 }
 
 
-def test_a_table_whose_changes_capture_would_miss_or_that_is_lrs_own_is_refused(lr_sites, tmp_path, monkeypatch, capsys):
+def test_a_table_whose_changes_capture_would_miss_or_that_is_lrs_own_is_refused(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
     """Federating a partitioned table used to be accepted and lose every write made straight to a
     partition while `lr status` called the sinks consistent; lr's own log was accepted too (each
     entry then captured into the log again)."""

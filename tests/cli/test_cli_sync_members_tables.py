@@ -63,9 +63,7 @@ class SwappingWriters:
 
 
 @pytest.mark.slow
-def test_two_lr_sync_one_killed_and_a_full_sync_asked_while_a_unique_column_is_swapped(
-    lr_sites, tmp_path, monkeypatch
-):
+def test_two_lr_sync_one_killed_and_a_full_sync_asked_while_a_unique_column_is_swapped(lr_sites, tmp_path, monkeypatch):
     source, *sinks = lr_sites
     topo = topology_file(tmp_path, lr_sites, monkeypatch)
     source.query(

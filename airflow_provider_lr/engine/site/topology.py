@@ -119,8 +119,8 @@ def _brought_back(conns: dict[str, psycopg2.extensions.connection], topology: To
     closed: dict[tuple[str, str, str], str] = {}
     for site_id, conn in conns.items():
         with conn.cursor() as cur:
-            for (source, client), (to, _) in sink_sessions.failed_over(cur).items():
-                closed[(source, site_id, client)] = to
+            for (source, client), (promoted, _) in sink_sessions.failed_over(cur).items():
+                closed[(source, site_id, client)] = promoted
         conn.rollback()
     found = []
     for key in topology.sessions():
