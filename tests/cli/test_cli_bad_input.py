@@ -52,7 +52,8 @@ def test_a_step_a_site_refuses_is_said_on_one_line_naming_the_site_not_as_a_trac
 ):
     """`lr tables open` while an application's transaction writes the table (its lock is held),
     `lr trim` while lr's own table is locked: the lock timeout fires and the command says so on one
-    line naming the site (it used to end in a psycopg2 traceback), with nothing half-written."""
+    line naming the site (it used to end in a psycopg2 traceback), with nothing half-written; `lr
+    status` says the site was unreadable and why (it said "unreachable")."""
     source = lr_sites[0]
     topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={})
     text = open(topo).read().replace("settings: {}", "settings: {lock_timeout_s: 1}")
@@ -70,6 +71,11 @@ def test_a_step_a_site_refuses_is_said_on_one_line_naming_the_site_not_as_a_trac
             err = capsys.readouterr().err
             assert err.startswith("lr: site-a: a lock lr needs is held by another transaction (lock_timeout)"), err
             assert len(err.strip().splitlines()) == 1 and "LINE" not in err, err
+        capsys.readouterr()  # lr status: the site was reached, not read, and says why
+        assert cli.main(["status", "--topology", topo]) == 2
+        out = capsys.readouterr().out
+        assert "site-a: UNREADABLE (a lock lr needs is held by another transaction" in out, out
+        assert "  site-a: unreadable" in out and "LINE" not in out, out
     app.rollback()
     assert source.query("SELECT count(*) FROM lr.registry WHERE kind = 'table'") == [(0,)]
     assert cli.main(["tables", "open", "public.items", "--client", "policy", "--topology", topo]) == 0

@@ -414,7 +414,11 @@ def health(
     ``topology`` (the file in hand) or an lr schema older than this lr's, else HEALTHY."""
     stale = topology_drift(found, topology)
     reasons = [stale.message()] if stale is not None else []
-    unreachable = [f"{site}: unreachable" for site, st in found.items() if isinstance(st, str)]
+    unreachable = [  # reached but not read (a lock held elsewhere, a privilege) is said as such
+        f"{site}: {'unreadable' if 'UNREADABLE' in st else 'unreachable'}"
+        for site, st in found.items()
+        if isinstance(st, str)
+    ]
     if unreachable:
         return UNREACHABLE, unreachable + reasons
     marks = trim_marks(found)
