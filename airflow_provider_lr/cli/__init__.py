@@ -11,7 +11,10 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+import psycopg2
+
 from airflow_provider_lr.cli import failover, replication, roles, sites, status, tables
+from airflow_provider_lr.cli.common import database_error
 from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.paths import lr_home
 
@@ -44,6 +47,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return func(args)
     except LRError as exc:
         print(f"lr: {one_line(exc)}", file=sys.stderr)
+        return 1
+    except psycopg2.Error as exc:  # a site refused a step (a lock an application holds): said, no traceback
+        site = getattr(getattr(exc.cursor, "connection", None), "site", None)
+        print(f"lr: {f'{site}: ' if site else ''}{database_error(exc)}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `lr status | head`: the reader went away; stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import psycopg2
 
 from airflow_provider_lr.engine.db import conninfo
+from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.store import topology as topologies
@@ -58,6 +59,12 @@ def check_topology(topo: topologies.Topology, sites: Iterable[str] | None = None
     """Refuse a topology file that the reachable ``sites`` (default: all) do not run (a stale file
     after a failover, an edited one not applied), naming the file and the ids the sites hold."""
     topology.check_sites(topo, connector(topo), None if sites is None else set(sites), set(also))
+
+
+def database_error(exc: psycopg2.Error) -> str:
+    """A site's refusal as one line: what the bound that fired means, the error, its detail; not the
+    statement's text (psycopg's LINE and caret parts), which may hold values."""
+    return " | ".join(p for p in failure(exc).split(" | ") if not p.startswith("LINE ") and p != "^")
 
 
 @contextmanager

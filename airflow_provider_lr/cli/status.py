@@ -8,7 +8,7 @@ import sys
 
 import psycopg2
 
-from airflow_provider_lr.cli.common import connector, load_topology, nonnegative_seconds, with_topology
+from airflow_provider_lr.cli.common import connector, database_error, load_topology, nonnegative_seconds, with_topology
 from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.engine.site import metrics, status
 from airflow_provider_lr.engine.store import topology as topologies
@@ -26,7 +26,9 @@ def _site_statuses(topo: topologies.Topology) -> dict[str, status.SiteStatus | s
         try:
             found[site_id] = status.site_status(conn, site_id)
         except (LRError, psycopg2.Error) as exc:
-            found[site_id] = f"{site_id}: UNREADABLE ({one_line(exc)})"
+            found[site_id] = (
+                f"{site_id}: UNREADABLE ({database_error(exc) if isinstance(exc, psycopg2.Error) else one_line(exc)})"
+            )
         finally:
             conn.close()
     return found

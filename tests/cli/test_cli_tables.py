@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from airflow_provider_lr import cli
 from tests.cli.test_cli_sync import topology_file
@@ -183,3 +184,29 @@ def test_lr_tables_open_refuses_an_unknown_client_and_names_the_site_of_an_error
     assert lr_sites[2].query("SELECT count(*) FROM lr.registry WHERE kind = 'table'") == [(0,)]
     assert cli.main(["tables", "open", "public.missing", "--client", "policy", "--topology", topo]) == 1
     assert capsys.readouterr().err.startswith("lr: site-a: table public.missing does not exist on this site")
+
+
+def test_status_calls_no_session_ready_until_its_sink_holds_every_table_its_source_federates(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """A table opened while the sessions run (or the snapshot of one after a full sync, which a
+    large table makes last): until the sink has it, `lr status` says so on both ends instead of
+    "ready" / "consistent" (it used to, while the sink's table was missing)."""
+    source, sink_b, _ = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={"policy": "tests.support.session:empty_provider"})
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 0
+    create_accounts(source, rows=5)
+    assert cli.main(["tables", "open", "public.accounts", "--client", "policy", "--topology", topo]) == 0
+    capsys.readouterr()
+    assert cli.main(["status", "--topology", topo]) == 0  # not degraded: a snapshot is under way
+    out = capsys.readouterr().out
+    assert out.count("not ready (table snapshot)") == 4, out  # both sinks, at the source and at the sink
+    assert out.count("tables not synced at the sink yet: public.accounts") == 4, out
+    assert not re.search(r"/policy +(ready|consistent) ", out), out
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 0
+    capsys.readouterr()
+    assert cli.main(["status", "--topology", topo, "--json"]) == 0
+    sessions = [s for site in json.loads(capsys.readouterr().out)["sites"].values() for s in site["sessions"]]
+    assert sorted(s["readiness"] for s in sessions) == ["consistent"] * 2 + ["ready"] * 2
+    assert rows(sink_b) == rows(source)

@@ -63,8 +63,8 @@ class SessionRunner(SnapshotSync):
     def run_cycle(self) -> CycleReport:
         applied = self.full_syncs_applied
         report, hs = self.begin()
-        if not hs.proceeds:
-            return report
+        if not hs.proceeds:  # held by another replicator: its state as that one left it (caught up or not)
+            return self.finish(report) if report.skipped else report
         assert hs.meta is not None, "a handshake that proceeds has fenced the sink"
         meta: writes.SinkMetadata | None = hs.meta
         if hs.decision is Decision.SNAPSHOT_SYNC:
@@ -115,8 +115,8 @@ class SessionRunner(SnapshotSync):
         as far as it can go now (``report.waiting`` while the client's data is not supplied).
         Does nothing when negotiation calls for log-entry sync."""
         report, hs = self.begin()
-        if not hs.proceeds:
-            return report
+        if not hs.proceeds:  # held by another replicator: its state as that one left it (caught up or not)
+            return self.finish(report) if report.skipped else report
         assert hs.meta is not None
         if hs.decision is Decision.SNAPSHOT_SYNC:
             self.snapshot_sync(hs.meta, report)

@@ -165,6 +165,8 @@ class SourceStream:
             if now - last_ack >= opts.ack_interval:
                 self._ack()
                 last_ack = now
+            if not self.members:  # the housekeeping handed the last ones back (taken over, a full sync asked)
+                continue
             low = min(m.read_to for m in self.members.values())
             probed = not moved and stalled_since is None
             due = min(next_check, last_ack + opts.ack_interval) - now

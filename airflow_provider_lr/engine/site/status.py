@@ -18,6 +18,7 @@ from airflow_provider_lr.engine.store import members, receive_queue, sink_sessio
 from airflow_provider_lr.engine.store.topology import Topology, TopologyDrift, config_id, drift
 from airflow_provider_lr.engine.tables import handover
 from airflow_provider_lr.engine.tables.registry import is_closed
+from airflow_provider_lr.engine.tables.targets import TableState
 from airflow_provider_lr.engine.vocabulary import (
     OPEN_STATUSES_SQL,
     RequestStatus,
@@ -284,6 +285,8 @@ def render(
             lines.append(f"         lease {holder(s)}")
         if s.get("waiting_for"):
             lines.append(f"         waiting for {s['waiting_for']}")
+        if s.get("tables_lacking") and not s.get("failed_over_to"):
+            lines.append(f"         tables not synced at the sink yet: {', '.join(s['tables_lacking'])}")
         if s.get("last_error"):
             lines.append(f"         last error: {one_line(s['last_error'])}")
         if s.get("failed_over_to"):
@@ -358,9 +361,39 @@ def closed_tables(found: dict[str, SiteStatus | str]) -> set[tuple[str, str]]:
     }
 
 
+def mark_tables_lacking(found: dict[str, SiteStatus | str]) -> None:
+    """Note on each session whose source and sink were read the tables its source federates for
+    the client that its sink has not synced (``tables_lacking``): the snapshot after a full sync, or
+    of a table just opened, still to come or under way. Until then it is not called ready."""
+    captured: dict[tuple[str, str], dict[str, int]] = {}  # (source, client) -> table -> its table_id
+    synced: dict[tuple[str, str, str], dict[str, int]] = {}  # (source, sink, client) -> table -> table_id
+    kept_out: dict[str, set[str]] = {}  # sink -> tables it opened --no-federated
+    read = {site: st for site, st in found.items() if isinstance(st, SiteStatus)}
+    for site, st in read.items():
+        for t in st.tables:
+            if t["role"] == "sink" and t["state"] == TableState.SYNCED:
+                synced.setdefault((t["source"], site, t["client"]), {})[t["table"]] = t["table_id"]
+            elif t["role"] == "registry" and not t["federated"]:
+                kept_out.setdefault(site, set()).add(t["table"])
+            elif t["role"] == "registry" and t["table_id"] is not None:
+                captured.setdefault((site, t["client"]), {})[t["table"]] = t["table_id"]
+    for st in read.values():
+        for s in st.sessions:
+            key = session_key(s)
+            if key.source in read and key.sink in read:
+                have = synced.get((key.source, key.sink, key.client), {})
+                wanted = captured.get((key.source, key.client), {})
+                s["tables_lacking"] = sorted(
+                    t
+                    for t, table_id in wanted.items()
+                    if have.get(t) != table_id and t not in kept_out.get(key.sink, ())
+                )
+
+
 def render_sites(found: dict[str, SiteStatus | str]) -> str:
     """Every site's status (or why it could not be read), each sink's sessions checked against
     the trim mark of its source read in the same run, and its tables against their sources'."""
+    mark_tables_lacking(found)
     marks, closed = trim_marks(found), closed_tables(found)
     return "\n".join(st if isinstance(st, str) else render(st, marks, closed) for st in found.values())
 
@@ -381,10 +414,15 @@ def health(
     ``topology`` (the file in hand) or an lr schema older than this lr's, else HEALTHY."""
     stale = topology_drift(found, topology)
     reasons = [stale.message()] if stale is not None else []
-    unreachable = [f"{site}: unreachable" for site, st in found.items() if isinstance(st, str)]
+    unreachable = [  # reached but not read (a lock held elsewhere, a privilege) is said as such
+        f"{site}: {'unreadable' if 'UNREADABLE' in st else 'unreachable'}"
+        for site, st in found.items()
+        if isinstance(st, str)
+    ]
     if unreachable:
         return UNREACHABLE, unreachable + reasons
     marks = trim_marks(found)
+    mark_tables_lacking(found)
     for st in found.values():
         assert isinstance(st, SiteStatus)
         for s in st.sessions:
@@ -403,6 +441,7 @@ def sites_as_dict(
     found: dict[str, SiteStatus | str], max_lag_seconds: float | None = None, topology: Topology | None = None
 ) -> dict:
     """``lr status --json``: every site, with readiness computed across sites, and the health verdict."""
+    mark_tables_lacking(found)
     marks, closed = trim_marks(found), closed_tables(found)
     sites = {}
     for site, st in found.items():

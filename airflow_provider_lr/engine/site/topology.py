@@ -112,6 +112,29 @@ def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site
         raise
 
 
+def _brought_back(conns: dict[str, psycopg2.extensions.connection], topology: Topology) -> list[str]:
+    """The sessions ``topology`` would bring back that a failover closed at their sink (it refuses
+    every writer of its session from the old source for good), each as a line saying so. A session
+    its source has now (the sites run a topology with it, as after a fail-back) is not brought back."""
+    closed: dict[tuple[str, str, str], str] = {}
+    for site_id, conn in conns.items():
+        with conn.cursor() as cur:
+            for (source, client), (promoted, _) in sink_sessions.failed_over(cur).items():
+                closed[(source, site_id, client)] = promoted
+        conn.rollback()
+    found = []
+    for key in topology.sessions():
+        to = closed.get((key.source, key.sink, key.client))
+        if to is None or key.source not in conns:
+            continue
+        with conns[key.source].cursor() as cur:
+            has_it = source_sessions.exists(cur, key.sink, key.client)
+        conns[key.source].rollback()
+        if not has_it:
+            found.append(f"session {key} was failed over to {to}")
+    return found
+
+
 def prune_sink_sessions(
     conn: psycopg2.extensions.connection, topology: Topology, site_id: str
 ) -> tuple[list[str], list[str]]:
@@ -166,6 +189,14 @@ def apply_everywhere(
                     f"connection {topology.conn_id(site_id)!r} of site {site_id!r} reaches site "
                     f"{recorded!r}; nothing was applied on any site"
                 )
+        closed = _brought_back(conns, topology)
+        if closed:
+            raise ConfigurationError(
+                f"{'; '.join(closed)}: a topology that makes a failed-over source the source of its clients "
+                "again would replicate into sessions its sinks closed for good. Use the topology `lr failover` "
+                "wrote (to move a source back: `lr failover --rejoin` it, then `lr failover --promote` it); "
+                "nothing was applied on any site"
+            )
         outcome: dict[str, tuple[list[str], list[str]]] = {}
         for site_id, conn in conns.items():
             try:

@@ -185,6 +185,8 @@ def readiness(session: dict, trim_mark: int | None = None) -> str:
 
     * source side: in log-entry sync, the sink's acknowledged position is not behind this site's
       trim mark, and no committed entry for the sink lies after it (``remaining``, counted live);
+    * both sides: the sink synced every table the source federates for the client (``tables_lacking``,
+      set by ``lr status``, which reads both);
     * sink side: the sink applied its full sync (``data_consistent``) *and* its last processed
       position is not behind the source's trim mark (``trim_mark``: the source's, None when the
       source was not reached — then "consistent" is not claimed). Behind the trim mark, entries it
@@ -200,11 +202,16 @@ def readiness(session: dict, trim_mark: int | None = None) -> str:
             return "not ready (snapshot)"
         if trim_mark is None:
             return "unchecked (source not reached)"
-        return "not ready (behind trim)" if behind else "consistent"
+        if behind:
+            return "not ready (behind trim)"
+        # a federated table's snapshot still to come (``lr status`` reads both sites and notes it)
+        return "not ready (table snapshot)" if session.get("tables_lacking") else "consistent"
     if session["state"] != SessionState.IN_LOG_ENTRY_SYNC:
         return "not ready (snapshot)" if session["sync_type"] == "SNAPSHOT" else "not ready (not started)"
     if behind:
         return "not ready (behind trim)"
+    if session.get("tables_lacking"):
+        return "not ready (table snapshot)"
     guard = session.get("first_guarded")
     if guard is not None:  # Qpid's ready: everything before the first guarded position is safe
         unsafe = session.get("unsafe_before_guard") or 0

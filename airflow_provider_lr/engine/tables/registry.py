@@ -150,6 +150,9 @@ def federate(
     definition = read_definition(cur, table)
     if definition is None:
         raise TableError(f"table {table} does not exist on this site")
+    why = _not_capturable(cur, table)
+    if why:
+        raise TableError(f"table {table} cannot be federated: {why}")
     if not definition.key:
         raise TableError(f"table {table} has no primary key; lr applies changes by key, so it needs one")
     if (
@@ -189,6 +192,31 @@ def federate(
     result = read(cur, table)
     assert result is not None
     return result
+
+
+def _not_capturable(cur: psycopg2.extensions.cursor, table: TableName) -> str | None:
+    """Why the capture triggers would not see every change of ``table`` (or must not be put on it),
+    or None. They are statement-level: a write to a partition or an inheritance child fires the
+    triggers of the table it names only, so a partitioned table, a partition, or a table with
+    inheritance parents or children would lose the writes made through the other; lr's own tables
+    and the system's are not an application's to replicate."""
+    cur.execute(
+        "SELECT c.relkind, c.relispartition, n.nspname, "
+        "EXISTS (SELECT 1 FROM pg_catalog.pg_inherits i WHERE i.inhrelid = c.oid OR i.inhparent = c.oid) "
+        "FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE c.oid = pg_catalog.to_regclass(%s)",
+        (table.ident.as_string(cur),),
+    )
+    kind, partition, schema, inherits = cur.fetchone()
+    if schema == "lr" or schema in ("pg_catalog", "information_schema") or schema.startswith(("pg_toast", "pg_temp")):
+        return f"it is one of {'lr' if schema == 'lr' else 'the system'}'s own tables"
+    if kind == "p" or partition:
+        return "it is partitioned or a partition (a write through the parent or straight to a partition would not be captured)"
+    if kind != "r":
+        return "it is not an ordinary table"
+    if inherits:
+        return "it has inheritance parents or children (a write to one of them would not be captured)"
+    return None
 
 
 def capturing(cur: psycopg2.extensions.cursor, table: TableName) -> bool:

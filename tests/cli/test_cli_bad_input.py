@@ -1,0 +1,106 @@
+"""Bad input through the `lr` CLI, as a user types it: each refused with one line that says why,
+exit 1, no traceback, and nothing half-written on any site."""
+
+from __future__ import annotations
+
+from airflow_provider_lr import cli
+from tests.cli.test_cli_sync import topology_file
+
+# Tables the statement-level capture triggers cannot follow whole (a write to a partition or an
+# inheritance child fires only the triggers of the table it names), or that are not an application's.
+NOT_CAPTURABLE = {
+    "public.measures": "partitioned or a partition",
+    "public.measures_2026": "partitioned or a partition",
+    "public.animals": "inheritance parents or children",
+    "public.cats": "inheritance parents or children",
+    "public.animal_names": "not an ordinary table",
+    "lr.log_entries": "lr's own tables",
+    "lr.source_sessions": "lr's own tables",
+    "pg_catalog.pg_class": "the system's own tables",
+    "information_schema.tables": "the system's own tables",
+}
+
+
+def test_a_table_whose_changes_capture_would_miss_or_that_is_lrs_own_is_refused(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """Federating a partitioned table used to be accepted and lose every write made straight to a
+    partition while `lr status` called the sinks consistent; lr's own log was accepted too (each
+    entry then captured into the log again)."""
+    source = lr_sites[0]
+    topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={})
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    source.query(
+        "CREATE TABLE public.measures (id int, d date, PRIMARY KEY (id, d)) PARTITION BY RANGE (d); "
+        "CREATE TABLE public.measures_2026 PARTITION OF public.measures FOR VALUES FROM ('2026-01-01') TO ('2027-01-01'); "
+        "CREATE TABLE public.animals (id int PRIMARY KEY, name text); "
+        "CREATE TABLE public.cats (PRIMARY KEY (id)) INHERITS (public.animals); "
+        "CREATE VIEW public.animal_names AS SELECT id, name FROM public.animals"
+    )
+    for table, why in NOT_CAPTURABLE.items():
+        capsys.readouterr()
+        assert cli.main(["tables", "open", table, "--client", "policy", "--topology", topo]) == 1, table
+        err = capsys.readouterr().err
+        assert f"lr: site-a: table {table} cannot be federated: " in err and why in err, err
+        assert len(err.strip().splitlines()) == 1, err
+    assert source.query("SELECT count(*) FROM lr.registry WHERE kind = 'table'") == [(0,)]
+    assert source.query("SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'lr\\_capture\\_%%'") == [(0,)]
+
+
+def test_a_step_a_site_refuses_is_said_on_one_line_naming_the_site_not_as_a_traceback(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """`lr tables open` while an application's transaction writes the table (its lock is held),
+    `lr trim` while lr's own table is locked: the lock timeout fires and the command says so on one
+    line naming the site (it used to end in a psycopg2 traceback), with nothing half-written; `lr
+    status` says the site was unreadable and why (it said "unreachable")."""
+    source = lr_sites[0]
+    topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={})
+    text = open(topo).read().replace("settings: {}", "settings: {lock_timeout_s: 1}")
+    open(topo, "w").write(text)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    source.query("CREATE TABLE public.items (id int PRIMARY KEY, v text)")
+    app = source.connect()
+    with app.cursor() as cur:
+        cur.execute("INSERT INTO public.items VALUES (1, 'in flight')")  # left open: its lock is held
+        for command in (["tables", "open", "public.items", "--client", "policy"], ["trim"]):
+            if command == ["trim"]:
+                cur.execute("LOCK TABLE lr.source_sessions IN ACCESS EXCLUSIVE MODE")
+            capsys.readouterr()
+            assert cli.main([*command, "--topology", topo]) == 1, command
+            err = capsys.readouterr().err
+            assert err.startswith("lr: site-a: a lock lr needs is held by another transaction (lock_timeout)"), err
+            assert len(err.strip().splitlines()) == 1 and "LINE" not in err, err
+        capsys.readouterr()  # lr status: the site was reached, not read, and says why
+        assert cli.main(["status", "--topology", topo]) == 2
+        out = capsys.readouterr().out
+        assert "site-a: UNREADABLE (a lock lr needs is held by another transaction" in out, out
+        assert "  site-a: unreadable" in out and "LINE" not in out, out
+    app.rollback()
+    assert source.query("SELECT count(*) FROM lr.registry WHERE kind = 'table'") == [(0,)]
+    assert cli.main(["tables", "open", "public.items", "--client", "policy", "--topology", topo]) == 0
+    app.close()
+
+
+def test_the_pre_failover_file_applied_again_is_refused_and_the_sites_keep_the_failovers_topology(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """After `lr failover`, every command refuses the old file and advises applying it if it is the
+    current one; applying it used to be accepted: site-a the source of its clients again, its
+    writers accepted, and each of their entries refused for good by the sinks (whose sessions from
+    site-a the failover closed) while `lr status` said healthy."""
+    site_a, site_b, site_c = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={"policy": "tests.support.session:empty_provider"})
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 0
+    new = tmp_path / "after.yaml"
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--out", str(new)]) == 0
+    held = [site.query("SELECT topology_config_id FROM lr.topology") for site in lr_sites]
+    capsys.readouterr()
+
+    assert cli.main(["topology", "apply", "--topology", topo]) == 1
+    err = capsys.readouterr().err
+    assert "session site-a->site-c/policy was failed over to site-b" in err, err
+    assert "nothing was applied on any site" in err and len(err.strip().splitlines()) == 1, err
+    assert [site.query("SELECT topology_config_id FROM lr.topology") for site in lr_sites] == held
+    assert cli.main(["topology", "apply", "--topology", str(new)]) == 0  # the failover's own file, again

@@ -1,0 +1,110 @@
+"""Pairs of features in lr's default mode (streaming) that no other test puts together: a stream
+whose every session is taken away at once; `lr sync --until-idle` run beside a streaming `lr sync`;
+a streamed key change to an equal value of another form; a json value that jsonb refuses.
+
+Each test is one scenario, cheap, through the engine's streaming replicator (``lr sync``'s default)
+or the ``lr`` CLI."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from airflow_provider_lr.engine.session.settings import StreamSettings
+from airflow_provider_lr.engine.site.replicator import unsettled
+from tests.support.session import App, Streaming, apply, queue, replicator, wait_for
+from tests.support.tables import federate
+
+ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
+
+
+def logs(sink) -> list[str]:
+    return [p for k, p in queue(sink, "site-a") if k == "log"]
+
+
+def test_a_stream_whose_every_session_is_taken_over_waits_for_the_next_one_without_failing(lr_sites, caplog):
+    """Another replicator takes the only streaming session of a source (its lease at a higher
+    epoch): the source's stream hands it back and, with no session left, waits for the next one
+    instead of failing with a traceback; when the session comes back it streams on the same stream."""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:empty_provider"})
+    app = App(source)
+    options = StreamSettings(check_interval=0.1, ack_interval=0.05)
+    with caplog.at_level(logging.INFO), Streaming(replicator(topo, lr_sites, lease_seconds=2.0), options) as streaming:
+        streaming.streaming()
+        stream = streaming.streamer.sources["site-a"]
+        app.put("k0", 0, ["site-b"])
+        wait_for(lambda: logs(sink_b) == ["k0=0"], 10, "the first entry")
+        source.query(  # another replicator's lease, for a second
+            "UPDATE lr.source_sessions SET lease_owner = 'another', lease_epoch = lease_epoch + 1, "
+            "lease_expires_at = now() + interval '1 second'"
+        )
+        wait_for(lambda: streaming.streamer.ends, 10, "the session handed back")
+        streaming.streaming()  # once the other's lease ran out, the cycles bring it back to the stream
+        app.put("k1", 1, ["site-b"])
+        wait_for(lambda: logs(sink_b) == ["k0=0", "k1=1"], 10, "the next entry")
+        assert streaming.streamer.sources["site-a"] is stream and not stream.finished, "the same stream goes on"
+    failures = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not failures, failures
+    app.close()
+
+
+def test_until_idle_beside_a_streaming_replicator_ends_once_the_sessions_it_holds_are_caught_up(lr_sites):
+    """`lr sync --until-idle` (a drain in a script) while `lr sync` streams every session: the
+    sessions are another replicator's, caught up, so the run ends at once, settled. It used to wait
+    out --give-up-after (60 s) and exit 1, calling every session unsettled ("another replicator
+    holds this session's lease"), whatever their state."""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:empty_provider"})
+    app = App(source)
+    options = StreamSettings(check_interval=0.1, ack_interval=0.05)
+    with Streaming(replicator(topo, lr_sites, lease_seconds=30.0), options) as streaming:
+        streaming.streaming()
+        for i in range(5):
+            app.put(f"k{i}", i, ["site-b"])
+        wait_for(lambda: len(logs(sink_b)) == 5, 10, "the entries streamed")
+        drain = replicator(topo, lr_sites, owner="a-script", lease_seconds=30.0)
+        started = time.monotonic()
+        reports = drain.run(until_idle=True, give_up_after=5.0, interval=0.05)
+        took = time.monotonic() - started
+        drain.close()
+        assert [r.skipped.startswith("another replicator holds") for r in reports] == [True]
+        assert not unsettled(reports) and took < 3.0, (unsettled(reports), took)
+    app.close()
+
+
+def test_a_streamed_key_changed_to_an_equal_value_of_another_form_takes_that_form_at_the_sink(lr_sites):
+    """numeric 1.0 -> 1.00 is no delete and insert (the keys are equal), only the row's new image:
+    the sink's upsert kept its own key, 1.0, while the source holds 1.00, and nothing said so."""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:empty_provider"})
+    source.query(
+        "CREATE TABLE public.amounts (k numeric PRIMARY KEY, v text); INSERT INTO public.amounts VALUES (1.0, 'a')"
+    )
+    federate(source, "public.amounts")
+    options = StreamSettings(check_interval=0.1, ack_interval=0.05)
+    keys = "SELECT k::text, v FROM public.amounts ORDER BY k"
+    with Streaming(replicator(topo, lr_sites, lease_seconds=30.0), options) as streaming:
+        streaming.streaming()
+        wait_for(lambda: sink_b.query("SELECT to_regclass('public.amounts')") != [(None,)], 10, "the snapshot")
+        source.query("UPDATE public.amounts SET k = 1.00, v = 'b' WHERE k = 1")
+        wait_for(lambda: sink_b.query(keys)[0][1] == "b", 10, "the change")
+    assert sink_b.query(keys) == source.query(keys) == [("1.00", "b")]
+
+
+def test_a_json_value_jsonb_refuses_is_written_captured_and_streamed_as_it_is(lr_sites):
+    """PostgreSQL's json type keeps a "\\u0000" escape that jsonb refuses: the capture trigger built
+    the row image with to_jsonb(row), so once the table was federated the writer's own INSERT and
+    UPDATE failed ("unsupported Unicode escape sequence"). Needs migration V0026."""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:empty_provider"})
+    source.query("CREATE TABLE public.docs (id int PRIMARY KEY, doc json, n int)")
+    federate(source, "public.docs")
+    options = StreamSettings(check_interval=0.1, ack_interval=0.05)
+    docs = "SELECT id, doc::text, n FROM public.docs ORDER BY id"
+    with Streaming(replicator(topo, lr_sites, lease_seconds=30.0), options) as streaming:
+        streaming.streaming()
+        source.query("""INSERT INTO public.docs VALUES (1, '{"a": "\\u0000",  "a": 2}', 1), (2, '[]', 2)""")
+        source.query("""UPDATE public.docs SET id = id + 10, doc = '["\\u0000"]' WHERE id = 2""")
+        wait_for(lambda: sink_b.query(docs) == source.query(docs), 10, "the rows at the sink")
+    assert [d for _, d, _ in sink_b.query(docs)] == ['{"a": "\\u0000",  "a": 2}', '["\\u0000"]']
