@@ -95,7 +95,7 @@ def test_a_streamed_key_changed_to_an_equal_value_of_another_form_takes_that_for
 def test_a_json_value_jsonb_refuses_is_written_captured_and_streamed_as_it_is(lr_sites):
     """PostgreSQL's json type keeps a "\\u0000" escape that jsonb refuses: the capture trigger built
     the row image with to_jsonb(row), so once the table was federated the writer's own INSERT and
-    UPDATE failed ("unsupported Unicode escape sequence"). Needs migration V0026."""
+    UPDATE failed ("unsupported Unicode escape sequence"). Needs migration V0025."""
     source, sink_b, _ = lr_sites
     topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:empty_provider"})
     source.query("CREATE TABLE public.docs (id int PRIMARY KEY, doc json, n int)")

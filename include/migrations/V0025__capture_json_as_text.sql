@@ -1,4 +1,4 @@
--- lr schema v26: the capture trigger of federated tables (V0015) no longer fails the writer's
+-- lr schema v25: the capture trigger of federated tables (V0015) no longer fails the writer's
 -- statement on a json value that jsonb cannot hold. A json column travels as its text form (V0015),
 -- but its row image was to_jsonb(row.*) with the text forms laid over it: to_jsonb parsed every json
 -- column first, and a json value PostgreSQL's json type accepts and jsonb refuses (a "\u0000"
