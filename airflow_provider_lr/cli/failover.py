@@ -36,6 +36,8 @@ def cmd_failover(args: argparse.Namespace) -> int:
                 )
         for table in back.guarded:
             print(f"  table {table}: a sink of the new source now; writes of this site's applications are refused")
+        for name in back.reopened:
+            print(f"  reopened session {name}, closed here by an earlier failover")
         print("  its sessions from the new source start with a full sync (`lr sync` or the lr_replication DAG)")
         return 0
     old = args.from_site or failover.only_source(topo, args.promote)

@@ -71,6 +71,7 @@ class LRFailoverOperator(BaseOperator):
                 "tail": back.tail,
                 "table_tail": back.table_tail,
                 "guarded": back.guarded,
+                "reopened": back.reopened,
                 "topology_config_id": back.topology_config_id,
             }
         if not self.promote:

@@ -1,7 +1,9 @@
 """A site a failover could not reach comes back (``lr failover --rejoin``): it gets the failover's
 topology; the old source first counts what it committed for the failed-over clients after the
 cut (nobody received it: reported, not replicated) and its tables of those clients stop being
-captured there (the new source's snapshot replaces them).
+captured there (the new source's snapshot replaces them). A session from the new source that an
+earlier failover closed on the site (a fail-back: the new source was its source before) is
+reopened for a full sync.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.db.topology_schema import Origin
 from airflow_provider_lr.engine.site.topology import apply_to_site
-from airflow_provider_lr.engine.store import source_sessions
+from airflow_provider_lr.engine.store import sink_sessions, source_sessions
 from airflow_provider_lr.engine.store import topology as topology_model
 from airflow_provider_lr.engine.tables import handover
 from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, STREAM_TABLE_CHANGES, SessionKey
@@ -27,6 +29,7 @@ class RejoinResult:
     tail: dict[str, int]  # client -> entries it committed after the cut that nobody received
     table_tail: dict[str, int] = field(default_factory=dict)  # client -> table change entries likewise (replaced)
     guarded: list[str] = field(default_factory=list)  # its tables of the clients, now refused to its writers
+    reopened: list[str] = field(default_factory=list)  # its sessions from the new source an earlier failover closed
 
 
 def rejoin_site(conn: psycopg2.extensions.connection, site: str, record: dict) -> RejoinResult:
@@ -37,6 +40,7 @@ def rejoin_site(conn: psycopg2.extensions.connection, site: str, record: dict) -
     table_tail: dict[str, int] = {}
     retired: list[str] = []
     guarded: list[str] = []
+    reopened: list[str] = []
     try:
         with conn.cursor() as cur:
             if record["from_site_id"] == site:
@@ -52,6 +56,13 @@ def rejoin_site(conn: psycopg2.extensions.connection, site: str, record: dict) -
                 # the old source's sessions of the clients, retired by the topology below
                 retired = [str(SessionKey(site, s, c)) for s, c in source_sessions.sessions_of(cur, record["clients"])]
             apply_to_site(conn, target, site, commit=False)
+            # a fail-back: the new source was this site's source before an earlier failover closed its
+            # sessions here; they start again with a full sync, as a first contact would
+            new_source = record["to_site_id"]
+            reopened = [
+                str(SessionKey(new_source, site, c))
+                for c in sink_sessions.reopen_closed(cur, new_source, record["clients"])
+            ]
             if record["from_site_id"] == site:  # a sink of its tables now: the new source's snapshot replaces them
                 taken = record["outcome"].get("tables", {})
                 for client in record["clients"]:
@@ -60,4 +71,6 @@ def rejoin_site(conn: psycopg2.extensions.connection, site: str, record: dict) -
     except BaseException:
         conn.rollback()
         raise
-    return RejoinResult(site, record["failover_id"], target.topology_config_id, retired, tail, table_tail, guarded)
+    return RejoinResult(
+        site, record["failover_id"], target.topology_config_id, retired, tail, table_tail, guarded, reopened
+    )

@@ -120,7 +120,8 @@ class FencedTransaction:
                 raise FencedError(
                     f"session {SessionKey(self.source, here, self.client)} was failed over: {self.client!r} now "
                     f"comes from {row['failed_over_to']!r} (`lr failover`); {self.source!r} writes no more here, "
-                    f"whatever its epoch (rejoin it with `lr failover --rejoin {self.source}`)"
+                    f"whatever its epoch (rejoin the site that came back: `lr failover --rejoin {self.source}`, or "
+                    f"`lr failover --rejoin {here}` when {self.source!r} is the source again after a later failover)"
                 )
             if row["lease_epoch"] > self.epoch:
                 here = _sink_id(self.cur)
@@ -329,6 +330,19 @@ def close_reconciled(
         "WHERE source_site_id = %s AND client_name = %s",
         (to_site, failover_id, note, position, source, client),
     )
+
+
+def reopen_closed(cur: psycopg2.extensions.cursor, source: str, clients: list[str]) -> list[str]:
+    """The clients whose session from ``source`` an EARLIER failover closed here (``source`` was its
+    old source then, and is the source again: a fail-back), reopened for a full sync (not consistent,
+    epoch raised): what this site holds of ``source``'s stream stopped at that failover's cut."""
+    cur.execute(
+        "UPDATE lr.sink_sessions SET failed_over_to = NULL, failover_id = NULL, failover_note = NULL, "
+        "data_consistent = false, lease_epoch = lease_epoch + 1, updated_at = now() "
+        "WHERE source_site_id = %s AND client_name = ANY (%s) AND failed_over_to IS NOT NULL RETURNING client_name",
+        (source, clients),
+    )
+    return sorted(row[0] for row in cur.fetchall())
 
 
 def start_in_log_entry_sync(

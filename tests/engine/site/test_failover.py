@@ -507,3 +507,34 @@ def test_a_failover_killed_between_promoting_and_reconciling_hands_the_tables_ov
     run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(B, C, "policy")]))
     assert rows(site_c) == rows(site_b) and len(rows(site_c)) == 40  # site-a's delete beyond the cut is undone
     app.close()
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["unplanned", "planned"])
+def test_a_fail_back_to_the_first_source_reaches_every_sink_again(lr_sites, planned):
+    """site-a → site-b → back to site-a (each failover unplanned with its old source down and then
+    rejoined, or planned): site-b's session from site-a, closed by the first failover, is not left
+    closed by the second; site-a's entries after the fail-back reach site-b and site-c once."""
+    topo, app = _setup(lr_sites)
+    away = failover.promote(
+        failover.FailoverRequest(A, B, planned=planned), _connect(lr_sites, () if planned else (A,))
+    )
+    if not planned:
+        assert failover.rejoin(A, _connect(lr_sites), topo).reopened == []  # site-a never had a session from site-b
+    at_b = App(lr_sites[1])
+    at_b.put("at-b", 1, [A, C])
+    assert not [r.error for r in run_until_idle(replicator(away.topology, lr_sites, providers=PROVIDERS)) if r.error]
+
+    back = failover.promote(
+        failover.FailoverRequest(B, A, planned=planned), _connect(lr_sites, () if planned else (B,))
+    )
+    if not planned:
+        assert failover.rejoin(B, _connect(lr_sites), away.topology).reopened == [f"{A}->{B}/policy"]
+    for n in range(2):  # the first to set the sessions up (site-b's with a full sync), the second to stream
+        reports = run_until_idle(replicator(back.topology, lr_sites, providers=PROVIDERS))
+        assert not [r.error for r in reports if r.error]
+        if n == 0:
+            app.put("after-fail-back", 2, [B, C])
+    for sink in (lr_sites[1], lr_sites[2]):
+        assert sink_queue(sink, "policy", source=A).count(b"after-fail-back=2") == 1, sink.site_id
+    app.close()
+    at_b.close()
