@@ -25,7 +25,7 @@ from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 from tests.support.session import App, apply, queue, sink_queue, table_provider
 from tests.support.session import replicator as _replicator
 from tests.support.subscriber import Recorder
-from tests.support.tables import create_accounts, federate, rows, site_status
+from tests.support.tables import create_accounts, cycle_errors, federate, rows, site_status
 
 A, B, C = "site-a", "site-b", "site-c"
 PROVIDERS = {"policy": table_provider}
@@ -536,5 +536,31 @@ def test_a_fail_back_to_the_first_source_reaches_every_sink_again(lr_sites, plan
             app.put("after-fail-back", 2, [B, C])
     for sink in (lr_sites[1], lr_sites[2]):
         assert sink_queue(sink, "policy", source=A).count(b"after-fail-back=2") == 1, sink.site_id
+    app.close()
+    at_b.close()
+
+
+def test_a_fail_back_hands_the_federated_table_back_and_every_site_follows_site_a_again(lr_sites):
+    site_a, site_b, site_c = lr_sites
+    topo, app = _tables_setup(lr_sites)
+    away = failover.promote(failover.FailoverRequest(A, B), _connect(lr_sites, down=(A,)))
+    failover.rejoin(A, _connect(lr_sites), topo)
+    at_b = App(site_b)
+    _write(at_b, "UPDATE public.accounts SET owner = 'site-b' WHERE id <= 4", "b0", 0, [A, C])
+    assert cycle_errors(run_until_idle(replicator(away.topology, lr_sites, providers=PROVIDERS))) == []
+    assert rows(site_a) == rows(site_b) == rows(site_c)
+
+    back = failover.promote(failover.FailoverRequest(B, A), _connect(lr_sites, down=(B,)))
+    assert failover.rejoin(B, _connect(lr_sites), away.topology).guarded == ["public.accounts"]
+    with pytest.raises(psycopg2.Error, match="replicated from site site-a since a failover: write it there"):
+        site_b.query("UPDATE public.accounts SET owner = 'local' WHERE id = 1")
+    app.close()
+    app = App(site_a)
+    for n in range(2):  # the first sets site-b's session up again (a full sync), the second streams
+        assert cycle_errors(run_until_idle(replicator(back.topology, lr_sites, providers=PROVIDERS))) == []
+        _write(app, f"UPDATE public.accounts SET balance = {n + 100} WHERE id > 30", f"a{n}", n, [B, C])
+    assert cycle_errors(run_until_idle(replicator(back.topology, lr_sites, providers=PROVIDERS))) == []
+    assert rows(site_a) == rows(site_b) == rows(site_c)
+    assert all(site_status(s).diverged == [] for s in lr_sites)
     app.close()
     at_b.close()
