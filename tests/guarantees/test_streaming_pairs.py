@@ -1,6 +1,6 @@
 """Pairs of features in lr's default mode (streaming) that no other test puts together: a stream
 whose every session is taken away at once; `lr sync --until-idle` run beside a streaming `lr sync`;
-a streamed key change to an equal value of another form; a json value that jsonb refuses.
+a json value that jsonb refuses.
 
 Each test is one scenario, cheap, through the engine's streaming replicator (``lr sync``'s default)
 or the ``lr`` CLI."""
@@ -71,25 +71,6 @@ def test_until_idle_beside_a_streaming_replicator_ends_once_the_sessions_it_hold
         assert [r.skipped.startswith("another replicator holds") for r in reports] == [True]
         assert not unsettled(reports) and took < 3.0, (unsettled(reports), took)
     app.close()
-
-
-def test_a_streamed_key_changed_to_an_equal_value_of_another_form_takes_that_form_at_the_sink(lr_sites):
-    """numeric 1.0 -> 1.00 is no delete and insert (the keys are equal), only the row's new image:
-    the sink's upsert kept its own key, 1.0, while the source holds 1.00, and nothing said so."""
-    source, sink_b, _ = lr_sites
-    topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:empty_provider"})
-    source.query(
-        "CREATE TABLE public.amounts (k numeric PRIMARY KEY, v text); INSERT INTO public.amounts VALUES (1.0, 'a')"
-    )
-    federate(source, "public.amounts")
-    options = StreamSettings(check_interval=0.1, ack_interval=0.05)
-    keys = "SELECT k::text, v FROM public.amounts ORDER BY k"
-    with Streaming(replicator(topo, lr_sites, lease_seconds=30.0), options) as streaming:
-        streaming.streaming()
-        wait_for(lambda: sink_b.query("SELECT to_regclass('public.amounts')") != [(None,)], 10, "the snapshot")
-        source.query("UPDATE public.amounts SET k = 1.00, v = 'b' WHERE k = 1")
-        wait_for(lambda: sink_b.query(keys)[0][1] == "b", 10, "the change")
-    assert sink_b.query(keys) == source.query(keys) == [("1.00", "b")]
 
 
 def test_a_json_value_jsonb_refuses_is_written_captured_and_streamed_as_it_is(lr_sites):

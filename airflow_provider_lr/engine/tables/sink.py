@@ -179,13 +179,14 @@ def upsert_from(cur: psycopg2.extensions.cursor, target: Target, staging: sql.Co
 
 
 def _on_conflict(d: TableDefinition) -> sql.Composed:
-    """An upsert that sets the key columns too: a key changed to an equal value of another form
-    (numeric 1.0 to 1.00, float8 0 to -0) is no delete and insert at the source's capture, only
-    this row's new image, and the sink's row must take its form (an unchanged key stays HOT)."""
+    rest = [c for c in d.column_names if c not in d.key]
+    keys = sql.SQL(", ").join(map(sql.Identifier, d.key))
+    if not rest:
+        return sql.SQL("ON CONFLICT ({}) DO NOTHING").format(keys)
     return sql.SQL("ON CONFLICT ({}) DO UPDATE SET ({}) = ROW({})").format(
-        sql.SQL(", ").join(map(sql.Identifier, d.key)),
-        sql.SQL(", ").join(map(sql.Identifier, d.column_names)),
-        sql.SQL(", ").join(sql.SQL("EXCLUDED.{}").format(sql.Identifier(c)) for c in d.column_names),
+        keys,
+        sql.SQL(", ").join(map(sql.Identifier, rest)),
+        sql.SQL(", ").join(sql.SQL("EXCLUDED.{}").format(sql.Identifier(c)) for c in rest),
     )
 
 
