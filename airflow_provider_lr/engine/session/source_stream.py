@@ -311,6 +311,7 @@ class SourceStream:
             topology_id = recorded_id(self.src)
             backlogs = {(b.sink, b.client): b for b in session_backlogs(self.src)}
             requested = full_sync.sessions_requested(self.src)
+            federated = registry.federated_tables_of(self.src, {m.key.client for m in members})
         renewals = []
         for member in members:
             values: dict[str, object] = {
@@ -323,7 +324,6 @@ class SourceStream:
                 self.counters.lag(member.key, backlog.entries, backlog.lag_seconds)
             renewals.append((member.lease, values))
         lost = self._update_leases(renewals)
-        federated: dict[str, list[registry.FederatedTable]] = {}  # per client, read once for its sinks
         for member in members:
             key = member.key
             if member.ended:  # the renewal itself failed
@@ -335,8 +335,6 @@ class SourceStream:
                     raise _Handback("the topology changed")
                 if (key.sink, key.client) in requested:
                     raise _Handback("a full sync was requested")
-                if key.client not in federated:
-                    federated[key.client] = registry.federated_tables(self.src, key.client)
                 if table_snapshot.needed(self.src, self.sinks.conn(key.sink), key, federated[key.client]):
                     raise _Handback("a table was federated (its snapshot is taken by a cycle)")
             except Exception as exc:

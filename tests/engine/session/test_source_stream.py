@@ -7,6 +7,10 @@ from __future__ import annotations
 import itertools
 import time
 
+import psycopg2
+import psycopg2.extensions
+from psycopg2 import sql
+
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.session.settings import StreamSettings
@@ -92,3 +96,41 @@ def test_a_session_whose_one_round_trip_write_is_lost_after_its_commit_comes_bac
         )
         assert [e.reason for e in streaming.streamer.ends].count("failed") == 1, streaming.streamer.ends
     writer.close()
+
+
+class _TracedCursor(psycopg2.extensions.cursor):
+    """Records each statement with the port of the server it went to."""
+
+    sent: list[tuple[int, str]] = []
+
+    def execute(self, query, vars=None):  # type: ignore[no-untyped-def]
+        text = query.as_string(self) if isinstance(query, sql.Composable) else str(query)
+        _TracedCursor.sent.append((self.connection.info.port, text))
+        return super().execute(query, vars)
+
+
+def test_an_idle_stream_of_many_clients_reads_the_sources_federated_tables_once_per_check(lr_sites, monkeypatch):
+    """Twelve clients to two sinks (24 sessions) stream and nothing is written: each check of the
+    stream looks for newly federated tables of every client in ONE statement on the source, not one
+    per client (a query per client per second on an idle source, 3 round trips each)."""
+    source = lr_sites[0]
+    clients = [f"client-{i}" for i in range(12)]
+    topo = apply(
+        lr_sites,
+        [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": clients}],
+        providers={c: "tests.support.session:empty_provider" for c in clients},
+    )
+    connect = psycopg2.connect
+    monkeypatch.setattr(psycopg2, "connect", lambda dsn, **kw: connect(dsn, cursor_factory=_TracedCursor, **kw))
+    repl = replicator(topo, lr_sites, providers={c: empty_provider for c in clients}, lease_seconds=2.0)
+    with Streaming(repl, FAST) as streaming:
+        streaming.streaming()
+        _TracedCursor.sent.clear()
+        time.sleep(1.0)  # about five checks (FAST: every 0.2 s)
+        on_source = [q for port, q in list(_TracedCursor.sent) if port == source.server.port]
+    checks = sum("SELECT DISTINCT sink_site_id, client_name FROM lr.full_sync_requests" in q for q in on_source)
+    registry_reads = sum("FROM lr.registry" in q for q in on_source)
+    assert checks >= 3, f"the stream checked {checks} times in a second (every 0.2 s expected)"
+    assert registry_reads <= checks + 1, (
+        f"{registry_reads} reads of the source's registry in {checks} checks of 12 clients: one per client per check"
+    )
