@@ -165,6 +165,8 @@ class SourceStream:
             if now - last_ack >= opts.ack_interval:
                 self._ack()
                 last_ack = now
+            if not self.members:  # the check or the acks handed every session back: wait for the next
+                continue
             low = min(m.read_to for m in self.members.values())
             probed = not moved and stalled_since is None
             due = min(next_check, last_ack + opts.ack_interval) - now
