@@ -140,7 +140,8 @@ class Membership:
             self._failing.discard(source)
             log.info("replicator member %s: heartbeats at %s again", self.owner, source)
         with self._guard:
-            self._view[source] = found
+            if source in self.sources:  # not one ``follow`` just left
+                self._view[source] = found
             share = self._share()
             changed, self._assigned = share != self._assigned, share
         if changed:
