@@ -49,9 +49,14 @@ the kill to its first arrival after it (``takeover_s`` is the longest: how long 
 deliver again what the dead one held), waited for at most ``--takeover-wait`` seconds; lost and
 duplicated over the whole run.
 
+Idle (``--idle S``, off by default): once every session streams, before the writers start, the
+replicators' CPU (their process groups) and the transactions run on the source (its
+``pg_stat_database``: only ``lr sync`` connects there before writing) over S seconds, and how long
+every session took to stream (``ready_s``): what many sessions cost while nothing happens.
+
 Run: .venv/bin/python bench/scale_bench.py [--sessions 1,2,4,8,16,32,64] [--rate 500] [--seconds 20]
      [--warmup 3] [--systems lr,native] [--max-sinks 8] [--sink-servers 2] [--lr-cmd "lr sync"]
-     [--takeover-sessions 8] [--takeover-wait 90] [--keep] [--out bench/results/scale_bench.json]
+     [--takeover-sessions 8] [--takeover-wait 90] [--idle 0] [--keep] [--out bench/results/scale_bench.json]
 Writes the JSON and a markdown table beside it (same name, ``.md``). Ctrl-C stops everything.
 """
 
@@ -246,9 +251,11 @@ class ScaleLr(System):
         replicators: int = 1,
         ready_timeout: float = 600.0,
         probe_every: float = 0.5,
+        idle: float = 0.0,
     ) -> None:
         self.servers, self.home, self.lr_cmd, self.layout, self.tag = servers, home, lr_cmd, layout, tag
         self.replicators, self.ready_timeout, self.probe_every = replicators, ready_timeout, probe_every
+        self.idle = idle
         self.sites: LrSites | None = None
         self.lrs: list[LrProcess] = []
         self.ctx = mp.get_context("spawn")
@@ -305,6 +312,40 @@ class ScaleLr(System):
                 )
             time.sleep(POLL_S)
         self._details["ready_s"] = round(time.monotonic() - started, 1)
+        if self.idle > 0:
+            self._measure_idle()
+
+    def _measure_idle(self) -> None:
+        """Every session streaming and nothing written for ``idle`` seconds (after the cycles'
+        connections rested): the replicators' CPU and the transactions they run on the source."""
+        assert self.sites is not None
+        time.sleep(6.0)  # lr sync closes a cycle connection unused for 5 s
+        source = psycopg2.connect(self.sites.dsns[SOURCE])
+        source.autocommit = True
+
+        def transactions() -> int:
+            with source.cursor() as cur:
+                cur.execute(
+                    "SELECT xact_commit + xact_rollback FROM pg_catalog.pg_stat_database WHERE datname = "
+                    "current_database()"
+                )
+                return int(cur.fetchone()[0])
+
+        try:
+            cpu, xacts, started = [group_cpu_s(lr.pid) for lr in self.lrs], transactions(), time.monotonic()
+            time.sleep(self.idle)
+            spent = sum(group_cpu_s(lr.pid) for lr in self.lrs) - sum(cpu)
+            elapsed = time.monotonic() - started
+            self._details["idle_cpu_pct"] = round(100 * spent / elapsed, 2)
+            self._details["idle_source_xacts_per_s"] = round((transactions() - xacts - 2) / elapsed, 1)
+        finally:
+            source.close()
+        print(
+            f"  {self.layout.label}: every session streaming after {self._details['ready_s']} s; idle: lr sync "
+            f"{self._details['idle_cpu_pct']}% CPU, {self._details['idle_source_xacts_per_s']} transactions/s "
+            "on the source",
+            flush=True,
+        )
 
     def source_dsn(self) -> str:
         assert self.sites is not None
@@ -578,6 +619,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--takeover-kill-after", type=float, default=8.0, help="seconds of writing before the SIGKILL")
     parser.add_argument("--takeover-write-after", type=float, default=5.0, help="seconds of writing after it")
     parser.add_argument("--takeover-wait", type=float, default=90.0, help="longest wait for the survivor (s)")
+    parser.add_argument(
+        "--idle",
+        type=float,
+        default=0.0,
+        help="before writing, measure lr sync idle this long (its CPU, its transactions on the source)",
+    )
     parser.add_argument("--probe-every", type=float, default=0.5, help="seconds between usage samples")
     parser.add_argument("--drain-timeout", type=float, default=300.0, help="longest wait for the last arrivals (s)")
     parser.add_argument("--stall", type=float, default=60.0, help="stop waiting after this long without an arrival (s)")
@@ -626,7 +673,9 @@ def main(argv: list[str] | None = None) -> int:
             row["sessions"] = layout.sessions
             systems: list[tuple[str, System]] = []
             if "lr" in args.system_list:
-                lr = ScaleLr(servers, home, args.lr_cmd, layout, layout.label, probe_every=args.probe_every)
+                lr = ScaleLr(
+                    servers, home, args.lr_cmd, layout, layout.label, probe_every=args.probe_every, idle=args.idle
+                )
                 systems.append(("lr", lr))
             if "native" in args.system_list and layout.sinks not in native:
                 systems.append(("native", ScaleNative(servers, layout.sinks, args.probe_every)))

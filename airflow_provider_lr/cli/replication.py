@@ -10,6 +10,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import psycopg2.extensions
+
 from airflow_provider_lr.cli.common import (
     at_site,
     check_topology,
@@ -122,7 +124,16 @@ def cmd_sync(args: argparse.Namespace) -> int:
     # an open-ended run shares the sessions with the other `lr sync` processes (membership); a
     # bounded one (a batch, a catch-up) works every session it can lease, as it ends anyway
     bounded = bool(args.once or args.cycles or args.until_idle)
-    repl = replicator.Replicator(topo, connector(topo), log_failures=False, membership=not bounded)  # prints reports
+    # an open-ended run follows its topology file (an edit applied meanwhile: sessions, sites)
+    following: list[replicator.Replicator] = []
+
+    def connect(site_id: str) -> psycopg2.extensions.connection:
+        return connector(following[0].topology if following else topo)(site_id)
+
+    repl = replicator.Replicator(
+        topo, connect, log_failures=False, membership=not bounded, follow_file=not bounded
+    )  # prints reports
+    following.append(repl)
     skips: dict[str, str] = {}  # a session leased elsewhere is said once, and again when that changes
     failing = RepeatedErrors()  # a sink down for minutes is said once, then "still failing (N times)"
 

@@ -195,3 +195,39 @@ def test_a_third_lr_sync_joining_gets_its_share(lr_sites, tmp_path, monkeypatch,
         )
     finally:
         stop(*processes)
+
+
+def _synced(sinks, client: str) -> bool:
+    """Every sink holds the client's full sync (its end marker)."""
+    return all(("end", "") in queue(s, "site-a", client=client) for s in sinks)
+
+
+@pytest.mark.slow
+def test_lr_sync_follows_a_topology_apply_that_adds_and_removes_a_client(lr_sites, tmp_path, monkeypatch):
+    """A running `lr sync` whose topology file is edited and applied (client c3 added, c2 removed)
+    takes the new client's sessions up within seconds and lets the removed one's go, without a
+    restart: before, c3's sessions waited for one and c2's failed at every retry."""
+    source, *sinks = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    log = tmp_path / "sync.log"
+    lr = lr_sync(topo, log)
+    try:
+        wait_for(lambda: streaming(source) == 6, 60, "six sessions streaming")
+        doc = yaml.safe_load(Path(topo).read_text())
+        doc["replication"][0]["clients"] = ["c0", "c1", "c3"]
+        doc["providers"] = {c: "tests.support.session:empty_provider" for c in ("c0", "c1", "c3")}
+        Path(topo).write_text(yaml.safe_dump(doc))
+        assert cli.main(["topology", "apply", "--topology", topo]) == 0
+        changed = log.read_text().count("\n")
+        wait_for(lambda: streaming(source) == 6 and _synced(sinks, "c3"), 15, "c3's sessions synced and streaming")
+        conn = source.connect()
+        RoutingQueueClient(conn, "c3").transmit_log_entry_message(b"c3:1", list(SINKS))
+        conn.commit()
+        conn.close()
+        wait_for(lambda: all(queue(s, "site-a", client="c3")[-1:] == [("log", "c3:1")] for s in sinks), 10, "c3")
+        time.sleep(2.5)  # a removed session's retries (1 s, then 2 s) would show by now
+        after = log.read_text().splitlines()[changed:]
+        assert not [line for line in after if "/c2" in line and ("ERROR" in line or "failing" in line)], after
+        assert lr.poll() is None
+    finally:
+        stop(lr)

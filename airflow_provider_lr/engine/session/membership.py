@@ -97,7 +97,26 @@ class Membership:
     def _keep(self, source: str) -> None:
         pause = self.settings.member_heartbeat
         while not self._stop.wait(max(0.0, self._last.get(source, 0.0) + pause - time.monotonic())):
+            if source not in self.sources:  # no session of it any more (``follow``): leave it
+                self._drop(source)
+                return
             self._beat_at(source)
+
+    def follow(self, sessions: Sequence[SessionKey]) -> None:
+        """Share ``sessions`` from now on (the topology changed): a new source is joined, with a
+        heartbeat thread of its own; one with no session any more is left by its thread."""
+        with self._guard:
+            self.sessions = sorted(set(sessions))
+            self.sources = sorted({key.source for key in self.sessions})
+            self._view = {source: self._view.get(source, [self.owner]) for source in self.sources}
+            self._assigned = self._share()
+        beating = {thread.name for thread in self._threads if thread.is_alive()}
+        for source in self.sources:
+            if f"lr-member-{source}" not in beating and not self._stop.is_set():
+                self._beat_at(source, due=True)
+                thread = threading.Thread(target=self._keep, args=(source,), daemon=True, name=f"lr-member-{source}")
+                self._threads.append(thread)
+                thread.start()
 
     def _beat_at(self, source: str, due: bool = False) -> bool:
         now = time.monotonic()
@@ -121,7 +140,8 @@ class Membership:
             self._failing.discard(source)
             log.info("replicator member %s: heartbeats at %s again", self.owner, source)
         with self._guard:
-            self._view[source] = found
+            if source in self.sources:  # not one ``follow`` just left
+                self._view[source] = found
             share = self._share()
             changed, self._assigned = share != self._assigned, share
         if changed:

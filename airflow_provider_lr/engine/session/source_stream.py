@@ -165,7 +165,7 @@ class SourceStream:
             if now - last_ack >= opts.ack_interval:
                 self._ack()
                 last_ack = now
-            if not self.members:  # the housekeeping handed the last ones back (taken over, a full sync asked)
+            if not self.members:  # the check or the acks handed every session back: wait for the next
                 continue
             low = min(m.read_to for m in self.members.values())
             probed = not moved and stalled_since is None
@@ -313,6 +313,7 @@ class SourceStream:
             topology_id = recorded_id(self.src)
             backlogs = {(b.sink, b.client): b for b in session_backlogs(self.src)}
             requested = full_sync.sessions_requested(self.src)
+            federated = registry.federated_tables_of(self.src, {m.key.client for m in members})
         renewals = []
         for member in members:
             values: dict[str, object] = {
@@ -325,7 +326,7 @@ class SourceStream:
                 self.counters.lag(member.key, backlog.entries, backlog.lag_seconds)
             renewals.append((member.lease, values))
         lost = self._update_leases(renewals)
-        federated: dict[str, list[registry.FederatedTable]] = {}  # per client, read once for its sinks
+        lacking = self._tables_lacking([m for m in members if not m.ended], federated)
         for member in members:
             key = member.key
             if member.ended:  # the renewal itself failed
@@ -337,14 +338,31 @@ class SourceStream:
                     raise _Handback("the topology changed")
                 if (key.sink, key.client) in requested:
                     raise _Handback("a full sync was requested")
-                if key.client not in federated:
-                    federated[key.client] = registry.federated_tables(self.src, key.client)
-                if table_snapshot.needed(self.src, self.sinks.conn(key.sink), key, federated[key.client]):
+                on_sink = lacking[key.sink]
+                if isinstance(on_sink, Exception):
+                    raise on_sink
+                if key.client in on_sink:
                     raise _Handback("a table was federated (its snapshot is taken by a cycle)")
             except Exception as exc:
                 self._fail(member, exc)
                 if self.src.closed:
                     raise
+
+    def _tables_lacking(
+        self, members: list[Member], federated: dict[str, list[registry.FederatedTable]]
+    ) -> dict[str, dict[str, list[registry.FederatedTable]] | Exception]:
+        """Per sink site: the clients whose sessions there lack a federated table, read in one
+        round trip per site, not per session (or why it could not be read: each session there fails)."""
+        by_sink: dict[str, dict[str, list[registry.FederatedTable]]] = {}
+        for member in members:
+            by_sink.setdefault(member.key.sink, {})[member.key.client] = federated[member.key.client]
+        out: dict[str, dict[str, list[registry.FederatedTable]] | Exception] = {}
+        for sink, clients in by_sink.items():
+            try:
+                out[sink] = table_snapshot.needed_by_client(self.sinks.conn(sink), self.source, clients)
+            except Exception as exc:
+                out[sink] = exc
+        return out
 
     def _advance_idle(self) -> None:
         """Move the sinks of the sessions the reads found nothing for to where they were read: their

@@ -9,6 +9,7 @@ the others go on, and the failed one is retried on the next cycle with fresh con
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -32,7 +33,7 @@ from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner
 from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.source.backlog import log_entry_backlog, session_backlogs
 from airflow_provider_lr.engine.source.full_sync import Provider, load_provider
-from airflow_provider_lr.engine.store.topology import Topology
+from airflow_provider_lr.engine.store.topology import Topology, reread
 from airflow_provider_lr.engine.vocabulary import SessionKey, SessionState
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,14 @@ Connect = Callable[[str], psycopg2.extensions.connection]
 
 
 REST_AFTER = 5.0  # seconds a site's cycle connection may stay unused before ``rest`` closes it
+
+
+def _stamp(path: str | None) -> int | None:
+    """The file's modification time (None: no file, or it cannot be read now)."""
+    try:
+        return os.stat(path).st_mtime_ns if path else None
+    except OSError:
+        return None
 
 
 class Replicator:
@@ -54,11 +63,14 @@ class Replicator:
         sessions: list[SessionKey] | None = None,
         log_failures: bool = True,
         membership: bool = False,
+        follow_file: bool = False,
     ) -> None:
         """``log_failures``: log each failed session (repeats suppressed); off when the caller
         reports every cycle itself (``lr sync`` prints them), or each failure is said twice.
         ``membership``: share the sessions with the other replicator processes that do
-        (``session/membership``): this one works its share of them, ``sessions`` says which now."""
+        (``session/membership``): this one works its share of them, ``sessions`` says which now.
+        ``follow_file``: work the sessions of the topology file as it is now (``follow``), unless
+        ``sessions`` were given."""
         self.topology = topology
         self.failures = RepeatedErrors() if log_failures else None
         self.connect = connect
@@ -68,6 +80,8 @@ class Replicator:
         for client, target in topology.providers.items():
             self.providers.setdefault(client, load_provider(target))
         self._given = sessions if sessions is not None else topology.sessions()
+        self._follow = follow_file and sessions is None and bool(topology.path)
+        self._file_stamp = _stamp(topology.path)
         self._working = list(self._given)  # what ``sessions`` said last
         self._conns: dict[str, psycopg2.extensions.connection] = {}
         self._used: dict[str, float] = {}  # site -> when a cycle last used its connection (monotonic)
@@ -86,6 +100,7 @@ class Replicator:
         """The sessions this process works now: every one it was given, or, as a member, its share
         (recomputed by the membership's heartbeats). A session that left the share has its lease
         released here, so that the member it went to takes it at once."""
+        self._follow_file()
         if self.membership is None:
             return self._given
         share = self.membership.assigned()
@@ -96,11 +111,55 @@ class Replicator:
             self._working = share
         return share
 
+    def _follow_file(self) -> None:
+        """A long-running replicator (``lr sync``) follows its topology file: an edit that adds or
+        removes sessions (applied to the sites with ``lr topology apply``) is taken up at the next
+        turn, without a restart (it was not: a new client's sessions waited for one, a removed
+        one's failed again and again). One ``stat`` a turn: the file is read only when it changed."""
+        if not self._follow:
+            return
+        stamp = _stamp(self.topology.path)
+        if stamp == self._file_stamp:
+            return
+        self._file_stamp = stamp
+        found = reread(self.topology)  # the topology itself while the file cannot be read
+        if found.topology_config_id != self.topology.topology_config_id:
+            self.follow(found)
+
+    def follow(self, topology: Topology) -> None:
+        """Work ``topology``'s sessions from now on: new ones are taken up by the next cycle, the
+        leases of removed ones released (their streams leave: ``sessions`` no longer has them)."""
+        before = set(self._given)
+        self.topology = topology
+        for client, target in topology.providers.items():
+            if client not in self.providers:
+                try:
+                    self.providers[client] = load_provider(target)
+                except Exception as exc:  # said; the client's sessions wait for its data, as without one
+                    log.warning("client %s: provider %s cannot be loaded: %s", client, target, one_line(exc))
+        self._given = topology.sessions()
+        removed = before - set(self._given)
+        for key in removed:
+            runner = self._runners.pop(key, None)
+            if runner is not None:
+                runner.release()
+        if self.membership is not None:
+            self.membership.follow(self._given)
+        log.info(
+            "topology %s changed (id %s): %d sessions, %d new, %d removed",
+            topology.path,
+            topology.topology_config_id,
+            len(self._given),
+            len(set(self._given) - before),
+            len(removed),
+        )
+
     def _hand_over(self, key: SessionKey) -> None:
         runner = self._runners.pop(key, None)
         if runner is not None:
             runner.release()
-        log.info("session %s: another replicator member works it now", key)
+        if key in self._given:
+            log.info("session %s: another replicator member works it now", key)
 
     def _conn(self, site: str) -> psycopg2.extensions.connection:
         self._used[site] = time.monotonic()

@@ -51,15 +51,23 @@ class SinkTable:
 
 
 def session_tables(cur: psycopg2.extensions.cursor, source: str, client: str) -> dict[TableName, SinkTable]:
+    return sessions_tables(cur, source, [client])[client]
+
+
+def sessions_tables(
+    cur: psycopg2.extensions.cursor, source: str, clients: Sequence[str]
+) -> dict[str, dict[TableName, SinkTable]]:
+    """``session_tables`` of several clients of one source in ONE statement (a stream's check of
+    all the sessions it writes to this sink)."""
     cur.execute(
-        "SELECT table_name, source_table_id, state, run_id::text, split_snapshot, split_upto, detail "
-        "FROM lr.sink_tables WHERE source_site_id = %s AND client_name = %s",
-        (source, client),
+        "SELECT client_name, table_name, source_table_id, state, run_id::text, split_snapshot, split_upto, detail "
+        "FROM lr.sink_tables WHERE source_site_id = %s AND client_name = ANY(%s)",
+        (source, list(clients)),
     )
-    found = {}
-    for name, tid, state, run_id, snapshot, upto, detail in cur.fetchall():
+    found: dict[str, dict[TableName, SinkTable]] = {client: {} for client in clients}
+    for client, name, tid, state, run_id, snapshot, upto, detail in cur.fetchall():
         split = BaseSplit(snapshot, upto) if snapshot is not None and upto is not None else None
-        found[TableName.parse(name)] = SinkTable(TableName.parse(name), tid, state, run_id, split, detail)
+        found[client][TableName.parse(name)] = SinkTable(TableName.parse(name), tid, state, run_id, split, detail)
     return found
 
 

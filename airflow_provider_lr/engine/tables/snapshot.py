@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import psycopg2
@@ -72,25 +72,37 @@ def needed(
 ) -> list[FederatedTable]:
     """The source's federated tables the session's sink has not synced (in their current
     federation), or holds as a conflict that no longer is one (the sink reopened the table)."""
-    if not federated:
-        return []
+    return needed_by_client(sink, key.source, {key.client: federated}).get(key.client, [])
+
+
+def needed_by_client(
+    sink: psycopg2.extensions.connection, source: str, federated: Mapping[str, Sequence[FederatedTable]]
+) -> dict[str, list[FederatedTable]]:
+    """``needed`` for the sessions of several clients of ``source`` on one sink, in one round trip
+    whatever their number: a stream checks every session it writes there every second. Only the
+    clients that lack a table are in the answer."""
+    wanted = sorted(client for client, tables in federated.items() if tables)
+    if not wanted:
+        return {}
     with sink.cursor() as cur:
-        have = sink_tables.session_tables(cur, key.source, key.client)
+        have = sink_tables.sessions_tables(cur, source, wanted)
         cur.execute("SELECT stream_name FROM lr.registry WHERE kind = 'table' AND NOT is_federated")
         not_here = {r[0] for r in cur.fetchall()}
     sink.rollback()
-    lacking = []
-    for table in federated:
-        held = have.get(table.table)
-        if (
-            held is not None
-            and held.source_table_id == table.table_id
-            and (
-                held.state == TableState.SYNCED or (held.state == TableState.CONFLICT and str(table.table) in not_here)
-            )
-        ):
-            continue
-        lacking.append(table)
+    lacking: dict[str, list[FederatedTable]] = {}
+    for client in wanted:
+        for table in federated[client]:
+            held = have[client].get(table.table)
+            if (
+                held is not None
+                and held.source_table_id == table.table_id
+                and (
+                    held.state == TableState.SYNCED
+                    or (held.state == TableState.CONFLICT and str(table.table) in not_here)
+                )
+            ):
+                continue
+            lacking.setdefault(client, []).append(table)
     return lacking
 
 

@@ -285,3 +285,29 @@ def test_a_member_tees_only_a_backlog_of_its_own_sessions(lr_sites, topo, lr_con
     finally:
         first.close()
         second.close()
+
+
+def test_a_member_following_a_new_topology_joins_its_new_source_and_leaves_the_one_it_no_longer_has(lr_sites, topo):
+    """`lr sync` follows its topology file (``Replicator.follow``): a member given sessions of a new
+    source joins it (a heartbeat of its own there) and works them; the source it has no session of
+    any more is left (its lock released: the others do not count it)."""
+    source, sink_b, _ = lr_sites
+    moved = apply(lr_sites, [{"source": "site-b", "sinks": ["site-c"], "clients": CLIENTS}])
+    a = member(topo, lr_sites, "host:1:aaaa")
+    try:
+        a.start()
+        assert a.assigned() == topo.sessions()
+        a.follow(moved.sessions())
+        assert a.assigned() == moved.sessions()
+        owners = (  # the members holding their lock here
+            "SELECT m.owner FROM lr.replicator_members m JOIN pg_locks l ON l.locktype = 'advisory' AND "
+            f"l.classid = {MEMBER_LOCK_CLASS}::oid AND l.objid = m.lock_key::oid AND l.database = "
+            "(SELECT oid FROM pg_database WHERE datname = current_database())"
+        )
+        assert sink_b.query(owners) == [("host:1:aaaa",)], "a member at its new source"
+        deadline = time.monotonic() + 2.0
+        while source.query(owners):
+            assert time.monotonic() < deadline, "the source it has no session of any more is left"
+            time.sleep(0.02)
+    finally:
+        a.leave()

@@ -7,10 +7,14 @@ from __future__ import annotations
 import itertools
 import time
 
+import psycopg2
+import psycopg2.extensions
+
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.session.settings import StreamSettings
 from tests.support.session import Streaming, apply, empty_provider, replicator, sink_queue, wait_for
+from tests.support.tables import federate
 
 CLIENTS = ["policy", "billing", "audit"]
 SIX_SESSIONS = [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": CLIENTS}]
@@ -92,3 +96,51 @@ def test_a_session_whose_one_round_trip_write_is_lost_after_its_commit_comes_bac
         )
         assert [e.reason for e in streaming.streamer.ends].count("failed") == 1, streaming.streamer.ends
     writer.close()
+
+
+class _TracedCursor(psycopg2.extensions.cursor):
+    """Records each statement with the port of the server it went to."""
+
+    sent: list[tuple[int, str]] = []
+
+    def execute(self, query, vars=None):  # type: ignore[no-untyped-def]
+        text = self.mogrify(query, vars).decode()
+        _TracedCursor.sent.append((self.connection.info.port, text))
+        return super().execute(query, vars)
+
+
+def test_an_idle_stream_of_many_clients_checks_their_federated_tables_in_one_read_per_site(lr_sites, monkeypatch):
+    """Twelve clients, each with a federated table, to two sinks (24 sessions) stream and nothing is
+    written: each check of the stream looks for newly federated tables of every client in ONE
+    statement on the source, and for what each sink lacks in one read per sink site: not a read per
+    client on the source and one per session on the sinks every second (3 round trips each)."""
+    source, sink_b, sink_c = lr_sites
+    clients = [f"client-{i}" for i in range(12)]
+    topo = apply(
+        lr_sites,
+        [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": clients}],
+        providers={c: "tests.support.session:empty_provider" for c in clients},
+    )
+    for client in clients:
+        table = f"public.{client.replace('-', '_')}"
+        source.query(f"CREATE TABLE {table} (id bigint PRIMARY KEY)")
+        federate(source, table, client)
+    connect = psycopg2.connect
+    monkeypatch.setattr(psycopg2, "connect", lambda dsn, **kw: connect(dsn, cursor_factory=_TracedCursor, **kw))
+    repl = replicator(topo, lr_sites, providers={c: empty_provider for c in clients}, lease_seconds=2.0)
+    with Streaming(repl, FAST) as streaming:
+        streaming.streaming()
+        time.sleep(0.5)  # the sessions' joins done
+        _TracedCursor.sent.clear()
+        time.sleep(1.0)  # about five checks (FAST: every 0.2 s)
+        sent = list(_TracedCursor.sent)
+    on = {site.site_id: [q for port, q in sent if port == site.server.port] for site in lr_sites}
+    checks = sum("SELECT DISTINCT sink_site_id, client_name FROM lr.full_sync_requests" in q for q in on["site-a"])
+    assert checks >= 3, f"the stream checked {checks} times in a second (every 0.2 s expected)"
+    reads = {site: sum("FROM lr.registry" in q or "FROM lr.sink_tables" in q for q in qs) for site, qs in on.items()}
+    assert reads["site-a"] <= checks + 1, f"{reads['site-a']} reads of the source's registry in {checks} checks"
+    for sink in ("site-b", "site-c"):  # the sink's tables and its registry: two statements, one round trip
+        assert reads[sink] <= 2 * (checks + 1), f"{reads[sink]} reads of {sink}'s tables in {checks} checks"
+    tables = [f"public.{c.replace('-', '_')}" for c in clients]
+    for sink in (sink_b, sink_c):  # every session's table synced before the stream took it
+        assert sink.query("SELECT count(to_regclass(t)) FROM unnest(%s::text[]) t", (tables,))[0][0] == 12
