@@ -84,7 +84,10 @@ def streaming(source) -> int:
 
 
 class Writers:
-    """A writer per client, each transmitting numbered payloads to both sinks until stopped."""
+    """A writer per client, each transmitting numbered payloads to both sinks until stopped (every
+    ``pause`` seconds; ``change`` says what each transaction also does)."""
+
+    pause = 0.01
 
     def __init__(self, source) -> None:
         self.source, self.stop = source, threading.Event()
@@ -105,11 +108,17 @@ class Writers:
         conn = self.source.connect()
         transmit = RoutingQueueClient(conn, client)
         while not self.stop.is_set():
-            transmit.transmit_log_entry_message(f"{client}:{self.sent[client] + 1}".encode(), list(SINKS))
+            n = self.sent[client] + 1
+            with conn.cursor() as cur:
+                self.change(cur, client, n)
+            transmit.transmit_log_entry_message(f"{client}:{n}".encode(), list(SINKS))
             conn.commit()
-            self.sent[client] += 1
-            self.stop.wait(0.01)
+            self.sent[client] = n
+            self.stop.wait(self.pause)
         conn.close()
+
+    def change(self, cur, client: str, n: int) -> None:
+        """What transaction ``n`` of ``client`` does besides its transmit: nothing here."""
 
     def delivered(self, sinks) -> bool:
         return all(len(queue(s, "site-a", client=c)) >= self.sent[c] for s in sinks for c in CLIENTS)

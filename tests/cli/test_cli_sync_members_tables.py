@@ -10,53 +10,31 @@ from __future__ import annotations
 
 import random
 import signal
-import threading
 import time
 
-import psycopg2
 import pytest
 
 from airflow_provider_lr import cli
-from airflow_provider_lr.client import RoutingQueueClient
-from tests.cli.test_cli_sync_members import CLIENTS, SINKS, lr_sync, stop, streaming, topology_file
+from tests.cli.test_cli_sync_members import CLIENTS, Writers, lr_sync, stop, streaming, topology_file
 from tests.support.session import queue, wait_for
 from tests.support.tables import federate, rows, swap_unique
 
 ITEMS = 20
 
 
-class SwappingWriters:
-    """A writer per client transmitting numbered payloads to both sinks; client c0's transactions
-    also swap ``u`` between two rows of ``public.items``."""
+class SwappingWriters(Writers):
+    """The clients' writers, client c0's transactions also swapping ``u`` between two rows of
+    ``public.items``."""
+
+    pause = 0.005
 
     def __init__(self, source) -> None:
-        self.source, self.stop = source, threading.Event()
-        self.sent: dict[str, int] = dict.fromkeys(CLIENTS, 0)
-        self.threads = [threading.Thread(target=self._write, args=(c,)) for c in CLIENTS]
+        super().__init__(source)
+        self.rngs = {c: random.Random(c) for c in CLIENTS}
 
-    def __enter__(self) -> SwappingWriters:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join()
-
-    def _write(self, client: str) -> None:
-        conn, rng = psycopg2.connect(self.source.dsn), random.Random(client)
-        transmit = RoutingQueueClient(conn, client)
-        while not self.stop.is_set():
-            n = self.sent[client] + 1
-            with conn.cursor() as cur:
-                if client == "c0":
-                    swap_unique(cur, "public.items", *sorted(rng.sample(range(1, ITEMS + 1), 2)), f"n{n}")
-                transmit.transmit_log_entry_message(f"{client}:{n}".encode(), list(SINKS))
-            conn.commit()
-            self.sent[client] = n
-            self.stop.wait(0.005)
-        conn.close()
+    def change(self, cur, client: str, n: int) -> None:
+        if client == "c0":
+            swap_unique(cur, "public.items", *sorted(self.rngs[client].sample(range(1, ITEMS + 1), 2)), f"n{n}")
 
     def logs(self, sink, client: str) -> list[int]:
         return [int(p.split(":")[1]) for kind, p in queue(sink, "site-a", client=client) if kind == "log"]

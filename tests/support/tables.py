@@ -10,6 +10,7 @@ import psycopg2
 
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.tables import registry
+from tests.support.session import apply
 
 ACCOUNTS = (
     "CREATE TABLE IF NOT EXISTS public.accounts (id bigint PRIMARY KEY, owner text NOT NULL, "
@@ -34,6 +35,18 @@ def federate(site, table: str = "public.accounts", client: str = "policy", feder
         return registry.open_table(conn, table, client, federated)
     finally:
         conn.close()
+
+
+def two_sources_into_one_sink(sites):
+    """Client policy replicated from the first two of ``sites`` into the third: its topology."""
+    a, b, sink = sites
+    return apply(
+        sites,
+        replication=[
+            {"source": a.site_id, "sinks": [sink.site_id], "clients": ["policy"]},
+            {"source": b.site_id, "sinks": [sink.site_id], "clients": ["policy"]},
+        ],
+    )
 
 
 def site_status(site) -> status.SiteStatus:

@@ -31,6 +31,7 @@ from tests.support.tables import (
     status_text,
     swap_unique,
     sync,
+    two_sources_into_one_sink,
 )
 
 ORDERS = """
@@ -192,13 +193,7 @@ def test_the_parallel_snapshot_creates_the_sources_table_and_copies_its_rows_by_
 
 def test_a_second_source_upserts_its_rows_into_the_created_tables_always_identity_key(lr_sites):
     a, b, sink = lr_sites
-    topo = apply(
-        lr_sites,
-        replication=[
-            {"source": a.site_id, "sinks": [sink.site_id], "clients": ["policy"]},
-            {"source": b.site_id, "sinks": [sink.site_id], "clients": ["policy"]},
-        ],
-    )
+    topo = two_sources_into_one_sink(lr_sites)
     events = (
         "CREATE TABLE public.events (id bigint GENERATED ALWAYS AS IDENTITY (START WITH {}) PRIMARY KEY, kind text)"
     )

@@ -9,7 +9,15 @@ from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import TableError
 from airflow_provider_lr.engine.tables import registry
 from tests.support.session import apply, queue, replicator, run_crashing_replicator
-from tests.support.tables import TableWriter, create_accounts, federate, rows, status_text, sync
+from tests.support.tables import (
+    TableWriter,
+    create_accounts,
+    federate,
+    rows,
+    status_text,
+    sync,
+    two_sources_into_one_sink,
+)
 
 
 def test_rows_before_federation_and_changes_during_and_after_reach_both_sinks_row_for_row(lr_sites):
@@ -129,13 +137,7 @@ def test_a_table_the_sink_never_opened_is_created_registered_and_applied(lr_site
 
 def test_two_sources_into_one_sink_table_never_clear_each_others_rows(lr_sites):
     a, b, sink = lr_sites
-    topo = apply(
-        lr_sites,
-        replication=[
-            {"source": a.site_id, "sinks": [sink.site_id], "clients": ["policy"]},
-            {"source": b.site_id, "sinks": [sink.site_id], "clients": ["policy"]},
-        ],
-    )
+    topo = two_sources_into_one_sink(lr_sites)
     create_accounts(a, rows=50)  # keys 1..50
     create_accounts(b, rows=50, start=1000)  # keys 1001..1050
     federate(a)
