@@ -88,20 +88,23 @@ def create_table(cur: psycopg2.extensions.cursor, definition: TableDefinition, w
 def _create(cur: psycopg2.extensions.cursor, definition: TableDefinition) -> tuple[str, ...]:
     """The table with all its extras in one statement; when that fails, the table with its columns
     (which raises when it fails too), then each default, constraint and index on its own."""
-    extras, t = definition.extras, definition.table.ident
+    extras = definition.extras
     cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(definition.table.schema)))
+    own = frozenset() if extras is None else _shared_sequences(cur, extras)
+
+    def table(defaults: bool, key_name: bool) -> sql.Composed:
+        return sql.SQL("CREATE TABLE {} ({})").format(
+            definition.table.ident, _columns(definition, own, defaults=defaults, key_name=key_name)
+        )
+
     if extras is None:
-        cur.execute(sql.SQL("CREATE TABLE {} ({})").format(t, _columns(definition, frozenset(), True, True)))
+        cur.execute(table(defaults=True, key_name=True))
         return ()
-    own = _shared_sequences(cur, extras)
-    whole = sql.SQL("CREATE TABLE {} ({})").format(t, _columns(definition, own, defaults=True, key_name=True))
     named = _named(definition, extras)
     left_out: list[str] = []
-    if _attempt(cur, [whole, *(statement for _, statement, _ in named)]) is not None:
-        bare = sql.SQL("CREATE TABLE {} ({})").format(t, _columns(definition, own, defaults=False, key_name=True))
-        if _attempt(cur, [bare]) is not None:
-            unnamed = _columns(definition, own, defaults=False, key_name=False)
-            cur.execute(sql.SQL("CREATE TABLE {} ({})").format(t, unnamed))
+    if _attempt(cur, [table(defaults=True, key_name=True), *(statement for _, statement, _ in named)]) is not None:
+        if _attempt(cur, [table(defaults=False, key_name=True)]) is not None:
+            cur.execute(table(defaults=False, key_name=False))
             left_out.append(f"the primary key's name {extras.key_name} (another relation's at the sink)")
         for what, statement in _defaults(definition, extras, own):
             error = _attempt(cur, [statement])
