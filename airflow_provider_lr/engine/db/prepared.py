@@ -10,6 +10,7 @@ the connection's owner once (``prepare``), then executed by name with the same p
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Mapping
 
 import psycopg2.extensions
@@ -40,3 +41,35 @@ class Prepared:
         """Run it on ``cur``'s connection, where it was prepared; ``before``: statements (no
         parameters) sent ahead of it in the same round trip."""
         cur.execute(before.replace("%", "%%") + self.execute_sql, {n: params[n] for n in self.names})
+
+
+# the statements known to be prepared on each connection (by this process)
+_READY: weakref.WeakKeyDictionary[psycopg2.extensions.connection, set[str]] = weakref.WeakKeyDictionary()
+
+
+def ensure(conn: psycopg2.extensions.connection, *statements: Prepared) -> None:
+    """``statements`` prepared on ``conn``, each once: a connection that already holds one by that
+    name (another part of this process, or a pooler's reused session) keeps it (the names are
+    versioned, so a statement of that name is this one). Outside a transaction: a PREPARE outlives
+    the transaction anyway, and ``conn`` may be in autocommit."""
+    ready = _READY.setdefault(conn, set())
+    missing = [s for s in statements if s.name not in ready]
+    if not missing:
+        return
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT name FROM pg_catalog.pg_prepared_statements WHERE name = ANY(%s)", ([s.name for s in missing],)
+        )
+        there = {name for (name,) in cur.fetchall()}
+        for statement in missing:
+            if statement.name not in there:
+                cur.execute(statement.prepare_sql)
+    if not conn.autocommit:
+        conn.commit()
+    ready.update(s.name for s in missing)
+
+
+def forget(conn: psycopg2.extensions.connection) -> None:
+    """The statements ``ensure`` prepared on ``conn`` are gone (a pooler's ``DISCARD ALL``): the next
+    ``ensure`` looks again."""
+    _READY.pop(conn, None)

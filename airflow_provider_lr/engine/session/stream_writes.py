@@ -3,7 +3,7 @@
 Each session's batch is its own fenced sink transaction, committed asynchronously (acknowledged
 once the sink's WAL flush passed it: ``durable_acks``). A session the stream wrote to before stands
 on its sink where the stream left it, so its transaction needs nothing read first: the site's such
-sessions go in ONE round trip (``writes.stream_batches``: per session BEGIN, a guard that moves the
+sessions go in ONE round trip (``stream_batch.stream_batches``: per session BEGIN, a guard that moves the
 session's row on only from there, table changes composed from the targets the connection last read
 for it and a check that they still are, rows, wake-up, COMMIT). The others (a session's first write,
 which registers its queue; a change of a table the connection has not read for it; a batch too large)
@@ -22,7 +22,7 @@ import psycopg2.extensions
 from airflow_provider_lr.engine.db.autocommit import autocommit
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session.stream_member import Member
-from airflow_provider_lr.engine.sink import writes
+from airflow_provider_lr.engine.sink import stream_batch, writes
 from airflow_provider_lr.engine.source.log_reader import LogBatch, LogStream
 
 
@@ -35,12 +35,12 @@ def apply_site(
     fast = [n for n, (member, _) in enumerate(jobs) if member.registered]
     if fast:
         batches = [
-            writes.StreamWrite(member.key.client, member.position.epoch, batch, member.position.base)
+            stream_batch.StreamWrite(member.key.client, member.position.epoch, batch, member.position.base)
             for member, batch in (jobs[n] for n in fast)
         ]
         try:
             with autocommit(conn):  # BEGIN and COMMIT ride with the statements
-                ends = writes.stream_batches(conn, source, batches)
+                ends = stream_batch.stream_batches(conn, source, batches)
         except Exception as exc:  # the site's: every session of the round trip says so
             done.update(dict.fromkeys(fast, exc))
         else:

@@ -11,10 +11,9 @@ writes only what is new); snapshot messages through the source entry id they end
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields, replace
 
 import psycopg2
@@ -22,14 +21,13 @@ import psycopg2.errors
 import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
-from airflow_provider_lr.engine.errors import StaleBatchError, TableError
+from airflow_provider_lr.engine.errors import StaleBatchError
 from airflow_provider_lr.engine.sink.queue_rows import Packer
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogBatch, LogRecord, LogStream
 from airflow_provider_lr.engine.store import receive_queue, sink_sessions
 from airflow_provider_lr.engine.store.topology import config_id
 from airflow_provider_lr.engine.tables.sink import ChangeApplier, forget_session
-from airflow_provider_lr.engine.tables.targets import expected, forget_prepared
 from airflow_provider_lr.engine.vocabulary import MALFORMED, NOTIFY_CHANNEL, strip_destinations, wakeup_payload
 from airflow_provider_lr.proto import lr_pb2
 
@@ -364,7 +362,7 @@ def apply_log_stream(
         if batch.after > last:
             raise StaleBatchError(f"batch starts after {batch.after} but the sink has only processed up to {last}")
         tables = ChangeApplier(cur, source, client)
-        written = write.insert(_sink_entries(batch, last, source, client, tables), hold=True)
+        written = write.insert(sink_entries(batch, last, source, client, tables), hold=True)
         tables.flush()
         end = batch.end  # final now that the batch was read
         if end <= last:
@@ -373,95 +371,7 @@ def apply_log_stream(
         return end
 
 
-@dataclass(frozen=True)
-class StreamWrite:
-    """One session's batch as a stream writes it: where the stream left the session's sink
-    (``batch.after``), at its lease ``epoch`` and snapshot ``base``."""
-
-    client: str
-    epoch: int
-    batch: LogBatch
-    base: int
-
-
-def stream_batches(
-    conn: psycopg2.extensions.connection, source: str, batches: Sequence[StreamWrite]
-) -> list[int | None]:
-    """Sessions' batches, each in its own transaction, all in ONE round trip (committed
-    asynchronously, as ``apply_log_stream(synchronous=False)``): per session BEGIN, its row moved
-    from ``batch.after`` to ``batch.end`` under its lock (``sink_sessions.stream_advance``), its
-    table changes, its rows, its wake-up, COMMIT. The sink's position after each; None for a batch
-    left to ``apply_log_stream``: one larger than one INSERT, or with changes of a table whose
-    target this connection has not read for the session (``targets.expected``), and every batch of
-    the round trip when a session's row was not where the stream left it (a fence, a failover,
-    another writer), a table's target changed, or the sink refused a table change (the
-    transactions before it may have committed: the general path reads each row, adds only what is
-    new and says what is wrong). ``conn`` is autocommit, the queues are registered (a session's
-    first write takes the general path)."""
-    ends: list[int | None] = [None] * len(batches)
-    statements: list[bytes] = []
-    tables = False
-    with conn.cursor() as cur:
-        for n, write in enumerate(batches):
-            made = _stream_transaction(cur, source, write)
-            if made is not None:
-                statements.append(made[0])
-                ends[n] = write.batch.end
-                tables = tables or made[1]
-        if not statements:
-            return ends
-        try:
-            cur.execute(b"; ".join(statements))
-        except psycopg2.Error as exc:
-            if not conn.closed:
-                with contextlib.suppress(psycopg2.Error):
-                    cur.execute("ROLLBACK")
-            if isinstance(exc, psycopg2.errors.InvalidSqlStatementName):
-                forget_prepared(conn)  # gone (a pooler's DISCARD ALL): the general path prepares it again
-            elif exc.pgcode != sink_sessions.NOT_WHERE_LEFT and not (tables and _refused(exc)):
-                raise
-            return [None] * len(batches)
-    return ends
-
-
-def _refused(exc: psycopg2.Error) -> bool:
-    """The sink refused a statement (a constraint, trigger, privilege), not the connection or a lock."""
-    return not isinstance(exc, (psycopg2.OperationalError, psycopg2.InterfaceError))
-
-
-def _stream_transaction(cur: psycopg2.extensions.cursor, source: str, write: StreamWrite) -> tuple[bytes, bool] | None:
-    """``stream_batches``' transaction of one session, as text, and whether it changes tables; None
-    when it takes the general path."""
-    batch, client = write.batch, write.client
-    if batch.end <= batch.after or batch.bytes > INSERT_BYTES or len(batch.records) > INSERT_ENTRIES:
-        return None
-    statements = [sink_sessions.stream_advance(cur, source, client, write.epoch, write.base, batch.after, batch.end)]
-    tids = {r.table_id for r in batch.records if r.table_id is not None and r.position > batch.after}
-    tables = None
-    if tids:
-        found = expected(cur.connection, source, client, tids)
-        if found is None:
-            return None
-        tables = ChangeApplier(cur, source, client, found)
-    writer = receive_queue.QueueWriter(source, client)
-    packer = Packer(writer.add)
-    try:
-        for entry in _sink_entries(batch.records, batch.after, source, client, tables):
-            packer.add(*entry)
-    except TableError:  # a change that does not fit the table: the general path says so
-        return None
-    packer.flush()
-    if tables is not None:
-        tables.flush()
-        statements += tables.statements or []
-    if packer.entries:
-        statements.append(writer.statement(cur))
-        statements.append(cur.mogrify("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, wakeup_payload(client, source))))
-    statements.append(b"COMMIT")
-    return b"; ".join(statements), tables is not None
-
-
-def _sink_entries(
+def sink_entries(
     records: Iterable[LogRecord], last: int, source: str, client: str, tables: ChangeApplier | None
 ) -> Iterator[tuple[int, int, int, bytes]]:
     """The receive-queue form of the records after ``last`` (what the sink does not have yet);

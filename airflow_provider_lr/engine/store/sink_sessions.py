@@ -18,6 +18,7 @@ from typing import Any
 import psycopg2
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.db.prepared import Prepared
 from airflow_provider_lr.engine.errors import FencedError
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
@@ -213,17 +214,24 @@ class FencedTransaction:
 NOT_WHERE_LEFT = "LR409"  # SQLSTATE of ``lr.stream_advance``: the row is not as the stream left it
 
 
-def stream_advance(
-    cur: psycopg2.extensions.cursor, source: str, client: str, epoch: int, base: int, after: int, end: int
-) -> bytes:
-    """The opening statements of a stream's asynchronously committed transaction, as text for the
-    caller to send with its rows and COMMIT in one round trip: the session's row locked and moved
-    from ``after`` to ``end`` when it is where the stream left it (``epoch``, ``base``, not failed
-    over: V0021); else the statement raises ``NOT_WHERE_LEFT`` and nothing of the transaction stays."""
-    return cur.mogrify(
-        "BEGIN; " + _COMMIT_MODE[False] + "SELECT lr.stream_advance(%s, %s, %s, %s, %s, %s)",
-        (source, client, epoch, base, after, end),
-    )
+STREAM_ADVANCE = Prepared(  # prepared on a stream's sink connection (``db.prepared.ensure``)
+    "lr_stream_advance_v1",
+    "SELECT lr.stream_advance(%(source)s, %(client)s, %(epoch)s, %(base)s, %(after)s, %(end)s)",
+    {
+        "source": "pg_catalog.text",
+        "client": "pg_catalog.text",
+        "epoch": "pg_catalog.int8",
+        "base": "pg_catalog.int8",
+        "after": "pg_catalog.int8",
+        "end": "pg_catalog.int8",
+    },
+)
+STREAM_BEGIN = "BEGIN; " + _COMMIT_MODE[False] + STREAM_ADVANCE.execute_sql
+"""The opening statements of a stream's asynchronously committed transaction (parameters as
+``STREAM_ADVANCE``'s), for the caller to send with its rows and COMMIT in one round trip: the
+session's row locked and moved from ``after`` to ``end`` when it is where the stream left it
+(``epoch``, ``base``, not failed over: V0021); else the statement raises ``NOT_WHERE_LEFT`` and
+nothing of the transaction stays."""
 
 
 # --- checks of a writer outside the session's fenced transaction --------------------------------

@@ -1,4 +1,4 @@
-"""A stream's sink transactions in one round trip (``writes.stream_batches``): each writes only when the
+"""A stream's sink transactions in one round trip (``stream_batch.stream_batches``): each writes only when the
 sink's session is exactly where the stream left it, and otherwise leaves no trace, so the general
 path (``apply_log_stream``) decides."""
 
@@ -12,9 +12,12 @@ import psycopg2.extensions
 import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.engine.db import prepared
 from airflow_provider_lr.engine.errors import FencedError
-from airflow_provider_lr.engine.sink import writes
+from airflow_provider_lr.engine.sink import stream_batch, writes
 from airflow_provider_lr.engine.source.log_reader import LogBatch, LogReader, LogRecord
+from airflow_provider_lr.engine.store.receive_queue import STREAM_ROW
+from airflow_provider_lr.engine.store.sink_sessions import STREAM_ADVANCE
 from airflow_provider_lr.engine.vocabulary import NOTIFY_CHANNEL
 from tests.support.session import App, apply, empty_provider, queue, replicator, sink_queue
 
@@ -54,7 +57,7 @@ def session(lr_sites):
 
 def _one(conn, epoch: int, batch: LogBatch, base: int) -> int | None:
     """One session's batch by ``stream_batches``."""
-    (end,) = writes.stream_batches(conn, "site-a", [writes.StreamWrite("policy", epoch, batch, base)])
+    (end,) = stream_batch.stream_batches(conn, "site-a", [stream_batch.StreamWrite("policy", epoch, batch, base)])
     return end
 
 
@@ -74,8 +77,11 @@ def test_where_the_stream_left_it_the_batch_commits_in_one_round_trip_and_wakes_
     conn.autocommit = True
     listener = _autocommit(sink)
     listener.cursor().execute(f"LISTEN {NOTIFY_CHANNEL}")
+    first, *rest = batch.records
+    # the connection's first batch prepares its statements; every later one is one round trip
+    assert _one(conn, epoch, LogBatch(batch.after, first.position, [first]), base) == first.position
     CountingCursor.sent = 0
-    assert _one(conn, epoch, batch, base) == batch.end
+    assert _one(conn, epoch, LogBatch(first.position, batch.end, rest), base) == batch.end
     assert CountingCursor.sent == 1
     assert conn.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
     assert _log(sink) == [f"k{i}={i}" for i in range(1, 5)]
@@ -194,7 +200,9 @@ def two_sessions(lr_sites):
             (client,),
         )[0]
         batch = LogReader(src, "site-b", client_name=client).read_stream(last).collect()
-        pending[client] = writes.StreamWrite(client, epoch, LogBatch(batch.after, batch.end, list(batch.records)), base)
+        pending[client] = stream_batch.StreamWrite(
+            client, epoch, LogBatch(batch.after, batch.end, list(batch.records)), base
+        )
     yield sink_b, pending
     for conn in (src, writer):
         conn.close()
@@ -205,8 +213,9 @@ def test_the_sessions_of_one_sink_site_commit_each_in_its_own_transaction_in_one
     sink, pending = two_sessions
     conn = psycopg2.connect(sink.dsn, cursor_factory=CountingCursor)
     conn.autocommit = True
+    prepared.ensure(conn, STREAM_ADVANCE, STREAM_ROW)  # as the connection's first write does
     CountingCursor.sent = 0
-    ends = writes.stream_batches(conn, "site-a", [pending["policy"], pending["billing"]])
+    ends = stream_batch.stream_batches(conn, "site-a", [pending["policy"], pending["billing"]])
     assert ends == [pending["policy"].batch.end, pending["billing"].batch.end]
     assert CountingCursor.sent == 1
     for client in ("policy", "billing"):
@@ -220,7 +229,7 @@ def test_one_session_not_where_it_was_left_sends_every_session_of_the_round_trip
     sink, pending = two_sessions
     sink.query("UPDATE lr.sink_sessions SET lease_epoch = lease_epoch + 1 WHERE client_name = 'billing'")
     conn = _autocommit(sink)
-    assert writes.stream_batches(conn, "site-a", [pending["policy"], pending["billing"]]) == [None, None]
+    assert stream_batch.stream_batches(conn, "site-a", [pending["policy"], pending["billing"]]) == [None, None]
     assert sink_queue(sink, "policy") == [b"policy0", b"policy1", b"policy2"]  # committed before the refusal
     assert sink_queue(sink, "billing") == []
     policy = pending["policy"]
@@ -229,4 +238,23 @@ def test_one_session_not_where_it_was_left_sends_every_session_of_the_round_trip
     billing = pending["billing"]
     with pytest.raises(FencedError, match="stale"):
         writes.apply_log_stream(conn, "site-a", "billing", billing.epoch, billing.batch, billing.base, False, False)
+    conn.close()
+
+
+def test_statements_discarded_from_the_connection_send_one_batch_to_the_general_path_then_are_prepared_again(session):
+    """A pooler in transaction mode runs DISCARD ALL between transactions: the stream's prepared
+    guard and row are gone, so that round trip fails whole and leaves nothing; the next prepares them again."""
+    _, sink, epoch, base, batch = session
+    conn = psycopg2.connect(sink.dsn, cursor_factory=CountingCursor)
+    conn.autocommit = True
+    first, second, *rest = batch.records
+    assert _one(conn, epoch, LogBatch(batch.after, first.position, [first]), base) == first.position
+    conn.cursor().execute("DISCARD ALL")
+    assert _one(conn, epoch, LogBatch(first.position, second.position, [second]), base) is None
+    assert _log(sink) == ["k1=1"]
+    assert _one(conn, epoch, LogBatch(first.position, batch.end, [second, *rest]), base) == batch.end
+    CountingCursor.sent = 0
+    assert _one(conn, epoch, LogBatch(batch.end, batch.end + 1, []), base) == batch.end + 1  # prepared: one trip
+    assert CountingCursor.sent == 1
+    assert _log(sink) == [f"k{i}={i}" for i in range(1, 5)]
     conn.close()

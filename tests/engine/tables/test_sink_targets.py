@@ -11,7 +11,7 @@ import psycopg2.errors
 import pytest
 
 from airflow_provider_lr.engine.errors import SchemaMismatchError
-from airflow_provider_lr.engine.sink import writes
+from airflow_provider_lr.engine.sink import stream_batch, writes
 from airflow_provider_lr.engine.source.log_reader import LogBatch, LogRecord
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables.definition import TableName
@@ -47,8 +47,8 @@ class Stream:
         message = json.dumps({"op": op, "rows": list(rows)}).encode()
         batch = LogBatch(self.last, self.last + 1, [LogRecord(self.last + 1, 1, message, self.tids[table])])
         if self.path == "stream":
-            (end,) = writes.stream_batches(
-                self.conn, "site-a", [writes.StreamWrite("policy", self.epoch, batch, self.base)]
+            (end,) = stream_batch.stream_batches(
+                self.conn, "site-a", [stream_batch.StreamWrite("policy", self.epoch, batch, self.base)]
             )
             self.fast.append(end is not None)
             if end is not None:
@@ -102,7 +102,8 @@ def stream(lr_sites, monkeypatch, request):
         s.applied.append(applier(*args))
         return s.applied[-1]
 
-    monkeypatch.setattr(writes, "ChangeApplier", kept)
+    monkeypatch.setattr(writes, "ChangeApplier", kept)  # the general path's
+    monkeypatch.setattr(stream_batch, "ChangeApplier", kept)  # the one round trip's
     s.change("u", row(1, "warm"))  # the connection's transactions have used the table: read ahead from now on
     s.change("u", row(1, "warm again"))
     if s.path == "general":
