@@ -110,6 +110,11 @@ class StreamSettings:
     # load and the writers keep the CPU; below it every commit is read at once (docs/streaming.md).
     busy_rate: float = 2000.0
     linger: float = 0.02
+    # After a round that delivered, the stream reads again at once (the read says what a probe
+    # would) while deliveries arrive at ``reread_rate`` per second or more; below it it probes: the
+    # probe, one round trip like the read, sleeps at once when nothing was drawn, where the read
+    # found nothing and the probe followed (at 100 commits/s, a third of the source's round trips).
+    reread_rate: float = 1000.0
     # A session whose cycle fails (a site down, a lock or statement timeout) is retried after
     # ``retry_min``, doubling with each failure in a row up to ``retry_max``; a stream that fails is
     # renegotiated at once.

@@ -150,7 +150,7 @@ class SourceStream:
         stalled_since: float | None = None  # a drawn position has not shown up since then
         pause = opts.poll_min
         rate = RateWindow()
-        moved = 0  # the last round's: after one that moved, read again without probing first
+        again = False  # the last round moved under a steady rate: read again without probing first
         while not halt.is_set():
             self._admit()
             if not self.members:
@@ -168,7 +168,7 @@ class SourceStream:
             if not self.members:  # the check or the acks handed every session back: wait for the next
                 continue
             low = min(m.read_to for m in self.members.values())
-            probed = not moved and stalled_since is None
+            probed = not again and stalled_since is None
             due = min(next_check, last_ack + opts.ack_interval) - now
             if probed and not self.reads.wait_for_commit(low, pause, max(0.0, min(due, opts.sleep_max))):
                 pause = min(pause * 2, opts.poll_max)
@@ -176,9 +176,12 @@ class SourceStream:
             barrier = stalled_since is not None and now - stalled_since >= opts.gap_timeout
             started = time.monotonic()
             moved = self._round(barrier)
+            again = False
             if moved:
                 stalled_since, pause = None, opts.poll_min
-                load = rate.add(moved) / opts.busy_rate
+                delivering = rate.add(moved)
+                again = delivering >= opts.reread_rate
+                load = delivering / opts.busy_rate
                 if load >= 1:  # under load: a wait that grows with the round's time and the load's square
                     halt.wait(min(opts.linger, (time.monotonic() - started) * load * load))
                 continue

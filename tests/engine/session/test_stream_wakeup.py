@@ -178,3 +178,36 @@ def test_entries_for_two_replicators_sharing_a_source_are_each_woken_by_the_comm
                 wait_for(lambda sink=sink, n=n: len(sink_queue(sink, "policy")) == n + 2, 20, f"entry {n}")
             assert time.monotonic() - started < 2.0, "the commit woke both replicators' streams"
     writer.close()
+
+
+def test_at_a_modest_rate_the_stream_reads_once_per_commit_and_probes_instead_of_reading_again(lr_sites, monkeypatch):
+    """After a round that delivered, a stream below ``reread_rate`` probes (one round trip that
+    sleeps when nothing was drawn) instead of reading again to find nothing first."""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:empty_provider"})
+    reads = {"all": 0, "empty": 0}
+    real_read = StreamRead.read
+
+    def counted(self, members):
+        batch = real_read(self, members)
+        reads["all"] += 1
+        if batch is not None and not any(batch.records):
+            reads["empty"] += 1
+        return batch
+
+    monkeypatch.setattr(StreamRead, "read", counted)
+    writer = source.connect()
+    quiet = StreamSettings(check_interval=30.0, ack_interval=30.0)  # no other reads meanwhile
+    with Streaming(replicator(topo, lr_sites, providers={"policy": empty_provider}), quiet) as streaming:
+        streaming.streaming()
+        _transmit(writer, "first")
+        wait_for(lambda: sink_queue(sink_b, "policy") == [b"first"], 20, "the first entry")
+        time.sleep(0.3)
+        reads.update(all=0, empty=0)
+        for n in range(20):
+            _transmit(writer, f"e{n}")
+            time.sleep(0.03)
+        wait_for(lambda: len(sink_queue(sink_b, "policy")) == 21, 20, "every entry")
+    writer.close()
+    assert reads["all"] <= 24, reads  # one per commit (a wake-up may find a commit not yet visible)
+    assert reads["empty"] <= 4, reads
