@@ -227,6 +227,12 @@ class LrSystem(System):
             out[sink] = arrivals_of(got)
         return out
 
+    def processes(self) -> dict[str, list[int]]:
+        return {
+            "lr_sync": [lr.pid for lr in self.lrs],
+            "subscribers": [proc.pid for _, proc, *_ in self.subs if proc.pid is not None],
+        }
+
     def details(self) -> dict[str, Any]:
         if self.lrs:
             self._details["lr_log_error_lines"] = sum(lr.error_lines() for lr in self.lrs)

@@ -22,6 +22,7 @@ import contextlib
 import ctypes
 import importlib.metadata
 import os
+import resource
 import shlex
 import signal
 import struct
@@ -48,6 +49,7 @@ from fanout_anchors import (  # noqa: E402
     create_subscriptions,
     drop_replication,
     execute,
+    server_cpu_s,
     subscriptions_ready,
 )
 
@@ -441,6 +443,15 @@ class System:
     def details(self) -> dict[str, Any]:
         return {}
 
+    def processes(self) -> dict[str, list[int]]:
+        """The system's own processes outside the servers, by group (``lr sync``, subscribers)."""
+        return {}
+
+    def servers(self) -> dict[str, list[str]]:
+        """A DSN of each server the system uses, by group (source, sinks)."""
+        env = getattr(self, "env", None)
+        return {"source": [env.source_dsn], "sinks": list(env.sink_dsns)} if isinstance(env, BenchEnv) else {}
+
     def teardown(self) -> None: ...
 
 
@@ -543,6 +554,32 @@ def wait_drained(system: System, owed: list[int], give_up: Callable[[float, floa
         time.sleep(POLL_S)
 
 
+def cpu_snapshot(system: System) -> dict[str, float]:
+    """CPU seconds so far: each group of the system's servers (every process of a server, exited
+    backends included) and of its processes, and this process (the writers). Per process, from
+    /proc/PID/stat: the machine's own counters (/proc/stat) sample at the tick and miss most of
+    the short bursts a lightly loaded replication runs in."""
+    snap = {group: sum(server_cpu_s(dsn) for dsn in dsns) for group, dsns in system.servers().items()}
+    for group, pids in system.processes().items():
+        snap[group] = sum(cpu_s(pid) or 0.0 for pid in pids)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    snap["writers"] = usage.ru_utime + usage.ru_stime
+    return snap
+
+
+def cpu_figures(before: dict[str, float], after: dict[str, float], seconds: float, transactions: int) -> dict[str, Any]:
+    """What each group spent over the measured window, and all of them: CPU per committed transaction
+    (ms) and cores."""
+    spent = {group: after[group] - before[group] for group in after if group in before}
+    spent["total"] = sum(spent.values())
+    return {
+        "window_s": round(seconds, 2),
+        "ms_per_tx": {g: round(1000 * v / transactions, 3) for g, v in spent.items()} if transactions else {},
+        "cores": {g: round(v / seconds, 3) for g, v in spent.items()} if seconds > 0 else {},
+        "cores_available": os.cpu_count(),
+    }
+
+
 def measure(system: System, plan: Plan, drain_timeout: float, stall: float, label: str = "") -> Result:
     """Set up, write ``plan`` (a replicator that dies mid-run stops the writers early), wait until every
     session holds what it owes (or ``drain_timeout``, or ``stall`` seconds without progress), collect."""
@@ -569,10 +606,16 @@ def measure(system: System, plan: Plan, drain_timeout: float, stall: float, labe
 
     threading.Thread(target=watchdog, daemon=True).start()
     system.writing()
+    cpu: list[tuple[float, dict[str, float]]] = []  # (monotonic, snapshot) at the window's start and end
+    mark = threading.Timer(plan.warmup, lambda: cpu.append((time.monotonic(), cpu_snapshot(system))))
+    mark.start()
     try:
         writers.run()
     finally:
         watch.set()
+        mark.cancel()
+    if len(cpu) == 1:
+        cpu.append((time.monotonic(), cpu_snapshot(system)))
     drain_from = time.monotonic()
     drained = wait_drained(
         system,
@@ -588,7 +631,18 @@ def measure(system: System, plan: Plan, drain_timeout: float, stall: float, labe
         f"lost {fig['lost']}, duplicated {fig['duplicated']} (drained in {drain_s:.1f} s)",
         flush=True,
     )
-    return Result(plan.label, system.name, plan.writers, fig, round(drain_s, 2), drained, system.details())
+    details = system.details()
+    if len(cpu) == 2:
+        (t0, before), (t1, after) = cpu
+        details["cpu"] = cpu_figures(before, after, t1 - t0, fig["committed_in_window"])
+        per_tx = details["cpu"]["ms_per_tx"]
+        print(
+            f"{tag} CPU per transaction over the window: "
+            + ", ".join(f"{g} {v:.3f} ms" for g, v in per_tx.items())
+            + f"; {details['cpu']['cores']['total']:.2f} of {os.cpu_count()} cores",
+            flush=True,
+        )
+    return Result(plan.label, system.name, plan.writers, fig, round(drain_s, 2), drained, details)
 
 
 def versions(source_dsn: str, lr_cmd: str) -> dict[str, Any]:
