@@ -10,8 +10,12 @@ Why: lr's p50 at 1,000/s is twice the 1.5 ms its path takes with nothing queued
 (``bench/stream_components.py``); this shows how much of the machine each system's transactions
 take at each rate, and how the lag follows.
 
+``--hog`` adds load that is neither system's: processes that keep the given share of cores busy
+(a duty cycle of 10 ms) through each run, so that a system's lag can be read at a utilisation its
+own rate does not reach here (is the lag set by the machine's load, whoever makes it?).
+
 Run: .venv/bin/python bench/load_curve.py [--rates 250,500,750,1000] [--systems lr,native]
-     [--seconds 15] [--lr-cmd "lr sync"]
+     [--seconds 15] [--lr-cmd "lr sync"] [--hog 0,0.5,1.0]
 Writes bench/results/load_curve.json and prints a markdown table. Needs a quiet machine: anything
 else running counts as load.
 """
@@ -20,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -49,13 +55,49 @@ def process_ticks() -> dict[int, int]:
     return ticks
 
 
+def _spin(duty: float, stop: Any) -> None:
+    """Keep a core ``duty`` busy: spin ``duty`` × 10 ms, sleep the rest, until ``stop``."""
+    period = 0.01
+    while not stop.is_set():
+        end = time.perf_counter() + duty * period
+        while time.perf_counter() < end:
+            pass
+        time.sleep(period * (1 - duty))
+
+
+class Hog:
+    """Processes that keep ``cores`` (a share of the machine's) busy while it is open."""
+
+    def __init__(self, cores: float) -> None:
+        self.cores = cores
+        self.stop = mp.get_context("spawn").Event()
+        count = math.ceil(cores)
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=_spin, args=(cores / count, self.stop), daemon=True) for _ in range(count)]
+
+    def __enter__(self) -> Hog:
+        for proc in self.procs:
+            proc.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for proc in self.procs:
+            proc.join(5)
+
+    @property
+    def pids(self) -> set[int]:
+        return {p.pid for p in self.procs if p.pid is not None}
+
+
 class WindowProbe:
     """The machine's busy share over the bench's measured window, found from its output: the window
     starts ``warmup`` seconds after the "writing" line and lasts ``seconds``."""
 
-    def __init__(self, warmup: float, seconds: float) -> None:
-        self.warmup, self.seconds = warmup, seconds
+    def __init__(self, warmup: float, seconds: float, hog: set[int] | None = None) -> None:
+        self.warmup, self.seconds, self.hog = warmup, seconds, hog or set()
         self.share: float | None = None
+        self.hog_share = 0.0  # of that, the hog's
 
     def watch(self, proc: subprocess.Popen, log: list[str]) -> None:
         """Read the bench's output as it comes (its "writing" line ends only when the run does)."""
@@ -76,11 +118,12 @@ class WindowProbe:
         before, started = process_ticks(), time.monotonic()
         time.sleep(max(1.0, self.seconds - 1.0))
         after, wall = process_ticks(), time.monotonic() - started
-        used = sum(t - before.get(pid, 0) for pid, t in after.items()) / TICK
-        self.share = used / wall / CORES
+        used = {pid: (t - before.get(pid, 0)) / TICK for pid, t in after.items()}
+        self.share = sum(used.values()) / wall / CORES
+        self.hog_share = sum(v for pid, v in used.items() if pid in self.hog) / wall / CORES
 
 
-def run(system: str, rate: int, args: argparse.Namespace) -> dict[str, Any]:
+def run(system: str, rate: int, args: argparse.Namespace, hog: float = 0.0) -> dict[str, Any]:
     out = Path(tempfile.mkdtemp(prefix="load-curve-")) / "run.json"
     cmd = [
         sys.executable,
@@ -98,20 +141,23 @@ def run(system: str, rate: int, args: argparse.Namespace) -> dict[str, Any]:
         "--out",
         str(out),
     ]
-    probe, log = WindowProbe(args.warmup, args.seconds), []
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    probe.watch(proc, log)
+    log: list[str] = []
+    with Hog(hog) as hogs:
+        probe = WindowProbe(args.warmup, args.seconds, hogs.pids)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        probe.watch(proc, log)
     if proc.wait() != 0 or probe.share is None:
         raise RuntimeError(f"{system} at {rate}/s failed:\n{''.join(log[-20:])}")
     (result,) = json.loads(out.read_text())["results"]
-    cores = probe.share * CORES
+    cores, hog_cores = probe.share * CORES, probe.hog_share * CORES
     return {
         "system": system,
         "rate": rate,
+        "hog_cores": round(hog_cores, 3),
         "achieved_per_s": result["achieved_per_s"],
         "cores_busy": round(cores, 3),
         "utilisation": round(probe.share, 3),
-        "cpu_ms_per_tx": round(cores / result["achieved_per_s"] * 1000, 3),
+        "cpu_ms_per_tx": round((cores - hog_cores) / result["achieved_per_s"] * 1000, 3),
         "p50_ms": result["lag_ms"]["p50"],
         "p99_ms": result["lag_ms"]["p99"],
         "lost": result["lost"],
@@ -126,25 +172,28 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--lr-cmd", default="lr sync")
+    parser.add_argument("--hog", default="0", help="comma list of cores kept busy by other processes, per run")
     parser.add_argument("--out", type=Path, default=BENCH / "results" / "load_curve.json")
     args = parser.parse_args()
     load_before = os.getloadavg()
     runs = []
     for rate in [int(r) for r in args.rates.split(",")]:
-        for system in args.systems.split(","):
-            runs.append(run(system, rate, args))
-            r = runs[-1]
-            print(
-                f"{system:6s} {rate:5d}/s  machine {r['cores_busy']:.2f} cores (ρ {r['utilisation']:.2f}), "
-                f"{r['cpu_ms_per_tx']:.2f} ms CPU/tx, p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, "
-                f"lost {r['lost']}, dup {r['duplicated']}",
-                flush=True,
-            )
-    print("\n| system | rate | machine busy (cores) | ρ | CPU per tx | p50 | p99 |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+        for hog in [float(h) for h in args.hog.split(",")]:
+            for system in args.systems.split(","):
+                runs.append(run(system, rate, args, hog))
+                r = runs[-1]
+                print(
+                    f"{system:6s} {rate:5d}/s  hog {r['hog_cores']:.2f}, machine {r['cores_busy']:.2f} cores "
+                    f"(ρ {r['utilisation']:.2f}), "
+                    f"{r['cpu_ms_per_tx']:.2f} ms CPU/tx, p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, "
+                    f"lost {r['lost']}, dup {r['duplicated']}",
+                    flush=True,
+                )
+    print("\n| system | rate | hog (cores) | machine busy (cores) | ρ | CPU per tx | p50 | p99 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in runs:
         print(
-            f"| {r['system']} | {r['rate']:,}/s | {r['cores_busy']:.2f} | {r['utilisation']:.2f} | "
+            f"| {r['system']} | {r['rate']:,}/s | {r['hog_cores']:.2f} | {r['cores_busy']:.2f} | {r['utilisation']:.2f} | "
             f"{r['cpu_ms_per_tx']:.2f} ms | {r['p50_ms']} ms | {r['p99_ms']} ms |"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
