@@ -361,6 +361,8 @@ def _drain(
     each sink (``sinks``, the site to promote first) copied into that sink (fenced sink
     transactions, as a session cycle writes them; table changes applied), so the cut loses nothing."""
     try:
+        with old.cursor() as cur:  # locked until the commit, which removes them: no lease is taken above these
+            granted = source_sessions.lock_epochs(cur, clients)
         if recorded_id(old) != target.topology_config_id:
             apply_to_site(old, target, from_site, commit=False)
         with old.cursor() as cur:  # its tables' writers are refused from now on, as its routing-queue writers
@@ -373,8 +375,10 @@ def _drain(
     # Every sink is fenced before the barrier: a replicator still streaming from the old source could
     # otherwise deliver an entry committed after the barrier (by a writer whose client loaded its
     # routes before the switch) to a sink the drain had not fenced yet, leaving that sink ahead of
-    # the others at the cut. (It cannot move past the fence: its source sessions are gone with the
-    # new topology, so it holds no lease to raise its epoch with.)
+    # the others at the cut. The fence is above every epoch the old source granted, not only above
+    # the sink's: a replicator that took its lease just before the switch and has not written to this
+    # sink yet holds an epoch the sink has not seen. (It cannot move past the fence: its source sessions
+    # are gone with the new topology, so it holds no lease to raise its epoch with.)
     fenced: list[tuple[str, str, writes.SinkMetadata]] = []
     for sink in sinks:
         conn = conns[sink]
@@ -382,7 +386,8 @@ def _drain(
             meta = writes.read_metadata(conn, from_site, client)
             if not meta.data_consistent or meta.failed_over_to is not None:
                 continue  # reconciled by the failover itself (a full sync, or done before)
-            fenced.append((sink, client, writes.fence(conn, from_site, client, meta.lease_epoch + 1)))
+            epoch = max(meta.lease_epoch, granted.get((sink, client), 0)) + 1
+            fenced.append((sink, client, writes.fence(conn, from_site, client, epoch)))
     upto, holders = commit_barrier(old, 30.0)
     if upto is None:
         raise LRError(
@@ -394,7 +399,7 @@ def _drain(
         reader, after = LogReader(old, sink, STREAM_LOG_ENTRIES, client_name=client), meta.last_log_entry_processed
         tables = table_snapshot.splits(conn, SessionKey(from_site, sink, client))  # their changes too
         while after < upto:
-            with reader.read_stream(after, split=meta.split, tables=tables) as batch:
+            with reader.read_stream(after, split=meta.split, tables=tables, until=upto) as batch:
                 if batch.end <= after:
                     break
                 after = writes.apply_log_stream(conn, from_site, client, meta.lease_epoch, batch, meta.snapshot_applied)

@@ -185,6 +185,17 @@ def clients_with_sessions(cur: psycopg2.extensions.cursor) -> set[str]:
     return {client for (client,) in cur.fetchall()}
 
 
+def lock_epochs(cur: psycopg2.extensions.cursor, clients: Collection[str]) -> dict[tuple[str, str], int]:
+    """The lease epoch of each session of ``clients`` by (sink, client), the rows locked until the
+    caller's transaction ends: no lease of theirs is taken at a higher epoch meanwhile."""
+    cur.execute(
+        "SELECT sink_site_id, client_name, lease_epoch FROM lr.source_sessions WHERE client_name = ANY (%s) "
+        "ORDER BY 1, 2 FOR UPDATE",
+        (list(clients),),
+    )
+    return {(sink, client): epoch for sink, client, epoch in cur.fetchall()}
+
+
 def keep_only(cur: psycopg2.extensions.cursor, sessions: Collection[tuple[str, str]]) -> None:
     """Make the (sink, client) ``sessions`` the source's: others removed, missing ones created."""
     cur.execute(
