@@ -299,7 +299,8 @@ def backlog_rows(
     """Per session (optionally of one sink and/or client), sorted: (sink, client, state, acked,
     entries, highest, lag seconds, first guarded, entries before it), where entries are the
     commits after ``acked`` carrying a log entry or table change tagged for the sink, of the
-    session's client — the oldest ``at_most`` of them when given (``source/backlog.py``)."""
+    session's client — the oldest ``at_most`` of them when given (``source/backlog.py``). The lag is
+    never below 0, though commits may have begun after this transaction did."""
     cur.execute(
         """
         SELECT s.sink_site_id, s.client_name, s.state, s.acked_position, p.n, p.highest, p.lag, g.first, p.before
@@ -312,7 +313,7 @@ def backlog_rows(
         ) g
         CROSS JOIN LATERAL (
             SELECT count(*) AS n, coalesce(max(c.position), -1) AS highest,
-                   coalesce(round(extract(epoch FROM now() - min(c.committed_at))::numeric, 1), 0)::float8 AS lag,
+                   round(greatest(extract(epoch FROM now() - min(c.committed_at)), 0)::numeric, 1)::float8 AS lag,
                    count(*) FILTER (WHERE g.first IS NULL OR c.position < g.first) AS before
             FROM (
                 SELECT c.position, c.committed_at FROM lr.log_commits c
