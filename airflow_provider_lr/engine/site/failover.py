@@ -68,6 +68,7 @@ from airflow_provider_lr.engine.site.failover_record import (
 )
 from airflow_provider_lr.engine.site.failover_rejoin import RejoinResult, rejoin_site
 from airflow_provider_lr.engine.site.topology import apply_to_site
+from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, commit_barrier
 from airflow_provider_lr.engine.source.log_reader import LogReader
 from airflow_provider_lr.engine.store import sink_sessions, source_sessions
@@ -192,6 +193,8 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
             if record is not None
             else _untaken_tables(conns, from_site, to_site, sinks, wanted, request.allow_table_divergence)
         )
+        # full syncs the operator asked of the old source for a sink: its new topology cancels them
+        asked = _asked(old, sinks, wanted) if record is None and old is not None else {}
         if record is None and planned:
             assert old is not None
             _drain(old, conns, from_site, [to_site, *sinks], wanted, target)
@@ -223,6 +226,11 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
         result.outcome[to_site] = {c: "promoted: the new source" for c in wanted}
         for sink in sinks:
             result.outcome[sink] = reconcile(conns[sink], new, sink, result, request.same_destinations)
+            for client, note in result.outcome[sink].items():
+                if (sink, client) in asked and "full sync" not in note:
+                    reason = f"asked of {from_site} before the failover: {asked[sink, client]}"
+                    full_sync.request_full_sync(new, sink, client, reason=reason, forced=True)
+                    result.outcome[sink][client] = f"{note}; full sync from {to_site} requested ({reason})"
             fault_point("failover_after_reconcile")
         result.full_syncs = [
             str(SessionKey(to_site, s, c))
@@ -248,6 +256,18 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
         for conn in conns.values():
             if not conn.closed:
                 conn.close()
+
+
+def _asked(old: psycopg2.extensions.connection, sinks: list[str], clients: list[str]) -> dict[tuple[str, str], str]:
+    """(sink, client) -> reason of each full sync forced at the old source (``lr full-sync``, the
+    lr_full_sync DAG) and not applied yet: the failover asks it of the new source instead."""
+    found = {}
+    for sink in sinks:
+        for client in clients:
+            open_request = full_sync.open_request(old, sink, client)
+            if open_request is not None and open_request.forced:
+                found[sink, client] = open_request.reason or "no reason given"
+    return found
 
 
 def _untaken_tables(

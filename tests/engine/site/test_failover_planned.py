@@ -1,7 +1,8 @@
 """A planned switchover drains the old source into every sink behind fences, up to the cut its
 commit barrier took, while the old source's writers may still commit (a client object made before
 the switch keeps its routes) and a replicator may still stream from it. Neither may carry a sink
-past the cut: that sink would hold entries of the old source the promoted site never gets."""
+past the cut: that sink would hold entries of the old source the promoted site never gets. A full
+sync the operator asked of the old source for a sink is asked of the new one."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from airflow_provider_lr.engine.errors import FencedError
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import failover
-from tests.engine.site.test_failover import A, B, C, _connect, _setup
-from tests.support.session import sink_queue
+from airflow_provider_lr.engine.site.replicator import run_until_idle
+from airflow_provider_lr.engine.source import full_sync
+from tests.engine.site.test_failover import PROVIDERS, A, B, C, _connect, _setup, replicator
+from tests.support.session import App, queue, sink_queue
 from tests.support.soak import expire_leases
 
 
@@ -66,4 +69,22 @@ def test_what_the_old_source_commits_while_the_sinks_are_drained_stays_beyond_th
     assert "late=99" not in {p.decode() for p in sink_queue(site_c, "policy")}
     assert sink_queue(site_c, "policy") == sink_queue(site_b, "policy")
     assert result.tail == {"policy": 1}
+    app.close()
+
+
+def test_a_full_sync_asked_of_the_old_source_is_asked_of_the_new_one(lr_sites):
+    """The new topology cancels the old source's requests of the failed-over sessions: the sink the
+    operator wanted synced again (restored from a backup, its application's data lost) gets its
+    full sync from the promoted site instead, with the operator's reason."""
+    site_a, site_b, site_c = lr_sites
+    _topo, app = _setup(lr_sites)
+    conn_a = site_a.connect()
+    full_sync.request_full_sync(conn_a, C, "policy", reason="site-c restored from a backup", forced=True)
+    conn_a.close()
+    result = failover.promote(failover.FailoverRequest(A, B, planned=True), _connect(lr_sites))
+    assert result.full_syncs == ["site-b->site-c/policy"], result.outcome
+    assert "site-c restored from a backup" in result.outcome[C]["policy"]
+    App(site_b).close()  # the application's table at site-b (empty), which its provider reads
+    run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS))
+    assert [kind for kind, _ in queue(site_c, "site-b")] == ["start", "end"]  # a full sync from site-b
     app.close()
