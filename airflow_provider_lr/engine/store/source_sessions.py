@@ -257,6 +257,16 @@ def acked_range(cur: psycopg2.extensions.cursor) -> tuple[int, int]:
     return cur.fetchone()
 
 
+def lowest_ack_behind_trim(cur: psycopg2.extensions.cursor) -> int | None:
+    """The lowest position acknowledged by a session that a retention trim left behind (its sink
+    never got the entries trimmed past it); None when no session is behind the trim mark."""
+    cur.execute(
+        "SELECT min(s.acked_position) FROM lr.source_sessions s, lr.log_trim t "
+        "WHERE s.acked_position >= 0 AND s.acked_position < t.trim_mark"
+    )
+    return cur.fetchone()[0]
+
+
 def lowest_hold(cur: psycopg2.extensions.cursor) -> int | None:
     """The lowest position some session still needs: a sink's acknowledged one, or the base of a
     full sync supplied and not yet transferred; None when nothing holds one."""
