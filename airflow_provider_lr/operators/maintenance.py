@@ -45,7 +45,7 @@ class LRTrimOperator(_SiteOperator):
         mode = "safe" if self.retention_seconds is None else f"retention {self.retention_seconds}s"
         if result is None:
             self.log.info(
-                "%s: %s trim skipped (a commit in flight holds the barrier, or nothing old enough)",
+                "%s: %s trim skipped (a commit in flight holds the barrier)",
                 self.site["site"],
                 mode,
             )

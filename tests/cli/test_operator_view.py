@@ -15,9 +15,12 @@ import yaml
 
 from airflow_provider_lr import cli
 from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.engine.store import receive_queue, source_sessions
+from airflow_provider_lr.proto import lr_pb2
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 from tests.cli.test_cli_sync import topology_file
-from tests.support.session import App, queue
+from tests.support.session import App, apply, queue
+from tests.support.subscriber import insert_raw
 
 
 def _status(topo: str, capsys, *extra: str) -> tuple[int, dict]:
@@ -294,6 +297,54 @@ def test_lr_metrics_listen_says_where_and_serves_the_status_with_the_topology_in
         assert _get(url.removesuffix("metrics"))[0] == 200
     finally:
         child.stop()
+
+
+def test_a_queue_entry_that_arrived_after_the_status_read_began_is_not_a_negative_age(lr_sites):
+    sink = lr_sites[1]
+    conn = sink.connect()
+    with conn.cursor() as cur:
+        cur.execute("SELECT now()")  # the status read's transaction began: its now() is fixed from here
+        time.sleep(0.05)
+        insert_raw(sink, "site-a", lr_pb2.LOG_ENTRY_SYNC, b"k=1")  # a sink transaction that began later
+        ((_, _, waiting, _, oldest, _),) = receive_queue.queue_report(cur)
+    conn.close()
+    assert waiting == 1 and oldest == 0.0, oldest
+
+
+def test_an_entry_committed_after_the_status_read_began_is_not_a_negative_lag(lr_sites):
+    source = lr_sites[0]
+    apply(lr_sites)
+    app = App(source)
+    conn = source.connect()
+    with conn.cursor() as cur:
+        cur.execute("SELECT now()")  # the status read's transaction began: its now() is fixed from here
+        time.sleep(0.05)
+        app.put("k", 1, ["site-b"])  # a writer's transaction that began later
+        rows = source_sessions.backlog_rows(cur, "site-b", "policy", None)
+    conn.close()
+    app.close()
+    assert [(entries, lag) for _, _, _, _, entries, _, lag, _, _ in rows] == [(1, 0.0)]
+
+
+def test_an_address_lr_cannot_listen_on_is_said_on_one_line(lr_sites, tmp_path, monkeypatch, capsys):
+    """A port out of range, no port, an address not of this machine, one in use: one line naming
+    it, exit 1, no traceback; `lr sync` says so before it replicates anything."""
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    in_use = str(lr_sites[0].server.port)
+    for listen, why in (
+        ("127.0.0.1:99999", "a port from 0 to 65535"),
+        ("nonsense", "a port from 0 to 65535"),
+        ("192.0.2.1:9187", "cannot listen on '192.0.2.1:9187': "),
+        (f"127.0.0.1:{in_use}", "Address already in use"),
+    ):
+        capsys.readouterr()
+        assert cli.main(["metrics", "--topology", topo, "--listen", listen]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"lr: cannot listen on {listen!r}") and why in err and err.count("\n") == 1, err
+    assert cli.main(["sync", "--topology", topo, "--once", "--metrics-listen", "127.0.0.1:99999"]) == 1
+    assert "cannot listen on" in capsys.readouterr().err
+    assert lr_sites[0].query("SELECT count(*) FROM lr.source_sessions WHERE lease_owner IS NOT NULL") == [(0,)]
 
 
 def test_lr_sync_counts_what_it_delivers_and_prints_a_progress_line(lr_sites, tmp_path, monkeypatch):

@@ -68,6 +68,7 @@ from airflow_provider_lr.engine.site.failover_record import (
 )
 from airflow_provider_lr.engine.site.failover_rejoin import RejoinResult, rejoin_site
 from airflow_provider_lr.engine.site.topology import apply_to_site
+from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, commit_barrier
 from airflow_provider_lr.engine.source.log_reader import LogReader
 from airflow_provider_lr.engine.store import sink_sessions, source_sessions
@@ -192,6 +193,8 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
             if record is not None
             else _untaken_tables(conns, from_site, to_site, sinks, wanted, request.allow_table_divergence)
         )
+        # full syncs the operator asked of the old source for a sink: its new topology cancels them
+        asked = _asked(old, sinks, wanted) if record is None and old is not None else {}
         if record is None and planned:
             assert old is not None
             _drain(old, conns, from_site, [to_site, *sinks], wanted, target)
@@ -223,6 +226,11 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
         result.outcome[to_site] = {c: "promoted: the new source" for c in wanted}
         for sink in sinks:
             result.outcome[sink] = reconcile(conns[sink], new, sink, result, request.same_destinations)
+            for client, note in result.outcome[sink].items():
+                if (sink, client) in asked and "full sync" not in note:
+                    reason = f"asked of {from_site} before the failover: {asked[sink, client]}"
+                    full_sync.request_full_sync(new, sink, client, reason=reason, forced=True)
+                    result.outcome[sink][client] = f"{note}; full sync from {to_site} requested ({reason})"
             fault_point("failover_after_reconcile")
         result.full_syncs = [
             str(SessionKey(to_site, s, c))
@@ -248,6 +256,18 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
         for conn in conns.values():
             if not conn.closed:
                 conn.close()
+
+
+def _asked(old: psycopg2.extensions.connection, sinks: list[str], clients: list[str]) -> dict[tuple[str, str], str]:
+    """(sink, client) -> reason of each full sync forced at the old source (``lr full-sync``, the
+    lr_full_sync DAG) and not applied yet: the failover asks it of the new source instead."""
+    found = {}
+    for sink in sinks:
+        for client in clients:
+            open_request = full_sync.open_request(old, sink, client)
+            if open_request is not None and open_request.forced:
+                found[sink, client] = open_request.reason or "no reason given"
+    return found
 
 
 def _untaken_tables(
@@ -361,6 +381,8 @@ def _drain(
     each sink (``sinks``, the site to promote first) copied into that sink (fenced sink
     transactions, as a session cycle writes them; table changes applied), so the cut loses nothing."""
     try:
+        with old.cursor() as cur:  # locked until the commit, which removes them: no lease is taken above these
+            granted = source_sessions.lock_epochs(cur, clients)
         if recorded_id(old) != target.topology_config_id:
             apply_to_site(old, target, from_site, commit=False)
         with old.cursor() as cur:  # its tables' writers are refused from now on, as its routing-queue writers
@@ -373,8 +395,10 @@ def _drain(
     # Every sink is fenced before the barrier: a replicator still streaming from the old source could
     # otherwise deliver an entry committed after the barrier (by a writer whose client loaded its
     # routes before the switch) to a sink the drain had not fenced yet, leaving that sink ahead of
-    # the others at the cut. (It cannot move past the fence: its source sessions are gone with the
-    # new topology, so it holds no lease to raise its epoch with.)
+    # the others at the cut. The fence is above every epoch the old source granted, not only above
+    # the sink's: a replicator that took its lease just before the switch and has not written to this
+    # sink yet holds an epoch the sink has not seen. (It cannot move past the fence: its source sessions
+    # are gone with the new topology, so it holds no lease to raise its epoch with.)
     fenced: list[tuple[str, str, writes.SinkMetadata]] = []
     for sink in sinks:
         conn = conns[sink]
@@ -382,7 +406,8 @@ def _drain(
             meta = writes.read_metadata(conn, from_site, client)
             if not meta.data_consistent or meta.failed_over_to is not None:
                 continue  # reconciled by the failover itself (a full sync, or done before)
-            fenced.append((sink, client, writes.fence(conn, from_site, client, meta.lease_epoch + 1)))
+            epoch = max(meta.lease_epoch, granted.get((sink, client), 0)) + 1
+            fenced.append((sink, client, writes.fence(conn, from_site, client, epoch)))
     upto, holders = commit_barrier(old, 30.0)
     if upto is None:
         raise LRError(
@@ -394,7 +419,7 @@ def _drain(
         reader, after = LogReader(old, sink, STREAM_LOG_ENTRIES, client_name=client), meta.last_log_entry_processed
         tables = table_snapshot.splits(conn, SessionKey(from_site, sink, client))  # their changes too
         while after < upto:
-            with reader.read_stream(after, split=meta.split, tables=tables) as batch:
+            with reader.read_stream(after, split=meta.split, tables=tables, until=upto) as batch:
                 if batch.end <= after:
                     break
                 after = writes.apply_log_stream(conn, from_site, client, meta.lease_epoch, batch, meta.snapshot_applied)

@@ -25,6 +25,7 @@ from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from airflow_provider_lr.engine.counters import DeliveryCounters
+from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.site.status import SiteStatus, mark_tables_lacking, trim_marks
 from airflow_provider_lr.engine.source.backlog import readiness
 from airflow_provider_lr.engine.store.topology import Topology
@@ -227,9 +228,15 @@ class ReplicationCounters(DeliveryCounters):
 
 def start(registry: CollectorRegistry, listen: str) -> tuple[Any, threading.Thread, str]:
     """Serve ``registry`` on ``host:port`` in a daemon thread (prometheus_client's server: the
-    metrics on ``/metrics`` and on any other path); the server, its thread and its URL."""
+    metrics on ``/metrics`` and on any other path); the server, its thread and its URL.
+    ConfigurationError, naming the address, when it is not HOST:PORT or cannot be bound."""
     host, _, port = listen.rpartition(":")
-    server, thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=registry)
+    if not port.isdigit() or int(port) > 65535:
+        raise ConfigurationError(f"cannot listen on {listen!r}: give HOST:PORT with a port from 0 to 65535")
+    try:
+        server, thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=registry)
+    except OSError as exc:  # in use, an address not of this machine, a name that does not resolve
+        raise ConfigurationError(f"cannot listen on {listen!r}: {exc.strerror or exc}") from exc
     bound_host, bound_port = server.server_address[:2]
     if isinstance(bound_host, bytes):  # an AF_UNIX-style address in the stub's type; TCP gives str
         bound_host = bound_host.decode()

@@ -380,7 +380,9 @@ def durable_position(conn: psycopg2.extensions.connection, min_regions: int) -> 
 
     Entries below the lowest acknowledged position are acknowledged by every sink they named;
     above the highest, by none (only the source's region holds them): so only the range between
-    is looked at, and past it the first entry that names a sink ends the durable prefix."""
+    is looked at, and past it the first entry that names a sink ends the durable prefix. A session
+    a retention trim left behind never acknowledged what was trimmed past it: the prefix ends at its
+    acknowledged position (the trimmed entries cannot be read to tell whether they named it)."""
     args = {"log": STREAM_LOG_ENTRIES, "tables": STREAM_TABLE_CHANGES, "min": min_regions}
     with conn.cursor() as cur:
         cur.execute(LAST_DRAWN_POSITION_SQL)
@@ -418,5 +420,7 @@ def durable_position(conn: psycopg2.extensions.connection, min_regions: int) -> 
                 args,
             )
             first_short = cur.fetchone()[0]
+        behind = source_sessions.lowest_ack_behind_trim(cur)
     conn.commit()
-    return drawn if first_short is None else first_short - 1
+    durable = drawn if first_short is None else first_short - 1
+    return durable if behind is None else min(durable, behind)

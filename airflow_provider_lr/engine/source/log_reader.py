@@ -288,6 +288,7 @@ class LogReader:
         split: BaseSplit | None = None,
         final: bool = False,
         tables: TableSplits | None = None,
+        until: int | None = None,
     ) -> LogStream:
         """Entries after ``after`` (a persisted ``end``), whole transactions only, bounded by count and
         bytes (a single larger transaction is still returned whole); ``split``: leave out what a
@@ -296,12 +297,15 @@ class LogReader:
         ``LogStream``; ``collect()`` for a ``LogBatch``): what a batch holds in memory is bounded by
         bytes whatever the size of its transactions. The barrier (or,
         ``final``, the final prefix) and the trim check (``TrimmedError``) happen here, before
-        anything is read."""
+        anything is read. ``until``: no further than that position (a cut taken earlier, which
+        commits since then must not pass)."""
         if final:
             return self._read_final(after, max_entries, max_bytes, split, tables)
         upto, blocked = commit_barrier(self.conn, self.barrier_timeout)
         if upto is None:  # a commit in flight outlasted the timeout: no position is known final
             return LogStream(self.conn, after, after, after, blocked)
+        if until is not None:
+            upto = min(upto, until)
         if upto <= after:
             return LogStream(self.conn, after, max(after, upto), upto)
         check_trim(self.conn, after, f"destination {self.destination!r}")  # starts the read's snapshot

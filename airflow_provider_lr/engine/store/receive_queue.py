@@ -441,13 +441,14 @@ def cut_row(cur: psycopg2.extensions.cursor, seq: int, keep: int, position: int 
 def queue_report(cur: psycopg2.extensions.cursor) -> list[tuple[str, str, int, int, float, int]]:
     """Per session queue on this sink (dead letters of a queue emptied since included): (source,
     client, entries waiting for subscribers, snapshot entries not applied, age in seconds of the
-    oldest waiting row, dead letters)."""
+    oldest waiting row, never below 0 though rows may have arrived after this transaction began,
+    dead letters)."""
     cur.execute(
         """
         SELECT q.source_site_id, q.client_name,
                coalesce(sum(q.entry_count - q.delivered) FILTER (WHERE q.visible), 0)::bigint,
                coalesce(sum(q.entry_count) FILTER (WHERE NOT q.visible), 0)::bigint,
-               coalesce(extract(epoch FROM now() - min(q.received_at) FILTER (WHERE q.visible)), 0)::float8,
+               greatest(extract(epoch FROM now() - min(q.received_at) FILTER (WHERE q.visible)), 0)::float8,
                (SELECT count(*) FROM lr.receive_dead_letters d
                 WHERE d.source_site_id = q.source_site_id AND d.client_name = q.client_name)
         FROM lr.receive_queue q GROUP BY 1, 2

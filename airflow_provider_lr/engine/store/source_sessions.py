@@ -185,6 +185,17 @@ def clients_with_sessions(cur: psycopg2.extensions.cursor) -> set[str]:
     return {client for (client,) in cur.fetchall()}
 
 
+def lock_epochs(cur: psycopg2.extensions.cursor, clients: Collection[str]) -> dict[tuple[str, str], int]:
+    """The lease epoch of each session of ``clients`` by (sink, client), the rows locked until the
+    caller's transaction ends: no lease of theirs is taken at a higher epoch meanwhile."""
+    cur.execute(
+        "SELECT sink_site_id, client_name, lease_epoch FROM lr.source_sessions WHERE client_name = ANY (%s) "
+        "ORDER BY 1, 2 FOR UPDATE",
+        (list(clients),),
+    )
+    return {(sink, client): epoch for sink, client, epoch in cur.fetchall()}
+
+
 def keep_only(cur: psycopg2.extensions.cursor, sessions: Collection[tuple[str, str]]) -> None:
     """Make the (sink, client) ``sessions`` the source's: others removed, missing ones created."""
     cur.execute(
@@ -246,6 +257,16 @@ def acked_range(cur: psycopg2.extensions.cursor) -> tuple[int, int]:
     return cur.fetchone()
 
 
+def lowest_ack_behind_trim(cur: psycopg2.extensions.cursor) -> int | None:
+    """The lowest position acknowledged by a session that a retention trim left behind (its sink
+    never got the entries trimmed past it); None when no session is behind the trim mark."""
+    cur.execute(
+        "SELECT min(s.acked_position) FROM lr.source_sessions s, lr.log_trim t "
+        "WHERE s.acked_position >= 0 AND s.acked_position < t.trim_mark"
+    )
+    return cur.fetchone()[0]
+
+
 def lowest_hold(cur: psycopg2.extensions.cursor) -> int | None:
     """The lowest position some session still needs: a sink's acknowledged one, or the base of a
     full sync supplied and not yet transferred; None when nothing holds one."""
@@ -288,7 +309,8 @@ def backlog_rows(
     """Per session (optionally of one sink and/or client), sorted: (sink, client, state, acked,
     entries, highest, lag seconds, first guarded, entries before it), where entries are the
     commits after ``acked`` carrying a log entry or table change tagged for the sink, of the
-    session's client — the oldest ``at_most`` of them when given (``source/backlog.py``)."""
+    session's client — the oldest ``at_most`` of them when given (``source/backlog.py``). The lag is
+    never below 0, though commits may have begun after this transaction did."""
     cur.execute(
         """
         SELECT s.sink_site_id, s.client_name, s.state, s.acked_position, p.n, p.highest, p.lag, g.first, p.before
@@ -301,7 +323,7 @@ def backlog_rows(
         ) g
         CROSS JOIN LATERAL (
             SELECT count(*) AS n, coalesce(max(c.position), -1) AS highest,
-                   coalesce(round(extract(epoch FROM now() - min(c.committed_at))::numeric, 1), 0)::float8 AS lag,
+                   round(greatest(extract(epoch FROM now() - min(c.committed_at)), 0)::numeric, 1)::float8 AS lag,
                    count(*) FILTER (WHERE g.first IS NULL OR c.position < g.first) AS before
             FROM (
                 SELECT c.position, c.committed_at FROM lr.log_commits c

@@ -12,7 +12,7 @@ import pytest
 from airflow_provider_lr.client import DeliveryState, DeliveryTimeout
 from airflow_provider_lr.engine.errors import ConfigurationError, TransmitError
 from airflow_provider_lr.engine.site import status, topology
-from airflow_provider_lr.engine.source import delivery
+from airflow_provider_lr.engine.source import delivery, trim
 from airflow_provider_lr.engine.source.backlog import readiness, readiness_of
 from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.vocabulary import SessionKey
@@ -199,6 +199,24 @@ def test_durable_position_follows_acknowledgements_in_enough_regions(lr_sites):
     assert delivery.durable_position(conn, 3) == drawn
     rendered = status.render(status.site_status(conn))
     assert f"durable up to position {drawn} of {drawn} (every entry acknowledged by every sink it named)" in rendered
+    conn.close()
+    app.close()
+
+
+def test_entries_a_retention_trim_took_from_a_lagging_sink_are_not_durable(lr_sites):
+    """site-c is behind when a retention trim removes what it lacks: those entries were never
+    acknowledged there, whatever the log (which no longer holds them) can say."""
+    source, _, _ = lr_sites
+    topo = _in_log_entry_sync(lr_sites)
+    app = App(source)
+    before = source.query("SELECT acked_position FROM lr.source_sessions WHERE sink_site_id = 'site-c'")[0][0]
+    for i in range(3):
+        app.put(f"k{i}", i, ["site-b", "site-c"])
+    _deliver(topo, lr_sites, "site-b")
+    conn = source.connect()
+    assert trim.retention_trim(conn, 0.0).trim_mark > before  # past site-c
+    assert delivery.durable_position(conn, 3) == before
+    assert delivery.durable_position(conn, delivery.EVERY_NAMED_SINK) == before
     conn.close()
     app.close()
 

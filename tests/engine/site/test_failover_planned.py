@@ -1,0 +1,90 @@
+"""A planned switchover drains the old source into every sink behind fences, up to the cut its
+commit barrier took, while the old source's writers may still commit (a client object made before
+the switch keeps its routes) and a replicator may still stream from it. Neither may carry a sink
+past the cut: that sink would hold entries of the old source the promoted site never gets. A full
+sync the operator asked of the old source for a sink is asked of the new one."""
+
+from __future__ import annotations
+
+from airflow_provider_lr.engine.errors import FencedError
+from airflow_provider_lr.engine.session import lease as leases
+from airflow_provider_lr.engine.sink import writes
+from airflow_provider_lr.engine.site import failover
+from airflow_provider_lr.engine.site.replicator import run_until_idle
+from airflow_provider_lr.engine.source import full_sync
+from tests.engine.site.test_failover import PROVIDERS, A, B, C, _connect, _setup, replicator
+from tests.support.session import App, queue, sink_queue
+from tests.support.soak import expire_leases
+
+
+def test_a_lease_taken_just_before_a_planned_switchover_cannot_write_past_the_drain(lr_sites, monkeypatch):
+    """The fence is above every epoch the old source granted: a replicator that took its lease just
+    before the switch (a takeover from a killed `lr sync` member) has not written to site-c yet, so
+    site-c has not seen its epoch."""
+    site_a, site_b, site_c = lr_sites
+    _topo, app = _setup(lr_sites)
+    expire_leases(site_a)
+    conn_a, conn_c = site_a.connect(), site_c.connect()
+    late = leases.acquire(conn_a, C, "policy", "late-streamer", 60)
+    assert late is not None
+    barrier, stale_writes = failover.commit_barrier, []
+
+    def barrier_while_the_late_streamer_writes(conn, timeout):
+        """The drain's barrier, with the late streamer's write to site-c coming after the fences."""
+        try:
+            writes.fence(conn_c, A, "policy", late.epoch)
+            stale_writes.append("accepted")
+        except FencedError:
+            conn_c.rollback()
+        return barrier(conn, timeout)
+
+    monkeypatch.setattr(failover, "commit_barrier", barrier_while_the_late_streamer_writes)
+    result = failover.promote(failover.FailoverRequest(A, B, planned=True), _connect(lr_sites))
+    assert result.planned and stale_writes == [], "a write with an epoch the old source granted passed the fence"
+    assert sink_queue(site_c, "policy") == sink_queue(site_b, "policy")
+    for conn in (conn_a, conn_c):
+        conn.close()
+    app.close()
+
+
+def test_what_the_old_source_commits_while_the_sinks_are_drained_stays_beyond_the_cut(lr_sites, monkeypatch):
+    """site-b is drained first; the old source's writer commits an entry before site-c's drain:
+    site-c stops at the cut with site-b, and the entry is A's reported tail. (Carried past the cut,
+    it would be removed as an extra, or, once site-c's application consumed it, cost a full sync.)"""
+    site_a, site_b, site_c = lr_sites
+    _topo, app = _setup(lr_sites)
+    for i in range(3, 6):
+        app.put(f"k{i}", i, [B, C])  # not replicated yet: the drain carries them
+    apply, late = writes.apply_log_stream, []
+
+    def apply_then_the_writer_commits(*args, **kwargs):
+        end = apply(*args, **kwargs)
+        if not late:
+            late.append(app.put("late", 99, [B, C]))  # its client loaded its routes before the switch
+        return end
+
+    monkeypatch.setattr(writes, "apply_log_stream", apply_then_the_writer_commits)
+    result = failover.promote(failover.FailoverRequest(A, B, planned=True), _connect(lr_sites))
+    assert late and result.planned and "nothing moved" in result.outcome[C]["policy"], result.outcome
+    assert "late=99" not in {p.decode() for p in sink_queue(site_c, "policy")}
+    assert sink_queue(site_c, "policy") == sink_queue(site_b, "policy")
+    assert result.tail == {"policy": 1}
+    app.close()
+
+
+def test_a_full_sync_asked_of_the_old_source_is_asked_of_the_new_one(lr_sites):
+    """The new topology cancels the old source's requests of the failed-over sessions: the sink the
+    operator wanted synced again (restored from a backup, its application's data lost) gets its
+    full sync from the promoted site instead, with the operator's reason."""
+    site_a, site_b, site_c = lr_sites
+    _topo, app = _setup(lr_sites)
+    conn_a = site_a.connect()
+    full_sync.request_full_sync(conn_a, C, "policy", reason="site-c restored from a backup", forced=True)
+    conn_a.close()
+    result = failover.promote(failover.FailoverRequest(A, B, planned=True), _connect(lr_sites))
+    assert result.full_syncs == ["site-b->site-c/policy"], result.outcome
+    assert "site-c restored from a backup" in result.outcome[C]["policy"]
+    App(site_b).close()  # the application's table at site-b (empty), which its provider reads
+    run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS))
+    assert [kind for kind, _ in queue(site_c, "site-b")] == ["start", "end"]  # a full sync from site-b
+    app.close()
