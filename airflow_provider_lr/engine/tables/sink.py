@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 
 import psycopg2.extensions
@@ -31,7 +31,13 @@ from psycopg2 import sql
 from airflow_provider_lr.engine.errors import SchemaMismatchError, TableError, one_line
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogRecord
 from airflow_provider_lr.engine.tables.create import create_table
-from airflow_provider_lr.engine.tables.definition import TableDefinition, TableName, check_same, read_definition
+from airflow_provider_lr.engine.tables.definition import (
+    Column,
+    TableDefinition,
+    TableName,
+    check_same,
+    read_definition,
+)
 from airflow_provider_lr.engine.tables.targets import GENERIC, Expected, TableState, Target, TargetLookup, origin
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
@@ -379,7 +385,11 @@ class ChangeApplier:
 
 
 def _compose(target: Target, run: _Run) -> sql.Composed:
-    """The statement that applies ``run`` to ``target`` (its parameters: ``flush``'s)."""
+    """The statement that applies ``run`` to ``target`` (its parameters: ``flush``'s). Its text is a
+    format for ``mogrify``, where ``%`` starts a parameter: a column named ``50%`` (or ``%(docs)s``) is
+    composed with its ``%`` doubled, which ``mogrify`` turns back into one."""
+    target = replace(target, definition=_percent_doubled(target.definition))
+    text = {_doubled(c) for c in run.text}
     d = target.definition
     rows = sql.SQL(  # ORDER BY: the source's order, and the subquery is not pulled up (p computed once)
         "SELECT jsonb_populate_record(NULL::{t}, r.d - %(text)s::text[]) AS p, r.d "
@@ -391,7 +401,7 @@ def _compose(target: Target, run: _Run) -> sql.Composed:
     types = {c.name: c.type for c in d.columns}
 
     def value(col: str) -> sql.Composable:  # a column of row s: from the record, or cast from its text
-        if col in run.text:
+        if col in text:
             return sql.SQL("(s.d ->> {})::{}").format(sql.Literal(col), sql.SQL(types[col]))
         return sql.SQL("(s.p).{}").format(sql.Identifier(col))
 
@@ -411,6 +421,16 @@ def _compose(target: Target, run: _Run) -> sql.Composed:
         return statement
     keys = sql.SQL("SELECT {} AS key FROM ({}) s").format(target.key_object(sql.SQL("(s.p)"), value), rows)
     return sql.SQL("{}; {}").format(statement, _ledger(target, keys, upserted=run.op == "u"))
+
+
+def _doubled(name: str) -> str:
+    return name.replace("%", "%%")
+
+
+def _percent_doubled(d: TableDefinition) -> TableDefinition:
+    """``d`` with every ``%`` of its column names and types doubled (``_compose``)."""
+    columns = tuple(Column(_doubled(c.name), _doubled(c.type), c.not_null) for c in d.columns)
+    return replace(d, columns=columns, key=tuple(map(_doubled, d.key)))
 
 
 def _key(row: dict, key: Sequence[str]) -> object:
