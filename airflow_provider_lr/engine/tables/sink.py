@@ -192,8 +192,10 @@ def upsert_from(cur: psycopg2.extensions.cursor, target: Target, staging: sql.Co
     return rows
 
 
-def _on_conflict(d: TableDefinition) -> sql.Composed:
-    rest = [c for c in d.column_names if c not in d.key]
+def _on_conflict(d: TableDefinition, absent: tuple[str, ...] = ()) -> sql.Composed:
+    """The upsert's conflict clause: a row's columns other than the key, those ``absent`` from the
+    changes (a column the sink has and the source not yet) kept as they are."""
+    rest = [c for c in d.column_names if c not in d.key and c not in absent]
     keys = sql.SQL(", ").join(map(sql.Identifier, d.key))
     if not rest:
         return sql.SQL("ON CONFLICT ({}) DO NOTHING").format(keys)
@@ -233,6 +235,7 @@ class _Run:
     tid: int
     op: str
     text: tuple[str, ...]  # columns the entries carry as their text form (see V0015)
+    absent: tuple[str, ...] = ()  # the sink's columns its upserts' rows do not carry (``_queue``)
     docs: list[bytes] = field(default_factory=list)
     lo: list[int] = field(default_factory=list)
     hi: list[int] = field(default_factory=list)
@@ -312,23 +315,28 @@ class ChangeApplier:
             self.flush()
 
     def _queue(self, tid: int, target: Target, op: str, message: bytes) -> None:
-        """The entry's rows onto the runs, checked against the sink's columns."""
+        """The entry's rows onto the runs, checked against the sink's columns. A row may lack columns
+        the sink has, as PostgreSQL's logical replication allows (a column added at the sink first,
+        then at the source: the changes captured in between do not carry it): an insert gives them
+        the sink's default, an update keeps them. A column the sink lacks, or a key, refuses the batch."""
         d = target.definition
         entry = json.loads(message, parse_float=Decimal)
         rows, text = entry["rows"], tuple(entry.get("text", ()))
-        need = set(d.column_names) if op == "u" else set(d.key)
-        bad = sum(1 for r in rows if (set(r) != need if op == "u" else not need <= set(r)))
+        columns, key_columns = set(d.column_names), set(d.key)
+        carried = set(rows[0]) if rows and op == "u" else columns
+        bad = sum(1 for r in rows if not key_columns <= set(r) or (op == "u" and not set(r) == carried <= columns))
         if bad:
             raise SchemaMismatchError(
                 f"{self._where()}: {bad} changed rows of {target.table} do not fit the sink's table "
                 f"(columns {', '.join(d.column_names)}): the source's table changed shape. Nothing of the batch "
                 "was applied; give the sink's table the same columns"
             )
+        absent = tuple(c for c in d.column_names if c not in carried)
         run = self.runs[-1] if self.runs else None
         for n, row in enumerate(rows, start=1):
             key = _key(row, d.key) if op == "u" else None
-            if run is None or (run.tid, run.op, run.text) != (tid, op, text) or key in run.keys:
-                run = _Run(tid, op, text)
+            if run is None or (run.tid, run.op, run.text, run.absent) != (tid, op, text, absent) or key in run.keys:
+                run = _Run(tid, op, text, absent)
                 self.runs.append(run)
             if key is not None:
                 run.keys.add(key)
@@ -376,7 +384,7 @@ class ChangeApplier:
     def _statement(self, run: _Run) -> str:
         target = self.targets[run.tid]
         assert target is not None
-        key = (target.definition, target.source, target.primary, target.shared, run.op, run.text)
+        key = (target.definition, target.source, target.primary, target.shared, run.op, run.text, run.absent)
         return self.lookup.statement(key, lambda: _compose(target, run))
 
     def _where(self) -> str:
@@ -412,11 +420,13 @@ def _compose(target: Target, run: _Run) -> sql.Composed:
             t=d.table.ident, rows=rows, xk=x_key, sk=s_key
         )
     else:
-        cols = sql.SQL(", ").join(map(sql.Identifier, d.column_names))
-        s_cols = sql.SQL(", ").join(value(c) for c in d.column_names)
+        absent = tuple(map(_doubled, run.absent))  # the sink's default on insert, kept on update
+        carried = [c for c in d.column_names if c not in absent]
+        cols = sql.SQL(", ").join(map(sql.Identifier, carried))
+        s_cols = sql.SQL(", ").join(value(c) for c in carried)
         statement = sql.SQL(  # the source's values, an identity GENERATED ALWAYS's too
             "INSERT INTO {t} ({cols}) OVERRIDING SYSTEM VALUE SELECT {s_cols} FROM ({rows}) s {conflict}"
-        ).format(t=d.table.ident, cols=cols, s_cols=s_cols, rows=rows, conflict=_on_conflict(d))
+        ).format(t=d.table.ident, cols=cols, s_cols=s_cols, rows=rows, conflict=_on_conflict(d, absent))
     if not target.shared:
         return statement
     keys = sql.SQL("SELECT {} AS key FROM ({}) s").format(target.key_object(sql.SQL("(s.p)"), value), rows)
