@@ -31,4 +31,3 @@ def test_keys_shifted_over_each_other_and_swapped_keep_the_unique_values_with_th
     assert sorted(source.query("SELECT id, u FROM public.items")) == [(2, "u3"), (4, "u1"), (30, "u2")]
     for sink in sinks:
         assert rows(sink, "public.items") == expected
-
