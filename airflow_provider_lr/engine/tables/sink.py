@@ -335,7 +335,12 @@ class ChangeApplier:
         run = self.runs[-1] if self.runs else None
         for n, row in enumerate(rows, start=1):
             key = _key(row, d.key) if op == "u" else None
-            if run is None or (run.tid, run.op, run.text, run.absent) != (tid, op, text, absent) or key in run.keys:
+            if (
+                run is None
+                or (run.tid, run.op, run.text, run.absent) != (tid, op, text, absent)
+                or key in run.keys
+                or (target.deferrable_key and run.keys)  # one row a run: see ``_compose``
+            ):
                 run = _Run(tid, op, text, absent)
                 self.runs.append(run)
             if key is not None:
@@ -384,7 +389,8 @@ class ChangeApplier:
     def _statement(self, run: _Run) -> str:
         target = self.targets[run.tid]
         assert target is not None
-        key = (target.definition, target.source, target.primary, target.shared, run.op, run.text, run.absent)
+        t = target
+        key = (t.definition, t.source, t.primary, t.shared, t.deferrable_key, run.op, run.text, run.absent)
         return self.lookup.statement(key, lambda: _compose(target, run))
 
     def _where(self) -> str:
@@ -427,6 +433,26 @@ def _compose(target: Target, run: _Run) -> sql.Composed:
         statement = sql.SQL(  # the source's values, an identity GENERATED ALWAYS's too
             "INSERT INTO {t} ({cols}) OVERRIDING SYSTEM VALUE SELECT {s_cols} FROM ({rows}) s {conflict}"
         ).format(t=d.table.ident, cols=cols, s_cols=s_cols, rows=rows, conflict=_on_conflict(d, absent))
+        if target.deferrable_key:  # no arbiter for ON CONFLICT: the run's one row updated, or inserted if new
+            x_key = sql.SQL(", ").join(sql.SQL("x.{}").format(sql.Identifier(k)) for k in d.key)
+            s_key = sql.SQL(", ").join(value(k) for k in d.key)
+            rest = [c for c in carried if c not in d.key]
+            update = (
+                sql.SQL("UPDATE {t} x SET ({rest}) = ROW({vals}) FROM ({rows}) s WHERE ({xk}) = ({sk}); ").format(
+                    t=d.table.ident,
+                    rest=sql.SQL(", ").join(map(sql.Identifier, rest)),
+                    vals=sql.SQL(", ").join(value(c) for c in rest),
+                    rows=rows,
+                    xk=x_key,
+                    sk=s_key,
+                )
+                if rest
+                else sql.SQL("")
+            )
+            statement = sql.SQL(
+                "{update}INSERT INTO {t} ({cols}) OVERRIDING SYSTEM VALUE SELECT {s_cols} FROM ({rows}) s "
+                "WHERE NOT EXISTS (SELECT FROM {t} x WHERE ({xk}) = ({sk}))"
+            ).format(update=update, t=d.table.ident, cols=cols, s_cols=s_cols, rows=rows, xk=x_key, sk=s_key)
     if not target.shared:
         return statement
     keys = sql.SQL("SELECT {} AS key FROM ({}) s").format(target.key_object(sql.SQL("(s.p)"), value), rows)
