@@ -89,6 +89,10 @@ def test_opening_a_table_without_primary_key_or_for_an_unknown_client_is_refused
     source.query("CREATE TABLE public.nokey (a int)")
     with pytest.raises(TableError, match="no primary key"):
         federate(source, "public.nokey")
+    # a key each site computes itself: every change after the snapshot would be refused at the sinks
+    source.query("CREATE TABLE public.genkey (a int NOT NULL, id int GENERATED ALWAYS AS (a * 10) STORED PRIMARY KEY)")
+    with pytest.raises(TableError, match=r"primary key has generated columns \(id\)"):
+        federate(source, "public.genkey")
     create_accounts(source)
     with pytest.raises(TableError, match="not in the topology"):
         federate(source, client="nobody")
