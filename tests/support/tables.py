@@ -220,6 +220,9 @@ HOSTILE_COLUMNS = [
     "tg_argv",
     "message",
     "stream",
+    "50%",  # the apply's statement is a format for mogrify: a % in a name is not a parameter's start
+    "%(docs)s",
+    "%s",
 ]
 
 
@@ -232,7 +235,8 @@ def hostile_table(site, name: str, key: list[str]) -> None:
         f'"{c}" int NOT NULL' if c in key else f'"{c}" {HOSTILE_TYPES.get(c, "text")}'
         for c in HOSTILE_COLUMNS + ["lr_image", "lr_text", "lr_extra", "lr_col", "q"]
     )
-    site.query(f"CREATE TABLE public.{name} ({cols}, PRIMARY KEY ({', '.join(chr(34) + k + chr(34) for k in key)}))")
+    keys = ", ".join(chr(34) + k + chr(34) for k in key)
+    site.query(f"CREATE TABLE public.{name} ({cols}, PRIMARY KEY ({keys}))".replace("%", "%%"))
 
 
 # --- constraints the sink shares with the source -----------------------------------------------

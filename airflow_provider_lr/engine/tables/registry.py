@@ -156,6 +156,12 @@ def federate(
         raise TableError(f"table {table} cannot be federated: {why}")
     if not definition.key:
         raise TableError(f"table {table} has no primary key; lr applies changes by key, so it needs one")
+    generated = [k for k in definition.key if k not in definition.column_names]  # the shape leaves them out
+    if generated:
+        raise TableError(
+            f"table {table} cannot be federated: its primary key has generated columns ({', '.join(generated)}), "
+            "which each site computes itself while lr applies changes by key; key it by ordinary columns"
+        )
     if (
         current
         and current.federated

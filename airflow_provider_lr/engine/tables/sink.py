@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 
 import psycopg2.extensions
@@ -31,7 +31,13 @@ from psycopg2 import sql
 from airflow_provider_lr.engine.errors import SchemaMismatchError, TableError, one_line
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogRecord
 from airflow_provider_lr.engine.tables.create import create_table
-from airflow_provider_lr.engine.tables.definition import TableDefinition, TableName, check_same, read_definition
+from airflow_provider_lr.engine.tables.definition import (
+    Column,
+    TableDefinition,
+    TableName,
+    check_same,
+    read_definition,
+)
 from airflow_provider_lr.engine.tables.targets import GENERIC, Expected, TableState, Target, TargetLookup, origin
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
@@ -186,8 +192,10 @@ def upsert_from(cur: psycopg2.extensions.cursor, target: Target, staging: sql.Co
     return rows
 
 
-def _on_conflict(d: TableDefinition) -> sql.Composed:
-    rest = [c for c in d.column_names if c not in d.key]
+def _on_conflict(d: TableDefinition, absent: tuple[str, ...] = ()) -> sql.Composed:
+    """The upsert's conflict clause: a row's columns other than the key, those ``absent`` from the
+    changes (a column the sink has and the source not yet) kept as they are."""
+    rest = [c for c in d.column_names if c not in d.key and c not in absent]
     keys = sql.SQL(", ").join(map(sql.Identifier, d.key))
     if not rest:
         return sql.SQL("ON CONFLICT ({}) DO NOTHING").format(keys)
@@ -227,6 +235,7 @@ class _Run:
     tid: int
     op: str
     text: tuple[str, ...]  # columns the entries carry as their text form (see V0015)
+    absent: tuple[str, ...] = ()  # the sink's columns its upserts' rows do not carry (``_queue``)
     docs: list[bytes] = field(default_factory=list)
     lo: list[int] = field(default_factory=list)
     hi: list[int] = field(default_factory=list)
@@ -306,23 +315,33 @@ class ChangeApplier:
             self.flush()
 
     def _queue(self, tid: int, target: Target, op: str, message: bytes) -> None:
-        """The entry's rows onto the runs, checked against the sink's columns."""
+        """The entry's rows onto the runs, checked against the sink's columns. A row may lack columns
+        the sink has, as PostgreSQL's logical replication allows (a column added at the sink first,
+        then at the source: the changes captured in between do not carry it): an insert gives them
+        the sink's default, an update keeps them. A column the sink lacks, or a key, refuses the batch."""
         d = target.definition
         entry = json.loads(message, parse_float=Decimal)
         rows, text = entry["rows"], tuple(entry.get("text", ()))
-        need = set(d.column_names) if op == "u" else set(d.key)
-        bad = sum(1 for r in rows if (set(r) != need if op == "u" else not need <= set(r)))
+        columns, key_columns = set(d.column_names), set(d.key)
+        carried = set(rows[0]) if rows and op == "u" else columns
+        bad = sum(1 for r in rows if not key_columns <= set(r) or (op == "u" and not set(r) == carried <= columns))
         if bad:
             raise SchemaMismatchError(
                 f"{self._where()}: {bad} changed rows of {target.table} do not fit the sink's table "
                 f"(columns {', '.join(d.column_names)}): the source's table changed shape. Nothing of the batch "
                 "was applied; give the sink's table the same columns"
             )
+        absent = tuple(c for c in d.column_names if c not in carried)
         run = self.runs[-1] if self.runs else None
         for n, row in enumerate(rows, start=1):
             key = _key(row, d.key) if op == "u" else None
-            if run is None or (run.tid, run.op, run.text) != (tid, op, text) or key in run.keys:
-                run = _Run(tid, op, text)
+            if (
+                run is None
+                or (run.tid, run.op, run.text, run.absent) != (tid, op, text, absent)
+                or key in run.keys
+                or (target.deferrable_key and run.keys)  # one row a run: see ``_compose``
+            ):
+                run = _Run(tid, op, text, absent)
                 self.runs.append(run)
             if key is not None:
                 run.keys.add(key)
@@ -370,7 +389,8 @@ class ChangeApplier:
     def _statement(self, run: _Run) -> str:
         target = self.targets[run.tid]
         assert target is not None
-        key = (target.definition, target.source, target.primary, target.shared, run.op, run.text)
+        t = target
+        key = (t.definition, t.source, t.primary, t.shared, t.deferrable_key, run.op, run.text, run.absent)
         return self.lookup.statement(key, lambda: _compose(target, run))
 
     def _where(self) -> str:
@@ -379,7 +399,11 @@ class ChangeApplier:
 
 
 def _compose(target: Target, run: _Run) -> sql.Composed:
-    """The statement that applies ``run`` to ``target`` (its parameters: ``flush``'s)."""
+    """The statement that applies ``run`` to ``target`` (its parameters: ``flush``'s). Its text is a
+    format for ``mogrify``, where ``%`` starts a parameter: a column named ``50%`` (or ``%(docs)s``) is
+    composed with its ``%`` doubled, which ``mogrify`` turns back into one."""
+    target = replace(target, definition=_percent_doubled(target.definition))
+    text = {_doubled(c) for c in run.text}
     d = target.definition
     rows = sql.SQL(  # ORDER BY: the source's order, and the subquery is not pulled up (p computed once)
         "SELECT jsonb_populate_record(NULL::{t}, r.d - %(text)s::text[]) AS p, r.d "
@@ -391,7 +415,7 @@ def _compose(target: Target, run: _Run) -> sql.Composed:
     types = {c.name: c.type for c in d.columns}
 
     def value(col: str) -> sql.Composable:  # a column of row s: from the record, or cast from its text
-        if col in run.text:
+        if col in text:
             return sql.SQL("(s.d ->> {})::{}").format(sql.Literal(col), sql.SQL(types[col]))
         return sql.SQL("(s.p).{}").format(sql.Identifier(col))
 
@@ -402,15 +426,47 @@ def _compose(target: Target, run: _Run) -> sql.Composed:
             t=d.table.ident, rows=rows, xk=x_key, sk=s_key
         )
     else:
-        cols = sql.SQL(", ").join(map(sql.Identifier, d.column_names))
-        s_cols = sql.SQL(", ").join(value(c) for c in d.column_names)
+        absent = tuple(map(_doubled, run.absent))  # the sink's default on insert, kept on update
+        carried = [c for c in d.column_names if c not in absent]
+        cols = sql.SQL(", ").join(map(sql.Identifier, carried))
+        s_cols = sql.SQL(", ").join(value(c) for c in carried)
         statement = sql.SQL(  # the source's values, an identity GENERATED ALWAYS's too
             "INSERT INTO {t} ({cols}) OVERRIDING SYSTEM VALUE SELECT {s_cols} FROM ({rows}) s {conflict}"
-        ).format(t=d.table.ident, cols=cols, s_cols=s_cols, rows=rows, conflict=_on_conflict(d))
+        ).format(t=d.table.ident, cols=cols, s_cols=s_cols, rows=rows, conflict=_on_conflict(d, absent))
+        if target.deferrable_key:  # no arbiter for ON CONFLICT: the run's one row updated, or inserted if new
+            x_key = sql.SQL(", ").join(sql.SQL("x.{}").format(sql.Identifier(k)) for k in d.key)
+            s_key = sql.SQL(", ").join(value(k) for k in d.key)
+            rest = [c for c in carried if c not in d.key]
+            update = (
+                sql.SQL("UPDATE {t} x SET ({rest}) = ROW({vals}) FROM ({rows}) s WHERE ({xk}) = ({sk}); ").format(
+                    t=d.table.ident,
+                    rest=sql.SQL(", ").join(map(sql.Identifier, rest)),
+                    vals=sql.SQL(", ").join(value(c) for c in rest),
+                    rows=rows,
+                    xk=x_key,
+                    sk=s_key,
+                )
+                if rest
+                else sql.SQL("")
+            )
+            statement = sql.SQL(
+                "{update}INSERT INTO {t} ({cols}) OVERRIDING SYSTEM VALUE SELECT {s_cols} FROM ({rows}) s "
+                "WHERE NOT EXISTS (SELECT FROM {t} x WHERE ({xk}) = ({sk}))"
+            ).format(update=update, t=d.table.ident, cols=cols, s_cols=s_cols, rows=rows, xk=x_key, sk=s_key)
     if not target.shared:
         return statement
     keys = sql.SQL("SELECT {} AS key FROM ({}) s").format(target.key_object(sql.SQL("(s.p)"), value), rows)
     return sql.SQL("{}; {}").format(statement, _ledger(target, keys, upserted=run.op == "u"))
+
+
+def _doubled(name: str) -> str:
+    return name.replace("%", "%%")
+
+
+def _percent_doubled(d: TableDefinition) -> TableDefinition:
+    """``d`` with every ``%`` of its column names and types doubled (``_compose``)."""
+    columns = tuple(Column(_doubled(c.name), _doubled(c.type), c.not_null) for c in d.columns)
+    return replace(d, columns=columns, key=tuple(map(_doubled, d.key)))
 
 
 def _key(row: dict, key: Sequence[str]) -> object:

@@ -145,7 +145,10 @@ class TableSnapshot:
                     if table.table not in self.definitions:
                         definition = read_definition(cur, table.table, extras=True)
                         if definition is None:
-                            raise StaleBatchError(f"federated table {table.table} was dropped on the source")
+                            raise StaleBatchError(
+                                f"federated table {table.table} was dropped on the source: create it again and "
+                                f"run lr tables open {table.table} there, or lr tables close {table.table}"
+                            )
                         self.definitions[table.table] = definition
         return self.split
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import psycopg2.errors
 import psycopg2.extensions
@@ -48,6 +48,7 @@ class Target:
     primary: bool  # rows of this source are the unlisted ones
     shared: bool  # another origin writes here too: keep lr.table_row_origin
     left_out: tuple[str, ...] = ()  # of the source's extras, when lr created the table now (tables/create)
+    deferrable_key: bool = False  # the sink's primary key is DEFERRABLE: no ON CONFLICT arbiter (``tables.sink``)
 
     @property
     def table(self) -> TableName:
@@ -108,12 +109,12 @@ class Gone:
 Found = Target | Gone | None  # None: not synced here (a conflict's changes are dropped)
 
 # For each of the session's tables %(tids)s (source table ids) that it has in lr.sink_tables: its name,
-# state, oid (NULL: no such table), shape and origin. Only the tables asked for are read (``LIMIT 1``:
+# state, oid (NULL: no such table), shape, whether its primary key is deferrable, and origin. Only the tables asked for are read (``LIMIT 1``:
 # a table id twice, one of them, as before).
 _TARGETS = (
     "SELECT st.tid, st.table_name, st.state, t.oid, "
     + SHAPE_COLUMNS
-    + ", "
+    + ", (SELECT NOT i.indimmediate FROM pg_index i WHERE i.indrelid = t.oid AND i.indisprimary), "
     + _ORIGIN.format(t="st.table_name", s="%(source)s")
     + " FROM unnest(%(tids)s::int[]) w(tid) "
     "CROSS JOIN LATERAL (SELECT w.tid, table_name, state FROM lr.sink_tables WHERE source_site_id = %(source)s "
@@ -139,9 +140,9 @@ CHECK_SQL = (
 # ~0.03 ms each more). Its generic plan is the one to run (``GENERIC``: PostgreSQL would otherwise
 # plan it anew each time, expecting a plan for the actual tables to be cheaper). The name is
 # versioned, so a connection that holds an older lr's statement is not confused by it.
-LOOKUP = Prepared("lr_sink_targets_v2", LOOKUP_SQL, {"tids": "int4[]", "source": "text", "client": "text"})
+LOOKUP = Prepared("lr_sink_targets_v3", LOOKUP_SQL, {"tids": "int4[]", "source": "text", "client": "text"})
 CHECK = Prepared(
-    "lr_sink_targets_check_v1", CHECK_SQL, {"tids": "int4[]", "source": "text", "client": "text", "expected": "text[]"}
+    "lr_sink_targets_check_v2", CHECK_SQL, {"tids": "int4[]", "source": "text", "client": "text", "expected": "text[]"}
 )
 GENERIC = "set_config('plan_cache_mode', 'force_generic_plan', true)"  # for the transaction
 
@@ -232,7 +233,7 @@ class TargetLookup:
 
     def _found(self, tids: Iterable[int], rows: list[tuple]) -> None:
         read: dict[int, tuple[Found, str]] = {}
-        for _site, tid, name, state, oid, columns, key, primary, others, text in rows:
+        for _site, tid, name, state, oid, columns, key, deferrable, primary, others, text in rows:
             if tid is None:  # the site id's row
                 continue
             table = TableName.parse(name)
@@ -241,7 +242,8 @@ class TargetLookup:
             elif oid is None:
                 read[tid] = (Gone(table), text)
             else:
-                read[tid] = (Target(shape(table, columns, key), self.source, *_primary_shared(primary, others)), text)
+                target = Target(shape(table, columns, key), self.source, *_primary_shared(primary, others))
+                read[tid] = (replace(target, deferrable_key=bool(deferrable)), text)
         last = self.kept.last.setdefault((self.source, self.client), {})
         if len(last) >= KEPT_STATEMENTS:
             last.clear()

@@ -7,11 +7,13 @@ import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import TableError
+from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.tables import registry
 from tests.support.session import apply, queue, replicator, run_crashing_replicator
 from tests.support.tables import (
     TableWriter,
     create_accounts,
+    cycle_errors,
     federate,
     rows,
     status_text,
@@ -87,6 +89,10 @@ def test_opening_a_table_without_primary_key_or_for_an_unknown_client_is_refused
     source.query("CREATE TABLE public.nokey (a int)")
     with pytest.raises(TableError, match="no primary key"):
         federate(source, "public.nokey")
+    # a key each site computes itself: every change after the snapshot would be refused at the sinks
+    source.query("CREATE TABLE public.genkey (a int NOT NULL, id int GENERATED ALWAYS AS (a * 10) STORED PRIMARY KEY)")
+    with pytest.raises(TableError, match=r"primary key has generated columns \(id\)"):
+        federate(source, "public.genkey")
     create_accounts(source)
     with pytest.raises(TableError, match="not in the topology"):
         federate(source, client="nobody")
@@ -232,6 +238,28 @@ def test_a_table_federated_again_gets_a_new_snapshot_with_the_changes_made_in_be
     assert len(rows(sink)) == 10
     federate(source)
     sync(repl)
+    assert rows(sink) == rows(source)
+
+
+def test_a_federated_table_dropped_at_the_source_holds_a_full_sync_saying_how_and_closing_it_frees_it(lr_sites):
+    source, sink, _ = lr_sites
+    topo = apply(lr_sites)
+    create_accounts(source, rows=10)
+    source.query("CREATE TABLE public.gone (id int PRIMARY KEY)")
+    federate(source)
+    federate(source, "public.gone")
+    repl = replicator(topo, lr_sites)
+    sync(repl)
+    source.query("DROP TABLE public.gone")
+    conn = source.connect()
+    full_sync.request_full_sync(conn, sink.site_id, "policy", forced=True)
+    conn.close()
+    errors = cycle_errors(sync(repl, cycles=3))
+    assert errors and "lr tables open public.gone there, or lr tables close public.gone" in errors[-1]
+    conn = source.connect()
+    registry.close_table(conn, "public.gone")
+    conn.close()
+    assert cycle_errors(sync(repl)) == []
     assert rows(sink) == rows(source)
 
 
