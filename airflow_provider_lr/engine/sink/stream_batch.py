@@ -10,7 +10,7 @@ is wrong.
 
 The guard and the usual row (consecutive entries pack into one: ``queue_rows``) with its wake-up are
 statements prepared on the connection (``STREAM_ADVANCE``, ``STREAM_ROW``): as text, the sink's
-backend spent a third of the transaction parsing and planning them.
+backend spent a tenth to a fifth of the transaction parsing and planning them.
 """
 
 from __future__ import annotations
