@@ -56,7 +56,7 @@ payload 164 characters: ~210 bytes a row on disk (measured and printed).
    UPDATE changes of a synced federated table, each applied in its own sink transaction
    (committed without waiting for the WAL flush, as a stream's) on one connection, as the stream's
    sink end does, alternating two paths: ``general`` (``writes.apply_log_stream``: the session's row
-   read under its lock, then written) and ``stream`` (``writes.stream_batches``, the way a stream
+   read under its lock, then written) and ``stream`` (``stream_batch.stream_batches``, the way a stream
    writes a session it wrote before: one round trip, composed from the targets the connection's
    last transaction read; the general path when it declines): the sink's share of the lag, without the read, the
    wake-up or a second process. Time per transaction as this process sees it, the first tenth as
@@ -110,7 +110,7 @@ from streaming_common import LR_STOP_S, Plan, Writers, figures, lr_command, lr_p
 
 from airflow_provider_lr.embedded.sites import SiteManager
 from airflow_provider_lr.engine.bulk import parallel_tables as parallel
-from airflow_provider_lr.engine.sink import writes
+from airflow_provider_lr.engine.sink import stream_batch, writes
 from airflow_provider_lr.engine.source.log_reader import LogBatch, LogRecord
 from airflow_provider_lr.engine.tables import registry
 
@@ -1231,7 +1231,9 @@ def sink_part(env: BenchEnv, args: argparse.Namespace) -> dict[str, Any]:
                 started = time.perf_counter()
                 end = None
                 if path == "stream":
-                    (end,) = writes.stream_batches(conn, SOURCE, [writes.StreamWrite(CLIENT, epoch, batch, base)])
+                    (end,) = stream_batch.stream_batches(
+                        conn, SOURCE, [stream_batch.StreamWrite(CLIENT, epoch, batch, base)]
+                    )
                 if end is None:
                     end = writes.apply_log_stream(
                         conn, SOURCE, CLIENT, epoch, batch, base, register=False, synchronous=False

@@ -15,7 +15,7 @@ import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.session.settings import StreamSettings
-from airflow_provider_lr.engine.sink import writes
+from airflow_provider_lr.engine.sink import stream_batch
 from airflow_provider_lr.engine.source import full_sync
 from tests.support.session import Streaming, apply, empty_provider, queue, replicator, wait_for
 from tests.support.tables import (
@@ -41,7 +41,7 @@ FAST = StreamSettings(check_interval=0.2, ack_interval=0.05, retry_min=0.1, retr
 
 
 class RoundTrips:
-    """What the stream's one-round-trip sink writes (``writes.stream_batches``) applied of table
+    """What the stream's one-round-trip sink writes (``stream_batch.stream_batches``) applied of table
     changes: per sink site, the source positions of the changes of each batch so applied."""
 
     def __init__(self, sites) -> None:
@@ -65,7 +65,7 @@ class RoundTrips:
 def round_trips(lr_sites, monkeypatch) -> RoundTrips:
     """The test's stream writes, watched: a test checks the one round trip carried its changes."""
     trips = RoundTrips(lr_sites)
-    monkeypatch.setattr(writes, "stream_batches", trips.spy(writes.stream_batches))
+    monkeypatch.setattr(stream_batch, "stream_batches", trips.spy(stream_batch.stream_batches))
     return trips
 
 
