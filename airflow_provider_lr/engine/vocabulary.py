@@ -140,6 +140,22 @@ DESTINATIONS_TAG = 0x0A  # RoutingTableEntryMsg field 1 (destinations), length-d
 TYPE_TAG = 0x10  # field 2 (type), varint
 
 
+PAYLOAD_TAG = b"\x1a"  # field 3 (opaque_payload), length-delimited
+
+
+def varint(value: int) -> bytes:
+    """A protobuf varint (a negative int64 as its 10-byte two's complement, as protobuf writes it)."""
+    if 0 <= value < 0x80:
+        return bytes((value,))
+    value &= (1 << 64) - 1
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
 def sink_form_at(buf: bytes, start: int) -> tuple[int, int]:
     """(kind, offset) of the sink form of the serialized entry that begins at ``buf[start]``: the
     entry minus its leading destination records. Raises IndexError where this byte-level reading

@@ -32,6 +32,7 @@ from itertools import accumulate, groupby
 from operator import itemgetter
 from typing import NamedTuple
 
+from airflow_provider_lr.engine.vocabulary import varint
 from airflow_provider_lr.proto import lr_pb2
 
 PACK_BYTES = 7_900  # a packed message stays below toast_tuple_target with the row's other columns
@@ -147,19 +148,6 @@ class Packer:
             packer.emit(row)
 
 
-def _varint(value: int) -> bytes:
-    """A protobuf varint (a negative int64 as its 10-byte two's complement, as protobuf writes it)."""
-    if 0 <= value < 0x80:
-        return bytes((value,))
-    value &= (1 << 64) - 1
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def _runs(entries: list[tuple[bytes, int, int, int]], start: int = 0, end: int | None = None) -> bytes:
     """The ``ReceiveQueueBatch`` position runs of a packed row's entries ``entries[start:end]``
     (appended after them: a protobuf message may carry its fields in any order), encoded here
@@ -167,18 +155,13 @@ def _runs(entries: list[tuple[bytes, int, int, int]], start: int = 0, end: int |
     end = len(entries) if end is None else end
     first, last = entries[start][2], entries[end - 1][2]
     if first == last:
-        run_positions, run_counts = _varint(first), _varint(end - start)
+        run_positions, run_counts = varint(first), varint(end - start)
     else:
         runs = [(position, len(list(group))) for position, group in groupby(map(itemgetter(2), entries[start:end]))]
-        run_positions = b"".join(_varint(p) for p, _ in runs)
-        run_counts = b"".join(_varint(n) for _, n in runs)
+        run_positions = b"".join(varint(p) for p, _ in runs)
+        run_counts = b"".join(varint(n) for _, n in runs)
     return (
-        _RUN_POSITIONS
-        + _varint(len(run_positions))
-        + run_positions
-        + _RUN_COUNTS
-        + _varint(len(run_counts))
-        + run_counts
+        _RUN_POSITIONS + varint(len(run_positions)) + run_positions + _RUN_COUNTS + varint(len(run_counts)) + run_counts
     )
 
 

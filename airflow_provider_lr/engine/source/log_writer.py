@@ -11,6 +11,7 @@ serialized; the commit position is drawn at commit by a deferred trigger (see th
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import psycopg2.extensions
 
@@ -18,6 +19,7 @@ from airflow_provider_lr.engine.db.schema import site_identity
 from airflow_provider_lr.engine.errors import TransmitError
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store.topology import applied_max_payload_bytes
+from airflow_provider_lr.engine.vocabulary import PAYLOAD_TAG, varint
 from airflow_provider_lr.proto import lr_pb2
 
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
@@ -44,6 +46,26 @@ def values_row(stream: int, tags: list[int], message: bytes, client_id: int) -> 
     return f"({stream:d}, '{{{tag_list}}}', {client_id:d}, E'\\\\x{message.hex()}')"
 
 
+@dataclass(frozen=True)
+class Route:
+    """One list of destinations of a log entry, checked once per writer: its sinks' tags, the
+    destinations a ticket names, and the entry's serialized fields around its payload. A log entry
+    is ``head``, the payload's record, ``tail``: byte for byte what the generated code serializes
+    (fields in number order: destinations, type | opaque_payload | source site, client), which the
+    sinks' byte-level reading relies on (``vocabulary.sink_form_at``); only the payload's record is
+    made per entry."""
+
+    tags: list[int]
+    named: tuple[str, ...]  # sorted, each once
+    head: bytes
+    tail: bytes
+
+    def message(self, payload: bytes) -> bytes:
+        if not payload:  # proto3 leaves an empty bytes field out
+            return self.head + self.tail
+        return b"".join((self.head, PAYLOAD_TAG, varint(len(payload)), payload, self.tail))
+
+
 class LogWriter:
     """Writes one client's entries into the shared log, inside the caller's transaction.
 
@@ -66,6 +88,7 @@ class LogWriter:
         self.source_site_id, _ = site_identity(conn)
         self.client_id = 0
         self._tag_ids: dict[str, int] = {}  # the sinks this client replicates to -> their tag
+        self._routes: dict[tuple[str, ...], Route] = {}  # destinations as given -> checked (``route``)
         self._load_routes(max_payload_bytes is None)
         self.prepared = prepared
         if prepared:
@@ -83,6 +106,7 @@ class LogWriter:
             row = cur.fetchone()
             self.client_id = row[0] if row else 0
             self._tag_ids = source_sessions.sink_tags(cur, self.client_name)
+        self._routes.clear()
 
     def _prepare(self) -> None:
         """Prepare the single-entry insert once per connection: parse and plan are most of what an
@@ -120,6 +144,49 @@ class LogWriter:
                 f"payload of {size} bytes exceeds the maximum of {self.max_payload_bytes} bytes "
                 f"(client {self.client_name!r}); nothing was written"
             )
+        if kind == lr_pb2.LOG_ENTRY_SYNC and not (
+            snapshot_request_id or base_snapshot or base_snapshot_xids or base_snapshot_upto
+        ):
+            route = self.route(destinations)
+            return stream, route.tags, route.message(bytes(payload))
+        unique = self._checked(destinations)
+        message = lr_pb2.RoutingTableEntryMsg(
+            destinations=unique,
+            type=kind,
+            opaque_payload=bytes(payload),
+            source_site_id=self.source_site_id,
+            client_name=self.client_name,
+            snapshot_request_id=snapshot_request_id,
+            base_snapshot=base_snapshot,
+            base_snapshot_xids=base_snapshot_xids,
+            base_snapshot_upto=base_snapshot_upto,
+        )
+        return stream, [self._tag_ids[d] for d in unique], message.SerializeToString()
+
+    def route(self, destinations: Sequence[str]) -> Route:
+        """``destinations`` of a log entry, checked (``TransmitError`` when refused): once per list."""
+        key = tuple(destinations) if not isinstance(destinations, str) else ()
+        found = self._routes.get(key)
+        if found is None:
+            unique = self._checked(destinations)
+            head = lr_pb2.RoutingTableEntryMsg(destinations=unique, type=lr_pb2.LOG_ENTRY_SYNC).SerializeToString()
+            tail = lr_pb2.RoutingTableEntryMsg(
+                source_site_id=self.source_site_id, client_name=self.client_name
+            ).SerializeToString()
+            found = Route([self._tag_ids[d] for d in unique], tuple(sorted(unique)), head, tail)
+            whole = lr_pb2.RoutingTableEntryMsg(
+                destinations=unique,
+                type=lr_pb2.LOG_ENTRY_SYNC,
+                opaque_payload=b"lr",
+                source_site_id=self.source_site_id,
+                client_name=self.client_name,
+            )
+            assert found.message(b"lr") == whole.SerializeToString(), "a log entry is what protobuf serializes"
+            self._routes[key] = found
+        return found
+
+    def _checked(self, destinations: Sequence[str]) -> list[str]:
+        """``destinations`` each once, in order; ``TransmitError`` (nothing written) when refused."""
         if isinstance(destinations, str) or not destinations:
             raise TransmitError("destinations must be a non-empty list of site ids; nothing was written")
         unique = list(dict.fromkeys(destinations))
@@ -140,18 +207,7 @@ class LogWriter:
                 f"{self.source_site_id!r}: the topology replicates it to {sorted(self._tag_ids)} "
                 f"(edit the topology and run `lr topology apply`); nothing was written"
             )
-        message = lr_pb2.RoutingTableEntryMsg(
-            destinations=unique,
-            type=kind,
-            opaque_payload=bytes(payload),
-            source_site_id=self.source_site_id,
-            client_name=self.client_name,
-            snapshot_request_id=snapshot_request_id,
-            base_snapshot=base_snapshot,
-            base_snapshot_xids=base_snapshot_xids,
-            base_snapshot_upto=base_snapshot_upto,
-        )
-        return stream, [self._tag_ids[d] for d in unique], message.SerializeToString()
+        return unique
 
     def _insert(self, rows: list[tuple[int, list[int], bytes]]) -> int:
         """Insert rows made by ``_row``, in order, in the caller's transaction; returns the

@@ -37,7 +37,7 @@ class RoutingQueueClient(LogWriter):
         """Store one payload for ``destinations`` as one log entry (visible when the caller commits).
         Returns a ticket to wait on after commit (``wait_until_safe``)."""
         row = self._row(STREAM_LOG_ENTRIES, payload, destinations, lr_pb2.LOG_ENTRY_SYNC)
-        return Ticket(self.source_site_id, self.client_name, self._insert([row]), tuple(sorted(set(destinations))))
+        return Ticket(self.source_site_id, self.client_name, self._insert([row]), self.route(destinations).named)
 
     def transmit_log_entry_messages(self, messages: Iterable[LRMessageWithDestinations]) -> Ticket | None:
         """Store many payloads, in order, in the caller's transaction; all validated before any write.

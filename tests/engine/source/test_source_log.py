@@ -164,6 +164,45 @@ def test_bad_input_is_refused_clearly_and_nothing_is_written(source, dests, payl
     assert payloads(drain(LogReader(source.connect(), dests[0]))[0]) == [b"good"]
 
 
+def test_a_stored_entry_is_what_protobuf_serializes_for_every_payload_size_and_destination_list(source, dests):
+    """The writer assembles an entry around its payload from fields it serialized once per list of
+    destinations: the stored bytes are protobuf's own, which the sinks read byte by byte."""
+    conn = app_conn(source)
+    client = RoutingQueueClient(conn, "policy")
+    lists = [dests, list(reversed(dests)), [dests[0], dests[0]], [dests[1]]]
+    sizes = [0, 1, 127, 128, 16_383, 16_384, 1 << 20]
+    sent = [(bytes([n % 251]) * size, lists[n % len(lists)]) for n, size in enumerate(sizes * 2)]
+    for payload, destinations in sent:
+        client.transmit_log_entry_message(payload, destinations)
+    conn.commit()
+    stored = [bytes(m) for (m,) in source.query("SELECT message FROM lr.log_entries ORDER BY entry_id")]
+    assert stored == [
+        lr_pb2.RoutingTableEntryMsg(
+            destinations=list(dict.fromkeys(d)),
+            type=lr_pb2.LOG_ENTRY_SYNC,
+            opaque_payload=p,
+            source_site_id=source.site_id,
+            client_name="policy",
+        ).SerializeToString()
+        for p, d in sent
+    ]
+
+
+def test_a_list_of_destinations_checked_once_still_has_every_payload_checked(source, dests):
+    conn = app_conn(source)
+    client = RoutingQueueClient(conn, "policy", max_payload_bytes=1024)
+    client.transmit_log_entry_message(b"good", dests)
+    with pytest.raises(TransmitError, match="exceeds the maximum"):
+        client.transmit_log_entry_message(b"x" * 1025, dests)
+    with pytest.raises(TransmitError, match="must be bytes"):
+        client.transmit_log_entry_message("text", dests)  # type: ignore[arg-type]
+    client.transmit_log_entry_message(bytearray(b"a bytearray"), dests)
+    client.transmit_log_entry_message(memoryview(b"a memoryview"), tuple(dests))
+    conn.commit()
+    expected = [b"good", b"a bytearray", b"a memoryview"]
+    assert payloads(drain(LogReader(source.connect(), dests[0]))[0]) == expected
+
+
 BARRIER_OR_FINAL_PREFIX = pytest.mark.parametrize("final", [False, True], ids=["barrier", "final_prefix"])
 
 
