@@ -5,6 +5,7 @@ each session still gets exactly its own entries, once, in commit order."""
 from __future__ import annotations
 
 import itertools
+import os
 import time
 
 import psycopg2
@@ -144,3 +145,13 @@ def test_an_idle_stream_of_many_clients_checks_their_federated_tables_in_one_rea
     tables = [f"public.{c.replace('-', '_')}" for c in clients]
     for sink in (sink_b, sink_c):  # every session's table synced before the stream took it
         assert sink.query("SELECT count(to_regclass(t)) FROM unnest(%s::text[]) t", (tables,))[0][0] == 12
+
+
+def test_the_stream_waits_under_load_from_a_rate_that_grows_with_the_cores_it_may_run_on(monkeypatch):
+    """The wait at ``busy_rate`` leaves a busy machine's cores to the writers: a machine with more
+    cores is that busy at a higher rate (1,000 deliveries/s per core)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert StreamSettings().busy_rate == 2000.0
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert StreamSettings().busy_rate == 8000.0
+    assert StreamSettings(busy_rate=500.0).busy_rate == 500.0  # as configured
