@@ -34,6 +34,7 @@ PREPARED_INSERT = "lr_transmit_v3"  # versioned: a new lr with another insert us
 _RETURNING_TX = " RETURNING pg_catalog.pg_current_xact_id()::pg_catalog.text"
 _INSERT = "INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) VALUES "
 _PAGE_ROWS = 1000  # entries per INSERT when many are written at once (a full sync's supply)
+MAX_ROUTES = 1024  # lists of destinations a writer keeps checked (``LogWriter.route``)
 
 
 def values_row(stream: int, tags: list[int], message: bytes, client_id: int) -> str:
@@ -182,6 +183,8 @@ class LogWriter:
                 client_name=self.client_name,
             )
             assert found.message(b"lr") == whole.SerializeToString(), "a log entry is what protobuf serializes"
+            if len(self._routes) >= MAX_ROUTES:  # an application naming ever new lists: bounded all the same
+                self._routes.clear()
             self._routes[key] = found
         return found
 

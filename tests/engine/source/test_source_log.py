@@ -9,6 +9,7 @@ import pytest
 
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
 from airflow_provider_lr.engine.errors import TransmitError
+from airflow_provider_lr.engine.source import log_writer
 from airflow_provider_lr.engine.source.commit_barrier import holdback
 from airflow_provider_lr.engine.source.log_reader import LogReader
 from airflow_provider_lr.proto import lr_pb2
@@ -201,6 +202,18 @@ def test_a_list_of_destinations_checked_once_still_has_every_payload_checked(sou
     conn.commit()
     expected = [b"good", b"a bytearray", b"a memoryview"]
     assert payloads(drain(LogReader(source.connect(), dests[0]))[0]) == expected
+
+
+def test_a_writer_keeps_a_bounded_number_of_checked_destination_lists(source, dests, monkeypatch):
+    monkeypatch.setattr(log_writer, "MAX_ROUTES", 2)
+    conn = app_conn(source)
+    client = RoutingQueueClient(conn, "policy")
+    lists = [dests, [dests[0]], [dests[1]], list(reversed(dests))]
+    for n, destinations in enumerate(lists):
+        client.transmit_log_entry_message(b"%d" % n, destinations)
+        assert len(client._routes) <= 2
+    conn.commit()
+    assert payloads(drain(LogReader(source.connect(), dests[0]))[0]) == [b"0", b"1", b"3"]
 
 
 BARRIER_OR_FINAL_PREFIX = pytest.mark.parametrize("final", [False, True], ids=["barrier", "final_prefix"])
