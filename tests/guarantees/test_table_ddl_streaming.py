@@ -6,7 +6,7 @@ between apply, and every sink ends with the source's rows."""
 from __future__ import annotations
 
 from tests.guarantees.test_table_fidelity_streaming import streaming_over
-from tests.support.session import apply, wait_for
+from tests.support.session import Streaming, apply, wait_for
 from tests.support.tables import federate, on_every_site, rows
 
 
@@ -14,13 +14,19 @@ def same_rows(source, sinks, what: str) -> None:
     wait_for(lambda: all(rows(s, "public.items") == rows(source, "public.items") for s in sinks), 30, what)
 
 
-def test_a_column_added_at_the_sinks_first_takes_the_changes_made_before_the_source_has_it(lr_sites):
-    source, *sinks = lr_sites
+def streaming_items(lr_sites) -> Streaming:
+    """``public.items`` (6 rows) federated from site-a to the other sites, to be streamed."""
+    source = lr_sites[0]
     topo = apply(lr_sites)
     source.query("CREATE TABLE public.items (id int PRIMARY KEY, note text)")
     source.query("INSERT INTO public.items SELECT g, 'n' || g FROM generate_series(1, 6) g")
     federate(source, "public.items")
-    with streaming_over(topo, lr_sites) as streaming:
+    return streaming_over(topo, lr_sites)
+
+
+def test_a_column_added_at_the_sinks_first_takes_the_changes_made_before_the_source_has_it(lr_sites):
+    source, *sinks = lr_sites
+    with streaming_items(lr_sites) as streaming:
         streaming.streaming()
         on_every_site(sinks, "ALTER TABLE public.items ADD COLUMN extra int DEFAULT 7")
         # captured without the column: an insert takes the sink's default, an update keeps it
@@ -35,11 +41,7 @@ def test_a_column_added_at_the_sinks_first_takes_the_changes_made_before_the_sou
 
 def test_a_key_column_renamed_at_every_site_keeps_key_changes_and_deletes_by_its_new_name(lr_sites):
     source, *sinks = lr_sites
-    topo = apply(lr_sites)
-    source.query("CREATE TABLE public.items (id int PRIMARY KEY, note text)")
-    source.query("INSERT INTO public.items SELECT g, 'n' || g FROM generate_series(1, 6) g")
-    federate(source, "public.items")
-    with streaming_over(topo, lr_sites) as streaming:
+    with streaming_items(lr_sites) as streaming:
         streaming.streaming()
         source.query("UPDATE public.items SET note = 'before' WHERE id = 5")
         same_rows(source, sinks, "a change before the rename")

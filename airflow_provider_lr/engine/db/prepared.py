@@ -43,15 +43,16 @@ class Prepared:
         cur.execute(before.replace("%", "%%") + self.execute_sql, {n: params[n] for n in self.names})
 
 
-# the statements known to be prepared on each connection (by this process)
+# the statements known to be prepared on each connection (by this process): one registry for every
+# part of lr that prepares on a connection it keeps (a stream's sink writes, table targets, delivery)
 _READY: weakref.WeakKeyDictionary[psycopg2.extensions.connection, set[str]] = weakref.WeakKeyDictionary()
 
 
 def ensure(conn: psycopg2.extensions.connection, *statements: Prepared) -> None:
     """``statements`` prepared on ``conn``, each once: a connection that already holds one by that
-    name (another part of this process, or a pooler's reused session) keeps it (the names are
-    versioned, so a statement of that name is this one). Outside a transaction: a PREPARE outlives
-    the transaction anyway, and ``conn`` may be in autocommit."""
+    name (a pooler's reused session) keeps it (the names are versioned, so a statement of that name
+    is this one). On the connection as it is, in the caller's transaction if one is open: a PREPARE
+    outlives the transaction, whatever its end."""
     ready = _READY.setdefault(conn, set())
     missing = [s for s in statements if s.name not in ready]
     if not missing:
@@ -64,12 +65,15 @@ def ensure(conn: psycopg2.extensions.connection, *statements: Prepared) -> None:
         for statement in missing:
             if statement.name not in there:
                 cur.execute(statement.prepare_sql)
-    if not conn.autocommit:
-        conn.commit()
     ready.update(s.name for s in missing)
 
 
+def ready(conn: psycopg2.extensions.connection, statement: Prepared) -> bool:
+    """Whether ``ensure`` prepared ``statement`` on ``conn`` (and nothing said it is gone since)."""
+    return statement.name in _READY.get(conn, ())
+
+
 def forget(conn: psycopg2.extensions.connection) -> None:
-    """The statements ``ensure`` prepared on ``conn`` are gone (a pooler's ``DISCARD ALL``): the next
-    ``ensure`` looks again."""
+    """The statements ``ensure`` prepared on ``conn`` are gone (a pooler's ``DISCARD ALL``, a
+    ``DEALLOCATE``): ``ready`` says so until the next ``ensure`` looks again."""
     _READY.pop(conn, None)

@@ -22,23 +22,20 @@ callback) is rolled back when the next one opens.
 
 from __future__ import annotations
 
-import weakref
-
 import psycopg2
 import psycopg2.errors
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.db import prepared
 from airflow_provider_lr.engine.store import receive_queue
 
 _IDLE = psycopg2.extensions.TRANSACTION_STATUS_IDLE
-_PREPARED: weakref.WeakSet[psycopg2.extensions.connection] = weakref.WeakSet()  # receive_queue.HEAD prepared on them
 
 
 def delivery_connection(conn: psycopg2.extensions.connection) -> psycopg2.extensions.connection:
     """Make a new connection a consumer's delivery connection: autocommit, the head read prepared."""
     conn.autocommit = True
-    receive_queue.HEAD.prepare(conn)
-    _PREPARED.add(conn)
+    prepared.ensure(conn, receive_queue.HEAD)
     return conn
 
 
@@ -54,14 +51,14 @@ class DeliveryTransaction:
         (the snapshot barrier, the rows), or None (rolled back) when another consumer holds it."""
         if self.explicit and self.conn.info.transaction_status != _IDLE:
             self.rollback()  # what a delivery that raised to its caller left open
-        prepared = self.conn in _PREPARED
+        head = prepared.ready(self.conn, receive_queue.HEAD)
         try:
             with self.conn.cursor() as cur:  # one round trip: the lock, the snapshot barrier, the first rows
                 locked, barrier, rows = receive_queue.lock_head(
-                    cur, source, client, inline_bytes, first, self.explicit, prepared
+                    cur, source, client, inline_bytes, first, self.explicit, head
                 )
         except psycopg2.errors.InvalidSqlStatementName:  # deallocated: read as text from now on
-            _PREPARED.discard(self.conn)
+            prepared.forget(self.conn)
             self.rollback()
             return self.open(source, client, inline_bytes, first)
         if not locked:

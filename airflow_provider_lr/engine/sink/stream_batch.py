@@ -30,7 +30,7 @@ from airflow_provider_lr.engine.sink.writes import INSERT_BYTES, INSERT_ENTRIES,
 from airflow_provider_lr.engine.source.log_reader import LogBatch
 from airflow_provider_lr.engine.store import receive_queue, sink_sessions
 from airflow_provider_lr.engine.tables.sink import ChangeApplier
-from airflow_provider_lr.engine.tables.targets import expected, forget_prepared
+from airflow_provider_lr.engine.tables.targets import expected
 from airflow_provider_lr.engine.vocabulary import NOTIFY_CHANNEL, wakeup_payload
 
 
@@ -79,9 +79,7 @@ def stream_batches(
                 with contextlib.suppress(psycopg2.Error):
                     cur.execute("ROLLBACK")
             if isinstance(exc, psycopg2.errors.InvalidSqlStatementName):
-                # gone (a pooler's DISCARD ALL): prepared again by the general path and the next round
-                forget_prepared(conn)
-                prepared.forget(conn)
+                prepared.forget(conn)  # gone (a pooler's DISCARD ALL): the next round prepares them again
             elif exc.pgcode != sink_sessions.NOT_WHERE_LEFT and not (tables and _refused(exc)):
                 raise
             return [None] * len(batches)

@@ -21,6 +21,7 @@ import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
 
+from airflow_provider_lr.engine.db import prepared
 from airflow_provider_lr.engine.db.prepared import Prepared
 from airflow_provider_lr.engine.errors import SchemaMismatchError
 from airflow_provider_lr.engine.tables.definition import (
@@ -157,7 +158,6 @@ KEPT_STATEMENTS = 64  # statements composed for a connection's targets, kept (th
 class _Kept:
     """What a sink connection keeps across its transactions: hints and text, never a target."""
 
-    prepared: bool = False  # LOOKUP is prepared on it
     used: dict[tuple[str, str], dict[int, None]] = field(default_factory=dict)  # session -> its table ids,
     # least lately used first
     statements: dict[Hashable, str] = field(default_factory=dict)  # ``TargetLookup.statement``
@@ -186,17 +186,12 @@ class TargetLookup:
         connection prepares ``LOOKUP`` and ``CHECK`` on it, in this transaction (a prepared statement
         outlives the transaction, whatever its end); one gone (a pooler's ``DISCARD ALL``) fails this
         transaction, and the next prepares them again."""
-        if not self.kept.prepared:
-            for statement in (LOOKUP, CHECK):
-                self.cur.execute("SELECT 1 FROM pg_catalog.pg_prepared_statements WHERE name = %s", (statement.name,))
-                if self.cur.fetchone() is None:
-                    self.cur.execute(statement.prepare_sql)
-            self.kept.prepared = True
+        prepared.ensure(self.cur.connection, LOOKUP, CHECK)
         ahead = list(self.used)
         try:
             self.cur.execute(f"{before}; ".encode() + self._statement(ahead))
         except psycopg2.errors.InvalidSqlStatementName:
-            self.kept.prepared = False
+            prepared.forget(self.cur.connection)
             raise
         rows = self.cur.fetchall()
         self.site_id = rows[0][0] or self.site_id
@@ -276,7 +271,7 @@ def expected(conn: psycopg2.extensions.connection, source: str, client: str, tid
     was not read there (or is gone from the sink: the general path refuses it), or ``CHECK`` is not
     prepared on ``conn``."""
     kept = _KEPT.get(conn)
-    last = kept.last.get((source, client), {}) if kept is not None and kept.prepared else {}
+    last = kept.last.get((source, client), {}) if kept is not None and prepared.ready(conn, CHECK) else {}
     found: dict[int, Target | None] = {}
     texts = []
     for tid in sorted(set(tids)):
@@ -289,10 +284,3 @@ def expected(conn: psycopg2.extensions.connection, source: str, client: str, tid
         found[tid] = target
         texts.append(text)
     return Expected(found, texts)
-
-
-def forget_prepared(conn: psycopg2.extensions.connection) -> None:
-    """A statement prepared on ``conn`` is gone (a pooler's ``DISCARD ALL``): the next lookup prepares them again."""
-    kept = _KEPT.get(conn)
-    if kept is not None:
-        kept.prepared = False
