@@ -97,8 +97,6 @@ def _stream_transaction(cur: psycopg2.extensions.cursor, source: str, write: Str
     batch, client = write.batch, write.client
     if batch.end <= batch.after or batch.bytes > INSERT_BYTES or len(batch.records) > INSERT_ENTRIES:
         return None
-    params = {"source": source, "client": client, "epoch": write.epoch, "base": write.base}
-    params.update({"after": batch.after, "end": batch.end, "channel": NOTIFY_CHANNEL})
     tids = {r.table_id for r in batch.records if r.table_id is not None and r.position > batch.after}
     tables = None
     if tids:
@@ -114,17 +112,12 @@ def _stream_transaction(cur: psycopg2.extensions.cursor, source: str, write: Str
     except TableError:  # a change that does not fit the table: the general path says so
         return None
     packer.flush()
-    statements = [cur.mogrify(sink_sessions.STREAM_BEGIN, params)]
+    guard = {"source": source, "client": client, "epoch": write.epoch, "base": write.base}
+    statements = [cur.mogrify(sink_sessions.STREAM_BEGIN, {**guard, "after": batch.after, "end": batch.end})]
     if tables is not None:
         tables.flush()
         statements += tables.statements or []
-    if len(writer.rows) == 1:  # the usual: the prepared row and wake-up
-        _, _, kind, position, entry_id, _, _, entry_count, message = writer.rows[0]
-        params.update(kind=kind, position=position, entry_id=entry_id, entry_count=entry_count, message=message)
-        params["wakeup"] = wakeup_payload(client, source)
-        statements.append(cur.mogrify(receive_queue.STREAM_ROW.execute_sql, params))
-    elif writer.rows:
-        statements.append(writer.statement(cur))
-        statements.append(cur.mogrify("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, wakeup_payload(client, source))))
+    if writer.rows:
+        statements.append(writer.stream_statement(cur, NOTIFY_CHANNEL, wakeup_payload(client, source)))
     statements.append(b"COMMIT")
     return b"; ".join(statements), tables is not None

@@ -141,6 +141,18 @@ class QueueWriter:
         self.rows.clear()
         return _INSERT_HEAD.encode() + values
 
+    def stream_statement(self, cur: psycopg2.extensions.cursor, channel: str, wakeup: str) -> bytes:
+        """The rows added and their subscribers' wake-up (``pg_notify(channel, wakeup)``), as statements
+        for a stream's one-round-trip transaction (then forget the rows): a single row, the usual, by
+        ``STREAM_ROW``, prepared on ``cur``'s connection; several by the INSERT form."""
+        assert self.rows and self.sync_id is None and self.visible, "a stream writes visible rows of no sync"
+        if len(self.rows) > 1:
+            return self.statement(cur) + b"; " + cur.mogrify("SELECT pg_notify(%s, %s)", (channel, wakeup))
+        source, client, kind, position, entry_id, _, _, entry_count, message = self.rows.pop()
+        params = {"source": source, "client": client, "kind": kind, "position": position, "entry_id": entry_id}
+        params.update(entry_count=entry_count, message=message, channel=channel, wakeup=wakeup)
+        return cur.mogrify(STREAM_ROW.execute_sql, params)
+
     # COPY form
     def copy_sql(self, conn: psycopg2.extensions.connection) -> str:
         """The COPY statement of this transaction's blocks (the temporary table made first when
