@@ -19,7 +19,7 @@ from airflow_provider_lr.engine.db.schema import site_identity
 from airflow_provider_lr.engine.errors import TransmitError
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store.topology import applied_max_payload_bytes
-from airflow_provider_lr.engine.vocabulary import PAYLOAD_TAG, varint
+from airflow_provider_lr.engine.vocabulary import PAYLOAD_TAG, STREAM_LOG_ENTRIES, varint
 from airflow_provider_lr.proto import lr_pb2
 
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
@@ -122,6 +122,26 @@ class LogWriter:
                     "pg_catalog.bytea) AS " + _INSERT + "($1, $2, $3, $4)" + _RETURNING_TX
                 )
 
+    def _payload(self, payload: bytes) -> bytes:
+        """``payload`` as bytes; ``TransmitError``, nothing written, when it is refused."""
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise TransmitError(f"payload must be bytes, not {type(payload).__name__}; nothing was written")
+        size = payload.nbytes if isinstance(payload, memoryview) else len(payload)  # bytes, not items
+        if size > self.max_payload_bytes:
+            raise TransmitError(
+                f"payload of {size} bytes exceeds the maximum of {self.max_payload_bytes} bytes "
+                f"(client {self.client_name!r}); nothing was written"
+            )
+        return bytes(payload)
+
+    def log_entry(self, payload: bytes, destinations: Sequence[str]) -> tuple[tuple[int, list[int], bytes], Route]:
+        """One log entry's row (stream, tag ids, serialized message) and its route: the payload
+        checked every time, the destinations once per list (``route``); ``TransmitError``, with
+        nothing written, when either is refused."""
+        payload = self._payload(payload)
+        route = self.route(destinations)
+        return (STREAM_LOG_ENTRIES, route.tags, route.message(payload)), route
+
     def _row(
         self,
         stream: int,
@@ -134,27 +154,14 @@ class LogWriter:
         base_snapshot_xids: str = "",
         base_snapshot_upto: int = 0,
     ) -> tuple[int, list[int], bytes]:
-        """One message as a log row (stream, tag ids, serialized message); ``TransmitError``, with
-        nothing written, when the payload or its destinations are refused. The full-sync fields
-        default to proto3's defaults, which are not serialized: a log entry carries none of them."""
-        if not isinstance(payload, (bytes, bytearray, memoryview)):
-            raise TransmitError(f"payload must be bytes, not {type(payload).__name__}; nothing was written")
-        size = payload.nbytes if isinstance(payload, memoryview) else len(payload)  # bytes, not items
-        if size > self.max_payload_bytes:
-            raise TransmitError(
-                f"payload of {size} bytes exceeds the maximum of {self.max_payload_bytes} bytes "
-                f"(client {self.client_name!r}); nothing was written"
-            )
-        if kind == lr_pb2.LOG_ENTRY_SYNC and not (
-            snapshot_request_id or base_snapshot or base_snapshot_xids or base_snapshot_upto
-        ):
-            route = self.route(destinations)
-            return stream, route.tags, route.message(bytes(payload))
+        """One full-sync message as a log row (stream, tag ids, serialized message); ``TransmitError``,
+        with nothing written, when the payload or its destinations are refused."""
+        payload = self._payload(payload)
         unique = self._checked(destinations)
         message = lr_pb2.RoutingTableEntryMsg(
             destinations=unique,
             type=kind,
-            opaque_payload=bytes(payload),
+            opaque_payload=payload,
             source_site_id=self.source_site_id,
             client_name=self.client_name,
             snapshot_request_id=snapshot_request_id,

@@ -14,8 +14,6 @@ from airflow_provider_lr.engine.source import delivery, full_sync
 from airflow_provider_lr.engine.source.backlog import Readiness, wait_until_ready
 from airflow_provider_lr.engine.source.delivery import Ticket
 from airflow_provider_lr.engine.source.log_writer import LogWriter
-from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES
-from airflow_provider_lr.proto import lr_pb2
 
 
 @dataclass(frozen=True)
@@ -36,14 +34,14 @@ class RoutingQueueClient(LogWriter):
     def transmit_log_entry_message(self, payload: bytes, destinations: Sequence[str]) -> Ticket:
         """Store one payload for ``destinations`` as one log entry (visible when the caller commits).
         Returns a ticket to wait on after commit (``wait_until_safe``)."""
-        row = self._row(STREAM_LOG_ENTRIES, payload, destinations, lr_pb2.LOG_ENTRY_SYNC)
-        return Ticket(self.source_site_id, self.client_name, self._insert([row]), self.route(destinations).named)
+        row, route = self.log_entry(payload, destinations)
+        return Ticket(self.source_site_id, self.client_name, self._insert([row]), route.named)
 
     def transmit_log_entry_messages(self, messages: Iterable[LRMessageWithDestinations]) -> Ticket | None:
         """Store many payloads, in order, in the caller's transaction; all validated before any write.
         Returns a ticket naming the transaction and every destination named (None for no message)."""
         messages = list(messages)
-        rows = [self._row(STREAM_LOG_ENTRIES, m.payload, m.destinations, lr_pb2.LOG_ENTRY_SYNC) for m in messages]
+        rows = [self.log_entry(m.payload, m.destinations)[0] for m in messages]
         if not rows:
             return None
         tx = self._insert(rows)
