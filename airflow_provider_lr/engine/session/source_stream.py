@@ -28,7 +28,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import psycopg2
 import psycopg2.extensions
@@ -59,6 +59,8 @@ from airflow_provider_lr.engine.tables import snapshot as table_snapshot
 from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, SessionKey
 
 log = logging.getLogger(__name__)
+
+_DONE = object()  # what a step of the chores gives when they are done
 
 Connect = Callable[[str], psycopg2.extensions.connection]
 
@@ -147,6 +149,7 @@ class SourceStream:
         opts = self.opts
         next_check = time.monotonic() + opts.check_interval
         last_ack = 0.0
+        chores: Iterator[None] | None = None  # the check or the ack under way: a step per turn
         stalled_since: float | None = None  # a drawn position has not shown up since then
         pause = opts.poll_min
         rate = RateWindow()
@@ -158,20 +161,20 @@ class SourceStream:
                 self._wake.clear()
                 continue
             now = time.monotonic()
-            if now >= next_check:
-                self._advance_idle()
-                self._check()
-                next_check = now + opts.check_interval
-            if now - last_ack >= opts.ack_interval:
-                self._ack()
-                last_ack = now
+            if chores is None and now >= next_check:
+                chores, next_check = self._check(), now + opts.check_interval
+            elif chores is None and now - last_ack >= opts.ack_interval:
+                chores, last_ack = self._ack(), now
+            if chores is not None and next(chores, _DONE) is _DONE:
+                chores = None
             if not self.members:  # the check or the acks handed every session back: wait for the next
                 continue
             low = min(m.read_to for m in self.members.values())
             probed = not again and stalled_since is None
-            due = min(next_check, last_ack + opts.ack_interval) - now
+            due = 0.0 if chores is not None else min(next_check, last_ack + opts.ack_interval) - now
             if probed and not self.reads.wait_for_commit(low, pause, max(0.0, min(due, opts.sleep_max))):
-                pause = min(pause * 2, opts.poll_max)
+                if chores is None:  # a wait cut short for the chores' next step is no idle turn
+                    pause = min(pause * 2, opts.poll_max)
                 continue
             barrier = stalled_since is not None and now - stalled_since >= opts.gap_timeout
             started = time.monotonic()
@@ -305,18 +308,24 @@ class SourceStream:
         member.read_to = max(member.read_to, member.after)
 
     # --- looking around -----------------------------------------------------------------------
-    def _check(self) -> None:
-        """Count what each session still has to receive (one count for all of them: the lag the
-        counters show, the backlog ``lr status`` shows), renew every lease with it in one statement
-        (a session taken over leaves), note the success (a stream with nothing to do is healthy:
-        ``lr status`` shows the age of the last success), and hand back each session whose
-        negotiation is due."""
+    def _check(self) -> Iterator[None]:
+        """Move idle sessions' sinks on, count each session's backlog (one count for all: the lag and
+        backlog ``lr status`` shows), renew every lease with it in one statement (a session taken over
+        leaves), note the success (``lr status``: age of the last), hand back each session whose
+        negotiation is due. A step (a round trip or two) per turn of ``_loop``: a commit waits for
+        one step, not the ~5 ms of all."""
+        self._advance_idle()
+        yield
         members = list(self.members.values())
         with autocommit(self.src):  # one round trip each
             topology_id = recorded_id(self.src)
             backlogs = {(b.sink, b.client): b for b in session_backlogs(self.src)}
+        yield
+        with autocommit(self.src):
             requested = full_sync.sessions_requested(self.src)
             federated = registry.federated_tables_of(self.src, {m.key.client for m in members})
+        yield
+        members = [m for m in members if not m.ended]  # those that left meanwhile are not renewed
         renewals = []
         for member in members:
             values: dict[str, object] = {
@@ -329,6 +338,7 @@ class SourceStream:
                 self.counters.lag(member.key, backlog.entries, backlog.lag_seconds)
             renewals.append((member.lease, values))
         lost = self._update_leases(renewals)
+        yield
         lacking = self._tables_lacking([m for m in members if not m.ended], federated)
         for member in members:
             key = member.key
@@ -377,13 +387,14 @@ class SourceStream:
         if jobs:
             self._write(jobs)
 
-    def _ack(self) -> None:
+    def _ack(self) -> Iterator[None]:
         """Record on the source, in one statement, each sink's position its WAL flush has passed
         (``durable_acks``; the record itself is asynchronously committed: the sink's position is the
-        truth, a lost ack only delays trim)."""
+        truth, a lost ack only delays trim). Two steps: the sinks asked, then the source told."""
         for key, exc in self.durable.observe_members(list(self.members.values()), self.sinks.conn).items():
             if key in self.members:
                 self._fail(self.members[key], exc)
+        yield
         due = [m for m in self.members.values() if m.acked < m.durable]
         lost = self._update_leases([(m.lease, self._ack_values(m)) for m in due])
         for member in due:

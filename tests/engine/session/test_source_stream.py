@@ -147,6 +147,40 @@ def test_an_idle_stream_of_many_clients_checks_their_federated_tables_in_one_rea
         assert sink.query("SELECT count(to_regclass(t)) FROM unnest(%s::text[]) t", (tables,))[0][0] == 12
 
 
+def test_commits_made_while_the_stream_checks_its_sessions_are_read_between_the_checks_steps(lr_sites, monkeypatch):
+    """The stream's check (leases, topology, full-sync requests, backlog, tables: several round
+    trips, ~5 ms) is taken a step at a time between rounds: with a writer committing steadily, the
+    stream reads the log between the check's backlog count and its look at the full-sync requests,
+    instead of making those commits wait for the whole check (the p99 of a steady rate)."""
+    source, _, _ = lr_sites
+    topo = apply(
+        lr_sites,
+        [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}],
+        providers={"policy": "tests.support.session:empty_provider"},
+    )
+    connect = psycopg2.connect
+    monkeypatch.setattr(psycopg2, "connect", lambda dsn, **kw: connect(dsn, cursor_factory=_TracedCursor, **kw))
+    repl = replicator(topo, lr_sites, providers={"policy": empty_provider}, lease_seconds=2.0)
+    writer = source.connect()
+    with Streaming(repl, FAST) as streaming:
+        streaming.streaming()
+        _TracedCursor.sent.clear()
+        until = time.monotonic() + 1.5  # about seven checks (FAST: every 0.2 s)
+        while time.monotonic() < until:
+            _transmit(writer, "policy", "steady", ["site-b"])
+            time.sleep(0.001)
+        sent = [q for port, q in list(_TracedCursor.sent) if port == source.server.port]
+    writer.close()
+    steps = [n for n, q in enumerate(sent) if "s.acked_position, p.n, p.highest" in q]  # the backlog count
+    between = []
+    for start in steps:
+        end = next(n for n, q in enumerate(sent[start:], start) if "FROM lr.full_sync_requests" in q)
+        between.append(sum("lr_routed_read" in q for q in sent[start:end]))
+    assert len(between) >= 4, f"{len(between)} checks in 1.5 s"
+    # (a turn between them may find nothing committed yet; one check taken whole never reads in between)
+    assert sum(1 for reads in between if reads) >= len(between) / 2, f"reads between the check's steps: {between}"
+
+
 def test_the_stream_waits_under_load_from_a_rate_that_grows_with_the_cores_it_may_run_on(monkeypatch):
     """The wait at ``busy_rate`` leaves a busy machine's cores to the writers: a machine with more
     cores is that busy at a higher rate (1,000 deliveries/s per core)."""
