@@ -318,10 +318,10 @@ class SourceStream:
         yield
         members = list(self.members.values())
         with autocommit(self.src):  # one round trip each
-            topology_id = recorded_id(self.src)
-            backlogs = {(b.sink, b.client): b for b in session_backlogs(self.src)}
+            backlogs = {(b.sink, b.client): b for b in session_backlogs(self.src)}  # the longest step
         yield
         with autocommit(self.src):
+            topology_id = recorded_id(self.src)
             requested = full_sync.sessions_requested(self.src)
             federated = registry.federated_tables_of(self.src, {m.key.client for m in members})
         yield
