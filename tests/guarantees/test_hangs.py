@@ -212,6 +212,47 @@ def test_a_half_open_link_to_the_sink_is_noticed_within_the_deadline_and_the_str
     app.close()
 
 
+@pytest.mark.timeout(240)
+def test_a_sink_that_stops_answering_does_not_hold_the_sources_other_sink_and_nothing_is_lost(lr_sites):
+    """One source streams to two sinks; site-c's link goes half-open (as a stopped server looks from
+    the client: nothing answers, nothing is closed) while its call deadline is 24 s. site-b goes
+    on receiving within the stream's ``sink_deadline``, not after site-c's deadline: the stream's
+    call to site-c is cut there and its session handed back (the cycles keep trying it with their
+    own bounds). Once the link is back site-c gets every entry; both sinks hold each entry once."""
+    source, sink_b, sink_c = lr_sites
+    topo = apply(
+        lr_sites,
+        [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy"]}],
+        settings={**BOUNDS, "statement_timeout_s": 20},  # a call deadline of 24 s
+    )
+    app = App(source)
+    link = LinkProxy(sink_c.conninfo.params["port"])
+    dsns = {"site-a": source.dsn, "site-b": sink_b.dsn, "site-c": link.dsn(sink_c.dsn)}
+    with Streaming(bounded(topo, dsns), StreamSettings(**{**RETRY.__dict__, "sink_deadline": 2.0})) as streaming:
+        with link:
+            streaming.streaming()
+            for i in range(10):
+                app.put(f"k{i}", i, ["site-b", "site-c"])
+            wait_for(lambda: len(logs(sink_b)) == len(logs(sink_c)) == 10, 30, "the first entries to stream")
+            link.stall()
+            stalled = time.monotonic()
+            for i in range(10, 20):
+                app.put(f"k{i}", i, ["site-b", "site-c"])
+            wait_for(lambda: len(logs(sink_b)) == 20, 2.0 + SLACK, "site-b's entries while site-c is silent")
+            assert time.monotonic() - stalled < 2.0 + SLACK
+            assert len(logs(sink_c)) == 10
+            for i in range(20, 30):  # site-b streams on (its session never left the stream)
+                app.put(f"k{i}", i, ["site-b"])
+            wait_for(lambda: len(logs(sink_b)) == 30, 10, "site-b streaming on")
+            wait_for(lambda: any(e.error for e in streaming.streamer.ends), 10, "site-c's session handed back")
+            assert [e.session for e in streaming.streamer.ends if e.error] == ["site-a->site-c/policy"]
+            link.reset()  # the cycles' calls stuck on it fail now, not at their 24 s deadline
+            wait_for(lambda: len(logs(sink_c)) == 20, 60, "site-c's entries once its link is back")
+    assert logs(sink_b) == [f"k{i}={i}" for i in range(30)]
+    assert logs(sink_c) == [f"k{i}={i}" for i in range(20)]
+    app.close()
+
+
 def test_an_idle_stream_and_idle_cycles_outlast_their_own_bounds(lr_sites):
     """lr's own connections never sit idle in a transaction: a stream and cycles left idle for
     several times ``idle_in_transaction_timeout_s`` are not ended by their servers (a bound that

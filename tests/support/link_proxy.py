@@ -11,7 +11,7 @@ accepts connections and never forwards a byte: a host that hangs rather than ref
 forwarding for good, in both directions, without closing (their bytes are still read, so TCP
 acknowledges them: only a deadline above TCP notices), and new connections hang as with
 ``stalled``; ``heal()`` lets new connections through again (the stalled ones stay dead, as a
-path's do after a partition)."""
+path's do after a partition); ``reset()`` closes them too."""
 
 from __future__ import annotations
 
@@ -55,6 +55,18 @@ class LinkProxy:
 
     def heal(self) -> None:
         """Forward new connections again; the ones stalled stay silent."""
+        self.stalled = False
+
+    def reset(self) -> None:
+        """End a stall as a partition ending in resets: every connection open through the link is
+        closed (a call stuck on one fails at once, as on a peer's RST), new ones go through."""
+        open_now, self._sockets = self._sockets, []
+        for s in open_now:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            except OSError:
+                pass
         self.stalled = False
 
     def close(self) -> None:

@@ -175,8 +175,8 @@ class Deadlines:
         self.cut += 1
         conn.was_cut = True
         log.warning(
-            "%s: a call ran past its deadline of %.0f s (statement_timeout + link check): the link is taken "
-            "as dead and the connection cut; the caller retries on a new one",
+            "%s: a call ran past its deadline of %.0f s: the server or the link is taken as dead and the "
+            "connection cut; the caller retries on a new one",
             conn.describe(),
             conn.deadline_s,
         )
@@ -265,6 +265,15 @@ class BoundedConnection(psycopg2.extensions.connection):
         _watched(self, super().rollback)
 
 
+def cap(conn: psycopg2.extensions.connection, seconds: float | None) -> psycopg2.extensions.connection:
+    """``conn`` with its calls cut at ``seconds`` at the latest, whatever its own deadline (none when
+    its DSN sets a statement timeout): for a caller that has somewhere else to go when a server
+    does not answer. A connection lr did not bound (not a ``BoundedConnection``) is left as it is."""
+    if seconds is not None and isinstance(conn, BoundedConnection):
+        conn.deadline_s = seconds if conn.deadline_s is None else min(conn.deadline_s, seconds)
+    return conn
+
+
 def _set(conn: psycopg2.extensions.connection, statement: str) -> None:
     """Run a SET; outside a transaction, commit it at once (psycopg2 opened one for it)."""
     idle = not conn.autocommit and conn.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
@@ -322,8 +331,8 @@ def explain(exc: BaseException) -> str | None:
     conn = getattr(getattr(exc, "cursor", None), "connection", None)
     if conn is not None and getattr(conn, "was_cut", False):
         return (
-            f"{conn.describe()} gave no answer within its call deadline of {conn.deadline_s:.0f} s "
-            "(statement_timeout + link check): a dead or stalled link, cut by lr"
+            f"{conn.describe()} gave no answer within its call deadline of {conn.deadline_s:.0f} s: "
+            "a stopped server or a stalled link, cut by lr"
         )
     return _EXPLAINED.get(getattr(exc, "pgcode", None) or "")
 

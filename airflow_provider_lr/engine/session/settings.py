@@ -134,6 +134,13 @@ class StreamSettings:
     # renegotiated at once.
     retry_min: float = 1.0
     retry_max: float = 30.0
+    # A stream's call to a sink that takes longer than this is cut (the sink stopped, or its link
+    # half-open) and that sink's sessions are handed back to the cycles, whose calls have the
+    # topology's longer bounds: the stream writes the source's other sinks in the same rounds, so
+    # without it one silent sink would hold them all for its whole call deadline (statement
+    # timeout + link check: 145 s by default). A stream's sink calls are small (a batch, a handshake,
+    # a WAL position): a slow one only moves its session to the cycles for a while.
+    sink_deadline: float = 10.0
 
 
 class RateWindow:

@@ -4,7 +4,9 @@ A stream writes each session's share of a read in its own fenced sink transactio
 one sink site go together on that site's connection (``Apply``: in one round trip where it can),
 different sites in parallel on a pool of writer threads (one per site written to, made as needed).
 A connection is used by one thread at a time: the stream's own between rounds (handshakes,
-checks), that site's writer during one.
+checks), that site's writer during one. A round waits for every site it writes, so a call to a site
+that does not answer is cut at ``deadline_s`` (``StreamSettings.sink_deadline``): that site's
+sessions fail, the other sites go on with the next round.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Generic, TypeVar
 
 import psycopg2.extensions
+
+from airflow_provider_lr.engine.db.timeouts import cap
 
 Connect = Callable[[str], psycopg2.extensions.connection]
 MAX_WRITERS = 64  # sink sites written to at once (threads made only as sites need them)
@@ -26,8 +30,9 @@ Apply = Callable[[psycopg2.extensions.connection, Sequence[Job]], Sequence[int |
 class SinkWriters(Generic[Job]):
     """Connections to the sink sites of one source's stream and the threads that write them."""
 
-    def __init__(self, connect: Connect, name: str) -> None:
+    def __init__(self, connect: Connect, name: str, deadline_s: float | None = None) -> None:
         self.connect = connect
+        self.deadline_s = deadline_s  # a call on a connection made here is cut past it (``timeouts.cap``)
         self._conns: dict[str, psycopg2.extensions.connection] = {}
         self._pool = ThreadPoolExecutor(MAX_WRITERS, thread_name_prefix=f"lr-sink-writer-{name}")
 
@@ -35,7 +40,7 @@ class SinkWriters(Generic[Job]):
         """The connection to ``site``, made again when it was lost."""
         conn = self._conns.get(site)
         if conn is None or conn.closed:
-            conn = self._conns[site] = self.connect(site)
+            conn = self._conns[site] = cap(self.connect(site), self.deadline_s)
         return conn
 
     def drop(self, site: str) -> None:

@@ -89,7 +89,7 @@ class SourceStream:
         self.members: dict[SessionKey, Member] = {}
         self._requests: queue.SimpleQueue[tuple[str, SessionKey, leases.Lease | None]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self.sinks: SinkWriters[tuple[Member, LogBatch]] = SinkWriters(connect, source)
+        self.sinks: SinkWriters[tuple[Member, LogBatch]] = SinkWriters(connect, source, self.opts.sink_deadline)
         self.durable = DurableAcks()
         self._committed = sys.maxsize  # the highest committed position, as the last routed read saw it
         self.src = connect(source)

@@ -177,8 +177,8 @@ def test_commits_made_while_the_stream_checks_its_sessions_are_read_between_the_
         end = next(n for n, q in enumerate(sent[start:], start) if "FROM lr.full_sync_requests" in q)
         between.append(sum("lr_routed_read" in q for q in sent[start:end]))
     assert len(between) >= 4, f"{len(between)} checks in 1.5 s"
-    # (a turn between them may find nothing committed yet; one check taken whole never reads in between)
-    assert sum(1 for reads in between if reads) >= len(between) / 2, f"reads between the check's steps: {between}"
+    # a turn between them may find nothing committed yet (under load, often); a check taken whole never reads in between
+    assert sum(1 for reads in between if reads) >= 2, f"reads between the check's steps: {between}"
 
 
 def test_the_stream_waits_under_load_from_a_rate_that_grows_with_the_cores_it_may_run_on(monkeypatch):
