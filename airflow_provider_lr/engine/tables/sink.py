@@ -175,12 +175,34 @@ def upsert_from(cur: psycopg2.extensions.cursor, target: Target, staging: sql.Co
     origin ledger follows when the table is shared. Returns the rows written."""
     d = target.definition
     cols = sql.SQL(", ").join(map(sql.Identifier, d.column_names))
-    cur.execute(
-        sql.SQL("INSERT INTO {} ({}) OVERRIDING SYSTEM VALUE SELECT {} FROM {} {}").format(
-            d.table.ident, cols, cols, staging, _on_conflict(d)
-        )
+    insert = sql.SQL("INSERT INTO {} ({}) OVERRIDING SYSTEM VALUE SELECT {} FROM {} s").format(
+        d.table.ident, cols, cols, staging
     )
-    rows = max(cur.rowcount, 0)
+    cur.execute(
+        "SELECT NOT indimmediate FROM pg_catalog.pg_index WHERE indrelid = %s::regclass AND indisprimary",
+        (d.table.ident.as_string(cur),),
+    )
+    found = cur.fetchone()
+    if found is None or not found[0]:
+        cur.execute(sql.SQL("{} {}").format(insert, _on_conflict(d)))
+        rows = max(cur.rowcount, 0)
+    else:  # a DEFERRABLE key is no ON CONFLICT arbiter: the rows the sink has updated, the others inserted
+        same = sql.SQL(" AND ").join(sql.SQL("x.{k} = s.{k}").format(k=sql.Identifier(k)) for k in d.key)
+        rest = [c for c in d.column_names if c not in d.key]
+        rows = 0
+        if rest:
+            cur.execute(
+                sql.SQL("UPDATE {} x SET ({}) = ROW({}) FROM {} s WHERE {}").format(
+                    d.table.ident,
+                    sql.SQL(", ").join(map(sql.Identifier, rest)),
+                    sql.SQL(", ").join(sql.SQL("s.{}").format(sql.Identifier(c)) for c in rest),
+                    staging,
+                    same,
+                )
+            )
+            rows = max(cur.rowcount, 0)
+        cur.execute(sql.SQL("{} WHERE NOT EXISTS (SELECT FROM {} x WHERE {})").format(insert, d.table.ident, same))
+        rows += max(cur.rowcount, 0)
     if target.shared:
         cur.execute(
             _ledger(
@@ -332,9 +354,10 @@ class ChangeApplier:
                 "was applied; give the sink's table the same columns"
             )
         absent = tuple(c for c in d.column_names if c not in carried)
+        floats = {c.name for c in d.columns if c.name in text and c.type in _FLOATS}
         run = self.runs[-1] if self.runs else None
         for n, row in enumerate(rows, start=1):
-            key = _key(row, d.key) if op == "u" else None
+            key = _key(row, d.key, floats) if op == "u" else None
             if (
                 run is None
                 or (run.tid, run.op, run.text, run.absent) != (tid, op, text, absent)
@@ -469,13 +492,19 @@ def _percent_doubled(d: TableDefinition) -> TableDefinition:
     return replace(d, columns=columns, key=tuple(map(_doubled, d.key)))
 
 
-def _key(row: dict, key: Sequence[str]) -> object:
+_FLOATS = ("real", "double precision")
+
+
+def _key(row: dict, key: Sequence[str], floats: set[str] | frozenset[str] = frozenset()) -> object:
     """A row's key as a hashable value, equal for two rows PostgreSQL sees under one key (numbers
-    by value: 1.0 and 1.00 are one numeric; composite and array parts as sorted JSON)."""
+    by value: 1.0 and 1.00 are one numeric, the texts -0 and 0 one float, NaN one NaN; composite and
+    array parts as sorted JSON)."""
     parts = []
     for k in key:
         value = row[k]
-        if isinstance(value, Decimal):
+        if k in floats and isinstance(value, str) and value != "NaN":
+            value = float(value)  # -0.0 == 0.0, with one hash
+        elif isinstance(value, Decimal):
             value = value.normalize()
         elif isinstance(value, (dict, list)):
             value = json.dumps(value, sort_keys=True, default=str)
