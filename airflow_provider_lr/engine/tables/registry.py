@@ -131,6 +131,18 @@ def close_table(conn: psycopg2.extensions.connection, name: str) -> RegisteredTa
                     f"{current.source_site_id}; close it at its source"
                 )
             stop_capture(cur, table)
+            cur.execute(  # renamed at the source: its triggers went with it
+                "SELECT " + _RENAMED.format(name="%(name)s", client="%(client)s", tid="%(tid)s"),
+                {"name": str(table), "client": current.client_name, "tid": current.table_id},
+            )
+            renamed_to = cur.fetchone()[0]
+            if renamed_to is not None:
+                for operation in _TRIGGERS:
+                    cur.execute(
+                        sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(
+                            sql.Identifier(trigger_name(operation)), sql.SQL(renamed_to)
+                        )
+                    )
             cur.execute(
                 "UPDATE lr.registry SET table_id = NULL, registered_at = now() "
                 "WHERE stream_name = %s AND kind = 'table'",
@@ -288,6 +300,31 @@ def list_tables(conn: psycopg2.extensions.connection) -> list[RegisteredTable]:
 class FederatedTable:
     table: TableName
     table_id: int
+    renamed_to: str | None = None  # its capture runs on a table of another name now (renamed at the source)
+
+    def renamed(self) -> str:
+        """What to do about a table renamed at the source while it replicates (lr follows a table by its
+        registered name: each sink applies to its table of that name, and a snapshot reads it so)."""
+        return (
+            f"federated table {self.table} was renamed to {self.renamed_to} at the source, and lr replicates a "
+            f"table by its name: its sessions wait (their changes stay in the log). Rename it back "
+            f"(ALTER TABLE {self.renamed_to} RENAME TO {self.table.name}) and nothing "
+            f"is lost; or replicate it under its new name: lr tables close {self.table}, then lr tables open "
+            f"{self.renamed_to} (each sink takes a snapshot of it; its copy of {self.table} stays as it was)"
+        )
+
+
+# The relation a table's capture triggers run on, by the table id and client they carry (a table renamed
+# at the source keeps its triggers), when no relation has the registered name {name}
+_RENAMED = (
+    "CASE WHEN pg_catalog.to_regclass(pg_catalog.quote_ident(pg_catalog.split_part({name}, '.', 1)) || '.' "
+    "|| pg_catalog.quote_ident(pg_catalog.split_part({name}, '.', 2))) IS NULL THEN ("
+    "SELECT pg_catalog.quote_ident(n.nspname) || '.' || pg_catalog.quote_ident(c.relname) "
+    "FROM pg_catalog.pg_trigger t JOIN pg_catalog.pg_class c ON c.oid = t.tgrelid "
+    "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE t.tgname = 'lr_capture_insert' "
+    "AND t.tgargs = pg_catalog.convert_to({client}, 'UTF8') || '\\x00'::bytea "
+    "|| pg_catalog.convert_to({tid}::text, 'UTF8') || '\\x00'::bytea LIMIT 1) END"
+)
 
 
 def federated_tables(conn: psycopg2.extensions.connection, client: str) -> list[FederatedTable]:
@@ -305,7 +342,9 @@ def federated_tables_of(
     idle = conn.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
     with conn.cursor() as cur:
         cur.execute(
-            "SELECT client_name, stream_name, table_id FROM lr.registry WHERE kind = 'table' AND is_federated "
+            "SELECT client_name, stream_name, table_id, "
+            + _RENAMED.format(name="stream_name", client="client_name", tid="table_id")
+            + " FROM lr.registry WHERE kind = 'table' AND is_federated "
             "AND client_name = ANY(%s) AND table_id IS NOT NULL ORDER BY client_name, stream_name",
             (wanted,),
         )
@@ -313,8 +352,8 @@ def federated_tables_of(
     if idle:
         conn.rollback()
     out: dict[str, list[FederatedTable]] = {client: [] for client in wanted}
-    for client, name, table_id in rows:
-        out[client].append(FederatedTable(TableName.parse(name), table_id))
+    for client, name, table_id, renamed_to in rows:
+        out[client].append(FederatedTable(TableName.parse(name), table_id, renamed_to))
     return out
 
 
