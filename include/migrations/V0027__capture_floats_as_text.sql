@@ -145,3 +145,11 @@ BEGIN
     RETURN NULL;
 END
 $$;
+
+-- And each session's row at the source notes the highest table_id of its client's federated tables
+-- that its sink held (synced, or a conflict it keeps) when a cycle last looked. A table opened while
+-- a stream runs is read past (its changes are not the sink's until its snapshot) before the stream
+-- sees it and hands the session to a cycle that takes the snapshot: the session's acknowledged
+-- position passes a change of it the sink does not hold yet. A writer's wait for durability
+-- (wait_until_safe) counts such a change as safe at a sink only once its table is at or below this.
+ALTER TABLE lr.source_sessions ADD COLUMN tables_settled_upto integer;

@@ -25,6 +25,7 @@ import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
 from airflow_provider_lr.engine import progress
+from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.db.schema import site_identity
 from airflow_provider_lr.engine.db.timeouts import lifted
 from airflow_provider_lr.engine.errors import TrimmedError, one_line
@@ -46,8 +47,10 @@ from airflow_provider_lr.engine.source.log_reader import LogReader, TableSplits
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables import snapshot as table_snapshot
+from airflow_provider_lr.engine.tables.targets import TableState
 from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, SessionKey, SessionState
 
+TABLES_SETTLED_SCHEMA = 27  # lr.source_sessions.tables_settled_upto
 log = logging.getLogger(__name__)
 
 
@@ -181,9 +184,9 @@ class SessionRunner(SnapshotSync):
         """Re-read the client's federated tables and snapshot those the sink lacks, at the session's
         position now (the cycle holds the lease: nothing advances until they are written); a large
         snapshot is left to the Spark job when ``spark_tables``. Then the reader's ``TableSplits``."""
-        lacking = table_snapshot.needed(
-            self.source, self.sink, self.key, registry.federated_tables(self.source, self.key.client)
-        )
+        federated = registry.federated_tables(self.source, self.key.client)
+        lacking = table_snapshot.needed(self.source, self.sink, self.key, federated)
+        settled = not lacking
         if lacking:
             snap = table_snapshot.TableSnapshot(
                 self.source, self.key.client, [table_snapshot.SinkSide(self.key, self.sink, self._epoch(), lacking)]
@@ -195,10 +198,16 @@ class SessionRunner(SnapshotSync):
                         report.tables_for_spark = [str(t.table) for t in lacking]
                     else:
                         snap.write()
+                        settled = set(snap.report.tables.values()) <= {TableState.SYNCED, TableState.CONFLICT}
                         report.tables += [f"{name}: {state}" for name, state in snap.report.tables.items()]
                         report.table_rows += snap.report.rows
             finally:
                 snap.close()
+        # a writer's wait on a change of these tables may count this sink's ack (V0027)
+        if settled and federated and schema.at_least(self.source, TABLES_SETTLED_SCHEMA):
+            with self.source.cursor() as cur:
+                source_sessions.settle_tables(cur, self.key.sink, self.key.client, max(t.table_id for t in federated))
+            self.source.commit()
         self.tables = table_snapshot.splits(self.sink, self.key)
 
     def _catch_up_progress(self, tracker: progress.Tracker | None, delivered: int) -> progress.Tracker:

@@ -251,6 +251,27 @@ def acked_positions(cur: psycopg2.extensions.cursor, client: str) -> dict[str, i
     return dict(cur.fetchall())
 
 
+def tables_settled(cur: psycopg2.extensions.cursor, client: str) -> dict[str, int | None]:
+    """sink -> the highest table id of ``client``'s federated tables its sink held when a cycle last
+    looked (``settle_tables``; None: never noted, or a site whose schema predates V0027)."""
+    cur.execute(  # read through the row's jsonb: an application's wait works on a site not migrated yet
+        "SELECT sink_site_id, (pg_catalog.to_jsonb(s) ->> 'tables_settled_upto')::int FROM lr.source_sessions s "
+        "WHERE client_name = %s",
+        (client,),
+    )
+    return dict(cur.fetchall())
+
+
+def settle_tables(cur: psycopg2.extensions.cursor, sink: str, client: str, upto: int) -> None:
+    """Note that the session's sink holds every federated table of its client up to table id
+    ``upto`` (it only grows: a table closed since does not take back what its sink held)."""
+    cur.execute(
+        "UPDATE lr.source_sessions SET tables_settled_upto = %s WHERE sink_site_id = %s AND client_name = %s "
+        "AND (tables_settled_upto IS NULL OR tables_settled_upto < %s)",
+        (upto, sink, client, upto),
+    )
+
+
 def acked_range(cur: psycopg2.extensions.cursor) -> tuple[int, int]:
     """(lowest, highest) acknowledged position over the sessions; (-1, -1) without any."""
     cur.execute("SELECT coalesce(min(acked_position), -1), coalesce(max(acked_position), -1) FROM lr.source_sessions")
