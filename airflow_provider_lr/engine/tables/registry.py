@@ -305,25 +305,38 @@ class FederatedTable:
     def renamed(self) -> str:
         """What to do about a table renamed at the source while it replicates (lr follows a table by its
         registered name: each sink applies to its table of that name, and a snapshot reads it so)."""
-        return (
+        back = (
             f"federated table {self.table} was renamed to {self.renamed_to} at the source, and lr replicates a "
             f"table by its name: its sessions wait (their changes stay in the log). Rename it back "
-            f"(ALTER TABLE {self.renamed_to} RENAME TO {self.table.name}) and nothing "
-            f"is lost; or replicate it under its new name: lr tables close {self.table}, then lr tables open "
-            f"{self.renamed_to} (each sink takes a snapshot of it; its copy of {self.table} stays as it was)"
+            f"(ALTER TABLE {self.renamed_to} RENAME TO {self.table.name}"
+        )
+        try:
+            TableName.parse(str(self.renamed_to))
+        except TableError:  # a name lr cannot federate (quoted): back is the only way
+            return back + ") and nothing is lost (a table made since under its old name: rename that one first)"
+        return (
+            f"{back}) and nothing is lost; or replicate it under its new name: lr tables close {self.table}, then "
+            f"lr tables open {self.renamed_to} (each sink takes a snapshot of it; its copy of {self.table} stays as "
+            "it was)"
         )
 
 
 # The relation a table's capture triggers run on, by the table id and client they carry (a table renamed
-# at the source keeps its triggers), when no relation has the registered name {name}
+# at the source keeps its triggers), when the relation of the registered name {name} has no such trigger
+# (none has that name, or a table made since under it): looked for only then, by the triggers' name
+_ARGS = (
+    "pg_catalog.convert_to({client}, 'UTF8') || '\\x00'::bytea || pg_catalog.convert_to({tid}::text, 'UTF8') "
+    "|| '\\x00'::bytea"
+)
 _RENAMED = (
-    "CASE WHEN pg_catalog.to_regclass(pg_catalog.quote_ident(pg_catalog.split_part({name}, '.', 1)) || '.' "
-    "|| pg_catalog.quote_ident(pg_catalog.split_part({name}, '.', 2))) IS NULL THEN ("
+    "CASE WHEN NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger h WHERE h.tgrelid = pg_catalog.to_regclass("
+    "pg_catalog.quote_ident(pg_catalog.split_part({name}, '.', 1)) || '.' "
+    "|| pg_catalog.quote_ident(pg_catalog.split_part({name}, '.', 2))) AND h.tgname = 'lr_capture_insert' "
+    "AND h.tgargs = " + _ARGS + ") THEN ("
     "SELECT pg_catalog.quote_ident(n.nspname) || '.' || pg_catalog.quote_ident(c.relname) "
     "FROM pg_catalog.pg_trigger t JOIN pg_catalog.pg_class c ON c.oid = t.tgrelid "
     "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE t.tgname = 'lr_capture_insert' "
-    "AND t.tgargs = pg_catalog.convert_to({client}, 'UTF8') || '\\x00'::bytea "
-    "|| pg_catalog.convert_to({tid}::text, 'UTF8') || '\\x00'::bytea LIMIT 1) END"
+    "AND t.tgargs = " + _ARGS + " LIMIT 1) END"
 )
 
 
