@@ -262,6 +262,19 @@ def tables_settled(cur: psycopg2.extensions.cursor, client: str) -> dict[str, in
     return dict(cur.fetchall())
 
 
+def tables_unsettled(cur: psycopg2.extensions.cursor, client: str) -> set[str]:
+    """The sinks of ``client`` whose session has not noted holding every table the client federates
+    here now (a table opened since the last cycle looked, its snapshot to come; a session never
+    noted counts as holding them, as before V0027)."""
+    cur.execute(
+        "SELECT s.sink_site_id FROM lr.source_sessions s WHERE s.client_name = %s "
+        "AND (pg_catalog.to_jsonb(s) ->> 'tables_settled_upto')::int < (SELECT max(g.table_id) FROM lr.registry g "
+        "WHERE g.kind = 'table' AND g.is_federated AND g.client_name = s.client_name)",
+        (client,),
+    )
+    return {sink for (sink,) in cur.fetchall()}
+
+
 def settle_tables(cur: psycopg2.extensions.cursor, sink: str, client: str, upto: int) -> None:
     """Note that the session's sink holds every federated table of its client up to table id
     ``upto`` (it only grows: a table closed since does not take back what its sink held)."""
