@@ -17,6 +17,7 @@ writes (``guard_writes``, ``lr.refuse_table_writes`` in V0014); opening the tabl
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -140,7 +141,7 @@ def close_table(conn: psycopg2.extensions.connection, name: str) -> RegisteredTa
                 for operation in _TRIGGERS:
                     cur.execute(
                         sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(
-                            sql.Identifier(trigger_name(operation)), sql.SQL(renamed_to)
+                            sql.Identifier(trigger_name(operation)), sql.Identifier(*renamed_to)
                         )
                     )
             cur.execute(
@@ -300,25 +301,37 @@ def list_tables(conn: psycopg2.extensions.connection) -> list[RegisteredTable]:
 class FederatedTable:
     table: TableName
     table_id: int
-    renamed_to: str | None = None  # its capture runs on a table of another name now (renamed at the source)
+    renamed_to: tuple[str, str] | None = None  # (schema, name) its capture runs on now (renamed at the source)
 
     def renamed(self) -> str:
         """What to do about a table renamed at the source while it replicates (lr follows a table by its
         registered name: each sink applies to its table of that name, and a snapshot reads it so)."""
-        back = (
-            f"federated table {self.table} was renamed to {self.renamed_to} at the source, and lr replicates a "
-            f"table by its name: its sessions wait (their changes stay in the log). Rename it back "
-            f"(ALTER TABLE {self.renamed_to} RENAME TO {self.table.name}"
+        assert self.renamed_to is not None
+        schema, name = self.renamed_to
+        now = ".".join(_quoted(part) for part in self.renamed_to)
+        back = [f"ALTER TABLE {now} RENAME TO {self.table.name}"] if name != self.table.name else []
+        if schema != self.table.schema:
+            back.append(f"ALTER TABLE {_quoted(schema)}.{self.table.name} SET SCHEMA {self.table.schema}")
+        said = (
+            f"federated table {self.table} was renamed to {now} at the source, and lr replicates a table by its "
+            f"name: its sessions wait (their changes stay in the log). Give it its name back ({'; '.join(back)}) "
+            "and nothing is lost"
         )
         try:
-            TableName.parse(str(self.renamed_to))
+            TableName.parse(f"{schema}.{name}")
         except TableError:  # a name lr cannot federate (quoted): back is the only way
-            return back + ") and nothing is lost (a table made since under its old name: rename that one first)"
+            return said
         return (
-            f"{back}) and nothing is lost; or replicate it under its new name: lr tables close {self.table}, then "
-            f"lr tables open {self.renamed_to} (each sink takes a snapshot of it; its copy of {self.table} stays as "
-            "it was)"
+            f"{said}; or replicate it under its new name: lr tables close {self.table}, then lr tables open "
+            f"{schema}.{name} (each sink takes a snapshot of it; its copy of {self.table} stays as it was)"
         )
+
+
+def _quoted(identifier: str) -> str:
+    """``identifier`` as SQL spells it: plain when it is a plain lower-case name, else quoted."""
+    if re.fullmatch(r"[a-z_][a-z0-9_$]*", identifier):
+        return identifier
+    return '"' + identifier.replace('"', '""') + '"'
 
 
 # The relation a table's capture triggers run on, by the table id and client they carry (a table renamed
@@ -333,7 +346,7 @@ _RENAMED = (
     "pg_catalog.quote_ident(pg_catalog.split_part({name}, '.', 1)) || '.' "
     "|| pg_catalog.quote_ident(pg_catalog.split_part({name}, '.', 2))) AND h.tgname = 'lr_capture_insert' "
     "AND h.tgargs = " + _ARGS + ") THEN ("
-    "SELECT pg_catalog.quote_ident(n.nspname) || '.' || pg_catalog.quote_ident(c.relname) "
+    "SELECT ARRAY[n.nspname::text, c.relname::text] "
     "FROM pg_catalog.pg_trigger t JOIN pg_catalog.pg_class c ON c.oid = t.tgrelid "
     "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE t.tgname = 'lr_capture_insert' "
     "AND t.tgargs = " + _ARGS + " LIMIT 1) END"
@@ -366,7 +379,7 @@ def federated_tables_of(
         conn.rollback()
     out: dict[str, list[FederatedTable]] = {client: [] for client in wanted}
     for client, name, table_id, renamed_to in rows:
-        out[client].append(FederatedTable(TableName.parse(name), table_id, renamed_to))
+        out[client].append(FederatedTable(TableName.parse(name), table_id, tuple(renamed_to) if renamed_to else None))
     return out
 
 
