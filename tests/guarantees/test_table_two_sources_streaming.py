@@ -6,6 +6,8 @@ once the values differ it arrives, once."""
 
 from __future__ import annotations
 
+import time
+
 from tests.guarantees.test_table_fidelity_streaming import FAST
 from tests.support.session import Streaming, replicator, wait_for
 from tests.support.tables import federate, on_every_site, rows, status_text, two_sources_into_one_sink
@@ -31,6 +33,14 @@ def test_rows_of_two_sources_colliding_on_a_unique_column_refuse_the_later_one_s
         wait_for(lambda: said in status_text(b), 20, "lr status at site-b to name the refusal")
         shown = status_text(b)
         assert "members_email_key" in shown and "site-b->site-c/policy" in shown, shown
+        watch = b.connect()
+        watch.autocommit = True
+        with watch.cursor() as cur:  # said as long as it holds: each cycle that retries the batch keeps saying it
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline:
+                cur.execute("SELECT last_error FROM lr.source_sessions WHERE sink_site_id = 'site-c'")
+                assert said in (cur.fetchone()[0] or ""), "lr status stopped saying why the session is held"
+        watch.close()
         assert "last error" not in status_text(a)  # only the colliding source is held back
         a.query("UPDATE public.members SET email = 'ann@elsewhere' WHERE id = 1")
         wait_for(lambda: rows(sink, "public.members") == both(), 30, "b's rows once the values differ")

@@ -149,7 +149,9 @@ class SessionRunner(SnapshotSync):
         past the sink (every read checks the trim mark in the snapshot it reads from): nothing of
         the trimmed range was delivered, and the session needs a snapshot sync."""
         after, base, split = position.after, position.base, position.split
-        self._update(state=SessionState.IN_LOG_ENTRY_SYNC, acked_position=after, last_error=None)
+        # the last error stays until this cycle gets past it (``lr status`` never shows a refused
+        # session, retried cycle after cycle, without it): cleared with the first batch, or at the end
+        self._update(state=SessionState.IN_LOG_ENTRY_SYNC, acked_position=after)
         self.sync_tables(report)
         reader = self.reader()
         tracker: progress.Tracker | None = None
@@ -171,13 +173,17 @@ class SessionRunner(SnapshotSync):
             fault_point("after_sink_apply")
             report.delivered += batch.entries
             report.delivered_bytes += batch.bytes
-            self._update(acked_position=after)
+            self._update(acked_position=after, last_error=None)
             if not batch.has_more:
                 break
             tracker = self._catch_up_progress(tracker, report.delivered)
         if tracker is not None:
             tracker.finish()
         self.sync_tables(report)  # the set is re-read at the end too: a table federated meanwhile joins now
+        if not report.delivered:  # nothing to deliver, nothing refused: an earlier error is past
+            with self.source.cursor() as cur:
+                source_sessions.clear_last_error(cur, self.key.sink, self.key.client)
+            self.source.commit()
         return True
 
     def sync_tables(self, report: CycleReport) -> None:

@@ -235,6 +235,15 @@ def set_last_error(cur: psycopg2.extensions.cursor, sink: str, client: str, erro
     )
 
 
+def clear_last_error(cur: psycopg2.extensions.cursor, sink: str, client: str) -> None:
+    """The session's step succeeded: its last error is past (nothing written when there is none)."""
+    cur.execute(
+        "UPDATE lr.source_sessions SET last_error = NULL, updated_at = now() "
+        "WHERE sink_site_id = %s AND client_name = %s AND last_error IS NOT NULL",
+        (sink, client),
+    )
+
+
 def last_success_ages(cur: psycopg2.extensions.cursor) -> dict[tuple[str, str], float | None]:
     """(sink, client) -> seconds since the session's last successful step (None: never)."""
     cur.execute(
