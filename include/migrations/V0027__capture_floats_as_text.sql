@@ -157,3 +157,23 @@ $$;
 -- position passes a change of it the sink does not hold yet. A writer's wait for durability
 -- (wait_until_safe) counts such a change as safe at a sink only once its table is at or below this.
 ALTER TABLE lr.source_sessions ADD COLUMN tables_settled_upto integer;
+
+-- The sinks of client lr_client whose session has not noted holding the tables of the table changes
+-- at commit position lr_position (NULL: of every table the client federates here now). A writer's
+-- waits (wait_until_safe, wait_until_ready) ask it: a writer may not read the log, the registry, nor
+-- these columns (docs/security.md). A session never noted (NULL) holds them, as before V0027.
+CREATE FUNCTION lr.sinks_lacking_tables(lr_client text, lr_position bigint) RETURNS SETOF text
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT s.sink_site_id FROM lr.source_sessions s
+    WHERE s.client_name = lr_client AND s.tables_settled_upto < (
+        CASE WHEN lr_position IS NULL THEN (
+            SELECT max(g.table_id) FROM lr.registry g
+            WHERE g.kind = 'table' AND g.is_federated AND g.client_name = lr_client)
+        ELSE (
+            SELECT max(e.table_id) FROM lr.log_commits c JOIN lr.log_entries e ON e.tx = c.tx
+            JOIN lr.clients k ON k.client_id = e.client_id AND k.client_name = lr_client
+            JOIN lr.remote_sites r ON r.tag_id = ANY (e.tag_ids) AND r.site_id = s.sink_site_id
+            WHERE c.position = lr_position AND e.stream = 3)
+        END)
+$$;

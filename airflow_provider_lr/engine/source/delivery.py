@@ -231,7 +231,9 @@ def read_delivery(
             (client, position),
         )
         guarded = {d for (d,) in cur.fetchall()}
-        unsettled = _tables_unsettled(cur, client, position)
+        # a table opened while a stream ran is read past until its snapshot: the sink's ack does not
+        # cover its change until its session notes holding the table (docs/delivery.md)
+        unsettled = source_sessions.tables_unsettled(cur, client, position)
     conn.commit()
     states = {}
     for sink in addressed:
@@ -244,24 +246,6 @@ def read_delivery(
         else:
             states[sink] = DeliveryState.SENT if sent else DeliveryState.NEW
     return Delivery(position, source_region, states, dict(addressed), {s: acked.get(s, -1) for s in addressed})
-
-
-def _tables_unsettled(cur: psycopg2.extensions.cursor, client: str, position: int) -> set[str]:
-    """The sinks the table changes at ``position`` name whose session has not yet noted holding
-    their table (``source_sessions.settle_tables``): a table opened while a stream ran is read past
-    until its snapshot, so the sink's acknowledgement does not cover its change until then."""
-    cur.execute(
-        "SELECT r.site_id, max(e.table_id) FROM lr.log_commits c JOIN lr.log_entries e ON e.tx = c.tx "
-        "JOIN lr.clients k ON k.client_id = e.client_id AND k.client_name = %s "
-        "JOIN lr.remote_sites r ON r.tag_id = ANY (e.tag_ids) "
-        "WHERE c.position = %s AND e.stream = %s GROUP BY r.site_id",
-        (client, position, STREAM_TABLE_CHANGES),
-    )
-    changed = dict(cur.fetchall())
-    if not changed:
-        return set()
-    settled = source_sessions.tables_settled(cur, client)
-    return {sink for sink, tid in changed.items() if settled.get(sink) is not None and tid > settled[sink]}
 
 
 def resolve(conn: psycopg2.extensions.connection, ticket: Ticket) -> int:

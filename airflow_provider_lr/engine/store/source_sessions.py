@@ -260,27 +260,14 @@ def acked_positions(cur: psycopg2.extensions.cursor, client: str) -> dict[str, i
     return dict(cur.fetchall())
 
 
-def tables_settled(cur: psycopg2.extensions.cursor, client: str) -> dict[str, int | None]:
-    """sink -> the highest table id of ``client``'s federated tables its sink held when a cycle last
-    looked (``settle_tables``; None: never noted, or a site whose schema predates V0027)."""
-    cur.execute(  # read through the row's jsonb: an application's wait works on a site not migrated yet
-        "SELECT sink_site_id, (pg_catalog.to_jsonb(s) ->> 'tables_settled_upto')::int FROM lr.source_sessions s "
-        "WHERE client_name = %s",
-        (client,),
-    )
-    return dict(cur.fetchall())
-
-
-def tables_unsettled(cur: psycopg2.extensions.cursor, client: str) -> set[str]:
-    """The sinks of ``client`` whose session has not noted holding every table the client federates
-    here now (a table opened since the last cycle looked, its snapshot to come; a session never
-    noted counts as holding them, as before V0027)."""
-    cur.execute(
-        "SELECT s.sink_site_id FROM lr.source_sessions s WHERE s.client_name = %s "
-        "AND (pg_catalog.to_jsonb(s) ->> 'tables_settled_upto')::int < (SELECT max(g.table_id) FROM lr.registry g "
-        "WHERE g.kind = 'table' AND g.is_federated AND g.client_name = s.client_name)",
-        (client,),
-    )
+def tables_unsettled(cur: psycopg2.extensions.cursor, client: str, position: int | None = None) -> set[str]:
+    """The sinks of ``client`` whose session has not noted holding (``settle_tables``) the tables of
+    the table changes at commit ``position`` (None: every table the client federates here now); none
+    on a site whose schema predates V0027. A writer may ask (``lr.sinks_lacking_tables``)."""
+    cur.execute("SELECT pg_catalog.to_regprocedure('lr.sinks_lacking_tables(text,bigint)') IS NOT NULL")
+    if not cur.fetchone()[0]:
+        return set()
+    cur.execute("SELECT lr.sinks_lacking_tables(%s, %s::bigint)", (client, position))
     return {sink for (sink,) in cur.fetchall()}
 
 
