@@ -26,6 +26,7 @@ def _client_sources(topo: topologies.Topology, client: str) -> list[str]:
 def cmd_tables_open(args: argparse.Namespace) -> int:
     """lr tables open: record a table for a client on each site given (default, when federating:
     the sources of the client's sessions)."""
+    TableName.parse(args.table)  # a name lr cannot federate is refused before any site is touched
     topo = load_topology(args)
     if not args.federated and not args.site:
         raise LRError(

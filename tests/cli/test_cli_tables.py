@@ -57,6 +57,19 @@ def test_lr_tables_open_names_what_is_wrong(lr_sites, tmp_path, monkeypatch, cap
     assert "does not exist" in capsys.readouterr().err
     assert cli.main(["tables", "open", "Bad Name", "--client", "policy", "--topology", topo]) == 1
     assert "schema.table" in capsys.readouterr().err
+    # quoted names (mixed case, spaces) are refused up front, saying what to do; a plain one of another schema opens
+    source = lr_sites[0]
+    source.query('CREATE SCHEMA sales; CREATE TABLE public."Orders" (id int PRIMARY KEY)')
+    source.query(
+        'CREATE TABLE sales."Line Items" (id int PRIMARY KEY); CREATE TABLE sales.line_items (id int PRIMARY KEY)'
+    )
+    for name in ('"Orders"', "public.Orders", 'sales."Line Items"'):
+        assert cli.main(["tables", "open", name, "--client", "policy", "--topology", topo]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("lr: table name") and "a quoted name" in err and "RENAME TO" in err, err
+    assert source.query("SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'lr_capture%%'") == [(0,)]
+    assert cli.main(["tables", "open", "sales.line_items", "--client", "policy", "--topology", topo]) == 0
+    assert "site-a: sales.line_items federated" in capsys.readouterr().out
     assert (
         cli.main(["tables", "open", "public.accounts", "--client", "policy", "--no-federated", "--topology", topo]) == 1
     )

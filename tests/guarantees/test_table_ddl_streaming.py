@@ -5,9 +5,12 @@ between apply, and every sink ends with the source's rows."""
 
 from __future__ import annotations
 
+import time
+
+from airflow_provider_lr.engine.tables import registry
 from tests.guarantees.test_table_fidelity_streaming import streaming_over
 from tests.support.session import Streaming, apply, wait_for
-from tests.support.tables import federate, on_every_site, rows
+from tests.support.tables import federate, on_every_site, rows, status_text
 
 
 def same_rows(source, sinks, what: str) -> None:
@@ -51,3 +54,38 @@ def test_a_key_column_renamed_at_every_site_keeps_key_changes_and_deletes_by_its
         source.query("UPDATE public.items SET note = 'kept' WHERE item_id = 4")
         same_rows(source, sinks, "the changes after the rename")
     assert len(rows(source, "public.items")) == 5
+
+
+def test_a_table_renamed_at_the_source_while_streaming_holds_its_sessions_saying_what_to_do_and_loses_nothing(
+    lr_sites,
+):
+    """lr replicates a table by its name: a rename at the source stops its sessions at once, ``lr
+    status`` saying so and what to do; renamed back, the changes made meanwhile arrive. Replicated
+    under its new name (closed, opened), each sink takes a snapshot of it."""
+    source, *sinks = lr_sites
+    with streaming_items(lr_sites) as streaming:
+        streaming.streaming()
+        source.query("ALTER TABLE public.items RENAME TO things")
+        said = "last error: StaleBatchError: federated table public.items was renamed to public.things"
+        wait_for(lambda: status_text(source).count(said) == 2, 10, "lr status to say it of both sessions")
+        source.query("UPDATE public.things SET note = 'while renamed' WHERE id = 1")
+        assert "lr tables close public.items, then lr tables open public.things" in status_text(source)
+        time.sleep(1)  # held: nothing of the table applied meanwhile
+        assert all(sink.query("SELECT note FROM public.items WHERE id = 1") == [("n1",)] for sink in sinks)
+        source.query("ALTER TABLE public.things RENAME TO items")  # back: the change made meanwhile arrives
+        same_rows(source, sinks, "renamed back")
+        streaming.streaming()
+        assert "DIVERGED" not in status_text(source)
+        source.query("ALTER TABLE public.items RENAME TO things")
+        source.query("DELETE FROM public.things WHERE id = 2")
+        conn = source.connect()
+        registry.close_table(conn, "public.items")  # replicated under its new name
+        registry.open_table(conn, "public.things", "policy")
+        conn.close()
+        source.query("UPDATE public.things SET note = 'under its new name' WHERE id = 3")
+        has = "SELECT to_regclass('public.things') IS NOT NULL"
+        wait_for(lambda: all(s.query(has) == [(True,)] for s in sinks), 30, "a snapshot of public.things")
+        wait_for(lambda: all(rows(s, "public.things") == rows(source, "public.things") for s in sinks), 30, "things")
+        streaming.streaming()
+    assert "DIVERGED" not in status_text(source)
+    assert source.query("SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'lr_capture%%'") == [(4,)]

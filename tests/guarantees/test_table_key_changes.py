@@ -6,9 +6,18 @@ from __future__ import annotations
 
 import pytest
 
+from airflow_provider_lr.engine.source import full_sync
 from tests.guarantees.test_table_fidelity_streaming import FAST
 from tests.support.session import Streaming, apply, replicator, wait_for
-from tests.support.tables import cycle_errors, federate, in_one_transaction, on_every_site, rows, sync
+from tests.support.tables import (
+    cycle_errors,
+    federate,
+    in_one_transaction,
+    on_every_site,
+    rows,
+    sync,
+    two_sources_into_one_sink,
+)
 
 ITEMS = "CREATE TABLE public.items (id int PRIMARY KEY{deferrable}, u text NOT NULL UNIQUE, note {note})"
 
@@ -60,3 +69,31 @@ def test_a_sink_table_whose_primary_key_is_deferrable_takes_streamed_upserts_key
         )
         assert not [r.error for r in streaming.cycles if r.error]
     assert len(rows(source, "public.items")) == 6
+
+
+@pytest.mark.parametrize("initially", ["DEFERRED", "IMMEDIATE"])
+def test_a_shared_sink_table_whose_primary_key_is_deferrable_takes_each_sources_snapshot_and_full_sync(
+    lr_sites, initially
+):
+    """Two sources into one sink table whose key is DEFERRABLE: the second source's snapshot (and a
+    full sync of either) goes through a staging table and an upsert, which has no ON CONFLICT arbiter
+    here: rows are updated, or inserted when new, and nothing of the other source's is cleared."""
+    a, b, sink = lr_sites
+    topo = two_sources_into_one_sink(lr_sites)
+    on_every_site(lr_sites, ITEMS.format(deferrable="", note="text"))
+    sink.query("DROP TABLE public.items")
+    sink.query(ITEMS.format(deferrable=f" DEFERRABLE INITIALLY {initially}", note="text"))
+    a.query("INSERT INTO public.items SELECT g, 'a' || g, 'a' FROM generate_series(1, 5) g")
+    b.query("INSERT INTO public.items SELECT g, 'b' || g, 'b' FROM generate_series(5, 9) g")  # 5: both hold it
+    federate(a, "public.items")
+    repl = replicator(topo, lr_sites)
+    assert cycle_errors(sync(repl)) == []
+    federate(b, "public.items")
+    assert cycle_errors(sync(repl)) == []  # b's snapshot: upserted beside a's rows, key 5 to the last writer
+    assert rows(sink, "public.items") == sorted(rows(a, "public.items")[:4] + rows(b, "public.items"))
+    b.query("UPDATE public.items SET note = 'b again'")
+    conn = b.connect()
+    full_sync.request_full_sync(conn, "site-c", "policy", "operator asked", forced=True)
+    conn.close()
+    assert cycle_errors(sync(repl)) == []
+    assert rows(sink, "public.items") == sorted(rows(a, "public.items")[:4] + rows(b, "public.items"))

@@ -143,6 +143,20 @@ def require_current(conn: psycopg2.extensions.connection, what: str, oldest: int
     _checked[conn] = have
 
 
+def at_least(conn: psycopg2.extensions.connection, version: int) -> bool:
+    """Whether the site's lr schema is at ``version`` or later: what a mover that runs on older sites
+    too adds only where the site has it (read once per connection that has it; a transaction it
+    opened to read is ended)."""
+    if _checked.get(conn, 0) >= version:
+        return True
+    opened = not conn.autocommit and conn.info.transaction_status == psycopg2.extensions.TRANSACTION_STATUS_IDLE
+    have = current_version(conn)
+    if opened:
+        conn.rollback()
+    _checked[conn] = max(have, _checked.get(conn, 0))
+    return have >= version
+
+
 def behind(version: int) -> str | None:
     """What a site at ``version`` misses of this lr, as ``lr status`` says it (None: it is current)."""
     latest = latest_version()

@@ -25,6 +25,7 @@ import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
 from airflow_provider_lr.engine import progress
+from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.db.schema import site_identity
 from airflow_provider_lr.engine.db.timeouts import lifted
 from airflow_provider_lr.engine.errors import TrimmedError, one_line
@@ -46,8 +47,10 @@ from airflow_provider_lr.engine.source.log_reader import LogReader, TableSplits
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables import snapshot as table_snapshot
+from airflow_provider_lr.engine.tables.targets import TableState
 from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, SessionKey, SessionState
 
+TABLES_SETTLED_SCHEMA = 27  # lr.source_sessions.tables_settled_upto
 log = logging.getLogger(__name__)
 
 
@@ -146,7 +149,9 @@ class SessionRunner(SnapshotSync):
         past the sink (every read checks the trim mark in the snapshot it reads from): nothing of
         the trimmed range was delivered, and the session needs a snapshot sync."""
         after, base, split = position.after, position.base, position.split
-        self._update(state=SessionState.IN_LOG_ENTRY_SYNC, acked_position=after, last_error=None)
+        # the last error stays until this cycle gets past it (``lr status`` never shows a refused
+        # session, retried cycle after cycle, without it): cleared with the first batch, or at the end
+        self._update(state=SessionState.IN_LOG_ENTRY_SYNC, acked_position=after)
         self.sync_tables(report)
         reader = self.reader()
         tracker: progress.Tracker | None = None
@@ -168,22 +173,26 @@ class SessionRunner(SnapshotSync):
             fault_point("after_sink_apply")
             report.delivered += batch.entries
             report.delivered_bytes += batch.bytes
-            self._update(acked_position=after)
+            self._update(acked_position=after, last_error=None)
             if not batch.has_more:
                 break
             tracker = self._catch_up_progress(tracker, report.delivered)
         if tracker is not None:
             tracker.finish()
         self.sync_tables(report)  # the set is re-read at the end too: a table federated meanwhile joins now
+        if not report.delivered:  # nothing to deliver, nothing refused: an earlier error is past
+            with self.source.cursor() as cur:
+                source_sessions.clear_last_error(cur, self.key.sink, self.key.client)
+            self.source.commit()
         return True
 
     def sync_tables(self, report: CycleReport) -> None:
         """Re-read the client's federated tables and snapshot those the sink lacks, at the session's
         position now (the cycle holds the lease: nothing advances until they are written); a large
         snapshot is left to the Spark job when ``spark_tables``. Then the reader's ``TableSplits``."""
-        lacking = table_snapshot.needed(
-            self.source, self.sink, self.key, registry.federated_tables(self.source, self.key.client)
-        )
+        federated = registry.federated_tables(self.source, self.key.client)
+        lacking = table_snapshot.needed(self.source, self.sink, self.key, federated)
+        settled = not lacking
         if lacking:
             snap = table_snapshot.TableSnapshot(
                 self.source, self.key.client, [table_snapshot.SinkSide(self.key, self.sink, self._epoch(), lacking)]
@@ -195,10 +204,16 @@ class SessionRunner(SnapshotSync):
                         report.tables_for_spark = [str(t.table) for t in lacking]
                     else:
                         snap.write()
+                        settled = set(snap.report.tables.values()) <= {TableState.SYNCED, TableState.CONFLICT}
                         report.tables += [f"{name}: {state}" for name, state in snap.report.tables.items()]
                         report.table_rows += snap.report.rows
             finally:
                 snap.close()
+        # a writer's wait on a change of these tables may count this sink's ack (V0027)
+        if settled and federated and schema.at_least(self.source, TABLES_SETTLED_SCHEMA):
+            with self.source.cursor() as cur:
+                source_sessions.settle_tables(cur, self.key.sink, self.key.client, max(t.table_id for t in federated))
+            self.source.commit()
         self.tables = table_snapshot.splits(self.sink, self.key)
 
     def _catch_up_progress(self, tracker: progress.Tracker | None, delivered: int) -> progress.Tracker:

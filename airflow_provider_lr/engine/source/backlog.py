@@ -78,10 +78,11 @@ class Readiness:
     acked: int
     first_guarded: int | None
     unsafe: int  # committed entries for the sink after ``acked`` (and before the first guard)
+    tables_unsettled: bool = False  # a table the client federates here whose snapshot the sink has yet to take
 
     @property
     def ready(self) -> bool:
-        return self.unsafe == 0
+        return self.unsafe == 0 and not self.tables_unsettled
 
 
 def readiness_of(
@@ -89,7 +90,10 @@ def readiness_of(
 ) -> list[Readiness]:
     """Each (named) sink's readiness for ``client``, counted live."""
     found = [b for b in session_backlogs(conn, client=client) if sinks is None or b.sink in sinks]
-    return [Readiness(b.sink, client, b.acked, b.first_guarded, b.before_guard) for b in found]
+    with conn.cursor() as cur:  # a table opened while a stream ran: its rows are the sink's after its snapshot
+        unsettled = source_sessions.tables_unsettled(cur, client)
+    conn.commit()
+    return [Readiness(b.sink, client, b.acked, b.first_guarded, b.before_guard, b.sink in unsettled) for b in found]
 
 
 def wait_until_ready(
@@ -123,10 +127,12 @@ def wait_until_ready(
 
         if delivery.poll(check, timeout):
             return last[0]
-        behind = {r.sink: r.unsafe for r in last[0] if not r.ready}
+        behind = {
+            r.sink: f"{r.unsafe}{', a table snapshot' if r.tables_unsettled else ''}" for r in last[0] if not r.ready
+        }
         raise DeliveryTimeout(
             f"client {client!r}: not ready after {timeout:g}s: entries before position {noted + 1} "
-            f"not yet acknowledged, per sink {listing(behind)}",
+            f"not yet acknowledged (or a federated table's snapshot to take), per sink {listing(behind)}",
             position=noted,
             missing=sorted(behind),
             regions=[],

@@ -235,6 +235,15 @@ def set_last_error(cur: psycopg2.extensions.cursor, sink: str, client: str, erro
     )
 
 
+def clear_last_error(cur: psycopg2.extensions.cursor, sink: str, client: str) -> None:
+    """The session's step succeeded: its last error is past (nothing written when there is none)."""
+    cur.execute(
+        "UPDATE lr.source_sessions SET last_error = NULL, updated_at = now() "
+        "WHERE sink_site_id = %s AND client_name = %s AND last_error IS NOT NULL",
+        (sink, client),
+    )
+
+
 def last_success_ages(cur: psycopg2.extensions.cursor) -> dict[tuple[str, str], float | None]:
     """(sink, client) -> seconds since the session's last successful step (None: never)."""
     cur.execute(
@@ -249,6 +258,27 @@ def acked_positions(cur: psycopg2.extensions.cursor, client: str) -> dict[str, i
     """sink -> the position it acknowledged, for each session of ``client``."""
     cur.execute("SELECT sink_site_id, acked_position FROM lr.source_sessions WHERE client_name = %s", (client,))
     return dict(cur.fetchall())
+
+
+def tables_unsettled(cur: psycopg2.extensions.cursor, client: str, position: int | None = None) -> set[str]:
+    """The sinks of ``client`` whose session has not noted holding (``settle_tables``) the tables of
+    the table changes at commit ``position`` (None: every table the client federates here now); none
+    on a site whose schema predates V0027. A writer may ask (``lr.sinks_lacking_tables``)."""
+    cur.execute("SELECT pg_catalog.to_regprocedure('lr.sinks_lacking_tables(text,bigint)') IS NOT NULL")
+    if not cur.fetchone()[0]:
+        return set()
+    cur.execute("SELECT lr.sinks_lacking_tables(%s, %s::bigint)", (client, position))
+    return {sink for (sink,) in cur.fetchall()}
+
+
+def settle_tables(cur: psycopg2.extensions.cursor, sink: str, client: str, upto: int) -> None:
+    """Note that the session's sink holds every federated table of its client up to table id
+    ``upto`` (it only grows: a table closed since does not take back what its sink held)."""
+    cur.execute(
+        "UPDATE lr.source_sessions SET tables_settled_upto = %s WHERE sink_site_id = %s AND client_name = %s "
+        "AND (tables_settled_upto IS NULL OR tables_settled_upto < %s)",
+        (upto, sink, client, upto),
+    )
 
 
 def acked_range(cur: psycopg2.extensions.cursor) -> tuple[int, int]:

@@ -43,7 +43,9 @@ class TableName:
         if match is None:
             raise TableError(
                 f"table name {text!r} is not schema.table with lower-case identifiers "
-                "(letters, digits, _ and $, at most 63 characters each)"
+                "(letters, digits, _ and $, at most 63 characters each): lr federates a table by that name "
+                'on every site, and a quoted name (upper case, spaces, quotes: "Orders", sales."Line Items") '
+                "is not supported; rename the table to such a name first (ALTER TABLE ... RENAME TO line_items)"
             )
         return cls(match.group(1), match.group(2))
 

@@ -198,12 +198,22 @@ def diverged(conn: psycopg2.extensions.connection) -> list[Divergence]:
             found.append(Divergence(name, client, f"{why}; its rows stay as {source} left them"))
         with_sinks = source_sessions.clients_with_sessions(cur)
         cur.execute(
-            "SELECT g.stream_name, g.client_name FROM lr.registry g "
+            "SELECT g.stream_name, g.client_name, g.table_id FROM lr.registry g "
             "WHERE g.kind = 'table' AND g.is_federated AND g.table_id IS NOT NULL ORDER BY 1"
         )
-        for name, client in cur.fetchall():
+        captured = cur.fetchall()
+        renamed = {  # renamed at the source: its capture goes on under the new name
+            (t.table, t.table_id): t
+            for tables in registry.federated_tables_of(conn, {client for _, client, _ in captured}).values()
+            for t in tables
+            if t.renamed_to
+        }
+        for name, client, table_id in captured:
             has_sink = client in with_sinks
-            if not registry.capturing(cur, TableName.parse(name)):
+            moved = renamed.get((TableName.parse(name), table_id))
+            if moved is not None:
+                found.append(Divergence(name, client, moved.renamed()))
+            elif not registry.capturing(cur, TableName.parse(name)):
                 found.append(
                     Divergence(
                         name,

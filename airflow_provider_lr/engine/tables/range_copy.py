@@ -23,6 +23,7 @@ from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.store import sink_sessions
 from airflow_provider_lr.engine.tables import copy as table_copy
 from airflow_provider_lr.engine.tables import sink as sink_tables
+from airflow_provider_lr.engine.tables import upsert
 from airflow_provider_lr.engine.tables.definition import TableDefinition
 from airflow_provider_lr.engine.tables.sink import TableState, Target
 from airflow_provider_lr.engine.tables.targets import target_of
@@ -79,7 +80,7 @@ def copy_to_targets(
     copied = table_copy.copy_rows(source, table_copy.select_statement(definition, where), sinks)
     rows = [max(cur.rowcount, 0) for cur, _ in targets]
     for cur, target, stage in staged:
-        rows[[c for c, _ in targets].index(cur)] = sink_tables.upsert_from(cur, target, stage)
+        rows[[c for c, _ in targets].index(cur)] = upsert.upsert_from(cur, target, stage)
     return copied, rows
 
 

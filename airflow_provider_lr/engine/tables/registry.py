@@ -17,6 +17,7 @@ writes (``guard_writes``, ``lr.refuse_table_writes`` in V0014); opening the tabl
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -131,6 +132,18 @@ def close_table(conn: psycopg2.extensions.connection, name: str) -> RegisteredTa
                     f"{current.source_site_id}; close it at its source"
                 )
             stop_capture(cur, table)
+            cur.execute(  # renamed at the source: its triggers went with it
+                "SELECT " + _RENAMED.format(name="%(name)s", client="%(client)s", tid="%(tid)s"),
+                {"name": str(table), "client": current.client_name, "tid": current.table_id},
+            )
+            renamed_to = cur.fetchone()[0]
+            if renamed_to is not None:
+                for operation in _TRIGGERS:
+                    cur.execute(
+                        sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(
+                            sql.Identifier(trigger_name(operation)), sql.Identifier(*renamed_to)
+                        )
+                    )
             cur.execute(
                 "UPDATE lr.registry SET table_id = NULL, registered_at = now() "
                 "WHERE stream_name = %s AND kind = 'table'",
@@ -288,6 +301,56 @@ def list_tables(conn: psycopg2.extensions.connection) -> list[RegisteredTable]:
 class FederatedTable:
     table: TableName
     table_id: int
+    renamed_to: tuple[str, str] | None = None  # (schema, name) its capture runs on now (renamed at the source)
+
+    def renamed(self) -> str:
+        """What to do about a table renamed at the source while it replicates (lr follows a table by its
+        registered name: each sink applies to its table of that name, and a snapshot reads it so)."""
+        assert self.renamed_to is not None
+        schema, name = self.renamed_to
+        now = ".".join(_quoted(part) for part in self.renamed_to)
+        back = [f"ALTER TABLE {now} RENAME TO {self.table.name}"] if name != self.table.name else []
+        if schema != self.table.schema:
+            back.append(f"ALTER TABLE {_quoted(schema)}.{self.table.name} SET SCHEMA {self.table.schema}")
+        said = (
+            f"federated table {self.table} was renamed to {now} at the source, and lr replicates a table by its "
+            f"name: its sessions wait (their changes stay in the log). Give it its name back ({'; '.join(back)}) "
+            "and nothing is lost"
+        )
+        try:
+            TableName.parse(f"{schema}.{name}")
+        except TableError:  # a name lr cannot federate (quoted): back is the only way
+            return said
+        return (
+            f"{said}; or replicate it under its new name: lr tables close {self.table}, then lr tables open "
+            f"{schema}.{name} (each sink takes a snapshot of it; its copy of {self.table} stays as it was)"
+        )
+
+
+def _quoted(identifier: str) -> str:
+    """``identifier`` as SQL spells it: plain when it is a plain lower-case name, else quoted."""
+    if re.fullmatch(r"[a-z_][a-z0-9_$]*", identifier):
+        return identifier
+    return '"' + identifier.replace('"', '""') + '"'
+
+
+# The relation a table's capture triggers run on, by the table id and client they carry (a table renamed
+# at the source keeps its triggers), when the relation of the registered name {name} has no such trigger
+# (none has that name, or a table made since under it): looked for only then, by the triggers' name
+_ARGS = (
+    "pg_catalog.convert_to({client}, 'UTF8') || '\\x00'::bytea || pg_catalog.convert_to({tid}::text, 'UTF8') "
+    "|| '\\x00'::bytea"
+)
+_RENAMED = (
+    "CASE WHEN NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger h WHERE h.tgrelid = pg_catalog.to_regclass("
+    "pg_catalog.quote_ident(pg_catalog.split_part({name}, '.', 1)) || '.' "
+    "|| pg_catalog.quote_ident(pg_catalog.split_part({name}, '.', 2))) AND h.tgname = 'lr_capture_insert' "
+    "AND h.tgargs = " + _ARGS + ") THEN ("
+    "SELECT ARRAY[n.nspname::text, c.relname::text] "
+    "FROM pg_catalog.pg_trigger t JOIN pg_catalog.pg_class c ON c.oid = t.tgrelid "
+    "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE t.tgname = 'lr_capture_insert' "
+    "AND t.tgargs = " + _ARGS + " LIMIT 1) END"
+)
 
 
 def federated_tables(conn: psycopg2.extensions.connection, client: str) -> list[FederatedTable]:
@@ -305,7 +368,9 @@ def federated_tables_of(
     idle = conn.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
     with conn.cursor() as cur:
         cur.execute(
-            "SELECT client_name, stream_name, table_id FROM lr.registry WHERE kind = 'table' AND is_federated "
+            "SELECT client_name, stream_name, table_id, "
+            + _RENAMED.format(name="stream_name", client="client_name", tid="table_id")
+            + " FROM lr.registry WHERE kind = 'table' AND is_federated "
             "AND client_name = ANY(%s) AND table_id IS NOT NULL ORDER BY client_name, stream_name",
             (wanted,),
         )
@@ -313,8 +378,8 @@ def federated_tables_of(
     if idle:
         conn.rollback()
     out: dict[str, list[FederatedTable]] = {client: [] for client in wanted}
-    for client, name, table_id in rows:
-        out[client].append(FederatedTable(TableName.parse(name), table_id))
+    for client, name, table_id, renamed_to in rows:
+        out[client].append(FederatedTable(TableName.parse(name), table_id, tuple(renamed_to) if renamed_to else None))
     return out
 
 

@@ -39,6 +39,7 @@ from airflow_provider_lr.engine.tables.definition import (
     read_definition,
 )
 from airflow_provider_lr.engine.tables.targets import GENERIC, Expected, TableState, Target, TargetLookup, origin
+from airflow_provider_lr.engine.tables.upsert import ledger, on_conflict
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
 FLUSH_BYTES = 4 << 20  # table changes buffered before they are applied (in the same transaction)
@@ -170,57 +171,6 @@ def clearing(target: Target) -> sql.Composed:
     )
 
 
-def upsert_from(cur: psycopg2.extensions.cursor, target: Target, staging: sql.Composable) -> int:
-    """Rows of ``staging`` (same columns) into the table, replacing rows with the same key; the
-    origin ledger follows when the table is shared. Returns the rows written."""
-    d = target.definition
-    cols = sql.SQL(", ").join(map(sql.Identifier, d.column_names))
-    cur.execute(
-        sql.SQL("INSERT INTO {} ({}) OVERRIDING SYSTEM VALUE SELECT {} FROM {} {}").format(
-            d.table.ident, cols, cols, staging, _on_conflict(d)
-        )
-    )
-    rows = max(cur.rowcount, 0)
-    if target.shared:
-        cur.execute(
-            _ledger(
-                target,
-                sql.SQL("SELECT {} AS key FROM {} s").format(target.key_object(sql.Identifier("s")), staging),
-                upserted=True,
-            )
-        )
-    return rows
-
-
-def _on_conflict(d: TableDefinition, absent: tuple[str, ...] = ()) -> sql.Composed:
-    """The upsert's conflict clause: a row's columns other than the key, those ``absent`` from the
-    changes (a column the sink has and the source not yet) kept as they are."""
-    rest = [c for c in d.column_names if c not in d.key and c not in absent]
-    keys = sql.SQL(", ").join(map(sql.Identifier, d.key))
-    if not rest:
-        return sql.SQL("ON CONFLICT ({}) DO NOTHING").format(keys)
-    return sql.SQL("ON CONFLICT ({}) DO UPDATE SET ({}) = ROW({})").format(
-        keys,
-        sql.SQL(", ").join(map(sql.Identifier, rest)),
-        sql.SQL(", ").join(sql.SQL("EXCLUDED.{}").format(sql.Identifier(c)) for c in rest),
-    )
-
-
-def _ledger(target: Target, keys: sql.Composable, upserted: bool) -> sql.Composed:
-    """Keep ``lr.table_row_origin`` for the rows whose key objects ``keys`` yields (a query with a
-    ``key`` column): rows upserted by a non-primary source are listed under it; a primary source's
-    rows, and deleted rows, leave the list."""
-    name = sql.Literal(str(target.table))
-    if upserted and not target.primary:
-        return sql.SQL(
-            "INSERT INTO lr.table_row_origin (table_name, key, source_site_id) SELECT DISTINCT {}, k.key, {} FROM ({}) k "
-            "ON CONFLICT (table_name, key) DO UPDATE SET source_site_id = EXCLUDED.source_site_id"
-        ).format(name, sql.Literal(target.source), keys)
-    return sql.SQL("DELETE FROM lr.table_row_origin o USING ({}) k WHERE o.table_name = {} AND o.key = k.key").format(
-        keys, name
-    )
-
-
 class ApplyError(TableError):
     """The sink refused a batch of table changes (a constraint, trigger or privilege of the sink's
     table the source does not have): nothing of the batch was applied; the session retries it."""
@@ -332,9 +282,10 @@ class ChangeApplier:
                 "was applied; give the sink's table the same columns"
             )
         absent = tuple(c for c in d.column_names if c not in carried)
+        floats = {c.name for c in d.columns if c.name in text and c.type in _FLOATS}
         run = self.runs[-1] if self.runs else None
         for n, row in enumerate(rows, start=1):
-            key = _key(row, d.key) if op == "u" else None
+            key = _key(row, d.key, floats) if op == "u" else None
             if (
                 run is None
                 or (run.tid, run.op, run.text, run.absent) != (tid, op, text, absent)
@@ -432,7 +383,7 @@ def _compose(target: Target, run: _Run) -> sql.Composed:
         s_cols = sql.SQL(", ").join(value(c) for c in carried)
         statement = sql.SQL(  # the source's values, an identity GENERATED ALWAYS's too
             "INSERT INTO {t} ({cols}) OVERRIDING SYSTEM VALUE SELECT {s_cols} FROM ({rows}) s {conflict}"
-        ).format(t=d.table.ident, cols=cols, s_cols=s_cols, rows=rows, conflict=_on_conflict(d, absent))
+        ).format(t=d.table.ident, cols=cols, s_cols=s_cols, rows=rows, conflict=on_conflict(d, absent))
         if target.deferrable_key:  # no arbiter for ON CONFLICT: the run's one row updated, or inserted if new
             x_key = sql.SQL(", ").join(sql.SQL("x.{}").format(sql.Identifier(k)) for k in d.key)
             s_key = sql.SQL(", ").join(value(k) for k in d.key)
@@ -456,7 +407,7 @@ def _compose(target: Target, run: _Run) -> sql.Composed:
     if not target.shared:
         return statement
     keys = sql.SQL("SELECT {} AS key FROM ({}) s").format(target.key_object(sql.SQL("(s.p)"), value), rows)
-    return sql.SQL("{}; {}").format(statement, _ledger(target, keys, upserted=run.op == "u"))
+    return sql.SQL("{}; {}").format(statement, ledger(target, keys, upserted=run.op == "u"))
 
 
 def _doubled(name: str) -> str:
@@ -469,13 +420,19 @@ def _percent_doubled(d: TableDefinition) -> TableDefinition:
     return replace(d, columns=columns, key=tuple(map(_doubled, d.key)))
 
 
-def _key(row: dict, key: Sequence[str]) -> object:
+_FLOATS = ("real", "double precision")
+
+
+def _key(row: dict, key: Sequence[str], floats: set[str] | frozenset[str] = frozenset()) -> object:
     """A row's key as a hashable value, equal for two rows PostgreSQL sees under one key (numbers
-    by value: 1.0 and 1.00 are one numeric; composite and array parts as sorted JSON)."""
+    by value: 1.0 and 1.00 are one numeric, the texts -0 and 0 one float, NaN one NaN; composite and
+    array parts as sorted JSON)."""
     parts = []
     for k in key:
         value = row[k]
-        if isinstance(value, Decimal):
+        if k in floats and isinstance(value, str) and value != "NaN":
+            value = float(value)  # -0.0 == 0.0, with one hash
+        elif isinstance(value, Decimal):
             value = value.normalize()
         elif isinstance(value, (dict, list)):
             value = json.dumps(value, sort_keys=True, default=str)

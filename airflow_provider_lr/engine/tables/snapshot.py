@@ -95,6 +95,7 @@ def needed_by_client(
             held = have[client].get(table.table)
             if (
                 held is not None
+                and table.renamed_to is None  # renamed at the source: its session's cycle says what to do
                 and held.source_table_id == table.table_id
                 and (
                     held.state == TableState.SYNCED
@@ -144,6 +145,8 @@ class TableSnapshot:
                 for table in side.tables:
                     if table.table not in self.definitions:
                         definition = read_definition(cur, table.table, extras=True)
+                        if definition is None and table.renamed_to is not None:
+                            raise StaleBatchError(table.renamed())
                         if definition is None:
                             raise StaleBatchError(
                                 f"federated table {table.table} was dropped on the source: create it again and "

@@ -1,0 +1,88 @@
+"""Rows written by key into a sink's federated table: the upsert of a run of changes (its conflict
+clause, ``tables.sink``), a snapshot's rows from a staging table into a table another origin writes
+too (``upsert_from``), and the origin ledger ``lr.table_row_origin`` that follows them.
+
+A sink table whose primary key is ``DEFERRABLE`` has no ``ON CONFLICT`` arbiter (PostgreSQL refuses
+one): its rows are updated where the sink has their key and inserted where it has not.
+"""
+
+from __future__ import annotations
+
+import psycopg2.extensions
+from psycopg2 import sql
+
+from airflow_provider_lr.engine.tables.definition import TableDefinition
+from airflow_provider_lr.engine.tables.targets import Target
+
+
+def upsert_from(cur: psycopg2.extensions.cursor, target: Target, staging: sql.Composable) -> int:
+    """Rows of ``staging`` (same columns) into the table, replacing rows with the same key; the
+    origin ledger follows when the table is shared. Returns the rows written."""
+    d = target.definition
+    cols = sql.SQL(", ").join(map(sql.Identifier, d.column_names))
+    insert = sql.SQL("INSERT INTO {} ({}) OVERRIDING SYSTEM VALUE SELECT {} FROM {} s").format(
+        d.table.ident, cols, cols, staging
+    )
+    cur.execute(
+        "SELECT NOT indimmediate FROM pg_catalog.pg_index WHERE indrelid = %s::regclass AND indisprimary",
+        (d.table.ident.as_string(cur),),
+    )
+    found = cur.fetchone()
+    if found is None or not found[0]:
+        cur.execute(sql.SQL("{} {}").format(insert, on_conflict(d)))
+        rows = max(cur.rowcount, 0)
+    else:  # a DEFERRABLE key is no ON CONFLICT arbiter: the rows the sink has updated, the others inserted
+        same = sql.SQL(" AND ").join(sql.SQL("x.{k} = s.{k}").format(k=sql.Identifier(k)) for k in d.key)
+        rest = [c for c in d.column_names if c not in d.key]
+        rows = 0
+        if rest:
+            cur.execute(
+                sql.SQL("UPDATE {} x SET ({}) = ROW({}) FROM {} s WHERE {}").format(
+                    d.table.ident,
+                    sql.SQL(", ").join(map(sql.Identifier, rest)),
+                    sql.SQL(", ").join(sql.SQL("s.{}").format(sql.Identifier(c)) for c in rest),
+                    staging,
+                    same,
+                )
+            )
+            rows = max(cur.rowcount, 0)
+        cur.execute(sql.SQL("{} WHERE NOT EXISTS (SELECT FROM {} x WHERE {})").format(insert, d.table.ident, same))
+        rows += max(cur.rowcount, 0)
+    if target.shared:
+        cur.execute(
+            ledger(
+                target,
+                sql.SQL("SELECT {} AS key FROM {} s").format(target.key_object(sql.Identifier("s")), staging),
+                upserted=True,
+            )
+        )
+    return rows
+
+
+def on_conflict(d: TableDefinition, absent: tuple[str, ...] = ()) -> sql.Composed:
+    """The upsert's conflict clause: a row's columns other than the key, those ``absent`` from the
+    changes (a column the sink has and the source not yet) kept as they are."""
+    rest = [c for c in d.column_names if c not in d.key and c not in absent]
+    keys = sql.SQL(", ").join(map(sql.Identifier, d.key))
+    if not rest:
+        return sql.SQL("ON CONFLICT ({}) DO NOTHING").format(keys)
+    return sql.SQL("ON CONFLICT ({}) DO UPDATE SET ({}) = ROW({})").format(
+        keys,
+        sql.SQL(", ").join(map(sql.Identifier, rest)),
+        sql.SQL(", ").join(sql.SQL("EXCLUDED.{}").format(sql.Identifier(c)) for c in rest),
+    )
+
+
+def ledger(target: Target, keys: sql.Composable, upserted: bool) -> sql.Composed:
+    """Keep ``lr.table_row_origin`` for the rows whose key objects ``keys`` yields (a query with a
+    ``key`` column): rows upserted by a non-primary source are listed under it; a primary source's
+    rows, and deleted rows, leave the list."""
+    name = sql.Literal(str(target.table))
+    if upserted and not target.primary:
+        return sql.SQL(
+            "INSERT INTO lr.table_row_origin (table_name, key, source_site_id) SELECT DISTINCT {}, k.key, {} FROM ({}) k "
+            "ON CONFLICT (table_name, key) DO UPDATE SET source_site_id = EXCLUDED.source_site_id"
+        ).format(name, sql.Literal(target.source), keys)
+    return sql.SQL("DELETE FROM lr.table_row_origin o USING ({}) k WHERE o.table_name = {} AND o.key = k.key").format(
+        keys, name
+    )
