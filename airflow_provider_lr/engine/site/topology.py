@@ -12,6 +12,7 @@ from collections.abc import Callable, Collection
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, TopologyMismatchError, one_line
+from airflow_provider_lr.engine.source.moved import refuse_moved_writers
 from airflow_provider_lr.engine.store import receive_queue, sink_sessions, source_sessions
 from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.store.topology import Topology, drift, recorded_id
@@ -78,7 +79,8 @@ def check_sites(
 def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site_id: str, commit: bool = True) -> None:
     """Record the topology on one site: every other site becomes addressable from it, its clients
     are registered, and the sessions it is the source of are created (sessions it no longer is
-    the source of are removed; their sinks keep their data). Commits unless ``commit`` is False
+    the source of are removed; their sinks keep their data); the writers of a client it sourced
+    and does not now are refused (``source/moved``). Commits unless ``commit`` is False
     (``apply_everywhere`` commits every site together)."""
     topology.site(site_id)
     mine = topology.sessions(source=site_id)
@@ -104,6 +106,10 @@ def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site
                 "AND NOT (sink_site_id || '/' || client_name = ANY (%s::text[]))",
                 ([f"{k.sink}/{k.client}" for k in mine],),
             )
+            sources: dict[str, set[str]] = {}
+            for key in topology.sessions():
+                sources.setdefault(key.client, set()).add(key.source)
+            refuse_moved_writers(cur, site_id, sources)
             topologies.record(cur, topology)
         if commit:
             conn.commit()

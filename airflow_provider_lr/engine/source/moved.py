@@ -1,0 +1,92 @@
+"""Clients a site no longer sources: their writers refused, their unreplicated entries remembered.
+
+After a failover or a planned switchover the old source is a sink of the clients it gave away, but
+an application's client object made there before the switch keeps its routes in memory, and would
+go on committing entries no session reads (and a federated table's captured changes with them).
+Each topology apply on a site sets, in the same transaction, one guard on ``lr.log_entries`` for
+the clients the site registered (it sourced them once) and does not source now: a BEFORE INSERT
+row trigger that fires only for those clients (``WHEN``) and raises, naming where the client is
+replicated from now (V0028). A site that never lost a client has no such trigger, so transmit pays
+nothing for it; the trigger is rewritten only when that set changes (its DDL locks the log against
+writers for the apply's transaction) and dropped when the site sources them all again (a fail-back).
+
+The entries an old source committed after a failover's cut and before it rejoined reached nobody;
+their positions are recorded (``lr.unreplicated_ranges``) so that a wait on one of their tickets
+says so instead of counting on a later session's positions (after a fail-back those are past them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+import psycopg2.extensions
+from psycopg2 import sql
+
+GUARD = "log_entries_moved_clients"
+
+
+def refuse_moved_writers(cur: psycopg2.extensions.cursor, site_id: str, sources: Mapping[str, Collection[str]]) -> None:
+    """Set this site's guard against the writers of the clients it registered and does not source
+    now; ``sources``: client -> the sites that source it in the topology being applied. Nothing is
+    done on a site whose schema predates the guard (V0028)."""
+    cur.execute("SELECT pg_catalog.to_regprocedure('lr.refuse_moved_transmit()') IS NOT NULL")
+    if not cur.fetchone()[0]:
+        return
+    cur.execute("SELECT client_id, client_name FROM lr.clients ORDER BY client_id")
+    args: list[str] = []
+    for client_id, client in cur.fetchall():
+        now = sorted(sources.get(client, ()))
+        if site_id in now:
+            continue
+        where = (
+            f"it is replicated from site {' and site '.join(now)} now: transmit there"
+            if now
+            else "the topology applied here has no source of it"
+        )
+        args += [str(client_id), client, where]
+    cur.execute(
+        "SELECT t.tgargs FROM pg_catalog.pg_trigger t WHERE t.tgrelid = 'lr.log_entries'::pg_catalog.regclass "
+        "AND t.tgname = %s",
+        (GUARD,),
+    )
+    row = cur.fetchone()
+    have = None if row is None else [a.decode() for a in bytes(row[0]).split(b"\x00")[:-1]]
+    if have == (args or None):
+        return
+    if row is not None:
+        cur.execute(sql.SQL("DROP TRIGGER {} ON lr.log_entries").format(sql.Identifier(GUARD)))
+    if args:
+        ids = sql.SQL(", ").join(sql.Literal(int(a)) for a in args[0::3])
+        cur.execute(
+            sql.SQL(
+                "CREATE TRIGGER {} BEFORE INSERT ON lr.log_entries FOR EACH ROW WHEN (NEW.client_id IN ({})) "
+                "EXECUTE FUNCTION lr.refuse_moved_transmit({})"
+            ).format(sql.Identifier(GUARD), ids, sql.SQL(", ").join(sql.Literal(a) for a in args))
+        )
+
+
+def record_unreplicated(cur: psycopg2.extensions.cursor, client: str, after: int, note: str) -> None:
+    """Remember that this site's entries of ``client`` after position ``after``, up to the last
+    drawn now, reached nobody (``note`` says why); a wait on one of their tickets is refused."""
+    cur.execute("SELECT pg_catalog.to_regclass('lr.unreplicated_ranges') IS NOT NULL")
+    if not cur.fetchone()[0]:
+        return
+    cur.execute(
+        "INSERT INTO lr.unreplicated_ranges (client_name, after_position, upto_position, note) "
+        "SELECT %s, %s, CASE WHEN s.is_called THEN s.last_value ELSE 0 END, %s FROM lr.commit_position_seq s "
+        "ON CONFLICT (client_name, after_position) DO UPDATE SET upto_position = EXCLUDED.upto_position, "
+        "note = EXCLUDED.note",
+        (client, after, note),
+    )
+
+
+def unreplicated(conn: psycopg2.extensions.connection, client: str, position: int) -> str | None:
+    """Why ``client``'s entry at ``position`` reached nobody, or None (also on a site without V0028)."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT pg_catalog.to_regprocedure('lr.unreplicated_note(text, bigint)') IS NOT NULL")
+        note = None
+        if cur.fetchone()[0]:
+            cur.execute("SELECT lr.unreplicated_note(%s, %s)", (client, position))
+            note = cur.fetchone()[0]
+    conn.commit()
+    return note
