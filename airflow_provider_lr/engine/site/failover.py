@@ -123,7 +123,9 @@ def derive(
 
 
 def only_source(topology: Topology, sink: str) -> str:
-    """The one source ``sink`` receives from (the old source of a failover that names none)."""
+    """The one source ``sink`` receives from (the old source of a failover that names none); an
+    unknown site is refused as such, not as a site that receives from no source."""
+    topology.site(sink)
     sources = sorted({k.source for k in topology.sessions() if k.sink == sink})
     if len(sources) != 1:
         raise ConfigurationError(
