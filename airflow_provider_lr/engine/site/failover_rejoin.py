@@ -14,7 +14,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.db.topology_schema import Origin
 from airflow_provider_lr.engine.site.topology import apply_to_site
-from airflow_provider_lr.engine.source.moved import record_unreplicated
+from airflow_provider_lr.engine.source.moved import record_unreplicated, refuse_moved_writers
 from airflow_provider_lr.engine.store import sink_sessions, source_sessions
 from airflow_provider_lr.engine.store import topology as topology_model
 from airflow_provider_lr.engine.tables import handover
@@ -77,6 +77,7 @@ def rejoin_site(conn: psycopg2.extensions.connection, site: str, record: dict) -
     except BaseException:
         conn.rollback()
         raise
+    refuse_moved_writers(conn)
     return RejoinResult(
         site, record["failover_id"], target.topology_config_id, retired, tail, table_tail, guarded, reopened
     )

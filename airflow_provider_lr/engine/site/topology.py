@@ -79,9 +79,10 @@ def check_sites(
 def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site_id: str, commit: bool = True) -> None:
     """Record the topology on one site: every other site becomes addressable from it, its clients
     are registered, and the sessions it is the source of are created (sessions it no longer is
-    the source of are removed; their sinks keep their data); the writers of a client it sourced
-    and does not now are refused (``source/moved``). Commits unless ``commit`` is False
-    (``apply_everywhere`` commits every site together)."""
+    the source of are removed; their sinks keep their data); then the writers of a client it
+    sourced and does not now are refused (``source/moved``, in a transaction of its own). Commits
+    unless ``commit`` is False (``apply_everywhere`` commits every site together): the caller then
+    commits and calls ``refuse_moved_writers``."""
     topology.site(site_id)
     mine = topology.sessions(source=site_id)
     try:
@@ -106,16 +107,14 @@ def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site
                 "AND NOT (sink_site_id || '/' || client_name = ANY (%s::text[]))",
                 ([f"{k.sink}/{k.client}" for k in mine],),
             )
-            sources: dict[str, set[str]] = {}
-            for key in topology.sessions():
-                sources.setdefault(key.client, set()).add(key.source)
-            refuse_moved_writers(cur, site_id, sources)
             topologies.record(cur, topology)
         if commit:
             conn.commit()
     except BaseException:
         conn.rollback()
         raise
+    if commit:
+        refuse_moved_writers(conn)
 
 
 def _brought_back(conns: dict[str, psycopg2.extensions.connection], topology: Topology) -> list[str]:
@@ -215,6 +214,8 @@ def apply_everywhere(
                 ) from exc
         for conn in conns.values():
             conn.commit()
+        for conn in conns.values():
+            refuse_moved_writers(conn)
         return outcome
     finally:
         for conn in conns.values():

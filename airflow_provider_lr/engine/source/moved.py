@@ -3,12 +3,17 @@
 After a failover or a planned switchover the old source is a sink of the clients it gave away, but
 an application's client object made there before the switch keeps its routes in memory, and would
 go on committing entries no session reads (and a federated table's captured changes with them).
-Each topology apply on a site sets, in the same transaction, one guard on ``lr.log_entries`` for
-the clients the site registered (it sourced them once) and does not source now: a BEFORE INSERT
-row trigger that fires only for those clients (``WHEN``) and raises, naming where the client is
-replicated from now (V0028). A site that never lost a client has no such trigger, so transmit pays
-nothing for it; the trigger is rewritten only when that set changes (its DDL locks the log against
-writers for the apply's transaction) and dropped when the site sources them all again (a fail-back).
+After each topology apply on a site (once it committed), one guard on ``lr.log_entries`` is set for
+the clients the site registered (it sourced them once) and does not source in the topology it
+runs: a BEFORE INSERT row trigger that fires only for those clients (``WHEN``) and raises, naming
+where the client is replicated from now (V0028). A site that never lost a client has no such
+trigger, so transmit pays nothing for it; the trigger is rewritten only when that set changes and
+dropped when the site sources them all again (a fail-back).
+
+Its DDL locks the log against writers, so it runs in a transaction of its own, holding no other
+lock, and waits for the log's lock only briefly (``lock_timeout``) and again: in the apply's
+transaction, which also locks the clients' federated tables (their guards), it would deadlock with
+a writer that locks them in the other order, and the deadlock could abort a failover.
 
 The entries an old source committed after a failover's cut and before it rejoined reached nobody;
 their positions are recorded (``lr.unreplicated_ranges``) so that a wait on one of their tickets
@@ -17,21 +22,56 @@ says so instead of counting on a later session's positions (after a fail-back th
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import time
 
+import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
+
+from airflow_provider_lr.engine.errors import LRError, one_line
 
 GUARD = "log_entries_moved_clients"
 
 
-def refuse_moved_writers(cur: psycopg2.extensions.cursor, site_id: str, sources: Mapping[str, Collection[str]]) -> None:
+def refuse_moved_writers(conn: psycopg2.extensions.connection, attempts: int = 40) -> None:
     """Set this site's guard against the writers of the clients it registered and does not source
-    now; ``sources``: client -> the sites that source it in the topology being applied. Nothing is
-    done on a site whose schema predates the guard (V0028)."""
+    in the topology applied to it, in a transaction of its own (commits; call it with none open).
+    Its wait for the log's lock is cut short (a deadlock too) and tried again up to ``attempts``
+    times; then ``LRError``: applying the topology again sets it. Nothing is done on a site
+    without a topology or whose schema predates the guard (V0028)."""
+    for attempt in range(attempts):
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SET LOCAL lock_timeout = '500ms'")
+                _set_guard(cur)
+            conn.commit()
+            return
+        except (psycopg2.errors.LockNotAvailable, psycopg2.errors.DeadlockDetected) as exc:
+            conn.rollback()
+            if attempt + 1 == attempts:
+                raise LRError(
+                    f"the guard against writers of clients this site no longer sources was not set: writers held "
+                    f"lr.log_entries throughout ({one_line(exc)}); apply the topology again"
+                ) from exc
+            time.sleep(0.05 * (attempt % 5))
+        except BaseException:
+            conn.rollback()
+            raise
+
+
+def _set_guard(cur: psycopg2.extensions.cursor) -> None:
     cur.execute("SELECT pg_catalog.to_regprocedure('lr.refuse_moved_transmit()') IS NOT NULL")
     if not cur.fetchone()[0]:
         return
+    cur.execute("SELECT s.site_id, t.document FROM lr.site_info s, lr.topology t")
+    row = cur.fetchone()
+    if row is None:
+        return
+    site_id, document = row
+    sources: dict[str, set[str]] = {}
+    for replication in document.get("replication") or []:
+        for client in replication.get("clients") or []:
+            sources.setdefault(client, set()).add(replication.get("source"))
     cur.execute("SELECT client_id, client_name FROM lr.clients ORDER BY client_id")
     args: list[str] = []
     for client_id, client in cur.fetchall():

@@ -6,6 +6,8 @@ sync the operator asked of the old source for a sink is asked of the new one."""
 
 from __future__ import annotations
 
+import threading
+
 import psycopg2
 import pytest
 
@@ -15,8 +17,8 @@ from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import failover
 from airflow_provider_lr.engine.site.replicator import run_until_idle
 from airflow_provider_lr.engine.source import full_sync, moved
-from tests.engine.site.test_failover import PROVIDERS, A, B, C, _connect, _setup, replicator
-from tests.support.session import App, queue, sink_queue
+from tests.engine.site.test_failover import PROVIDERS, A, B, C, _connect, _setup, _tables_setup, replicator
+from tests.support.session import App, queue, sink_queue, wait_for
 from tests.support.soak import expire_leases
 
 
@@ -96,4 +98,41 @@ def test_a_full_sync_asked_of_the_old_source_is_asked_of_the_new_one(lr_sites):
     App(site_b).close()  # the application's table at site-b (empty), which its provider reads
     run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS))
     assert [kind for kind, _ in queue(site_c, "site-b")] == ["start", "end"]  # a full sync from site-b
+    app.close()
+
+
+def test_a_switchover_beside_a_writer_holding_its_table_then_transmitting_does_not_deadlock(lr_sites):
+    """The writer has locked a row of the federated table (to change it) and written nothing to the
+    log yet; the switchover waits for that table to put its guard there, then the writer changes the
+    row (captured into the log) and transmits. Had the switchover locked the log first in that
+    transaction (the guard against the client's writers, whose DDL excludes every writer of the
+    log), each would wait for the other: PostgreSQL aborts one, perhaps the switchover. That guard
+    is set in a transaction of its own: the writer commits before the cut, and is drained."""
+    site_a, site_b, _site_c = lr_sites
+    _topo, app = _tables_setup(lr_sites)
+    with app.conn.cursor() as cur:
+        cur.execute("SELECT balance FROM public.accounts WHERE id = 1 FOR UPDATE")
+    outcome: list[object] = []
+
+    def switch() -> None:
+        try:
+            outcome.append(failover.promote(failover.FailoverRequest(A, B, planned=True), _connect(lr_sites)))
+        except Exception as exc:  # said by the assertion below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=switch)
+    thread.start()
+    wait_for(
+        lambda: site_a.query(
+            "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'public.accounts'::regclass"
+        )[0][0],
+        30,
+        "the switchover to wait for the writer's table",
+    )
+    with app.conn.cursor() as cur:
+        cur.execute("UPDATE public.accounts SET balance = balance + 1 WHERE id = 1")
+    app.put("k9", 9, [B, C])
+    thread.join(60)
+    assert len(outcome) == 1 and isinstance(outcome[0], failover.FailoverResult), outcome
+    assert b"k9=9" in sink_queue(site_b, "policy")  # committed before the cut: drained
     app.close()
