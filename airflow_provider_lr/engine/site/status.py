@@ -402,7 +402,14 @@ def topology_drift(found: dict[str, SiteStatus | str], topology: Topology | None
     """The sites read that run another topology than ``topology`` (the file status was given)."""
     if topology is None:
         return None
-    return drift(topology, {site: st.topology_config_id for site, st in found.items() if isinstance(st, SiteStatus)})
+    read = {site: st for site, st in found.items() if isinstance(st, SiteStatus)}
+    found_drift = drift(topology, {site: st.topology_config_id for site, st in read.items()})
+    if found_drift is not None:  # a site behind whose sinks closed its sessions: a returning old source
+        for st in read.values():
+            for s in st.sessions:
+                if s.get("failed_over_to"):
+                    found_drift.failed_over[s["source_site_id"]] = s["failed_over_to"]
+    return found_drift
 
 
 def health(

@@ -289,6 +289,8 @@ class TopologyDrift:
 
     topology: Topology
     held: dict[str, str | None]
+    # a site whose clients a failover moved (as its sinks say) -> where they went: it rejoins instead
+    failed_over: dict[str, str] = field(default_factory=dict)
 
     def message(self) -> str:
         by_id: dict[str | None, list[str]] = {}
@@ -302,6 +304,13 @@ class TopologyDrift:
             f"current file with `lr topology apply --topology {name}` or point --topology (Airflow: the "
             f"Variable lr_topology or ${TOPOLOGY_ENV}) at the file in use"
             + (f" (`lr failover` wrote {', '.join(written)})" if written else "")
+            + "".join(
+                f"; site {site} was failed over (its clients now come from {to}): rejoin it with `lr failover "
+                f"--topology {name} --rejoin {site}`, not a topology apply (the rejoin counts what it committed "
+                "after the cut, refuses its writers and hands its federated tables over)"
+                for site, to in sorted(self.failed_over.items())
+                if site in self.held
+            )
         )
 
 
