@@ -158,8 +158,9 @@ def test_an_old_source_back_after_an_unplanned_failover_is_named_to_rejoin_not_t
     lr_sites, tmp_path, monkeypatch, capsys
 ):
     """site-a was down during the failover and is back with the old topology. `lr status` with the
-    new file said to `lr topology apply` it, which would skip the rejoin (its tail counted, its
-    writers and tables refused): it names the rejoin."""
+    new file said to `lr topology apply` it, and the apply did, skipping the rejoin (its tail
+    counted and recorded, its writers and tables refused): status names the rejoin, the apply
+    refuses until it is done."""
     old, app = _replicating(lr_sites, tmp_path, monkeypatch)
     result = failover.promote(failover.FailoverRequest("site-a", "site-b"), _connect(lr_sites, down=("site-a",)))
     new = tmp_path / "after.yaml"
@@ -175,7 +176,14 @@ def test_an_old_source_back_after_an_unplanned_failover_is_named_to_rejoin_not_t
         f"site site-a was failed over (its clients now come from site-b): rejoin it with `lr failover --topology "
         f"{new} --rejoin site-a`, not a topology apply"
     ) in out
+    assert cli.main(["topology", "apply", "--topology", str(new)]) == 1
+    assert (
+        "site 'site-a' is back with 'policy', which a failover moved to 'site-b': rejoin it with `lr failover "
+        f"--topology {new} --rejoin site-a`"
+    ) in capsys.readouterr().err
+    assert lr_sites[0].query("SELECT count(*) FROM lr.source_sessions") == [(2,)]  # nothing applied
     assert cli.main(["failover", "--topology", str(new), "--rejoin", "site-a"]) == 0
+    assert cli.main(["topology", "apply", "--topology", str(new)]) == 0  # rejoined: an apply as any other
     capsys.readouterr()
     cli.main(["status", "--topology", str(new)])
     assert "WARNING" not in capsys.readouterr().out

@@ -140,6 +140,31 @@ def _brought_back(conns: dict[str, psycopg2.extensions.connection], topology: To
     return found
 
 
+def _not_rejoined(conns: dict[str, psycopg2.extensions.connection], topology: Topology) -> dict[str, list[str]]:
+    """The old sources of a failover (their sinks closed their sessions) that still source the
+    clients and that ``topology`` would demote: they come back by ``lr failover --rejoin``, which
+    counts and records what they committed after the cut and hands their tables over; a topology
+    apply would skip that. Site -> a line per client."""
+    moved: dict[tuple[str, str], str] = {}
+    for conn in conns.values():
+        with conn.cursor() as cur:
+            for (source, client), (promoted, _) in sink_sessions.failed_over(cur).items():
+                moved[(source, client)] = promoted
+        conn.rollback()
+    found: dict[str, list[str]] = {}
+    for (source, client), promoted in sorted(moved.items()):
+        if source not in conns or topology.sessions(source=source, client=client):
+            continue
+        with conns[source].cursor() as cur:
+            sourced = bool(source_sessions.sessions_of(cur, [client]))
+        conns[source].rollback()
+        if sourced:
+            found.setdefault(source, []).append(
+                f"site {source!r} is back with {client!r}, which a failover moved to {promoted!r}"
+            )
+    return found
+
+
 def prune_sink_sessions(
     conn: psycopg2.extensions.connection, topology: Topology, site_id: str
 ) -> tuple[list[str], list[str]]:
@@ -201,6 +226,13 @@ def apply_everywhere(
                 "again would replicate into sessions its sinks closed for good. Use the topology `lr failover` "
                 "wrote (to move a source back: `lr failover --rejoin` it, then `lr failover --promote` it); "
                 "nothing was applied on any site"
+            )
+        back = _not_rejoined(conns, topology)
+        if back:
+            raise ConfigurationError(
+                f"{'; '.join(line for lines in back.values() for line in lines)}: rejoin it with `lr failover "
+                f"--topology {topology.path or 'FILE'} --rejoin {' / --rejoin '.join(sorted(back))}` (it counts what it committed after the cut, refuses its writers and "
+                "hands its federated tables over; a topology apply would not); nothing was applied on any site"
             )
         outcome: dict[str, tuple[list[str], list[str]]] = {}
         for site_id, conn in conns.items():
