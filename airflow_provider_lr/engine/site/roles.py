@@ -29,6 +29,7 @@ import psycopg2.extensions
 from psycopg2 import sql
 
 from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError, listing, one_line
+from airflow_provider_lr.engine.store.topology import applied_document
 
 KINDS = ("replicator", "writer", "consumer")
 ROLES_SCHEMA_VERSION = 6  # lr.role_grants and the policies
@@ -155,9 +156,8 @@ def _require_roles_schema(conn: psycopg2.extensions.connection) -> None:
 def _require_clients_here(cur: psycopg2.extensions.cursor, kind: str, clients: Sequence[str]) -> None:
     """Refuse clients the topology applied to this site does not make it the source (a writer) or a
     sink (a consumer) of, naming those it does."""
-    cur.execute("SELECT document FROM lr.topology")
-    row = cur.fetchone()
-    if row is None:
+    document = applied_document(cur)
+    if document is None:
         raise ConfigurationError(
             f"no topology is applied on site {_where(cur.connection)}: apply it first (`lr topology apply`), "
             f"so that the {kind}'s client(s) can be checked"
@@ -168,7 +168,7 @@ def _require_clients_here(cur: psycopg2.extensions.cursor, kind: str, clients: S
     known = sorted(
         {
             c
-            for r in row[0].get("replication") or []
+            for r in document.get("replication") or []
             for c in r.get("clients", [])
             if (here == r.get("source") if writer else here in r.get("sinks", []))
         }

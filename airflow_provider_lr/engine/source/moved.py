@@ -29,6 +29,7 @@ import psycopg2.extensions
 from psycopg2 import sql
 
 from airflow_provider_lr.engine.errors import LRError, one_line
+from airflow_provider_lr.engine.store.topology import applied_document
 
 GUARD = "log_entries_moved_clients"
 
@@ -63,11 +64,11 @@ def _set_guard(cur: psycopg2.extensions.cursor) -> None:
     cur.execute("SELECT pg_catalog.to_regprocedure('lr.refuse_moved_transmit()') IS NOT NULL")
     if not cur.fetchone()[0]:
         return
-    cur.execute("SELECT s.site_id, t.document FROM lr.site_info s, lr.topology t")
-    row = cur.fetchone()
-    if row is None:
+    document = applied_document(cur)
+    if document is None:
         return
-    site_id, document = row
+    cur.execute("SELECT site_id FROM lr.site_info")
+    site_id = cur.fetchone()[0]
     sources: dict[str, set[str]] = {}
     for replication in document.get("replication") or []:
         for client in replication.get("clients") or []:
