@@ -261,10 +261,21 @@ def resolve(conn: psycopg2.extensions.connection, ticket: Ticket) -> int:
 
 def _refuse_unreplicated(conn: psycopg2.extensions.connection, client: str, position: int) -> None:
     """``TransmitError`` for an entry a failover left behind at its old source: a session the site
-    has now (after a fail-back) has positions past it, yet never carried it."""
+    has now (after a fail-back) has positions past it, yet never carried it; and for any entry of a
+    client this site has no session of (a switchover moved it away): nothing here can acknowledge
+    it, so a wait would only time out, naming sinks that may well hold it."""
     note = unreplicated(conn, client, position)
     if note is not None:
         raise TransmitError(f"the entries of client {client!r} at commit position {position} were {note}")
+    with conn.cursor() as cur:
+        tracked = source_sessions.acked_positions(cur, client)
+    conn.commit()
+    if not tracked:
+        raise TransmitError(
+            f"client {client!r} has no session from this site any more (the topology applied here, e.g. after a "
+            f"failover or switchover, replicates it from elsewhere): its entry at commit position {position} is "
+            "not tracked here; `lr status` at its sinks says what they hold"
+        )
 
 
 def ticket_delivery(

@@ -517,14 +517,19 @@ def test_a_fail_back_to_the_first_source_reaches_every_sink_again(lr_sites, plan
     Meanwhile site-a's writer, whose client object loaded its routes before the switch, is refused
     in the database once site-a runs the new topology (naming site-b), and accepted again after the
     fail-back. What it committed before site-a rejoined reached nobody: its ticket is never called
-    safe, not even when site-a's new sessions are past its position."""
+    safe, not even when site-a's new sessions are past its position. A ticket from before a
+    switchover is refused at once at site-a, which tracks the client no more (a wait timed out,
+    saying site-b and site-c had not acknowledged what the drain gave them)."""
     topo, app = _setup(lr_sites)
+    before = app.put("before-switch", 8, [B, C])  # drained by the switchover; beyond the cut of the failover
     away = failover.promote(
         failover.FailoverRequest(A, B, planned=planned), _connect(lr_sites, () if planned else (A,))
     )
     if not planned:
         lost = app.put("before-rejoin", 9, [B, C])  # site-a is back and knows nothing of the failover yet
         assert failover.rejoin(A, _connect(lr_sites), topo).reopened == []  # site-a never had a session from site-b
+    with pytest.raises(TransmitError, match="has no session from this site any more" if planned else "after the cut"):
+        app.client.wait_until_safe(before, timeout=0.5)
     with pytest.raises(
         psycopg2.Error,
         match="client policy is not replicated from this site any more: it is "
