@@ -104,3 +104,25 @@ def test_the_pre_failover_file_applied_again_is_refused_and_the_sites_keep_the_f
     assert "nothing was applied on any site" in err and len(err.strip().splitlines()) == 1, err
     assert [site.query("SELECT topology_config_id FROM lr.topology") for site in lr_sites] == held
     assert cli.main(["topology", "apply", "--topology", str(new)]) == 0  # the failover's own file, again
+
+
+def test_a_malformed_connections_file_or_connection_is_named_on_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """Each of these raised a raw JSONDecodeError or AttributeError out of `lr` (a traceback, or
+    `'list' object has no attribute 'items'` as a site's status): the file or variable is named, and
+    what it should be."""
+    conns = tmp_path / "connections.json"
+    monkeypatch.setenv("LR_CONNECTIONS_FILE", str(conns))
+    for text, message in [
+        ("{bad json", f"connections file {conns} is not valid JSON: Expecting property name"),
+        ("[1, 2]", f"connections file {conns} must be a JSON object of connection id -> connection, not list"),
+        ('{"lr_a": 5}', "connection 'lr_a' must be a JSON object (conn_type, host, port, login, password, schema"),
+        ('{"lr_a": {"host": "h", "extra": "{bad"}}', "the extra of connection 'lr_a' is not valid JSON"),
+        ('{"lr_a": {"host": "h", "extra": [1]}}', "the extra of connection 'lr_a' must be a JSON object, not list"),
+        ('{"lr_a": "postgres://h/db?__extra__=%7Bx"}', "the __extra__ of connection 'lr_a' is not valid JSON"),
+    ]:
+        conns.write_text(text)
+        assert cli.main(["init", "--site", "lr_a"]) == 1, text
+        assert message in capsys.readouterr().err, text
+    monkeypatch.setenv("AIRFLOW_CONN_LR_B", "{not json")
+    assert cli.main(["init", "--site", "lr_b"]) == 1
+    assert "AIRFLOW_CONN_LR_B is not valid JSON" in capsys.readouterr().err

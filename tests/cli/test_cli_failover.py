@@ -51,6 +51,11 @@ def test_a_planned_switchover_drains_the_old_source_then_refuses_its_writers(lr_
     assert sink_queue(site_b, "policy") == expected and sink_queue(site_c, "policy") == expected  # drained
     with pytest.raises(TransmitError, match="unknown destination"):
         RoutingQueueClient(site_a.connect(), "policy").transmit_log_entry_message(b"late", ["site-b"])
+    with pytest.raises(
+        psycopg2.Error, match="client policy is not replicated from this site any more: it is replicated"
+    ):
+        app.put("stale", 1, ["site-b", "site-c"])  # its client object loaded its routes before the switch
+    app.conn.rollback()
 
     App(site_b).put("b0", 0, ["site-c", "site-a"])
     assert cli.main(["sync", "--topology", str(new), *SYNC]) == 0
@@ -66,6 +71,8 @@ def test_lr_failover_names_what_is_wrong(lr_sites, tmp_path, monkeypatch, capsys
     capsys.readouterr()
     assert cli.main(["failover", "--topology", topo, "--promote", "site-a"]) == 1
     assert "receives from no source; name the old source (--from" in capsys.readouterr().err
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-q"]) == 1
+    assert "unknown site 'site-q'; the topology knows site-a, site-b, site-c" in capsys.readouterr().err
     assert cli.main(["failover", "--topology", topo, "--promote", "site-c", "--from", "site-b"]) == 1
     assert "is not a sink of 'site-b'" in capsys.readouterr().err
 

@@ -10,9 +10,10 @@ import yaml
 
 from airflow_provider_lr import cli
 from airflow_provider_lr.cli.common import connector
-from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.site import failover, topology
 from airflow_provider_lr.engine.store import topology as topologies
 from tests.cli.test_cli_sync import topology_file
+from tests.engine.site.test_failover import _connect
 from tests.support.session import App, lr_sync_process, queue
 
 SYNC = ["--until-idle", "--cycles", "10", "--interval", "0.01"]
@@ -150,4 +151,40 @@ def test_a_running_replicator_goes_on_when_its_own_file_is_edited_and_applied(lr
     reports = repl.run_cycle()
     repl.close()
     assert [r.error for r in reports] == ["", ""] and sum(r.delivered for r in reports) == 1
+    app.close()
+
+
+def test_an_old_source_back_after_an_unplanned_failover_is_named_to_rejoin_not_to_apply(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """site-a was down during the failover and is back with the old topology. `lr status` with the
+    new file said to `lr topology apply` it, and the apply did, skipping the rejoin (its tail
+    counted and recorded, its writers and tables refused): status names the rejoin, the apply
+    refuses until it is done."""
+    old, app = _replicating(lr_sites, tmp_path, monkeypatch)
+    result = failover.promote(failover.FailoverRequest("site-a", "site-b"), _connect(lr_sites, down=("site-a",)))
+    new = tmp_path / "after.yaml"
+    new.write_text(
+        yaml.safe_dump(
+            {**yaml.safe_load(Path(old).read_text()), **{"replication": result.topology.document["replication"]}}
+        )
+    )
+    capsys.readouterr()
+    assert cli.main(["status", "--topology", str(new)]) == 1
+    out = capsys.readouterr().out
+    assert (
+        f"site site-a was failed over (its clients now come from site-b): rejoin it with `lr failover --topology "
+        f"{new} --rejoin site-a`, not a topology apply"
+    ) in out
+    assert cli.main(["topology", "apply", "--topology", str(new)]) == 1
+    assert (
+        "site 'site-a' is back with 'policy', which a failover moved to 'site-b': rejoin it with `lr failover "
+        f"--topology {new} --rejoin site-a`"
+    ) in capsys.readouterr().err
+    assert lr_sites[0].query("SELECT count(*) FROM lr.source_sessions") == [(2,)]  # nothing applied
+    assert cli.main(["failover", "--topology", str(new), "--rejoin", "site-a"]) == 0
+    assert cli.main(["topology", "apply", "--topology", str(new)]) == 0  # rejoined: an apply as any other
+    capsys.readouterr()
+    cli.main(["status", "--topology", str(new)])
+    assert "WARNING" not in capsys.readouterr().out
     app.close()

@@ -122,11 +122,28 @@ def misconfigured(exc: psycopg2.OperationalError) -> bool:
     return any(marker in text for marker in _MISCONFIGURED_TEXT)
 
 
+def _json(text: str, where: str) -> Any:
+    """``text`` parsed as JSON; ``ConfigurationError`` naming ``where`` it came from when it is not."""
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ConfigurationError(f"{where} is not valid JSON: {exc}") from None
+
+
 def from_airflow_dict(conn: Mapping[str, Any], conn_id: str | None = None) -> ConnInfo:
-    """Build from Airflow's JSON connection form (``conn_type``, ``host``, ``login``, ``extra`` …)."""
+    """Build from Airflow's JSON connection form (``conn_type``, ``host``, ``login``, ``extra`` …);
+    ``ConfigurationError`` when it is not that form."""
+    name = f"connection {conn_id!r}" if conn_id else "the connection"
+    if not isinstance(conn, Mapping):
+        raise ConfigurationError(
+            f"{name} must be a JSON object (conn_type, host, port, login, password, schema, extra) or a URI, "
+            f"not {type(conn).__name__}"
+        )
     extra = conn.get("extra") or {}
     if isinstance(extra, str):
-        extra = json.loads(extra) if extra.strip() else {}
+        extra = _json(extra, f"the extra of {name}") if extra.strip() else {}
+    if not isinstance(extra, Mapping):
+        raise ConfigurationError(f"the extra of {name} must be a JSON object, not {type(extra).__name__}")
     params: dict[str, Any] = {
         "host": conn.get("host") or None,
         "port": conn.get("port") or None,
@@ -145,7 +162,10 @@ def from_uri(uri: str, conn_id: str | None = None) -> ConnInfo:
     parts = urlsplit(uri)
     query = dict(parse_qsl(parts.query))
     if "__extra__" in query:
-        query.update(json.loads(query.pop("__extra__")))
+        extra = _json(query.pop("__extra__"), f"the __extra__ of connection {conn_id or uri!r}")
+        if not isinstance(extra, Mapping):
+            raise ConfigurationError(f"the __extra__ of connection {conn_id or uri!r} must be a JSON object")
+        query.update(extra)
     return from_airflow_dict(
         {
             "host": unquote(parts.hostname or "") or None,
@@ -178,7 +198,15 @@ def load_connections_file(path: Path | None = None) -> dict[str, ConnInfo]:
     path = path or connections_file()
     if not path.exists():
         return {}
-    raw = json.loads(path.read_text())
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigurationError(f"connections file {path} cannot be read: {exc}") from None
+    raw = _json(text, f"connections file {path}")
+    if not isinstance(raw, Mapping):
+        raise ConfigurationError(
+            f"connections file {path} must be a JSON object of connection id -> connection, not {type(raw).__name__}"
+        )
     return {
         conn_id: from_uri(value, conn_id) if isinstance(value, str) else from_airflow_dict(value, conn_id)
         for conn_id, value in raw.items()
@@ -192,7 +220,9 @@ def resolve(target: str) -> ConnInfo:
     env = os.environ.get(f"AIRFLOW_CONN_{target.upper()}")
     if env:
         env = env.strip()
-        return from_airflow_dict(json.loads(env), target) if env.startswith("{") else from_uri(env, target)
+        if env.startswith("{"):
+            return from_airflow_dict(_json(env, f"AIRFLOW_CONN_{target.upper()}"), target)
+        return from_uri(env, target)
     known = load_connections_file()
     if target in known:
         return known[target]

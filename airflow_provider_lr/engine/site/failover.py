@@ -71,6 +71,7 @@ from airflow_provider_lr.engine.site.topology import apply_to_site
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, commit_barrier
 from airflow_provider_lr.engine.source.log_reader import LogReader
+from airflow_provider_lr.engine.source.moved import refuse_moved_writers
 from airflow_provider_lr.engine.store import sink_sessions, source_sessions
 from airflow_provider_lr.engine.store import topology as topology_model
 from airflow_provider_lr.engine.store.topology import Replication, Topology, recorded_id
@@ -123,7 +124,9 @@ def derive(
 
 
 def only_source(topology: Topology, sink: str) -> str:
-    """The one source ``sink`` receives from (the old source of a failover that names none)."""
+    """The one source ``sink`` receives from (the old source of a failover that names none); an
+    unknown site is refused as such, not as a site that receives from no source."""
+    topology.site(sink)
     sources = sorted({k.source for k in topology.sessions() if k.sink == sink})
     if len(sources) != 1:
         raise ConfigurationError(
@@ -248,6 +251,8 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
             else:
                 if recorded_id(conn) != target.topology_config_id:
                     apply_to_site(conn, target, site)
+                else:  # a re-run finishing a failover: the guard may not have been set
+                    refuse_moved_writers(conn)
                 result.applied.append(site)
         result.tail = tail
         complete(new, result)
@@ -362,6 +367,7 @@ def _promote(conn: psycopg2.extensions.connection, request: FailoverRequest, pla
     except BaseException:
         conn.rollback()
         raise
+    refuse_moved_writers(conn)  # a fail-back: the clients are this site's again
     record = read_record(conn, from_site, FailoverStatus.PROMOTED)
     assert record is not None
     return record
@@ -392,6 +398,7 @@ def _drain(
     except BaseException:
         old.rollback()
         raise
+    refuse_moved_writers(old)  # its routing-queue writers of the clients with routes loaded before, too
     # Every sink is fenced before the barrier: a replicator still streaming from the old source could
     # otherwise deliver an entry committed after the barrier (by a writer whose client loaded its
     # routes before the switch) to a sink the drain had not fenced yet, leaving that sink ahead of

@@ -14,6 +14,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.db.topology_schema import Origin
 from airflow_provider_lr.engine.site.topology import apply_to_site
+from airflow_provider_lr.engine.source.moved import record_unreplicated, refuse_moved_writers
 from airflow_provider_lr.engine.store import sink_sessions, source_sessions
 from airflow_provider_lr.engine.store import topology as topology_model
 from airflow_provider_lr.engine.tables import handover
@@ -53,6 +54,11 @@ def rejoin_site(conn: psycopg2.extensions.connection, site: str, record: dict) -
                         (STREAM_LOG_ENTRIES, STREAM_TABLE_CHANGES, client, cut),
                     )
                     tail[client], table_tail[client] = cur.fetchone()
+                    note = (
+                        f"committed at site {site} after the cut (position {cut}) of its failover to site "
+                        f"{record['to_site_id']}: received by nobody, and never will be"
+                    )
+                    record_unreplicated(cur, client, cut, note)
                 # the old source's sessions of the clients, retired by the topology below
                 retired = [str(SessionKey(site, s, c)) for s, c in source_sessions.sessions_of(cur, record["clients"])]
             apply_to_site(conn, target, site, commit=False)
@@ -71,6 +77,7 @@ def rejoin_site(conn: psycopg2.extensions.connection, site: str, record: dict) -
     except BaseException:
         conn.rollback()
         raise
+    refuse_moved_writers(conn)
     return RejoinResult(
         site, record["failover_id"], target.topology_config_id, retired, tail, table_tail, guarded, reopened
     )

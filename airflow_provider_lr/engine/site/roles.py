@@ -29,6 +29,7 @@ import psycopg2.extensions
 from psycopg2 import sql
 
 from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError, listing, one_line
+from airflow_provider_lr.engine.store.topology import applied_document
 
 KINDS = ("replicator", "writer", "consumer")
 ROLES_SCHEMA_VERSION = 6  # lr.role_grants and the policies
@@ -152,6 +153,36 @@ def _require_roles_schema(conn: psycopg2.extensions.connection) -> None:
         )
 
 
+def _require_clients_here(cur: psycopg2.extensions.cursor, kind: str, clients: Sequence[str]) -> None:
+    """Refuse clients the topology applied to this site does not make it the source (a writer) or a
+    sink (a consumer) of, naming those it does."""
+    document = applied_document(cur)
+    if document is None:
+        raise ConfigurationError(
+            f"no topology is applied on site {_where(cur.connection)}: apply it first (`lr topology apply`), "
+            f"so that the {kind}'s client(s) can be checked"
+        )
+    cur.execute("SELECT site_id FROM lr.site_info")
+    here = cur.fetchone()[0]
+    writer = kind == "writer"
+    known = sorted(
+        {
+            c
+            for r in document.get("replication") or []
+            for c in r.get("clients", [])
+            if (here == r.get("source") if writer else here in r.get("sinks", []))
+        }
+    )
+    unknown = [c for c in clients if c not in known]
+    if unknown:
+        role = "the source" if writer else "a sink"
+        raise ConfigurationError(
+            f"client(s) {listing(unknown)}: site {here!r} is not {role} of them in the topology applied there "
+            f"(it is {role} of {listing(known) if known else 'no client'}); a {kind} is granted where its client "
+            f"{'transmits' if writer else 'is received'}"
+        )
+
+
 def _role_state(cur: psycopg2.extensions.cursor, role: str) -> tuple[bool, str | None]:
     """(exists, why the role cannot be restricted or None)."""
     cur.execute(
@@ -236,11 +267,15 @@ def plan_grant(
     create: bool = False,
     password: str | None = None,
 ) -> list[Statement]:
-    """What ``grant`` would run on this site now (reads only; ends its transaction)."""
+    """What ``grant`` would run on this site now (reads only; ends its transaction). A writer's or
+    consumer's clients must be ones the topology applied to the site makes it the source, or a
+    sink, of: a grant for a misspelt client would succeed and leave the application refused."""
     clients = check_request(kind, role, clients)
     _require_roles_schema(conn)
     try:
         with conn.cursor() as cur:
+            if kind != "replicator":
+                _require_clients_here(cur, kind, clients)
             exists, refused = _role_state(cur, role)
     finally:
         conn.rollback()
@@ -273,6 +308,13 @@ def plan_revoke(
         conn.rollback()
     if not exists:
         raise ConfigurationError(f"role {role!r} does not exist on site {_where(conn)}")
+    absent = [c for c in clients if (kind, c) not in held]
+    if absent:
+        holds = ", ".join(f"{k} of {c}" if c else k for k, c in held) or "no grant"
+        what = kind if clients == [""] else f"{kind} of {listing(absent)}"
+        raise ConfigurationError(
+            f"role {role!r} holds no {what} on site {_where(conn)} (it holds: {holds}); nothing was revoked"
+        )
     plan = [
         Statement(
             sql.SQL("DELETE FROM lr.role_grants WHERE role_oid = {} AND kind = {} AND client_name = ANY ({})").format(

@@ -402,7 +402,9 @@ def topology_drift(found: dict[str, SiteStatus | str], topology: Topology | None
     """The sites read that run another topology than ``topology`` (the file status was given)."""
     if topology is None:
         return None
-    return drift(topology, {site: st.topology_config_id for site, st in found.items() if isinstance(st, SiteStatus)})
+    read = [st for st in found.values() if isinstance(st, SiteStatus)]
+    moved = {s["source_site_id"]: s["failed_over_to"] for st in read for s in st.sessions if s.get("failed_over_to")}
+    return drift(topology, {st.site_id: st.topology_config_id for st in read}, failed_over=moved)
 
 
 def health(

@@ -12,6 +12,7 @@ from collections.abc import Callable, Collection
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, TopologyMismatchError, one_line
+from airflow_provider_lr.engine.source.moved import refuse_moved_writers
 from airflow_provider_lr.engine.store import receive_queue, sink_sessions, source_sessions
 from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.store.topology import Topology, drift, recorded_id
@@ -78,8 +79,10 @@ def check_sites(
 def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site_id: str, commit: bool = True) -> None:
     """Record the topology on one site: every other site becomes addressable from it, its clients
     are registered, and the sessions it is the source of are created (sessions it no longer is
-    the source of are removed; their sinks keep their data). Commits unless ``commit`` is False
-    (``apply_everywhere`` commits every site together)."""
+    the source of are removed; their sinks keep their data); then the writers of a client it
+    sourced and does not now are refused (``source/moved``, in a transaction of its own). Commits
+    unless ``commit`` is False (``apply_everywhere`` commits every site together): the caller then
+    commits and calls ``refuse_moved_writers``."""
     topology.site(site_id)
     mine = topology.sessions(source=site_id)
     try:
@@ -110,6 +113,8 @@ def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site
     except BaseException:
         conn.rollback()
         raise
+    if commit:
+        refuse_moved_writers(conn)
 
 
 def _brought_back(conns: dict[str, psycopg2.extensions.connection], topology: Topology) -> list[str]:
@@ -132,6 +137,31 @@ def _brought_back(conns: dict[str, psycopg2.extensions.connection], topology: To
         conns[key.source].rollback()
         if not has_it:
             found.append(f"session {key} was failed over to {to}")
+    return found
+
+
+def _not_rejoined(conns: dict[str, psycopg2.extensions.connection], topology: Topology) -> dict[str, list[str]]:
+    """The old sources of a failover (their sinks closed their sessions) that still source the
+    clients and that ``topology`` would demote: they come back by ``lr failover --rejoin``, which
+    counts and records what they committed after the cut and hands their tables over; a topology
+    apply would skip that. Site -> a line per client."""
+    moved: dict[tuple[str, str], str] = {}
+    for conn in conns.values():
+        with conn.cursor() as cur:
+            for (source, client), (promoted, _) in sink_sessions.failed_over(cur).items():
+                moved[(source, client)] = promoted
+        conn.rollback()
+    found: dict[str, list[str]] = {}
+    for (source, client), promoted in sorted(moved.items()):
+        if source not in conns or topology.sessions(source=source, client=client):
+            continue
+        with conns[source].cursor() as cur:
+            sourced = bool(source_sessions.sessions_of(cur, [client]))
+        conns[source].rollback()
+        if sourced:
+            found.setdefault(source, []).append(
+                f"site {source!r} is back with {client!r}, which a failover moved to {promoted!r}"
+            )
     return found
 
 
@@ -197,6 +227,13 @@ def apply_everywhere(
                 "wrote (to move a source back: `lr failover --rejoin` it, then `lr failover --promote` it); "
                 "nothing was applied on any site"
             )
+        back = _not_rejoined(conns, topology)
+        if back:
+            raise ConfigurationError(
+                f"{'; '.join(line for lines in back.values() for line in lines)}: rejoin it with `lr failover "
+                f"--topology {topology.path or 'FILE'} --rejoin {' / --rejoin '.join(sorted(back))}` (it counts what it committed after the cut, refuses its writers and "
+                "hands its federated tables over; a topology apply would not); nothing was applied on any site"
+            )
         outcome: dict[str, tuple[list[str], list[str]]] = {}
         for site_id, conn in conns.items():
             try:
@@ -209,6 +246,8 @@ def apply_everywhere(
                 ) from exc
         for conn in conns.values():
             conn.commit()
+        for conn in conns.values():
+            refuse_moved_writers(conn)
         return outcome
     finally:
         for conn in conns.values():

@@ -33,6 +33,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeout, TransmitError
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL
+from airflow_provider_lr.engine.source.moved import unreplicated
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store.topology import applied_durability
 from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, STREAM_TABLE_CHANGES
@@ -257,7 +258,27 @@ def resolve(conn: psycopg2.extensions.connection, ticket: Ticket) -> int:
         raise TransmitError(
             f"{ticket} has no commit position: it rolled back, has not committed, or its entries were trimmed"
         )
+    _refuse_unreplicated(conn, ticket.client, position)
     return position
+
+
+def _refuse_unreplicated(conn: psycopg2.extensions.connection, client: str, position: int) -> None:
+    """``TransmitError`` for an entry a failover left behind at its old source: a session the site
+    has now (after a fail-back) has positions past it, yet never carried it; and for any entry of a
+    client this site has no session of (a switchover moved it away): nothing here can acknowledge
+    it, so a wait would only time out, naming sinks that may well hold it."""
+    note = unreplicated(conn, client, position)
+    if note is not None:
+        raise TransmitError(f"the entries of client {client!r} at commit position {position} were {note}")
+    with conn.cursor() as cur:
+        tracked = source_sessions.acked_positions(cur, client)
+    conn.commit()
+    if not tracked:
+        raise TransmitError(
+            f"client {client!r} has no session from this site any more (the topology applied here, e.g. after a "
+            f"failover or switchover, replicates it from elsewhere): its entry at commit position {position} is "
+            "not tracked here; `lr status` at its sinks says what they hold"
+        )
 
 
 def ticket_delivery(
@@ -279,6 +300,7 @@ def delivered(
     """The entry at commit ``position`` once it is safe where asked (``wait_for``'s rule, the
     sinks it named read from the log), else None: one check of a wait that polls (the Airflow
     sensor and its trigger)."""
+    _refuse_unreplicated(conn, client, position)
     addressed, region = addressed_sinks(conn, client, position)
     if not addressed:
         raise ConfigurationError(

@@ -263,16 +263,22 @@ def record(cur: psycopg2.extensions.cursor, topology: Topology) -> None:
     )
 
 
+def applied_document(cur: psycopg2.extensions.cursor) -> dict | None:
+    """The document of the topology applied to the site (None: none applied), in the caller's transaction."""
+    cur.execute("SELECT document FROM lr.topology")
+    row = cur.fetchone()
+    return row[0] if row else None
+
+
 def from_site(conn: psycopg2.extensions.connection) -> Topology:
     """The topology last applied to a site: what its sessions run under (and what negotiation
     compares), readable without the YAML file."""
     with conn.cursor() as cur:
-        cur.execute("SELECT document FROM lr.topology")
-        row = cur.fetchone()
+        document = applied_document(cur)
     conn.commit()
-    if row is None:
+    if document is None:
         raise ConfigurationError("no topology has been applied to this site (run `lr topology apply`)")
-    return from_document(row[0], Origin("the topology stored on the site"))
+    return from_document(document, Origin("the topology stored on the site"))
 
 
 def site_conninfo(topology: Topology, site_id: str) -> ConnInfo:
@@ -289,6 +295,8 @@ class TopologyDrift:
 
     topology: Topology
     held: dict[str, str | None]
+    # a site whose clients a failover moved (as its sinks say) -> where they went: it rejoins instead
+    failed_over: dict[str, str] = field(default_factory=dict)
 
     def message(self) -> str:
         by_id: dict[str | None, list[str]] = {}
@@ -302,15 +310,28 @@ class TopologyDrift:
             f"current file with `lr topology apply --topology {name}` or point --topology (Airflow: the "
             f"Variable lr_topology or ${TOPOLOGY_ENV}) at the file in use"
             + (f" (`lr failover` wrote {', '.join(written)})" if written else "")
+            + "".join(
+                f"; site {site} was failed over (its clients now come from {to}): rejoin it with `lr failover "
+                f"--topology {name} --rejoin {site}`, not a topology apply (the rejoin counts what it committed "
+                "after the cut, refuses its writers and hands its federated tables over)"
+                for site, to in sorted(self.failed_over.items())
+                if site in self.held
+            )
         )
 
 
-def drift(topology: Topology, recorded: Mapping[str, str | None], also: Collection[str] = ()) -> TopologyDrift | None:
+def drift(
+    topology: Topology,
+    recorded: Mapping[str, str | None],
+    also: Collection[str] = (),
+    failed_over: Mapping[str, str] | None = None,
+) -> TopologyDrift | None:
     """The sites of ``recorded`` (site -> id it holds) that run another topology than ``topology``
-    (or one of the ids ``also`` accepts); None when every one runs it."""
+    (or one of the ids ``also`` accepts); None when every one runs it. ``failed_over``: the old
+    sources of failovers (-> the new source) as their sinks say, to name the rejoin of one behind."""
     accepted = {topology.topology_config_id, *also}
     held = {site: found for site, found in recorded.items() if found not in accepted}
-    return TopologyDrift(topology, held) if held else None
+    return TopologyDrift(topology, held, dict(failed_over or {})) if held else None
 
 
 def unheld(topology: Topology, recorded: Mapping[str, str | None]) -> TopologyDrift | None:

@@ -16,7 +16,7 @@ import psycopg2
 import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
-from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError
+from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, TransmitError
 from airflow_provider_lr.engine.site import failover, status
 from airflow_provider_lr.engine.site import topology as topologies
 from airflow_provider_lr.engine.site.replicator import run_until_idle
@@ -513,13 +513,30 @@ def test_a_failover_killed_between_promoting_and_reconciling_hands_the_tables_ov
 def test_a_fail_back_to_the_first_source_reaches_every_sink_again(lr_sites, planned):
     """site-a → site-b → back to site-a (each failover unplanned with its old source down and then
     rejoined, or planned): site-b's session from site-a, closed by the first failover, is not left
-    closed by the second; site-a's entries after the fail-back reach site-b and site-c once."""
+    closed by the second; site-a's entries after the fail-back reach site-b and site-c once.
+    Meanwhile site-a's writer, whose client object loaded its routes before the switch, is refused
+    in the database once site-a runs the new topology (naming site-b), and accepted again after the
+    fail-back. What it committed before site-a rejoined reached nobody: its ticket is never called
+    safe, not even when site-a's new sessions are past its position. A ticket from before a
+    switchover is refused at once at site-a, which tracks the client no more (a wait timed out,
+    saying site-b and site-c had not acknowledged what the drain gave them)."""
     topo, app = _setup(lr_sites)
+    before = app.put("before-switch", 8, [B, C])  # drained by the switchover; beyond the cut of the failover
     away = failover.promote(
         failover.FailoverRequest(A, B, planned=planned), _connect(lr_sites, () if planned else (A,))
     )
     if not planned:
+        lost = app.put("before-rejoin", 9, [B, C])  # site-a is back and knows nothing of the failover yet
         assert failover.rejoin(A, _connect(lr_sites), topo).reopened == []  # site-a never had a session from site-b
+    with pytest.raises(TransmitError, match="has no session from this site any more" if planned else "after the cut"):
+        app.client.wait_until_safe(before, timeout=0.5)
+    with pytest.raises(
+        psycopg2.Error,
+        match="client policy is not replicated from this site any more: it is "
+        "replicated from site site-b now: transmit there; nothing was written",
+    ):
+        app.put("stale-writer", 1, [B, C])
+    app.conn.rollback()
     at_b = App(lr_sites[1])
     at_b.put("at-b", 1, [A, C])
     assert not [r.error for r in run_until_idle(replicator(away.topology, lr_sites, providers=PROVIDERS)) if r.error]
@@ -536,6 +553,10 @@ def test_a_fail_back_to_the_first_source_reaches_every_sink_again(lr_sites, plan
             app.put("after-fail-back", 2, [B, C])
     for sink in (lr_sites[1], lr_sites[2]):
         assert sink_queue(sink, "policy", source=A).count(b"after-fail-back=2") == 1, sink.site_id
+        assert b"stale-writer=1" not in sink_queue(sink, "policy", source=A)
+    if not planned:
+        with pytest.raises(TransmitError, match="after the cut .* received by nobody"):
+            app.client.wait_until_safe(lost, timeout=0.5)
     app.close()
     at_b.close()
 

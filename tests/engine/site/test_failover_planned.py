@@ -6,14 +6,19 @@ sync the operator asked of the old source for a sink is asked of the new one."""
 
 from __future__ import annotations
 
+import threading
+
+import psycopg2
+import pytest
+
 from airflow_provider_lr.engine.errors import FencedError
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import failover
 from airflow_provider_lr.engine.site.replicator import run_until_idle
-from airflow_provider_lr.engine.source import full_sync
-from tests.engine.site.test_failover import PROVIDERS, A, B, C, _connect, _setup, replicator
-from tests.support.session import App, queue, sink_queue
+from airflow_provider_lr.engine.source import full_sync, moved
+from tests.engine.site.test_failover import PROVIDERS, A, B, C, _connect, _setup, _tables_setup, replicator
+from tests.support.session import App, queue, sink_queue, wait_for
 from tests.support.soak import expire_leases
 
 
@@ -48,8 +53,10 @@ def test_a_lease_taken_just_before_a_planned_switchover_cannot_write_past_the_dr
 
 
 def test_what_the_old_source_commits_while_the_sinks_are_drained_stays_beyond_the_cut(lr_sites, monkeypatch):
-    """site-b is drained first; the old source's writer commits an entry before site-c's drain:
-    site-c stops at the cut with site-b, and the entry is A's reported tail. (Carried past the cut,
+    """site-b is drained first; the old source's writer, whose client loaded its routes before the
+    switch, tries to commit an entry before site-c's drain: the new topology's guard refuses it,
+    naming site-b. On a site without that guard (its lr schema older than V0028) it commits: site-c
+    still stops at the cut with site-b, and the entry is A's reported tail. (Carried past the cut,
     it would be removed as an extra, or, once site-c's application consumed it, cost a full sync.)"""
     site_a, site_b, site_c = lr_sites
     _topo, app = _setup(lr_sites)
@@ -60,13 +67,17 @@ def test_what_the_old_source_commits_while_the_sinks_are_drained_stays_beyond_th
     def apply_then_the_writer_commits(*args, **kwargs):
         end = apply(*args, **kwargs)
         if not late:
-            late.append(app.put("late", 99, [B, C]))  # its client loaded its routes before the switch
+            with pytest.raises(psycopg2.Error, match="replicated from site site-b now: transmit there"):
+                app.put("refused", 98, [B, C])
+            app.conn.rollback()
+            site_a.query(f"DROP TRIGGER {moved.GUARD} ON lr.log_entries")  # as on a site before V0028
+            late.append(app.put("late", 99, [B, C]))
         return end
 
     monkeypatch.setattr(writes, "apply_log_stream", apply_then_the_writer_commits)
     result = failover.promote(failover.FailoverRequest(A, B, planned=True), _connect(lr_sites))
     assert late and result.planned and "nothing moved" in result.outcome[C]["policy"], result.outcome
-    assert "late=99" not in {p.decode() for p in sink_queue(site_c, "policy")}
+    assert not {"late=99", "refused=98"} & {p.decode() for p in sink_queue(site_c, "policy")}
     assert sink_queue(site_c, "policy") == sink_queue(site_b, "policy")
     assert result.tail == {"policy": 1}
     app.close()
@@ -87,4 +98,41 @@ def test_a_full_sync_asked_of_the_old_source_is_asked_of_the_new_one(lr_sites):
     App(site_b).close()  # the application's table at site-b (empty), which its provider reads
     run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS))
     assert [kind for kind, _ in queue(site_c, "site-b")] == ["start", "end"]  # a full sync from site-b
+    app.close()
+
+
+def test_a_switchover_beside_a_writer_holding_its_table_then_transmitting_does_not_deadlock(lr_sites):
+    """The writer has locked a row of the federated table (to change it) and written nothing to the
+    log yet; the switchover waits for that table to put its guard there, then the writer changes the
+    row (captured into the log) and transmits. Had the switchover locked the log first in that
+    transaction (the guard against the client's writers, whose DDL excludes every writer of the
+    log), each would wait for the other: PostgreSQL aborts one, perhaps the switchover. That guard
+    is set in a transaction of its own: the writer commits before the cut, and is drained."""
+    site_a, site_b, _site_c = lr_sites
+    _topo, app = _tables_setup(lr_sites)
+    with app.conn.cursor() as cur:
+        cur.execute("SELECT balance FROM public.accounts WHERE id = 1 FOR UPDATE")
+    outcome: list[object] = []
+
+    def switch() -> None:
+        try:
+            outcome.append(failover.promote(failover.FailoverRequest(A, B, planned=True), _connect(lr_sites)))
+        except Exception as exc:  # said by the assertion below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=switch)
+    thread.start()
+    wait_for(
+        lambda: site_a.query(
+            "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'public.accounts'::regclass"
+        )[0][0],
+        30,
+        "the switchover to wait for the writer's table",
+    )
+    with app.conn.cursor() as cur:
+        cur.execute("UPDATE public.accounts SET balance = balance + 1 WHERE id = 1")
+    app.put("k9", 9, [B, C])
+    thread.join(60)
+    assert len(outcome) == 1 and isinstance(outcome[0], failover.FailoverResult), outcome
+    assert b"k9=9" in sink_queue(site_b, "policy")  # committed before the cut: drained
     app.close()

@@ -600,6 +600,17 @@ def test_an_owner_without_create_on_the_database_installs_into_its_schema(sites,
 def test_lr_roles_grant_print_list_revoke(lr_sites, made, capsys, monkeypatch):
     site = lr_sites[1]
     dsn = site.dsn
+    role = made.name("early")
+    assert cli.main(["roles", "grant", "writer", "--client", "alpha", "--role", role, "--site", dsn]) == 1
+    assert "no topology is applied on site" in capsys.readouterr().err  # its clients cannot be checked yet
+    # site-b receives alpha and beta from site-a and is the source of alpha for site-c
+    apply(
+        lr_sites,
+        [
+            {"source": "site-a", "sinks": ["site-b"], "clients": ["alpha", "beta"]},
+            {"source": "site-b", "sinks": ["site-c"], "clients": ["alpha"]},
+        ],
+    )
     role = made.name('odd "name" x')  # quoted as an identifier everywhere
     monkeypatch.setenv("LR_TEST_PASSWORD", "s3cret'; DROP TABLE x; --")
     assert (
@@ -677,6 +688,24 @@ def test_lr_roles_grant_print_list_revoke(lr_sites, made, capsys, monkeypatch):
             ["roles", "grant", "writer", "--client", "alpha", "--role", "lrt_nobody_here", "--site", dsn],
             "pass --create",
         ),
+        # a misspelt client, and one the site receives but does not transmit: granted, the
+        # application would be refused at its first transmit with nothing said here
+        (
+            ["roles", "grant", "writer", "--client", "aplha", "--role", role, "--site", dsn],
+            "client(s) aplha: site 'site-b' is not the source of them in the topology applied there "
+            "(it is the source of alpha)",
+        ),
+        (["roles", "grant", "writer", "--client", "beta", "--role", role, "--site", dsn], "not the source of them"),
+        (
+            ["roles", "grant", "consumer", "--client", "gamma", "--role", role, "--site", dsn],
+            "not a sink of them in the topology applied there (it is a sink of alpha, beta)",
+        ),
+        # a revoke of what the role does not hold said it was revoked
+        (
+            ["roles", "revoke", "consumer", "--client", "beta", "--role", role, "--site", dsn],
+            "holds no consumer of beta on site",
+        ),
+        (["roles", "revoke", "replicator", "--role", role, "--site", dsn], "holds no replicator on site"),
     ]:
         assert cli.main(argv) == 1, argv
         assert message in capsys.readouterr().err
@@ -685,6 +714,7 @@ def test_lr_roles_grant_print_list_revoke(lr_sites, made, capsys, monkeypatch):
 def test_lr_roles_grant_create_needs_a_password_or_says_it_has_none(lr_sites, made, capsys, monkeypatch):
     """`--create` without `--password-env` made a LOGIN role with no password, silently."""
     site = lr_sites[0]
+    apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
     role = made.name("writer")
     assert (
         cli.main(["roles", "grant", "writer", "--client", "policy", "--role", role, "--site", site.dsn, "--create"])
