@@ -68,6 +68,8 @@ def test_a_table_renamed_at_the_source_while_streaming_holds_its_sessions_saying
         source.query("ALTER TABLE public.items RENAME TO things")
         said = "last error: StaleBatchError: federated table public.items was renamed to public.things"
         wait_for(lambda: status_text(source).count(said) == 2, 10, "lr status to say it of both sessions")
+        ends = [e.reason for e in streaming.streamer.ends]  # what lr sync prints of the hand-back says it too
+        assert any("was renamed to public.things" in reason for reason in ends), ends
         source.query("UPDATE public.things SET note = 'while renamed' WHERE id = 1")
         assert "lr tables close public.items, then lr tables open public.things" in status_text(source)
         time.sleep(1)  # held: nothing of the table applied meanwhile

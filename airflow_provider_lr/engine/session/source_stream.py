@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 
 _DONE = object()  # what a step of the chores gives when they are done
 
+
 Connect = Callable[[str], psycopg2.extensions.connection]
 
 
@@ -355,7 +356,7 @@ class SourceStream:
                 if isinstance(on_sink, Exception):
                     raise on_sink
                 if key.client in on_sink:
-                    raise _Handback("a table was federated (its snapshot is taken by a cycle)")
+                    raise _Handback(table_snapshot.why_needed(on_sink[key.client]))
             except Exception as exc:
                 self._fail(member, exc)
                 if self.src.closed:

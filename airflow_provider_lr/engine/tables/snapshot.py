@@ -75,6 +75,13 @@ def needed(
     return needed_by_client(sink, key.source, {key.client: federated}).get(key.client, [])
 
 
+def why_needed(tables: Sequence[FederatedTable]) -> str:
+    """Why a session whose sink lacks ``tables`` (``needed_by_client``) goes back to the cycles:
+    they take the snapshots, or hold it while a table renamed at the source keeps its new name."""
+    renamed = [t for t in tables if t.renamed_to is not None]
+    return renamed[0].renamed() if renamed else "a table was federated (its snapshot is taken by a cycle)"
+
+
 def needed_by_client(
     sink: psycopg2.extensions.connection, source: str, federated: Mapping[str, Sequence[FederatedTable]]
 ) -> dict[str, list[FederatedTable]]:
