@@ -67,24 +67,13 @@ def _set_guard(cur: psycopg2.extensions.cursor) -> None:
     document = applied_document(cur)
     if document is None:
         return
-    cur.execute("SELECT site_id FROM lr.site_info")
-    site_id = cur.fetchone()[0]
-    sources: dict[str, set[str]] = {}
-    for replication in document.get("replication") or []:
-        for client in replication.get("clients") or []:
-            sources.setdefault(client, set()).add(replication.get("source"))
+    site_id, sources = _sources(cur, document)
     cur.execute("SELECT client_id, client_name FROM lr.clients ORDER BY client_id")
     args: list[str] = []
     for client_id, client in cur.fetchall():
-        now = sorted(sources.get(client, ()))
-        if site_id in now:
-            continue
-        where = (
-            f"it is replicated from site {' and site '.join(now)} now: transmit there"
-            if now
-            else "the topology applied here has no source of it"
-        )
-        args += [str(client_id), client, where]
+        where = _elsewhere(site_id, sources.get(client, set()))
+        if where is not None:
+            args += [str(client_id), client, where]
     cur.execute(
         "SELECT t.tgargs FROM pg_catalog.pg_trigger t WHERE t.tgrelid = 'lr.log_entries'::pg_catalog.regclass "
         "AND t.tgname = %s",
@@ -104,6 +93,36 @@ def _set_guard(cur: psycopg2.extensions.cursor) -> None:
                 "EXECUTE FUNCTION lr.refuse_moved_transmit({})"
             ).format(sql.Identifier(GUARD), ids, sql.SQL(", ").join(sql.Literal(a) for a in args))
         )
+
+
+def _sources(cur: psycopg2.extensions.cursor, document: dict) -> tuple[str, dict[str, set[str]]]:
+    """This site's id, and each client's sources in the applied topology ``document``."""
+    cur.execute("SELECT site_id FROM lr.site_info")
+    site_id = cur.fetchone()[0]
+    sources: dict[str, set[str]] = {}
+    for replication in document.get("replication") or []:
+        for client in replication.get("clients") or []:
+            sources.setdefault(client, set()).add(replication.get("source"))
+    return site_id, sources
+
+
+def _elsewhere(site_id: str, sources: set[str]) -> str | None:
+    """Where a client with ``sources`` is replicated from, when not (also) from ``site_id``."""
+    if site_id in sources:
+        return None
+    if sources:
+        return f"it is replicated from site {' and site '.join(sorted(sources))} now: transmit there"
+    return "the topology applied here has no source of it"
+
+
+def not_sourced_here(cur: psycopg2.extensions.cursor, client: str) -> str | None:
+    """Why this site does not source ``client`` in the topology applied to it (None: it does, or no
+    topology is applied): what opening a table of the client here is refused with."""
+    document = applied_document(cur)
+    if document is None:
+        return None
+    site_id, sources = _sources(cur, document)
+    return _elsewhere(site_id, sources.get(client, set()))
 
 
 def record_unreplicated(cur: psycopg2.extensions.cursor, client: str, after: int, note: str) -> None:

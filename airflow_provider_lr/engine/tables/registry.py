@@ -25,6 +25,7 @@ import psycopg2.extensions
 from psycopg2 import sql
 
 from airflow_provider_lr.engine.errors import TableError
+from airflow_provider_lr.engine.source import moved
 from airflow_provider_lr.engine.tables.definition import TableName, read_definition
 
 _TRIGGERS = {  # operation -> its transition tables (statement-level triggers see all rows at once)
@@ -86,6 +87,11 @@ def open_table(conn: psycopg2.extensions.connection, name: str, client: str, fed
                 raise TableError(
                     f"client {client!r} is not in the topology applied to this site; "
                     "apply a topology that replicates it first"
+                )
+            elsewhere = moved.not_sourced_here(cur, client) if federated else None
+            if elsewhere is not None:  # its changes would be captured into a log no session reads
+                raise TableError(
+                    f"client {client!r} is not replicated from this site: {elsewhere}; open the table there"
                 )
             current = read(cur, table, lock=True)
             if federated:

@@ -99,6 +99,11 @@ def test_opening_a_table_without_primary_key_or_for_an_unknown_client_is_refused
     with pytest.raises(TableError, match="does not exist"):
         federate(source, "public.missing")
     assert registry.list_tables(source.connect()) == []
+    # a client this site gave away (its source moved to site-b): its changes would reach no session
+    apply(lr_sites, [{"source": "site-b", "sinks": ["site-a", "site-c"], "clients": ["policy"]}])
+    with pytest.raises(TableError, match="not replicated from this site: it is replicated from site site-b now"):
+        federate(source, client="policy")
+    assert registry.list_tables(source.connect()) == []
 
 
 def test_a_sink_that_opened_the_table_as_not_federated_keeps_out_and_shows_the_conflict(lr_sites):
