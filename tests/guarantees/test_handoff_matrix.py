@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import psycopg2
+import psycopg2.errors
 import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
@@ -254,9 +255,10 @@ def test_a_planned_switchover_while_the_sessions_stream_delivers_every_entry_onc
 
 
 def test_an_entry_committed_after_a_switchovers_barrier_is_not_streamed_to_the_promoted_site(lr_sites, monkeypatch):
-    """Deterministic: the barrier is taken, then the writer (routes cached) commits one more entry and
-    site-b's stream delivers it before the drain fences site-b. The switchover must not leave site-b
-    ahead of site-c (nor replicate what was committed after the switch)."""
+    """Deterministic: the barrier is taken, then the writer (routes cached) tries to commit one more
+    entry, which site-b's stream would deliver before the drain fences site-b. The old source refuses
+    it (the client is replicated from site-b now: its writers' guard is set before the barrier), and
+    the switchover leaves site-b level with site-c, replicating nothing committed after the switch."""
     source, sink_b, sink_c = lr_sites
     topo, connect = _switchover_scene(lr_sites)
     app = App(source)
@@ -267,10 +269,16 @@ def test_an_entry_committed_after_a_switchovers_barrier_is_not_streamed_to_the_p
     catch_up.close()
     barrier = failover.commit_barrier
 
+    refused: list[str] = []
+
     def barrier_then_a_late_commit(conn, timeout):
         taken = barrier(conn, timeout)
-        app.put("k3", 10, ["site-b", "site-c"])  # this client loaded its routes before the switch
-        deadline = time.monotonic() + 5  # site-b's stream delivers it unless site-b is fenced already
+        try:
+            app.put("k3", 10, ["site-b", "site-c"])  # this client loaded its routes before the switch
+        except psycopg2.errors.ReadOnlySqlTransaction as exc:
+            app.conn.rollback()
+            refused.append(str(exc))
+        deadline = time.monotonic() + 1  # site-b's stream would deliver it unless site-b is fenced already
         while "k3=10" not in logs(sink_b) and time.monotonic() < deadline:
             time.sleep(0.01)
         return taken
@@ -287,9 +295,10 @@ def test_an_entry_committed_after_a_switchovers_barrier_is_not_streamed_to_the_p
     with Streaming(only_b, options) as streaming:
         streaming.streaming()
         result = failover.promote(failover.FailoverRequest("site-a", "site-b", reason="maintenance of site-a"), connect)
+    assert refused and "replicated from site site-b now" in refused[0], refused
     assert result.full_syncs == [], result.outcome  # both sinks cut at the same place: nothing to repair
     assert queue(sink_b, "site-a") == queue(sink_c, "site-a")
-    assert "k3=10" not in [p for _, p in queue(sink_b, "site-a")], "committed after the switch: the old source's tail"
+    assert "k3=10" not in [p for _, p in queue(sink_b, "site-a")], "tried after the switch: never replicated"
     app.close()
 
 
