@@ -124,7 +124,9 @@ class Writers:
         """Every sink holds as many log entries of each client as were sent (the full sync's start
         and end markers are not entries: counted, they made this true two entries early)."""
         return all(
-            sum(kind == "log" for kind, _ in queue(s, "site-a", client=c)) >= self.sent[c] for s in sinks for c in CLIENTS
+            sum(kind == "log" for kind, _ in queue(s, "site-a", client=c)) >= self.sent[c]
+            for s in sinks
+            for c in CLIENTS
         )
 
     def check(self, sinks) -> None:

@@ -199,7 +199,9 @@ def readiness(session: dict, trim_mark: int | None = None) -> str:
       needs are gone: only a new full sync makes it consistent again."""
     position = session["last_applied_position"]
     behind = trim_mark is not None and position is not None and position < trim_mark
-    synced = session["data_consistent"] if session["role"] == "sink" else session["state"] == SessionState.IN_LOG_ENTRY_SYNC
+    synced = (
+        session["data_consistent"] if session["role"] == "sink" else session["state"] == SessionState.IN_LOG_ENTRY_SYNC
+    )
     if session.get("last_error") and not (behind and synced and not session.get("failed_over_to")):
         return "not ready (error)"  # behind the trim mark says more: a full sync is due, whatever failed
     if session.get("failed_over_to"):  # its data stops at the failover's cut: nothing more comes this way
