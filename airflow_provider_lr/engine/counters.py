@@ -47,6 +47,13 @@ class DeliveryCounters:
         with self._lock:
             self.lags[str(session)] = (entries, seconds)
 
+    def left(self, session: str | SessionKey) -> None:
+        """The session left this process's streams (handed back, or to another replicator): its
+        last lag is no longer this process's to report (kept, the progress line named a session
+        another member works, with the figure of its last check here, for as long as it ran)."""
+        with self._lock:
+            self.lags.pop(str(session), None)
+
     def full_sync(self, session: str | SessionKey) -> None:
         """A full sync applied (counted by subclasses)."""
 

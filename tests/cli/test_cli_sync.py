@@ -138,6 +138,9 @@ def test_consistent_and_ready_are_checked_against_the_trim_mark():
     }
     assert readiness(source, trim_mark=40) == "ready"
     assert readiness(source, trim_mark=41) == "not ready (behind trim)"
+    # a sink down (its error recorded) when a retention trim passed it: what it faces is a full sync
+    assert readiness({**source, "last_error": "sink down"}, trim_mark=41) == "not ready (behind trim)"
+    assert readiness({**source, "last_error": "sink down"}, trim_mark=40) == "not ready (error)"
 
 
 def test_lr_sync_streams_by_default_until_sigterm_then_releases_its_leases(lr_sites, tmp_path, monkeypatch):

@@ -137,6 +137,22 @@ def test_full_sync_wait_succeeds_once_a_running_lr_sync_applied_the_request(lr_s
     app.close()
 
 
+def test_full_sync_wait_ends_at_its_bound_when_nobody_applies_the_request(lr_sites, tmp_path, monkeypatch, capsys):
+    """No replicator runs (or the sink is down): `lr full-sync --wait 1.5` says the request is not
+    applied yet and exits 1 at its bound. Its polls used to double to 5 s and sleep past the bound:
+    1.5 s asked, 3 s taken (60 s asked, up to 65)."""
+    import time
+
+    topo, app = _replicating(lr_sites, tmp_path, monkeypatch)
+    capsys.readouterr()
+    started = time.monotonic()
+    assert cli.main(["full-sync", "--topology", topo, "--sink", "site-b", "--wait", "1.5"]) == 1
+    took = time.monotonic() - started
+    assert "site-a->site-b/policy: full sync" in capsys.readouterr().out
+    assert 1.5 <= took < 2.2, took
+    app.close()
+
+
 def test_a_running_replicator_goes_on_when_its_own_file_is_edited_and_applied(lr_sites, tmp_path, monkeypatch):
     """Not stale: the file it read was edited and applied meanwhile (it reads the file again)."""
     from airflow_provider_lr.engine.site.replicator import Replicator

@@ -35,11 +35,14 @@ def test_a_stream_whose_every_session_is_taken_over_waits_for_the_next_one_witho
         stream = streaming.streamer.sources["site-a"]
         app.put("k0", 0, ["site-b"])
         wait_for(lambda: logs(sink_b) == ["k0=0"], 10, "the first entry")
+        wait_for(lambda: streaming.streamer.counters.most_behind(), 10, "the session's lag, counted at a check")
         source.query(  # another replicator's lease, for a second
             "UPDATE lr.source_sessions SET lease_owner = 'another', lease_epoch = lease_epoch + 1, "
             "lease_expires_at = now() + interval '1 second'"
         )
         wait_for(lambda: streaming.streamer.ends, 10, "the session handed back")
+        # its lag is no longer this process's to say: the progress line named it, frozen, for good
+        assert streaming.streamer.counters.most_behind() is None
         streaming.streaming()  # once the other's lease ran out, the cycles bring it back to the stream
         app.put("k1", 1, ["site-b"])
         wait_for(lambda: logs(sink_b) == ["k0=0", "k1=1"], 10, "the next entry")

@@ -165,6 +165,7 @@ class Streamer:
         streams.pop(key, None)
         leaving.discard(key)
         self.streaming.discard(key)
+        self.counters.left(key)
         self.ends.append(end)
         if end.error and not end.delivered:  # it could not start: the cycles carry it meanwhile
             self._back_off(self.stream_backoff, key)

@@ -197,12 +197,15 @@ def readiness(session: dict, trim_mark: int | None = None) -> str:
       position is not behind the source's trim mark (``trim_mark``: the source's, None when the
       source was not reached — then "consistent" is not claimed). Behind the trim mark, entries it
       needs are gone: only a new full sync makes it consistent again."""
-    if session.get("last_error"):
-        return "not ready (error)"
-    if session.get("failed_over_to"):  # its data stops at the failover's cut: nothing more comes this way
-        return f"failed over to {session['failed_over_to']}"
     position = session["last_applied_position"]
     behind = trim_mark is not None and position is not None and position < trim_mark
+    synced = (
+        session["data_consistent"] if session["role"] == "sink" else session["state"] == SessionState.IN_LOG_ENTRY_SYNC
+    )
+    if session.get("last_error") and not (behind and synced and not session.get("failed_over_to")):
+        return "not ready (error)"  # behind the trim mark says more: a full sync is due, whatever failed
+    if session.get("failed_over_to"):  # its data stops at the failover's cut: nothing more comes this way
+        return f"failed over to {session['failed_over_to']}"
     if session["role"] == "sink":
         if not session["data_consistent"]:
             return "not ready (snapshot)"
