@@ -133,9 +133,10 @@ class LRSnapshotSyncOperator(SessionStepOperator):
         with site_connection(self.session["source_conn_id"], self.session["source"]) as conn:
             pause = self.poll_interval
             while (event := trigger.check(conn)) is None:
-                if time.monotonic() > deadline:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     raise AirflowException(f"session {self.session['session']}: still waiting after {timeout}")
-                time.sleep(pause)
+                time.sleep(min(pause, left))  # the last look at the deadline, not a pause past it
                 pause = min(pause * 2, self.max_poll_interval)
         return getattr(self, method_name)(context, event)
 

@@ -7,7 +7,9 @@ import os
 import stat
 import sys
 import tempfile
+import time
 from contextlib import closing
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -129,6 +131,27 @@ def test_snapshot_without_client_data_fails_with_the_fix(airflow_sites):
     assert source.query("SELECT status FROM lr.full_sync_requests WHERE request_id = %s", (request,)) == [
         ("timed_out",)
     ]
+
+
+def test_a_wait_polled_in_the_worker_ends_at_its_timeout_not_a_pause_past_it(airflow_sites):
+    """``deferrable=False``: the wait's pause doubles up to ``max_poll_interval``, and the last one
+    is cut at the timeout (a 0.5 s wait with pauses of 0.4 then 0.8 s used to give up after 1.2 s)."""
+
+    class NeverDone:  # a trigger's check that never sees its event
+        def check(self, conn):  # type: ignore[no-untyped-def]
+            return None
+
+    op = LRSnapshotSyncOperator(
+        task_id="snapshot",
+        session=_sessions(sink="site-b")[0],
+        deferrable=False,
+        poll_interval=0.4,
+        max_poll_interval=5,
+    )
+    started = time.monotonic()
+    with pytest.raises(AirflowException, match="still waiting after"):
+        op._wait({}, NeverDone(), timedelta(seconds=0.5), "execute_complete")
+    assert time.monotonic() - started < 0.9
 
 
 def test_refused_negotiation_fails_without_retry_and_is_recorded(airflow_sites):

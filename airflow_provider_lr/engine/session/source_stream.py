@@ -15,10 +15,8 @@ whatever the number of sessions.
 
 A session leaves when something calls for negotiation (lease taken over, topology changed, full
 sync requested, table federated, log trimmed past it, its sink failed): it is handed back
-(``StreamEnd``) to the cycles (``Streamer``), which renegotiate and bring it back. A transaction too
-large for one small batch is read per session by the general read, streamed into its sink bounded
-by bytes. The whole story and why each guarantee holds: docs/streaming.md.
-"""
+(``StreamEnd``) to the cycles (``Streamer``), which renegotiate and bring it back. The whole story
+and why each guarantee holds: docs/streaming.md."""
 
 from __future__ import annotations
 
@@ -61,8 +59,6 @@ from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, SessionKey
 log = logging.getLogger(__name__)
 
 _DONE = object()  # what a step of the chores gives when they are done
-
-
 Connect = Callable[[str], psycopg2.extensions.connection]
 
 
@@ -90,6 +86,7 @@ class SourceStream:
         self.members: dict[SessionKey, Member] = {}
         self._requests: queue.SimpleQueue[tuple[str, SessionKey, leases.Lease | None]] = queue.SimpleQueue()
         self._wake = threading.Event()
+        self._leaving: set[SessionKey] = set()  # asked to leave by the Streamer (another replicator took them)
         self.sinks: SinkWriters[tuple[Member, LogBatch]] = SinkWriters(connect, source, self.opts.sink_deadline)
         self.durable = DurableAcks()
         self._committed = sys.maxsize  # the highest committed position, as the last routed read saw it
@@ -121,6 +118,7 @@ class SourceStream:
 
     def leave(self, key: SessionKey) -> None:
         """Stop streaming ``key`` and give its lease up: it moved to another replicator."""
+        self._leaving.add(key)  # a fence by its new holder before the request is seen is that move too
         self._requests.put(("leave", key, None))
         self._wake.set()
 
@@ -202,6 +200,7 @@ class SourceStream:
         while not self._requests.empty():
             what, key, lease = self._requests.get()
             if what == "leave":
+                self._leaving.discard(key)
                 member = self.members.get(key)
                 if member is not None:
                     self.durable.flush([member], self.sinks.conn, self.source)
@@ -310,11 +309,10 @@ class SourceStream:
 
     # --- looking around -----------------------------------------------------------------------
     def _check(self) -> Iterator[None]:
-        """Move idle sessions' sinks on, count each session's backlog (one count for all: the lag and
-        backlog ``lr status`` shows), renew every lease with it in one statement (a session taken over
-        leaves), note the success (``lr status``: age of the last), hand back each session whose
-        negotiation is due. A step (a round trip or two) per turn of ``_loop``: a commit waits for
-        one step, not the ~5 ms of all."""
+        """Move idle sessions' sinks on, count each session's backlog (one count for all: ``lr status``),
+        renew every lease with it in one statement (a session taken over leaves) noting the success,
+        hand back each session whose negotiation is due. A step (a round trip or three) per turn of
+        ``_loop``: a commit waits for one step, not the ~5 ms of all."""
         self._advance_idle()
         yield
         members = list(self.members.values())
@@ -447,6 +445,9 @@ class SourceStream:
     def _fail(self, member: Member, exc: BaseException) -> None:
         """The session leaves the stream, handed back to the cycles, saying why."""
         if member.ended:
+            return
+        if isinstance(exc, FencedError) and member.key in self._leaving:  # taken by the member it moved to
+            self._end(member, REASSIGNED)
             return
         member.ended = True
         self.members.pop(member.key, None)

@@ -15,6 +15,7 @@ from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.session import source_stream
 from airflow_provider_lr.engine.session.settings import StreamSettings
+from airflow_provider_lr.engine.session.stream_member import REASSIGNED
 from tests.support.session import Streaming, apply, empty_provider, replicator, sink_queue, wait_for
 from tests.support.tables import federate
 
@@ -185,6 +186,39 @@ def test_commits_made_while_the_stream_checks_its_sessions_are_read_between_the_
             between.append(sum("lr_routed_read" in q for q in sent[start:end]))
     assert len(between) >= 3, f"{len(between)} checks in 1 s"
     assert all(between), f"routed reads between each check's backlog count and its next step: {between}"
+
+
+def test_a_session_fenced_by_the_replicator_it_moved_to_before_its_leave_is_seen_ends_as_reassigned(
+    lr_sites, monkeypatch
+):
+    """The Streamer asks a stream to let a session go (another replicator's share now) and the new
+    holder fences the sink before the stream's thread sees the request: the stream's next write is
+    refused (``FencedError``). That is the move it was asked for: the session ends as reassigned,
+    not as a failure (no error printed by ``lr sync``, no hand-back counted)."""
+    source, sink_b, _ = lr_sites
+    topo = apply(
+        lr_sites,
+        [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}],
+        providers={"policy": "tests.support.session:empty_provider"},
+    )
+    writer = source.connect()
+    repl = replicator(topo, lr_sites, providers={"policy": empty_provider}, lease_seconds=30.0)
+    with Streaming(repl, FAST) as streaming:
+        streaming.streaming()
+        _transmit(writer, "policy", "before", ["site-b"])
+        wait_for(lambda: sink_queue(sink_b, "policy") == [b"before"], 10, "the first entry")
+        (stream,) = streaming.streamer.sources.values()
+        (key,) = list(stream.members)
+        admit = stream._admit
+        monkeypatch.setattr(stream, "_admit", lambda: None)  # the request waits in the queue
+        stream.leave(key)
+        sink_b.query("UPDATE lr.sink_sessions SET lease_epoch = lease_epoch + 1")  # the new holder's fence
+        _transmit(writer, "policy", "after", ["site-b"])
+        wait_for(lambda: any(e.session == str(key) for e in streaming.streamer.ends), 10, "the session to end")
+        monkeypatch.setattr(stream, "_admit", admit)
+        (end,) = [e for e in streaming.streamer.ends if e.session == str(key)]
+        assert end.reason == REASSIGNED and not end.error, end
+    writer.close()
 
 
 def test_the_stream_waits_under_load_from_a_rate_that_grows_with_the_cores_it_may_run_on(monkeypatch):
