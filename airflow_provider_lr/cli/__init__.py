@@ -10,17 +10,26 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 import psycopg2
 
 from airflow_provider_lr.cli import failover, replication, roles, sites, status, tables
 from airflow_provider_lr.cli.common import database_error
-from airflow_provider_lr.engine.errors import LRError, one_line
+from airflow_provider_lr.engine.errors import LRError, mask_secrets, one_line
 from airflow_provider_lr.paths import lr_home
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse quotes the arguments it refuses (``unrecognized arguments: --site host=... password=...``):
+    a password among them is masked. Its subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(mask_secrets(message))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lr", description="Log replication between PostgreSQL sites.")
+    parser = _Parser(prog="lr", description="Log replication between PostgreSQL sites.")
     parser.add_argument("--home", default=None, help=f"state directory (default $LR_HOME or {lr_home()})")
     sub = parser.add_subparsers(dest="command", required=True)
     # in the order `lr --help` lists them

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 
@@ -93,11 +94,28 @@ def require_counts(**counts: object) -> None:
             raise ConfigurationError(f"{name} must be a whole number of at least 1, not {value!r}")
 
 
+# A password in what an error may quote: a DSN's ``password=...`` (or ``sslpassword``), a URI's
+# ``user:...@``, a connection's JSON or Python form. Masked as ``***`` wherever lr prints or stores an error.
+_SECRETS = (
+    (re.compile(r"""(?i)(\b(?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'?|[^\s'"]+)"""), r"\1***"),
+    (re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/@\s:]*:)[^/@\s]*@"), r"\1***@"),
+    (re.compile(r"""(?i)(["'](?:ssl)?password["']\s*:\s*)("(?:[^"\\]|\\.)*"?|'(?:[^'\\]|\\.)*'?)"""), r"\1'***'"),
+)
+
+
+def mask_secrets(text: str) -> str:
+    """``text`` with every password it quotes replaced by ``***``."""
+    for pattern, replacement in _SECRETS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
 def one_line(exc: BaseException | str) -> str:
     """An error as one line, for logs, status and the CLI: psycopg's messages carry newlines (DETAIL,
-    HINT, CONTEXT) that break "one line per error"; they are joined with ' | ' instead."""
+    HINT, CONTEXT) that break "one line per error"; they are joined with ' | ' instead. A password
+    the text quotes is masked (``mask_secrets``)."""
     text = exc if isinstance(exc, str) else (str(exc) or type(exc).__name__)
-    return " | ".join(part.strip() for part in text.splitlines() if part.strip())
+    return mask_secrets(" | ".join(part.strip() for part in text.splitlines() if part.strip()))
 
 
 def error_line(exc: BaseException) -> str:

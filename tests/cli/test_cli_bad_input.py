@@ -126,3 +126,27 @@ def test_a_malformed_connections_file_or_connection_is_named_on_one_line_not_a_t
     monkeypatch.setenv("AIRFLOW_CONN_LR_B", "{not json")
     assert cli.main(["init", "--site", "lr_b"]) == 1
     assert "AIRFLOW_CONN_LR_B is not valid JSON" in capsys.readouterr().err
+
+
+def test_a_password_given_to_lr_is_never_printed_whatever_is_wrong(tmp_path, monkeypatch, capsys):
+    """argparse quoted a refused `--site host=... password=...` whole; a URI's bad `__extra__` quoted
+    the URI; a bad port or a DSN libpq cannot parse raised a traceback (or quoted a piece of the
+    password). Each is now one line, with the password masked or left out."""
+    monkeypatch.setenv("LR_CONNECTIONS_FILE", str(tmp_path / "none.json"))
+    monkeypatch.setenv("AIRFLOW_CONN_LR_X", "postgresql://u:SEKRET@127.0.0.1:1/db?connect_timeout=x")
+    for argv, code, said in [
+        (["status", "--site", "host=h password=SEKRET"], 2, "unrecognized arguments: --site host=h password=***"),
+        (["trim", "--retention", "postgresql://u:SEKRET@h/db"], 2, "'postgresql://u:***@h/db' is not a number"),
+        (["init", "--site", "postgresql://u:SEKRET@h/db?__extra__=x"], 1, "'postgresql://u:***@h/db?__extra__=x'"),
+        (["init", "--site", "postgresql://u:SEKRET@h:99999/db"], 1, "has an invalid port: give a number from 1"),
+        (["init", "--site", "host=h password=SEK RET"], 1, 'the DSN given is not valid (missing "=" after a word'),
+        (["init", "--site", "host=127.0.0.1 port=1 password=SEKRET", "--site-id", "a"], 1, "password=***"),
+        (["init", "--site", "lr_x", "--site-id", "a"], 1, "invalid integer value"),
+    ]:
+        try:
+            assert cli.main(argv) == code, argv
+        except SystemExit as exit_:  # argparse's refusals
+            assert exit_.code == code, argv
+        out, err = capsys.readouterr()
+        assert said in err.strip().splitlines()[-1], (argv, err)  # the last line: argparse prints its usage first
+        assert "SEKRET" not in out + err and "RET" not in err.replace("SEKRET", "") and "Traceback" not in err, err

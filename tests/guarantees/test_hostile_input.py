@@ -383,3 +383,31 @@ def test_a_corrupted_source_entry_is_passed_on_and_dead_lettered_alone_by_every_
     dead = sink_b.query("SELECT error FROM lr.receive_dead_letters")
     assert len(dead) == 1 and "kind 0" in dead[0][0]
     app.close()
+
+
+ALIAS_BOMB = "".join(f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefg", "bcdefgh"))
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        ("a: &a [x, x, x, x, x, x, x, x, x]\n" + ALIAS_BOMB + "sites: *h\n", "more than 100000 values"),
+        ("sites: " + "[" * 1000 + "]" * 1000 + "\n", "nested too deeply"),
+        (GOOD + "sites: []\n", ":9: key 'sites' given twice in one mapping"),
+        (GOOD + "#" + "x" * (1 << 20) + "\n", "larger than 1048576 bytes"),
+        ("sites: !!python/object/apply:os.system ['echo pwned']\n", "could not determine a constructor for the tag"),
+        (b"sites: \xff\xfe\n", "not a text file"),
+    ],
+)
+def test_a_hostile_topology_file_is_refused_fast_on_one_line_and_runs_nothing(tmp_path, text, said):
+    """An alias bomb took 300 MB and seconds (or more), a deep nesting raised a RecursionError out of
+    `lr`, a 200 MB file was read whole, and a key given twice silently replaced the first."""
+    path = tmp_path / "topology.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    started = time.monotonic()
+    with pytest.raises(ConfigurationError) as error:
+        topologies.load(path)
+    assert said in str(error.value) and "\n" not in str(error.value), error.value
+    assert time.monotonic() - started < 5  # the bomb alone took 3.6 s and 300 MB
+    with pytest.raises(ConfigurationError, match="is a directory"):
+        topologies.load(tmp_path)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -24,12 +25,14 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.db.timeouts import DEFAULT, BoundedConnection, Purpose, Timeouts, deadline_for
-from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, one_line
+from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, mask_secrets, one_line
 from airflow_provider_lr.paths import lr_home
 
 CONNECTIONS_FILE_ENV = "LR_CONNECTIONS_FILE"
 # Connection extras that describe the site rather than libpq options.
 SITE_EXTRAS = ("site_id", "region")
+# libpq parameters never shown: masked in ``safe_dsn``.
+_SECRET_PARAMS = ("password", "sslpassword")
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class ConnInfo:
     @property
     def safe_dsn(self) -> str:
         """The DSN with the password masked, for messages and logs."""
-        shown = {k: ("***" if k == "password" else v) for k, v in self.params.items() if v is not None}
+        shown = {k: ("***" if k in _SECRET_PARAMS else v) for k, v in self.params.items() if v is not None}
         return psycopg2.extensions.make_dsn(**shown)
 
     def with_timeouts(self, timeouts: Timeouts) -> ConnInfo:
@@ -111,6 +114,7 @@ _MISCONFIGURED_TEXT = (
     "could not translate host name",
     "invalid connection option",
     "invalid sslmode",
+    "invalid integer value",
 )
 
 
@@ -128,6 +132,8 @@ def _json(text: str, where: str) -> Any:
         return json.loads(text)
     except ValueError as exc:
         raise ConfigurationError(f"{where} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigurationError(f"{where} is not valid JSON: nested too deeply") from None
 
 
 def from_airflow_dict(conn: Mapping[str, Any], conn_id: str | None = None) -> ConnInfo:
@@ -160,16 +166,21 @@ def from_airflow_dict(conn: Mapping[str, Any], conn_id: str | None = None) -> Co
 def from_uri(uri: str, conn_id: str | None = None) -> ConnInfo:
     """Build from a ``postgresql://`` / ``postgres://`` / ``lr-site://`` URI (Airflow's URI form)."""
     parts = urlsplit(uri)
+    name = f"connection {conn_id or mask_secrets(uri)!r}"  # a URI's password is never quoted
     query = dict(parse_qsl(parts.query))
     if "__extra__" in query:
-        extra = _json(query.pop("__extra__"), f"the __extra__ of connection {conn_id or uri!r}")
+        extra = _json(query.pop("__extra__"), f"the __extra__ of {name}")
         if not isinstance(extra, Mapping):
-            raise ConfigurationError(f"the __extra__ of connection {conn_id or uri!r} must be a JSON object")
+            raise ConfigurationError(f"the __extra__ of {name} must be a JSON object")
         query.update(extra)
+    try:
+        port = parts.port
+    except ValueError:
+        raise ConfigurationError(f"{name} has an invalid port: give a number from 1 to 65535") from None
     return from_airflow_dict(
         {
             "host": unquote(parts.hostname or "") or None,
-            "port": parts.port,
+            "port": port,
             "login": unquote(parts.username or "") or None,
             "password": unquote(parts.password or "") or None,
             "schema": unquote(parts.path.lstrip("/")) or None,
@@ -183,7 +194,15 @@ def from_dsn(dsn: str) -> ConnInfo:
     """Build from a libpq DSN, either ``key=value`` pairs or a URI."""
     if "://" in dsn:
         return from_uri(dsn)
-    return ConnInfo(psycopg2.extensions.parse_dsn(dsn))
+    try:
+        return ConnInfo(psycopg2.extensions.parse_dsn(dsn))
+    except psycopg2.ProgrammingError as exc:
+        # libpq quotes the word it stumbled on, which may be a piece of a password: left out
+        reason = re.sub(r'after "[^"]*"', "after a word", one_line(exc).removeprefix("invalid dsn: "))
+        raise ConfigurationError(
+            f"the DSN given is not valid ({reason}): write key=value pairs, a value with spaces in single "
+            "quotes, or a postgresql:// URI"
+        ) from None
 
 
 def connections_file() -> Path:

@@ -196,10 +196,20 @@ def _key(path: Iterable[str | int]) -> str:
     return out
 
 
+# A topology is a few kilobytes (a site or replication is a line or two): bounds that no real one
+# reaches, so a hostile or mistaken file (a log, an alias bomb) is refused fast and in little memory.
+MAX_DOCUMENT_BYTES = 1 << 20
+MAX_DOCUMENT_VALUES = 100_000
+
+
 def parse(text: str, name: str) -> tuple[Any, Origin]:
-    """The document in ``text`` (YAML or JSON) and its origin; a syntax error names file and line."""
+    """The document in ``text`` (YAML or JSON) and its origin; a syntax error names file and line.
+    Only plain YAML is read (``safe_load``: no tags that build objects); a key given twice, a
+    document nested too deeply or expanding (through aliases) to more than ``MAX_DOCUMENT_VALUES``
+    values is refused."""
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+        _check_values(node, name)
         doc = yaml.safe_load(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -208,12 +218,46 @@ def parse(text: str, name: str) -> tuple[Any, Origin]:
         raise ConfigurationError(f"{name}{line}: YAML syntax error: {exc.problem}{context}") from None
     except yaml.YAMLError as exc:
         raise ConfigurationError(f"{name}: YAML syntax error: {one_line(exc)}") from None
+    except RecursionError:
+        raise ConfigurationError(f"{name}: nested too deeply for a topology") from None
     return doc, Origin(name, node)
+
+
+def _check_values(root: yaml.Node | None, name: str) -> None:
+    """Refuse a key given twice in one mapping (YAML would keep the last silently) and a document of
+    more than ``MAX_DOCUMENT_VALUES`` values, counting each alias as what it expands to."""
+    stack, seen = [root] if root is not None else [], 0
+    while stack:
+        node = stack.pop()
+        seen += 1
+        if seen > MAX_DOCUMENT_VALUES:
+            raise ConfigurationError(
+                f"{name}: more than {MAX_DOCUMENT_VALUES} values (YAML aliases expanding?); a topology is far smaller"
+            )
+        if isinstance(node, yaml.MappingNode):
+            keys: set[str] = set()
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.value != "<<":
+                    if key.value in keys:
+                        raise ConfigurationError(
+                            f"{name}:{key.start_mark.line + 1}: key {key.value!r} given twice in one mapping"
+                        )
+                    keys.add(key.value)
+                stack += (key, value)
+        elif isinstance(node, yaml.SequenceNode):
+            stack += node.value
 
 
 def read(path: Path) -> tuple[Any, Origin]:
     try:
-        text = path.read_text()
+        with path.open("rb") as file:
+            data = file.read(MAX_DOCUMENT_BYTES + 1)
+    except OSError as exc:
+        raise ConfigurationError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    if len(data) > MAX_DOCUMENT_BYTES:
+        raise ConfigurationError(f"{path}: larger than {MAX_DOCUMENT_BYTES} bytes; a topology is a few kilobytes")
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigurationError(f"{path}: not a text file (UTF-8 YAML expected)") from None
     return parse(text, str(path))

@@ -204,6 +204,8 @@ def default_path() -> Path:
 
 def load(path: Path | str | None = None) -> Topology:
     path = Path(path) if path else default_path()
+    if path.is_dir():
+        raise ConfigurationError(f"topology file {path} is a directory (set {TOPOLOGY_ENV} or pass a file)")
     if not path.is_file():
         raise ConfigurationError(f"topology file {path} not found (set {TOPOLOGY_ENV} or pass a path)")
     return replace(from_document(*read(path)), path=str(path))
