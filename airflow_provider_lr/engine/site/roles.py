@@ -213,10 +213,25 @@ def _role_oid(role: str) -> sql.Composable:
     return sql.SQL("(SELECT oid FROM pg_roles WHERE rolname = {})").format(sql.Literal(role))
 
 
+# lr's SECURITY DEFINER trigger functions run as the owner, taking what they write from the trigger's
+# arguments (a federated table's capture: its client and table_id). PostgreSQL lets every role EXECUTE a
+# new function, so a role with USAGE on lr could attach one to a table of its own (a temporary one
+# will do) and write as the owner: a writer of one client forging another client's table changes.
+# Only the owner attaches them (``lr tables open``, the migrations), and a trigger fires without
+# EXECUTE: taken from PUBLIC before any role gets USAGE on lr.
+_OWNERS_TRIGGERS_ONLY = Statement(
+    sql.SQL(
+        "DO $$ DECLARE f regprocedure; BEGIN FOR f IN SELECT oid FROM pg_catalog.pg_proc "
+        "WHERE pronamespace = 'lr'::regnamespace AND prorettype = 'trigger'::regtype AND prosecdef LOOP "
+        "EXECUTE pg_catalog.format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f); END LOOP; END $$"
+    )
+)
+
+
 def grant_statements(kind: str, role: str, clients: Sequence[str]) -> list[Statement]:
     """The GRANTs a kind needs and the ``lr.role_grants`` rows (idempotent: granting twice is a no-op)."""
     who = sql.Identifier(role)
-    out = [Statement(sql.SQL("GRANT USAGE ON SCHEMA lr TO {}").format(who))]
+    out = [_OWNERS_TRIGGERS_ONLY, Statement(sql.SQL("GRANT USAGE ON SCHEMA lr TO {}").format(who))]
     for p in (*COMMON, *PRIVILEGES[kind]):
         objects = sql.SQL(", ").join(sql.Identifier("lr", name) for name in p.objects)
         target = sql.SQL("SEQUENCE ") if p.kind == "SEQUENCE" else sql.SQL("TABLE ")

@@ -37,6 +37,7 @@ from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.proto import lr_pb2
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 from tests.support.session import Streaming, apply, queue, replicator, wait_for
+from tests.support.tables import federate
 
 DENIED = psycopg2.errors.InsufficientPrivilege  # privileges and row-level security violations alike
 _names = itertools.count(1)
@@ -240,12 +241,19 @@ def test_writer_cannot_forge_commit_positions_change_the_trim_or_read_the_log(wo
         "INSERT INTO lr.role_grants (role_oid, role_name, kind, client_name) "
         "SELECT oid, rolname, 'writer', 'beta' FROM pg_roles WHERE rolname = current_user",
         "SELECT count(*) FROM lr.receive_queue",
+        # the owner's trigger functions on a table of its own: the capture wrote beta's table changes as the owner
+        *(
+            "CREATE TEMP TABLE forged (k int PRIMARY KEY); CREATE TRIGGER forge AFTER INSERT ON forged "
+            f"REFERENCING NEW TABLE AS lr_new FOR EACH STATEMENT EXECUTE FUNCTION lr.{function}"
+            for function in ("capture_table_changes('beta', '1')", "assign_commit_position()", "note_consumed()")
+        ),
     ]
     for statement in refused:
-        with conn.cursor() as cur:
-            with pytest.raises(DENIED):
+        try:
+            with conn.cursor() as cur, pytest.raises(DENIED):
                 cur.execute(statement)
-        conn.rollback()
+        finally:  # a statement let through fails the test without holding its locks past it
+            conn.rollback()
     # what the issue reproduced: a forged position made the next application commit fail
     before = source.query("SELECT count(*) FROM lr.log_commits")[0][0]
     put(conn, RoutingQueueClient(conn, "alpha"), "after", 1)
@@ -254,6 +262,18 @@ def test_writer_cannot_forge_commit_positions_change_the_trim_or_read_the_log(wo
     assert source.query("SELECT trim_mark FROM lr.log_trim") == [(0,)]
     positions = [p for (p,) in source.query("SELECT position FROM lr.log_commits ORDER BY 1")]
     assert len(positions) == before + 2 and positions == list(range(1, before + 3))
+    # the trigger lr attached still fires for the writer: its federated table's changes are captured
+    source.query("CREATE TABLE alpha_rows (k int PRIMARY KEY)")
+    source.query(f'GRANT INSERT ON alpha_rows TO "{world.writer["alpha"]}"')
+    federate(source, "public.alpha_rows", "alpha")
+    conn = connect_as(source, world.writer["alpha"])
+    with conn.cursor() as cur:
+        cur.execute("INSERT INTO alpha_rows VALUES (1)")
+    conn.commit()
+    conn.close()
+    assert source.query(
+        "SELECT c.client_name FROM lr.log_entries e JOIN lr.clients c USING (client_id) WHERE e.stream = 3"
+    ) == [("alpha",)]
 
 
 def test_writer_waits_until_its_transmit_is_safe_and_guards_only_its_client(world):
