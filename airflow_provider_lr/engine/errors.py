@@ -94,11 +94,14 @@ def require_counts(**counts: object) -> None:
             raise ConfigurationError(f"{name} must be a whole number of at least 1, not {value!r}")
 
 
-# A password in what an error may quote: a DSN's ``password=...`` (or ``sslpassword``), a URI's
-# ``user:...@``, a connection's JSON or Python form. Masked as ``***`` wherever lr prints or stores an error.
+# A password in what an error may quote: a DSN's ``password=...`` (or ``sslpassword``, or the
+# environment's ``PGPASSWORD=``), a URI's ``user:...@``, a connection's JSON or Python form. Masked as
+# ``***`` wherever lr prints or stores an error. An unquoted DSN value runs to the next blank, as
+# libpq reads it (quotes inside it, a backslash-escaped blank); a URI's password to its last ``@``
+# (an unescaped ``@`` in it is a mistake users make).
 _SECRETS = (
-    (re.compile(r"""(?i)(\b(?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'?|[^\s'"]+)"""), r"\1***"),
-    (re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/@\s:]*:)[^/@\s]*@"), r"\1***@"),
+    (re.compile(r"""(?i)((?:\b|(?<=pg))(?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'?|(?:\\.|[^\s\\])+)"""), r"\1***"),
+    (re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/@\s:]*:)[^/\s]*@"), r"\1***@"),
     (re.compile(r"""(?i)(["'](?:ssl)?password["']\s*:\s*)("(?:[^"\\]|\\.)*"?|'(?:[^'\\]|\\.)*'?)"""), r"\1'***'"),
 )
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from airflow_provider_lr.engine.db import conninfo, schema
-from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.errors import ConfigurationError, mask_secrets
 
 
 def test_env_connection_json_and_uri_forms(monkeypatch):
@@ -34,6 +34,24 @@ def test_env_connection_json_and_uri_forms(monkeypatch):
     west = conninfo.resolve("lr_west")
     assert west.params == {"host": "db.west", "port": 5433, "user": "lr", "password": "p@ss", "dbname": "app"}
     assert west.site_id == "west"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "host=h password=SE'KRET dbname=d",  # libpq reads an unquoted value up to the next blank
+        r"host=h password=SE\ KRET dbname=d",  # a backslash keeps the blank in the value
+        "host=h password='SE KR\\'ET' dbname=d",
+        "connection to postgresql://u:SE@KRET@h/db failed",  # an unescaped @ in a URI's password
+        "postgresql://u:SE:KR@ET@h:5432/db?sslmode=require",
+        "PGPASSWORD=SEKRET psql",
+        '{"host": "h", "password": "SE\\"KRET"}',
+    ],
+)
+def test_no_piece_of_a_password_survives_masking(text):
+    """A password with a quote, an escaped blank or an unescaped @ left its tail in what lr printed."""
+    masked = mask_secrets(text)
+    assert "***" in masked and not any(piece in masked for piece in ("SE", "KR", "ET")), masked
 
 
 def test_unknown_target_names_the_fixes(monkeypatch, tmp_path):
