@@ -193,6 +193,8 @@ def test_status_never_calls_a_sink_behind_the_trim_mark_consistent(lr_sites):
     trim.retention_trim(source.connect(), keep_seconds=0.0)  # ... and the log is trimmed past it
     session = [line for line in _status_lines(lr_sites) if "site-a->site-b/policy" in line]
     assert all("not ready (behind trim)" in line for line in session), session
+    # the source's row says the lag is unknown, not what is left of the log (it said "lag 0 entries")
+    assert "lag unknown (entries to" in session[0] and "lag 0 entries" not in session[0], session
     repl.run(max_cycles=5, until_idle=True, interval=0.01)  # a full sync brings it back
     session = [line for line in _status_lines(lr_sites) if "site-a->site-b/policy" in line]
     assert " ready " in session[0] and "consistent" in session[1] and "behind" not in session[1]

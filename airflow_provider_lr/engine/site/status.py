@@ -269,16 +269,20 @@ def render(
     for s in status.sessions:
         session = str(session_key(s))
         mark = marks.get(s["source_site_id"])
+        state = readiness(s, mark)
         if s["role"] == "source":
-            detail = (
-                f"lag {s['remaining_entries_to_send']} entries / {s.get('lag_seconds', 0.0):.1f}s, "
-                f"{s['state']}, last success {_age(s.get('last_success_age_s'))}"
+            # behind the trim mark, what is left in the log is not the lag: the trimmed entries are gone
+            lag = (
+                f"lag unknown (entries to {mark} trimmed: a full sync is due)"
+                if state == "not ready (behind trim)"
+                else f"lag {s['remaining_entries_to_send']} entries / {s.get('lag_seconds', 0.0):.1f}s"
             )
+            detail = f"{lag}, {s['state']}, last success {_age(s.get('last_success_age_s'))}"
         else:
             against = f"source trim mark {mark}" if mark is not None else "source trim mark unknown"
             detail = f"data consistent {s['data_consistent']}, {against}"
         lines.append(
-            f"  {s['role']:<6} {session:<32} {readiness(s, mark):<24} {s['sync_type'] or '-':<9} {s['status']:<11} "
+            f"  {s['role']:<6} {session:<32} {state:<24} {s['sync_type'] or '-':<9} {s['status']:<11} "
             f"base {s['base_snapshot']}, applied {s['last_applied_position']}, {detail}"
         )
         if s["role"] == "source":
