@@ -21,6 +21,7 @@ from tests.support.tables import federate
 
 CLIENTS = ["policy", "billing", "audit"]
 SIX_SESSIONS = [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": CLIENTS}]
+ONE_SESSION = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
 FAST = StreamSettings(check_interval=0.2, ack_interval=0.05)
 
 
@@ -157,7 +158,7 @@ def test_commits_made_while_the_stream_checks_its_sessions_are_read_between_the_
     source, _, _ = lr_sites
     topo = apply(
         lr_sites,
-        [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}],
+        ONE_SESSION,
         providers={"policy": "tests.support.session:empty_provider"},
     )
     writer = source.connect()
@@ -198,7 +199,7 @@ def test_a_session_fenced_by_the_replicator_it_moved_to_before_its_leave_is_seen
     source, sink_b, _ = lr_sites
     topo = apply(
         lr_sites,
-        [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}],
+        ONE_SESSION,
         providers={"policy": "tests.support.session:empty_provider"},
     )
     writer = source.connect()
