@@ -23,7 +23,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.db.conninfo import ConnInfo, resolve
 from airflow_provider_lr.engine.db.timeouts import Purpose
-from airflow_provider_lr.engine.errors import ConfigurationError, MalformedEntryError
+from airflow_provider_lr.engine.errors import MalformedEntryError
 from airflow_provider_lr.engine.sink import receive, wakeup
 from airflow_provider_lr.engine.sink.delivery_transaction import delivery_connection
 from airflow_provider_lr.engine.sink.receive import DeliveryContext, DeliveryStats, Listener
@@ -64,10 +64,9 @@ class RoutingQueueSubscriber(DeliveryContext):
         retry_interval: float = FollowOptions.retry_interval,
         batch_bytes: int = FollowOptions.batch_bytes,
     ) -> None:
-        if not client_name:
-            raise ConfigurationError("client_name is required (the client whose receive queues to consume)")
+        self.demand = Demand.of(client_name, sources)
+        FollowOptions(batch_size, poll_interval, retry_interval, batch_bytes)  # refused here, not at the first poll
         self.info = _conninfo(dsn)
-        self.demand = Demand(client_name, frozenset(sources) if sources is not None else None)
         self.batch_size, self.poll_interval, self.retry_interval = batch_size, poll_interval, retry_interval
         self.batch_bytes = batch_bytes
         self.stats = DeliveryStats()  # totals of every poll and finished run

@@ -130,6 +130,61 @@ def test_session_settings_refuse_a_batch_of_nothing(field):
         SessionSettings(**{field: 0})
 
 
+def test_a_subscriber_or_client_made_with_what_cannot_mean_what_was_meant_is_refused_saying_what_to_give(lr_sites):
+    """A site id as a subscriber's ``sources`` was taken letter by letter (it never delivered); a
+    batch of 0 or a pause of 0 was taken as given (nothing delivered, a spinning core); an open
+    connection given to the subscriber failed with "not iterable", a DSN given to the client with an
+    AttributeError; a payload limit of 0 or "1024" was taken as given."""
+    from airflow_provider_lr.engine.sink.relay import Relay
+    from airflow_provider_lr.subscriber import open_relay
+
+    source, sink = lr_sites[0], lr_sites[1]
+    opened = source.connect()
+    for kwargs, said in [
+        ({"dsn": opened}, "not a connection: lr opens its own connections"),  # the app's connection, by habit
+        ({"dsn": None}, "not a NoneType"),
+        ({"client_name": 5}, "client_name is required"),
+        ({"client_name": ""}, "client_name is required"),
+        ({"sources": "site-a"}, "sources is a list of site ids, not one string"),
+        ({"sources": [None]}, "sources must be site ids"),
+        ({"batch_size": 0}, "batch_size must be a whole number of at least 1, not 0"),
+        ({"batch_size": "500"}, "batch_size must be a whole number"),
+        ({"batch_bytes": -1}, "batch_bytes must be a whole number"),
+        ({"poll_interval": 0}, "poll_interval must be a number of seconds above 0, not 0"),
+        ({"retry_interval": -1.0}, "retry_interval must be a number of seconds above 0"),
+    ]:
+        given = {"dsn": sink.dsn, "client_name": "policy", **kwargs}
+        with pytest.raises(ConfigurationError, match=said):
+            RoutingQueueSubscriber(**given)
+        with pytest.raises(ConfigurationError, match=said):  # a relay's subscriptions take the same
+            if "dsn" in kwargs:
+                open_relay(given["dsn"])
+            else:
+                relay = Relay(sink.connect, **{k: v for k, v in kwargs.items() if k not in ("client_name", "sources")})
+                try:
+                    relay.subscribe(_AcceptAll(), given["client_name"], given.get("sources"))
+                finally:
+                    relay.close()
+    relay = open_relay(sink.dsn)
+    try:
+        subscription = relay.subscribe(_AcceptAll(), "policy")
+        with pytest.raises(ConfigurationError, match="sources is a list of site ids, not one string"):
+            subscription.update(sources="site-a")  # and a subscription's new demand
+        assert subscription.demand.sources is None
+    finally:
+        relay.close()
+    for conn, client, limit, error, said in [
+        ("lr_site_a", "policy", None, ConfigurationError, "give its open psycopg2 connection, not a str"),
+        (None, "policy", None, ConfigurationError, "not a NoneType"),
+        (opened, 5, None, TransmitError, "invalid client name 5"),
+        (opened, "policy", 0, ConfigurationError, "max_payload_bytes must be a whole number of at least 1, not 0"),
+        (opened, "policy", "1024", ConfigurationError, "max_payload_bytes must be a whole number"),
+    ]:
+        with pytest.raises(error, match=said):
+            RoutingQueueClient(conn, client, max_payload_bytes=limit)
+    opened.close()
+
+
 def test_a_negative_retention_never_trims_what_no_sink_has(lr_sites):
     source = lr_sites[0]
     apply(lr_sites, ONE_SINK)

@@ -234,6 +234,11 @@ def load_connections_file(path: Path | None = None) -> dict[str, ConnInfo]:
 
 def resolve(target: str) -> ConnInfo:
     """Resolve a DSN, an ``AIRFLOW_CONN_<ID>`` connection id, or an id from the connections file."""
+    if not isinstance(target, str):  # an open connection, say: lr opens (and bounds) its own
+        raise ConfigurationError(
+            f"a site is given as a DSN, an Airflow connection id or an lr site id (a string), "
+            f"not a {type(target).__name__}: lr opens its own connections to it"
+        )
     if "=" in target or "://" in target:
         return from_dsn(target)
     env = os.environ.get(f"AIRFLOW_CONN_{target.upper()}")

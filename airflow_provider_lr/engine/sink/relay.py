@@ -97,8 +97,7 @@ class Subscription(DeliveryContext):
         """Change the demand: another client and/or other sources (``None``: every source). Takes
         effect from the next pass, which starts at once."""
         current = self._demand
-        new_sources = current.sources if sources is _UNSET else (None if sources is None else frozenset(sources))
-        self._demand = Demand(client or current.client, new_sources)
+        self._demand = Demand.of(client or current.client, current.sources if isinstance(sources, _Unset) else sources)
         self.relay._reindex()
         self.wake(ALL)
 
@@ -220,7 +219,7 @@ class Relay:
         sub = Subscription(
             self,
             listener,
-            Demand(client_name, None if sources is None else frozenset(sources)),
+            Demand.of(client_name, sources),
             connect or self._connect,
             options,
         )

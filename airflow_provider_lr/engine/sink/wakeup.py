@@ -23,7 +23,7 @@ from typing import Protocol
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import SiteUnreachableError, one_line
+from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, one_line, require_counts
 from airflow_provider_lr.engine.notify import NotifyChannel
 from airflow_provider_lr.engine.sink.delivery_transaction import delivery_connection
 from airflow_provider_lr.engine.sink.receive import (
@@ -73,6 +73,21 @@ class Demand:
     client: str
     sources: frozenset[str] | None = None
 
+    @classmethod
+    def of(cls, client: object, sources: Iterable[str] | None = None) -> Demand:
+        """A consumer's demand as the public API takes it, refused when it could not mean what was
+        meant (a single site id given as ``sources`` would be read as its letters: nothing delivered)."""
+        if not isinstance(client, str) or not client:
+            raise ConfigurationError(f"client_name is required: the client whose queues to consume, not {client!r}")
+        if isinstance(sources, (str, bytes)):
+            raise ConfigurationError(f"sources is a list of site ids, not one string: give [{sources!r}]")
+        if sources is None:
+            return cls(client)
+        named = list(sources)
+        if not all(isinstance(s, str) and s for s in named):
+            raise ConfigurationError(f"sources must be site ids (strings), not {named!r}")
+        return cls(client, frozenset(named))
+
     def wants(self, client: str, source: str) -> bool:
         return client == self.client and (self.sources is None or source in self.sources)
 
@@ -92,6 +107,14 @@ class FollowOptions:
     poll_interval: float = DEFAULT_POLL_INTERVAL
     retry_interval: float = DEFAULT_RETRY_INTERVAL
     batch_bytes: int = DEFAULT_BATCH_BYTES
+
+    def __post_init__(self) -> None:
+        # a batch of nothing would deliver nothing, a pause of nothing would spin a core
+        require_counts(batch_size=self.batch_size, batch_bytes=self.batch_bytes)
+        for name in ("poll_interval", "retry_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigurationError(f"{name} must be a number of seconds above 0, not {value!r}")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.db.schema import site_identity
-from airflow_provider_lr.engine.errors import TransmitError
+from airflow_provider_lr.engine.errors import ConfigurationError, TransmitError, require_counts
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store.topology import applied_max_payload_bytes
 from airflow_provider_lr.engine.vocabulary import PAYLOAD_TAG, STREAM_LOG_ENTRIES, varint
@@ -80,8 +80,16 @@ class LogWriter:
         max_payload_bytes: int | None = None,
         prepared: bool = True,
     ) -> None:
-        if not client_name or not client_name.replace("_", "").replace("-", "").isalnum():
+        if not isinstance(
+            conn, psycopg2.extensions.connection
+        ):  # a DSN, say: transmits ride in the caller's transaction
+            raise ConfigurationError(
+                f"the client writes in the application's own transaction: give its open psycopg2 connection, "
+                f"not a {type(conn).__name__} (a DSN or site id names a site; connect to it first)"
+            )
+        if not isinstance(client_name, str) or not client_name.replace("_", "").replace("-", "").isalnum():
             raise TransmitError(f"invalid client name {client_name!r}: use letters, digits, '-' or '_'")
+        require_counts(max_payload_bytes=max_payload_bytes)
         self.conn = conn
         self.client_name = client_name
         self.max_payload_bytes = max_payload_bytes or DEFAULT_MAX_PAYLOAD_BYTES
