@@ -101,6 +101,7 @@ def wait_until_ready(
 ) -> list[Readiness]:
     """Return once every destination holds, safe, everything committed for ``client`` before this
     call (a guard at the next position: Qpid's *ready*), or raise ``DeliveryTimeout``."""
+    delivery.check_wait(destinations, timeout)
     if not destinations:
         raise ConfigurationError("name the destinations to wait for")
     known = {b.sink for b in session_backlogs(conn, client=client)}

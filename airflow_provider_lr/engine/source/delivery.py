@@ -23,6 +23,7 @@ acknowledged it.
 from __future__ import annotations
 
 import enum
+import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -138,6 +139,22 @@ def durability_rule(conn: psycopg2.extensions.connection) -> DurabilityRule | No
     return DurabilityRule(**rule) if rule else None
 
 
+def check_wait(destinations: Sequence[str], timeout: float, min_regions: int | None = None) -> None:
+    """Refuse what a producer's wait could not mean: one site id as a bare string (read letter by
+    letter), a timeout that is not a finite number of seconds >= 0 (a wait is always bounded), a
+    ``min_regions`` that is not a whole number >= 0."""
+    if isinstance(destinations, (str, bytes)):
+        raise ConfigurationError(f"destinations is a list of site ids, not one string: give [{destinations!r}]")
+    if not all(isinstance(d, str) and d for d in destinations):
+        raise ConfigurationError(f"destinations must be site ids (strings), not {list(destinations)!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
+        raise ConfigurationError(f"timeout must be a finite number of seconds, at least 0, not {timeout!r}")
+    if min_regions is not None and (
+        isinstance(min_regions, bool) or not isinstance(min_regions, int) or min_regions < 0
+    ):
+        raise ConfigurationError(f"min_regions must be a whole number >= 0, not {min_regions!r}")
+
+
 def wait_for(
     addressed: dict[str, str],
     source_region: str,
@@ -149,6 +166,7 @@ def wait_for(
     region). Refused with ``ConfigurationError``: a destination the entry was not sent to, and a
     ``min_regions`` (or the topology's rule, the default when nothing is named) that the named
     sinks could never reach. Nothing named and no rule: every named destination."""
+    check_wait(destinations, 0, min_regions)
     unknown = sorted(set(destinations) - set(addressed))
     if unknown:
         raise ConfigurationError(
@@ -156,8 +174,6 @@ def wait_for(
             "a sink it did not name can never acknowledge it"
         )
     regions = {source_region, *addressed.values()}
-    if min_regions is not None and min_regions < 0:
-        raise ConfigurationError(f"min_regions must be >= 0, not {min_regions}")
     if destinations or min_regions:
         target = WaitFor(tuple(sorted(destinations)), min_regions or 0)
     elif rule is not None:
@@ -362,6 +378,7 @@ def wait_until_safe(
     """Return once the ticket's entries are safe where asked (see ``wait_for``), or raise
     ``DeliveryTimeout`` naming the destinations that have not acknowledged. Guards the entry
     meanwhile (its state is *delayed*). ``conn``: the producer's connection, after its commit."""
+    check_wait(destinations, timeout, min_regions)
     position = resolve(conn, ticket)
     addressed, region = addressed_sinks(conn, ticket.client, position, ticket.destinations)
     target = wait_for(addressed, region, destinations, min_regions, durability_rule(conn))

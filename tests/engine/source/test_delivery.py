@@ -176,6 +176,23 @@ def test_regions_count_only_sinks_the_entry_was_sent_to(lr_sites):
         app.client.wait_until_safe(only_b, min_regions=3, timeout=1)
     with pytest.raises(ConfigurationError, match=r"not sent to \['site-c'\]"):
         app.client.wait_until_safe(only_b, destinations=["site-c"], timeout=1)
+    for asked, said in [  # what a wait could not mean is refused before it guards anything
+        (
+            {"destinations": "site-b"},
+            "destinations is a list of site ids, not one string",
+        ),  # was: not sent to [-, b, e…]
+        ({"destinations": [None]}, "destinations must be site ids"),
+        ({"timeout": "5"}, "timeout must be a finite number of seconds"),  # was: a TypeError
+        ({"timeout": float("nan")}, "timeout must be a finite number of seconds"),  # was: the server's interval error
+        ({"timeout": float("inf")}, "timeout must be a finite number of seconds"),
+        ({"timeout": -1}, "timeout must be a finite number of seconds, at least 0"),
+        ({"min_regions": "2"}, "min_regions must be a whole number >= 0"),
+    ]:
+        with pytest.raises(ConfigurationError, match=said):
+            app.client.wait_until_safe(only_b, **asked)
+        if "min_regions" not in asked:
+            with pytest.raises(ConfigurationError, match=said):
+                app.client.wait_until_ready(**{"destinations": ["site-b"], "timeout": 1, **asked})
     _deliver(topo, lr_sites, "site-b")
     assert delivery.delivered(conn, "policy", position, min_regions=2).stored_regions == ["region-1", "region-2"]
     conn.close()
