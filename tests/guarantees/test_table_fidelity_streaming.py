@@ -249,6 +249,42 @@ def test_every_built_in_type_streams_through_inserts_and_a_key_change(lr_sites, 
         assert type_differences(source, sink, "every_type") == []
 
 
+def test_columns_of_not_null_domains_stream_inserts_updates_key_changes_and_deletes(lr_sites, round_trips):
+    """Domains that refuse NULL (``NOT NULL``, a ``CHECK`` on it, over an array that travels as text)
+    as non-key columns, and as a key. The apply read each row through a record of the table's type,
+    whose columns the row does not carry are NULL: a delete (which carries the key) and every change
+    of a column that travels as text were refused by the domain at every sink, for good."""
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    for site in lr_sites:
+        site.query(
+            "CREATE DOMAIN public.qty AS int NOT NULL; CREATE DOMAIN public.codes AS int[] NOT NULL; "
+            "CREATE DOMAIN public.label AS text CHECK (VALUE IS NOT NULL AND VALUE <> ''); "
+            "CREATE TYPE public.mood AS ENUM ('sad', 'ok')"
+        )
+    source.query(
+        "CREATE TABLE public.stock (id public.qty PRIMARY KEY, n public.qty, codes public.codes, "
+        "name public.label, m public.mood, note text)"
+    )
+    source.query("INSERT INTO public.stock SELECT g, g, ARRAY[g], 'n' || g, 'ok', NULL FROM generate_series(1, 5) g")
+    federate(source, "public.stock")
+    with streaming_over(topo, lr_sites) as streaming:
+        streaming.streaming()
+        source.query("INSERT INTO public.stock VALUES (6, 6, '[0:1][1:2]={{1,2},{3,4}}', 'six', 'sad', 'x')")
+        streamed(streaming, source, sinks, "public.stock")  # its target read: the next in one round trip
+        changes = [
+            "UPDATE public.stock SET n = n + 10, codes = '{7}', m = NULL WHERE id <= 3",
+            "UPDATE public.stock SET id = id + 100 WHERE id IN (2, 6)",
+            "DELETE FROM public.stock WHERE id IN (1, 102)",
+        ]
+        for change in changes:
+            carried_in_one_round_trip(
+                streaming, round_trips, source, sinks, "public.stock", lambda change=change: source.query(change)
+            )
+    assert [r[0] for r in source.query("SELECT id FROM public.stock ORDER BY id")] == [3, 4, 5, 106]
+    assert not [r.error for r in streaming.cycles if r.error]
+
+
 def test_tables_linked_by_foreign_keys_snapshot_stream_cascade_and_full_sync_with_no_violation_and_no_loss(
     lr_sites, round_trips
 ):

@@ -354,16 +354,31 @@ def _compose(target: Target, run: _Run) -> sql.Composed:
     format for ``mogrify``, where ``%`` starts a parameter: a column named ``50%`` (or ``%(docs)s``) is
     composed with its ``%`` doubled, which ``mogrify`` turns back into one."""
     target = replace(target, definition=_percent_doubled(target.definition))
-    text = {_doubled(c) for c in run.text}
     d = target.definition
+    types = {c.name: c.type for c in d.columns}
+    # A column of a type outside pg_catalog (printed with its schema: a domain, an enum) is cast from
+    # the row's text of it, like the columns that travel as text, never read through a record of the
+    # table's type: that record's columns a row does not carry (a delete's, the text ones) are NULL,
+    # which a NOT NULL domain refuses (every change of such a table was refused, for good).
+    carried_as_text = {_doubled(c) for c in run.text}
+    own = {c for c in d.column_names if "." in types[c]} - carried_as_text
+    text = carried_as_text | own
+    record = sql.SQL("jsonb_populate_record(NULL::{}, r.d - %(text)s::text[])").format(d.table.ident)
+    lateral: sql.Composable = sql.SQL("")
+    if own:  # the other columns by a record of theirs alone
+        kept = [c for c in d.column_names if c not in text]
+        record = sql.SQL("q" if kept else "NULL::pg_catalog.text")
+        if kept:
+            lateral = sql.SQL("CROSS JOIN LATERAL jsonb_to_record(r.d) AS q({}) ").format(
+                sql.SQL(", ").join(sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(types[c])) for c in kept)
+            )
     rows = sql.SQL(  # ORDER BY: the source's order, and the subquery is not pulled up (p computed once)
-        "SELECT jsonb_populate_record(NULL::{t}, r.d - %(text)s::text[]) AS p, r.d "
+        "SELECT {p} AS p, r.d "
         "FROM unnest(%(docs)s::bytea[], %(lo)s::int[], %(hi)s::int[]) WITH ORDINALITY AS t(doc, lo, hi, ord) "
         "CROSS JOIN LATERAL jsonb_array_elements(convert_from(t.doc, 'UTF8')::jsonb -> 'rows') "
-        "WITH ORDINALITY AS r(d, i) "
+        "WITH ORDINALITY AS r(d, i) {lateral}"
         "WHERE r.i BETWEEN t.lo AND t.hi ORDER BY t.ord, r.i"
-    ).format(t=d.table.ident)
-    types = {c.name: c.type for c in d.columns}
+    ).format(p=record, lateral=lateral)
 
     def value(col: str) -> sql.Composable:  # a column of row s: from the record, or cast from its text
         if col in text:
