@@ -264,16 +264,20 @@ def test_columns_of_not_null_domains_stream_inserts_updates_key_changes_and_dele
         )
     source.query(
         "CREATE TABLE public.stock (id public.qty PRIMARY KEY, n public.qty, codes public.codes, "
-        "name public.label, m public.mood, note text)"
+        "name public.label, m public.mood, note text, q int, p text, lr_0 text)"  # named like the apply's aliases
     )
-    source.query("INSERT INTO public.stock SELECT g, g, ARRAY[g], 'n' || g, 'ok', NULL FROM generate_series(1, 5) g")
+    source.query(
+        "INSERT INTO public.stock SELECT g, g, ARRAY[g], 'n' || g, 'ok', NULL, g, 'p', 'l' FROM generate_series(1, 5) g"
+    )
     federate(source, "public.stock")
     with streaming_over(topo, lr_sites) as streaming:
         streaming.streaming()
-        source.query("INSERT INTO public.stock VALUES (6, 6, '[0:1][1:2]={{1,2},{3,4}}', 'six', 'sad', 'x')")
+        source.query(
+            "INSERT INTO public.stock VALUES (6, 6, '[0:1][1:2]={{1,2},{3,4}}', 'six', 'sad', 'x', 6, 'p', 'l')"
+        )
         streamed(streaming, source, sinks, "public.stock")  # its target read: the next in one round trip
         changes = [
-            "UPDATE public.stock SET n = n + 10, codes = '{7}', m = NULL WHERE id <= 3",
+            "UPDATE public.stock SET n = n + 10, codes = '{7}', m = NULL, q = -q, p = 'pp', lr_0 = NULL WHERE id <= 3",
             "UPDATE public.stock SET id = id + 100 WHERE id IN (2, 6)",
             "DELETE FROM public.stock WHERE id IN (1, 102)",
         ]
@@ -293,10 +297,11 @@ def test_tables_linked_by_foreign_keys_snapshot_stream_cascade_and_full_sync_wit
     written table by table in name order: the child before its parent, refused for good
     (``ForeignKeyViolation``); a full sync cleared the parent after copying the child, cascading
     its rows away. Now each sink takes them in one transaction, children cleared first, parents
-    copied first; streamed changes apply in the source's order, a cascade once."""
+    copied first; streamed changes apply in the source's order, a cascade once, and a TRUNCATE of
+    several tables clears them at once."""
     source, *sinks = lr_sites
     topo = apply(lr_sites)
-    tables = ("public.parents", "public.children", "public.tree")
+    tables = ("public.parents", "public.children", "public.tree", "public.pets")
     on_every_site(lr_sites, "CREATE TABLE public.parents (id int PRIMARY KEY, name text)")
     on_every_site(
         lr_sites,
@@ -304,11 +309,13 @@ def test_tables_linked_by_foreign_keys_snapshot_stream_cascade_and_full_sync_wit
         "ON DELETE CASCADE)",
     )
     on_every_site(lr_sites, "CREATE TABLE public.tree (id int PRIMARY KEY, up int REFERENCES public.tree)")
+    on_every_site(lr_sites, "CREATE TABLE public.pets (id int PRIMARY KEY, parent int REFERENCES public.parents)")
     in_one_transaction(
         source,
         "INSERT INTO public.parents SELECT g, 'p' || g FROM generate_series(1, 10) g",
         "INSERT INTO public.children SELECT g, g % 10 + 1 FROM generate_series(1, 30) g",
         "INSERT INTO public.tree SELECT g, nullif(g - 1, 0) FROM generate_series(1, 10) g",
+        "INSERT INTO public.pets SELECT g, g FROM generate_series(4, 10) g",
     )
     for table in tables:
         federate(source, table)
@@ -345,10 +352,13 @@ def test_tables_linked_by_foreign_keys_snapshot_stream_cascade_and_full_sync_wit
         streaming.streaming()
         source.query("INSERT INTO public.children VALUES (40, 12)")
         streamed(streaming, source, sinks, *tables)
-        source.query("TRUNCATE public.parents CASCADE")  # the children's rows with it
+        # the children's and pets' rows with it: cleared at the sink in one statement, as the TRUNCATE
+        # at the source checked the foreign keys at its end (one by one, the parents' first, the pets'
+        # key refused it for good)
+        source.query("TRUNCATE public.parents CASCADE")
         source.query("INSERT INTO public.parents VALUES (1, 'again')")
         streamed(streaming, source, sinks, *tables)
-    assert [len(rows(source, t)) for t in tables] == [1, 0, 11]
+    assert [len(rows(source, t)) for t in tables] == [1, 0, 11, 0]
     assert not [r.error for r in streaming.cycles if r.error]
 
 

@@ -31,6 +31,7 @@ from psycopg2 import sql
 
 from airflow_provider_lr.engine.errors import SchemaMismatchError, TableError, one_line
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogRecord
+from airflow_provider_lr.engine.tables.clearing import clearing, clearing_together
 from airflow_provider_lr.engine.tables.create import create_table
 from airflow_provider_lr.engine.tables.definition import (
     Column,
@@ -154,24 +155,6 @@ def clear(cur: psycopg2.extensions.cursor, target: Target) -> None:
     cur.execute(clearing(target))
 
 
-def clearing(target: Target) -> sql.Composed:
-    """The statements of ``clear``."""
-    t, name = target.definition.table.ident, sql.Literal(str(target.table))
-    if not target.shared:
-        return sql.SQL("DELETE FROM {}").format(t)
-    if target.primary:
-        return sql.SQL(
-            "DELETE FROM {} x WHERE NOT EXISTS (SELECT 1 FROM lr.table_row_origin o WHERE o.table_name = {} "
-            "AND o.key = {})"
-        ).format(t, name, target.key_object(sql.Identifier("x")))
-    return sql.SQL(
-        "DELETE FROM {} x USING lr.table_row_origin o WHERE o.table_name = {} AND o.source_site_id = {} "
-        "AND o.key = {}; DELETE FROM lr.table_row_origin WHERE table_name = {} AND source_site_id = {}"
-    ).format(
-        t, name, sql.Literal(target.source), target.key_object(sql.Identifier("x")), name, sql.Literal(target.source)
-    )
-
-
 class ApplyError(TableError):
     """The sink refused a batch of table changes (a constraint, trigger or privilege of the sink's
     table the source does not have): nothing of the batch was applied; the session retries it."""
@@ -234,6 +217,7 @@ class ChangeApplier:
         self.lookup = TargetLookup(cur, source, client)
         self.targets: dict[int, Target | None] = {}
         self.runs: list[_Run] = []
+        self.clearing: list[Target] = []  # consecutive TRUNCATEs: cleared together (``clearing_together``)
         self.bytes = 0
         self.statements: list[bytes] | None = None
         self._here: str | None = None
@@ -257,9 +241,11 @@ class ChangeApplier:
             return  # conflict: dropped here
         op = _op(record.message)
         if op == "t":
-            self.flush()
-            self._send(clearing(target).as_string(self.cur).encode())
+            if not self.clearing:
+                self.flush()
+            self.clearing.append(target)
             return
+        self._clear()
         self._queue(tid, target, op, record.message)
         self.bytes += len(record.message)
         if self.bytes >= FLUSH_BYTES:
@@ -299,8 +285,15 @@ class ChangeApplier:
                 run.keys.add(key)
             run.take(message, n)
 
+    def _clear(self) -> None:
+        """Apply the TRUNCATEs queued (what came before them was applied first)."""
+        if self.clearing:
+            targets, self.clearing = self.clearing, []
+            self._send(clearing_together(targets).as_string(self.cur).encode())
+
     def flush(self) -> None:
-        """Apply the runs queued, in order, in one round trip."""
+        """Apply the runs (or TRUNCATEs) queued, in order, in one round trip."""
+        self._clear()
         runs, self.runs, self.bytes = self.runs, [], 0
         if runs:
             self._send(
@@ -373,25 +366,30 @@ def _compose(target: Target, run: _Run) -> sql.Composed:
     own = {c for c in d.column_names if "." in types[c]} - carried_as_text
     text = carried_as_text | own
     record = sql.SQL("jsonb_populate_record(NULL::{}, r.d - %(text)s::text[])").format(d.table.ident)
+    picked: dict[str, sql.Identifier] = {}  # with ``own``: the other columns, each by an alias of lr's
     lateral: sql.Composable = sql.SQL("")
-    if own:  # the other columns by a record of theirs alone
-        kept = [c for c in d.column_names if c not in text]
-        record = sql.SQL("q" if kept else "NULL::pg_catalog.text")
-        if kept:
+    more: sql.Composable = sql.SQL("")
+    if own:  # the other columns by a record of their own types (q.c, never q alone: a column may be named q)
+        picked = {c: sql.Identifier(f"lr_{n}") for n, c in enumerate(c for c in d.column_names if c not in text)}
+        record = sql.SQL("NULL::pg_catalog.text")  # p unused: the picked columns follow r.d in the row
+        more = sql.Composed([sql.SQL(", q.{} AS {}").format(sql.Identifier(c), a) for c, a in picked.items()])
+        if picked:
             lateral = sql.SQL("CROSS JOIN LATERAL jsonb_to_record(r.d) AS q({}) ").format(
-                sql.SQL(", ").join(sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(types[c])) for c in kept)
+                sql.SQL(", ").join(sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(types[c])) for c in picked)
             )
     rows = sql.SQL(  # ORDER BY: the source's order, and the subquery is not pulled up (p computed once)
-        "SELECT {p} AS p, r.d "
+        "SELECT {p} AS p, r.d{more} "
         "FROM unnest(%(docs)s::bytea[], %(lo)s::int[], %(hi)s::int[]) WITH ORDINALITY AS t(doc, lo, hi, ord) "
         "CROSS JOIN LATERAL jsonb_array_elements(convert_from(t.doc, 'UTF8')::jsonb -> 'rows') "
         "WITH ORDINALITY AS r(d, i) {lateral}"
         "WHERE r.i BETWEEN t.lo AND t.hi ORDER BY t.ord, r.i"
-    ).format(p=record, lateral=lateral)
+    ).format(p=record, more=more, lateral=lateral)
 
     def value(col: str) -> sql.Composable:  # a column of row s: from the record, or cast from its text
         if col in text:
             return sql.SQL("(s.d ->> {})::{}").format(sql.Literal(col), sql.SQL(types[col]))
+        if col in picked:
+            return sql.SQL("s.{}").format(picked[col])
         return sql.SQL("(s.p).{}").format(sql.Identifier(col))
 
     if run.op == "d":
