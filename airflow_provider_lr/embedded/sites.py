@@ -75,6 +75,9 @@ def _check_ids(wanted: list[str], known: dict[str, EmbeddedSite]) -> None:
             )
 
 
+MAX_SITES = 64  # under one home, each a server of its own: `lr sites up --count 1000000` started them until killed
+
+
 def default_site_ids(count: int) -> list[str]:
     if count <= 26:
         return [f"site-{c}" for c in string.ascii_lowercase[:count]]
@@ -156,6 +159,11 @@ class SiteManager:
         if not wanted:
             raise ConfigurationError("no sites to start: give --count N (or site ids)")
         _check_ids(wanted, known)
+        if len(set(wanted) | set(known)) > MAX_SITES:
+            raise ConfigurationError(
+                f"{len(set(wanted) | set(known))} sites asked for under {self.home}: at most {MAX_SITES} embedded "
+                "sites (each is a PostgreSQL server of its own on this machine); nothing was started"
+            )
         for index, site_id in enumerate(wanted):
             site = known.get(site_id)
             if site is None:

@@ -51,6 +51,7 @@ def test_an_invalid_site_id_is_refused_before_anything_is_written(sites, site_id
         (["a'; touch /tmp/pwned; '"], "invalid site id"),
         (["ok\n"], "invalid site id"),
         (["x-1", "x_1"], "share the connection id"),
+        ([f"s{n}" for n in range(65)], "at most 64 embedded sites"),  # `--count 1000000` started servers until killed
     ],
 )
 def test_lr_sites_up_refuses_ids_that_would_escape_lr_home_or_collide(tmp_path, ids, error):

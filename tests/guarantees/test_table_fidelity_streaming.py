@@ -249,40 +249,117 @@ def test_every_built_in_type_streams_through_inserts_and_a_key_change(lr_sites, 
         assert type_differences(source, sink, "every_type") == []
 
 
-def test_streamed_changes_of_two_tables_with_a_foreign_key_apply_in_the_source_order(lr_sites, round_trips):
+def test_columns_of_not_null_domains_stream_inserts_updates_key_changes_and_deletes(lr_sites, round_trips):
+    """Domains that refuse NULL (``NOT NULL``, a ``CHECK`` on it, over an array that travels as text)
+    as non-key columns, and as a key. The apply read each row through a record of the table's type,
+    whose columns the row does not carry are NULL: a delete (which carries the key) and every change
+    of a column that travels as text were refused by the domain at every sink, for good."""
     source, *sinks = lr_sites
     topo = apply(lr_sites)
-    on_every_site(lr_sites, "CREATE TABLE public.parents (id int PRIMARY KEY, name text)")
-    on_every_site(
-        lr_sites, "CREATE TABLE public.children (id int PRIMARY KEY, parent int NOT NULL REFERENCES public.parents)"
+    for site in lr_sites:
+        site.query(
+            "CREATE DOMAIN public.qty AS int NOT NULL; CREATE DOMAIN public.codes AS int[] NOT NULL; "
+            "CREATE DOMAIN public.label AS text CHECK (VALUE IS NOT NULL AND VALUE <> ''); "
+            "CREATE TYPE public.mood AS ENUM ('sad', 'ok')"
+        )
+    source.query(
+        "CREATE TABLE public.stock (id public.qty PRIMARY KEY, n public.qty, codes public.codes, "
+        "name public.label, m public.mood, note text, q int, p text, lr_0 text)"  # named like the apply's aliases
     )
-    federate(source, "public.parents")
-    federate(source, "public.children")
+    source.query(
+        "INSERT INTO public.stock SELECT g, g, ARRAY[g], 'n' || g, 'ok', NULL, g, 'p', 'l' FROM generate_series(1, 5) g"
+    )
+    federate(source, "public.stock")
     with streaming_over(topo, lr_sites) as streaming:
         streaming.streaming()
+        source.query(
+            "INSERT INTO public.stock VALUES (6, 6, '[0:1][1:2]={{1,2},{3,4}}', 'six', 'sad', 'x', 6, 'p', 'l')"
+        )
+        streamed(streaming, source, sinks, "public.stock")  # its target read: the next in one round trip
+        changes = [
+            "UPDATE public.stock SET n = n + 10, codes = '{7}', m = NULL, q = -q, p = 'pp', lr_0 = NULL WHERE id <= 3",
+            "UPDATE public.stock SET id = id + 100 WHERE id IN (2, 6)",
+            "DELETE FROM public.stock WHERE id IN (1, 102)",
+        ]
+        for change in changes:
+            carried_in_one_round_trip(
+                streaming, round_trips, source, sinks, "public.stock", lambda change=change: source.query(change)
+            )
+    assert [r[0] for r in source.query("SELECT id FROM public.stock ORDER BY id")] == [3, 4, 5, 106]
+    assert not [r.error for r in streaming.cycles if r.error]
+
+
+def test_tables_linked_by_foreign_keys_snapshot_stream_cascade_and_full_sync_with_no_violation_and_no_loss(
+    lr_sites, round_trips
+):
+    """The sinks' tables have the source's foreign keys (a parent with ON DELETE CASCADE, a child
+    named before it, a self-reference) and rows before they are federated. The snapshot used to be
+    written table by table in name order: the child before its parent, refused for good
+    (``ForeignKeyViolation``); a full sync cleared the parent after copying the child, cascading
+    its rows away. Now each sink takes them in one transaction, children cleared first, parents
+    copied first; streamed changes apply in the source's order, a cascade once, and a TRUNCATE of
+    several tables clears them at once."""
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    tables = ("public.parents", "public.children", "public.tree", "public.pets")
+    on_every_site(lr_sites, "CREATE TABLE public.parents (id int PRIMARY KEY, name text)")
+    on_every_site(
+        lr_sites,
+        "CREATE TABLE public.children (id int PRIMARY KEY, parent int NOT NULL REFERENCES public.parents "
+        "ON DELETE CASCADE)",
+    )
+    on_every_site(lr_sites, "CREATE TABLE public.tree (id int PRIMARY KEY, up int REFERENCES public.tree)")
+    on_every_site(lr_sites, "CREATE TABLE public.pets (id int PRIMARY KEY, parent int REFERENCES public.parents)")
+    in_one_transaction(
+        source,
+        "INSERT INTO public.parents SELECT g, 'p' || g FROM generate_series(1, 10) g",
+        "INSERT INTO public.children SELECT g, g % 10 + 1 FROM generate_series(1, 30) g",
+        "INSERT INTO public.tree SELECT g, nullif(g - 1, 0) FROM generate_series(1, 10) g",
+        "INSERT INTO public.pets SELECT g, g FROM generate_series(4, 10) g",
+    )
+    for table in tables:
+        federate(source, table)
+    with streaming_over(topo, lr_sites) as streaming:
+        streaming.streaming()
+        assert not [r.error for r in streaming.cycles if r.error]
+        streamed(streaming, source, sinks, *tables)
         in_one_transaction(
             source,
-            "INSERT INTO public.parents VALUES (1, 'a'), (2, 'b')",
-            "INSERT INTO public.children VALUES (10, 1), (20, 2)",
+            "INSERT INTO public.parents VALUES (11, 'k'), (12, 'l')",
+            "INSERT INTO public.children VALUES (31, 11), (32, 12)",
         )
-        streamed(streaming, source, sinks, "public.parents", "public.children")
+        streamed(streaming, source, sinks, *tables)
         in_one_transaction(
             source,
             "DELETE FROM public.children WHERE parent = 1",
             "DELETE FROM public.parents WHERE id = 1",
-            "INSERT INTO public.parents VALUES (3, 'c')",
-            "UPDATE public.children SET parent = 3",
+            "INSERT INTO public.parents VALUES (13, 'c')",
+            "UPDATE public.children SET parent = 13 WHERE parent = 2",
         )
         in_one_transaction(
             source,
-            "INSERT INTO public.parents VALUES (4, 'd')",
-            "UPDATE public.children SET parent = 4 WHERE id = 20",
-            "DELETE FROM public.parents WHERE id IN (2, 3)",
-            "INSERT INTO public.children VALUES (30, 4)",
+            "DELETE FROM public.parents WHERE id IN (3, 11)",  # cascaded at the source, captured, applied once
+            "INSERT INTO public.tree VALUES (11, 10)",
+            "UPDATE public.tree SET up = 11 WHERE id = 1",
         )
-        streamed(streaming, source, sinks, "public.parents", "public.children")
-    assert rows(source, "public.children") == [("(20,4)",), ("(30,4)",)]
-    in_one_round_trip(round_trips, sinks)
+        streamed(streaming, source, sinks, *tables)
+        in_one_round_trip(round_trips, sinks)
+        conn = source.connect()
+        full_sync.request_full_sync(conn, "site-b", "policy", "operator asked", forced=True)
+        conn.close()
+        applied = "SELECT count(*) FROM lr.full_sync_requests WHERE forced AND status = 'applied'"
+        wait_for(lambda: source.query(applied) == [(1,)], 30, "the full sync")
+        streaming.streaming()
+        source.query("INSERT INTO public.children VALUES (40, 12)")
+        streamed(streaming, source, sinks, *tables)
+        # the children's and pets' rows with it: cleared at the sink in one statement, as the TRUNCATE
+        # at the source checked the foreign keys at its end (one by one, the parents' first, the pets'
+        # key refused it for good)
+        source.query("TRUNCATE public.parents CASCADE")
+        source.query("INSERT INTO public.parents VALUES (1, 'again')")
+        streamed(streaming, source, sinks, *tables)
+    assert [len(rows(source, t)) for t in tables] == [1, 0, 11, 0]
+    assert not [r.error for r in streaming.cycles if r.error]
 
 
 TWO_CLIENTS = [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy", "other"]}]

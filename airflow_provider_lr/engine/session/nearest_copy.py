@@ -44,6 +44,7 @@ from airflow_provider_lr.engine.session.handshake import Position
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.store import receive_queue
 from airflow_provider_lr.engine.store.topology import Topology, config_id
+from airflow_provider_lr.engine.tables import references
 from airflow_provider_lr.engine.tables import sink as sink_tables
 from airflow_provider_lr.engine.tables.definition import TableName, read_definition
 from airflow_provider_lr.engine.tables.range_copy import copy_to_targets
@@ -280,12 +281,18 @@ def _write(
         sink_tables.applying(write.cur)
         copied = rows = 0
         at = view.meta.last_log_entry_processed
+        # cleared children first, copied parents first, by the sink's foreign keys (``tables/references``)
+        order = references.load_order(list(view.tables), references.edges(write.cur, view.tables))
+        targets = {}
+        for name in reversed(order):
+            target = sink_tables.prepare(write.cur, key.source, key.client, view.tables[name][2], f"session {key}")
+            if target is None:
+                raise PeerUnfit(f"{name} is open on the sink as not federated")
+            sink_tables.clear(write.cur, target)
+            targets[name] = target
         with peer.cursor() as read:
-            for name, (held, federated, definition) in sorted(view.tables.items()):
-                target = sink_tables.prepare(write.cur, key.source, key.client, definition, f"session {key}")
-                if target is None:
-                    raise PeerUnfit(f"{name} is open on the sink as not federated")
-                sink_tables.clear(write.cur, target)
+            for name in order:
+                (held, federated, definition), target = view.tables[name], targets[name]
                 n, (count,) = copy_to_targets(read, definition, None, [(write.cur, target)])
                 copied, rows = copied + n, rows + count
                 sink_tables.record(

@@ -80,9 +80,13 @@ class _Tee:
 
 
 def select_statement(definition: TableDefinition, where: sql.Composable | None = None) -> sql.Composed:
-    """The source's rows of the table (``where``: a key range), its columns by name."""
+    """The source's rows of the table (``where``: a key range), its columns by name: ``ONLY`` its own,
+    as its capture follows only statements naming it. A table given an inheritance child after it
+    was opened (the open refuses one that has any) has the child's rows in a plain ``SELECT``: they
+    were copied into the sinks, where a key the child shares with the table refused every snapshot
+    of it, for good."""
     cols = sql.SQL(", ").join(map(sql.Identifier, definition.column_names))
-    query = sql.SQL("SELECT {} FROM {}").format(cols, definition.table.ident)
+    query = sql.SQL("SELECT {} FROM ONLY {}").format(cols, definition.table.ident)
     if where is not None:
         query = sql.SQL("{} WHERE {}").format(query, where)
     return sql.SQL("COPY ({}) TO STDOUT (FORMAT binary)").format(query)

@@ -181,8 +181,10 @@ def diverged(conn: psycopg2.extensions.connection) -> list[Divergence]:
 
     * as a sink: it holds the table (synced or syncing) from a session that was failed over (and
       the promoted site, which did not hold it, did not take it over) or that no longer exists;
-    * as a source: it is captured here (a ``table_id``) but its capture triggers are gone, or its
-      client has no sink session from this site (the triggers then capture nothing)."""
+    * as a source: it is captured here (a ``table_id``) but its capture triggers are gone, it was
+      made part of a partition or inheritance hierarchy since (its triggers miss writes naming
+      another member), or its client has no sink session from this site (the triggers then
+      capture nothing)."""
     found = []
     with conn.cursor() as cur:
         rows = sink_sessions.tables_of_closed_sessions(cur, (TableState.SYNCED, TableState.SYNCING))
@@ -220,6 +222,16 @@ def diverged(conn: psycopg2.extensions.connection) -> list[Divergence]:
                         client,
                         "captured here but its capture triggers are gone: changes are "
                         "not replicated (reopen it: lr tables open)",
+                    )
+                )
+            elif (hierarchy := registry.not_capturable(cur, TableName.parse(name))) is not None:
+                found.append(  # made a partition, or given an inheritance parent or child, since it was opened
+                    Divergence(
+                        name,
+                        client,
+                        f"captured here, but {hierarchy}: it became so after lr tables open, which refuses such a "
+                        "table; the sinks hold the table's own rows and may miss changes. Take it out of the "
+                        "hierarchy (ALTER TABLE ... NO INHERIT, DETACH PARTITION) or close it (lr tables close)",
                     )
                 )
             elif not has_sink:

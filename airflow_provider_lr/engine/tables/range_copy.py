@@ -101,7 +101,7 @@ def plan_ranges(
     if parts <= 1:
         return [KeyRange(name, 0)]
     if kind in _INTEGER_TYPES:
-        cur.execute(sql.SQL("SELECT min({k}), max({k}) FROM {t}").format(k=key, t=definition.table.ident))
+        cur.execute(sql.SQL("SELECT min({k}), max({k}) FROM ONLY {t}").format(k=key, t=definition.table.ident))
         lo, hi = cur.fetchone()
         if lo is None:
             return [KeyRange(name, 0)]
@@ -109,7 +109,7 @@ def plan_ranges(
         bounds = [str(b) for b in range(lo + step, hi + 1, step)]
     else:
         cur.execute(
-            sql.SQL("SELECT percentile_disc(%s::float8[]) WITHIN GROUP (ORDER BY {k})::text[] FROM {t}").format(
+            sql.SQL("SELECT percentile_disc(%s::float8[]) WITHIN GROUP (ORDER BY {k})::text[] FROM ONLY {t}").format(
                 k=key, t=definition.table.ident
             ),
             ([i / parts for i in range(1, parts)],),

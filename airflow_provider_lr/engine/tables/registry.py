@@ -170,7 +170,7 @@ def federate(
     definition = read_definition(cur, table)
     if definition is None:
         raise TableError(f"table {table} does not exist on this site")
-    why = _not_capturable(cur, table)
+    why = not_capturable(cur, table)
     if why:
         raise TableError(f"table {table} cannot be federated: {why}")
     if not definition.key:
@@ -220,7 +220,7 @@ def federate(
     return result
 
 
-def _not_capturable(cur: psycopg2.extensions.cursor, table: TableName) -> str | None:
+def not_capturable(cur: psycopg2.extensions.cursor, table: TableName) -> str | None:
     """Why the capture triggers would not see every change of ``table`` (or must not be put on it),
     or None. They are statement-level: a write to a partition or an inheritance child fires the
     triggers of the table it names only, so a partitioned table, a partition, or a table with

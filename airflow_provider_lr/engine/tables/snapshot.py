@@ -37,6 +37,7 @@ from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, TableSplits
 from airflow_provider_lr.engine.store.sink_sessions import FencedTransaction
+from airflow_provider_lr.engine.tables import references
 from airflow_provider_lr.engine.tables import sink as sink_tables
 from airflow_provider_lr.engine.tables.definition import TableDefinition, TableName, read_definition
 from airflow_provider_lr.engine.tables.range_copy import ROWS_ESTIMATE, KeyRange, copy_to_targets, plan_ranges
@@ -111,6 +112,15 @@ def needed_by_client(
             ):
                 continue
             lacking.setdefault(client, []).append(table)
+    if lacking:  # a table the sink links by a foreign key to one it lacks is written with it (``references``)
+        with sink.cursor() as cur:
+            for client, tables in lacking.items():
+                every = {t.table: t for t in federated[client]}
+                found = references.edges(cur, every)
+                if found:
+                    taken = references.linked([t.table for t in tables], every, found)
+                    lacking[client] = [every[t] for t in sorted(taken)]
+        sink.rollback()
     return lacking
 
 
@@ -195,35 +205,62 @@ class TableSnapshot:
 
     # --- in process ---------------------------------------------------------------------------
     def write(self) -> SnapshotReport:
-        """The whole snapshot in this process: per table, one sink transaction at each sink that
-        needs it (atomic there), the rows read once for all of them."""
-        assert self.split is not None, "open() first"
+        """The whole snapshot in this process, the rows of each table read once for every sink that
+        needs it. A table is one sink transaction at each sink (atomic there); tables a sink links by
+        foreign keys are one transaction together, cleared children first and copied parents first
+        (``references``): written table by table in name order, a child copied before its parent
+        was refused for good, and a parent cleared after it cascaded the child's rows away."""
+        assert self.split is not None
         tracker = progress.track(f"table snapshot {self.client}", len(self.definitions), "tables")
-        for n, (table, definition) in enumerate(sorted(self.definitions.items())):
-            writes: list[tuple[SinkSide, FencedTransaction, Target, int]] = []
-            try:
-                for side in self.sinks:
-                    federated = next((t for t in side.tables if t.table == table), None)
-                    if federated is None:
-                        continue
-                    write = FencedTransaction(side.conn, side.key.source, side.key.client, side.epoch)
-                    write.open()
-                    try:
-                        target = self._prepare(write.cur, side, federated, definition, TableState.SYNCED)
-                    except BaseException:
-                        write.abort()
-                        raise
-                    if target is None:
-                        write.commit()
-                        continue
-                    writes.append((side, write, target, federated.table_id))
-                if writes:
-                    with self.source.cursor() as cur:
-                        copied, rows = copy_to_targets(cur, definition, None, [(w.cur, t) for _, w, t, _ in writes])
-                    self.report.bytes += copied
-                    fault_point("table_snapshot_before_commit")
-                while writes:
-                    (side, write, _, table_id), count = writes.pop(0), rows.pop(0)
+        found: set[references.Edge] = set()
+        for side in self.sinks:
+            with side.conn.cursor() as cur:
+                found |= references.edges(cur, [t.table for t in side.tables])
+            side.conn.rollback()
+        order = references.load_order(list(self.definitions), found)
+        done = 0
+        while order:
+            group = [t for t in order if t in references.linked([order[0]], order, found)]
+            order = [t for t in order if t not in group]
+            self._write_together(group)
+            done += len(group)
+            tracker.update(done)
+        tracker.finish()
+        return self.report
+
+    def _write_together(self, group: Sequence[TableName]) -> None:
+        """``group`` (in load order) in one transaction at each sink that lacks any of it."""
+        assert self.split is not None
+        opened: list[tuple[SinkSide, FencedTransaction]] = []
+        copies: dict[TableName, list[tuple[SinkSide, FencedTransaction, Target, int]]] = {}
+        written: list[tuple[SinkSide, TableName, int]] = []
+        try:
+            for side in self.sinks:
+                mine = {t.table: t for t in side.tables if t.table in group}
+                if not mine:
+                    continue
+                write = FencedTransaction(side.conn, side.key.source, side.key.client, side.epoch)
+                write.open()
+                opened.append((side, write))
+                targets = {}
+                for table in (t for t in group if t in mine):
+                    targets[table] = self._prepare(
+                        write.cur, side, mine[table], self.definitions[table], TableState.SYNCED, clear=False
+                    )
+                for table, target in reversed(targets.items()):  # children cleared before their parents
+                    if target is not None:
+                        self._clear(write.cur, side, mine[table], target, TableState.SYNCED)
+                        copies.setdefault(table, []).append((side, write, target, mine[table].table_id))
+            for table in group:  # parents copied before their children
+                writes = copies.get(table, [])
+                if not writes:
+                    continue
+                with self.source.cursor() as cur:
+                    copied, rows = copy_to_targets(
+                        cur, self.definitions[table], None, [(w.cur, t) for _, w, t, _ in writes]
+                    )
+                self.report.bytes += copied
+                for (side, write, _, table_id), count in zip(writes, rows):
                     sink_tables.record(
                         write.cur,
                         side.key.source,
@@ -236,15 +273,19 @@ class TableSnapshot:
                         split_upto=self.split.upto,
                         rows_copied=count,
                     )
-                    write.commit()
-                    self.report.tables[f"{side.key}:{table}"] = TableState.SYNCED
-                    self.report.rows += count
-            finally:
-                for _, write, _, _ in writes:
-                    write.abort()
-            tracker.update(n + 1)
-        tracker.finish()
-        return self.report
+                    written.append((side, table, count))
+            if written:
+                fault_point("table_snapshot_before_commit")
+            while opened:
+                side, write = opened.pop(0)
+                write.commit()
+                for by, table, count in written:
+                    if by is side:
+                        self.report.tables[f"{side.key}:{table}"] = TableState.SYNCED
+                        self.report.rows += count
+        finally:
+            for _, write in opened:
+                write.abort()
 
     # --- on Spark -----------------------------------------------------------------------------
     def begin(self) -> None:
@@ -252,8 +293,15 @@ class TableSnapshot:
         marked ``syncing`` under this run (one sink transaction per sink)."""
         for side in self.sinks:
             with FencedTransaction(side.conn, side.key.source, side.key.client, side.epoch) as (cur, _):
-                for table in side.tables:
-                    self._prepare(cur, side, table, self.definitions[table.table], TableState.SYNCING)
+                found = references.edges(cur, [t.table for t in side.tables])
+                mine = {t.table: t for t in side.tables}
+                order = references.load_order(list(mine), found)
+                targets = {
+                    t: self._prepare(cur, side, mine[t], self.definitions[t], TableState.SYNCING, False) for t in order
+                }
+                for table, target in reversed(targets.items()):  # children cleared before their parents
+                    if target is not None:
+                        self._clear(cur, side, mine[table], target, TableState.SYNCING)
 
     def finish(self, ranges: Sequence[KeyRange]) -> SnapshotReport:
         """After the tasks: each sink's tables whose ranges are all written are recorded synced with
@@ -332,10 +380,12 @@ class TableSnapshot:
         table: FederatedTable,
         definition: TableDefinition,
         state: str,
+        clear: bool = True,
     ) -> Target | None:
-        """The sink's target for ``table`` (None: a conflict, recorded), cleared of this source's rows.
-        The range records of a run that was writing the table and never finished (fenced, its sink
-        restarted: left ``syncing``) go too: only that run's finish would have removed them."""
+        """The sink's target for ``table`` (None: a conflict, recorded), cleared of this source's rows
+        (``clear``; else by ``_clear`` after). The range records of a run that was writing the table
+        and never finished (fenced, its sink restarted: left ``syncing``) go too: only that run's
+        finish would have removed them."""
         sink_tables.applying(cur)
         cur.execute(
             "DELETE FROM lr.sink_table_ranges r USING lr.sink_tables t WHERE t.source_site_id = %s "
@@ -361,6 +411,14 @@ class TableSnapshot:
             log.warning("%s: %s is not federated on the sink; its data is dropped there", where, table.table)
             self.report.tables[f"{side.key}:{table.table}"] = TableState.CONFLICT
             return None
+        if clear:
+            self._clear(cur, side, table, target, state)
+        return target
+
+    def _clear(
+        self, cur: psycopg2.extensions.cursor, side: SinkSide, table: FederatedTable, target: Target, state: str
+    ) -> None:
+        """The source's rows of ``target`` cleared, the table recorded in ``state`` under this run."""
         sink_tables.clear(cur, target)
         sink_tables.record(
             cur,
@@ -375,4 +433,3 @@ class TableSnapshot:
             detail=target.note,
             rows_copied=None,
         )
-        return target
