@@ -3,11 +3,18 @@ full sync, trim — the same engine the DAGs run, through Airflow-style connecti
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
+import time
+from collections.abc import Iterator
 
+import psycopg2
 import yaml
 
 from airflow_provider_lr import cli
+from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.engine.source import full_sync
 from tests.support.session import App, final_state, queue, source_state, topology_doc
 
 
@@ -270,3 +277,79 @@ def test_lr_sync_and_trim_refuse_a_topology_that_replicates_nothing(tmp_path, ca
     for command in (["sync"], ["sync", "--once"], ["trim"]):
         assert cli.main([*command, "--topology", str(path)]) == 1  # streaming would wait for nothing, forever
         assert "the topology replicates nothing (no replication: entry)" in capsys.readouterr().err
+
+
+@contextlib.contextmanager
+def supplying(source, sink: str) -> Iterator[None]:
+    """A full sync of site-a->``sink``/policy being supplied (as a replicator's cycle supplies it)
+    for as long as the block runs: a provider that takes minutes, its transaction open."""
+    full_sync.request_full_sync(psycopg2.connect(source.dsn), sink, "policy", "first")
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_provider(ctx) -> None:
+        entered.set()
+        release.wait(30)
+
+    conn = psycopg2.connect(source.dsn)
+    supply = threading.Thread(
+        target=full_sync.serve_full_sync_requests, args=(RoutingQueueClient(conn, "policy"), slow_provider, 1)
+    )
+    supply.start()
+    try:
+        assert entered.wait(10)
+        yield
+    finally:
+        release.set()
+        supply.join()
+        conn.close()
+
+
+def test_full_sync_asked_while_a_long_supply_of_the_same_session_runs_is_recorded_at_once_and_supersedes_it(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """`lr full-sync` of a session whose full sync a replicator is supplying now (a provider that
+    takes minutes): before, the request waited for the supply's lock on the old request and failed
+    with a lock timeout after 5 s, asking nothing. Now it is recorded at once; the supply in
+    progress ends superseded and the new request is the session's one open request."""
+    source, sink_b, _ = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    App(source).close()
+    with supplying(source, "site-b"):
+        started = time.monotonic()
+        assert cli.main(["full-sync", "--topology", topo, "--sink", "site-b", "--reason", "asked meanwhile"]) == 0
+        assert time.monotonic() - started < 3.0
+    requests = source.query(
+        "SELECT reason, status, note FROM lr.full_sync_requests WHERE sink_site_id = 'site-b' ORDER BY requested_at"
+    )
+    assert requests == [("first", "cancelled", "superseded by a newer request"), ("asked meanwhile", "pending", None)]
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 0
+    assert source.query(
+        "SELECT status FROM lr.full_sync_requests WHERE sink_site_id = 'site-b' ORDER BY requested_at"
+    ) == [
+        ("cancelled",),
+        ("applied",),
+    ]
+    assert queue(sink_b, "site-a")[0] == ("start", "")
+
+
+def test_topology_apply_removing_a_session_whose_full_sync_is_being_supplied_does_not_wait_for_the_supply(
+    lr_sites, tmp_path, monkeypatch
+):
+    """A topology that drops site-c while a long supply of site-a->site-c/policy runs: before, the
+    apply waited for the supply's lock on its request and failed (all or nothing) after 5 s. Now it
+    applies at once; the supply, as it ends, closes its request: nothing left open holds trim."""
+    source = lr_sites[0]
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    App(source).close()
+    with supplying(source, "site-c"):
+        doc = yaml.safe_load(open(topo).read())
+        doc["replication"][0]["sinks"] = ["site-b"]
+        open(topo, "w").write(yaml.safe_dump(doc))
+        started = time.monotonic()
+        assert cli.main(["topology", "apply", "--topology", topo]) == 0
+        assert time.monotonic() - started < 3.0
+    assert source.query("SELECT status, note FROM lr.full_sync_requests") == [
+        ("cancelled", "session removed from the topology")
+    ]

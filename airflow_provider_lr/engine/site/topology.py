@@ -100,11 +100,13 @@ def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site
                     (spec.site_id, spec.region),
                 )
             source_sessions.keep_only(cur, [(k.sink, k.client) for k in mine])
-            # a removed session's open full sync would hold safe trim at its base forever
+            # a removed session's open full sync would hold safe trim at its base forever; one under
+            # supply now is not waited for (its supply closes it as it ends: full_sync._supersede)
             cur.execute(
                 f"UPDATE lr.full_sync_requests SET status = '{RequestStatus.CANCELLED}', finished_at = now(), "
-                f"note = 'session removed from the topology' WHERE status IN {OPEN_STATUSES_SQL} "
-                "AND NOT (sink_site_id || '/' || client_name = ANY (%s::text[]))",
+                "note = 'session removed from the topology' WHERE request_id IN (SELECT request_id "
+                f"FROM lr.full_sync_requests WHERE status IN {OPEN_STATUSES_SQL} "
+                "AND NOT (sink_site_id || '/' || client_name = ANY (%s::text[])) FOR UPDATE SKIP LOCKED)",
                 ([f"{k.sink}/{k.client}" for k in mine],),
             )
             topologies.record(cur, topology)

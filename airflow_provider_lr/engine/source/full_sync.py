@@ -90,7 +90,11 @@ def request_full_sync(
 ) -> FullSyncRequest:
     """Record a full-sync request for the session (sink, client) on this source, cancelling any
     open one for the same session first. Commits. A replicator passes its ``lease``: the request is
-    made only while that lease is current (a stale one must not cancel its successor's sync)."""
+    made only while that lease is current (a stale one must not cancel its successor's sync).
+
+    An open request whose supply is running now (the supply's transaction holds its row, for as
+    long as the provider takes: minutes for a large one) is not waited for: the supply cancels it
+    as it ends (``_supersede``). The session's row, locked here and there, orders the two."""
     try:
         with conn.cursor() as cur:
             if lease is not None:
@@ -99,15 +103,16 @@ def request_full_sync(
                         f"session to {sink!r} for {client!r}: lease epoch {lease.epoch} of {lease.owner} was taken "
                         "over; no full sync requested"
                     )
-            if not source_sessions.exists(cur, sink, client):
+            if not source_sessions.exists(cur, sink, client, lock=True):
                 known = source_sessions.names(cur)
                 raise ConfigurationError(
                     f"no session to sink {sink!r} for client {client!r} on this source; sessions are {known}"
                 )
             cur.execute(
                 f"UPDATE lr.full_sync_requests SET status = '{RequestStatus.CANCELLED}', finished_at = now(), "
-                "note = 'superseded by a newer request' "
-                f"WHERE sink_site_id = %s AND client_name = %s AND status IN {OPEN_STATUSES_SQL}",
+                "note = 'superseded by a newer request' WHERE request_id IN (SELECT request_id "
+                f"FROM lr.full_sync_requests WHERE sink_site_id = %s AND client_name = %s AND status IN {OPEN_STATUSES_SQL} "
+                "FOR UPDATE SKIP LOCKED)",
                 (sink, client),
             )
             cur.execute(
@@ -433,6 +438,7 @@ def serve_full_sync_requests(
                 )
             conn.commit()
             served.append(request.request_id)
+            _supersede(conn, request)
         except psycopg2.errors.SerializationFailure:
             conn.rollback()  # the request changed (cancelled) after our snapshot: look again
         except BaseException as exc:
@@ -441,6 +447,30 @@ def serve_full_sync_requests(
                 _note(conn, request.request_id, one_line(exc))
             raise
     return served
+
+
+def _supersede(conn: psycopg2.extensions.connection, request: FullSyncRequest) -> None:
+    """Cancel ``request``, just supplied, when a newer request of its session was made while it was
+    supplied, or a topology applied meanwhile removed the session (both skip a request under
+    supply, whose row the supply holds): one open request per session, none for a removed one."""
+    with conn.cursor() as cur:
+        if not source_sessions.exists(cur, request.sink_site_id, request.client_name, lock=True):
+            note, newer = "session removed from the topology", ""
+        else:
+            note, newer = (
+                "superseded by a newer request",
+                (
+                    "AND EXISTS (SELECT 1 FROM lr.full_sync_requests n WHERE n.sink_site_id = r.sink_site_id "
+                    f"AND n.client_name = r.client_name AND n.status IN {OPEN_STATUSES_SQL} "
+                    "AND n.requested_at > r.requested_at)"
+                ),
+            )
+        cur.execute(
+            f"UPDATE lr.full_sync_requests r SET status = '{RequestStatus.CANCELLED}', finished_at = now(), note = %s "
+            f"WHERE r.request_id = %s AND r.status IN {OPEN_STATUSES_SQL} {newer}",
+            (note, request.request_id),
+        )
+    conn.commit()
 
 
 def _note(conn: psycopg2.extensions.connection, request_id: str, note: str) -> None:

@@ -159,8 +159,13 @@ def held_leases(cur: psycopg2.extensions.cursor, since_known: bool) -> list[tupl
 
 
 # --- the sessions a source has ----------------------------------------------------------------
-def exists(cur: psycopg2.extensions.cursor, sink: str, client: str) -> bool:
-    cur.execute("SELECT 1 FROM lr.source_sessions WHERE sink_site_id = %s AND client_name = %s", (sink, client))
+def exists(cur: psycopg2.extensions.cursor, sink: str, client: str, lock: bool = False) -> bool:
+    """Whether the session is recorded; ``lock``: and lock its row (FOR UPDATE) until the commit."""
+    cur.execute(
+        "SELECT 1 FROM lr.source_sessions WHERE sink_site_id = %s AND client_name = %s"
+        + (" FOR UPDATE" if lock else ""),
+        (sink, client),
+    )
     return cur.fetchone() is not None
 
 
