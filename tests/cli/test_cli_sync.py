@@ -8,6 +8,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg2
 import yaml
@@ -353,3 +354,26 @@ def test_topology_apply_removing_a_session_whose_full_sync_is_being_supplied_doe
     assert source.query("SELECT status, note FROM lr.full_sync_requests") == [
         ("cancelled", "session removed from the topology")
     ]
+
+
+def test_a_topology_apply_beside_another_apply_still_open_on_a_site_says_a_lock_is_held_not_a_privilege(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """Two applies at once, the first slow to commit on site-a: the second's wait is bounded
+    (lock_timeout_s) and says a lock is held elsewhere; before, it told the operator to apply as
+    the owner of the lr schema, which they were."""
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    text = Path(topo).read_text().replace("settings: {}", "settings: {lock_timeout_s: 1}")
+    Path(topo).write_text(text)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    first = psycopg2.connect(lr_sites[0].dsn)
+    with first.cursor() as cur:
+        cur.execute("SELECT 1 FROM lr.topology FOR UPDATE")
+    capsys.readouterr()
+    try:
+        assert cli.main(["topology", "apply", "--topology", topo]) == 1
+    finally:
+        first.close()
+    err = capsys.readouterr().err
+    assert "site 'site-a': a lock lr needs is held by another transaction (lock_timeout)" in err, err
+    assert "nothing was applied on any site" in err and "owner" not in err, err

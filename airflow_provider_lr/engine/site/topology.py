@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
+import psycopg2.errors
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, TopologyMismatchError, one_line
 from airflow_provider_lr.engine.source.moved import refuse_moved_writers
 from airflow_provider_lr.engine.store import receive_queue, sink_sessions, source_sessions
@@ -241,10 +243,11 @@ def apply_everywhere(
             try:
                 apply_to_site(conn, topology, site_id, commit=False)
                 outcome[site_id] = prune_sink_sessions(conn, topology, site_id) if prune else ([], [])
-            except psycopg2.Error as exc:  # e.g. a role that may not change lr's tables
+            except psycopg2.Error as exc:  # a role that may not change lr's tables; a lock held elsewhere
+                owner = isinstance(exc, psycopg2.errors.InsufficientPrivilege)
                 raise ConfigurationError(
-                    f"site {site_id!r}: {one_line(exc)}; nothing was applied on any site "
-                    "(apply the topology as the owner of the lr schema)"
+                    f"site {site_id!r}: {failure(exc)}; nothing was applied on any site"
+                    + (" (apply the topology as the owner of the lr schema)" if owner else "")
                 ) from exc
         for conn in conns.values():
             conn.commit()
