@@ -323,14 +323,12 @@ def test_full_sync_asked_while_a_long_supply_of_the_same_session_runs_is_recorde
     requests = source.query(
         "SELECT reason, status, note FROM lr.full_sync_requests WHERE sink_site_id = 'site-b' ORDER BY requested_at"
     )
-    assert requests == [("first", "cancelled", "superseded by a newer request"), ("asked meanwhile", "pending", None)]
+    assert requests == [("first", "supplied", None), ("asked meanwhile", "pending", None)]
     assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 0
     assert source.query(
-        "SELECT status FROM lr.full_sync_requests WHERE sink_site_id = 'site-b' ORDER BY requested_at"
-    ) == [
-        ("cancelled",),
-        ("applied",),
-    ]
+        "SELECT status, split_part(note, ' by ', 1) FROM lr.full_sync_requests WHERE sink_site_id = 'site-b' "
+        "ORDER BY requested_at"
+    ) == [("cancelled", "superseded"), ("applied", "applied")]
     assert queue(sink_b, "site-a")[0] == ("start", "")
 
 
@@ -351,7 +349,8 @@ def test_topology_apply_removing_a_session_whose_full_sync_is_being_supplied_doe
         started = time.monotonic()
         assert cli.main(["topology", "apply", "--topology", topo]) == 0
         assert time.monotonic() - started < 3.0
-    assert source.query("SELECT status, note FROM lr.full_sync_requests") == [
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 0
+    assert source.query("SELECT status, note FROM lr.full_sync_requests WHERE sink_site_id = 'site-c'") == [
         ("cancelled", "session removed from the topology")
     ]
 

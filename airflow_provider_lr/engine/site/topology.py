@@ -103,7 +103,7 @@ def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site
                 )
             source_sessions.keep_only(cur, [(k.sink, k.client) for k in mine])
             # a removed session's open full sync would hold safe trim at its base forever; one under
-            # supply now is not waited for (its supply closes it as it ends: full_sync._supersede)
+            # supply now is not waited for (the next look at an open request closes it: full_sync.close_superseded)
             cur.execute(
                 f"UPDATE lr.full_sync_requests SET status = '{RequestStatus.CANCELLED}', finished_at = now(), "
                 "note = 'session removed from the topology' WHERE request_id IN (SELECT request_id "

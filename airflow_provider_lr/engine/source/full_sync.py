@@ -93,8 +93,8 @@ def request_full_sync(
     made only while that lease is current (a stale one must not cancel its successor's sync).
 
     An open request whose supply is running now (the supply's transaction holds its row, for as
-    long as the provider takes: minutes for a large one) is not waited for: the supply cancels it
-    as it ends (``_supersede``). The session's row, locked here and there, orders the two."""
+    long as the provider takes: minutes for a large one) is not waited for: the next look at the
+    session's open request cancels it (``open_request``)."""
     try:
         with conn.cursor() as cur:
             if lease is not None:
@@ -103,7 +103,7 @@ def request_full_sync(
                         f"session to {sink!r} for {client!r}: lease epoch {lease.epoch} of {lease.owner} was taken "
                         "over; no full sync requested"
                     )
-            if not source_sessions.exists(cur, sink, client, lock=True):
+            if not source_sessions.exists(cur, sink, client):
                 known = source_sessions.names(cur)
                 raise ConfigurationError(
                     f"no session to sink {sink!r} for client {client!r} on this source; sessions are {known}"
@@ -129,8 +129,10 @@ def request_full_sync(
 
 
 def open_request(conn: psycopg2.extensions.connection, sink: str, client: str) -> FullSyncRequest | None:
-    """The session's open (pending or supplied) request, newest first."""
+    """The session's open (pending or supplied) request, newest first. Requests a newer one or a
+    topology apply could not cancel while their supply ran (``close_superseded``) are closed first."""
     with conn.cursor() as cur:
+        close_superseded(cur)
         cur.execute(
             f"SELECT {_COLUMNS} FROM lr.full_sync_requests WHERE sink_site_id = %s AND client_name = %s "
             f"AND status IN {OPEN_STATUSES_SQL} ORDER BY requested_at DESC LIMIT 1",
@@ -139,6 +141,22 @@ def open_request(conn: psycopg2.extensions.connection, sink: str, client: str) -
         row = cur.fetchone()
     conn.commit()
     return _request(row) if row else None
+
+
+def close_superseded(cur: psycopg2.extensions.cursor) -> None:
+    """Cancel every open request that a newer open request of its session supersedes, or whose
+    session the topology removed: ``request_full_sync`` and a topology apply skip a request under
+    supply (its supply holds the row for as long as the provider takes) rather than wait for it.
+    A request under supply now is skipped here too; its turn comes at the next look."""
+    cur.execute(
+        f"UPDATE lr.full_sync_requests SET status = '{RequestStatus.CANCELLED}', finished_at = now(), "
+        "note = CASE WHEN x.removed THEN 'session removed from the topology' ELSE 'superseded by a newer request' END "
+        f"FROM (SELECT r.request_id, NOT {source_sessions.recorded('r')} AS removed FROM lr.full_sync_requests r "
+        f"WHERE r.status IN {OPEN_STATUSES_SQL} AND (NOT {source_sessions.recorded('r')} OR EXISTS (SELECT 1 "
+        "FROM lr.full_sync_requests n WHERE n.sink_site_id = r.sink_site_id AND n.client_name = r.client_name "
+        f"AND n.status IN {OPEN_STATUSES_SQL} AND n.requested_at > r.requested_at)) FOR UPDATE OF r SKIP LOCKED) x "
+        "WHERE lr.full_sync_requests.request_id = x.request_id"
+    )
 
 
 def sessions_requested(conn: psycopg2.extensions.connection) -> set[tuple[str, str]]:
@@ -438,7 +456,6 @@ def serve_full_sync_requests(
                 )
             conn.commit()
             served.append(request.request_id)
-            _supersede(conn, request)
         except psycopg2.errors.SerializationFailure:
             conn.rollback()  # the request changed (cancelled) after our snapshot: look again
         except BaseException as exc:
@@ -447,30 +464,6 @@ def serve_full_sync_requests(
                 _note(conn, request.request_id, one_line(exc))
             raise
     return served
-
-
-def _supersede(conn: psycopg2.extensions.connection, request: FullSyncRequest) -> None:
-    """Cancel ``request``, just supplied, when a newer request of its session was made while it was
-    supplied, or a topology applied meanwhile removed the session (both skip a request under
-    supply, whose row the supply holds): one open request per session, none for a removed one."""
-    with conn.cursor() as cur:
-        if not source_sessions.exists(cur, request.sink_site_id, request.client_name, lock=True):
-            note, newer = "session removed from the topology", ""
-        else:
-            note, newer = (
-                "superseded by a newer request",
-                (
-                    "AND EXISTS (SELECT 1 FROM lr.full_sync_requests n WHERE n.sink_site_id = r.sink_site_id "
-                    f"AND n.client_name = r.client_name AND n.status IN {OPEN_STATUSES_SQL} "
-                    "AND n.requested_at > r.requested_at)"
-                ),
-            )
-        cur.execute(
-            f"UPDATE lr.full_sync_requests r SET status = '{RequestStatus.CANCELLED}', finished_at = now(), note = %s "
-            f"WHERE r.request_id = %s AND r.status IN {OPEN_STATUSES_SQL} {newer}",
-            (note, request.request_id),
-        )
-    conn.commit()
 
 
 def _note(conn: psycopg2.extensions.connection, request_id: str, note: str) -> None:

@@ -159,14 +159,18 @@ def held_leases(cur: psycopg2.extensions.cursor, since_known: bool) -> list[tupl
 
 
 # --- the sessions a source has ----------------------------------------------------------------
-def exists(cur: psycopg2.extensions.cursor, sink: str, client: str, lock: bool = False) -> bool:
-    """Whether the session is recorded; ``lock``: and lock its row (FOR UPDATE) until the commit."""
-    cur.execute(
-        "SELECT 1 FROM lr.source_sessions WHERE sink_site_id = %s AND client_name = %s"
-        + (" FOR UPDATE" if lock else ""),
-        (sink, client),
-    )
+def exists(cur: psycopg2.extensions.cursor, sink: str, client: str) -> bool:
+    cur.execute("SELECT 1 FROM lr.source_sessions WHERE sink_site_id = %s AND client_name = %s", (sink, client))
     return cur.fetchone() is not None
+
+
+def recorded(alias: str) -> str:
+    """SQL fragment for another owner's statement: the session of row ``alias`` (its sink_site_id
+    and client_name) is one this source has (a topology apply removes the others)."""
+    return (
+        f"EXISTS (SELECT 1 FROM lr.source_sessions s WHERE s.sink_site_id = {alias}.sink_site_id "
+        f"AND s.client_name = {alias}.client_name)"
+    )
 
 
 def names(cur: psycopg2.extensions.cursor) -> list[str]:
