@@ -16,7 +16,7 @@ import yaml
 from airflow_provider_lr import cli
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.source import full_sync
-from tests.support.session import App, final_state, queue, source_state, topology_doc
+from tests.support.session import App, final_state, queue, source_state, topology_doc, wait_for
 
 
 def topology_file(tmp_path, sites, monkeypatch, providers: dict | None = None) -> str:
@@ -197,6 +197,51 @@ def test_lr_sync_streams_by_default_until_sigterm_then_releases_its_leases(lr_si
             "SELECT acked_position, lease_owner FROM lr.source_sessions WHERE sink_site_id = %s", (sink.site_id,)
         ) == [(position, None)]
     app.close()
+
+
+def stalling_provider(ctx) -> None:
+    """A provider whose supply takes a minute, as a large table's does."""
+    ctx.transmit(b"k0=0")
+    time.sleep(60)
+
+
+def test_sigterm_during_a_long_supply_says_what_it_waits_for_and_a_second_one_stops_at_once(
+    lr_sites, tmp_path, monkeypatch
+):
+    """SIGTERM while `lr sync` supplies a full sync whose provider takes minutes: before, it waited
+    for the whole supply saying nothing, and a second SIGTERM changed nothing. Now it says it
+    finishes the step first, and a second SIGTERM leaves at once: the supply rolled back, the
+    request still pending for whoever runs next, the leases released."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    source = lr_sites[0]
+    topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={"policy": f"{__name__}:stalling_provider"})
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    log = tmp_path / "sync.log"
+    with open(log, "wb") as out:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "airflow_provider_lr.cli", "sync", "--topology", topo],
+            env={**os.environ},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_for(lambda: source.query("SELECT count(*) FROM lr.full_sync_requests") != [(0,)], 30, "a request")
+        time.sleep(1.0)  # the cycle that asked it supplies it now
+        child.send_signal(signal.SIGTERM)
+        wait_for(lambda: "lr sync: stopping (SIGTERM)" in log.read_text(), 5, "the stop said")
+        time.sleep(0.5)
+        assert child.poll() is None, "the supply in progress ends first"
+        child.send_signal(signal.SIGTERM)
+        child.wait(10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert source.query("SELECT DISTINCT status FROM lr.full_sync_requests") == [("pending",)]
+    assert source.query("SELECT DISTINCT lease_owner FROM lr.source_sessions") == [(None,)]
 
 
 def test_lr_sync_says_a_down_sink_once_on_one_line_without_made_up_figures(lr_sites, tmp_path, monkeypatch, capsys):
