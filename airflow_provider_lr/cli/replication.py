@@ -147,8 +147,9 @@ def cmd_sync(args: argparse.Namespace) -> int:
     def connect(site_id: str) -> psycopg2.extensions.connection:
         return connector(following[0].topology if following else topo)(site_id)
 
+    stop = threading.Event()
     repl = replicator.Replicator(
-        topo, connect, log_failures=False, membership=not bounded, follow_file=not bounded
+        topo, connect, log_failures=False, membership=not bounded, follow_file=not bounded, stop=stop
     )  # prints reports
     following.append(repl)
     skips: dict[str, str] = {}  # a session leased elsewhere is said once, and again when that changes
@@ -182,7 +183,6 @@ def cmd_sync(args: argparse.Namespace) -> int:
         counters.cycle(reports)  # the streamer counts its own cycles
         show(reports)
 
-    stop = threading.Event()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: _stop_asked(stop))  # a service manager's stop: leave cleanly
     streaming = not (args.once or args.cycles or args.until_idle or args.no_stream)

@@ -200,9 +200,46 @@ def test_lr_sync_streams_by_default_until_sigterm_then_releases_its_leases(lr_si
 
 
 def stalling_provider(ctx) -> None:
-    """A provider whose supply takes a minute, as a large table's does."""
+    """A provider whose supply takes a while (a minute: a large table's), $LR_TEST_SUPPLY_S seconds."""
+    import os
+
     ctx.transmit(b"k0=0")
-    time.sleep(60)
+    time.sleep(float(os.environ.get("LR_TEST_SUPPLY_S", "60")))
+
+
+def stalling_sync(topo: str, log, supply_s: float):
+    """`lr sync` in a process of its own, its provider stalling ``supply_s`` seconds per supply."""
+    import os
+    import subprocess
+    import sys
+
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "airflow_provider_lr.cli", "sync", "--topology", topo],
+            env={**os.environ, "LR_TEST_SUPPLY_S": str(supply_s)},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def test_sigterm_during_the_first_of_two_supplies_leaves_once_that_session_is_done(lr_sites, tmp_path, monkeypatch):
+    """Two sessions in their first full sync, supplied one after the other in one cycle: SIGTERM
+    during the first ends `lr sync` after it; before, it went on to supply the next one too (a stop
+    waited for every session's provider in turn)."""
+    import signal
+
+    source = lr_sites[0]
+    topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={"policy": f"{__name__}:stalling_provider"})
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    child = stalling_sync(topo, tmp_path / "sync.log", 1.5)
+    try:
+        wait_for(lambda: source.query("SELECT count(*) FROM lr.full_sync_requests") != [(0,)], 30, "a request")
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(20) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert source.query("SELECT count(*) FROM lr.full_sync_requests") == [(1,)]
 
 
 def test_sigterm_during_a_long_supply_says_what_it_waits_for_and_a_second_one_stops_at_once(
@@ -212,22 +249,13 @@ def test_sigterm_during_a_long_supply_says_what_it_waits_for_and_a_second_one_st
     for the whole supply saying nothing, and a second SIGTERM changed nothing. Now it says it
     finishes the step first, and a second SIGTERM leaves at once: the supply rolled back, the
     request still pending for whoever runs next, the leases released."""
-    import os
     import signal
-    import subprocess
-    import sys
 
     source = lr_sites[0]
     topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={"policy": f"{__name__}:stalling_provider"})
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
     log = tmp_path / "sync.log"
-    with open(log, "wb") as out:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "airflow_provider_lr.cli", "sync", "--topology", topo],
-            env={**os.environ},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    child = stalling_sync(topo, log, 60)
     try:
         wait_for(lambda: source.query("SELECT count(*) FROM lr.full_sync_requests") != [(0,)], 30, "a request")
         time.sleep(1.0)  # the cycle that asked it supplies it now
