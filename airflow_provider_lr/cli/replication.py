@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -118,6 +119,22 @@ def _replicated(args: argparse.Namespace, what: str) -> topologies.Topology:
     return topo
 
 
+STOPPING = (
+    "lr sync: stopping (SIGTERM): the step in progress ends first (a full sync's supply takes as long as "
+    "its provider); SIGTERM again stops at once, rolling that step back\n"
+)
+
+
+def _stop_asked(stop: threading.Event) -> None:
+    """SIGTERM: leave cleanly once the step in progress ends, and say so (a provider's supply may
+    run for minutes, and a stop that said nothing looked hung); a second SIGTERM leaves now, as
+    Ctrl-C does: that step's transaction is rolled back and the leases are released."""
+    if stop.is_set():
+        raise KeyboardInterrupt
+    stop.set()
+    os.write(sys.stderr.fileno(), STOPPING.encode())  # not print: the handler may interrupt one
+
+
 def cmd_sync(args: argparse.Namespace) -> int:
     topo = _replicated(args, "sync")
     _check_sync(topo)
@@ -130,8 +147,9 @@ def cmd_sync(args: argparse.Namespace) -> int:
     def connect(site_id: str) -> psycopg2.extensions.connection:
         return connector(following[0].topology if following else topo)(site_id)
 
+    stop = threading.Event()
     repl = replicator.Replicator(
-        topo, connect, log_failures=False, membership=not bounded, follow_file=not bounded
+        topo, connect, log_failures=False, membership=not bounded, follow_file=not bounded, stop=stop
     )  # prints reports
     following.append(repl)
     skips: dict[str, str] = {}  # a session leased elsewhere is said once, and again when that changes
@@ -165,9 +183,8 @@ def cmd_sync(args: argparse.Namespace) -> int:
         counters.cycle(reports)  # the streamer counts its own cycles
         show(reports)
 
-    stop = threading.Event()
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a service manager's stop: leave cleanly
+        signal.signal(signal.SIGTERM, lambda *_: _stop_asked(stop))  # a service manager's stop: leave cleanly
     streaming = not (args.once or args.cycles or args.until_idle or args.no_stream)
     reports: list = []
     counters = metrics.ReplicationCounters()

@@ -77,6 +77,33 @@ def test_lr_failover_names_what_is_wrong(lr_sites, tmp_path, monkeypatch, capsys
     assert "is not a sink of 'site-b'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("planned", ["--planned", "--no-planned"])
+def test_a_failover_to_a_sink_without_a_consistent_copy_is_refused_with_nothing_done(
+    lr_sites, tmp_path, monkeypatch, capsys, planned
+):
+    """Promoting a sink still in its first full sync (lr sync had not reached it yet): refused,
+    "nothing was promoted". Before, the refusal came after a switchover had applied the new topology
+    on the old source (its writers refused, its sessions gone) and after every sink was fenced
+    against the old source: nothing replicated any more, and running it again was refused the same."""
+    site_a, site_b, site_c = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    applied = site_a.query("SELECT topology_config_id FROM lr.topology")
+    app = App(site_a)
+    assert cli.main(["sync", "--topology", topo, *SYNC]) == 0
+    site_c.query("UPDATE lr.sink_sessions SET data_consistent = false")  # its first full sync not applied yet
+    capsys.readouterr()
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-c", planned]) == 1
+    assert "site 'site-c' holds no consistent copy of 'site-a''s client 'policy'" in capsys.readouterr().err
+    assert site_a.query("SELECT topology_config_id FROM lr.topology") == applied
+    for sink in (site_b, site_c):
+        assert sink.query("SELECT failed_over_to FROM lr.sink_sessions") == [(None,)], sink.site_id
+    app.put("k0", 0, ["site-b", "site-c"])  # the source's writers carry on
+    app.close()
+    assert cli.main(["sync", "--topology", topo, "--once"]) == 0
+    assert sink_queue(site_b, "policy") == [b"k0=0"]
+
+
 def test_a_planned_switchover_carries_federated_tables_and_refuses_the_old_sources_table_writers(
     lr_sites, tmp_path, monkeypatch, capsys
 ):

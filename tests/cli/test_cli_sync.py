@@ -3,12 +3,20 @@ full sync, trim — the same engine the DAGs run, through Airflow-style connecti
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
+import psycopg2
 import yaml
 
 from airflow_provider_lr import cli
-from tests.support.session import App, final_state, queue, source_state, topology_doc
+from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.engine.source import full_sync
+from tests.support.session import App, final_state, queue, source_state, topology_doc, wait_for
 
 
 def topology_file(tmp_path, sites, monkeypatch, providers: dict | None = None) -> str:
@@ -191,6 +199,79 @@ def test_lr_sync_streams_by_default_until_sigterm_then_releases_its_leases(lr_si
     app.close()
 
 
+def stalling_provider(ctx) -> None:
+    """A provider whose supply takes a while (a minute: a large table's), $LR_TEST_SUPPLY_S seconds."""
+    import os
+
+    ctx.transmit(b"k0=0")
+    time.sleep(float(os.environ.get("LR_TEST_SUPPLY_S", "60")))
+
+
+def stalling_sync(topo: str, log, supply_s: float):
+    """`lr sync` in a process of its own, its provider stalling ``supply_s`` seconds per supply."""
+    import os
+    import subprocess
+    import sys
+
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "airflow_provider_lr.cli", "sync", "--topology", topo],
+            env={**os.environ, "LR_TEST_SUPPLY_S": str(supply_s)},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def test_sigterm_during_the_first_of_two_supplies_leaves_once_that_session_is_done(lr_sites, tmp_path, monkeypatch):
+    """Two sessions in their first full sync, supplied one after the other in one cycle: SIGTERM
+    during the first ends `lr sync` after it; before, it went on to supply the next one too (a stop
+    waited for every session's provider in turn)."""
+    import signal
+
+    source = lr_sites[0]
+    topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={"policy": f"{__name__}:stalling_provider"})
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    child = stalling_sync(topo, tmp_path / "sync.log", 1.5)
+    try:
+        wait_for(lambda: source.query("SELECT count(*) FROM lr.full_sync_requests") != [(0,)], 30, "a request")
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(20) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert source.query("SELECT count(*) FROM lr.full_sync_requests") == [(1,)]
+
+
+def test_sigterm_during_a_long_supply_says_what_it_waits_for_and_a_second_one_stops_at_once(
+    lr_sites, tmp_path, monkeypatch
+):
+    """SIGTERM while `lr sync` supplies a full sync whose provider takes minutes: before, it waited
+    for the whole supply saying nothing, and a second SIGTERM changed nothing. Now it says it
+    finishes the step first, and a second SIGTERM leaves at once: the supply rolled back, the
+    request still pending for whoever runs next, the leases released."""
+    import signal
+
+    source = lr_sites[0]
+    topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={"policy": f"{__name__}:stalling_provider"})
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    log = tmp_path / "sync.log"
+    child = stalling_sync(topo, log, 60)
+    try:
+        wait_for(lambda: source.query("SELECT count(*) FROM lr.full_sync_requests") != [(0,)], 30, "a request")
+        time.sleep(1.0)  # the cycle that asked it supplies it now
+        child.send_signal(signal.SIGTERM)
+        wait_for(lambda: "lr sync: stopping (SIGTERM)" in log.read_text(), 5, "the stop said")
+        time.sleep(0.5)
+        assert child.poll() is None, "the supply in progress ends first"
+        child.send_signal(signal.SIGTERM)
+        child.wait(10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert source.query("SELECT DISTINCT status FROM lr.full_sync_requests") == [("pending",)]
+    assert source.query("SELECT DISTINCT lease_owner FROM lr.source_sessions") == [(None,)]
+
+
 def test_lr_sync_says_a_down_sink_once_on_one_line_without_made_up_figures(lr_sites, tmp_path, monkeypatch, capsys):
     """A sink that cannot be reached: its session's line names the error (psycopg's multi-line
     message on one line) and none of the figures a failed cycle never learnt (state, ack, backlog);
@@ -270,3 +351,101 @@ def test_lr_sync_and_trim_refuse_a_topology_that_replicates_nothing(tmp_path, ca
     for command in (["sync"], ["sync", "--once"], ["trim"]):
         assert cli.main([*command, "--topology", str(path)]) == 1  # streaming would wait for nothing, forever
         assert "the topology replicates nothing (no replication: entry)" in capsys.readouterr().err
+
+
+@contextlib.contextmanager
+def supplying(source, sink: str) -> Iterator[None]:
+    """A full sync of site-a->``sink``/policy being supplied (as a replicator's cycle supplies it)
+    for as long as the block runs: a provider that takes minutes, its transaction open."""
+    full_sync.request_full_sync(psycopg2.connect(source.dsn), sink, "policy", "first")
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_provider(ctx) -> None:
+        entered.set()
+        release.wait(30)
+
+    conn = psycopg2.connect(source.dsn)
+    supply = threading.Thread(
+        target=full_sync.serve_full_sync_requests, args=(RoutingQueueClient(conn, "policy"), slow_provider, 1)
+    )
+    supply.start()
+    try:
+        assert entered.wait(10)
+        yield
+    finally:
+        release.set()
+        supply.join()
+        conn.close()
+
+
+def test_full_sync_asked_while_a_long_supply_of_the_same_session_runs_is_recorded_at_once_and_supersedes_it(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """`lr full-sync` of a session whose full sync a replicator is supplying now (a provider that
+    takes minutes): before, the request waited for the supply's lock on the old request and failed
+    with a lock timeout after 5 s, asking nothing. Now it is recorded at once; the supply in
+    progress ends superseded and the new request is the session's one open request."""
+    source, sink_b, _ = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    App(source).close()
+    with supplying(source, "site-b"):
+        started = time.monotonic()
+        assert cli.main(["full-sync", "--topology", topo, "--sink", "site-b", "--reason", "asked meanwhile"]) == 0
+        assert time.monotonic() - started < 3.0
+    requests = source.query(
+        "SELECT reason, status, note FROM lr.full_sync_requests WHERE sink_site_id = 'site-b' ORDER BY requested_at"
+    )
+    assert requests == [("first", "supplied", None), ("asked meanwhile", "pending", None)]
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 0
+    assert source.query(
+        "SELECT status, split_part(note, ' by ', 1) FROM lr.full_sync_requests WHERE sink_site_id = 'site-b' "
+        "ORDER BY requested_at"
+    ) == [("cancelled", "superseded"), ("applied", "applied")]
+    assert queue(sink_b, "site-a")[0] == ("start", "")
+
+
+def test_topology_apply_removing_a_session_whose_full_sync_is_being_supplied_does_not_wait_for_the_supply(
+    lr_sites, tmp_path, monkeypatch
+):
+    """A topology that drops site-c while a long supply of site-a->site-c/policy runs: before, the
+    apply waited for the supply's lock on its request and failed (all or nothing) after 5 s. Now it
+    applies at once; the supply, as it ends, closes its request: nothing left open holds trim."""
+    source = lr_sites[0]
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    App(source).close()
+    with supplying(source, "site-c"):
+        doc = yaml.safe_load(open(topo).read())
+        doc["replication"][0]["sinks"] = ["site-b"]
+        open(topo, "w").write(yaml.safe_dump(doc))
+        started = time.monotonic()
+        assert cli.main(["topology", "apply", "--topology", topo]) == 0
+        assert time.monotonic() - started < 3.0
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 0
+    assert source.query("SELECT status, note FROM lr.full_sync_requests WHERE sink_site_id = 'site-c'") == [
+        ("cancelled", "session removed from the topology")
+    ]
+
+
+def test_a_topology_apply_beside_another_apply_still_open_on_a_site_says_a_lock_is_held_not_a_privilege(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """Two applies at once, the first slow to commit on site-a: the second's wait is bounded
+    (lock_timeout_s) and says a lock is held elsewhere; before, it told the operator to apply as
+    the owner of the lr schema, which they were."""
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    text = Path(topo).read_text().replace("settings: {}", "settings: {lock_timeout_s: 1}")
+    Path(topo).write_text(text)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    first = psycopg2.connect(lr_sites[0].dsn)
+    with first.cursor() as cur:
+        cur.execute("SELECT 1 FROM lr.topology FOR UPDATE")
+    capsys.readouterr()
+    try:
+        assert cli.main(["topology", "apply", "--topology", topo]) == 1
+    finally:
+        first.close()
+    err = capsys.readouterr().err
+    assert "site 'site-a': a lock lr needs is held by another transaction (lock_timeout)" in err, err
+    assert "nothing was applied on any site" in err and "owner" not in err, err

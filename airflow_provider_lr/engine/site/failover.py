@@ -196,6 +196,8 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
             if record is not None
             else _untaken_tables(conns, from_site, to_site, sinks, wanted, request.allow_table_divergence)
         )
+        if record is None:  # before anything changes: the drain and the fences cannot be undone
+            _check_consistent(new, from_site, to_site, wanted)
         # full syncs the operator asked of the old source for a sink: its new topology cancels them
         asked = _asked(old, sinks, wanted) if record is None and old is not None else {}
         if record is None and planned:
@@ -330,13 +332,7 @@ def _promote(conn: psycopg2.extensions.connection, request: FailoverRequest, pla
         with conn.cursor() as cur:
             cuts = {}
             for client in clients:
-                row = sink_sessions.lock_cut(cur, from_site, client)
-                if row is None or not row[1]:
-                    raise ConfigurationError(
-                        f"site {to_site!r} holds no consistent copy of {from_site!r}'s client {client!r} (no session, "
-                        "or a full sync not applied); promote a sink that has one; nothing was promoted"
-                    )
-                cuts[client] = row[0]
+                cuts[client] = _consistent_cut(cur, from_site, to_site, client)
                 writes.discard_unapplied(cur, from_site, client)  # the old session applies and publishes no more
             cur.execute(LAST_DRAWN_POSITION_SQL)
             base = cur.fetchone()[0]
@@ -371,6 +367,30 @@ def _promote(conn: psycopg2.extensions.connection, request: FailoverRequest, pla
     record = read_record(conn, from_site, FailoverStatus.PROMOTED)
     assert record is not None
     return record
+
+
+def _consistent_cut(cur: psycopg2.extensions.cursor, from_site: str, to_site: str, client: str) -> int:
+    """The promoted site's position in ``from_site``'s stream of ``client``, its row locked; refused
+    when it holds no consistent copy (no session, or its full sync not applied)."""
+    row = sink_sessions.lock_cut(cur, from_site, client)
+    if row is None or not row[1]:
+        raise ConfigurationError(
+            f"site {to_site!r} holds no consistent copy of {from_site!r}'s client {client!r} (no session, "
+            "or a full sync not applied); promote a sink that has one; nothing was promoted"
+        )
+    return row[0]
+
+
+def _check_consistent(conn: psycopg2.extensions.connection, from_site: str, to_site: str, clients: list[str]) -> None:
+    """``_consistent_cut`` for every client, first: a refusal after a switchover's drain (the old
+    source's writers refused, its sessions gone) or after the fences (every sink refusing the old
+    source) said "nothing was promoted" and left nothing replicating. ``_promote`` checks again."""
+    try:
+        with conn.cursor() as cur:
+            for client in clients:
+                _consistent_cut(cur, from_site, to_site, client)
+    finally:
+        conn.rollback()
 
 
 # --- planned: drain the old source first -----------------------------------------------------------

@@ -64,14 +64,18 @@ class Replicator:
         log_failures: bool = True,
         membership: bool = False,
         follow_file: bool = False,
+        stop: threading.Event | None = None,
     ) -> None:
         """``log_failures``: log each failed session (repeats suppressed); off when the caller
         reports every cycle itself (``lr sync`` prints them), or each failure is said twice.
+        ``stop``: once set, a cycle of several sessions ends after the session in progress (each
+        may supply a full sync: a stop waited for all of them).
         ``membership``: share the sessions with the other replicator processes that do
         (``session/membership``): this one works its share of them, ``sessions`` says which now.
         ``follow_file``: work the sessions of the topology file as it is now (``follow``), unless
         ``sessions`` were given."""
         self.topology = topology
+        self.stop = stop or threading.Event()
         self.failures = RepeatedErrors() if log_failures else None
         self.connect = connect
         self.owner = owner or new_owner_id()
@@ -186,7 +190,8 @@ class Replicator:
     def run_cycle(self, keys: list[SessionKey] | None = None) -> list[CycleReport]:
         """One cycle of every session (or of ``keys``, the ones not streaming); never raises for one
         session's failure. A source whose log-entry backlog reaches ``settings.tee_min_backlog`` is
-        first caught up by the tee."""
+        first caught up by the tee. Once ``stop`` is set, the sessions not cycled yet are left out
+        (the reports cover the sessions cycled, in order)."""
         keys = self.sessions if keys is None else keys
         teed: dict[str, int] = {}
         for source in sorted({key.source for key in keys}):
@@ -195,6 +200,8 @@ class Replicator:
             self.teed[session] = self.teed.get(session, 0) + n
         reports = []
         for key in keys:
+            if self.stop.is_set():
+                break
             self._used[key.source] = self._used[key.sink] = time.monotonic()
             try:
                 report = self._runner(key).run_cycle()
@@ -298,7 +305,7 @@ class Replicator:
         still unsettled (failing, waiting for client data, leased elsewhere) also end the run:
         ``unsettled(reports)`` says why, and ``stalled_for`` how long it had made no progress
         (measured: the run may also have ended by ``max_cycles`` or ``stop``)."""
-        stop = stop or threading.Event()
+        stop = stop or self.stop
         cycles, reports = 0, []
         last_progress = time.monotonic()
         self.stalled_for = 0.0

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
+import psycopg2.errors
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, TopologyMismatchError, one_line
 from airflow_provider_lr.engine.source.moved import refuse_moved_writers
 from airflow_provider_lr.engine.store import receive_queue, sink_sessions, source_sessions
@@ -100,11 +102,13 @@ def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site
                     (spec.site_id, spec.region),
                 )
             source_sessions.keep_only(cur, [(k.sink, k.client) for k in mine])
-            # a removed session's open full sync would hold safe trim at its base forever
+            # a removed session's open full sync would hold safe trim at its base forever; one under
+            # supply now is not waited for (the next look at an open request closes it: full_sync.close_superseded)
             cur.execute(
                 f"UPDATE lr.full_sync_requests SET status = '{RequestStatus.CANCELLED}', finished_at = now(), "
-                f"note = 'session removed from the topology' WHERE status IN {OPEN_STATUSES_SQL} "
-                "AND NOT (sink_site_id || '/' || client_name = ANY (%s::text[]))",
+                "note = 'session removed from the topology' WHERE request_id IN (SELECT request_id "
+                f"FROM lr.full_sync_requests WHERE status IN {OPEN_STATUSES_SQL} "
+                "AND NOT (sink_site_id || '/' || client_name = ANY (%s::text[])) FOR UPDATE SKIP LOCKED)",
                 ([f"{k.sink}/{k.client}" for k in mine],),
             )
             topologies.record(cur, topology)
@@ -239,10 +243,11 @@ def apply_everywhere(
             try:
                 apply_to_site(conn, topology, site_id, commit=False)
                 outcome[site_id] = prune_sink_sessions(conn, topology, site_id) if prune else ([], [])
-            except psycopg2.Error as exc:  # e.g. a role that may not change lr's tables
+            except psycopg2.Error as exc:  # a role that may not change lr's tables; a lock held elsewhere
+                owner = isinstance(exc, psycopg2.errors.InsufficientPrivilege)
                 raise ConfigurationError(
-                    f"site {site_id!r}: {one_line(exc)}; nothing was applied on any site "
-                    "(apply the topology as the owner of the lr schema)"
+                    f"site {site_id!r}: {failure(exc)}; nothing was applied on any site"
+                    + (" (apply the topology as the owner of the lr schema)" if owner else "")
                 ) from exc
         for conn in conns.values():
             conn.commit()

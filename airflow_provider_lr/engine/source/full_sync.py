@@ -90,7 +90,11 @@ def request_full_sync(
 ) -> FullSyncRequest:
     """Record a full-sync request for the session (sink, client) on this source, cancelling any
     open one for the same session first. Commits. A replicator passes its ``lease``: the request is
-    made only while that lease is current (a stale one must not cancel its successor's sync)."""
+    made only while that lease is current (a stale one must not cancel its successor's sync).
+
+    An open request whose supply is running now (the supply's transaction holds its row, for as
+    long as the provider takes: minutes for a large one) is not waited for: the next look at the
+    session's open request cancels it (``open_request``)."""
     try:
         with conn.cursor() as cur:
             if lease is not None:
@@ -106,8 +110,9 @@ def request_full_sync(
                 )
             cur.execute(
                 f"UPDATE lr.full_sync_requests SET status = '{RequestStatus.CANCELLED}', finished_at = now(), "
-                "note = 'superseded by a newer request' "
-                f"WHERE sink_site_id = %s AND client_name = %s AND status IN {OPEN_STATUSES_SQL}",
+                "note = 'superseded by a newer request' WHERE request_id IN (SELECT request_id "
+                f"FROM lr.full_sync_requests WHERE sink_site_id = %s AND client_name = %s AND status IN {OPEN_STATUSES_SQL} "
+                "FOR UPDATE SKIP LOCKED)",
                 (sink, client),
             )
             cur.execute(
@@ -124,8 +129,10 @@ def request_full_sync(
 
 
 def open_request(conn: psycopg2.extensions.connection, sink: str, client: str) -> FullSyncRequest | None:
-    """The session's open (pending or supplied) request, newest first."""
+    """The session's open (pending or supplied) request, newest first. Requests a newer one or a
+    topology apply could not cancel while their supply ran (``close_superseded``) are closed first."""
     with conn.cursor() as cur:
+        close_superseded(cur)
         cur.execute(
             f"SELECT {_COLUMNS} FROM lr.full_sync_requests WHERE sink_site_id = %s AND client_name = %s "
             f"AND status IN {OPEN_STATUSES_SQL} ORDER BY requested_at DESC LIMIT 1",
@@ -134,6 +141,22 @@ def open_request(conn: psycopg2.extensions.connection, sink: str, client: str) -
         row = cur.fetchone()
     conn.commit()
     return _request(row) if row else None
+
+
+def close_superseded(cur: psycopg2.extensions.cursor) -> None:
+    """Cancel every open request that a newer open request of its session supersedes, or whose
+    session the topology removed: ``request_full_sync`` and a topology apply skip a request under
+    supply (its supply holds the row for as long as the provider takes) rather than wait for it.
+    A request under supply now is skipped here too; its turn comes at the next look."""
+    cur.execute(
+        f"UPDATE lr.full_sync_requests SET status = '{RequestStatus.CANCELLED}', finished_at = now(), "
+        "note = CASE WHEN x.removed THEN 'session removed from the topology' ELSE 'superseded by a newer request' END "
+        f"FROM (SELECT r.request_id, NOT {source_sessions.recorded('r')} AS removed FROM lr.full_sync_requests r "
+        f"WHERE r.status IN {OPEN_STATUSES_SQL} AND (NOT {source_sessions.recorded('r')} OR EXISTS (SELECT 1 "
+        "FROM lr.full_sync_requests n WHERE n.sink_site_id = r.sink_site_id AND n.client_name = r.client_name "
+        f"AND n.status IN {OPEN_STATUSES_SQL} AND n.requested_at > r.requested_at)) FOR UPDATE OF r SKIP LOCKED) x "
+        "WHERE lr.full_sync_requests.request_id = x.request_id"
+    )
 
 
 def sessions_requested(conn: psycopg2.extensions.connection) -> set[tuple[str, str]]:

@@ -164,6 +164,15 @@ def exists(cur: psycopg2.extensions.cursor, sink: str, client: str) -> bool:
     return cur.fetchone() is not None
 
 
+def recorded(alias: str) -> str:
+    """SQL fragment for another owner's statement: the session of row ``alias`` (its sink_site_id
+    and client_name) is one this source has (a topology apply removes the others)."""
+    return (
+        f"EXISTS (SELECT 1 FROM lr.source_sessions s WHERE s.sink_site_id = {alias}.sink_site_id "
+        f"AND s.client_name = {alias}.client_name)"
+    )
+
+
 def names(cur: psycopg2.extensions.cursor) -> list[str]:
     """Every session as "sink/client", sorted."""
     cur.execute("SELECT sink_site_id || '/' || client_name FROM lr.source_sessions ORDER BY 1")
