@@ -270,13 +270,10 @@ def render(
         session = str(session_key(s))
         mark = marks.get(s["source_site_id"])
         state = readiness(s, mark)
-        if s["role"] == "source":
-            # behind the trim mark, what is left in the log is not the lag: the trimmed entries are gone
-            lag = (
-                f"lag unknown (entries to {mark} trimmed: a full sync is due)"
-                if state == "not ready (behind trim)"
-                else f"lag {s['remaining_entries_to_send']} entries / {s.get('lag_seconds', 0.0):.1f}s"
-            )
+        if s["role"] == "source":  # behind the trim mark, what the log still holds is not the lag
+            lag = f"lag {s['remaining_entries_to_send']} entries / {s.get('lag_seconds', 0.0):.1f}s"
+            if state == "not ready (behind trim)":
+                lag = f"lag unknown (entries to {mark} trimmed: a full sync is due)"
             detail = f"{lag}, {s['state']}, last success {_age(s.get('last_success_age_s'))}"
         else:
             against = f"source trim mark {mark}" if mark is not None else "source trim mark unknown"
