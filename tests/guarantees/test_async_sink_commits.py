@@ -172,3 +172,32 @@ def test_an_asynchronous_commit_the_stream_delivered_survives_the_sources_crash(
         time.sleep(0.3)
         assert sink_queue(sink, "policy") == [f"entry {i}".encode() for i in range(15)]
     writer.close()
+
+
+def test_a_cycles_batch_is_acknowledged_only_once_durable_on_a_sink_that_commits_asynchronously(lr_sites, site_manager):
+    """The sink's server runs with ``synchronous_commit = off`` (its operator's choice). A cycle
+    acknowledges its batch on the source right after the sink's commit, so that commit must be on
+    the sink's disk first: otherwise a crash of the sink loses a batch the source already counts as
+    delivered, and a safe trim removes it from the source for good (the session then needs a full
+    sync, and the entries never arrive as entries)."""
+    source, sink, _ = lr_sites
+    source.query(f'ALTER DATABASE "{source.dbname}" SET synchronous_commit = on')
+    sink.query(f'ALTER DATABASE "{sink.dbname}" SET synchronous_commit = off')
+    topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:empty_provider"})
+    repl = replicator(topo, lr_sites, providers={"policy": empty_provider})
+    repl.run(max_cycles=20, until_idle=True, interval=0.05)  # first contact
+    writer = source.connect()
+    sink.query("CHECKPOINT")  # everything so far on the sink's disk
+    with _wal_writer_stalled(sink) as walwriter:
+        for i in range(5):
+            _transmit(writer, f"entry {i}")
+        repl.run(max_cycles=20, until_idle=True, interval=0.05)
+        assert len(sink_queue(sink, "policy")) == 5
+        acked = _acked(source)
+        repl.close()
+        threading.Timer(0.5, os.kill, (walwriter, signal.SIGCONT)).start()
+        site_manager.down([sink.site_id], mode="immediate")
+    site_manager.up(site_ids=[sink.site_id])
+    assert acked <= _processed(sink), f"acknowledged {acked}, beyond the {_processed(sink)} the sink kept"
+    assert len(sink_queue(sink, "policy")) == 5, "the sink kept what it acknowledged"
+    writer.close()
