@@ -49,7 +49,11 @@ def test_a_planned_switchover_drains_the_old_source_then_refuses_its_writers(lr_
     assert "lost: nothing" in out and str(new) in out
     expected = [f"k{i}={i}".encode() for i in range(6)]
     assert sink_queue(site_b, "policy") == expected and sink_queue(site_c, "policy") == expected  # drained
-    with pytest.raises(TransmitError, match="unknown destination"):
+    with pytest.raises(  # a client made after the switch: told where its client went, not to edit the topology
+        TransmitError,
+        match="client 'policy' is not replicated from site 'site-a' any more: it is replicated from "
+        "site site-b now: transmit there",
+    ):
         RoutingQueueClient(site_a.connect(), "policy").transmit_log_entry_message(b"late", ["site-b"])
     with pytest.raises(
         psycopg2.Error, match="client policy is not replicated from this site any more: it is replicated"

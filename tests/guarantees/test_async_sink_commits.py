@@ -1,7 +1,8 @@
 """A stream commits its sink transactions asynchronously and acknowledges on the source only what
 the sink's WAL flush has passed: a sink crash after an asynchronous commit, before its flush, loses
 that commit on the sink but never an entry (the source still holds it; the stream resends it from
-the sink's durable position)."""
+the sink's durable position). An application's asynchronous commit on the source, which lr reads and
+delivers at once, is made durable at commit: a crash of the source never forgets what a sink holds."""
 
 from __future__ import annotations
 
@@ -128,4 +129,75 @@ def test_sink_server_killed_after_async_commits_before_their_flush_loses_nothing
         writing.join()
         wait_for(lambda: len(sink_queue(sink, "policy")) >= len(payloads), 60, "every entry after the restart")
         assert sink_queue(sink, "policy") == payloads, "an entry lost, repeated or out of order"
+    writer.close()
+
+
+def test_an_asynchronous_commit_the_stream_delivered_survives_the_sources_crash(lr_sites, site_manager):
+    """The application commits asynchronously (its own ``synchronous_commit = off``: the server's
+    default is on, as in production) and the stream delivers at once; the source's server then stops immediately with
+    those commits still in its WAL buffers (its WAL writer stalled). A source that forgot entries a
+    sink holds diverges for good (the sink replays what the source says never happened, and the
+    table changes after it are refused), so lr makes the transactions that write its log durable at
+    commit: after the restart the source holds every entry the sink has, and they agree."""
+    source, sink, _ = lr_sites
+    source.query(f'ALTER DATABASE "{source.dbname}" SET synchronous_commit = on')
+    topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:empty_provider"})
+    repl = replicator(topo, lr_sites, providers={"policy": empty_provider}, lease_seconds=2.0)
+
+    def application():
+        conn = source.connect()
+        conn.cursor().execute("SET synchronous_commit = off")  # its choice: a crash may lose its last commits
+        return conn
+
+    writer = application()
+    with Streaming(repl, FAST) as streaming:
+        streaming.streaming()
+        for i in range(5):
+            _transmit(writer, f"entry {i}")
+        wait_for(lambda: len(sink_queue(sink, "policy")) == 5, 10, "the first entries at the sink")
+        walwriter = _wal_writer(source)
+        os.kill(walwriter, signal.SIGSTOP)  # from here the source's asynchronous commits stay in its WAL buffers
+        for i in range(5, 10):
+            _transmit(writer, f"entry {i}")
+        wait_for(lambda: len(sink_queue(sink, "policy")) == 10, 10, "the entries committed after the stall")
+        threading.Timer(0.5, os.kill, (walwriter, signal.SIGCONT)).start()
+        site_manager.down([source.site_id], mode="immediate")
+        site_manager.up(site_ids=[source.site_id])
+        writer = application()
+        for i in range(10, 15):
+            _transmit(writer, f"entry {i}")
+        kept = source.query("SELECT count(*) FROM lr.log_entries WHERE stream = 1")[0][0]
+        assert kept == 15, f"the source forgot {15 - kept} of the entries its sink received"
+        wait_for(lambda: len(sink_queue(sink, "policy")) >= 15, 30, "the entries after the restart")
+        time.sleep(0.3)
+        assert sink_queue(sink, "policy") == [f"entry {i}".encode() for i in range(15)]
+    writer.close()
+
+
+def test_a_cycles_batch_is_acknowledged_only_once_durable_on_a_sink_that_commits_asynchronously(lr_sites, site_manager):
+    """The sink's server runs with ``synchronous_commit = off`` (its operator's choice). A cycle
+    acknowledges its batch on the source right after the sink's commit, so that commit must be on
+    the sink's disk first: otherwise a crash of the sink loses a batch the source already counts as
+    delivered, and a safe trim removes it from the source for good (the session then needs a full
+    sync, and the entries never arrive as entries)."""
+    source, sink, _ = lr_sites
+    source.query(f'ALTER DATABASE "{source.dbname}" SET synchronous_commit = on')
+    sink.query(f'ALTER DATABASE "{sink.dbname}" SET synchronous_commit = off')
+    topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:empty_provider"})
+    repl = replicator(topo, lr_sites, providers={"policy": empty_provider})
+    repl.run(max_cycles=20, until_idle=True, interval=0.05)  # first contact
+    writer = source.connect()
+    sink.query("CHECKPOINT")  # everything so far on the sink's disk
+    with _wal_writer_stalled(sink) as walwriter:
+        for i in range(5):
+            _transmit(writer, f"entry {i}")
+        repl.run(max_cycles=20, until_idle=True, interval=0.05)
+        assert len(sink_queue(sink, "policy")) == 5
+        acked = _acked(source)
+        repl.close()
+        threading.Timer(0.5, os.kill, (walwriter, signal.SIGCONT)).start()
+        site_manager.down([sink.site_id], mode="immediate")
+    site_manager.up(site_ids=[sink.site_id])
+    assert acked <= _processed(sink), f"acknowledged {acked}, beyond the {_processed(sink)} the sink kept"
+    assert len(sink_queue(sink, "policy")) == 5, "the sink kept what it acknowledged"
     writer.close()

@@ -8,6 +8,7 @@ check (``keepalives_idle_s + keepalives_interval_s * keepalives_count``), ``DEAD
 
 from __future__ import annotations
 
+import threading
 import time
 
 import psycopg2.errors
@@ -21,6 +22,7 @@ from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.store import topology
 from tests.support.link_proxy import LinkProxy
 from tests.support.session import App, Streaming, apply, queue, table_provider, wait_for
+from tests.support.tables import create_accounts, federate, rows, sync
 
 ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
 BOUNDS = {
@@ -37,6 +39,7 @@ BOUNDS = {
 # check = 4 + 1 + 1 x 2 = 7 s, plus the deadline thread's tick (0.25 s).
 DEADLINE = 7.0
 SLACK = 8.0  # a shared 2-core machine: scheduling, not the bound
+COPYING = "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'COPY%%'"
 RETRY = StreamSettings(check_interval=0.2, ack_interval=0.05, retry_min=0.2, retry_max=2.0)
 
 
@@ -280,3 +283,34 @@ def test_an_idle_stream_and_idle_cycles_outlast_their_own_bounds(lr_sites):
         cycles.close()
     assert logs(sink_b) == [f"k{i}={i}" for i in range(4)] and last_error(source) == ""
     app.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_sink_that_stops_answering_mid_table_snapshot_fails_the_cycle_and_the_table_arrives_whole_later(lr_sites):
+    """A federated table's snapshot is written in a cycle on connections freed of their bounds
+    (a COPY of a whole table takes as long as it takes), and the sink's link goes half-open in
+    the middle of its COPY: the proxy takes every byte and answers none. Once no byte of the copy
+    has moved for the call deadline the connection had, lr cuts it: the cycle fails with that
+    reason instead of waiting for good (the other sessions of ``lr sync`` wait behind it), and
+    once the link is back the table arrives whole (before, the cycle waited until the link was cut)."""
+    source, sink_b, _ = lr_sites
+    bounds = {**BOUNDS, "statement_timeout_s": 2, "keepalives_count": 1}  # a call deadline of 2 + 1 + 1 = 4 s
+    topo = apply(lr_sites, ONE_SINK, settings=bounds)
+    App(source).close()
+    create_accounts(source, rows=4000)
+    federate(source)
+    link = LinkProxy(sink_b.conninfo.params["port"], rate=200_000)  # the COPY takes a few seconds
+    repl = bounded(topo, {"site-a": source.dsn, "site-b": link.dsn(sink_b.dsn)})
+    reports: list = []
+    with link:  # closed first on the way out: a call still stuck on it returns
+        cycle = threading.Thread(target=lambda: reports.extend(repl.run_cycle()), daemon=True)
+        cycle.start()
+        wait_for(lambda: sink_b.query(COPYING), 30, "the table's COPY at the sink")
+        link.stall()
+        cycle.join(4 + SLACK)
+        assert not cycle.is_alive(), "the cycle still waits on a sink that takes every byte and answers none"
+        assert "call deadline of 4 s" in (reports[0].error or ""), reports
+        link.reset()  # the partition ends: the sink's server ends the COPY left open on it
+        sync(repl)
+    repl.close()
+    assert rows(sink_b) == rows(source)

@@ -14,7 +14,9 @@ connection, by what the connection is for (``Purpose``):
 * a *deadline* per call on session connections (``Deadlines``): statement_timeout plus the time
   the keepalives need to call a link dead. A link that acknowledges every byte and answers none
   (a stalled proxy or load balancer, a stopped server process) fools TCP; past the deadline lr
-  shuts the connection's socket itself, so the call fails like a lost connection.
+  shuts the connection's socket itself, so the call fails like a lost connection. Work that runs
+  long on a session connection (``lifted``) has no call deadline, but a COPY in it is watched by
+  its progress (``Deadlines.stalled``): cut once no byte moved for the deadline it had.
 
 Every setting is a topology setting (``settings:``, docs/topology.md); a DSN (or an Airflow
 connection's extras) that sets one of the libpq parameters, or the same option in ``options``,
@@ -131,6 +133,18 @@ def deadline_for(timeouts: Timeouts, purpose: Purpose, given: Mapping[str, Any])
     return timeouts.deadline_s(purpose)
 
 
+class Clock:
+    """When bytes last moved in a long COPY (``Deadlines.stalled``)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+
+    def moved(self) -> None:
+        self.last = time.monotonic()
+
+
 class Deadlines:
     """One thread for the process: a call on a ``BoundedConnection`` that runs past its deadline
     gets its socket shut down, so libpq returns at once with the connection lost (a retryable
@@ -138,6 +152,7 @@ class Deadlines:
 
     def __init__(self) -> None:
         self._calls: dict[tuple[int, int], tuple[float, BoundedConnection]] = {}
+        self._stalls: dict[tuple[int, int], tuple[Clock, float, BoundedConnection]] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.cut = 0  # connections cut, for tests and logs
@@ -156,6 +171,24 @@ class Deadlines:
         if token is not None:
             self._calls.pop(token, None)
 
+    @contextmanager
+    def stalled(self, conn: psycopg2.extensions.connection, clock: Clock) -> Iterator[None]:
+        """A long call on a ``lifted`` connection (a table's COPY): no deadline while ``clock``
+        moves, cut once it has not for the call deadline the connection had before it was lifted.
+        A stopped sink or a stalled link would otherwise hold the COPY, and the cycle, for good."""
+        seconds = getattr(conn, "stall_deadline_s", None)
+        if seconds is None or not isinstance(conn, BoundedConnection):
+            yield
+            return
+        token = (id(conn), threading.get_ident())
+        self._stalls[token] = (clock, seconds, conn)
+        if self._thread is None:
+            self._start()
+        try:
+            yield
+        finally:
+            self._stalls.pop(token, None)
+
     def _start(self) -> None:
         with self._lock:
             if self._thread is None:
@@ -169,16 +202,19 @@ class Deadlines:
             for token, (due, conn) in list(self._calls.items()):
                 if now >= due and self._calls.get(token, (None,))[0] == due:
                     self._calls.pop(token, None)
-                    self._cut(conn)
+                    self._cut(conn, conn.deadline_s or 0)
+            for token, (clock, seconds, conn) in list(self._stalls.items()):
+                if now - clock.last >= seconds and self._stalls.pop(token, None) is not None:
+                    self._cut(conn, seconds)
 
-    def _cut(self, conn: BoundedConnection) -> None:
+    def _cut(self, conn: BoundedConnection, seconds: float) -> None:
         self.cut += 1
-        conn.was_cut = True
+        conn.was_cut, conn.cut_after_s = True, seconds
         log.warning(
             "%s: a call ran past its deadline of %.0f s: the server or the link is taken as dead and the "
             "connection cut; the caller retries on a new one",
             conn.describe(),
-            conn.deadline_s,
+            seconds,
         )
         try:
             with socket.socket(fileno=os.dup(conn.fileno())) as sock:
@@ -244,8 +280,10 @@ class BoundedConnection(psycopg2.extensions.connection):
     """A connection of lr's whose calls have a deadline (``deadline_s``; None: unbounded)."""
 
     deadline_s: float | None = None
+    stall_deadline_s: float | None = None  # while ``lifted``: its COPY cut once no byte moved this long
     site: str | None = None
     was_cut = False  # by ``DEADLINES``: its failure is a dead link, not the server's
+    cut_after_s = 0.0  # the deadline that cut it
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -299,13 +337,15 @@ def lift(conn: psycopg2.extensions.connection) -> None:
 def lifted(*conns: psycopg2.extensions.connection) -> Iterator[None]:
     """Long work on session connections for a while (a provider's full sync, a table snapshot
     written in a cycle): unbounded like ``lift``, then the connection's own bounds again."""
-    saved = [(conn, getattr(conn, "deadline_s", None)) for conn in conns]
-    for conn in conns:
+    saved = [(conn, getattr(conn, "deadline_s", None), getattr(conn, "stall_deadline_s", None)) for conn in conns]
+    for conn, deadline, stall in saved:
         lift(conn)
+        if isinstance(conn, BoundedConnection):  # its COPYs still end when no byte moves that long
+            conn.stall_deadline_s = deadline if deadline is not None else stall
     try:
         yield
     finally:
-        for conn, deadline in saved:
+        for conn, deadline, stall in saved:
             if conn.closed:
                 continue
             try:
@@ -315,7 +355,7 @@ def lifted(*conns: psycopg2.extensions.connection) -> Iterator[None]:
             except psycopg2.Error as exc:  # lost: the caller drops it
                 log.debug("bounds not restored on a connection: %s", exc)
             if isinstance(conn, BoundedConnection):
-                conn.deadline_s = deadline
+                conn.deadline_s, conn.stall_deadline_s = deadline, stall
 
 
 # SQLSTATEs of the bounds above, and what each means for the session (one line each)
@@ -331,7 +371,7 @@ def explain(exc: BaseException) -> str | None:
     conn = getattr(getattr(exc, "cursor", None), "connection", None)
     if conn is not None and getattr(conn, "was_cut", False):
         return (
-            f"{conn.describe()} gave no answer within its call deadline of {conn.deadline_s:.0f} s: "
+            f"{conn.describe()} gave no answer within its call deadline of {conn.cut_after_s:.0f} s: "
             "a stopped server or a stalled link, cut by lr"
         )
     return _EXPLAINED.get(getattr(exc, "pgcode", None) or "")

@@ -348,7 +348,8 @@ def apply_log_stream(
     in memory at a time. ``register=False``: the queue is registered already (a stream registers it
     with its first write). ``synchronous=False``: committed without waiting for the sink's WAL flush
     (a stream's applies); the caller acknowledges the position only once the flush passed it
-    (``session/durable_acks``). None: as the sink's ``synchronous_commit`` says."""
+    (``session/durable_acks``). None: on the sink's disk before it returns (the sink's
+    ``synchronous_commit``, raised from ``off`` to ``local``)."""
     write = SinkTransaction(conn, source, client, epoch, synchronous)
     with write as (cur, meta):
         if not meta.data_consistent or meta.snapshot_applied != base:

@@ -17,6 +17,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.db.schema import site_identity
 from airflow_provider_lr.engine.errors import ConfigurationError, TransmitError, require_counts
+from airflow_provider_lr.engine.source import moved
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store.topology import applied_max_payload_bytes
 from airflow_provider_lr.engine.vocabulary import PAYLOAD_TAG, STREAM_LOG_ENTRIES, varint
@@ -219,6 +220,13 @@ class LogWriter:
                 raise TransmitError(
                     f"client {self.client_name!r} is not in the topology applied to {self.source_site_id!r} "
                     f"(add it to a replication and run `lr topology apply`); nothing was written"
+                )
+            with self.conn.cursor() as cur:
+                elsewhere = moved.not_sourced_here(cur, self.client_name)
+            if elsewhere is not None and not self._tag_ids:  # a failover moved it: no topology edit brings it back
+                raise TransmitError(
+                    f"client {self.client_name!r} is not replicated from site {self.source_site_id!r} any more: "
+                    f"{elsewhere}; nothing was written"
                 )
             raise TransmitError(
                 f"unknown destination(s) {unknown} for client {self.client_name!r} at source "

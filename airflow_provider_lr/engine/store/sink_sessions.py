@@ -46,8 +46,11 @@ _CREATE = "INSERT INTO lr.sink_sessions (source_site_id, client_name) VALUES (%s
 # An asynchronous commit (PostgreSQL's apply worker commits so) returns before its WAL is flushed:
 # whoever acknowledges what it wrote waits for the sink's flush position to pass it. The row lock
 # writes WAL, so a synchronous commit of a fenced transaction flushes everything committed before it.
+# The default (None) is durable: whoever commits it acknowledges what it wrote on the source right
+# after, so a sink server whose synchronous_commit is 'off' has it raised to 'local' for the
+# transaction ('on', 'local', 'remote_write' and 'remote_apply' all flush locally and are kept).
 _COMMIT_MODE = {
-    None: "",
+    None: "SELECT set_config('synchronous_commit', 'local', true) WHERE current_setting('synchronous_commit') = 'off'; ",
     True: "SET LOCAL synchronous_commit = on; ",
     False: "SET LOCAL synchronous_commit = off; ",
 }
@@ -93,8 +96,9 @@ class FencedTransaction:
         synchronous: bool | None = None,
     ) -> None:
         self.conn, self.source, self.client, self.epoch = conn, source, client, epoch
-        # the commit: as the server's synchronous_commit says (None), waiting for the WAL flush (True),
-        # or not (False: the stream's applies, acknowledged by flush position)
+        # the commit: on the sink's disk before it returns, as the server's synchronous_commit says
+        # unless that is 'off' (None), waiting for the WAL flush (True), or not (False: the stream's
+        # applies, acknowledged by flush position)
         self.synchronous = synchronous
 
     def open(self) -> Any:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import psycopg2.extensions
 from psycopg2 import sql
 
+from airflow_provider_lr.engine.db.timeouts import DEADLINES, Clock
 from airflow_provider_lr.engine.tables.definition import TableDefinition
 
 COPY_BLOCK = 128 * 1024  # rows of the source's output gathered into blocks of this size (bytes)
@@ -32,14 +33,16 @@ _END = b""
 class _QueueReader:
     """``read`` target of ``copy_expert(COPY ... FROM STDIN)``: the chunks put in its queue."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock) -> None:
         self.chunks: queue.Queue[bytes] = queue.Queue(QUEUE_CHUNKS)
         self.pending = b""
         self.ended = False
+        self.clock = clock
 
     def read(self, size: int = -1) -> bytes:
         while not self.pending and not self.ended:
             chunk = self.chunks.get()
+            self.clock.moved()
             if chunk == _END:
                 self.ended = True
             self.pending = chunk
@@ -55,14 +58,15 @@ class _QueueReader:
 class _Tee:
     """``write`` target of the source's ``COPY ... TO STDOUT``: every block to every sink."""
 
-    def __init__(self, readers: Sequence[_QueueReader], failed: list[BaseException]) -> None:
-        self.readers, self.failed = readers, failed
+    def __init__(self, readers: Sequence[_QueueReader], failed: list[BaseException], clock: Clock) -> None:
+        self.readers, self.failed, self.clock = readers, failed, clock
         self.bytes = 0
         self.block = bytearray()
 
     def write(self, chunk: bytes) -> int:
         if self.failed:
             raise self.failed[0]  # a sink gave up: stop the source's COPY too
+        self.clock.moved()
         size = len(chunk)
         self.bytes += size
         self.block += chunk
@@ -104,13 +108,19 @@ def copy_rows(
 ) -> int:
     """Run ``select`` (a ``COPY ... TO STDOUT``) on ``source`` and feed its output to each sink's
     ``COPY ... FROM STDIN`` in the sinks' open transactions. Returns the bytes copied. A failure on
-    any side raises here, with the sinks' transactions left for the caller to roll back."""
-    readers = [_QueueReader() for _ in sinks]
+    any side raises here, with the sinks' transactions left for the caller to roll back.
+
+    On connections ``lifted`` for it (a table snapshot in a cycle) each side's call is cut once no
+    byte moved anywhere in the copy for the call deadline it had (``DEADLINES.stalled``): a stopped
+    sink or a stalled link fails the copy instead of holding it, and the cycle, for good."""
+    clock = Clock()
+    readers = [_QueueReader(clock) for _ in sinks]
     failed: list[BaseException] = []
 
     def load(cur: psycopg2.extensions.cursor, statement: sql.Composed, reader: _QueueReader) -> None:
         try:
-            cur.copy_expert(statement, reader, size=COPY_BLOCK)
+            with DEADLINES.stalled(cur.connection, clock):
+                cur.copy_expert(statement, reader, size=COPY_BLOCK)
         except BaseException as exc:  # noqa: BLE001 - handed to the source's thread
             failed.append(exc)
             while not reader.ended:  # drain, so the source's writer never blocks on a full queue
@@ -122,9 +132,10 @@ def copy_rows(
     ]
     for thread in threads:
         thread.start()
-    tee = _Tee(readers, failed)
+    tee = _Tee(readers, failed, clock)
     try:
-        source.copy_expert(select, tee)
+        with DEADLINES.stalled(source.connection, clock):
+            source.copy_expert(select, tee)
         tee.flush()  # the last rows (the binary trailer with them); after a failure, none: no cut row
     finally:
         for reader in readers:
