@@ -27,6 +27,7 @@ from tests.support.tables import (
     cycle_errors,
     federate,
     in_one_transaction,
+    on_every_site,
     rows,
     status_text,
     swap_unique,
@@ -189,6 +190,34 @@ def test_the_parallel_snapshot_creates_the_sources_table_and_copies_its_rows_by_
     for sink in sinks:
         assert describe(sink, "public.orders") == as_created(describe(source, "public.orders"))
         assert rows(sink, "public.orders") == rows(source, "public.orders")
+
+
+def test_the_parallel_snapshot_writes_tables_linked_by_a_sinks_foreign_keys_in_process_parents_first(lr_sites):
+    """The sinks made ``children`` referencing ``parents``: the range tasks, each range a transaction
+    of its own, copied a child's range before its parent's (name order), refused by the foreign key
+    on every run. The linked tables are now written by the driver, parents first; the others by ranges."""
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    sync(replicator(topo, lr_sites, owner="test", providers={"policy": empty_provider}))  # then tables: parallel
+    on_every_site(lr_sites, "CREATE TABLE public.parents (id int PRIMARY KEY, name text)")
+    on_every_site(
+        lr_sites, "CREATE TABLE public.children (id int PRIMARY KEY, parent int NOT NULL REFERENCES public.parents)"
+    )
+    create_orders(source, 20)
+    in_one_transaction(
+        source,
+        "INSERT INTO public.parents SELECT g, 'p' || g FROM generate_series(1, 20) g",
+        "INSERT INTO public.children SELECT g, 21 - g FROM generate_series(1, 20) g",
+    )
+    for table in ("public.parents", "public.children", "public.orders"):
+        federate(source, table)
+    driver = Driver(owner="test", conninfo=lambda site: next(s.conninfo for s in lr_sites if s.site_id == site))
+    result = run_table_snapshot(topo, "site-a", "policy", local_ranges, parts=2, driver=driver)
+    assert result.ranges == 2 and result.rows == 2 * 60  # the orders' ranges; the linked two in process
+    assert set(result.tables.values()) == {"synced"} and len(result.tables) == 6
+    for sink in sinks:
+        for table in ("public.parents", "public.children", "public.orders"):
+            assert rows(sink, table) == rows(source, table)
 
 
 def test_a_second_source_upserts_its_rows_into_the_created_tables_always_identity_key(lr_sites):
