@@ -289,6 +289,62 @@ def test_columns_of_not_null_domains_stream_inserts_updates_key_changes_and_dele
     assert not [r.error for r in streaming.cycles if r.error]
 
 
+def test_sink_tables_made_with_the_sources_always_identity_stream_every_change_and_a_full_sync(lr_sites, round_trips):
+    """Every site made the tables with the source's DDL: a non-key ``GENERATED ALWAYS`` identity (one
+    table with a ``DEFERRABLE`` key, the upsert's other path). PostgreSQL sets such a column in no
+    ``UPDATE``: every change was refused at every sink, for good. Now the source's values arrive as
+    PostgreSQL's own apply worker writes them: updates, ``SET ref = DEFAULT``, key changes, deletes,
+    a TRUNCATE and a full sync, and the sinks' columns stay ``ALWAYS``."""
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    tables = ("public.tickets", "public.stubs")
+    on_every_site(
+        lr_sites, "CREATE TABLE public.tickets (id int PRIMARY KEY, ref bigint GENERATED ALWAYS AS IDENTITY, v text)"
+    )
+    on_every_site(
+        lr_sites,
+        "CREATE TABLE public.stubs (id int PRIMARY KEY DEFERRABLE, ref int GENERATED ALWAYS AS IDENTITY, "
+        "seq int GENERATED ALWAYS AS IDENTITY (START WITH 50), v text)",
+    )
+    for sink in sinks:  # the sinks' sequences elsewhere: a value a sink drew would show
+        sink.query("SELECT setval(pg_get_serial_sequence('public.tickets', 'ref'), 900)")
+    source.query("INSERT INTO public.tickets (id, v) SELECT g, 'v' || g FROM generate_series(1, 5) g")
+    source.query("INSERT INTO public.stubs (id, v) SELECT g, 'v' || g FROM generate_series(1, 5) g")
+    for table in tables:
+        federate(source, table)
+    with streaming_over(topo, lr_sites) as streaming:
+        streaming.streaming()
+        in_one_transaction(source, *(f"INSERT INTO {t} (id, v) VALUES (6, 'six'), (7, 'seven')" for t in tables))
+        streamed(streaming, source, sinks, *tables)  # their targets read: the next in one round trip
+        for table in tables:
+            changes = [
+                f"UPDATE {table} SET v = v || '!' WHERE id <= 3",
+                f"UPDATE {table} SET ref = DEFAULT, v = 'again' WHERE id IN (2, 6)",
+                f"UPDATE {table} SET id = id + 100 WHERE id >= 4",
+                f"INSERT INTO {table} (id, ref, v) OVERRIDING SYSTEM VALUE VALUES (20, 777, 'given')",
+                f"DELETE FROM {table} WHERE id = 1",
+            ]
+            for change in changes:
+                carried_in_one_round_trip(
+                    streaming, round_trips, source, sinks, table, lambda change=change: source.query(change)
+                )
+        conn = source.connect()
+        full_sync.request_full_sync(conn, "site-b", "policy", "operator asked", forced=True)
+        conn.close()
+        applied = "SELECT count(*) FROM lr.full_sync_requests WHERE forced AND status = 'applied'"
+        wait_for(lambda: source.query(applied) == [(1,)], 30, "the full sync")
+        streaming.streaming()
+        source.query("UPDATE public.tickets SET ref = DEFAULT WHERE id = 3; TRUNCATE public.stubs")
+        source.query("INSERT INTO public.stubs (id, v) VALUES (1, 'after')")
+        streamed(streaming, source, sinks, *tables)
+    assert not [r.error for r in streaming.cycles if r.error]
+    for sink in sinks:
+        assert sink.query(
+            "SELECT count(*) FROM pg_attribute WHERE attrelid IN ('public.tickets'::regclass, 'public.stubs'::regclass) "
+            "AND attidentity = 'a'"
+        ) == [(3,)]
+
+
 def test_tables_linked_by_foreign_keys_snapshot_stream_cascade_and_full_sync_with_no_violation_and_no_loss(
     lr_sites, round_trips
 ):

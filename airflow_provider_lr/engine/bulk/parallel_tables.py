@@ -69,7 +69,8 @@ def run_table_snapshot(
     driver: Driver = Driver(),
 ) -> ParallelResult:
     """Snapshot the tables the client's sinks lack, in ``parts`` key ranges a table (default: by its
-    size), the ranges written by ``map_ranges`` (Spark tasks calling ``copy_range``, or ``local_ranges``)."""
+    size), the ranges written by ``map_ranges`` (Spark tasks calling ``copy_range``, or ``local_ranges``);
+    tables a sink links by foreign keys are written here, in process (``TableSnapshot.linked``)."""
     settings = driver.settings or SessionSettings.from_topology(topology)
     owner = driver.owner or leases.new_owner_id()
     keys = [k for k in topology.sessions(source=source) if k.client == client]
@@ -105,14 +106,21 @@ def run_table_snapshot(
         keeper = LeaseKeeper(dsns[source], held, settings.lease_seconds)
         snap = TableSnapshot(src, client, sides)
         snap.open()
-        snap.begin()
-        ranges = snap.plan(parts)
-        task = {**snap.task(), "dsns": dsns}
-        result.ranges = len(ranges)
-        t1 = time.monotonic()
-        result.rows = sum(map_ranges(task, ranges))
-        t2 = time.monotonic()
-        result.tables = snap.finish(ranges).tables
+        linked = snap.linked()  # a sink's foreign keys between them: written in process, parents first
+        ranged = snap.part(set(snap.definitions) - linked)
+        t1 = t2 = time.monotonic()
+        if ranged.definitions:
+            ranged.begin()
+            ranges = ranged.plan(parts)
+            task = {**ranged.task(), "dsns": dsns}
+            result.ranges = len(ranges)
+            t1 = time.monotonic()
+            result.rows = sum(map_ranges(task, ranges))
+            t2 = time.monotonic()
+            ranged.finish(ranges)
+        if linked:
+            result.rows += snap.part(linked).write().rows
+        result.tables = snap.report.tables
         result.seconds = {
             "plan": round(t1 - t0, 3),
             "copy": round(t2 - t1, 3),

@@ -23,10 +23,11 @@ Two ways to write it:
 
 from __future__ import annotations
 
+import copy
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import psycopg2
 import psycopg2.extensions
@@ -288,6 +289,26 @@ class TableSnapshot:
                 write.abort()
 
     # --- on Spark -----------------------------------------------------------------------------
+    def linked(self) -> set[TableName]:
+        """The tables a sink links by a foreign key to another of this snapshot's. The range tasks
+        write each range in a transaction of its own, a child's beside its parent's: such a sink
+        refused a child's range copied before its parent's, so the driver writes these in process
+        (``part(...).write()``, in one sink transaction, as a cycle does)."""
+        found: set[references.Edge] = set()
+        for side in self.sinks:
+            with side.conn.cursor() as cur:
+                found |= references.edges(cur, [t.table for t in side.tables])
+            side.conn.rollback()
+        return {table for edge in found for table in edge}
+
+    def part(self, tables: Collection[TableName]) -> TableSnapshot:
+        """This snapshot (its source's transaction, split, run and report) for ``tables`` only."""
+        part = copy.copy(self)
+        sides = [replace(side, tables=[t for t in side.tables if t.table in tables]) for side in self.sinks]
+        part.sinks = [side for side in sides if side.tables]
+        part.definitions = {t: d for t, d in self.definitions.items() if t in tables}
+        return part
+
     def begin(self) -> None:
         """Before the parallel tasks: each sink's tables prepared, cleared of this source's rows and
         marked ``syncing`` under this run (one sink transaction per sink)."""

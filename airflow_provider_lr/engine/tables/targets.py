@@ -50,6 +50,7 @@ class Target:
     shared: bool  # another origin writes here too: keep lr.table_row_origin
     left_out: tuple[str, ...] = ()  # of the source's extras, when lr created the table now (tables/create)
     deferrable_key: bool = False  # the sink's primary key is DEFERRABLE: no ON CONFLICT arbiter (``tables.sink``)
+    always: tuple[str, ...] = ()  # the sink's non-key GENERATED ALWAYS identity columns (``tables.upsert``)
 
     @property
     def table(self) -> TableName:
@@ -78,6 +79,20 @@ _ORIGIN = (
 )
 
 
+# The sink's non-key ``GENERATED ALWAYS`` identity columns of table oid {oid}, in column order (NULL: none)
+_ALWAYS = (
+    "(SELECT array_agg(a.attname::text ORDER BY a.attnum) FROM pg_catalog.pg_attribute a WHERE a.attrelid = {oid} "
+    "AND a.attnum > 0 AND NOT a.attisdropped AND a.attidentity = 'a' AND NOT EXISTS (SELECT FROM pg_catalog.pg_index i "
+    "WHERE i.indrelid = a.attrelid AND i.indisprimary AND a.attnum = ANY (i.indkey)))"
+)
+
+
+def always_columns(cur: psycopg2.extensions.cursor, table: TableName) -> tuple[str, ...]:
+    """The sink table's non-key ``GENERATED ALWAYS`` identity columns (``Target.always``)."""
+    cur.execute("SELECT " + _ALWAYS.format(oid="%s::regclass"), (table.ident.as_string(cur),))
+    return tuple(cur.fetchone()[0] or ())
+
+
 def _primary_shared(primary: bool | None, others: bool | None) -> tuple[bool, bool]:
     return bool(primary), bool(others) or not primary
 
@@ -93,7 +108,7 @@ def target_of(cur: psycopg2.extensions.cursor, source: str, table: TableName, wh
     sink_def = read_definition(cur, table)
     if sink_def is None:
         raise _gone(table, where)
-    return Target(sink_def, source, *origin(cur, table, source))
+    return Target(sink_def, source, *origin(cur, table, source), always=always_columns(cur, table))
 
 
 def _gone(table: TableName, where: Callable[[], str]) -> SchemaMismatchError:
@@ -110,12 +125,15 @@ class Gone:
 Found = Target | Gone | None  # None: not synced here (a conflict's changes are dropped)
 
 # For each of the session's tables %(tids)s (source table ids) that it has in lr.sink_tables: its name,
-# state, oid (NULL: no such table), shape, whether its primary key is deferrable, and origin. Only the tables asked for are read (``LIMIT 1``:
+# state, oid (NULL: no such table), shape, whether its primary key is deferrable, its non-key
+# GENERATED ALWAYS identity columns, and origin. Only the tables asked for are read (``LIMIT 1``:
 # a table id twice, one of them, as before).
 _TARGETS = (
     "SELECT st.tid, st.table_name, st.state, t.oid, "
     + SHAPE_COLUMNS
     + ", (SELECT NOT i.indimmediate FROM pg_index i WHERE i.indrelid = t.oid AND i.indisprimary), "
+    + _ALWAYS.format(oid="t.oid")
+    + ", "
     + _ORIGIN.format(t="st.table_name", s="%(source)s")
     + " FROM unnest(%(tids)s::int[]) w(tid) "
     "CROSS JOIN LATERAL (SELECT w.tid, table_name, state FROM lr.sink_tables WHERE source_site_id = %(source)s "
@@ -141,9 +159,9 @@ CHECK_SQL = (
 # ~0.03 ms each more). Its generic plan is the one to run (``GENERIC``: PostgreSQL would otherwise
 # plan it anew each time, expecting a plan for the actual tables to be cheaper). The name is
 # versioned, so a connection that holds an older lr's statement is not confused by it.
-LOOKUP = Prepared("lr_sink_targets_v3", LOOKUP_SQL, {"tids": "int4[]", "source": "text", "client": "text"})
+LOOKUP = Prepared("lr_sink_targets_v4", LOOKUP_SQL, {"tids": "int4[]", "source": "text", "client": "text"})
 CHECK = Prepared(
-    "lr_sink_targets_check_v2", CHECK_SQL, {"tids": "int4[]", "source": "text", "client": "text", "expected": "text[]"}
+    "lr_sink_targets_check_v3", CHECK_SQL, {"tids": "int4[]", "source": "text", "client": "text", "expected": "text[]"}
 )
 GENERIC = "set_config('plan_cache_mode', 'force_generic_plan', true)"  # for the transaction
 
@@ -228,7 +246,7 @@ class TargetLookup:
 
     def _found(self, tids: Iterable[int], rows: list[tuple]) -> None:
         read: dict[int, tuple[Found, str]] = {}
-        for _site, tid, name, state, oid, columns, key, deferrable, primary, others, text in rows:
+        for _site, tid, name, state, oid, columns, key, deferrable, always, primary, others, text in rows:
             if tid is None:  # the site id's row
                 continue
             table = TableName.parse(name)
@@ -238,7 +256,7 @@ class TargetLookup:
                 read[tid] = (Gone(table), text)
             else:
                 target = Target(shape(table, columns, key), self.source, *_primary_shared(primary, others))
-                read[tid] = (replace(target, deferrable_key=bool(deferrable)), text)
+                read[tid] = (replace(target, deferrable_key=bool(deferrable), always=tuple(always or ())), text)
         last = self.kept.last.setdefault((self.source, self.client), {})
         if len(last) >= KEPT_STATEMENTS:
             last.clear()

@@ -4,9 +4,19 @@ too (``upsert_from``), and the origin ledger ``lr.table_row_origin`` that follow
 
 A sink table whose primary key is ``DEFERRABLE`` has no ``ON CONFLICT`` arbiter (PostgreSQL refuses
 one): its rows are updated where the sink has their key and inserted where it has not.
+
+A sink table with a non-key ``GENERATED ALWAYS`` identity column (``Target.always``: the user made it
+with the source's DDL) takes the source's values as PostgreSQL's own apply worker writes them: rows
+are inserted ``OVERRIDING SYSTEM VALUE``, but PostgreSQL lets no ``UPDATE`` (nor ``ON CONFLICT DO
+UPDATE``) set such a column other than to ``DEFAULT``. So an upsert leaves it out of what it updates,
+and a row whose value there differs from the source's (``UPDATE ... SET ref = DEFAULT`` at the source,
+another origin's row under the same key) is deleted first (``moved``) and inserted with the source's.
+A table without such columns gets the statements it always had.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import psycopg2.extensions
 from psycopg2 import sql
@@ -19,6 +29,9 @@ def upsert_from(cur: psycopg2.extensions.cursor, target: Target, staging: sql.Co
     """Rows of ``staging`` (same columns) into the table, replacing rows with the same key; the
     origin ledger follows when the table is shared. Returns the rows written."""
     d = target.definition
+    same = sql.SQL(" AND ").join(sql.SQL("x.{k} = s.{k}").format(k=sql.Identifier(k)) for k in d.key)
+    if target.always:
+        cur.execute(moved(target, staging, same, lambda c: sql.SQL("s.{}").format(sql.Identifier(c))))
     cols = sql.SQL(", ").join(map(sql.Identifier, d.column_names))
     insert = sql.SQL("INSERT INTO {} ({}) OVERRIDING SYSTEM VALUE SELECT {} FROM {} s").format(
         d.table.ident, cols, cols, staging
@@ -29,11 +42,10 @@ def upsert_from(cur: psycopg2.extensions.cursor, target: Target, staging: sql.Co
     )
     found = cur.fetchone()
     if found is None or not found[0]:
-        cur.execute(sql.SQL("{} {}").format(insert, on_conflict(d)))
+        cur.execute(sql.SQL("{} {}").format(insert, on_conflict(d, target.always)))
         rows = max(cur.rowcount, 0)
     else:  # a DEFERRABLE key is no ON CONFLICT arbiter: the rows the sink has updated, the others inserted
-        same = sql.SQL(" AND ").join(sql.SQL("x.{k} = s.{k}").format(k=sql.Identifier(k)) for k in d.key)
-        rest = [c for c in d.column_names if c not in d.key]
+        rest = [c for c in d.column_names if c not in d.key and c not in target.always]
         rows = 0
         if rest:
             cur.execute(
@@ -59,9 +71,31 @@ def upsert_from(cur: psycopg2.extensions.cursor, target: Target, staging: sql.Co
     return rows
 
 
+def moved(
+    target: Target,
+    rows: sql.Composable,
+    same: sql.Composable,
+    value: Callable[[str], sql.Composable],
+    absent: tuple[str, ...] = (),
+) -> sql.Composed:
+    """Delete the sink's rows (``x``) that ``rows`` (``s``, matched by ``same``) upserts with another
+    value of a non-key ``GENERATED ALWAYS`` column (``value(c)``; those ``absent`` from the changes
+    kept): the insert that follows writes the source's value, which no update may (see the module)."""
+    always = [c for c in target.always if c not in absent]
+    if not always:
+        return sql.Composed([])
+    return sql.SQL("DELETE FROM {t} x USING {rows} s WHERE {same} AND ROW({xa}) IS DISTINCT FROM ROW({sa}); ").format(
+        t=target.definition.table.ident,
+        rows=rows,
+        same=same,
+        xa=sql.SQL(", ").join(sql.SQL("x.{}").format(sql.Identifier(c)) for c in always),
+        sa=sql.SQL(", ").join(value(c) for c in always),
+    )
+
+
 def on_conflict(d: TableDefinition, absent: tuple[str, ...] = ()) -> sql.Composed:
-    """The upsert's conflict clause: a row's columns other than the key, those ``absent`` from the
-    changes (a column the sink has and the source not yet) kept as they are."""
+    """The upsert's conflict clause: a row's columns other than the key, those ``absent`` (a column
+    the sink has and the source not yet, or a ``GENERATED ALWAYS`` identity: ``moved``) kept."""
     rest = [c for c in d.column_names if c not in d.key and c not in absent]
     keys = sql.SQL(", ").join(map(sql.Identifier, d.key))
     if not rest:
