@@ -94,6 +94,17 @@ def require_counts(**counts: object) -> None:
             raise ConfigurationError(f"{name} must be a whole number of at least 1, not {value!r}")
 
 
+def require_site_ids(name: str, value: object) -> list[str]:
+    """``value`` as a list of site ids, refused when it is not one: a bare string would otherwise be
+    read letter by letter (a demand or a wait that names no real site, and never ends or delivers)."""
+    if isinstance(value, (str, bytes)):
+        raise ConfigurationError(f"{name} is a list of site ids, not one string: give [{value!r}]")
+    named = list(value)  # type: ignore[call-overload]  # any iterable; anything else fails here
+    if not all(isinstance(s, str) and s for s in named):
+        raise ConfigurationError(f"{name} must be site ids (strings), not {named!r}")
+    return named
+
+
 # A password in what an error may quote: a DSN's ``password=...`` (or ``sslpassword``, or the
 # environment's ``PGPASSWORD=``), a URI's ``user:...@``, a connection's JSON or Python form. Masked as
 # ``***`` wherever lr prints or stores an error. An unquoted DSN value runs to the next blank, as

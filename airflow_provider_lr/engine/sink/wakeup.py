@@ -23,7 +23,13 @@ from typing import Protocol
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, one_line, require_counts
+from airflow_provider_lr.engine.errors import (
+    ConfigurationError,
+    SiteUnreachableError,
+    one_line,
+    require_counts,
+    require_site_ids,
+)
 from airflow_provider_lr.engine.notify import NotifyChannel
 from airflow_provider_lr.engine.sink.delivery_transaction import delivery_connection
 from airflow_provider_lr.engine.sink.receive import (
@@ -79,14 +85,7 @@ class Demand:
         meant (a single site id given as ``sources`` would be read as its letters: nothing delivered)."""
         if not isinstance(client, str) or not client:
             raise ConfigurationError(f"client_name is required: the client whose queues to consume, not {client!r}")
-        if isinstance(sources, (str, bytes)):
-            raise ConfigurationError(f"sources is a list of site ids, not one string: give [{sources!r}]")
-        if sources is None:
-            return cls(client)
-        named = list(sources)
-        if not all(isinstance(s, str) and s for s in named):
-            raise ConfigurationError(f"sources must be site ids (strings), not {named!r}")
-        return cls(client, frozenset(named))
+        return cls(client, None if sources is None else frozenset(require_site_ids("sources", sources)))
 
     def wants(self, client: str, source: str) -> bool:
         return client == self.client and (self.sources is None or source in self.sources)

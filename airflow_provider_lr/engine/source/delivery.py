@@ -32,7 +32,7 @@ from typing import TypeVar
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeout, TransmitError
+from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeout, TransmitError, require_site_ids
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL
 from airflow_provider_lr.engine.source.moved import unreplicated
 from airflow_provider_lr.engine.store import source_sessions
@@ -143,10 +143,7 @@ def check_wait(destinations: Sequence[str], timeout: float, min_regions: int | N
     """Refuse what a producer's wait could not mean: one site id as a bare string (read letter by
     letter), a timeout that is not a finite number of seconds >= 0 (a wait is always bounded), a
     ``min_regions`` that is not a whole number >= 0."""
-    if isinstance(destinations, (str, bytes)):
-        raise ConfigurationError(f"destinations is a list of site ids, not one string: give [{destinations!r}]")
-    if not all(isinstance(d, str) and d for d in destinations):
-        raise ConfigurationError(f"destinations must be site ids (strings), not {list(destinations)!r}")
+    require_site_ids("destinations", destinations)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
         raise ConfigurationError(f"timeout must be a finite number of seconds, at least 0, not {timeout!r}")
     if min_regions is not None and (
