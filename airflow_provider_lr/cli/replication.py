@@ -432,7 +432,9 @@ def add_sync(sub: argparse._SubParsersAction) -> None:
     fs.add_argument("--sink", help="only the sessions to this sink (default: every sink)")
     fs.add_argument("--source", help="only the sessions from this source (default: every source)")
     fs.add_argument("--client", help="only this client's sessions (default: every client)")
-    fs.add_argument("--reason", default="requested from the command line")
+    fs.add_argument(
+        "--reason", default="requested from the command line", help="recorded with each request (lr status shows it)"
+    )
     fs.add_argument(
         "--wait",
         type=nonnegative_seconds,
