@@ -162,6 +162,9 @@ def test_commands_run_before_lr_init_say_to_run_it_once_not_a_missing_relation_e
     `lr sync` logged the in-process fan-out's SQL error (its statement's text included) on every
     cycle, one line every cycle for as long as it ran, beside the session's own `run lr init`."""
     topo = topology_file(tmp_path, sites, monkeypatch, providers={})
+    assert cli.main(["status", "--topology", topo]) == 1
+    out = capsys.readouterr().out  # it said "lr schema v0 is older than this lr's v28"
+    assert "site-a: no lr schema: lr replicates nothing with it; run `lr init` on the site" in out, out
     for command in (["full-sync"], ["tables", "open", "public.items", "--client", "policy"], ["trim"]):
         capsys.readouterr()
         assert cli.main([*command, "--topology", topo]) == 1, command
