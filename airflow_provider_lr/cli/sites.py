@@ -84,8 +84,8 @@ def add_sites(sub: argparse._SubParsersAction) -> None:
         "--count",
         type=positive_int,
         default=None,
-        help="start this many sites, site-a, site-b, ... (at most 64), making those not made yet "
-        "(default: the sites made before)",
+        help="start this many sites, site-a, site-b, ... (past 26: site-1, site-2, ...; at most 64), "
+        "making those not made yet (default: the sites made before)",
     )
     up.add_argument("--ids", help="comma-separated site ids instead of site-a, site-b, ...")
     up.set_defaults(func=cmd_sites_up)
