@@ -43,7 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
     roles.add_roles(sub)
     tables.add_tables(sub)
     sites.add_demo(sub)
+    _describe(parser)
     return parser
+
+
+def _describe(parser: argparse.ArgumentParser) -> None:
+    """Each command's ``--help`` opens with the line ``lr --help`` (or its group's) gives it: it
+    printed only usage and options, and what the command does was one level up."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            said = {choice.dest: choice.help for choice in action._choices_actions}
+            for name, child in action.choices.items():
+                child.description = child.description or said.get(name)
+                _describe(child)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import psycopg2
 
 from airflow_provider_lr.engine.db import conninfo
 from airflow_provider_lr.engine.db.timeouts import failure
-from airflow_provider_lr.engine.errors import LRError, one_line
+from airflow_provider_lr.engine.errors import LRError, one_line, without_statement
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.store import topology as topologies
 
@@ -64,7 +64,7 @@ def check_topology(topo: topologies.Topology, sites: Iterable[str] | None = None
 def database_error(exc: psycopg2.Error) -> str:
     """A site's refusal as one line: what the bound that fired means, the error, its detail; not the
     statement's text (psycopg's LINE and caret parts), which may hold values."""
-    return " | ".join(p for p in failure(exc).split(" | ") if not p.startswith("LINE ") and p != "^")
+    return without_statement(failure(exc))
 
 
 @contextmanager

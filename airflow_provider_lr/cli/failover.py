@@ -97,7 +97,9 @@ def add_failover(sub: argparse._SubParsersAction) -> None:
     which.add_argument("--rejoin", metavar="SITE", help="apply the failover's topology on a site that was not reached")
     fo.add_argument("--from", dest="from_site", metavar="SITE", help="the old source (default: the promoted site's)")
     fo.add_argument("--client", action="append", help="a client to fail over (repeat; default: all it receives)")
-    fo.add_argument("--reason", default="failover from the command line")
+    fo.add_argument(
+        "--reason", default="failover from the command line", help="recorded with the full-sync requests it makes"
+    )
     fo.add_argument(
         "--same-destinations",
         action="store_true",

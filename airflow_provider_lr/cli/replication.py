@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.cli.common import (
@@ -31,11 +32,12 @@ from airflow_provider_lr.engine.errors import (
     one_line,
     still_failing,
 )
-from airflow_provider_lr.engine.session import stream
+from airflow_provider_lr.engine.session import lease, stream
 from airflow_provider_lr.engine.session.runner import CycleReport
 from airflow_provider_lr.engine.site import metrics, replicator, topology
 from airflow_provider_lr.engine.source import full_sync, trim
 from airflow_provider_lr.engine.store import topology as topologies
+from airflow_provider_lr.engine.vocabulary import SessionKey
 
 
 def _warn_providers(topo: topologies.Topology) -> None:
@@ -243,8 +245,27 @@ def cmd_full_sync(args: argparse.Namespace) -> int:
         return 0
     outcomes = _wait_applied(topo, {key: r.request_id for key, r in requests.items()}, args.wait)
     for key, found in outcomes.items():
-        print(f"  {key}: {found.describe() if found is not None else 'request gone'}")
+        said = found.describe() if found is not None else "request gone"
+        if found is not None and found.outcome is full_sync.Outcome.PENDING:
+            said += _who_works_on(topo, key)
+        print(f"  {key}: {said}")
     return 0 if all(f is not None and f.outcome is full_sync.Outcome.APPLIED for f in outcomes.values()) else 1
+
+
+def _who_works_on(topo: topologies.Topology, key: SessionKey) -> str:
+    """Why a request is still open: the replicator holding its session, or nobody (no `lr sync`
+    runs, lr_streaming is paused), which a new user otherwise has to guess."""
+    try:
+        conn = connector(topo)(key.source)
+        try:
+            owner = lease.holder(conn, key.sink, key.client)
+        finally:
+            conn.close()
+    except (LRError, psycopg2.Error):  # the source is gone meanwhile: the outcome alone is said
+        return ""
+    if owner is None:
+        return "; no replicator holds the session: run `lr sync` (or unpause lr_streaming)"
+    return f"; the session is held by replicator {owner}"
 
 
 def _wait_applied(topo: topologies.Topology, requests: dict, timeout: float) -> dict:
@@ -411,7 +432,9 @@ def add_sync(sub: argparse._SubParsersAction) -> None:
     fs.add_argument("--sink", help="only the sessions to this sink (default: every sink)")
     fs.add_argument("--source", help="only the sessions from this source (default: every source)")
     fs.add_argument("--client", help="only this client's sessions (default: every client)")
-    fs.add_argument("--reason", default="requested from the command line")
+    fs.add_argument(
+        "--reason", default="requested from the command line", help="recorded with each request (lr status shows it)"
+    )
     fs.add_argument(
         "--wait",
         type=nonnegative_seconds,

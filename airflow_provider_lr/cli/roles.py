@@ -79,7 +79,7 @@ def add_roles(sub: argparse._SubParsersAction) -> None:
     ).add_subparsers(dest="roles_command", required=True)
     for name, verb in (("grant", "give"), ("revoke", "take")):
         change = access.add_parser(name, help=f"{verb} a role the rights of a replicator, writer or consumer")
-        change.add_argument("kind", choices=site_roles.KINDS)
+        change.add_argument("kind", choices=site_roles.KINDS, help="what the role does (docs/security.md)")
         change.add_argument("--role", required=True, help="the PostgreSQL role (a login role, or a group of them)")
         change.add_argument("--client", action="append", help="writer/consumer: the client (repeatable)")
         change.add_argument(

@@ -80,11 +80,17 @@ def add_sites(sub: argparse._SubParsersAction) -> None:
         dest="sites_command", required=True
     )
     up = sites.add_parser("up", help="start N sites (one PostgreSQL server and data directory each)")
-    up.add_argument("--count", type=positive_int, default=None)
+    up.add_argument(
+        "--count",
+        type=positive_int,
+        default=None,
+        help="start this many sites, site-a, site-b, ... (past 26: site-1, site-2, ...; at most 64), "
+        "making those not made yet (default: the sites made before)",
+    )
     up.add_argument("--ids", help="comma-separated site ids instead of site-a, site-b, ...")
     up.set_defaults(func=cmd_sites_up)
     down = sites.add_parser("down", help="stop sites")
-    down.add_argument("--ids")
+    down.add_argument("--ids", help="comma-separated site ids (default: every embedded site)")
     down.add_argument("--remove", action="store_true", help="also delete their data")
     down.set_defaults(func=cmd_sites_down)
     sites.add_parser("list", help="list sites and whether they run").set_defaults(func=cmd_sites_list)
@@ -95,12 +101,14 @@ def add_init(sub: argparse._SubParsersAction) -> None:
     init = sub.add_parser("init", help="install or upgrade the lr schema on sites")
     init.add_argument("--site", action="append", help="DSN or Airflow connection id (default: all embedded sites)")
     init.add_argument("--site-id", help="site id to record (default: the connection's site_id extra)")
-    init.add_argument("--region")
+    init.add_argument(
+        "--region", help="region to record (default: the connection's region extra, else the one recorded)"
+    )
     init.set_defaults(func=cmd_init)
 
 
 def add_demo(sub: argparse._SubParsersAction) -> None:
     """``lr demo``."""
     demo = sub.add_parser("demo", help="run the end-to-end demo on embedded sites")
-    demo.add_argument("--sinks", type=positive_int, default=2)
+    demo.add_argument("--sinks", type=positive_int, default=2, help="how many sink sites (default 2)")
     demo.set_defaults(func=cmd_demo)

@@ -110,7 +110,12 @@ def add_tables(sub: argparse._SubParsersAction) -> None:
     )
     op.add_argument("table", help="SCHEMA.TABLE (a bare name is in public)")
     op.add_argument("--client", required=True, help="the client whose sessions carry the table")
-    op.add_argument("--federated", action=argparse.BooleanOptionalAction, default=True)
+    op.add_argument(
+        "--federated",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replicate the table (default); --no-federated: these sites keep out of it",
+    )
     op.add_argument(
         "--site", action="append", help="site id (repeatable; default with --federated: the client's sources)"
     )

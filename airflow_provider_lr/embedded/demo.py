@@ -87,8 +87,9 @@ def consume(site_id: str, dsn: str) -> None:
         rows = cur.fetchone()[0]
     own.close()
     print(
-        f"  {site_id}: the subscriber delivered {delivered} queue entries ({app.snapshot_rows} full-sync rows, "
-        f"{app.log_entries} log entries) from {', '.join(sources)}; its {TABLE} has {rows} rows"
+        f"  {site_id}: the subscriber delivered {delivered} queue entries (a full sync: its start, "
+        f"{app.snapshot_rows} rows, its end; {app.log_entries} log entries) from {', '.join(sources)}; "
+        f"its {TABLE} has {rows} rows"
     )
 
 

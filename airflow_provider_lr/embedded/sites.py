@@ -158,6 +158,13 @@ class SiteManager:
         wanted = site_ids or (default_site_ids(count) if count else list(known))
         if not wanted:
             raise ConfigurationError("no sites to start: give --count N (or site ids)")
+        lettered = [s for s in known if s in default_site_ids(26)]
+        if not site_ids and count and count > 26 and lettered:  # ids numbered past 26 letters
+            raise ConfigurationError(
+                f"--count {count} names its sites site-1 … site-{count} (past 26 they are numbered), "
+                f"beside {listing(lettered)} made before under {self.home}: remove those first "
+                "(lr sites down --remove) or name the sites with --ids; nothing was started"
+            )
         _check_ids(wanted, known)
         if len(set(wanted) | set(known)) > MAX_SITES:
             raise ConfigurationError(

@@ -132,6 +132,12 @@ def one_line(exc: BaseException | str) -> str:
     return mask_secrets(" | ".join(part.strip() for part in text.splitlines() if part.strip()))
 
 
+def without_statement(line: str) -> str:
+    """A ``one_line`` error without psycopg's LINE and caret parts: the statement's text, which may
+    hold values, and says nothing to whoever reads the error."""
+    return " | ".join(p for p in line.split(" | ") if not p.startswith("LINE ") and p != "^")
+
+
 def error_line(exc: BaseException) -> str:
     """``one_line`` with the exception's type in front (``OperationalError: ...``): what a session's
     report, ``last_error`` and a stream's hand-back carry."""

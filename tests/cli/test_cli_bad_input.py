@@ -3,6 +3,8 @@ exit 1, no traceback, and nothing half-written on any site."""
 
 from __future__ import annotations
 
+import logging
+
 from airflow_provider_lr import cli
 from tests.cli.test_cli_sync import topology_file
 
@@ -150,3 +152,28 @@ def test_a_password_given_to_lr_is_never_printed_whatever_is_wrong(tmp_path, mon
         out, err = capsys.readouterr()
         assert said in err.strip().splitlines()[-1], (argv, err)  # the last line: argparse prints its usage first
         assert "SEKRET" not in out + err and "RET" not in err.replace("SEKRET", "") and "Traceback" not in err, err
+
+
+def test_commands_run_before_lr_init_say_to_run_it_once_not_a_missing_relation_every_cycle(
+    sites, tmp_path, monkeypatch, capsys, caplog
+):
+    """A new user's commonest slip: `lr sites up`, then a command before `lr init`. `lr full-sync`
+    and `lr tables open` said `UndefinedTable: relation "lr.source_sessions" does not exist`, and
+    `lr sync` logged the in-process fan-out's SQL error (its statement's text included) on every
+    cycle, one line every cycle for as long as it ran, beside the session's own `run lr init`."""
+    topo = topology_file(tmp_path, sites, monkeypatch, providers={})
+    assert cli.main(["status", "--topology", topo]) == 1
+    out = capsys.readouterr().out  # it said "lr schema v0 is older than this lr's v28"
+    assert "site-a: no lr schema: lr replicates nothing with it; run `lr init` on the site" in out, out
+    for command in (["full-sync"], ["tables", "open", "public.items", "--client", "policy"], ["trim"]):
+        capsys.readouterr()
+        assert cli.main([*command, "--topology", topo]) == 1, command
+        err = capsys.readouterr().err
+        assert err.startswith("lr: site-a: ") and "run `lr init`" in err, err
+        assert len(err.strip().splitlines()) == 1 and "LINE" not in err, err
+    caplog.set_level(logging.INFO, logger="airflow_provider_lr")
+    rc = cli.main(["sync", "--topology", topo, "--until-idle", "--give-up-after", "1", "--interval", "0.01"])
+    assert rc == 1
+    fanout = [r.getMessage() for r in caplog.records if "fan-out" in r.getMessage()]
+    assert len(fanout) <= 1 and not any("LINE" in m for m in fanout), fanout
+    assert "has no lr schema; run `lr init` on it first" in capsys.readouterr().out

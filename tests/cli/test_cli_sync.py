@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -96,6 +97,12 @@ def test_demo_replicates_on_its_own_embedded_sites(tmp_path, capsys):
         assert out.count("data consistent True") == 2
         assert out.count("lag 0 entries / 0.0s, IN_LOG_ENTRY_SYNC") == 2
         assert out.count("the subscriber delivered") == 2 and "0 log entries)" not in out
+        # the figures a new user reads add up: the full sync's start and end markers are entries too
+        for n, rows, entries in re.findall(
+            r"delivered (\d+) queue entries \(a full sync: its start, (\d+) rows, its end; (\d+) log entries\)", out
+        ):
+            assert int(n) == 2 + int(rows) + int(entries), out
+        assert out.count("queue entries (a full sync: its start") == 2, out
     finally:
         manager.down(mode="immediate", remove=True)
 

@@ -139,7 +139,8 @@ def test_full_sync_wait_succeeds_once_a_running_lr_sync_applied_the_request(lr_s
 
 def test_full_sync_wait_ends_at_its_bound_when_nobody_applies_the_request(lr_sites, tmp_path, monkeypatch, capsys):
     """No replicator runs (or the sink is down): `lr full-sync --wait 1.5` says the request is not
-    applied yet and exits 1 at its bound. Its polls used to double to 5 s and sleep past the bound:
+    applied yet, that no replicator holds the session (it said only "pending", leaving a new user
+    to guess that `lr sync` must run), and exits 1 at its bound. Its polls used to double to 5 s and sleep past the bound:
     1.5 s asked, 3 s taken (60 s asked, up to 65)."""
     import time
 
@@ -148,7 +149,10 @@ def test_full_sync_wait_ends_at_its_bound_when_nobody_applies_the_request(lr_sit
     started = time.monotonic()
     assert cli.main(["full-sync", "--topology", topo, "--sink", "site-b", "--wait", "1.5"]) == 1
     took = time.monotonic() - started
-    assert "site-a->site-b/policy: full sync" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "site-a->site-b/policy: full sync" in out and "not applied yet (pending)" in out, out
+    # and what to do about it: nobody holds the session, so nobody works on the request
+    assert "no replicator holds the session: run `lr sync` (or unpause lr_streaming)" in out, out
     assert 1.5 <= took < 2.2, took
     app.close()
 

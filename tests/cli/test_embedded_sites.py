@@ -175,3 +175,21 @@ def test_as_root_binaries_under_a_private_home_run_from_a_copy_the_server_can_re
     finally:
         manager.down(mode="immediate", remove=True)
         shutil.rmtree(manager._binaries().parents[2])  # the copy (35 MB) made for this test's install
+
+
+def test_more_sites_asked_for_than_letters_beside_lettered_ones_is_refused_not_doubled(tmp_path, capsys):
+    """`lr sites up --count 3` then `--count 30`: past 26 the default ids are numbered (site-1 …),
+    so 30 new servers started beside site-a, site-b, site-c (33 in all, two naming schemes); near
+    the bound the refusal said "73 sites asked for" to a user who asked for 70. Now refused,
+    naming the sites already made and what to do; nothing is started."""
+    from airflow_provider_lr.embedded.sites import EmbeddedSite
+
+    manager = SiteManager(tmp_path / "home")
+    made = [EmbeddedSite(f"site-{c}", "region-1", 0, str(tmp_path / c)) for c in "abc"]
+    made += [EmbeddedSite(f"extra-{i}", "region-1", 0, str(tmp_path / str(i))) for i in range(35)]
+    manager._save(made)  # made before, none running: nothing here starts a server
+    assert cli.main(["--home", str(manager.home), "sites", "up", "--count", "27"]) == 1
+    err = capsys.readouterr().err
+    assert "--count 27 names its sites site-1 … site-27" in err, err
+    assert "site-a, site-b, site-c" in err and "lr sites down --remove" in err and "--ids" in err, err
+    assert [s.site_id for s in manager.sites()] == [s.site_id for s in made]

@@ -167,6 +167,8 @@ def behind(version: int) -> str | None:
         if version < REPLICATION_SCHEMA
         else "its sessions are not streamed (the session cycles carry them)"
     )
+    if version == 0:  # never initialised, not old: what a new user who skipped `lr init` meets
+        return f"no lr schema: {refused}; run `lr init` on the site"
     return (
         f"lr schema v{version} is older than this lr's v{latest}: {refused}; run `lr init` on the site as "
         "the owner of the lr schema"

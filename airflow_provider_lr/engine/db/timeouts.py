@@ -364,17 +364,25 @@ _EXPLAINED = {
     "57014": "a statement ran past statement_timeout (or was cancelled)",
     "25P03": "the server ended a transaction left idle (idle_in_transaction_timeout)",
 }
+# undefined table, schema, function: of lr's own schema, the site was never `lr init`ed or is older
+_MISSING = {"42P01", "3F000", "42883"}
+_NOT_INSTALLED = "the site has no lr schema, or an older one than this lr: run `lr init` on it"
 
 
 def explain(exc: BaseException) -> str | None:
-    """What a bound that fired means, to prefix an error with; None for other errors."""
+    """What a bound that fired means, or that the lr schema is missing, to prefix an error with; None
+    for other errors."""
     conn = getattr(getattr(exc, "cursor", None), "connection", None)
     if conn is not None and getattr(conn, "was_cut", False):
         return (
             f"{conn.describe()} gave no answer within its call deadline of {conn.cut_after_s:.0f} s: "
             "a stopped server or a stalled link, cut by lr"
         )
-    return _EXPLAINED.get(getattr(exc, "pgcode", None) or "")
+    code = getattr(exc, "pgcode", None) or ""
+    if code in _MISSING:
+        primary = getattr(getattr(exc, "diag", None), "message_primary", None) or ""
+        return _NOT_INSTALLED if ('"lr.' in primary or 'schema "lr"' in primary or " lr." in primary) else None
+    return _EXPLAINED.get(code)
 
 
 def failure(exc: BaseException) -> str:

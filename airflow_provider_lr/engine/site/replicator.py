@@ -25,6 +25,7 @@ from airflow_provider_lr.engine.errors import (
     SiteUnreachableError,
     one_line,
     still_failing,
+    without_statement,
 )
 from airflow_provider_lr.engine.session import catchup, nearest_copy
 from airflow_provider_lr.engine.session.lease import Lease, new_owner_id
@@ -93,6 +94,7 @@ class Replicator:
         self.teed: dict[str, int] = {}  # str(SessionKey) -> entries the tee delivered, all cycles
         self.stalled_for = 0.0  # seconds the last run had made no progress when it ended (measured)
         self._no_tee: set[str] = set()  # sources whose sites' DSNs do not resolve (no tee for them)
+        self._tee_notes = RepeatedErrors()  # why the tee of a source is not used, said once
         self.membership: Membership | None = None
         if membership:
             self.membership = Membership(connect, self._given, self.owner, self.settings)
@@ -235,6 +237,7 @@ class Replicator:
         try:
             cap = catchup.backlog_cap(self.settings)  # no need to count a backlog of millions
             backlogs = session_backlogs(self._conn(source), at_most=cap)
+            self._tee_notes.cleared(source)  # read: its next failure is said in full
             mine = [b for b in backlogs if SessionKey(source, b.sink, b.client) in keys]  # not the others'
             choice = catchup.choose(log_entry_backlog(mine), self.settings, counted_to=cap)
             if choice.path is not catchup.CatchupPath.TEE:
@@ -243,15 +246,15 @@ class Replicator:
                 self.topology, source, owner=self.owner, settings=self.settings, connect=self.connect, sessions=keys
             )
         except SiteUnreachableError as exc:  # a site that is down: the session cycles report it; retried
-            log.info("in-process fan-out of %s not used now: %s", source, one_line(exc))
+            self._tee_not_used(source, f"not used now: {one_line(exc)}")
             self._drop(source)
             return {}
         except ConfigurationError as exc:  # the sites' DSNs do not resolve here (the tee needs them)
-            log.info("in-process fan-out of %s not used: %s", source, one_line(exc))
+            self._tee_not_used(source, f"not used: {one_line(exc)}")
             self._no_tee.add(source)
             return {}
-        except psycopg2.Error as exc:  # a site that is down: the session cycles report it
-            log.info("in-process fan-out of %s not used: %s", source, one_line(exc))
+        except psycopg2.Error as exc:  # a site that is down, or has no lr schema: the session cycles report it
+            self._tee_not_used(source, f"not used: {without_statement(failure(exc))}")
             self._drop(source)
             return {}
         try:
@@ -265,6 +268,12 @@ class Replicator:
         for session, error in result.errors.items():
             log.warning("in-process fan-out of %s: %s stopped: %s", source, session, error)
         return result.deliveries
+
+    def _tee_not_used(self, source: str, why: str) -> None:
+        """Say why the tee is not used for ``source`` once, not every cycle it is tried again."""
+        times = self._tee_notes.due(source, why)
+        if times:
+            log.info("in-process fan-out of %s %s", source, why if times == 1 else still_failing(times, why))
 
     def _recover(self, key: SessionKey, error: str, exc: Exception) -> None:
         for site in (key.source, key.sink):

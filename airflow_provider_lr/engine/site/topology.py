@@ -24,8 +24,8 @@ from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES_SQL, RequestStat
 def provider_warnings(topology: Topology) -> list[str]:
     """What makes a client's sessions wait for full-sync data forever, said where a topology is
     checked (``lr topology validate`` and ``apply``): a provider that cannot be imported here, or
-    none at all (then only an application serving the requests, or a client of federated tables
-    only, lets a full sync finish)."""
+    none at all (then only an application serving the requests lets a full sync finish; a client
+    with a federated table gets full syncs of its tables alone, payloads left out)."""
     from airflow_provider_lr.engine.source.full_sync import load_provider
 
     found = []
@@ -34,8 +34,10 @@ def provider_warnings(topology: Topology) -> list[str]:
         if target is None:
             found.append(
                 f"client {client!r} has no full-sync provider: unless its application serves the "
-                "requests (RoutingQueueClient.serve_full_sync_requests) or it replicates federated "
-                "tables only, its sessions wait for client data forever; name one under providers:"
+                "requests (RoutingQueueClient.serve_full_sync_requests), its sessions wait for client "
+                "data forever; once it has a federated table, lr supplies each full sync itself with "
+                "the tables and no payload (a sink's state built from its payloads is not sent again); "
+                "name one under providers:"
             )
             continue
         try:
