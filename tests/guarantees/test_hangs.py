@@ -17,6 +17,7 @@ import pytest
 from airflow_provider_lr.engine.db import conninfo
 from airflow_provider_lr.engine.db.timeouts import DEADLINES, Purpose, lifted
 from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.session import snapshot_sync
 from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
 from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.store import topology
@@ -99,14 +100,16 @@ def test_the_topology_bounds_every_connection_lr_opens(lr_sites):
             with conn.cursor() as cur:
                 cur.execute(
                     "SELECT current_setting('statement_timeout'), current_setting('lock_timeout'), "
-                    "current_setting('idle_in_transaction_session_timeout')"
+                    "current_setting('idle_in_transaction_session_timeout'), current_setting('tcp_keepalives_idle'), "
+                    "current_setting('tcp_keepalives_count')"
                 )
                 row = cur.fetchone()
             return row, conn.get_dsn_parameters().get("keepalives_idle"), conn.deadline_s
         finally:
             conn.close()
 
-    assert shown(Purpose.SESSION) == (("4s", "1s", "3s"), "9", DEADLINE)
+    # the server probes a silent client as the client probes it (TCP over a socket on 127.0.0.1 here)
+    assert shown(Purpose.SESSION) == (("4s", "1s", "3s", "1", "2"), "9", DEADLINE)
     conn = info.connect()
     try:  # long work lifts a session connection's bounds for its duration, even when it fails
         with pytest.raises(psycopg2.errors.DivisionByZero), lifted(conn):
@@ -120,8 +123,8 @@ def test_the_topology_bounds_every_connection_lr_opens(lr_sites):
             assert [n for (n,) in cur] == list(range(1, 2501))
     finally:
         conn.close()
-    assert shown(Purpose.BULK) == (("0", "1min", "0"), "9", None)
-    assert shown(Purpose.APPLICATION)[0] == ("0", "0", "0")
+    assert shown(Purpose.BULK) == (("0", "1min", "0", "1", "2"), "9", None)
+    assert shown(Purpose.APPLICATION)[0][:3] == ("0", "0", "0")
 
 
 @pytest.mark.timeout(240)
@@ -292,7 +295,10 @@ def test_a_sink_that_stops_answering_mid_table_snapshot_fails_the_cycle_and_the_
     the middle of its COPY: the proxy takes every byte and answers none. Once no byte of the copy
     has moved for the call deadline the connection had, lr cuts it: the cycle fails with that
     reason instead of waiting for good (the other sessions of ``lr sync`` wait behind it), and
-    once the link is back the table arrives whole (before, the cycle waited until the link was cut)."""
+    once the link is back the table arrives whole (before, the cycle waited until the link was cut).
+    The stalled connection stays open at the sink's server, its COPY holding the session's row: lr
+    ends that backend on its next connection there (before, the retries failed on lock_timeout
+    until the server's own keepalives ended it, ~2 h by default)."""
     source, sink_b, _ = lr_sites
     bounds = {**BOUNDS, "statement_timeout_s": 2, "keepalives_count": 1}  # a call deadline of 2 + 1 + 1 = 4 s
     topo = apply(lr_sites, ONE_SINK, settings=bounds)
@@ -310,7 +316,65 @@ def test_a_sink_that_stops_answering_mid_table_snapshot_fails_the_cycle_and_the_
         cycle.join(4 + SLACK)
         assert not cycle.is_alive(), "the cycle still waits on a sink that takes every byte and answers none"
         assert "call deadline of 4 s" in (reports[0].error or ""), reports
-        link.reset()  # the partition ends: the sink's server ends the COPY left open on it
+        link.heal()  # new connections go through; the COPY's backend lives on behind the stalled one
         sync(repl)
     repl.close()
     assert rows(sink_b) == rows(source)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["source: the provider's query", "sink: the full sync's apply"])
+def test_a_site_that_stops_answering_in_a_full_syncs_long_work_fails_the_cycle_and_the_sync_lands_whole_later(
+    lr_sites, monkeypatch, where
+):
+    """A full sync's long steps run on connections freed of their call deadline (``lifted``): the
+    provider's queries at the source, the apply that makes it visible at the sink. The site's link
+    goes half-open just before one of them: the proxy takes every byte and answers none. A heartbeat
+    on a second connection finds the site unreachable and cuts the call: the cycle fails with that
+    reason within the deadline instead of waiting for good (before: for good). The link then heals
+    for new connections only (the backend behind the stalled one lives on, holding its locks: lr ends
+    it on its next connection there) and the full sync lands whole."""
+    source, sink_b, _ = lr_sites
+    bounds = {**BOUNDS, "statement_timeout_s": 2, "keepalives_count": 1}  # a call deadline of 2 + 1 + 1 = 4 s
+    topo = apply(lr_sites, ONE_SINK, settings=bounds)
+    app = App(source)
+    for i in range(3):
+        app.put(f"k{i}", i, ["site-b"])
+    stalled_site = source if where.startswith("source") else sink_b
+    link = LinkProxy(stalled_site.conninfo.params["port"])
+    dsns = {s.site_id: s.dsn for s in lr_sites}
+    dsns[stalled_site.site_id] = link.dsn(stalled_site.dsn)
+    stalls = [True]
+
+    def stall_first() -> None:
+        if stalls:
+            link.stall()
+            stalls.clear()
+
+    def provider(ctx) -> None:
+        if where.startswith("source"):
+            stall_first()
+        table_provider(ctx)
+
+    apply_snapshot = snapshot_sync.writes.apply_snapshot
+
+    def stalled_apply(*args, **kwargs):
+        stall_first()
+        return apply_snapshot(*args, **kwargs)
+
+    if where.startswith("sink"):
+        monkeypatch.setattr(snapshot_sync.writes, "apply_snapshot", stalled_apply)
+    repl = bounded(topo, dsns)
+    repl.providers["policy"] = provider
+    reports: list = []
+    with link:
+        cycle = threading.Thread(target=lambda: reports.extend(repl.run_cycle()), daemon=True)
+        cycle.start()
+        cycle.join(4 + 2 + SLACK)  # the deadline, then the heartbeat's connect (connect_timeout_s) fails
+        assert not cycle.is_alive(), f"the cycle still waits on the {where}, stalled"
+        assert "call deadline of 4 s" in (reports[0].error or ""), reports
+        link.heal()  # new connections go through; the stalled one stays silent, its backend alive
+        sync(repl)
+    repl.close()
+    assert sorted(p for k, p in queue(sink_b) if k == "snap") == [f"k{i}={i}" for i in range(3)]
+    app.close()
