@@ -16,7 +16,16 @@ connection, by what the connection is for (``Purpose``):
   (a stalled proxy or load balancer, a stopped server process) fools TCP; past the deadline lr
   shuts the connection's socket itself, so the call fails like a lost connection. Work that runs
   long on a session connection (``lifted``) has no call deadline, but a COPY in it is watched by
-  its progress (``Deadlines.stalled``): cut once no byte moved for the deadline it had.
+  its progress (``Deadlines.stalled``): cut once no byte moved for the deadline it had; and every
+  call in it by a heartbeat (``Deadlines.heartbeat``): each deadline it had, a second connection
+  asks the server whether the call's backend still works on it, and the call is cut when the
+  server cannot be reached (a stalled link, a stopped server) or has finished the call whose
+  answer never came;
+* the server's side: its TCP keepalives (``tcp_keepalives_*``, the same as the client's) end a
+  call whose client vanished in a silent partition in seconds rather than the system's ~2 h; and
+  a backend whose call lr cut is terminated on lr's next connection to that server
+  (``orphans.py``): behind a link that stalled it would otherwise hold its transaction's locks
+  (a session's row) until its side of the link failed.
 
 Every setting is a topology setting (``settings:``, docs/topology.md); a DSN (or an Airflow
 connection's extras) that sets one of the libpq parameters, or the same option in ``options``,
@@ -31,7 +40,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from enum import Enum
@@ -40,6 +49,7 @@ from typing import Any
 import psycopg2
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.db import orphans
 from airflow_provider_lr.engine.errors import error_line
 
 log = logging.getLogger(__name__)
@@ -100,6 +110,15 @@ class Timeouts:
             "idle_in_transaction_session_timeout": 0 if bulk else self.idle_in_transaction_timeout_s,
         }
 
+    def server_keepalives(self) -> dict[str, int]:
+        """The server's TCP keepalives on lr's connections (seconds, a count), as the client's."""
+        given = {
+            "tcp_keepalives_idle": self.keepalives_idle_s,
+            "tcp_keepalives_interval": self.keepalives_interval_s,
+            "tcp_keepalives_count": self.keepalives_count,
+        }
+        return {name: value for name, value in given.items() if value}
+
     def libpq_params(self, purpose: Purpose, given: Mapping[str, Any]) -> dict[str, Any]:
         """``given`` (a DSN's parameters) with these bounds added where it sets none."""
         params: dict[str, Any] = {
@@ -113,6 +132,8 @@ class Timeouts:
             params["tcp_user_timeout"] = round(self.tcp_user_timeout_s * 1000)
         params.update({k: v for k, v in given.items() if v is not None})
         ours = " ".join(f"-c {name}={round(seconds * 1000)}" for name, seconds in self.session_options(purpose).items())
+        if purpose is not Purpose.APPLICATION:  # the server notices a vanished client as soon as lr would
+            ours += "".join(f" -c {name}={value}" for name, value in self.server_keepalives().items())
         theirs = str(given.get("options") or "")
         options = f"{ours} {theirs}".strip()  # a later -c wins: the DSN's own options override ours
         if options:
@@ -153,6 +174,7 @@ class Deadlines:
     def __init__(self) -> None:
         self._calls: dict[tuple[int, int], tuple[float, BoundedConnection]] = {}
         self._stalls: dict[tuple[int, int], tuple[Clock, float, BoundedConnection]] = {}
+        self._beats: dict[tuple[int, int], _Beat] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.cut = 0  # connections cut, for tests and logs
@@ -189,6 +211,49 @@ class Deadlines:
         finally:
             self._stalls.pop(token, None)
 
+    def heartbeat(self, conn: BoundedConnection) -> tuple[int, int] | None:
+        """Watch a call on a ``lifted`` connection (no call deadline: it may run for hours) by asking
+        its server, on a second connection, each ``stall_deadline_s``, whether the call's backend
+        still works on it; ``end`` it after the call. See ``_probe`` for when the call is cut."""
+        seconds, reopen = conn.stall_deadline_s, conn.reopen
+        if seconds is None or reopen is None:
+            return None
+        token = (id(conn), threading.get_ident())
+        self._beats[token] = _Beat(conn, conn.info.backend_pid, seconds, reopen, time.monotonic() + seconds)
+        if self._thread is None:
+            self._start()
+        return token
+
+    def end_heartbeat(self, token: tuple[int, int] | None) -> None:
+        if token is not None:
+            self._beats.pop(token, None)
+
+    def _probe(self, token: tuple[int, int], beat: _Beat) -> None:
+        """One heartbeat of a lifted call: alive while its backend is active; cut when the server
+        cannot be reached within the call's deadline (a stalled link, a stopped server) or its
+        backend has finished twice in a row (the answer was lost on the way)."""
+        lost = ""
+        try:
+            probe = cap(beat.reopen(), beat.seconds)
+            try:
+                with probe.cursor() as cur:
+                    cur.execute("SELECT state FROM pg_stat_activity WHERE pid = %s", (beat.pid,))
+                    row = cur.fetchone()
+            finally:
+                probe.close()
+            state = row[0] if row else None
+            beat.finished = 0 if state == "active" else beat.finished + 1
+            if beat.finished >= 2:
+                lost = f"its server finished the call (backend {state or 'gone'}) and no answer came"
+        except Exception as exc:  # noqa: BLE001 - any failure to reach the server is the verdict
+            lost = f"a second connection to its server failed ({error_line(exc)})"
+        if self._beats.get(token) is not beat:
+            return  # the call ended meanwhile
+        if not lost:
+            beat.due, beat.probing = time.monotonic() + (1.0 if beat.finished else beat.seconds), False
+        elif self._beats.pop(token, None) is not None:
+            self._cut(beat.conn, beat.seconds, lost)
+
     def _start(self) -> None:
         with self._lock:
             if self._thread is None:
@@ -206,16 +271,22 @@ class Deadlines:
             for token, (clock, seconds, conn) in list(self._stalls.items()):
                 if now - clock.last >= seconds and self._stalls.pop(token, None) is not None:
                     self._cut(conn, seconds)
+            for token, beat in list(self._beats.items()):
+                if now >= beat.due and not beat.probing:
+                    beat.probing = True
+                    threading.Thread(target=self._probe, args=(token, beat), daemon=True, name="lr-heartbeat").start()
 
-    def _cut(self, conn: BoundedConnection, seconds: float) -> None:
+    def _cut(self, conn: BoundedConnection, seconds: float, why: str = "") -> None:
         self.cut += 1
         conn.was_cut, conn.cut_after_s = True, seconds
         log.warning(
-            "%s: a call ran past its deadline of %.0f s: the server or the link is taken as dead and the "
+            "%s: a call ran past its deadline of %.0f s%s: the server or the link is taken as dead and the "
             "connection cut; the caller retries on a new one",
             conn.describe(),
             seconds,
+            f" ({why})" if why else "",
         )
+        orphans.record(conn)  # its backend, if it lives on behind a stalled link, is ended on the next connection
         try:
             with socket.socket(fileno=os.dup(conn.fileno())) as sock:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -223,16 +294,36 @@ class Deadlines:
             pass
 
 
+@dataclass(eq=False)
+class _Beat:
+    """A call on a lifted connection under ``Deadlines.heartbeat``."""
+
+    conn: BoundedConnection
+    pid: int
+    seconds: float
+    reopen: Callable[[], psycopg2.extensions.connection]
+    due: float  # the next probe
+    probing: bool = False
+    finished: int = 0  # probes in a row that found the backend not working on a call
+
+
 DEADLINES = Deadlines()
 
 
 def _watched(conn: BoundedConnection, call: Any, *args: Any) -> Any:
-    """``call(*args)``, a call to the server, under ``DEADLINES``."""
+    """``call(*args)``, a call to the server, under ``DEADLINES`` (a deadline, or on a lifted
+    connection, a heartbeat)."""
     token = DEADLINES.begin(conn)
+    beat = DEADLINES.heartbeat(conn) if token is None and conn.stall_deadline_s is not None else None
     try:
         return call(*args)
+    except psycopg2.Error as exc:
+        if conn.was_cut:  # ``explain`` says why, whatever call met the cut (a commit's error has no cursor)
+            exc.lr_connection = conn
+        raise
     finally:
         DEADLINES.end(token)
+        DEADLINES.end_heartbeat(beat)
 
 
 class BoundedCursor(psycopg2.extensions.cursor):
@@ -281,6 +372,7 @@ class BoundedConnection(psycopg2.extensions.connection):
 
     deadline_s: float | None = None
     stall_deadline_s: float | None = None  # while ``lifted``: its COPY cut once no byte moved this long
+    reopen: Callable[[], psycopg2.extensions.connection] | None = None  # a second one, for heartbeats
     site: str | None = None
     was_cut = False  # by ``DEADLINES``: its failure is a dead link, not the server's
     cut_after_s = 0.0  # the deadline that cut it
@@ -366,15 +458,20 @@ _EXPLAINED = {
 }
 
 
-def explain(exc: BaseException) -> str | None:
-    """What a bound that fired means, to prefix an error with; None for other errors."""
-    conn = getattr(getattr(exc, "cursor", None), "connection", None)
-    if conn is not None and getattr(conn, "was_cut", False):
-        return (
-            f"{conn.describe()} gave no answer within its call deadline of {conn.cut_after_s:.0f} s: "
-            "a stopped server or a stalled link, cut by lr"
-        )
-    return _EXPLAINED.get(getattr(exc, "pgcode", None) or "")
+def explain(exc: BaseException | None) -> str | None:
+    """What a bound that fired means, to prefix an error with; None for other errors. An error
+    raised from one (a provider's failure wrapping a cut call) is explained by its cause."""
+    while exc is not None:
+        conn = getattr(exc, "lr_connection", None) or getattr(getattr(exc, "cursor", None), "connection", None)
+        if conn is not None and getattr(conn, "was_cut", False):
+            return (
+                f"{conn.describe()} gave no answer within its call deadline of {conn.cut_after_s:.0f} s: "
+                "a stopped server or a stalled link, cut by lr"
+            )
+        if getattr(exc, "pgcode", None) in _EXPLAINED:
+            return _EXPLAINED[exc.pgcode]  # type: ignore[attr-defined]  # a psycopg2 error: checked above
+        exc = exc.__cause__
+    return None
 
 
 def failure(exc: BaseException) -> str:

@@ -459,9 +459,10 @@ def serve_full_sync_requests(
         except psycopg2.errors.SerializationFailure:
             conn.rollback()  # the request changed (cancelled) after our snapshot: look again
         except BaseException as exc:
-            conn.rollback()
-            if isinstance(exc, FullSyncError):
-                _note(conn, request.request_id, one_line(exc))
+            if not conn.closed:  # lost (cut by its deadline): its own error says why, not a rollback's
+                conn.rollback()
+                if isinstance(exc, FullSyncError):
+                    _note(conn, request.request_id, one_line(exc))
             raise
     return served
 
