@@ -20,6 +20,7 @@ from tests.support.session import (
     run_crashing_replicator,
     source_state,
     table_provider,
+    wait_for,
 )
 
 ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
@@ -208,8 +209,29 @@ def test_full_sync_without_client_data_restarts_with_backoff_not_livelock(lr_sit
     assert source.query("SELECT DISTINCT note FROM lr.full_sync_requests WHERE status = 'timed_out'") == [
         ("no client data within the timeout",)
     ]
-    # The client comes back: the open request is supplied and the session completes.
-    app.client.serve_full_sync_requests(table_provider)
+    # The client comes back, slowly: its own serve loop is supplying the open request, expired by
+    # now, when a cycle looks at it. The cycle leaves it to the supply (before: it waited for the
+    # supply's lock on the request and failed after lock_timeout, every cycle), and it arrives.
+    wait_for(
+        lambda: source.query("SELECT now() > data_deadline FROM lr.full_sync_requests WHERE status = 'pending'")[0][0],
+        10,
+        "the request to expire",
+    )
+    supplying, done = threading.Event(), threading.Event()
+
+    def slow_provider(ctx) -> None:
+        supplying.set()
+        done.wait(30)
+        table_provider(ctx)
+
+    supply = threading.Thread(target=app.client.serve_full_sync_requests, args=(slow_provider,), daemon=True)
+    supply.start()
+    assert supplying.wait(10)
+    (report,) = repl.run_cycle()
+    assert not report.error and report.waiting, report
+    assert source.query("SELECT count(*) FROM lr.full_sync_requests WHERE status = 'pending'") == [(1,)]
+    done.set()
+    supply.join(10)
     (report,) = repl.run(max_cycles=3, until_idle=True, interval=0.01)
     assert not report.error and report.state == "IN_LOG_ENTRY_SYNC"
     assert final_state(queue(sink_b, "site-a")) == {"k": 1}
