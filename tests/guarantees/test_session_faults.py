@@ -221,7 +221,7 @@ def test_full_sync_without_client_data_restarts_with_backoff_not_livelock(lr_sit
 
     def slow_provider(ctx) -> None:
         supplying.set()
-        done.wait(30)
+        done.wait(10)
         table_provider(ctx)
 
     supply = threading.Thread(target=app.client.serve_full_sync_requests, args=(slow_provider,), daemon=True)
