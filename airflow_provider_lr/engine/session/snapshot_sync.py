@@ -127,9 +127,12 @@ class SnapshotSync:
                     "state (`lr failover` or a new sink database)"
                 )
         if request.status == RequestStatus.PENDING:
+            supplying = False
             if full_sync.expired(self.source, request):
-                self._restart_after_timeout(request)
-            report.reason = f"waiting for full-sync data of request {request.request_id}"
+                supplying = not self._restart_after_timeout(request)
+            report.reason = f"waiting for full-sync data of request {request.request_id}" + (
+                " (its client is supplying it now)" if supplying else ""
+            )
             report.waiting = True
             return None
         assert request.base_position is not None
@@ -227,9 +230,11 @@ class SnapshotSync:
             and request.base_position < meta.last_log_entry_processed
         )
 
-    def _restart_after_timeout(self, request: FullSyncRequest) -> None:
+    def _restart_after_timeout(self, request: FullSyncRequest) -> bool:
         """No client data within the timeout: close the request; the next cycle asks again with a
-        longer timeout (backoff), so a slow provider is not restarted forever (CorfuDB #4119)."""
+        longer timeout (backoff), so a slow provider is not restarted forever (CorfuDB #4119).
+        False, nothing done, while a client's own serve loop is supplying it (late, but coming):
+        waiting for its lock failed the cycle after lock_timeout and then discarded the supply."""
         assert self.lease is not None
         leases.update_session(
             self.source,
@@ -238,10 +243,16 @@ class SnapshotSync:
             attempts=AsIs("attempts + 1"),
             last_error=f"full-sync request {request.request_id} timed out without client data",
         )
-        full_sync.finish_request(
-            self.source, request.request_id, RequestStatus.TIMED_OUT, "no client data within the timeout"
-        )
+        if not full_sync.finish_request(
+            self.source,
+            request.request_id,
+            RequestStatus.TIMED_OUT,
+            "no client data within the timeout",
+            unless_supplying=True,
+        ):
+            return False  # the attempt counted above is rolled back with it
         fault_point("after_timeout")
+        return True
 
     def transfer_snapshot(self, request: FullSyncRequest, meta: writes.SinkMetadata) -> tuple[writes.SinkMetadata, int]:
         """Copy the request's messages to the sink, resuming after what the sink already has."""

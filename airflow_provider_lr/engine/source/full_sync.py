@@ -249,18 +249,27 @@ def outcome(conn: psycopg2.extensions.connection, request_id: str) -> RequestOut
     return RequestOutcome(request, Outcome.FAILED, note=request.note or "")
 
 
-def finish_request(conn: psycopg2.extensions.connection, request_id: str, status: str, note: str = "") -> bool:
+def finish_request(
+    conn: psycopg2.extensions.connection, request_id: str, status: str, note: str = "", unless_supplying: bool = False
+) -> bool:
     """Close an open request ('applied', 'cancelled' or 'timed_out'); its data becomes trimmable.
     A closed request keeps its first outcome (closing it again is a no-op, so callers on both sides
-    of a crash window may close it). Commits; True when this call closed it."""
+    of a crash window may close it). ``unless_supplying``: leave it (rolled back, False) while a
+    provider's supply holds it (a client's own serve loop), rather than wait for that supply's
+    lock. Commits; True when this call closed it."""
+    skip = " FOR UPDATE SKIP LOCKED" if unless_supplying else ""
     try:
         with conn.cursor() as cur:
             cur.execute(
                 "UPDATE lr.full_sync_requests SET status = %s, finished_at = now(), note = coalesce(%s, note) "
-                f"WHERE request_id = %s AND status IN {OPEN_STATUSES_SQL}",
+                f"WHERE request_id = (SELECT request_id FROM lr.full_sync_requests WHERE request_id = %s "
+                f"AND status IN {OPEN_STATUSES_SQL}{skip})",
                 (status, note or None, request_id),
             )
             closed = cur.rowcount == 1
+        if unless_supplying and not closed:
+            conn.rollback()  # what the caller wrote with it is undone too
+            return False
         conn.commit()
         return closed
     except BaseException:
