@@ -15,7 +15,7 @@ import psycopg2.errors
 import pytest
 
 from airflow_provider_lr.engine.db import conninfo
-from airflow_provider_lr.engine.db.timeouts import DEADLINES, Purpose, lifted
+from airflow_provider_lr.engine.db.timeouts import DEADLINES, Purpose, Timeouts, lifted
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.session import snapshot_sync
 from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
@@ -378,3 +378,25 @@ def test_a_site_that_stops_answering_in_a_full_syncs_long_work_fails_the_cycle_a
     repl.close()
     assert sorted(p for k, p in queue(sink_b) if k == "snap") == [f"k{i}={i}" for i in range(3)]
     app.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_lifted_call_runs_past_its_deadline_while_it_works_and_is_cut_once_its_answer_is_lost(lr_sites, caplog):
+    """A call on a lifted connection has no deadline: the heartbeat lets it run while its backend
+    works (a long statement is not cut), and cuts it once the server shows the call finished and
+    no answer came (the link stalled on the way back; the heartbeat reaches the server by another path)."""
+    source = lr_sites[0]
+    bounds = Timeouts(statement_timeout_s=0.5, keepalives_idle_s=1, keepalives_interval_s=1, keepalives_count=1)
+    with LinkProxy(source.conninfo.params["port"]) as link:
+        conn = conninfo.from_dsn(link.dsn(source.dsn)).with_timeouts(bounds).connect()
+        conn.reopen = conninfo.from_dsn(source.dsn).with_timeouts(bounds).connect  # another path there
+        assert conn.deadline_s == 2.5
+        with lifted(conn):
+            conn.cursor().execute("SELECT pg_sleep(3)")  # past the deadline, working: the heartbeat lets it be
+            threading.Timer(0.5, link.stall).start()  # the answer of the next call is lost
+            started = time.monotonic()
+            with pytest.raises(psycopg2.OperationalError):
+                conn.cursor().execute("SELECT pg_sleep(1)")
+        assert time.monotonic() - started < 2.5 + 2 + SLACK
+        assert "finished the call (backend idle" in caplog.text
+        conn.close()

@@ -236,13 +236,17 @@ class Deadlines:
         try:
             probe = cap(beat.reopen(), beat.seconds)
             try:
-                with probe.cursor() as cur:
-                    cur.execute("SELECT state FROM pg_stat_activity WHERE pid = %s", (beat.pid,))
+                with probe.cursor() as cur:  # idle a moment between the statements of one call: working
+                    cur.execute(
+                        "SELECT state, state = 'active' OR pg_catalog.now() - state_change < interval '1 s' "
+                        "FROM pg_catalog.pg_stat_activity WHERE pid = %s",
+                        (beat.pid,),
+                    )
                     row = cur.fetchone()
             finally:
                 probe.close()
-            state = row[0] if row else None
-            beat.finished = 0 if state == "active" else beat.finished + 1
+            state, working = row if row else (None, False)
+            beat.finished = 0 if working else beat.finished + 1
             if beat.finished >= 2:
                 lost = f"its server finished the call (backend {state or 'gone'}) and no answer came"
         except Exception as exc:  # noqa: BLE001 - any failure to reach the server is the verdict
