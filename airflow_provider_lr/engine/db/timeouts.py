@@ -231,7 +231,9 @@ class Deadlines:
     def _probe(self, token: tuple[int, int], beat: _Beat) -> None:
         """One heartbeat of a lifted call: alive while its backend is active; cut when the server
         cannot be reached within the call's deadline (a stalled link, a stopped server) or its
-        backend has finished twice in a row (the answer was lost on the way)."""
+        backend has sat idle twice in a row (the answer was lost on the way, or the call never
+        reached it: a backend stopped between calls). A backend stopped in the middle of a
+        statement looks like a long statement: only a COPY's progress (``stalled``) tells them apart."""
         lost = ""
         try:
             probe = cap(beat.reopen(), beat.seconds)
@@ -248,7 +250,7 @@ class Deadlines:
             state, working = row if row else (None, False)
             beat.finished = 0 if working else beat.finished + 1
             if beat.finished >= 2:
-                lost = f"its server finished the call (backend {state or 'gone'}) and no answer came"
+                lost = f"its server shows no work on the call (backend {state or 'gone'}) and no answer came"
         except Exception as exc:  # noqa: BLE001 - any failure to reach the server is the verdict
             lost = f"a second connection to its server failed ({error_line(exc)})"
         if self._beats.get(token) is not beat:
