@@ -114,8 +114,10 @@ def test_the_topology_bounds_every_connection_lr_opens(lr_sites):
     try:  # long work lifts a session connection's bounds for its duration, even when it fails
         with pytest.raises(psycopg2.errors.DivisionByZero), lifted(conn):
             assert conn.deadline_s is None and _setting(conn, "statement_timeout") == "0"
+            assert _setting(conn, "client_connection_check_interval") == "5s"  # a vanished client ends it
             conn.cursor().execute("SELECT 1/0")  # the work fails: its transaction is left aborted
         assert conn.deadline_s == DEADLINE and _setting(conn, "statement_timeout") == "4s"
+        assert _setting(conn, "client_connection_check_interval") == "0"
         # a named cursor's rows are read a round trip at a time, each under the deadline
         with conn.cursor(name="many") as cur:
             cur.itersize = 1000

@@ -421,12 +421,16 @@ def _set(conn: psycopg2.extensions.connection, statement: str) -> None:
 
 _LIFT = "SET statement_timeout = 0; SET idle_in_transaction_session_timeout = 0"
 _RESTORE = "RESET statement_timeout; RESET idle_in_transaction_session_timeout"
+# while lifted, the server also checks the client is still there during a long statement (PostgreSQL
+# 14+): a replicator killed in a full sync's apply no longer leaves it running, its locks held, to the end
+_CHECK_CLIENT = "; SET client_connection_check_interval = '5s'"
+_UNCHECK_CLIENT = "; RESET client_connection_check_interval"
 
 
 def lift(conn: psycopg2.extensions.connection) -> None:
     """Make a session connection a bulk one for the rest of its life (a connection the caller owns
     and closes): no statement or idle-in-transaction timeout, no call deadline."""
-    _set(conn, _LIFT)
+    _set(conn, _LIFT + (_CHECK_CLIENT if conn.server_version >= 140000 else ""))
     if isinstance(conn, BoundedConnection):
         conn.deadline_s = None
 
@@ -449,7 +453,7 @@ def lifted(*conns: psycopg2.extensions.connection) -> Iterator[None]:
             try:
                 if conn.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_INERROR:
                     conn.rollback()  # failed: it can only be rolled back, and the bounds must come back
-                _set(conn, _RESTORE)
+                _set(conn, _RESTORE + (_UNCHECK_CLIENT if conn.server_version >= 140000 else ""))
             except psycopg2.Error as exc:  # lost: the caller drops it
                 log.debug("bounds not restored on a connection: %s", exc)
             if isinstance(conn, BoundedConnection):
