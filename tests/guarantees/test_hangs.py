@@ -391,10 +391,13 @@ def test_a_lifted_call_runs_past_its_deadline_while_it_works_and_is_cut_once_its
     bounds = Timeouts(statement_timeout_s=0.5, keepalives_idle_s=1, keepalives_interval_s=1, keepalives_count=1)
     with LinkProxy(source.conninfo.params["port"]) as link:
         conn = conninfo.from_dsn(link.dsn(source.dsn)).with_timeouts(bounds).connect()
-        conn.reopen = conninfo.from_dsn(source.dsn).with_timeouts(bounds).connect  # another path there
         assert conn.deadline_s == 2.5
         with lifted(conn):
-            conn.cursor().execute("SELECT pg_sleep(3)")  # past the deadline, working: the heartbeat lets it be
+            # past the deadline, working: the heartbeat lets it be, even when the server refuses it a
+            # connection (no slot free, say: here a database that does not exist): it is up and answering
+            conn.reopen = conninfo.from_dsn(source.dsn + " dbname=nowhere").with_timeouts(bounds).connect
+            conn.cursor().execute("SELECT pg_sleep(3)")
+            conn.reopen = conninfo.from_dsn(source.dsn).with_timeouts(bounds).connect  # another path there
             threading.Timer(0.5, link.stall).start()  # the answer of the next call is lost
             started = time.monotonic()
             with pytest.raises(psycopg2.OperationalError):

@@ -15,17 +15,12 @@ connection, by what the connection is for (``Purpose``):
   the keepalives need to call a link dead. A link that acknowledges every byte and answers none
   (a stalled proxy or load balancer, a stopped server process) fools TCP; past the deadline lr
   shuts the connection's socket itself, so the call fails like a lost connection. Work that runs
-  long on a session connection (``lifted``) has no call deadline, but a COPY in it is watched by
-  its progress (``Deadlines.stalled``): cut once no byte moved for the deadline it had; and every
-  call in it by a heartbeat (``Deadlines.heartbeat``): each deadline it had, a second connection
-  asks the server whether the call's backend still works on it, and the call is cut when the
-  server cannot be reached (a stalled link, a stopped server) or has finished the call whose
-  answer never came;
-* the server's side: its TCP keepalives (``tcp_keepalives_*``, the same as the client's) end a
-  call whose client vanished in a silent partition in seconds rather than the system's ~2 h; and
-  a backend whose call lr cut is terminated on lr's next connection to that server
-  (``orphans.py``): behind a link that stalled it would otherwise hold its transaction's locks
-  (a session's row) until its side of the link failed.
+  long on a session connection (``lifted``) has no call deadline: a COPY in it is cut once no byte
+  moved for the deadline it had (``Deadlines.stalled``), any call once a second connection finds
+  the server unreachable or the call's backend idle (``Deadlines.heartbeat``);
+* the server's side: its TCP keepalives (as the client's) notice a client gone in a silent
+  partition in seconds, not ~2 h; a backend whose call lr cut, alive behind a stalled link with
+  its locks, is terminated on lr's next connection there (``orphans.py``).
 
 Every setting is a topology setting (``settings:``, docs/topology.md); a DSN (or an Airflow
 connection's extras) that sets one of the libpq parameters, or the same option in ``options``,
@@ -252,7 +247,10 @@ class Deadlines:
             if beat.finished >= 2:
                 lost = f"its server shows no work on the call (backend {state or 'gone'}) and no answer came"
         except Exception as exc:  # noqa: BLE001 - any failure to reach the server is the verdict
-            lost = f"a second connection to its server failed ({error_line(exc)})"
+            if _answered(exc):  # it is up (no free connection slot, say): the call may well be working
+                beat.finished = 0
+            else:
+                lost = f"a second connection to its server failed ({error_line(exc)})"
         if self._beats.get(token) is not beat:
             return  # the call ended meanwhile
         if not lost:
@@ -298,6 +296,16 @@ class Deadlines:
                 sock.shutdown(socket.SHUT_RDWR)
         except (OSError, psycopg2.Error):  # already closed
             pass
+
+
+def _answered(exc: BaseException | None) -> bool:
+    """True when a failed probe got an error from the server itself (an SQLSTATE, or a FATAL at
+    connect: too many clients, a password refused): the server is up and answering."""
+    while exc is not None:
+        if getattr(exc, "pgcode", None) or "FATAL:" in str(exc):
+            return True
+        exc = exc.__cause__
+    return False
 
 
 @dataclass(eq=False)
