@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 CUT: dict[tuple[str, str, str], dict[int, float]] = {}
 
 
-def _server(conn: psycopg2.extensions.connection) -> tuple[str, str, str]:
+def server(conn: psycopg2.extensions.connection) -> tuple[str, str, str]:
+    """The server (host, port, database) ``conn`` reached."""
     info = conn.info
     return (str(info.host), str(info.port), str(info.dbname))
 
@@ -32,7 +33,7 @@ def _server(conn: psycopg2.extensions.connection) -> tuple[str, str, str]:
 def record(conn: psycopg2.extensions.connection) -> None:
     """``conn``'s call was just cut: its backend is to be ended on the next connection there."""
     try:
-        CUT.setdefault(_server(conn), {})[conn.info.backend_pid] = time.monotonic()
+        CUT.setdefault(server(conn), {})[conn.info.backend_pid] = time.monotonic()
     except psycopg2.Error:  # closed already: nothing known of it
         pass
 
@@ -40,7 +41,7 @@ def record(conn: psycopg2.extensions.connection) -> None:
 def reap(conn: psycopg2.extensions.connection) -> None:
     """On a new connection to a server: terminate the backends there whose calls lr cut; one started
     since the cut (its pid reused) is left alone. Best effort: a failure is logged, not raised."""
-    cut = CUT.get(_server(conn))
+    cut = CUT.get(server(conn))
     if not cut:
         return
     now = time.monotonic()

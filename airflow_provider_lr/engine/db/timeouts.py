@@ -207,9 +207,8 @@ class Deadlines:
             self._stalls.pop(token, None)
 
     def heartbeat(self, conn: BoundedConnection) -> tuple[int, int] | None:
-        """Watch a call on a ``lifted`` connection (no call deadline: it may run for hours) by asking
-        its server, on a second connection, each ``stall_deadline_s``, whether the call's backend
-        still works on it; ``end`` it after the call. See ``_probe`` for when the call is cut."""
+        """Watch a call on a ``lifted`` connection (it may run for hours): each ``stall_deadline_s``,
+        ``_probe`` asks its server on a second connection whether it still works on it."""
         seconds, reopen = conn.stall_deadline_s, conn.reopen
         if seconds is None or reopen is None:
             return None
@@ -240,9 +239,11 @@ class Deadlines:
                         (beat.pid,),
                     )
                     row = cur.fetchone()
+                # no such backend: gone, unless the probe reached another server (a DSN of several hosts)
+                row = row or (None, orphans.server(probe) != orphans.server(beat.conn))
             finally:
                 probe.close()
-            state, working = row if row else (None, False)
+            state, working = row
             beat.finished = 0 if working else beat.finished + 1
             if beat.finished >= 2:
                 lost = f"its server shows no work on the call (backend {state or 'gone'}) and no answer came"
