@@ -17,7 +17,7 @@ connection, by what the connection is for (``Purpose``):
   shuts the connection's socket itself, so the call fails like a lost connection. Work that runs
   long on a session connection (``lifted``) has no call deadline: a COPY in it is cut once no byte
   moved for the deadline it had (``Deadlines.stalled``), any call once a second connection finds
-  the server unreachable or the call's backend idle (``Deadlines.heartbeat``);
+  the server unreachable or the call's backend idle (``Deadlines.heartbeat``, ``heartbeat.py``);
 * the server's side: its TCP keepalives (as the client's) notice a client gone in a silent
   partition in seconds, not ~2 h; a backend whose call lr cut, alive behind a stalled link with
   its locks, is terminated on lr's next connection there (``orphans.py``).
@@ -45,6 +45,7 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.db import orphans
+from airflow_provider_lr.engine.db.heartbeat import Beat, verdict
 from airflow_provider_lr.engine.errors import error_line
 
 log = logging.getLogger(__name__)
@@ -169,7 +170,7 @@ class Deadlines:
     def __init__(self) -> None:
         self._calls: dict[tuple[int, int], tuple[float, BoundedConnection]] = {}
         self._stalls: dict[tuple[int, int], tuple[Clock, float, BoundedConnection]] = {}
-        self._beats: dict[tuple[int, int], _Beat] = {}
+        self._beats: dict[tuple[int, int], Beat] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.cut = 0  # connections cut, for tests and logs
@@ -213,7 +214,7 @@ class Deadlines:
         if seconds is None or reopen is None:
             return None
         token = (id(conn), threading.get_ident())
-        self._beats[token] = _Beat(conn, conn.info.backend_pid, seconds, reopen, time.monotonic() + seconds)
+        self._beats[token] = Beat(conn, conn.info.backend_pid, seconds, reopen, time.monotonic() + seconds)
         if self._thread is None:
             self._start()
         return token
@@ -222,36 +223,9 @@ class Deadlines:
         if token is not None:
             self._beats.pop(token, None)
 
-    def _probe(self, token: tuple[int, int], beat: _Beat) -> None:
-        """One heartbeat of a lifted call: alive while its backend is active; cut when the server
-        cannot be reached within the call's deadline (a stalled link, a stopped server) or its
-        backend has sat idle twice in a row (the answer was lost on the way, or the call never
-        reached it: a backend stopped between calls). A backend stopped in the middle of a
-        statement looks like a long statement: only a COPY's progress (``stalled``) tells them apart."""
-        lost = ""
-        try:
-            probe = cap(beat.reopen(), beat.seconds)
-            try:
-                with probe.cursor() as cur:  # idle a moment between the statements of one call: working
-                    cur.execute(
-                        "SELECT state, state = 'active' OR pg_catalog.now() - state_change < interval '1 s' "
-                        "FROM pg_catalog.pg_stat_activity WHERE pid = %s",
-                        (beat.pid,),
-                    )
-                    row = cur.fetchone()
-                # no such backend: gone, unless the probe reached another server (a DSN of several hosts)
-                row = row or (None, orphans.server(probe) != orphans.server(beat.conn))
-            finally:
-                probe.close()
-            state, working = row
-            beat.finished = 0 if working else beat.finished + 1
-            if beat.finished >= 2:
-                lost = f"its server shows no work on the call (backend {state or 'gone'}) and no answer came"
-        except Exception as exc:  # noqa: BLE001 - any failure to reach the server is the verdict
-            if _answered(exc):  # it is up (no free connection slot, say): the call may well be working
-                beat.finished = 0
-            else:
-                lost = f"a second connection to its server failed ({error_line(exc)})"
+    def _probe(self, token: tuple[int, int], beat: Beat) -> None:
+        """One heartbeat of a lifted call (``heartbeat.verdict``): cut it when the server is lost to it."""
+        lost = verdict(beat, cap)
         if self._beats.get(token) is not beat:
             return  # the call ended meanwhile
         if not lost:
@@ -297,29 +271,6 @@ class Deadlines:
                 sock.shutdown(socket.SHUT_RDWR)
         except (OSError, psycopg2.Error):  # already closed
             pass
-
-
-def _answered(exc: BaseException | None) -> bool:
-    """True when a failed probe got an error from the server itself (an SQLSTATE, or a FATAL at
-    connect: too many clients, a password refused): the server is up and answering."""
-    while exc is not None:
-        if getattr(exc, "pgcode", None) or "FATAL:" in str(exc):
-            return True
-        exc = exc.__cause__
-    return False
-
-
-@dataclass(eq=False)
-class _Beat:
-    """A call on a lifted connection under ``Deadlines.heartbeat``."""
-
-    conn: BoundedConnection
-    pid: int
-    seconds: float
-    reopen: Callable[[], psycopg2.extensions.connection]
-    due: float  # the next probe
-    probing: bool = False
-    finished: int = 0  # probes in a row that found the backend not working on a call
 
 
 DEADLINES = Deadlines()
