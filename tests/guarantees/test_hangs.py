@@ -15,8 +15,9 @@ import psycopg2.errors
 import pytest
 
 from airflow_provider_lr.engine.db import conninfo
-from airflow_provider_lr.engine.db.timeouts import DEADLINES, Purpose, lifted
+from airflow_provider_lr.engine.db.timeouts import DEADLINES, Purpose, Timeouts, lifted
 from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.session import snapshot_sync
 from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
 from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.store import topology
@@ -99,20 +100,24 @@ def test_the_topology_bounds_every_connection_lr_opens(lr_sites):
             with conn.cursor() as cur:
                 cur.execute(
                     "SELECT current_setting('statement_timeout'), current_setting('lock_timeout'), "
-                    "current_setting('idle_in_transaction_session_timeout')"
+                    "current_setting('idle_in_transaction_session_timeout'), current_setting('tcp_keepalives_idle'), "
+                    "current_setting('tcp_keepalives_count')"
                 )
                 row = cur.fetchone()
             return row, conn.get_dsn_parameters().get("keepalives_idle"), conn.deadline_s
         finally:
             conn.close()
 
-    assert shown(Purpose.SESSION) == (("4s", "1s", "3s"), "9", DEADLINE)
+    # the server probes a silent client as the client probes it (TCP over a socket on 127.0.0.1 here)
+    assert shown(Purpose.SESSION) == (("4s", "1s", "3s", "1", "2"), "9", DEADLINE)
     conn = info.connect()
     try:  # long work lifts a session connection's bounds for its duration, even when it fails
         with pytest.raises(psycopg2.errors.DivisionByZero), lifted(conn):
             assert conn.deadline_s is None and _setting(conn, "statement_timeout") == "0"
+            assert _setting(conn, "client_connection_check_interval") == "5s"  # a vanished client ends it
             conn.cursor().execute("SELECT 1/0")  # the work fails: its transaction is left aborted
         assert conn.deadline_s == DEADLINE and _setting(conn, "statement_timeout") == "4s"
+        assert _setting(conn, "client_connection_check_interval") == "0"
         # a named cursor's rows are read a round trip at a time, each under the deadline
         with conn.cursor(name="many") as cur:
             cur.itersize = 1000
@@ -120,8 +125,8 @@ def test_the_topology_bounds_every_connection_lr_opens(lr_sites):
             assert [n for (n,) in cur] == list(range(1, 2501))
     finally:
         conn.close()
-    assert shown(Purpose.BULK) == (("0", "1min", "0"), "9", None)
-    assert shown(Purpose.APPLICATION)[0] == ("0", "0", "0")
+    assert shown(Purpose.BULK) == (("0", "1min", "0", "1", "2"), "9", None)
+    assert shown(Purpose.APPLICATION)[0][:3] == ("0", "0", "0")
 
 
 @pytest.mark.timeout(240)
@@ -292,7 +297,10 @@ def test_a_sink_that_stops_answering_mid_table_snapshot_fails_the_cycle_and_the_
     the middle of its COPY: the proxy takes every byte and answers none. Once no byte of the copy
     has moved for the call deadline the connection had, lr cuts it: the cycle fails with that
     reason instead of waiting for good (the other sessions of ``lr sync`` wait behind it), and
-    once the link is back the table arrives whole (before, the cycle waited until the link was cut)."""
+    once the link is back the table arrives whole (before, the cycle waited until the link was cut).
+    The stalled connection stays open at the sink's server, its COPY holding the session's row: lr
+    ends that backend on its next connection there (before, the retries failed on lock_timeout
+    until the server's own keepalives ended it, ~2 h by default)."""
     source, sink_b, _ = lr_sites
     bounds = {**BOUNDS, "statement_timeout_s": 2, "keepalives_count": 1}  # a call deadline of 2 + 1 + 1 = 4 s
     topo = apply(lr_sites, ONE_SINK, settings=bounds)
@@ -310,7 +318,90 @@ def test_a_sink_that_stops_answering_mid_table_snapshot_fails_the_cycle_and_the_
         cycle.join(4 + SLACK)
         assert not cycle.is_alive(), "the cycle still waits on a sink that takes every byte and answers none"
         assert "call deadline of 4 s" in (reports[0].error or ""), reports
-        link.reset()  # the partition ends: the sink's server ends the COPY left open on it
+        link.heal()  # new connections go through; the COPY's backend lives on behind the stalled one
         sync(repl)
     repl.close()
     assert rows(sink_b) == rows(source)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["source: the provider's query", "sink: the full sync's apply"])
+def test_a_site_that_stops_answering_in_a_full_syncs_long_work_fails_the_cycle_and_the_sync_lands_whole_later(
+    lr_sites, monkeypatch, where
+):
+    """A full sync's long steps run on connections freed of their call deadline (``lifted``): the
+    provider's queries at the source, the apply that makes it visible at the sink. The site's link
+    goes half-open just before one of them: the proxy takes every byte and answers none. A heartbeat
+    on a second connection finds the site unreachable and cuts the call: the cycle fails with that
+    reason within the deadline instead of waiting for good (before: for good). The link then heals
+    for new connections only (the backend behind the stalled one lives on, holding its locks: lr ends
+    it on its next connection there) and the full sync lands whole."""
+    source, sink_b, _ = lr_sites
+    bounds = {**BOUNDS, "statement_timeout_s": 2, "keepalives_count": 1}  # a call deadline of 2 + 1 + 1 = 4 s
+    topo = apply(lr_sites, ONE_SINK, settings=bounds)
+    app = App(source)
+    for i in range(3):
+        app.put(f"k{i}", i, ["site-b"])
+    stalled_site = source if where.startswith("source") else sink_b
+    link = LinkProxy(stalled_site.conninfo.params["port"])
+    dsns = {s.site_id: s.dsn for s in lr_sites}
+    dsns[stalled_site.site_id] = link.dsn(stalled_site.dsn)
+    stalls = [True]
+
+    def stall_first() -> None:
+        if stalls:
+            link.stall()
+            stalls.clear()
+
+    def provider(ctx) -> None:
+        if where.startswith("source"):
+            stall_first()
+        table_provider(ctx)
+
+    apply_snapshot = snapshot_sync.writes.apply_snapshot
+
+    def stalled_apply(*args, **kwargs):
+        stall_first()
+        return apply_snapshot(*args, **kwargs)
+
+    if where.startswith("sink"):
+        monkeypatch.setattr(snapshot_sync.writes, "apply_snapshot", stalled_apply)
+    repl = bounded(topo, dsns)
+    repl.providers["policy"] = provider
+    reports: list = []
+    with link:
+        cycle = threading.Thread(target=lambda: reports.extend(repl.run_cycle()), daemon=True)
+        cycle.start()
+        cycle.join(4 + 2 + SLACK)  # the deadline, then the heartbeat's connect (connect_timeout_s) fails
+        assert not cycle.is_alive(), f"the cycle still waits on the {where}, stalled"
+        assert "call deadline of 4 s" in (reports[0].error or ""), reports
+        link.heal()  # new connections go through; the stalled one stays silent, its backend alive
+        sync(repl)
+    repl.close()
+    assert sorted(p for k, p in queue(sink_b) if k == "snap") == [f"k{i}={i}" for i in range(3)]
+    app.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_lifted_call_runs_past_its_deadline_while_it_works_and_is_cut_once_its_answer_is_lost(lr_sites, caplog):
+    """A call on a lifted connection has no deadline: the heartbeat lets it run while its backend
+    works (a long statement is not cut), and cuts it once the server shows the call finished and
+    no answer came (the link stalled on the way back; the heartbeat reaches the server by another path)."""
+    source = lr_sites[0]
+    bounds = Timeouts(statement_timeout_s=0.5, keepalives_idle_s=1, keepalives_interval_s=1, keepalives_count=1)
+    with LinkProxy(source.conninfo.params["port"]) as link:
+        conn = conninfo.from_dsn(link.dsn(source.dsn)).with_timeouts(bounds).connect()
+        assert conn.deadline_s == 2.5
+        with lifted(conn):
+            # past the deadline, working: the heartbeat lets it be, even when the server refuses it a
+            # connection (no slot free, say: here a database that does not exist): it is up and answering
+            conn.reopen = conninfo.from_dsn(source.dsn + " dbname=nowhere").with_timeouts(bounds).connect
+            conn.cursor().execute("SELECT pg_sleep(3)")
+            conn.reopen = conninfo.from_dsn(source.dsn).with_timeouts(bounds).connect  # another path there
+            threading.Timer(0.5, link.stall).start()  # the answer of the next call is lost
+            started = time.monotonic()
+            with pytest.raises(psycopg2.OperationalError):
+                conn.cursor().execute("SELECT pg_sleep(1)")
+        assert time.monotonic() - started < 2.5 + 2 + SLACK
+        assert "shows no work on the call (backend idle" in caplog.text
+        conn.close()

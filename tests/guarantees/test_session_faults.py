@@ -9,6 +9,8 @@ from collections import Counter
 
 import pytest
 
+from airflow_provider_lr.engine.faults import on_fault
+from airflow_provider_lr.engine.session import snapshot_sync
 from airflow_provider_lr.engine.source import full_sync, trim
 from airflow_provider_lr.engine.store.topology import recorded_id
 from tests.support.session import (
@@ -20,6 +22,7 @@ from tests.support.session import (
     run_crashing_replicator,
     source_state,
     table_provider,
+    wait_for,
 )
 
 ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
@@ -208,11 +211,87 @@ def test_full_sync_without_client_data_restarts_with_backoff_not_livelock(lr_sit
     assert source.query("SELECT DISTINCT note FROM lr.full_sync_requests WHERE status = 'timed_out'") == [
         ("no client data within the timeout",)
     ]
-    # The client comes back: the open request is supplied and the session completes.
-    app.client.serve_full_sync_requests(table_provider)
+    # The client comes back, slowly: its own serve loop is supplying the open request, expired by
+    # now, when a cycle looks at it. The cycle leaves it to the supply (before: it waited for the
+    # supply's lock on the request and failed after lock_timeout, every cycle), and it arrives.
+    wait_for(
+        lambda: source.query("SELECT now() > data_deadline FROM lr.full_sync_requests WHERE status = 'pending'")[0][0],
+        10,
+        "the request to expire",
+    )
+    supplying, done = threading.Event(), threading.Event()
+
+    def slow_provider(ctx) -> None:
+        supplying.set()
+        done.wait(10)
+        table_provider(ctx)
+
+    supply = threading.Thread(target=app.client.serve_full_sync_requests, args=(slow_provider,), daemon=True)
+    supply.start()
+    assert supplying.wait(10)
+    (report,) = repl.run_cycle()
+    assert not report.error and report.waiting, report
+    assert source.query("SELECT count(*) FROM lr.full_sync_requests WHERE status = 'pending'") == [(1,)]
+    done.set()
+    supply.join(10)
     (report,) = repl.run(max_cycles=3, until_idle=True, interval=0.01)
     assert not report.error and report.state == "IN_LOG_ENTRY_SYNC"
     assert final_state(queue(sink_b, "site-a")) == {"k": 1}
+    repl.close()
+    app.close()
+
+
+def test_a_full_sync_superseded_while_its_cycle_supplies_it_is_not_transferred_and_the_newer_one_lands(
+    lr_sites, monkeypatch
+):
+    """`lr full-sync` asked while a cycle's provider supplies the session's current request (a
+    large supply takes minutes): the request is recorded at once (the supply holds the old one's
+    row). The cycle that supplied the old one stops there instead of transferring and applying a
+    set already superseded (before: the whole set moved and was made visible, then moved again);
+    the newer one lands whole. The same when asked in the middle of a transfer."""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK)
+    app = App(source)
+    for i in range(3):
+        app.put(f"k{i}", i, ["site-b"])
+    conn = source.connect()
+    newer = []
+
+    def provider(ctx) -> None:
+        if not newer:  # the operator asks meanwhile
+            newer.append(full_sync.request_full_sync(conn, "site-b", "policy", "operator asked", forced=True))
+        table_provider(ctx)
+
+    repl = replicator(topo, lr_sites, providers={"policy": provider})
+    (report,) = repl.run_cycle()
+    assert not report.error and report.snapshot_messages == 0 and report.full_syncs == 0, report
+    assert report.request_id != newer[0].request_id
+    repl.run(max_cycles=4, until_idle=True, interval=0.01)
+    entries = queue(sink_b, "site-a")
+    assert [k for k, _ in entries].count("start") == 1
+    assert sorted(p for k, p in entries if k == "snap") == [f"k{i}={i}" for i in range(3)]
+    statuses = dict(source.query("SELECT request_id::text, status FROM lr.full_sync_requests"))
+    assert statuses == {report.request_id: "cancelled", newer[0].request_id: "applied"}
+    # asked again in the middle of a transfer (2 messages a chunk here): the rest is not moved
+    monkeypatch.setattr(snapshot_sync, "SNAPSHOT_CHUNK", 2)
+    third = full_sync.request_full_sync(conn, "site-b", "policy", "operator asked", forced=True)
+    app.client.serve_full_sync_requests(table_provider)
+
+    def ask_again() -> None:
+        if len(newer) == 1:
+            newer.append(full_sync.request_full_sync(conn, "site-b", "policy", "asked again", forced=True))
+
+    with on_fault("after_snapshot_chunk", ask_again):
+        (report,) = repl.run_cycle()
+    assert not report.error and report.request_id == third.request_id and report.snapshot_messages == 2, report
+    assert report.full_syncs == 0
+    repl.run(max_cycles=4, until_idle=True, interval=0.01)
+    statuses = dict(source.query("SELECT request_id::text, status FROM lr.full_sync_requests"))
+    assert (statuses[third.request_id], statuses[newer[1].request_id]) == ("cancelled", "applied")
+    entries = queue(sink_b, "site-a")
+    last_set = entries[len(entries) - 1 - [k for k, _ in entries][::-1].index("start") :]
+    assert sorted(p for k, p in last_set if k == "snap") == [f"k{i}={i}" for i in range(3)]
+    conn.close()
     repl.close()
     app.close()
 

@@ -24,6 +24,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import psycopg2
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.db import orphans
 from airflow_provider_lr.engine.db.timeouts import DEFAULT, BoundedConnection, Purpose, Timeouts, deadline_for
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, mask_secrets, one_line
 from airflow_provider_lr.paths import lr_home
@@ -92,6 +93,9 @@ class ConnInfo:
             ) from exc
         conn.deadline_s = deadline_for(self.timeouts, purpose, self.params)
         conn.site = self.site_id or self.conn_id
+        if purpose is Purpose.SESSION:  # a heartbeat asks the same server while the connection is lifted
+            conn.reopen = lambda: self.connect(Purpose.SESSION)
+        orphans.reap(conn)  # backends of calls lr cut there, if any
         return conn
 
 

@@ -15,8 +15,12 @@ connection, by what the connection is for (``Purpose``):
   the keepalives need to call a link dead. A link that acknowledges every byte and answers none
   (a stalled proxy or load balancer, a stopped server process) fools TCP; past the deadline lr
   shuts the connection's socket itself, so the call fails like a lost connection. Work that runs
-  long on a session connection (``lifted``) has no call deadline, but a COPY in it is watched by
-  its progress (``Deadlines.stalled``): cut once no byte moved for the deadline it had.
+  long on a session connection (``lifted``) has no call deadline: a COPY in it is cut once no byte
+  moved for the deadline it had (``Deadlines.stalled``), any call once a second connection finds
+  the server unreachable or the call's backend idle (``Deadlines.heartbeat``, ``heartbeat.py``);
+* the server's side: its TCP keepalives (as the client's) notice a client gone in a silent
+  partition in seconds, not ~2 h; a backend whose call lr cut, alive behind a stalled link with
+  its locks, is terminated on lr's next connection there (``orphans.py``).
 
 Every setting is a topology setting (``settings:``, docs/topology.md); a DSN (or an Airflow
 connection's extras) that sets one of the libpq parameters, or the same option in ``options``,
@@ -31,7 +35,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from enum import Enum
@@ -40,6 +44,8 @@ from typing import Any
 import psycopg2
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.db import orphans
+from airflow_provider_lr.engine.db.heartbeat import Beat, verdict
 from airflow_provider_lr.engine.errors import error_line
 
 log = logging.getLogger(__name__)
@@ -100,6 +106,15 @@ class Timeouts:
             "idle_in_transaction_session_timeout": 0 if bulk else self.idle_in_transaction_timeout_s,
         }
 
+    def server_keepalives(self) -> dict[str, int]:
+        """The server's TCP keepalives on lr's connections (seconds, a count), as the client's."""
+        given = {
+            "tcp_keepalives_idle": self.keepalives_idle_s,
+            "tcp_keepalives_interval": self.keepalives_interval_s,
+            "tcp_keepalives_count": self.keepalives_count,
+        }
+        return {name: value for name, value in given.items() if value}
+
     def libpq_params(self, purpose: Purpose, given: Mapping[str, Any]) -> dict[str, Any]:
         """``given`` (a DSN's parameters) with these bounds added where it sets none."""
         params: dict[str, Any] = {
@@ -113,6 +128,8 @@ class Timeouts:
             params["tcp_user_timeout"] = round(self.tcp_user_timeout_s * 1000)
         params.update({k: v for k, v in given.items() if v is not None})
         ours = " ".join(f"-c {name}={round(seconds * 1000)}" for name, seconds in self.session_options(purpose).items())
+        if purpose is not Purpose.APPLICATION:  # the server notices a vanished client as soon as lr would
+            ours += "".join(f" -c {name}={value}" for name, value in self.server_keepalives().items())
         theirs = str(given.get("options") or "")
         options = f"{ours} {theirs}".strip()  # a later -c wins: the DSN's own options override ours
         if options:
@@ -153,6 +170,7 @@ class Deadlines:
     def __init__(self) -> None:
         self._calls: dict[tuple[int, int], tuple[float, BoundedConnection]] = {}
         self._stalls: dict[tuple[int, int], tuple[Clock, float, BoundedConnection]] = {}
+        self._beats: dict[tuple[int, int], Beat] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.cut = 0  # connections cut, for tests and logs
@@ -189,6 +207,32 @@ class Deadlines:
         finally:
             self._stalls.pop(token, None)
 
+    def heartbeat(self, conn: BoundedConnection) -> tuple[int, int] | None:
+        """Watch a call on a ``lifted`` connection (it may run for hours): each ``stall_deadline_s``,
+        ``_probe`` asks its server on a second connection whether it still works on it."""
+        seconds, reopen = conn.stall_deadline_s, conn.reopen
+        if seconds is None or reopen is None:
+            return None
+        token = (id(conn), threading.get_ident())
+        self._beats[token] = Beat(conn, conn.info.backend_pid, seconds, reopen, time.monotonic() + seconds)
+        if self._thread is None:
+            self._start()
+        return token
+
+    def end_heartbeat(self, token: tuple[int, int] | None) -> None:
+        if token is not None:
+            self._beats.pop(token, None)
+
+    def _probe(self, token: tuple[int, int], beat: Beat) -> None:
+        """One heartbeat of a lifted call (``heartbeat.verdict``): cut it when the server is lost to it."""
+        lost = verdict(beat, cap)
+        if self._beats.get(token) is not beat:
+            return  # the call ended meanwhile
+        if not lost:
+            beat.due, beat.probing = time.monotonic() + (1.0 if beat.finished else beat.seconds), False
+        elif self._beats.pop(token, None) is not None:
+            self._cut(beat.conn, beat.seconds, lost)
+
     def _start(self) -> None:
         with self._lock:
             if self._thread is None:
@@ -206,16 +250,22 @@ class Deadlines:
             for token, (clock, seconds, conn) in list(self._stalls.items()):
                 if now - clock.last >= seconds and self._stalls.pop(token, None) is not None:
                     self._cut(conn, seconds)
+            for token, beat in list(self._beats.items()):
+                if now >= beat.due and not beat.probing:
+                    beat.probing = True
+                    threading.Thread(target=self._probe, args=(token, beat), daemon=True, name="lr-heartbeat").start()
 
-    def _cut(self, conn: BoundedConnection, seconds: float) -> None:
+    def _cut(self, conn: BoundedConnection, seconds: float, why: str = "") -> None:
         self.cut += 1
         conn.was_cut, conn.cut_after_s = True, seconds
         log.warning(
-            "%s: a call ran past its deadline of %.0f s: the server or the link is taken as dead and the "
+            "%s: a call ran past its deadline of %.0f s%s: the server or the link is taken as dead and the "
             "connection cut; the caller retries on a new one",
             conn.describe(),
             seconds,
+            f" ({why})" if why else "",
         )
+        orphans.record(conn)  # its backend, if it lives on behind a stalled link, is ended on the next connection
         try:
             with socket.socket(fileno=os.dup(conn.fileno())) as sock:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -227,12 +277,19 @@ DEADLINES = Deadlines()
 
 
 def _watched(conn: BoundedConnection, call: Any, *args: Any) -> Any:
-    """``call(*args)``, a call to the server, under ``DEADLINES``."""
+    """``call(*args)``, a call to the server, under ``DEADLINES`` (a deadline, or on a lifted
+    connection, a heartbeat)."""
     token = DEADLINES.begin(conn)
+    beat = DEADLINES.heartbeat(conn) if token is None and conn.stall_deadline_s is not None else None
     try:
         return call(*args)
+    except psycopg2.Error as exc:
+        if conn.was_cut:  # ``explain`` says why, whatever call met the cut (a commit's error has no cursor)
+            exc.lr_connection = conn
+        raise
     finally:
         DEADLINES.end(token)
+        DEADLINES.end_heartbeat(beat)
 
 
 class BoundedCursor(psycopg2.extensions.cursor):
@@ -281,6 +338,7 @@ class BoundedConnection(psycopg2.extensions.connection):
 
     deadline_s: float | None = None
     stall_deadline_s: float | None = None  # while ``lifted``: its COPY cut once no byte moved this long
+    reopen: Callable[[], psycopg2.extensions.connection] | None = None  # a second one, for heartbeats
     site: str | None = None
     was_cut = False  # by ``DEADLINES``: its failure is a dead link, not the server's
     cut_after_s = 0.0  # the deadline that cut it
@@ -323,12 +381,16 @@ def _set(conn: psycopg2.extensions.connection, statement: str) -> None:
 
 _LIFT = "SET statement_timeout = 0; SET idle_in_transaction_session_timeout = 0"
 _RESTORE = "RESET statement_timeout; RESET idle_in_transaction_session_timeout"
+# while lifted, the server also checks the client is still there during a long statement (PostgreSQL
+# 14+): a replicator killed in a full sync's apply no longer leaves it running, its locks held, to the end
+_CHECK_CLIENT = "; SET client_connection_check_interval = '5s'"
+_UNCHECK_CLIENT = "; RESET client_connection_check_interval"
 
 
 def lift(conn: psycopg2.extensions.connection) -> None:
     """Make a session connection a bulk one for the rest of its life (a connection the caller owns
     and closes): no statement or idle-in-transaction timeout, no call deadline."""
-    _set(conn, _LIFT)
+    _set(conn, _LIFT + (_CHECK_CLIENT if conn.server_version >= 140000 else ""))
     if isinstance(conn, BoundedConnection):
         conn.deadline_s = None
 
@@ -351,7 +413,7 @@ def lifted(*conns: psycopg2.extensions.connection) -> Iterator[None]:
             try:
                 if conn.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_INERROR:
                     conn.rollback()  # failed: it can only be rolled back, and the bounds must come back
-                _set(conn, _RESTORE)
+                _set(conn, _RESTORE + (_UNCHECK_CLIENT if conn.server_version >= 140000 else ""))
             except psycopg2.Error as exc:  # lost: the caller drops it
                 log.debug("bounds not restored on a connection: %s", exc)
             if isinstance(conn, BoundedConnection):
@@ -369,20 +431,26 @@ _MISSING = {"42P01", "3F000", "42883"}
 _NOT_INSTALLED = "the site has no lr schema, or an older one than this lr: run `lr init` on it"
 
 
-def explain(exc: BaseException) -> str | None:
+def explain(exc: BaseException | None) -> str | None:
     """What a bound that fired means, or that the lr schema is missing, to prefix an error with; None
-    for other errors."""
-    conn = getattr(getattr(exc, "cursor", None), "connection", None)
-    if conn is not None and getattr(conn, "was_cut", False):
-        return (
-            f"{conn.describe()} gave no answer within its call deadline of {conn.cut_after_s:.0f} s: "
-            "a stopped server or a stalled link, cut by lr"
-        )
-    code = getattr(exc, "pgcode", None) or ""
-    if code in _MISSING:
-        primary = getattr(getattr(exc, "diag", None), "message_primary", None) or ""
-        return _NOT_INSTALLED if ('"lr.' in primary or 'schema "lr"' in primary or " lr." in primary) else None
-    return _EXPLAINED.get(code)
+    for other errors. An error raised from one (a provider's failure wrapping a cut call) is
+    explained by its cause."""
+    while exc is not None:
+        conn = getattr(exc, "lr_connection", None) or getattr(getattr(exc, "cursor", None), "connection", None)
+        if conn is not None and getattr(conn, "was_cut", False):
+            return (
+                f"{conn.describe()} gave no answer within its call deadline of {conn.cut_after_s:.0f} s: "
+                "a stopped server or a stalled link, cut by lr"
+            )
+        code = getattr(exc, "pgcode", None) or ""
+        if code in _MISSING:
+            primary = getattr(getattr(exc, "diag", None), "message_primary", None) or ""
+            if '"lr.' in primary or 'schema "lr"' in primary or " lr." in primary:
+                return _NOT_INSTALLED
+        elif code in _EXPLAINED:
+            return _EXPLAINED[code]
+        exc = exc.__cause__
+    return None
 
 
 def failure(exc: BaseException) -> str:

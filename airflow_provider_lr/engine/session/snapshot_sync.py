@@ -126,10 +126,16 @@ class SnapshotSync:
                     "the source's positions went backwards (restored from a backup?); re-create the session's sink "
                     "state (`lr failover` or a new sink database)"
                 )
+        if request.status == RequestStatus.SUPPLIED and full_sync.superseded(self.source, request):
+            report.reason = f"full sync {request.request_id} superseded by a newer request: not transferred"
+            return None  # the next cycle's look cancels it and takes the newer one
         if request.status == RequestStatus.PENDING:
+            supplying = False
             if full_sync.expired(self.source, request):
-                self._restart_after_timeout(request)
-            report.reason = f"waiting for full-sync data of request {request.request_id}"
+                supplying = not self._restart_after_timeout(request)
+            report.reason = f"waiting for full-sync data of request {request.request_id}" + (
+                " (its client is supplying it now)" if supplying else ""
+            )
             report.waiting = True
             return None
         assert request.base_position is not None
@@ -148,6 +154,9 @@ class SnapshotSync:
         fault_point("after_snapshot_start")
         meta, sent = self.transfer_snapshot(request, meta)
         report.snapshot_messages += sent
+        if meta.snapshot_transferred != meta.snapshot_started:
+            report.reason = f"full sync {request.request_id} superseded by a newer request during its transfer"
+            return None  # the next cycle's look cancels it and takes the newer one
         return self.apply_snapshot(meta)
 
     def seed_from_peer(self, meta: writes.SinkMetadata, report: CycleReport) -> writes.SinkMetadata | None:
@@ -227,9 +236,11 @@ class SnapshotSync:
             and request.base_position < meta.last_log_entry_processed
         )
 
-    def _restart_after_timeout(self, request: FullSyncRequest) -> None:
+    def _restart_after_timeout(self, request: FullSyncRequest) -> bool:
         """No client data within the timeout: close the request; the next cycle asks again with a
-        longer timeout (backoff), so a slow provider is not restarted forever (CorfuDB #4119)."""
+        longer timeout (backoff), so a slow provider is not restarted forever (CorfuDB #4119).
+        False, nothing done, while a client's own serve loop is supplying it (late, but coming):
+        waiting for its lock failed the cycle after lock_timeout and then discarded the supply."""
         assert self.lease is not None
         leases.update_session(
             self.source,
@@ -238,18 +249,27 @@ class SnapshotSync:
             attempts=AsIs("attempts + 1"),
             last_error=f"full-sync request {request.request_id} timed out without client data",
         )
-        full_sync.finish_request(
-            self.source, request.request_id, RequestStatus.TIMED_OUT, "no client data within the timeout"
-        )
+        if not full_sync.finish_request(
+            self.source,
+            request.request_id,
+            RequestStatus.TIMED_OUT,
+            "no client data within the timeout",
+            unless_supplying=True,
+        ):
+            return False  # the attempt counted above is rolled back with it
         fault_point("after_timeout")
+        return True
 
     def transfer_snapshot(self, request: FullSyncRequest, meta: writes.SinkMetadata) -> tuple[writes.SinkMetadata, int]:
-        """Copy the request's messages to the sink, resuming after what the sink already has."""
+        """Copy the request's messages to the sink, resuming after what the sink already has; stops
+        short (not all transferred) once a newer request supersedes it."""
         sent = 0
         total = (request.entries or 0) + 2  # the provider's messages and the two markers
         tracker = progress.track(f"full sync {request.request_id[:8]} {self.key}: transfer", total, "messages")
         tracker.update(meta.snapshot_transferred_seq + 1)
         while meta.snapshot_transferred != meta.snapshot_started:
+            if full_sync.superseded(self.source, request):  # asked again meanwhile: the rest is wasted
+                break
             chunk = full_sync.supplied_records(
                 self.source, request, meta.snapshot_last_entry, SNAPSHOT_CHUNK, SNAPSHOT_CHUNK_BYTES
             )

@@ -159,6 +159,22 @@ def close_superseded(cur: psycopg2.extensions.cursor) -> None:
     )
 
 
+def superseded(conn: psycopg2.extensions.connection, request: FullSyncRequest) -> bool:
+    """True when ``request`` is closed, or a newer open request of its session supersedes it (asked
+    while it was supplied: ``close_superseded`` cancels it at the next look). Commits."""
+    with conn.cursor() as cur:
+        cur.execute(
+            f"SELECT r.status NOT IN {OPEN_STATUSES_SQL} OR EXISTS (SELECT 1 FROM lr.full_sync_requests n "
+            "WHERE n.sink_site_id = r.sink_site_id AND n.client_name = r.client_name "
+            f"AND n.status IN {OPEN_STATUSES_SQL} AND n.requested_at > r.requested_at) "
+            "FROM lr.full_sync_requests r WHERE r.request_id = %s",
+            (request.request_id,),
+        )
+        row = cur.fetchone()
+    conn.commit()
+    return row is None or bool(row[0])
+
+
 def sessions_requested(conn: psycopg2.extensions.connection) -> set[tuple[str, str]]:
     """(sink, client) of every session of this source with an open (pending or supplied) request:
     what a stream looks for among all its sessions, in one statement."""
@@ -249,18 +265,27 @@ def outcome(conn: psycopg2.extensions.connection, request_id: str) -> RequestOut
     return RequestOutcome(request, Outcome.FAILED, note=request.note or "")
 
 
-def finish_request(conn: psycopg2.extensions.connection, request_id: str, status: str, note: str = "") -> bool:
+def finish_request(
+    conn: psycopg2.extensions.connection, request_id: str, status: str, note: str = "", unless_supplying: bool = False
+) -> bool:
     """Close an open request ('applied', 'cancelled' or 'timed_out'); its data becomes trimmable.
     A closed request keeps its first outcome (closing it again is a no-op, so callers on both sides
-    of a crash window may close it). Commits; True when this call closed it."""
+    of a crash window may close it). ``unless_supplying``: leave it (rolled back, False) while a
+    provider's supply holds it (a client's own serve loop), rather than wait for that supply's
+    lock. Commits; True when this call closed it."""
+    skip = " FOR UPDATE SKIP LOCKED" if unless_supplying else ""
     try:
         with conn.cursor() as cur:
             cur.execute(
                 "UPDATE lr.full_sync_requests SET status = %s, finished_at = now(), note = coalesce(%s, note) "
-                f"WHERE request_id = %s AND status IN {OPEN_STATUSES_SQL}",
+                f"WHERE request_id = (SELECT request_id FROM lr.full_sync_requests WHERE request_id = %s "
+                f"AND status IN {OPEN_STATUSES_SQL}{skip})",
                 (status, note or None, request_id),
             )
             closed = cur.rowcount == 1
+        if unless_supplying and not closed:
+            conn.rollback()  # what the caller wrote with it is undone too
+            return False
         conn.commit()
         return closed
     except BaseException:
@@ -459,9 +484,10 @@ def serve_full_sync_requests(
         except psycopg2.errors.SerializationFailure:
             conn.rollback()  # the request changed (cancelled) after our snapshot: look again
         except BaseException as exc:
-            conn.rollback()
-            if isinstance(exc, FullSyncError):
-                _note(conn, request.request_id, one_line(exc))
+            if not conn.closed:  # lost (cut by its deadline): its own error says why, not a rollback's
+                conn.rollback()
+                if isinstance(exc, FullSyncError):
+                    _note(conn, request.request_id, one_line(exc))
             raise
     return served
 
