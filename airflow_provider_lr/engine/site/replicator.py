@@ -95,7 +95,6 @@ class Replicator:
         self.stalled_for = 0.0  # seconds the last run had made no progress when it ended (measured)
         self._no_tee: set[str] = set()  # sources whose sites' DSNs do not resolve (no tee for them)
         self._tee_notes = RepeatedErrors()  # why the tee of a source is not used, said once
-        self._failing: set[SessionKey] = set()  # sessions whose last cycle failed: no tee plan for them
         self.membership: Membership | None = None
         if membership:
             self.membership = Membership(connect, self._given, self.owner, self.settings)
@@ -218,7 +217,6 @@ class Replicator:
                 self._recover(key, report.error, exc)
             if not report.error and self.failures:
                 self.failures.cleared(str(key))
-            (self._failing.add if report.error else self._failing.discard)(key)
             report.delivered += teed.get(str(key), 0)
             reports.append(report)
         return reports
@@ -233,14 +231,8 @@ class Replicator:
         runs no Spark) with the read-once tee here (one source read for all its sinks, packed rows,
         exactly once: ``engine/bulk/fanout.py``); the session cycles then go on from where it left
         each sink. Returns deliveries per session (``str(SessionKey)``). Any failure leaves the work
-        to the session cycles, which report their own errors; a session whose last cycle failed is
-        left to its cycles until one succeeds (planned, it would be left out each time)."""
-        keys = [k for k in keys if k not in self._failing]  # the plan would leave them out, every cycle
-        if (
-            source in self._no_tee
-            or not catchup.backlog_matters(self.settings)
-            or not any(k.source == source for k in keys)
-        ):
+        to the session cycles, which report their own errors."""
+        if source in self._no_tee or not catchup.backlog_matters(self.settings):
             return {}
         try:
             cap = catchup.backlog_cap(self.settings)  # no need to count a backlog of millions
