@@ -3,8 +3,6 @@ process (engine/bulk/fanout.py), then session cycles carry on; exactly once, in 
 
 from __future__ import annotations
 
-import logging
-
 from tests.support.session import replicator, sink_queue
 from tests.support.spark_env import (  # noqa: F401 (lr_connections is a fixture)
     expected_queue,
@@ -95,30 +93,3 @@ def test_the_source_lost_in_the_middle_of_a_tee_is_reported_and_the_next_cycles_
     finally:
         repl.close()
     delivered_exactly(lr_sites)
-
-
-def test_a_failing_session_is_not_planned_for_the_tee_every_cycle_and_arrives_once_it_recovers(
-    lr_sites, lr_connections, caplog
-):
-    """A session whose cycles fail (its sink's metadata table is away) keeps its large backlog: the
-    tee's plan, which takes every session's lease and handshake, left it out on every cycle and
-    moved nothing (a plan of "sessions none", each cycle). Now it is planned no more while its last
-    cycle failed; once a cycle succeeds, everything arrives, exactly once."""
-    topo = in_log_entry_sync(lr_sites)
-    transmit_backlog(lr_sites[0], 1500, per_txn=250)
-    mine = [k for k in topo.sessions() if k.sink == "site-b"]
-    sink_b = lr_sites[1]
-    sink_b.query("ALTER TABLE lr.sink_sessions RENAME TO sink_sessions_away")
-    repl = replicator(topo, lr_sites, tee_min_backlog=500, sessions=mine)
-    try:
-        with caplog.at_level(logging.INFO, logger="airflow_provider_lr"):
-            for _ in range(3):
-                (report,) = repl.run_cycle()
-                assert report.error
-        plans = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fan-out plan")]
-        assert len(plans) == 1, plans  # the first cycle's, before the session was known to fail
-        sink_b.query("ALTER TABLE lr.sink_sessions_away RENAME TO sink_sessions")
-        repl.run(max_cycles=6, until_idle=True, interval=0.01)
-    finally:
-        repl.close()
-    assert sink_queue(sink_b, "policy") == expected_queue(lr_sites[0], "site-b", "policy")
