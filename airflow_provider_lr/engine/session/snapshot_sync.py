@@ -154,9 +154,6 @@ class SnapshotSync:
         fault_point("after_snapshot_start")
         meta, sent = self.transfer_snapshot(request, meta)
         report.snapshot_messages += sent
-        if meta.snapshot_transferred != meta.snapshot_started:
-            report.reason = f"full sync {request.request_id} superseded by a newer request during its transfer"
-            return None  # the next cycle's look cancels it and takes the newer one
         return self.apply_snapshot(meta)
 
     def seed_from_peer(self, meta: writes.SinkMetadata, report: CycleReport) -> writes.SinkMetadata | None:
@@ -261,15 +258,17 @@ class SnapshotSync:
         return True
 
     def transfer_snapshot(self, request: FullSyncRequest, meta: writes.SinkMetadata) -> tuple[writes.SinkMetadata, int]:
-        """Copy the request's messages to the sink, resuming after what the sink already has; stops
-        short (not all transferred) once a newer request supersedes it."""
+        """Copy the request's messages to the sink, resuming after what the sink already has."""
         sent = 0
         total = (request.entries or 0) + 2  # the provider's messages and the two markers
         tracker = progress.track(f"full sync {request.request_id[:8]} {self.key}: transfer", total, "messages")
         tracker.update(meta.snapshot_transferred_seq + 1)
         while meta.snapshot_transferred != meta.snapshot_started:
             if full_sync.superseded(self.source, request):  # asked again meanwhile: the rest is wasted
-                break
+                raise LRError(
+                    f"session {self.key}: full sync {request.request_id} was superseded by a newer request during "
+                    "its transfer; the next cycle takes the newer one"
+                )
             chunk = full_sync.supplied_records(
                 self.source, request, meta.snapshot_last_entry, SNAPSHOT_CHUNK, SNAPSHOT_CHUNK_BYTES
             )
