@@ -126,9 +126,6 @@ class SnapshotSync:
                     "the source's positions went backwards (restored from a backup?); re-create the session's sink "
                     "state (`lr failover` or a new sink database)"
                 )
-        if request.status == RequestStatus.SUPPLIED and full_sync.superseded(self.source, request):
-            report.reason = f"full sync {request.request_id} superseded by a newer request: not transferred"
-            return None  # the next cycle's look cancels it and takes the newer one
         if request.status == RequestStatus.PENDING:
             supplying = False
             if full_sync.expired(self.source, request):
@@ -264,11 +261,6 @@ class SnapshotSync:
         tracker = progress.track(f"full sync {request.request_id[:8]} {self.key}: transfer", total, "messages")
         tracker.update(meta.snapshot_transferred_seq + 1)
         while meta.snapshot_transferred != meta.snapshot_started:
-            if full_sync.superseded(self.source, request):  # asked again meanwhile: the rest is wasted
-                raise LRError(
-                    f"session {self.key}: full sync {request.request_id} was superseded by a newer request during "
-                    "its transfer; the next cycle takes the newer one"
-                )
             chunk = full_sync.supplied_records(
                 self.source, request, meta.snapshot_last_entry, SNAPSHOT_CHUNK, SNAPSHOT_CHUNK_BYTES
             )

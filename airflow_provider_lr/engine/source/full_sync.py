@@ -159,22 +159,6 @@ def close_superseded(cur: psycopg2.extensions.cursor) -> None:
     )
 
 
-def superseded(conn: psycopg2.extensions.connection, request: FullSyncRequest) -> bool:
-    """True when ``request`` is closed, or a newer open request of its session supersedes it (asked
-    while it was supplied: ``close_superseded`` cancels it at the next look). Commits."""
-    with conn.cursor() as cur:
-        cur.execute(
-            f"SELECT r.status NOT IN {OPEN_STATUSES_SQL} OR EXISTS (SELECT 1 FROM lr.full_sync_requests n "
-            "WHERE n.sink_site_id = r.sink_site_id AND n.client_name = r.client_name "
-            f"AND n.status IN {OPEN_STATUSES_SQL} AND n.requested_at > r.requested_at) "
-            "FROM lr.full_sync_requests r WHERE r.request_id = %s",
-            (request.request_id,),
-        )
-        row = cur.fetchone()
-    conn.commit()
-    return row is None or bool(row[0])
-
-
 def sessions_requested(conn: psycopg2.extensions.connection) -> set[tuple[str, str]]:
     """(sink, client) of every session of this source with an open (pending or supplied) request:
     what a stream looks for among all its sessions, in one statement."""
