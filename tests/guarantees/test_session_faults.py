@@ -239,43 +239,6 @@ def test_full_sync_without_client_data_restarts_with_backoff_not_livelock(lr_sit
     app.close()
 
 
-def test_a_full_sync_superseded_while_its_cycle_supplies_it_is_not_transferred_and_the_newer_one_lands(lr_sites):
-    """`lr full-sync` asked while a cycle's provider supplies the session's current request (a
-    large supply takes minutes): the request is recorded at once (the supply holds the old one's
-    row). The cycle that supplied the old one stops there instead of transferring and applying a
-    set already superseded (before: the whole set moved and was made visible, then moved again);
-    the newer one lands whole."""
-    source, sink_b, _ = lr_sites
-    topo = apply(lr_sites, ONE_SINK)
-    app = App(source)
-    for i in range(3):
-        app.put(f"k{i}", i, ["site-b"])
-    conn = source.connect()
-    newer = []
-
-    def provider(ctx) -> None:
-        if not newer:  # the operator asks meanwhile
-            newer.append(full_sync.request_full_sync(conn, "site-b", "policy", "operator asked", forced=True))
-        table_provider(ctx)
-
-    repl = replicator(topo, lr_sites, providers={"policy": provider})
-    (report,) = repl.run_cycle()
-    assert not report.error and report.snapshot_messages == 0 and report.full_syncs == 0, report
-    assert report.request_id != newer[0].request_id
-    statuses = dict(source.query("SELECT request_id::text, status FROM lr.full_sync_requests"))
-    assert statuses == {report.request_id: "cancelled", newer[0].request_id: "pending"}
-    repl.run(max_cycles=4, until_idle=True, interval=0.01)
-    entries = queue(sink_b, "site-a")
-    assert [k for k, _ in entries].count("start") == 1
-    assert sorted(p for k, p in entries if k == "snap") == [f"k{i}={i}" for i in range(3)]
-    assert dict(source.query("SELECT request_id::text, status FROM lr.full_sync_requests"))[newer[0].request_id] == (
-        "applied"
-    )
-    conn.close()
-    repl.close()
-    app.close()
-
-
 def test_a_new_full_sync_request_cancels_the_pending_one_and_one_full_set_arrives(lr_sites):
     source, sink_b, _ = lr_sites
     topo = apply(lr_sites, ONE_SINK)
