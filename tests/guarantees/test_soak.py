@@ -10,7 +10,7 @@ equal the source's counters for it: nothing lost, nothing duplicated; no full-sy
 open; every session's acknowledged position is its sink's; safe trim reaches the lowest of them.
 
 Knobs (environment): ``LR_SOAK_SEED`` (default 7; ``random`` for a fresh one, printed), ``LR_SOAK_SECONDS`` (chaos
-seconds, default 30), ``LR_SOAK_RATE`` (application transactions/s, default 150),
+seconds, default 18 in CI), ``LR_SOAK_RATE`` (application transactions/s, default 150),
 ``LR_SOAK_REPORT`` (write the summary there as JSON). ``pytest tests/guarantees/test_soak.py -s`` shows the
 summary line; ``-m soak`` selects this test.
 """
@@ -68,7 +68,7 @@ SNAPSHOT_FAULTS = {
     "after_snapshot_apply",
     "after_timeout",
 }
-CHAOS_SECONDS = float(os.environ.get("LR_SOAK_SECONDS", "30"))
+CHAOS_SECONDS = float(os.environ.get("LR_SOAK_SECONDS", "18"))
 ACTIONS = {  # action -> weight
     "crash_at_fault": 25,
     "kill_runner": 15,

@@ -17,7 +17,7 @@ queue as a log entry twice (across full syncs too: a full sync never sets a sink
 holds the same federated tables (each value compared), and no full-sync request is left open.
 
 Knobs: ``LR_SOAK_SEED`` (default 11; ``random`` for a fresh one), ``LR_STREAM_SOAK_SECONDS`` (chaos
-seconds before the failover, default 20 in CI; a third as long after it), ``LR_SOAK_RATE``
+seconds before the failover, default 15 in CI; a third as long after it), ``LR_SOAK_RATE``
 (transactions/s, default 150), ``LR_SOAK_REPORT`` (summary as JSON there).
 ``pytest tests/guarantees/test_soak_streaming.py -s`` prints the summary.
 """
@@ -68,7 +68,7 @@ from tests.support.tables import (
 
 # leases that run out fast after a kill; small batches (more boundaries); a short data timeout
 SETTINGS = {"lease_seconds": 1.5, "max_entries": 500, "data_timeout": 10.0, "barrier_timeout": 2.0}
-CHAOS_SECONDS = float(os.environ.get("LR_STREAM_SOAK_SECONDS", "20"))
+CHAOS_SECONDS = float(os.environ.get("LR_STREAM_SOAK_SECONDS", "15"))
 STREAM_FOR = 3600.0  # a streaming replicator runs until killed
 ACTIONS = {  # action -> weight
     "full_sync": 10,
