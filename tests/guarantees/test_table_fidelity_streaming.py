@@ -117,6 +117,16 @@ def said(streaming: Streaming, sink: str, text: str, client: str = "policy") -> 
     return [e for e in errors if e and text in e]
 
 
+def forced_full_sync_of_site_b(source, streaming: Streaming) -> None:
+    """An operator forces a full sync of site-b; back once it is applied and every session streams again."""
+    conn = source.connect()
+    full_sync.request_full_sync(conn, "site-b", "policy", "operator asked", forced=True)
+    conn.close()
+    applied = "SELECT count(*) FROM lr.full_sync_requests WHERE forced AND status = 'applied'"
+    wait_for(lambda: source.query(applied) == [(1,)], 30, "the full sync")
+    streaming.streaming()
+
+
 def in_one_round_trip(trips: RoundTrips, sinks) -> None:
     """The stream wrote table changes into every sink in its one round trip (not only the general path)."""
     assert all(trips.batches[s.site_id] for s in sinks), dict(trips.batches)
@@ -328,12 +338,7 @@ def test_sink_tables_made_with_the_sources_always_identity_stream_every_change_a
                 carried_in_one_round_trip(
                     streaming, round_trips, source, sinks, table, lambda change=change: source.query(change)
                 )
-        conn = source.connect()
-        full_sync.request_full_sync(conn, "site-b", "policy", "operator asked", forced=True)
-        conn.close()
-        applied = "SELECT count(*) FROM lr.full_sync_requests WHERE forced AND status = 'applied'"
-        wait_for(lambda: source.query(applied) == [(1,)], 30, "the full sync")
-        streaming.streaming()
+        forced_full_sync_of_site_b(source, streaming)
         source.query("UPDATE public.tickets SET ref = DEFAULT WHERE id = 3; TRUNCATE public.stubs")
         source.query("INSERT INTO public.stubs (id, v) VALUES (1, 'after')")
         streamed(streaming, source, sinks, *tables)
@@ -400,12 +405,7 @@ def test_tables_linked_by_foreign_keys_snapshot_stream_cascade_and_full_sync_wit
         )
         streamed(streaming, source, sinks, *tables)
         in_one_round_trip(round_trips, sinks)
-        conn = source.connect()
-        full_sync.request_full_sync(conn, "site-b", "policy", "operator asked", forced=True)
-        conn.close()
-        applied = "SELECT count(*) FROM lr.full_sync_requests WHERE forced AND status = 'applied'"
-        wait_for(lambda: source.query(applied) == [(1,)], 30, "the full sync")
-        streaming.streaming()
+        forced_full_sync_of_site_b(source, streaming)
         source.query("INSERT INTO public.children VALUES (40, 12)")
         streamed(streaming, source, sinks, *tables)
         # the children's and pets' rows with it: cleared at the sink in one statement, as the TRUNCATE
@@ -601,13 +601,8 @@ def test_a_full_sync_requested_while_writers_change_a_streamed_table_leaves_ever
         streaming.streaming()
         with TableWriter(source) as writer:
             wait_for(lambda: writer.transactions >= 30, 30, "writes streamed")
-            conn = source.connect()
-            full_sync.request_full_sync(conn, "site-b", "policy", "operator asked", forced=True)
-            conn.close()
+            forced_full_sync_of_site_b(source, streaming)
             wait_for(lambda: any("full sync" in e.reason for e in streaming.streamer.ends), 10, "the hand-back")
-            applied = "SELECT count(*) FROM lr.full_sync_requests WHERE forced AND status = 'applied'"
-            wait_for(lambda: source.query(applied) == [(1,)], 30, "the full sync")
-            streaming.streaming()
             streamed_before, done = len(round_trips.batches["site-b"]), writer.transactions
             wait_for(lambda: writer.transactions >= done + 30, 30, "writes after the full sync")
         wait_for(lambda: all(rows(s) == rows(source) for s in (sink, other)), 30, "every sink equal to the source")
