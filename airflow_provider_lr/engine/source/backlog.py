@@ -101,7 +101,8 @@ def wait_until_ready(
 ) -> list[Readiness]:
     """Return once every destination holds, safe, everything committed for ``client`` before this
     call (a guard at the next position: Qpid's *ready*), or raise ``DeliveryTimeout``."""
-    delivery.check_wait(destinations, timeout)
+    delivery.check_targets(destinations)
+    delivery.check_timeout(timeout)
     if not destinations:
         raise ConfigurationError("name the destinations to wait for")
     known = {b.sink for b in session_backlogs(conn, client=client)}
@@ -161,6 +162,7 @@ def delivery_target(
     destination that is not a sink of the source for this client, and a ``min_regions`` that the
     sinks could never reach — or, with named destinations, one their acknowledgements could be
     complete without (all of them acking must prove durability in ``min_regions`` regions)."""
+    delivery.check_targets(destinations, min_regions)
     sinks = {k.sink for k in topology.sessions(source=source) if k.client == client}
     if not sinks:
         raise ConfigurationError(f"site {source!r} replicates nothing for client {client!r} in the topology")
@@ -169,8 +171,6 @@ def delivery_target(
         raise ConfigurationError(
             f"{listing(unknown)}: not sinks of {source!r} for client {client!r}; its sinks are {listing(sorted(sinks))}"
         )
-    if min_regions < 0:
-        raise ConfigurationError(f"min_regions must be >= 0, not {min_regions}")
     regions = {topology.site(source).region, *(topology.site(s).region for s in (destinations or sinks))}
     if min_regions > len(regions):
         named = (

@@ -139,17 +139,20 @@ def durability_rule(conn: psycopg2.extensions.connection) -> DurabilityRule | No
     return DurabilityRule(**rule) if rule else None
 
 
-def check_wait(destinations: Sequence[str], timeout: float, min_regions: int | None = None) -> None:
-    """Refuse what a producer's wait could not mean: one site id as a bare string (read letter by
-    letter), a timeout that is not a finite number of seconds >= 0 (a wait is always bounded), a
-    ``min_regions`` that is not a whole number >= 0."""
+def check_targets(destinations: Sequence[str], min_regions: int | None = None) -> None:
+    """Refuse targets a producer's wait could not mean: one site id as a bare string (read letter by
+    letter), a ``min_regions`` that is not a whole number >= 0."""
     require_site_ids("destinations", destinations)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
-        raise ConfigurationError(f"timeout must be a finite number of seconds, at least 0, not {timeout!r}")
     if min_regions is not None and (
         isinstance(min_regions, bool) or not isinstance(min_regions, int) or min_regions < 0
     ):
         raise ConfigurationError(f"min_regions must be a whole number >= 0, not {min_regions!r}")
+
+
+def check_timeout(timeout: float) -> None:
+    """Refuse a wait's timeout that is not a finite number of seconds >= 0: every wait is bounded."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
+        raise ConfigurationError(f"timeout must be a finite number of seconds, at least 0, not {timeout!r}")
 
 
 def wait_for(
@@ -163,7 +166,7 @@ def wait_for(
     region). Refused with ``ConfigurationError``: a destination the entry was not sent to, and a
     ``min_regions`` (or the topology's rule, the default when nothing is named) that the named
     sinks could never reach. Nothing named and no rule: every named destination."""
-    check_wait(destinations, 0, min_regions)
+    check_targets(destinations, min_regions)
     unknown = sorted(set(destinations) - set(addressed))
     if unknown:
         raise ConfigurationError(
@@ -375,7 +378,7 @@ def wait_until_safe(
     """Return once the ticket's entries are safe where asked (see ``wait_for``), or raise
     ``DeliveryTimeout`` naming the destinations that have not acknowledged. Guards the entry
     meanwhile (its state is *delayed*). ``conn``: the producer's connection, after its commit."""
-    check_wait(destinations, timeout, min_regions)
+    check_timeout(timeout)  # the targets are checked by ``wait_for``, before the guard
     position = resolve(conn, ticket)
     addressed, region = addressed_sinks(conn, ticket.client, position, ticket.destinations)
     target = wait_for(addressed, region, destinations, min_regions, durability_rule(conn))
