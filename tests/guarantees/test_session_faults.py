@@ -89,6 +89,30 @@ def test_replicator_killed_mid_snapshot_transfer_resumes_without_resending(lr_si
     repl.close()
 
 
+def test_a_full_sync_longer_than_a_turn_pauses_between_chunks_so_the_other_sessions_cycle_and_it_arrives_once(
+    lr_sites,
+):
+    """Each session's cycle has a turn (``cycle_slice``): a full sync's transfer past it pauses after
+    its chunk and the next cycle resumes it from the sink's metadata. Before, one session's full sync
+    of millions held every other session's cycle (and a stop) until it was applied."""
+    source, sink_b, sink_c = lr_sites
+    topo = apply(lr_sites, providers={"policy": "tests.support.session:many_rows_provider"})
+    repl = replicator(topo, lr_sites)
+    repl.cycle_slice = 0.0  # every turn is spent after one chunk
+    first = repl.run_cycle()
+    assert [r.snapshot_messages for r in first] == [5_000, 5_000], first  # both sessions moved in one cycle
+    assert all("the rest next cycle" in r.reason and not r.error for r in first), first
+    assert queue(sink_b, "site-a") == queue(sink_c, "site-a") == []  # nothing visible until applied
+    repl.run(max_cycles=10, until_idle=True, interval=0.01)
+    for sink in (sink_b, sink_c):
+        entries = queue(sink, "site-a")
+        _no_duplicates(entries)
+        assert [k for k, _ in entries].count("snap") == 12_000
+        assert entries[0] == ("start", "") and entries[-1] == ("end", "")
+    assert source.query("SELECT count(*) FROM lr.full_sync_requests WHERE status <> 'applied'") == [(0,)]
+    repl.close()
+
+
 def test_sink_restarts_during_snapshot_apply_then_apply_resumes_without_retransfer(lr_sites, site_manager):
     source, sink_b, _ = lr_sites
     # The test servers run with synchronous_commit off; a crash may then lose recent commits, as
@@ -194,13 +218,20 @@ def test_full_sync_without_client_data_restarts_with_backoff_not_livelock(lr_sit
     app = App(source)
     app.put("k", 1, ["site-b"])
     repl = replicator(topo, lr_sites, data_timeout=0.2)  # no provider: nobody supplies the data
-    for _ in range(6):
+
+    def requests() -> list[tuple[str, float]]:
+        return source.query(
+            "SELECT status, extract(epoch FROM data_deadline - requested_at)::float8 FROM lr.full_sync_requests "
+            "ORDER BY requested_at"
+        )
+
+    deadline = time.monotonic() + 30
+    while True:  # cycles until the third request is open (how many cycles that takes is the machine's)
         repl.run_cycle()
+        rows = requests()
+        if len(rows) >= 3 and rows[-1][0] == "pending" or time.monotonic() > deadline:
+            break
         time.sleep(0.15)
-    rows = source.query(
-        "SELECT status, extract(epoch FROM data_deadline - requested_at)::float8 FROM lr.full_sync_requests "
-        "ORDER BY requested_at"
-    )
     timeouts = [round(t, 1) for _, t in rows]
     assert [s for s, _ in rows][:-1] == ["timed_out"] * (len(rows) - 1) and rows[-1][0] == "pending"
     assert len(rows) >= 2  # restarted after the timeout ...

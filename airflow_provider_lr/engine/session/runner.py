@@ -174,7 +174,7 @@ class SessionRunner(SnapshotSync):
             report.delivered += batch.entries
             report.delivered_bytes += batch.bytes
             self._update(acked_position=after, last_error=None)
-            if not batch.has_more:
+            if not batch.has_more or self.paused():
                 break
             tracker = self._catch_up_progress(tracker, report.delivered)
         if tracker is not None:

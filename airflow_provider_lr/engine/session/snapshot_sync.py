@@ -12,6 +12,7 @@ lease the cycle holds (its epoch fences every sink write).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psycopg2.extensions
@@ -91,6 +92,9 @@ class SnapshotSync:
     spark_transfer: bool = False  # ... and large full-sync transfers (lr_snapshot_transfer.py)
     peers: list[nearest_copy.Peer] = field(default_factory=list)  # nearest copies first (nearest_copy.py)
     topology: Topology | None = None  # the file this runner works from: refused where the source runs another
+    # asked between chunks: True ends the cycle's transfer (and log-entry batches) there, resumed by the
+    # next cycle; a replicator stopping, or one session's turn spent, so the others' cycles are not held
+    pause: Callable[[], bool] | None = None
     lease: leases.Lease | None = field(default=None, init=False)
     full_syncs_applied: int = field(default=0, init=False)  # by this runner, for the cycle reports
 
@@ -151,7 +155,17 @@ class SnapshotSync:
         fault_point("after_snapshot_start")
         meta, sent = self.transfer_snapshot(request, meta)
         report.snapshot_messages += sent
+        if meta.snapshot_transferred != meta.snapshot_started:  # paused: the next cycle resumes it
+            report.reason = (
+                f"full sync {request.request_id}: {meta.snapshot_transferred_seq + 1} of "
+                f"{(request.entries or 0) + 2} messages transferred, the rest next cycle"
+            )
+            return None
         return self.apply_snapshot(meta)
+
+    def paused(self) -> bool:
+        """The cycle's turn is over (``pause``): what it moved so far stays, the next cycle goes on."""
+        return self.pause is not None and self.pause()
 
     def seed_from_peer(self, meta: writes.SinkMetadata, report: CycleReport) -> writes.SinkMetadata | None:
         """A client of tables only takes its snapshot from a peer sink in its region when one
@@ -255,7 +269,8 @@ class SnapshotSync:
         return True
 
     def transfer_snapshot(self, request: FullSyncRequest, meta: writes.SinkMetadata) -> tuple[writes.SinkMetadata, int]:
-        """Copy the request's messages to the sink, resuming after what the sink already has."""
+        """Copy the request's messages to the sink, resuming after what the sink already has, until
+        done or ``paused`` (between chunks: each one is a sink transaction of its own)."""
         sent = 0
         total = (request.entries or 0) + 2  # the provider's messages and the two markers
         tracker = progress.track(f"full sync {request.request_id[:8]} {self.key}: transfer", total, "messages")
@@ -278,6 +293,8 @@ class SnapshotSync:
             sent += len(chunk)
             tracker.update(meta.snapshot_transferred_seq + 1)
             fault_point("after_snapshot_chunk")
+            if meta.snapshot_transferred != meta.snapshot_started and self.paused():
+                break
         tracker.finish()
         return meta, sent
 

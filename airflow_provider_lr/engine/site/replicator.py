@@ -43,6 +43,9 @@ Connect = Callable[[str], psycopg2.extensions.connection]
 
 
 REST_AFTER = 5.0  # seconds a site's cycle connection may stay unused before ``rest`` closes it
+# seconds one session's cycle may move a full sync's transfer (or log-entry batches) before the next
+# session's turn: a full sync of millions no longer holds every other session's cycle (nor a stop)
+CYCLE_SLICE = 5.0
 
 
 def _stamp(path: str | None) -> int | None:
@@ -66,17 +69,22 @@ class Replicator:
         membership: bool = False,
         follow_file: bool = False,
         stop: threading.Event | None = None,
+        cycle_slice: float = CYCLE_SLICE,
     ) -> None:
         """``log_failures``: log each failed session (repeats suppressed); off when the caller
         reports every cycle itself (``lr sync`` prints them), or each failure is said twice.
         ``stop``: once set, a cycle of several sessions ends after the session in progress (each
-        may supply a full sync: a stop waited for all of them).
+        may supply a full sync: a stop waited for all of them), and a transfer in progress pauses
+        after its chunk (the next run resumes it from the sink's metadata).
+        ``cycle_slice``: seconds one session's cycle may transfer before it pauses for the others'.
         ``membership``: share the sessions with the other replicator processes that do
         (``session/membership``): this one works its share of them, ``sessions`` says which now.
         ``follow_file``: work the sessions of the topology file as it is now (``follow``), unless
         ``sessions`` were given."""
         self.topology = topology
         self.stop = stop or threading.Event()
+        self.cycle_slice = cycle_slice
+        self._turn_ends = 0.0  # when the session cycling now has had its slice (monotonic)
         self.failures = RepeatedErrors() if log_failures else None
         self.connect = connect
         self.owner = owner or new_owner_id()
@@ -186,8 +194,13 @@ class Replicator:
                 self.providers.get(key.client),
                 peers=nearest_copy.peers_in_region(self.topology, key, self.connect),
                 topology=self.topology,
+                pause=self._turn_over,
             )
         return runner
+
+    def _turn_over(self) -> bool:
+        """The session cycling now pauses its transfer: stopping, or its slice is spent."""
+        return self.stop.is_set() or time.monotonic() >= self._turn_ends
 
     def run_cycle(self, keys: list[SessionKey] | None = None) -> list[CycleReport]:
         """One cycle of every session (or of ``keys``, the ones not streaming); never raises for one
@@ -205,6 +218,7 @@ class Replicator:
             if self.stop.is_set():
                 break
             self._used[key.source] = self._used[key.sink] = time.monotonic()
+            self._turn_ends = time.monotonic() + self.cycle_slice
             try:
                 report = self._runner(key).run_cycle()
             except Exception as exc:  # one session's failure must not stop the others
