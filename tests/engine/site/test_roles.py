@@ -811,3 +811,23 @@ def test_reapply_restores_what_a_kind_needs(lr_sites, made):
     assert roles.reapply(conn) == [role]
     conn.close()
     assert site.query("SELECT has_table_privilege(%s, 'lr.log_commits', 'SELECT')", (role,)) == [(True,)]
+
+
+def test_every_security_definer_function_of_lr_pins_its_search_path(lr_sites):
+    """A SECURITY DEFINER function runs with its owner's rights: one that resolved names through the
+    caller's search_path could be made to run a function or operator any role with CREATE on a schema
+    planted there. Each of lr's pins its own (``SET search_path``), and PUBLIC cannot reach them."""
+    site = lr_sites[0]
+    loose = site.query(
+        "SELECT p.oid::regprocedure::text FROM pg_catalog.pg_proc p "
+        "JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace "
+        "WHERE n.nspname = 'lr' AND p.prosecdef AND NOT EXISTS ("
+        "  SELECT FROM unnest(coalesce(p.proconfig, '{}')) c WHERE c LIKE 'search_path=%%')"
+    )
+    definers = site.query(
+        "SELECT count(*) FROM pg_catalog.pg_proc p JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace "
+        "WHERE n.nspname = 'lr' AND p.prosecdef"
+    )[0][0]
+    assert definers > 0 and loose == [], loose
+    # and none of them can be reached by a role lr was not asked to grant: PUBLIC may not use the schema
+    assert site.query("SELECT pg_catalog.has_schema_privilege('public', 'lr', 'USAGE')") == [(False,)]
