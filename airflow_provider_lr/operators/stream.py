@@ -181,6 +181,7 @@ class LRStreamOperator(BaseOperator):
             topo,
             lambda site: LRSiteHook(lr_conn_id=topo.conn_id(site), timeouts=topo.timeouts).get_conninfo().connect(),
             sessions=sessions,
+            stop=self._stop,  # the run's end or a kill pauses a full sync's transfer at its chunk too
         )
         streamer = Streamer(repl)
         delivered: Counter[str] = Counter()
