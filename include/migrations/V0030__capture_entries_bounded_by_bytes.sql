@@ -102,11 +102,12 @@ BEGIN
             INSERT INTO lr.log_entries (stream, tag_ids, client_id, table_id, message)
             SELECT 3, $1, $2, $3, pg_catalog.convert_to((pg_catalog.jsonb_build_object(
                 'op', %2$L, 'rows', pg_catalog.jsonb_agg(lr_changed.lr_image ORDER BY lr_changed.lr_seq)) || $6)::text, 'UTF8')
-            FROM (SELECT lr_i.lr_image, lr_i.lr_seq, (lr_i.lr_seq - 1) / 500 AS lr_part,
-                         (pg_catalog.sum(pg_catalog.pg_column_size(lr_i.lr_image)) OVER (ORDER BY lr_i.lr_seq)
-                          - pg_catalog.pg_column_size(lr_i.lr_image)) / 8388608 AS lr_bytes
-                  FROM (SELECT (%1$s) - %3$s AS lr_image, pg_catalog.row_number() OVER () AS lr_seq
-                        FROM %4$s lr_row) lr_i) lr_changed
+            FROM (SELECT lr_s.lr_image, lr_s.lr_seq, (lr_s.lr_seq - 1) / 500 AS lr_part,
+                         (lr_s.lr_upto - pg_catalog.pg_column_size(lr_s.lr_image)) / 8388608 AS lr_bytes
+                  FROM (SELECT lr_i.lr_image, pg_catalog.row_number() OVER lr_w AS lr_seq,
+                               pg_catalog.sum(pg_catalog.pg_column_size(lr_i.lr_image)) OVER lr_w AS lr_upto
+                        FROM (SELECT (%1$s) - %3$s AS lr_image FROM %4$s lr_row) lr_i
+                        WINDOW lr_w AS (ROWS UNBOUNDED PRECEDING)) lr_s) lr_changed
             GROUP BY lr_changed.lr_part, lr_changed.lr_bytes
             ORDER BY lr_changed.lr_part, lr_changed.lr_bytes $q$,
             lr_image, CASE TG_OP WHEN 'DELETE' THEN 'd' ELSE 'u' END,
@@ -142,11 +143,12 @@ BEGIN
         SELECT 3, lr_tags, lr_client_id, lr_table_id,
                pg_catalog.convert_to(pg_catalog.jsonb_build_object(
                    'op', 'u', 'rows', pg_catalog.jsonb_agg(lr_changed.lr_row ORDER BY lr_changed.lr_seq))::text, 'UTF8')
-        FROM (SELECT lr_i.lr_row, lr_i.lr_seq, (lr_i.lr_seq - 1) / 500 AS lr_part,
-                     (pg_catalog.sum(pg_catalog.pg_column_size(lr_i.lr_row)) OVER (ORDER BY lr_i.lr_seq)
-                      - pg_catalog.pg_column_size(lr_i.lr_row)) / 8388608 AS lr_bytes
-              FROM (SELECT pg_catalog.to_jsonb(lr_n.*) - lr_generated AS lr_row,
-                           pg_catalog.row_number() OVER () AS lr_seq FROM lr_new lr_n) lr_i) lr_changed
+        FROM (SELECT lr_s.lr_row, lr_s.lr_seq, (lr_s.lr_seq - 1) / 500 AS lr_part,
+                     (lr_s.lr_upto - pg_catalog.pg_column_size(lr_s.lr_row)) / 8388608 AS lr_bytes
+              FROM (SELECT lr_i.lr_row, pg_catalog.row_number() OVER lr_w AS lr_seq,
+                           pg_catalog.sum(pg_catalog.pg_column_size(lr_i.lr_row)) OVER lr_w AS lr_upto
+                    FROM (SELECT pg_catalog.to_jsonb(lr_n.*) - lr_generated AS lr_row FROM lr_new lr_n) lr_i
+                    WINDOW lr_w AS (ROWS UNBOUNDED PRECEDING)) lr_s) lr_changed
         GROUP BY lr_changed.lr_part, lr_changed.lr_bytes
         ORDER BY lr_changed.lr_part, lr_changed.lr_bytes;
     END IF;
