@@ -108,28 +108,22 @@ def plan_ranges(
         step = max(1, -(-(hi - lo + 1) // parts))
         bounds = [str(b) for b in range(lo + step, hi + 1, step)]
     else:
-        cur.execute(
-            sql.SQL("SELECT percentile_disc(%s::float8[]) WITHIN GROUP (ORDER BY {k})::text[] FROM ONLY {t}").format(
-                k=key, t=definition.table.ident
-            ),
-            ([i / parts for i in range(1, parts)],),
-        )
-        bounds = _ordered_unique(cur, [b for b in (cur.fetchone()[0] or []) if b is not None], kind)
+        cur.execute(_PERCENTILES.format(k=key, t=definition.table.ident), ([i / parts for i in range(1, parts)],))
+        bounds = list(cur.fetchone()[0] or [])  # distinct keys, in the key's order (its column's collation)
     edges: list[str | None] = [None, *bounds, None]
     return [KeyRange(name, i, edges[i], edges[i + 1]) for i in range(len(edges) - 1)]
 
 
-def _ordered_unique(cur: psycopg2.extensions.cursor, bounds: list[str], kind: str) -> list[str]:
-    """Distinct bounds in the key type's own order (text order may differ)."""
-    if not bounds:
-        return []
-    cur.execute(
-        sql.SQL("SELECT array_agg(b::text ORDER BY b) FROM (SELECT DISTINCT unnest(%s::text[])::{} AS b) x").format(
-            sql.SQL(kind)
-        ),
-        (bounds,),
-    )
-    return list(cur.fetchone()[0] or [])
+# The keys at those fractions of the table in the key's order: what percentile_disc(fractions) gives,
+# but as text, so that a key of an array type (which has no array type to hold its percentiles:
+# "could not find array type for data type integer[]", on every run) is cut like any other. Keys are
+# unique and come in the order of their positions: the column's own order, its collation's too (the
+# bounds were sorted again by the type's default collation, which a column of another collation
+# does not share: ranges that overlap or leave keys out).
+_PERCENTILES = sql.SQL(
+    "SELECT array_agg(x.k::text ORDER BY x.n) FROM (SELECT {k} AS k, row_number() OVER (ORDER BY {k}) AS n "
+    "FROM ONLY {t}) x WHERE x.n = ANY (SELECT ceil(f * (SELECT count(*) FROM ONLY {t})) FROM unnest(%s::float8[]) f)"
+)
 
 
 def copy_range(task: dict, key_range: KeyRange, connect: Callable[[str], psycopg2.extensions.connection]) -> int:
