@@ -14,9 +14,12 @@ import psycopg2.extensions
 import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
-from airflow_provider_lr.engine.session.settings import StreamSettings
+from airflow_provider_lr.engine.db import conninfo
+from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
 from airflow_provider_lr.engine.sink import stream_batch
+from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.tables import registry
 from tests.support.session import Streaming, apply, empty_provider, queue, replicator, wait_for
 from tests.support.tables import (
     CONSTRAINT_SCENARIOS,
@@ -639,3 +642,39 @@ def test_a_column_added_at_the_source_while_streaming_is_refused_until_the_sink_
         wait_for(lambda: logs(sink) == logs(other) == app.sent, 10, "later")
     app.close()
     assert logs(sink) == logs(other) == ["warm 1", "warm 2", "warm 3", "noted", "deleted", "later"]
+
+
+def test_sites_whose_search_path_puts_lookalike_built_ins_before_pg_catalog_still_open_snapshot_and_stream(lr_sites):
+    """A schema named before pg_catalog in a site's search_path, holding functions named like the
+    built-ins lr's statements call (a ``jsonb_array_elements`` that returns nothing at a sink, an
+    ``unnest`` that returns nothing at the source): before, the sink's position moved past every
+    streamed change it skipped, silently, and ``lr tables open`` at the source said "no primary key".
+    lr's own connections search pg_catalog first; the tables stay equal and nothing is refused."""
+    source, sink_b, sink_c = lr_sites
+    topo = apply(lr_sites)
+    trap = (
+        "CREATE SCHEMA trap; "
+        "CREATE FUNCTION trap.jsonb_array_elements(jsonb) RETURNS SETOF jsonb LANGUAGE sql "
+        "AS $$ SELECT NULL::jsonb WHERE false $$; "
+        "CREATE FUNCTION trap.unnest(anyarray) RETURNS SETOF anyelement LANGUAGE sql "
+        "AS $$ SELECT NULL WHERE false $$"
+    )
+    for site in (source, sink_b):
+        site.query(trap)
+        site.query(f'ALTER DATABASE "{site.dbname}" SET search_path = trap, pg_catalog, public')
+    create_accounts(source, rows=5)
+    lrs = conninfo.from_dsn(source.dsn).connect()  # as `lr tables open` connects
+    try:
+        registry.open_table(lrs, "public.accounts", "policy", True)
+    finally:
+        lrs.close()
+    infos = {s.site_id: conninfo.from_dsn(s.dsn) for s in lr_sites}  # as `lr sync` connects
+    repl = Replicator(topo, lambda site: infos[site].connect(), settings=SessionSettings(lease_seconds=2.0))
+    with Streaming(repl, FAST) as streaming:
+        streaming.streaming()
+        source.query("UPDATE public.accounts SET balance = 7 WHERE id < 3")
+        source.query("INSERT INTO public.accounts (id, owner) VALUES (50, 'new')")
+        streamed(streaming, source, [sink_b, sink_c], "public.accounts")
+        assert not [r.error for r in streaming.cycles if r.error] and not [
+            e for e in streaming.streamer.ends if e.error
+        ]

@@ -93,10 +93,30 @@ class ConnInfo:
             ) from exc
         conn.deadline_s = deadline_for(self.timeouts, purpose, self.params)
         conn.site = self.site_id or self.conn_id
+        if purpose is not Purpose.APPLICATION:
+            catalog_first(conn)
         if purpose is Purpose.SESSION:  # a heartbeat asks the same server while the connection is lifted
             conn.reopen = lambda: self.connect(Purpose.SESSION)
         orphans.reap(conn)  # backends of calls lr cut there, if any
         return conn
+
+
+# the site's search_path (``ALTER DATABASE/ROLE ... SET``, the DSN's options) stays, with pg_catalog put
+# explicitly first: unless a path names pg_catalog, PostgreSQL searches it first by itself
+_CATALOG_FIRST = (
+    "SELECT pg_catalog.set_config('search_path', 'pg_catalog' || CASE pg_catalog.current_setting('search_path') "
+    "WHEN '' THEN '' ELSE ', ' || pg_catalog.current_setting('search_path') END, false)"
+)
+
+
+def catalog_first(conn: psycopg2.extensions.connection) -> None:
+    """Built-ins in lr's statements resolve to PostgreSQL's own on ``conn``: a site whose search_path
+    names a schema before pg_catalog could otherwise have a function of that schema stand in for one
+    (a ``jsonb_array_elements`` that returns nothing skipped every change a sink applied, silently).
+    The application's connections keep their path: its statements run there."""
+    with conn.cursor() as cur:
+        cur.execute(_CATALOG_FIRST)
+    conn.commit()
 
 
 def connect_dsn(
