@@ -317,13 +317,13 @@ _LOCK = (
 # the head's columns: (seq, kind, entry_count, delivered, message length, message when it is at most
 # %(inline)s bytes, else NULL), of the queue's visible rows
 _HEAD = (
-    "seq, kind, entry_count, delivered, octet_length(message), "
-    "CASE WHEN octet_length(message) <= %(inline)s THEN message END FROM lr.receive_queue "
+    "seq, kind, entry_count, delivered, pg_catalog.octet_length(message), "
+    "CASE WHEN pg_catalog.octet_length(message) <= %(inline)s THEN message END FROM lr.receive_queue "
     "WHERE client_name = %(client)s AND source_site_id = %(source)s AND visible"
 )
 # the snapshot barrier: the lowest seq of an invisible row (a full sync still being transferred)
 _BARRIER = (
-    "(SELECT min(seq) FROM lr.receive_queue WHERE source_site_id = %(source)s AND client_name = %(client)s "
+    "(SELECT pg_catalog.min(seq) FROM lr.receive_queue WHERE source_site_id = %(source)s AND client_name = %(client)s "
     "AND NOT visible)"
 )
 
