@@ -9,7 +9,7 @@ from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import TableError
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.tables import registry
-from tests.support.session import apply, queue, replicator, run_crashing_replicator
+from tests.support.session import apply, apply_to, queue, replicator, run_crashing_replicator
 from tests.support.tables import (
     TableWriter,
     create_accounts,
@@ -244,6 +244,30 @@ def test_a_table_federated_again_gets_a_new_snapshot_with_the_changes_made_in_be
     federate(source)
     sync(repl)
     assert rows(sink) == rows(source)
+
+
+def test_a_sink_dropped_from_the_topology_then_added_back_takes_a_new_snapshot_of_the_changes_made_meanwhile(lr_sites):
+    """While a topology leaves site-c out, the source has no session to it, so the table's changes
+    are captured for site-b alone. Added back, site-c resumes from its own position: its copy must
+    be snapshotted again. Before, it kept the stale copy (those changes were never sent to it) and
+    went on from there, diverging silently, or for good once a later change collided with a row it
+    should no longer have had."""
+    source, sink_b, sink_c = lr_sites
+    both = apply(lr_sites)
+    create_accounts(source, rows=10)
+    federate(source)
+    repl = replicator(both, lr_sites)
+    sync(repl)
+    repl.close()
+    apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
+    source.query("DELETE FROM public.accounts WHERE id <= 3")
+    source.query("UPDATE public.accounts SET owner = 'meanwhile' WHERE id = 4")
+    apply_to(lr_sites, both)
+    source.query("INSERT INTO public.accounts (id, owner) VALUES (1, 'again')")
+    repl = replicator(both, lr_sites)
+    sync(repl)
+    repl.close()
+    assert rows(sink_c) == rows(sink_b) == rows(source)
 
 
 def test_a_child_federated_after_its_parent_is_snapshotted_with_it_so_no_reference_is_missing(lr_sites):
