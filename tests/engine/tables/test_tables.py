@@ -7,6 +7,7 @@ import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import TableError
+from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.tables import registry
 from tests.support.session import apply, apply_to, queue, replicator, run_crashing_replicator
@@ -16,6 +17,7 @@ from tests.support.tables import (
     cycle_errors,
     federate,
     rows,
+    site_status,
     status_text,
     sync,
     two_sources_into_one_sink,
@@ -268,6 +270,32 @@ def test_a_sink_dropped_from_the_topology_then_added_back_takes_a_new_snapshot_o
     sync(repl)
     repl.close()
     assert rows(sink_c) == rows(sink_b) == rows(source)
+
+
+def test_a_copy_a_full_sync_left_without_the_changes_made_before_its_tables_close_is_said_to_lack_them(lr_sites):
+    """A table closed while site-b had not received its last changes, then a full sync of site-b:
+    its base passes those changes and the table, closed, takes no snapshot, so site-b's copy is not
+    the table as it was at the close (site-c's is). lr status says so on site-b's line; before, it
+    called the table federated there, as if it were still replicated."""
+    source, sink_b, sink_c = lr_sites
+    topo = apply(lr_sites, providers={"policy": "tests.support.session:empty_provider"})
+    create_accounts(source, rows=5)
+    federate(source)
+    repl = replicator(topo, lr_sites)
+    sync(repl)
+    source.query("UPDATE public.accounts SET owner = 'before the close'")
+    at_close = rows(source)
+    conn = source.connect()
+    registry.close_table(conn, "public.accounts")
+    full_sync.request_full_sync(conn, "site-b", "policy", forced=True)
+    conn.close()
+    sync(repl)
+    repl.close()
+    assert rows(sink_c) == at_close != rows(sink_b)
+    said = status.render_sites({s.site_id: site_status(s) for s in lr_sites})
+    at_b = said[said.index("site-b:") : said.index("site-c:")]
+    assert "public.accounts" in at_b and "closed at site-a before this copy had every change" in at_b, said
+    assert "closed at site-a: this copy is kept" in said[said.index("site-c:") :], said
 
 
 def test_a_child_federated_after_its_parent_is_snapshotted_with_it_so_no_reference_is_missing(lr_sites):
