@@ -296,6 +296,8 @@ def test_a_copy_a_full_sync_left_without_the_changes_made_before_its_tables_clos
     at_b = said[said.index("site-b:") : said.index("site-c:")]
     assert "public.accounts" in at_b and "closed at site-a before this copy had every change" in at_b, said
     assert "closed at site-a: this copy is kept" in said[said.index("site-c:") :], said
+    found = status.sites_as_dict({s.site_id: site_status(s) for s in lr_sites})["sites"]["site-b"]["tables"]
+    assert [t["closed"] for t in found if t["table"] == "public.accounts"] == [True], found
 
 
 def test_a_child_federated_after_its_parent_is_snapshotted_with_it_so_no_reference_is_missing(lr_sites):
