@@ -19,7 +19,10 @@ def cmd_failover(args: argparse.Namespace) -> int:
     the old source (or a site the failover could not reach) takes the new topology."""
     topo = load_topology(args)
     if args.rejoin:  # the site rejoining runs an older topology by design: the file must be the others'
-        stale = topologies.unheld(topo, topology.recorded_ids(topo, connector(topo), set(topo.sites) - {args.rejoin}))
+        stale = topology.explained(
+            topologies.unheld(topo, topology.recorded_ids(topo, connector(topo), set(topo.sites) - {args.rejoin})),
+            connector(topo),
+        )
         if stale is not None:
             raise TopologyMismatchError(stale.message())
         back = failover.rejoin(args.rejoin, connector(topo), topo)

@@ -102,7 +102,7 @@ def _check_sync(topo: topologies.Topology) -> None:
     are refused cycle by cycle (each one's error names the file), while the others replicate."""
     sites = {site for key in topo.sessions() for site in (key.source, key.sink)}
     recorded = topology.recorded_ids(topo, connector(topo), sites)
-    stale = topologies.unheld(topo, recorded)
+    stale = topology.explained(topologies.unheld(topo, recorded), connector(topo))
     if stale is not None:
         raise TopologyMismatchError(stale.message())
     behind = topologies.drift(topo, recorded)

@@ -60,6 +60,16 @@ def test_a_planned_switchover_drains_the_old_source_then_refuses_its_writers(lr_
     ):
         app.put("stale", 1, ["site-b", "site-c"])  # its client object loaded its routes before the switch
     app.conn.rollback()
+    # the old file, now that every site runs the new one: said to predate the failover, pointing at
+    # the file it wrote; before, status said to rejoin site-a with it and the commands to apply it,
+    # which both refuse
+    capsys.readouterr()
+    assert cli.main(["status", "--topology", topo]) == 1
+    said = capsys.readouterr().out
+    assert "predates the failover of site-a to site-b" in said and "--rejoin" not in said, said
+    assert cli.main(["sync", "--topology", topo, "--once"]) == 1
+    said = capsys.readouterr().err
+    assert "predates the failover of site-a to site-b" in said and "lr topology apply" not in said, said
 
     App(site_b).put("b0", 0, ["site-c", "site-a"])
     assert cli.main(["sync", "--topology", str(new), *SYNC]) == 0

@@ -42,10 +42,10 @@ def test_after_a_failover_the_old_file_is_named_by_every_command(lr_sites, tmp_p
     capsys.readouterr()
     old_id, new_id = _ids(old, new)
 
-    def named(sites: str = "site-a, site-b, site-c") -> str:
+    def named(sites: str = "site-a, site-b, site-c") -> str:  # not "apply it" (refused) nor "rejoin with it"
         return (
-            f"topology file {old} has id {old_id}; sites hold {new_id} ({sites}): apply the current file with "
-            f"`lr topology apply --topology {old}` or point --topology"
+            f"topology file {old} has id {old_id}; sites hold {new_id} ({sites}): it predates the failover of "
+            "site-a to site-b: point --topology"
         )
 
     assert cli.main(["sync", "--topology", old, "--until-idle", "--give-up-after", "1"]) == 1
@@ -54,7 +54,7 @@ def test_after_a_failover_the_old_file_is_named_by_every_command(lr_sites, tmp_p
     assert cli.main(["sync", "--topology", old, "--once"]) == 1  # never silent, never 0
     assert named() in capsys.readouterr().err
     assert cli.main(["full-sync", "--topology", old, "--sink", "site-c"]) == 1  # the sites it would touch
-    assert named("site-a, site-c") in capsys.readouterr().err
+    assert named() in capsys.readouterr().err  # site-b read too: where the clients went
     assert cli.main(["failover", "--topology", old, "--promote", "site-c", "--from", "site-a"]) == 1
     assert named() in capsys.readouterr().err
     assert cli.main(["failover", "--topology", old, "--rejoin", "site-a"]) == 1  # the others' file is wanted

@@ -35,6 +35,7 @@ from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest
 from airflow_provider_lr.engine.source.log_reader import BaseSplit
+from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store.topology import Topology, config_id, drift, recorded_id, reread
 from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES, RequestStatus, SessionKey, SessionState
 
@@ -149,6 +150,8 @@ def handshake(
         meta = writes.fence(sink, key.source, key.client, lease.epoch)
     fault_point("after_fence")
     negotiation = negotiate_session(source, key, lease, owner, meta)
+    if negotiation.decision is Decision.LOG_ENTRY_SYNC:
+        resnapshot_tables_if_forgotten(source, sink, key, lease, meta)
     position = Position.of(meta, lease.epoch)
     if negotiation.decision is Decision.REFUSE:
         leases.update_session(
@@ -183,6 +186,32 @@ def negotiate_session(
             meta.data_consistent,
         ),
     )
+
+
+def resnapshot_tables_if_forgotten(
+    source: psycopg2.extensions.connection,
+    sink: psycopg2.extensions.connection,
+    key: SessionKey,
+    lease: leases.Lease,
+    meta: writes.SinkMetadata,
+) -> None:
+    """A session the source never recorded a position for, whose sink resumes from its own: the
+    source lost it and has it again (a topology dropped it, a later one added it back). While it
+    had no such session, its federated tables' changes were captured for the other sinks only, so
+    the sink's tables take new snapshots (their rows from this source replaced) before its
+    log-entry sync carries them on. The source then records the sink's position: this runs once."""
+    with source.cursor() as cur:
+        acked = source_sessions.acked_positions(cur, key.client).get(key.sink, -1)
+    source.commit()
+    if acked >= 0:
+        return
+    log.info(
+        "session %s: new on the source, its sink at position %s: its tables take new snapshots",
+        key,
+        meta.last_log_entry_processed,
+    )
+    writes.forget_tables(sink, key.source, key.client, lease.epoch)
+    leases.update_session(source, lease, acked_position=meta.last_log_entry_processed)
 
 
 def reconcile(

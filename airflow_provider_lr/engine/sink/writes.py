@@ -189,6 +189,14 @@ def fence(conn: psycopg2.extensions.connection, source: str, client: str, epoch:
         return replace(meta, lease_epoch=epoch, site_topology_config_id=config_id(cur))
 
 
+def forget_tables(conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> None:
+    """The session's federated tables take new snapshots at its next log-entry sync, as after a
+    full sync (``forget_session``), in a fenced transaction (``handshake`` calls it for a session
+    its source lost and has again)."""
+    with SinkTransaction(conn, source, client, epoch) as (cur, _meta):
+        forget_session(cur, source, client)
+
+
 def discard_staged(cur: psycopg2.extensions.cursor, source: str, client: str) -> None:
     """Drop everything Spark jobs staged for the session on this sink and never moved into its
     receive queue (``lr.spark_staging``: fan-out packs and snapshot data, and their range records).

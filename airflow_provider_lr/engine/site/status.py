@@ -291,14 +291,8 @@ def render(
         if s.get("last_error"):
             lines.append(f"         last error: {one_line(s['last_error'])}")
         if s.get("failed_over_to"):
-            lines.append(
-                f"         its clients failed over to {s['failed_over_to']}: this session is closed"
-                + (
-                    f"; reconciled: {one_line(s['failover_note'])}"
-                    if s.get("failover_note")
-                    else "; not reconciled yet"
-                )
-            )
+            note = f"reconciled: {one_line(s['failover_note'])}" if s.get("failover_note") else "not reconciled yet"
+            lines.append(f"         its clients failed over to {s['failed_over_to']}: this session is closed; {note}")
     for r in status.full_sync_requests:
         lines.append(
             f"  full sync {r['status']:<9} {SessionKey(status.site_id, r['sink'], r['client'])} request {r['request_id']}"
@@ -318,6 +312,8 @@ def render(
                 continue  # a table this sink takes: its session's line below says it all
             if (status.site_id, t["table"]) in closed:
                 flag = "closed (captured no more; its sinks keep their copy, no longer updated)"
+            elif t["federated"] and (t["source"], t["table"]) in closed:  # no synced row: a full sync passed it
+                flag = f"closed at {t['source']} before this copy had every change made before the close: kept as it is"
             else:
                 flag = "federated" if t["federated"] else "not federated (its data from sources is dropped here)"
             origin = f", registered by {t['source']}" if t["source"] else ""
@@ -455,7 +451,7 @@ def sites_as_dict(
         for s in data["sessions"]:
             s["readiness"] = readiness(s, marks.get(s["source_site_id"]))
         for t in data["tables"]:  # closed at its source (the registry row there, or a sink's copy)
-            t["closed"] = (t["source"] if t["role"] == "sink" else site, t["table"]) in closed
+            t["closed"] = (t["source"] if t["role"] == "sink" else t["source"] or site, t["table"]) in closed
         sites[site] = {"reachable": True, **data}
     code, reasons = health(found, max_lag_seconds, topology)
     stale = topology_drift(found, topology)

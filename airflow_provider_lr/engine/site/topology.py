@@ -8,6 +8,7 @@ The model itself (``Topology``, its document, ``load``) and every read of ``lr.t
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from dataclasses import replace
 
 import psycopg2.errors
 import psycopg2.extensions
@@ -17,7 +18,7 @@ from airflow_provider_lr.engine.errors import ConfigurationError, LRError, Topol
 from airflow_provider_lr.engine.source.moved import refuse_moved_writers
 from airflow_provider_lr.engine.store import receive_queue, sink_sessions, source_sessions
 from airflow_provider_lr.engine.store import topology as topologies
-from airflow_provider_lr.engine.store.topology import Topology, drift, recorded_id
+from airflow_provider_lr.engine.store.topology import Topology, TopologyDrift, drift, recorded_id
 from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES_SQL, RequestStatus, SessionKey, receive_queue_name
 
 
@@ -67,6 +68,42 @@ def recorded_ids(
     return found
 
 
+def failed_over_sources(topology: Topology, connect: Callable[[str], psycopg2.extensions.connection]) -> dict[str, str]:
+    """Old source -> the site its clients went to, as the reachable sinks of ``topology`` say: what
+    a drift's message needs to name a failover (read only once a drift was found)."""
+    found: dict[str, str] = {}
+    for site_id in sorted(topology.sites):
+        try:
+            conn = connect(site_id)
+        except (psycopg2.Error, LRError):
+            continue
+        try:
+            with conn.cursor() as cur:
+                found.update({source: to for (source, _), (to, _) in sink_sessions.failed_over(cur).items()})
+            conn.commit()
+        except psycopg2.Error:
+            pass  # an lr schema without failovers, a site that refuses: nothing to name
+        finally:
+            conn.close()
+    return found
+
+
+def explained(
+    found: TopologyDrift | None, connect: Callable[[str], psycopg2.extensions.connection]
+) -> TopologyDrift | None:
+    """``found`` with the failovers the sites record, so its message tells a file older than a
+    failover from one not applied yet (the advice differs: use the failover's file, not apply it)."""
+    if found is None:
+        return None
+    moved = failed_over_sources(found.topology, connect)
+    # where the clients went, when the command did not read it: whether it runs this file tells a
+    # file older than the failover from a site left behind by it
+    unread = {to for to in moved.values() if to not in found.held and to in found.topology.sites}
+    mine = found.topology.topology_config_id
+    held = {site: held for site, held in recorded_ids(found.topology, connect, unread).items() if held != mine}
+    return replace(found, held={**found.held, **held}, failed_over=moved)
+
+
 def check_sites(
     topology: Topology,
     connect: Callable[[str], psycopg2.extensions.connection],
@@ -75,7 +112,7 @@ def check_sites(
 ) -> None:
     """Refuse (``TopologyMismatchError``, naming the file and the sites) when a reachable site of
     ``sites`` runs another topology than ``topology``."""
-    found = drift(topology, recorded_ids(topology, connect, sites), also)
+    found = explained(drift(topology, recorded_ids(topology, connect, sites), also), connect)
     if found is not None:
         raise TopologyMismatchError(found.message())
 

@@ -307,17 +307,29 @@ class TopologyDrift:
         holds = ", ".join(f"{held or '(none applied)'} ({', '.join(sites)})" for held, sites in by_id.items())
         name = self.topology.path or "in use"
         written = [str(p) for p in (lr_home() / f"topology-{held}.yaml" for held in by_id if held) if p.is_file()]
+        mine = self.topology.topology_config_id
+        # the file still replicates from a failed-over site to the site its clients went to: it is
+        # older than that failover (applying it is refused; the new source does not run it)
+        predates = sorted(
+            (site, to) for site, to in self.failed_over.items() if to in self.held and self.topology.sessions(site, to)
+        )
+        advice = (
+            f"it predates the failover of {', '.join(f'{site} to {to}' for site, to in predates)}: point --topology "
+            f"(Airflow: the Variable lr_topology or ${TOPOLOGY_ENV}) at the topology `lr failover` wrote"
+            if predates
+            else f"apply the current file with `lr topology apply --topology {name}` or point --topology (Airflow: "
+            f"the Variable lr_topology or ${TOPOLOGY_ENV}) at the file in use"
+        )
         return (
-            f"topology file {name} has id {self.topology.topology_config_id}; sites hold {holds}: apply the "
-            f"current file with `lr topology apply --topology {name}` or point --topology (Airflow: the "
-            f"Variable lr_topology or ${TOPOLOGY_ENV}) at the file in use"
+            f"topology file {name} has id {mine}; sites hold {holds}: {advice}"
             + (f" (`lr failover` wrote {', '.join(written)})" if written else "")
             + "".join(
                 f"; site {site} was failed over (its clients now come from {to}): rejoin it with `lr failover "
                 f"--topology {name} --rejoin {site}`, not a topology apply (the rejoin counts what it committed "
                 "after the cut, refuses its writers and hands its federated tables over)"
                 for site, to in sorted(self.failed_over.items())
-                if site in self.held
+                # behind the site its clients went to (a planned switchover already applied it there)
+                if site in self.held and self.held[site] != self.held.get(to, mine)
             )
         )
 

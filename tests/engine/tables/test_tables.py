@@ -7,15 +7,17 @@ import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import TableError
+from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.tables import registry
-from tests.support.session import apply, queue, replicator, run_crashing_replicator
+from tests.support.session import apply, apply_to, queue, replicator, run_crashing_replicator
 from tests.support.tables import (
     TableWriter,
     create_accounts,
     cycle_errors,
     federate,
     rows,
+    site_status,
     status_text,
     sync,
     two_sources_into_one_sink,
@@ -250,6 +252,58 @@ def test_a_table_federated_again_gets_a_new_snapshot_with_the_changes_made_in_be
     federate(source)
     sync(repl)
     assert rows(sink) == rows(source)
+
+
+def test_a_sink_dropped_from_the_topology_then_added_back_takes_a_new_snapshot_of_the_changes_made_meanwhile(lr_sites):
+    """While a topology leaves site-c out, the source has no session to it, so the table's changes
+    are captured for site-b alone. Added back, site-c resumes from its own position: its copy must
+    be snapshotted again. Before, it kept the stale copy (those changes were never sent to it) and
+    went on from there, diverging silently, or for good once a later change collided with a row it
+    should no longer have had."""
+    source, sink_b, sink_c = lr_sites
+    both = apply(lr_sites)
+    create_accounts(source, rows=10)
+    federate(source)
+    repl = replicator(both, lr_sites)
+    sync(repl)
+    repl.close()
+    apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
+    source.query("DELETE FROM public.accounts WHERE id <= 3")
+    source.query("UPDATE public.accounts SET owner = 'meanwhile' WHERE id = 4")
+    apply_to(lr_sites, both)
+    source.query("INSERT INTO public.accounts (id, owner) VALUES (1, 'again')")
+    repl = replicator(both, lr_sites)
+    sync(repl)
+    repl.close()
+    assert rows(sink_c) == rows(sink_b) == rows(source)
+
+
+def test_a_copy_a_full_sync_left_without_the_changes_made_before_its_tables_close_is_said_to_lack_them(lr_sites):
+    """A table closed while site-b had not received its last changes, then a full sync of site-b:
+    its base passes those changes and the table, closed, takes no snapshot, so site-b's copy is not
+    the table as it was at the close (site-c's is). lr status says so on site-b's line; before, it
+    called the table federated there, as if it were still replicated."""
+    source, sink_b, sink_c = lr_sites
+    topo = apply(lr_sites, providers={"policy": "tests.support.session:empty_provider"})
+    create_accounts(source, rows=5)
+    federate(source)
+    repl = replicator(topo, lr_sites)
+    sync(repl)
+    source.query("UPDATE public.accounts SET owner = 'before the close'")
+    at_close = rows(source)
+    conn = source.connect()
+    registry.close_table(conn, "public.accounts")
+    full_sync.request_full_sync(conn, "site-b", "policy", forced=True)
+    conn.close()
+    sync(repl)
+    repl.close()
+    assert rows(sink_c) == at_close != rows(sink_b)
+    said = status.render_sites({s.site_id: site_status(s) for s in lr_sites})
+    at_b = said[said.index("site-b:") : said.index("site-c:")]
+    assert "public.accounts" in at_b and "closed at site-a before this copy had every change" in at_b, said
+    assert "closed at site-a: this copy is kept" in said[said.index("site-c:") :], said
+    found = status.sites_as_dict({s.site_id: site_status(s) for s in lr_sites})["sites"]["site-b"]["tables"]
+    assert [t["closed"] for t in found if t["table"] == "public.accounts"] == [True], found
 
 
 def test_a_child_federated_after_its_parent_is_snapshotted_with_it_so_no_reference_is_missing(lr_sites):
