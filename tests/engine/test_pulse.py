@@ -63,4 +63,10 @@ def test_a_stalled_stream_with_lag_is_reported_every_period(clock):
     for _ in range(3):
         clock.now += 30
         pulse.tick(2, 2)
-    assert lines == ["streaming 2 of 2 sessions: 0 entries in 30s (0.0 entries/s, 0 in all), lag 7 entries / 42.0s (site-a->site-c/policy)"] * 3
+    assert (
+        lines
+        == [
+            "streaming 2 of 2 sessions: 0 entries in 30s (0.0 entries/s, 0 in all), lag 7 entries / 42.0s (site-a->site-c/policy)"
+        ]
+        * 3
+    )
