@@ -352,6 +352,34 @@ def test_topology_validate_and_apply_warn_of_a_provider_that_cannot_be_imported(
     assert "warning" not in capsys.readouterr().err
 
 
+def test_topology_validate_warns_of_a_site_whose_connection_cannot_be_resolved(tmp_path, monkeypatch, capsys):
+    """A mistyped `conn_id` (no AIRFLOW_CONN_*, not in the connections file) or a connection that
+    does not parse was called valid by `lr topology validate`: it came out only at `apply` or `lr
+    sync`. Validate now says which site, which connection and where it looked (still exit 0: the
+    Airflow workers may hold connections this shell lacks). No server needed: it is offline."""
+    monkeypatch.setenv("LR_HOME", str(tmp_path))  # no connections file
+    monkeypatch.setenv("AIRFLOW_CONN_LR_EAST", json.dumps({"conn_type": "lr_site", "host": "db.east", "login": "lr"}))
+    monkeypatch.setenv("AIRFLOW_CONN_LR_WEST", "{not json")
+    doc = {
+        "sites": [
+            {"id": "east", "conn_id": "lr_east"},
+            {"id": "west", "conn_id": "lr_west"},
+            {"id": "north", "conn_id": "lr_nroth"},
+        ],
+        "replication": [{"source": "east", "sinks": ["west", "north"], "clients": ["policy"]}],
+        "providers": {"policy": "tests.support.session:table_provider"},
+    }
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert cli.main(["topology", "validate", "--topology", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "valid; topology" in out
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("lr: warning: site 'north': unknown site or connection 'lr_nroth'")
+    assert "set AIRFLOW_CONN_LR_NROTH, or add it to" in lines[0] and "cannot reach it" in lines[0]
+    assert lines[1].startswith("lr: warning: site 'west': AIRFLOW_CONN_LR_WEST"), lines
+
+
 def test_lr_sync_and_trim_refuse_a_topology_that_replicates_nothing(tmp_path, capsys):
     path = tmp_path / "sites-only.yaml"
     path.write_text(yaml.safe_dump({"sites": [{"id": "site-a"}, {"id": "site-b"}]}))
