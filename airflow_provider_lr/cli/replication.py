@@ -71,6 +71,8 @@ def cmd_topology_validate(args: argparse.Namespace) -> int:
     for key in sessions:
         print(f"  {key}")
     _warn_providers(topo)
+    for warning in topology.connection_warnings(topo):
+        print(f"lr: warning: {warning}", file=sys.stderr)
     return 0
 
 
@@ -369,9 +371,12 @@ def add_topology(sub: argparse._SubParsersAction) -> None:
         help="also remove sink sessions the topology no longer has (kept while entries wait in their queue)",
     )
     ap.set_defaults(func=cmd_topology_apply)
-    with_topology(topo.add_parser("validate", help="check the topology file against its schema")).set_defaults(
-        func=cmd_topology_validate
+    validate = topo.add_parser(
+        "validate",
+        help="check the topology file against its schema, offline; warn of a client without a usable "
+        "full-sync provider and of a site whose connection cannot be resolved here",
     )
+    with_topology(validate).set_defaults(func=cmd_topology_validate)
 
 
 def add_sync(sub: argparse._SubParsersAction) -> None:
