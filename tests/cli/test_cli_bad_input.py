@@ -177,3 +177,31 @@ def test_commands_run_before_lr_init_say_to_run_it_once_not_a_missing_relation_e
     fanout = [r.getMessage() for r in caplog.records if "fan-out" in r.getMessage()]
     assert len(fanout) <= 1 and not any("LINE" in m for m in fanout), fanout
     assert "has no lr schema; run `lr init` on it first" in capsys.readouterr().out
+
+
+def test_options_that_do_not_go_together_are_usage_errors_exit_2_before_any_site_is_touched(
+    tmp_path, monkeypatch, capsys
+):
+    """`lr roles grant --create` without a password option, `--password-env` with `--no-password` or
+    naming an unset variable, `lr tables open --no-federated` without `--site`, `lr init` of a DSN
+    without `--site-id`: each exited 1, like a site's refusal, where argparse's own usage errors exit
+    2. Now 2, with the one line that says what to give; no site is reached (none is running here)."""
+    monkeypatch.setenv("LR_HOME", str(tmp_path))
+    monkeypatch.delenv("LR_TEST_UNSET", raising=False)
+    dsn = "host=127.0.0.1 port=1 user=postgres dbname=postgres"
+    grant = ["roles", "grant", "writer", "--client", "policy", "--role", "app", "--site", dsn, "--create"]
+    cases = {
+        "give its password with --password-env VAR": grant,
+        "--password-env and --no-password: give one of them": [*grant, "--password-env", "HOME", "--no-password"],
+        "--password-env LR_TEST_UNSET: that environment variable is not set": [
+            *grant,
+            "--password-env",
+            "LR_TEST_UNSET",
+        ],
+        "--no-federated: name the --site(s)": ["tables", "open", "public.t", "--client", "policy", "--no-federated"],
+        "give --site-id (the connection has no site_id extra)": ["init", "--site", dsn],
+    }
+    for said, argv in cases.items():
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("lr: ") and said in err and len(err.strip().splitlines()) == 1, err

@@ -738,7 +738,7 @@ def test_lr_roles_grant_create_needs_a_password_or_says_it_has_none(lr_sites, ma
     role = made.name("writer")
     assert (
         cli.main(["roles", "grant", "writer", "--client", "policy", "--role", role, "--site", site.dsn, "--create"])
-        == 1
+        == 2  # a usage error
     )
     assert "give its password with --password-env VAR" in capsys.readouterr().err
     assert site.query("SELECT count(*) FROM pg_roles WHERE rolname = %s", (role,)) == [(0,)]
@@ -761,7 +761,7 @@ def test_lr_roles_grant_create_needs_a_password_or_says_it_has_none(lr_sites, ma
                 "--no-password",
             ]
         )
-        == 1
+        == 2
     )
     assert (
         cli.main(
