@@ -21,6 +21,11 @@ if TYPE_CHECKING:
     from airflow_provider_lr.embedded.sites import SiteManager
 
 
+class UsageError(LRError):
+    """Options that do not go together, or one missing that the others need: exit 2, as argparse's
+    own usage errors (they exited 1, like a site's refusal, so a script could not tell them apart)."""
+
+
 @contextmanager
 def embedded_tooling(args: argparse.Namespace, hint: str = "") -> Iterator[None]:
     """Import the embedded tooling (``lr sites``, ``lr demo``) only in the commands that use it: it
