@@ -299,6 +299,8 @@ class TopologyDrift:
     held: dict[str, str | None]
     # a site whose clients a failover moved (as its sinks say) -> where they went: it rejoins instead
     failed_over: dict[str, str] = field(default_factory=dict)
+    # no site runs the file: it is stale (say so), not ahead of a site that must rejoin
+    stale: bool = False
 
     def message(self) -> str:
         by_id: dict[str | None, list[str]] = {}
@@ -312,14 +314,26 @@ class TopologyDrift:
             f"current file with `lr topology apply --topology {name}` or point --topology (Airflow: the "
             f"Variable lr_topology or ${TOPOLOGY_ENV}) at the file in use"
             + (f" (`lr failover` wrote {', '.join(written)})" if written else "")
-            + "".join(
-                f"; site {site} was failed over (its clients now come from {to}): rejoin it with `lr failover "
-                f"--topology {name} --rejoin {site}`, not a topology apply (the rejoin counts what it committed "
-                "after the cut, refuses its writers and hands its federated tables over)"
-                for site, to in sorted(self.failed_over.items())
-                if site in self.held
-            )
+            + (self._moved() if self.stale else self._rejoins(name))
         )
+
+    def _rejoins(self, name: str) -> str:
+        """The file is current where others run it: an old source behind it rejoins with it."""
+        return "".join(
+            f"; site {site} was failed over (its clients now come from {to}): rejoin it with `lr failover "
+            f"--topology {name} --rejoin {site}`, not a topology apply (the rejoin counts what it committed "
+            "after the cut, refuses its writers and hands its federated tables over)"
+            for site, to in sorted(self.failed_over.items())
+            if site in self.held
+        )
+
+    def _moved(self) -> str:
+        """The file is one no site runs: after a failover it is the old topology, never to be
+        rejoined with (``--rejoin`` refuses it) nor applied (refused too): the failover's is in use."""
+        if not self.failed_over:
+            return ""
+        moved = ", ".join(f"{site} to {to}" for site, to in sorted(self.failed_over.items()))
+        return f"; a failover moved the clients of {moved} since this file: use the topology `lr failover` wrote"
 
 
 def drift(
@@ -333,7 +347,8 @@ def drift(
     sources of failovers (-> the new source) as their sinks say, to name the rejoin of one behind."""
     accepted = {topology.topology_config_id, *also}
     held = {site: found for site, found in recorded.items() if found not in accepted}
-    return TopologyDrift(topology, held, dict(failed_over or {})) if held else None
+    stale = len(held) == len(recorded)
+    return TopologyDrift(topology, held, dict(failed_over or {}), stale) if held else None
 
 
 def unheld(topology: Topology, recorded: Mapping[str, str | None]) -> TopologyDrift | None:
