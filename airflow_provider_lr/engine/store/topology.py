@@ -309,12 +309,13 @@ class TopologyDrift:
         holds = ", ".join(f"{held or '(none applied)'} ({', '.join(sites)})" for held, sites in by_id.items())
         name = self.topology.path or "in use"
         written = [str(p) for p in (lr_home() / f"topology-{held}.yaml" for held in by_id if held) if p.is_file()]
+        moved = self.stale and self.failed_over  # the file of before a failover: never to apply again
         return (
-            f"topology file {name} has id {self.topology.topology_config_id}; sites hold {holds}: apply the "
-            f"current file with `lr topology apply --topology {name}` or point --topology (Airflow: the "
-            f"Variable lr_topology or ${TOPOLOGY_ENV}) at the file in use"
+            f"topology file {name} has id {self.topology.topology_config_id}; sites hold {holds}: "
+            + ("" if moved else f"apply the current file with `lr topology apply --topology {name}` or ")
+            + f"point --topology (Airflow: the Variable lr_topology or ${TOPOLOGY_ENV}) at the file in use"
             + (f" (`lr failover` wrote {', '.join(written)})" if written else "")
-            + (self._moved() if self.stale else self._rejoins(name))
+            + (self._moved() if moved else self._rejoins(name))
         )
 
     def _rejoins(self, name: str) -> str:
@@ -330,8 +331,6 @@ class TopologyDrift:
     def _moved(self) -> str:
         """The file is one no site runs: after a failover it is the old topology, never to be
         rejoined with (``--rejoin`` refuses it) nor applied (refused too): the failover's is in use."""
-        if not self.failed_over:
-            return ""
         moved = ", ".join(f"{site} to {to}" for site, to in sorted(self.failed_over.items()))
         return f"; a failover moved the clients of {moved} since this file: use the topology `lr failover` wrote"
 
