@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from airflow_provider_lr import cli
 from tests.cli.test_cli_sync import topology_file
 
@@ -200,8 +202,19 @@ def test_options_that_do_not_go_together_are_usage_errors_exit_2_before_any_site
         ],
         "--no-federated: name the --site(s)": ["tables", "open", "public.t", "--client", "policy", "--no-federated"],
         "give --site-id (the connection has no site_id extra)": ["init", "--site", dsn],
+        # were said by the first site reached, exit 1 (checks that need no site)
+        "a writer is the writer of a client: give --client NAME": ["roles", "grant", "writer", "--role", "a"],
+        "a replicator serves every client of the site: give no --client": [
+            *("roles", "revoke", "replicator", "--role", "a", "--client", "policy"),
+        ],
     }
     for said, argv in cases.items():
         assert cli.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("lr: ") and said in err and len(err.strip().splitlines()) == 1, err
+    # a malformed HOST:PORT is refused by the parser (it was exit 1, after reading the topology)
+    for argv in (["metrics", "--listen", "127.0.0.1:99999"], ["sync", "--metrics-listen", "nonsense"]):
+        with pytest.raises(SystemExit) as refused:
+            cli.main(argv)
+        assert refused.value.code == 2, argv
+        assert "is not HOST:PORT with a port from 0 to 65535" in capsys.readouterr().err
