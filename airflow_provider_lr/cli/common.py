@@ -125,6 +125,15 @@ def nonnegative_seconds(text: str) -> float:
     return seconds
 
 
+def listen_address(text: str) -> str:
+    """``HOST:PORT`` (host optional: 127.0.0.1) with a port from 0 to 65535: a malformed one is a
+    usage error (exit 2) before anything starts; one that cannot be bound is said when binding."""
+    port = text.rpartition(":")[2]
+    if not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT with a port from 0 to 65535")
+    return text
+
+
 def with_topology(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """A command that reads the topology file takes ``--topology``."""
     p.add_argument("--topology", help="topology YAML (default $LR_TOPOLOGY or include/topology.yaml)")

@@ -18,6 +18,7 @@ from airflow_provider_lr.cli.common import (
     at_site,
     check_topology,
     connector,
+    listen_address,
     load_topology,
     nonnegative_seconds,
     positive_int,
@@ -422,6 +423,7 @@ def add_sync(sub: argparse._SubParsersAction) -> None:
     )
     sync.add_argument(
         "--metrics-listen",
+        type=listen_address,
         metavar="HOST:PORT",
         help="serve this replicator's counters (entries and bytes delivered, full syncs, errors, "
         "hand-backs, a lag histogram) for Prometheus on /metrics",

@@ -7,6 +7,7 @@ import os
 
 from airflow_provider_lr.cli.common import UsageError, at_site, read_each, target_sites
 from airflow_provider_lr.engine.db import conninfo
+from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.engine.site import roles as site_roles
 
 
@@ -17,6 +18,10 @@ def _site_name(info: conninfo.ConnInfo) -> str:
 def cmd_roles_change(args: argparse.Namespace) -> int:
     """lr roles grant|revoke: the same plan on every site (``--print``: show it, change nothing)."""
     password = None
+    try:  # the kind, role and clients alone: a usage error before any site is reached
+        site_roles.check_request(args.kind, args.role, args.client or ())
+    except LRError as exc:
+        raise UsageError(one_line(exc)) from None
     if getattr(args, "create", False) and not (args.password_env or args.no_password):
         raise UsageError(
             "--create makes a LOGIN role: give its password with --password-env VAR (the variable "
