@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg2
+import pytest
 import yaml
 
 from airflow_provider_lr import cli
@@ -85,10 +86,13 @@ def test_lr_commands_name_what_is_wrong(lr_sites, tmp_path, monkeypatch, capsys)
     assert "site-c: UNREACHABLE" in capsys.readouterr().out
 
 
-def test_demo_replicates_on_its_own_embedded_sites(tmp_path, capsys):
+def test_demo_replicates_on_its_own_embedded_sites(tmp_path, capsys, monkeypatch):
     from airflow_provider_lr.embedded import demo
     from airflow_provider_lr.embedded.sites import SiteManager
+    from airflow_provider_lr.engine.db import conninfo
+    from airflow_provider_lr.engine.errors import LRError
 
+    monkeypatch.setenv("LR_HOME", str(tmp_path / "demo-home"))  # `lr failover` finds the demo's sites
     manager = SiteManager(tmp_path / "demo-home")
     try:
         assert demo.run(manager, sink_count=2) == 0
@@ -103,6 +107,25 @@ def test_demo_replicates_on_its_own_embedded_sites(tmp_path, capsys):
         ):
             assert int(n) == 2 + int(rows) + int(entries), out
         assert out.count("queue entries (a full sync: its start") == 2, out
+
+        # a user tries README §3 on the demo's sites: a payload of the same client, not the demo's
+        # form, reached its sink application (a ValueError traceback in the demo's output)
+        site_a = conninfo.resolve("lr_site_a").connect()
+        RoutingQueueClient(site_a, "policy").transmit_log_entry_message(b"hello", ["site-b"])
+        site_a.commit()
+        site_a.close()
+        assert demo.run(manager, sink_count=2) == 0  # re-run: continues on the same sites
+        out = capsys.readouterr().out
+        assert "1 payload(s) not of the demo's form key=value skipped" in out and "Traceback" not in out, out
+
+        # then a switchover moved the client to site-b: the demo wrote its topology over the sites'
+        # unchecked, printed the same fencing error 40 times and exited 0
+        topo = str(manager.home / "demo-topology.yaml")
+        assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--reason", "trying it"]) == 0
+        capsys.readouterr()
+        with pytest.raises(LRError, match=r"the demo cannot continue on these sites: .*failed over.*; start afresh "):
+            demo.run(manager, sink_count=2)
+        assert "ERROR" not in capsys.readouterr().out
     finally:
         manager.down(mode="immediate", remove=True)
 
