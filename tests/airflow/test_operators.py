@@ -394,6 +394,9 @@ def test_a_full_sync_step_waits_for_its_request_while_another_replicator_holds_t
         "another replicator holds this session's lease (lr-sync-elsewhere)"
         in _step(LRSnapshotSyncOperator, session)["skipped"]
     )  # lr_replication's mode: nothing to do now
+    pushed = _step(LRLogEntrySyncOperator, session)
+    assert "another replicator holds" in pushed["skipped"]
+    assert pushed.get("acked_position", 0) >= 0, pushed  # it logged 'acked_position': -1, never learned
     op = LRSnapshotSyncOperator(task_id="snapshot", session=session, wait_for_data=True)
     with pytest.raises(TaskDeferred) as deferred:
         op.execute({})
