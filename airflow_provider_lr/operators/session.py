@@ -55,8 +55,14 @@ SESSION_LABEL = "{{ task.session['session'] }}"
 
 
 def report_dict(report: CycleReport) -> dict[str, Any]:
-    """The report as a small XCom: empty text, empty lists and false flags left out (counts stay)."""
-    return {k: v for k, v in dataclasses.asdict(report).items() if v != "" and v != [] and v is not False}
+    """The report as a small XCom: empty text, empty lists and false flags left out (counts stay),
+    and an acknowledged position the step never learned (skipped before negotiating: another
+    replicator holds the lease), which the task log showed as ``'acked_position': -1``."""
+    return {
+        k: v
+        for k, v in dataclasses.asdict(report).items()
+        if v != "" and v != [] and v is not False and not (k == "acked_position" and v < 0)
+    }
 
 
 class LRDiscoverSessionsOperator(BaseOperator):
