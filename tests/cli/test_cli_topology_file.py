@@ -63,7 +63,11 @@ def test_after_a_failover_the_old_file_is_named_by_every_command(lr_sites, tmp_p
     assert named() in capsys.readouterr().err
     assert cli.main(["status", "--topology", old]) == 1
     out = capsys.readouterr().out
-    assert out.startswith(f"WARNING: {named()}") and "health: degraded" in out
+    # status reads which sources were failed over: no apply advice (it is refused), no rejoin with the old file
+    assert out.startswith(
+        f"WARNING: topology file {old} has id {old_id}; sites hold {new_id} (site-a, site-b, site-c): point --topology"
+    )
+    assert "a failover moved the clients of site-a to site-b since this file" in out and "health: degraded" in out
 
     assert cli.main(["metrics", "--topology", old]) == 0
     assert 'lr_site_topology_matches_file{site="site-c"} 0' in capsys.readouterr().out
