@@ -19,6 +19,7 @@ from airflow.sdk import Param, dag, get_current_context, task
 
 from airflow_provider_lr.operators import LRDiscoverSessionsOperator, LRLogEntrySyncOperator
 from airflow_provider_lr.operators.common import parse_time_topology
+from airflow_provider_lr.operators.session import SESSION_LABEL
 from airflow_provider_lr.sensors import LRDeliveredSensor
 
 SOURCE = os.environ.get("LR_EXAMPLE_SOURCE", "site-a")
@@ -79,7 +80,10 @@ def example_lr_user_pipeline() -> None:
 
     recorded = record_orders()
     sessions = LRDiscoverSessionsOperator(task_id="sessions", source=SOURCE, client=CLIENT)
-    push = LRLogEntrySyncOperator.partial(task_id="push_now").expand(session=sessions.output)
+    # listed by session in the grid (site-a->site-b/policy), not by number
+    push = LRLogEntrySyncOperator.partial(task_id="push_now", map_index_template=SESSION_LABEL).expand(
+        session=sessions.output
+    )
     delivered = LRDeliveredSensor(
         task_id="delivered",
         source=SOURCE,

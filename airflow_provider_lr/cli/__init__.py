@@ -15,7 +15,7 @@ from typing import NoReturn
 import psycopg2
 
 from airflow_provider_lr.cli import failover, replication, roles, sites, status, tables
-from airflow_provider_lr.cli.common import database_error
+from airflow_provider_lr.cli.common import UsageError, database_error
 from airflow_provider_lr.engine.errors import LRError, mask_secrets, one_line
 from airflow_provider_lr.paths import lr_home
 
@@ -66,6 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
+    except UsageError as exc:
+        print(f"lr: {one_line(exc)}", file=sys.stderr)
+        return 2
     except LRError as exc:
         print(f"lr: {one_line(exc)}", file=sys.stderr)
         return 1

@@ -21,6 +21,11 @@ if TYPE_CHECKING:
     from airflow_provider_lr.embedded.sites import SiteManager
 
 
+class UsageError(LRError):
+    """Options that do not go together, or one missing that the others need: exit 2, as argparse's
+    own usage errors (they exited 1, like a site's refusal, so a script could not tell them apart)."""
+
+
 @contextmanager
 def embedded_tooling(args: argparse.Namespace, hint: str = "") -> Iterator[None]:
     """Import the embedded tooling (``lr sites``, ``lr demo``) only in the commands that use it: it
@@ -118,6 +123,15 @@ def nonnegative_seconds(text: str) -> float:
     if not math.isfinite(seconds) or seconds < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 or more)")
     return seconds
+
+
+def listen_address(text: str) -> str:
+    """``HOST:PORT`` (host optional: 127.0.0.1) with a port from 0 to 65535: a malformed one is a
+    usage error (exit 2) before anything starts; one that cannot be bound is said when binding."""
+    port = text.rpartition(":")[2]
+    if not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT with a port from 0 to 65535")
+    return text
 
 
 def with_topology(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

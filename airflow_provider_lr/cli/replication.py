@@ -15,9 +15,11 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.cli.common import (
+    UsageError,
     at_site,
     check_topology,
     connector,
+    listen_address,
     load_topology,
     nonnegative_seconds,
     positive_int,
@@ -71,6 +73,8 @@ def cmd_topology_validate(args: argparse.Namespace) -> int:
     for key in sessions:
         print(f"  {key}")
     _warn_providers(topo)
+    for warning in topology.connection_warnings(topo):
+        print(f"lr: warning: {warning}", file=sys.stderr)
     return 0
 
 
@@ -137,7 +141,12 @@ def _stop_asked(stop: threading.Event) -> None:
     os.write(sys.stderr.fileno(), STOPPING.encode())  # not print: the handler may interrupt one
 
 
+GIVE_UP_AFTER = 60.0  # lr sync --until-idle: seconds without progress before it gives up
+
+
 def cmd_sync(args: argparse.Namespace) -> int:
+    if args.give_up_after is not None and not args.until_idle:  # it was ignored, silently
+        raise UsageError("--give-up-after applies to --until-idle only: no other run of lr sync gives up")
     topo = _replicated(args, "sync")
     _check_sync(topo)
     # an open-ended run shares the sessions with the other `lr sync` processes (membership); a
@@ -211,7 +220,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
                     until_idle=args.until_idle,
                     interval=args.interval,
                     on_cycle=show_counted,
-                    give_up_after=args.give_up_after,
+                    give_up_after=GIVE_UP_AFTER if args.give_up_after is None else args.give_up_after,
                     stop=stop,
                 )
     except KeyboardInterrupt:
@@ -369,9 +378,12 @@ def add_topology(sub: argparse._SubParsersAction) -> None:
         help="also remove sink sessions the topology no longer has (kept while entries wait in their queue)",
     )
     ap.set_defaults(func=cmd_topology_apply)
-    with_topology(topo.add_parser("validate", help="check the topology file against its schema")).set_defaults(
-        func=cmd_topology_validate
+    validate = topo.add_parser(
+        "validate",
+        help="check the topology file against its schema, offline; warn of a client without a usable "
+        "full-sync provider and of a site whose connection cannot be resolved here",
     )
+    with_topology(validate).set_defaults(func=cmd_topology_validate)
 
 
 def add_sync(sub: argparse._SubParsersAction) -> None:
@@ -390,7 +402,7 @@ def add_sync(sub: argparse._SubParsersAction) -> None:
     sync.add_argument(
         "--give-up-after",
         type=nonnegative_seconds,
-        default=60.0,
+        default=None,
         metavar="SECONDS",
         help="with --until-idle: stop, exit 1 and say why, after this long without progress while "
         "sessions still fail or wait (default 60)",
@@ -417,6 +429,7 @@ def add_sync(sub: argparse._SubParsersAction) -> None:
     )
     sync.add_argument(
         "--metrics-listen",
+        type=listen_address,
         metavar="HOST:PORT",
         help="serve this replicator's counters (entries and bytes delivered, full syncs, errors, "
         "hand-backs, a lag histogram) for Prometheus on /metrics",

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from airflow_provider_lr.cli.common import at_site, read_each, target_sites
+from airflow_provider_lr.cli.common import UsageError, at_site, read_each, target_sites
 from airflow_provider_lr.engine.db import conninfo
-from airflow_provider_lr.engine.errors import LRError
+from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.engine.site import roles as site_roles
 
 
@@ -18,17 +18,21 @@ def _site_name(info: conninfo.ConnInfo) -> str:
 def cmd_roles_change(args: argparse.Namespace) -> int:
     """lr roles grant|revoke: the same plan on every site (``--print``: show it, change nothing)."""
     password = None
+    try:  # the kind, role and clients alone: a usage error before any site is reached
+        site_roles.check_request(args.kind, args.role, args.client or ())
+    except LRError as exc:
+        raise UsageError(one_line(exc)) from None
     if getattr(args, "create", False) and not (args.password_env or args.no_password):
-        raise LRError(
+        raise UsageError(
             "--create makes a LOGIN role: give its password with --password-env VAR (the variable "
             "that holds it), or pass --no-password for a role that logs in without one"
         )
     if getattr(args, "password_env", None):
         if args.no_password:
-            raise LRError("--password-env and --no-password: give one of them")
+            raise UsageError("--password-env and --no-password: give one of them")
         password = os.environ.get(args.password_env)
         if password is None:
-            raise LRError(f"--password-env {args.password_env}: that environment variable is not set")
+            raise UsageError(f"--password-env {args.password_env}: that environment variable is not set")
     for info in target_sites(args):
         with at_site(_site_name(info)):
             _change_roles(args, info, password)

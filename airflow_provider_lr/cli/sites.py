@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from airflow_provider_lr.cli.common import at_site, embedded_tooling, positive_int, site_manager, target_sites
+from airflow_provider_lr.cli.common import (
+    UsageError,
+    at_site,
+    embedded_tooling,
+    positive_int,
+    site_manager,
+    target_sites,
+)
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.db.timeouts import Purpose
-from airflow_provider_lr.engine.errors import LRError
 from airflow_provider_lr.engine.site import roles as site_roles
 
 
@@ -52,7 +58,7 @@ def cmd_init(args: argparse.Namespace) -> int:
     for info in target_sites(args):
         site_id = args.site_id or info.site_id
         if not site_id:
-            raise LRError(f"{info.safe_dsn}: give --site-id (the connection has no site_id extra)")
+            raise UsageError(f"{info.safe_dsn}: give --site-id (the connection has no site_id extra)")
         with at_site(site_id):
             conn = info.connect(Purpose.BULK)  # a migration may rewrite a large table: no statement timeout
             try:

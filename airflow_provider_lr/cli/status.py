@@ -8,7 +8,14 @@ import sys
 
 import psycopg2
 
-from airflow_provider_lr.cli.common import connector, database_error, load_topology, nonnegative_seconds, with_topology
+from airflow_provider_lr.cli.common import (
+    connector,
+    database_error,
+    listen_address,
+    load_topology,
+    nonnegative_seconds,
+    with_topology,
+)
 from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.engine.site import metrics, status
 from airflow_provider_lr.engine.store import topology as topologies
@@ -82,6 +89,7 @@ def add_status(sub: argparse._SubParsersAction) -> None:
     me = with_topology(sub.add_parser("metrics", help="status as Prometheus metrics (text exposition)"))
     me.add_argument(
         "--listen",
+        type=listen_address,
         metavar="HOST:PORT",
         help="serve /metrics over HTTP (read from the sites at each scrape) instead of printing once",
     )

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from airflow_provider_lr.cli.common import at_site, check_topology, connector, load_topology, read_each, with_topology
+from airflow_provider_lr.cli.common import (
+    UsageError,
+    at_site,
+    check_topology,
+    connector,
+    load_topology,
+    read_each,
+    with_topology,
+)
 from airflow_provider_lr.engine.errors import LRError, listing
 from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.tables import registry as table_registry
@@ -27,12 +35,12 @@ def cmd_tables_open(args: argparse.Namespace) -> int:
     """lr tables open: record a table for a client on each site given (default, when federating:
     the sources of the client's sessions)."""
     TableName.parse(args.table)  # a name lr cannot federate is refused before any site is touched
-    topo = load_topology(args)
     if not args.federated and not args.site:
-        raise LRError(
+        raise UsageError(
             "--no-federated: name the --site(s) that keep out of the table (on a source it stops "
             "the capture; on a sink its data is dropped)"
         )
+    topo = load_topology(args)
     sites = args.site or _client_sources(topo, args.client)
     if args.site:
         _client_sources(topo, args.client)  # a --site does not make an unknown client right

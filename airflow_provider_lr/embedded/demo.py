@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -18,6 +20,7 @@ from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueCl
 from airflow_provider_lr.embedded.sites import SiteManager
 from airflow_provider_lr.engine.db import conninfo, schema
 from airflow_provider_lr.engine.db.timeouts import Purpose
+from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.engine.session.runner import CycleReport
 from airflow_provider_lr.engine.site import status, topology
 from airflow_provider_lr.engine.site.replicator import Replicator
@@ -42,12 +45,15 @@ class SinkApplication:
 
     def __init__(self, sub: RoutingQueueSubscriber) -> None:
         self.sub = sub
-        self.snapshot_rows = self.log_entries = 0
+        self.snapshot_rows = self.log_entries = self.foreign = 0
 
     def _upsert(self, payloads: list[bytes]) -> None:
         cur = self.sub.cursor()
         for payload in payloads:
-            k, v = payload.decode().split("=")
+            k, _, v = payload.decode(errors="replace").partition("=")
+            if not v.lstrip("-").isdigit():  # another application's payload for the client (README §3's)
+                self.foreign += 1
+                continue
             cur.execute(
                 f"INSERT INTO {TABLE} VALUES (%s, %s) ON CONFLICT (k) DO UPDATE SET v = EXCLUDED.v", (k, int(v))
             )
@@ -90,6 +96,7 @@ def consume(site_id: str, dsn: str) -> None:
         f"  {site_id}: the subscriber delivered {delivered} queue entries (a full sync: its start, "
         f"{app.snapshot_rows} rows, its end; {app.log_entries} log entries) from {', '.join(sources)}; "
         f"its {TABLE} has {rows} rows"
+        + (f"; {app.foreign} payload(s) not of the demo's form key=value skipped" if app.foreign else "")
     )
 
 
@@ -105,15 +112,53 @@ def write_topology(manager: SiteManager, site_ids: list[str]) -> Path:
     return path
 
 
-def _show(reports: list[CycleReport]) -> None:
-    for r in reports:
-        if r.error:
-            print(f"    {r.session}: ERROR {r.error}")
-        elif not r.idle:
-            print(
-                f"    {r.session}: {r.decision}: {r.snapshot_messages} full-sync messages, "
-                f"{r.delivered} log entries -> {r.state}, remaining {r.remaining}"
-            )
+class _Shown:
+    """Prints each cycle's reports; a session's error once, not at every one of up to 20 cycles."""
+
+    def __init__(self) -> None:
+        self.said: dict[str, str] = {}
+
+    def __call__(self, reports: list[CycleReport]) -> None:
+        for r in reports:
+            if r.error and self.said.get(r.session) != r.error:
+                self.said[r.session] = r.error
+                print(f"    {r.session}: ERROR {r.error}")
+            elif not r.error:
+                self.said.pop(r.session, None)
+                _show_progress(r)
+
+
+def _show_progress(r: CycleReport) -> None:
+    if not r.idle:
+        print(
+            f"    {r.session}: {r.decision}: {r.snapshot_messages} full-sync messages, "
+            f"{r.delivered} log entries -> {r.state}, remaining {r.remaining}"
+        )
+
+
+def _fresh_start(manager: SiteManager) -> str:
+    return f"start afresh with `lr sites down --remove`, then `lr demo` (the sites under {manager.home} are deleted)"
+
+
+def _apply(manager: SiteManager, topo: topologies.Topology, connect: Callable[[str], Any]) -> None:
+    """The demo's topology on every site, checked as `lr topology apply` checks it: re-run on sites
+    a failover moved the client from, the demo wrote its topology over theirs unchecked, then
+    printed the same fencing error 40 times and exited 0."""
+    try:
+        topology.apply_everywhere(topo, connect)
+    except LRError as exc:
+        raise LRError(f"the demo cannot continue on these sites: {one_line(exc)}; {_fresh_start(manager)}") from None
+
+
+def _replicate(manager: SiteManager, repl: Replicator) -> None:
+    """Until every session is caught up; one that still fails stops the demo (exit 1), saying why."""
+    reports = repl.run(max_cycles=20, until_idle=True, interval=0.05, on_cycle=_Shown())
+    failing = [r for r in reports if r.error]
+    if failing:
+        raise LRError(
+            f"the demo could not replicate {', '.join(r.session for r in failing)}: {one_line(failing[0].error)}; "
+            + _fresh_start(manager)
+        )
 
 
 def run(manager: SiteManager, sink_count: int = 2) -> int:
@@ -132,10 +177,7 @@ def run(manager: SiteManager, sink_count: int = 2) -> int:
     topo = topologies.load(write_topology(manager, ids))
     by_id = {s.site_id: s for s in sites}
     connect = lambda site_id: by_id[site_id].conninfo().connect()  # noqa: E731
-    for site_id in ids:
-        conn = connect(site_id)
-        topology.apply_to_site(conn, topo, site_id)
-        conn.close()
+    _apply(manager, topo, connect)
     print(f"\ntopology {topo.topology_config_id}: {source} -> {', '.join(sinks)} for client {CLIENT!r}")
 
     app = connect(source)
@@ -163,10 +205,10 @@ def run(manager: SiteManager, sink_count: int = 2) -> int:
     try:
         started = time.monotonic()
         print("replicating (first contact: full sync from the client's provider, then log entries):")
-        repl.run(max_cycles=20, until_idle=True, interval=0.05, on_cycle=_show)
+        _replicate(manager, repl)
         change(30)
         print(f"{source}: 30 more transactions; replicating the deltas:")
-        repl.run(max_cycles=20, until_idle=True, interval=0.05, on_cycle=_show)
+        _replicate(manager, repl)
         print(f"caught up in {time.monotonic() - started:.1f}s\n")
     finally:
         repl.close()

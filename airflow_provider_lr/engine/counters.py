@@ -81,13 +81,27 @@ class DeliveryCounters:
         return session, entries, seconds
 
 
+IDLE_EVERY = 600.0  # seconds between the progress lines of a stream with nothing to do
+
+
 class Pulse:
     """A periodic line from a running stream, every ``every`` seconds (0: never): entries per
-    second since the last line, as counted, and the lag of the session most behind."""
+    second since the last line, as counted, and the lag of the session most behind. An idle stream
+    (nothing delivered, no lag, the same sessions streaming) says so once, then only every
+    ``idle_every`` seconds: a line of zeros every 30 s filled the logs of a quiet replicator (an
+    ``lr_streaming`` task wrote 20 of them per run) and buried the lines that mattered."""
 
-    def __init__(self, counters: DeliveryCounters, every: float, emit: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        counters: DeliveryCounters,
+        every: float,
+        emit: Callable[[str], None],
+        idle_every: float = IDLE_EVERY,
+    ) -> None:
         self.counters, self.every, self.emit = counters, every, emit
+        self.idle_every = max(every, idle_every)
         self._since, self._entries = time.monotonic(), counters.entries
+        self._quiet: tuple[int, int] | None = None  # the streaming/sessions of the last idle line
 
     def tick(self, streaming: int, sessions: int) -> None:
         """Emit the line when it is due (the caller's loop calls this often)."""
@@ -96,14 +110,18 @@ class Pulse:
             return
         total = self.counters.entries
         done, seconds = total - self._entries, now - self._since
-        self._since, self._entries = now, total
         behind = self.counters.most_behind()
-        lag = (
-            f"lag {behind[1]} entries / {behind[2]:.1f}s ({behind[0]})"
-            if behind and (behind[1] or behind[2])
-            else "lag 0"
-        )
-        self.emit(
+        lagging = bool(behind and (behind[1] or behind[2]))
+        idle = not done and not lagging
+        if idle and self._quiet == (streaming, sessions) and seconds < self.idle_every:
+            return  # still idle, already said: the window runs on until something changes
+        self._since, self._entries = now, total
+        lag = f"lag {behind[1]} entries / {behind[2]:.1f}s ({behind[0]})" if behind and lagging else "lag 0"
+        line = (
             f"streaming {streaming} of {sessions} sessions: {done} entries in {seconds:.0f}s "
             f"({done / seconds:.1f} entries/s, {total} in all), {lag}"
         )
+        if idle and self._quiet is None:
+            line += f"; idle: the next line when entries flow, or in {self.idle_every:.0f}s"
+        self._quiet = (streaming, sessions) if idle else None
+        self.emit(line)

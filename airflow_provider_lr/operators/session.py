@@ -55,8 +55,14 @@ SESSION_LABEL = "{{ task.session['session'] }}"
 
 
 def report_dict(report: CycleReport) -> dict[str, Any]:
-    """The report as a small XCom: empty text, empty lists and false flags left out (counts stay)."""
-    return {k: v for k, v in dataclasses.asdict(report).items() if v != "" and v != [] and v is not False}
+    """The report as a small XCom: empty text, empty lists and false flags left out (counts stay),
+    and an acknowledged position the step never learned (skipped before negotiating: another
+    replicator holds the lease), which the task log showed as ``'acked_position': -1``."""
+    return {
+        k: v
+        for k, v in dataclasses.asdict(report).items()
+        if v != "" and v != [] and v is not False and not (k == "acked_position" and v < 0)
+    }
 
 
 class LRDiscoverSessionsOperator(BaseOperator):
@@ -106,8 +112,8 @@ class SessionStepOperator(BaseOperator):
 
     template_fields: Sequence[str] = ("session", "decision", "topology_path")
     branch = ""
-    # the Spark jobs this step may leave work to: only those are checked (and said unavailable,
-    # once per session: negotiation leaves nothing to Spark)
+    # the Spark jobs this step may leave work to: only those are checked (and said unavailable
+    # when the step did such work itself: ``_say_spark_missing``)
     spark_jobs: tuple[str, ...] = ()
 
     def __init__(
@@ -151,6 +157,8 @@ class SessionStepOperator(BaseOperator):
     def _runner(self) -> Iterator[SessionRunner]:
         topo = load_topology(self.topology_path)
         key = session_key(topo, self.session)
+        self._step_settings = self._settings(topo)
+        self._spark_missing: dict[str, str] = {}  # a Spark job this step may not leave work to -> why
         target = topo.providers.get(key.client)
         provider = full_sync.load_provider(target) if target else None
         with site_connection(self.session["source_conn_id"], key.source, topo.timeouts) as source:
@@ -168,7 +176,7 @@ class SessionStepOperator(BaseOperator):
                         source,
                         sink,
                         f"airflow:{new_owner_id()}",
-                        self._settings(topo),
+                        self._step_settings,
                         provider,
                         spark_tables=self._spark_can_run(TABLE_SNAPSHOT_JOB),
                         spark_transfer=self._spark_can_run(SNAPSHOT_TRANSFER_JOB),
@@ -189,8 +197,30 @@ class SessionStepOperator(BaseOperator):
             return False
         why = spark_unavailable(self.spark_conn_id, job)
         if why:
-            self.log.info("what %s would do is done in this step: %s", job, why)
+            self._spark_missing[job] = why
         return why is None
+
+    def _say_spark_missing(self, report: CycleReport) -> None:
+        """Name the Spark job that was missing only when this step did, in-process, work of the size
+        the job takes when it can: said in every log-entry step of every session ("what
+        lr_table_snapshot.py would do is done in this step: no Spark connection 'spark_default'"),
+        with no federated table at all, it was noise in every run of lr_replication and lr_full_sync."""
+        missing: dict[str, str] = getattr(self, "_spark_missing", {})
+        if not missing:
+            return
+        settings = self._step_settings
+        done = {
+            TABLE_SNAPSHOT_JOB: (report.table_rows, settings.table_spark_min_rows, "table rows"),
+            SNAPSHOT_TRANSFER_JOB: (
+                report.snapshot_messages,
+                settings.snapshot_spark_min_entries,
+                "full-sync messages",
+            ),
+        }
+        for job, why in missing.items():
+            count, threshold, what = done[job]
+            if count and count >= threshold:
+                self.log.info("%d %s written in this step, not by %s: %s", count, what, job, why)
 
     def _record_error(self, source: Any, key: Any, error: str) -> None:
         try:
@@ -210,6 +240,7 @@ class SessionStepOperator(BaseOperator):
             snapshot_messages=report.snapshot_messages,
             lag_entries=None if report.skipped else report.remaining,
         )
+        self._say_spark_missing(report)
         result = report_dict(report)
         self.log.info("session %s: %s", report.session, result)
         return result

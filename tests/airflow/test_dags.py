@@ -144,6 +144,8 @@ def test_users_path_first_sync_deltas_own_pipeline_forced_full_sync_maintenance(
         dagbag, "example_lr_user_pipeline", {"orders": 2, "destinations": ["site-b", "site-c"], "min_regions": 3}
     )
     assert str(own.state) == "success", states(own)
+    pushed = {ti.rendered_map_index for ti in own.get_task_instances() if ti.task_id == "push_now"}
+    assert pushed == {"site-a->site-b/policy", "site-a->site-c/policy"}  # it showed 0 and 1 in the grid
     delivered = xcom(own, "delivered")
     assert delivered["safe_on"] == ["site-b", "site-c"] and len(delivered["regions"]) == 3
     for sink in (sink_b, sink_c):

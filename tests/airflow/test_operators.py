@@ -394,6 +394,9 @@ def test_a_full_sync_step_waits_for_its_request_while_another_replicator_holds_t
         "another replicator holds this session's lease (lr-sync-elsewhere)"
         in _step(LRSnapshotSyncOperator, session)["skipped"]
     )  # lr_replication's mode: nothing to do now
+    pushed = _step(LRLogEntrySyncOperator, session)
+    assert "another replicator holds" in pushed["skipped"]
+    assert pushed.get("acked_position", 0) >= 0, pushed  # it logged 'acked_position': -1, never learned
     op = LRSnapshotSyncOperator(task_id="snapshot", session=session, wait_for_data=True)
     with pytest.raises(TaskDeferred) as deferred:
         op.execute({})
@@ -565,24 +568,29 @@ def test_a_stream_killed_early_says_how_long_it_streamed_and_logs_its_progress(a
     app.close()
 
 
-def test_a_session_without_spark_says_so_once_not_in_every_step(airflow_sites, monkeypatch):
-    """Without the Spark connection, a session's group says "what lr_table_snapshot.py would do is
-    done in this step" once, in the step that would leave work to it (log-entry sync); negotiation
-    leaves nothing to Spark and says nothing about it."""
+def test_a_session_without_spark_says_so_only_when_a_step_did_sparks_work_itself(airflow_sites, monkeypatch):
+    """Without the Spark connection, every log-entry step of every session said "what
+    lr_table_snapshot.py would do is done in this step: no Spark connection 'spark_default'", in
+    every run, with no federated table at all. Now negotiation and an ordinary step say nothing,
+    and a step names the missing job only when it wrote, in-process, what that job takes when it
+    can (here a full sync over ``snapshot_spark_min_entries``)."""
     monkeypatch.delenv("AIRFLOW_CONN_SPARK_DEFAULT", raising=False)
     source = airflow_sites.sites[0]
-    app = _app_with_sinks_in_log_entry_sync(source)
+    reconfigure(airflow_sites, settings={"snapshot_spark_min_entries": 2})
+    app = App(source)
     app.put("k", 1, ["site-b"])
     session = _sessions(sink="site-b")[0]
-    decided, decide_lines = _task_log_lines(
-        LRNegotiateOperator(task_id="decide", session=session, spark_conn_id="spark_default")
-    )
+    spark = {"spark_conn_id": "spark_default"}
+    _, first_lines = _task_log_lines(LRSnapshotSyncOperator(task_id="snapshot_sync", session=session, **spark))
+    app.put("k", 2, ["site-b"])
+    decided, decide_lines = _task_log_lines(LRNegotiateOperator(task_id="decide", session=session, **spark))
     assert decided["branch"] == "log_entry_sync"
     _, step_lines = _task_log_lines(
-        LRLogEntrySyncOperator(
-            task_id="log_entry_sync", session=session, decision=decided, spark_conn_id="spark_default"
-        )
+        LRLogEntrySyncOperator(task_id="log_entry_sync", session=session, decision=decided, **spark)
     )
-    said = [line for line in decide_lines + step_lines if "would do is done in this step" in line]
-    assert said == ["what lr_table_snapshot.py would do is done in this step: no Spark connection 'spark_default'"]
+    assert not [line for line in decide_lines + step_lines if "Spark" in line], decide_lines + step_lines
+    said = [line for line in first_lines if "Spark" in line]
+    assert len(said) == 1 and said[0].endswith(
+        " full-sync messages written in this step, not by lr_snapshot_transfer.py: no Spark connection 'spark_default'"
+    ), first_lines
     app.close()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from airflow_provider_lr import cli
 from tests.cli.test_cli_sync import topology_file
 
@@ -177,3 +179,43 @@ def test_commands_run_before_lr_init_say_to_run_it_once_not_a_missing_relation_e
     fanout = [r.getMessage() for r in caplog.records if "fan-out" in r.getMessage()]
     assert len(fanout) <= 1 and not any("LINE" in m for m in fanout), fanout
     assert "has no lr schema; run `lr init` on it first" in capsys.readouterr().out
+
+
+def test_options_that_do_not_go_together_are_usage_errors_exit_2_before_any_site_is_touched(
+    tmp_path, monkeypatch, capsys
+):
+    """`lr roles grant --create` without a password option, `--password-env` with `--no-password` or
+    naming an unset variable, `lr tables open --no-federated` without `--site`, `lr init` of a DSN
+    without `--site-id`: each exited 1, like a site's refusal, where argparse's own usage errors exit
+    2. Now 2, with the one line that says what to give; no site is reached (none is running here)."""
+    monkeypatch.setenv("LR_HOME", str(tmp_path))
+    monkeypatch.delenv("LR_TEST_UNSET", raising=False)
+    dsn = "host=127.0.0.1 port=1 user=postgres dbname=postgres"
+    grant = ["roles", "grant", "writer", "--client", "policy", "--role", "app", "--site", dsn, "--create"]
+    cases = {
+        "give its password with --password-env VAR": grant,
+        "--password-env and --no-password: give one of them": [*grant, "--password-env", "HOME", "--no-password"],
+        "--password-env LR_TEST_UNSET: that environment variable is not set": [
+            *grant,
+            "--password-env",
+            "LR_TEST_UNSET",
+        ],
+        "--no-federated: name the --site(s)": ["tables", "open", "public.t", "--client", "policy", "--no-federated"],
+        "give --site-id (the connection has no site_id extra)": ["init", "--site", dsn],
+        "--give-up-after applies to --until-idle only": ["sync", "--once", "--give-up-after", "5"],
+        # were said by the first site reached, exit 1 (checks that need no site)
+        "a writer is the writer of a client: give --client NAME": ["roles", "grant", "writer", "--role", "a"],
+        "a replicator serves every client of the site: give no --client": [
+            *("roles", "revoke", "replicator", "--role", "a", "--client", "policy"),
+        ],
+    }
+    for said, argv in cases.items():
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("lr: ") and said in err and len(err.strip().splitlines()) == 1, err
+    # a malformed HOST:PORT is refused by the parser (it was exit 1, after reading the topology)
+    for argv in (["metrics", "--listen", "127.0.0.1:99999"], ["sync", "--metrics-listen", "nonsense"]):
+        with pytest.raises(SystemExit) as refused:
+            cli.main(argv)
+        assert refused.value.code == 2, argv
+        assert "is not HOST:PORT with a port from 0 to 65535" in capsys.readouterr().err

@@ -47,6 +47,12 @@ def test_a_planned_switchover_drains_the_old_source_then_refuses_its_writers(lr_
     out = capsys.readouterr().out
     assert "planned switchover" in out and "site-b is the source of policy (was site-a)" in out
     assert "lost: nothing" in out and str(new) in out
+    # `lr status` with the old file: every site runs the new one, so the file is stale; it said to
+    # rejoin site-a with that very file (which `lr failover --rejoin` refuses, exit 1)
+    assert cli.main(["status", "--topology", topo]) == 1
+    warned = capsys.readouterr().out
+    assert f"topology file {topo} has id" in warned and "rejoin" not in warned and "apply" not in warned, warned
+    assert "predates the failover of site-a to site-b: point --topology" in warned, warned
     expected = [f"k{i}={i}".encode() for i in range(6)]
     assert sink_queue(site_b, "policy") == expected and sink_queue(site_c, "policy") == expected  # drained
     with pytest.raises(  # a client made after the switch: told where its client went, not to edit the topology

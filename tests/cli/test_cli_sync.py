@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg2
+import pytest
 import yaml
 
 from airflow_provider_lr import cli
@@ -85,10 +86,13 @@ def test_lr_commands_name_what_is_wrong(lr_sites, tmp_path, monkeypatch, capsys)
     assert "site-c: UNREACHABLE" in capsys.readouterr().out
 
 
-def test_demo_replicates_on_its_own_embedded_sites(tmp_path, capsys):
+def test_demo_replicates_on_its_own_embedded_sites(tmp_path, capsys, monkeypatch):
     from airflow_provider_lr.embedded import demo
     from airflow_provider_lr.embedded.sites import SiteManager
+    from airflow_provider_lr.engine.db import conninfo
+    from airflow_provider_lr.engine.errors import LRError
 
+    monkeypatch.setenv("LR_HOME", str(tmp_path / "demo-home"))  # `lr failover` finds the demo's sites
     manager = SiteManager(tmp_path / "demo-home")
     try:
         assert demo.run(manager, sink_count=2) == 0
@@ -103,6 +107,25 @@ def test_demo_replicates_on_its_own_embedded_sites(tmp_path, capsys):
         ):
             assert int(n) == 2 + int(rows) + int(entries), out
         assert out.count("queue entries (a full sync: its start") == 2, out
+
+        # a user tries README §3 on the demo's sites: a payload of the same client, not the demo's
+        # form, reached its sink application (a ValueError traceback in the demo's output)
+        site_a = conninfo.resolve("lr_site_a").connect()
+        RoutingQueueClient(site_a, "policy").transmit_log_entry_message(b"hello", ["site-b"])
+        site_a.commit()
+        site_a.close()
+        assert demo.run(manager, sink_count=2) == 0  # re-run: continues on the same sites
+        out = capsys.readouterr().out
+        assert "1 payload(s) not of the demo's form key=value skipped" in out and "Traceback" not in out, out
+
+        # then a switchover moved the client to site-b: the demo wrote its topology over the sites'
+        # unchecked, printed the same fencing error 40 times and exited 0
+        topo = str(manager.home / "demo-topology.yaml")
+        assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--reason", "trying it"]) == 0
+        capsys.readouterr()
+        with pytest.raises(LRError, match=r"the demo cannot continue on these sites: .*failed over.*; start afresh "):
+            demo.run(manager, sink_count=2)
+        assert "ERROR" not in capsys.readouterr().out
     finally:
         manager.down(mode="immediate", remove=True)
 
@@ -350,6 +373,34 @@ def test_topology_validate_and_apply_warn_of_a_provider_that_cannot_be_imported(
     fine = topology_file(tmp_path, lr_sites, monkeypatch)
     assert cli.main(["topology", "validate", "--topology", fine]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_topology_validate_warns_of_a_site_whose_connection_cannot_be_resolved(tmp_path, monkeypatch, capsys):
+    """A mistyped `conn_id` (no AIRFLOW_CONN_*, not in the connections file) or a connection that
+    does not parse was called valid by `lr topology validate`: it came out only at `apply` or `lr
+    sync`. Validate now says which site, which connection and where it looked (still exit 0: the
+    Airflow workers may hold connections this shell lacks). No server needed: it is offline."""
+    monkeypatch.setenv("LR_HOME", str(tmp_path))  # no connections file
+    monkeypatch.setenv("AIRFLOW_CONN_LR_EAST", json.dumps({"conn_type": "lr_site", "host": "db.east", "login": "lr"}))
+    monkeypatch.setenv("AIRFLOW_CONN_LR_WEST", "{not json")
+    doc = {
+        "sites": [
+            {"id": "east", "conn_id": "lr_east"},
+            {"id": "west", "conn_id": "lr_west"},
+            {"id": "north", "conn_id": "lr_nroth"},
+        ],
+        "replication": [{"source": "east", "sinks": ["west", "north"], "clients": ["policy"]}],
+        "providers": {"policy": "tests.support.session:table_provider"},
+    }
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert cli.main(["topology", "validate", "--topology", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "valid; topology" in out
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("lr: warning: site 'north': unknown site or connection 'lr_nroth'")
+    assert "set AIRFLOW_CONN_LR_NROTH, or add it to" in lines[0] and "cannot reach it" in lines[0]
+    assert lines[1].startswith("lr: warning: site 'west': AIRFLOW_CONN_LR_WEST"), lines
 
 
 def test_lr_sync_and_trim_refuse_a_topology_that_replicates_nothing(tmp_path, capsys):

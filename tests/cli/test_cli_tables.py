@@ -71,7 +71,7 @@ def test_lr_tables_open_names_what_is_wrong(lr_sites, tmp_path, monkeypatch, cap
     assert cli.main(["tables", "open", "sales.line_items", "--client", "policy", "--topology", topo]) == 0
     assert "site-a: sales.line_items federated" in capsys.readouterr().out
     assert (
-        cli.main(["tables", "open", "public.accounts", "--client", "policy", "--no-federated", "--topology", topo]) == 1
+        cli.main(["tables", "open", "public.accounts", "--client", "policy", "--no-federated", "--topology", topo]) == 2
     )
     assert "--site" in capsys.readouterr().err
 

@@ -63,7 +63,9 @@ def test_after_a_failover_the_old_file_is_named_by_every_command(lr_sites, tmp_p
     assert named() in capsys.readouterr().err
     assert cli.main(["status", "--topology", old]) == 1
     out = capsys.readouterr().out
+    # status reads which sources were failed over: no apply advice (it is refused), no rejoin with the old file
     assert out.startswith(f"WARNING: {named()}") and "health: degraded" in out
+    assert "--rejoin" not in out and "lr topology apply" not in out, out
 
     assert cli.main(["metrics", "--topology", old]) == 0
     assert 'lr_site_topology_matches_file{site="site-c"} 0' in capsys.readouterr().out
@@ -130,7 +132,7 @@ def test_full_sync_wait_succeeds_once_a_running_lr_sync_applied_the_request(lr_s
         capsys.readouterr()
         assert cli.main(["full-sync", "--topology", topo, "--sink", "site-b", "--wait", "60"]) == 0
         out = capsys.readouterr().out
-        assert "site-a->site-b/policy: full sync" in out and " applied: applied by " in out
+        assert "site-a->site-b/policy: full sync" in out and " applied by " in out and "applied: applied" not in out
         (note,) = source.query("SELECT note FROM lr.full_sync_requests WHERE forced")[0]
         assert note.startswith("applied by ") and f":{streaming.pid}:" in note  # by that lr sync process
         assert [k for k, _ in queue(sink_b, "site-a")].count("start") == 2

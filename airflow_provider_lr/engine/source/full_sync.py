@@ -220,6 +220,9 @@ class RequestOutcome:
         own = self.applied_request == self.request.request_id
         if self.outcome is Outcome.APPLIED:
             by = "" if own else f" (through newer request {self.applied_request})"
+            # the note is "applied by <owner>" when the apply closed it: not "applied: applied by ..."
+            if self.note.startswith("applied by "):
+                return f"full sync {self.request.request_id} {self.note}{by}"
             return f"full sync {self.request.request_id} applied{by}" + (f": {self.note}" if self.note else "")
         if self.outcome is Outcome.PENDING:
             return f"full sync {self.request.request_id} not applied yet ({self.request.status})"
