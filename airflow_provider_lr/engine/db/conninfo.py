@@ -101,12 +101,17 @@ class ConnInfo:
         return conn
 
 
-# the site's search_path (``ALTER DATABASE/ROLE ... SET``, the DSN's options) stays, with pg_catalog put
-# explicitly first: unless a path names pg_catalog, PostgreSQL searches it first by itself
-_CATALOG_FIRST = (
-    "SELECT pg_catalog.set_config('search_path', 'pg_catalog' || CASE pg_catalog.current_setting('search_path') "
-    "WHEN '' THEN '' ELSE ', ' || pg_catalog.current_setting('search_path') END, false)"
-)
+# a site's search_path that names pg_catalog after another schema, as lr's connections search it:
+# the same path without that entry (PostgreSQL then searches pg_catalog first by itself; the first
+# schema named still takes what is created unqualified). Any other path is left as it is.
+_CATALOG_FIRST = """
+SELECT CASE WHEN 'pg_catalog' = ANY (p.schemas) AND p.schemas[1] <> 'pg_catalog' THEN pg_catalog.set_config(
+    'search_path',
+    pg_catalog.array_to_string(ARRAY(
+        SELECT pg_catalog.quote_ident(s.name) FROM pg_catalog.unnest(p.schemas) WITH ORDINALITY s(name, n)
+        WHERE s.name <> 'pg_catalog' ORDER BY s.n), ', '),
+    false) END
+FROM (SELECT pg_catalog.current_schemas(false) AS schemas) p"""
 
 
 def catalog_first(conn: psycopg2.extensions.connection) -> None:
