@@ -23,6 +23,9 @@ from typing import TypeVar
 os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="lr-airflow-home-"))
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 os.environ.setdefault("AIRFLOW__CORE__UNIT_TEST_MODE", "True")
+# Every Spark driver a test starts (the local sessions, spark-submit from a test or an Airflow task)
+# compiles with C1 only: short-lived JVMs start on much less CPU (tests/support/spark_env.py QUICK_JIT).
+os.environ.setdefault("SPARK_SUBMIT_OPTS", "-XX:TieredStopAtLevel=1")
 
 import psycopg2  # noqa: E402
 import pytest  # noqa: E402
