@@ -134,7 +134,9 @@ def on_each(work: Callable[[T], object], items: list[T]) -> None:
 
 
 def _init_site(site: TestSite) -> None:
-    conn = site.connect()
+    # committed durably: made ahead, the database may see its server stopped "immediate" by the
+    # test running meanwhile, which loses the last asynchronous commits (FAST_SETTINGS)
+    conn = psycopg2.connect(site.dsn, options="-c synchronous_commit=on")
     schema.init_site(conn, site.site_id, site.region)
     conn.close()
 
