@@ -2,7 +2,8 @@
 
 Three servers (``site-a``, ``site-b``, ``site-c``: separate data directories and ports) run for the
 whole session; every test that asks for ``sites`` gets a fresh database on each server, dropped
-afterwards, so tests are isolated without paying a server start each. A test that asks for
+afterwards, so tests are isolated without paying a server start each (nor, mostly, the copy: the next
+test's databases are made in the background while the current test runs). A test that asks for
 ``lr_sites`` (directly or through another fixture) gets a copy of a template database migrated
 once per session, so it does not pay the migrations either.
 """
@@ -13,7 +14,7 @@ import itertools
 import os
 import tempfile
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -22,6 +23,9 @@ from typing import TypeVar
 os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="lr-airflow-home-"))
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 os.environ.setdefault("AIRFLOW__CORE__UNIT_TEST_MODE", "True")
+# Every Spark driver a test starts (the local sessions, spark-submit from a test or an Airflow task)
+# compiles with C1 only: short-lived JVMs start on much less CPU (tests/support/spark_env.py QUICK_JIT).
+os.environ.setdefault("SPARK_SUBMIT_OPTS", "-XX:TieredStopAtLevel=1")
 
 import psycopg2  # noqa: E402
 import pytest  # noqa: E402
@@ -129,31 +133,105 @@ def on_each(work: Callable[[T], object], items: list[T]) -> None:
         list(pool.map(work, items))
 
 
-@pytest.fixture
-def sites(request: pytest.FixtureRequest, site_manager: SiteManager) -> Iterator[list[TestSite]]:
-    """A fresh, empty database on each of the three servers (a copy of ``lr_template`` when the
-    test uses ``lr_sites``, which records the site ids)."""
-    name = f"lrtest_{os.getpid()}_{next(_db_counter)}"
-    template = request.getfixturevalue("lr_template") if "lr_sites" in request.fixturenames else None
-    servers = site_manager.sites()
-    on_each(lambda server: create_database(server, name, template), servers)
-    created = [TestSite(server, name) for server in servers]
-    yield created
-    # a fault test may have left a server down: the session teardown removes it
-    on_each(lambda server: drop_database(server, name), [s for s in servers if site_manager.is_running(s)])
-
-
 def _init_site(site: TestSite) -> None:
-    conn = site.connect()
+    # committed durably: made ahead, the database may see its server stopped "immediate" by the
+    # test running meanwhile, which loses the last asynchronous commits (FAST_SETTINGS)
+    conn = psycopg2.connect(site.dsn, options="-c synchronous_commit=on")
     schema.init_site(conn, site.site_id, site.region)
     conn.close()
+
+
+def _make_databases(servers: list[EmbeddedSite], template: str | None) -> list[TestSite]:
+    """A fresh database on each server (a copy of ``template``), its site id recorded when it is
+    a copy of ``lr_template`` (what ``lr_sites`` asks for)."""
+    name = f"lrtest_{os.getpid()}_{next(_db_counter)}"
+    on_each(lambda server: create_database(server, name, template), servers)
+    made = [TestSite(server, name) for server in servers]
+    if template is not None:
+        on_each(_init_site, made)
+    return made
+
+
+def _drop_databases(site_manager: SiteManager, made: list[TestSite]) -> None:
+    # a fault test may have left a server down: the session teardown removes it
+    on_each(
+        lambda site: drop_database(site.server, site.dbname), [s for s in made if site_manager.is_running(s.server)]
+    )
+
+
+class NextDatabases:
+    """The next test's databases, made in the background while the current test runs, and the last
+    test's dropped meanwhile: a test then pays no ``CREATE DATABASE`` nor ``DROP DATABASE`` (about
+    0.2-1 s for the three servers), only a look-up. One set is made ahead per kind (empty, or a
+    copy of ``lr_template``: a test's kind is usually its neighbour's). A set made before a server restarted on another port, or whose making failed
+    (a test stopped a server meanwhile), is not used: the test makes its own, as before."""
+
+    def __init__(self, site_manager: SiteManager) -> None:
+        self.site_manager = site_manager
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="lr-next-databases")
+        self.ahead: dict[str | None, Future[list[TestSite]]] = {}
+
+    def take(self, template: str | None, ahead: bool = True) -> list[TestSite]:
+        """Databases of the ``template`` kind for a test; with ``ahead``, the next test's set of
+        that kind is started in the background (without: none is being made while this test runs)."""
+        servers = self.site_manager.sites()
+        made = self._ready(self.ahead.pop(template, None), servers)
+        if not ahead:
+            self.worker.submit(lambda: None).result()  # what was asked before is done: nothing runs meanwhile
+        if made is None:
+            made = _make_databases(servers, template)
+        if ahead:
+            self.ahead[template] = self.worker.submit(_make_databases, servers, template)
+        return made
+
+    def _ready(self, pending: Future[list[TestSite]] | None, servers: list[EmbeddedSite]) -> list[TestSite] | None:
+        if pending is None:
+            return None
+        try:
+            made = pending.result()
+        except Exception:  # noqa: BLE001 - a server stopped meanwhile: the test makes its own
+            return None
+        if [(s.server.site_id, s.server.port) for s in made] != [(s.site_id, s.port) for s in servers] or not all(
+            self.site_manager.is_running(server) for server in servers
+        ):
+            _drop_databases(self.site_manager, made)
+            return None
+        return made
+
+    def drop(self, made: list[TestSite]) -> None:
+        """Drop a test's databases in the background (the next test need not wait for it)."""
+        self.worker.submit(_drop_databases, self.site_manager, made)
+
+    def close(self) -> None:
+        self.worker.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture(scope="session")
+def next_databases(site_manager: SiteManager) -> Iterator[NextDatabases]:
+    ahead = NextDatabases(site_manager)
+    yield ahead
+    ahead.close()  # before the servers stop (the sets made ahead go with them)
+
+
+@pytest.fixture
+def sites(
+    request: pytest.FixtureRequest, site_manager: SiteManager, next_databases: NextDatabases
+) -> Iterator[list[TestSite]]:
+    """A fresh, empty database on each of the three servers (a copy of ``lr_template`` with the site
+    ids recorded when the test uses ``lr_sites``), made while the previous test ran and dropped
+    while the next one runs. A test marked ``quiet_servers`` has nothing made or dropped in the
+    background while it runs."""
+    template = request.getfixturevalue("lr_template") if "lr_sites" in request.fixturenames else None
+    created = next_databases.take(template, ahead=request.node.get_closest_marker("quiet_servers") is None)
+    yield created
+    next_databases.drop(created)
 
 
 @pytest.fixture
 def lr_sites(sites: list[TestSite]) -> list[TestSite]:
     """The three test databases with the lr schema installed (already migrated: copies of
-    ``lr_template``) and their site ids recorded."""
-    on_each(_init_site, sites)
+    ``lr_template``) and their site ids recorded (``sites`` records them, knowing this fixture is
+    asked for)."""
     return sites
 
 

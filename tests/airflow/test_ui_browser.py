@@ -153,7 +153,7 @@ class Airflow:
                 why = f"DAGs parsed so far: {sorted(found)}"
             except (OSError, urllib.error.URLError, KeyError, ValueError) as exc:
                 why = f"{type(exc).__name__}: {exc}"
-            time.sleep(1)
+            time.sleep(0.5)
         raise AssertionError(f"Airflow not ready after {STARTUP_TIMEOUT}s ({why}); see {self.log_path}")
 
 
@@ -328,5 +328,5 @@ def _wait_for_run(airflow: Airflow, dag_id: str, run_id: str) -> str:
             state = f"unknown ({exc})"
         if state in ("success", "failed"):
             return state
-        time.sleep(1)
+        time.sleep(0.5)
     raise AssertionError(f"run {run_id} still {state} after {RUN_TIMEOUT}s")

@@ -14,6 +14,7 @@ import pytest
 
 from tests.support.session import sink_queue
 from tests.support.spark_env import (
+    QUICK_JIT,
     REPO_ROOT,
     SPARK_HOME,
     StandaloneCluster,
@@ -55,6 +56,8 @@ def test_submit_to_cluster_with_killed_worker_keeps_credentials_out(
         "spark.cores.max=1",
         "--conf",
         "spark.executor.memory=512m",
+        "--conf",
+        f"spark.executor.extraJavaOptions={QUICK_JIT}",
         "--conf",
         "spark.driver.host=127.0.0.1",
         "--conf",

@@ -3,6 +3,8 @@ snapshot, applied at every sink in commit order; the registry's rules and the se
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
@@ -32,6 +34,10 @@ def test_rows_before_federation_and_changes_during_and_after_reach_both_sinks_ro
     repl = replicator(topo, lr_sites)
     with TableWriter(source) as writer:
         for _ in range(6):
+            repl.run_cycle()
+        deadline = time.monotonic() + 30
+        while writer.transactions <= 50:  # more than 50 changes during the cycles, however fast they ran
+            assert time.monotonic() < deadline, f"the writer made {writer.transactions} changes in 30 s"
             repl.run_cycle()
     sync(repl)
     expected = rows(source)
