@@ -644,12 +644,17 @@ def test_a_column_added_at_the_source_while_streaming_is_refused_until_the_sink_
     assert logs(sink) == logs(other) == ["warm 1", "warm 2", "warm 3", "noted", "deleted", "later"]
 
 
-def test_sites_whose_search_path_puts_lookalike_built_ins_before_pg_catalog_still_open_snapshot_and_stream(lr_sites):
+@pytest.mark.parametrize("connections", ["lr's own", "keeping the site's path"])
+def test_sites_whose_search_path_puts_lookalike_built_ins_before_pg_catalog_still_open_snapshot_and_stream(
+    lr_sites, connections
+):
     """A schema named before pg_catalog in a site's search_path, holding functions named like the
     built-ins lr's statements call (a ``jsonb_array_elements`` that returns nothing at a sink, an
     ``unnest`` that returns nothing at the source): before, the sink's position moved past every
     streamed change it skipped, silently, and ``lr tables open`` at the source said "no primary key".
-    lr's own connections search pg_catalog first; the tables stay equal and nothing is refused."""
+    lr's own connections search pg_catalog first, and the tables' statements name the built-ins with
+    their schema (so they hold on a connection that keeps the site's path, as an engine API caller's
+    may): the tables stay equal and nothing is refused."""
     source, sink_b, sink_c = lr_sites
     topo = apply(lr_sites)
     trap = (
@@ -663,13 +668,17 @@ def test_sites_whose_search_path_puts_lookalike_built_ins_before_pg_catalog_stil
         site.query(trap)
         site.query(f'ALTER DATABASE "{site.dbname}" SET search_path = trap, pg_catalog, public')
     create_accounts(source, rows=5)
-    lrs = conninfo.from_dsn(source.dsn).connect()  # as `lr tables open` connects
+    infos = {s.site_id: conninfo.from_dsn(s.dsn) for s in lr_sites}  # as `lr` connects
+
+    def connect(site: str) -> psycopg2.extensions.connection:
+        return infos[site].connect() if connections == "lr's own" else psycopg2.connect(infos[site].dsn)
+
+    lrs = connect("site-a")
     try:
         registry.open_table(lrs, "public.accounts", "policy", True)
     finally:
         lrs.close()
-    infos = {s.site_id: conninfo.from_dsn(s.dsn) for s in lr_sites}  # as `lr sync` connects
-    repl = Replicator(topo, lambda site: infos[site].connect(), settings=SessionSettings(lease_seconds=2.0))
+    repl = Replicator(topo, connect, settings=SessionSettings(lease_seconds=2.0))
     with Streaming(repl, FAST) as streaming:
         streaming.streaming()
         source.query("UPDATE public.accounts SET balance = 7 WHERE id < 3")

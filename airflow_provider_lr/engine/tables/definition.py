@@ -120,17 +120,17 @@ class TableDefinition:
 # for several tables in one statement). A column's type by index lookups, not a join of pg_type.
 SHAPE_COLUMNS = """
        ARRAY(SELECT ARRAY[a.attname::text,
-                          (SELECT CASE WHEN n.nspname = 'pg_catalog' OR NOT pg_type_is_visible(y.oid)
-                                  THEN format_type(a.atttypid, a.atttypmod)
-                                  ELSE quote_ident(n.nspname) || '.' || format_type(a.atttypid, a.atttypmod) END
-                           FROM pg_type y JOIN pg_namespace n ON n.oid = y.typnamespace WHERE y.oid = a.atttypid),
+                          (SELECT CASE WHEN n.nspname = 'pg_catalog' OR NOT pg_catalog.pg_type_is_visible(y.oid)
+                                  THEN pg_catalog.format_type(a.atttypid, a.atttypmod)
+                                  ELSE pg_catalog.quote_ident(n.nspname) || '.' || pg_catalog.format_type(a.atttypid, a.atttypmod) END
+                           FROM pg_catalog.pg_type y JOIN pg_catalog.pg_namespace n ON n.oid = y.typnamespace WHERE y.oid = a.atttypid),
                           a.attnotnull::text]
-             FROM pg_attribute a
+             FROM pg_catalog.pg_attribute a
              WHERE a.attrelid = t.oid AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''
              ORDER BY a.attnum),
-       ARRAY(SELECT a.attname::text FROM pg_index i
-             JOIN LATERAL unnest(i.indkey) WITH ORDINALITY k(attnum, n) ON true
-             JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+       ARRAY(SELECT a.attname::text FROM pg_catalog.pg_index i
+             JOIN LATERAL pg_catalog.unnest(i.indkey) WITH ORDINALITY k(attnum, n) ON true
+             JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
              WHERE i.indrelid = t.oid AND i.indisprimary ORDER BY k.n)"""
 
 
@@ -139,7 +139,7 @@ def read_definition(cur: psycopg2.extensions.cursor, table: TableName, extras: b
     table. ``extras``: with them (a source's, for the sinks; two more round trips). Extras whose
     columns are not the shape's (the table altered between the two reads) are left out."""
     cur.execute(
-        f"WITH t AS (SELECT to_regclass(%s) AS oid) SELECT t.oid, {SHAPE_COLUMNS} FROM t",
+        f"WITH t AS (SELECT pg_catalog.to_regclass(%s) AS oid) SELECT t.oid, {SHAPE_COLUMNS} FROM t",
         (table.ident.as_string(cur),),
     )
     oid, columns, key = cur.fetchone()

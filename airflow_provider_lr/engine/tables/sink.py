@@ -375,13 +375,14 @@ def _compose(target: Target, run: _Run) -> sql.Composed:
         record = sql.SQL("NULL::pg_catalog.text")  # p unused: the picked columns follow r.d in the row
         more = sql.Composed([sql.SQL(", q.{} AS {}").format(sql.Identifier(c), a) for c, a in picked.items()])
         if picked:
-            lateral = sql.SQL("CROSS JOIN LATERAL jsonb_to_record(r.d) AS q({}) ").format(
+            lateral = sql.SQL("CROSS JOIN LATERAL pg_catalog.jsonb_to_record(r.d) AS q({}) ").format(
                 sql.SQL(", ").join(sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(types[c])) for c in picked)
             )
     rows = sql.SQL(  # ORDER BY: the source's order, and the subquery is not pulled up (p computed once)
         "SELECT {p} AS p, r.d{more} "
-        "FROM unnest(%(docs)s::bytea[], %(lo)s::int[], %(hi)s::int[]) WITH ORDINALITY AS t(doc, lo, hi, ord) "
-        "CROSS JOIN LATERAL jsonb_array_elements(convert_from(t.doc, 'UTF8')::jsonb -> 'rows') "
+        "FROM ROWS FROM (pg_catalog.unnest(%(docs)s::bytea[]), pg_catalog.unnest(%(lo)s::int[]), "
+        "pg_catalog.unnest(%(hi)s::int[])) WITH ORDINALITY AS t(doc, lo, hi, ord) "
+        "CROSS JOIN LATERAL pg_catalog.jsonb_array_elements(pg_catalog.convert_from(t.doc, 'UTF8')::jsonb -> 'rows') "
         "WITH ORDINALITY AS r(d, i) {lateral}"
         "WHERE r.i BETWEEN t.lo AND t.hi ORDER BY t.ord, r.i"
     ).format(p=record, more=more, lateral=lateral)

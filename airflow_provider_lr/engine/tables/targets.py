@@ -81,7 +81,7 @@ _ORIGIN = (
 
 # The sink's non-key ``GENERATED ALWAYS`` identity columns of table oid {oid}, in column order (NULL: none)
 _ALWAYS = (
-    "(SELECT array_agg(a.attname::text ORDER BY a.attnum) FROM pg_catalog.pg_attribute a WHERE a.attrelid = {oid} "
+    "(SELECT pg_catalog.array_agg(a.attname::text ORDER BY a.attnum) FROM pg_catalog.pg_attribute a WHERE a.attrelid = {oid} "
     "AND a.attnum > 0 AND NOT a.attisdropped AND a.attidentity = 'a' AND NOT EXISTS (SELECT FROM pg_catalog.pg_index i "
     "WHERE i.indrelid = a.attrelid AND i.indisprimary AND a.attnum = ANY (i.indkey)))"
 )
@@ -131,15 +131,15 @@ Found = Target | Gone | None  # None: not synced here (a conflict's changes are 
 _TARGETS = (
     "SELECT st.tid, st.table_name, st.state, t.oid, "
     + SHAPE_COLUMNS
-    + ", (SELECT NOT i.indimmediate FROM pg_index i WHERE i.indrelid = t.oid AND i.indisprimary), "
+    + ", (SELECT NOT i.indimmediate FROM pg_catalog.pg_index i WHERE i.indrelid = t.oid AND i.indisprimary), "
     + _ALWAYS.format(oid="t.oid")
     + ", "
     + _ORIGIN.format(t="st.table_name", s="%(source)s")
-    + " FROM unnest(%(tids)s::int[]) w(tid) "
+    + " FROM pg_catalog.unnest(%(tids)s::int[]) w(tid) "
     "CROSS JOIN LATERAL (SELECT w.tid, table_name, state FROM lr.sink_tables WHERE source_site_id = %(source)s "
     "AND client_name = %(client)s AND source_table_id = w.tid LIMIT 1) st "
-    "CROSS JOIN LATERAL (SELECT to_regclass(quote_ident(split_part(st.table_name, '.', 1)) || '.' "
-    "|| quote_ident(split_part(st.table_name, '.', 2)))::oid AS oid) t"
+    "CROSS JOIN LATERAL (SELECT pg_catalog.to_regclass(pg_catalog.quote_ident(pg_catalog.split_part(st.table_name, "
+    "'.', 1)) || '.' || pg_catalog.quote_ident(pg_catalog.split_part(st.table_name, '.', 2)))::oid AS oid) t"
 )
 # The sink's site id (for messages), then ``_TARGETS``' rows, each with its text form (what a
 # ``CHECK`` expects). Always at least one row (the site id's).
