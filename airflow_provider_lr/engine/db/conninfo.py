@@ -118,7 +118,11 @@ def catalog_first(conn: psycopg2.extensions.connection) -> None:
     """Built-ins in lr's statements resolve to PostgreSQL's own on ``conn``: a site whose search_path
     names a schema before pg_catalog could otherwise have a function of that schema stand in for one
     (a ``jsonb_array_elements`` that returns nothing skipped every change a sink applied, silently).
-    The application's connections keep their path: its statements run there."""
+    The application's connections keep their path: its statements run there. A server that
+    reports its path at connect (PostgreSQL 18+), one not naming pg_catalog, costs no round trip."""
+    reported = conn.info.parameter_status("search_path")
+    if reported is not None and "pg_catalog" not in reported:
+        return
     with conn.cursor() as cur:
         cur.execute(_CATALOG_FIRST)
     conn.commit()
