@@ -35,6 +35,7 @@ from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest
 from airflow_provider_lr.engine.source.log_reader import BaseSplit
+from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store.topology import Topology, config_id, drift, recorded_id, reread
 from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES, RequestStatus, SessionKey, SessionState
 
@@ -148,9 +149,9 @@ def handshake(
         on_lease(lease)
         meta = writes.fence(sink, key.source, key.client, lease.epoch)
     fault_point("after_fence")
-    negotiation, acked = _negotiate(source, key, lease, owner, meta)
-    if negotiation.decision is Decision.LOG_ENTRY_SYNC and acked < 0:
-        resnapshot_tables(sink, source, key, lease, meta)
+    negotiation = negotiate_session(source, key, lease, owner, meta)
+    if negotiation.decision is Decision.LOG_ENTRY_SYNC:
+        resnapshot_tables_if_forgotten(source, sink, key, lease, meta)
     position = Position.of(meta, lease.epoch)
     if negotiation.decision is Decision.REFUSE:
         leases.update_session(
@@ -165,28 +166,16 @@ def negotiate_session(
 ) -> Negotiation:
     """Both ends' views, read now, negotiated (``negotiation.negotiate``); an open request the sink
     already applied is closed first (``reconcile``)."""
-    return _negotiate(source, key, lease, owner, meta)[0]
-
-
-def _negotiate(
-    source: psycopg2.extensions.connection, key: SessionKey, lease: leases.Lease, owner: str, meta: writes.SinkMetadata
-) -> tuple[Negotiation, int]:
-    """``negotiate_session``, and the position the source has recorded for the session (-1: none),
-    read in the same statement as the trim mark."""
     with source.cursor() as cur:
         topology_id = config_id(cur)
-        cur.execute(
-            "SELECT t.trim_mark, coalesce(s.acked_position, -1) FROM lr.log_trim t LEFT JOIN lr.source_sessions s "
-            "ON s.sink_site_id = %s AND s.client_name = %s",
-            (key.sink, key.client),
-        )
-        trim_mark, acked = cur.fetchone()
+        cur.execute("SELECT trim_mark FROM lr.log_trim")
+        trim_mark = cur.fetchone()[0]
     source.commit()
     request = full_sync.open_request(source, key.sink, key.client)
     if request is not None and reconcile(source, key, lease, owner, meta, request):
-        request, acked = None, meta.last_log_entry_processed  # what ``record_applied`` recorded
+        request = None
     forced = bool(request and request.forced and request.request_id != meta.snapshot_request_id)
-    negotiation = negotiate(
+    return negotiate(
         SourceView(topology_id, trim_mark, forced),
         SinkView(
             meta.site_topology_config_id,
@@ -197,12 +186,11 @@ def _negotiate(
             meta.data_consistent,
         ),
     )
-    return negotiation, acked
 
 
-def resnapshot_tables(
-    sink: psycopg2.extensions.connection,
+def resnapshot_tables_if_forgotten(
     source: psycopg2.extensions.connection,
+    sink: psycopg2.extensions.connection,
     key: SessionKey,
     lease: leases.Lease,
     meta: writes.SinkMetadata,
@@ -212,6 +200,11 @@ def resnapshot_tables(
     had no such session, its federated tables' changes were captured for the other sinks only, so
     the sink's tables take new snapshots (their rows from this source replaced) before its
     log-entry sync carries them on. The source then records the sink's position: this runs once."""
+    with source.cursor() as cur:
+        acked = source_sessions.acked_positions(cur, key.client).get(key.sink, -1)
+    source.commit()
+    if acked >= 0:
+        return
     log.info(
         "session %s: new on the source, its sink at position %s: its tables take new snapshots",
         key,
