@@ -149,9 +149,9 @@ def handshake(
         on_lease(lease)
         meta = writes.fence(sink, key.source, key.client, lease.epoch)
     fault_point("after_fence")
-    negotiation = negotiate_session(source, key, lease, owner, meta)
-    if negotiation.decision is Decision.LOG_ENTRY_SYNC:
-        resnapshot_tables_if_forgotten(source, sink, key, lease, meta)
+    negotiation, acked = _negotiate(source, key, lease, owner, meta)
+    if negotiation.decision is Decision.LOG_ENTRY_SYNC and acked < 0:
+        resnapshot_tables(sink, source, key, lease, meta)
     position = Position.of(meta, lease.epoch)
     if negotiation.decision is Decision.REFUSE:
         leases.update_session(
@@ -166,16 +166,25 @@ def negotiate_session(
 ) -> Negotiation:
     """Both ends' views, read now, negotiated (``negotiation.negotiate``); an open request the sink
     already applied is closed first (``reconcile``)."""
+    return _negotiate(source, key, lease, owner, meta)[0]
+
+
+def _negotiate(
+    source: psycopg2.extensions.connection, key: SessionKey, lease: leases.Lease, owner: str, meta: writes.SinkMetadata
+) -> tuple[Negotiation, int]:
+    """``negotiate_session``, and the position the source recorded for the session (-1: none), read
+    in the same transaction (a cycle's handshake pays no round trip of its own for it)."""
     with source.cursor() as cur:
         topology_id = config_id(cur)
         cur.execute("SELECT trim_mark FROM lr.log_trim")
         trim_mark = cur.fetchone()[0]
+        acked = source_sessions.acked_position(cur, key.sink, key.client)
     source.commit()
     request = full_sync.open_request(source, key.sink, key.client)
     if request is not None and reconcile(source, key, lease, owner, meta, request):
-        request = None
+        request, acked = None, meta.last_log_entry_processed  # recorded with the request's close
     forced = bool(request and request.forced and request.request_id != meta.snapshot_request_id)
-    return negotiate(
+    negotiation = negotiate(
         SourceView(topology_id, trim_mark, forced),
         SinkView(
             meta.site_topology_config_id,
@@ -186,11 +195,12 @@ def negotiate_session(
             meta.data_consistent,
         ),
     )
+    return negotiation, acked
 
 
-def resnapshot_tables_if_forgotten(
-    source: psycopg2.extensions.connection,
+def resnapshot_tables(
     sink: psycopg2.extensions.connection,
+    source: psycopg2.extensions.connection,
     key: SessionKey,
     lease: leases.Lease,
     meta: writes.SinkMetadata,
@@ -200,11 +210,6 @@ def resnapshot_tables_if_forgotten(
     had no such session, its federated tables' changes were captured for the other sinks only, so
     the sink's tables take new snapshots (their rows from this source replaced) before its
     log-entry sync carries them on. The source then records the sink's position: this runs once."""
-    with source.cursor() as cur:
-        acked = source_sessions.acked_positions(cur, key.client).get(key.sink, -1)
-    source.commit()
-    if acked >= 0:
-        return
     log.info(
         "session %s: new on the source, its sink at position %s: its tables take new snapshots",
         key,

@@ -263,6 +263,16 @@ def last_success_ages(cur: psycopg2.extensions.cursor) -> dict[tuple[str, str], 
 
 
 # --- acknowledged positions -------------------------------------------------------------------
+def acked_position(cur: psycopg2.extensions.cursor, sink: str, client: str) -> int:
+    """The position the session's sink acknowledged; -1 when the source never recorded one (a
+    session it lost and has again) or has no such session."""
+    cur.execute(
+        "SELECT acked_position FROM lr.source_sessions WHERE sink_site_id = %s AND client_name = %s", (sink, client)
+    )
+    row = cur.fetchone()
+    return -1 if row is None or row[0] is None else row[0]
+
+
 def acked_positions(cur: psycopg2.extensions.cursor, client: str) -> dict[str, int]:
     """sink -> the position it acknowledged, for each session of ``client``."""
     cur.execute("SELECT sink_site_id, acked_position FROM lr.source_sessions WHERE client_name = %s", (client,))
