@@ -41,7 +41,10 @@ def cmd_failover(args: argparse.Namespace) -> int:
             print(f"  table {table}: a sink of the new source now; writes of this site's applications are refused")
         for name in back.reopened:
             print(f"  reopened session {name}, closed here by an earlier failover")
-        print("  its sessions from the new source start with a full sync (`lr sync` or the lr_replication DAG)")
+        if back.already:
+            print("  it ran this topology already (the switchover applied it): its sessions from the new source go on")
+        else:
+            print("  its sessions from the new source start with a full sync (`lr sync` or the lr_replication DAG)")
         return 0
     old = args.from_site or failover.only_source(topo, args.promote)
     # sites already on this failover's topology (a re-run finishing it) are fine; any other id is not

@@ -204,7 +204,9 @@ def test_an_old_source_back_after_an_unplanned_failover_is_named_to_rejoin_not_t
         f"--topology {new} --rejoin site-a`"
     ) in capsys.readouterr().err
     assert lr_sites[0].query("SELECT count(*) FROM lr.source_sessions") == [(2,)]  # nothing applied
+    capsys.readouterr()
     assert cli.main(["failover", "--topology", str(new), "--rejoin", "site-a"]) == 0
+    assert "its sessions from the new source start with a full sync" in capsys.readouterr().out
     assert cli.main(["topology", "apply", "--topology", str(new)]) == 0  # rejoined: an apply as any other
     capsys.readouterr()
     cli.main(["status", "--topology", str(new)])

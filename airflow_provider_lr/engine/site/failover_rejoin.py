@@ -31,6 +31,9 @@ class RejoinResult:
     table_tail: dict[str, int] = field(default_factory=dict)  # client -> table change entries likewise (replaced)
     guarded: list[str] = field(default_factory=list)  # its tables of the clients, now refused to its writers
     reopened: list[str] = field(default_factory=list)  # its sessions from the new source an earlier failover closed
+    # the site ran the failover's topology already (a planned switchover applied it there): its
+    # sessions from the new source had their first contact and go on as they are
+    already: bool = False
 
 
 def rejoin_site(conn: psycopg2.extensions.connection, site: str, record: dict) -> RejoinResult:
@@ -44,6 +47,7 @@ def rejoin_site(conn: psycopg2.extensions.connection, site: str, record: dict) -
     reopened: list[str] = []
     try:
         with conn.cursor() as cur:
+            already = topology_model.config_id(cur) == target.topology_config_id
             if record["from_site_id"] == site:
                 for client in record["clients"]:
                     cut = record["positions"][client]
@@ -79,5 +83,5 @@ def rejoin_site(conn: psycopg2.extensions.connection, site: str, record: dict) -
         raise
     refuse_moved_writers(conn)
     return RejoinResult(
-        site, record["failover_id"], target.topology_config_id, retired, tail, table_tail, guarded, reopened
+        site, record["failover_id"], target.topology_config_id, retired, tail, table_tail, guarded, reopened, already
     )
