@@ -72,6 +72,7 @@ class RoutingQueueSubscriber(DeliveryContext):
         self.stats = DeliveryStats()  # totals of every poll and finished run
         self.run_stats: DeliveryStats | None = None
         self._conn: psycopg2.extensions.connection | None = None  # poll()'s connection, kept open
+        self._own: wakeup.OwnWakeups | None = None  # run()'s delivery connection, which listens
 
     @property
     def client_name(self) -> str:
@@ -109,22 +110,19 @@ class RoutingQueueSubscriber(DeliveryContext):
         run's stats when stopped; stops within about 0.1 s plus any callback in progress."""
         stop = stop or threading.Event()
         stats = self.run_stats = DeliveryStats()  # live while it runs; added to ``stats`` at the end
-        tap = wakeup.Tap(self.info.connect)
         options = FollowOptions(self.batch_size, self.poll_interval, self.retry_interval, self.batch_bytes)
+        own = self._own = wakeup.OwnWakeups(self._connect, self._set_delivering, lambda: self.demand, stop)
         try:
-            wakeup.follow(
-                wakeup.Connector(self._connect, self._set_delivering),
-                listener,
-                lambda: self.demand,
-                wakeup.TapWakeups(tap, lambda: self.demand, stop),
-                stop,
-                stats,
-                options,
-            )
+            wakeup.follow(own, listener, lambda: self.demand, own, stop, stats, options)
         finally:
-            tap.close()
             self.stats.add(stats)
         return stats
+
+    @property
+    def listening(self) -> bool:
+        """``run`` holds its delivery connection, which hears the sink's wake-ups (LISTEN ``lr_recv``)."""
+        conn = self._own.conn if self._own is not None else None
+        return conn is not None and not conn.closed
 
     def _poll_conn(self) -> psycopg2.extensions.connection:
         if self._conn is None or self._conn.closed:

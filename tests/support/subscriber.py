@@ -128,6 +128,19 @@ class Background:
         return self.result
 
 
+SUBSCRIBER_APP = "lr-test-subscriber"  # the application_name of the subscribers made by subscriber_dsn
+
+
+def subscriber_dsn(site) -> str:
+    """``site``'s DSN for a subscriber whose backends ``subscriber_backends`` counts."""
+    return f"{site.dsn} application_name={SUBSCRIBER_APP}"
+
+
+def subscriber_backends(site) -> int:
+    """Backends on ``site``'s database of subscribers made with ``subscriber_dsn``."""
+    return site.query("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (SUBSCRIBER_APP,))[0][0]
+
+
 def listen_sessions(site) -> int:
     """Backends on ``site``'s database whose last statement was LISTEN lr_recv (open taps)."""
     return site.query(

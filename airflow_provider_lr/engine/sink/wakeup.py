@@ -7,13 +7,14 @@ into (client, source) wake-ups, a ``Demand`` says which of them a consumer wants
 delivers until stopped: on each wake-up, after a failure's retry interval, and with a full pass
 (discovery included) every poll interval, since a notification sent while nobody listened is lost.
 
-``RoutingQueueSubscriber.run`` owns its tap (``TapWakeups``); the relay shares one among its
-subscriptions (``relay.Subscription`` is its own ``Wakeups``).
+``RoutingQueueSubscriber.run`` listens on its own delivery connection (``OwnWakeups``); the relay
+shares one tap among its subscriptions (``relay.Subscription`` is its own ``Wakeups``).
 """
 
 from __future__ import annotations
 
 import logging
+import select
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -63,6 +64,14 @@ class Tap(NotifyChannel):
         if payloads is None:
             return ALL
         return [parse_wakeup(p) for p in payloads]
+
+
+class Connections(Protocol):
+    """How a follow loop opens and closes its delivery connection (``Connector``, ``OwnWakeups``)."""
+
+    def open(self) -> psycopg2.extensions.connection: ...
+
+    def close(self, conn: psycopg2.extensions.connection | None) -> None: ...
 
 
 class Wakeups(Protocol):
@@ -142,7 +151,7 @@ class Connector:
 
 
 def follow(
-    connector: Connector,
+    connector: Connections,
     listener: Listener,
     demand: Callable[[], Demand],
     wakeups: Wakeups,
@@ -214,20 +223,67 @@ def follow(
         connector.close(conn)
 
 
-class TapWakeups:
-    """Wake-ups for one consumer that owns its own tap (``RoutingQueueSubscriber.run``)."""
+class OwnWakeups:
+    """A consumer that listens on its own delivery connection (``RoutingQueueSubscriber.run``): the
+    ``Connector`` of its follow loop, whose connection LISTENs on ``lr_recv`` as it opens, and its
+    ``Wakeups``. A wake-up then crosses one process fewer than through a separate tap (the sink's
+    backend that sends it, the delivering backend, the consumer: no listening backend of its own
+    besides), and the consumer holds one connection. Notifications sent while the connection is
+    busy with a delivery wait for its transaction's end and arrive with the next statement's answer
+    or on the socket; after every (re)open the first wait asks for a full pass, since what was sent
+    while nobody listened is not heard."""
 
-    SLICE = 0.1  # how often the caller's stop event is looked at while waiting
+    SLICE = 0.1  # how often the stop event is looked at while waiting
 
-    def __init__(self, tap: Tap, demand: Callable[[], Demand], stop: threading.Event) -> None:
-        self.tap, self.demand, self.stop = tap, demand, stop
+    def __init__(
+        self,
+        connect: Callable[[], psycopg2.extensions.connection],
+        on_conn: Callable[[psycopg2.extensions.connection | None], None] | None,
+        demand: Callable[[], Demand],
+        stop: threading.Event,
+    ) -> None:
+        self.connector = Connector(connect, on_conn)
+        self.demand, self.stop = demand, stop
+        self.conn: psycopg2.extensions.connection | None = None
+        self.fresh = False  # (re)opened: what was sent before its LISTEN was not heard
+
+    def open(self) -> psycopg2.extensions.connection:
+        conn = self.connector.open()
+        with conn.cursor() as cur:  # autocommit: listening from here on
+            cur.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        self.conn, self.fresh = conn, True
+        return conn
+
+    def close(self, conn: psycopg2.extensions.connection | None) -> None:
+        if self.conn is conn:
+            self.conn = None
+        self.connector.close(conn)
 
     def wait(self, timeout: float) -> set[str] | None:
+        """Sources of the demand's client notified within ``timeout`` seconds; ``ALL`` after a
+        (re)open, when the connection was lost (the next pass reopens it), and at ``timeout`` when
+        there is none."""
+        if self.fresh:
+            self.fresh = False
+            return ALL
         end = time.monotonic() + timeout
         while not self.stop.is_set():
-            notes = self.tap.queues(min(self.SLICE, max(0.0, end - time.monotonic())))
-            if notes is ALL:
+            conn = self.conn
+            if conn is None:  # nothing to hear on (no queue wanted yet): the full pass when due
+                if self.stop.wait(max(0.0, min(self.SLICE, end - time.monotonic()))) or time.monotonic() < end:
+                    continue
                 return ALL
+            if conn.closed:
+                return ALL  # lost: the next pass reopens it
+            if not conn.notifies:  # none came with the last answers: wait on the socket
+                try:
+                    ready, _, _ = select.select([conn], [], [], max(0.0, min(self.SLICE, end - time.monotonic())))
+                    if ready:
+                        conn.poll()
+                except (OSError, ValueError, psycopg2.Error):
+                    return ALL  # lost: the next pass reopens it
+            notes = [parse_wakeup(note.payload) for note in conn.notifies]
+            conn.notifies.clear()
             want = self.demand()
             sources = {s for c, s in notes if want.wants(c, s)}
             if sources or time.monotonic() >= end:

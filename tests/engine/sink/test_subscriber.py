@@ -11,6 +11,7 @@ import pytest
 
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogBatch, LogRecord
+from airflow_provider_lr.engine.vocabulary import wakeup_payload
 from airflow_provider_lr.proto import lr_pb2
 from airflow_provider_lr.subscriber import DeliveryStats, MalformedEntryError, RoutingQueueSubscriber
 from tests.support.session import App, apply, queue, table_provider
@@ -22,11 +23,12 @@ from tests.support.subscriber import (
     expected,
     insert_log,
     insert_raw,
-    listen_sessions,
     refused_login,
     session_replicator,
     settle,
     started_session,
+    subscriber_backends,
+    subscriber_dsn,
     wait_until,
 )
 
@@ -115,10 +117,10 @@ def test_run_finds_a_source_that_appears_mid_run_and_keeps_two_sources_apart(lr_
     recorder = Recorder(fail_rate=0.25, seed=3)
     # Polling every 60 s: within this test only NOTIFY can bring news after the first passes.
     sub = RoutingQueueSubscriber(
-        sink_site.dsn, client_name="policy", batch_size=4, poll_interval=60.0, retry_interval=0.05
+        subscriber_dsn(sink_site), client_name="policy", batch_size=4, poll_interval=60.0, retry_interval=0.05
     )
     running = Background(lambda stop: sub.run(recorder, stop=stop), name="subscriber-run")
-    wait_until(lambda: listen_sessions(sink_site) == 1, 10, "the subscriber to LISTEN")
+    wait_until(lambda: sub.listening, 10, "the subscriber to LISTEN")
 
     settle(repl_a)
     deltas_a = []
@@ -151,7 +153,7 @@ def test_run_finds_a_source_that_appears_mid_run_and_keeps_two_sources_apart(lr_
     assert time.monotonic() - started < 2.0, "run() stops promptly"
     assert isinstance(stats, DeliveryStats) and stats.delivered == len(want_a) + len(want_c)
     assert stats.failures == recorder.raised
-    assert listen_sessions(sink_site) == 0, "run() closed its LISTEN connection"
+    assert not sub.listening and not subscriber_backends(sink_site), "run() closed its connection"
     assert queue(sink_site) == []
     for r in (repl_a, repl_c):
         r.close()
@@ -159,12 +161,32 @@ def test_run_finds_a_source_that_appears_mid_run_and_keeps_two_sources_apart(lr_
     app_c.close()
 
 
+def test_a_running_subscriber_hears_wake_ups_on_its_one_delivery_connection(lr_sites):
+    """``run`` listens on the connection it delivers on: one connection to the sink (it held a
+    second, a tap, whose backend was one more process woken for every delivery) and a notified
+    entry is delivered at once, long before its poll interval."""
+    _, sink_site, _ = lr_sites
+    recorder = Recorder()
+    sub = RoutingQueueSubscriber(subscriber_dsn(sink_site), client_name="policy", poll_interval=60.0)
+    running = Background(lambda stop: sub.run(recorder, stop=stop))
+    wait_until(lambda: sub.listening, 10, "the subscriber to LISTEN")
+    time.sleep(0.3)  # its first passes done: from here only a wake-up brings news
+    for i in range(3):
+        insert_log(sink_site, "site-x", f"x={i}")
+        sink_site.query("SELECT pg_notify('lr_recv', %s)", (wakeup_payload("policy", "site-x"),))
+        wait_until(lambda: len(recorder.of("site-x")) == i + 1, 5, f"entry {i}, notified")
+    assert recorder.of("site-x") == [("log", f"x={i}") for i in range(3)]
+    assert subscriber_backends(sink_site) == 1, "one connection: its deliveries hear the wake-ups"
+    running.stop()
+    assert subscriber_backends(sink_site) == 0
+
+
 def test_polling_fallback_delivers_what_was_never_notified(lr_sites):
     _, sink_site, _ = lr_sites
     recorder = Recorder()
     sub = RoutingQueueSubscriber(sink_site.dsn, client_name="policy", poll_interval=0.3)
     running = Background(lambda stop: sub.run(recorder, stop=stop))
-    wait_until(lambda: listen_sessions(sink_site) == 1, 10, "the subscriber to LISTEN")
+    wait_until(lambda: sub.listening, 10, "the subscriber to LISTEN")
     for i in range(3):  # written without pg_notify: only the periodic full pass can find them
         msg = lr_pb2.RoutingTableEntryMsg(type=lr_pb2.LOG_ENTRY_SYNC, opaque_payload=f"x={i}".encode())
         insert_raw(sink_site, "site-x", lr_pb2.LOG_ENTRY_SYNC, msg.SerializeToString())
@@ -381,7 +403,7 @@ def test_a_subscriber_whose_login_is_refused_stops_at_once_with_the_fix(lr_sites
     assert isinstance(running.error, ConfigurationError)
     message = str(running.error)
     assert "no_such_role" in message and "check the connection's host, database, user and password" in message
-    assert listen_sessions(sink_site) == 0
+    assert not sub.listening
 
 
 def test_a_subscriber_rides_out_a_sink_restart_and_delivers_what_came_meanwhile(lr_sites, site_manager):
@@ -390,13 +412,13 @@ def test_a_subscriber_rides_out_a_sink_restart_and_delivers_what_came_meanwhile(
     _, sink_site, _ = lr_sites
     sink_site.query(f'ALTER DATABASE "{sink_site.dbname}" SET synchronous_commit = on')  # acks survive the crash
     recorder = Recorder()
-    sub = RoutingQueueSubscriber(sink_site.dsn, client_name="policy", poll_interval=0.3, retry_interval=0.1)
+    sub = RoutingQueueSubscriber(subscriber_dsn(sink_site), client_name="policy", poll_interval=0.3, retry_interval=0.1)
     running = Background(lambda stop: sub.run(recorder, stop=stop))
     insert_log(sink_site, "site-x", "x=0")
     wait_until(lambda: recorder.of("site-x") == [("log", "x=0")], 15, "the first entry")
     crash_and_restart(site_manager, sink_site, lambda: sub.run_stats.failures >= 1)
     insert_log(sink_site, "site-x", "x=1")
     wait_until(lambda: recorder.of("site-x") == [("log", "x=0"), ("log", "x=1")], 30, "delivery after the restart")
-    wait_until(lambda: listen_sessions(sink_site) == 1, 15, "the LISTEN to be back")
+    wait_until(lambda: sub.listening and subscriber_backends(sink_site) == 1, 15, "the LISTEN to be back")
     assert running.thread.is_alive()
     running.stop()
