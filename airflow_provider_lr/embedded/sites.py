@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import pwd
+import random
 import shlex
 import shutil
 import socket
@@ -376,9 +377,29 @@ def _port_free(port: int) -> bool:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
+    """A free port below the kernel's range for outgoing connections. A port from that range (what
+    binding port 0 gives) can be taken, while its server is down, as the local end of any client's
+    connection (a consumer reconnecting in a loop): the restarted server then cannot have it back
+    and moves, and whatever holds the old address (a running `lr sync`, a subscriber) never finds
+    it again."""
+    low = _outgoing_ports()[0]
+    start, rng = max(1024, low - 16384), random.Random()
+    for _ in range(200 if start < low else 0):
+        port = rng.randrange(start, low)
+        if _port_free(port):
+            return port
+    with socket.socket() as s:  # a crowded machine: any port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _outgoing_ports() -> tuple[int, int]:
+    """The kernel's range of local ports for outgoing connections (Linux's default elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def wait_until_accepting(site: EmbeddedSite, timeout: float = 30.0) -> None:
