@@ -768,7 +768,7 @@ def test_sites_whose_search_path_puts_lookalike_built_ins_before_pg_catalog_stil
             assert client.delivery(ticket)
             with app.cursor() as cur:  # the application's path is its own again
                 cur.execute("SHOW search_path")
-                assert cur.fetchone() == ("apptrap, trap, lookalike, pg_catalog, public",)
+                assert cur.fetchone() == ("apptrap,trap,lookalike,pg_catalog,public",)
             app.close()
             streamed(streaming, source, [sink_b, sink_c], "public.accounts")
             wait_for(lambda: ("log", "sent") in queue(sink_b, "site-a"), 20, "the transmit")

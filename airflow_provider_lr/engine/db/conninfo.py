@@ -152,8 +152,10 @@ def site_path(conn: psycopg2.extensions.connection) -> Iterator[None]:
 def catalog_path(conn: psycopg2.extensions.connection) -> Iterator[None]:
     """Between the application's transactions on its own connection (a delivery wait): lr's
     statements in the block, which commit as they go, search pg_catalog alone, as on lr's own
-    connections; the connection's search_path is set back after. Nothing to do on one of lr's."""
-    if getattr(conn, "site_path", None) is not None:
+    connections; the connection's search_path is set back after. Nothing to do on one of lr's, nor
+    inside the application's transaction (the wait refuses it: commit first)."""
+    idle = conn.info.transaction_status == psycopg2.extensions.TRANSACTION_STATUS_IDLE
+    if getattr(conn, "site_path", None) is not None or not idle:
         yield
         return
     with conn.cursor() as cur:
