@@ -676,7 +676,17 @@ SAME_OPERATORS = (
     ("=", "text", "text"),
     ("=", "bigint", "bigint"),
     ("=", "integer", "integer"),
+    ("=", "oid", "oid"),
+    ("=", "name", "name"),
     ("<", "bigint", "bigint"),
+    (">", "bigint", "bigint"),
+    ("<=", "integer", "integer"),
+    (">=", "bigint", "bigint"),
+    ("<>", "text", "text"),
+    ("~~", "text", "text"),
+    ("#>>", "jsonb", "text[]"),
+    ("->", "jsonb", "text"),
+    ("-", "timestamptz", "timestamptz"),
 )
 
 
