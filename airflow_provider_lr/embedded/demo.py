@@ -180,7 +180,7 @@ def run(manager: SiteManager, sink_count: int = 2) -> int:
     _apply(manager, topo, connect)
     print(f"\ntopology {topo.topology_config_id}: {source} -> {', '.join(sinks)} for client {CLIENT!r}")
 
-    app = connect(source)
+    app = by_id[source].conninfo().connect(Purpose.APPLICATION)  # the source application's own connection
     with app.cursor() as cur:
         cur.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} (k text PRIMARY KEY, v bigint NOT NULL)")
     app.commit()

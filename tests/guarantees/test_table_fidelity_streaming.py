@@ -15,12 +15,16 @@ import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.db import conninfo
+from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
 from airflow_provider_lr.engine.sink import stream_batch
+from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.tables import registry
+from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 from tests.support.session import Streaming, apply, empty_provider, queue, replicator, wait_for
+from tests.support.subscriber import Recorder
 from tests.support.tables import (
     CONSTRAINT_SCENARIOS,
     PEOPLE,
@@ -644,6 +648,65 @@ def test_a_column_added_at_the_source_while_streaming_is_refused_until_the_sink_
     assert logs(sink) == logs(other) == ["warm 1", "warm 2", "warm 3", "noted", "deleted", "later"]
 
 
+# Functions and operators named like built-ins lr's statements call, of *other* argument types than
+# PostgreSQL's: each is a better match than the built-in for some argument (``unnest(text[])`` beats
+# ``unnest(anyarray)``, ``pg_advisory_xact_lock(integer)`` an integer literal's ``bigint``), wherever
+# its schema is on the path. Each raises: a statement that reaches one fails, naming it.
+LOOKALIKES = (
+    ("unnest", "text[]", "SETOF text"),
+    ("unnest", "integer[]", "SETOF integer"),
+    ("unnest", "bigint[]", "SETOF bigint"),
+    ("array_agg", "text", "text[]"),
+    ("array_agg", "integer", "integer[]"),
+    ("count", "text", "bigint"),
+    ("count", "bigint", "bigint"),
+    ("jsonb_agg", "jsonb", "jsonb"),
+    ("jsonb_build_object", "text, text", "jsonb"),
+    ("pg_advisory_xact_lock", "integer", "void"),
+    ("pg_try_advisory_xact_lock", "integer", "boolean"),
+    ("pg_advisory_xact_lock", "integer, bigint", "void"),
+    ("to_timestamp", "integer", "timestamptz"),
+    ("length", "varchar", "integer"),
+    ("lower", "varchar", "text"),
+)
+LOOKALIKE_OPERATORS = (("=", "oid", "integer"), ("=", "text", "varchar"), ("||", "text", "integer"))
+# Lookalikes of the *same* argument types as the built-ins: they win only where their schema comes
+# before pg_catalog on the path, as an application's own connection may have it.
+SAME_OPERATORS = (
+    ("=", "text", "text"),
+    ("=", "bigint", "bigint"),
+    ("=", "integer", "integer"),
+    ("=", "oid", "oid"),
+    ("=", "name", "name"),
+    ("<", "bigint", "bigint"),
+    (">", "bigint", "bigint"),
+    ("<=", "integer", "integer"),
+    (">=", "bigint", "bigint"),
+    ("<>", "text", "text"),
+    ("~~", "text", "text"),
+    ("#>>", "jsonb", "text[]"),
+    ("->", "jsonb", "text"),
+    ("-", "timestamptz", "timestamptz"),
+)
+
+
+def lookalikes(schema: str, same: bool = False) -> str:
+    """The SQL that plants the lookalikes in ``schema`` (``same``: the same-type operators there too)."""
+    made = [f"CREATE SCHEMA {schema}"]
+    for n, (name, args, returns) in enumerate(LOOKALIKES):
+        made.append(
+            f"CREATE FUNCTION {schema}.{name}({args}) RETURNS {returns} LANGUAGE plpgsql "
+            f"AS $$ BEGIN RAISE EXCEPTION 'lookalike {schema}.{name}({args}) called (%%)', {n}; END $$"
+        )
+    for n, (op, left, right) in enumerate(LOOKALIKE_OPERATORS + (SAME_OPERATORS if same else ())):
+        made.append(
+            f"CREATE FUNCTION {schema}.op{n}({left}, {right}) RETURNS boolean LANGUAGE plpgsql "
+            f"AS $$ BEGIN RAISE EXCEPTION 'lookalike operator {schema}.{op}({left}, {right}) called'; END $$"
+        )
+        made.append(f"CREATE OPERATOR {schema}.{op} (LEFTARG = {left}, RIGHTARG = {right}, FUNCTION = {schema}.op{n})")
+    return "; ".join(made)
+
+
 @pytest.mark.parametrize("connections", ["lr's own", "keeping the site's path"])
 def test_sites_whose_search_path_puts_lookalike_built_ins_before_pg_catalog_still_open_snapshot_and_stream(
     lr_sites, connections
@@ -652,9 +715,16 @@ def test_sites_whose_search_path_puts_lookalike_built_ins_before_pg_catalog_stil
     built-ins lr's statements call (a ``jsonb_array_elements`` that returns nothing at a sink, an
     ``unnest`` that returns nothing at the source): before, the sink's position moved past every
     streamed change it skipped, silently, and ``lr tables open`` at the source said "no primary key".
-    lr's own connections search pg_catalog first, and the tables' statements name the built-ins with
+    lr's own connections search pg_catalog alone, and the tables' statements name the built-ins with
     their schema (so they hold on a connection that keeps the site's path, as an engine API caller's
-    may): the tables stay equal and nothing is refused."""
+    may): the tables stay equal and nothing is refused.
+
+    On lr's own connections the sites also hold lookalikes of *other* argument types (which win
+    PostgreSQL's overload resolution wherever they are on the path: ``unnest(text[])`` over
+    ``unnest(anyarray)``, operators too), each raising when called, and the application's own
+    connections (its transmits, its subscriber) search a schema of same-type operators before
+    pg_catalog: streaming, the table's snapshot, a transmit, a full sync, the subscriber and
+    ``lr status`` never call one."""
     source, sink_b, sink_c = lr_sites
     topo = apply(lr_sites)
     trap = (
@@ -664,14 +734,25 @@ def test_sites_whose_search_path_puts_lookalike_built_ins_before_pg_catalog_stil
         "CREATE FUNCTION trap.unnest(anyarray) RETURNS SETOF anyelement LANGUAGE sql "
         "AS $$ SELECT NULL WHERE false $$"
     )
+    create_accounts(source, rows=5)
+    own = connections == "lr's own"
     for site in (source, sink_b):
         site.query(trap)
-        site.query(f'ALTER DATABASE "{site.dbname}" SET search_path = trap, pg_catalog, public')
-    create_accounts(source, rows=5)
+        path = "trap, pg_catalog, public"
+        if own:
+            site.query(lookalikes("lookalike"))
+            site.query(lookalikes("apptrap", same=True))
+            path = "trap, lookalike, pg_catalog, public"
+        site.query(f'ALTER DATABASE "{site.dbname}" SET search_path = {path}')
     infos = {s.site_id: conninfo.from_dsn(s.dsn) for s in lr_sites}  # as `lr` connects
+    # the application's connections: its own path, a schema of same-type operators first
+    apps = {
+        s.site_id: conninfo.from_dsn(s.dsn + " options='-c search_path=apptrap,trap,lookalike,pg_catalog,public'")
+        for s in lr_sites
+    }
 
     def connect(site: str) -> psycopg2.extensions.connection:
-        return infos[site].connect() if connections == "lr's own" else psycopg2.connect(infos[site].dsn)
+        return infos[site].connect() if own else psycopg2.connect(infos[site].dsn)
 
     lrs = connect("site-a")
     try:
@@ -684,6 +765,34 @@ def test_sites_whose_search_path_puts_lookalike_built_ins_before_pg_catalog_stil
         source.query("UPDATE public.accounts SET balance = 7 WHERE id < 3")
         source.query("INSERT INTO public.accounts (id, owner) VALUES (50, 'new')")
         streamed(streaming, source, [sink_b, sink_c], "public.accounts")
+        if own:
+            app = apps["site-a"].connect(Purpose.APPLICATION)
+            client = RoutingQueueClient(app, "policy")
+            with app.cursor() as cur:
+                cur.execute("UPDATE public.accounts SET balance = 8 WHERE id = 4")
+            ticket = client.transmit_log_entry_message(b"sent", ["site-b", "site-c"])
+            app.commit()
+            assert client.serve_full_sync_requests(empty_provider) == []
+            client.wait_until_safe(ticket, timeout=20)
+            client.wait_until_ready(["site-b", "site-c"], timeout=20)
+            assert client.delivery(ticket)
+            with app.cursor() as cur:  # the application's path is its own again
+                cur.execute("SHOW search_path")
+                assert cur.fetchone() == ("apptrap,trap,lookalike,pg_catalog,public",)
+            app.close()
+            streamed(streaming, source, [sink_b, sink_c], "public.accounts")
+            wait_for(lambda: ("log", "sent") in queue(sink_b, "site-a"), 20, "the transmit")
+            sub = RoutingQueueSubscriber(apps["site-b"], client_name="policy")
+            recorder = Recorder()
+            sub.poll(recorder)
+            assert recorder.of("site-a") == [("start", ""), ("end", ""), ("log", "sent")], recorder.errors
+            sub.close()
+            for site in lr_sites:
+                conn = infos[site.site_id].connect()
+                try:
+                    assert "public.accounts" in status.render(status.site_status(conn))
+                finally:
+                    conn.close()
         assert not [r.error for r in streaming.cycles if r.error] and not [
             e for e in streaming.streamer.ends if e.error
         ]

@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -101,31 +102,81 @@ class ConnInfo:
         return conn
 
 
-# a site's search_path that names pg_catalog after another schema, as lr's connections search it:
-# the same path without that entry (PostgreSQL then searches pg_catalog first by itself; the first
-# schema named still takes what is created unqualified). Any other path is left as it is.
-_CATALOG_FIRST = """
-SELECT CASE WHEN 'pg_catalog' = ANY (p.schemas) AND p.schemas[1] <> 'pg_catalog' THEN pg_catalog.set_config(
-    'search_path',
-    pg_catalog.array_to_string(ARRAY(
-        SELECT pg_catalog.quote_ident(s.name) FROM pg_catalog.unnest(p.schemas) WITH ORDINALITY s(name, n)
-        WHERE s.name <> 'pg_catalog' ORDER BY s.n), ', '),
-    false) END
-FROM (SELECT pg_catalog.current_schemas(false) AS schemas) p"""
+# lr's own connections search pg_catalog alone (as PostgreSQL's replication workers do): no function
+# or operator of another schema can then stand in for a built-in, not even one of other argument
+# types that a better match would pick wherever it is on the path. lr names every other object with
+# its schema. The site's path (without pg_catalog, which PostgreSQL then searches first by itself)
+# is kept on the connection for the application code lr runs there (a full-sync provider). The
+# statement itself runs with the site's path: every name in it is qualified.
+_CATALOG_ONLY = """
+SELECT pg_catalog.array_to_string(ARRAY(
+    SELECT pg_catalog.quote_ident(s.name) FROM pg_catalog.unnest(pg_catalog.current_schemas(false))
+    WITH ORDINALITY s(name, n) WHERE s.name OPERATOR(pg_catalog.<>) 'pg_catalog' ORDER BY s.n), ', '),
+    pg_catalog.set_config('search_path', 'pg_catalog', false)"""
 
 
 def catalog_first(conn: psycopg2.extensions.connection) -> None:
     """Built-ins in lr's statements resolve to PostgreSQL's own on ``conn``: a site whose search_path
-    names a schema before pg_catalog could otherwise have a function of that schema stand in for one
-    (a ``jsonb_array_elements`` that returns nothing skipped every change a sink applied, silently).
-    The application's connections keep their path: its statements run there. A server that
-    reports its path at connect (PostgreSQL 18+), one not naming pg_catalog, costs no round trip."""
-    reported = conn.info.parameter_status("search_path")
-    if reported is not None and "pg_catalog" not in reported:
+    names a schema holding a function or operator named like one could otherwise have it stand in
+    (a ``jsonb_array_elements`` that returns nothing skipped every change a sink applied, silently;
+    an ``unnest(text[])`` beats ``pg_catalog.unnest(anyarray)`` wherever it is on the path). The
+    search_path becomes ``pg_catalog`` alone; ``conn.site_path`` keeps the site's (``site_path``).
+    The application's connections keep their path: its statements run there."""
+    if conn.info.parameter_status("search_path") == "pg_catalog":  # reported at connect (PostgreSQL 18+)
+        conn.site_path = ""
         return
     with conn.cursor() as cur:
-        cur.execute(_CATALOG_FIRST)
+        cur.execute(_CATALOG_ONLY)
+        conn.site_path = cur.fetchone()[0]
     conn.commit()
+
+
+@contextmanager
+def site_path(conn: psycopg2.extensions.connection) -> Iterator[None]:
+    """Inside a transaction of ``conn``: the application's code run in the block (a full-sync provider)
+    resolves its names through the site's search_path, as on a connection of its own, where one of
+    lr's searches pg_catalog alone (``catalog_first``); lr's statements after it, pg_catalog again.
+    A connection lr did not open (the application's) keeps its path throughout."""
+    path = getattr(conn, "site_path", None)
+    if path is None:
+        yield
+        return
+    with conn.cursor() as cur:
+        cur.execute("SELECT pg_catalog.set_config('search_path', %s, true)", (path,))
+    yield
+    with conn.cursor() as cur:
+        cur.execute("SELECT pg_catalog.set_config('search_path', 'pg_catalog', true)")
+
+
+@contextmanager
+def catalog_path(conn: psycopg2.extensions.connection) -> Iterator[None]:
+    """Between the application's transactions on its own connection (a delivery wait): lr's
+    statements in the block, which commit as they go, search pg_catalog alone, as on lr's own
+    connections; the connection's search_path is set back after. Nothing to do on one of lr's, nor
+    inside the application's transaction (the wait refuses it: commit first)."""
+    idle = conn.info.transaction_status == psycopg2.extensions.TRANSACTION_STATUS_IDLE
+    if getattr(conn, "site_path", None) is not None or not idle:
+        yield
+        return
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT pg_catalog.current_setting('search_path'), pg_catalog.set_config('search_path', 'pg_catalog', false)"
+        )
+        path = cur.fetchone()[0]
+    if not conn.autocommit:
+        conn.commit()
+    try:
+        yield
+    finally:
+        try:
+            if not conn.autocommit:
+                conn.rollback()  # what the block left open (it commits what it keeps)
+            with conn.cursor() as cur:
+                cur.execute("SELECT pg_catalog.set_config('search_path', %s, false)", (path,))
+            if not conn.autocommit:
+                conn.commit()
+        except psycopg2.Error:  # the connection is gone: the block's own error says why
+            pass
 
 
 def connect_dsn(

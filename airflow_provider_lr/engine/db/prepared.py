@@ -59,7 +59,8 @@ def ensure(conn: psycopg2.extensions.connection, *statements: Prepared) -> None:
         return
     with conn.cursor() as cur:
         cur.execute(
-            "SELECT name FROM pg_catalog.pg_prepared_statements WHERE name = ANY(%s)", ([s.name for s in missing],)
+            "SELECT name FROM pg_catalog.pg_prepared_statements WHERE name OPERATOR(pg_catalog.=) ANY(%s)",
+            ([s.name for s in missing],),
         )
         there = {name for (name,) in cur.fetchall()}
         for statement in missing:

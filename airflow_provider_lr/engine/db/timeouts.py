@@ -340,6 +340,7 @@ class BoundedConnection(psycopg2.extensions.connection):
     stall_deadline_s: float | None = None  # while ``lifted``: its COPY cut once no byte moved this long
     reopen: Callable[[], psycopg2.extensions.connection] | None = None  # a second one, for heartbeats
     site: str | None = None
+    site_path: str | None = None  # the site's search_path, its own being pg_catalog (``conninfo.catalog_first``)
     was_cut = False  # by ``DEADLINES``: its failure is a dead link, not the server's
     cut_after_s = 0.0  # the deadline that cut it
 

@@ -164,8 +164,9 @@ def discover(conn: psycopg2.extensions.connection, client: str) -> list[str]:
     prefix = queue_prefix(client).replace("\\", "\\\\").replace("_", "\\_").replace("%", "\\%")
     with conn.cursor() as cur:
         cur.execute(
-            "SELECT source_site_id FROM lr.registry WHERE kind = 'receive_queue' AND stream_name LIKE %s "
-            "AND client_name = %s AND source_site_id IS NOT NULL ORDER BY 1",
+            "SELECT source_site_id FROM lr.registry WHERE kind OPERATOR(pg_catalog.=) 'receive_queue' "
+            "AND stream_name OPERATOR(pg_catalog.~~) %s AND client_name OPERATOR(pg_catalog.=) %s "
+            "AND source_site_id IS NOT NULL ORDER BY 1",
             (prefix + "%", client),
         )
         sources = [r[0] for r in cur.fetchall()]

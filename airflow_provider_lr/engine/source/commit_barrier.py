@@ -32,9 +32,11 @@ LAST_DRAWN_POSITION_SQL = "SELECT CASE WHEN is_called THEN last_value ELSE 0 END
 _HOLDERS_SQL = """
 SELECT l.virtualtransaction, l.pid
 FROM pg_catalog.pg_locks l
-WHERE l.locktype = 'advisory' AND l.granted
-  AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database())
-  AND l.classid = 0 AND l.objid = %s AND l.objsubid = 1
+WHERE l.locktype OPERATOR(pg_catalog.=) 'advisory' AND l.granted
+  AND l.database OPERATOR(pg_catalog.=) (SELECT d.oid FROM pg_catalog.pg_database d
+                                         WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database())
+  AND l.classid OPERATOR(pg_catalog.=) 0::pg_catalog.oid AND l.objid OPERATOR(pg_catalog.=) %s::pg_catalog.oid
+  AND l.objsubid OPERATOR(pg_catalog.=) 1::pg_catalog.int2
 """
 
 
@@ -98,15 +100,18 @@ def in_flight_commits(conn: psycopg2.extensions.connection, vxids: set[str] | No
         cur.execute(
             """
             SELECT l.virtualtransaction, l.pid, a.xact_start::pg_catalog.text, a.query_start::pg_catalog.text,
-                   a.state, a.query, extract(epoch FROM pg_catalog.now()
-                                             - coalesce(a.xact_start, p.prepared, pg_catalog.now()))::float8, p.gid
+                   a.state, a.query, extract(epoch FROM pg_catalog.now() OPERATOR(pg_catalog.-)
+                                 coalesce(a.xact_start, p.prepared, pg_catalog.now()))::pg_catalog.float8, p.gid
             FROM pg_catalog.pg_locks l
-            LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
-            LEFT JOIN pg_catalog.pg_locks x ON l.pid IS NULL AND x.locktype = 'transactionid'
-                 AND x.virtualtransaction = l.virtualtransaction
-            LEFT JOIN pg_catalog.pg_prepared_xacts p ON p.transaction = x.transactionid
-            WHERE l.locktype = 'advisory' AND l.granted AND l.classid = 0 AND l.objid = %s AND l.objsubid = 1
-              AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database())
+            LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid OPERATOR(pg_catalog.=) l.pid
+            LEFT JOIN pg_catalog.pg_locks x ON l.pid IS NULL AND x.locktype OPERATOR(pg_catalog.=) 'transactionid'
+                 AND x.virtualtransaction OPERATOR(pg_catalog.=) l.virtualtransaction
+            LEFT JOIN pg_catalog.pg_prepared_xacts p ON p.transaction OPERATOR(pg_catalog.=) x.transactionid
+            WHERE l.locktype OPERATOR(pg_catalog.=) 'advisory' AND l.granted
+              AND l.classid OPERATOR(pg_catalog.=) 0::pg_catalog.oid AND l.objid OPERATOR(pg_catalog.=) %s::pg_catalog.oid
+              AND l.objsubid OPERATOR(pg_catalog.=) 1::pg_catalog.int2
+              AND l.database OPERATOR(pg_catalog.=) (SELECT d.oid FROM pg_catalog.pg_database d
+                                                     WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database())
             """,
             (COMMIT_LOCK_KEY,),
         )

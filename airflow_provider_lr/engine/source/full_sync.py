@@ -27,6 +27,7 @@ import psycopg2.errors
 import psycopg2.extensions
 
 from airflow_provider_lr.engine import progress
+from airflow_provider_lr.engine.db import conninfo
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, FullSyncError, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, commit_barrier
@@ -436,8 +437,9 @@ def serve_full_sync_requests(
                 cur.execute(LAST_DRAWN_POSITION_SQL)
                 upto = cur.fetchone()[0]
                 cur.execute(
-                    f"SELECT {_COLUMNS} FROM lr.full_sync_requests WHERE client_name = %s AND status = '{RequestStatus.PENDING}' "
-                    "AND (%s::text IS NULL OR sink_site_id = %s) ORDER BY requested_at LIMIT 1 FOR UPDATE SKIP LOCKED",
+                    f"SELECT {_COLUMNS} FROM lr.full_sync_requests WHERE client_name OPERATOR(pg_catalog.=) %s "
+                    f"AND status OPERATOR(pg_catalog.=) '{RequestStatus.PENDING}' AND (%s::pg_catalog.text IS NULL "
+                    "OR sink_site_id OPERATOR(pg_catalog.=) %s) ORDER BY requested_at LIMIT 1 FOR UPDATE SKIP LOCKED",
                     (client.client_name, sink, sink),
                 )
                 row = cur.fetchone()
@@ -449,7 +451,8 @@ def serve_full_sync_requests(
                 ctx = FullSyncContext(client, request, base, split)
                 ctx._add(b"", lr_pb2.SNAPSHOT_SYNC_START, base_snapshot_xids=snapshot, base_snapshot_upto=upto)
                 try:
-                    provider(ctx)
+                    with conninfo.site_path(conn):
+                        provider(ctx)
                 except Exception as exc:
                     raise FullSyncError(
                         f"full-sync provider for client {client.client_name!r} failed on request "
@@ -463,7 +466,7 @@ def serve_full_sync_requests(
                 cur.execute(
                     f"UPDATE lr.full_sync_requests SET status = '{RequestStatus.SUPPLIED}', supplied_at = pg_catalog.now(), "
                     "supplied_tx = pg_catalog.pg_current_xact_id(), base_position = %s, base_snapshot = %s, base_upto = %s, "
-                    "entries = %s WHERE request_id = %s",
+                    "entries = %s WHERE request_id OPERATOR(pg_catalog.=) %s",
                     (base, snapshot, upto, ctx.count, request.request_id),
                 )
             conn.commit()
@@ -481,5 +484,8 @@ def serve_full_sync_requests(
 
 def _note(conn: psycopg2.extensions.connection, request_id: str, note: str) -> None:
     with conn.cursor() as cur:
-        cur.execute("UPDATE lr.full_sync_requests SET note = %s WHERE request_id = %s", (note[:2000], request_id))
+        cur.execute(
+            "UPDATE lr.full_sync_requests SET note = %s WHERE request_id OPERATOR(pg_catalog.=) %s",
+            (note[:2000], request_id),
+        )
     conn.commit()

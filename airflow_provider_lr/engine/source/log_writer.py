@@ -112,7 +112,9 @@ class LogWriter:
         with self.conn.cursor() as cur:
             if topology_limit:
                 self.max_payload_bytes = applied_max_payload_bytes(cur) or DEFAULT_MAX_PAYLOAD_BYTES
-            cur.execute("SELECT client_id FROM lr.clients WHERE client_name = %s", (self.client_name,))
+            cur.execute(
+                "SELECT client_id FROM lr.clients WHERE client_name OPERATOR(pg_catalog.=) %s", (self.client_name,)
+            )
             row = cur.fetchone()
             self.client_id = row[0] if row else 0
             self._tag_ids = source_sessions.sink_tags(cur, self.client_name)
@@ -124,7 +126,10 @@ class LogWriter:
         per session and survive rollback. Pass ``prepared=False`` behind a pooler that discards
         session state (``DISCARD ALL``) between transactions."""
         with self.conn.cursor() as cur:
-            cur.execute("SELECT 1 FROM pg_catalog.pg_prepared_statements WHERE name = %s", (PREPARED_INSERT,))
+            cur.execute(
+                "SELECT 1 FROM pg_catalog.pg_prepared_statements WHERE name OPERATOR(pg_catalog.=) %s",
+                (PREPARED_INSERT,),
+            )
             if cur.fetchone() is None:
                 cur.execute(
                     f"PREPARE {PREPARED_INSERT} (pg_catalog.int2, pg_catalog.int4[], pg_catalog.int4, "

@@ -309,28 +309,29 @@ def register(cur: psycopg2.extensions.cursor, source: str, client: str) -> None:
 # --- the subscribers' side ------------------------------------------------------------------------
 # The consumer lock's outcome, for the statements after it in the delivery transaction (a setting
 # local to the transaction: it ends with it).
-_LOCKED = "pg_catalog.current_setting('lr.receive_locked')::boolean"
+_LOCKED = "pg_catalog.current_setting('lr.receive_locked')::pg_catalog.bool"
 _LOCK = (
     "SELECT pg_catalog.set_config('lr.receive_locked', "
-    "pg_catalog.pg_try_advisory_xact_lock(%(lock_class)s, pg_catalog.hashtext(%(queue)s))::text, true)"
+    "pg_catalog.pg_try_advisory_xact_lock(%(lock_class)s, pg_catalog.hashtext(%(queue)s))::pg_catalog.text, true)"
 )
 # the head's columns: (seq, kind, entry_count, delivered, message length, message when it is at most
 # %(inline)s bytes, else NULL), of the queue's visible rows
 _HEAD = (
     "seq, kind, entry_count, delivered, pg_catalog.octet_length(message), "
-    "CASE WHEN pg_catalog.octet_length(message) <= %(inline)s THEN message END FROM lr.receive_queue "
-    "WHERE client_name = %(client)s AND source_site_id = %(source)s AND visible"
+    "CASE WHEN pg_catalog.octet_length(message) OPERATOR(pg_catalog.<=) %(inline)s THEN message END "
+    "FROM lr.receive_queue WHERE client_name OPERATOR(pg_catalog.=) %(client)s "
+    "AND source_site_id OPERATOR(pg_catalog.=) %(source)s AND visible"
 )
 # the snapshot barrier: the lowest seq of an invisible row (a full sync still being transferred)
 _BARRIER = (
-    "(SELECT pg_catalog.min(seq) FROM lr.receive_queue WHERE source_site_id = %(source)s AND client_name = %(client)s "
-    "AND NOT visible)"
+    "(SELECT pg_catalog.min(seq) FROM lr.receive_queue WHERE source_site_id OPERATOR(pg_catalog.=) %(source)s "
+    "AND client_name OPERATOR(pg_catalog.=) %(client)s AND NOT visible)"
 )
 
 _FIRST = f"SELECT {_BARRIER}, {_HEAD} AND {_LOCKED} ORDER BY seq LIMIT %(limit)s"  # the first rows, with the lock
 # prepared on a subscriber's delivery connection: planning it costs more than running it
 HEAD = Prepared(
-    "lr_receive_head_v1",  # versioned: another lr's statement of this name is never taken for this one
+    "lr_receive_head_v2",  # versioned: another lr's statement of this name is never taken for this one
     _FIRST,
     {"source": "pg_catalog.text", "client": "pg_catalog.text", "inline": "pg_catalog.int4", "limit": "pg_catalog.int8"},
 )
@@ -381,14 +382,14 @@ def declare_head(
     queue's visible rows after ``after`` in ``seq`` order, the head's columns, for the caller to
     send with its first ``FETCH`` from it."""
     return cur.mogrify(
-        f"DECLARE {name} NO SCROLL CURSOR FOR SELECT {_HEAD} AND seq > %(after)s ORDER BY seq; ",
+        f"DECLARE {name} NO SCROLL CURSOR FOR SELECT {_HEAD} AND seq OPERATOR(pg_catalog.>) %(after)s ORDER BY seq; ",
         {"inline": inline_bytes, "client": client, "source": source, "after": after},
     )
 
 
 def messages(cur: psycopg2.extensions.cursor, seqs: list[int]) -> dict[int, Any]:
     """The messages of the rows ``seqs`` (those still there)."""
-    cur.execute("SELECT seq, message FROM lr.receive_queue WHERE seq = ANY(%s)", (seqs,))
+    cur.execute("SELECT seq, message FROM lr.receive_queue WHERE seq OPERATOR(pg_catalog.=) ANY(%s)", (seqs,))
     return dict(cur.fetchall())
 
 
@@ -400,10 +401,10 @@ def consume(
     statements: list[str] = []
     params: list[Any] = []
     if finished:
-        statements.append("DELETE FROM lr.receive_queue WHERE seq = ANY(%s)")
+        statements.append("DELETE FROM lr.receive_queue WHERE seq OPERATOR(pg_catalog.=) ANY(%s)")
         params.append(finished)
     if partial is not None:
-        statements.append("UPDATE lr.receive_queue SET delivered = %s WHERE seq = %s")
+        statements.append("UPDATE lr.receive_queue SET delivered = %s WHERE seq OPERATOR(pg_catalog.=) %s")
         params.extend(partial)
     if commit:
         statements.append("COMMIT")

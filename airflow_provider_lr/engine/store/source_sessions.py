@@ -345,8 +345,8 @@ def sink_tags(cur: psycopg2.extensions.cursor, client: str) -> dict[str, int]:
     """sink -> its tag id, for each session of ``client`` (in the caller's transaction: an
     application's, for the log writer)."""
     cur.execute(
-        "SELECT r.site_id, r.tag_id FROM lr.source_sessions s JOIN lr.remote_sites r ON r.site_id = s.sink_site_id "
-        "WHERE s.client_name = %s",
+        "SELECT r.site_id, r.tag_id FROM lr.source_sessions s JOIN lr.remote_sites r "
+        "ON r.site_id OPERATOR(pg_catalog.=) s.sink_site_id WHERE s.client_name OPERATOR(pg_catalog.=) %s",
         (client,),
     )
     return dict(cur.fetchall())

@@ -241,7 +241,9 @@ def recorded_id(conn: psycopg2.extensions.connection) -> str | None:
 def applied_max_payload_bytes(cur: psycopg2.extensions.cursor) -> int | None:
     """The applied topology's ``settings: max_payload_bytes`` (None: not set, or none applied), in
     the caller's transaction (an application's, for the log writer)."""
-    cur.execute("SELECT (document #>> '{settings,max_payload_bytes}')::bigint FROM lr.topology")
+    cur.execute(
+        "SELECT (document OPERATOR(pg_catalog.#>>) '{settings,max_payload_bytes}')::pg_catalog.int8 FROM lr.topology"
+    )
     row = cur.fetchone()
     return row[0] if row else None
 

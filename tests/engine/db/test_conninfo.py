@@ -6,8 +6,11 @@ import json
 
 import pytest
 
+from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.db import conninfo, schema
 from airflow_provider_lr.engine.errors import ConfigurationError, mask_secrets
+from airflow_provider_lr.engine.source import full_sync
+from tests.support.session import apply
 
 
 def test_env_connection_json_and_uri_forms(monkeypatch):
@@ -72,3 +75,36 @@ def test_hook_resolves_env_connection_to_a_real_site(lr_sites, monkeypatch):
     conn.close()
     ok, message = hook.test_connection()
     assert ok and "lr schema version" in message
+
+
+def test_lrs_connections_search_pg_catalog_alone_and_a_provider_resolves_through_the_sites_path(lr_sites):
+    """lr's own connection searches pg_catalog alone (a lookalike of another schema of the site's path
+    cannot stand in for a built-in); a full-sync provider it runs, the application's code, reads its
+    table unqualified through the site's path, as on a connection of its own; lr's statements after
+    it search pg_catalog again."""
+    site = lr_sites[0]
+    apply(lr_sites)
+    site.query("CREATE SCHEMA app; CREATE TABLE app.things (v text); INSERT INTO app.things VALUES ('thing')")
+    site.query(f'ALTER DATABASE "{site.dbname}" SET search_path = app, pg_catalog, public')
+    conn = conninfo.from_dsn(site.dsn).connect()
+    seen = []
+
+    def provider(ctx) -> None:
+        with ctx.conn.cursor() as cur:
+            cur.execute("SELECT v FROM things")  # the application's own name, unqualified
+            seen.extend(cur.fetchall())
+            cur.execute("SHOW search_path")
+            seen.extend(cur.fetchall())
+        ctx.transmit(b"thing")
+
+    try:
+        assert conn.site_path == "app, public"
+        full_sync.request_full_sync(conn, "site-b", "policy", "a test")
+        conn.commit()
+        assert RoutingQueueClient(conn, "policy").serve_full_sync_requests(provider) != []
+        assert seen == [("thing",), ("app, public",)]
+        with conn.cursor() as cur:
+            cur.execute("SHOW search_path")
+            assert cur.fetchone() == ("pg_catalog",)
+    finally:
+        conn.close()

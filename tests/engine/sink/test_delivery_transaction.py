@@ -153,7 +153,7 @@ def test_a_connection_that_lost_the_prepared_head_read_goes_on_reading_it_as_tex
 
     listener = Deallocates()
     assert sub.poll(listener) == 3 and sub.stats.failures == 0
-    assert listener.prepared == [["lr_receive_head_v1"], [], []]
+    assert listener.prepared == [["lr_receive_head_v2"], [], []]
     assert listener.of("site-x") == [("log", "x=1"), ("log", "x=2"), ("log", "x=3")]
     sub.close()
 

@@ -817,7 +817,8 @@ def test_reapply_restores_what_a_kind_needs(lr_sites, made):
 def test_every_security_definer_function_of_lr_pins_its_search_path(lr_sites):
     """A SECURITY DEFINER function runs with its owner's rights: one that resolved names through the
     caller's search_path could be made to run a function or operator any role with CREATE on a schema
-    planted there. Each of lr's pins its own (``SET search_path``), and PUBLIC cannot reach them."""
+    planted there. Each of lr's pins its own (``SET search_path``), and PUBLIC cannot reach them. So
+    does every other function of lr (a new migration's too), pg_catalog first."""
     site = lr_sites[0]
     loose = site.query(
         "SELECT p.oid::regprocedure::text FROM pg_catalog.pg_proc p "
@@ -830,5 +831,13 @@ def test_every_security_definer_function_of_lr_pins_its_search_path(lr_sites):
         "WHERE n.nspname = 'lr' AND p.prosecdef"
     )[0][0]
     assert definers > 0 and loose == [], loose
+    # every other function of lr too (a trigger's runs in the application's transaction, with its
+    # path): each searches pg_catalog first, or a lookalike of another schema could stand in
+    unpinned = site.query(
+        "SELECT p.oid::regprocedure::text FROM pg_catalog.pg_proc p "
+        "JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = 'lr' AND NOT EXISTS ("
+        "  SELECT FROM unnest(coalesce(p.proconfig, '{}')) c WHERE c LIKE 'search\\_path=pg\\_catalog%%')"
+    )
+    assert unpinned == [], f"lr functions that do not pin search_path = pg_catalog, ...: {unpinned}"
     # and none of them can be reached by a role lr was not asked to grant: PUBLIC may not use the schema
     assert site.query("SELECT pg_catalog.has_schema_privilege('public', 'lr', 'USAGE')") == [(False,)]
