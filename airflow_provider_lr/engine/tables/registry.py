@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import psycopg2.extensions
 from psycopg2 import sql
 
+from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.errors import TableError
-from airflow_provider_lr.engine.source import moved
+from airflow_provider_lr.engine.source import closed_tables, moved
 from airflow_provider_lr.engine.tables.definition import TableName, read_definition
 
 _TRIGGERS = {  # operation -> its transition tables (statement-level triggers see all rows at once)
@@ -98,6 +99,8 @@ def open_table(conn: psycopg2.extensions.connection, name: str, client: str, fed
                 result = federate(cur, table, client, current)
             else:
                 stop_capture(cur, table)
+                if current is not None and current.table_id is not None:
+                    _note_closed(conn, cur, table)
                 cur.execute(
                     "INSERT INTO lr.registry (stream_name, kind, is_federated, client_name) VALUES (%s, 'table', false, %s) "
                     "ON CONFLICT (stream_name) DO UPDATE SET is_federated = false, client_name = EXCLUDED.client_name, "
@@ -150,6 +153,7 @@ def close_table(conn: psycopg2.extensions.connection, name: str) -> RegisteredTa
                             sql.Identifier(trigger_name(operation)), sql.Identifier(*renamed_to)
                         )
                     )
+            _note_closed(conn, cur, table)
             cur.execute(
                 "UPDATE lr.registry SET table_id = NULL, registered_at = now() "
                 "WHERE stream_name = %s AND kind = 'table'",
@@ -162,6 +166,19 @@ def close_table(conn: psycopg2.extensions.connection, name: str) -> RegisteredTa
     except BaseException:
         conn.rollback()
         raise
+
+
+def _note_closed(conn: psycopg2.extensions.connection, cur: psycopg2.extensions.cursor, table: TableName) -> None:
+    """Keep the table id of the federation a close ends (V0031): its changes committed before
+    stay in the log under it, and a forced full sync of a sink that has not received them waits
+    for them or is refused (``closed_tables.wait_for_closes``); before, the full sync passed
+    them and the sink's copy lacked them for good."""
+    if schema.at_least(conn, closed_tables.CLOSED_TABLE_ID_SCHEMA):
+        cur.execute(
+            "UPDATE lr.registry SET closed_table_id = table_id WHERE stream_name = %s AND kind = 'table' "
+            "AND table_id IS NOT NULL",
+            (str(table),),
+        )
 
 
 def federate(
@@ -427,6 +444,24 @@ def federated_tables_of(
     for client, name, table_id, renamed_to in rows:
         out[client].append(FederatedTable(TableName.parse(name), table_id, tuple(renamed_to) if renamed_to else None))
     return out
+
+
+def opened_here(conn: psycopg2.extensions.connection, client: str) -> bool:
+    """Whether this source opened a table as federated for ``client``, captured now or closed since:
+    such a client without a full-sync provider is one of tables only (``no_queue_data``). Before,
+    only captured tables counted, so once its tables were closed every full sync of the client
+    waited for a provider's data that never came."""
+    idle = conn.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT EXISTS (SELECT 1 FROM lr.registry WHERE kind = 'table' AND is_federated AND client_name = %s "
+            "AND source_site_id IS NULL)",
+            (client,),
+        )
+        found = bool(cur.fetchone()[0])
+    if idle:
+        conn.rollback()
+    return found
 
 
 def no_queue_data(ctx: object) -> None:
