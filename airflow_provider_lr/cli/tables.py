@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import psycopg2.extensions
+
 from airflow_provider_lr.cli.common import (
     UsageError,
     at_site,
@@ -86,22 +88,42 @@ def cmd_tables_close(args: argparse.Namespace) -> int:
     return 0
 
 
+_Listed = tuple[list[table_registry.RegisteredTable], list[table_registry.HeldCopy]]
+
+
 def cmd_tables_list(args: argparse.Namespace) -> int:
-    """Exit 2 when a site could not be read (the others are listed all the same)."""
+    """Each site's tables: those registered there (opened, closed, kept out) and the copies it holds
+    as a sink (where from, their state; closed at a source read in the same run). Exit 2 when a site
+    could not be read (the others are listed all the same)."""
     topo = load_topology(args)
     code = 0
     sites = args.site or sorted(topo.sites)
     check_topology(topo, sites)
-    for site_id, found in read_each(sites, connector(topo), table_registry.list_tables):
-        if isinstance(found, str):
-            print(f"{site_id}: {found}")
+    found: dict[str, _Listed | str] = {}
+    for site_id, read in read_each(sites, connector(topo), _tables_and_copies):
+        assert isinstance(read, (tuple, str))
+        found[site_id] = read
+    closed = {
+        (site, str(t.table)) for site, read in found.items() if not isinstance(read, str) for t in read[0] if t.closed
+    }
+    for site_id, read in found.items():
+        if isinstance(read, str):
+            print(f"{site_id}: {read}")
             code = 2
             continue
-        assert isinstance(found, list)
-        print(f"{site_id}:" + ("" if found else " no tables registered"))
-        for table in found:
-            print(f"  {table.describe()}")
+        registered, copies = read
+        print(f"{site_id}:" + ("" if registered or copies else " no tables registered"))
+        held = {str(c.table) for c in copies}
+        for table in registered:
+            if not (table.source_site_id and str(table.table) in held):  # its copies say it below
+                print(f"  {table.describe()}")
+        for copy in copies:
+            print(f"  {copy.describe((copy.source_site_id, str(copy.table)) in closed)}")
     return code
+
+
+def _tables_and_copies(conn: psycopg2.extensions.connection) -> _Listed:
+    return table_registry.list_tables(conn), table_registry.list_copies(conn)
 
 
 def add_tables(sub: argparse._SubParsersAction) -> None:

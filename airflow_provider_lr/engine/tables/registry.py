@@ -68,6 +68,10 @@ class RegisteredTable:
         return is_closed(self.federated, self.table_id, self.source_site_id)
 
     def describe(self) -> str:
+        if self.source_site_id and self.federated and self.table_id is None:  # a sink's registration
+            return (
+                f"{self.table} registered by {self.source_site_id} client={self.client_name or '-'}, no copy held now"
+            )
         flag = (
             "closed (not captured; its sinks keep their copy)"
             if self.closed
@@ -75,6 +79,36 @@ class RegisteredTable:
         )
         origin = f" (from {self.source_site_id})" if self.source_site_id else ""
         return f"{self.table} {flag} client={self.client_name or '-'}{origin}"
+
+
+@dataclass(frozen=True)
+class HeldCopy:
+    """A copy of a source's federated table this site holds as its sink (``lr.sink_tables``)."""
+
+    table: TableName
+    source_site_id: str
+    client_name: str
+    state: str  # syncing, synced, conflict, refused
+    source_table_id: int
+    rows: int | None  # rows of its last snapshot
+
+    def describe(self, closed_at_source: bool = False) -> str:
+        rows = f", {self.rows} rows in its snapshot" if self.rows is not None else ""
+        shut = f" (closed at {self.source_site_id}: this copy is kept, no longer updated)" if closed_at_source else ""
+        return f"{self.table} copy from {self.source_site_id} client={self.client_name}: {self.state}{rows}{shut}"
+
+
+def list_copies(conn: psycopg2.extensions.connection) -> list[HeldCopy]:
+    """Every copy of a federated table this site holds as a sink, by name and source: ``lr tables
+    list`` said "no tables registered" at a sink that held them, or called them federated."""
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT table_name, source_site_id, client_name, state, source_table_id, rows_copied FROM lr.sink_tables "
+            "ORDER BY table_name, source_site_id, client_name"
+        )
+        found = cur.fetchall()
+    conn.rollback()
+    return [HeldCopy(TableName.parse(r[0]), *r[1:]) for r in found]
 
 
 def open_table(conn: psycopg2.extensions.connection, name: str, client: str, federated: bool = True) -> RegisteredTable:
