@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.store import sink_sessions, source_sessions
-from airflow_provider_lr.engine.tables import registry, sequences
+from airflow_provider_lr.engine.tables import capturable, registry, sequences
 from airflow_provider_lr.engine.tables import sink as sink_tables
 from airflow_provider_lr.engine.tables.definition import TableName
 from airflow_provider_lr.engine.tables.registry import FederatedTable
@@ -224,7 +224,7 @@ def diverged(conn: psycopg2.extensions.connection) -> list[Divergence]:
                         "not replicated (reopen it: lr tables open)",
                     )
                 )
-            elif (hierarchy := registry.not_capturable(cur, TableName.parse(name))) is not None:
+            elif (hierarchy := capturable.not_capturable(cur, TableName.parse(name))) is not None:
                 found.append(  # made a partition, or given an inheritance parent or child, since it was opened
                     Divergence(
                         name,
