@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.cli.common import (
@@ -15,7 +16,7 @@ from airflow_provider_lr.cli.common import (
     read_each,
     with_topology,
 )
-from airflow_provider_lr.engine.errors import LRError, listing
+from airflow_provider_lr.engine.errors import LRError, listing, one_line
 from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.tables import registry as table_registry
 from airflow_provider_lr.engine.tables.definition import TableName
@@ -83,12 +84,30 @@ def cmd_tables_close(args: argparse.Namespace) -> int:
             f"{site_id}: {table.table} closed: no longer captured or carried by its sessions"
             + (f"; its sinks {listing(sinks)} keep their copy, no longer updated" if sinks else "")
         )
+        _tell_sinks(topo, sinks, site_id, args.table, table.client_name or "")
     if not closed:
         raise LRError(f"{args.table} is captured on no site of the topology (lr tables list)")
     return 0
 
 
 _Listed = tuple[list[table_registry.RegisteredTable], list[table_registry.HeldCopy]]
+
+
+def _tell_sinks(topo: topologies.Topology, sinks: list[str], source: str, table: str, client: str) -> None:
+    """Record the close on each sink's copy (``note_closed_copy``), so that a failover promoting
+    one of them leaves the table closed; a sink not reached is said, not fatal: the close holds."""
+    for sink in sinks:
+        try:
+            conn = connector(topo)(sink)
+            try:
+                table_registry.note_closed_copy(conn, table, source, client)
+            finally:
+                conn.close()
+        except (LRError, psycopg2.Error) as exc:
+            print(
+                f"  {sink}: not told of the close ({one_line(exc)}): a failover promoting it would capture "
+                f"the table again; run lr tables close {table} --site {source} again once it is reachable"
+            )
 
 
 def cmd_tables_list(args: argparse.Namespace) -> int:
