@@ -4,14 +4,20 @@ tables against what its source federates, each copy against a close at its sourc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Protocol
 
 from airflow_provider_lr.engine.tables.registry import is_closed
 from airflow_provider_lr.engine.tables.targets import TableState
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
-if TYPE_CHECKING:
-    from airflow_provider_lr.engine.site.status import SiteStatus
+
+class SiteRead(Protocol):
+    """What these checks read of a site's status (``status.SiteStatus``)."""
+
+    trim_mark: int
+    sessions: list[dict]
+    tables: list[dict]
 
 
 def session_key(session: dict) -> SessionKey:
@@ -19,13 +25,13 @@ def session_key(session: dict) -> SessionKey:
     return SessionKey(session["source_site_id"], session["sink_site_id"], session["client_name"])
 
 
-def trim_marks(found: dict[str, SiteStatus | str]) -> dict[str, int]:
+def trim_marks(found: Mapping[str, SiteRead | str]) -> dict[str, int]:
     """The trim mark of every site read in one status run: a sink's sessions are checked against
     their source's."""
     return {site: st.trim_mark for site, st in found.items() if not isinstance(st, str)}
 
 
-def closed_tables(found: dict[str, SiteStatus | str]) -> set[tuple[str, str]]:
+def closed_tables(found: Mapping[str, SiteRead | str]) -> set[tuple[str, str]]:
     """(site, table) of every table closed at a site read in one status run (``lr tables close``):
     opened there as federated, captured no more. Its sinks' copies are marked with it."""
     return {
@@ -37,7 +43,7 @@ def closed_tables(found: dict[str, SiteStatus | str]) -> set[tuple[str, str]]:
     }
 
 
-def mark_tables_lacking(found: dict[str, SiteStatus | str]) -> None:
+def mark_tables_lacking(found: Mapping[str, SiteRead | str]) -> None:
     """Note on each session whose source and sink were read the tables its source federates for
     the client that its sink has not synced (``tables_lacking``): the snapshot after a full sync, or
     of a table just opened, still to come or under way. Until then it is not called ready."""
@@ -66,7 +72,7 @@ def mark_tables_lacking(found: dict[str, SiteStatus | str]) -> None:
                 )
 
 
-def mark_sink_positions(found: dict[str, SiteStatus | str]) -> None:
+def mark_sink_positions(found: Mapping[str, SiteRead | str]) -> None:
     """Note on each source session whose sink was read in the same run the sink's own position
     (``sink_position``): the acknowledged one trails it (a stream acknowledges what the sink holds
     durably, lazily), and a retention trim in that window made ``lr status`` call a sink that held
@@ -86,7 +92,7 @@ def mark_sink_positions(found: dict[str, SiteStatus | str]) -> None:
                 s["sink_position"] = own[session_key(s)]
 
 
-def cross_check(found: dict[str, SiteStatus | str]) -> None:
+def cross_check(found: Mapping[str, SiteRead | str]) -> None:
     """Every note a status run makes across the sites it read (before readiness is judged)."""
     mark_sink_positions(found)
     mark_tables_lacking(found)
