@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+import psycopg2
+import psycopg2.extensions
+
 from airflow_provider_lr.cli.common import (
     UsageError,
     at_site,
@@ -13,7 +16,7 @@ from airflow_provider_lr.cli.common import (
     read_each,
     with_topology,
 )
-from airflow_provider_lr.engine.errors import LRError, listing
+from airflow_provider_lr.engine.errors import LRError, listing, one_line
 from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.tables import registry as table_registry
 from airflow_provider_lr.engine.tables.definition import TableName
@@ -81,27 +84,65 @@ def cmd_tables_close(args: argparse.Namespace) -> int:
             f"{site_id}: {table.table} closed: no longer captured or carried by its sessions"
             + (f"; its sinks {listing(sinks)} keep their copy, no longer updated" if sinks else "")
         )
+        _tell_sinks(topo, sinks, site_id, args.table, table.client_name or "")
     if not closed:
         raise LRError(f"{args.table} is captured on no site of the topology (lr tables list)")
     return 0
 
 
+_Listed = tuple[list[table_registry.RegisteredTable], list[table_registry.HeldCopy]]
+
+
+def _tell_sinks(topo: topologies.Topology, sinks: list[str], source: str, table: str, client: str) -> None:
+    """Record the close on each sink's copy (``note_closed_copy``), so that a failover promoting
+    one of them leaves the table closed; a sink not reached is said, not fatal: the close holds."""
+    for sink in sinks:
+        try:
+            conn = connector(topo)(sink)
+            try:
+                table_registry.note_closed_copy(conn, table, source, client)
+            finally:
+                conn.close()
+        except (LRError, psycopg2.Error) as exc:
+            print(
+                f"  {sink}: not told of the close ({one_line(exc)}): a failover promoting it would capture "
+                f"the table again; run lr tables close {table} --site {source} again once it is reachable"
+            )
+
+
 def cmd_tables_list(args: argparse.Namespace) -> int:
-    """Exit 2 when a site could not be read (the others are listed all the same)."""
+    """Each site's tables: those registered there (opened, closed, kept out) and the copies it holds
+    as a sink (where from, their state; closed at a source read in the same run). Exit 2 when a site
+    could not be read (the others are listed all the same)."""
     topo = load_topology(args)
     code = 0
     sites = args.site or sorted(topo.sites)
     check_topology(topo, sites)
-    for site_id, found in read_each(sites, connector(topo), table_registry.list_tables):
-        if isinstance(found, str):
-            print(f"{site_id}: {found}")
+    found: dict[str, _Listed | str] = {}
+    for site_id, read in read_each(sites, connector(topo), _tables_and_copies):
+        assert isinstance(read, (tuple, str))
+        found[site_id] = read
+    closed = {
+        (site, str(t.table)) for site, read in found.items() if not isinstance(read, str) for t in read[0] if t.closed
+    }
+    for site_id, read in found.items():
+        if isinstance(read, str):
+            print(f"{site_id}: {read}")
             code = 2
             continue
-        assert isinstance(found, list)
-        print(f"{site_id}:" + ("" if found else " no tables registered"))
-        for table in found:
-            print(f"  {table.describe()}")
+        registered, copies = read
+        print(f"{site_id}:" + ("" if registered or copies else " no tables registered"))
+        held = {str(c.table) for c in copies}
+        for table in registered:
+            if not (table.source_site_id and str(table.table) in held):  # its copies say it below
+                print(f"  {table.describe()}")
+        for copy in copies:
+            print(f"  {copy.describe((copy.source_site_id, str(copy.table)) in closed)}")
     return code
+
+
+def _tables_and_copies(conn: psycopg2.extensions.connection) -> _Listed:
+    return table_registry.list_tables(conn), table_registry.list_copies(conn)
 
 
 def add_tables(sub: argparse._SubParsersAction) -> None:

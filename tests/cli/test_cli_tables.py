@@ -47,7 +47,9 @@ def test_lr_tables_open_replicates_a_table_and_status_and_list_show_it(lr_sites,
     assert "conflict from site-a->site-c/policy" in out
     assert cli.main(["tables", "list", "--topology", topo]) == 0
     listed = capsys.readouterr().out
-    assert "site-b:\n  public.accounts federated client=policy (from site-a)" in listed
+    # what site-b holds: the copy, where from, its state (before: "federated", as if it were captured there)
+    assert "site-b:\n  public.accounts copy from site-a client=policy: synced, 25 rows in its snapshot\n" in listed
+    assert "site-c:\n  public.accounts not federated client=policy\n" in listed, listed
 
 
 def test_lr_tables_open_names_what_is_wrong(lr_sites, tmp_path, monkeypatch, capsys):
@@ -113,6 +115,8 @@ def test_lr_tables_close_stops_replicating_a_table_sinks_keep_their_copy_and_reo
     assert cli.main(["tables", "close", "public.accounts", "--topology", topo]) == 0
     out = capsys.readouterr().out
     assert "site-a: public.accounts closed" in out and "site-b, site-c keep their copy" in out
+    for sink in (sink_b, sink_c):  # each sink told: a failover promoting it leaves the table closed
+        assert sink.query("SELECT closed_table_id FROM lr.registry WHERE stream_name = 'public.accounts'") == [(1,)]
     assert source.query(
         "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'public.accounts'::regclass AND tgname LIKE 'lr_capture%%'"
     ) == [(0,)]
@@ -136,7 +140,13 @@ def test_lr_tables_close_stops_replicating_a_table_sinks_keep_their_copy_and_reo
         if t["role"] == "sink" or site == "site-a"
     ] == [True, True, True]
     assert cli.main(["tables", "list", "--topology", topo]) == 0
-    assert "site-a:\n  public.accounts closed" in capsys.readouterr().out
+    listed = capsys.readouterr().out
+    assert "site-a:\n  public.accounts closed" in listed
+    for sink in ("site-b", "site-c"):  # each sink's copy, where from, its state, closed at its source
+        assert (
+            f"{sink}:\n  public.accounts copy from site-a client=policy: synced, 10 rows in its snapshot "
+            "(closed at site-a: this copy is kept, no longer updated)\n"
+        ) in listed, listed
     assert cli.main(["tables", "close", "public.accounts", "--topology", topo]) == 1  # captured nowhere now
     assert "captured on no site" in capsys.readouterr().err
 

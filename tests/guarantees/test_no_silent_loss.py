@@ -203,6 +203,37 @@ def test_status_never_calls_a_sink_behind_the_trim_mark_consistent(lr_sites):
     app.close()
 
 
+def test_status_does_not_call_a_streamed_sink_holding_everything_behind_trim_while_its_ack_trails(lr_sites):
+    """``lr sync`` acknowledges what a sink holds durably, lazily (docs/streaming.md): the ack
+    trails the sink. A retention trim in that window passed the acknowledged position while the
+    sink held every entry, and ``lr status`` called the session "not ready (behind trim)" on the
+    source's line, the site DEGRADED. The sink's own position, read in the same run, decides."""
+    from airflow_provider_lr.engine.session.settings import StreamSettings
+    from airflow_provider_lr.engine.site import status
+    from tests.support.session import Streaming, wait_for
+
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK, providers=PROVIDERS)
+    app = App(source)
+    slow_acks = StreamSettings(check_interval=0.2, ack_interval=60.0, retry_min=0.1, retry_max=0.5)
+    with Streaming(replicator(topo, lr_sites, lease_seconds=2.0), slow_acks) as streaming:
+        streaming.streaming()
+        _backlog(app, 5)
+        wait_for(lambda: final_state(queue(sink_b, "site-a")) == source_state(source), 10, "the entries streamed")
+        trim.retention_trim(source.connect(), keep_seconds=0.0)
+        (acked,) = source.query("SELECT acked_position FROM lr.source_sessions")[0]
+        assert trim.trim_mark(source.connect()) > acked  # the window: the ack trails the sink
+        session = [line for line in _status_lines(lr_sites) if "site-a->site-b/policy" in line]
+        assert " ready " in session[0] and "consistent" in session[1] and "behind" not in " ".join(session), session
+        found = {}
+        for site in lr_sites[:2]:
+            conn = site.connect()
+            found[site.site_id] = status.site_status(conn, site.site_id)
+            conn.close()
+        assert status.health(found) == (status.HEALTHY, [])
+    app.close()
+
+
 def test_a_session_removed_from_the_topology_releases_its_open_full_sync_for_safe_trim(lr_sites):
     source = lr_sites[0]
     two = [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy"]}]

@@ -116,7 +116,7 @@ class SnapshotSync:
         request = self._current_request(meta)
         report.request_id = request.request_id
         provider = self.provider
-        if provider is None and registry.federated_tables(self.source, self.key.client):
+        if provider is None and registry.opened_here(self.source, self.key.client):
             provider = registry.no_queue_data  # a client of tables only: its tables follow the full sync
         if request.status == RequestStatus.PENDING and provider is not None:
             client = RoutingQueueClient(self.source, self.key.client)

@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 
 from airflow_provider_lr.engine.counters import DeliveryCounters
 from airflow_provider_lr.engine.errors import ConfigurationError
-from airflow_provider_lr.engine.site.status import SiteStatus, mark_tables_lacking, trim_marks
+from airflow_provider_lr.engine.site.status import SiteStatus, cross_check, trim_marks
 from airflow_provider_lr.engine.source.backlog import readiness
 from airflow_provider_lr.engine.store.topology import Topology
 from airflow_provider_lr.engine.vocabulary import SessionKey
@@ -47,7 +47,7 @@ class StatusCollector(Collector):
 
     def collect(self) -> Iterable[Any]:
         found = self.statuses()
-        mark_tables_lacking(found)
+        cross_check(found)
         marks = trim_marks(found)
 
         def family(name: str, text: str, labels: tuple[str, ...]) -> GaugeMetricFamily:

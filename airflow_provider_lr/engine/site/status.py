@@ -11,14 +11,18 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.errors import one_line
+from airflow_provider_lr.engine.site.status_sites import (
+    closed_tables,
+    cross_check,
+    session_key,
+    trim_marks,
+)
 from airflow_provider_lr.engine.source import delivery
 from airflow_provider_lr.engine.source.backlog import readiness, session_backlogs
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, holdback
 from airflow_provider_lr.engine.store import members, receive_queue, sink_sessions, source_sessions
 from airflow_provider_lr.engine.store.topology import Topology, TopologyDrift, config_id, drift
 from airflow_provider_lr.engine.tables import handover
-from airflow_provider_lr.engine.tables.registry import is_closed
-from airflow_provider_lr.engine.tables.targets import TableState
 from airflow_provider_lr.engine.vocabulary import (
     OPEN_STATUSES_SQL,
     RequestStatus,
@@ -216,11 +220,6 @@ def durability(conn: psycopg2.extensions.connection) -> dict:
     return {"position": position, "min_regions": regions, "rule": rule_text, "last_position": drawn}
 
 
-def session_key(session: dict) -> SessionKey:
-    """The key of a session row of ``site_status`` (either role)."""
-    return SessionKey(session["source_site_id"], session["sink_site_id"], session["client_name"])
-
-
 def waiting_for(session: dict, request: dict | None) -> str | None:
     """What a source session waits for before it can move on, or None."""
     if session["state"] == SessionState.IN_SNAPSHOT_SYNC and request is not None:
@@ -340,57 +339,10 @@ def render(
     return "\n".join(lines)
 
 
-def trim_marks(found: dict[str, SiteStatus | str]) -> dict[str, int]:
-    """The trim mark of every site read in one status run: a sink's sessions are checked against
-    their source's."""
-    return {site: st.trim_mark for site, st in found.items() if isinstance(st, SiteStatus)}
-
-
-def closed_tables(found: dict[str, SiteStatus | str]) -> set[tuple[str, str]]:
-    """(site, table) of every table closed at a site read in one status run (``lr tables close``):
-    opened there as federated, captured no more. Its sinks' copies are marked with it."""
-    return {
-        (site, t["table"])
-        for site, st in found.items()
-        if isinstance(st, SiteStatus)
-        for t in st.tables
-        if t["role"] == "registry" and is_closed(t["federated"], t["table_id"], t["source"])
-    }
-
-
-def mark_tables_lacking(found: dict[str, SiteStatus | str]) -> None:
-    """Note on each session whose source and sink were read the tables its source federates for
-    the client that its sink has not synced (``tables_lacking``): the snapshot after a full sync, or
-    of a table just opened, still to come or under way. Until then it is not called ready."""
-    captured: dict[tuple[str, str], dict[str, int]] = {}  # (source, client) -> table -> its table_id
-    synced: dict[tuple[str, str, str], dict[str, int]] = {}  # (source, sink, client) -> table -> table_id
-    kept_out: dict[str, set[str]] = {}  # sink -> tables it opened --no-federated
-    read = {site: st for site, st in found.items() if isinstance(st, SiteStatus)}
-    for site, st in read.items():
-        for t in st.tables:
-            if t["role"] == "sink" and t["state"] == TableState.SYNCED:
-                synced.setdefault((t["source"], site, t["client"]), {})[t["table"]] = t["table_id"]
-            elif t["role"] == "registry" and not t["federated"]:
-                kept_out.setdefault(site, set()).add(t["table"])
-            elif t["role"] == "registry" and t["table_id"] is not None:
-                captured.setdefault((site, t["client"]), {})[t["table"]] = t["table_id"]
-    for st in read.values():
-        for s in st.sessions:
-            key = session_key(s)
-            if key.source in read and key.sink in read:
-                have = synced.get((key.source, key.sink, key.client), {})
-                wanted = captured.get((key.source, key.client), {})
-                s["tables_lacking"] = sorted(
-                    t
-                    for t, table_id in wanted.items()
-                    if have.get(t) != table_id and t not in kept_out.get(key.sink, ())
-                )
-
-
 def render_sites(found: dict[str, SiteStatus | str]) -> str:
     """Every site's status (or why it could not be read), each sink's sessions checked against
     the trim mark of its source read in the same run, and its tables against their sources'."""
-    mark_tables_lacking(found)
+    cross_check(found)
     marks, closed = trim_marks(found), closed_tables(found)
     return "\n".join(st if isinstance(st, str) else render(st, marks, closed) for st in found.values())
 
@@ -421,7 +373,7 @@ def health(
     if unreachable:
         return UNREACHABLE, unreachable + reasons
     marks = trim_marks(found)
-    mark_tables_lacking(found)
+    cross_check(found)
     for st in found.values():
         assert isinstance(st, SiteStatus)
         for s in st.sessions:
@@ -440,7 +392,7 @@ def sites_as_dict(
     found: dict[str, SiteStatus | str], max_lag_seconds: float | None = None, topology: Topology | None = None
 ) -> dict:
     """``lr status --json``: every site, with readiness computed across sites, and the health verdict."""
-    mark_tables_lacking(found)
+    cross_check(found)
     marks, closed = trim_marks(found), closed_tables(found)
     sites = {}
     for site, st in found.items():

@@ -199,6 +199,8 @@ def readiness(session: dict, trim_mark: int | None = None) -> str:
       source was not reached — then "consistent" is not claimed). Behind the trim mark, entries it
       needs are gone: only a new full sync makes it consistent again."""
     position = session["last_applied_position"]
+    if session["role"] == "source" and session.get("sink_position") is not None:  # the sink's own, read
+        position = max(-1 if position is None else position, session["sink_position"])  # with it: the ack trails
     behind = trim_mark is not None and position is not None and position < trim_mark
     synced = (
         session["data_consistent"] if session["role"] == "sink" else session["state"] == SessionState.IN_LOG_ENTRY_SYNC

@@ -30,6 +30,7 @@ from airflow_provider_lr.engine import progress
 from airflow_provider_lr.engine.db import conninfo
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, FullSyncError, one_line
 from airflow_provider_lr.engine.faults import fault_point
+from airflow_provider_lr.engine.source import closed_tables
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, commit_barrier
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogRecord
 from airflow_provider_lr.engine.source.log_writer import LogWriter
@@ -181,11 +182,23 @@ def get_request(conn: psycopg2.extensions.connection, request_id: str) -> FullSy
 
 
 def request_for_sessions(
-    keys: list[SessionKey], connect: Callable[[str], psycopg2.extensions.connection], reason: str
+    keys: list[SessionKey],
+    connect: Callable[[str], psycopg2.extensions.connection],
+    reason: str,
+    catch_up_wait: float = closed_tables.CATCH_UP_WAIT,
 ) -> dict[SessionKey, FullSyncRequest]:
     """A forced full sync of each of ``keys`` (``lr full-sync``, the lr_full_sync DAG: a sink, a
-    source, a client or every session at once), one connection per source."""
+    source, a client or every session at once), one connection per source. None is requested
+    until every sink holds the changes its client's closed tables had before their close
+    (``closed_tables.wait_for_closes``: a full sync would pass them)."""
     made: dict[SessionKey, FullSyncRequest] = {}
+    for source in sorted({k.source for k in keys}):
+        conn = connect(source)
+        try:
+            for key in (k for k in keys if k.source == source):
+                closed_tables.wait_for_closes(conn, key.sink, key.client, catch_up_wait)
+        finally:
+            conn.close()
     for source in sorted({k.source for k in keys}):
         conn = connect(source)
         try:

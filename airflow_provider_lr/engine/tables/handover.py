@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.store import sink_sessions, source_sessions
-from airflow_provider_lr.engine.tables import registry, sequences
+from airflow_provider_lr.engine.tables import capturable, registry, sequences
 from airflow_provider_lr.engine.tables import sink as sink_tables
 from airflow_provider_lr.engine.tables.definition import TableName
 from airflow_provider_lr.engine.tables.registry import FederatedTable
@@ -68,8 +68,9 @@ def take_over(cur: psycopg2.extensions.cursor, old_source: str, client: str) -> 
     are this site's own and its sequences are past them. Tables it does not hold synced are left
     as they are."""
     taken = []
+    closed = registry.closed_copies(cur, old_source, client)  # closed at the old source: they stay so
     for name, state in held_from(cur, old_source, client).items():
-        if state != TableState.SYNCED:
+        if state != TableState.SYNCED or name in closed:
             continue
         table = TableName.parse(name)
         cur.execute("SELECT source_site_id FROM lr.registry WHERE stream_name = %s AND kind = 'table'", (name,))
@@ -105,11 +106,14 @@ def follow(
     next cycle of the session (the cut of tables). A table the new source does not capture stays
     as it is, and ``diverged`` shows it. Returns table -> what was done."""
     captured = {str(t.table): t for t in federated}
+    closed = registry.closed_copies(cur, old_source, client)
     done = {}
     for name, state in held_from(cur, old_source, client).items():
         table = captured.get(name)
         if table is None:
-            if state != TableState.CONFLICT:
+            if name in closed:
+                done[name] = f"closed at {old_source}: this copy is kept, no longer updated"
+            elif state != TableState.CONFLICT:
                 done[name] = f"diverged: {new_source} does not replicate it (no synced copy there)"
             continue
         cur.execute(
@@ -191,6 +195,8 @@ def diverged(conn: psycopg2.extensions.connection) -> list[Divergence]:
         cur.execute("SELECT site_id FROM lr.site_info")
         here = cur.fetchone()[0]
         for name, client, source, gone, to in rows:
+            if name in registry.closed_copies(cur, source, client):
+                continue  # closed at its source (lr tables close): kept on purpose, not a divergence
             session = SessionKey(source, here, client)
             why = (
                 f"its session {session} is gone"
@@ -224,7 +230,7 @@ def diverged(conn: psycopg2.extensions.connection) -> list[Divergence]:
                         "not replicated (reopen it: lr tables open)",
                     )
                 )
-            elif (hierarchy := registry.not_capturable(cur, TableName.parse(name))) is not None:
+            elif (hierarchy := capturable.not_capturable(cur, TableName.parse(name))) is not None:
                 found.append(  # made a partition, or given an inheritance parent or child, since it was opened
                     Divergence(
                         name,

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 import psycopg2.extensions
 from psycopg2 import sql
 
+from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.errors import TableError
-from airflow_provider_lr.engine.source import moved
+from airflow_provider_lr.engine.source import closed_tables, moved
+from airflow_provider_lr.engine.tables.capturable import not_capturable, without_binary_copy
 from airflow_provider_lr.engine.tables.definition import TableName, read_definition
 
 _TRIGGERS = {  # operation -> its transition tables (statement-level triggers see all rows at once)
@@ -67,6 +69,10 @@ class RegisteredTable:
         return is_closed(self.federated, self.table_id, self.source_site_id)
 
     def describe(self) -> str:
+        if self.source_site_id and self.federated and self.table_id is None:  # a sink's registration
+            return (
+                f"{self.table} registered by {self.source_site_id} client={self.client_name or '-'}, no copy held now"
+            )
         flag = (
             "closed (not captured; its sinks keep their copy)"
             if self.closed
@@ -74,6 +80,43 @@ class RegisteredTable:
         )
         origin = f" (from {self.source_site_id})" if self.source_site_id else ""
         return f"{self.table} {flag} client={self.client_name or '-'}{origin}"
+
+
+@dataclass(frozen=True)
+class HeldCopy:
+    """A copy of a source's federated table this site holds as its sink (``lr.sink_tables``)."""
+
+    table: TableName
+    source_site_id: str
+    client_name: str
+    state: str  # syncing, synced, conflict, refused
+    source_table_id: int
+    rows: int | None  # rows of its last snapshot
+
+    def describe(self, closed_at_source: bool = False) -> str:
+        rows = f", {self.rows} rows in its snapshot" if self.rows is not None else ""
+        shut = f" (closed at {self.source_site_id}: this copy is kept, no longer updated)" if closed_at_source else ""
+        return f"{self.table} copy from {self.source_site_id} client={self.client_name}: {self.state}{rows}{shut}"
+
+
+def list_copies(conn: psycopg2.extensions.connection) -> list[HeldCopy]:
+    """Every copy of a federated table this site holds as a sink, by name and source: ``lr tables
+    list`` said "no tables registered" at a sink that held them, or called them federated."""
+    found = _read_all(
+        conn,
+        "SELECT table_name, source_site_id, client_name, state, source_table_id, rows_copied FROM lr.sink_tables "
+        "ORDER BY table_name, source_site_id, client_name",
+    )
+    return [HeldCopy(TableName.parse(r[0]), *r[1:]) for r in found]
+
+
+def _read_all(conn: psycopg2.extensions.connection, statement: str) -> list[tuple]:
+    """The rows of ``statement``, its transaction ended (what ``lr tables list`` reads)."""
+    with conn.cursor() as cur:
+        cur.execute(statement)
+        found = cur.fetchall()
+    conn.rollback()
+    return found
 
 
 def open_table(conn: psycopg2.extensions.connection, name: str, client: str, federated: bool = True) -> RegisteredTable:
@@ -98,6 +141,8 @@ def open_table(conn: psycopg2.extensions.connection, name: str, client: str, fed
                 result = federate(cur, table, client, current)
             else:
                 stop_capture(cur, table)
+                if current is not None and current.table_id is not None:
+                    _note_closed(conn, cur, table)
                 cur.execute(
                     "INSERT INTO lr.registry (stream_name, kind, is_federated, client_name) VALUES (%s, 'table', false, %s) "
                     "ON CONFLICT (stream_name) DO UPDATE SET is_federated = false, client_name = EXCLUDED.client_name, "
@@ -150,6 +195,7 @@ def close_table(conn: psycopg2.extensions.connection, name: str) -> RegisteredTa
                             sql.Identifier(trigger_name(operation)), sql.Identifier(*renamed_to)
                         )
                     )
+            _note_closed(conn, cur, table)
             cur.execute(
                 "UPDATE lr.registry SET table_id = NULL, registered_at = now() "
                 "WHERE stream_name = %s AND kind = 'table'",
@@ -162,6 +208,58 @@ def close_table(conn: psycopg2.extensions.connection, name: str) -> RegisteredTa
     except BaseException:
         conn.rollback()
         raise
+
+
+def _note_closed(conn: psycopg2.extensions.connection, cur: psycopg2.extensions.cursor, table: TableName) -> None:
+    """Keep the table id of the federation a close ends (V0031): its changes committed before
+    stay in the log under it, and a forced full sync of a sink that has not received them waits
+    for them or is refused (``closed_tables.wait_for_closes``); before, the full sync passed
+    them and the sink's copy lacked them for good."""
+    if schema.at_least(conn, closed_tables.CLOSED_TABLE_ID_SCHEMA):
+        cur.execute(
+            "UPDATE lr.registry SET closed_table_id = table_id WHERE stream_name = %s AND kind = 'table' "
+            "AND table_id IS NOT NULL",
+            (str(table),),
+        )
+
+
+def note_closed_copy(conn: psycopg2.extensions.connection, name: str, source: str, client: str) -> bool:
+    """At a sink: record that ``source`` closed ``name`` (``lr tables close`` tells each sink it
+    reaches), on the copy's registry row: the federation it holds is closed (V0031). A failover that
+    promotes this site then leaves the table closed, and the copy's own: before, the promotion
+    federated it again and every other sink's copy was replaced by this one's. False: no copy here
+    (or an older schema). One transaction."""
+    table = TableName.parse(name)
+    try:
+        if not schema.at_least(conn, closed_tables.CLOSED_TABLE_ID_SCHEMA):
+            return False
+        with conn.cursor() as cur:
+            cur.execute(
+                "UPDATE lr.registry g SET closed_table_id = t.source_table_id FROM lr.sink_tables t "
+                "WHERE g.stream_name = %(name)s AND g.kind = 'table' AND g.table_id IS NULL "
+                "AND t.table_name = g.stream_name AND t.source_site_id = %(source)s AND t.client_name = %(client)s",
+                {"name": str(table), "source": source, "client": client},
+            )
+            noted = cur.rowcount > 0
+        conn.commit()
+        return noted
+    except BaseException:
+        conn.rollback()
+        raise
+
+
+def closed_copies(cur: psycopg2.extensions.cursor, source: str, client: str) -> set[str]:
+    """The tables this site holds from ``source`` for ``client`` whose federation ``source`` closed
+    (``note_closed_copy``): a failover leaves them closed, and they do not diverge."""
+    if not schema.at_least(cur.connection, closed_tables.CLOSED_TABLE_ID_SCHEMA):
+        return set()
+    cur.execute(
+        "SELECT t.table_name FROM lr.sink_tables t JOIN lr.registry g ON g.stream_name = t.table_name "
+        "AND g.kind = 'table' AND g.closed_table_id = t.source_table_id AND g.table_id IS NULL "
+        "WHERE t.source_site_id = %s AND t.client_name = %s",
+        (source, client),
+    )
+    return {name for (name,) in cur.fetchall()}
 
 
 def federate(
@@ -227,64 +325,6 @@ def federate(
     return result
 
 
-_COPYLESS = """
-WITH RECURSIVE lr_parts (attname, attnum, typid, depth) AS (
-    SELECT a.attname::text, a.attnum, a.atttypid, 0 FROM pg_catalog.pg_attribute a
-    WHERE a.attrelid = pg_catalog.to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''
-    UNION ALL  -- what a value of the type is made of: a domain's base, an array's element, a range's
-    SELECT p.attname, p.attnum, x.typid, p.depth + 1  -- subtype, a multirange's range, a composite's fields
-    FROM lr_parts p JOIN pg_catalog.pg_type t ON t.oid = p.typid
-    CROSS JOIN LATERAL (
-        SELECT t.typbasetype WHERE t.typtype = 'd'
-        UNION ALL SELECT t.typelem WHERE t.typcategory = 'A' AND t.typelem <> 0
-        UNION ALL SELECT r.rngsubtype FROM pg_catalog.pg_range r WHERE r.rngtypid = t.oid
-        UNION ALL SELECT r.rngtypid FROM pg_catalog.pg_range r WHERE r.rngmultitypid = t.oid
-        UNION ALL SELECT f.atttypid FROM pg_catalog.pg_attribute f
-                  WHERE t.typtype = 'c' AND f.attrelid = t.typrelid AND f.attnum > 0 AND NOT f.attisdropped
-    ) x (typid)
-    WHERE p.depth < 10
-)
-SELECT pg_catalog.format('%%I (%%s)', p.attname, pg_catalog.string_agg(DISTINCT pg_catalog.format_type(t.oid, NULL), ', '))
-FROM lr_parts p JOIN pg_catalog.pg_type t ON t.oid = p.typid
-WHERE t.typsend = 0 OR t.typreceive = 0
-GROUP BY p.attnum, p.attname ORDER BY p.attnum
-"""
-
-
-def without_binary_copy(cur: psycopg2.extensions.cursor, table: TableName) -> list[str]:
-    """The columns of ``table`` (each with the type at fault) that binary COPY cannot carry: their
-    type, or one a value of it is made of (an array's element, a domain's base, a composite's field,
-    a range's subtype), has no binary send or receive function (``aclitem``, some extensions'
-    types). A snapshot of such a table failed at every cycle, for good, long after it was opened."""
-    cur.execute(_COPYLESS, (table.ident.as_string(cur),))
-    return [column for (column,) in cur.fetchall()]
-
-
-def not_capturable(cur: psycopg2.extensions.cursor, table: TableName) -> str | None:
-    """Why the capture triggers would not see every change of ``table`` (or must not be put on it),
-    or None. They are statement-level: a write to a partition or an inheritance child fires the
-    triggers of the table it names only, so a partitioned table, a partition, or a table with
-    inheritance parents or children would lose the writes made through the other; lr's own tables
-    and the system's are not an application's to replicate."""
-    cur.execute(
-        "SELECT c.relkind, c.relispartition, n.nspname, "
-        "EXISTS (SELECT 1 FROM pg_catalog.pg_inherits i WHERE i.inhrelid = c.oid OR i.inhparent = c.oid) "
-        "FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
-        "WHERE c.oid = pg_catalog.to_regclass(%s)",
-        (table.ident.as_string(cur),),
-    )
-    kind, partition, schema, inherits = cur.fetchone()
-    if schema == "lr" or schema in ("pg_catalog", "information_schema") or schema.startswith(("pg_toast", "pg_temp")):
-        return f"it is one of {'lr' if schema == 'lr' else 'the system'}'s own tables"
-    if kind == "p" or partition:
-        return "it is partitioned or a partition (a write through the parent or straight to a partition would not be captured)"
-    if kind != "r":
-        return "it is not an ordinary table"
-    if inherits:
-        return "it has inheritance parents or children (a write to one of them would not be captured)"
-    return None
-
-
 def capturing(cur: psycopg2.extensions.cursor, table: TableName) -> bool:
     cur.execute(
         "SELECT count(*) FROM pg_trigger WHERE tgrelid = to_regclass(%s) AND tgname LIKE 'lr\\_capture\\_%%'",
@@ -333,13 +373,11 @@ def read(cur: psycopg2.extensions.cursor, table: TableName, lock: bool = False) 
 
 def list_tables(conn: psycopg2.extensions.connection) -> list[RegisteredTable]:
     """Every table registered on this site, by name."""
-    with conn.cursor() as cur:
-        cur.execute(
-            "SELECT stream_name, is_federated, client_name, table_id, source_site_id FROM lr.registry "
-            "WHERE kind = 'table' ORDER BY stream_name"
-        )
-        rows = cur.fetchall()
-    conn.rollback()
+    rows = _read_all(
+        conn,
+        "SELECT stream_name, is_federated, client_name, table_id, source_site_id FROM lr.registry "
+        "WHERE kind = 'table' ORDER BY stream_name",
+    )
     return [RegisteredTable(TableName.parse(r[0]), *r[1:]) for r in rows]
 
 
@@ -427,6 +465,24 @@ def federated_tables_of(
     for client, name, table_id, renamed_to in rows:
         out[client].append(FederatedTable(TableName.parse(name), table_id, tuple(renamed_to) if renamed_to else None))
     return out
+
+
+def opened_here(conn: psycopg2.extensions.connection, client: str) -> bool:
+    """Whether this source opened a table as federated for ``client``, captured now or closed since:
+    such a client without a full-sync provider is one of tables only (``no_queue_data``). Before,
+    only captured tables counted, so once its tables were closed every full sync of the client
+    waited for a provider's data that never came."""
+    idle = conn.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT EXISTS (SELECT 1 FROM lr.registry WHERE kind = 'table' AND is_federated AND client_name = %s "
+            "AND source_site_id IS NULL)",
+            (client,),
+        )
+        found = bool(cur.fetchone()[0])
+    if idle:
+        conn.rollback()
+    return found
 
 
 def no_queue_data(ctx: object) -> None:

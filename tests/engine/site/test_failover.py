@@ -20,6 +20,7 @@ from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachabl
 from airflow_provider_lr.engine.site import failover, status
 from airflow_provider_lr.engine.site import topology as topologies
 from airflow_provider_lr.engine.site.replicator import run_until_idle
+from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 from tests.support.session import App, apply, queue, sink_queue, table_provider
@@ -370,12 +371,25 @@ def _write(app: App, statement: str, key: str, value: int, destinations: list[st
 
 
 def test_after_failover_the_promoted_site_captures_the_table_and_every_other_sink_follows_it(lr_sites):
+    """public.notes was closed at site-a (its sinks told, as lr tables close does) before the
+    failover: the promotion leaves it closed and every copy its sink's own. Before, site-b federated
+    it again and site-c's copy, its own since the close, was replaced by site-b's."""
     site_a, site_b, site_c = lr_sites
     topo, app = _tables_setup(lr_sites)
+    site_a.query("CREATE TABLE public.notes (id int PRIMARY KEY, note text); INSERT INTO public.notes VALUES (1, 'a')")
+    federate(site_a, "public.notes")
     for i in range(3, 6):
         _write(app, f"UPDATE public.accounts SET balance = balance + {i} WHERE id <= 10", f"k{i}", i, [B, C])
     run_until_idle(replicator(topo, lr_sites, providers=PROVIDERS))
     assert rows(site_b) == rows(site_a) == rows(site_c)
+    conn = site_a.connect()
+    registry.close_table(conn, "public.notes")
+    conn.close()
+    for sink in (site_b, site_c):
+        conn = sink.connect()
+        assert registry.note_closed_copy(conn, "public.notes", A, "policy")
+        conn.close()
+    site_c.query("INSERT INTO public.notes VALUES (2, 'own')")  # site-c's own since the close
 
     result = failover.promote(failover.FailoverRequest(A, B, reason="site-a lost"), _connect(lr_sites, down=(A,)))
     assert result.tables == {"policy": ["public.accounts"]} and result.diverged == []
@@ -396,6 +410,10 @@ def test_after_failover_the_promoted_site_captures_the_table_and_every_other_sin
     assert sink_queue(site_c, "policy") == [f"k{i}={i}".encode() for i in range(3, 6)]  # site-a's, once each
     assert queue(site_c, source=A) == queue(site_b, source=A)
     assert site_status(site_c).diverged == [] and site_status(site_b).diverged == []
+    assert rows(site_c, "public.notes") == [("(1,a)",), ("(2,own)",)]  # kept, its own row too
+    assert site_b.query(
+        "SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'lr_capture%%' AND tgrelid = 'public.notes'::regclass"
+    ) == [(0,)]
     app.close()
     new_app.close()
 

@@ -8,11 +8,12 @@ import time
 import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
-from airflow_provider_lr.engine.errors import TableError
+from airflow_provider_lr.engine.errors import FullSyncError, TableError
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.tables import registry
-from tests.support.session import apply, apply_to, queue, replicator, run_crashing_replicator
+from airflow_provider_lr.engine.vocabulary import SessionKey
+from tests.support.session import apply, apply_to, queue, replicator, run_crashing_replicator, wait_for
 from tests.support.tables import (
     TableWriter,
     create_accounts,
@@ -310,6 +311,61 @@ def test_a_copy_a_full_sync_left_without_the_changes_made_before_its_tables_clos
     assert "closed at site-a: this copy is kept" in said[said.index("site-c:") :], said
     found = status.sites_as_dict({s.site_id: site_status(s) for s in lr_sites})["sites"]["site-b"]["tables"]
     assert [t["closed"] for t in found if t["table"] == "public.accounts"] == [True], found
+
+
+def test_a_full_sync_forced_after_a_close_lets_a_lagging_sink_take_the_changes_made_before_it_first(lr_sites):
+    """site-b had not received public.accounts' last changes when the table was closed (lr sync was
+    down). A full sync forced then passed them (the table, closed, takes no snapshot): site-b's
+    copy lacked them for good. ``lr full-sync`` now refuses while no replicator streams the session,
+    naming the table and what to do; once ``lr sync`` delivered them the full sync keeps that copy
+    whole, and asked while it streams, right after a change and the close, it waits for the sink.
+    Opened again, the table is snapshotted anew, with the changes made while it was closed."""
+    from tests.guarantees.test_table_fidelity_streaming import streaming_over
+
+    source, sink_b, sink_c = lr_sites
+    by_id = {s.site_id: s for s in lr_sites}
+    b = [SessionKey("site-a", "site-b", "policy")]
+    topo = apply(lr_sites)
+    create_accounts(source, rows=5)
+    federate(source)
+
+    def forced_full_sync() -> None:
+        (request,) = full_sync.request_for_sessions(b, lambda site: by_id[site].connect(), "asked", 10).values()
+        conn = source.connect()
+        try:
+            wait_for(
+                lambda: full_sync.outcome(conn, request.request_id).outcome is full_sync.Outcome.APPLIED,
+                30,
+                "the full sync applied at site-b",
+            )
+        finally:
+            conn.close()
+
+    def close() -> list[tuple]:
+        conn = source.connect()
+        registry.close_table(conn, "public.accounts")
+        conn.close()
+        return rows(source)
+
+    with streaming_over(topo, lr_sites) as streaming:
+        streaming.streaming()
+        wait_for(lambda: rows(sink_b) == rows(source) == rows(sink_c), 30, "the first snapshot")
+    source.query("UPDATE public.accounts SET owner = 'before the close'")
+    at_close = close()
+    with pytest.raises(FullSyncError, match=r"has not received the changes of public.accounts .*no replicator holds"):
+        full_sync.request_for_sessions(b, lambda site: by_id[site].connect(), "asked")
+    with streaming_over(topo, lr_sites) as streaming:
+        wait_for(lambda: rows(sink_b) == at_close == rows(sink_c), 30, "the changes made before the close")
+        source.query("UPDATE public.accounts SET owner = 'after the close' WHERE id = 1")  # not captured
+        forced_full_sync()
+        assert rows(sink_b) == at_close
+        federate(source)  # opened again: a new snapshot, with the change made while it was closed
+        wait_for(lambda: rows(sink_b) == rows(source) == rows(sink_c), 30, "the table opened again")
+        source.query("UPDATE public.accounts SET owner = 'last' WHERE id = 2")
+        at_close = close()
+        forced_full_sync()  # at once: the request waits for site-b to acknowledge the change
+        assert rows(sink_b) == at_close
+    assert "closed at site-a: this copy is kept" in status.render_sites({s.site_id: site_status(s) for s in lr_sites})
 
 
 def test_a_child_federated_after_its_parent_is_snapshotted_with_it_so_no_reference_is_missing(lr_sites):

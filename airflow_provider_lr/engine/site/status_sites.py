@@ -1,0 +1,98 @@
+"""What one ``lr status`` run learns by reading several sites at once: each sink's sessions checked
+against its source's trim mark, each source's against its sink's own position, each session's
+tables against what its source federates, each copy against a close at its source."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+from airflow_provider_lr.engine.tables.registry import is_closed
+from airflow_provider_lr.engine.tables.targets import TableState
+from airflow_provider_lr.engine.vocabulary import SessionKey
+
+
+class SiteRead(Protocol):
+    """What these checks read of a site's status (``status.SiteStatus``)."""
+
+    trim_mark: int
+    sessions: list[dict]
+    tables: list[dict]
+
+
+def session_key(session: dict) -> SessionKey:
+    """The key of a session row of ``site_status`` (either role)."""
+    return SessionKey(session["source_site_id"], session["sink_site_id"], session["client_name"])
+
+
+def trim_marks(found: Mapping[str, SiteRead | str]) -> dict[str, int]:
+    """The trim mark of every site read in one status run: a sink's sessions are checked against
+    their source's."""
+    return {site: st.trim_mark for site, st in found.items() if not isinstance(st, str)}
+
+
+def closed_tables(found: Mapping[str, SiteRead | str]) -> set[tuple[str, str]]:
+    """(site, table) of every table closed at a site read in one status run (``lr tables close``):
+    opened there as federated, captured no more. Its sinks' copies are marked with it."""
+    return {
+        (site, t["table"])
+        for site, st in found.items()
+        if not isinstance(st, str)
+        for t in st.tables
+        if t["role"] == "registry" and is_closed(t["federated"], t["table_id"], t["source"])
+    }
+
+
+def mark_tables_lacking(found: Mapping[str, SiteRead | str]) -> None:
+    """Note on each session whose source and sink were read the tables its source federates for
+    the client that its sink has not synced (``tables_lacking``): the snapshot after a full sync, or
+    of a table just opened, still to come or under way. Until then it is not called ready."""
+    captured: dict[tuple[str, str], dict[str, int]] = {}  # (source, client) -> table -> its table_id
+    synced: dict[tuple[str, str, str], dict[str, int]] = {}  # (source, sink, client) -> table -> table_id
+    kept_out: dict[str, set[str]] = {}  # sink -> tables it opened --no-federated
+    read = {site: st for site, st in found.items() if not isinstance(st, str)}
+    for site, st in read.items():
+        for t in st.tables:
+            if t["role"] == "sink" and t["state"] == TableState.SYNCED:
+                synced.setdefault((t["source"], site, t["client"]), {})[t["table"]] = t["table_id"]
+            elif t["role"] == "registry" and not t["federated"]:
+                kept_out.setdefault(site, set()).add(t["table"])
+            elif t["role"] == "registry" and t["table_id"] is not None:
+                captured.setdefault((site, t["client"]), {})[t["table"]] = t["table_id"]
+    for st in read.values():
+        for s in st.sessions:
+            key = session_key(s)
+            if key.source in read and key.sink in read:
+                have = synced.get((key.source, key.sink, key.client), {})
+                wanted = captured.get((key.source, key.client), {})
+                s["tables_lacking"] = sorted(
+                    t
+                    for t, table_id in wanted.items()
+                    if have.get(t) != table_id and t not in kept_out.get(key.sink, ())
+                )
+
+
+def mark_sink_positions(found: Mapping[str, SiteRead | str]) -> None:
+    """Note on each source session whose sink was read in the same run the sink's own position
+    (``sink_position``): the acknowledged one trails it (a stream acknowledges what the sink holds
+    durably, lazily), and a retention trim in that window made ``lr status`` call a sink that held
+    every entry "behind trim", its site DEGRADED. The sink's own position is the truth."""
+    own = {
+        session_key(s): s["last_applied_position"]
+        for st in found.values()
+        if not isinstance(st, str)
+        for s in st.sessions
+        if s["role"] == "sink" and s["data_consistent"] and not s.get("failed_over_to")
+    }
+    for st in found.values():
+        if isinstance(st, str):
+            continue
+        for s in st.sessions:
+            if s["role"] == "source" and own.get(session_key(s)) is not None:
+                s["sink_position"] = own[session_key(s)]
+
+
+def cross_check(found: Mapping[str, SiteRead | str]) -> None:
+    """Every note a status run makes across the sites it read (before readiness is judged)."""
+    mark_sink_positions(found)
+    mark_tables_lacking(found)
