@@ -116,7 +116,7 @@ class FanoutDriver:
             raise ConfigurationError(f"site {source!r} is the source of no session in the topology")
         resolve = conninfo or (lambda site: site_conninfo(topology, site))  # how the tee reaches each site
         self._dsns = {site: resolve(site).dsn_for(Purpose.BULK) for site in {source, *(k.sink for k in self.sessions)}}
-        self._connect = connect or (lambda site: connect_dsn(self._dsns[site], Purpose.BULK))
+        self._connect = connect or (lambda site: connect_dsn(self._dsns[site], Purpose.BULK, topology.timeouts))
         self.src = self._connect(source)
         lift(self.src)  # its own: a session connection from ``connect`` too gets the bulk bounds
         self.leases: dict[str, leases.Lease] = {}
@@ -158,6 +158,7 @@ class FanoutDriver:
             skipped=skipped,
             faults=os.environ.get(FAULT_ENV),
             staged=staged,
+            timeouts=self.topology.timeouts,
         )
         if not demands:
             return empty

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
+from airflow_provider_lr.engine.db.timeouts import DEFAULT, Timeouts
 from airflow_provider_lr.engine.session.handshake import Position
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
@@ -57,6 +58,9 @@ class FanoutPlan:
     blocked_by: tuple[str, ...] = ()
     faults: str | None = field(default=None, repr=False)  # $LR_FAULT of the driver (tests)
     staged: bool = False  # chunks teed at once, staged and published in order (``bulk/staged_tee.py``)
+    # the topology's bounds, for the tee's connections (a DSN carries the server's and the socket's,
+    # not the heartbeat's: a call on a stopped site is cut once the heartbeat finds it lost)
+    timeouts: Timeouts = field(default=DEFAULT, repr=False)
 
     @property
     def entries(self) -> int:

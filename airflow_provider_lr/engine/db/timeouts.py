@@ -55,7 +55,7 @@ class Purpose(str, Enum):
     """What a connection is for: which session settings it gets."""
 
     SESSION = "session"  # replication work (cycles, streams, the CLI, operators): every bound
-    BULK = "bulk"  # long moves (Spark, the tee, snapshots, migrations): the bulk_* bounds, no deadline
+    BULK = "bulk"  # long moves (Spark, the tee, snapshots, migrations): the bulk_* bounds, a heartbeat
     APPLICATION = (
         "application"  # statements of the application run in it (a subscriber's listener): network bounds only
     )
@@ -389,9 +389,12 @@ _UNCHECK_CLIENT = "; RESET client_connection_check_interval"
 
 def lift(conn: psycopg2.extensions.connection) -> None:
     """Make a session connection a bulk one for the rest of its life (a connection the caller owns
-    and closes): no statement or idle-in-transaction timeout, no call deadline."""
+    and closes): no statement or idle-in-transaction timeout, no call deadline; its calls watched by
+    the heartbeat instead, as ``lifted``'s (a stopped server would hold them for good)."""
     _set(conn, _LIFT + (_CHECK_CLIENT if conn.server_version >= 140000 else ""))
     if isinstance(conn, BoundedConnection):
+        if conn.deadline_s is not None:
+            conn.stall_deadline_s = conn.deadline_s
         conn.deadline_s = None
 
 

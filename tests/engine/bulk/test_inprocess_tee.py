@@ -3,6 +3,16 @@ process (engine/bulk/fanout.py), then session cycles carry on; exactly once, in 
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, suppress
+
+import pytest
+
+from airflow_provider_lr.engine.bulk import fanout
+from airflow_provider_lr.engine.faults import on_fault
 from tests.support.session import replicator, sink_queue
 from tests.support.spark_env import (  # noqa: F401 (lr_connections is a fixture)
     expected_queue,
@@ -90,6 +100,87 @@ def test_the_source_lost_in_the_middle_of_a_tee_is_reported_and_the_next_cycles_
         with on_fault("fanout_after_commit_p0_a0", cut_source):
             repl.run_cycle()  # must not raise: one source's trouble is reported, not thrown
         repl.run(max_cycles=5, until_idle=True, interval=0.01)
+    finally:
+        repl.close()
+    delivered_exactly(lr_sites)
+
+
+# A heartbeat's bounds kept short: a call is watched after 0.5 + 1 + 1 x 1 = 2.5 s, and its probe's
+# connect gives up after 2 s; no TCP bound fires first (a stopped server's kernel takes every byte).
+SHORT = {
+    "statement_timeout_s": 0.5,
+    "keepalives_idle_s": 1,
+    "keepalives_interval_s": 1,
+    "keepalives_count": 1,
+    "connect_timeout_s": 2,
+    "tcp_user_timeout_s": 120,
+}
+SLACK = 8.0  # a shared 2-core machine: scheduling, not the bound
+
+
+@contextmanager
+def frozen(site_manager, site) -> Iterator[None]:
+    """``site``'s server stopped (SIGSTOP of its postmaster, then of every process it started), as
+    a host that hangs looks: connections and bytes are taken by the kernel, nothing answers."""
+    postmaster = site_manager.postmaster_pid(site.server)
+    os.kill(postmaster, signal.SIGSTOP)
+    children = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _parent(int(pid)) == postmaster]
+    for pid in children:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in [postmaster, *children]:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@pytest.mark.quiet_servers  # no database made in the background on the server frozen
+@pytest.mark.timeout(90)
+def test_a_sink_that_freezes_mid_tee_is_cut_by_its_heartbeat_and_gets_everything_once_it_continues(
+    lr_sites, lr_connections, site_manager
+):
+    """site-c's server stops (SIGSTOP) halfway through a chunk of lr sync's tee, its rows in the sink's
+    open transaction. The tee's connections have no call deadline (a COPY takes as long as its data),
+    and no TCP bound applies to a stopped server (nor any on a Unix socket): before, the tee waited
+    for good, and every session of lr sync behind it. Now the sink's call is cut by its heartbeat (a
+    second connection cannot reach the server): site-c's session is refused with that reason in its
+    ``last_error``, site-b's commits the chunk. Once site-c continues, the cycles bring it every entry
+    once, in order."""
+    topo = in_log_entry_sync(lr_sites, settings=SHORT)
+    transmit_backlog(lr_sites[0], 3000, per_txn=250)
+    sink_c = lr_sites[2]
+    with ExitStack() as freeze:
+        started = []
+
+        def freeze_c() -> None:
+            started.append(time.monotonic())
+            freeze.enter_context(frozen(site_manager, sink_c))
+
+        driver = fanout.FanoutDriver(topo, "site-a")
+        try:
+            with on_fault("fanout_mid_write_p0_a0", freeze_c):
+                result = fanout.run_fanout(driver, fanout.local_map)
+        finally:
+            driver.close()
+        took = time.monotonic() - started[0]
+        assert took < 2.5 + 2 + SLACK, took
+        assert set(result.deliveries) == {"site-a->site-b/policy"}, result
+        assert "call deadline of 2 s" in result.errors["site-a->site-c/policy"], result.errors
+        (error,) = lr_sites[0].query("SELECT last_error FROM lr.source_sessions WHERE sink_site_id = 'site-c'")[0]
+        assert error.startswith("fan-out: ") and "a stopped server or a stalled link, cut by lr" in error, error
+    assert sink_queue(lr_sites[1], "policy") == expected_queue(lr_sites[0], "site-b", "policy")
+    repl = replicator(topo, lr_sites)
+    try:
+        repl.run(max_cycles=10, until_idle=True, interval=0.01)
     finally:
         repl.close()
     delivered_exactly(lr_sites)
