@@ -250,10 +250,17 @@ class FanoutDriver:
         return tuple(ranges), ranges[-1].hi
 
     # --- finish (driver) --------------------------------------------------------------------------
-    def finish(self, plan: FanoutPlan, chunks: Iterable[ChunkResult]) -> FanoutResult:
-        """Sum up what the chunks committed and record each session's progress on the source."""
+    def finish(self, plan: FanoutPlan, chunks: Iterable[ChunkResult], paused: bool = False) -> FanoutResult:
+        """Sum up what the chunks committed and record each session's progress on the source;
+        ``paused``: the run stopped between chunks, a session short of the plan's end is no error."""
         result = FanoutResult(
-            plan.plan_id, plan.source, plan.lo, plan.end, skipped=dict(plan.skipped), blocked_by=list(plan.blocked_by)
+            plan.plan_id,
+            plan.source,
+            plan.lo,
+            plan.end,
+            skipped=dict(plan.skipped),
+            blocked_by=list(plan.blocked_by),
+            paused=paused,
         )
         parts = list(chunks)
         result.partitions = len(parts)
@@ -274,7 +281,7 @@ class FanoutDriver:
         for demand in plan.demands:
             lease, session = self.leases[demand.session], demand.session
             position = result.positions.get(session, demand.position.after)
-            if session not in result.errors and position < plan.end:
+            if session not in result.errors and position < plan.end and not paused:
                 result.errors[session] = f"StaleBatchError: stopped at position {position} of {plan.end}"
             try:
                 if session in result.errors:
@@ -344,21 +351,30 @@ def run_fanout(
     max_entries: int | None = None,
     partitions: int | None = None,
     tasks: int = 1,
+    pause: Callable[[], bool] | None = None,
 ) -> FanoutResult:
     """Plan, tee every chunk with ``map_chunks`` (in order in one task or this process; ``tasks`` > 1:
-    at once, staged, in that many tasks), sum up."""
+    at once, staged, in that many tasks), sum up. ``pause`` (``lr sync``: a stop, or its turn spent)
+    is asked after each chunk of a lazy ``map_chunks`` (``local_map``): once true, no further chunk
+    is teed and the run finishes with what committed (each sink's position, recorded), so a stop
+    waits for one chunk at most, not the whole backlog; the next run goes on from there."""
     t0 = time.monotonic()
     plan = driver.plan(max_entries, partitions, tasks)
     log.info("fan-out %s", plan.describe())
     t1 = time.monotonic()
     chunks: list[ChunkResult] = []
+    paused = False
     if plan.ranges:
         with progress.track(f"catch-up of {plan.source} (read-once fan-out)", plan.entries) as tracker:
             for chunk in map_chunks(plan):
                 chunks.append(chunk)
                 tracker.advance(chunk.read)
+                if pause is not None and len(chunks) < len(plan.ranges) and pause():
+                    paused = True
+                    log.info("fan-out %s paused after %d of %d chunks", plan.plan_id[:8], len(chunks), len(plan.ranges))
+                    break
     t2 = time.monotonic()
-    result = driver.finish(plan, chunks)
+    result = driver.finish(plan, chunks, paused)
     t3 = time.monotonic()
     result.seconds = {
         "plan": round(t1 - t0, 3),

@@ -109,6 +109,7 @@ class FanoutResult:
     skipped: dict[str, str] = field(default_factory=dict)
     blocked_by: list[str] = field(default_factory=list)  # what held the commit barrier back
     partitions: int = 0  # chunks
+    paused: bool = False  # stopped between chunks (a stop, the replicator's turn): the rest is the next run's
     retried: int = 0  # chunks whose result came from a task retry or a speculative copy
     entries_read: int = 0
     seconds: dict[str, float] = field(default_factory=dict)  # plan, tee, finish

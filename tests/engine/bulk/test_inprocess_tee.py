@@ -181,3 +181,43 @@ def test_a_sink_that_freezes_mid_tee_is_cut_by_its_heartbeat_and_gets_everything
     finally:
         repl.close()
     delivered_exactly(lr_sites)
+
+
+def test_lr_sync_stopped_during_a_long_tee_stops_after_its_chunk_and_the_next_run_resumes_once(
+    lr_sites, lr_connections, monkeypatch
+):
+    """lr sync's tee catches up a backlog of several chunks. Its turn spent (``cycle_slice``), it
+    pauses after a chunk so the sessions cycle, and tees on in the next cycle; stopped (SIGTERM sets
+    the stop), it ends after the chunk in progress instead of the whole backlog. Before, the tee
+    moved every chunk first, whatever the stop and the other sessions. The next run resumes from each
+    sink's position: every entry arrives once, in order, and no session is left with an error."""
+    monkeypatch.setattr(fanout, "PARTITION_ENTRIES", 500)  # chunks of ~500 entries: 6 in the backlog
+    topo = in_log_entry_sync(lr_sites)
+    transmit_backlog(lr_sites[0], 3000, per_txn=250)
+    first = replicator(topo, lr_sites, tee_min_backlog=1000)
+    teed: list[int] = []  # the chunk (of its run's plan) each commit was
+    with ExitStack() as hooks:
+        for index in range(8):
+            hooks.enter_context(on_fault(f"fanout_after_commit_p{index}_a0", lambda index=index: teed.append(index)))
+        try:
+            first.cycle_slice = 0.0  # the turn is spent after one chunk: the sessions' turns come next
+            reports = first.run_cycle()
+            assert teed == [0] and len(reports) == 2 and not any(r.error for r in reports), (teed, reports)
+            assert sum(first.teed.values()) < sum(r.delivered for r in reports)  # the cycles moved the rest
+            delivered_exactly(lr_sites)
+            transmit_backlog(lr_sites[0], 3000, per_txn=250, seed=7)
+            first.cycle_slice = 60.0
+            hooks.enter_context(on_fault("fanout_after_commit_p1_a0", first.stop.set))  # a SIGTERM then
+            assert first.run_cycle() == []  # stopped: no session cycled after the tee's chunk
+            assert teed == [0, 0], teed  # chunk 1 of this run's plan committed, then the tee stopped
+        finally:
+            first.close()
+    source = lr_sites[0]
+    assert source.query("SELECT count(*) FROM lr.source_sessions WHERE last_error IS NOT NULL") == [(0,)]
+    assert all(sink_queue(s, "policy") != expected_queue(source, s.site_id, "policy") for s in lr_sites[1:])
+    second = replicator(topo, lr_sites, tee_min_backlog=1000)  # the next lr sync
+    try:
+        second.run(max_cycles=10, until_idle=True, interval=0.01)
+    finally:
+        second.close()
+    delivered_exactly(lr_sites)
