@@ -143,7 +143,9 @@ class FanoutDriver:
                 demands.append(demand)
         if len(demands) > MAX_DEMANDS:
             raise ConfigurationError(f"{len(demands)} sessions in one fan-out of {self.source}; at most {MAX_DEMANDS}")
-        self._keeper = LeaseKeeper(self._dsns[self.source], list(self.leases.values()), self.settings.lease_seconds)
+        self._keeper = LeaseKeeper(
+            self._dsns[self.source], list(self.leases.values()), self.settings.lease_seconds, self.topology.timeouts
+        )
         plan_id = str(uuid.uuid4())
         empty = FanoutPlan(
             plan_id=plan_id,

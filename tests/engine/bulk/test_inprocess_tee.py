@@ -6,13 +6,18 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
 
 import pytest
 
 from airflow_provider_lr.engine.bulk import fanout
+from airflow_provider_lr.engine.db import conninfo
+from airflow_provider_lr.engine.db.timeouts import DEADLINES
 from airflow_provider_lr.engine.faults import on_fault
+from airflow_provider_lr.engine.session.settings import SessionSettings
+from airflow_provider_lr.engine.site.replicator import Replicator
 from tests.support.session import replicator, sink_queue
 from tests.support.spark_env import (  # noqa: F401 (lr_connections is a fixture)
     expected_queue,
@@ -84,8 +89,6 @@ def test_a_replicator_of_some_sessions_tees_only_those(lr_sites, lr_connections)
 
 
 def test_the_source_lost_in_the_middle_of_a_tee_is_reported_and_the_next_cycles_finish(lr_sites, lr_connections):
-    from airflow_provider_lr.engine.faults import on_fault
-
     topo = in_log_entry_sync(lr_sites)
     transmit_backlog(lr_sites[0], 1500, per_txn=250)
     repl = replicator(topo, lr_sites, tee_min_backlog=100)
@@ -105,10 +108,10 @@ def test_the_source_lost_in_the_middle_of_a_tee_is_reported_and_the_next_cycles_
     delivered_exactly(lr_sites)
 
 
-# A heartbeat's bounds kept short: a call is watched after 0.5 + 1 + 1 x 1 = 2.5 s, and its probe's
+# A heartbeat's bounds kept short: a call is watched after 0.1 + 1 + 1 x 1 = 2.1 s, and its probe's
 # connect gives up after 2 s; no TCP bound fires first (a stopped server's kernel takes every byte).
 SHORT = {
-    "statement_timeout_s": 0.5,
+    "statement_timeout_s": 0.1,
     "keepalives_idle_s": 1,
     "keepalives_interval_s": 1,
     "keepalives_count": 1,
@@ -165,7 +168,7 @@ def test_a_sink_that_freezes_mid_tee_is_cut_by_its_heartbeat_and_gets_everything
                 target=lambda: results.append(fanout.run_fanout(driver, fanout.local_map)), daemon=True
             )
             tee.start()
-            tee.join(4 + 2.5 + 2 + SLACK)  # the plan and half a chunk, the heartbeat's deadline, its probe
+            tee.join(4 + 2.1 + 2 + SLACK)  # the plan and half a chunk, the heartbeat's deadline, its probe
         assert not tee.is_alive(), "the tee still waits on the frozen sink"  # (continued on the way out)
         driver.close()
         (result,) = results
@@ -220,4 +223,40 @@ def test_lr_sync_stopped_during_a_long_tee_stops_after_its_chunk_and_the_next_ru
         second.run(max_cycles=10, until_idle=True, interval=0.01)
     finally:
         second.close()
+    delivered_exactly(lr_sites)
+
+
+@pytest.mark.quiet_servers  # no database made in the background on the server frozen
+@pytest.mark.timeout(90)
+def test_a_source_that_freezes_mid_tee_fails_the_catch_up_within_its_bounds_and_the_cycles_finish_it(
+    lr_sites, lr_connections, site_manager
+):
+    """The source's server stops (SIGSTOP) halfway through a chunk of lr sync's tee. The read is cut
+    by its heartbeat, and so is the run's last word there (the leases released on the replicator's
+    connection, freed of its call deadline for the run: before, nothing bounded that call). Nothing
+    of the chunk becomes visible; once the source continues, the cycles bring every entry once."""
+    topo = in_log_entry_sync(lr_sites, settings=SHORT)
+    transmit_backlog(lr_sites[0], 3000, per_txn=250)
+    dsns = {s.site_id: s.dsn for s in lr_sites}
+    repl = Replicator(
+        topo,
+        lambda site: conninfo.from_dsn(dsns[site]).with_timeouts(topo.timeouts).connect(),
+        settings=SessionSettings(data_timeout=30.0, barrier_timeout=2.0, lease_seconds=60.0, tee_min_backlog=1000),
+    )
+    cut_before = DEADLINES.cut
+    try:
+        with ExitStack() as freeze:
+            with on_fault("fanout_mid_write_p0_a0", lambda: freeze.enter_context(frozen(site_manager, lr_sites[0]))):
+                cycle = threading.Thread(target=repl.run_cycle, daemon=True)
+                cycle.start()
+                until = time.monotonic() + 4 + 2 * (2.1 + 2) + SLACK  # the plan and half a chunk, two cut calls
+                while DEADLINES.cut < cut_before + 2 and time.monotonic() < until:
+                    time.sleep(0.1)
+            assert DEADLINES.cut == cut_before + 2, "the tee still waits on the frozen source"  # (continued)
+            assert all(sink_queue(sink, "policy") == [] for sink in lr_sites[1:])  # nothing of the chunk
+        cycle.join(30)
+        assert not cycle.is_alive()
+        repl.run(max_cycles=10, until_idle=True, interval=0.01)
+    finally:
+        repl.close()
     delivered_exactly(lr_sites)
