@@ -7,7 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
-from airflow_provider_lr.engine.db.timeouts import DEFAULT, Timeouts
+import psycopg2.extensions
+
+from airflow_provider_lr.engine.db.conninfo import connect_dsn
+from airflow_provider_lr.engine.db.timeouts import DEFAULT, BoundedConnection, Purpose, Timeouts
 from airflow_provider_lr.engine.session.handshake import Position
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
@@ -65,6 +68,16 @@ class FanoutPlan:
     @property
     def entries(self) -> int:
         return sum(r.entries for r in self.ranges)
+
+    def connect(self, site: str) -> psycopg2.extensions.connection:
+        """A bulk connection to the plan's source or one of its sinks, with the topology's bounds,
+        named by its site (a call cut there says which site stopped answering)."""
+        conn = connect_dsn(
+            self.source_dsn if site == self.source else self.sink_dsns[site], Purpose.BULK, self.timeouts
+        )
+        if isinstance(conn, BoundedConnection):
+            conn.site = site
+        return conn
 
     def describe(self) -> str:
         sessions = ", ".join(f"{d.session}@{d.position.after}" for d in self.demands) or "none"

@@ -18,8 +18,7 @@ from airflow_provider_lr.engine.bulk import peak_memory
 from airflow_provider_lr.engine.bulk.pgcopy import PackedRows, ReceiveQueueWriter
 from airflow_provider_lr.engine.bulk.plan import ChunkResult, Demand, FanoutPlan, PositionRange
 from airflow_provider_lr.engine.bulk.router import Target, copy_and_route
-from airflow_provider_lr.engine.db.conninfo import connect_dsn
-from airflow_provider_lr.engine.db.timeouts import Purpose, failure
+from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.errors import StaleBatchError, one_line
 from airflow_provider_lr.engine.faults import FAULT_ENV, fault_point, hooked
 from airflow_provider_lr.engine.sink import writes
@@ -75,7 +74,7 @@ class SessionTee(SessionChunk):
     def __init__(self, plan: FanoutPlan, demand: Demand, part: PositionRange) -> None:
         self.demand = demand
         self.writer: ReceiveQueueWriter | None = None
-        self.conn = connect_dsn(plan.sink_dsns[demand.sink], Purpose.BULK, plan.timeouts)
+        self.conn = plan.connect(demand.sink)
         self.transaction = writes.SinkTransaction(self.conn, plan.source, demand.client, demand.position.epoch)
         self.done = False  # the sink already processed the whole chunk: nothing to write
         try:
@@ -184,7 +183,7 @@ def read_and_route(
     COPY. The read runs in one snapshot with the trim mark: a session whose sink stands below it
     is refused (``TrimmedError`` in ``out.errors``, nothing written) and left out of the read.
     Returns the sessions still in the chunk and the entries read."""
-    src = connect_dsn(plan.source_dsn, Purpose.BULK, plan.timeouts)
+    src = plan.connect(plan.source)
     try:
         (mark,) = snapshot_trim_mark(src)
         kept: list[tuple[int, Chunk]] = []

@@ -173,6 +173,7 @@ def test_a_sink_that_freezes_mid_tee_is_cut_by_its_heartbeat_and_gets_everything
         driver.close()
         (result,) = results
         assert set(result.deliveries) == {"site-a->site-b/policy"}, result
+        assert "connection to site 'site-c'" in result.errors["site-a->site-c/policy"], result.errors
         assert "call deadline of 2 s" in result.errors["site-a->site-c/policy"], result.errors
         (error,) = lr_sites[0].query("SELECT last_error FROM lr.source_sessions WHERE sink_site_id = 'site-c'")[0]
         assert error.startswith("fan-out: ") and "a stopped server or a stalled link, cut by lr" in error, error
