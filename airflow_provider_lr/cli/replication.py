@@ -141,12 +141,19 @@ def _stop_asked(stop: threading.Event) -> None:
     os.write(sys.stderr.fileno(), STOPPING.encode())  # not print: the handler may interrupt one
 
 
+REPORT_EVERY = 30.0  # lr sync streaming: seconds between progress lines, unless --report-every says
 GIVE_UP_AFTER = 60.0  # lr sync --until-idle: seconds without progress before it gives up
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
     if args.give_up_after is not None and not args.until_idle:  # it was ignored, silently
         raise UsageError("--give-up-after applies to --until-idle only: no other run of lr sync gives up")
+    streaming = not (args.once or args.cycles or args.until_idle or args.no_stream)
+    if args.report_every is not None and not streaming:  # it was ignored, silently
+        raise UsageError(
+            "--report-every applies to a streaming lr sync only (no --once, --cycles, --until-idle or "
+            "--no-stream): a run of cycles prints a line per cycle instead"
+        )
     topo = _replicated(args, "sync")
     _check_sync(topo)
     # an open-ended run shares the sessions with the other `lr sync` processes (membership); a
@@ -196,7 +203,6 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: _stop_asked(stop))  # a service manager's stop: leave cleanly
-    streaming = not (args.once or args.cycles or args.until_idle or args.no_stream)
     reports: list = []
     counters = metrics.ReplicationCounters()
     served = metrics.start(counters.registry, args.metrics_listen) if args.metrics_listen else None
@@ -212,7 +218,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
                     on_cycle=show,
                     on_end=show_end,
                     on_pulse=lambda line: print(line, flush=True),
-                    pulse_every=args.report_every,
+                    pulse_every=REPORT_EVERY if args.report_every is None else args.report_every,
                 )
             else:
                 reports = repl.run(
@@ -423,9 +429,9 @@ def add_sync(sub: argparse._SubParsersAction) -> None:
     sync.add_argument(
         "--report-every",
         type=nonnegative_seconds,
-        default=30.0,
         metavar="SECONDS",
-        help="streaming: a progress line this often (entries/s, lag of the session most behind; 0: none; default 30)",
+        help="streaming only: a progress line this often (entries/s, lag of the session most behind; 0: none; "
+        "default 30)",
     )
     sync.add_argument(
         "--metrics-listen",

@@ -12,6 +12,7 @@ import threading
 import time
 
 import psycopg2.errors
+import psycopg2.sql
 import pytest
 
 from airflow_provider_lr.engine.db import conninfo
@@ -21,6 +22,7 @@ from airflow_provider_lr.engine.session import snapshot_sync
 from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
 from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.store import topology
+from airflow_provider_lr.engine.tables import copy as table_copy
 from tests.support.link_proxy import LinkProxy
 from tests.support.session import App, Streaming, apply, queue, table_provider, wait_for
 from tests.support.tables import create_accounts, federate, rows, sync
@@ -405,3 +407,29 @@ def test_a_lifted_call_runs_past_its_deadline_while_it_works_and_is_cut_once_its
         assert time.monotonic() - started < 2.5 + 2 + SLACK
         assert "shows no work on the call (backend idle" in caplog.text
         conn.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_bulk_copy_whose_source_works_long_before_its_first_byte_is_not_cut(lr_sites):
+    """A bulk connection's calls are watched like a lifted one's (the heartbeat) and its COPYs by
+    their progress. A COPY whose source works longer than the call deadline before its first row (a
+    scan that finds its range late, a sort) has moved no byte: that is no stall (its backend works),
+    and it is not cut; a COPY that stops moving once it has started still is (the tests above)."""
+    source, sink_b, _ = lr_sites
+    bounds = Timeouts(statement_timeout_s=0.5, keepalives_idle_s=1, keepalives_interval_s=1, keepalives_count=1)
+    sink_b.query("CREATE TABLE late_rows (n int)")
+    src = conninfo.from_dsn(source.dsn).with_timeouts(bounds).connect(Purpose.BULK)
+    dst = conninfo.from_dsn(sink_b.dsn).with_timeouts(bounds).connect(Purpose.BULK)
+    try:
+        assert src.deadline_s is None and src.stall_deadline_s == 2.5  # no deadline; watched as lifted
+        select = psycopg2.sql.SQL(
+            "COPY (SELECT n FROM generate_series(1, 3) n WHERE pg_sleep(CASE WHEN n = 1 THEN 3.5 ELSE 0 END) "
+            "IS NOT NULL) TO STDOUT (FORMAT binary)"
+        )
+        insert = psycopg2.sql.SQL("COPY late_rows (n) FROM STDIN (FORMAT binary)")
+        table_copy.copy_rows(src.cursor(), select, [(dst.cursor(), insert)])
+        dst.commit()
+    finally:
+        src.close()
+        dst.close()
+    assert sink_b.query("SELECT n FROM late_rows ORDER BY n") == [(1,), (2,), (3,)]

@@ -116,7 +116,7 @@ class FanoutDriver:
             raise ConfigurationError(f"site {source!r} is the source of no session in the topology")
         resolve = conninfo or (lambda site: site_conninfo(topology, site))  # how the tee reaches each site
         self._dsns = {site: resolve(site).dsn_for(Purpose.BULK) for site in {source, *(k.sink for k in self.sessions)}}
-        self._connect = connect or (lambda site: connect_dsn(self._dsns[site], Purpose.BULK))
+        self._connect = connect or (lambda site: connect_dsn(self._dsns[site], Purpose.BULK, topology.timeouts))
         self.src = self._connect(source)
         lift(self.src)  # its own: a session connection from ``connect`` too gets the bulk bounds
         self.leases: dict[str, leases.Lease] = {}
@@ -143,7 +143,9 @@ class FanoutDriver:
                 demands.append(demand)
         if len(demands) > MAX_DEMANDS:
             raise ConfigurationError(f"{len(demands)} sessions in one fan-out of {self.source}; at most {MAX_DEMANDS}")
-        self._keeper = LeaseKeeper(self._dsns[self.source], list(self.leases.values()), self.settings.lease_seconds)
+        self._keeper = LeaseKeeper(
+            self._dsns[self.source], list(self.leases.values()), self.settings.lease_seconds, self.topology.timeouts
+        )
         plan_id = str(uuid.uuid4())
         empty = FanoutPlan(
             plan_id=plan_id,
@@ -158,6 +160,7 @@ class FanoutDriver:
             skipped=skipped,
             faults=os.environ.get(FAULT_ENV),
             staged=staged,
+            timeouts=self.topology.timeouts,
         )
         if not demands:
             return empty
@@ -249,10 +252,17 @@ class FanoutDriver:
         return tuple(ranges), ranges[-1].hi
 
     # --- finish (driver) --------------------------------------------------------------------------
-    def finish(self, plan: FanoutPlan, chunks: Iterable[ChunkResult]) -> FanoutResult:
-        """Sum up what the chunks committed and record each session's progress on the source."""
+    def finish(self, plan: FanoutPlan, chunks: Iterable[ChunkResult], paused: bool = False) -> FanoutResult:
+        """Sum up what the chunks committed and record each session's progress on the source;
+        ``paused``: the run stopped between chunks, a session short of the plan's end is no error."""
         result = FanoutResult(
-            plan.plan_id, plan.source, plan.lo, plan.end, skipped=dict(plan.skipped), blocked_by=list(plan.blocked_by)
+            plan.plan_id,
+            plan.source,
+            plan.lo,
+            plan.end,
+            skipped=dict(plan.skipped),
+            blocked_by=list(plan.blocked_by),
+            paused=paused,
         )
         parts = list(chunks)
         result.partitions = len(parts)
@@ -273,7 +283,7 @@ class FanoutDriver:
         for demand in plan.demands:
             lease, session = self.leases[demand.session], demand.session
             position = result.positions.get(session, demand.position.after)
-            if session not in result.errors and position < plan.end:
+            if session not in result.errors and position < plan.end and not paused:
                 result.errors[session] = f"StaleBatchError: stopped at position {position} of {plan.end}"
             try:
                 if session in result.errors:
@@ -343,21 +353,30 @@ def run_fanout(
     max_entries: int | None = None,
     partitions: int | None = None,
     tasks: int = 1,
+    pause: Callable[[], bool] | None = None,
 ) -> FanoutResult:
     """Plan, tee every chunk with ``map_chunks`` (in order in one task or this process; ``tasks`` > 1:
-    at once, staged, in that many tasks), sum up."""
+    at once, staged, in that many tasks), sum up. ``pause`` (``lr sync``: a stop, or its turn spent)
+    is asked after each chunk of a lazy ``map_chunks`` (``local_map``): once true, no further chunk
+    is teed and the run finishes with what committed (each sink's position, recorded), so a stop
+    waits for one chunk at most, not the whole backlog; the next run goes on from there."""
     t0 = time.monotonic()
     plan = driver.plan(max_entries, partitions, tasks)
     log.info("fan-out %s", plan.describe())
     t1 = time.monotonic()
     chunks: list[ChunkResult] = []
+    paused = False
     if plan.ranges:
         with progress.track(f"catch-up of {plan.source} (read-once fan-out)", plan.entries) as tracker:
             for chunk in map_chunks(plan):
                 chunks.append(chunk)
                 tracker.advance(chunk.read)
+                if pause is not None and len(chunks) < len(plan.ranges) and pause():
+                    paused = True
+                    log.info("fan-out %s paused after %d of %d chunks", plan.plan_id[:8], len(chunks), len(plan.ranges))
+                    break
     t2 = time.monotonic()
-    result = driver.finish(plan, chunks)
+    result = driver.finish(plan, chunks, paused)
     t3 = time.monotonic()
     result.seconds = {
         "plan": round(t1 - t0, 3),

@@ -80,7 +80,8 @@ def run_table_snapshot(
     dsns = {site: resolve(site).dsn_for(Purpose.BULK) for site in {source, *(k.sink for k in keys)}}
     result = ParallelResult(source, client)
     t0 = time.monotonic()
-    src = connect_dsn(dsns[source], Purpose.BULK)
+    bounds = topology.timeouts  # the heartbeat of every connection here and in the tasks (``conninfo``)
+    src = connect_dsn(dsns[source], Purpose.BULK, bounds)
     sides: list[SinkSide] = []
     held: list[leases.Lease] = []
     keeper: LeaseKeeper | None = None
@@ -88,7 +89,7 @@ def run_table_snapshot(
     try:
         federated = registry.federated_tables(src, client)
         for key in keys:
-            sink = connect_dsn(dsns[key.sink], Purpose.BULK)
+            sink = connect_dsn(dsns[key.sink], Purpose.BULK, bounds)
             hs = handshake(src, sink, key, owner, settings.lease_seconds)
             if hs.lease is not None:
                 held.append(hs.lease)
@@ -103,7 +104,7 @@ def run_table_snapshot(
             result.sessions.append(str(key))
         if not sides:
             return result
-        keeper = LeaseKeeper(dsns[source], held, settings.lease_seconds)
+        keeper = LeaseKeeper(dsns[source], held, settings.lease_seconds, bounds)
         snap = TableSnapshot(src, client, sides)
         snap.open()
         linked = snap.linked()  # a sink's foreign keys between them: written in process, parents first
@@ -112,7 +113,7 @@ def run_table_snapshot(
         if ranged.definitions:
             ranged.begin()
             ranges = ranged.plan(parts)
-            task = {**ranged.task(), "dsns": dsns}
+            task = {**ranged.task(), "dsns": dsns, "timeouts": bounds}
             result.ranges = len(ranges)
             t1 = time.monotonic()
             result.rows = sum(map_ranges(task, ranges))
@@ -143,7 +144,7 @@ def run_table_snapshot(
 
 
 def connect_by_task(task: dict) -> Callable[[str], psycopg2.extensions.connection]:
-    return lambda site: connect_dsn(task["dsns"][site], Purpose.BULK)
+    return lambda site: connect_dsn(task["dsns"][site], Purpose.BULK, task.get("timeouts"))
 
 
 def local_ranges(task: dict, ranges: Sequence[KeyRange]) -> list[int]:

@@ -149,6 +149,9 @@ class CopyWriter:
     ``close`` waits for the last block, then the caller commits."""
 
     QUEUED_BLOCKS = 2
+    # a failed sink stops the caller at its next block; a writer of one of several sessions fed by one
+    # read (the tee) fails late instead: only its session is refused, at its commit, the others go on
+    FAIL_LATE = False
 
     COPY_SQL = ""
     _last_block: tuple[list[bytes], bytes] = ([], b"")  # the parts of the last block joined, and the join
@@ -177,9 +180,13 @@ class CopyWriter:
             self.flush()
 
     def flush(self) -> None:
-        """Hand the current block to the sender (blocks while ``QUEUED_BLOCKS`` are waiting)."""
+        """Hand the current block to the sender (blocks while ``QUEUED_BLOCKS`` are waiting). After
+        the sender failed: its error, or, ``FAIL_LATE``, the block dropped (``close`` raises)."""
         if self._error is not None:
-            raise self._error
+            if not self.FAIL_LATE:
+                raise self._error
+            self.block, self.size = [HEADER], len(HEADER)
+            return
         if len(self.block) == 1:
             return
         self.block.append(TRAILER)
@@ -244,6 +251,7 @@ class PackedRows(CopyWriter):
     id)``), packed into receive-queue rows (``queue_rows.Packer``) in the order added: a
     ``CopyWriter`` whose ``packer`` emits each row into its block, in the form of the subclass's table."""
 
+    FAIL_LATE = True  # a chunk's read goes on for the other sessions (``bulk/tee.py``)
     packer: Packer
     append: Callable[[tuple[bytes, int, int, int]], None]  # the packer's, bound by the subclass
 

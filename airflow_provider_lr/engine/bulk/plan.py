@@ -7,6 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
+import psycopg2.extensions
+
+from airflow_provider_lr.engine.db.conninfo import connect_dsn
+from airflow_provider_lr.engine.db.timeouts import DEFAULT, BoundedConnection, Purpose, Timeouts
 from airflow_provider_lr.engine.session.handshake import Position
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
@@ -57,10 +61,23 @@ class FanoutPlan:
     blocked_by: tuple[str, ...] = ()
     faults: str | None = field(default=None, repr=False)  # $LR_FAULT of the driver (tests)
     staged: bool = False  # chunks teed at once, staged and published in order (``bulk/staged_tee.py``)
+    # the topology's bounds, for the tee's connections (a DSN carries the server's and the socket's,
+    # not the heartbeat's: a call on a stopped site is cut once the heartbeat finds it lost)
+    timeouts: Timeouts = field(default=DEFAULT, repr=False)
 
     @property
     def entries(self) -> int:
         return sum(r.entries for r in self.ranges)
+
+    def connect(self, site: str) -> psycopg2.extensions.connection:
+        """A bulk connection to the plan's source or one of its sinks, with the topology's bounds,
+        named by its site (a call cut there says which site stopped answering)."""
+        conn = connect_dsn(
+            self.source_dsn if site == self.source else self.sink_dsns[site], Purpose.BULK, self.timeouts
+        )
+        if isinstance(conn, BoundedConnection):
+            conn.site = site
+        return conn
 
     def describe(self) -> str:
         sessions = ", ".join(f"{d.session}@{d.position.after}" for d in self.demands) or "none"
@@ -105,6 +122,7 @@ class FanoutResult:
     skipped: dict[str, str] = field(default_factory=dict)
     blocked_by: list[str] = field(default_factory=list)  # what held the commit barrier back
     partitions: int = 0  # chunks
+    paused: bool = False  # stopped between chunks (a stop, the replicator's turn): the rest is the next run's
     retried: int = 0  # chunks whose result came from a task retry or a speculative copy
     entries_read: int = 0
     seconds: dict[str, float] = field(default_factory=dict)  # plan, tee, finish

@@ -35,7 +35,7 @@ from airflow_provider_lr.engine import vocabulary
 from airflow_provider_lr.engine.bulk.peak_memory import peak_rss_kb
 from airflow_provider_lr.engine.bulk.pgcopy import RowReader, StagingWriter, staging_head, staging_prefix
 from airflow_provider_lr.engine.db.conninfo import connect_dsn
-from airflow_provider_lr.engine.db.timeouts import Purpose
+from airflow_provider_lr.engine.db.timeouts import DEFAULT, Purpose, Timeouts
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, StaleBatchError, require_counts
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.handshake import handshake
@@ -81,6 +81,7 @@ class SnapshotPlan:
     ranges: tuple[EntryRange, ...]
     source_dsn: str = field(repr=False)
     sink_dsn: str = field(repr=False)
+    timeouts: Timeouts = field(default=DEFAULT, repr=False)  # the topology's: the tasks' heartbeats (tee.py)
 
     def describe(self) -> str:
         return (
@@ -122,8 +123,9 @@ class SnapshotTransfer:
         self.settings = settings or SessionSettings.from_topology(topology)
         self.source_dsn = site_conninfo(topology, source).dsn_for(Purpose.BULK)
         self.sink_dsn = site_conninfo(topology, sink_id).dsn_for(Purpose.BULK)
-        self.src = connect_dsn(self.source_dsn, Purpose.BULK)
-        self.sink = connect_dsn(self.sink_dsn, Purpose.BULK)
+        self.timeouts = topology.timeouts
+        self.src = connect_dsn(self.source_dsn, Purpose.BULK, self.timeouts)
+        self.sink = connect_dsn(self.sink_dsn, Purpose.BULK, self.timeouts)
         self.runner = SessionRunner(self.key, self.src, self.sink, owner or leases.new_owner_id(), self.settings)
 
     def plan(self, request_id: str | None = None, partitions: int = 2) -> SnapshotPlan:
@@ -183,6 +185,7 @@ class SnapshotTransfer:
             tuple(ranges),
             self.source_dsn,
             self.sink_dsn,
+            self.timeouts,
         )
 
     def commit(self, plan: SnapshotPlan, apply: bool = True) -> SnapshotResult:
@@ -267,7 +270,8 @@ class SnapshotTransfer:
 def stage_range(plan: SnapshotPlan, part: EntryRange) -> dict:
     """Stage the request's entries ``(lo, hi]`` on the sink (idempotent); returns a small summary."""
     started = time.monotonic()
-    src, dst = connect_dsn(plan.source_dsn, Purpose.BULK), connect_dsn(plan.sink_dsn, Purpose.BULK)
+    src = connect_dsn(plan.source_dsn, Purpose.BULK, plan.timeouts)
+    dst = connect_dsn(plan.sink_dsn, Purpose.BULK, plan.timeouts)
     writer: StagingWriter | None = None
     try:
         with dst.cursor() as cur:

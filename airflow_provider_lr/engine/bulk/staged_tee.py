@@ -41,8 +41,6 @@ from airflow_provider_lr.engine.bulk import peak_memory
 from airflow_provider_lr.engine.bulk.pgcopy import StagedQueueWriter
 from airflow_provider_lr.engine.bulk.plan import ChunkResult, Demand, FanoutPlan, PositionRange
 from airflow_provider_lr.engine.bulk.tee import SessionChunk, armed, check_base, read_and_route, refuse
-from airflow_provider_lr.engine.db.conninfo import connect_dsn
-from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.errors import FencedError, StaleBatchError, error_line
 from airflow_provider_lr.engine.faults import fault_point, hooked
 from airflow_provider_lr.engine.sink import writes
@@ -58,7 +56,7 @@ class SessionStage(SessionChunk):
         self.position = max(part.lo, demand.position.after)  # where this session's part of the chunk starts
         self.writer: StagedQueueWriter | None = None
         self.done = False  # published already, or staged by another attempt: nothing to write
-        self.conn = connect_dsn(plan.sink_dsns[demand.sink], Purpose.BULK)
+        self.conn = plan.connect(demand.sink)
         try:
             meta = writes.read_metadata(self.conn, plan.source, demand.client)
             check_base(meta, plan, demand)
@@ -183,7 +181,7 @@ def publish_all(plan: FanoutPlan, demands: list[Demand], out: ChunkResult) -> No
 def publish(plan: FanoutPlan, demand: Demand) -> tuple[int, int]:
     """Make the plan's staged ranges that continue the sink's position visible, in source order, in
     one fenced sink transaction; returns the sink's position after it and the entries published."""
-    conn = connect_dsn(plan.sink_dsns[demand.sink], Purpose.BULK)
+    conn = plan.connect(demand.sink)
     try:
         write = writes.SinkTransaction(conn, plan.source, demand.client, demand.position.epoch)
         with write as (cur, meta):
@@ -219,7 +217,7 @@ def published_entries(plan: FanoutPlan, demand: Demand, position: int) -> int:
     the same fenced sink transaction, the records and what the run left staged (past a gap) are
     dropped. What the driver reports once all tasks are done (a task's own count
     is lost with an attempt Spark discarded)."""
-    conn = connect_dsn(plan.sink_dsns[demand.sink], Purpose.BULK)
+    conn = plan.connect(demand.sink)
     try:
         with writes.SinkTransaction(conn, plan.source, demand.client, demand.position.epoch) as (cur, _):
             cur.execute(

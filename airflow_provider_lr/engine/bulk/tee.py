@@ -18,9 +18,8 @@ from airflow_provider_lr.engine.bulk import peak_memory
 from airflow_provider_lr.engine.bulk.pgcopy import PackedRows, ReceiveQueueWriter
 from airflow_provider_lr.engine.bulk.plan import ChunkResult, Demand, FanoutPlan, PositionRange
 from airflow_provider_lr.engine.bulk.router import Target, copy_and_route
-from airflow_provider_lr.engine.db.conninfo import connect_dsn
-from airflow_provider_lr.engine.db.timeouts import Purpose
-from airflow_provider_lr.engine.errors import StaleBatchError, error_line, one_line
+from airflow_provider_lr.engine.db.timeouts import failure
+from airflow_provider_lr.engine.errors import StaleBatchError, one_line
 from airflow_provider_lr.engine.faults import FAULT_ENV, fault_point, hooked
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.source.log_reader import snapshot_trim_mark, trimmed_error
@@ -75,7 +74,7 @@ class SessionTee(SessionChunk):
     def __init__(self, plan: FanoutPlan, demand: Demand, part: PositionRange) -> None:
         self.demand = demand
         self.writer: ReceiveQueueWriter | None = None
-        self.conn = connect_dsn(plan.sink_dsns[demand.sink], Purpose.BULK)
+        self.conn = plan.connect(demand.sink)
         self.transaction = writes.SinkTransaction(self.conn, plan.source, demand.client, demand.position.epoch)
         self.done = False  # the sink already processed the whole chunk: nothing to write
         try:
@@ -167,8 +166,9 @@ def tee_chunk(plan: FanoutPlan, part: PositionRange, fault_tag: str = "", exclud
 def refuse(
     plan: FanoutPlan, part: PositionRange, out: ChunkResult, session: str, exc: BaseException, what: str = "refused"
 ) -> None:
-    """Leave ``session`` out of this chunk, saying why (``out.errors`` and the log); the others go on."""
-    out.errors[session] = error_line(exc)
+    """Leave ``session`` out of this chunk, saying why (``out.errors`` and the log, with what a
+    bound that fired means: a sink cut by its heartbeat); the others go on."""
+    out.errors[session] = failure(exc)
     log.warning("fan-out %s chunk %d: session %s %s: %s", plan.plan_id[:8], part.index, session, what, one_line(exc))
 
 
@@ -183,7 +183,7 @@ def read_and_route(
     COPY. The read runs in one snapshot with the trim mark: a session whose sink stands below it
     is refused (``TrimmedError`` in ``out.errors``, nothing written) and left out of the read.
     Returns the sessions still in the chunk and the entries read."""
-    src = connect_dsn(plan.source_dsn, Purpose.BULK)
+    src = plan.connect(plan.source)
     try:
         (mark,) = snapshot_trim_mark(src)
         kept: list[tuple[int, Chunk]] = []

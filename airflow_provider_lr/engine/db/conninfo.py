@@ -98,6 +98,11 @@ class ConnInfo:
             catalog_first(conn)
         if purpose is Purpose.SESSION:  # a heartbeat asks the same server while the connection is lifted
             conn.reopen = lambda: self.connect(Purpose.SESSION)
+        elif purpose is Purpose.BULK:  # no deadline (a COPY takes as long as its data), a heartbeat instead:
+            # a stopped server or a stalled link is found out as on a lifted session connection (on a
+            # Unix socket nothing else would: no TCP bound applies there)
+            conn.stall_deadline_s = self.timeouts.deadline_s(Purpose.SESSION)
+            conn.reopen = lambda: self.connect(Purpose.SESSION)
         orphans.reap(conn)  # backends of calls lr cut there, if any
         return conn
 

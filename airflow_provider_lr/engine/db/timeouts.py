@@ -55,7 +55,7 @@ class Purpose(str, Enum):
     """What a connection is for: which session settings it gets."""
 
     SESSION = "session"  # replication work (cycles, streams, the CLI, operators): every bound
-    BULK = "bulk"  # long moves (Spark, the tee, snapshots, migrations): the bulk_* bounds, no deadline
+    BULK = "bulk"  # long moves (Spark, the tee, snapshots, migrations): the bulk_* bounds, a heartbeat
     APPLICATION = (
         "application"  # statements of the application run in it (a subscriber's listener): network bounds only
     )
@@ -151,12 +151,14 @@ def deadline_for(timeouts: Timeouts, purpose: Purpose, given: Mapping[str, Any])
 
 
 class Clock:
-    """When bytes last moved in a long COPY (``Deadlines.stalled``)."""
+    """When bytes last moved in a long COPY (``Deadlines.stalled``), None before the first: until
+    then its source may work for long (a scan that finds its range late, a sort) with no byte to
+    send, and only the heartbeat (is the backend at work?) watches the calls."""
 
     __slots__ = ("last",)
 
     def __init__(self) -> None:
-        self.last = time.monotonic()
+        self.last: float | None = None
 
     def moved(self) -> None:
         self.last = time.monotonic()
@@ -191,8 +193,9 @@ class Deadlines:
 
     @contextmanager
     def stalled(self, conn: psycopg2.extensions.connection, clock: Clock) -> Iterator[None]:
-        """A long call on a ``lifted`` connection (a table's COPY): no deadline while ``clock``
-        moves, cut once it has not for the call deadline the connection had before it was lifted.
+        """A long call on a ``lifted`` or bulk connection (a table's COPY): no deadline while ``clock``
+        moves, cut once it has not for the call deadline the connection had before it was lifted
+        (before its first byte, the heartbeat alone watches it).
         A stopped sink or a stalled link would otherwise hold the COPY, and the cycle, for good."""
         seconds = getattr(conn, "stall_deadline_s", None)
         if seconds is None or not isinstance(conn, BoundedConnection):
@@ -248,7 +251,8 @@ class Deadlines:
                     self._calls.pop(token, None)
                     self._cut(conn, conn.deadline_s or 0)
             for token, (clock, seconds, conn) in list(self._stalls.items()):
-                if now - clock.last >= seconds and self._stalls.pop(token, None) is not None:
+                moved = clock.last
+                if moved is not None and now - moved >= seconds and self._stalls.pop(token, None) is not None:
                     self._cut(conn, seconds)
             for token, beat in list(self._beats.items()):
                 if now >= beat.due and not beat.probing:
@@ -390,9 +394,12 @@ _UNCHECK_CLIENT = "; RESET client_connection_check_interval"
 
 def lift(conn: psycopg2.extensions.connection) -> None:
     """Make a session connection a bulk one for the rest of its life (a connection the caller owns
-    and closes): no statement or idle-in-transaction timeout, no call deadline."""
+    and closes): no statement or idle-in-transaction timeout, no call deadline; its calls watched by
+    the heartbeat instead, as ``lifted``'s (a stopped server would hold them for good)."""
     _set(conn, _LIFT + (_CHECK_CLIENT if conn.server_version >= 140000 else ""))
     if isinstance(conn, BoundedConnection):
+        if conn.deadline_s is not None:
+            conn.stall_deadline_s = conn.deadline_s
         conn.deadline_s = None
 
 

@@ -10,6 +10,7 @@ import threading
 import psycopg2
 
 from airflow_provider_lr.engine.db.conninfo import connect_dsn
+from airflow_provider_lr.engine.db.timeouts import DEFAULT, Purpose, Timeouts
 from airflow_provider_lr.engine.errors import FencedError, LRError, SiteUnreachableError, one_line
 from airflow_provider_lr.engine.session import lease as leases
 
@@ -23,9 +24,10 @@ class LeaseKeeper:
     the keeper, logged on one line and kept in ``error``: the owner's writes are then fenced once
     the leases run out, and its ``finish`` names the sessions."""
 
-    def __init__(self, dsn: str, held: list[leases.Lease], seconds: float) -> None:
+    def __init__(self, dsn: str, held: list[leases.Lease], seconds: float, timeouts: Timeouts = DEFAULT) -> None:
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        self.timeouts = timeouts  # the topology's: the heartbeat of its connection
         self._thread = threading.Thread(
             target=self._run, args=(dsn, held, seconds), daemon=True, name="lr-fanout-lease-keeper"
         )
@@ -37,7 +39,11 @@ class LeaseKeeper:
         try:
             while not self._stop.wait(max(1.0, seconds / 3)):
                 try:
-                    conn = conn if conn is not None and not conn.closed else connect_dsn(dsn)
+                    # a bulk connection: a bulk plan's DSN sets no statement timeout, so a session one would
+                    # have no call deadline; the heartbeat cuts a renewal on a server that stopped
+                    conn = (
+                        conn if conn is not None and not conn.closed else connect_dsn(dsn, Purpose.BULK, self.timeouts)
+                    )
                 except (psycopg2.OperationalError, SiteUnreachableError) as exc:  # conninfo names the site
                     log.warning(
                         "leases not renewed (source unreachable, tried again in %.0f s): %s",

@@ -210,6 +210,9 @@ class Replicator:
         keys = self.sessions if keys is None else keys
         teed: dict[str, int] = {}
         for source in sorted({key.source for key in keys}):
+            if self.stop.is_set():
+                break
+            self._turn_ends = time.monotonic() + self.cycle_slice  # a catch-up's turn, as a session's
             teed.update(self._catch_up(source, keys))
         for session, n in teed.items():
             self.teed[session] = self.teed.get(session, 0) + n
@@ -245,7 +248,8 @@ class Replicator:
         runs no Spark) with the read-once tee here (one source read for all its sinks, packed rows,
         exactly once: ``engine/bulk/fanout.py``); the session cycles then go on from where it left
         each sink. Returns deliveries per session (``str(SessionKey)``). Any failure leaves the work
-        to the session cycles, which report their own errors."""
+        to the session cycles, which report their own errors. The tee pauses between its chunks at a
+        stop or once its turn (``cycle_slice``) is spent: the sessions cycle, the next cycle tees on."""
         if source in self._no_tee or not catchup.backlog_matters(self.settings):
             return {}
         try:
@@ -273,7 +277,7 @@ class Replicator:
             return {}
         try:
             log.info("catching up %s by the in-process fan-out: %s", source, choice.why)
-            result = fanout.run_fanout(driver, fanout.local_map)
+            result = fanout.run_fanout(driver, fanout.local_map, pause=self._turn_over)
         except Exception as exc:  # nothing half-done is visible; the session cycles carry on
             log.warning("in-process fan-out of %s failed (%s); session cycles carry on", source, one_line(exc))
             return {}
