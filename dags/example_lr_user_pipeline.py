@@ -51,11 +51,15 @@ SINKS = sorted({k.sink for k in _topology.sessions(source=SOURCE) if k.client ==
 def example_lr_user_pipeline() -> None:
     @task
     def record_orders() -> dict:
+        from contextlib import closing
+
         from airflow_provider_lr.client import RoutingQueueClient
-        from airflow_provider_lr.operators.common import load_topology, site_connection
+        from airflow_provider_lr.hooks.site import LRSiteHook
+        from airflow_provider_lr.operators.common import load_topology
 
         params = get_current_context()["params"]
-        with site_connection(load_topology().conn_id(SOURCE), SOURCE) as conn:
+        # the application's own connection (its search_path, no lr timeouts), checked to be SOURCE
+        with closing(LRSiteHook(lr_conn_id=load_topology().conn_id(SOURCE)).connect_site(SOURCE)) as conn:
             with conn.cursor() as cur:
                 cur.execute(
                     "CREATE TABLE IF NOT EXISTS example_orders "

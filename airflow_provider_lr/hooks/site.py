@@ -8,7 +8,7 @@ import psycopg2.extensions
 from airflow.sdk import BaseHook
 
 from airflow_provider_lr.engine.db import conninfo, schema
-from airflow_provider_lr.engine.db.timeouts import DEFAULT, Timeouts
+from airflow_provider_lr.engine.db.timeouts import DEFAULT, Purpose, Timeouts
 from airflow_provider_lr.engine.errors import ConfigurationError, one_line
 
 
@@ -30,6 +30,12 @@ class LRSiteHook(BaseHook):
 
     The engine speaks psycopg2, so this hook hands it libpq parameters built from the connection
     (host, port, login, password, schema, extras) plus the site id and region extras.
+
+    ``get_conn`` and ``connect_site`` are for the application's own statements (a DAG's task that
+    writes its tables and transmits): the site's search_path, network bounds only, as on any
+    connection of the application's. lr's operators take ``connect_replication``: lr's bounds, and a
+    search_path of pg_catalog alone (no function of another schema stands in for a built-in in lr's
+    statements; every other name is qualified there).
     """
 
     conn_name_attr = "lr_conn_id"
@@ -55,12 +61,13 @@ class LRSiteHook(BaseHook):
         return conninfo.from_airflow_dict(_as_dict(conn), self.lr_conn_id).with_timeouts(self.timeouts)
 
     def get_conn(self) -> psycopg2.extensions.connection:
-        return self.get_conninfo().connect()
+        """A connection for the application's statements (see the class docstring)."""
+        return self.get_conninfo().connect(Purpose.APPLICATION)
 
-    def connect_site(self, site_id: str) -> psycopg2.extensions.connection:
+    def connect_site(self, site_id: str, purpose: Purpose = Purpose.APPLICATION) -> psycopg2.extensions.connection:
         """Connect and check the database is the site the topology means: a connection pointing at
-        the wrong database must not replicate into it."""
-        conn = self.get_conn()
+        the wrong database must not be written to. For the application's statements by default."""
+        conn = self.get_conninfo().connect(purpose)
         try:
             found = schema.site_identity(conn)[0]
             conn.rollback()
@@ -74,6 +81,11 @@ class LRSiteHook(BaseHook):
                 f"there; fix the connection or the site's conn_id in the topology"
             )
         return conn
+
+    def connect_replication(self, site_id: str) -> psycopg2.extensions.connection:
+        """``connect_site`` for lr's own work (its operators, sensors, the engine): lr's bounds and a
+        search_path of pg_catalog alone."""
+        return self.connect_site(site_id, Purpose.SESSION)
 
     def test_connection(self) -> tuple[bool, str]:
         try:

@@ -89,7 +89,7 @@ def session_dicts(
 
 def connect_site(topo: Topology, site_id: str) -> psycopg2.extensions.connection:
     """A connection to a site of the topology through its Airflow connection (the caller closes it)."""
-    return LRSiteHook(lr_conn_id=topo.conn_id(site_id)).connect_site(site_id)
+    return LRSiteHook(lr_conn_id=topo.conn_id(site_id)).connect_replication(site_id)
 
 
 def check_topology(topo: Topology, sites: Any = None) -> None:
@@ -134,7 +134,7 @@ def site_connection(
 ) -> Iterator[psycopg2.extensions.connection]:
     """An open connection to a site through its Airflow connection (bounded by ``timeouts``, the
     topology's, else the defaults), closed afterwards."""
-    conn = LRSiteHook(lr_conn_id=conn_id_, timeouts=timeouts).connect_site(site_id)
+    conn = LRSiteHook(lr_conn_id=conn_id_, timeouts=timeouts).connect_replication(site_id)
     try:
         yield conn
     finally:

@@ -54,7 +54,7 @@ class LRFailoverOperator(BaseOperator):
         topo = load_topology(self.topology_path)
 
         def connect(site_id: str):
-            return LRSiteHook(lr_conn_id=topo.conn_id(site_id), timeouts=topo.timeouts).connect_site(site_id)
+            return LRSiteHook(lr_conn_id=topo.conn_id(site_id), timeouts=topo.timeouts).connect_replication(site_id)
 
         if self.rejoin:
             back = failover.rejoin(self.rejoin, connect, topo)

@@ -167,9 +167,9 @@ class SessionStepOperator(BaseOperator):
                     peers = nearest_copy.peers_in_region(
                         topo,
                         key,
-                        lambda site: LRSiteHook(lr_conn_id=topo.conn_id(site), timeouts=topo.timeouts).connect_site(
-                            site
-                        ),
+                        lambda site: LRSiteHook(
+                            lr_conn_id=topo.conn_id(site), timeouts=topo.timeouts
+                        ).connect_replication(site),
                     )
                     runner = SessionRunner(
                         key,

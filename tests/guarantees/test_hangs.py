@@ -426,7 +426,7 @@ def test_a_bulk_copy_whose_source_works_long_before_its_first_byte_is_not_cut(lr
             "COPY (SELECT n FROM generate_series(1, 3) n WHERE pg_sleep(CASE WHEN n = 1 THEN 3.5 ELSE 0 END) "
             "IS NOT NULL) TO STDOUT (FORMAT binary)"
         )
-        insert = psycopg2.sql.SQL("COPY late_rows (n) FROM STDIN (FORMAT binary)")
+        insert = psycopg2.sql.SQL("COPY public.late_rows (n) FROM STDIN (FORMAT binary)")
         table_copy.copy_rows(src.cursor(), select, [(dst.cursor(), insert)])
         dst.commit()
     finally:

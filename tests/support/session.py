@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg2
+import psycopg2.errors
 
 from airflow_provider_lr.client import RoutingQueueClient, Ticket
 from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
@@ -354,10 +355,20 @@ class Streaming:
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = 30, what: str = "") -> None:
-    """Poll ``predicate`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    """Poll ``predicate`` until it holds; fail naming ``what`` after ``timeout`` seconds. A table the
+    predicate reads that is not there yet (lr creates a sink's table with its first snapshot) is
+    "not yet", not a failure: the timeout says so if it never comes."""
     deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+    while True:
+        missing = None
+        try:
+            if predicate():
+                return
+        except psycopg2.errors.UndefinedTable as exc:
+            missing = exc
+        assert time.monotonic() < deadline, f"timed out waiting for {what}" + (
+            f" (last: {str(missing).splitlines()[0]})" if missing else ""
+        )
         time.sleep(0.005)
 
 

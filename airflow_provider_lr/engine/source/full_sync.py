@@ -443,12 +443,9 @@ def serve_full_sync_requests(
         try:
             with conn.cursor() as cur:
                 cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-                cur.execute(
-                    "SELECT pg_catalog.pg_current_snapshot()::pg_catalog.text"
-                )  # fixes the transaction's snapshot
-                snapshot = cur.fetchone()[0]
-                cur.execute(LAST_DRAWN_POSITION_SQL)
-                upto = cur.fetchone()[0]
+                # fixes the transaction's snapshot, and what was drawn by then
+                cur.execute(f"SELECT pg_catalog.pg_current_snapshot()::pg_catalog.text, ({LAST_DRAWN_POSITION_SQL})")
+                snapshot, upto = cur.fetchone()
                 cur.execute(
                     f"SELECT {_COLUMNS} FROM lr.full_sync_requests WHERE client_name OPERATOR(pg_catalog.=) %s "
                     f"AND status OPERATOR(pg_catalog.=) '{RequestStatus.PENDING}' AND (%s::pg_catalog.text IS NULL "
@@ -460,8 +457,7 @@ def serve_full_sync_requests(
                     conn.rollback()
                     break
                 request = _request(row)
-                split = BaseSplit(snapshot, upto)
-                ctx = FullSyncContext(client, request, base, split)
+                ctx = FullSyncContext(client, request, base, BaseSplit(snapshot, upto))
                 ctx._add(b"", lr_pb2.SNAPSHOT_SYNC_START, base_snapshot_xids=snapshot, base_snapshot_upto=upto)
                 try:
                     with conninfo.site_path(conn):
@@ -497,8 +493,6 @@ def serve_full_sync_requests(
 
 def _note(conn: psycopg2.extensions.connection, request_id: str, note: str) -> None:
     with conn.cursor() as cur:
-        cur.execute(
-            "UPDATE lr.full_sync_requests SET note = %s WHERE request_id OPERATOR(pg_catalog.=) %s",
-            (note[:2000], request_id),
-        )
+        sql = "UPDATE lr.full_sync_requests SET note = %s WHERE request_id OPERATOR(pg_catalog.=) %s"
+        cur.execute(sql, (note[:2000], request_id))
     conn.commit()
