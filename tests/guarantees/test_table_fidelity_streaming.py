@@ -35,6 +35,7 @@ from tests.support.tables import (
     in_one_transaction,
     insert_every_type,
     on_every_site,
+    quoted,
     rows,
     status_text,
     type_differences,
@@ -156,13 +157,25 @@ def carried_in_one_round_trip(streaming: Streaming, trips: RoundTrips, source, s
 
 
 def test_streamed_columns_named_like_lrs_words_apply_key_changes_updates_and_deletes(lr_sites, round_trips):
+    """Columns named like every alias and column of lr's capture, apply and snapshot statements, and
+    names only a quoted identifier spells (quotes, a backslash, 63 bytes), in the key and not:
+    through the snapshot (binary COPY, and text COPY for a table with a ``regtype`` column), the
+    stream, and a full sync asked while it streams."""
     source, *sinks = lr_sites
     topo = apply(lr_sites)
     hostile_table(source, "hostile", ["n"])
     hostile_table(source, "hostile2", ["nonkey", "select"])  # a composite key of hostile names
+    odd_key = ['a"b', "l" * 63, "✓" * 21, "position"]
+    hostile_table(source, "hostile3", odd_key)
+    source.query('ALTER TABLE public.hostile3 ALTER COLUMN "it\'s" TYPE regtype USING NULL')  # copied as text
+    key3 = ", ".join(map(quoted, odd_key))
     source.query("INSERT INTO public.hostile (n, nonkey) SELECT g, 'v' || g FROM generate_series(1, 5) g")
-    federate(source, "public.hostile")
-    federate(source, "public.hostile2")
+    source.query(
+        f"INSERT INTO public.hostile3 ({key3}, \"it's\", v, x) SELECT g, -g, g, 1, 'integer', 'v', 'x' "
+        "FROM generate_series(1, 5) g"
+    )
+    for table in ("public.hostile", "public.hostile2", "public.hostile3"):
+        federate(source, table)
     with streaming_over(topo, lr_sites) as streaming:
         streaming.streaming()
         source.query(
@@ -185,7 +198,21 @@ def test_streamed_columns_named_like_lrs_words_apply_key_changes_updates_and_del
         source.query("DELETE FROM public.hostile2 WHERE nonkey = 29")
         for column in ("lr_changed", "tg_op", "stream"):  # one column at a time: each its own statement
             source.query(f'UPDATE public.hostile SET "{column}" = %s WHERE n %% 7 = 0', (column,))
-        streamed(streaming, source, sinks, "public.hostile", "public.hostile2")
+        odd = quoted("l" * 63)
+        source.query(
+            f"INSERT INTO public.hostile3 ({key3}, \"it's\", p, d) SELECT g, -g, g, 2, 'text[]', 'p', 'd' "
+            "FROM generate_series(6, 9) g"
+        )
+        source.query(f"UPDATE public.hostile3 SET {odd} = {odd} + 100, t = 't', \"it's\" = 'pg_class' WHERE {odd} < 3")
+        source.query(
+            f'UPDATE public.hostile3 SET "a""b" = -"a""b", excluded = \'e\', "back\\slash" = \'b\' WHERE {odd} > 7'
+        )
+        source.query(f"DELETE FROM public.hostile3 WHERE {odd} IN (4, 6)")
+        tables = ("public.hostile", "public.hostile2", "public.hostile3")
+        streamed(streaming, source, sinks, *tables)
+        forced_full_sync_of_site_b(source, streaming)
+        source.query(f"UPDATE public.hostile3 SET {odd} = {odd} + 1000, lo = 'l', \"Ünï Cødé ✓\" = 'ü'")
+        streamed(streaming, source, sinks, *tables)
     assert len(rows(source, "public.hostile")) == 300 - 11
     in_one_round_trip(round_trips, sinks)
 
