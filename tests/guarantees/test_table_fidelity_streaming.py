@@ -329,6 +329,38 @@ def test_columns_of_not_null_domains_stream_inserts_updates_key_changes_and_dele
     assert not [r.error for r in streaming.cycles if r.error]
 
 
+def test_columns_of_a_type_with_a_cast_to_json_stream_inserts_updates_key_changes_and_deletes(lr_sites, round_trips):
+    """A type with a cast to json (a user's, as here, or an extension's: hstore, PostGIS geometry),
+    in the key, alone and under a domain: ``to_jsonb`` writes a value of it as the cast returns it,
+    which no sink reads back as the type. Before, every change of such a table was refused at every
+    sink, for good (``invalid input value for enum level: "{"level": "high"}"``); the capture now
+    carries such a column as its text (V0031)."""
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    for site in lr_sites:
+        site.query(
+            "CREATE TYPE public.level AS ENUM ('low', 'high'); CREATE DOMAIN public.grade AS public.level; "
+            "CREATE FUNCTION public.level_json(public.level) RETURNS json LANGUAGE sql "
+            "AS $$ SELECT pg_catalog.json_build_object('level', $1::text) $$; "
+            "CREATE CAST (public.level AS json) WITH FUNCTION public.level_json(public.level)"
+        )
+    source.query("CREATE TABLE public.levels (l public.level, n int, g public.grade, PRIMARY KEY (l, n))")
+    source.query("INSERT INTO public.levels VALUES ('low', 1, 'high')")
+    federate(source, "public.levels")
+    with streaming_over(topo, lr_sites) as streaming:
+        streaming.streaming()
+        for change in (
+            "INSERT INTO public.levels VALUES ('high', 2, 'low'), ('low', 3, NULL)",
+            "UPDATE public.levels SET g = 'low' WHERE n = 1",
+            "UPDATE public.levels SET l = 'high' WHERE n = 3",  # a key change
+            "DELETE FROM public.levels WHERE n = 2",
+        ):
+            source.query(change)
+            streamed(streaming, source, sinks, "public.levels", what=change)
+    assert rows(source, "public.levels") == [("(high,3,)",), ("(low,1,low)",)]
+    in_one_round_trip(round_trips, sinks)
+
+
 def test_sink_tables_made_with_the_sources_always_identity_stream_every_change_and_a_full_sync(lr_sites, round_trips):
     """Every site made the tables with the source's DDL: a non-key ``GENERATED ALWAYS`` identity (one
     table with a ``DEFERRABLE`` key, the upsert's other path). PostgreSQL sets such a column in no
