@@ -20,7 +20,9 @@ ORDERS = (  # created by lr at the sinks
     "code text NOT NULL UNIQUE, qty int NOT NULL DEFAULT 1 CHECK (qty > 0)); "
     "CREATE INDEX orders_qty ON public.orders (qty)"
 )
-TICKETS = "CREATE TABLE public.tickets (id serial PRIMARY KEY, body text)"  # created by the user on every site
+# created by the user on every site; a serial named like a column of pg_sequence, which the
+# promotion reads beside the table (before, "column reference seqmax is ambiguous" failed it)
+TICKETS = "CREATE TABLE public.tickets (id serial PRIMARY KEY, body text, seqmax serial)"
 
 
 def write(site, first: int, last: int) -> None:
@@ -87,7 +89,7 @@ def test_an_unplanned_failover_moves_the_promoted_sites_sequences_past_the_repli
     result = failover.promote(failover.FailoverRequest("site-a", "site-b"), _connect(lr_sites, down=("site-a",)))
     assert result.tables == {"policy": ["public.orders", "public.tickets"]}
     assert site_b.query("INSERT INTO public.orders (code) VALUES ('at b') RETURNING id, ref") == [(8, 8)]
-    assert site_b.query("INSERT INTO public.tickets (body) VALUES ('at b') RETURNING id") == [(11,)]
+    assert site_b.query("INSERT INTO public.tickets (body) VALUES ('at b') RETURNING id, seqmax") == [(11, 11)]
     run_until_idle(
         replicator(result.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey("site-b", "site-c", "policy")])
     )
