@@ -13,9 +13,9 @@ and sink, one ``read`` and one send per row at each sink) made Python the bottle
 blocks; 64 KiB to 2 MiB blocks measured alike (docs/tables-bench.md, bench/table_bench.py).
 
 A table with a column that binary COPY carries wrong is copied in COPY's text format instead, under
-the same settings at both ends (``by_text``): ``int2vector`` and ``oidvector`` (an empty one, sent
-by the source, is refused by the sink's receive function: the snapshot failed at every cycle, for
-good) and the ``reg*`` types (binary carries the source's oid, which names another object or none at
+the same settings at both ends (``by_text``): ``int2vector``, ``oidvector`` and ``tsquery`` (an
+empty one, sent by the source, is refused by the sink's receive function: the snapshot failed at
+every cycle, for good) and the ``reg*`` types (binary carries the source's oid, which names another object or none at
 the sink; as text, a value names the same object, as the stream's changes and ``pg_dump`` carry it).
 What no path can carry is refused when the table is opened (``uncarried``).
 """
@@ -127,7 +127,7 @@ WHERE t.typsend = 0 OR t.typreceive = 0
     + """))
 GROUP BY p.attnum, p.attname ORDER BY p.attnum"""
 )
-# Types binary COPY carries wrong (see the module): int2vector and oidvector, and object references
+# Types binary COPY carries wrong (see the module): empty values the receive refuses, object references
 _BY_TEXT_TYPES = (
     "'int2vector', 'oidvector', 'tsquery', 'regclass', 'regcollation', 'regconfig', 'regdictionary', 'regnamespace', "
     "'regoper', 'regoperator', 'regproc', 'regprocedure', 'regrole', 'regtype'"
