@@ -32,6 +32,7 @@ from psycopg2 import sql
 
 from airflow_provider_lr.engine.db.timeouts import DEADLINES, Clock
 from airflow_provider_lr.engine.tables.definition import TableDefinition
+from airflow_provider_lr.engine.tables.extras import AS_PRINTED
 
 COPY_BLOCK = 128 * 1024  # rows of the source's output gathered into blocks of this size (bytes)
 QUEUE_CHUNKS = 16  # blocks buffered per sink (2 MiB)
@@ -140,19 +141,11 @@ SELECT EXISTS (SELECT FROM lr_parts p JOIN pg_catalog.pg_type t ON t.oid = p.typ
     + _BY_TEXT_TYPES
     + "))"
 )
-# The settings a value's text depends on, the same at both ends of a text COPY: the source prints
-# under them, the sink reads under them (search_path: at the source only, so every object outside
-# pg_catalog prints with its schema; a sink's triggers keep theirs)
-_SOURCE_SETTINGS = {
-    "DateStyle": "ISO",
-    "IntervalStyle": "postgres",
-    "TimeZone": "UTC",
-    "extra_float_digits": "3",
-    "bytea_output": "hex",
-    "lc_monetary": "C",
-    "xmloption": "content",
-    "search_path": "pg_catalog",
-}
+# The settings a value's text depends on (those a created table's constants are printed by, and
+# xmloption), the same at both ends of a text COPY: the source prints under them, the sink reads under
+# them (search_path: at the source only, so every object outside pg_catalog prints with its schema;
+# a sink's triggers keep theirs)
+_SOURCE_SETTINGS = {**AS_PRINTED, "xmloption": "content", "search_path": "pg_catalog"}
 _SINK_SETTINGS = {k: v for k, v in _SOURCE_SETTINGS.items() if k != "search_path"}
 
 
