@@ -39,6 +39,7 @@ from tests.support.tables import (
     in_one_transaction,
     insert_every_type,
     on_every_site,
+    quoted,
     rows,
     status_text,
     type_differences,
@@ -160,13 +161,25 @@ def carried_in_one_round_trip(streaming: Streaming, trips: RoundTrips, source, s
 
 
 def test_streamed_columns_named_like_lrs_words_apply_key_changes_updates_and_deletes(lr_sites, round_trips):
+    """Columns named like every alias and column of lr's capture, apply and snapshot statements, and
+    names only a quoted identifier spells (quotes, a backslash, 63 bytes), in the key and not:
+    through the snapshot (binary COPY, and text COPY for a table with a ``regtype`` column), the
+    stream, and a full sync asked while it streams."""
     source, *sinks = lr_sites
     topo = apply(lr_sites)
     hostile_table(source, "hostile", ["n"])
     hostile_table(source, "hostile2", ["nonkey", "select"])  # a composite key of hostile names
+    odd_key = ['a"b', "l" * 63, "✓" * 21, "position"]
+    hostile_table(source, "hostile3", odd_key)
+    source.query('ALTER TABLE public.hostile3 ALTER COLUMN "it\'s" TYPE regtype USING NULL')  # copied as text
+    key3 = ", ".join(map(quoted, odd_key))
     source.query("INSERT INTO public.hostile (n, nonkey) SELECT g, 'v' || g FROM generate_series(1, 5) g")
-    federate(source, "public.hostile")
-    federate(source, "public.hostile2")
+    source.query(
+        f"INSERT INTO public.hostile3 ({key3}, \"it's\", v, x) SELECT g, -g, g, 1, 'integer', 'v', 'x' "
+        "FROM generate_series(1, 5) g"
+    )
+    for table in ("public.hostile", "public.hostile2", "public.hostile3"):
+        federate(source, table)
     with streaming_over(topo, lr_sites) as streaming:
         streaming.streaming()
         source.query(
@@ -189,7 +202,21 @@ def test_streamed_columns_named_like_lrs_words_apply_key_changes_updates_and_del
         source.query("DELETE FROM public.hostile2 WHERE nonkey = 29")
         for column in ("lr_changed", "tg_op", "stream"):  # one column at a time: each its own statement
             source.query(f'UPDATE public.hostile SET "{column}" = %s WHERE n %% 7 = 0', (column,))
-        streamed(streaming, source, sinks, "public.hostile", "public.hostile2")
+        odd = quoted("l" * 63)
+        source.query(
+            f"INSERT INTO public.hostile3 ({key3}, \"it's\", p, d) SELECT g, -g, g, 2, 'text[]', 'p', 'd' "
+            "FROM generate_series(6, 9) g"
+        )
+        source.query(f"UPDATE public.hostile3 SET {odd} = {odd} + 100, t = 't', \"it's\" = 'pg_class' WHERE {odd} < 3")
+        source.query(
+            f'UPDATE public.hostile3 SET "a""b" = -"a""b", excluded = \'e\', "back\\slash" = \'b\' WHERE {odd} > 7'
+        )
+        source.query(f"DELETE FROM public.hostile3 WHERE {odd} IN (4, 6)")
+        tables = ("public.hostile", "public.hostile2", "public.hostile3")
+        streamed(streaming, source, sinks, *tables)
+        forced_full_sync_of_site_b(source, streaming)
+        source.query(f"UPDATE public.hostile3 SET {odd} = {odd} + 1000, lo = 'l', \"Ünï Cødé ✓\" = 'ü'")
+        streamed(streaming, source, sinks, *tables)
     assert len(rows(source, "public.hostile")) == 300 - 11
     in_one_round_trip(round_trips, sinks)
 
@@ -304,6 +331,38 @@ def test_columns_of_not_null_domains_stream_inserts_updates_key_changes_and_dele
             )
     assert [r[0] for r in source.query("SELECT id FROM public.stock ORDER BY id")] == [3, 4, 5, 106]
     assert not [r.error for r in streaming.cycles if r.error]
+
+
+def test_columns_of_a_type_with_a_cast_to_json_stream_inserts_updates_key_changes_and_deletes(lr_sites, round_trips):
+    """A type with a cast to json (a user's, as here, or an extension's: hstore, PostGIS geometry),
+    in the key, alone and under a domain: ``to_jsonb`` writes a value of it as the cast returns it,
+    which no sink reads back as the type. Before, every change of such a table was refused at every
+    sink, for good (``invalid input value for enum level: "{"level": "high"}"``); the capture now
+    carries such a column as its text (V0032)."""
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    for site in lr_sites:
+        site.query(
+            "CREATE TYPE public.level AS ENUM ('low', 'high'); CREATE DOMAIN public.grade AS public.level; "
+            "CREATE FUNCTION public.level_json(public.level) RETURNS json LANGUAGE sql "
+            "AS $$ SELECT pg_catalog.json_build_object('level', $1::text) $$; "
+            "CREATE CAST (public.level AS json) WITH FUNCTION public.level_json(public.level)"
+        )
+    source.query("CREATE TABLE public.levels (l public.level, n int, g public.grade, PRIMARY KEY (l, n))")
+    source.query("INSERT INTO public.levels VALUES ('low', 1, 'high')")
+    federate(source, "public.levels")
+    with streaming_over(topo, lr_sites) as streaming:
+        streaming.streaming()
+        for change in (
+            "INSERT INTO public.levels VALUES ('high', 2, 'low'), ('low', 3, NULL)",
+            "UPDATE public.levels SET g = 'low' WHERE n = 1",
+            "UPDATE public.levels SET l = 'high' WHERE n = 3",  # a key change
+            "DELETE FROM public.levels WHERE n = 2",
+        ):
+            source.query(change)
+            streamed(streaming, source, sinks, "public.levels", what=change)
+    assert rows(source, "public.levels") == [("(high,3,)",), ("(low,1,low)",)]
+    in_one_round_trip(round_trips, sinks)
 
 
 def test_sink_tables_made_with_the_sources_always_identity_stream_every_change_and_a_full_sync(lr_sites, round_trips):

@@ -223,19 +223,50 @@ HOSTILE_COLUMNS = [
     "50%",  # the apply's statement is a format for mogrify: a % in a name is not a parameter's start
     "%(docs)s",
     "%s",
+    # the apply's and the snapshot's aliases and columns (tables/sink, upsert, targets, clearing,
+    # stream_batch), and names only a quoted identifier spells
+    "position",
+    "v",
+    "t",
+    "x",
+    "d",
+    "p",
+    "i",
+    "doc",
+    "lo",
+    "hi",
+    "ord",
+    "lr_0",
+    "lr_1",
+    "_lr_stage",
+    "excluded",
+    "source_site_id",
+    "table_name",
+    "split_upto",
+    'a"b',
+    "it's",
+    "back\\slash",
+    "Ünï Cødé ✓",
+    "l" * 63,  # the longest name PostgreSQL keeps
+    "✓" * 21,  # 63 bytes
 ]
 
 
 HOSTILE_TYPES = {"data": "jsonb", "tags": "int[]", "lr_row": "int[]", "lr_image": "json", "row": "text[]"}
 
 
+def quoted(name: str) -> str:
+    """``name`` as an SQL identifier."""
+    return '"' + name.replace('"', '""') + '"'
+
+
 def hostile_table(site, name: str, key: list[str]) -> None:
     """Text columns, some (also named like lr's words) of types that travel as their text form."""
     cols = ", ".join(
-        f'"{c}" int NOT NULL' if c in key else f'"{c}" {HOSTILE_TYPES.get(c, "text")}'
+        f"{quoted(c)} int NOT NULL" if c in key else f"{quoted(c)} {HOSTILE_TYPES.get(c, 'text')}"
         for c in HOSTILE_COLUMNS + ["lr_image", "lr_text", "lr_extra", "lr_col", "q"]
     )
-    keys = ", ".join(chr(34) + k + chr(34) for k in key)
+    keys = ", ".join(map(quoted, key))
     site.query(f"CREATE TABLE public.{name} ({cols}, PRIMARY KEY ({keys}))".replace("%", "%%"))
 
 

@@ -11,19 +11,28 @@ sink's ``copy_expert`` reads a whole block at a time. Queueing row by row (one q
 and sink, one ``read`` and one send per row at each sink) made Python the bottleneck: 1M rows of
 216 bytes to 2 sinks took 8.3 s (12.0 s of CPU) in one read, against 1.8 s (3.3 s of CPU) in 128 KiB
 blocks; 64 KiB to 2 MiB blocks measured alike (docs/tables-bench.md, bench/table_bench.py).
+
+A table with a column that binary COPY carries wrong is copied in COPY's text format instead, under
+the same settings at both ends (``by_text``): ``int2vector``, ``oidvector`` and ``tsquery`` (an
+empty one, sent by the source, is refused by the sink's receive function: the snapshot failed at
+every cycle, for good) and the ``reg*`` types (binary carries the source's oid, which names another object or none at
+the sink; as text, a value names the same object, as the stream's changes and ``pg_dump`` carry it).
+What no path can carry is refused when the table is opened (``uncarried``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import psycopg2.extensions
 from psycopg2 import sql
 
 from airflow_provider_lr.engine.db.timeouts import DEADLINES, Clock
 from airflow_provider_lr.engine.tables.definition import TableDefinition
+from airflow_provider_lr.engine.tables.extras import AS_PRINTED
 
 COPY_BLOCK = 128 * 1024  # rows of the source's output gathered into blocks of this size (bytes)
 QUEUE_CHUNKS = 16  # blocks buffered per sink (2 MiB)
@@ -83,8 +92,110 @@ class _Tee:
                 reader.chunks.put(data)
 
 
-def select_statement(definition: TableDefinition, where: sql.Composable | None = None) -> sql.Composed:
-    """The source's rows of the table (``where``: a key range), its columns by name: ``ONLY`` its own,
+# What a value of each column of table %(table)s is made of: its type, a domain's base, an array's
+# element, a range's subtype, a multirange's range, a composite's fields (lr_parts: column, type).
+_PARTS = """
+WITH RECURSIVE lr_parts (attname, attnum, typid, depth) AS (
+    SELECT a.attname::text, a.attnum, a.atttypid, 0 FROM pg_catalog.pg_attribute a
+    WHERE a.attrelid = pg_catalog.to_regclass(%(table)s) AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''
+    UNION ALL
+    SELECT p.attname, p.attnum, x.typid, p.depth + 1
+    FROM lr_parts p JOIN pg_catalog.pg_type t ON t.oid = p.typid
+    CROSS JOIN LATERAL (
+        SELECT t.typbasetype WHERE t.typtype = 'd'
+        UNION ALL SELECT t.typelem WHERE t.typcategory = 'A' AND t.typelem <> 0
+        UNION ALL SELECT r.rngsubtype FROM pg_catalog.pg_range r WHERE r.rngtypid = t.oid
+        UNION ALL SELECT r.rngtypid FROM pg_catalog.pg_range r WHERE r.rngmultitypid = t.oid
+        UNION ALL SELECT f.atttypid FROM pg_catalog.pg_attribute f
+                  WHERE t.typtype = 'c' AND f.attrelid = t.typrelid AND f.attnum > 0 AND NOT f.attisdropped
+    ) x (typid)
+    WHERE p.depth < 10
+)"""
+# PostgreSQL's internal types: their input and receive functions refuse every value (a client can
+# only read them), so no sink could take one
+_INTERNAL = (
+    "'pg_node_tree', 'pg_ndistinct', 'pg_dependencies', 'pg_mcv_list', 'pg_brin_bloom_summary', "
+    "'pg_brin_minmax_multi_summary'"
+)
+_UNCARRIED = (
+    _PARTS
+    + """
+SELECT pg_catalog.format('%%I (%%s)', p.attname, pg_catalog.string_agg(DISTINCT pg_catalog.format_type(t.oid, NULL), ', '))
+FROM lr_parts p JOIN pg_catalog.pg_type t ON t.oid = p.typid
+WHERE t.typsend = 0 OR t.typreceive = 0
+   OR (t.typnamespace = 'pg_catalog'::pg_catalog.regnamespace AND t.typname IN ("""
+    + _INTERNAL
+    + """))
+GROUP BY p.attnum, p.attname ORDER BY p.attnum"""
+)
+# Types binary COPY carries wrong (see the module): empty values the receive refuses, object references
+_BY_TEXT_TYPES = (
+    "'int2vector', 'oidvector', 'tsquery', 'regclass', 'regcollation', 'regconfig', 'regdictionary', 'regnamespace', "
+    "'regoper', 'regoperator', 'regproc', 'regprocedure', 'regrole', 'regtype'"
+)
+_BY_TEXT = (
+    _PARTS
+    + """
+SELECT EXISTS (SELECT FROM lr_parts p JOIN pg_catalog.pg_type t ON t.oid = p.typid
+               WHERE t.typnamespace = 'pg_catalog'::pg_catalog.regnamespace AND t.typname IN ("""
+    + _BY_TEXT_TYPES
+    + "))"
+)
+# The settings a value's text depends on (those a created table's constants are printed by, and
+# xmloption), the same at both ends of a text COPY: the source prints under them, the sink reads under
+# them (search_path: at the source only, so every object outside pg_catalog prints with its schema;
+# a sink's triggers keep theirs)
+_SOURCE_SETTINGS = {**AS_PRINTED, "xmloption": "content", "search_path": "pg_catalog"}
+_SINK_SETTINGS = {k: v for k, v in _SOURCE_SETTINGS.items() if k != "search_path"}
+
+
+def uncarried(cur: psycopg2.extensions.cursor, table: sql.Composable) -> list[str]:
+    """The columns of ``table`` (each with the type at fault) no copy can carry: their type, or one a
+    value of it is made of, has no binary send or receive function (``aclitem``, some extensions'
+    types: a snapshot of such a table failed at every cycle, for good, long after it was opened), or
+    is one of PostgreSQL's internal types, whose values no sink accepts (``pg_node_tree``, ...)."""
+    cur.execute(_UNCARRIED, {"table": table.as_string(cur)})
+    return [column for (column,) in cur.fetchall()]
+
+
+def by_text(cur: psycopg2.extensions.cursor, definition: TableDefinition) -> bool:
+    """Whether ``definition``'s table is copied in COPY's text format (see the module)."""
+    cur.execute(_BY_TEXT, {"table": definition.table.ident.as_string(cur)})
+    return bool(cur.fetchone()[0])
+
+
+@contextlib.contextmanager
+def text_settings(source: psycopg2.extensions.cursor, sinks: Sequence[psycopg2.extensions.cursor]) -> Iterator[None]:
+    """The settings of a text COPY, on ``source`` and each of ``sinks`` for their transaction's
+    copy; back as they were after it (not after a failure: the transaction is over then)."""
+    ends = [(source, _SOURCE_SETTINGS), *((cur, _SINK_SETTINGS) for cur in sinks)]
+    before = []
+    for cur, settings in ends:
+        names = list(settings)
+        cur.execute(
+            "SELECT " + ", ".join(["pg_catalog.current_setting(%s)"] * len(names)),
+            names,
+        )
+        before.append(dict(zip(names, cur.fetchone())))
+        _set(cur, settings)
+    yield
+    for (cur, _), settings in zip(ends, before):
+        _set(cur, settings)
+
+
+def _set(cur: psycopg2.extensions.cursor, settings: dict[str, str]) -> None:
+    """``settings`` for the rest of ``cur``'s transaction."""
+    cur.execute(
+        "SELECT " + ", ".join(["pg_catalog.set_config(%s, %s, true)"] * len(settings)),
+        [x for pair in settings.items() for x in pair],
+    )
+
+
+def select_statement(
+    definition: TableDefinition, where: sql.Composable | None = None, text: bool = False
+) -> sql.Composed:
+    """The source's rows of the table (``where``: a key range; ``text``: in COPY's text format, see
+    ``by_text``), its columns by name: ``ONLY`` its own,
     as its capture follows only statements naming it. A table given an inheritance child after it
     was opened (the open refuses one that has any) has the child's rows in a plain ``SELECT``: they
     were copied into the sinks, where a key the child shares with the table refused every snapshot
@@ -93,12 +204,16 @@ def select_statement(definition: TableDefinition, where: sql.Composable | None =
     query = sql.SQL("SELECT {} FROM ONLY {}").format(cols, definition.table.ident)
     if where is not None:
         query = sql.SQL("{} WHERE {}").format(query, where)
-    return sql.SQL("COPY ({}) TO STDOUT (FORMAT binary)").format(query)
+    return sql.SQL("COPY ({}) TO STDOUT (FORMAT {})").format(query, sql.SQL("text" if text else "binary"))
 
 
-def insert_statement(definition: TableDefinition, target: sql.Composable | None = None) -> sql.Composed:
+def insert_statement(
+    definition: TableDefinition, target: sql.Composable | None = None, text: bool = False
+) -> sql.Composed:
     cols = sql.SQL(", ").join(map(sql.Identifier, definition.column_names))
-    return sql.SQL("COPY {} ({}) FROM STDIN (FORMAT binary)").format(target or definition.table.ident, cols)
+    return sql.SQL("COPY {} ({}) FROM STDIN (FORMAT {})").format(
+        target or definition.table.ident, cols, sql.SQL("text" if text else "binary")
+    )
 
 
 def copy_rows(

@@ -42,18 +42,22 @@ from psycopg2 import sql
 
 from airflow_provider_lr.engine.errors import SchemaMismatchError, one_line
 from airflow_provider_lr.engine.tables.definition import Column, TableDefinition
-from airflow_provider_lr.engine.tables.extras import ColumnExtras, TableExtras
+from airflow_provider_lr.engine.tables.extras import AS_PRINTED, ColumnExtras, TableExtras
 
 log = logging.getLogger(__name__)
 
 # The sink's settings that the source's text is read under, as it was printed (``tables/extras``):
-# names outside pg_catalog carry their schema, a backslash in a string literal is a character.
-# Returns (names, values) to set back after.
-_AS_READ = """
+# names outside pg_catalog carry their schema, a backslash in a string literal is a character, a
+# constant reads as it was printed (``extras.AS_PRINTED``). Returns (names, values) to set back after.
+_AS_READ = (
+    """
 SELECT pg_catalog.array_agg(name), pg_catalog.array_agg(setting),
        pg_catalog.array_agg(pg_catalog.set_config(name, value, true))
-FROM (VALUES ('search_path', 'pg_catalog, pg_temp'), ('standard_conforming_strings', 'on')) v(name, value)
+FROM (VALUES ('search_path', 'pg_catalog, pg_temp'), ('standard_conforming_strings', 'on'), """
+    + ", ".join(f"('{name}', '{value}')" for name, value in AS_PRINTED.items())
+    + """) v(name, value)
 CROSS JOIN LATERAL pg_catalog.current_setting(name) setting"""
+)
 
 _SERIAL = {"smallint": "smallserial", "integer": "serial", "bigint": "bigserial"}
 

@@ -159,11 +159,30 @@ SELECT jsonb_build_object(
 FROM t WHERE t.oid IS NOT NULL"""
 
 
+# The settings a constant of a default, constraint or index may be printed by (an interval by
+# IntervalStyle, money by lc_monetary; the rest as at any text's other end), and the sink reads it
+# by (``tables/create``): before, each site used its own, and a default of minus a day and two hours,
+# printed '-1 2:00:00' by a source of the SQL standard's style, read minus a day plus two hours.
+AS_PRINTED = {
+    "DateStyle": "ISO",
+    "IntervalStyle": "postgres",
+    "TimeZone": "UTC",
+    "extra_float_digits": "3",
+    "bytea_output": "hex",
+    "lc_monetary": "C",
+}
+
+
+def _printed() -> str:
+    return "; ".join(f"SET LOCAL {name} = '{value}'" for name, value in AS_PRINTED.items())
+
+
 def read(cur: psycopg2.extensions.cursor, table: sql.Composable) -> TableExtras | None:
     """The extras of ``table`` as ``cur``'s transaction sees it; None when there is no such table.
-    ``search_path`` is ``pg_catalog`` for the read only (a savepoint rolled back: the caller's
-    transaction, a snapshot's, goes on as it was)."""
-    cur.execute("SAVEPOINT lr_extras; SET LOCAL search_path = pg_catalog, pg_temp")
+    ``search_path`` is ``pg_catalog`` and the settings a constant's text depends on are fixed
+    (``AS_PRINTED``: the sink reads the text under the same) for the read only (a savepoint rolled
+    back: the caller's transaction, a snapshot's, goes on as it was)."""
+    cur.execute("SAVEPOINT lr_extras; SET LOCAL search_path = pg_catalog, pg_temp; " + _printed())
     try:
         cur.execute(_EXTRAS, (table.as_string(cur),))
         row = cur.fetchone()

@@ -10,6 +10,7 @@ the snapshot itself: its split, the sinks' tables prepared and finished.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,19 +67,23 @@ def copy_to_targets(
 ) -> tuple[int, list[int]]:
     """Rows of ``definition``'s table (``where``: a key range) from the source's snapshot into each
     target: straight into the table when only this source writes it (it was just cleared), else
-    through a temporary table and an upsert that keeps the origin ledger. Returns the bytes read
-    and the rows written at each target."""
+    through a temporary table and an upsert that keeps the origin ledger; by binary COPY, or by
+    text where binary carries a column wrong (``copy.by_text``). Returns the bytes read and the
+    rows written at each target."""
+    text = table_copy.by_text(source, definition)
     sinks, staged = [], []
     for cur, target in targets:
         if target.shared:
             stage = sql.Identifier(f"lr_stage_{uuid.uuid4().hex[:12]}")
             cur.execute(sql.SQL("CREATE TEMP TABLE {} (LIKE {}) ON COMMIT DROP").format(stage, definition.table.ident))
-            sinks.append((cur, table_copy.insert_statement(definition, stage)))
+            sinks.append((cur, table_copy.insert_statement(definition, stage, text)))
             staged.append((cur, target, stage))
         else:
-            sinks.append((cur, table_copy.insert_statement(definition)))
-    copied = table_copy.copy_rows(source, table_copy.select_statement(definition, where), sinks)
-    rows = [max(cur.rowcount, 0) for cur, _ in targets]
+            sinks.append((cur, table_copy.insert_statement(definition, text=text)))
+    select = table_copy.select_statement(definition, where, text)
+    with table_copy.text_settings(source, [cur for cur, _ in targets]) if text else contextlib.nullcontext():
+        copied = table_copy.copy_rows(source, select, sinks)
+        rows = [max(cur.rowcount, 0) for cur, _ in targets]  # each COPY's, before the settings go back
     for cur, target, stage in staged:
         rows[[c for c, _ in targets].index(cur)] = upsert.upsert_from(cur, target, stage)
     return copied, rows

@@ -283,8 +283,9 @@ def federate(
     if copyless:
         raise TableError(
             f"table {table} cannot be federated: column(s) {', '.join(copyless)} have a type without binary "
-            "input and output, and lr copies a table's snapshot by binary COPY; store such a value as text "
-            "(or drop the column) before opening it"
+            "input and output (a snapshot's COPY needs them) or one of PostgreSQL's internal types (no site "
+            "accepts their values from a client): lr cannot carry it to another site; store such a value as "
+            "text (or drop the column) before opening it"
         )
     if (
         current

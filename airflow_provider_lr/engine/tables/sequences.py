@@ -43,12 +43,14 @@ WHERE a.attrelid = %(t)s::regclass AND a.attnum > 0 AND NOT a.attisdropped
 ORDER BY a.attnum, s.oid"""
 
 # setval to the column's greatest (least) value, within the sequence's bounds, when the sequence's
-# next value is not past it; returns the value set (no row: nothing to do)
+# next value is not past it; returns the value set (no row: nothing to do). The column is read by
+# lr's alias of the table: a column named like one of pg_sequence's (seqmax) made it ambiguous, and
+# a table named p clashed with pg_sequence's alias; either failed the promotion.
 _ADVANCE = """
 SELECT setval({oid}, v.m, true)
-FROM (SELECT CASE WHEN p.seqincrement > 0 THEN least(max({col}), p.seqmax) ELSE greatest(min({col}), p.seqmin) END AS m,
+FROM (SELECT CASE WHEN p.seqincrement > 0 THEN least(max(lr_t.{col}), p.seqmax) ELSE greatest(min(lr_t.{col}), p.seqmin) END AS m,
              p.seqincrement AS inc
-      FROM {table}, pg_sequence p WHERE p.seqrelid = {oid}
+      FROM {table} lr_t, pg_sequence p WHERE p.seqrelid = {oid}
       GROUP BY p.seqincrement, p.seqmax, p.seqmin) v, {seq} q
 WHERE v.m IS NOT NULL
   AND (CASE WHEN v.inc > 0 THEN v.m > q.last_value ELSE v.m < q.last_value END

@@ -64,3 +64,34 @@ def test_a_function_planted_in_the_sinks_search_path_is_not_what_the_created_tab
     for sink in sinks:
         assert described(sink, "public.tags") == described(source, "public.tags")
         assert rows(sink, "public.tags") == rows(source, "public.tags")
+
+
+def test_a_literal_whose_text_depends_on_the_sites_settings_means_the_same_in_the_table_created_at_a_sink(lr_sites):
+    """The source's defaults, constraints and index predicates print some constants by the reading
+    session's settings (an interval by ``IntervalStyle``; PostgreSQL prints dates and floats there
+    in a form every session reads alike), and the sink read them by its own: before, a default of
+    minus a day and two hours, printed ``'-1 2:00:00'`` by a source of the SQL standard's style, read
+    minus a day plus two hours at the sink."""
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    source.query(
+        f"ALTER DATABASE {source.dbname} SET DateStyle = 'SQL, DMY'; "
+        f"ALTER DATABASE {source.dbname} SET IntervalStyle = 'sql_standard'; "
+        f"ALTER DATABASE {source.dbname} SET extra_float_digits = -15"
+    )
+    hostile_sinks(sinks, "DateStyle = 'SQL, MDY'")
+    source.query(
+        "CREATE TABLE public.dated (id int PRIMARY KEY, d date NOT NULL DEFAULT '2026-01-02', "
+        "i interval DEFAULT '-1 day -2 hours', f float8 DEFAULT 0.1234567890123, "
+        "CONSTRAINT recent CHECK (d >= '2020-01-02')); CREATE INDEX dated_new ON public.dated (d) WHERE d > '2025-03-04'"
+    )
+    source.query("INSERT INTO public.dated (id) VALUES (1)")
+    federate(source, "public.dated")
+    assert not cycle_errors(sync(replicator(topo, lr_sites)))
+    pinned = "SET DateStyle = 'ISO'; SET IntervalStyle = 'postgres'; SET extra_float_digits = 3; "
+    for sink in sinks:
+        assert sink.query(pinned + DESCRIBE, {"t": "public.dated"}) == source.query(
+            pinned + DESCRIBE, {"t": "public.dated"}
+        )
+        read = pinned + "SELECT t::text FROM public.dated t"
+        assert sink.query(read) == source.query(read) == [('(1,2026-01-02,"-1 days -02:00:00",0.1234567890123)',)]
