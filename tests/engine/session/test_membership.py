@@ -59,9 +59,10 @@ def beat_until(members: list[Membership], settled, timeout: float = 10.0) -> Non
 
 
 def kill_backend(source, owner: str) -> None:
-    """What a SIGKILL of the member's process does at the source: its backend exits."""
+    """What a SIGKILL of the member's process does at the source: its backend exits (waited for: a
+    status read while it was still exiting found it alive in one statement and gone in the next)."""
     (killed,) = source.query(
-        "SELECT pg_terminate_backend(l.pid) FROM pg_locks l JOIN lr.replicator_members m "
+        "SELECT pg_terminate_backend(l.pid, 5000) FROM pg_locks l JOIN lr.replicator_members m "
         "ON l.objid = m.lock_key::oid AND l.classid = %s::oid AND l.locktype = 'advisory' WHERE m.owner = %s",
         (MEMBER_LOCK_CLASS, owner),
     )[0]
