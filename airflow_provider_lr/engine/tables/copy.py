@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 import psycopg2.extensions
 from psycopg2 import sql
 
+from airflow_provider_lr.engine.db.local_settings import local_settings
 from airflow_provider_lr.engine.db.timeouts import DEADLINES, Clock
 from airflow_provider_lr.engine.tables.definition import TableDefinition
 from airflow_provider_lr.engine.tables.extras import AS_PRINTED
@@ -168,27 +169,11 @@ def by_text(cur: psycopg2.extensions.cursor, definition: TableDefinition) -> boo
 def text_settings(source: psycopg2.extensions.cursor, sinks: Sequence[psycopg2.extensions.cursor]) -> Iterator[None]:
     """The settings of a text COPY, on ``source`` and each of ``sinks`` for their transaction's
     copy; back as they were after it (not after a failure: the transaction is over then)."""
-    ends = [(source, _SOURCE_SETTINGS), *((cur, _SINK_SETTINGS) for cur in sinks)]
-    before = []
-    for cur, settings in ends:
-        names = list(settings)
-        cur.execute(
-            "SELECT " + ", ".join(["pg_catalog.current_setting(%s)"] * len(names)),
-            names,
-        )
-        before.append(dict(zip(names, cur.fetchone())))
-        _set(cur, settings)
-    yield
-    for (cur, _), settings in zip(ends, before):
-        _set(cur, settings)
-
-
-def _set(cur: psycopg2.extensions.cursor, settings: dict[str, str]) -> None:
-    """``settings`` for the rest of ``cur``'s transaction."""
-    cur.execute(
-        "SELECT " + ", ".join(["pg_catalog.set_config(%s, %s, true)"] * len(settings)),
-        [x for pair in settings.items() for x in pair],
-    )
+    with contextlib.ExitStack() as ends:
+        ends.enter_context(local_settings(source, _SOURCE_SETTINGS))
+        for cur in sinks:
+            ends.enter_context(local_settings(cur, _SINK_SETTINGS))
+        yield
 
 
 def select_statement(

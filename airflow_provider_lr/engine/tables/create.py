@@ -40,6 +40,7 @@ import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
 
+from airflow_provider_lr.engine.db.local_settings import local_settings
 from airflow_provider_lr.engine.errors import SchemaMismatchError, one_line
 from airflow_provider_lr.engine.tables.definition import Column, TableDefinition
 from airflow_provider_lr.engine.tables.extras import AS_PRINTED, ColumnExtras, TableExtras
@@ -48,16 +49,8 @@ log = logging.getLogger(__name__)
 
 # The sink's settings that the source's text is read under, as it was printed (``tables/extras``):
 # names outside pg_catalog carry their schema, a backslash in a string literal is a character, a
-# constant reads as it was printed (``extras.AS_PRINTED``). Returns (names, values) to set back after.
-_AS_READ = (
-    """
-SELECT pg_catalog.array_agg(name), pg_catalog.array_agg(setting),
-       pg_catalog.array_agg(pg_catalog.set_config(name, value, true))
-FROM (VALUES ('search_path', 'pg_catalog, pg_temp'), ('standard_conforming_strings', 'on'), """
-    + ", ".join(f"('{name}', '{value}')" for name, value in AS_PRINTED.items())
-    + """) v(name, value)
-CROSS JOIN LATERAL pg_catalog.current_setting(name) setting"""
-)
+# constant reads as it was printed (``extras.AS_PRINTED``).
+_AS_READ = {"search_path": "pg_catalog, pg_temp", "standard_conforming_strings": "on", **AS_PRINTED}
 
 _SERIAL = {"smallint": "smallserial", "integer": "serial", "bigint": "bigserial"}
 
@@ -66,10 +59,9 @@ def create_table(cur: psycopg2.extensions.cursor, definition: TableDefinition, w
     """Create ``definition``'s table (and its schema) in ``cur``'s transaction, with its extras;
     returns what of them the sink could not create (each with PostgreSQL's reason)."""
     _require_types(cur, definition, where)
-    cur.execute(_AS_READ)
-    settings = cur.fetchone()[:2]
     try:
-        left_out = _create(cur, definition)
+        with local_settings(cur, _AS_READ):
+            left_out = _create(cur, definition)
     except (psycopg2.OperationalError, psycopg2.InterfaceError):
         raise  # the sink went away: the caller retries as ever
     except psycopg2.Error as exc:
@@ -79,11 +71,6 @@ def create_table(cur: psycopg2.extensions.cursor, definition: TableDefinition, w
             "that on the sink as on the source (a type, a collation, what a generated column's expression calls), "
             "or create the table yourself (lr then takes it as it is), and the next cycle goes on"
         ) from exc
-    cur.execute(
-        "SELECT pg_catalog.set_config(n, v, true) "
-        "FROM ROWS FROM (pg_catalog.unnest(%s::text[]), pg_catalog.unnest(%s::text[])) s(n, v)",
-        settings,
-    )
     if left_out:
         log.warning("%s: table %s created on the sink without %s", where, definition.table, "; ".join(left_out))
     return left_out
