@@ -88,8 +88,8 @@ def mark_sink_positions(found: Mapping[str, SiteRead | str]) -> None:
         if isinstance(st, str):
             continue
         for s in st.sessions:
-            if s["role"] == "source" and own.get(session_key(s)) is not None:
-                s["sink_position"] = own[session_key(s)]
+            if s["role"] == "source" and (position := own.get(session_key(s))) is not None:
+                s["sink_position"] = position
 
 
 def cross_check(found: Mapping[str, SiteRead | str]) -> None:

@@ -53,10 +53,10 @@ def pending(conn: psycopg2.extensions.connection, sink: str, client: str) -> tup
         return [], None
     try:
         with conn.cursor() as cur:
-            acked = source_sessions.acked_positions(cur, client).get(sink)
+            acked = source_sessions.acked_position(cur, sink, client)
             tag = source_sessions.sink_tags(cur, client).get(sink)
             _, holder = source_sessions.current_holder(cur, sink, client)
-            if acked is None or acked < 0 or tag is None:  # never synced: no copy to miss anything
+            if acked < 0 or tag is None:  # never synced: no copy to miss anything
                 return [], holder
             cur.execute(_PENDING, {"acked": acked, "tag": tag, "client": client})
             return [PendingClose(*row) for row in cur.fetchall()], holder

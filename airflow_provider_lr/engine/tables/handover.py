@@ -194,8 +194,11 @@ def diverged(conn: psycopg2.extensions.connection) -> list[Divergence]:
         rows = sink_sessions.tables_of_closed_sessions(cur, (TableState.SYNCED, TableState.SYNCING))
         cur.execute("SELECT site_id FROM lr.site_info")
         here = cur.fetchone()[0]
+        closed: dict[tuple[str, str], set[str]] = {}  # (source, client) -> its closed copies, read once
         for name, client, source, gone, to in rows:
-            if name in registry.closed_copies(cur, source, client):
+            if (source, client) not in closed:
+                closed[source, client] = registry.closed_copies(cur, source, client)
+            if name in closed[source, client]:
                 continue  # closed at its source (lr tables close): kept on purpose, not a divergence
             session = SessionKey(source, here, client)
             why = (
