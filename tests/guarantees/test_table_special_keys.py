@@ -2,7 +2,7 @@
 ``-0`` (equal to ``0``), ``NaN`` and ``±Infinity`` of ``real``, ``double precision`` and ``numeric``,
 streamed by ``lr sync``'s default mode (docs/tables.md, "Limits"). Each row keyed so is inserted,
 updated and deleted at every sink, once: nothing is duplicated or lost, and the sink's rows print
-as the source's. And a key of every built-in type that can be one, through the same changes."""
+as the source's, a -0 that is not a key too (it arrived as 0 before V0033). And a key of every built-in type that can be one, through the same changes."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ UNORDERED = {"pt", "ln", "ls", "bx", "pa", "pg", "ci", "js", "big", "bigb"}
 def test_rows_keyed_minus_zero_nan_and_infinity_stream_once_through_insert_update_and_delete(lr_sites, key_type):
     source, *sinks = lr_sites
     topo = apply(lr_sites)
-    source.query(f"CREATE TABLE public.odd (k {key_type} PRIMARY KEY, v text, f float8)")
+    source.query(f"CREATE TABLE public.odd (k {key_type} PRIMARY KEY, v text, f float8, r real)")
     source.query("INSERT INTO public.odd VALUES ('-0', 'before'), ('NaN', 'before')")
     federate(source, "public.odd")
 
@@ -34,9 +34,10 @@ def test_rows_keyed_minus_zero_nan_and_infinity_stream_once_through_insert_updat
             "INSERT INTO public.odd VALUES ('Infinity', 'i', '-Infinity'), ('-Infinity', 'i', 'NaN'), ('1.5', 'i', 1e-300)"
         )
         source.query("DELETE FROM public.odd WHERE k = '0'")  # the snapshot's -0, then a streamed one
-        source.query("INSERT INTO public.odd VALUES ('-0', 'streamed', '-Infinity')")
+        source.query("INSERT INTO public.odd VALUES ('-0', 'streamed', '-Infinity', '-0')")  # a -0 not a key too
         source.query("UPDATE public.odd SET v = 'updated' WHERE k = '0'")  # the row keyed -0
         source.query("UPDATE public.odd SET v = 'updated' WHERE k = 'NaN' OR k = '-Infinity'")
+        source.query("UPDATE public.odd SET f = '-0', r = '-0' WHERE k = '1.5'")
         wait_for(same, 30, "the updates")
         source.query("DELETE FROM public.odd WHERE k = '0'")  # -0's row, named by 0
         source.query("INSERT INTO public.odd VALUES ('0', 'zero')")  # now 0 itself
