@@ -238,6 +238,18 @@ settings:
             GOOD.replace("region: r1", "region: r1, conn_id: 'postgresql://lr:hunter2@db/app'"),
             ":2: sites[0].conn_id: holds a password",
         ),
+        # a client key's passphrase, a password in a URI's query (its key percent-encoded, as libpq
+        # decodes it): all were stored on every site, readable by every writer
+        *[
+            (GOOD.replace("region: r1", f"region: r1, conn_id: '{dsn}'"), ":2: sites[0].conn_id: holds a password")
+            for dsn in (
+                "host=db sslpassword=hunter2",
+                "host=db SSLPASSWORD = hunter2",
+                "postgresql://db/app?sslpassword=hunter2",
+                "postgresql://db/app?pass%77ord=hunter2",
+                "postgresql://lr:hunter2@db:5432,db2:5433/app",
+            )
+        ],
     ],
 )
 def test_a_topology_file_with_a_mistake_is_refused_naming_file_line_and_key(tmp_path, text, where):
