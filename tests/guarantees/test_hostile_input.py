@@ -180,9 +180,18 @@ def test_a_subscriber_or_client_made_with_what_cannot_mean_what_was_meant_is_ref
         (opened, 5, None, TransmitError, "invalid client name 5"),
         (opened, "policy", 0, ConfigurationError, "max_payload_bytes must be a whole number of at least 1, not 0"),
         (opened, "policy", "1024", ConfigurationError, "max_payload_bytes must be a whole number"),
+        # a limit above the topology's was taken as given: a 200 MB entry took a streaming replicator
+        # of every client to 2.4 GB (its readers' budgets assume 16 MiB at most, docs/memory.md)
+        (opened, "policy", (16 << 20) + 1, ConfigurationError, "above the topology's limit of 16777216 bytes"),
     ]:
         with pytest.raises(error, match=said):
             RoutingQueueClient(conn, client, max_payload_bytes=limit)
+        assert opened.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
+    apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}], settings={"max_payload_bytes": 4096})
+    with pytest.raises(ConfigurationError, match="above the topology's limit of 4096 bytes"):
+        RoutingQueueClient(opened, "policy", max_payload_bytes=4097)
+    assert RoutingQueueClient(opened, "policy", max_payload_bytes=4096).max_payload_bytes == 4096
+    assert RoutingQueueClient(opened, "policy", max_payload_bytes=100).max_payload_bytes == 100  # a lower one
     opened.close()
 
 
