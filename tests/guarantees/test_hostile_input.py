@@ -187,7 +187,11 @@ def test_a_subscriber_or_client_made_with_what_cannot_mean_what_was_meant_is_ref
         with pytest.raises(error, match=said):
             RoutingQueueClient(conn, client, max_payload_bytes=limit)
         assert opened.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
-    apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}], settings={"max_payload_bytes": 4096})
+    apply(
+        lr_sites,
+        [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}],
+        settings={"max_payload_bytes": 4096},
+    )
     with pytest.raises(ConfigurationError, match="above the topology's limit of 4096 bytes"):
         RoutingQueueClient(opened, "policy", max_payload_bytes=4097)
     assert RoutingQueueClient(opened, "policy", max_payload_bytes=4096).max_payload_bytes == 4096
