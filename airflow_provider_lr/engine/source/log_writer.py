@@ -93,22 +93,28 @@ class LogWriter:
         require_counts(max_payload_bytes=max_payload_bytes)
         self.conn = conn
         self.client_name = client_name
-        self.max_payload_bytes = max_payload_bytes or DEFAULT_MAX_PAYLOAD_BYTES
+        self.max_payload_bytes = DEFAULT_MAX_PAYLOAD_BYTES
         idle = conn.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
         self.source_site_id, _ = site_identity(conn)
         self.client_id = 0
         self._tag_ids: dict[str, int] = {}  # the sinks this client replicates to -> their tag
         self._routes: dict[tuple[str, ...], Route] = {}  # destinations as given -> checked (``route``)
-        self._load_routes(max_payload_bytes is None)
+        self._load_routes(topology_limit=True)
+        limit, self.max_payload_bytes = self.max_payload_bytes, max_payload_bytes or self.max_payload_bytes
         self.prepared = prepared
-        if prepared:
+        if prepared and self.max_payload_bytes <= limit:
             self._prepare()
         if idle:
             conn.rollback()  # leave the caller's connection as we found it (read only so far)
+        if self.max_payload_bytes > limit:  # every reader's memory budget assumes the limit (docs/memory.md)
+            raise ConfigurationError(
+                f"max_payload_bytes={self.max_payload_bytes} is above the topology's limit of {limit} bytes "
+                f"(settings: max_payload_bytes, at most {DEFAULT_MAX_PAYLOAD_BYTES}): give a lower one, or none"
+            )
 
     def _load_routes(self, topology_limit: bool = False) -> None:
-        """The client's id and its sinks (and, unless the caller set one, the payload limit: the
-        topology's ``max_payload_bytes``), from the topology applied to this site."""
+        """The client's id and its sinks (and, when asked, the payload limit: the topology's
+        ``max_payload_bytes``), from the topology applied to this site."""
         with self.conn.cursor() as cur:
             if topology_limit:
                 self.max_payload_bytes = applied_max_payload_bytes(cur) or DEFAULT_MAX_PAYLOAD_BYTES
