@@ -254,6 +254,20 @@ def test_writer_cannot_forge_commit_positions_change_the_trim_or_read_the_log(wo
                 cur.execute(statement)
         finally:  # a statement let through fails the test without holding its locks past it
             conn.rollback()
+    # an entry bigger than every reader's budget (16 MiB and its envelope), by its own SQL: a 200 MB
+    # one took a streaming replicator of every client to 2.4 GB; the client's own limit is kept
+    for stream in (1, 2, 3):
+        try:
+            with conn.cursor() as cur, pytest.raises(psycopg2.errors.CheckViolation, match="message_bounded"):
+                cur.execute(
+                    "INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) SELECT %s, '{1}', client_id, "
+                    "convert_to(repeat('x', 17825793), 'SQL_ASCII') FROM lr.clients WHERE client_name = 'alpha'",
+                    (stream,),
+                )
+        finally:
+            conn.rollback()
+    RoutingQueueClient(conn, "alpha").transmit_log_entry_message(b"x" * (16 << 20), ["site-b", "site-c"])
+    conn.rollback()
     # what the issue reproduced: a forged position made the next application commit fail
     before = source.query("SELECT count(*) FROM lr.log_commits")[0][0]
     put(conn, RoutingQueueClient(conn, "alpha"), "after", 1)
