@@ -153,7 +153,7 @@ def test_reader_for_a_destination_follows_only_its_tag(source, dests):
 )
 def test_bad_input_is_refused_clearly_and_nothing_is_written(source, dests, payload, destinations, error):
     destinations = (
-        [{"SELF": source.site_id, "DEST": dests[0]}.get(d, d) for d in destinations]
+        [{"SELF": source.site_id, "DEST": dests[0]}.get(d, d) if isinstance(d, str) else d for d in destinations]
         if isinstance(destinations, list)
         else destinations
     )
