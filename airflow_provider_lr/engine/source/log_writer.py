@@ -10,7 +10,7 @@ serialized; the commit position is drawn at commit by a deferred trigger (see th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import psycopg2.extensions
@@ -66,6 +66,26 @@ class Route:
         if not payload:  # proto3 leaves an empty bytes field out
             return self.head + self.tail
         return b"".join((self.head, PAYLOAD_TAG, varint(len(payload)), payload, self.tail))
+
+
+def _destinations(destinations: Iterable[str]) -> tuple[str, ...]:
+    """``destinations`` as a tuple, read once (any iterable of site ids: a generator is read once only);
+    ``TransmitError`` (nothing written) for one string, a non-iterable, nothing, or an item not a string."""
+    if isinstance(destinations, (str, bytes)):
+        named: tuple = ()
+    else:
+        try:
+            named = tuple(destinations)
+        except TypeError:
+            raise TransmitError(
+                f"destinations must be a non-empty list of site ids, not {type(destinations).__name__}; "
+                "nothing was written"
+            ) from None
+    if not named:
+        raise TransmitError("destinations must be a non-empty list of site ids; nothing was written")
+    if not all(isinstance(d, str) for d in named):
+        raise TransmitError(f"destinations must be site ids (strings), not {list(named)!r}; nothing was written")
+    return named
 
 
 class LogWriter:
@@ -193,10 +213,10 @@ class LogWriter:
 
     def route(self, destinations: Sequence[str]) -> Route:
         """``destinations`` of a log entry, checked (``TransmitError`` when refused): once per list."""
-        key = tuple(destinations) if not isinstance(destinations, str) else ()
+        key = _destinations(destinations)  # read once: a generator would be empty the second time
         found = self._routes.get(key)
         if found is None:
-            unique = self._checked(destinations)
+            unique = self._checked(key)
             head = lr_pb2.RoutingTableEntryMsg(destinations=unique, type=lr_pb2.LOG_ENTRY_SYNC).SerializeToString()
             tail = lr_pb2.RoutingTableEntryMsg(
                 source_site_id=self.source_site_id, client_name=self.client_name
@@ -217,9 +237,7 @@ class LogWriter:
 
     def _checked(self, destinations: Sequence[str]) -> list[str]:
         """``destinations`` each once, in order; ``TransmitError`` (nothing written) when refused."""
-        if isinstance(destinations, str) or not destinations:
-            raise TransmitError("destinations must be a non-empty list of site ids; nothing was written")
-        unique = list(dict.fromkeys(destinations))
+        unique = list(dict.fromkeys(_destinations(destinations)))
         if self.source_site_id in unique:
             raise TransmitError(f"site {self.source_site_id!r} cannot transmit to itself; nothing was written")
         unknown = [d for d in unique if d not in self._tag_ids]
