@@ -349,6 +349,39 @@ def test_writer_supplies_only_its_clients_full_syncs(world, made):
     )
     run_until_idle(repl)
     assert ("snap", "alpha-state") in queue(world.sink, "site-a", "alpha")
+    # a writer of alpha points its request at beta's supply (a transaction lr.commit_position_of
+    # finds): alpha's sink queue, which alpha's consumers read, received beta's full-sync payloads
+    beta = connect_as(source, world.writer["beta"])
+    assert len(RoutingQueueClient(beta, "beta").serve_full_sync_requests(lambda ctx: ctx.transmit(b"beta-secret"))) == 1
+    beta.close()
+    admin = source.connect()
+    full_sync.request_full_sync(admin, "site-b", "alpha", "test", forced=True)
+    admin.close()
+    (supply,) = source.query(
+        "SELECT supplied_tx::text, base_position, base_snapshot, base_upto, entries FROM lr.full_sync_requests "
+        "WHERE client_name = 'beta' AND status = 'supplied'"
+    )
+    conn = connect_as(source, world.writer["alpha"])
+    with conn.cursor() as cur:
+        cur.execute(
+            "UPDATE lr.full_sync_requests SET status = 'supplied', supplied_at = now(), supplied_tx = %s::xid8, "
+            "base_position = %s, base_snapshot = %s, base_upto = %s, entries = %s "
+            "WHERE client_name = 'alpha' AND status = 'pending'",
+            supply,
+        )
+        assert cur.rowcount == 1
+    conn.commit()
+    conn.close()
+    repl = replicator(
+        world.topo,
+        sites_as(world.sites, world.replicator),
+        sessions=[k for k in world.topo.sessions() if k.client == "alpha" and k.sink == "site-b"],
+    )
+    try:
+        repl.run(max_cycles=4, until_idle=True, interval=0.01)
+    finally:
+        repl.close()
+    assert not [p for _, p in queue(world.sink, "site-a", "alpha", visible_only=False) if "beta" in p]
 
 
 def test_a_group_role_holds_the_grant_for_its_members(lr_sites, made):
