@@ -73,6 +73,12 @@ class FullSyncRequest:
 
 _COLUMNS = ", ".join(f.name for f in fields(FullSyncRequest))
 
+# The client whose supply a request's reader takes (a ``%s`` for its name): only that client's entries
+# of the supplying transaction. A writer sets its request's supplied_tx (it supplies in its own
+# transaction); pointed at another client's supply, the reader carried that client's full-sync
+# payloads into this client's sink queue, read by this client's consumers.
+CLIENT_ID_OF = "(SELECT k.client_id FROM lr.clients k WHERE k.client_name = %s)"
+
 
 def _request(row: tuple) -> FullSyncRequest:
     values = list(row)
@@ -334,9 +340,18 @@ def supplied_records(
             " SELECT e.entry_id, e.message,"
             "  sum(octet_length(e.message)) OVER (ORDER BY e.entry_id) - octet_length(e.message) AS before"
             " FROM lr.log_entries e"
-            " WHERE e.tx = %s::xid8 AND e.stream = %s AND e.entry_id > %s ORDER BY e.entry_id LIMIT %s) chunk "
+            " WHERE e.tx = %s::xid8 AND e.stream = %s AND e.entry_id > %s"
+            f" AND e.client_id = {CLIENT_ID_OF} ORDER BY e.entry_id LIMIT %s) chunk "
             "WHERE before < %s ORDER BY entry_id",
-            (request.supplied_tx, request.supplied_tx, STREAM_SNAP_SYNC, after_entry, limit, max_bytes),
+            (
+                request.supplied_tx,
+                request.supplied_tx,
+                STREAM_SNAP_SYNC,
+                after_entry,
+                request.client_name,
+                limit,
+                max_bytes,
+            ),
         )
         rows = [LogRecord(p, e, bytes(m)) for p, e, m in cur.fetchall()]
     conn.commit()
