@@ -166,6 +166,24 @@ def test_a_subscriber_or_client_made_with_what_cannot_mean_what_was_meant_is_ref
                     relay.subscribe(_AcceptAll(), given["client_name"], given.get("sources"))
                 finally:
                     relay.close()
+
+    # a listener without a callback delivery calls: found out only when such an entry came, then an
+    # AttributeError every pass, the entries kept forever; now refused before anything is delivered
+    class LogEntriesOnly:
+        def on_log_entry_messages(self, source, payloads):
+            return True
+
+    subscriber = RoutingQueueSubscriber(sink.dsn, client_name="policy")
+    relay = open_relay(sink.dsn)
+    try:
+        for listener in (None, LogEntriesOnly()):
+            said = "lacks on_snapshot_sync_start, on_snapshot_messages, on_snapshot_sync_complete"
+            for deliver in (subscriber.poll, subscriber.run, lambda lst: relay.subscribe(lst, "policy")):
+                with pytest.raises(ConfigurationError, match=said):
+                    deliver(listener)
+    finally:
+        subscriber.close()
+        relay.close()
     relay = open_relay(sink.dsn)
     try:
         subscription = relay.subscribe(_AcceptAll(), "policy")
