@@ -501,6 +501,19 @@ def test_consumer_dead_letters_are_its_own(world):
         cur.execute("DELETE FROM lr.receive_dead_letters")  # its own
         assert cur.rowcount == 1
     conn.commit()
+    # lr's SECURITY DEFINER reads of a source's state, for a writer's waits: every role with USAGE on
+    # lr could call them, for any client (another client's sinks not holding its tables, its failover
+    # notes, any transaction's position); a consumer needs none of them
+    for call in (
+        "lr.commit_position_of('1')",
+        "lr.sinks_lacking_tables('beta', NULL)",
+        "lr.unreplicated_note('beta', 1)",
+    ):
+        try:
+            with conn.cursor() as cur, pytest.raises(DENIED, match="permission denied for function"):
+                cur.execute(f"SELECT {call}")
+        finally:
+            conn.rollback()
     conn.close()
     assert sink.query("SELECT client_name FROM lr.receive_dead_letters") == [("beta",)]
 
