@@ -33,7 +33,7 @@ from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.source import closed_tables
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, commit_barrier
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogRecord
-from airflow_provider_lr.engine.source.log_writer import LogWriter
+from airflow_provider_lr.engine.source.log_writer import CLIENT_ID_OF, LogWriter
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store.source_sessions import Holding
 from airflow_provider_lr.engine.vocabulary import (
@@ -72,12 +72,6 @@ class FullSyncRequest:
 
 
 _COLUMNS = ", ".join(f.name for f in fields(FullSyncRequest))
-
-# The client whose supply a request's reader takes (a ``%s`` for its name): only that client's entries
-# of the supplying transaction. A writer sets its request's supplied_tx (it supplies in its own
-# transaction); pointed at another client's supply, the reader carried that client's full-sync
-# payloads into this client's sink queue, read by this client's consumers.
-CLIENT_ID_OF = "(SELECT k.client_id FROM lr.clients k WHERE k.client_name = %s)"
 
 
 def _request(row: tuple) -> FullSyncRequest:
@@ -335,6 +329,7 @@ def supplied_records(
         # statistics are stale (a handful of rows expected), and the planner sorted every remaining
         # entry for each chunk: a full sync of 1M entries took 75 s in process, quadratic.
         cur.execute("SET LOCAL enable_sort = off; SET LOCAL enable_bitmapscan = off")
+        tx = request.supplied_tx  # the request's client's entries of it only (``CLIENT_ID_OF``)
         cur.execute(
             "SELECT (SELECT position FROM lr.log_commits WHERE tx = %s::xid8), entry_id, message FROM ("
             " SELECT e.entry_id, e.message,"
@@ -343,15 +338,7 @@ def supplied_records(
             " WHERE e.tx = %s::xid8 AND e.stream = %s AND e.entry_id > %s"
             f" AND e.client_id = {CLIENT_ID_OF} ORDER BY e.entry_id LIMIT %s) chunk "
             "WHERE before < %s ORDER BY entry_id",
-            (
-                request.supplied_tx,
-                request.supplied_tx,
-                STREAM_SNAP_SYNC,
-                after_entry,
-                request.client_name,
-                limit,
-                max_bytes,
-            ),
+            (tx, tx, STREAM_SNAP_SYNC, after_entry, request.client_name, limit, max_bytes),
         )
         rows = [LogRecord(p, e, bytes(m)) for p, e, m in cur.fetchall()]
     conn.commit()

@@ -68,6 +68,12 @@ class Route:
         return b"".join((self.head, PAYLOAD_TAG, varint(len(payload)), payload, self.tail))
 
 
+# A client's id by its name (a ``%s``), for a reader that takes one client's entries of a transaction:
+# a writer sets its full-sync request's supplied_tx (it supplies in its own transaction); pointed at
+# another client's supply, that client's full-sync payloads reached this client's sink queues.
+CLIENT_ID_OF = "(SELECT k.client_id FROM lr.clients k WHERE k.client_name = %s)"
+
+
 def _destinations(destinations: Iterable[str]) -> tuple[str, ...]:
     """``destinations`` as a tuple, read once (any iterable of site ids: a generator is read once only);
     ``TransmitError`` (nothing written) for one string, a non-iterable, nothing, or an item not a string."""
