@@ -146,6 +146,8 @@ GIVE_UP_AFTER = 60.0  # lr sync --until-idle: seconds without progress before it
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
+    if args.once and args.cycles is not None:  # --cycles was ignored, silently
+        raise UsageError(f"--once is one cycle, --cycles N is N: give one of them (not both: --cycles {args.cycles})")
     if args.give_up_after is not None and not args.until_idle:  # it was ignored, silently
         raise UsageError("--give-up-after applies to --until-idle only: no other run of lr sync gives up")
     streaming = not (args.once or args.cycles or args.until_idle or args.no_stream)

@@ -205,6 +205,8 @@ def test_options_that_do_not_go_together_are_usage_errors_exit_2_before_any_site
         "--give-up-after applies to --until-idle only": ["sync", "--once", "--give-up-after", "5"],
         # was ignored silently: a run of cycles prints a line per cycle, no progress lines
         "--report-every applies to a streaming lr sync only": ["sync", "--once", "--report-every", "5"],
+        # --cycles was ignored silently: one cycle ran
+        "--once is one cycle, --cycles N is N: give one of them": ["sync", "--once", "--cycles", "3"],
         # were said by the first site reached, exit 1 (checks that need no site)
         "a writer is the writer of a client: give --client NAME": ["roles", "grant", "writer", "--role", "a"],
         "a replicator serves every client of the site: give no --client": [

@@ -166,6 +166,24 @@ def test_a_subscriber_or_client_made_with_what_cannot_mean_what_was_meant_is_ref
                     relay.subscribe(_AcceptAll(), given["client_name"], given.get("sources"))
                 finally:
                     relay.close()
+
+    # a listener without a callback delivery calls: found out only when such an entry came, then an
+    # AttributeError every pass, the entries kept forever; now refused before anything is delivered
+    class LogEntriesOnly:
+        def on_log_entry_messages(self, source, payloads):
+            return True
+
+    subscriber = RoutingQueueSubscriber(sink.dsn, client_name="policy")
+    relay = open_relay(sink.dsn)
+    try:
+        for listener in (None, LogEntriesOnly()):
+            said = "lacks on_snapshot_sync_start, on_snapshot_messages, on_snapshot_sync_complete"
+            for deliver in (subscriber.poll, subscriber.run, lambda lst: relay.subscribe(lst, "policy")):
+                with pytest.raises(ConfigurationError, match=said):
+                    deliver(listener)
+    finally:
+        subscriber.close()
+        relay.close()
     relay = open_relay(sink.dsn)
     try:
         subscription = relay.subscribe(_AcceptAll(), "policy")
@@ -180,9 +198,22 @@ def test_a_subscriber_or_client_made_with_what_cannot_mean_what_was_meant_is_ref
         (opened, 5, None, TransmitError, "invalid client name 5"),
         (opened, "policy", 0, ConfigurationError, "max_payload_bytes must be a whole number of at least 1, not 0"),
         (opened, "policy", "1024", ConfigurationError, "max_payload_bytes must be a whole number"),
+        # a limit above the topology's was taken as given: a 200 MB entry took a streaming replicator
+        # of every client to 2.4 GB (its readers' budgets assume 16 MiB at most, docs/memory.md)
+        (opened, "policy", (16 << 20) + 1, ConfigurationError, "above the topology's limit of 16777216 bytes"),
     ]:
         with pytest.raises(error, match=said):
             RoutingQueueClient(conn, client, max_payload_bytes=limit)
+        assert opened.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
+    apply(
+        lr_sites,
+        [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}],
+        settings={"max_payload_bytes": 4096},
+    )
+    with pytest.raises(ConfigurationError, match="above the topology's limit of 4096 bytes"):
+        RoutingQueueClient(opened, "policy", max_payload_bytes=4097)
+    assert RoutingQueueClient(opened, "policy", max_payload_bytes=4096).max_payload_bytes == 4096
+    assert RoutingQueueClient(opened, "policy", max_payload_bytes=100).max_payload_bytes == 100  # a lower one
     opened.close()
 
 
@@ -238,6 +269,18 @@ settings:
             GOOD.replace("region: r1", "region: r1, conn_id: 'postgresql://lr:hunter2@db/app'"),
             ":2: sites[0].conn_id: holds a password",
         ),
+        # a client key's passphrase, a password in a URI's query (its key percent-encoded, as libpq
+        # decodes it): all were stored on every site, readable by every writer
+        *[
+            (GOOD.replace("region: r1", f"region: r1, conn_id: '{dsn}'"), ":2: sites[0].conn_id: holds a password")
+            for dsn in (
+                "host=db sslpassword=hunter2",
+                "host=db SSLPASSWORD = hunter2",
+                "postgresql://db/app?sslpassword=hunter2",
+                "postgresql://db/app?pass%77ord=hunter2",
+                "postgresql://lr:hunter2@db:5432,db2:5433/app",
+            )
+        ],
     ],
 )
 def test_a_topology_file_with_a_mistake_is_refused_naming_file_line_and_key(tmp_path, text, where):

@@ -44,6 +44,7 @@ from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.sink.queue_rows import Packer
 from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.source.log_writer import CLIENT_ID_OF
 from airflow_provider_lr.engine.store import receive_queue, sink_sessions
 from airflow_provider_lr.engine.store.topology import Topology, recorded_id, site_conninfo
 from airflow_provider_lr.engine.vocabulary import (
@@ -163,8 +164,8 @@ class SnapshotTransfer:
         with self.src.cursor() as cur:
             cur.execute(
                 "SELECT count(*), coalesce(min(entry_id), 0), coalesce(max(entry_id), 0) FROM lr.log_entries "
-                "WHERE tx = %s::xid8 AND stream = %s AND entry_id > %s",
-                (request.supplied_tx, STREAM_SNAP_SYNC, meta.snapshot_last_entry),
+                f"WHERE tx = %s::xid8 AND stream = %s AND entry_id > %s AND client_id = {CLIENT_ID_OF}",
+                (request.supplied_tx, STREAM_SNAP_SYNC, meta.snapshot_last_entry, self.key.client),
             )
             count, first, last = cur.fetchone()
         self.src.commit()
@@ -308,9 +309,10 @@ def stage_range(plan: SnapshotPlan, part: EntryRange) -> dict:
                 cur.mogrify(
                     "COPY (SELECT c.position, e.entry_id, e.message FROM lr.log_entries e JOIN lr.log_commits c "
                     "ON c.tx = e.tx WHERE e.tx = %s::xid8 AND e.stream = %s AND e.entry_id > %s AND e.entry_id <= %s "
+                    f"AND e.client_id = {CLIENT_ID_OF} "
                     "ORDER BY e.entry_id) "  # packed here: a pack's entries must be in entry order
                     "TO STDOUT (FORMAT binary)",
-                    (plan.supplied_tx, STREAM_SNAP_SYNC, part.lo, part.hi),
+                    (plan.supplied_tx, STREAM_SNAP_SYNC, part.lo, part.hi, plan.client),
                 ).decode(),
                 RowReader(on_row),
             )

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psycopg2
 import yaml
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import ValidationError
+from psycopg2.extensions import parse_dsn
 
 from airflow_provider_lr.engine.errors import ConfigurationError, one_line
 
@@ -151,7 +153,19 @@ SCHEMA: dict[str, Any] = {
 _VALIDATOR = Draft202012Validator(SCHEMA)
 
 # a DSN (key=value or URI form) that carries a password: never stored in a topology document
-_SECRET = re.compile(r"(?i)(\bpassword\s*=)|(^[a-z][a-z0-9+.-]*://[^/@\s]*:[^/@\s]*@)")
+_SECRET = re.compile(r"(?i)((?:\b|(?<=ssl))password\s*=)|(^[a-z][a-z0-9+.-]*://[^/@\s]*:[^/@\s]*@)")
+_SECRET_KEYS = frozenset(("password", "sslpassword"))  # libpq's: a login's, a client key's passphrase
+
+
+def _holds_password(conn_id: str) -> bool:
+    """Whether ``conn_id`` is a DSN that carries a password: as libpq reads it (a URI's query keys are
+    percent-decoded), else by its text (a DSN libpq cannot parse may still hold one)."""
+    try:
+        if _SECRET_KEYS & parse_dsn(conn_id).keys():
+            return True
+    except psycopg2.ProgrammingError:  # not a DSN (an Airflow connection id), or a malformed one
+        pass
+    return _SECRET.search(conn_id) is not None
 
 
 @dataclass(frozen=True)
@@ -270,7 +284,7 @@ def validate(doc: Any, origin: Origin | None = None) -> None:
     if errors:
         raise _explain(errors[0], origin)
     for index, site in enumerate(doc["sites"]):
-        if "conn_id" in site and _SECRET.search(site["conn_id"]):
+        if "conn_id" in site and _holds_password(site["conn_id"]):
             raise origin.error(
                 ["sites", index, "conn_id"],
                 "holds a password; name an Airflow connection or an "

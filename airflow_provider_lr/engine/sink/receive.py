@@ -39,7 +39,7 @@ import psycopg2
 import psycopg2.extensions
 from google.protobuf.message import DecodeError
 
-from airflow_provider_lr.engine.errors import MalformedEntryError, one_line
+from airflow_provider_lr.engine.errors import ConfigurationError, MalformedEntryError, one_line
 from airflow_provider_lr.engine.sink.delivery_transaction import DeliveryTransaction
 from airflow_provider_lr.engine.sink.queue_rows import unpack
 from airflow_provider_lr.engine.store import receive_queue
@@ -75,6 +75,21 @@ class Listener(Protocol):
     def on_snapshot_messages(self, source: str, payloads: list[bytes]) -> bool: ...
     def on_snapshot_sync_complete(self, source: str) -> Any: ...
     def on_log_entry_messages(self, source: str, payloads: list[bytes]) -> bool: ...
+
+
+CALLBACKS = ("on_snapshot_sync_start", "on_snapshot_messages", "on_snapshot_sync_complete", "on_log_entry_messages")
+
+
+def require_listener(listener: object) -> None:
+    """Refuse, before anything is delivered, a listener without the callbacks delivery calls: it was
+    found out only when an entry of that kind came (a full sync's start, say, months later), then as
+    an AttributeError each pass, the entries kept for redelivery forever."""
+    missing = [name for name in CALLBACKS if not callable(getattr(listener, name, None))]
+    if missing:
+        raise ConfigurationError(
+            f"the listener ({type(listener).__name__}) lacks {', '.join(missing)}: a listener has all of "
+            f"{', '.join(CALLBACKS)} (docs/subscriber.md)"
+        )
 
 
 @dataclass
@@ -206,6 +221,7 @@ class ReceiveQueueReader:
         (``max_messages`` entries, ``max_bytes`` bytes of payloads; a run takes at least one entry).
         Queues take turns run by run, so one long queue does not starve the others. ``skip``:
         queues waiting to be retried."""
+        require_listener(listener)
         report = PassReport()
         budget = max_messages if max_messages is not None else float("inf")
         byte_budget = max_bytes if max_bytes is not None else float("inf")

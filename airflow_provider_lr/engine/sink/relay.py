@@ -39,7 +39,7 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import LRError, one_line
-from airflow_provider_lr.engine.sink.receive import DeliveryContext, DeliveryStats, Listener
+from airflow_provider_lr.engine.sink.receive import DeliveryContext, DeliveryStats, Listener, require_listener
 from airflow_provider_lr.engine.sink.wakeup import ALL, Connector, Demand, FollowOptions, Tap, follow
 
 log = logging.getLogger(__name__)
@@ -215,6 +215,7 @@ class Relay:
         """Join: deliver ``client_name``'s queues (from ``sources`` only, if given) to ``listener``
         on a new thread and connection (``connect``), starting with what is already queued.
         ``options``: batch sizes and pauses of this subscription (default: the relay's)."""
+        require_listener(listener)
         options = options or self._defaults
         sub = Subscription(
             self,

@@ -39,6 +39,7 @@ from airflow_provider_lr.engine.sink.receive import (
     DeliveryStats,
     Listener,
     ReceiveQueueReader,
+    require_listener,
 )
 from airflow_provider_lr.engine.vocabulary import NOTIFY_CHANNEL, parse_wakeup
 
@@ -165,6 +166,7 @@ def follow(
     hammered). A lost sink connection is reopened; nothing is lost, undelivered rows stay queued.
     A pass hands over at most ``PASS_RUNS`` batches' worth of entries and of bytes before ``stop``
     is looked at again."""
+    require_listener(listener)  # a pass that raised it would be retried forever
     conn: psycopg2.extensions.connection | None = None
     todo: set[str] | None = None  # None: a full pass is due
     retry: set[str] = set()

@@ -213,25 +213,47 @@ def _role_oid(role: str) -> sql.Composable:
     return sql.SQL("(SELECT oid FROM pg_roles WHERE rolname = {})").format(sql.Literal(role))
 
 
-# lr's SECURITY DEFINER trigger functions run as the owner, taking what they write from the trigger's
-# arguments (a federated table's capture: its client and table_id). PostgreSQL lets every role EXECUTE a
-# new function, so a role with USAGE on lr could attach one to a table of its own (a temporary one
-# will do) and write as the owner: a writer of one client forging another client's table changes.
+# lr's SECURITY DEFINER functions run as the owner. The trigger functions take what they write from the
+# trigger's arguments (a federated table's capture: its client and table_id). PostgreSQL lets every role
+# EXECUTE a new function, so a role with USAGE on lr could attach one to a table of its own (a temporary
+# one will do) and write as the owner: a writer of one client forging another client's table changes.
 # Only the owner attaches them (``lr tables open``, the migrations), and a trigger fires without
-# EXECUTE: taken from PUBLIC before any role gets USAGE on lr.
-_OWNERS_TRIGGERS_ONLY = Statement(
+# EXECUTE. The others read a source's state for a writer's waits, for any client named (another
+# client's sinks not holding its tables, its failover notes, any transaction's commit position). So
+# EXECUTE on every one is taken from PUBLIC before any role gets USAGE on lr, and the kinds that wait
+# on deliveries (writer, replicator) are given the reads back (``_DEFINER_READS``).
+_OWNERS_DEFINERS_ONLY = Statement(
     sql.SQL(
         "DO $$ DECLARE f regprocedure; BEGIN FOR f IN SELECT oid FROM pg_catalog.pg_proc "
-        "WHERE pronamespace = 'lr'::regnamespace AND prorettype = 'trigger'::regtype AND prosecdef LOOP "
+        "WHERE pronamespace = 'lr'::regnamespace AND prosecdef LOOP "
         "EXECUTE pg_catalog.format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f); END LOOP; END $$"
     )
 )
+_DEFINER_KINDS = ("writer", "replicator")
+
+
+def _definer_reads(role: str) -> list[Statement]:
+    """EXECUTE on lr's SECURITY DEFINER functions that are not triggers, for ``role``: whatever the
+    schema's version has (the role's name passes through a setting, never into the block's text)."""
+    return [
+        Statement(sql.SQL("SELECT pg_catalog.set_config('lr.grantee', {}, true)").format(sql.Literal(role))),
+        Statement(
+            sql.SQL(
+                "DO $$ DECLARE f regprocedure; BEGIN FOR f IN SELECT oid FROM pg_catalog.pg_proc "
+                "WHERE pronamespace = 'lr'::regnamespace AND prosecdef AND prorettype <> 'trigger'::regtype LOOP "
+                "EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION %s TO %I', f, "
+                "pg_catalog.current_setting('lr.grantee')); END LOOP; END $$"
+            )
+        ),
+    ]
 
 
 def grant_statements(kind: str, role: str, clients: Sequence[str]) -> list[Statement]:
     """The GRANTs a kind needs and the ``lr.role_grants`` rows (idempotent: granting twice is a no-op)."""
     who = sql.Identifier(role)
-    out = [_OWNERS_TRIGGERS_ONLY, Statement(sql.SQL("GRANT USAGE ON SCHEMA lr TO {}").format(who))]
+    out = [_OWNERS_DEFINERS_ONLY, Statement(sql.SQL("GRANT USAGE ON SCHEMA lr TO {}").format(who))]
+    if kind in _DEFINER_KINDS:
+        out += _definer_reads(role)
     for p in (*COMMON, *PRIVILEGES[kind]):
         objects = sql.SQL(", ").join(sql.Identifier("lr", name) for name in p.objects)
         target = sql.SQL("SEQUENCE ") if p.kind == "SEQUENCE" else sql.SQL("TABLE ")
@@ -253,6 +275,7 @@ def _reset_statements(role: str) -> list[Statement]:
     return [
         Statement(sql.SQL("REVOKE ALL ON ALL TABLES IN SCHEMA lr FROM {}").format(who)),  # column privileges too
         Statement(sql.SQL("REVOKE ALL ON ALL SEQUENCES IN SCHEMA lr FROM {}").format(who)),
+        Statement(sql.SQL("REVOKE ALL ON ALL FUNCTIONS IN SCHEMA lr FROM {}").format(who)),
         Statement(sql.SQL("REVOKE ALL ON SCHEMA lr FROM {}").format(who)),
     ]
 

@@ -101,7 +101,7 @@ def wait_until_ready(
 ) -> list[Readiness]:
     """Return once every destination holds, safe, everything committed for ``client`` before this
     call (a guard at the next position: Qpid's *ready*), or raise ``DeliveryTimeout``."""
-    delivery.check_targets(destinations)
+    destinations = delivery.check_targets(destinations)
     delivery.check_timeout(timeout)
     if not destinations:
         raise ConfigurationError("name the destinations to wait for")
@@ -162,7 +162,7 @@ def delivery_target(
     destination that is not a sink of the source for this client, and a ``min_regions`` that the
     sinks could never reach — or, with named destinations, one their acknowledgements could be
     complete without (all of them acking must prove durability in ``min_regions`` regions)."""
-    delivery.check_targets(destinations, min_regions)
+    destinations = delivery.check_targets(destinations, min_regions)
     sinks = {k.sink for k in topology.sessions(source=source) if k.client == client}
     if not sinks:
         raise ConfigurationError(f"site {source!r} replicates nothing for client {client!r} in the topology")

@@ -26,7 +26,7 @@ import enum
 import math
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -139,14 +139,16 @@ def durability_rule(conn: psycopg2.extensions.connection) -> DurabilityRule | No
     return DurabilityRule(**rule) if rule else None
 
 
-def check_targets(destinations: Sequence[str], min_regions: int | None = None) -> None:
-    """Refuse targets a producer's wait could not mean: one site id as a bare string (read letter by
+def check_targets(destinations: Iterable[str], min_regions: int | None = None) -> list[str]:
+    """``destinations`` as a list, read once (a generator's second read is empty: a wait for nothing);
+    refused, targets a producer's wait could not mean: one site id as a bare string (read letter by
     letter), a ``min_regions`` that is not a whole number >= 0."""
-    require_site_ids("destinations", destinations)
+    named = require_site_ids("destinations", destinations)
     if min_regions is not None and (
         isinstance(min_regions, bool) or not isinstance(min_regions, int) or min_regions < 0
     ):
         raise ConfigurationError(f"min_regions must be a whole number >= 0, not {min_regions!r}")
+    return named
 
 
 def check_timeout(timeout: float) -> None:
@@ -166,7 +168,7 @@ def wait_for(
     region). Refused with ``ConfigurationError``: a destination the entry was not sent to, and a
     ``min_regions`` (or the topology's rule, the default when nothing is named) that the named
     sinks could never reach. Nothing named and no rule: every named destination."""
-    check_targets(destinations, min_regions)
+    destinations = check_targets(destinations, min_regions)
     unknown = sorted(set(destinations) - set(addressed))
     if unknown:
         raise ConfigurationError(

@@ -33,7 +33,7 @@ from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.source import closed_tables
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, commit_barrier
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogRecord
-from airflow_provider_lr.engine.source.log_writer import LogWriter
+from airflow_provider_lr.engine.source.log_writer import CLIENT_ID_OF, LogWriter
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store.source_sessions import Holding
 from airflow_provider_lr.engine.vocabulary import (
@@ -329,14 +329,16 @@ def supplied_records(
         # statistics are stale (a handful of rows expected), and the planner sorted every remaining
         # entry for each chunk: a full sync of 1M entries took 75 s in process, quadratic.
         cur.execute("SET LOCAL enable_sort = off; SET LOCAL enable_bitmapscan = off")
+        tx = request.supplied_tx  # the request's client's entries of it only (``CLIENT_ID_OF``)
         cur.execute(
             "SELECT (SELECT position FROM lr.log_commits WHERE tx = %s::xid8), entry_id, message FROM ("
             " SELECT e.entry_id, e.message,"
             "  sum(octet_length(e.message)) OVER (ORDER BY e.entry_id) - octet_length(e.message) AS before"
             " FROM lr.log_entries e"
-            " WHERE e.tx = %s::xid8 AND e.stream = %s AND e.entry_id > %s ORDER BY e.entry_id LIMIT %s) chunk "
+            " WHERE e.tx = %s::xid8 AND e.stream = %s AND e.entry_id > %s"
+            f" AND e.client_id = {CLIENT_ID_OF} ORDER BY e.entry_id LIMIT %s) chunk "
             "WHERE before < %s ORDER BY entry_id",
-            (request.supplied_tx, request.supplied_tx, STREAM_SNAP_SYNC, after_entry, limit, max_bytes),
+            (tx, tx, STREAM_SNAP_SYNC, after_entry, request.client_name, limit, max_bytes),
         )
         rows = [LogRecord(p, e, bytes(m)) for p, e, m in cur.fetchall()]
     conn.commit()

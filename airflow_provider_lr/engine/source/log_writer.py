@@ -10,7 +10,7 @@ serialized; the commit position is drawn at commit by a deferred trigger (see th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import psycopg2.extensions
@@ -68,6 +68,32 @@ class Route:
         return b"".join((self.head, PAYLOAD_TAG, varint(len(payload)), payload, self.tail))
 
 
+# A client's id by its name (a ``%s``), for a reader that takes one client's entries of a transaction:
+# a writer sets its full-sync request's supplied_tx (it supplies in its own transaction); pointed at
+# another client's supply, that client's full-sync payloads reached this client's sink queues.
+CLIENT_ID_OF = "(SELECT k.client_id FROM lr.clients k WHERE k.client_name = %s)"
+
+
+def _destinations(destinations: Iterable[str]) -> tuple[str, ...]:
+    """``destinations`` as a tuple, read once (any iterable of site ids: a generator is read once only);
+    ``TransmitError`` (nothing written) for one string, a non-iterable, nothing, or an item not a string."""
+    if isinstance(destinations, (str, bytes)):
+        named: tuple = ()
+    else:
+        try:
+            named = tuple(destinations)
+        except TypeError:
+            raise TransmitError(
+                f"destinations must be a non-empty list of site ids, not {type(destinations).__name__}; "
+                "nothing was written"
+            ) from None
+    if not named:
+        raise TransmitError("destinations must be a non-empty list of site ids; nothing was written")
+    if not all(isinstance(d, str) for d in named):
+        raise TransmitError(f"destinations must be site ids (strings), not {list(named)!r}; nothing was written")
+    return named
+
+
 class LogWriter:
     """Writes one client's entries into the shared log, inside the caller's transaction.
 
@@ -93,22 +119,28 @@ class LogWriter:
         require_counts(max_payload_bytes=max_payload_bytes)
         self.conn = conn
         self.client_name = client_name
-        self.max_payload_bytes = max_payload_bytes or DEFAULT_MAX_PAYLOAD_BYTES
+        self.max_payload_bytes = DEFAULT_MAX_PAYLOAD_BYTES
         idle = conn.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
         self.source_site_id, _ = site_identity(conn)
         self.client_id = 0
         self._tag_ids: dict[str, int] = {}  # the sinks this client replicates to -> their tag
         self._routes: dict[tuple[str, ...], Route] = {}  # destinations as given -> checked (``route``)
-        self._load_routes(max_payload_bytes is None)
+        self._load_routes(topology_limit=True)
+        limit, self.max_payload_bytes = self.max_payload_bytes, max_payload_bytes or self.max_payload_bytes
         self.prepared = prepared
-        if prepared:
+        if prepared and self.max_payload_bytes <= limit:
             self._prepare()
         if idle:
             conn.rollback()  # leave the caller's connection as we found it (read only so far)
+        if self.max_payload_bytes > limit:  # every reader's memory budget assumes the limit (docs/memory.md)
+            raise ConfigurationError(
+                f"max_payload_bytes={self.max_payload_bytes} is above the topology's limit of {limit} bytes "
+                f"(settings: max_payload_bytes, at most {DEFAULT_MAX_PAYLOAD_BYTES}): give a lower one, or none"
+            )
 
     def _load_routes(self, topology_limit: bool = False) -> None:
-        """The client's id and its sinks (and, unless the caller set one, the payload limit: the
-        topology's ``max_payload_bytes``), from the topology applied to this site."""
+        """The client's id and its sinks (and, when asked, the payload limit: the topology's
+        ``max_payload_bytes``), from the topology applied to this site."""
         with self.conn.cursor() as cur:
             if topology_limit:
                 self.max_payload_bytes = applied_max_payload_bytes(cur) or DEFAULT_MAX_PAYLOAD_BYTES
@@ -187,10 +219,10 @@ class LogWriter:
 
     def route(self, destinations: Sequence[str]) -> Route:
         """``destinations`` of a log entry, checked (``TransmitError`` when refused): once per list."""
-        key = tuple(destinations) if not isinstance(destinations, str) else ()
+        key = _destinations(destinations)  # read once: a generator would be empty the second time
         found = self._routes.get(key)
         if found is None:
-            unique = self._checked(destinations)
+            unique = self._checked(key)
             head = lr_pb2.RoutingTableEntryMsg(destinations=unique, type=lr_pb2.LOG_ENTRY_SYNC).SerializeToString()
             tail = lr_pb2.RoutingTableEntryMsg(
                 source_site_id=self.source_site_id, client_name=self.client_name
@@ -211,9 +243,7 @@ class LogWriter:
 
     def _checked(self, destinations: Sequence[str]) -> list[str]:
         """``destinations`` each once, in order; ``TransmitError`` (nothing written) when refused."""
-        if isinstance(destinations, str) or not destinations:
-            raise TransmitError("destinations must be a non-empty list of site ids; nothing was written")
-        unique = list(dict.fromkeys(destinations))
+        unique = list(dict.fromkeys(_destinations(destinations)))
         if self.source_site_id in unique:
             raise TransmitError(f"site {self.source_site_id!r} cannot transmit to itself; nothing was written")
         unknown = [d for d in unique if d not in self._tag_ids]

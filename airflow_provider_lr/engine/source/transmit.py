@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from airflow_provider_lr.engine.db import conninfo
+from airflow_provider_lr.engine.errors import TransmitError
 from airflow_provider_lr.engine.source import delivery, full_sync
 from airflow_provider_lr.engine.source.backlog import Readiness, wait_until_ready
 from airflow_provider_lr.engine.source.delivery import Ticket
@@ -41,13 +42,24 @@ class RoutingQueueClient(LogWriter):
     def transmit_log_entry_messages(self, messages: Iterable[LRMessageWithDestinations]) -> Ticket | None:
         """Store many payloads, in order, in the caller's transaction; all validated before any write.
         Returns a ticket naming the transaction and every destination named (None for no message)."""
-        messages = list(messages)
-        rows = [self.log_entry(m.payload, m.destinations)[0] for m in messages]
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Iterable):
+            raise TransmitError(
+                f"messages must be LRMessageWithDestinations, not {type(messages).__name__}; nothing was written"
+            )
+        rows: list[tuple[int, list[int], bytes]] = []
+        named: set[str] = set()
+        for m in messages:
+            if not isinstance(m, LRMessageWithDestinations):
+                raise TransmitError(
+                    f"messages must be LRMessageWithDestinations, not {type(m).__name__}; nothing was written"
+                )
+            row, route = self.log_entry(m.payload, m.destinations)  # destinations read once, as checked
+            rows.append(row)
+            named.update(route.named)
         if not rows:
             return None
         tx = self._insert(rows)
-        named = sorted({d for m in messages for d in m.destinations})
-        return Ticket(self.source_site_id, self.client_name, tx, tuple(named))
+        return Ticket(self.source_site_id, self.client_name, tx, tuple(sorted(named)))
 
     def wait_until_safe(
         self, ticket: Ticket, destinations: Sequence[str] = (), min_regions: int | None = None, timeout: float = 30.0

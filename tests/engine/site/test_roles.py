@@ -254,6 +254,20 @@ def test_writer_cannot_forge_commit_positions_change_the_trim_or_read_the_log(wo
                 cur.execute(statement)
         finally:  # a statement let through fails the test without holding its locks past it
             conn.rollback()
+    # an entry bigger than every reader's budget (16 MiB and its envelope), by its own SQL: a 200 MB
+    # one took a streaming replicator of every client to 2.4 GB; the client's own limit is kept
+    for stream in (1, 2, 3):
+        try:
+            with conn.cursor() as cur, pytest.raises(psycopg2.errors.CheckViolation, match="message_bounded"):
+                cur.execute(
+                    "INSERT INTO lr.log_entries (stream, tag_ids, client_id, message) SELECT %s, '{1}', client_id, "
+                    "convert_to(repeat('x', 17825793), 'SQL_ASCII') FROM lr.clients WHERE client_name = 'alpha'",
+                    (stream,),
+                )
+        finally:
+            conn.rollback()
+    RoutingQueueClient(conn, "alpha").transmit_log_entry_message(b"x" * (16 << 20), ["site-b", "site-c"])
+    conn.rollback()
     # what the issue reproduced: a forged position made the next application commit fail
     before = source.query("SELECT count(*) FROM lr.log_commits")[0][0]
     put(conn, RoutingQueueClient(conn, "alpha"), "after", 1)
@@ -335,6 +349,39 @@ def test_writer_supplies_only_its_clients_full_syncs(world, made):
     )
     run_until_idle(repl)
     assert ("snap", "alpha-state") in queue(world.sink, "site-a", "alpha")
+    # a writer of alpha points its request at beta's supply (a transaction lr.commit_position_of
+    # finds): alpha's sink queue, which alpha's consumers read, received beta's full-sync payloads
+    beta = connect_as(source, world.writer["beta"])
+    assert len(RoutingQueueClient(beta, "beta").serve_full_sync_requests(lambda ctx: ctx.transmit(b"beta-secret"))) == 1
+    beta.close()
+    admin = source.connect()
+    full_sync.request_full_sync(admin, "site-b", "alpha", "test", forced=True)
+    admin.close()
+    (supply,) = source.query(
+        "SELECT supplied_tx::text, base_position, base_snapshot, base_upto, entries FROM lr.full_sync_requests "
+        "WHERE client_name = 'beta' AND status = 'supplied'"
+    )
+    conn = connect_as(source, world.writer["alpha"])
+    with conn.cursor() as cur:
+        cur.execute(
+            "UPDATE lr.full_sync_requests SET status = 'supplied', supplied_at = now(), supplied_tx = %s::xid8, "
+            "base_position = %s, base_snapshot = %s, base_upto = %s, entries = %s "
+            "WHERE client_name = 'alpha' AND status = 'pending'",
+            supply,
+        )
+        assert cur.rowcount == 1
+    conn.commit()
+    conn.close()
+    repl = replicator(
+        world.topo,
+        sites_as(world.sites, world.replicator),
+        sessions=[k for k in world.topo.sessions() if k.client == "alpha" and k.sink == "site-b"],
+    )
+    try:
+        repl.run(max_cycles=4, until_idle=True, interval=0.01)
+    finally:
+        repl.close()
+    assert not [p for _, p in queue(world.sink, "site-a", "alpha", visible_only=False) if "beta" in p]
 
 
 def test_a_group_role_holds_the_grant_for_its_members(lr_sites, made):
@@ -454,6 +501,19 @@ def test_consumer_dead_letters_are_its_own(world):
         cur.execute("DELETE FROM lr.receive_dead_letters")  # its own
         assert cur.rowcount == 1
     conn.commit()
+    # lr's SECURITY DEFINER reads of a source's state, for a writer's waits: every role with USAGE on
+    # lr could call them, for any client (another client's sinks not holding its tables, its failover
+    # notes, any transaction's position); a consumer needs none of them
+    for call in (
+        "lr.commit_position_of('1')",
+        "lr.sinks_lacking_tables('beta', NULL)",
+        "lr.unreplicated_note('beta', 1)",
+    ):
+        try:
+            with conn.cursor() as cur, pytest.raises(DENIED, match="permission denied for function"):
+                cur.execute(f"SELECT {call}")
+        finally:
+            conn.rollback()
     conn.close()
     assert sink.query("SELECT client_name FROM lr.receive_dead_letters") == [("beta",)]
 

@@ -121,6 +121,9 @@ def test_wait_until_ready_returns_once_everything_before_it_is_safe(lr_sites):
         app.put(f"k{i}", i, ["site-b", "site-c"])
     with pytest.raises(DeliveryTimeout, match="site-b"):
         app.client.wait_until_ready(["site-b"], timeout=0.5)
+    # destinations as a generator were read by the check, then found empty: "ready" at once, for nothing
+    with pytest.raises(DeliveryTimeout, match="site-b"):
+        app.client.wait_until_ready((d for d in ["site-b"]), timeout=0.3)
     threading.Timer(0.3, _deliver, (topo, lr_sites, "site-b")).start()
     (ready,) = app.client.wait_until_ready(["site-b"], timeout=30)
     assert ready.ready and ready.sink == "site-b"

@@ -146,11 +146,14 @@ def test_reader_for_a_destination_follows_only_its_tag(source, dests):
         (b"x" * 1025, ["DEST"], "exceeds the maximum of 1024 bytes"),
         (memoryview(bytes(1032)).cast("q"), ["DEST"], "payload of 1032 bytes exceeds"),  # 129 items of 8 bytes
         ("text", ["DEST"], "must be bytes"),
+        (b"x", None, "non-empty list of site ids, not NoneType"),  # were TypeErrors
+        (b"x", 5, "non-empty list of site ids, not int"),
+        (b"x", [["DEST"]], "must be site ids"),
     ],
 )
 def test_bad_input_is_refused_clearly_and_nothing_is_written(source, dests, payload, destinations, error):
     destinations = (
-        [{"SELF": source.site_id, "DEST": dests[0]}.get(d, d) for d in destinations]
+        [{"SELF": source.site_id, "DEST": dests[0]}.get(d, d) if isinstance(d, str) else d for d in destinations]
         if isinstance(destinations, list)
         else destinations
     )
@@ -163,6 +166,32 @@ def test_bad_input_is_refused_clearly_and_nothing_is_written(source, dests, payl
         )
     conn.commit()  # the application's transaction is still usable
     assert payloads(drain(LogReader(source.connect(), dests[0]))[0]) == [b"good"]
+
+
+def test_destinations_given_as_a_generator_or_a_set_reach_those_sinks_and_later_lists_too(source, dests):
+    """The writer read a generator of destinations twice: once for its cache key, once to check it,
+    which found it exhausted. The entry was stored addressed to nobody (a ticket returned, the payload
+    lost), and the empty route was cached under the key: every later transmit to the same sinks as a
+    list went nowhere too. A message that is not an LRMessageWithDestinations was an AttributeError."""
+    conn = app_conn(source)
+    client = RoutingQueueClient(conn, "policy")
+    sent = [
+        (b"a generator", (d for d in dests)),
+        (b"a list after it", list(dests)),
+        (b"an iterator", iter(reversed(dests))),
+        (b"a set", set(dests)),
+    ]
+    tickets = [client.transmit_log_entry_message(p, d) for p, d in sent]
+    assert all(t.destinations == tuple(sorted(dests)) for t in tickets), tickets
+    ticket = client.transmit_log_entry_messages([LRMessageWithDestinations(b"many", (d for d in dests))])
+    assert ticket is not None and ticket.destinations == tuple(sorted(dests))
+    for junk in (None, [b"bytes"]):
+        with pytest.raises(TransmitError, match="LRMessageWithDestinations"):
+            client.transmit_log_entry_messages(junk)  # type: ignore[arg-type]
+    conn.commit()
+    for sink in dests:
+        records, _ = drain(LogReader(source.connect(), sink))
+        assert payloads(records) == [p for p, _ in sent] + [b"many"]
 
 
 def test_a_stored_entry_is_what_protobuf_serializes_for_every_payload_size_and_destination_list(source, dests):
