@@ -1,4 +1,4 @@
--- lr schema v33: the database bounds a log entry's size, not only the writer's Python client.
+-- lr schema v34: the database bounds a log entry's size, not only the writer's Python client.
 --
 -- Every reader of the log (the stream, the session cycles, the tee, the Spark fan-out, the sinks'
 -- subscribers) budgets its memory on a payload of at most 16 MiB (settings: max_payload_bytes;
