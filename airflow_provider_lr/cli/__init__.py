@@ -14,8 +14,9 @@ from typing import NoReturn
 
 import psycopg2
 
-from airflow_provider_lr.cli import failover, replication, roles, sites, status, tables
+from airflow_provider_lr.cli import airflow_connections, failover, replication, roles, sites, status, tables
 from airflow_provider_lr.cli.common import UsageError, database_error
+from airflow_provider_lr.engine.db import conninfo
 from airflow_provider_lr.engine.errors import LRError, mask_secrets, one_line
 from airflow_provider_lr.paths import lr_home
 
@@ -63,6 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # progress of long work (full-sync transfers) and per-session failures, on stderr
     logging.basicConfig(level=logging.WARNING, format="lr: %(message)s")
     logging.getLogger("airflow_provider_lr").setLevel(logging.INFO)
+    conninfo.add_lookup(airflow_connections.airflow_connection)  # a site's conn_id made in Airflow
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
