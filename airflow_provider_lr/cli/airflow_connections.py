@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from airflow_provider_lr.cli.common import environ_set
 from airflow_provider_lr.engine.db import conninfo
 from airflow_provider_lr.engine.errors import ConfigurationError, one_line
 
@@ -34,15 +35,10 @@ def _airflow_kept_quiet() -> Iterator[None]:
     handler lr set (stderr) was replaced. Airflow logs errors only here, and lr's handlers are put back."""
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
-    before = os.environ.get(_LEVEL)
-    os.environ[_LEVEL] = "ERROR"
     try:
-        yield
+        with environ_set(_LEVEL, "ERROR"):
+            yield
     finally:
-        if before is None:
-            os.environ.pop(_LEVEL, None)
-        else:
-            os.environ[_LEVEL] = before
         root.handlers[:] = handlers
         root.setLevel(level)
 

@@ -28,7 +28,7 @@ import psycopg2.extensions
 from airflow_provider_lr.engine.db import orphans
 from airflow_provider_lr.engine.db.timeouts import DEFAULT, BoundedConnection, Purpose, Timeouts, deadline_for
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, mask_secrets, one_line
-from airflow_provider_lr.paths import lr_home
+from airflow_provider_lr.paths import home_unset_hint, lr_home
 
 CONNECTIONS_FILE_ENV = "LR_CONNECTIONS_FILE"
 # Connection extras that describe the site rather than libpq options.
@@ -364,8 +364,10 @@ def resolve(target: str) -> ConnInfo:
             continue
         if found is not None:
             return found
+    unset = "" if os.environ.get(CONNECTIONS_FILE_ENV) else home_unset_hint(connections_file())
     raise ConfigurationError(
         f"unknown site or connection {target!r}: give a DSN, set AIRFLOW_CONN_{target.upper()}, "
         f"add it to {connections_file()} (`lr sites up` writes embedded sites there), or create it "
         f"in Airflow (read when Airflow is installed here and $AIRFLOW_HOME is set){asked}"
+        + (f"; {unset}" if unset else "")
     )
