@@ -22,6 +22,18 @@ def lr_home() -> Path:
     return Path(os.environ.get(LR_HOME_ENV) or Path.cwd() / ".lr").resolve()
 
 
+def home_unset_hint(looked: Path) -> str:
+    """Said where lr found nothing under ``looked`` with ``$LR_HOME`` unset: its default is the
+    current directory's ``.lr``, so an ``lr`` run from another directory than ``lr sites up`` finds
+    no sites or connections, and said only ``start some`` or ``add it``."""
+    if os.environ.get(LR_HOME_ENV) or looked.exists():
+        return ""
+    return (
+        f"$LR_HOME is not set, so lr looks in {Path.cwd() / '.lr'}, the current directory's: run lr in the "
+        "directory where `lr sites up` ran, or give it with --home or LR_HOME"
+    )
+
+
 def share_dir() -> Path:
     """The directory that holds ``include/``, ``dags/``, ``spark_jobs/`` and ``proto/``."""
     override = os.environ.get("LR_SHARE_DIR")

@@ -9,15 +9,18 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import NoReturn
 
 import psycopg2
 
-from airflow_provider_lr.cli import failover, replication, roles, sites, status, tables
-from airflow_provider_lr.cli.common import UsageError, database_error
+from airflow_provider_lr.cli import airflow_connections, failover, replication, roles, sites, status, tables
+from airflow_provider_lr.cli.common import UsageError, database_error, environ_set
+from airflow_provider_lr.engine.db import conninfo
 from airflow_provider_lr.engine.errors import LRError, mask_secrets, one_line
-from airflow_provider_lr.paths import lr_home
+from airflow_provider_lr.paths import LR_HOME_ENV, lr_home
 
 
 class _Parser(argparse.ArgumentParser):
@@ -58,14 +61,28 @@ def _describe(parser: argparse.ArgumentParser) -> None:
                 _describe(child)
 
 
+@contextmanager
+def _home(home: str | None) -> Iterator[None]:
+    """``--home`` is the state directory of the whole command: the connections file, the topology a
+    failover writes, the sites. It was given to the sites' commands only, so ``lr --home DIR status``
+    looked for the connections in ./.lr. Set as ``$LR_HOME`` while the command runs."""
+    if not home:
+        yield
+        return
+    with environ_set(LR_HOME_ENV, str(Path(home).resolve())):
+        yield
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # progress of long work (full-sync transfers) and per-session failures, on stderr
     logging.basicConfig(level=logging.WARNING, format="lr: %(message)s")
     logging.getLogger("airflow_provider_lr").setLevel(logging.INFO)
+    conninfo.add_lookup(airflow_connections.airflow_connection)  # a site's conn_id made in Airflow
     func: Callable[[argparse.Namespace], int] = args.func
     try:
-        return func(args)
+        with _home(args.home):
+            return func(args)
     except UsageError as exc:
         print(f"lr: {one_line(exc)}", file=sys.stderr)
         return 2

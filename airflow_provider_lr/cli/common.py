@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -19,6 +20,20 @@ from airflow_provider_lr.engine.store import topology as topologies
 
 if TYPE_CHECKING:
     from airflow_provider_lr.embedded.sites import SiteManager
+
+
+@contextmanager
+def environ_set(name: str, value: str) -> Iterator[None]:
+    """``$name`` is ``value`` within the block, as it was after it (unset if it was)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 class UsageError(LRError):

@@ -42,7 +42,10 @@ def cmd_failover(args: argparse.Namespace) -> int:
         for name in back.reopened:
             print(f"  reopened session {name}, closed here by an earlier failover")
         if back.already:
-            print("  it ran this topology already (the switchover applied it): its sessions from the new source go on")
+            print(
+                "  it ran this topology already (an earlier rejoin or a planned switchover applied it): its sessions "
+                "from the new source go on"
+            )
         else:
             print("  its sessions from the new source start with a full sync (`lr sync` or the lr_replication DAG)")
         return 0

@@ -15,6 +15,7 @@ from airflow_provider_lr.cli.common import (
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.site import roles as site_roles
+from airflow_provider_lr.paths import home_unset_hint
 
 
 def cmd_sites_up(args: argparse.Namespace) -> int:
@@ -42,7 +43,8 @@ def cmd_sites_list(args: argparse.Namespace) -> int:
     manager = site_manager(args)
     sites = manager.sites()
     if not sites:
-        print(f"no embedded sites under {manager.home} (start some: lr sites up --count 3)")
+        hint = home_unset_hint(manager.home) or "start some: lr sites up --count 3"
+        print(f"no embedded sites under {manager.home} ({hint})")
         return 0
     print(f"{'site':<10} {'region':<10} {'state':<8} {'port':<6} data directory")
     for site in sites:

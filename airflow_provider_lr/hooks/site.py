@@ -12,7 +12,7 @@ from airflow_provider_lr.engine.db.timeouts import DEFAULT, Purpose, Timeouts
 from airflow_provider_lr.engine.errors import ConfigurationError, one_line
 
 
-def _as_dict(conn: Any) -> dict[str, Any]:
+def as_dict(conn: Any) -> dict[str, Any]:
     """An Airflow connection in its JSON form (what ``AIRFLOW_CONN_*`` and the connections file hold)."""
     return {
         "conn_type": conn.conn_type,
@@ -50,7 +50,7 @@ class LRSiteHook(BaseHook):
 
     def connection_dict(self) -> dict[str, Any]:
         """The connection in Airflow's JSON form (secrets included: write it only to 0600 files)."""
-        return _as_dict(self.get_connection(self.lr_conn_id))
+        return as_dict(self.get_connection(self.lr_conn_id))
 
     def get_conninfo(self) -> conninfo.ConnInfo:
         return conninfo.from_airflow_dict(self.connection_dict(), self.lr_conn_id).with_timeouts(self.timeouts)
@@ -58,7 +58,7 @@ class LRSiteHook(BaseHook):
     async def aget_conninfo(self) -> conninfo.ConnInfo:
         """For triggers: resolve the connection without blocking the triggerer's event loop."""
         conn = await self.aget_connection(self.lr_conn_id)
-        return conninfo.from_airflow_dict(_as_dict(conn), self.lr_conn_id).with_timeouts(self.timeouts)
+        return conninfo.from_airflow_dict(as_dict(conn), self.lr_conn_id).with_timeouts(self.timeouts)
 
     def get_conn(self) -> psycopg2.extensions.connection:
         """A connection for the application's statements (see the class docstring)."""

@@ -18,6 +18,7 @@ import yaml
 from airflow_provider_lr import cli
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.source import full_sync
+from tests.support.airflow_env import airflow_db  # noqa: F401
 from tests.support.session import App, final_state, queue, source_state, topology_doc, wait_for
 
 
@@ -399,8 +400,42 @@ def test_topology_validate_warns_of_a_site_whose_connection_cannot_be_resolved(t
     assert "valid; topology" in out
     lines = err.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("lr: warning: site 'north': unknown site or connection 'lr_nroth'")
-    assert "set AIRFLOW_CONN_LR_NROTH, or add it to" in lines[0] and "cannot reach it" in lines[0]
+    assert "set AIRFLOW_CONN_LR_NROTH, add it to" in lines[0] and "cannot reach it" in lines[0]
     assert lines[1].startswith("lr: warning: site 'west': AIRFLOW_CONN_LR_WEST"), lines
+
+
+def test_a_site_whose_connection_was_made_in_airflow_is_found_by_lr(airflow_db, tmp_path, monkeypatch, capsys):
+    """docs/airflow.md has the sites' connections made in the Airflow UI (its metadata database);
+    lr run on the same machine did not look there: `lr topology validate` said it could not reach
+    the site, and apply, status and sync failed on it. lr now asks Airflow for an id found nowhere
+    else (and its stdout keeps only lr's output)."""
+    from airflow.models.connection import Connection
+    from airflow.utils.session import create_session
+
+    from airflow_provider_lr.engine.db import conninfo
+
+    monkeypatch.setenv("AIRFLOW_CONN_LR_EAST", "postgresql://lr@db.east:5432/app")
+    extra = json.dumps({"site_id": "west", "region": "eu"})
+    with create_session() as session:
+        session.add(
+            Connection(conn_id="lr_made_in_ui", conn_type="lr_site", host="db.west", port=5433, login="lr", extra=extra)
+        )
+    doc = {
+        "sites": [{"id": "east", "conn_id": "lr_east"}, {"id": "west", "conn_id": "lr_made_in_ui"}],
+        "replication": [{"source": "east", "sinks": ["west"], "clients": ["policy"]}],
+        "providers": {"policy": "tests.support.session:table_provider"},
+    }
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    try:
+        assert cli.main(["topology", "validate", "--topology", str(path)]) == 0
+        out, err = capsys.readouterr()
+        assert out.startswith(f"{path}: valid") and "warning" not in out + err, (out, err)
+        found = conninfo.resolve("lr_made_in_ui")
+        assert (found.params["host"], found.params["port"], found.site_id) == ("db.west", 5433, "west")
+    finally:
+        with create_session() as session:
+            session.query(Connection).filter(Connection.conn_id == "lr_made_in_ui").delete()
 
 
 def test_lr_sync_and_trim_refuse_a_topology_that_replicates_nothing(tmp_path, capsys):

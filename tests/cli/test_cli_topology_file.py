@@ -182,7 +182,8 @@ def test_an_old_source_back_after_an_unplanned_failover_is_named_to_rejoin_not_t
     """site-a was down during the failover and is back with the old topology. `lr status` with the
     new file said to `lr topology apply` it, and the apply did, skipping the rejoin (its tail
     counted and recorded, its writers and tables refused): status names the rejoin, the apply
-    refuses until it is done."""
+    refuses until it is done. It said to apply the file too, and a second rejoin called the first
+    one a switchover."""
     old, app = _replicating(lr_sites, tmp_path, monkeypatch)
     result = failover.promote(failover.FailoverRequest("site-a", "site-b"), _connect(lr_sites, down=("site-a",)))
     new = tmp_path / "after.yaml"
@@ -198,6 +199,7 @@ def test_an_old_source_back_after_an_unplanned_failover_is_named_to_rejoin_not_t
         f"site site-a was failed over (its clients now come from site-b): rejoin it with `lr failover --topology "
         f"{new} --rejoin site-a`, not a topology apply"
     ) in out
+    assert "apply the current file" not in out, out  # it said both: apply it, and not to apply it
     assert cli.main(["topology", "apply", "--topology", str(new)]) == 1
     assert (
         "site 'site-a' is back with 'policy', which a failover moved to 'site-b': rejoin it with `lr failover "
@@ -207,6 +209,9 @@ def test_an_old_source_back_after_an_unplanned_failover_is_named_to_rejoin_not_t
     capsys.readouterr()
     assert cli.main(["failover", "--topology", str(new), "--rejoin", "site-a"]) == 0
     assert "its sessions from the new source start with a full sync" in capsys.readouterr().out
+    assert cli.main(["failover", "--topology", str(new), "--rejoin", "site-a"]) == 0  # again: said done
+    again = capsys.readouterr().out
+    assert "it ran this topology already (an earlier rejoin" in again and "(the switchover applied" not in again, again
     assert cli.main(["topology", "apply", "--topology", str(new)]) == 0  # rejoined: an apply as any other
     capsys.readouterr()
     cli.main(["status", "--topology", str(new)])

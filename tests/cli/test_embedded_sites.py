@@ -84,8 +84,13 @@ def test_down_remove_deletes_data(manager):
     assert not Path(sites[0].pgdata).exists()
 
 
-def test_cli_sites_lifecycle_and_init(manager, capsys):
+def test_cli_sites_lifecycle_and_init(manager, capsys, monkeypatch):
+    """Also: ``--home`` is the state directory of every command (it was only the sites' commands':
+    ``lr --home DIR status`` looked for the connections in ./.lr), and from another directory with no
+    LR_HOME, ``lr sites list`` says where lr looked and why."""
     home = str(manager.home)
+    monkeypatch.delenv("LR_HOME", raising=False)
+    monkeypatch.chdir(manager.home.parent)  # not where the sites are
     assert cli.main(["--home", home, "sites", "up", "--count", "2"]) == 0
     out = capsys.readouterr().out
     assert "site-a" in out and "lr_site_b" in out and "connections.json" in out
@@ -95,6 +100,11 @@ def test_cli_sites_lifecycle_and_init(manager, capsys):
     assert "site-a: lr schema upgraded 0 → " in out and "site-b: lr schema upgraded 0 → " in out
     assert cli.main(["--home", home, "init"]) == 0
     assert "up to date" in capsys.readouterr().out
+    assert cli.main(["--home", home, "init", "--site", "lr_site_b"]) == 0  # from the connections file in --home
+    assert "lr schema up to date" in capsys.readouterr().out and "LR_HOME" not in os.environ
+    assert cli.main(["sites", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "no embedded sites under" in out and "LR_HOME is not set" in out and "--home" in out, out
 
     assert cli.main(["--home", home, "sites", "list"]) == 0
     assert capsys.readouterr().out.count("running") == 2

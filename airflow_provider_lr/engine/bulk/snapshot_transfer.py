@@ -43,7 +43,7 @@ from airflow_provider_lr.engine.session.runner import SessionRunner
 from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.sink.queue_rows import Packer
-from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.source import closed_tables, full_sync
 from airflow_provider_lr.engine.source.log_writer import CLIENT_ID_OF
 from airflow_provider_lr.engine.store import receive_queue, sink_sessions
 from airflow_provider_lr.engine.store.topology import Topology, recorded_id, site_conninfo
@@ -154,7 +154,12 @@ class SnapshotTransfer:
             self.key.source,
             self.key.client,
             hs.position.epoch,
-            writes.SyncStart.of(request),
+            writes.SyncStart.of(
+                request,
+                closed_tables.whole_copies(
+                    self.src, self.key.sink, self.key.client, hs.meta.last_log_entry_processed, request.base_position
+                ),
+            ),
             recorded_id(self.src),
         )
         assert runner.lease is not None, "a handshake that proceeds holds the lease"

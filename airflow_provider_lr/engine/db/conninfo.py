@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,7 +28,7 @@ import psycopg2.extensions
 from airflow_provider_lr.engine.db import orphans
 from airflow_provider_lr.engine.db.timeouts import DEFAULT, BoundedConnection, Purpose, Timeouts, deadline_for
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, mask_secrets, one_line
-from airflow_provider_lr.paths import lr_home
+from airflow_provider_lr.paths import home_unset_hint, lr_home
 
 CONNECTIONS_FILE_ENV = "LR_CONNECTIONS_FILE"
 # Connection extras that describe the site rather than libpq options.
@@ -321,6 +321,19 @@ def load_connections_file(path: Path | None = None) -> dict[str, ConnInfo]:
     }
 
 
+# Other places a connection id is found, asked last (``add_lookup``); None: not there.
+_LOOKUPS: list[Callable[[str], ConnInfo | None]] = []
+
+
+def add_lookup(lookup: Callable[[str], ConnInfo | None]) -> None:
+    """Ask ``lookup`` for a connection id neither ``AIRFLOW_CONN_<ID>`` nor the connections file
+    holds (None: not there; ``ConfigurationError``: that place could not be read, said in the
+    unknown connection's error). The ``lr`` command adds Airflow's own connections (its metadata
+    database and secrets backends: a connection made in the UI), which the engine cannot import."""
+    if lookup not in _LOOKUPS:
+        _LOOKUPS.append(lookup)
+
+
 def resolve(target: str) -> ConnInfo:
     """Resolve a DSN, an ``AIRFLOW_CONN_<ID>`` connection id, or an id from the connections file."""
     if not isinstance(target, str):  # an open connection, say: lr opens (and bounds) its own
@@ -342,7 +355,19 @@ def resolve(target: str) -> ConnInfo:
     by_site = [info for info in known.values() if info.site_id == target]
     if len(by_site) == 1:
         return by_site[0]
+    asked = ""
+    for lookup in _LOOKUPS:
+        try:
+            found = lookup(target)
+        except ConfigurationError as exc:  # that place could not be read: said beside where else to put it
+            asked = f"; {one_line(exc)}"
+            continue
+        if found is not None:
+            return found
+    unset = "" if os.environ.get(CONNECTIONS_FILE_ENV) else home_unset_hint(connections_file())
     raise ConfigurationError(
         f"unknown site or connection {target!r}: give a DSN, set AIRFLOW_CONN_{target.upper()}, "
-        f"or add it to {connections_file()} (`lr sites up` writes embedded sites there)"
+        f"add it to {connections_file()} (`lr sites up` writes embedded sites there), or create it "
+        f"in Airflow (read when Airflow is installed here and $AIRFLOW_HOME is set){asked}"
+        + (f"; {unset}" if unset else "")
     )

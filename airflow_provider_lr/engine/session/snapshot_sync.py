@@ -36,7 +36,7 @@ from airflow_provider_lr.engine.session.settings import (
     SessionSettings,
 )
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.source import closed_tables, full_sync
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest, Provider
 from airflow_provider_lr.engine.source.transmit import RoutingQueueClient
 from airflow_provider_lr.engine.store import source_sessions
@@ -149,7 +149,12 @@ class SnapshotSync:
             self.key.source,
             self.key.client,
             self._epoch(),
-            writes.SyncStart.of(request),
+            writes.SyncStart.of(
+                request,
+                closed_tables.whole_copies(
+                    self.source, self.key.sink, self.key.client, meta.last_log_entry_processed, request.base_position
+                ),
+            ),
             recorded_id(self.source),
         )
         fault_point("after_snapshot_start")

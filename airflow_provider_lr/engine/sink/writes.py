@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, fields, replace
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, fields, replace
 
 import psycopg2
 import psycopg2.errors
@@ -225,12 +225,14 @@ class SyncStart:
     sync_id: str
     base: int
     split: BaseSplit
+    whole: Mapping[str, int] = field(default_factory=dict, hash=False)  # closed tables' copies it leaves whole
 
     @classmethod
-    def of(cls, request: FullSyncRequest) -> SyncStart:
-        """The start of a supplied request (its data read at its base)."""
+    def of(cls, request: FullSyncRequest, whole: Mapping[str, int] | None = None) -> SyncStart:
+        """The start of a supplied request (its data read at its base); ``whole``: the copies of
+        closed tables it leaves whole at the sink (``closed_tables.whole_copies``), kept as synced."""
         assert request.base_position is not None, f"full sync {request.request_id} is not supplied"
-        return cls(request.request_id, request.base_position, request.split)
+        return cls(request.request_id, request.base_position, request.split, dict(whole or {}))
 
 
 def start_snapshot(
@@ -266,7 +268,7 @@ def start_snapshot(
             )
         discard_unapplied(cur, source, client)
         write.register()  # the first write of a snapshot sync registers the queue
-        forget_session(cur, source, client)  # its federated tables take new snapshots after this one
+        forget_session(cur, source, client, sync.whole)  # its federated tables take new snapshots after this one
         write.update(
             snapshot_request_id=sync_id,
             snapshot_started=base,

@@ -46,6 +46,48 @@ GROUP BY g.stream_name ORDER BY g.stream_name
 """
 
 
+# The closed tables of a client, and of them those with a change tagged for the sink in a range.
+_CLOSED = (
+    "SELECT stream_name, closed_table_id FROM lr.registry WHERE kind = 'table' AND table_id IS NULL "
+    "AND closed_table_id IS NOT NULL AND client_name = %(client)s"
+)
+_PASSED = f"""
+SELECT DISTINCT g.stream_name
+FROM lr.log_commits c
+JOIN lr.log_entries e ON e.tx = c.tx
+JOIN lr.registry g ON g.closed_table_id = e.table_id
+WHERE c.position > %(after)s AND c.position <= %(base)s AND e.stream = {STREAM_TABLE_CHANGES}
+  AND e.tag_ids @> ARRAY[%(tag)s]::integer[]
+  AND g.kind = 'table' AND g.table_id IS NULL AND g.client_name = %(client)s
+"""
+
+
+def whole_copies(conn: psycopg2.extensions.connection, sink: str, client: str, after: int, base: int) -> dict[str, int]:
+    """table -> the table id its close ended, for each closed table of ``client`` whose copy at
+    ``sink`` (which processed the log up to ``after``) a full sync based at ``base`` leaves whole:
+    none of its changes tagged for the sink lies in the range the full sync passes. The sink keeps
+    its record of such a copy (``lr status``: synced, closed at the source); before, every full
+    sync dropped it, and a copy a forced full sync had waited for was said to lack changes. A
+    trimmed range cannot be read: then no copy counts as whole. Ends its transaction."""
+    if not schema.at_least(conn, CLOSED_TABLE_ID_SCHEMA):
+        return {}
+    try:
+        with conn.cursor() as cur:
+            cur.execute(_CLOSED, {"client": client})
+            closed = dict(cur.fetchall())
+            tag = source_sessions.sink_tags(cur, client).get(sink)
+            cur.execute("SELECT trim_mark FROM lr.log_trim")
+            (trimmed,) = cur.fetchone()
+            if not closed or tag is None or after < 0 or trimmed > after:
+                return {}
+            cur.execute(_PASSED, {"after": after, "base": base, "tag": tag, "client": client})
+            for (name,) in cur.fetchall():
+                closed.pop(name, None)
+            return closed
+    finally:
+        conn.rollback()
+
+
 def pending(conn: psycopg2.extensions.connection, sink: str, client: str) -> tuple[list[PendingClose], str | None]:
     """(the closed tables of ``client`` with changes made before their close that ``sink`` has not
     acknowledged, the replicator holding the session or None). Ends its transaction."""

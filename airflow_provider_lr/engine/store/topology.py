@@ -315,23 +315,32 @@ class TopologyDrift:
         predates = sorted(
             (site, to) for site, to in self.failed_over.items() if to in self.held and self.topology.sessions(site, to)
         )
-        advice = (
-            f"it predates the failover of {', '.join(f'{site} to {to}' for site, to in predates)}: point --topology "
-            f"(Airflow: the Variable lr_topology or ${TOPOLOGY_ENV}) at the topology `lr failover` wrote"
-            if predates
-            else f"apply the current file with `lr topology apply --topology {name}` or point --topology (Airflow: "
-            f"the Variable lr_topology or ${TOPOLOGY_ENV}) at the file in use"
-        )
+        # behind the site its clients went to (a planned switchover already applied it there)
+        rejoin = [
+            (site, to)
+            for site, to in sorted(self.failed_over.items())
+            if site in self.held and self.held[site] != self.held.get(to, mine)
+        ]
+        if predates:
+            advice = (
+                f": it predates the failover of {', '.join(f'{site} to {to}' for site, to in predates)}: point "
+                f"--topology (Airflow: the Variable lr_topology or ${TOPOLOGY_ENV}) at the topology `lr failover` wrote"
+            )
+        elif set(self.held) <= {site for site, _ in rejoin}:
+            advice = ""  # only old sources to rejoin: an apply is the wrong step (and refused)
+        else:
+            advice = (
+                f": apply the current file with `lr topology apply --topology {name}` or point --topology (Airflow: "
+                f"the Variable lr_topology or ${TOPOLOGY_ENV}) at the file in use"
+            )
         return (
-            f"topology file {name} has id {mine}; sites hold {holds}: {advice}"
+            f"topology file {name} has id {mine}; sites hold {holds}{advice}"
             + (f" (`lr failover` wrote {', '.join(written)})" if written else "")
             + "".join(
                 f"; site {site} was failed over (its clients now come from {to}): rejoin it with `lr failover "
                 f"--topology {name} --rejoin {site}`, not a topology apply (the rejoin counts what it committed "
                 "after the cut, refuses its writers and hands its federated tables over)"
-                for site, to in sorted(self.failed_over.items())
-                # behind the site its clients went to (a planned switchover already applied it there)
-                if site in self.held and self.held[site] != self.held.get(to, mine)
+                for site, to in rejoin
             )
         )
 

@@ -21,7 +21,7 @@ The rules (CorfuDB's federated-table rules, its issue #3502):
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 
@@ -108,11 +108,17 @@ def record(
     )
 
 
-def forget_session(cur: psycopg2.extensions.cursor, source: str, client: str) -> None:
-    """A session's full sync starts over: each of its tables takes a new snapshot after it."""
+def forget_session(
+    cur: psycopg2.extensions.cursor, source: str, client: str, whole: Mapping[str, int] | None = None
+) -> None:
+    """A session's full sync starts over: each of its tables takes a new snapshot after it. A copy
+    of a table its source closed takes none: in ``whole`` (table -> the closed table id) it is kept
+    as synced, the full sync passing none of its changes (``closed_tables.whole_copies``)."""
+    kept = whole or {}
     cur.execute(
-        "DELETE FROM lr.sink_tables WHERE source_site_id = %s AND client_name = %s AND state <> %s",
-        (source, client, TableState.CONFLICT),
+        "DELETE FROM lr.sink_tables WHERE source_site_id = %s AND client_name = %s AND state <> %s "
+        "AND NOT (state = %s AND (table_name, source_table_id) IN (SELECT * FROM unnest(%s::text[], %s::int[])))",
+        (source, client, TableState.CONFLICT, TableState.SYNCED, list(kept), list(kept.values())),
     )
 
 

@@ -318,7 +318,8 @@ def test_a_full_sync_forced_after_a_close_lets_a_lagging_sink_take_the_changes_m
     down). A full sync forced then passed them (the table, closed, takes no snapshot): site-b's
     copy lacked them for good. ``lr full-sync`` now refuses while no replicator streams the session,
     naming the table and what to do; once ``lr sync`` delivered them the full sync keeps that copy
-    whole, and asked while it streams, right after a change and the close, it waits for the sink.
+    whole (``lr status`` says so: before, it said the copy lacked changes), and asked while it
+    streams, right after a change and the close, it waits for the sink.
     Opened again, the table is snapshotted anew, with the changes made while it was closed."""
     from tests.guarantees.test_table_fidelity_streaming import streaming_over
 
@@ -359,6 +360,10 @@ def test_a_full_sync_forced_after_a_close_lets_a_lagging_sink_take_the_changes_m
         source.query("UPDATE public.accounts SET owner = 'after the close' WHERE id = 1")  # not captured
         forced_full_sync()
         assert rows(sink_b) == at_close
+        said = status.render_sites({s.site_id: site_status(s) for s in lr_sites})
+        at_b = said[said.index("site-b:") : said.index("site-c:")]
+        # its copy is whole: before, the full sync dropped its record and lr status said it lacked changes
+        assert "synced from site-a->site-b/policy" in at_b and "closed at site-a: this copy is kept" in at_b, said
         federate(source)  # opened again: a new snapshot, with the change made while it was closed
         wait_for(lambda: rows(sink_b) == rows(source) == rows(sink_c), 30, "the table opened again")
         source.query("UPDATE public.accounts SET owner = 'last' WHERE id = 2")
