@@ -73,8 +73,9 @@ def cmd_tables_close(args: argparse.Namespace) -> int:
             try:
                 here = {str(t.table): t for t in table_registry.list_tables(conn)}
                 table = here.get(str(name))
-                if not args.site and (table is None or table.table_id is None or table.source_site_id):
-                    continue  # not captured here: nothing of it to close on this site
+                if not args.site and (table is None or table.table_id is None):
+                    continue  # not captured here: nothing of it to close on this site (a copy federated
+                    # onward from here, its row naming its origin, is captured: closed too)
                 table = table_registry.close_table(conn, args.table)
             finally:
                 conn.close()
@@ -134,7 +135,7 @@ def cmd_tables_list(args: argparse.Namespace) -> int:
         print(f"{site_id}:" + ("" if registered or copies else " no tables registered"))
         held = {str(c.table) for c in copies}
         for table in registered:
-            if not (table.source_site_id and str(table.table) in held):  # its copies say it below
+            if not (table.source_site_id and str(table.table) in held and table.table_id is None):  # said below
                 print(f"  {table.describe()}")
         for copy in copies:
             print(f"  {copy.describe((copy.source_site_id, str(copy.table)) in closed)}")
