@@ -289,3 +289,30 @@ def test_a_copy_federated_onward_from_its_sink_replicates_both_ways_with_no_prov
     # closed everywhere, back is still a client of tables only: a full sync of it settles
     assert cli.main(["full-sync", "--sink", "site-c", "--client", "back", "--topology", topo]) == 0
     sync(topo)
+
+
+def test_lr_tables_close_waits_for_a_sink_whose_full_sync_would_forget_its_copy_so_no_copy_lacks_changes(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """A full sync forced on site-c forgets its tables, which take a new snapshot after it; a table
+    closed before that snapshot takes none, and site-c's copy lacked, for good, the changes made
+    before the close that site-b's holds. The close is refused until site-c has taken it."""
+    a, b, c = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={})
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    create_accounts(a, rows=10)
+    assert cli.main(["tables", "open", "public.accounts", "--client", "policy", "--topology", topo]) == 0
+    sync(topo)
+    a.query("UPDATE public.accounts SET owner = 'before the close' WHERE id <= 5")
+    assert cli.main(["full-sync", "--sink", "site-c", "--topology", topo]) == 0
+    capsys.readouterr()
+    assert cli.main(["tables", "close", "public.accounts", "--topology", topo]) == 1
+    err = capsys.readouterr().err
+    assert "public.accounts not closed at site-a: site-c has not taken its snapshot of it yet" in err, err
+    assert "a full sync of it is still open; no replicator holds the session: run `lr sync`" in err, err
+    sync(topo)  # the full sync, then the table's snapshot
+    assert cli.main(["tables", "close", "public.accounts", "--topology", topo]) == 0
+    at_close = rows(a)
+    a.query("UPDATE public.accounts SET owner = 'after the close' WHERE id = 10")
+    sync(topo)
+    assert rows(b) == rows(c) == at_close
