@@ -18,6 +18,7 @@ from airflow_provider_lr.cli.common import (
 )
 from airflow_provider_lr.engine.errors import LRError, listing, one_line
 from airflow_provider_lr.engine.store import topology as topologies
+from airflow_provider_lr.engine.tables import closing
 from airflow_provider_lr.engine.tables import registry as table_registry
 from airflow_provider_lr.engine.tables.definition import TableName
 
@@ -76,6 +77,12 @@ def cmd_tables_close(args: argparse.Namespace) -> int:
                 if not args.site and (table is None or table.table_id is None):
                     continue  # not captured here: nothing of it to close on this site (a copy federated
                     # onward from here, its row naming its origin, is captured: closed too)
+                if table is not None and table.table_id is not None and table.client_name:
+                    client = table.client_name
+                    its_sinks = sorted({k.sink for k in topo.sessions(source=site_id) if k.client == client})
+                    closing.wait_for_snapshots(
+                        conn, connector(topo), site_id, its_sinks, client, str(name), table.table_id
+                    )
                 table = table_registry.close_table(conn, args.table)
             finally:
                 conn.close()

@@ -316,3 +316,8 @@ def test_lr_tables_close_waits_for_a_sink_whose_full_sync_would_forget_its_copy_
     a.query("UPDATE public.accounts SET owner = 'after the close' WHERE id = 10")
     sync(topo)
     assert rows(b) == rows(c) == at_close
+    # a table dropped at the source before its sinks took it: no snapshot can, and closing frees them
+    a.query("CREATE TABLE public.gone (id int PRIMARY KEY)")
+    assert cli.main(["tables", "open", "public.gone", "--client", "policy", "--topology", topo]) == 0
+    a.query("DROP TABLE public.gone")
+    assert cli.main(["tables", "close", "public.gone", "--topology", topo]) == 0
