@@ -310,6 +310,9 @@ def test_lr_tables_close_waits_for_a_sink_whose_full_sync_would_forget_its_copy_
     err = capsys.readouterr().err
     assert "public.accounts not closed at site-a: site-c has not taken its snapshot of it yet" in err, err
     assert "a full sync of it is still open; no replicator holds the session: run `lr sync`" in err, err
+    keep_out = ["tables", "open", "public.accounts", "--client", "policy", "--no-federated", "--site", "site-a"]
+    assert cli.main([*keep_out, "--topology", topo]) == 1  # stops the capture as a close does: the same rule
+    assert "site-c has not taken its snapshot of it yet" in capsys.readouterr().err
     sync(topo)  # the full sync, then the table's snapshot
     assert cli.main(["tables", "close", "public.accounts", "--topology", topo]) == 0
     at_close = rows(a)
