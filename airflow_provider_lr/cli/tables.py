@@ -18,6 +18,7 @@ from airflow_provider_lr.cli.common import (
 )
 from airflow_provider_lr.engine.errors import LRError, listing, one_line
 from airflow_provider_lr.engine.store import topology as topologies
+from airflow_provider_lr.engine.tables import closing
 from airflow_provider_lr.engine.tables import registry as table_registry
 from airflow_provider_lr.engine.tables.definition import TableName
 
@@ -52,6 +53,9 @@ def cmd_tables_open(args: argparse.Namespace) -> int:
         with at_site(site_id):
             conn = connector(topo)(site_id)
             try:
+                if not args.federated:  # stops the capture here, as a close does
+                    here = {str(t.table): t for t in table_registry.list_tables(conn)}
+                    _before_capture_stops(topo, conn, site_id, here.get(str(TableName.parse(args.table))))
                 table = table_registry.open_table(conn, args.table, args.client, args.federated)
             finally:
                 conn.close()
@@ -73,8 +77,10 @@ def cmd_tables_close(args: argparse.Namespace) -> int:
             try:
                 here = {str(t.table): t for t in table_registry.list_tables(conn)}
                 table = here.get(str(name))
-                if not args.site and (table is None or table.table_id is None or table.source_site_id):
-                    continue  # not captured here: nothing of it to close on this site
+                if not args.site and (table is None or table.table_id is None):
+                    continue  # not captured here: nothing of it to close on this site (a copy federated
+                    # onward from here, its row naming its origin, is captured: closed too)
+                _before_capture_stops(topo, conn, site_id, table)
                 table = table_registry.close_table(conn, args.table)
             finally:
                 conn.close()
@@ -88,6 +94,21 @@ def cmd_tables_close(args: argparse.Namespace) -> int:
     if not closed:
         raise LRError(f"{args.table} is captured on no site of the topology (lr tables list)")
     return 0
+
+
+def _before_capture_stops(
+    topo: topologies.Topology,
+    conn: psycopg2.extensions.connection,
+    site_id: str,
+    table: table_registry.RegisteredTable | None,
+) -> None:
+    """Let each sink of a table captured at ``site_id`` take its snapshot before the capture stops
+    (a close, or an open as not federated): a closed table takes none (``closing``)."""
+    if table is None or table.table_id is None or not table.client_name:
+        return
+    client = table.client_name
+    sinks = sorted({k.sink for k in topo.sessions(source=site_id) if k.client == client})
+    closing.wait_for_snapshots(conn, connector(topo), site_id, sinks, client, str(table.table), table.table_id)
 
 
 _Listed = tuple[list[table_registry.RegisteredTable], list[table_registry.HeldCopy]]
@@ -134,7 +155,7 @@ def cmd_tables_list(args: argparse.Namespace) -> int:
         print(f"{site_id}:" + ("" if registered or copies else " no tables registered"))
         held = {str(c.table) for c in copies}
         for table in registered:
-            if not (table.source_site_id and str(table.table) in held):  # its copies say it below
+            if not (table.source_site_id and str(table.table) in held and table.table_id is None):  # said below
                 print(f"  {table.describe()}")
         for copy in copies:
             print(f"  {copy.describe((copy.source_site_id, str(copy.table)) in closed)}")

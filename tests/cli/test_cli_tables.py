@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
+
+import yaml
 
 from airflow_provider_lr import cli
 from tests.cli.test_cli_sync import topology_file
+from tests.support.session import topology_doc
 from tests.support.tables import create_accounts, rows
 
 
@@ -233,3 +237,90 @@ def test_status_calls_no_session_ready_until_its_sink_holds_every_table_its_sour
     sessions = [s for site in json.loads(capsys.readouterr().out)["sites"].values() for s in site["sessions"]]
     assert sorted(s["readiness"] for s in sessions) == ["consistent"] * 2 + ["ready"] * 2
     assert rows(sink_b) == rows(source)
+
+
+def test_a_copy_federated_onward_from_its_sink_replicates_both_ways_with_no_provider_and_shows_as_federated(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """site-a federates public.accounts to site-b and site-c (client policy); site-b opens its copy for
+    client back, which it replicates to site-a and site-c: the table is federated both ways, each
+    client of tables only (no provider). Before, site-b's registry row still named site-a (the copy's
+    origin), so back was taken for a client with queue data: its full syncs waited for a provider's
+    data forever and site-b's changes never left; `lr status` and `lr tables list` showed site-b's
+    table only as a copy, and `lr tables close` skipped it."""
+    a, b, c = lr_sites
+    topology_file(tmp_path, lr_sites, monkeypatch, providers={})  # the sites' connections
+    doc = topology_doc(
+        lr_sites,
+        [
+            {"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy"]},
+            {"source": "site-b", "sinks": ["site-a", "site-c"], "clients": ["back"]},
+        ],
+        conn_ids=lambda site_id: f"lr_test_{site_id.replace('-', '_')}",
+    )
+    topo = str(tmp_path / "both-ways.yaml")
+    Path(topo).write_text(yaml.safe_dump(doc))
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    create_accounts(a, rows=5)
+    assert cli.main(["tables", "open", "public.accounts", "--client", "policy", "--topology", topo]) == 0
+    # back has nothing to carry yet: its sessions wait (exit 1) while policy's deliver the copies
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 1
+    assert rows(b) == rows(a)
+    assert cli.main(["tables", "open", "public.accounts", "--client", "back", "--topology", topo]) == 0
+    b.query("UPDATE public.accounts SET owner = 'from-b' WHERE id = 1")
+    a.query("UPDATE public.accounts SET owner = 'from-a' WHERE id = 2")
+    sync(topo)
+    assert rows(a) == rows(b) == rows(c)
+    assert [r[0] for r in b.query("SELECT owner FROM public.accounts WHERE id IN (1, 2) ORDER BY id")] == [
+        "from-b",
+        "from-a",
+    ]
+    capsys.readouterr()
+    assert cli.main(["status", "--topology", topo]) == 0
+    status_out = capsys.readouterr().out
+    site_b = status_out[status_out.index("site-b:") : status_out.index("site-c:")]
+    assert re.search(r"table  public\.accounts +federated, client back", site_b), site_b
+    assert cli.main(["tables", "list", "--topology", topo]) == 0
+    listed = capsys.readouterr().out
+    assert "site-b:\n  public.accounts federated client=back (from site-a)\n" in listed, listed
+    assert cli.main(["tables", "close", "public.accounts", "--topology", topo]) == 0
+    closed = capsys.readouterr().out
+    assert "site-a: public.accounts closed" in closed and "site-b: public.accounts closed" in closed, closed
+    # closed everywhere, back is still a client of tables only: a full sync of it settles
+    assert cli.main(["full-sync", "--sink", "site-c", "--client", "back", "--topology", topo]) == 0
+    sync(topo)
+
+
+def test_lr_tables_close_waits_for_a_sink_whose_full_sync_would_forget_its_copy_so_no_copy_lacks_changes(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """A full sync forced on site-c forgets its tables, which take a new snapshot after it; a table
+    closed before that snapshot takes none, and site-c's copy lacked, for good, the changes made
+    before the close that site-b's holds. The close is refused until site-c has taken it."""
+    a, b, c = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={})
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    create_accounts(a, rows=10)
+    assert cli.main(["tables", "open", "public.accounts", "--client", "policy", "--topology", topo]) == 0
+    sync(topo)
+    a.query("UPDATE public.accounts SET owner = 'before the close' WHERE id <= 5")
+    assert cli.main(["full-sync", "--sink", "site-c", "--topology", topo]) == 0
+    capsys.readouterr()
+    assert cli.main(["tables", "close", "public.accounts", "--topology", topo]) == 1
+    err = capsys.readouterr().err
+    assert "public.accounts not closed at site-a: site-c has not taken its snapshot of it yet" in err, err
+    assert "a full sync of it is still open; no replicator holds the session: run `lr sync`" in err, err
+    keep_out = ["tables", "open", "public.accounts", "--client", "policy", "--no-federated", "--site", "site-a"]
+    assert cli.main([*keep_out, "--topology", topo]) == 1  # stops the capture as a close does: the same rule
+    assert "site-c has not taken its snapshot of it yet" in capsys.readouterr().err
+    sync(topo)  # the full sync, then the table's snapshot
+    assert cli.main(["tables", "close", "public.accounts", "--topology", topo]) == 0
+    at_close = rows(a)
+    a.query("UPDATE public.accounts SET owner = 'after the close' WHERE id = 10")
+    sync(topo)
+    assert rows(b) == rows(c) == at_close
+    # a table dropped at the source before its sinks took it: no snapshot can, and closing frees them
+    a.query("CREATE TABLE public.gone (id int PRIMARY KEY)")
+    assert cli.main(["tables", "open", "public.gone", "--client", "policy", "--topology", topo]) == 0
+    a.query("DROP TABLE public.gone")
+    assert cli.main(["tables", "close", "public.gone", "--topology", topo]) == 0

@@ -41,7 +41,7 @@ from airflow_provider_lr.engine.source.full_sync import FullSyncRequest, Provide
 from airflow_provider_lr.engine.source.transmit import RoutingQueueClient
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store.topology import Topology, recorded_id
-from airflow_provider_lr.engine.tables import registry
+from airflow_provider_lr.engine.tables import clients, registry
 from airflow_provider_lr.engine.vocabulary import RequestStatus, SessionKey, SessionState
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class SnapshotSync:
         request = self._current_request(meta)
         report.request_id = request.request_id
         provider = self.provider
-        if provider is None and registry.opened_here(self.source, self.key.client):
+        if provider is None and clients.opened_here(self.source, self.key.client):
             provider = registry.no_queue_data  # a client of tables only: its tables follow the full sync
         if request.status == RequestStatus.PENDING and provider is not None:
             client = RoutingQueueClient(self.source, self.key.client)

@@ -307,8 +307,8 @@ def render(
     received = {(t["source"], t["table"]) for t in status.tables if t["role"] == "sink"}
     for t in status.tables:
         if t["role"] == "registry":
-            if t["source"] and (t["source"], t["table"]) in received:
-                continue  # a table this sink takes: its session's line below says it all
+            if t["source"] and (t["source"], t["table"]) in received and t["table_id"] is None:
+                continue  # a table this sink takes (not federated onward from here): its session's line says it all
             if (status.site_id, t["table"]) in closed:
                 flag = "closed (captured no more; its sinks keep their copy, no longer updated)"
             elif t["federated"] and (t["source"], t["table"]) in closed:  # no synced row: a full sync passed it

@@ -202,7 +202,7 @@ def close_table(conn: psycopg2.extensions.connection, name: str) -> RegisteredTa
                 (str(table),),
             )
             result = read(cur, table)
-            assert result is not None and result.closed
+            assert result is not None and result.table_id is None  # (a copy federated onward still names its origin)
         conn.commit()
         return result
     except BaseException:
@@ -466,24 +466,6 @@ def federated_tables_of(
     for client, name, table_id, renamed_to in rows:
         out[client].append(FederatedTable(TableName.parse(name), table_id, tuple(renamed_to) if renamed_to else None))
     return out
-
-
-def opened_here(conn: psycopg2.extensions.connection, client: str) -> bool:
-    """Whether this source opened a table as federated for ``client``, captured now or closed since:
-    such a client without a full-sync provider is one of tables only (``no_queue_data``). Before,
-    only captured tables counted, so once its tables were closed every full sync of the client
-    waited for a provider's data that never came."""
-    idle = conn.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
-    with conn.cursor() as cur:
-        cur.execute(
-            "SELECT EXISTS (SELECT 1 FROM lr.registry WHERE kind = 'table' AND is_federated AND client_name = %s "
-            "AND source_site_id IS NULL)",
-            (client,),
-        )
-        found = bool(cur.fetchone()[0])
-    if idle:
-        conn.rollback()
-    return found
 
 
 def no_queue_data(ctx: object) -> None:
