@@ -119,7 +119,7 @@ def test_a_subscriber_started_before_lr_init_at_its_sink_waits_for_it_then_deliv
     with "relation lr.receive_queue does not exist". Now ``poll()`` says to run `lr init`; ``run()``
     waits for the schema (bounded, each try counted with that error) and delivers once lr is there;
     one whose site never gets it (a wrong database in the DSN) ends after the wait, saying so."""
-    monkeypatch.setattr(wakeup, "SCHEMA_WAIT", 1.0)
+    monkeypatch.setattr(wakeup, "SCHEMA_WAIT", 1.0, raising=False)
     source, sink, never = sites
     with pytest.raises(SchemaError, match=r"has no lr schema; run `lr init`"):
         RoutingQueueSubscriber(sink.dsn, "policy").poll(Recorder())
