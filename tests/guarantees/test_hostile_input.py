@@ -180,6 +180,8 @@ def test_a_subscriber_or_client_made_with_what_cannot_mean_what_was_meant_is_ref
         (opened, 5, None, TransmitError, "invalid client name 5"),
         (opened, "policy", 0, ConfigurationError, "max_payload_bytes must be a whole number of at least 1, not 0"),
         (opened, "policy", "1024", ConfigurationError, "max_payload_bytes must be a whole number"),
+        # above lr's 16 MiB (64 MiB payloads were taken, past what the sinks' memory bounds are for)
+        (opened, "policy", 64 << 20, ConfigurationError, r"max_payload_bytes of 67108864 is above lr's 16777216"),
     ]:
         with pytest.raises(error, match=said):
             RoutingQueueClient(conn, client, max_payload_bytes=limit)
