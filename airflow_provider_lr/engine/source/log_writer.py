@@ -91,6 +91,13 @@ class LogWriter:
         if not isinstance(client_name, str) or not client_name.replace("_", "").replace("-", "").isalnum():
             raise TransmitError(f"invalid client name {client_name!r}: use letters, digits, '-' or '_'")
         require_counts(max_payload_bytes=max_payload_bytes)
+        if max_payload_bytes is not None and max_payload_bytes > DEFAULT_MAX_PAYLOAD_BYTES:
+            # what every part of lr is bounded for (a sink's reads, a subscriber's batches, the
+            # topology's own setting): a lower limit per client, never a higher one
+            raise ConfigurationError(
+                f"max_payload_bytes of {max_payload_bytes} is above lr's {DEFAULT_MAX_PAYLOAD_BYTES} "
+                "(16 MiB): give a lower limit, or split the payload"
+            )
         self.conn = conn
         self.client_name = client_name
         self.max_payload_bytes = max_payload_bytes or DEFAULT_MAX_PAYLOAD_BYTES
