@@ -1,6 +1,6 @@
 """Pairs of features in lr's default mode (streaming) that no other test puts together: a stream
 whose every session is taken away at once; `lr sync --until-idle` run beside a streaming `lr sync`;
-a json value that jsonb refuses; an application's two-phase commit while the stream sleeps.
+a json value that jsonb refuses; an application's two-phase commit while the stream sleeps; a full-sync request the cycles do not act on.
 
 Each test is one scenario, cheap, through the engine's streaming replicator (``lr sync``'s default)
 or the ``lr`` CLI."""
@@ -12,6 +12,7 @@ import time
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.session.settings import StreamSettings
+from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.site.replicator import unsettled
 from airflow_provider_lr.engine.vocabulary import STREAM_WAKE_KEY
 from tests.support.session import App, Streaming, apply, queue, replicator, wait_for
@@ -131,4 +132,27 @@ def test_a_transaction_that_transmits_is_prepared_while_the_stream_sleeps_and_ar
                 cur.execute("COMMIT PREPARED 'lr-app-gid'")
             admin.close()
         wait_for(lambda: logs(sink_b) == ["k0=0", "prepared=1", "k1=1"], 10, "both, in commit order")
+    app.close()
+
+
+def test_a_full_sync_request_the_cycles_do_not_act_on_leaves_the_session_streaming(lr_sites):
+    """``full_sync.request_full_sync`` without ``forced`` (its default: the request a session's own
+    negotiation makes) on a session in log-entry sync: negotiation acts only on a forced request, but
+    the stream handed the session back at every check for any open one, and the cycle sent it
+    straight back: hundreds of hand-backs a minute, each printed by `lr sync`. Now the stream looks
+    for what negotiation acts on; a forced request is still honoured."""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:empty_provider"})
+    app = App(source)
+    options = StreamSettings(check_interval=0.05, ack_interval=0.05)
+    with Streaming(replicator(topo, lr_sites, lease_seconds=30.0), options) as streaming:
+        streaming.streaming()
+        full_sync.request_full_sync(source.connect(), "site-b", "policy", reason="not forced")
+        app.put("k0", 0, ["site-b"])
+        wait_for(lambda: logs(sink_b) == ["k0=0"], 10, "the entry")
+        time.sleep(0.5)  # ten checks
+        assert streaming.streamer.ends == [], streaming.streamer.ends
+        full_sync.request_full_sync(source.connect(), "site-b", "policy", reason="forced", forced=True)
+        wait_for(lambda: [k for k, _ in queue(sink_b, "site-a")].count("start") == 2, 10, "the forced full sync")
+        assert [e.reason for e in streaming.streamer.ends] == ["a full sync was requested"]
     app.close()
