@@ -19,7 +19,7 @@ from airflow_provider_lr.engine.sink import wakeup
 from airflow_provider_lr.engine.site import failover, status, topology
 from airflow_provider_lr.engine.site.replicator import run_until_idle
 from airflow_provider_lr.engine.store import topology as topologies
-from airflow_provider_lr.subscriber import RoutingQueueSubscriber
+from airflow_provider_lr.subscriber import RoutingQueueSubscriber, open_relay
 from tests.support.session import App, apply, queue, replicator, table_provider, topology_doc
 from tests.support.subscriber import Background, Recorder
 
@@ -118,7 +118,8 @@ def test_a_subscriber_started_before_lr_init_at_its_sink_waits_for_it_then_deliv
     """An application deployed before `lr init` reached its sink: ``run()`` died at its first read
     with "relation lr.receive_queue does not exist". Now ``poll()`` says to run `lr init`; ``run()``
     waits for the schema (bounded, each try counted with that error) and delivers once lr is there;
-    one whose site never gets it (a wrong database in the DSN) ends after the wait, saying so."""
+    one whose site never gets it (a wrong database in the DSN) ends after the wait, saying so; so does
+    a relay's subscription."""
     monkeypatch.setattr(wakeup, "SCHEMA_WAIT", 1.0, raising=False)
     source, sink, never = sites
     with pytest.raises(SchemaError, match=r"has no lr schema; run `lr init`"):
@@ -143,6 +144,12 @@ def test_a_subscriber_started_before_lr_init_at_its_sink_waits_for_it_then_deliv
     wrong_db.thread.join(10)
     assert isinstance(wrong_db.error, SchemaError) and "has no lr schema" in str(wrong_db.error), wrong_db.error
     assert "waited 1 s" in str(wrong_db.error)
+    relay = open_relay(never.dsn, poll_interval=0.1)  # a relay's subscription alike
+    try:
+        with pytest.raises(SchemaError, match=r"has no lr schema; run `lr init`.*\(waited 1 s"):
+            relay.subscribe(Recorder(), "policy").join(10)
+    finally:
+        relay.close()
     app.close()
 
 
