@@ -1,6 +1,6 @@
 """Pairs of features in lr's default mode (streaming) that no other test puts together: a stream
 whose every session is taken away at once; `lr sync --until-idle` run beside a streaming `lr sync`;
-a json value that jsonb refuses.
+a json value that jsonb refuses; an application's two-phase commit while the stream sleeps; a full-sync request the cycles do not act on.
 
 Each test is one scenario, cheap, through the engine's streaming replicator (``lr sync``'s default)
 or the ``lr`` CLI."""
@@ -10,8 +10,11 @@ from __future__ import annotations
 import logging
 import time
 
+from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.session.settings import StreamSettings
 from airflow_provider_lr.engine.site.replicator import unsettled
+from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.vocabulary import STREAM_WAKE_KEY
 from tests.support.session import App, Streaming, apply, queue, replicator, wait_for
 from tests.support.tables import federate
 
@@ -92,3 +95,64 @@ def test_a_json_value_jsonb_refuses_is_written_captured_and_streamed_as_it_is(lr
         source.query("""UPDATE public.docs SET id = id + 10, doc = '["\\u0000"]' WHERE id = 2""")
         wait_for(lambda: sink_b.query(docs) == source.query(docs), 10, "the rows at the sink")
     assert [d for _, d, _ in sink_b.query(docs)] == ['{"a": "\\u0000",  "a": 2}', '["\\u0000"]']
+
+
+def test_a_transaction_that_transmits_is_prepared_while_the_stream_sleeps_and_arrives_in_commit_order(lr_sites):
+    """PREPARE TRANSACTION fires the commit-position trigger, which NOTIFYs a sleeping stream, and
+    PostgreSQL refuses to prepare a transaction that notified ("cannot PREPARE a transaction that has
+    executed ... NOTIFY"): an application's two-phase commit failed whenever `lr sync` was idle. Now
+    it is prepared; a transaction committed after it waits behind its position, and COMMIT PREPARED
+    delivers both, the prepared one first. Needs migration V0035."""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:empty_provider"})
+    app = App(source)
+    asleep = (
+        "SELECT count(*) FROM pg_catalog.pg_locks WHERE locktype = 'advisory' AND granted "
+        "AND mode = 'ExclusiveLock' AND classid = 0 AND objid = %s AND objsubid = 1"
+    )
+    options = StreamSettings(check_interval=0.1, ack_interval=0.05)
+    with Streaming(replicator(topo, lr_sites, lease_seconds=30.0), options) as streaming:
+        streaming.streaming()
+        app.put("k0", 0, ["site-b"])
+        wait_for(lambda: logs(sink_b) == ["k0=0"], 10, "the first entry")
+        two_phase = source.connect()
+        RoutingQueueClient(two_phase, "policy").transmit_log_entry_message(b"prepared=1", ["site-b"])
+        wait_for(lambda: source.query(asleep, (STREAM_WAKE_KEY,)) == [(1,)], 10, "the stream asleep")
+        with two_phase.cursor() as cur:
+            cur.execute("PREPARE TRANSACTION 'lr-app-gid'")  # refused before V0035
+        two_phase.close()
+        try:
+            app.put("k1", 1, ["site-b"])
+            time.sleep(0.3)
+            assert logs(sink_b) == ["k0=0"], "nothing is read past the prepared transaction's position"
+        finally:
+            admin = source.connect()
+            admin.autocommit = True
+            with admin.cursor() as cur:
+                cur.execute("COMMIT PREPARED 'lr-app-gid'")
+            admin.close()
+        wait_for(lambda: logs(sink_b) == ["k0=0", "prepared=1", "k1=1"], 10, "both, in commit order")
+    app.close()
+
+
+def test_a_full_sync_request_the_cycles_do_not_act_on_leaves_the_session_streaming(lr_sites):
+    """``full_sync.request_full_sync`` without ``forced`` (its default: the request a session's own
+    negotiation makes) on a session in log-entry sync: negotiation acts only on a forced request, but
+    the stream handed the session back at every check for any open one, and the cycle sent it
+    straight back: hundreds of hand-backs a minute, each printed by `lr sync`. Now the stream looks
+    for what negotiation acts on; a forced request is still honoured."""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK, providers={"policy": "tests.support.session:empty_provider"})
+    app = App(source)
+    options = StreamSettings(check_interval=0.05, ack_interval=0.05)
+    with Streaming(replicator(topo, lr_sites, lease_seconds=30.0), options) as streaming:
+        streaming.streaming()
+        full_sync.request_full_sync(source.connect(), "site-b", "policy", reason="not forced")
+        app.put("k0", 0, ["site-b"])
+        wait_for(lambda: logs(sink_b) == ["k0=0"], 10, "the entry")
+        time.sleep(0.5)  # ten checks
+        assert streaming.streamer.ends == [], streaming.streamer.ends
+        full_sync.request_full_sync(source.connect(), "site-b", "policy", reason="forced", forced=True)
+        wait_for(lambda: [k for k, _ in queue(sink_b, "site-a")].count("start") == 2, 10, "the forced full sync")
+        assert [e.reason for e in streaming.streamer.ends] == ["a full sync was requested"]
+    app.close()

@@ -26,16 +26,24 @@ import psycopg2
 import psycopg2.errors
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.db import prepared
+from airflow_provider_lr.engine.db import prepared, schema
 from airflow_provider_lr.engine.store import receive_queue
 
 _IDLE = psycopg2.extensions.TRANSACTION_STATUS_IDLE
 
 
 def delivery_connection(conn: psycopg2.extensions.connection) -> psycopg2.extensions.connection:
-    """Make a new connection a consumer's delivery connection: autocommit, the head read prepared."""
+    """Make a new connection a consumer's delivery connection: autocommit, the head read prepared,
+    once its site is known to hold the lr schema a consumer reads (``SchemaError`` naming the site
+    and `lr init` otherwise, the connection closed: a site without lr failed with "relation
+    lr.receive_queue does not exist")."""
     conn.autocommit = True
-    prepared.ensure(conn, receive_queue.HEAD)
+    try:
+        schema.require_current(conn, "consuming its receive queues", schema.REPLICATION_SCHEMA)
+        prepared.ensure(conn, receive_queue.HEAD)
+    except BaseException:
+        conn.close()
+        raise
     return conn
 
 

@@ -26,6 +26,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import (
     ConfigurationError,
+    SchemaError,
     SiteUnreachableError,
     one_line,
     require_counts,
@@ -48,6 +49,10 @@ log = logging.getLogger(__name__)
 DEFAULT_POLL_INTERVAL = 2.0  # full pass (discovery included) when no notification arrives
 DEFAULT_RETRY_INTERVAL = 0.5  # a queue whose delivery failed is tried again after this
 PASS_RUNS = 8  # a follow loop looks at its stop event at least every this many full batches
+# A consumer may start before `lr init` reached its sink (an application deployed first): a follow
+# loop waits this long for the site's lr schema, looking every poll interval, then gives up with
+# the error (a wrong database in the DSN never gets one, and must not be waited on silently).
+SCHEMA_WAIT = 60.0
 
 ALL = None  # a wake-up that asks for a full pass (discovery included)
 
@@ -165,12 +170,14 @@ def follow(
     whose delivery failed again after ``retry_interval`` (not before: a failing listener is not
     hammered). A lost sink connection is reopened; nothing is lost, undelivered rows stay queued.
     A pass hands over at most ``PASS_RUNS`` batches' worth of entries and of bytes before ``stop``
-    is looked at again."""
+    is looked at again. A sink without lr's schema (or with one too old) is waited for, every
+    ``poll_interval``, up to ``SCHEMA_WAIT``; then its ``SchemaError`` ends the loop."""
     require_listener(listener)  # a pass that raised it would be retried forever
     conn: psycopg2.extensions.connection | None = None
     todo: set[str] | None = None  # None: a full pass is due
     retry: set[str] = set()
     next_full = next_retry = 0.0
+    schema_missing_since: float | None = None
     try:
         while not stop.is_set():
             now = time.monotonic()
@@ -190,6 +197,7 @@ def follow(
                 try:
                     if conn is None or conn.closed:
                         conn = connector.open()
+                        schema_missing_since = None
                     report = ReceiveQueueReader(conn, options.batch_size, options.batch_bytes).deliver(
                         listener,
                         want.client,
@@ -206,6 +214,19 @@ def follow(
                     conn = None
                     next_full = time.monotonic() + options.retry_interval
                     stop.wait(options.retry_interval)
+                    continue
+                except SchemaError as exc:
+                    now = time.monotonic()
+                    if schema_missing_since is None:
+                        schema_missing_since = now
+                        log.warning("receive-queue delivery: %s; waiting up to %.0f s for it", exc, SCHEMA_WAIT)
+                    elif now - schema_missing_since >= SCHEMA_WAIT:
+                        raise SchemaError(f"{exc} (waited {now - schema_missing_since:.0f} s for it)") from None
+                    stats.failures += 1
+                    stats.note_error(str(exc))
+                    conn = None
+                    stop.wait(options.poll_interval)
+                    next_full = 0.0
                     continue
                 stats.add(report)
                 if report.failed:

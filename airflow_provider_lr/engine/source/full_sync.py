@@ -162,11 +162,15 @@ def close_superseded(cur: psycopg2.extensions.cursor) -> None:
 
 
 def sessions_requested(conn: psycopg2.extensions.connection) -> set[tuple[str, str]]:
-    """(sink, client) of every session of this source with an open (pending or supplied) request:
-    what a stream looks for among all its sessions, in one statement."""
+    """(sink, client) of every session of this source with an open (pending or supplied) forced
+    request: what a stream looks for among all its sessions, in one statement. Only a forced one:
+    negotiation acts on no other (an unforced request is a session's own, made in snapshot sync),
+    and a stream that handed a session back for one saw the cycle send it straight back, again at
+    every check."""
     with conn.cursor() as cur:
         cur.execute(
-            f"SELECT DISTINCT sink_site_id, client_name FROM lr.full_sync_requests WHERE status IN {OPEN_STATUSES_SQL}"
+            "SELECT DISTINCT sink_site_id, client_name FROM lr.full_sync_requests "
+            f"WHERE forced AND status IN {OPEN_STATUSES_SQL}"
         )
         found = {(sink, client) for sink, client in cur.fetchall()}
     conn.commit()

@@ -6,6 +6,7 @@ down to ``schema.REPLICATION_SCHEMA``, the application's transmit); `lr status` 
 from __future__ import annotations
 
 import logging
+import time
 
 import psycopg2
 import pytest
@@ -14,12 +15,13 @@ from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError
 from airflow_provider_lr.engine.session.membership import Membership
 from airflow_provider_lr.engine.session.settings import SessionSettings
+from airflow_provider_lr.engine.sink import wakeup
 from airflow_provider_lr.engine.site import failover, status, topology
 from airflow_provider_lr.engine.site.replicator import run_until_idle
 from airflow_provider_lr.engine.store import topology as topologies
-from airflow_provider_lr.subscriber import RoutingQueueSubscriber
+from airflow_provider_lr.subscriber import RoutingQueueSubscriber, open_relay
 from tests.support.session import App, apply, queue, replicator, table_provider, topology_doc
-from tests.support.subscriber import Recorder
+from tests.support.subscriber import Background, Recorder
 
 A, B, C = "site-a", "site-b", "site-c"
 TOO_OLD = schema.REPLICATION_SCHEMA - 1
@@ -110,6 +112,45 @@ def test_the_cycles_and_the_applications_run_on_the_oldest_schema_replication_ne
     with RoutingQueueSubscriber(sites[1].dsn, "policy") as subscriber:
         subscriber.poll(consumed)
     assert [p for k, p in consumed.events[A] if k in ("snap", "log")] == ["k0=0", "k1=1"]
+
+
+def test_a_subscriber_started_before_lr_init_at_its_sink_waits_for_it_then_delivers(sites, monkeypatch):
+    """An application deployed before `lr init` reached its sink: ``run()`` died at its first read
+    with "relation lr.receive_queue does not exist". Now ``poll()`` says to run `lr init`; ``run()``
+    waits for the schema (bounded, each try counted with that error) and delivers once lr is there;
+    one whose site never gets it (a wrong database in the DSN) ends after the wait, saying so; so does
+    a relay's subscription."""
+    monkeypatch.setattr(wakeup, "SCHEMA_WAIT", 1.0, raising=False)
+    source, sink, never = sites
+    with pytest.raises(SchemaError, match=r"has no lr schema; run `lr init`"):
+        RoutingQueueSubscriber(sink.dsn, "policy").poll(Recorder())
+    consumed = Recorder()
+    waiting = Background(lambda stop: RoutingQueueSubscriber(sink.dsn, "policy", poll_interval=0.1).run(consumed, stop))
+    wrong_db = Background(
+        lambda stop: RoutingQueueSubscriber(never.dsn, "policy", poll_interval=0.1).run(Recorder(), stop)
+    )
+    lr_init(source)
+    lr_init(sink)
+    topo = apply([source, sink], [{"source": A, "sinks": [B], "clients": ["policy"]}])
+    app = App(source)
+    app.put("k0", 0, [B])
+    run_until_idle(replicator(topo, [source, sink], providers={"policy": table_provider}))
+    deadline = time.monotonic() + 10
+    while ("snap", "k0=0") not in consumed.events.get(A, []):
+        assert time.monotonic() < deadline and waiting.thread.is_alive(), (consumed.events, waiting.error)
+        time.sleep(0.05)
+    stats = waiting.stop()
+    assert stats.failures >= 1 and "run `lr init`" in stats.errors[0], stats
+    wrong_db.thread.join(10)
+    assert isinstance(wrong_db.error, SchemaError) and "has no lr schema" in str(wrong_db.error), wrong_db.error
+    assert "waited 1 s" in str(wrong_db.error)
+    relay = open_relay(never.dsn, poll_interval=0.1)  # a relay's subscription alike
+    try:
+        with pytest.raises(SchemaError, match=r"has no lr schema; run `lr init`.*\(waited 1 s"):
+            relay.subscribe(Recorder(), "policy").join(10)
+    finally:
+        relay.close()
+    app.close()
 
 
 def test_a_replicator_member_says_its_source_needs_lr_init(sites, caplog):

@@ -352,6 +352,29 @@ def test_final_prefix_stops_at_a_position_in_flight_and_the_barrier_passes_a_rol
     assert payloads(passed.records) == [b"T4"] and passed.end == 4
 
 
+def test_set_constraints_all_immediate_does_not_put_a_transaction_before_one_it_wrote_after(source, dests):
+    """An application checks its deferred constraints before commit (SET CONSTRAINTS ALL IMMEDIATE):
+    lr's deferred trigger fires at once and draws T1's commit position before T1 is done. T2 commits
+    (a later position); T1 then writes after T2 (a federated table's change is one such entry) and
+    commits. T1 was delivered first, so a sink applied T1's later change to a row and then T2's
+    earlier one: the sink's table kept T2's value, the source T1's. Now an entry written after the
+    draw draws the position again: T1 comes after T2, whole; the first position is passed like a
+    rolled-back one. A transaction that writes nothing after the draw keeps it. Needs V0035."""
+    t1, t2 = app_conn(source), app_conn(source)
+    with t1.cursor() as cur:
+        cur.execute("SET CONSTRAINTS ALL IMMEDIATE")
+    RoutingQueueClient(t1, "policy").transmit_log_entry_message(b"T1 early", dests)  # draws its position now
+    RoutingQueueClient(t2, "policy").transmit_log_entry_message(b"T2", dests)
+    t2.commit()
+    RoutingQueueClient(t1, "policy").transmit_log_entry_messages(
+        [LRMessageWithDestinations(b"T1 late", dests), LRMessageWithDestinations(b"T1 last", dests)]
+    )
+    t1.commit()
+    reader = LogReader(source.connect(), dests[0])
+    assert payloads(drain(reader)[0]) == [b"T2", b"T1 early", b"T1 late", b"T1 last"]
+    assert source.query("SELECT count(*) FROM lr.log_commits") == [(2,)]  # one position each
+
+
 def test_final_batch_in_one_statement_reads_what_the_general_read_does(source, dests):
     """``read_final_batch`` (a stream's small read) gives the records, end and barrier of the
     general final-prefix read, with a base snapshot's split left out too; a prefix of more than
