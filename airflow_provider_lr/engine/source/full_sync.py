@@ -76,8 +76,7 @@ _COLUMNS = ", ".join(f.name for f in fields(FullSyncRequest))
 
 def _request(row: tuple) -> FullSyncRequest:
     values = list(row)
-    values[0] = str(values[0])
-    values[8] = str(values[8]) if values[8] is not None else None
+    values[0], values[8] = str(values[0]), (str(values[8]) if values[8] is not None else None)
     return FullSyncRequest(*values)
 
 
@@ -99,12 +98,11 @@ def request_full_sync(
     session's open request cancels it (``open_request``)."""
     try:
         with conn.cursor() as cur:
-            if lease is not None:
-                if not source_sessions.lock_held(cur, sink, client, lease):
-                    raise FencedError(
-                        f"session to {sink!r} for {client!r}: lease epoch {lease.epoch} of {lease.owner} was taken "
-                        "over; no full sync requested"
-                    )
+            if lease is not None and not source_sessions.lock_held(cur, sink, client, lease):
+                raise FencedError(
+                    f"session to {sink!r} for {client!r}: lease epoch {lease.epoch} of {lease.owner} was taken "
+                    "over; no full sync requested"
+                )
             if not source_sessions.exists(cur, sink, client):
                 known = source_sessions.names(cur)
                 raise ConfigurationError(
@@ -162,11 +160,9 @@ def close_superseded(cur: psycopg2.extensions.cursor) -> None:
 
 
 def sessions_requested(conn: psycopg2.extensions.connection) -> set[tuple[str, str]]:
-    """(sink, client) of every session of this source with an open (pending or supplied) forced
-    request: what a stream looks for among all its sessions, in one statement. Only a forced one:
-    negotiation acts on no other (an unforced request is a session's own, made in snapshot sync),
-    and a stream that handed a session back for one saw the cycle send it straight back, again at
-    every check."""
+    """(sink, client) of every session of this source with an open forced request (what a stream
+    hands back, one statement for all): negotiation acts on no other, so a stream handing a
+    session back for an unforced one saw the cycle send it straight back, at every check."""
     with conn.cursor() as cur:
         cur.execute(
             "SELECT DISTINCT sink_site_id, client_name FROM lr.full_sync_requests "
@@ -195,22 +191,22 @@ def request_for_sessions(
     source, a client or every session at once), one connection per source. None is requested
     until every sink holds the changes its client's closed tables had before their close
     (``closed_tables.wait_for_closes``: a full sync would pass them)."""
-    made: dict[SessionKey, FullSyncRequest] = {}
-    for source in sorted({k.source for k in keys}):
-        conn = connect(source)
-        try:
+    sources = sorted({k.source for k in keys})
+    conns: dict[str, psycopg2.extensions.connection] = {}
+    try:
+        for source in sources:
+            conns[source] = connect(source)
             for key in (k for k in keys if k.source == source):
-                closed_tables.wait_for_closes(conn, key.sink, key.client, catch_up_wait)
-        finally:
+                closed_tables.wait_for_closes(conns[source], key.sink, key.client, catch_up_wait)
+        return {
+            key: request_full_sync(conns[source], key.sink, key.client, reason, forced=True)
+            for source in sources
+            for key in keys
+            if key.source == source
+        }
+    finally:
+        for conn in conns.values():
             conn.close()
-    for source in sorted({k.source for k in keys}):
-        conn = connect(source)
-        try:
-            for key in (k for k in keys if k.source == source):
-                made[key] = request_full_sync(conn, key.sink, key.client, reason, forced=True)
-        finally:
-            conn.close()
-    return made
 
 
 class Outcome(str, Enum):
