@@ -176,7 +176,10 @@ def test_lr_failover_refuses_to_stop_a_tables_replication_and_lr_status_shows_th
 
     assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--no-planned"]) == 1
     err = capsys.readouterr().err
-    assert "policy: public.accounts (conflict there; held by site-c)" in err and "--allow-table-divergence" in err
+    assert (
+        "policy: public.accounts (conflict there; held by site-c; captured at site-a)" in err
+        and "--allow-table-divergence" in err
+    )
     assert len(err.strip().splitlines()) == 1
 
     new = tmp_path / "after.yaml"
@@ -206,6 +209,15 @@ def test_lr_failover_refuses_to_stop_a_tables_replication_and_lr_status_shows_th
         )
         for line in shown
     ), shown
+    # site-a no longer sources policy: told to open the table at site-b (or close it), not that its client has no sink
+    assert any(
+        line.strip().startswith(
+            "site-a: table public.accounts DIVERGED (client policy): captured here, but client "
+            "'policy' is replicated from site-b now and the failover did not carry this table"
+        )
+        and "lr tables open public.accounts --client policy there" in line
+        for line in shown
+    ), shown
 
 
 def test_status_marks_the_sink_sessions_of_a_failed_over_source(lr_sites, tmp_path, monkeypatch, capsys):
@@ -226,3 +238,45 @@ def test_status_marks_the_sink_sessions_of_a_failed_over_source(lr_sites, tmp_pa
     assert f"{'site-a->site-c/policy':<32} failed over to site-b" in old  # its readiness, not "consistent"
     assert "its clients failed over to site-b: this session is closed" in out
     app.close()
+
+
+def test_a_table_opened_at_a_promoted_site_is_carried_by_the_fail_back_or_it_is_refused(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """site-a closes its table, fails over to site-b, rejoins and syncs; site-b opens the table itself; a
+    switchover back to site-a before any sync: refused, naming the table (site-a holds no synced copy
+    of it from site-b). Before, it went through: site-b's capture became a guard, site-a kept its old
+    closed registration, the table was replicated nowhere and lr status told site-b to reopen it.
+    After a sync the switchover carries it, and lr status finds nothing diverged."""
+    site_a, site_b, site_c = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    create_accounts(site_a, rows=5)
+    federate(site_a)
+    App(site_a).close()
+    App(site_b).close()  # its full-sync provider's table, for the fail-back
+    assert cli.main(["sync", "--topology", topo, *SYNC]) == 0
+    assert cli.main(["tables", "close", "public.accounts", "--topology", topo]) == 0
+    new = tmp_path / "after.yaml"
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--no-planned", "--out", str(new)]) == 0
+    assert cli.main(["sync", "--topology", str(new), *SYNC]) == 0  # site-a's full sync from site-b
+    assert cli.main(["tables", "open", "public.accounts", "--client", "policy", "--topology", str(new)]) == 0
+    capsys.readouterr()
+
+    back = tmp_path / "back.yaml"
+    assert cli.main(["failover", "--topology", str(new), "--promote", "site-a", "--out", str(back)]) == 1
+    err = capsys.readouterr().err
+    assert "public.accounts" in err and "captured at site-b" in err and "nothing was done" in err, err
+    assert site_b.query("SELECT count(*) FROM lr.failovers WHERE to_site_id = 'site-a'") == [(0,)]
+
+    site_b.query("UPDATE public.accounts SET owner = 'b' WHERE id = 1")
+    assert cli.main(["sync", "--topology", str(new), *SYNC]) == 0
+    capsys.readouterr()
+    assert cli.main(["failover", "--topology", str(new), "--promote", "site-a", "--out", str(back)]) == 0
+    out = capsys.readouterr().out
+    assert "site-a captures its federated table(s) public.accounts" in out, out
+    site_a.query("UPDATE public.accounts SET owner = 'a' WHERE id = 2")
+    assert cli.main(["sync", "--topology", str(back), *SYNC]) == 0
+    assert rows(site_c) == rows(site_b) == rows(site_a)
+    cli.main(["status", "--topology", str(back)])
+    assert "DIVERGED" not in capsys.readouterr().out
