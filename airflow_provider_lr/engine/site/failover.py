@@ -194,7 +194,7 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
         diverged = (
             []
             if record is not None
-            else _untaken_tables(conns, from_site, to_site, sinks, wanted, request.allow_table_divergence)
+            else _untaken_tables(conns, old, (from_site, to_site), sinks, wanted, request.allow_table_divergence)
         )
         if record is None:  # before anything changes: the drain and the fences cannot be undone
             _check_consistent(new, from_site, to_site, wanted)
@@ -278,11 +278,19 @@ def _asked(old: psycopg2.extensions.connection, sinks: list[str], clients: list[
 
 
 def _untaken_tables(
-    conns: dict, from_site: str, to_site: str, sinks: list[str], clients: list[str], allowed: bool
+    conns: dict,
+    old: psycopg2.extensions.connection | None,
+    switch: tuple[str, str],
+    sinks: list[str],
+    clients: list[str],
+    allowed: bool,
 ) -> list[str]:
-    """The federated tables whose replication the failover would stop: taken from ``from_site`` by
-    another sink but not synced at ``to_site``, which therefore cannot become their source. Refused
-    (nothing done) unless ``allowed``; then returned, and ``lr status`` marks them diverged."""
+    """The federated tables whose replication the failover would stop: captured at the old source
+    (``old``, when reachable) or taken from it by another sink, but not synced at the site to promote
+    (``switch``: old source, new source), which therefore cannot become their source; one it holds
+    half (its snapshot not applied) too. Refused (nothing done) unless ``allowed``; then returned,
+    and ``lr status`` marks them diverged."""
+    from_site, to_site = switch
     found = []
     for client in clients:
         held = {}
@@ -290,12 +298,18 @@ def _untaken_tables(
             with conns[site].cursor() as cur:
                 held[site] = handover.held_from(cur, from_site, client)
             conns[site].commit()
-        found += [f"{client}: {t}" for t in handover.missing(held.pop(to_site), held)]
+        at_source = None
+        if old is not None:
+            with old.cursor() as cur:
+                at_source = handover.captured(cur, client)
+            old.commit()
+        found += [f"{client}: {t}" for t in handover.missing(held.pop(to_site), held, from_site, at_source)]
     if found and not allowed:
         raise ConfigurationError(
-            f"site {to_site!r} holds no synced copy of federated table(s) that other sinks take from {from_site!r}: "
-            f"{'; '.join(found)}; promoting it would stop their replication; promote a site that holds them, or "
-            "allow it (--allow-table-divergence: lr status then marks them DIVERGED); nothing was done"
+            f"site {to_site!r} holds no synced copy of federated table(s) of {from_site!r}: {'; '.join(found)}; "
+            "promoting it would stop their replication; run lr sync until their snapshot is applied there and "
+            "promote it again, or promote a site that holds them, or allow it (--allow-table-divergence: lr status "
+            "then marks them DIVERGED); nothing was done"
         )
     return found
 

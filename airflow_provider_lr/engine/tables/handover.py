@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.source.moved import sourced_elsewhere
 from airflow_provider_lr.engine.store import sink_sessions, source_sessions
 from airflow_provider_lr.engine.tables import capturable, registry, sequences
 from airflow_provider_lr.engine.tables import sink as sink_tables
@@ -47,19 +48,46 @@ def held_from(cur: psycopg2.extensions.cursor, source: str, client: str) -> dict
     return dict(cur.fetchall())
 
 
-def missing(promoted: dict[str, str], others: dict[str, dict[str, str]]) -> list[str]:
+def captured(cur: psycopg2.extensions.cursor, client: str) -> list[str]:
+    """The tables this site captures for ``client`` (federated here, not closed)."""
+    cur.execute(
+        "SELECT stream_name FROM lr.registry WHERE kind = 'table' AND is_federated AND client_name = %s "
+        "AND table_id IS NOT NULL ORDER BY stream_name",
+        (client,),
+    )
+    return [name for (name,) in cur.fetchall()]
+
+
+def missing(
+    promoted: dict[str, str], others: dict[str, dict[str, str]], source: str = "", at_source: list[str] | None = None
+) -> list[str]:
     """Why promoting a site whose tables are ``promoted`` (``held_from`` the old source) would stop
-    a table's replication: a table some other sink takes from the old source (``others``: sink ->
-    its ``held_from``) that the promoted site does not hold synced. One text per table."""
+    a table's replication: a table the old source ``source`` captures (``at_source``, when it can be
+    read), some other sink takes from it (``others``: sink -> its ``held_from``) or the promoted site
+    holds still syncing, that the promoted site does not hold synced. One text per table."""
     found: dict[str, list[str]] = {}
     for sink, held in sorted(others.items()):
         for table, state in held.items():
             if state != TableState.CONFLICT and promoted.get(table) != TableState.SYNCED:
-                found.setdefault(table, []).append(sink)
+                found.setdefault(table, []).append(f"held by {sink}")
+    for table, state in promoted.items():  # its first snapshot not applied: it holds half a table
+        if state == TableState.SYNCING:
+            found.setdefault(table, [])
+    for table in at_source or []:
+        if promoted.get(table) != TableState.SYNCED:
+            found.setdefault(table, []).append(f"captured at {source}")
     return [
-        f"{table} ({promoted.get(table, 'never synced')} there; held by {', '.join(sinks)})"
-        for table, sinks in sorted(found.items())
+        f"{table} ({promoted.get(table, 'never synced')} there"
+        + "".join(f"; {where}" for where in _merged(wheres))
+        + ")"
+        for table, wheres in sorted(found.items())
     ]
+
+
+def _merged(wheres: list[str]) -> list[str]:
+    """``held by x``, ``held by y`` -> ``held by x, y`` (the other texts as they are)."""
+    sinks = [w.removeprefix("held by ") for w in wheres if w.startswith("held by ")]
+    return ([f"held by {', '.join(sinks)}"] if sinks else []) + [w for w in wheres if not w.startswith("held by ")]
 
 
 def take_over(cur: psycopg2.extensions.cursor, old_source: str, client: str) -> list[FederatedTable]:
@@ -153,12 +181,7 @@ def retire(cur: psycopg2.extensions.cursor, client: str, new_source: str, tables
     """On the old source: the client's tables it captures (``tables``: only those; None: all) are
     no longer captured here; a guard refuses its applications' writes (lr's apply passes), and,
     for ``tables``, the registry names ``new_source`` as their origin. Returns the tables guarded."""
-    cur.execute(
-        "SELECT stream_name FROM lr.registry WHERE kind = 'table' AND is_federated AND client_name = %s "
-        "AND table_id IS NOT NULL ORDER BY stream_name",
-        (client,),
-    )
-    names = [r[0] for r in cur.fetchall() if tables is None or r[0] in tables]
+    names = [name for name in captured(cur, client) if tables is None or name in tables]
     for name in names:
         registry.guard_writes(cur, TableName.parse(name), client, new_source)
         if tables is not None:
@@ -222,7 +245,10 @@ def diverged(conn: psycopg2.extensions.connection) -> list[Divergence]:
         for name, client, table_id in captured:
             has_sink = client in with_sinks
             moved = renamed.get((TableName.parse(name), table_id))
-            if moved is not None:
+            elsewhere = sourced_elsewhere(cur, client)
+            if elsewhere is not None:  # its client failed over from here without it: reopening here cannot help
+                found.append(Divergence(name, client, _left_behind(name, client, elsewhere, here)))
+            elif moved is not None:
                 found.append(Divergence(name, client, moved.renamed()))
             elif not registry.capturing(cur, TableName.parse(name)):
                 found.append(
@@ -253,3 +279,13 @@ def diverged(conn: psycopg2.extensions.connection) -> list[Divergence]:
                 )
     conn.commit()
     return found
+
+
+def _left_behind(name: str, client: str, sources: list[str], here: str) -> str:
+    """Why a table captured at a client's old source is replicated nowhere, and what to do there."""
+    at = " and ".join(sources) or "no site (the topology applied here names no source of it)"
+    return (
+        f"captured here, but client {client!r} is replicated from {at} now and the failover did not carry "
+        f"this table: it is replicated nowhere; open it at the client's source (lr tables open {name} --client "
+        f"{client} there: every sink takes a snapshot of it), or close it here (lr tables close {name} --site {here})"
+    )

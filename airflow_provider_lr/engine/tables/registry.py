@@ -248,6 +248,19 @@ def note_closed_copy(conn: psycopg2.extensions.connection, name: str, source: st
         raise
 
 
+def copy_renewed(cur: psycopg2.extensions.cursor, table: TableName) -> None:
+    """At a sink taking a snapshot of ``table`` (a live federation of a source): a closed federation
+    noted on its registry row is over. Table ids are drawn per site, so a new source's id may equal
+    the closed one and ``closed_copies`` then took the live copy for closed (a failover left it
+    uncaptured and its sinks' copies stale)."""
+    if schema.at_least(cur.connection, closed_tables.CLOSED_TABLE_ID_SCHEMA):
+        cur.execute(
+            "UPDATE lr.registry SET closed_table_id = NULL WHERE stream_name = %s AND kind = 'table' "
+            "AND table_id IS NULL AND closed_table_id IS NOT NULL",
+            (str(table),),
+        )
+
+
 def closed_copies(cur: psycopg2.extensions.cursor, source: str, client: str) -> set[str]:
     """The tables this site holds from ``source`` for ``client`` whose federation ``source`` closed
     (``note_closed_copy``): a failover leaves them closed, and they do not diverge."""

@@ -485,8 +485,8 @@ def test_failover_refuses_to_stop_a_tables_replication_unless_allowed_and_status
 
     with pytest.raises(
         ConfigurationError,
-        match=r"site 'site-b' holds no synced copy of federated table\(s\) that "
-        r"other sinks take from 'site-a': policy: public.accounts \(conflict there; held by site-c\)",
+        match=r"site 'site-b' holds no synced copy of federated table\(s\) of "
+        r"'site-a': policy: public.accounts \(conflict there; held by site-c\)",
     ):
         failover.promote(failover.FailoverRequest(A, B), _connect(lr_sites, down=(A,)))
     assert site_b.query("SELECT count(*) FROM lr.failovers") == [(0,)] and _session_row(site_c)[1] is None
