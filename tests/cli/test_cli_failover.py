@@ -3,6 +3,8 @@ refused as a source), the new topology written for the operator, and `--rejoin`.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import psycopg2
 import pytest
 
@@ -280,3 +282,39 @@ def test_a_table_opened_at_a_promoted_site_is_carried_by_the_fail_back_or_it_is_
     assert rows(site_c) == rows(site_b) == rows(site_a)
     cli.main(["status", "--topology", str(back)])
     assert "DIVERGED" not in capsys.readouterr().out
+
+
+def test_a_failover_beside_an_old_source_writer_holding_its_table_names_the_table_and_rejoins_it_later(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """An application's open transaction at site-a holds its federated table. A planned switchover
+    is refused naming the table and the holder, nothing done; an unplanned failover stands, site-a
+    is left to rejoin (the new topology file written), and `--rejoin` once the writer is gone guards
+    the table. Before, both stopped on a bare lock_timeout after site-b was promoted, no file written."""
+    site_a, site_b, _ = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    Path(topo).write_text(Path(topo).read_text().replace("settings: {}", "settings: {lock_timeout_s: 0.3}"))
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    create_accounts(site_a, rows=3)
+    federate(site_a)
+    App(site_a).close()
+    assert cli.main(["sync", "--topology", topo, *SYNC]) == 0
+    writer = psycopg2.connect(site_a.dsn)
+    writer.cursor().execute("UPDATE public.accounts SET owner = 'w' WHERE id = 1")  # left open
+    capsys.readouterr()
+    busy = f"table public.accounts of client policy is held by open transaction(s) at site-a (pid {writer.get_backend_pid()})"
+
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-b"]) == 1
+    err = capsys.readouterr().err
+    assert busy in err and "nothing was changed on this site" in err, err
+    assert site_b.query("SELECT count(*) FROM lr.failovers") == [(0,)]
+
+    new = tmp_path / "after.yaml"
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--no-planned", "--out", str(new)]) == 0
+    out = capsys.readouterr().out
+    assert f"site-a was not rejoined: {busy}" in out and "`lr failover --rejoin site-a`" in out, out
+    writer.commit()  # its change reached nobody: counted by the rejoin
+    writer.close()
+    assert cli.main(["failover", "--topology", str(new), "--rejoin", "site-a"]) == 0
+    with pytest.raises(psycopg2.Error, match="replicated from site site-b since a failover"):
+        site_a.query("UPDATE public.accounts SET owner = 'x' WHERE id = 2")
