@@ -248,7 +248,12 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
             if conn is None:
                 result.pending.append(site)
             elif site == from_site:
-                tail = rejoin_site(conn, site, record).tail
+                try:
+                    tail = rejoin_site(conn, site, record).tail
+                except handover.TableBusyError as exc:  # the failover stands; the old source rejoins later
+                    result.pending.append(site)
+                    result.busy[site] = str(exc)
+                    continue
                 result.applied.append(site)
             else:
                 if recorded_id(conn) != target.topology_config_id:

@@ -26,8 +26,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import psycopg2.errors
 import psycopg2.extensions
+from psycopg2 import sql
 
+from airflow_provider_lr.engine.errors import LRError
 from airflow_provider_lr.engine.source.moved import sourced_elsewhere
 from airflow_provider_lr.engine.store import sink_sessions, source_sessions
 from airflow_provider_lr.engine.tables import capturable, registry, sequences
@@ -183,12 +186,46 @@ def retire(cur: psycopg2.extensions.cursor, client: str, new_source: str, tables
     for ``tables``, the registry names ``new_source`` as their origin. Returns the tables guarded."""
     names = [name for name in captured(cur, client) if tables is None or name in tables]
     for name in names:
+        _lock_for_guard(cur, name, client)
         registry.guard_writes(cur, TableName.parse(name), client, new_source)
         if tables is not None:
             cur.execute(
                 "UPDATE lr.registry SET table_id = NULL, source_site_id = %s WHERE stream_name = %s", (new_source, name)
             )
     return names
+
+
+class TableBusyError(LRError):
+    """An application's transaction holds a table whose writes a failover must refuse here."""
+
+
+def _lock_for_guard(cur: psycopg2.extensions.cursor, name: str, client: str) -> None:
+    """Lock the table for its guard, waiting at most the connection's ``lock_timeout`` (5 s when it
+    has none). An application's open transaction on it (a writer the failover is to refuse) gets a
+    refusal naming the table and its holders; before, the failover stopped on ``lock_timeout``
+    with no table named, the promoted site's new topology file not written."""
+    cur.execute("SELECT current_setting('lock_timeout')")
+    if cur.fetchone()[0] in ("0", "0ms"):
+        cur.execute("SET LOCAL lock_timeout = '5s'")
+    cur.execute("SAVEPOINT lr_guard")
+    try:
+        cur.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(TableName.parse(name).ident))
+    except psycopg2.errors.LockNotAvailable:
+        cur.execute("ROLLBACK TO SAVEPOINT lr_guard")
+        cur.execute(
+            "SELECT string_agg(DISTINCT pid::text, ', ') FROM pg_locks WHERE relation = to_regclass(%s) "
+            "AND granted AND pid <> pg_backend_pid()",
+            (name,),
+        )
+        holders = cur.fetchone()[0] or "unknown"
+        cur.execute("SELECT site_id FROM lr.site_info")
+        raise TableBusyError(
+            f"table {name} of client {client} is held by open transaction(s) at {cur.fetchone()[0]} (pid "
+            f"{holders}): its "
+            "writes could not be refused (lock_timeout), nothing was changed on this site; stop this site's "
+            "writers of the table (their changes reach nobody since the failover) and run it again"
+        ) from None
+    cur.execute("RELEASE SAVEPOINT lr_guard")
 
 
 @dataclass(frozen=True)
