@@ -3,6 +3,7 @@ refused as a source), the new topology written for the operator, and `--rejoin`.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import psycopg2
@@ -11,6 +12,8 @@ import pytest
 from airflow_provider_lr import cli
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import TransmitError
+from airflow_provider_lr.engine.tables import registry
+from airflow_provider_lr.engine.tables.definition import TableName
 from tests.cli.test_cli_sync import topology_file
 from tests.support.session import App, sink_queue
 from tests.support.tables import create_accounts, federate, rows
@@ -318,3 +321,30 @@ def test_a_failover_beside_an_old_source_writer_holding_its_table_names_the_tabl
     assert cli.main(["failover", "--topology", str(new), "--rejoin", "site-a"]) == 0
     with pytest.raises(psycopg2.Error, match="replicated from site site-b since a failover"):
         site_a.query("UPDATE public.accounts SET owner = 'x' WHERE id = 2")
+
+
+def test_a_table_opened_at_the_old_source_while_a_switchover_runs_is_refused_not_left_replicated_nowhere(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """`lr tables open public.accounts` at site-a commits while `lr failover --promote site-b` runs
+    (after its check of site-a's tables, before its drain guards them): the drain waits for the open,
+    sees the table site-b holds no copy of and refuses, nothing done. Before, the switchover went
+    through, site-a's new table was guarded and replicated nowhere."""
+    site_a, site_b, _ = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    create_accounts(site_a, rows=3)
+    App(site_a).close()
+    assert cli.main(["sync", "--topology", topo, *SYNC]) == 0
+    opening = psycopg2.connect(site_a.dsn)  # lr tables open's transaction, up to its commit
+    with opening.cursor() as cur:
+        cur.execute("SELECT 1 FROM lr.clients WHERE client_name = 'policy' FOR SHARE")
+        registry.federate(cur, TableName.parse("public.accounts"), "policy", None)
+    threading.Timer(0.5, opening.commit).start()  # commits while the switchover runs
+    capsys.readouterr()
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-b"]) == 1
+    opening.close()
+    err = capsys.readouterr().err
+    assert "policy: public.accounts (never synced there; captured at site-a)" in err and "nothing was done" in err, err
+    assert site_b.query("SELECT count(*) FROM lr.failovers") == [(0,)]
+    site_a.query("UPDATE public.accounts SET owner = 'still captured' WHERE id = 1")  # site-a is still its source
