@@ -30,7 +30,7 @@ import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
 
-from airflow_provider_lr.engine.errors import LRError
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError
 from airflow_provider_lr.engine.source.moved import sourced_elsewhere
 from airflow_provider_lr.engine.store import sink_sessions, source_sessions
 from airflow_provider_lr.engine.tables import capturable, registry, sequences
@@ -91,6 +91,57 @@ def _merged(wheres: list[str]) -> list[str]:
     """``held by x``, ``held by y`` -> ``held by x, y`` (the other texts as they are)."""
     sinks = [w.removeprefix("held by ") for w in wheres if w.startswith("held by ")]
     return ([f"held by {', '.join(sinks)}"] if sinks else []) + [w for w in wheres if not w.startswith("held by ")]
+
+
+def untaken(
+    conns: dict,
+    old: psycopg2.extensions.connection | None,
+    switch: tuple[str, str],
+    sinks: list[str],
+    clients: list[str],
+    allowed: bool,
+) -> list[str]:
+    """The federated tables whose replication the failover would stop: captured at the old source
+    (``old``, when reachable) or taken from it by another sink, but not synced at the site to promote
+    (``switch``: old source, new source), which therefore cannot become their source; one it holds
+    half (its snapshot not applied) too. Refused (nothing done) unless ``allowed``; then returned,
+    and ``lr status`` marks them diverged."""
+    from_site, to_site = switch
+    found = []
+    for client in clients:
+        held = {}
+        for site in [to_site, *sinks]:
+            with conns[site].cursor() as cur:
+                held[site] = held_from(cur, from_site, client)
+            conns[site].commit()
+        at_source = None
+        if old is not None:
+            with old.cursor() as cur:
+                at_source = captured(cur, client)
+            old.commit()
+        found += [f"{client}: {t}" for t in missing(held.pop(to_site), held, from_site, at_source)]
+    if found and not allowed:
+        raise ConfigurationError(
+            f"site {to_site!r} holds no synced copy of federated table(s) of {from_site!r}: {'; '.join(found)}; "
+            "promoting it would stop their replication; run lr sync until their snapshot is applied there and "
+            "promote it again, or promote a site that holds them, or allow it (--allow-table-divergence: lr status "
+            "then marks them DIVERGED); nothing was done"
+        )
+    return found
+
+
+def carried(new: psycopg2.extensions.connection, from_site: str, client: str, tables: list[str], allowed: bool) -> None:
+    """The tables the drain guards at the old source (read in its transaction: one opened there since
+    ``untaken`` read them too) must be held synced by the new source; else refused."""
+    with new.cursor() as cur:
+        found = missing(held_from(cur, from_site, client), {}, from_site, tables)
+    new.commit()
+    if found and not allowed:
+        raise ConfigurationError(
+            f"federated table(s) opened at {from_site!r} during the switchover are not synced at the new source: "
+            f"{client}: {'; '.join(found)}; run lr sync until their snapshot is applied there and switch over "
+            "again; nothing was done"
+        )
 
 
 def take_over(cur: psycopg2.extensions.cursor, old_source: str, client: str) -> list[FederatedTable]:

@@ -125,7 +125,8 @@ def open_table(conn: psycopg2.extensions.connection, name: str, client: str, fed
     table = TableName.parse(name)
     try:
         with conn.cursor() as cur:
-            cur.execute("SELECT 1 FROM lr.clients WHERE client_name = %s", (client,))
+            # FOR SHARE: a switchover's drain (FOR UPDATE) sees this table opened, or this sees it switched
+            cur.execute("SELECT 1 FROM lr.clients WHERE client_name = %s FOR SHARE", (client,))
             if federated and cur.fetchone() is None:
                 raise TableError(
                     f"client {client!r} is not in the topology applied to this site; "
