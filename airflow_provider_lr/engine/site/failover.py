@@ -394,7 +394,7 @@ def _drain(
         with old.cursor() as cur:  # locked until the commit, which removes them: no lease is taken above these
             granted = source_sessions.lock_epochs(cur, clients)
             # a table being opened at the old source (lr tables open) commits before this, or is refused after
-            cur.execute("SELECT 1 FROM lr.clients WHERE client_name = ANY(%s) FOR UPDATE", (clients,))
+            cur.execute("SELECT 1 FROM lr.clients WHERE client_name = ANY(%s) FOR NO KEY UPDATE", (clients,))
         if recorded_id(old) != target.topology_config_id:
             apply_to_site(old, target, from_site, commit=False)
         with old.cursor() as cur:  # its tables' writers are refused from now on, as its routing-queue writers
