@@ -89,7 +89,10 @@ def cmd_failover(args: argparse.Namespace) -> int:
     print(f"  lost: {done.lost}")
     print(f"  new topology {done.topology.topology_config_id} written to {out}: use it from now on (LR_TOPOLOGY)")
     for site in done.pending:
-        print(f"  {site} was not reached: when it is back, run `lr failover --rejoin {site}`")
+        if site in done.busy:
+            print(f"  {site} was not rejoined: {done.busy[site]} (`lr failover --rejoin {site}`)")
+        else:
+            print(f"  {site} was not reached: when it is back, run `lr failover --rejoin {site}`")
     return 0
 
 

@@ -3,12 +3,17 @@ refused as a source), the new topology written for the operator, and `--rejoin`.
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
+
 import psycopg2
 import pytest
 
 from airflow_provider_lr import cli
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import TransmitError
+from airflow_provider_lr.engine.tables import registry
+from airflow_provider_lr.engine.tables.definition import TableName
 from tests.cli.test_cli_sync import topology_file
 from tests.support.session import App, sink_queue
 from tests.support.tables import create_accounts, federate, rows
@@ -176,7 +181,10 @@ def test_lr_failover_refuses_to_stop_a_tables_replication_and_lr_status_shows_th
 
     assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--no-planned"]) == 1
     err = capsys.readouterr().err
-    assert "policy: public.accounts (conflict there; held by site-c)" in err and "--allow-table-divergence" in err
+    assert (
+        "policy: public.accounts (conflict there; held by site-c; captured at site-a)" in err
+        and "--allow-table-divergence" in err
+    )
     assert len(err.strip().splitlines()) == 1
 
     new = tmp_path / "after.yaml"
@@ -206,6 +214,15 @@ def test_lr_failover_refuses_to_stop_a_tables_replication_and_lr_status_shows_th
         )
         for line in shown
     ), shown
+    # site-a no longer sources policy: told to open the table at site-b (or close it), not that its client has no sink
+    assert any(
+        line.strip().startswith(
+            "site-a: table public.accounts DIVERGED (client policy): captured here, but client "
+            "'policy' is replicated from site-b now and the failover did not carry this table"
+        )
+        and "lr tables open public.accounts --client policy there" in line
+        for line in shown
+    ), shown
 
 
 def test_status_marks_the_sink_sessions_of_a_failed_over_source(lr_sites, tmp_path, monkeypatch, capsys):
@@ -226,3 +243,108 @@ def test_status_marks_the_sink_sessions_of_a_failed_over_source(lr_sites, tmp_pa
     assert f"{'site-a->site-c/policy':<32} failed over to site-b" in old  # its readiness, not "consistent"
     assert "its clients failed over to site-b: this session is closed" in out
     app.close()
+
+
+def test_a_table_opened_at_a_promoted_site_is_carried_by_the_fail_back_or_it_is_refused(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """site-a closes its table, fails over to site-b, rejoins and syncs; site-b opens the table itself; a
+    switchover back to site-a before any sync: refused, naming the table (site-a holds no synced copy
+    of it from site-b). Before, it went through: site-b's capture became a guard, site-a kept its old
+    closed registration, the table was replicated nowhere and lr status told site-b to reopen it.
+    After a sync the switchover carries it, and lr status finds nothing diverged."""
+    site_a, site_b, site_c = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    create_accounts(site_a, rows=5)
+    federate(site_a)
+    App(site_a).close()
+    App(site_b).close()  # its full-sync provider's table, for the fail-back
+    assert cli.main(["sync", "--topology", topo, *SYNC]) == 0
+    assert cli.main(["tables", "close", "public.accounts", "--topology", topo]) == 0
+    new = tmp_path / "after.yaml"
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--no-planned", "--out", str(new)]) == 0
+    assert cli.main(["sync", "--topology", str(new), *SYNC]) == 0  # site-a's full sync from site-b
+    assert cli.main(["tables", "open", "public.accounts", "--client", "policy", "--topology", str(new)]) == 0
+    capsys.readouterr()
+
+    back = tmp_path / "back.yaml"
+    assert cli.main(["failover", "--topology", str(new), "--promote", "site-a", "--out", str(back)]) == 1
+    err = capsys.readouterr().err
+    assert "public.accounts" in err and "captured at site-b" in err and "nothing was done" in err, err
+    assert site_b.query("SELECT count(*) FROM lr.failovers WHERE to_site_id = 'site-a'") == [(0,)]
+
+    site_b.query("UPDATE public.accounts SET owner = 'b' WHERE id = 1")
+    assert cli.main(["sync", "--topology", str(new), *SYNC]) == 0
+    capsys.readouterr()
+    assert cli.main(["failover", "--topology", str(new), "--promote", "site-a", "--out", str(back)]) == 0
+    out = capsys.readouterr().out
+    assert "site-a captures its federated table(s) public.accounts" in out, out
+    site_a.query("UPDATE public.accounts SET owner = 'a' WHERE id = 2")
+    assert cli.main(["sync", "--topology", str(back), *SYNC]) == 0
+    assert rows(site_c) == rows(site_b) == rows(site_a)
+    cli.main(["status", "--topology", str(back)])
+    assert "DIVERGED" not in capsys.readouterr().out
+
+
+def test_a_failover_beside_an_old_source_writer_holding_its_table_names_the_table_and_rejoins_it_later(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """An application's open transaction at site-a holds its federated table. A planned switchover
+    is refused naming the table and the holder, nothing done; an unplanned failover stands, site-a
+    is left to rejoin (the new topology file written), and `--rejoin` once the writer is gone guards
+    the table. Before, both stopped on a bare lock_timeout after site-b was promoted, no file written."""
+    site_a, site_b, _ = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    Path(topo).write_text(Path(topo).read_text().replace("settings: {}", "settings: {lock_timeout_s: 0.3}"))
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    create_accounts(site_a, rows=3)
+    federate(site_a)
+    App(site_a).close()
+    assert cli.main(["sync", "--topology", topo, *SYNC]) == 0
+    writer = psycopg2.connect(site_a.dsn)
+    writer.cursor().execute("UPDATE public.accounts SET owner = 'w' WHERE id = 1")  # left open
+    capsys.readouterr()
+    busy = f"table public.accounts of client policy is held by open transaction(s) at site-a (pid {writer.get_backend_pid()})"
+
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-b"]) == 1
+    err = capsys.readouterr().err
+    assert busy in err and "nothing was changed on this site" in err, err
+    assert site_b.query("SELECT count(*) FROM lr.failovers") == [(0,)]
+
+    new = tmp_path / "after.yaml"
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--no-planned", "--out", str(new)]) == 0
+    out = capsys.readouterr().out
+    assert f"site-a was not rejoined: {busy}" in out and "`lr failover --rejoin site-a`" in out, out
+    writer.commit()  # its change reached nobody: counted by the rejoin
+    writer.close()
+    assert cli.main(["failover", "--topology", str(new), "--rejoin", "site-a"]) == 0
+    with pytest.raises(psycopg2.Error, match="replicated from site site-b since a failover"):
+        site_a.query("UPDATE public.accounts SET owner = 'x' WHERE id = 2")
+
+
+def test_a_table_opened_at_the_old_source_while_a_switchover_runs_is_refused_not_left_replicated_nowhere(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """`lr tables open public.accounts` at site-a commits while `lr failover --promote site-b` runs
+    (after its check of site-a's tables, before its drain guards them): the drain waits for the open,
+    sees the table site-b holds no copy of and refuses, nothing done. Before, the switchover went
+    through, site-a's new table was guarded and replicated nowhere."""
+    site_a, site_b, _ = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    create_accounts(site_a, rows=3)
+    App(site_a).close()
+    assert cli.main(["sync", "--topology", topo, *SYNC]) == 0
+    opening = psycopg2.connect(site_a.dsn)  # lr tables open's transaction, up to its commit
+    with opening.cursor() as cur:
+        cur.execute("SELECT 1 FROM lr.clients WHERE client_name = 'policy' FOR SHARE")
+        registry.federate(cur, TableName.parse("public.accounts"), "policy", None)
+    threading.Timer(0.5, opening.commit).start()  # commits while the switchover runs
+    capsys.readouterr()
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-b"]) == 1
+    opening.close()
+    err = capsys.readouterr().err
+    assert "policy: public.accounts (never synced there; captured at site-a)" in err and "nothing was done" in err, err
+    assert site_b.query("SELECT count(*) FROM lr.failovers") == [(0,)]
+    site_a.query("UPDATE public.accounts SET owner = 'still captured' WHERE id = 1")  # site-a is still its source

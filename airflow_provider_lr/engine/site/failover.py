@@ -194,7 +194,7 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
         diverged = (
             []
             if record is not None
-            else _untaken_tables(conns, from_site, to_site, sinks, wanted, request.allow_table_divergence)
+            else handover.untaken(conns, old, (from_site, to_site), sinks, wanted, request.allow_table_divergence)
         )
         if record is None:  # before anything changes: the drain and the fences cannot be undone
             _check_consistent(new, from_site, to_site, wanted)
@@ -202,7 +202,7 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
         asked = _asked(old, sinks, wanted) if record is None and old is not None else {}
         if record is None and planned:
             assert old is not None
-            _drain(old, conns, from_site, [to_site, *sinks], wanted, target)
+            _drain(old, conns, from_site, [to_site, *sinks], wanted, (target, request.allow_table_divergence))
         if record is None:
             fid = str(uuid.uuid4())
             for site in [to_site, *sinks]:
@@ -248,7 +248,12 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
             if conn is None:
                 result.pending.append(site)
             elif site == from_site:
-                tail = rejoin_site(conn, site, record).tail
+                try:
+                    tail = rejoin_site(conn, site, record).tail
+                except handover.TableBusyError as exc:  # the failover stands; the old source rejoins later
+                    result.pending.append(site)
+                    result.busy[site] = str(exc)
+                    continue
                 result.applied.append(site)
             else:
                 if recorded_id(conn) != target.topology_config_id:
@@ -274,29 +279,6 @@ def _asked(old: psycopg2.extensions.connection, sinks: list[str], clients: list[
             open_request = full_sync.open_request(old, sink, client)
             if open_request is not None and open_request.forced:
                 found[sink, client] = open_request.reason or "no reason given"
-    return found
-
-
-def _untaken_tables(
-    conns: dict, from_site: str, to_site: str, sinks: list[str], clients: list[str], allowed: bool
-) -> list[str]:
-    """The federated tables whose replication the failover would stop: taken from ``from_site`` by
-    another sink but not synced at ``to_site``, which therefore cannot become their source. Refused
-    (nothing done) unless ``allowed``; then returned, and ``lr status`` marks them diverged."""
-    found = []
-    for client in clients:
-        held = {}
-        for site in [to_site, *sinks]:
-            with conns[site].cursor() as cur:
-                held[site] = handover.held_from(cur, from_site, client)
-            conns[site].commit()
-        found += [f"{client}: {t}" for t in handover.missing(held.pop(to_site), held)]
-    if found and not allowed:
-        raise ConfigurationError(
-            f"site {to_site!r} holds no synced copy of federated table(s) that other sinks take from {from_site!r}: "
-            f"{'; '.join(found)}; promoting it would stop their replication; promote a site that holds them, or "
-            "allow it (--allow-table-divergence: lr status then marks them DIVERGED); nothing was done"
-        )
     return found
 
 
@@ -400,20 +382,25 @@ def _drain(
     from_site: str,
     sinks: list[str],
     clients: list[str],
-    target: Topology,
+    to: tuple[Topology, bool],
 ) -> None:
     """A planned switchover: the new topology on the old source first (its writers of the clients
     are refused from then on, its federated tables' writers too), then everything it committed for
     each sink (``sinks``, the site to promote first) copied into that sink (fenced sink
-    transactions, as a session cycle writes them; table changes applied), so the cut loses nothing."""
+    transactions, as a session cycle writes them; table changes applied), so the cut loses nothing.
+    ``to``: the topology after it, and whether a table the new source cannot carry may diverge."""
+    target, allowed = to
     try:
         with old.cursor() as cur:  # locked until the commit, which removes them: no lease is taken above these
             granted = source_sessions.lock_epochs(cur, clients)
+            # a table being opened at the old source (lr tables open) commits before this, or is refused after
+            cur.execute("SELECT 1 FROM lr.clients WHERE client_name = ANY(%s) FOR NO KEY UPDATE", (clients,))
         if recorded_id(old) != target.topology_config_id:
             apply_to_site(old, target, from_site, commit=False)
         with old.cursor() as cur:  # its tables' writers are refused from now on, as its routing-queue writers
             for client in clients:
-                handover.retire(cur, client, sinks[0], None)
+                guarded = handover.retire(cur, client, sinks[0], None)
+                handover.carried(conns[sinks[0]], from_site, client, guarded, allowed)
         old.commit()
     except BaseException:
         old.rollback()

@@ -44,6 +44,7 @@ class FailoverResult:
     full_syncs: list[str] = field(default_factory=list)  # sessions sent to a full sync from the new source
     applied: list[str] = field(default_factory=list)  # sites that now have the new topology
     pending: list[str] = field(default_factory=list)  # reachable later: `lr failover --rejoin SITE`
+    busy: dict[str, str] = field(default_factory=dict)  # pending site -> why it was reached but not rejoined
     tail: dict[str, int] = field(default_factory=dict)  # planned: what the old source committed after the cut
     tables: dict[str, list[str]] = field(default_factory=dict)  # client -> federated tables the new source captures
     diverged: list[str] = field(default_factory=list)  # tables whose replication stops (allow_table_divergence)

@@ -115,6 +115,17 @@ def _elsewhere(site_id: str, sources: set[str]) -> str | None:
     return "the topology applied here has no source of it"
 
 
+def sourced_elsewhere(cur: psycopg2.extensions.cursor, client: str) -> list[str] | None:
+    """The sources of ``client`` in the topology applied here when this site is not one of them
+    (a failover's old source); None when it is, or no topology is applied."""
+    document = applied_document(cur)
+    if document is None:
+        return None
+    site_id, sources = _sources(cur, document)
+    found = sources.get(client, set())
+    return None if site_id in found else sorted(found)
+
+
 def not_sourced_here(cur: psycopg2.extensions.cursor, client: str) -> str | None:
     """Why this site does not source ``client`` in the topology applied to it (None: it does, or no
     topology is applied): what opening a table of the client here is refused with."""

@@ -26,8 +26,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import psycopg2.errors
 import psycopg2.extensions
+from psycopg2 import sql
 
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError
+from airflow_provider_lr.engine.source.moved import sourced_elsewhere
 from airflow_provider_lr.engine.store import sink_sessions, source_sessions
 from airflow_provider_lr.engine.tables import capturable, registry, sequences
 from airflow_provider_lr.engine.tables import sink as sink_tables
@@ -47,19 +51,97 @@ def held_from(cur: psycopg2.extensions.cursor, source: str, client: str) -> dict
     return dict(cur.fetchall())
 
 
-def missing(promoted: dict[str, str], others: dict[str, dict[str, str]]) -> list[str]:
+def captured(cur: psycopg2.extensions.cursor, client: str) -> list[str]:
+    """The tables this site captures for ``client`` (federated here, not closed)."""
+    cur.execute(
+        "SELECT stream_name FROM lr.registry WHERE kind = 'table' AND is_federated AND client_name = %s "
+        "AND table_id IS NOT NULL ORDER BY stream_name",
+        (client,),
+    )
+    return [name for (name,) in cur.fetchall()]
+
+
+def missing(
+    promoted: dict[str, str], others: dict[str, dict[str, str]], source: str = "", at_source: list[str] | None = None
+) -> list[str]:
     """Why promoting a site whose tables are ``promoted`` (``held_from`` the old source) would stop
-    a table's replication: a table some other sink takes from the old source (``others``: sink ->
-    its ``held_from``) that the promoted site does not hold synced. One text per table."""
+    a table's replication: a table the old source ``source`` captures (``at_source``, when it can be
+    read), some other sink takes from it (``others``: sink -> its ``held_from``) or the promoted site
+    holds still syncing, that the promoted site does not hold synced. One text per table."""
     found: dict[str, list[str]] = {}
     for sink, held in sorted(others.items()):
         for table, state in held.items():
             if state != TableState.CONFLICT and promoted.get(table) != TableState.SYNCED:
-                found.setdefault(table, []).append(sink)
+                found.setdefault(table, []).append(f"held by {sink}")
+    for table, state in promoted.items():  # its first snapshot not applied: it holds half a table
+        if state == TableState.SYNCING:
+            found.setdefault(table, [])
+    for table in at_source or []:
+        if promoted.get(table) != TableState.SYNCED:
+            found.setdefault(table, []).append(f"captured at {source}")
     return [
-        f"{table} ({promoted.get(table, 'never synced')} there; held by {', '.join(sinks)})"
-        for table, sinks in sorted(found.items())
+        f"{table} ({promoted.get(table, 'never synced')} there"
+        + "".join(f"; {where}" for where in _merged(wheres))
+        + ")"
+        for table, wheres in sorted(found.items())
     ]
+
+
+def _merged(wheres: list[str]) -> list[str]:
+    """``held by x``, ``held by y`` -> ``held by x, y`` (the other texts as they are)."""
+    sinks = [w.removeprefix("held by ") for w in wheres if w.startswith("held by ")]
+    return ([f"held by {', '.join(sinks)}"] if sinks else []) + [w for w in wheres if not w.startswith("held by ")]
+
+
+def untaken(
+    conns: dict,
+    old: psycopg2.extensions.connection | None,
+    switch: tuple[str, str],
+    sinks: list[str],
+    clients: list[str],
+    allowed: bool,
+) -> list[str]:
+    """The federated tables whose replication the failover would stop: captured at the old source
+    (``old``, when reachable) or taken from it by another sink, but not synced at the site to promote
+    (``switch``: old source, new source), which therefore cannot become their source; one it holds
+    half (its snapshot not applied) too. Refused (nothing done) unless ``allowed``; then returned,
+    and ``lr status`` marks them diverged."""
+    from_site, to_site = switch
+    found = []
+    for client in clients:
+        held = {}
+        for site in [to_site, *sinks]:
+            with conns[site].cursor() as cur:
+                held[site] = held_from(cur, from_site, client)
+            conns[site].commit()
+        at_source = None
+        if old is not None:
+            with old.cursor() as cur:
+                at_source = captured(cur, client)
+            old.commit()
+        found += [f"{client}: {t}" for t in missing(held.pop(to_site), held, from_site, at_source)]
+    if found and not allowed:
+        raise ConfigurationError(
+            f"site {to_site!r} holds no synced copy of federated table(s) of {from_site!r}: {'; '.join(found)}; "
+            "promoting it would stop their replication; run lr sync until their snapshot is applied there and "
+            "promote it again, or promote a site that holds them, or allow it (--allow-table-divergence: lr status "
+            "then marks them DIVERGED); nothing was done"
+        )
+    return found
+
+
+def carried(new: psycopg2.extensions.connection, from_site: str, client: str, tables: list[str], allowed: bool) -> None:
+    """The tables the drain guards at the old source (read in its transaction: one opened there since
+    ``untaken`` read them too) must be held synced by the new source; else refused."""
+    with new.cursor() as cur:
+        found = missing(held_from(cur, from_site, client), {}, from_site, tables)
+    new.commit()
+    if found and not allowed:
+        raise ConfigurationError(
+            f"federated table(s) opened at {from_site!r} during the switchover are not synced at the new source: "
+            f"{client}: {'; '.join(found)}; run lr sync until their snapshot is applied there and switch over "
+            "again; nothing was done"
+        )
 
 
 def take_over(cur: psycopg2.extensions.cursor, old_source: str, client: str) -> list[FederatedTable]:
@@ -153,19 +235,48 @@ def retire(cur: psycopg2.extensions.cursor, client: str, new_source: str, tables
     """On the old source: the client's tables it captures (``tables``: only those; None: all) are
     no longer captured here; a guard refuses its applications' writes (lr's apply passes), and,
     for ``tables``, the registry names ``new_source`` as their origin. Returns the tables guarded."""
-    cur.execute(
-        "SELECT stream_name FROM lr.registry WHERE kind = 'table' AND is_federated AND client_name = %s "
-        "AND table_id IS NOT NULL ORDER BY stream_name",
-        (client,),
-    )
-    names = [r[0] for r in cur.fetchall() if tables is None or r[0] in tables]
+    names = [name for name in captured(cur, client) if tables is None or name in tables]
     for name in names:
+        _lock_for_guard(cur, name, client)
         registry.guard_writes(cur, TableName.parse(name), client, new_source)
         if tables is not None:
             cur.execute(
                 "UPDATE lr.registry SET table_id = NULL, source_site_id = %s WHERE stream_name = %s", (new_source, name)
             )
     return names
+
+
+class TableBusyError(LRError):
+    """An application's transaction holds a table whose writes a failover must refuse here."""
+
+
+def _lock_for_guard(cur: psycopg2.extensions.cursor, name: str, client: str) -> None:
+    """Lock the table for its guard, waiting at most the connection's ``lock_timeout`` (5 s when it
+    has none). An application's open transaction on it (a writer the failover is to refuse) gets a
+    refusal naming the table and its holders; before, the failover stopped on ``lock_timeout``
+    with no table named, the promoted site's new topology file not written."""
+    cur.execute("SELECT current_setting('lock_timeout')")
+    if cur.fetchone()[0] in ("0", "0ms"):
+        cur.execute("SET LOCAL lock_timeout = '5s'")
+    cur.execute("SAVEPOINT lr_guard")
+    try:
+        cur.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(TableName.parse(name).ident))
+    except psycopg2.errors.LockNotAvailable:
+        cur.execute("ROLLBACK TO SAVEPOINT lr_guard")
+        cur.execute(
+            "SELECT string_agg(DISTINCT pid::text, ', ') FROM pg_locks WHERE relation = to_regclass(%s) "
+            "AND granted AND pid <> pg_backend_pid()",
+            (name,),
+        )
+        holders = cur.fetchone()[0] or "unknown"
+        cur.execute("SELECT site_id FROM lr.site_info")
+        raise TableBusyError(
+            f"table {name} of client {client} is held by open transaction(s) at {cur.fetchone()[0]} (pid "
+            f"{holders}): its "
+            "writes could not be refused (lock_timeout), nothing was changed on this site; stop this site's "
+            "writers of the table (their changes reach nobody since the failover) and run it again"
+        ) from None
+    cur.execute("RELEASE SAVEPOINT lr_guard")
 
 
 @dataclass(frozen=True)
@@ -222,7 +333,10 @@ def diverged(conn: psycopg2.extensions.connection) -> list[Divergence]:
         for name, client, table_id in captured:
             has_sink = client in with_sinks
             moved = renamed.get((TableName.parse(name), table_id))
-            if moved is not None:
+            elsewhere = sourced_elsewhere(cur, client)
+            if elsewhere is not None:  # its client failed over from here without it: reopening here cannot help
+                found.append(Divergence(name, client, _left_behind(name, client, elsewhere, here)))
+            elif moved is not None:
                 found.append(Divergence(name, client, moved.renamed()))
             elif not registry.capturing(cur, TableName.parse(name)):
                 found.append(
@@ -253,3 +367,13 @@ def diverged(conn: psycopg2.extensions.connection) -> list[Divergence]:
                 )
     conn.commit()
     return found
+
+
+def _left_behind(name: str, client: str, sources: list[str], here: str) -> str:
+    """Why a table captured at a client's old source is replicated nowhere, and what to do there."""
+    at = " and ".join(sources) or "no site (the topology applied here names no source of it)"
+    return (
+        f"captured here, but client {client!r} is replicated from {at} now and the failover did not carry "
+        f"this table: it is replicated nowhere; open it at the client's source (lr tables open {name} --client "
+        f"{client} there: every sink takes a snapshot of it), or close it here (lr tables close {name} --site {here})"
+    )

@@ -125,7 +125,8 @@ def open_table(conn: psycopg2.extensions.connection, name: str, client: str, fed
     table = TableName.parse(name)
     try:
         with conn.cursor() as cur:
-            cur.execute("SELECT 1 FROM lr.clients WHERE client_name = %s", (client,))
+            # FOR SHARE: a switchover's drain (FOR UPDATE) sees this table opened, or this sees it switched
+            cur.execute("SELECT 1 FROM lr.clients WHERE client_name = %s FOR SHARE", (client,))
             if federated and cur.fetchone() is None:
                 raise TableError(
                     f"client {client!r} is not in the topology applied to this site; "
@@ -246,6 +247,19 @@ def note_closed_copy(conn: psycopg2.extensions.connection, name: str, source: st
     except BaseException:
         conn.rollback()
         raise
+
+
+def copy_renewed(cur: psycopg2.extensions.cursor, table: TableName) -> None:
+    """At a sink taking a snapshot of ``table`` (a live federation of a source): a closed federation
+    noted on its registry row is over. Table ids are drawn per site, so a new source's id may equal
+    the closed one and ``closed_copies`` then took the live copy for closed (a failover left it
+    uncaptured and its sinks' copies stale)."""
+    if schema.at_least(cur.connection, closed_tables.CLOSED_TABLE_ID_SCHEMA):
+        cur.execute(
+            "UPDATE lr.registry SET closed_table_id = NULL WHERE stream_name = %s AND kind = 'table' "
+            "AND table_id IS NULL AND closed_table_id IS NOT NULL",
+            (str(table),),
+        )
 
 
 def closed_copies(cur: psycopg2.extensions.cursor, source: str, client: str) -> set[str]:

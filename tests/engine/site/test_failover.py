@@ -485,8 +485,8 @@ def test_failover_refuses_to_stop_a_tables_replication_unless_allowed_and_status
 
     with pytest.raises(
         ConfigurationError,
-        match=r"site 'site-b' holds no synced copy of federated table\(s\) that "
-        r"other sinks take from 'site-a': policy: public.accounts \(conflict there; held by site-c\)",
+        match=r"site 'site-b' holds no synced copy of federated table\(s\) of "
+        r"'site-a': policy: public.accounts \(conflict there; held by site-c\)",
     ):
         failover.promote(failover.FailoverRequest(A, B), _connect(lr_sites, down=(A,)))
     assert site_b.query("SELECT count(*) FROM lr.failovers") == [(0,)] and _session_row(site_c)[1] is None
@@ -504,6 +504,23 @@ def test_failover_refuses_to_stop_a_tables_replication_unless_allowed_and_status
     code, reasons = status.health({C: at_c})
     assert code == status.DEGRADED and any("public.accounts DIVERGED" in r for r in reasons)
     app.close()
+
+
+def test_a_failover_to_a_site_whose_table_snapshot_is_half_applied_is_refused_old_source_down(lr_sites):
+    """site-b is the only sink holding the table and its snapshot is still being applied (a range
+    snapshot commits its ranges one by one, state syncing): promoting it would make half a table
+    the source. Refused, naming it; before, with site-a down and no other sink holding the table,
+    the failover went through and left site-b's half copy uncaptured."""
+    site_a, site_b, _ = lr_sites
+    topo = apply(lr_sites)
+    create_accounts(site_a, rows=5)
+    federate(site_a)
+    App(site_a).close()
+    run_until_idle(replicator(topo, lr_sites, providers=PROVIDERS, sessions=[SessionKey(A, B, "policy")]))
+    site_b.query("UPDATE lr.sink_tables SET state = 'syncing'")  # its ranges not all written yet
+    with pytest.raises(ConfigurationError, match=r"policy: public.accounts \(syncing there\); promoting it would"):
+        failover.promote(failover.FailoverRequest(A, B), _connect(lr_sites, down=(A,)))
+    assert site_b.query("SELECT count(*) FROM lr.failovers") == [(0,)]
 
 
 def test_a_failover_killed_between_promoting_and_reconciling_hands_the_tables_over_when_run_again(lr_sites):
