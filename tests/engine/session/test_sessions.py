@@ -10,10 +10,12 @@ import pytest
 
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.errors import FencedError, StaleBatchError
+from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.session import lease
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.source.log_reader import LogBatch, LogReader
 from airflow_provider_lr.engine.vocabulary import SessionKey
+from tests.guarantees.test_handoff_matrix import once
 from tests.support.session import (
     App,
     Streaming,
@@ -235,6 +237,36 @@ def test_fencing_a_replicator_whose_lease_was_taken_over_cannot_write(lr_sites):
     second.run(max_cycles=2, until_idle=True, interval=0.01)
     assert [p for k, p in queue(sink_b, "site-a") if k == "log"] == ["k=1", "k=2"]
     src.close()
+    first.close()
+    second.close()
+    app.close()
+
+
+def test_a_replicator_fenced_mid_cycle_leaves_no_error_on_the_session_its_successor_holds(lr_sites):
+    """A replicator stalls in a catch-up, between two batches (a SIGSTOPped ``lr sync``); its lease
+    is taken over and the successor delivers. Woken, its cycle is fenced: that is the session
+    changing hands, not a failure of the session, so ``lr status`` must not show the successor's
+    healthy session with the stale holder's FencedError as its last error."""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
+    app = App(source)
+    first = replicator(topo, lr_sites, owner="replicator-1", providers={"policy": empty_provider}, max_entries=5)
+    second = replicator(topo, lr_sites, owner="replicator-2")
+    first.run(max_cycles=2, until_idle=True, interval=0.01)
+    for i in range(20):
+        app.put("k", i, ["site-b"])
+
+    def take_over() -> None:
+        source.query("UPDATE lr.source_sessions SET lease_expires_at = now() - interval '1 second'")
+        (took,) = second.run_cycle()
+        assert took.delivered and not took.error, took
+
+    hook = once(take_over)
+    with on_fault("after_sink_apply", hook):
+        (report,) = first.run_cycle()
+    assert hook.fired and ("FencedError" in report.error or report.skipped), report
+    assert source.query("SELECT lease_owner, last_error FROM lr.source_sessions") == [("replicator-2", None)]
+    assert [p for k, p in queue(sink_b, "site-a") if k == "log"] == [f"k={i}" for i in range(20)]
     first.close()
     second.close()
     app.close()
