@@ -306,7 +306,7 @@ class Replicator:
                 except psycopg2.Error:
                     self._drop(site)
         try:
-            record_error(self._conn(key.source), key, error)
+            record_error(self._conn(key.source), key, error, exc)
         except (psycopg2.Error, SiteUnreachableError):  # the source is down: nowhere to record it now
             self._drop(key.source)
 
