@@ -288,6 +288,7 @@ def test_a_replicator_whose_idle_connections_were_closed_still_releases_its_leas
     repl.close()
     assert source.query(held) == [("site-b", None), ("site-c", None)]
 
+
 class ExtraSite:
     """One more site as another database on an existing server (a site is a database)."""
 
