@@ -188,7 +188,7 @@ class SessionStepOperator(BaseOperator):
                     finally:
                         runner.release()
             except Exception as exc:  # a sink that is down, a provider error: `lr status` shows it
-                self._record_error(source, key, error_line(exc))
+                self._record_error(source, key, error_line(exc), exc)
                 raise
 
     def _spark_can_run(self, job: str) -> bool:
@@ -222,10 +222,10 @@ class SessionStepOperator(BaseOperator):
             if count and count >= threshold:
                 self.log.info("%d %s written in this step, not by %s: %s", count, what, job, why)
 
-    def _record_error(self, source: Any, key: Any, error: str) -> None:
+    def _record_error(self, source: Any, key: Any, error: str, exc: BaseException) -> None:
         try:
             source.rollback()
-            record_error(source, key, error)
+            record_error(source, key, error, exc)
         except psycopg2.Error:
             self.log.warning("could not record the error of session %s on its source", key)
 

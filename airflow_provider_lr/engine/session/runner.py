@@ -28,7 +28,7 @@ from airflow_provider_lr.engine import progress
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.db.schema import site_identity
 from airflow_provider_lr.engine.db.timeouts import lifted
-from airflow_provider_lr.engine.errors import TrimmedError, one_line
+from airflow_provider_lr.engine.errors import FencedError, TrimmedError, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import catchup
 from airflow_provider_lr.engine.session import lease as leases
@@ -246,9 +246,15 @@ class SessionRunner(SnapshotSync):
         return backlog.state, backlog.acked, backlog.entries
 
 
-def record_error(conn: psycopg2.extensions.connection, key: SessionKey, error: str) -> None:
+def record_error(
+    conn: psycopg2.extensions.connection, key: SessionKey, error: str, exc: BaseException | None = None
+) -> None:
     """Note a failed step in the session's ``last_error`` on its source (``lr status`` shows it;
-    the next successful step clears it). Commits."""
+    the next successful step clears it). Commits. A step fenced (``exc`` a FencedError: another
+    replicator took the session over) records nothing: the row is the new holder's now, and a
+    stalled replicator woken up must not put its own refusal on a session that streams fine."""
+    if isinstance(exc, FencedError):
+        return
     with conn.cursor() as cur:
         source_sessions.set_last_error(cur, key.sink, key.client, one_line(error)[:2000])
     conn.commit()

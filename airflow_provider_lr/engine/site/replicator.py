@@ -21,6 +21,7 @@ from airflow_provider_lr.engine.bulk import fanout
 from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.errors import (
     ConfigurationError,
+    LRError,
     RepeatedErrors,
     SiteUnreachableError,
     one_line,
@@ -34,6 +35,7 @@ from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner
 from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.source.backlog import log_entry_backlog, session_backlogs
 from airflow_provider_lr.engine.source.full_sync import Provider, load_provider
+from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store.topology import Topology, reread
 from airflow_provider_lr.engine.vocabulary import SessionKey, SessionState
 
@@ -99,6 +101,7 @@ class Replicator:
         self._conns: dict[str, psycopg2.extensions.connection] = {}
         self._used: dict[str, float] = {}  # site -> when a cycle last used its connection (monotonic)
         self._runners: dict[SessionKey, SessionRunner] = {}
+        self._forgotten: set[str] = set()  # sources of runners dropped holding a lease (``_drop``)
         self.teed: dict[str, int] = {}  # str(SessionKey) -> entries the tee delivered, all cycles
         self.stalled_for = 0.0  # seconds the last run had made no progress when it ended (measured)
         self._no_tee: set[str] = set()  # sources whose sites' DSNs do not resolve (no tee for them)
@@ -306,7 +309,7 @@ class Replicator:
                 except psycopg2.Error:
                     self._drop(site)
         try:
-            record_error(self._conn(key.source), key, error)
+            record_error(self._conn(key.source), key, error, exc)
         except (psycopg2.Error, SiteUnreachableError):  # the source is down: nowhere to record it now
             self._drop(key.source)
 
@@ -315,7 +318,23 @@ class Replicator:
         if conn is not None and not conn.closed:
             conn.close()
         for key in [k for k in self._runners if site in (k.source, k.sink)]:
-            del self._runners[key]
+            if self._runners.pop(key).lease is not None:  # still held: released at ``close``
+                self._forgotten.add(key.source)
+
+    def _release_owned(self, source: str) -> None:
+        """Release every lease this replicator still holds at ``source``: a runner forgotten with
+        its connection (``rest``, a lost site) left its lease, and a session a stream handed back
+        keeps its lease for a cycle that may not come before the stop. Left, they stayed leased to a
+        process gone, for ``lease_seconds``. A source that cannot be reached keeps them till then."""
+        try:
+            conn = self._conn(source)
+            with conn.cursor() as cur:
+                source_sessions.release_owned(cur, self.owner)
+            conn.commit()
+        except (psycopg2.Error, LRError) as exc:
+            log.info(
+                "leases of %s at %s not released (%s): they expire on their own", self.owner, source, one_line(exc)
+            )
 
     def run(
         self,
@@ -366,6 +385,8 @@ class Replicator:
         at their next heartbeat)."""
         for runner in self._runners.values():
             runner.release()
+        for source in sorted(self._forgotten):
+            self._release_owned(source)
         for site in list(self._conns):
             self._drop(site)
         if self.membership is not None:

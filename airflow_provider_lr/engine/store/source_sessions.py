@@ -127,6 +127,15 @@ def lock_held(cur: psycopg2.extensions.cursor, sink: str, client: str, held: Hol
     return cur.fetchone() is not None
 
 
+def release_owned(cur: psycopg2.extensions.cursor, owner: str) -> int:
+    """Clear every lease ``owner`` still holds here (the epochs stay); how many. A lease is only
+    taken over with a new owner, so one still naming ``owner`` is its own, whatever its epoch."""
+    cur.execute(
+        "UPDATE lr.source_sessions SET lease_owner = NULL, lease_expires_at = NULL WHERE lease_owner = %s", (owner,)
+    )
+    return cur.rowcount
+
+
 def release_expired_leases(cur: psycopg2.extensions.cursor) -> list[tuple[str, str, str]]:
     """Clear every expired lease, and every lease of a dead member (epochs stay); (sink, client,
     owner) of each cleared."""

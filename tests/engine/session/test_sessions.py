@@ -10,6 +10,7 @@ import pytest
 
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.errors import FencedError, StaleBatchError
+from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.session import lease
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.source.log_reader import LogBatch, LogReader
@@ -238,6 +239,56 @@ def test_fencing_a_replicator_whose_lease_was_taken_over_cannot_write(lr_sites):
     first.close()
     second.close()
     app.close()
+
+
+def test_a_replicator_fenced_mid_cycle_leaves_no_error_on_the_session_its_successor_holds(lr_sites):
+    """A replicator stalls in a catch-up, between two batches (a SIGSTOPped ``lr sync``); its lease
+    is taken over and the successor delivers. Woken, its cycle is fenced: that is the session
+    changing hands, not a failure of the session, so ``lr status`` must not show the successor's
+    healthy session with the stale holder's FencedError as its last error."""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
+    app = App(source)
+    first = replicator(topo, lr_sites, owner="replicator-1", providers={"policy": empty_provider}, max_entries=5)
+    second = replicator(topo, lr_sites, owner="replicator-2")
+    first.run(max_cycles=2, until_idle=True, interval=0.01)
+    for i in range(20):
+        app.put("k", i, ["site-b"])
+
+    took: list = []
+
+    def take_over() -> None:  # the first batch only (the successor passes the point too)
+        if not took:
+            source.query("UPDATE lr.source_sessions SET lease_expires_at = now() - interval '1 second'")
+            took.append(None)
+            took.extend(second.run_cycle())
+
+    with on_fault("after_sink_apply", take_over):
+        (report,) = first.run_cycle()
+    assert took[1].delivered and not took[1].error, took
+    assert "FencedError" in report.error or report.skipped, report
+    assert source.query("SELECT lease_owner, last_error FROM lr.source_sessions") == [("replicator-2", None)]
+    assert [p for k, p in queue(sink_b, "site-a") if k == "log"] == [f"k={i}" for i in range(20)]
+    first.close()
+    second.close()
+    app.close()
+
+
+def test_a_replicator_whose_idle_connections_were_closed_still_releases_its_leases_when_it_stops(lr_sites):
+    """While every session streams, ``lr sync`` closes the cycles' idle connections (``rest``) and
+    forgets the runners on them; a session the stream handed back (a full sync asked) keeps its
+    lease for its next cycle. Stopped then (SIGTERM), the replicator released only its runners'
+    leases: that session stayed leased to a process gone, for ``lease_seconds`` (60 s), and the
+    next ``lr sync`` skipped it meanwhile. Now a replicator releases every lease it holds."""
+    source, _, _ = lr_sites
+    topo = apply(lr_sites, [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy"]}])
+    repl = replicator(topo, lr_sites, owner="replicator-1", providers={"policy": empty_provider})
+    repl.run(max_cycles=2, until_idle=True, interval=0.01)
+    held = "SELECT sink_site_id, lease_owner FROM lr.source_sessions ORDER BY 1"
+    assert source.query(held) == [("site-b", "replicator-1"), ("site-c", "replicator-1")]
+    repl.rest(idle_for=-1)  # every connection idle: closed, as while the sessions stream
+    repl.close()
+    assert source.query(held) == [("site-b", None), ("site-c", None)]
 
 
 class ExtraSite:
