@@ -26,6 +26,7 @@ from airflow_provider_lr.cli.common import (
     with_topology,
 )
 from airflow_provider_lr.engine import progress
+from airflow_provider_lr.engine.db.timeouts import DEADLINES
 from airflow_provider_lr.engine.errors import (
     LRError,
     RepeatedErrors,
@@ -131,14 +132,25 @@ STOPPING = (
 )
 
 
+STOPPING_CALLS_S = 10.0  # a stopping lr sync: the longest any call of its waits (DEADLINES.hurry)
+
+
 def _stop_asked(stop: threading.Event) -> None:
     """SIGTERM: leave cleanly once the step in progress ends, and say so (a provider's supply may
     run for minutes, and a stop that said nothing looked hung); a second SIGTERM leaves now, as
-    Ctrl-C does: that step's transaction is rolled back and the leases are released."""
+    Ctrl-C does: that step's transaction is rolled back and the leases are released. A site that
+    stopped answering holds the stop ``STOPPING_CALLS_S`` per call, not a call deadline each."""
     if stop.is_set():
         raise KeyboardInterrupt
     stop.set()
+    DEADLINES.hurry(STOPPING_CALLS_S)
     os.write(sys.stderr.fileno(), STOPPING.encode())  # not print: the handler may interrupt one
+
+
+def _interrupted() -> None:
+    """Ctrl-C: leave now (as a second SIGTERM), its calls to a site that stopped answering bounded too."""
+    DEADLINES.hurry(STOPPING_CALLS_S)
+    raise KeyboardInterrupt
 
 
 REPORT_EVERY = 30.0  # lr sync streaming: seconds between progress lines, unless --report-every says
@@ -205,6 +217,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: _stop_asked(stop))  # a service manager's stop: leave cleanly
+        signal.signal(signal.SIGINT, lambda *_: _interrupted())
     reports: list = []
     counters = metrics.ReplicationCounters()
     served = metrics.start(counters.registry, args.metrics_listen) if args.metrics_listen else None
@@ -234,7 +247,11 @@ def cmd_sync(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         reports = []
     finally:
-        repl.close()
+        DEADLINES.hurry(STOPPING_CALLS_S)  # leases released and membership left on a silent site: bounded
+        try:
+            repl.close()
+        finally:
+            DEADLINES.hurry(None)  # (cli.main may run again in this process)
         if served:
             metrics.stop_serving(*served[:2])
     stuck = replicator.unsettled(reports) if args.until_idle else []
