@@ -266,7 +266,10 @@ class Deadlines:
             for token, (due, conn) in list(self._calls.items()):
                 if now >= due and self._calls.get(token, (None,))[0] == due:
                     self._calls.pop(token, None)
-                    self._cut(conn, conn.deadline_s or 0)
+                    bound, why = conn.deadline_s or 0, ""
+                    if self.hurried is not None and self.hurried < bound:
+                        bound, why = self.hurried, "lr stopping: no call waits longer"
+                    self._cut(conn, bound, why)
             for token, (clock, seconds, conn) in list(self._stalls.items()):
                 moved = clock.last
                 if moved is not None and now - moved >= seconds and self._stalls.pop(token, None) is not None:
