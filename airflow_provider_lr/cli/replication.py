@@ -26,6 +26,7 @@ from airflow_provider_lr.cli.common import (
     with_topology,
 )
 from airflow_provider_lr.engine import progress
+from airflow_provider_lr.engine.db.timeouts import DEADLINES
 from airflow_provider_lr.engine.errors import (
     LRError,
     RepeatedErrors,
@@ -38,6 +39,7 @@ from airflow_provider_lr.engine.session import lease, stream
 from airflow_provider_lr.engine.session.runner import CycleReport
 from airflow_provider_lr.engine.site import metrics, replicator, topology
 from airflow_provider_lr.engine.source import full_sync, trim
+from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
@@ -131,11 +133,16 @@ STOPPING = (
 )
 
 
-def _stop_asked(stop: threading.Event) -> None:
+STOPPING_CALLS_S = 10.0  # a stopping lr sync: the longest any call of its waits (DEADLINES.hurry)
+
+
+def _stop_asked(stop: threading.Event, now: bool = False) -> None:
     """SIGTERM: leave cleanly once the step in progress ends, and say so (a provider's supply may
-    run for minutes, and a stop that said nothing looked hung); a second SIGTERM leaves now, as
-    Ctrl-C does: that step's transaction is rolled back and the leases are released."""
-    if stop.is_set():
+    run for minutes, and a stop that said nothing looked hung); a second SIGTERM (or Ctrl-C: ``now``)
+    leaves now: that step's transaction is rolled back and the leases are released. A site that
+    stopped answering holds the stop ``STOPPING_CALLS_S`` per call, not a call deadline each."""
+    DEADLINES.hurry(STOPPING_CALLS_S)
+    if now or stop.is_set():
         raise KeyboardInterrupt
     stop.set()
     os.write(sys.stderr.fileno(), STOPPING.encode())  # not print: the handler may interrupt one
@@ -205,6 +212,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: _stop_asked(stop))  # a service manager's stop: leave cleanly
+        signal.signal(signal.SIGINT, lambda *_: _stop_asked(stop, now=True))
     reports: list = []
     counters = metrics.ReplicationCounters()
     served = metrics.start(counters.registry, args.metrics_listen) if args.metrics_listen else None
@@ -234,7 +242,11 @@ def cmd_sync(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         reports = []
     finally:
-        repl.close()
+        DEADLINES.hurry(STOPPING_CALLS_S)  # leases released and membership left on a silent site: bounded
+        try:
+            repl.close()
+        finally:
+            DEADLINES.hurry(None)  # (cli.main may run again in this process)
         if served:
             metrics.stop_serving(*served[:2])
     stuck = replicator.unsettled(reports) if args.until_idle else []
@@ -271,18 +283,22 @@ def cmd_full_sync(args: argparse.Namespace) -> int:
 
 def _who_works_on(topo: topologies.Topology, key: SessionKey) -> str:
     """Why a request is still open: the replicator holding its session, or nobody (no `lr sync`
-    runs, lr_streaming is paused), which a new user otherwise has to guess."""
+    runs, lr_streaming is paused), and the session's last error (its sink unreachable, say), which
+    a new user otherwise has to guess."""
     try:
         conn = connector(topo)(key.source)
         try:
             owner = lease.holder(conn, key.sink, key.client)
+            with conn.cursor() as cur:
+                error = source_sessions.last_error(cur, key.sink, key.client)
         finally:
             conn.close()
     except (LRError, psycopg2.Error):  # the source is gone meanwhile: the outcome alone is said
         return ""
+    said = f"; its last error: {error}" if error else ""
     if owner is None:
-        return "; no replicator holds the session: run `lr sync` (or unpause lr_streaming)"
-    return f"; the session is held by replicator {owner}"
+        return "; no replicator holds the session: run `lr sync` (or unpause lr_streaming)" + said
+    return f"; the session is held by replicator {owner}" + said
 
 
 def _wait_applied(topo: topologies.Topology, requests: dict, timeout: float) -> dict:

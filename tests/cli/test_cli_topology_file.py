@@ -141,7 +141,7 @@ def test_full_sync_wait_succeeds_once_a_running_lr_sync_applied_the_request(lr_s
 
 def test_full_sync_wait_ends_at_its_bound_when_nobody_applies_the_request(lr_sites, tmp_path, monkeypatch, capsys):
     """No replicator runs (or the sink is down): `lr full-sync --wait 1.5` says the request is not
-    applied yet, that no replicator holds the session (it said only "pending", leaving a new user
+    applied yet, that no replicator holds the session and its last error (it said only "pending", leaving a new user
     to guess that `lr sync` must run), and exits 1 at its bound. Its polls used to double to 5 s and sleep past the bound:
     1.5 s asked, 3 s taken (60 s asked, up to 65)."""
     import time
@@ -156,6 +156,14 @@ def test_full_sync_wait_ends_at_its_bound_when_nobody_applies_the_request(lr_sit
     # and what to do about it: nobody holds the session, so nobody works on the request
     assert "no replicator holds the session: run `lr sync` (or unpause lr_streaming)" in out, out
     assert 1.5 <= took < 2.2, took
+    # a sink that stopped answering (the replicator recorded why): the wait's end says so, naming it
+    lr_sites[0].query(
+        "UPDATE lr.source_sessions SET last_error = 'cannot connect to site ''site-b'': timeout expired' "
+        "WHERE sink_site_id = 'site-b'"
+    )
+    assert cli.main(["full-sync", "--topology", topo, "--sink", "site-b", "--wait", "0.2"]) == 1
+    out = capsys.readouterr().out
+    assert "; its last error: cannot connect to site 'site-b': timeout expired" in out, out
     app.close()
 
 

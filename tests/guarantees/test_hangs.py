@@ -15,6 +15,7 @@ import psycopg2.errors
 import psycopg2.sql
 import pytest
 
+from airflow_provider_lr.cli import replication
 from airflow_provider_lr.engine.db import conninfo
 from airflow_provider_lr.engine.db.timeouts import DEADLINES, Purpose, Timeouts, lifted
 from airflow_provider_lr.engine.errors import ConfigurationError
@@ -433,3 +434,30 @@ def test_a_bulk_copy_whose_source_works_long_before_its_first_byte_is_not_cut(lr
         src.close()
         dst.close()
     assert sink_b.query("SELECT n FROM late_rows ORDER BY n") == [(1,), (2,), (3,)]
+
+
+@pytest.mark.timeout(60)  # (before: 145 s)
+def test_a_stopping_lr_sync_waits_on_a_silent_site_its_stop_bound_not_a_call_deadline(lr_sites, monkeypatch):
+    """SIGTERM of ``lr sync`` while a site stopped answering: its calls there (a stream's wait at
+    the source, each lease released, the membership left) each waited for their call deadline,
+    145 s by default, one after another (a stopped source held a stop for minutes). From the
+    SIGTERM on, a call in progress and every later one ends within ``STOPPING_CALLS_S``."""
+    monkeypatch.setattr(replication, "STOPPING_CALLS_S", 1.0, raising=False)  # 10 s: shorter here
+    source = lr_sites[0]
+    with LinkProxy(source.conninfo.params["port"]) as link:
+        conn = conninfo.from_dsn(link.dsn(source.dsn)).with_timeouts(Timeouts()).connect()
+        assert conn.deadline_s == 145
+        link.stall()
+        stopped, stop = [], threading.Event()
+        threading.Timer(0.5, replication._stop_asked, (stop,)).start()  # the SIGTERM handler
+        try:
+            started = time.monotonic()
+            with pytest.raises(psycopg2.OperationalError):
+                conn.cursor().execute("SELECT 1")  # a stream's wait at a stopped source, say
+            stopped.append(time.monotonic() - started)
+            with pytest.raises(psycopg2.Error):  # the next call (a lease released): no deadline's wait
+                conn.cursor().execute("SELECT 1")
+        finally:
+            DEADLINES.hurry(None)
+            conn.close()
+    assert stop.is_set() and stopped[0] < 0.5 + replication.STOPPING_CALLS_S + SLACK / 4

@@ -176,11 +176,14 @@ class Deadlines:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.cut = 0  # connections cut, for tests and logs
+        self.hurried: float | None = None  # the process is leaving: no call waits longer (``hurry``)
 
     def begin(self, conn: BoundedConnection) -> tuple[int, int] | None:
         seconds = conn.deadline_s
         if seconds is None:
             return None
+        if self.hurried is not None:
+            seconds = min(seconds, self.hurried)
         token = (id(conn), threading.get_ident())
         self._calls[token] = (time.monotonic() + seconds, conn)
         if self._thread is None:
@@ -190,6 +193,20 @@ class Deadlines:
     def end(self, token: tuple[int, int] | None) -> None:
         if token is not None:
             self._calls.pop(token, None)
+
+    def hurry(self, seconds: float | None) -> None:
+        """The process is leaving (``lr sync`` stopped): every call watched by a deadline, in progress
+        or later, ends within ``seconds`` (None: its own deadline again). A server that stopped
+        answering then holds the stop that long per call left (a stream's wait, a lease released),
+        not a call deadline (145 s) each; a healthy call takes ms. Lifted calls (a provider's
+        supply) keep their heartbeat."""
+        self.hurried = seconds
+        if seconds is None:
+            return
+        until = time.monotonic() + seconds
+        for token, (due, conn) in list(self._calls.items()):
+            if due > until:
+                self._calls[token] = (until, conn)
 
     @contextmanager
     def stalled(self, conn: psycopg2.extensions.connection, clock: Clock) -> Iterator[None]:
@@ -249,7 +266,10 @@ class Deadlines:
             for token, (due, conn) in list(self._calls.items()):
                 if now >= due and self._calls.get(token, (None,))[0] == due:
                     self._calls.pop(token, None)
-                    self._cut(conn, conn.deadline_s or 0)
+                    bound, why = conn.deadline_s or 0, ""
+                    if self.hurried is not None and self.hurried < bound:
+                        bound, why = self.hurried, "lr stopping: no call waits longer"
+                    self._cut(conn, bound, why)
             for token, (clock, seconds, conn) in list(self._stalls.items()):
                 moved = clock.last
                 if moved is not None and now - moved >= seconds and self._stalls.pop(token, None) is not None:

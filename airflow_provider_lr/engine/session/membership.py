@@ -185,6 +185,12 @@ class Membership:
         if conn is not None and not conn.closed:
             conn.close()
 
+    def quiet(self) -> None:
+        """No new heartbeat from now on (the replicator is closing): one started after a stop, on a
+        source that stopped answering, held ``leave`` for its connect and calls (the one in progress
+        still ends first)."""
+        self._stop.set()
+
     def leave(self) -> None:
         """Stop beating and unregister everywhere it can: the other members take this one's
         sessions at their next heartbeat (where the source cannot be reached, the lock goes with

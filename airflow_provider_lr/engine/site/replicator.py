@@ -383,6 +383,8 @@ class Replicator:
     def close(self) -> None:
         """Release the leases, close the connections and, as a member, leave (the others take over
         at their next heartbeat)."""
+        if self.membership is not None:
+            self.membership.quiet()  # no heartbeat begun while the leases go
         for runner in self._runners.values():
             runner.release()
         for source in sorted(self._forgotten):

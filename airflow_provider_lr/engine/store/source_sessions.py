@@ -253,6 +253,16 @@ def set_last_error(cur: psycopg2.extensions.cursor, sink: str, client: str, erro
     )
 
 
+def last_error(cur: psycopg2.extensions.cursor, sink: str, client: str) -> str:
+    """The session's last error ("" none): why a request waits, said where it is waited for."""
+    cur.execute(
+        "SELECT coalesce(last_error, '') FROM lr.source_sessions WHERE sink_site_id = %s AND client_name = %s",
+        (sink, client),
+    )
+    found = cur.fetchone()
+    return str(found[0]) if found else ""
+
+
 def clear_last_error(cur: psycopg2.extensions.cursor, sink: str, client: str) -> None:
     """The session's step succeeded: its last error is past (nothing written when there is none)."""
     cur.execute(
