@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from airflow_provider_lr import cli
+from airflow_provider_lr.engine.source import full_sync
 from tests.cli.test_cli_sync import topology_file
 from tests.support.session import topology_doc
 from tests.support.tables import create_accounts, rows
@@ -324,3 +325,16 @@ def test_lr_tables_close_waits_for_a_sink_whose_full_sync_would_forget_its_copy_
     assert cli.main(["tables", "open", "public.gone", "--client", "policy", "--topology", topo]) == 0
     a.query("DROP TABLE public.gone")
     assert cli.main(["tables", "close", "public.gone", "--topology", topo]) == 0
+    # an unforced request (a session's own, made in snapshot sync) forgets the tables too: the stream
+    # leaves it to the cycles, and the close does not pass it
+    a.query("CREATE TABLE public.more (id int PRIMARY KEY)")
+    assert cli.main(["tables", "open", "public.more", "--client", "policy", "--topology", topo]) == 0
+    sync(topo)
+    conn = a.connect()
+    try:
+        full_sync.request_full_sync(conn, "site-b", "policy", "its own")
+    finally:
+        conn.close()
+    capsys.readouterr()
+    assert cli.main(["tables", "close", "public.more", "--topology", topo]) == 1
+    assert "site-b has not taken its snapshot of it yet (a full sync of it is still open" in capsys.readouterr().err

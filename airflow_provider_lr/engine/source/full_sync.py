@@ -159,15 +159,13 @@ def close_superseded(cur: psycopg2.extensions.cursor) -> None:
     )
 
 
-def sessions_requested(conn: psycopg2.extensions.connection) -> set[tuple[str, str]]:
-    """(sink, client) of every session of this source with an open forced request (what a stream
-    hands back, one statement for all): negotiation acts on no other, so a stream handing a
-    session back for an unforced one saw the cycle send it straight back, at every check."""
+def sessions_requested(conn: psycopg2.extensions.connection, forced_only: bool = True) -> set[tuple[str, str]]:
+    """(sink, client) of each session of this source with an open request, forced ones only unless
+    told (a stream hands those back: negotiation acts on no other, so a stream handing a session
+    back for an unforced one saw the cycle send it straight back, at every check). One statement."""
     with conn.cursor() as cur:
-        cur.execute(
-            "SELECT DISTINCT sink_site_id, client_name FROM lr.full_sync_requests "
-            f"WHERE forced AND status IN {OPEN_STATUSES_SQL}"
-        )
+        sql = "SELECT DISTINCT sink_site_id, client_name FROM lr.full_sync_requests WHERE (forced OR NOT %s) "
+        cur.execute(sql + f"AND status IN {OPEN_STATUSES_SQL}", (forced_only,))
         found = {(sink, client) for sink, client in cur.fetchall()}
     conn.commit()
     return found

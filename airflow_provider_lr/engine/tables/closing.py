@@ -82,7 +82,7 @@ def wait_for_snapshots(
     try:
         deadline = time.monotonic() + timeout
         while True:
-            requested = full_sync.sessions_requested(source)
+            requested = full_sync.sessions_requested(source, forced_only=False)  # any forgets the tables
             lacking = {
                 sink: "a full sync of it is still open" if (sink, client) in requested else "its snapshot is to come"
                 for sink, conn in conns.items()
