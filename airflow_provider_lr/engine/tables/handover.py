@@ -68,29 +68,25 @@ def missing(
     a table's replication: a table the old source ``source`` captures (``at_source``, when it can be
     read), some other sink takes from it (``others``: sink -> its ``held_from``) or the promoted site
     holds still syncing, that the promoted site does not hold synced. One text per table."""
-    found: dict[str, list[str]] = {}
+    holders: dict[str, list[str]] = {}  # table -> the other sinks taking it
+    notes: dict[str, list[str]] = {}  # table -> why else
     for sink, held in sorted(others.items()):
         for table, state in held.items():
             if state != TableState.CONFLICT and promoted.get(table) != TableState.SYNCED:
-                found.setdefault(table, []).append(f"held by {sink}")
+                holders.setdefault(table, []).append(sink)
     for table, state in promoted.items():  # its first snapshot not applied: it holds half a table
         if state == TableState.SYNCING:
-            found.setdefault(table, [])
+            notes.setdefault(table, [])
     for table in at_source or []:
         if promoted.get(table) != TableState.SYNCED:
-            found.setdefault(table, []).append(f"captured at {source}")
+            notes.setdefault(table, []).append(f"captured at {source}")
     return [
         f"{table} ({promoted.get(table, 'never synced')} there"
-        + "".join(f"; {where}" for where in _merged(wheres))
+        + (f"; held by {', '.join(holders[table])}" if table in holders else "")
+        + "".join(f"; {note}" for note in notes.get(table, []))
         + ")"
-        for table, wheres in sorted(found.items())
+        for table in sorted(holders.keys() | notes.keys())
     ]
-
-
-def _merged(wheres: list[str]) -> list[str]:
-    """``held by x``, ``held by y`` -> ``held by x, y`` (the other texts as they are)."""
-    sinks = [w.removeprefix("held by ") for w in wheres if w.startswith("held by ")]
-    return ([f"held by {', '.join(sinks)}"] if sinks else []) + [w for w in wheres if not w.startswith("held by ")]
 
 
 def untaken(
@@ -330,10 +326,11 @@ def diverged(conn: psycopg2.extensions.connection) -> list[Divergence]:
             for t in tables
             if t.renamed_to
         }
+        sourced = {client: sourced_elsewhere(cur, client) for client in {client for _, client, _ in captured}}
         for name, client, table_id in captured:
             has_sink = client in with_sinks
             moved = renamed.get((TableName.parse(name), table_id))
-            elsewhere = sourced_elsewhere(cur, client)
+            elsewhere = sourced[client]
             if elsewhere is not None:  # its client failed over from here without it: reopening here cannot help
                 found.append(Divergence(name, client, _left_behind(name, client, elsewhere, here)))
             elif moved is not None:
