@@ -89,6 +89,7 @@ class RoutingQueueSubscriber(DeliveryContext):
         empty, a callback fails, or ``max_messages`` entries (``max_bytes`` bytes of payloads) were
         handed over. Returns how many entries were delivered (acknowledged and deleted, full-sync
         markers included); failures are in ``self.stats`` and ``last_report``."""
+        receive.require_listener(listener)  # up front, not when an entry of a missing kind comes
         conn = self._poll_conn()
         self._set_delivering(conn)
         try:

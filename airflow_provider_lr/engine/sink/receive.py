@@ -221,7 +221,6 @@ class ReceiveQueueReader:
         (``max_messages`` entries, ``max_bytes`` bytes of payloads; a run takes at least one entry).
         Queues take turns run by run, so one long queue does not starve the others. ``skip``:
         queues waiting to be retried."""
-        require_listener(listener)
         report = PassReport()
         budget = max_messages if max_messages is not None else float("inf")
         byte_budget = max_bytes if max_bytes is not None else float("inf")
