@@ -202,7 +202,7 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
         asked = _asked(old, sinks, wanted) if record is None and old is not None else {}
         if record is None and planned:
             assert old is not None
-            _drain(old, conns, from_site, [to_site, *sinks], wanted, (target, request.allow_table_divergence))
+            _drain(old, conns, from_site, [to_site, *sinks], wanted, target, request.allow_table_divergence)
         if record is None:
             fid = str(uuid.uuid4())
             for site in [to_site, *sinks]:
@@ -382,14 +382,14 @@ def _drain(
     from_site: str,
     sinks: list[str],
     clients: list[str],
-    to: tuple[Topology, bool],
+    target: Topology,
+    allowed: bool,
 ) -> None:
     """A planned switchover: the new topology on the old source first (its writers of the clients
     are refused from then on, its federated tables' writers too), then everything it committed for
     each sink (``sinks``, the site to promote first) copied into that sink (fenced sink
     transactions, as a session cycle writes them; table changes applied), so the cut loses nothing.
-    ``to``: the topology after it, and whether a table the new source cannot carry may diverge."""
-    target, allowed = to
+    ``allowed``: a table the new source cannot carry may diverge."""
     try:
         with old.cursor() as cur:  # locked until the commit, which removes them: no lease is taken above these
             granted = source_sessions.lock_epochs(cur, clients)
