@@ -157,9 +157,7 @@ class Replicator:
         self._given = topology.sessions()
         removed = before - set(self._given)
         for key in removed:
-            runner = self._runners.pop(key, None)
-            if runner is not None:
-                runner.release()
+            self._let_go(key)
         if self.membership is not None:
             self.membership.follow(self._given)
         log.info(
@@ -172,11 +170,29 @@ class Replicator:
         )
 
     def _hand_over(self, key: SessionKey) -> None:
+        self._let_go(key)
+        if key in self._given:
+            log.info("session %s: another replicator member works it now", key)
+
+    def _let_go(self, key: SessionKey) -> None:
+        """Release this process's lease of ``key``, which it works no more: its runner's, or, with
+        no runner (forgotten with its connection by ``rest`` or a lost site, the lease still held),
+        at the source by owner. Before, such a lease stayed held until it expired, and the member
+        the session went to waited ``lease_seconds`` for it."""
         runner = self._runners.pop(key, None)
         if runner is not None:
             runner.release()
-        if key in self._given:
-            log.info("session %s: another replicator member works it now", key)
+            return
+        if key.source not in self._forgotten:
+            return  # never leased here since its connection went: nothing to release
+        try:
+            conn = self._conn(key.source)
+            with conn.cursor() as cur:
+                source_sessions.release_owned(cur, self.owner, (key.sink, key.client))
+            conn.commit()
+        except (psycopg2.Error, LRError) as exc:
+            self._drop(key.source)
+            log.info("lease of %s not released (%s): it expires on its own", key, one_line(exc))
 
     def _conn(self, site: str) -> psycopg2.extensions.connection:
         self._used[site] = time.monotonic()

@@ -246,6 +246,35 @@ def test_two_replicators_cycling_split_the_sessions_and_one_closing_hands_its_le
         second.close()
 
 
+def test_a_session_handed_over_after_its_runner_was_forgotten_is_released_at_once(lr_sites, topo):
+    """A replicator works every session alone, then rests (``lr sync`` does while its sessions
+    stream: the cycle connections close, their runners are forgotten, their leases stay held). A
+    second joins: the sessions handed to it are released by the first at once, so it works them at
+    its first cycle, not after the lease (60 s here). Before, they stayed leased until expiry."""
+    source = lr_sites[0]
+    providers = dict.fromkeys(CLIENTS, empty_provider)
+    first = Replicator(
+        topo, connector(lr_sites), owner="host:1:aaaa", settings=FAST, providers=providers, membership=True
+    )
+    second = None
+    try:
+        assert not any(r.skipped or r.error for r in first.run_cycle())
+        first.rest(idle_for=0)  # every runner forgotten with its connection, holding its lease
+        second = Replicator(
+            topo, connector(lr_sites), owner="host:2:bbbb", settings=FAST, providers=providers, membership=True
+        )
+        beat_until([], lambda: len(first.sessions) == len(second.sessions) == 3)
+        reports = second.run_cycle()
+        assert [r.session for r in reports] == [str(k) for k in second.sessions]
+        assert not any(r.skipped or r.error for r in reports), reports
+        held = source.query("SELECT lease_owner, count(*) FROM lr.source_sessions GROUP BY 1 ORDER BY 1")
+        assert held == [("host:1:aaaa", 3), ("host:2:bbbb", 3)]
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+
+
 def test_member_bounds_come_from_the_topology_and_a_dead_after_within_a_heartbeat_is_refused(lr_sites):
     doc = topology_doc(lr_sites, settings={"member_heartbeat_s": 0.2, "member_dead_after_s": 2})
     tuned = SessionSettings.from_topology(topology.from_document(doc))
