@@ -311,6 +311,18 @@ def test_writer_waits_until_its_transmit_is_safe_and_guards_only_its_client(worl
                 "VALUES (gen_random_uuid(), 'beta', 1, '{site-b}', now())"
             )
     conn.rollback()
+    # the reads its waits make answer about its own client only: another's sessions and failover
+    # notes are not a writer's to see (before, any client's could be asked for)
+    with conn.cursor() as cur:
+        cur.execute("SELECT lr.sinks_lacking_tables('alpha', NULL), lr.unreplicated_note('alpha', 1)")
+        assert cur.fetchall() == []  # every sink holds alpha's (no) tables; no note
+    conn.rollback()
+    for call in ("lr.sinks_lacking_tables('beta', NULL)", "lr.unreplicated_note('beta', 1)"):
+        try:
+            with conn.cursor() as cur, pytest.raises(DENIED, match="may not read .* of client beta"):
+                cur.execute(f"SELECT {call}")
+        finally:
+            conn.rollback()
     conn.close()
 
 
