@@ -10,8 +10,10 @@ import yaml
 
 from airflow_provider_lr import cli
 from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.store.topology import load
+from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.cli.test_cli_sync import topology_file
-from tests.support.session import topology_doc
+from tests.support.session import replicator, topology_doc
 from tests.support.tables import create_accounts, rows
 
 
@@ -276,6 +278,36 @@ def test_a_copy_federated_onward_from_its_sink_replicates_both_ways_with_no_prov
         "from-b",
         "from-a",
     ]
+    # site-b's own changes not sent back yet survive a full sync of site-a->site-b (its snapshot, read
+    # before site-a had them, replaces site-b's copy; the sessions run in order, site-a's first): they
+    # stay at site-b, the row it deleted stays deleted, and they reach site-a and site-c. Before, its
+    # new rows vanished at site-b (and its deleted one came back) while site-a and site-c took them.
+    b.query("INSERT INTO public.accounts (id, owner) VALUES (1000, 'b-new'), (1001, 'b-new')")
+    b.query("UPDATE public.accounts SET owner = 'b-changed' WHERE id IN (3, 1001)")
+    b.query("DELETE FROM public.accounts WHERE id = 4")
+    own = "SELECT id, owner FROM public.accounts WHERE id = 4 OR owner LIKE 'b-%%' ORDER BY id"
+    at_b = b.query(own)
+    assert cli.main(["full-sync", "--sink", "site-b", "--client", "policy", "--topology", topo]) == 0
+    sync(topo)
+    assert b.query(own) == at_b == a.query(own)
+    assert rows(a) == rows(b) == rows(c)
+    # and the other way: site-a's own changes not at site-b yet survive a full sync of site-b->site-a
+    # run before site-a->site-b delivers them (its upsert brought site-b's old rows back at site-a)
+    a.query("INSERT INTO public.accounts (id, owner) VALUES (2000, 'a-new')")
+    a.query("UPDATE public.accounts SET owner = 'a-changed' WHERE id = 5")
+    a.query("DELETE FROM public.accounts WHERE id = 1")
+    own = "SELECT id, owner FROM public.accounts WHERE id = 1 OR owner LIKE 'a-%%' ORDER BY id"
+    at_a = a.query(own)
+    assert cli.main(["full-sync", "--sink", "site-a", "--client", "back", "--topology", topo]) == 0
+    back = replicator(load(topo), lr_sites, sessions=[SessionKey("site-b", "site-a", "back")])
+    try:
+        back.run(max_cycles=10, until_idle=True, interval=0.01)
+    finally:
+        back.close()
+    assert a.query(own) == at_a
+    sync(topo)
+    assert b.query(own) == at_a
+    assert rows(a) == rows(b) == rows(c)
     capsys.readouterr()
     assert cli.main(["status", "--topology", topo]) == 0
     status_out = capsys.readouterr().out

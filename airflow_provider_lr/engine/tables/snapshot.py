@@ -38,7 +38,7 @@ from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, TableSplits
 from airflow_provider_lr.engine.store.sink_sessions import FencedTransaction
-from airflow_provider_lr.engine.tables import references, registry
+from airflow_provider_lr.engine.tables import own_rows, references, registry
 from airflow_provider_lr.engine.tables import sink as sink_tables
 from airflow_provider_lr.engine.tables.definition import TableDefinition, TableName, read_definition
 from airflow_provider_lr.engine.tables.range_copy import ROWS_ESTIMATE, KeyRange, copy_to_targets, plan_ranges
@@ -146,6 +146,7 @@ class TableSnapshot:
         self.definitions: dict[TableName, TableDefinition] = {}
         self.run_id = str(uuid.uuid4())
         self.report = SnapshotReport()
+        self.received: dict[tuple[str, str], int] = {}  # what the source had applied from others (``own_rows``)
 
     # --- the source ---------------------------------------------------------------------------
     def open(self) -> BaseSplit:
@@ -159,6 +160,7 @@ class TableSnapshot:
             self.exported, snapshot = cur.fetchone()
             cur.execute(LAST_DRAWN_POSITION_SQL)  # after the snapshot: what it may not hold is above
             self.split = BaseSplit(snapshot, cur.fetchone()[0])
+            self.received = own_rows.received(cur)
             for side in self.sinks:
                 for table in side.tables:
                     if table.table not in self.definitions:
@@ -235,6 +237,7 @@ class TableSnapshot:
         opened: list[tuple[SinkSide, FencedTransaction]] = []
         copies: dict[TableName, list[tuple[SinkSide, FencedTransaction, Target, int]]] = {}
         written: list[tuple[SinkSide, TableName, int]] = []
+        kept: list[tuple[FencedTransaction, own_rows.Kept]] = []  # a sink's own rows not sent back yet
         try:
             for side in self.sinks:
                 mine = {t.table: t for t in side.tables if t.table in group}
@@ -250,6 +253,8 @@ class TableSnapshot:
                     )
                 for table, target in reversed(targets.items()):  # children cleared before their parents
                     if target is not None:
+                        found = own_rows.keep(write.cur, target, side.key.sink, self.received, len(kept))
+                        kept += [(write, found)] if found is not None else []
                         self._clear(write.cur, side, mine[table], target, TableState.SYNCED)
                         copies.setdefault(table, []).append((side, write, target, mine[table].table_id))
             for table in group:  # parents copied before their children
@@ -275,6 +280,8 @@ class TableSnapshot:
                         rows_copied=count,
                     )
                     written.append((side, table, count))
+            for write, found in kept:
+                own_rows.restore(write.cur, found)
             if written:
                 fault_point("table_snapshot_before_commit")
             while opened:
@@ -290,16 +297,19 @@ class TableSnapshot:
 
     # --- on Spark -----------------------------------------------------------------------------
     def linked(self) -> set[TableName]:
-        """The tables a sink links by a foreign key to another of this snapshot's. The range tasks
-        write each range in a transaction of its own, a child's beside its parent's: such a sink
-        refused a child's range copied before its parent's, so the driver writes these in process
-        (``part(...).write()``, in one sink transaction, as a cycle does)."""
+        """The tables the driver writes in process (``part(...).write()``, in one sink transaction,
+        as a cycle does), not by range tasks, each range in a transaction of its own: those a sink
+        links by a foreign key to another of this snapshot's (a child's range copied before its
+        parent's was refused), and those a sink federates onward, both ways (its own rows not sent
+        back yet are kept through the snapshot's transaction: ``own_rows``)."""
         found: set[references.Edge] = set()
+        onward: set[TableName] = set()
         for side in self.sinks:
             with side.conn.cursor() as cur:
                 found |= references.edges(cur, [t.table for t in side.tables])
+                onward |= {t.table for t in side.tables if own_rows.onward(cur, str(t.table)) is not None}
             side.conn.rollback()
-        return {table for edge in found for table in edge}
+        return {table for edge in found for table in edge} | onward
 
     def part(self, tables: Collection[TableName]) -> TableSnapshot:
         """This snapshot (its source's transaction, split, run and report) for ``tables`` only."""
