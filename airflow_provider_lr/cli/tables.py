@@ -18,7 +18,7 @@ from airflow_provider_lr.cli.common import (
 )
 from airflow_provider_lr.engine.errors import LRError, listing, one_line
 from airflow_provider_lr.engine.store import topology as topologies
-from airflow_provider_lr.engine.tables import closing
+from airflow_provider_lr.engine.tables import closed_notes, closing
 from airflow_provider_lr.engine.tables import registry as table_registry
 from airflow_provider_lr.engine.tables.definition import TableName
 
@@ -121,7 +121,7 @@ def _tell_sinks(topo: topologies.Topology, sinks: list[str], source: str, table:
         try:
             conn = connector(topo)(sink)
             try:
-                table_registry.note_closed_copy(conn, table, source, client)
+                closed_notes.note_closed_copy(conn, table, source, client)
             finally:
                 conn.close()
         except (LRError, psycopg2.Error) as exc:

@@ -123,7 +123,7 @@ def test_lr_tables_close_stops_replicating_a_table_sinks_keep_their_copy_and_reo
     out = capsys.readouterr().out
     assert "site-a: public.accounts closed" in out and "site-b, site-c keep their copy" in out
     for sink in (sink_b, sink_c):  # each sink told: a failover promoting it leaves the table closed
-        assert sink.query("SELECT closed_table_id FROM lr.registry WHERE stream_name = 'public.accounts'") == [(1,)]
+        assert sink.query("SELECT source_site_id FROM lr.sink_tables WHERE closed_at_source") == [("site-a",)]
     assert source.query(
         "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'public.accounts'::regclass AND tgname LIKE 'lr_capture%%'"
     ) == [(0,)]

@@ -33,7 +33,7 @@ from psycopg2 import sql
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError
 from airflow_provider_lr.engine.source.moved import sourced_elsewhere
 from airflow_provider_lr.engine.store import sink_sessions, source_sessions
-from airflow_provider_lr.engine.tables import capturable, registry, sequences
+from airflow_provider_lr.engine.tables import capturable, closed_notes, registry, sequences
 from airflow_provider_lr.engine.tables import sink as sink_tables
 from airflow_provider_lr.engine.tables.definition import TableName
 from airflow_provider_lr.engine.tables.registry import FederatedTable
@@ -146,7 +146,7 @@ def take_over(cur: psycopg2.extensions.cursor, old_source: str, client: str) -> 
     are this site's own and its sequences are past them. Tables it does not hold synced are left
     as they are."""
     taken = []
-    closed = registry.closed_copies(cur, old_source, client)  # closed at the old source: they stay so
+    closed = closed_notes.closed_copies(cur, old_source, client)  # closed at the old source: they stay so
     for name, state in held_from(cur, old_source, client).items():
         if state != TableState.SYNCED or name in closed:
             continue
@@ -184,7 +184,7 @@ def follow(
     next cycle of the session (the cut of tables). A table the new source does not capture stays
     as it is, and ``diverged`` shows it. Returns table -> what was done."""
     captured = {str(t.table): t for t in federated}
-    closed = registry.closed_copies(cur, old_source, client)
+    closed = closed_notes.closed_copies(cur, old_source, client)
     done = {}
     for name, state in held_from(cur, old_source, client).items():
         table = captured.get(name)
@@ -304,7 +304,7 @@ def diverged(conn: psycopg2.extensions.connection) -> list[Divergence]:
         closed: dict[tuple[str, str], set[str]] = {}  # (source, client) -> its closed copies, read once
         for name, client, source, gone, to in rows:
             if (source, client) not in closed:
-                closed[source, client] = registry.closed_copies(cur, source, client)
+                closed[source, client] = closed_notes.closed_copies(cur, source, client)
             if name in closed[source, client]:
                 continue  # closed at its source (lr tables close): kept on purpose, not a divergence
             session = SessionKey(source, here, client)

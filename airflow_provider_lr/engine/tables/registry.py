@@ -224,58 +224,6 @@ def _note_closed(conn: psycopg2.extensions.connection, cur: psycopg2.extensions.
         )
 
 
-def note_closed_copy(conn: psycopg2.extensions.connection, name: str, source: str, client: str) -> bool:
-    """At a sink: record that ``source`` closed ``name`` (``lr tables close`` tells each sink it
-    reaches), on the copy's registry row: the federation it holds is closed (V0031). A failover that
-    promotes this site then leaves the table closed, and the copy's own: before, the promotion
-    federated it again and every other sink's copy was replaced by this one's. False: no copy here
-    (or an older schema). One transaction."""
-    table = TableName.parse(name)
-    try:
-        if not schema.at_least(conn, closed_tables.CLOSED_TABLE_ID_SCHEMA):
-            return False
-        with conn.cursor() as cur:
-            cur.execute(
-                "UPDATE lr.registry g SET closed_table_id = t.source_table_id FROM lr.sink_tables t "
-                "WHERE g.stream_name = %(name)s AND g.kind = 'table' AND g.table_id IS NULL "
-                "AND t.table_name = g.stream_name AND t.source_site_id = %(source)s AND t.client_name = %(client)s",
-                {"name": str(table), "source": source, "client": client},
-            )
-            noted = cur.rowcount > 0
-        conn.commit()
-        return noted
-    except BaseException:
-        conn.rollback()
-        raise
-
-
-def copy_renewed(cur: psycopg2.extensions.cursor, table: TableName) -> None:
-    """At a sink taking a snapshot of ``table`` (a live federation of a source): a closed federation
-    noted on its registry row is over. Table ids are drawn per site, so a new source's id may equal
-    the closed one and ``closed_copies`` then took the live copy for closed (a failover left it
-    uncaptured and its sinks' copies stale)."""
-    if schema.at_least(cur.connection, closed_tables.CLOSED_TABLE_ID_SCHEMA):
-        cur.execute(
-            "UPDATE lr.registry SET closed_table_id = NULL WHERE stream_name = %s AND kind = 'table' "
-            "AND table_id IS NULL AND closed_table_id IS NOT NULL",
-            (str(table),),
-        )
-
-
-def closed_copies(cur: psycopg2.extensions.cursor, source: str, client: str) -> set[str]:
-    """The tables this site holds from ``source`` for ``client`` whose federation ``source`` closed
-    (``note_closed_copy``): a failover leaves them closed, and they do not diverge."""
-    if not schema.at_least(cur.connection, closed_tables.CLOSED_TABLE_ID_SCHEMA):
-        return set()
-    cur.execute(
-        "SELECT t.table_name FROM lr.sink_tables t JOIN lr.registry g ON g.stream_name = t.table_name "
-        "AND g.kind = 'table' AND g.closed_table_id = t.source_table_id AND g.table_id IS NULL "
-        "WHERE t.source_site_id = %s AND t.client_name = %s",
-        (source, client),
-    )
-    return {name for (name,) in cur.fetchall()}
-
-
 def federate(
     cur: psycopg2.extensions.cursor, table: TableName, client: str, current: RegisteredTable | None
 ) -> RegisteredTable:

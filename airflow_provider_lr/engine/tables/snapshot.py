@@ -38,7 +38,7 @@ from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, TableSplits
 from airflow_provider_lr.engine.store.sink_sessions import FencedTransaction
-from airflow_provider_lr.engine.tables import own_rows, references, registry
+from airflow_provider_lr.engine.tables import closed_notes, own_rows, references
 from airflow_provider_lr.engine.tables import sink as sink_tables
 from airflow_provider_lr.engine.tables.definition import TableDefinition, TableName, read_definition
 from airflow_provider_lr.engine.tables.range_copy import ROWS_ESTIMATE, KeyRange, copy_to_targets, plan_ranges
@@ -451,7 +451,7 @@ class TableSnapshot:
     ) -> None:
         """The source's rows of ``target`` cleared, the table recorded in ``state`` under this run."""
         sink_tables.clear(cur, target)
-        registry.copy_renewed(cur, table.table)
+        closed_notes.copy_renewed(cur, table.table, side.key.source, side.key.client)
         sink_tables.record(
             cur,
             side.key.source,

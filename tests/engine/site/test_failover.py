@@ -20,7 +20,7 @@ from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachabl
 from airflow_provider_lr.engine.site import failover, status
 from airflow_provider_lr.engine.site import topology as topologies
 from airflow_provider_lr.engine.site.replicator import run_until_idle
-from airflow_provider_lr.engine.tables import registry
+from airflow_provider_lr.engine.tables import closed_notes, registry
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 from tests.support.session import App, apply, queue, sink_queue, table_provider
@@ -387,7 +387,7 @@ def test_after_failover_the_promoted_site_captures_the_table_and_every_other_sin
     conn.close()
     for sink in (site_b, site_c):
         conn = sink.connect()
-        assert registry.note_closed_copy(conn, "public.notes", A, "policy")
+        assert closed_notes.note_closed_copy(conn, "public.notes", A, "policy")
         conn.close()
     site_c.query("INSERT INTO public.notes VALUES (2, 'own')")  # site-c's own since the close
 

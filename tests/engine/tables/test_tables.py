@@ -11,7 +11,7 @@ from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import FullSyncError, TableError
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.source import full_sync
-from airflow_provider_lr.engine.tables import registry
+from airflow_provider_lr.engine.tables import closed_notes, registry
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.support.session import apply, apply_to, queue, replicator, run_crashing_replicator, wait_for
 from tests.support.tables import (
@@ -188,6 +188,31 @@ def test_two_sources_into_one_sink_table_never_clear_each_others_rows(lr_sites):
     a.query("TRUNCATE public.accounts")
     sync(repl)
     assert rows(sink) == rows(b)
+    # closed at a (the sink told, as lr tables close tells it), then b's snapshot again: the close is
+    # a's, b's snapshot does not end it. Before, any snapshot of the table cleared the sink's mark, so
+    # a failover of a's sessions promoting the sink federated the closed table again
+    conn = a.connect()
+    try:
+        registry.close_table(conn, "public.accounts")
+    finally:
+        conn.close()
+    conn = sink.connect()
+    try:
+        assert closed_notes.note_closed_copy(conn, "public.accounts", "site-a", "policy")
+    finally:
+        conn.close()
+    federate(b, federated=False)
+    federate(b)
+    b.query("INSERT INTO public.accounts (id, owner) VALUES (2001, 'b')")
+    sync(repl)
+    assert rows(sink) == rows(b)
+    conn = sink.connect()
+    try:
+        with conn.cursor() as cur:
+            assert closed_notes.closed_copies(cur, "site-a", "policy") == {"public.accounts"}
+            assert closed_notes.closed_copies(cur, "site-b", "policy") == set()
+    finally:
+        conn.close()
 
 
 def test_a_sink_table_of_another_shape_refuses_the_session_until_it_is_fixed(lr_sites):
