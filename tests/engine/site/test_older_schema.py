@@ -120,15 +120,12 @@ def test_a_subscriber_started_before_lr_init_at_its_sink_waits_for_it_then_deliv
     waits for the schema (bounded, each try counted with that error) and delivers once lr is there;
     one whose site never gets it (a wrong database in the DSN) ends after the wait, saying so; so does
     a relay's subscription."""
-    monkeypatch.setattr(wakeup, "SCHEMA_WAIT", 1.0, raising=False)
+    monkeypatch.setattr(wakeup, "SCHEMA_WAIT", 60.0, raising=False)  # lr init below may take seconds on a busy machine
     source, sink, never = sites
     with pytest.raises(SchemaError, match=r"has no lr schema; run `lr init`"):
         RoutingQueueSubscriber(sink.dsn, "policy").poll(Recorder())
     consumed = Recorder()
     waiting = Background(lambda stop: RoutingQueueSubscriber(sink.dsn, "policy", poll_interval=0.1).run(consumed, stop))
-    wrong_db = Background(
-        lambda stop: RoutingQueueSubscriber(never.dsn, "policy", poll_interval=0.1).run(Recorder(), stop)
-    )
     lr_init(source)
     lr_init(sink)
     topo = apply([source, sink], [{"source": A, "sinks": [B], "clients": ["policy"]}])
@@ -141,6 +138,10 @@ def test_a_subscriber_started_before_lr_init_at_its_sink_waits_for_it_then_deliv
         time.sleep(0.05)
     stats = waiting.stop()
     assert stats.failures >= 1 and "run `lr init`" in stats.errors[0], stats
+    monkeypatch.setattr(wakeup, "SCHEMA_WAIT", 1.0, raising=False)  # the wait is read at each try
+    wrong_db = Background(
+        lambda stop: RoutingQueueSubscriber(never.dsn, "policy", poll_interval=0.1).run(Recorder(), stop)
+    )
     wrong_db.thread.join(10)
     assert isinstance(wrong_db.error, SchemaError) and "has no lr schema" in str(wrong_db.error), wrong_db.error
     assert "waited 1 s" in str(wrong_db.error)
