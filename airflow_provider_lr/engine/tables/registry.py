@@ -322,17 +322,21 @@ def federate(
     if cur.rowcount != 1:
         raise TableError(f"{table} is registered here as something else than a table")
     stop_capture(cur, table)
+    # the columns' types now: a statement made after one of them changed carries them (V0036)
+    cur.execute("SELECT lr.capture_column_types(%s::regclass)", (table.ident.as_string(cur),))
+    (types,) = cur.fetchone()
     for operation, referencing in _TRIGGERS.items():
         cur.execute(
             sql.SQL(
                 "CREATE TRIGGER {} AFTER {} ON {} " + referencing + " FOR EACH STATEMENT"
-                " EXECUTE FUNCTION lr.capture_table_changes({}, {})"
+                " EXECUTE FUNCTION lr.capture_table_changes({}, {}, {})"
             ).format(
                 sql.Identifier(trigger_name(operation)),
                 sql.SQL(operation),
                 table.ident,
                 sql.Literal(client),
                 sql.Literal(str(table_id)),
+                sql.Literal(types),
             )
         )
     result = read(cur, table)

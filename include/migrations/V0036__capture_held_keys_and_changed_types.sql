@@ -5,6 +5,25 @@
 -- had put there; the row was lost at every sink while the source kept it. Now, for such a key
 -- only, the statement's gone keys some row still holds are followed by those rows' images.
 -- Otherwise unchanged (a table whose key is immediate pays nothing more).
+--
+-- And it says when a column's type changed at the source since the table was opened (ALTER TABLE
+-- ... ALTER COLUMN ... TYPE): a sink whose column kept the old type took the rows by it, silently
+-- (numeric(10,4) values rounded into a numeric(10,2) column, for good). The capture triggers are
+-- given the columns' types when the table is opened (lr.capture_column_types, their third
+-- argument); a statement whose table's types differ from them carries them in each entry
+-- ("types"), and a sink whose column has another type refuses the batch, naming the column.
+CREATE FUNCTION lr.capture_column_types(lr_rel pg_catalog.regclass) RETURNS pg_catalog.text
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    -- what the capture trigger computes (its search_path too, so a type outside pg_catalog prints
+    -- with its schema, as the sinks' shape reads it)
+    SELECT pg_catalog.jsonb_object_agg(lr_a.attname::pg_catalog.text,
+                                       pg_catalog.format_type(lr_a.atttypid, lr_a.atttypmod))::pg_catalog.text
+    FROM pg_catalog.pg_attribute lr_a
+    WHERE lr_a.attrelid = lr_rel AND lr_a.attnum > 0 AND NOT lr_a.attisdropped AND lr_a.attgenerated = ''
+$$;
+
 CREATE OR REPLACE FUNCTION lr.capture_table_changes() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -30,6 +49,7 @@ DECLARE
     lr_deferred  boolean; -- the primary key is DEFERRABLE: a key may be held twice between statements
     lr_held      text;    -- the key columns, as a column list for lr_row (rows still holding a gone key)
     lr_gone      text;    -- the statement's gone keys (old keys of moved rows, deleted rows' keys)
+    lr_types     jsonb;   -- each column's type now; an entry's "types" when they changed since the open
 BEGIN
     IF pg_catalog.current_setting('lr.applying', true) = 'on' THEN
         RETURN NULL;
@@ -59,12 +79,12 @@ BEGIN
     IF lr_keys IS NULL THEN
         SELECT lr_g.key_columns INTO lr_keys FROM lr.registry lr_g WHERE lr_g.table_id = lr_table_id;
     END IF;
-    WITH RECURSIVE lr_base (attname, attgenerated, typid, depth, attnum) AS (
-        SELECT lr_a.attname::text, lr_a.attgenerated, lr_a.atttypid, 0, lr_a.attnum
+    WITH RECURSIVE lr_base (attname, attgenerated, typid, depth, attnum, typmod) AS (
+        SELECT lr_a.attname::text, lr_a.attgenerated, lr_a.atttypid, 0, lr_a.attnum, lr_a.atttypmod
         FROM pg_catalog.pg_attribute lr_a
         WHERE lr_a.attrelid = TG_RELID AND lr_a.attnum > 0 AND NOT lr_a.attisdropped
         UNION ALL  -- a domain's base type (domains over domains too)
-        SELECT lr_b.attname, lr_b.attgenerated, lr_t.typbasetype, lr_b.depth + 1, lr_b.attnum
+        SELECT lr_b.attname, lr_b.attgenerated, lr_t.typbasetype, lr_b.depth + 1, lr_b.attnum, lr_b.typmod
         FROM lr_base lr_b JOIN pg_catalog.pg_type lr_t ON lr_t.oid = lr_b.typid
         WHERE lr_t.typtype = 'd' AND lr_b.depth < 10
     )
@@ -81,9 +101,18 @@ BEGIN
                                                             AND lr_x.casttarget = 'pg_catalog.json'::regtype))), '{}'),
            coalesce(pg_catalog.array_agg(DISTINCT lr_b.attname) FILTER (
                WHERE lr_b.attgenerated = '' AND lr_b.attname <> ALL (lr_keys)
-                 AND lr_t.oid IN ('pg_catalog.float4'::regtype, 'pg_catalog.float8'::regtype)), '{}')
-    INTO lr_columns, lr_nonkey, lr_generated, lr_text, lr_floats
+                 AND lr_t.oid IN ('pg_catalog.float4'::regtype, 'pg_catalog.float8'::regtype)), '{}'),
+           pg_catalog.jsonb_object_agg(lr_b.attname, pg_catalog.format_type(lr_b.typid, lr_b.typmod))
+               FILTER (WHERE lr_b.depth = 0 AND lr_b.attgenerated = '')
+    INTO lr_columns, lr_nonkey, lr_generated, lr_text, lr_floats, lr_types
     FROM lr_base lr_b JOIN pg_catalog.pg_type lr_t ON lr_t.oid = lr_b.typid;
+    -- the types as lr.capture_column_types gave them when the table was opened (a trigger made
+    -- before V0036 has none): the same, nothing more is carried
+    IF TG_NARGS > 2 AND lr_types::text IS DISTINCT FROM TG_ARGV[2] THEN
+        lr_types := pg_catalog.jsonb_build_object('types', lr_types);
+    ELSE
+        lr_types := '{}';
+    END IF;
     -- a float -0 (not a key: keys are text already): to_jsonb writes a float as a numeric, which has
     -- no -0, so the floats go as text when the rows are built column by column anyway, or when a
     -- row holds a -0 (only then: that costs the writer a dynamic statement). JSON prints a -0 float
@@ -106,7 +135,7 @@ BEGIN
                         ELSE 'pg_catalog.jsonb_build_object(%L, pg_catalog.to_jsonb(lr_row.%I))' END, lr_col, lr_col),
                    ' || ' ORDER BY lr_ord)
         INTO lr_image FROM pg_catalog.unnest(lr_columns) WITH ORDINALITY lr_c(lr_col, lr_ord);
-        lr_extra := pg_catalog.jsonb_build_object('text', lr_text);
+        lr_extra := pg_catalog.jsonb_build_object('text', lr_text) || lr_types;
         -- the same statements as below, with text columns; $1..$6 are the variables they use
         IF TG_OP = 'UPDATE' THEN
             EXECUTE pg_catalog.format($q$
@@ -142,8 +171,8 @@ BEGIN
     IF TG_OP = 'UPDATE' THEN  -- the old key of every row whose key changed goes first
         INSERT INTO lr.log_entries (stream, tag_ids, client_id, table_id, message)
         SELECT 3, lr_tags, lr_client_id, lr_table_id,
-               pg_catalog.convert_to(pg_catalog.jsonb_build_object(
-                   'op', 'd', 'rows', pg_catalog.jsonb_agg(lr_gone.lr_key ORDER BY lr_gone.lr_seq))::text, 'UTF8')
+               pg_catalog.convert_to((pg_catalog.jsonb_build_object(
+                   'op', 'd', 'rows', pg_catalog.jsonb_agg(lr_gone.lr_key ORDER BY lr_gone.lr_seq)) || lr_types)::text, 'UTF8')
         FROM (SELECT lr_k.lr_key, pg_catalog.row_number() OVER (ORDER BY lr_k.lr_seq) AS lr_seq
               FROM (SELECT pg_catalog.to_jsonb(lr_o.*) - lr_nonkey AS lr_key, pg_catalog.row_number() OVER () AS lr_seq
                     FROM lr_old lr_o) lr_k
@@ -156,8 +185,8 @@ BEGIN
     IF TG_OP = 'DELETE' THEN
         INSERT INTO lr.log_entries (stream, tag_ids, client_id, table_id, message)
         SELECT 3, lr_tags, lr_client_id, lr_table_id,
-               pg_catalog.convert_to(pg_catalog.jsonb_build_object(
-                   'op', 'd', 'rows', pg_catalog.jsonb_agg(lr_gone.lr_key ORDER BY lr_gone.lr_seq))::text, 'UTF8')
+               pg_catalog.convert_to((pg_catalog.jsonb_build_object(
+                   'op', 'd', 'rows', pg_catalog.jsonb_agg(lr_gone.lr_key ORDER BY lr_gone.lr_seq)) || lr_types)::text, 'UTF8')
         FROM (SELECT pg_catalog.to_jsonb(lr_o.*) - lr_nonkey AS lr_key,
                      pg_catalog.row_number() OVER () AS lr_seq FROM lr_old lr_o) lr_gone
         GROUP BY (lr_gone.lr_seq - 1) / 500
@@ -165,8 +194,8 @@ BEGIN
     ELSE
         INSERT INTO lr.log_entries (stream, tag_ids, client_id, table_id, message)
         SELECT 3, lr_tags, lr_client_id, lr_table_id,
-               pg_catalog.convert_to(pg_catalog.jsonb_build_object(
-                   'op', 'u', 'rows', pg_catalog.jsonb_agg(lr_changed.lr_row ORDER BY lr_changed.lr_seq))::text, 'UTF8')
+               pg_catalog.convert_to((pg_catalog.jsonb_build_object(
+                   'op', 'u', 'rows', pg_catalog.jsonb_agg(lr_changed.lr_row ORDER BY lr_changed.lr_seq)) || lr_types)::text, 'UTF8')
         FROM (SELECT lr_s.lr_row, lr_s.lr_seq, (lr_s.lr_seq - 1) / 500 AS lr_part,
                      (lr_s.lr_upto - pg_catalog.pg_column_size(lr_s.lr_row)) / 8388608 AS lr_bytes
               FROM (SELECT lr_i.lr_row, pg_catalog.row_number() OVER lr_w AS lr_seq,
@@ -197,7 +226,7 @@ BEGIN
             GROUP BY (lr_held.lr_seq - 1) / 500
             ORDER BY (lr_held.lr_seq - 1) / 500 $q$,
             coalesce(lr_image, 'pg_catalog.to_jsonb(lr_row.*)'), TG_TABLE_SCHEMA, TG_TABLE_NAME, lr_held, lr_gone)
-        USING lr_tags, lr_client_id, lr_table_id, lr_generated, coalesce(lr_extra, '{}'::jsonb);
+        USING lr_tags, lr_client_id, lr_table_id, lr_generated, coalesce(lr_extra, lr_types);
     END IF;
     RETURN NULL;
 END
