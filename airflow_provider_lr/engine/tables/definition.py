@@ -160,7 +160,7 @@ def shape(table: TableName, columns: list[list[str]], key: list[str]) -> TableDe
 
 def changed_types(sink: TableDefinition, types: Mapping[str, str], columns: Iterable[str]) -> list[str]:
     """The ``columns`` of a change whose type at the source (``types``, what the capture carries once
-    a column's type changed there since the table was opened: V0036) is not the sink's: the sink
+    a column's type changed there since the table was opened: V0038) is not the sink's: the sink
     would take their values by its own type (a numeric rounded to its scale, a timestamp read in
     another zone), so the change is refused instead."""
     mine = {c.name: c.type for c in sink.columns}

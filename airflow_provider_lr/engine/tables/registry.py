@@ -322,7 +322,7 @@ def federate(
     if cur.rowcount != 1:
         raise TableError(f"{table} is registered here as something else than a table")
     stop_capture(cur, table)
-    # the columns' types now: a statement made after one of them changed carries them (V0036)
+    # the columns' types now: a statement made after one of them changed carries them (V0038)
     cur.execute("SELECT lr.capture_column_types(%s::regclass)", (table.ident.as_string(cur),))
     (types,) = cur.fetchone()
     for operation, referencing in _TRIGGERS.items():
@@ -440,7 +440,7 @@ def _quoted(identifier: str) -> str:
 # The relation a table's capture triggers run on, by the table id and client they carry (a table renamed
 # at the source keeps its triggers), when the relation of the registered name {name} has no such trigger
 # (none has that name, or a table made since under it): looked for only then, by the triggers' name.
-# Their first two arguments (a trigger made since V0036 has a third, the columns' types)
+# Their first two arguments (a trigger made since V0038 has a third, the columns' types)
 _ARGS = (
     "pg_catalog.convert_to({client}, 'UTF8') || '\\x00'::bytea || pg_catalog.convert_to({tid}::text, 'UTF8') "
     "|| '\\x00'::bytea"
