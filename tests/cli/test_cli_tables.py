@@ -83,6 +83,15 @@ def test_lr_tables_open_names_what_is_wrong(lr_sites, tmp_path, monkeypatch, cap
         cli.main(["tables", "open", "public.accounts", "--client", "policy", "--no-federated", "--topology", topo]) == 2
     )
     assert "--site" in capsys.readouterr().err
+    # no primary key: the unique index that can be it is named, with the statement (a NOT NULL one first)
+    source.query("CREATE TABLE public.keyless (a int UNIQUE, b int NOT NULL, c int, UNIQUE (b, c))")
+    source.query("CREATE UNIQUE INDEX keyless_b ON public.keyless (b)")
+    source.query("CREATE TABLE public.bare (a int)")
+    assert cli.main(["tables", "open", "public.keyless", "--client", "policy", "--topology", topo]) == 1
+    err = capsys.readouterr().err
+    assert "public.keyless has no primary key" in err and "ADD PRIMARY KEY USING INDEX keyless_b)" in err, err
+    assert cli.main(["tables", "open", "public.bare", "--client", "policy", "--topology", topo]) == 1
+    assert "public.bare has no primary key; lr applies changes by key, so it needs one" in capsys.readouterr().err
 
 
 def test_lr_sync_counts_the_rows_of_table_snapshots_it_wrote(lr_sites, tmp_path, monkeypatch, capsys):

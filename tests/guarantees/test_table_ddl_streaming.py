@@ -39,7 +39,19 @@ def test_a_column_added_at_the_sinks_first_takes_the_changes_made_before_the_sou
         source.query("UPDATE public.items SET extra = 8, id = 20 WHERE id = 2")
         source.query("DELETE FROM public.items WHERE id = 3")
         same_rows(source, sinks, "the changes before and after the source added the column")
-    assert ("(10,inserted,7)",) in rows(source, "public.items")
+        # a column's type changed at the source first: a sink keeping its type would take the values
+        # by it (1.2345 rounded to 1.23, for good, and said nothing before); the change is refused,
+        # naming the column, until the sink has the type, then arrives as it is
+        on_every_site(lr_sites, "ALTER TABLE public.items ADD COLUMN amount numeric(10,2)")
+        source.query("ALTER TABLE public.items ALTER COLUMN amount TYPE numeric(10,4)")
+        source.query("UPDATE public.items SET amount = 1.2345 WHERE id = 1")
+        refused = "column amount is numeric(10,4) on the source but numeric(10,2) on the sink"
+        wait_for(lambda: status_text(source).count(refused) == 2, 30, "each sink's refusal in lr status")
+        assert rows(sinks[0], "public.items") != rows(source, "public.items")  # nothing of it applied
+        on_every_site(sinks, "ALTER TABLE public.items ALTER COLUMN amount TYPE numeric(10,4)")
+        same_rows(source, sinks, "the change, once the sinks have the type")
+    assert ("(10,inserted,7,)",) in rows(source, "public.items")
+    assert ("(1,between,7,1.2345)",) in rows(source, "public.items")
 
 
 def test_a_key_column_renamed_at_every_site_keeps_key_changes_and_deletes_by_its_new_name(lr_sites):

@@ -41,6 +41,20 @@ def test_keys_shifted_over_each_other_and_swapped_keep_the_unique_values_with_th
     assert sorted(source.query("SELECT id, u FROM public.items")) == [(2, "u3"), (4, "u1"), (30, "u2")]
     for sink in sinks:
         assert rows(sink, "public.items") == expected
+    # the deferred key held by two rows between statements: a swap made one row at a time, then a
+    # row moved onto another's key and that other deleted. Before, the statement that left the key
+    # to the other row wrote it as gone: every sink deleted that row, for good, silently
+    in_one_transaction(
+        source,
+        "UPDATE public.items SET id = 4 WHERE u = 'u3'",  # 4 held twice
+        "UPDATE public.items SET id = 2 WHERE u = 'u1'",  # 4 left to u3
+        "UPDATE public.items SET id = 30 WHERE u = 'u3'",  # 30 held twice
+        "DELETE FROM public.items WHERE u = 'u2'",  # 30 left to u3
+    )
+    assert cycle_errors(sync(repl)) == []
+    assert sorted(source.query("SELECT id, u FROM public.items")) == [(2, "u1"), (30, "u3")]
+    for sink in sinks:
+        assert rows(sink, "public.items") == rows(source, "public.items")
 
 
 def test_a_sink_table_whose_primary_key_is_deferrable_takes_streamed_upserts_key_shifts_and_swaps(lr_sites):

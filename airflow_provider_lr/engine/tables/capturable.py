@@ -41,3 +41,26 @@ def not_capturable(cur: psycopg2.extensions.cursor, table: TableName) -> str | N
     if inherits:
         return "it has inheritance parents or children (a write to one of them would not be captured)"
     return None
+
+
+def without_key(cur: psycopg2.extensions.cursor, table: TableName) -> str:
+    """What ``lr tables open`` says of a table with no primary key: lr applies changes by key. A
+    unique index that can become the key (immediate, on plain columns, over every row: PostgreSQL's
+    logical replication could take it as the replica identity) is named, with the statement that
+    makes it the key; lr takes the primary key only (before, only "it needs one" was said)."""
+    cur.execute(
+        "SELECT pg_catalog.quote_ident(c.relname) FROM pg_catalog.pg_index i "
+        "JOIN pg_catalog.pg_class c ON c.oid = i.indexrelid "
+        "WHERE i.indrelid = pg_catalog.to_regclass(%s) AND i.indisunique AND i.indimmediate AND i.indisvalid "
+        "AND i.indpred IS NULL AND i.indexprs IS NULL AND i.indnatts = i.indnkeyatts "
+        "ORDER BY EXISTS (SELECT FROM pg_catalog.pg_attribute a WHERE a.attrelid = i.indrelid "
+        "AND a.attnum = ANY (i.indkey) AND NOT a.attnotnull), i.indnatts, c.relname LIMIT 1",  # NOT NULL first
+        (table.ident.as_string(cur),),
+    )
+    found = cur.fetchone()
+    how = (
+        f"its unique index {found[0]} can be it: ALTER TABLE {table} ADD PRIMARY KEY USING INDEX {found[0]}"
+        if found
+        else f"ALTER TABLE {table} ADD PRIMARY KEY (...)"
+    )
+    return f"table {table} has no primary key; lr applies changes by key, so it needs one ({how}), then open it again"

@@ -15,6 +15,7 @@ compared: a sink table the user created keeps the extras the user gave it.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import psycopg2.extensions
@@ -155,6 +156,19 @@ def read_definition(cur: psycopg2.extensions.cursor, table: TableName, extras: b
 def shape(table: TableName, columns: list[list[str]], key: list[str]) -> TableDefinition:
     """The definition ``SHAPE_COLUMNS`` read."""
     return TableDefinition(table, tuple(Column(n, t, nn == "true") for n, t, nn in columns), tuple(key))
+
+
+def changed_types(sink: TableDefinition, types: Mapping[str, str], columns: Iterable[str]) -> list[str]:
+    """The ``columns`` of a change whose type at the source (``types``, what the capture carries once
+    a column's type changed there since the table was opened: V0038) is not the sink's: the sink
+    would take their values by its own type (a numeric rounded to its scale, a timestamp read in
+    another zone), so the change is refused instead."""
+    mine = {c.name: c.type for c in sink.columns}
+    return [
+        f"column {n} is {types[n]} on the source but {mine[n]} on the sink"
+        for n in columns
+        if n in types and n in mine and types[n] != mine[n]
+    ]
 
 
 def check_same(source: TableDefinition, sink: TableDefinition, where: str) -> None:

@@ -27,7 +27,7 @@ from psycopg2 import sql
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.errors import TableError
 from airflow_provider_lr.engine.source import closed_tables, moved
-from airflow_provider_lr.engine.tables.capturable import not_capturable, without_binary_copy
+from airflow_provider_lr.engine.tables.capturable import not_capturable, without_binary_copy, without_key
 from airflow_provider_lr.engine.tables.definition import TableName, read_definition
 
 _TRIGGERS = {  # operation -> its transition tables (statement-level triggers see all rows at once)
@@ -234,7 +234,7 @@ def federate(
     if why:
         raise TableError(f"table {table} cannot be federated: {why}")
     if not definition.key:
-        raise TableError(f"table {table} has no primary key; lr applies changes by key, so it needs one")
+        raise TableError(without_key(cur, table))
     generated = [k for k in definition.key if k not in definition.column_names]  # the shape leaves them out
     if generated:
         raise TableError(
@@ -270,17 +270,21 @@ def federate(
     if cur.rowcount != 1:
         raise TableError(f"{table} is registered here as something else than a table")
     stop_capture(cur, table)
+    # the columns' types now: a statement made after one of them changed carries them (V0038)
+    cur.execute("SELECT lr.capture_column_types(%s::regclass)", (table.ident.as_string(cur),))
+    (types,) = cur.fetchone()
     for operation, referencing in _TRIGGERS.items():
         cur.execute(
             sql.SQL(
                 "CREATE TRIGGER {} AFTER {} ON {} " + referencing + " FOR EACH STATEMENT"
-                " EXECUTE FUNCTION lr.capture_table_changes({}, {})"
+                " EXECUTE FUNCTION lr.capture_table_changes({}, {}, {})"
             ).format(
                 sql.Identifier(trigger_name(operation)),
                 sql.SQL(operation),
                 table.ident,
                 sql.Literal(client),
                 sql.Literal(str(table_id)),
+                sql.Literal(types),
             )
         )
     result = read(cur, table)
@@ -383,7 +387,8 @@ def _quoted(identifier: str) -> str:
 
 # The relation a table's capture triggers run on, by the table id and client they carry (a table renamed
 # at the source keeps its triggers), when the relation of the registered name {name} has no such trigger
-# (none has that name, or a table made since under it): looked for only then, by the triggers' name
+# (none has that name, or a table made since under it): looked for only then, by the triggers' name.
+# Their first two arguments (a trigger made since V0038 has a third, the columns' types)
 _ARGS = (
     "pg_catalog.convert_to({client}, 'UTF8') || '\\x00'::bytea || pg_catalog.convert_to({tid}::text, 'UTF8') "
     "|| '\\x00'::bytea"
@@ -392,11 +397,11 @@ _RENAMED = (
     "CASE WHEN NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger h WHERE h.tgrelid = pg_catalog.to_regclass("
     "pg_catalog.quote_ident(pg_catalog.split_part({name}, '.', 1)) || '.' "
     "|| pg_catalog.quote_ident(pg_catalog.split_part({name}, '.', 2))) AND h.tgname = 'lr_capture_insert' "
-    "AND h.tgargs = " + _ARGS + ") THEN ("
+    "AND pg_catalog.substring(h.tgargs, 1, pg_catalog.length(" + _ARGS + ")) = " + _ARGS + ") THEN ("
     "SELECT ARRAY[n.nspname::text, c.relname::text] "
     "FROM pg_catalog.pg_trigger t JOIN pg_catalog.pg_class c ON c.oid = t.tgrelid "
     "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE t.tgname = 'lr_capture_insert' "
-    "AND t.tgargs = " + _ARGS + " LIMIT 1) END"
+    "AND pg_catalog.substring(t.tgargs, 1, pg_catalog.length(" + _ARGS + ")) = " + _ARGS + " LIMIT 1) END"
 )
 
 

@@ -37,6 +37,7 @@ from airflow_provider_lr.engine.tables.definition import (
     Column,
     TableDefinition,
     TableName,
+    changed_types,
     check_same,
     read_definition,
 )
@@ -282,6 +283,12 @@ class ChangeApplier:
                 f"{self._where()}: {bad} changed rows of {target.table} do not fit the sink's table "
                 f"(columns {', '.join(d.column_names)}): the source's table changed shape. Nothing of the batch "
                 "was applied; give the sink's table the same columns"
+            )
+        changed = changed_types(d, entry.get("types") or {}, carried if op == "u" else key_columns)
+        if changed:
+            raise SchemaMismatchError(
+                f"{self._where()}: the source's table {target.table} changed: {'; '.join(changed)}. Nothing of the "
+                "batch was applied; give the sink's column the source's type (ALTER TABLE ... ALTER COLUMN ... TYPE)"
             )
         absent = tuple(c for c in d.column_names if c not in carried)
         floats = {c.name for c in d.columns if c.name in text and c.type in _FLOATS}
