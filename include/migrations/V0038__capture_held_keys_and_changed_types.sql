@@ -107,7 +107,7 @@ BEGIN
     INTO lr_columns, lr_nonkey, lr_generated, lr_text, lr_floats, lr_types
     FROM lr_base lr_b JOIN pg_catalog.pg_type lr_t ON lr_t.oid = lr_b.typid;
     -- the types as lr.capture_column_types gave them when the table was opened (a trigger made
-    -- before V0036 has none): the same, nothing more is carried
+    -- before V0038 has none): the same, nothing more is carried
     IF TG_NARGS > 2 AND lr_types::text IS DISTINCT FROM TG_ARGV[2] THEN
         lr_types := pg_catalog.jsonb_build_object('types', lr_types);
     ELSE
