@@ -47,13 +47,14 @@ COPYING = "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND
 RETRY = StreamSettings(check_interval=0.2, ack_interval=0.05, retry_min=0.2, retry_max=2.0)
 
 
-def bounded(topo, dsns: dict[str, str]) -> Replicator:
+def bounded(topo, dsns: dict[str, str], membership: bool = False) -> Replicator:
     """A replicator connecting as ``lr sync`` does: through ``conninfo``, bounded by the topology."""
     return Replicator(
         topo,
         lambda site: conninfo.from_dsn(dsns[site]).with_timeouts(topo.timeouts).connect(),
         settings=SessionSettings(data_timeout=30.0, barrier_timeout=2.0, lease_seconds=30.0),
         providers={"policy": table_provider},
+        membership=membership,
     )
 
 
@@ -461,3 +462,46 @@ def test_a_stopping_lr_sync_waits_on_a_silent_site_its_stop_bound_not_a_call_dea
             DEADLINES.hurry(None)
             conn.close()
     assert stop.is_set() and stopped[0] < 0.5 + replication.STOPPING_CALLS_S + SLACK / 4
+
+
+@pytest.mark.timeout(60)  # (before: ~30 s by default, 3 calls of STOPPING_CALLS_S each, the streams joined unbounded)
+def test_lr_sync_stopped_while_its_source_is_frozen_stops_within_its_bound_and_the_next_run_delivers_every_entry_once(
+    lr_sites, monkeypatch
+):
+    """``lr sync`` streams from a source that then stops answering (SIGSTOP: every call hangs) and is
+    stopped (SIGTERM). The stream's call there is cut at ``STOPPING_CALLS_S``; every later call to
+    that server (the stream's last ack, its leases released, the membership left) fails at once,
+    the server known unreachable (``reach``), and the Streamer waits for its streams at most
+    ``stop_within``: the stop ends within the bound once, not once per call. Once the server answers
+    again, the next run delivers every entry once."""
+    monkeypatch.setattr(replication, "STOPPING_CALLS_S", 1.5, raising=False)
+    source, sink_b = lr_sites[0], lr_sites[1]
+    topo = apply(lr_sites, ONE_SINK, settings=BOUNDS)
+    app = App(source)
+    link = LinkProxy(source.conninfo.params["port"])
+    dsns = {"site-a": link.dsn(source.dsn), "site-b": sink_b.dsn, "site-c": lr_sites[2].dsn}
+    with link:
+        repl = bounded(topo, dsns, membership=True)  # as lr sync: a member at its sources
+        streaming = Streaming(repl, StreamSettings(**{**RETRY.__dict__, "stop_within": 2.5}))
+        with streaming:
+            streaming.streaming()
+            for i in range(5):
+                app.put(f"k{i}", i, ["site-b"])
+            wait_for(lambda: len(logs(sink_b)) == 5, 30, "the first entries to stream")
+            link.stall()
+            time.sleep(0.3)  # the stream is in a call to the frozen source
+            try:
+                started = time.monotonic()
+                replication._stop_asked(streaming.stop)  # the SIGTERM handler
+                streaming.thread.join(30)
+                repl.close()
+                took = time.monotonic() - started
+            finally:
+                DEADLINES.hurry(None)
+            for i in range(5, 10):  # written while the source's replicator link is down
+                app.put(f"k{i}", i, ["site-b"])
+        assert took < replication.STOPPING_CALLS_S + SLACK / 4, f"the stop took {took:.1f} s"
+        link.reset()  # the server answers again (SIGCONT): the stopped process's connections are closed
+        bounded(topo, dsns).run(max_cycles=20, until_idle=True, interval=0.05)
+    assert logs(sink_b) == [f"k{i}={i}" for i in range(10)]
+    app.close()
