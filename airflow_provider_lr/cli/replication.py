@@ -133,7 +133,7 @@ STOPPING = (
 )
 
 
-STOPPING_CALLS_S = 10.0  # a stopping lr sync: the longest any call of its waits (DEADLINES.hurry)
+STOPPING_CALLS_S = 3.0  # a stopping lr sync: the longest any call of its waits (DEADLINES.hurry)
 
 
 def _stop_asked(stop: threading.Event, now: bool = False) -> None:
