@@ -153,7 +153,11 @@ class Streamer:
                 source_stream.thread.join(max(0.0, until - time.monotonic()))
                 if source_stream.thread.is_alive():
                     behind.add(source)
-                    log.warning("stream of %s: still in a call to it %g s after the stop: left behind", source, self.options.stop_within)
+                    log.warning(
+                        "stream of %s: still in a call to it %g s after the stop: left behind",
+                        source,
+                        self.options.stop_within,
+                    )
         self.sources.clear()
         return behind
 
