@@ -21,6 +21,7 @@ from airflow_provider_lr.cli.common import (
     connector,
     listen_address,
     load_topology,
+    named,
     nonnegative_seconds,
     positive_int,
     with_topology,
@@ -263,6 +264,7 @@ def cmd_full_sync(args: argparse.Namespace) -> int:
     """Force a full sync of the chosen sessions (a sink, a source, a client, or all of them at
     once); ``--wait``: until each request is applied at its sink, by whichever replicator."""
     topo = load_topology(args)
+    named(topo, sites=(args.source, args.sink), clients=(args.client,))
     keys = topo.select(args.source, args.sink, args.client)
     check_topology(topo, {site for k in keys for site in (k.source, k.sink)})
     requests = full_sync.request_for_sessions(keys, connector(topo), args.reason)
