@@ -8,13 +8,16 @@ check (``keepalives_idle_s + keepalives_interval_s * keepalives_count``), ``DEAD
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import psycopg2.errors
 import psycopg2.sql
 import pytest
+import yaml
 
+from airflow_provider_lr import cli
 from airflow_provider_lr.cli import replication
 from airflow_provider_lr.engine.db import conninfo
 from airflow_provider_lr.engine.db.timeouts import DEADLINES, Purpose, Timeouts, lifted
@@ -25,7 +28,7 @@ from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.store import topology
 from airflow_provider_lr.engine.tables import copy as table_copy
 from tests.support.link_proxy import LinkProxy
-from tests.support.session import App, Streaming, apply, queue, table_provider, wait_for
+from tests.support.session import App, Streaming, apply, queue, table_provider, topology_doc, wait_for
 from tests.support.tables import create_accounts, federate, rows, sync
 
 ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
@@ -505,3 +508,36 @@ def test_lr_sync_stopped_while_its_source_is_frozen_stops_within_its_bound_and_t
         bounded(topo, dsns).run(max_cycles=20, until_idle=True, interval=0.05)
     assert logs(sink_b) == [f"k{i}={i}" for i in range(10)]
     app.close()
+
+
+@pytest.mark.timeout(90)  # (before: status and the full sync's check connected twice, the wait waited for nothing)
+def test_cli_commands_wait_for_a_frozen_sink_once_and_full_sync_wait_names_it_at_once(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """A sink that stopped answering (SIGSTOP: connects accepted, never answered) costs a command one
+    connect timeout, not one per connect: ``lr status`` read it, then its drift; ``lr full-sync``
+    checked it, then ``--wait`` waited out its whole bound for a request the sink cannot apply
+    (71 s with --wait 60), naming nobody. Now the wait is not made for it: one line names the sink."""
+    source, sink_b, sink_c = lr_sites
+    link = LinkProxy(sink_b.conninfo.params["port"])
+    for site in lr_sites:
+        conn = site.server.airflow_conn(site.dbname)
+        conn["port"] = link.port if site is sink_b else conn["port"]
+        monkeypatch.setenv(f"AIRFLOW_CONN_LR_HUNG_{site.site_id[-1].upper()}", json.dumps(conn))
+    doc = topology_doc(lr_sites, ONE_SINK, settings=BOUNDS, conn_ids=lambda s: f"lr_hung_{s[-1]}")
+    (tmp_path / "topo.yaml").write_text(yaml.safe_dump(doc))
+    topo = str(tmp_path / "topo.yaml")
+    with link:
+        assert cli.main(["topology", "apply", "--topology", topo]) == 0
+        link.stall()
+        for command, code in ((["status"], 2), (["full-sync", "--wait", "20"], 1)):
+            capsys.readouterr()
+            tried, started = link.accepted, time.monotonic()
+            assert cli.main([*command, "--topology", topo]) == code, capsys.readouterr()
+            took = time.monotonic() - started
+            assert link.accepted - tried == 1, (
+                f"lr {command[0]} connected to the frozen sink {link.accepted - tried} times"
+            )
+            assert took < BOUNDS["connect_timeout_s"] + SLACK / 2, f"lr {command[0]} took {took:.1f} s"
+        out = capsys.readouterr().out
+        assert "site-a->site-b/policy: not applied: its sink site-b does not answer (connect: " in out, out
