@@ -24,6 +24,7 @@ from airflow_provider_lr.cli.common import (
     named,
     nonnegative_seconds,
     positive_int,
+    unreachable,
     with_topology,
 )
 from airflow_provider_lr.engine import progress
@@ -262,7 +263,9 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 def cmd_full_sync(args: argparse.Namespace) -> int:
     """Force a full sync of the chosen sessions (a sink, a source, a client, or all of them at
-    once); ``--wait``: until each request is applied at its sink, by whichever replicator."""
+    once); ``--wait``: until each request is applied at its sink, by whichever replicator (the
+    seconds counted from the command's start: a site's connect timeout is in them)."""
+    started = time.monotonic()
     topo = load_topology(args)
     named(topo, sites=(args.source, args.sink), clients=(args.client,))
     keys = topo.select(args.source, args.sink, args.client)
@@ -274,13 +277,22 @@ def cmd_full_sync(args: argparse.Namespace) -> int:
     if args.wait is None:
         print("`lr sync`, lr_streaming or the lr_replication DAG carries them out (`lr full-sync --wait` waits)")
         return 0
-    outcomes = _wait_applied(topo, {key: r.request_id for key, r in requests.items()}, args.wait)
-    for key, found in outcomes.items():
+    # a sink that did not answer the topology check (a stopped server) cannot apply its request
+    # meanwhile: not waited for (the wait took --wait more, then named nobody), said at once
+    lost = {site: why for site in sorted({k.sink for k in requests}) if (why := unreachable(topo, site))}
+    waited = {key: r.request_id for key, r in requests.items() if key.sink not in lost}
+    outcomes = _wait_applied(topo, waited, max(0.0, started + args.wait - time.monotonic())) if waited else {}
+    for key in requests:
+        if key.sink in lost:
+            print(f"  {key}: not applied: its sink {key.sink} does not answer ({lost[key.sink]}); not waited for")
+            continue
+        found = outcomes.get(key)
         said = found.describe() if found is not None else "request gone"
         if found is not None and found.outcome is full_sync.Outcome.PENDING:
             said += _who_works_on(topo, key)
         print(f"  {key}: {said}")
-    return 0 if all(f is not None and f.outcome is full_sync.Outcome.APPLIED for f in outcomes.values()) else 1
+    applied = all(f is not None and f.outcome is full_sync.Outcome.APPLIED for f in outcomes.values())
+    return 0 if applied and not lost else 1
 
 
 def _who_works_on(topo: topologies.Topology, key: SessionKey) -> str:
