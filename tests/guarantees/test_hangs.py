@@ -510,12 +510,12 @@ def test_lr_sync_stopped_while_its_source_is_frozen_stops_within_its_bound_and_t
     app.close()
 
 
-@pytest.mark.timeout(90)  # (before: status and the full sync's check connected twice, the wait waited for nothing)
+@pytest.mark.timeout(90)  # (before: tables list connected twice, the wait waited for nothing)
 def test_cli_commands_wait_for_a_frozen_sink_once_and_full_sync_wait_names_it_at_once(
     lr_sites, tmp_path, monkeypatch, capsys
 ):
     """A sink that stopped answering (SIGSTOP: connects accepted, never answered) costs a command one
-    connect timeout, not one per connect: ``lr status`` read it, then its drift; ``lr full-sync``
+    connect timeout, not one per connect: ``lr tables list`` checked it, then read it; ``lr full-sync``
     checked it, then ``--wait`` waited out its whole bound for a request the sink cannot apply
     (71 s with --wait 60), naming nobody. Now the wait is not made for it: one line names the sink."""
     source, sink_b, sink_c = lr_sites
@@ -530,7 +530,7 @@ def test_cli_commands_wait_for_a_frozen_sink_once_and_full_sync_wait_names_it_at
     with link:
         assert cli.main(["topology", "apply", "--topology", topo]) == 0
         link.stall()
-        for command, code in ((["status"], 2), (["full-sync", "--wait", "20"], 1)):
+        for command, code in ((["tables", "list"], 2), (["full-sync", "--wait", "20"], 1)):
             capsys.readouterr()
             tried, started = link.accepted, time.monotonic()
             assert cli.main([*command, "--topology", topo]) == code, capsys.readouterr()
