@@ -20,7 +20,7 @@ import yaml
 from airflow_provider_lr import cli
 from airflow_provider_lr.cli import replication
 from airflow_provider_lr.engine.db import conninfo
-from airflow_provider_lr.engine.db.timeouts import DEADLINES, Purpose, Timeouts, lifted
+from airflow_provider_lr.engine.db.timeouts import DEADLINES, Purpose, Timeouts, cap, failure, lifted
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.session import snapshot_sync
 from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
@@ -541,3 +541,23 @@ def test_cli_commands_wait_for_a_frozen_sink_once_and_full_sync_wait_names_it_at
             assert took < BOUNDS["connect_timeout_s"] + SLACK / 2, f"lr {command[0]} took {took:.1f} s"
         out = capsys.readouterr().out
         assert "site-a->site-b/policy: not applied: its sink site-b does not answer (connect: " in out, out
+
+
+@pytest.mark.timeout(30)
+def test_a_step_cut_at_its_deadline_fails_with_that_reason_not_with_its_rollbacks_closed_connection(lr_sites):
+    """``lr tables open`` whose backend was stopped (SIGSTOP of that one backend) was cut at its call
+    deadline, then said "InterfaceError: connection already closed": its ``except: rollback();
+    raise`` met the cut connection and raised that instead. A cut connection has nothing to roll
+    back (its server ends the transaction with the backend): the step's own error is raised."""
+    with LinkProxy(lr_sites[0].conninfo.params["port"]) as link:
+        conn = cap(conninfo.from_dsn(link.dsn(lr_sites[0].dsn)).connect(), 1.0)
+        link.stall()
+        with pytest.raises(psycopg2.OperationalError) as raised:
+            try:
+                conn.cursor().execute("SELECT 1")
+            except BaseException:
+                conn.rollback()
+                raise
+        conn.close()
+    assert failure(raised.value).startswith(f"{conn.describe()} gave no answer within its call deadline of 1 s")
+    assert "127.0.0.1" in conn.describe()
