@@ -184,7 +184,7 @@ class Deadlines:
             return None
         if self.hurried is not None:
             seconds = min(seconds, self.hurried)
-        earlier = reach.known(conn.server)
+        earlier = None if conn.was_cut else reach.known(conn.server)  # (a cut one fails as it is)
         if earlier is not None:  # its server made this command wait once already: the call fails at once
             self._cut(conn, 0, earlier)
             return None
@@ -294,12 +294,14 @@ class Deadlines:
         """Shut ``conn``'s socket: its call fails now. ``seconds`` 0: its server was found unreachable
         earlier in this command (``reach``; ``why`` says how), not waited for again."""
         self.cut += 1
-        conn.was_cut, conn.cut_after_s, conn.cut_earlier = True, seconds, why if not seconds else ""
+        described = conn.describe()  # (while its host is known: closed, its info has none)
+        if not conn.was_cut:  # the first cut says why (a later call on it only meets the closed link)
+            conn.was_cut, conn.cut_after_s, conn.cut_earlier = True, seconds, why if not seconds else ""
         if seconds:
             reach.lost(conn.server, f"a call gave no answer within {seconds:.0f} s")
         else:
             log.debug(
-                "%s: not waited for: its server did not answer earlier in this command (%s)", conn.describe(), why
+                "%s: not waited for: its server did not answer earlier in this command (%s)", described, why
             )
         orphans.record(conn)
         try:
@@ -390,22 +392,29 @@ class BoundedConnection(psycopg2.extensions.connection):
     cut_after_s = 0.0  # the deadline that cut it
     cut_earlier = ""  # cut at once: how its server was found unreachable earlier in the command (``reach``)
     server: str | None = None  # ``reach.key`` of its parameters
+    _where = "?"  # host:port, as ``describe`` last saw it open
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.cursor_factory = BoundedCursor
 
     def describe(self) -> str:
-        try:
-            where = f"{self.info.host}:{self.info.port}"
+        try:  # a closed connection's info has no host: the one it had, once seen
+            self._where = f"{self.info.host}:{self.info.port}" if not self.closed else self._where
         except psycopg2.Error:
-            where = "?"
+            pass
+        where = self._where
         return f"connection to site {self.site!r} ({where})" if self.site else f"connection to {where}"
 
     def commit(self) -> None:
         _watched(self, super().commit)
 
     def rollback(self) -> None:
+        """A connection lr cut has no transaction left to roll back (its server ends it with the
+        backend, ``orphans``): nothing is sent, so the ``except: rollback(); raise`` of a caller
+        raises the call's error, not "connection already closed" in its place."""
+        if self.was_cut:
+            return
         _watched(self, super().rollback)
 
 
