@@ -543,7 +543,7 @@ def test_cli_commands_wait_for_a_frozen_sink_once_and_full_sync_wait_names_it_at
         assert "site-a->site-b/policy: not applied: its sink site-b does not answer (connect: " in out, out
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 def test_a_step_cut_at_its_deadline_fails_with_that_reason_not_with_its_rollbacks_closed_connection(lr_sites):
     """``lr tables open`` whose backend was stopped (SIGSTOP of that one backend) was cut at its call
     deadline, then said "InterfaceError: connection already closed": its ``except: rollback();
