@@ -300,9 +300,7 @@ class Deadlines:
         if seconds:
             reach.lost(conn.server, f"a call gave no answer within {seconds:.0f} s")
         else:
-            log.debug(
-                "%s: not waited for: its server did not answer earlier in this command (%s)", described, why
-            )
+            log.debug("%s: not waited for: its server did not answer earlier in this command (%s)", described, why)
         orphans.record(conn)
         try:
             with socket.socket(fileno=os.dup(conn.fileno())) as sock:
