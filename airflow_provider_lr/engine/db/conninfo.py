@@ -98,8 +98,8 @@ class ConnInfo:
                     f"cannot connect to {where} ({self.safe_dsn}): {reason}; check the "
                     "connection's host, database, user and password"
                 ) from exc
-            if time.monotonic() - started >= reach.SLOW_S:  # waited on a silent server: not again
-                reach.lost(server, f"connect: {reason}")
+            if reach.silent(reason, time.monotonic() - started, self.params_for(purpose).get("connect_timeout")):
+                reach.lost(server, f"connect: {reason}")  # waited on a silent server: not again
             raise SiteUnreachableError(
                 f"cannot connect to {where} ({self.safe_dsn}): {reason}; "
                 "is the server up? (`lr sites list` for embedded sites)"

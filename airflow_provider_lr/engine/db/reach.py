@@ -17,7 +17,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-SLOW_S = 1.0  # a failed connect that took this long waited on a silent server (a refusal is instant)
 
 _lock = threading.RLock()  # RLock: ``remember`` runs in a signal handler too
 _found: dict[str, str] = {}  # the server's key -> why it was found unreachable (one line)
@@ -30,6 +29,12 @@ def key(params: Mapping[str, Any]) -> str:
     stand for the local socket."""
     host = params.get("host") or params.get("hostaddr") or ""
     return f"{host}:{params.get('port') or 5432}"
+
+
+def silent(reason: str, took: float, connect_timeout: Any) -> bool:
+    """Whether a failed connect waited on a silent server (its connect timeout expired), not one
+    refused at once (down, starting up: tried again, as a wait for it to start does)."""
+    return "timeout expired" in reason or (bool(connect_timeout) and took >= float(connect_timeout))
 
 
 @contextmanager
