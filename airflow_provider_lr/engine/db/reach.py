@@ -17,7 +17,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-
 _lock = threading.RLock()  # RLock: ``remember`` runs in a signal handler too
 _found: dict[str, str] = {}  # the server's key -> why it was found unreachable (one line)
 _on = 0  # > 0: remembering (nested ``remembered``, and ``remember``)
