@@ -16,7 +16,7 @@ from typing import NoReturn
 
 import psycopg2
 
-from airflow_provider_lr.cli import airflow_connections, failover, replication, roles, sites, status, tables
+from airflow_provider_lr.cli import airflow_connections, failover, full_sync, replication, roles, sites, status, tables
 from airflow_provider_lr.cli.common import UsageError, database_error, environ_set
 from airflow_provider_lr.engine.db import conninfo, reach
 from airflow_provider_lr.engine.errors import LRError, mask_secrets, one_line
@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     sites.add_init(sub)
     replication.add_topology(sub)
     replication.add_sync(sub)
+    full_sync.add_full_sync(sub)
     failover.add_failover(sub)
     status.add_status(sub)
     replication.add_trim(sub)
