@@ -21,7 +21,7 @@ from airflow_provider_lr import cli
 from airflow_provider_lr.cli import replication
 from airflow_provider_lr.engine.db import conninfo
 from airflow_provider_lr.engine.db.timeouts import DEADLINES, Purpose, Timeouts, cap, failure, lifted
-from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError
 from airflow_provider_lr.engine.session import snapshot_sync
 from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
 from airflow_provider_lr.engine.site.replicator import Replicator
@@ -561,3 +561,23 @@ def test_a_step_cut_at_its_deadline_fails_with_that_reason_not_with_its_rollback
         conn.close()
     assert failure(raised.value).startswith(f"{conn.describe()} gave no answer within its call deadline of 1 s")
     assert "127.0.0.1" in conn.describe()
+
+
+@pytest.mark.timeout(60)  # (before: its connect timeout, 10 s by default)
+def test_a_stopping_lr_sync_connecting_to_a_silent_site_waits_its_stop_bound_not_the_connect_timeout(
+    lr_sites, monkeypatch
+):
+    """A stop's connects (a lease released at a source no call was waiting on when the SIGTERM came,
+    so not yet known silent) waited the full ``connect_timeout_s``: from the SIGTERM on, a connect
+    waits no longer than a call, ``STOPPING_CALLS_S`` (libpq's least: 2 s)."""
+    monkeypatch.setattr(replication, "STOPPING_CALLS_S", 2.0, raising=False)
+    with LinkProxy(lr_sites[0].conninfo.params["port"], stalled=True) as link:
+        replication._stop_asked(threading.Event())
+        try:
+            started = time.monotonic()
+            with pytest.raises(SiteUnreachableError, match="timeout expired"):
+                conninfo.from_dsn(link.dsn(lr_sites[0].dsn)).with_timeouts(Timeouts()).connect()
+            took = time.monotonic() - started
+        finally:
+            DEADLINES.hurry(None)
+    assert took < replication.STOPPING_CALLS_S + SLACK / 4, f"the connect took {took:.1f} s"
