@@ -13,6 +13,7 @@ engine resolve connections the same way the Airflow hook does.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
@@ -27,7 +28,14 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.db import orphans, reach
-from airflow_provider_lr.engine.db.timeouts import DEFAULT, BoundedConnection, Purpose, Timeouts, deadline_for
+from airflow_provider_lr.engine.db.timeouts import (
+    DEADLINES,
+    DEFAULT,
+    BoundedConnection,
+    Purpose,
+    Timeouts,
+    deadline_for,
+)
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, mask_secrets, one_line
 from airflow_provider_lr.paths import home_unset_hint, lr_home
 
@@ -84,12 +92,14 @@ class ConnInfo:
                 f"cannot connect to {where} ({self.safe_dsn}): it did not answer earlier in this command "
                 f"({earlier}); not waited for again"
             )
+        params = self.params_for(purpose)
+        if DEADLINES.hurried is not None and params.get("connect_timeout"):  # the process is leaving (``hurry``):
+            # a connect (a lease released at a site no call was waiting on) waits no longer than a call
+            params["connect_timeout"] = max(2, min(int(params["connect_timeout"]), math.ceil(DEADLINES.hurried)))
         started = time.monotonic()
         try:
             conn = psycopg2.connect(
-                psycopg2.extensions.make_dsn(**self.params_for(purpose)),
-                connection_factory=BoundedConnection,
-                **overrides,
+                psycopg2.extensions.make_dsn(**params), connection_factory=BoundedConnection, **overrides
             )
         except psycopg2.OperationalError as exc:
             reason = one_line(exc)
@@ -98,7 +108,7 @@ class ConnInfo:
                     f"cannot connect to {where} ({self.safe_dsn}): {reason}; check the "
                     "connection's host, database, user and password"
                 ) from exc
-            if reach.silent(reason, time.monotonic() - started, self.params_for(purpose).get("connect_timeout")):
+            if reach.silent(reason, time.monotonic() - started, params.get("connect_timeout")):
                 reach.lost(server, f"connect: {reason}")  # waited on a silent server: not again
             raise SiteUnreachableError(
                 f"cannot connect to {where} ({self.safe_dsn}): {reason}; "
