@@ -292,22 +292,23 @@ class Deadlines:
 
     def _cut(self, conn: BoundedConnection, seconds: float, why: str = "") -> None:
         """Shut ``conn``'s socket: its call fails now. ``seconds`` 0: its server was found unreachable
-        earlier in this command (``reach``; ``why`` says how), not waited for again."""
+        earlier in this command (``reach``; ``why`` says how), not waited for again. Nothing here
+        takes the connection's lock before the shutdown (``conn.info``): its call holds it."""
         self.cut += 1
-        described = conn.describe()  # (while its host is known: closed, its info has none)
         if not conn.was_cut:  # the first cut says why (a later call on it only meets the closed link)
             conn.was_cut, conn.cut_after_s, conn.cut_earlier = True, seconds, why if not seconds else ""
         if seconds:
             reach.lost(conn.server, f"a call gave no answer within {seconds:.0f} s")
-        else:
-            log.debug("%s: not waited for: its server did not answer earlier in this command (%s)", described, why)
-        orphans.record(conn)
+        orphans.record(conn)  # its backend, if it lives on behind a stalled link, is ended on the next connection
         try:
             with socket.socket(fileno=os.dup(conn.fileno())) as sock:
                 sock.shutdown(socket.SHUT_RDWR)
         except (OSError, psycopg2.Error):  # already closed
             pass
         if not seconds:
+            log.debug(
+                "%s: not waited for: its server did not answer earlier in this command (%s)", conn.describe(), why
+            )
             return
         log.warning(
             "%s: a call ran past its deadline of %.0f s%s: the server or the link is taken as dead and the "
@@ -390,18 +391,21 @@ class BoundedConnection(psycopg2.extensions.connection):
     cut_after_s = 0.0  # the deadline that cut it
     cut_earlier = ""  # cut at once: how its server was found unreachable earlier in the command (``reach``)
     server: str | None = None  # ``reach.key`` of its parameters
-    _where = "?"  # host:port, as ``describe`` last saw it open
+    _where: str | None = None  # host:port, seen once open (closed, its info has none)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.cursor_factory = BoundedCursor
 
     def describe(self) -> str:
-        try:  # a closed connection's info has no host: the one it had, once seen
-            self._where = f"{self.info.host}:{self.info.port}" if not self.closed else self._where
-        except psycopg2.Error:
-            pass
-        where = self._where
+        if (
+            self._where is None and not self.closed
+        ):  # (``conninfo.connect`` asks at once: later a call may hold the lock)
+            try:
+                self._where = f"{self.info.host}:{self.info.port}"
+            except psycopg2.Error:
+                pass
+        where = self._where or "?"
         return f"connection to site {self.site!r} ({where})" if self.site else f"connection to {where}"
 
     def commit(self) -> None:
