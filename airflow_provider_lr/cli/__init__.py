@@ -10,15 +10,15 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import NoReturn
 
 import psycopg2
 
-from airflow_provider_lr.cli import airflow_connections, failover, replication, roles, sites, status, tables
+from airflow_provider_lr.cli import airflow_connections, failover, full_sync, replication, roles, sites, status, tables
 from airflow_provider_lr.cli.common import UsageError, database_error, environ_set
-from airflow_provider_lr.engine.db import conninfo
+from airflow_provider_lr.engine.db import conninfo, reach
 from airflow_provider_lr.engine.errors import LRError, mask_secrets, one_line
 from airflow_provider_lr.paths import LR_HOME_ENV, lr_home
 
@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     sites.add_init(sub)
     replication.add_topology(sub)
     replication.add_sync(sub)
+    full_sync.add_full_sync(sub)
     failover.add_failover(sub)
     status.add_status(sub)
     replication.add_trim(sub)
@@ -81,7 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     conninfo.add_lookup(airflow_connections.airflow_connection)  # a site's conn_id made in Airflow
     func: Callable[[argparse.Namespace], int] = args.func
     try:
-        with _home(args.home):
+        # a site that made the command wait once is not waited for again; `lr sync` runs for long
+        # (a site comes back) and remembers only once it stops (``DEADLINES.hurry``)
+        with _home(args.home), nullcontext() if args.command == "sync" else reach.remembered():
             return func(args)
     except UsageError as exc:
         print(f"lr: {one_line(exc)}", file=sys.stderr)

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 import psycopg2
 
-from airflow_provider_lr.engine.db import conninfo
+from airflow_provider_lr.engine.db import conninfo, reach
 from airflow_provider_lr.engine.db.timeouts import failure
-from airflow_provider_lr.engine.errors import LRError, one_line, without_statement
+from airflow_provider_lr.engine.errors import LRError, listing, one_line, without_statement
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.store import topology as topologies
 
@@ -73,6 +73,24 @@ def load_topology(args: argparse.Namespace) -> topologies.Topology:
 def connector(topo: topologies.Topology) -> Callable[[str], psycopg2.extensions.connection]:
     """Connects to a site of ``topo`` by its id (what the engine's multi-site calls take)."""
     return lambda site_id: topologies.site_conninfo(topo, site_id).connect()
+
+
+def unreachable(topo: topologies.Topology, site_id: str) -> str | None:
+    """Why ``site_id`` did not answer earlier in this command (``reach``: a connect that timed out,
+    a call cut), or None: it was not found so."""
+    return reach.known(reach.key(topologies.site_conninfo(topo, site_id).params))
+
+
+def named(topo: topologies.Topology, sites: Iterable[str | None] = (), clients: Iterable[str | None] = ()) -> None:
+    """A site or client name the topology does not know is a usage error (exit 2, before any site
+    is reached), listing the ones it knows: it was a site's refusal (exit 1), or a silent no-op."""
+    for name in sites:
+        if name is not None and name not in topo.sites:
+            raise UsageError(f"unknown site {name!r}; the topology knows {listing(sorted(topo.sites))}")
+    known = sorted({k.client for k in topo.sessions()})
+    for name in clients:
+        if name is not None and name not in known:
+            raise UsageError(f"unknown client {name!r}; the topology replicates {listing(known) or 'none'}")
 
 
 def check_topology(topo: topologies.Topology, sites: Iterable[str] | None = None, also: Iterable[str] = ()) -> None:

@@ -7,7 +7,7 @@ import os
 
 import yaml
 
-from airflow_provider_lr.cli.common import check_topology, connector, load_topology, with_topology
+from airflow_provider_lr.cli.common import check_topology, connector, load_topology, named, with_topology
 from airflow_provider_lr.engine.errors import TopologyMismatchError, listing
 from airflow_provider_lr.engine.site import failover, topology
 from airflow_provider_lr.engine.store import topology as topologies
@@ -18,6 +18,7 @@ def cmd_failover(args: argparse.Namespace) -> int:
     """``--promote SITE``: fail its source's clients over to it (docs/failover.md); ``--rejoin SITE``:
     the old source (or a site the failover could not reach) takes the new topology."""
     topo = load_topology(args)
+    named(topo, sites=(args.promote, args.rejoin, args.from_site), clients=args.client or ())
     if args.rejoin:  # the site rejoining runs an older topology by design: the file must be the others'
         stale = topology.explained(
             topologies.unheld(topo, topology.recorded_ids(topo, connector(topo), set(topo.sites) - {args.rejoin})),

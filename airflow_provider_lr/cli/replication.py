@@ -1,4 +1,4 @@
-"""``lr topology``, ``lr sync``, ``lr full-sync`` and ``lr trim``: replication without Airflow."""
+"""``lr topology``, ``lr sync`` and ``lr trim``: replication without Airflow (``lr full-sync``: ``full_sync.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -35,13 +34,11 @@ from airflow_provider_lr.engine.errors import (
     one_line,
     still_failing,
 )
-from airflow_provider_lr.engine.session import lease, stream
+from airflow_provider_lr.engine.session import stream
 from airflow_provider_lr.engine.session.runner import CycleReport
 from airflow_provider_lr.engine.site import metrics, replicator, topology
-from airflow_provider_lr.engine.source import full_sync, trim
-from airflow_provider_lr.engine.store import source_sessions
+from airflow_provider_lr.engine.source import trim
 from airflow_provider_lr.engine.store import topology as topologies
-from airflow_provider_lr.engine.vocabulary import SessionKey
 
 
 def _warn_providers(topo: topologies.Topology) -> None:
@@ -133,7 +130,7 @@ STOPPING = (
 )
 
 
-STOPPING_CALLS_S = 10.0  # a stopping lr sync: the longest any call of its waits (DEADLINES.hurry)
+STOPPING_CALLS_S = 3.0  # a stopping lr sync: the longest any call of its waits (DEADLINES.hurry)
 
 
 def _stop_asked(stop: threading.Event, now: bool = False) -> None:
@@ -257,69 +254,6 @@ def cmd_sync(args: argparse.Namespace) -> int:
         for line in stuck:
             print(f"  {line}", file=sys.stderr)
     return 1 if stuck or any(r.error for r in reports) else 0
-
-
-def cmd_full_sync(args: argparse.Namespace) -> int:
-    """Force a full sync of the chosen sessions (a sink, a source, a client, or all of them at
-    once); ``--wait``: until each request is applied at its sink, by whichever replicator."""
-    topo = load_topology(args)
-    keys = topo.select(args.source, args.sink, args.client)
-    check_topology(topo, {site for k in keys for site in (k.source, k.sink)})
-    requests = full_sync.request_for_sessions(keys, connector(topo), args.reason)
-    print(f"full sync requested for {len(requests)} session(s):")
-    for key, request in requests.items():
-        print(f"  {key}: request {request.request_id}")
-    if args.wait is None:
-        print("`lr sync`, lr_streaming or the lr_replication DAG carries them out (`lr full-sync --wait` waits)")
-        return 0
-    outcomes = _wait_applied(topo, {key: r.request_id for key, r in requests.items()}, args.wait)
-    for key, found in outcomes.items():
-        said = found.describe() if found is not None else "request gone"
-        if found is not None and found.outcome is full_sync.Outcome.PENDING:
-            said += _who_works_on(topo, key)
-        print(f"  {key}: {said}")
-    return 0 if all(f is not None and f.outcome is full_sync.Outcome.APPLIED for f in outcomes.values()) else 1
-
-
-def _who_works_on(topo: topologies.Topology, key: SessionKey) -> str:
-    """Why a request is still open: the replicator holding its session, or nobody (no `lr sync`
-    runs, lr_streaming is paused), and the session's last error (its sink unreachable, say), which
-    a new user otherwise has to guess."""
-    try:
-        conn = connector(topo)(key.source)
-        try:
-            owner = lease.holder(conn, key.sink, key.client)
-            with conn.cursor() as cur:
-                error = source_sessions.last_error(cur, key.sink, key.client)
-        finally:
-            conn.close()
-    except (LRError, psycopg2.Error):  # the source is gone meanwhile: the outcome alone is said
-        return ""
-    said = f"; its last error: {error}" if error else ""
-    if owner is None:
-        return "; no replicator holds the session: run `lr sync` (or unpause lr_streaming)" + said
-    return f"; the session is held by replicator {owner}" + said
-
-
-def _wait_applied(topo: topologies.Topology, requests: dict, timeout: float) -> dict:
-    """Each request's outcome (``full_sync.outcome``) once it is final, or after ``timeout`` seconds:
-    the last pause is cut at the deadline (a pause doubling to 5 s slept past it), and at most 1 s
-    passes between two looks (one statement per source), so an applied request is said soon."""
-    deadline, pause = time.monotonic() + timeout, 0.2
-    found: dict = {}
-    while True:
-        for source in sorted({k.source for k in requests}):
-            conn = connector(topo)(source)
-            try:
-                for key in (k for k in requests if k.source == source):
-                    found[key] = full_sync.outcome(conn, requests[key])
-            finally:
-                conn.close()
-        left = deadline - time.monotonic()
-        if all(f is None or f.final for f in found.values()) or left <= 0:
-            return found
-        time.sleep(min(pause, left))
-        pause = min(pause * 2, 1.0)
 
 
 def cmd_trim(args: argparse.Namespace) -> int:
@@ -459,28 +393,6 @@ def add_sync(sub: argparse._SubParsersAction) -> None:
         "hand-backs, a lag histogram) for Prometheus on /metrics",
     )
     sync.set_defaults(func=cmd_sync)
-
-    fs = with_topology(
-        sub.add_parser(
-            "full-sync",
-            help="force a full (snapshot) sync of the chosen sessions (none chosen: every session of the topology)",
-        )
-    )
-    fs.add_argument("--sink", help="only the sessions to this sink (default: every sink)")
-    fs.add_argument("--source", help="only the sessions from this source (default: every source)")
-    fs.add_argument("--client", help="only this client's sessions (default: every client)")
-    fs.add_argument(
-        "--reason", default="requested from the command line", help="recorded with each request (lr status shows it)"
-    )
-    fs.add_argument(
-        "--wait",
-        type=nonnegative_seconds,
-        default=None,
-        metavar="SECONDS",
-        help="wait up to this long until each request is applied at its sink, by whichever replicator "
-        "(`lr sync`, lr_streaming, lr_replication); exit 1 unless every one was",
-    )
-    fs.set_defaults(func=cmd_full_sync)
 
 
 def add_trim(sub: argparse._SubParsersAction) -> None:

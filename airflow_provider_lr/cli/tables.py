@@ -13,6 +13,7 @@ from airflow_provider_lr.cli.common import (
     check_topology,
     connector,
     load_topology,
+    named,
     read_each,
     with_topology,
 )
@@ -45,6 +46,7 @@ def cmd_tables_open(args: argparse.Namespace) -> int:
             "the capture; on a sink its data is dropped)"
         )
     topo = load_topology(args)
+    named(topo, sites=args.site or (), clients=(args.client,))
     sites = args.site or _client_sources(topo, args.client)
     if args.site:
         _client_sources(topo, args.client)  # a --site does not make an unknown client right
@@ -68,6 +70,7 @@ def cmd_tables_close(args: argparse.Namespace) -> int:
     captures it). Its sinks keep their copy."""
     topo = load_topology(args)
     name = TableName.parse(args.table)
+    named(topo, sites=args.site or ())
     sites = args.site or sorted(topo.sites)
     check_topology(topo, sites)
     closed = 0
@@ -137,6 +140,7 @@ def cmd_tables_list(args: argparse.Namespace) -> int:
     could not be read (the others are listed all the same)."""
     topo = load_topology(args)
     code = 0
+    named(topo, sites=args.site or ())
     sites = args.site or sorted(topo.sites)
     check_topology(topo, sites)
     found: dict[str, _Listed | str] = {}

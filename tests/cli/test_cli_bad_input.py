@@ -223,3 +223,39 @@ def test_options_that_do_not_go_together_are_usage_errors_exit_2_before_any_site
             cli.main(argv)
         assert refused.value.code == 2, argv
         assert "is not HOST:PORT with a port from 0 to 65535" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "command, unknown",
+    [
+        (["full-sync", "--sink", "nosuch"], "site 'nosuch'"),
+        (["full-sync", "--source", "nosuch", "--wait", "5"], "site 'nosuch'"),
+        (["full-sync", "--client", "nosuch"], "client 'nosuch'"),
+        (["tables", "open", "public.t", "--client", "nosuch"], "client 'nosuch'"),
+        (["tables", "open", "public.t", "--client", "policy", "--site", "nosuch"], "site 'nosuch'"),
+        (["tables", "close", "public.t", "--site", "nosuch"], "site 'nosuch'"),
+        (["tables", "list", "--site", "site-a", "--site", "nosuch"], "site 'nosuch'"),
+        (["failover", "--promote", "nosuch"], "site 'nosuch'"),
+        (["failover", "--promote", "site-b", "--from", "nosuch"], "site 'nosuch'"),
+        (["failover", "--promote", "site-b", "--client", "nosuch"], "client 'nosuch'"),
+        (["failover", "--rejoin", "nosuch"], "site 'nosuch'"),
+    ],
+)
+def test_a_site_or_client_the_topology_does_not_know_is_a_usage_error_listing_the_known_ones(
+    command, unknown, tmp_path, capsys
+):
+    """`lr full-sync --sink nosuch` exited 1, as a site's refusal (and `lr tables list` reached every
+    site first): a name the topology does not know is a usage error, exit 2, said on one line with
+    the names it knows, before any site is reached (none runs here)."""
+    topo = tmp_path / "topology.yaml"
+    topo.write_text(
+        "sites:\n  - {id: site-a, region: r1}\n  - {id: site-b, region: r2}\n"
+        "replication:\n  - {source: site-a, sinks: [site-b], clients: [policy]}\n"
+    )
+    assert cli.main([*command, "--topology", str(topo)]) == 2
+    err = capsys.readouterr().err
+    known = "site-a, site-b" if unknown.startswith("site") else "policy"
+    assert (
+        err
+        == f"lr: unknown {unknown}; the topology {'knows' if unknown.startswith('site') else 'replicates'} {known}\n"
+    )

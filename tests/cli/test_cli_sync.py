@@ -77,8 +77,8 @@ def test_lr_commands_name_what_is_wrong(lr_sites, tmp_path, monkeypatch, capsys)
     topo = topology_file(tmp_path, lr_sites, monkeypatch)
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
     capsys.readouterr()
-    assert cli.main(["full-sync", "--topology", topo, "--sink", "site-x"]) == 1
-    assert "no session replicates to 'site-x'" in capsys.readouterr().err
+    assert cli.main(["full-sync", "--topology", topo, "--sink", "site-x"]) == 2  # a usage error
+    assert "unknown site 'site-x'; the topology knows site-a, site-b, site-c" in capsys.readouterr().err
     assert cli.main(["sync", "--topology", str(tmp_path / "missing.yaml"), "--once"]) == 1
     assert "not found" in capsys.readouterr().err
     monkeypatch.delenv("AIRFLOW_CONN_LR_TEST_SITE_C")

@@ -217,9 +217,9 @@ def test_lr_tables_open_refuses_an_unknown_client_and_names_the_site_of_an_error
                 topo,
             ]
         )
-        == 1
+        == 2  # a usage error
     )
-    assert "client 'typo' is replicated by no session of the topology; its clients: policy" in capsys.readouterr().err
+    assert "unknown client 'typo'; the topology replicates policy" in capsys.readouterr().err
     assert lr_sites[2].query("SELECT count(*) FROM lr.registry WHERE kind = 'table'") == [(0,)]
     assert cli.main(["tables", "open", "public.missing", "--client", "policy", "--topology", topo]) == 1
     assert capsys.readouterr().err.startswith("lr: site-a: table public.missing does not exist on this site")

@@ -8,24 +8,27 @@ check (``keepalives_idle_s + keepalives_interval_s * keepalives_count``), ``DEAD
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import psycopg2.errors
 import psycopg2.sql
 import pytest
+import yaml
 
+from airflow_provider_lr import cli
 from airflow_provider_lr.cli import replication
 from airflow_provider_lr.engine.db import conninfo
-from airflow_provider_lr.engine.db.timeouts import DEADLINES, Purpose, Timeouts, lifted
-from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.db.timeouts import DEADLINES, Purpose, Timeouts, cap, failure, lifted
+from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError
 from airflow_provider_lr.engine.session import snapshot_sync
 from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
 from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.store import topology
 from airflow_provider_lr.engine.tables import copy as table_copy
 from tests.support.link_proxy import LinkProxy
-from tests.support.session import App, Streaming, apply, queue, table_provider, wait_for
+from tests.support.session import App, Streaming, apply, queue, table_provider, topology_doc, wait_for
 from tests.support.tables import create_accounts, federate, rows, sync
 
 ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
@@ -47,13 +50,14 @@ COPYING = "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND
 RETRY = StreamSettings(check_interval=0.2, ack_interval=0.05, retry_min=0.2, retry_max=2.0)
 
 
-def bounded(topo, dsns: dict[str, str]) -> Replicator:
+def bounded(topo, dsns: dict[str, str], membership: bool = False) -> Replicator:
     """A replicator connecting as ``lr sync`` does: through ``conninfo``, bounded by the topology."""
     return Replicator(
         topo,
         lambda site: conninfo.from_dsn(dsns[site]).with_timeouts(topo.timeouts).connect(),
         settings=SessionSettings(data_timeout=30.0, barrier_timeout=2.0, lease_seconds=30.0),
         providers={"policy": table_provider},
+        membership=membership,
     )
 
 
@@ -461,3 +465,119 @@ def test_a_stopping_lr_sync_waits_on_a_silent_site_its_stop_bound_not_a_call_dea
             DEADLINES.hurry(None)
             conn.close()
     assert stop.is_set() and stopped[0] < 0.5 + replication.STOPPING_CALLS_S + SLACK / 4
+
+
+@pytest.mark.timeout(60)  # (before: ~30 s by default, 3 calls of STOPPING_CALLS_S each, the streams joined unbounded)
+def test_lr_sync_stopped_while_its_source_is_frozen_stops_within_its_bound_and_the_next_run_delivers_every_entry_once(
+    lr_sites, monkeypatch
+):
+    """``lr sync`` streams from a source that then stops answering (SIGSTOP: every call hangs) and is
+    stopped (SIGTERM). The stream's call there is cut at ``STOPPING_CALLS_S``; every later call to
+    that server (the stream's last ack, its leases released, the membership left) fails at once,
+    the server known unreachable (``reach``), and the Streamer waits for its streams at most
+    ``stop_within``: the stop ends within the bound once, not once per call. Once the server answers
+    again, the next run delivers every entry once."""
+    monkeypatch.setattr(replication, "STOPPING_CALLS_S", 1.5, raising=False)
+    source, sink_b = lr_sites[0], lr_sites[1]
+    topo = apply(lr_sites, ONE_SINK, settings=BOUNDS)
+    app = App(source)
+    link = LinkProxy(source.conninfo.params["port"])
+    dsns = {"site-a": link.dsn(source.dsn), "site-b": sink_b.dsn, "site-c": lr_sites[2].dsn}
+    with link:
+        repl = bounded(topo, dsns, membership=True)  # as lr sync: a member at its sources
+        streaming = Streaming(repl, StreamSettings(**{**RETRY.__dict__, "stop_within": 2.5}))
+        with streaming:
+            streaming.streaming()
+            for i in range(5):
+                app.put(f"k{i}", i, ["site-b"])
+            wait_for(lambda: len(logs(sink_b)) == 5, 30, "the first entries to stream")
+            link.stall()
+            time.sleep(0.3)  # the stream is in a call to the frozen source
+            try:
+                started = time.monotonic()
+                replication._stop_asked(streaming.stop)  # the SIGTERM handler
+                streaming.thread.join(30)
+                repl.close()
+                took = time.monotonic() - started
+            finally:
+                DEADLINES.hurry(None)
+            for i in range(5, 10):  # written while the source's replicator link is down
+                app.put(f"k{i}", i, ["site-b"])
+        assert took < replication.STOPPING_CALLS_S + SLACK / 4, f"the stop took {took:.1f} s"
+        link.reset()  # the server answers again (SIGCONT): the stopped process's connections are closed
+        bounded(topo, dsns).run(max_cycles=20, until_idle=True, interval=0.05)
+    assert logs(sink_b) == [f"k{i}={i}" for i in range(10)]
+    app.close()
+
+
+@pytest.mark.timeout(90)  # (before: tables list connected twice, the wait waited for nothing)
+def test_cli_commands_wait_for_a_frozen_sink_once_and_full_sync_wait_names_it_at_once(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """A sink that stopped answering (SIGSTOP: connects accepted, never answered) costs a command one
+    connect timeout, not one per connect: ``lr tables list`` checked it, then read it; ``lr full-sync``
+    checked it, then ``--wait`` waited out its whole bound for a request the sink cannot apply
+    (71 s with --wait 60), naming nobody. Now the wait is not made for it: one line names the sink."""
+    source, sink_b, sink_c = lr_sites
+    link = LinkProxy(sink_b.conninfo.params["port"])
+    for site in lr_sites:
+        conn = site.server.airflow_conn(site.dbname)
+        conn["port"] = link.port if site is sink_b else conn["port"]
+        monkeypatch.setenv(f"AIRFLOW_CONN_LR_HUNG_{site.site_id[-1].upper()}", json.dumps(conn))
+    doc = topology_doc(lr_sites, ONE_SINK, settings=BOUNDS, conn_ids=lambda s: f"lr_hung_{s[-1]}")
+    (tmp_path / "topo.yaml").write_text(yaml.safe_dump(doc))
+    topo = str(tmp_path / "topo.yaml")
+    with link:
+        assert cli.main(["topology", "apply", "--topology", topo]) == 0
+        link.stall()
+        for command, code in ((["tables", "list"], 2), (["full-sync", "--wait", "20"], 1)):
+            capsys.readouterr()
+            tried, started = link.accepted, time.monotonic()
+            assert cli.main([*command, "--topology", topo]) == code, capsys.readouterr()
+            took = time.monotonic() - started
+            assert link.accepted - tried == 1, (
+                f"lr {command[0]} connected to the frozen sink {link.accepted - tried} times"
+            )
+            assert took < BOUNDS["connect_timeout_s"] + SLACK / 2, f"lr {command[0]} took {took:.1f} s"
+        out = capsys.readouterr().out
+        assert "site-a->site-b/policy: not applied: its sink site-b does not answer (connect: " in out, out
+
+
+@pytest.mark.timeout(60)
+def test_a_step_cut_at_its_deadline_fails_with_that_reason_not_with_its_rollbacks_closed_connection(lr_sites):
+    """``lr tables open`` whose backend was stopped (SIGSTOP of that one backend) was cut at its call
+    deadline, then said "InterfaceError: connection already closed": its ``except: rollback();
+    raise`` met the cut connection and raised that instead. A cut connection has nothing to roll
+    back (its server ends the transaction with the backend): the step's own error is raised."""
+    with LinkProxy(lr_sites[0].conninfo.params["port"]) as link:
+        conn = cap(conninfo.from_dsn(link.dsn(lr_sites[0].dsn)).connect(), 1.0)
+        link.stall()
+        with pytest.raises(psycopg2.OperationalError) as raised:
+            try:
+                conn.cursor().execute("SELECT 1")
+            except BaseException:
+                conn.rollback()
+                raise
+        conn.close()
+    assert failure(raised.value).startswith(f"{conn.describe()} gave no answer within its call deadline of 1 s")
+    assert "127.0.0.1" in conn.describe()
+
+
+@pytest.mark.timeout(60)  # (before: its connect timeout, 10 s by default)
+def test_a_stopping_lr_sync_connecting_to_a_silent_site_waits_its_stop_bound_not_the_connect_timeout(
+    lr_sites, monkeypatch
+):
+    """A stop's connects (a lease released at a source no call was waiting on when the SIGTERM came,
+    so not yet known silent) waited the full ``connect_timeout_s``: from the SIGTERM on, a connect
+    waits no longer than a call, ``STOPPING_CALLS_S`` (libpq's least: 2 s)."""
+    monkeypatch.setattr(replication, "STOPPING_CALLS_S", 2.0, raising=False)
+    with LinkProxy(lr_sites[0].conninfo.params["port"], stalled=True) as link:
+        replication._stop_asked(threading.Event())
+        try:
+            started = time.monotonic()
+            with pytest.raises(SiteUnreachableError, match="timeout expired"):
+                conninfo.from_dsn(link.dsn(lr_sites[0].dsn)).with_timeouts(Timeouts()).connect()
+            took = time.monotonic() - started
+        finally:
+            DEADLINES.hurry(None)
+    assert took < replication.STOPPING_CALLS_S + SLACK / 4, f"the connect took {took:.1f} s"

@@ -38,6 +38,7 @@ class LinkProxy:
         self.listener.listen(64)
         self.port = self.listener.getsockname()[1]
         self.bytes = 0  # forwarded, both directions
+        self.accepted = 0  # connections accepted (a connect tried through the link)
         self._generation = 0  # connections accepted before a stall() belong to an older generation
         self._closed = threading.Event()
         self._sockets: list[socket.socket] = []
@@ -90,6 +91,7 @@ class LinkProxy:
             except OSError:
                 return
             self._sockets.append(client)
+            self.accepted += 1
             if self.stalled:
                 continue  # held open, never answered
             server = socket.create_connection(self.target)

@@ -13,8 +13,10 @@ engine resolve connections the same way the Airflow hook does.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -25,8 +27,15 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.db import orphans
-from airflow_provider_lr.engine.db.timeouts import DEFAULT, BoundedConnection, Purpose, Timeouts, deadline_for
+from airflow_provider_lr.engine.db import orphans, reach
+from airflow_provider_lr.engine.db.timeouts import (
+    DEADLINES,
+    DEFAULT,
+    BoundedConnection,
+    Purpose,
+    Timeouts,
+    deadline_for,
+)
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, mask_secrets, one_line
 from airflow_provider_lr.paths import home_unset_hint, lr_home
 
@@ -73,25 +82,40 @@ class ConnInfo:
     def connect(self, purpose: Purpose = Purpose.SESSION, **overrides: Any) -> psycopg2.extensions.connection:
         """A connection for ``purpose``, bounded (``timeouts.py``); ``SiteUnreachableError`` when the
         server cannot be reached now (retry), ``ConfigurationError`` when these parameters can never
-        work (fix them)."""
+        work (fix them). A server found unreachable earlier in the command is not waited for again
+        (``reach``)."""
+        where = f"site {self.site_id!r}" if self.site_id else "site"
+        server = reach.key(self.params)
+        earlier = reach.known(server)
+        if earlier is not None:
+            raise SiteUnreachableError(
+                f"cannot connect to {where} ({self.safe_dsn}): it did not answer earlier in this command "
+                f"({earlier}); not waited for again"
+            )
+        params = self.params_for(purpose)
+        if DEADLINES.hurried is not None and params.get("connect_timeout"):  # the process is leaving (``hurry``):
+            # a connect (a lease released at a site no call was waiting on) waits no longer than a call
+            params["connect_timeout"] = max(2, min(int(params["connect_timeout"]), math.ceil(DEADLINES.hurried)))
+        started = time.monotonic()
         try:
             conn = psycopg2.connect(
-                psycopg2.extensions.make_dsn(**self.params_for(purpose)),
-                connection_factory=BoundedConnection,
-                **overrides,
+                psycopg2.extensions.make_dsn(**params), connection_factory=BoundedConnection, **overrides
             )
         except psycopg2.OperationalError as exc:
-            where = f"site {self.site_id!r}" if self.site_id else "site"
             reason = one_line(exc)
             if misconfigured(exc):
                 raise ConfigurationError(
                     f"cannot connect to {where} ({self.safe_dsn}): {reason}; check the "
                     "connection's host, database, user and password"
                 ) from exc
+            if reach.silent(reason, time.monotonic() - started, params.get("connect_timeout")):
+                reach.lost(server, f"connect: {reason}")  # waited on a silent server: not again
             raise SiteUnreachableError(
                 f"cannot connect to {where} ({self.safe_dsn}): {reason}; "
                 "is the server up? (`lr sites list` for embedded sites)"
             ) from exc
+        conn.server = server
+        conn.describe()  # its host and port, kept for messages once it is closed
         conn.deadline_s = deadline_for(self.timeouts, purpose, self.params)
         conn.site = self.site_id or self.conn_id
         if purpose is not Purpose.APPLICATION:

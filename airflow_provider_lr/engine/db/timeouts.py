@@ -44,9 +44,9 @@ from typing import Any
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.db import orphans
+from airflow_provider_lr.engine.db import orphans, reach
+from airflow_provider_lr.engine.db.explained import explain, failure  # (imported from here by callers)
 from airflow_provider_lr.engine.db.heartbeat import Beat, verdict
-from airflow_provider_lr.engine.errors import error_line
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +184,10 @@ class Deadlines:
             return None
         if self.hurried is not None:
             seconds = min(seconds, self.hurried)
+        earlier = None if conn.was_cut else reach.known(conn.server)  # (a cut one fails as it is)
+        if earlier is not None:  # its server made this command wait once already: the call fails at once
+            self._cut(conn, 0, earlier)
+            return None
         token = (id(conn), threading.get_ident())
         self._calls[token] = (time.monotonic() + seconds, conn)
         if self._thread is None:
@@ -199,8 +203,10 @@ class Deadlines:
         or later, ends within ``seconds`` (None: its own deadline again). A server that stopped
         answering then holds the stop that long per call left (a stream's wait, a lease released),
         not a call deadline (145 s) each; a healthy call takes ms. Lifted calls (a provider's
-        supply) keep their heartbeat."""
+        supply) keep their heartbeat. A server that made it wait once is not waited for again
+        (``reach.remember``): a stopped site holds the stop ``seconds`` once, not once per call."""
         self.hurried = seconds
+        reach.remember(seconds is not None)
         if seconds is None:
             return
         until = time.monotonic() + seconds
@@ -264,24 +270,46 @@ class Deadlines:
             time.sleep(0.25)
             now = time.monotonic()
             for token, (due, conn) in list(self._calls.items()):
-                if now >= due and self._calls.get(token, (None,))[0] == due:
+                earlier = reach.known(conn.server)  # another call to its server was cut meanwhile
+                if (now >= due or earlier is not None) and self._calls.get(token, (None,))[0] == due:
                     self._calls.pop(token, None)
                     bound, why = conn.deadline_s or 0, ""
                     if self.hurried is not None and self.hurried < bound:
                         bound, why = self.hurried, "lr stopping: no call waits longer"
-                    self._cut(conn, bound, why)
+                    self._cut(conn, bound, why) if earlier is None else self._cut(conn, 0, earlier)
             for token, (clock, seconds, conn) in list(self._stalls.items()):
-                moved = clock.last
-                if moved is not None and now - moved >= seconds and self._stalls.pop(token, None) is not None:
-                    self._cut(conn, seconds)
+                moved, earlier = clock.last, reach.known(conn.server)
+                stalled = moved is not None and now - moved >= seconds
+                if (stalled or earlier is not None) and self._stalls.pop(token, None) is not None:
+                    self._cut(conn, seconds) if earlier is None else self._cut(conn, 0, earlier)
             for token, beat in list(self._beats.items()):
-                if now >= beat.due and not beat.probing:
+                earlier = reach.known(beat.conn.server)
+                if earlier is not None and self._beats.pop(token, None) is not None:
+                    self._cut(beat.conn, 0, earlier)
+                elif now >= beat.due and not beat.probing:
                     beat.probing = True
                     threading.Thread(target=self._probe, args=(token, beat), daemon=True, name="lr-heartbeat").start()
 
     def _cut(self, conn: BoundedConnection, seconds: float, why: str = "") -> None:
+        """Shut ``conn``'s socket: its call fails now. ``seconds`` 0: its server was found unreachable
+        earlier in this command (``reach``; ``why`` says how), not waited for again. Nothing here
+        takes the connection's lock before the shutdown (``conn.info``): its call holds it."""
         self.cut += 1
-        conn.was_cut, conn.cut_after_s = True, seconds
+        if not conn.was_cut:  # the first cut says why (a later call on it only meets the closed link)
+            conn.was_cut, conn.cut_after_s, conn.cut_earlier = True, seconds, why if not seconds else ""
+        if seconds:
+            reach.lost(conn.server, f"a call gave no answer within {seconds:.0f} s")
+        orphans.record(conn)  # its backend, if it lives on behind a stalled link, is ended on the next connection
+        try:
+            with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except (OSError, psycopg2.Error):  # already closed
+            pass
+        if not seconds:
+            log.debug(
+                "%s: not waited for: its server did not answer earlier in this command (%s)", conn.describe(), why
+            )
+            return
         log.warning(
             "%s: a call ran past its deadline of %.0f s%s: the server or the link is taken as dead and the "
             "connection cut; the caller retries on a new one",
@@ -289,12 +317,6 @@ class Deadlines:
             seconds,
             f" ({why})" if why else "",
         )
-        orphans.record(conn)  # its backend, if it lives on behind a stalled link, is ended on the next connection
-        try:
-            with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-                sock.shutdown(socket.SHUT_RDWR)
-        except (OSError, psycopg2.Error):  # already closed
-            pass
 
 
 DEADLINES = Deadlines()
@@ -367,22 +389,34 @@ class BoundedConnection(psycopg2.extensions.connection):
     site_path: str | None = None  # the site's search_path, its own being pg_catalog (``conninfo.catalog_first``)
     was_cut = False  # by ``DEADLINES``: its failure is a dead link, not the server's
     cut_after_s = 0.0  # the deadline that cut it
+    cut_earlier = ""  # cut at once: how its server was found unreachable earlier in the command (``reach``)
+    server: str | None = None  # ``reach.key`` of its parameters
+    _where: str | None = None  # host:port, seen once open (closed, its info has none)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.cursor_factory = BoundedCursor
 
     def describe(self) -> str:
-        try:
-            where = f"{self.info.host}:{self.info.port}"
-        except psycopg2.Error:
-            where = "?"
+        if (
+            self._where is None and not self.closed
+        ):  # (``conninfo.connect`` asks at once: later a call may hold the lock)
+            try:
+                self._where = f"{self.info.host}:{self.info.port}"
+            except psycopg2.Error:
+                pass
+        where = self._where or "?"
         return f"connection to site {self.site!r} ({where})" if self.site else f"connection to {where}"
 
     def commit(self) -> None:
         _watched(self, super().commit)
 
     def rollback(self) -> None:
+        """A connection lr cut has no transaction left to roll back (its server ends it with the
+        backend, ``orphans``): nothing is sent, so the ``except: rollback(); raise`` of a caller
+        raises the call's error, not "connection already closed" in its place."""
+        if self.was_cut:
+            return
         _watched(self, super().rollback)
 
 
@@ -448,41 +482,4 @@ def lifted(*conns: psycopg2.extensions.connection) -> Iterator[None]:
                 conn.deadline_s, conn.stall_deadline_s = deadline, stall
 
 
-# SQLSTATEs of the bounds above, and what each means for the session (one line each)
-_EXPLAINED = {
-    "55P03": "a lock lr needs is held by another transaction (lock_timeout)",
-    "57014": "a statement ran past statement_timeout (or was cancelled)",
-    "25P03": "the server ended a transaction left idle (idle_in_transaction_timeout)",
-}
-# undefined table, schema, function: of lr's own schema, the site was never `lr init`ed or is older
-_MISSING = {"42P01", "3F000", "42883"}
-_NOT_INSTALLED = "the site has no lr schema, or an older one than this lr: run `lr init` on it"
-
-
-def explain(exc: BaseException | None) -> str | None:
-    """What a bound that fired means, or that the lr schema is missing, to prefix an error with; None
-    for other errors. An error raised from one (a provider's failure wrapping a cut call) is
-    explained by its cause."""
-    while exc is not None:
-        conn = getattr(exc, "lr_connection", None) or getattr(getattr(exc, "cursor", None), "connection", None)
-        if conn is not None and getattr(conn, "was_cut", False):
-            return (
-                f"{conn.describe()} gave no answer within its call deadline of {conn.cut_after_s:.0f} s: "
-                "a stopped server or a stalled link, cut by lr"
-            )
-        code = getattr(exc, "pgcode", None) or ""
-        if code in _MISSING:
-            primary = getattr(getattr(exc, "diag", None), "message_primary", None) or ""
-            if '"lr.' in primary or 'schema "lr"' in primary or " lr." in primary:
-                return _NOT_INSTALLED
-        elif code in _EXPLAINED:
-            return _EXPLAINED[code]
-        exc = exc.__cause__
-    return None
-
-
-def failure(exc: BaseException) -> str:
-    """A failed step as the one line a session's status and ``lr sync`` show: what the bound that
-    fired means (if one did), the error's type and its text."""
-    why = explain(exc)
-    return (f"{why}: " if why else "") + error_line(exc)
+__all__ = ["DEADLINES", "BoundedConnection", "Purpose", "Timeouts", "explain", "failure", "lifted"]

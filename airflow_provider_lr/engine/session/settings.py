@@ -141,6 +141,11 @@ class StreamSettings:
     # timeout + link check: 145 s by default). A stream's sink calls are small (a batch, a handshake,
     # a WAL position): a slow one only moves its session to the cycles for a while.
     sink_deadline: float = 10.0
+    # A stop waits this long, in all, for the source streams to end (each records its last ack and
+    # releases its leases). A stream whose source stopped answering (a frozen server) is left
+    # behind after it: nothing is lost (each sink holds its position), its leases are taken by the
+    # next replicator as a dead member's (docs/operations.md "Hung calls").
+    stop_within: float = 5.0
 
 
 class RateWindow:

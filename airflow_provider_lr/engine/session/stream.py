@@ -131,12 +131,35 @@ class Streamer:
                 stop.wait(0.05 if streams or idle else interval)
         finally:
             halt.set()
-            for source_stream in self.sources.values():
-                if source_stream.thread is not None:
-                    source_stream.thread.join()
-            self.sources.clear()
+            behind = self._join_streams()
             while not ended.empty():  # the streams stopped with the run (STOPPED)
                 self._ended(ended.get(), streams, leaving, on_end)
+            for key in [k for k in streams if k.source in behind]:  # their threads may never say it
+                error = (
+                    f"its source {key.source} did not answer within {self.options.stop_within:g} s of the stop: "
+                    "left behind (nothing lost: the next replicator starts from the sink's position)"
+                )
+                self._ended(StreamEnd(str(key), STOPPED, error=error), streams, leaving, on_end)
+
+    def _join_streams(self) -> set[str]:
+        """Wait for the source streams to end, at most ``stop_within`` in all; the sources whose
+        stream is still in a call to a server that stopped answering (a frozen server, whose calls
+        only the call deadlines end) are returned and left behind: daemon threads, their calls
+        bounded, gone with the process. Before, a stop waited for each of them unbounded."""
+        until = time.monotonic() + self.options.stop_within
+        behind: set[str] = set()
+        for source, source_stream in self.sources.items():
+            if source_stream.thread is not None:
+                source_stream.thread.join(max(0.0, until - time.monotonic()))
+                if source_stream.thread.is_alive():
+                    behind.add(source)
+                    log.warning(
+                        "stream of %s: still in a call to it %g s after the stop: left behind",
+                        source,
+                        self.options.stop_within,
+                    )
+        self.sources.clear()
+        return behind
 
     def _note(self, key: SessionKey, report: CycleReport) -> None:
         """Back a failing session off (``retry_min`` doubling to ``retry_max``): a site that is

@@ -1,0 +1,124 @@
+"""``lr full-sync``: force a full (snapshot) sync of the chosen sessions, and ``--wait`` for them."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import psycopg2
+
+from airflow_provider_lr.cli.common import (
+    check_topology,
+    connector,
+    load_topology,
+    named,
+    nonnegative_seconds,
+    unreachable,
+    with_topology,
+)
+from airflow_provider_lr.engine.errors import LRError
+from airflow_provider_lr.engine.session import lease
+from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.store import source_sessions
+from airflow_provider_lr.engine.store import topology as topologies
+from airflow_provider_lr.engine.vocabulary import SessionKey
+
+
+def cmd_full_sync(args: argparse.Namespace) -> int:
+    """Force a full sync of the chosen sessions (a sink, a source, a client, or all of them at
+    once); ``--wait``: until each request is applied at its sink, by whichever replicator (the
+    seconds counted from the command's start: a site's connect timeout is in them)."""
+    started = time.monotonic()
+    topo = load_topology(args)
+    named(topo, sites=(args.source, args.sink), clients=(args.client,))
+    keys = topo.select(args.source, args.sink, args.client)
+    check_topology(topo, {site for k in keys for site in (k.source, k.sink)})
+    requests = full_sync.request_for_sessions(keys, connector(topo), args.reason)
+    print(f"full sync requested for {len(requests)} session(s):")
+    for key, request in requests.items():
+        print(f"  {key}: request {request.request_id}")
+    if args.wait is None:
+        print("`lr sync`, lr_streaming or the lr_replication DAG carries them out (`lr full-sync --wait` waits)")
+        return 0
+    # a sink that did not answer the topology check (a stopped server) cannot apply its request
+    # meanwhile: not waited for (the wait took --wait more, then named nobody), said at once
+    lost = {site: why for site in sorted({k.sink for k in requests}) if (why := unreachable(topo, site))}
+    waited = {key: r.request_id for key, r in requests.items() if key.sink not in lost}
+    outcomes = _wait_applied(topo, waited, max(0.0, started + args.wait - time.monotonic())) if waited else {}
+    for key in requests:
+        if key.sink in lost:
+            print(f"  {key}: not applied: its sink {key.sink} does not answer ({lost[key.sink]}); not waited for")
+            continue
+        found = outcomes.get(key)
+        said = found.describe() if found is not None else "request gone"
+        if found is not None and found.outcome is full_sync.Outcome.PENDING:
+            said += _who_works_on(topo, key)
+        print(f"  {key}: {said}")
+    applied = all(f is not None and f.outcome is full_sync.Outcome.APPLIED for f in outcomes.values())
+    return 0 if applied and not lost else 1
+
+
+def _who_works_on(topo: topologies.Topology, key: SessionKey) -> str:
+    """Why a request is still open: the replicator holding its session, or nobody (no `lr sync`
+    runs, lr_streaming is paused), and the session's last error (its sink unreachable, say), which
+    a new user otherwise has to guess."""
+    try:
+        conn = connector(topo)(key.source)
+        try:
+            owner = lease.holder(conn, key.sink, key.client)
+            with conn.cursor() as cur:
+                error = source_sessions.last_error(cur, key.sink, key.client)
+        finally:
+            conn.close()
+    except (LRError, psycopg2.Error):  # the source is gone meanwhile: the outcome alone is said
+        return ""
+    said = f"; its last error: {error}" if error else ""
+    if owner is None:
+        return "; no replicator holds the session: run `lr sync` (or unpause lr_streaming)" + said
+    return f"; the session is held by replicator {owner}" + said
+
+
+def _wait_applied(topo: topologies.Topology, requests: dict, timeout: float) -> dict:
+    """Each request's outcome (``full_sync.outcome``) once it is final, or after ``timeout`` seconds:
+    the last pause is cut at the deadline (a pause doubling to 5 s slept past it), and at most 1 s
+    passes between two looks (one statement per source), so an applied request is said soon."""
+    deadline, pause = time.monotonic() + timeout, 0.2
+    found: dict = {}
+    while True:
+        for source in sorted({k.source for k in requests}):
+            conn = connector(topo)(source)
+            try:
+                for key in (k for k in requests if k.source == source):
+                    found[key] = full_sync.outcome(conn, requests[key])
+            finally:
+                conn.close()
+        left = deadline - time.monotonic()
+        if all(f is None or f.final for f in found.values()) or left <= 0:
+            return found
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 1.0)
+
+
+def add_full_sync(sub: argparse._SubParsersAction) -> None:
+    """``lr full-sync``."""
+    fs = with_topology(
+        sub.add_parser(
+            "full-sync",
+            help="force a full (snapshot) sync of the chosen sessions (none chosen: every session of the topology)",
+        )
+    )
+    fs.add_argument("--sink", help="only the sessions to this sink (default: every sink)")
+    fs.add_argument("--source", help="only the sessions from this source (default: every source)")
+    fs.add_argument("--client", help="only this client's sessions (default: every client)")
+    fs.add_argument(
+        "--reason", default="requested from the command line", help="recorded with each request (lr status shows it)"
+    )
+    fs.add_argument(
+        "--wait",
+        type=nonnegative_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="wait up to this long until each request is applied at its sink, by whichever replicator "
+        "(`lr sync`, lr_streaming, lr_replication); exit 1 unless every one was",
+    )
+    fs.set_defaults(func=cmd_full_sync)

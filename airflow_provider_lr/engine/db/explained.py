@@ -1,0 +1,51 @@
+"""What a failed step means, as the one line a session's status and ``lr sync`` show: which bound
+of ``timeouts`` fired (a call cut by lr, a lock, statement or idle timeout), or that the site's lr
+schema is missing, before the error itself."""
+
+from __future__ import annotations
+
+from airflow_provider_lr.engine.errors import error_line
+
+# SQLSTATEs of the bounds (``timeouts``), and what each means for the session (one line each)
+_EXPLAINED = {
+    "55P03": "a lock lr needs is held by another transaction (lock_timeout)",
+    "57014": "a statement ran past statement_timeout (or was cancelled)",
+    "25P03": "the server ended a transaction left idle (idle_in_transaction_timeout)",
+}
+# undefined table, schema, function: of lr's own schema, the site was never `lr init`ed or is older
+_MISSING = {"42P01", "3F000", "42883"}
+_NOT_INSTALLED = "the site has no lr schema, or an older one than this lr: run `lr init` on it"
+
+
+def explain(exc: BaseException | None) -> str | None:
+    """What a bound that fired means, or that the lr schema is missing, to prefix an error with; None
+    for other errors. An error raised from one (a provider's failure wrapping a cut call) is
+    explained by its cause."""
+    while exc is not None:
+        conn = getattr(exc, "lr_connection", None) or getattr(getattr(exc, "cursor", None), "connection", None)
+        if conn is not None and getattr(conn, "was_cut", False):
+            if conn.cut_earlier:
+                return (
+                    f"{conn.describe()} not waited for: its server did not answer earlier in this command "
+                    f"({conn.cut_earlier}), cut by lr"
+                )
+            return (
+                f"{conn.describe()} gave no answer within its call deadline of {conn.cut_after_s:.0f} s: "
+                "a stopped server or a stalled link, cut by lr"
+            )
+        code = getattr(exc, "pgcode", None) or ""
+        if code in _MISSING:
+            primary = getattr(getattr(exc, "diag", None), "message_primary", None) or ""
+            if '"lr.' in primary or 'schema "lr"' in primary or " lr." in primary:
+                return _NOT_INSTALLED
+        elif code in _EXPLAINED:
+            return _EXPLAINED[code]
+        exc = exc.__cause__
+    return None
+
+
+def failure(exc: BaseException) -> str:
+    """A failed step as the one line a session's status and ``lr sync`` show: what the bound that
+    fired means (if one did), the error's type and its text."""
+    why = explain(exc)
+    return (f"{why}: " if why else "") + error_line(exc)
