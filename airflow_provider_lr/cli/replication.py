@@ -165,15 +165,10 @@ def cmd_sync(args: argparse.Namespace) -> int:
         )
     topo = _replicated(args, "sync")
     stop = threading.Event()
-    # from here on, before the start (the sites' check, joining the members: a second or more): a
-    # SIGTERM then stops it like any other, and it leaves the members; before, it died of the signal
+    # before the start (the sites' check, joining the members): a SIGTERM then stops it cleanly too
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: _stop_asked(stop))  # a service manager's stop: leave cleanly
         signal.signal(signal.SIGINT, lambda *_: _stop_asked(stop, now=True))
-    try:
-        _check_sync(topo)
-    except KeyboardInterrupt:  # a second SIGTERM, or Ctrl-C, while starting: nothing held yet
-        return 1
     # an open-ended run shares the sessions with the other `lr sync` processes (membership); a
     # bounded one (a batch, a catch-up) works every session it can lease, as it ends anyway
     bounded = bool(args.once or args.cycles or args.until_idle)
@@ -184,10 +179,11 @@ def cmd_sync(args: argparse.Namespace) -> int:
         return connector(following[0].topology if following else topo)(site_id)
 
     try:
+        _check_sync(topo)
         repl = replicator.Replicator(
             topo, connect, log_failures=False, membership=not bounded, follow_file=not bounded, stop=stop
         )  # prints reports
-    except KeyboardInterrupt:  # while joining the members: the lock goes with the connection
+    except KeyboardInterrupt:  # a second SIGTERM, or Ctrl-C, while starting: the members' lock goes with its connection
         return 1
     following.append(repl)
     skips: dict[str, str] = {}  # a session leased elsewhere is said once, and again when that changes
