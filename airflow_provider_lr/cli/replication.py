@@ -161,7 +161,11 @@ def cmd_sync(args: argparse.Namespace) -> int:
             "--no-stream): a run of cycles prints a line per cycle instead"
         )
     topo = _replicated(args, "sync")
-    _check_sync(topo)
+    stop = threading.Event()
+    # before the start (the sites' check, joining the members): a SIGTERM then stops it cleanly too
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: _stop_asked(stop))  # a service manager's stop: leave cleanly
+        signal.signal(signal.SIGINT, lambda *_: _stop_asked(stop, now=True))
     # an open-ended run shares the sessions with the other `lr sync` processes (membership); a
     # bounded one (a batch, a catch-up) works every session it can lease, as it ends anyway
     bounded = bool(args.once or args.cycles or args.until_idle)
@@ -171,10 +175,13 @@ def cmd_sync(args: argparse.Namespace) -> int:
     def connect(site_id: str) -> psycopg2.extensions.connection:
         return connector(following[0].topology if following else topo)(site_id)
 
-    stop = threading.Event()
-    repl = replicator.Replicator(
-        topo, connect, log_failures=False, membership=not bounded, follow_file=not bounded, stop=stop
-    )  # prints reports
+    try:
+        _check_sync(topo)
+        repl = replicator.Replicator(
+            topo, connect, log_failures=False, membership=not bounded, follow_file=not bounded, stop=stop
+        )  # prints reports
+    except KeyboardInterrupt:  # a second SIGTERM, or Ctrl-C, while starting: the members' lock goes with its connection
+        return 1
     following.append(repl)
     skips: dict[str, str] = {}  # a session leased elsewhere is said once, and again when that changes
     failing = RepeatedErrors()  # a sink down for minutes is said once, then "still failing (N times)"
@@ -207,9 +214,6 @@ def cmd_sync(args: argparse.Namespace) -> int:
         counters.cycle(reports)  # the streamer counts its own cycles
         show(reports)
 
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: _stop_asked(stop))  # a service manager's stop: leave cleanly
-        signal.signal(signal.SIGINT, lambda *_: _stop_asked(stop, now=True))
     reports: list = []
     counters = metrics.ReplicationCounters()
     served = metrics.start(counters.registry, args.metrics_listen) if args.metrics_listen else None

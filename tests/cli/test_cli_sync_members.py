@@ -246,3 +246,24 @@ def test_lr_sync_follows_a_topology_apply_that_adds_and_removes_a_client(lr_site
         assert lr.poll() is None
     finally:
         stop(lr)
+
+
+@pytest.mark.slow
+def test_lr_sync_stopped_while_it_joins_the_members_leaves_cleanly(lr_sites, tmp_path, monkeypatch):
+    """SIGTERM (a service manager's stop or restart) arriving while `lr sync` is still starting (it
+    has joined the source's members and waits for their heartbeats) stops it like any other
+    SIGTERM: exit 0, it says so, and it leaves the members. Before, the handler was installed only
+    after that start: the process died of the signal (exit -15) and stayed listed as a dead member."""
+    source, *_ = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    log = tmp_path / "sync.log"
+    lr = lr_sync(topo, log)
+    try:
+        joined = "SELECT count(*) FROM lr.replicator_members WHERE owner LIKE %s"
+        wait_for(lambda: source.query(joined, (f"%:{lr.pid}:%",))[0][0], 30, "lr sync to join the members")
+        lr.send_signal(signal.SIGTERM)
+        assert lr.wait(20) == 0, log.read_text()
+    finally:
+        stop(lr)
+    assert "stopping (SIGTERM)" in log.read_text()
+    assert source.query("SELECT owner FROM lr.replicator_members") == []
