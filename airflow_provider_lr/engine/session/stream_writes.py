@@ -30,8 +30,11 @@ def apply_site(
     conn: psycopg2.extensions.connection, jobs: Sequence[tuple[Member, LogBatch]], source: str
 ) -> list[int | Exception]:
     """``jobs`` (one site's sessions and their batches) written on ``conn``; the sink's position
-    after each, or what it raised (the stream decides what it means for the session)."""
+    after each, or what it raised (the stream decides what it means for the session). Once the
+    connection is lost, the sessions not written yet get what lost it, not the closed connection's
+    ``InterfaceError``: the cause is what their hand-back records and ``lr status`` shows."""
     done: dict[int, int | Exception] = {}
+    lost: Exception | None = None  # what closed ``conn`` during this round trip
     fast = [n for n, (member, _) in enumerate(jobs) if member.registered]
     if fast:
         batches = [
@@ -43,16 +46,22 @@ def apply_site(
                 ends = stream_batch.stream_batches(conn, source, batches)
         except Exception as exc:  # the site's: every session of the round trip says so
             done.update(dict.fromkeys(fast, exc))
+            lost = exc if conn.closed else None
         else:
             for n, end in zip(fast, ends):
                 if end is not None:
                     done[n] = _after_apply(end)
     for n, (member, batch) in enumerate(jobs):
-        if n not in done:
-            try:
-                done[n] = apply_one(conn, source, member, batch)
-            except Exception as exc:
-                done[n] = exc
+        if n in done:
+            continue
+        if lost is not None:
+            done[n] = lost
+            continue
+        try:
+            done[n] = apply_one(conn, source, member, batch)
+        except Exception as exc:
+            done[n] = exc
+            lost = exc if conn.closed else None
     return [done[n] for n in range(len(jobs))]
 
 

@@ -13,9 +13,12 @@ import psycopg2.extensions
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.faults import on_fault
-from airflow_provider_lr.engine.session import source_stream
+from airflow_provider_lr.engine.session import source_stream, stream_writes
+from airflow_provider_lr.engine.session.handshake import Position
 from airflow_provider_lr.engine.session.settings import StreamSettings
-from airflow_provider_lr.engine.session.stream_member import REASSIGNED
+from airflow_provider_lr.engine.session.stream_member import REASSIGNED, Member
+from airflow_provider_lr.engine.source.log_reader import LogBatch
+from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.support.session import Streaming, apply, empty_provider, replicator, sink_queue, wait_for
 from tests.support.tables import federate
 
@@ -100,6 +103,25 @@ def test_a_session_whose_one_round_trip_write_is_lost_after_its_commit_comes_bac
         )
         assert [e.reason for e in streaming.streamer.ends].count("failed") == 1, streaming.streamer.ends
     writer.close()
+
+
+def test_sessions_of_a_sink_whose_connection_was_lost_mid_round_say_what_lost_it(lr_sites):
+    """Two sessions' writes to one sink site by the general path (each session's first write), one
+    after the other on the stream's connection, which the server has ended: both hand back with the
+    server's reason, not the first with it and the second with "connection already closed" (what
+    ``lr status`` then showed for every session after the first)."""
+    _, sink_b, _ = lr_sites
+    conn = sink_b.connect()
+    sink_b.query(f"SELECT pg_terminate_backend({conn.info.backend_pid})")
+    key = lambda client: SessionKey("site-a", "site-b", client)  # noqa: E731
+    jobs = [
+        (Member(key(c), None, Position(0, 0, None, 1), None, None, None), LogBatch(0, 1))  # type: ignore[arg-type]
+        for c in ("policy", "billing")
+    ]
+    first, second = stream_writes.apply_site(conn, jobs, "site-a")
+    assert isinstance(first, psycopg2.OperationalError), first
+    assert second is first, second
+    conn.close()
 
 
 class _TracedCursor(psycopg2.extensions.cursor):
