@@ -87,7 +87,7 @@ def test_after_a_failover_from_airflow_the_old_file_is_refused_naming_the_file_t
     from airflow_provider_lr.engine.vocabulary import SessionKey
     from airflow_provider_lr.operators import LRFailoverOperator
 
-    monkeypatch.setenv("LR_HOME", str(tmp_path / "home"))  # not where the task writes
+    monkeypatch.setenv("LR_HOME", str(tmp_path))  # where the task writes too: named once
     site_a, site_b, site_c = lr_sites
     old, app = _replicating(lr_sites, tmp_path, monkeypatch)
     App(site_b).close()
@@ -99,9 +99,11 @@ def test_after_a_failover_from_airflow_the_old_file_is_refused_naming_the_file_t
     assert (
         "point --topology (Airflow: the Variable lr_topology or $LR_TOPOLOGY) at the topology the failover wrote"
         in (out := capsys.readouterr().out)
-        and f"(the failover wrote {new})" in out
+        and f"(the failover wrote {new})" in out  # not "{new}, {new}"
     ), out
-    # a session step from the old file (a task of lr_replication, lr_streaming) reads its source only
+    # a session step from the old file (a task of lr_replication, lr_streaming) reads its source only;
+    # a worker's $LR_HOME is elsewhere: the file is found beside the old one
+    monkeypatch.setenv("LR_HOME", str(tmp_path / "worker"))
     source, sink = site_a.connect(), site_c.connect()
     step = handshake(source, sink, SessionKey("site-a", "site-c", "policy"), "t", topology=topologies.load(old))
     source.close(), sink.close()
