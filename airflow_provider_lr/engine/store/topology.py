@@ -291,7 +291,8 @@ def failover_files(topology_config_id: str, beside: str | Path | None = None) ->
     failover``), or beside the topology file the lr_failover task read (a worker's ``$LR_HOME`` is
     nobody's to look in); a stale file's message looks in both, so it can name the file to use."""
     name = f"topology-{topology_config_id}.yaml"
-    return [lr_home() / name, *([Path(beside).resolve().parent / name] if beside else [])]
+    found = [(lr_home() / name).resolve(), *([Path(beside).resolve().parent / name] if beside else [])]
+    return list(dict.fromkeys(found))  # the demo's file is in $LR_HOME: one path, said once
 
 
 def write_document(topology: Topology, path: str | Path) -> Path:
