@@ -5,8 +5,10 @@ optionally the old source (empty: the one it receives from), the clients (empty:
 receives from there) and a reason. One task, ``failover``, calls the engine
 (``LRFailoverOperator``): the old source's sinks are fenced, the promoted site takes over at its
 position of the old stream, every other sink is reconciled to that position, and the new topology
-is applied to every reachable site. Its XCom holds the new topology (save it as the topology file
-the other DAGs read) and what each sink's reconcile did. A planned switchover happens when the old
+is applied to every reachable site. The new topology is written beside the topology file the task
+read, as ``topology-<id>.yaml`` (the log says where): point the Variable ``lr_topology`` at it, or
+every other lr task refuses the old file from then on. Its XCom holds the new topology (and
+``topology_file``) and what each sink's reconcile did. A planned switchover happens when the old
 source can be reached (it is drained first). Running the DAG again with the same form finishes an
 interrupted failover.
 

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
-
-import yaml
 
 from airflow_provider_lr.cli.common import check_topology, connector, load_topology, named, with_topology
 from airflow_provider_lr.engine.errors import TopologyMismatchError, listing
 from airflow_provider_lr.engine.site import failover, topology
 from airflow_provider_lr.engine.store import topology as topologies
-from airflow_provider_lr.paths import lr_home
 
 
 def cmd_failover(args: argparse.Namespace) -> int:
@@ -66,10 +62,9 @@ def cmd_failover(args: argparse.Namespace) -> int:
         connector(topo),
         topology=topo,
     )
-    out = args.out or os.path.join(lr_home(), f"topology-{done.topology.topology_config_id}.yaml")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w", encoding="utf-8") as fh:
-        yaml.safe_dump(done.topology.document, fh, sort_keys=False)
+    out = topologies.write_document(
+        done.topology, args.out or topologies.failover_files(done.topology.topology_config_id)[0]
+    )
     kind = "planned switchover" if done.planned else "unplanned failover"
     print(
         f"{kind} {done.failover_id}{' (resumed)' if done.resumed else ''}: {done.to_site} is the source of "

@@ -111,7 +111,9 @@ def add_full_sync(sub: argparse._SubParsersAction) -> None:
     fs.add_argument("--source", help="only the sessions from this source (default: every source)")
     fs.add_argument("--client", help="only this client's sessions (default: every client)")
     fs.add_argument(
-        "--reason", default="requested from the command line", help="recorded with each request (lr status shows it)"
+        "--reason",
+        default="requested from the command line",
+        help="recorded with each request (lr status shows it; default: 'requested from the command line')",
     )
     fs.add_argument(
         "--wait",
@@ -119,6 +121,6 @@ def add_full_sync(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="SECONDS",
         help="wait up to this long until each request is applied at its sink, by whichever replicator "
-        "(`lr sync`, lr_streaming, lr_replication); exit 1 unless every one was",
+        "(`lr sync`, lr_streaming, lr_replication); exit 1 unless every one was (default: return once requested)",
     )
     fs.set_defaults(func=cmd_full_sync)

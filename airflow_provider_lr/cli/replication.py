@@ -379,7 +379,8 @@ def add_sync(sub: argparse._SubParsersAction) -> None:
         "--interval",
         type=nonnegative_seconds,
         default=1.0,
-        help="pause between idle cycles (s); streaming: between cycles of the sessions not streaming",
+        metavar="SECONDS",
+        help="pause between idle cycles; streaming: between cycles of the sessions not streaming (default 1)",
     )
     sync.add_argument("-v", "--verbose", action="store_true", help="also print idle cycles")
     sync.add_argument(

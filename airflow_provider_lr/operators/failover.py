@@ -8,6 +8,7 @@ from typing import Any
 from airflow.sdk import BaseOperator
 
 from airflow_provider_lr.engine.site import failover
+from airflow_provider_lr.engine.store.topology import Topology, failover_files, write_document
 from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.operators.common import load_topology
 
@@ -101,6 +102,7 @@ class LRFailoverOperator(BaseOperator):
         )
         for table in done.diverged:
             self.log.warning("DIVERGED table %s: its replication stops", table)
+        written = self._write_topology(topo, done.topology)
         for site in done.pending:
             self.log.warning("%s was not reached: rejoin it when it is back", site)
         return {
@@ -119,4 +121,28 @@ class LRFailoverOperator(BaseOperator):
             "diverged": done.diverged,
             "topology_config_id": done.topology.topology_config_id,
             "topology": done.topology.document,
+            "topology_file": written,
         }
+
+    def _write_topology(self, read: Topology, new: Topology) -> str | None:
+        """The new topology, as a file beside the one this task read (what the DAGs read next is
+        the operator's to point at it: ``lr_topology`` or ``$LR_TOPOLOGY``), said in the log. Every
+        other task refused the old file after the failover, and the log did not say where the new
+        one was (only the XCom held its document)."""
+        target = failover_files(new.topology_config_id, read.path)[-1]
+        try:
+            out = str(write_document(new, target))
+        except OSError as exc:
+            self.log.warning(
+                "could not write the new topology to %s (%s); it is this task's XCom 'topology'", target, exc
+            )
+            return None
+        self.log.info(
+            "new topology %s written to %s: every lr task refuses %s from now on; set the Variable "
+            "lr_topology (or $LR_TOPOLOGY of every Airflow component, and of lr) to %s",
+            new.topology_config_id,
+            out,
+            read.path or "the topology it read",
+            out,
+        )
+        return out

@@ -76,6 +76,41 @@ def test_after_a_failover_the_old_file_is_named_by_every_command(lr_sites, tmp_p
     app.close()
 
 
+def test_after_a_failover_from_airflow_the_old_file_is_refused_naming_the_file_the_task_wrote(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """The lr_failover DAG's task wrote no file (only its XCom held the new document): every task
+    then refused the old file saying to use the topology `lr failover` wrote, which did not exist,
+    and a session step even said to apply the old file (refused). Now the task writes the file
+    beside the one it read, and the refusals name it."""
+    from airflow_provider_lr.engine.session.handshake import Verdict, handshake
+    from airflow_provider_lr.engine.vocabulary import SessionKey
+    from airflow_provider_lr.operators import LRFailoverOperator
+
+    monkeypatch.setenv("LR_HOME", str(tmp_path))  # where the task writes too: named once
+    site_a, site_b, site_c = lr_sites
+    old, app = _replicating(lr_sites, tmp_path, monkeypatch)
+    App(site_b).close()
+    done = LRFailoverOperator(task_id="failover", promote="site-b", topology_path=old).execute({})
+    new = tmp_path / f"topology-{done['topology_config_id']}.yaml"
+    assert done["topology_file"] == str(new) and _ids(str(new)) == [done["topology_config_id"]]
+    capsys.readouterr()
+    assert cli.main(["status", "--topology", old]) == 1
+    assert (
+        "point --topology (Airflow: the Variable lr_topology or $LR_TOPOLOGY) at the topology the failover wrote"
+        in (out := capsys.readouterr().out)
+        and f"(the failover wrote {new})" in out  # not "{new}, {new}"
+    ), out
+    # a session step from the old file (a task of lr_replication, lr_streaming) reads its source only;
+    # a worker's $LR_HOME is elsewhere: the file is found beside the old one
+    monkeypatch.setenv("LR_HOME", str(tmp_path / "worker"))
+    source, sink = site_a.connect(), site_c.connect()
+    step = handshake(source, sink, SessionKey("site-a", "site-c", "policy"), "t", topology=topologies.load(old))
+    source.close(), sink.close()
+    assert step.verdict is Verdict.REFUSED and f"at {new}" in step.reason and "lr topology apply" not in step.reason
+    app.close()
+
+
 def test_a_file_edited_and_not_applied_is_refused_and_one_site_behind_refuses_only_its_sessions(
     lr_sites, tmp_path, monkeypatch, capsys
 ):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg2.extensions
+import yaml
 
 from airflow_provider_lr.engine.db.conninfo import ConnInfo, resolve
 from airflow_provider_lr.engine.db.durability import check_rule
@@ -285,6 +286,24 @@ def from_site(conn: psycopg2.extensions.connection) -> Topology:
     return from_document(document, Origin("the topology stored on the site"))
 
 
+def failover_files(topology_config_id: str, beside: str | Path | None = None) -> list[Path]:
+    """Where a failover writes the topology it applied: ``$LR_HOME/topology-<id>.yaml`` (``lr
+    failover``), or beside the topology file the lr_failover task read (a worker's ``$LR_HOME`` is
+    nobody's to look in); a stale file's message looks in both, so it can name the file to use."""
+    name = f"topology-{topology_config_id}.yaml"
+    found = [(lr_home() / name).resolve(), *([Path(beside).resolve().parent / name] if beside else [])]
+    return list(dict.fromkeys(found))  # the demo's file is in $LR_HOME: one path, said once
+
+
+def write_document(topology: Topology, path: str | Path) -> Path:
+    """Write ``topology``'s document as a topology file (a failover's new one), making its directory."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", encoding="utf-8") as fh:
+        yaml.safe_dump(topology.document, fh, sort_keys=False)
+    return out
+
+
 def site_conninfo(topology: Topology, site_id: str) -> ConnInfo:
     """How to reach a site of the topology (see ``Topology.conn_id``), with the topology's bounds
     on its connections (keepalives, timeouts: ``timeouts.py``)."""
@@ -308,7 +327,7 @@ class TopologyDrift:
             by_id.setdefault(held, []).append(site)
         holds = ", ".join(f"{held or '(none applied)'} ({', '.join(sites)})" for held, sites in by_id.items())
         name = self.topology.path or "in use"
-        written = [str(p) for p in (lr_home() / f"topology-{held}.yaml" for held in by_id if held) if p.is_file()]
+        written = [str(p) for held in by_id if held for p in failover_files(held, self.topology.path) if p.is_file()]
         mine = self.topology.topology_config_id
         # the file still replicates from a failed-over site to the site its clients went to: it is
         # older than that failover (applying it is refused; the new source does not run it)
@@ -324,10 +343,14 @@ class TopologyDrift:
         if predates:
             advice = (
                 f": it predates the failover of {', '.join(f'{site} to {to}' for site, to in predates)}: point "
-                f"--topology (Airflow: the Variable lr_topology or ${TOPOLOGY_ENV}) at the topology `lr failover` wrote"
+                f"--topology (Airflow: the Variable lr_topology or ${TOPOLOGY_ENV}) at the topology the failover wrote "
+                "(`lr failover`, or the lr_failover DAG beside the file its task read)"
             )
         elif set(self.held) <= {site for site, _ in rejoin}:
             advice = ""  # only old sources to rejoin: an apply is the wrong step (and refused)
+        elif written:  # the sites run a topology a failover wrote: that file is the one to use
+            advice = f": point --topology (Airflow: the Variable lr_topology or ${TOPOLOGY_ENV}) at {written[0]}"
+            written = []
         else:
             advice = (
                 f": apply the current file with `lr topology apply --topology {name}` or point --topology (Airflow: "
@@ -335,7 +358,7 @@ class TopologyDrift:
             )
         return (
             f"topology file {name} has id {mine}; sites hold {holds}{advice}"
-            + (f" (`lr failover` wrote {', '.join(written)})" if written else "")
+            + (f" (the failover wrote {', '.join(written)})" if written else "")
             + "".join(
                 f"; site {site} was failed over (its clients now come from {to}): rejoin it with `lr failover "
                 f"--topology {name} --rejoin {site}`, not a topology apply (the rejoin counts what it committed "
