@@ -100,7 +100,7 @@ def test_lr_failover_names_what_is_wrong(lr_sites, tmp_path, monkeypatch, capsys
     capsys.readouterr()
     assert cli.main(["failover", "--topology", topo, "--promote", "site-a"]) == 1
     assert "receives from no source; name the old source (--from" in capsys.readouterr().err
-    assert cli.main(["failover", "--topology", topo, "--promote", "site-q"]) == 1
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-q"]) == 2
     assert "unknown site 'site-q'; the topology knows site-a, site-b, site-c" in capsys.readouterr().err
     assert cli.main(["failover", "--topology", topo, "--promote", "site-c", "--from", "site-b"]) == 1
     assert "is not a sink of 'site-b'" in capsys.readouterr().err
