@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import tempfile
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -160,28 +161,36 @@ def _drop_databases(site_manager: SiteManager, made: list[TestSite]) -> None:
 
 
 class NextDatabases:
-    """The next test's databases, made in the background while the current test runs, and the last
+    """The next tests' databases, made in the background while the current test runs, and the last
     test's dropped meanwhile: a test then pays no ``CREATE DATABASE`` nor ``DROP DATABASE`` (about
-    0.2-1 s for the three servers), only a look-up. One set is made ahead per kind (empty, or a
-    copy of ``lr_template``: a test's kind is usually its neighbour's). A set made before a server restarted on another port, or whose making failed
+    0.2-1 s for the three servers), only a look-up. Up to ``AHEAD`` sets are made ahead per kind
+    (empty, or a copy of ``lr_template``: a test's kind is usually its neighbour's), so a run of
+    short tests after a long one finds sets made while the long one ran instead of each waiting
+    for the next. A set made before a server restarted on another port, or whose making failed
     (a test stopped a server meanwhile), is not used: the test makes its own, as before."""
+
+    AHEAD = 3
 
     def __init__(self, site_manager: SiteManager) -> None:
         self.site_manager = site_manager
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="lr-next-databases")
-        self.ahead: dict[str | None, Future[list[TestSite]]] = {}
+        self.ahead: dict[str | None, deque[Future[list[TestSite]]]] = {}
 
     def take(self, template: str | None, ahead: bool = True) -> list[TestSite]:
-        """Databases of the ``template`` kind for a test; with ``ahead``, the next test's set of
-        that kind is started in the background (without: none is being made while this test runs)."""
+        """Databases of the ``template`` kind for a test; with ``ahead``, that kind's sets made ahead
+        are topped up in the background (without: none is being made while this test runs)."""
         servers = self.site_manager.sites()
-        made = self._ready(self.ahead.pop(template, None), servers)
+        pending = self.ahead.setdefault(template, deque())
+        made = None
+        while made is None and pending:
+            made = self._ready(pending.popleft(), servers)
         if not ahead:
             self.worker.submit(lambda: None).result()  # what was asked before is done: nothing runs meanwhile
         if made is None:
             made = _make_databases(servers, template)
         if ahead:
-            self.ahead[template] = self.worker.submit(_make_databases, servers, template)
+            while len(pending) < self.AHEAD:
+                pending.append(self.worker.submit(_make_databases, servers, template))
         return made
 
     def _ready(self, pending: Future[list[TestSite]] | None, servers: list[EmbeddedSite]) -> list[TestSite] | None:

@@ -313,15 +313,15 @@ def test_streaming_dag_streams_for_its_run_then_ends_for_the_next_run(dagbag, ai
             time.sleep(0.05)
         for i in range(20):
             app.put(f"k{i}", i, ["site-b", "site-c"])
-            time.sleep(0.05)
+            time.sleep(0.02)
 
     writer = threading.Thread(target=write_while_it_runs)
     writer.start()
     started = time.monotonic()
-    run = run_dag(dagbag, "lr_streaming", {"run_for_seconds": 8})
+    run = run_dag(dagbag, "lr_streaming", {"run_for_seconds": 6})
     writer.join()
     assert str(run.state) == "success", states(run)
-    assert time.monotonic() - started >= 8
+    assert time.monotonic() - started >= 6
     assert states(run) == {("shards", -1): "success", ("stream", 0): "success"}
     assert [ti.rendered_map_index for ti in run.get_task_instances() if ti.task_id == "stream"] == ["site-a"]
     summary = xcom(run, "stream", 0)

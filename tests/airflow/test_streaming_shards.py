@@ -171,7 +171,7 @@ class Writer(threading.Thread):
             for i in range(self.count):
                 self.app.put(f"k{i}", i, ["site-b", "site-c"])
                 self.others.update(holders(source, other))
-                time.sleep(0.05)
+                time.sleep(0.01)
         except BaseException as exc:  # the test asserts it after join
             self.failure = exc
 
@@ -186,7 +186,7 @@ def test_a_source_split_in_two_shards_streams_each_in_its_own_task_every_entry_o
     app = sessions_past_first_contact(airflow_sites)
     writer = Writer(app, 20)
     writer.start()
-    run = dagbag.dags["lr_streaming"].test(run_conf={"run_for_seconds": 7, "sessions_per_shard": 1})
+    run = dagbag.dags["lr_streaming"].test(run_conf={"run_for_seconds": 5, "sessions_per_shard": 1})
     writer.join()
     assert writer.failure is None and writer.others == {None}, (writer.failure, writer.others)
     got = states(run)
@@ -282,7 +282,7 @@ def test_two_shards_stream_at_the_same_time_in_two_task_processes(dagbag, airflo
         assert len(owners) == 2  # streaming at once, each its own session
         for i in range(20):
             app.put(f"k{i}", i, ["site-b", "site-c"])
-            time.sleep(0.05)
+            time.sleep(0.02)
         for process in processes:
             assert process.wait(90) == 0
     finally:

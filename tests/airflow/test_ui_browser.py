@@ -1,9 +1,10 @@
 """The real Airflow UI in a real browser: ``airflow standalone`` (scheduler, dag-processor,
-triggerer, api-server) on loopback with this repo's DAGs and real embedded sites, driven by
-headless Chromium through Playwright the way an operator does it: log in with the generated admin
-password, open ``lr_full_sync``, fill the trigger form (sink, reason), submit, and wait until the
-full sync is applied at the sink. Screenshots of every step go to ``$LR_ARTIFACTS/browser``
-(default ``artifacts/browser`` under the repository root) so a failure can be looked at.
+triggerer, api-server) on loopback with this repo's ``lr_full_sync`` and ``lr_replication`` DAGs
+and real embedded sites, driven by headless Chromium through Playwright the way an operator does
+it: log in with the generated admin password, open ``lr_full_sync``, fill the trigger form (sink,
+reason), submit, and wait until the full sync is applied at the sink. Screenshots of every step go
+to ``$LR_ARTIFACTS/browser`` (default ``artifacts/browser`` under the repository root) so a failure
+can be looked at.
 
 Needs Debian's ``chromium`` (``./dev.sh test`` installs it when running as root); without it the
 test is skipped, saying so. Airflow runs in its own process group, stopped as a group at the end.
@@ -46,6 +47,11 @@ CHROMIUM_ARGS = [
 ]
 STARTUP_TIMEOUT = 150  # api-server healthy and the DAGs parsed (about 50 s on 2 cores)
 RUN_TIMEOUT = 90
+# The DAGs in standalone's DAG folder (links to the repo's files): the ones the test waits for. The
+# dag-processor takes seconds of CPU per file on two cores and, by default, parses each again every
+# 30 s; with all seven shipped DAGs (test_dags.py parses them all) lr_full_sync was often parsed last,
+# and the others were parsed again while the run ran.
+UI_DAGS = ("lr_full_sync", "lr_replication")
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
@@ -200,13 +206,18 @@ def airflow_ui(airflow_sites, tmp_path: Path, statsd_socket) -> Iterator[Airflow
     if reason:
         pytest.skip(reason)
     home = tmp_path / "airflow-home"
-    home.mkdir()
+    dags = home / "dags"
+    dags.mkdir(parents=True)
+    for dag_id in UI_DAGS:
+        (dags / f"{dag_id}.py").symlink_to(DAGS_DIR / f"{dag_id}.py")
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW__") and k != "AIRFLOW_HOME"}
     env.update(
         {
             "AIRFLOW_HOME": str(home),
-            "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS_DIR),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
+            "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "3600",  # parsed once: nothing changes them
+            "AIRFLOW__CORE__PARALLELISM": "4",  # the run's tasks at once, not 32 forked LocalExecutor workers
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__API__HOST": "127.0.0.1",
             "AIRFLOW__API__PORT": str(port),
@@ -225,7 +236,7 @@ def airflow_ui(airflow_sites, tmp_path: Path, statsd_socket) -> Iterator[Airflow
     started = time.monotonic()
     airflow.start()
     try:
-        airflow.wait_ready(["lr_full_sync", "lr_replication"])
+        airflow.wait_ready(list(UI_DAGS))
         print(f"airflow standalone ready in {time.monotonic() - started:.0f}s")
         yield airflow
     finally:
