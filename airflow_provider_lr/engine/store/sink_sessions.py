@@ -385,6 +385,14 @@ def failed_over(cur: psycopg2.extensions.cursor) -> dict[tuple[str, str], tuple[
     return {(source, client): (to, note) for source, client, to, note in cur.fetchall()}
 
 
+def processed(cur: psycopg2.extensions.cursor) -> dict[tuple[str, str], int]:
+    """The last position this site applied of each (source, client) log: read in a snapshot's
+    transaction at its source, what the snapshot holds of each (its rows and the position commit
+    together; ``tables.own_rows``)."""
+    cur.execute("SELECT source_site_id, client_name, last_log_entry_processed FROM lr.sink_sessions")
+    return {(source, client): position for source, client, position in cur.fetchall()}
+
+
 def keys(cur: psycopg2.extensions.cursor) -> list[tuple[str, str]]:
     """(source, client) of every session of this sink, sorted."""
     cur.execute("SELECT source_site_id, client_name FROM lr.sink_sessions ORDER BY 1, 2")

@@ -28,13 +28,6 @@ from airflow_provider_lr.engine.tables.targets import Target
 Received = Mapping[tuple[str, str], int]  # (source, client) -> the last position applied from it
 
 
-def received(cur: psycopg2.extensions.cursor) -> dict[tuple[str, str], int]:
-    """At a snapshot's source, in the snapshot's transaction: the position of each (source,
-    client) log this site has applied (its rows and the position commit together)."""
-    cur.execute("SELECT source_site_id, client_name, last_log_entry_processed FROM lr.sink_sessions")
-    return {(source, client): position for source, client, position in cur.fetchall()}
-
-
 def onward(cur: psycopg2.extensions.cursor, table: str) -> tuple[str, int] | None:
     """(client, table_id) of this site's own federation of ``table``, which it takes a snapshot of
     from another site too: federated both ways (this site's copy opened onward, or its own table

@@ -37,6 +37,7 @@ from airflow_provider_lr.engine.errors import StaleBatchError, require_counts
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, TableSplits
+from airflow_provider_lr.engine.store import sink_sessions
 from airflow_provider_lr.engine.store.sink_sessions import FencedTransaction
 from airflow_provider_lr.engine.tables import closed_notes, own_rows, references
 from airflow_provider_lr.engine.tables import sink as sink_tables
@@ -160,7 +161,7 @@ class TableSnapshot:
             self.exported, snapshot = cur.fetchone()
             cur.execute(LAST_DRAWN_POSITION_SQL)  # after the snapshot: what it may not hold is above
             self.split = BaseSplit(snapshot, cur.fetchone()[0])
-            self.received = own_rows.received(cur)
+            self.received = sink_sessions.processed(cur)
             for side in self.sinks:
                 for table in side.tables:
                     if table.table not in self.definitions:
