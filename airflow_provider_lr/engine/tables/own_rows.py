@@ -89,12 +89,7 @@ def keep(cur: psycopg2.extensions.cursor, target: Target, site: str, positions: 
             "would bring back the rows it removed; the snapshot is taken again once it has"
         )
     key = target.definition.key
-    cur.execute(
-        "SELECT a.attname, pg_catalog.format_type(a.atttypid, a.atttypmod) FROM pg_catalog.pg_attribute a "
-        "WHERE a.attrelid = %s::regclass AND a.attname = ANY (%s)",
-        (table, list(key)),
-    )
-    types = dict(cur.fetchall())  # catalog text: a type's name as PostgreSQL quotes it
+    types = {c.name: c.type for c in target.definition.columns}  # read in this transaction, as SQL names them
     kept = Kept(target, *(sql.Identifier(f"lr_own_{what}_{n}") for what in ("keys", "rows", "origins")))
     cur.execute(
         sql.SQL(
@@ -126,12 +121,7 @@ def restore(cur: psycopg2.extensions.cursor, kept: Kept) -> None:
     """After the snapshot's copy: the set-aside keys hold the sink's own rows again (or none)."""
     t = kept.target.definition.table.ident
     cur.execute(sql.SQL("DELETE FROM {} x WHERE {}").format(t, _among(kept.target, sql.Identifier("x"), kept.keys)))
-    cur.execute(
-        "SELECT pg_catalog.array_agg(a.attname ORDER BY a.attnum) FROM pg_catalog.pg_attribute a "
-        "WHERE a.attrelid = %s::regclass AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''",
-        (str(kept.target.table),),
-    )
-    columns = sql.SQL(", ").join(sql.Identifier(c) for c in cur.fetchone()[0])
+    columns = sql.SQL(", ").join(sql.Identifier(c) for c in kept.target.definition.column_names)  # not generated
     cur.execute(
         sql.SQL("INSERT INTO {} ({}) OVERRIDING SYSTEM VALUE SELECT {} FROM {}").format(t, columns, columns, kept.rows)
     )
