@@ -183,16 +183,8 @@ class Replicator:
         if runner is not None:
             runner.release()
             return
-        if key.source not in self._forgotten:
-            return  # never leased here since its connection went: nothing to release
-        try:
-            conn = self._conn(key.source)
-            with conn.cursor() as cur:
-                source_sessions.release_owned(cur, self.owner, (key.sink, key.client))
-            conn.commit()
-        except (psycopg2.Error, LRError) as exc:
-            self._drop(key.source)
-            log.info("lease of %s not released (%s): it expires on its own", key, one_line(exc))
+        if key.source in self._forgotten:  # else never leased here since its connection went
+            self._release_owned(key.source, key)
 
     def _conn(self, site: str) -> psycopg2.extensions.connection:
         self._used[site] = time.monotonic()
@@ -337,20 +329,21 @@ class Replicator:
             if self._runners.pop(key).lease is not None:  # still held: released at ``close``
                 self._forgotten.add(key.source)
 
-    def _release_owned(self, source: str) -> None:
-        """Release every lease this replicator still holds at ``source``: a runner forgotten with
-        its connection (``rest``, a lost site) left its lease, and a session a stream handed back
-        keeps its lease for a cycle that may not come before the stop. Left, they stayed leased to a
-        process gone, for ``lease_seconds``. A source that cannot be reached keeps them till then."""
+    def _release_owned(self, source: str, key: SessionKey | None = None) -> None:
+        """Release every lease this replicator still holds at ``source`` (or only ``key``'s): a runner
+        forgotten with its connection (``rest``, a lost site) left its lease, and a session a stream
+        handed back keeps its lease for a cycle that may not come before the stop. Left, they stayed
+        leased to a process gone, for ``lease_seconds``. A source that cannot be reached keeps them
+        till then."""
         try:
             conn = self._conn(source)
             with conn.cursor() as cur:
-                source_sessions.release_owned(cur, self.owner)
+                source_sessions.release_owned(cur, self.owner, None if key is None else (key.sink, key.client))
             conn.commit()
         except (psycopg2.Error, LRError) as exc:
-            log.info(
-                "leases of %s at %s not released (%s): they expire on their own", self.owner, source, one_line(exc)
-            )
+            self._drop(source)
+            what = f"lease of {key}" if key is not None else f"leases of {self.owner} at {source}"
+            log.info("%s not released (%s): expiring on its own", what, one_line(exc))
 
     def run(
         self,

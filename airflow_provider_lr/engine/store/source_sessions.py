@@ -131,17 +131,11 @@ def release_owned(cur: psycopg2.extensions.cursor, owner: str, session: tuple[st
     """Clear every lease ``owner`` still holds here, or only that of ``session`` (sink, client); the
     epochs stay; how many. A lease is only taken over with a new owner, so one still naming
     ``owner`` is its own, whatever its epoch."""
-    if session is None:
-        cur.execute(
-            "UPDATE lr.source_sessions SET lease_owner = NULL, lease_expires_at = NULL WHERE lease_owner = %s",
-            (owner,),
-        )
-    else:
-        cur.execute(
-            "UPDATE lr.source_sessions SET lease_owner = NULL, lease_expires_at = NULL WHERE lease_owner = %s "
-            "AND sink_site_id = %s AND client_name = %s",
-            (owner, *session),
-        )
+    only = "" if session is None else " AND sink_site_id = %s AND client_name = %s"
+    cur.execute(
+        "UPDATE lr.source_sessions SET lease_owner = NULL, lease_expires_at = NULL WHERE lease_owner = %s" + only,
+        (owner, *(session or ())),
+    )
     return cur.rowcount
 
 
