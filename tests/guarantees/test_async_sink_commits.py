@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import psutil
 import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
@@ -49,6 +50,23 @@ def _transmit(conn, payload: str) -> None:
 
 def _wal_writer(site) -> int:
     return site.query("SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'")[0][0]
+
+
+def _crash(site_manager, site) -> None:
+    """``site``'s server dies at once, as in a power cut: every one of its processes is frozen
+    (SIGSTOP: none writes or flushes from here), then killed (SIGKILL). What its WAL writer had not
+    flushed is gone; the restart recovers from the disk."""
+    pid = site_manager.postmaster_pid(site.server)
+    assert pid is not None, f"{site.site_id}'s server is not running"
+    postmaster = psutil.Process(pid)
+    processes = [postmaster, *postmaster.children()]
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.suspend()
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(processes, timeout=10)
 
 
 @contextlib.contextmanager
@@ -114,15 +132,11 @@ def test_sink_server_killed_after_async_commits_before_their_flush_loses_nothing
         writing = threading.Thread(target=write)
         writing.start()
         wait_for(lambda: len(sink_queue(sink, "policy")) > 200, 15, "entries streaming")
-        walwriter = _wal_writer(sink)
-        os.kill(walwriter, signal.SIGSTOP)  # from here the stream's commits on the sink stay in its WAL buffers
+        os.kill(_wal_writer(sink), signal.SIGSTOP)  # from here the stream's commits on the sink stay in its WAL buffers
         wait_for(lambda: len(sink_queue(sink, "policy")) > 400, 15, "entries committed, not flushed")
-        applied = _processed(sink)
         time.sleep(0.3)  # ack rounds pass
-        # the crash: an immediate stop (SIGQUIT to every server process; the stalled WAL writer
-        # handles it once continued, and exits without writing)
-        threading.Timer(0.5, os.kill, (walwriter, signal.SIGCONT)).start()
-        site_manager.down([sink.site_id], mode="immediate")
+        applied = _processed(sink)  # read last: any synchronous commit on the sink before it flushed the WAL
+        _crash(site_manager, sink)
         try:
             acked = _acked(source)
             trim.safe_trim(source.connect())  # whatever the source believes delivered is gone from it
@@ -160,13 +174,13 @@ def test_an_asynchronous_commit_the_stream_delivered_survives_the_sources_crash(
         for i in range(5):
             _transmit(writer, f"entry {i}")
         wait_for(lambda: len(sink_queue(sink, "policy")) == 5, 10, "the first entries at the sink")
-        walwriter = _wal_writer(source)
-        os.kill(walwriter, signal.SIGSTOP)  # from here the source's asynchronous commits stay in its WAL buffers
+        os.kill(
+            _wal_writer(source), signal.SIGSTOP
+        )  # from here the source's asynchronous commits stay in its WAL buffers
         for i in range(5, 10):
             _transmit(writer, f"entry {i}")
         wait_for(lambda: len(sink_queue(sink, "policy")) == 10, 10, "the entries committed after the stall")
-        threading.Timer(0.5, os.kill, (walwriter, signal.SIGCONT)).start()
-        site_manager.down([source.site_id], mode="immediate")
+        _crash(site_manager, source)
         site_manager.up(site_ids=[source.site_id])
         writer = application()
         for i in range(10, 15):
@@ -193,15 +207,14 @@ def test_a_cycles_batch_is_acknowledged_only_once_durable_on_a_sink_that_commits
     repl.run(max_cycles=20, until_idle=True, interval=0.05)  # first contact
     writer = source.connect()
     sink.query("CHECKPOINT")  # everything so far on the sink's disk
-    with _wal_writer_stalled(sink) as walwriter:
+    with _wal_writer_stalled(sink):
         for i in range(5):
             _transmit(writer, f"entry {i}")
         repl.run(max_cycles=20, until_idle=True, interval=0.05)
         assert len(sink_queue(sink, "policy")) == 5
         acked = _acked(source)
         repl.close()
-        threading.Timer(0.5, os.kill, (walwriter, signal.SIGCONT)).start()
-        site_manager.down([sink.site_id], mode="immediate")
+        _crash(site_manager, sink)
     site_manager.up(site_ids=[sink.site_id])
     assert acked <= _processed(sink), f"acknowledged {acked}, beyond the {_processed(sink)} the sink kept"
     assert len(sink_queue(sink, "policy")) == 5, "the sink kept what it acknowledged"

@@ -297,26 +297,25 @@ class Deadlines:
         self.cut += 1
         if not conn.was_cut:  # the first cut says why (a later call on it only meets the closed link)
             conn.was_cut, conn.cut_after_s, conn.cut_earlier = True, seconds, why if not seconds else ""
-        if seconds:
+        if not seconds:
+            log.debug(
+                "%s: not waited for: its server did not answer earlier in this command (%s)", conn.describe(), why
+            )
+        else:  # said before the cut: the caller's error follows it, never precedes it
             reach.lost(conn.server, f"a call gave no answer within {seconds:.0f} s")
+            log.warning(
+                "%s: a call ran past its deadline of %.0f s%s: the server or the link is taken as dead and the "
+                "connection cut; the caller retries on a new one",
+                conn.describe(),
+                seconds,
+                f" ({why})" if why else "",
+            )
         orphans.record(conn)  # its backend, if it lives on behind a stalled link, is ended on the next connection
         try:
             with socket.socket(fileno=os.dup(conn.fileno())) as sock:
                 sock.shutdown(socket.SHUT_RDWR)
         except (OSError, psycopg2.Error):  # already closed
             pass
-        if not seconds:
-            log.debug(
-                "%s: not waited for: its server did not answer earlier in this command (%s)", conn.describe(), why
-            )
-            return
-        log.warning(
-            "%s: a call ran past its deadline of %.0f s%s: the server or the link is taken as dead and the "
-            "connection cut; the caller retries on a new one",
-            conn.describe(),
-            seconds,
-            f" ({why})" if why else "",
-        )
 
 
 DEADLINES = Deadlines()
