@@ -22,6 +22,21 @@ def lr_home() -> Path:
     return Path(os.environ.get(LR_HOME_ENV) or Path.cwd() / ".lr").resolve()
 
 
+def write_whole(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` whole or not at all: written beside it, then renamed over it (the
+    mode of a file it replaces kept). A process killed mid-write, or a full disk, leaves the file
+    that was there, not half of one for the next command to fail on (the sites list, a topology)."""
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        part.write_text(text, encoding="utf-8")
+        if path.exists():
+            os.chmod(part, path.stat().st_mode & 0o7777)
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
+    return path
+
+
 def home_unset_hint(looked: Path) -> str:
     """Said where lr found nothing under ``looked`` with ``$LR_HOME`` unset: its default is the
     current directory's ``.lr``, so an ``lr`` run from another directory than ``lr sites up`` finds

@@ -25,6 +25,7 @@ from airflow_provider_lr.engine.session.runner import CycleReport
 from airflow_provider_lr.engine.site import status, topology
 from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.store import topology as topologies
+from airflow_provider_lr.paths import write_whole
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 
 CLIENT = "policy"
@@ -108,8 +109,7 @@ def write_topology(manager: SiteManager, site_ids: list[str]) -> Path:
         "providers": {CLIENT: "airflow_provider_lr.embedded.demo:policy_provider"},
     }
     path = manager.home / "demo-topology.yaml"
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return path
+    return write_whole(path, yaml.safe_dump(doc, sort_keys=False))
 
 
 class _Shown:

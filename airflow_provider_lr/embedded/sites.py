@@ -35,7 +35,7 @@ from airflow_provider_lr.engine.db import conninfo
 from airflow_provider_lr.engine.db.conninfo import ConnInfo, from_airflow_dict
 from airflow_provider_lr.engine.db.topology_schema import valid_site_id
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, listing, one_line
-from airflow_provider_lr.paths import lr_home
+from airflow_provider_lr.paths import lr_home, write_whole
 
 DEFAULT_SETTINGS: dict[str, str] = {
     "wal_level": "logical",  # native logical replication is a bench anchor
@@ -140,15 +140,15 @@ class SiteManager:
 
     def _save(self, sites: list[EmbeddedSite]) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
-        self.state_file.write_text(json.dumps([asdict(s) for s in sites], indent=2))
+        write_whole(self.state_file, json.dumps([asdict(s) for s in sites], indent=2))
         self.write_connections(sites)
 
     def write_connections(self, sites: list[EmbeddedSite]) -> None:
         """Write the sites as Airflow connections: a connections file and an env file."""
         conns = {s.conn_id: s.airflow_conn() for s in sites}
-        (self.home / "connections.json").write_text(json.dumps(conns, indent=2))
+        write_whole(self.home / "connections.json", json.dumps(conns, indent=2))
         lines = [f"AIRFLOW_CONN_{cid.upper()}={shlex.quote(json.dumps(c))}" for cid, c in conns.items()]
-        (self.home / "airflow.env").write_text("\n".join(lines) + "\n")
+        write_whole(self.home / "airflow.env", "\n".join(lines) + "\n")
 
     # --- lifecycle ---------------------------------------------------------------------------
     def up(

@@ -26,7 +26,7 @@ from airflow_provider_lr.engine.db.timeouts import Timeouts
 from airflow_provider_lr.engine.db.topology_schema import Origin, read, validate
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, listing
 from airflow_provider_lr.engine.vocabulary import SessionKey, receive_queue_name
-from airflow_provider_lr.paths import include_dir, lr_home
+from airflow_provider_lr.paths import include_dir, lr_home, write_whole
 
 TOPOLOGY_ENV = "LR_TOPOLOGY"
 
@@ -296,12 +296,11 @@ def failover_files(topology_config_id: str, beside: str | Path | None = None) ->
 
 
 def write_document(topology: Topology, path: str | Path) -> Path:
-    """Write ``topology``'s document as a topology file (a failover's new one), making its directory."""
+    """Write ``topology``'s document as a topology file (a failover's new one), making its directory;
+    whole or not at all (``write_whole``)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", encoding="utf-8") as fh:
-        yaml.safe_dump(topology.document, fh, sort_keys=False)
-    return out
+    return write_whole(out, yaml.safe_dump(topology.document, sort_keys=False))
 
 
 def site_conninfo(topology: Topology, site_id: str) -> ConnInfo:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from airflow_provider_lr.engine.errors import ConfigurationError
@@ -90,3 +93,28 @@ def test_applied_topology_is_read_back_from_the_site(lr_sites):
     sessions = lr_sites[0].query("SELECT sink_site_id, client_name FROM lr.source_sessions ORDER BY 1, 2")
     assert sessions == [(k.sink, k.client) for k in topo.sessions()]
     conn.close()
+
+
+# a writer whose files may not grow past 64 bytes (a disk that fills): its writes fail half-way
+_WRITE_UNDER_A_FULL_DISK = """
+import resource, signal, sys
+from airflow_provider_lr.engine.store import topology as topologies
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
+doc = {"sites": [{"id": "site-a", "region": "asia"}, {"id": "site-b"}],
+       "replication": [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]}
+topologies.write_document(topologies.from_document(doc), sys.argv[1])
+"""
+
+
+def test_a_topology_file_whose_write_fails_half_way_leaves_the_last_whole_one(tmp_path):
+    """The topology a failover writes is whole or absent: a write that fails half-way (a real one:
+    its process may not write past 64 bytes) leaves the file that was there, and no fragment."""
+    first = topologies.from_document(DOC)
+    out = topologies.write_document(first, tmp_path / "new" / "topology.yaml")
+    failed = subprocess.run(
+        [sys.executable, "-c", _WRITE_UNDER_A_FULL_DISK, str(out)], capture_output=True, text=True, timeout=60
+    )
+    assert failed.returncode != 0 and "File too large" in failed.stderr, failed.stderr
+    assert topologies.load(out).topology_config_id == first.topology_config_id
+    assert sorted(p.name for p in out.parent.iterdir()) == ["topology.yaml"]
