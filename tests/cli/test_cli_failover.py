@@ -194,7 +194,8 @@ def test_a_switchover_to_a_site_federating_its_copy_back_leaves_every_site_with_
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
     create_accounts(a, rows=3)
     assert cli.main(["tables", "open", "public.accounts", "--client", "policy", "--topology", topo]) == 0
-    assert cli.main(["sync", "--topology", topo, *SYNC]) == 1  # back has no table yet: its sessions wait
+    # back has no table yet: its sessions wait (exit 1) while policy's deliver the copies
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "3", "--interval", "0.01"]) == 1
     assert cli.main(["tables", "open", "public.accounts", "--client", "back", "--topology", topo]) == 0
     b.query("INSERT INTO public.accounts (id, owner) VALUES (1001, 'b')")
     assert cli.main(["sync", "--topology", topo, *SYNC]) == 0

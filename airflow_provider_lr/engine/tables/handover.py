@@ -161,6 +161,7 @@ def take_over(cur: psycopg2.extensions.cursor, old_source: str, client: str) -> 
             cur.execute(
                 "DELETE FROM lr.table_row_origin WHERE table_name = %s AND source_site_id = %s", (name, old_source)
             )
+            unlist_primary(cur, name)
         else:  # another origin is primary here: this site's rows stay listed, under itself
             cur.execute(
                 "UPDATE lr.table_row_origin SET source_site_id = (SELECT site_id FROM lr.site_info) "
@@ -207,6 +208,7 @@ def follow(
             "UPDATE lr.table_row_origin SET source_site_id = %s WHERE table_name = %s AND source_site_id = %s",
             (new_source, name, old_source),
         )
+        unlist_primary(cur, name)
         if state == TableState.CONFLICT:
             continue  # not federated here: the new source's snapshot records the conflict again
         sink_tables.record(
@@ -239,7 +241,22 @@ def retire(cur: psycopg2.extensions.cursor, client: str, new_source: str, tables
             cur.execute(
                 "UPDATE lr.registry SET table_id = NULL, source_site_id = %s WHERE stream_name = %s", (new_source, name)
             )
+            unlist_primary(cur, name)
     return names
+
+
+def unlist_primary(cur: psycopg2.extensions.cursor, name: str) -> None:
+    """Rows ``lr.table_row_origin`` lists under the table's primary origin (this site, where the
+    registry names none) are that origin's: unlisted, as its rows are (``tables/clearing``). A
+    failover that made a site the table's origin here where it was a second origin already (it
+    federated its copy back: both ways) left its rows listed, and its snapshot, which clears the
+    unlisted rows, never cleared them: a row it had deleted stayed here for good."""
+    cur.execute(
+        "DELETE FROM lr.table_row_origin o USING lr.registry g WHERE g.stream_name = %s AND g.kind = 'table' "
+        "AND o.table_name = g.stream_name "
+        "AND o.source_site_id = coalesce(g.source_site_id, (SELECT i.site_id FROM lr.site_info i))",
+        (name,),
+    )
 
 
 class TableBusyError(LRError):
