@@ -170,7 +170,8 @@ def test_a_switchover_to_a_site_federating_its_copy_back_leaves_every_site_with_
     lr_sites, tmp_path, monkeypatch, capsys
 ):
     """public.accounts federated both ways (site-a: client policy to site-b and site-c; site-b: its copy,
-    client back, to site-a and site-c), then site-b promoted for policy. site-a and site-c held every
+    client back, to site-a and site-c), then closed for back at site-b and site-b promoted for policy.
+    site-a and site-c held every
     row listed under site-b (back's snapshot upserts site-b's whole copy, each row listed under its
     source); once site-b was their table's origin those rows were its own AND listed, and its snapshot
     clears only the unlisted ones: a row site-b deleted stayed at site-a and site-c for good, while lr
@@ -201,8 +202,18 @@ def test_a_switchover_to_a_site_federating_its_copy_back_leaves_every_site_with_
     assert cli.main(["sync", "--topology", topo, *SYNC]) == 0
     assert rows(a) == rows(b) == rows(c)
 
+    # promoting site-b for policy would capture its table for policy instead of back: back's sinks
+    # would stop receiving it (before: silently, their copies called synced, back's full syncs waiting
+    # for data forever); refused, saying to close it for back there first
     after = str(tmp_path / "after.yaml")
-    assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--client", "policy", "--out", after]) == 0
+    failover = ["failover", "--topology", topo, "--promote", "site-b", "--client", "policy", "--out", after]
+    capsys.readouterr()
+    assert cli.main(failover) == 1
+    err = capsys.readouterr().err
+    assert "captures its copy of public.accounts for client 'back'" in err, err
+    assert "lr tables close public.accounts --site site-b" in err and "nothing was done" in err, err
+    assert cli.main(["tables", "close", "public.accounts", "--site", "site-b", "--topology", topo]) == 0
+    assert cli.main(failover) == 0
     b.query("DELETE FROM public.accounts WHERE id IN (1, 1001)")  # one of site-a's rows, one of its own
     b.query("UPDATE public.accounts SET owner = 'b' WHERE id = 2")
     assert cli.main(["sync", "--topology", after, *SYNC]) == 0
