@@ -8,6 +8,7 @@ from pathlib import Path
 
 import psycopg2
 import pytest
+import yaml
 
 from airflow_provider_lr import cli
 from airflow_provider_lr.client import RoutingQueueClient
@@ -15,7 +16,7 @@ from airflow_provider_lr.engine.errors import TransmitError
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables.definition import TableName
 from tests.cli.test_cli_sync import topology_file
-from tests.support.session import App, sink_queue
+from tests.support.session import App, sink_queue, topology_doc
 from tests.support.tables import create_accounts, federate, rows
 
 SYNC = ["--until-idle", "--cycles", "10", "--interval", "0.01"]
@@ -163,6 +164,61 @@ def test_a_planned_switchover_carries_federated_tables_and_refuses_the_old_sourc
     assert cli.main(["status", "--topology", str(new)]) in (0, 1)
     assert "DIVERGED" not in capsys.readouterr().out
     app.close()
+
+
+def test_a_switchover_to_a_site_federating_its_copy_back_leaves_every_site_with_its_rows(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """public.accounts federated both ways (site-a: client policy to site-b and site-c; site-b: its copy,
+    client back, to site-a and site-c), then closed for back at site-b and site-b promoted for policy.
+    site-a and site-c held every
+    row listed under site-b (back's snapshot upserts site-b's whole copy, each row listed under its
+    source); once site-b was their table's origin those rows were its own AND listed, and its snapshot
+    clears only the unlisted ones: a row site-b deleted stayed at site-a and site-c for good, while lr
+    status said healthy."""
+    a, b, c = lr_sites
+    topology_file(tmp_path, lr_sites, monkeypatch, providers={})  # the sites' connections
+    both = tmp_path / "both-ways.yaml"
+    both.write_text(
+        yaml.safe_dump(
+            topology_doc(
+                lr_sites,
+                [
+                    {"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy"]},
+                    {"source": "site-b", "sinks": ["site-a", "site-c"], "clients": ["back"]},
+                ],
+                conn_ids=lambda site_id: f"lr_test_{site_id.replace('-', '_')}",
+            )
+        )
+    )
+    topo = str(both)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    create_accounts(a, rows=3)
+    assert cli.main(["tables", "open", "public.accounts", "--client", "policy", "--topology", topo]) == 0
+    # back has no table yet: its sessions wait (exit 1) while policy's deliver the copies
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "3", "--interval", "0.01"]) == 1
+    assert cli.main(["tables", "open", "public.accounts", "--client", "back", "--topology", topo]) == 0
+    b.query("INSERT INTO public.accounts (id, owner) VALUES (1001, 'b')")
+    assert cli.main(["sync", "--topology", topo, *SYNC]) == 0
+    assert rows(a) == rows(b) == rows(c)
+
+    # promoting site-b for policy would capture its table for policy instead of back: back's sinks
+    # would stop receiving it (before: silently, their copies called synced, back's full syncs waiting
+    # for data forever); refused, saying to close it for back there first
+    after = str(tmp_path / "after.yaml")
+    failover = ["failover", "--topology", topo, "--promote", "site-b", "--client", "policy", "--out", after]
+    capsys.readouterr()
+    assert cli.main(failover) == 1
+    err = capsys.readouterr().err
+    assert "captures its copy of public.accounts for client 'back'" in err, err
+    assert "lr tables close public.accounts --site site-b" in err and "nothing was done" in err, err
+    assert cli.main(["tables", "close", "public.accounts", "--site", "site-b", "--topology", topo]) == 0
+    assert cli.main(failover) == 0
+    b.query("DELETE FROM public.accounts WHERE id IN (1, 1001)")  # one of site-a's rows, one of its own
+    b.query("UPDATE public.accounts SET owner = 'b' WHERE id = 2")
+    assert cli.main(["sync", "--topology", after, *SYNC]) == 0
+    assert [r[0] for r in b.query("SELECT id FROM public.accounts ORDER BY id")] == [2, 3]
+    assert rows(a) == rows(b) == rows(c)
 
 
 def test_lr_failover_refuses_to_stop_a_tables_replication_and_lr_status_shows_the_divergence(

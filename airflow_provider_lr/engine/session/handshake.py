@@ -32,11 +32,12 @@ from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.negotiation import Decision, Negotiation, SinkView, SourceView, negotiate
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.source import closed_tables, full_sync
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest
 from airflow_provider_lr.engine.source.log_reader import BaseSplit
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store.topology import Topology, config_id, drift, recorded_id, reread
+from airflow_provider_lr.engine.tables import closed_notes
 from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES, RequestStatus, SessionKey, SessionState
 
 log = logging.getLogger(__name__)
@@ -215,8 +216,33 @@ def resnapshot_tables(
         key,
         meta.last_log_entry_processed,
     )
-    writes.forget_tables(sink, key.source, key.client, lease.epoch)
+    writes.forget_tables(sink, key.source, key.client, lease.epoch, _closed_whole(sink, source, key, meta))
     leases.update_session(source, lease, acked_position=meta.last_log_entry_processed)
+
+
+def _closed_whole(
+    sink: psycopg2.extensions.connection,
+    source: psycopg2.extensions.connection,
+    key: SessionKey,
+    meta: writes.SinkMetadata,
+) -> dict[str, int]:
+    """The copies of tables the source closed that stay recorded at the sink through
+    ``resnapshot_tables`` (a closed table takes no snapshot): those the close was noted on
+    (``lr tables close`` told the sink while it was one) whose every change tagged for it the sink
+    processed. Before, they were forgotten: ``lr status`` said the copy was closed before it had
+    every change, and ``lr tables list`` that the sink held none."""
+    whole = closed_tables.whole_copies(source, key.sink, key.client, meta.last_log_entry_processed, _EVERY)
+    if not whole:
+        return {}
+    try:
+        with sink.cursor() as cur:
+            noted = closed_notes.closed_copies(cur, key.source, key.client)
+    finally:
+        sink.rollback()
+    return {name: table_id for name, table_id in whole.items() if name in noted}
+
+
+_EVERY = 2**63 - 1  # past every commit position (``whole_copies``' base: the whole log after the sink's)
 
 
 def reconcile(

@@ -189,12 +189,14 @@ def fence(conn: psycopg2.extensions.connection, source: str, client: str, epoch:
         return replace(meta, lease_epoch=epoch, site_topology_config_id=config_id(cur))
 
 
-def forget_tables(conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> None:
+def forget_tables(
+    conn: psycopg2.extensions.connection, source: str, client: str, epoch: int, whole: Mapping[str, int] | None = None
+) -> None:
     """The session's federated tables take new snapshots at its next log-entry sync, as after a
-    full sync (``forget_session``), in a fenced transaction (``handshake`` calls it for a session
-    its source lost and has again)."""
+    full sync (``forget_session``; ``whole``: closed copies kept), in a fenced transaction
+    (``handshake`` calls it for a session its source lost and has again)."""
     with SinkTransaction(conn, source, client, epoch) as (cur, _meta):
-        forget_session(cur, source, client)
+        forget_session(cur, source, client, whole)
 
 
 def discard_staged(cur: psycopg2.extensions.cursor, source: str, client: str) -> None:

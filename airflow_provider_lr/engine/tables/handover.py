@@ -61,6 +61,18 @@ def captured(cur: psycopg2.extensions.cursor, client: str) -> list[str]:
     return [name for (name,) in cur.fetchall()]
 
 
+def captured_for_others(cur: psycopg2.extensions.cursor, client: str, tables: list[str]) -> dict[str, str]:
+    """Of ``tables`` (copies this site holds for ``client``), those it captures for another client
+    (its copy federated back: both ways): table -> that client. Taking one over for ``client``
+    moves its capture to ``client``."""
+    cur.execute(
+        "SELECT stream_name, client_name FROM lr.registry WHERE kind = 'table' AND is_federated "
+        "AND table_id IS NOT NULL AND client_name <> %s AND stream_name = ANY(%s) ORDER BY 1",
+        (client, tables),
+    )
+    return dict(cur.fetchall())
+
+
 def missing(
     promoted: dict[str, str], others: dict[str, dict[str, str]], source: str = "", at_source: list[str] | None = None
 ) -> list[str]:
@@ -115,6 +127,21 @@ def untaken(
             with old.cursor() as cur:
                 at_source = captured(cur, client)
             old.commit()
+        with conns[to_site].cursor() as cur:
+            onward = captured_for_others(cur, client, [t for t, st in held[to_site].items() if st == TableState.SYNCED])
+        conns[to_site].commit()
+        if onward and not allowed:
+            raise ConfigurationError(
+                f"site {to_site!r} captures its copy of {', '.join(f'{t} for client {c!r}' for t, c in onward.items())} "
+                f"(federated both ways): promoting it for {client!r} would capture the table for {client!r} instead, "
+                "and that client's sinks would no longer receive its changes while lr status called their copies "
+                f"synced; close it there first (lr tables close {next(iter(onward))} --site {to_site}: its sinks keep "
+                "their copy) and fail over again, or allow it (--allow-table-divergence); nothing was done"
+            )
+        found += [
+            f"{client}: {t} (captured at {to_site} for client {c!r}, whose sinks stop receiving it)"
+            for t, c in onward.items()
+        ]
         found += [f"{client}: {t}" for t in missing(held.pop(to_site), held, from_site, at_source)]
     if found and not allowed:
         raise ConfigurationError(
@@ -161,6 +188,7 @@ def take_over(cur: psycopg2.extensions.cursor, old_source: str, client: str) -> 
             cur.execute(
                 "DELETE FROM lr.table_row_origin WHERE table_name = %s AND source_site_id = %s", (name, old_source)
             )
+            unlist_primary(cur, name)
         else:  # another origin is primary here: this site's rows stay listed, under itself
             cur.execute(
                 "UPDATE lr.table_row_origin SET source_site_id = (SELECT site_id FROM lr.site_info) "
@@ -207,6 +235,7 @@ def follow(
             "UPDATE lr.table_row_origin SET source_site_id = %s WHERE table_name = %s AND source_site_id = %s",
             (new_source, name, old_source),
         )
+        unlist_primary(cur, name)
         if state == TableState.CONFLICT:
             continue  # not federated here: the new source's snapshot records the conflict again
         sink_tables.record(
@@ -239,7 +268,22 @@ def retire(cur: psycopg2.extensions.cursor, client: str, new_source: str, tables
             cur.execute(
                 "UPDATE lr.registry SET table_id = NULL, source_site_id = %s WHERE stream_name = %s", (new_source, name)
             )
+            unlist_primary(cur, name)
     return names
+
+
+def unlist_primary(cur: psycopg2.extensions.cursor, name: str) -> None:
+    """Rows ``lr.table_row_origin`` lists under the table's primary origin (this site, where the
+    registry names none) are that origin's: unlisted, as its rows are (``tables/clearing``). A
+    failover that made a site the table's origin here where it was a second origin already (it
+    federated its copy back: both ways) left its rows listed, and its snapshot, which clears the
+    unlisted rows, never cleared them: a row it had deleted stayed here for good."""
+    cur.execute(
+        "DELETE FROM lr.table_row_origin o USING lr.registry g WHERE g.stream_name = %s AND g.kind = 'table' "
+        "AND o.table_name = g.stream_name "
+        "AND o.source_site_id = coalesce(g.source_site_id, (SELECT i.site_id FROM lr.site_info i))",
+        (name,),
+    )
 
 
 class TableBusyError(LRError):

@@ -308,6 +308,24 @@ def test_a_sink_dropped_from_the_topology_then_added_back_takes_a_new_snapshot_o
     sync(repl)
     repl.close()
     assert rows(sink_c) == rows(sink_b) == rows(source)
+    # closed (lr tables close tells the sinks), then site-c dropped and added back: its copy, whole
+    # at the close, stays recorded so. Before, the re-added session forgot it: lr status called it
+    # closed before it had every change, and lr tables list said it held no copy
+    conn = source.connect()
+    registry.close_table(conn, "public.accounts")
+    conn.close()
+    for sink in (sink_b, sink_c):
+        conn = sink.connect()
+        assert closed_notes.note_closed_copy(conn, "public.accounts", "site-a", "policy")
+        conn.close()
+    apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
+    apply_to(lr_sites, both)
+    repl = replicator(both, lr_sites)
+    sync(repl)
+    repl.close()
+    said = status.render_sites({s.site_id: site_status(s) for s in lr_sites})
+    at_c = said[said.index("site-c:") :]
+    assert "synced from site-a->site-c/policy" in at_c and "closed at site-a: this copy is kept" in at_c, said
 
 
 def test_a_copy_a_full_sync_left_without_the_changes_made_before_its_tables_close_is_said_to_lack_them(lr_sites):
