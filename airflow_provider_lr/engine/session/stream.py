@@ -114,6 +114,9 @@ class Streamer:
                 idle = [k for k in sessions if k not in streams]
                 now = time.monotonic()
                 ready = [k for k in idle if self.backoff.get(k, (0, 0.0))[1] <= now]
+                # the sessions not failing first: one handed back healthy (a full sync asked) does not
+                # wait behind the retries of those whose site stopped answering
+                ready.sort(key=lambda k: k in self.backoff)
                 if ready and now >= due:
                     reports = self.cycles.run_cycle(ready)
                     self.counters.cycle(reports)
