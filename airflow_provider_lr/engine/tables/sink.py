@@ -125,7 +125,8 @@ def forget_session(
     )
 
 
-APPLYING_SQL = "SELECT set_config('lr.applying', 'on', true)"
+# lr's apply; money read as the capture prints it (lc_monetary C, V0041), whatever the sink's locale
+APPLYING_SQL = "SELECT set_config('lr.applying', 'on', true), set_config('lc_monetary', 'C', true)"
 # a table change's sink transaction starts so: lr's apply, constraints as the source's, and the
 # targets' read (prepared) planned generically
 _OPEN = f"SET CONSTRAINTS ALL DEFERRED; {APPLYING_SQL}, {GENERIC}"
