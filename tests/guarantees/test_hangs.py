@@ -237,12 +237,16 @@ def test_a_half_open_link_to_the_sink_is_noticed_within_the_deadline_and_the_str
 
 
 @pytest.mark.timeout(240)
-def test_a_sink_that_stops_answering_does_not_hold_the_sources_other_sink_and_nothing_is_lost(lr_sites):
+def test_a_sink_that_stops_answering_does_not_hold_the_sources_other_sink_and_nothing_is_lost(lr_sites, monkeypatch):
     """One source streams to two sinks; site-c's link goes half-open (as a stopped server looks from
     the client: nothing answers, nothing is closed) while its call deadline is 24 s. site-b goes
     on receiving within the stream's ``sink_deadline``, not after site-c's deadline: the stream's
     call to site-c is cut there and its session handed back (the cycles keep trying it with their
-    own bounds). Once the link is back site-c gets every entry; both sinks hold each entry once."""
+    own bounds). The cycle that takes it back connects anew, failing within the connect timeout:
+    before, it called on the cycles' connection still open to site-c and waited its 24 s deadline,
+    every other session's cycle and hand-back behind it. Once the link is back site-c gets every
+    entry; both sinks hold each entry once."""
+    monkeypatch.setattr(Replicator, "rest", lambda self, idle_for=0.0: None)  # the cycles' connections stay open
     source, sink_b, sink_c = lr_sites
     topo = apply(
         lr_sites,
@@ -270,7 +274,12 @@ def test_a_sink_that_stops_answering_does_not_hold_the_sources_other_sink_and_no
             wait_for(lambda: len(logs(sink_b)) == 30, 10, "site-b streaming on")
             wait_for(lambda: any(e.error for e in streaming.streamer.ends), 10, "site-c's session handed back")
             assert [e.session for e in streaming.streamer.ends if e.error] == ["site-a->site-c/policy"]
-            link.reset()  # the cycles' calls stuck on it fail now, not at their 24 s deadline
+            wait_for(
+                lambda: any(r.session == "site-a->site-c/policy" and r.error for r in streaming.cycles),
+                2.0 + SLACK,  # its connect timeout, not the 24 s call deadline
+                "site-c's cycle to fail at its connect",
+            )
+            link.reset()
             wait_for(lambda: len(logs(sink_c)) == 20, 60, "site-c's entries once its link is back")
     assert logs(sink_b) == [f"k{i}={i}" for i in range(30)]
     assert logs(sink_c) == [f"k{i}={i}" for i in range(20)]

@@ -340,6 +340,11 @@ class Replicator:
         except (psycopg2.Error, SiteUnreachableError):  # the source is down: nowhere to record it now
             self._drop(key.source)
 
+    def forget(self, site: str) -> None:
+        """Close the cycles' connection to ``site`` (a stream found the site failing): a call on it
+        would wait its deadline if the site stopped answering; the next cycle connects anew."""
+        self._drop(site)
+
     def _drop(self, site: str) -> None:
         conn = self._conns.pop(site, None)
         if conn is not None and not conn.closed:
