@@ -28,7 +28,16 @@ from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.store import topology
 from airflow_provider_lr.engine.tables import copy as table_copy
 from tests.support.link_proxy import LinkProxy
-from tests.support.session import App, Streaming, apply, queue, table_provider, topology_doc, wait_for
+from tests.support.session import (
+    App,
+    Streaming,
+    apply,
+    empty_provider,
+    queue,
+    table_provider,
+    topology_doc,
+    wait_for,
+)
 from tests.support.tables import create_accounts, federate, rows, sync
 
 ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
@@ -228,12 +237,16 @@ def test_a_half_open_link_to_the_sink_is_noticed_within_the_deadline_and_the_str
 
 
 @pytest.mark.timeout(240)
-def test_a_sink_that_stops_answering_does_not_hold_the_sources_other_sink_and_nothing_is_lost(lr_sites):
+def test_a_sink_that_stops_answering_does_not_hold_the_sources_other_sink_and_nothing_is_lost(lr_sites, monkeypatch):
     """One source streams to two sinks; site-c's link goes half-open (as a stopped server looks from
     the client: nothing answers, nothing is closed) while its call deadline is 24 s. site-b goes
     on receiving within the stream's ``sink_deadline``, not after site-c's deadline: the stream's
     call to site-c is cut there and its session handed back (the cycles keep trying it with their
-    own bounds). Once the link is back site-c gets every entry; both sinks hold each entry once."""
+    own bounds). The cycle that takes it back connects anew, failing within the connect timeout:
+    before, it called on the cycles' connection still open to site-c and waited its 24 s deadline,
+    every other session's cycle and hand-back behind it. Once the link is back site-c gets every
+    entry; both sinks hold each entry once."""
+    monkeypatch.setattr(Replicator, "rest", lambda self, idle_for=0.0: None)  # the cycles' connections stay open
     source, sink_b, sink_c = lr_sites
     topo = apply(
         lr_sites,
@@ -261,7 +274,12 @@ def test_a_sink_that_stops_answering_does_not_hold_the_sources_other_sink_and_no
             wait_for(lambda: len(logs(sink_b)) == 30, 10, "site-b streaming on")
             wait_for(lambda: any(e.error for e in streaming.streamer.ends), 10, "site-c's session handed back")
             assert [e.session for e in streaming.streamer.ends if e.error] == ["site-a->site-c/policy"]
-            link.reset()  # the cycles' calls stuck on it fail now, not at their 24 s deadline
+            wait_for(
+                lambda: any(r.session == "site-a->site-c/policy" and r.error for r in streaming.cycles),
+                2.0 + SLACK,  # its connect timeout, not the 24 s call deadline
+                "site-c's cycle to fail at its connect",
+            )
+            link.reset()
             wait_for(lambda: len(logs(sink_c)) == 20, 60, "site-c's entries once its link is back")
     assert logs(sink_b) == [f"k{i}={i}" for i in range(30)]
     assert logs(sink_c) == [f"k{i}={i}" for i in range(20)]
@@ -581,3 +599,35 @@ def test_a_stopping_lr_sync_connecting_to_a_silent_site_waits_its_stop_bound_not
         finally:
             DEADLINES.hurry(None)
     assert took < replication.STOPPING_CALLS_S + SLACK / 4, f"the connect took {took:.1f} s"
+
+
+@pytest.mark.timeout(120)
+def test_a_silent_sink_of_several_sessions_holds_a_cycle_once_not_once_per_session(lr_sites):
+    """site-c stops answering (every connect hangs) while it is the sink of three sessions and site-b
+    of one: a cycle of all four waits for site-c's connect timeout once, its other sessions fail at
+    once saying so, and site-b's session, cycled after them, is not held behind one wait per
+    session (before: 3 x the connect timeout, and a call deadline each on an open connection)."""
+    source, sink_b, sink_c = lr_sites
+    clients = ["policy", "billing", "audit"]
+    topo = apply(
+        lr_sites,
+        [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": clients}],
+        settings=BOUNDS,  # connect_timeout_s 2
+    )
+    with LinkProxy(sink_c.conninfo.params["port"], stalled=True) as link:
+        repl = bounded(topo, {"site-a": source.dsn, "site-b": sink_b.dsn, "site-c": link.dsn(sink_c.dsn)})
+        repl.providers["policy"] = empty_provider
+        keys = [k for k in repl.sessions if k.sink == "site-c"] + [
+            k for k in repl.sessions if str(k) == "site-a->site-b/policy"
+        ]
+        try:
+            started = time.monotonic()
+            reports = repl.run_cycle(keys)
+            took = time.monotonic() - started
+        finally:
+            repl.close()
+    errors = {r.session: r.error for r in reports}
+    assert all("timeout expired" in errors[str(k)] or "did not answer earlier" in errors[str(k)] for k in keys[:3])
+    assert sum("did not answer earlier in this cycle" in errors[str(k)] for k in keys[:3]) == 2, errors
+    assert not errors["site-a->site-b/policy"], errors
+    assert link.accepted == 1, f"site-c was waited for {link.accepted} times in a cycle of {took:.1f} s"

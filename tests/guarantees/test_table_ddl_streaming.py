@@ -54,6 +54,39 @@ def test_a_column_added_at_the_sinks_first_takes_the_changes_made_before_the_sou
     assert ("(1,between,7,1.2345)",) in rows(source, "public.items")
 
 
+def test_a_sink_column_narrowed_after_its_snapshot_refuses_the_changes_naming_it_instead_of_rounding_them(lr_sites):
+    """The sinks narrow public.sized's columns after its snapshot (numeric(12,4) to (12,2), varchar(20)
+    to (5), timestamp(6) to (0)): a change of them is refused, naming each, with nothing applied,
+    until the sinks have the source's types again; then it arrives as it is. A column widened at the
+    sinks first (numeric(12,4) to (14,6): every value fits) takes the changes. Before, the sinks took
+    1.2345 as 1.23 and 00:00:00.623456 as 00:00:01, for good, and said nothing."""
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    columns = {"n": "numeric(12,4)", "s": "varchar(20)", "ts": "timestamp(6)", "w": "numeric(12,4)"}
+    source.query(f"CREATE TABLE public.sized (id int PRIMARY KEY, {', '.join(f'{c} {t}' for c, t in columns.items())})")
+    source.query("INSERT INTO public.sized VALUES (1, 1.5, 'x', '2026-01-01', 1)")
+    federate(source, "public.sized")
+    with streaming_over(topo, lr_sites) as streaming:
+        streaming.streaming()
+        wait_for(lambda: all(rows(s, "public.sized") == rows(source, "public.sized") for s in sinks), 30, "snapshot")
+        on_every_site(sinks, "ALTER TABLE public.sized ALTER w TYPE numeric(14,6)")  # wider: fine
+        source.query("UPDATE public.sized SET w = 2.1234")
+        wait_for(lambda: all(s.query("SELECT w = 2.1234 FROM public.sized") == [(True,)] for s in sinks), 30, "widened")
+        narrow = "ALTER n TYPE numeric(12,2), ALTER s TYPE varchar(5), ALTER ts TYPE timestamp(0)"
+        on_every_site(sinks, f"ALTER TABLE public.sized {narrow}")
+        source.query("INSERT INTO public.sized VALUES (2, 1.2345, 'abcdefgh', '2026-01-01 00:00:00.623456', 3)")
+        refused = (
+            "column n is numeric(12,4) on the source but numeric(12,2) on the sink; column s is character "
+            "varying(20) on the source but character varying(5) on the sink; column ts is timestamp(6) without "
+            "time zone on the source but timestamp(0) without time zone on the sink"
+        )
+        wait_for(lambda: status_text(source).count(refused) == 2, 30, "each sink's refusal in lr status")
+        assert all(len(rows(s, "public.sized")) == 1 for s in sinks)  # nothing of it applied
+        on_every_site(sinks, "ALTER TABLE public.sized " + ", ".join(f"ALTER {c} TYPE {t}" for c, t in columns.items()))
+        wait_for(lambda: all(rows(s, "public.sized") == rows(source, "public.sized") for s in sinks), 30, "arrived")
+    assert ('(2,1.2345,abcdefgh,"2026-01-01 00:00:00.623456",3.0000)',) in rows(source, "public.sized")
+
+
 def test_a_key_column_renamed_at_every_site_keeps_key_changes_and_deletes_by_its_new_name(lr_sites):
     source, *sinks = lr_sites
     with streaming_items(lr_sites) as streaming:

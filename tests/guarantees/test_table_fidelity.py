@@ -4,6 +4,7 @@ sink (in the source's order), and every built-in type arrives exactly."""
 
 from __future__ import annotations
 
+from airflow_provider_lr.engine.tables import sink as table_sink
 from tests.support.session import apply, replicator
 from tests.support.tables import (
     CONSTRAINT_SCENARIOS,
@@ -301,3 +302,24 @@ def test_the_commit_barrier_on_a_writers_connection_sees_commits_in_flight_whate
         with admin.cursor() as cur:
             cur.execute("ROLLBACK PREPARED 'lr-trap-gid'")
         admin.close()
+
+
+def test_money_is_captured_and_applied_under_one_lc_monetary_whatever_the_sites_sessions_have(lr_sites):
+    """A change's money travels as its text: printed by the capture, read by the sink's apply. Both
+    under lc_monetary C, not each site's session's: between sites whose lc_monetary differ, a sink
+    read '1234.5' printed by a C writer as 12.345,00 € (de_DE), or refused '$1,234.50', that batch
+    and every later change of the session, for good (reproduced with a de_DE locale, which the test
+    servers do not have: here, that the capture and the apply pin it; a session of a writer or of
+    the sink set to another locale (POSIX) does not change it)."""
+    source, sink, _ = lr_sites
+    config = source.query("SELECT proconfig FROM pg_proc WHERE oid = 'lr.capture_table_changes()'::regprocedure")
+    assert "lc_monetary=C" in config[0][0]
+    conn = sink.connect()
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SET lc_monetary = 'POSIX'")
+            table_sink.applying(cur)
+            cur.execute("SELECT current_setting('lc_monetary')")
+            assert cur.fetchone() == ("C",)
+    finally:
+        conn.close()

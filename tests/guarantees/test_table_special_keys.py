@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.guarantees.test_table_fidelity_streaming import FAST
 from tests.support.session import Streaming, apply, replicator, wait_for
 from tests.support.tables import TYPES, TYPES_DDL, federate, rows
@@ -98,3 +100,54 @@ def test_a_key_of_every_built_in_type_with_an_order_streams_through_insert_updat
             source.query(f"DELETE FROM {table}")
         same("deletes")
         assert not [r.error for r in streaming.cycles if r.error]
+
+
+def test_a_both_ways_table_keyed_by_jsonb_keeps_the_sinks_own_unsent_rows_through_a_full_sync_asked_while_streaming(
+    lr_sites,
+):
+    """public.kj is federated site-a -> site-b (policy) and back (client back), keyed by a jsonb and by
+    a (numeric, timestamptz, float8) key; site-b inserts, updates and deletes rows that have not gone
+    back to site-a when a full sync of site-a -> site-b is asked while it streams. site-b keeps its
+    own rows: the snapshot reads the keys of its unsent changes as the sink applies them. Before,
+    a jsonb key (carried as its text, as floats are) was read as a JSON string, matched no row, and
+    site-b's own rows of it were cleared by the snapshot while its changes went on to site-a."""
+    a, b, _ = lr_sites
+    topo = apply(
+        lr_sites,
+        [
+            {"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]},
+            {"source": "site-b", "sinks": ["site-a"], "clients": ["back"]},
+        ],
+    )
+    keys = {
+        "public.kj": "k jsonb PRIMARY KEY",
+        "public.kx": "n numeric, t timestamptz, f float8, PRIMARY KEY (n, t, f)",
+    }
+    old = {"public.kj": ['\'{"a": 1, "b": [1, 2.50]}\'', "'[2]'"], "public.kx": ["1.50, '2026-01-01 10:00+05', 1.5"]}
+    old["public.kx"].append("2.0, 'infinity', '-0'")
+    for table, columns in keys.items():
+        a.query(f"CREATE TABLE {table} ({columns}, v text)")
+        a.query(f"INSERT INTO {table} VALUES ({old[table][0]}, 'a0'), ({old[table][1]}, 'a1')")
+        federate(a, table)
+    where = {"public.kj": "k = {}::jsonb", "public.kx": "(n, t, f) = ({})"}
+    with Streaming(replicator(topo, lr_sites, sessions=[SessionKey("site-a", "site-b", "policy")]), FAST) as streaming:
+        streaming.streaming()
+        wait_for(lambda: all(rows(b, t) == rows(a, t) for t in keys), 30, "the snapshots at site-b")
+        for table in keys:
+            federate(b, table, client="back")  # site-b's copy goes back to site-a (not run here)
+        b.query("INSERT INTO public.kj VALUES ('{\"c\": {\"d\": null}}', 'b-new')")
+        b.query("INSERT INTO public.kx VALUES (3.000, '2026-06-01 00:00:00.5+00', 1e300, 'b-new')")
+        for table in keys:
+            b.query(f"UPDATE {table} SET v = 'b-changed' WHERE {where[table].format(old[table][0])}")
+            b.query(f"DELETE FROM {table} WHERE {where[table].format(old[table][1])}")
+        at_b = {t: rows(b, t) for t in keys}
+        conn = a.connect()
+        try:
+            request = full_sync.request_full_sync(conn, "site-b", "policy", forced=True)
+        finally:
+            conn.close()
+        status = "SELECT status FROM lr.full_sync_requests WHERE request_id = %s"
+        wait_for(lambda: a.query(status, (request.request_id,)) == [("applied",)], 30, "the full sync applied")
+        streaming.streaming()
+        assert not [r.error for r in streaming.cycles if r.error]
+    assert {t: rows(b, t) for t in keys} == at_b

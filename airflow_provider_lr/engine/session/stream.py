@@ -55,6 +55,9 @@ class Cycles(Protocol):
     def rest(self) -> None:
         """Close the connections the cycles have not used for a while (the streams have their own)."""
 
+    def forget(self, site: str) -> None:
+        """Close the cycles' connection to ``site`` (a stream found it failing): the next cycle connects."""
+
 
 def streamable(report: CycleReport) -> bool:
     """A cycle left the session in log-entry sync, under our lease, with nothing wrong."""
@@ -114,6 +117,9 @@ class Streamer:
                 idle = [k for k in sessions if k not in streams]
                 now = time.monotonic()
                 ready = [k for k in idle if self.backoff.get(k, (0, 0.0))[1] <= now]
+                # the sessions not failing first: one handed back healthy (a full sync asked) does not
+                # wait behind the retries of those whose site stopped answering
+                ready.sort(key=lambda k: k in self.backoff)
                 if ready and now >= due:
                     reports = self.cycles.run_cycle(ready)
                     self.counters.cycle(reports)
@@ -190,6 +196,12 @@ class Streamer:
         self.streaming.discard(key)
         self.counters.left(key)
         self.ends.append(end)
+        if end.error and end.reason != STOPPED:
+            # the cycles' own connections to its sites may be as dead as the stream's: a cycle on one
+            # kept open waited its call deadline (145 s) on a frozen sink, every other session's
+            # cycle and hand-back behind it; connected anew, it waits the connect timeout at most
+            self.cycles.forget(key.sink)
+            self.cycles.forget(key.source)
         if end.error and not end.delivered:  # it could not start: the cycles carry it meanwhile
             self._back_off(self.stream_backoff, key)
         elif end.delivered:

@@ -99,6 +99,7 @@ class Replicator:
         self._file_stamp = _stamp(topology.path)
         self._working = list(self._given)  # what ``sessions`` said last
         self._conns: dict[str, psycopg2.extensions.connection] = {}
+        self._silent: dict[str, str] = {}  # sites that made this turn wait for nothing (``_conn``), and why
         self._used: dict[str, float] = {}  # site -> when a cycle last used its connection (monotonic)
         self._runners: dict[SessionKey, SessionRunner] = {}
         self._forgotten: set[str] = set()  # sources of runners dropped holding a lease (``_drop``)
@@ -187,10 +188,25 @@ class Replicator:
             self._release_owned(key.source, key)
 
     def _conn(self, site: str) -> psycopg2.extensions.connection:
+        """The cycles' connection to ``site``. A site that made this turn wait for nothing (a connect
+        timed out, a call cut at its deadline: a stopped server, a stalled link) fails at once for
+        the rest of the turn: before, each of its sessions waited again (its connect timeout, or a
+        call deadline of 145 s), one after the other, and every session cycling after them
+        (a healthy one handed back by its stream for a full sync) waited for all of it."""
         self._used[site] = time.monotonic()
+        if site in self._silent:
+            raise SiteUnreachableError(
+                f"site {site!r} did not answer earlier in this cycle ({self._silent[site]}); "
+                "not waited for again before the next"
+            )
         conn = self._conns.get(site)
         if conn is None or conn.closed:
-            conn = self._conns[site] = self.connect(site)
+            try:
+                conn = self._conns[site] = self.connect(site)
+            except SiteUnreachableError as exc:
+                if "timeout expired" in str(exc):  # waited on a silent server, not one refused at once
+                    self._silent[site] = one_line(exc)
+                raise
         return conn
 
     def _runner(self, key: SessionKey) -> SessionRunner:
@@ -219,6 +235,7 @@ class Replicator:
         first caught up by the tee. Once ``stop`` is set, the sessions not cycled yet are left out
         (the reports cover the sessions cycled, in order)."""
         keys = self.sessions if keys is None else keys
+        self._silent.clear()  # a site that was silent last turn is tried again
         teed: dict[str, int] = {}
         for source in sorted({key.source for key in keys}):
             if self.stop.is_set():
@@ -309,6 +326,8 @@ class Replicator:
             conn = self._conns.get(site)
             if conn is None:
                 continue
+            if getattr(conn, "was_cut", False):  # a call it never answered: not waited for again this turn
+                self._silent.setdefault(site, one_line(error))
             if isinstance(exc, (psycopg2.OperationalError, psycopg2.InterfaceError)) or conn.closed:
                 self._drop(site)
             else:
@@ -320,6 +339,11 @@ class Replicator:
             record_error(self._conn(key.source), key, error, exc)
         except (psycopg2.Error, SiteUnreachableError):  # the source is down: nowhere to record it now
             self._drop(key.source)
+
+    def forget(self, site: str) -> None:
+        """Close the cycles' connection to ``site`` (a stream found the site failing): a call on it
+        would wait its deadline if the site stopped answering; the next cycle connects anew."""
+        self._drop(site)
 
     def _drop(self, site: str) -> None:
         conn = self._conns.pop(site, None)

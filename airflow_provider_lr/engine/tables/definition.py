@@ -179,3 +179,45 @@ def check_same(source: TableDefinition, sink: TableDefinition, where: str) -> No
             f"{where}: table {source.table} differs between source and sink: {'; '.join(problems)}. "
             "Nothing of it was applied; make the two tables alike (or open it with --no-federated on the sink)"
         )
+
+
+# A type with a modifier that bounds its values, as ``format_type`` prints it: the base's name, the
+# modifier's numbers, and what follows (a time's zone); a wider modifier holds every value of a narrower
+_BOUNDED = re.compile(
+    r"(numeric|character varying|character|bit varying|timestamp|time|interval)(?:\((\d+)(?:,(\d+))?\))?( .*)?"
+)
+_DEFAULT_PRECISION = {"timestamp": 6, "time": 6, "interval": 6}
+
+
+def narrowed(recorded: Mapping[str, str], sink: TableDefinition) -> dict[str, str]:
+    """The sink's columns whose type holds fewer values than it had when its snapshot was taken
+    (``recorded``: the source's types then), each with how: the same type with a narrower modifier
+    (a numeric's precision or scale, a text's or bit string's length, a time's fractional digits).
+    Their values would be rounded or cut by the sink; a column widened, or of another type (an int
+    made a bigint), is not in it."""
+    out = {}
+    for column in sink.columns:
+        was = recorded.get(column.name)
+        if was is None or was == column.type:
+            continue
+        old, new = _BOUNDED.fullmatch(was), _BOUNDED.fullmatch(column.type)
+        if old is None or new is None or (old[1], old[4]) != (new[1], new[4]):
+            continue
+        if _holds(old, new):
+            continue
+        out[column.name] = f"column {column.name} is {was} on the source but {column.type} on the sink"
+    return out
+
+
+def _holds(old: re.Match, new: re.Match) -> bool:
+    """Whether type ``new`` holds every value of ``old`` (the same base; a missing modifier: unbounded,
+    or a time's default precision)."""
+    base, default = old[1], _DEFAULT_PRECISION.get(old[1])
+    if new[2] is None and default is None:
+        return True  # numeric, varchar, varbit without a modifier: any value
+    if old[2] is None and default is None:
+        return False
+    if base == "numeric":  # digits before the point, and after it
+        p0, s0, p1, s1 = int(old[2]), int(old[3] or 0), int(new[2]), int(new[3] or 0)
+        return s1 >= s0 and p1 - s1 >= p0 - s0
+    return int(new[2] or default or 0) >= int(old[2] or default or 0)

@@ -93,13 +93,13 @@ def keep(cur: psycopg2.extensions.cursor, target: Target, site: str, positions: 
     kept = Kept(target, *(sql.Identifier(f"lr_own_{what}_{n}") for what in ("keys", "rows", "origins")))
     cur.execute(
         sql.SQL(
-            "CREATE TEMPORARY TABLE {} ON COMMIT DROP AS SELECT DISTINCT k.* {} "
-            "CROSS JOIN LATERAL pg_catalog.jsonb_to_recordset({} -> 'rows') AS k({}) {}"
+            "CREATE TEMPORARY TABLE {} ON COMMIT DROP AS SELECT DISTINCT {} {} "
+            "CROSS JOIN LATERAL pg_catalog.jsonb_array_elements({} -> 'rows') AS lr_row(d) {}"
         ).format(
             kept.keys,
+            sql.SQL(", ").join(_key_value(entry, k, types[k]) for k in key),
             _UNSENT_FROM,
             entry,
-            sql.SQL(", ").join(sql.SQL("{} {}").format(sql.Identifier(k), sql.SQL(types[k])) for k in key),
             _UNSENT_WHERE,
         ),
         params,
@@ -129,6 +129,19 @@ def restore(cur: psycopg2.extensions.cursor, kept: Kept) -> None:
     cur.execute(sql.SQL("DELETE FROM lr.table_row_origin o WHERE {}").format(_listed(kept)))
     cur.execute(sql.SQL("INSERT INTO lr.table_row_origin SELECT * FROM {}").format(kept.origins))
     cur.execute(sql.SQL("DROP TABLE {}, {}, {}").format(kept.keys, kept.rows, kept.origins))
+
+
+def _key_value(entry: sql.Composable, column: str, type_: str) -> sql.Composed:
+    """Key ``column`` of row ``lr_row.d`` of ``entry``, as the sink applies it: a column the entry
+    carries as its text form (its ``text``: json and jsonb, floats) cast from that text, any other
+    read as its JSON value. Before, every key was read as its JSON value: a jsonb key, carried as
+    text, was read as a JSON string (never equal to the row's key), and the sink's own rows of it
+    were lost to the snapshot."""
+    k, typed = sql.Literal(column), sql.SQL(type_)
+    return sql.SQL(
+        "CASE WHEN ({e} -> 'text') ? {k} THEN (lr_row.d ->> {k})::{t} "
+        "ELSE (SELECT q.{c} FROM pg_catalog.jsonb_to_record(lr_row.d) AS q({c} {t})) END AS {c}"
+    ).format(e=entry, k=k, t=typed, c=sql.Identifier(column))
 
 
 def _among(target: Target, alias: sql.Identifier, keys: sql.Identifier) -> sql.Composed:

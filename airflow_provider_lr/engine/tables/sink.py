@@ -49,6 +49,7 @@ from airflow_provider_lr.engine.tables.targets import (
     TargetLookup,
     always_columns,
     origin,
+    types_at_snapshot,
 )
 from airflow_provider_lr.engine.tables.upsert import ledger, moved, on_conflict
 from airflow_provider_lr.engine.vocabulary import SessionKey
@@ -99,6 +100,7 @@ def record(
     **values: object,
 ) -> None:
     """Upsert the session's row for ``table`` (columns not given keep their value, or NULL)."""
+    values = {**values, **types_at_snapshot(cur, table)} if state == TableState.SYNCED else values
     cols = ["source_site_id", "client_name", "table_name", "source_table_id", "state", *values]
     params = [source, client, str(table), source_table_id, state, *values.values()]
     updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in cols[3:])
@@ -123,7 +125,8 @@ def forget_session(
     )
 
 
-APPLYING_SQL = "SELECT set_config('lr.applying', 'on', true)"
+# lr's apply; money read as the capture prints it (lc_monetary C, V0041), whatever the sink's locale
+APPLYING_SQL = "SELECT set_config('lr.applying', 'on', true), set_config('lc_monetary', 'C', true)"
 # a table change's sink transaction starts so: lr's apply, constraints as the source's, and the
 # targets' read (prepared) planned generically
 _OPEN = f"SET CONSTRAINTS ALL DEFERRED; {APPLYING_SQL}, {GENERIC}"
@@ -290,6 +293,8 @@ class ChangeApplier:
                 f"{self._where()}: the source's table {target.table} changed: {'; '.join(changed)}. Nothing of the "
                 "batch was applied; give the sink's column the source's type (ALTER TABLE ... ALTER COLUMN ... TYPE)"
             )
+        if target.narrowed and not entry.get("types"):  # (a change of the source's type: checked above)
+            target.refuse_narrowed(carried if op == "u" else key_columns, self._where())
         absent = tuple(c for c in d.column_names if c not in carried)
         floats = {c.name for c in d.columns if c.name in text and c.type in _FLOATS}
         run = self.runs[-1] if self.runs else None

@@ -20,14 +20,16 @@ from dataclasses import dataclass, field, replace
 import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
+from psycopg2.extras import Json
 
-from airflow_provider_lr.engine.db import prepared
+from airflow_provider_lr.engine.db import prepared, schema
 from airflow_provider_lr.engine.db.prepared import Prepared
 from airflow_provider_lr.engine.errors import SchemaMismatchError
 from airflow_provider_lr.engine.tables.definition import (
     SHAPE_COLUMNS,
     TableDefinition,
     TableName,
+    narrowed,
     read_definition,
     shape,
 )
@@ -51,10 +53,26 @@ class Target:
     left_out: tuple[str, ...] = ()  # of the source's extras, when lr created the table now (tables/create)
     deferrable_key: bool = False  # the sink's primary key is DEFERRABLE: no ON CONFLICT arbiter (``tables.sink``)
     always: tuple[str, ...] = ()  # the sink's non-key GENERATED ALWAYS identity columns (``tables.upsert``)
+    # the sink's columns narrowed since its snapshot (``definition.narrowed``), each with how: their
+    # changes are refused (the sink would round or cut them)
+    narrowed: tuple[tuple[str, str], ...] = ()
 
     @property
     def table(self) -> TableName:
         return self.definition.table
+
+    def refuse_narrowed(self, columns: Iterable[str], where: str) -> None:
+        """Refuse a change of ``columns`` when one of them was narrowed at the sink since its snapshot:
+        the sink would take its value rounded or cut, silently (a too-long text failed with
+        PostgreSQL's raw error)."""
+        wanted = set(columns)
+        narrow = [why for column, why in self.narrowed if column in wanted]
+        if narrow:
+            raise SchemaMismatchError(
+                f"{where}: the sink's table {self.table} changed since its snapshot: {'; '.join(narrow)}, which "
+                "would round or cut its values. Nothing of the batch was applied; give the sink's column the source's "
+                "type (ALTER TABLE ... ALTER COLUMN ... TYPE)"
+            )
 
     @property
     def note(self) -> str | None:
@@ -103,6 +121,19 @@ def origin(cur: psycopg2.extensions.cursor, table: TableName, source: str) -> tu
     return _primary_shared(*cur.fetchone())
 
 
+COLUMN_TYPES_SCHEMA = 40  # V0040: lr.sink_tables.column_types
+
+
+def types_at_snapshot(cur: psycopg2.extensions.cursor, table: TableName) -> dict[str, object]:
+    """What a sink's row of ``table`` records as it is synced: its columns' types now, in the
+    snapshot's transaction (the source's: the snapshot refused others), against which a column
+    narrowed later is found (``Target.narrowed``). Nothing on a sink older than V0040."""
+    if not schema.at_least(cur.connection, COLUMN_TYPES_SCHEMA):
+        return {}
+    sink_def = read_definition(cur, table)
+    return {} if sink_def is None else {"column_types": Json({c.name: c.type for c in sink_def.columns})}
+
+
 def target_of(cur: psycopg2.extensions.cursor, source: str, table: TableName, where: Callable[[], str]) -> Target:
     """The target of a table this sink already takes from ``source`` (nothing created)."""
     sink_def = read_definition(cur, table)
@@ -135,9 +166,12 @@ _TARGETS = (
     + _ALWAYS.format(oid="t.oid")
     + ", "
     + _ORIGIN.format(t="st.table_name", s="%(source)s")
-    + " FROM pg_catalog.unnest(%(tids)s::int[]) w(tid) "
-    "CROSS JOIN LATERAL (SELECT w.tid, table_name, state FROM lr.sink_tables WHERE source_site_id = %(source)s "
-    "AND client_name = %(client)s AND source_table_id = w.tid LIMIT 1) st "
+    + ", st.types"
+    " FROM pg_catalog.unnest(%(tids)s::int[]) w(tid) "
+    # the types as the snapshot was taken (V0040; read so that a sink older than it reads none)
+    "CROSS JOIN LATERAL (SELECT w.tid, s.table_name, s.state, pg_catalog.to_jsonb(s) -> 'column_types' AS types "
+    "FROM lr.sink_tables s WHERE s.source_site_id = %(source)s "
+    "AND s.client_name = %(client)s AND s.source_table_id = w.tid LIMIT 1) st "
     "CROSS JOIN LATERAL (SELECT pg_catalog.to_regclass(pg_catalog.quote_ident(pg_catalog.split_part(st.table_name, "
     "'.', 1)) || '.' || pg_catalog.quote_ident(pg_catalog.split_part(st.table_name, '.', 2)))::oid AS oid) t"
 )
@@ -159,9 +193,9 @@ CHECK_SQL = (
 # ~0.03 ms each more). Its generic plan is the one to run (``GENERIC``: PostgreSQL would otherwise
 # plan it anew each time, expecting a plan for the actual tables to be cheaper). The name is
 # versioned, so a connection that holds an older lr's statement is not confused by it.
-LOOKUP = Prepared("lr_sink_targets_v4", LOOKUP_SQL, {"tids": "int4[]", "source": "text", "client": "text"})
+LOOKUP = Prepared("lr_sink_targets_v5", LOOKUP_SQL, {"tids": "int4[]", "source": "text", "client": "text"})
 CHECK = Prepared(
-    "lr_sink_targets_check_v3", CHECK_SQL, {"tids": "int4[]", "source": "text", "client": "text", "expected": "text[]"}
+    "lr_sink_targets_check_v4", CHECK_SQL, {"tids": "int4[]", "source": "text", "client": "text", "expected": "text[]"}
 )
 GENERIC = "set_config('plan_cache_mode', 'force_generic_plan', true)"  # for the transaction
 
@@ -246,7 +280,7 @@ class TargetLookup:
 
     def _found(self, tids: Iterable[int], rows: list[tuple]) -> None:
         read: dict[int, tuple[Found, str]] = {}
-        for _site, tid, name, state, oid, columns, key, deferrable, always, primary, others, text in rows:
+        for _site, tid, name, state, oid, columns, key, deferrable, always, primary, others, types, text in rows:
             if tid is None:  # the site id's row
                 continue
             table = TableName.parse(name)
@@ -256,7 +290,9 @@ class TargetLookup:
                 read[tid] = (Gone(table), text)
             else:
                 target = Target(shape(table, columns, key), self.source, *_primary_shared(primary, others))
-                read[tid] = (replace(target, deferrable_key=bool(deferrable), always=tuple(always or ())), text)
+                narrow = tuple(narrowed(types or {}, target.definition).items())
+                target = replace(target, deferrable_key=bool(deferrable), always=tuple(always or ()), narrowed=narrow)
+                read[tid] = (target, text)
         last = self.kept.last.setdefault((self.source, self.client), {})
         if len(last) >= KEPT_STATEMENTS:
             last.clear()

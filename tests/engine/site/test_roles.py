@@ -323,6 +323,21 @@ def test_writer_waits_until_its_transmit_is_safe_and_guards_only_its_client(worl
                 cur.execute(f"SELECT {call}")
         finally:
             conn.rollback()
+    # nor another client's transactions: a commit position is told for a transaction with an entry of
+    # alpha's (a beta writer's reads as one that wrote nothing); before, any transaction id was answered,
+    # and a writer learned which of other applications' transactions wrote to the log, and their order
+    other = connect_as(source, world.writer["beta"])
+    beta_ticket = RoutingQueueClient(other, "beta").transmit_log_entry_message(b"b=1", ["site-b"])
+    other.commit()
+    other.close()
+    position_of = "SELECT lr.commit_position_of(%s::text::xid8)"
+    assert source.query(position_of, (str(beta_ticket.tx),))[0][0] is not None  # the owner sees it
+    with conn.cursor() as cur:
+        cur.execute(position_of, (str(ticket.tx),))
+        assert cur.fetchone()[0] is not None
+        cur.execute(position_of, (str(beta_ticket.tx),))
+        assert cur.fetchone() == (None,)
+    conn.rollback()
     conn.close()
 
 
