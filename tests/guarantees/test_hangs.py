@@ -286,6 +286,38 @@ def test_a_sink_that_stops_answering_does_not_hold_the_sources_other_sink_and_no
     app.close()
 
 
+def test_a_silent_sink_of_several_sessions_holds_the_healthy_sinks_stream_once_for_its_sink_deadline(lr_sites):
+    """site-c, sink of three sessions, stops answering (its open connections and every new one
+    hang); site-b's entries wait for the stream's call to site-c to be cut at ``sink_deadline`` once.
+    Before, the stream then reconnected to site-c for each of its other sessions (their acks, their
+    joins) and waited its connect timeout each, site-b's entries behind every one of them."""
+    source, sink_b, sink_c = lr_sites
+    topo = apply(
+        lr_sites,
+        [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy", "billing", "audit"]}],
+        settings={**BOUNDS, "statement_timeout_s": 20, "connect_timeout_s": 6},
+    )
+    app = App(source)
+    link = LinkProxy(sink_c.conninfo.params["port"])
+    repl = bounded(topo, {"site-a": source.dsn, "site-b": sink_b.dsn, "site-c": link.dsn(sink_c.dsn)})
+    repl.providers.update({"billing": empty_provider, "audit": empty_provider})
+    with Streaming(repl, StreamSettings(**{**RETRY.__dict__, "sink_deadline": 2.0})) as streaming, link:
+        streaming.streaming()
+        link.stall()
+        lags = []
+        for i in range(4):
+            put = time.monotonic()
+            app.put(f"k{i}", i, ["site-b", "site-c"])
+            wait_for(lambda: len(logs(sink_b)) == i + 1, 60, f"k{i} at site-b")
+            lags.append(time.monotonic() - put)
+        # 2 s (the cut) + 2 x 6 s (a connect timeout for each other session of site-c) before
+        assert max(lags) < 2.0 + SLACK, f"site-b's entries waited {max(lags):.1f} s for the silent site-c"
+        link.reset()
+        wait_for(lambda: len(logs(sink_c)) == 4, 60, "site-c's entries once its link is back")
+    assert logs(sink_b) == logs(sink_c) == [f"k{i}={i}" for i in range(4)]
+    app.close()
+
+
 def test_an_idle_stream_and_idle_cycles_outlast_their_own_bounds(lr_sites):
     """lr's own connections never sit idle in a transaction: a stream and cycles left idle for
     several times ``idle_in_transaction_timeout_s`` are not ended by their servers (a bound that
