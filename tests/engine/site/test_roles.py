@@ -72,7 +72,8 @@ class Roles:
                 for role in self.made:
                     cur.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,))
                     if cur.fetchone():
-                        cur.execute(psycopg2.sql.SQL("DROP OWNED BY {}").format(psycopg2.sql.Identifier(role)))
+                        # CASCADE: what depends on the role's objects without an owner of its own (a cast)
+                        cur.execute(psycopg2.sql.SQL("DROP OWNED BY {} CASCADE").format(psycopg2.sql.Identifier(role)))
                         cur.execute(psycopg2.sql.SQL("DROP ROLE {}").format(psycopg2.sql.Identifier(role)))
             conn.close()
 
@@ -412,7 +413,51 @@ def test_a_group_role_holds_the_grant_for_its_members(lr_sites, made):
     assert source.query("SELECT count(*) FROM lr.log_commits") == [(1,)]
 
 
-# --- consumer -------------------------------------------------------------------------------
+# a function that makes its caller's login a superuser when it runs as one (quietly when not)
+_ESCALATE = """CREATE FUNCTION app.{name}({arg}) RETURNS text LANGUAGE plpgsql AS $$
+BEGIN
+    BEGIN
+        EXECUTE pg_catalog.format('ALTER ROLE %I SUPERUSER', session_user);
+    EXCEPTION WHEN insufficient_privilege THEN NULL;
+    END;
+    RETURN 'forged';
+END $$"""
+
+
+def test_an_application_owning_a_federated_table_cannot_run_its_casts_as_lrs_owner(lr_sites, made):
+    """The capture trigger runs as lr's owner (SECURITY DEFINER: it writes the log). It carried a
+    composite, array or json-castable column as its text through a cast, and the role that owns the
+    table owns its column types and may make its own cast from them to text: the cast ran as lr's
+    owner (a superuser on embedded sites), and one INSERT made the application's role a superuser.
+    The capture now prints such a column with its type's output function, which no role but a
+    superuser defines: the values travel as the types print them, the casts are not called."""
+    apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["alpha"]}])
+    source = lr_sites[0]
+    app = made.name("app")
+    source.query(f'CREATE ROLE "{app}" LOGIN')
+    source.query(f'CREATE SCHEMA app AUTHORIZATION "{app}"')
+    conn = connect_as(source, app)
+    with conn.cursor() as cur:
+        cur.execute("CREATE TABLE app.t (id int PRIMARY KEY, v text)")
+    conn.commit()
+    federate(source, "app.t", "alpha")
+    with conn.cursor() as cur:  # the application's own types, casts and columns, after the open
+        cur.execute("CREATE TYPE app.pair AS (x int); CREATE TYPE app.mood AS ENUM ('calm')")
+        for name, arg in (("pair_text", "app.pair"), ("pairs_text", "app.pair[]"), ("mood_text", "app.mood")):
+            cur.execute(_ESCALATE.format(name=name, arg=arg))
+            cur.execute(f"CREATE CAST ({arg} AS text) WITH FUNCTION app.{name}({arg})")
+        cur.execute("CREATE FUNCTION app.mood_json(app.mood) RETURNS json LANGUAGE sql AS $$ SELECT '1'::json $$")
+        cur.execute("CREATE CAST (app.mood AS json) WITH FUNCTION app.mood_json(app.mood)")  # carried as text
+        cur.execute("ALTER TABLE app.t ADD COLUMN p app.pair, ADD COLUMN ps app.pair[], ADD COLUMN m app.mood")
+        cur.execute("INSERT INTO app.t VALUES (1, 'a', ROW(1), ARRAY[ROW(2)::app.pair], 'calm')")
+    conn.commit()
+    conn.close()
+    assert source.query("SELECT rolsuper FROM pg_roles WHERE rolname = %s", (app,)) == [(False,)]
+    (message,) = source.query("SELECT convert_from(message, 'UTF8')::jsonb FROM lr.log_entries WHERE stream = 3")[0]
+    assert message["rows"] == [{"id": 1, "v": "a", "p": "(1)", "ps": "{(2)}", "m": "calm"}], message
+
+
+# --- consumer ---------------------------------------------------------------------
 def replicate(world, **settings) -> None:
     run_until_idle(
         replicator(
