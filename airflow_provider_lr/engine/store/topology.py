@@ -9,9 +9,11 @@ what the transmit path validates destinations against; every read of what a site
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -296,12 +298,35 @@ def failover_files(topology_config_id: str, beside: str | Path | None = None) ->
 
 
 def write_document(topology: Topology, path: str | Path) -> Path:
-    """Write ``topology``'s document as a topology file (a failover's new one), making its directory."""
+    """Write ``topology``'s document as a topology file (a failover's new one), making its directory.
+    Written to a new file beside it and moved into place: its name is known in advance
+    (``failover_files``), so a link planted there is replaced, never written through, and a reader
+    never sees half a file. Mode 0644, as before (a topology holds no password: the loader refuses one)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", encoding="utf-8") as fh:
-        yaml.safe_dump(topology.document, fh, sort_keys=False)
+    fd, staged = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            yaml.safe_dump(topology.document, fh, sort_keys=False)
+        os.replace(staged, out)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staged)
+        raise
     return out
+
+
+def unwritable(path: str | Path) -> str | None:
+    """Why ``write_document`` could not write ``path`` (it is a directory, or a file stands where a
+    directory of its path would be), or None: asked before a failover, which writes it last."""
+    out = Path(path)
+    if out.is_dir():
+        return "it is a directory"
+    for parent in out.parents:
+        if parent.exists():
+            return None if parent.is_dir() else f"{parent} is not a directory"
+    return None
 
 
 def site_conninfo(topology: Topology, site_id: str) -> ConnInfo:
