@@ -29,11 +29,12 @@ from airflow_provider_lr import cli
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.db.conninfo import ConnInfo
-from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeout, SchemaError
+from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeout, SchemaError, TableError
 from airflow_provider_lr.engine.sink import receive
 from airflow_provider_lr.engine.site import roles, status, topology
 from airflow_provider_lr.engine.source import full_sync, trim
 from airflow_provider_lr.engine.store import topology as topologies
+from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.proto import lr_pb2
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 from tests.support.session import Streaming, apply, queue, replicator, wait_for
@@ -731,6 +732,40 @@ def test_an_owner_without_create_on_the_database_installs_into_its_schema(sites,
     wconn.close()
     assert site.query("SELECT count(*) FROM lr.log_commits") == [(1,)]
     assert site.query("SELECT has_database_privilege(%s, current_database(), 'CREATE')", (owner,)) == [(False,)]
+    # the application's table with a DEFERRABLE key: for a key two rows hold between statements the
+    # capture reads it as lr's owner; an owner that may not read it made every UPDATE and DELETE of
+    # the application fail once the table was open (it opened, with TRIGGER only)
+    site.query(f'CREATE SCHEMA app AUTHORIZATION "{writer}"')
+    wconn = connect_as(site, writer)
+    wconn.autocommit = True
+    with wconn.cursor() as cur:
+        cur.execute("CREATE TABLE app.d (id int PRIMARY KEY DEFERRABLE INITIALLY DEFERRED, v text)")
+        cur.execute(f'GRANT USAGE ON SCHEMA app TO "{owner}"; GRANT TRIGGER ON app.d TO "{owner}"')
+        cur.execute("INSERT INTO app.d VALUES (1, 'a'), (2, 'b')")
+    conn = connect_as(site, owner)
+    with pytest.raises(TableError, match=f"DEFERRABLE.*GRANT SELECT ON app.d TO {owner}"):
+        registry.open_table(conn, "app.d", "alpha", True)
+    with wconn.cursor() as cur:
+        cur.execute(f'GRANT SELECT ON app.d TO "{owner}"')
+    registry.open_table(conn, "app.d", "alpha", True)
+    with wconn.cursor() as cur:  # key 1 held by two rows between the statements
+        cur.execute("BEGIN; UPDATE app.d SET id = 3 WHERE id = 1; UPDATE app.d SET id = 1 WHERE id = 2; COMMIT")
+    # row-level security enabled after the open would run the application's policy as lr's owner:
+    # the capture refuses to read under it (the write fails), and the open says so
+    with wconn.cursor() as cur:
+        cur.execute("CREATE TABLE app.seen (who text); GRANT INSERT ON app.seen TO PUBLIC")
+        cur.execute(
+            "CREATE FUNCTION app.watch() RETURNS boolean LANGUAGE plpgsql AS "
+            "$$ BEGIN INSERT INTO app.seen VALUES (current_user); RETURN true; END $$"
+        )
+        cur.execute("ALTER TABLE app.d ENABLE ROW LEVEL SECURITY; CREATE POLICY p ON app.d USING (app.watch())")
+        with pytest.raises(psycopg2.Error, match="row-level security"):
+            cur.execute("UPDATE app.d SET v = 'c' WHERE id = 3")
+    assert site.query("SELECT who FROM app.seen") == []
+    with pytest.raises(TableError, match=f"row-level security applies to {owner}"):
+        registry.open_table(conn, "app.d", "alpha", True)
+    conn.close()
+    wconn.close()
 
 
 # --- lr roles -------------------------------------------------------------------------------
