@@ -8,10 +8,17 @@
 -- writes: one INSERT made the application's role a superuser. Such a column is now printed by
 -- format('%s'), which calls its type's output function (written in C: only a superuser makes one),
 -- the text the cast gave when there was none (NULL stays NULL: num_nulls reads the value itself, not
--- a composite's fields, as IS NULL would). Otherwise unchanged.
+-- a composite's fields, as IS NULL would).
+--
+-- And with row_security = off: with a DEFERRABLE primary key the capture reads the table itself (a
+-- key held twice, V0038), as lr's owner; a row-level security policy of the application's that
+-- applied to that owner (not a superuser, not the table's owner) would run the application's
+-- functions as lr's owner. The read now fails instead (lr tables open refuses such a table).
+-- lr's own tables are read as their owner, whom their policies never apply to. Otherwise unchanged.
 CREATE OR REPLACE FUNCTION lr.capture_table_changes() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET row_security = off
 SET TimeZone = 'UTC'
 SET extra_float_digits = 1
 SET DateStyle = 'ISO'
