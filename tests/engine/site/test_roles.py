@@ -627,6 +627,24 @@ def test_replicator_runs_cycles_full_syncs_status_and_trim(world):
                 cur.execute("UPDATE lr.topology SET topology_config_id = 'x'")
         finally:
             conn.close()
+    # a federated table whose row-level security applies to the replicator: PostgreSQL filtered its
+    # snapshot read silently (the sinks got none of its rows, said synced); the session now fails
+    # naming the policy to add, and goes on once it is there
+    for site in world.sites:
+        site.query("CREATE TABLE guarded (id int PRIMARY KEY)")
+        site.query(f'GRANT SELECT, INSERT, UPDATE, DELETE ON guarded TO "{world.replicator}"')
+    source.query("INSERT INTO guarded SELECT generate_series(1, 5); ALTER TABLE guarded ENABLE ROW LEVEL SECURITY")
+    federate(source, "public.guarded", "alpha")
+    repl = replicator(world.topo, sites_as(world.sites, world.replicator), providers={c: provider(c) for c in CLIENTS})
+    try:
+        reports = repl.run(max_cycles=3, until_idle=True, interval=0.01)
+    finally:
+        repl.close()
+    assert any("row-level security applies to" in (r.error or "") for r in reports), reports
+    assert sink.query("SELECT count(*) FROM guarded") == [(0,)]
+    source.query(f'CREATE POLICY lr_snapshot ON guarded FOR SELECT TO "{world.replicator}" USING (true)')
+    replicate(world)
+    assert [s.query("SELECT count(*) FROM guarded") for s in world.sites[1:]] == [[(5,)], [(5,)]]
 
 
 def test_replicator_role_streams(world):
