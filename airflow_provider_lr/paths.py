@@ -9,8 +9,10 @@ data (``airflow_provider_lr.migrations``), read with ``importlib.resources`` by 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 _SOURCE_ROOT = Path(__file__).resolve().parent.parent
@@ -54,3 +56,22 @@ def dags_dir() -> Path:
 
 def spark_jobs_dir() -> Path:
     return share_dir() / "spark_jobs"
+
+
+def write_replacing(path: str | Path, text: str, mode: int = 0o644) -> Path:
+    """Write ``text`` as ``path`` with ``mode``: to a new file beside it, then moved into place. A
+    link planted at the name is replaced, never written through; a reader never sees half a file;
+    a file that may hold a password is never readable by others, even for a moment (``0o600``)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, staged = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(staged, out)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staged)
+        raise
+    return out

@@ -9,11 +9,9 @@ what the transmit path validates destinations against; every read of what a site
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,7 +26,7 @@ from airflow_provider_lr.engine.db.timeouts import Timeouts
 from airflow_provider_lr.engine.db.topology_schema import Origin, read, validate
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, listing
 from airflow_provider_lr.engine.vocabulary import SessionKey, receive_queue_name
-from airflow_provider_lr.paths import include_dir, lr_home
+from airflow_provider_lr.paths import include_dir, lr_home, write_replacing
 
 TOPOLOGY_ENV = "LR_TOPOLOGY"
 
@@ -299,22 +297,10 @@ def failover_files(topology_config_id: str, beside: str | Path | None = None) ->
 
 def write_document(topology: Topology, path: str | Path) -> Path:
     """Write ``topology``'s document as a topology file (a failover's new one), making its directory.
-    Written to a new file beside it and moved into place: its name is known in advance
-    (``failover_files``), so a link planted there is replaced, never written through, and a reader
-    never sees half a file. Mode 0644, as before (a topology holds no password: the loader refuses one)."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, staged = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            yaml.safe_dump(topology.document, fh, sort_keys=False)
-        os.replace(staged, out)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(staged)
-        raise
-    return out
+    Its name is known in advance (``failover_files``): written to a new file and moved into place
+    (``write_replacing``), a link planted there is replaced, never written through. Mode 0644, as
+    before (a topology holds no password: the loader refuses one)."""
+    return write_replacing(path, yaml.safe_dump(topology.document, sort_keys=False))
 
 
 def unwritable(path: str | Path) -> str | None:
