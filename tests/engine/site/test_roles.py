@@ -965,6 +965,14 @@ def test_lr_roles_list_reads_the_sites_it_reaches(lr_sites, capsys):
     assert len(out) == 2  # the error on one line
 
 
+@pytest.mark.parametrize("name", ["a\nsite-b: replicator granted to evil", "tab\there", "nul\x00", "", "r" * 64])
+def test_a_role_name_that_cannot_be_said_on_one_line_is_refused(name):
+    """A role name with a newline was granted, and ``lr roles grant`` and ``list`` printed it as two
+    lines (one that reads like another grant). Control characters are refused with the rest."""
+    with pytest.raises(ConfigurationError, match="invalid role name"):
+        roles.check_request("consumer", name, ["alpha"])
+
+
 def test_roles_need_the_v6_schema(sites):
     conn = sites[0].connect()
     schema.migrate(conn, target=5)
