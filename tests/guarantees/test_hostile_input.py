@@ -164,6 +164,8 @@ def test_a_subscriber_or_client_made_with_what_cannot_mean_what_was_meant_is_ref
         ({"dsn": None}, "not a NoneType"),
         ({"client_name": 5}, "client_name is required"),
         ({"client_name": ""}, "client_name is required"),
+        # a name no topology can hold (it delivered nothing, silently, for ever)
+        *(({"client_name": name}, "cannot be a client") for name in ("policy\n", "pol icy", "x'; --", "p" * 64)),
         ({"sources": "site-a"}, "sources is a list of site ids, not one string"),
         ({"sources": [None]}, "sources must be site ids"),
         ({"batch_size": 0}, "batch_size must be a whole number of at least 1, not 0"),
