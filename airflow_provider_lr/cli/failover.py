@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from airflow_provider_lr.cli.common import UsageError, check_topology, connector, load_topology, named, with_topology
+from airflow_provider_lr.cli.common import (
+    UsageError,
+    check_topology,
+    connector,
+    load_topology,
+    named,
+    reason_text,
+    with_topology,
+)
 from airflow_provider_lr.engine.errors import LRError, TopologyMismatchError, listing
 from airflow_provider_lr.engine.site import failover, topology
 from airflow_provider_lr.engine.store import topology as topologies
@@ -115,7 +123,10 @@ def add_failover(sub: argparse._SubParsersAction) -> None:
     fo.add_argument("--from", dest="from_site", metavar="SITE", help="the old source (default: the promoted site's)")
     fo.add_argument("--client", action="append", help="a client to fail over (repeat; default: all it receives)")
     fo.add_argument(
-        "--reason", default="failover from the command line", help="recorded with the full-sync requests it makes"
+        "--reason",
+        type=reason_text,
+        default="failover from the command line",
+        help="recorded with the full-sync requests it makes",
     )
     fo.add_argument(
         "--same-destinations",

@@ -277,9 +277,11 @@ def test_a_full_sync_reason_lr_status_could_not_show_on_one_line_is_a_usage_erro
         "sites:\n  - {id: site-a, region: r1}\n  - {id: site-b, region: r2}\n"
         "replication:\n  - {source: site-a, sinks: [site-b], clients: [policy]}\n"
     )
-    assert cli.main([*command, "--reason", reason, "--topology", str(topo)]) == 2
+    with pytest.raises(SystemExit) as exit_:  # argparse's usage error
+        cli.main([*command, "--reason", reason, "--topology", str(topo)])
     err = capsys.readouterr().err
-    assert "reason is one line of text of at most 500 characters" in err and len(err.splitlines()) <= 5, err
+    assert exit_.value.code == 2 and "reason is one line of text of at most 500 characters" in err, err
+    assert "\nsite-a: FAKE" not in err and len(err) < 1000, err  # said (escaped), never as a line of its own
     with pytest.raises(ConfigurationError, match="reason is one line"):  # the DAGs' forms, through the engine
         if command[0] == "full-sync":
             full_sync.request_for_sessions([], lambda site: None, reason)
