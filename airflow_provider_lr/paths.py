@@ -9,8 +9,10 @@ data (``airflow_provider_lr.migrations``), read with ``importlib.resources`` by 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 _SOURCE_ROOT = Path(__file__).resolve().parent.parent
@@ -20,21 +22,6 @@ LR_HOME_ENV = "LR_HOME"
 def lr_home() -> Path:
     """lr's local state directory: ``$LR_HOME``, by default ``./.lr`` (embedded sites, connections)."""
     return Path(os.environ.get(LR_HOME_ENV) or Path.cwd() / ".lr").resolve()
-
-
-def write_whole(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` whole or not at all: written beside it, then renamed over it (the
-    mode of a file it replaces kept). A process killed mid-write, or a full disk, leaves the file
-    that was there, not half of one for the next command to fail on (the sites list, a topology)."""
-    part = path.with_name(f".{path.name}.{os.getpid()}.part")
-    try:
-        part.write_text(text, encoding="utf-8")
-        if path.exists():
-            os.chmod(part, path.stat().st_mode & 0o7777)
-        os.replace(part, path)
-    finally:
-        part.unlink(missing_ok=True)
-    return path
 
 
 def home_unset_hint(looked: Path) -> str:
@@ -69,3 +56,22 @@ def dags_dir() -> Path:
 
 def spark_jobs_dir() -> Path:
     return share_dir() / "spark_jobs"
+
+
+def write_replacing(path: str | Path, text: str, mode: int = 0o644) -> Path:
+    """Write ``text`` as ``path`` with ``mode``: to a new file beside it, then moved into place. A
+    link planted at the name is replaced, never written through; a reader never sees half a file;
+    a file that may hold a password is never readable by others, even for a moment (``0o600``)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, staged = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(staged, out)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staged)
+        raise
+    return out

@@ -16,6 +16,7 @@ from airflow_provider_lr.engine.db import conninfo, reach
 from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.errors import LRError, listing, one_line, without_statement
 from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.store import topology as topologies
 
 if TYPE_CHECKING:
@@ -156,6 +157,14 @@ def nonnegative_seconds(text: str) -> float:
     if not math.isfinite(seconds) or seconds < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 or more)")
     return seconds
+
+
+def reason_text(text: str) -> str:
+    """A full sync's ``--reason`` (``full_sync.checked_reason``): a usage error (exit 2) otherwise."""
+    try:
+        return full_sync.checked_reason(text)
+    except LRError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def listen_address(text: str) -> str:

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from airflow_provider_lr.cli.common import check_topology, connector, load_topology, named, with_topology
-from airflow_provider_lr.engine.errors import TopologyMismatchError, listing
+from airflow_provider_lr.cli.common import (
+    UsageError,
+    check_topology,
+    connector,
+    load_topology,
+    named,
+    reason_text,
+    with_topology,
+)
+from airflow_provider_lr.engine.errors import LRError, TopologyMismatchError, listing
 from airflow_provider_lr.engine.site import failover, topology
 from airflow_provider_lr.engine.store import topology as topologies
 
@@ -15,6 +23,9 @@ def cmd_failover(args: argparse.Namespace) -> int:
     the old source (or a site the failover could not reach) takes the new topology."""
     topo = load_topology(args)
     named(topo, sites=(args.promote, args.rejoin, args.from_site), clients=args.client or ())
+    why = args.out and topologies.unwritable(args.out)
+    if why:  # known before anything is done: the failover writes it last
+        raise UsageError(f"--out {args.out}: {why}; name the file to write the new topology to")
     if args.rejoin:  # the site rejoining runs an older topology by design: the file must be the others'
         stale = topology.explained(
             topologies.unheld(topo, topology.recorded_ids(topo, connector(topo), set(topo.sites) - {args.rejoin})),
@@ -62,9 +73,15 @@ def cmd_failover(args: argparse.Namespace) -> int:
         connector(topo),
         topology=topo,
     )
-    out = topologies.write_document(
-        done.topology, args.out or topologies.failover_files(done.topology.topology_config_id)[0]
-    )
+    target = args.out or topologies.failover_files(done.topology.topology_config_id)[0]
+    try:
+        out = topologies.write_document(done.topology, target)
+    except OSError as exc:  # the failover is done: said, with how to write its topology
+        raise LRError(
+            f"failover {done.failover_id} is done ({done.to_site} is the source of {', '.join(done.clients)}), but "
+            f"its topology {done.topology.topology_config_id} could not be written to {target} ({exc.strerror or exc}); "
+            "run the same command with --out FILE to write it (a re-run finishes what is left and writes it)"
+        ) from exc
     kind = "planned switchover" if done.planned else "unplanned failover"
     print(
         f"{kind} {done.failover_id}{' (resumed)' if done.resumed else ''}: {done.to_site} is the source of "
@@ -106,7 +123,10 @@ def add_failover(sub: argparse._SubParsersAction) -> None:
     fo.add_argument("--from", dest="from_site", metavar="SITE", help="the old source (default: the promoted site's)")
     fo.add_argument("--client", action="append", help="a client to fail over (repeat; default: all it receives)")
     fo.add_argument(
-        "--reason", default="failover from the command line", help="recorded with the full-sync requests it makes"
+        "--reason",
+        type=reason_text,
+        default="failover from the command line",
+        help="recorded with the full-sync requests it makes",
     )
     fo.add_argument(
         "--same-destinations",

@@ -13,6 +13,7 @@ from airflow_provider_lr.cli.common import (
     load_topology,
     named,
     nonnegative_seconds,
+    reason_text,
     unreachable,
     with_topology,
 )
@@ -112,6 +113,7 @@ def add_full_sync(sub: argparse._SubParsersAction) -> None:
     fs.add_argument("--client", help="only this client's sessions (default: every client)")
     fs.add_argument(
         "--reason",
+        type=reason_text,
         default="requested from the command line",
         help="recorded with each request (lr status shows it; default: 'requested from the command line')",
     )

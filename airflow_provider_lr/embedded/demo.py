@@ -25,7 +25,7 @@ from airflow_provider_lr.engine.session.runner import CycleReport
 from airflow_provider_lr.engine.site import status, topology
 from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.store import topology as topologies
-from airflow_provider_lr.paths import write_whole
+from airflow_provider_lr.paths import write_replacing
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 
 CLIENT = "policy"
@@ -109,7 +109,7 @@ def write_topology(manager: SiteManager, site_ids: list[str]) -> Path:
         "providers": {CLIENT: "airflow_provider_lr.embedded.demo:policy_provider"},
     }
     path = manager.home / "demo-topology.yaml"
-    return write_whole(path, yaml.safe_dump(doc, sort_keys=False))
+    return write_replacing(path, yaml.safe_dump(doc, sort_keys=False))
 
 
 class _Shown:

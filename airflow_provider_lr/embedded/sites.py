@@ -35,7 +35,7 @@ from airflow_provider_lr.engine.db import conninfo
 from airflow_provider_lr.engine.db.conninfo import ConnInfo, from_airflow_dict
 from airflow_provider_lr.engine.db.topology_schema import valid_site_id
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, listing, one_line
-from airflow_provider_lr.paths import lr_home, write_whole
+from airflow_provider_lr.paths import lr_home, write_replacing
 
 DEFAULT_SETTINGS: dict[str, str] = {
     "wal_level": "logical",  # native logical replication is a bench anchor
@@ -140,15 +140,22 @@ class SiteManager:
 
     def _save(self, sites: list[EmbeddedSite]) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
-        write_whole(self.state_file, json.dumps([asdict(s) for s in sites], indent=2))
-        self.write_connections(sites)
+        before = [s.conn_id for s in self.sites()]
+        write_replacing(self.state_file, json.dumps([asdict(s) for s in sites], indent=2))
+        self.write_connections(sites, replaced=before)
 
-    def write_connections(self, sites: list[EmbeddedSite]) -> None:
-        """Write the sites as Airflow connections: a connections file and an env file."""
-        conns = {s.conn_id: s.airflow_conn() for s in sites}
-        write_whole(self.home / "connections.json", json.dumps(conns, indent=2))
-        lines = [f"AIRFLOW_CONN_{cid.upper()}={shlex.quote(json.dumps(c))}" for cid, c in conns.items()]
-        write_whole(self.home / "airflow.env", "\n".join(lines) + "\n")
+    def write_connections(self, sites: list[EmbeddedSite], replaced: list[str] | None = None) -> None:
+        """Write the sites as Airflow connections: a connections file and an env file (the sites
+        alone). The file's other entries stay (a site a user added, as lr's messages say to, maybe
+        with its password: both files are 0600); ``replaced``, the embedded sites' before, go.
+        Before, every ``lr sites up`` dropped the user's entries, and the file was world-readable."""
+        path = self.home / "connections.json"
+        ours = {s.conn_id: s.airflow_conn() for s in sites}
+        gone = set(ours) | set(replaced or ())
+        kept = {cid: c for cid, c in _connections_in(path).items() if cid not in gone}
+        write_replacing(path, json.dumps({**kept, **ours}, indent=2), mode=0o600)
+        lines = [f"AIRFLOW_CONN_{cid.upper()}={shlex.quote(json.dumps(c))}" for cid, c in ours.items()]
+        write_replacing(self.home / "airflow.env", "\n".join(lines) + "\n", mode=0o600)
 
     # --- lifecycle ---------------------------------------------------------------------------
     def up(
@@ -413,3 +420,19 @@ def wait_until_accepting(site: EmbeddedSite, timeout: float = 30.0) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def _connections_in(path: Path) -> dict:
+    """The entries of a connections file (none when there is none); one that is not a JSON object is
+    refused rather than overwritten (it may be a user's, with entries of their own)."""
+    if not path.exists():
+        return {}
+    try:
+        found = json.loads(path.read_text())
+    except ValueError:
+        found = None
+    if not isinstance(found, dict):
+        raise ConfigurationError(
+            f"{path} is not a JSON object of connections: fix it or remove it; nothing was written"
+        )
+    return found

@@ -259,3 +259,31 @@ def test_a_site_or_client_the_topology_does_not_know_is_a_usage_error_listing_th
         err
         == f"lr: unknown {unknown}; the topology {'knows' if unknown.startswith('site') else 'replicates'} {known}\n"
     )
+
+
+@pytest.mark.parametrize("reason", ["line1\nsite-a: FAKE healthy", "tab\there", "x" * 501])
+@pytest.mark.parametrize("command", [["full-sync"], ["failover", "--promote", "site-b"]])
+def test_a_full_sync_reason_lr_status_could_not_show_on_one_line_is_a_usage_error(command, reason, tmp_path, capsys):
+    """`lr full-sync --reason` (and a failover's, recorded with its full syncs) took a newline, which
+    `lr status` printed as a line of its own reading like another site's, and 100 kB, printed as one
+    line of 100 kB; the lr_full_sync and lr_failover forms take it too. Now one line of at most 500
+    characters, else refused before any site is reached (none runs here)."""
+    from airflow_provider_lr.engine.errors import ConfigurationError
+    from airflow_provider_lr.engine.site import failover
+    from airflow_provider_lr.engine.source import full_sync
+
+    topo = tmp_path / "topology.yaml"
+    topo.write_text(
+        "sites:\n  - {id: site-a, region: r1}\n  - {id: site-b, region: r2}\n"
+        "replication:\n  - {source: site-a, sinks: [site-b], clients: [policy]}\n"
+    )
+    with pytest.raises(SystemExit) as exit_:  # argparse's usage error
+        cli.main([*command, "--reason", reason, "--topology", str(topo)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "reason is one line of text of at most 500 characters" in err, err
+    assert "\nsite-a: FAKE" not in err and len(err) < 1000, err  # said (escaped), never as a line of its own
+    with pytest.raises(ConfigurationError, match="reason is one line"):  # the DAGs' forms, through the engine
+        if command[0] == "full-sync":
+            full_sync.request_for_sessions([], lambda site: None, reason)
+        else:
+            failover.promote(failover.FailoverRequest("site-a", "site-b", reason=reason), lambda site: None)

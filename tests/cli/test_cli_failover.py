@@ -13,6 +13,7 @@ import yaml
 from airflow_provider_lr import cli
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import TransmitError
+from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables.definition import TableName
 from tests.cli.test_cli_sync import topology_file
@@ -105,6 +106,41 @@ def test_lr_failover_names_what_is_wrong(lr_sites, tmp_path, monkeypatch, capsys
     assert "unknown site 'site-q'; the topology knows site-a, site-b, site-c" in capsys.readouterr().err
     assert cli.main(["failover", "--topology", topo, "--promote", "site-c", "--from", "site-b"]) == 1
     assert "is not a sink of 'site-b'" in capsys.readouterr().err
+    # an --out that cannot be written: refused before anything is done (the failover ran, then the
+    # write failed with a traceback, and the summary was never printed)
+    applied = site_ids(lr_sites)
+    (tmp_path / "a-file").write_text("")
+    for out, why in ((tmp_path, "is a directory"), (tmp_path / "a-file" / "new.yaml", "is not a directory")):
+        assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out}" in err and why in err and "Traceback" not in err, err
+    assert site_ids(lr_sites) == applied
+
+
+def site_ids(sites) -> list:
+    return [s.query("SELECT topology_config_id FROM lr.topology") for s in sites]
+
+
+def test_a_failover_topology_written_over_a_planted_link_replaces_the_link_not_its_target(tmp_path):
+    """The file a failover writes has a name known in advance (``topology-<id>.yaml``, beside the file
+    an lr_failover task read): a symlink planted there made lr write through it, over any file the
+    link named. It is written to a new file and moved into place: the link is replaced, its target
+    untouched, and a reader never sees half a file."""
+    topo = topologies.from_document(
+        {
+            "sites": [{"id": "site-a"}, {"id": "site-b"}],
+            "replication": [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}],
+        }
+    )
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    link = tmp_path / f"topology-{topo.topology_config_id}.yaml"
+    link.symlink_to(victim)
+    assert topologies.write_document(topo, link) == link
+    assert victim.read_text() == "precious\n" and not link.is_symlink()
+    assert topologies.load(str(link)).topology_config_id == topo.topology_config_id
+    assert oct(link.stat().st_mode & 0o777) == oct(0o644)  # readable by the Airflow components, as before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
 
 
 @pytest.mark.parametrize("planned", ["--planned", "--no-planned"])

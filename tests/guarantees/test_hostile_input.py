@@ -77,6 +77,24 @@ def test_airflow_env_quotes_what_it_writes(tmp_path):
     assert json.loads(out.stdout)["extra"]["region"] == "eu'; echo pwned; '"
 
 
+def test_the_connections_file_keeps_what_a_user_added_and_is_private(tmp_path):
+    """lr tells a user to add a site's connection to ``$LR_HOME/connections.json`` (``unknown site
+    or connection ...``), a password with it; every ``lr sites up`` or ``down --remove`` rewrote the
+    file with the embedded sites alone (the user's entries gone) and readable by every local user.
+    Now the entries that are not embedded sites' stay, a removed site's go, and the file is 0600."""
+    from airflow_provider_lr.embedded.sites import EmbeddedSite
+
+    manager = SiteManager(tmp_path)
+    a, b = (EmbeddedSite(s, "r", 5432, str(tmp_path / s)) for s in ("site-a", "site-b"))
+    manager._save([a, b])
+    path = tmp_path / "connections.json"
+    added = {"conn_type": "postgres", "host": "db.example", "login": "app", "password": "S3cret!"}
+    path.write_text(json.dumps({**json.loads(path.read_text()), "my_remote": added}))
+    manager._save([a])  # site-b removed
+    assert json.loads(path.read_text()) == {"lr_site_a": a.airflow_conn(), "my_remote": added}
+    assert [oct(p.stat().st_mode & 0o777) for p in (path, tmp_path / "airflow.env")] == [oct(0o600)] * 2
+
+
 # --- CLI arguments -----------------------------------------------------------------------------
 @pytest.mark.parametrize("value", ["-3600", "nan", "inf", "1e308", "soon"])
 def test_trim_retention_must_be_a_sane_number_of_seconds(value, capsys):
@@ -146,6 +164,8 @@ def test_a_subscriber_or_client_made_with_what_cannot_mean_what_was_meant_is_ref
         ({"dsn": None}, "not a NoneType"),
         ({"client_name": 5}, "client_name is required"),
         ({"client_name": ""}, "client_name is required"),
+        # a name no topology can hold (it delivered nothing, silently, for ever)
+        *(({"client_name": name}, "cannot be a client") for name in ("policy\n", "pol icy", "x'; --", "p" * 64)),
         ({"sources": "site-a"}, "sources is a list of site ids, not one string"),
         ({"sources": [None]}, "sources must be site ids"),
         ({"batch_size": 0}, "batch_size must be a whole number of at least 1, not 0"),

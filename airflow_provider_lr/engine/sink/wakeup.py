@@ -24,6 +24,7 @@ from typing import Protocol
 import psycopg2
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.db.topology_schema import valid_client_name
 from airflow_provider_lr.engine.errors import (
     ConfigurationError,
     SchemaError,
@@ -100,6 +101,11 @@ class Demand:
         meant (a single site id given as ``sources`` would be read as its letters: nothing delivered)."""
         if not isinstance(client, str) or not client:
             raise ConfigurationError(f"client_name is required: the client whose queues to consume, not {client!r}")
+        if not valid_client_name(client):  # it delivered nothing, silently, for ever
+            raise ConfigurationError(
+                f"client_name {client!r} cannot be a client: a topology's client names are letters, digits, '_' "
+                "and '-' (at most 63 characters), so none of its queues could ever be found"
+            )
         return cls(client, None if sources is None else frozenset(require_site_ids("sources", sources)))
 
     def wants(self, client: str, source: str) -> bool:

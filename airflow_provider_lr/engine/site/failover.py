@@ -166,6 +166,7 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
     takes from ``from_site`` is not synced at ``to_site`` (its replication would stop) unless
     ``allow_table_divergence``."""
     from_site, to_site = request.from_site, request.to_site
+    full_sync.checked_reason(request.reason)  # recorded with its full syncs, late: refused before anything
     if topology is not None:
         topology.site(from_site), topology.site(to_site)  # an unknown site is refused before any connection
     conns: dict[str, psycopg2.extensions.connection] = {}

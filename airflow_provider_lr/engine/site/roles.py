@@ -127,8 +127,11 @@ def check_request(kind: str, role: str, clients: Sequence[str]) -> list[str]:
     """The clients of a grant or revoke, validated with the kind and the role name (clear errors)."""
     if kind not in KINDS:
         raise ConfigurationError(f"unknown role kind {kind!r}; one of {', '.join(KINDS)}")
-    if not role or "\x00" in role or len(role.encode()) > MAX_ROLE_NAME_BYTES:
-        raise ConfigurationError(f"invalid role name {role!r}: 1 to {MAX_ROLE_NAME_BYTES} bytes")
+    if not role or len(role.encode()) > MAX_ROLE_NAME_BYTES or any(c < " " or c == "\x7f" for c in role):
+        raise ConfigurationError(
+            f"invalid role name {role!r}: 1 to {MAX_ROLE_NAME_BYTES} bytes, no control characters (a newline "
+            "would break every line lr prints about the role)"
+        )
     unique = list(dict.fromkeys(clients))
     if kind == "replicator":
         if unique:

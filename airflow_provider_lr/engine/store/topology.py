@@ -26,7 +26,7 @@ from airflow_provider_lr.engine.db.timeouts import Timeouts
 from airflow_provider_lr.engine.db.topology_schema import Origin, read, validate
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, listing
 from airflow_provider_lr.engine.vocabulary import SessionKey, receive_queue_name
-from airflow_provider_lr.paths import include_dir, lr_home, write_whole
+from airflow_provider_lr.paths import include_dir, lr_home, write_replacing
 
 TOPOLOGY_ENV = "LR_TOPOLOGY"
 
@@ -296,11 +296,23 @@ def failover_files(topology_config_id: str, beside: str | Path | None = None) ->
 
 
 def write_document(topology: Topology, path: str | Path) -> Path:
-    """Write ``topology``'s document as a topology file (a failover's new one), making its directory;
-    whole or not at all (``write_whole``)."""
+    """Write ``topology``'s document as a topology file (a failover's new one), making its directory.
+    Its name is known in advance (``failover_files``): written to a new file and moved into place
+    (``write_replacing``), a link planted there is replaced, never written through. Mode 0644, as
+    before (a topology holds no password: the loader refuses one)."""
+    return write_replacing(path, yaml.safe_dump(topology.document, sort_keys=False))
+
+
+def unwritable(path: str | Path) -> str | None:
+    """Why ``write_document`` could not write ``path`` (it is a directory, or a file stands where a
+    directory of its path would be), or None: asked before a failover, which writes it last."""
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return write_whole(out, yaml.safe_dump(topology.document, sort_keys=False))
+    if out.is_dir():
+        return "it is a directory"
+    for parent in out.parents:
+        if parent.exists():
+            return None if parent.is_dir() else f"{parent} is not a directory"
+    return None
 
 
 def site_conninfo(topology: Topology, site_id: str) -> ConnInfo:

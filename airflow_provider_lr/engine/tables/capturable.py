@@ -64,3 +64,39 @@ def without_key(cur: psycopg2.extensions.cursor, table: TableName) -> str:
         else f"ALTER TABLE {table} ADD PRIMARY KEY (...)"
     )
     return f"table {table} has no primary key; lr applies changes by key, so it needs one ({how}), then open it again"
+
+
+def unread_held_keys(cur: psycopg2.extensions.cursor, table: TableName) -> str | None:
+    """Why the capture could not follow a key held twice in ``table``, or None. With a DEFERRABLE
+    primary key a key may be held by two rows between statements: the capture (``SECURITY
+    DEFINER``) then reads the table itself, as the lr schema's owner (V0038). An owner that may not
+    read it made every UPDATE and DELETE of the application fail (``permission denied``) once the
+    table was open; one its row-level security applies to would run the application's policies as
+    lr's owner, which the capture refuses (``row_security = off``, V0042): both are said at the open."""
+    cur.execute(
+        "SELECT pg_catalog.quote_ident(r.rolname), pg_catalog.has_table_privilege(r.oid, c.oid, 'SELECT'), "
+        "c.relrowsecurity AND NOT r.rolsuper AND NOT r.rolbypassrls "
+        "AND (c.relforcerowsecurity OR NOT pg_catalog.pg_has_role(r.oid, c.relowner, 'USAGE')) "
+        "FROM pg_catalog.pg_index i JOIN pg_catalog.pg_class c ON c.oid = i.indrelid "
+        "CROSS JOIN pg_catalog.pg_namespace n JOIN pg_catalog.pg_roles r ON r.oid = n.nspowner "
+        "WHERE n.nspname = 'lr' AND i.indrelid = pg_catalog.to_regclass(%s) AND i.indisprimary AND NOT i.indimmediate",
+        (table.ident.as_string(cur),),
+    )
+    found = cur.fetchone()
+    if found is None:
+        return None
+    owner, readable, policed = found
+    why = (
+        None
+        if readable and not policed
+        else f"GRANT SELECT ON {table} TO {owner}"
+        if not readable
+        else f"its row-level security applies to {owner} (disable it, or make {owner} BYPASSRLS)"
+    )
+    if why is None:
+        return None
+    return (
+        f"its primary key is DEFERRABLE: a key two rows hold between statements is followed by reading the "
+        f"table as the lr schema's owner {owner}, which {'may not read it' if not readable else 'it would limit'}: "
+        f"{why}, or make the key NOT DEFERRABLE, then open it again"
+    )

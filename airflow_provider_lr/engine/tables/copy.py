@@ -176,6 +176,40 @@ def text_settings(source: psycopg2.extensions.cursor, sinks: Sequence[psycopg2.e
         yield
 
 
+# whether the row-level security of a table hides rows from the role reading it now: active for it,
+# and no permissive policy USING (true) for SELECT of the role's (or PUBLIC's) with no restrictive one
+_HIDDEN_ROWS = """
+WITH t AS (SELECT pg_catalog.to_regclass(%s) AS oid),
+mine AS (SELECT p.polpermissive, p.polqual, p.polrelid FROM pg_catalog.pg_policy p, t
+         WHERE p.polrelid OPERATOR(pg_catalog.=) t.oid AND p.polcmd OPERATOR(pg_catalog.=) ANY ('{r,*}')
+           AND (0::pg_catalog.oid OPERATOR(pg_catalog.=) ANY (p.polroles)
+                OR EXISTS (SELECT FROM pg_catalog.unnest(p.polroles) r
+                           WHERE pg_catalog.pg_has_role(current_user, r, 'USAGE'))))
+SELECT pg_catalog.row_security_active(t.oid) AND NOT (
+           EXISTS (SELECT FROM mine p WHERE p.polpermissive
+                   AND pg_catalog.pg_get_expr(p.polqual, p.polrelid) OPERATOR(pg_catalog.=) 'true')
+           AND NOT EXISTS (SELECT FROM mine p WHERE NOT p.polpermissive)),
+       pg_catalog.quote_ident(current_user)
+FROM t WHERE t.oid IS NOT NULL
+"""
+
+
+def hidden_rows(cur: psycopg2.extensions.cursor, definition: TableDefinition) -> str | None:
+    """Why a snapshot read of the table as this connection's role would miss rows (its row-level
+    security applies to the role, and no policy lets it read every row), or None. PostgreSQL filters
+    such a read silently: a snapshot copied none of the rows and said the table was synced."""
+    cur.execute(_HIDDEN_ROWS, (definition.table.ident.as_string(cur),))
+    found = cur.fetchone()
+    if not found or not found[0]:
+        return None
+    table, role = definition.table, found[1]
+    return (
+        f"table {table}'s row-level security applies to {role}, which reads its snapshot: the sinks would get "
+        f"only the rows its policies show {role}; let it read every row (CREATE POLICY lr_snapshot ON {table} "
+        f"FOR SELECT TO {role} USING (true)), then the next cycle goes on"
+    )
+
+
 def select_statement(
     definition: TableDefinition, where: sql.Composable | None = None, text: bool = False
 ) -> sql.Composed:

@@ -19,7 +19,7 @@ import psycopg2
 import psycopg2.extensions
 from psycopg2 import sql
 
-from airflow_provider_lr.engine.errors import FencedError, StaleBatchError
+from airflow_provider_lr.engine.errors import FencedError, StaleBatchError, TableError
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.store import sink_sessions
 from airflow_provider_lr.engine.tables import copy as table_copy
@@ -70,6 +70,9 @@ def copy_to_targets(
     through a temporary table and an upsert that keeps the origin ledger; by binary COPY, or by
     text where binary carries a column wrong (``copy.by_text``). Returns the bytes read and the
     rows written at each target."""
+    hidden = table_copy.hidden_rows(source, definition)
+    if hidden:
+        raise TableError(hidden)
     text = table_copy.by_text(source, definition)
     sinks, staged = [], []
     for cur, target in targets:

@@ -27,7 +27,12 @@ from psycopg2 import sql
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.errors import TableError
 from airflow_provider_lr.engine.source import closed_tables, moved
-from airflow_provider_lr.engine.tables.capturable import not_capturable, without_binary_copy, without_key
+from airflow_provider_lr.engine.tables.capturable import (
+    not_capturable,
+    unread_held_keys,
+    without_binary_copy,
+    without_key,
+)
 from airflow_provider_lr.engine.tables.definition import TableName, read_definition
 
 _TRIGGERS = {  # operation -> its transition tables (statement-level triggers see all rows at once)
@@ -235,6 +240,9 @@ def federate(
         raise TableError(f"table {table} cannot be federated: {why}")
     if not definition.key:
         raise TableError(without_key(cur, table))
+    why = unread_held_keys(cur, table)
+    if why:
+        raise TableError(f"table {table} cannot be federated: {why}")
     generated = [k for k in definition.key if k not in definition.column_names]  # the shape leaves them out
     if generated:
         raise TableError(

@@ -29,11 +29,12 @@ from airflow_provider_lr import cli
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.db.conninfo import ConnInfo
-from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeout, SchemaError
+from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeout, SchemaError, TableError
 from airflow_provider_lr.engine.sink import receive
 from airflow_provider_lr.engine.site import roles, status, topology
 from airflow_provider_lr.engine.source import full_sync, trim
 from airflow_provider_lr.engine.store import topology as topologies
+from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.proto import lr_pb2
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 from tests.support.session import Streaming, apply, queue, replicator, wait_for
@@ -72,7 +73,8 @@ class Roles:
                 for role in self.made:
                     cur.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,))
                     if cur.fetchone():
-                        cur.execute(psycopg2.sql.SQL("DROP OWNED BY {}").format(psycopg2.sql.Identifier(role)))
+                        # CASCADE: what depends on the role's objects without an owner of its own (a cast)
+                        cur.execute(psycopg2.sql.SQL("DROP OWNED BY {} CASCADE").format(psycopg2.sql.Identifier(role)))
                         cur.execute(psycopg2.sql.SQL("DROP ROLE {}").format(psycopg2.sql.Identifier(role)))
             conn.close()
 
@@ -427,7 +429,51 @@ def test_a_group_role_holds_the_grant_for_its_members(lr_sites, made):
     assert source.query("SELECT count(*) FROM lr.log_commits") == [(1,)]
 
 
-# --- consumer -------------------------------------------------------------------------------
+# a function that makes its caller's login a superuser when it runs as one (quietly when not)
+_ESCALATE = """CREATE FUNCTION app.{name}({arg}) RETURNS text LANGUAGE plpgsql AS $$
+BEGIN
+    BEGIN
+        EXECUTE pg_catalog.format('ALTER ROLE %I SUPERUSER', session_user);
+    EXCEPTION WHEN insufficient_privilege THEN NULL;
+    END;
+    RETURN 'forged';
+END $$"""
+
+
+def test_an_application_owning_a_federated_table_cannot_run_its_casts_as_lrs_owner(lr_sites, made):
+    """The capture trigger runs as lr's owner (SECURITY DEFINER: it writes the log). It carried a
+    composite, array or json-castable column as its text through a cast, and the role that owns the
+    table owns its column types and may make its own cast from them to text: the cast ran as lr's
+    owner (a superuser on embedded sites), and one INSERT made the application's role a superuser.
+    The capture now prints such a column with its type's output function, which no role but a
+    superuser defines: the values travel as the types print them, the casts are not called."""
+    apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["alpha"]}])
+    source = lr_sites[0]
+    app = made.name("app")
+    source.query(f'CREATE ROLE "{app}" LOGIN')
+    source.query(f'CREATE SCHEMA app AUTHORIZATION "{app}"')
+    conn = connect_as(source, app)
+    with conn.cursor() as cur:
+        cur.execute("CREATE TABLE app.t (id int PRIMARY KEY, v text)")
+    conn.commit()
+    federate(source, "app.t", "alpha")
+    with conn.cursor() as cur:  # the application's own types, casts and columns, after the open
+        cur.execute("CREATE TYPE app.pair AS (x int); CREATE TYPE app.mood AS ENUM ('calm')")
+        for name, arg in (("pair_text", "app.pair"), ("pairs_text", "app.pair[]"), ("mood_text", "app.mood")):
+            cur.execute(_ESCALATE.format(name=name, arg=arg))
+            cur.execute(f"CREATE CAST ({arg} AS text) WITH FUNCTION app.{name}({arg})")
+        cur.execute("CREATE FUNCTION app.mood_json(app.mood) RETURNS json LANGUAGE sql AS $$ SELECT '1'::json $$")
+        cur.execute("CREATE CAST (app.mood AS json) WITH FUNCTION app.mood_json(app.mood)")  # carried as text
+        cur.execute("ALTER TABLE app.t ADD COLUMN p app.pair, ADD COLUMN ps app.pair[], ADD COLUMN m app.mood")
+        cur.execute("INSERT INTO app.t VALUES (1, 'a', ROW(1), ARRAY[ROW(2)::app.pair], 'calm')")
+    conn.commit()
+    conn.close()
+    assert source.query("SELECT rolsuper FROM pg_roles WHERE rolname = %s", (app,)) == [(False,)]
+    (message,) = source.query("SELECT convert_from(message, 'UTF8')::jsonb FROM lr.log_entries WHERE stream = 3")[0]
+    assert message["rows"] == [{"id": 1, "v": "a", "p": "(1)", "ps": "{(2)}", "m": "calm"}], message
+
+
+# --- consumer ---------------------------------------------------------------------
 def replicate(world, **settings) -> None:
     run_until_idle(
         replicator(
@@ -596,6 +642,24 @@ def test_replicator_runs_cycles_full_syncs_status_and_trim(world):
                 cur.execute("UPDATE lr.topology SET topology_config_id = 'x'")
         finally:
             conn.close()
+    # a federated table whose row-level security applies to the replicator: PostgreSQL filtered its
+    # snapshot read silently (the sinks got none of its rows, said synced); the session now fails
+    # naming the policy to add, and goes on once it is there
+    for site in world.sites:
+        site.query("CREATE TABLE guarded (id int PRIMARY KEY)")
+        site.query(f'GRANT SELECT, INSERT, UPDATE, DELETE ON guarded TO "{world.replicator}"')
+    source.query("INSERT INTO guarded SELECT generate_series(1, 5); ALTER TABLE guarded ENABLE ROW LEVEL SECURITY")
+    federate(source, "public.guarded", "alpha")
+    repl = replicator(world.topo, sites_as(world.sites, world.replicator), providers={c: provider(c) for c in CLIENTS})
+    try:
+        reports = repl.run(max_cycles=3, until_idle=True, interval=0.01)
+    finally:
+        repl.close()
+    assert any("row-level security applies to" in (r.error or "") for r in reports), reports
+    assert sink.query("SELECT count(*) FROM guarded") == [(0,)]
+    source.query(f'CREATE POLICY lr_snapshot ON guarded FOR SELECT TO "{world.replicator}" USING (true)')
+    replicate(world)
+    assert [s.query("SELECT count(*) FROM guarded") for s in world.sites[1:]] == [[(5,)], [(5,)]]
 
 
 def test_replicator_role_streams(world):
@@ -701,6 +765,40 @@ def test_an_owner_without_create_on_the_database_installs_into_its_schema(sites,
     wconn.close()
     assert site.query("SELECT count(*) FROM lr.log_commits") == [(1,)]
     assert site.query("SELECT has_database_privilege(%s, current_database(), 'CREATE')", (owner,)) == [(False,)]
+    # the application's table with a DEFERRABLE key: for a key two rows hold between statements the
+    # capture reads it as lr's owner; an owner that may not read it made every UPDATE and DELETE of
+    # the application fail once the table was open (it opened, with TRIGGER only)
+    site.query(f'CREATE SCHEMA app AUTHORIZATION "{writer}"')
+    wconn = connect_as(site, writer)
+    wconn.autocommit = True
+    with wconn.cursor() as cur:
+        cur.execute("CREATE TABLE app.d (id int PRIMARY KEY DEFERRABLE INITIALLY DEFERRED, v text)")
+        cur.execute(f'GRANT USAGE ON SCHEMA app TO "{owner}"; GRANT TRIGGER ON app.d TO "{owner}"')
+        cur.execute("INSERT INTO app.d VALUES (1, 'a'), (2, 'b')")
+    conn = connect_as(site, owner)
+    with pytest.raises(TableError, match=f"DEFERRABLE.*GRANT SELECT ON app.d TO {owner}"):
+        registry.open_table(conn, "app.d", "alpha", True)
+    with wconn.cursor() as cur:
+        cur.execute(f'GRANT SELECT ON app.d TO "{owner}"')
+    registry.open_table(conn, "app.d", "alpha", True)
+    with wconn.cursor() as cur:  # key 1 held by two rows between the statements
+        cur.execute("BEGIN; UPDATE app.d SET id = 3 WHERE id = 1; UPDATE app.d SET id = 1 WHERE id = 2; COMMIT")
+    # row-level security enabled after the open would run the application's policy as lr's owner:
+    # the capture refuses to read under it (the write fails), and the open says so
+    with wconn.cursor() as cur:
+        cur.execute("CREATE TABLE app.seen (who text); GRANT INSERT ON app.seen TO PUBLIC")
+        cur.execute(
+            "CREATE FUNCTION app.watch() RETURNS boolean LANGUAGE plpgsql AS "
+            "$$ BEGIN INSERT INTO app.seen VALUES (current_user); RETURN true; END $$"
+        )
+        cur.execute("ALTER TABLE app.d ENABLE ROW LEVEL SECURITY; CREATE POLICY p ON app.d USING (app.watch())")
+        with pytest.raises(psycopg2.Error, match="row-level security"):
+            cur.execute("UPDATE app.d SET v = 'c' WHERE id = 3")
+    assert site.query("SELECT who FROM app.seen") == []
+    with pytest.raises(TableError, match=f"row-level security applies to {owner}"):
+        registry.open_table(conn, "app.d", "alpha", True)
+    conn.close()
+    wconn.close()
 
 
 # --- lr roles -------------------------------------------------------------------------------
@@ -880,6 +978,14 @@ def test_lr_roles_list_reads_the_sites_it_reaches(lr_sites, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith(": no roles granted") and "UNREACHABLE (cannot connect to site" in out[1]
     assert len(out) == 2  # the error on one line
+
+
+@pytest.mark.parametrize("name", ["a\nsite-b: replicator granted to evil", "tab\there", "nul\x00", "", "r" * 64])
+def test_a_role_name_that_cannot_be_said_on_one_line_is_refused(name):
+    """A role name with a newline was granted, and ``lr roles grant`` and ``list`` printed it as two
+    lines (one that reads like another grant). Control characters are refused with the rest."""
+    with pytest.raises(ConfigurationError, match="invalid role name"):
+        roles.check_request("consumer", name, ["alpha"])
 
 
 def test_roles_need_the_v6_schema(sites):
