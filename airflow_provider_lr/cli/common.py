@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 import psycopg2
 
+from airflow_provider_lr.engine import vocabulary
 from airflow_provider_lr.engine.db import conninfo, reach
 from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.errors import LRError, listing, one_line, without_statement
 from airflow_provider_lr.engine.site import topology
-from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.store import topology as topologies
 
 if TYPE_CHECKING:
@@ -160,9 +160,9 @@ def nonnegative_seconds(text: str) -> float:
 
 
 def reason_text(text: str) -> str:
-    """A full sync's ``--reason`` (``full_sync.checked_reason``): a usage error (exit 2) otherwise."""
+    """A full sync's ``--reason`` (``vocabulary.checked_reason``): a usage error (exit 2) otherwise."""
     try:
-        return full_sync.checked_reason(text)
+        return vocabulary.checked_reason(text)
     except LRError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

@@ -16,6 +16,7 @@ from enum import Enum
 
 from google.protobuf.message import DecodeError
 
+from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.proto import lr_pb2
 
 # --- streams of the shared log (lr.log_entries.stream; V0008 CHECK (stream IN (1, 2, 3))) -------
@@ -209,3 +210,31 @@ def strip_destinations(message: bytes) -> tuple[int, bytes]:
     except IndexError:
         return rewrite_for_sink(message)
     return kind, message[pos:]
+
+
+MAX_REASON_CHARS = 500
+
+
+def checked_reason(reason: object) -> str:
+    """A full sync's reason as it is recorded and shown (``lr status``, one line per request): one
+    line of text of at most ``MAX_REASON_CHARS``. Refused otherwise (before anything is asked): a
+    newline made ``lr status`` print a line of its own that read like another site's, 100 kB one
+    line of 100 kB; the CLI, the DAGs' forms and a failover's reason all come here."""
+    if isinstance(reason, str) and len(reason) <= MAX_REASON_CHARS and not any(c < " " or c == "\x7f" for c in reason):
+        return reason
+    shown = (
+        f"{reason[:40]!r}... ({len(reason)} characters)"
+        if isinstance(reason, str) and len(reason) > 40
+        else repr(reason)
+    )
+    raise ConfigurationError(
+        f"a full sync's reason is one line of text of at most {MAX_REASON_CHARS} characters "
+        f"(no newline or other control character), not {shown}"
+    )
+
+
+def flattened_reason(reason: str) -> str:
+    """A reason lr composes around another (a failover's, from an earlier request's): not refused
+    mid-way, but kept on one line, and short."""
+    reason = " ".join("".join(" " if c < " " or c == "\x7f" else c for c in reason).split())
+    return reason if len(reason) <= 2 * MAX_REASON_CHARS else reason[: 2 * MAX_REASON_CHARS - 3] + "..."

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import psycopg2
 import psycopg2.extensions
 
+from airflow_provider_lr.engine import vocabulary
 from airflow_provider_lr.engine.db.topology_schema import Origin
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, SiteUnreachableError
 from airflow_provider_lr.engine.faults import fault_point
@@ -166,7 +167,7 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
     takes from ``from_site`` is not synced at ``to_site`` (its replication would stop) unless
     ``allow_table_divergence``."""
     from_site, to_site = request.from_site, request.to_site
-    full_sync.checked_reason(request.reason)  # recorded with its full syncs, late: refused before anything
+    vocabulary.checked_reason(request.reason)  # recorded with its full syncs, late: refused before anything
     if topology is not None:
         topology.site(from_site), topology.site(to_site)  # an unknown site is refused before any connection
     conns: dict[str, psycopg2.extensions.connection] = {}

@@ -26,7 +26,7 @@ import psycopg2
 import psycopg2.errors
 import psycopg2.extensions
 
-from airflow_provider_lr.engine import progress
+from airflow_provider_lr.engine import progress, vocabulary
 from airflow_provider_lr.engine.db import conninfo
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, FullSyncError, one_line
 from airflow_provider_lr.engine.faults import fault_point
@@ -80,27 +80,6 @@ def _request(row: tuple) -> FullSyncRequest:
     return FullSyncRequest(*values)
 
 
-MAX_REASON_CHARS = 500
-
-
-def checked_reason(reason: object) -> str:
-    """A full sync's reason as it is recorded and shown (``lr status``, one line per request): one
-    line of text of at most ``MAX_REASON_CHARS``. Refused otherwise (before anything is asked): a
-    newline made ``lr status`` print a line of its own that read like another site's, 100 kB one
-    line of 100 kB; the CLI, the DAGs' forms and a failover's reason all come here."""
-    if isinstance(reason, str) and len(reason) <= MAX_REASON_CHARS and not any(c < " " or c == "\x7f" for c in reason):
-        return reason
-    shown = (
-        f"{reason[:40]!r}... ({len(reason)} characters)"
-        if isinstance(reason, str) and len(reason) > 40
-        else repr(reason)
-    )
-    raise ConfigurationError(
-        f"a full sync's reason is one line of text of at most {MAX_REASON_CHARS} characters "
-        f"(no newline or other control character), not {shown}"
-    )
-
-
 def request_full_sync(
     conn: psycopg2.extensions.connection,
     sink: str,
@@ -117,10 +96,7 @@ def request_full_sync(
     An open request whose supply is running now (the supply's transaction holds its row, for as
     long as the provider takes: minutes for a large one) is not waited for: the next look at the
     session's open request cancels it (``open_request``)."""
-    # what lr composes around a reason (a failover's, from an earlier request's) is not refused
-    # mid-way: kept on one line, and short
-    reason = " ".join("".join(" " if c < " " or c == "\x7f" else c for c in reason).split())
-    reason = reason if len(reason) <= 2 * MAX_REASON_CHARS else reason[: 2 * MAX_REASON_CHARS - 3] + "..."
+    reason = vocabulary.flattened_reason(reason)
     try:
         with conn.cursor() as cur:
             if lease is not None and not source_sessions.lock_held(cur, sink, client, lease):
@@ -214,7 +190,7 @@ def request_for_sessions(
     source, a client or every session at once), one connection per source. None is requested
     until every sink holds the changes its client's closed tables had before their close
     (``closed_tables.wait_for_closes``: a full sync would pass them)."""
-    checked_reason(reason)
+    vocabulary.checked_reason(reason)
     sources = sorted({k.source for k in keys})
     conns: dict[str, psycopg2.extensions.connection] = {}
     try:
