@@ -68,6 +68,11 @@ class TableError(LRError):
     """A federated table cannot be opened or replicated as asked (no primary key, not found)."""
 
 
+class ApplyError(TableError):
+    """The sink refused a batch of table changes (a constraint, trigger or privilege of the sink's
+    table the source does not have): nothing of the batch was applied; the session retries it."""
+
+
 class SchemaMismatchError(TableError):
     """A federated table differs between source and sink (a missing column, another type or key):
     the session stops before writing anything of it and ``lr status`` says why."""

@@ -29,7 +29,7 @@ import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
 
-from airflow_provider_lr.engine.errors import SchemaMismatchError, TableError, one_line
+from airflow_provider_lr.engine.errors import ApplyError, SchemaMismatchError, one_line
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogRecord
 from airflow_provider_lr.engine.tables.clearing import clearing, clearing_together
 from airflow_provider_lr.engine.tables.create import create_table
@@ -48,6 +48,7 @@ from airflow_provider_lr.engine.tables.targets import (
     Target,
     TargetLookup,
     always_columns,
+    guarded_by,
     origin,
     types_at_snapshot,
 )
@@ -165,18 +166,15 @@ def prepare(
             "stream_tags) VALUES (%s, 'table', true, %s, %s, %s, ARRAY[%s])",
             (str(table), client, source, list(sink_def.key), f"lrq_table_{client}"),
         )
-    always = always_columns(cur, table)
-    return Target(sink_def, source, *origin(cur, table, source), left_out=left_out, always=always)
+    target = Target(sink_def, source, *origin(cur, table, source), left_out, always=always_columns(cur, table))
+    target.guarded_by = guarded_by(cur, table)
+    target.refuse_guarded(where)
+    return target
 
 
 def clear(cur: psycopg2.extensions.cursor, target: Target) -> None:
     """Remove the rows that came from ``target.source`` (before its snapshot, and on its TRUNCATE)."""
     cur.execute(clearing(target))
-
-
-class ApplyError(TableError):
-    """The sink refused a batch of table changes (a constraint, trigger or privilege of the sink's
-    table the source does not have): nothing of the batch was applied; the session retries it."""
 
 
 @dataclass
@@ -293,6 +291,7 @@ class ChangeApplier:
                 f"{self._where()}: the source's table {target.table} changed: {'; '.join(changed)}. Nothing of the "
                 "batch was applied; give the sink's column the source's type (ALTER TABLE ... ALTER COLUMN ... TYPE)"
             )
+        target.refuse_guarded(self._where())
         if target.narrowed and not entry.get("types"):  # (a change of the source's type: checked above)
             target.refuse_narrowed(carried if op == "u" else key_columns, self._where())
         absent = tuple(c for c in d.column_names if c not in carried)

@@ -56,10 +56,23 @@ class Target:
     # the sink's columns narrowed since its snapshot (``definition.narrowed``), each with how: their
     # changes are refused (the sink would round or cut them)
     narrowed: tuple[tuple[str, str], ...] = ()
+    guarded_by: str = ""  # lr's role at the sink, when the table's row-level security applies to it
 
     @property
     def table(self) -> TableName:
         return self.definition.table
+
+    def refuse_guarded(self, where: str) -> None:
+        """Refuse to write the table while its row-level security applies to lr's role: its policies
+        would hide rows from lr's updates and deletes (the snapshot's clearing too), which PostgreSQL
+        then skips without an error: the sink kept rows the source deleted, and said it was synced."""
+        if self.guarded_by:
+            raise SchemaMismatchError(
+                f"{where}: the row-level security of the sink's table {self.table} applies to {self.guarded_by}, "
+                "the role lr applies it as: its policies could hide rows from lr's updates and deletes, which "
+                f"would be skipped silently. Nothing was applied; exempt the role (ALTER ROLE {self.guarded_by} "
+                "BYPASSRLS) or disable the table's row-level security"
+            )
 
     def refuse_narrowed(self, columns: Iterable[str], where: str) -> None:
         """Refuse a change of ``columns`` when one of them was narrowed at the sink since its snapshot:
@@ -96,6 +109,9 @@ _ORIGIN = (
     "AND state IN ('syncing', 'synced')) OR EXISTS (SELECT 1 FROM lr.table_row_origin WHERE table_name = {t})"
 )
 
+
+# lr's role (quoted) when the row-level security of table oid {oid} applies to it, else ''
+_GUARDED = "CASE WHEN pg_catalog.row_security_active({oid}) THEN pg_catalog.quote_ident(current_user) ELSE '' END"
 
 # The sink's non-key ``GENERATED ALWAYS`` identity columns of table oid {oid}, in column order (NULL: none)
 _ALWAYS = (
@@ -134,6 +150,12 @@ def types_at_snapshot(cur: psycopg2.extensions.cursor, table: TableName) -> dict
     return {} if sink_def is None else {"column_types": Json({c.name: c.type for c in sink_def.columns})}
 
 
+def guarded_by(cur: psycopg2.extensions.cursor, table: TableName) -> str:
+    """lr's role here when ``table``'s row-level security applies to it (``Target.refuse_guarded``), else ''."""
+    cur.execute(f"SELECT {_GUARDED.format(oid='pg_catalog.to_regclass(%s)')}", (table.ident.as_string(cur),))
+    return cur.fetchone()[0]
+
+
 def target_of(cur: psycopg2.extensions.cursor, source: str, table: TableName, where: Callable[[], str]) -> Target:
     """The target of a table this sink already takes from ``source`` (nothing created)."""
     sink_def = read_definition(cur, table)
@@ -157,7 +179,7 @@ Found = Target | Gone | None  # None: not synced here (a conflict's changes are 
 
 # For each of the session's tables %(tids)s (source table ids) that it has in lr.sink_tables: its name,
 # state, oid (NULL: no such table), shape, whether its primary key is deferrable, its non-key
-# GENERATED ALWAYS identity columns, and origin. Only the tables asked for are read (``LIMIT 1``:
+# GENERATED ALWAYS identity columns, origin, types at the snapshot and row-level guard. Only the tables asked for are read (``LIMIT 1``:
 # a table id twice, one of them, as before).
 _TARGETS = (
     "SELECT st.tid, st.table_name, st.state, t.oid, "
@@ -166,8 +188,9 @@ _TARGETS = (
     + _ALWAYS.format(oid="t.oid")
     + ", "
     + _ORIGIN.format(t="st.table_name", s="%(source)s")
-    + ", st.types"
-    " FROM pg_catalog.unnest(%(tids)s::int[]) w(tid) "
+    + ", st.types, "
+    + _GUARDED.format(oid="t.oid")
+    + " FROM pg_catalog.unnest(%(tids)s::int[]) w(tid) "
     # the types as the snapshot was taken (V0040; read so that a sink older than it reads none)
     "CROSS JOIN LATERAL (SELECT w.tid, s.table_name, s.state, pg_catalog.to_jsonb(s) -> 'column_types' AS types "
     "FROM lr.sink_tables s WHERE s.source_site_id = %(source)s "
@@ -193,9 +216,9 @@ CHECK_SQL = (
 # ~0.03 ms each more). Its generic plan is the one to run (``GENERIC``: PostgreSQL would otherwise
 # plan it anew each time, expecting a plan for the actual tables to be cheaper). The name is
 # versioned, so a connection that holds an older lr's statement is not confused by it.
-LOOKUP = Prepared("lr_sink_targets_v5", LOOKUP_SQL, {"tids": "int4[]", "source": "text", "client": "text"})
+LOOKUP = Prepared("lr_sink_targets_v6", LOOKUP_SQL, {"tids": "int4[]", "source": "text", "client": "text"})
 CHECK = Prepared(
-    "lr_sink_targets_check_v4", CHECK_SQL, {"tids": "int4[]", "source": "text", "client": "text", "expected": "text[]"}
+    "lr_sink_targets_check_v5", CHECK_SQL, {"tids": "int4[]", "source": "text", "client": "text", "expected": "text[]"}
 )
 GENERIC = "set_config('plan_cache_mode', 'force_generic_plan', true)"  # for the transaction
 
@@ -280,7 +303,7 @@ class TargetLookup:
 
     def _found(self, tids: Iterable[int], rows: list[tuple]) -> None:
         read: dict[int, tuple[Found, str]] = {}
-        for _site, tid, name, state, oid, columns, key, deferrable, always, primary, others, types, text in rows:
+        for _site, tid, name, state, oid, columns, key, deferrable, always, primary, others, types, guard, text in rows:
             if tid is None:  # the site id's row
                 continue
             table = TableName.parse(name)
@@ -291,7 +314,13 @@ class TargetLookup:
             else:
                 target = Target(shape(table, columns, key), self.source, *_primary_shared(primary, others))
                 narrow = tuple(narrowed(types or {}, target.definition).items())
-                target = replace(target, deferrable_key=bool(deferrable), always=tuple(always or ()), narrowed=narrow)
+                target = replace(
+                    target,
+                    deferrable_key=bool(deferrable),
+                    always=tuple(always or ()),
+                    narrowed=narrow,
+                    guarded_by=guard,
+                )
                 read[tid] = (target, text)
         last = self.kept.last.setdefault((self.source, self.client), {})
         if len(last) >= KEPT_STATEMENTS:

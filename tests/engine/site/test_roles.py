@@ -660,6 +660,26 @@ def test_replicator_runs_cycles_full_syncs_status_and_trim(world):
     source.query(f'CREATE POLICY lr_snapshot ON guarded FOR SELECT TO "{world.replicator}" USING (true)')
     replicate(world)
     assert [s.query("SELECT count(*) FROM guarded") for s in world.sites[1:]] == [[(5,)], [(5,)]]
+    # at a sink, row-level security that hides rows from the replicator's deletes: PostgreSQL skipped
+    # them silently (the sink kept rows the source deleted, said synced); the batch is refused now
+    sink.query(
+        "ALTER TABLE guarded ENABLE ROW LEVEL SECURITY; "
+        + "; ".join(
+            f'CREATE POLICY lr_{c} ON guarded FOR {c} TO "{world.replicator}" USING (true)'
+            for c in ("SELECT", "UPDATE")
+        )
+        + f'; CREATE POLICY lr_insert ON guarded FOR INSERT TO "{world.replicator}" WITH CHECK (true)'
+    )
+    source.query("DELETE FROM guarded WHERE id <= 2")
+    repl = replicator(world.topo, sites_as(world.sites, world.replicator), providers={c: provider(c) for c in CLIENTS})
+    try:
+        reports = repl.run(max_cycles=3, until_idle=True, interval=0.01)
+    finally:
+        repl.close()
+    assert any("row-level security of the sink's table public.guarded" in (r.error or "") for r in reports), reports
+    sink.query("ALTER TABLE guarded DISABLE ROW LEVEL SECURITY")
+    replicate(world)
+    assert [s.query("SELECT id FROM guarded ORDER BY id") for s in world.sites[1:]] == [[(3,), (4,), (5,)]] * 2
 
 
 def test_replicator_role_streams(world):

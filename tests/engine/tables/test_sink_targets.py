@@ -10,12 +10,12 @@ import json
 import psycopg2.errors
 import pytest
 
-from airflow_provider_lr.engine.errors import SchemaMismatchError
+from airflow_provider_lr.engine.errors import ApplyError, SchemaMismatchError
 from airflow_provider_lr.engine.sink import stream_batch, writes
 from airflow_provider_lr.engine.source.log_reader import LogBatch, LogRecord
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables.definition import TableName
-from airflow_provider_lr.engine.tables.sink import ApplyError, TableState
+from airflow_provider_lr.engine.tables.sink import TableState
 from airflow_provider_lr.engine.tables.targets import Gone, target_of
 from tests.support.session import apply, replicator
 from tests.support.tables import create_accounts, federate, rows, sync
