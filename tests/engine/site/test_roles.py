@@ -482,6 +482,15 @@ def replicate(world, **settings) -> None:
     )
 
 
+def cycles_failing(world) -> list:
+    """A few cycles as the replicator, some sessions failing: their reports."""
+    repl = replicator(world.topo, sites_as(world.sites, world.replicator), providers={c: provider(c) for c in CLIENTS})
+    try:
+        return repl.run(max_cycles=3, until_idle=True, interval=0.01)
+    finally:
+        repl.close()
+
+
 def transmit_both(world, n: int = 3, start: int = 0) -> None:
     for client in CLIENTS:
         conn = connect_as(world.source, world.writer[client])
@@ -650,11 +659,7 @@ def test_replicator_runs_cycles_full_syncs_status_and_trim(world):
         site.query(f'GRANT SELECT, INSERT, UPDATE, DELETE ON guarded TO "{world.replicator}"')
     source.query("INSERT INTO guarded SELECT generate_series(1, 5); ALTER TABLE guarded ENABLE ROW LEVEL SECURITY")
     federate(source, "public.guarded", "alpha")
-    repl = replicator(world.topo, sites_as(world.sites, world.replicator), providers={c: provider(c) for c in CLIENTS})
-    try:
-        reports = repl.run(max_cycles=3, until_idle=True, interval=0.01)
-    finally:
-        repl.close()
+    reports = cycles_failing(world)
     assert any("row-level security applies to" in (r.error or "") for r in reports), reports
     assert sink.query("SELECT count(*) FROM guarded") == [(0,)]
     source.query(f'CREATE POLICY lr_snapshot ON guarded FOR SELECT TO "{world.replicator}" USING (true)')
@@ -671,11 +676,7 @@ def test_replicator_runs_cycles_full_syncs_status_and_trim(world):
         + f'; CREATE POLICY lr_insert ON guarded FOR INSERT TO "{world.replicator}" WITH CHECK (true)'
     )
     source.query("DELETE FROM guarded WHERE id <= 2")
-    repl = replicator(world.topo, sites_as(world.sites, world.replicator), providers={c: provider(c) for c in CLIENTS})
-    try:
-        reports = repl.run(max_cycles=3, until_idle=True, interval=0.01)
-    finally:
-        repl.close()
+    reports = cycles_failing(world)
     assert any("row-level security of the sink's table public.guarded" in (r.error or "") for r in reports), reports
     sink.query("ALTER TABLE guarded DISABLE ROW LEVEL SECURITY")
     replicate(world)
