@@ -205,7 +205,7 @@ def test_a_sink_that_is_down_fails_the_run_after_the_other_session_delivered(
     failed = xcom(run, "session.report", 1)
     assert failed["session"] == "site-a->site-c/policy" and "cannot connect to site 'site-c'" in failed["last_error"]
     # the metrics, through Airflow's own StatsD client: per session, tagged names and session-named ones
-    time.sleep(0.5)
+    statsd_packets.settled()
     assert metric(statsd_packets, "lr.session.site-a.site-c.policy.errors") == [1.0]
     assert metric(statsd_packets, "lr.session.site-a.site-b.policy.snapshot_messages")[0] > 0
     assert metric(statsd_packets, "lr.session.site-a.site-b.policy.lag_entries")[-1] == 0.0
@@ -279,7 +279,7 @@ def test_a_large_backlog_goes_through_a_fan_out_and_the_sessions_find_nothing_le
     assert xcom(run, "session.log_entry_sync", 0)["delivered"] == 0  # the fan-out left nothing behind
     for sink in airflow_sites.sites[1:]:
         assert [p for k, p in queue(sink, "site-a") if k == "log"] == [f"k{i}={i}" for i in range(15)]
-    time.sleep(0.5)
+    statsd_packets.settled()
     for sink in ("site-b", "site-c"):  # what the fan-out delivered, per session
         assert metric(statsd_packets, f"lr.session.site-a.{sink}.policy.delivered") == [15.0]
     assert got[("check", -1)] == "success" and str(run.state) == "success"

@@ -17,7 +17,7 @@ from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables.definition import TableName
 from tests.cli.test_cli_sync import topology_file
-from tests.support.session import App, sink_queue, topology_doc
+from tests.support.session import App, sink_queue, topology_doc, wait_for
 from tests.support.tables import create_accounts, federate, rows
 
 SYNC = ["--until-idle", "--cycles", "10", "--interval", "0.01"]
@@ -432,9 +432,19 @@ def test_a_table_opened_at_the_old_source_while_a_switchover_runs_is_refused_not
     with opening.cursor() as cur:
         cur.execute("SELECT 1 FROM lr.clients WHERE client_name = 'policy' FOR SHARE")
         registry.federate(cur, TableName.parse("public.accounts"), "policy", None)
-    threading.Timer(0.5, opening.commit).start()  # commits while the switchover runs
+    waiting = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+
+    def commit_once_the_drain_waits() -> None:
+        """The open commits while the switchover's drain waits for it: a timer of 0.5 s fired before
+        a loaded machine's switchover had checked site-a's tables (the check, not the drain, refused)."""
+        wait_for(lambda: site_a.query(waiting)[0][0] > 0, 30, "the switchover's drain to wait for the open")
+        opening.commit()
+
+    committer = threading.Thread(target=commit_once_the_drain_waits)
+    committer.start()
     capsys.readouterr()
     assert cli.main(["failover", "--topology", topo, "--promote", "site-b"]) == 1
+    committer.join()
     opening.close()
     err = capsys.readouterr().err
     assert "policy: public.accounts (never synced there; captured at site-a)" in err and "nothing was done" in err, err

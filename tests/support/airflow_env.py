@@ -116,10 +116,34 @@ def xcom(dag_run: Any, task_id: str, map_index: int = -1) -> Any:
     return ti.xcom_pull(task_ids=task_id, map_indexes=map_index)
 
 
+class Received(list[str]):
+    """The metric lines received (``name:value|type``); ``settled()`` returns once every line sent
+    before it is in: a marker sent last to the same socket is read after them."""
+
+    MARKER = "lr.test.settled:1|c"
+
+    def __init__(self, address: tuple[str, int]) -> None:
+        super().__init__()
+        self.address = address
+
+    def settled(self, timeout: float = 30.0) -> None:
+        import socket
+        import time
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as marker:
+            marker.sendto(self.MARKER.encode(), self.address)
+        deadline = time.monotonic() + timeout
+        while self.MARKER not in self:
+            assert time.monotonic() < deadline, f"the StatsD lines sent did not arrive within {timeout} s"
+            time.sleep(0.01)
+        self.remove(self.MARKER)
+
+
 @pytest.fixture
-def statsd_packets(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+def statsd_packets(monkeypatch: pytest.MonkeyPatch) -> Iterator[Received]:
     """Airflow's metrics switched to StatsD on a loopback UDP port for this test; yields the list
-    the received metric lines are appended to (``name:value|type``)."""
+    the received metric lines are appended to (``name:value|type``): read it after ``settled()``
+    (a fixed sleep raced the receiving thread)."""
     import socket
     import threading
 
@@ -135,7 +159,7 @@ def statsd_packets(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     monkeypatch.setenv("AIRFLOW__METRICS__STATSD_PREFIX", "airflow")
     # what the task runner does at start (dag.test runs tasks in this process, without it)
     stats.initialize(factory=stats_utils.get_stats_factory(), export_legacy_names=True)
-    received: list[str] = []
+    received = Received(sock.getsockname())
     stop = threading.Event()
 
     def receive() -> None:

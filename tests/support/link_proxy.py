@@ -11,7 +11,9 @@ accepts connections and never forwards a byte: a host that hangs rather than ref
 forwarding for good, in both directions, without closing (their bytes are still read, so TCP
 acknowledges them: only a deadline above TCP notices), and new connections hang as with
 ``stalled``; ``heal()`` lets new connections through again (the stalled ones stay dead, as a
-path's do after a partition); ``reset()`` closes them too."""
+path's do after a partition); ``reset()`` closes them too. ``stall_answers()`` stalls only the way
+back on the connections open now: what a client sends still reaches the server, its answers never
+come (a call's answer lost, certainly: a timer's stall could come after the answer)."""
 
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class LinkProxy:
         self.bytes = 0  # forwarded, both directions
         self.accepted = 0  # connections accepted (a connect tried through the link)
         self._generation = 0  # connections accepted before a stall() belong to an older generation
+        self._answers_upto = 0  # connections numbered up to this one no longer forward the server's bytes
         self._closed = threading.Event()
         self._sockets: list[socket.socket] = []
         threading.Thread(target=self._accept, name="link-proxy", daemon=True).start()
@@ -53,6 +56,10 @@ class LinkProxy:
         """Stop forwarding on every open connection and hang new ones (see the module docstring)."""
         self._generation += 1
         self.stalled = True
+
+    def stall_answers(self) -> None:
+        """Stop forwarding the servers' bytes on every open connection; the clients' still go through."""
+        self._answers_upto = self.accepted
 
     def heal(self) -> None:
         """Forward new connections again; the ones stalled stay silent."""
@@ -99,10 +106,12 @@ class LinkProxy:
             for s in (client, server):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._pipe(client, server, self._generation)
-            self._pipe(server, client, self._generation)
+            self._pipe(server, client, self._generation, answers_of=self.accepted)
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, generation: int) -> None:
-        """Read from ``src`` at once; deliver each chunk to ``dst`` after the delay, at the rate."""
+    def _pipe(self, src: socket.socket, dst: socket.socket, generation: int, answers_of: int = 0) -> None:
+        """Read from ``src`` at once; deliver each chunk to ``dst`` after the delay, at the rate
+        (``answers_of``: the number of the connection whose server's bytes these are, which
+        ``stall_answers`` may hold back)."""
         queue: collections.deque[tuple[float, bytes]] = collections.deque()
         ready = threading.Condition()
 
@@ -125,7 +134,7 @@ class LinkProxy:
                     while not queue:
                         ready.wait()
                     due, data = queue.popleft()
-                if generation != self._generation:
+                if generation != self._generation or answers_of and answers_of <= self._answers_upto:
                     return  # stalled: nothing more goes through, not even the close (half-open)
                 wait = due - time.monotonic()
                 if wait > 0:

@@ -124,6 +124,14 @@ def test_sessions_of_a_sink_whose_connection_was_lost_mid_round_say_what_lost_it
     conn.close()
 
 
+def _checks(sent: list[tuple[int, str]], port: int) -> int:
+    """The stream's checks among the ``sent`` statements: each asks the source (at ``port``) for
+    the open full-sync requests once."""
+    return sum(
+        p == port and "SELECT DISTINCT sink_site_id, client_name FROM lr.full_sync_requests" in q for p, q in sent
+    )
+
+
 class _TracedCursor(psycopg2.extensions.cursor):
     """Records each statement with the port of the server it went to."""
 
@@ -153,22 +161,27 @@ def test_an_idle_stream_of_many_clients_checks_their_federated_tables_in_one_rea
         federate(source, table, client)
     connect = psycopg2.connect
     monkeypatch.setattr(psycopg2, "connect", lambda dsn, **kw: connect(dsn, cursor_factory=_TracedCursor, **kw))
-    repl = replicator(topo, lr_sites, providers={c: empty_provider for c in clients}, lease_seconds=2.0)
+    # the default lease: one of 2 s ran out between a loaded machine's checks, the cycles took the
+    # sessions back (a new epoch) and their handshakes' reads of the sinks' tables fell in the window
+    repl = replicator(topo, lr_sites, providers={c: empty_provider for c in clients})
+    port = source.server.port
     with Streaming(repl, FAST) as streaming:
-        streaming.streaming()
-        time.sleep(0.5)  # the sessions' joins done
-        for _ in range(5):  # a window without a cycle (a session's join, or its return after a hand-back)
-            before = (len(streaming.cycles), len(streaming.streamer.ends))
+        streaming.streaming(timeout=60)
+        stream = streaming.streamer.sources["site-a"]
+        for _ in range(5):  # a window in which every session streams, joined: no handshake, no cycle carries one
+            wait_for(lambda: len(stream.members) == 2 * len(clients), 30, "every session's join (its handshake)")
+            ends = len(streaming.streamer.ends)
             _TracedCursor.sent.clear()
-            time.sleep(1.0)  # about five checks (FAST: every 0.2 s)
+            # three checks (FAST: every 0.2 s, however long a loaded machine makes them)
+            wait_for(lambda: _checks(list(_TracedCursor.sent), port) >= 3, 30, "three checks of the stream")
             sent = list(_TracedCursor.sent)
-            if (len(streaming.cycles), len(streaming.streamer.ends)) == before:
+            if len(streaming.streamer.ends) == ends:
                 break
         else:
-            raise AssertionError(f"no second without a cycle: {streaming.cycles[-5:]}, {streaming.streamer.ends}")
+            raise AssertionError(f"no window without a hand-back: {streaming.cycles[-5:]}, {streaming.streamer.ends}")
     on = {site.site_id: [q for port, q in sent if port == site.server.port] for site in lr_sites}
-    checks = sum("SELECT DISTINCT sink_site_id, client_name FROM lr.full_sync_requests" in q for q in on["site-a"])
-    assert checks >= 3, f"the stream checked {checks} times in a second (every 0.2 s expected)"
+    checks = _checks(sent, port)
+    assert checks >= 3, checks
     reads = {site: sum("FROM lr.registry" in q or "FROM lr.sink_tables" in q for q in qs) for site, qs in on.items()}
     assert reads["site-a"] <= checks + 1, f"{reads['site-a']} reads of the source's registry in {checks} checks"
     for sink in ("site-b", "site-c"):  # the sink's tables and its registry: two statements, one round trip
@@ -200,21 +213,27 @@ def test_commits_made_while_the_stream_checks_its_sessions_are_read_between_the_
     monkeypatch.setattr(source_stream, "session_backlogs", backlogs_then_a_commit)
     connect = psycopg2.connect
     monkeypatch.setattr(psycopg2, "connect", lambda dsn, **kw: connect(dsn, cursor_factory=_TracedCursor, **kw))
-    repl = replicator(topo, lr_sites, providers={"policy": empty_provider}, lease_seconds=2.0)
+    repl = replicator(topo, lr_sites, providers={"policy": empty_provider})  # the default lease: none runs out
+
+    def between() -> list[int]:
+        """For each check traced so far, the routed reads between its backlog count and its next step."""
+        sent = [q for port, q in list(_TracedCursor.sent) if port == source.server.port]
+        steps = [n for n, q in enumerate(sent) if "s.acked_position, p.n, p.highest" in q]  # the backlog count
+        reads = []
+        for start in steps:
+            end = next((n for n, q in enumerate(sent[start:], start) if "FROM lr.full_sync_requests" in q), None)
+            if end is not None:
+                reads.append(sum("lr_routed_read" in q for q in sent[start:end]))
+        return reads
+
     with Streaming(repl, FAST) as streaming:
         streaming.streaming()
         _TracedCursor.sent.clear()
-        time.sleep(1.0)  # about five checks (FAST: every 0.2 s)
-        sent = [q for port, q in list(_TracedCursor.sent) if port == source.server.port]
+        # three checks (FAST: every 0.2 s, however long a loaded machine makes them)
+        wait_for(lambda: len(between()) >= 3, 30, "three checks of the stream")
+        found = between()
     writer.close()
-    steps = [n for n, q in enumerate(sent) if "s.acked_position, p.n, p.highest" in q]  # the backlog count
-    between = []
-    for start in steps:
-        end = next((n for n, q in enumerate(sent[start:], start) if "FROM lr.full_sync_requests" in q), None)
-        if end is not None:
-            between.append(sum("lr_routed_read" in q for q in sent[start:end]))
-    assert len(between) >= 3, f"{len(between)} checks in 1 s"
-    assert all(between), f"routed reads between each check's backlog count and its next step: {between}"
+    assert all(found), f"routed reads between each check's backlog count and its next step: {found}"
 
 
 def test_a_session_fenced_by_the_replicator_it_moved_to_before_its_leave_is_seen_ends_as_reassigned(
