@@ -48,8 +48,21 @@ def _transmit(conn, payload: str) -> None:
     conn.commit()
 
 
-def _wal_writer(site) -> int:
-    return site.query("SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'")[0][0]
+def _stall_wal_flushers(site) -> list[int]:
+    """Stop (SIGSTOP) the processes that flush ``site``'s WAL on their own: its WAL writer, and its
+    background writer and checkpointer (a dirty page is written only once the WAL up to it is
+    flushed). Its asynchronous commits then stay unflushed until a backend flushes (a synchronous
+    commit). Their pids, to continue."""
+    pids = [
+        pid
+        for (pid,) in site.query(
+            "SELECT pid FROM pg_stat_activity WHERE backend_type IN ('walwriter', 'background writer', 'checkpointer')"
+        )
+    ]
+    assert len(pids) == 3, pids
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    return pids
 
 
 def _crash(site_manager, site) -> None:
@@ -70,16 +83,15 @@ def _crash(site_manager, site) -> None:
 
 
 @contextlib.contextmanager
-def _wal_writer_stalled(site) -> Iterator[int]:
-    """``site``'s WAL writer stopped (SIGSTOP): its asynchronous commits stay unwritten and
-    unflushed until something else flushes; continued on the way out (if it still runs)."""
-    pid = _wal_writer(site)
-    os.kill(pid, signal.SIGSTOP)
+def _wal_flushers_stalled(site) -> Iterator[None]:
+    """``_stall_wal_flushers``, continued on the way out (those still running)."""
+    pids = _stall_wal_flushers(site)
     try:
-        yield pid
+        yield
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 def test_a_streamed_entry_is_acknowledged_only_once_the_sinks_wal_flush_passed_its_commit(lr_sites):
@@ -92,7 +104,7 @@ def test_a_streamed_entry_is_acknowledged_only_once_the_sinks_wal_flush_passed_i
     # a checkpoint flushes the WAL the test keeps unflushed (a 1 s window: then the test failed, "flushed
     # early"); one now puts the next timed one (every checkpoint_timeout, 5 min) past the test
     sink.query("CHECKPOINT")
-    with Streaming(repl, FAST) as streaming, _wal_writer_stalled(sink):
+    with Streaming(repl, FAST) as streaming, _wal_flushers_stalled(sink):
         streaming.streaming()
         for i in range(20):
             _transmit(writer, f"entry {i}")
@@ -135,7 +147,7 @@ def test_sink_server_killed_after_async_commits_before_their_flush_loses_nothing
         writing = threading.Thread(target=write)
         writing.start()
         wait_for(lambda: len(sink_queue(sink, "policy")) > 200, 15, "entries streaming")
-        os.kill(_wal_writer(sink), signal.SIGSTOP)  # from here the stream's commits on the sink stay in its WAL buffers
+        _stall_wal_flushers(sink)  # from here the stream's commits on the sink stay in its WAL buffers
         wait_for(lambda: len(sink_queue(sink, "policy")) > 400, 15, "entries committed, not flushed")
         time.sleep(0.3)  # ack rounds pass
         applied = _processed(sink)  # read last: any synchronous commit on the sink before it flushed the WAL
@@ -177,9 +189,7 @@ def test_an_asynchronous_commit_the_stream_delivered_survives_the_sources_crash(
         for i in range(5):
             _transmit(writer, f"entry {i}")
         wait_for(lambda: len(sink_queue(sink, "policy")) == 5, 10, "the first entries at the sink")
-        os.kill(
-            _wal_writer(source), signal.SIGSTOP
-        )  # from here the source's asynchronous commits stay in its WAL buffers
+        _stall_wal_flushers(source)  # from here the source's asynchronous commits stay in its WAL buffers
         for i in range(5, 10):
             _transmit(writer, f"entry {i}")
         wait_for(lambda: len(sink_queue(sink, "policy")) == 10, 10, "the entries committed after the stall")
@@ -210,7 +220,7 @@ def test_a_cycles_batch_is_acknowledged_only_once_durable_on_a_sink_that_commits
     repl.run(max_cycles=20, until_idle=True, interval=0.05)  # first contact
     writer = source.connect()
     sink.query("CHECKPOINT")  # everything so far on the sink's disk
-    with _wal_writer_stalled(sink):
+    with _wal_flushers_stalled(sink):
         for i in range(5):
             _transmit(writer, f"entry {i}")
         repl.run(max_cycles=20, until_idle=True, interval=0.05)
