@@ -165,12 +165,12 @@ class Subscription(DeliveryContext):
 
     def fail(self, exc: BaseException) -> None:
         """End this subscription with ``exc`` (kept in ``error``, raised by ``join``)."""
-        if self.error is None:
-            self.error = exc
+        if self.error is None:  # said before it is set: whoever sees ``error`` finds the log line written
             if isinstance(exc, LRError):  # lr's own, with its fix: one line, no traceback
                 log.error("subscription %s (%s) stopped: %s", self.id, self._demand, one_line(exc))
             else:
                 log.exception("subscription %s (%s) stopped", self.id, self._demand)
+            self.error = exc
         self._stop.set()
         self._event.set()
 
@@ -310,11 +310,11 @@ class Relay:
 
     def _fail(self, exc: BaseException) -> None:
         """The tap cannot go on: end the relay and every subscription with ``exc``."""
-        self.error = exc
         if isinstance(exc, LRError):
             log.error("relay stopped: its LISTEN connection failed: %s", one_line(exc))
         else:
             log.exception("relay stopped: its tap failed")
+        self.error = exc  # (after the log line, as ``Subscription.fail``)
         self._closing.set()
         for sub in self.subscriptions:
             sub.fail(exc)
