@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -121,6 +122,7 @@ def handshake(
         found = drift(topology, held) and drift(reread(topology), held)
         if found is not None:
             return Handshake(key, Verdict.REFUSED, found.message())
+    leased_at = time.monotonic()  # a sink transaction begun before this is a writer the lease fences
     lease = leases.acquire(source, key.sink, key.client, owner, lease_seconds)
     on_lease(lease)
     if lease is None:
@@ -133,7 +135,7 @@ def handshake(
         )
     fault_point("after_lease")
     try:
-        meta = writes.fence(sink, key.source, key.client, lease.epoch)
+        meta = writes.fence(sink, key.source, key.client, lease.epoch, leased_at)
     except FencedError as exc:
         if exc.sink_epoch is None:
             raise
@@ -147,7 +149,7 @@ def handshake(
         )
         lease = leases.advance_epoch(source, lease, exc.sink_epoch)
         on_lease(lease)
-        meta = writes.fence(sink, key.source, key.client, lease.epoch)
+        meta = writes.fence(sink, key.source, key.client, lease.epoch, leased_at)
     fault_point("after_fence")
     negotiation, acked = _negotiate(source, key, lease, owner, meta)
     if negotiation.decision is Decision.LOG_ENTRY_SYNC and acked < 0:

@@ -12,6 +12,7 @@ writes only what is new); snapshot messages through the source entry id they end
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -21,7 +22,7 @@ import psycopg2.errors
 import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
-from airflow_provider_lr.engine.errors import StaleBatchError
+from airflow_provider_lr.engine.errors import StaleBatchError, error_line
 from airflow_provider_lr.engine.sink.queue_rows import Packer
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogBatch, LogRecord, LogStream
@@ -179,14 +180,67 @@ def flush(conn: psycopg2.extensions.connection, source: str, client: str, epoch:
         pass
 
 
-def fence(conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> SinkMetadata:
+def fence(
+    conn: psycopg2.extensions.connection, source: str, client: str, epoch: int, leased_at: float | None = None
+) -> SinkMetadata:
     """Raise the session's lease epoch on the sink to ``epoch`` and return the sink's metadata (with
     the sink site's topology id). A new lease holder calls this before it decides anything: from
     then on a replicator whose lease ran out mid-cycle can no longer write here, so the decision is
-    taken on metadata no stale writer can change behind it."""
+    taken on metadata no stale writer can change behind it. ``leased_at`` (``time.monotonic()``
+    before the lease was taken): a transaction that began before it and holds the session's row is
+    a fenced writer's, stopped mid-transaction (a hung or SIGSTOPped replicator: a COPY waiting for
+    its client is ended by no timeout, and held every next holder off for as long); it is ended
+    (``end_stale_writers``) and the fence tried again."""
+    try:
+        return _fence(conn, source, client, epoch)
+    except psycopg2.errors.LockNotAvailable:
+        if leased_at is None or not end_stale_writers(conn, source, client, leased_at):
+            raise
+    return _fence(conn, source, client, epoch)
+
+
+def _fence(conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> SinkMetadata:
     write = SinkTransaction(conn, source, client, epoch)
     with write as (cur, meta):
         return replace(meta, lease_epoch=epoch, site_topology_config_id=config_id(cur))
+
+
+def end_stale_writers(conn: psycopg2.extensions.connection, source: str, client: str, leased_at: float) -> bool:
+    """End the backends holding the session's row in a transaction begun before ``leased_at`` (so
+    before this holder's lease: a writer it fences); True if one was ended. One that cannot be ended
+    (another role's, without the privilege) is said, with the statement that ends it."""
+    with conn.cursor() as cur:
+        holders = sink_sessions.row_holders(cur, source, client)
+    conn.rollback()
+    held_for = time.monotonic() - leased_at  # measured after the read: a transaction begun since is younger
+    ended = False
+    for pid, age, state in holders:
+        if age <= held_for:
+            continue
+        what = f"backend {pid} ({state}, its transaction open {age:.0f}s, begun before this replicator's lease)"
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SELECT pg_catalog.pg_terminate_backend(%s, 5000)", (pid,))
+                done = cur.fetchone()[0]
+            conn.rollback()
+        except psycopg2.Error as exc:
+            conn.rollback()
+            log.warning(
+                "session %s->%s: the sink's %s holds the session locked and could not be ended (%s): end it "
+                "there with SELECT pg_terminate_backend(%s)",
+                source,
+                client,
+                what,
+                error_line(exc),
+                pid,
+            )
+            continue
+        if done:
+            log.warning(
+                "session %s->%s: ended the sink's %s: a writer whose lease was taken over", source, client, what
+            )
+            ended = True
+    return ended
 
 
 def forget_tables(conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> None:

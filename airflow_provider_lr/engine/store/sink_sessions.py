@@ -283,6 +283,19 @@ def still_transferring(cur: psycopg2.extensions.cursor, source: str, client: str
     return bool(row and row[0])
 
 
+def row_holders(cur: psycopg2.extensions.cursor, source: str, client: str) -> list[tuple[int, float, str]]:
+    """(pid, seconds its transaction has been open, state) of the other backend whose transaction
+    holds the session's row locked (its lock is the row's ``xmax``; a row share-locked by several
+    transactions at once names none of them); read without waiting for the lock."""
+    cur.execute(
+        "SELECT a.pid, pg_catalog.date_part('epoch', pg_catalog.clock_timestamp() - a.xact_start), a.state "
+        "FROM lr.sink_sessions s JOIN pg_catalog.pg_stat_activity a ON a.backend_xid = s.xmax "
+        "WHERE s.source_site_id = %s AND s.client_name = %s AND a.pid <> pg_catalog.pg_backend_pid()",
+        (source, client),
+    )
+    return [(pid, float(age), state) for pid, age, state in cur.fetchall()]
+
+
 # --- failover -------------------------------------------------------------------------------------
 def fence_failed_over(
     cur: psycopg2.extensions.cursor, source: str, to_site: str, failover_id: str, clients: list[str]
