@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -122,7 +121,6 @@ def handshake(
         found = drift(topology, held) and drift(reread(topology), held)
         if found is not None:
             return Handshake(key, Verdict.REFUSED, found.message())
-    leased_at = time.monotonic()  # a sink transaction begun before this is a writer the lease fences
     lease = leases.acquire(source, key.sink, key.client, owner, lease_seconds)
     on_lease(lease)
     if lease is None:
@@ -135,7 +133,7 @@ def handshake(
         )
     fault_point("after_lease")
     try:
-        meta = writes.fence(sink, key.source, key.client, lease.epoch, leased_at)
+        meta = writes.fence(sink, key.source, key.client, lease.epoch)
     except FencedError as exc:
         if exc.sink_epoch is None:
             raise
@@ -149,7 +147,7 @@ def handshake(
         )
         lease = leases.advance_epoch(source, lease, exc.sink_epoch)
         on_lease(lease)
-        meta = writes.fence(sink, key.source, key.client, lease.epoch, leased_at)
+        meta = writes.fence(sink, key.source, key.client, lease.epoch)
     fault_point("after_fence")
     negotiation, acked = _negotiate(source, key, lease, owner, meta)
     if negotiation.decision is Decision.LOG_ENTRY_SYNC and acked < 0:

@@ -12,7 +12,6 @@ writes only what is new); snapshot messages through the source entry id they end
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -180,21 +179,18 @@ def flush(conn: psycopg2.extensions.connection, source: str, client: str, epoch:
         pass
 
 
-def fence(
-    conn: psycopg2.extensions.connection, source: str, client: str, epoch: int, leased_at: float | None = None
-) -> SinkMetadata:
+def fence(conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> SinkMetadata:
     """Raise the session's lease epoch on the sink to ``epoch`` and return the sink's metadata (with
     the sink site's topology id). A new lease holder calls this before it decides anything: from
     then on a replicator whose lease ran out mid-cycle can no longer write here, so the decision is
-    taken on metadata no stale writer can change behind it. ``leased_at`` (``time.monotonic()``
-    before the lease was taken): a transaction that began before it and holds the session's row is
-    a fenced writer's, stopped mid-transaction (a hung or SIGSTOPped replicator: a COPY waiting for
-    its client is ended by no timeout, and held every next holder off for as long); it is ended
-    (``end_stale_writers``) and the fence tried again."""
+    taken on metadata no stale writer can change behind it. A fenced transaction of a lower epoch
+    that holds the session's row is a writer stopped inside it (a hung or SIGSTOPped replicator: a
+    COPY waiting for its client is ended by no timeout, and held every next holder off for as long):
+    it is ended (``end_stale_writers``) and the fence tried again."""
     try:
         return _fence(conn, source, client, epoch)
     except psycopg2.errors.LockNotAvailable:
-        if leased_at is None or not end_stale_writers(conn, source, client, leased_at):
+        if not end_stale_writers(conn, source, client, epoch):
             raise
     return _fence(conn, source, client, epoch)
 
@@ -205,19 +201,16 @@ def _fence(conn: psycopg2.extensions.connection, source: str, client: str, epoch
         return replace(meta, lease_epoch=epoch, site_topology_config_id=config_id(cur))
 
 
-def end_stale_writers(conn: psycopg2.extensions.connection, source: str, client: str, leased_at: float) -> bool:
-    """End the backends holding the session's row in a transaction begun before ``leased_at`` (so
-    before this holder's lease: a writer it fences); True if one was ended. One that cannot be ended
-    (another role's, without the privilege) is said, with the statement that ends it."""
+def end_stale_writers(conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> bool:
+    """End the backend whose fenced transaction of an epoch below ``epoch`` holds the session's row
+    (a writer this epoch fences); True if one was ended. One that cannot be ended (another role's,
+    without the privilege) is said, with the statement that ends it."""
     with conn.cursor() as cur:
-        holders = sink_sessions.row_holders(cur, source, client)
+        holders = sink_sessions.stale_writers(cur, source, client, epoch)
     conn.rollback()
-    held_for = time.monotonic() - leased_at  # measured after the read: a transaction begun since is younger
     ended = False
     for pid, age, state in holders:
-        if age <= held_for:
-            continue
-        what = f"backend {pid} ({state}, its transaction open {age:.0f}s, begun before this replicator's lease)"
+        what = f"backend {pid} ({state}, a fenced transaction of an older epoch open {age:.0f}s)"
         try:
             with conn.cursor() as cur:
                 cur.execute("SELECT pg_catalog.pg_terminate_backend(%s, 5000)", (pid,))

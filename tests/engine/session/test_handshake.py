@@ -92,8 +92,9 @@ def test_a_stopped_holders_sink_transaction_is_ended_by_the_next_holder_which_pr
     row at the sink locked: a table snapshot's COPY waiting for its client is ended by no timeout
     (``lr sync`` SIGSTOPped mid-snapshot held its successor off for as long as it was stopped,
     every retry failing on lock_timeout). Its lease ran out and the next holder took it: that
-    holder ends the older transaction (it began before the lease was taken, so it is a fenced
-    writer's) and fences the sink; the stopped one finds its connection gone."""
+    holder ends the fenced transaction of the older epoch and fences the sink; the stopped one
+    finds its connection gone. (Any other transaction holding the row is waited for:
+    ``test_hangs.py::test_a_sink_lock_held_elsewhere_…``.)"""
     source, sink, _ = lr_sites
     apply(lr_sites, ONE_SINK)
     first = handshake(source.connect(), sink.connect(), KEY, "one", lease_seconds=0.2)
