@@ -21,7 +21,7 @@ import psycopg2.errors
 import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
-from airflow_provider_lr.engine.errors import StaleBatchError
+from airflow_provider_lr.engine.errors import StaleBatchError, error_line
 from airflow_provider_lr.engine.sink.queue_rows import Packer
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogBatch, LogRecord, LogStream
@@ -183,10 +183,57 @@ def fence(conn: psycopg2.extensions.connection, source: str, client: str, epoch:
     """Raise the session's lease epoch on the sink to ``epoch`` and return the sink's metadata (with
     the sink site's topology id). A new lease holder calls this before it decides anything: from
     then on a replicator whose lease ran out mid-cycle can no longer write here, so the decision is
-    taken on metadata no stale writer can change behind it."""
+    taken on metadata no stale writer can change behind it. A fenced transaction of a lower epoch
+    that holds the session's row is a writer stopped inside it (a hung or SIGSTOPped replicator: a
+    COPY waiting for its client is ended by no timeout, and held every next holder off for as long):
+    it is ended (``end_stale_writers``) and the fence tried again."""
+    try:
+        return _fence(conn, source, client, epoch)
+    except psycopg2.errors.LockNotAvailable:
+        if not end_stale_writers(conn, source, client, epoch):
+            raise
+    return _fence(conn, source, client, epoch)
+
+
+def _fence(conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> SinkMetadata:
     write = SinkTransaction(conn, source, client, epoch)
     with write as (cur, meta):
         return replace(meta, lease_epoch=epoch, site_topology_config_id=config_id(cur))
+
+
+def end_stale_writers(conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> bool:
+    """End the backend whose fenced transaction of an epoch below ``epoch`` holds the session's row
+    (a writer this epoch fences); True if one was ended. One that cannot be ended (another role's,
+    without the privilege) is said, with the statement that ends it."""
+    with conn.cursor() as cur:
+        holders = sink_sessions.stale_writers(cur, source, client, epoch)
+    conn.rollback()
+    ended = False
+    for pid, age, state in holders:
+        what = f"backend {pid} ({state}, a fenced transaction of an older epoch open {age:.0f}s)"
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SELECT pg_catalog.pg_terminate_backend(%s, 5000)", (pid,))
+                done = cur.fetchone()[0]
+            conn.rollback()
+        except psycopg2.Error as exc:
+            conn.rollback()
+            log.warning(
+                "session %s->%s: the sink's %s holds the session locked and could not be ended (%s): end it "
+                "there with SELECT pg_terminate_backend(%s)",
+                source,
+                client,
+                what,
+                error_line(exc),
+                pid,
+            )
+            continue
+        if done:
+            log.warning(
+                "session %s->%s: ended the sink's %s: a writer whose lease was taken over", source, client, what
+            )
+            ended = True
+    return ended
 
 
 def forget_tables(

@@ -101,6 +101,7 @@ class Replicator:
         self._conns: dict[str, psycopg2.extensions.connection] = {}
         self._silent: dict[str, str] = {}  # sites that made this turn wait for nothing (``_conn``), and why
         self._used: dict[str, float] = {}  # site -> when a cycle last used its connection (monotonic)
+        self._made: dict[str, float] = {}  # site -> when its connection was made (monotonic)
         self._runners: dict[SessionKey, SessionRunner] = {}
         self._forgotten: set[str] = set()  # sources of runners dropped holding a lease (``_drop``)
         self.teed: dict[str, int] = {}  # str(SessionKey) -> entries the tee delivered, all cycles
@@ -207,6 +208,7 @@ class Replicator:
                 if "timeout expired" in str(exc):  # waited on a silent server, not one refused at once
                     self._silent[site] = one_line(exc)
                 raise
+            self._made[site] = time.monotonic()
         return conn
 
     def _runner(self, key: SessionKey) -> SessionRunner:
@@ -251,7 +253,7 @@ class Replicator:
             self._used[key.source] = self._used[key.sink] = time.monotonic()
             self._turn_ends = time.monotonic() + self.cycle_slice
             try:
-                report = self._runner(key).run_cycle()
+                report = self._cycle(key)
             except Exception as exc:  # one session's failure must not stop the others
                 report = CycleReport(str(key), error=failure(exc))
                 times = self.failures.due(str(key), report.error) if self.failures else None
@@ -265,6 +267,30 @@ class Replicator:
             report.delivered += teed.get(str(key), 0)
             reports.append(report)
         return reports
+
+    def _cycle(self, key: SessionKey) -> CycleReport:
+        """One cycle of ``key``. One that fails for the loss of a connection made before it (its
+        server restarted since: a connection kept between cycles is found dead only when used) runs
+        again at once on new ones; before, the session failed with the server back up, and was
+        backed off once more for it. A server still down fails the second one at its connect."""
+        began = time.monotonic()
+        try:
+            return self._runner(key).run_cycle()
+        except (psycopg2.OperationalError, psycopg2.InterfaceError) as exc:  # (a lock timeout is one too)
+            kept = [site for site in (key.source, key.sink) if self._made.get(site, began) < began and self._lost(site)]
+            if not kept:
+                raise
+            log.info(
+                "session %s: a connection kept from before was lost (%s); the cycle runs again", key, one_line(exc)
+            )
+            for site in kept:
+                self._drop(site)
+        return self._runner(key).run_cycle()
+
+    def _lost(self, site: str) -> bool:
+        """Whether the cycles' connection to ``site`` was lost (closed under it: not an error of a statement)."""
+        conn = self._conns.get(site)
+        return conn is None or bool(conn.closed)
 
     def lease_of(self, key: SessionKey) -> Lease | None:
         """The lease this replicator's last cycle of ``key`` holds, if any (a stream carries it on)."""
@@ -347,6 +373,7 @@ class Replicator:
 
     def _drop(self, site: str) -> None:
         conn = self._conns.pop(site, None)
+        self._made.pop(site, None)
         if conn is not None and not conn.closed:
             conn.close()
         for key in [k for k in self._runners if site in (k.source, k.sink)]:

@@ -42,6 +42,10 @@ COLUMNS = (
 )
 _SELECT = f"SELECT {', '.join(COLUMNS)} FROM lr.sink_sessions WHERE source_site_id = %s AND client_name = %s"
 _CREATE = "INSERT INTO lr.sink_sessions (source_site_id, client_name) VALUES (%s, %s) ON CONFLICT DO NOTHING"
+# A fenced transaction names its epoch as its backend's application_name (for the transaction
+# only): a writer stopped inside it (SIGSTOP, hung) holds the row, and the next epoch's holder,
+# finding it so, ends it (``stale_writers``); any other transaction holding the row is waited for.
+WRITER = "lr fenced writer, epoch "
 
 # An asynchronous commit (PostgreSQL's apply worker commits so) returns before its WAL is flushed:
 # whoever acknowledges what it wrote waits for the sink's flush position to pass it. The row lock
@@ -113,11 +117,12 @@ class FencedTransaction:
             self.cur.execute(
                 ("BEGIN; " if self.explicit else "")
                 + _COMMIT_MODE[self.synchronous]
+                + "SELECT pg_catalog.set_config('application_name', %s, true); "
                 + _CREATE
                 + "; "
                 + _SELECT
                 + " FOR UPDATE",  # one round trip: made if missing, locked, read
-                (self.source, self.client, self.source, self.client),
+                (f"{WRITER}{self.epoch}", self.source, self.client, self.source, self.client),
             )
             row = dict(zip(COLUMNS, self.cur.fetchone()))
             if row["failed_over_to"] is not None:
@@ -281,6 +286,22 @@ def still_transferring(cur: psycopg2.extensions.cursor, source: str, client: str
     )
     row = cur.fetchone()
     return bool(row and row[0])
+
+
+def stale_writers(
+    cur: psycopg2.extensions.cursor, source: str, client: str, epoch: int
+) -> list[tuple[int, float, str]]:
+    """(pid, seconds its transaction has been open, state) of the backend whose fenced transaction
+    of an epoch below ``epoch`` holds the session's row locked (its lock is the row's ``xmax``; its
+    ``application_name`` says the epoch: ``WRITER``); read without waiting for the lock."""
+    cur.execute(
+        "SELECT a.pid, pg_catalog.date_part('epoch', pg_catalog.clock_timestamp() - a.xact_start), a.state "
+        "FROM lr.sink_sessions s JOIN pg_catalog.pg_stat_activity a ON a.backend_xid = s.xmax "
+        "WHERE s.source_site_id = %s AND s.client_name = %s AND a.pid <> pg_catalog.pg_backend_pid() "
+        "AND a.application_name ~ %s AND pg_catalog.substr(a.application_name, %s)::bigint < %s",
+        (source, client, "^" + WRITER + "[0-9]+$", len(WRITER) + 1, epoch),
+    )
+    return [(pid, float(age), state) for pid, age, state in cur.fetchall()]
 
 
 # --- failover -------------------------------------------------------------------------------------

@@ -4,12 +4,16 @@ session, and moves its epoch past a higher one the sink has seen."""
 
 from __future__ import annotations
 
+import psycopg2
+import pytest
+
 from airflow_provider_lr.engine.session.handshake import Position, Verdict, applied, handshake, reconcile
 from airflow_provider_lr.engine.session.negotiation import Decision
 from airflow_provider_lr.engine.site.replicator import run_until_idle
 from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.store.sink_sessions import FencedTransaction
 from airflow_provider_lr.engine.vocabulary import RequestStatus, SessionKey, SessionState
-from tests.support.session import apply, empty_provider, replicator
+from tests.support.session import apply, empty_provider, replicator, wait_for
 
 ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
 KEY = SessionKey("site-a", "site-b", "policy")
@@ -81,6 +85,34 @@ def test_the_epoch_moves_past_a_higher_one_the_sink_has_seen(lr_sites):
     assert hs.proceeds and hs.lease.epoch == 42 and hs.position.epoch == 42
     assert [lease.epoch for lease in heard] == [heard[0].epoch, 42] and heard[0].epoch < 41
     assert sink.query(SINK_EPOCH) == [(42,)] and source.query(SOURCE_ROW)[0][:2] == (42, "one")
+
+
+def test_a_stopped_holders_sink_transaction_is_ended_by_the_next_holder_which_proceeds(lr_sites):
+    """A replicator stopped (SIGSTOP, a hung process) inside a sink transaction keeps the session's
+    row at the sink locked: a table snapshot's COPY waiting for its client is ended by no timeout
+    (``lr sync`` SIGSTOPped mid-snapshot held its successor off for as long as it was stopped,
+    every retry failing on lock_timeout). Its lease ran out and the next holder took it: that
+    holder ends the fenced transaction of the older epoch and fences the sink; the stopped one
+    finds its connection gone. (Any other transaction holding the row is waited for:
+    ``test_hangs.py::test_a_sink_lock_held_elsewhere_…``.)"""
+    source, sink, _ = lr_sites
+    apply(lr_sites, ONE_SINK)
+    first = handshake(source.connect(), sink.connect(), KEY, "one", lease_seconds=0.2)
+    stopped = sink.connect()
+    FencedTransaction(stopped, "site-a", "policy", first.lease.epoch).open()  # and the process stopped here
+    wait_for(
+        lambda: source.query("SELECT lease_expires_at < now() FROM lr.source_sessions WHERE sink_site_id = 'site-b'")[
+            0
+        ][0],
+        10,
+        "the first holder's lease to run out",
+    )
+    bounded = psycopg2.connect(sink.dsn, options="-c lock_timeout=300")  # lr's bound, shortened
+    second = handshake(source.connect(), bounded, KEY, "two")
+    assert second.proceeds and second.lease.epoch > first.lease.epoch
+    assert sink.query(SINK_EPOCH) == [(second.lease.epoch,)]
+    with pytest.raises(psycopg2.OperationalError):
+        stopped.cursor().execute("SELECT 1")  # continued, it writes nothing more
 
 
 def test_a_request_closed_already_is_not_reconciled_again(lr_sites):

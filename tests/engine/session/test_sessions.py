@@ -291,6 +291,33 @@ def test_a_replicator_whose_idle_connections_were_closed_still_releases_its_leas
     assert source.query(held) == [("site-b", None), ("site-c", None)]
 
 
+def test_a_cycle_after_its_sites_server_restarted_reconnects_rather_than_fails(lr_sites):
+    """The cycles keep one connection per site. A server restarted between two cycles (its backends
+    gone, as here) left it dead: the next cycle failed on it (``server closed the connection
+    unexpectedly``, ``connection already closed``) with the server up again, its error recorded as
+    the session's, and ``lr sync`` backed the session off once more for it (to 30 s after a
+    few seconds' restart). Now a cycle that fails on a connection made before it, for the
+    connection's loss, runs again at once on new ones."""
+    source, sink, _ = lr_sites
+    topo = apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
+    App(source).put("k", 1, ["site-b"])
+    repl = replicator(topo, lr_sites, providers={"policy": table_provider})
+    try:
+        repl.run(max_cycles=5, until_idle=True, interval=0.01)
+        for site in (source, sink):  # every backend of the site's database ends, as in a restart
+            site.query(
+                "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+        App(source).put("k", 2, ["site-b"])
+        (report,) = repl.run_cycle()
+        assert not report.error and report.delivered == 1, report
+    finally:
+        repl.close()
+    assert final_state(queue(sink, "site-a")) == source_state(source) == {"k": 2}
+    assert source.query("SELECT last_error FROM lr.source_sessions") == [(None,)]
+
+
 class ExtraSite:
     """One more site as another database on an existing server (a site is a database)."""
 
