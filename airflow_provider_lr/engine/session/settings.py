@@ -134,6 +134,9 @@ class StreamSettings:
     # renegotiated at once.
     retry_min: float = 1.0
     retry_max: float = 30.0
+    # ... and up to this when the failing cycles made nobody wait (refused at once: a server
+    # restarting, a lock timeout), so a site back from a restart is retried within it
+    retry_max_quick: float = 5.0
     # A stream's call to a sink that takes longer than this is cut (the sink stopped, or its link
     # half-open) and that sink's sessions are handed back to the cycles, whose calls have the
     # topology's longer bounds: the stream writes the source's other sinks in the same rounds, so

@@ -31,6 +31,8 @@ from airflow_provider_lr.engine.session.stream_member import REASSIGNED, STOPPED
 from airflow_provider_lr.engine.vocabulary import SessionKey, SessionState
 
 log = logging.getLogger(__name__)
+# a turn of cycles this short made nobody wait: its failures were refused at once (``_note``)
+QUICK_FAILURE_S = 1.0
 
 Connect = Callable[[str], psycopg2.extensions.connection]
 
@@ -122,11 +124,12 @@ class Streamer:
                 ready.sort(key=lambda k: k in self.backoff)
                 if ready and now >= due:
                     reports = self.cycles.run_cycle(ready)
+                    quick = time.monotonic() - now < QUICK_FAILURE_S  # no failure of it made it wait
                     self.counters.cycle(reports)
                     if on_cycle:
                         on_cycle(reports)
                     for key, report in zip(ready, reports):
-                        self._note(key, report)
+                        self._note(key, report, quick)
                         if streamable(report) and self.stream_backoff.get(key, (0, 0.0))[1] <= time.monotonic():
                             self._start(key, streams, halt, ended)
                     busy = any(not r.idle for r in reports)
@@ -167,19 +170,26 @@ class Streamer:
         self.sources.clear()
         return behind
 
-    def _note(self, key: SessionKey, report: CycleReport) -> None:
+    def _note(self, key: SessionKey, report: CycleReport, quick: bool = False) -> None:
         """Back a failing session off (``retry_min`` doubling to ``retry_max``): a site that is
-        down or a lock held elsewhere is not hammered, the other sessions go on."""
+        down or a lock held elsewhere is not hammered, the other sessions go on. A failure in a
+        cycle that made nobody wait (``quick``: a server refusing connections while it restarts)
+        backs off to ``retry_max_quick`` at most: the site is found back within it, where a session
+        backed off to ``retry_max`` (30 s) through an outage waited that long after it."""
         if not report.error:
             self.backoff.pop(key, None)
             return
-        pause = self._back_off(self.backoff, key)
+        pause = self._back_off(self.backoff, key, self.options.retry_max_quick if quick else None)
         log.info("session %s failed %d time(s) in a row; retried in %.1fs", key, self.backoff[key][0], pause)
 
-    def _back_off(self, failing: dict[SessionKey, tuple[int, float]], key: SessionKey) -> float:
-        """One more failure in a row of ``key``: its retry ``retry_min`` doubling to ``retry_max`` from now."""
+    def _back_off(
+        self, failing: dict[SessionKey, tuple[int, float]], key: SessionKey, most: float | None = None
+    ) -> float:
+        """One more failure in a row of ``key``: its retry ``retry_min`` doubling to ``retry_max``
+        (or ``most``, when lower) from now."""
         failures = failing.get(key, (0, 0.0))[0] + 1
-        pause = min(self.options.retry_max, self.options.retry_min * 2 ** (failures - 1))
+        most = self.options.retry_max if most is None else min(most, self.options.retry_max)
+        pause = min(most, self.options.retry_min * 2 ** (failures - 1))
         failing[key] = (failures, time.monotonic() + pause)
         return pause
 

@@ -11,7 +11,9 @@ from collections import Counter
 
 import pytest
 
+from airflow_provider_lr.engine.session.runner import CycleReport
 from airflow_provider_lr.engine.session.settings import StreamSettings
+from airflow_provider_lr.engine.session.stream import Streamer
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.support.session import (
@@ -223,3 +225,19 @@ def test_a_site_whose_schema_is_older_than_this_lr_is_not_streamed_the_cycles_ca
     assert len(ends) <= 3, f"the stream's start backs off: {len(ends)} attempts"
     assert not streaming.streamer.streaming
     app.close()
+
+
+def test_a_session_refused_at_once_is_retried_within_seconds_and_one_that_made_its_turn_wait_backs_off_further():
+    """Through a sink's restart its sessions fail again and again, each refused at once: backed off
+    to ``retry_max`` (30 s) they found the sink back up to 30 s late; they back off to
+    ``retry_max_quick`` (5 s) now. A turn that waited on a site (a silent one) still backs off to
+    ``retry_max``: its retries would hold the other sessions' cycles each time."""
+    options = StreamSettings()
+    streamer = Streamer(cycles=None, options=options)  # type: ignore[arg-type]  # (no cycle is run)
+    refused, silent = SessionKey.parse("site-a->site-b/policy"), SessionKey.parse("site-a->site-c/policy")
+    for _ in range(10):  # ten failures in a row: the pause has long reached its bound
+        streamer._note(refused, CycleReport(str(refused), error="connection refused"), quick=True)
+        streamer._note(silent, CycleReport(str(silent), error="timeout expired"), quick=False)
+    now = time.monotonic()
+    assert streamer.backoff[refused][1] - now <= options.retry_max_quick
+    assert streamer.backoff[silent][1] - now > options.retry_max - 1
