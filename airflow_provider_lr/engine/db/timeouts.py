@@ -23,8 +23,7 @@ connection, by what the connection is for (``Purpose``):
   its locks, is terminated on lr's next connection there (``orphans.py``).
 
 Every setting is a topology setting (``settings:``, docs/topology.md); a DSN (or an Airflow
-connection's extras) that sets one of the libpq parameters, or the same option in ``options``,
-wins over it.
+connection's extras) that sets a libpq parameter, or the same option in ``options``, wins over it.
 """
 
 from __future__ import annotations
@@ -161,7 +160,18 @@ class Clock:
         self.last: float | None = None
 
     def moved(self) -> None:
-        self.last = time.monotonic()
+        self.last = running()
+
+
+TICK_S = 0.25  # the deadline thread looks this often; a tick PAUSED_S late: the process itself did
+# not run (SIGSTOP, a suspended VM). Deadlines count only the time it ran (``running``): before, one
+# continued cut every call in flight, blaming its servers for answers waiting in its sockets.
+PAUSED_S, _paused = 1.0, 0.0  # (seconds the process did not run, as the deadline thread saw them)
+
+
+def running() -> float:
+    """The monotonic clock less the time this process did not run: what call deadlines count."""
+    return time.monotonic() - _paused
 
 
 class Deadlines:
@@ -189,7 +199,7 @@ class Deadlines:
             self._cut(conn, 0, earlier)
             return None
         token = (id(conn), threading.get_ident())
-        self._calls[token] = (time.monotonic() + seconds, conn)
+        self._calls[token] = (running() + seconds, conn)
         if self._thread is None:
             self._start()
         return token
@@ -209,7 +219,7 @@ class Deadlines:
         reach.remember(seconds is not None)
         if seconds is None:
             return
-        until = time.monotonic() + seconds
+        until = running() + seconds
         for token, (due, conn) in list(self._calls.items()):
             if due > until:
                 self._calls[token] = (until, conn)
@@ -240,7 +250,7 @@ class Deadlines:
         if seconds is None or reopen is None:
             return None
         token = (id(conn), threading.get_ident())
-        self._beats[token] = Beat(conn, conn.info.backend_pid, seconds, reopen, time.monotonic() + seconds)
+        self._beats[token] = Beat(conn, conn.info.backend_pid, seconds, reopen, running() + seconds)
         if self._thread is None:
             self._start()
         return token
@@ -255,7 +265,7 @@ class Deadlines:
         if self._beats.get(token) is not beat:
             return  # the call ended meanwhile
         if not lost:
-            beat.due, beat.probing = time.monotonic() + (1.0 if beat.finished else beat.seconds), False
+            beat.due, beat.probing = running() + (1.0 if beat.finished else beat.seconds), False
         elif self._beats.pop(token, None) is not None:
             self._cut(beat.conn, beat.seconds, lost)
 
@@ -266,9 +276,15 @@ class Deadlines:
                 self._thread.start()
 
     def _run(self) -> None:
+        global _paused
         while True:
-            time.sleep(0.25)
-            now = time.monotonic()
+            before = time.monotonic()
+            time.sleep(TICK_S)
+            lost = time.monotonic() - before - TICK_S
+            if lost >= PAUSED_S:  # this process did not run meanwhile: its calls' time did not pass
+                _paused += lost
+                log.info("lr did not run for %.1f s (stopped?): its calls' deadlines are moved on by as much", lost)
+            now = running()
             for token, (due, conn) in list(self._calls.items()):
                 earlier = reach.known(conn.server)  # another call to its server was cut meanwhile
                 if (now >= due or earlier is not None) and self._calls.get(token, (None,))[0] == due:
