@@ -33,6 +33,8 @@ from airflow_provider_lr.engine.vocabulary import SessionKey, SessionState
 log = logging.getLogger(__name__)
 # a turn of cycles this short made nobody wait: its failures were refused at once (``_note``)
 QUICK_FAILURE_S = 1.0
+# a stream's error of these types lost a connection to a site (cut, closed, unreachable)
+LINK_LOST = ("OperationalError", "InterfaceError", "SiteUnreachableError")
 
 Connect = Callable[[str], psycopg2.extensions.connection]
 
@@ -206,10 +208,11 @@ class Streamer:
         self.streaming.discard(key)
         self.counters.left(key)
         self.ends.append(end)
-        if end.error and end.reason != STOPPED:
+        if end.reason != STOPPED and any(f"{lost}:" in end.error for lost in LINK_LOST):
             # the cycles' own connections to its sites may be as dead as the stream's: a cycle on one
             # kept open waited its call deadline (145 s) on a frozen sink, every other session's
-            # cycle and hand-back behind it; connected anew, it waits the connect timeout at most
+            # cycle and hand-back behind it; connected anew, it waits the connect timeout at most.
+            # (Not for another error: a login refused to the stream leaves the cycles' working ones.)
             self.cycles.forget(key.sink)
             self.cycles.forget(key.source)
         if end.error and not end.delivered:  # it could not start: the cycles carry it meanwhile
