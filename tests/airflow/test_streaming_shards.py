@@ -120,6 +120,9 @@ def test_a_retried_shard_streams_what_is_left_of_its_runs_time():
     late = SimpleNamespace(start_date=datetime.now(timezone.utc) - timedelta(seconds=601))
     with pytest.raises(AirflowFailException, match="try 3 started after its run's 600 s.*the next run streams it"):
         op.seconds_to_stream({"ti": SimpleNamespace(try_number=3), "dag_run": late})
+    for years in (10**13, float("nan")):  # past ~292 years the end timer died: the task never ended
+        with pytest.raises(AirflowFailException, match="run_for must be between 1 and 604800 seconds"):
+            LRStreamOperator(task_id="stream", run_for=years, source="site-a").seconds_to_stream({})
 
 
 def test_the_dag_maps_its_stream_task_over_the_shards_task(dagbag):
