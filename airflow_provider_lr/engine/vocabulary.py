@@ -16,6 +16,7 @@ from enum import Enum
 
 from google.protobuf.message import DecodeError
 
+from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.proto import lr_pb2
 
 # --- streams of the shared log (lr.log_entries.stream; V0008 CHECK (stream IN (1, 2, 3))) -------
@@ -209,3 +210,13 @@ def strip_destinations(message: bytes) -> tuple[int, bytes]:
     except IndexError:
         return rewrite_for_sink(message)
     return kind, message[pos:]
+
+
+# --- what an operator writes into lr's records ------------------------------------------------
+def check_reason(reason: object, what: str = "reason") -> str:
+    """A reason an operator gave (a full sync's, a failover's), as a site can record it: text
+    without NUL (PostgreSQL text cannot hold one: psycopg2 failed deep in the engine, after a
+    request per session was recorded); refused, named, before anything is done."""
+    if not isinstance(reason, str) or "\x00" in reason:
+        raise ConfigurationError(f"{what} must be text without NUL (\\x00), not {reason!r:.80}")
+    return reason

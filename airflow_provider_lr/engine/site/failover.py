@@ -77,7 +77,13 @@ from airflow_provider_lr.engine.store import topology as topology_model
 from airflow_provider_lr.engine.store.topology import Replication, Topology, recorded_id
 from airflow_provider_lr.engine.tables import handover
 from airflow_provider_lr.engine.tables import snapshot as table_snapshot
-from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, FailoverStatus, SessionKey, SessionState
+from airflow_provider_lr.engine.vocabulary import (
+    STREAM_LOG_ENTRIES,
+    FailoverStatus,
+    SessionKey,
+    SessionState,
+    check_reason,
+)
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +172,7 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
     takes from ``from_site`` is not synced at ``to_site`` (its replication would stop) unless
     ``allow_table_divergence``."""
     from_site, to_site = request.from_site, request.to_site
+    check_reason(request.reason)  # before the drain and the fences, which cannot be undone
     if topology is not None:
         topology.site(from_site), topology.site(to_site)  # an unknown site is refused before any connection
     conns: dict[str, psycopg2.extensions.connection] = {}

@@ -42,6 +42,7 @@ from airflow_provider_lr.engine.vocabulary import (
     STREAM_SNAP_SYNC,
     RequestStatus,
     SessionKey,
+    check_reason,
 )
 from airflow_provider_lr.proto import lr_pb2
 
@@ -188,7 +189,8 @@ def request_for_sessions(
     """A forced full sync of each of ``keys`` (``lr full-sync``, the lr_full_sync DAG: a sink, a
     source, a client or every session at once), one connection per source. None is requested
     until every sink holds the changes its client's closed tables had before their close
-    (``closed_tables.wait_for_closes``: a full sync would pass them)."""
+    (``closed_tables.wait_for_closes``: a full sync would pass them), nor any with a bad reason."""
+    check_reason(reason)
     sources = sorted({k.source for k in keys})
     conns: dict[str, psycopg2.extensions.connection] = {}
     try:
