@@ -237,6 +237,12 @@ def test_a_retried_shard_streams_the_rest_of_its_runs_time_and_delivers(airflow_
     ``run_for``, and delivers what was written meanwhile."""
     source, sink_b, _ = airflow_sites.sites
     app = sessions_past_first_contact(airflow_sites)
+    stale = airflow_sites.topology_path.with_name("stale.yaml")  # what the file was before a failover
+    stale.write_text(yaml.safe_dump({**airflow_sites.topology.document, "settings": {"lease_seconds": 7}}))
+    started = time.monotonic()
+    with pytest.raises(AirflowFailException, match=r"topology file .*stale.yaml has id \w+; sites hold"):
+        LRStreamOperator(task_id="stream", source="site-a", run_for=60, topology_path=str(stale)).execute({})
+    assert time.monotonic() - started < 10  # at once: it streamed its run_for of failing sessions first
     op = LRStreamOperator(task_id="stream", shard="site-a 1/2", sessions=["site-a->site-b/policy"], run_for=60)
     run = SimpleNamespace(start_date=datetime.now(timezone.utc) - timedelta(seconds=55))
     for i in range(5):
