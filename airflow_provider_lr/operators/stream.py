@@ -34,7 +34,7 @@ from airflow_provider_lr.engine.store.topology import Topology
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.operators import telemetry
-from airflow_provider_lr.operators.common import load_topology
+from airflow_provider_lr.operators.common import check_topology, load_topology
 
 DEFAULT_REPORT_EVERY = 30.0
 MAX_RUN_FOR = 7 * 86_400  # seconds; more is a typo (past ~292 years the end timer died and the task never ended)
@@ -181,6 +181,8 @@ class LRStreamOperator(BaseOperator):
             sessions = shard_sessions(topo, self.source, self.sessions)
         except ConfigurationError as exc:
             raise AirflowFailException(f"shard {self.shard_name}: {exc}") from None
+        # a stale file (one that predates a failover) fails now, named, not after run_for of failing sessions
+        check_topology(topo, {site for k in sessions for site in (k.source, k.sink)})
         seconds = self.seconds_to_stream(context)
         repl = Replicator(
             topo,
