@@ -54,7 +54,14 @@ _SITE = f"^{SITE_ID_PATTERN.pattern}$"
             title="Clients",
             description="Empty: every client the promoted site receives from the old source",
         ),
-        "reason": Param("failover from the Airflow UI", type="string", minLength=1, maxLength=500, title="Reason"),
+        "reason": Param(
+            "failover from the Airflow UI",
+            type="string",
+            minLength=1,
+            maxLength=500,
+            pattern=r"^[^\x00]*$",
+            title="Reason",
+        ),
         "same_destinations": Param(
             False,
             type="boolean",

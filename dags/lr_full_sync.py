@@ -88,6 +88,7 @@ CLIENTS = sorted({k.client for k in _sessions})
             type="string",
             minLength=1,
             maxLength=500,
+            pattern=r"^[^\x00]*$",  # no NUL: a site cannot record it
             title="Reason",
             description="Recorded with the request on the source (lr status shows it)",
         ),

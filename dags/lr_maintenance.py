@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 
 from airflow.sdk import Param, dag, task
 
+from airflow_provider_lr.engine.source.trim import MAX_RETENTION
 from airflow_provider_lr.operators import LRReceiveQueueReportOperator, LRStaleLeaseCleanupOperator, LRTrimOperator
 
 SITE_LABEL = "{{ task.site['site'] }}"
@@ -33,6 +34,7 @@ SITE_LABEL = "{{ task.site['site'] }}"
             None,
             type=["null", "integer"],
             minimum=0,
+            maximum=int(MAX_RETENTION),
             title="Retention (seconds)",
             description="Also trim entries older than this, even if a session lags (empty: safe trim only)",
         ),

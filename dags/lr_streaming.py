@@ -35,7 +35,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_lr.engine.db.topology_schema import SITE_ID_PATTERN
 from airflow_provider_lr.operators.common import form_choice, parse_time_topology
-from airflow_provider_lr.operators.stream import SHARD_LABEL, LRStreamOperator
+from airflow_provider_lr.operators.stream import MAX_RUN_FOR, SHARD_LABEL, LRStreamOperator
 
 _topology = parse_time_topology()
 SOURCES = sorted({k.source for k in _topology.sessions()}) if _topology else []
@@ -57,6 +57,7 @@ SOURCES = sorted({k.source for k in _topology.sessions()}) if _topology else []
             600,
             type="integer",
             minimum=1,
+            maximum=MAX_RUN_FOR,
             title="Run for (seconds)",
             description="How long one run streams before it ends and the next run starts",
         ),

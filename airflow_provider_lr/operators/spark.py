@@ -289,13 +289,13 @@ class LRSparkApplyReceiveQueueOperator(_LRSparkJobOperator):
         return self.result
 
 
-def transfers_left_to_spark(ti: Any, sessions: list[dict[str, Any]], step_task_id: str) -> list[dict[str, str]]:
+def transfers_left_to_spark(ti: Any, sessions: list[dict[str, Any]] | None, step_task_id: str) -> list[dict[str, str]]:
     """The sessions whose step ``step_task_id`` (mapped one index per session, in ``sessions``'
     order) left its full-sync transfer to Spark (``transfer_for_spark`` in its report), as
     ``expand_kwargs`` input for ``LRSparkSnapshotTransferOperator``:
     ``[{"source", "sink", "client", "request_id"}]``."""
     found = []
-    for index, session in enumerate(sessions):
+    for index, session in enumerate(sessions or []):  # None: the task that listed them failed
         report = ti.xcom_pull(task_ids=step_task_id, map_indexes=index)
         if report and report.get("transfer_for_spark"):
             found.append(
@@ -309,13 +309,13 @@ def transfers_left_to_spark(ti: Any, sessions: list[dict[str, Any]], step_task_i
     return found
 
 
-def tables_left_to_spark(ti: Any, sessions: list[dict[str, Any]], step_task_id: str) -> list[dict[str, str]]:
+def tables_left_to_spark(ti: Any, sessions: list[dict[str, Any]] | None, step_task_id: str) -> list[dict[str, str]]:
     """The (source, client) pairs to run ``LRSparkTableSnapshotOperator`` for: those of the sessions
     whose step ``step_task_id`` (mapped one index per session, in ``sessions``' order) left a large
     table snapshot to Spark (``tables_for_spark`` in its report; the engine decides what is large).
     One job per pair covers all its sinks. As ``expand_kwargs`` input: ``[{"source", "client"}]``."""
     pairs = set()
-    for index, session in enumerate(sessions):
+    for index, session in enumerate(sessions or []):  # None: the task that listed them failed
         report = ti.xcom_pull(task_ids=step_task_id, map_indexes=index)
         if report and report.get("tables_for_spark"):
             pairs.add((session["source"], session["client"]))

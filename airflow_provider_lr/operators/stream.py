@@ -34,9 +34,10 @@ from airflow_provider_lr.engine.store.topology import Topology
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.operators import telemetry
-from airflow_provider_lr.operators.common import load_topology
+from airflow_provider_lr.operators.common import check_topology, load_topology
 
 DEFAULT_REPORT_EVERY = 30.0
+MAX_RUN_FOR = 7 * 86_400  # seconds; more is a typo (past ~292 years the end timer died and the task never ended)
 SHARD_LABEL = "{{ task.shard_name }}"  # stream tasks mapped over shards: listed by the shard's name
 
 
@@ -155,6 +156,10 @@ class LRStreamOperator(BaseOperator):
         together and the next run starts for all, instead of the healthy shards' sessions waiting
         idle for a retry's full ``run_for``. Nothing left: fail (the next run streams the shard)."""
         planned = self.run_for.total_seconds() if isinstance(self.run_for, timedelta) else float(self.run_for)
+        if not 0 < planned <= MAX_RUN_FOR:  # nan too
+            raise AirflowFailException(
+                f"shard {self.shard_name}: run_for must be between 1 and {MAX_RUN_FOR} seconds, not {self.run_for!r}"
+            )
         ti, run = context.get("ti"), context.get("dag_run")
         if ti is None or run is None or run.start_date is None or (ti.try_number or 1) <= 1:
             return planned
@@ -176,6 +181,8 @@ class LRStreamOperator(BaseOperator):
             sessions = shard_sessions(topo, self.source, self.sessions)
         except ConfigurationError as exc:
             raise AirflowFailException(f"shard {self.shard_name}: {exc}") from None
+        # a stale file (one that predates a failover) fails now, named, not after run_for of failing sessions
+        check_topology(topo, {site for k in sessions for site in (k.source, k.sink)})
         seconds = self.seconds_to_stream(context)
         repl = Replicator(
             topo,

@@ -98,6 +98,20 @@ def test_full_sync_form_refuses_an_unknown_sink(dagbag):
 
     with pytest.raises(ParamValidationError, match="nowhere"):
         dagbag.dags["lr_full_sync"].test(run_conf={"sink": "nowhere", "reason": "test"})
+    # no site can record a NUL; a run for years never ended (its end timer died); a retention of
+    # 1e20 s failed the trim task deep in the engine: each refused by the form, naming its field
+    for dag_id, conf, field in [
+        ("lr_full_sync", {"sink": "site-b", "reason": "audit\x00"}, "reason"),
+        ("lr_failover", {"promote": "site-b", "reason": "dc-1\x00"}, "reason"),
+        ("lr_streaming", {"run_for_seconds": 10**13}, "run_for_seconds"),
+        ("lr_maintenance", {"retention_seconds": 10**20}, "retention_seconds"),
+    ]:
+        with pytest.raises(ParamValidationError, match=f"param {field}"):
+            dagbag.dags[dag_id].test(run_conf=conf)
+    from airflow_provider_lr.operators.spark import tables_left_to_spark, transfers_left_to_spark
+
+    # the sessions' task failed (its XCom is None): the all_done collectors find nothing, not a TypeError
+    assert transfers_left_to_spark(None, None, "snapshot_sync") == tables_left_to_spark(None, None, "x") == []
 
 
 @pytest.mark.slow

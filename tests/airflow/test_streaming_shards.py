@@ -120,6 +120,9 @@ def test_a_retried_shard_streams_what_is_left_of_its_runs_time():
     late = SimpleNamespace(start_date=datetime.now(timezone.utc) - timedelta(seconds=601))
     with pytest.raises(AirflowFailException, match="try 3 started after its run's 600 s.*the next run streams it"):
         op.seconds_to_stream({"ti": SimpleNamespace(try_number=3), "dag_run": late})
+    for years in (10**13, float("nan")):  # past ~292 years the end timer died: the task never ended
+        with pytest.raises(AirflowFailException, match="run_for must be between 1 and 604800 seconds"):
+            LRStreamOperator(task_id="stream", run_for=years, source="site-a").seconds_to_stream({})
 
 
 def test_the_dag_maps_its_stream_task_over_the_shards_task(dagbag):
@@ -234,6 +237,12 @@ def test_a_retried_shard_streams_the_rest_of_its_runs_time_and_delivers(airflow_
     ``run_for``, and delivers what was written meanwhile."""
     source, sink_b, _ = airflow_sites.sites
     app = sessions_past_first_contact(airflow_sites)
+    stale = airflow_sites.topology_path.with_name("stale.yaml")  # what the file was before a failover
+    stale.write_text(yaml.safe_dump({**airflow_sites.topology.document, "settings": {"lease_seconds": 7}}))
+    started = time.monotonic()
+    with pytest.raises(AirflowFailException, match=r"topology file .*stale.yaml has id \w+; sites hold"):
+        LRStreamOperator(task_id="stream", source="site-a", run_for=60, topology_path=str(stale)).execute({})
+    assert time.monotonic() - started < 10  # at once: it streamed its run_for of failing sessions first
     op = LRStreamOperator(task_id="stream", shard="site-a 1/2", sessions=["site-a->site-b/policy"], run_for=60)
     run = SimpleNamespace(start_date=datetime.now(timezone.utc) - timedelta(seconds=55))
     for i in range(5):

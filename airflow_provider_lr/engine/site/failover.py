@@ -78,7 +78,12 @@ from airflow_provider_lr.engine.store import topology as topology_model
 from airflow_provider_lr.engine.store.topology import Replication, Topology, recorded_id
 from airflow_provider_lr.engine.tables import handover
 from airflow_provider_lr.engine.tables import snapshot as table_snapshot
-from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, FailoverStatus, SessionKey, SessionState
+from airflow_provider_lr.engine.vocabulary import (
+    STREAM_LOG_ENTRIES,
+    FailoverStatus,
+    SessionKey,
+    SessionState,
+)
 
 log = logging.getLogger(__name__)
 

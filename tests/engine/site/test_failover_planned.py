@@ -11,14 +11,14 @@ import threading
 import psycopg2
 import pytest
 
-from airflow_provider_lr.engine.errors import FencedError
+from airflow_provider_lr.engine.errors import ConfigurationError, FencedError
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import failover
 from airflow_provider_lr.engine.site.replicator import run_until_idle
 from airflow_provider_lr.engine.source import full_sync, moved
 from tests.engine.site.test_failover import PROVIDERS, A, B, C, _connect, _setup, _tables_setup, replicator
-from tests.support.session import App, queue, sink_queue, wait_for
+from tests.support.session import App, apply, queue, sink_queue, wait_for
 from tests.support.soak import expire_leases
 
 
@@ -136,3 +136,23 @@ def test_a_switchover_beside_a_writer_holding_its_table_then_transmitting_does_n
     assert len(outcome) == 1 and isinstance(outcome[0], failover.FailoverResult), outcome
     assert b"k9=9" in sink_queue(site_b, "policy")  # committed before the cut: drained
     app.close()
+
+
+def test_a_reason_with_a_nul_is_refused_before_any_full_sync_request_or_failover_step(lr_sites):
+    """The Airflow forms take any JSON string: a reason holding NUL, which no site can record, is
+    refused naming the reason; before, psycopg2 failed deep in the engine (after the sessions
+    before it had their request recorded, for ``lr_full_sync``), retried three times."""
+    site_a, site_b, _ = lr_sites
+    topo = apply(lr_sites)
+    for ask in (
+        lambda: full_sync.request_for_sessions(topo.sessions(), _connect(lr_sites), "audit\x00"),
+        lambda: failover.promote(failover.FailoverRequest(A, B, reason="dc-1\x00down"), _connect(lr_sites)),
+    ):
+        with pytest.raises(
+            ConfigurationError,
+            match=r"reason is one line of text .*no newline or other control character\), not '(audit|dc-1)",
+        ):
+            ask()
+    assert site_a.query("SELECT count(*) FROM lr.full_sync_requests WHERE forced") == [(0,)]
+    assert site_b.query("SELECT count(*) FROM lr.failovers") == [(0,)]
+    assert site_b.query("SELECT count(*) FROM lr.sink_sessions WHERE failover_id IS NOT NULL") == [(0,)]
