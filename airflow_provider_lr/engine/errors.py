@@ -137,6 +137,12 @@ def one_line(exc: BaseException | str) -> str:
     return mask_secrets(" | ".join(part.strip() for part in text.splitlines() if part.strip()))
 
 
+def is_control(char: str) -> bool:
+    """A character that breaks a printed line or hides in it (the C0 controls, newline among them,
+    and DEL): a name or a reason lr prints may hold none."""
+    return char < " " or char == "\x7f"
+
+
 def without_statement(line: str) -> str:
     """A ``one_line`` error without psycopg's LINE and caret parts: the statement's text, which may
     hold values, and says nothing to whoever reads the error."""

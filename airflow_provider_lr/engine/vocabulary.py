@@ -16,7 +16,7 @@ from enum import Enum
 
 from google.protobuf.message import DecodeError
 
-from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.errors import ConfigurationError, is_control
 from airflow_provider_lr.proto import lr_pb2
 
 # --- streams of the shared log (lr.log_entries.stream; V0008 CHECK (stream IN (1, 2, 3))) -------
@@ -220,7 +220,7 @@ def checked_reason(reason: object) -> str:
     line of text of at most ``MAX_REASON_CHARS``. Refused otherwise (before anything is asked): a
     newline made ``lr status`` print a line of its own that read like another site's, 100 kB one
     line of 100 kB; the CLI, the DAGs' forms and a failover's reason all come here."""
-    if isinstance(reason, str) and len(reason) <= MAX_REASON_CHARS and not any(c < " " or c == "\x7f" for c in reason):
+    if isinstance(reason, str) and len(reason) <= MAX_REASON_CHARS and not any(map(is_control, reason)):
         return reason
     shown = (
         f"{reason[:40]!r}... ({len(reason)} characters)"
@@ -236,5 +236,5 @@ def checked_reason(reason: object) -> str:
 def flattened_reason(reason: str) -> str:
     """A reason lr composes around another (a failover's, from an earlier request's): not refused
     mid-way, but kept on one line, and short."""
-    reason = " ".join("".join(" " if c < " " or c == "\x7f" else c for c in reason).split())
+    reason = " ".join("".join(" " if is_control(c) else c for c in reason).split())
     return reason if len(reason) <= 2 * MAX_REASON_CHARS else reason[: 2 * MAX_REASON_CHARS - 3] + "..."

@@ -18,6 +18,7 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.bulk import fanout
+from airflow_provider_lr.engine.db import reach
 from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.errors import (
     ConfigurationError,
@@ -205,7 +206,7 @@ class Replicator:
             try:
                 conn = self._conns[site] = self.connect(site)
             except SiteUnreachableError as exc:
-                if "timeout expired" in str(exc):  # waited on a silent server, not one refused at once
+                if reach.silent(str(exc), 0.0, None):  # waited on a silent server, not one refused at once
                     self._silent[site] = one_line(exc)
                 raise
             self._made[site] = time.monotonic()

@@ -28,7 +28,7 @@ import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
 
-from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError, listing, one_line
+from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError, is_control, listing, one_line
 from airflow_provider_lr.engine.store.topology import applied_document
 
 KINDS = ("replicator", "writer", "consumer")
@@ -127,7 +127,7 @@ def check_request(kind: str, role: str, clients: Sequence[str]) -> list[str]:
     """The clients of a grant or revoke, validated with the kind and the role name (clear errors)."""
     if kind not in KINDS:
         raise ConfigurationError(f"unknown role kind {kind!r}; one of {', '.join(KINDS)}")
-    if not role or len(role.encode()) > MAX_ROLE_NAME_BYTES or any(c < " " or c == "\x7f" for c in role):
+    if not role or len(role.encode()) > MAX_ROLE_NAME_BYTES or any(map(is_control, role)):
         raise ConfigurationError(
             f"invalid role name {role!r}: 1 to {MAX_ROLE_NAME_BYTES} bytes, no control characters (a newline "
             "would break every line lr prints about the role)"

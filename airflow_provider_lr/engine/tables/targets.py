@@ -179,8 +179,8 @@ Found = Target | Gone | None  # None: not synced here (a conflict's changes are 
 
 # For each of the session's tables %(tids)s (source table ids) that it has in lr.sink_tables: its name,
 # state, oid (NULL: no such table), shape, whether its primary key is deferrable, its non-key
-# GENERATED ALWAYS identity columns, origin, types at the snapshot and row-level guard. Only the tables asked for are read (``LIMIT 1``:
-# a table id twice, one of them, as before).
+# GENERATED ALWAYS identity columns, origin, types at the snapshot and row-level guard. Only the
+# tables asked for are read (``LIMIT 1``: a table id twice, one of them, as before).
 _TARGETS = (
     "SELECT st.tid, st.table_name, st.state, t.oid, "
     + SHAPE_COLUMNS
