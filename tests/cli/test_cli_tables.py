@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from airflow_provider_lr import cli
+from airflow_provider_lr.engine import faults
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.store.topology import load
 from airflow_provider_lr.engine.vocabulary import SessionKey
@@ -249,6 +250,44 @@ def test_status_calls_no_session_ready_until_its_sink_holds_every_table_its_sour
     sessions = [s for site in json.loads(capsys.readouterr().out)["sites"].values() for s in site["sessions"]]
     assert sorted(s["readiness"] for s in sessions) == ["consistent"] * 2 + ["ready"] * 2
     assert rows(sink_b) == rows(source)
+
+    # a full sync forced on site-b: until it is applied, neither end is called ready, its copy's
+    # line says a new snapshot comes, and the transfer shows how far it is (before: "ready" and
+    # "consistent" while the request waited; mid-transfer, the copy read "federated ... registered
+    # by site-a", as if site-b captured the table)
+    assert cli.main(["full-sync", "--topology", topo, "--sink", "site-b"]) == 0
+    capsys.readouterr()
+    assert cli.main(["status", "--topology", topo]) == 0
+    out = capsys.readouterr().out
+    assert out.count("not ready (full sync requested)") == 2 and out.count("/policy            ready") == 1, out
+    assert (
+        "synced from site-a->site-b/policy, 5 rows in its snapshot (a new snapshot comes with the full sync requested)"
+        in out
+    ), out
+    seen: list[str] = []
+
+    def look() -> None:
+        assert cli.main(["status", "--topology", topo]) == 0
+        seen.append(capsys.readouterr().out)
+
+    with faults.on_fault("before_snapshot_apply", look):
+        assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 0
+    assert (
+        len(seen) == 1
+        and "not ready (snapshot)" in seen[0]
+        and not re.search(r"site-b/policy +(ready|consistent) ", seen[0])
+    ), seen
+    assert re.search(
+        r"waiting for the transfer and apply of full sync \S+ \(2 of its 2 entries at the sink\)", seen[0]
+    ), seen
+    assert (
+        "registered by site-a, client policy: no copy held now (its snapshot comes with the full sync under way)"
+        in seen[0]
+    ), seen
+    capsys.readouterr()
+    assert cli.main(["status", "--topology", topo, "--json"]) == 0
+    sessions = [s for site in json.loads(capsys.readouterr().out)["sites"].values() for s in site["sessions"]]
+    assert sorted(s["readiness"] for s in sessions) == ["consistent"] * 2 + ["ready"] * 2
 
 
 def test_a_copy_federated_onward_from_its_sink_replicates_both_ways_with_no_provider_and_shows_as_federated(
