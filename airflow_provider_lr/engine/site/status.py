@@ -23,6 +23,7 @@ from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION
 from airflow_provider_lr.engine.store import members, receive_queue, sink_sessions, source_sessions
 from airflow_provider_lr.engine.store.topology import Topology, TopologyDrift, config_id, drift
 from airflow_provider_lr.engine.tables import handover
+from airflow_provider_lr.engine.tables.targets import TableState
 from airflow_provider_lr.engine.vocabulary import (
     OPEN_STATUSES_SQL,
     RequestStatus,
@@ -109,10 +110,13 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
         cur.execute(
             "SELECT request_id::text, sink_site_id, client_name, status, forced, reason, "
             "round(extract(epoch FROM now() - requested_at)::numeric, 1)::float8, "
-            "round(extract(epoch FROM data_deadline - now())::numeric, 1)::float8, note "
+            "round(extract(epoch FROM data_deadline - now())::numeric, 1)::float8, note, entries "
             f"FROM lr.full_sync_requests WHERE status IN {OPEN_STATUSES_SQL} ORDER BY requested_at"
         )
-        keys = ("request_id", "sink", "client", "status", "forced", "reason", "age_s", "data_deadline_in_s", "note")
+        keys = (
+            *("request_id", "sink", "client", "status", "forced", "reason", "age_s", "data_deadline_in_s", "note"),
+            "entries",
+        )
         result.full_sync_requests = [dict(zip(keys, r)) for r in cur.fetchall()]
         last_ok = source_sessions.last_success_ages(cur) if version >= 7 else {}
         if version >= 10:  # a sink's session from a source its clients failed over from: closed for good
@@ -141,6 +145,9 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
                 # the holder as a replicator member: live, dead (its lease is taken at once), None: not one
                 s["lease_owner_alive"] = registered.get(s["lease_owner"])
                 s["waiting_for"] = waiting_for(s, requests.get(key))
+                # a forced request: the session's sink takes a new full sync, whatever its state now
+                forced = requests.get(key)
+                s["full_sync_requested"] = forced["request_id"] if forced and forced["forced"] else None
         result.durable = durability(conn)
         result.held_back_by = [
             {
@@ -284,7 +291,8 @@ def render(
         if s["role"] == "source":
             lines.append(f"         lease {holder(s)}")
         if s.get("waiting_for"):
-            lines.append(f"         waiting for {s['waiting_for']}")
+            progress = f" ({s['full_sync_progress']})" if s.get("full_sync_progress") else ""
+            lines.append(f"         waiting for {s['waiting_for']}{progress}")
         if s.get("tables_lacking") and not s.get("failed_over_to"):
             lines.append(f"         tables not synced at the sink yet: {', '.join(s['tables_lacking'])}")
         if s.get("last_error"):
@@ -305,6 +313,11 @@ def render(
             + (f", {q['dead_letters']} dead letters" if q["dead_letters"] else "")
         )
     received = {(t["source"], t["table"]) for t in status.tables if t["role"] == "sink"}
+    renewing = {  # (source, client) of this sink's sessions whose copies a full sync replaces
+        (s["source_site_id"], s["client_name"]): "under way" if not s["data_consistent"] else "requested"
+        for s in status.sessions
+        if s["role"] == "sink" and (s.get("full_sync_requested") or not s["data_consistent"])
+    }
     for t in status.tables:
         if t["role"] == "registry":
             if t["source"] and (t["source"], t["table"]) in received and t["table_id"] is None:
@@ -313,6 +326,13 @@ def render(
                 flag = "closed (captured no more; its sinks keep their copy, no longer updated)"
             elif t["federated"] and (t["source"], t["table"]) in closed:  # no synced row: a full sync passed it
                 flag = f"closed at {t['source']} before this copy had every change made before the close: kept as it is"
+            elif t["source"] and t["federated"] and t["table_id"] is None:  # a sink's registration, no copy now
+                full = renewing.get((t["source"], t["client"]))
+                coming = f" (its snapshot comes with the full sync {full})" if full else ""
+                lines.append(
+                    f"  table  {t['table']:<32} registered by {t['source']}, client {t['client']}: no copy held now{coming}"
+                )
+                continue
             else:
                 flag = "federated" if t["federated"] else "not federated (its data from sources is dropped here)"
             origin = f", registered by {t['source']}" if t["source"] else ""
@@ -326,6 +346,8 @@ def render(
                 if (t["source"], t["table"]) in closed
                 else ""
             )
+            renewed = renewing.get((t["source"], t["client"])) if t["state"] == TableState.SYNCED and not shut else None
+            shut += f" (a new snapshot comes with the full sync {renewed})" if renewed else ""
             lines.append(f"  table  {t['table']:<32} {t['state']} from {sink_session}{rows}{detail}{shut}")
     for d in status.diverged:
         lines.append(f"  table  {d}")

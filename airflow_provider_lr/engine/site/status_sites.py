@@ -9,7 +9,7 @@ from typing import Protocol
 
 from airflow_provider_lr.engine.tables.registry import is_closed
 from airflow_provider_lr.engine.tables.targets import TableState
-from airflow_provider_lr.engine.vocabulary import SessionKey
+from airflow_provider_lr.engine.vocabulary import RequestStatus, SessionKey
 
 
 class SiteRead(Protocol):
@@ -18,6 +18,8 @@ class SiteRead(Protocol):
     trim_mark: int
     sessions: list[dict]
     tables: list[dict]
+    full_sync_requests: list[dict]
+    receive_queues: list[dict]
 
 
 def session_key(session: dict) -> SessionKey:
@@ -92,7 +94,42 @@ def mark_sink_positions(found: Mapping[str, SiteRead | str]) -> None:
                 s["sink_position"] = position
 
 
+def mark_full_syncs(found: Mapping[str, SiteRead | str]) -> None:
+    """Note on each sink session whose source was read the forced full sync open there
+    (``full_sync_requested``: its copy is about to be replaced, so it is not called consistent), and
+    on each source session whose transfer is under way how much of it its sink holds: before, a
+    sink was ``consistent`` while its source waited for a full sync, and a transfer of minutes
+    showed no progress."""
+    read = {site: st for site, st in found.items() if not isinstance(st, str)}
+    requested = {
+        session_key(s): s["full_sync_requested"]
+        for st in read.values()
+        for s in st.sessions
+        if s["role"] == "source" and s.get("full_sync_requested")
+    }
+    for site, st in read.items():
+        for s in st.sessions:
+            if s["role"] == "sink" and (request := requested.get(session_key(s))):
+                s["full_sync_requested"] = request
+        supplied = {(r["sink"], r["client"]): r for r in st.full_sync_requests if r["status"] == RequestStatus.SUPPLIED}
+        for s in st.sessions:
+            request = supplied.get((s["sink_site_id"], s["client_name"])) if s["role"] == "source" else None
+            sink = read.get(s["sink_site_id"])
+            if request is None or sink is None or not s.get("waiting_for") or request.get("entries") is None:
+                continue
+            held = sum(
+                q["unapplied_snapshot"]
+                for q in sink.receive_queues
+                if (q["source"], q["client"]) == (site, s["client_name"])
+            )
+            whole = (
+                request["entries"] + 2
+            )  # the provider's messages, with the start and end markers (as the queue counts)
+            s["full_sync_progress"] = f"{min(held, whole)} of its {whole} entries at the sink"
+
+
 def cross_check(found: Mapping[str, SiteRead | str]) -> None:
     """Every note a status run makes across the sites it read (before readiness is judged)."""
     mark_sink_positions(found)
     mark_tables_lacking(found)
+    mark_full_syncs(found)

@@ -197,7 +197,12 @@ def readiness(session: dict, trim_mark: int | None = None) -> str:
     * sink side: the sink applied its full sync (``data_consistent``) *and* its last processed
       position is not behind the source's trim mark (``trim_mark``: the source's, None when the
       source was not reached — then "consistent" is not claimed). Behind the trim mark, entries it
-      needs are gone: only a new full sync makes it consistent again."""
+      needs are gone: only a new full sync makes it consistent again.
+
+    A session with a forced full sync open at its source (``full_sync_requested``: set by
+    ``lr status`` on the source's row, and on the sink's when it read both) is not ready until it is
+    applied: its sink takes no log entry meanwhile and its copy is replaced. Before, a sink was
+    called ``consistent`` and its source ``ready`` while the request waited."""
     position = session["last_applied_position"]
     if session["role"] == "source" and session.get("sink_position") is not None:  # the sink's own, read
         position = max(-1 if position is None else position, session["sink_position"])  # with it: the ack trails
@@ -209,6 +214,8 @@ def readiness(session: dict, trim_mark: int | None = None) -> str:
         return "not ready (error)"  # behind the trim mark says more: a full sync is due, whatever failed
     if session.get("failed_over_to"):  # its data stops at the failover's cut: nothing more comes this way
         return f"failed over to {session['failed_over_to']}"
+    if session.get("full_sync_requested") and synced:  # lr full-sync asked; its stream is (about to be) handed back
+        return "not ready (full sync requested)"
     if session["role"] == "sink":
         if not session["data_consistent"]:
             return "not ready (snapshot)"
