@@ -200,20 +200,21 @@ def test_full_sync_wait_ends_at_its_bound_when_nobody_applies_the_request(lr_sit
     assert cli.main(["full-sync", "--topology", topo, "--sink", "site-b", "--wait", "0.2"]) == 1
     out = capsys.readouterr().out
     assert "; its last error: cannot connect to site 'site-b': timeout expired" in out, out
-    # what it says of each session pending costs no connection of its own: one per site, however
-    # many sessions wait (it connected once per session pending: slow with dozens)
+    # neither the looks nor what it says of each session pending cost a connection of their own:
+    # one per site, however many sessions wait and however long (it connected anew at every look,
+    # and once per session pending at the end: slow with dozens)
     connects: list[str] = []
     monkeypatch.setattr(
         full_sync_cli, "connector", lambda topo: lambda site: connects.append(site) or connector(topo)(site)
     )
     per_run = []
-    for chosen in (["--sink", "site-b"], []):  # one session pending, then both
+    for chosen, wait in ((["--sink", "site-b"], "0"), ([], "0"), ([], "0.7")):  # one session pending, both, 4 looks
         connects.clear()
-        assert cli.main(["full-sync", "--topology", topo, *chosen, "--wait", "0"]) == 1
+        assert cli.main(["full-sync", "--topology", topo, *chosen, "--wait", wait]) == 1
         out = capsys.readouterr().out
         assert out.count("no replicator holds the session") == (2 if not chosen else 1), out
         per_run.append(connects.count("site-a"))
-    assert per_run[0] == per_run[1], per_run
+    assert per_run[0] == per_run[1] == per_run[2], per_run
     app.close()
 
 
