@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import psycopg2
 
@@ -23,6 +25,8 @@ from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.vocabulary import SessionKey
+
+T = TypeVar("T")
 
 
 def cmd_full_sync(args: argparse.Namespace) -> int:
@@ -45,9 +49,13 @@ def cmd_full_sync(args: argparse.Namespace) -> int:
     # meanwhile: not waited for (the wait took --wait more, then named nobody), said at once
     lost = {site: why for site in sorted({k.sink for k in requests}) if (why := unreachable(topo, site))}
     waited = {key: r.request_id for key, r in requests.items() if key.sink not in lost}
-    outcomes = _wait_applied(topo, waited, max(0.0, started + args.wait - time.monotonic())) if waited else {}
-    pending = [k for k, found in outcomes.items() if found is not None and found.outcome is full_sync.Outcome.PENDING]
-    workers = _who_works_on(topo, pending)
+    sources = _Sources(topo)
+    try:
+        outcomes = _wait_applied(sources, waited, max(0.0, started + args.wait - time.monotonic())) if waited else {}
+        pending = [k for k, f in outcomes.items() if f is not None and f.outcome is full_sync.Outcome.PENDING]
+        workers = _who_works_on(sources, pending)
+    finally:
+        sources.close()
     for key in requests:
         if key.sink in lost:
             print(f"  {key}: not applied: its sink {key.sink} does not answer ({lost[key.sink]}); not waited for")
@@ -59,22 +67,50 @@ def cmd_full_sync(args: argparse.Namespace) -> int:
     return 0 if applied and not lost else 1
 
 
-def _who_works_on(topo: topologies.Topology, keys: list[SessionKey]) -> dict[SessionKey, str]:
+class _Sources:
+    """One connection per source for the whole wait (its looks, then what it says of each request
+    still open), opened when first needed and again once after one was lost (a source restarted
+    meanwhile). Before, every look connected to each source anew and the end once per session
+    pending: a minute's wait on 40 sessions made about 100 connections to a source."""
+
+    def __init__(self, topo: topologies.Topology) -> None:
+        self.topo = topo
+        self.conns: dict[str, psycopg2.extensions.connection] = {}
+
+    def each(
+        self, source: str, keys: list[SessionKey], work: Callable[[psycopg2.extensions.connection, SessionKey], T]
+    ) -> dict[SessionKey, T]:
+        """``work`` for each of ``keys`` of ``source`` on its connection; connected anew and run
+        again once when that connection was lost."""
+        mine = [k for k in keys if k.source == source]
+        for attempt in (1, 2):
+            conn = self.conns.get(source)
+            if conn is None or conn.closed:
+                conn = self.conns[source] = connector(self.topo)(source)
+            try:
+                return {k: work(conn, k) for k in mine}
+            except (psycopg2.OperationalError, psycopg2.InterfaceError):
+                self.conns.pop(source).close()
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        for conn in self.conns.values():
+            conn.close()
+        self.conns.clear()
+
+
+def _who_works_on(sources: _Sources, keys: list[SessionKey]) -> dict[SessionKey, str]:
     """Why each request of ``keys`` is still open: the replicator holding its session, or nobody (no
     `lr sync` runs, lr_streaming is paused), and the session's last error (its sink unreachable,
-    say), which a new user otherwise has to guess. One connection per source: before, one per
-    session, so a wait that ended with 40 sessions pending connected 40 times more."""
+    say), which a new user otherwise has to guess."""
     said: dict[SessionKey, str] = {}
     for source in sorted({k.source for k in keys}):
         try:
-            conn = connector(topo)(source)
+            said.update(sources.each(source, keys, _works_on))
         except (LRError, psycopg2.Error):  # the source is gone meanwhile: the outcome alone is said
             continue
-        try:
-            for key in (k for k in keys if k.source == source):
-                said[key] = _works_on(conn, key)
-        finally:
-            conn.close()
     return said
 
 
@@ -95,20 +131,17 @@ def _works_on(conn: psycopg2.extensions.connection, key: SessionKey) -> str:
     return f"; the session is held by replicator {owner}" + why
 
 
-def _wait_applied(topo: topologies.Topology, requests: dict, timeout: float) -> dict:
+def _wait_applied(sources: _Sources, requests: dict, timeout: float) -> dict:
     """Each request's outcome (``full_sync.outcome``) once it is final, or after ``timeout`` seconds:
     the last pause is cut at the deadline (a pause doubling to 5 s slept past it), and at most 1 s
-    passes between two looks (one statement per source), so an applied request is said soon."""
+    passes between two looks (on one connection per source, at the requests not final yet), so an
+    applied request is said soon."""
     deadline, pause = time.monotonic() + timeout, 0.2
     found: dict = {}
     while True:
-        for source in sorted({k.source for k in requests}):
-            conn = connector(topo)(source)
-            try:
-                for key in (k for k in requests if k.source == source):
-                    found[key] = full_sync.outcome(conn, requests[key])
-            finally:
-                conn.close()
+        open_ = [k for k in requests if k not in found or (found[k] is not None and not found[k].final)]
+        for source in sorted({k.source for k in open_}):
+            found.update(sources.each(source, open_, lambda conn, k: full_sync.outcome(conn, requests[k])))
         left = deadline - time.monotonic()
         if all(f is None or f.final for f in found.values()) or left <= 0:
             return found
