@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 
+from airflow_provider_lr.engine import progress
 from airflow_provider_lr.engine.source import full_sync, trim
 from airflow_provider_lr.engine.store.topology import recorded_id
 from tests.support.session import (
@@ -99,11 +100,16 @@ def test_a_full_sync_longer_than_a_turn_pauses_between_chunks_so_the_other_sessi
     topo = apply(lr_sites, providers={"policy": "tests.support.session:many_rows_provider"})
     repl = replicator(topo, lr_sites)
     repl.cycle_slice = 0.0  # every turn is spent after one chunk
-    first = repl.run_cycle()
-    assert [r.snapshot_messages for r in first] == [5_000, 5_000], first  # both sessions moved in one cycle
-    assert all("the rest next cycle" in r.reason and not r.error for r in first), first
-    assert queue(sink_b, "site-a") == queue(sink_c, "site-a") == []  # nothing visible until applied
-    repl.run(max_cycles=10, until_idle=True, interval=0.01)
+    ended: list[str] = []  # the last word of each piece of work (lr sync's log, an Airflow task's)
+    with progress.listen(lambda p: ended.append(p.describe()) if p.finished and "transfer" in p.task else None):
+        first = repl.run_cycle()
+        assert [r.snapshot_messages for r in first] == [5_000, 5_000], first  # both sessions moved in one cycle
+        assert all("the rest next cycle" in r.reason and not r.error for r in first), first
+        assert queue(sink_b, "site-a") == queue(sink_c, "site-a") == []  # nothing visible until applied
+        # a paused transfer says so (it said "done in 0.4s" at 5,000 of 12,002)
+        assert len(ended) == 2 and all("5,000 of 12,002 messages (stopped after" in e for e in ended), ended
+        repl.run(max_cycles=10, until_idle=True, interval=0.01)
+    assert ended[-1].startswith("full sync") and "12,002 of 12,002 messages (done in" in ended[-1], ended
     for sink in (sink_b, sink_c):
         entries = queue(sink, "site-a")
         _no_duplicates(entries)
