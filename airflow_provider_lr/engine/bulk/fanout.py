@@ -373,6 +373,7 @@ def run_fanout(
                 tracker.advance(chunk.read)
                 if pause is not None and len(chunks) < len(plan.ranges) and pause():
                     paused = True
+                    tracker.finish(stopped=True)
                     log.info("fan-out %s paused after %d of %d chunks", plan.plan_id[:8], len(chunks), len(plan.ranges))
                     break
     t2 = time.monotonic()

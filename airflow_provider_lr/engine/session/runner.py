@@ -155,6 +155,7 @@ class SessionRunner(SnapshotSync):
         self.sync_tables(report)
         reader = self.reader()
         tracker: progress.Tracker | None = None
+        stopped = False
         for _ in range(self.settings.max_batches):
             try:
                 batch = reader.read_stream(
@@ -168,17 +169,19 @@ class SessionRunner(SnapshotSync):
             with batch:  # read from the source while it is written to the sink: bytes in memory stay bounded
                 report.blocked_by = [h.describe() for h in batch.blocked_by]
                 if batch.end <= after:
+                    stopped = False
                     break
                 after = writes.apply_log_stream(self.sink, self.key.source, self.key.client, self._epoch(), batch, base)
             fault_point("after_sink_apply")
             report.delivered += batch.entries
             report.delivered_bytes += batch.bytes
             self._update(acked_position=after, last_error=None)
+            stopped = batch.has_more  # paused (or out of batches) with more to read: the next cycle goes on
             if not batch.has_more or self.paused():
                 break
             tracker = self._catch_up_progress(tracker, report.delivered)
         if tracker is not None:
-            tracker.finish()
+            tracker.finish(stopped)
         self.sync_tables(report)  # the set is re-read at the end too: a table federated meanwhile joins now
         if not report.delivered:  # nothing to deliver, nothing refused: an earlier error is past
             with self.source.cursor() as cur:

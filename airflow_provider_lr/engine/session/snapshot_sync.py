@@ -300,7 +300,7 @@ class SnapshotSync:
             fault_point("after_snapshot_chunk")
             if meta.snapshot_transferred != meta.snapshot_started and self.paused():
                 break
-        tracker.finish()
+        tracker.finish(stopped=meta.snapshot_transferred != meta.snapshot_started)
         return meta, sent
 
     def apply_snapshot(self, meta: writes.SinkMetadata) -> writes.SinkMetadata:
