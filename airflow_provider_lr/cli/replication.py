@@ -311,6 +311,8 @@ def _progress_bars() -> Iterator[None]:
             task = tasks[id(item)] = bars.add_task(item.task, total=item.total, unit=item.unit)
         bars.update(task, completed=item.done, total=item.total)
         if item.finished:
+            if item.stopped:  # paused or stopped short of its end: the bar says so
+                bars.update(task, description=f"{item.task} (stopped: the rest later)")
             bars.stop_task(task)
             del tasks[id(item)]
 
