@@ -268,10 +268,15 @@ def test_status_calls_no_session_ready_until_its_sink_holds_every_table_its_sour
         "synced from site-a->site-b/policy, 5 rows in its snapshot (a new snapshot comes with the full sync requested)"
         in out
     ), out
+    assert cli.main(["tables", "list", "--topology", topo]) == 0  # and lr tables list, alike
+    out = capsys.readouterr().out
+    assert out.count("(a new snapshot comes with the full sync requested at site-a)") == 1, out
+    assert "copy from site-a client=policy: synced, 5 rows in its snapshot (a new snapshot comes" in out, out
     seen: list[str] = []
 
     def look() -> None:
         assert cli.main(["status", "--topology", topo]) == 0
+        assert cli.main(["tables", "list", "--topology", topo]) == 0
         seen.append(capsys.readouterr().out)
 
     with faults.on_fault("before_snapshot_apply", look):
@@ -288,6 +293,7 @@ def test_status_calls_no_session_ready_until_its_sink_holds_every_table_its_sour
         "registered by site-a, client policy: no copy held now (its snapshot comes with the full sync under way)"
         in seen[0]
     ), seen
+    assert "no copy held now (a new snapshot comes with the full sync requested at site-a)" in seen[0], seen
     capsys.readouterr()
     assert cli.main(["status", "--topology", topo, "--json"]) == 0
     sessions = [s for site in json.loads(capsys.readouterr().out)["sites"].values() for s in site["sessions"]]
