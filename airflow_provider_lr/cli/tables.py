@@ -18,6 +18,7 @@ from airflow_provider_lr.cli.common import (
     with_topology,
 )
 from airflow_provider_lr.engine.errors import LRError, listing, one_line
+from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.tables import closed_notes, closing
 from airflow_provider_lr.engine.tables import registry as table_registry
@@ -114,7 +115,8 @@ def _before_capture_stops(
     closing.wait_for_snapshots(conn, connector(topo), site_id, sinks, client, str(table.table), table.table_id)
 
 
-_Listed = tuple[list[table_registry.RegisteredTable], list[table_registry.HeldCopy]]
+# a site's tables, the copies it holds, and (as a source) the (sink, client) of its forced full syncs open
+_Listed = tuple[list[table_registry.RegisteredTable], list[table_registry.HeldCopy], set[tuple[str, str]]]
 
 
 def _tell_sinks(topo: topologies.Topology, sinks: list[str], source: str, table: str, client: str) -> None:
@@ -155,19 +157,38 @@ def cmd_tables_list(args: argparse.Namespace) -> int:
             print(f"{site_id}: {read}")
             code = 2
             continue
-        registered, copies = read
+        registered, copies, _ = read
         print(f"{site_id}:" + ("" if registered or copies else " no tables registered"))
         held = {str(c.table) for c in copies}
         for table in registered:
             if not (table.source_site_id and str(table.table) in held and table.table_id is None):  # said below
-                print(f"  {table.describe()}")
+                coming = table.source_site_id and table.federated and table.table_id is None  # a sink's, no copy
+                print(
+                    f"  {table.describe()}"
+                    + (_renewed(found, table.source_site_id, site_id, table.client_name) if coming else "")
+                )
         for copy in copies:
-            print(f"  {copy.describe((copy.source_site_id, str(copy.table)) in closed)}")
+            shut = (copy.source_site_id, str(copy.table)) in closed
+            renewed = (
+                ""
+                if shut or copy.state != "synced"
+                else _renewed(found, copy.source_site_id, site_id, copy.client_name)
+            )
+            print(f"  {copy.describe(shut)}{renewed}")
     return code
 
 
 def _tables_and_copies(conn: psycopg2.extensions.connection) -> _Listed:
-    return table_registry.list_tables(conn), table_registry.list_copies(conn)
+    return table_registry.list_tables(conn), table_registry.list_copies(conn), full_sync.sessions_requested(conn)
+
+
+def _renewed(found: dict[str, _Listed | str], source: str | None, sink: str, client: str | None) -> str:
+    """What a sink's copy awaits when its source, read in the same run, has a forced full sync of
+    the session open (``lr full-sync``): a new snapshot. Before, the copy read ``synced`` meanwhile."""
+    read = found.get(source or "")
+    if isinstance(read, str) or read is None or (sink, client) not in read[2]:
+        return ""
+    return f" (a new snapshot comes with the full sync requested at {source})"
 
 
 def add_tables(sub: argparse._SubParsersAction) -> None:
