@@ -318,8 +318,28 @@ def test_lr_topology_validate_says_what_the_file_defines_or_what_is_wrong(tmp_pa
     out = capsys.readouterr().out
     assert "valid" in out and "site-a->site-b/policy" in out
     _write(tmp_path, GOOD.replace("replication:", "replications:"))
-    assert cli.main(["topology", "validate", "--topology", str(path)]) == 1
+    assert cli.main(["topology", "validate", "--topology", str(path)]) == 2  # the user's input: as a bad argument
     assert "unknown key 'replications'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        ("sites: [\n", "YAML syntax error"),
+        (GOOD.replace("replication:", "replications:"), "unknown key 'replications'"),
+        (None, "not found"),
+    ],
+)
+def test_a_malformed_or_missing_topology_file_is_a_usage_error_for_every_command(tmp_path, capsys, text, said):
+    """Exit 2, as any bad argument (exit 1 is a site's refusal): it was 1, so a script could not
+    tell a typo in its file from a site that refused; no site is reached before the file is read."""
+    path = tmp_path / "topology.yaml"
+    if text is not None:
+        path.write_text(textwrap.dedent(text).lstrip())
+    for command in (["topology", "validate"], ["topology", "apply"], ["status"], ["sync", "--once"], ["full-sync"]):
+        assert cli.main([*command, "--topology", str(path)]) == 2, command
+        err = capsys.readouterr().err
+        assert err.startswith("lr: ") and str(path) in err and said in err and err.count("\n") == 1, err
 
 
 def test_the_shipped_topology_is_valid_and_its_payload_limit_is_enforced(lr_sites, repo_root):
