@@ -21,9 +21,9 @@ from datetime import datetime, timezone
 
 from airflow.sdk import Param, dag
 
-from airflow_provider_lr.engine.db.topology_schema import CLIENT_NAME_PATTERN, SITE_ID_PATTERN
+from airflow_provider_lr.engine.db.topology_schema import CLIENT_NAME_PATTERN, SITE_ID_PATTERN, form_pattern
 from airflow_provider_lr.operators import LRFailoverOperator
-from airflow_provider_lr.operators.common import form_choice, form_pattern, parse_time_topology, reason_param
+from airflow_provider_lr.operators.common import form_choice, parse_time_topology, reason_param
 
 _topology = parse_time_topology()
 _sessions = _topology.sessions() if _topology else []

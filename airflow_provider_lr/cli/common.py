@@ -15,6 +15,7 @@ import psycopg2
 from airflow_provider_lr.engine import vocabulary
 from airflow_provider_lr.engine.db import conninfo, reach
 from airflow_provider_lr.engine.db.timeouts import failure
+from airflow_provider_lr.engine.db.topology_schema import SITE_RULES, TEXT_RULES, valid_region, valid_site_id
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, listing, one_line, without_statement
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.store import topology as topologies
@@ -171,6 +172,21 @@ def reason_text(text: str) -> str:
         return vocabulary.checked_reason(text)
     except LRError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def site_id_text(text: str) -> str:
+    """``--site-id``: a usage error (exit 2) before any site is reached; it was said after connecting,
+    as a site's refusal (exit 1)."""
+    if not valid_site_id(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a site id: {SITE_RULES}")
+    return text
+
+
+def region_text(text: str) -> str:
+    """``--region``: one line of text (a newline in it was recorded, and printed as a line of its own)."""
+    if not valid_region(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a region: {TEXT_RULES}")
+    return text
 
 
 def listen_address(text: str) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.db.timeouts import Timeouts
+from airflow_provider_lr.engine.db.topology_schema import form_pattern
 from airflow_provider_lr.engine.errors import ConfigurationError, TopologyMismatchError
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.store import topology as topologies
@@ -51,15 +52,6 @@ def parse_time_topology() -> Topology | None:
         return topologies.load(os.environ.get(topologies.TOPOLOGY_ENV) or None)
     except Exception:
         return None
-
-
-def form_pattern(pattern: re.Pattern[str] | str) -> str:
-    """A JSON Schema ``pattern`` for a DAG form field whose whole value must match ``pattern``.
-    Airflow checks it with Python's ``re.search`` (trigger API, ``dag.test``) and the browser's
-    form with a JS RegExp: ``^...$`` let ``'site-b\\n'`` through in Python (``$`` matches before a
-    final newline) and ``\\Z`` is no JS; ``(?![\\s\\S])``, "no character follows", reads alike in both."""
-    text = pattern if isinstance(pattern, str) else pattern.pattern
-    return rf"^(?:{text})(?![\s\S])"
 
 
 # one line of text, as ``vocabulary.checked_reason`` records it: no C0 control character, no DEL

@@ -44,6 +44,20 @@ def test_an_invalid_site_id_is_refused_before_anything_is_written(sites, site_id
     conn.close()
 
 
+def test_lr_init_refuses_a_control_character_in_a_region_and_a_bad_site_id_as_usage(sites, capsys):
+    """``--region 'r\\n1'`` was recorded (a line of its own wherever a region is printed);
+    ``--site-id 'X Y'`` was refused after connecting, exit 1. Now both exit 2 before any site."""
+    for option, value in (("--region", "r\n1"), ("--region", "eu\x1b[31m"), ("--site-id", "X Y")):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["init", "--site", "host=127.0.0.1 port=1", "--site-id", "x", option, value])
+        assert exited.value.code == 2 and f"argument {option}" in capsys.readouterr().err
+    conn = sites[0].connect()
+    with pytest.raises(SchemaError, match="invalid region"):  # the engine's own check (a connection's extra)
+        schema.init_site(conn, "site-x", "r\n1")
+    assert schema.current_version(conn) == 0  # nothing was installed
+    conn.close()
+
+
 @pytest.mark.parametrize(
     "ids, error",
     [
@@ -270,6 +284,14 @@ settings:
         (GOOD.replace("clients: [policy]", "clients: policy"), ":5: replication[0].clients: 'policy' is not of type"),
         (GOOD.replace("id: site-b", 'id: "site-b\\n"'), ":3: sites[1].id: 'site-b\\n' is not a valid site id"),
         (GOOD.replace("sinks: [site-b]", "sinks: [site-x]"), ":5: replication[0].sinks: unknown site 'site-x'"),
+        # a region or conn_id lr prints: a newline in one printed a line of its own, ESC recoloured it
+        *[
+            (GOOD.replace("region: r2", f'region: "{bad}"'), ":3: sites[1].region: " + repr(shown) + " is not one line")
+            for bad, shown in (("r2\\nsite-c: consistent", "r2\nsite-c: consistent"), ("r\\e[31m2", "r\x1b[31m2"))
+        ],
+        (GOOD.replace("region: r2", 'region: "r2\\n"'), ":3: sites[1].region: 'r2\\n' is not one line"),
+        (GOOD.replace("region: r2", f"region: {'r' * 64}"), ":3: sites[1].region: "),
+        (GOOD.replace("region: r1", 'region: r1, conn_id: "lr_a\\n"'), ":2: sites[0].conn_id: 'lr_a\\n' is not one"),
         (
             GOOD.replace("sinks: [site-b]", "sinks: [site-a]"),
             ":5: replication[0].sinks: site 'site-a' cannot replicate",
