@@ -44,6 +44,27 @@ def test_an_invalid_site_id_is_refused_before_anything_is_written(sites, site_id
     conn.close()
 
 
+def test_a_servers_error_quoting_an_applications_escape_sequence_is_printed_escaped_on_one_line(sites):
+    """A sink's DETAIL quotes the row's values (``Key (k)=(...) already exists``): an ESC written by
+    the application reached the operator's terminal raw through ``lr status``'s last error and
+    ``lr sync``'s log, where a sequence can clear the screen or retitle it."""
+    from airflow_provider_lr.cli.common import database_error
+    from airflow_provider_lr.engine.errors import one_line
+
+    hostile = "\x1b]0;owned\x07\x1b[2J\x08\tx"  # retitle, clear, backspace; a tab
+    conn = sites[0].connect()
+    with conn.cursor() as cur:
+        cur.execute("CREATE TABLE public.k (k text PRIMARY KEY)")
+        cur.execute("INSERT INTO public.k VALUES (%s)", (hostile,))
+        with pytest.raises(psycopg2.IntegrityError) as refused:
+            cur.execute("INSERT INTO public.k VALUES (%s)", (hostile,))
+    conn.close()
+    assert "\x1b" in str(refused.value)  # what the server says, raw
+    for shown in (one_line(refused.value), database_error(refused.value)):
+        assert not any(c < " " or c == "\x7f" for c in shown), repr(shown)
+        assert "(\\x1b]0;owned\\x07\\x1b[2J\\x08 x) already exists" in shown, shown
+
+
 def test_lr_init_refuses_a_control_character_in_a_region_and_a_bad_site_id_as_usage(sites, capsys):
     """``--region 'r\\n1'`` was recorded (a line of its own wherever a region is printed);
     ``--site-id 'X Y'`` was refused after connecting, exit 1. Now both exit 2 before any site."""
