@@ -55,12 +55,18 @@ def get_provider_info() -> dict:
                         "label": "Site id",
                         "description": "The lr site id of this database (lowercase letters, digits, '-' or '_'), "
                         "as recorded by `lr init`",
-                        "schema": {"type": ["string", "null"], "pattern": "^[a-z0-9][a-z0-9_-]{0,62}$"},
+                        # topology_schema.form_pattern(SITE_ID_PATTERN) (a test checks): whole, no
+                        # trailing newline, alike in the browser and in Python; this module imports nothing
+                        "schema": {"type": ["string", "null"], "pattern": r"^(?:[a-z0-9][a-z0-9_-]{0,62})(?![\s\S])"},
                     },
                     "region": {
                         "label": "Region",
                         "description": "Failure domain of the site, used for region-aware durability",
-                        "schema": {"type": ["string", "null"], "default": "default"},
+                        "schema": {
+                            "type": ["string", "null"],
+                            "default": "default",
+                            "pattern": r"^(?:[^\x00-\x1f\x7f]{1,63})(?![\s\S])",  # form_pattern(PRINTABLE_PATTERN)
+                        },
                     },
                 },
             }

@@ -21,15 +21,14 @@ from datetime import datetime, timezone
 
 from airflow.sdk import Param, dag
 
-from airflow_provider_lr.engine.db.topology_schema import CLIENT_NAME_PATTERN, SITE_ID_PATTERN
+from airflow_provider_lr.engine.db.topology_schema import CLIENT_NAME_PATTERN, SITE_ID_PATTERN, form_pattern
 from airflow_provider_lr.operators import LRFailoverOperator
-from airflow_provider_lr.operators.common import form_choice, parse_time_topology
+from airflow_provider_lr.operators.common import form_choice, parse_time_topology, reason_param
 
 _topology = parse_time_topology()
 _sessions = _topology.sessions() if _topology else []
 SINKS = sorted({k.sink for k in _sessions})
 SITES = sorted(_topology.sites) if _topology else []
-_SITE = f"^{SITE_ID_PATTERN.pattern}$"
 
 
 @dag(
@@ -42,26 +41,26 @@ _SITE = f"^{SITE_ID_PATTERN.pattern}$"
     doc_md=__doc__,
     params={
         "promote": form_choice(
-            SINKS, _SITE, required=True, title="Site to promote", description="The sink that becomes the source"
+            SINKS,
+            SITE_ID_PATTERN,
+            required=True,
+            title="Site to promote",
+            description="The sink that becomes the source",
         ),
         "from_site": form_choice(
-            SITES, _SITE, title="Old source", description="Empty: the one source the promoted site receives from"
+            SITES,
+            SITE_ID_PATTERN,
+            title="Old source",
+            description="Empty: the one source the promoted site receives from",
         ),
         "clients": Param(
             None,
             type=["null", "array"],
-            items={"type": "string", "pattern": f"^{CLIENT_NAME_PATTERN.pattern}$"},
+            items={"type": "string", "pattern": form_pattern(CLIENT_NAME_PATTERN)},
             title="Clients",
             description="Empty: every client the promoted site receives from the old source",
         ),
-        "reason": Param(
-            "failover from the Airflow UI",
-            type="string",
-            minLength=1,
-            maxLength=500,
-            pattern=r"^[^\x00]*$",
-            title="Reason",
-        ),
+        "reason": reason_param("failover from the Airflow UI"),
         "same_destinations": Param(
             False,
             type="boolean",

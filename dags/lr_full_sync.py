@@ -38,12 +38,12 @@ from __future__ import annotations
 import os
 from datetime import datetime, timedelta, timezone
 
-from airflow.sdk import Param, TriggerRule, dag, get_current_context, task
+from airflow.sdk import TriggerRule, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_lr.engine.db.topology_schema import CLIENT_NAME_PATTERN, SITE_ID_PATTERN
 from airflow_provider_lr.operators import LRLogEntrySyncOperator, LRRunCheckOperator, LRSnapshotSyncOperator
-from airflow_provider_lr.operators.common import form_choice, parse_time_topology
+from airflow_provider_lr.operators.common import form_choice, parse_time_topology, reason_param
 from airflow_provider_lr.operators.session import SESSION_LABEL
 from airflow_provider_lr.operators.spark import LRSparkSnapshotTransferOperator, LRSparkTableSnapshotOperator
 
@@ -67,29 +67,24 @@ CLIENTS = sorted({k.client for k in _sessions})
     params={
         "sink": form_choice(
             SINKS,
-            f"^{SITE_ID_PATTERN.pattern}$",
+            SITE_ID_PATTERN,
             title="Sink site",
             description="The destination that gets everything again (empty: every sink)",
         ),
         "client": form_choice(
             CLIENTS,
-            f"^{CLIENT_NAME_PATTERN.pattern}$",
+            CLIENT_NAME_PATTERN,
             title="Client",
             description="Only this client's sessions (empty: every client)",
         ),
         "source": form_choice(
             SOURCES,
-            f"^{SITE_ID_PATTERN.pattern}$",
+            SITE_ID_PATTERN,
             title="Source site",
             description="Only from this source (empty: every source)",
         ),
-        "reason": Param(
+        "reason": reason_param(
             "requested from the Airflow UI",
-            type="string",
-            minLength=1,
-            maxLength=500,
-            pattern=r"^[^\x00]*$",  # no NUL: a site cannot record it
-            title="Reason",
             description="Recorded with the request on the source (lr status shows it)",
         ),
     },

@@ -31,7 +31,7 @@ SITES = sorted(_topology.sites) if _topology else []
     params={
         "site": form_choice(
             SITES,
-            f"^{SITE_ID_PATTERN.pattern}$",
+            SITE_ID_PATTERN,
             required=True,
             title="Site to rejoin",
             description="The old source (or another site the failover could not reach)",

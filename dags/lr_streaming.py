@@ -63,7 +63,7 @@ SOURCES = sorted({k.source for k in _topology.sessions()}) if _topology else []
         ),
         "source": form_choice(
             SOURCES,
-            f"^{SITE_ID_PATTERN.pattern}$",
+            SITE_ID_PATTERN,
             title="Source",
             description="Only this source's sessions (empty: every session of the topology)",
         ),

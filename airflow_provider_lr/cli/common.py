@@ -15,7 +15,8 @@ import psycopg2
 from airflow_provider_lr.engine import vocabulary
 from airflow_provider_lr.engine.db import conninfo, reach
 from airflow_provider_lr.engine.db.timeouts import failure
-from airflow_provider_lr.engine.errors import LRError, listing, one_line, without_statement
+from airflow_provider_lr.engine.db.topology_schema import SITE_RULES, TEXT_RULES, valid_region, valid_site_id
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError, listing, one_line, without_statement
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.store import topology as topologies
 
@@ -68,7 +69,13 @@ def target_sites(args: argparse.Namespace) -> list[conninfo.ConnInfo]:
 
 
 def load_topology(args: argparse.Namespace) -> topologies.Topology:
-    return topologies.load(args.topology)
+    """The topology file named by ``--topology`` (or ``$LR_TOPOLOGY``, or the shipped one). One that
+    is missing, unreadable or malformed is the user's input: a usage error (exit 2, the line naming
+    file, line and key), told apart from a site's refusal (exit 1) as every other bad argument is."""
+    try:
+        return topologies.load(args.topology)
+    except ConfigurationError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def connector(topo: topologies.Topology) -> Callable[[str], psycopg2.extensions.connection]:
@@ -165,6 +172,21 @@ def reason_text(text: str) -> str:
         return vocabulary.checked_reason(text)
     except LRError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def site_id_text(text: str) -> str:
+    """``--site-id``: a usage error (exit 2) before any site is reached; it was said after connecting,
+    as a site's refusal (exit 1)."""
+    if not valid_site_id(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a site id: {SITE_RULES}")
+    return text
+
+
+def region_text(text: str) -> str:
+    """``--region``: one line of text (a newline in it was recorded, and printed as a line of its own)."""
+    if not valid_region(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a region: {TEXT_RULES}")
+    return text
 
 
 def listen_address(text: str) -> str:

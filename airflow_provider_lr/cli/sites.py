@@ -9,6 +9,8 @@ from airflow_provider_lr.cli.common import (
     at_site,
     embedded_tooling,
     positive_int,
+    region_text,
+    site_id_text,
     site_manager,
     target_sites,
 )
@@ -108,9 +110,13 @@ def add_init(sub: argparse._SubParsersAction) -> None:
     """``lr init``."""
     init = sub.add_parser("init", help="install or upgrade the lr schema on sites")
     init.add_argument("--site", action="append", help="DSN or Airflow connection id (default: all embedded sites)")
-    init.add_argument("--site-id", help="site id to record (default: the connection's site_id extra)")
     init.add_argument(
-        "--region", help="region to record (default: the connection's region extra, else the one recorded)"
+        "--site-id", type=site_id_text, help="site id to record (default: the connection's site_id extra)"
+    )
+    init.add_argument(
+        "--region",
+        type=region_text,
+        help="region to record (default: the connection's region extra, else the one recorded)",
     )
     init.set_defaults(func=cmd_init)
 

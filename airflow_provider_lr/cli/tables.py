@@ -17,7 +17,7 @@ from airflow_provider_lr.cli.common import (
     read_each,
     with_topology,
 )
-from airflow_provider_lr.engine.errors import LRError, listing, one_line
+from airflow_provider_lr.engine.errors import LRError, TableError, listing, one_line
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.tables import closed_notes, closing
@@ -37,10 +37,19 @@ def _client_sources(topo: topologies.Topology, client: str) -> list[str]:
     return sorted({k.source for k in topo.sessions() if k.client == client})
 
 
+def _table_name(text: str) -> TableName:
+    """A name lr cannot federate is the user's input: a usage error (exit 2) before any site is
+    reached; it exited 1, as a site's refusal (a table that does not exist there)."""
+    try:
+        return TableName.parse(text)
+    except TableError as exc:
+        raise UsageError(str(exc)) from exc
+
+
 def cmd_tables_open(args: argparse.Namespace) -> int:
     """lr tables open: record a table for a client on each site given (default, when federating:
     the sources of the client's sessions)."""
-    TableName.parse(args.table)  # a name lr cannot federate is refused before any site is touched
+    _table_name(args.table)  # a name lr cannot federate is refused before any site is touched
     if not args.federated and not args.site:
         raise UsageError(
             "--no-federated: name the --site(s) that keep out of the table (on a source it stops "
@@ -69,8 +78,8 @@ def cmd_tables_open(args: argparse.Namespace) -> int:
 def cmd_tables_close(args: argparse.Namespace) -> int:
     """lr tables close: stop replicating a table from each source given (default: every site that
     captures it). Its sinks keep their copy."""
+    name = _table_name(args.table)
     topo = load_topology(args)
-    name = TableName.parse(args.table)
     named(topo, sites=args.site or ())
     sites = args.site or sorted(topo.sites)
     check_topology(topo, sites)

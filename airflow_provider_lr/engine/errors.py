@@ -132,9 +132,15 @@ def mask_secrets(text: str) -> str:
 def one_line(exc: BaseException | str) -> str:
     """An error as one line, for logs, status and the CLI: psycopg's messages carry newlines (DETAIL,
     HINT, CONTEXT) that break "one line per error"; they are joined with ' | ' instead. A password
-    the text quotes is masked (``mask_secrets``)."""
+    the text quotes is masked (``mask_secrets``). Other control characters are shown escaped
+    (``\\x1b``; a tab as a space): a server's DETAIL quotes the application's values (``Key
+    (email)=(...) already exists``), and an ESC among them reached the operator's terminal raw
+    through ``lr status`` and ``lr sync``'s log (an escape sequence can rewrite what it shows)."""
     text = exc if isinstance(exc, str) else (str(exc) or type(exc).__name__)
-    return mask_secrets(" | ".join(part.strip() for part in text.splitlines() if part.strip()))
+    line = " | ".join(part.strip() for part in text.splitlines() if part.strip())
+    if any(map(is_control, line)):
+        line = "".join((" " if c == "\t" else f"\\x{ord(c):02x}") if is_control(c) else c for c in line)
+    return mask_secrets(line)
 
 
 def is_control(char: str) -> bool:

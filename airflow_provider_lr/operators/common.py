@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.db.timeouts import Timeouts
+from airflow_provider_lr.engine.db.topology_schema import form_pattern
 from airflow_provider_lr.engine.errors import ConfigurationError, TopologyMismatchError
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.store.topology import Topology
-from airflow_provider_lr.engine.vocabulary import SessionKey
+from airflow_provider_lr.engine.vocabulary import MAX_REASON_CHARS, SessionKey
 from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.paths import spark_jobs_dir
 
@@ -52,18 +54,39 @@ def parse_time_topology() -> Topology | None:
         return None
 
 
-def form_choice(values: list[str], pattern: str, required: bool = False, **schema: Any) -> Any:
-    """A form field picking one of ``values`` (a select box; a validated text field without a
-    topology). Optional (``required`` False): empty is ``null`` ("every one"); ``values_display``
-    labels it with an empty string, or Airflow's form shows the word "null"."""
+# one line of text, as ``vocabulary.checked_reason`` records it: no C0 control character, no DEL
+_ONE_LINE = r"[^\x00-\x1f\x7f]*"
+
+
+def form_choice(values: list[str], pattern: re.Pattern[str], required: bool = False, **schema: Any) -> Any:
+    """A form field picking one of ``values`` (a select box; a text field matching ``pattern``
+    whole, without a topology). Optional (``required`` False): empty is ``null`` ("every one");
+    ``values_display`` labels it with an empty string, or Airflow's form shows the word "null"."""
     from airflow.sdk import Param
 
     if required:
-        constraint: dict[str, Any] = {"enum": values} if values else {"pattern": pattern}
+        constraint: dict[str, Any] = {"enum": values} if values else {"pattern": form_pattern(pattern)}
         return Param(type="string", **constraint, **schema)
     if values:
         return Param(None, type=["null", "string"], enum=[None, *values], values_display={"null": ""}, **schema)
-    return Param(None, type=["null", "string"], pattern=pattern, **schema)
+    return Param(None, type=["null", "string"], pattern=form_pattern(pattern), **schema)
+
+
+def reason_param(default: str, **schema: Any) -> Any:
+    """The form's reason of a full sync or failover: what ``checked_reason`` accepts (one line of at
+    most ``MAX_REASON_CHARS``), refused at trigger. The form refused only a NUL, so a newline or a
+    tab started a run that failed in its first task."""
+    from airflow.sdk import Param
+
+    return Param(
+        default,
+        type="string",
+        minLength=1,
+        maxLength=MAX_REASON_CHARS,
+        pattern=form_pattern(_ONE_LINE),
+        title="Reason",
+        **schema,
+    )
 
 
 def load_topology(path: str | None = None) -> Topology:

@@ -108,10 +108,42 @@ def test_full_sync_form_refuses_an_unknown_sink(dagbag):
     ]:
         with pytest.raises(ParamValidationError, match=f"param {field}"):
             dagbag.dags[dag_id].test(run_conf=conf)
+    # what lr refuses in the run's first task (checked_reason: one line), refused by the form: it
+    # took a newline or a tab, and the run failed after it started
+    for dag_id, field, value in [
+        ("lr_full_sync", "reason", "audit\n"),
+        ("lr_full_sync", "reason", "a\tb"),
+        ("lr_full_sync", "reason", "x" * 501),
+        ("lr_failover", "reason", "dc-1\nsite-c: promoted"),
+        ("lr_failover", "clients", ["policy\n"]),
+    ]:
+        with pytest.raises(ParamValidationError):
+            dagbag.dags[dag_id].params.get_param(field).resolve(value)
+    assert (
+        dagbag.dags["lr_failover"].params.get_param("reason").resolve("dc-1 lost: ü → site-b")
+        == "dc-1 lost: ü → site-b"
+    )
     from airflow_provider_lr.operators.spark import tables_left_to_spark, transfers_left_to_spark
 
     # the sessions' task failed (its XCom is None): the all_done collectors find nothing, not a TypeError
     assert transfers_left_to_spark(None, None, "snapshot_sync") == tables_left_to_spark(None, None, "x") == []
+
+
+def test_a_form_without_a_topology_refuses_a_name_with_a_trailing_newline():
+    """Without a topology at parse time a name is a text field matched by pattern: ``^...$`` let
+    ``'site-b\\n'`` through Airflow's check (Python's ``$`` matches before a final newline)."""
+    from airflow.sdk.exceptions import ParamValidationError
+
+    from airflow_provider_lr.engine.db.topology_schema import CLIENT_NAME_PATTERN, SITE_ID_PATTERN
+    from airflow_provider_lr.operators.common import form_choice
+
+    for pattern, good in ((SITE_ID_PATTERN, "site-b"), (CLIENT_NAME_PATTERN, "Policy_2")):
+        for required in (False, True):
+            field = form_choice([], pattern, required=required)
+            assert field.resolve(good) == good
+            for bad in (f"{good}\n", f"{good}\r\n", f"\n{good}", f"{good} x"):
+                with pytest.raises(ParamValidationError):
+                    field.resolve(bad)
 
 
 @pytest.mark.slow

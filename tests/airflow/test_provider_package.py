@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import jsonschema
 
+from airflow_provider_lr.engine.db.topology_schema import PRINTABLE_PATTERN, SITE_ID_PATTERN, form_pattern
 from airflow_provider_lr.get_provider_info import get_provider_info
 from airflow_provider_lr.proto import build, lr_pb2
 
@@ -30,6 +32,10 @@ def test_provider_info_is_valid_against_airflows_schema():
     conn_type = info["connection-types"][0]
     assert conn_type["connection-type"] == "lr_site"
     assert set(conn_type["conn-fields"]) == {"site_id", "region"}
+    # the connection form's checks are the topology's, anchored so that no trailing newline passes
+    fields = {name: field["schema"]["pattern"] for name, field in conn_type["conn-fields"].items()}
+    assert fields == {"site_id": form_pattern(SITE_ID_PATTERN), "region": form_pattern(PRINTABLE_PATTERN)}
+    assert [bool(re.search(fields["site_id"], v)) for v in ("site-b", "site-b\n")] == [True, False]
 
 
 def test_entry_point_and_airflow_providers_list():

@@ -65,7 +65,9 @@ def test_lr_tables_open_names_what_is_wrong(lr_sites, tmp_path, monkeypatch, cap
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
     assert cli.main(["tables", "open", "public.nothing", "--client", "policy", "--topology", topo]) == 1
     assert "does not exist" in capsys.readouterr().err
-    assert cli.main(["tables", "open", "Bad Name", "--client", "policy", "--topology", topo]) == 1
+    assert cli.main(["tables", "open", "Bad Name", "--client", "policy", "--topology", topo]) == 2  # usage
+    assert "schema.table" in capsys.readouterr().err
+    assert cli.main(["tables", "close", "Bad Name", "--topology", topo]) == 2
     assert "schema.table" in capsys.readouterr().err
     # quoted names (mixed case, spaces) are refused up front, saying what to do; a plain one of another schema opens
     source = lr_sites[0]
@@ -73,8 +75,8 @@ def test_lr_tables_open_names_what_is_wrong(lr_sites, tmp_path, monkeypatch, cap
     source.query(
         'CREATE TABLE sales."Line Items" (id int PRIMARY KEY); CREATE TABLE sales.line_items (id int PRIMARY KEY)'
     )
-    for name in ('"Orders"', "public.Orders", 'sales."Line Items"'):
-        assert cli.main(["tables", "open", name, "--client", "policy", "--topology", topo]) == 1
+    for name in ('"Orders"', "public.Orders", 'sales."Line Items"', "public.x'; DROP TABLE y; --"):
+        assert cli.main(["tables", "open", name, "--client", "policy", "--topology", topo]) == 2
         err = capsys.readouterr().err
         assert err.startswith("lr: table name") and "a quoted name" in err and "RENAME TO" in err, err
     assert source.query("SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'lr_capture%%'") == [(0,)]

@@ -44,6 +44,41 @@ def test_an_invalid_site_id_is_refused_before_anything_is_written(sites, site_id
     conn.close()
 
 
+def test_a_servers_error_quoting_an_applications_escape_sequence_is_printed_escaped_on_one_line(sites):
+    """A sink's DETAIL quotes the row's values (``Key (k)=(...) already exists``): an ESC written by
+    the application reached the operator's terminal raw through ``lr status``'s last error and
+    ``lr sync``'s log, where a sequence can clear the screen or retitle it."""
+    from airflow_provider_lr.cli.common import database_error
+    from airflow_provider_lr.engine.errors import one_line
+
+    hostile = "\x1b]0;owned\x07\x1b[2J\x08\tx"  # retitle, clear, backspace; a tab
+    conn = sites[0].connect()
+    with conn.cursor() as cur:
+        cur.execute("CREATE TABLE public.k (k text PRIMARY KEY)")
+        cur.execute("INSERT INTO public.k VALUES (%s)", (hostile,))
+        with pytest.raises(psycopg2.IntegrityError) as refused:
+            cur.execute("INSERT INTO public.k VALUES (%s)", (hostile,))
+    conn.close()
+    assert "\x1b" in str(refused.value)  # what the server says, raw
+    for shown in (one_line(refused.value), database_error(refused.value)):
+        assert not any(c < " " or c == "\x7f" for c in shown), repr(shown)
+        assert "(\\x1b]0;owned\\x07\\x1b[2J\\x08 x) already exists" in shown, shown
+
+
+def test_lr_init_refuses_a_control_character_in_a_region_and_a_bad_site_id_as_usage(sites, capsys):
+    """``--region 'r\\n1'`` was recorded (a line of its own wherever a region is printed);
+    ``--site-id 'X Y'`` was refused after connecting, exit 1. Now both exit 2 before any site."""
+    for option, value in (("--region", "r\n1"), ("--region", "eu\x1b[31m"), ("--site-id", "X Y")):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["init", "--site", "host=127.0.0.1 port=1", "--site-id", "x", option, value])
+        assert exited.value.code == 2 and f"argument {option}" in capsys.readouterr().err
+    conn = sites[0].connect()
+    with pytest.raises(SchemaError, match="invalid region"):  # the engine's own check (a connection's extra)
+        schema.init_site(conn, "site-x", "r\n1")
+    assert schema.current_version(conn) == 0  # nothing was installed
+    conn.close()
+
+
 @pytest.mark.parametrize(
     "ids, error",
     [
@@ -270,6 +305,14 @@ settings:
         (GOOD.replace("clients: [policy]", "clients: policy"), ":5: replication[0].clients: 'policy' is not of type"),
         (GOOD.replace("id: site-b", 'id: "site-b\\n"'), ":3: sites[1].id: 'site-b\\n' is not a valid site id"),
         (GOOD.replace("sinks: [site-b]", "sinks: [site-x]"), ":5: replication[0].sinks: unknown site 'site-x'"),
+        # a region or conn_id lr prints: a newline in one printed a line of its own, ESC recoloured it
+        *[
+            (GOOD.replace("region: r2", f'region: "{bad}"'), ":3: sites[1].region: " + repr(shown) + " is not one line")
+            for bad, shown in (("r2\\nsite-c: consistent", "r2\nsite-c: consistent"), ("r\\e[31m2", "r\x1b[31m2"))
+        ],
+        (GOOD.replace("region: r2", 'region: "r2\\n"'), ":3: sites[1].region: 'r2\\n' is not one line"),
+        (GOOD.replace("region: r2", f"region: {'r' * 64}"), ":3: sites[1].region: "),
+        (GOOD.replace("region: r1", 'region: r1, conn_id: "lr_a\\n"'), ":2: sites[0].conn_id: 'lr_a\\n' is not one"),
         (
             GOOD.replace("sinks: [site-b]", "sinks: [site-a]"),
             ":5: replication[0].sinks: site 'site-a' cannot replicate",
@@ -318,8 +361,28 @@ def test_lr_topology_validate_says_what_the_file_defines_or_what_is_wrong(tmp_pa
     out = capsys.readouterr().out
     assert "valid" in out and "site-a->site-b/policy" in out
     _write(tmp_path, GOOD.replace("replication:", "replications:"))
-    assert cli.main(["topology", "validate", "--topology", str(path)]) == 1
+    assert cli.main(["topology", "validate", "--topology", str(path)]) == 2  # the user's input: as a bad argument
     assert "unknown key 'replications'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        ("sites: [\n", "YAML syntax error"),
+        (GOOD.replace("replication:", "replications:"), "unknown key 'replications'"),
+        (None, "not found"),
+    ],
+)
+def test_a_malformed_or_missing_topology_file_is_a_usage_error_for_every_command(tmp_path, capsys, text, said):
+    """Exit 2, as any bad argument (exit 1 is a site's refusal): it was 1, so a script could not
+    tell a typo in its file from a site that refused; no site is reached before the file is read."""
+    path = tmp_path / "topology.yaml"
+    if text is not None:
+        path.write_text(textwrap.dedent(text).lstrip())
+    for command in (["topology", "validate"], ["topology", "apply"], ["status"], ["sync", "--once"], ["full-sync"]):
+        assert cli.main([*command, "--topology", str(path)]) == 2, command
+        err = capsys.readouterr().err
+        assert err.startswith("lr: ") and str(path) in err and said in err and err.count("\n") == 1, err
 
 
 def test_the_shipped_topology_is_valid_and_its_payload_limit_is_enforced(lr_sites, repo_root):

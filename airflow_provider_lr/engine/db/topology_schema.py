@@ -32,6 +32,9 @@ from airflow_provider_lr.engine.errors import ConfigurationError, one_line
 SITE_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 CLIENT_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
 PROVIDER_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
+# Text lr records and prints but never parses (a region, a connection id): one line, no C0 control
+# character or DEL (``errors.is_control``); a region "r1\nsite-b: ..." printed a line of its own.
+PRINTABLE_PATTERN = re.compile(r"[^\x00-\x1f\x7f]{1,63}")
 MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 
 
@@ -41,6 +44,18 @@ def valid_site_id(value: object) -> bool:
 
 def valid_client_name(value: object) -> bool:
     return isinstance(value, str) and CLIENT_NAME_PATTERN.fullmatch(value) is not None
+
+
+def valid_region(value: object) -> bool:
+    return isinstance(value, str) and PRINTABLE_PATTERN.fullmatch(value) is not None
+
+
+def form_pattern(pattern: re.Pattern[str] | str) -> str:
+    """A JSON Schema ``pattern`` a whole form value must match, read alike by Airflow's server (Python's
+    ``re.search``) and the browser (a JS RegExp): ``^...$`` let ``'site-b\\n'`` through in Python
+    (``$`` matches before a final newline) and ``\\Z`` is no JS; ``(?![\\s\\S])`` ends the value in both."""
+    text = pattern if isinstance(pattern, str) else pattern.pattern
+    return rf"^(?:{text})(?![\s\S])"
 
 
 def _anchored(pattern: re.Pattern[str]) -> str:
@@ -110,8 +125,8 @@ SCHEMA: dict[str, Any] = {
                 "required": ["id"],
                 "properties": {
                     "id": _SITE_ID,
-                    "region": {"type": "string", "minLength": 1, "maxLength": 63},
-                    "conn_id": {"type": "string", "minLength": 1, "maxLength": 250},
+                    "region": {"type": "string", "pattern": _anchored(PRINTABLE_PATTERN)},
+                    "conn_id": {"type": "string", "minLength": 1, "maxLength": 250, "pattern": r"^[^\x00-\x1f\x7f]*\Z"},
                 },
             },
         },
@@ -302,9 +317,11 @@ def _explain(error: ValidationError, origin: Origin) -> ConfigurationError:
     if error.validator == "pattern":
         if path[:1] == ["providers"]:
             return origin.error(path, f"{error.instance!r} is not a valid provider: expected 'package.module:function'")
+        if path[-1:] in (["region"], ["conn_id"]):
+            return origin.error(path, f"{error.instance!r} is not one line of text: {TEXT_RULES}")
         if "clients" in path:
             return origin.error(path, f"{error.instance!r} is not a valid client name: expected {_CLIENT_RULES}")
-        return origin.error(path, f"{error.instance!r} is not a valid site id: expected {_SITE_RULES}")
+        return origin.error(path, f"{error.instance!r} is not a valid site id: expected {SITE_RULES}")
     if error.validator == "propertyNames":
         return origin.error(
             path + [str(error.instance)], f"{error.instance!r} is not a valid client name: expected {_CLIENT_RULES}"
@@ -312,5 +329,6 @@ def _explain(error: ValidationError, origin: Origin) -> ConfigurationError:
     return origin.error(path, error.message)
 
 
+TEXT_RULES = "no newline, tab or other control character (a region: 1-63 characters)"
 _CLIENT_RULES = "1-63 letters, digits, '-' or '_', starting with a letter or digit"
-_SITE_RULES = "1-63 lowercase letters, digits, '-' or '_', starting with a letter or digit"
+SITE_RULES = "1-63 lowercase letters, digits, '-' or '_', starting with a letter or digit"
