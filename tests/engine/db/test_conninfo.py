@@ -8,8 +8,10 @@ import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.db import conninfo, schema
+from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.errors import ConfigurationError, mask_secrets
 from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.tables.definition import TableName, read_definition
 from tests.support.session import apply
 
 
@@ -108,3 +110,25 @@ def test_lrs_connections_search_pg_catalog_alone_and_a_provider_resolves_through
             assert cur.fetchone() == ("pg_catalog",)
     finally:
         conn.close()
+
+
+def test_lrs_connections_print_names_unquoted_on_a_site_whose_default_quotes_every_identifier(lr_sites):
+    """A site whose default is ``quote_all_identifiers = on`` prints ``"text"`` where the others print
+    ``text``: lr's connections set it off, so the column types lr reads from that site's catalog (a
+    federated table's shape, compared with another site's) are printed as every site prints them;
+    the application's connections keep the site's setting."""
+    site = lr_sites[0]
+    site.query("CREATE TABLE public.quoted_types (id int PRIMARY KEY, t text)")
+    site.query(f'ALTER DATABASE "{site.dbname}" SET quote_all_identifiers = on')
+    info = conninfo.from_dsn(site.dsn)
+    lr_conn, app = info.connect(), info.connect(Purpose.APPLICATION)
+    try:
+        with lr_conn.cursor() as cur:
+            found = read_definition(cur, TableName.parse("public.quoted_types"))
+        assert found is not None and [c.type for c in found.columns] == ["integer", "text"]
+        with app.cursor() as cur:
+            cur.execute("SHOW quote_all_identifiers")
+            assert cur.fetchone() == ("on",)
+    finally:
+        lr_conn.close()
+        app.close()
