@@ -129,6 +129,9 @@ class Timeouts:
         ours = " ".join(f"-c {name}={round(seconds * 1000)}" for name, seconds in self.session_options(purpose).items())
         if purpose is not Purpose.APPLICATION:  # the server notices a vanished client as soon as lr would
             ours += "".join(f" -c {name}={value}" for name, value in self.server_keepalives().items())
+            # names lr reads back from the catalog (a column's type, a definition) printed as every site
+            # prints them: a site whose default quotes every identifier ("text") differs from the others
+            ours += " -c quote_all_identifiers=off"
         theirs = str(given.get("options") or "")
         options = f"{ours} {theirs}".strip()  # a later -c wins: the DSN's own options override ours
         if options:
