@@ -9,7 +9,8 @@ The sites' sessions do not share their settings: the writer's and the sinks' ``D
 ``IntervalStyle``, ``TimeZone``, ``extra_float_digits`` and ``bytea_output`` differ from the
 source's, so a value whose text depends on them (a date, an interval, a ``timestamptz``, a float, a
 ``bytea``) shows if a path carries its text under one site's settings and reads it under another's.
-site-b's sessions take ``LATIN1`` as their client encoding: a snapshot's bytes, copied undecoded,
+site-c's sessions read an array's ``NULL`` as a string (``array_nulls = off``), which lr's apply
+must not. site-b's sessions take ``LATIN1`` as their client encoding: a snapshot's bytes, copied undecoded,
 must be read there as the source wrote them. The application's writer quotes every identifier (``quote_all_identifiers``: ``format_type`` prints
 ``"text"``), which the capture's note of its columns' types must not follow. Objects a ``reg*``
 value names exist at every site under other oids (the sinks made more objects first): a value
@@ -138,7 +139,8 @@ SETTINGS = {
     "extra_float_digits = -15; bytea_output = 'escape'",
     "site-b": "DateStyle = 'German'; IntervalStyle = 'sql_standard'; TimeZone = 'America/St_Johns'; "
     "extra_float_digits = 0; client_encoding = 'LATIN1'",
-    "site-c": "DateStyle = 'Postgres, MDY'; IntervalStyle = 'postgres_verbose'; TimeZone = 'Asia/Kathmandu'",
+    "site-c": "DateStyle = 'Postgres, MDY'; IntervalStyle = 'postgres_verbose'; TimeZone = 'Asia/Kathmandu'; "
+    "array_nulls = off",
 }
 # How rows are compared: every site's text read under the same settings.
 READ = (
