@@ -112,23 +112,30 @@ def test_lrs_connections_search_pg_catalog_alone_and_a_provider_resolves_through
         conn.close()
 
 
-def test_lrs_connections_print_names_unquoted_on_a_site_whose_default_quotes_every_identifier(lr_sites):
+def test_lrs_connections_read_names_as_every_site_prints_them_whatever_the_sites_defaults(lr_sites):
     """A site whose default is ``quote_all_identifiers = on`` prints ``"text"`` where the others print
-    ``text``: lr's connections set it off, so the column types lr reads from that site's catalog (a
-    federated table's shape, compared with another site's) are printed as every site prints them;
-    the application's connections keep the site's setting."""
+    ``text``, and one whose sessions take ``LATIN1`` cannot send a column named ``✓``: lr's
+    connections set the one off and talk UTF8, so a federated table's shape read from that site's
+    catalog (compared with another site's) is as every site prints it; the application's
+    connections keep the site's settings."""
     site = lr_sites[0]
-    site.query("CREATE TABLE public.quoted_types (id int PRIMARY KEY, t text)")
+    site.query('CREATE TABLE public.quoted_types (id int PRIMARY KEY, t text, "✓" int)')
     site.query(f'ALTER DATABASE "{site.dbname}" SET quote_all_identifiers = on')
+    site.query(f"ALTER DATABASE \"{site.dbname}\" SET client_encoding = 'LATIN1'")
     info = conninfo.from_dsn(site.dsn)
     lr_conn, app = info.connect(), info.connect(Purpose.APPLICATION)
     try:
         with lr_conn.cursor() as cur:
             found = read_definition(cur, TableName.parse("public.quoted_types"))
-        assert found is not None and [c.type for c in found.columns] == ["integer", "text"]
+        assert found is not None and [(c.name, c.type) for c in found.columns] == [
+            ("id", "integer"),
+            ("t", "text"),
+            ("✓", "integer"),
+        ]
         with app.cursor() as cur:
             cur.execute("SHOW quote_all_identifiers")
             assert cur.fetchone() == ("on",)
+            assert app.encoding == "LATIN1"
     finally:
         lr_conn.close()
         app.close()
