@@ -112,13 +112,13 @@ def test_lrs_connections_search_pg_catalog_alone_and_a_provider_resolves_through
         conn.close()
 
 
-def test_lrs_connections_read_names_as_every_site_prints_them_whatever_the_sites_defaults(lr_sites):
+def test_lrs_connections_read_names_as_every_site_prints_them_whatever_the_sites_defaults(sites):
     """A site whose default is ``quote_all_identifiers = on`` prints ``"text"`` where the others print
     ``text``, and one whose sessions take ``LATIN1`` cannot send a column named ``✓``: lr's
     connections set the one off and talk UTF8, so a federated table's shape read from that site's
     catalog (compared with another site's) is as every site prints it; the application's
     connections keep the site's settings."""
-    site = lr_sites[0]
+    site = sites[0]
     site.query('CREATE TABLE public.quoted_types (id int PRIMARY KEY, t text, "✓" int)')
     site.query(f'ALTER DATABASE "{site.dbname}" SET quote_all_identifiers = on')
     site.query(f"ALTER DATABASE \"{site.dbname}\" SET client_encoding = 'LATIN1'")
