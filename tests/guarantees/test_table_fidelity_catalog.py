@@ -9,9 +9,13 @@ The sites' sessions do not share their settings: the writer's and the sinks' ``D
 ``IntervalStyle``, ``TimeZone``, ``extra_float_digits`` and ``bytea_output`` differ from the
 source's, so a value whose text depends on them (a date, an interval, a ``timestamptz``, a float, a
 ``bytea``) shows if a path carries its text under one site's settings and reads it under another's.
-Objects a ``reg*`` value names exist at every site under other oids (the sinks made more objects
-first): a value arrives as the object it names, as PostgreSQL's text replication and ``pg_dump``
-carry it, never as the source's oid."""
+site-c's sessions read an array's ``NULL`` as a string (``array_nulls = off``), which lr's apply
+must not. site-b's sessions take ``LATIN1`` as their client encoding: a snapshot's bytes, copied undecoded,
+must be read there as the source wrote them. The application's writer quotes every identifier (``quote_all_identifiers``: ``format_type`` prints
+``"text"``), which the capture's note of its columns' types must not follow. Objects a ``reg*``
+value names exist at every site under other oids (the sinks made more objects first): a value
+arrives as the object it names, as PostgreSQL's text replication and ``pg_dump`` carry it, never as
+the source's oid."""
 
 from __future__ import annotations
 
@@ -134,8 +138,9 @@ SETTINGS = {
     "site-a": "DateStyle = 'SQL, DMY'; IntervalStyle = 'iso_8601'; TimeZone = 'Pacific/Chatham'; "
     "extra_float_digits = -15; bytea_output = 'escape'",
     "site-b": "DateStyle = 'German'; IntervalStyle = 'sql_standard'; TimeZone = 'America/St_Johns'; "
-    "extra_float_digits = 0",
-    "site-c": "DateStyle = 'Postgres, MDY'; IntervalStyle = 'postgres_verbose'; TimeZone = 'Asia/Kathmandu'",
+    "extra_float_digits = 0; client_encoding = 'LATIN1'",
+    "site-c": "DateStyle = 'Postgres, MDY'; IntervalStyle = 'postgres_verbose'; TimeZone = 'Asia/Kathmandu'; "
+    "array_nulls = off",
 }
 # How rows are compared: every site's text read under the same settings.
 READ = (
@@ -188,6 +193,7 @@ def columns(site) -> dict[str, list[str]]:
 def texts(site, table: str) -> dict:
     """Every row of ``table`` as each column's text, read under the same settings at every site."""
     conn = site.connect()
+    conn.set_client_encoding("UTF8")  # site-b's sessions take LATIN1 (SETTINGS)
     try:
         with conn.cursor() as cur:
             cur.execute(READ)
@@ -241,6 +247,21 @@ def changes(table: str, names: list[str], height: int) -> list[str]:
     ]
 
 
+def written(source, statements: list[str]) -> None:
+    """``statements``, each committed, by an application whose session quotes every identifier: its
+    changes reach the sinks as any other's (before, the capture printed its columns' types quoted,
+    ``"text"``, and every sink refused each change as of a type it has not, for good)."""
+    conn = source.connect()
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SET quote_all_identifiers = on")
+            for statement in statements:
+                cur.execute(statement, ())  # a format, as source.query takes it (%% is %)
+                conn.commit()
+    finally:
+        conn.close()
+
+
 def refused_at_open(source) -> None:
     """A table with a column of each type lr cannot carry is refused by ``lr tables open``, naming
     each column and its type (before, PostgreSQL's internal types were let in: their snapshot and
@@ -290,8 +311,7 @@ def test_every_type_of_the_catalog_arrives_by_snapshot_stream_and_a_full_sync_or
         streaming.streaming()
         alike(source, sinks, "the snapshot")
         cycles = len(streaming.cycles)
-        for statement in (s for together in zip(*statements) for s in together):
-            source.query(statement)
+        written(source, [s for together in zip(*statements) for s in together])
         alike(source, sinks, "the stream")
         assert len(streaming.cycles) == cycles, f"cycles ran: {streaming.cycles[cycles:]}"
         forced_full_sync_of_site_b(source, streaming)

@@ -125,10 +125,15 @@ class Timeouts:
         }
         if psycopg2.extensions.libpq_version() >= 120000:  # libpq 12 added it; an older one refuses the key
             params["tcp_user_timeout"] = round(self.tcp_user_timeout_s * 1000)
+        if purpose is not Purpose.APPLICATION:  # every name and text lr reads, whatever the site's default encoding
+            params["client_encoding"] = "UTF8"
         params.update({k: v for k, v in given.items() if v is not None})
         ours = " ".join(f"-c {name}={round(seconds * 1000)}" for name, seconds in self.session_options(purpose).items())
         if purpose is not Purpose.APPLICATION:  # the server notices a vanished client as soon as lr would
             ours += "".join(f" -c {name}={value}" for name, value in self.server_keepalives().items())
+            # names lr reads back from the catalog (a column's type, a definition) printed as every site
+            # prints them: a site whose default quotes every identifier ("text") differs from the others
+            ours += " -c quote_all_identifiers=off"
         theirs = str(given.get("options") or "")
         options = f"{ours} {theirs}".strip()  # a later -c wins: the DSN's own options override ours
         if options:

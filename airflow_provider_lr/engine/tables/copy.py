@@ -18,6 +18,12 @@ empty one, sent by the source, is refused by the sink's receive function: the sn
 every cycle, for good) and the ``reg*`` types (binary carries the source's oid, which names another object or none at
 the sink; as text, a value names the same object, as the stream's changes and ``pg_dump`` carry it).
 What no path can carry is refused when the table is opened (``uncarried``).
+
+Both ends copy in UTF8 (``copy_settings``), whatever each session's ``client_encoding``: the bytes
+pass through undecoded, so a sink whose sessions took another encoding by default (a database of
+``LATIN1``, or one whose ``client_encoding`` is set so) read the source's UTF8 as its own, and
+stored ``é`` as ``Ã©``, silently; now its server converts them, or refuses a character its
+encoding lacks, naming it.
 """
 
 from __future__ import annotations
@@ -148,6 +154,7 @@ SELECT EXISTS (SELECT FROM lr_parts p JOIN pg_catalog.pg_type t ON t.oid = p.typ
 # a sink's triggers keep theirs)
 _SOURCE_SETTINGS = {**AS_PRINTED, "xmloption": "content", "search_path": "pg_catalog"}
 _SINK_SETTINGS = {k: v for k, v in _SOURCE_SETTINGS.items() if k != "search_path"}
+_ENCODING = {"client_encoding": "UTF8"}  # every copy's, binary too: its text values pass undecoded
 
 
 def uncarried(cur: psycopg2.extensions.cursor, table: sql.Composable) -> list[str]:
@@ -166,13 +173,16 @@ def by_text(cur: psycopg2.extensions.cursor, definition: TableDefinition) -> boo
 
 
 @contextlib.contextmanager
-def text_settings(source: psycopg2.extensions.cursor, sinks: Sequence[psycopg2.extensions.cursor]) -> Iterator[None]:
-    """The settings of a text COPY, on ``source`` and each of ``sinks`` for their transaction's
-    copy; back as they were after it (not after a failure: the transaction is over then)."""
+def copy_settings(
+    source: psycopg2.extensions.cursor, sinks: Sequence[psycopg2.extensions.cursor], text: bool
+) -> Iterator[None]:
+    """The settings of a COPY (a text one's too, with ``text``), on ``source`` and each of ``sinks``
+    for their transaction's copy; back as they were after it (not after a failure: the transaction
+    is over then)."""
     with contextlib.ExitStack() as ends:
-        ends.enter_context(local_settings(source, _SOURCE_SETTINGS))
+        ends.enter_context(local_settings(source, {**_ENCODING, **(_SOURCE_SETTINGS if text else {})}))
         for cur in sinks:
-            ends.enter_context(local_settings(cur, _SINK_SETTINGS))
+            ends.enter_context(local_settings(cur, {**_ENCODING, **(_SINK_SETTINGS if text else {})}))
         yield
 
 

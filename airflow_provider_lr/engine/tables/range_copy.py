@@ -10,7 +10,6 @@ the snapshot itself: its split, the sinks' tables prepared and finished.
 
 from __future__ import annotations
 
-import contextlib
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,7 +83,7 @@ def copy_to_targets(
         else:
             sinks.append((cur, table_copy.insert_statement(definition, text=text)))
     select = table_copy.select_statement(definition, where, text)
-    with table_copy.text_settings(source, [cur for cur, _ in targets]) if text else contextlib.nullcontext():
+    with table_copy.copy_settings(source, [cur for cur, _ in targets], text):
         copied = table_copy.copy_rows(source, select, sinks)
         rows = [max(cur.rowcount, 0) for cur, _ in targets]  # each COPY's, before the settings go back
     for cur, target, stage in staged:

@@ -126,8 +126,13 @@ def forget_session(
     )
 
 
-# lr's apply; money read as the capture prints it (lc_monetary C, V0041), whatever the sink's locale
-APPLYING_SQL = "SELECT set_config('lr.applying', 'on', true), set_config('lc_monetary', 'C', true)"
+# lr's apply; money read as the capture prints it (lc_monetary C, V0041), whatever the sink's locale;
+# an array's NULL element read as NULL whatever the sink's array_nulls (off, a text snapshot's {1,NULL}
+# was refused in an int[] for good, and a text[]'s NULL element became the string 'NULL')
+APPLYING_SQL = (
+    "SELECT set_config('lr.applying', 'on', true), set_config('lc_monetary', 'C', true), "
+    "set_config('array_nulls', 'on', true)"
+)
 # a table change's sink transaction starts so: lr's apply, constraints as the source's, and the
 # targets' read (prepared) planned generically
 _OPEN = f"SET CONSTRAINTS ALL DEFERRED; {APPLYING_SQL}, {GENERIC}"

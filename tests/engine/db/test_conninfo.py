@@ -8,8 +8,10 @@ import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.db import conninfo, schema
+from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.errors import ConfigurationError, mask_secrets
 from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.tables.definition import TableName, read_definition
 from tests.support.session import apply
 
 
@@ -108,3 +110,32 @@ def test_lrs_connections_search_pg_catalog_alone_and_a_provider_resolves_through
             assert cur.fetchone() == ("pg_catalog",)
     finally:
         conn.close()
+
+
+def test_lrs_connections_read_names_as_every_site_prints_them_whatever_the_sites_defaults(sites):
+    """A site whose default is ``quote_all_identifiers = on`` prints ``"text"`` where the others print
+    ``text``, and one whose sessions take ``LATIN1`` cannot send a column named ``✓``: lr's
+    connections set the one off and talk UTF8, so a federated table's shape read from that site's
+    catalog (compared with another site's) is as every site prints it; the application's
+    connections keep the site's settings."""
+    site = sites[0]
+    site.query('CREATE TABLE public.quoted_types (id int PRIMARY KEY, t text, "✓" int)')
+    site.query(f'ALTER DATABASE "{site.dbname}" SET quote_all_identifiers = on')
+    site.query(f"ALTER DATABASE \"{site.dbname}\" SET client_encoding = 'LATIN1'")
+    info = conninfo.from_dsn(site.dsn)
+    lr_conn, app = info.connect(), info.connect(Purpose.APPLICATION)
+    try:
+        with lr_conn.cursor() as cur:
+            found = read_definition(cur, TableName.parse("public.quoted_types"))
+        assert found is not None and [(c.name, c.type) for c in found.columns] == [
+            ("id", "integer"),
+            ("t", "text"),
+            ("✓", "integer"),
+        ]
+        with app.cursor() as cur:
+            cur.execute("SHOW quote_all_identifiers")
+            assert cur.fetchone() == ("on",)
+            assert app.encoding == "LATIN1"
+    finally:
+        lr_conn.close()
+        app.close()
