@@ -148,7 +148,11 @@ def cmd_tables_list(args: argparse.Namespace) -> int:
         assert isinstance(read, (tuple, str))
         found[site_id] = read
     closed = {
-        (site, str(t.table)) for site, read in found.items() if not isinstance(read, str) for t in read[0] if t.closed
+        (site, str(t.table))
+        for site, read in found.items()
+        if not isinstance(read, str)
+        for t in read[0]
+        if t.closed or t.closed_onward
     }
     for site_id, read in found.items():
         if isinstance(read, str):
@@ -159,10 +163,12 @@ def cmd_tables_list(args: argparse.Namespace) -> int:
         print(f"{site_id}:" + ("" if registered or copies else " no tables registered"))
         held = {str(c.table) for c in copies}
         for table in registered:
-            if not (table.source_site_id and str(table.table) in held and table.table_id is None):  # said below
-                print(f"  {table.describe()}")
+            if table.closed_onward or not (
+                table.source_site_id and str(table.table) in held and table.table_id is None
+            ):
+                print(f"  {table.describe()}")  # (a copy only: said below)
         for copy in copies:
-            print(f"  {copy.describe((copy.source_site_id, str(copy.table)) in closed)}")
+            print(f"  {copy.describe(copy.closed_at_source or (copy.source_site_id, str(copy.table)) in closed)}")
     return code
 
 
