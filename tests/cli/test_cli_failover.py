@@ -17,7 +17,7 @@ from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables.definition import TableName
 from tests.cli.test_cli_sync import topology_file
-from tests.support.session import App, sink_queue, topology_doc, wait_for
+from tests.support.session import App, replicator, sink_queue, topology_doc, wait_for
 from tests.support.tables import create_accounts, federate, rows
 
 SYNC = ["--until-idle", "--cycles", "10", "--interval", "0.01"]
@@ -33,6 +33,7 @@ def test_a_planned_switchover_drains_the_old_source_then_refuses_its_writers(lr_
         app.put(f"k{i}", i, ["site-b", "site-c"])  # committed at site-a, not replicated yet
     App(site_b).close()
     capsys.readouterr()
+    running = replicator(topologies.load(topo), lr_sites)  # an `lr sync` started before the switch, with its file
 
     new = tmp_path / "after.yaml"
     assert (
@@ -83,6 +84,12 @@ def test_a_planned_switchover_drains_the_old_source_then_refuses_its_writers(lr_
     assert cli.main(["sync", "--topology", topo, "--once"]) == 1
     said = capsys.readouterr().err
     assert "predates the failover of site-a to site-b" in said and "lr topology apply" not in said, said
+    # and so does each session of the `lr sync` that was running (before: `apply the current file with
+    # lr topology apply --topology <that file>`, cycle after cycle)
+    errors = [r.error or "" for r in running.run_cycle()]
+    running.close()
+    assert len(errors) == 2 and all("predates the failover of site-a to site-b" in e for e in errors), errors
+    assert not any("lr topology apply" in e or "--rejoin" in e for e in errors), errors
 
     App(site_b).put("b0", 0, ["site-c", "site-a"])
     assert cli.main(["sync", "--topology", str(new), *SYNC]) == 0
