@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.db import schema
@@ -35,8 +36,8 @@ from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.source import closed_tables, full_sync
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest
 from airflow_provider_lr.engine.source.log_reader import BaseSplit
-from airflow_provider_lr.engine.store import source_sessions
-from airflow_provider_lr.engine.store.topology import Topology, config_id, drift, recorded_id, reread
+from airflow_provider_lr.engine.store import sink_sessions, source_sessions
+from airflow_provider_lr.engine.store.topology import Topology, TopologyDrift, config_id, drift, recorded_id, reread
 from airflow_provider_lr.engine.tables import closed_notes
 from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES, RequestStatus, SessionKey, SessionState
 
@@ -121,7 +122,7 @@ def handshake(
         # the file may have been edited and applied since this process read it: then it is not stale
         found = drift(topology, held) and drift(reread(topology), held)
         if found is not None:
-            return Handshake(key, Verdict.REFUSED, found.message())
+            return Handshake(key, Verdict.REFUSED, told_by_sink(found, sink, key).message())
     lease = leases.acquire(source, key.sink, key.client, owner, lease_seconds)
     on_lease(lease)
     if lease is None:
@@ -218,6 +219,31 @@ def resnapshot_tables(
     )
     writes.forget_tables(sink, key.source, key.client, lease.epoch, _closed_whole(sink, source, key, meta))
     leases.update_session(source, lease, acked_position=meta.last_log_entry_processed)
+
+
+def told_by_sink(found: TopologyDrift, sink: psycopg2.extensions.connection, key: SessionKey) -> TopologyDrift:
+    """A stale file's drift at the source, with what the sink knows: the topology it runs and
+    whether the source's clients were failed over (its fence's note). An ``lr sync`` started before a
+    failover, its file now older than the one every site runs, was told cycle after cycle to apply
+    that file (``lr topology apply`` refuses it); now that the file predates the failover, and to
+    use the file the failover wrote. The site the clients went to runs what the sink runs (the
+    failover applied it to both) unless it is the sink itself."""
+    try:
+        with sink.cursor() as cur:
+            moved = {
+                source: to for (source, _), (to, _) in sink_sessions.failed_over(cur).items() if source == key.source
+            }
+        sink.commit()
+        here = recorded_id(sink)
+    except psycopg2.Error:  # told without it
+        sink.rollback()
+        return found
+    if here == found.topology.topology_config_id:
+        return replace(found, failed_over=moved)
+    held = {**found.held, key.sink: here}
+    for to in moved.values():
+        held.setdefault(to, here)
+    return replace(found, held=held, failed_over=moved)
 
 
 def _closed_whole(
