@@ -243,6 +243,11 @@ def test_an_old_source_back_after_an_unplanned_failover_is_named_to_rejoin_not_t
         f"{new} --rejoin site-a`, not a topology apply"
     ) in out
     assert "apply the current file" not in out, out  # it said both: apply it, and not to apply it
+    # and `lr sync` with the new file, which replicates the other sessions: it said to apply the file
+    cli.main(["sync", "--topology", str(new), "--once"])
+    said = capsys.readouterr().err
+    assert "lr sync: " in said and "--rejoin site-a`, not a topology apply" in said, said
+    assert "apply the current file" not in said, said
     assert cli.main(["topology", "apply", "--topology", str(new)]) == 1
     assert (
         "site 'site-a' is back with 'policy', which a failover moved to 'site-b': rejoin it with `lr failover "
