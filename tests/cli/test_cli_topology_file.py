@@ -243,6 +243,10 @@ def test_an_old_source_back_after_an_unplanned_failover_is_named_to_rejoin_not_t
         f"{new} --rejoin site-a`, not a topology apply"
     ) in out
     assert "apply the current file" not in out, out  # it said both: apply it, and not to apply it
+    # site-a's own sessions: its sinks refuse them (before: called ready, or waiting for a table snapshot)
+    mine = [line for line in out.splitlines() if line.startswith("  source site-a->")]
+    assert len(mine) == 2 and all("failed over to site-b" in line for line in mine), out
+    assert "its sink refuses it: 'policy' was failed over to site-b; rejoin this site" in out, out
     # and `lr sync` with the new file, which replicates the other sessions: it said to apply the file
     cli.main(["sync", "--topology", str(new), "--once"])
     said = capsys.readouterr().err
