@@ -296,7 +296,12 @@ def render(
             lines.append(f"         tables not synced at the sink yet: {', '.join(s['tables_lacking'])}")
         if s.get("last_error"):
             lines.append(f"         last error: {one_line(s['last_error'])}")
-        if s.get("failed_over_to"):
+        if s.get("failed_over_to") and s["role"] == "source":  # (its sink says so: ``mark_sources_failed_over``)
+            lines.append(
+                f"         its sink refuses it: {s['client_name']!r} was failed over to {s['failed_over_to']}; "
+                f"rejoin this site (lr failover --rejoin {status.site_id}) with the failover's topology"
+            )
+        elif s.get("failed_over_to"):
             note = f"reconciled: {one_line(s['failover_note'])}" if s.get("failover_note") else "not reconciled yet"
             lines.append(f"         its clients failed over to {s['failed_over_to']}: this session is closed; {note}")
     for r in status.full_sync_requests:

@@ -130,8 +130,31 @@ def mark_copies_captured_for_another_client(found: Mapping[str, SiteRead | str])
                 st.diverged.append(line)
 
 
+def mark_sources_failed_over(found: Mapping[str, SiteRead | str]) -> None:
+    """Note on each source session whose sink, read in the same run, records its client failed
+    over (the fence of ``lr failover``) where it went (``failed_over_to``): an old source back
+    after an unplanned failover, not rejoined yet, still has its sessions, which every sink refuses.
+    Before, they were called ready, or waiting for a table snapshot that never comes."""
+    moved = {
+        (session_key(s), site): s["failed_over_to"]
+        for site, st in found.items()
+        if not isinstance(st, str)
+        for s in st.sessions
+        if s["role"] == "sink" and s.get("failed_over_to")
+    }
+    for st in found.values():
+        if isinstance(st, str):
+            continue
+        for s in st.sessions:
+            key = session_key(s)
+            to = moved.get((key, key.sink))
+            if s["role"] == "source" and to:
+                s["failed_over_to"] = to
+
+
 def cross_check(found: Mapping[str, SiteRead | str]) -> None:
     """Every note a status run makes across the sites it read (before readiness is judged)."""
+    mark_sources_failed_over(found)
     mark_sink_positions(found)
     mark_tables_lacking(found)
     mark_copies_captured_for_another_client(found)
