@@ -312,6 +312,25 @@ def test_a_switchover_allowed_to_take_a_both_ways_copy_marks_the_other_clients_c
         ), shown
 
 
+def test_a_switchover_to_a_site_federating_back_a_copy_closed_at_the_old_source_is_not_refused(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """public.accounts federated both ways, then closed for policy at site-a: the failover of policy
+    to site-b does not take the closed table over, so site-b's capture for back stays. It was refused
+    as if site-b's capture would move to policy (site-b, which captures the table itself, was not
+    even told of the close)."""
+    a, b, c = lr_sites
+    topo = both_ways(lr_sites, tmp_path, monkeypatch)
+    assert cli.main(["tables", "close", "public.accounts", "--site", "site-a", "--topology", topo]) == 0
+    after = str(tmp_path / "after.yaml")
+    capsys.readouterr()
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--client", "policy", "--out", after]) == 0
+    out = capsys.readouterr().out
+    assert "public.accounts: closed at site-a: this copy is kept, no longer updated" in out, out
+    # site-b captures it for back still (its capture triggers for back's sessions)
+    assert b.query("SELECT client_name, table_id IS NOT NULL FROM lr.registry WHERE kind = 'table'") == [("back", True)]
+
+
 def test_lr_failover_refuses_to_stop_a_tables_replication_and_lr_status_shows_the_divergence(
     lr_sites, tmp_path, monkeypatch, capsys
 ):
