@@ -252,6 +252,9 @@ def test_an_old_source_back_after_an_unplanned_failover_is_named_to_rejoin_not_t
     said = capsys.readouterr().err
     assert "lr sync: " in said and "--rejoin site-a`, not a topology apply" in said, said
     assert "apply the current file" not in said, said
+    refused = lr_sites[1].query("SELECT last_error FROM lr.source_sessions WHERE sink_site_id = 'site-a'")[0][0]
+    assert "site-a was failed over to site-b" in refused and "--rejoin site-a" in refused, refused
+    assert "apply the same topology" not in refused, refused  # (before: its negotiation said to apply it)
     assert cli.main(["topology", "apply", "--topology", str(new)]) == 1
     assert (
         "site 'site-a' is back with 'policy', which a failover moved to 'site-b': rejoin it with `lr failover "
