@@ -31,7 +31,15 @@ from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import lease as leases
-from airflow_provider_lr.engine.session.negotiation import Decision, Negotiation, SinkView, SourceView, negotiate
+from airflow_provider_lr.engine.session.negotiation import (
+    APPLY_BOTH,
+    MISMATCH,
+    Decision,
+    Negotiation,
+    SinkView,
+    SourceView,
+    negotiate,
+)
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.source import closed_tables, full_sync
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest
@@ -156,11 +164,34 @@ def handshake(
         resnapshot_tables(sink, source, key, lease, meta)
     position = Position.of(meta, lease.epoch)
     if negotiation.decision is Decision.REFUSE:
+        negotiation = _back_unrejoined(source, key, meta, negotiation)
         leases.update_session(
             source, lease, state=SessionState.NEGOTIATING, last_error=f"negotiation refused: {negotiation.reason}"
         )
         return Handshake(key, Verdict.REFUSED, negotiation.reason, lease, meta, negotiation, position)
     return Handshake(key, Verdict.PROCEED, "", lease, meta, negotiation, position)
+
+
+def _back_unrejoined(
+    source: psycopg2.extensions.connection, key: SessionKey, meta: writes.SinkMetadata, refused: Negotiation
+) -> Negotiation:
+    """A refusal across topology ids whose sink is the old source of a failover this source
+    records (it was promoted, or reconciled, from it), back with the topology it had: said so, with
+    the rejoin to run. Before, it said to apply the same topology on both sites, which ``lr topology
+    apply`` refuses there until the rejoin."""
+    if not refused.reason.startswith(MISMATCH):
+        return refused
+    with source.cursor() as cur:
+        moved = {to for (old, _), (to, _) in sink_sessions.failed_over(cur).items() if old == key.sink}
+    source.commit()
+    if not moved:
+        return refused
+    return replace(
+        refused,
+        reason=refused.reason.removesuffix(APPLY_BOTH)
+        + f": {key.sink} was failed over to {', '.join(sorted(moved))} and is back with the topology it had: rejoin "
+        f"it with `lr failover --topology <the failover's file> --rejoin {key.sink}` (not a topology apply)",
+    )
 
 
 def negotiate_session(
