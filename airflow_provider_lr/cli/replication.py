@@ -108,7 +108,7 @@ def _check_sync(topo: topologies.Topology) -> None:
     stale = topology.explained(topologies.unheld(topo, recorded), connector(topo))
     if stale is not None:
         raise TopologyMismatchError(stale.message())
-    behind = topologies.drift(topo, recorded)
+    behind = topology.explained(topologies.drift(topo, recorded), connector(topo))  # a failover's old source: rejoined
     if behind is not None:
         print(f"lr sync: {behind.message()}; their sessions are refused", file=sys.stderr, flush=True)
 

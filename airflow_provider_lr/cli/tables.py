@@ -159,7 +159,11 @@ def cmd_tables_list(args: argparse.Namespace) -> int:
         assert isinstance(read, (tuple, str))
         found[site_id] = read
     closed = {
-        (site, str(t.table)) for site, read in found.items() if not isinstance(read, str) for t in read[0] if t.closed
+        (site, str(t.table))
+        for site, read in found.items()
+        if not isinstance(read, str)
+        for t in read[0]
+        if t.closed or t.closed_onward
     }
     for site_id, read in found.items():
         if isinstance(read, str):
@@ -170,14 +174,16 @@ def cmd_tables_list(args: argparse.Namespace) -> int:
         print(f"{site_id}:" + ("" if registered or copies else " no tables registered"))
         held = {str(c.table) for c in copies}
         for table in registered:
-            if not (table.source_site_id and str(table.table) in held and table.table_id is None):  # said below
+            if table.closed_onward or not (
+                table.source_site_id and str(table.table) in held and table.table_id is None
+            ):  # (a copy only: said below)
                 coming = table.source_site_id and table.federated and table.table_id is None  # a sink's, no copy
                 print(
                     f"  {table.describe()}"
                     + (_renewed(found, table.source_site_id, site_id, table.client_name) if coming else "")
                 )
         for copy in copies:
-            shut = (copy.source_site_id, str(copy.table)) in closed
+            shut = copy.closed_at_source or (copy.source_site_id, str(copy.table)) in closed
             renewed = (
                 ""
                 if shut or copy.state != "synced"

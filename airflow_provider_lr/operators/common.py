@@ -6,16 +6,24 @@ XComs carry only small handles (a session or site as a dict of ids); state lives
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 from collections.abc import Iterator
 from typing import Any
 
+import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.db.timeouts import Timeouts
+from airflow_provider_lr.engine.db.timeouts import Timeouts, failure
 from airflow_provider_lr.engine.db.topology_schema import form_pattern
-from airflow_provider_lr.engine.errors import ConfigurationError, TopologyMismatchError
+from airflow_provider_lr.engine.errors import (
+    ConfigurationError,
+    LRError,
+    TopologyMismatchError,
+    one_line,
+    without_statement,
+)
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.store.topology import Topology
@@ -176,3 +184,26 @@ def spark_unavailable(spark_conn_id: str, job: str) -> str | None:
     except Exception:
         return f"no Spark connection {spark_conn_id!r}"
     return None
+
+
+class TaskRefused(SystemExit):
+    """Ends a task whose step lr refused, after the one line that says why (``refusals_said``).
+    Airflow logs a ``SystemExit`` as ``Task exited`` without a traceback; every other exception
+    with one, the engine's frames and all, the reason at its bottom. The task fails (and is retried
+    only as its ``retries`` say: a failover's re-run finishes or refuses again, changing nothing)."""
+
+
+@contextlib.contextmanager
+def refusals_said(log: logging.Logger | Any, step: str) -> Iterator[None]:
+    """lr's refusals of ``step`` (its own errors, and a site's: a lock an application holds) as one
+    ERROR line in the task's log, as ``lr`` prints them, then the task fails without a traceback.
+    Before, the ``lr_failover`` task logged a refusal (a site without a consistent copy, a table the
+    new source lacks, an unreachable sink) under a traceback through the engine."""
+    try:
+        yield
+    except LRError as exc:
+        log.error("%s refused: %s", step, one_line(exc))
+        raise TaskRefused(1) from None
+    except psycopg2.Error as exc:
+        log.error("%s refused: %s", step, without_statement(failure(exc)))
+        raise TaskRefused(1) from None

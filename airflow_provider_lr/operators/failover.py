@@ -7,10 +7,11 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
+from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.site import failover
 from airflow_provider_lr.engine.store.topology import Topology, failover_files, write_document
 from airflow_provider_lr.hooks.site import LRSiteHook
-from airflow_provider_lr.operators.common import load_topology
+from airflow_provider_lr.operators.common import load_topology, refusals_said
 
 
 class LRFailoverOperator(BaseOperator):
@@ -52,6 +53,10 @@ class LRFailoverOperator(BaseOperator):
         self.topology_path = topology_path
 
     def execute(self, context: Any) -> dict[str, Any]:
+        with refusals_said(self.log, f"lr {'rejoin of ' + self.rejoin if self.rejoin else 'failover'}"):
+            return self._execute()
+
+    def _execute(self) -> dict[str, Any]:
         topo = load_topology(self.topology_path)
 
         def connect(site_id: str):
@@ -76,7 +81,7 @@ class LRFailoverOperator(BaseOperator):
                 "topology_config_id": back.topology_config_id,
             }
         if not self.promote:
-            raise ValueError("LRFailoverOperator needs promote (the new source) or rejoin (a site to rejoin)")
+            raise ConfigurationError("LRFailoverOperator needs promote (the new source) or rejoin (a site to rejoin)")
         old = self.from_site or failover.only_source(topo, self.promote)
         done = failover.promote(
             failover.FailoverRequest(

@@ -464,14 +464,11 @@ def test_the_forms_full_sync_snapshots_the_sinks_tables_again_through_spark(dagb
     assert sink_b.query("SELECT state, rows_copied FROM lr.sink_tables") == [("synced", 3000)]
 
 
-def test_the_failover_dag_promotes_a_sink_from_its_form_and_rejoins_the_old_source(dagbag, airflow_sites):
+def test_the_failover_dag_promotes_a_sink_from_its_form_and_rejoins_the_old_source(dagbag, airflow_sites, capfd):
     source, sink_b, sink_c = airflow_sites.sites
     app = App(source)
     for i in range(3):
         app.put(f"k{i}", i, ["site-b", "site-c"])
-    run_until_idle(replicator(airflow_sites.topology, airflow_sites.sites, providers={"policy": table_provider}))
-    app.put("k9", 9, ["site-b", "site-c"])  # not replicated yet: the planned switchover drains it
-    App(sink_b).close()
     form = {
         "promote": "site-b",
         "from_site": None,
@@ -479,6 +476,18 @@ def test_the_failover_dag_promotes_a_sink_from_its_form_and_rejoins_the_old_sour
         "reason": "dc-1 maintenance",
         "same_destinations": False,
     }
+    # site-b holds no consistent copy yet: refused, nothing done, said in one line (before: under a
+    # traceback through the engine)
+    capfd.readouterr()
+    refused = run_dag(dagbag, "lr_failover", form)
+    logged = "".join(capfd.readouterr())
+    assert str(refused.state) == "failed", states(refused)
+    said = [line for line in logged.splitlines() if "refused" in line]
+    assert any("lr failover refused: site 'site-b' holds no consistent copy" in line for line in said), logged
+    assert "Traceback" not in logged, logged
+    run_until_idle(replicator(airflow_sites.topology, airflow_sites.sites, providers={"policy": table_provider}))
+    app.put("k9", 9, ["site-b", "site-c"])  # not replicated yet: the planned switchover drains it
+    App(sink_b).close()
     run = run_dag(dagbag, "lr_failover", form)
     assert str(run.state) == "success", states(run)
     done = xcom(run, "failover")

@@ -17,7 +17,7 @@ from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables.definition import TableName
 from tests.cli.test_cli_sync import topology_file
-from tests.support.session import App, sink_queue, topology_doc, wait_for
+from tests.support.session import App, replicator, sink_queue, topology_doc, wait_for
 from tests.support.tables import create_accounts, federate, rows
 
 SYNC = ["--until-idle", "--cycles", "10", "--interval", "0.01"]
@@ -33,6 +33,7 @@ def test_a_planned_switchover_drains_the_old_source_then_refuses_its_writers(lr_
         app.put(f"k{i}", i, ["site-b", "site-c"])  # committed at site-a, not replicated yet
     App(site_b).close()
     capsys.readouterr()
+    running = replicator(topologies.load(topo), lr_sites)  # an `lr sync` started before the switch, with its file
 
     new = tmp_path / "after.yaml"
     assert (
@@ -83,6 +84,12 @@ def test_a_planned_switchover_drains_the_old_source_then_refuses_its_writers(lr_
     assert cli.main(["sync", "--topology", topo, "--once"]) == 1
     said = capsys.readouterr().err
     assert "predates the failover of site-a to site-b" in said and "lr topology apply" not in said, said
+    # and so does each session of the `lr sync` that was running (before: `apply the current file with
+    # lr topology apply --topology <that file>`, cycle after cycle)
+    errors = [r.error or "" for r in running.run_cycle()]
+    running.close()
+    assert len(errors) == 2 and all("predates the failover of site-a to site-b" in e for e in errors), errors
+    assert not any("lr topology apply" in e or "--rejoin" in e for e in errors), errors
 
     App(site_b).put("b0", 0, ["site-c", "site-a"])
     assert cli.main(["sync", "--topology", str(new), *SYNC]) == 0
@@ -202,16 +209,13 @@ def test_a_planned_switchover_carries_federated_tables_and_refuses_the_old_sourc
     app.close()
 
 
-def test_a_switchover_to_a_site_federating_its_copy_back_leaves_every_site_with_its_rows(
-    lr_sites, tmp_path, monkeypatch, capsys
-):
-    """public.accounts federated both ways (site-a: client policy to site-b and site-c; site-b: its copy,
-    client back, to site-a and site-c), then closed for back at site-b and site-b promoted for policy.
-    site-a and site-c held every
-    row listed under site-b (back's snapshot upserts site-b's whole copy, each row listed under its
-    source); once site-b was their table's origin those rows were its own AND listed, and its snapshot
-    clears only the unlisted ones: a row site-b deleted stayed at site-a and site-c for good, while lr
-    status said healthy."""
+def sink_site(sites, site_id: str):
+    return next(s for s in sites if s.site_id == site_id)
+
+
+def both_ways(lr_sites, tmp_path, monkeypatch) -> str:
+    """public.accounts federated both ways (site-a: client policy to site-b and site-c; site-b: its
+    copy, client back, to site-a and site-c), every site holding every row; the topology file."""
     a, b, c = lr_sites
     topology_file(tmp_path, lr_sites, monkeypatch, providers={})  # the sites' connections
     both = tmp_path / "both-ways.yaml"
@@ -237,6 +241,21 @@ def test_a_switchover_to_a_site_federating_its_copy_back_leaves_every_site_with_
     b.query("INSERT INTO public.accounts (id, owner) VALUES (1001, 'b')")
     assert cli.main(["sync", "--topology", topo, *SYNC]) == 0
     assert rows(a) == rows(b) == rows(c)
+    return topo
+
+
+def test_a_switchover_to_a_site_federating_its_copy_back_leaves_every_site_with_its_rows(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """public.accounts federated both ways, then closed for back at site-b and site-b promoted for
+    policy. site-a and site-c held every
+    row listed under site-b (back's snapshot upserts site-b's whole copy, each row listed under its
+    source); once site-b was their table's origin those rows were its own AND listed, and its snapshot
+    clears only the unlisted ones: a row site-b deleted stayed at site-a and site-c for good, while lr
+    status said healthy. The close for back is shown where it was made and on back's copies, whether
+    or not their site captures the table itself (before: at site-b no line, and both copies `synced`)."""
+    a, b, c = lr_sites
+    topo = both_ways(lr_sites, tmp_path, monkeypatch)
 
     # promoting site-b for policy would capture its table for policy instead of back: back's sinks
     # would stop receiving it (before: silently, their copies called synced, back's full syncs waiting
@@ -249,12 +268,67 @@ def test_a_switchover_to_a_site_federating_its_copy_back_leaves_every_site_with_
     assert "captures its copy of public.accounts for client 'back'" in err, err
     assert "lr tables close public.accounts --site site-b" in err and "nothing was done" in err, err
     assert cli.main(["tables", "close", "public.accounts", "--site", "site-b", "--topology", topo]) == 0
+    capsys.readouterr()
+    assert cli.main(["status", "--topology", topo]) == 0
+    out = capsys.readouterr().out
+    for sink in ("site-a", "site-c"):
+        shut = f"synced from site-b->{sink}/back, 4 rows in its snapshot (closed at site-b: this copy is kept"
+        assert shut in out, out
+        noted = sink_site(lr_sites, sink).query(
+            "SELECT closed_at_source FROM lr.sink_tables WHERE source_site_id = 'site-b'"
+        )
+        assert noted == [(True,)], f"{sink} was told of the close (its own note: read when site-b is not)"
+    assert "table  public.accounts                  closed (captured no more" in out, out
+    assert cli.main(["tables", "list", "--topology", topo]) == 0
+    listed = capsys.readouterr().out
+    assert "public.accounts closed (not captured; its sinks keep their copy) client=back" in listed, listed
+    assert listed.count("client=back: synced, 4 rows in its snapshot (closed at site-b") == 2, listed
     assert cli.main(failover) == 0
     b.query("DELETE FROM public.accounts WHERE id IN (1, 1001)")  # one of site-a's rows, one of its own
     b.query("UPDATE public.accounts SET owner = 'b' WHERE id = 2")
     assert cli.main(["sync", "--topology", after, *SYNC]) == 0
     assert [r[0] for r in b.query("SELECT id FROM public.accounts ORDER BY id")] == [2, 3]
     assert rows(a) == rows(b) == rows(c)
+
+
+def test_a_switchover_allowed_to_take_a_both_ways_copy_marks_the_other_clients_copies_diverged(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """site-b federates its copy back (client back) and is promoted for policy with
+    --allow-table-divergence: it captures the table for policy now, so back's copies at site-a and
+    site-c are no longer updated. Before, lr status called them synced and the sites healthy."""
+    a, b, c = lr_sites
+    topo = both_ways(lr_sites, tmp_path, monkeypatch)
+    after = str(tmp_path / "after.yaml")
+    failover = ["failover", "--topology", topo, "--promote", "site-b", "--client", "policy", "--out", after]
+    assert cli.main([*failover, "--allow-table-divergence"]) == 0
+    assert "DIVERGED table policy: public.accounts (captured at site-b for client 'back'" in capsys.readouterr().out
+    assert cli.main(["status", "--topology", after]) == 1  # degraded
+    shown = [line.strip() for line in capsys.readouterr().out.splitlines() if "DIVERGED" in line]
+    for site in ("site-a", "site-c"):
+        assert (
+            f"{site}: table public.accounts DIVERGED (client back): its source site-b captures it for client "
+            "'policy' now, not for 'back': this copy is no longer updated" in " | ".join(shown)
+        ), shown
+
+
+def test_a_switchover_to_a_site_federating_back_a_copy_closed_at_the_old_source_is_not_refused(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """public.accounts federated both ways, then closed for policy at site-a: the failover of policy
+    to site-b does not take the closed table over, so site-b's capture for back stays. It was refused
+    as if site-b's capture would move to policy (site-b, which captures the table itself, was not
+    even told of the close)."""
+    a, b, c = lr_sites
+    topo = both_ways(lr_sites, tmp_path, monkeypatch)
+    assert cli.main(["tables", "close", "public.accounts", "--site", "site-a", "--topology", topo]) == 0
+    after = str(tmp_path / "after.yaml")
+    capsys.readouterr()
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--client", "policy", "--out", after]) == 0
+    out = capsys.readouterr().out
+    assert "public.accounts: closed at site-a: this copy is kept, no longer updated" in out, out
+    # site-b captures it for back still (its capture triggers for back's sessions)
+    assert b.query("SELECT client_name, table_id IS NOT NULL FROM lr.registry WHERE kind = 'table'") == [("back", True)]
 
 
 def test_lr_failover_refuses_to_stop_a_tables_replication_and_lr_status_shows_the_divergence(

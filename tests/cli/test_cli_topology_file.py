@@ -108,7 +108,9 @@ def test_after_a_failover_from_airflow_the_old_file_is_refused_naming_the_file_t
     source, sink = site_a.connect(), site_c.connect()
     step = handshake(source, sink, SessionKey("site-a", "site-c", "policy"), "t", topology=topologies.load(old))
     source.close(), sink.close()
-    assert step.verdict is Verdict.REFUSED and f"at {new}" in step.reason and "lr topology apply" not in step.reason
+    assert step.verdict is Verdict.REFUSED and "lr topology apply" not in step.reason, step.reason
+    # (told by its sink too: the file predates the failover)
+    assert "predates the failover of site-a to site-b" in step.reason and f"the failover wrote {new}" in step.reason
     app.close()
 
 
@@ -259,6 +261,18 @@ def test_an_old_source_back_after_an_unplanned_failover_is_named_to_rejoin_not_t
         f"{new} --rejoin site-a`, not a topology apply"
     ) in out
     assert "apply the current file" not in out, out  # it said both: apply it, and not to apply it
+    # site-a's own sessions: its sinks refuse them (before: called ready, or waiting for a table snapshot)
+    mine = [line for line in out.splitlines() if line.startswith("  source site-a->")]
+    assert len(mine) == 2 and all("failed over to site-b" in line for line in mine), out
+    assert "its sink refuses it: 'policy' was failed over to site-b; rejoin this site" in out, out
+    # and `lr sync` with the new file, which replicates the other sessions: it said to apply the file
+    cli.main(["sync", "--topology", str(new), "--once"])
+    said = capsys.readouterr().err
+    assert "lr sync: " in said and "--rejoin site-a`, not a topology apply" in said, said
+    assert "apply the current file" not in said, said
+    refused = lr_sites[1].query("SELECT last_error FROM lr.source_sessions WHERE sink_site_id = 'site-a'")[0][0]
+    assert "site-a was failed over to site-b" in refused and "--rejoin site-a" in refused, refused
+    assert "apply the same topology" not in refused, refused  # (before: its negotiation said to apply it)
     assert cli.main(["topology", "apply", "--topology", str(new)]) == 1
     assert (
         "site 'site-a' is back with 'policy', which a failover moved to 'site-b': rejoin it with `lr failover "

@@ -24,19 +24,28 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import lease as leases
-from airflow_provider_lr.engine.session.negotiation import Decision, Negotiation, SinkView, SourceView, negotiate
+from airflow_provider_lr.engine.session.negotiation import (
+    APPLY_BOTH,
+    MISMATCH,
+    Decision,
+    Negotiation,
+    SinkView,
+    SourceView,
+    negotiate,
+)
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.source import closed_tables, full_sync
 from airflow_provider_lr.engine.source.full_sync import FullSyncRequest
 from airflow_provider_lr.engine.source.log_reader import BaseSplit
-from airflow_provider_lr.engine.store import source_sessions
-from airflow_provider_lr.engine.store.topology import Topology, config_id, drift, recorded_id, reread
+from airflow_provider_lr.engine.store import sink_sessions, source_sessions
+from airflow_provider_lr.engine.store.topology import Topology, TopologyDrift, config_id, drift, recorded_id, reread
 from airflow_provider_lr.engine.tables import closed_notes
 from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES, RequestStatus, SessionKey, SessionState
 
@@ -121,7 +130,7 @@ def handshake(
         # the file may have been edited and applied since this process read it: then it is not stale
         found = drift(topology, held) and drift(reread(topology), held)
         if found is not None:
-            return Handshake(key, Verdict.REFUSED, found.message())
+            return Handshake(key, Verdict.REFUSED, told_by_sink(found, sink, key).message())
     lease = leases.acquire(source, key.sink, key.client, owner, lease_seconds)
     on_lease(lease)
     if lease is None:
@@ -155,11 +164,34 @@ def handshake(
         resnapshot_tables(sink, source, key, lease, meta)
     position = Position.of(meta, lease.epoch)
     if negotiation.decision is Decision.REFUSE:
+        negotiation = _back_unrejoined(source, key, meta, negotiation)
         leases.update_session(
             source, lease, state=SessionState.NEGOTIATING, last_error=f"negotiation refused: {negotiation.reason}"
         )
         return Handshake(key, Verdict.REFUSED, negotiation.reason, lease, meta, negotiation, position)
     return Handshake(key, Verdict.PROCEED, "", lease, meta, negotiation, position)
+
+
+def _back_unrejoined(
+    source: psycopg2.extensions.connection, key: SessionKey, meta: writes.SinkMetadata, refused: Negotiation
+) -> Negotiation:
+    """A refusal across topology ids whose sink is the old source of a failover this source
+    records (it was promoted, or reconciled, from it), back with the topology it had: said so, with
+    the rejoin to run. Before, it said to apply the same topology on both sites, which ``lr topology
+    apply`` refuses there until the rejoin."""
+    if not refused.reason.startswith(MISMATCH):
+        return refused
+    with source.cursor() as cur:
+        moved = {to for (old, _), (to, _) in sink_sessions.failed_over(cur).items() if old == key.sink}
+    source.commit()
+    if not moved:
+        return refused
+    return replace(
+        refused,
+        reason=refused.reason.removesuffix(APPLY_BOTH)
+        + f": {key.sink} was failed over to {', '.join(sorted(moved))} and is back with the topology it had: rejoin "
+        f"it with `lr failover --topology <the failover's file> --rejoin {key.sink}` (not a topology apply)",
+    )
 
 
 def negotiate_session(
@@ -218,6 +250,31 @@ def resnapshot_tables(
     )
     writes.forget_tables(sink, key.source, key.client, lease.epoch, _closed_whole(sink, source, key, meta))
     leases.update_session(source, lease, acked_position=meta.last_log_entry_processed)
+
+
+def told_by_sink(found: TopologyDrift, sink: psycopg2.extensions.connection, key: SessionKey) -> TopologyDrift:
+    """A stale file's drift at the source, with what the sink knows: the topology it runs and
+    whether the source's clients were failed over (its fence's note). An ``lr sync`` started before a
+    failover, its file now older than the one every site runs, was told cycle after cycle to apply
+    that file (``lr topology apply`` refuses it); now that the file predates the failover, and to
+    use the file the failover wrote. The site the clients went to runs what the sink runs (the
+    failover applied it to both) unless it is the sink itself."""
+    try:
+        with sink.cursor() as cur:
+            moved = {
+                source: to for (source, _), (to, _) in sink_sessions.failed_over(cur).items() if source == key.source
+            }
+        sink.commit()
+        here = recorded_id(sink)
+    except psycopg2.Error:  # told without it
+        sink.rollback()
+        return found
+    if here == found.topology.topology_config_id:
+        return replace(found, failed_over=moved)
+    held = {**found.held, key.sink: here}
+    for to in moved.values():
+        held.setdefault(to, here)
+    return replace(found, held=held, failed_over=moved)
 
 
 def _closed_whole(

@@ -51,6 +51,10 @@ class Negotiation:
     resume_from: int = -1  # LOG_ENTRY_SYNC: the position the sink has processed up to
 
 
+MISMATCH = "topology config id mismatch"  # a refusal's words (``handshake`` names a rejoin instead of its advice)
+APPLY_BOTH = " (apply the same topology on both sites)"
+
+
 def negotiate(source: SourceView, sink: SinkView) -> Negotiation:
     if source.topology_config_id is None or sink.topology_config_id is None:
         missing = "source" if source.topology_config_id is None else "sink"
@@ -58,8 +62,7 @@ def negotiate(source: SourceView, sink: SinkView) -> Negotiation:
     if source.topology_config_id != sink.topology_config_id:
         return Negotiation(
             Decision.REFUSE,
-            f"topology config id mismatch: source {source.topology_config_id}, sink {sink.topology_config_id} "
-            "(apply the same topology on both sites)",
+            f"{MISMATCH}: source {source.topology_config_id}, sink {sink.topology_config_id}{APPLY_BOTH}",
         )
     if source.forced_full_sync:
         return Negotiation(Decision.SNAPSHOT_SYNC, "a full sync was requested")

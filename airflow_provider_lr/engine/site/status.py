@@ -19,10 +19,11 @@ from airflow_provider_lr.engine.site.status_sites import (
 )
 from airflow_provider_lr.engine.source import delivery
 from airflow_provider_lr.engine.source.backlog import readiness, session_backlogs
+from airflow_provider_lr.engine.source.closed_tables import CLOSED_TABLE_ID_SCHEMA
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, holdback
 from airflow_provider_lr.engine.store import members, receive_queue, sink_sessions, source_sessions
 from airflow_provider_lr.engine.store.topology import Topology, TopologyDrift, config_id, drift
-from airflow_provider_lr.engine.tables import handover
+from airflow_provider_lr.engine.tables import closed_notes, handover
 from airflow_provider_lr.engine.tables.targets import TableState
 from airflow_provider_lr.engine.vocabulary import (
     OPEN_STATUSES_SQL,
@@ -199,15 +200,21 @@ def holder(session: dict) -> str:
 
 def tables(conn: psycopg2.extensions.connection) -> list[dict]:
     """Federated tables: each registered on this site (``role`` registry) and each a sink
-    session takes here (``role`` sink: its state, rows of its snapshot, a conflict's reason)."""
+    session takes here (``role`` sink: its state, rows of its snapshot, a conflict's reason).
+    ``closed_here``: a close this site's own rows say, read even when the other site is not: a
+    registry row of a copy federated onward from here and closed since (its row names the copy's
+    origin, so ``is_closed`` cannot tell it), or a sink's copy whose source told it of the close
+    (``closed_notes``). Before, both were shown as live: ``synced``, and no line at the closing site."""
+    noted = "closed_at_source" if schema.at_least(conn, closed_notes.CLOSED_MARKS_SCHEMA) else "false"
+    onward = closed_notes.CLOSED_ONWARD if schema.at_least(conn, CLOSED_TABLE_ID_SCHEMA) else "false"
     with conn.cursor() as cur:
         cur.execute(
-            "SELECT 'registry', stream_name, client_name, source_site_id, is_federated, table_id, NULL, NULL, NULL "
-            "FROM lr.registry WHERE kind = 'table' "
+            "SELECT 'registry', stream_name, client_name, source_site_id, is_federated, table_id, NULL, NULL, NULL, "
+            f"{onward} FROM lr.registry WHERE kind = 'table' "
             "UNION ALL SELECT 'sink', table_name, client_name, source_site_id, NULL, source_table_id, state, "
-            "rows_copied, detail FROM lr.sink_tables ORDER BY 1, 2, 4"
+            f"rows_copied, detail, {noted} FROM lr.sink_tables ORDER BY 1, 2, 4"
         )
-        keys = ("role", "table", "client", "source", "federated", "table_id", "state", "rows", "detail")
+        keys = ("role", "table", "client", "source", "federated", "table_id", "state", "rows", "detail", "closed_here")
         found = [dict(zip(keys, r)) for r in cur.fetchall()]
     conn.commit()
     return found
@@ -297,7 +304,12 @@ def render(
             lines.append(f"         tables not synced at the sink yet: {', '.join(s['tables_lacking'])}")
         if s.get("last_error"):
             lines.append(f"         last error: {one_line(s['last_error'])}")
-        if s.get("failed_over_to"):
+        if s.get("failed_over_to") and s["role"] == "source":  # (its sink says so: ``mark_sources_failed_over``)
+            lines.append(
+                f"         its sink refuses it: {s['client_name']!r} was failed over to {s['failed_over_to']}; "
+                f"rejoin this site (lr failover --rejoin {status.site_id}) with the failover's topology"
+            )
+        elif s.get("failed_over_to"):
             note = f"reconciled: {one_line(s['failover_note'])}" if s.get("failover_note") else "not reconciled yet"
             lines.append(f"         its clients failed over to {s['failed_over_to']}: this session is closed; {note}")
     for r in status.full_sync_requests:
@@ -320,7 +332,7 @@ def render(
     }
     for t in status.tables:
         if t["role"] == "registry":
-            if t["source"] and (t["source"], t["table"]) in received and t["table_id"] is None:
+            if t["source"] and (t["source"], t["table"]) in received and t["table_id"] is None and not t["closed_here"]:
                 continue  # a table this sink takes (not federated onward from here): its session's line says it all
             if (status.site_id, t["table"]) in closed:
                 flag = "closed (captured no more; its sinks keep their copy, no longer updated)"
@@ -343,7 +355,7 @@ def render(
             detail = f": {one_line(t['detail'])}" if t["detail"] else ""
             shut = (
                 f" (closed at {t['source']}: this copy is kept, no longer updated)"
-                if (t["source"], t["table"]) in closed
+                if t["closed_here"] or (t["source"], t["table"]) in closed
                 else ""
             )
             renewed = renewing.get((t["source"], t["client"])) if t["state"] == TableState.SYNCED and not shut else None
@@ -425,7 +437,9 @@ def sites_as_dict(
         for s in data["sessions"]:
             s["readiness"] = readiness(s, marks.get(s["source_site_id"]))
         for t in data["tables"]:  # closed at its source (the registry row there, or a sink's copy)
-            t["closed"] = (t["source"] if t["role"] == "sink" else t["source"] or site, t["table"]) in closed
+            t["closed"] = (
+                t["closed_here"] or (t["source"] if t["role"] == "sink" else t["source"] or site, t["table"]) in closed
+            )
         sites[site] = {"reachable": True, **data}
     code, reasons = health(found, max_lag_seconds, topology)
     stale = topology_drift(found, topology)

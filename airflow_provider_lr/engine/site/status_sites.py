@@ -20,6 +20,7 @@ class SiteRead(Protocol):
     tables: list[dict]
     full_sync_requests: list[dict]
     receive_queues: list[dict]
+    diverged: list[str]
 
 
 def session_key(session: dict) -> SessionKey:
@@ -35,13 +36,14 @@ def trim_marks(found: Mapping[str, SiteRead | str]) -> dict[str, int]:
 
 def closed_tables(found: Mapping[str, SiteRead | str]) -> set[tuple[str, str]]:
     """(site, table) of every table closed at a site read in one status run (``lr tables close``):
-    opened there as federated, captured no more. Its sinks' copies are marked with it."""
+    opened there as federated, or a copy federated onward from there (both ways), captured no more.
+    Its sinks' copies are marked with it."""
     return {
         (site, t["table"])
         for site, st in found.items()
         if not isinstance(st, str)
         for t in st.tables
-        if t["role"] == "registry" and is_closed(t["federated"], t["table_id"], t["source"])
+        if t["role"] == "registry" and (is_closed(t["federated"], t["table_id"], t["source"]) or t.get("closed_here"))
     }
 
 
@@ -128,8 +130,68 @@ def mark_full_syncs(found: Mapping[str, SiteRead | str]) -> None:
             s["full_sync_progress"] = f"{min(held, whole)} of its {whole} entries at the sink"
 
 
+def mark_copies_captured_for_another_client(found: Mapping[str, SiteRead | str]) -> None:
+    """Note as diverged on each sink read a copy (synced or syncing) whose source, read in the
+    same run, captures the table for another client than the copy's, and did not close it: that
+    client's sessions carry it no more, so the copy is not updated. A failover let through with
+    ``--allow-table-divergence`` does that to a copy federated both ways (the promoted site captured
+    it for ``back``, and takes it over for the failed-over client). Before, those copies read
+    ``synced`` and ``lr status`` said healthy."""
+    read = {site: st for site, st in found.items() if not isinstance(st, str)}
+    closed = closed_tables(found)
+    captured = {
+        (site, t["table"]): t["client"]
+        for site, st in read.items()
+        for t in st.tables
+        if t["role"] == "registry" and t["federated"] and t["table_id"] is not None
+    }
+    for st in read.values():
+        for t in st.tables:
+            source, table, client = t["source"], t["table"], t["client"]
+            now = captured.get((source, table))
+            if (
+                t["role"] != "sink"
+                or t["state"] not in (TableState.SYNCED, TableState.SYNCING)
+                or t.get("closed_here")
+                or (source, table) in closed
+                or now is None
+                or now == client
+            ):
+                continue
+            line = (
+                f"{table} DIVERGED (client {client}): its source {source} captures it for client {now!r} now, "
+                f"not for {client!r}: this copy is no longer updated; its rows stay as {source} left them"
+            )
+            if line not in st.diverged:
+                st.diverged.append(line)
+
+
+def mark_sources_failed_over(found: Mapping[str, SiteRead | str]) -> None:
+    """Note on each source session whose sink, read in the same run, records its client failed
+    over (the fence of ``lr failover``) where it went (``failed_over_to``): an old source back
+    after an unplanned failover, not rejoined yet, still has its sessions, which every sink refuses.
+    Before, they were called ready, or waiting for a table snapshot that never comes."""
+    moved = {
+        (session_key(s), site): s["failed_over_to"]
+        for site, st in found.items()
+        if not isinstance(st, str)
+        for s in st.sessions
+        if s["role"] == "sink" and s.get("failed_over_to")
+    }
+    for st in found.values():
+        if isinstance(st, str):
+            continue
+        for s in st.sessions:
+            key = session_key(s)
+            to = moved.get((key, key.sink))
+            if s["role"] == "source" and to:
+                s["failed_over_to"] = to
+
+
 def cross_check(found: Mapping[str, SiteRead | str]) -> None:
     """Every note a status run makes across the sites it read (before readiness is judged)."""
+    mark_sources_failed_over(found)
     mark_sink_positions(found)
     mark_tables_lacking(found)
     mark_full_syncs(found)
+    mark_copies_captured_for_another_client(found)

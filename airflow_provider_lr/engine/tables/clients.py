@@ -8,14 +8,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.source import closed_tables
-
-# A copy federated onward from this site, then closed here: the close kept its own table id and the
-# row its own client, which are not those of the copy it holds (``note_closed_copy`` keeps the copy's).
-_CLOSED_ONWARD = (
-    "(closed_table_id IS NOT NULL AND NOT EXISTS (SELECT 1 FROM lr.sink_tables t WHERE t.table_name = stream_name "
-    "AND t.source_site_id = lr.registry.source_site_id AND t.client_name = lr.registry.client_name "
-    "AND t.source_table_id = lr.registry.closed_table_id))"
-)
+from airflow_provider_lr.engine.tables import closed_notes
 
 
 def opened_here(conn: psycopg2.extensions.connection, client: str) -> bool:
@@ -31,7 +24,11 @@ def opened_here(conn: psycopg2.extensions.connection, client: str) -> bool:
         cur.execute(
             "SELECT EXISTS (SELECT 1 FROM lr.registry WHERE kind = 'table' AND is_federated AND client_name = %s "
             "AND (source_site_id IS NULL OR table_id IS NOT NULL"
-            + (" OR " + _CLOSED_ONWARD if schema.at_least(conn, closed_tables.CLOSED_TABLE_ID_SCHEMA) else "")
+            + (
+                " OR " + closed_notes.CLOSED_ONWARD
+                if schema.at_least(conn, closed_tables.CLOSED_TABLE_ID_SCHEMA)
+                else ""
+            )
             + "))",
             (client,),
         )

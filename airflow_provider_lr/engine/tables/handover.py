@@ -30,7 +30,9 @@ import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
 
+from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError
+from airflow_provider_lr.engine.source.closed_tables import CLOSED_TABLE_ID_SCHEMA
 from airflow_provider_lr.engine.source.moved import sourced_elsewhere
 from airflow_provider_lr.engine.store import sink_sessions, source_sessions
 from airflow_provider_lr.engine.tables import capturable, closed_notes, registry, sequences
@@ -127,8 +129,10 @@ def untaken(
             with old.cursor() as cur:
                 at_source = captured(cur, client)
             old.commit()
-        with conns[to_site].cursor() as cur:
-            onward = captured_for_others(cur, client, [t for t, st in held[to_site].items() if st == TableState.SYNCED])
+        with conns[to_site].cursor() as cur:  # a copy closed at the old source is not taken over (``take_over``)
+            shut = closed_notes.closed_copies(cur, from_site, client)
+            synced = [t for t, st in held[to_site].items() if st == TableState.SYNCED and t not in shut]
+            onward = captured_for_others(cur, client, synced)
         conns[to_site].commit()
         if onward and not allowed:
             raise ConfigurationError(
@@ -265,8 +269,10 @@ def retire(cur: psycopg2.extensions.cursor, client: str, new_source: str, tables
         _lock_for_guard(cur, name, client)
         registry.guard_writes(cur, TableName.parse(name), client, new_source)
         if tables is not None:
-            cur.execute(
-                "UPDATE lr.registry SET table_id = NULL, source_site_id = %s WHERE stream_name = %s", (new_source, name)
+            over = ", closed_table_id = NULL" if schema.at_least(cur.connection, CLOSED_TABLE_ID_SCHEMA) else ""
+            cur.execute(  # an earlier close's table id is over: it named a federation of this site's, not a copy
+                f"UPDATE lr.registry SET table_id = NULL, source_site_id = %s{over} WHERE stream_name = %s",
+                (new_source, name),
             )
             unlist_primary(cur, name)
     return names

@@ -27,6 +27,7 @@ from psycopg2 import sql
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.errors import TableError
 from airflow_provider_lr.engine.source import closed_tables, moved
+from airflow_provider_lr.engine.tables import closed_notes
 from airflow_provider_lr.engine.tables.capturable import (
     not_capturable,
     unread_held_keys,
@@ -68,12 +69,15 @@ class RegisteredTable:
     client_name: str | None
     table_id: int | None  # this site's current federation of it (None: not captured here)
     source_site_id: str | None  # sink side: the source that registered it here first
+    closed_onward: bool = False  # its copy federated onward from here (both ways), closed since (``list_tables``)
 
     @property
     def closed(self) -> bool:
         return is_closed(self.federated, self.table_id, self.source_site_id)
 
     def describe(self) -> str:
+        if self.closed_onward:
+            return f"{self.table} closed (not captured; its sinks keep their copy) client={self.client_name or '-'}"
         if self.source_site_id and self.federated and self.table_id is None:  # a sink's registration
             return (
                 f"{self.table} registered by {self.source_site_id} client={self.client_name or '-'}, no copy held now"
@@ -97,6 +101,7 @@ class HeldCopy:
     state: str  # syncing, synced, conflict, refused
     source_table_id: int
     rows: int | None  # rows of its last snapshot
+    closed_at_source: bool = False  # its source told this site of a close (``closed_notes``)
 
     def describe(self, closed_at_source: bool = False) -> str:
         rows = f", {self.rows} rows in its snapshot" if self.rows is not None else ""
@@ -107,10 +112,11 @@ class HeldCopy:
 def list_copies(conn: psycopg2.extensions.connection) -> list[HeldCopy]:
     """Every copy of a federated table this site holds as a sink, by name and source: ``lr tables
     list`` said "no tables registered" at a sink that held them, or called them federated."""
+    noted = "closed_at_source" if schema.at_least(conn, closed_notes.CLOSED_MARKS_SCHEMA) else "false"
     found = _read_all(
         conn,
-        "SELECT table_name, source_site_id, client_name, state, source_table_id, rows_copied FROM lr.sink_tables "
-        "ORDER BY table_name, source_site_id, client_name",
+        f"SELECT table_name, source_site_id, client_name, state, source_table_id, rows_copied, {noted} "
+        "FROM lr.sink_tables ORDER BY table_name, source_site_id, client_name",
     )
     return [HeldCopy(TableName.parse(r[0]), *r[1:]) for r in found]
 
@@ -347,10 +353,12 @@ def read(cur: psycopg2.extensions.cursor, table: TableName, lock: bool = False) 
 
 
 def list_tables(conn: psycopg2.extensions.connection) -> list[RegisteredTable]:
-    """Every table registered on this site, by name."""
+    """Every table registered on this site, by name, and whether a copy federated onward from here
+    was closed since (``closed_notes.CLOSED_ONWARD``)."""
+    onward = closed_notes.CLOSED_ONWARD if schema.at_least(conn, closed_tables.CLOSED_TABLE_ID_SCHEMA) else "false"
     rows = _read_all(
         conn,
-        "SELECT stream_name, is_federated, client_name, table_id, source_site_id FROM lr.registry "
+        f"SELECT stream_name, is_federated, client_name, table_id, source_site_id, {onward} FROM lr.registry "
         "WHERE kind = 'table' ORDER BY stream_name",
     )
     return [RegisteredTable(TableName.parse(r[0]), *r[1:]) for r in rows]
