@@ -72,7 +72,7 @@ def guarded(conn: Any, call: Callable[..., Any], *args: Any) -> Any:
         if server_said is None or getattr(conn, "was_cut", False):
             raise
         lost = psycopg2.OperationalError(
-            f"{conn.describe()} was ended in the middle of a COPY by its server ({error_line(server_said)}): the step is retried"
+            f"{conn.describe()} was ended in the middle of a COPY by its server ({error_line(server_said)})"
         )
         raise lost from server_said
     finally:
