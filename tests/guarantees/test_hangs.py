@@ -386,6 +386,54 @@ def test_a_sink_that_stops_answering_mid_table_snapshot_fails_the_cycle_and_the_
     assert rows(sink_b) == rows(source)
 
 
+def test_a_replicator_whose_copy_backend_was_ended_while_it_was_stopped_fails_on_one_line_then_the_table_arrives(
+    lr_sites, monkeypatch, capfd
+):
+    """``lr sync`` stopped (SIGSTOP) in the middle of a table snapshot's COPY, its sink's backend
+    ended meanwhile (by the next lease holder, which ends a stopped holder's fenced transaction, or
+    an operator's pg_terminate_backend), then continued: psycopg2 met the server's error twice and
+    printed the pair as a chained traceback among lr sync's lines ("AdminShutdown ... direct cause
+    of ... SystemError: <function decode> returned a result with an exception set"), and the cycle
+    failed with a bare "OperationalError: invalid socket". Now nothing is printed, the cycle's error
+    (one line) names the connection and the server's reason, and the next cycle writes the table
+    whole. (A source's COPY ended so printed the same; its error was "DatabaseError: error with
+    status PGRES_COPY_OUT and no message from the libpq": the same guard, every COPY of lr's.)"""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SINK)
+    App(source).close()
+    create_accounts(source, rows=200)
+    federate(source)
+    read = table_copy._QueueReader.read
+    ended: list[int] = []
+
+    def stopped_here(self, size=-1):  # the process stops with its COPY begun; meanwhile its backend is ended
+        if not ended:
+            ended.append(
+                sink_b.query(f"SELECT count(pg_catalog.pg_terminate_backend(pid)) FROM ({FENCED_WRITERS}) w")[0][0]
+            )
+            wait_for(lambda: not sink_b.query(FENCED_WRITERS), 10, "the sink's backend to end")
+        return read(self, size)
+
+    monkeypatch.setattr(table_copy._QueueReader, "read", stopped_here)
+    repl = bounded(topo, {"site-a": source.dsn, "site-b": sink_b.dsn})
+    errors = [r.error for r in repl.run_cycle() if r.error]
+    monkeypatch.setattr(table_copy._QueueReader, "read", read)
+    printed = capfd.readouterr()
+    assert ended == [1] and len(errors) == 1, errors
+    assert "SystemError" not in printed.err + printed.out and "direct cause" not in printed.err + printed.out
+    assert errors[0].startswith(f"OperationalError: connection to 127.0.0.1:{sink_b.conninfo.params['port']} ")
+    assert "was ended in the middle of a COPY by its server (AdminShutdown: terminating connection" in errors[0]
+    sync(repl)
+    repl.close()
+    assert rows(sink_b) == rows(source)
+
+
+FENCED_WRITERS = (
+    "SELECT pid FROM pg_catalog.pg_stat_activity WHERE application_name LIKE 'lr fenced writer%%' "
+    "AND datname = pg_catalog.current_database()"
+)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("where", ["source: the provider's query", "sink: the full sync's apply"])
 def test_a_site_that_stops_answering_in_a_full_syncs_long_work_fails_the_cycle_and_the_sync_lands_whole_later(

@@ -43,7 +43,7 @@ from typing import Any
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.db import orphans, reach
+from airflow_provider_lr.engine.db import copy_lost, orphans, reach
 from airflow_provider_lr.engine.db.explained import explain, failure  # (imported from here by callers)
 from airflow_provider_lr.engine.db.heartbeat import Beat, verdict
 
@@ -368,7 +368,7 @@ class BoundedCursor(psycopg2.extensions.cursor):
         return _watched(self.connection, super().executemany, query, vars_list)
 
     def copy_expert(self, sql: Any, file: Any, size: int = 8192) -> Any:
-        return _watched(self.connection, super().copy_expert, sql, file, size)
+        return copy_lost.guarded(self.connection, _watched, self.connection, super().copy_expert, sql, file, size)
 
     def _fetch(self, method: Any, *args: Any) -> Any:
         if self.name is None:  # a client-side cursor: the rows are here already
