@@ -34,6 +34,7 @@ import pytest  # noqa: E402
 from airflow_provider_lr.embedded.sites import EmbeddedSite, SiteManager  # noqa: E402
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.db.conninfo import ConnInfo  # noqa: E402
+from tests.support.airflow_env import airflow_db, dagbag  # noqa: E402, F401 (fixtures)
 
 T = TypeVar("T")
 

@@ -12,9 +12,7 @@ import pytest
 
 from airflow_provider_lr.engine.site.replicator import run_until_idle
 from tests.support.airflow_env import (  # noqa: F401
-    airflow_db,
     airflow_sites,
-    dagbag,
     metric,
     reconfigure,
     run_dag,
@@ -419,9 +417,14 @@ def large_federated_table(airflow_sites, monkeypatch, rows_: int = 3000) -> None
 
 
 @pytest.mark.slow
-def test_a_large_table_snapshot_goes_through_the_spark_task_of_lr_replication(dagbag, airflow_sites, monkeypatch):
+def test_a_large_table_snapshot_goes_through_the_spark_task_of_lr_replication_and_again_through_the_forms_full_sync(
+    dagbag, airflow_sites, monkeypatch
+):
     """The sessions' log-entry steps leave the 3,000-row table (over ``table_spark_min_rows``) to
-    Spark; one spark-submit of lr_table_snapshot.py writes it at both sinks."""
+    Spark; one spark-submit of lr_table_snapshot.py writes it at both sinks. Then lr_full_sync (the
+    UI form's run, forced) forgets site-b's tables; its catch-up leaves the large table to Spark,
+    which snapshots it again for site-b only: rows removed at the sink meanwhile are back, site-c is
+    left alone."""
     large_federated_table(airflow_sites, monkeypatch)
     source, sink_b, sink_c = airflow_sites.sites
     run = run_dag(dagbag, "lr_replication")
@@ -440,18 +443,6 @@ def test_a_large_table_snapshot_goes_through_the_spark_task_of_lr_replication(da
     for sink in (sink_b, sink_c):
         assert rows(sink) == rows(source)
 
-
-@pytest.mark.slow
-def test_the_forms_full_sync_snapshots_the_sinks_tables_again_through_spark(dagbag, airflow_sites, monkeypatch):
-    """lr_full_sync (the UI form's run, forced) forgets site-b's tables; its catch-up leaves the
-    large table to Spark, which snapshots it again for site-b only: rows removed at the sink
-    meanwhile are back, site-c is left alone."""
-    large_federated_table(airflow_sites, monkeypatch)
-    source, sink_b, sink_c = airflow_sites.sites
-    synced = replicator(airflow_sites.topology, airflow_sites.sites)  # the tables, in process
-    synced.run(max_cycles=5, until_idle=True, interval=0.01)
-    synced.close()
-    assert rows(sink_b) == rows(sink_c) == rows(source)
     sink_b.query("DELETE FROM public.accounts WHERE id <= 100")  # drifted: only a new snapshot restores it
     run = run_dag(dagbag, "lr_full_sync", {"sink": "site-b", "reason": "tables too", "client": None})
     got = states(run)
@@ -460,7 +451,7 @@ def test_the_forms_full_sync_snapshots_the_sinks_tables_again_through_spark(dagb
     result = xcom(run, "spark_table_snapshot", 0)
     assert result["sessions"] == ["site-a->site-b/policy"] and result["rows"] == 3000, result
     assert result["skipped"] == {"site-a->site-c/policy": "has every table"}
-    assert rows(sink_b) == rows(source)
+    assert rows(sink_b) == rows(sink_c) == rows(source)
     assert sink_b.query("SELECT state, rows_copied FROM lr.sink_tables") == [("synced", 3000)]
 
 
@@ -531,10 +522,14 @@ def large_full_sync(airflow_sites, monkeypatch, rows_: int = 1500) -> App:
 
 
 @pytest.mark.slow
-def test_a_large_full_sync_transfer_goes_through_the_spark_task_of_lr_replication(dagbag, airflow_sites, monkeypatch):
+def test_a_large_full_sync_transfer_goes_through_the_spark_task_of_lr_replication_and_of_the_forms_full_sync(
+    dagbag, airflow_sites, monkeypatch
+):
     """First contact: each session's snapshot step has its client's data supplied (1,502 entries,
     over ``snapshot_spark_min_entries``) and leaves the transfer to Spark; one spark-submit of
-    lr_snapshot_transfer.py per session moves and applies it; the next run catches up in process."""
+    lr_snapshot_transfer.py per session moves and applies it; the next run catches up in process.
+    Then lr_full_sync (the UI form, forced) for site-b: the supplied data goes through Spark again,
+    then the catch-up in the same run delivers what was written after the full sync's base."""
     app = large_full_sync(airflow_sites, monkeypatch)
     source, sink_b, sink_c = airflow_sites.sites
     run = run_dag(dagbag, "lr_replication")
@@ -558,18 +553,7 @@ def test_a_large_full_sync_transfer_goes_through_the_spark_task_of_lr_replicatio
         entries = queue(sink, "site-a")
         assert final_state(entries) == source_state(source)
         assert [p for k, p in entries if k == "log"] == ["after=1"]
-    app.close()
 
-
-@pytest.mark.slow
-def test_the_forms_full_sync_moves_a_large_transfer_through_spark_then_catches_up(dagbag, airflow_sites, monkeypatch):
-    """lr_full_sync (the UI form, forced) for site-b: the supplied data goes through Spark, then the
-    catch-up in the same run delivers what was written after the full sync's base."""
-    app = large_full_sync(airflow_sites, monkeypatch)
-    source, sink_b, sink_c = airflow_sites.sites
-    first = replicator(airflow_sites.topology, airflow_sites.sites, providers={"policy": table_provider})
-    first.run(max_cycles=3, until_idle=True, interval=0.01)
-    first.close()
     run = run_dag(dagbag, "lr_full_sync", {"sink": "site-b", "reason": "rebuild", "client": None})
     got = states(run)
     assert str(run.state) == "success" and got[("spark_snapshot_transfer", 0)] == "success", got
@@ -583,4 +567,6 @@ def test_the_forms_full_sync_moves_a_large_transfer_through_spark_then_catches_u
     ]
     assert xcom(run, "spark_snapshot_transfer", 0)["applied"]
     assert final_state(queue(sink_b, "site-a")) == source_state(source)
+    assert [k for k, _ in queue(sink_b, "site-a")].count("start") == 2  # a second full sync, site-b's only
+    assert [k for k, _ in queue(sink_c, "site-a")].count("start") == 1
     app.close()

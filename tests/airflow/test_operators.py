@@ -37,7 +37,7 @@ from airflow_provider_lr.operators.spark import (
 from airflow_provider_lr.sensors import LRDeliveredSensor, LRReadySensor
 from airflow_provider_lr.triggers import LRDeliveredTrigger, LRReadyTrigger, LRSnapshotEndTrigger
 from tests.support.airflow_env import airflow_sites, reconfigure  # noqa: F401
-from tests.support.session import App, queue, replicator, table_provider
+from tests.support.session import App, queue, replicator, table_provider, wait_for
 
 
 def _sessions(**filters) -> list[dict]:
@@ -526,13 +526,21 @@ def test_a_stream_killed_early_says_how_long_it_streamed_and_logs_its_progress(a
     import threading
     import time
 
+    from structlog.testing import capture_logs
+
     from airflow_provider_lr.operators.stream import LRStreamOperator
 
     source, sink_b, sink_c = airflow_sites.sites
     app = _app_with_sinks_in_log_entry_sync(source)
     op = LRStreamOperator(task_id="stream", run_for=600, report_every=0.3)
     done: dict = {}
-    runner = threading.Thread(target=lambda: done.update(zip(("summary", "lines"), _task_log_lines(op))))
+
+    def run() -> None:
+        with capture_logs() as events:
+            done["events"] = events  # the task log's events, read while it streams
+            done["summary"] = op.execute({})
+
+    runner = threading.Thread(target=run)
     started = time.monotonic()
     runner.start()
     for i in range(10):
@@ -541,12 +549,20 @@ def test_a_stream_killed_early_says_how_long_it_streamed_and_logs_its_progress(a
     for sink in (sink_b, sink_c):
         while [p for k, p in queue(sink, "site-a") if k == "log"][-1:] != ["k9=9"]:
             assert time.monotonic() < deadline, f"the stream delivered nothing to {sink.site_id}"
-            time.sleep(0.1)
-    time.sleep(3)  # progress lines after the last delivery (one every 0.3 s)
+            time.sleep(0.05)
+    # a progress line after the last delivery (one every 0.3 s) counts all 20 (nothing more comes)
+    counted = re.compile(r", (\d+) in all\)")
+    wait_for(
+        lambda: any(
+            int(m.group(1)) >= 20 for e in list(done.get("events", [])) if (m := counted.search(str(e.get("event"))))
+        ),
+        60,
+        "a progress line counting the 20 deliveries",
+    )
     op.on_kill()
     runner.join(60)
     killed_after = time.monotonic() - started
-    summary, lines = done["summary"], done["lines"]
+    summary, lines = done["summary"], [e["event"] for e in done["events"]]
     assert 0 < summary["seconds"] <= killed_after + 0.05 < 600 and summary["planned_seconds"] == 600, (
         summary
     )  # to 0.1 s

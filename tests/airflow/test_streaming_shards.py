@@ -22,7 +22,7 @@ from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.site.replicator import run_until_idle
 from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.operators.stream import LRStreamOperator, shard_sessions, stream_shards
-from tests.support.airflow_env import DAGS_DIR, airflow_db, airflow_sites, dagbag, states, xcom  # noqa: F401
+from tests.support.airflow_env import DAGS_DIR, airflow_sites, states, xcom  # noqa: F401
 from tests.support.session import App, final_state, queue, replicator, table_provider
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,7 +18,6 @@ import yaml
 from airflow_provider_lr import cli
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.source import full_sync
-from tests.support.airflow_env import airflow_db  # noqa: F401
 from tests.support.session import App, final_state, queue, source_state, topology_doc, wait_for
 
 

@@ -24,7 +24,8 @@ PROVIDER = "tests.support.session:table_provider"
 def airflow_db() -> Iterator[None]:
     """A fresh Airflow metadata DB (SQLite in the temp AIRFLOW_HOME conftest set), once per session,
     with the repo's ``dags/`` as the DAG bundle (``dag.test`` syncs the bundle and runs only DAGs
-    found in it)."""
+    found in it). tests/conftest.py imports it and ``dagbag``, so every module shares them (a
+    session fixture imported into a test module is that module's own: made again per module)."""
     from airflow import settings
     from airflow.utils import db
 
