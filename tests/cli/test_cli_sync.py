@@ -78,7 +78,7 @@ def test_lr_commands_name_what_is_wrong(lr_sites, tmp_path, monkeypatch, capsys)
     capsys.readouterr()
     assert cli.main(["full-sync", "--topology", topo, "--sink", "site-x"]) == 2  # a usage error
     assert "unknown site 'site-x'; the topology knows site-a, site-b, site-c" in capsys.readouterr().err
-    assert cli.main(["sync", "--topology", str(tmp_path / "missing.yaml"), "--once"]) == 1
+    assert cli.main(["sync", "--topology", str(tmp_path / "missing.yaml"), "--once"]) == 2  # the user's input
     assert "not found" in capsys.readouterr().err
     monkeypatch.delenv("AIRFLOW_CONN_LR_TEST_SITE_C")
     monkeypatch.setenv("LR_CONNECTIONS_FILE", str(tmp_path / "none.json"))

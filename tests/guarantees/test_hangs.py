@@ -24,7 +24,8 @@ import yaml
 from airflow_provider_lr import cli
 from airflow_provider_lr.cli import replication
 from airflow_provider_lr.engine.db import conninfo
-from airflow_provider_lr.engine.db.timeouts import DEADLINES, Purpose, Timeouts, cap, failure, lifted
+from airflow_provider_lr.engine.db.lifting import lifted
+from airflow_provider_lr.engine.db.timeouts import DEADLINES, Purpose, Timeouts, cap, failure
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError
 from airflow_provider_lr.engine.session import snapshot_sync
 from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings

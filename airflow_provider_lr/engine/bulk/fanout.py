@@ -71,7 +71,8 @@ from airflow_provider_lr.engine.bulk.plan import (
 )
 from airflow_provider_lr.engine.bulk.tee import tee_chunks
 from airflow_provider_lr.engine.db.conninfo import ConnInfo, connect_dsn
-from airflow_provider_lr.engine.db.timeouts import Purpose, lift
+from airflow_provider_lr.engine.db.lifting import lift
+from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, error_line, one_line, require_counts
 from airflow_provider_lr.engine.faults import FAULT_ENV
 from airflow_provider_lr.engine.session import lease as leases

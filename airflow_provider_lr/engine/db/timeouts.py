@@ -15,7 +15,7 @@ connection, by what the connection is for (``Purpose``):
   the keepalives need to call a link dead. A link that acknowledges every byte and answers none
   (a stalled proxy or load balancer, a stopped server process) fools TCP; past the deadline lr
   shuts the connection's socket itself, so the call fails like a lost connection. Work that runs
-  long on a session connection (``lifted``) has no call deadline: a COPY in it is cut once no byte
+  long on a session connection (``lifting.lifted``) has no call deadline: a COPY in it is cut once no byte
   moved for the deadline it had (``Deadlines.stalled``), any call once a second connection finds
   the server unreachable or the call's backend idle (``Deadlines.heartbeat``, ``heartbeat.py``);
 * the server's side: its TCP keepalives (as the client's) notice a client gone in a silent
@@ -449,57 +449,4 @@ def cap(conn: psycopg2.extensions.connection, seconds: float | None) -> psycopg2
     return conn
 
 
-def _set(conn: psycopg2.extensions.connection, statement: str) -> None:
-    """Run a SET; outside a transaction, commit it at once (psycopg2 opened one for it)."""
-    idle = not conn.autocommit and conn.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_IDLE
-    with conn.cursor() as cur:
-        cur.execute(statement)
-    if idle:
-        conn.commit()
-
-
-_LIFT = "SET statement_timeout = 0; SET idle_in_transaction_session_timeout = 0"
-_RESTORE = "RESET statement_timeout; RESET idle_in_transaction_session_timeout"
-# while lifted, the server also checks the client is still there during a long statement (PostgreSQL
-# 14+): a replicator killed in a full sync's apply no longer leaves it running, its locks held, to the end
-_CHECK_CLIENT = "; SET client_connection_check_interval = '5s'"
-_UNCHECK_CLIENT = "; RESET client_connection_check_interval"
-
-
-def lift(conn: psycopg2.extensions.connection) -> None:
-    """Make a session connection a bulk one for the rest of its life (a connection the caller owns
-    and closes): no statement or idle-in-transaction timeout, no call deadline; its calls watched by
-    the heartbeat instead, as ``lifted``'s (a stopped server would hold them for good)."""
-    _set(conn, _LIFT + (_CHECK_CLIENT if conn.server_version >= 140000 else ""))
-    if isinstance(conn, BoundedConnection):
-        if conn.deadline_s is not None:
-            conn.stall_deadline_s = conn.deadline_s
-        conn.deadline_s = None
-
-
-@contextmanager
-def lifted(*conns: psycopg2.extensions.connection) -> Iterator[None]:
-    """Long work on session connections for a while (a provider's full sync, a table snapshot
-    written in a cycle): unbounded like ``lift``, then the connection's own bounds again."""
-    saved = [(conn, getattr(conn, "deadline_s", None), getattr(conn, "stall_deadline_s", None)) for conn in conns]
-    for conn, deadline, stall in saved:
-        lift(conn)
-        if isinstance(conn, BoundedConnection):  # its COPYs still end when no byte moves that long
-            conn.stall_deadline_s = deadline if deadline is not None else stall
-    try:
-        yield
-    finally:
-        for conn, deadline, stall in saved:
-            if conn.closed:
-                continue
-            try:
-                if conn.get_transaction_status() == psycopg2.extensions.TRANSACTION_STATUS_INERROR:
-                    conn.rollback()  # failed: it can only be rolled back, and the bounds must come back
-                _set(conn, _RESTORE + (_UNCHECK_CLIENT if conn.server_version >= 140000 else ""))
-            except psycopg2.Error as exc:  # lost: the caller drops it
-                log.debug("bounds not restored on a connection: %s", exc)
-            if isinstance(conn, BoundedConnection):
-                conn.deadline_s, conn.stall_deadline_s = deadline, stall
-
-
-__all__ = ["DEADLINES", "BoundedConnection", "Purpose", "Timeouts", "explain", "failure", "lifted"]
+__all__ = ["DEADLINES", "BoundedConnection", "Purpose", "Timeouts", "explain", "failure"]

@@ -37,7 +37,7 @@ import psycopg2
 import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
-from airflow_provider_lr.engine.db.timeouts import lifted
+from airflow_provider_lr.engine.db.lifting import lifted
 from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session.handshake import Position

@@ -26,8 +26,8 @@ from psycopg2.extensions import AsIs
 
 from airflow_provider_lr.engine import progress
 from airflow_provider_lr.engine.db import schema
+from airflow_provider_lr.engine.db.lifting import lifted
 from airflow_provider_lr.engine.db.schema import site_identity
-from airflow_provider_lr.engine.db.timeouts import lifted
 from airflow_provider_lr.engine.errors import FencedError, TrimmedError, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import catchup

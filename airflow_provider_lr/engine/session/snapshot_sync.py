@@ -19,7 +19,7 @@ import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
 from airflow_provider_lr.engine import progress
-from airflow_provider_lr.engine.db.timeouts import lifted
+from airflow_provider_lr.engine.db.lifting import lifted
 from airflow_provider_lr.engine.errors import LRError
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session import catchup, nearest_copy

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.db.timeouts import lifted
+from airflow_provider_lr.engine.db.lifting import lifted
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.source.commit_barrier import commit_barrier
 from airflow_provider_lr.engine.store import source_sessions

@@ -126,13 +126,10 @@ def forget_session(
     )
 
 
-# lr's apply; money read as the capture prints it (lc_monetary C, V0041), whatever the sink's locale;
-# an array's NULL element read as NULL whatever the sink's array_nulls (off, a text snapshot's {1,NULL}
-# was refused in an int[] for good, and a text[]'s NULL element became the string 'NULL')
-APPLYING_SQL = (
-    "SELECT set_config('lr.applying', 'on', true), set_config('lc_monetary', 'C', true), "
-    "set_config('array_nulls', 'on', true)"
-)
+# lr's apply, whatever the sink's settings: money read as the capture prints it (lc_monetary C, V0041),
+# an array's NULL element as NULL (array_nulls off refused {1,NULL} in an int[], made a text[]'s 'NULL')
+_APPLYING = {"lr.applying": "on", "lc_monetary": "C", "array_nulls": "on"}
+APPLYING_SQL = "SELECT " + ", ".join(f"set_config('{name}', '{value}', true)" for name, value in _APPLYING.items())
 # a table change's sink transaction starts so: lr's apply, constraints as the source's, and the
 # targets' read (prepared) planned generically
 _OPEN = f"SET CONSTRAINTS ALL DEFERRED; {APPLYING_SQL}, {GENERIC}"
