@@ -83,17 +83,19 @@ class _Sources:
         """``work`` for each of ``keys`` of ``source`` on its connection; connected anew and run
         again once when that connection was lost."""
         mine = [k for k in keys if k.source == source]
-        for attempt in (1, 2):
-            conn = self.conns.get(source)
-            if conn is None or conn.closed:
-                conn = self.conns[source] = connector(self.topo)(source)
-            try:
-                return {k: work(conn, k) for k in mine}
-            except (psycopg2.OperationalError, psycopg2.InterfaceError):
-                self.conns.pop(source).close()
-                if attempt == 2:
-                    raise
-        raise AssertionError("unreachable")
+        conn = self._conn(source)
+        try:
+            return {k: work(conn, k) for k in mine}
+        except (psycopg2.OperationalError, psycopg2.InterfaceError):
+            self.conns.pop(source).close()
+        conn = self._conn(source)  # once more, connected anew
+        return {k: work(conn, k) for k in mine}
+
+    def _conn(self, source: str) -> psycopg2.extensions.connection:
+        conn = self.conns.get(source)
+        if conn is None or conn.closed:
+            conn = self.conns[source] = connector(self.topo)(source)
+        return conn
 
     def close(self) -> None:
         for conn in self.conns.values():

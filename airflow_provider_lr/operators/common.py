@@ -16,7 +16,7 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.db.timeouts import Timeouts, failure
-from airflow_provider_lr.engine.db.topology_schema import form_pattern
+from airflow_provider_lr.engine.db.topology_schema import ONE_LINE_PATTERN, form_pattern
 from airflow_provider_lr.engine.errors import (
     ConfigurationError,
     LRError,
@@ -62,10 +62,6 @@ def parse_time_topology() -> Topology | None:
         return None
 
 
-# one line of text, as ``vocabulary.checked_reason`` records it: no C0 control character, no DEL
-_ONE_LINE = r"[^\x00-\x1f\x7f]*"
-
-
 def form_choice(values: list[str], pattern: re.Pattern[str], required: bool = False, **schema: Any) -> Any:
     """A form field picking one of ``values`` (a select box; a text field matching ``pattern``
     whole, without a topology). Optional (``required`` False): empty is ``null`` ("every one");
@@ -91,7 +87,7 @@ def reason_param(default: str, **schema: Any) -> Any:
         type="string",
         minLength=1,
         maxLength=MAX_REASON_CHARS,
-        pattern=form_pattern(_ONE_LINE),
+        pattern=form_pattern(ONE_LINE_PATTERN),  # as ``checked_reason`` records it
         title="Reason",
         **schema,
     )

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import psycopg2.errors
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.db.topology_schema import valid_region, valid_site_id
+from airflow_provider_lr.engine.db.topology_schema import TEXT_RULES, valid_region, valid_site_id
 from airflow_provider_lr.engine.errors import SchemaError
 from airflow_provider_lr.engine.vocabulary import SCHEMA_LOCK_KEY
 
@@ -275,7 +275,7 @@ def init_site(conn: psycopg2.extensions.connection, site_id: str, region: str | 
             f"invalid site id {site_id!r}: use 1-63 lowercase letters, digits, '-' or '_', starting with a letter or digit"
         )
     if region is not None and not valid_region(region):
-        raise SchemaError(f"invalid region {region!r}: use 1-63 characters, no newline, tab or other control character")
+        raise SchemaError(f"invalid region {region!r}: {TEXT_RULES}")
     result = migrate(conn)
     try:
         with conn.cursor() as cur:

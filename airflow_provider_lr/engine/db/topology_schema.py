@@ -32,9 +32,11 @@ from airflow_provider_lr.engine.errors import ConfigurationError, one_line
 SITE_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 CLIENT_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
 PROVIDER_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
-# Text lr records and prints but never parses (a region, a connection id): one line, no C0 control
-# character or DEL (``errors.is_control``); a region "r1\nsite-b: ..." printed a line of its own.
-PRINTABLE_PATTERN = re.compile(r"[^\x00-\x1f\x7f]{1,63}")
+# Text lr records and prints but never parses (a region, a connection id, a reason): one line, no
+# C0 control character or DEL (``errors.is_control``); a region "r1\nsite-b: ..." printed a line of its own.
+_PRINTABLE = r"[^\x00-\x1f\x7f]"
+ONE_LINE_PATTERN = re.compile(_PRINTABLE + "*")
+PRINTABLE_PATTERN = re.compile(_PRINTABLE + "{1,63}")  # a region
 MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 
 
@@ -58,13 +60,8 @@ def form_pattern(pattern: re.Pattern[str] | str) -> str:
     return rf"^(?:{text})(?![\s\S])"
 
 
-def _anchored(pattern: re.Pattern[str]) -> str:
-    # JSON Schema patterns are searched; \Z (not $) so that no trailing newline passes.
-    return rf"^(?:{pattern.pattern})\Z"
-
-
-_SITE_ID = {"type": "string", "pattern": _anchored(SITE_ID_PATTERN)}
-_CLIENT = {"type": "string", "pattern": _anchored(CLIENT_NAME_PATTERN)}
+_SITE_ID = {"type": "string", "pattern": form_pattern(SITE_ID_PATTERN)}
+_CLIENT = {"type": "string", "pattern": form_pattern(CLIENT_NAME_PATTERN)}
 _POSITIVE_SECONDS = {"type": "number", "exclusiveMinimum": 0, "maximum": 86_400 * 365}
 _COUNT = {"type": "integer", "minimum": 0}
 _TIMEOUT = {"type": "number", "minimum": 0, "maximum": 86_400}  # seconds, 0: off
@@ -125,8 +122,13 @@ SCHEMA: dict[str, Any] = {
                 "required": ["id"],
                 "properties": {
                     "id": _SITE_ID,
-                    "region": {"type": "string", "pattern": _anchored(PRINTABLE_PATTERN)},
-                    "conn_id": {"type": "string", "minLength": 1, "maxLength": 250, "pattern": r"^[^\x00-\x1f\x7f]*\Z"},
+                    "region": {"type": "string", "pattern": form_pattern(PRINTABLE_PATTERN)},
+                    "conn_id": {
+                        "type": "string",
+                        "minLength": 1,
+                        "maxLength": 250,
+                        "pattern": form_pattern(ONE_LINE_PATTERN),
+                    },
                 },
             },
         },
@@ -146,7 +148,7 @@ SCHEMA: dict[str, Any] = {
         "providers": {
             "type": ["object", "null"],
             "propertyNames": _CLIENT,
-            "additionalProperties": {"type": "string", "pattern": _anchored(PROVIDER_PATTERN)},
+            "additionalProperties": {"type": "string", "pattern": form_pattern(PROVIDER_PATTERN)},
         },
         "settings": {
             "type": ["object", "null"],

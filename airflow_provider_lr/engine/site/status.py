@@ -145,10 +145,10 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
                 s.update(holders.get(key, NO_HOLDER))
                 # the holder as a replicator member: live, dead (its lease is taken at once), None: not one
                 s["lease_owner_alive"] = registered.get(s["lease_owner"])
-                s["waiting_for"] = waiting_for(s, requests.get(key))
+                request = requests.get(key)
+                s["waiting_for"] = waiting_for(s, request)
                 # a forced request: the session's sink takes a new full sync, whatever its state now
-                forced = requests.get(key)
-                s["full_sync_requested"] = forced["request_id"] if forced and forced["forced"] else None
+                s["full_sync_requested"] = request["request_id"] if request and request["forced"] else None
         result.durable = durability(conn)
         result.held_back_by = [
             {

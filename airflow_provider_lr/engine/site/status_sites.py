@@ -28,10 +28,15 @@ def session_key(session: dict) -> SessionKey:
     return SessionKey(session["source_site_id"], session["sink_site_id"], session["client_name"])
 
 
+def sites_read(found: Mapping[str, SiteRead | str]) -> dict[str, SiteRead]:
+    """The sites a status run read (a site it could not read is its error's line)."""
+    return {site: st for site, st in found.items() if not isinstance(st, str)}
+
+
 def trim_marks(found: Mapping[str, SiteRead | str]) -> dict[str, int]:
     """The trim mark of every site read in one status run: a sink's sessions are checked against
     their source's."""
-    return {site: st.trim_mark for site, st in found.items() if not isinstance(st, str)}
+    return {site: st.trim_mark for site, st in sites_read(found).items()}
 
 
 def closed_tables(found: Mapping[str, SiteRead | str]) -> set[tuple[str, str]]:
@@ -40,8 +45,7 @@ def closed_tables(found: Mapping[str, SiteRead | str]) -> set[tuple[str, str]]:
     Its sinks' copies are marked with it."""
     return {
         (site, t["table"])
-        for site, st in found.items()
-        if not isinstance(st, str)
+        for site, st in sites_read(found).items()
         for t in st.tables
         if t["role"] == "registry" and (is_closed(t["federated"], t["table_id"], t["source"]) or t.get("closed_here"))
     }
@@ -54,7 +58,7 @@ def mark_tables_lacking(found: Mapping[str, SiteRead | str]) -> None:
     captured: dict[tuple[str, str], dict[str, int]] = {}  # (source, client) -> table -> its table_id
     synced: dict[tuple[str, str, str], dict[str, int]] = {}  # (source, sink, client) -> table -> table_id
     kept_out: dict[str, set[str]] = {}  # sink -> tables it opened --no-federated
-    read = {site: st for site, st in found.items() if not isinstance(st, str)}
+    read = sites_read(found)
     for site, st in read.items():
         for t in st.tables:
             if t["role"] == "sink" and t["state"] == TableState.SYNCED:
@@ -81,16 +85,14 @@ def mark_sink_positions(found: Mapping[str, SiteRead | str]) -> None:
     (``sink_position``): the acknowledged one trails it (a stream acknowledges what the sink holds
     durably, lazily), and a retention trim in that window made ``lr status`` call a sink that held
     every entry "behind trim", its site DEGRADED. The sink's own position is the truth."""
+    read = sites_read(found)
     own = {
         session_key(s): s["last_applied_position"]
-        for st in found.values()
-        if not isinstance(st, str)
+        for st in read.values()
         for s in st.sessions
         if s["role"] == "sink" and s["data_consistent"] and not s.get("failed_over_to")
     }
-    for st in found.values():
-        if isinstance(st, str):
-            continue
+    for st in read.values():
         for s in st.sessions:
             if s["role"] == "source" and (position := own.get(session_key(s))) is not None:
                 s["sink_position"] = position
@@ -102,7 +104,7 @@ def mark_full_syncs(found: Mapping[str, SiteRead | str]) -> None:
     on each source session whose transfer is under way how much of it its sink holds: before, a
     sink was ``consistent`` while its source waited for a full sync, and a transfer of minutes
     showed no progress."""
-    read = {site: st for site, st in found.items() if not isinstance(st, str)}
+    read = sites_read(found)
     requested = {
         session_key(s): s["full_sync_requested"]
         for st in read.values()
@@ -124,9 +126,8 @@ def mark_full_syncs(found: Mapping[str, SiteRead | str]) -> None:
                 for q in sink.receive_queues
                 if (q["source"], q["client"]) == (site, s["client_name"])
             )
-            whole = (
-                request["entries"] + 2
-            )  # the provider's messages, with the start and end markers (as the queue counts)
+            # the provider's messages, with the start and end markers (as the queue counts them)
+            whole = request["entries"] + 2
             s["full_sync_progress"] = f"{min(held, whole)} of its {whole} entries at the sink"
 
 
@@ -137,7 +138,7 @@ def mark_copies_captured_for_another_client(found: Mapping[str, SiteRead | str])
     ``--allow-table-divergence`` does that to a copy federated both ways (the promoted site captured
     it for ``back``, and takes it over for the failed-over client). Before, those copies read
     ``synced`` and ``lr status`` said healthy."""
-    read = {site: st for site, st in found.items() if not isinstance(st, str)}
+    read = sites_read(found)
     closed = closed_tables(found)
     captured = {
         (site, t["table"]): t["client"]
@@ -171,16 +172,14 @@ def mark_sources_failed_over(found: Mapping[str, SiteRead | str]) -> None:
     over (the fence of ``lr failover``) where it went (``failed_over_to``): an old source back
     after an unplanned failover, not rejoined yet, still has its sessions, which every sink refuses.
     Before, they were called ready, or waiting for a table snapshot that never comes."""
+    read = sites_read(found)
     moved = {
         (session_key(s), site): s["failed_over_to"]
-        for site, st in found.items()
-        if not isinstance(st, str)
+        for site, st in read.items()
         for s in st.sessions
         if s["role"] == "sink" and s.get("failed_over_to")
     }
-    for st in found.values():
-        if isinstance(st, str):
-            continue
+    for st in read.values():
         for s in st.sessions:
             key = session_key(s)
             to = moved.get((key, key.sink))
