@@ -30,12 +30,15 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.db.autocommit import autocommit
 from airflow_provider_lr.engine.errors import LRError, one_line
+from airflow_provider_lr.engine.session.sink_writers import SinkBusy
 from airflow_provider_lr.engine.session.stream_member import Member
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
 log = logging.getLogger(__name__)
 Conn = Callable[[str], psycopg2.extensions.connection]  # a sink site's connection, by site
+Positions = tuple[int, int]  # a sink's WAL flush and insert positions
+Ask = Callable[[str, Callable[[psycopg2.extensions.connection], Positions]], Positions]  # ``SinkWriters.ask``
 
 # pg_lsn minus the zero position: a number, compared in Python
 WAL_POSITIONS_SQL = (
@@ -57,14 +60,11 @@ class DurableAcks:
     def __init__(self) -> None:
         self._marks: dict[str, list[_Mark]] = {}
 
-    def observe(
-        self, conn: psycopg2.extensions.connection, site: str, positions: Mapping[SessionKey, int]
-    ) -> dict[SessionKey, int]:
-        """Mark ``positions`` (where ``site``'s sessions stand now, committed, maybe not flushed) and
-        return the newest position of each session now known durable on ``site``."""
-        with autocommit(conn), conn.cursor() as cur:  # one round trip
-            cur.execute(WAL_POSITIONS_SQL)
-            flushed, inserted = (int(v) for v in cur.fetchone())
+    def observe(self, site: str, positions: Mapping[SessionKey, int], wal: Positions) -> dict[SessionKey, int]:
+        """Mark ``positions`` (where ``site``'s sessions stand now, committed, maybe not flushed) at
+        the ``wal`` positions read after them and return the newest position of each session now
+        known durable on ``site``."""
+        flushed, inserted = wal
         marks = self._marks.setdefault(site, [])
         if positions and (not marks or marks[-1].positions != positions):
             marks.append(_Mark(inserted, dict(positions)))
@@ -75,10 +75,10 @@ class DurableAcks:
             durable.update(marks.pop(0).positions)  # positions only grow: a later mark's win
         return durable
 
-    def observe_members(self, members: Collection[Member], conn: Conn) -> dict[SessionKey, Exception]:
+    def observe_members(self, members: Collection[Member], ask: Ask) -> dict[SessionKey, Exception]:
         """``observe`` for each sink site of ``members`` whose position is not known durable, raising
         their ``durable``; the sessions of a site that could not be asked, with why (the sink is
-        lost: they go back to the cycles)."""
+        lost: they go back to the cycles). A site busy writing is asked at the next ack."""
         standing: dict[str, dict[SessionKey, int]] = {}
         for member in members:
             if member.after > member.durable:
@@ -87,7 +87,9 @@ class DurableAcks:
         failed: dict[SessionKey, Exception] = {}
         for site, positions in standing.items():
             try:
-                durable = self.observe(conn(site), site, positions)
+                durable = self.observe(site, positions, ask(site, wal_positions))
+            except SinkBusy:
+                continue
             except Exception as exc:
                 failed.update(dict.fromkeys(positions, exc))
                 continue
@@ -112,3 +114,11 @@ class DurableAcks:
         before a crash names WAL the restarted server may never have had; its sessions' positions
         are marked again by the next round."""
         self._marks.pop(site, None)
+
+
+def wal_positions(conn: psycopg2.extensions.connection) -> Positions:
+    """The sink's WAL flush and insert positions, in one round trip."""
+    with autocommit(conn), conn.cursor() as cur:
+        cur.execute(WAL_POSITIONS_SQL)
+        flushed, inserted = cur.fetchone()
+    return int(flushed), int(inserted)

@@ -144,6 +144,11 @@ class StreamSettings:
     # timeout + link check: 145 s by default). A stream's sink calls are small (a batch, a handshake,
     # a WAL position): a slow one only moves its session to the cycles for a while.
     sink_deadline: float = 10.0
+    # A round waits this long for its sinks' writes; one not done by then stays in flight while the
+    # stream carries the other sinks' sessions on, its own sessions out of the rounds until it ends:
+    # one slow or silent sink holds the others this long once, not ``sink_deadline``. With all of a
+    # stream's sessions on one sink site nothing is held: its round waits for the write.
+    sink_patience: float = 0.2
     # A stop waits this long, in all, for the source streams to end (each records its last ack and
     # releases its leases). A stream whose source stopped answering (a frozen server) is left
     # behind after it: nothing is lost (each sink holds its position), its leases are taken by the

@@ -1,22 +1,19 @@
 """One reader per source: the streaming sessions of a source share one read of its log.
 
-A cycle (``runner``) pays for a lease, a fence, a negotiation and a commit barrier before it reads:
-tens of milliseconds of lag per entry for a stream. A session a cycle left in log-entry sync joins
-its source's ``SourceStream`` instead: one handshake (``handshake.py``) renews the cycle's lease and
-gives the ``Position`` kept in memory; then, for all the source's sessions at once, the stream
-probes the last drawn commit position, reads the *final prefix* after the lowest session ONCE
-(``source/routed_read``: the source's server says which sessions want each entry), writes each
-session's share in ONE fenced sink transaction (``writes.apply_log_stream``), committed
-asynchronously, the sinks in parallel (``sink_writers``), acknowledges lazily what each sink's WAL
-flush has passed (``durable_acks``: the sink's position is the truth), and under load waits a
-while after each round (batches grow, the writers keep the CPU: ``StreamSettings``). Per source:
-two source connections, one per sink site, a thread, a writer thread per sink site: O(sites),
-whatever the number of sessions.
+A session a cycle (``runner``) left in log-entry sync joins its source's ``SourceStream``: one
+handshake (``handshake.py``) renews the cycle's lease and gives the ``Position`` kept in memory;
+then, for all the source's sessions at once, the stream probes the last drawn commit position,
+reads the *final prefix* after the lowest session ONCE (``source/routed_read``: the source's server
+says which sessions want each entry), writes each session's share in ONE fenced sink transaction
+(``writes.apply_log_stream``), committed asynchronously, the sinks in parallel, a slow one left in
+flight (``sink_writers``), acknowledges lazily what each sink's WAL flush has passed
+(``durable_acks``: the sink's position is the truth), and under load waits a while after each round
+(``StreamSettings``). Per source: two source connections, one per sink site, a thread, a writer
+thread per sink site: O(sites), whatever the number of sessions.
 
 A session leaves when something calls for negotiation (lease taken over, topology changed, full
 sync requested, table federated, log trimmed past it, its sink failed): it is handed back
-(``StreamEnd``) to the cycles (``Streamer``), which renegotiate and bring it back. The whole story
-and why each guarantee holds: docs/streaming.md."""
+(``StreamEnd``) to the cycles (``Streamer``). The whole story: docs/streaming.md."""
 
 from __future__ import annotations
 
@@ -38,13 +35,13 @@ from airflow_provider_lr.engine.db.autocommit import autocommit
 from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.errors import FencedError, LRError, StaleBatchError, TrimmedError, error_line, one_line
 from airflow_provider_lr.engine.session import lease as leases
-from airflow_provider_lr.engine.session import stream_writes
+from airflow_provider_lr.engine.session import stream_tables, stream_writes
 from airflow_provider_lr.engine.session.durable_acks import DurableAcks
 from airflow_provider_lr.engine.session.handshake import handshake
 from airflow_provider_lr.engine.session.negotiation import Decision
 from airflow_provider_lr.engine.session.runner import record_error
 from airflow_provider_lr.engine.session.settings import RateWindow, SessionSettings, StreamSettings
-from airflow_provider_lr.engine.session.sink_writers import SinkWriters
+from airflow_provider_lr.engine.session.sink_writers import Answer, Outcomes, SinkWriters
 from airflow_provider_lr.engine.session.stream_member import REASSIGNED, STOPPED, Member, StreamEnd
 from airflow_provider_lr.engine.session.stream_read import StreamRead
 from airflow_provider_lr.engine.source import full_sync
@@ -135,6 +132,7 @@ class SourceStream:
             reason, error = "failed", failure(exc)
         finally:
             self._admit()  # a join still queued is answered too
+            self._outcomes(self.sinks.collect(None))  # the writes in flight end (cut at ``sink_deadline``)
             if reason == STOPPED:
                 self.durable.flush(list(self.members.values()), self.sinks.conn, self.source)
             for member in list(self.members.values()):
@@ -155,6 +153,7 @@ class SourceStream:
         again = False  # the last round moved under a steady rate: read again without probing first
         while not halt.is_set():
             self._admit()
+            self._outcomes(self.sinks.collect())  # writes left in flight by earlier rounds that ended
             if not self.members:
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -166,9 +165,11 @@ class SourceStream:
                 chores, last_ack = self._ack(), now
             if chores is not None and next(chores, _DONE) is _DONE:
                 chores = None
-            if not self.members:  # the check or the acks handed every session back: wait for the next
+            ready = self._ready()
+            if not ready:  # every session's sink still writes (or the chores handed all back): wait
+                self._outcomes(self.sinks.collect(opts.sleep_max))
                 continue
-            low = min(m.read_to for m in self.members.values())
+            low = min(m.read_to for m in ready)
             probed = not again and stalled_since is None
             due = 0.0 if chores is not None else min(next_check, last_ack + opts.ack_interval) - now
             if probed and not self.reads.wait_for_commit(low, pause, max(0.0, min(due, opts.sleep_max))):
@@ -203,6 +204,7 @@ class SourceStream:
                 self._leaving.discard(key)
                 member = self.members.get(key)
                 if member is not None:
+                    self._outcomes(self.sinks.settle(key.sink))  # its write in flight, if any, counted
                     self.durable.flush([member], self.sinks.conn, self.source)
                     self._ack_quietly(member)
                     self._release_quietly(member)
@@ -238,7 +240,7 @@ class SourceStream:
         delivered when the read moved (at least 1), else 0. ``barrier``: read behind the commit
         barrier instead (it waits for the commits in flight, so a position still missing after it
         was rolled back and is passed), per session."""
-        members = list(self.members.values())
+        members = self._ready()
         low = min(m.read_to for m in members)
         self._committed = sys.maxsize
         batch: RoutedBatch | None = None
@@ -291,10 +293,26 @@ class SourceStream:
                     raise
         return moved
 
+    def _ready(self) -> list[Member]:
+        """The sessions whose sink has no write in flight: those a round reads and writes for."""
+        busy = self.sinks.busy
+        return [m for m in self.members.values() if m.key.sink not in busy]
+
     def _write(self, jobs: dict[str, list[tuple[Member, LogBatch]]]) -> None:
-        """Each sink's batches by its own writer, the sinks at once; then what each did."""
+        """Each sink's batches by its own writer, the sinks at once; then what each did. A write not
+        done within ``sink_patience`` is left in flight (``_ready``): a silent sink holds no other."""
         apply = functools.partial(stream_writes.apply_site, source=self.source)
-        for (member, batch), outcome in self.sinks.write(jobs, apply):
+        self._outcomes(self.sinks.write(jobs, apply, self._patience()))
+
+    def _patience(self) -> float | None:
+        """How long a round waits for a sink: with one sink site, for good (it holds no other)."""
+        return None if len({m.key.sink for m in self.members.values()}) <= 1 else self.opts.sink_patience
+
+    def _ask(self, site: str, question: Callable[[psycopg2.extensions.connection], Answer]) -> Answer:
+        return self.sinks.ask(site, question, self._patience())  # the acks' and the check's questions
+
+    def _outcomes(self, outcomes: Outcomes[tuple[Member, LogBatch]]) -> None:
+        for (member, batch), outcome in outcomes:
             if isinstance(outcome, BaseException):
                 self._fail(member, outcome)
             else:
@@ -310,9 +328,8 @@ class SourceStream:
     # --- looking around -----------------------------------------------------------------------
     def _check(self) -> Iterator[None]:
         """Move idle sessions' sinks on, count each session's backlog (one count for all: ``lr status``),
-        renew every lease with it in one statement (a session taken over leaves) noting the success,
-        hand back each session whose negotiation is due. A step (a round trip or three) per turn of
-        ``_loop``: a commit waits for one step, not the ~5 ms of all."""
+        renew every lease with it in one statement (a session taken over leaves), hand back each whose
+        negotiation is due. A step (a round trip or three) per turn of ``_loop``, not the ~5 ms of all."""
         self._advance_idle()
         yield
         members = list(self.members.values())
@@ -338,7 +355,9 @@ class SourceStream:
             renewals.append((member.lease, values))
         lost = self._update_leases(renewals)
         yield
-        lacking = self._tables_lacking([m for m in members if not m.ended], federated)
+        busy = self.sinks.busy  # a sink still writing is asked at the next check
+        ready = [m for m in members if not m.ended and m.key.sink not in busy]
+        lacking = stream_tables.tables_lacking(ready, federated, self._ask, self.source)
         for member in members:
             key = member.key
             if member.ended:  # the renewal itself failed
@@ -350,7 +369,7 @@ class SourceStream:
                     raise _Handback("the topology changed")
                 if (key.sink, key.client) in requested:
                     raise _Handback("a full sync was requested")
-                on_sink = lacking[key.sink]
+                on_sink = lacking.get(key.sink, {})
                 if isinstance(on_sink, Exception):
                     raise on_sink
                 if key.client in on_sink:
@@ -360,27 +379,11 @@ class SourceStream:
                 if self.src.closed:
                     raise
 
-    def _tables_lacking(
-        self, members: list[Member], federated: dict[str, list[registry.FederatedTable]]
-    ) -> dict[str, dict[str, list[registry.FederatedTable]] | Exception]:
-        """Per sink site: the clients whose sessions there lack a federated table, read in one
-        round trip per site, not per session (or why it could not be read: each session there fails)."""
-        by_sink: dict[str, dict[str, list[registry.FederatedTable]]] = {}
-        for member in members:
-            by_sink.setdefault(member.key.sink, {})[member.key.client] = federated[member.key.client]
-        out: dict[str, dict[str, list[registry.FederatedTable]] | Exception] = {}
-        for sink, clients in by_sink.items():
-            try:
-                out[sink] = table_snapshot.needed_by_client(self.sinks.conn(sink), self.source, clients)
-            except Exception as exc:
-                out[sink] = exc
-        return out
-
     def _advance_idle(self) -> None:
         """Move the sinks of the sessions the reads found nothing for to where they were read: their
         acknowledged positions follow, so trim is not held back by a session that gets nothing."""
         jobs: dict[str, list[tuple[Member, LogBatch]]] = {}
-        for member in self.members.values():
+        for member in self._ready():
             if member.read_to > member.after:
                 jobs.setdefault(member.key.sink, []).append((member, LogBatch(member.after, member.read_to)))
         if jobs:
@@ -390,7 +393,7 @@ class SourceStream:
         """Record on the source, in one statement, each sink's position its WAL flush has passed
         (``durable_acks``; the record itself is asynchronously committed: the sink's position is the
         truth, a lost ack only delays trim). Two steps: the sinks asked, then the source told."""
-        for key, exc in self.durable.observe_members(list(self.members.values()), self.sinks.conn).items():
+        for key, exc in self.durable.observe_members(self._ready(), self._ask).items():
             if key in self.members:
                 self._fail(self.members[key], exc)
         yield
@@ -422,18 +425,15 @@ class SourceStream:
     def _ack_values(member: Member) -> dict[str, object]:
         return {"acked_position": member.durable, "last_error": None, "last_success_at": AsIs("now()")}
 
-    def _ack_one(self, member: Member) -> None:
-        lost = leases.update_sessions(self.src, [(member.lease, self._ack_values(member))])
-        if lost:
-            raise lost[member.lease]
-        member.acked = member.durable
-
     def _ack_quietly(self, member: Member) -> None:
         if member.acked >= member.durable or self.src.closed:
             return
         try:
             self.src.rollback()  # a statement that failed on the source left its transaction aborted
-            self._ack_one(member)
+            lost = leases.update_sessions(self.src, [(member.lease, self._ack_values(member))])
+            if lost:
+                raise lost[member.lease]
+            member.acked = member.durable
         except (psycopg2.Error, LRError) as exc:  # the next holder records its own; trim waits meanwhile
             log.info("stream %s: last ack not recorded: %s", member.key, one_line(exc))
 
