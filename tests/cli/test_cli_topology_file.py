@@ -256,7 +256,9 @@ def test_full_sync_wait_rides_out_its_source_restarting_and_says_the_request_app
     )
     waiting.start()
     try:
-        wait_for(lambda: source.query("SELECT count(*) FROM lr.full_sync_requests WHERE forced") == [(1,)], 30, "request")
+        wait_for(
+            lambda: source.query("SELECT count(*) FROM lr.full_sync_requests WHERE forced") == [(1,)], 30, "request"
+        )
         # down until the wait looked at the source and found it so (certain, not a timer's luck)
         crash_and_restart(site_manager, source, lambda: refused or not waiting.is_alive())
         assert cli.main(["sync", "--topology", topo, *SYNC]) == 0  # a replicator applies it
