@@ -19,7 +19,7 @@ from airflow_provider_lr.cli.common import (
     unreachable,
     with_topology,
 )
-from airflow_provider_lr.engine.errors import LRError
+from airflow_provider_lr.engine.errors import LRError, SiteUnreachableError, one_line
 from airflow_provider_lr.engine.session import lease
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.store import source_sessions
@@ -60,10 +60,18 @@ def cmd_full_sync(args: argparse.Namespace) -> int:
         if key.sink in lost:
             print(f"  {key}: not applied: its sink {key.sink} does not answer ({lost[key.sink]}); not waited for")
             continue
-        found = outcomes.get(key)
+        silent = sources.silent.get(key.source)
+        if key not in outcomes:  # its source never answered a look
+            print(f"  {key}: not known to be applied: its source {key.source} does not answer ({silent})")
+            continue
+        found = outcomes[key]
         said = found.describe() if found is not None else "request gone"
+        if silent and (found is None or not found.final):
+            said += f"; its source {key.source} did not answer the last look ({silent})"
         print(f"  {key}: {said}{workers.get(key, '')}")
-    applied = all(f is not None and f.outcome is full_sync.Outcome.APPLIED for f in outcomes.values())
+    applied = all(
+        k in outcomes and (f := outcomes[k]) is not None and f.outcome is full_sync.Outcome.APPLIED for k in waited
+    )
     return 0 if applied and not lost else 1
 
 
@@ -71,25 +79,40 @@ class _Sources:
     """One connection per source for the whole wait (its looks, then what it says of each request
     still open), opened when first needed and again once after one was lost (a source restarted
     meanwhile). Before, every look connected to each source anew and the end once per session
-    pending: a minute's wait on 40 sessions made about 100 connections to a source."""
+    pending: a minute's wait on 40 sessions made about 100 connections to a source. A source that
+    does not answer a look (stopped, restarting) is looked at again at the next one: its requests
+    are kept on it, and a replicator applies them once it is back, so the wait goes on (it ended at
+    once, exit 1, saying nothing of any request); ``silent`` says why it did not answer the last."""
 
     def __init__(self, topo: topologies.Topology) -> None:
         self.topo = topo
         self.conns: dict[str, psycopg2.extensions.connection] = {}
+        self.silent: dict[str, str] = {}  # a source that did not answer its last look -> why
 
     def each(
         self, source: str, keys: list[SessionKey], work: Callable[[psycopg2.extensions.connection, SessionKey], T]
     ) -> dict[SessionKey, T]:
         """``work`` for each of ``keys`` of ``source`` on its connection; connected anew and run
-        again once when that connection was lost."""
+        again once when that connection was lost; nothing (noted in ``silent``) when the source
+        does not answer."""
         mine = [k for k in keys if k.source == source]
-        conn = self._conn(source)
-        try:
-            return {k: work(conn, k) for k in mine}
-        except (psycopg2.OperationalError, psycopg2.InterfaceError):
-            self.conns.pop(source).close()
-        conn = self._conn(source)  # once more, connected anew
-        return {k: work(conn, k) for k in mine}
+        for last in (False, True):
+            try:
+                conn = self._conn(source)
+                done = {k: work(conn, k) for k in mine}
+            except SiteUnreachableError as exc:
+                self.silent[source] = one_line(exc)
+                return {}
+            except (psycopg2.OperationalError, psycopg2.InterfaceError) as exc:
+                lost = self.conns.pop(source, None)  # none: lost while it was being set up
+                if lost is not None:
+                    lost.close()
+                if last:
+                    self.silent[source] = one_line(exc)
+                continue
+            self.silent.pop(source, None)
+            return done
+        return {}
 
     def _conn(self, source: str) -> psycopg2.extensions.connection:
         conn = self.conns.get(source)
@@ -143,9 +166,14 @@ def _wait_applied(sources: _Sources, requests: dict, timeout: float) -> dict:
     while True:
         open_ = [k for k in requests if k not in found or (found[k] is not None and not found[k].final)]
         for source in sorted({k.source for k in open_}):
+            if unreachable(sources.topo, source):  # found silent in this command: not answering again
+                sources.silent.setdefault(source, unreachable(sources.topo, source) or "")
+                open_ = [k for k in open_ if k.source != source]
+                continue
             found.update(sources.each(source, open_, lambda conn, k: full_sync.outcome(conn, requests[k])))
         left = deadline - time.monotonic()
-        if all(f is None or f.final for f in found.values()) or left <= 0:
+        # a request not looked at yet (its source did not answer) is still open
+        if not any(k not in found or (found[k] is not None and not found[k].final) for k in open_) or left <= 0:
             return found
         time.sleep(min(pause, left))
         pause = min(pause * 2, 1.0)

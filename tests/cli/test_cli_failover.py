@@ -13,6 +13,7 @@ import yaml
 from airflow_provider_lr import cli
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import TransmitError
+from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.engine.tables.definition import TableName
@@ -34,26 +35,36 @@ def test_a_planned_switchover_drains_the_old_source_then_refuses_its_writers(lr_
     App(site_b).close()
     capsys.readouterr()
     running = replicator(topologies.load(topo), lr_sites)  # an `lr sync` started before the switch, with its file
+    # its cycle in the middle of the switch: site-a drained (it runs the new topology), the sinks
+    # fenced, site-b not promoted yet (it runs the old one): it was told to rejoin site-a, with its
+    # own older file, though site-a was switched over, not failed over behind the others' back
+    midway: list[str] = []
+
+    def a_cycle() -> None:
+        midway.extend(r.error or "" for r in running.run_cycle())
 
     new = tmp_path / "after.yaml"
-    assert (
-        cli.main(
-            [
-                "failover",
-                "--topology",
-                topo,
-                "--promote",
-                "site-b",
-                "--reason",
-                "maintenance of site-a",
-                "--out",
-                str(new),
-            ]
+    with on_fault("failover_after_fence", a_cycle):
+        assert (
+            cli.main(
+                [
+                    "failover",
+                    "--topology",
+                    topo,
+                    "--promote",
+                    "site-b",
+                    "--reason",
+                    "maintenance of site-a",
+                    "--out",
+                    str(new),
+                ]
+            )
+            == 0
         )
-        == 0
-    )
     out = capsys.readouterr().out
     assert "planned switchover" in out and "site-b is the source of policy (was site-a)" in out
+    assert len(midway) == 2 and all("predates the failover of site-a to site-b" in e for e in midway), midway
+    assert not any("--rejoin" in e for e in midway), midway
     assert "lost: nothing" in out and str(new) in out
     # `lr status` with the old file: every site runs the new one, so the file is stale; it said to
     # rejoin site-a with that very file (which `lr failover --rejoin` refuses, exit 1)

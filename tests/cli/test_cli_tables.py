@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from pathlib import Path
 
 import yaml
 
 from airflow_provider_lr import cli
 from airflow_provider_lr.engine import faults
+from airflow_provider_lr.engine.session import lease
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.store.topology import load
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.cli.test_cli_sync import topology_file
-from tests.support.session import replicator, topology_doc
+from tests.support.session import replicator, topology_doc, wait_for
+from tests.support.subscriber import crash_and_restart
 from tests.support.tables import create_accounts, rows
 
 
@@ -385,12 +388,13 @@ def test_a_copy_federated_onward_from_its_sink_replicates_both_ways_with_no_prov
 
 
 def test_lr_tables_close_waits_for_a_sink_whose_full_sync_would_forget_its_copy_so_no_copy_lacks_changes(
-    lr_sites, tmp_path, monkeypatch, capsys
+    lr_sites, site_manager, tmp_path, monkeypatch, capsys
 ):
     """A full sync forced on site-c forgets its tables, which take a new snapshot after it; a table
     closed before that snapshot takes none, and site-c's copy lacked, for good, the changes made
     before the close that site-b's holds. The close is refused until site-c has taken it."""
     a, b, c = lr_sites
+    c.query(f'ALTER DATABASE "{c.dbname}" SET synchronous_commit = on')  # durable across its restart below
     topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={})
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
     create_accounts(a, rows=10)
@@ -406,8 +410,30 @@ def test_lr_tables_close_waits_for_a_sink_whose_full_sync_would_forget_its_copy_
     keep_out = ["tables", "open", "public.accounts", "--client", "policy", "--no-federated", "--site", "site-a"]
     assert cli.main([*keep_out, "--topology", topo]) == 1  # stops the capture as a close does: the same rule
     assert "site-c has not taken its snapshot of it yet" in capsys.readouterr().err
-    sync(topo)  # the full sync, then the table's snapshot
-    assert cli.main(["tables", "close", "public.accounts", "--topology", topo]) == 0
+    # a replicator holds site-c's session: the close waits for its snapshot. site-c restarting
+    # meanwhile (stopped at once, then started) ended the close with one line at its next look (its
+    # connection lost), though the replicator took the snapshot moments later; now it waits on
+    holder = conn = a.connect()
+    lease.acquire(conn, "site-c", "policy", "vm:1:holder")
+    conn.close()
+    looks: list[set] = []  # each look of the close's wait begins with the requests open
+    requested = full_sync.sessions_requested
+    monkeypatch.setattr(full_sync, "sessions_requested", lambda *a, **k: looks.append(requested(*a, **k)) or looks[-1])
+    codes: list[int] = []
+    closer = threading.Thread(
+        target=lambda: codes.append(cli.main(["tables", "close", "public.accounts", "--topology", topo]))
+    )
+    closer.start()
+    try:
+        wait_for(lambda: any(("site-c", "policy") in look for look in looks), 30, "the close waiting for site-c")
+        crash_and_restart(site_manager, c, lambda: True)  # its connection to site-c is gone for certain
+        holder = replicator(load(topo), lr_sites, owner="vm:1:holder")
+        holder.run_cycle()  # the full sync, then the table's snapshot, under the lease the close saw
+    finally:
+        closer.join(60)
+        if holder is not conn:
+            holder.close()
+    assert codes == [0], capsys.readouterr()
     at_close = rows(a)
     a.query("UPDATE public.accounts SET owner = 'after the close' WHERE id = 10")
     sync(topo)

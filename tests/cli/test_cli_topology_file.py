@@ -4,6 +4,7 @@ no-op; and `lr full-sync` over any choice of sessions, waiting for whichever rep
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import yaml
@@ -11,11 +12,13 @@ import yaml
 from airflow_provider_lr import cli
 from airflow_provider_lr.cli import full_sync as full_sync_cli
 from airflow_provider_lr.cli.common import connector
+from airflow_provider_lr.engine.errors import SiteUnreachableError
 from airflow_provider_lr.engine.site import failover, topology
 from airflow_provider_lr.engine.store import topology as topologies
 from tests.cli.test_cli_sync import topology_file
 from tests.engine.site.test_failover import _connect
-from tests.support.session import App, lr_sync_process, queue
+from tests.support.session import App, lr_sync_process, queue, wait_for
+from tests.support.subscriber import crash_and_restart
 
 SYNC = ["--until-idle", "--cycles", "10", "--interval", "0.01"]
 
@@ -218,6 +221,52 @@ def test_full_sync_wait_ends_at_its_bound_when_nobody_applies_the_request(lr_sit
         per_run.append(connects.count("site-a"))
     assert per_run[0] == per_run[1] == per_run[2], per_run
     app.close()
+
+
+def test_full_sync_wait_rides_out_its_source_restarting_and_says_the_request_applied(
+    lr_sites, site_manager, tmp_path, monkeypatch, capsys
+):
+    """The source restarted (stopped at once, then started) while `lr full-sync --wait` waited on
+    it: the wait goes on and says the request applied once a replicator applied it. It ended at the
+    first look that found the source down (its connection lost, connected again once at once),
+    exit 1 and one line, saying nothing of the request, which was applied moments later."""
+    source = lr_sites[0]
+    # durable, as a production source (the test servers commit asynchronously: an immediate stop
+    # would lose the request itself)
+    source.query(f'ALTER DATABASE "{source.dbname}" SET synchronous_commit = on')
+    topo, app = _replicating(lr_sites, tmp_path, monkeypatch)
+    app.close()
+    capsys.readouterr()
+    refused: list[str] = []
+
+    def connect(topo):
+        def to(site):
+            try:
+                return connector(topo)(site)
+            except SiteUnreachableError:
+                refused.append(site)
+                raise
+
+        return to
+
+    monkeypatch.setattr(full_sync_cli, "connector", connect)
+    codes: list[int] = []
+    waiting = threading.Thread(
+        target=lambda: codes.append(cli.main(["full-sync", "--topology", topo, "--sink", "site-b", "--wait", "60"]))
+    )
+    waiting.start()
+    try:
+        wait_for(
+            lambda: source.query("SELECT count(*) FROM lr.full_sync_requests WHERE forced") == [(1,)], 30, "request"
+        )
+        # down until the wait looked at the source and found it so (certain, not a timer's luck)
+        crash_and_restart(site_manager, source, lambda: refused or not waiting.is_alive())
+        assert cli.main(["sync", "--topology", topo, *SYNC]) == 0  # a replicator applies it
+    finally:
+        waiting.join(60)
+    out = capsys.readouterr().out
+    assert codes == [0], out
+    assert "site-a->site-b/policy: full sync" in out and " applied by " in out, out
 
 
 def test_a_running_replicator_goes_on_when_its_own_file_is_edited_and_applied(lr_sites, tmp_path, monkeypatch):

@@ -15,11 +15,11 @@ import yaml
 
 from airflow_provider_lr import cli
 from airflow_provider_lr.client import RoutingQueueClient
-from airflow_provider_lr.engine.store import receive_queue, source_sessions
+from airflow_provider_lr.engine.store import members, receive_queue, source_sessions
 from airflow_provider_lr.proto import lr_pb2
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
 from tests.cli.test_cli_sync import topology_file
-from tests.support.session import App, apply, queue
+from tests.support.session import App, apply, queue, replicator
 from tests.support.subscriber import insert_raw
 
 
@@ -311,9 +311,13 @@ def test_a_queue_entry_that_arrived_after_the_status_read_began_is_not_a_negativ
     assert waiting == 1 and oldest == 0.0, oldest
 
 
-def test_an_entry_committed_after_the_status_read_began_is_not_a_negative_lag(lr_sites):
+def test_an_entry_a_success_a_lease_or_a_heartbeat_recorded_after_the_status_read_began_is_never_negative(
+    lr_sites,
+):
+    """A lag, or an age: `lr status` read beside two busy `lr sync` also said "last success -0s
+    ago" (the read's now(), its transaction's start, less a time a replicator recorded later)."""
     source = lr_sites[0]
-    apply(lr_sites)
+    topo = apply(lr_sites)
     app = App(source)
     conn = source.connect()
     with conn.cursor() as cur:
@@ -321,9 +325,22 @@ def test_an_entry_committed_after_the_status_read_began_is_not_a_negative_lag(lr
         time.sleep(0.05)
         app.put("k", 1, ["site-b"])  # a writer's transaction that began later
         rows = source_sessions.backlog_rows(cur, "site-b", "policy", None)
+        repl = replicator(topo, lr_sites)  # a replicator's cycle that began later: a lease, a success
+        repl.run_cycle()
+        member = source.connect()  # and a member joining (its heartbeat; alive while it is connected)
+        with member.cursor() as mine:
+            members.join(mine, "vm:1:later", 30.0)
+        member.commit()
+        ages = list(source_sessions.last_success_ages(cur).values())
+        held = [row[4] for row in source_sessions.held_leases(cur, True)]
+        beats = [m.heartbeat_age_s for m in members.live(cur)]
     conn.close()
+    member.close()
+    repl.close()
     app.close()
     assert [(entries, lag) for _, _, _, _, entries, _, lag, _, _ in rows] == [(1, 0.0)]
+    assert len(ages) == len(held) == 2 and len(beats) == 1, (ages, held, beats)
+    assert min(ages + held + beats) >= 0, (ages, held, beats)
 
 
 def test_an_address_lr_cannot_listen_on_is_said_on_one_line(lr_sites, tmp_path, monkeypatch, capsys):

@@ -110,7 +110,7 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
         result.sessions = [dict(zip(_COLUMNS, r)) for r in cur.fetchall()]
         cur.execute(
             "SELECT request_id::text, sink_site_id, client_name, status, forced, reason, "
-            "round(extract(epoch FROM now() - requested_at)::numeric, 1)::float8, "
+            "round(extract(epoch FROM greatest(now(), requested_at) - requested_at)::numeric, 1)::float8, "
             "round(extract(epoch FROM data_deadline - now())::numeric, 1)::float8, note, entries "
             f"FROM lr.full_sync_requests WHERE status IN {OPEN_STATUSES_SQL} ORDER BY requested_at"
         )

@@ -80,7 +80,7 @@ def beat(cur: psycopg2.extensions.cursor, owner: str, key: int) -> bool:
 def live(cur: psycopg2.extensions.cursor) -> list[Member]:
     """The live members, by owner (the same order for every member that reads them)."""
     cur.execute(
-        "SELECT m.owner, m.joined_at, round(extract(epoch FROM now() - m.heartbeat_at)::numeric, 2)::float8 "
+        "SELECT m.owner, m.joined_at, round(extract(epoch FROM greatest(now(), m.heartbeat_at) - m.heartbeat_at)::numeric, 2)::float8 "
         f"FROM lr.replicator_members m WHERE {_ALIVE} ORDER BY m.owner"
     )
     return [Member(*row) for row in cur.fetchall()]

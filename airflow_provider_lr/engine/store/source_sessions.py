@@ -163,7 +163,7 @@ def held_leases(cur: psycopg2.extensions.cursor, since_known: bool) -> list[tupl
     acquired = "lease_acquired_at" if since_known else "NULL::timestamptz"
     cur.execute(
         f"SELECT sink_site_id, client_name, lease_owner, {acquired}, "
-        f"round(extract(epoch FROM now() - {acquired})::numeric, 1)::float8, "
+        f"round(extract(epoch FROM greatest(now(), {acquired}) - {acquired})::numeric, 1)::float8, "
         "round(extract(epoch FROM lease_expires_at - now())::numeric, 1)::float8 "
         "FROM lr.source_sessions WHERE lease_owner IS NOT NULL AND lease_expires_at > now()"
     )
@@ -278,7 +278,7 @@ def clear_last_error(cur: psycopg2.extensions.cursor, sink: str, client: str) ->
 def last_success_ages(cur: psycopg2.extensions.cursor) -> dict[tuple[str, str], float | None]:
     """(sink, client) -> seconds since the session's last successful step (None: never)."""
     cur.execute(
-        "SELECT sink_site_id, client_name, round(extract(epoch FROM now() - last_success_at)::numeric, 1)"
+        "SELECT sink_site_id, client_name, round(extract(epoch FROM greatest(now(), last_success_at) - last_success_at)::numeric, 1)"
         "::float8 FROM lr.source_sessions"
     )
     return {(sink, client): age for sink, client, age in cur.fetchall()}

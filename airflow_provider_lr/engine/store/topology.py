@@ -341,15 +341,19 @@ class TopologyDrift:
         written = [str(p) for held in by_id if held for p in failover_files(held, self.topology.path) if p.is_file()]
         mine = self.topology.topology_config_id
         # the file still replicates from a failed-over site to the site its clients went to: it is
-        # older than that failover (applying it is refused; the new source does not run it)
+        # older than that failover (applying it is refused; the new source does not run it, or, in
+        # the middle of a planned switchover, the drained old source runs the new one already)
         predates = sorted(
-            (site, to) for site, to in self.failed_over.items() if to in self.held and self.topology.sessions(site, to)
+            (site, to)
+            for site, to in self.failed_over.items()
+            if (to in self.held or site in self.held) and self.topology.sessions(site, to)
         )
-        # behind the site its clients went to (a planned switchover already applied it there)
+        # behind the site its clients went to (a planned switchover already applied it there); not
+        # with a file older than the failover, which names neither its topology nor the rejoin's
         rejoin = [
             (site, to)
             for site, to in sorted(self.failed_over.items())
-            if site in self.held and self.held[site] != self.held.get(to, mine)
+            if site in self.held and self.held[site] != self.held.get(to, mine) and (site, to) not in predates
         ]
         if predates:
             advice = (

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import psycopg2
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import LRError, TableError
+from airflow_provider_lr.engine.errors import LRError, TableError, one_line
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.closed_tables import CATCH_UP_WAIT
 from airflow_provider_lr.engine.store import source_sessions
@@ -43,7 +43,8 @@ def _lacks(sink: psycopg2.extensions.connection, source: str, client: str, table
             )
             held, federated = cur.fetchone()
     finally:
-        sink.rollback()
+        if not sink.closed:  # (lost: its error is the one to say)
+            sink.rollback()
     if federated is False:  # kept out of it (--no-federated): it takes nothing of it
         return False
     state, _, held_id = (held or "").partition(":")
@@ -73,7 +74,7 @@ def wait_for_snapshots(
     source.rollback()
     if not captured:
         return
-    conns: dict[str, psycopg2.extensions.connection] = {}
+    conns: dict[str, psycopg2.extensions.connection | None] = {}
     for sink in sinks:
         try:
             conns[sink] = connect(sink)
@@ -83,11 +84,9 @@ def wait_for_snapshots(
         deadline = time.monotonic() + timeout
         while True:
             requested = full_sync.sessions_requested(source, forced_only=False)  # any forgets the tables
-            lacking = {
-                sink: "a full sync of it is still open" if (sink, client) in requested else "its snapshot is to come"
-                for sink, conn in conns.items()
-                if (sink, client) in requested or _lacks(conn, source_id, client, table, table_id)
-            }
+            federation = (source_id, client, table, table_id)
+            looked = {sink: _looked(conns, connect, sink, (sink, client) in requested, federation) for sink in conns}
+            lacking = {sink: why for sink, why in looked.items() if why is not None}
             if not lacking:
                 return
             with source.cursor() as cur:
@@ -112,4 +111,29 @@ def wait_for_snapshots(
             )
     finally:
         for conn in conns.values():
-            conn.close()
+            if conn is not None:
+                conn.close()
+
+
+def _looked(
+    conns: dict[str, psycopg2.extensions.connection | None],
+    connect: Connect,
+    sink: str,
+    requested: bool,
+    federation: tuple[str, str, str, int],
+) -> str | None:
+    """Why ``sink`` (reached when the wait began) still lacks its snapshot of the ``federation``
+    (source, client, table, table id), or None once it holds it. A sink that stopped answering
+    (restarting) lacks it for now: looked at again, connected anew, at the next look (its loss
+    ended the close with one line, though its replicator took the snapshot moments later)."""
+    if requested:
+        return "a full sync of it is still open"
+    try:
+        conn = conns[sink] = conns[sink] or connect(sink)
+        return "its snapshot is to come" if _lacks(conn, *federation) else None
+    except (LRError, psycopg2.OperationalError, psycopg2.InterfaceError) as exc:
+        lost = conns[sink]
+        conns[sink] = None
+        if lost is not None:
+            lost.close()
+        return f"it does not answer now: {one_line(exc)}"
