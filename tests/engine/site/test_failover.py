@@ -17,9 +17,11 @@ import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, TransmitError
+from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.site import failover, status
 from airflow_provider_lr.engine.site import topology as topologies
 from airflow_provider_lr.engine.site.replicator import run_until_idle
+from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.tables import closed_notes, registry
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
@@ -436,6 +438,41 @@ def test_a_sink_ahead_of_or_behind_the_promoted_one_at_the_cut_gets_its_table_fr
     run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(B, C, "policy")]))
     assert rows(site_c) == rows(site_b)
     assert sink_queue(site_c, "policy") == sink_queue(site_b, "policy")
+    app.close()
+
+
+class _Lost(Exception):
+    """site-a lost at a fault point (the cycle stops there, as the process would)."""
+
+
+def _lost() -> None:
+    raise _Lost
+
+
+def test_a_sink_whose_full_sync_from_the_old_source_was_under_way_gets_its_table_from_the_new_one(lr_sites):
+    """site-a is lost while a full sync of site-c is under way: the sync's start made site-c forget
+    its copy's record from site-a (a new snapshot comes after the sync), so the failover found no
+    copy to hand over there and left site-a as the table's origin. site-b's snapshot then came as a
+    second source's, upserting its rows beside site-a's: rows site-a deleted (which site-b applied
+    and site-c had not) stayed at site-c for good, while lr status called the copy synced."""
+    site_a, site_b, site_c = lr_sites
+    topo, app = _tables_setup(lr_sites)
+    _write(app, "DELETE FROM public.accounts WHERE id > 30", "k3", 3, [B, C])
+    _write(app, "UPDATE public.accounts SET owner = 'late' WHERE id <= 2", "k4", 4, [B, C])
+    run_until_idle(replicator(topo, lr_sites, providers=PROVIDERS, sessions=[SessionKey(A, B, "policy")]))
+    conn = site_a.connect()
+    full_sync.request_full_sync(conn, C, "policy", "operator asked", forced=True)
+    conn.close()
+    with on_fault("after_snapshot_start", _lost):  # the cycle fails there, the sync started at site-c
+        replicator(topo, lr_sites, providers=PROVIDERS, sessions=[SessionKey(A, C, "policy")]).run_cycle()
+    assert len(rows(site_c)) == 40  # site-a's rows before its last changes, its record forgotten
+
+    App(site_b).close()  # site-b's application state: its provider's, for site-c's full sync
+    result = failover.promote(failover.FailoverRequest(A, B, reason="site-a lost"), _connect(lr_sites, down=(A,)))
+    assert site_c.query("SELECT source_site_id FROM lr.registry WHERE stream_name = 'public.accounts'") == [(B,)]
+    run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(B, C, "policy")]))
+    assert rows(site_c) == rows(site_b) and len(rows(site_c)) == 30
+    assert site_status(site_c).diverged == []
     app.close()
 
 
