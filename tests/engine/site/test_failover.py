@@ -204,6 +204,10 @@ def test_the_old_source_returns_refuses_to_negotiate_then_rejoins_as_a_sink_with
     assert "was failed over" in old.run_cycle()[0].error  # site-a, back with its old topology, is refused
     old.close()
 
+    # the record is on site-b, down (chained failovers): said so, not "no failover ... lr topology
+    # apply", which refuses to demote a failed-over site
+    with pytest.raises(SiteUnreachableError, match="site-b cannot be reached; its clients were failed over to site-b"):
+        failover.rejoin(A, _connect(lr_sites, down=(B,)), topo)
     back = failover.rejoin(A, _connect(lr_sites), topo)
     assert back.tail == {"policy": 1} and back.retired == [f"{A}->{B}/policy", f"{A}->{C}/policy"]
     with pytest.raises(Exception, match="not in the topology|not replicated from site 'site-a' any more"):
