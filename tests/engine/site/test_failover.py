@@ -199,6 +199,12 @@ def test_failover_refuses_unknown_sites_non_sinks_and_an_unreachable_promoted_si
 def test_the_old_source_returns_refuses_to_negotiate_then_rejoins_as_a_sink_with_its_tail_reported(lr_sites):
     topo, app = _setup(lr_sites)
     app.put("after-cut", 1, [B, C])  # committed at site-a, received by nobody before it went down
+    # a writer moved to site-b before the failover: told where to transmit and how site-b becomes the
+    # source (before: to add the client to a replication and apply it, a source beside site-a's)
+    conn = lr_sites[1].connect()
+    with pytest.raises(TransmitError, match="replicated from site site-a, not from 'site-b' .one of its sinks.: "):
+        RoutingQueueClient(conn, "policy").transmit_log_entry_message(b"early", [C])
+    conn.close()
     result = failover.promote(failover.FailoverRequest(A, B), _connect(lr_sites, down=(A,)))
     old = replicator(topo, lr_sites, providers=PROVIDERS, sessions=[SessionKey(A, B, "policy")])
     assert "was failed over" in old.run_cycle()[0].error  # site-a, back with its old topology, is refused
