@@ -63,6 +63,7 @@ from airflow_provider_lr.engine.site.failover_record import (
     complete,
     failovers,
     finished,
+    keep_copy,
     reach,
     read_record,
     try_connect,
@@ -238,6 +239,7 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
         result.outcome[to_site] = {c: "promoted: the new source" for c in wanted}
         for sink in sinks:
             result.outcome[sink] = reconcile(conns[sink], new, sink, result, request.same_destinations)
+            keep_copy(conns[sink], new, result.failover_id)  # the old source's rejoin, should this site be lost
             for client, note in result.outcome[sink].items():
                 if (sink, client) in asked and "full sync" not in note:
                     reason = f"asked of {from_site} before the failover: {asked[sink, client]}"
@@ -461,7 +463,7 @@ def rejoin(site: str, connect: Connect, topology: Topology) -> RejoinResult:
             if peer is None:
                 unreached.append(other)
                 continue
-            found += [r for r in failovers(peer) if r["to_site_id"] == other]
+            found += failovers(peer)  # its own, or copies of the failovers that reconciled it
             with peer.cursor() as cur:  # a sink of the site records where its clients went
                 promoted |= {to for (source, _), (to, _) in sink_sessions.failed_over(cur).items() if source == site}
             peer.commit()

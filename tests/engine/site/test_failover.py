@@ -210,10 +210,10 @@ def test_the_old_source_returns_refuses_to_negotiate_then_rejoins_as_a_sink_with
     assert "was failed over" in old.run_cycle()[0].error  # site-a, back with its old topology, is refused
     old.close()
 
-    # the record is on site-b, down (chained failovers): said so, not "no failover ... lr topology
-    # apply", which refuses to demote a failed-over site
-    with pytest.raises(SiteUnreachableError, match="site-b cannot be reached; its clients were failed over to site-b"):
-        failover.rejoin(A, _connect(lr_sites, down=(B,)), topo)
+    # the record is on site-b and its copy on site-c, both down: said so, not "no failover ... lr
+    # topology apply", which refuses to demote a failed-over site
+    with pytest.raises(SiteUnreachableError, match="site-b, site-c cannot be reached: nothing was done; run the rej"):
+        failover.rejoin(A, _connect(lr_sites, down=(B, C)), topo)
     back = failover.rejoin(A, _connect(lr_sites), topo)
     assert back.tail == {"policy": 1} and back.retired == [f"{A}->{B}/policy", f"{A}->{C}/policy"]
     with pytest.raises(Exception, match="not in the topology|not replicated from site 'site-a' any more"):
@@ -252,6 +252,29 @@ def _killed_failover(lr_sites, fault: str) -> None:
         timeout=120,
     )
     assert child.returncode == -9, child.stderr
+
+
+def test_chained_failovers_the_first_old_source_rejoins_from_a_sinks_copy_while_the_promoted_site_is_down(lr_sites):
+    """site-a failed over to site-b, then site-b lost before site-a is back. The failover's record
+    was on site-b only: site-a's rejoin found none, and the failover of site-b to site-c refused
+    site-a (back, not rejoined), so nothing could move until site-b returned. Now site-c keeps a copy
+    of the record it was reconciled by: site-a rejoins, then site-c is promoted in site-b's place."""
+    site_a, site_b, site_c = lr_sites
+    topo, app = _setup(lr_sites)
+    first = failover.promote(failover.FailoverRequest(A, B), _connect(lr_sites, down=(A,)))
+    new_app = App(site_b)
+    new_app.put("b0", 0, [A, C])
+    run_until_idle(replicator(first.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(B, C, "policy")]))
+
+    back = failover.rejoin(A, _connect(lr_sites, down=(B,)), topo)
+    assert back.failover_id == first.failover_id and back.retired == [f"{A}->{B}/policy", f"{A}->{C}/policy"]
+    second = failover.promote(failover.FailoverRequest(B, C), _connect(lr_sites, down=(B,)))
+    assert second.pending == [B] and "full sync" in second.outcome[A]["policy"], second.outcome
+    App(site_c).close()  # site-c's application state: its provider's
+    run_until_idle(replicator(second.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(C, A, "policy")]))
+    assert site_a.query("SELECT data_consistent FROM lr.sink_sessions WHERE source_site_id = %s", (C,)) == [(True,)]
+    app.close()
+    new_app.close()
 
 
 @pytest.mark.parametrize("fault", FAILOVER_FAULTS)
