@@ -53,7 +53,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine import vocabulary
 from airflow_provider_lr.engine.db.topology_schema import Origin
-from airflow_provider_lr.engine.errors import ConfigurationError, LRError, SiteUnreachableError
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError, SiteUnreachableError, listing
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site.failover_reconcile import reconcile
@@ -63,6 +63,7 @@ from airflow_provider_lr.engine.site.failover_record import (
     complete,
     failovers,
     finished,
+    keep_copy,
     reach,
     read_record,
     try_connect,
@@ -238,6 +239,7 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
         result.outcome[to_site] = {c: "promoted: the new source" for c in wanted}
         for sink in sinks:
             result.outcome[sink] = reconcile(conns[sink], new, sink, result, request.same_destinations)
+            keep_copy(conns[sink], new, result.failover_id)  # the old source's rejoin, should this site be lost
             for client, note in result.outcome[sink].items():
                 if (sink, client) in asked and "full sync" not in note:
                     reason = f"asked of {from_site} before the failover: {asked[sink, client]}"
@@ -455,10 +457,26 @@ def rejoin(site: str, connect: Connect, topology: Topology) -> RejoinResult:
     try:
         conn = reach(connect, site, conns, "the site to rejoin")
         found: list[dict] = []
+        unreached, promoted = [], set()
         for other in sorted(set(topology.sites) - {site}):
             peer = try_connect(connect, other, conns)
-            if peer is not None:
-                found += [r for r in failovers(peer) if r["to_site_id"] == other]
+            if peer is None:
+                unreached.append(other)
+                continue
+            found += failovers(peer)  # its own, or copies of the failovers that reconciled it
+            with peer.cursor() as cur:  # a sink of the site records where its clients went
+                promoted |= {to for (source, _), (to, _) in sink_sessions.failed_over(cur).items() if source == site}
+            peer.commit()
+        if not found and unreached:  # the record is on the site the failover promoted
+            went = (
+                f"; its clients were failed over to {listing(sorted(promoted))}, which keeps the record"
+                if promoted
+                else ""
+            )
+            raise SiteUnreachableError(
+                f"no failover is recorded on a reachable site of the topology, and {listing(unreached)} cannot be "
+                f"reached{went}: nothing was done; run the rejoin of {site!r} again once it is up"
+            )
         if not found:
             raise ConfigurationError(
                 f"no failover is recorded on any reachable site of the topology; nothing to rejoin "

@@ -103,11 +103,13 @@ _RECORD_COLUMNS = (
 
 
 def read_record(conn: psycopg2.extensions.connection, from_site: str, status: str | None = None) -> dict | None:
-    """The newest failover of ``from_site`` recorded on this site (with that ``status``)."""
+    """The newest failover of ``from_site`` that promoted this site (with that ``status``); not a
+    copy of another site's record (``keep_copy``)."""
     with conn.cursor() as cur:
         cur.execute(
             f"SELECT {', '.join(_RECORD_COLUMNS)} FROM lr.failovers WHERE from_site_id = %s "
-            "AND (%s::text IS NULL OR status = %s) ORDER BY started_at DESC LIMIT 1",
+            "AND (%s::text IS NULL OR status = %s) AND to_site_id = (SELECT site_id FROM lr.site_info) "
+            "ORDER BY started_at DESC LIMIT 1",
             (from_site, status, status),
         )
         row = cur.fetchone()
@@ -126,6 +128,30 @@ def finished(conn: psycopg2.extensions.connection, from_site: str) -> dict | Non
         return None
     applied = topology_model.from_document(record["topology"], Origin("the failover recorded on the promoted site"))
     return record if applied.topology_config_id == recorded_id(conn) else None
+
+
+def keep_copy(sink: psycopg2.extensions.connection, new: psycopg2.extensions.connection, failover_id: str) -> None:
+    """A copy of the promoted site's record on a sink it reconciled (as recorded at the promotion;
+    its status stays there): the old source's rejoin reads it there while the promoted site is down
+    in turn (chained failovers), where it found no record and the next failover refused the
+    returned old source until it rejoined: nothing could be failed over until that site was back."""
+    columns = (*_RECORD_COLUMNS, "topology_config_id", "started_at")
+    with new.cursor() as cur:
+        cur.execute(f"SELECT {', '.join(columns)} FROM lr.failovers WHERE failover_id = %s", (failover_id,))
+        row = cur.fetchone()
+    new.commit()
+    if row is None:
+        return
+    values = [
+        json.dumps(v) if isinstance(v, (dict, list)) and name != "clients" else v for name, v in zip(columns, row)
+    ]
+    with sink.cursor() as cur:
+        cur.execute(
+            f"INSERT INTO lr.failovers ({', '.join(columns)}) VALUES ({', '.join(['%s'] * len(columns))}) "
+            "ON CONFLICT (failover_id) DO NOTHING",
+            [str(v) if name == "failover_id" else v for name, v in zip(columns, values)],
+        )
+    sink.commit()
 
 
 def failovers(conn: psycopg2.extensions.connection) -> list[dict]:

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.db.schema import site_identity
-from airflow_provider_lr.engine.errors import ConfigurationError, TransmitError, require_counts
+from airflow_provider_lr.engine.errors import ConfigurationError, TransmitError, listing, require_counts
 from airflow_provider_lr.engine.source import moved
 from airflow_provider_lr.engine.store import source_sessions
-from airflow_provider_lr.engine.store.topology import applied_max_payload_bytes
+from airflow_provider_lr.engine.store.topology import applied_document, applied_max_payload_bytes
 from airflow_provider_lr.engine.vocabulary import PAYLOAD_TAG, STREAM_LOG_ENTRIES, varint
 from airflow_provider_lr.proto import lr_pb2
 
@@ -252,10 +252,7 @@ class LogWriter:
             unknown = [d for d in unique if d not in self._tag_ids]
         if unknown:
             if not self.client_id:
-                raise TransmitError(
-                    f"client {self.client_name!r} is not in the topology applied to {self.source_site_id!r} "
-                    f"(add it to a replication and run `lr topology apply`); nothing was written"
-                )
+                raise TransmitError(self._not_a_source())
             with self.conn.cursor() as cur:
                 elsewhere = moved.not_sourced_here(cur, self.client_name)
             if elsewhere is not None and not self._tag_ids:  # a failover moved it: no topology edit brings it back
@@ -269,6 +266,30 @@ class LogWriter:
                 f"(edit the topology and run `lr topology apply`); nothing was written"
             )
         return unique
+
+    def _not_a_source(self) -> str:
+        """Why this site may not transmit for the client it does not source. A sink of it (a writer
+        moved there before a failover promoted the site) is told where to transmit and how this site
+        becomes the source: adding the client to a replication from here would make it the source of
+        a client another site sources, which is what `lr failover` does, with the cut."""
+        here, client = self.source_site_id, self.client_name
+        with self.conn.cursor() as cur:
+            document = applied_document(cur) or {}
+        replications = [r for r in document.get("replication") or [] if client in (r.get("clients") or [])]
+        sources = sorted({str(r.get("source")) for r in replications})
+        if not sources:
+            return (
+                f"client {client!r} is not in the topology applied to {here!r} "
+                f"(add it to a replication and run `lr topology apply`); nothing was written"
+            )
+        sink = any(here in (r.get("sinks") or []) for r in replications)
+        return (
+            f"client {client!r} is replicated from site {listing(sources)}, not from {here!r}"
+            + (" (one of its sinks)" if sink else "")
+            + ": transmit there"
+            + (f", or make {here!r} its source with `lr failover --promote {here}`" if sink else "")
+            + "; nothing was written"
+        )
 
     def _insert(self, rows: list[tuple[int, list[int], bytes]]) -> int:
         """Insert rows made by ``_row``, in order, in the caller's transaction; returns the

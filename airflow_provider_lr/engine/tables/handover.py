@@ -53,6 +53,20 @@ def held_from(cur: psycopg2.extensions.cursor, source: str, client: str) -> dict
     return dict(cur.fetchall())
 
 
+def forgotten_from(cur: psycopg2.extensions.cursor, source: str, client: str) -> dict[str, str]:
+    """The tables this site registered from ``source`` for ``client`` whose copy's record a full sync
+    of the session forgot (its start does: a new snapshot comes after it) and that none replaced
+    yet: name -> ``syncing``. A failover while that sync is under way must hand them over as well."""
+    cur.execute(
+        "SELECT g.stream_name FROM lr.registry g WHERE g.kind = 'table' AND g.is_federated "
+        "AND g.table_id IS NULL AND g.source_site_id = %s AND g.client_name = %s AND NOT EXISTS ("
+        "SELECT 1 FROM lr.sink_tables t WHERE t.source_site_id = %s AND t.client_name = %s "
+        "AND t.table_name = g.stream_name) ORDER BY g.stream_name",
+        (source, client, source, client),
+    )
+    return {name: TableState.SYNCING for (name,) in cur.fetchall()}
+
+
 def captured(cur: psycopg2.extensions.cursor, client: str) -> list[str]:
     """The tables this site captures for ``client`` (federated here, not closed)."""
     cur.execute(
@@ -218,7 +232,11 @@ def follow(
     captured = {str(t.table): t for t in federated}
     closed = closed_notes.closed_copies(cur, old_source, client)
     done = {}
-    for name, state in held_from(cur, old_source, client).items():
+    # a copy whose record a full sync from the old source forgot (under way at the failover) moves
+    # too: left out, the old source stayed its origin here, and the new source's snapshot came as a
+    # second source's, upserted beside the old rows (rows deleted at the old source stayed for good)
+    held = {**forgotten_from(cur, old_source, client), **held_from(cur, old_source, client)}
+    for name, state in sorted(held.items()):
         table = captured.get(name)
         if table is None:
             if name in closed:

@@ -17,9 +17,11 @@ import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, TransmitError
+from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.site import failover, status
 from airflow_provider_lr.engine.site import topology as topologies
 from airflow_provider_lr.engine.site.replicator import run_until_idle
+from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.tables import closed_notes, registry
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
@@ -197,11 +199,21 @@ def test_failover_refuses_unknown_sites_non_sinks_and_an_unreachable_promoted_si
 def test_the_old_source_returns_refuses_to_negotiate_then_rejoins_as_a_sink_with_its_tail_reported(lr_sites):
     topo, app = _setup(lr_sites)
     app.put("after-cut", 1, [B, C])  # committed at site-a, received by nobody before it went down
+    # a writer moved to site-b before the failover: told where to transmit and how site-b becomes the
+    # source (before: to add the client to a replication and apply it, a source beside site-a's)
+    conn = lr_sites[1].connect()
+    with pytest.raises(TransmitError, match="replicated from site site-a, not from 'site-b' .one of its sinks.: "):
+        RoutingQueueClient(conn, "policy").transmit_log_entry_message(b"early", [C])
+    conn.close()
     result = failover.promote(failover.FailoverRequest(A, B), _connect(lr_sites, down=(A,)))
     old = replicator(topo, lr_sites, providers=PROVIDERS, sessions=[SessionKey(A, B, "policy")])
     assert "was failed over" in old.run_cycle()[0].error  # site-a, back with its old topology, is refused
     old.close()
 
+    # the record is on site-b and its copy on site-c, both down: said so, not "no failover ... lr
+    # topology apply", which refuses to demote a failed-over site
+    with pytest.raises(SiteUnreachableError, match="site-b, site-c cannot be reached: nothing was done; run the rej"):
+        failover.rejoin(A, _connect(lr_sites, down=(B, C)), topo)
     back = failover.rejoin(A, _connect(lr_sites), topo)
     assert back.tail == {"policy": 1} and back.retired == [f"{A}->{B}/policy", f"{A}->{C}/policy"]
     with pytest.raises(Exception, match="not in the topology|not replicated from site 'site-a' any more"):
@@ -240,6 +252,29 @@ def _killed_failover(lr_sites, fault: str) -> None:
         timeout=120,
     )
     assert child.returncode == -9, child.stderr
+
+
+def test_chained_failovers_the_first_old_source_rejoins_from_a_sinks_copy_while_the_promoted_site_is_down(lr_sites):
+    """site-a failed over to site-b, then site-b lost before site-a is back. The failover's record
+    was on site-b only: site-a's rejoin found none, and the failover of site-b to site-c refused
+    site-a (back, not rejoined), so nothing could move until site-b returned. Now site-c keeps a copy
+    of the record it was reconciled by: site-a rejoins, then site-c is promoted in site-b's place."""
+    site_a, site_b, site_c = lr_sites
+    topo, app = _setup(lr_sites)
+    first = failover.promote(failover.FailoverRequest(A, B), _connect(lr_sites, down=(A,)))
+    new_app = App(site_b)
+    new_app.put("b0", 0, [A, C])
+    run_until_idle(replicator(first.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(B, C, "policy")]))
+
+    back = failover.rejoin(A, _connect(lr_sites, down=(B,)), topo)
+    assert back.failover_id == first.failover_id and back.retired == [f"{A}->{B}/policy", f"{A}->{C}/policy"]
+    second = failover.promote(failover.FailoverRequest(B, C), _connect(lr_sites, down=(B,)))
+    assert second.pending == [B] and "full sync" in second.outcome[A]["policy"], second.outcome
+    App(site_c).close()  # site-c's application state: its provider's
+    run_until_idle(replicator(second.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(C, A, "policy")]))
+    assert site_a.query("SELECT data_consistent FROM lr.sink_sessions WHERE source_site_id = %s", (C,)) == [(True,)]
+    app.close()
+    new_app.close()
 
 
 @pytest.mark.parametrize("fault", FAILOVER_FAULTS)
@@ -436,6 +471,41 @@ def test_a_sink_ahead_of_or_behind_the_promoted_one_at_the_cut_gets_its_table_fr
     run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(B, C, "policy")]))
     assert rows(site_c) == rows(site_b)
     assert sink_queue(site_c, "policy") == sink_queue(site_b, "policy")
+    app.close()
+
+
+class _Lost(Exception):
+    """site-a lost at a fault point (the cycle stops there, as the process would)."""
+
+
+def _lost() -> None:
+    raise _Lost
+
+
+def test_a_sink_whose_full_sync_from_the_old_source_was_under_way_gets_its_table_from_the_new_one(lr_sites):
+    """site-a is lost while a full sync of site-c is under way: the sync's start made site-c forget
+    its copy's record from site-a (a new snapshot comes after the sync), so the failover found no
+    copy to hand over there and left site-a as the table's origin. site-b's snapshot then came as a
+    second source's, upserting its rows beside site-a's: rows site-a deleted (which site-b applied
+    and site-c had not) stayed at site-c for good, while lr status called the copy synced."""
+    site_a, site_b, site_c = lr_sites
+    topo, app = _tables_setup(lr_sites)
+    _write(app, "DELETE FROM public.accounts WHERE id > 30", "k3", 3, [B, C])
+    _write(app, "UPDATE public.accounts SET owner = 'late' WHERE id <= 2", "k4", 4, [B, C])
+    run_until_idle(replicator(topo, lr_sites, providers=PROVIDERS, sessions=[SessionKey(A, B, "policy")]))
+    conn = site_a.connect()
+    full_sync.request_full_sync(conn, C, "policy", "operator asked", forced=True)
+    conn.close()
+    with on_fault("after_snapshot_start", _lost):  # the cycle fails there, the sync started at site-c
+        replicator(topo, lr_sites, providers=PROVIDERS, sessions=[SessionKey(A, C, "policy")]).run_cycle()
+    assert len(rows(site_c)) == 40  # site-a's rows before its last changes, its record forgotten
+
+    App(site_b).close()  # site-b's application state: its provider's, for site-c's full sync
+    result = failover.promote(failover.FailoverRequest(A, B, reason="site-a lost"), _connect(lr_sites, down=(A,)))
+    assert site_c.query("SELECT source_site_id FROM lr.registry WHERE stream_name = 'public.accounts'") == [(B,)]
+    run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(B, C, "policy")]))
+    assert rows(site_c) == rows(site_b) and len(rows(site_c)) == 30
+    assert site_status(site_c).diverged == []
     app.close()
 
 
