@@ -432,6 +432,30 @@ def test_a_replicator_whose_copy_backend_was_ended_while_it_was_stopped_fails_on
     assert rows(sink_b) == rows(source)
 
 
+def test_a_copy_whose_link_breaks_in_the_middle_fails_naming_the_connection_lost(lr_sites):
+    """A COPY whose server stopped at once (an immediate shutdown) or whose link broke in the middle
+    sends no error: psycopg2 raised "DatabaseError: error with status PGRES_COPY_OUT and no message
+    from the libpq", which said nothing of what happened nor where; now one line names the
+    connection and that it was lost mid-COPY."""
+    source = lr_sites[0]
+    link = LinkProxy(source.conninfo.params["port"])
+    chunks = []
+
+    def broken_after_a_while(chunk: bytes) -> int:
+        chunks.append(len(chunk))
+        if len(chunks) == 200:
+            link.reset()
+        return len(chunk)
+
+    sink = type("Sink", (), {"write": staticmethod(broken_after_a_while)})()
+    with link:
+        conn = conninfo.from_dsn(link.dsn(source.dsn)).connect()
+        with pytest.raises(psycopg2.OperationalError) as lost, conn.cursor() as cur:
+            cur.copy_expert("COPY (SELECT g, repeat('x', 100) FROM generate_series(1, 1000000) g) TO STDOUT", sink)
+    assert str(lost.value).startswith(f"connection to 127.0.0.1:{link.port} was lost in the middle of a COPY"), lost
+    assert "libpq" not in str(lost.value)
+
+
 FENCED_WRITERS = (
     "SELECT pid FROM pg_catalog.pg_stat_activity WHERE application_name LIKE 'lr fenced writer%%' "
     "AND datname = pg_catalog.current_database()"

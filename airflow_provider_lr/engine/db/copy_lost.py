@@ -9,7 +9,9 @@ prints that pair through ``sys.excepthook`` (a chained traceback on stderr, in t
 sync``'s lines) and the COPY raises a bare ``OperationalError`` ("invalid socket", "server closed
 the connection unexpectedly") that says nothing of why. ``guarded`` runs a COPY with a hook that
 keeps that pair from stderr and raises instead an ``OperationalError`` naming the site and the
-server's reason; every other exception the hook sees goes to the hook that was there before.
+server's reason; every other exception the hook sees goes to the hook that was there before. A
+COPY whose server stopped at once or whose link broke (no error sent: psycopg2's "error with status
+PGRES_COPY_OUT and no message from the libpq") fails the same way, saying the connection was lost.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import psycopg2
 from airflow_provider_lr.engine.errors import error_line
 
 _DOUBLE_RAISE = "returned a result with an exception set"
+_NO_MESSAGE = "no message from the libpq"  # psycopg2's error for a COPY whose connection went silent
 _seen = threading.local()  # the server's error psycopg2 printed, in the thread whose COPY met it
 
 
@@ -67,9 +70,16 @@ def guarded(conn: Any, call: Callable[..., Any], *args: Any) -> Any:
     _seen.error = None
     try:
         return call(*args)
-    except psycopg2.Error:
+    except psycopg2.Error as exc:
         server_said, _seen.error = _seen.error, None
-        if server_said is None or getattr(conn, "was_cut", False):
+        if getattr(conn, "was_cut", False):
+            raise
+        if server_said is None:
+            if _NO_MESSAGE in str(exc) and conn.closed:  # a server stopped at once, a link broken
+                raise psycopg2.OperationalError(
+                    f"{conn.describe()} was lost in the middle of a COPY: its server stopped or the link "
+                    "to it broke, without a word from the server"
+                ) from exc
             raise
         lost = psycopg2.OperationalError(
             f"{conn.describe()} was ended in the middle of a COPY by its server ({error_line(server_said)})"
