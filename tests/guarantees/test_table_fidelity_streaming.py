@@ -593,6 +593,14 @@ def test_a_sink_table_altered_between_streamed_changes_never_takes_one_by_a_stal
         app.commit("column come and gone", "UPDATE public.items SET v = 'y', n = n + 1 WHERE id = 5")
         arrives("column come and gone")
 
+        # a rule that rewrites lr's delete (DO INSTEAD NOTHING) would keep the row, silently (it did,
+        # and lr status said nothing): refused, naming the rule, until it is dropped; then it arrives
+        sink.query("CREATE RULE keep AS ON DELETE TO public.items DO INSTEAD NOTHING")
+        app.commit("rule", "DELETE FROM public.items WHERE id = 19")
+        refused("the sink's table public.items has rules that rewrite lr's writes to it (keep)", None)
+        sink.query("DROP RULE keep ON public.items")
+        arrives("rule dropped")
+
         # the table dropped: refused; created again with its shape and rows: the change arrives
         kept = sink.query("SELECT id, v, n FROM public.items ORDER BY id")
         sink.query("DROP TABLE public.items")
@@ -648,6 +656,7 @@ def test_a_sink_table_altered_between_streamed_changes_never_takes_one_by_a_stal
             "warm 3",
             "column added",
             "column come and gone",
+            "rule",
             "table dropped",
             "table restored",
             "conflict",

@@ -48,7 +48,7 @@ from airflow_provider_lr.engine.tables.targets import (
     Target,
     TargetLookup,
     always_columns,
-    guarded_by,
+    guards,
     origin,
     types_at_snapshot,
 )
@@ -169,7 +169,7 @@ def prepare(
             (str(table), client, source, list(sink_def.key), f"lrq_table_{client}"),
         )
     target = Target(sink_def, source, *origin(cur, table, source), left_out, always=always_columns(cur, table))
-    target.guarded_by = guarded_by(cur, table)
+    target.guarded_by, target.rules = guards(cur, table)
     target.refuse_guarded(where)
     return target
 

@@ -57,6 +57,7 @@ class Target:
     # changes are refused (the sink would round or cut them)
     narrowed: tuple[tuple[str, str], ...] = ()
     guarded_by: str = ""  # lr's role at the sink, when the table's row-level security applies to it
+    rules: str = ""  # the sink table's rules that rewrite lr's writes to it (``_RULES``), quoted, comma-separated
 
     @property
     def table(self) -> TableName:
@@ -72,6 +73,14 @@ class Target:
                 "the role lr applies it as: its policies could hide rows from lr's updates and deletes, which "
                 f"would be skipped silently. Nothing was applied; exempt the role (ALTER ROLE {self.guarded_by} "
                 "BYPASSRLS) or disable the table's row-level security"
+            )
+        if self.rules:
+            first = self.rules.split(", ")[0]
+            raise SchemaMismatchError(
+                f"{where}: the sink's table {self.table} has rules that rewrite lr's writes to it ({self.rules}): "
+                "a DO INSTEAD rule would skip or redirect its changes silently, and PostgreSQL refuses lr's upserts "
+                "on a table with INSERT or UPDATE rules. Nothing was applied; drop them "
+                f"(DROP RULE {first} ON {self.table}) or disable them (ALTER TABLE {self.table} DISABLE RULE {first})"
             )
 
     def refuse_narrowed(self, columns: Iterable[str], where: str) -> None:
@@ -113,6 +122,17 @@ _ORIGIN = (
 # lr's role (quoted) when the row-level security of table oid {oid} applies to it, else ''
 _GUARDED = "CASE WHEN pg_catalog.row_security_active({oid}) THEN pg_catalog.quote_ident(current_user) ELSE '' END"
 
+# The enabled rules of table oid {oid} that rewrite lr's apply (quoted, comma-separated; '' when none):
+# every DO INSTEAD rule (a delete or update it turns into nothing, or into a write elsewhere, is
+# skipped without an error: the sink kept rows the source deleted, and said it was synced) and every
+# INSERT or UPDATE rule (PostgreSQL refuses an upsert's ON CONFLICT on such a table). A DO ALSO
+# rule on DELETE acts beside lr's delete, as a trigger does.
+_RULES = (
+    "COALESCE((SELECT pg_catalog.string_agg(pg_catalog.quote_ident(r.rulename::text), ', ' ORDER BY r.rulename) "
+    "FROM pg_catalog.pg_rewrite r WHERE r.ev_class = {oid} AND r.ev_type IN ('2', '3', '4') "
+    "AND r.ev_enabled IN ('O', 'A') AND (r.is_instead OR r.ev_type <> '4')), '')"
+)
+
 # The sink's non-key ``GENERATED ALWAYS`` identity columns of table oid {oid}, in column order (NULL: none)
 _ALWAYS = (
     "(SELECT pg_catalog.array_agg(a.attname::text ORDER BY a.attnum) FROM pg_catalog.pg_attribute a WHERE a.attrelid = {oid} "
@@ -150,10 +170,13 @@ def types_at_snapshot(cur: psycopg2.extensions.cursor, table: TableName) -> dict
     return {} if sink_def is None else {"column_types": Json({c.name: c.type for c in sink_def.columns})}
 
 
-def guarded_by(cur: psycopg2.extensions.cursor, table: TableName) -> str:
-    """lr's role here when ``table``'s row-level security applies to it (``Target.refuse_guarded``), else ''."""
-    cur.execute(f"SELECT {_GUARDED.format(oid='pg_catalog.to_regclass(%s)')}", (table.ident.as_string(cur),))
-    return cur.fetchone()[0]
+def guards(cur: psycopg2.extensions.cursor, table: TableName) -> tuple[str, str]:
+    """What would hide rows of ``table`` from lr's writes here (``Target.refuse_guarded``): lr's role
+    when the table's row-level security applies to it, and the rules that rewrite them (each '' if none)."""
+    oid = "pg_catalog.to_regclass(%(t)s)"
+    cur.execute(f"SELECT {_GUARDED.format(oid=oid)}, {_RULES.format(oid=oid)}", {"t": table.ident.as_string(cur)})
+    guard, rules = cur.fetchone()
+    return guard, rules
 
 
 def target_of(cur: psycopg2.extensions.cursor, source: str, table: TableName, where: Callable[[], str]) -> Target:
@@ -179,7 +202,7 @@ Found = Target | Gone | None  # None: not synced here (a conflict's changes are 
 
 # For each of the session's tables %(tids)s (source table ids) that it has in lr.sink_tables: its name,
 # state, oid (NULL: no such table), shape, whether its primary key is deferrable, its non-key
-# GENERATED ALWAYS identity columns, origin, types at the snapshot and row-level guard. Only the
+# GENERATED ALWAYS identity columns, origin, types at the snapshot, row-level guard and rules. Only the
 # tables asked for are read (``LIMIT 1``: a table id twice, one of them, as before).
 _TARGETS = (
     "SELECT st.tid, st.table_name, st.state, t.oid, "
@@ -190,6 +213,8 @@ _TARGETS = (
     + _ORIGIN.format(t="st.table_name", s="%(source)s")
     + ", st.types, "
     + _GUARDED.format(oid="t.oid")
+    + ", "
+    + _RULES.format(oid="t.oid")
     + " FROM pg_catalog.unnest(%(tids)s::int[]) w(tid) "
     # the types as the snapshot was taken (V0040; read so that a sink older than it reads none)
     "CROSS JOIN LATERAL (SELECT w.tid, s.table_name, s.state, pg_catalog.to_jsonb(s) -> 'column_types' AS types "
@@ -216,9 +241,9 @@ CHECK_SQL = (
 # ~0.03 ms each more). Its generic plan is the one to run (``GENERIC``: PostgreSQL would otherwise
 # plan it anew each time, expecting a plan for the actual tables to be cheaper). The name is
 # versioned, so a connection that holds an older lr's statement is not confused by it.
-LOOKUP = Prepared("lr_sink_targets_v6", LOOKUP_SQL, {"tids": "int4[]", "source": "text", "client": "text"})
+LOOKUP = Prepared("lr_sink_targets_v7", LOOKUP_SQL, {"tids": "int4[]", "source": "text", "client": "text"})
 CHECK = Prepared(
-    "lr_sink_targets_check_v5", CHECK_SQL, {"tids": "int4[]", "source": "text", "client": "text", "expected": "text[]"}
+    "lr_sink_targets_check_v6", CHECK_SQL, {"tids": "int4[]", "source": "text", "client": "text", "expected": "text[]"}
 )
 GENERIC = "set_config('plan_cache_mode', 'force_generic_plan', true)"  # for the transaction
 
@@ -303,7 +328,23 @@ class TargetLookup:
 
     def _found(self, tids: Iterable[int], rows: list[tuple]) -> None:
         read: dict[int, tuple[Found, str]] = {}
-        for _site, tid, name, state, oid, columns, key, deferrable, always, primary, others, types, guard, text in rows:
+        for (
+            _site,
+            tid,
+            name,
+            state,
+            oid,
+            columns,
+            key,
+            deferrable,
+            always,
+            primary,
+            others,
+            types,
+            guard,
+            rules,
+            text,
+        ) in rows:
             if tid is None:  # the site id's row
                 continue
             table = TableName.parse(name)
@@ -320,6 +361,7 @@ class TargetLookup:
                     always=tuple(always or ()),
                     narrowed=narrow,
                     guarded_by=guard,
+                    rules=rules,
                 )
                 read[tid] = (target, text)
         last = self.kept.last.setdefault((self.source, self.client), {})
