@@ -700,7 +700,9 @@ def test_a_column_added_at_the_source_while_streaming_is_refused_until_the_sink_
         app.commit("noted", "UPDATE public.items SET note = 'n', n = n + 1 WHERE id = 4")
         app.commit("deleted", "DELETE FROM public.items WHERE id = 5")
         for site in (sink, other):
-            wait_for(lambda: said(streaming, site.site_id, "do not fit the sink's table"), 10, f"{site.site_id}")
+            # naming the column and what to do (before: only the sink's columns, the user to guess which)
+            why = "do not fit the sink's table (columns id, v, n): they carry column(s) note, which the sink's table lacks"
+            wait_for(lambda: said(streaming, site.site_id, why), 10, f"{site.site_id}")
         assert logs(sink) == logs(other) == ["warm 1", "warm 2", "warm 3"]
         assert sink.query("SELECT count(*) FROM public.items WHERE id = 5") == [(1,)]  # nothing of the batch
         sink.query("ALTER TABLE public.items ADD COLUMN note text")  # one sink gets the column: it goes on

@@ -39,6 +39,7 @@ from airflow_provider_lr.engine.tables.definition import (
     TableName,
     changed_types,
     check_same,
+    misfit,
     read_definition,
 )
 from airflow_provider_lr.engine.tables.targets import (
@@ -284,8 +285,7 @@ class ChangeApplier:
         if bad:
             raise SchemaMismatchError(
                 f"{self._where()}: {bad} changed rows of {target.table} do not fit the sink's table "
-                f"(columns {', '.join(d.column_names)}): the source's table changed shape. Nothing of the batch "
-                "was applied; give the sink's table the same columns"
+                f"(columns {', '.join(d.column_names)}): {misfit(d, rows)}. Nothing of the batch was applied"
             )
         changed = changed_types(d, entry.get("types") or {}, carried if op == "u" else key_columns)
         if changed:
