@@ -77,8 +77,8 @@ def round_trips(lr_sites, monkeypatch) -> RoundTrips:
     return trips
 
 
-def streaming_over(topo, sites, providers: dict | None = None) -> Streaming:
-    return Streaming(replicator(topo, sites, providers=providers, lease_seconds=2.0), FAST)
+def streaming_over(topo, sites, providers: dict | None = None, as_lr: bool = False) -> Streaming:
+    return Streaming(replicator(topo, sites, providers=providers, lease_seconds=2.0, as_lr=as_lr), FAST)
 
 
 def streamed(streaming: Streaming, source, sinks, *tables: str, what: str = "") -> None:
@@ -538,6 +538,11 @@ def test_a_streamed_change_the_sink_refuses_holds_back_only_its_session_and_arri
 
 
 ITEMS = "CREATE TABLE public.items (id int PRIMARY KEY, v text NOT NULL, n int NOT NULL)"
+# a sink's own table and a trigger function that names it without its schema, as applications write them
+SEEN = (
+    "CREATE TABLE public.seen (id int); CREATE FUNCTION public.saw() RETURNS trigger LANGUAGE plpgsql "
+    "AS $$BEGIN INSERT INTO seen VALUES (NEW.id); RETURN NULL; END$$"
+)
 
 
 def federated_items(lr_sites, count: int) -> tuple:
@@ -569,7 +574,7 @@ def test_a_sink_table_altered_between_streamed_changes_never_takes_one_by_a_stal
         assert logs(sink) == app.sent[:-1]
         assert before is None or rows(sink, "public.items") == before
 
-    with streaming_over(topo, lr_sites) as streaming:
+    with streaming_over(topo, lr_sites, as_lr=True) as streaming:  # as lr sync connects (its search_path)
         streaming.streaming()
         for n in (1, 2, 3):
             app.commit(f"warm {n}", f"UPDATE public.items SET n = n + 1 WHERE id = {n}")
@@ -600,6 +605,17 @@ def test_a_sink_table_altered_between_streamed_changes_never_takes_one_by_a_stal
         refused("the sink's table public.items has rules that rewrite lr's writes to it (keep)", None)
         sink.query("DROP RULE keep ON public.items")
         arrives("rule dropped")
+
+        # a trigger of the sink's whose function names a table without its schema fails lr's write
+        # (lr writes with search_path pg_catalog): the refusal says so and what to do (before: to fix a
+        # constraint, trigger or privilege, where the user found none); given its path, the change arrives
+        sink.query(
+            SEEN + "; CREATE TRIGGER saw AFTER INSERT OR UPDATE ON public.items FOR EACH ROW EXECUTE FUNCTION saw()"
+        )
+        app.commit("trigger", "UPDATE public.items SET n = n + 1 WHERE id = 18")
+        refused("lr writes with search_path = pg_catalog (as PostgreSQL's replication workers do): qualify", None)
+        sink.query("ALTER FUNCTION public.saw() SET search_path = public")
+        arrives("the trigger's function given its path")
 
         # the table dropped: refused; created again with its shape and rows: the change arrives
         kept = sink.query("SELECT id, v, n FROM public.items ORDER BY id")
@@ -640,8 +656,24 @@ def test_a_sink_table_altered_between_streamed_changes_never_takes_one_by_a_stal
         app.commit("conflict", "UPDATE public.items SET v = 'dropped at site-b', n = n + 1 WHERE id = 8")
         wait_for(lambda: logs(sink) == logs(other) == app.sent, 20, "the conflict's entry")
         assert rows(sink, "public.items") == before and rows(other, "public.items") == rows(source, "public.items")
-        # ... and federated again: lr takes a new snapshot of it and streams on
+        # ... and federated again: lr takes a new snapshot of it (refused by the trigger, saying so, until
+        # its function has its path) and streams on
+        sink.query(
+            "ALTER FUNCTION public.saw() RESET search_path; CREATE TRIGGER saw AFTER INSERT ON public.items "
+            "FOR EACH ROW EXECUTE FUNCTION public.saw()"
+        )
         sink.query("UPDATE lr.registry SET is_federated = true WHERE stream_name = 'public.items'")
+        wait_for(
+            lambda: said(
+                streaming,
+                "site-b",
+                'the sink refused the snapshot of table public.items: relation "seen" does not exist',
+            ),
+            20,
+            "the snapshot refused",
+        )
+        assert said(streaming, "site-b", "ALTER FUNCTION ... SET search_path = public), and the next cycle takes")
+        sink.query("ALTER FUNCTION public.saw() SET search_path = public")
         wait_for(lambda: rows(sink, "public.items") == rows(source, "public.items"), 20, "the new snapshot")
         streaming.streaming()
         app.commit("conflict lifted", "UPDATE public.items SET v = 'z', n = n + 1 WHERE id = 9")
@@ -657,6 +689,7 @@ def test_a_sink_table_altered_between_streamed_changes_never_takes_one_by_a_stal
             "column added",
             "column come and gone",
             "rule",
+            "trigger",
             "table dropped",
             "table restored",
             "conflict",

@@ -51,6 +51,7 @@ from airflow_provider_lr.engine.tables.targets import (
     always_columns,
     guards,
     origin,
+    refusal_fix,
     types_at_snapshot,
 )
 from airflow_provider_lr.engine.tables.upsert import ledger, moved, on_conflict
@@ -355,8 +356,7 @@ class ChangeApplier:
             named = f"table {exc.diag.schema_name}.{failed}" if failed else f"changes of {', '.join(tables)}"
             raise ApplyError(
                 f"{self._where()}: the sink refused {named}: {one_line(exc)}. Nothing of the batch was applied; "
-                "the sink's table has a constraint, trigger or privilege the source's has not: fix it there, and "
-                "the next cycle applies the batch"
+                f"{refusal_fix(exc)}, and the next cycle applies the batch"
             ) from exc
 
     def _statement(self, run: _Run) -> str:

@@ -179,6 +179,26 @@ def guards(cur: psycopg2.extensions.cursor, table: TableName) -> tuple[str, str]
     return guard, rules
 
 
+# SQLSTATEs of a name PostgreSQL did not find: a table, a column, a function or operator, an object, a schema
+_NOT_FOUND = {"42P01", "42703", "42883", "42704", "3F000"}
+
+
+def refusal_fix(exc: psycopg2.Error) -> str:
+    """What to do about the sink's refusal ``exc`` of lr's writes to a table. A name that a function
+    lr's write ran (the table's trigger, a default's or check's function) did not find is the search
+    path's doing: lr's connections search pg_catalog alone (``conninfo.catalog_first``), as
+    PostgreSQL's replication workers do, so a trigger naming the site's tables unqualified works for
+    the applications and fails lr's apply. Before, the refusal said to fix a constraint, trigger or
+    privilege, and the user found the trigger's table there."""
+    if exc.pgcode in _NOT_FOUND and "function" in (exc.diag.context or ""):
+        return (
+            "a function it ran names something without its schema, and lr writes with search_path = pg_catalog "
+            "(as PostgreSQL's replication workers do): qualify the names in the function (public.audit), or give "
+            "it its own path (ALTER FUNCTION ... SET search_path = public)"
+        )
+    return "the sink's table has a constraint, trigger or privilege the source's has not: fix it there"
+
+
 def target_of(cur: psycopg2.extensions.cursor, source: str, table: TableName, where: Callable[[], str]) -> Target:
     """The target of a table this sink already takes from ``source`` (nothing created)."""
     sink_def = read_definition(cur, table)
