@@ -543,6 +543,7 @@ SEEN = (
     "CREATE TABLE public.seen (id int); CREATE FUNCTION public.saw() RETURNS trigger LANGUAGE plpgsql "
     "AS $$BEGIN INSERT INTO seen VALUES (NEW.id); RETURN NULL; END$$"
 )
+SAW = "CREATE OR REPLACE FUNCTION public.saw() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN {} RETURN NULL; END$$"
 
 
 def federated_items(lr_sites, count: int) -> tuple:
@@ -616,6 +617,16 @@ def test_a_sink_table_altered_between_streamed_changes_never_takes_one_by_a_stal
         refused("lr writes with search_path = pg_catalog (as PostgreSQL's replication workers do): qualify", None)
         sink.query("ALTER FUNCTION public.saw() SET search_path = public")
         arrives("the trigger's function given its path")
+        # one that fails lr's write otherwise (a copy of the source's, writing again what the source
+        # replicates): the refusal says how it skips lr's apply; so made, the change arrives
+        sink.query(SAW.format("RAISE EXCEPTION 'not by lr';"))
+        app.commit("trigger again", "UPDATE public.items SET n = n + 1 WHERE id = 18")
+        refused("a trigger that does again what the source's did (writes rows the source replicates too)", None)
+        skip = "IF pg_catalog.current_setting('lr.applying', true) = 'on' THEN RETURN NULL; END IF;"
+        assert said(streaming, "site-b", skip[:-1])
+        sink.query(SAW.format(skip + " RAISE EXCEPTION 'not by lr';"))
+        arrives("the trigger skips lr's apply")
+        sink.query(SAW.format("INSERT INTO seen VALUES (NEW.id);"))
 
         # the table dropped: refused; created again with its shape and rows: the change arrives
         kept = sink.query("SELECT id, v, n FROM public.items ORDER BY id")
@@ -690,6 +701,7 @@ def test_a_sink_table_altered_between_streamed_changes_never_takes_one_by_a_stal
             "column come and gone",
             "rule",
             "trigger",
+            "trigger again",
             "table dropped",
             "table restored",
             "conflict",

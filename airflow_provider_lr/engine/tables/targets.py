@@ -188,15 +188,24 @@ def refusal_fix(exc: psycopg2.Error) -> str:
     lr's write ran (the table's trigger, a default's or check's function) did not find is the search
     path's doing: lr's connections search pg_catalog alone (``conninfo.catalog_first``), as
     PostgreSQL's replication workers do, so a trigger naming the site's tables unqualified works for
-    the applications and fails lr's apply. Before, the refusal said to fix a constraint, trigger or
-    privilege, and the user found the trigger's table there."""
-    if exc.pgcode in _NOT_FOUND and "function" in (exc.diag.context or ""):
+    the applications and fails lr's apply. Another failure in a function is most often a trigger of
+    the sink's doing again what the source's did (a copy of the source's trigger, writing rows the
+    source replicates too: their keys collide, or, once the sink's sequence passed them, the sink
+    holds them twice): it must skip lr's apply. Before, the refusal said to fix a constraint, trigger
+    or privilege, and the user found the trigger's table there, or nothing to fix."""
+    if "function" not in (exc.diag.context or ""):
+        return "the sink's table has a constraint, trigger or privilege the source's has not: fix it there"
+    if exc.pgcode in _NOT_FOUND:
         return (
             "a function it ran names something without its schema, and lr writes with search_path = pg_catalog "
             "(as PostgreSQL's replication workers do): qualify the names in the function (public.audit), or give "
             "it its own path (ALTER FUNCTION ... SET search_path = public)"
         )
-    return "the sink's table has a constraint, trigger or privilege the source's has not: fix it there"
+    return (
+        "a function of the sink's that lr's write ran (a trigger: the sink's triggers fire on lr's writes) failed: "
+        "fix it there; a trigger that does again what the source's did (writes rows the source replicates too) "
+        "must skip lr's apply: IF pg_catalog.current_setting('lr.applying', true) = 'on' THEN RETURN NULL; END IF"
+    )
 
 
 def target_of(cur: psycopg2.extensions.cursor, source: str, table: TableName, where: Callable[[], str]) -> Target:
