@@ -42,11 +42,17 @@ class TableName:
             text = f"public.{text}"
         match = _NAME.fullmatch(text)
         if match is None:
+            schema, _, name = text.rpartition(".")  # a table of a quoted schema: the schema is what to rename
+            fix = (
+                f"rename its schema to such a name first (ALTER SCHEMA {schema} RENAME TO sales)"
+                if re.fullmatch(_PART, name) and not re.fullmatch(_PART, schema)
+                else "rename the table to such a name first (ALTER TABLE ... RENAME TO line_items)"
+            )
             raise TableError(
                 f"table name {text!r} is not schema.table with lower-case identifiers "
                 "(letters, digits, _ and $, at most 63 characters each): lr federates a table by that name "
-                'on every site, and a quoted name (upper case, spaces, quotes: "Orders", sales."Line Items") '
-                "is not supported; rename the table to such a name first (ALTER TABLE ... RENAME TO line_items)"
+                f'on every site, and a quoted name (upper case, spaces, quotes: "Orders", sales."Line Items") '
+                f"is not supported; {fix}"
             )
         return cls(match.group(1), match.group(2))
 
