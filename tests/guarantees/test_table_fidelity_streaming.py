@@ -606,6 +606,12 @@ def test_a_sink_table_altered_between_streamed_changes_never_takes_one_by_a_stal
         refused("the sink's table public.items has rules that rewrite lr's writes to it (keep)", None)
         sink.query("DROP RULE keep ON public.items")
         arrives("rule dropped")
+        # made unlogged: a crash of the sink would empty it while lr's position stays; refused, saying so
+        sink.query("ALTER TABLE public.items SET UNLOGGED")
+        app.commit("unlogged", "UPDATE public.items SET n = n + 1 WHERE id = 17")
+        refused("the sink's table public.items is unlogged: a crash of the sink's server empties it", None)
+        sink.query("ALTER TABLE public.items SET LOGGED")
+        arrives("logged again")
 
         # a trigger of the sink's whose function names a table without its schema fails lr's write
         # (lr writes with search_path pg_catalog): the refusal says so and what to do (before: to fix a
@@ -700,6 +706,7 @@ def test_a_sink_table_altered_between_streamed_changes_never_takes_one_by_a_stal
             "column added",
             "column come and gone",
             "rule",
+            "unlogged",
             "trigger",
             "trigger again",
             "table dropped",

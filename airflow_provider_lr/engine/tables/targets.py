@@ -58,6 +58,7 @@ class Target:
     narrowed: tuple[tuple[str, str], ...] = ()
     guarded_by: str = ""  # lr's role at the sink, when the table's row-level security applies to it
     rules: str = ""  # the sink table's rules that rewrite lr's writes to it (``_RULES``), quoted, comma-separated
+    unlogged: bool = False  # the sink's table is UNLOGGED: a crash of the sink empties it, lr's position stays
 
     @property
     def table(self) -> TableName:
@@ -73,6 +74,12 @@ class Target:
                 "the role lr applies it as: its policies could hide rows from lr's updates and deletes, which "
                 f"would be skipped silently. Nothing was applied; exempt the role (ALTER ROLE {self.guarded_by} "
                 "BYPASSRLS) or disable the table's row-level security"
+            )
+        if self.unlogged:
+            raise SchemaMismatchError(
+                f"{where}: the sink's table {self.table} is unlogged: a crash of the sink's server empties it while "
+                "lr's position there stays, so the rows it held would be lost silently. Nothing was applied; "
+                f"make it logged (ALTER TABLE {self.table} SET LOGGED)"
             )
         if self.rules:
             first = self.rules.split(", ")[0]
@@ -133,6 +140,9 @@ _RULES = (
     "AND r.ev_enabled IN ('O', 'A') AND (r.is_instead OR r.ev_type <> '4')), '')"
 )
 
+# Whether table oid {oid} is UNLOGGED (crash recovery empties it: lr's position would outlive its rows)
+_UNLOGGED = "(SELECT c.relpersistence = 'u' FROM pg_catalog.pg_class c WHERE c.oid = {oid})"
+
 # The sink's non-key ``GENERATED ALWAYS`` identity columns of table oid {oid}, in column order (NULL: none)
 _ALWAYS = (
     "(SELECT pg_catalog.array_agg(a.attname::text ORDER BY a.attnum) FROM pg_catalog.pg_attribute a WHERE a.attrelid = {oid} "
@@ -170,13 +180,17 @@ def types_at_snapshot(cur: psycopg2.extensions.cursor, table: TableName) -> dict
     return {} if sink_def is None else {"column_types": Json({c.name: c.type for c in sink_def.columns})}
 
 
-def guards(cur: psycopg2.extensions.cursor, table: TableName) -> tuple[str, str]:
-    """What would hide rows of ``table`` from lr's writes here (``Target.refuse_guarded``): lr's role
-    when the table's row-level security applies to it, and the rules that rewrite them (each '' if none)."""
+def guards(cur: psycopg2.extensions.cursor, table: TableName) -> tuple[str, str, bool]:
+    """What would hide or lose rows lr writes to ``table`` here (``Target.refuse_guarded``): lr's role
+    when the table's row-level security applies to it, the rules that rewrite its writes (each ''
+    if none), and whether it is unlogged."""
     oid = "pg_catalog.to_regclass(%(t)s)"
-    cur.execute(f"SELECT {_GUARDED.format(oid=oid)}, {_RULES.format(oid=oid)}", {"t": table.ident.as_string(cur)})
-    guard, rules = cur.fetchone()
-    return guard, rules
+    cur.execute(
+        f"SELECT {_GUARDED.format(oid=oid)}, {_RULES.format(oid=oid)}, {_UNLOGGED.format(oid=oid)}",
+        {"t": table.ident.as_string(cur)},
+    )
+    guard, rules, unlogged = cur.fetchone()
+    return guard, rules, unlogged
 
 
 # SQLSTATEs of a name PostgreSQL did not find: a table, a column, a function or operator, an object, a schema
@@ -231,7 +245,7 @@ Found = Target | Gone | None  # None: not synced here (a conflict's changes are 
 
 # For each of the session's tables %(tids)s (source table ids) that it has in lr.sink_tables: its name,
 # state, oid (NULL: no such table), shape, whether its primary key is deferrable, its non-key
-# GENERATED ALWAYS identity columns, origin, types at the snapshot, row-level guard and rules. Only the
+# GENERATED ALWAYS identity columns, origin, types at the snapshot, row-level guard, rules, unlogged. Only the
 # tables asked for are read (``LIMIT 1``: a table id twice, one of them, as before).
 _TARGETS = (
     "SELECT st.tid, st.table_name, st.state, t.oid, "
@@ -244,6 +258,8 @@ _TARGETS = (
     + _GUARDED.format(oid="t.oid")
     + ", "
     + _RULES.format(oid="t.oid")
+    + ", "
+    + _UNLOGGED.format(oid="t.oid")
     + " FROM pg_catalog.unnest(%(tids)s::int[]) w(tid) "
     # the types as the snapshot was taken (V0040; read so that a sink older than it reads none)
     "CROSS JOIN LATERAL (SELECT w.tid, s.table_name, s.state, pg_catalog.to_jsonb(s) -> 'column_types' AS types "
@@ -372,6 +388,7 @@ class TargetLookup:
             types,
             guard,
             rules,
+            unlogged,
             text,
         ) in rows:
             if tid is None:  # the site id's row
@@ -391,6 +408,7 @@ class TargetLookup:
                     narrowed=narrow,
                     guarded_by=guard,
                     rules=rules,
+                    unlogged=bool(unlogged),
                 )
                 read[tid] = (target, text)
         last = self.kept.last.setdefault((self.source, self.client), {})
