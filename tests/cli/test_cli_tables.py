@@ -82,6 +82,14 @@ def test_lr_tables_open_names_what_is_wrong(lr_sites, tmp_path, monkeypatch, cap
         assert cli.main(["tables", "open", name, "--client", "policy", "--topology", topo]) == 2
         err = capsys.readouterr().err
         assert err.startswith("lr: table name") and "a quoted name" in err and "RENAME TO" in err, err
+    # an unlogged table: crash recovery empties it, firing no trigger (before: opened, and after a crash of the
+    # source every sink kept the rows it lost, said synced)
+    source.query("CREATE UNLOGGED TABLE public.scratch (id int PRIMARY KEY)")
+    assert cli.main(["tables", "open", "public.scratch", "--client", "policy", "--topology", topo]) == 1
+    assert "it is unlogged: a crash of this server empties it" in capsys.readouterr().err
+    # a plain table of a quoted schema: the schema is what to rename (before: told to rename the table)
+    assert cli.main(["tables", "open", '"Sales Dept".items', "--client", "policy", "--topology", topo]) == 2
+    assert 'rename its schema to such a name first (ALTER SCHEMA "Sales Dept" RENAME TO' in capsys.readouterr().err
     assert source.query("SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'lr_capture%%'") == [(0,)]
     assert cli.main(["tables", "open", "sales.line_items", "--client", "policy", "--topology", topo]) == 0
     assert "site-a: sales.line_items federated" in capsys.readouterr().out

@@ -87,14 +87,19 @@ def test_a_sink_column_narrowed_after_its_snapshot_refuses_the_changes_naming_it
     assert ('(2,1.2345,abcdefgh,"2026-01-01 00:00:00.623456",3.0000)',) in rows(source, "public.sized")
 
 
-def test_a_key_column_renamed_at_every_site_keeps_key_changes_and_deletes_by_its_new_name(lr_sites):
+def test_a_key_column_renamed_at_the_source_first_is_refused_naming_it_then_goes_on_by_its_new_name(lr_sites):
     source, *sinks = lr_sites
     with streaming_items(lr_sites) as streaming:
         streaming.streaming()
         source.query("UPDATE public.items SET note = 'before' WHERE id = 5")
         same_rows(source, sinks, "a change before the rename")
-        on_every_site(lr_sites, "ALTER TABLE public.items RENAME COLUMN id TO item_id")
+        source.query("ALTER TABLE public.items RENAME COLUMN id TO item_id")  # at the source first
         source.query("UPDATE public.items SET item_id = item_id + 100 WHERE item_id <= 2")  # key changes
+        # refused until the sinks have the name, saying which columns (before: the sink's, to guess from)
+        why = "they carry column(s) item_id, which the sink's table lacks (added or renamed at the source"
+        wait_for(lambda: status_text(source).count(why) == 2, 30, "each sink's refusal in lr status")
+        assert "they lack the sink's key column(s) id (renamed or dropped at the source" in status_text(source)
+        on_every_site(sinks, "ALTER TABLE public.items RENAME COLUMN id TO item_id")
         source.query("DELETE FROM public.items WHERE item_id = 3")
         source.query("UPDATE public.items SET note = 'kept' WHERE item_id = 4")
         same_rows(source, sinks, "the changes after the rename")

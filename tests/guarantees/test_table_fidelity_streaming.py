@@ -77,8 +77,8 @@ def round_trips(lr_sites, monkeypatch) -> RoundTrips:
     return trips
 
 
-def streaming_over(topo, sites, providers: dict | None = None) -> Streaming:
-    return Streaming(replicator(topo, sites, providers=providers, lease_seconds=2.0), FAST)
+def streaming_over(topo, sites, providers: dict | None = None, as_lr: bool = False) -> Streaming:
+    return Streaming(replicator(topo, sites, providers=providers, lease_seconds=2.0, as_lr=as_lr), FAST)
 
 
 def streamed(streaming: Streaming, source, sinks, *tables: str, what: str = "") -> None:
@@ -538,6 +538,12 @@ def test_a_streamed_change_the_sink_refuses_holds_back_only_its_session_and_arri
 
 
 ITEMS = "CREATE TABLE public.items (id int PRIMARY KEY, v text NOT NULL, n int NOT NULL)"
+# a sink's own table and a trigger function that names it without its schema, as applications write them
+SEEN = (
+    "CREATE TABLE public.seen (id int); CREATE FUNCTION public.saw() RETURNS trigger LANGUAGE plpgsql "
+    "AS $$BEGIN INSERT INTO seen VALUES (NEW.id); RETURN NULL; END$$"
+)
+SAW = "CREATE OR REPLACE FUNCTION public.saw() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN {} RETURN NULL; END$$"
 
 
 def federated_items(lr_sites, count: int) -> tuple:
@@ -569,7 +575,7 @@ def test_a_sink_table_altered_between_streamed_changes_never_takes_one_by_a_stal
         assert logs(sink) == app.sent[:-1]
         assert before is None or rows(sink, "public.items") == before
 
-    with streaming_over(topo, lr_sites) as streaming:
+    with streaming_over(topo, lr_sites, as_lr=True) as streaming:  # as lr sync connects (its search_path)
         streaming.streaming()
         for n in (1, 2, 3):
             app.commit(f"warm {n}", f"UPDATE public.items SET n = n + 1 WHERE id = {n}")
@@ -592,6 +598,41 @@ def test_a_sink_table_altered_between_streamed_changes_never_takes_one_by_a_stal
         sink.query("ALTER TABLE public.items ADD COLUMN extra int; ALTER TABLE public.items DROP COLUMN extra")
         app.commit("column come and gone", "UPDATE public.items SET v = 'y', n = n + 1 WHERE id = 5")
         arrives("column come and gone")
+
+        # a rule that rewrites lr's delete (DO INSTEAD NOTHING) would keep the row, silently (it did,
+        # and lr status said nothing): refused, naming the rule, until it is dropped; then it arrives
+        sink.query("CREATE RULE keep AS ON DELETE TO public.items DO INSTEAD NOTHING")
+        app.commit("rule", "DELETE FROM public.items WHERE id = 19")
+        refused("the sink's table public.items has rules that rewrite lr's writes to it (keep)", None)
+        sink.query("DROP RULE keep ON public.items")
+        arrives("rule dropped")
+        # made unlogged: a crash of the sink would empty it while lr's position stays; refused, saying so
+        sink.query("ALTER TABLE public.items SET UNLOGGED")
+        app.commit("unlogged", "UPDATE public.items SET n = n + 1 WHERE id = 17")
+        refused("the sink's table public.items is unlogged: a crash of the sink's server empties it", None)
+        sink.query("ALTER TABLE public.items SET LOGGED")
+        arrives("logged again")
+
+        # a trigger of the sink's whose function names a table without its schema fails lr's write
+        # (lr writes with search_path pg_catalog): the refusal says so and what to do (before: to fix a
+        # constraint, trigger or privilege, where the user found none); given its path, the change arrives
+        sink.query(
+            SEEN + "; CREATE TRIGGER saw AFTER INSERT OR UPDATE ON public.items FOR EACH ROW EXECUTE FUNCTION saw()"
+        )
+        app.commit("trigger", "UPDATE public.items SET n = n + 1 WHERE id = 18")
+        refused("lr writes with search_path = pg_catalog (as PostgreSQL's replication workers do): qualify", None)
+        sink.query("ALTER FUNCTION public.saw() SET search_path = public")
+        arrives("the trigger's function given its path")
+        # one that fails lr's write otherwise (a copy of the source's, writing again what the source
+        # replicates): the refusal says how it skips lr's apply; so made, the change arrives
+        sink.query(SAW.format("RAISE EXCEPTION 'not by lr';"))
+        app.commit("trigger again", "UPDATE public.items SET n = n + 1 WHERE id = 18")
+        refused("a trigger that does again what the source's did (writes rows the source replicates too)", None)
+        skip = "IF pg_catalog.current_setting('lr.applying', true) = 'on' THEN RETURN NULL; END IF;"
+        assert said(streaming, "site-b", skip[:-1])
+        sink.query(SAW.format(skip + " RAISE EXCEPTION 'not by lr';"))
+        arrives("the trigger skips lr's apply")
+        sink.query(SAW.format("INSERT INTO seen VALUES (NEW.id);"))
 
         # the table dropped: refused; created again with its shape and rows: the change arrives
         kept = sink.query("SELECT id, v, n FROM public.items ORDER BY id")
@@ -632,8 +673,24 @@ def test_a_sink_table_altered_between_streamed_changes_never_takes_one_by_a_stal
         app.commit("conflict", "UPDATE public.items SET v = 'dropped at site-b', n = n + 1 WHERE id = 8")
         wait_for(lambda: logs(sink) == logs(other) == app.sent, 20, "the conflict's entry")
         assert rows(sink, "public.items") == before and rows(other, "public.items") == rows(source, "public.items")
-        # ... and federated again: lr takes a new snapshot of it and streams on
+        # ... and federated again: lr takes a new snapshot of it (refused by the trigger, saying so, until
+        # its function has its path) and streams on
+        sink.query(
+            "ALTER FUNCTION public.saw() RESET search_path; CREATE TRIGGER saw AFTER INSERT ON public.items "
+            "FOR EACH ROW EXECUTE FUNCTION public.saw()"
+        )
         sink.query("UPDATE lr.registry SET is_federated = true WHERE stream_name = 'public.items'")
+        wait_for(
+            lambda: said(
+                streaming,
+                "site-b",
+                'the sink refused the snapshot of table public.items: relation "seen" does not exist',
+            ),
+            20,
+            "the snapshot refused",
+        )
+        assert said(streaming, "site-b", "ALTER FUNCTION ... SET search_path = public), and the next cycle takes")
+        sink.query("ALTER FUNCTION public.saw() SET search_path = public")
         wait_for(lambda: rows(sink, "public.items") == rows(source, "public.items"), 20, "the new snapshot")
         streaming.streaming()
         app.commit("conflict lifted", "UPDATE public.items SET v = 'z', n = n + 1 WHERE id = 9")
@@ -648,6 +705,10 @@ def test_a_sink_table_altered_between_streamed_changes_never_takes_one_by_a_stal
             "warm 3",
             "column added",
             "column come and gone",
+            "rule",
+            "unlogged",
+            "trigger",
+            "trigger again",
             "table dropped",
             "table restored",
             "conflict",
@@ -691,7 +752,9 @@ def test_a_column_added_at_the_source_while_streaming_is_refused_until_the_sink_
         app.commit("noted", "UPDATE public.items SET note = 'n', n = n + 1 WHERE id = 4")
         app.commit("deleted", "DELETE FROM public.items WHERE id = 5")
         for site in (sink, other):
-            wait_for(lambda: said(streaming, site.site_id, "do not fit the sink's table"), 10, f"{site.site_id}")
+            # naming the column and what to do (before: only the sink's columns, the user to guess which)
+            why = "do not fit the sink's table (columns id, v, n): they carry column(s) note, which the sink's table lacks"
+            wait_for(lambda: said(streaming, site.site_id, why), 10, f"{site.site_id}")
         assert logs(sink) == logs(other) == ["warm 1", "warm 2", "warm 3"]
         assert sink.query("SELECT count(*) FROM public.items WHERE id = 5") == [(1,)]  # nothing of the batch
         sink.query("ALTER TABLE public.items ADD COLUMN note text")  # one sink gets the column: it goes on

@@ -18,6 +18,7 @@ import psycopg2
 import psycopg2.errors
 
 from airflow_provider_lr.client import RoutingQueueClient, Ticket
+from airflow_provider_lr.engine.db import conninfo
 from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
 from airflow_provider_lr.engine.session.stream import Streamer
 from airflow_provider_lr.engine.sink.queue_rows import unpack
@@ -86,13 +87,16 @@ def apply_to(sites, topo: topologies.Topology) -> None:
 
 
 def replicator(
-    topo, sites, providers: dict | None = None, owner: str | None = None, sessions=None, **settings
+    topo, sites, providers: dict | None = None, owner: str | None = None, sessions=None, as_lr: bool = False, **settings
 ) -> Replicator:
+    """A replicator over ``sites``; ``as_lr``: connecting as ``lr sync`` does (``conninfo``: its bounds,
+    search_path pg_catalog alone), not by a plain connect."""
     dsns = {s.site_id: s.dsn for s in sites}
+    infos = {s.site_id: conninfo.from_dsn(s.dsn) for s in sites}
     options = {"data_timeout": 30.0, "barrier_timeout": 2.0, **settings}
     return Replicator(
         topo,
-        lambda site_id: psycopg2.connect(dsns[site_id]),
+        (lambda site_id: infos[site_id].connect()) if as_lr else (lambda site_id: psycopg2.connect(dsns[site_id])),
         owner=owner,
         settings=SessionSettings(**options),
         providers=providers,

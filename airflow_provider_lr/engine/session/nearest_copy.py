@@ -38,7 +38,7 @@ import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
 from airflow_provider_lr.engine.db.lifting import lifted
-from airflow_provider_lr.engine.errors import LRError, one_line
+from airflow_provider_lr.engine.errors import ApplyError, LRError, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.session.handshake import Position
 from airflow_provider_lr.engine.sink import writes
@@ -141,7 +141,7 @@ def seed_from_peers(
             before_write()
             with lifted(conn, sink):  # a whole table copied in one statement: as long as it takes
                 copied = _write(conn, sink, key, position.epoch, peer.site, view)
-        except (PeerUnfit, psycopg2.Error) as exc:
+        except (PeerUnfit, ApplyError, psycopg2.Error) as exc:  # (ApplyError: the sink refused a table's rows)
             result.passed.append(f"{peer.site}: {one_line(exc)}")
             continue
         finally:

@@ -23,15 +23,17 @@ def not_capturable(cur: psycopg2.extensions.cursor, table: TableName) -> str | N
     or None. They are statement-level: a write to a partition or an inheritance child fires the
     triggers of the table it names only, so a partitioned table, a partition, or a table with
     inheritance parents or children would lose the writes made through the other; lr's own tables
-    and the system's are not an application's to replicate."""
+    and the system's are not an application's to replicate. An unlogged table is emptied by the
+    server's crash recovery, which fires no trigger: the sinks kept every row the source lost, and
+    said they were synced (PostgreSQL's publications refuse such a table too)."""
     cur.execute(
-        "SELECT c.relkind, c.relispartition, n.nspname, "
+        "SELECT c.relkind, c.relispartition, n.nspname, c.relpersistence = 'u', "
         "EXISTS (SELECT 1 FROM pg_catalog.pg_inherits i WHERE i.inhrelid = c.oid OR i.inhparent = c.oid) "
         "FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
         "WHERE c.oid = pg_catalog.to_regclass(%s)",
         (table.ident.as_string(cur),),
     )
-    kind, partition, schema, inherits = cur.fetchone()
+    kind, partition, schema, unlogged, inherits = cur.fetchone()
     if schema == "lr" or schema in ("pg_catalog", "information_schema") or schema.startswith(("pg_toast", "pg_temp")):
         return f"it is one of {'lr' if schema == 'lr' else 'the system'}'s own tables"
     if kind == "p" or partition:
@@ -40,6 +42,11 @@ def not_capturable(cur: psycopg2.extensions.cursor, table: TableName) -> str | N
         return "it is not an ordinary table"
     if inherits:
         return "it has inheritance parents or children (a write to one of them would not be captured)"
+    if unlogged:
+        return (
+            "it is unlogged: a crash of this server empties it without a TRUNCATE lr could capture, and the sinks "
+            f"would keep every row it lost (ALTER TABLE {table} SET LOGGED)"
+        )
     return None
 
 

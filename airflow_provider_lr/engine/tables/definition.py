@@ -15,7 +15,7 @@ compared: a sink table the user created keeps the extras the user gave it.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import psycopg2.extensions
@@ -42,11 +42,17 @@ class TableName:
             text = f"public.{text}"
         match = _NAME.fullmatch(text)
         if match is None:
+            schema, _, name = text.rpartition(".")  # a table of a quoted schema: the schema is what to rename
+            fix = (
+                f"rename its schema to such a name first (ALTER SCHEMA {schema} RENAME TO sales)"
+                if re.fullmatch(_PART, name) and not re.fullmatch(_PART, schema)
+                else "rename the table to such a name first (ALTER TABLE ... RENAME TO line_items)"
+            )
             raise TableError(
                 f"table name {text!r} is not schema.table with lower-case identifiers "
                 "(letters, digits, _ and $, at most 63 characters each): lr federates a table by that name "
-                'on every site, and a quoted name (upper case, spaces, quotes: "Orders", sales."Line Items") '
-                "is not supported; rename the table to such a name first (ALTER TABLE ... RENAME TO line_items)"
+                f'on every site, and a quoted name (upper case, spaces, quotes: "Orders", sales."Line Items") '
+                f"is not supported; {fix}"
             )
         return cls(match.group(1), match.group(2))
 
@@ -169,6 +175,28 @@ def changed_types(sink: TableDefinition, types: Mapping[str, str], columns: Iter
         for n in columns
         if n in types and n in mine and types[n] != mine[n]
     ]
+
+
+def misfit(sink: TableDefinition, rows: Sequence[Mapping[str, object]]) -> str:
+    """What of a change's ``rows`` the sink's table cannot take, naming each column and what to do
+    (``tables.sink`` refuses the batch): the columns they carry that it lacks, and its key columns
+    they lack. Before, the refusal listed the sink's columns only, and the user had to guess which."""
+    have = set(sink.column_names)
+    extra = [c for c in dict.fromkeys(c for r in rows for c in r) if c not in have]
+    lacking = [k for k in sink.key if any(k not in r for r in rows)]
+    said = []
+    if extra:
+        said.append(
+            f"they carry column(s) {', '.join(extra)}, which the sink's table lacks (added or renamed at the source, "
+            f"or dropped at the sink: add them to the sink's table as the source has them, ALTER TABLE {sink.table} "
+            "ADD COLUMN ... or RENAME COLUMN ...)"
+        )
+    if lacking:
+        said.append(
+            f"they lack the sink's key column(s) {', '.join(lacking)} (renamed or dropped at the source: "
+            "give the sink's table the source's key)"
+        )
+    return "; ".join(said) or "their columns differ from one another"
 
 
 def check_same(source: TableDefinition, sink: TableDefinition, where: str) -> None:

@@ -413,13 +413,18 @@ def diverged(conn: psycopg2.extensions.connection) -> list[Divergence]:
                     )
                 )
             elif (hierarchy := capturable.not_capturable(cur, TableName.parse(name))) is not None:
-                found.append(  # made a partition, or given an inheritance parent or child, since it was opened
+                fix = (  # made unlogged since it was opened (the reason says how to undo it)
+                    "the sinks may miss the rows a crash empties it of. Make it logged again"
+                    if "unlogged" in hierarchy  # else made a partition, or given an inheritance parent or child
+                    else "the sinks hold the table's own rows and may miss changes. Take it out of the "
+                    "hierarchy (ALTER TABLE ... NO INHERIT, DETACH PARTITION)"
+                )
+                found.append(
                     Divergence(
                         name,
                         client,
                         f"captured here, but {hierarchy}: it became so after lr tables open, which refuses such a "
-                        "table; the sinks hold the table's own rows and may miss changes. Take it out of the "
-                        "hierarchy (ALTER TABLE ... NO INHERIT, DETACH PARTITION) or close it (lr tables close)",
+                        f"table; {fix} or close it (lr tables close)",
                     )
                 )
             elif not has_sink:

@@ -18,7 +18,7 @@ import psycopg2
 import psycopg2.extensions
 from psycopg2 import sql
 
-from airflow_provider_lr.engine.errors import FencedError, StaleBatchError, TableError
+from airflow_provider_lr.engine.errors import ApplyError, FencedError, StaleBatchError, TableError, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.store import sink_sessions
 from airflow_provider_lr.engine.tables import copy as table_copy
@@ -26,7 +26,7 @@ from airflow_provider_lr.engine.tables import sink as sink_tables
 from airflow_provider_lr.engine.tables import upsert
 from airflow_provider_lr.engine.tables.definition import TableDefinition
 from airflow_provider_lr.engine.tables.sink import TableState, Target
-from airflow_provider_lr.engine.tables.targets import target_of
+from airflow_provider_lr.engine.tables.targets import refusal_fix, target_of
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
 RANGE_ROWS = 100_000  # rows per key range a Spark task reads (about 20 MB of 200-byte rows)
@@ -83,11 +83,21 @@ def copy_to_targets(
         else:
             sinks.append((cur, table_copy.insert_statement(definition, text=text)))
     select = table_copy.select_statement(definition, where, text)
-    with table_copy.copy_settings(source, [cur for cur, _ in targets], text):
-        copied = table_copy.copy_rows(source, select, sinks)
-        rows = [max(cur.rowcount, 0) for cur, _ in targets]  # each COPY's, before the settings go back
-    for cur, target, stage in staged:
-        rows[[c for c, _ in targets].index(cur)] = upsert.upsert_from(cur, target, stage)
+    try:
+        with table_copy.copy_settings(source, [cur for cur, _ in targets], text):
+            copied = table_copy.copy_rows(source, select, sinks)
+            rows = [max(cur.rowcount, 0) for cur, _ in targets]  # each COPY's, before the settings go back
+        for cur, target, stage in staged:
+            rows[[c for c, _ in targets].index(cur)] = upsert.upsert_from(cur, target, stage)
+    except (psycopg2.OperationalError, psycopg2.InterfaceError):
+        raise  # a site went away: not the data's fault, the caller retries as ever
+    except psycopg2.Error as exc:
+        if getattr(exc.cursor, "connection", None) not in {cur.connection for cur, _ in targets}:
+            raise  # the source's
+        raise ApplyError(  # a sink's trigger, constraint or privilege: said as a streamed change's refusal is
+            f"the sink refused the snapshot of table {definition.table}: {one_line(exc)}. Nothing of it was "
+            f"applied; {refusal_fix(exc)}, and the next cycle takes the snapshot"
+        ) from exc
     return copied, rows
 
 

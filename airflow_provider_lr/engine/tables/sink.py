@@ -39,6 +39,7 @@ from airflow_provider_lr.engine.tables.definition import (
     TableName,
     changed_types,
     check_same,
+    misfit,
     read_definition,
 )
 from airflow_provider_lr.engine.tables.targets import (
@@ -48,8 +49,9 @@ from airflow_provider_lr.engine.tables.targets import (
     Target,
     TargetLookup,
     always_columns,
-    guarded_by,
+    guards,
     origin,
+    refusal_fix,
     types_at_snapshot,
 )
 from airflow_provider_lr.engine.tables.upsert import ledger, moved, on_conflict
@@ -169,7 +171,7 @@ def prepare(
             (str(table), client, source, list(sink_def.key), f"lrq_table_{client}"),
         )
     target = Target(sink_def, source, *origin(cur, table, source), left_out, always=always_columns(cur, table))
-    target.guarded_by = guarded_by(cur, table)
+    target.guarded_by, target.rules, target.unlogged = guards(cur, table)
     target.refuse_guarded(where)
     return target
 
@@ -284,8 +286,7 @@ class ChangeApplier:
         if bad:
             raise SchemaMismatchError(
                 f"{self._where()}: {bad} changed rows of {target.table} do not fit the sink's table "
-                f"(columns {', '.join(d.column_names)}): the source's table changed shape. Nothing of the batch "
-                "was applied; give the sink's table the same columns"
+                f"(columns {', '.join(d.column_names)}): {misfit(d, rows)}. Nothing of the batch was applied"
             )
         changed = changed_types(d, entry.get("types") or {}, carried if op == "u" else key_columns)
         if changed:
@@ -355,8 +356,7 @@ class ChangeApplier:
             named = f"table {exc.diag.schema_name}.{failed}" if failed else f"changes of {', '.join(tables)}"
             raise ApplyError(
                 f"{self._where()}: the sink refused {named}: {one_line(exc)}. Nothing of the batch was applied; "
-                "the sink's table has a constraint, trigger or privilege the source's has not: fix it there, and "
-                "the next cycle applies the batch"
+                f"{refusal_fix(exc)}, and the next cycle applies the batch"
             ) from exc
 
     def _statement(self, run: _Run) -> str:

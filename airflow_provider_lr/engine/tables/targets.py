@@ -57,6 +57,8 @@ class Target:
     # changes are refused (the sink would round or cut them)
     narrowed: tuple[tuple[str, str], ...] = ()
     guarded_by: str = ""  # lr's role at the sink, when the table's row-level security applies to it
+    rules: str = ""  # the sink table's rules that rewrite lr's writes to it (``_RULES``), quoted, comma-separated
+    unlogged: bool = False  # the sink's table is UNLOGGED: a crash of the sink empties it, lr's position stays
 
     @property
     def table(self) -> TableName:
@@ -72,6 +74,20 @@ class Target:
                 "the role lr applies it as: its policies could hide rows from lr's updates and deletes, which "
                 f"would be skipped silently. Nothing was applied; exempt the role (ALTER ROLE {self.guarded_by} "
                 "BYPASSRLS) or disable the table's row-level security"
+            )
+        if self.unlogged:
+            raise SchemaMismatchError(
+                f"{where}: the sink's table {self.table} is unlogged: a crash of the sink's server empties it while "
+                "lr's position there stays, so the rows it held would be lost silently. Nothing was applied; "
+                f"make it logged (ALTER TABLE {self.table} SET LOGGED)"
+            )
+        if self.rules:
+            first = self.rules.split(", ")[0]
+            raise SchemaMismatchError(
+                f"{where}: the sink's table {self.table} has rules that rewrite lr's writes to it ({self.rules}): "
+                "a DO INSTEAD rule would skip or redirect its changes silently, and PostgreSQL refuses lr's upserts "
+                "on a table with INSERT or UPDATE rules. Nothing was applied; drop them "
+                f"(DROP RULE {first} ON {self.table}) or disable them (ALTER TABLE {self.table} DISABLE RULE {first})"
             )
 
     def refuse_narrowed(self, columns: Iterable[str], where: str) -> None:
@@ -113,6 +129,20 @@ _ORIGIN = (
 # lr's role (quoted) when the row-level security of table oid {oid} applies to it, else ''
 _GUARDED = "CASE WHEN pg_catalog.row_security_active({oid}) THEN pg_catalog.quote_ident(current_user) ELSE '' END"
 
+# The enabled rules of table oid {oid} that rewrite lr's apply (quoted, comma-separated; '' when none):
+# every DO INSTEAD rule (a delete or update it turns into nothing, or into a write elsewhere, is
+# skipped without an error: the sink kept rows the source deleted, and said it was synced) and every
+# INSERT or UPDATE rule (PostgreSQL refuses an upsert's ON CONFLICT on such a table). A DO ALSO
+# rule on DELETE acts beside lr's delete, as a trigger does.
+_RULES = (
+    "COALESCE((SELECT pg_catalog.string_agg(pg_catalog.quote_ident(r.rulename::text), ', ' ORDER BY r.rulename) "
+    "FROM pg_catalog.pg_rewrite r WHERE r.ev_class = {oid} AND r.ev_type IN ('2', '3', '4') "
+    "AND r.ev_enabled IN ('O', 'A') AND (r.is_instead OR r.ev_type <> '4')), '')"
+)
+
+# Whether table oid {oid} is UNLOGGED (crash recovery empties it: lr's position would outlive its rows)
+_UNLOGGED = "(SELECT c.relpersistence = 'u' FROM pg_catalog.pg_class c WHERE c.oid = {oid})"
+
 # The sink's non-key ``GENERATED ALWAYS`` identity columns of table oid {oid}, in column order (NULL: none)
 _ALWAYS = (
     "(SELECT pg_catalog.array_agg(a.attname::text ORDER BY a.attnum) FROM pg_catalog.pg_attribute a WHERE a.attrelid = {oid} "
@@ -150,10 +180,46 @@ def types_at_snapshot(cur: psycopg2.extensions.cursor, table: TableName) -> dict
     return {} if sink_def is None else {"column_types": Json({c.name: c.type for c in sink_def.columns})}
 
 
-def guarded_by(cur: psycopg2.extensions.cursor, table: TableName) -> str:
-    """lr's role here when ``table``'s row-level security applies to it (``Target.refuse_guarded``), else ''."""
-    cur.execute(f"SELECT {_GUARDED.format(oid='pg_catalog.to_regclass(%s)')}", (table.ident.as_string(cur),))
-    return cur.fetchone()[0]
+def guards(cur: psycopg2.extensions.cursor, table: TableName) -> tuple[str, str, bool]:
+    """What would hide or lose rows lr writes to ``table`` here (``Target.refuse_guarded``): lr's role
+    when the table's row-level security applies to it, the rules that rewrite its writes (each ''
+    if none), and whether it is unlogged."""
+    oid = "pg_catalog.to_regclass(%(t)s)"
+    cur.execute(
+        f"SELECT {_GUARDED.format(oid=oid)}, {_RULES.format(oid=oid)}, {_UNLOGGED.format(oid=oid)}",
+        {"t": table.ident.as_string(cur)},
+    )
+    guard, rules, unlogged = cur.fetchone()
+    return guard, rules, unlogged
+
+
+# SQLSTATEs of a name PostgreSQL did not find: a table, a column, a function or operator, an object, a schema
+_NOT_FOUND = {"42P01", "42703", "42883", "42704", "3F000"}
+
+
+def refusal_fix(exc: psycopg2.Error) -> str:
+    """What to do about the sink's refusal ``exc`` of lr's writes to a table. A name that a function
+    lr's write ran (the table's trigger, a default's or check's function) did not find is the search
+    path's doing: lr's connections search pg_catalog alone (``conninfo.catalog_first``), as
+    PostgreSQL's replication workers do, so a trigger naming the site's tables unqualified works for
+    the applications and fails lr's apply. Another failure in a function is most often a trigger of
+    the sink's doing again what the source's did (a copy of the source's trigger, writing rows the
+    source replicates too: their keys collide, or, once the sink's sequence passed them, the sink
+    holds them twice): it must skip lr's apply. Before, the refusal said to fix a constraint, trigger
+    or privilege, and the user found the trigger's table there, or nothing to fix."""
+    if "function" not in (exc.diag.context or ""):
+        return "the sink's table has a constraint, trigger or privilege the source's has not: fix it there"
+    if exc.pgcode in _NOT_FOUND:
+        return (
+            "a function it ran names something without its schema, and lr writes with search_path = pg_catalog "
+            "(as PostgreSQL's replication workers do): qualify the names in the function (public.audit), or give "
+            "it its own path (ALTER FUNCTION ... SET search_path = public)"
+        )
+    return (
+        "a function of the sink's that lr's write ran (a trigger: the sink's triggers fire on lr's writes) failed: "
+        "fix it there; a trigger that does again what the source's did (writes rows the source replicates too) "
+        "must skip lr's apply: IF pg_catalog.current_setting('lr.applying', true) = 'on' THEN RETURN NULL; END IF"
+    )
 
 
 def target_of(cur: psycopg2.extensions.cursor, source: str, table: TableName, where: Callable[[], str]) -> Target:
@@ -179,7 +245,7 @@ Found = Target | Gone | None  # None: not synced here (a conflict's changes are 
 
 # For each of the session's tables %(tids)s (source table ids) that it has in lr.sink_tables: its name,
 # state, oid (NULL: no such table), shape, whether its primary key is deferrable, its non-key
-# GENERATED ALWAYS identity columns, origin, types at the snapshot and row-level guard. Only the
+# GENERATED ALWAYS identity columns, origin, types at the snapshot, row-level guard, rules, unlogged. Only the
 # tables asked for are read (``LIMIT 1``: a table id twice, one of them, as before).
 _TARGETS = (
     "SELECT st.tid, st.table_name, st.state, t.oid, "
@@ -190,6 +256,10 @@ _TARGETS = (
     + _ORIGIN.format(t="st.table_name", s="%(source)s")
     + ", st.types, "
     + _GUARDED.format(oid="t.oid")
+    + ", "
+    + _RULES.format(oid="t.oid")
+    + ", "
+    + _UNLOGGED.format(oid="t.oid")
     + " FROM pg_catalog.unnest(%(tids)s::int[]) w(tid) "
     # the types as the snapshot was taken (V0040; read so that a sink older than it reads none)
     "CROSS JOIN LATERAL (SELECT w.tid, s.table_name, s.state, pg_catalog.to_jsonb(s) -> 'column_types' AS types "
@@ -216,9 +286,9 @@ CHECK_SQL = (
 # ~0.03 ms each more). Its generic plan is the one to run (``GENERIC``: PostgreSQL would otherwise
 # plan it anew each time, expecting a plan for the actual tables to be cheaper). The name is
 # versioned, so a connection that holds an older lr's statement is not confused by it.
-LOOKUP = Prepared("lr_sink_targets_v6", LOOKUP_SQL, {"tids": "int4[]", "source": "text", "client": "text"})
+LOOKUP = Prepared("lr_sink_targets_v7", LOOKUP_SQL, {"tids": "int4[]", "source": "text", "client": "text"})
 CHECK = Prepared(
-    "lr_sink_targets_check_v5", CHECK_SQL, {"tids": "int4[]", "source": "text", "client": "text", "expected": "text[]"}
+    "lr_sink_targets_check_v6", CHECK_SQL, {"tids": "int4[]", "source": "text", "client": "text", "expected": "text[]"}
 )
 GENERIC = "set_config('plan_cache_mode', 'force_generic_plan', true)"  # for the transaction
 
@@ -303,7 +373,24 @@ class TargetLookup:
 
     def _found(self, tids: Iterable[int], rows: list[tuple]) -> None:
         read: dict[int, tuple[Found, str]] = {}
-        for _site, tid, name, state, oid, columns, key, deferrable, always, primary, others, types, guard, text in rows:
+        for (
+            _site,
+            tid,
+            name,
+            state,
+            oid,
+            columns,
+            key,
+            deferrable,
+            always,
+            primary,
+            others,
+            types,
+            guard,
+            rules,
+            unlogged,
+            text,
+        ) in rows:
             if tid is None:  # the site id's row
                 continue
             table = TableName.parse(name)
@@ -320,6 +407,8 @@ class TargetLookup:
                     always=tuple(always or ()),
                     narrowed=narrow,
                     guarded_by=guard,
+                    rules=rules,
+                    unlogged=bool(unlogged),
                 )
                 read[tid] = (target, text)
         last = self.kept.last.setdefault((self.source, self.client), {})

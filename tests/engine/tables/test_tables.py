@@ -459,10 +459,11 @@ def test_a_table_made_part_of_a_hierarchy_after_it_was_opened_snapshots_its_own_
     topo = apply(lr_sites)
     source.query(
         "CREATE TABLE public.animals (id int PRIMARY KEY, name text); INSERT INTO public.animals VALUES (1, 'a'); "
-        "CREATE TABLE public.plants (id int PRIMARY KEY, name text)"
+        "CREATE TABLE public.plants (id int PRIMARY KEY, name text); CREATE TABLE public.seeds (id int PRIMARY KEY)"
     )
     federate(source, "public.animals")
     federate(source, "public.plants")
+    federate(source, "public.seeds")
     repl = replicator(topo, lr_sites)
     try:
         assert cycle_errors(sync(repl)) == []
@@ -470,7 +471,8 @@ def test_a_table_made_part_of_a_hierarchy_after_it_was_opened_snapshots_its_own_
             "CREATE TABLE public.cats (PRIMARY KEY (id)) INHERITS (public.animals); "
             "INSERT INTO public.cats VALUES (1, 'a cat'), (2, 'another'); "
             "CREATE TABLE public.garden (id int PRIMARY KEY, name text) PARTITION BY RANGE (id); "
-            "ALTER TABLE public.garden ATTACH PARTITION public.plants FOR VALUES FROM (0) TO (100)"
+            "ALTER TABLE public.garden ATTACH PARTITION public.plants FOR VALUES FROM (0) TO (100); "
+            "ALTER TABLE public.seeds SET UNLOGGED"  # a crash of the source would empty it, capturing nothing
         )
         conn = source.connect()
         full_sync.request_full_sync(conn, "site-b", "policy", "operator asked", forced=True)
@@ -483,6 +485,8 @@ def test_a_table_made_part_of_a_hierarchy_after_it_was_opened_snapshots_its_own_
     assert "public.animals DIVERGED" in text and "it has inheritance parents or children" in text, text
     assert "public.plants DIVERGED" in text and "it is partitioned or a partition" in text, text
     assert "NO INHERIT, DETACH PARTITION) or close it (lr tables close)" in text, text
+    assert "public.seeds DIVERGED" in text and "it is unlogged: a crash of this server empties it" in text, text
+    assert "(ALTER TABLE public.seeds SET LOGGED): it became so after lr tables open" in text, text
 
 
 def test_a_federated_table_dropped_at_the_source_holds_a_full_sync_saying_how_and_closing_it_frees_it(lr_sites):
