@@ -67,7 +67,7 @@ def stream_batches(
         for n, write in enumerate(batches):
             made = _stream_transaction(cur, source, write)
             if made is not None:
-                statements.append(made[0])
+                statements += made[0]
                 ends[n] = write.batch.end
                 tables = tables or made[1]
         if not statements:
@@ -91,9 +91,12 @@ def _refused(exc: psycopg2.Error) -> bool:
     return not isinstance(exc, (psycopg2.OperationalError, psycopg2.InterfaceError))
 
 
-def _stream_transaction(cur: psycopg2.extensions.cursor, source: str, write: StreamWrite) -> tuple[bytes, bool] | None:
-    """``stream_batches``' transaction of one session, as text, and whether it changes tables; None
-    when it takes the general path."""
+def _stream_transaction(
+    cur: psycopg2.extensions.cursor, source: str, write: StreamWrite
+) -> tuple[list[bytes], bool] | None:
+    """``stream_batches``' transaction of one session, its statements as text (joined once with the
+    other sessions': a large table change is not copied once more per join), and whether it changes
+    tables; None when it takes the general path."""
     batch, client = write.batch, write.client
     if batch.end <= batch.after or batch.bytes > INSERT_BYTES or len(batch.records) > INSERT_ENTRIES:
         return None
@@ -120,4 +123,4 @@ def _stream_transaction(cur: psycopg2.extensions.cursor, source: str, write: Str
     if writer.rows:
         statements.append(writer.stream_statement(cur, NOTIFY_CHANNEL, wakeup_payload(client, source)))
     statements.append(b"COMMIT")
-    return b"; ".join(statements), tables is not None
+    return statements, tables is not None

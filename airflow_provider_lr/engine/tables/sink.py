@@ -22,19 +22,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from decimal import Decimal
 
 import psycopg2.errors
 import psycopg2.extensions
-from psycopg2 import sql
 
 from airflow_provider_lr.engine.errors import ApplyError, SchemaMismatchError, one_line
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogRecord
 from airflow_provider_lr.engine.tables.clearing import clearing, clearing_together
 from airflow_provider_lr.engine.tables.create import create_table
 from airflow_provider_lr.engine.tables.definition import (
-    Column,
     TableDefinition,
     TableName,
     changed_types,
@@ -42,6 +40,7 @@ from airflow_provider_lr.engine.tables.definition import (
     misfit,
     read_definition,
 )
+from airflow_provider_lr.engine.tables.runs import Run, compose
 from airflow_provider_lr.engine.tables.targets import (
     GENERIC,
     Expected,
@@ -54,7 +53,6 @@ from airflow_provider_lr.engine.tables.targets import (
     refusal_fix,
     types_at_snapshot,
 )
-from airflow_provider_lr.engine.tables.upsert import ledger, moved, on_conflict
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
 FLUSH_BYTES = 4 << 20  # table changes buffered before they are applied (in the same transaction)
@@ -181,30 +179,6 @@ def clear(cur: psycopg2.extensions.cursor, target: Target) -> None:
     cur.execute(clearing(target))
 
 
-@dataclass
-class _Run:
-    """Consecutive changes of one table, all deletes or all upserts, no key twice among the
-    upserts: one statement applies them with the effect of applying them one by one in order.
-    ``docs[n]`` contributes its rows ``lo[n]..hi[n]`` (1-based)."""
-
-    tid: int
-    op: str
-    text: tuple[str, ...]  # columns the entries carry as their text form (see V0015)
-    absent: tuple[str, ...] = ()  # the sink's columns its upserts' rows do not carry (``_queue``)
-    docs: list[bytes] = field(default_factory=list)
-    lo: list[int] = field(default_factory=list)
-    hi: list[int] = field(default_factory=list)
-    keys: set = field(default_factory=set)
-
-    def take(self, doc: bytes, row: int) -> None:
-        if self.docs and self.docs[-1] is doc and self.hi[-1] == row - 1:
-            self.hi[-1] = row
-        else:
-            self.docs.append(doc)
-            self.lo.append(row)
-            self.hi.append(row)
-
-
 class ChangeApplier:
     """Applies a sink transaction's table changes (stream 3 records) in the source's order, a few
     MiB at a time.
@@ -237,7 +211,7 @@ class ChangeApplier:
         self.cur, self.source, self.client = cur, source, client
         self.lookup = TargetLookup(cur, source, client)
         self.targets: dict[int, Target | None] = {}
-        self.runs: list[_Run] = []
+        self.runs: list[Run] = []
         self.clearing: list[Target] = []  # consecutive TRUNCATEs: cleared together (``clearing_together``)
         self.bytes = 0
         self.statements: list[bytes] | None = None
@@ -308,7 +282,7 @@ class ChangeApplier:
                 or key in run.keys
                 or (target.deferrable_key and run.keys)  # one row a run: see ``_compose``
             ):
-                run = _Run(tid, op, text, absent)
+                run = Run(tid, op, text, absent)
                 self.runs.append(run)
             if key is not None:
                 run.keys.add(key)
@@ -321,31 +295,30 @@ class ChangeApplier:
             self._send(clearing_together(targets).as_string(self.cur).encode())
 
     def flush(self) -> None:
-        """Apply the runs (or TRUNCATEs) queued, in order, in one round trip."""
+        """Apply the runs (or TRUNCATEs) queued, in order, in one round trip. The changes travel as
+        their JSON text (UTF-8, as captured) where the connection allows (``_as_text``), not as
+        bytea: a hex escape doubled every value in the statement (a 50 MB row: ~150 MB more)."""
         self._clear()
         runs, self.runs, self.bytes = self.runs, [], 0
         if runs:
+            doc = bytes.decode if self._as_text() else psycopg2.Binary
             self._send(
-                b";\n".join(
+                *(
                     self.cur.mogrify(
                         self._statement(run),
-                        {
-                            "docs": [psycopg2.Binary(m) for m in run.docs],
-                            "lo": run.lo,
-                            "hi": run.hi,
-                            "text": list(run.text),
-                        },
+                        {"docs": [doc(m) for m in run.docs], "lo": run.lo, "hi": run.hi, "text": list(run.text)},
                     )
                     for run in runs
                 )
             )
 
-    def _send(self, statement: bytes) -> None:
-        """Run ``statement`` in the transaction (kept for the caller, with ``expected``); a refusal of
+    def _send(self, *statements: bytes) -> None:
+        """Run ``statements`` in the transaction (kept for the caller, with ``expected``); a refusal of
         the sink's (a constraint, trigger, privilege) is an ``ApplyError`` naming the table."""
         if self.statements is not None:
-            self.statements.append(statement)
+            self.statements += statements
             return
+        statement = statements[0] if len(statements) == 1 else b";\n".join(statements)
         try:
             self.cur.execute(statement)
         except (psycopg2.OperationalError, psycopg2.InterfaceError):
@@ -359,118 +332,25 @@ class ChangeApplier:
                 f"{refusal_fix(exc)}, and the next cycle applies the batch"
             ) from exc
 
-    def _statement(self, run: _Run) -> str:
+    def _statement(self, run: Run) -> str:
         target = self.targets[run.tid]
         assert target is not None
         t = target
+        as_text = self._as_text()
         key = (t.definition, t.source, t.primary, t.shared, t.deferrable_key, t.always, run.op, run.text, run.absent)
-        return self.lookup.statement(key, lambda: _compose(target, run))
+        return self.lookup.statement((*key, as_text), lambda: compose(target, run, as_text))
+
+    def _as_text(self) -> bool:
+        """Whether the changes travel as text: on a UTF8 connection (lr's own take UTF8) their JSON
+        is sent as it is; on another, whose encoding may not hold every character, as bytea."""
+        return self.cur.connection.encoding in _UTF8
 
     def _where(self) -> str:
         assert self._here is not None
         return self._here
 
 
-def _compose(target: Target, run: _Run) -> sql.Composed:
-    """The statement that applies ``run`` to ``target`` (its parameters: ``flush``'s). Its text is a
-    format for ``mogrify``, where ``%`` starts a parameter: a column named ``50%`` (or ``%(docs)s``) is
-    composed with its ``%`` doubled, which ``mogrify`` turns back into one."""
-    target = replace(target, definition=_percent_doubled(target.definition), always=tuple(map(_doubled, target.always)))
-    d = target.definition
-    types = {c.name: c.type for c in d.columns}
-    # A column of a type outside pg_catalog (printed with its schema: a domain, an enum) is cast from
-    # the row's text of it, like the columns that travel as text, never read through a record of the
-    # table's type: that record's columns a row does not carry (a delete's, the text ones) are NULL,
-    # which a NOT NULL domain refuses (every change of such a table was refused, for good).
-    carried_as_text = {_doubled(c) for c in run.text}
-    own = {c for c in d.column_names if "." in types[c]} - carried_as_text
-    text = carried_as_text | own
-    record = sql.SQL("jsonb_populate_record(NULL::{}, r.d - %(text)s::text[])").format(d.table.ident)
-    picked: dict[str, sql.Identifier] = {}  # with ``own``: the other columns, each by an alias of lr's
-    lateral: sql.Composable = sql.SQL("")
-    more: sql.Composable = sql.SQL("")
-    if own:  # the other columns by a record of their own types (q.c, never q alone: a column may be named q)
-        picked = {c: sql.Identifier(f"lr_{n}") for n, c in enumerate(c for c in d.column_names if c not in text)}
-        record = sql.SQL("NULL::pg_catalog.text")  # p unused: the picked columns follow r.d in the row
-        more = sql.Composed([sql.SQL(", q.{} AS {}").format(sql.Identifier(c), a) for c, a in picked.items()])
-        if picked:
-            lateral = sql.SQL("CROSS JOIN LATERAL pg_catalog.jsonb_to_record(r.d) AS q({}) ").format(
-                sql.SQL(", ").join(sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(types[c])) for c in picked)
-            )
-    rows = sql.SQL(  # ORDER BY: the source's order, and the subquery is not pulled up (p computed once)
-        "SELECT {p} AS p, r.d{more} "
-        "FROM ROWS FROM (pg_catalog.unnest(%(docs)s::bytea[]), pg_catalog.unnest(%(lo)s::int[]), "
-        "pg_catalog.unnest(%(hi)s::int[])) WITH ORDINALITY AS t(doc, lo, hi, ord) "
-        "CROSS JOIN LATERAL pg_catalog.jsonb_array_elements(pg_catalog.convert_from(t.doc, 'UTF8')::jsonb -> 'rows') "
-        "WITH ORDINALITY AS r(d, i) {lateral}"
-        "WHERE r.i BETWEEN t.lo AND t.hi ORDER BY t.ord, r.i"
-    ).format(p=record, more=more, lateral=lateral)
-
-    def value(col: str) -> sql.Composable:  # a column of row s: from the record, or cast from its text
-        if col in text:
-            return sql.SQL("(s.d ->> {})::{}").format(sql.Literal(col), sql.SQL(types[col]))
-        if col in picked:
-            return sql.SQL("s.{}").format(picked[col])
-        return sql.SQL("(s.p).{}").format(sql.Identifier(col))
-
-    if run.op == "d":
-        x_key = sql.SQL(", ").join(sql.SQL("x.{}").format(sql.Identifier(k)) for k in d.key)
-        s_key = sql.SQL(", ").join(value(k) for k in d.key)
-        statement = sql.SQL("DELETE FROM {t} x USING ({rows}) s WHERE ({xk}) = ({sk})").format(
-            t=d.table.ident, rows=rows, xk=x_key, sk=s_key
-        )
-    else:
-        absent = tuple(map(_doubled, run.absent))  # the sink's default on insert, kept on update
-        carried = [c for c in d.column_names if c not in absent]
-        cols = sql.SQL(", ").join(map(sql.Identifier, carried))
-        s_cols = sql.SQL(", ").join(value(c) for c in carried)
-        x_key = sql.SQL(", ").join(sql.SQL("x.{}").format(sql.Identifier(k)) for k in d.key)
-        s_key = sql.SQL(", ").join(value(k) for k in d.key)
-        same = sql.SQL("({}) = ({})").format(x_key, s_key)
-        # a GENERATED ALWAYS identity (not the key) no update may set: a row with another value of it
-        # is deleted, then inserted with the source's (``upsert.moved``); none: nothing more
-        first = moved(target, sql.SQL("({})").format(rows), same, value, absent)
-        statement = sql.SQL(  # the source's values, an identity GENERATED ALWAYS's too
-            "{first}INSERT INTO {t} ({cols}) OVERRIDING SYSTEM VALUE SELECT {s_cols} FROM ({rows}) s {conflict}"
-        ).format(
-            first=first,
-            t=d.table.ident,
-            cols=cols,
-            s_cols=s_cols,
-            rows=rows,
-            conflict=on_conflict(d, absent + target.always),
-        )
-        if target.deferrable_key:  # no arbiter for ON CONFLICT: the run's one row updated, or inserted if new
-            rest = [c for c in carried if c not in d.key and c not in target.always]
-            update = (
-                sql.SQL("UPDATE {t} x SET ({rest}) = ROW({vals}) FROM ({rows}) s WHERE {same}; ").format(
-                    t=d.table.ident,
-                    rest=sql.SQL(", ").join(map(sql.Identifier, rest)),
-                    vals=sql.SQL(", ").join(value(c) for c in rest),
-                    rows=rows,
-                    same=same,
-                )
-                if rest
-                else sql.SQL("")
-            )
-            statement = sql.SQL(
-                "{first}{update}INSERT INTO {t} ({cols}) OVERRIDING SYSTEM VALUE SELECT {s_cols} FROM ({rows}) s "
-                "WHERE NOT EXISTS (SELECT FROM {t} x WHERE {same})"
-            ).format(first=first, update=update, t=d.table.ident, cols=cols, s_cols=s_cols, rows=rows, same=same)
-    if not target.shared:
-        return statement
-    keys = sql.SQL("SELECT {} AS key FROM ({}) s").format(target.key_object(sql.SQL("(s.p)"), value), rows)
-    return sql.SQL("{}; {}").format(statement, ledger(target, keys, upserted=run.op == "u"))
-
-
-def _doubled(name: str) -> str:
-    return name.replace("%", "%%")
-
-
-def _percent_doubled(d: TableDefinition) -> TableDefinition:
-    """``d`` with every ``%`` of its column names and types doubled (``_compose``)."""
-    columns = tuple(Column(_doubled(c.name), _doubled(c.type), c.not_null) for c in d.columns)
-    return replace(d, columns=columns, key=tuple(map(_doubled, d.key)))
+_UTF8 = ("UTF8", "UNICODE")  # psycopg2's names of a UTF8 connection's encoding
 
 
 _FLOATS = ("real", "double precision")

@@ -1,0 +1,149 @@
+"""A run of a sink transaction's table changes and the one set statement that applies it.
+
+``ChangeApplier`` (``tables/sink``) cuts the changes it is given into runs: consecutive changes of
+one table, all deletes or all upserts, no key twice among the upserts; ``compose`` writes the
+statement that applies a run with the effect of applying its changes one by one, in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from psycopg2 import sql
+
+from airflow_provider_lr.engine.tables.definition import Column, TableDefinition
+from airflow_provider_lr.engine.tables.targets import Target
+from airflow_provider_lr.engine.tables.upsert import ledger, moved, on_conflict
+
+
+@dataclass
+class Run:
+    """Consecutive changes of one table, all deletes or all upserts, no key twice among the
+    upserts: one statement applies them with the effect of applying them one by one in order.
+    ``docs[n]`` contributes its rows ``lo[n]..hi[n]`` (1-based)."""
+
+    tid: int
+    op: str
+    text: tuple[str, ...]  # columns the entries carry as their text form (see V0015)
+    absent: tuple[str, ...] = ()  # the sink's columns its upserts' rows do not carry (``_queue``)
+    docs: list[bytes] = field(default_factory=list)
+    lo: list[int] = field(default_factory=list)
+    hi: list[int] = field(default_factory=list)
+    keys: set = field(default_factory=set)
+
+    def take(self, doc: bytes, row: int) -> None:
+        if self.docs and self.docs[-1] is doc and self.hi[-1] == row - 1:
+            self.hi[-1] = row
+        else:
+            self.docs.append(doc)
+            self.lo.append(row)
+            self.hi.append(row)
+
+
+def compose(target: Target, run: Run, as_text: bool) -> sql.Composed:
+    """The statement that applies ``run`` to ``target`` (its parameters: ``flush``'s). Its text is a
+    format for ``mogrify``, where ``%`` starts a parameter: a column named ``50%`` (or ``%(docs)s``) is
+    composed with its ``%`` doubled, which ``mogrify`` turns back into one. ``as_text``: the changes
+    come as text (``ChangeApplier.flush``), else as bytea."""
+    target = replace(target, definition=_percent_doubled(target.definition), always=tuple(map(_doubled, target.always)))
+    d = target.definition
+    types = {c.name: c.type for c in d.columns}
+    # A column of a type outside pg_catalog (printed with its schema: a domain, an enum) is cast from
+    # the row's text of it, like the columns that travel as text, never read through a record of the
+    # table's type: that record's columns a row does not carry (a delete's, the text ones) are NULL,
+    # which a NOT NULL domain refuses (every change of such a table was refused, for good).
+    carried_as_text = {_doubled(c) for c in run.text}
+    own = {c for c in d.column_names if "." in types[c]} - carried_as_text
+    text = carried_as_text | own
+    record = sql.SQL("jsonb_populate_record(NULL::{}, r.d - %(text)s::text[])").format(d.table.ident)
+    picked: dict[str, sql.Identifier] = {}  # with ``own``: the other columns, each by an alias of lr's
+    lateral: sql.Composable = sql.SQL("")
+    more: sql.Composable = sql.SQL("")
+    if own:  # the other columns by a record of their own types (q.c, never q alone: a column may be named q)
+        picked = {c: sql.Identifier(f"lr_{n}") for n, c in enumerate(c for c in d.column_names if c not in text)}
+        record = sql.SQL("NULL::pg_catalog.text")  # p unused: the picked columns follow r.d in the row
+        more = sql.Composed([sql.SQL(", q.{} AS {}").format(sql.Identifier(c), a) for c, a in picked.items()])
+        if picked:
+            lateral = sql.SQL("CROSS JOIN LATERAL pg_catalog.jsonb_to_record(r.d) AS q({}) ").format(
+                sql.SQL(", ").join(sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(types[c])) for c in picked)
+            )
+    rows = sql.SQL(  # ORDER BY: the source's order, and the subquery is not pulled up (p computed once)
+        "SELECT {p} AS p, r.d{more} "
+        "FROM ROWS FROM (pg_catalog.unnest(%(docs)s::{docs}[]), pg_catalog.unnest(%(lo)s::int[]), "
+        "pg_catalog.unnest(%(hi)s::int[])) WITH ORDINALITY AS t(doc, lo, hi, ord) "
+        "CROSS JOIN LATERAL pg_catalog.jsonb_array_elements({doc}::pg_catalog.jsonb -> 'rows') "
+        "WITH ORDINALITY AS r(d, i) {lateral}"
+        "WHERE r.i BETWEEN t.lo AND t.hi ORDER BY t.ord, r.i"
+    ).format(
+        p=record,
+        more=more,
+        lateral=lateral,
+        docs=sql.SQL("pg_catalog.text" if as_text else "pg_catalog.bytea"),
+        doc=sql.SQL("t.doc" if as_text else "pg_catalog.convert_from(t.doc, 'UTF8')"),
+    )
+
+    def value(col: str) -> sql.Composable:  # a column of row s: from the record, or cast from its text
+        if col in text:
+            return sql.SQL("(s.d ->> {})::{}").format(sql.Literal(col), sql.SQL(types[col]))
+        if col in picked:
+            return sql.SQL("s.{}").format(picked[col])
+        return sql.SQL("(s.p).{}").format(sql.Identifier(col))
+
+    if run.op == "d":
+        x_key = sql.SQL(", ").join(sql.SQL("x.{}").format(sql.Identifier(k)) for k in d.key)
+        s_key = sql.SQL(", ").join(value(k) for k in d.key)
+        statement = sql.SQL("DELETE FROM {t} x USING ({rows}) s WHERE ({xk}) = ({sk})").format(
+            t=d.table.ident, rows=rows, xk=x_key, sk=s_key
+        )
+    else:
+        absent = tuple(map(_doubled, run.absent))  # the sink's default on insert, kept on update
+        carried = [c for c in d.column_names if c not in absent]
+        cols = sql.SQL(", ").join(map(sql.Identifier, carried))
+        s_cols = sql.SQL(", ").join(value(c) for c in carried)
+        x_key = sql.SQL(", ").join(sql.SQL("x.{}").format(sql.Identifier(k)) for k in d.key)
+        s_key = sql.SQL(", ").join(value(k) for k in d.key)
+        same = sql.SQL("({}) = ({})").format(x_key, s_key)
+        # a GENERATED ALWAYS identity (not the key) no update may set: a row with another value of it
+        # is deleted, then inserted with the source's (``upsert.moved``); none: nothing more
+        first = moved(target, sql.SQL("({})").format(rows), same, value, absent)
+        statement = sql.SQL(  # the source's values, an identity GENERATED ALWAYS's too
+            "{first}INSERT INTO {t} ({cols}) OVERRIDING SYSTEM VALUE SELECT {s_cols} FROM ({rows}) s {conflict}"
+        ).format(
+            first=first,
+            t=d.table.ident,
+            cols=cols,
+            s_cols=s_cols,
+            rows=rows,
+            conflict=on_conflict(d, absent + target.always),
+        )
+        if target.deferrable_key:  # no arbiter for ON CONFLICT: the run's one row updated, or inserted if new
+            rest = [c for c in carried if c not in d.key and c not in target.always]
+            update = (
+                sql.SQL("UPDATE {t} x SET ({rest}) = ROW({vals}) FROM ({rows}) s WHERE {same}; ").format(
+                    t=d.table.ident,
+                    rest=sql.SQL(", ").join(map(sql.Identifier, rest)),
+                    vals=sql.SQL(", ").join(value(c) for c in rest),
+                    rows=rows,
+                    same=same,
+                )
+                if rest
+                else sql.SQL("")
+            )
+            statement = sql.SQL(
+                "{first}{update}INSERT INTO {t} ({cols}) OVERRIDING SYSTEM VALUE SELECT {s_cols} FROM ({rows}) s "
+                "WHERE NOT EXISTS (SELECT FROM {t} x WHERE {same})"
+            ).format(first=first, update=update, t=d.table.ident, cols=cols, s_cols=s_cols, rows=rows, same=same)
+    if not target.shared:
+        return statement
+    keys = sql.SQL("SELECT {} AS key FROM ({}) s").format(target.key_object(sql.SQL("(s.p)"), value), rows)
+    return sql.SQL("{}; {}").format(statement, ledger(target, keys, upserted=run.op == "u"))
+
+
+def _doubled(name: str) -> str:
+    return name.replace("%", "%%")
+
+
+def _percent_doubled(d: TableDefinition) -> TableDefinition:
+    """``d`` with every ``%`` of its column names and types doubled (``_compose``)."""
+    columns = tuple(Column(_doubled(c.name), _doubled(c.type), c.not_null) for c in d.columns)
+    return replace(d, columns=columns, key=tuple(map(_doubled, d.key)))
