@@ -113,7 +113,7 @@ def _check_sync(topo: topologies.Topology) -> str | None:
     return f"lr sync: {behind.message()}; their sessions are refused" if behind is not None else None
 
 
-STALE_CHECK_EVERY = 5.0  # seconds: a running lr sync's sites checked again at most this often (on a refusal)
+STALE_CHECK_EVERY = 1.0  # seconds: a running lr sync's sites checked again at most this often (on a refusal)
 
 
 class StaleWatch:

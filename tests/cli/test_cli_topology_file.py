@@ -42,7 +42,7 @@ def test_after_a_failover_the_old_file_is_named_by_every_command(lr_sites, tmp_p
     # an `lr sync` streams with the old file while the failover runs: it retried its refused
     # sessions every 5 s forever; now it stops as it refuses the file at its start
     running: list[int] = []
-    streaming = threading.Thread(target=lambda: running.append(cli.main(["sync", "--topology", old])))
+    streaming = threading.Thread(target=lambda: running.append(cli.main(["sync", "--topology", old])), daemon=True)
     streaming.start()
     wait_for(
         lambda: site_a.query(
