@@ -17,10 +17,12 @@ writes (``guard_writes``, ``lr.refuse_table_writes`` in V0014); opening the tabl
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
 
@@ -35,6 +37,8 @@ from airflow_provider_lr.engine.tables.capturable import (
     without_key,
 )
 from airflow_provider_lr.engine.tables.definition import TableName, read_definition
+
+log = logging.getLogger(__name__)
 
 _TRIGGERS = {  # operation -> its transition tables (statement-level triggers see all rows at once)
     "INSERT": "REFERENCING NEW TABLE AS lr_new",
@@ -270,6 +274,7 @@ def federate(
         and current.table_id is not None
         and capturing(cur, table)
     ):
+        fire_always(cur, table, [trigger_name(op) for op in _TRIGGERS])  # opened before V0044: now
         return current
     cur.execute("SELECT nextval('lr.table_id_seq')")
     (table_id,) = cur.fetchone()
@@ -301,9 +306,35 @@ def federate(
                 sql.Literal(types),
             )
         )
+    fire_always(cur, table, [trigger_name(op) for op in _TRIGGERS])
     result = read(cur, table)
     assert result is not None
     return result
+
+
+def fire_always(cur: psycopg2.extensions.cursor, table: TableName, triggers: list[str]) -> bool:
+    """Make lr's ``triggers`` on ``table`` fire whatever the writer's ``session_replication_role``
+    (V0044): in the role ``replica`` (a restore, another replication tool's apply) a trigger fires
+    only when ENABLE ALWAYS, and the table's changes were silently not captured. Only the table's
+    owner may alter it: lr's owner holding TRIGGER alone leaves them as they were and says what
+    the owner should run (False)."""
+    statement = sql.SQL("ALTER TABLE {} ").format(table.ident) + sql.SQL(", ").join(
+        sql.SQL("ENABLE ALWAYS TRIGGER {}").format(sql.Identifier(name)) for name in triggers
+    )
+    cur.execute("SAVEPOINT lr_always")
+    try:
+        cur.execute(statement)
+    except psycopg2.errors.InsufficientPrivilege:
+        cur.execute("ROLLBACK TO SAVEPOINT lr_always; RELEASE SAVEPOINT lr_always")
+        log.warning(
+            "%s: lr's triggers fire for writers in session_replication_role = origin only (lr's owner "
+            "does not own the table): a writer in the role replica is not captured; the table's owner may run %s",
+            table,
+            statement.as_string(cur),
+        )
+        return False
+    cur.execute("RELEASE SAVEPOINT lr_always")
+    return True
 
 
 def capturing(cur: psycopg2.extensions.cursor, table: TableName) -> bool:
@@ -340,6 +371,7 @@ def guard_writes(cur: psycopg2.extensions.cursor, table: TableName, client: str,
                 sql.Literal(source),
             )
         )
+    fire_always(cur, table, [guard_name(op) for op in _TRIGGERS])
 
 
 def read(cur: psycopg2.extensions.cursor, table: TableName, lock: bool = False) -> RegisteredTable | None:

@@ -70,6 +70,23 @@ def test_a_transaction_that_changes_a_table_and_transmits_arrives_whole_in_one_o
     sync(repl)
     assert [r[0] for r in sink.query("SELECT id FROM public.accounts ORDER BY id")] == [1, 2, 3, 4, 5]
     assert [p for k, p in queue(sink) if k == "log"] == [f"row {i}" for i in range(1, 6)]
+    # a writer in session_replication_role = replica (a superuser's restore, another replication
+    # tool's apply) skipped every trigger not ENABLE ALWAYS: its changes were not captured (the sink
+    # kept the old rows, nothing said) and its transmit drew no commit position (never delivered)
+    conn = source.connect()
+    with conn.cursor() as cur:
+        cur.execute("SET session_replication_role = replica")
+        cur.execute("INSERT INTO public.accounts (id, owner) VALUES (10, 'restored')")
+        cur.execute("UPDATE public.accounts SET owner = 'changed' WHERE id = 1")
+        cur.execute("DELETE FROM public.accounts WHERE id = 2")
+        RoutingQueueClient(conn, "policy").transmit_log_entry_message(b"under replica", [sink.site_id])
+        conn.commit()
+        cur.execute("TRUNCATE public.accounts; INSERT INTO public.accounts (id, owner) VALUES (7, 'after')")
+    conn.commit()
+    conn.close()
+    sync(repl)
+    assert rows(sink) == rows(source) and len(rows(sink)) == 1
+    assert [p for k, p in queue(sink) if k == "log"][5:] == ["under replica"]
 
 
 def test_updates_key_changes_deletes_and_truncate_apply_exactly(lr_sites):
