@@ -394,6 +394,16 @@ def diverged(conn: psycopg2.extensions.connection) -> list[Divergence]:
                         "not replicated (reopen it: lr tables open)",
                     )
                 )
+            elif skipped := registry.capture_skipped(cur, TableName.parse(name)):
+                found.append(
+                    Divergence(
+                        name,
+                        client,
+                        f"captured here but its capture trigger(s) {', '.join(skipped)} are disabled: changes are "
+                        "not replicated (reopen it: lr tables open, which enables them; or its owner: ALTER TABLE "
+                        f"{name} ENABLE ALWAYS TRIGGER ...)",
+                    )
+                )
             elif (hierarchy := capturable.not_capturable(cur, TableName.parse(name))) is not None:
                 found.append(  # made a partition, or given an inheritance parent or child, since it was opened
                     Divergence(

@@ -345,6 +345,18 @@ def capturing(cur: psycopg2.extensions.cursor, table: TableName) -> bool:
     return cur.fetchone()[0] == len(_TRIGGERS)
 
 
+def capture_skipped(cur: psycopg2.extensions.cursor, table: TableName) -> list[str]:
+    """The capture triggers of ``table`` that an ordinary writer's change does not fire: disabled
+    (``ALTER TABLE ... DISABLE TRIGGER``, as a data-only restore with --disable-triggers runs and
+    enables again at its end) or enabled for the role ``replica`` only."""
+    cur.execute(
+        "SELECT pg_catalog.array_agg(tgname::text ORDER BY tgname) FROM pg_catalog.pg_trigger "
+        "WHERE tgrelid = pg_catalog.to_regclass(%s) AND tgname LIKE 'lr\\_capture\\_%%' AND tgenabled IN ('D', 'R')",
+        (table.ident.as_string(cur),),
+    )
+    return cur.fetchone()[0] or []
+
+
 def stop_capture(cur: psycopg2.extensions.cursor, table: TableName) -> None:
     """Drop the table's capture triggers (and a failover's guards: the site decides anew)."""
     cur.execute("SELECT to_regclass(%s)", (table.ident.as_string(cur),))

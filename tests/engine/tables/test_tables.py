@@ -11,7 +11,7 @@ from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import FullSyncError, TableError
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.source import full_sync
-from airflow_provider_lr.engine.tables import closed_notes, registry
+from airflow_provider_lr.engine.tables import closed_notes, handover, registry
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.support.session import apply, apply_to, queue, replicator, run_crashing_replicator, wait_for
 from tests.support.tables import (
@@ -87,6 +87,25 @@ def test_a_transaction_that_changes_a_table_and_transmits_arrives_whole_in_one_o
     sync(repl)
     assert rows(sink) == rows(source) and len(rows(sink)) == 1
     assert [p for k, p in queue(sink) if k == "log"][5:] == ["under replica"]
+    # a restore with --disable-triggers disables them (enabled at its end): while they are, lr status says so
+    source.query("ALTER TABLE public.accounts DISABLE TRIGGER ALL")
+    said = [d.describe() for d in diverged(source)]
+    assert said == [
+        "public.accounts DIVERGED (client policy): captured here but its capture trigger(s) lr_capture_delete, "
+        "lr_capture_insert, lr_capture_truncate, lr_capture_update are disabled: changes are not replicated (reopen "
+        "it: lr tables open, which enables them; or its owner: ALTER TABLE public.accounts ENABLE ALWAYS TRIGGER ...)"
+    ], said
+    federate(source)  # opened again: enabled (always), the same federation
+    assert diverged(source) == [] and rows(sink) == rows(source)
+
+
+def diverged(site) -> list:
+    """What ``lr status`` says of a site's tables that do not replicate (``handover.diverged``)."""
+    conn = site.connect()
+    try:
+        return handover.diverged(conn)
+    finally:
+        conn.close()
 
 
 def test_updates_key_changes_deletes_and_truncate_apply_exactly(lr_sites):
