@@ -119,15 +119,14 @@ def connect_site(topo: Topology, site_id: str) -> psycopg2.extensions.connection
     return LRSiteHook(lr_conn_id=topo.conn_id(site_id)).connect_replication(site_id)
 
 
-def check_topology(topo: Topology, sites: Any = None) -> None:
-    """Fail the task (no retry) when a reachable site of ``sites`` (default: all) runs another
-    topology than the file the task read: a stale file, named, rather than a failure elsewhere."""
-    from airflow.sdk.exceptions import AirflowFailException
-
+def check_topology(topo: Topology, log: logging.Logger | Any, step: str, sites: Any = None) -> None:
+    """Fail the task (``FinalRefusal``: one ERROR line, no retry) when a reachable site of ``sites``
+    (default: all) runs another topology than the file the task read: a stale file, named, rather
+    than a failure elsewhere."""
     try:
         topology.check_sites(topo, lambda site: connect_site(topo, site), sites)
     except TopologyMismatchError as exc:
-        raise AirflowFailException(str(exc)) from None
+        raise refuse(log, step, one_line(exc)) from None
 
 
 def site_dict(topo: Topology, site_id: str) -> dict[str, str]:
@@ -187,6 +186,35 @@ class TaskRefused(SystemExit):
     Airflow logs a ``SystemExit`` as ``Task exited`` without a traceback; every other exception
     with one, the engine's frames and all, the reason at its bottom. The task fails (and is retried
     only as its ``retries`` say: a failover's re-run finishes or refuses again, changing nothing)."""
+
+
+class FinalRefusal(TaskRefused):
+    """A refusal no retry can mend (a topology file the sites do not run, a refused negotiation, a
+    shard's settings): the task fails at once, as ``AirflowFailException`` made it (which Airflow
+    logs under a traceback), by ``refusals_final``, the retry policy of the tasks that raise it."""
+
+    def __init__(self, said: str) -> None:
+        super().__init__(1)
+        self.said = said  # the line the task's log shows (what the task's caller may read)
+
+    def __str__(self) -> str:
+        return self.said
+
+
+def refuse(log: logging.Logger | Any, step: str, why: str) -> FinalRefusal:
+    """The one ERROR line of a final refusal; raise what it returns."""
+    said = f"{step} refused: {why}"
+    log.error("%s", said)
+    return FinalRefusal(said)
+
+
+def refusals_final() -> Any:
+    """The retry policy of lr's tasks that refuse for good (``FinalRefusal``): failed, not retried."""
+    from airflow.sdk.definitions.retry_policy import ExceptionRetryPolicy, RetryAction, RetryRule
+
+    return ExceptionRetryPolicy(
+        rules=[RetryRule(exception=FinalRefusal, action=RetryAction.FAIL, reason="refused: a retry changes nothing")]
+    )
 
 
 @contextlib.contextmanager
