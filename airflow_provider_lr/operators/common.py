@@ -187,18 +187,18 @@ class TaskRefused(SystemExit):
     with one, the engine's frames and all, the reason at its bottom. The task fails (and is retried
     only as its ``retries`` say: a failover's re-run finishes or refuses again, changing nothing)."""
 
-
-class FinalRefusal(TaskRefused):
-    """A refusal no retry can mend (a topology file the sites do not run, a refused negotiation, a
-    shard's settings): the task fails at once, as ``AirflowFailException`` made it (which Airflow
-    logs under a traceback), by ``refusals_final``, the retry policy of the tasks that raise it."""
-
-    def __init__(self, said: str) -> None:
+    def __init__(self, said: str = "") -> None:
         super().__init__(1)
         self.said = said  # the line the task's log shows (what the task's caller may read)
 
     def __str__(self) -> str:
         return self.said
+
+
+class FinalRefusal(TaskRefused):
+    """A refusal no retry can mend (a topology file the sites do not run, a refused negotiation, a
+    shard's settings): the task fails at once, as ``AirflowFailException`` made it (which Airflow
+    logs under a traceback), by ``refusals_final``, the retry policy of the tasks that raise it."""
 
 
 def refuse(log: logging.Logger | Any, step: str, why: str) -> FinalRefusal:
@@ -226,8 +226,10 @@ def refusals_said(log: logging.Logger | Any, step: str) -> Iterator[None]:
     try:
         yield
     except LRError as exc:
-        log.error("%s refused: %s", step, one_line(exc))
-        raise TaskRefused(1) from None
+        said = f"{step} refused: {one_line(exc)}"
+        log.error("%s", said)
+        raise TaskRefused(said) from None
     except psycopg2.Error as exc:
-        log.error("%s refused: %s", step, without_statement(failure(exc)))
-        raise TaskRefused(1) from None
+        said = f"{step} refused: {without_statement(failure(exc))}"
+        log.error("%s", said)
+        raise TaskRefused(said) from None

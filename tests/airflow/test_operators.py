@@ -25,7 +25,7 @@ from airflow_provider_lr.operators import (
     LRSnapshotSyncOperator,
     LRTrimOperator,
 )
-from airflow_provider_lr.operators.common import FinalRefusal
+from airflow_provider_lr.operators.common import FinalRefusal, TaskRefused
 from airflow_provider_lr.operators.fanout import LRFanOutOperator
 from airflow_provider_lr.operators.spark import (
     LRSparkApplyReceiveQueueOperator,
@@ -196,7 +196,7 @@ def test_a_connection_to_the_wrong_database_is_refused(airflow_sites, monkeypatc
     monkeypatch.setenv(
         *[airflow_sites.env(airflow_sites.site("site-c"))[0], airflow_sites.env(airflow_sites.site("site-b"))[1]]
     )
-    with pytest.raises(ConfigurationError, match="connection 'lr_site_c' points at site 'site-b'"):
+    with pytest.raises(TaskRefused, match="refused: connection 'lr_site_c' points at site 'site-b'"):  # one line
         _step(LRNegotiateOperator, _sessions(sink="site-c")[0])
 
 
