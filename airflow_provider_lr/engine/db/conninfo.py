@@ -88,7 +88,9 @@ class ConnInfo:
             reason = re.sub(r'after "[^"]*"', "after a word", one_line(exc).removeprefix("invalid dsn: "))
             raise ConfigurationError(f"{name} is not valid: {reason}") from None
         port = self.params.get("port")
-        if port is not None and not all(p.strip().isdigit() and 0 < int(p) < 65536 for p in str(port).split(",")):
+        if port is not None and not all(
+            not p.strip() or (p.strip().isdigit() and 0 < int(p) < 65536) for p in str(port).split(",")
+        ):
             raise ConfigurationError(
                 f"{name} ({self.safe_dsn}) has an invalid port {port!r}: give a number from 1 to 65535"
             )
