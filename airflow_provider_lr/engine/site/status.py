@@ -234,10 +234,9 @@ def durability(conn: psycopg2.extensions.connection) -> dict:
     return {"position": position, "min_regions": regions, "rule": rule_text, "last_position": drawn}
 
 
-# A provider supplying a request holds its row locked (``full_sync.serve_full_sync_requests``: FOR
-# UPDATE, for as long as the provider runs): the row's xmax is the locker's transaction, which holds
-# the lock on its own id while it runs (``pg_locks``, readable by every role). Seen with SELECT alone
-# (lr status's privileges), waiting for nothing: the row's lock is not taken, only its holder seen.
+# A provider supplying a request holds its row locked (``full_sync.serve_full_sync_requests``) while it
+# runs: the row's xmax is a transaction holding the lock on its own id (``pg_locks``, readable by every
+# role). Seen with SELECT alone (lr status's privileges), waiting for nothing: no lock is taken.
 _SUPPLYING = (
     "(r.xmax OPERATOR(pg_catalog.<>) '0'::pg_catalog.xid AND EXISTS (SELECT FROM pg_catalog.pg_locks l "
     "WHERE l.locktype OPERATOR(pg_catalog.=) 'transactionid' AND l.transactionid OPERATOR(pg_catalog.=) r.xmax "

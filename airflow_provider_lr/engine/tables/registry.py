@@ -314,10 +314,8 @@ def federate(
 
 def fire_always(cur: psycopg2.extensions.cursor, table: TableName, triggers: list[str]) -> bool:
     """Make lr's ``triggers`` on ``table`` fire whatever the writer's ``session_replication_role``
-    (V0044): in the role ``replica`` (a restore, another replication tool's apply) a trigger fires
-    only when ENABLE ALWAYS, and the table's changes were silently not captured. Only the table's
-    owner may alter it: lr's owner holding TRIGGER alone leaves them as they were and says what
-    the owner should run (False)."""
+    (V0044): in the role ``replica`` (a restore, another tool's apply) only ENABLE ALWAYS ones fire.
+    Only the table's owner may alter it: lr's owner holding TRIGGER alone says what to run (False)."""
     statement = sql.SQL("ALTER TABLE {} ").format(table.ident) + sql.SQL(", ").join(
         sql.SQL("ENABLE ALWAYS TRIGGER {}").format(sql.Identifier(name)) for name in triggers
     )
