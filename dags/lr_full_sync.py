@@ -39,11 +39,10 @@ import os
 from datetime import datetime, timedelta, timezone
 
 from airflow.sdk import TriggerRule, dag, get_current_context, task
-from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_lr.engine.db.topology_schema import CLIENT_NAME_PATTERN, SITE_ID_PATTERN
 from airflow_provider_lr.operators import LRLogEntrySyncOperator, LRRunCheckOperator, LRSnapshotSyncOperator
-from airflow_provider_lr.operators.common import form_choice, parse_time_topology, reason_param
+from airflow_provider_lr.operators.common import form_choice, parse_time_topology, reason_param, refusals_final
 from airflow_provider_lr.operators.session import SESSION_LABEL
 from airflow_provider_lr.operators.spark import LRSparkSnapshotTransferOperator, LRSparkTableSnapshotOperator
 
@@ -90,21 +89,28 @@ CLIENTS = sorted({k.client for k in _sessions})
     },
 )
 def lr_full_sync() -> None:
-    @task
+    @task(retry_policy=refusals_final())  # a choice or a file the sites do not run: one ERROR line, no retry
     def request_full_sync() -> list[dict]:
         """Check the form against the run's topology and that topology against the sites, then
         record a forced request per session; the sessions, each with its ``request_id``."""
-        from airflow_provider_lr.engine.errors import ConfigurationError
+        from airflow_provider_lr.engine.errors import ConfigurationError, one_line
         from airflow_provider_lr.engine.source import full_sync
-        from airflow_provider_lr.operators.common import check_topology, connect_site, load_topology, session_dict
+        from airflow_provider_lr.operators.common import (
+            check_topology,
+            connect_site,
+            load_topology,
+            refuse,
+            session_dict,
+        )
 
-        params = get_current_context()["params"]
+        context = get_current_context()
+        log, params = context["ti"].task.log, context["params"]  # the task's own log, as an operator's
         topo = load_topology()
         try:
             keys = topo.select(params.get("source") or None, params.get("sink") or None, params.get("client") or None)
         except ConfigurationError as exc:
-            raise AirflowFailException(str(exc)) from None
-        check_topology(topo, {site for k in keys for site in (k.source, k.sink)})
+            raise refuse(log, "lr full sync", one_line(exc)) from None
+        check_topology(topo, log, "lr full sync", {site for k in keys for site in (k.source, k.sink)})
         requests = full_sync.request_for_sessions(keys, lambda site: connect_site(topo, site), params["reason"])
         for key, request in requests.items():
             print(f"{key}: full sync requested ({request.request_id})")

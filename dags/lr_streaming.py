@@ -31,10 +31,9 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 from airflow.sdk import Param, dag, get_current_context, task
-from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_lr.engine.db.topology_schema import SITE_ID_PATTERN
-from airflow_provider_lr.operators.common import form_choice, parse_time_topology
+from airflow_provider_lr.operators.common import form_choice, parse_time_topology, refusals_final
 from airflow_provider_lr.operators.stream import MAX_RUN_FOR, SHARD_LABEL, LRStreamOperator
 
 _topology = parse_time_topology()
@@ -86,11 +85,11 @@ SOURCES = sorted({k.source for k in _topology.sessions()}) if _topology else []
     },
 )
 def lr_streaming() -> None:
-    @task
+    @task(retry_policy=refusals_final())  # a choice the topology refuses: one ERROR line, no retry
     def shards() -> list[dict]:
         """The shards of this run, from the topology the run uses; each one's sessions in the log."""
-        from airflow_provider_lr.engine.errors import ConfigurationError
-        from airflow_provider_lr.operators.common import load_topology
+        from airflow_provider_lr.engine.errors import ConfigurationError, one_line
+        from airflow_provider_lr.operators.common import load_topology, refuse
         from airflow_provider_lr.operators.stream import shard_sessions, stream_shards
 
         params = get_current_context()["params"]
@@ -98,7 +97,7 @@ def lr_streaming() -> None:
         try:
             found = stream_shards(topo, params.get("source") or None, params.get("sessions_per_shard"))
         except ConfigurationError as exc:
-            raise AirflowFailException(str(exc)) from None
+            raise refuse(get_current_context()["ti"].task.log, "lr streaming shards", one_line(exc)) from None
         for shard in found:
             keys = shard_sessions(topo, shard["source"], shard["sessions"])
             print(f"shard {shard['shard']}: {len(keys)} sessions: {', '.join(map(str, keys))}")

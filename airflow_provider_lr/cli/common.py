@@ -60,8 +60,15 @@ def site_manager(args: argparse.Namespace, hint: str = "") -> SiteManager:
 
 
 def target_sites(args: argparse.Namespace) -> list[conninfo.ConnInfo]:
+    """The sites ``--site`` names (DSNs, connection ids), or the embedded ones. A DSN that cannot be
+    parsed, or a connection id that names nothing, is the user's input: a usage error (exit 2, one
+    line) before any site is reached, as every other bad argument is; a server that refuses or does
+    not answer is not (exit 1)."""
     if args.site:
-        return [conninfo.resolve(s) for s in args.site]
+        try:
+            return [conninfo.resolve(s).check() for s in args.site]
+        except ConfigurationError as exc:
+            raise UsageError(f"--site: {exc}") from None
     sites = site_manager(args, hint=" (or name the sites with --site)").sites()
     if not sites:
         raise LRError("no --site given and no embedded sites (lr sites up --count 3)")

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -98,19 +99,54 @@ def cycle_line(r: CycleReport) -> str:
     return line + (f" ERROR {r.error}" + (f" ({one_line(r.reason)})" if r.reason else "") if r.error else "")
 
 
-def _check_sync(topo: topologies.Topology) -> None:
+def _check_sync(topo: topologies.Topology) -> str | None:
     """``lr sync`` from a file no reachable site runs is refused outright (a stale file, an edited
     one not applied). When only some sites run another topology (a site a failover could not
-    reach, before ``lr failover --rejoin``), it is said once here and the sessions on those sites
-    are refused cycle by cycle (each one's error names the file), while the others replicate."""
+    reach, before ``lr failover --rejoin``), that is returned to be said once, and the sessions on
+    those sites are refused cycle by cycle (each one's error names the file), while the others replicate."""
     sites = {site for key in topo.sessions() for site in (key.source, key.sink)}
     recorded = topology.recorded_ids(topo, connector(topo), sites)
     stale = topology.explained(topologies.unheld(topo, recorded), connector(topo))
     if stale is not None:
         raise TopologyMismatchError(stale.message())
     behind = topology.explained(topologies.drift(topo, recorded), connector(topo))  # a failover's old source: rejoined
-    if behind is not None:
-        print(f"lr sync: {behind.message()}; their sessions are refused", file=sys.stderr, flush=True)
+    return f"lr sync: {behind.message()}; their sessions are refused" if behind is not None else None
+
+
+STALE_CHECK_EVERY = 1.0  # seconds: a running lr sync's sites checked again at most this often (on a refusal)
+
+
+class StaleWatch:
+    """A running ``lr sync`` whose file a failover (or an apply of another file) made stale refused
+    every session cycle after cycle, retrying every 5 s forever with the advice to point --topology
+    at the new file. Now a refused cycle runs the start's check again (at most every
+    ``STALE_CHECK_EVERY``, with the file as it is now): when no reachable site runs the file, the
+    run stops and exits as it would have at its start (``error``); when only some do, it is said
+    once and the others' sessions go on."""
+
+    def __init__(self, repl: replicator.Replicator, stop: threading.Event, said: str | None) -> None:
+        """``said``: what the start said of sites behind the file (not said again)."""
+        self.repl, self.stop = repl, stop
+        self.error: TopologyMismatchError | None = None
+        self._said = said
+        self._checked = 0.0
+
+    def seen(self, reports: list[CycleReport]) -> None:
+        refused = any(r.decision == "refuse" and not r.state for r in reports)  # before negotiation: the file
+        if not refused or time.monotonic() - self._checked < STALE_CHECK_EVERY:
+            return
+        self._checked = time.monotonic()
+        try:
+            behind = _check_sync(topologies.reread(self.repl.topology))
+        except TopologyMismatchError as exc:
+            self.error = exc
+            self.stop.set()
+            return
+        except LRError:  # a site that cannot be read now: the cycles report it
+            return
+        if behind is not None and behind != self._said:
+            print(behind, file=sys.stderr, flush=True)
+        self._said = behind
 
 
 def _replicated(args: argparse.Namespace, what: str) -> topologies.Topology:
@@ -176,13 +212,16 @@ def cmd_sync(args: argparse.Namespace) -> int:
         return connector(following[0].topology if following else topo)(site_id)
 
     try:
-        _check_sync(topo)
+        behind = _check_sync(topo)
+        if behind is not None:
+            print(behind, file=sys.stderr, flush=True)
         repl = replicator.Replicator(
             topo, connect, log_failures=False, membership=not bounded, follow_file=not bounded, stop=stop
         )  # prints reports
     except KeyboardInterrupt:  # a second SIGTERM, or Ctrl-C, while starting: the members' lock goes with its connection
         return 1
     following.append(repl)
+    stale = StaleWatch(repl, stop, behind)
     skips: dict[str, str] = {}  # a session leased elsewhere is said once, and again when that changes
     failing = RepeatedErrors()  # a sink down for minutes is said once, then "still failing (N times)"
 
@@ -197,6 +236,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
             print(line if times == 1 else f"{subject}: {still_failing(times, error)}", flush=True)
 
     def show(reports: list[CycleReport]) -> None:
+        stale.seen(reports)
         for r in reports:
             new_skip = bool(r.skipped) and skips.get(r.session) != r.skipped  # said once, again when it changes
             skips[r.session] = r.skipped
@@ -250,6 +290,8 @@ def cmd_sync(args: argparse.Namespace) -> int:
             DEADLINES.hurry(None)  # (cli.main may run again in this process)
         if served:
             metrics.stop_serving(*served[:2])
+    if stale.error is not None:  # as at its start: no reachable site runs the file any more
+        raise stale.error
     stuck = replicator.unsettled(reports) if args.until_idle else []
     if stuck:
         print(

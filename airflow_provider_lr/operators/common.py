@@ -119,15 +119,14 @@ def connect_site(topo: Topology, site_id: str) -> psycopg2.extensions.connection
     return LRSiteHook(lr_conn_id=topo.conn_id(site_id)).connect_replication(site_id)
 
 
-def check_topology(topo: Topology, sites: Any = None) -> None:
-    """Fail the task (no retry) when a reachable site of ``sites`` (default: all) runs another
-    topology than the file the task read: a stale file, named, rather than a failure elsewhere."""
-    from airflow.sdk.exceptions import AirflowFailException
-
+def check_topology(topo: Topology, log: logging.Logger | Any, step: str, sites: Any = None) -> None:
+    """Fail the task (``FinalRefusal``: one ERROR line, no retry) when a reachable site of ``sites``
+    (default: all) runs another topology than the file the task read: a stale file, named, rather
+    than a failure elsewhere."""
     try:
         topology.check_sites(topo, lambda site: connect_site(topo, site), sites)
     except TopologyMismatchError as exc:
-        raise AirflowFailException(str(exc)) from None
+        raise refuse(log, step, one_line(exc)) from None
 
 
 def site_dict(topo: Topology, site_id: str) -> dict[str, str]:
@@ -188,6 +187,35 @@ class TaskRefused(SystemExit):
     with one, the engine's frames and all, the reason at its bottom. The task fails (and is retried
     only as its ``retries`` say: a failover's re-run finishes or refuses again, changing nothing)."""
 
+    def __init__(self, said: str = "") -> None:
+        super().__init__(1)
+        self.said = said  # the line the task's log shows (what the task's caller may read)
+
+    def __str__(self) -> str:
+        return self.said
+
+
+class FinalRefusal(TaskRefused):
+    """A refusal no retry can mend (a topology file the sites do not run, a refused negotiation, a
+    shard's settings): the task fails at once, as ``AirflowFailException`` made it (which Airflow
+    logs under a traceback), by ``refusals_final``, the retry policy of the tasks that raise it."""
+
+
+def refuse(log: logging.Logger | Any, step: str, why: str) -> FinalRefusal:
+    """The one ERROR line of a final refusal; raise what it returns."""
+    said = f"{step} refused: {why}"
+    log.error("%s", said)
+    return FinalRefusal(said)
+
+
+def refusals_final() -> Any:
+    """The retry policy of lr's tasks that refuse for good (``FinalRefusal``): failed, not retried."""
+    from airflow.sdk.definitions.retry_policy import ExceptionRetryPolicy, RetryAction, RetryRule
+
+    return ExceptionRetryPolicy(
+        rules=[RetryRule(exception=FinalRefusal, action=RetryAction.FAIL, reason="refused: a retry changes nothing")]
+    )
+
 
 @contextlib.contextmanager
 def refusals_said(log: logging.Logger | Any, step: str) -> Iterator[None]:
@@ -198,8 +226,10 @@ def refusals_said(log: logging.Logger | Any, step: str) -> Iterator[None]:
     try:
         yield
     except LRError as exc:
-        log.error("%s refused: %s", step, one_line(exc))
-        raise TaskRefused(1) from None
+        said = f"{step} refused: {one_line(exc)}"
+        log.error("%s", said)
+        raise TaskRefused(said) from None
     except psycopg2.Error as exc:
-        log.error("%s refused: %s", step, without_statement(failure(exc)))
-        raise TaskRefused(1) from None
+        said = f"{step} refused: {without_statement(failure(exc))}"
+        log.error("%s", said)
+        raise TaskRefused(said) from None

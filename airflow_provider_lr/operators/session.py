@@ -20,7 +20,7 @@ from typing import Any
 
 import psycopg2
 from airflow.sdk import BaseOperator, TriggerRule
-from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+from airflow.sdk.exceptions import AirflowSkipException
 
 from airflow_provider_lr.engine.errors import error_line, require_counts
 from airflow_provider_lr.engine.session import nearest_copy
@@ -36,6 +36,9 @@ from airflow_provider_lr.operators.common import (
     SNAPSHOT_TRANSFER_JOB,
     TABLE_SNAPSHOT_JOB,
     load_topology,
+    refusals_final,
+    refusals_said,
+    refuse,
     session_dicts,
     session_key,
     site_connection,
@@ -125,6 +128,7 @@ class SessionStepOperator(BaseOperator):
         spark_conn_id: str | None = None,
         **kwargs: Any,
     ) -> None:
+        kwargs.setdefault("retry_policy", refusals_final())
         super().__init__(**kwargs)
         self.session, self.decision, self.topology_path = session, decision, topology_path
         self.spark_conn_id = spark_conn_id
@@ -146,12 +150,14 @@ class SessionStepOperator(BaseOperator):
         """A SessionRunner on fresh connections to both sites; its lease is released afterwards.
         Meanwhile the engine's progress reports (long transfers, applies, catch-ups) go to the task
         log; a failed step counts in ``lr.session.errors``."""
-        try:
-            with telemetry.task_progress(self.log), self._runner() as runner:
-                yield runner
-        except Exception:
-            telemetry.session_error(self.session)
-            raise
+        # lr's refusals (a site down, a provider's error) on one ERROR line, retried as retries say
+        with refusals_said(self.log, f"session {self.session.get('session')}"):
+            try:
+                with telemetry.task_progress(self.log), self._runner() as runner:
+                    yield runner
+            except Exception:
+                telemetry.session_error(self.session)
+                raise
 
     @contextlib.contextmanager
     def _runner(self) -> Iterator[SessionRunner]:
@@ -232,8 +238,9 @@ class SessionStepOperator(BaseOperator):
     def _result(self, report: CycleReport) -> dict[str, Any]:
         if report.error:
             telemetry.session_error(self.session)
-            # a refused negotiation needs a human (apply the same topology on both sites): no retry
-            raise AirflowFailException(f"session {report.session}: {report.error}")
+            # a refused negotiation or a stale topology file needs a human: one ERROR line, no retry
+            # (it was an AirflowFailException, logged under a traceback)
+            raise refuse(self.log, f"session {report.session}", report.error)
         telemetry.session_step(
             self.session,
             delivered=report.delivered,
@@ -313,6 +320,7 @@ class LRRunCheckOperator(BaseOperator):
         trigger_rule: str = TriggerRule.ALL_DONE,
         **kwargs: Any,
     ) -> None:
+        kwargs.setdefault("retry_policy", refusals_final())  # the verdict: a retry changes nothing
         super().__init__(trigger_rule=trigger_rule, **kwargs)
         self.sessions, self.session_tasks, self.report_task_id = sessions, tuple(session_tasks), report_task_id
         self.full_sync_requests = full_sync_requests
@@ -350,8 +358,12 @@ class LRRunCheckOperator(BaseOperator):
                 what.append(f"{len(per_session)} of {len(sessions)} session(s) failed: {', '.join(per_session)}")
             if others:
                 what.append(f"failed task(s): {', '.join(others)}")
-            raise AirflowFailException(
-                "; ".join(what) + " (the other sessions ran to completion; `lr status` shows each session's last_error)"
+            # the run's verdict, said above task by task: one ERROR line more, not a traceback
+            raise refuse(
+                self.log,
+                "the run",
+                "; ".join(what)
+                + " (the other sessions ran to completion; `lr status` shows each session's last_error)",
             )
         self.log.info("all %d session(s) ran without failure", len(sessions))
         return {"sessions": len(sessions), "failed_sessions": [], "failed_tasks": []}

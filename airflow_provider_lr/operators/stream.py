@@ -29,12 +29,12 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
-from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.errors import ConfigurationError, one_line
 from airflow_provider_lr.engine.store.topology import Topology
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.operators import telemetry
-from airflow_provider_lr.operators.common import check_topology, load_topology
+from airflow_provider_lr.operators.common import check_topology, load_topology, refusals_final, refuse
 
 DEFAULT_REPORT_EVERY = 30.0
 MAX_RUN_FOR = 7 * 86_400  # seconds; more is a typo (past ~292 years the end timer died and the task never ended)
@@ -130,6 +130,7 @@ class LRStreamOperator(BaseOperator):
         report_every: float | str = DEFAULT_REPORT_EVERY,
         **kwargs: Any,
     ) -> None:
+        kwargs.setdefault("retry_policy", refusals_final())  # a stale file, a shard's settings: no retry
         super().__init__(**kwargs)
         self.run_for, self.source, self.sessions, self.shard = run_for, source, sessions, shard
         self.interval, self.topology_path = interval, topology_path
@@ -157,17 +158,21 @@ class LRStreamOperator(BaseOperator):
         idle for a retry's full ``run_for``. Nothing left: fail (the next run streams the shard)."""
         planned = self.run_for.total_seconds() if isinstance(self.run_for, timedelta) else float(self.run_for)
         if not 0 < planned <= MAX_RUN_FOR:  # nan too
-            raise AirflowFailException(
-                f"shard {self.shard_name}: run_for must be between 1 and {MAX_RUN_FOR} seconds, not {self.run_for!r}"
+            raise refuse(
+                self.log,
+                f"shard {self.shard_name}",
+                f"run_for must be between 1 and {MAX_RUN_FOR} seconds, not {self.run_for!r}",
             )
         ti, run = context.get("ti"), context.get("dag_run")
         if ti is None or run is None or run.start_date is None or (ti.try_number or 1) <= 1:
             return planned
         left = (run.start_date + timedelta(seconds=planned) - datetime.now(timezone.utc)).total_seconds()
         if left <= 0:
-            raise AirflowFailException(
-                f"shard {self.shard_name}: try {ti.try_number} started after its run's {planned:.0f} s "
-                "(from the run's start); the next run streams it"
+            raise refuse(
+                self.log,
+                f"shard {self.shard_name}",
+                f"try {ti.try_number} started after its run's {planned:.0f} s (from the run's start); the next "
+                "run streams it",
             )
         return left
 
@@ -180,9 +185,11 @@ class LRStreamOperator(BaseOperator):
         try:
             sessions = shard_sessions(topo, self.source, self.sessions)
         except ConfigurationError as exc:
-            raise AirflowFailException(f"shard {self.shard_name}: {exc}") from None
+            raise refuse(self.log, f"shard {self.shard_name}", one_line(exc)) from None
         # a stale file (one that predates a failover) fails now, named, not after run_for of failing sessions
-        check_topology(topo, {site for k in sessions for site in (k.source, k.sink)})
+        check_topology(
+            topo, self.log, f"shard {self.shard_name}", {site for k in sessions for site in (k.source, k.sink)}
+        )
         seconds = self.seconds_to_stream(context)
         repl = Replicator(
             topo,

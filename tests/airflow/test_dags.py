@@ -489,6 +489,15 @@ def test_the_failover_dag_promotes_a_sink_from_its_form_and_rejoins_the_old_sour
     again = run_dag(dagbag, "lr_rejoin", {"site": "site-a"})
     assert str(again.state) == "success", states(again)
     assert xcom(again, "rejoin")["tail"] == {"policy": 0}
+    # the other DAGs, still on the file the failover made stale: refused on one ERROR line, failed at
+    # once (lr_full_sync retries 3 times 20 s apart otherwise); before, under a traceback, and retried
+    capfd.readouterr()
+    stale = run_dag(dagbag, "lr_full_sync", {"sink": None, "reason": "stale", "client": None, "source": None})
+    logged = "".join(capfd.readouterr())
+    assert states(stale)[("request_full_sync", -1)] == "failed", states(stale)
+    said = [line for line in logged.splitlines() if "lr full sync refused: topology file" in line]
+    assert len(said) == 1 and "predates the failover of site-a to site-b" in said[0], logged
+    assert "Traceback" not in logged, logged
     app.close()
 
 

@@ -25,6 +25,7 @@ from airflow_provider_lr.operators import (
     LRSnapshotSyncOperator,
     LRTrimOperator,
 )
+from airflow_provider_lr.operators.common import FinalRefusal, TaskRefused
 from airflow_provider_lr.operators.fanout import LRFanOutOperator
 from airflow_provider_lr.operators.spark import (
     LRSparkApplyReceiveQueueOperator,
@@ -158,7 +159,7 @@ def test_refused_negotiation_fails_without_retry_and_is_recorded(airflow_sites):
     sink_c = airflow_sites.site("site-c")
     sink_c.query("UPDATE lr.topology SET topology_config_id = 'other'")
     session = _sessions(sink="site-c")[0]
-    with pytest.raises(AirflowFailException, match="topology config id mismatch"):
+    with pytest.raises(FinalRefusal, match="topology config id mismatch"):  # one ERROR line, no retry
         _step(LRNegotiateOperator, session)
     errors = airflow_sites.site("site-a").query(
         "SELECT last_error FROM lr.source_sessions WHERE sink_site_id = 'site-c'"
@@ -166,7 +167,7 @@ def test_refused_negotiation_fails_without_retry_and_is_recorded(airflow_sites):
     assert "topology config id mismatch" in errors[0][0]
 
 
-def test_a_step_from_a_topology_file_the_source_does_not_run_fails_naming_the_file(airflow_sites):
+def test_a_step_from_a_topology_file_the_source_does_not_run_fails_naming_the_file(airflow_sites, capfd):
     from airflow_provider_lr.engine.site import topology
     from airflow_provider_lr.engine.store import topology as topologies
 
@@ -175,8 +176,15 @@ def test_a_step_from_a_topology_file_the_source_does_not_run_fails_naming_the_fi
     topology.apply_to_site(conn, edited, "site-a")  # the source runs another topology than the tasks' file
     conn.close()
     session = _sessions(sink="site-b")[0]
-    with pytest.raises(AirflowFailException) as failed:
+    capfd.readouterr()
+    with pytest.raises(FinalRefusal) as failed:  # it logged a traceback (AirflowFailException): one ERROR line now
         _step(LRNegotiateOperator, session)
+    errors = [line for line in "".join(capfd.readouterr()).splitlines() if "error" in line.split("]")[0]]
+    assert len(errors) == 1 and str(failed.value) in errors[0], errors
+    assert str(failed.value).startswith("session site-a->site-b/policy refused: ")
+    # a SystemExit, which Airflow logs as "Task exited" without a traceback; its retry policy fails it, no retry
+    decision = LRNegotiateOperator(task_id="t", session=session).retry_policy.evaluate(failed.value, 1, 4)
+    assert decision.action.value == "fail"
     assert (
         f"topology file {airflow_sites.topology_path} has id {airflow_sites.topology.topology_config_id}; "
         f"sites hold {edited.topology_config_id} (site-a)"
@@ -188,7 +196,7 @@ def test_a_connection_to_the_wrong_database_is_refused(airflow_sites, monkeypatc
     monkeypatch.setenv(
         *[airflow_sites.env(airflow_sites.site("site-c"))[0], airflow_sites.env(airflow_sites.site("site-b"))[1]]
     )
-    with pytest.raises(ConfigurationError, match="connection 'lr_site_c' points at site 'site-b'"):
+    with pytest.raises(TaskRefused, match="refused: connection 'lr_site_c' points at site 'site-b'"):  # one line
         _step(LRNegotiateOperator, _sessions(sink="site-c")[0])
 
 

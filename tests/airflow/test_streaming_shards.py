@@ -16,11 +16,11 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.site.replicator import run_until_idle
 from airflow_provider_lr.engine.store import topology as topologies
+from airflow_provider_lr.operators.common import FinalRefusal
 from airflow_provider_lr.operators.stream import LRStreamOperator, shard_sessions, stream_shards
 from tests.support.airflow_env import DAGS_DIR, airflow_sites, states, xcom  # noqa: F401
 from tests.support.session import App, final_state, queue, replicator, table_provider
@@ -101,9 +101,9 @@ def test_a_stream_task_given_a_shard_of_no_session_fails_at_once_without_retry(t
         task_id="stream", shard="site-a 2/2", sessions=["site-a->site-c/policy"], topology_path=str(path)
     )
     started = time.monotonic()
-    with pytest.raises(AirflowFailException, match=r"shard site-a 2/2: session site-a->site-c/policy is not"):
+    with pytest.raises(FinalRefusal, match=r"shard site-a 2/2 refused: session site-a->site-c/policy is not"):
         op.execute({})
-    with pytest.raises(AirflowFailException, match="shard site-z: no session replicates from 'site-z'"):
+    with pytest.raises(FinalRefusal, match="shard site-z refused: no session replicates from 'site-z'"):
         LRStreamOperator(task_id="stream", source="site-z", topology_path=str(path)).execute({})
     assert time.monotonic() - started < 5  # nothing streamed for run_for first
 
@@ -118,10 +118,10 @@ def test_a_retried_shard_streams_what_is_left_of_its_runs_time():
     assert op.seconds_to_stream({"ti": SimpleNamespace(try_number=1), "dag_run": run}) == 600
     assert 199 <= op.seconds_to_stream({"ti": SimpleNamespace(try_number=2), "dag_run": run}) <= 200
     late = SimpleNamespace(start_date=datetime.now(timezone.utc) - timedelta(seconds=601))
-    with pytest.raises(AirflowFailException, match="try 3 started after its run's 600 s.*the next run streams it"):
+    with pytest.raises(FinalRefusal, match="try 3 started after its run's 600 s.*the next run streams it"):
         op.seconds_to_stream({"ti": SimpleNamespace(try_number=3), "dag_run": late})
     for years in (10**13, float("nan")):  # past ~292 years the end timer died: the task never ended
-        with pytest.raises(AirflowFailException, match="run_for must be between 1 and 604800 seconds"):
+        with pytest.raises(FinalRefusal, match="run_for must be between 1 and 604800 seconds"):
             LRStreamOperator(task_id="stream", run_for=years, source="site-a").seconds_to_stream({})
 
 
@@ -240,7 +240,7 @@ def test_a_retried_shard_streams_the_rest_of_its_runs_time_and_delivers(airflow_
     stale = airflow_sites.topology_path.with_name("stale.yaml")  # what the file was before a failover
     stale.write_text(yaml.safe_dump({**airflow_sites.topology.document, "settings": {"lease_seconds": 7}}))
     started = time.monotonic()
-    with pytest.raises(AirflowFailException, match=r"topology file .*stale.yaml has id \w+; sites hold"):
+    with pytest.raises(FinalRefusal, match=r"topology file .*stale.yaml has id \w+; sites hold"):
         LRStreamOperator(task_id="stream", source="site-a", run_for=60, topology_path=str(stale)).execute({})
     assert time.monotonic() - started < 10  # at once: it streamed its run_for of failing sessions first
     op = LRStreamOperator(task_id="stream", shard="site-a 1/2", sessions=["site-a->site-b/policy"], run_for=60)

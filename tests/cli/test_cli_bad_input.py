@@ -125,10 +125,10 @@ def test_a_malformed_connections_file_or_connection_is_named_on_one_line_not_a_t
         ('{"lr_a": "postgres://h/db?__extra__=%7Bx"}', "the __extra__ of connection 'lr_a' is not valid JSON"),
     ]:
         conns.write_text(text)
-        assert cli.main(["init", "--site", "lr_a"]) == 1, text
+        assert cli.main(["init", "--site", "lr_a"]) == 2, text  # the connection the user named: input, exit 2
         assert message in capsys.readouterr().err, text
     monkeypatch.setenv("AIRFLOW_CONN_LR_B", "{not json")
-    assert cli.main(["init", "--site", "lr_b"]) == 1
+    assert cli.main(["init", "--site", "lr_b"]) == 2
     assert "AIRFLOW_CONN_LR_B is not valid JSON" in capsys.readouterr().err
 
 
@@ -141,11 +141,16 @@ def test_a_password_given_to_lr_is_never_printed_whatever_is_wrong(tmp_path, mon
     for argv, code, said in [
         (["status", "--site", "host=h password=SEKRET"], 2, "unrecognized arguments: --site host=h password=***"),
         (["trim", "--retention", "postgresql://u:SEKRET@h/db"], 2, "'postgresql://u:***@h/db' is not a number"),
-        (["init", "--site", "postgresql://u:SEKRET@h/db?__extra__=x"], 1, "'postgresql://u:***@h/db?__extra__=x'"),
-        (["init", "--site", "postgresql://u:SEKRET@h:99999/db"], 1, "has an invalid port: give a number from 1"),
-        (["init", "--site", "host=h password=SEK RET"], 1, 'the DSN given is not valid (missing "=" after a word'),
+        # a DSN or connection that cannot be parsed is the user's input: exit 2 (it was 1, as a server's refusal)
+        (["init", "--site", "postgresql://u:SEKRET@h/db?__extra__=x"], 2, "'postgresql://u:***@h/db?__extra__=x'"),
+        (["init", "--site", "postgresql://u:SEKRET@h:99999/db"], 2, "has an invalid port: give a number from 1"),
+        (["init", "--site", "host=h password=SEK RET"], 2, 'the DSN given is not valid (missing "=" after a word'),
+        (["init", "--site", "lr_x", "--site-id", "a"], 2, "has an invalid connect_timeout 'x': give a number"),
+        # an option libpq does not know: psycopg2's ProgrammingError, exit 1
+        (["roles", "list", "--site", "postgresql://u:SEKRET@h/db?bogus=1"], 2, 'invalid connection option "bogus"'),
+        (["init", "--site", "host=h port=5432,x password=SEKRET"], 2, "has an invalid port '5432,x'"),
+        # a server that does not answer is not: exit 1
         (["init", "--site", "host=127.0.0.1 port=1 password=SEKRET", "--site-id", "a"], 1, "password=***"),
-        (["init", "--site", "lr_x", "--site-id", "a"], 1, "invalid integer value"),
     ]:
         try:
             assert cli.main(argv) == code, argv

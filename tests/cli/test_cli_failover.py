@@ -85,6 +85,11 @@ def test_a_planned_switchover_drains_the_old_source_then_refuses_its_writers(lr_
     ):
         app.put("stale", 1, ["site-b", "site-c"])  # its client object loaded its routes before the switch
     app.conn.rollback()
+    with app.conn.cursor() as cur:  # in the replica role as well (it skipped the guard: written, read by nobody)
+        cur.execute("SET session_replication_role = replica")
+    with pytest.raises(psycopg2.Error, match="client policy is not replicated from this site any more"):
+        app.put("stale", 1, ["site-b", "site-c"])
+    app.conn.rollback()
     # the old file, now that every site runs the new one: said to predate the failover, pointing at
     # the file it wrote; before, status said to rejoin site-a with it and the commands to apply it,
     # which both refuse
@@ -211,6 +216,8 @@ def test_a_planned_switchover_carries_federated_tables_and_refuses_the_old_sourc
     assert rows(site_b) == rows(site_a)  # the drain carried the table's last changes
     with pytest.raises(psycopg2.Error, match="replicated from site site-b since a failover"):
         site_a.query("UPDATE public.accounts SET owner = 'too late' WHERE id = 1")
+    with pytest.raises(psycopg2.Error, match="replicated from site site-b since a failover"):  # a restore's role too
+        site_a.query("SET session_replication_role = replica; UPDATE public.accounts SET owner = 'too late'")
 
     site_b.query("UPDATE public.accounts SET balance = 99 WHERE id <= 2")
     assert cli.main(["sync", "--topology", str(new), *SYNC]) == 0

@@ -38,12 +38,26 @@ def _replicating(lr_sites, tmp_path, monkeypatch) -> tuple[str, App]:
 
 
 def test_after_a_failover_the_old_file_is_named_by_every_command(lr_sites, tmp_path, monkeypatch, capsys):
-    site_b = lr_sites[1]
+    site_a, site_b = lr_sites[:2]
     old, app = _replicating(lr_sites, tmp_path, monkeypatch)
     App(site_b).close()  # the new source's application (its table supplies its full syncs)
+    # an `lr sync` streams with the old file while the failover runs: it retried its refused
+    # sessions every 5 s forever; now it stops as it refuses the file at its start
+    running: list[int] = []
+    streaming = threading.Thread(target=lambda: running.append(cli.main(["sync", "--topology", old])), daemon=True)
+    streaming.start()
+    wait_for(
+        lambda: site_a.query(
+            "SELECT count(*) FROM lr.source_sessions WHERE state = 'IN_LOG_ENTRY_SYNC' AND lease_owner IS NOT NULL"
+        )
+        == [(2,)],
+        60,
+        "lr sync streaming",
+    )
     new = str(tmp_path / "after.yaml")
     assert cli.main(["failover", "--topology", old, "--promote", "site-b", "--out", new]) == 0
-    capsys.readouterr()
+    streaming.join(60)
+    assert running == [1], "the running lr sync went on with a file no site runs"
     old_id, new_id = _ids(old, new)
 
     def named(sites: str = "site-a, site-b, site-c") -> str:  # not "apply it" (refused) nor "rejoin with it"
@@ -52,6 +66,7 @@ def test_after_a_failover_the_old_file_is_named_by_every_command(lr_sites, tmp_p
             "site-a to site-b: point --topology"
         )
 
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"lr: {named()}")  # its last word, once
     assert cli.main(["sync", "--topology", old, "--until-idle", "--give-up-after", "1"]) == 1
     err = capsys.readouterr().err
     assert named() in err and "lease" not in err

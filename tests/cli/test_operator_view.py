@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import yaml
@@ -112,6 +113,28 @@ def test_status_shows_a_pending_full_sync_with_its_reason_and_what_the_session_w
     cli.main(["status", "--topology", topo_path])
     out = capsys.readouterr().out
     assert "full sync pending" in out and "audit 2026-11" in out and "waiting for the client's full-sync data" in out
+    # the client's own serve loop supplies one (its provider runs): status said it waited for the client's data
+    started, release = threading.Event(), threading.Event()
+
+    def provider(ctx) -> None:
+        started.set()
+        release.wait(30)
+
+    conn = lr_sites[0].connect()
+    serving = threading.Thread(target=lambda: RoutingQueueClient(conn, "policy").serve_full_sync_requests(provider))
+    serving.start()
+    try:
+        assert started.wait(30), "the provider was not called"
+        code, report = _status(topo_path, capsys)
+        supplying = [r["sink"] for r in report["sites"]["site-a"]["full_sync_requests"] if r["supplying"]]
+        assert len(supplying) == 1, report["sites"]["site-a"]["full_sync_requests"]
+        waits = _session(report, "site-a", supplying[0])["waiting_for"]
+        assert waits.startswith("its provider, which is supplying the client's full-sync data"), waits
+        assert "provider must be importable" not in waits
+    finally:
+        release.set()
+        serving.join(30)
+        conn.close()
 
 
 def test_until_idle_says_how_long_it_really_made_no_progress(lr_sites, tmp_path, monkeypatch, capsys):

@@ -42,6 +42,15 @@ from airflow_provider_lr.paths import home_unset_hint, lr_home
 CONNECTIONS_FILE_ENV = "LR_CONNECTIONS_FILE"
 # Connection extras that describe the site rather than libpq options.
 SITE_EXTRAS = ("site_id", "region")
+# libpq parameters whose value must be a whole number (libpq says so only as it connects).
+_INTEGER_OPTIONS = (
+    "connect_timeout",
+    "keepalives",
+    "keepalives_idle",
+    "keepalives_interval",
+    "keepalives_count",
+    "tcp_user_timeout",
+)
 # libpq parameters never shown: masked in ``safe_dsn``.
 _SECRET_PARAMS = ("password", "sslpassword")
 
@@ -67,6 +76,30 @@ class ConnInfo:
         shown = {k: ("***" if k in _SECRET_PARAMS else v) for k, v in self.params.items() if v is not None}
         return psycopg2.extensions.make_dsn(**shown)
 
+    def check(self) -> ConnInfo:
+        """``ConfigurationError`` when libpq cannot take these parameters, whatever the server: an
+        option it does not know (an extra meant for something else), a port that is not a number.
+        Found before any connect (``lr init --site`` took them as a server's refusal, or showed
+        psycopg2's ``ProgrammingError``); a value libpq checks only as it connects is found there."""
+        name = f"connection {self.conn_id!r}" if self.conn_id else "the connection"
+        try:
+            psycopg2.extensions.parse_dsn(self.dsn)
+        except psycopg2.ProgrammingError as exc:  # (its safe_dsn cannot be made either)
+            reason = re.sub(r'after "[^"]*"', "after a word", one_line(exc).removeprefix("invalid dsn: "))
+            raise ConfigurationError(f"{name} is not valid: {reason}") from None
+        port = self.params.get("port")
+        if port is not None and not all(
+            not p.strip() or (p.strip().isdigit() and 0 < int(p) < 65536) for p in str(port).split(",")
+        ):
+            raise ConfigurationError(
+                f"{name} ({self.safe_dsn}) has an invalid port {port!r}: give a number from 1 to 65535"
+            )
+        for option in _INTEGER_OPTIONS:
+            value = self.params.get(option)
+            if value is not None and not re.fullmatch(r"\s*-?\d+\s*", str(value)):
+                raise ConfigurationError(f"{name} ({self.safe_dsn}) has an invalid {option} {value!r}: give a number")
+        return self
+
     def with_timeouts(self, timeouts: Timeouts) -> ConnInfo:
         return replace(self, timeouts=timeouts)
 
@@ -85,6 +118,7 @@ class ConnInfo:
         work (fix them). A server found unreachable earlier in the command is not waited for again
         (``reach``)."""
         where = f"site {self.site_id!r}" if self.site_id else "site"
+        self.check()
         server = reach.key(self.params)
         earlier = reach.known(server)
         if earlier is not None:

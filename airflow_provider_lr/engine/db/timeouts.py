@@ -134,6 +134,10 @@ class Timeouts:
             # names lr reads back from the catalog (a column's type, a definition) printed as every site
             # prints them: a site whose default quotes every identifier ("text") differs from the others
             ours += " -c quote_all_identifiers=off"
+            # an xml value is parsed by the sink's xmloption (text and binary input alike): a site whose
+            # default is DOCUMENT refused every content fragment ('text<b/>') a source took; CONTENT
+            # takes both, as PostgreSQL's own default and pg_dump's restore do
+            ours += " -c xmloption=content"
         theirs = str(given.get("options") or "")
         options = f"{ours} {theirs}".strip()  # a later -c wins: the DSN's own options override ours
         if options:

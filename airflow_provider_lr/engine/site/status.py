@@ -111,12 +111,12 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
         cur.execute(
             "SELECT request_id::text, sink_site_id, client_name, status, forced, reason, "
             "round(extract(epoch FROM greatest(now(), requested_at) - requested_at)::numeric, 1)::float8, "
-            "round(extract(epoch FROM data_deadline - now())::numeric, 1)::float8, note, entries "
-            f"FROM lr.full_sync_requests WHERE status IN {OPEN_STATUSES_SQL} ORDER BY requested_at"
+            "round(extract(epoch FROM data_deadline - now())::numeric, 1)::float8, note, entries, "
+            f"{_SUPPLYING} FROM lr.full_sync_requests r WHERE status IN {OPEN_STATUSES_SQL} ORDER BY requested_at"
         )
         keys = (
             *("request_id", "sink", "client", "status", "forced", "reason", "age_s", "data_deadline_in_s", "note"),
-            "entries",
+            *("entries", "supplying"),
         )
         result.full_sync_requests = [dict(zip(keys, r)) for r in cur.fetchall()]
         last_ok = source_sessions.last_success_ages(cur) if version >= 7 else {}
@@ -234,9 +234,24 @@ def durability(conn: psycopg2.extensions.connection) -> dict:
     return {"position": position, "min_regions": regions, "rule": rule_text, "last_position": drawn}
 
 
+# A provider supplying a request holds its row locked (``full_sync.serve_full_sync_requests``) while it
+# runs: the row's xmax is a transaction holding the lock on its own id (``pg_locks``, readable by every
+# role). Seen with SELECT alone (lr status's privileges), waiting for nothing: no lock is taken.
+_SUPPLYING = (
+    "(r.xmax OPERATOR(pg_catalog.<>) '0'::pg_catalog.xid AND EXISTS (SELECT FROM pg_catalog.pg_locks l "
+    "WHERE l.locktype OPERATOR(pg_catalog.=) 'transactionid' AND l.transactionid OPERATOR(pg_catalog.=) r.xmax "
+    "AND l.mode OPERATOR(pg_catalog.=) 'ExclusiveLock' AND l.granted))"
+)
+
+
 def waiting_for(session: dict, request: dict | None) -> str | None:
     """What a source session waits for before it can move on, or None."""
     if session["state"] == SessionState.IN_SNAPSHOT_SYNC and request is not None:
+        if request["status"] == RequestStatus.PENDING and request.get("supplying"):  # not waiting for a client
+            return (
+                f"its provider, which is supplying the client's full-sync data for request {request['request_id']} "
+                f"now (asked {request['age_s']:.0f}s ago)"
+            )
         if request["status"] == RequestStatus.PENDING:
             return (
                 f"the client's full-sync data for request {request['request_id']} "
@@ -316,6 +331,7 @@ def render(
         lines.append(
             f"  full sync {r['status']:<9} {SessionKey(status.site_id, r['sink'], r['client'])} request {r['request_id']}"
             f" ({'forced' if r['forced'] else 'by negotiation'}: {r['reason'] or '-'}), asked {_age(r['age_s'])}"
+            + ("; its provider is supplying it now" if r.get("supplying") else "")
         )
     for q in status.receive_queues:
         lines.append(

@@ -92,7 +92,8 @@ def _set_guard(cur: psycopg2.extensions.cursor) -> None:
                 "CREATE TRIGGER {} BEFORE INSERT ON lr.log_entries FOR EACH ROW WHEN (NEW.client_id IN ({})) "
                 "EXECUTE FUNCTION lr.refuse_moved_transmit({})"
             ).format(sql.Identifier(GUARD), ids, sql.SQL(", ").join(sql.Literal(a) for a in args))
-        )
+        )  # a writer in session_replication_role = replica is refused too (V0044)
+        cur.execute(sql.SQL("ALTER TABLE lr.log_entries ENABLE ALWAYS TRIGGER {}").format(sql.Identifier(GUARD)))
 
 
 def _sources(cur: psycopg2.extensions.cursor, document: dict) -> tuple[str, dict[str, set[str]]]:

@@ -412,6 +412,16 @@ def diverged(conn: psycopg2.extensions.connection) -> list[Divergence]:
                         "not replicated (reopen it: lr tables open)",
                     )
                 )
+            elif skipped := registry.capture_skipped(cur, TableName.parse(name)):
+                found.append(
+                    Divergence(
+                        name,
+                        client,
+                        f"captured here but its capture trigger(s) {', '.join(skipped)} are disabled: changes are "
+                        "not replicated (reopen it: lr tables open, which enables them; or its owner: ALTER TABLE "
+                        f"{name} ENABLE ALWAYS TRIGGER ...)",
+                    )
+                )
             elif (hierarchy := capturable.not_capturable(cur, TableName.parse(name))) is not None:
                 fix = (  # made unlogged since it was opened (the reason says how to undo it)
                     "the sinks may miss the rows a crash empties it of. Make it logged again"

@@ -17,10 +17,12 @@ writes (``guard_writes``, ``lr.refuse_table_writes`` in V0014); opening the tabl
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
 
@@ -35,6 +37,8 @@ from airflow_provider_lr.engine.tables.capturable import (
     without_key,
 )
 from airflow_provider_lr.engine.tables.definition import TableName, read_definition
+
+log = logging.getLogger(__name__)
 
 _TRIGGERS = {  # operation -> its transition tables (statement-level triggers see all rows at once)
     "INSERT": "REFERENCING NEW TABLE AS lr_new",
@@ -270,6 +274,7 @@ def federate(
         and current.table_id is not None
         and capturing(cur, table)
     ):
+        fire_always(cur, table, [trigger_name(op) for op in _TRIGGERS])  # opened before V0044: now
         return current
     cur.execute("SELECT nextval('lr.table_id_seq')")
     (table_id,) = cur.fetchone()
@@ -301,9 +306,33 @@ def federate(
                 sql.Literal(types),
             )
         )
+    fire_always(cur, table, [trigger_name(op) for op in _TRIGGERS])
     result = read(cur, table)
     assert result is not None
     return result
+
+
+def fire_always(cur: psycopg2.extensions.cursor, table: TableName, triggers: list[str]) -> bool:
+    """Make lr's ``triggers`` on ``table`` fire whatever the writer's ``session_replication_role``
+    (V0044): in the role ``replica`` (a restore, another tool's apply) only ENABLE ALWAYS ones fire.
+    Only the table's owner may alter it: lr's owner holding TRIGGER alone says what to run (False)."""
+    statement = sql.SQL("ALTER TABLE {} ").format(table.ident) + sql.SQL(", ").join(
+        sql.SQL("ENABLE ALWAYS TRIGGER {}").format(sql.Identifier(name)) for name in triggers
+    )
+    cur.execute("SAVEPOINT lr_always")
+    try:
+        cur.execute(statement)
+    except psycopg2.errors.InsufficientPrivilege:
+        cur.execute("ROLLBACK TO SAVEPOINT lr_always; RELEASE SAVEPOINT lr_always")
+        log.warning(
+            "%s: lr's triggers fire for writers in session_replication_role = origin only (lr's owner "
+            "does not own the table): a writer in the role replica is not captured; the table's owner may run %s",
+            table,
+            statement.as_string(cur),
+        )
+        return False
+    cur.execute("RELEASE SAVEPOINT lr_always")
+    return True
 
 
 def capturing(cur: psycopg2.extensions.cursor, table: TableName) -> bool:
@@ -312,6 +341,18 @@ def capturing(cur: psycopg2.extensions.cursor, table: TableName) -> bool:
         (table.ident.as_string(cur),),
     )
     return cur.fetchone()[0] == len(_TRIGGERS)
+
+
+def capture_skipped(cur: psycopg2.extensions.cursor, table: TableName) -> list[str]:
+    """The capture triggers of ``table`` that an ordinary writer's change does not fire: disabled
+    (``ALTER TABLE ... DISABLE TRIGGER``, as a data-only restore with --disable-triggers runs and
+    enables again at its end) or enabled for the role ``replica`` only."""
+    cur.execute(
+        "SELECT pg_catalog.array_agg(tgname::text ORDER BY tgname) FROM pg_catalog.pg_trigger "
+        "WHERE tgrelid = pg_catalog.to_regclass(%s) AND tgname LIKE 'lr\\_capture\\_%%' AND tgenabled IN ('D', 'R')",
+        (table.ident.as_string(cur),),
+    )
+    return cur.fetchone()[0] or []
 
 
 def stop_capture(cur: psycopg2.extensions.cursor, table: TableName) -> None:
@@ -340,6 +381,7 @@ def guard_writes(cur: psycopg2.extensions.cursor, table: TableName, client: str,
                 sql.Literal(source),
             )
         )
+    fire_always(cur, table, [guard_name(op) for op in _TRIGGERS])
 
 
 def read(cur: psycopg2.extensions.cursor, table: TableName, lock: bool = False) -> RegisteredTable | None:

@@ -122,6 +122,7 @@ def test_lrs_connections_read_names_as_every_site_prints_them_whatever_the_sites
     site.query('CREATE TABLE public.quoted_types (id int PRIMARY KEY, t text, "✓" int)')
     site.query(f'ALTER DATABASE "{site.dbname}" SET quote_all_identifiers = on')
     site.query(f"ALTER DATABASE \"{site.dbname}\" SET client_encoding = 'LATIN1'")
+    site.query(f'ALTER DATABASE "{site.dbname}" SET xmloption = document')  # a sink refused xml fragments
     info = conninfo.from_dsn(site.dsn)
     lr_conn, app = info.connect(), info.connect(Purpose.APPLICATION)
     try:
@@ -132,9 +133,14 @@ def test_lrs_connections_read_names_as_every_site_prints_them_whatever_the_sites
             ("t", "text"),
             ("✓", "integer"),
         ]
+        with lr_conn.cursor() as cur:  # xml read as any site takes it (the test servers have no libxml to parse it)
+            cur.execute("SHOW xmloption")
+            assert cur.fetchone() == ("content",)
         with app.cursor() as cur:
             cur.execute("SHOW quote_all_identifiers")
             assert cur.fetchone() == ("on",)
+            cur.execute("SHOW xmloption")
+            assert cur.fetchone() == ("document",)
             assert app.encoding == "LATIN1"
     finally:
         lr_conn.close()

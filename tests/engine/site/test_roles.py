@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import threading
 import time
@@ -759,7 +760,7 @@ def test_lr_init_on_an_installed_site_needs_no_create_on_the_database(world, mad
     assert source.query("SELECT region FROM lr.site_info") == [(source.region,)]
 
 
-def test_an_owner_without_create_on_the_database_installs_into_its_schema(sites, made):
+def test_an_owner_without_create_on_the_database_installs_into_its_schema(sites, made, caplog):
     site = sites[0]
     owner, writer = made.name("owner"), made.name("writer")
     site.query(f'CREATE ROLE "{owner}" LOGIN')
@@ -801,7 +802,11 @@ def test_an_owner_without_create_on_the_database_installs_into_its_schema(sites,
         registry.open_table(conn, "app.d", "alpha", True)
     with wconn.cursor() as cur:
         cur.execute(f'GRANT SELECT ON app.d TO "{owner}"')
-    registry.open_table(conn, "app.d", "alpha", True)
+    with caplog.at_level(logging.WARNING, logger="airflow_provider_lr"):
+        registry.open_table(conn, "app.d", "alpha", True)
+    # opened, but only the table's owner may make its triggers fire for a writer in the replica role: said
+    (said,) = [r.getMessage() for r in caplog.records if "session_replication_role" in r.getMessage()]
+    assert "app.d: " in said and 'ALTER TABLE "app"."d" ENABLE ALWAYS TRIGGER "lr_capture_insert"' in said, said
     with wconn.cursor() as cur:  # key 1 held by two rows between the statements
         cur.execute("BEGIN; UPDATE app.d SET id = 3 WHERE id = 1; UPDATE app.d SET id = 1 WHERE id = 2; COMMIT")
     # row-level security enabled after the open would run the application's policy as lr's owner:

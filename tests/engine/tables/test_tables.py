@@ -11,7 +11,7 @@ from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import FullSyncError, TableError
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.source import full_sync
-from airflow_provider_lr.engine.tables import closed_notes, registry
+from airflow_provider_lr.engine.tables import closed_notes, handover, registry
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.support.session import apply, apply_to, queue, replicator, run_crashing_replicator, wait_for
 from tests.support.tables import (
@@ -70,6 +70,42 @@ def test_a_transaction_that_changes_a_table_and_transmits_arrives_whole_in_one_o
     sync(repl)
     assert [r[0] for r in sink.query("SELECT id FROM public.accounts ORDER BY id")] == [1, 2, 3, 4, 5]
     assert [p for k, p in queue(sink) if k == "log"] == [f"row {i}" for i in range(1, 6)]
+    # a writer in session_replication_role = replica (a superuser's restore, another replication
+    # tool's apply) skipped every trigger not ENABLE ALWAYS: its changes were not captured (the sink
+    # kept the old rows, nothing said) and its transmit drew no commit position (never delivered)
+    conn = source.connect()
+    with conn.cursor() as cur:
+        cur.execute("SET session_replication_role = replica")
+        cur.execute("INSERT INTO public.accounts (id, owner) VALUES (10, 'restored')")
+        cur.execute("UPDATE public.accounts SET owner = 'changed' WHERE id = 1")
+        cur.execute("DELETE FROM public.accounts WHERE id = 2")
+        RoutingQueueClient(conn, "policy").transmit_log_entry_message(b"under replica", [sink.site_id])
+        conn.commit()
+        cur.execute("TRUNCATE public.accounts; INSERT INTO public.accounts (id, owner) VALUES (7, 'after')")
+    conn.commit()
+    conn.close()
+    sync(repl)
+    assert rows(sink) == rows(source) and len(rows(sink)) == 1
+    assert [p for k, p in queue(sink) if k == "log"][5:] == ["under replica"]
+    # a restore with --disable-triggers disables them (enabled at its end): while they are, lr status says so
+    source.query("ALTER TABLE public.accounts DISABLE TRIGGER ALL")
+    said = [d.describe() for d in diverged(source)]
+    assert said == [
+        "public.accounts DIVERGED (client policy): captured here but its capture trigger(s) lr_capture_delete, "
+        "lr_capture_insert, lr_capture_truncate, lr_capture_update are disabled: changes are not replicated (reopen "
+        "it: lr tables open, which enables them; or its owner: ALTER TABLE public.accounts ENABLE ALWAYS TRIGGER ...)"
+    ], said
+    federate(source)  # opened again: enabled (always), the same federation
+    assert diverged(source) == [] and rows(sink) == rows(source)
+
+
+def diverged(site) -> list:
+    """What ``lr status`` says of a site's tables that do not replicate (``handover.diverged``)."""
+    conn = site.connect()
+    try:
+        return handover.diverged(conn)
+    finally:
+        conn.close()
 
 
 def test_updates_key_changes_deletes_and_truncate_apply_exactly(lr_sites):
