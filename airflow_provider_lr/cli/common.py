@@ -16,7 +16,7 @@ from airflow_provider_lr.engine import vocabulary
 from airflow_provider_lr.engine.db import conninfo, reach
 from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.db.topology_schema import SITE_RULES, TEXT_RULES, valid_region, valid_site_id
-from airflow_provider_lr.engine.errors import ConfigurationError, LRError, listing, one_line, without_statement
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError, listing, one_line, shown, without_statement
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.store import topology as topologies
 
@@ -94,11 +94,11 @@ def named(topo: topologies.Topology, sites: Iterable[str | None] = (), clients: 
     is reached), listing the ones it knows: it was a site's refusal (exit 1), or a silent no-op."""
     for name in sites:
         if name is not None and name not in topo.sites:
-            raise UsageError(f"unknown site {name!r}; the topology knows {listing(sorted(topo.sites))}")
+            raise UsageError(f"unknown site {shown(name)}; the topology knows {listing(sorted(topo.sites))}")
     known = sorted({k.client for k in topo.sessions()})
     for name in clients:
         if name is not None and name not in known:
-            raise UsageError(f"unknown client {name!r}; the topology replicates {listing(known) or 'none'}")
+            raise UsageError(f"unknown client {shown(name)}; the topology replicates {listing(known) or 'none'}")
 
 
 def check_topology(topo: topologies.Topology, sites: Iterable[str] | None = None, also: Iterable[str] = ()) -> None:

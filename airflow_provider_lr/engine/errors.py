@@ -195,6 +195,19 @@ def still_failing(times: int, error: str) -> str:
     return f"still failing ({times} times): {one_line(error)}"
 
 
+SHOWN_CHARS = 80  # of a name a message quotes back
+
+
+def shown(value: object) -> str:
+    """A value the user gave, quoted back in a message (``repr``), cut to ``SHOWN_CHARS`` with its
+    length said: a 100,000-character site or client name came back whole in every refusal of it."""
+    text = repr(value)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    size = f" ({len(value)} characters)" if isinstance(value, str) else ""
+    return text[: SHOWN_CHARS - 1] + "…" + size
+
+
 def listing(items: object) -> str:
     """Names or figures for a message, without Python's brackets and quotes: ``site-a, site-b``,
     ``policy 85, audit 3`` (a mapping); ``none`` when empty."""

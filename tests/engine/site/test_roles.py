@@ -1009,6 +1009,14 @@ def test_a_role_name_that_cannot_be_said_on_one_line_is_refused(name):
         roles.check_request("consumer", name, ["alpha"])
 
 
+@pytest.mark.parametrize("client", ["policy\n", "pólicy", "-policy", "p" * 64])
+def test_a_client_name_no_topology_can_hold_is_refused_as_the_topology_refuses_it(client):
+    """The grant's own pattern ended in ``$``, which lets a final newline through: ``--client
+    'policy\n'`` passed the check. The topology's names are matched whole; so is a grant's."""
+    with pytest.raises(ConfigurationError, match="invalid client name"):
+        roles.check_request("consumer", "app_sink", [client])
+
+
 def test_roles_need_the_v6_schema(sites):
     conn = sites[0].connect()
     schema.migrate(conn, target=5)
