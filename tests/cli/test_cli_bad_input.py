@@ -289,7 +289,10 @@ def test_a_name_of_100_000_characters_is_refused_on_one_short_line(command, tmp_
     assert len(err.splitlines()) == 1 and len(err) < 600 and "(100000 characters)" in err, err[:300]
 
 
-@pytest.mark.parametrize("reason", ["line1\nsite-a: FAKE healthy", "tab\there", "x" * 501])
+@pytest.mark.parametrize(
+    "reason",
+    ["line1\nsite-a: FAKE healthy", "tab\there", "x" * 501, "csi \x9b2J", "nel\x85x", "ls\u2028x", "\u202eright"],
+)
 @pytest.mark.parametrize("command", [["full-sync"], ["failover", "--promote", "site-b"]])
 def test_a_full_sync_reason_lr_status_could_not_show_on_one_line_is_a_usage_error(command, reason, tmp_path, capsys):
     """`lr full-sync --reason` (and a failover's, recorded with its full syncs) took a newline, which
