@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -15,7 +16,13 @@ import psycopg2
 from airflow_provider_lr.engine import vocabulary
 from airflow_provider_lr.engine.db import conninfo, reach
 from airflow_provider_lr.engine.db.timeouts import failure
-from airflow_provider_lr.engine.db.topology_schema import SITE_RULES, TEXT_RULES, valid_region, valid_site_id
+from airflow_provider_lr.engine.db.topology_schema import (
+    SITE_RULES,
+    TEXT_RULES,
+    holds_password,
+    valid_region,
+    valid_site_id,
+)
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, listing, one_line, shown, without_statement
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.store import topology as topologies
@@ -59,8 +66,16 @@ def site_manager(args: argparse.Namespace, hint: str = "") -> SiteManager:
     return SiteManager(args.home)
 
 
+PASSWORD_IN_ARGV = (
+    "lr: warning: a password given in --site is seen by every local user (`ps`, /proc) while lr runs: "
+    "give it in PGPASSWORD or ~/.pgpass, or name a connection (AIRFLOW_CONN_<ID>, $LR_CONNECTIONS_FILE)"
+)
+
+
 def target_sites(args: argparse.Namespace) -> list[conninfo.ConnInfo]:
     if args.site:
+        if any(holds_password(s) for s in args.site):  # the command line is public on the machine
+            print(PASSWORD_IN_ARGV, file=sys.stderr)
         return [conninfo.resolve(s) for s in args.site]
     sites = site_manager(args, hint=" (or name the sites with --site)").sites()
     if not sites:

@@ -156,6 +156,21 @@ def test_a_password_given_to_lr_is_never_printed_whatever_is_wrong(tmp_path, mon
         assert "SEKRET" not in out + err and "RET" not in err.replace("SEKRET", "") and "Traceback" not in err, err
 
 
+def test_a_password_on_the_command_line_is_warned_of_and_a_dsn_without_one_is_not(tmp_path, monkeypatch, capsys):
+    """`lr init --site "... password=..."` put the password where every local user reads it (`ps`,
+    /proc/<pid>/cmdline) for as long as lr ran, and nothing said so; lr now warns, naming the
+    places a password belongs (libpq's PGPASSWORD or ~/.pgpass, a connection)."""
+    monkeypatch.setenv("LR_CONNECTIONS_FILE", str(tmp_path / "none.json"))
+    for dsn, warned in [
+        ("host=127.0.0.1 port=1 user=x password=SEKRET", True),
+        ("postgresql://x:SEKRET@127.0.0.1:1/db", True),
+        ("host=127.0.0.1 port=1 user=x", False),
+    ]:
+        assert cli.main(["init", "--site", dsn, "--site-id", "a"]) == 1
+        err = capsys.readouterr().err
+        assert ("seen by every local user (`ps`" in err) is warned and "SEKRET" not in err, err
+
+
 def test_commands_run_before_lr_init_say_to_run_it_once_not_a_missing_relation_every_cycle(
     sites, tmp_path, monkeypatch, capsys, caplog
 ):

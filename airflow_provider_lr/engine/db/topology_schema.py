@@ -174,7 +174,7 @@ _SECRET = re.compile(r"(?i)((?:\b|(?<=ssl))password\s*=)|(^[a-z][a-z0-9+.-]*://[
 _SECRET_KEYS = frozenset(("password", "sslpassword"))  # libpq's: a login's, a client key's passphrase
 
 
-def _holds_password(conn_id: str) -> bool:
+def holds_password(conn_id: str) -> bool:
     """Whether ``conn_id`` is a DSN that carries a password: as libpq reads it (a URI's query keys are
     percent-decoded), else by its text (a DSN libpq cannot parse may still hold one)."""
     try:
@@ -301,7 +301,7 @@ def validate(doc: Any, origin: Origin | None = None) -> None:
     if errors:
         raise _explain(errors[0], origin)
     for index, site in enumerate(doc["sites"]):
-        if "conn_id" in site and _holds_password(site["conn_id"]):
+        if "conn_id" in site and holds_password(site["conn_id"]):
             raise origin.error(
                 ["sites", index, "conn_id"],
                 "holds a password; name an Airflow connection or an "
