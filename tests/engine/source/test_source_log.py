@@ -190,6 +190,7 @@ def test_destinations_given_as_a_generator_or_a_set_reach_those_sinks_and_later_
         (b"a list after it", list(dests)),
         (b"an iterator", iter(reversed(dests))),
         (b"a set", set(dests)),
+        (b"a sink named twice", [dests[0], dests[1], dests[0]]),  # once per sink: one tag, one delivery
     ]
     tickets = [client.transmit_log_entry_message(p, d) for p, d in sent]
     assert all(t.destinations == tuple(sorted(dests)) for t in tickets), tickets
