@@ -153,9 +153,7 @@ def test_a_sink_behind_without_same_destinations_gets_a_full_sync_not_a_guess(lr
     app.close()
 
 
-def test_a_stale_old_source_replicator_is_fenced_at_every_sink_after_failover(lr_sites, caplog):
-    """...and says so in its log, once: an `lr_streaming` task streaming through a failover logged
-    only "session ... failed N time(s) in a row; retried in 5.0s" until its run_for ended."""
+def test_a_stale_old_source_replicator_is_fenced_at_every_sink_after_failover(lr_sites):
     topo, app = _setup(lr_sites)
     site_c = lr_sites[2]
     failover.promote(failover.FailoverRequest(A, B), _connect(lr_sites, down=(A,)))  # site-a partitioned, not dead
@@ -165,8 +163,6 @@ def test_a_stale_old_source_replicator_is_fenced_at_every_sink_after_failover(lr
     reports = stale.run_cycle()
     stale.close()
     assert "failed over" in reports[0].error or "topology config id mismatch" in reports[0].error
-    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert f"session {A}->{C}/policy failed: {reports[0].error}" in said, said
     # even with the old topology re-applied on the sink (so negotiation passes), the sink refuses it
     topologies.apply_to_site(site_c.connect(), topo, C)
     stale = replicator(topo, lr_sites, providers=PROVIDERS, sessions=[SessionKey(A, C, "policy")])
