@@ -65,7 +65,8 @@ def get_provider_info() -> dict:
                         "schema": {
                             "type": ["string", "null"],
                             "default": "default",
-                            "pattern": r"^(?:[^\x00-\x1f\x7f]{1,63})(?![\s\S])",  # form_pattern(PRINTABLE_PATTERN)
+                            # form_pattern(PRINTABLE_PATTERN)
+                            "pattern": r"^(?:[^\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]{1,63})(?![\s\S])",
                         },
                     },
                 },

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -15,8 +16,14 @@ import psycopg2
 from airflow_provider_lr.engine import vocabulary
 from airflow_provider_lr.engine.db import conninfo, reach
 from airflow_provider_lr.engine.db.timeouts import failure
-from airflow_provider_lr.engine.db.topology_schema import SITE_RULES, TEXT_RULES, valid_region, valid_site_id
-from airflow_provider_lr.engine.errors import ConfigurationError, LRError, listing, one_line, without_statement
+from airflow_provider_lr.engine.db.topology_schema import (
+    SITE_RULES,
+    TEXT_RULES,
+    holds_password,
+    valid_region,
+    valid_site_id,
+)
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError, listing, one_line, shown, without_statement
 from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.store import topology as topologies
 
@@ -59,12 +66,20 @@ def site_manager(args: argparse.Namespace, hint: str = "") -> SiteManager:
     return SiteManager(args.home)
 
 
+PASSWORD_IN_ARGV = (
+    "lr: warning: a password given in --site is seen by every local user (`ps`, /proc) while lr runs: "
+    "give it in PGPASSWORD or ~/.pgpass, or name a connection (AIRFLOW_CONN_<ID>, $LR_CONNECTIONS_FILE)"
+)
+
+
 def target_sites(args: argparse.Namespace) -> list[conninfo.ConnInfo]:
     """The sites ``--site`` names (DSNs, connection ids), or the embedded ones. A DSN that cannot be
     parsed, or a connection id that names nothing, is the user's input: a usage error (exit 2, one
     line) before any site is reached, as every other bad argument is; a server that refuses or does
     not answer is not (exit 1)."""
     if args.site:
+        if any(holds_password(s) for s in args.site):  # the command line is public on the machine
+            print(PASSWORD_IN_ARGV, file=sys.stderr)
         try:
             return [conninfo.resolve(s).check() for s in args.site]
         except ConfigurationError as exc:
@@ -101,11 +116,11 @@ def named(topo: topologies.Topology, sites: Iterable[str | None] = (), clients: 
     is reached), listing the ones it knows: it was a site's refusal (exit 1), or a silent no-op."""
     for name in sites:
         if name is not None and name not in topo.sites:
-            raise UsageError(f"unknown site {name!r}; the topology knows {listing(sorted(topo.sites))}")
+            raise UsageError(f"unknown site {shown(name)}; the topology knows {listing(sorted(topo.sites))}")
     known = sorted({k.client for k in topo.sessions()})
     for name in clients:
         if name is not None and name not in known:
-            raise UsageError(f"unknown client {name!r}; the topology replicates {listing(known) or 'none'}")
+            raise UsageError(f"unknown client {shown(name)}; the topology replicates {listing(known) or 'none'}")
 
 
 def check_topology(topo: topologies.Topology, sites: Iterable[str] | None = None, also: Iterable[str] = ()) -> None:

@@ -24,6 +24,7 @@ class Delivery(Protocol):
     delivered_bytes: int
     full_syncs: int
     error: str
+    skipped: str
 
 
 class DeliveryCounters:
@@ -36,6 +37,7 @@ class DeliveryCounters:
         self._lock = threading.Lock()
         self.entries = 0  # every session's, for the progress line
         self.lags: dict[str, tuple[int, float]] = {}  # session → (entries, seconds) at its last acknowledgement
+        self.waiting: dict[str, str] = {}  # session → why its last cycle did nothing (a lease held elsewhere)
 
     def delivered(self, session: str | SessionKey, entries: int, nbytes: int = 0) -> None:
         if entries <= 0:
@@ -66,6 +68,11 @@ class DeliveryCounters:
     def cycle(self, reports: Iterable[Delivery]) -> None:
         """Count what cycles did (their delivered entries, full syncs applied, failures)."""
         for r in reports:
+            with self._lock:
+                if r.skipped:
+                    self.waiting[str(r.session)] = r.skipped
+                else:
+                    self.waiting.pop(str(r.session), None)
             self.delivered(r.session, r.delivered, r.delivered_bytes)
             for _ in range(r.full_syncs):
                 self.full_sync(r.session)
@@ -80,6 +87,11 @@ class DeliveryCounters:
             session, (entries, seconds) = max(self.lags.items(), key=lambda item: (item[1][1], item[1][0]))
         return session, entries, seconds
 
+    def waiting_for(self) -> list[tuple[str, str]]:
+        """The sessions whose last cycle here did nothing, and why: (session, reason), sorted."""
+        with self._lock:
+            return sorted(self.waiting.items())
+
 
 IDLE_EVERY = 600.0  # seconds between the progress lines of a stream with nothing to do
 
@@ -89,7 +101,10 @@ class Pulse:
     second since the last line, as counted, and the lag of the session most behind. An idle stream
     (nothing delivered, no lag, the same sessions streaming) says so once, then only every
     ``idle_every`` seconds: a line of zeros every 30 s filled the logs of a quiet replicator (an
-    ``lr_streaming`` task wrote 20 of them per run) and buried the lines that mattered."""
+    ``lr_streaming`` task wrote 20 of them per run) and buried the lines that mattered. Sessions it
+    should stream but cannot (their lease held by a replicator that was killed, until it expires)
+    are named with why, every period: they read "0 of 2 sessions ... lag 0; idle" while the
+    backlog grew."""
 
     def __init__(
         self,
@@ -112,7 +127,8 @@ class Pulse:
         done, seconds = total - self._entries, now - self._since
         behind = self.counters.most_behind()
         lagging = bool(behind and (behind[1] or behind[2]))
-        idle = not done and not lagging
+        waiting = self.counters.waiting_for() if streaming < sessions else []
+        idle = not done and not lagging and not waiting
         if idle and self._quiet == (streaming, sessions) and seconds < self.idle_every:
             return  # still idle, already said: the window runs on until something changes
         self._since, self._entries = now, total
@@ -121,6 +137,10 @@ class Pulse:
             f"streaming {streaming} of {sessions} sessions: {done} entries in {seconds:.0f}s "
             f"({done / seconds:.1f} entries/s, {total} in all), {lag}"
         )
+        if waiting:
+            first, why = waiting[0]
+            more = f" (and {len(waiting) - 1} more)" if len(waiting) > 1 else ""
+            line += f"; not streaming {first}{more}: {why}"
         if idle and self._quiet is None:
             line += f"; idle: the next line when entries flow, or in {self.idle_every:.0f}s"
         self._quiet = (streaming, sessions) if idle else None

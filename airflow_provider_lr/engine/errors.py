@@ -129,6 +129,12 @@ def mask_secrets(text: str) -> str:
     return text
 
 
+def _escaped(control: re.Match[str]) -> str:
+    """A control character as ``one_line`` shows it: a tab as a space, others as ``\\x1b``/``\\u202e``."""
+    code = ord(control.group())
+    return " " if code == 9 else f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
 def one_line(exc: BaseException | str) -> str:
     """An error as one line, for logs, status and the CLI: psycopg's messages carry newlines (DETAIL,
     HINT, CONTEXT) that break "one line per error"; they are joined with ' | ' instead. A password
@@ -138,15 +144,25 @@ def one_line(exc: BaseException | str) -> str:
     through ``lr status`` and ``lr sync``'s log (an escape sequence can rewrite what it shows)."""
     text = exc if isinstance(exc, str) else (str(exc) or type(exc).__name__)
     line = " | ".join(part.strip() for part in text.splitlines() if part.strip())
-    if any(map(is_control, line)):
-        line = "".join((" " if c == "\t" else f"\\x{ord(c):02x}") if is_control(c) else c for c in line)
+    if _CONTROL.search(line):
+        line = _CONTROL.sub(_escaped, line)
     return mask_secrets(line)
 
 
+# What breaks a printed line or hides in it: the C0 controls (newline among them) and DEL, the C1
+# controls (U+009B is a terminal's CSI, as ESC [ is; U+0085 a newline), the Unicode line and
+# paragraph separators (``str.splitlines`` splits there) and the bidirectional embeddings,
+# overrides and isolates (after U+202E a line reads backwards). A character class, so that the
+# forms' patterns (``topology_schema``) say the same in Python and in the browser.
+CONTROL_CHARS = r"\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+_CONTROL = re.compile(f"[{CONTROL_CHARS}]")
+
+
 def is_control(char: str) -> bool:
-    """A character that breaks a printed line or hides in it (the C0 controls, newline among them,
-    and DEL): a name or a reason lr prints may hold none."""
-    return char < " " or char == "\x7f"
+    """A character that breaks a printed line or hides in it (``CONTROL_CHARS``): a name or a
+    reason lr prints may hold none. Only the C0 controls and DEL were: a reason with U+009B (CSI)
+    or U+202E was recorded and printed raw."""
+    return _CONTROL.match(char) is not None
 
 
 def without_statement(line: str) -> str:
@@ -193,6 +209,19 @@ class RepeatedErrors:
 def still_failing(times: int, error: str) -> str:
     """How a failure said before is said again (``RepeatedErrors``)."""
     return f"still failing ({times} times): {one_line(error)}"
+
+
+SHOWN_CHARS = 80  # of a name a message quotes back
+
+
+def shown(value: object) -> str:
+    """A value the user gave, quoted back in a message (``repr``), cut to ``SHOWN_CHARS`` with its
+    length said: a 100,000-character site or client name came back whole in every refusal of it."""
+    text = repr(value)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    size = f" ({len(value)} characters)" if isinstance(value, str) else ""
+    return text[: SHOWN_CHARS - 1] + "…" + size
 
 
 def listing(items: object) -> str:

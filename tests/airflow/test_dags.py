@@ -112,6 +112,9 @@ def test_full_sync_form_refuses_an_unknown_sink(dagbag):
         ("lr_full_sync", "reason", "audit\n"),
         ("lr_full_sync", "reason", "a\tb"),
         ("lr_full_sync", "reason", "x" * 501),
+        ("lr_full_sync", "reason", "audit\u2028site-c: ok"),  # a line separator, a C1 CSI, a bidi override
+        ("lr_full_sync", "reason", "audit\x9b2J"),
+        ("lr_failover", "reason", "dc-1 \u202edetsil"),
         ("lr_failover", "reason", "dc-1\nsite-c: promoted"),
         ("lr_failover", "clients", ["policy\n"]),
     ]:

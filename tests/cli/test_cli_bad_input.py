@@ -161,6 +161,21 @@ def test_a_password_given_to_lr_is_never_printed_whatever_is_wrong(tmp_path, mon
         assert "SEKRET" not in out + err and "RET" not in err.replace("SEKRET", "") and "Traceback" not in err, err
 
 
+def test_a_password_on_the_command_line_is_warned_of_and_a_dsn_without_one_is_not(tmp_path, monkeypatch, capsys):
+    """`lr init --site "... password=..."` put the password where every local user reads it (`ps`,
+    /proc/<pid>/cmdline) for as long as lr ran, and nothing said so; lr now warns, naming the
+    places a password belongs (libpq's PGPASSWORD or ~/.pgpass, a connection)."""
+    monkeypatch.setenv("LR_CONNECTIONS_FILE", str(tmp_path / "none.json"))
+    for dsn, warned in [
+        ("host=127.0.0.1 port=1 user=x password=SEKRET", True),
+        ("postgresql://x:SEKRET@127.0.0.1:1/db", True),
+        ("host=127.0.0.1 port=1 user=x", False),
+    ]:
+        assert cli.main(["init", "--site", dsn, "--site-id", "a"]) == 1
+        err = capsys.readouterr().err
+        assert ("seen by every local user (`ps`" in err) is warned and "SEKRET" not in err, err
+
+
 def test_commands_run_before_lr_init_say_to_run_it_once_not_a_missing_relation_every_cycle(
     sites, tmp_path, monkeypatch, capsys, caplog
 ):
@@ -266,7 +281,38 @@ def test_a_site_or_client_the_topology_does_not_know_is_a_usage_error_listing_th
     )
 
 
-@pytest.mark.parametrize("reason", ["line1\nsite-a: FAKE healthy", "tab\there", "x" * 501])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["full-sync", "--sink", "s" * 100_000],
+        ["full-sync", "--client", "c" * 100_000],
+        ["failover", "--promote", "s" * 100_000],
+        ["init", "--site", "s" * 100_000],
+        ["roles", "grant", "writer", "--client", "c" * 100_000, "--role", "app"],
+        ["roles", "grant", "writer", "--client", "policy", "--role", "r" * 100_000],
+    ],
+)
+def test_a_name_of_100_000_characters_is_refused_on_one_short_line(command, tmp_path, monkeypatch, capsys):
+    """A hostile name was quoted back whole: `lr full-sync --sink <100 kB>` printed a line of 100 kB
+    (so did an unknown connection, a role and a client name). The name is cut, its length said."""
+    monkeypatch.setenv("LR_CONNECTIONS_FILE", str(tmp_path / "none.json"))
+    monkeypatch.delenv("AIRFLOW_HOME", raising=False)  # no Airflow to ask for the connection (10 s to import)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    topo = tmp_path / "topology.yaml"
+    topo.write_text(
+        "sites:\n  - {id: site-a, region: r1}\n  - {id: site-b, region: r2}\n"
+        "replication:\n  - {source: site-a, sinks: [site-b], clients: [policy]}\n"
+    )
+    topology = [] if command[0] in ("init", "roles") else ["--topology", str(topo)]
+    assert cli.main([*command, *topology]) in (1, 2)
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and len(err) < 600 and "(100000 characters)" in err, err[:300]
+
+
+@pytest.mark.parametrize(
+    "reason",
+    ["line1\nsite-a: FAKE healthy", "tab\there", "x" * 501, "csi \x9b2J", "nel\x85x", "ls\u2028x", "\u202eright"],
+)
 @pytest.mark.parametrize("command", [["full-sync"], ["failover", "--promote", "site-b"]])
 def test_a_full_sync_reason_lr_status_could_not_show_on_one_line_is_a_usage_error(command, reason, tmp_path, capsys):
     """`lr full-sync --reason` (and a failover's, recorded with its full syncs) took a newline, which

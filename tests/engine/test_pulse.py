@@ -70,3 +70,34 @@ def test_a_stalled_stream_with_lag_is_reported_every_period(clock):
         ]
         * 3
     )
+
+
+def test_sessions_waiting_for_a_killed_replicators_lease_are_named_every_period_not_called_idle(clock):
+    """An `lr_streaming` task SIGKILLed and retried: its sessions' leases stay held by the dead
+    process until they expire (a minute), and the retry's line read `streaming 0 of 2 sessions: 0
+    entries ..., lag 0; idle` while the backlog grew. It now names a waiting session and why, every
+    period, until the session streams again."""
+    from airflow_provider_lr.engine.session.snapshot_sync import CycleReport
+
+    counters, lines = DeliveryCounters(), []
+    pulse = Pulse(counters, every=30, emit=lines.append)
+    held = "another replicator holds this session's lease (vm:18660:3003db0b)"
+    counters.cycle([CycleReport(f"site-a->site-{s}/policy", skipped=held) for s in "bc"])
+    for _ in range(2):
+        clock.now += 30
+        pulse.tick(0, 2)
+    assert (
+        lines
+        == [
+            "streaming 0 of 2 sessions: 0 entries in 30s (0.0 entries/s, 0 in all), lag 0; "
+            f"not streaming site-a->site-b/policy (and 1 more): {held}"
+        ]
+        * 2
+    )
+    counters.cycle([CycleReport(f"site-a->site-{s}/policy") for s in "bc"])  # the lease expired: taken over
+    clock.now += 30
+    pulse.tick(2, 2)
+    assert lines[2] == (
+        "streaming 2 of 2 sessions: 0 entries in 30s (0.0 entries/s, 0 in all), lag 0; "
+        "idle: the next line when entries flow, or in 600s"
+    )

@@ -51,7 +51,7 @@ def test_a_servers_error_quoting_an_applications_escape_sequence_is_printed_esca
     from airflow_provider_lr.cli.common import database_error
     from airflow_provider_lr.engine.errors import one_line
 
-    hostile = "\x1b]0;owned\x07\x1b[2J\x08\tx"  # retitle, clear, backspace; a tab
+    hostile = "\x1b]0;owned\x07\x1b[2J\x08\tx\x9b2J\u202e"  # retitle, clear, backspace; a tab; C1 CSI, bidi
     conn = sites[0].connect()
     with conn.cursor() as cur:
         cur.execute("CREATE TABLE public.k (k text PRIMARY KEY)")
@@ -61,14 +61,20 @@ def test_a_servers_error_quoting_an_applications_escape_sequence_is_printed_esca
     conn.close()
     assert "\x1b" in str(refused.value)  # what the server says, raw
     for shown in (one_line(refused.value), database_error(refused.value)):
-        assert not any(c < " " or c == "\x7f" for c in shown), repr(shown)
-        assert "(\\x1b]0;owned\\x07\\x1b[2J\\x08 x) already exists" in shown, shown
+        assert not any(c < " " or "\x7f" <= c <= "\x9f" or c == "\u202e" for c in shown), repr(shown)
+        assert "(\\x1b]0;owned\\x07\\x1b[2J\\x08 x\\x9b2J\\u202e) already exists" in shown, shown
 
 
 def test_lr_init_refuses_a_control_character_in_a_region_and_a_bad_site_id_as_usage(sites, capsys):
     """``--region 'r\\n1'`` was recorded (a line of its own wherever a region is printed);
     ``--site-id 'X Y'`` was refused after connecting, exit 1. Now both exit 2 before any site."""
-    for option, value in (("--region", "r\n1"), ("--region", "eu\x1b[31m"), ("--site-id", "X Y")):
+    for option, value in (
+        ("--region", "r\n1"),
+        ("--region", "eu\x1b[31m"),
+        ("--region", "eu\x9b31m"),  # the C1 CSI: what ESC [ is to a terminal
+        ("--region", "eu\u202e1r"),  # a bidi override: the rest of the line printed backwards
+        ("--site-id", "X Y"),
+    ):
         with pytest.raises(SystemExit) as exited:
             cli.main(["init", "--site", "host=127.0.0.1 port=1", "--site-id", "x", option, value])
         assert exited.value.code == 2 and f"argument {option}" in capsys.readouterr().err

@@ -36,7 +36,14 @@ from airflow_provider_lr.engine.db.timeouts import (
     Timeouts,
     deadline_for,
 )
-from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, mask_secrets, one_line
+from airflow_provider_lr.engine.errors import (
+    SHOWN_CHARS,
+    ConfigurationError,
+    SiteUnreachableError,
+    mask_secrets,
+    one_line,
+    shown,
+)
 from airflow_provider_lr.paths import home_unset_hint, lr_home
 
 CONNECTIONS_FILE_ENV = "LR_CONNECTIONS_FILE"
@@ -423,8 +430,9 @@ def resolve(target: str) -> ConnInfo:
         if found is not None:
             return found
     unset = "" if os.environ.get(CONNECTIONS_FILE_ENV) else home_unset_hint(connections_file())
+    env = f"AIRFLOW_CONN_{target.upper()}" if len(target) <= SHOWN_CHARS else "AIRFLOW_CONN_<ID>"
     raise ConfigurationError(
-        f"unknown site or connection {target!r}: give a DSN, set AIRFLOW_CONN_{target.upper()}, "
+        f"unknown site or connection {shown(target)}: give a DSN, set {env}, "
         f"add it to {connections_file()} (`lr sites up` writes embedded sites there), or create it "
         f"in Airflow (read when Airflow is installed here and $AIRFLOW_HOME is set){asked}"
         + (f"; {unset}" if unset else "")

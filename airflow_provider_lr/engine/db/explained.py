@@ -4,6 +4,9 @@ schema is missing, before the error itself."""
 
 from __future__ import annotations
 
+import psycopg2
+from psycopg2.extensions import parse_dsn
+
 from airflow_provider_lr.engine.errors import error_line
 
 # SQLSTATEs of the bounds (``timeouts``), and what each means for the session (one line each)
@@ -15,6 +18,24 @@ _EXPLAINED = {
 # undefined table, schema, function: of lr's own schema, the site was never `lr init`ed or is older
 _MISSING = {"42P01", "3F000", "42883"}
 _NOT_INSTALLED = "the site has no lr schema, or an older one than this lr: run `lr init` on it"
+_PRIVILEGE = "42501"  # insufficient_privilege
+
+
+def _not_allowed(exc: BaseException) -> str:
+    """A step refused a privilege: who asked, and which steps need the owner. A failover run by
+    ``lr_failover`` over replicator logins (as docs/security.md advises for the DAGs) failed with
+    ``permission denied for table failovers`` and nothing said why."""
+    conn = getattr(exc, "lr_connection", None) or getattr(getattr(exc, "cursor", None), "connection", None)
+    try:  # its DSN is kept after a close (the step's connections are closed by the time it is said)
+        user = parse_dsn(conn.dsn).get("user") if conn is not None else None
+    except (psycopg2.Error, AttributeError):
+        user = None
+    who = f"role {user!r}" if user else "this connection's role"
+    return (
+        f"{who} lacks a privilege this step needs: a failover, a rejoin, `lr init`, `lr topology apply` and "
+        "`lr roles` run as the owner of the lr schema, a replicator of federated tables needs their grants "
+        "(docs/security.md)"
+    )
 
 
 def explain(exc: BaseException | None) -> str | None:
@@ -40,6 +61,8 @@ def explain(exc: BaseException | None) -> str | None:
                 return _NOT_INSTALLED
         elif code in _EXPLAINED:
             return _EXPLAINED[code]
+        elif code == _PRIVILEGE:
+            return _not_allowed(exc)
         exc = exc.__cause__
     return None
 

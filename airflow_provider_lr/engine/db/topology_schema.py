@@ -25,7 +25,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import ValidationError
 from psycopg2.extensions import parse_dsn
 
-from airflow_provider_lr.engine.errors import ConfigurationError, one_line
+from airflow_provider_lr.engine.errors import CONTROL_CHARS, ConfigurationError, one_line
 
 # Names become SQL literals, stream tags, queue names and file names: one pattern each, matched
 # with fullmatch (``re.match`` with ``$`` lets a trailing newline through).
@@ -33,8 +33,8 @@ SITE_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 CLIENT_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
 PROVIDER_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 # Text lr records and prints but never parses (a region, a connection id, a reason): one line, no
-# C0 control character or DEL (``errors.is_control``); a region "r1\nsite-b: ..." printed a line of its own.
-_PRINTABLE = r"[^\x00-\x1f\x7f]"
+# control character (``errors.CONTROL_CHARS``); a region "r1\nsite-b: ..." printed a line of its own.
+_PRINTABLE = f"[^{CONTROL_CHARS}]"
 ONE_LINE_PATTERN = re.compile(_PRINTABLE + "*")
 PRINTABLE_PATTERN = re.compile(_PRINTABLE + "{1,63}")  # a region
 MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
@@ -174,7 +174,7 @@ _SECRET = re.compile(r"(?i)((?:\b|(?<=ssl))password\s*=)|(^[a-z][a-z0-9+.-]*://[
 _SECRET_KEYS = frozenset(("password", "sslpassword"))  # libpq's: a login's, a client key's passphrase
 
 
-def _holds_password(conn_id: str) -> bool:
+def holds_password(conn_id: str) -> bool:
     """Whether ``conn_id`` is a DSN that carries a password: as libpq reads it (a URI's query keys are
     percent-decoded), else by its text (a DSN libpq cannot parse may still hold one)."""
     try:
@@ -301,7 +301,7 @@ def validate(doc: Any, origin: Origin | None = None) -> None:
     if errors:
         raise _explain(errors[0], origin)
     for index, site in enumerate(doc["sites"]):
-        if "conn_id" in site and _holds_password(site["conn_id"]):
+        if "conn_id" in site and holds_password(site["conn_id"]):
             raise origin.error(
                 ["sites", index, "conn_id"],
                 "holds a password; name an Airflow connection or an "

@@ -32,6 +32,7 @@ from airflow_provider_lr.engine.errors import (
     one_line,
     require_counts,
     require_site_ids,
+    shown,
 )
 from airflow_provider_lr.engine.notify import NotifyChannel
 from airflow_provider_lr.engine.sink.delivery_transaction import delivery_connection
@@ -103,7 +104,7 @@ class Demand:
             raise ConfigurationError(f"client_name is required: the client whose queues to consume, not {client!r}")
         if not valid_client_name(client):  # it delivered nothing, silently, for ever
             raise ConfigurationError(
-                f"client_name {client!r} cannot be a client: a topology's client names are letters, digits, '_' "
+                f"client_name {shown(client)} cannot be a client: a topology's client names are letters, digits, '_' "
                 "and '-' (at most 63 characters), so none of its queues could ever be found"
             )
         return cls(client, None if sources is None else frozenset(require_site_ids("sources", sources)))

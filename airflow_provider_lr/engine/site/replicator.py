@@ -253,16 +253,20 @@ class Replicator:
                 break
             self._used[key.source] = self._used[key.sink] = time.monotonic()
             self._turn_ends = time.monotonic() + self.cycle_slice
+            raised: Exception | None = None
             try:
                 report = self._cycle(key)
             except Exception as exc:  # one session's failure must not stop the others
-                report = CycleReport(str(key), error=failure(exc))
-                times = self.failures.due(str(key), report.error) if self.failures else None
-                if times:
-                    log.warning(
-                        "session %s failed: %s", key, report.error if times == 1 else still_failing(times, report.error)
-                    )
-                self._recover(key, report.error, exc)
+                report, raised = CycleReport(str(key), error=failure(exc)), exc
+            # a refusal is said as a raised failure is: a session refused run after run (a failover
+            # while lr_streaming streamed, its file now stale) logged only "failed N time(s) in a row"
+            times = self.failures.due(str(key), report.error) if self.failures and report.error else None
+            if times:
+                log.warning(
+                    "session %s failed: %s", key, report.error if times == 1 else still_failing(times, report.error)
+                )
+            if raised is not None:
+                self._recover(key, report.error, raised)
             if not report.error and self.failures:
                 self.failures.cleared(str(key))
             report.delivered += teed.get(str(key), 0)

@@ -19,7 +19,6 @@ identifiers, values literals), so ``render`` prints exactly what runs.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -28,12 +27,12 @@ import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
 
-from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError, is_control, listing, one_line
+from airflow_provider_lr.engine.db.topology_schema import valid_client_name
+from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError, is_control, listing, one_line, shown
 from airflow_provider_lr.engine.store.topology import applied_document
 
 KINDS = ("replicator", "writer", "consumer")
 ROLES_SCHEMA_VERSION = 6  # lr.role_grants and the policies
-CLIENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")  # as lr.clients' CHECK
 MAX_ROLE_NAME_BYTES = 63  # NAMEDATALEN - 1: PostgreSQL would truncate a longer name silently
 
 
@@ -129,7 +128,7 @@ def check_request(kind: str, role: str, clients: Sequence[str]) -> list[str]:
         raise ConfigurationError(f"unknown role kind {kind!r}; one of {', '.join(KINDS)}")
     if not role or len(role.encode()) > MAX_ROLE_NAME_BYTES or any(map(is_control, role)):
         raise ConfigurationError(
-            f"invalid role name {role!r}: 1 to {MAX_ROLE_NAME_BYTES} bytes, no control characters (a newline "
+            f"invalid role name {shown(role)}: 1 to {MAX_ROLE_NAME_BYTES} bytes, no control characters (a newline "
             "would break every line lr prints about the role)"
         )
     unique = list(dict.fromkeys(clients))
@@ -139,9 +138,11 @@ def check_request(kind: str, role: str, clients: Sequence[str]) -> list[str]:
         return [""]
     if not unique:
         raise ConfigurationError(f"a {kind} is the {kind} of a client: give --client NAME")
-    bad = [c for c in unique if not CLIENT_NAME.match(c)]
+    bad = [c for c in unique if not valid_client_name(c)]  # a pattern's '$' let "policy\n" through
     if bad:
-        raise ConfigurationError(f"invalid client name(s) {listing(bad)}: letters, digits, '-' or '_', at most 63")
+        raise ConfigurationError(
+            f"invalid client name(s) {', '.join(map(shown, bad))}: letters, digits, '-' or '_', at most 63"
+        )
     return unique
 
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.db.schema import site_identity
-from airflow_provider_lr.engine.errors import ConfigurationError, TransmitError, listing, require_counts
+from airflow_provider_lr.engine.db.topology_schema import valid_client_name
+from airflow_provider_lr.engine.errors import ConfigurationError, TransmitError, listing, require_counts, shown
 from airflow_provider_lr.engine.source import moved
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store.topology import applied_document, applied_max_payload_bytes
@@ -114,8 +115,11 @@ class LogWriter:
                 f"the client writes in the application's own transaction: give its open psycopg2 connection, "
                 f"not a {type(conn).__name__} (a DSN or site id names a site; connect to it first)"
             )
-        if not isinstance(client_name, str) or not client_name.replace("_", "").replace("-", "").isalnum():
-            raise TransmitError(f"invalid client name {client_name!r}: use letters, digits, '-' or '_'")
+        if not valid_client_name(client_name):  # as the topology's: str.isalnum let 'pólicy' and any length by
+            raise TransmitError(
+                f"invalid client name {shown(client_name)}: a topology's client names are ASCII letters, "
+                "digits, '-' or '_' (not first), at most 63 characters"
+            )
         require_counts(max_payload_bytes=max_payload_bytes)
         self.conn = conn
         self.client_name = client_name
@@ -261,7 +265,7 @@ class LogWriter:
                     f"{elsewhere}; nothing was written"
                 )
             raise TransmitError(
-                f"unknown destination(s) {unknown} for client {self.client_name!r} at source "
+                f"unknown destination(s) {', '.join(map(shown, unknown))} for client {self.client_name!r} at source "
                 f"{self.source_site_id!r}: the topology replicates it to {sorted(self._tag_ids)} "
                 f"(edit the topology and run `lr topology apply`); nothing was written"
             )

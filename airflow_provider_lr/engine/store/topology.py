@@ -24,7 +24,7 @@ from airflow_provider_lr.engine.db.conninfo import ConnInfo, resolve
 from airflow_provider_lr.engine.db.durability import check_rule
 from airflow_provider_lr.engine.db.timeouts import Timeouts
 from airflow_provider_lr.engine.db.topology_schema import Origin, read, validate
-from airflow_provider_lr.engine.errors import ConfigurationError, LRError, listing
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError, listing, shown
 from airflow_provider_lr.engine.vocabulary import SessionKey, receive_queue_name
 from airflow_provider_lr.paths import include_dir, lr_home, write_replacing
 
@@ -126,7 +126,7 @@ class Topology:
             return self.sites[site_id]
         except KeyError:
             raise ConfigurationError(
-                f"unknown site {site_id!r}; the topology knows {listing(sorted(self.sites))}"
+                f"unknown site {shown(site_id)}; the topology knows {listing(sorted(self.sites))}"
             ) from None
 
 

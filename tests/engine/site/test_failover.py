@@ -175,6 +175,24 @@ def test_a_stale_old_source_replicator_is_fenced_at_every_sink_after_failover(lr
     app.close()
 
 
+def test_a_replicator_reading_the_file_from_before_a_failover_says_why_in_its_log_once(lr_sites, caplog, tmp_path):
+    """A failover while `lr_streaming` streamed: the task's file predates it, every cycle is refused
+    (no exception: the handshake's verdict), and its log said only "session ... failed N time(s) in
+    a row; retried in 5.0s" until run_for ended. The refusal is said as a raised failure is: once."""
+    from airflow_provider_lr.engine.store import topology as stored
+
+    topo, app = _setup(lr_sites)
+    old = stored.load(stored.write_document(topo, tmp_path / "topology.yaml"))
+    failover.promote(failover.FailoverRequest(A, B), _connect(lr_sites), topology=topo)
+    stale = replicator(old, lr_sites, providers=PROVIDERS, sessions=[SessionKey(A, C, "policy")])
+    reports = stale.run_cycle() + stale.run_cycle()
+    stale.close()
+    assert "predates the failover" in reports[0].error and reports[1].error == reports[0].error
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "predates" in r.getMessage()]
+    assert said == [f"session {A}->{C}/policy failed: {reports[0].error}"], said
+    app.close()
+
+
 def test_failover_refuses_unknown_sites_non_sinks_and_an_unreachable_promoted_site(lr_sites):
     topo = apply(
         lr_sites,

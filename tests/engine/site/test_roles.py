@@ -652,6 +652,21 @@ def test_replicator_runs_cycles_full_syncs_status_and_trim(world):
                 cur.execute("UPDATE lr.topology SET topology_config_id = 'x'")
         finally:
             conn.close()
+    # nor fail over: lr_failover over replicator logins (the DAGs' connections docs/security.md
+    # advises) logged only `permission denied for table failovers`; the refusal now says who asked
+    # and that a failover runs as the owner, and nothing was done
+    from airflow_provider_lr.engine.db.explained import failure
+    from airflow_provider_lr.engine.site import failover
+
+    with pytest.raises(DENIED) as refused:
+        failover.promote(
+            failover.FailoverRequest("site-a", "site-b", reason="drill"),
+            lambda site_id: connect_as(next(s for s in world.sites if s.site_id == site_id), world.replicator),
+            topology=world.topo,
+        )
+    said = failure(refused.value)
+    assert f"role '{world.replicator}' lacks a privilege this step needs: a failover" in said, said
+    assert "owner of the lr schema" in said and sink.query("SELECT count(*) FROM lr.failovers") == [(0,)]
     # a federated table whose row-level security applies to the replicator: PostgreSQL filtered its
     # snapshot read silently (the sinks got none of its rows, said synced); the session now fails
     # naming the policy to add, and goes on once it is there
@@ -1012,6 +1027,14 @@ def test_a_role_name_that_cannot_be_said_on_one_line_is_refused(name):
     lines (one that reads like another grant). Control characters are refused with the rest."""
     with pytest.raises(ConfigurationError, match="invalid role name"):
         roles.check_request("consumer", name, ["alpha"])
+
+
+@pytest.mark.parametrize("client", ["policy\n", "pólicy", "-policy", "p" * 64])
+def test_a_client_name_no_topology_can_hold_is_refused_as_the_topology_refuses_it(client):
+    """The grant's own pattern ended in ``$``, which lets a final newline through: ``--client
+    'policy\n'`` passed the check. The topology's names are matched whole; so is a grant's."""
+    with pytest.raises(ConfigurationError, match="invalid client name"):
+        roles.check_request("consumer", "app_sink", [client])
 
 
 def test_roles_need_the_v6_schema(sites):

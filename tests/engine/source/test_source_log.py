@@ -168,6 +168,17 @@ def test_bad_input_is_refused_clearly_and_nothing_is_written(source, dests, payl
     assert payloads(drain(LogReader(source.connect(), dests[0]))[0]) == [b"good"]
 
 
+def test_a_client_name_no_topology_can_hold_is_refused_when_the_client_is_made_and_said_short(source):
+    """The writer checked a client name with ``str.isalnum``: 'pólicy' (any Unicode letter), a
+    leading '-' and any length passed, and a transmit then said the client was not in the topology,
+    quoting a 100,000-character name whole. Now the topology's own rule, at construction."""
+    conn = app_conn(source)
+    for client in ("pólicy", "-policy", "p" * 100_000, "policy\n"):
+        with pytest.raises(TransmitError, match="invalid client name") as refused:
+            RoutingQueueClient(conn, client)
+        assert len(str(refused.value)) < 300 and "\n" not in str(refused.value), client[:10]
+
+
 def test_destinations_given_as_a_generator_or_a_set_reach_those_sinks_and_later_lists_too(source, dests):
     """The writer read a generator of destinations twice: once for its cache key, once to check it,
     which found it exhausted. The entry was stored addressed to nobody (a ticket returned, the payload
@@ -180,6 +191,7 @@ def test_destinations_given_as_a_generator_or_a_set_reach_those_sinks_and_later_
         (b"a list after it", list(dests)),
         (b"an iterator", iter(reversed(dests))),
         (b"a set", set(dests)),
+        (b"a sink named twice", [dests[0], dests[1], dests[0]]),  # once per sink: one tag, one delivery
     ]
     tickets = [client.transmit_log_entry_message(p, d) for p, d in sent]
     assert all(t.destinations == tuple(sorted(dests)) for t in tickets), tickets
