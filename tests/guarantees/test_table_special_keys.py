@@ -176,6 +176,9 @@ def test_a_both_ways_table_whose_unique_values_site_b_swapped_takes_site_bs_snap
         streaming.streaming()
         wait_for(lambda: rows(b, "public.members") == rows(a, "public.members"), 30, "the snapshot at site-b")
     federate(b, "public.members", client="back")
+    # site-a's own rows refer to the swapped ones (a foreign key checked at once)
+    a.query("CREATE TABLE public.member_notes (id int PRIMARY KEY, member int REFERENCES public.members (id))")
+    a.query("INSERT INTO public.member_notes VALUES (1, 1), (2, 2)")
     b.query("UPDATE public.members SET email = 'tmp' WHERE id = 1")
     b.query("UPDATE public.members SET email = 'x' WHERE id = 2")
     b.query("UPDATE public.members SET email = 'y', v = 'b' WHERE id = 1")
@@ -186,3 +189,4 @@ def test_a_both_ways_table_whose_unique_values_site_b_swapped_takes_site_bs_snap
         streaming.streaming()
         assert not [r.error for r in streaming.cycles if r.error]
     assert a.query("SELECT id, email FROM public.members ORDER BY id") == [(1, "y"), (2, "x"), (3, "w"), (4, "z")]
+    assert a.query("SELECT id, member FROM public.member_notes ORDER BY id") == [(1, 1), (2, 2)]
