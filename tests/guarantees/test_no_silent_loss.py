@@ -257,3 +257,15 @@ def test_a_session_removed_from_the_topology_releases_its_open_full_sync_for_saf
     conn.close()
     repl.close()
     app.close()
+    # site-c's row of the removed session (kept until pruned) stands behind the trim mark: lr status
+    # stays healthy (it said degraded, "not ready (behind trim)", until the row was pruned)
+    from airflow_provider_lr.engine.site import status
+
+    found = {}
+    for site in lr_sites:
+        conn = site.connect()
+        found[site.site_id] = status.site_status(conn, site.site_id)
+        conn.close()
+    (removed,) = [s for s in found["site-c"].sessions if s["sink_site_id"] == "site-c"]
+    assert status.readiness(removed, found["site-a"].trim_mark) == "not ready (behind trim)"
+    assert status.health(found, topology=topo) == (status.HEALTHY, [])

@@ -151,3 +151,42 @@ def test_a_both_ways_table_keyed_by_jsonb_keeps_the_sinks_own_unsent_rows_throug
         streaming.streaming()
         assert not [r.error for r in streaming.cycles if r.error]
     assert {t: rows(b, t) for t in keys} == at_b
+
+
+def test_a_both_ways_table_whose_unique_values_site_b_swapped_takes_site_bs_snapshot_at_site_a(lr_sites):
+    """public.members (email UNIQUE) is federated site-a -> site-b (policy); site-b opens its copy back
+    to site-a (client back), swaps two emails through a temporary one and moves a third to a new
+    row before back's first snapshot, which site-a takes without the swap (the swap's entries follow the snapshot's split).
+    site-a ends with site-b's rows and back streams. Before, the snapshot's upsert wrote row 1's new
+    email while row 2 still held it: `duplicate key value violates unique constraint`, on every cycle,
+    for good."""
+    a, b, _ = lr_sites
+    topo = apply(
+        lr_sites,
+        [
+            {"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]},
+            {"source": "site-b", "sinks": ["site-a"], "clients": ["back"]},
+        ],
+    )
+    a.query("CREATE TABLE public.members (id int PRIMARY KEY, email text NOT NULL UNIQUE, v text)")
+    a.query("INSERT INTO public.members VALUES (1, 'x', 'a'), (2, 'y', 'a'), (3, 'z', 'a')")
+    federate(a, "public.members")
+    policy = SessionKey("site-a", "site-b", "policy")
+    with Streaming(replicator(topo, lr_sites, sessions=[policy]), FAST) as streaming:
+        streaming.streaming()
+        wait_for(lambda: rows(b, "public.members") == rows(a, "public.members"), 30, "the snapshot at site-b")
+    federate(b, "public.members", client="back")
+    # site-a's own rows refer to the swapped ones (a foreign key checked at once)
+    a.query("CREATE TABLE public.member_notes (id int PRIMARY KEY, member int REFERENCES public.members (id))")
+    a.query("INSERT INTO public.member_notes VALUES (1, 1), (2, 2)")
+    b.query("UPDATE public.members SET email = 'tmp' WHERE id = 1")
+    b.query("UPDATE public.members SET email = 'x' WHERE id = 2")
+    b.query("UPDATE public.members SET email = 'y', v = 'b' WHERE id = 1")
+    b.query("UPDATE public.members SET email = 'w' WHERE id = 3")  # and z moves to a new row
+    b.query("INSERT INTO public.members VALUES (4, 'z', 'b')")
+    with Streaming(replicator(topo, lr_sites), FAST) as streaming:
+        wait_for(lambda: rows(a, "public.members") == rows(b, "public.members"), 30, "site-b's rows at site-a")
+        streaming.streaming()
+        assert not [r.error for r in streaming.cycles if r.error]
+    assert a.query("SELECT id, email FROM public.members ORDER BY id") == [(1, "y"), (2, "x"), (3, "w"), (4, "z")]
+    assert a.query("SELECT id, member FROM public.member_notes ORDER BY id") == [(1, 1), (2, 2)]

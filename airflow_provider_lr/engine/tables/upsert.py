@@ -12,6 +12,14 @@ UPDATE``) set such a column other than to ``DEFAULT``. So an upsert leaves it ou
 and a row whose value there differs from the source's (``UPDATE ... SET ref = DEFAULT`` at the source,
 another origin's row under the same key) is deleted first (``moved``) and inserted with the source's.
 A table without such columns gets the statements it always had.
+
+A snapshot's rows may hold a ``UNIQUE`` value another of its rows holds at the sink (the sending
+site swapped two values, or moved one to a new row, before the snapshot was read; the sink has not
+had those changes, which follow the snapshot's split). Written row by row, the first such row
+collides with the sink's row still holding its value, on every attempt, for good. So the sink's
+rows the snapshot rewrites with other values in a unique index's or exclusion constraint's
+columns are deleted and inserted anew first, in one statement (``rewritten``): a foreign key that
+refers to them (``NO ACTION``) finds their keys again at its end.
 """
 
 from __future__ import annotations
@@ -36,6 +44,9 @@ def upsert_from(cur: psycopg2.extensions.cursor, target: Target, staging: sql.Co
     insert = sql.SQL("INSERT INTO {} ({}) OVERRIDING SYSTEM VALUE SELECT {} FROM {} s").format(
         d.table.ident, cols, cols, staging
     )
+    unique = unique_columns(cur, d)
+    if unique:
+        cur.execute(rewritten(d, staging, same, unique))
     cur.execute(
         "SELECT NOT indimmediate FROM pg_catalog.pg_index WHERE indrelid = %s::regclass AND indisprimary",
         (d.table.ident.as_string(cur),),
@@ -69,6 +80,47 @@ def upsert_from(cur: psycopg2.extensions.cursor, target: Target, staging: sql.Co
             )
         )
     return rows
+
+
+def unique_columns(cur: psycopg2.extensions.cursor, d: TableDefinition) -> list[str]:
+    """The columns of the sink table's unique indexes and exclusion constraints other than its
+    primary key (every column when one has an expression or a predicate); none: no such index."""
+    cur.execute(
+        "SELECT i.indexprs IS NOT NULL OR i.indpred IS NOT NULL, ARRAY(SELECT a.attname::text "
+        "FROM pg_catalog.pg_attribute a WHERE a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)) "
+        "FROM pg_catalog.pg_index i WHERE i.indrelid = %s::regclass AND NOT i.indisprimary "
+        "AND (i.indisunique OR i.indisexclusion)",
+        (d.table.ident.as_string(cur),),
+    )
+    found = cur.fetchall()
+    if any(opaque for opaque, _ in found):
+        return [c for c in d.column_names if c not in d.key]
+    named = {c for _, columns in found for c in columns}
+    return [c for c in d.column_names if c in named and c not in d.key]
+
+
+def rewritten(d: TableDefinition, staging: sql.Composable, same: sql.Composable, unique: list[str]) -> sql.Composed:
+    """Delete the sink's rows (``x``) that ``staging`` (``s``) gives other values in ``unique`` and
+    insert them as ``staging`` has them, in one statement (see the module). The insert's rows are
+    read in the statement's snapshot, which still shows the deleted rows; the count of the delete's
+    rows, a one-time filter, runs the whole delete before the first insert."""
+    cols = sql.SQL(", ").join(map(sql.Identifier, d.column_names))
+    differs = sql.SQL("ROW({}) IS DISTINCT FROM ROW({})").format(
+        sql.SQL(", ").join(sql.SQL("x.{}").format(sql.Identifier(c)) for c in unique),
+        sql.SQL(", ").join(sql.SQL("s.{}").format(sql.Identifier(c)) for c in unique),
+    )
+    return sql.SQL(
+        "WITH lr_gone AS (DELETE FROM {t} x USING {s} s WHERE {same} AND {differs} RETURNING 1) "
+        "INSERT INTO {t} ({cols}) OVERRIDING SYSTEM VALUE SELECT {scols} FROM {s} s JOIN {t} x ON {same} "
+        "WHERE {differs} AND (SELECT pg_catalog.count(*) FROM lr_gone) >= 0"
+    ).format(
+        t=d.table.ident,
+        s=staging,
+        same=same,
+        differs=differs,
+        cols=cols,
+        scols=sql.SQL(", ").join(sql.SQL("s.{}").format(sql.Identifier(c)) for c in d.column_names),
+    )
 
 
 def moved(

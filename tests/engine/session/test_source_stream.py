@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 
 import psycopg2
 import psycopg2.extensions
+import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.faults import on_fault
@@ -277,3 +279,54 @@ def test_the_stream_waits_under_load_from_a_rate_that_grows_with_the_cores_it_ma
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     assert StreamSettings().busy_rate == 8000.0
     assert StreamSettings(busy_rate=500.0).busy_rate == 500.0  # as configured
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="source_stream._loop must end the stream once a join found its source connection closed "
+    "(source_stream.py is the lead's this round: the fix is proposed in the chaos14 report)",
+)
+def test_a_stream_whose_source_connection_was_cut_while_it_had_no_session_is_replaced_at_the_next_join(lr_sites):
+    """The stream's connection to its source is cut (``pg_terminate_backend``, a restart) while the
+    stream has no session (each handed back, reassigned): nothing of it notices until a session
+    joins, whose handshake finds it cut. That stream must end, so that the next join starts a new
+    one that connects anew. Before, it lived on with the dead connection: every later join of every
+    session of that source was refused with `InterfaceError: connection already closed`, and they
+    were carried by cycles for as long as the process ran (seen in a chaos run of `lr sync`)."""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SESSION, providers={"policy": "tests.support.session:empty_provider"})
+    writer = source.connect()
+    repl = replicator(topo, lr_sites, providers={"policy": empty_provider}, lease_seconds=30.0)
+    with Streaming(repl, FAST) as streaming:
+        streaming.streaming()
+        (stream,) = streaming.streamer.sources.values()
+        key = SessionKey("site-a", "site-b", "policy")
+        wait_for(lambda: key in stream.members, 10, "the session in the stream")
+        gate, join = threading.Event(), stream._join
+
+        def gated(k: SessionKey, lease) -> None:
+            gate.wait(30)  # the rejoin waits here, on the stream's thread, until the connection is cut
+            join(k, lease)
+
+        stream._join = gated  # type: ignore[method-assign]
+        stream.leave(key)  # the session leaves: the stream has none
+        wait_for(lambda: not stream.members, 10, "the session to leave the stream")
+        pid = stream.src.info.backend_pid
+        source.query("SELECT pg_terminate_backend(%s)", (pid,))
+        wait_for(lambda: not source.query("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)), 10, "the cut")
+        gate.set()
+
+        def closed() -> int:
+            return sum("connection already closed" in e.error for e in streaming.streamer.ends if e.session == str(key))
+
+        wait_for(lambda: stream.finished or closed() >= 3, 20, "the stream to end, or its joins to be refused")
+        assert stream.finished, [e for e in streaming.streamer.ends if e.session == str(key)]
+        wait_for(
+            lambda: streaming.streamer.sources.get("site-a") not in (None, stream)
+            and key in streaming.streamer.sources["site-a"].members,
+            20,
+            "the session streaming in a new stream",
+        )
+        _transmit(writer, "policy", "after the cut", ["site-b"])
+        wait_for(lambda: sink_queue(sink_b, "policy") == [b"after the cut"], 10, "the entry after the cut")
+    writer.close()
