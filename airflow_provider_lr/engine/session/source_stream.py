@@ -153,6 +153,8 @@ class SourceStream:
         again = False  # the last round moved under a steady rate: read again without probing first
         while not halt.is_set():
             self._admit()
+            if self.src.closed:  # a join's handshake found it cut while no session read: a new stream connects
+                raise psycopg2.InterfaceError(f"the stream's connection to {self.source} was lost")
             self._outcomes(self.sinks.collect())  # writes left in flight by earlier rounds that ended
             if not self.members:
                 self._wake.wait(0.05)
@@ -293,14 +295,12 @@ class SourceStream:
                     raise
         return moved
 
-    def _ready(self) -> list[Member]:
-        """The sessions whose sink has no write in flight: those a round reads and writes for."""
+    def _ready(self) -> list[Member]:  # the sessions a round reads for: no write in flight to their sink
         busy = self.sinks.busy
         return [m for m in self.members.values() if m.key.sink not in busy]
 
     def _write(self, jobs: dict[str, list[tuple[Member, LogBatch]]]) -> None:
-        """Each sink's batches by its own writer, the sinks at once; then what each did. A write not
-        done within ``sink_patience`` is left in flight (``_ready``): a silent sink holds no other."""
+        """Each sink's batches by its writer, the sinks at once (one slow past ``sink_patience`` left in flight)."""
         apply = functools.partial(stream_writes.apply_site, source=self.source)
         self._outcomes(self.sinks.write(jobs, apply, self._patience()))
 

@@ -11,7 +11,6 @@ import time
 
 import psycopg2
 import psycopg2.extensions
-import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.faults import on_fault
@@ -281,11 +280,6 @@ def test_the_stream_waits_under_load_from_a_rate_that_grows_with_the_cores_it_ma
     assert StreamSettings(busy_rate=500.0).busy_rate == 500.0  # as configured
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="source_stream._loop must end the stream once a join found its source connection closed "
-    "(source_stream.py is the lead's this round: the fix is proposed in the chaos14 report)",
-)
 def test_a_stream_whose_source_connection_was_cut_while_it_had_no_session_is_replaced_at_the_next_join(lr_sites):
     """The stream's connection to its source is cut (``pg_terminate_backend``, a restart) while the
     stream has no session (each handed back, reassigned): nothing of it notices until a session
