@@ -9,7 +9,7 @@ from typing import Any
 from airflow.sdk import BaseOperator
 
 from airflow_provider_lr.engine.session import runner
-from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.site import queue_report
 from airflow_provider_lr.engine.source import trim
 from airflow_provider_lr.operators.common import site_connection
 
@@ -75,7 +75,7 @@ class LRReceiveQueueReportOperator(_SiteOperator):
 
     def execute(self, context: Any) -> dict[str, Any]:
         with self.connection() as conn:
-            queues = status.receive_queues(conn)
+            queues = queue_report.receive_queues(conn)
         for q in queues:
             stale = q["oldest_waiting_s"] > float(self.warn_after_seconds)
             (self.log.warning if stale or q["dead_letters"] else self.log.info)(

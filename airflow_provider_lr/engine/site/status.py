@@ -11,6 +11,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.errors import one_line
+from airflow_provider_lr.engine.site import queue_report
 from airflow_provider_lr.engine.site.status_sites import (
     closed_tables,
     cross_check,
@@ -21,7 +22,7 @@ from airflow_provider_lr.engine.source import delivery
 from airflow_provider_lr.engine.source.backlog import readiness, session_backlogs
 from airflow_provider_lr.engine.source.closed_tables import CLOSED_TABLE_ID_SCHEMA
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, holdback
-from airflow_provider_lr.engine.store import members, receive_queue, sink_sessions, source_sessions
+from airflow_provider_lr.engine.store import members, sink_sessions, source_sessions
 from airflow_provider_lr.engine.store.topology import Topology, TopologyDrift, config_id, drift
 from airflow_provider_lr.engine.tables import closed_notes, handover
 from airflow_provider_lr.engine.tables.targets import TableState
@@ -30,7 +31,6 @@ from airflow_provider_lr.engine.vocabulary import (
     RequestStatus,
     SessionKey,
     SessionState,
-    receive_queue_name,
 )
 
 _COLUMNS = (
@@ -162,7 +162,7 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
             for h in holdback(conn)
         ]
     if any(s["role"] == "sink" for s in result.sessions):
-        result.receive_queues = receive_queues(conn)
+        result.receive_queues = queue_report.receive_queues(conn)
     if version >= 8:
         result.tables = tables(conn)
     if version >= 10:
@@ -481,24 +481,3 @@ def sites_as_dict(
         **file,
         "sites": sites,
     }
-
-
-# --- receive queues of a sink (maintenance checkpoints) -----------------------------------------
-def receive_queues(conn: psycopg2.extensions.connection) -> list[dict]:
-    """Per receive queue on this sink: entries waiting for subscribers, snapshot entries not yet
-    applied, the age of the oldest waiting message, and dead letters."""
-    with conn.cursor() as cur:
-        rows = receive_queue.queue_report(cur)
-    conn.commit()
-    return [
-        {
-            "queue": receive_queue_name(client, source),
-            "source": source,
-            "client": client,
-            "waiting": waiting,
-            "unapplied_snapshot": unapplied,
-            "oldest_waiting_s": round(age, 1),
-            "dead_letters": dead,
-        }
-        for source, client, waiting, unapplied, age, dead in rows
-    ]
