@@ -11,8 +11,8 @@ flight* (``busy``) while the stream goes on with the others, and what its write 
 when it ends (``collect``), so one slow or silent sink does not hold the source's other sinks
 (native logical replication has a sender per subscriber). A use of a busy site's connection by
 the stream waits for its write first; the stream's own questions to a site (``ask``: the acks' WAL
-positions, the tables check) are asked by its writer with the same patience. A call to a site that does not answer is cut at
-``deadline_s`` (``StreamSettings.sink_deadline``): that site's sessions fail. Such a site (a call
+positions, the tables check) are asked by its writer with the same patience. A call to a site that
+does not answer is cut at ``deadline_s`` (``StreamSettings.sink_deadline``): that site's sessions fail. Such a site (a call
 cut, a connect that timed out) is not waited for again for ``deadline_s``: the stream's next use of
 it (another of its sessions, the acks' flush positions, a join) fails at once.
 """

@@ -296,16 +296,17 @@ class ChangeApplier:
 
     def flush(self) -> None:
         """Apply the runs (or TRUNCATEs) queued, in order, in one round trip. The changes travel as
-        their JSON text (UTF-8, as captured) where the connection allows (``_as_text``), not as
+        their JSON text (UTF-8, as captured) on a UTF8 connection (lr's own are), not as
         bytea: a hex escape doubled every value in the statement (a 50 MB row: ~150 MB more)."""
         self._clear()
         runs, self.runs, self.bytes = self.runs, [], 0
         if runs:
-            doc = bytes.decode if self._as_text() else psycopg2.Binary
+            as_text = self.cur.connection.encoding in _UTF8  # else its encoding may not hold every character
+            doc = bytes.decode if as_text else psycopg2.Binary
             self._send(
                 *(
                     self.cur.mogrify(
-                        self._statement(run),
+                        self._statement(run, as_text),
                         {"docs": [doc(m) for m in run.docs], "lo": run.lo, "hi": run.hi, "text": list(run.text)},
                     )
                     for run in runs
@@ -318,9 +319,8 @@ class ChangeApplier:
         if self.statements is not None:
             self.statements += statements
             return
-        statement = statements[0] if len(statements) == 1 else b";\n".join(statements)
         try:
-            self.cur.execute(statement)
+            self.cur.execute(b";\n".join(statements))  # (one statement: joined, it is not copied)
         except (psycopg2.OperationalError, psycopg2.InterfaceError):
             raise  # the sink went away (or a deadlock): not the data's fault, the caller retries as ever
         except psycopg2.Error as exc:
@@ -332,18 +332,12 @@ class ChangeApplier:
                 f"{refusal_fix(exc)}, and the next cycle applies the batch"
             ) from exc
 
-    def _statement(self, run: Run) -> str:
+    def _statement(self, run: Run, as_text: bool) -> str:
         target = self.targets[run.tid]
         assert target is not None
         t = target
-        as_text = self._as_text()
         key = (t.definition, t.source, t.primary, t.shared, t.deferrable_key, t.always, run.op, run.text, run.absent)
         return self.lookup.statement((*key, as_text), lambda: compose(target, run, as_text))
-
-    def _as_text(self) -> bool:
-        """Whether the changes travel as text: on a UTF8 connection (lr's own take UTF8) their JSON
-        is sent as it is; on another, whose encoding may not hold every character, as bytea."""
-        return self.cur.connection.encoding in _UTF8
 
     def _where(self) -> str:
         assert self._here is not None
