@@ -156,7 +156,7 @@ class ConnInfo:
                 "is the server up? (`lr sites list` for embedded sites)"
             ) from exc
         conn.server = server
-        conn.describe()  # its host and port, kept for messages once it is closed
+        conn.opened()  # what other threads and messages ask of it later, noted on this thread
         conn.deadline_s = deadline_for(self.timeouts, purpose, self.params)
         conn.site = self.site_id or self.conn_id
         if purpose is not Purpose.APPLICATION:

@@ -25,17 +25,20 @@ CUT: dict[tuple[str, str, str], dict[int, float]] = {}
 
 
 def server(conn: psycopg2.extensions.connection) -> tuple[str, str, str]:
-    """The server (host, port, database) ``conn`` reached."""
+    """The server (host, port, database) ``conn`` reached: noted when lr opened it (any thread may
+    ask then: ``BoundedConnection.opened``), else asked of libpq (its own thread only)."""
+    known = getattr(conn, "identity", None)
+    if known is not None:
+        return known
     info = conn.info
     return (str(info.host), str(info.port), str(info.dbname))
 
 
 def record(conn: psycopg2.extensions.connection) -> None:
     """``conn``'s call was just cut: its backend is to be ended on the next connection there."""
-    try:
-        CUT.setdefault(server(conn), {})[conn.info.backend_pid] = time.monotonic()
-    except psycopg2.Error:  # closed already: nothing known of it
-        pass
+    pid = getattr(conn, "backend_pid", 0)  # noted when lr opened it: the deadline thread asks no libpq
+    if pid:
+        CUT.setdefault(server(conn), {})[pid] = time.monotonic()
 
 
 def reap(conn: psycopg2.extensions.connection) -> None:

@@ -336,11 +336,7 @@ class Deadlines:
                 f" ({why})" if why else "",
             )
         orphans.record(conn)  # its backend, if it lives on behind a stalled link, is ended on the next connection
-        try:
-            with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-                sock.shutdown(socket.SHUT_RDWR)
-        except (OSError, psycopg2.Error):  # already closed
-            pass
+        conn.shut()
 
 
 DEADLINES = Deadlines()
@@ -415,20 +411,59 @@ class BoundedConnection(psycopg2.extensions.connection):
     cut_after_s = 0.0  # the deadline that cut it
     cut_earlier = ""  # cut at once: how its server was found unreachable earlier in the command (``reach``)
     server: str | None = None  # ``reach.key`` of its parameters
-    _where: str | None = None  # host:port, seen once open (closed, its info has none)
+    _where: str | None = None  # host:port, seen once open (``opened``)
+
+    identity: tuple[str, str, str] | None = None  # (host, port, database) reached, seen once open
+    backend_pid = 0  # its backend's pid, seen once open
+    _socket = -1  # a duplicate of its socket's descriptor, lr's own until ``close`` (``shut``)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.cursor_factory = BoundedCursor
+        self._socket_lock = threading.Lock()
+
+    def opened(self) -> None:
+        """Note, on the thread that opened it, what other threads ask of this connection later (the
+        deadline thread cutting a call, a heartbeat, messages once it is closed). They must not ask
+        libpq: its connection may be freed under them by ``close`` on the owner's thread (a crash
+        of the whole process), and libpq closes its socket when the link fails, so the descriptor's
+        number may by then be another connection's. The duplicate stays this socket's until
+        ``close``."""
+        info = self.info
+        self.identity, self.backend_pid = (str(info.host), str(info.port), str(info.dbname)), info.backend_pid
+        self._where = f"{info.host}:{info.port}"
+        self._socket = os.dup(self.fileno())
+
+    def shut(self) -> None:
+        """Shut this connection's socket down (from any thread): a call in progress fails at once
+        with the connection lost. Nothing once ``close`` ran."""
+        with self._socket_lock:
+            if self._socket < 0:
+                return
+            try:
+                with socket.socket(fileno=os.dup(self._socket)) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # no longer connected
+                pass
+
+    def close(self) -> None:
+        try:  # (a close waits for a call in progress on another thread: ``shut`` may still end it)
+            super().close()
+        finally:
+            self._forget_socket()
+
+    def __del__(self) -> None:  # a connection dropped unclosed: its duplicate goes with it
+        self._forget_socket()
+
+    def _forget_socket(self) -> None:
+        if self._socket < 0:  # never opened (a failed connect has no lock either)
+            return
+        with self._socket_lock:
+            if self._socket >= 0:
+                os.close(self._socket)
+                self._socket = -1
 
     def describe(self) -> str:
-        if (
-            self._where is None and not self.closed
-        ):  # (``conninfo.connect`` asks at once: later a call may hold the lock)
-            try:
-                self._where = f"{self.info.host}:{self.info.port}"
-            except psycopg2.Error:
-                pass
         where = self._where or "?"
         return f"connection to site {self.site!r} ({where})" if self.site else f"connection to {where}"
 
