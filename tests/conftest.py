@@ -250,6 +250,22 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parents[1]
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """Airflow's DAG importer sets a Python handler for SIGSEGV and never puts back the one it
+    replaced (pytest's faulthandler): a crash of this process after a test parsed DAGs then spun
+    or died without a word. Re-armed here, a crash prints every thread's traceback."""
+    import faulthandler
+    import signal
+
+    from _pytest.faulthandler import fault_handler_stderr_fd_key
+
+    if callable(signal.getsignal(signal.SIGSEGV)) and fault_handler_stderr_fd_key in item.config.stash:
+        signal.signal(signal.SIGSEGV, signal.SIG_DFL)
+        faulthandler.disable()
+        faulthandler.enable(file=item.config.stash[fault_handler_stderr_fd_key], all_threads=True)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Stop what Spark tests left running while logging still works (py4j logs when collected)."""
     import sys
