@@ -66,6 +66,7 @@ from airflow_provider_lr.engine.site.failover_record import (
     keep_copy,
     reach,
     read_record,
+    refuse_unrejoined,
     try_connect,
 )
 from airflow_provider_lr.engine.site.failover_rejoin import RejoinResult, rejoin_site
@@ -206,6 +207,7 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
         )
         if record is None:  # before anything changes: the drain and the fences cannot be undone
             _check_consistent(new, from_site, to_site, wanted)
+            refuse_unrejoined(conns, to_site, sinks, wanted, target)
         # full syncs the operator asked of the old source for a sink: its new topology cancels them
         asked = _asked(old, sinks, wanted) if record is None and old is not None else {}
         if record is None and planned:

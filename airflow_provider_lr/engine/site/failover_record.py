@@ -16,7 +16,8 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.db.topology_schema import Origin
-from airflow_provider_lr.engine.errors import SiteUnreachableError, listing, one_line
+from airflow_provider_lr.engine.errors import LRError, SiteUnreachableError, listing, one_line
+from airflow_provider_lr.engine.store import sink_sessions, source_sessions
 from airflow_provider_lr.engine.store import topology as topology_model
 from airflow_provider_lr.engine.store.topology import Topology, recorded_id
 from airflow_provider_lr.engine.vocabulary import FailoverStatus
@@ -85,6 +86,29 @@ def try_connect(connect: Connect, site: str, conns: dict) -> psycopg2.extensions
         return None
     schema.require_current(conns[site], "a failover", schema.REPLICATION_SCHEMA)
     return conns[site]
+
+
+def refuse_unrejoined(conns: dict, new: str, sinks: list[str], clients: list[str], target: Topology) -> None:
+    """Refuse, before anything changes, a failover one of whose sinks is still the source of its
+    clients: an old source of an earlier failover, back and not rejoined (chained failovers). The
+    failover would reconcile it as a sink and give it its topology, and the rejoin, finding that
+    topology there, would do nothing: its federated tables stayed captured there, its writers'
+    changes accepted and sent nowhere, its copies never replaced by the new source's."""
+    for sink in sinks:
+        with conns[sink].cursor() as cur:
+            held = set(source_sessions.sessions_of(cur, clients))
+        conns[sink].commit()
+        stale = sorted(held - {(k.sink, k.client) for k in target.sessions(source=sink)})
+        if not stale:
+            continue
+        with conns[new].cursor() as cur:
+            went = sorted({to for (source, _), (to, _) in sink_sessions.failed_over(cur).items() if source == sink})
+        conns[new].commit()
+        raise LRError(
+            f"site {sink!r} is still the source of {', '.join(sorted({c for _, c in stale}))}"
+            + (f" (failed over to {listing(went)}, not rejoined since)" if went else "")
+            + f": rejoin it first (lr failover --rejoin {sink}), then run this failover again; nothing was done"
+        )
 
 
 # --- the record -------------------------------------------------------------------------------------
