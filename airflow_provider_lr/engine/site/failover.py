@@ -64,6 +64,8 @@ from airflow_provider_lr.engine.site.failover_record import (
     failovers,
     finished,
     keep_copy,
+    moved_request,
+    moving_requests,
     reach,
     read_record,
     refuse_unrejoined,
@@ -244,9 +246,11 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
             keep_copy(conns[sink], new, result.failover_id)  # the old source's rejoin, should this site be lost
             for client, note in result.outcome[sink].items():
                 if (sink, client) in asked and "full sync" not in note:
-                    reason = f"asked of {from_site} before the failover: {asked[sink, client]}"
+                    reason = f"asked of {from_site} before the failover: {asked[sink, client].reason or 'no reason'}"
                     full_sync.request_full_sync(new, sink, client, reason=reason, forced=True)
                     result.outcome[sink][client] = f"{note}; full sync from {to_site} requested ({reason})"
+                if (sink, client) in asked and old is not None:  # who waits for it follows it there
+                    moved_request(old, asked[sink, client].request_id, new, to_site, sink, client)
             fault_point("failover_after_reconcile")
         result.full_syncs = [
             str(SessionKey(to_site, s, c))
@@ -281,15 +285,17 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
                 conn.close()
 
 
-def _asked(old: psycopg2.extensions.connection, sinks: list[str], clients: list[str]) -> dict[tuple[str, str], str]:
-    """(sink, client) -> reason of each full sync forced at the old source (``lr full-sync``, the
-    lr_full_sync DAG) and not applied yet: the failover asks it of the new source instead."""
+def _asked(
+    old: psycopg2.extensions.connection, sinks: list[str], clients: list[str]
+) -> dict[tuple[str, str], full_sync.FullSyncRequest]:
+    """(sink, client) -> each full sync forced at the old source (``lr full-sync``, the lr_full_sync
+    DAG) and not applied yet: the failover asks it of the new source instead."""
     found = {}
     for sink in sinks:
         for client in clients:
             open_request = full_sync.open_request(old, sink, client)
             if open_request is not None and open_request.forced:
-                found[sink, client] = open_request.reason or "no reason given"
+                found[sink, client] = open_request
     return found
 
 
@@ -406,6 +412,7 @@ def _drain(
             granted = source_sessions.lock_epochs(cur, clients)
             # a table being opened at the old source (lr tables open) commits before this, or is refused after
             cur.execute("SELECT 1 FROM lr.clients WHERE client_name = ANY(%s) FOR NO KEY UPDATE", (clients,))
+            moving_requests(cur, sinks[0], sinks[1:], clients)  # with the topology that cancels them
         if recorded_id(old) != target.topology_config_id:
             apply_to_site(old, target, from_site, commit=False)
         with old.cursor() as cur:  # its tables' writers are refused from now on, as its routing-queue writers
