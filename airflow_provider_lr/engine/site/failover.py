@@ -60,6 +60,7 @@ from airflow_provider_lr.engine.site.failover_reconcile import reconcile
 from airflow_provider_lr.engine.site.failover_record import (
     Connect,
     FailoverResult,
+    asked_requests,
     complete,
     failovers,
     finished,
@@ -211,7 +212,7 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
             _check_consistent(new, from_site, to_site, wanted)
             refuse_unrejoined(conns, to_site, sinks, wanted, target)
         # full syncs the operator asked of the old source for a sink: its new topology cancels them
-        asked = _asked(old, sinks, wanted) if record is None and old is not None else {}
+        asked = asked_requests(old, sinks, wanted, None if record is None else to_site) if old is not None else {}
         if record is None and planned:
             assert old is not None
             _drain(old, conns, from_site, [to_site, *sinks], wanted, target, request.allow_table_divergence)
@@ -283,20 +284,6 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
         for conn in conns.values():
             if not conn.closed:
                 conn.close()
-
-
-def _asked(
-    old: psycopg2.extensions.connection, sinks: list[str], clients: list[str]
-) -> dict[tuple[str, str], full_sync.FullSyncRequest]:
-    """(sink, client) -> each full sync forced at the old source (``lr full-sync``, the lr_full_sync
-    DAG) and not applied yet: the failover asks it of the new source instead."""
-    found = {}
-    for sink in sinks:
-        for client in clients:
-            open_request = full_sync.open_request(old, sink, client)
-            if open_request is not None and open_request.forced:
-                found[sink, client] = open_request
-    return found
 
 
 def _fence(conn: psycopg2.extensions.connection, from_site: str, to_site: str, fid: str, clients: list[str]) -> None:

@@ -145,6 +145,33 @@ def moved_request(
     old.commit()
 
 
+def asked_requests(
+    old: psycopg2.extensions.connection, sinks: list[str], clients: list[str], resumed_to: str | None = None
+) -> dict[tuple[str, str], full_sync.FullSyncRequest]:
+    """(sink, client) -> each full sync forced at the old source (``lr full-sync``, the lr_full_sync
+    DAG) and not applied yet: the failover asks it of the new source instead. A re-run
+    (``resumed_to``: the new source) finds those a killed run's drain closed and did not ask there
+    (``moving_requests``): before, the re-run asked none, and the sink's full sync was lost."""
+    found = {}
+    for sink in sinks:
+        for client in clients:
+            if resumed_to is None:
+                request = full_sync.open_request(old, sink, client)
+            else:
+                with old.cursor() as cur:
+                    cur.execute(
+                        "SELECT request_id::text FROM lr.full_sync_requests WHERE forced AND sink_site_id = %s "
+                        "AND client_name = %s AND note = %s ORDER BY requested_at DESC LIMIT 1",
+                        (sink, client, f"failed over: asked of {resumed_to}"),
+                    )
+                    row = cur.fetchone()
+                old.commit()
+                request = full_sync.get_request(old, row[0]) if row else None
+            if request is not None and request.forced:
+                found[sink, client] = request
+    return found
+
+
 def moving_requests(cur: psycopg2.extensions.cursor, to_site: str, sinks: list[str], clients: list[str]) -> None:
     """A switchover's drain, in the transaction that applies the new topology on the old source: the
     full syncs forced there are closed as asked of ``to_site`` (``moved_request`` names the request
