@@ -21,6 +21,7 @@ from airflow_provider_lr.cli.common import (
 )
 from airflow_provider_lr.engine.errors import LRError, SiteUnreachableError, one_line
 from airflow_provider_lr.engine.session import lease
+from airflow_provider_lr.engine.site.failover_record import moved_to
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store import topology as topologies
@@ -60,14 +61,17 @@ def cmd_full_sync(args: argparse.Namespace) -> int:
         if key.sink in lost:
             print(f"  {key}: not applied: its sink {key.sink} does not answer ({lost[key.sink]}); not waited for")
             continue
-        silent = sources.silent.get(key.source)
+        at = sources.moved.get(key, key)
+        silent = sources.silent.get(at.source)
         if key not in outcomes:  # its source never answered a look
-            print(f"  {key}: not known to be applied: its source {key.source} does not answer ({silent})")
+            print(f"  {key}: not known to be applied: its source {at.source} does not answer ({silent})")
             continue
         found = outcomes[key]
         said = found.describe() if found is not None else "request gone"
+        if at != key:
+            said = f"failed over: asked of {at.source} as {at}: {said}"
         if silent and (found is None or not found.final):
-            said += f"; its source {key.source} did not answer the last look ({silent})"
+            said += f"; its source {at.source} did not answer the last look ({silent})"
         print(f"  {key}: {said}{workers.get(key, '')}")
     applied = all(
         k in outcomes and (f := outcomes[k]) is not None and f.outcome is full_sync.Outcome.APPLIED for k in waited
@@ -88,6 +92,7 @@ class _Sources:
         self.topo = topo
         self.conns: dict[str, psycopg2.extensions.connection] = {}
         self.silent: dict[str, str] = {}  # a source that did not answer its last look -> why
+        self.moved: dict[SessionKey, SessionKey] = {}  # a request a failover asked of the new source -> its session
 
     def each(
         self, source: str, keys: list[SessionKey], work: Callable[[psycopg2.extensions.connection, SessionKey], T]
@@ -131,9 +136,10 @@ def _who_works_on(sources: _Sources, keys: list[SessionKey]) -> dict[SessionKey,
     `lr sync` runs, lr_streaming is paused), and the session's last error (its sink unreachable,
     say), which a new user otherwise has to guess."""
     said: dict[SessionKey, str] = {}
-    for source in sorted({k.source for k in keys}):
+    back = {sources.moved.get(k, k): k for k in keys}  # a request a failover moved: its new session
+    for source in sorted({k.source for k in back}):
         try:
-            said.update(sources.each(source, keys, _works_on))
+            said.update({back[k]: why for k, why in sources.each(source, list(back), _works_on).items()})
         except (LRError, psycopg2.Error):  # the source is gone meanwhile: the outcome alone is said
             continue
     return said
@@ -160,23 +166,53 @@ def _wait_applied(sources: _Sources, requests: dict, timeout: float) -> dict:
     """Each request's outcome (``full_sync.outcome``) once it is final, or after ``timeout`` seconds:
     the last pause is cut at the deadline (a pause doubling to 5 s slept past it), and at most 1 s
     passes between two looks (on one connection per source, at the requests not final yet), so an
-    applied request is said soon."""
+    applied request is said soon. A request a failover asked of the new source instead is followed
+    there (``sources.moved``): before, the wait said the old one cancelled ('session removed from the
+    topology') or that no replicator held its session."""
     deadline, pause = time.monotonic() + timeout, 0.2
     found: dict = {}
+    ids = dict(requests)
+    where: dict[SessionKey, str] = {}  # the session a request is looked at on -> its id there
+    awaiting: set[SessionKey] = set()  # closed by a switchover's drain, not asked of the new source yet
+
+    def look(conn: psycopg2.extensions.connection, key: SessionKey) -> full_sync.RequestOutcome | None:
+        return full_sync.outcome(conn, where[key])
+
     while True:
-        open_ = [k for k in requests if k not in found or (found[k] is not None and not found[k].final)]
-        for source in sorted({k.source for k in open_}):
+        open_ = [k for k in ids if _still_open(found, awaiting, k)]
+        at = {k: sources.moved.get(k, k) for k in open_}  # where each request is looked at
+        where.update({at[k]: ids[k] for k in open_})
+        for source in sorted({key.source for key in at.values()}):
+            mine = [k for k in open_ if at[k].source == source]
             if unreachable(sources.topo, source):  # found silent in this command: not answering again
                 sources.silent.setdefault(source, unreachable(sources.topo, source) or "")
-                open_ = [k for k in open_ if k.source != source]
+                open_ = [k for k in open_ if k not in mine]
                 continue
-            found.update(sources.each(source, open_, lambda conn, k: full_sync.outcome(conn, requests[k])))
+            back = {at[k]: k for k in mine}
+            looked = sources.each(source, list(back), look)
+            found.update({back[key]: outcome for key, outcome in looked.items()})
+        for k in open_:
+            f = found.get(k)
+            went = (
+                moved_to(f.note) if f is not None and f.final and f.outcome is not full_sync.Outcome.APPLIED else None
+            )
+            awaiting.discard(k)
+            if went is not None and went[1] is None:  # a switchover under way: its request there comes next
+                awaiting.add(k)
+            elif went is not None:
+                sources.moved[k], ids[k] = SessionKey(went[0], k.sink, k.client), str(went[1])
+                del found[k]  # looked at again, at the new source
         left = deadline - time.monotonic()
         # a request not looked at yet (its source did not answer) is still open
-        if not any(k not in found or (found[k] is not None and not found[k].final) for k in open_) or left <= 0:
+        if not [k for k in open_ if _still_open(found, awaiting, k)] or left <= 0:
             return found
         time.sleep(min(pause, left))
         pause = min(pause * 2, 1.0)
+
+
+def _still_open(found: dict, awaiting: set[SessionKey], key: SessionKey) -> bool:
+    """Not looked at yet (its source did not answer), open, or moved by a switchover under way."""
+    return key not in found or key in awaiting or (found[key] is not None and not found[key].final)
 
 
 def add_full_sync(sub: argparse._SubParsersAction) -> None:

@@ -119,6 +119,35 @@ def test_a_planned_switchover_drains_the_old_source_then_refuses_its_writers(lr_
     app.close()
 
 
+def test_full_sync_wait_across_a_planned_switchover_follows_the_request_to_the_new_source(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """`lr full-sync --wait` asked of site-a, then site-a switched over to site-b: the switchover asks
+    the full sync of site-b instead, and the wait follows it there until it is applied. Before, the
+    wait said the request was cancelled ('session removed from the topology'), exit 1."""
+    site_a, site_b, _ = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    app = App(site_a)
+    assert cli.main(["sync", "--topology", topo, *SYNC]) == 0
+    App(site_b).close()  # site-b's provider's state
+    command = ["full-sync", "--topology", topo, "--sink", "site-c", "--reason", "audit", "--wait", "90"]
+    waited: list[int] = []
+    waiting = threading.Thread(target=lambda: waited.append(cli.main(command)), daemon=True)
+    waiting.start()
+    asked = "SELECT count(*) FROM lr.full_sync_requests WHERE sink_site_id = 'site-c' AND reason = 'audit'"
+    wait_for(lambda: site_a.query(asked) == [(1,)], 60, "the wait's request at site-a")
+    new = tmp_path / "after.yaml"
+    assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--out", str(new)]) == 0
+    assert cli.main(["sync", "--topology", str(new), *SYNC]) == 0
+    waiting.join(90)
+    out = capsys.readouterr().out
+    assert waited == [0], out
+    assert "site-a->site-c/policy: failed over: asked of site-b as site-b->site-c/policy: full sync " in out, out
+    assert " applied by " in out, out
+    app.close()
+
+
 def test_lr_failover_names_what_is_wrong(lr_sites, tmp_path, monkeypatch, capsys):
     topo = topology_file(tmp_path, lr_sites, monkeypatch)
     assert cli.main(["topology", "apply", "--topology", topo]) == 0

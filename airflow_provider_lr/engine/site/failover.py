@@ -60,12 +60,16 @@ from airflow_provider_lr.engine.site.failover_reconcile import reconcile
 from airflow_provider_lr.engine.site.failover_record import (
     Connect,
     FailoverResult,
+    asked_requests,
     complete,
     failovers,
     finished,
     keep_copy,
+    moved_request,
+    moving_requests,
     reach,
     read_record,
+    refuse_unrejoined,
     try_connect,
 )
 from airflow_provider_lr.engine.site.failover_rejoin import RejoinResult, rejoin_site
@@ -206,8 +210,9 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
         )
         if record is None:  # before anything changes: the drain and the fences cannot be undone
             _check_consistent(new, from_site, to_site, wanted)
+            refuse_unrejoined(conns, to_site, sinks, wanted, target)
         # full syncs the operator asked of the old source for a sink: its new topology cancels them
-        asked = _asked(old, sinks, wanted) if record is None and old is not None else {}
+        asked = asked_requests(old, sinks, wanted, None if record is None else to_site) if old is not None else {}
         if record is None and planned:
             assert old is not None
             _drain(old, conns, from_site, [to_site, *sinks], wanted, target, request.allow_table_divergence)
@@ -242,9 +247,11 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
             keep_copy(conns[sink], new, result.failover_id)  # the old source's rejoin, should this site be lost
             for client, note in result.outcome[sink].items():
                 if (sink, client) in asked and "full sync" not in note:
-                    reason = f"asked of {from_site} before the failover: {asked[sink, client]}"
+                    reason = f"asked of {from_site} before the failover: {asked[sink, client].reason or 'no reason'}"
                     full_sync.request_full_sync(new, sink, client, reason=reason, forced=True)
                     result.outcome[sink][client] = f"{note}; full sync from {to_site} requested ({reason})"
+                if (sink, client) in asked and old is not None:  # who waits for it follows it there
+                    moved_request(old, asked[sink, client].request_id, new, to_site, sink, client)
             fault_point("failover_after_reconcile")
         result.full_syncs = [
             str(SessionKey(to_site, s, c))
@@ -277,18 +284,6 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
         for conn in conns.values():
             if not conn.closed:
                 conn.close()
-
-
-def _asked(old: psycopg2.extensions.connection, sinks: list[str], clients: list[str]) -> dict[tuple[str, str], str]:
-    """(sink, client) -> reason of each full sync forced at the old source (``lr full-sync``, the
-    lr_full_sync DAG) and not applied yet: the failover asks it of the new source instead."""
-    found = {}
-    for sink in sinks:
-        for client in clients:
-            open_request = full_sync.open_request(old, sink, client)
-            if open_request is not None and open_request.forced:
-                found[sink, client] = open_request.reason or "no reason given"
-    return found
 
 
 def _fence(conn: psycopg2.extensions.connection, from_site: str, to_site: str, fid: str, clients: list[str]) -> None:
@@ -404,6 +399,7 @@ def _drain(
             granted = source_sessions.lock_epochs(cur, clients)
             # a table being opened at the old source (lr tables open) commits before this, or is refused after
             cur.execute("SELECT 1 FROM lr.clients WHERE client_name = ANY(%s) FOR NO KEY UPDATE", (clients,))
+            moving_requests(cur, sinks[0], sinks[1:], clients)  # with the topology that cancels them
         if recorded_id(old) != target.topology_config_id:
             apply_to_site(old, target, from_site, commit=False)
         with old.cursor() as cur:  # its tables' writers are refused from now on, as its routing-queue writers

@@ -52,8 +52,11 @@ def reconcile(
                 cut = result.positions[client]
                 row = sink_sessions.lock_reconcile(cur, old, client)
                 writes.discard_unapplied(cur, old, client)  # fenced: its unapplied sync and staged data never apply
-                if row is None:
-                    notes[client] = f"nothing of {old} held: first contact with {to} (full sync)"
+                if row is None:  # its tables registered from the old source move all the same (a rejoined old source)
+                    tables = handover.follow(cur, old, to, client, federated[client])
+                    notes[client] = f"nothing of {old} held: first contact with {to} (full sync)" + "".join(
+                        f"; table {name}: {what}" for name, what in tables.items()
+                    )
                     continue
                 last, consistent, applied, note, fid = row
                 if note is not None and str(fid) == result.failover_id:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,10 +17,12 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.db.topology_schema import Origin
-from airflow_provider_lr.engine.errors import SiteUnreachableError, listing, one_line
+from airflow_provider_lr.engine.errors import LRError, SiteUnreachableError, listing, one_line
+from airflow_provider_lr.engine.source import full_sync
+from airflow_provider_lr.engine.store import sink_sessions, source_sessions
 from airflow_provider_lr.engine.store import topology as topology_model
 from airflow_provider_lr.engine.store.topology import Topology, recorded_id
-from airflow_provider_lr.engine.vocabulary import FailoverStatus
+from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES_SQL, FailoverStatus, RequestStatus
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +88,108 @@ def try_connect(connect: Connect, site: str, conns: dict) -> psycopg2.extensions
         return None
     schema.require_current(conns[site], "a failover", schema.REPLICATION_SCHEMA)
     return conns[site]
+
+
+def refuse_unrejoined(conns: dict, new: str, sinks: list[str], clients: list[str], target: Topology) -> None:
+    """Refuse, before anything changes, a failover one of whose sinks is still the source of its
+    clients: an old source of an earlier failover, back and not rejoined (chained failovers). The
+    failover would reconcile it as a sink and give it its topology, and the rejoin, finding that
+    topology there, would do nothing: its federated tables stayed captured there, its writers'
+    changes accepted and sent nowhere, its copies never replaced by the new source's."""
+    for sink in sinks:
+        with conns[sink].cursor() as cur:
+            held = set(source_sessions.sessions_of(cur, clients))
+        conns[sink].commit()
+        stale = sorted(held - {(k.sink, k.client) for k in target.sessions(source=sink)})
+        if not stale:
+            continue
+        with conns[new].cursor() as cur:
+            went = sorted({to for (source, _), (to, _) in sink_sessions.failed_over(cur).items() if source == sink})
+        conns[new].commit()
+        raise LRError(
+            f"site {sink!r} is still the source of {', '.join(sorted({c for _, c in stale}))}"
+            + (f" (failed over to {listing(went)}, not rejoined since)" if went else "")
+            + f": rejoin it first (lr failover --rejoin {sink}), then run this failover again; nothing was done"
+        )
+
+
+# --- a full sync asked of the old source -----------------------------------------------------------
+_MOVED = re.compile(r"failed over: asked of (?P<site>[^\s;,]+)(?: as request (?P<request>[0-9a-f-]{36}))?")
+
+
+def moved_request(
+    old: psycopg2.extensions.connection,
+    request_id: str,
+    new: psycopg2.extensions.connection,
+    to_site: str,
+    sink: str,
+    client: str,
+) -> None:
+    """The old source's request, which the failover asked of ``to_site`` instead, names the request
+    there: ``lr full-sync --wait`` follows it (``moved_to``). Before, its topology's apply cancelled it
+    as 'session removed from the topology', and a wait said that, or that no replicator held it."""
+    there = full_sync.open_request(new, sink, client)
+    if there is None:
+        return
+    with old.cursor() as cur:
+        cur.execute(
+            "UPDATE lr.full_sync_requests SET status = %s, finished_at = coalesce(finished_at, now()), note = %s "
+            "WHERE request_id = %s AND status <> %s",
+            (
+                RequestStatus.CANCELLED,
+                f"failed over: asked of {to_site} as request {there.request_id}",
+                request_id,
+                RequestStatus.APPLIED,
+            ),
+        )
+    old.commit()
+
+
+def asked_requests(
+    old: psycopg2.extensions.connection, sinks: list[str], clients: list[str], resumed_to: str | None = None
+) -> dict[tuple[str, str], full_sync.FullSyncRequest]:
+    """(sink, client) -> each full sync forced at the old source (``lr full-sync``, the lr_full_sync
+    DAG) and not applied yet: the failover asks it of the new source instead. A re-run
+    (``resumed_to``: the new source) finds those a killed run's drain closed and did not ask there
+    (``moving_requests``): before, the re-run asked none, and the sink's full sync was lost."""
+    found = {}
+    for sink in sinks:
+        for client in clients:
+            if resumed_to is None:
+                request = full_sync.open_request(old, sink, client)
+            else:
+                with old.cursor() as cur:
+                    cur.execute(
+                        "SELECT request_id::text FROM lr.full_sync_requests WHERE forced AND sink_site_id = %s "
+                        "AND client_name = %s AND note = %s ORDER BY requested_at DESC LIMIT 1",
+                        (sink, client, f"failed over: asked of {resumed_to}"),
+                    )
+                    row = cur.fetchone()
+                old.commit()
+                request = full_sync.get_request(old, row[0]) if row else None
+            if request is not None and request.forced:
+                found[sink, client] = request
+    return found
+
+
+def moving_requests(cur: psycopg2.extensions.cursor, to_site: str, sinks: list[str], clients: list[str]) -> None:
+    """A switchover's drain, in the transaction that applies the new topology on the old source: the
+    full syncs forced there are closed as asked of ``to_site`` (``moved_request`` names the request
+    once made), not cancelled as 'session removed from the topology', which a wait read as final
+    before the request there was made. One a supply holds is left to the topology's apply."""
+    cur.execute(
+        "UPDATE lr.full_sync_requests SET status = %s, finished_at = now(), note = %s WHERE request_id IN ("
+        "SELECT request_id FROM lr.full_sync_requests WHERE forced AND sink_site_id = ANY (%s) "
+        f"AND client_name = ANY (%s) AND status IN {OPEN_STATUSES_SQL} FOR UPDATE SKIP LOCKED)",
+        (RequestStatus.CANCELLED, f"failed over: asked of {to_site}", sinks, clients),
+    )
+
+
+def moved_to(note: str) -> tuple[str, str | None] | None:
+    """(site, request id) a request's note names when a failover asked it there (``moved_request``);
+    (site, None) while the failover has not asked it yet (``moving_requests``)."""
+    found = _MOVED.search(note or "")
+    return (found["site"], found["request"]) if found else None
 
 
 # --- the record -------------------------------------------------------------------------------------

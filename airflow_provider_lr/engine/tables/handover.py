@@ -258,6 +258,7 @@ def follow(
             (new_source, name, old_source),
         )
         unlist_primary(cur, name)
+        _guard_again(cur, name, client, new_source)
         if state == TableState.CONFLICT:
             continue  # not federated here: the new source's snapshot records the conflict again
         sink_tables.record(
@@ -276,6 +277,18 @@ def follow(
         )
         done[name] = f"a snapshot from {new_source} replaces {old_source}'s rows at the next cycle"
     return done
+
+
+def _guard_again(cur: psycopg2.extensions.cursor, name: str, client: str, new_source: str) -> None:
+    """An earlier failover's old source (guarded, rejoined) whose table moves on to ``new_source``:
+    its guard names the site to write at, so it names the new source now. Left as it was, it sent
+    the site's writers to the failed-over site (chained failovers)."""
+    cur.execute(
+        "SELECT 1 FROM pg_catalog.pg_trigger WHERE tgrelid = to_regclass(%s) AND tgname = %s",
+        (TableName.parse(name).ident.as_string(cur), registry.guard_name("INSERT")),
+    )
+    if cur.fetchone() is not None:
+        registry.guard_writes(cur, TableName.parse(name), client, new_source)
 
 
 def retire(cur: psycopg2.extensions.cursor, client: str, new_source: str, tables: list[str] | None) -> list[str]:

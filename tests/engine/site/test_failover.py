@@ -16,7 +16,7 @@ import psycopg2
 import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
-from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, TransmitError
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError, SiteUnreachableError, TransmitError
 from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.site import failover, status
 from airflow_provider_lr.engine.site import topology as topologies
@@ -276,21 +276,38 @@ def test_chained_failovers_the_first_old_source_rejoins_from_a_sinks_copy_while_
     """site-a failed over to site-b, then site-b lost before site-a is back. The failover's record
     was on site-b only: site-a's rejoin found none, and the failover of site-b to site-c refused
     site-a (back, not rejoined), so nothing could move until site-b returned. Now site-c keeps a copy
-    of the record it was reconciled by: site-a rejoins, then site-c is promoted in site-b's place."""
+    of the record it was reconciled by: site-a rejoins, then site-c is promoted in site-b's place.
+    Before site-a's rejoin that failover is refused, nothing done: it reconciled site-a as a sink and
+    gave it its topology, so the rejoin found nothing to do and site-a's table stayed captured there,
+    its writes accepted and sent nowhere. Its table then follows site-c, its guard naming site-c."""
     site_a, site_b, site_c = lr_sites
-    topo, app = _setup(lr_sites)
+    topo, app = _tables_setup(lr_sites)
     first = failover.promote(failover.FailoverRequest(A, B), _connect(lr_sites, down=(A,)))
     new_app = App(site_b)
-    new_app.put("b0", 0, [A, C])
+    _write(new_app, "UPDATE public.accounts SET owner = 'site-b' WHERE id <= 3", "b0", 0, [A, C])
     run_until_idle(replicator(first.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(B, C, "policy")]))
 
+    with pytest.raises(
+        LRError,
+        match=r"site 'site-a' is still the source of policy \(failed over to site-b, not "
+        r"rejoined since\): rejoin it first \(lr failover --rejoin site-a\)",
+    ):
+        failover.promote(failover.FailoverRequest(B, C), _connect(lr_sites, down=(B,)))
+    assert site_c.query("SELECT count(*) FROM lr.source_sessions") == [(0,)]  # nothing promoted
     back = failover.rejoin(A, _connect(lr_sites, down=(B,)), topo)
     assert back.failover_id == first.failover_id and back.retired == [f"{A}->{B}/policy", f"{A}->{C}/policy"]
+    assert back.guarded == ["public.accounts"]
     second = failover.promote(failover.FailoverRequest(B, C), _connect(lr_sites, down=(B,)))
     assert second.pending == [B] and "full sync" in second.outcome[A]["policy"], second.outcome
+    assert "table public.accounts: a snapshot from site-c" in second.outcome[A]["policy"]
+    with pytest.raises(psycopg2.Error, match="replicated from site site-c since a failover"):
+        site_a.query("UPDATE public.accounts SET owner = 'local' WHERE id = 1")
     App(site_c).close()  # site-c's application state: its provider's
     run_until_idle(replicator(second.topology, lr_sites, providers=PROVIDERS, sessions=[SessionKey(C, A, "policy")]))
     assert site_a.query("SELECT data_consistent FROM lr.sink_sessions WHERE source_site_id = %s", (C,)) == [(True,)]
+    assert rows(site_a) == rows(site_c) and site_a.query(
+        "SELECT source_site_id FROM lr.registry WHERE stream_name = 'public.accounts'"
+    ) == [(C,)]
     app.close()
     new_app.close()
 

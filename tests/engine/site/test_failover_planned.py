@@ -12,6 +12,7 @@ import psycopg2
 import pytest
 
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError
+from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.site import failover
@@ -86,15 +87,27 @@ def test_what_the_old_source_commits_while_the_sinks_are_drained_stays_beyond_th
 def test_a_full_sync_asked_of_the_old_source_is_asked_of_the_new_one(lr_sites):
     """The new topology cancels the old source's requests of the failed-over sessions: the sink the
     operator wanted synced again (restored from a backup, its application's data lost) gets its
-    full sync from the promoted site instead, with the operator's reason."""
+    full sync from the promoted site instead, with the operator's reason; also when the switchover
+    was killed after its drain and run again."""
     site_a, site_b, site_c = lr_sites
     _topo, app = _setup(lr_sites)
     conn_a = site_a.connect()
     full_sync.request_full_sync(conn_a, C, "policy", reason="site-c restored from a backup", forced=True)
     conn_a.close()
+
+    def killed() -> None:
+        raise RuntimeError("killed after promoting (test)")
+
+    with on_fault("failover_after_promote", killed), pytest.raises(RuntimeError, match="killed"):
+        failover.promote(failover.FailoverRequest(A, B, planned=True), _connect(lr_sites))
+    # the run again asks it (before: the drain had closed it, and the re-run asked nothing)
     result = failover.promote(failover.FailoverRequest(A, B, planned=True), _connect(lr_sites))
-    assert result.full_syncs == ["site-b->site-c/policy"], result.outcome
+    assert result.resumed and result.full_syncs == ["site-b->site-c/policy"], result.outcome
     assert "site-c restored from a backup" in result.outcome[C]["policy"]
+    ((there,),) = site_b.query("SELECT request_id::text FROM lr.full_sync_requests WHERE sink_site_id = 'site-c'")
+    assert site_a.query("SELECT note FROM lr.full_sync_requests WHERE forced") == [
+        (f"failed over: asked of site-b as request {there}",)
+    ]  # who waits for it follows it there
     App(site_b).close()  # the application's table at site-b (empty), which its provider reads
     run_until_idle(replicator(result.topology, lr_sites, providers=PROVIDERS))
     assert [kind for kind, _ in queue(site_c, "site-b")] == ["start", "end"]  # a full sync from site-b
