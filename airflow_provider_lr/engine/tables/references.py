@@ -76,3 +76,31 @@ def load_order(tables: Sequence[TableName], found: set[Edge]) -> list[TableName]
         order.append(step)
         left.remove(step)
     return order
+
+
+def write_groups(order: Sequence[TableName], found: set[Edge]) -> list[list[TableName]]:
+    """``order`` (``load_order``'s) cut into the groups written together: each table with every
+    table linked to it, in load order, a group where its first table is. The links are followed
+    once for all (before, for every table of every group: a full sync of a thousand unlinked
+    tables spent minutes here before writing a row)."""
+    near: dict[TableName, set[TableName]] = {t: set() for t in order}
+    for child, parent in found:
+        if child in near and parent in near:
+            near[child].add(parent)
+            near[parent].add(child)
+    group_of: dict[TableName, int] = {}
+    groups: list[list[TableName]] = []
+    for first in order:
+        if first in group_of:
+            continue
+        group_of[first] = len(groups)
+        todo = [first]
+        while todo:
+            for other in near[todo.pop()]:
+                if other not in group_of:
+                    group_of[other] = len(groups)
+                    todo.append(other)
+        groups.append([])
+    for table in order:
+        groups[group_of[table]].append(table)
+    return groups
