@@ -21,6 +21,7 @@ which the source's foreign keys accepted (docs/tables.md, "Apply at the sink").
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 
 import psycopg2.extensions
@@ -67,14 +68,34 @@ def linked(lacking: Iterable[TableName], among: Iterable[TableName], found: set[
 def load_order(tables: Sequence[TableName], found: set[Edge]) -> list[TableName]:
     """``tables``, each after the tables it references (by name where the keys leave a choice, and
     the members of a cycle by name: a cycle of foreign keys that are not deferrable loads only
-    with its NULLs, which is the sink's own table's business). Clear them in the reverse order."""
+    with its NULLs, which is the sink's own table's business). Clear them in the reverse order.
+    Each edge is counted once (before, every step asked every edge of every table left: a full
+    sync of a thousand tables spent seconds here, of three thousand a minute)."""
     left = sorted(set(tables))
+    within = set(left)
+    parents: dict[TableName, int] = dict.fromkeys(left, 0)  # each table's parents not yet loaded
+    children: dict[TableName, list[TableName]] = {t: [] for t in left}
+    for child, parent in found:
+        if child in within and parent in within and child != parent:
+            parents[child] += 1
+            children[parent].append(child)
+    ready = [t for t in left if parents[t] == 0]  # sorted: a heap already
     order: list[TableName] = []
-    while left:
-        ready = [t for t in left if not any(c == t and p in left and p != t for c, p in found)]
-        step = ready[0] if ready else left[0]
+    done: set[TableName] = set()
+    by_name = iter(left)  # the first table left, by name: where a cycle is entered
+    while len(order) < len(left):
+        if ready:
+            step = heapq.heappop(ready)
+            if step in done:
+                continue
+        else:
+            step = next(t for t in by_name if t not in done)
         order.append(step)
-        left.remove(step)
+        done.add(step)
+        for child in children[step]:
+            parents[child] -= 1
+            if parents[child] == 0 and child not in done:
+                heapq.heappush(ready, child)
     return order
 
 
