@@ -12,6 +12,8 @@ import pytest
 
 from airflow_provider_lr.engine.site.replicator import run_until_idle
 from tests.support.airflow_env import (  # noqa: F401
+    DAGS_DIR,
+    airflow_db,
     airflow_sites,
     metric,
     reconfigure,
@@ -582,3 +584,35 @@ def test_a_large_full_sync_transfer_goes_through_the_spark_task_of_lr_replicatio
     assert [k for k, _ in queue(sink_b, "site-a")].count("start") == 2  # a second full sync, site-b's only
     assert [k for k, _ in queue(sink_c, "site-a")].count("start") == 1
     app.close()
+
+
+def test_a_topology_change_shows_in_the_forms_at_the_next_parse_and_a_stale_choice_is_refused_by_name(
+    airflow_db, tmp_path, monkeypatch
+):
+    """The forms' choices are read when the DAG file is parsed: Airflow's parse after a topology
+    edit offers the new sink without a restart, and a choice a form parsed before the edit still
+    offers (a sink the topology no longer has) is refused by the run's first task, naming it."""
+    from airflow.dag_processing.dagbag import DagBag
+    from airflow.sdk.exceptions import ParamValidationError
+
+    from airflow_provider_lr.engine.errors import ConfigurationError
+    from airflow_provider_lr.operators.common import load_topology
+
+    path = tmp_path / "topology.yaml"
+    sites = "".join(f"  - {{id: site-{s}, region: region-{s}, conn_id: lr_site_{s}}}\n" for s in "abcd")
+
+    def topology(sinks: str) -> None:
+        path.write_text(f"sites:\n{sites}replication:\n  - {{source: site-a, sinks: [{sinks}], clients: [policy]}}\n")
+
+    monkeypatch.setenv("LR_TOPOLOGY", str(path))
+    topology("site-b, site-c")
+    before = DagBag(dag_folder=str(DAGS_DIR / "lr_full_sync.py")).dags["lr_full_sync"]
+    assert before.params.get_param("sink").schema["enum"] == [None, "site-b", "site-c"]
+    topology("site-b, site-d")  # site-c out, site-d in
+    after = DagBag(dag_folder=str(DAGS_DIR / "lr_full_sync.py")).dags["lr_full_sync"]
+    assert after.params.get_param("sink").schema["enum"] == [None, "site-b", "site-d"]
+    with pytest.raises(ParamValidationError):
+        after.params.get_param("sink").resolve("site-c")
+    assert before.params.get_param("sink").resolve("site-c") == "site-c"  # the stale form takes it: the task refuses
+    with pytest.raises(ConfigurationError, match="no session replicates to 'site-c'.*site-a->site-d/policy"):
+        load_topology().select(None, "site-c", None)

@@ -128,7 +128,7 @@ def run_table_snapshot(
             "total": round(time.monotonic() - t0, 3),
         }
         log.info(
-            "table snapshot of %s/%s: %d ranges, %d rows in %.1fs", source, client, len(ranges), result.rows, t2 - t1
+            "table snapshot of %s/%s: %d ranges, %d rows in %.1fs", source, client, result.ranges, result.rows, t2 - t1
         )
         return result
     finally:

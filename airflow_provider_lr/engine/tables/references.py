@@ -21,6 +21,7 @@ which the source's foreign keys accepted (docs/tables.md, "Apply at the sink").
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 
 import psycopg2.extensions
@@ -67,12 +68,60 @@ def linked(lacking: Iterable[TableName], among: Iterable[TableName], found: set[
 def load_order(tables: Sequence[TableName], found: set[Edge]) -> list[TableName]:
     """``tables``, each after the tables it references (by name where the keys leave a choice, and
     the members of a cycle by name: a cycle of foreign keys that are not deferrable loads only
-    with its NULLs, which is the sink's own table's business). Clear them in the reverse order."""
+    with its NULLs, which is the sink's own table's business). Clear them in the reverse order.
+    Each edge is counted once (before, every step asked every edge of every table left: a full
+    sync of a thousand tables spent seconds here, of three thousand a minute)."""
     left = sorted(set(tables))
+    within = set(left)
+    parents: dict[TableName, int] = dict.fromkeys(left, 0)  # each table's parents not yet loaded
+    children: dict[TableName, list[TableName]] = {t: [] for t in left}
+    for child, parent in found:
+        if child in within and parent in within and child != parent:
+            parents[child] += 1
+            children[parent].append(child)
+    ready = [t for t in left if parents[t] == 0]  # sorted: a heap already
     order: list[TableName] = []
-    while left:
-        ready = [t for t in left if not any(c == t and p in left and p != t for c, p in found)]
-        step = ready[0] if ready else left[0]
+    done: set[TableName] = set()
+    by_name = iter(left)  # the first table left, by name: where a cycle is entered
+    while len(order) < len(left):
+        if ready:
+            step = heapq.heappop(ready)
+            if step in done:
+                continue
+        else:
+            step = next(t for t in by_name if t not in done)
         order.append(step)
-        left.remove(step)
+        done.add(step)
+        for child in children[step]:
+            parents[child] -= 1
+            if parents[child] == 0 and child not in done:
+                heapq.heappush(ready, child)
     return order
+
+
+def write_groups(order: Sequence[TableName], found: set[Edge]) -> list[list[TableName]]:
+    """``order`` (``load_order``'s) cut into the groups written together: each table with every
+    table linked to it, in load order, a group where its first table is. The links are followed
+    once for all (before, for every table of every group: a full sync of a thousand unlinked
+    tables spent minutes here before writing a row)."""
+    near: dict[TableName, set[TableName]] = {t: set() for t in order}
+    for child, parent in found:
+        if child in near and parent in near:
+            near[child].add(parent)
+            near[parent].add(child)
+    group_of: dict[TableName, int] = {}
+    groups: list[list[TableName]] = []
+    for first in order:
+        if first in group_of:
+            continue
+        group_of[first] = len(groups)
+        todo = [first]
+        while todo:
+            for other in near[todo.pop()]:
+                if other not in group_of:
+                    group_of[other] = len(groups)
+                    todo.append(other)
+        groups.append([])
+    for table in order:
+        groups[group_of[table]].append(table)
+    return groups

@@ -221,11 +221,8 @@ class TableSnapshot:
             with side.conn.cursor() as cur:
                 found |= references.edges(cur, [t.table for t in side.tables])
             side.conn.rollback()
-        order = references.load_order(list(self.definitions), found)
         done = 0
-        while order:
-            group = [t for t in order if t in references.linked([order[0]], order, found)]
-            order = [t for t in order if t not in group]
+        for group in references.write_groups(references.load_order(list(self.definitions), found), found):
             self._write_together(group)
             done += len(group)
             tracker.update(done)

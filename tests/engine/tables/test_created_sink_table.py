@@ -220,6 +220,42 @@ def test_the_parallel_snapshot_writes_tables_linked_by_a_sinks_foreign_keys_in_p
             assert rows(sink, table) == rows(source, table)
 
 
+def test_a_parallel_snapshot_of_a_both_ways_table_whose_unique_values_were_swapped_is_written_in_one_transaction(
+    lr_sites,
+):
+    """public.members (email UNIQUE) goes site-a -> site-b (policy) and back (client back). site-b
+    swaps the emails of rows 1 and 400 before back's snapshot, which the parallel (Spark) job takes
+    into site-a, whose rows still hold the old emails. A table the sink federates onward (both ways)
+    is written by the driver in one sink transaction, not by range tasks (each range its own
+    transaction: the swap's two rows in two ranges would collide), so the swap is rewritten as in a
+    cycle. Before, a job with no table left for range tasks died after writing: `UnboundLocalError`."""
+    a, b, _ = lr_sites
+    topo = apply(
+        lr_sites,
+        [
+            {"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]},
+            {"source": "site-b", "sinks": ["site-a"], "clients": ["back"]},
+        ],
+    )
+    a.query("CREATE TABLE public.members (id int PRIMARY KEY, email text NOT NULL UNIQUE, v text)")
+    a.query("INSERT INTO public.members SELECT g, 'm' || g, 'a' FROM generate_series(1, 400) g")
+    federate(a, "public.members")
+    sync(replicator(topo, lr_sites, owner="test", providers={"back": empty_provider}))
+    assert rows(b, "public.members") == rows(a, "public.members")
+    federate(b, "public.members", client="back")
+    b.query("UPDATE public.members SET email = 'tmp' WHERE id = 1")
+    b.query("UPDATE public.members SET email = 'm1', v = 'b' WHERE id = 400")
+    b.query("UPDATE public.members SET email = 'm400', v = 'b' WHERE id = 1")
+    driver = Driver(owner="test", conninfo=lambda site: next(s.conninfo for s in lr_sites if s.site_id == site))
+    result = run_table_snapshot(topo, "site-b", "back", local_ranges, parts=2, driver=driver)
+    assert result.ranges == 0 and result.tables == {"site-b->site-a/back:public.members": "synced"}, result
+    assert a.query("SELECT id, email, v FROM public.members WHERE id IN (1, 400) ORDER BY id") == [
+        (1, "m400", "b"),
+        (400, "m1", "b"),
+    ]
+    assert rows(a, "public.members") == rows(b, "public.members")
+
+
 def test_a_second_source_upserts_its_rows_into_the_created_tables_always_identity_key(lr_sites):
     a, b, sink = lr_sites
     topo = two_sources_into_one_sink(lr_sites)
