@@ -127,8 +127,9 @@ def test_lrs_connections_read_names_as_every_site_prints_them_whatever_the_sites
     info = conninfo.from_dsn(site.dsn)
     lr_conn, app = info.connect(), info.connect(Purpose.APPLICATION)
     given = conninfo.from_dsn(f"{site.dsn} client_encoding=LATIN1").connect()  # the DSN's is the application's
+    optioned = conninfo.from_dsn(f"{site.dsn} options='-c client_encoding=LATIN1'").connect()
     try:
-        for conn in (lr_conn, given):
+        for conn in (lr_conn, given, optioned):
             with conn.cursor() as cur:
                 found = read_definition(cur, TableName.parse("public.quoted_types"))
                 assert sql.Identifier("✓").as_string(cur) == '"✓"'  # LATIN1: psycopg2 composed '"â\x9c\x93"'
@@ -150,3 +151,4 @@ def test_lrs_connections_read_names_as_every_site_prints_them_whatever_the_sites
         lr_conn.close()
         app.close()
         given.close()
+        optioned.close()
