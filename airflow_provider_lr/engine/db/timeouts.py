@@ -141,6 +141,10 @@ class Timeouts:
             # default is DOCUMENT refused every content fragment ('text<b/>') a source took; CONTENT
             # takes both, as PostgreSQL's own default and pg_dump's restore do
             ours += " -c xmloption=content"
+            # lr's SQL spells a backslash as itself ('\x00'::bytea): a site whose default is off (a legacy
+            # application's) read it as an escape, and every sync of a source with federated tables
+            # failed there, for good (invalid byte sequence 0x00); psycopg2 quotes by the connection's
+            ours += " -c standard_conforming_strings=on"
         theirs = str(given.get("options") or "")
         options = f"{ours} {theirs}".strip()  # a later -c wins: the DSN's own options override ours
         if options:
