@@ -125,9 +125,12 @@ class Timeouts:
         }
         if psycopg2.extensions.libpq_version() >= 120000:  # libpq 12 added it; an older one refuses the key
             params["tcp_user_timeout"] = round(self.tcp_user_timeout_s * 1000)
-        if purpose is not Purpose.APPLICATION:  # every name and text lr reads, whatever the site's default encoding
-            params["client_encoding"] = "UTF8"
         params.update({k: v for k, v in given.items() if v is not None})
+        if purpose is not Purpose.APPLICATION:  # every name and text lr reads, whatever the site's default
+            # encoding or the DSN's (its client_encoding is the application's): on a LATIN1 connection a
+            # column named ✓ could not be read, and psycopg2 composed é as Ã© (sql.Identifier), so every
+            # change of a table with such a column was refused at that sink, for good
+            params["client_encoding"] = "UTF8"
         ours = " ".join(f"-c {name}={round(seconds * 1000)}" for name, seconds in self.session_options(purpose).items())
         if purpose is not Purpose.APPLICATION:  # the server notices a vanished client as soon as lr would
             ours += "".join(f" -c {name}={value}" for name, value in self.server_keepalives().items())
@@ -138,6 +141,10 @@ class Timeouts:
             # default is DOCUMENT refused every content fragment ('text<b/>') a source took; CONTENT
             # takes both, as PostgreSQL's own default and pg_dump's restore do
             ours += " -c xmloption=content"
+            # lr's SQL spells a backslash as itself ('\x00'::bytea): a site whose default is off (a legacy
+            # application's) read it as an escape, and every sync of a source with federated tables
+            # failed there, for good (invalid byte sequence 0x00); psycopg2 quotes by the connection's
+            ours += " -c standard_conforming_strings=on"
         theirs = str(given.get("options") or "")
         options = f"{ours} {theirs}".strip()  # a later -c wins: the DSN's own options override ours
         if options:

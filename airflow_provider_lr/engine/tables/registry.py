@@ -337,7 +337,7 @@ def fire_always(cur: psycopg2.extensions.cursor, table: TableName, triggers: lis
 
 def capturing(cur: psycopg2.extensions.cursor, table: TableName) -> bool:
     cur.execute(
-        "SELECT count(*) FROM pg_trigger WHERE tgrelid = to_regclass(%s) AND tgname LIKE 'lr\\_capture\\_%%'",
+        "SELECT count(*) FROM pg_trigger WHERE tgrelid = to_regclass(%s) AND pg_catalog.starts_with(tgname, 'lr_capture_')",
         (table.ident.as_string(cur),),
     )
     return cur.fetchone()[0] == len(_TRIGGERS)
@@ -349,7 +349,7 @@ def capture_skipped(cur: psycopg2.extensions.cursor, table: TableName) -> list[s
     enables again at its end) or enabled for the role ``replica`` only."""
     cur.execute(
         "SELECT pg_catalog.array_agg(tgname::text ORDER BY tgname) FROM pg_catalog.pg_trigger "
-        "WHERE tgrelid = pg_catalog.to_regclass(%s) AND tgname LIKE 'lr\\_capture\\_%%' AND tgenabled IN ('D', 'R')",
+        "WHERE tgrelid = pg_catalog.to_regclass(%s) AND pg_catalog.starts_with(tgname, 'lr_capture_') AND tgenabled IN ('D', 'R')",
         (table.ident.as_string(cur),),
     )
     return cur.fetchone()[0] or []
@@ -447,9 +447,9 @@ def _quoted(identifier: str) -> str:
 # at the source keeps its triggers), when the relation of the registered name {name} has no such trigger
 # (none has that name, or a table made since under it): looked for only then, by the triggers' name.
 # Their first two arguments (a trigger made since V0038 has a third, the columns' types)
-_ARGS = (
-    "pg_catalog.convert_to({client}, 'UTF8') || '\\x00'::bytea || pg_catalog.convert_to({tid}::text, 'UTF8') "
-    "|| '\\x00'::bytea"
+_ARGS = (  # a NUL byte by decode: a session whose standard_conforming_strings is off reads '\\x00' as a NUL character
+    "pg_catalog.convert_to({client}, 'UTF8') || pg_catalog.decode('00', 'hex') "
+    "|| pg_catalog.convert_to({tid}::text, 'UTF8') || pg_catalog.decode('00', 'hex')"
 )
 _RENAMED = (
     "CASE WHEN NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger h WHERE h.tgrelid = pg_catalog.to_regclass("

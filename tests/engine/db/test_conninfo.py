@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from psycopg2 import sql
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.db import conninfo, schema
@@ -115,9 +116,9 @@ def test_lrs_connections_search_pg_catalog_alone_and_a_provider_resolves_through
 def test_lrs_connections_read_names_as_every_site_prints_them_whatever_the_sites_defaults(sites):
     """A site whose default is ``quote_all_identifiers = on`` prints ``"text"`` where the others print
     ``text``, and one whose sessions take ``LATIN1`` cannot send a column named ``✓``: lr's
-    connections set the one off and talk UTF8, so a federated table's shape read from that site's
-    catalog (compared with another site's) is as every site prints it; the application's
-    connections keep the site's settings."""
+    connections set the one off and talk UTF8 (a DSN's ``client_encoding`` too, which is the
+    application's), so a federated table's shape read from that site's catalog (compared with another
+    site's) is as every site prints it; the application's connections keep the site's settings."""
     site = sites[0]
     site.query('CREATE TABLE public.quoted_types (id int PRIMARY KEY, t text, "✓" int)')
     site.query(f'ALTER DATABASE "{site.dbname}" SET quote_all_identifiers = on')
@@ -125,14 +126,18 @@ def test_lrs_connections_read_names_as_every_site_prints_them_whatever_the_sites
     site.query(f'ALTER DATABASE "{site.dbname}" SET xmloption = document')  # a sink refused xml fragments
     info = conninfo.from_dsn(site.dsn)
     lr_conn, app = info.connect(), info.connect(Purpose.APPLICATION)
+    given = conninfo.from_dsn(f"{site.dsn} client_encoding=LATIN1").connect()  # the DSN's is the application's
+    optioned = conninfo.from_dsn(f"{site.dsn} options='-c client_encoding=LATIN1'").connect()
     try:
-        with lr_conn.cursor() as cur:
-            found = read_definition(cur, TableName.parse("public.quoted_types"))
-        assert found is not None and [(c.name, c.type) for c in found.columns] == [
-            ("id", "integer"),
-            ("t", "text"),
-            ("✓", "integer"),
-        ]
+        for conn in (lr_conn, given, optioned):
+            with conn.cursor() as cur:
+                found = read_definition(cur, TableName.parse("public.quoted_types"))
+                assert sql.Identifier("✓").as_string(cur) == '"✓"'  # LATIN1: psycopg2 composed '"â\x9c\x93"'
+            assert found is not None and [(c.name, c.type) for c in found.columns] == [
+                ("id", "integer"),
+                ("t", "text"),
+                ("✓", "integer"),
+            ]
         with lr_conn.cursor() as cur:  # xml read as any site takes it (the test servers have no libxml to parse it)
             cur.execute("SHOW xmloption")
             assert cur.fetchone() == ("content",)
@@ -145,3 +150,5 @@ def test_lrs_connections_read_names_as_every_site_prints_them_whatever_the_sites
     finally:
         lr_conn.close()
         app.close()
+        given.close()
+        optioned.close()

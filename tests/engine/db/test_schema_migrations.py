@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_provider_lr.engine.db import schema
+from airflow_provider_lr.engine.db import conninfo, schema
 from airflow_provider_lr.engine.errors import SchemaError
 
 
@@ -72,6 +72,30 @@ def test_edited_migration_is_refused(sites, tmp_path: Path):
     with pytest.raises(SchemaError, match="differs from the one shipped"):
         schema.migrate(conn, migrations=schema.available_migrations(tmp_path))
     conn.close()
+
+
+def test_lr_installs_on_a_latin1_database_and_a_site_that_took_v41_as_released_upgrades(sites):
+    """A server's encoding other than UTF8 cannot take every character: the statement of a migration
+    with one (V0041's comment named the euro sign) failed `lr init` there. Every migration is ASCII;
+    V0041's text changed in its comment only, so the checksum it was released with is still its own."""
+    assert [m.name for m in schema.available_migrations() if not m.sql.isascii()] == []
+    server, name = sites[0].server, f"{sites[0].dbname}_latin1"
+    admin = sites[0].connect()
+    admin.autocommit = True
+    with admin.cursor() as cur:
+        cur.execute(f"CREATE DATABASE {name} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0")
+    try:
+        conn = conninfo.from_dsn(server.dsn(name)).connect()  # as lr init connects: client_encoding UTF8
+        schema.init_site(conn, "site-a")
+        with conn.cursor() as cur:  # a site migrated with V0041 as released: its init is a no-op
+            cur.execute("UPDATE lr.schema_migrations SET checksum = %s WHERE version = 41", schema._RELEASED_AS[41])
+        conn.commit()
+        assert schema.init_site(conn, "site-a").applied == []
+        conn.close()
+    finally:
+        with admin.cursor() as cur:
+            cur.execute(f"DROP DATABASE {name} WITH (FORCE)")
+        admin.close()
 
 
 def test_site_newer_than_code_is_refused(sites, tmp_path: Path):
