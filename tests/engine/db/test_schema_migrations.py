@@ -5,10 +5,13 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import psycopg2
 import pytest
 
-from airflow_provider_lr.engine.db import schema
+from airflow_provider_lr.engine.db import conninfo, schema
+from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.errors import SchemaError
+from tests.conftest import TestSite, drop_database
 
 
 def copy_shipped(directory: Path) -> int:
@@ -23,17 +26,32 @@ def tables(site) -> set[str]:
     return {r[0] for r in site.query("SELECT tablename FROM pg_tables WHERE schemaname = 'lr'")}
 
 
-def test_fresh_database_gets_every_shipped_migration(sites):
-    site = sites[0]
-    conn = site.connect()
-    assert schema.current_version(conn) == 0
-    result = schema.init_site(conn, "site-a", "eu")
-    latest = schema.available_migrations()[-1].version
-    assert result.applied == list(range(1, latest + 1))
-    assert schema.current_version(conn) == latest
-    assert schema.site_identity(conn) == ("site-a", "eu")
-    assert {"schema_migrations", "site_info", "registry"} <= tables(site)
-    conn.close()
+def test_fresh_database_gets_every_shipped_migration_whatever_its_encoding(sites):
+    """``lr init`` of a LATIN1 database, connected as lr connects (its client encoding UTF8): the
+    server converts each migration's whole text, comments too, to the database's encoding, and
+    V0041's comment held a euro sign LATIN1 has not (lr init failed: UntranslatableCharacter)."""
+    site = TestSite(sites[0].server, f"{sites[0].dbname}_latin1")
+    admin = psycopg2.connect(site.server.dsn())
+    admin.autocommit = True
+    with admin.cursor() as cur:
+        cur.execute(
+            f"CREATE DATABASE \"{site.dbname}\" ENCODING 'LATIN1' TEMPLATE template0 LC_COLLATE 'C' LC_CTYPE 'C'"
+        )
+    try:
+        conn = conninfo.from_dsn(site.dsn).connect(Purpose.BULK)
+        assert schema.current_version(conn) == 0
+        result = schema.init_site(conn, "site-a", "eu")
+        latest = schema.available_migrations()[-1].version
+        assert result.applied == list(range(1, latest + 1))
+        assert schema.current_version(conn) == latest
+        assert schema.site_identity(conn) == ("site-a", "eu")
+        assert {"schema_migrations", "site_info", "registry"} <= tables(site)
+        assert schema.init_site(conn, "site-a").applied == []  # the checksums are the shipped files'
+        assert all(m.sent.isascii() for m in schema.available_migrations()), "any database takes them"
+        conn.close()
+    finally:
+        drop_database(site.server, site.dbname)
+        admin.close()
 
 
 def test_rerun_is_a_noop(sites):
