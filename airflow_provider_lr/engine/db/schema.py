@@ -55,6 +55,18 @@ class Migration:
     def checksum(self) -> str:
         return hashlib.sha256(self.sql.encode()).hexdigest()
 
+    @property
+    def sent(self) -> str:
+        """The SQL as run: a whole-line comment's characters outside ASCII as ``?``. The server
+        converts a statement's whole text to the database's encoding, comments too: a LATIN1
+        database refused V0041 for a comment's euro sign (``lr init`` failed there), and a released
+        migration's text may not change (its checksum)."""
+        return _COMMENT_LINE.sub(lambda m: _NON_ASCII.sub("?", m.group(0)), self.sql)
+
+
+_COMMENT_LINE = re.compile(r"^[ \t]*--.*$", re.MULTILINE)
+_NON_ASCII = re.compile(r"[^\x00-\x7f]")
+
 
 @dataclass(frozen=True)
 class MigrationResult:
@@ -204,7 +216,7 @@ def migrate(
                 done = _applied_versions(conn, cur)  # another init may have applied them meanwhile
                 pending = _pending(conn, done, migrations, target)
             for migration in pending:
-                cur.execute(migration.sql)
+                cur.execute(migration.sent)
                 cur.execute(
                     "INSERT INTO lr.schema_migrations (version, name, checksum) VALUES (%s, %s, %s)",
                     (migration.version, migration.name, migration.checksum),
