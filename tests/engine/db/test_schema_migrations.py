@@ -5,13 +5,12 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-import psycopg2
 import pytest
 
 from airflow_provider_lr.engine.db import conninfo, schema
 from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.errors import SchemaError
-from tests.conftest import TestSite, drop_database
+from tests.conftest import TestSite, create_database, drop_database
 
 
 def copy_shipped(directory: Path) -> int:
@@ -31,12 +30,7 @@ def test_fresh_database_gets_every_shipped_migration_whatever_its_encoding(sites
     server converts each migration's whole text, comments too, to the database's encoding, and
     V0041's comment held a euro sign LATIN1 has not (lr init failed: UntranslatableCharacter)."""
     site = TestSite(sites[0].server, f"{sites[0].dbname}_latin1")
-    admin = psycopg2.connect(site.server.dsn())
-    admin.autocommit = True
-    with admin.cursor() as cur:
-        cur.execute(
-            f"CREATE DATABASE \"{site.dbname}\" ENCODING 'LATIN1' TEMPLATE template0 LC_COLLATE 'C' LC_CTYPE 'C'"
-        )
+    create_database(site.server, site.dbname, encoding="LATIN1")
     try:
         conn = conninfo.from_dsn(site.dsn).connect(Purpose.BULK)
         assert schema.current_version(conn) == 0
@@ -51,7 +45,6 @@ def test_fresh_database_gets_every_shipped_migration_whatever_its_encoding(sites
         conn.close()
     finally:
         drop_database(site.server, site.dbname)
-        admin.close()
 
 
 def test_rerun_is_a_noop(sites):
