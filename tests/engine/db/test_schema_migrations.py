@@ -10,7 +10,11 @@ import pytest
 from airflow_provider_lr.engine.db import conninfo, schema
 from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.errors import SchemaError
+from airflow_provider_lr.engine.session.runner import record_error
+from airflow_provider_lr.engine.store import topology as topologies
+from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.conftest import TestSite, create_database, drop_database
+from tests.support.session import apply_to, topology_doc
 
 
 def copy_shipped(directory: Path) -> int:
@@ -28,7 +32,8 @@ def tables(site) -> set[str]:
 def test_fresh_database_gets_every_shipped_migration_whatever_its_encoding(sites):
     """``lr init`` of a LATIN1 database, connected as lr connects (its client encoding UTF8): the
     server converts each migration's whole text, comments too, to the database's encoding, and
-    V0041's comment held a euro sign LATIN1 has not (lr init failed: UntranslatableCharacter)."""
+    V0041's comment held a euro sign LATIN1 has not (lr init failed: UntranslatableCharacter).
+    Then lr's own text there, escaped where LATIN1 lacks a character."""
     site = TestSite(sites[0].server, f"{sites[0].dbname}_latin1")
     create_database(site.server, site.dbname, encoding="LATIN1")
     try:
@@ -42,6 +47,12 @@ def test_fresh_database_gets_every_shipped_migration_whatever_its_encoding(sites
         assert {"schema_migrations", "site_info", "registry"} <= tables(site)
         assert schema.init_site(conn, "site-a").applied == []  # the checksums are the shipped files'
         assert all(m.sent.isascii() for m in schema.available_migrations()), "any database takes them"
+        # lr's own text there: a session's last error holding characters LATIN1 lacks (a sink's
+        # message, lr's ellipsis) was refused by the server, so lr status never said the error
+        apply_to([site], topologies.from_document(topology_doc([site, sites[1]])))
+        record_error(conn, SessionKey("site-a", "site-b", "policy"), "the sink said: нет € …")
+        said = site.query("SELECT last_error FROM lr.source_sessions")
+        assert said == [("the sink said: \\u043d\\u0435\\u0442 \\u20ac \\u2026",)], said
         conn.close()
     finally:
         drop_database(site.server, site.dbname)
