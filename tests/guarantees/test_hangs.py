@@ -790,8 +790,9 @@ def test_a_process_stopped_past_its_calls_deadline_and_continued_cuts_none_of_th
     assert proc.returncode == 0 and out.strip() == "cut 0", out
 
 
-@pytest.mark.xfail(
-    strict=True,
+@pytest.mark.xfail(  # not strict: once, run after another test, site-c's write in flight ended within
+    # seconds (server closed the connection), and the leave had nothing to wait for (see pairs15's report)
+    strict=False,
     reason="SourceStream._admit's leave settles the sink's write in flight on the stream's thread "
     "(the lead's file this round: the fix is proposed in pairs15's report)",
 )
