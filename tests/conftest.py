@@ -115,10 +115,14 @@ def lr_template(site_manager: SiteManager) -> str:
     return LR_TEMPLATE
 
 
-def create_database(server: EmbeddedSite, name: str, template: str | None = None) -> None:
+def create_database(server: EmbeddedSite, name: str, template: str | None = None, encoding: str | None = None) -> None:
+    """``encoding``: a database of that encoding (made from template0, C collation), lr not installed."""
     conn = _admin(server)
     with conn.cursor() as cur:
-        cur.execute(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else ""))
+        if encoding:
+            template = "template0"
+        made = f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else "")
+        cur.execute(made + (f" ENCODING '{encoding}' LC_COLLATE 'C' LC_CTYPE 'C'" if encoding else ""))
     conn.close()
 
 

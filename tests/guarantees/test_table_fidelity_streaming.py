@@ -14,7 +14,7 @@ import psycopg2.extensions
 import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
-from airflow_provider_lr.engine.db import conninfo
+from airflow_provider_lr.engine.db import conninfo, schema
 from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
 from airflow_provider_lr.engine.sink import stream_batch
@@ -23,6 +23,7 @@ from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.tables import registry
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber
+from tests.conftest import TestSite, create_database, drop_database
 from tests.support.session import Streaming, apply, empty_provider, queue, replicator, wait_for
 from tests.support.subscriber import Recorder
 from tests.support.tables import (
@@ -535,6 +536,39 @@ def test_a_streamed_change_the_sink_refuses_holds_back_only_its_session_and_arri
     for site in (sink, other):  # each exactly once
         assert logs(site) == logs(site, "other") == ["before 1", "before 2", "before 3", "rich", "after", "later"]
     assert said(streaming, "site-c", "") == said(streaming, "site-b", "", client="other") == []
+
+
+def test_a_latin1_sink_takes_what_its_encoding_holds_and_a_character_it_lacks_is_refused_naming_the_encoding(lr_sites):
+    """site-b's database is LATIN1 (lr init migrates it: a migration's comment with a euro sign once
+    failed it); lr's connections take UTF8, the stream sends the changes as text and the sink's
+    server converts them: 'café' arrives as it is, and a euro sign LATIN1 has not is refused, the
+    refusal saying the sink's encoding (before: that the sink's table had a constraint, trigger or
+    privilege the source's has not, to fix there), its session held back, the entries before it once."""
+    source = lr_sites[0]
+    sink = TestSite(lr_sites[1].server, f"{lr_sites[1].dbname}_latin1")
+    create_database(sink.server, sink.dbname, encoding="LATIN1")
+    try:
+        conn = conninfo.from_dsn(sink.dsn).connect(Purpose.BULK)  # as lr init connects
+        schema.init_site(conn, sink.site_id, sink.region)
+        conn.close()
+        sites = [source, sink]
+        topo = apply(sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
+        for site in sites:
+            site.query("CREATE TABLE public.notes (id int PRIMARY KEY, body text NOT NULL)")
+        federate(source, "public.notes")
+        app = Application(source, [sink])
+        with streaming_over(topo, sites, as_lr=True) as streaming:
+            streaming.streaming()
+            app.commit("café", "INSERT INTO public.notes VALUES (1, 'café ü')")
+            streamed(streaming, source, [sink], "public.notes")
+            app.commit("euro", "INSERT INTO public.notes VALUES (2, 'five €')")
+            refusal = "the sink's database encoding cannot hold a character of the source's rows"
+            wait_for(lambda: said(streaming, "site-b", refusal), 10, "the refusal naming the encoding")
+            assert not said(streaming, "site-b", "constraint, trigger or privilege")
+        app.close()
+        assert rows(sink, "public.notes") == [('(1,"café ü")',)] and logs(sink) == ["café"]
+    finally:
+        drop_database(sink.server, sink.dbname)
 
 
 ITEMS = "CREATE TABLE public.items (id int PRIMARY KEY, v text NOT NULL, n int NOT NULL)"

@@ -55,6 +55,18 @@ class Migration:
     def checksum(self) -> str:
         return hashlib.sha256(self.sql.encode()).hexdigest()
 
+    @property
+    def sent(self) -> str:
+        """The SQL as run: a whole-line comment's characters outside ASCII as ``?``. The server
+        converts a statement's whole text to the database's encoding, comments too: a LATIN1
+        database refused V0041 for a comment's euro sign (``lr init`` failed there), and a released
+        migration's text may not change (its checksum)."""
+        return _COMMENT_LINE.sub(lambda m: _NON_ASCII.sub("?", m.group(0)), self.sql)
+
+
+_COMMENT_LINE = re.compile(r"^[ \t]*--.*$", re.MULTILINE)
+_NON_ASCII = re.compile(r"[^\x00-\x7f]")
+
 
 @dataclass(frozen=True)
 class MigrationResult:
@@ -204,7 +216,7 @@ def migrate(
                 done = _applied_versions(conn, cur)  # another init may have applied them meanwhile
                 pending = _pending(conn, done, migrations, target)
             for migration in pending:
-                cur.execute(migration.sql)
+                cur.execute(migration.sent)
                 cur.execute(
                     "INSERT INTO lr.schema_migrations (version, name, checksum) VALUES (%s, %s, %s)",
                     (migration.version, migration.name, migration.checksum),
@@ -229,14 +241,6 @@ def _applied_versions(conn: psycopg2.extensions.connection, cur: psycopg2.extens
     return dict(cur.fetchall())
 
 
-# Migrations whose comments were edited after their release, and the checksums they were released
-# with (accepted as theirs: what they run is the same). V0041's comment named the euro sign, which a
-# server of another encoding than UTF8 (LATIN1) could not take: `lr init` failed there at V0041.
-_RELEASED_AS: dict[int, tuple[str, ...]] = {
-    41: ("088d00c0c4ff4863cd0ad1e45149ea05a36428c76f915f248acf5b874b6b25ac",),
-}
-
-
 def _pending(
     conn: psycopg2.extensions.connection, done: dict[int, str], migrations: list[Migration], target: int
 ) -> list[Migration]:
@@ -252,7 +256,7 @@ def _pending(
     pending = []
     for migration in migrations:
         if migration.version in done:
-            if done[migration.version] not in {migration.checksum, *_RELEASED_AS.get(migration.version, ())}:
+            if done[migration.version] != migration.checksum:
                 raise SchemaError(
                     f"migration V{migration.version:04d} ({migration.name}) on site {_where(conn)} "
                     "differs from the one shipped; migrations must never be edited once released"

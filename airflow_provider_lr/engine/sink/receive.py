@@ -39,6 +39,7 @@ import psycopg2
 import psycopg2.extensions
 from google.protobuf.message import DecodeError
 
+from airflow_provider_lr.engine.db.encoding import storable
 from airflow_provider_lr.engine.errors import ConfigurationError, MalformedEntryError, one_line
 from airflow_provider_lr.engine.sink.delivery_transaction import DeliveryTransaction
 from airflow_provider_lr.engine.sink.queue_rows import unpack
@@ -402,7 +403,15 @@ class ReceiveQueueReader:
                 cur.execute(
                     "INSERT INTO lr.receive_dead_letters (seq, entry_index, source_site_id, client_name, kind, "
                     "message, error) VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (seq, entry_index) DO NOTHING",
-                    (entry.seq, entry.index, source, client, entry.kind, psycopg2.Binary(entry.payload), entry.error),
+                    (
+                        entry.seq,
+                        entry.index,
+                        source,
+                        client,
+                        entry.kind,
+                        psycopg2.Binary(entry.payload),
+                        None if entry.error is None else storable(cur.connection, entry.error),
+                    ),
                 )
         self._consume(rows, bad)
         report.dead_letters += len(bad)

@@ -27,7 +27,7 @@ import psycopg2.errors
 import psycopg2.extensions
 
 from airflow_provider_lr.engine import progress, vocabulary
-from airflow_provider_lr.engine.db import conninfo
+from airflow_provider_lr.engine.db import conninfo, encoding
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, FullSyncError, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.source import closed_tables
@@ -281,7 +281,7 @@ def finish_request(
                 "UPDATE lr.full_sync_requests SET status = %s, finished_at = now(), note = coalesce(%s, note) "
                 f"WHERE request_id = (SELECT request_id FROM lr.full_sync_requests WHERE request_id = %s "
                 f"AND status IN {OPEN_STATUSES_SQL}{skip})",
-                (status, note or None, request_id),
+                (status, encoding.storable(conn, note) if note else None, request_id),
             )
             closed = cur.rowcount == 1
         if unless_supplying and not closed:
@@ -496,5 +496,5 @@ def serve_full_sync_requests(
 def _note(conn: psycopg2.extensions.connection, request_id: str, note: str) -> None:
     with conn.cursor() as cur:
         sql = "UPDATE lr.full_sync_requests SET note = %s WHERE request_id OPERATOR(pg_catalog.=) %s"
-        cur.execute(sql, (note[:2000], request_id))
+        cur.execute(sql, (encoding.storable(conn, note[:2000]), request_id))
     conn.commit()

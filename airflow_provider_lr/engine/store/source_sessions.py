@@ -14,6 +14,7 @@ from typing import Protocol
 import psycopg2.extensions
 from psycopg2 import sql
 
+from airflow_provider_lr.engine.db.encoding import storable
 from airflow_provider_lr.engine.store import members
 from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, STREAM_TABLE_CHANGES, RequestStatus
 
@@ -252,7 +253,7 @@ def set_last_error(cur: psycopg2.extensions.cursor, sink: str, client: str, erro
     cur.execute(
         "UPDATE lr.source_sessions SET last_error = %s, updated_at = now() "
         "WHERE sink_site_id = %s AND client_name = %s",
-        (error, sink, client),
+        (storable(cur.connection, error), sink, client),
     )
 
 

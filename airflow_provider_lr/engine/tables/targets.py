@@ -195,6 +195,7 @@ def guards(cur: psycopg2.extensions.cursor, table: TableName) -> tuple[str, str,
 
 # SQLSTATEs of a name PostgreSQL did not find: a table, a column, a function or operator, an object, a schema
 _NOT_FOUND = {"42P01", "42703", "42883", "42704", "3F000"}
+_ENCODING = {"22P05", "22021"}  # untranslatable_character, character_not_in_repertoire
 
 
 def refusal_fix(exc: psycopg2.Error) -> str:
@@ -206,7 +207,14 @@ def refusal_fix(exc: psycopg2.Error) -> str:
     the sink's doing again what the source's did (a copy of the source's trigger, writing rows the
     source replicates too: their keys collide, or, once the sink's sequence passed them, the sink
     holds them twice): it must skip lr's apply. Before, the refusal said to fix a constraint, trigger
-    or privilege, and the user found the trigger's table there, or nothing to fix."""
+    or privilege, and the user found the trigger's table there, or nothing to fix; as it did for a
+    character the sink's database encoding (LATIN1) has not, where no constraint is to blame."""
+    if exc.pgcode in _ENCODING:
+        return (
+            "the sink's database encoding cannot hold a character of the source's rows (its server converts every "
+            "text to it): the sink's database must be UTF8 (or the source's encoding), or the source's row changed "
+            "and a full sync asked (lr full-sync)"
+        )
     if "function" not in (exc.diag.context or ""):
         return "the sink's table has a constraint, trigger or privilege the source's has not: fix it there"
     if exc.pgcode in _NOT_FOUND:

@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_lr.engine.db import conninfo, schema
+from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.errors import SchemaError
+from airflow_provider_lr.engine.session.runner import record_error
+from airflow_provider_lr.engine.store import topology as topologies
+from airflow_provider_lr.engine.vocabulary import SessionKey
+from tests.conftest import TestSite, create_database, drop_database
+from tests.support.session import apply_to, topology_doc
 
 
 def copy_shipped(directory: Path) -> int:
@@ -23,17 +29,33 @@ def tables(site) -> set[str]:
     return {r[0] for r in site.query("SELECT tablename FROM pg_tables WHERE schemaname = 'lr'")}
 
 
-def test_fresh_database_gets_every_shipped_migration(sites):
-    site = sites[0]
-    conn = site.connect()
-    assert schema.current_version(conn) == 0
-    result = schema.init_site(conn, "site-a", "eu")
-    latest = schema.available_migrations()[-1].version
-    assert result.applied == list(range(1, latest + 1))
-    assert schema.current_version(conn) == latest
-    assert schema.site_identity(conn) == ("site-a", "eu")
-    assert {"schema_migrations", "site_info", "registry"} <= tables(site)
-    conn.close()
+def test_fresh_database_gets_every_shipped_migration_whatever_its_encoding(sites):
+    """``lr init`` of a LATIN1 database, connected as lr connects (its client encoding UTF8): the
+    server converts each migration's whole text, comments too, to the database's encoding, and
+    V0041's comment held a euro sign LATIN1 has not (lr init failed: UntranslatableCharacter).
+    Then lr's own text there, escaped where LATIN1 lacks a character."""
+    site = TestSite(sites[0].server, f"{sites[0].dbname}_latin1")
+    create_database(site.server, site.dbname, encoding="LATIN1")
+    try:
+        conn = conninfo.from_dsn(site.dsn).connect(Purpose.BULK)
+        assert schema.current_version(conn) == 0
+        result = schema.init_site(conn, "site-a", "eu")
+        latest = schema.available_migrations()[-1].version
+        assert result.applied == list(range(1, latest + 1))
+        assert schema.current_version(conn) == latest
+        assert schema.site_identity(conn) == ("site-a", "eu")
+        assert {"schema_migrations", "site_info", "registry"} <= tables(site)
+        assert schema.init_site(conn, "site-a").applied == []  # the checksums are the shipped files'
+        assert all(m.sent.isascii() for m in schema.available_migrations()), "any database takes them"
+        # lr's own text there: a session's last error holding characters LATIN1 lacks (a sink's
+        # message, lr's ellipsis) was refused by the server, so lr status never said the error
+        apply_to([site], topologies.from_document(topology_doc([site, sites[1]])))
+        record_error(conn, SessionKey("site-a", "site-b", "policy"), "the sink said: нет € …")
+        said = site.query("SELECT last_error FROM lr.source_sessions")
+        assert said == [("the sink said: \\u043d\\u0435\\u0442 \\u20ac \\u2026",)], said
+        conn.close()
+    finally:
+        drop_database(site.server, site.dbname)
 
 
 def test_rerun_is_a_noop(sites):
@@ -72,30 +94,6 @@ def test_edited_migration_is_refused(sites, tmp_path: Path):
     with pytest.raises(SchemaError, match="differs from the one shipped"):
         schema.migrate(conn, migrations=schema.available_migrations(tmp_path))
     conn.close()
-
-
-def test_lr_installs_on_a_latin1_database_and_a_site_that_took_v41_as_released_upgrades(sites):
-    """A server's encoding other than UTF8 cannot take every character: the statement of a migration
-    with one (V0041's comment named the euro sign) failed `lr init` there. Every migration is ASCII;
-    V0041's text changed in its comment only, so the checksum it was released with is still its own."""
-    assert [m.name for m in schema.available_migrations() if not m.sql.isascii()] == []
-    server, name = sites[0].server, f"{sites[0].dbname}_latin1"
-    admin = sites[0].connect()
-    admin.autocommit = True
-    with admin.cursor() as cur:
-        cur.execute(f"CREATE DATABASE {name} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0")
-    try:
-        conn = conninfo.from_dsn(server.dsn(name)).connect()  # as lr init connects: client_encoding UTF8
-        schema.init_site(conn, "site-a")
-        with conn.cursor() as cur:  # a site migrated with V0041 as released: its init is a no-op
-            cur.execute("UPDATE lr.schema_migrations SET checksum = %s WHERE version = 41", schema._RELEASED_AS[41])
-        conn.commit()
-        assert schema.init_site(conn, "site-a").applied == []
-        conn.close()
-    finally:
-        with admin.cursor() as cur:
-            cur.execute(f"DROP DATABASE {name} WITH (FORCE)")
-        admin.close()
 
 
 def test_site_newer_than_code_is_refused(sites, tmp_path: Path):

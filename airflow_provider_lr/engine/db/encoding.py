@@ -1,0 +1,28 @@
+"""lr's own text (a session's last error, a request's note, a dead letter's error) as a site can store it.
+
+A site's database need not be UTF8 (a LATIN1 one), nor a connection's client encoding: psycopg2
+encodes a parameter in the connection's encoding and the server converts a statement's whole text
+to the database's, and a character either lacks (a sink's Cyrillic message, a euro sign, lr's own
+ellipsis) failed the statement: the error was never recorded (``lr status`` said nothing of a
+failing session), the dead letter never moved. Such a character is written as its escape instead.
+"""
+
+from __future__ import annotations
+
+import psycopg2.extensions
+
+_ANY_CLIENT = {"UTF8", "UNICODE"}  # psycopg2's names of a connection that encodes every character
+_ANY_SERVER = {"UTF8", "SQL_ASCII"}  # a database that takes every character (SQL_ASCII converts nothing)
+
+
+def storable(conn: psycopg2.extensions.connection, text: str) -> str:
+    """``text`` with each character ``conn``'s client encoding or its database's lacks escaped
+    (``\\u20ac``): what a statement on ``conn`` can store; unchanged on a UTF8 site."""
+    names = {conn.encoding} - _ANY_CLIENT
+    server = conn.info.parameter_status("server_encoding")
+    if server not in _ANY_SERVER:
+        names.add(server or "SQL_ASCII")
+    for name in names:
+        codec = psycopg2.extensions.encodings.get(name, "ascii")
+        text = text.encode(codec, "backslashreplace").decode(codec)
+    return text
