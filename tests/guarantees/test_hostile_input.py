@@ -327,6 +327,18 @@ settings:
             GOOD.replace("[policy]}", "[policy]\n"),
             ":7: YAML syntax error: expected ',' or '}', but got '<scalar>' (while parsing a flow mapping from line 5)",
         ),
+        # NaN passes every bound (no comparison holds): 'valid', then apply failed on the site's json
+        *[
+            (
+                GOOD.replace("lease_seconds: 30", f"{key}: {value}"),
+                f":7: settings.{key}: {shown} is not a finite number",
+            )
+            for key, value, shown in (
+                ("lease_seconds", ".nan", "nan"),
+                ("statement_timeout_s", ".NaN", "nan"),
+                ("lock_timeout_s", "-.inf", "-inf"),
+            )
+        ],
         ("sites: site-a\n", ":1: sites: 'site-a' is not of type 'array'"),
         ("- just a list\n", ":1: (document): ['just a list'] is not of type 'object'"),
         (GOOD + "providers:\n  policy: not-a-module\n", ":9: providers.policy: 'not-a-module' is not a valid provider"),
