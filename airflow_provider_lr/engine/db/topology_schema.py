@@ -13,8 +13,9 @@ a site replicating to itself, receive-queue names that would collide) are checke
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -297,6 +298,8 @@ def read(path: Path) -> tuple[Any, Origin]:
 def validate(doc: Any, origin: Origin | None = None) -> None:
     """Refuse a document that does not follow ``SCHEMA`` (the first error, one line)."""
     origin = origin or Origin()
+    for path, number in _non_finite(doc, []):
+        raise origin.error(path, f"{number} is not a finite number")
     errors = sorted(_VALIDATOR.iter_errors(doc), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
     if errors:
         raise _explain(errors[0], origin)
@@ -307,6 +310,20 @@ def validate(doc: Any, origin: Origin | None = None) -> None:
                 "holds a password; name an Airflow connection or an "
                 "entry of the connections file instead (the topology is stored on every site)",
             )
+
+
+def _non_finite(value: Any, path: list[str | int]) -> Iterator[tuple[list[str | int], float]]:
+    """The NaNs and infinities in a document (YAML's ``.nan``, JSON's ``NaN``): a NaN passes every
+    bound of the schema (no comparison holds), so ``validate`` said valid and the site's ``json``
+    refused the document at ``lr topology apply``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _non_finite(item, [*path, key])
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _non_finite(item, [*path, index])
 
 
 def _explain(error: ValidationError, origin: Origin) -> ConfigurationError:
