@@ -149,6 +149,20 @@ def test_a_password_given_to_lr_is_never_printed_whatever_is_wrong(tmp_path, mon
         # an option libpq does not know: psycopg2's ProgrammingError, exit 1
         (["roles", "list", "--site", "postgresql://u:SEKRET@h/db?bogus=1"], 2, 'invalid connection option "bogus"'),
         (["init", "--site", "host=h port=5432,x password=SEKRET"], 2, "has an invalid port '5432,x'"),
+        # a value libpq refuses before any network: exit 1 saying "is the server up?" (and lr sync retried it)
+        (
+            ["init", "--site", "host=127.0.0.1 port=1 sslmode=requier password=SEKRET", "--site-id", "a"],
+            2,
+            "invalid sslmode 'requier': give one of",
+        ),
+        *[
+            (
+                ["roles", "list", "--site", f"postgresql://u:SEKRET@127.0.0.1:1/db?{option}=bogus"],
+                2,
+                f"invalid {option} 'bogus'",
+            )
+            for option in ("target_session_attrs", "gssencmode", "channel_binding", "load_balance_hosts")
+        ],
         # a server that does not answer is not: exit 1
         (["init", "--site", "host=127.0.0.1 port=1 password=SEKRET", "--site-id", "a"], 1, "password=***"),
     ]:
