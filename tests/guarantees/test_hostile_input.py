@@ -275,6 +275,13 @@ def test_a_subscriber_or_client_made_with_what_cannot_mean_what_was_meant_is_ref
         RoutingQueueClient(opened, "policy", max_payload_bytes=4097)
     assert RoutingQueueClient(opened, "policy", max_payload_bytes=4096).max_payload_bytes == 4096
     assert RoutingQueueClient(opened, "policy", max_payload_bytes=100).max_payload_bytes == 100  # a lower one
+    # what is not a transmit's ticket (None from transmitting no message, its id, its dict): an
+    # AttributeError ('NoneType' object has no attribute 'tx') from inside lr
+    client = RoutingQueueClient(opened, "policy")
+    for ticket in (None, 5, {"tx": 5}):
+        for ask in (client.delivery, client.wait_until_safe):
+            with pytest.raises(ConfigurationError, match=f"not a {type(ticket).__name__}: give the Ticket a transmit"):
+                ask(ticket)
     opened.close()
 
 
