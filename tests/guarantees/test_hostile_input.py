@@ -102,6 +102,29 @@ def test_lr_sites_up_refuses_ids_that_would_escape_lr_home_or_collide(tmp_path, 
     assert not (tmp_path / "home" / "sites").exists() and manager.sites() == []
 
 
+def test_lr_sites_given_ids_it_refuses_exits_2_as_every_usage_error_and_starts_nothing(tmp_path, capsys):
+    """`lr sites up --ids ../x` (or an id named twice, or a count past the bound) and `lr sites down
+    --ids nosuch` exited 1, as a server's refusal; `--ids a,a` started site a once, silently."""
+    home = str(tmp_path / "home")
+    for argv, said in [
+        (["sites", "up", "--ids", "../x"], "'../x' is not a site id"),
+        (["sites", "up", "--ids", "a,A"], "'A' is not a site id"),
+        (["sites", "up", "--ids", "a,,b"], "'' is not a site id"),
+        (["sites", "up", "--ids", "a,b,a"], "'a' given twice"),
+        (["sites", "up", "--ids", "x-1,x_1"], "would share the connection id"),
+        (["sites", "up", "--count", "65"], "at most 64 embedded sites"),
+        (["sites", "down", "--ids", "a,a"], "'a' given twice"),
+        (["sites", "down", "--ids", "nosuch"], "no embedded site nosuch"),
+    ]:
+        try:
+            assert cli.main(["--home", home, *argv]) == 2, argv
+        except SystemExit as exit_:  # argparse's refusals
+            assert exit_.code == 2, argv
+        err = capsys.readouterr().err
+        assert said in err.strip().splitlines()[-1], (argv, err)
+    assert not (tmp_path / "home" / "sites").exists()
+
+
 def test_airflow_env_quotes_what_it_writes(tmp_path):
     from airflow_provider_lr.embedded.sites import EmbeddedSite
 
