@@ -15,6 +15,11 @@ class ConfigurationError(LRError):
     """A site, connection, topology or argument is missing or invalid."""
 
 
+class InputError(ConfigurationError):
+    """The user's input refused before anything is done (a name or count a command cannot take):
+    the CLI exits 2 on it, as on any other usage error."""
+
+
 class TopologyMismatchError(ConfigurationError):
     """The topology file in hand is not the one the sites run (a stale file after a failover, an
     edited one not applied): nothing is done from it."""
