@@ -390,6 +390,7 @@ settings:
                 "postgresql://db/app?sslpassword=hunter2",
                 "postgresql://db/app?pass%77ord=hunter2",
                 "postgresql://lr:hunter2@db:5432,db2:5433/app",
+                "postgresql://lr:hun/ter2@db/app",  # an unescaped '/' in it: libpq cannot read it, still a password
             )
         ],
     ],
