@@ -119,10 +119,11 @@ def require_site_ids(name: str, value: object) -> list[str]:
 # environment's ``PGPASSWORD=``), a URI's ``user:...@``, a connection's JSON or Python form. Masked as
 # ``***`` wherever lr prints or stores an error. An unquoted DSN value runs to the next blank, as
 # libpq reads it (quotes inside it, a backslash-escaped blank); a URI's password to its last ``@``
-# (an unescaped ``@`` in it is a mistake users make).
+# (an unescaped ``@`` or ``/`` in it is a mistake users make: libpq then reads a host and port, and
+# the message that refuses it quoted the URI whole).
 _SECRETS = (
     (re.compile(r"""(?i)((?:\b|(?<=pg))(?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'?|(?:\\.|[^\s\\])+)"""), r"\1***"),
-    (re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/@\s:]*:)[^/\s]*@"), r"\1***@"),
+    (re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/@\s:]*:)\S*@"), r"\1***@"),
     (re.compile(r"""(?i)(["'](?:ssl)?password["']\s*:\s*)("(?:[^"\\]|\\.)*"?|'(?:[^'\\]|\\.)*'?)"""), r"\1'***'"),
 )
 

@@ -171,13 +171,18 @@ SCHEMA: dict[str, Any] = {
 _VALIDATOR = Draft202012Validator(SCHEMA)
 
 # a DSN (key=value or URI form) that carries a password: never stored in a topology document
-_SECRET = re.compile(r"(?i)((?:\b|(?<=ssl))password\s*=)|(^[a-z][a-z0-9+.-]*://[^/@\s]*:[^/@\s]*@)")
+# (a URI's user:password@, the password with an unescaped '/' too: libpq reads "user:pass" as host
+# and port there, and the rest as the database; not a host:port/db?key=a@b)
+_SECRET = re.compile(
+    r"(?i)((?:\b|(?<=ssl))password\s*=)|(^[a-z][a-z0-9+.-]*://[^/@\s:]*:(?![^@\s]*/[^@\s]*\?)[^@\s]*@)"
+)
 _SECRET_KEYS = frozenset(("password", "sslpassword"))  # libpq's: a login's, a client key's passphrase
 
 
 def holds_password(conn_id: str) -> bool:
     """Whether ``conn_id`` is a DSN that carries a password: as libpq reads it (a URI's query keys are
-    percent-decoded), else by its text (a DSN libpq cannot parse may still hold one)."""
+    percent-decoded), else by its text (a DSN libpq cannot parse may still hold one: a URI's
+    password with an unescaped ``/``, read as a host and a port)."""
     try:
         if _SECRET_KEYS & parse_dsn(conn_id).keys():
             return True
