@@ -19,7 +19,7 @@ import psycopg2
 from airflow_provider_lr.cli import airflow_connections, failover, full_sync, replication, roles, sites, status, tables
 from airflow_provider_lr.cli.common import UsageError, database_error, environ_set
 from airflow_provider_lr.engine.db import conninfo, reach
-from airflow_provider_lr.engine.errors import LRError, mask_secrets, one_line
+from airflow_provider_lr.engine.errors import InputError, LRError, mask_secrets, one_line
 from airflow_provider_lr.paths import LR_HOME_ENV, lr_home
 
 
@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # (a site comes back) and remembers only once it stops (``DEADLINES.hurry``)
         with _home(args.home), nullcontext() if args.command == "sync" else reach.remembered():
             return func(args)
-    except UsageError as exc:
+    except (UsageError, InputError) as exc:
         print(f"lr: {one_line(exc)}", file=sys.stderr)
         return 2
     except LRError as exc:

@@ -204,6 +204,19 @@ def site_id_text(text: str) -> str:
     return text
 
 
+def site_ids_text(text: str) -> list[str]:
+    """``--ids a,b``: each a site id, none twice (``a,a`` was taken as ``a``, silently); a usage error
+    (exit 2) before any site is started or stopped."""
+    ids = text.split(",")
+    for site_id in ids:
+        if not valid_site_id(site_id):
+            raise argparse.ArgumentTypeError(f"{site_id!r} is not a site id: {SITE_RULES}")
+    twice = sorted({s for s in ids if ids.count(s) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"{', '.join(map(repr, twice))} given twice")
+    return ids
+
+
 def region_text(text: str) -> str:
     """``--region``: one line of text (a newline in it was recorded, and printed as a line of its own)."""
     if not valid_region(text):

@@ -11,6 +11,7 @@ from airflow_provider_lr.cli.common import (
     positive_int,
     region_text,
     site_id_text,
+    site_ids_text,
     site_manager,
     target_sites,
 )
@@ -22,8 +23,7 @@ from airflow_provider_lr.paths import home_unset_hint
 
 def cmd_sites_up(args: argparse.Namespace) -> int:
     manager = site_manager(args)
-    ids = args.ids.split(",") if args.ids else None
-    sites = manager.up(count=args.count, site_ids=ids)
+    sites = manager.up(count=args.count, site_ids=args.ids)
     print(f"{'site':<10} {'region':<10} {'connection':<14} dsn")
     for site in sites:
         print(f"{site.site_id:<10} {site.region:<10} {site.conn_id:<14} {site.dsn()}")
@@ -36,7 +36,7 @@ def cmd_sites_up(args: argparse.Namespace) -> int:
 
 
 def cmd_sites_down(args: argparse.Namespace) -> int:
-    stopped = site_manager(args).down(args.ids.split(",") if args.ids else None, remove=args.remove)
+    stopped = site_manager(args).down(args.ids, remove=args.remove)
     print(("removed: " if args.remove else "stopped: ") + (", ".join(stopped) or "nothing"))
     return 0
 
@@ -97,10 +97,10 @@ def add_sites(sub: argparse._SubParsersAction) -> None:
         help="start this many sites, site-a, site-b, ... (past 26: site-1, site-2, ...; at most 64), "
         "making those not made yet (default: the sites made before)",
     )
-    up.add_argument("--ids", help="comma-separated site ids instead of site-a, site-b, ...")
+    up.add_argument("--ids", type=site_ids_text, help="comma-separated site ids instead of site-a, site-b, ...")
     up.set_defaults(func=cmd_sites_up)
     down = sites.add_parser("down", help="stop sites")
-    down.add_argument("--ids", help="comma-separated site ids (default: every embedded site)")
+    down.add_argument("--ids", type=site_ids_text, help="comma-separated site ids (default: every embedded site)")
     down.add_argument("--remove", action="store_true", help="also delete their data")
     down.set_defaults(func=cmd_sites_down)
     sites.add_parser("list", help="list sites and whether they run").set_defaults(func=cmd_sites_list)

@@ -34,7 +34,7 @@ from pathlib import Path
 from airflow_provider_lr.engine.db import conninfo
 from airflow_provider_lr.engine.db.conninfo import ConnInfo, from_airflow_dict
 from airflow_provider_lr.engine.db.topology_schema import valid_site_id
-from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, listing, one_line
+from airflow_provider_lr.engine.errors import ConfigurationError, InputError, SiteUnreachableError, listing, one_line
 from airflow_provider_lr.paths import lr_home, write_replacing
 
 DEFAULT_SETTINGS: dict[str, str] = {
@@ -62,7 +62,7 @@ def _check_ids(wanted: list[str], known: dict[str, EmbeddedSite]) -> None:
     the site-id pattern (no path, no quote, no newline) and two ids that map to one connection."""
     bad = [s for s in wanted if not valid_site_id(s)]
     if bad:
-        raise ConfigurationError(
+        raise InputError(
             f"invalid site id(s) {listing(bad)}: use 1-63 lowercase letters, digits, '-' or '_', "
             "starting with a letter or digit"
         )
@@ -70,7 +70,7 @@ def _check_ids(wanted: list[str], known: dict[str, EmbeddedSite]) -> None:
     for site_id in [*known, *wanted]:
         other = owners.setdefault(conn_id_for(site_id), site_id)
         if other != site_id:
-            raise ConfigurationError(
+            raise InputError(
                 f"site ids {other!r} and {site_id!r} would share the connection id "
                 f"{conn_id_for(site_id)!r}; pick ids that differ in more than '-' and '_'"
             )
@@ -165,17 +165,17 @@ class SiteManager:
         known = {s.site_id: s for s in self.sites()}
         wanted = site_ids or (default_site_ids(count) if count else list(known))
         if not wanted:
-            raise ConfigurationError("no sites to start: give --count N (or site ids)")
+            raise InputError("no sites to start: give --count N (or site ids)")
         lettered = [s for s in known if s in default_site_ids(26)]
         if not site_ids and count and count > 26 and lettered:  # ids numbered past 26 letters
-            raise ConfigurationError(
+            raise InputError(
                 f"--count {count} names its sites site-1 … site-{count} (past 26 they are numbered), "
                 f"beside {listing(lettered)} made before under {self.home}: remove those first "
                 "(lr sites down --remove) or name the sites with --ids; nothing was started"
             )
         _check_ids(wanted, known)
         if len(set(wanted) | set(known)) > MAX_SITES:
-            raise ConfigurationError(
+            raise InputError(
                 f"{len(set(wanted) | set(known))} sites asked for under {self.home}: at most {MAX_SITES} embedded "
                 "sites (each is a PostgreSQL server of its own on this machine); nothing was started"
             )
@@ -196,7 +196,7 @@ class SiteManager:
         sites = self.sites()
         unknown = sorted(set(site_ids or ()) - {s.site_id for s in sites})
         if unknown:
-            raise ConfigurationError(
+            raise InputError(
                 f"no embedded site {', '.join(unknown)} under {self.home}; its sites are "
                 f"{', '.join(s.site_id for s in sites) or 'none'} (lr sites list)"
             )

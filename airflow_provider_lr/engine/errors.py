@@ -15,6 +15,11 @@ class ConfigurationError(LRError):
     """A site, connection, topology or argument is missing or invalid."""
 
 
+class InputError(ConfigurationError):
+    """The user's input refused before anything is done (a name or count a command cannot take):
+    the CLI exits 2 on it, as on any other usage error."""
+
+
 class TopologyMismatchError(ConfigurationError):
     """The topology file in hand is not the one the sites run (a stale file after a failover, an
     edited one not applied): nothing is done from it."""
@@ -114,10 +119,11 @@ def require_site_ids(name: str, value: object) -> list[str]:
 # environment's ``PGPASSWORD=``), a URI's ``user:...@``, a connection's JSON or Python form. Masked as
 # ``***`` wherever lr prints or stores an error. An unquoted DSN value runs to the next blank, as
 # libpq reads it (quotes inside it, a backslash-escaped blank); a URI's password to its last ``@``
-# (an unescaped ``@`` in it is a mistake users make).
+# (an unescaped ``@`` or ``/`` in it is a mistake users make: libpq then reads a host and port, and
+# the message that refuses it quoted the URI whole).
 _SECRETS = (
     (re.compile(r"""(?i)((?:\b|(?<=pg))(?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'?|(?:\\.|[^\s\\])+)"""), r"\1***"),
-    (re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/@\s:]*:)[^/\s]*@"), r"\1***@"),
+    (re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/@\s:]*:)\S*@"), r"\1***@"),
     (re.compile(r"""(?i)(["'](?:ssl)?password["']\s*:\s*)("(?:[^"\\]|\\.)*"?|'(?:[^'\\]|\\.)*'?)"""), r"\1'***'"),
 )
 

@@ -149,6 +149,22 @@ def test_a_password_given_to_lr_is_never_printed_whatever_is_wrong(tmp_path, mon
         # an option libpq does not know: psycopg2's ProgrammingError, exit 1
         (["roles", "list", "--site", "postgresql://u:SEKRET@h/db?bogus=1"], 2, 'invalid connection option "bogus"'),
         (["init", "--site", "host=h port=5432,x password=SEKRET"], 2, "has an invalid port '5432,x'"),
+        # a URI whose password has an unescaped '/' (libpq reads host:port there): printed whole, unwarned
+        (["init", "--site", "postgresql://u:SEK/RET@127.0.0.1:1/db", "--site-id", "a"], 2, "'postgresql://u:***@"),
+        # a value libpq refuses before any network: exit 1 saying "is the server up?" (and lr sync retried it)
+        (
+            ["init", "--site", "host=127.0.0.1 port=1 sslmode=requier password=SEKRET", "--site-id", "a"],
+            2,
+            "invalid sslmode 'requier': give one of",
+        ),
+        *[
+            (
+                ["roles", "list", "--site", f"postgresql://u:SEKRET@127.0.0.1:1/db?{option}=bogus"],
+                2,
+                f"invalid {option} 'bogus'",
+            )
+            for option in ("target_session_attrs", "gssencmode", "channel_binding", "load_balance_hosts")
+        ],
         # a server that does not answer is not: exit 1
         (["init", "--site", "host=127.0.0.1 port=1 password=SEKRET", "--site-id", "a"], 1, "password=***"),
     ]:
@@ -170,10 +186,15 @@ def test_a_password_on_the_command_line_is_warned_of_and_a_dsn_without_one_is_no
         ("host=127.0.0.1 port=1 user=x password=SEKRET", True),
         ("postgresql://x:SEKRET@127.0.0.1:1/db", True),
         ("host=127.0.0.1 port=1 user=x", False),
+        ("postgresql://127.0.0.1:1/db?application_name=me@there", False),
     ]:
         assert cli.main(["init", "--site", dsn, "--site-id", "a"]) == 1
         err = capsys.readouterr().err
         assert ("seen by every local user (`ps`" in err) is warned and "SEKRET" not in err, err
+    for dsn in ("postgresql://x:SEK/RET@127.0.0.1:1/db", "postgresql://x:SEK/RET@127.0.0.1:1/db?sslmode=x@"):
+        assert cli.main(["init", "--site", dsn, "--site-id", "a"]) == 2  # libpq cannot read it: still warned
+        err = capsys.readouterr().err
+        assert "seen by every local user (`ps`" in err and "RET" not in err, err
 
 
 def test_commands_run_before_lr_init_say_to_run_it_once_not_a_missing_relation_every_cycle(

@@ -383,11 +383,14 @@ def test_topology_validate_warns_of_a_site_whose_connection_cannot_be_resolved(t
     monkeypatch.setenv("LR_HOME", str(tmp_path))  # no connections file
     monkeypatch.setenv("AIRFLOW_CONN_LR_EAST", json.dumps({"conn_type": "lr_site", "host": "db.east", "login": "lr"}))
     monkeypatch.setenv("AIRFLOW_CONN_LR_WEST", "{not json")
+    # and one libpq never takes (it was called fine: ConnInfo.check ran only as lr connected)
+    monkeypatch.setenv("AIRFLOW_CONN_LR_SOUTH", "postgresql://lr@db.south/app?sslmode=requier")
     doc = {
         "sites": [
             {"id": "east", "conn_id": "lr_east"},
             {"id": "west", "conn_id": "lr_west"},
             {"id": "north", "conn_id": "lr_nroth"},
+            {"id": "south", "conn_id": "lr_south"},
         ],
         "replication": [{"source": "east", "sinks": ["west", "north"], "clients": ["policy"]}],
         "providers": {"policy": "tests.support.session:table_provider"},
@@ -398,9 +401,10 @@ def test_topology_validate_warns_of_a_site_whose_connection_cannot_be_resolved(t
     out, err = capsys.readouterr()
     assert "valid; topology" in out
     lines = err.strip().splitlines()
-    assert len(lines) == 2 and lines[0].startswith("lr: warning: site 'north': unknown site or connection 'lr_nroth'")
+    assert len(lines) == 3 and lines[0].startswith("lr: warning: site 'north': unknown site or connection 'lr_nroth'")
     assert "set AIRFLOW_CONN_LR_NROTH, add it to" in lines[0] and "cannot reach it" in lines[0]
-    assert lines[1].startswith("lr: warning: site 'west': AIRFLOW_CONN_LR_WEST"), lines
+    assert lines[1].startswith("lr: warning: site 'south': connection 'lr_south'") and "sslmode 'requier'" in lines[1]
+    assert lines[2].startswith("lr: warning: site 'west': AIRFLOW_CONN_LR_WEST"), lines
 
 
 def test_a_site_whose_connection_was_made_in_airflow_is_found_by_lr(airflow_db, tmp_path, monkeypatch, capsys):

@@ -162,7 +162,7 @@ def test_as_root_the_server_runs_with_its_own_group_not_roots(manager):
 
 def test_sites_down_refuses_a_site_that_is_not_there(manager, capsys):
     manager.up(count=1)
-    assert cli.main(["--home", str(manager.home), "sites", "down", "--ids", "site-x"]) == 1
+    assert cli.main(["--home", str(manager.home), "sites", "down", "--ids", "site-x"]) == 2  # a usage error
     assert "no embedded site site-x" in capsys.readouterr().err
     assert manager.is_running(manager.sites()[0])  # nothing was stopped
 
@@ -203,7 +203,7 @@ def test_more_sites_asked_for_than_letters_beside_lettered_ones_is_refused_not_d
     made = [EmbeddedSite(f"site-{c}", "region-1", 0, str(tmp_path / c)) for c in "abc"]
     made += [EmbeddedSite(f"extra-{i}", "region-1", 0, str(tmp_path / str(i))) for i in range(35)]
     manager._save(made)  # made before, none running: nothing here starts a server
-    assert cli.main(["--home", str(manager.home), "sites", "up", "--count", "27"]) == 1
+    assert cli.main(["--home", str(manager.home), "sites", "up", "--count", "27"]) == 2  # a usage error
     err = capsys.readouterr().err
     assert "--count 27 names its sites site-1 … site-27" in err, err
     assert "site-a, site-b, site-c" in err and "lr sites down --remove" in err and "--ids" in err, err

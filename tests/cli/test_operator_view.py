@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+import pytest
 import yaml
 
 from airflow_provider_lr import cli
@@ -384,6 +385,30 @@ def test_an_address_lr_cannot_listen_on_is_said_on_one_line(lr_sites, tmp_path, 
     assert cli.main(["sync", "--topology", topo, "--once", "--metrics-listen", f"127.0.0.1:{in_use}"]) == 1
     assert "cannot listen on" in capsys.readouterr().err
     assert lr_sites[0].query("SELECT count(*) FROM lr.source_sessions WHERE lease_owner IS NOT NULL") == [(0,)]
+
+
+def test_an_ipv6_address_in_brackets_is_listened_on_and_named_so():
+    """`--metrics-listen [::1]:9187` (HOST:PORT as a URL writes an IPv6 host) was refused with 'Name
+    or service not known': the brackets went to the resolver."""
+    import socket
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry
+
+    from airflow_provider_lr.engine.site import metrics
+
+    try:
+        socket.socket(socket.AF_INET6).close()
+        socket.getaddrinfo("::1", 0, socket.AF_INET6)
+    except OSError:
+        pytest.skip("no IPv6 on this machine")
+    server, thread, url = metrics.start(CollectorRegistry(), "[::1]:0")
+    try:
+        assert re.fullmatch(r"http://\[::1\]:\d+/metrics", url), url
+        with urllib.request.urlopen(url, timeout=10) as response:
+            assert response.status == 200
+    finally:
+        metrics.stop_serving(server, thread)
 
 
 def test_lr_sync_counts_what_it_delivers_and_prints_a_progress_line(lr_sites, tmp_path, monkeypatch):

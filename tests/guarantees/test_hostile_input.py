@@ -102,6 +102,29 @@ def test_lr_sites_up_refuses_ids_that_would_escape_lr_home_or_collide(tmp_path, 
     assert not (tmp_path / "home" / "sites").exists() and manager.sites() == []
 
 
+def test_lr_sites_given_ids_it_refuses_exits_2_as_every_usage_error_and_starts_nothing(tmp_path, capsys):
+    """`lr sites up --ids ../x` (or an id named twice, or a count past the bound) and `lr sites down
+    --ids nosuch` exited 1, as a server's refusal; `--ids a,a` started site a once, silently."""
+    home = str(tmp_path / "home")
+    for argv, said in [
+        (["sites", "up", "--ids", "../x"], "'../x' is not a site id"),
+        (["sites", "up", "--ids", "a,A"], "'A' is not a site id"),
+        (["sites", "up", "--ids", "a,,b"], "'' is not a site id"),
+        (["sites", "up", "--ids", "a,b,a"], "'a' given twice"),
+        (["sites", "up", "--ids", "x-1,x_1"], "would share the connection id"),
+        (["sites", "up", "--count", "65"], "at most 64 embedded sites"),
+        (["sites", "down", "--ids", "a,a"], "'a' given twice"),
+        (["sites", "down", "--ids", "nosuch"], "no embedded site nosuch"),
+    ]:
+        try:
+            assert cli.main(["--home", home, *argv]) == 2, argv
+        except SystemExit as exit_:  # argparse's refusals
+            assert exit_.code == 2, argv
+        err = capsys.readouterr().err
+        assert said in err.strip().splitlines()[-1], (argv, err)
+    assert not (tmp_path / "home" / "sites").exists()
+
+
 def test_airflow_env_quotes_what_it_writes(tmp_path):
     from airflow_provider_lr.embedded.sites import EmbeddedSite
 
@@ -275,6 +298,13 @@ def test_a_subscriber_or_client_made_with_what_cannot_mean_what_was_meant_is_ref
         RoutingQueueClient(opened, "policy", max_payload_bytes=4097)
     assert RoutingQueueClient(opened, "policy", max_payload_bytes=4096).max_payload_bytes == 4096
     assert RoutingQueueClient(opened, "policy", max_payload_bytes=100).max_payload_bytes == 100  # a lower one
+    # what is not a transmit's ticket (None from transmitting no message, its id, its dict): an
+    # AttributeError ('NoneType' object has no attribute 'tx') from inside lr
+    client = RoutingQueueClient(opened, "policy")
+    for ticket in (None, 5, {"tx": 5}):
+        for ask in (client.delivery, client.wait_until_safe):
+            with pytest.raises(ConfigurationError, match=f"not a {type(ticket).__name__}: give the Ticket a transmit"):
+                ask(ticket)
     opened.close()
 
 
@@ -327,6 +357,18 @@ settings:
             GOOD.replace("[policy]}", "[policy]\n"),
             ":7: YAML syntax error: expected ',' or '}', but got '<scalar>' (while parsing a flow mapping from line 5)",
         ),
+        # NaN passes every bound (no comparison holds): 'valid', then apply failed on the site's json
+        *[
+            (
+                GOOD.replace("lease_seconds: 30", f"{key}: {value}"),
+                f":7: settings.{key}: {shown} is not a finite number",
+            )
+            for key, value, shown in (
+                ("lease_seconds", ".nan", "nan"),
+                ("statement_timeout_s", ".NaN", "nan"),
+                ("lock_timeout_s", "-.inf", "-inf"),
+            )
+        ],
         ("sites: site-a\n", ":1: sites: 'site-a' is not of type 'array'"),
         ("- just a list\n", ":1: (document): ['just a list'] is not of type 'object'"),
         (GOOD + "providers:\n  policy: not-a-module\n", ":9: providers.policy: 'not-a-module' is not a valid provider"),
@@ -348,6 +390,7 @@ settings:
                 "postgresql://db/app?sslpassword=hunter2",
                 "postgresql://db/app?pass%77ord=hunter2",
                 "postgresql://lr:hunter2@db:5432,db2:5433/app",
+                "postgresql://lr:hun/ter2@db/app",  # an unescaped '/' in it: libpq cannot read it, still a password
             )
         ],
     ],

@@ -58,6 +58,18 @@ _INTEGER_OPTIONS = (
     "keepalives_count",
     "tcp_user_timeout",
 )
+# libpq options with a fixed set of values (libpq 17's; a value an older libpq lacks is still
+# refused by it at the connect): any other value fails every connect before the network, so it
+# is the connection's mistake, said before any site is reached (``check``).
+_CHOICES = {
+    "sslmode": ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"),
+    "gssencmode": ("disable", "prefer", "require"),
+    "channel_binding": ("disable", "prefer", "require"),
+    "target_session_attrs": ("any", "read-write", "read-only", "primary", "standby", "prefer-standby"),
+    "load_balance_hosts": ("disable", "random"),
+    "sslnegotiation": ("postgres", "direct"),
+    "sslcertmode": ("disable", "allow", "require"),
+}
 # libpq parameters never shown: masked in ``safe_dsn``.
 _SECRET_PARAMS = ("password", "sslpassword")
 
@@ -105,6 +117,12 @@ class ConnInfo:
             value = self.params.get(option)
             if value is not None and not re.fullmatch(r"\s*-?\d+\s*", str(value)):
                 raise ConfigurationError(f"{name} ({self.safe_dsn}) has an invalid {option} {value!r}: give a number")
+        for option, choices in _CHOICES.items():
+            value = self.params.get(option)
+            if value is not None and str(value) not in choices:
+                raise ConfigurationError(
+                    f"{name} ({self.safe_dsn}) has an invalid {option} {value!r}: give one of {', '.join(choices)}"
+                )
         return self
 
     def with_timeouts(self, timeouts: Timeouts) -> ConnInfo:
@@ -147,7 +165,7 @@ class ConnInfo:
             if misconfigured(exc):
                 raise ConfigurationError(
                     f"cannot connect to {where} ({self.safe_dsn}): {reason}; check the "
-                    "connection's host, database, user and password"
+                    "connection's host, database, user, password and options"
                 ) from exc
             if reach.silent(reason, time.monotonic() - started, params.get("connect_timeout")):
                 reach.lost(server, f"connect: {reason}")  # waited on a silent server: not again
@@ -267,9 +285,12 @@ _MISCONFIGURED_TEXT = (
     "no pg_hba.conf entry",
     "could not translate host name",
     "invalid connection option",
-    "invalid sslmode",
     "invalid integer value",
+    "invalid value for parameter",  # the server's, for an option libpq passes on (replication, options' -c)
 )
+# libpq's 'invalid <option> value: "..."' (sslmode, target_session_attrs, require_auth, ...): refused
+# before the network, at every try (was "is the server up?", and lr sync retried it for ever)
+_INVALID_OPTION_VALUE = re.compile(r'invalid [a-z_]+ value: "')
 
 
 def misconfigured(exc: psycopg2.OperationalError) -> bool:
@@ -277,7 +298,7 @@ def misconfigured(exc: psycopg2.OperationalError) -> bool:
     if getattr(exc, "pgcode", None) in _MISCONFIGURED_SQLSTATES:
         return True
     text = str(exc).lower()
-    return any(marker in text for marker in _MISCONFIGURED_TEXT)
+    return any(marker in text for marker in _MISCONFIGURED_TEXT) or _INVALID_OPTION_VALUE.search(text) is not None
 
 
 def _json(text: str, where: str) -> Any:

@@ -22,7 +22,8 @@ _PRIVILEGE = "42501"  # insufficient_privilege
 
 
 def _not_allowed(exc: BaseException) -> str:
-    """A step refused a privilege: who asked, and which steps need the owner. A failover run by
+    """A step refused a privilege: who asked, and which steps need a replicator or the owner (an
+    application's writer login given to ``lr sync`` was told only the owner's). A failover run by
     ``lr_failover`` over replicator logins (as docs/security.md advises for the DAGs) failed with
     ``permission denied for table failovers`` and nothing said why."""
     conn = getattr(exc, "lr_connection", None) or getattr(getattr(exc, "cursor", None), "connection", None)
@@ -32,9 +33,10 @@ def _not_allowed(exc: BaseException) -> str:
         user = None
     who = f"role {user!r}" if user else "this connection's role"
     return (
-        f"{who} lacks a privilege this step needs: a failover, a rejoin, `lr init`, `lr topology apply` and "
-        "`lr roles` run as the owner of the lr schema, a replicator of federated tables needs their grants "
-        "(docs/security.md)"
+        f"{who} lacks a privilege this step needs: `lr sync`, `lr status`, `lr trim`, `lr full-sync` and the "
+        "DAGs run as a replicator (`lr roles grant replicator`) or the owner of the lr schema; a failover, a "
+        "rejoin, `lr init`, `lr topology apply` and `lr roles` run as the owner; a replicator of federated "
+        "tables needs their grants (docs/security.md)"
     )
 
 

@@ -13,8 +13,9 @@ a site replicating to itself, receive-queue names that would collide) are checke
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,13 +171,18 @@ SCHEMA: dict[str, Any] = {
 _VALIDATOR = Draft202012Validator(SCHEMA)
 
 # a DSN (key=value or URI form) that carries a password: never stored in a topology document
-_SECRET = re.compile(r"(?i)((?:\b|(?<=ssl))password\s*=)|(^[a-z][a-z0-9+.-]*://[^/@\s]*:[^/@\s]*@)")
+# (a URI's user:password@, the password with an unescaped '/' too: libpq reads "user:pass" as host
+# and port there, and the rest as the database; not a host:port/db?key=a@b)
+_SECRET = re.compile(
+    r"(?i)((?:\b|(?<=ssl))password\s*=)|(^[a-z][a-z0-9+.-]*://[^/@\s:]*:(?![^@\s]*/[^@\s]*\?)[^@\s]*@)"
+)
 _SECRET_KEYS = frozenset(("password", "sslpassword"))  # libpq's: a login's, a client key's passphrase
 
 
 def holds_password(conn_id: str) -> bool:
     """Whether ``conn_id`` is a DSN that carries a password: as libpq reads it (a URI's query keys are
-    percent-decoded), else by its text (a DSN libpq cannot parse may still hold one)."""
+    percent-decoded), else by its text (a DSN libpq cannot parse may still hold one: a URI's
+    password with an unescaped ``/``, read as a host and a port)."""
     try:
         if _SECRET_KEYS & parse_dsn(conn_id).keys():
             return True
@@ -297,6 +303,8 @@ def read(path: Path) -> tuple[Any, Origin]:
 def validate(doc: Any, origin: Origin | None = None) -> None:
     """Refuse a document that does not follow ``SCHEMA`` (the first error, one line)."""
     origin = origin or Origin()
+    for path, number in _non_finite(doc, []):
+        raise origin.error(path, f"{number} is not a finite number")
     errors = sorted(_VALIDATOR.iter_errors(doc), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
     if errors:
         raise _explain(errors[0], origin)
@@ -307,6 +315,20 @@ def validate(doc: Any, origin: Origin | None = None) -> None:
                 "holds a password; name an Airflow connection or an "
                 "entry of the connections file instead (the topology is stored on every site)",
             )
+
+
+def _non_finite(value: Any, path: list[str | int]) -> Iterator[tuple[list[str | int], float]]:
+    """The NaNs and infinities in a document (YAML's ``.nan``, JSON's ``NaN``): a NaN passes every
+    bound of the schema (no comparison holds), so ``validate`` said valid and the site's ``json``
+    refused the document at ``lr topology apply``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _non_finite(item, [*path, key])
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _non_finite(item, [*path, index])
 
 
 def _explain(error: ValidationError, origin: Origin) -> ConfigurationError:

@@ -233,6 +233,8 @@ def start(registry: CollectorRegistry, listen: str) -> tuple[Any, threading.Thre
     host, _, port = listen.rpartition(":")
     if not port.isdigit() or int(port) > 65535:
         raise ConfigurationError(f"cannot listen on {listen!r}: give HOST:PORT with a port from 0 to 65535")
+    if host.startswith("[") and host.endswith("]"):  # an IPv6 host as a URL writes it: [::1]:9187
+        host = host[1:-1]
     try:
         server, thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=registry)
     except OSError as exc:  # in use, an address not of this machine, a name that does not resolve
@@ -240,7 +242,8 @@ def start(registry: CollectorRegistry, listen: str) -> tuple[Any, threading.Thre
     bound_host, bound_port = server.server_address[:2]
     if isinstance(bound_host, bytes):  # an AF_UNIX-style address in the stub's type; TCP gives str
         bound_host = bound_host.decode()
-    return server, thread, f"http://{bound_host}:{bound_port}/metrics"
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    return server, thread, f"http://{shown}:{bound_port}/metrics"
 
 
 def stop_serving(server: Any, thread: threading.Thread) -> None:

@@ -50,13 +50,13 @@ def provider_warnings(topology: Topology) -> list[str]:
 
 def connection_warnings(topology: Topology) -> list[str]:
     """The sites whose connection cannot be resolved here (no ``AIRFLOW_CONN_<ID>``, not in the
-    connections file, or one that does not parse), said by ``lr topology validate``: it called a file
+    connections file, or one that does not parse or libpq never takes), said by ``lr topology validate``: it called a file
     with a mistyped ``conn_id`` valid, and the mistake came out only at ``apply`` or ``lr sync``. A
     warning, not a refusal: Airflow workers may hold the connection where this shell does not."""
     found = []
     for site_id in sorted(topology.sites):
         try:
-            topologies.site_conninfo(topology, site_id)
+            topologies.site_conninfo(topology, site_id).check()
         except ConfigurationError as exc:
             found.append(f"site {site_id!r}: {one_line(exc)}; lr commands run here cannot reach it")
     return found

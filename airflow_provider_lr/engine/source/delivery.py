@@ -269,6 +269,8 @@ def read_delivery(
 
 def resolve(conn: psycopg2.extensions.connection, ticket: Ticket) -> int:
     """The ticket's commit position; ``TransmitError`` while its transaction has not committed."""
+    if not isinstance(ticket, Ticket):  # (None: a transmit of no message)
+        raise ConfigurationError(f"not a {type(ticket).__name__}: give the Ticket a transmit returned")
     if conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
         raise TransmitError(f"{ticket}: commit the transaction before waiting on its ticket (lr never commits for you)")
     position = commit_position(conn, ticket.tx)

@@ -66,6 +66,14 @@ def test_unknown_target_names_the_fixes(monkeypatch, tmp_path):
         conninfo.resolve("nope")
 
 
+@pytest.mark.parametrize("option", ["require_auth=bogus", "sslmode=requier", "gssencmode=sometimes"])
+def test_an_option_value_libpq_refuses_is_the_connections_mistake_not_a_server_down(option):
+    """libpq refuses it before the network, at every try: it said "is the server up?" (a
+    SiteUnreachableError, which lr sync retries for as long as it runs)."""
+    with pytest.raises(ConfigurationError, match=option.split("=")[0]):
+        conninfo.from_dsn(f"host=127.0.0.1 port=1 {option}").connect()
+
+
 def test_hook_resolves_env_connection_to_a_real_site(lr_sites, monkeypatch):
     from airflow_provider_lr.hooks.site import LRSiteHook
 

@@ -402,7 +402,7 @@ def test_a_subscriber_whose_login_is_refused_stops_at_once_with_the_fix(lr_sites
     assert not running.thread.is_alive(), "run() went on with a refused login"
     assert isinstance(running.error, ConfigurationError)
     message = str(running.error)
-    assert "no_such_role" in message and "check the connection's host, database, user and password" in message
+    assert "no_such_role" in message and "check the connection's host, database, user, password and options" in message
     assert not sub.listening
 
 

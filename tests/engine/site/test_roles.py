@@ -665,8 +665,19 @@ def test_replicator_runs_cycles_full_syncs_status_and_trim(world):
             topology=world.topo,
         )
     said = failure(refused.value)
-    assert f"role '{world.replicator}' lacks a privilege this step needs: a failover" in said, said
+    assert f"role '{world.replicator}' lacks a privilege this step needs:" in said and "a failover, a rejoin" in said, (
+        said
+    )
     assert "owner of the lr schema" in said and sink.query("SELECT count(*) FROM lr.failovers") == [(0,)]
+    # an application's writer login given to lr sync / lr trim / lr status was told only which steps
+    # need the owner, not that these need a replicator
+    conn = connect_as(source, world.writer["alpha"])
+    with pytest.raises(DENIED) as refused:
+        trim.safe_trim(conn)
+    conn.close()
+    said = failure(refused.value)
+    assert f"role '{world.writer['alpha']}' lacks a privilege" in said, said
+    assert "`lr sync`, `lr status`, `lr trim`, `lr full-sync` and the DAGs run as a replicator" in said, said
     # a federated table whose row-level security applies to the replicator: PostgreSQL filtered its
     # snapshot read silently (the sinks got none of its rows, said synced); the session now fails
     # naming the policy to add, and goes on once it is there
