@@ -790,11 +790,6 @@ def test_a_process_stopped_past_its_calls_deadline_and_continued_cuts_none_of_th
     assert proc.returncode == 0 and out.strip() == "cut 0", out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="SourceStream._admit's leave settles the sink's write in flight on the stream's thread "
-    "(the lead's file this round: the fix is proposed in pairs15's report)",
-)
 def test_a_session_of_a_silent_sink_moving_to_another_replicator_does_not_hold_the_healthy_sinks_stream(lr_sites):
     """site-c stops answering while the stream writes it (its write in flight, its sessions out of
     the rounds); then its session moves to another ``lr sync`` (membership: the Streamer's

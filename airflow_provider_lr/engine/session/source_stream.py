@@ -11,9 +11,9 @@ flight (``sink_writers``), acknowledges lazily what each sink's WAL flush has pa
 (``StreamSettings``). Per source: two source connections, one per sink site, a thread, a writer
 thread per sink site: O(sites), whatever the number of sessions.
 
-A session leaves when something calls for negotiation (lease taken over, topology changed, full
-sync requested, table federated, log trimmed past it, its sink failed): it is handed back
-(``StreamEnd``) to the cycles (``Streamer``). The whole story: docs/streaming.md."""
+A session leaves when something calls for negotiation (lease taken over, topology changed, full sync
+requested, table federated, log trimmed past it, its sink failed): handed back (``StreamEnd``) to
+the cycles (``Streamer``). The whole story: docs/streaming.md."""
 
 from __future__ import annotations
 
@@ -26,8 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import psycopg2
-import psycopg2.extensions
-from psycopg2.extensions import AsIs
+from psycopg2.extensions import AsIs, connection
 
 from airflow_provider_lr.engine.counters import DeliveryCounters
 from airflow_provider_lr.engine.db import schema
@@ -56,7 +55,7 @@ from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, SessionKey
 log = logging.getLogger(__name__)
 
 _DONE = object()  # what a step of the chores gives when they are done
-Connect = Callable[[str], psycopg2.extensions.connection]
+Connect = Callable[[str], connection]
 
 
 class _Handback(Exception):
@@ -206,8 +205,9 @@ class SourceStream:
                 self._leaving.discard(key)
                 member = self.members.get(key)
                 if member is not None:
-                    self._outcomes(self.sinks.settle(key.sink))  # its write in flight, if any, counted
-                    self.durable.flush([member], self.sinks.conn, self.source)
+                    if key.sink not in self.sinks.busy:  # a write in flight is not waited for (a silent
+                        # sink: its deadline): the sink's position is the truth, fenced for the next holder
+                        self.durable.flush([member], self.sinks.conn, self.source)
                     self._ack_quietly(member)
                     self._release_quietly(member)
                     self._end(member, REASSIGNED)
@@ -308,7 +308,7 @@ class SourceStream:
         """How long a round waits for a sink: with one sink site, for good (it holds no other)."""
         return None if len({m.key.sink for m in self.members.values()}) <= 1 else self.opts.sink_patience
 
-    def _ask(self, site: str, question: Callable[[psycopg2.extensions.connection], Answer]) -> Answer:
+    def _ask(self, site: str, question: Callable[[connection], Answer]) -> Answer:
         return self.sinks.ask(site, question, self._patience())  # the acks' and the check's questions
 
     def _outcomes(self, outcomes: Outcomes[tuple[Member, LogBatch]]) -> None:
