@@ -571,6 +571,43 @@ def test_a_latin1_sink_takes_what_its_encoding_holds_and_a_character_it_lacks_is
         drop_database(sink.server, sink.dbname)
 
 
+class Utf8Reader(TestSite):
+    """A site the test reads as UTF8 (a SQL_ASCII database's own client encoding is SQL_ASCII:
+    psycopg2 would decode its bytes as ASCII)."""
+
+    def connect(self) -> psycopg2.extensions.connection:
+        return psycopg2.connect(self.dsn, client_encoding="UTF8")
+
+
+def test_a_sql_ascii_sink_takes_a_table_whose_column_names_are_not_ascii(lr_sites):
+    """site-b's database is SQL_ASCII (it stores bytes as given): a federated table with a column
+    named "été" snapshots and streams there, every character as it is. Before, lr wrote the sink's
+    column types as JSON with the name escaped (\u00e9), which a SQL_ASCII database's JSON parser
+    refuses: every cycle of the session failed, for good."""
+    source = lr_sites[0]
+    sink = Utf8Reader(lr_sites[1].server, f"{lr_sites[1].dbname}_ascii")
+    create_database(sink.server, sink.dbname, encoding="SQL_ASCII")
+    try:
+        conn = conninfo.from_dsn(sink.dsn).connect(Purpose.BULK)  # as lr init connects
+        schema.init_site(conn, sink.site_id, sink.region)
+        conn.close()
+        sites = [source, sink]
+        topo = apply(sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
+        source.query('CREATE TABLE public.notes (id int PRIMARY KEY, "été" text NOT NULL)')
+        source.query("INSERT INTO public.notes VALUES (1, 'café €')")
+        federate(source, "public.notes")
+        app = Application(source, [sink])
+        with streaming_over(topo, sites, as_lr=True) as streaming:
+            streaming.streaming()
+            app.commit("more", "INSERT INTO public.notes VALUES (2, 'naïve ✓')")
+            streamed(streaming, source, [sink], "public.notes")
+        app.close()
+        assert rows(sink, "public.notes") == rows(source, "public.notes") and logs(sink) == ["more"]
+        assert sink.query('SELECT "été" FROM public.notes WHERE id = 2') == [("naïve ✓",)]
+    finally:
+        drop_database(sink.server, sink.dbname)
+
+
 ITEMS = "CREATE TABLE public.items (id int PRIMARY KEY, v text NOT NULL, n int NOT NULL)"
 # a sink's own table and a trigger function that names it without its schema, as applications write them
 SEEN = (

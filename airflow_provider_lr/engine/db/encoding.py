@@ -9,7 +9,11 @@ failing session), the dead letter never moved. Such a character is written as it
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import psycopg2.extensions
+from psycopg2.extras import Json
 
 _ANY_CLIENT = {"UTF8", "UNICODE"}  # psycopg2's names of a connection that encodes every character
 _ANY_SERVER = {"UTF8", "SQL_ASCII"}  # a database that takes every character (SQL_ASCII converts nothing)
@@ -26,3 +30,16 @@ def storable(conn: psycopg2.extensions.connection, text: str) -> str:
         codec = psycopg2.extensions.encodings.get(name, "ascii")
         text = text.encode(codec, "backslashreplace").decode(codec)
     return text
+
+
+def json_text(value: Any) -> str:
+    """``value`` as JSON text with every character as itself, not escaped: a SQL_ASCII database's
+    JSON parser refuses a ``\\u`` escape beyond ASCII (a sink's column types naming a column "été"
+    failed every cycle of its session there); any other database converts the characters as it
+    does the rest of the statement."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def as_json(value: Any) -> Json:
+    """``value`` as a JSON parameter, written by ``json_text``."""
+    return Json(value, dumps=json_text)

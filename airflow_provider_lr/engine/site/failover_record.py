@@ -6,7 +6,6 @@ results it reports, and the connections to the sites involved (``site/failover``
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Callable
@@ -16,6 +15,7 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.db import schema
+from airflow_provider_lr.engine.db.encoding import json_text
 from airflow_provider_lr.engine.db.topology_schema import Origin
 from airflow_provider_lr.engine.errors import LRError, SiteUnreachableError, listing, one_line
 from airflow_provider_lr.engine.source import full_sync
@@ -247,9 +247,7 @@ def keep_copy(sink: psycopg2.extensions.connection, new: psycopg2.extensions.con
     new.commit()
     if row is None:
         return
-    values = [
-        json.dumps(v) if isinstance(v, (dict, list)) and name != "clients" else v for name, v in zip(columns, row)
-    ]
+    values = [json_text(v) if isinstance(v, (dict, list)) and name != "clients" else v for name, v in zip(columns, row)]
     with sink.cursor() as cur:
         cur.execute(
             f"INSERT INTO lr.failovers ({', '.join(columns)}) VALUES ({', '.join(['%s'] * len(columns))}) "
@@ -283,6 +281,6 @@ def complete(conn: psycopg2.extensions.connection, result: FailoverResult) -> No
         cur.execute(
             "UPDATE lr.failovers SET status = %s, outcome = %s, completed_at = coalesce(completed_at, now()) "
             "WHERE failover_id = %s",
-            (FailoverStatus.COMPLETED, json.dumps(outcome), result.failover_id),
+            (FailoverStatus.COMPLETED, json_text(outcome), result.failover_id),
         )
     conn.commit()

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field, replace
 import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
-from psycopg2.extras import Json
 
 from airflow_provider_lr.engine.db import prepared, schema
+from airflow_provider_lr.engine.db.encoding import as_json
 from airflow_provider_lr.engine.db.prepared import Prepared
 from airflow_provider_lr.engine.errors import SchemaMismatchError
 from airflow_provider_lr.engine.tables.definition import (
@@ -177,7 +177,7 @@ def types_at_snapshot(cur: psycopg2.extensions.cursor, table: TableName) -> dict
     if not schema.at_least(cur.connection, COLUMN_TYPES_SCHEMA):
         return {}
     sink_def = read_definition(cur, table)
-    return {} if sink_def is None else {"column_types": Json({c.name: c.type for c in sink_def.columns})}
+    return {} if sink_def is None else {"column_types": as_json({c.name: c.type for c in sink_def.columns})}
 
 
 def guards(cur: psycopg2.extensions.cursor, table: TableName) -> tuple[str, str, bool]:
