@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psycopg2.extensions
 import pytest
@@ -538,21 +540,38 @@ def test_a_streamed_change_the_sink_refuses_holds_back_only_its_session_and_arri
     assert said(streaming, "site-c", "") == said(streaming, "site-b", "", client="other") == []
 
 
+class Utf8Reader(TestSite):
+    """A site the test reads as UTF8 (a SQL_ASCII database's own client encoding is SQL_ASCII:
+    psycopg2 would decode its bytes as ASCII)."""
+
+    def connect(self) -> psycopg2.extensions.connection:
+        return psycopg2.connect(self.dsn, client_encoding="UTF8")
+
+
+@contextmanager
+def sink_of_encoding(lr_sites, encoding: str) -> Iterator[tuple[list[TestSite], dict]]:
+    """site-b's server holding a new database of ``encoding`` as site-b (lr init migrates it as
+    lr connects), the only sink of site-a's client policy: (site-a and it, the topology)."""
+    sink = Utf8Reader(lr_sites[1].server, f"{lr_sites[1].dbname}_{encoding.lower()}")
+    create_database(sink.server, sink.dbname, encoding=encoding)
+    try:
+        conn = conninfo.from_dsn(sink.dsn).connect(Purpose.BULK)
+        schema.init_site(conn, sink.site_id, sink.region)
+        conn.close()
+        sites = [lr_sites[0], sink]
+        yield sites, apply(sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
+    finally:
+        drop_database(sink.server, sink.dbname)
+
+
 def test_a_latin1_sink_takes_what_its_encoding_holds_and_a_character_it_lacks_is_refused_naming_the_encoding(lr_sites):
     """site-b's database is LATIN1 (lr init migrates it: a migration's comment with a euro sign once
     failed it); lr's connections take UTF8, the stream sends the changes as text and the sink's
     server converts them: 'café' arrives as it is, and a euro sign LATIN1 has not is refused, the
     refusal saying the sink's encoding (before: that the sink's table had a constraint, trigger or
     privilege the source's has not, to fix there), its session held back, the entries before it once."""
-    source = lr_sites[0]
-    sink = TestSite(lr_sites[1].server, f"{lr_sites[1].dbname}_latin1")
-    create_database(sink.server, sink.dbname, encoding="LATIN1")
-    try:
-        conn = conninfo.from_dsn(sink.dsn).connect(Purpose.BULK)  # as lr init connects
-        schema.init_site(conn, sink.site_id, sink.region)
-        conn.close()
-        sites = [source, sink]
-        topo = apply(sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
+    with sink_of_encoding(lr_sites, "LATIN1") as (sites, topo):
+        source, sink = sites
         for site in sites:
             site.query("CREATE TABLE public.notes (id int PRIMARY KEY, body text NOT NULL)")
         federate(source, "public.notes")
@@ -567,16 +586,6 @@ def test_a_latin1_sink_takes_what_its_encoding_holds_and_a_character_it_lacks_is
             assert not said(streaming, "site-b", "constraint, trigger or privilege")
         app.close()
         assert rows(sink, "public.notes") == [('(1,"café ü")',)] and logs(sink) == ["café"]
-    finally:
-        drop_database(sink.server, sink.dbname)
-
-
-class Utf8Reader(TestSite):
-    """A site the test reads as UTF8 (a SQL_ASCII database's own client encoding is SQL_ASCII:
-    psycopg2 would decode its bytes as ASCII)."""
-
-    def connect(self) -> psycopg2.extensions.connection:
-        return psycopg2.connect(self.dsn, client_encoding="UTF8")
 
 
 def test_a_sql_ascii_sink_takes_a_table_whose_column_names_are_not_ascii(lr_sites):
@@ -584,15 +593,8 @@ def test_a_sql_ascii_sink_takes_a_table_whose_column_names_are_not_ascii(lr_site
     named "été" snapshots and streams there, every character as it is. Before, lr wrote the sink's
     column types as JSON with the name escaped (\u00e9), which a SQL_ASCII database's JSON parser
     refuses: every cycle of the session failed, for good."""
-    source = lr_sites[0]
-    sink = Utf8Reader(lr_sites[1].server, f"{lr_sites[1].dbname}_ascii")
-    create_database(sink.server, sink.dbname, encoding="SQL_ASCII")
-    try:
-        conn = conninfo.from_dsn(sink.dsn).connect(Purpose.BULK)  # as lr init connects
-        schema.init_site(conn, sink.site_id, sink.region)
-        conn.close()
-        sites = [source, sink]
-        topo = apply(sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
+    with sink_of_encoding(lr_sites, "SQL_ASCII") as (sites, topo):
+        source, sink = sites
         source.query('CREATE TABLE public.notes (id int PRIMARY KEY, "été" text NOT NULL)')
         source.query("INSERT INTO public.notes VALUES (1, 'café €')")
         federate(source, "public.notes")
@@ -604,8 +606,6 @@ def test_a_sql_ascii_sink_takes_a_table_whose_column_names_are_not_ascii(lr_site
         app.close()
         assert rows(sink, "public.notes") == rows(source, "public.notes") and logs(sink) == ["more"]
         assert sink.query('SELECT "été" FROM public.notes WHERE id = 2') == [("naïve ✓",)]
-    finally:
-        drop_database(sink.server, sink.dbname)
 
 
 ITEMS = "CREATE TABLE public.items (id int PRIMARY KEY, v text NOT NULL, n int NOT NULL)"
