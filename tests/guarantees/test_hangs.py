@@ -30,8 +30,10 @@ from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachabl
 from airflow_provider_lr.engine.session import snapshot_sync
 from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
 from airflow_provider_lr.engine.site.replicator import Replicator
+from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.store import topology
 from airflow_provider_lr.engine.tables import copy as table_copy
+from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.support.link_proxy import LinkProxy
 from tests.support.session import (
     App,
@@ -827,4 +829,51 @@ def test_a_session_of_a_silent_sink_moving_to_another_replicator_does_not_hold_t
         wait_for(lambda: len(logs(sink_c)) == 2, 60, "site-c's entries once its link is back")
     assert logs(sink_b) == ["k0=0", "k1=1", "k2=2"]
     assert logs(sink_c) == ["k0=0", "k1=1"]
+    app.close()
+
+
+def test_a_session_rejoining_while_its_sinks_write_waits_on_a_lock_does_not_hold_the_healthy_sinks_stream(lr_sites):
+    """site-c's write for policy waits on its session row, locked elsewhere (its lock_timeout is
+    16 s here); meanwhile a full sync of billing at site-c hands billing back, its cycle syncs it
+    and it joins the stream again. site-b's entries go on streaming: the join waits for site-c's
+    write to land, not the stream's thread. Before, the join's use of site-c's connection waited
+    for that write in flight, every site-b entry behind it."""
+    source, sink_b, sink_c = lr_sites
+    topo = apply(
+        lr_sites,
+        [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy", "billing"]}],
+        settings={**BOUNDS, "statement_timeout_s": 30, "lock_timeout_s": 16},
+    )
+    app = App(source)
+    repl = bounded(topo, {s.site_id: s.dsn for s in lr_sites})
+    repl.providers["billing"] = empty_provider
+    billing = SessionKey("site-a", "site-c", "billing")
+    with Streaming(repl, StreamSettings(**{**RETRY.__dict__, "sink_deadline": 30.0})) as streaming:
+        streaming.streaming()
+        stream = streaming.streamer.sources["site-a"]
+        wait_for(lambda: len(stream.members) == 4, 30, "every session to join the stream")
+        holder = sink_c.connect()
+        try:
+            with holder.cursor() as cur:
+                cur.execute("SELECT 1 FROM lr.sink_sessions WHERE client_name = 'policy' FOR UPDATE")
+            app.put("k0", 0, ["site-b", "site-c"])
+            wait_for(lambda: len(logs(sink_b)) == 1, 30, "k0 at site-b")
+            wait_for(lambda: "site-c" in stream.sinks.busy, 10, "site-c's write waiting on the lock")
+            request = source.connect()
+            full_sync.request_full_sync(request, "site-c", "billing", "test", forced=True)
+            request.close()
+            wait_for(lambda: any(e.session == str(billing) for e in streaming.streamer.ends), 10, "billing handed back")
+            wait_for(lambda: billing in streaming.streamer.streaming, 10, "billing's cycle to hand it to the stream")
+            for i in (1, 2):  # k1 may be read before the join is taken up; k2 comes after it
+                put = time.monotonic()
+                app.put(f"k{i}", i, ["site-b"])
+                wait_for(lambda: len(logs(sink_b)) == i + 1, 60, f"k{i} at site-b")
+            lag = time.monotonic() - put
+            assert lag < SLACK, f"site-b's entry waited {lag:.1f} s behind billing's join"
+        finally:
+            holder.rollback()
+            holder.close()
+        wait_for(lambda: len(logs(sink_c)) == 1, 30, "k0 at site-c once the lock is gone")
+        wait_for(lambda: billing in stream.members, 10, "billing streaming again")
+    assert logs(sink_b) == ["k0=0", "k1=1", "k2=2"] and logs(sink_c) == ["k0=0"]
     app.close()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import queue
 import sys
 import threading
 import time
@@ -41,7 +40,7 @@ from airflow_provider_lr.engine.session.negotiation import Decision
 from airflow_provider_lr.engine.session.runner import record_error
 from airflow_provider_lr.engine.session.settings import RateWindow, SessionSettings, StreamSettings
 from airflow_provider_lr.engine.session.sink_writers import Answer, Outcomes, SinkWriters
-from airflow_provider_lr.engine.session.stream_member import REASSIGNED, STOPPED, Member, StreamEnd
+from airflow_provider_lr.engine.session.stream_member import REASSIGNED, STOPPED, Member, Requests, StreamEnd
 from airflow_provider_lr.engine.session.stream_read import StreamRead
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.backlog import session_backlogs
@@ -80,8 +79,7 @@ class SourceStream:
         self.settings, self.opts, self.ended = settings, stream_settings, ended
         self.counters = counters if counters is not None else DeliveryCounters()
         self.members: dict[SessionKey, Member] = {}
-        self._requests: queue.SimpleQueue[tuple[str, SessionKey, leases.Lease | None]] = queue.SimpleQueue()
-        self._wake = threading.Event()
+        self._requests = Requests()
         self._leaving: set[SessionKey] = set()  # asked to leave by the Streamer (another replicator took them)
         self.sinks: SinkWriters[tuple[Member, LogBatch]] = SinkWriters(connect, source, self.opts.sink_deadline)
         self.durable = DurableAcks()
@@ -109,14 +107,12 @@ class SourceStream:
 
     def join(self, key: SessionKey, lease: leases.Lease) -> None:
         """Stream ``key`` under ``lease`` (its cycle's): the handshake runs on the stream's thread."""
-        self._requests.put(("join", key, lease))
-        self._wake.set()
+        self._requests.put("join", key, lease)
 
     def leave(self, key: SessionKey) -> None:
         """Stop streaming ``key`` and give its lease up: it moved to another replicator."""
         self._leaving.add(key)  # a fence by its new holder before the request is seen is that move too
-        self._requests.put(("leave", key, None))
-        self._wake.set()
+        self._requests.put("leave", key)
 
     # --- the stream's thread ------------------------------------------------------------------
     def run(self, halt: threading.Event) -> None:
@@ -130,7 +126,7 @@ class SourceStream:
             log.exception("stream of %s failed", self.source)
             reason, error = "failed", failure(exc)
         finally:
-            self._admit()  # a join still queued is answered too
+            self._admit(final=True)  # a join still queued (or held) is answered too
             self._outcomes(self.sinks.collect(None))  # the writes in flight end (cut at ``sink_deadline``)
             if reason == STOPPED:
                 self.durable.flush(list(self.members.values()), self.sinks.conn, self.source)
@@ -156,8 +152,8 @@ class SourceStream:
                 raise psycopg2.InterfaceError(f"the stream's connection to {self.source} was lost")
             self._outcomes(self.sinks.collect())  # writes left in flight by earlier rounds that ended
             if not self.members:
-                self._wake.wait(0.05)
-                self._wake.clear()
+                self._requests.wake.wait(0.05)
+                self._requests.wake.clear()
                 continue
             now = time.monotonic()
             if chores is None and now >= next_check:
@@ -197,10 +193,10 @@ class SourceStream:
             time.sleep(pause)
             pause = min(pause * 2, opts.poll_max)
 
-    def _admit(self) -> None:
-        """Answer the Streamer's joins and leaves."""
-        while not self._requests.empty():
-            what, key, lease = self._requests.get()
+    def _admit(self, final: bool = False) -> None:
+        """Answer the Streamer's joins and leaves (a join to a sink still writing waits: ``Requests``);
+        ``final``: all of them."""
+        for what, key, lease in self._requests.take(lambda: self.sinks.busy, final):
             if what == "leave":
                 self._leaving.discard(key)
                 member = self.members.get(key)

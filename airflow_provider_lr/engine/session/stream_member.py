@@ -1,7 +1,12 @@
-"""A session as its source's stream holds it (``Member``), and why it left the stream (``StreamEnd``)."""
+"""A session as its source's stream holds it (``Member``), why it left the stream (``StreamEnd``), and
+the Streamer's requests that it join or leave (``Requests``)."""
 
 from __future__ import annotations
 
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from airflow_provider_lr.engine.session import lease as leases
@@ -58,3 +63,33 @@ class Member:
         )
         assert self.reader.client_id is not None
         return Reader(self.reader.client_id, self.reader.tag_id, self.read_to, split, self.tables)
+
+
+Request = tuple[str, SessionKey, "leases.Lease | None"]  # ("join", key, its cycle's lease) or ("leave", key, None)
+
+
+class Requests:
+    """The Streamer's joins and leaves of a stream, put from any thread, taken in order on the
+    stream's: a join to a sink site whose write is in flight is held, with the requests after it,
+    until that write lands (its handshake would wait for the write on the stream's thread, and the
+    source's other sinks behind it: a silent sink, a row lock, up to the sink deadline)."""
+
+    def __init__(self) -> None:
+        self._put: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self._held: deque[Request] = deque()
+        self.wake = threading.Event()  # set by every request
+
+    def put(self, what: str, key: SessionKey, lease: leases.Lease | None = None) -> None:
+        self._put.put((what, key, lease))
+        self.wake.set()
+
+    def take(self, busy: Callable[[], set[str]], final: bool = False) -> Iterator[Request]:
+        """The requests to answer now, in order (``busy``: the sink sites whose write is in
+        flight); ``final``: every one, held or not (the stream ends)."""
+        while not self._put.empty():
+            self._held.append(self._put.get())
+        while self._held:
+            what, key, _ = self._held[0]
+            if what == "join" and not final and key.sink in busy():
+                return
+            yield self._held.popleft()
