@@ -89,9 +89,14 @@ class SinkWriters(Generic[Job]):
                 raise
         return conn
 
-    def drop(self, site: str) -> None:
+    def drop(self, site: str, cause: BaseException | None = None) -> None:
         """Close ``site``'s connection (a lost server): the next use makes a new one. One whose call
-        was cut at its deadline leaves ``site`` taken as silent (``conn``)."""
+        was cut at its deadline leaves ``site`` taken as silent (``conn``). ``cause``: the error
+        that lost it; one raised on another connection (the source's: a lease renewal's lock
+        timeout) leaves it as it is, its write in flight too."""
+        raised_on = getattr(cause, "lr_connection", None) or getattr(getattr(cause, "cursor", None), "connection", None)
+        if raised_on is not None and raised_on is not self._conns.get(site):
+            return
         self._landed += self.settle(site)
         conn = self._conns.pop(site, None)
         if conn is None:

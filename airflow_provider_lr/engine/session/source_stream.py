@@ -458,7 +458,7 @@ class SourceStream:
             reason, error = error_line(exc), ""
         elif isinstance(exc, (psycopg2.Error, LRError)):  # a bound that fired, a lost site: retried by the cycles
             if isinstance(exc, (psycopg2.OperationalError, psycopg2.InterfaceError)):
-                self.sinks.drop(key.sink)
+                self.sinks.drop(key.sink, exc)
             reason, error = "failed", failure(exc)
         else:  # pragma: no cover - a bug: hand the session back all the same
             log.error("stream %s failed", key, exc_info=exc)

@@ -13,11 +13,14 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.engine.db import conninfo
+from airflow_provider_lr.engine.db.timeouts import Timeouts
 from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.session import source_stream, stream_writes
 from airflow_provider_lr.engine.session.handshake import Position
-from airflow_provider_lr.engine.session.settings import StreamSettings
+from airflow_provider_lr.engine.session.settings import SessionSettings, StreamSettings
 from airflow_provider_lr.engine.session.stream_member import REASSIGNED, Member
+from airflow_provider_lr.engine.site.replicator import Replicator
 from airflow_provider_lr.engine.source.log_reader import LogBatch
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.support.session import Streaming, apply, empty_provider, replicator, sink_queue, wait_for
@@ -324,3 +327,38 @@ def test_a_stream_whose_source_connection_was_cut_while_it_had_no_session_is_rep
         _transmit(writer, "policy", "after the cut", ["site-b"])
         wait_for(lambda: sink_queue(sink_b, "policy") == [b"after the cut"], 10, "the entry after the cut")
     writer.close()
+
+
+def test_a_lease_renewal_refused_at_the_source_leaves_the_sinks_connections_alone(lr_sites):
+    """The stream renews its sessions' leases in one statement at the source; a lock held there on
+    their rows makes it fail (lock_timeout): the sessions go back to the cycles and come back. The
+    sinks' connections stay: the error was the source's. Before, each failed session's sink
+    connection was closed as if its sink were lost (its write in flight, if any, waited for on the
+    stream's thread first)."""
+    source, *_ = lr_sites
+    two_sinks = [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy"]}]
+    topo = apply(lr_sites, two_sinks, providers={"policy": "tests.support.session:empty_provider"})
+    infos = {s.site_id: conninfo.from_dsn(s.dsn).with_timeouts(Timeouts(lock_timeout_s=0.5)) for s in lr_sites}
+    settings = SessionSettings(data_timeout=30.0, barrier_timeout=2.0, lease_seconds=2.0)
+    repl = Replicator(topo, lambda site: infos[site].connect(), settings=settings, providers={"policy": empty_provider})
+    with Streaming(
+        repl, StreamSettings(check_interval=0.2, ack_interval=0.05, retry_min=0.2, retry_max=1.0)
+    ) as streaming:
+        streaming.streaming()
+        stream = streaming.streamer.sources["site-a"]
+        wait_for(lambda: len(stream.members) == 2, 30, "both sessions in the stream")
+        kept = dict(stream.sinks._conns)
+        assert set(kept) == {"site-b", "site-c"}
+        holder = source.connect()
+        try:
+            with holder.cursor() as cur:
+                cur.execute("SELECT 1 FROM lr.source_sessions FOR UPDATE")
+            wait_for(lambda: len(streaming.streamer.ends) >= 2, 30, "the renewal refused for both sessions")
+        finally:
+            holder.rollback()
+            holder.close()
+        assert all("lock" in end.error for end in streaming.streamer.ends), streaming.streamer.ends
+        streaming.streaming()
+        wait_for(lambda: len(stream.members) == 2, 30, "both sessions back in the stream")
+        assert streaming.streamer.sources["site-a"] is stream
+        assert {site: stream.sinks._conns.get(site) for site in kept} == kept, "a sink's connection was dropped"
