@@ -975,7 +975,11 @@ def test_sites_whose_search_path_puts_lookalike_built_ins_before_pg_catalog_stil
     def connect(site: str) -> psycopg2.extensions.connection:
         return infos[site].connect() if own else psycopg2.connect(infos[site].dsn)
 
-    lrs = connect("site-a")
+    if own:
+        lrs = connect("site-a")
+    else:  # an engine API caller's connection searching operators of the built-ins' own types first
+        source.query(lookalikes("lookalike", same=True))
+        lrs = psycopg2.connect(infos["site-a"].dsn, options="-c search_path=lookalike,trap,pg_catalog,public")
     try:
         registry.open_table(lrs, "public.accounts", "policy", True)
     finally:
