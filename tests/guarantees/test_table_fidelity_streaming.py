@@ -608,6 +608,29 @@ def test_a_sql_ascii_sink_takes_a_table_whose_column_names_are_not_ascii(lr_site
         assert sink.query('SELECT "été" FROM public.notes WHERE id = 2') == [("naïve ✓",)]
 
 
+def test_a_sink_reached_by_a_plain_latin1_connection_applies_changes_of_columns_named_beyond_ascii(lr_sites):
+    """An engine API caller's plain connections (not lr's, which talk UTF8) take the sink's default
+    client encoding, LATIN1: the changes of a table with columns named "été" and "✓" apply there as
+    at any sink. Before, psycopg2 composed "été" as "Ã©tÃ©" on such a connection (and could not
+    write "✓" at all): every change of the table was refused at that sink, for good."""
+    source, sink, _ = lr_sites
+    topo = apply(lr_sites[:2], [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
+    table = 'CREATE TABLE public.notes (id int PRIMARY KEY, "été" text NOT NULL, "✓" int)'
+    for site in (source, sink):
+        site.query(table)
+    source.query("INSERT INTO public.notes VALUES (1, 'café', 1)")
+    sink.query(f"ALTER DATABASE \"{sink.dbname}\" SET client_encoding = 'LATIN1'")
+    federate(source, "public.notes")
+    app = Application(source, [sink])
+    with streaming_over(topo, lr_sites[:2]) as streaming:
+        streaming.streaming()
+        app.commit("more", "INSERT INTO public.notes VALUES (2, 'naïve', 2); UPDATE public.notes SET \"✓\" = 3")
+        streamed(streaming, source, [sink], "public.notes")
+    app.close()
+    assert rows(sink, "public.notes") == [("(1,café,3)",), ("(2,naïve,3)",)]
+    assert logs(sink) == ["more"]
+
+
 ITEMS = "CREATE TABLE public.items (id int PRIMARY KEY, v text NOT NULL, n int NOT NULL)"
 # a sink's own table and a trigger function that names it without its schema, as applications write them
 SEEN = (
@@ -952,7 +975,11 @@ def test_sites_whose_search_path_puts_lookalike_built_ins_before_pg_catalog_stil
     def connect(site: str) -> psycopg2.extensions.connection:
         return infos[site].connect() if own else psycopg2.connect(infos[site].dsn)
 
-    lrs = connect("site-a")
+    if own:
+        lrs = connect("site-a")
+    else:  # an engine API caller's connection searching operators of the built-ins' own types first
+        source.query(lookalikes("lookalike", same=True))
+        lrs = psycopg2.connect(infos["site-a"].dsn, options="-c search_path=lookalike,trap,pg_catalog,public")
     try:
         registry.open_table(lrs, "public.accounts", "policy", True)
     finally:

@@ -13,6 +13,7 @@ engine resolve connections the same way the Airflow hook does.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -45,6 +46,8 @@ from airflow_provider_lr.engine.errors import (
     shown,
 )
 from airflow_provider_lr.paths import home_unset_hint, lr_home
+
+log = logging.getLogger(__name__)
 
 CONNECTIONS_FILE_ENV = "LR_CONNECTIONS_FILE"
 # Connection extras that describe the site rather than libpq options.
@@ -401,10 +404,36 @@ def load_connections_file(path: Path | None = None) -> dict[str, ConnInfo]:
         raise ConfigurationError(
             f"connections file {path} must be a JSON object of connection id -> connection, not {type(raw).__name__}"
         )
-    return {
+    known = {
         conn_id: from_uri(value, conn_id) if isinstance(value, str) else from_airflow_dict(value, conn_id)
         for conn_id, value in raw.items()
     }
+    _warn_if_others_can_read(path, known)
+    return known
+
+
+# Connections files already warned of (``_warn_if_others_can_read``): once per file and mode.
+_WARNED: set[tuple[str, int]] = set()
+
+
+def _warn_if_others_can_read(path: Path, known: Mapping[str, ConnInfo]) -> None:
+    """A connections file holding a password that its group or others may read or write is said
+    once (libpq ignores such a ``.pgpass``, ssh such a key): lr still reads it, as Airflow does."""
+    if os.name != "posix" or not any(info.params.get(p) for info in known.values() for p in _SECRET_PARAMS):
+        return
+    try:
+        mode = path.stat().st_mode & 0o777
+    except OSError:
+        return
+    if not mode & 0o077 or (str(path), mode) in _WARNED:
+        return
+    _WARNED.add((str(path), mode))
+    log.warning(
+        "connections file %s holds passwords and others than its owner may read or change it (mode %04o): chmod 600 %s",
+        path,
+        mode,
+        path,
+    )
 
 
 # Other places a connection id is found, asked last (``add_lookup``); None: not there.

@@ -10,6 +10,7 @@ failing session), the dead letter never moved. Such a character is written as it
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import psycopg2.extensions
@@ -43,3 +44,22 @@ def json_text(value: Any) -> str:
 def as_json(value: Any) -> Json:
     """``value`` as a JSON parameter, written by ``json_text``."""
     return Json(value, dumps=json_text)
+
+
+def talking_utf8(
+    connect: Callable[[str], psycopg2.extensions.connection],
+) -> Callable[[str], psycopg2.extensions.connection]:
+    """``connect`` whose connections talk UTF8, as lr's own do (``timeouts.libpq_params``): one an
+    engine API caller's ``connect`` makes takes the site's default client encoding, and on a LATIN1
+    one psycopg2 composes a column named "été" as "Ã©tÃ©" and cannot read one named "✓" at all (every
+    change of such a table was refused at that site, for good). Set while the connection is new and
+    idle (psycopg2 ends a transaction to set it); the text it reads is the same either way."""
+
+    def connected(site: str) -> psycopg2.extensions.connection:
+        conn = connect(site)
+        idle = conn.info.transaction_status == psycopg2.extensions.TRANSACTION_STATUS_IDLE
+        if conn.encoding not in _ANY_CLIENT and idle and not conn.closed:
+            conn.set_client_encoding("UTF8")
+        return conn
+
+    return connected

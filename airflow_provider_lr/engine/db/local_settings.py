@@ -32,3 +32,13 @@ def local_settings(cur: psycopg2.extensions.cursor, settings: Mapping[str, str])
     names, before = cur.fetchone()[:2]
     yield
     cur.execute(_RESTORE, (names, before))
+
+
+def catalog_only(cur: psycopg2.extensions.cursor) -> None:
+    """For the rest of ``cur``'s transaction, the built-ins lr's statements name (an ``=`` of oids,
+    of texts) are PostgreSQL's own: an engine API caller's connection may search a schema of
+    lookalike operators before pg_catalog, which then stood in for them. For code that ends the
+    transaction it runs in (the end sets the path back); lr's own connections search pg_catalog
+    alone already (``conninfo.catalog_first``)."""
+    if getattr(cur.connection, "site_path", None) is None:
+        cur.execute("SELECT pg_catalog.set_config('search_path', 'pg_catalog', true)")

@@ -19,6 +19,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.bulk import fanout
 from airflow_provider_lr.engine.db import reach
+from airflow_provider_lr.engine.db.encoding import talking_utf8
 from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.errors import (
     ConfigurationError,
@@ -89,7 +90,7 @@ class Replicator:
         self.cycle_slice = cycle_slice
         self._turn_ends = 0.0  # when the session cycling now has had its slice (monotonic)
         self.failures = RepeatedErrors() if log_failures else None
-        self.connect = connect
+        self.connect = connect = talking_utf8(connect)
         self.owner = owner or new_owner_id()
         self.settings = settings or SessionSettings.from_topology(topology)
         self.providers: dict[str, Provider] = dict(providers or {})

@@ -152,6 +152,8 @@ def from_document(doc: Any, origin: Origin | None = None) -> Topology:
         if source in sinks:
             raise origin.error(["replication", index, "sinks"], f"site {source!r} cannot replicate to itself")
         replications.append(Replication(source, sinks, tuple(raw["clients"])))
+    _refuse_shared_connections(sites, origin)
+    _refuse_case_twin_clients(doc, origin)
     _refuse_ambiguous_queue_names(replications, origin)
     durability = dict(doc.get("durability") or {})
     if durability:
@@ -177,6 +179,45 @@ def _refuse_unsound_durability(
         if problem is not None:
             raise origin.error(
                 ["durability", problem.key], f"source {source!r} and its {len(sinks)} sinks: {problem.message}"
+            )
+
+
+def _refuse_shared_connections(sites: dict[str, SiteSpec], origin: Origin) -> None:
+    """Two sites must not reach one database through one connection: Airflow (and ``resolve``) read
+    a connection id from ``AIRFLOW_CONN_<ID upper-cased>``, so ids equal but for case (``lr_a``,
+    ``LR_A``) are one connection there; the two sites would share one lr schema, silently."""
+    seen: dict[str, str] = {}
+    for index, spec in enumerate(sites.values()):
+        conn_id = spec.conn_id or spec.site_id
+        is_dsn = "=" in conn_id or "://" in conn_id  # a DSN is read as written
+        other = seen.setdefault(conn_id if is_dsn else conn_id.upper(), spec.site_id)
+        if other != spec.site_id:
+            theirs = sites[other].conn_id or other
+            named = f"one connection {conn_id!r}" if theirs == conn_id else f"connections {theirs!r} and {conn_id!r}"
+            env = "" if is_dsn else f" (Airflow reads it from AIRFLOW_CONN_{conn_id.upper()})"
+            raise origin.error(
+                ["sites", index, "conn_id" if spec.conn_id else "id"],
+                f"sites {other!r} and {spec.site_id!r} name {named}, one database{env}: "
+                "give each site a connection of its own",
+            )
+
+
+def _refuse_case_twin_clients(doc: Mapping[str, Any], origin: Origin) -> None:
+    """Client names are case-sensitive in lr (``policy`` and ``Policy`` would be two clients, two
+    receive queues), where a PostgreSQL user expects an unquoted name folded to lower case: two names
+    equal but for case are refused as the likely typo they are, naming both."""
+    seen: dict[str, str] = {}
+    named: list[tuple[list[str | int], str]] = [
+        (["replication", i, "clients"], c) for i, r in enumerate(doc.get("replication") or []) for c in r["clients"]
+    ]
+    named += [(["providers", c], c) for c in doc.get("providers") or {}]
+    for path, client in named:
+        other = seen.setdefault(client.lower(), client)
+        if other != client:
+            raise origin.error(
+                path,
+                f"clients {other!r} and {client!r} differ only in case; client names are case-sensitive, "
+                "so these would be two clients with two queues: use one spelling",
             )
 
 

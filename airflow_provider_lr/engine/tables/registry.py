@@ -27,6 +27,7 @@ import psycopg2.extensions
 from psycopg2 import sql
 
 from airflow_provider_lr.engine.db import schema
+from airflow_provider_lr.engine.db.local_settings import catalog_only
 from airflow_provider_lr.engine.errors import TableError
 from airflow_provider_lr.engine.source import closed_tables, moved
 from airflow_provider_lr.engine.tables import closed_notes
@@ -46,8 +47,6 @@ _TRIGGERS = {  # operation -> its transition tables (statement-level triggers se
     "DELETE": "REFERENCING OLD TABLE AS lr_old",
     "TRUNCATE": "",
 }
-
-
 OPERATIONS = tuple(_TRIGGERS)
 
 
@@ -86,11 +85,8 @@ class RegisteredTable:
             return (
                 f"{self.table} registered by {self.source_site_id} client={self.client_name or '-'}, no copy held now"
             )
-        flag = (
-            "closed (not captured; its sinks keep their copy)"
-            if self.closed
-            else ("federated" if self.federated else "not federated")
-        )
+        flag = "federated" if self.federated else "not federated"
+        flag = "closed (not captured; its sinks keep their copy)" if self.closed else flag
         origin = f" (from {self.source_site_id})" if self.source_site_id else ""
         return f"{self.table} {flag} client={self.client_name or '-'}{origin}"
 
@@ -128,6 +124,7 @@ def list_copies(conn: psycopg2.extensions.connection) -> list[HeldCopy]:
 def _read_all(conn: psycopg2.extensions.connection, statement: str) -> list[tuple]:
     """The rows of ``statement``, its transaction ended (what ``lr tables list`` reads)."""
     with conn.cursor() as cur:
+        catalog_only(cur)
         cur.execute(statement)
         found = cur.fetchall()
     conn.rollback()
@@ -140,6 +137,7 @@ def open_table(conn: psycopg2.extensions.connection, name: str, client: str, fed
     table = TableName.parse(name)
     try:
         with conn.cursor() as cur:
+            catalog_only(cur)  # an engine API caller's connection: lr's statements, pg_catalog's operators
             # FOR SHARE: a switchover's drain (FOR UPDATE) sees this table opened, or this sees it switched
             cur.execute("SELECT 1 FROM lr.clients WHERE client_name = %s FOR SHARE", (client,))
             if federated and cur.fetchone() is None:
@@ -185,6 +183,7 @@ def close_table(conn: psycopg2.extensions.connection, name: str) -> RegisteredTa
     table = TableName.parse(name)
     try:
         with conn.cursor() as cur:
+            catalog_only(cur)
             current = read(cur, table, lock=True)
             if current is None:
                 raise TableError(f"{table} is not registered on this site (lr tables list shows what is)")

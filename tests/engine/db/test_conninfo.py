@@ -66,6 +66,27 @@ def test_unknown_target_names_the_fixes(monkeypatch, tmp_path):
         conninfo.resolve("nope")
 
 
+def test_a_connections_file_with_passwords_that_others_can_read_is_warned_of_once(monkeypatch, tmp_path, caplog):
+    """libpq ignores a .pgpass others can read; lr read such a connections file without a word."""
+    path = tmp_path / "connections.json"
+    path.write_text(json.dumps({"lr_a": "postgresql://lr:SEKRET@h/app", "lr_b": "postgresql://lr@h/app"}))
+    monkeypatch.setenv("LR_CONNECTIONS_FILE", str(path))
+    path.chmod(0o644)
+    with caplog.at_level("WARNING", logger="airflow_provider_lr.engine.db.conninfo"):
+        assert conninfo.resolve("lr_a").params["password"] == "SEKRET"  # still read, as Airflow does
+        conninfo.resolve("lr_b")
+    warned = [r.getMessage() for r in caplog.records if "connections file" in r.getMessage()]
+    assert len(warned) == 1 and f"chmod 600 {path}" in warned[0] and "0644" in warned[0], warned
+    assert "SEKRET" not in warned[0]
+    caplog.clear()
+    path.chmod(0o600)  # the owner's alone: nothing to say; nor of a file without passwords
+    conninfo.resolve("lr_a")
+    path.write_text(json.dumps({"lr_b": "postgresql://lr@h/app"}))
+    path.chmod(0o666)
+    conninfo.resolve("lr_b")
+    assert not [r for r in caplog.records if "connections file" in r.getMessage()]
+
+
 @pytest.mark.parametrize("option", ["require_auth=bogus", "sslmode=requier", "gssencmode=sometimes"])
 def test_an_option_value_libpq_refuses_is_the_connections_mistake_not_a_server_down(option):
     """libpq refuses it before the network, at every try: it said "is the server up?" (a

@@ -69,11 +69,40 @@ def test_any_change_gives_a_new_config_id_and_key_order_does_not():
             },
             "one receive queue 'LRQ_Recv_a_b_c'",
         ),
+        # Airflow reads a connection id from AIRFLOW_CONN_<ID upper-cased>: lr_a and LR_A are one database
+        (
+            {"sites": [{"id": "a", "conn_id": "lr_a"}, {"id": "b", "conn_id": "LR_A"}]},
+            "sites 'a' and 'b' name connections 'lr_a' and 'LR_A', one database .*AIRFLOW_CONN_LR_A",
+        ),
+        ({"sites": [{"id": "a"}, {"id": "b", "conn_id": "A"}]}, "sites\\[1\\].conn_id: sites 'a' and 'b' name"),
+        ({"sites": [{"id": "a", "conn_id": "x"}, {"id": "b", "conn_id": "x"}]}, "name one connection 'x'"),
+        # client names are case-sensitive: two equal but for case are refused as a typo, naming both
+        (
+            {
+                "sites": [{"id": "a"}, {"id": "b"}],
+                "replication": [{"source": "a", "sinks": ["b"], "clients": ["policy", "Policy"]}],
+            },
+            "clients 'policy' and 'Policy' differ only in case",
+        ),
+        (
+            {
+                "sites": [{"id": "a"}, {"id": "b"}],
+                "replication": [{"source": "a", "sinks": ["b"], "clients": ["policy"]}],
+                "providers": {"POLICY": "m:f"},
+            },
+            "providers.POLICY: clients 'policy' and 'POLICY' differ only in case",
+        ),
     ],
 )
 def test_bad_topologies_are_refused_with_the_reason(doc, error):
     with pytest.raises(ConfigurationError, match=error):
         topologies.from_document(doc)
+
+
+def test_dsns_differing_in_case_are_two_databases():
+    # a DSN is read as written (no AIRFLOW_CONN_ variable): database names are case-sensitive
+    doc = {"sites": [{"id": "a", "conn_id": "host=h dbname=lr"}, {"id": "b", "conn_id": "host=h dbname=LR"}]}
+    assert topologies.from_document(doc).conn_id("b") == "host=h dbname=LR"
 
 
 def test_missing_file_names_the_override(tmp_path):
