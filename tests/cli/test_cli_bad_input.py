@@ -3,6 +3,7 @@ exit 1, no traceback, and nothing half-written on any site."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -359,3 +360,58 @@ def test_a_full_sync_reason_lr_status_could_not_show_on_one_line_is_a_usage_erro
             full_sync.request_for_sessions([], lambda site: None, reason)
         else:
             failover.promote(failover.FailoverRequest("site-a", "site-b", reason=reason), lambda site: None)
+
+
+def test_lr_status_shows_a_site_whose_lr_table_is_locked_and_says_a_missing_grant_is_a_refusal(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """A sink's `lr.receive_queue` held in ACCESS EXCLUSIVE by another session (VACUUM FULL, an
+    admin's LOCK): `lr status` called the whole site UNREADABLE, hid its sessions and exited 2
+    ("unreachable") after the 5 s lock_timeout. Now the rest of the site is shown, the queues are
+    said not read and which pid holds the lock, the health is degraded, the wait short. A writer
+    login (no replicator grant) was called unreachable too: now a refusal (exit 1, health refused)
+    naming the role and the grant it lacks."""
+    import time
+
+    from airflow_provider_lr.engine.site import roles
+
+    source, sink = lr_sites[0], lr_sites[1]
+    topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={"policy": "tests.support.session:empty_provider"})
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 0
+    admin = sink.connect()
+    with admin.cursor() as cur:
+        cur.execute("LOCK TABLE lr.receive_queue IN ACCESS EXCLUSIVE MODE")
+        cur.execute("SELECT pg_backend_pid()")
+        pid = cur.fetchone()[0]
+    capsys.readouterr()
+    started = time.monotonic()
+    assert cli.main(["status", "--topology", topo]) == 1
+    took = time.monotonic() - started
+    out = capsys.readouterr().out
+    admin.rollback()
+    admin.close()
+    assert "UNREADABLE" not in out and "unreachable" not in out, out
+    assert "sink   site-a->site-b/policy" in out, out  # the site's sessions are shown
+    assert f"  receive queues not read: lr.receive_queue is locked by pid {pid} (AccessExclusiveLock)" in out, out
+    assert "health: degraded" in out and f"site-b: receive queues not read" in out, out
+    assert took < 4.5, took  # not the 5 s lock_timeout of the topology's settings
+
+    writer = f"lrt_{source.dbname}_writer"
+    source.query(f'CREATE ROLE "{writer}" LOGIN')
+    try:
+        conn = source.connect()
+        roles.grant(conn, "writer", writer, ["policy"])
+        conn.close()
+        as_writer = {**source.server.airflow_conn(source.dbname), "login": writer}
+        monkeypatch.setenv("AIRFLOW_CONN_LR_TEST_SITE_A", json.dumps(as_writer))
+        capsys.readouterr()
+        assert cli.main(["status", "--topology", topo]) == 1
+        out = capsys.readouterr().out
+        assert "unreachable" not in out and "UNREADABLE" not in out, out
+        assert f"site-a: REFUSED (role '{writer}' lacks the replicator grant here" in out, out
+        assert f"lr roles grant replicator --role {writer}" in out, out
+        assert "health: refused" in out and "  site-a: refused" in out, out
+        assert "sink   site-a->site-b/policy" in out, out  # the other sites are read
+    finally:
+        source.query(f'DROP OWNED BY "{writer}"; DROP ROLE "{writer}"')
