@@ -17,7 +17,7 @@ from airflow_provider_lr.cli.common import (
     with_topology,
 )
 from airflow_provider_lr.engine.errors import LRError, one_line
-from airflow_provider_lr.engine.site import metrics, status
+from airflow_provider_lr.engine.site import metrics, status, status_parts
 from airflow_provider_lr.engine.store import topology as topologies
 
 
@@ -32,10 +32,13 @@ def _site_statuses(topo: topologies.Topology) -> dict[str, status.SiteStatus | s
             continue
         try:
             found[site_id] = status.site_status(conn, site_id)
-        except (LRError, psycopg2.Error) as exc:
-            found[site_id] = (
-                f"{site_id}: UNREADABLE ({database_error(exc) if isinstance(exc, psycopg2.Error) else one_line(exc)})"
-            )
+        except psycopg2.Error as exc:
+            if exc.pgcode == status_parts.INSUFFICIENT_PRIVILEGE:  # reached, and refused: not unreachable
+                found[site_id] = status_parts.refused(site_id, topo.conn_id(site_id), exc, conn.info.user)
+            else:
+                found[site_id] = f"{site_id}: UNREADABLE ({database_error(exc)})"
+        except LRError as exc:
+            found[site_id] = f"{site_id}: UNREADABLE ({one_line(exc)})"
         finally:
             conn.close()
     return found
@@ -43,7 +46,8 @@ def _site_statuses(topo: topologies.Topology) -> dict[str, status.SiteStatus | s
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Exit code: 0 healthy, 1 degraded (a session errs, is behind its trim mark or lags more
-    than --max-lag), 2 a site could not be reached."""
+    than --max-lag, a part of a site could not be read) or refused (a site's login lacks the grant
+    to read it), 2 a site could not be reached or read."""
     topo = load_topology(args)
     found = _site_statuses(topo)
     code, reasons = status.health(found, args.max_lag, topo)
@@ -54,7 +58,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if stale is not None:
         print(f"WARNING: {stale.message()}")
     print(status.render_sites(found))
-    print(f"health: {['healthy', 'degraded', 'unreachable'][code]}" + "".join(f"\n  {r}" for r in reasons))
+    print(f"health: {status.health_word(found, code)}" + "".join(f"\n  {r}" for r in reasons))
     return code
 
 

@@ -1,0 +1,133 @@
+"""Each part of a site's status read on its own, so one lr table another session holds locked
+(VACUUM FULL, an admin's ``LOCK``, an ALTER) costs only the part that reads it: the part is said
+not read and who holds the lock. Before, the first such table waited the whole ``lock_timeout``
+(5 s by default) and blanked the site: ``UNREADABLE``, its sessions hidden, health unreachable.
+
+A login without lr's replicator grant (an application's writer) is told apart as a refusal
+(``Refused``): the site answered, the role may not read it; it was called unreachable."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from typing import TypeVar
+
+import psycopg2
+import psycopg2.extensions
+
+from airflow_provider_lr.engine.errors import one_line
+from airflow_provider_lr.engine.store import members
+from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES_SQL
+
+T = TypeVar("T")
+
+LOCK_NOT_AVAILABLE, INSUFFICIENT_PRIVILEGE = "55P03", "42501"
+# a status read waits this long for a lock (a SELECT waits only for an ACCESS EXCLUSIVE holder)
+STATUS_LOCK_WAIT = "1s"
+
+# lr's tables (and their indexes' tables) held in a mode a SELECT waits for, by another backend
+_LOCKED_LR_TABLES = (
+    "SELECT DISTINCT n.nspname OPERATOR(pg_catalog.||) '.' OPERATOR(pg_catalog.||) c.relname, l.pid, l.mode "
+    "FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_class c ON c.oid OPERATOR(pg_catalog.=) l.relation "
+    "JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace "
+    "WHERE l.granted AND l.mode OPERATOR(pg_catalog.=) 'AccessExclusiveLock' AND n.nspname OPERATOR(pg_catalog.=) 'lr' "
+    "AND c.relkind IN ('r', 'p', 'v', 'm') AND l.pid IS DISTINCT FROM pg_catalog.pg_backend_pid() ORDER BY 1, 2"
+)
+
+
+class Refused(str):
+    """A site's status its login may not read (a privilege), as ``lr status`` says it."""
+
+
+def refused(site_id: str, conn_id: str, exc: psycopg2.Error, user: str | None) -> Refused:
+    """Why ``user`` could not read ``site_id``'s status, and the grant that lets it."""
+    who = f"role {user!r}" if user else "this connection's role"
+    role = user or "ROLE"
+    denied = getattr(getattr(exc, "diag", None), "message_primary", None) or str(exc)
+    return Refused(
+        f"{site_id}: REFUSED ({who} lacks the replicator grant here ({one_line(denied)}): run lr status as a "
+        f"replicator or the owner of the lr schema, or grant it: lr roles grant replicator --role {role} "
+        f"--site {conn_id}; docs/security.md)"
+    )
+
+
+@contextmanager
+def short_lock_waits(conn: psycopg2.extensions.connection) -> Iterator[None]:
+    """Within the block, ``conn`` waits ``STATUS_LOCK_WAIT`` for a lock; its own setting after it."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT pg_catalog.current_setting('lock_timeout')")
+        before = cur.fetchone()[0]
+        cur.execute("SELECT pg_catalog.set_config('lock_timeout', %s, false)", (STATUS_LOCK_WAIT,))
+    conn.commit()
+    try:
+        yield
+    finally:
+        if not conn.closed:
+            conn.rollback()
+            with conn.cursor() as cur:
+                cur.execute("SELECT pg_catalog.set_config('lock_timeout', %s, false)", (before,))
+            conn.commit()
+
+
+def locked_by(conn: psycopg2.extensions.connection) -> str:
+    """Which of lr's tables another backend holds locked, and by which pid."""
+    with conn.cursor() as cur:
+        cur.execute(_LOCKED_LR_TABLES)
+        held = cur.fetchall()
+    conn.commit()
+    if not held:
+        return "a lock it needs was held by another transaction (lock_timeout), released since"
+    return "; ".join(
+        f"{table} is locked by {f'pid {pid}' if pid is not None else 'a prepared transaction'} ({mode})"
+        for table, pid, mode in held
+    )
+
+
+def read_part(conn: psycopg2.extensions.connection, unread: list[str], what: str, read: Callable[[], T]) -> T | None:
+    """``read()``, or None when a lock another session holds kept it from its table (``unread``
+    gets the line that says so); any other error is the site's."""
+    try:
+        return read()
+    except psycopg2.Error as exc:
+        if exc.pgcode != LOCK_NOT_AVAILABLE:
+            raise
+        conn.rollback()
+        unread.append(f"{what} not read: {locked_by(conn)}")
+        return None
+
+
+def trim_mark(cur: psycopg2.extensions.cursor) -> int:
+    """The site's trim mark: log entries up to it are gone."""
+    cur.execute("SELECT trim_mark FROM lr.log_trim")
+    return int(cur.fetchone()[0])
+
+
+def open_requests(cur: psycopg2.extensions.cursor) -> list[dict]:
+    """Open full-sync requests, this site as their source."""
+    cur.execute(
+        "SELECT request_id::text, sink_site_id, client_name, status, forced, reason, "
+        "round(extract(epoch FROM greatest(now(), requested_at) - requested_at)::numeric, 1)::float8, "
+        "round(extract(epoch FROM data_deadline - now())::numeric, 1)::float8, note, entries, "
+        f"{_SUPPLYING} FROM lr.full_sync_requests r WHERE status IN {OPEN_STATUSES_SQL} ORDER BY requested_at"
+    )
+    keys = (
+        *("request_id", "sink", "client", "status", "forced", "reason", "age_s", "data_deadline_in_s", "note"),
+        *("entries", "supplying"),
+    )
+    return [dict(zip(keys, r)) for r in cur.fetchall()]
+
+
+def members_of(cur: psycopg2.extensions.cursor) -> tuple[list[dict], dict]:
+    """The live replicator members (V0020), and every registered one (owner → alive)."""
+    return [asdict(m) for m in members.live(cur)], members.registered(cur)
+
+
+# A provider supplying a request holds its row locked (``full_sync.serve_full_sync_requests``) while it
+# runs: the row's xmax is a transaction holding the lock on its own id (``pg_locks``, readable by every
+# role). Seen with SELECT alone (lr status's privileges), waiting for nothing: no lock is taken.
+_SUPPLYING = (
+    "(r.xmax OPERATOR(pg_catalog.<>) '0'::pg_catalog.xid AND EXISTS (SELECT FROM pg_catalog.pg_locks l "
+    "WHERE l.locktype OPERATOR(pg_catalog.=) 'transactionid' AND l.transactionid OPERATOR(pg_catalog.=) r.xmax "
+    "AND l.mode OPERATOR(pg_catalog.=) 'ExclusiveLock' AND l.granted))"
+)
