@@ -372,7 +372,7 @@ def test_lr_status_shows_a_site_whose_lr_table_is_locked_and_says_a_missing_gran
     ("unreachable") after the 5 s lock_timeout. Now the rest of the site is shown, the queues are
     said not read and which pid holds the lock, the health is degraded, the wait short. A writer
     login (no replicator grant) was called unreachable too: now a refusal (exit 1, health refused)
-    naming the role and the grant it lacks."""
+    naming the role and the grant it lacks. `lr tables list` alike."""
     import time
 
     from airflow_provider_lr.engine.site import roles
@@ -391,13 +391,29 @@ def test_lr_status_shows_a_site_whose_lr_table_is_locked_and_says_a_missing_gran
     assert cli.main(["status", "--topology", topo]) == 1
     took = time.monotonic() - started
     out = capsys.readouterr().out
-    admin.rollback()
-    admin.close()
     assert "UNREADABLE" not in out and "unreachable" not in out, out
     assert "sink   site-a->site-b/policy" in out, out  # the site's sessions are shown
     assert f"  receive queues not read: lr.receive_queue is locked by pid {pid} (AccessExclusiveLock)" in out, out
     assert "health: degraded" in out and "site-b: receive queues not read" in out, out
     assert took < 4.5, took  # not the 5 s lock_timeout of the topology's settings
+    # lr tables list, its sink copies' table locked: the site's other parts listed, exit 1 (was 2)
+    with admin.cursor() as cur:
+        cur.execute("LOCK TABLE lr.sink_tables IN ACCESS EXCLUSIVE MODE")
+    assert cli.main(["tables", "list", "--topology", topo]) == 1
+    out = capsys.readouterr().out
+    assert "\n  copies held here not read: " in out and f"lr.sink_tables is locked by pid {pid}" in out, out
+    assert "UNREADABLE" not in out and "\nsite-c: no tables registered\n" in out, out
+    admin.rollback()
+    admin.close()
+    # the site's schema version locked: nothing of it can be read, said with who holds the lock
+    other = lr_sites[2].connect()
+    with other.cursor() as cur:
+        cur.execute("LOCK TABLE lr.schema_migrations IN ACCESS EXCLUSIVE MODE")
+    assert cli.main(["status", "--topology", topo]) == 2
+    out = capsys.readouterr().out
+    assert f"site-c: UNREADABLE (lr.schema_migrations is locked by pid {other.info.backend_pid} (" in out, out
+    other.rollback()
+    other.close()
 
     writer = f"lrt_{source.dbname}_writer"
     source.query(f'CREATE ROLE "{writer}" LOGIN')
@@ -415,5 +431,8 @@ def test_lr_status_shows_a_site_whose_lr_table_is_locked_and_says_a_missing_gran
         assert f"lr roles grant replicator --role {writer}" in out, out
         assert "health: refused" in out and "  site-a: refused" in out, out
         assert "sink   site-a->site-b/policy" in out, out  # the other sites are read
+        assert cli.main(["tables", "list", "--topology", topo]) == 1  # lr tables list: the same refusal
+        out = capsys.readouterr().out
+        assert f"site-a: REFUSED (role '{writer}' lacks the replicator grant here" in out, out
     finally:
         source.query(f'DROP OWNED BY "{writer}"; DROP ROLE "{writer}"')
