@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
-import psycopg2
-
 from airflow_provider_lr.cli.common import (
-    connector,
-    database_error,
     listen_address,
     load_topology,
     nonnegative_seconds,
+    read_site,
     with_topology,
 )
-from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.engine.site import metrics, status, status_parts
 from airflow_provider_lr.engine.store import topology as topologies
 
@@ -25,22 +22,10 @@ def _site_statuses(topo: topologies.Topology) -> dict[str, status.SiteStatus | s
     """Every site's status, or why it could not be read (a site that is down is part of the status)."""
     found: dict[str, status.SiteStatus | str] = {}
     for site_id in sorted(topo.sites):
-        try:
-            conn = connector(topo)(site_id)
-        except Exception as exc:
-            found[site_id] = f"{site_id}: UNREACHABLE ({one_line(exc)})"
-            continue
-        try:
-            found[site_id] = status.site_status(conn, site_id)
-        except psycopg2.Error as exc:
-            if exc.pgcode == status_parts.INSUFFICIENT_PRIVILEGE:  # reached, and refused: not unreachable
-                found[site_id] = status_parts.refused(site_id, topo.conn_id(site_id), exc, conn.info.user)
-            else:
-                found[site_id] = f"{site_id}: UNREADABLE ({database_error(exc)})"
-        except LRError as exc:
-            found[site_id] = f"{site_id}: UNREADABLE ({one_line(exc)})"
-        finally:
-            conn.close()
+        read = read_site(topo, site_id, functools.partial(status.site_status, site_id=site_id))
+        if isinstance(read, str):  # said with the site's name; a refusal stays one
+            read = (status_parts.Refused if isinstance(read, status_parts.Refused) else str)(f"{site_id}: {read}")
+        found[site_id] = read
     return found
 
 

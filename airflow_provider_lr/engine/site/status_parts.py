@@ -23,8 +23,10 @@ from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES_SQL
 T = TypeVar("T")
 
 LOCK_NOT_AVAILABLE, INSUFFICIENT_PRIVILEGE = "55P03", "42501"
-# a status read waits this long for a lock (a SELECT waits only for an ACCESS EXCLUSIVE holder)
-STATUS_LOCK_WAIT = "1s"
+# a status read waits this long for a lock (a SELECT waits only for an ACCESS EXCLUSIVE holder);
+# once one part found its table locked, the next parts wait only ``LOCKED_WAIT`` (a site with a few
+# tables locked is said in about a second, not a second per part)
+STATUS_LOCK_WAIT, LOCKED_WAIT = "1s", "100ms"
 
 # lr's tables (and their indexes' tables) held in a mode a SELECT waits for, by another backend
 _LOCKED_LR_TABLES = (
@@ -40,21 +42,21 @@ class Refused(str):
     """A site's status its login may not read (a privilege), as ``lr status`` says it."""
 
 
-def refused(site_id: str, conn_id: str, exc: psycopg2.Error, user: str | None) -> Refused:
-    """Why ``user`` could not read ``site_id``'s status, and the grant that lets it."""
+def refused(conn_id: str, exc: psycopg2.Error, user: str | None) -> Refused:
+    """Why ``user`` could not read a site's lr tables, and the grant that lets it."""
     who = f"role {user!r}" if user else "this connection's role"
-    role = user or "ROLE"
     denied = getattr(getattr(exc, "diag", None), "message_primary", None) or str(exc)
     return Refused(
-        f"{site_id}: REFUSED ({who} lacks the replicator grant here ({one_line(denied)}): run lr status as a "
-        f"replicator or the owner of the lr schema, or grant it: lr roles grant replicator --role {role} "
-        f"--site {conn_id}; docs/security.md)"
+        f"REFUSED ({who} lacks the replicator grant here ({one_line(denied)}): run it as a replicator or the "
+        f"owner of the lr schema, or grant it: lr roles grant replicator --role {user or 'ROLE'} --site {conn_id}; "
+        "docs/security.md)"
     )
 
 
 @contextmanager
 def short_lock_waits(conn: psycopg2.extensions.connection) -> Iterator[None]:
-    """Within the block, ``conn`` waits ``STATUS_LOCK_WAIT`` for a lock; its own setting after it."""
+    """Within the block, ``conn`` waits ``STATUS_LOCK_WAIT`` for a lock (``read_part`` shortens it
+    once a lock was met); its own setting after it."""
     with conn.cursor() as cur:
         cur.execute("SELECT pg_catalog.current_setting('lock_timeout')")
         before = cur.fetchone()[0]
@@ -94,6 +96,9 @@ def read_part(conn: psycopg2.extensions.connection, unread: list[str], what: str
             raise
         conn.rollback()
         unread.append(f"{what} not read: {locked_by(conn)}")
+        with conn.cursor() as cur:
+            cur.execute("SELECT pg_catalog.set_config('lock_timeout', %s, false)", (LOCKED_WAIT,))
+        conn.commit()
         return None
 
 
