@@ -373,9 +373,10 @@ def test_lr_status_shows_a_site_whose_lr_table_is_locked_and_says_a_missing_gran
     said not read and which pid holds the lock, the health is degraded, the wait short. A writer
     login (no replicator grant) was called unreachable too: now a refusal (exit 1, health refused)
     naming the role and the grant it lacks. `lr tables list` alike."""
+    import re
     import time
 
-    from airflow_provider_lr.engine.site import roles
+    from airflow_provider_lr.engine.site import roles, status_parts
 
     source, sink = lr_sites[0], lr_sites[1]
     topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={"policy": "tests.support.session:empty_provider"})
@@ -396,6 +397,7 @@ def test_lr_status_shows_a_site_whose_lr_table_is_locked_and_says_a_missing_gran
     assert f"  receive queues not read: lr.receive_queue is locked by pid {pid} (AccessExclusiveLock)" in out, out
     assert "health: degraded" in out and "site-b: receive queues not read" in out, out
     assert took < 4.5, took  # not the 5 s lock_timeout of the topology's settings
+    monkeypatch.setattr(status_parts, "STATUS_LOCK_WAIT", "200ms")  # (the rest: cheaper waits)
     # lr tables list, its sink copies' table locked: the site's other parts listed, exit 1 (was 2)
     with admin.cursor() as cur:
         cur.execute("LOCK TABLE lr.sink_tables IN ACCESS EXCLUSIVE MODE")
@@ -403,6 +405,11 @@ def test_lr_status_shows_a_site_whose_lr_table_is_locked_and_says_a_missing_gran
     out = capsys.readouterr().out
     assert "\n  copies held here not read: " in out and f"lr.sink_tables is locked by pid {pid}" in out, out
     assert "UNREADABLE" not in out and "\nsite-c: no tables registered\n" in out, out
+    assert cli.main(["metrics", "--topology", topo]) == 0  # lr metrics: the site up, its parts not read counted
+    out = capsys.readouterr().out
+    unread = re.search(r'^lr_site_parts_unread\{site="site-b"\} (\d+)', out, re.M)
+    assert unread and int(unread[1]) >= 2 and 'lr_site_up{site="site-b"} 1.0' in out, out
+    assert 'lr_site_parts_unread{site="site-a"} 0.0' in out, out
     admin.rollback()
     admin.close()
     # the site's schema version locked: nothing of it can be read, said with who holds the lock
