@@ -74,7 +74,7 @@ class SiteStatus:
     # the schema is older than this lr's migrations: what lr does not do with the site until ``lr init``
     schema_behind: str | None = None
     topology_config_id: str | None = None
-    trim_mark: int = 0
+    trim_mark: int | None = 0  # None: not read (``unread`` says why)
     sessions: list[dict] = field(default_factory=list)
     full_sync_requests: list[dict] = field(default_factory=list)  # open ones, this site as the source
     receive_queues: list[dict] = field(default_factory=list)  # this site as a sink
@@ -133,7 +133,7 @@ def _site_status(conn: psycopg2.extensions.connection, site_id: str | None) -> S
         return read_part(conn, result.unread, what, in_transaction)
 
     result.topology_config_id = part("topology", config_id)
-    result.trim_mark = part("trim mark", trim_mark) or 0
+    result.trim_mark = part("trim mark", trim_mark)
     last_ok = part("sessions", lambda cur: _sessions(cur, result, version))
     result.full_sync_requests = part("full-sync requests", open_requests) or []
     result.members, registered = (part("members", members_of) if version >= 20 else None) or ([], {})
@@ -298,10 +298,10 @@ def render(
     (``trim_marks``; a sink's sessions are checked against their source's); ``closed``: the
     (source, table) closed at sources reached in it (``closed_tables``)."""
     closed = {*(closed or set()), *closed_tables({status.site_id: status})}
-    marks = {**(source_marks or {}), status.site_id: status.trim_mark}
+    marks = {**(source_marks or {}), **({status.site_id: status.trim_mark} if status.trim_mark is not None else {})}
     lines = [
         f"{status.site_id}: schema v{status.schema_version}, topology {status.topology_config_id or '(none applied)'}, "
-        f"trim mark {status.trim_mark}"
+        f"trim mark {'not read' if status.trim_mark is None else status.trim_mark}"
     ]
     if status.schema_behind:
         lines.append(f"  upgrade: {status.schema_behind}")
