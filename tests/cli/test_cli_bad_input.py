@@ -438,6 +438,10 @@ def test_lr_status_shows_a_site_whose_lr_table_is_locked_and_says_a_missing_gran
         assert f"lr roles grant replicator --role {writer}" in out, out
         assert "health: refused" in out and "  site-a: refused" in out, out
         assert "sink   site-a->site-b/policy" in out, out  # the other sites are read
+        assert cli.main(["status", "--json", "--topology", topo]) == 1
+        said = json.loads(capsys.readouterr().out)
+        assert said["health"] == "refused" and said["sites"]["site-a"]["refused"] is True, said
+        assert said["sites"]["site-a"]["reachable"] is True and said["sites"]["site-b"]["unread"] == [], said
         assert cli.main(["tables", "list", "--topology", topo]) == 1  # lr tables list: the same refusal
         out = capsys.readouterr().out
         assert f"site-a: REFUSED (role '{writer}' lacks the replicator grant here" in out, out
