@@ -19,6 +19,7 @@ from airflow_provider_lr.engine.site.status_parts import (
     members_of,
     open_requests,
     read_part,
+    sessions_of,
     short_lock_waits,
     trim_mark,
 )
@@ -32,7 +33,6 @@ from airflow_provider_lr.engine.source import delivery
 from airflow_provider_lr.engine.source.backlog import readiness, session_backlogs
 from airflow_provider_lr.engine.source.closed_tables import CLOSED_TABLE_ID_SCHEMA
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, holdback
-from airflow_provider_lr.engine.store import sink_sessions, source_sessions
 from airflow_provider_lr.engine.store.topology import Topology, TopologyDrift, config_id, drift
 from airflow_provider_lr.engine.tables import closed_notes, handover
 from airflow_provider_lr.engine.tables.targets import TableState
@@ -40,21 +40,6 @@ from airflow_provider_lr.engine.vocabulary import (
     RequestStatus,
     SessionKey,
     SessionState,
-)
-
-_COLUMNS = (
-    "role",
-    "source_site_id",
-    "sink_site_id",
-    "client_name",
-    "sync_type",
-    "status",
-    "base_snapshot",
-    "last_applied_position",
-    "remaining_entries_to_send",
-    "data_consistent",
-    "state",
-    "last_error",
 )
 
 # exit codes of `lr status` (scripts alert on them)
@@ -134,7 +119,8 @@ def _site_status(conn: psycopg2.extensions.connection, site_id: str | None) -> S
 
     result.topology_config_id = part("topology", config_id)
     result.trim_mark = part("trim mark", trim_mark)
-    last_ok = part("sessions", lambda cur: _sessions(cur, result, version))
+    found = part("sessions", lambda cur: sessions_of(cur, version))
+    result.sessions, last_ok = found if found is not None else ([], None)
     result.full_sync_requests = part("full-sync requests", open_requests) or []
     result.members, registered = (part("members", members_of) if version >= 20 else None) or ([], {})
     if last_ok is not None and any(s["role"] == "source" for s in result.sessions):
@@ -173,44 +159,6 @@ def _site_status(conn: psycopg2.extensions.connection, site_id: str | None) -> S
         diverged = read_part(conn, result.unread, "diverged tables", lambda: handover.diverged(conn)) or []
         result.diverged = [d.describe() for d in diverged]
     return result
-
-
-def _sessions(cur: psycopg2.extensions.cursor, result: SiteStatus, version: int) -> dict:
-    """The site's sessions into ``result``, each source session's lease holder; the age of each
-    source session's last success, returned."""
-    cur.execute(f"SELECT {', '.join(_COLUMNS)} FROM lr.replication_status ORDER BY 1, 2, 3, 4")
-    sessions = [dict(zip(_COLUMNS, r)) for r in cur.fetchall()]
-    last_ok = source_sessions.last_success_ages(cur) if version >= 7 else {}
-    if version >= 10:  # a sink's session from a source its clients failed over from: closed for good
-        failed_over = sink_sessions.failed_over(cur)
-        for s in sessions:
-            found = failed_over.get((s["source_site_id"], s["client_name"])) if s["role"] == "sink" else None
-            if found:
-                s["failed_over_to"], s["failover_note"] = found
-    holders = lease_holders(cur, version)
-    for s in sessions:
-        if s["role"] == "source":
-            s.update(holders.get((s["sink_site_id"], s["client_name"]), NO_HOLDER))
-            s["lag_seconds"] = None  # until the backlog is read
-    result.sessions = sessions
-    return last_ok
-
-
-NO_HOLDER = {"lease_owner": None, "lease_acquired_at": None, "lease_held_s": None, "lease_expires_in_s": None}
-
-
-def lease_holders(cur: psycopg2.extensions.cursor, version: int) -> dict[tuple[str, str], dict]:
-    """Who holds each source session's lease now (an unexpired one), since when (schema v14 on)
-    and for how much longer: (sink, client) → the ``NO_HOLDER`` keys, for sessions held only."""
-    return {
-        (sink, client): {
-            "lease_owner": owner,
-            "lease_acquired_at": since,
-            "lease_held_s": held,
-            "lease_expires_in_s": left,
-        }
-        for sink, client, owner, since, held, left in source_sessions.held_leases(cur, since_known=version >= 16)
-    }
 
 
 def holder(session: dict) -> str:

@@ -1,4 +1,4 @@
-"""Each part of a site's status read on its own, so one lr table another session holds locked
+"""Each part of a site's status read on its own (and the reads of those parts), so one lr table another session
 (VACUUM FULL, an admin's ``LOCK``, an ALTER) costs only the part that reads it: the part is said
 not read and who holds the lock. Before, the first such table waited the whole ``lock_timeout``
 (5 s by default) and blanked the site: ``UNREADABLE``, its sessions hidden, health unreachable.
@@ -17,7 +17,7 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import one_line
-from airflow_provider_lr.engine.store import members
+from airflow_provider_lr.engine.store import members, sink_sessions, source_sessions
 from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES_SQL
 
 T = TypeVar("T")
@@ -136,3 +136,56 @@ _SUPPLYING = (
     "WHERE l.locktype OPERATOR(pg_catalog.=) 'transactionid' AND l.transactionid OPERATOR(pg_catalog.=) r.xmax "
     "AND l.mode OPERATOR(pg_catalog.=) 'ExclusiveLock' AND l.granted))"
 )
+
+
+_COLUMNS = (
+    "role",
+    "source_site_id",
+    "sink_site_id",
+    "client_name",
+    "sync_type",
+    "status",
+    "base_snapshot",
+    "last_applied_position",
+    "remaining_entries_to_send",
+    "data_consistent",
+    "state",
+    "last_error",
+)
+
+
+def sessions_of(cur: psycopg2.extensions.cursor, version: int) -> tuple[list[dict], dict]:
+    """The site's sessions (``lr.replication_status``), each source session's lease holder; and the
+    age of each source session's last success."""
+    cur.execute(f"SELECT {', '.join(_COLUMNS)} FROM lr.replication_status ORDER BY 1, 2, 3, 4")
+    sessions = [dict(zip(_COLUMNS, r)) for r in cur.fetchall()]
+    last_ok = source_sessions.last_success_ages(cur) if version >= 7 else {}
+    if version >= 10:  # a sink's session from a source its clients failed over from: closed for good
+        failed_over = sink_sessions.failed_over(cur)
+        for s in sessions:
+            found = failed_over.get((s["source_site_id"], s["client_name"])) if s["role"] == "sink" else None
+            if found:
+                s["failed_over_to"], s["failover_note"] = found
+    holders = lease_holders(cur, version)
+    for s in sessions:
+        if s["role"] == "source":
+            s.update(holders.get((s["sink_site_id"], s["client_name"]), NO_HOLDER))
+            s["lag_seconds"] = None  # until the backlog is read
+    return sessions, last_ok
+
+
+NO_HOLDER = {"lease_owner": None, "lease_acquired_at": None, "lease_held_s": None, "lease_expires_in_s": None}
+
+
+def lease_holders(cur: psycopg2.extensions.cursor, version: int) -> dict[tuple[str, str], dict]:
+    """Who holds each source session's lease now (an unexpired one), since when (schema v14 on)
+    and for how much longer: (sink, client) → the ``NO_HOLDER`` keys, for sessions held only."""
+    return {
+        (sink, client): {
+            "lease_owner": owner,
+            "lease_acquired_at": since,
+            "lease_held_s": held,
+            "lease_expires_in_s": left,
+        }
+        for sink, client, owner, since, held, left in source_sessions.held_leases(cur, since_known=version >= 16)
+    }
