@@ -9,7 +9,7 @@ A login without lr's replicator grant (an application's writer) is told apart as
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict
 from typing import TypeVar
 
@@ -62,14 +62,21 @@ def short_lock_waits(conn: psycopg2.extensions.connection) -> Iterator[None]:
         before = cur.fetchone()[0]
         cur.execute("SELECT pg_catalog.set_config('lock_timeout', %s, false)", (STATUS_LOCK_WAIT,))
     conn.commit()
+
+    def restore() -> None:
+        conn.rollback()
+        with conn.cursor() as cur:
+            cur.execute("SELECT pg_catalog.set_config('lock_timeout', %s, false)", (before,))
+        conn.commit()
+
     try:
         yield
-    finally:
+    except BaseException:
         if not conn.closed:
-            conn.rollback()
-            with conn.cursor() as cur:
-                cur.execute("SELECT pg_catalog.set_config('lock_timeout', %s, false)", (before,))
-            conn.commit()
+            with suppress(psycopg2.Error):  # a connection lost or cut: the read's own error is what is said
+                restore()
+        raise
+    restore()
 
 
 def locked_by(conn: psycopg2.extensions.connection) -> str:
