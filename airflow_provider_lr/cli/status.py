@@ -63,7 +63,7 @@ def add_status(sub: argparse._SubParsersAction) -> None:
     st = with_topology(
         sub.add_parser(
             "status",
-            help="sessions, states, lag and what holds the log back (exit 0 healthy, 1 degraded, 2 unreachable)",
+            help="sessions, states, lag and what holds the log back (exit 0 healthy, 1 degraded or refused, 2 unreachable)",
         )
     )
     st.add_argument("--json", action="store_true", help="machine-readable, for scripts")
