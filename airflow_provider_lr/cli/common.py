@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import psycopg2
 
@@ -24,8 +24,10 @@ from airflow_provider_lr.engine.db.topology_schema import (
     valid_site_id,
 )
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, listing, one_line, shown, without_statement
-from airflow_provider_lr.engine.site import topology
+from airflow_provider_lr.engine.site import status_parts, topology
 from airflow_provider_lr.engine.store import topology as topologies
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from airflow_provider_lr.embedded.sites import SiteManager
@@ -165,6 +167,29 @@ def read_each(
             yield site_id, f"UNREADABLE ({one_line(exc)})"
         finally:
             conn.close()
+
+
+def read_site(topo: topologies.Topology, site_id: str, read: Callable[[psycopg2.extensions.connection], T]) -> T | str:
+    """What ``read`` returned of a site, or why not as one line: ``UNREACHABLE`` (not connected),
+    ``UNREADABLE`` (an error; a lock another session holds names its table and pid), or
+    ``status_parts.Refused`` (its login lacks the grant: said so, it was called unreachable)."""
+    try:
+        conn = connector(topo)(site_id)
+    except Exception as exc:
+        return f"UNREACHABLE ({one_line(exc)})"
+    try:
+        return read(conn)
+    except psycopg2.Error as exc:
+        if exc.pgcode == status_parts.INSUFFICIENT_PRIVILEGE:  # reached, and refused: not unreachable
+            return status_parts.refused(topo.conn_id(site_id), exc, conn.info.user)
+        if exc.pgcode == status_parts.LOCK_NOT_AVAILABLE and not conn.closed:
+            conn.rollback()
+            return f"UNREADABLE ({status_parts.locked_by(conn)})"
+        return f"UNREADABLE ({database_error(exc)})"
+    except LRError as exc:
+        return f"UNREADABLE ({one_line(exc)})"
+    finally:
+        conn.close()
 
 
 def positive_int(text: str) -> int:

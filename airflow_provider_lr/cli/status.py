@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
-import psycopg2
-
 from airflow_provider_lr.cli.common import (
-    connector,
-    database_error,
     listen_address,
     load_topology,
     nonnegative_seconds,
+    read_site,
     with_topology,
 )
-from airflow_provider_lr.engine.errors import LRError, one_line
-from airflow_provider_lr.engine.site import metrics, status
+from airflow_provider_lr.engine.site import metrics, status, status_parts
 from airflow_provider_lr.engine.store import topology as topologies
 
 
@@ -25,25 +22,17 @@ def _site_statuses(topo: topologies.Topology) -> dict[str, status.SiteStatus | s
     """Every site's status, or why it could not be read (a site that is down is part of the status)."""
     found: dict[str, status.SiteStatus | str] = {}
     for site_id in sorted(topo.sites):
-        try:
-            conn = connector(topo)(site_id)
-        except Exception as exc:
-            found[site_id] = f"{site_id}: UNREACHABLE ({one_line(exc)})"
-            continue
-        try:
-            found[site_id] = status.site_status(conn, site_id)
-        except (LRError, psycopg2.Error) as exc:
-            found[site_id] = (
-                f"{site_id}: UNREADABLE ({database_error(exc) if isinstance(exc, psycopg2.Error) else one_line(exc)})"
-            )
-        finally:
-            conn.close()
+        read = read_site(topo, site_id, functools.partial(status.site_status, site_id=site_id))
+        if isinstance(read, str):  # said with the site's name; a refusal stays one
+            read = (status_parts.Refused if isinstance(read, status_parts.Refused) else str)(f"{site_id}: {read}")
+        found[site_id] = read
     return found
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Exit code: 0 healthy, 1 degraded (a session errs, is behind its trim mark or lags more
-    than --max-lag), 2 a site could not be reached."""
+    than --max-lag, a part of a site could not be read) or refused (a site's login lacks the grant
+    to read it), 2 a site could not be reached or read."""
     topo = load_topology(args)
     found = _site_statuses(topo)
     code, reasons = status.health(found, args.max_lag, topo)
@@ -54,7 +43,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if stale is not None:
         print(f"WARNING: {stale.message()}")
     print(status.render_sites(found))
-    print(f"health: {['healthy', 'degraded', 'unreachable'][code]}" + "".join(f"\n  {r}" for r in reasons))
+    print(f"health: {status.health_word(found, code)}" + "".join(f"\n  {r}" for r in reasons))
     return code
 
 
@@ -74,7 +63,7 @@ def add_status(sub: argparse._SubParsersAction) -> None:
     st = with_topology(
         sub.add_parser(
             "status",
-            help="sessions, states, lag and what holds the log back (exit 0 healthy, 1 degraded, 2 unreachable)",
+            help="sessions, states, lag and what holds the log back (exit 0 healthy, 1 degraded or refused, 2 unreachable)",
         )
     )
     st.add_argument("--json", action="store_true", help="machine-readable, for scripts")

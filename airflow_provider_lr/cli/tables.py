@@ -14,10 +14,11 @@ from airflow_provider_lr.cli.common import (
     connector,
     load_topology,
     named,
-    read_each,
+    read_site,
     with_topology,
 )
 from airflow_provider_lr.engine.errors import LRError, TableError, listing, one_line
+from airflow_provider_lr.engine.site import status_parts
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.tables import closed_notes, closing
@@ -124,8 +125,9 @@ def _before_capture_stops(
     closing.wait_for_snapshots(conn, connector(topo), site_id, sinks, client, str(table.table), table.table_id)
 
 
-# a site's tables, the copies it holds, and (as a source) the (sink, client) of its forced full syncs open
-_Listed = tuple[list[table_registry.RegisteredTable], list[table_registry.HeldCopy], set[tuple[str, str]]]
+# a site's tables, the copies it holds, (as a source) the (sink, client) of its forced full syncs open,
+# and the parts not read (a lock another session holds on their table, ``status_parts``)
+_Listed = tuple[list[table_registry.RegisteredTable], list[table_registry.HeldCopy], set[tuple[str, str]], list[str]]
 
 
 def _tell_sinks(topo: topologies.Topology, sinks: list[str], source: str, table: str, client: str) -> None:
@@ -148,16 +150,14 @@ def _tell_sinks(topo: topologies.Topology, sinks: list[str], source: str, table:
 def cmd_tables_list(args: argparse.Namespace) -> int:
     """Each site's tables: those registered there (opened, closed, kept out) and the copies it holds
     as a sink (where from, their state; closed at a source read in the same run). Exit 2 when a site
-    could not be read (the others are listed all the same)."""
+    could not be read (the others are listed all the same); 1 when a part of one was not (a lock held
+    on its lr table, said with the holder's pid) or its login lacks the grant to read it (REFUSED)."""
     topo = load_topology(args)
     code = 0
     named(topo, sites=args.site or ())
     sites = args.site or sorted(topo.sites)
     check_topology(topo, sites)
-    found: dict[str, _Listed | str] = {}
-    for site_id, read in read_each(sites, connector(topo), _tables_and_copies):
-        assert isinstance(read, (tuple, str))
-        found[site_id] = read
+    found: dict[str, _Listed | str] = {site_id: read_site(topo, site_id, _tables_and_copies) for site_id in sites}
     closed = {
         (site, str(t.table))
         for site, read in found.items()
@@ -168,10 +168,10 @@ def cmd_tables_list(args: argparse.Namespace) -> int:
     for site_id, read in found.items():
         if isinstance(read, str):
             print(f"{site_id}: {read}")
-            code = 2
+            code = max(code, 1 if isinstance(read, status_parts.Refused) else 2)
             continue
-        registered, copies, _ = read
-        print(f"{site_id}:" + ("" if registered or copies else " no tables registered"))
+        registered, copies, _, unread = read
+        print(f"{site_id}:" + ("" if registered or copies or unread else " no tables registered"))
         held = {str(c.table) for c in copies}
         for table in registered:
             if table.closed_onward or not (
@@ -190,11 +190,24 @@ def cmd_tables_list(args: argparse.Namespace) -> int:
                 else _renewed(found, copy.source_site_id, site_id, copy.client_name)
             )
             print(f"  {copy.describe(shut)}{renewed}")
+        for part in unread:
+            print(f"  {part}")
+            code = max(code, 1)
     return code
 
 
 def _tables_and_copies(conn: psycopg2.extensions.connection) -> _Listed:
-    return table_registry.list_tables(conn), table_registry.list_copies(conn), full_sync.sessions_requested(conn)
+    """Each part read on its own (``status_parts``): one lr table locked elsewhere costs only its part."""
+    unread: list[str] = []
+    with status_parts.short_lock_waits(conn):
+        tables = status_parts.read_part(
+            conn, unread, "tables registered here", lambda: table_registry.list_tables(conn)
+        )
+        copies = status_parts.read_part(conn, unread, "copies held here", lambda: table_registry.list_copies(conn))
+        requested = status_parts.read_part(
+            conn, unread, "full syncs requested here", lambda: full_sync.sessions_requested(conn)
+        )
+    return tables or [], copies or [], requested or set(), unread
 
 
 def _renewed(found: dict[str, _Listed | str], source: str | None, sink: str, client: str | None) -> str:
@@ -241,7 +254,10 @@ def add_tables(sub: argparse._SubParsersAction) -> None:
     cl.add_argument("--site", action="append", help="site id (repeatable; default: every site that captures it)")
     cl.set_defaults(func=cmd_tables_close)
     ls = with_topology(
-        tables.add_parser("list", help="the tables registered on each site (exit 2: a site could not be read)")
+        tables.add_parser(
+            "list",
+            help="the tables registered on each site (exit 2: a site could not be read; 1: a part of one, or refused)",
+        )
     )
     ls.add_argument("--site", action="append", help="site id (repeatable; default: every site)")
     ls.set_defaults(func=cmd_tables_list)

@@ -3,6 +3,7 @@ exit 1, no traceback, and nothing half-written on any site."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -57,7 +58,8 @@ def test_a_step_a_site_refuses_is_said_on_one_line_naming_the_site_not_as_a_trac
     """`lr tables open` while an application's transaction writes the table (its lock is held),
     `lr trim` while lr's own table is locked: the lock timeout fires and the command says so on one
     line naming the site (it used to end in a psycopg2 traceback), with nothing half-written; `lr
-    status` says the site was unreadable and why (it said "unreachable")."""
+    status` shows the site and says which part it could not read and who holds the lock (it said
+    the whole site "unreachable", then "unreadable")."""
     source = lr_sites[0]
     topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={})
     text = open(topo).read().replace("settings: {}", "settings: {lock_timeout_s: 1}")
@@ -75,11 +77,12 @@ def test_a_step_a_site_refuses_is_said_on_one_line_naming_the_site_not_as_a_trac
             err = capsys.readouterr().err
             assert err.startswith("lr: site-a: a lock lr needs is held by another transaction (lock_timeout)"), err
             assert len(err.strip().splitlines()) == 1 and "LINE" not in err, err
-        capsys.readouterr()  # lr status: the site was reached, not read, and says why
-        assert cli.main(["status", "--topology", topo]) == 2
+        capsys.readouterr()  # lr status: the site is shown, the part its locked table holds said not read
+        assert cli.main(["status", "--topology", topo]) == 1
         out = capsys.readouterr().out
-        assert "site-a: UNREADABLE (a lock lr needs is held by another transaction" in out, out
-        assert "  site-a: unreadable" in out and "LINE" not in out, out
+        locked = f"sessions not read: lr.source_sessions is locked by pid {app.info.backend_pid} (AccessExclusiveLock)"
+        assert f"\n  {locked}" in out and f"health: degraded\n  site-a: {locked}" in out, out
+        assert "UNREADABLE" not in out and "unreachable" not in out and "LINE" not in out, out
     app.rollback()
     assert source.query("SELECT count(*) FROM lr.registry WHERE kind = 'table'") == [(0,)]
     assert cli.main(["tables", "open", "public.items", "--client", "policy", "--topology", topo]) == 0
@@ -359,3 +362,88 @@ def test_a_full_sync_reason_lr_status_could_not_show_on_one_line_is_a_usage_erro
             full_sync.request_for_sessions([], lambda site: None, reason)
         else:
             failover.promote(failover.FailoverRequest("site-a", "site-b", reason=reason), lambda site: None)
+
+
+def test_lr_status_shows_a_site_whose_lr_table_is_locked_and_says_a_missing_grant_is_a_refusal(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """A sink's `lr.receive_queue` held in ACCESS EXCLUSIVE by another session (VACUUM FULL, an
+    admin's LOCK): `lr status` called the whole site UNREADABLE, hid its sessions and exited 2
+    ("unreachable") after the 5 s lock_timeout. Now the rest of the site is shown, the queues are
+    said not read and which pid holds the lock, the health is degraded, the wait short. A writer
+    login (no replicator grant) was called unreachable too: now a refusal (exit 1, health refused)
+    naming the role and the grant it lacks. `lr tables list` alike."""
+    import re
+    import time
+
+    from airflow_provider_lr.engine.site import roles, status_parts
+
+    source, sink = lr_sites[0], lr_sites[1]
+    topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={"policy": "tests.support.session:empty_provider"})
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 0
+    admin = sink.connect()
+    with admin.cursor() as cur:
+        cur.execute("LOCK TABLE lr.receive_queue IN ACCESS EXCLUSIVE MODE")
+        cur.execute("SELECT pg_backend_pid()")
+        pid = cur.fetchone()[0]
+    capsys.readouterr()
+    started = time.monotonic()
+    assert cli.main(["status", "--topology", topo]) == 1
+    took = time.monotonic() - started
+    out = capsys.readouterr().out
+    assert "UNREADABLE" not in out and "unreachable" not in out, out
+    assert "sink   site-a->site-b/policy" in out, out  # the site's sessions are shown
+    assert f"  receive queues not read: lr.receive_queue is locked by pid {pid} (AccessExclusiveLock)" in out, out
+    assert "health: degraded" in out and "site-b: receive queues not read" in out, out
+    assert took < 4.5, took  # not the 5 s lock_timeout of the topology's settings
+    monkeypatch.setattr(status_parts, "STATUS_LOCK_WAIT", "200ms")  # (the rest: cheaper waits)
+    # lr tables list, its sink copies' table locked: the site's other parts listed, exit 1 (was 2)
+    with admin.cursor() as cur:
+        cur.execute("LOCK TABLE lr.sink_tables IN ACCESS EXCLUSIVE MODE")
+    assert cli.main(["tables", "list", "--topology", topo]) == 1
+    out = capsys.readouterr().out
+    assert "\n  copies held here not read: " in out and f"lr.sink_tables is locked by pid {pid}" in out, out
+    assert "UNREADABLE" not in out and "\nsite-c: no tables registered\n" in out, out
+    assert cli.main(["metrics", "--topology", topo]) == 0  # lr metrics: the site up, its parts not read counted
+    out = capsys.readouterr().out
+    unread = re.search(r'^lr_site_parts_unread\{site="site-b"\} (\d+)', out, re.M)
+    assert unread and int(unread[1]) >= 2 and 'lr_site_up{site="site-b"} 1.0' in out, out
+    assert 'lr_site_parts_unread{site="site-a"} 0.0' in out, out
+    admin.rollback()
+    admin.close()
+    # the site's schema version locked: nothing of it can be read, said with who holds the lock
+    other = lr_sites[2].connect()
+    with other.cursor() as cur:
+        cur.execute("LOCK TABLE lr.schema_migrations IN ACCESS EXCLUSIVE MODE")
+    assert cli.main(["status", "--topology", topo]) == 2
+    out = capsys.readouterr().out
+    assert f"site-c: UNREADABLE (lr.schema_migrations is locked by pid {other.info.backend_pid} (" in out, out
+    other.rollback()
+    other.close()
+
+    writer = f"lrt_{source.dbname}_writer"
+    source.query(f'CREATE ROLE "{writer}" LOGIN')
+    try:
+        conn = source.connect()
+        roles.grant(conn, "writer", writer, ["policy"])
+        conn.close()
+        as_writer = {**source.server.airflow_conn(source.dbname), "login": writer}
+        monkeypatch.setenv("AIRFLOW_CONN_LR_TEST_SITE_A", json.dumps(as_writer))
+        capsys.readouterr()
+        assert cli.main(["status", "--topology", topo]) == 1
+        out = capsys.readouterr().out
+        assert "unreachable" not in out and "UNREADABLE" not in out, out
+        assert f"site-a: REFUSED (role '{writer}' lacks the replicator grant here" in out, out
+        assert f"lr roles grant replicator --role {writer}" in out, out
+        assert "health: refused" in out and "  site-a: refused" in out, out
+        assert "sink   site-a->site-b/policy" in out, out  # the other sites are read
+        assert cli.main(["status", "--json", "--topology", topo]) == 1
+        said = json.loads(capsys.readouterr().out)
+        assert said["health"] == "refused" and said["sites"]["site-a"]["refused"] is True, said
+        assert said["sites"]["site-a"]["reachable"] is True and said["sites"]["site-b"]["unread"] == [], said
+        assert cli.main(["tables", "list", "--topology", topo]) == 1  # lr tables list: the same refusal
+        out = capsys.readouterr().out
+        assert f"site-a: REFUSED (role '{writer}' lacks the replicator grant here" in out, out
+    finally:
+        source.query(f'DROP OWNED BY "{writer}"; DROP ROLE "{writer}"')

@@ -98,6 +98,11 @@ class StatusCollector(Collector):
             "lr_receive_queue_oldest_seconds", "age of the oldest entry waiting in a receive queue", QUEUE_LABELS
         )
         dead = family("lr_receive_queue_dead_letters", "entries moved to dead letters", QUEUE_LABELS)
+        unread = family(
+            "lr_site_parts_unread",
+            "parts of the site's status not read (a lock another session holds on an lr table; lr status says which)",
+            ("site",),
+        )
         members = family(
             "lr_replicator_members",
             "replicator processes alive and sharing the site's sessions (as a source)",
@@ -110,7 +115,9 @@ class StatusCollector(Collector):
             info.add_metric(
                 [site], {"topology_id": st.topology_config_id or "", "schema_version": str(st.schema_version)}
             )
-            trim.add_metric([site], st.trim_mark)
+            if st.trim_mark is not None:  # (not read: no sample, not a made-up 0)
+                trim.add_metric([site], st.trim_mark)
+            unread.add_metric([site], len(st.unread))
             held.add_metric([site], len(st.held_back_by))
             diverged.add_metric([site], len(st.diverged))
             members.add_metric([site], len(st.members))
@@ -120,8 +127,9 @@ class StatusCollector(Collector):
                 if s["role"] != "source":
                     continue
                 labels = [s["source_site_id"], s["sink_site_id"], s["client_name"]]
-                lag_entries.add_metric(labels, s["remaining_entries_to_send"] or 0)
-                lag_seconds.add_metric(labels, s.get("lag_seconds") or 0.0)
+                if s.get("lag_seconds", 0.0) is not None:  # None: its backlog not read
+                    lag_entries.add_metric(labels, s["remaining_entries_to_send"] or 0)
+                    lag_seconds.add_metric(labels, s.get("lag_seconds") or 0.0)
                 ready.add_metric(labels, int(readiness(s, marks.get(s["source_site_id"])) == "ready"))
                 error.add_metric(labels, int(bool(s.get("last_error"))))
                 if s.get("last_success_age_s") is not None:
@@ -148,6 +156,7 @@ class StatusCollector(Collector):
             held,
             trim,
             diverged,
+            unread,
             members,
         )
         if self.topology is not None:

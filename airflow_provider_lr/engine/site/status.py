@@ -3,15 +3,26 @@ holds its shared log back (guarantee 1 in docs/architecture.md: whatever can sta
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import date, datetime
 from decimal import Decimal
+from typing import TypeVar
 
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.errors import one_line
 from airflow_provider_lr.engine.site import queue_report
+from airflow_provider_lr.engine.site.status_parts import (
+    Refused,
+    members_of,
+    open_requests,
+    read_part,
+    sessions_of,
+    short_lock_waits,
+    trim_mark,
+)
 from airflow_provider_lr.engine.site.status_sites import (
     closed_tables,
     cross_check,
@@ -22,34 +33,19 @@ from airflow_provider_lr.engine.source import delivery
 from airflow_provider_lr.engine.source.backlog import readiness, session_backlogs
 from airflow_provider_lr.engine.source.closed_tables import CLOSED_TABLE_ID_SCHEMA
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, holdback
-from airflow_provider_lr.engine.store import members, sink_sessions, source_sessions
 from airflow_provider_lr.engine.store.topology import Topology, TopologyDrift, config_id, drift
 from airflow_provider_lr.engine.tables import closed_notes, handover
 from airflow_provider_lr.engine.tables.targets import TableState
 from airflow_provider_lr.engine.vocabulary import (
-    OPEN_STATUSES_SQL,
     RequestStatus,
     SessionKey,
     SessionState,
 )
 
-_COLUMNS = (
-    "role",
-    "source_site_id",
-    "sink_site_id",
-    "client_name",
-    "sync_type",
-    "status",
-    "base_snapshot",
-    "last_applied_position",
-    "remaining_entries_to_send",
-    "data_consistent",
-    "state",
-    "last_error",
-)
-
 # exit codes of `lr status` (scripts alert on them)
 HEALTHY, DEGRADED, UNREACHABLE = 0, 1, 2
+REFUSED = 1  # a site's login may not read it: a refusal, as every lr command's (exit 1), health "refused"
+T = TypeVar("T")
 
 
 @dataclass
@@ -63,7 +59,7 @@ class SiteStatus:
     # the schema is older than this lr's migrations: what lr does not do with the site until ``lr init``
     schema_behind: str | None = None
     topology_config_id: str | None = None
-    trim_mark: int = 0
+    trim_mark: int | None = 0  # None: not read (``unread`` says why)
     sessions: list[dict] = field(default_factory=list)
     full_sync_requests: list[dict] = field(default_factory=list)  # open ones, this site as the source
     receive_queues: list[dict] = field(default_factory=list)  # this site as a sink
@@ -75,6 +71,8 @@ class SiteStatus:
     durable: dict = field(default_factory=dict)
     # this site as a source: the replicator processes working its sessions (live members, V0020)
     members: list[dict] = field(default_factory=list)
+    # parts not read, each with why (an lr table another session holds locked: ``status_parts``)
+    unread: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {k: _jsonable(v) for k, v in asdict(self).items()}
@@ -93,6 +91,13 @@ def _jsonable(value: object) -> object:
 
 
 def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None) -> SiteStatus:
+    """The site's status, each part read on its own (``status_parts``): a part whose lr table another
+    session holds locked is said not read (``unread``), the rest shown."""
+    with short_lock_waits(conn):
+        return _site_status(conn, site_id)
+
+
+def _site_status(conn: psycopg2.extensions.connection, site_id: str | None) -> SiteStatus:
     version = schema.current_version(conn)
     site_id = site_id or schema.site_identity(conn)[0]
     result = SiteStatus(site_id, version, schema_behind=schema.behind(version))
@@ -102,89 +107,58 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
     conn.commit()
     if version < 3:
         return result
-    with conn.cursor() as cur:
-        result.topology_config_id = config_id(cur)
-        cur.execute("SELECT trim_mark FROM lr.log_trim")
-        result.trim_mark = cur.fetchone()[0]
-        cur.execute(f"SELECT {', '.join(_COLUMNS)} FROM lr.replication_status ORDER BY 1, 2, 3, 4")
-        result.sessions = [dict(zip(_COLUMNS, r)) for r in cur.fetchall()]
-        cur.execute(
-            "SELECT request_id::text, sink_site_id, client_name, status, forced, reason, "
-            "round(extract(epoch FROM greatest(now(), requested_at) - requested_at)::numeric, 1)::float8, "
-            "round(extract(epoch FROM data_deadline - now())::numeric, 1)::float8, note, entries, "
-            f"{_SUPPLYING} FROM lr.full_sync_requests r WHERE status IN {OPEN_STATUSES_SQL} ORDER BY requested_at"
-        )
-        keys = (
-            *("request_id", "sink", "client", "status", "forced", "reason", "age_s", "data_deadline_in_s", "note"),
-            *("entries", "supplying"),
-        )
-        result.full_sync_requests = [dict(zip(keys, r)) for r in cur.fetchall()]
-        last_ok = source_sessions.last_success_ages(cur) if version >= 7 else {}
-        if version >= 10:  # a sink's session from a source its clients failed over from: closed for good
-            failed_over = sink_sessions.failed_over(cur)
-            for s in result.sessions:
-                found = failed_over.get((s["source_site_id"], s["client_name"])) if s["role"] == "sink" else None
-                if found:
-                    s["failed_over_to"], s["failover_note"] = found
-        holders = lease_holders(cur, version)
-        registered = members.registered(cur) if version >= 20 else {}
-        result.members = [asdict(m) for m in members.live(cur)] if version >= 20 else []
-    conn.commit()
-    if any(s["role"] == "source" for s in result.sessions):
-        live = {(b.sink, b.client): b for b in session_backlogs(conn)}  # not the last cycle's count
+
+    def part(what: str, read: Callable[[psycopg2.extensions.cursor], T]) -> T | None:
+        def in_transaction() -> T:
+            with conn.cursor() as cur:
+                found = read(cur)
+            conn.commit()
+            return found
+
+        return read_part(conn, result.unread, what, in_transaction)
+
+    result.topology_config_id = part("topology", config_id)
+    result.trim_mark = part("trim mark", trim_mark)
+    found = part("sessions", lambda cur: sessions_of(cur, version))
+    result.sessions, last_ok = found if found is not None else ([], None)
+    result.full_sync_requests = part("full-sync requests", open_requests) or []
+    result.members, registered = (part("members", members_of) if version >= 20 else None) or ([], {})
+    if last_ok is not None and any(s["role"] == "source" for s in result.sessions):
+        live = read_part(conn, result.unread, "backlogs", lambda: session_backlogs(conn))  # not the last cycle's
+        backlogs = {(b.sink, b.client): b for b in live or ()}
         requests = {(r["sink"], r["client"]): r for r in result.full_sync_requests}
         for s in result.sessions:
             if s["role"] == "source":
                 key = (s["sink_site_id"], s["client_name"])
-                backlog = live.get(key)
-                s["remaining_entries_to_send"] = backlog.entries if backlog else 0
+                backlog = backlogs.get(key)
+                if live is not None:
+                    s["remaining_entries_to_send"] = backlog.entries if backlog else 0
+                    s["unsafe_before_guard"] = backlog.before_guard if backlog else 0
                 s["first_guarded"] = backlog.first_guarded if backlog else None
-                s["unsafe_before_guard"] = backlog.before_guard if backlog else 0
-                s["lag_seconds"] = backlog.lag_seconds if backlog else 0.0
+                s["lag_seconds"] = (backlog.lag_seconds if backlog else 0.0) if live is not None else None
                 s["last_success_age_s"] = last_ok.get(key)
-                s.update(holders.get(key, NO_HOLDER))
                 # the holder as a replicator member: live, dead (its lease is taken at once), None: not one
                 s["lease_owner_alive"] = registered.get(s["lease_owner"])
                 request = requests.get(key)
                 s["waiting_for"] = waiting_for(s, request)
                 # a forced request: the session's sink takes a new full sync, whatever its state now
                 s["full_sync_requested"] = request["request_id"] if request and request["forced"] else None
-        result.durable = durability(conn)
+        result.durable = read_part(conn, result.unread, "durable position", lambda: durability(conn)) or {}
+        held = read_part(conn, result.unread, "what holds the log back", lambda: holdback(conn)) or []
         result.held_back_by = [
-            {
-                "kind": h.kind,
-                "pid": h.pid,
-                "age_s": round(h.age_seconds, 1),
-                "state": h.state,
-                "gid": h.gid,
-                "describe": h.describe(),
-            }
-            for h in holdback(conn)
+            {"kind": h.kind, "pid": h.pid, "age_s": round(h.age_seconds, 1), "state": h.state, "gid": h.gid}
+            | {"describe": h.describe()}
+            for h in held
         ]
     if any(s["role"] == "sink" for s in result.sessions):
-        result.receive_queues = queue_report.receive_queues(conn)
+        queues = lambda: queue_report.receive_queues(conn)  # noqa: E731
+        result.receive_queues = read_part(conn, result.unread, "receive queues", queues) or []
     if version >= 8:
-        result.tables = tables(conn)
+        result.tables = read_part(conn, result.unread, "tables", lambda: tables(conn)) or []
     if version >= 10:
-        result.diverged = [d.describe() for d in handover.diverged(conn)]
+        diverged = read_part(conn, result.unread, "diverged tables", lambda: handover.diverged(conn)) or []
+        result.diverged = [d.describe() for d in diverged]
     return result
-
-
-NO_HOLDER = {"lease_owner": None, "lease_acquired_at": None, "lease_held_s": None, "lease_expires_in_s": None}
-
-
-def lease_holders(cur: psycopg2.extensions.cursor, version: int) -> dict[tuple[str, str], dict]:
-    """Who holds each source session's lease now (an unexpired one), since when (schema v14 on)
-    and for how much longer: (sink, client) → the ``NO_HOLDER`` keys, for sessions held only."""
-    return {
-        (sink, client): {
-            "lease_owner": owner,
-            "lease_acquired_at": since,
-            "lease_held_s": held,
-            "lease_expires_in_s": left,
-        }
-        for sink, client, owner, since, held, left in source_sessions.held_leases(cur, since_known=version >= 16)
-    }
 
 
 def holder(session: dict) -> str:
@@ -234,16 +208,6 @@ def durability(conn: psycopg2.extensions.connection) -> dict:
     return {"position": position, "min_regions": regions, "rule": rule_text, "last_position": drawn}
 
 
-# A provider supplying a request holds its row locked (``full_sync.serve_full_sync_requests``) while it
-# runs: the row's xmax is a transaction holding the lock on its own id (``pg_locks``, readable by every
-# role). Seen with SELECT alone (lr status's privileges), waiting for nothing: no lock is taken.
-_SUPPLYING = (
-    "(r.xmax OPERATOR(pg_catalog.<>) '0'::pg_catalog.xid AND EXISTS (SELECT FROM pg_catalog.pg_locks l "
-    "WHERE l.locktype OPERATOR(pg_catalog.=) 'transactionid' AND l.transactionid OPERATOR(pg_catalog.=) r.xmax "
-    "AND l.mode OPERATOR(pg_catalog.=) 'ExclusiveLock' AND l.granted))"
-)
-
-
 def waiting_for(session: dict, request: dict | None) -> str | None:
     """What a source session waits for before it can move on, or None."""
     if session["state"] == SessionState.IN_SNAPSHOT_SYNC and request is not None:
@@ -282,10 +246,10 @@ def render(
     (``trim_marks``; a sink's sessions are checked against their source's); ``closed``: the
     (source, table) closed at sources reached in it (``closed_tables``)."""
     closed = {*(closed or set()), *closed_tables({status.site_id: status})}
-    marks = {**(source_marks or {}), status.site_id: status.trim_mark}
+    marks = {**(source_marks or {}), **({status.site_id: status.trim_mark} if status.trim_mark is not None else {})}
     lines = [
         f"{status.site_id}: schema v{status.schema_version}, topology {status.topology_config_id or '(none applied)'}, "
-        f"trim mark {status.trim_mark}"
+        f"trim mark {'not read' if status.trim_mark is None else status.trim_mark}"
     ]
     if status.schema_behind:
         lines.append(f"  upgrade: {status.schema_behind}")
@@ -299,7 +263,9 @@ def render(
         mark = marks.get(s["source_site_id"])
         state = readiness(s, mark)
         if s["role"] == "source":  # behind the trim mark, what the log still holds is not the lag
-            lag = f"lag {s['remaining_entries_to_send']} entries / {s.get('lag_seconds', 0.0):.1f}s"
+            lag = f"lag {s['remaining_entries_to_send']} entries / {s.get('lag_seconds') or 0.0:.1f}s"
+            if s.get("lag_seconds", 0.0) is None:
+                lag = "lag unknown (its backlog not read)"
             if state == "not ready (behind trim)":
                 lag = f"lag unknown (entries to {mark} trimmed: a full sync is due)"
             detail = f"{lag}, {s['state']}, last success {_age(s.get('last_success_age_s'))}"
@@ -386,6 +352,7 @@ def render(
         )
     for h in status.held_back_by:
         lines.append(f"  held back: {h['describe']}")
+    lines += [f"  {part}" for part in status.unread]
     return "\n".join(lines)
 
 
@@ -409,25 +376,29 @@ def topology_drift(found: dict[str, SiteStatus | str], topology: Topology | None
 def health(
     found: dict[str, SiteStatus | str], max_lag_seconds: float | None = None, topology: Topology | None = None
 ) -> tuple[int, list[str]]:
-    """(exit code, reasons): UNREACHABLE when a site could not be read, DEGRADED when a session
-    errs, stands behind its source's trim mark, or lags more than ``max_lag_seconds``, or a
-    federated table does not replicate (diverged), or when sites run another topology than
-    ``topology`` (the file in hand) or an lr schema older than this lr's, else HEALTHY."""
+    """(exit code, reasons): UNREACHABLE when a site could not be reached or read, REFUSED (exit 1,
+    health "refused") when a site's login may not read it, DEGRADED when a part of a site could not be
+    read (a lock held on its table), a session errs, stands behind its source's trim mark, or lags more
+    than ``max_lag_seconds``, or a federated table does not replicate (diverged), or when sites run
+    another topology than ``topology`` (the file in hand) or an lr schema older than this lr's, else HEALTHY."""
     stale = topology_drift(found, topology)
     reasons = [stale.message()] if stale is not None else []
-    unreachable = [  # reached but not read (a lock held elsewhere, a privilege) is said as such
+    unreachable = [  # reached but not read (a lock held elsewhere) is said as such
         f"{site}: {'unreadable' if 'UNREADABLE' in st else 'unreachable'}"
         for site, st in found.items()
-        if isinstance(st, str)
+        if isinstance(st, str) and not isinstance(st, Refused)
     ]
+    refused = [f"{site}: refused" for site, st in found.items() if isinstance(st, Refused)]
     if unreachable:
-        return UNREACHABLE, unreachable + reasons
+        return UNREACHABLE, unreachable + refused + reasons
     marks = trim_marks(found)
     cross_check(found)
     # a sink's row of a session the topology removed stays until pruned; behind trim it is no fault
     kept = set(topology.sessions()) if topology is not None else None
     for st in found.values():
-        assert isinstance(st, SiteStatus)
+        if isinstance(st, str):  # refused
+            continue
+        reasons += [f"{st.site_id}: {part}" for part in st.unread]
         for s in st.sessions:
             name = f"{session_key(s)} ({s['role']})"
             state = readiness(s, marks.get(s["source_site_id"]))
@@ -439,7 +410,14 @@ def health(
                 reasons.append(f"{name}: lag {s['lag_seconds']:.0f}s over {max_lag_seconds:.0f}s")
         reasons += [f"{st.site_id}: table {d}" for d in st.diverged]
         reasons += [f"{st.site_id}: {st.schema_behind}"] if st.schema_behind else []
-    return (DEGRADED if reasons else HEALTHY), reasons
+    return (REFUSED if refused else DEGRADED if reasons else HEALTHY), refused + reasons
+
+
+def health_word(found: dict[str, SiteStatus | str], code: int) -> str:
+    """What ``lr status`` says of an exit code: refused (1) when a site's login may not read it."""
+    if code == DEGRADED and any(isinstance(st, Refused) for st in found.values()):
+        return "refused"
+    return {HEALTHY: "healthy", DEGRADED: "degraded", UNREACHABLE: "unreachable"}[code]
 
 
 def sites_as_dict(
@@ -451,7 +429,8 @@ def sites_as_dict(
     sites = {}
     for site, st in found.items():
         if isinstance(st, str):
-            sites[site] = {"site_id": site, "reachable": False, "error": st}
+            sites[site] = {"site_id": site, "reachable": isinstance(st, Refused), "refused": isinstance(st, Refused)}
+            sites[site]["error"] = st
             continue
         data = st.as_dict()
         for s in data["sessions"]:
@@ -475,7 +454,7 @@ def sites_as_dict(
         }
     )
     return {
-        "health": {HEALTHY: "healthy", DEGRADED: "degraded", UNREACHABLE: "unreachable"}[code],
+        "health": health_word(found, code),
         "exit_code": code,
         "reasons": reasons,
         **file,

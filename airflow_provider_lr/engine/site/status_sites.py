@@ -15,7 +15,7 @@ from airflow_provider_lr.engine.vocabulary import RequestStatus, SessionKey
 class SiteRead(Protocol):
     """What these checks read of a site's status (``status.SiteStatus``)."""
 
-    trim_mark: int
+    trim_mark: int | None
     sessions: list[dict]
     tables: list[dict]
     full_sync_requests: list[dict]
@@ -36,7 +36,7 @@ def sites_read(found: Mapping[str, SiteRead | str]) -> dict[str, SiteRead]:
 def trim_marks(found: Mapping[str, SiteRead | str]) -> dict[str, int]:
     """The trim mark of every site read in one status run: a sink's sessions are checked against
     their source's."""
-    return {site: st.trim_mark for site, st in sites_read(found).items()}
+    return {site: st.trim_mark for site, st in sites_read(found).items() if st.trim_mark is not None}
 
 
 def closed_tables(found: Mapping[str, SiteRead | str]) -> set[tuple[str, str]]:
