@@ -8,6 +8,7 @@ from collections import Counter
 
 from airflow_provider_lr.engine.bulk import fanout
 from airflow_provider_lr.engine.faults import on_fault
+from airflow_provider_lr.engine.session.runner import SessionRunner
 from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.source import full_sync, trim
 from tests.support.session import App, apply, final_state, queue, replicator, run_crashing_replicator, source_state
@@ -269,3 +270,33 @@ def test_a_session_removed_from_the_topology_releases_its_open_full_sync_for_saf
     (removed,) = [s for s in found["site-c"].sessions if s["sink_site_id"] == "site-c"]
     assert status.readiness(removed, found["site-a"].trim_mark) == "not ready (behind trim)"
     assert status.health(found, topology=topo) == (status.HEALTHY, [])
+
+
+def test_a_session_removed_from_the_topology_as_its_cycle_ends_fails_that_cycle_saying_so(lr_sites, monkeypatch):
+    """The topology is applied without site-c as site-c's cycle ends (its batch committed and
+    acked, its status not yet read): the cycle fails saying the session is gone from the topology,
+    as the next one is refused. Before, it failed with a ValueError from inside lr ("not enough
+    values to unpack"): its status read the session's row as if it were still there."""
+    source = lr_sites[0]
+    two = [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy"]}]
+    topo = apply(lr_sites, two, providers=PROVIDERS)
+    app = App(source)
+    app.put("k0", 0, ["site-b", "site-c"])
+    repl = replicator(topo, lr_sites)
+    repl.run(max_cycles=3, until_idle=True, interval=0.01)
+    app.put("k1", 1, ["site-b", "site-c"])
+    finish = SessionRunner.finish
+
+    def removed_first(runner, report):  # the topology applied elsewhere at this very moment
+        if runner.key.sink == "site-c":
+            apply(lr_sites, ONE_SINK, providers=PROVIDERS)
+        return finish(runner, report)
+
+    monkeypatch.setattr(SessionRunner, "finish", removed_first)
+    errors = {r.session: r.error for r in repl.run_cycle() if r.error}
+    repl.close()
+    assert list(errors) == ["site-a->site-c/policy"], errors
+    assert "no session to 'site-c' for client 'policy'" in errors["site-a->site-c/policy"], errors
+    for sink in lr_sites[1:]:
+        assert [p for k, p in queue(sink, "site-a") if k == "log"] == ["k1=1"]
+    app.close()

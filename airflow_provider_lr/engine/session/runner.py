@@ -42,7 +42,7 @@ from airflow_provider_lr.engine.session.handshake import (
 from airflow_provider_lr.engine.session.negotiation import Decision, Negotiation
 from airflow_provider_lr.engine.session.snapshot_sync import CycleReport, SnapshotSync
 from airflow_provider_lr.engine.sink import writes
-from airflow_provider_lr.engine.source.backlog import session_backlogs
+from airflow_provider_lr.engine.source.backlog import SessionBacklog, session_backlogs
 from airflow_provider_lr.engine.source.log_reader import LogReader, TableSplits
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.tables import registry
@@ -223,7 +223,7 @@ class SessionRunner(SnapshotSync):
         """A catch-up longer than one batch reports progress (rate, ETA against the backlog counted
         once, after its first batch); one batch says nothing."""
         if tracker is None:
-            (backlog,) = session_backlogs(self.source, self.key.sink, self.key.client)
+            backlog = self._backlog()
             tracker = progress.track(f"catch-up {self.key}", delivered + backlog.entries, "entries")
         tracker.update(delivered)
         return tracker
@@ -239,10 +239,20 @@ class SessionRunner(SnapshotSync):
             )
         return self._reader
 
+    def _backlog(self) -> SessionBacklog:
+        """The session's backlog on its source. A session removed from the topology while its cycle
+        ran (``lr topology apply`` elsewhere) is the ConfigurationError its next cycle's refusal is,
+        naming the topology applied (not a ValueError from inside lr)."""
+        found = session_backlogs(self.source, self.key.sink, self.key.client)
+        if not found:
+            leases.holder(self.source, self.key.sink, self.key.client)  # raises: no such session here
+            return self._backlog()  # added back meanwhile
+        return found[0]
+
     def _status(self, ok: bool = True) -> tuple[str, int, int]:
         """State, acked position and entries still to send (committed, tagged for the sink);
         records them, and the time of this success (``ok``), on the source."""
-        (backlog,) = session_backlogs(self.source, self.key.sink, self.key.client)
+        backlog = self._backlog()
         if self.lease is not None:
             done = {"last_success_at": AsIs("now()")} if ok else {}
             leases.update_session(self.source, self.lease, remaining_entries=backlog.entries, **done)
