@@ -879,11 +879,6 @@ def test_a_session_rejoining_while_its_sinks_write_waits_on_a_lock_does_not_hold
     app.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Requests.take holds every request after a held join (the lead's stream_member.py): the fix, "
-    "holding only a held join's sink's key and the requests of that key after it, is proposed in the report",
-)
 def test_a_join_held_for_a_busy_sink_does_not_hold_a_join_to_a_healthy_sink(lr_sites):
     """site-c's write for policy waits on its session row, locked elsewhere (lock_timeout 30 s);
     billing's join to site-c is held until that write lands. billing's join to site-b, asked after

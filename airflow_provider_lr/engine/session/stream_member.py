@@ -70,9 +70,10 @@ Request = tuple[str, SessionKey, "leases.Lease | None"]  # ("join", key, its cyc
 
 class Requests:
     """The Streamer's joins and leaves of a stream, put from any thread, taken in order on the
-    stream's: a join to a sink site whose write is in flight is held, with the requests after it,
-    until that write lands (its handshake would wait for the write on the stream's thread, and the
-    source's other sinks behind it: a silent sink, a row lock, up to the sink deadline)."""
+    stream's: a join to a sink site whose write is in flight is held, with its session's later
+    requests (a leave after it stays after it), until that write lands (its handshake would wait
+    for the write on the stream's thread, and the source's other sinks behind it: a silent sink, a
+    row lock, up to the sink deadline); the other sessions' requests are answered meanwhile."""
 
     def __init__(self) -> None:
         self._put: queue.SimpleQueue[Request] = queue.SimpleQueue()
@@ -88,8 +89,15 @@ class Requests:
         flight); ``final``: every one, held or not (the stream ends)."""
         while not self._put.empty():
             self._held.append(self._put.get())
-        while self._held:
-            what, key, _ = self._held[0]
-            if what == "join" and not final and key.sink in busy():
-                return
-            yield self._held.popleft()
+        busy_now, blocked = busy(), set()  # blocked: keys with a request held (their order kept)
+        ready: list[Request] = []
+        kept: deque[Request] = deque()
+        for request in self._held:
+            what, key, _ = request
+            if not final and (key in blocked or (what == "join" and key.sink in busy_now)):
+                blocked.add(key)
+                kept.append(request)
+            else:
+                ready.append(request)
+        self._held = kept
+        yield from ready
