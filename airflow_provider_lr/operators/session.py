@@ -43,6 +43,7 @@ from airflow_provider_lr.operators.common import (
     session_dicts,
     session_key,
     site_connection,
+    site_connector,
     spark_unavailable,
 )
 
@@ -375,7 +376,9 @@ class LRRunCheckOperator(BaseOperator):
         the run failed on 'cancelled: failed over: asked of site-b as request ...'."""
         asked = session["request_id"]
         try:
-            site, request_id, found = followed_outcome(self._connect, session["source"], asked)
+            site, request_id, found = followed_outcome(
+                site_connector(list(self.sessions or [])), session["source"], asked
+            )
         except Exception as exc:  # the source is down: the request's fate is unknown, not a success
             return f"full sync {asked}: outcome unknown ({type(exc).__name__}: {exc})".strip()
         moved = f"failed over: asked of {site} as request {request_id}: " if request_id != asked else ""
@@ -385,15 +388,6 @@ class LRRunCheckOperator(BaseOperator):
             self.log.info("session %s: %s%s", session["session"], moved, found.describe())
             return None
         return moved + found.describe()
-
-    def _connect(self, site: str) -> psycopg2.extensions.connection:
-        """A site a run's request was asked of or moved to, through its connection in the run's
-        sessions, else in the topology (a site the run's sessions do not name), else its id."""
-        conn_ids = {s[end]: s[f"{end}_conn_id"] for s in self.sessions or [] for end in ("source", "sink")}
-        if site not in conn_ids:
-            with contextlib.suppress(Exception):  # no topology here: the site's id names its connection
-                conn_ids[site] = load_topology(None).conn_id(site)
-        return LRSiteHook(lr_conn_id=conn_ids.get(site, site)).connect_replication(site)
 
     def _last_error(self, ti: Any, sessions: list[dict[str, Any]], name: str) -> str:
         if not self.report_task_id:
