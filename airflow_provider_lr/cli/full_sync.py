@@ -21,7 +21,7 @@ from airflow_provider_lr.cli.common import (
 )
 from airflow_provider_lr.engine.errors import LRError, SiteUnreachableError, one_line
 from airflow_provider_lr.engine.session import lease
-from airflow_provider_lr.engine.site.failover_record import moved_to
+from airflow_provider_lr.engine.site.failover_record import moved_on
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store import topology as topologies
@@ -193,9 +193,7 @@ def _wait_applied(sources: _Sources, requests: dict, timeout: float) -> dict:
             found.update({back[key]: outcome for key, outcome in looked.items()})
         for k in open_:
             f = found.get(k)
-            went = (
-                moved_to(f.note) if f is not None and f.final and f.outcome is not full_sync.Outcome.APPLIED else None
-            )
+            went = moved_on(f)
             awaiting.discard(k)
             if went is not None and went[1] is None:  # a switchover under way: its request there comes next
                 awaiting.add(k)

@@ -9,7 +9,7 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg2
@@ -152,6 +152,23 @@ def session_key(topo: Topology, session: dict[str, Any]) -> SessionKey:
             f"session {key} is not in the topology (its sessions: {[str(k) for k in topo.sessions()]})"
         )
     return key
+
+
+def site_conn_id(site_id: str, sessions: list[dict[str, Any]]) -> str:
+    """The Airflow connection of a site a task did not expect (the one a switchover asked a full
+    sync of instead): as ``sessions`` (session dicts) name it, else the topology, else its id."""
+    known = {s[end]: s[f"{end}_conn_id"] for s in sessions for end in ("source", "sink") if f"{end}_conn_id" in s}
+    if site_id in known:
+        return str(known[site_id])
+    try:
+        return load_topology().conn_id(site_id)
+    except Exception:  # no topology here, or one without that site: the site's id names it
+        return site_id
+
+
+def site_connector(sessions: list[dict[str, Any]]) -> Callable[[str], psycopg2.extensions.connection]:
+    """Connections to any site by id (``site_conn_id``), for the engine to follow a moved request."""
+    return lambda site_id: LRSiteHook(lr_conn_id=site_conn_id(site_id, sessions)).connect_replication(site_id)
 
 
 @contextlib.contextmanager

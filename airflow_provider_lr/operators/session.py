@@ -28,6 +28,7 @@ from airflow_provider_lr.engine.session.lease import new_owner_id
 from airflow_provider_lr.engine.session.negotiation import Decision
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, record_error
 from airflow_provider_lr.engine.session.settings import SessionSettings
+from airflow_provider_lr.engine.site.failover_record import followed_outcome
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.full_sync import Outcome
 from airflow_provider_lr.hooks.site import LRSiteHook
@@ -42,6 +43,7 @@ from airflow_provider_lr.operators.common import (
     session_dicts,
     session_key,
     site_connection,
+    site_connector,
     spark_unavailable,
 )
 
@@ -369,18 +371,23 @@ class LRRunCheckOperator(BaseOperator):
         return {"sessions": len(sessions), "failed_sessions": [], "failed_tasks": []}
 
     def _request_outcome(self, session: dict[str, Any]) -> str | None:
-        """Why the session's full-sync request failed, or None when it was applied."""
+        """Why the session's full-sync request failed, or None when it was applied; a request a
+        switchover asked of the new source instead is followed there (``followed_outcome``): before,
+        the run failed on 'cancelled: failed over: asked of site-b as request ...'."""
+        asked = session["request_id"]
         try:
-            with site_connection(session["source_conn_id"], session["source"]) as conn:
-                found = full_sync.outcome(conn, session["request_id"])
+            site, request_id, found = followed_outcome(
+                site_connector(list(self.sessions or [])), session["source"], asked
+            )
         except Exception as exc:  # the source is down: the request's fate is unknown, not a success
-            return f"full sync {session['request_id']}: outcome unknown ({type(exc).__name__}: {exc})".strip()
+            return f"full sync {asked}: outcome unknown ({type(exc).__name__}: {exc})".strip()
+        moved = f"failed over: asked of {site} as request {request_id}: " if request_id != asked else ""
         if found is None:
-            return f"full sync {session['request_id']}: no such request on {session['source']}"
+            return f"full sync {request_id}: no such request on {site}"
         if found.outcome is Outcome.APPLIED:
-            self.log.info("session %s: %s", session["session"], found.describe())
+            self.log.info("session %s: %s%s", session["session"], moved, found.describe())
             return None
-        return found.describe()
+        return moved + found.describe()
 
     def _last_error(self, ti: Any, sessions: list[dict[str, Any]], name: str) -> str:
         if not self.report_task_id:

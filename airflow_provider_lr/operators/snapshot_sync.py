@@ -13,10 +13,11 @@ from typing import Any
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from airflow_provider_lr.engine.session.runner import CycleReport
+from airflow_provider_lr.engine.site.failover_record import followed_outcome, moved_on
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.full_sync import Outcome
 from airflow_provider_lr.operators import telemetry
-from airflow_provider_lr.operators.common import SNAPSHOT_TRANSFER_JOB, site_connection
+from airflow_provider_lr.operators.common import SNAPSHOT_TRANSFER_JOB, site_conn_id, site_connection, site_connector
 from airflow_provider_lr.operators.session import SessionStepOperator
 
 
@@ -125,12 +126,16 @@ class LRSnapshotSyncOperator(SessionStepOperator):
         with site_connection(self.session["source_conn_id"], self.session["source"]) as conn:
             return full_sync_outcome_status(conn, str(self.request_id))
 
-    def _wait(self, context: Any, trigger: Any, timeout: timedelta, method_name: str) -> dict[str, Any]:
-        """Defer to ``trigger`` (no worker slot held), or with ``deferrable=False`` poll its check here."""
+    def _wait(
+        self, context: Any, trigger: Any, timeout: timedelta, method_name: str, at: tuple[str, str] | None = None
+    ) -> dict[str, Any]:
+        """Defer to ``trigger`` (no worker slot held), or with ``deferrable=False`` poll its check here,
+        on the session's source or ``at`` (connection id, site): where a switchover asked its request."""
         if self.deferrable:
             self.defer(trigger=trigger, method_name=method_name, timeout=timeout)
         deadline = time.monotonic() + timeout.total_seconds()
-        with site_connection(self.session["source_conn_id"], self.session["source"]) as conn:
+        conn_id, site = at or (self.session["source_conn_id"], self.session["source"])
+        with site_connection(conn_id, site) as conn:
             pause = self.poll_interval
             while (event := trigger.check(conn)) is None:
                 left = deadline - time.monotonic()
@@ -169,8 +174,7 @@ class LRSnapshotSyncOperator(SessionStepOperator):
         if event.get("status") == TriggerStatus.LEASE_FREE:
             return self.execute(context)
         if event.get("status") != Outcome.APPLIED.value:
-            telemetry.session_error(self.session)
-            raise AirflowFailException(f"session {name}: {event.get('message', event)}")
+            event = self._followed(context, event)
         self.log.info("session %s: %s", name, event.get("message"))
         return {
             "session": name,
@@ -179,3 +183,29 @@ class LRSnapshotSyncOperator(SessionStepOperator):
             "applied_request": event.get("applied_request"),
             "message": event.get("message"),
         }
+
+    def _followed(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
+        """The applied event of the request a switchover asked of the promoted site instead
+        (``followed_outcome``), or a wait for it there; else the failure ``event`` says. Before, the
+        step failed on the old source's 'cancelled: failed over: asked of site-b as request ...'."""
+        from airflow_provider_lr.triggers.session import LRFullSyncOutcomeTrigger
+
+        name, asked = self.session["session"], str(self.request_id)
+        site, request_id, found = followed_outcome(site_connector([self.session]), self.session["source"], asked)
+        went = moved_on(found)
+        if went is not None and went[1] is None:  # the switchover has not asked it there yet
+            raise AirflowException(f"session {name}: {found and found.describe()}; retrying")
+        if request_id == asked or found is None:
+            telemetry.session_error(self.session)
+            raise AirflowFailException(f"session {name}: {event.get('message', event)}")
+        said = f"failed over: asked of {site} as request {request_id}: {found.describe()}"
+        if found.outcome is Outcome.APPLIED:
+            return {"status": found.outcome.value, "applied_request": found.applied_request, "message": said}
+        if found.final:
+            telemetry.session_error(self.session)
+            raise AirflowFailException(f"session {name}: {said}")
+        self.log.info("session %s: %s; waiting for it there", name, said)
+        trigger = LRFullSyncOutcomeTrigger(
+            site_conn_id(site, [self.session]), request_id, lease_free=False, **self._polling()
+        )
+        return self._wait(context, trigger, self.wait_timeout, "outcome_complete", at=(trigger.source_conn_id, site))

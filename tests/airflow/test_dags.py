@@ -290,6 +290,60 @@ def test_a_forms_full_sync_succeeds_when_a_running_lr_sync_applied_it(dagbag, ai
     app.close()
 
 
+class _RunWithoutFailures:
+    """The run's task instance as the verdict reads it: no task of the run failed."""
+
+    dag_id, run_id = "lr_full_sync", "manual__test"
+
+    def get_task_breadcrumbs(self, dag_id: str, run_id: str) -> list[dict]:
+        return []
+
+
+def test_a_forms_full_sync_verdict_follows_its_request_across_a_planned_switchover(airflow_sites):
+    """lr_full_sync asked site-a for a full sync of site-c; site-a was then switched over to site-b,
+    which asks it of site-b instead, and a replicator applied it there: the run's verdict (``check``)
+    follows the request to site-b and passes, saying so. Before, it said
+    'cancelled: failed over: asked of site-b as request ...' and failed the run."""
+    import psycopg2
+    from structlog.testing import capture_logs
+
+    from airflow_provider_lr.engine.site import failover
+    from airflow_provider_lr.engine.source import full_sync
+    from airflow_provider_lr.engine.vocabulary import SessionKey
+    from airflow_provider_lr.operators import LRRunCheckOperator
+    from airflow_provider_lr.operators.common import session_dict
+
+    site_a, site_b, _ = airflow_sites.sites
+    providers = {"policy": table_provider}
+    app = App(site_a)
+    app.put("k", 1, ["site-b", "site-c"])
+    run_until_idle(replicator(airflow_sites.topology, airflow_sites.sites, providers=providers))
+    with site_a.connect() as conn:  # as lr_full_sync's first task hands it on
+        request = full_sync.request_full_sync(conn, "site-c", "policy", "audit", forced=True)
+    conn.close()
+    session = {**session_dict(airflow_sites.topology, SessionKey("site-a", "site-c", "policy"))}
+    session["request_id"] = request.request_id
+    dsns = {s.site_id: s.dsn for s in airflow_sites.sites}
+    result = failover.promote(
+        failover.FailoverRequest("site-a", "site-b", planned=True), lambda s: psycopg2.connect(dsns[s])
+    )
+    App(site_b).close()  # site-b's provider's table
+    run_until_idle(replicator(result.topology, airflow_sites.sites, providers=providers))
+    ((there,),) = site_b.query("SELECT request_id::text FROM lr.full_sync_requests WHERE forced AND status = 'applied'")
+
+    # the verdict task as the run calls it (no other task of the run failed); ``dag.test`` runs only
+    # the DAGs of dags/, and a whole lr_full_sync run cannot outlive its session a->c switched over
+    check = LRRunCheckOperator(task_id="check", sessions=[session], full_sync_requests=True)
+    with capture_logs() as events:
+        assert check.execute({"ti": _RunWithoutFailures()})["failed_sessions"] == []
+    said = [e["event"] % e.get("positional_args", ()) for e in events]
+    assert any(f"failed over: asked of site-b as request {there}: full sync {there} applied by " in e for e in said), (
+        said
+    )
+    assert there != request.request_id
+    app.close()
+
+
 def backlog_of_30_after_first_contact(airflow_sites, settings: dict) -> App:
     """Sessions through their first contact (in-process), the topology's ``settings`` applied, then
     15 entries for both sinks: 30 deliveries waiting. Returns the source application."""

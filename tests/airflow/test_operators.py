@@ -466,6 +466,43 @@ def test_a_full_sync_step_fails_with_what_became_of_its_request(airflow_sites):
         _step(LRSnapshotSyncOperator, session, wait_for_data=True)
 
 
+def test_a_full_sync_step_follows_its_request_to_the_site_a_switchover_asked_it_of(airflow_sites):
+    """lr_full_sync asked site-a for a full sync of site-c; site-a was then switched over to site-b,
+    which asks it of site-b instead: the step waits, deferred, for site-b's request, and succeeds
+    once a replicator applied it there. Before, it failed on site-a's 'cancelled: failed over:
+    asked of site-b as request ...'."""
+    import psycopg2
+
+    from airflow_provider_lr.engine.site import failover
+    from airflow_provider_lr.triggers import LRFullSyncOutcomeTrigger
+
+    app = _app_with_sinks_in_log_entry_sync(airflow_sites.site("site-a"))
+    session = _requested(airflow_sites, "site-c")
+    dsns = {s.site_id: s.dsn for s in airflow_sites.sites}
+    switched = failover.promote(
+        failover.FailoverRequest("site-a", "site-b", planned=True), lambda site: psycopg2.connect(dsns[site])
+    )
+    ((there,),) = airflow_sites.site("site-b").query("SELECT request_id::text FROM lr.full_sync_requests WHERE forced")
+    op = LRSnapshotSyncOperator(task_id="snapshot", session=session, wait_for_data=True)
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute({})
+    trigger = deferred.value.trigger
+    assert isinstance(trigger, LRFullSyncOutcomeTrigger) and (trigger.source_conn_id, trigger.request_id) == (
+        "lr_site_b",
+        there,
+    )
+    App(airflow_sites.site("site-b")).close()  # site-b's provider's table
+    run = replicator(switched.topology, airflow_sites.sites, providers={"policy": table_provider})
+    run.run(max_cycles=5, until_idle=True, interval=0.01)
+    run.close()
+    with closing(airflow_sites.site("site-b").connect()) as probe:
+        event = trigger.check(probe)
+    done = op.outcome_complete({}, event)
+    assert done["outcome"] == "applied" and done["applied_request"] == there, done
+    assert done["message"].startswith(f"full sync {there} applied by "), done
+    app.close()
+
+
 def test_new_log_entries_sensor_pokes_and_defers(airflow_sites):
     from airflow_provider_lr.sensors import LRNewLogEntriesSensor
     from airflow_provider_lr.triggers import LRNewLogEntriesTrigger

@@ -192,6 +192,36 @@ def moved_to(note: str) -> tuple[str, str | None] | None:
     return (found["site"], found["request"]) if found else None
 
 
+def moved_on(found: full_sync.RequestOutcome | None) -> tuple[str, str | None] | None:
+    """Where a request went that a failover asked of another site instead: (site, request id there),
+    (site, None) while the switchover has not asked it there yet; None when it was not moved (applied,
+    still open, closed for another reason). The one rule ``lr full-sync --wait`` and the lr_full_sync
+    DAG's verdict follow a moved request by (``followed_outcome``)."""
+    if found is None or not found.final or found.outcome is full_sync.Outcome.APPLIED:
+        return None
+    return moved_to(found.note)
+
+
+def followed_outcome(
+    connect: Connect, source: str, request_id: str, hops: int = 8
+) -> tuple[str, str, full_sync.RequestOutcome | None]:
+    """What became of a request, followed across the failovers that asked it elsewhere (``moved_on``;
+    chained: a->b, then b->c): the site and request id looked at last, and the outcome there. Before,
+    the lr_full_sync DAG's verdict read only the old source's request ('cancelled: failed over: asked
+    of site-b as request ...') and failed the run though site-b applied it. ``hops`` bounds the chain."""
+    site, rid = source, request_id
+    while True:
+        conn = connect(site)
+        try:
+            found = full_sync.outcome(conn, rid)
+        finally:
+            conn.close()
+        went, hops = moved_on(found), hops - 1
+        if went is None or went[1] is None or hops <= 0:
+            return site, rid, found
+        site, rid = went[0], went[1]
+
+
 # --- the record -------------------------------------------------------------------------------------
 _RECORD_COLUMNS = (
     "failover_id",

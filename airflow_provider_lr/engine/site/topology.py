@@ -7,8 +7,9 @@ The model itself (``Topology``, its document, ``load``) and every read of ``lr.t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import replace
+from datetime import datetime
 
 import psycopg2.errors
 import psycopg2.extensions
@@ -83,9 +84,11 @@ def recorded_ids(
 
 
 def failed_over_sources(topology: Topology, connect: Callable[[str], psycopg2.extensions.connection]) -> dict[str, str]:
-    """Old source -> the site its clients went to, as the reachable sinks of ``topology`` say: what
-    a drift's message needs to name a failover (read only once a drift was found)."""
-    found: dict[str, str] = {}
+    """Old source -> the site its clients now come from, as the reachable sites of ``topology`` say
+    (``newest_moves``): what a drift's message needs to name a failover (read only once a drift was
+    found). Before, one pair per old source, whichever site was read last: after chained failovers
+    a message named the intermediate site (its clients 'now come from' site-b, gone on to site-c)."""
+    seen: list[tuple[str, str, str, datetime]] = []
     for site_id in sorted(topology.sites):
         try:
             conn = connect(site_id)
@@ -93,12 +96,33 @@ def failed_over_sources(topology: Topology, connect: Callable[[str], psycopg2.ex
             continue
         try:
             with conn.cursor() as cur:
-                found.update({source: to for (source, _), (to, _) in sink_sessions.failed_over(cur).items()})
+                seen += sink_sessions.failovers_seen(cur)
             conn.commit()
         except psycopg2.Error:
             pass  # an lr schema without failovers, a site that refuses: nothing to name
         finally:
             conn.close()
+    return {source: to for (source, _), to in sorted(newest_moves(seen).items())}
+
+
+def newest_moves(seen: Iterable[tuple[str, str, str, datetime]]) -> dict[tuple[str, str], str]:
+    """(old source, client) -> the site the client now comes from, of the failovers sites record
+    (``sink_sessions.failovers_seen``): each one's newest, followed through later failovers of the
+    site it went to (a->b, then b->c: site-c; not through an older one of that site, from before
+    it was promoted; none once failed back to it). Sites' clocks order failovers recorded at
+    different sites."""
+    newest: dict[tuple[str, str], tuple[str, datetime]] = {}
+    for source, client, to, when in seen:
+        if (source, client) not in newest or when > newest[source, client][1]:
+            newest[source, client] = (to, when)
+    found: dict[tuple[str, str], str] = {}
+    for (source, client), (to, when) in newest.items():
+        passed = {source}
+        while (to, client) in newest and to not in passed and newest[to, client][1] > when:
+            passed.add(to)
+            to, when = newest[to, client]
+        if to != source:  # failed back to it since: it is the client's source again
+            found[source, client] = to
     return found
 
 
@@ -202,12 +226,12 @@ def _not_rejoined(conns: dict[str, psycopg2.extensions.connection], topology: To
     clients and that ``topology`` would demote: they come back by ``lr failover --rejoin``, which
     counts and records what they committed after the cut and hands their tables over; a topology
     apply would skip that. Site -> a line per client."""
-    moved: dict[tuple[str, str], str] = {}
+    seen: list[tuple[str, str, str, datetime]] = []
     for conn in conns.values():
         with conn.cursor() as cur:
-            for (source, client), (promoted, _) in sink_sessions.failed_over(cur).items():
-                moved[(source, client)] = promoted
+            seen += sink_sessions.failovers_seen(cur)
         conn.rollback()
+    moved = newest_moves(seen)  # after chained failovers, the site the client went to last
     found: dict[str, list[str]] = {}
     for (source, client), promoted in sorted(moved.items()):
         if source not in conns or topology.sessions(source=source, client=client):

@@ -13,6 +13,7 @@ applied once) sit above it; table snapshots (``tables/snapshot``) use it as it i
 from __future__ import annotations
 
 import contextlib
+from datetime import datetime
 from typing import Any
 
 import psycopg2
@@ -404,6 +405,17 @@ def failed_over(cur: psycopg2.extensions.cursor) -> dict[tuple[str, str], tuple[
         "WHERE failed_over_to IS NOT NULL"
     )
     return {(source, client): (to, note) for source, client, to, note in cur.fetchall()}
+
+
+def failovers_seen(cur: psycopg2.extensions.cursor) -> list[tuple[str, str, str, datetime]]:
+    """(old source, client, failed over to, when this site last changed that session) of every
+    session failed over here: a client failed over twice (a->b, and after a's rejoin a->c) and one
+    chained (a->b, then b->c) are told apart by when (``site.topology.newest_moves``)."""
+    cur.execute(
+        "SELECT source_site_id, client_name, failed_over_to, updated_at FROM lr.sink_sessions "
+        "WHERE failed_over_to IS NOT NULL"
+    )
+    return [(source, client, to, when) for source, client, to, when in cur.fetchall()]
 
 
 def processed(cur: psycopg2.extensions.cursor) -> dict[tuple[str, str], int]:

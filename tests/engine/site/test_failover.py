@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import psycopg2
@@ -308,8 +309,25 @@ def test_chained_failovers_the_first_old_source_rejoins_from_a_sinks_copy_while_
     assert rows(site_a) == rows(site_c) and site_a.query(
         "SELECT source_site_id FROM lr.registry WHERE stream_name = 'public.accounts'"
     ) == [(C,)]
+    # site-a's clients went to site-b, then on to site-c: a site-a restored from a backup (its first
+    # topology) is told they come from site-c now. Before: from site-b (site-c's row of site-a)
+    restored = topologies.drift(second.topology, {A: topo.topology_config_id})
+    said = topologies.explained(restored, _connect(lr_sites, down=(B,))).message()
+    assert "site site-a was failed over (its clients now come from site-c)" in said, said
     app.close()
     new_app.close()
+
+
+def test_where_a_clients_failovers_took_it_last_is_told_by_when_each_was_recorded():
+    """Rows of sink_sessions (old source, client, to, when) at various sites; a site's older row
+    outlives a rejoin. Chained a->b->c: site-c; b's own failover from before it was promoted does not
+    count; failed over twice: the newer; failed back: no longer failed over."""
+    t = [datetime(2026, 1, 1, hour, tzinfo=timezone.utc) for hour in range(5)]
+    chained = [(A, "k", B, t[1]), (B, "k", C, t[2]), (B, "j", C, t[0])]
+    assert topologies.newest_moves(chained) == {(A, "k"): C, (B, "k"): C, (B, "j"): C}
+    assert topologies.newest_moves([(B, "k", C, t[0]), (A, "k", B, t[1])]) == {(A, "k"): B, (B, "k"): C}
+    assert topologies.newest_moves([(A, "k", C, t[3]), (A, "k", B, t[1])]) == {(A, "k"): C}
+    assert topologies.newest_moves([(A, "k", B, t[1]), (B, "k", A, t[2])]) == {(B, "k"): A}
 
 
 @pytest.mark.parametrize("fault", FAILOVER_FAULTS)
