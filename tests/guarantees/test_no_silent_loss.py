@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from airflow_provider_lr.engine.bulk import fanout
 from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.session.runner import SessionRunner
@@ -300,3 +302,26 @@ def test_a_session_removed_from_the_topology_as_its_cycle_ends_fails_that_cycle_
     for sink in lr_sites[1:]:
         assert [p for k, p in queue(sink, "site-a") if k == "log"] == ["k1=1"]
     app.close()
+
+
+@pytest.mark.parametrize("fault", ["after_snapshot_start", "before_snapshot_apply", "after_snapshot_apply"])
+def test_a_session_removed_from_the_topology_during_its_snapshot_sync_fails_saying_so_not_taken_over(lr_sites, fault):
+    """The topology is applied without site-c while site-c's first full sync runs: the cycle fails
+    saying the session is no longer in the topology applied at the source, as the next cycle's
+    refusal does. Before, it said its "lease epoch 1 ... was taken over", as if another replicator
+    had taken the session."""
+    source = lr_sites[0]
+    topo = apply(lr_sites, [{"source": "site-a", "sinks": ["site-c"], "clients": ["policy"]}], providers=PROVIDERS)
+    app = App(source)
+    app.put("k0", 0, ["site-c"])
+    repl = replicator(topo, lr_sites)
+    try:
+        with on_fault(fault, lambda: apply(lr_sites, ONE_SINK, providers=PROVIDERS)):
+            errors = {r.session: r.error for r in repl.run_cycle() if r.error}
+    finally:
+        repl.close()
+        app.close()
+    assert list(errors) == ["site-a->site-c/policy"], errors
+    error = errors["site-a->site-c/policy"]
+    assert "no session to 'site-c' for client 'policy'" in error and "taken over" not in error, error
+    assert "removed from the topology" in error, error
