@@ -60,11 +60,15 @@ def holder(conn: psycopg2.extensions.connection, sink: str, client: str) -> str 
     conn.commit()
     if not found:
         raise ConfigurationError(
-            f"this source has no session to {sink!r} for client {client!r} (topology "
-            f"{applied or '(none)'} is applied here): apply the topology that has it, or use the "
-            "topology file the sites run"
+            f"{_no_session(sink, client, applied)}: apply the topology that has it, or use the topology file the sites run"
         )
     return owner
+
+
+def _no_session(sink: str, client: str, applied: str | None) -> str:
+    return (
+        f"this source has no session to {sink!r} for client {client!r} (topology {applied or '(none)'} is applied here)"
+    )
 
 
 def advance_epoch(conn: psycopg2.extensions.connection, lease: Lease, above: int) -> Lease:
@@ -75,15 +79,12 @@ def advance_epoch(conn: psycopg2.extensions.connection, lease: Lease, above: int
     try:
         with conn.cursor() as cur:
             epoch = source_sessions.raise_epoch(cur, lease.sink, lease.client, lease, above + 1)
+            if epoch is None:
+                raise _lost(cur, lease)
         conn.commit()
     except BaseException:
         conn.rollback()
         raise
-    if epoch is None:
-        raise FencedError(
-            f"session to {lease.sink!r} for {lease.client!r}: lease epoch {lease.epoch} of "
-            f"{lease.owner} was taken over; stopping"
-        )
     return Lease(lease.sink, lease.client, lease.owner, epoch)
 
 
@@ -126,7 +127,7 @@ def update_session(conn: psycopg2.extensions.connection, lease: Lease, commit: b
     try:
         with conn.cursor() as cur:
             if not source_sessions.update_held(cur, lease.sink, lease.client, lease, values):
-                raise _taken_over(lease)
+                raise _lost(cur, lease)
         if commit:
             conn.commit()
     except BaseException:
@@ -138,20 +139,30 @@ def update_sessions(
     conn: psycopg2.extensions.connection, updates: Sequence[tuple[Lease, Mapping[str, object]]]
 ) -> dict[Lease, FencedError]:
     """``update_session`` of several leases, each with its own values, in one statement; the leases
-    taken over since, with their error (nothing set for them). Commits."""
+    taken over (or removed from the topology) since, with their error (nothing set for them). Commits."""
     try:
         with conn.cursor() as cur:
             held = source_sessions.update_each_held(
                 cur, [(lease.sink, lease.client, lease, values) for lease, values in updates]
             )
+            lost = {lease: _lost(cur, lease) for lease, _ in updates if (lease.sink, lease.client) not in held}
         conn.commit()
     except BaseException:
         conn.rollback()
         raise
-    return {lease: _taken_over(lease) for lease, _ in updates if (lease.sink, lease.client) not in held}
+    return lost
 
 
-def _taken_over(lease: Lease) -> FencedError:
+def _lost(cur: psycopg2.extensions.cursor, lease: Lease) -> FencedError:
+    """Why ``lease`` no longer holds, in the caller's transaction: another replicator took the
+    session over, or the session left the topology applied here (a ``FencedError`` either way:
+    its callers stop writing for it and leave its row, if any, to whoever holds it now)."""
+    if source_sessions.exists(cur, lease.sink, lease.client):
+        return FencedError(
+            f"session to {lease.sink!r} for {lease.client!r}: lease epoch {lease.epoch} of {lease.owner} "
+            "was taken over; stopping"
+        )
     return FencedError(
-        f"session to {lease.sink!r} for {lease.client!r}: lease epoch {lease.epoch} of {lease.owner} was taken over; stopping"
+        f"{_no_session(lease.sink, lease.client, config_id(cur))}: the session was removed from the topology "
+        f"while lease epoch {lease.epoch} of {lease.owner} worked on it; stopping"
     )
