@@ -10,7 +10,7 @@ import json
 import psycopg2.errors
 import pytest
 
-from airflow_provider_lr.engine.errors import ApplyError, SchemaMismatchError
+from airflow_provider_lr.engine.errors import ApplyError, ConfigurationError, SchemaMismatchError
 from airflow_provider_lr.engine.sink import stream_batch, writes
 from airflow_provider_lr.engine.source.log_reader import LogBatch, LogRecord
 from airflow_provider_lr.engine.tables import registry
@@ -294,3 +294,35 @@ def test_a_lookup_discarded_from_the_connection_fails_one_transaction_and_the_ne
     stream.change("u", row(1, "prepared again"))
     assert owner(stream.sink, 1) == [("prepared again",)]
     assert stream.path == "general" or stream.fast[-1]
+
+
+def test_an_api_caller_applying_changes_on_a_latin1_connection_is_refused_before_a_garbled_name_is_written(lr_sites):
+    """An engine API caller applies a batch itself (``apply_log_stream``) with a plain connection
+    whose client encoding is LATIN1: the apply is refused at its start, saying so, nothing written;
+    on a UTF8 connection the same batch applies. Before, lr's statements (composed in UTF8) reached
+    the server as LATIN1: the column "été" read as "Ã©tÃ©", the change refused as not fitting."""
+    source, sink, _ = lr_sites
+    topo = apply(lr_sites[:2], [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
+    source.query('CREATE TABLE public.notes (id int PRIMARY KEY, "été" text NOT NULL)')
+    source.query("INSERT INTO public.notes VALUES (1, 'café')")
+    federate(source, "public.notes")
+    repl = replicator(topo, lr_sites[:2])
+    sync(repl)
+    repl.close()
+    (tid,) = sink.query("SELECT source_table_id FROM lr.sink_tables WHERE table_name = 'public.notes'")[0]
+    base, last, epoch = sink.query(
+        "SELECT snapshot_applied, last_log_entry_processed, lease_epoch FROM lr.sink_sessions WHERE source_site_id = 'site-a'"
+    )[0]
+    message = json.dumps({"op": "u", "rows": [{"id": 2, "été": "naïve"}]}).encode()
+    batch = LogBatch(last, last + 1, [LogRecord(last + 1, 1, message, tid)])
+    conn = sink.connect()
+    try:
+        conn.set_client_encoding("LATIN1")
+        with pytest.raises(ConfigurationError, match="client encoding is LATIN1"):
+            writes.apply_log_stream(conn, "site-a", "policy", epoch, batch, base)
+        assert sink.query("SELECT last_log_entry_processed FROM lr.sink_sessions") == [(last,)]
+        conn.set_client_encoding("UTF8")
+        assert writes.apply_log_stream(conn, "site-a", "policy", epoch, batch, base) == last + 1
+    finally:
+        conn.close()
+    assert sink.query('SELECT id, "été" FROM public.notes ORDER BY id') == [(1, "café"), (2, "naïve")]
