@@ -16,6 +16,8 @@ from typing import Any
 import psycopg2.extensions
 from psycopg2.extras import Json
 
+from airflow_provider_lr.engine.errors import ConfigurationError
+
 _ANY_CLIENT = {"UTF8", "UNICODE"}  # psycopg2's names of a connection that encodes every character
 _ANY_SERVER = {"UTF8", "SQL_ASCII"}  # a database that takes every character (SQL_ASCII converts nothing)
 
@@ -63,3 +65,17 @@ def talking_utf8(
         return conn
 
     return connected
+
+
+def require_utf8(conn: psycopg2.extensions.connection, what: str) -> None:
+    """Refuse ``what`` on a connection that does not talk UTF8 (an engine API caller's plain one,
+    in the site's default client encoding): lr composes its statements in UTF8, which such a server
+    reads in its own encoding, so a column named "été" became "Ã©tÃ©" and the change was refused as
+    the sink's fault. Refused rather than switched: the connection may be inside the caller's
+    transaction, which ``set_client_encoding`` would end."""
+    if conn.encoding not in _ANY_CLIENT:
+        raise ConfigurationError(
+            f"{what}: the connection's client encoding is {conn.encoding}, not UTF8, and lr writes "
+            "column names and values in UTF8: connect with client_encoding=UTF8, or call "
+            "conn.set_client_encoding('UTF8') first (lr's own connections do)"
+        )

@@ -28,6 +28,7 @@ from decimal import Decimal
 import psycopg2.errors
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.db.encoding import require_utf8
 from airflow_provider_lr.engine.errors import ApplyError, SchemaMismatchError, one_line
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogRecord
 from airflow_provider_lr.engine.tables.clearing import clearing, clearing_together
@@ -217,6 +218,7 @@ class ChangeApplier:
         self.statements: list[bytes] | None = None
         self._here: str | None = None
         if expected is not None:
+            require_utf8(cur.connection, f"session {SessionKey(source, 'this sink', client)}")
             self.targets = dict(expected.found)
             self.statements = [_OPEN.encode(), expected.check(cur, source, client)]
             self._here = f"session {SessionKey(source, 'this sink', client)}"
@@ -224,6 +226,7 @@ class ChangeApplier:
     def add(self, record: LogRecord) -> None:
         if self._here is None:  # marked as lr's apply (``applying``), constraints as the source's, and the
             # targets of the tables the session's last transactions used (``TargetLookup``): one round trip
+            require_utf8(self.cur.connection, f"session {SessionKey(self.source, 'this sink', self.client)}")
             self.lookup.open(_OPEN)
             self._here = f"session {SessionKey(self.source, self.lookup.site_id, self.client)}"
         tid = record.table_id
