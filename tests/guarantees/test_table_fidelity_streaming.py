@@ -982,6 +982,9 @@ def test_sites_whose_search_path_puts_lookalike_built_ins_before_pg_catalog_stil
         lrs = psycopg2.connect(infos["site-a"].dsn, options="-c search_path=lookalike,trap,pg_catalog,public")
     try:
         registry.open_table(lrs, "public.accounts", "policy", True)
+        if not own:  # the caller's full-sync request (the cycles take it up) and status on that connection
+            full_sync.request_full_sync(lrs, "site-c", "policy", "asked by the application")
+            assert "site-c" in status.render(status.site_status(lrs))
     finally:
         lrs.close()
     repl = Replicator(topo, connect, settings=SessionSettings(lease_seconds=2.0))
