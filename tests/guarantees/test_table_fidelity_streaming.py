@@ -933,7 +933,9 @@ def test_sites_whose_search_path_puts_lookalike_built_ins_before_pg_catalog_stil
     streamed change it skipped, silently, and ``lr tables open`` at the source said "no primary key".
     lr's own connections search pg_catalog alone, and the tables' statements name the built-ins with
     their schema (so they hold on a connection that keeps the site's path, as an engine API caller's
-    may): the tables stay equal and nothing is refused.
+    may): the tables stay equal and nothing is refused. Such a caller's full-sync request and
+    ``status.site_status`` on that connection call none of its same-type lookalikes (before, both
+    failed there: ``lookalike.=(text, text) called``, ``extract(unknown, boolean)``).
 
     On lr's own connections the sites also hold lookalikes of *other* argument types (which win
     PostgreSQL's overload resolution wherever they are on the path: ``unnest(text[])`` over
