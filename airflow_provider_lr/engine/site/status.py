@@ -11,7 +11,7 @@ from typing import TypeVar
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.db import schema
+from airflow_provider_lr.engine.db import conninfo, schema
 from airflow_provider_lr.engine.errors import one_line
 from airflow_provider_lr.engine.site import queue_report
 from airflow_provider_lr.engine.site.status_parts import (
@@ -92,8 +92,10 @@ def _jsonable(value: object) -> object:
 
 def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None) -> SiteStatus:
     """The site's status, each part read on its own (``status_parts``): a part whose lr table another
-    session holds locked is said not read (``unread``), the rest shown."""
-    with short_lock_waits(conn):
+    session holds locked is said not read (``unread``), the rest shown. On an engine API caller's
+    connection its reads search pg_catalog alone (``catalog_path``), as on lr's own: a schema of
+    lookalike operators before pg_catalog on its path stood in for the built-ins they name."""
+    with conninfo.catalog_path(conn), short_lock_waits(conn):
         return _site_status(conn, site_id)
 
 

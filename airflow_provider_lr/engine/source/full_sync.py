@@ -28,6 +28,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine import progress, vocabulary
 from airflow_provider_lr.engine.db import conninfo, encoding
+from airflow_provider_lr.engine.db.local_settings import catalog_only
 from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, FullSyncError, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.source import closed_tables
@@ -99,6 +100,7 @@ def request_full_sync(
     reason = vocabulary.flattened_reason(reason)
     try:
         with conn.cursor() as cur:
+            catalog_only(cur)  # an engine API caller's connection: lr's statements, pg_catalog's operators
             if lease is not None and not source_sessions.lock_held(cur, sink, client, lease):
                 raise FencedError(
                     f"session to {sink!r} for {client!r}: lease epoch {lease.epoch} of {lease.owner} was taken "
