@@ -60,7 +60,7 @@ def holder(conn: psycopg2.extensions.connection, sink: str, client: str) -> str 
     conn.commit()
     if not found:
         raise ConfigurationError(
-            f"{_no_session(sink, client, applied)}: apply the topology that has it, or use the topology file the sites run"
+            f"{source_sessions.no_session(sink, client, applied)}: apply the topology that has it, or use the topology file the sites run"
         )
     return owner
 
@@ -80,7 +80,7 @@ def advance_epoch(conn: psycopg2.extensions.connection, lease: Lease, above: int
         with conn.cursor() as cur:
             epoch = source_sessions.raise_epoch(cur, lease.sink, lease.client, lease, above + 1)
             if epoch is None:
-                raise _lost(cur, lease)
+                raise source_sessions.lost(cur, lease.sink, lease.client, lease)
         conn.commit()
     except BaseException:
         conn.rollback()
@@ -127,7 +127,7 @@ def update_session(conn: psycopg2.extensions.connection, lease: Lease, commit: b
     try:
         with conn.cursor() as cur:
             if not source_sessions.update_held(cur, lease.sink, lease.client, lease, values):
-                raise _lost(cur, lease)
+                raise source_sessions.lost(cur, lease.sink, lease.client, lease)
         if commit:
             conn.commit()
     except BaseException:
@@ -145,24 +145,13 @@ def update_sessions(
             held = source_sessions.update_each_held(
                 cur, [(lease.sink, lease.client, lease, values) for lease, values in updates]
             )
-            lost = {lease: _lost(cur, lease) for lease, _ in updates if (lease.sink, lease.client) not in held}
+            gone = {
+                lease: source_sessions.lost(cur, lease.sink, lease.client, lease)
+                for lease, _ in updates
+                if (lease.sink, lease.client) not in held
+            }
         conn.commit()
     except BaseException:
         conn.rollback()
         raise
-    return lost
-
-
-def _lost(cur: psycopg2.extensions.cursor, lease: Lease) -> FencedError:
-    """Why ``lease`` no longer holds, in the caller's transaction: another replicator took the
-    session over, or the session left the topology applied here (a ``FencedError`` either way:
-    its callers stop writing for it and leave its row, if any, to whoever holds it now)."""
-    if source_sessions.exists(cur, lease.sink, lease.client):
-        return FencedError(
-            f"session to {lease.sink!r} for {lease.client!r}: lease epoch {lease.epoch} of {lease.owner} "
-            "was taken over; stopping"
-        )
-    return FencedError(
-        f"{_no_session(lease.sink, lease.client, config_id(cur))}: the session was removed from the topology "
-        f"while lease epoch {lease.epoch} of {lease.owner} worked on it; stopping"
-    )
+    return gone

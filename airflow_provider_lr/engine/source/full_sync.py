@@ -29,7 +29,7 @@ import psycopg2.extensions
 from airflow_provider_lr.engine import progress, vocabulary
 from airflow_provider_lr.engine.db import conninfo, encoding
 from airflow_provider_lr.engine.db.local_settings import catalog_only
-from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, FullSyncError, one_line
+from airflow_provider_lr.engine.errors import ConfigurationError, FullSyncError, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.source import closed_tables
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, commit_barrier
@@ -102,10 +102,7 @@ def request_full_sync(
         with conn.cursor() as cur:
             catalog_only(cur)  # an engine API caller's connection: lr's statements, pg_catalog's operators
             if lease is not None and not source_sessions.lock_held(cur, sink, client, lease):
-                raise FencedError(
-                    f"session to {sink!r} for {client!r}: lease epoch {lease.epoch} of {lease.owner} was taken "
-                    "over; no full sync requested"
-                )
+                raise source_sessions.lost(cur, sink, client, lease)  # taken over, or removed from the topology
             if not source_sessions.exists(cur, sink, client):
                 known = source_sessions.names(cur)
                 raise ConfigurationError(

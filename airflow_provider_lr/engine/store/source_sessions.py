@@ -15,7 +15,9 @@ import psycopg2.extensions
 from psycopg2 import sql
 
 from airflow_provider_lr.engine.db.encoding import storable
+from airflow_provider_lr.engine.errors import FencedError
 from airflow_provider_lr.engine.store import members
+from airflow_provider_lr.engine.store.topology import config_id
 from airflow_provider_lr.engine.vocabulary import STREAM_LOG_ENTRIES, STREAM_TABLE_CHANGES, RequestStatus
 
 
@@ -177,6 +179,28 @@ def exists(cur: psycopg2.extensions.cursor, sink: str, client: str) -> bool:
     return cur.fetchone() is not None
 
 
+def no_session(sink: str, client: str, applied: str | None) -> str:
+    """What a source without the session (sink, client) says: the topology ``applied`` here lacks it."""
+    return (
+        f"this source has no session to {sink!r} for client {client!r} (topology {applied or '(none)'} is applied here)"
+    )
+
+
+def lost(cur: psycopg2.extensions.cursor, sink: str, client: str, held: Holding) -> FencedError:
+    """Why ``held`` no longer holds the session's lease, in the caller's transaction: another
+    replicator took the session over, or the session left the topology applied here (a
+    ``FencedError`` either way: its callers stop writing for it and leave its row, if any, to
+    whoever holds it now)."""
+    if exists(cur, sink, client):
+        return FencedError(
+            f"session to {sink!r} for {client!r}: lease epoch {held.epoch} of {held.owner} was taken over; stopping"
+        )
+    return FencedError(
+        f"{no_session(sink, client, config_id(cur))}: the session was removed from the topology "
+        f"while lease epoch {held.epoch} of {held.owner} worked on it; stopping"
+    )
+
+
 def recorded(alias: str) -> str:
     """SQL fragment for another owner's statement: the session of row ``alias`` (its sink_site_id
     and client_name) is one this source has (a topology apply removes the others)."""
@@ -245,8 +269,11 @@ def start_unstarted(
 
 # --- what a session did last --------------------------------------------------------------------
 def attempts(cur: psycopg2.extensions.cursor, sink: str, client: str) -> int:
+    """The session's full-sync attempts; 0 for a session removed from the topology meanwhile (its
+    next write, fenced, says so)."""
     cur.execute("SELECT attempts FROM lr.source_sessions WHERE sink_site_id = %s AND client_name = %s", (sink, client))
-    return cur.fetchone()[0]
+    found = cur.fetchone()
+    return found[0] if found else 0
 
 
 def set_last_error(cur: psycopg2.extensions.cursor, sink: str, client: str, error: str) -> None:
