@@ -109,6 +109,15 @@ def read_part(conn: psycopg2.extensions.connection, unread: list[str], what: str
         return None
 
 
+def read_alone(conn: psycopg2.extensions.connection, what: str, read: Callable[[], T]) -> tuple[T | None, list[str]]:
+    """One part read as ``lr status`` reads each of its parts (``short_lock_waits``, ``read_part``),
+    for a caller that reads only it: (what ``read()`` returned, or None; the line that says it was
+    not read and who holds the lock, if so)."""
+    unread: list[str] = []
+    with short_lock_waits(conn):
+        return read_part(conn, unread, what, read), unread
+
+
 def trim_mark(cur: psycopg2.extensions.cursor) -> int:
     """The site's trim mark: log entries up to it are gone."""
     cur.execute("SELECT trim_mark FROM lr.log_trim")
