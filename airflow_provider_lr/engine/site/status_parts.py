@@ -28,6 +28,17 @@ LOCK_NOT_AVAILABLE, INSUFFICIENT_PRIVILEGE = "55P03", "42501"
 # tables locked is said in about a second, not a second per part)
 STATUS_LOCK_WAIT, LOCKED_WAIT = "1s", "100ms"
 
+# the parts whose figures ``lr metrics`` leaves out when not read (a made-up 0 would say "none")
+TOPOLOGY, SESSIONS, MEMBERS = "topology", "sessions", "members"
+HELD_BACK, DIVERGED = "what holds the log back", "diverged tables"
+NOT_READ = " not read: "  # a line of ``unread``: the part, this, why
+
+
+def was_read(unread: list[str], what: str) -> bool:
+    """Whether the part ``what`` was read (``read_part`` said none of ``unread`` of it)."""
+    return not any(line.startswith(what + NOT_READ) for line in unread)
+
+
 # lr's tables (and their indexes' tables) held in a mode a SELECT waits for, by another backend
 _LOCKED_LR_TABLES = (
     "SELECT DISTINCT n.nspname OPERATOR(pg_catalog.||) '.' OPERATOR(pg_catalog.||) c.relname, l.pid, l.mode "
@@ -102,7 +113,7 @@ def read_part(conn: psycopg2.extensions.connection, unread: list[str], what: str
         if exc.pgcode != LOCK_NOT_AVAILABLE:
             raise
         conn.rollback()
-        unread.append(f"{what} not read: {locked_by(conn)}")
+        unread.append(f"{what}{NOT_READ}{locked_by(conn)}")
         with conn.cursor() as cur:
             cur.execute("SELECT pg_catalog.set_config('lock_timeout', %s, false)", (LOCKED_WAIT,))
         conn.commit()
