@@ -7,7 +7,7 @@ import argparse
 import math
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, TypeVar
 
@@ -148,45 +148,37 @@ def at_site(site_id: str) -> Iterator[None]:
         raise LRError(f"{site_id}: {one_line(exc)}") from exc
 
 
-def read_each(
-    site_ids: Sequence[str],
-    connect: Callable[[str], psycopg2.extensions.connection],
-    read: Callable[[psycopg2.extensions.connection], object],
-) -> Iterator[tuple[str, object]]:
-    """(site, what ``read`` returned) per site; a site that cannot be reached gives its error as
-    one line (``str``) and the others are still read, as ``lr status`` does."""
-    for site_id in site_ids:
-        try:
-            conn = connect(site_id)
-        except LRError as exc:
-            yield site_id, f"UNREACHABLE ({one_line(exc)})"
-            continue
-        try:
-            yield site_id, read(conn)
-        except (LRError, psycopg2.Error) as exc:
-            yield site_id, f"UNREADABLE ({one_line(exc)})"
-        finally:
-            conn.close()
-
-
 def read_site(topo: topologies.Topology, site_id: str, read: Callable[[psycopg2.extensions.connection], T]) -> T | str:
-    """What ``read`` returned of a site, or why not as one line: ``UNREACHABLE`` (not connected),
-    ``UNREADABLE`` (an error; a lock another session holds names its table and pid), or
-    ``status_parts.Refused`` (its login lacks the grant: said so, it was called unreachable)."""
+    """What ``read`` returned of a site of ``topo``, or why not as one line (``read_connected``)."""
+    return read_connected(lambda: connector(topo)(site_id), topo.conn_id(site_id), read)
+
+
+def read_connected(
+    connect: Callable[[], psycopg2.extensions.connection],
+    conn_id: str,
+    read: Callable[[psycopg2.extensions.connection], T],
+) -> T | str:
+    """What ``read`` returned of the site ``connect`` reaches, or why not as one line: ``UNREACHABLE``
+    (not connected), ``UNREADABLE`` (an error; a lock another session holds names its table and pid),
+    or ``status_parts.Refused`` (its login lacks the grant: said so, naming ``conn_id``; it was
+    called unreachable). Every command that reads sites one by one says them so."""
     try:
-        conn = connector(topo)(site_id)
+        conn = connect()
     except Exception as exc:
         return f"UNREACHABLE ({one_line(exc)})"
     try:
         return read(conn)
     except psycopg2.Error as exc:
         if exc.pgcode == status_parts.INSUFFICIENT_PRIVILEGE:  # reached, and refused: not unreachable
-            return status_parts.refused(topo.conn_id(site_id), exc, conn.info.user)
+            return status_parts.refused(conn_id, exc, conn.info.user)
         if exc.pgcode == status_parts.LOCK_NOT_AVAILABLE and not conn.closed:
             conn.rollback()
             return f"UNREADABLE ({status_parts.locked_by(conn)})"
         return f"UNREADABLE ({database_error(exc)})"
     except LRError as exc:
+        cause = exc.__cause__  # a refusal lr said in its own words (the schema version's read)
+        if isinstance(cause, psycopg2.Error) and cause.pgcode == status_parts.INSUFFICIENT_PRIVILEGE:
+            return status_parts.refused(conn_id, cause, conn.info.user)
         return f"UNREADABLE ({one_line(exc)})"
     finally:
         conn.close()

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 
-from airflow_provider_lr.cli.common import UsageError, at_site, read_each, target_sites
+import psycopg2.extensions
+
+from airflow_provider_lr.cli.common import UsageError, at_site, read_connected, target_sites
 from airflow_provider_lr.engine.db import conninfo
 from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.engine.site import roles as site_roles
+from airflow_provider_lr.engine.site import status_parts
 
 
 def _site_name(info: conninfo.ConnInfo) -> str:
@@ -61,19 +64,27 @@ def _change_roles(args: argparse.Namespace, info: conninfo.ConnInfo, password: s
 
 
 def cmd_roles_list(args: argparse.Namespace) -> int:
-    """Exit 2 when a site could not be read (the others are listed all the same)."""
-    targets = {_site_name(info): info for info in target_sites(args)}
+    """Exit 2 when a site could not be reached or read (a lock another session holds on its
+    ``lr.role_grants``: said with the pid, after ``lr status``'s short wait), 1 when a site's login
+    may not read it (a refusal: it was said unreadable, exit 2); the others are listed all the same."""
     code = 0
-    for name, found in read_each(list(targets), lambda n: targets[n].connect(), site_roles.list_grants):
+    for info in target_sites(args):
+        name = _site_name(info)
+        found = read_connected(info.connect, info.conn_id or info.safe_dsn, _grants)
         if isinstance(found, str):
             print(f"{name}: {found}")
-            code = 2
+            code = max(code, 1 if isinstance(found, status_parts.Refused) else 2)
             continue
-        assert isinstance(found, list)
         print(f"{name}: " + ("no roles granted" if not found else ""))
         for grant in found:
             print(f"  {grant.describe()}")
     return code
+
+
+def _grants(conn: psycopg2.extensions.connection) -> list[site_roles.RoleGrant]:
+    """The site's grants, a lock on its tables waited for as ``lr status`` waits."""
+    with status_parts.short_lock_waits(conn):
+        return site_roles.list_grants(conn)
 
 
 def add_roles(sub: argparse._SubParsersAction) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 from airflow.sdk import BaseOperator
 
 from airflow_provider_lr.engine.session import runner
-from airflow_provider_lr.engine.site import queue_report
+from airflow_provider_lr.engine.site import queue_report, status_parts
 from airflow_provider_lr.engine.source import trim
 from airflow_provider_lr.operators.common import site_connection
 
@@ -65,7 +65,11 @@ class LRTrimOperator(_SiteOperator):
 class LRReceiveQueueReportOperator(_SiteOperator):
     """Checkpoint of a sink's receive queues: messages waiting for subscribers, unapplied snapshot
     rows, the oldest waiting message and dead letters; warns when the oldest waits longer than
-    ``warn_after_seconds`` (a subscriber that stopped consuming) or dead letters exist."""
+    ``warn_after_seconds`` (a subscriber that stopped consuming) or dead letters exist. A queue
+    table another session holds locked (VACUUM FULL, an admin's ``LOCK``) is waited for as ``lr
+    status`` waits (about a second), then warned of as not read, naming the pid that holds it
+    (``queues`` None, ``unread`` the line): a report warns, it does not fail the run (it failed after
+    the whole lock_timeout with a bare lock error)."""
 
     template_fields: Sequence[str] = ("site", "warn_after_seconds")
 
@@ -75,7 +79,10 @@ class LRReceiveQueueReportOperator(_SiteOperator):
 
     def execute(self, context: Any) -> dict[str, Any]:
         with self.connection() as conn:
-            queues = queue_report.receive_queues(conn)
+            queues, unread = status_parts.read_alone(conn, "receive queues", lambda: queue_report.receive_queues(conn))
+        if queues is None:
+            self.log.warning("%s: %s", self.site["site"], "; ".join(unread))
+            return {"site": self.site["site"], "queues": None, "unread": unread}
         for q in queues:
             stale = q["oldest_waiting_s"] > float(self.warn_after_seconds)
             (self.log.warning if stale or q["dead_letters"] else self.log.info)(
@@ -87,7 +94,7 @@ class LRReceiveQueueReportOperator(_SiteOperator):
                 q["unapplied_snapshot"],
                 q["dead_letters"],
             )
-        return {"site": self.site["site"], "queues": queues}
+        return {"site": self.site["site"], "queues": queues, "unread": unread}
 
 
 class LRStaleLeaseCleanupOperator(_SiteOperator):

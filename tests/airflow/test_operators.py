@@ -22,6 +22,7 @@ from airflow_provider_lr.operators import (
     LRDiscoverSessionsOperator,
     LRLogEntrySyncOperator,
     LRNegotiateOperator,
+    LRReceiveQueueReportOperator,
     LRSnapshotSyncOperator,
     LRTrimOperator,
 )
@@ -212,6 +213,34 @@ def test_safe_trim_removes_only_what_every_sink_has(airflow_sites):
     result = LRTrimOperator(task_id="trim", site=site).execute({})
     assert result["trimmed"] and source.query("SELECT count(*) FROM lr.log_entries WHERE stream = 1") == [(0,)]
     app.close()
+
+
+def test_queue_report_of_a_sink_whose_queue_is_locked_says_it_not_read_and_who_holds_it(airflow_sites, monkeypatch):
+    """`lr.receive_queue` held ACCESS EXCLUSIVE at a sink (VACUUM FULL, an admin's LOCK): the report
+    task failed after the whole lock_timeout (5 s) with a bare lock error. A report is a checkpoint
+    that warns: it now waits the short status wait, warns that the queues were not read and which
+    pid holds the lock, and returns the site as not read; unlocked, it reports the queues."""
+    from airflow_provider_lr.engine.site import status_parts
+
+    monkeypatch.setattr(status_parts, "STATUS_LOCK_WAIT", "200ms")
+    site = {"site": "site-b", "conn_id": "lr_site_b", "region": "region-1"}
+    report = LRReceiveQueueReportOperator(task_id="queues", site=site)
+    admin = airflow_sites.site("site-b").connect()
+    with admin.cursor() as cur:
+        cur.execute("LOCK TABLE lr.receive_queue IN ACCESS EXCLUSIVE MODE")
+    started = time.monotonic()
+    said = report.execute({})
+    took = time.monotonic() - started
+    assert said["queues"] is None and said["site"] == "site-b", said
+    expected = (
+        f"receive queues not read: lr.receive_queue is locked by pid {admin.info.backend_pid} (AccessExclusiveLock)"
+    )
+    assert said["unread"] == [expected], said
+    assert took < 4.0, took  # not the 5 s lock_timeout
+    admin.rollback()
+    admin.close()
+    said = report.execute({})
+    assert said["unread"] == [] and isinstance(said["queues"], list), said
 
 
 def test_delivered_sensor_returns_at_once_when_delivered_and_defers_otherwise(airflow_sites):

@@ -372,7 +372,9 @@ def test_lr_status_shows_a_site_whose_lr_table_is_locked_and_says_a_missing_gran
     ("unreachable") after the 5 s lock_timeout. Now the rest of the site is shown, the queues are
     said not read and which pid holds the lock, the health is degraded, the wait short. A writer
     login (no replicator grant) was called unreachable too: now a refusal (exit 1, health refused)
-    naming the role and the grant it lacks. `lr tables list` alike."""
+    naming the role and the grant it lacks. `lr tables list` alike; `lr roles list` too (a lock was
+    a bare error after 5 s, a login without lr's grants UNREADABLE, exit 2). `lr metrics` gives no
+    sample of a part not read (diverged tables, held back, members: they exported 0)."""
     import re
     import time
 
@@ -410,8 +412,32 @@ def test_lr_status_shows_a_site_whose_lr_table_is_locked_and_says_a_missing_gran
     unread = re.search(r'^lr_site_parts_unread\{site="site-b"\} (\d+)', out, re.M)
     assert unread and int(unread[1]) >= 2 and 'lr_site_up{site="site-b"} 1.0' in out, out
     assert 'lr_site_parts_unread{site="site-a"} 0.0' in out, out
+    # its diverged tables not read (lr.sink_tables): no sample, not a made-up 0 (nothing diverged)
+    assert 'lr_tables_diverged{site="site-b"}' not in out and 'lr_tables_diverged{site="site-a"} 0.0' in out, out
+    # lr roles list, a site's lr.role_grants locked: said so with the pid after the short wait (was
+    # a bare lock error after the 5 s lock_timeout); the other site listed
+    with admin.cursor() as cur:
+        cur.execute("LOCK TABLE lr.role_grants IN ACCESS EXCLUSIVE MODE")
+    started = time.monotonic()
+    assert cli.main(["roles", "list", "--site", "lr_test_site_a", "--site", "lr_test_site_b"]) == 2
+    took, out = time.monotonic() - started, capsys.readouterr().out
+    assert "\nsite-b: UNREADABLE (" in out and f"lr.role_grants is locked by pid {pid} (AccessExclusiveLock)" in out, (
+        out
+    )
+    assert "site-a: no roles granted" in out and took < 4.5, (took, out)
     admin.rollback()
     admin.close()
+    # site-a's sessions and members not read: no lr_log_held_back (whether it is a source is not
+    # known) and no lr_replicator_members sample (both exported 0); its trim mark still said
+    other = source.connect()
+    with other.cursor() as cur:
+        cur.execute("LOCK TABLE lr.replication_status, lr.replicator_members IN ACCESS EXCLUSIVE MODE")
+    assert cli.main(["metrics", "--topology", topo]) == 0
+    out = capsys.readouterr().out
+    assert 'lr_site_up{site="site-a"} 1.0' in out and 'lr_log_trim_mark{site="site-a"}' in out, out
+    assert 'lr_log_held_back{site="site-a"}' not in out and 'lr_replicator_members{site="site-a"}' not in out, out
+    other.rollback()
+    other.close()
     # the site's schema version locked: nothing of it can be read, said with who holds the lock
     other = lr_sites[2].connect()
     with other.cursor() as cur:
@@ -445,5 +471,15 @@ def test_lr_status_shows_a_site_whose_lr_table_is_locked_and_says_a_missing_gran
         assert cli.main(["tables", "list", "--topology", topo]) == 1  # lr tables list: the same refusal
         out = capsys.readouterr().out
         assert f"site-a: REFUSED (role '{writer}' lacks the replicator grant here" in out, out
+        # lr roles list as a login without any of lr's grants: a refusal (exit 1), not unreadable (exit 2)
+        source.query(f'CREATE ROLE "{writer}_none" LOGIN')
+        monkeypatch.setenv("AIRFLOW_CONN_LR_TEST_SITE_C", json.dumps({**as_writer, "login": f"{writer}_none"}))
+        assert cli.main(["roles", "list", "--site", "lr_test_site_a", "--site", "lr_test_site_c"]) == 1
+        out = capsys.readouterr().out
+        assert f": REFUSED (role '{writer}_none' lacks the replicator grant" in out, out
+        assert f"site-a: \n  {writer}: writer of policy" in out and "UNREADABLE" not in out, out
+        assert cli.main(["status", "--topology", topo]) == 1  # lr status alike (it said UNREADABLE, exit 2)
+        out = capsys.readouterr().out
+        assert f"site-c: REFUSED (role '{writer}_none' lacks the replicator grant" in out, out
     finally:
-        source.query(f'DROP OWNED BY "{writer}"; DROP ROLE "{writer}"')
+        source.query(f'DROP OWNED BY "{writer}"; DROP ROLE "{writer}"; DROP ROLE IF EXISTS "{writer}_none"')

@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from airflow_provider_lr.engine.counters import DeliveryCounters
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.site.status import SiteStatus, cross_check, trim_marks
+from airflow_provider_lr.engine.site.status_parts import DIVERGED, HELD_BACK, MEMBERS, SESSIONS, TOPOLOGY
 from airflow_provider_lr.engine.source.backlog import readiness
 from airflow_provider_lr.engine.store.topology import Topology
 from airflow_provider_lr.engine.vocabulary import SessionKey
@@ -118,10 +119,15 @@ class StatusCollector(Collector):
             if st.trim_mark is not None:  # (not read: no sample, not a made-up 0)
                 trim.add_metric([site], st.trim_mark)
             unread.add_metric([site], len(st.unread))
-            held.add_metric([site], len(st.held_back_by))
-            diverged.add_metric([site], len(st.diverged))
-            members.add_metric([site], len(st.members))
-            if self.topology is not None:
+            # a part not read gives no sample (its empty list is no "none"); its sessions not read,
+            # whether the site is a source (whose log can be held back) is not known either
+            if st.read(SESSIONS, HELD_BACK):
+                held.add_metric([site], len(st.held_back_by))
+            if st.read(DIVERGED):
+                diverged.add_metric([site], len(st.diverged))
+            if st.read(MEMBERS):
+                members.add_metric([site], len(st.members))
+            if self.topology is not None and st.read(TOPOLOGY):
                 matches.add_metric([site], int(st.topology_config_id == self.topology.topology_config_id))
             for s in st.sessions:
                 if s["role"] != "source":

@@ -15,6 +15,11 @@ from airflow_provider_lr.engine.db import conninfo, schema
 from airflow_provider_lr.engine.errors import one_line
 from airflow_provider_lr.engine.site import queue_report
 from airflow_provider_lr.engine.site.status_parts import (
+    DIVERGED,
+    HELD_BACK,
+    MEMBERS,
+    SESSIONS,
+    TOPOLOGY,
     Refused,
     members_of,
     open_requests,
@@ -22,6 +27,7 @@ from airflow_provider_lr.engine.site.status_parts import (
     sessions_of,
     short_lock_waits,
     trim_mark,
+    was_read,
 )
 from airflow_provider_lr.engine.site.status_sites import (
     closed_tables,
@@ -77,6 +83,11 @@ class SiteStatus:
     def as_dict(self) -> dict:
         return {k: _jsonable(v) for k, v in asdict(self).items()}
 
+    def read(self, *parts: str) -> bool:
+        """Whether every one of ``parts`` (``status_parts``' names) was read: an empty list of a part
+        not read is no "none"."""
+        return all(was_read(self.unread, what) for what in parts)
+
 
 def _jsonable(value: object) -> object:
     if isinstance(value, dict):
@@ -119,12 +130,12 @@ def _site_status(conn: psycopg2.extensions.connection, site_id: str | None) -> S
 
         return read_part(conn, result.unread, what, in_transaction)
 
-    result.topology_config_id = part("topology", config_id)
+    result.topology_config_id = part(TOPOLOGY, config_id)
     result.trim_mark = part("trim mark", trim_mark)
-    found = part("sessions", lambda cur: sessions_of(cur, version))
+    found = part(SESSIONS, lambda cur: sessions_of(cur, version))
     result.sessions, last_ok = found if found is not None else ([], None)
     result.full_sync_requests = part("full-sync requests", open_requests) or []
-    result.members, registered = (part("members", members_of) if version >= 20 else None) or ([], {})
+    result.members, registered = (part(MEMBERS, members_of) if version >= 20 else None) or ([], {})
     if last_ok is not None and any(s["role"] == "source" for s in result.sessions):
         live = read_part(conn, result.unread, "backlogs", lambda: session_backlogs(conn))  # not the last cycle's
         backlogs = {(b.sink, b.client): b for b in live or ()}
@@ -146,7 +157,7 @@ def _site_status(conn: psycopg2.extensions.connection, site_id: str | None) -> S
                 # a forced request: the session's sink takes a new full sync, whatever its state now
                 s["full_sync_requested"] = request["request_id"] if request and request["forced"] else None
         result.durable = read_part(conn, result.unread, "durable position", lambda: durability(conn)) or {}
-        held = read_part(conn, result.unread, "what holds the log back", lambda: holdback(conn)) or []
+        held = read_part(conn, result.unread, HELD_BACK, lambda: holdback(conn)) or []
         result.held_back_by = [
             {"kind": h.kind, "pid": h.pid, "age_s": round(h.age_seconds, 1), "state": h.state, "gid": h.gid}
             | {"describe": h.describe()}
@@ -158,7 +169,7 @@ def _site_status(conn: psycopg2.extensions.connection, site_id: str | None) -> S
     if version >= 8:
         result.tables = read_part(conn, result.unread, "tables", lambda: tables(conn)) or []
     if version >= 10:
-        diverged = read_part(conn, result.unread, "diverged tables", lambda: handover.diverged(conn)) or []
+        diverged = read_part(conn, result.unread, DIVERGED, lambda: handover.diverged(conn)) or []
         result.diverged = [d.describe() for d in diverged]
     return result
 

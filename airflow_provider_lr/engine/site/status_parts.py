@@ -28,6 +28,17 @@ LOCK_NOT_AVAILABLE, INSUFFICIENT_PRIVILEGE = "55P03", "42501"
 # tables locked is said in about a second, not a second per part)
 STATUS_LOCK_WAIT, LOCKED_WAIT = "1s", "100ms"
 
+# the parts whose figures ``lr metrics`` leaves out when not read (a made-up 0 would say "none")
+TOPOLOGY, SESSIONS, MEMBERS = "topology", "sessions", "members"
+HELD_BACK, DIVERGED = "what holds the log back", "diverged tables"
+NOT_READ = " not read: "  # a line of ``unread``: the part, this, why
+
+
+def was_read(unread: list[str], what: str) -> bool:
+    """Whether the part ``what`` was read (``read_part`` said none of ``unread`` of it)."""
+    return not any(line.startswith(what + NOT_READ) for line in unread)
+
+
 # lr's tables (and their indexes' tables) held in a mode a SELECT waits for, by another backend
 _LOCKED_LR_TABLES = (
     "SELECT DISTINCT n.nspname OPERATOR(pg_catalog.||) '.' OPERATOR(pg_catalog.||) c.relname, l.pid, l.mode "
@@ -102,11 +113,20 @@ def read_part(conn: psycopg2.extensions.connection, unread: list[str], what: str
         if exc.pgcode != LOCK_NOT_AVAILABLE:
             raise
         conn.rollback()
-        unread.append(f"{what} not read: {locked_by(conn)}")
+        unread.append(f"{what}{NOT_READ}{locked_by(conn)}")
         with conn.cursor() as cur:
             cur.execute("SELECT pg_catalog.set_config('lock_timeout', %s, false)", (LOCKED_WAIT,))
         conn.commit()
         return None
+
+
+def read_alone(conn: psycopg2.extensions.connection, what: str, read: Callable[[], T]) -> tuple[T | None, list[str]]:
+    """One part read as ``lr status`` reads each of its parts (``short_lock_waits``, ``read_part``),
+    for a caller that reads only it: (what ``read()`` returned, or None; the line that says it was
+    not read and who holds the lock, if so)."""
+    unread: list[str] = []
+    with short_lock_waits(conn):
+        return read_part(conn, unread, what, read), unread
 
 
 def trim_mark(cur: psycopg2.extensions.cursor) -> int:
