@@ -15,6 +15,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psycopg2.errors
 import psycopg2.sql
@@ -832,6 +834,40 @@ def test_a_session_of_a_silent_sink_moving_to_another_replicator_does_not_hold_t
     app.close()
 
 
+@contextmanager
+def two_clients_streaming(lr_sites, lock_timeout_s: int, statement_timeout_s: int, sink_deadline: float):
+    """policy and billing streaming from site-a to site-b and site-c (billing's provider empty):
+    (the application, the ``Streaming``, site-a's stream), every session in the stream."""
+    source = lr_sites[0]
+    topo = apply(
+        lr_sites,
+        [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy", "billing"]}],
+        settings={**BOUNDS, "statement_timeout_s": statement_timeout_s, "lock_timeout_s": lock_timeout_s},
+    )
+    app = App(source)
+    repl = bounded(topo, {s.site_id: s.dsn for s in lr_sites})
+    repl.providers["billing"] = empty_provider
+    with Streaming(repl, StreamSettings(**{**RETRY.__dict__, "sink_deadline": sink_deadline})) as streaming:
+        streaming.streaming()
+        stream = streaming.streamer.sources["site-a"]
+        wait_for(lambda: len(stream.members) == 4, 30, "every session to join the stream")
+        yield app, streaming, stream
+    app.close()
+
+
+@contextmanager
+def policy_row_locked(sink) -> Iterator[None]:
+    """policy's session row at ``sink`` locked by another transaction: its writes there wait."""
+    holder = sink.connect()
+    try:
+        with holder.cursor() as cur:
+            cur.execute("SELECT 1 FROM lr.sink_sessions WHERE client_name = 'policy' FOR UPDATE")
+        yield
+    finally:
+        holder.rollback()
+        holder.close()
+
+
 def test_a_session_rejoining_while_its_sinks_write_waits_on_a_lock_does_not_hold_the_healthy_sinks_stream(lr_sites):
     """site-c's write for policy waits on its session row, locked elsewhere (its lock_timeout is
     16 s here); meanwhile a full sync of billing at site-c hands billing back, its cycle syncs it
@@ -839,23 +875,9 @@ def test_a_session_rejoining_while_its_sinks_write_waits_on_a_lock_does_not_hold
     write to land, not the stream's thread. Before, the join's use of site-c's connection waited
     for that write in flight, every site-b entry behind it."""
     source, sink_b, sink_c = lr_sites
-    topo = apply(
-        lr_sites,
-        [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy", "billing"]}],
-        settings={**BOUNDS, "statement_timeout_s": 30, "lock_timeout_s": 16},
-    )
-    app = App(source)
-    repl = bounded(topo, {s.site_id: s.dsn for s in lr_sites})
-    repl.providers["billing"] = empty_provider
     billing = SessionKey("site-a", "site-c", "billing")
-    with Streaming(repl, StreamSettings(**{**RETRY.__dict__, "sink_deadline": 30.0})) as streaming:
-        streaming.streaming()
-        stream = streaming.streamer.sources["site-a"]
-        wait_for(lambda: len(stream.members) == 4, 30, "every session to join the stream")
-        holder = sink_c.connect()
-        try:
-            with holder.cursor() as cur:
-                cur.execute("SELECT 1 FROM lr.sink_sessions WHERE client_name = 'policy' FOR UPDATE")
+    with two_clients_streaming(lr_sites, 16, 30, 30.0) as (app, streaming, stream):
+        with policy_row_locked(sink_c):
             app.put("k0", 0, ["site-b", "site-c"])
             wait_for(lambda: len(logs(sink_b)) == 1, 30, "k0 at site-b")
             wait_for(lambda: "site-c" in stream.sinks.busy, 10, "site-c's write waiting on the lock")
@@ -870,13 +892,9 @@ def test_a_session_rejoining_while_its_sinks_write_waits_on_a_lock_does_not_hold
                 wait_for(lambda: len(logs(sink_b)) == i + 1, 60, f"k{i} at site-b")
             lag = time.monotonic() - put
             assert lag < SLACK, f"site-b's entry waited {lag:.1f} s behind billing's join"
-        finally:
-            holder.rollback()
-            holder.close()
         wait_for(lambda: len(logs(sink_c)) == 1, 30, "k0 at site-c once the lock is gone")
         wait_for(lambda: billing in stream.members, 10, "billing streaming again")
     assert logs(sink_b) == ["k0=0", "k1=1", "k2=2"] and logs(sink_c) == ["k0=0"]
-    app.close()
 
 
 def test_a_join_held_for_a_busy_sink_does_not_hold_a_join_to_a_healthy_sink(lr_sites):
@@ -885,23 +903,9 @@ def test_a_join_held_for_a_busy_sink_does_not_hold_a_join_to_a_healthy_sink(lr_s
     it (a full sync of billing at site-b), is taken at once: requests of other sinks are not queued
     behind a held join. Before, it waited for site-c's lock with the held join (30 s here)."""
     source, sink_b, sink_c = lr_sites
-    topo = apply(
-        lr_sites,
-        [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy", "billing"]}],
-        settings={**BOUNDS, "statement_timeout_s": 40, "lock_timeout_s": 30},
-    )
-    app = App(source)
-    repl = bounded(topo, {s.site_id: s.dsn for s in lr_sites})
-    repl.providers["billing"] = empty_provider
     billing_b, billing_c = SessionKey("site-a", "site-b", "billing"), SessionKey("site-a", "site-c", "billing")
-    with Streaming(repl, StreamSettings(**{**RETRY.__dict__, "sink_deadline": 45.0})) as streaming:
-        streaming.streaming()
-        stream = streaming.streamer.sources["site-a"]
-        wait_for(lambda: len(stream.members) == 4, 30, "every session to join the stream")
-        holder = sink_c.connect()
-        try:
-            with holder.cursor() as cur:
-                cur.execute("SELECT 1 FROM lr.sink_sessions WHERE client_name = 'policy' FOR UPDATE")
+    with two_clients_streaming(lr_sites, 30, 40, 45.0) as (app, streaming, stream):
+        with policy_row_locked(sink_c):
             app.put("k0", 0, ["site-b", "site-c"])
             wait_for(lambda: "site-c" in stream.sinks.busy, 10, "site-c's write waiting on the lock")
             request = source.connect()
@@ -918,10 +922,6 @@ def test_a_join_held_for_a_busy_sink_does_not_hold_a_join_to_a_healthy_sink(lr_s
                 lambda: billing_b in stream.members, 15, "billing streaming into site-b again, site-c still locked"
             )
             assert "site-c" in stream.sinks.busy and billing_c not in stream.members
-        finally:
-            holder.rollback()
-            holder.close()
         wait_for(lambda: billing_c in stream.members, 10, "billing streaming into site-c once the lock is gone")
         wait_for(lambda: len(logs(sink_c)) == 1, 30, "k0 at site-c")
     assert logs(sink_b) == ["k0=0"] and logs(sink_c) == ["k0=0"]
-    app.close()
