@@ -4,6 +4,8 @@ schema is missing, before the error itself."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import psycopg2
 from psycopg2.extensions import parse_dsn
 
@@ -21,12 +23,18 @@ _NOT_INSTALLED = "the site has no lr schema, or an older one than this lr: run `
 _PRIVILEGE = "42501"  # insufficient_privilege
 
 
+def raised_on(exc: BaseException | None) -> Any:
+    """The connection ``exc`` was raised on, when it says: the one lr cut (``lr_connection``, a
+    commit's error has no cursor) or its cursor's; None when it does not."""
+    return getattr(exc, "lr_connection", None) or getattr(getattr(exc, "cursor", None), "connection", None)
+
+
 def _not_allowed(exc: BaseException) -> str:
     """A step refused a privilege: who asked, and which steps need a replicator or the owner (an
     application's writer login given to ``lr sync`` was told only the owner's). A failover run by
     ``lr_failover`` over replicator logins (as docs/security.md advises for the DAGs) failed with
     ``permission denied for table failovers`` and nothing said why."""
-    conn = getattr(exc, "lr_connection", None) or getattr(getattr(exc, "cursor", None), "connection", None)
+    conn = raised_on(exc)
     try:  # its DSN is kept after a close (the step's connections are closed by the time it is said)
         user = parse_dsn(conn.dsn).get("user") if conn is not None else None
     except (psycopg2.Error, AttributeError):
@@ -45,7 +53,7 @@ def explain(exc: BaseException | None) -> str | None:
     for other errors. An error raised from one (a provider's failure wrapping a cut call) is
     explained by its cause."""
     while exc is not None:
-        conn = getattr(exc, "lr_connection", None) or getattr(getattr(exc, "cursor", None), "connection", None)
+        conn = raised_on(exc)
         if conn is not None and getattr(conn, "was_cut", False):
             if conn.cut_earlier:
                 return (

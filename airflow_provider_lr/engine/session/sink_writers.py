@@ -27,6 +27,7 @@ from typing import Any, Generic, TypeVar, cast
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.db import reach
+from airflow_provider_lr.engine.db.explained import raised_on
 from airflow_provider_lr.engine.db.timeouts import cap
 from airflow_provider_lr.engine.errors import SiteUnreachableError, one_line
 
@@ -94,8 +95,8 @@ class SinkWriters(Generic[Job]):
         was cut at its deadline leaves ``site`` taken as silent (``conn``). ``cause``: the error
         that lost it; one raised on another connection (the source's: a lease renewal's lock
         timeout) leaves it as it is, its write in flight too."""
-        raised_on = getattr(cause, "lr_connection", None) or getattr(getattr(cause, "cursor", None), "connection", None)
-        if raised_on is not None and raised_on is not self._conns.get(site):
+        on = raised_on(cause)
+        if on is not None and on is not self._conns.get(site):
             return
         self._landed += self.settle(site)
         conn = self._conns.pop(site, None)
