@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -77,7 +76,7 @@ class Requests:
 
     def __init__(self) -> None:
         self._put: queue.SimpleQueue[Request] = queue.SimpleQueue()
-        self._held: deque[Request] = deque()
+        self._held: list[Request] = []
         self.wake = threading.Event()  # set by every request
 
     def put(self, what: str, key: SessionKey, lease: leases.Lease | None = None) -> None:
@@ -89,9 +88,11 @@ class Requests:
         flight); ``final``: every one, held or not (the stream ends)."""
         while not self._put.empty():
             self._held.append(self._put.get())
+        if not self._held:  # (every turn of the stream's loop: nothing asked, nothing computed)
+            return
         busy_now, blocked = busy(), set()  # blocked: keys with a request held (their order kept)
         ready: list[Request] = []
-        kept: deque[Request] = deque()
+        kept: list[Request] = []
         for request in self._held:
             what, key, _ = request
             if not final and (key in blocked or (what == "join" and key.sink in busy_now)):
