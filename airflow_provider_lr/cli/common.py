@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, TypeVar
 
 import psycopg2
+from psycopg2 import errorcodes
 
 from airflow_provider_lr.engine import vocabulary
 from airflow_provider_lr.engine.db import conninfo, reach
@@ -169,15 +170,15 @@ def read_connected(
     try:
         return read(conn)
     except psycopg2.Error as exc:
-        if exc.pgcode == status_parts.INSUFFICIENT_PRIVILEGE:  # reached, and refused: not unreachable
+        if exc.pgcode == errorcodes.INSUFFICIENT_PRIVILEGE:  # reached, and refused: not unreachable
             return status_parts.refused(conn_id, exc, conn.info.user)
-        if exc.pgcode == status_parts.LOCK_NOT_AVAILABLE and not conn.closed:
+        if exc.pgcode == errorcodes.LOCK_NOT_AVAILABLE and not conn.closed:
             conn.rollback()
             return f"UNREADABLE ({status_parts.locked_by(conn)})"
         return f"UNREADABLE ({database_error(exc)})"
     except LRError as exc:
         cause = exc.__cause__  # a refusal lr said in its own words (the schema version's read)
-        if isinstance(cause, psycopg2.Error) and cause.pgcode == status_parts.INSUFFICIENT_PRIVILEGE:
+        if isinstance(cause, psycopg2.Error) and cause.pgcode == errorcodes.INSUFFICIENT_PRIVILEGE:
             return status_parts.refused(conn_id, cause, conn.info.user)
         return f"UNREADABLE ({one_line(exc)})"
     finally:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg2
+from psycopg2 import errorcodes
 from psycopg2.extensions import parse_dsn
 
 from airflow_provider_lr.engine.errors import error_line
@@ -20,7 +21,6 @@ _EXPLAINED = {
 # undefined table, schema, function: of lr's own schema, the site was never `lr init`ed or is older
 _MISSING = {"42P01", "3F000", "42883"}
 _NOT_INSTALLED = "the site has no lr schema, or an older one than this lr: run `lr init` on it"
-_PRIVILEGE = "42501"  # insufficient_privilege
 
 
 def raised_on(exc: BaseException | None) -> Any:
@@ -71,7 +71,7 @@ def explain(exc: BaseException | None) -> str | None:
                 return _NOT_INSTALLED
         elif code in _EXPLAINED:
             return _EXPLAINED[code]
-        elif code == _PRIVILEGE:
+        elif code == errorcodes.INSUFFICIENT_PRIVILEGE:
             return _not_allowed(exc)
         exc = exc.__cause__
     return None

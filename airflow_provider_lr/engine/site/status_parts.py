@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import psycopg2
 import psycopg2.extensions
+from psycopg2 import errorcodes
 
 from airflow_provider_lr.engine.errors import one_line
 from airflow_provider_lr.engine.store import members, sink_sessions, source_sessions
@@ -22,7 +23,6 @@ from airflow_provider_lr.engine.vocabulary import OPEN_STATUSES_SQL
 
 T = TypeVar("T")
 
-LOCK_NOT_AVAILABLE, INSUFFICIENT_PRIVILEGE = "55P03", "42501"
 # a status read waits this long for a lock (a SELECT waits only for an ACCESS EXCLUSIVE holder);
 # once one part found its table locked, the next parts wait only ``LOCKED_WAIT`` (a site with a few
 # tables locked is said in about a second, not a second per part)
@@ -110,7 +110,7 @@ def read_part(conn: psycopg2.extensions.connection, unread: list[str], what: str
     try:
         return read()
     except psycopg2.Error as exc:
-        if exc.pgcode != LOCK_NOT_AVAILABLE:
+        if exc.pgcode != errorcodes.LOCK_NOT_AVAILABLE:
             raise
         conn.rollback()
         unread.append(f"{what}{NOT_READ}{locked_by(conn)}")
