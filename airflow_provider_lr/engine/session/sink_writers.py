@@ -20,7 +20,7 @@ it (another of its sessions, the acks' flush positions, a join) fails at once.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Generic, TypeVar, cast
 
@@ -34,6 +34,7 @@ from airflow_provider_lr.engine.errors import SiteUnreachableError, one_line
 Connect = Callable[[str], psycopg2.extensions.connection]
 MAX_WRITERS = 64  # sink sites written to at once (threads made only as sites need them)
 SILENT_FOR = 10.0  # a silent site is not waited for again this long, without a ``deadline_s``
+IDLE_FOR = 5.0  # a site no session of the stream writes keeps its connection this long (``retire``)
 
 Job = TypeVar("Job")  # one session's batch, whatever the stream makes of it
 Answer = TypeVar("Answer")
@@ -57,6 +58,9 @@ class SinkWriters(Generic[Job]):
         self._pool = ThreadPoolExecutor(MAX_WRITERS, thread_name_prefix=f"lr-sink-writer-{name}")
         self._flight: dict[str, Future[Outcomes[Job]]] = {}  # site -> its write the stream left running
         self._landed: Outcomes[Job] = []  # what writes waited for by ``conn`` did, for ``collect``
+        self.idle_for = IDLE_FOR
+        self._unused: dict[str, float] = {}  # site -> since when no session of the stream writes it
+        self._retiring: set[str] = set()  # sites unused for ``idle_for``: closed once their write lands
 
     @property
     def busy(self) -> set[str]:
@@ -68,6 +72,7 @@ class SinkWriters(Generic[Job]):
         ``collect``), made again when it was lost; ``SiteUnreachableError`` at once while ``site``
         is taken as silent."""
         self._landed += self.settle(site)
+        self._retiring.discard(site)
         return self._conn(site)
 
     def _conn(self, site: str) -> psycopg2.extensions.connection:
@@ -99,6 +104,27 @@ class SinkWriters(Generic[Job]):
         if on is not None and on is not self._conns.get(site):
             return
         self._landed += self.settle(site)
+        self._close(site)
+
+    def retire(self, keep: Collection[str]) -> None:
+        """Close the connection of each site not in ``keep`` (the sites the stream's sessions write)
+        for ``idle_for`` (its sessions removed from the topology, moved, failed for good), now or
+        once its write in flight lands (not waited for: a silent sink's is cut at its deadline): a
+        sink the stream no longer writes holds no backend. A session handed back (a full sync, a
+        lease renewal refused) that joins again within it finds its connection."""
+        now = time.monotonic()
+        self._unused = {site: self._unused.get(site, now) for site in self._conns.keys() - set(keep)}
+        for site, since in list(self._unused.items()):
+            if now - since < self.idle_for:
+                continue
+            if site in self._flight:
+                self._retiring.add(site)
+            else:
+                self._close(site)
+
+    def _close(self, site: str) -> None:
+        self._retiring.discard(site)
+        self._unused.pop(site, None)
         conn = self._conns.pop(site, None)
         if conn is None:
             return
@@ -141,6 +167,8 @@ class SinkWriters(Generic[Job]):
         out, self._landed = self._landed, []
         for site in [site for site, future in self._flight.items() if future.done()]:
             out += self._flight.pop(site).result()
+            if site in self._retiring:
+                self._close(site)
         return out
 
     def settle(self, site: str) -> Outcomes[Job]:

@@ -152,6 +152,7 @@ class SourceStream:
                 raise psycopg2.InterfaceError(f"the stream's connection to {self.source} was lost")
             self._outcomes(self.sinks.collect())  # writes left in flight by earlier rounds that ended
             if not self.members:
+                self.sinks.retire(())
                 self._requests.wake.wait(0.05)
                 self._requests.wake.clear()
                 continue
@@ -327,6 +328,7 @@ class SourceStream:
         renew every lease with it in one statement (a session taken over leaves), hand back each whose
         negotiation is due. A step (a round trip or three) per turn of ``_loop``, not the ~5 ms of all."""
         self._advance_idle()
+        self.sinks.retire({m.key.sink for m in self.members.values()})
         yield
         members = list(self.members.values())
         with autocommit(self.src):  # one round trip each
@@ -445,9 +447,7 @@ class SourceStream:
         if isinstance(exc, FencedError) and member.key in self._leaving:  # taken by the member it moved to
             self._end(member, REASSIGNED)
             return
-        member.ended = True
-        self.members.pop(member.key, None)
-        self.durable.forget(member.key.sink)
+        self._left(member)
         self._refused(member.key, exc, member.delivered)
 
     def _refused(self, key: SessionKey, exc: BaseException, delivered: int = 0) -> None:
@@ -472,12 +472,16 @@ class SourceStream:
         another replicator (REASSIGNED)."""
         if member.ended:
             return
-        member.ended = True
-        self.members.pop(member.key, None)
-        self.durable.forget(member.key.sink)
+        self._left(member)
         if error:
             self._record_quietly(member.key, error)
         self.ended(StreamEnd(str(member.key), reason, member.delivered, error))
+
+    def _left(self, member: Member) -> None:
+        """``member`` is out of the stream."""
+        member.ended = True
+        self.members.pop(member.key, None)
+        self.durable.forget(member.key.sink)
 
     def _record_quietly(self, key: SessionKey, error: str) -> None:
         """The failure in the session's ``last_error`` (``lr status``), when the source is reachable;

@@ -11,6 +11,7 @@ import time
 
 import psycopg2
 import psycopg2.extensions
+import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.db import conninfo
@@ -362,3 +363,43 @@ def test_a_lease_renewal_refused_at_the_source_leaves_the_sinks_connections_alon
         wait_for(lambda: len(stream.members) == 2, 30, "both sessions back in the stream")
         assert streaming.streamer.sources["site-a"] is stream
         assert {site: stream.sinks._conns.get(site) for site in kept} == kept, "a sink's connection was dropped"
+
+
+@pytest.mark.parametrize("write", ["idle", "in flight"])
+def test_a_sink_removed_from_the_topology_while_streaming_keeps_no_connection_of_the_stream(lr_sites, write):
+    """policy streams to site-b and site-c; the topology is applied again without site-c (while the
+    stream's write to site-c waits on a lock there, or not): its session leaves the stream (site-b's
+    rejoins), and the stream's connection to site-c is closed once unused for ``idle_for`` (and its
+    write landed; a session handed back that joins again meanwhile finds it). Before, it stayed
+    open until the stream ended (for as long as ``lr sync`` ran)."""
+    source, sink_b, sink_c = lr_sites
+    two_sinks = [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy"]}]
+    topo = apply(lr_sites, two_sinks, providers={"policy": "tests.support.session:empty_provider"})
+    writer, holder = source.connect(), sink_c.connect()
+    repl = replicator(topo, lr_sites, providers={"policy": empty_provider}, lease_seconds=30.0)
+    with Streaming(repl, FAST) as streaming:
+        streaming.streaming()
+        (stream,) = streaming.streamer.sources.values()
+        stream.sinks.idle_for = 0.5
+        wait_for(lambda: len(stream.members) == 2, 20, "both sessions streaming")
+        _transmit(writer, "policy", "before", ["site-b", "site-c"])
+        wait_for(lambda: sink_queue(sink_c, "policy") == [b"before"], 10, "the entry at site-c")
+        pid = stream.sinks._conns["site-c"].get_backend_pid()
+        if write == "in flight":
+            with holder.cursor() as cur:
+                cur.execute("SELECT 1 FROM lr.sink_sessions WHERE client_name = 'policy' FOR UPDATE")
+            _transmit(writer, "policy", "during", ["site-b", "site-c"])
+            wait_for(lambda: "site-c" in stream.sinks.busy, 10, "site-c's write waiting on the lock")
+        apply(lr_sites, ONE_SESSION, providers={"policy": "tests.support.session:empty_provider"})
+        wait_for(lambda: list(stream.members) == [SessionKey("site-a", "site-b", "policy")], 20, "site-c to leave")
+        _transmit(writer, "policy", "after", ["site-b"])
+        wait_for(lambda: sink_queue(sink_b, "policy")[-1:] == [b"after"], 10, "site-b streaming on")
+        holder.rollback()  # the write in flight lands
+
+        def backend(site, pid) -> bool:
+            return bool(site.query("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,))[0][0])
+
+        wait_for(lambda: not backend(sink_c, pid), 10, "the stream's connection to site-c to close")
+        assert "site-c" not in stream.sinks._conns
+    writer.close()
+    holder.close()
