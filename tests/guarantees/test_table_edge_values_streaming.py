@@ -178,7 +178,9 @@ def test_a_parent_key_change_the_source_cascades_on_update_to_a_federated_child_
         "CREATE TABLE public.parents (id int PRIMARY KEY, name text); "
         "CREATE TABLE public.kids (id int PRIMARY KEY, parent int REFERENCES public.parents ON UPDATE CASCADE)",
     )
-    source.query("INSERT INTO public.parents VALUES (1, 'p1'), (2, 'p2'); INSERT INTO public.kids VALUES (10, 1), (20, 2)")
+    source.query(
+        "INSERT INTO public.parents VALUES (1, 'p1'), (2, 'p2'); INSERT INTO public.kids VALUES (10, 1), (20, 2)"
+    )
     federate(source, "public.parents")
     federate(source, "public.kids")
     with streaming_over(topo, lr_sites) as streaming:
@@ -207,7 +209,9 @@ def test_a_parent_key_change_cascaded_on_update_arrives_at_sinks_whose_foreign_k
             "CREATE TABLE public.kids (id int PRIMARY KEY, parent int REFERENCES public.parents "
             f"ON UPDATE CASCADE{rule})"
         )
-    source.query("INSERT INTO public.parents VALUES (1, 'p1'), (2, 'p2'); INSERT INTO public.kids VALUES (10, 1), (20, 2)")
+    source.query(
+        "INSERT INTO public.parents VALUES (1, 'p1'), (2, 'p2'); INSERT INTO public.kids VALUES (10, 1), (20, 2)"
+    )
     federate(source, "public.parents")
     federate(source, "public.kids")
     with streaming_over(topo, lr_sites) as streaming:
