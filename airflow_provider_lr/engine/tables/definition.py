@@ -3,9 +3,12 @@
 Names are ``schema.table`` (both parts plain identifiers, as PostgreSQL folds them); the shape is
 its columns (name, type as ``format_type`` prints it, a type outside ``pg_catalog`` always with its
 schema: the sink reads it whatever its search_path, and ``mood`` of one schema is not another's),
-nullability) and its primary key. A sink
+nullability) and its primary key, and the attributes of every composite type its columns hold (in
+an array, a domain, a range or another composite). A sink
 table of the same name with another shape refuses the session (``SchemaMismatchError``): rows
-carried into a table missing a column would lose it silently.
+carried into a table missing a column would lose it silently, and a composite's value travels by
+position (its text and binary forms alike), so a sink whose ``public.pair`` is ``(b int, a int)``
+where the source's is ``(a int, b int)`` took every value with its fields swapped.
 
 A source's definition may also carry its *extras* (``tables/extras``: defaults, sequences,
 constraints, indexes): what lr gives a sink table it creates (``tables/create``). They are never
@@ -77,6 +80,9 @@ class TableDefinition:
     columns: tuple[Column, ...]
     key: tuple[str, ...]
     extras: TableExtras | None = field(default=None, compare=False)  # a source's, for a sink that creates it
+    # each composite type its columns hold, with its attributes ("a integer, b text"), by type name;
+    # () from a read that did not look (targets', an older lr's definition): not compared then
+    composites: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     @property
     def column_names(self) -> list[str]:
@@ -90,6 +96,8 @@ class TableDefinition:
         }
         if self.extras is not None:
             doc["extras"] = self.extras.to_json()
+        if self.composites:
+            doc["composites"] = [list(c) for c in self.composites]
         return doc
 
     @classmethod
@@ -101,6 +109,7 @@ class TableDefinition:
             tuple(Column(n, t, bool(nn)) for n, t, nn in doc["columns"]),
             tuple(doc["key"]),
             TableExtras.from_json(extras) if extras is not None else None,
+            tuple((n, a) for n, a in doc.get("composites", ())),
         )
 
     def mismatch(self, other: TableDefinition) -> list[str]:
@@ -115,11 +124,51 @@ class TableDefinition:
             for n in mine
             if n in theirs and mine[n] != theirs[n]
         ]
+        theirs_composite = dict(other.composites)
+        problems += [
+            f"type {n} is ({attributes}) on the source but ({theirs_composite[n]}) on the sink (a composite's "
+            "value travels by position: give the sink's type the source's attributes, in its order)"
+            for n, attributes in self.composites
+            if n in theirs_composite and theirs_composite[n] != attributes
+        ]
         if tuple(self.key) != tuple(other.key):
             problems.append(
                 f"primary key ({', '.join(self.key)}) on the source but ({', '.join(other.key) or 'none'}) on the sink"
             )
         return problems
+
+
+def _type_name(oid: str, typmod: str) -> str:
+    """SQL: the name of type ``oid`` as the shape prints a column's (a type outside pg_catalog with its schema)."""
+    return f"""(SELECT CASE WHEN tn.nspname = 'pg_catalog' OR NOT pg_catalog.pg_type_is_visible(ty.oid)
+                   THEN pg_catalog.format_type({oid}, {typmod})
+                   ELSE pg_catalog.quote_ident(tn.nspname) || '.' || pg_catalog.format_type({oid}, {typmod}) END
+            FROM pg_catalog.pg_type ty JOIN pg_catalog.pg_namespace tn ON tn.oid = ty.typnamespace WHERE ty.oid = {oid})"""
+
+
+# The composite types the columns of the table whose oid is ``t.oid`` hold, through arrays, domains,
+# ranges, multiranges and other composites: [name, "attribute type, ..."] each, in name order.
+SHAPE_COMPOSITES = f"""
+       ARRAY(WITH RECURSIVE reach(oid) AS (
+                 SELECT a.atttypid FROM pg_catalog.pg_attribute a
+                 WHERE a.attrelid = t.oid AND a.attnum > 0 AND NOT a.attisdropped
+                 UNION
+                 SELECT m.oid FROM reach r JOIN pg_catalog.pg_type y ON y.oid = r.oid
+                 CROSS JOIN LATERAL (
+                     SELECT y.typelem WHERE y.typelem <> 0
+                     UNION ALL SELECT y.typbasetype WHERE y.typbasetype <> 0
+                     UNION ALL SELECT g.rngsubtype FROM pg_catalog.pg_range g WHERE g.rngtypid = y.oid
+                     UNION ALL SELECT g.rngtypid FROM pg_catalog.pg_range g WHERE g.rngmultitypid = y.oid
+                     UNION ALL SELECT a.atttypid FROM pg_catalog.pg_attribute a
+                               WHERE y.typtype = 'c' AND a.attrelid = y.typrelid AND a.attnum > 0 AND NOT a.attisdropped
+                 ) m(oid))
+             SELECT ARRAY[{_type_name("y.oid", "-1")},
+                          pg_catalog.array_to_string(ARRAY(
+                              SELECT pg_catalog.quote_ident(a.attname) || ' ' || {_type_name("a.atttypid", "a.atttypmod")}
+                              FROM pg_catalog.pg_attribute a
+                              WHERE a.attrelid = y.typrelid AND a.attnum > 0 AND NOT a.attisdropped
+                              ORDER BY a.attnum), ', ')]
+             FROM reach r JOIN pg_catalog.pg_type y ON y.oid = r.oid WHERE y.typtype = 'c' ORDER BY 1)"""
 
 
 # The shape of the table whose oid is ``t.oid``: its columns (name, type as the module says, "true"
@@ -146,17 +195,17 @@ def read_definition(cur: psycopg2.extensions.cursor, table: TableName, extras: b
     table. ``extras``: with them (a source's, for the sinks; two more round trips). Extras whose
     columns are not the shape's (the table altered between the two reads) are left out."""
     cur.execute(
-        f"WITH t AS (SELECT pg_catalog.to_regclass(%s) AS oid) SELECT t.oid, {SHAPE_COLUMNS} FROM t",
+        f"WITH t AS (SELECT pg_catalog.to_regclass(%s) AS oid) SELECT t.oid, {SHAPE_COLUMNS}, {SHAPE_COMPOSITES} FROM t",
         (table.ident.as_string(cur),),
     )
-    oid, columns, key = cur.fetchone()
+    oid, columns, key, composites = cur.fetchone()
     if oid is None:
         return None
     found = shape(table, columns, key)
     more = table_extras.read(cur, table.ident) if extras else None
     if more is None or [c.name for c in more.columns if not c.generated] != found.column_names:
-        return found
-    return TableDefinition(found.table, found.columns, found.key, more)
+        more = None
+    return TableDefinition(found.table, found.columns, found.key, more, tuple((n, a) for n, a in composites))
 
 
 def shape(table: TableName, columns: list[list[str]], key: list[str]) -> TableDefinition:
