@@ -446,6 +446,16 @@ def _drain(
 
 
 # --- the old source's return ------------------------------------------------------------------------
+def named_by(found: list[dict], topology: Topology) -> dict:
+    """The failover a rejoin applies: the one whose topology the operator's file is (the file the
+    failover wrote), whatever the sites' clocks say; else the newest by when it was recorded, each
+    record stamped by the clock of the site it promoted. Before, always the latter: a promoted site
+    whose clock ran ahead made its older failover look newer, and the rejoin applied that older
+    topology, making the returning site the source of clients failed over since."""
+    named = [r for r in found if r.get("topology_config_id") == topology.topology_config_id]
+    return max(named or found, key=lambda r: r["started_at"])
+
+
 def rejoin(site: str, connect: Connect, topology: Topology) -> RejoinResult:
     """The old source (or any site a failover could not reach) comes back: the newest failover
     recorded on a reachable site of ``topology`` gives the topology to apply; for the old source,
@@ -479,7 +489,7 @@ def rejoin(site: str, connect: Connect, topology: Topology) -> RejoinResult:
                 f"no failover is recorded on any reachable site of the topology; nothing to rejoin "
                 f"{site!r} to (apply a topology with `lr topology apply`)"
             )
-        newest = max(found, key=lambda r: r["started_at"])
+        newest = named_by(found, topology)
         record = dict(newest, failover_id=str(newest["failover_id"]))
         return rejoin_site(conn, site, record)
     finally:

@@ -289,11 +289,10 @@ def keep_copy(sink: psycopg2.extensions.connection, new: psycopg2.extensions.con
 
 def failovers(conn: psycopg2.extensions.connection) -> list[dict]:
     """Every failover recorded on this site, newest first (``lr status``, the docs' history)."""
+    columns = (*_RECORD_COLUMNS, "topology_config_id", "started_at", "completed_at")
     with conn.cursor() as cur:
-        cur.execute(
-            f"SELECT {', '.join(_RECORD_COLUMNS)}, started_at, completed_at FROM lr.failovers ORDER BY started_at DESC"
-        )
-        rows = [dict(zip((*_RECORD_COLUMNS, "started_at", "completed_at"), r)) for r in cur.fetchall()]
+        cur.execute(f"SELECT {', '.join(columns)} FROM lr.failovers ORDER BY started_at DESC")
+        rows = [dict(zip(columns, r)) for r in cur.fetchall()]
     conn.commit()
     return rows
 
