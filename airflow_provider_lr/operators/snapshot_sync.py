@@ -155,6 +155,8 @@ class LRSnapshotSyncOperator(SessionStepOperator):
         """The client's data came (or not): carry on from where the wait began."""
         from airflow_provider_lr.triggers.session import TriggerStatus
 
+        if event.get("status") == TriggerStatus.CLOSED and self._moved():
+            return self.outcome_complete(context, event)  # followed where a switchover asked it
         with self.runner() as runner:
             report = runner.snapshot_step()  # transfers and applies; records a timeout if it passed
         if event.get("status") != TriggerStatus.SUPPLIED:
@@ -164,6 +166,16 @@ class LRSnapshotSyncOperator(SessionStepOperator):
                 "provider (client.serve_full_sync_requests) or name one under `providers:` in the topology"
             )
         return self._after_step(context, report)
+
+    def _moved(self) -> bool:
+        """Whether a switchover closed this step's request at the old source and asked it of the
+        new one (``moved_on``): the wait for the client's data then follows it there, as the wait
+        for the request does. Before, it ended on 'request cancelled', ran the old session's step
+        with the stale topology and failed the run ('the client supplied no full-sync data')."""
+        if not self.request_id:
+            return False
+        with site_connection(self.session["source_conn_id"], self.session["source"]) as conn:
+            return moved_on(full_sync.outcome(conn, str(self.request_id))) is not None
 
     def outcome_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         """The request was applied (by anyone), failed, or its session's lease was let go (then

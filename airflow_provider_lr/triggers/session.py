@@ -62,7 +62,8 @@ def snapshot_end_status(
     if request.status in (RequestStatus.SUPPLIED, RequestStatus.APPLIED):
         return status_event(TriggerStatus.SUPPLIED, request_id=request_id, entries=request.entries)
     if request.status != RequestStatus.PENDING:
-        return status_event(TriggerStatus.CLOSED, request_id=request_id, message=f"request {request.status}")
+        said = f"request {request.status}" + (f": {request.note}" if request.note else "")
+        return status_event(TriggerStatus.CLOSED, request_id=request_id, message=said)
     if deadline is not None and datetime.now(timezone.utc) > deadline:
         return status_event(TriggerStatus.TIMEOUT, request_id=request_id, message=f"no data by {deadline.isoformat()}")
     return None

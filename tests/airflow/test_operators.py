@@ -532,6 +532,51 @@ def test_a_full_sync_step_follows_its_request_to_the_site_a_switchover_asked_it_
     app.close()
 
 
+def test_a_full_sync_step_waiting_for_the_clients_data_follows_its_request_across_a_switchover(airflow_sites):
+    """lr_full_sync's step deferred waiting for the client's data at site-a (``LRSnapshotEndTrigger``);
+    site-a is then switched over to site-b, which is asked the request instead: the step follows it
+    there and waits, deferred, until a replicator applied it at site-b. Before, the wait ended on
+    site-a's 'request cancelled', the step ran the old session's cycle with the stale topology and
+    failed the run ('the client supplied no full-sync data')."""
+    import psycopg2
+
+    from airflow_provider_lr.engine.site import failover
+    from airflow_provider_lr.triggers import LRFullSyncOutcomeTrigger
+
+    app = _app_with_sinks_in_log_entry_sync(airflow_sites.site("site-a"))
+    reconfigure(airflow_sites, provider=None)  # the client application serves its own full syncs
+    session = _requested(airflow_sites, "site-c")
+    op = LRSnapshotSyncOperator(task_id="snapshot", session=session, wait_for_data=True, poll_interval=0.1)
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute({})
+    waiting = deferred.value.trigger
+    assert isinstance(waiting, LRSnapshotEndTrigger) and waiting.request_id == session["request_id"]
+    dsns = {s.site_id: s.dsn for s in airflow_sites.sites}
+    switched = failover.promote(
+        failover.FailoverRequest("site-a", "site-b", planned=True), lambda site: psycopg2.connect(dsns[site])
+    )
+    ((there,),) = airflow_sites.site("site-b").query("SELECT request_id::text FROM lr.full_sync_requests WHERE forced")
+    with closing(airflow_sites.site("site-a").connect()) as probe:
+        ended = waiting.check(probe)
+    assert ended is not None and ended["status"] == "closed", ended
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute_complete({}, ended)
+    trigger = deferred.value.trigger
+    assert isinstance(trigger, LRFullSyncOutcomeTrigger) and (trigger.source_conn_id, trigger.request_id) == (
+        "lr_site_b",
+        there,
+    )
+    App(airflow_sites.site("site-b")).close()  # site-b's provider's table
+    run = replicator(switched.topology, airflow_sites.sites, providers={"policy": table_provider})
+    run.run(max_cycles=5, until_idle=True, interval=0.01)
+    run.close()
+    with closing(airflow_sites.site("site-b").connect()) as probe:
+        event = trigger.check(probe)
+    done = op.outcome_complete({}, event)
+    assert done["outcome"] == "applied" and done["applied_request"] == there, done
+    app.close()
+
+
 def test_new_log_entries_sensor_pokes_and_defers(airflow_sites):
     from airflow_provider_lr.sensors import LRNewLogEntriesSensor
     from airflow_provider_lr.triggers import LRNewLogEntriesTrigger

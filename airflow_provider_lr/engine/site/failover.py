@@ -203,7 +203,6 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
                 f"site {from_site!r} cannot be reached: a planned switchover drains it first; "
                 "nothing was done (leave out --planned for an unplanned failover)"
             )
-        tail: dict[str, int] = {}
         diverged = (
             []
             if record is not None
@@ -266,7 +265,8 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
                 result.pending.append(site)
             elif site == from_site:
                 try:
-                    tail = rejoin_site(conn, site, record).tail
+                    back = rejoin_site(conn, site, record)
+                    result.tail, result.table_tail = back.tail, back.table_tail
                 except handover.TableBusyError as exc:  # the failover stands; the old source rejoins later
                     result.pending.append(site)
                     result.busy[site] = str(exc)
@@ -278,7 +278,6 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
                 else:  # a re-run finishing a failover: the guard may not have been set
                     refuse_moved_writers(conn)
                 result.applied.append(site)
-        result.tail = tail
         complete(new, result)
         return result
     finally:
@@ -446,6 +445,16 @@ def _drain(
 
 
 # --- the old source's return ------------------------------------------------------------------------
+def named_by(found: list[dict], running: set[str]) -> dict:
+    """The failover a rejoin applies: the one whose topology the other reachable sites run (the
+    failover applied it there), whatever the sites' clocks say; else the newest by when it was
+    recorded, each record stamped by the clock of the site it promoted. Before, always the latter:
+    a promoted site whose clock ran ahead made its older failover look newer, and the rejoin applied
+    that older topology, making the returning site a source again beside the new one."""
+    named = [r for r in found if r.get("topology_config_id") in running]
+    return max(named or found, key=lambda r: r["started_at"])
+
+
 def rejoin(site: str, connect: Connect, topology: Topology) -> RejoinResult:
     """The old source (or any site a failover could not reach) comes back: the newest failover
     recorded on a reachable site of ``topology`` gives the topology to apply; for the old source,
@@ -454,13 +463,14 @@ def rejoin(site: str, connect: Connect, topology: Topology) -> RejoinResult:
     try:
         conn = reach(connect, site, conns, "the site to rejoin")
         found: list[dict] = []
-        unreached, promoted = [], set()
+        unreached, promoted, running = [], set(), set()  # running: the topologies the other sites run
         for other in sorted(set(topology.sites) - {site}):
             peer = try_connect(connect, other, conns)
             if peer is None:
                 unreached.append(other)
                 continue
             found += failovers(peer)  # its own, or copies of the failovers that reconciled it
+            running.add(recorded_id(peer) or "")
             with peer.cursor() as cur:  # a sink of the site records where its clients went
                 promoted |= {to for (source, _), (to, _) in sink_sessions.failed_over(cur).items() if source == site}
             peer.commit()
@@ -479,7 +489,7 @@ def rejoin(site: str, connect: Connect, topology: Topology) -> RejoinResult:
                 f"no failover is recorded on any reachable site of the topology; nothing to rejoin "
                 f"{site!r} to (apply a topology with `lr topology apply`)"
             )
-        newest = max(found, key=lambda r: r["started_at"])
+        newest = named_by(found, running)
         record = dict(newest, failover_id=str(newest["failover_id"]))
         return rejoin_site(conn, site, record)
     finally:

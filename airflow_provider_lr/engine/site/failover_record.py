@@ -48,7 +48,8 @@ class FailoverResult:
     applied: list[str] = field(default_factory=list)  # sites that now have the new topology
     pending: list[str] = field(default_factory=list)  # reachable later: `lr failover --rejoin SITE`
     busy: dict[str, str] = field(default_factory=dict)  # pending site -> why it was reached but not rejoined
-    tail: dict[str, int] = field(default_factory=dict)  # planned: what the old source committed after the cut
+    tail: dict[str, int] = field(default_factory=dict)  # what the old source committed after the cut (rejoined)
+    table_tail: dict[str, int] = field(default_factory=dict)  # its table change entries likewise
     tables: dict[str, list[str]] = field(default_factory=dict)  # client -> federated tables the new source captures
     diverged: list[str] = field(default_factory=list)  # tables whose replication stops (allow_table_divergence)
 
@@ -58,10 +59,21 @@ class FailoverResult:
             return f"nothing: {self.from_site} was drained into every sink before the cut" + (
                 f" (but it committed {listing(self.tail)} after the switch)" if any(self.tail.values()) else ""
             )
-        return (
+        said = (
             f"whatever {self.from_site} committed for {', '.join(self.clients)} after position(s) "
-            f"{listing(self.positions)} that {self.to_site} had not received; `lr failover --rejoin {self.from_site}` "
-            "counts it when it returns"
+            f"{listing(self.positions)} that {self.to_site} had not received"
+        )
+        if self.from_site not in self.applied:
+            return f"{said}; `lr failover --rejoin {self.from_site}` counts it when it returns"
+        # reachable, it was rejoined by this failover: counted now (before, said to come from a rejoin with
+        # nothing left to do)
+        counted = ", ".join(
+            f"{c} {self.tail.get(c, 0)} entries and {self.table_tail.get(c, 0)} table change entries"
+            for c in self.clients
+        )
+        return (
+            f"{said}: {self.from_site} committed after the cut {counted}, received by nobody (its table changes are "
+            f"replaced by {self.to_site}'s snapshot); {self.from_site} was rejoined"
         )
 
 
@@ -289,11 +301,10 @@ def keep_copy(sink: psycopg2.extensions.connection, new: psycopg2.extensions.con
 
 def failovers(conn: psycopg2.extensions.connection) -> list[dict]:
     """Every failover recorded on this site, newest first (``lr status``, the docs' history)."""
+    columns = (*_RECORD_COLUMNS, "topology_config_id", "started_at", "completed_at")
     with conn.cursor() as cur:
-        cur.execute(
-            f"SELECT {', '.join(_RECORD_COLUMNS)}, started_at, completed_at FROM lr.failovers ORDER BY started_at DESC"
-        )
-        rows = [dict(zip((*_RECORD_COLUMNS, "started_at", "completed_at"), r)) for r in cur.fetchall()]
+        cur.execute(f"SELECT {', '.join(columns)} FROM lr.failovers ORDER BY started_at DESC")
+        rows = [dict(zip(columns, r)) for r in cur.fetchall()]
     conn.commit()
     return rows
 
@@ -304,6 +315,7 @@ def complete(conn: psycopg2.extensions.connection, result: FailoverResult) -> No
         "sinks": result.outcome,
         "pending": result.pending,
         "tail": result.tail,
+        "table_tail": result.table_tail,
         "tables": result.tables,
         "diverged": result.diverged,
     }

@@ -318,6 +318,45 @@ def test_chained_failovers_the_first_old_source_rejoins_from_a_sinks_copy_while_
     new_app.close()
 
 
+def test_an_unplanned_failover_that_rejoins_a_reachable_old_source_says_what_it_committed_after_the_cut(lr_sites):
+    """site-a is reachable but the failover is unplanned (--no-planned): it rejoins site-a at once.
+    What site-a committed after the cut (a table change and a message, sent to nobody) is counted and
+    said in what is lost. Before, the count was dropped (the table changes not even counted) and the
+    failover said `lr failover --rejoin site-a` would count it when it returns, though it was back
+    and rejoined: a later rejoin had nothing to do."""
+    site_a, site_b, site_c = lr_sites
+    _, app = _tables_setup(lr_sites)
+    _write(app, "UPDATE public.accounts SET owner = 'after the cut' WHERE id <= 3", "late", 1, [B, C])
+    result = failover.promote(failover.FailoverRequest(A, B, planned=False), _connect(lr_sites))
+    assert A in result.applied and result.tail == {"policy": 1} and result.table_tail == {"policy": 1}
+    assert "site-a committed after the cut" in result.lost and "--rejoin" not in result.lost, result.lost
+    assert "policy 1 entries and 1 table change entries" in result.lost, result.lost
+    app.close()
+
+
+def test_a_rejoin_applies_the_failover_the_other_sites_run_whatever_the_promoting_sites_clocks_say(lr_sites):
+    """site-a failed over to site-b, rejoined; site-b then failed over to site-c while down, and comes
+    back. site-b's clock ran a day ahead when it recorded the first failover (its record, and the copy
+    site-c keeps, say so). Its rejoin applies the failover whose topology site-a and site-c run, the
+    second: site-b becomes a sink of site-c. Before, the newest record by the sites' clocks won: the
+    first one, whose topology made site-b the source of policy again beside site-c."""
+    site_a, site_b, site_c = lr_sites
+    _setup(lr_sites)
+    first = failover.promote(failover.FailoverRequest(A, B), _connect(lr_sites, down=(A,)))
+    failover.rejoin(A, _connect(lr_sites), first.topology)
+    for site in (site_b, site_c):  # site-b's clock a day ahead when it recorded the failover
+        site.query(
+            "UPDATE lr.failovers SET started_at = started_at + interval '1 day' WHERE failover_id = %s",
+            (first.failover_id,),
+        )
+    second = failover.promote(failover.FailoverRequest(B, C), _connect(lr_sites, down=(B,)))
+    assert second.pending == [B], second
+    back = failover.rejoin(B, _connect(lr_sites), second.topology)
+    assert back.failover_id == second.failover_id and back.retired == [f"{B}->{A}/policy", f"{B}->{C}/policy"]
+    assert site_b.query("SELECT topology_config_id FROM lr.topology") == [(second.topology.topology_config_id,)]
+    assert site_b.query("SELECT count(*) FROM lr.source_sessions") == [(0,)]
+
+
 def test_where_a_clients_failovers_took_it_last_is_told_by_when_each_was_recorded():
     """Rows of sink_sessions (old source, client, to, when) at various sites; a site's older row
     outlives a rejoin. Chained a->b->c: site-c; b's own failover from before it was promoted does not
