@@ -143,20 +143,34 @@ SHAPE_COLUMNS = """
 
 def read_definition(cur: psycopg2.extensions.cursor, table: TableName, extras: bool = False) -> TableDefinition | None:
     """The table's shape as ``cur``'s transaction sees it (one round trip); None when there is no such
-    table. ``extras``: with them (a source's, for the sinks; two more round trips). Extras whose
-    columns are not the shape's (the table altered between the two reads) are left out."""
-    cur.execute(
-        f"WITH t AS (SELECT pg_catalog.to_regclass(%s) AS oid) SELECT t.oid, {SHAPE_COLUMNS} FROM t",
-        (table.ident.as_string(cur),),
-    )
-    oid, columns, key = cur.fetchone()
-    if oid is None:
-        return None
-    found = shape(table, columns, key)
-    more = table_extras.read(cur, table.ident) if extras else None
-    if more is None or [c.name for c in more.columns if not c.generated] != found.column_names:
+    table. ``extras``: with them (a source's, for the sinks; two more round trips)."""
+    return read_definitions(cur, [table], extras)[table]
+
+
+def read_definitions(
+    cur: psycopg2.extensions.cursor, tables: Sequence[TableName], extras: bool = False
+) -> dict[TableName, TableDefinition | None]:
+    """``read_definition`` of each of ``tables``, in one round trip for all their shapes (and two for
+    all their extras) whatever their number: a snapshot of 200 tables read them one by one, four
+    statements a table. Extras whose columns are not the shape's (the table altered between the two
+    reads) are left out."""
+    names = {table.ident.as_string(cur): table for table in dict.fromkeys(tables)}
+    found: dict[TableName, TableDefinition | None] = dict.fromkeys(names.values())
+    if not names:
         return found
-    return TableDefinition(found.table, found.columns, found.key, more)
+    cur.execute(
+        "WITH t AS (SELECT u.name, pg_catalog.to_regclass(u.name) AS oid FROM pg_catalog.unnest(%s::text[]) u(name)) "
+        f"SELECT t.name, {SHAPE_COLUMNS} FROM t WHERE t.oid IS NOT NULL",
+        (list(names),),
+    )
+    for name, columns, key in cur.fetchall():
+        found[names[name]] = shape(names[name], columns, key)
+    more = table_extras.read_many(cur, [n for n, t in names.items() if found[t] is not None]) if extras else {}
+    for name, extra in more.items():
+        definition = found[names[name]]
+        if definition is not None and [c.name for c in extra.columns if not c.generated] == definition.column_names:
+            found[names[name]] = TableDefinition(definition.table, definition.columns, definition.key, extra)
+    return found
 
 
 def shape(table: TableName, columns: list[list[str]], key: list[str]) -> TableDefinition:
