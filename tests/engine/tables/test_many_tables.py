@@ -15,7 +15,7 @@ from airflow_provider_lr.engine.vocabulary import SessionKey
 from tests.support.session import apply, empty_provider, replicator
 from tests.support.tables import federate, rows, sync
 
-TABLES = 40
+TABLES = 24
 
 
 class Counting(psycopg2.extensions.cursor):
