@@ -173,8 +173,7 @@ class ConnInfo:
             if reach.silent(reason, time.monotonic() - started, params.get("connect_timeout")):
                 reach.lost(server, f"connect: {reason}")  # waited on a silent server: not again
             raise SiteUnreachableError(
-                f"cannot connect to {where} ({self.safe_dsn}): {reason}; "
-                "is the server up? (`lr sites list` for embedded sites)"
+                f"cannot connect to {where} ({self.safe_dsn}): {reason}; {reach.advice(reason)}"
             ) from exc
         conn.server = server
         conn.opened()  # what other threads and messages ask of it later, noted on this thread

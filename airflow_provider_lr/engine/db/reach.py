@@ -75,3 +75,20 @@ def known(server: str | None) -> str | None:
     if server is None or not _on:
         return None
     return _found.get(server)
+
+
+# A server that answered but has no connection slot for lr (SQLSTATE 53300, which libpq does not pass
+# on at connect): its max_connections, or the role's or the database's CONNECTION LIMIT, is reached.
+# It is up: "is the server up?" sent the user to the wrong place.
+_FULL_TEXT = ("too many clients", "connection slots are reserved", "too many connections for")
+
+
+def advice(reason: str) -> str:
+    """What a connect that failed with ``reason`` (retried: the server may free a slot) asks of the user."""
+    if any(marker in reason.lower() for marker in _FULL_TEXT):
+        return (
+            "the server is up but its connections are all taken (max_connections, or the role's or database's "
+            "CONNECTION LIMIT): see who holds them (SELECT application_name, count(*) FROM pg_stat_activity "
+            "GROUP BY 1) and close some, or raise the limit; retried meanwhile"
+        )
+    return "is the server up? (`lr sites list` for embedded sites)"

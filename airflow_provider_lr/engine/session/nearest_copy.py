@@ -46,7 +46,7 @@ from airflow_provider_lr.engine.store import receive_queue
 from airflow_provider_lr.engine.store.topology import Topology, config_id
 from airflow_provider_lr.engine.tables import references
 from airflow_provider_lr.engine.tables import sink as sink_tables
-from airflow_provider_lr.engine.tables.definition import TableName, read_definition
+from airflow_provider_lr.engine.tables.definition import TableName, read_definition, read_definitions
 from airflow_provider_lr.engine.tables.range_copy import copy_to_targets
 from airflow_provider_lr.engine.tables.registry import FederatedTable
 from airflow_provider_lr.engine.tables.sink import SinkTable, TableState
@@ -163,7 +163,8 @@ def _source_view(
         cur.execute("SELECT trim_mark FROM lr.log_trim")
         trim_mark = cur.fetchone()[0]
         topology_id = config_id(cur)
-        wanted = {t.table: (t, read_definition(cur, t.table, extras=True)) for t in federated}
+        read = read_definitions(cur, [t.table for t in federated], extras=True)
+        wanted = {t.table: (t, read[t.table]) for t in federated}
     source.commit()
     return trim_mark, topology_id, wanted
 

@@ -185,6 +185,7 @@ def follow(
     retry: set[str] = set()
     next_full = next_retry = 0.0
     schema_missing_since: float | None = None
+    lost: str | None = None  # why the sink connection is lost, as last logged (said again only when it changes)
     try:
         while not stop.is_set():
             now = time.monotonic()
@@ -216,7 +217,15 @@ def follow(
                 except (psycopg2.OperationalError, psycopg2.InterfaceError, SiteUnreachableError) as exc:
                     stats.failures += 1
                     stats.note_error(f"sink connection lost: {one_line(exc)}")
-                    log.warning("receive-queue delivery: sink connection lost (%s); reconnecting", one_line(exc))
+                    if one_line(exc) != lost:  # every retry_interval it was said again: a subscription short of a
+                        # connection slot (many subscriptions on one sink) logged twice a second until one freed
+                        lost = one_line(exc)
+                        log.warning(
+                            "receive-queue delivery: sink connection lost (%s); reconnecting every %gs (said again "
+                            "when the reason changes)",
+                            lost,
+                            options.retry_interval,
+                        )
                     connector.close(conn)
                     conn = None
                     next_full = time.monotonic() + options.retry_interval
@@ -236,6 +245,9 @@ def follow(
                     next_full = 0.0
                     continue
                 stats.add(report)
+                if lost is not None:
+                    log.warning("receive-queue delivery: sink connection back, delivering again")
+                    lost = None
                 if report.failed:
                     if not retry:
                         next_retry = time.monotonic() + options.retry_interval

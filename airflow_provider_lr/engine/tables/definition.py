@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import psycopg2.extensions
 from psycopg2 import sql
@@ -192,25 +192,46 @@ SHAPE_COLUMNS = """
 
 def read_definition(cur: psycopg2.extensions.cursor, table: TableName, extras: bool = False) -> TableDefinition | None:
     """The table's shape as ``cur``'s transaction sees it (one round trip); None when there is no such
-    table. ``extras``: with them (a source's, for the sinks; two more round trips). Extras whose
-    columns are not the shape's (the table altered between the two reads) are left out."""
+    table. ``extras``: with them (a source's, for the sinks; two more round trips)."""
+    return read_definitions(cur, [table], extras)[table]
+
+
+def read_definitions(
+    cur: psycopg2.extensions.cursor, tables: Sequence[TableName], extras: bool = False
+) -> dict[TableName, TableDefinition | None]:
+    """``read_definition`` of each of ``tables``, in one round trip for all their shapes (and two for
+    all their extras) whatever their number: a snapshot of 200 tables read them one by one, four
+    statements a table. Extras whose columns are not the shape's (the table altered between the two
+    reads) are left out."""
+    names = {table.ident.as_string(cur): table for table in dict.fromkeys(tables)}
+    found: dict[TableName, TableDefinition | None] = dict.fromkeys(names.values())
+    if not names:
+        return found
     cur.execute(
-        f"WITH t AS (SELECT pg_catalog.to_regclass(%s) AS oid) SELECT t.oid, {SHAPE_COLUMNS}, {SHAPE_COMPOSITES} FROM t",
-        (table.ident.as_string(cur),),
+        "WITH t AS (SELECT u.name, pg_catalog.to_regclass(u.name) AS oid FROM pg_catalog.unnest(%s::text[]) u(name)) "
+        f"SELECT t.name, {SHAPE_COLUMNS}, {SHAPE_COMPOSITES} FROM t WHERE t.oid IS NOT NULL",
+        (list(names),),
     )
-    oid, columns, key, composites = cur.fetchone()
-    if oid is None:
-        return None
-    found = shape(table, columns, key)
-    more = table_extras.read(cur, table.ident) if extras else None
-    if more is None or [c.name for c in more.columns if not c.generated] != found.column_names:
-        more = None
-    return TableDefinition(found.table, found.columns, found.key, more, tuple((n, a) for n, a in composites))
+    for name, columns, key, composites in cur.fetchall():
+        found[names[name]] = shape(names[name], columns, key, composites)
+    more = table_extras.read_many(cur, [n for n, t in names.items() if found[t] is not None]) if extras else {}
+    for name, extra in more.items():
+        definition = found[names[name]]
+        if definition is not None and [c.name for c in extra.columns if not c.generated] == definition.column_names:
+            found[names[name]] = replace(definition, extras=extra)
+    return found
 
 
-def shape(table: TableName, columns: list[list[str]], key: list[str]) -> TableDefinition:
-    """The definition ``SHAPE_COLUMNS`` read."""
-    return TableDefinition(table, tuple(Column(n, t, nn == "true") for n, t, nn in columns), tuple(key))
+def shape(
+    table: TableName, columns: list[list[str]], key: list[str], composites: Sequence[Sequence[str]] = ()
+) -> TableDefinition:
+    """The definition ``SHAPE_COLUMNS`` (and ``SHAPE_COMPOSITES``) read."""
+    return TableDefinition(
+        table,
+        tuple(Column(n, t, nn == "true") for n, t, nn in columns),
+        tuple(key),
+        composites=tuple((n, a) for n, a in composites),
+    )
 
 
 def changed_types(sink: TableDefinition, types: Mapping[str, str], columns: Iterable[str]) -> list[str]:

@@ -41,7 +41,7 @@ from airflow_provider_lr.engine.store import sink_sessions
 from airflow_provider_lr.engine.store.sink_sessions import FencedTransaction
 from airflow_provider_lr.engine.tables import closed_notes, own_rows, references
 from airflow_provider_lr.engine.tables import sink as sink_tables
-from airflow_provider_lr.engine.tables.definition import TableDefinition, TableName, read_definition
+from airflow_provider_lr.engine.tables.definition import TableDefinition, TableName, read_definitions
 from airflow_provider_lr.engine.tables.range_copy import ROWS_ESTIMATE, KeyRange, copy_to_targets, plan_ranges
 from airflow_provider_lr.engine.tables.registry import FederatedTable
 from airflow_provider_lr.engine.tables.sink import TableState, Target
@@ -162,18 +162,18 @@ class TableSnapshot:
             cur.execute(LAST_DRAWN_POSITION_SQL)  # after the snapshot: what it may not hold is above
             self.split = BaseSplit(snapshot, cur.fetchone()[0])
             self.received = sink_sessions.processed(cur)
-            for side in self.sinks:
-                for table in side.tables:
-                    if table.table not in self.definitions:
-                        definition = read_definition(cur, table.table, extras=True)
-                        if definition is None and table.renamed_to is not None:
-                            raise StaleBatchError(table.renamed())
-                        if definition is None:
-                            raise StaleBatchError(
-                                f"federated table {table.table} was dropped on the source: create it again and "
-                                f"run lr tables open {table.table} there, or lr tables close {table.table}"
-                            )
-                        self.definitions[table.table] = definition
+            tables = {t.table: t for side in self.sinks for t in side.tables}
+            read = read_definitions(cur, list(tables), extras=True)  # every table's in one read
+            for name, table in tables.items():
+                definition = read[name]
+                if definition is None and table.renamed_to is not None:
+                    raise StaleBatchError(table.renamed())
+                if definition is None:
+                    raise StaleBatchError(
+                        f"federated table {table.table} was dropped on the source: create it again and "
+                        f"run lr tables open {table.table} there, or lr tables close {table.table}"
+                    )
+                self.definitions[name] = definition
         return self.split
 
     def close(self) -> None:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 
+import psycopg2.extensions
 import pytest
 from psycopg2 import sql
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.db import conninfo, schema
 from airflow_provider_lr.engine.db.timeouts import Purpose
-from airflow_provider_lr.engine.errors import ConfigurationError, mask_secrets
+from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, mask_secrets
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.tables.definition import TableName, read_definition
 from tests.support.session import apply
@@ -181,3 +183,24 @@ def test_lrs_connections_read_names_as_every_site_prints_them_whatever_the_sites
         app.close()
         given.close()
         optioned.close()
+
+
+def test_a_server_whose_connection_slots_are_all_taken_is_said_to_be_full_not_down(lr_sites):
+    """A connect the server refused for want of a slot (its max_connections, or a role's or
+    database's CONNECTION LIMIT: here a role's, the same refusal): lr said "is the server up?" of a
+    server that was up, and `lr status` and `lr sync` repeated it for every session of the site."""
+    site = lr_sites[1]
+    role = f"lr_no_slot_{os.getpid()}"
+    site.query(
+        sql.SQL("CREATE ROLE {} LOGIN CONNECTION LIMIT 0").format(sql.Identifier(role)).as_string(site.connect())
+    )
+    try:
+        info = conninfo.from_dsn(psycopg2.extensions.make_dsn(site.dsn, user=role))
+        with pytest.raises(SiteUnreachableError) as refused:
+            info.connect()
+        said = str(refused.value)
+        assert "too many connections for role" in said, said
+        assert "connections are all taken" in said and "pg_stat_activity" in said, said
+        assert "is the server up" not in said, said
+    finally:
+        site.query(f'DROP ROLE "{role}"')

@@ -278,3 +278,36 @@ def test_a_relay_rides_out_a_sink_restart_and_delivers_what_came_meanwhile(lr_si
     wait_until(lambda: relay.listening and listen_sessions(sink) == 1, 15, "the tap to LISTEN again")
     assert sub.running and sub.error is None and relay.error is None
     assert relay.close()
+
+
+def test_a_subscription_short_of_a_connection_slot_says_so_once_retries_and_delivers_once_one_frees(lr_sites, caplog):
+    """Many subscriptions on one sink (one connection each) can fill its connection slots; one left
+    without a slot retried every retry_interval and logged the same warning each time (twice a second
+    per subscription). Now: said once (naming the full server), retried, and said when it is back.
+    The slot is refused by a role's CONNECTION LIMIT (the same refusal as max_connections', which a
+    test cannot fill on a shared server); a slot frees: the subscription connects as the sink's owner."""
+    import os
+
+    import psycopg2.extensions
+
+    from airflow_provider_lr.engine.db.conninfo import from_dsn
+
+    _, sink, _ = lr_sites
+    role = f"lr_no_slot_{os.getpid()}"
+    sink.query(f'CREATE ROLE "{role}" LOGIN CONNECTION LIMIT 0')
+    full, owner = from_dsn(psycopg2.extensions.make_dsn(sink.dsn, user=role)), from_dsn(sink.dsn)
+    freed = threading.Event()
+    relay = open_relay(sink.dsn, poll_interval=0.3, retry_interval=0.05)
+    try:
+        recorder = Recorder()
+        sub = relay.subscribe(recorder, "policy", connect=lambda: (owner if freed.is_set() else full).connect())
+        wait_until(lambda: sub.stats.failures >= 10, 15, "ten refused connects")
+        lost = [r.getMessage() for r in caplog.records if "sink connection lost" in r.getMessage()]
+        assert len(lost) == 1 and "connections are all taken" in lost[0], lost
+        freed.set()
+        insert_log(sink, "site-x", "x=1")
+        wait_until(lambda: recorder.of("site-x") == [("log", "x=1")], 15, "delivery once a slot is free")
+        wait_until(lambda: any("sink connection back" in r.getMessage() for r in caplog.records), 15, "said back")
+    finally:
+        relay.close()
+        sink.query(f'DROP ROLE "{role}"')
