@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import signal
 import threading
 import time
 
@@ -68,6 +69,24 @@ class RefusedWriters(SwappingWriters):
         conn.close()
 
     refused = 0
+
+
+def bulk(source, n: int = 100_000) -> None:
+    """A second table of client c0, large enough that its snapshot takes a while."""
+    source.query("CREATE TABLE public.bulk (id int PRIMARY KEY, pad text)")
+    source.query("INSERT INTO public.bulk SELECT g, repeat('x', 200) FROM generate_series(1, %s) g", (n,))
+    federate(source, "public.bulk", client="c0")
+
+
+def copying(sink) -> None:
+    """Wait until the snapshot of ``public.bulk`` is being written at ``sink``."""
+    wait_for(
+        lambda: sink.query(
+            "SELECT count(*) FROM pg_stat_activity WHERE query ILIKE 'COPY%%bulk%%' AND state = 'active'"
+        )[0][0],
+        20,
+        f"the table's snapshot written at {sink.site_id}",
+    )
 
 
 def open_requests(source) -> list[tuple]:
@@ -179,20 +198,14 @@ def test_a_sink_stopped_while_a_table_full_sync_is_under_way_then_started_gets_t
     sink_c = sinks[1]
     topo = topology_file(tmp_path, lr_sites, monkeypatch)
     items(source)
-    source.query("CREATE TABLE public.bulk (id int PRIMARY KEY, pad text)")  # a snapshot that takes a while
-    source.query("INSERT INTO public.bulk SELECT g, repeat('x', 200) FROM generate_series(1, 200000) g")
-    federate(source, "public.bulk", client="c0")
+    bulk(source)
     proc = lr_sync(topo, tmp_path / "sync.log")
     try:
         wait_for(lambda: streaming(source) == 6, DEADLINE, "every session streaming")
         with SwappingWriters(source) as writers:
             time.sleep(0.3)
             assert cli.main(["full-sync", "--topology", topo, "--sink", "site-c", "--client", "c0"]) == 0
-            wait_for(
-                lambda: sink_c.query(
-                    "SELECT count(*) FROM pg_stat_activity WHERE query ILIKE 'COPY%%bulk%%' AND state = 'active'"
-                )[0][0], 20, "the table's snapshot written at site-c",
-            )
+            copying(sink_c)
             site_manager.down([sink_c.site_id], mode="immediate")
             time.sleep(1.0)
             site_manager.up(site_ids=[sink_c.site_id])
@@ -338,4 +351,92 @@ def test_lr_sync_keeps_streaming_while_its_file_is_edited_and_follows_it_once_ap
     finally:
         stop(proc)
     check(source, sinks, writers, {("site-b", "c2"), ("site-c", "c2")})
+    no_traceback(tmp_path, "sync.log")
+
+
+@pytest.mark.slow
+def test_lr_sync_killed_while_a_table_full_sync_is_written_and_started_again_writes_it_once(
+    lr_sites, tmp_path, monkeypatch
+):
+    """SIGKILL of `lr sync` while a forced full sync's table snapshot is in the sink's open
+    transaction; a new `lr sync` (the service manager's restart) takes the sessions at once (its
+    member found dead) and writes the table whole, every payload once."""
+    source, *sinks = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    items(source)
+    bulk(source)
+    first = lr_sync(topo, tmp_path / "first.log")
+    try:
+        wait_for(lambda: streaming(source) == 6, DEADLINE, "every session streaming")
+        with SwappingWriters(source) as writers:
+            time.sleep(0.3)
+            assert cli.main(["full-sync", "--topology", topo, "--sink", "site-b", "--client", "c0"]) == 0
+            copying(sinks[0])
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+            second = lr_sync(topo, tmp_path / "second.log")
+            wait_for(lambda: not open_requests(source), DEADLINE, "the full sync carried out, writers writing")
+            time.sleep(0.5)
+        settle(
+            source,
+            sinks,
+            writers,
+            tmp_path,
+            "second.log",
+            extra=lambda: rows(sinks[0], "public.bulk") == rows(source, "public.bulk"),
+        )
+        assert second.poll() is None, "lr sync still streams"
+    finally:
+        stop(first, *([second] if "second" in locals() else []))
+    check(source, sinks, writers, {("site-b", "c0")})
+    no_traceback(tmp_path, "second.log")
+
+
+MANY = tuple(f"m{i}" for i in range(8))
+
+
+class ManyWriters(RefusedWriters):
+    """A writer per client of ``MANY`` (16 sessions), each transmitting numbered payloads."""
+
+    pause = 0.02
+
+    def __init__(self, source) -> None:
+        self.source, self.stop = source, threading.Event()
+        self.sent = dict.fromkeys(MANY, 0)
+        self.threads = [threading.Thread(target=self._write, args=(c,)) for c in MANY]
+
+    def change(self, cur, client: str, n: int) -> None:
+        """Nothing but the transmit."""
+
+
+@pytest.mark.slow
+def test_every_session_of_many_asked_a_full_sync_at_once_while_streaming_and_a_sink_restarts(
+    lr_sites, site_manager, tmp_path, monkeypatch
+):
+    """`lr full-sync` for all 16 sessions of eight clients at once while `lr sync` streams them and
+    the writers write, site-c's server restarting right after: every session takes its full sync,
+    then streams every payload after its base once and in order."""
+    source, *sinks = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    items(source)
+    doc = yaml.safe_load(open(topo))
+    doc["replication"][0]["clients"] = ["c0", *MANY]
+    doc["providers"] = {c: "tests.support.session:empty_provider" for c in ["c0", *MANY]}
+    open(topo, "w").write(yaml.safe_dump(doc))
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    proc = lr_sync(topo, tmp_path / "sync.log")
+    try:
+        wait_for(lambda: streaming(source) == 18, DEADLINE, "every session streaming")
+        with ManyWriters(source) as writers:
+            time.sleep(0.5)
+            assert cli.main(["full-sync", "--topology", topo]) == 0
+            site_manager.down([sinks[1].site_id], mode="immediate")
+            site_manager.up(site_ids=[sinks[1].site_id])
+            wait_for(lambda: not open_requests(source), DEADLINE, "the full syncs carried out, writers writing")
+            time.sleep(0.5)
+        settle(source, sinks, writers, tmp_path, "sync.log", clients=MANY)
+        assert proc.poll() is None, "lr sync still streams"
+    finally:
+        stop(proc)
+    check(source, sinks, writers, {(s.site_id, c) for s in sinks for c in MANY}, clients=MANY)
     no_traceback(tmp_path, "sync.log")
