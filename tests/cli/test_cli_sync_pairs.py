@@ -16,9 +16,9 @@ left open, every `lr sync` still running and none printed a traceback."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
-import signal
 import threading
 import time
 
@@ -111,9 +111,7 @@ def settle(source, sinks, writers, tmp_path, log: str, clients=CLIENTS, extra=la
             "convergence",
         )
     except AssertionError as exc:
-        where = {
-            (s.site_id, c): (writers.logs(s, c)[-1:], writers.sent[c]) for s in sinks for c in clients
-        }
+        where = {(s.site_id, c): (writers.logs(s, c)[-1:], writers.sent[c]) for s in sinks for c in clients}
         tables = {s.site_id: rows(s, "public.items") == rows(source, "public.items") for s in sinks}
         sessions = source.query(
             "SELECT sink_site_id, client_name, state, lease_owner IS NOT NULL, last_error FROM lr.source_sessions"
@@ -136,7 +134,9 @@ def check(source, sinks, writers, synced: set[tuple[str, str]], clients=CLIENTS)
                 entries = queue(sink, "site-a", client=client)
                 kinds = [k for k, _ in entries]
                 assert "end" in kinds, (sink.site_id, client, "no full sync arrived")
-                after = [int(p.split(":")[1]) for k, p in entries[len(kinds) - kinds[::-1].index("end") :] if k == "log"]
+                after = [
+                    int(p.split(":")[1]) for k, p in entries[len(kinds) - kinds[::-1].index("end") :] if k == "log"
+                ]
                 assert got == sorted(set(got)), (sink.site_id, client, "once and in order")
                 assert after and after == list(range(after[0], writers.sent[client] + 1)), (sink.site_id, client)
             else:
@@ -147,8 +147,20 @@ def check(source, sinks, writers, synced: set[tuple[str, str]], clients=CLIENTS)
 def full_sync(topo: str, sink: str, client: str) -> subprocess.CompletedProcess:
     """`lr full-sync` in a process of its own (as two operators would ask at once)."""
     return subprocess.run(
-        [sys.executable, "-m", "airflow_provider_lr.cli", "full-sync", "--topology", topo, "--sink", sink,
-         "--client", client, "--reason", "asked while streaming"],
+        [
+            sys.executable,
+            "-m",
+            "airflow_provider_lr.cli",
+            "full-sync",
+            "--topology",
+            topo,
+            "--sink",
+            sink,
+            "--client",
+            client,
+            "--reason",
+            "asked while streaming",
+        ],
         capture_output=True,
         text=True,
         timeout=60,
