@@ -6,8 +6,11 @@ on one source, two sinks and three clients (client c0 also carrying the federate
   server restarted at once;
 * a sink's server stopped while a full sync of the federated table is under way, then started;
 * the same table's full sync asked twice at once, while two `lr sync` share the sessions;
-* a client's session removed by a topology apply while its full sync is asked, then added back;
-* a client added to the running stream and a full sync asked for another at the same moment.
+* a client's sessions removed by a topology apply while its table snapshot is written, then added back;
+* a client added to the running stream and a full sync asked for another at the same moment;
+* the topology file edited (a client added) and applied a while later, `lr sync` running;
+* `lr sync` SIGKILLed while a table's full sync is written, and started again;
+* a full sync asked for all 18 sessions of nine clients at once, a sink restarting.
 
 Every one ends with the same checks, within a stated deadline: every sink's table equals the
 source's, every payload at every sink once and in order (a session that took a full sync: its
@@ -278,31 +281,6 @@ def _apply(topo: str, clients: list[str]) -> None:
 
 
 @pytest.mark.slow
-def test_a_session_removed_while_its_full_sync_is_asked_then_added_back_converges(lr_sites, tmp_path, monkeypatch):
-    source, *sinks = lr_sites
-    topo = topology_file(tmp_path, lr_sites, monkeypatch)
-    items(source)
-    proc = lr_sync(topo, tmp_path / "sync.log")
-    try:
-        wait_for(lambda: streaming(source) == 6, DEADLINE, "every session streaming")
-        with RefusedWriters(source) as writers:
-            time.sleep(0.5)
-            assert cli.main(["full-sync", "--topology", topo, "--client", "c0"]) == 0
-            _apply(topo, ["c1", "c2"])
-            time.sleep(1.0)
-            _apply(topo, list(CLIENTS))
-            time.sleep(1.0)
-            wait_for(lambda: not open_requests(source), DEADLINE, "the full syncs carried out, writers writing")
-            time.sleep(0.5)
-        settle(source, sinks, writers, tmp_path, "sync.log")
-        assert proc.poll() is None, "lr sync still streams"
-    finally:
-        stop(proc)
-    check(source, sinks, writers, {("site-b", "c0"), ("site-c", "c0")})
-    no_traceback(tmp_path, "sync.log")
-
-
-@pytest.mark.slow
 def test_a_client_added_to_the_stream_while_a_full_sync_is_asked_for_another(lr_sites, tmp_path, monkeypatch):
     source, *sinks = lr_sites
     topo = topology_file(tmp_path, lr_sites, monkeypatch)
@@ -451,4 +429,44 @@ def test_every_session_of_many_asked_a_full_sync_at_once_while_streaming_and_a_s
     finally:
         stop(proc)
     check(source, sinks, writers, {(s.site_id, c) for s in sinks for c in MANY}, clients=MANY)
+    no_traceback(tmp_path, "sync.log")
+
+
+@pytest.mark.slow
+def test_a_session_removed_while_its_table_snapshot_is_written_then_added_back_gets_the_table_whole(
+    lr_sites, tmp_path, monkeypatch
+):
+    """Client c0's sessions are removed by `lr topology apply` while its forced full sync's table
+    snapshot is in site-b's open transaction, and added back a second later: the apply does not wait
+    for the snapshot, `lr sync` lets the session go and takes it up again, and the tables end whole."""
+    source, *sinks = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    items(source)
+    bulk(source)
+    proc = lr_sync(topo, tmp_path / "sync.log")
+    try:
+        wait_for(lambda: streaming(source) == 6, DEADLINE, "every session streaming")
+        with RefusedWriters(source) as writers:
+            time.sleep(0.3)
+            assert cli.main(["full-sync", "--topology", topo, "--sink", "site-b", "--client", "c0"]) == 0
+            copying(sinks[0])
+            started = time.monotonic()
+            _apply(topo, ["c1", "c2"])
+            assert time.monotonic() - started < 15, "the apply waited for the snapshot"
+            time.sleep(1.0)
+            _apply(topo, list(CLIENTS))
+            wait_for(lambda: not open_requests(source), DEADLINE, "the full sync carried out, writers writing")
+            time.sleep(0.5)
+        settle(
+            source,
+            sinks,
+            writers,
+            tmp_path,
+            "sync.log",
+            extra=lambda: all(rows(s, "public.bulk") == rows(source, "public.bulk") for s in sinks),
+        )
+        assert proc.poll() is None, "lr sync still streams"
+    finally:
+        stop(proc)
+    check(source, sinks, writers, {("site-b", "c0")})
     no_traceback(tmp_path, "sync.log")
