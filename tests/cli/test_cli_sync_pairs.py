@@ -10,7 +10,8 @@ on one source, two sinks and three clients (client c0 also carrying the federate
 * a client added to the running stream and a full sync asked for another at the same moment;
 * the topology file edited (a client added) and applied a while later, `lr sync` running;
 * `lr sync` SIGKILLed while a table's full sync is written, and started again;
-* a full sync asked for all 18 sessions of nine clients at once, a sink restarting.
+* a full sync asked for all 18 sessions of nine clients at once, a sink restarting;
+* a planned switchover while a table snapshot is written, its file written over the one `lr sync` follows.
 
 Every one ends with the same checks, within a stated deadline: every sink's table equals the
 source's, every payload at every sink once and in order (a session that took a full sync: its
@@ -469,4 +470,37 @@ def test_a_session_removed_while_its_table_snapshot_is_written_then_added_back_g
     finally:
         stop(proc)
     check(source, sinks, writers, {("site-b", "c0")})
+    no_traceback(tmp_path, "sync.log")
+
+
+@pytest.mark.slow
+def test_a_switchover_while_a_table_snapshot_is_written_under_lr_sync_leaves_every_site_with_the_table(
+    lr_sites, tmp_path, monkeypatch
+):
+    """`lr failover --promote site-b` (planned: site-a up) while a forced full sync's table snapshot
+    is in site-c's open transaction, the failover's topology written over the file `lr sync`
+    follows: `lr sync` goes on from site-b without a restart, and every site ends with the table."""
+    source, sink_b, sink_c = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    items(source)
+    bulk(source)
+    proc = lr_sync(topo, tmp_path / "sync.log")
+    try:
+        wait_for(lambda: streaming(source) == 6, DEADLINE, "every session streaming")
+        with SwappingWriters(source):
+            time.sleep(1.0)
+        assert cli.main(["full-sync", "--topology", topo, "--client", "c0", "--sink", "site-c"]) == 0
+        copying(sink_c)
+        assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--out", topo]) == 0
+        for table in ("public.items", "public.bulk"):
+            wait_for(
+                lambda t=table: rows(sink_c, t) == rows(sink_b, t) == rows(source, t),
+                DEADLINE,
+                f"{table} at every site",
+            )
+        wait_for(lambda: streaming(sink_b) == 6, DEADLINE, "site-b's sessions streaming")
+        assert proc.poll() is None, "lr sync still streams"
+        assert open_requests(source) == open_requests(sink_b) == []
+    finally:
+        stop(proc)
     no_traceback(tmp_path, "sync.log")
