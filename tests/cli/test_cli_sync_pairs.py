@@ -498,7 +498,13 @@ def test_a_switchover_while_a_table_snapshot_is_written_under_lr_sync_leaves_eve
                 DEADLINE,
                 f"{table} at every site",
             )
-        wait_for(lambda: streaming(sink_b) == 6, DEADLINE, "site-b's sessions streaming")
+        try:
+            wait_for(lambda: streaming(sink_b) == 6, DEADLINE, "site-b's sessions streaming")
+        except AssertionError as exc:
+            sessions = sink_b.query(
+                "SELECT sink_site_id, client_name, state, lease_owner IS NOT NULL, last_error FROM lr.source_sessions"
+            )
+            raise AssertionError(f"{exc}: {sessions}\n{(tmp_path / 'sync.log').read_text()[-5000:]}") from None
         assert proc.poll() is None, "lr sync still streams"
         assert open_requests(source) == open_requests(sink_b) == []
     finally:
