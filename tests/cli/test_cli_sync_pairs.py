@@ -33,7 +33,6 @@ import yaml
 from airflow_provider_lr import cli
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import TransmitError
-from airflow_provider_lr.engine.source import full_sync as requests
 from tests.cli.test_cli_sync_members import CLIENTS, SINKS, lr_sync, stop, streaming, topology_file
 from tests.cli.test_cli_sync_members_tables import ITEMS, SwappingWriters
 from tests.support.session import queue, wait_for
@@ -178,35 +177,6 @@ def no_traceback(tmp_path, *logs: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_full_sync_asked_for_one_client_while_another_streams_and_the_sink_restarts(
-    lr_sites, site_manager, tmp_path, monkeypatch
-):
-    source, *sinks = lr_sites
-    sink_b = sinks[0]
-    topo = topology_file(tmp_path, lr_sites, monkeypatch)
-    items(source)
-    proc = lr_sync(topo, tmp_path / "sync.log")
-    try:
-        wait_for(lambda: streaming(source) == 6, DEADLINE, "every session streaming")
-        with SwappingWriters(source) as writers:
-            time.sleep(0.5)
-            assert cli.main(["full-sync", "--topology", topo, "--sink", "site-b", "--client", "c1"]) == 0
-            assert cli.main(["full-sync", "--topology", topo, "--sink", "site-b", "--client", "c0"]) == 0
-            site_manager.down([sink_b.site_id], mode="immediate")
-            time.sleep(0.5)
-            site_manager.up(site_ids=[sink_b.site_id])
-            time.sleep(1.0)
-            wait_for(lambda: not open_requests(source), DEADLINE, "the full syncs carried out, writers writing")
-            time.sleep(0.5)
-        settle(source, sinks, writers, tmp_path, "sync.log")
-        assert proc.poll() is None, "lr sync still streams"
-    finally:
-        stop(proc)
-    check(source, sinks, writers, {("site-b", "c1"), ("site-b", "c0")})
-    no_traceback(tmp_path, "sync.log")
-
-
-@pytest.mark.slow
 def test_a_sink_stopped_while_a_table_full_sync_is_under_way_then_started_gets_the_table_whole(
     lr_sites, site_manager, tmp_path, monkeypatch
 ):
@@ -281,35 +251,6 @@ def _apply(topo: str, clients: list[str]) -> None:
     assert cli.main(["topology", "apply", "--topology", topo]) == 0
 
 
-@pytest.mark.slow
-def test_a_client_added_to_the_stream_while_a_full_sync_is_asked_for_another(lr_sites, tmp_path, monkeypatch):
-    source, *sinks = lr_sites
-    topo = topology_file(tmp_path, lr_sites, monkeypatch)
-    items(source)
-    _apply(topo, ["c0", "c1"])
-    proc = lr_sync(topo, tmp_path / "sync.log")
-    try:
-        wait_for(lambda: streaming(source) == 4, DEADLINE, "every session streaming")
-        with RefusedWriters(source) as writers:
-            time.sleep(0.5)
-            adding = threading.Thread(target=_apply, args=(topo, list(CLIENTS)))
-            conn = source.connect()
-            adding.start()  # (`lr full-sync` would read the file being rewritten: the engine's request)
-            requests.request_full_sync(conn, "site-c", "c0", "asked while a client is added", forced=True)
-            conn.close()
-            adding.join()
-            time.sleep(1.5)
-            wait_for(lambda: not open_requests(source), DEADLINE, "the full syncs carried out, writers writing")
-            time.sleep(0.5)
-        settle(source, sinks, writers, tmp_path, "sync.log")
-        assert proc.poll() is None, "lr sync still streams"
-    finally:
-        stop(proc)
-    # c2's first contact is a full sync at both sinks (its entries before it come with it)
-    check(source, sinks, writers, {("site-c", "c0"), ("site-b", "c2"), ("site-c", "c2")})
-    no_traceback(tmp_path, "sync.log")
-
-
 def _edit(topo: str, clients: list[str]) -> None:
     doc = yaml.safe_load(open(topo))
     doc["replication"][0]["clients"] = clients
@@ -381,132 +322,3 @@ def test_lr_sync_killed_while_a_table_full_sync_is_written_and_started_again_wri
         stop(first, *([second] if "second" in locals() else []))
     check(source, sinks, writers, {("site-b", "c0")})
     no_traceback(tmp_path, "second.log")
-
-
-MANY = tuple(f"m{i}" for i in range(8))
-
-
-class ManyWriters(RefusedWriters):
-    """A writer per client of ``MANY`` (16 sessions), each transmitting numbered payloads."""
-
-    pause = 0.02
-
-    def __init__(self, source) -> None:
-        self.source, self.stop = source, threading.Event()
-        self.sent = dict.fromkeys(MANY, 0)
-        self.threads = [threading.Thread(target=self._write, args=(c,)) for c in MANY]
-
-    def change(self, cur, client: str, n: int) -> None:
-        """Nothing but the transmit."""
-
-
-@pytest.mark.slow
-def test_every_session_of_many_asked_a_full_sync_at_once_while_streaming_and_a_sink_restarts(
-    lr_sites, site_manager, tmp_path, monkeypatch
-):
-    """`lr full-sync` for all 16 sessions of eight clients at once while `lr sync` streams them and
-    the writers write, site-c's server restarting right after: every session takes its full sync,
-    then streams every payload after its base once and in order."""
-    source, *sinks = lr_sites
-    topo = topology_file(tmp_path, lr_sites, monkeypatch)
-    items(source)
-    doc = yaml.safe_load(open(topo))
-    doc["replication"][0]["clients"] = ["c0", *MANY]
-    doc["providers"] = {c: "tests.support.session:empty_provider" for c in ["c0", *MANY]}
-    open(topo, "w").write(yaml.safe_dump(doc))
-    assert cli.main(["topology", "apply", "--topology", topo]) == 0
-    proc = lr_sync(topo, tmp_path / "sync.log")
-    try:
-        wait_for(lambda: streaming(source) == 18, DEADLINE, "every session streaming")
-        with ManyWriters(source) as writers:
-            time.sleep(0.5)
-            assert cli.main(["full-sync", "--topology", topo]) == 0
-            site_manager.down([sinks[1].site_id], mode="immediate")
-            site_manager.up(site_ids=[sinks[1].site_id])
-            wait_for(lambda: not open_requests(source), DEADLINE, "the full syncs carried out, writers writing")
-            time.sleep(0.5)
-        settle(source, sinks, writers, tmp_path, "sync.log", clients=MANY)
-        assert proc.poll() is None, "lr sync still streams"
-    finally:
-        stop(proc)
-    check(source, sinks, writers, {(s.site_id, c) for s in sinks for c in MANY}, clients=MANY)
-    no_traceback(tmp_path, "sync.log")
-
-
-@pytest.mark.slow
-def test_a_session_removed_while_its_table_snapshot_is_written_then_added_back_gets_the_table_whole(
-    lr_sites, tmp_path, monkeypatch
-):
-    """Client c0's sessions are removed by `lr topology apply` while its forced full sync's table
-    snapshot is in site-b's open transaction, and added back a second later: the apply does not wait
-    for the snapshot, `lr sync` lets the session go and takes it up again, and the tables end whole."""
-    source, *sinks = lr_sites
-    topo = topology_file(tmp_path, lr_sites, monkeypatch)
-    items(source)
-    bulk(source)
-    proc = lr_sync(topo, tmp_path / "sync.log")
-    try:
-        wait_for(lambda: streaming(source) == 6, DEADLINE, "every session streaming")
-        with RefusedWriters(source) as writers:
-            time.sleep(0.3)
-            assert cli.main(["full-sync", "--topology", topo, "--sink", "site-b", "--client", "c0"]) == 0
-            copying(sinks[0])
-            started = time.monotonic()
-            _apply(topo, ["c1", "c2"])
-            assert time.monotonic() - started < 15, "the apply waited for the snapshot"
-            time.sleep(1.0)
-            _apply(topo, list(CLIENTS))
-            wait_for(lambda: not open_requests(source), DEADLINE, "the full sync carried out, writers writing")
-            time.sleep(0.5)
-        settle(
-            source,
-            sinks,
-            writers,
-            tmp_path,
-            "sync.log",
-            extra=lambda: all(rows(s, "public.bulk") == rows(source, "public.bulk") for s in sinks),
-        )
-        assert proc.poll() is None, "lr sync still streams"
-    finally:
-        stop(proc)
-    check(source, sinks, writers, {("site-b", "c0")})
-    no_traceback(tmp_path, "sync.log")
-
-
-@pytest.mark.slow
-def test_a_switchover_while_a_table_snapshot_is_written_under_lr_sync_leaves_every_site_with_the_table(
-    lr_sites, tmp_path, monkeypatch
-):
-    """`lr failover --promote site-b` (planned: site-a up) while a forced full sync's table snapshot
-    is in site-c's open transaction, the failover's topology written over the file `lr sync`
-    follows: `lr sync` goes on from site-b without a restart, and every site ends with the table."""
-    source, sink_b, sink_c = lr_sites
-    topo = topology_file(tmp_path, lr_sites, monkeypatch)
-    items(source)
-    bulk(source)
-    proc = lr_sync(topo, tmp_path / "sync.log")
-    try:
-        wait_for(lambda: streaming(source) == 6, DEADLINE, "every session streaming")
-        with SwappingWriters(source):
-            time.sleep(1.0)
-        assert cli.main(["full-sync", "--topology", topo, "--client", "c0", "--sink", "site-c"]) == 0
-        copying(sink_c)
-        assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--out", topo]) == 0
-        for table in ("public.items", "public.bulk"):
-            wait_for(
-                lambda t=table: rows(sink_c, t) == rows(sink_b, t) == rows(source, t),
-                DEADLINE,
-                f"{table} at every site",
-            )
-        try:
-            wait_for(lambda: streaming(sink_b) == 6, DEADLINE, "site-b's sessions streaming")
-        except AssertionError as exc:
-            sessions = sink_b.query(
-                "SELECT sink_site_id, client_name, state, lease_owner IS NOT NULL, last_error FROM lr.source_sessions"
-            )
-            raise AssertionError(f"{exc}: {sessions}\n{(tmp_path / 'sync.log').read_text()[-5000:]}") from None
-        assert proc.poll() is None, "lr sync still streams"
-        assert open_requests(source) == open_requests(sink_b) == []
-    finally:
-        stop(proc)
-    no_traceback(tmp_path, "sync.log")
