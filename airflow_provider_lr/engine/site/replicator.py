@@ -35,6 +35,7 @@ from airflow_provider_lr.engine.session.lease import Lease, new_owner_id
 from airflow_provider_lr.engine.session.membership import Membership
 from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, record_error
 from airflow_provider_lr.engine.session.settings import SessionSettings
+from airflow_provider_lr.engine.site.topology import runs_somewhere
 from airflow_provider_lr.engine.source.backlog import log_entry_backlog, session_backlogs
 from airflow_provider_lr.engine.source.full_sync import Provider, load_provider
 from airflow_provider_lr.engine.store import source_sessions
@@ -50,6 +51,7 @@ REST_AFTER = 5.0  # seconds a site's cycle connection may stay unused before ``r
 # seconds one session's cycle may move a full sync's transfer (or log-entry batches) before the next
 # session's turn: a full sync of millions no longer holds every other session's cycle (nor a stop)
 CYCLE_SLICE = 5.0
+FILE_RECHECK = 1.0  # seconds between looks at an edited topology file not applied yet (``_follow_file``)
 
 
 def _stamp(path: str | None) -> int | None:
@@ -99,6 +101,7 @@ class Replicator:
         self._given = sessions if sessions is not None else topology.sessions()
         self._follow = follow_file and sessions is None and bool(topology.path)
         self._file_stamp = _stamp(topology.path)
+        self._file_recheck = 0.0  # an edit no site runs yet: read again then (monotonic)
         self._working = list(self._given)  # what ``sessions`` said last
         self._conns: dict[str, psycopg2.extensions.connection] = {}
         self._silent: dict[str, str] = {}  # sites that made this turn wait for nothing (``_conn``), and why
@@ -136,16 +139,20 @@ class Replicator:
         """A long-running replicator (``lr sync``) follows its topology file: an edit that adds or
         removes sessions (applied to the sites with ``lr topology apply``) is taken up at the next
         turn, without a restart (it was not: a new client's sessions waited for one, a removed
-        one's failed again and again). One ``stat`` a turn: the file is read only when it changed."""
+        one's failed again and again). One ``stat`` a turn: the file is read only when it changed,
+        and followed once some site runs it (until the apply, the sites' topology goes on)."""
         if not self._follow:
             return
         stamp = _stamp(self.topology.path)
-        if stamp == self._file_stamp:
+        if stamp == self._file_stamp or time.monotonic() < self._file_recheck:
             return
-        self._file_stamp = stamp
         found = reread(self.topology)  # the topology itself while the file cannot be read
         if found.topology_config_id != self.topology.topology_config_id:
+            if not runs_somewhere(found, self.connect):  # edited, not applied yet: the sites run ours
+                self._file_recheck = time.monotonic() + FILE_RECHECK
+                return
             self.follow(found)
+        self._file_stamp = stamp
 
     def follow(self, topology: Topology) -> None:
         """Work ``topology``'s sessions from now on: new ones are taken up by the next cycle, the

@@ -83,6 +83,14 @@ def recorded_ids(
     return found
 
 
+def runs_somewhere(topology: Topology, connect: Callable[[str], psycopg2.extensions.connection]) -> bool:
+    """Whether some reachable site of ``topology`` runs it (or none can be read): the start's rule
+    (``topologies.unheld``), which a running ``lr sync`` waits for before it follows an edit of its
+    file. It followed at once: between the edit and ``lr topology apply`` every session was refused
+    and the stale-file check stopped the run."""
+    return topologies.unheld(topology, recorded_ids(topology, connect)) is None
+
+
 def failed_over_sources(topology: Topology, connect: Callable[[str], psycopg2.extensions.connection]) -> dict[str, str]:
     """Old source -> the site its clients now come from, as the reachable sites of ``topology`` say
     (``newest_moves``): what a drift's message needs to name a failover (read only once a drift was
