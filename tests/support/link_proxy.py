@@ -101,7 +101,11 @@ class LinkProxy:
             self.accepted += 1
             if self.stalled:
                 continue  # held open, never answered
-            server = socket.create_connection(self.target)
+            try:
+                server = socket.create_connection(self.target)
+            except OSError:  # the server is down: the client meets a closed link, the proxy lives on
+                client.close()
+                continue
             self._sockets.append(server)
             for s in (client, server):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
