@@ -13,7 +13,11 @@ acknowledges them: only a deadline above TCP notices), and new connections hang 
 ``stalled``; ``heal()`` lets new connections through again (the stalled ones stay dead, as a
 path's do after a partition); ``reset()`` closes them too. ``stall_answers()`` stalls only the way
 back on the connections open now: what a client sends still reaches the server, its answers never
-come (a call's answer lost, certainly: a timer's stall could come after the answer)."""
+come (a call's answer lost, certainly: a timer's stall could come after the answer).
+
+The link outlives its server: while the server is down, each connection through the link is
+closed at once (as a refused connect is), and once the server is back the next one goes through,
+so a test may restart a server behind a link (``test_link_proxy.py``)."""
 
 from __future__ import annotations
 
@@ -101,7 +105,11 @@ class LinkProxy:
             self.accepted += 1
             if self.stalled:
                 continue  # held open, never answered
-            server = socket.create_connection(self.target)
+            try:
+                server = socket.create_connection(self.target)
+            except OSError:  # the server is down: the client meets a closed link, the proxy lives on
+                client.close()
+                continue
             self._sockets.append(server)
             for s in (client, server):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
