@@ -11,7 +11,8 @@ from typing import TypeVar
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.db import conninfo, schema
+from airflow_provider_lr.engine.db import schema
+from airflow_provider_lr.engine.db.local_settings import catalog_path
 from airflow_provider_lr.engine.errors import one_line
 from airflow_provider_lr.engine.site import queue_report
 from airflow_provider_lr.engine.site.status_parts import (
@@ -106,7 +107,7 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
     session holds locked is said not read (``unread``), the rest shown. On an engine API caller's
     connection its reads search pg_catalog alone (``catalog_path``), as on lr's own: a schema of
     lookalike operators before pg_catalog on its path stood in for the built-ins they name."""
-    with conninfo.catalog_path(conn), short_lock_waits(conn):
+    with catalog_path(conn, "site_status"), short_lock_waits(conn):
         return _site_status(conn, site_id)
 
 
