@@ -97,7 +97,7 @@ def request_full_sync(
     open request under supply now (its transaction holds the row for as long as the provider takes,
     minutes for a large one) is not waited for: the next look at the session's open request
     cancels it (``open_request``). On a caller's connection, ``on_callers_connection``'s rule."""
-    reason = vocabulary.flattened_reason(reason)
+    reason = encoding.storable(conn, vocabulary.flattened_reason(reason))  # whatever the site's encoding
     try:
         with conn.cursor() as cur:
             if lease is not None and not source_sessions.lock_held(cur, sink, client, lease):
