@@ -97,6 +97,25 @@ def _set_back(conn: psycopg2.extensions.connection, path: str, entered_idle: boo
         pass
 
 
+@contextlib.contextmanager
+def whole_transactions(conn: psycopg2.extensions.connection) -> Iterator[None]:
+    """``conn`` out of autocommit mode for the block, set back after: for code that begins and ends
+    transactions of its own on a caller's connection (a full sync's supply), whose statements in
+    autocommit mode were each a transaction of their own."""
+    autocommit = conn.autocommit
+    if autocommit:
+        conn.autocommit = False
+    try:
+        yield
+    finally:
+        if autocommit and not conn.closed:
+            try:
+                conn.rollback()  # what the block left open (it commits what it keeps)
+                conn.autocommit = True
+            except psycopg2.Error:  # the connection is gone: the block's own error says why
+                pass
+
+
 def on_callers_connection(
     fn: Callable[Concatenate[psycopg2.extensions.connection, P], R],
 ) -> Callable[Concatenate[psycopg2.extensions.connection, P], R]:

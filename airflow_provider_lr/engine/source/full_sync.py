@@ -15,7 +15,6 @@ the split of the log at the base snapshot (guarantee 6 in docs/architecture.md):
 
 from __future__ import annotations
 
-import importlib
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -28,11 +27,12 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine import progress, vocabulary
 from airflow_provider_lr.engine.db import conninfo, encoding
-from airflow_provider_lr.engine.db.local_settings import on_callers_connection
+from airflow_provider_lr.engine.db.local_settings import on_callers_connection, whole_transactions
 from airflow_provider_lr.engine.errors import ConfigurationError, FullSyncError, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.source import closed_tables
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, commit_barrier
+from airflow_provider_lr.engine.source.loading import load_function
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogRecord
 from airflow_provider_lr.engine.source.log_writer import CLIENT_ID_OF, LogWriter
 from airflow_provider_lr.engine.store import source_sessions
@@ -411,19 +411,9 @@ class FullSyncContext:
 Provider = Callable[[FullSyncContext], None]
 
 
-def load_provider(target: str, what: str = "full-sync provider") -> Provider:
-    """A provider (or, as ``what`` says, another function) named ``package.module:function``."""
-    module_name, _, attr = target.partition(":")
-    try:
-        provider = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigurationError(
-            f"cannot load {what} {target!r}: {one_line(exc)} (it must be importable where lr runs: "
-            "install its package there or add it to PYTHONPATH)"
-        ) from exc
-    if not callable(provider):
-        raise ConfigurationError(f"{what} {target!r} is not callable")
-    return provider
+def load_provider(target: str) -> Provider:
+    """A client's full-sync provider, named ``package.module:function``."""
+    return load_function(target, "full-sync provider")
 
 
 def serve_full_sync_requests(
@@ -432,10 +422,19 @@ def serve_full_sync_requests(
     """Supply every pending request of the client's sessions (one transaction each), or only those of
     ``sink`` (a replicator's cycle supplies its own session's request, never one that another
     session, still streaming past its base, would apply later); returns the request ids supplied.
-    The connection must not be inside a transaction."""
+    The connection must be open and not inside a transaction; one in autocommit mode is taken out of
+    it meanwhile (each statement was a transaction of its own: the request named another than its
+    data's, which no sink could then find, and each supply failed again, for good)."""
     conn = client.conn
-    if conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
-        raise FullSyncError("serve_full_sync_requests needs a connection outside any transaction (commit first)")
+    if conn.closed or conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
+        state = "closed" if conn.closed else "inside a transaction (commit or roll back first)"
+        raise FullSyncError(f"serve_full_sync_requests needs an open connection outside any transaction: it is {state}")
+    with whole_transactions(conn):
+        return _serve(client, provider, max_requests, sink)
+
+
+def _serve(client: LogWriter, provider: Provider, max_requests: int | None, sink: str | None) -> list[str]:
+    conn = client.conn
     served: list[str] = []
     while max_requests is None or len(served) < max_requests:
         base, blocked = commit_barrier(conn)

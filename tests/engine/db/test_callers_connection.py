@@ -15,7 +15,8 @@ from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.source import full_sync, trim
 from airflow_provider_lr.engine.tables import registry
 from tests.guarantees.test_table_fidelity_streaming import lookalikes
-from tests.support.session import apply
+from tests.support.session import apply, queue, replicator
+from tests.support.tables import sync
 
 PATH = "lookalike,pg_catalog,public"
 # same-type operators the statements of these functions name, besides the shared list's
@@ -125,3 +126,25 @@ def test_a_failed_or_closed_connection_is_refused_at_once_naming_the_call(lr_sit
     conn.close()
     with pytest.raises(ConfigurationError, match="trim_mark: the connection is closed"):
         trim.trim_mark(conn)
+
+
+def test_a_client_on_an_autocommit_connection_supplies_full_syncs_the_sinks_apply(lr_sites):
+    """A full sync's supply is one transaction: its markers, the provider's messages and the request
+    marked supplied with that transaction's id. On a connection in autocommit mode each statement
+    was a transaction of its own: the request named the transaction of its UPDATE, no sink found
+    data there, every apply failed and each new supply failed the same way, for good. Now the supply
+    takes the connection out of autocommit mode meanwhile (and sets it back): the sinks apply it."""
+    source, sink_b, sink_c = lr_sites
+    topo = apply(lr_sites)
+    repl = replicator(topo, lr_sites)
+    sync(repl, cycles=2)  # each session asks its client for a full sync
+    conn = _callers(source)
+    conn.autocommit = True
+    try:
+        served = RoutingQueueClient(conn, "policy").serve_full_sync_requests(lambda ctx: ctx.transmit(b"state"))
+        assert len(served) == 2 and conn.autocommit is True and _path(conn) == PATH
+    finally:
+        conn.close()
+    sync(repl)
+    for sink in (sink_b, sink_c):
+        assert queue(sink) == [("start", ""), ("snap", "state"), ("end", "")], sink.site_id
