@@ -298,6 +298,8 @@ class LogWriter:
     def _insert(self, rows: list[tuple[int, list[int], bytes]]) -> int:
         """Insert rows made by ``_row``, in order, in the caller's transaction; returns the
         transaction's id (what a delivery ticket names: its commit position is drawn at commit)."""
+        if self.conn.autocommit and len(rows) > _PAGE_ROWS:  # one transaction, as on any other connection:
+            return self._insert_whole(rows)  # each page was one of its own, the ticket naming the last
         with self.conn.cursor() as cur:
             if len(rows) == 1 and self.prepared:
                 cur.execute(f"EXECUTE {PREPARED_INSERT} " + values_row(*rows[0], self.client_id))
@@ -307,3 +309,19 @@ class LogWriter:
                 page = rows[start : start + _PAGE_ROWS]
                 cur.execute(_INSERT + ",".join(values_row(*row, self.client_id) for row in page) + _RETURNING_TX)
             return int(cur.fetchone()[0])
+
+    def _insert_whole(self, rows: list[tuple[int, list[int], bytes]]) -> int:
+        """``_insert`` on a connection in autocommit mode of more rows than one statement writes: in
+        one transaction, committed (what autocommit does with each statement), then autocommit again."""
+        self.conn.autocommit = False
+        try:
+            tx = self._insert(rows)
+            self.conn.commit()
+            return tx
+        except BaseException:
+            if not self.conn.closed:  # lost: its own error says why
+                self.conn.rollback()
+            raise
+        finally:
+            if not self.conn.closed:
+                self.conn.autocommit = True

@@ -9,7 +9,7 @@ import psycopg2
 import psycopg2.extensions
 import pytest
 
-from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.source import full_sync, trim
@@ -20,7 +20,12 @@ from tests.support.tables import sync
 
 PATH = "lookalike,pg_catalog,public"
 # same-type operators the statements of these functions name, besides the shared list's
-EXTRA = (("<=", "bigint", "bigint"), ("<=", "bigint", "integer"), ("=", "uuid", "uuid"), ("<", "timestamptz", "timestamptz"))
+EXTRA = (
+    ("<=", "bigint", "bigint"),
+    ("<=", "bigint", "integer"),
+    ("=", "uuid", "uuid"),
+    ("<", "timestamptz", "timestamptz"),
+)
 
 
 def _plant(site) -> None:
@@ -148,3 +153,22 @@ def test_a_client_on_an_autocommit_connection_supplies_full_syncs_the_sinks_appl
     sync(repl)
     for sink in (sink_b, sink_c):
         assert queue(sink) == [("start", ""), ("snap", "state"), ("end", "")], sink.site_id
+
+
+def test_many_messages_transmitted_on_an_autocommit_connection_are_one_transaction_the_ticket_names(lr_sites):
+    """On a connection in autocommit mode, 2,500 messages (three statements of 1,000 rows) were
+    three transactions: the ticket named the last only, and a failure in a later statement kept
+    the earlier ones. Now they are one, as on any other connection."""
+    source = lr_sites[0]
+    apply(lr_sites)
+    conn = source.connect()
+    conn.autocommit = True
+    try:
+        many = [LRMessageWithDestinations(b"m%d" % i, ["site-b"]) for i in range(2500)]
+        ticket = RoutingQueueClient(conn, "policy").transmit_log_entry_messages(many)
+        assert conn.autocommit is True
+    finally:
+        conn.close()
+    assert source.query("SELECT count(*), array_agg(DISTINCT tx::text) FROM lr.log_entries") == [
+        (2500, [str(ticket.tx)])
+    ]
