@@ -95,6 +95,18 @@ def _destinations(destinations: Iterable[str]) -> tuple[str, ...]:
     return named
 
 
+def usable(conn: psycopg2.extensions.connection) -> None:
+    """``TransmitError`` for a closed connection or one whose transaction already failed (an earlier
+    statement's error: PostgreSQL ignores every statement until the rollback), before any write."""
+    if conn.closed:
+        raise TransmitError("the application's connection is closed: give an open one; nothing was written")
+    if conn.info.transaction_status == psycopg2.extensions.TRANSACTION_STATUS_INERROR:
+        raise TransmitError(
+            "the application's transaction has already failed (an earlier statement's error): roll it back "
+            "and redo its work; nothing was written"
+        )
+
+
 class LogWriter:
     """Writes one client's entries into the shared log, inside the caller's transaction.
 
@@ -121,6 +133,7 @@ class LogWriter:
                 "digits, '-' or '_' (not first), at most 63 characters"
             )
         require_counts(max_payload_bytes=max_payload_bytes)
+        usable(conn)
         self.conn = conn
         self.client_name = client_name
         self.max_payload_bytes = DEFAULT_MAX_PAYLOAD_BYTES
@@ -298,6 +311,7 @@ class LogWriter:
     def _insert(self, rows: list[tuple[int, list[int], bytes]]) -> int:
         """Insert rows made by ``_row``, in order, in the caller's transaction; returns the
         transaction's id (what a delivery ticket names: its commit position is drawn at commit)."""
+        usable(self.conn)
         if self.conn.autocommit and len(rows) > _PAGE_ROWS:  # one transaction, as on any other connection:
             return self._insert_whole(rows)  # each page was one of its own, the ticket naming the last
         with self.conn.cursor() as cur:

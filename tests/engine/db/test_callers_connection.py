@@ -10,7 +10,7 @@ import psycopg2.extensions
 import pytest
 
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
-from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.errors import ConfigurationError, TransmitError
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.source import full_sync, trim
 from airflow_provider_lr.engine.tables import registry
@@ -119,18 +119,27 @@ def test_a_full_sync_request_on_an_autocommit_connection_is_one_transaction_and_
 
 
 def test_a_failed_or_closed_connection_is_refused_at_once_naming_the_call(lr_sites):
+    """Before: PostgreSQL's "current transaction is aborted, commands ignored until end of
+    transaction block" or psycopg2's "connection already closed", from whichever statement came first."""
     source = lr_sites[0]
     apply(lr_sites)
     conn = source.connect()
+    client = RoutingQueueClient(conn, "policy")
     with conn.cursor() as cur, pytest.raises(psycopg2.Error):
         cur.execute("SELECT 1 / 0")
     with pytest.raises(ConfigurationError, match="request_full_sync: the connection's transaction has already failed"):
         full_sync.request_full_sync(conn, "site-b", "policy", "why")
+    with pytest.raises(TransmitError, match="transaction has already failed .*: roll it back"):
+        client.transmit_log_entry_message(b"lost?", ["site-b"])
+    with pytest.raises(TransmitError, match="transaction has already failed"):
+        RoutingQueueClient(conn, "policy")
     conn.rollback()
     assert full_sync.sessions_requested(conn) == set()  # nothing was done
     conn.close()
     with pytest.raises(ConfigurationError, match="trim_mark: the connection is closed"):
         trim.trim_mark(conn)
+    with pytest.raises(TransmitError, match="connection is closed"):
+        client.transmit_log_entry_messages([LRMessageWithDestinations(b"lost?", ["site-b"])])
 
 
 def test_a_client_on_an_autocommit_connection_supplies_full_syncs_the_sinks_apply(lr_sites):
