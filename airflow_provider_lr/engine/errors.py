@@ -230,6 +230,16 @@ def shown(value: object) -> str:
     return text[: SHOWN_CHARS - 1] + "…" + size
 
 
+SHOWN_VALUES = 10  # of a list a message quotes back
+
+
+def shown_all(values: list) -> str:
+    """Values the user gave, each ``shown``, the first ``SHOWN_VALUES`` of them and how many more:
+    100,000 unknown destinations came back whole (a message of a megabyte)."""
+    more = f" and {len(values) - SHOWN_VALUES} more" if len(values) > SHOWN_VALUES else ""
+    return ", ".join(map(shown, values[:SHOWN_VALUES])) + more
+
+
 def listing(items: object) -> str:
     """Names or figures for a message, without Python's brackets and quotes: ``site-a, site-b``,
     ``policy 85, audit 3`` (a mapping); ``none`` when empty."""

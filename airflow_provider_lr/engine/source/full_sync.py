@@ -423,8 +423,8 @@ def serve_full_sync_requests(
     ``sink`` (a replicator's cycle supplies its own session's request, never one that another
     session, still streaming past its base, would apply later); returns the request ids supplied.
     The connection must be open and not inside a transaction; one in autocommit mode is taken out of
-    it meanwhile (each statement was a transaction of its own: the request named another than its
-    data's, which no sink could then find, and each supply failed again, for good)."""
+    it meanwhile (each statement was its own transaction: the request named another than its data's,
+    no sink found that, each supply failed again)."""
     conn = client.conn
     if conn.closed or conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
         state = "closed" if conn.closed else "inside a transaction (commit or roll back first)"

@@ -17,7 +17,14 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.db.schema import site_identity
 from airflow_provider_lr.engine.db.topology_schema import valid_client_name
-from airflow_provider_lr.engine.errors import ConfigurationError, TransmitError, listing, require_counts, shown
+from airflow_provider_lr.engine.errors import (
+    ConfigurationError,
+    TransmitError,
+    listing,
+    require_counts,
+    shown,
+    shown_all,
+)
 from airflow_provider_lr.engine.source import moved
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store.topology import applied_document, applied_max_payload_bytes
@@ -91,7 +98,9 @@ def _destinations(destinations: Iterable[str]) -> tuple[str, ...]:
     if not named:
         raise TransmitError("destinations must be a non-empty list of site ids; nothing was written")
     if not all(isinstance(d, str) for d in named):
-        raise TransmitError(f"destinations must be site ids (strings), not {list(named)!r}; nothing was written")
+        raise TransmitError(
+            f"destinations must be site ids (strings), not [{shown_all(list(named))}]; nothing was written"
+        )
     return named
 
 
@@ -278,7 +287,7 @@ class LogWriter:
                     f"{elsewhere}; nothing was written"
                 )
             raise TransmitError(
-                f"unknown destination(s) {', '.join(map(shown, unknown))} for client {self.client_name!r} at source "
+                f"unknown destination(s) {shown_all(unknown)} for client {self.client_name!r} at source "
                 f"{self.source_site_id!r}: the topology replicates it to {sorted(self._tag_ids)} "
                 f"(edit the topology and run `lr topology apply`); nothing was written"
             )

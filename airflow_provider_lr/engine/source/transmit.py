@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from airflow_provider_lr.engine.db.local_settings import catalog_path
-from airflow_provider_lr.engine.errors import TransmitError
+from airflow_provider_lr.engine.errors import ConfigurationError, TransmitError, require_counts, shown
 from airflow_provider_lr.engine.source import delivery, full_sync
 from airflow_provider_lr.engine.source.backlog import Readiness, wait_until_ready
 from airflow_provider_lr.engine.source.delivery import Ticket
@@ -88,5 +88,13 @@ class RoutingQueueClient(LogWriter):
     def serve_full_sync_requests(self, provider: full_sync.Provider, max_requests: int | None = None) -> list[str]:
         """Supply the pending full-sync requests of this client's sessions with ``provider(ctx)``,
         which calls ``ctx.transmit(payload)`` per message; lr writes the start marker (with the base
-        snapshot) and the end marker. One transaction per request; returns the ids supplied."""
+        snapshot) and the end marker. One transaction per request; returns the ids supplied. A
+        ``provider`` that is not a function, or a ``max_requests`` not a whole number of at least 1,
+        is refused at once (the first was found out only once a request came, noted as its failure;
+        0 or -1 supplied nothing, silently)."""
+        require_counts(max_requests=max_requests)
+        if not callable(provider):
+            raise ConfigurationError(
+                f"the full-sync provider must be a function of the request's context (ctx), not {shown(provider)}"
+            )
         return full_sync.serve_full_sync_requests(self, provider, max_requests)
