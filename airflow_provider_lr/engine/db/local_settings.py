@@ -66,23 +66,23 @@ def catalog_path(conn: psycopg2.extensions.connection, what: str = "lr") -> Iter
         raise ConfigurationError(
             f"{what}: the connection's transaction has already failed; roll it back first (nothing was done)"
         )
-    entered_idle, autocommit = conn.info.transaction_status == _IDLE, conn.autocommit
-    with conn.cursor() as cur:
-        cur.execute(
-            "SELECT pg_catalog.current_setting('search_path'), pg_catalog.set_config('search_path', 'pg_catalog', false)"
-        )
-        path = cur.fetchone()[0]
-    if autocommit:
-        conn.autocommit = False
-    elif entered_idle:
-        conn.commit()
-    try:
-        yield
-    finally:
-        _set_back(conn, path, entered_idle, autocommit)
+    entered_idle = conn.info.transaction_status == _IDLE
+    with whole_transactions(conn):
+        with conn.cursor() as cur:
+            cur.execute(
+                "SELECT pg_catalog.current_setting('search_path'), "
+                "pg_catalog.set_config('search_path', 'pg_catalog', false)"
+            )
+            path = cur.fetchone()[0]
+        if entered_idle:
+            conn.commit()
+        try:
+            yield
+        finally:
+            _set_back(conn, path, entered_idle)
 
 
-def _set_back(conn: psycopg2.extensions.connection, path: str, entered_idle: bool, autocommit: bool) -> None:
+def _set_back(conn: psycopg2.extensions.connection, path: str, entered_idle: bool) -> None:
     try:
         status = conn.info.transaction_status
         if status == _FAILED or (entered_idle and status != _IDLE):
@@ -92,7 +92,6 @@ def _set_back(conn: psycopg2.extensions.connection, path: str, entered_idle: boo
             cur.execute("SELECT pg_catalog.set_config('search_path', %s, false)", (path,))
         if idle:  # else the caller's own transaction (a refusal inside it): its end decides
             conn.commit()
-        conn.autocommit = autocommit
     except psycopg2.Error:  # the connection is gone: the block's own error says why
         pass
 
