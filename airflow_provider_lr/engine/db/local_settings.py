@@ -4,6 +4,10 @@ Text that one site prints and another reads (a created table's defaults and cons
 COPY's values) must be printed and read under the same settings (DateStyle, IntervalStyle,
 search_path, ...): they are set local to the transaction for the work, in one round trip that
 also returns what they were, and set back after it, since the transaction goes on.
+
+On a connection lr did not open (an engine API caller's, an application's), the one rule for lr's
+statements is ``catalog_path`` (``on_callers_connection`` for a public function): pg_catalog alone
+for them, the caller's path set back after, whole transactions on an autocommit connection.
 """
 
 from __future__ import annotations

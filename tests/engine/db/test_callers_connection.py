@@ -10,8 +10,9 @@ import psycopg2.extensions
 import pytest
 
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
+from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.errors import ConfigurationError, TransmitError
-from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.site import roles, status, topology
 from airflow_provider_lr.engine.source import full_sync, trim
 from airflow_provider_lr.engine.tables import registry
 from tests.guarantees.test_table_fidelity_streaming import lookalikes
@@ -54,14 +55,16 @@ def _path(conn: psycopg2.extensions.connection) -> str:
 def test_every_public_engine_function_on_a_callers_connection_calls_no_lookalike_and_sets_its_path_back(lr_sites):
     """Before, only ``request_full_sync``, ``open_table`` and ``site_status`` were guarded: the other
     full-sync calls (``sessions_requested``, ``open_request``, ``outcome``...), the trims (whose
-    ``<=`` of positions decides what is deleted) and the tables' listings called the caller's
-    ``lookalike`` operators."""
+    ``<=`` of positions decides what is deleted), the tables' listings, a topology's apply, ``lr
+    init``'s ``init_site`` and the roles' grants called the caller's ``lookalike`` operators."""
     source = lr_sites[0]
-    apply(lr_sites)
+    topo = apply(lr_sites)
     RoutingQueueClient(conn := source.connect(), "policy").transmit_log_entry_message(b"x", ["site-b"])
     conn.commit()
     conn.close()
     _plant(source)
+    writer = f"lrt_{source.dbname}_writer"
+    source.query(f'CREATE ROLE "{writer}" LOGIN')
     conn = _callers(source)
     try:
         request = full_sync.request_full_sync(conn, "site-b", "policy", "asked by the application")
@@ -78,6 +81,11 @@ def test_every_public_engine_function_on_a_callers_connection_calls_no_lookalike
             "list_tables": lambda: registry.list_tables(conn),
             "list_copies": lambda: registry.list_copies(conn),
             "site_status": lambda: status.site_status(conn),
+            "apply_to_site": lambda: topology.apply_to_site(conn, topo, "site-a"),
+            "init_site": lambda: schema.init_site(conn, "site-a"),
+            "grant": lambda: roles.grant(conn, "writer", writer, ["policy"]),
+            "list_grants": lambda: roles.list_grants(conn),
+            "revoke": lambda: roles.revoke(conn, "writer", writer, ["policy"]),
         }
         failed = {}
         for name, call in calls.items():
