@@ -240,13 +240,16 @@ def shown_all(values: list) -> str:
     return ", ".join(map(shown, values[:SHOWN_VALUES])) + more
 
 
-def listing(items: object) -> str:
+def listing(items: object, at_most: int | None = None) -> str:
     """Names or figures for a message, without Python's brackets and quotes: ``site-a, site-b``,
-    ``policy 85, audit 3`` (a mapping); ``none`` when empty."""
+    ``policy 85, audit 3`` (a mapping); ``none`` when empty. ``at_most``: the first so many and how
+    many more (names the user gave, which may be many)."""
     if isinstance(items, dict):
         parts = [f"{k} {v}" for k, v in items.items()]
     elif isinstance(items, (str, bytes)):
         parts = [str(items)]
     else:
         parts = [str(i) for i in items]  # type: ignore[attr-defined]
+    if at_most is not None and len(parts) > at_most:
+        parts = parts[:at_most] + [f"and {len(parts) - at_most} more"]
     return ", ".join(parts) or "none"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeout, TransmitError, listing
+from airflow_provider_lr.engine.errors import SHOWN_VALUES, ConfigurationError, DeliveryTimeout, TransmitError, listing
 from airflow_provider_lr.engine.source import delivery
 from airflow_provider_lr.engine.source.log_reader import commit_barrier
 from airflow_provider_lr.engine.store import source_sessions
@@ -116,7 +116,7 @@ def wait_until_ready(
     unknown = sorted(set(destinations) - known)
     if unknown:
         raise ConfigurationError(
-            f"{listing(unknown)}: not sinks of client {client!r} at this site; its sinks are {listing(sorted(known))}"
+            f"{listing(unknown, SHOWN_VALUES)}: not sinks of client {client!r} at this site; its sinks are {listing(sorted(known))}"
         )
     noted, holders = commit_barrier(conn, timeout=timeout)
     if noted is None:
@@ -176,7 +176,7 @@ def delivery_target(
     unknown = sorted(set(destinations) - sinks)
     if unknown:
         raise ConfigurationError(
-            f"{listing(unknown)}: not sinks of {source!r} for client {client!r}; its sinks are {listing(sorted(sinks))}"
+            f"{listing(unknown, SHOWN_VALUES)}: not sinks of {source!r} for client {client!r}; its sinks are {listing(sorted(sinks))}"
         )
     regions = {topology.site(source).region, *(topology.site(s).region for s in (destinations or sinks))}
     if min_regions > len(regions):

@@ -12,7 +12,8 @@ from tests.support.session import apply
 
 def test_huge_lists_of_destinations_are_refused_in_a_short_message_and_a_bad_supply_at_once(lr_sites):
     """100,000 unknown destinations came back whole in the refusal (a message of a megabyte, in
-    every log line that quoted it), 100,000 destinations one of which is not a string too. A
+    every log line that quoted it), 100,000 destinations one of which is not a string too, and
+    100,000 unknown destinations to wait for. A
     full-sync supply given no function was found out only once a request came (noted as that
     request's failure), and ``max_requests=0`` or ``-1`` supplied nothing, silently."""
     source = lr_sites[0]
@@ -28,6 +29,9 @@ def test_huge_lists_of_destinations_are_refused_in_a_short_message_and_a_bad_sup
                 client.transmit_log_entry_message(b"x", destinations)
             assert len(str(refused.value)) < 500, len(str(refused.value))
         conn.rollback()
+        with pytest.raises(ConfigurationError, match="s0, s1, s10, .*, and 99990 more: not sinks of") as refused:
+            client.wait_until_ready([f"s{i}" for i in range(100_000)], timeout=1)
+        assert len(str(refused.value)) < 500, len(str(refused.value))
         for provider, max_requests, said in (
             (None, None, "the full-sync provider must be a function of the request's context \\(ctx\\), not None"),
             ("pkg.mod:provide", None, "not 'pkg.mod:provide'"),
