@@ -7,6 +7,7 @@ import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import ConfigurationError, TransmitError
+from airflow_provider_lr.engine.source import full_sync
 from tests.support.session import apply
 
 
@@ -40,6 +41,10 @@ def test_huge_lists_of_destinations_are_refused_in_a_short_message_and_a_bad_sup
         ):
             with pytest.raises(ConfigurationError, match=said):
                 client.serve_full_sync_requests(provider, max_requests)
+        for reason in (None, 5):  # an engine caller's request: a TypeError from inside lr
+            with pytest.raises(ConfigurationError, match=f"a full sync's reason is one line of text, not {reason!r}"):
+                full_sync.request_full_sync(conn, "site-b", "policy", reason)
         assert source.query("SELECT count(*) FROM lr.log_entries") == [(0,)]
+        assert source.query("SELECT count(*) FROM lr.full_sync_requests WHERE forced") == [(0,)]
     finally:
         conn.close()
