@@ -23,7 +23,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.db.conninfo import ConnInfo, resolve
 from airflow_provider_lr.engine.db.timeouts import Purpose
-from airflow_provider_lr.engine.errors import MalformedEntryError
+from airflow_provider_lr.engine.errors import ConfigurationError, MalformedEntryError, shown
 from airflow_provider_lr.engine.sink import receive, wakeup
 from airflow_provider_lr.engine.sink.delivery_transaction import delivery_connection
 from airflow_provider_lr.engine.sink.receive import DeliveryContext, DeliveryStats, Listener
@@ -109,6 +109,8 @@ class RoutingQueueSubscriber(DeliveryContext):
         """Deliver until ``stop`` is set: woken by NOTIFY ``lr_recv`` from the replicator's apply,
         with a full pass (discovery included) every ``poll_interval`` as a fallback. Returns the
         run's stats when stopped; stops within about 0.1 s plus any callback in progress."""
+        if stop is not None and not all(callable(getattr(stop, name, None)) for name in ("is_set", "wait")):
+            raise ConfigurationError(f"stop must be a threading.Event (set it to stop the run), not {shown(stop)}")
         stop = stop or threading.Event()
         stats = self.run_stats = DeliveryStats()  # live while it runs; added to ``stats`` at the end
         options = FollowOptions(self.batch_size, self.poll_interval, self.retry_interval, self.batch_bytes)

@@ -230,13 +230,26 @@ def shown(value: object) -> str:
     return text[: SHOWN_CHARS - 1] + "…" + size
 
 
-def listing(items: object) -> str:
+SHOWN_VALUES = 10  # of a list a message quotes back
+
+
+def shown_all(values: list) -> str:
+    """Values the user gave, each ``shown``, the first ``SHOWN_VALUES`` of them and how many more:
+    100,000 unknown destinations came back whole (a message of a megabyte)."""
+    more = f" and {len(values) - SHOWN_VALUES} more" if len(values) > SHOWN_VALUES else ""
+    return ", ".join(map(shown, values[:SHOWN_VALUES])) + more
+
+
+def listing(items: object, at_most: int | None = None) -> str:
     """Names or figures for a message, without Python's brackets and quotes: ``site-a, site-b``,
-    ``policy 85, audit 3`` (a mapping); ``none`` when empty."""
+    ``policy 85, audit 3`` (a mapping); ``none`` when empty. ``at_most``: the first so many and how
+    many more (names the user gave, which may be many)."""
     if isinstance(items, dict):
         parts = [f"{k} {v}" for k, v in items.items()]
     elif isinstance(items, (str, bytes)):
         parts = [str(items)]
     else:
         parts = [str(i) for i in items]  # type: ignore[attr-defined]
+    if at_most is not None and len(parts) > at_most:
+        parts = parts[:at_most] + [f"and {len(parts) - at_most} more"]
     return ", ".join(parts) or "none"

@@ -16,7 +16,7 @@ from enum import Enum
 
 from google.protobuf.message import DecodeError
 
-from airflow_provider_lr.engine.errors import ConfigurationError, is_control
+from airflow_provider_lr.engine.errors import ConfigurationError, is_control, shown
 from airflow_provider_lr.proto import lr_pb2
 
 # --- streams of the shared log (lr.log_entries.stream; V0008 CHECK (stream IN (1, 2, 3))) -------
@@ -235,6 +235,9 @@ def checked_reason(reason: object) -> str:
 
 def flattened_reason(reason: str) -> str:
     """A reason lr composes around another (a failover's, from an earlier request's): not refused
-    mid-way, but kept on one line, and short."""
+    mid-way, but kept on one line, and short. Text only (``request_full_sync(..., reason=None)``
+    failed with "'NoneType' object is not iterable")."""
+    if not isinstance(reason, str):
+        raise ConfigurationError(f"a full sync's reason is one line of text, not {shown(reason)}")
     reason = " ".join("".join(" " if is_control(c) else c for c in reason).split())
     return reason if len(reason) <= 2 * MAX_REASON_CHARS else reason[: 2 * MAX_REASON_CHARS - 3] + "..."

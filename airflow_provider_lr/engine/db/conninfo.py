@@ -238,37 +238,6 @@ def site_path(conn: psycopg2.extensions.connection) -> Iterator[None]:
         cur.execute("SELECT pg_catalog.set_config('search_path', 'pg_catalog', true)")
 
 
-@contextmanager
-def catalog_path(conn: psycopg2.extensions.connection) -> Iterator[None]:
-    """Between the application's transactions on its own connection (a delivery wait): lr's
-    statements in the block, which commit as they go, search pg_catalog alone, as on lr's own
-    connections; the connection's search_path is set back after. Nothing to do on one of lr's, nor
-    inside the application's transaction (the wait refuses it: commit first)."""
-    idle = conn.info.transaction_status == psycopg2.extensions.TRANSACTION_STATUS_IDLE
-    if getattr(conn, "site_path", None) is not None or not idle:
-        yield
-        return
-    with conn.cursor() as cur:
-        cur.execute(
-            "SELECT pg_catalog.current_setting('search_path'), pg_catalog.set_config('search_path', 'pg_catalog', false)"
-        )
-        path = cur.fetchone()[0]
-    if not conn.autocommit:
-        conn.commit()
-    try:
-        yield
-    finally:
-        try:
-            if not conn.autocommit:
-                conn.rollback()  # what the block left open (it commits what it keeps)
-            with conn.cursor() as cur:
-                cur.execute("SELECT pg_catalog.set_config('search_path', %s, false)", (path,))
-            if not conn.autocommit:
-                conn.commit()
-        except psycopg2.Error:  # the connection is gone: the block's own error says why
-            pass
-
-
 def connect_dsn(
     dsn: str, purpose: Purpose = Purpose.SESSION, timeouts: Timeouts | None = None, **overrides: Any
 ) -> psycopg2.extensions.connection:

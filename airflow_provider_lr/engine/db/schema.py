@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import psycopg2.errors
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.db.local_settings import on_callers_connection
 from airflow_provider_lr.engine.db.topology_schema import TEXT_RULES, valid_region, valid_site_id
 from airflow_provider_lr.engine.errors import SchemaError
 from airflow_provider_lr.engine.vocabulary import SCHEMA_LOCK_KEY
@@ -278,6 +279,7 @@ def _privilege_message(conn: psycopg2.extensions.connection, exc: Exception, wha
     return f"role {user!r} may not {what} on site {_where(conn)} ({detail}); {hint}"
 
 
+@on_callers_connection
 def init_site(conn: psycopg2.extensions.connection, site_id: str, region: str | None = None) -> MigrationResult:
     """Install or upgrade the schema and record the site's identity (refuses to rename a site).
     ``region``: None keeps the recorded one ('default' for a new site). On an installed site with

@@ -19,7 +19,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import LRError, error_line
 from airflow_provider_lr.engine.sink.receive import ReceiveQueueReader
-from airflow_provider_lr.engine.source.full_sync import load_provider
+from airflow_provider_lr.engine.source.loading import load_function
 
 DEFAULT_APPLY_BATCH = 5_000
 
@@ -38,7 +38,7 @@ ApplyFunction = Callable[[ApplyBatch], object]
 
 def load_apply_function(target: str) -> ApplyFunction:
     """``package.module:function`` (the same loader as full-sync providers)."""
-    return load_provider(target, "apply function")  # type: ignore[return-value]
+    return load_function(target, "apply function")
 
 
 class _Applier:

@@ -40,7 +40,7 @@ import psycopg2.extensions
 from google.protobuf.message import DecodeError
 
 from airflow_provider_lr.engine.db.encoding import storable
-from airflow_provider_lr.engine.errors import ConfigurationError, MalformedEntryError, one_line
+from airflow_provider_lr.engine.errors import ConfigurationError, MalformedEntryError, one_line, require_counts
 from airflow_provider_lr.engine.sink.delivery_transaction import DeliveryTransaction
 from airflow_provider_lr.engine.sink.queue_rows import unpack
 from airflow_provider_lr.engine.store import receive_queue
@@ -221,7 +221,10 @@ class ReceiveQueueReader:
         delivers runs in order until it is empty, a delivery fails, or the budget is spent
         (``max_messages`` entries, ``max_bytes`` bytes of payloads; a run takes at least one entry).
         Queues take turns run by run, so one long queue does not starve the others. ``skip``:
-        queues waiting to be retried."""
+        queues waiting to be retried. A budget not a whole number of at least 1 is refused
+        (``require_counts``): 1.5 failed mid-pass (IndexError), '5' as a TypeError, 0 or -1 delivered
+        nothing, silently, and True one entry."""
+        require_counts(max_messages=max_messages, max_bytes=max_bytes)
         report = PassReport()
         budget = max_messages if max_messages is not None else float("inf")
         byte_budget = max_bytes if max_bytes is not None else float("inf")

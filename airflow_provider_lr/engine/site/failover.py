@@ -52,7 +52,7 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine import vocabulary
-from airflow_provider_lr.engine.db.encoding import json_text
+from airflow_provider_lr.engine.db.encoding import json_text, storable
 from airflow_provider_lr.engine.db.topology_schema import Origin
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, SiteUnreachableError, listing
 from airflow_provider_lr.engine.faults import fault_point
@@ -341,7 +341,7 @@ def _promote(conn: psycopg2.extensions.connection, request: FailoverRequest, pla
                     base,
                     target.topology_config_id,
                     json.dumps(target.document),
-                    request.reason,
+                    storable(conn, request.reason),
                     json_text({"planned": plan.planned, "tables": tables, "diverged": plan.diverged}),
                 ),
             )

@@ -120,8 +120,9 @@ class StatusCollector(Collector):
                 trim.add_metric([site], st.trim_mark)
             unread.add_metric([site], len(st.unread))
             # a part not read gives no sample (its empty list is no "none"); its sessions not read,
-            # whether the site is a source (whose log can be held back) is not known either
-            if st.read(SESSIONS, HELD_BACK):
+            # whether the site is a source (whose log can be held back) is not known either; a site
+            # that is no source (a sink only) has no log to hold back: no sample, as for the lag
+            if st.read(SESSIONS, HELD_BACK) and any(s["role"] == "source" for s in st.sessions):
                 held.add_metric([site], len(st.held_back_by))
             if st.read(DIVERGED):
                 diverged.add_metric([site], len(st.diverged))

@@ -27,6 +27,7 @@ import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
 
+from airflow_provider_lr.engine.db.local_settings import on_callers_connection
 from airflow_provider_lr.engine.db.topology_schema import valid_client_name
 from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError, is_control, listing, one_line, shown
 from airflow_provider_lr.engine.store.topology import applied_document
@@ -397,6 +398,7 @@ def render(conn: psycopg2.extensions.connection, plan: Iterable[Statement]) -> l
     return [(s.shown or s.query).as_string(conn) + ";" for s in plan]
 
 
+@on_callers_connection
 def grant(
     conn: psycopg2.extensions.connection,
     kind: str,
@@ -411,6 +413,7 @@ def grant(
     return render(conn, plan)
 
 
+@on_callers_connection
 def revoke(conn: psycopg2.extensions.connection, kind: str, role: str, clients: Sequence[str] = ()) -> list[str]:
     """Take the rights of ``kind`` (for ``clients``) from ``role`` on this site; returns the SQL run."""
     plan = plan_revoke(conn, kind, role, clients)
@@ -418,6 +421,7 @@ def revoke(conn: psycopg2.extensions.connection, kind: str, role: str, clients: 
     return render(conn, plan)
 
 
+@on_callers_connection
 def reapply(conn: psycopg2.extensions.connection) -> list[str]:
     """Grant every recorded role again what its kinds need now: after an upgrade whose migrations
     added tables or columns a kind uses (``lr init`` calls it). Returns the roles refreshed."""
@@ -441,6 +445,7 @@ def reapply(conn: psycopg2.extensions.connection) -> list[str]:
     return sorted({r for r, _, _ in rows})
 
 
+@on_callers_connection
 def list_grants(conn: psycopg2.extensions.connection) -> list[RoleGrant]:
     """Every grant recorded on this site (as the owner sees them; another role sees its own)."""
     _require_roles_schema(conn)

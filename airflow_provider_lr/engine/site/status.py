@@ -11,7 +11,8 @@ from typing import TypeVar
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.db import conninfo, schema
+from airflow_provider_lr.engine.db import schema
+from airflow_provider_lr.engine.db.local_settings import catalog_path
 from airflow_provider_lr.engine.errors import one_line
 from airflow_provider_lr.engine.site import queue_report
 from airflow_provider_lr.engine.site.status_parts import (
@@ -52,6 +53,19 @@ from airflow_provider_lr.engine.vocabulary import (
 HEALTHY, DEGRADED, UNREACHABLE = 0, 1, 2
 REFUSED = 1  # a site's login may not read it: a refusal, as every lr command's (exit 1), health "refused"
 T = TypeVar("T")
+REQUESTS, DURABLE, QUEUES, TABLES = "full-sync requests", "durable position", "receive queues", "tables"
+# the parts each field of ``SiteStatus`` is read from (with the sessions, whether the site is a
+# source or a sink is known, and so whether the parts of one apply)
+_READ_FROM = {
+    "sessions": (SESSIONS,),
+    "full_sync_requests": (REQUESTS,),
+    "members": (MEMBERS,),
+    "held_back_by": (SESSIONS, HELD_BACK),
+    "durable": (SESSIONS, DURABLE),
+    "receive_queues": (SESSIONS, QUEUES),
+    "tables": (TABLES,),
+    "diverged": (DIVERGED,),
+}
 
 
 @dataclass
@@ -81,7 +95,8 @@ class SiteStatus:
     unread: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return {k: _jsonable(v) for k, v in asdict(self).items()}
+        """``lr status --json``'s site: a part not read is null (an empty list would say "none")."""
+        return {k: _jsonable(v) if self.read(*_READ_FROM.get(k, ())) else None for k, v in asdict(self).items()}
 
     def read(self, *parts: str) -> bool:
         """Whether every one of ``parts`` (``status_parts``' names) was read: an empty list of a part
@@ -106,7 +121,7 @@ def site_status(conn: psycopg2.extensions.connection, site_id: str | None = None
     session holds locked is said not read (``unread``), the rest shown. On an engine API caller's
     connection its reads search pg_catalog alone (``catalog_path``), as on lr's own: a schema of
     lookalike operators before pg_catalog on its path stood in for the built-ins they name."""
-    with conninfo.catalog_path(conn), short_lock_waits(conn):
+    with catalog_path(conn, "site_status"), short_lock_waits(conn):
         return _site_status(conn, site_id)
 
 
@@ -134,7 +149,7 @@ def _site_status(conn: psycopg2.extensions.connection, site_id: str | None) -> S
     result.trim_mark = part("trim mark", trim_mark)
     found = part(SESSIONS, lambda cur: sessions_of(cur, version))
     result.sessions, last_ok = found if found is not None else ([], None)
-    result.full_sync_requests = part("full-sync requests", open_requests) or []
+    result.full_sync_requests = part(REQUESTS, open_requests) or []
     result.members, registered = (part(MEMBERS, members_of) if version >= 20 else None) or ([], {})
     if last_ok is not None and any(s["role"] == "source" for s in result.sessions):
         live = read_part(conn, result.unread, "backlogs", lambda: session_backlogs(conn))  # not the last cycle's
@@ -156,7 +171,7 @@ def _site_status(conn: psycopg2.extensions.connection, site_id: str | None) -> S
                 s["waiting_for"] = waiting_for(s, request)
                 # a forced request: the session's sink takes a new full sync, whatever its state now
                 s["full_sync_requested"] = request["request_id"] if request and request["forced"] else None
-        result.durable = read_part(conn, result.unread, "durable position", lambda: durability(conn)) or {}
+        result.durable = read_part(conn, result.unread, DURABLE, lambda: durability(conn)) or {}
         held = read_part(conn, result.unread, HELD_BACK, lambda: holdback(conn)) or []
         result.held_back_by = [
             {"kind": h.kind, "pid": h.pid, "age_s": round(h.age_seconds, 1), "state": h.state, "gid": h.gid}
@@ -165,9 +180,9 @@ def _site_status(conn: psycopg2.extensions.connection, site_id: str | None) -> S
         ]
     if any(s["role"] == "sink" for s in result.sessions):
         queues = lambda: queue_report.receive_queues(conn)  # noqa: E731
-        result.receive_queues = read_part(conn, result.unread, "receive queues", queues) or []
+        result.receive_queues = read_part(conn, result.unread, QUEUES, queues) or []
     if version >= 8:
-        result.tables = read_part(conn, result.unread, "tables", lambda: tables(conn)) or []
+        result.tables = read_part(conn, result.unread, TABLES, lambda: tables(conn)) or []
     if version >= 10:
         diverged = read_part(conn, result.unread, DIVERGED, lambda: handover.diverged(conn)) or []
         result.diverged = [d.describe() for d in diverged]
@@ -446,9 +461,9 @@ def sites_as_dict(
             sites[site]["error"] = st
             continue
         data = st.as_dict()
-        for s in data["sessions"]:
+        for s in data["sessions"] or ():
             s["readiness"] = readiness(s, marks.get(s["source_site_id"]))
-        for t in data["tables"]:  # closed at its source (the registry row there, or a sink's copy)
+        for t in data["tables"] or ():  # closed at its source (the registry row there, or a sink's copy)
             t["closed"] = (
                 t["closed_here"] or (t["source"] if t["role"] == "sink" else t["source"] or site, t["table"]) in closed
             )

@@ -14,6 +14,7 @@ from datetime import datetime
 import psycopg2.errors
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.db.local_settings import catalog_path
 from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, TopologyMismatchError, one_line
 from airflow_provider_lr.engine.source.moved import refuse_moved_writers
@@ -169,7 +170,15 @@ def apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site
     the source of are removed; their sinks keep their data); then the writers of a client it
     sourced and does not now are refused (``source/moved``, in a transaction of its own). Commits
     unless ``commit`` is False (``apply_everywhere`` commits every site together): the caller then
-    commits and calls ``refuse_moved_writers``."""
+    commits and calls ``refuse_moved_writers``. Committing, on a caller's connection, under
+    ``catalog_path``'s rule (the caller's transaction goes on otherwise: lr's own connections only)."""
+    if commit:
+        with catalog_path(conn, "apply_to_site"):
+            return _apply_to_site(conn, topology, site_id, commit)
+    return _apply_to_site(conn, topology, site_id, commit)
+
+
+def _apply_to_site(conn: psycopg2.extensions.connection, topology: Topology, site_id: str, commit: bool) -> None:
     topology.site(site_id)
     mine = topology.sessions(source=site_id)
     try:

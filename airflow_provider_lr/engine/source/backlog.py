@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeout, listing
+from airflow_provider_lr.engine.errors import SHOWN_VALUES, ConfigurationError, DeliveryTimeout, TransmitError, listing
 from airflow_provider_lr.engine.source import delivery
 from airflow_provider_lr.engine.source.log_reader import commit_barrier
 from airflow_provider_lr.engine.store import source_sessions
@@ -100,7 +100,14 @@ def wait_until_ready(
     conn: psycopg2.extensions.connection, client: str, destinations: Sequence[str], timeout: float = 30.0
 ) -> list[Readiness]:
     """Return once every destination holds, safe, everything committed for ``client`` before this
-    call (a guard at the next position: Qpid's *ready*), or raise ``DeliveryTimeout``."""
+    call (a guard at the next position: Qpid's *ready*), or raise ``DeliveryTimeout``. Refused
+    inside a transaction (it commits as it goes: it committed the caller's work, which the caller
+    then could not roll back), as a ticket's wait is."""
+    if conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
+        raise TransmitError(
+            f"client {client!r}: commit (or roll back) the transaction before waiting until destinations are "
+            "ready (lr never commits for you); nothing was done"
+        )
     destinations = delivery.check_targets(destinations)
     delivery.check_timeout(timeout)
     if not destinations:
@@ -109,7 +116,7 @@ def wait_until_ready(
     unknown = sorted(set(destinations) - known)
     if unknown:
         raise ConfigurationError(
-            f"{listing(unknown)}: not sinks of client {client!r} at this site; its sinks are {listing(sorted(known))}"
+            f"{listing(unknown, SHOWN_VALUES)}: not sinks of client {client!r} at this site; its sinks are {listing(sorted(known))}"
         )
     noted, holders = commit_barrier(conn, timeout=timeout)
     if noted is None:
@@ -169,7 +176,7 @@ def delivery_target(
     unknown = sorted(set(destinations) - sinks)
     if unknown:
         raise ConfigurationError(
-            f"{listing(unknown)}: not sinks of {source!r} for client {client!r}; its sinks are {listing(sorted(sinks))}"
+            f"{listing(unknown, SHOWN_VALUES)}: not sinks of {source!r} for client {client!r}; its sinks are {listing(sorted(sinks))}"
         )
     regions = {topology.site(source).region, *(topology.site(s).region for s in (destinations or sinks))}
     if min_regions > len(regions):

@@ -15,7 +15,6 @@ the split of the log at the base snapshot (guarantee 6 in docs/architecture.md):
 
 from __future__ import annotations
 
-import importlib
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -28,11 +27,12 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine import progress, vocabulary
 from airflow_provider_lr.engine.db import conninfo, encoding
-from airflow_provider_lr.engine.db.local_settings import catalog_only
+from airflow_provider_lr.engine.db.local_settings import on_callers_connection, whole_transactions
 from airflow_provider_lr.engine.errors import ConfigurationError, FullSyncError, one_line
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.source import closed_tables
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, commit_barrier
+from airflow_provider_lr.engine.source.loading import load_function
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogRecord
 from airflow_provider_lr.engine.source.log_writer import CLIENT_ID_OF, LogWriter
 from airflow_provider_lr.engine.store import source_sessions
@@ -81,6 +81,7 @@ def _request(row: tuple) -> FullSyncRequest:
     return FullSyncRequest(*values)
 
 
+@on_callers_connection
 def request_full_sync(
     conn: psycopg2.extensions.connection,
     sink: str,
@@ -92,15 +93,13 @@ def request_full_sync(
 ) -> FullSyncRequest:
     """Record a full-sync request for the session (sink, client) on this source, cancelling any
     open one for the same session first. Commits. A replicator passes its ``lease``: the request is
-    made only while that lease is current (a stale one must not cancel its successor's sync).
-
-    An open request whose supply is running now (the supply's transaction holds its row, for as
-    long as the provider takes: minutes for a large one) is not waited for: the next look at the
-    session's open request cancels it (``open_request``)."""
-    reason = vocabulary.flattened_reason(reason)
+    made only while that lease is current (a stale one must not cancel its successor's sync). An
+    open request under supply now (its transaction holds the row for as long as the provider takes,
+    minutes for a large one) is not waited for: the next look at the session's open request
+    cancels it (``open_request``). On a caller's connection, ``on_callers_connection``'s rule."""
+    reason = encoding.storable(conn, vocabulary.flattened_reason(reason))  # whatever the site's encoding
     try:
         with conn.cursor() as cur:
-            catalog_only(cur)  # an engine API caller's connection: lr's statements, pg_catalog's operators
             if lease is not None and not source_sessions.lock_held(cur, sink, client, lease):
                 raise source_sessions.lost(cur, sink, client, lease)  # taken over, or removed from the topology
             if not source_sessions.exists(cur, sink, client):
@@ -128,6 +127,7 @@ def request_full_sync(
         raise
 
 
+@on_callers_connection
 def open_request(conn: psycopg2.extensions.connection, sink: str, client: str) -> FullSyncRequest | None:
     """The session's open (pending or supplied) request, newest first. Requests a newer one or a
     topology apply could not cancel while their supply ran (``close_superseded``) are closed first."""
@@ -159,6 +159,7 @@ def close_superseded(cur: psycopg2.extensions.cursor) -> None:
     )
 
 
+@on_callers_connection
 def sessions_requested(conn: psycopg2.extensions.connection, forced_only: bool = True) -> set[tuple[str, str]]:
     """(sink, client) of each session of this source with an open request, forced ones only unless
     told (a stream hands those back: negotiation acts on no other, so a stream handing a session
@@ -171,6 +172,7 @@ def sessions_requested(conn: psycopg2.extensions.connection, forced_only: bool =
     return found
 
 
+@on_callers_connection
 def get_request(conn: psycopg2.extensions.connection, request_id: str) -> FullSyncRequest | None:
     with conn.cursor() as cur:
         cur.execute(f"SELECT {_COLUMNS} FROM lr.full_sync_requests WHERE request_id = %s", (request_id,))
@@ -197,12 +199,8 @@ def request_for_sessions(
             conns[source] = connect(source)
             for key in (k for k in keys if k.source == source):
                 closed_tables.wait_for_closes(conns[source], key.sink, key.client, catch_up_wait)
-        return {
-            key: request_full_sync(conns[source], key.sink, key.client, reason, forced=True)
-            for source in sources
-            for key in keys
-            if key.source == source
-        }
+        ordered = sorted(keys, key=lambda k: k.source)  # a source's together, each in the order given
+        return {k: request_full_sync(conns[k.source], k.sink, k.client, reason, forced=True) for k in ordered}
     finally:
         for conn in conns.values():
             conn.close()
@@ -242,6 +240,7 @@ class RequestOutcome:
         return f"full sync {self.request.request_id} {self.request.status}" + (f": {self.note}" if self.note else "")
 
 
+@on_callers_connection
 def outcome(conn: psycopg2.extensions.connection, request_id: str) -> RequestOutcome | None:
     """The outcome of a request (``RequestOutcome``); None when there is no such request."""
     request = get_request(conn, request_id)
@@ -265,6 +264,7 @@ def outcome(conn: psycopg2.extensions.connection, request_id: str) -> RequestOut
     return RequestOutcome(request, Outcome.FAILED, note=request.note or "")
 
 
+@on_callers_connection
 def finish_request(
     conn: psycopg2.extensions.connection, request_id: str, status: str, note: str = "", unless_supplying: bool = False
 ) -> bool:
@@ -411,19 +411,9 @@ class FullSyncContext:
 Provider = Callable[[FullSyncContext], None]
 
 
-def load_provider(target: str, what: str = "full-sync provider") -> Provider:
-    """A provider (or, as ``what`` says, another function) named ``package.module:function``."""
-    module_name, _, attr = target.partition(":")
-    try:
-        provider = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigurationError(
-            f"cannot load {what} {target!r}: {one_line(exc)} (it must be importable where lr runs: "
-            "install its package there or add it to PYTHONPATH)"
-        ) from exc
-    if not callable(provider):
-        raise ConfigurationError(f"{what} {target!r} is not callable")
-    return provider
+def load_provider(target: str) -> Provider:
+    """A client's full-sync provider, named ``package.module:function``."""
+    return load_function(target, "full-sync provider")
 
 
 def serve_full_sync_requests(
@@ -432,10 +422,19 @@ def serve_full_sync_requests(
     """Supply every pending request of the client's sessions (one transaction each), or only those of
     ``sink`` (a replicator's cycle supplies its own session's request, never one that another
     session, still streaming past its base, would apply later); returns the request ids supplied.
-    The connection must not be inside a transaction."""
+    The connection must be open and not inside a transaction; one in autocommit mode is taken out of
+    it meanwhile (each statement was its own transaction: the request named another than its data's,
+    no sink found that, each supply failed again)."""
     conn = client.conn
-    if conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
-        raise FullSyncError("serve_full_sync_requests needs a connection outside any transaction (commit first)")
+    if conn.closed or conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
+        state = "closed" if conn.closed else "inside a transaction (commit or roll back first)"
+        raise FullSyncError(f"serve_full_sync_requests needs an open connection outside any transaction: it is {state}")
+    with whole_transactions(conn):
+        return _serve(client, provider, max_requests, sink)
+
+
+def _serve(client: LogWriter, provider: Provider, max_requests: int | None, sink: str | None) -> list[str]:
+    conn = client.conn
     served: list[str] = []
     while max_requests is None or len(served) < max_requests:
         base, blocked = commit_barrier(conn)

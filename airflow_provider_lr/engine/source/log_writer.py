@@ -17,7 +17,14 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.db.schema import site_identity
 from airflow_provider_lr.engine.db.topology_schema import valid_client_name
-from airflow_provider_lr.engine.errors import ConfigurationError, TransmitError, listing, require_counts, shown
+from airflow_provider_lr.engine.errors import (
+    ConfigurationError,
+    TransmitError,
+    listing,
+    require_counts,
+    shown,
+    shown_all,
+)
 from airflow_provider_lr.engine.source import moved
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store.topology import applied_document, applied_max_payload_bytes
@@ -91,8 +98,22 @@ def _destinations(destinations: Iterable[str]) -> tuple[str, ...]:
     if not named:
         raise TransmitError("destinations must be a non-empty list of site ids; nothing was written")
     if not all(isinstance(d, str) for d in named):
-        raise TransmitError(f"destinations must be site ids (strings), not {list(named)!r}; nothing was written")
+        raise TransmitError(
+            f"destinations must be site ids (strings), not [{shown_all(list(named))}]; nothing was written"
+        )
     return named
+
+
+def usable(conn: psycopg2.extensions.connection) -> None:
+    """``TransmitError`` for a closed connection or one whose transaction already failed (an earlier
+    statement's error: PostgreSQL ignores every statement until the rollback), before any write."""
+    if conn.closed:
+        raise TransmitError("the application's connection is closed: give an open one; nothing was written")
+    if conn.info.transaction_status == psycopg2.extensions.TRANSACTION_STATUS_INERROR:
+        raise TransmitError(
+            "the application's transaction has already failed (an earlier statement's error): roll it back "
+            "and redo its work; nothing was written"
+        )
 
 
 class LogWriter:
@@ -121,6 +142,7 @@ class LogWriter:
                 "digits, '-' or '_' (not first), at most 63 characters"
             )
         require_counts(max_payload_bytes=max_payload_bytes)
+        usable(conn)
         self.conn = conn
         self.client_name = client_name
         self.max_payload_bytes = DEFAULT_MAX_PAYLOAD_BYTES
@@ -265,7 +287,7 @@ class LogWriter:
                     f"{elsewhere}; nothing was written"
                 )
             raise TransmitError(
-                f"unknown destination(s) {', '.join(map(shown, unknown))} for client {self.client_name!r} at source "
+                f"unknown destination(s) {shown_all(unknown)} for client {self.client_name!r} at source "
                 f"{self.source_site_id!r}: the topology replicates it to {sorted(self._tag_ids)} "
                 f"(edit the topology and run `lr topology apply`); nothing was written"
             )
@@ -298,6 +320,9 @@ class LogWriter:
     def _insert(self, rows: list[tuple[int, list[int], bytes]]) -> int:
         """Insert rows made by ``_row``, in order, in the caller's transaction; returns the
         transaction's id (what a delivery ticket names: its commit position is drawn at commit)."""
+        usable(self.conn)
+        if self.conn.autocommit and len(rows) > _PAGE_ROWS:  # one transaction, as on any other connection:
+            return self._insert_whole(rows)  # each page was one of its own, the ticket naming the last
         with self.conn.cursor() as cur:
             if len(rows) == 1 and self.prepared:
                 cur.execute(f"EXECUTE {PREPARED_INSERT} " + values_row(*rows[0], self.client_id))
@@ -307,3 +332,19 @@ class LogWriter:
                 page = rows[start : start + _PAGE_ROWS]
                 cur.execute(_INSERT + ",".join(values_row(*row, self.client_id) for row in page) + _RETURNING_TX)
             return int(cur.fetchone()[0])
+
+    def _insert_whole(self, rows: list[tuple[int, list[int], bytes]]) -> int:
+        """``_insert`` on a connection in autocommit mode of more rows than one statement writes: in
+        one transaction, committed (what autocommit does with each statement), then autocommit again."""
+        self.conn.autocommit = False
+        try:
+            tx = self._insert(rows)
+            self.conn.commit()
+            return tx
+        except BaseException:
+            if not self.conn.closed:  # lost: its own error says why
+                self.conn.rollback()
+            raise
+        finally:
+            if not self.conn.closed:
+                self.conn.autocommit = True

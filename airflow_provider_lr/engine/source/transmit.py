@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from airflow_provider_lr.engine.db import conninfo
-from airflow_provider_lr.engine.errors import TransmitError
+from airflow_provider_lr.engine.db.local_settings import catalog_path
+from airflow_provider_lr.engine.errors import ConfigurationError, TransmitError, require_counts, shown
 from airflow_provider_lr.engine.source import delivery, full_sync
 from airflow_provider_lr.engine.source.backlog import Readiness, wait_until_ready
 from airflow_provider_lr.engine.source.delivery import Ticket
@@ -71,22 +71,30 @@ class RoutingQueueClient(LogWriter):
         Raises ``DeliveryTimeout`` naming the destinations that have not acknowledged, and
         ``ConfigurationError`` for a destination the entries did not name or a ``min_regions`` they
         can never reach. The entries are *delayed* (guarded) while it waits. See docs/delivery.md."""
-        with conninfo.catalog_path(self.conn):
+        with catalog_path(self.conn, "wait_until_safe"):
             return delivery.wait_until_safe(self.conn, ticket, destinations, min_regions, timeout)
 
     def wait_until_ready(self, destinations: Sequence[str], timeout: float = 30.0) -> list[Readiness]:
         """Return once every one of ``destinations`` holds, safe, everything this client committed
         before the call (the destination is *ready*), or raise ``DeliveryTimeout``."""
-        with conninfo.catalog_path(self.conn):
+        with catalog_path(self.conn, "wait_until_ready"):
             return wait_until_ready(self.conn, self.client_name, destinations, timeout)
 
     def delivery(self, ticket: Ticket) -> delivery.Delivery:
         """The ticket's state on each destination it named (new, delayed, safe), read now."""
-        with conninfo.catalog_path(self.conn):
+        with catalog_path(self.conn, "delivery"):
             return delivery.ticket_delivery(self.conn, ticket)
 
     def serve_full_sync_requests(self, provider: full_sync.Provider, max_requests: int | None = None) -> list[str]:
         """Supply the pending full-sync requests of this client's sessions with ``provider(ctx)``,
         which calls ``ctx.transmit(payload)`` per message; lr writes the start marker (with the base
-        snapshot) and the end marker. One transaction per request; returns the ids supplied."""
+        snapshot) and the end marker. One transaction per request; returns the ids supplied. A
+        ``provider`` that is not a function, or a ``max_requests`` not a whole number of at least 1,
+        is refused at once (the first was found out only once a request came, noted as its failure;
+        0 or -1 supplied nothing, silently)."""
+        require_counts(max_requests=max_requests)
+        if not callable(provider):
+            raise ConfigurationError(
+                f"the full-sync provider must be a function of the request's context (ctx), not {shown(provider)}"
+            )
         return full_sync.serve_full_sync_requests(self, provider, max_requests)

@@ -6,6 +6,9 @@
   commit barrier, and the data of full syncs still being transferred is kept.
 * Retention trim removes entries older than a limit whatever the sessions say; a session left
   behind the trim mark is sent back to a full sync by negotiation (``trim_mark > last processed``).
+
+On a caller's connection, each runs under ``on_callers_connection``'s rule: a schema of lookalike
+operators before pg_catalog on its path (a ``<=`` of bigints that says true) decided what was removed.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.db.lifting import lifted
+from airflow_provider_lr.engine.db.local_settings import on_callers_connection
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.source.commit_barrier import commit_barrier
 from airflow_provider_lr.engine.store import source_sessions
@@ -31,6 +35,7 @@ class TrimResult:
     commits_removed: int
 
 
+@on_callers_connection
 def trim_mark(conn: psycopg2.extensions.connection) -> int:
     with conn.cursor() as cur:
         cur.execute("SELECT trim_mark FROM lr.log_trim")
@@ -39,6 +44,7 @@ def trim_mark(conn: psycopg2.extensions.connection) -> int:
     return mark
 
 
+@on_callers_connection
 def safe_trim_mark(conn: psycopg2.extensions.connection) -> int | None:
     """The highest position every session has acknowledged (None when the barrier is held)."""
     barrier, _ = commit_barrier(conn)
@@ -50,6 +56,7 @@ def safe_trim_mark(conn: psycopg2.extensions.connection) -> int | None:
     return barrier if held is None else min(held, barrier)
 
 
+@on_callers_connection
 def trim(conn: psycopg2.extensions.connection, upto: int) -> TrimResult:
     """Remove every entry with a commit position <= ``upto`` (except data of full syncs still
     being transferred) and raise the trim mark; never lowers it. Commits. Runs as long as it takes
@@ -80,6 +87,7 @@ def trim(conn: psycopg2.extensions.connection, upto: int) -> TrimResult:
         raise
 
 
+@on_callers_connection
 def safe_trim(conn: psycopg2.extensions.connection) -> TrimResult | None:
     mark = safe_trim_mark(conn)
     return None if mark is None else trim(conn, mark)
@@ -99,6 +107,7 @@ def check_retention(keep_seconds: object) -> float:
     return float(keep_seconds)
 
 
+@on_callers_connection
 def retention_trim(conn: psycopg2.extensions.connection, keep_seconds: float) -> TrimResult | None:
     """Trim everything committed more than ``keep_seconds`` ago, lagging sessions or not. None only
     when a commit in flight holds the barrier; nothing that old: the trim mark as it is, 0 removed."""

@@ -27,7 +27,7 @@ import psycopg2.extensions
 from psycopg2 import sql
 
 from airflow_provider_lr.engine.db import schema
-from airflow_provider_lr.engine.db.local_settings import catalog_only
+from airflow_provider_lr.engine.db.local_settings import on_callers_connection
 from airflow_provider_lr.engine.errors import TableError
 from airflow_provider_lr.engine.source import closed_tables, moved
 from airflow_provider_lr.engine.tables import closed_notes
@@ -109,6 +109,7 @@ class HeldCopy:
         return f"{self.table} copy from {self.source_site_id} client={self.client_name}: {self.state}{rows}{shut}"
 
 
+@on_callers_connection
 def list_copies(conn: psycopg2.extensions.connection) -> list[HeldCopy]:
     """Every copy of a federated table this site holds as a sink, by name and source: ``lr tables
     list`` said "no tables registered" at a sink that held them, or called them federated."""
@@ -124,20 +125,19 @@ def list_copies(conn: psycopg2.extensions.connection) -> list[HeldCopy]:
 def _read_all(conn: psycopg2.extensions.connection, statement: str) -> list[tuple]:
     """The rows of ``statement``, its transaction ended (what ``lr tables list`` reads)."""
     with conn.cursor() as cur:
-        catalog_only(cur)
         cur.execute(statement)
         found = cur.fetchall()
     conn.rollback()
     return found
 
 
+@on_callers_connection
 def open_table(conn: psycopg2.extensions.connection, name: str, client: str, federated: bool = True) -> RegisteredTable:
     """Record ``name`` for ``client`` on this site and start (``federated``) or stop capturing it.
     One transaction; idempotent (re-opening a federated table as federated changes nothing)."""
     table = TableName.parse(name)
     try:
         with conn.cursor() as cur:
-            catalog_only(cur)  # an engine API caller's connection: lr's statements, pg_catalog's operators
             # FOR SHARE: a switchover's drain (FOR UPDATE) sees this table opened, or this sees it switched
             cur.execute("SELECT 1 FROM lr.clients WHERE client_name = %s FOR SHARE", (client,))
             if federated and cur.fetchone() is None:
@@ -174,6 +174,7 @@ def open_table(conn: psycopg2.extensions.connection, name: str, client: str, fed
         raise
 
 
+@on_callers_connection
 def close_table(conn: psycopg2.extensions.connection, name: str) -> RegisteredTable:
     """Stop replicating ``name`` from this site (the counterpart of PostgreSQL's ``ALTER PUBLICATION
     ... DROP TABLE``): its capture triggers are dropped and its registry row is kept, closed (no
@@ -183,7 +184,6 @@ def close_table(conn: psycopg2.extensions.connection, name: str) -> RegisteredTa
     table = TableName.parse(name)
     try:
         with conn.cursor() as cur:
-            catalog_only(cur)
             current = read(cur, table, lock=True)
             if current is None:
                 raise TableError(f"{table} is not registered on this site (lr tables list shows what is)")
@@ -393,6 +393,7 @@ def read(cur: psycopg2.extensions.cursor, table: TableName, lock: bool = False) 
     return None if row is None else RegisteredTable(TableName.parse(row[0]), *row[1:])
 
 
+@on_callers_connection
 def list_tables(conn: psycopg2.extensions.connection) -> list[RegisteredTable]:
     """Every table registered on this site, by name, and whether a copy federated onward from here
     was closed since (``closed_notes.CLOSED_ONWARD``)."""

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.sink import writes
 from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogBatch, LogRecord
 from airflow_provider_lr.engine.vocabulary import wakeup_payload
@@ -333,6 +334,35 @@ def test_subscriber_resolves_connection_ids_and_refuses_an_empty_client(lr_sites
     sub.close()
     with pytest.raises(Exception, match="client_name is required"):
         RoutingQueueSubscriber(sink_site.dsn, client_name="")
+
+
+def test_a_poll_budget_not_a_whole_number_of_at_least_one_is_refused_before_anything_is_delivered(lr_sites):
+    """``poll(max_messages=1.5)`` failed mid-pass (IndexError), ``'5'`` as a TypeError, ``0`` or
+    ``-1`` delivered nothing and said nothing, ``True`` delivered one entry; ``run(stop=True)``
+    failed with an AttributeError from inside lr."""
+    _, sink_site, _ = lr_sites
+    for n in range(3):
+        msg = lr_pb2.RoutingTableEntryMsg(type=lr_pb2.LOG_ENTRY_SYNC, opaque_payload=b"x=%d" % n)
+        insert_raw(sink_site, "site-x", lr_pb2.LOG_ENTRY_SYNC, msg.SerializeToString())
+    sub = RoutingQueueSubscriber(sink_site.dsn, client_name="policy")
+    listener = Recorder()
+    for budget in (
+        {"max_messages": 1.5},
+        {"max_messages": "5"},
+        {"max_messages": 0},
+        {"max_bytes": -1},
+        {"max_messages": True},
+    ):
+        ((name, value),) = budget.items()
+        with pytest.raises(ConfigurationError, match=f"{name} must be a whole number of at least 1, not {value!r}"):
+            sub.poll(listener, **budget)
+    assert listener.of("site-x") == [] and len(queue(sink_site, "site-x")) == 3
+    assert sub.poll(listener, max_messages=2) == 2 and sub.poll(listener, max_bytes=1) == 1
+    assert listener.of("site-x") == [("log", "x=0"), ("log", "x=1"), ("log", "x=2")]
+    for stop in (True, "stop"):  # an AttributeError ('bool' object has no attribute 'is_set') from inside lr
+        with pytest.raises(ConfigurationError, match=f"stop must be a threading.Event .*, not {stop!r}"):
+            sub.run(listener, stop=stop)
+    sub.close()
 
 
 def test_listener_may_stop_run_from_its_callback(lr_sites):

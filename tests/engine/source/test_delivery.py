@@ -281,6 +281,23 @@ def test_a_ticket_is_waited_on_only_after_its_commit(lr_sites):
     app.close()
 
 
+def test_waiting_until_ready_inside_the_applications_transaction_is_refused_and_commits_nothing(lr_sites):
+    """``wait_until_ready`` commits as it goes: called before the application's commit, it committed
+    the application's row and its transmit, which the application's rollback then could not undo."""
+    source, _, _ = lr_sites
+    _in_log_entry_sync(lr_sites)
+    app = App(source)
+    with app.conn.cursor() as cur:
+        cur.execute("INSERT INTO app_state VALUES ('uncommitted', 1)")
+    app.client.transmit_log_entry_message(b"uncommitted", ["site-b"])
+    with pytest.raises(TransmitError, match="commit .* before waiting until destinations are ready"):
+        app.client.wait_until_ready(["site-b"], timeout=1)
+    app.conn.rollback()
+    assert source.query("SELECT count(*) FROM app_state WHERE k = 'uncommitted'") == [(0,)]
+    assert source.query("SELECT count(*) FROM lr.log_entries WHERE message LIKE '%%uncommitted%%'") == [(0,)]
+    app.close()
+
+
 def _sites(regions: int, per_region: int) -> dict:
     sites = [{"id": f"s{r}-{i}", "region": f"region-{r}"} for r in range(regions) for i in range(per_region)]
     return {
