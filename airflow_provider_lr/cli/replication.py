@@ -123,8 +123,9 @@ class StaleWatch:
     at the new file. Now a refused cycle runs the start's check again (at most every
     ``STALE_CHECK_EVERY``) on the topology the run works (``repl.topology``, which follows its file
     once some site runs it): when no reachable site has run it, nor the file as it is now, for
-    ``STALE_FOR``, the run stops and exits as it would have at its start (``error``); when only some
-    do, it is said once and the others' sessions go on.
+    ``STALE_FOR`` (in a row: a session that gets past the handshake's check ends the spell), the
+    run stops and exits as it would have at its start (``error``); when only some do, it is said
+    once and the others' sessions go on.
 
     Two false alarms it raised: it checked the file as it is now alone, so while an operator's edit
     waited for ``lr topology apply``, a session refused for another reason (no such session at its
@@ -141,11 +142,10 @@ class StaleWatch:
         self._stale_since: float | None = None  # the first of the stale checks in a row (monotonic)
 
     def seen(self, reports: list[CycleReport]) -> None:
+        if any(r.skipped or r.decision not in ("", "refuse") for r in reports):
+            self._stale_since = None  # a session past the handshake's check: its source runs the topology
         refused = any(r.decision == "refuse" and not r.state for r in reports)  # before negotiation: the file
-        if not refused:  # every session of a stale topology is refused: this one is not (any more)
-            self._stale_since = None
-            return
-        if time.monotonic() - self._checked < STALE_CHECK_EVERY:
+        if not refused or time.monotonic() - self._checked < STALE_CHECK_EVERY:
             return
         self._checked = time.monotonic()
         try:

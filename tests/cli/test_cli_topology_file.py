@@ -5,6 +5,7 @@ no-op; and `lr full-sync` over any choice of sessions, waiting for whichever rep
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import yaml
@@ -202,7 +203,6 @@ def test_full_sync_wait_ends_at_its_bound_when_nobody_applies_the_request(lr_sit
     applied yet, that no replicator holds the session and its last error (it said only "pending", leaving a new user
     to guess that `lr sync` must run), and exits 1 at its bound. Its polls used to double to 5 s and sleep past the bound:
     1.5 s asked, 3 s taken (60 s asked, up to 65)."""
-    import time
 
     topo, app = _replicating(lr_sites, tmp_path, monkeypatch)
     capsys.readouterr()
@@ -389,13 +389,15 @@ def test_a_running_lr_sync_is_stopped_as_stale_only_when_neither_its_topology_no
         repl.close()
     refused = [r for r in reports if r.decision == "refuse"]
     assert len(refused) == 1 and "no session to 'site-b'" in refused[0].error, [r.error for r in reports]
+    negotiated = [r for r in reports if r.decision and r not in refused]  # site-c's: its source runs the topology
+    assert len(negotiated) == 1, [r.error for r in reports]
     assert repl.topology.topology_config_id == running.topology_config_id  # the edit is not followed
-    watch.seen(reports)
+    watch.seen(refused)
     assert watch.error is None and not stop.is_set(), watch.error
 
     # the edit applied, not followed yet (the replicator takes it at its next turn): not stale
     assert cli.main(["topology", "apply", "--topology", path]) == 0
-    watch.seen(reports)
+    watch.seen(refused)
     assert watch.error is None and not stop.is_set(), watch.error
 
     # the sites move to a topology that is in no file yet (a switchover, before it writes its --out)
@@ -403,17 +405,25 @@ def test_a_running_lr_sync_is_stopped_as_stale_only_when_neither_its_topology_no
     moved = tmp_path / "moved.yaml"
     moved.write_text(yaml.safe_dump({**doc, "settings": {"lease_seconds": 40}}))
     assert cli.main(["topology", "apply", "--topology", str(moved)]) == 0
-    monkeypatch.setattr(replication, "STALE_FOR", 60.0)
-    watch.seen(reports)
+    monkeypatch.setattr(replication, "STALE_FOR", 0.5)
+    watch.seen(refused)
     assert watch.error is None and not stop.is_set(), "stopped in the moment before the file is written"
     Path(path).write_text(moved.read_text())  # written: it runs
-    watch.seen(reports)
+    time.sleep(0.6)  # (the clock past STALE_FOR: its stale check above was not in a row with the next)
+    watch.seen(refused)
     assert watch.error is None and not stop.is_set(), watch.error
 
-    # stale for real: neither the run's topology nor its file runs anywhere, and stays so
+    # stale again later: counted from then (a session that negotiated meanwhile ended the last spell)
     Path(path).write_text(yaml.safe_dump(doc))
-    monkeypatch.setattr(replication, "STALE_FOR", 0.0)
-    watch.seen(reports)
+    watch.seen(refused)
+    time.sleep(0.6)
+    watch.seen(negotiated)
+    watch.seen(refused)
+    assert watch.error is None and not stop.is_set(), "a stale spell that ended counted in the next"
+
+    # stale for real: neither the run's topology nor its file runs anywhere, and stays so
+    time.sleep(0.6)
+    watch.seen(refused)
     assert stop.is_set() and watch.error is not None
     assert f"topology file {path} has id {running.topology_config_id}" in str(watch.error), str(watch.error)
     app.close()
