@@ -5,12 +5,14 @@ no-op; and `lr full-sync` over any choice of sessions, waiting for whichever rep
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import yaml
 
 from airflow_provider_lr import cli
 from airflow_provider_lr.cli import full_sync as full_sync_cli
+from airflow_provider_lr.cli import replication
 from airflow_provider_lr.cli.common import connector
 from airflow_provider_lr.engine.errors import SiteUnreachableError
 from airflow_provider_lr.engine.site import failover, topology
@@ -41,6 +43,7 @@ def test_after_a_failover_the_old_file_is_named_by_every_command(lr_sites, tmp_p
     site_a, site_b = lr_sites[:2]
     old, app = _replicating(lr_sites, tmp_path, monkeypatch)
     App(site_b).close()  # the new source's application (its table supplies its full syncs)
+    monkeypatch.setattr(replication, "STALE_FOR", 1.0)  # (10 s: the suite's time)
     # an `lr sync` streams with the old file while the failover runs: it retried its refused
     # sessions every 5 s forever; now it stops as it refuses the file at its start
     running: list[int] = []
@@ -200,7 +203,6 @@ def test_full_sync_wait_ends_at_its_bound_when_nobody_applies_the_request(lr_sit
     applied yet, that no replicator holds the session and its last error (it said only "pending", leaving a new user
     to guess that `lr sync` must run), and exits 1 at its bound. Its polls used to double to 5 s and sleep past the bound:
     1.5 s asked, 3 s taken (60 s asked, up to 65)."""
-    import time
 
     topo, app = _replicating(lr_sites, tmp_path, monkeypatch)
     capsys.readouterr()
@@ -353,4 +355,75 @@ def test_an_old_source_back_after_an_unplanned_failover_is_named_to_rejoin_not_t
     capsys.readouterr()
     cli.main(["status", "--topology", str(new)])
     assert "WARNING" not in capsys.readouterr().out
+    app.close()
+
+
+def test_a_running_lr_sync_is_stopped_as_stale_only_when_neither_its_topology_nor_its_file_has_run_for_a_while(
+    lr_sites, tmp_path, monkeypatch
+):
+    """`lr sync`'s stale-file check (a refused cycle runs the start's check again) stopped the run
+    (exit 1, "point --topology at the file the sites run") twice when it should not have:
+    * while the operator's edit of its file waited for `lr topology apply`, a session refused for
+      another reason (its source has no such session: here its row is gone) made it read the
+      edited file, which no site runs yet; the run works the topology the sites run;
+    * a planned switchover whose `--out` is the file `lr sync` follows applies the new topology to
+      the sites first and writes the file last: a check in between stopped the run. It ran with
+      every site's table complete, and no session streamed from the new source.
+    Now the check is of the topology the run works, spared when the file as it is now runs, and a
+    stale one stops the run once it has stayed stale ``STALE_FOR``."""
+    from airflow_provider_lr.engine.site.replicator import Replicator
+
+    monkeypatch.setattr(replication, "STALE_CHECK_EVERY", 0.0)
+    monkeypatch.setattr(replication, "STALE_FOR", 0.0)
+    path, app = _replicating(lr_sites, tmp_path, monkeypatch)
+    running = topologies.load(path)
+    stop = threading.Event()
+    repl = Replicator(running, connector(running), follow_file=True, stop=stop)
+    watch = replication.StaleWatch(repl, stop, None)
+    doc = yaml.safe_load(Path(path).read_text())
+    Path(path).write_text(yaml.safe_dump({**doc, "settings": {"lease_seconds": 30}}))  # edited, not applied
+    lr_sites[0].query("DELETE FROM lr.source_sessions WHERE sink_site_id = 'site-b'")
+    try:
+        reports = repl.run_cycle()
+    finally:
+        repl.close()
+    refused = [r for r in reports if r.decision == "refuse"]
+    assert len(refused) == 1 and "no session to 'site-b'" in refused[0].error, [r.error for r in reports]
+    negotiated = [r for r in reports if r.decision and r not in refused]  # site-c's: its source runs the topology
+    assert len(negotiated) == 1, [r.error for r in reports]
+    assert repl.topology.topology_config_id == running.topology_config_id  # the edit is not followed
+    watch.seen(refused)
+    assert watch.error is None and not stop.is_set(), watch.error
+
+    # the edit applied, not followed yet (the replicator takes it at its next turn): not stale
+    assert cli.main(["topology", "apply", "--topology", path]) == 0
+    watch.seen(refused)
+    assert watch.error is None and not stop.is_set(), watch.error
+
+    # the sites move to a topology that is in no file yet (a switchover, before it writes its --out)
+    Path(path).write_text(yaml.safe_dump(doc))  # (the run's own topology again)
+    moved = tmp_path / "moved.yaml"
+    moved.write_text(yaml.safe_dump({**doc, "settings": {"lease_seconds": 40}}))
+    assert cli.main(["topology", "apply", "--topology", str(moved)]) == 0
+    monkeypatch.setattr(replication, "STALE_FOR", 0.5)
+    watch.seen(refused)
+    assert watch.error is None and not stop.is_set(), "stopped in the moment before the file is written"
+    Path(path).write_text(moved.read_text())  # written: it runs
+    time.sleep(0.6)  # (the clock past STALE_FOR: its stale check above was not in a row with the next)
+    watch.seen(refused)
+    assert watch.error is None and not stop.is_set(), watch.error
+
+    # stale again later: counted from then (a session that negotiated meanwhile ended the last spell)
+    Path(path).write_text(yaml.safe_dump(doc))
+    watch.seen(refused)
+    time.sleep(0.6)
+    watch.seen(negotiated)
+    watch.seen(refused)
+    assert watch.error is None and not stop.is_set(), "a stale spell that ended counted in the next"
+
+    # stale for real: neither the run's topology nor its file runs anywhere, and stays so
+    time.sleep(0.6)
+    watch.seen(refused)
+    assert stop.is_set() and watch.error is not None
+    assert f"topology file {path} has id {running.topology_config_id}" in str(watch.error), str(watch.error)
     app.close()
