@@ -361,12 +361,13 @@ class LRRunCheckOperator(BaseOperator):
             if others:
                 what.append(f"failed task(s): {', '.join(others)}")
             # the run's verdict, said above task by task: one ERROR line more, not a traceback
-            raise refuse(
-                self.log,
-                "the run",
-                "; ".join(what)
-                + " (the other sessions ran to completion; `lr status` shows each session's last_error)",
+            # no session to speak of (the task listing them failed): said so, not "the other sessions ran"
+            after = (
+                " (the other sessions ran to completion; `lr status` shows each session's last_error)"
+                if sessions
+                else " (no session was worked: see the failed task's log)"
             )
+            raise refuse(self.log, "the run", "; ".join(what) + after)
         self.log.info("all %d session(s) ran without failure", len(sessions))
         return {"sessions": len(sessions), "failed_sessions": [], "failed_tasks": []}
 

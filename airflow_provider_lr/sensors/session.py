@@ -12,7 +12,8 @@ from airflow.sdk.exceptions import AirflowException
 
 from airflow_provider_lr.engine.source.backlog import delivery_target
 from airflow_provider_lr.engine.source.full_sync import Outcome
-from airflow_provider_lr.operators.common import load_topology, site_connection
+from airflow_provider_lr.hooks.site import ConnectionMissing
+from airflow_provider_lr.operators.common import load_topology, refusals_final, refuse, site_connection
 from airflow_provider_lr.triggers.session import (
     LRDeliveredTrigger,
     LRFullSyncOutcomeTrigger,
@@ -40,6 +41,7 @@ class _LRSensor(BaseSensorOperator):
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("poke_interval", poll_interval)
+        kwargs.setdefault("retry_policy", refusals_final())  # a connection not defined: failed at once
         super().__init__(**kwargs)
         self.source, self.topology_path, self.deferrable = source, topology_path, deferrable
         self.poll_interval, self.max_poll_interval = poll_interval, max_poll_interval
@@ -54,8 +56,11 @@ class _LRSensor(BaseSensorOperator):
         return {"poll_interval": self.poll_interval, "max_poll_interval": self.max_poll_interval}
 
     def _check_now(self, trigger: _PollingTrigger) -> dict[str, Any] | None:
-        with site_connection(trigger.source_conn_id, self.source) as conn:
-            return trigger.check(conn)
+        try:
+            with site_connection(trigger.source_conn_id, self.source) as conn:
+                return trigger.check(conn)
+        except ConnectionMissing as exc:  # waiting would not define it: one ERROR line, no retry
+            raise refuse(self.log, self.task_id, f"source {self.source}: {exc}") from None
 
     def poke(self, context: Any) -> PokeReturnValue:
         event = self._check_now(self.build_trigger())
