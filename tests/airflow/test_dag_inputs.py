@@ -4,17 +4,28 @@ that cannot progress ends by its deadline, saying why (real sites, a real Airflo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
+from contextlib import closing
+from datetime import datetime, timedelta, timezone
 
+import psycopg2
 import pytest
+from airflow.sdk.exceptions import AirflowFailException
 
+from airflow_provider_lr.engine.session import lease
+from airflow_provider_lr.engine.site.replicator import Replicator, run_until_idle
+from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.operators.common import FinalRefusal, check_topology, session_dicts
 from airflow_provider_lr.operators.session import LRNegotiateOperator, LRRunCheckOperator
+from airflow_provider_lr.operators.snapshot_sync import LRSnapshotSyncOperator
 from airflow_provider_lr.operators.stream import LRStreamOperator
 from airflow_provider_lr.sensors import LRDeliveredSensor
+from airflow_provider_lr.triggers.session import LRDeliveredTrigger
 from tests.support.airflow_env import airflow_sites  # noqa: F401
+from tests.support.session import App, replicator, table_provider
 
 
 class _RunWhoseFirstTaskFailed:
@@ -64,3 +75,73 @@ def test_a_session_step_or_a_sensor_without_its_connection_is_refused_for_good(a
     sensor = LRDeliveredSensor(task_id="delivered", source="site-a", client="policy", position=1)
     with pytest.raises(FinalRefusal, match="delivered refused: source site-a: Airflow connection 'lr_site_a'"):
         sensor.execute({})
+
+
+def _sink_c_not_answering(airflow_sites) -> App:
+    """Both sessions past first contact; then a replicator cycle (as ``lr sync``'s) whose
+    connections to site-c are refused: that session fails, its last error recorded on the source."""
+    app = App(airflow_sites.site("site-a"))
+    app.put("k", 1, ["site-b", "site-c"])
+    first = replicator(airflow_sites.topology, airflow_sites.sites, providers={"policy": table_provider})
+    run_until_idle(first)
+    first.close()
+    dsns = {s.site_id: s.dsn for s in airflow_sites.sites}
+    down = dsns["site-c"].replace(f"port={airflow_sites.site('site-c').server.port}", "port=1")
+    assert down != dsns["site-c"]
+    app.put("k", 2, ["site-b", "site-c"])
+    failing = Replicator(
+        airflow_sites.topology,
+        lambda site_id: psycopg2.connect(down if site_id == "site-c" else dsns[site_id]),
+        providers={"policy": table_provider},
+    )
+    failing.run_cycle()
+    failing.close()
+    return app
+
+
+def test_a_wait_on_a_session_whose_sink_stopped_answering_ends_at_its_bound_saying_why(airflow_sites):
+    """The replicator holding site-c's session cannot reach site-c. lr_full_sync's step waiting for
+    its request, and a delivered sensor's trigger, end at their bound, each saying what is missing
+    and why: who holds the session and its last error. Before, they waited silently until Airflow's
+    deferral timeout (6 h for the step; ``dag.test`` ignores it: for ever) or failed saying only
+    'still waiting after ...'."""
+    app = _sink_c_not_answering(airflow_sites)
+    source = airflow_sites.site("site-a")
+    error = "its last error: OperationalError: connection to server at .* port 1 failed"
+    ticket = app.put("k", 3, ["site-b", "site-c"])
+    position = app.client.delivery(ticket).position
+    until = (datetime.now(timezone.utc) + timedelta(seconds=2)).isoformat()
+    trigger = LRDeliveredTrigger(
+        "lr_site_a", "site-a", "policy", position, ["site-c"], poll_interval=0.2, wait_until=until
+    )
+    event = asyncio.run(asyncio.wait_for(anext(trigger.run()), 30)).payload
+    assert event["status"] == "timeout", event
+    assert re.search(
+        rf"still waiting at {re.escape(until)}: position {position} not safe on \['site-c'\]: not acknowledged by "
+        rf"\['site-c'\].*; site-c; no replicator holds the session: run `lr sync` .*; {error}",
+        event["message"],
+    ), event
+
+    # a replicator holds site-c's session (its call to site-c hanging, say): the full sync's step waits for it
+    with closing(source.connect()) as conn:
+        held = lease.acquire(conn, "site-c", "policy", "lr-sync-elsewhere", 60)
+        assert held is not None
+    session = {**session_dicts(airflow_sites.topology, sink="site-c")[0]}
+    with closing(source.connect()) as conn:
+        session["request_id"] = full_sync.request_full_sync(conn, "site-c", "policy", "audit", forced=True).request_id
+    why = rf"the session is held by replicator lr-sync-elsewhere; {error}"
+    started = time.monotonic()
+    step = LRSnapshotSyncOperator(
+        task_id="snapshot_sync",
+        session=session,
+        wait_for_data=True,
+        deferrable=False,
+        poll_interval=0.2,
+        wait_timeout=timedelta(seconds=2),
+    )
+    with pytest.raises(AirflowFailException, match=rf"still waiting at .*: full sync .* not applied yet.*{why}"):
+        step.execute({})
+    assert time.monotonic() - started < 15
+
+    app.close()
+
