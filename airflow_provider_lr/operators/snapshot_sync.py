@@ -68,6 +68,7 @@ class LRSnapshotSyncOperator(SessionStepOperator):
         return (self.session or {}).get("request_id") if self.wait_for_data else None
 
     def execute(self, context: Any) -> dict[str, Any]:
+        self._complete_session()
         self._skip_unless_chosen()
         if self.request_id:
             done = self._outcome_now()
@@ -167,6 +168,7 @@ class LRSnapshotSyncOperator(SessionStepOperator):
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         """The client's data came (or not): carry on from where the wait began."""
+        self._complete_session()
         from airflow_provider_lr.triggers.session import TriggerStatus
 
         with self.runner() as runner:
@@ -182,6 +184,7 @@ class LRSnapshotSyncOperator(SessionStepOperator):
     def outcome_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         """The request was applied (by anyone), failed, or its session's lease was let go (then
         this step carries it out itself)."""
+        self._complete_session()
         from airflow_provider_lr.triggers.session import TriggerStatus
 
         name = self.session["session"]

@@ -145,3 +145,26 @@ def test_a_wait_on_a_session_whose_sink_stopped_answering_ends_at_its_bound_sayi
 
     app.close()
 
+
+def test_a_session_step_takes_a_session_by_name_or_ids_and_refuses_anything_else_for_good(airflow_sites):
+    """A step handed its session as ``lr status`` names it, or as a dict of its three ids (a user's
+    own DAG), runs on it; a name that is no session, a number or a session the topology lacks is
+    refused at once, named. Before: ``AttributeError: 'str' object has no attribute 'get'`` or
+    ``KeyError: 'source_conn_id'`` under a traceback, retried."""
+    app = App(airflow_sites.site("site-a"))
+    app.put("k", 1, ["site-b"])
+    decided = LRNegotiateOperator(task_id="decide", session="site-a->site-b/policy").execute({})
+    assert decided["branch"] == "snapshot_sync", decided
+    done = LRSnapshotSyncOperator(
+        task_id="snapshot_sync", session={"source": "site-a", "sink": "site-b", "client": "policy"}
+    ).execute({})
+    assert done["snapshot_messages"] > 0, done
+    refused = {
+        "site-a": "not a session (source->sink/client): 'site-a'",
+        42: "a session is a dict with source, sink and client, not 42",
+        "site-b->site-a/policy": "session site-b->site-a/policy is not in the topology",
+    }
+    for given, why in refused.items():
+        with pytest.raises(FinalRefusal, match=re.escape(f"session {given!r} refused: {why}")):
+            LRNegotiateOperator(task_id="decide", session=given).execute({})  # type: ignore[arg-type]
+    app.close()
