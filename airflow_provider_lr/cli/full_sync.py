@@ -23,7 +23,6 @@ from airflow_provider_lr.engine.errors import LRError, SiteUnreachableError, one
 from airflow_provider_lr.engine.session import lease
 from airflow_provider_lr.engine.site.failover_record import moved_on
 from airflow_provider_lr.engine.source import full_sync
-from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
@@ -147,19 +146,7 @@ def _who_works_on(sources: _Sources, keys: list[SessionKey]) -> dict[SessionKey,
 
 def _works_on(conn: psycopg2.extensions.connection, key: SessionKey) -> str:
     """What ``_who_works_on`` says of one session, on its source's connection."""
-    try:
-        owner = lease.holder(conn, key.sink, key.client)
-        with conn.cursor() as cur:
-            error = source_sessions.last_error(cur, key.sink, key.client)
-        conn.commit()
-    except (LRError, psycopg2.Error):  # the session or its source gone meanwhile: the outcome alone is said
-        if not conn.closed:
-            conn.rollback()
-        return ""
-    why = f"; its last error: {error}" if error else ""
-    if owner is None:
-        return "; no replicator holds the session: run `lr sync` (or unpause lr_streaming)" + why
-    return f"; the session is held by replicator {owner}" + why
+    return lease.works_on(conn, key.sink, key.client)
 
 
 def _wait_applied(sources: _Sources, requests: dict, timeout: float) -> dict:

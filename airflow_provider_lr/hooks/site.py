@@ -25,6 +25,21 @@ def as_dict(conn: Any) -> dict[str, Any]:
     }
 
 
+class ConnectionMissing(ConfigurationError):
+    """An Airflow connection a site is reached through is not defined where the task (or the
+    triggerer) runs. No retry mends it: lr's tasks fail at once on it (``operators/common``)."""
+
+
+def missing(conn_id: str) -> ConnectionMissing:
+    """What a user meets when ``conn_id`` is not defined: which connection, and where to define it.
+    Before, Airflow's ``The conn_id `lr_site_c` isn't defined`` under a traceback, retried."""
+    return ConnectionMissing(
+        f"Airflow connection {conn_id!r} is not defined: create it (Admin > Connections, type 'lr site', "
+        f"or AIRFLOW_CONN_{conn_id.upper()}, or your secrets backend) where the tasks and the triggerer "
+        "run, or fix the site's conn_id in the topology"
+    )
+
+
 class LRSiteHook(BaseHook):
     """A site's PostgreSQL, from an ``lr_site`` (or plain ``postgres``) connection.
 
@@ -50,14 +65,24 @@ class LRSiteHook(BaseHook):
 
     def connection_dict(self) -> dict[str, Any]:
         """The connection in Airflow's JSON form (secrets included: write it only to 0600 files)."""
-        return as_dict(self.get_connection(self.lr_conn_id))
+        from airflow.sdk.exceptions import AirflowNotFoundException
+
+        try:
+            return as_dict(self.get_connection(self.lr_conn_id))
+        except AirflowNotFoundException:
+            raise missing(self.lr_conn_id) from None
 
     def get_conninfo(self) -> conninfo.ConnInfo:
         return conninfo.from_airflow_dict(self.connection_dict(), self.lr_conn_id).with_timeouts(self.timeouts)
 
     async def aget_conninfo(self) -> conninfo.ConnInfo:
         """For triggers: resolve the connection without blocking the triggerer's event loop."""
-        conn = await self.aget_connection(self.lr_conn_id)
+        from airflow.sdk.exceptions import AirflowNotFoundException
+
+        try:
+            conn = await self.aget_connection(self.lr_conn_id)
+        except AirflowNotFoundException:
+            raise missing(self.lr_conn_id) from None
         return conninfo.from_airflow_dict(as_dict(conn), self.lr_conn_id).with_timeouts(self.timeouts)
 
     def get_conn(self) -> psycopg2.extensions.connection:

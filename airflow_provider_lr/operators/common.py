@@ -28,7 +28,7 @@ from airflow_provider_lr.engine.site import topology
 from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.engine.store.topology import Topology
 from airflow_provider_lr.engine.vocabulary import MAX_REASON_CHARS, SessionKey
-from airflow_provider_lr.hooks.site import LRSiteHook
+from airflow_provider_lr.hooks.site import ConnectionMissing, LRSiteHook
 from airflow_provider_lr.paths import spark_jobs_dir
 
 FANOUT_JOB = "lr_fanout.py"  # the Spark jobs in spark_jobs/ the operators submit
@@ -122,7 +122,14 @@ def connect_site(topo: Topology, site_id: str) -> psycopg2.extensions.connection
 def check_topology(topo: Topology, log: logging.Logger | Any, step: str, sites: Any = None) -> None:
     """Fail the task (``FinalRefusal``: one ERROR line, no retry) when a reachable site of ``sites``
     (default: all) runs another topology than the file the task read: a stale file, named, rather
-    than a failure elsewhere."""
+    than a failure elsewhere. A site whose Airflow connection is not defined here is refused first,
+    named: the check skipped it as unreachable, and the task failed later on Airflow's bare
+    ``The conn_id ... isn't defined``, under a traceback, after its retries."""
+    for site in sorted(topo.sites if sites is None else sites):
+        try:
+            LRSiteHook(lr_conn_id=topo.conn_id(site)).connection_dict()
+        except ConnectionMissing as exc:
+            raise refuse(log, step, f"site {site}: {exc}") from None
     try:
         topology.check_sites(topo, lambda site: connect_site(topo, site), sites)
     except TopologyMismatchError as exc:
@@ -242,6 +249,8 @@ def refusals_said(log: logging.Logger | Any, step: str) -> Iterator[None]:
     new source lacks, an unreachable sink) under a traceback through the engine."""
     try:
         yield
+    except ConnectionMissing as exc:  # no retry defines it: failed at once (``refusals_final``)
+        raise refuse(log, step, one_line(exc)) from None
     except LRError as exc:
         said = f"{step} refused: {one_line(exc)}"
         log.error("%s", said)

@@ -22,7 +22,7 @@ import psycopg2
 from airflow.sdk import BaseOperator, TriggerRule
 from airflow.sdk.exceptions import AirflowSkipException
 
-from airflow_provider_lr.engine.errors import error_line, require_counts
+from airflow_provider_lr.engine.errors import ConfigurationError, error_line, one_line, require_counts
 from airflow_provider_lr.engine.session import nearest_copy
 from airflow_provider_lr.engine.session.lease import new_owner_id
 from airflow_provider_lr.engine.session.negotiation import Decision
@@ -31,6 +31,7 @@ from airflow_provider_lr.engine.session.settings import SessionSettings
 from airflow_provider_lr.engine.site.failover_record import followed_outcome
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.source.full_sync import Outcome
+from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.operators import telemetry
 from airflow_provider_lr.operators.common import (
@@ -40,6 +41,7 @@ from airflow_provider_lr.operators.common import (
     refusals_final,
     refusals_said,
     refuse,
+    session_dict,
     session_dicts,
     session_key,
     site_connection,
@@ -136,6 +138,30 @@ class SessionStepOperator(BaseOperator):
         self.spark_conn_id = spark_conn_id
         # given an upstream's output: it resolves to None when that upstream failed (all_done branch)
         self.decision_expected = decision is not None
+
+    def _complete_session(self) -> None:
+        """The session as a task may be handed it: a dict of ``LRDiscoverSessionsOperator`` (or of
+        ``lr_full_sync``, with its ``request_id``), a dict naming only ``source``, ``sink`` and
+        ``client``, or its name ``source->sink/client`` (as ``lr status`` shows it), completed from
+        the topology with its sites' connection ids. Anything else, or a session the topology lacks,
+        is refused for good, named. Before, a name failed the task on ``AttributeError: 'str' object
+        has no attribute 'get'`` and a dict without connection ids on ``KeyError``, under tracebacks,
+        retried. Called at every entry point (a deferred step resumes in ``*_complete``)."""
+        given = self.session
+        if isinstance(given, dict) and {"session", "source_conn_id", "sink_conn_id"} <= set(given):
+            return
+        topo = load_topology(self.topology_path)
+        try:
+            if isinstance(given, str):
+                try:
+                    key = SessionKey.parse(given)
+                except ValueError as exc:
+                    raise ConfigurationError(str(exc)) from None
+                given = {"source": key.source, "sink": key.sink, "client": key.client}
+            key = session_key(topo, given)
+        except ConfigurationError as exc:
+            raise refuse(self.log, f"session {self.session!r}", one_line(exc)) from None
+        self.session = {**session_dict(topo, key), **given}
 
     def _skip_unless_chosen(self) -> None:
         if self.decision is None and self.decision_expected:
@@ -262,6 +288,7 @@ class LRNegotiateOperator(SessionStepOperator):
     ui_color = "#fff4d6"
 
     def execute(self, context: Any) -> dict[str, Any]:
+        self._complete_session()
         with self.runner() as runner:
             report = runner.negotiate_step()
         result = self._result(report)
@@ -286,6 +313,7 @@ class LRLogEntrySyncOperator(SessionStepOperator):
         return SessionSettings.from_topology(topo, max_batches=self.max_batches, max_entries=self.max_entries)
 
     def execute(self, context: Any) -> dict[str, Any]:
+        self._complete_session()
         self._skip_unless_chosen()
         with self.runner() as runner:
             report = runner.log_entry_step()
@@ -361,12 +389,13 @@ class LRRunCheckOperator(BaseOperator):
             if others:
                 what.append(f"failed task(s): {', '.join(others)}")
             # the run's verdict, said above task by task: one ERROR line more, not a traceback
-            raise refuse(
-                self.log,
-                "the run",
-                "; ".join(what)
-                + " (the other sessions ran to completion; `lr status` shows each session's last_error)",
+            # no session to speak of (the task listing them failed): said so, not "the other sessions ran"
+            after = (
+                " (the other sessions ran to completion; `lr status` shows each session's last_error)"
+                if sessions
+                else " (no session was worked: see the failed task's log)"
             )
+            raise refuse(self.log, "the run", "; ".join(what) + after)
         self.log.info("all %d session(s) ran without failure", len(sessions))
         return {"sessions": len(sessions), "failed_sessions": [], "failed_tasks": []}
 

@@ -20,6 +20,10 @@ from airflow_provider_lr.operators import telemetry
 from airflow_provider_lr.operators.common import SNAPSHOT_TRANSFER_JOB, site_conn_id, site_connection, site_connector
 from airflow_provider_lr.operators.session import SessionStepOperator
 
+# a bounded wait's trigger ends it at its ``wait_until``, saying why; Airflow's deferral timeout,
+# which fails the task without a word, comes this much later
+GRACE = timedelta(minutes=2)
+
 
 class LRSnapshotSyncOperator(SessionStepOperator):
     """Snapshot (full) sync of one session: request → wait for the client's data → transfer →
@@ -64,6 +68,7 @@ class LRSnapshotSyncOperator(SessionStepOperator):
         return (self.session or {}).get("request_id") if self.wait_for_data else None
 
     def execute(self, context: Any) -> dict[str, Any]:
+        self._complete_session()
         self._skip_unless_chosen()
         if self.request_id:
             done = self._outcome_now()
@@ -83,7 +88,7 @@ class LRSnapshotSyncOperator(SessionStepOperator):
                 report.skipped,
                 self.request_id,
             )
-            return self._wait(context, self._outcome_trigger(), self.wait_timeout, "outcome_complete")
+            return self._wait(context, self._outcome_trigger(), self.wait_timeout + GRACE, "outcome_complete")
         if report.waiting and self.wait_for_data:
             deadline = self._deadline(report.request_id)
             self.log.info(
@@ -110,14 +115,19 @@ class LRSnapshotSyncOperator(SessionStepOperator):
                 return {**result, **self.outcome_complete(context, done)}
         return result
 
-    def _polling(self) -> dict[str, float]:
-        return {"poll_interval": self.poll_interval, "max_poll_interval": self.max_poll_interval}
+    def _polling(self, bound: timedelta | None = None) -> dict[str, Any]:
+        """The triggers' polling; with ``bound``, the wait ends that long from now saying why
+        (``wait_until``), before Airflow's deferral timeout (``GRACE`` later) ends it without a word."""
+        polling: dict[str, Any] = {"poll_interval": self.poll_interval, "max_poll_interval": self.max_poll_interval}
+        if bound is not None:
+            polling["wait_until"] = (datetime.now(timezone.utc) + bound).isoformat()
+        return polling
 
     def _outcome_trigger(self) -> Any:
         from airflow_provider_lr.triggers.session import LRFullSyncOutcomeTrigger
 
         return LRFullSyncOutcomeTrigger(
-            self.session["source_conn_id"], str(self.request_id), lease_free=True, **self._polling()
+            self.session["source_conn_id"], str(self.request_id), lease_free=True, **self._polling(self.wait_timeout)
         )
 
     def _outcome_now(self) -> dict[str, Any] | None:
@@ -138,9 +148,14 @@ class LRSnapshotSyncOperator(SessionStepOperator):
         with site_connection(conn_id, site) as conn:
             pause = self.poll_interval
             while (event := trigger.check(conn)) is None:
+                if trigger.timed_out():  # its own bound, saying why (as the deferred wait does)
+                    event = trigger.timeout_event(conn)
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise AirflowException(f"session {self.session['session']}: still waiting after {timeout}")
+                    raise AirflowException(
+                        f"session {self.session['session']}: still waiting after {timeout}{trigger.why(conn)}"
+                    )
                 time.sleep(min(pause, left))  # the last look at the deadline, not a pause past it
                 pause = min(pause * 2, self.max_poll_interval)
         return getattr(self, method_name)(context, event)
@@ -153,6 +168,7 @@ class LRSnapshotSyncOperator(SessionStepOperator):
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         """The client's data came (or not): carry on from where the wait began."""
+        self._complete_session()
         from airflow_provider_lr.triggers.session import TriggerStatus
 
         if event.get("status") == TriggerStatus.CLOSED and self._moved():
@@ -180,6 +196,7 @@ class LRSnapshotSyncOperator(SessionStepOperator):
     def outcome_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         """The request was applied (by anyone), failed, or its session's lease was let go (then
         this step carries it out itself)."""
+        self._complete_session()
         from airflow_provider_lr.triggers.session import TriggerStatus
 
         name = self.session["session"]
@@ -218,6 +235,8 @@ class LRSnapshotSyncOperator(SessionStepOperator):
             raise AirflowFailException(f"session {name}: {said}")
         self.log.info("session %s: %s; waiting for it there", name, said)
         trigger = LRFullSyncOutcomeTrigger(
-            site_conn_id(site, [self.session]), request_id, lease_free=False, **self._polling()
+            site_conn_id(site, [self.session]), request_id, lease_free=False, **self._polling(self.wait_timeout)
         )
-        return self._wait(context, trigger, self.wait_timeout, "outcome_complete", at=(trigger.source_conn_id, site))
+        return self._wait(
+            context, trigger, self.wait_timeout + GRACE, "outcome_complete", at=(trigger.source_conn_id, site)
+        )

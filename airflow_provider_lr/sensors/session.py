@@ -4,15 +4,17 @@ triggerer with no worker slot held; ``deferrable=False`` pokes the same check fr
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
-from airflow.sdk.exceptions import AirflowException
+from airflow.sdk.exceptions import AirflowException, AirflowSensorTimeout
 
 from airflow_provider_lr.engine.source.backlog import delivery_target
 from airflow_provider_lr.engine.source.full_sync import Outcome
-from airflow_provider_lr.operators.common import load_topology, site_connection
+from airflow_provider_lr.hooks.site import ConnectionMissing
+from airflow_provider_lr.operators.common import load_topology, refusals_final, refuse, site_connection
+from airflow_provider_lr.operators.snapshot_sync import GRACE
 from airflow_provider_lr.triggers.session import (
     LRDeliveredTrigger,
     LRFullSyncOutcomeTrigger,
@@ -40,6 +42,7 @@ class _LRSensor(BaseSensorOperator):
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("poke_interval", poll_interval)
+        kwargs.setdefault("retry_policy", refusals_final())  # a connection not defined: failed at once
         super().__init__(**kwargs)
         self.source, self.topology_path, self.deferrable = source, topology_path, deferrable
         self.poll_interval, self.max_poll_interval = poll_interval, max_poll_interval
@@ -51,11 +54,22 @@ class _LRSensor(BaseSensorOperator):
         return load_topology(self.topology_path).conn_id(self.source)
 
     def _polling(self) -> dict[str, Any]:
-        return {"poll_interval": self.poll_interval, "max_poll_interval": self.max_poll_interval}
+        """The triggers' polling, bounded by the sensor's ``timeout``: past it the trigger ends the
+        wait saying what is still missing and why (``wait_until``); Airflow's own deferral timeout,
+        ``GRACE`` later, fails the task without a word."""
+        until = datetime.now(timezone.utc) + timedelta(seconds=self.timeout)
+        return {
+            "poll_interval": self.poll_interval,
+            "max_poll_interval": self.max_poll_interval,
+            "wait_until": until.isoformat(),
+        }
 
     def _check_now(self, trigger: _PollingTrigger) -> dict[str, Any] | None:
-        with site_connection(trigger.source_conn_id, self.source) as conn:
-            return trigger.check(conn)
+        try:
+            with site_connection(trigger.source_conn_id, self.source) as conn:
+                return trigger.check(conn)
+        except ConnectionMissing as exc:  # waiting would not define it: one ERROR line, no retry
+            raise refuse(self.log, self.task_id, f"source {self.source}: {exc}") from None
 
     def poke(self, context: Any) -> PokeReturnValue:
         event = self._check_now(self.build_trigger())
@@ -68,9 +82,11 @@ class _LRSensor(BaseSensorOperator):
         event = self._check_now(trigger)  # already true: no deferral round trip
         if event is not None:
             return self.execute_complete(context, event)
-        self.defer(trigger=trigger, method_name="execute_complete", timeout=timedelta(seconds=self.timeout))
+        self.defer(trigger=trigger, method_name="execute_complete", timeout=timedelta(seconds=self.timeout) + GRACE)
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
+        if event.get("status") == TriggerStatus.TIMEOUT:  # past the sensor's timeout: not retried, as Airflow's
+            raise AirflowSensorTimeout(f"{self.task_id}: {event.get('message', event)}")
         if event.get("status") not in _SUCCESS:
             raise AirflowException(f"{self.task_id}: {event.get('status')}: {event.get('message', event)}")
         self.log.info("%s: %s", self.task_id, event)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from typing import Any
@@ -21,7 +22,7 @@ import psycopg2
 import psycopg2.extensions
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, error_line, one_line
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError, SiteUnreachableError, error_line, one_line
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.source import delivery, full_sync
 from airflow_provider_lr.engine.source.backlog import DeliveryTarget, pending_entries, readiness_of
@@ -40,7 +41,7 @@ class TriggerStatus(str, enum.Enum):
     SUCCESS = "success"  # what the sensor waited for happened
     SUPPLIED = "supplied"  # the client supplied a full sync's data
     CLOSED = "closed"  # the full-sync request was closed (or is gone) without data
-    TIMEOUT = "timeout"  # no data by the request's deadline
+    TIMEOUT = "timeout"  # no data by the request's deadline; or a wait past its ``wait_until``
     LEASE_FREE = "lease_free"  # nobody holds the session's lease: the waiting step may do the work
     ERROR = "error"  # the wait ended on an error that is not a lost connection
 
@@ -92,6 +93,15 @@ def full_sync_outcome_status(
     return None
 
 
+def full_sync_waiting_for(conn: psycopg2.extensions.connection, request_id: str) -> str:
+    """What became of a request not applied yet, and why: its session's holder and last error."""
+    found = full_sync.outcome(conn, request_id)
+    if found is None:
+        return f"no full-sync request {request_id}"
+    request = found.request
+    return found.describe() + leases.works_on(conn, request.sink_site_id, request.client_name)
+
+
 def new_entries_status(
     conn: psycopg2.extensions.connection, sink: str, client: str, min_entries: int = 1
 ) -> dict[str, Any] | None:
@@ -112,24 +122,41 @@ def delivered_status(
     return status_event(TriggerStatus.SUCCESS, position=position, safe_on=found.safe_on, regions=found.stored_regions)
 
 
+SAY_EVERY = 60.0  # seconds between a waiting trigger's "still waiting: why" lines in the task log
+
+
 class _PollingTrigger(BaseTrigger):
     """Connects to the source through its Airflow connection and runs ``check`` until it returns
     an event, sleeping ``poll_interval`` doubled after each miss up to ``max_poll_interval``.
     A lost connection is retried (the site may be restarting); any other error ends the wait
-    with an ``error`` event that the task turns into a failure."""
+    with an ``error`` event that the task turns into a failure. Every ``SAY_EVERY`` seconds it logs
+    why it still waits (``waiting_for``: the session's holder and last error, say), and past
+    ``wait_until`` (ISO time; the waiting task's timeout) it ends with a ``timeout`` event saying
+    the same: before, a wait on a session whose sink stopped answering was silent until Airflow's
+    deferral timeout (6 h for a full sync; under ``dag.test``, which ignores it, for ever)."""
 
-    def __init__(self, source_conn_id: str, poll_interval: float = 1.0, max_poll_interval: float = 30.0) -> None:
+    def __init__(
+        self,
+        source_conn_id: str,
+        poll_interval: float = 1.0,
+        max_poll_interval: float = 30.0,
+        wait_until: str | None = None,
+    ) -> None:
         super().__init__()
         self.source_conn_id = source_conn_id
         self.poll_interval = float(poll_interval)
         self.max_poll_interval = float(max_poll_interval)
+        self.wait_until = wait_until  # ISO time: past it, a ``timeout`` event saying why (``waiting_for``)
 
     def _kwargs(self) -> dict[str, Any]:
-        return {
+        kwargs: dict[str, Any] = {
             "source_conn_id": self.source_conn_id,
             "poll_interval": self.poll_interval,
             "max_poll_interval": self.max_poll_interval,
         }
+        if self.wait_until:
+            kwargs["wait_until"] = self.wait_until
+        return kwargs
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return f"{_MODULE}.{type(self).__name__}", self._kwargs()
@@ -137,9 +164,45 @@ class _PollingTrigger(BaseTrigger):
     def check(self, conn: psycopg2.extensions.connection) -> dict[str, Any] | None:
         raise NotImplementedError
 
+    def waiting_for(self, conn: psycopg2.extensions.connection) -> str:
+        """What the wait still lacks and why, one line ("": nothing to add): said in the log every
+        ``SAY_EVERY`` seconds while waiting and in the ``timeout`` event at ``wait_until``."""
+        return ""
+
+    def why(self, conn: psycopg2.extensions.connection | None, unreachable: str = "") -> str:
+        """``waiting_for`` as a phrase to append (``: ...``); a source that does not answer, said so."""
+        if conn is None or conn.closed:
+            return f": source {self.source_conn_id} unreachable ({unreachable})" if unreachable else ""
+        try:
+            said = self.waiting_for(conn)
+        except psycopg2.Error as exc:
+            if not conn.closed:
+                conn.rollback()
+            said = f"(not read: {one_line(exc)})"
+        except LRError as exc:
+            said = f"(not read: {one_line(exc)})"
+        return f": {said}" if said else ""
+
+    def timeout_event(self, conn: psycopg2.extensions.connection | None, unreachable: str = "") -> dict[str, Any]:
+        """The event of a wait past ``wait_until``: what it still lacks and why."""
+        return status_event(
+            TriggerStatus.TIMEOUT, message=f"still waiting at {self.wait_until}{self.why(conn, unreachable)}"
+        )
+
+    def timed_out(self) -> bool:
+        return self.wait_until is not None and datetime.now(timezone.utc) >= datetime.fromisoformat(self.wait_until)
+
+    def _pause(self, pause: float) -> float:
+        """The next pause, cut at ``wait_until`` (the last look at the deadline, not a pause past it)."""
+        if self.wait_until is None:
+            return pause
+        left = (datetime.fromisoformat(self.wait_until) - datetime.now(timezone.utc)).total_seconds()
+        return max(0.0, min(pause, left))
+
     async def run(self) -> AsyncIterator[TriggerEvent]:
         pause = self.poll_interval
         conn: psycopg2.extensions.connection | None = None
+        unreachable, said_at = "", time.monotonic()
         try:
             info = await LRSiteHook(lr_conn_id=self.source_conn_id).aget_conninfo()
             while True:
@@ -147,12 +210,11 @@ class _PollingTrigger(BaseTrigger):
                     if conn is None or conn.closed:
                         conn = await asyncio.to_thread(info.connect)
                     event = await asyncio.to_thread(self.check, conn)
+                    unreachable = ""
                 except (psycopg2.OperationalError, psycopg2.InterfaceError, SiteUnreachableError) as exc:
+                    unreachable = one_line(exc)
                     log.warning(
-                        "%s: source %s unreachable, retrying: %s",
-                        type(self).__name__,
-                        self.source_conn_id,
-                        one_line(exc),
+                        "%s: source %s unreachable, retrying: %s", type(self).__name__, self.source_conn_id, unreachable
                     )
                     if conn is not None:
                         conn.close()
@@ -160,7 +222,14 @@ class _PollingTrigger(BaseTrigger):
                 if event is not None:
                     yield TriggerEvent(event)
                     return
-                await asyncio.sleep(pause)
+                if self.timed_out():  # bounded: a session that cannot progress ends the wait, saying why
+                    yield TriggerEvent(await asyncio.to_thread(self.timeout_event, conn, unreachable))
+                    return
+                if time.monotonic() - said_at >= SAY_EVERY:
+                    why = await asyncio.to_thread(self.why, conn, unreachable)
+                    log.info("%s: still waiting%s", type(self).__name__, why)
+                    said_at = time.monotonic()
+                await asyncio.sleep(self._pause(pause))
                 pause = min(pause * 2, self.max_poll_interval)
         except Exception as exc:  # a configuration or schema problem: end the wait, the task reports it
             yield TriggerEvent(status_event(TriggerStatus.ERROR, message=error_line(exc)))
@@ -215,6 +284,9 @@ class LRFullSyncOutcomeTrigger(_PollingTrigger):
     def check(self, conn: psycopg2.extensions.connection) -> dict[str, Any] | None:
         return full_sync_outcome_status(conn, self.request_id, self.lease_free)
 
+    def waiting_for(self, conn: psycopg2.extensions.connection) -> str:
+        return full_sync_waiting_for(conn, self.request_id)
+
 
 class LRDeliveredTrigger(_PollingTrigger):
     """Fires when the entry at commit ``position`` is safe on every one of ``destinations`` and
@@ -263,6 +335,12 @@ class LRDeliveredTrigger(_PollingTrigger):
     def check(self, conn: psycopg2.extensions.connection) -> dict[str, Any] | None:
         return delivered_status(conn, self.client, self.position, self.destinations, self.min_regions)
 
+    def waiting_for(self, conn: psycopg2.extensions.connection) -> str:
+        said, missing = delivery.shortfall(
+            conn, self.client, self.position, self.destinations, self.min_regions or None
+        )
+        return said + "".join(f"; {sink}{leases.works_on(conn, sink, self.client)}" for sink in missing)
+
 
 def ready_status(conn: psycopg2.extensions.connection, client: str, destinations: list[str]) -> dict[str, Any] | None:
     """The event once every destination is *ready* for ``client`` (``engine.source.backlog``:
@@ -294,3 +372,9 @@ class LRReadyTrigger(_PollingTrigger):
 
     def check(self, conn: psycopg2.extensions.connection) -> dict[str, Any] | None:
         return ready_status(conn, self.client, self.destinations)
+
+    def waiting_for(self, conn: psycopg2.extensions.connection) -> str:
+        behind = [r.sink for r in readiness_of(conn, self.client, self.destinations) if not r.ready]
+        return f"not ready: {behind}" + "".join(
+            f"; {sink}{leases.works_on(conn, sink, self.client)}" for sink in behind
+        )

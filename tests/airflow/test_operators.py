@@ -139,9 +139,15 @@ def test_a_wait_polled_in_the_worker_ends_at_its_timeout_not_a_pause_past_it(air
     """``deferrable=False``: the wait's pause doubles up to ``max_poll_interval``, and the last one
     is cut at the timeout (a 0.5 s wait with pauses of 0.4 then 0.8 s used to give up after 1.2 s)."""
 
-    class NeverDone:  # a trigger's check that never sees its event
+    class NeverDone:  # a trigger's check that never sees its event, with no bound of its own
         def check(self, conn):  # type: ignore[no-untyped-def]
             return None
+
+        def timed_out(self) -> bool:
+            return False
+
+        def why(self, conn) -> str:  # type: ignore[no-untyped-def]
+            return ""
 
     op = LRSnapshotSyncOperator(
         task_id="snapshot",

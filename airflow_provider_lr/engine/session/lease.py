@@ -18,7 +18,7 @@ import psycopg2
 import psycopg2.extensions
 from psycopg2.extensions import AsIs
 
-from airflow_provider_lr.engine.errors import ConfigurationError, FencedError
+from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, LRError
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store.topology import config_id
 
@@ -63,6 +63,27 @@ def holder(conn: psycopg2.extensions.connection, sink: str, client: str) -> str 
             f"{source_sessions.no_session(sink, client, applied)}: apply the topology that has it, or use the topology file the sites run"
         )
     return owner
+
+
+def works_on(conn: psycopg2.extensions.connection, sink: str, client: str) -> str:
+    """Why a session's pending work (a full sync, a delivery) is not done yet, as a phrase to append
+    ("; ..."): the replicator holding it, or nobody (no ``lr sync`` runs, lr_streaming is paused),
+    and its last error (its sink unreachable, say), which a user otherwise has to guess. "" when it
+    cannot be read (the session or its source gone meanwhile). Said by ``lr full-sync --wait`` and
+    by the Airflow triggers while they wait and when they give up."""
+    try:
+        owner = holder(conn, sink, client)
+        with conn.cursor() as cur:
+            error = source_sessions.last_error(cur, sink, client)
+        conn.commit()
+    except (LRError, psycopg2.Error):
+        if not conn.closed:
+            conn.rollback()
+        return ""
+    why = f"; its last error: {error}" if error else ""
+    if owner is None:
+        return "; no replicator holds the session: run `lr sync` (or unpause lr_streaming)" + why
+    return f"; the session is held by replicator {owner}" + why
 
 
 def _no_session(sink: str, client: str, applied: str | None) -> str:

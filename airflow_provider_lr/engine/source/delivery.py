@@ -332,6 +332,27 @@ def delivered(
     return found if target.met(found) else None
 
 
+def shortfall(
+    conn: psycopg2.extensions.connection,
+    client: str,
+    position: int,
+    destinations: Sequence[str] = (),
+    min_regions: int | None = None,
+) -> tuple[str, list[str]]:
+    """What the entry at ``position`` still lacks of ``delivered``'s target, as ``wait_until_safe``
+    says it at its timeout, and the sinks that have not acknowledged it: what a wait that gives up
+    (the Airflow trigger) says, and whose sessions it asks about."""
+    addressed, region = addressed_sinks(conn, client, position)
+    target = wait_for(addressed, region, destinations, min_regions, durability_rule(conn))
+    found = read_delivery(conn, client, position, addressed, region)
+    missing = found.pending(target.destinations or sorted(addressed))
+    said = (
+        f"position {position} not {target.describe()}: not acknowledged by {missing or 'none'}, "
+        f"safe on {found.safe_on or 'none'}, stored in regions {found.stored_regions}"
+    )
+    return said, missing
+
+
 # --- guards and the synchronous wait ----------------------------------------------------------
 def add_guard(
     conn: psycopg2.extensions.connection, client: str, position: int, destinations: Sequence[str], seconds: float
