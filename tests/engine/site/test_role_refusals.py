@@ -1,0 +1,34 @@
+"""A consumer role shown none of a client's queues is told so, not left polling nothing: row-level
+security hides another client's rows (docs/security.md), and a ``RoutingQueueSubscriber`` of client
+beta logged in as a consumer of alpha only (a grant given for the wrong client, or on another sink)
+delivered nothing, for ever, without a word."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.subscriber import RoutingQueueSubscriber
+from tests.engine.site.test_roles import Collect, info_as, made  # noqa: F401 (fixture)
+from tests.support.session import apply
+
+
+def test_a_subscriber_whose_role_may_not_read_its_clients_queues_is_refused_naming_the_grant(lr_sites, made):
+    sink = lr_sites[1]
+    apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["alpha", "beta"]}])
+    alpha, group, member = made.name("c_alpha"), made.name("c_group"), made.name("c_member")
+    made.grant(sink, "consumer", alpha, ["alpha"])
+    made.grant(sink, "consumer", group, ["beta"])
+    sink.query(f'CREATE ROLE "{member}" LOGIN IN ROLE "{group}"')
+    refused = f"role '{alpha}' may not consume the receive queues of client 'beta' on site .* holds consumer of alpha"
+    wrong = RoutingQueueSubscriber(info_as(sink, alpha).dsn, client_name="beta")
+    with pytest.raises(ConfigurationError, match=refused) as error:
+        wrong.poll(Collect())
+    assert f"lr roles grant consumer --client beta --role {alpha}" in str(error.value)
+    with pytest.raises(ConfigurationError, match=refused):
+        wrong.run(Collect(), threading.Event())  # the follow loop too: it ends, saying why
+    # what the grants give is consumed as before: its own client, a group's grant for its members, the owner
+    for dsn, client in ((info_as(sink, alpha).dsn, "alpha"), (info_as(sink, member).dsn, "beta"), (sink.dsn, "beta")):
+        assert RoutingQueueSubscriber(dsn, client_name=client).poll(Collect()) == 0
