@@ -26,7 +26,7 @@ import psycopg2
 import psycopg2.errors
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.db import prepared, schema
+from airflow_provider_lr.engine.db import grants, prepared, schema
 from airflow_provider_lr.engine.errors import ConfigurationError, shown
 from airflow_provider_lr.engine.store import receive_queue
 
@@ -48,53 +48,16 @@ def delivery_connection(conn: psycopg2.extensions.connection) -> psycopg2.extens
     return conn
 
 
-# (may the caller consume, the grants it holds): the owner of the queue's table and a role that bypasses
-# row-level security read every queue; any other reads those its grants give it (the policies, V0006).
-# On the application's connection, with its search_path: every function and operator is named with its schema.
-# NULL where lr's schema or its grants cannot be read (a site without lr: its own refusal follows).
-_CONSUMER_GRANTS = """
-SELECT pg_catalog.pg_has_role(c.relowner, 'USAGE') OR r.rolsuper OR r.rolbypassrls
-       OR EXISTS (SELECT FROM lr.role_grants g WHERE g.kind OPERATOR(pg_catalog.=) 'replicator'
-                  OR (g.kind OPERATOR(pg_catalog.=) 'consumer' AND g.client_name OPERATOR(pg_catalog.=) %s)),
-       (SELECT pg_catalog.string_agg(CASE WHEN g.client_name OPERATOR(pg_catalog.=) '' THEN g.kind
-                                          ELSE pg_catalog.concat(g.kind, ' of ', g.client_name) END,
-                                     ', ' ORDER BY g.kind, g.client_name) FROM lr.role_grants g)
-FROM pg_catalog.pg_class c, pg_catalog.pg_roles r
-WHERE c.oid OPERATOR(pg_catalog.=) 'lr.receive_queue'::pg_catalog.regclass AND r.rolname OPERATOR(pg_catalog.=) current_user
-"""
-_READABLE = (
-    "SELECT pg_catalog.has_schema_privilege(n.oid, 'USAGE') AND pg_catalog.to_regclass('lr.receive_queue') IS NOT NULL "
-    "AND pg_catalog.has_table_privilege(pg_catalog.to_regclass('lr.role_grants'), 'SELECT') "
-    "FROM pg_catalog.pg_namespace n "
-    "WHERE n.nspname OPERATOR(pg_catalog.=) 'lr'"
-)
-
-
 def require_consumer(conn: psycopg2.extensions.connection, client: str) -> None:
-    """Refuse, naming the role, the site, what it holds and the grant to give, a role that row-level
-    security shows none of ``client``'s queues: it polled nothing, for ever, without a word. Reads
-    only; ends the transaction it ran in (none on an autocommit connection)."""
-    try:
-        with conn.cursor() as cur:
-            cur.execute(_READABLE)
-            readable = cur.fetchone()
-            if not readable or not readable[0]:
-                return
-            cur.execute(_CONSUMER_GRANTS, (client,))
-            may, held = cur.fetchone()
-    finally:
-        if not conn.autocommit:
-            conn.rollback()
-    if not may:
+    """Refuse (``ConfigurationError``: the role, the site, what it holds, the grant to give) a role that
+    row-level security shows none of ``client``'s queues: it polled nothing, for ever, without a word."""
+    found = grants.held(conn, "lr.receive_queue", ("consumer", "replicator"), client)
+    if found is not None and not found.may:
         params = conn.get_dsn_parameters()
-        user, where = (
-            params.get("user", "?"),
-            f"{params.get('host', '?')}:{params.get('port', '?')}/{params.get('dbname', '?')}",
-        )
+        where = f"{params.get('host', '?')}:{params.get('port', '?')}/{params.get('dbname', '?')}"
+        doing = f"consume the receive queues of client {shown(client)}"
         raise ConfigurationError(
-            f"role {user!r} may not consume the receive queues of client {shown(client)} on site {where} (it holds "
-            f"{held or 'no grant of lr'} there): nothing would ever be delivered to it; the owner of the lr schema "
-            f"grants it: lr roles grant consumer --client {client} --role {user} --site <this site> (docs/security.md)"
+            found.refusal(doing, "consumer", client, where, ": nothing would ever be delivered to it")
         )
 
 
