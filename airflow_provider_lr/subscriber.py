@@ -25,7 +25,7 @@ from airflow_provider_lr.engine.db.conninfo import ConnInfo, resolve
 from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.errors import ConfigurationError, MalformedEntryError, shown
 from airflow_provider_lr.engine.sink import receive, wakeup
-from airflow_provider_lr.engine.sink.delivery_transaction import delivery_connection
+from airflow_provider_lr.engine.sink.delivery_transaction import delivery_connection, require_consumer
 from airflow_provider_lr.engine.sink.receive import DeliveryContext, DeliveryStats, Listener
 from airflow_provider_lr.engine.sink.relay import Relay, Subscription
 from airflow_provider_lr.engine.sink.wakeup import Demand, FollowOptions
@@ -135,7 +135,13 @@ class RoutingQueueSubscriber(DeliveryContext):
     def _connect(self) -> psycopg2.extensions.connection:
         """A delivery connection: the listener's statements run in its transactions, so it gets the
         network bounds only (keepalives, connect and TCP timeouts), never lr's session timeouts."""
-        return self.info.connect(Purpose.APPLICATION)
+        conn = self.info.connect(Purpose.APPLICATION)
+        try:
+            require_consumer(conn, self.client_name)  # a role shown none of its queues polled nothing, silently
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     def _close_poll_conn(self) -> None:
         if self._conn is not None and not self._conn.closed:

@@ -628,6 +628,8 @@ ALIAS_BOMB = "".join(f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip
         (GOOD + "#" + "x" * (1 << 20) + "\n", "larger than 1048576 bytes"),
         ("sites: !!python/object/apply:os.system ['echo pwned']\n", "could not determine a constructor for the tag"),
         (b"sites: \xff\xfe\n", "not a text file"),
+        # one tag per sink in a log entry, bounded by the database (V0046); the message quoted every site
+        ("sites:\n" + "".join(f"  - {{id: s{i}}}\n" for i in range(4097)), ":1: sites: 4097 items; at most 4096"),
     ],
 )
 def test_a_hostile_topology_file_is_refused_fast_on_one_line_and_runs_nothing(tmp_path, text, said):

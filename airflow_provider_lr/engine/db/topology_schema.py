@@ -39,6 +39,7 @@ _PRINTABLE = f"[^{CONTROL_CHARS}]"
 ONE_LINE_PATTERN = re.compile(_PRINTABLE + "*")
 PRINTABLE_PATTERN = re.compile(_PRINTABLE + "{1,63}")  # a region
 MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+MAX_SITES = 4096
 
 
 def valid_site_id(value: object) -> bool:
@@ -117,6 +118,7 @@ SCHEMA: dict[str, Any] = {
         "sites": {
             "type": "array",
             "minItems": 1,
+            "maxItems": MAX_SITES,  # an entry's tags, one per sink, are bounded by the database (V0046)
             "items": {
                 "type": "object",
                 "additionalProperties": False,
@@ -346,6 +348,8 @@ def _explain(error: ValidationError, origin: Origin) -> ConfigurationError:
         if "clients" in path:
             return origin.error(path, f"{error.instance!r} is not a valid client name: expected {_CLIENT_RULES}")
         return origin.error(path, f"{error.instance!r} is not a valid site id: expected {SITE_RULES}")
+    if error.validator == "maxItems":  # the message jsonschema makes quotes the whole list
+        return origin.error(path, f"{len(error.instance)} items; at most {error.validator_value}")
     if error.validator == "propertyNames":
         return origin.error(
             path + [str(error.instance)], f"{error.instance!r} is not a valid client name: expected {_CLIENT_RULES}"

@@ -26,7 +26,8 @@ import psycopg2
 import psycopg2.errors
 import psycopg2.extensions
 
-from airflow_provider_lr.engine.db import prepared, schema
+from airflow_provider_lr.engine.db import grants, prepared, schema
+from airflow_provider_lr.engine.errors import ConfigurationError, shown
 from airflow_provider_lr.engine.store import receive_queue
 
 _IDLE = psycopg2.extensions.TRANSACTION_STATUS_IDLE
@@ -45,6 +46,19 @@ def delivery_connection(conn: psycopg2.extensions.connection) -> psycopg2.extens
         conn.close()
         raise
     return conn
+
+
+def require_consumer(conn: psycopg2.extensions.connection, client: str) -> None:
+    """Refuse (``ConfigurationError``: the role, the site, what it holds, the grant to give) a role that
+    row-level security shows none of ``client``'s queues: it polled nothing, for ever, without a word."""
+    found = grants.held(conn, "lr.receive_queue", ("consumer", "replicator"), client)
+    if found is not None and not found.may:
+        params = conn.get_dsn_parameters()
+        where = f"{params.get('host', '?')}:{params.get('port', '?')}/{params.get('dbname', '?')}"
+        doing = f"consume the receive queues of client {shown(client)}"
+        raise ConfigurationError(
+            found.refusal(doing, "consumer", client, where, ": nothing would ever be delivered to it")
+        )
 
 
 class DeliveryTransaction:

@@ -285,11 +285,21 @@ def _reset_statements(role: str) -> list[Statement]:
     ]
 
 
-def _create_statement(role: str, password: str | None) -> Statement:
+def _create_statement(conn: psycopg2.extensions.connection, role: str, password: str | None) -> Statement:
+    """``CREATE ROLE ... LOGIN``, with the password's verifier, never the password: the server writes a
+    failing statement's text to its log (``log_min_error_statement``), and ``log_statement`` logs every
+    DDL. The verifier is computed here, by libpq, with the server's ``password_encryption`` (as psql's
+    ``\\password`` does); the server stores a verifier as given."""
     query = sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role))
     if password is None:
         return Statement(query)
-    return Statement(query + sql.SQL(" PASSWORD {}").format(sql.Literal(password)), query + sql.SQL(" PASSWORD '***'"))
+    if not password:
+        raise ConfigurationError(
+            f"the password given for role {role!r} is empty (PostgreSQL would make the role without one): set the "
+            "variable to the password, or pass --no-password for a role that logs in without one"
+        )
+    verifier = psycopg2.extensions.encrypt_password(password, role, conn)
+    return Statement(query + sql.SQL(" PASSWORD {}").format(sql.Literal(verifier)), query + sql.SQL(" PASSWORD '***'"))
 
 
 def _current(cur: psycopg2.extensions.cursor, role: str) -> list[tuple[str, str]]:
@@ -332,7 +342,7 @@ def plan_grant(
             f"role {role!r} does not exist on site {_where(conn)}: create it (CREATE ROLE ... LOGIN PASSWORD ...) "
             "or pass --create --password-env VAR"
         )
-    plan = [] if exists else [_create_statement(role, password)]
+    plan = [] if exists else [_create_statement(conn, role, password)]
     return plan + grant_statements(kind, role, clients)
 
 

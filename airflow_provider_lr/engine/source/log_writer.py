@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.db import grants
 from airflow_provider_lr.engine.db.schema import site_identity
 from airflow_provider_lr.engine.db.topology_schema import valid_client_name
 from airflow_provider_lr.engine.errors import (
@@ -151,6 +152,7 @@ class LogWriter:
         self.client_id = 0
         self._tag_ids: dict[str, int] = {}  # the sinks this client replicates to -> their tag
         self._routes: dict[tuple[str, ...], Route] = {}  # destinations as given -> checked (``route``)
+        self._may_write = False  # the role's grants were read (at the first transmit)
         self._load_routes(topology_limit=True)
         limit, self.max_payload_bytes = self.max_payload_bytes, max_payload_bytes or self.max_payload_bytes
         self.prepared = prepared
@@ -246,6 +248,14 @@ class LogWriter:
     def route(self, destinations: Sequence[str]) -> Route:
         """``destinations`` of a log entry, checked (``TransmitError`` when refused): once per list."""
         key = _destinations(destinations)  # read once: a generator would be empty the second time
+        if not self._may_write:  # once; a log entry's only (a full sync's supply may be the replicator's)
+            grant = grants.held(self.conn, "lr.log_entries", ("writer",), self.client_name)
+            if grant is not None and not grant.may:  # a policy violation said nothing of the grant it lacks
+                doing = f"transmit as client {self.client_name!r}"
+                raise TransmitError(
+                    grant.refusal(doing, "writer", self.client_name, repr(self.source_site_id), "; nothing was written")
+                )
+            self._may_write = True
         found = self._routes.get(key)
         if found is None:
             unique = self._checked(key)

@@ -30,7 +30,13 @@ from airflow_provider_lr import cli
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
 from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.db.conninfo import ConnInfo
-from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeout, SchemaError, TableError
+from airflow_provider_lr.engine.errors import (
+    ConfigurationError,
+    DeliveryTimeout,
+    SchemaError,
+    TableError,
+    TransmitError,
+)
 from airflow_provider_lr.engine.sink import receive
 from airflow_provider_lr.engine.site import roles, status, topology
 from airflow_provider_lr.engine.source import full_sync, trim
@@ -193,8 +199,8 @@ def test_writer_transmits_only_as_its_client(world):
     alpha.transmit_log_entry_messages([LRMessageWithDestinations(f"m{i}".encode(), ["site-b"]) for i in range(5)])
     conn.commit()  # a multi-row insert passes the same check
 
-    beta = RoutingQueueClient(conn, "beta")  # the client API as another client: refused by the database
-    with pytest.raises(DENIED, match="row-level security"):
+    beta = RoutingQueueClient(conn, "beta")  # the client API as another client: refused, naming the grant
+    with pytest.raises(TransmitError, match="may not transmit as client 'beta' .* holds writer of alpha"):
         beta.transmit_log_entry_message(b"forged", ["site-b"])
     conn.rollback()
     beta_id, alpha_id = (
@@ -424,8 +430,8 @@ def test_a_group_role_holds_the_grant_for_its_members(lr_sites, made):
     conn = connect_as(source, login)
     RoutingQueueClient(conn, "alpha").transmit_log_entry_message(b"as a member", ["site-b"])
     conn.commit()
-    with pytest.raises(DENIED):
-        RoutingQueueClient(conn, "beta").transmit_log_entry_message(b"no", ["site-b"])
+    with pytest.raises(TransmitError, match="may not transmit as client 'beta' .* holds writer of alpha"):
+        RoutingQueueClient(conn, "beta").transmit_log_entry_message(b"no", ["site-b"])  # the group's grant, named
     conn.close()
     assert source.query("SELECT count(*) FROM lr.log_commits") == [(1,)]
 
@@ -516,10 +522,11 @@ def test_consumer_reads_and_acknowledges_only_its_clients_queues(world):
     alpha.close()
 
     as_beta = RoutingQueueSubscriber(info_as(sink, world.consumer["alpha"]), client_name="beta")
-    assert as_beta.sources() == []  # not even discovered
     nothing = Collect()
-    assert as_beta.poll(nothing) == 0 and nothing.got == []
-    conn = connect_as(sink, world.consumer["alpha"])
+    for step in (as_beta.sources, lambda: as_beta.poll(nothing)):  # refused, naming the grant (test_role_refusals)
+        with pytest.raises(ConfigurationError, match="may not consume the receive queues of client 'beta'"):
+            step()
+    conn = connect_as(sink, world.consumer["alpha"])  # its own SQL: row-level security shows it nothing of beta's
     report = receive.ReceiveQueueReader(conn).deliver(nothing, "beta", sources=["site-a"])  # named explicitly
     assert report.delivered == 0 and nothing.got == []
     with conn.cursor() as cur:
