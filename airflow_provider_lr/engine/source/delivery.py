@@ -323,6 +323,11 @@ def delivered(
     _refuse_unreplicated(conn, client, position)
     addressed, region = addressed_sinks(conn, client, position)
     if not addressed:
+        from airflow_provider_lr.engine.source.delivery_trimmed import trimmed_after_every_ack  # (it imports us)
+
+        trimmed = trimmed_after_every_ack(conn, client, position, region, destinations, min_regions)
+        if trimmed is not None:
+            return trimmed
         raise ConfigurationError(
             f"no log entry of client {client!r} at commit position {position} "
             "(not committed yet, another client's, or trimmed)"
