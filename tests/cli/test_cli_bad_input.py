@@ -239,6 +239,25 @@ def test_lr_trim_on_a_site_without_lr_reached_by_a_dsn_names_the_site(sites, tmp
     assert len(err.strip().splitlines()) == 1 and "LINE" not in err, err
 
 
+def test_a_malformed_connections_file_is_the_users_input_exit_2_from_every_command_reading_the_topology(
+    tmp_path, monkeypatch, capsys
+):
+    """`lr init --site` said exit 2 for it, but `lr topology apply`, `full-sync`, `trim` and `failover`
+    exited 1, as for a site's refusal."""
+    (tmp_path / "connections.json").write_text('{"lr_site_a": ')
+    topo = tmp_path / "topology.yaml"
+    topo.write_text(
+        "sites:\n  - {id: site-a, conn_id: lr_site_a}\n  - {id: site-b, conn_id: lr_site_b}\n"
+        "replication:\n  - {source: site-a, sinks: [site-b], clients: [policy]}\n"
+    )
+    monkeypatch.setenv("LR_HOME", str(tmp_path))
+    for command in (["topology", "apply"], ["full-sync"], ["trim"], ["failover", "--promote", "site-b"]):
+        capsys.readouterr()
+        assert cli.main([*command, "--topology", str(topo)]) == 2, command
+        err = [line for line in capsys.readouterr().err.splitlines() if "warning" not in line]
+        assert len(err) == 1 and f"connections file {tmp_path / 'connections.json'} is not valid JSON" in err[0], err
+
+
 def test_options_that_do_not_go_together_are_usage_errors_exit_2_before_any_site_is_touched(
     tmp_path, monkeypatch, capsys
 ):
