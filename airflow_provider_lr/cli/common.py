@@ -24,7 +24,15 @@ from airflow_provider_lr.engine.db.topology_schema import (
     valid_region,
     valid_site_id,
 )
-from airflow_provider_lr.engine.errors import ConfigurationError, LRError, listing, one_line, shown, without_statement
+from airflow_provider_lr.engine.errors import (
+    ConfigurationError,
+    InputError,
+    LRError,
+    listing,
+    one_line,
+    shown,
+    without_statement,
+)
 from airflow_provider_lr.engine.site import status_parts, topology
 from airflow_provider_lr.engine.store import topology as topologies
 
@@ -140,13 +148,16 @@ def database_error(exc: psycopg2.Error) -> str:
 
 @contextmanager
 def at_site(site_id: str) -> Iterator[None]:
-    """An error of one site's step names the site (when its message does not already)."""
+    """An error of one site's step names the site (when its message does not already); a site's
+    refusal too (``lr trim`` on a site without the lr schema said which fix, not on which site)."""
     try:
         yield
     except LRError as exc:
         if site_id in str(exc):
             raise
-        raise LRError(f"{site_id}: {one_line(exc)}") from exc
+        raise (InputError if isinstance(exc, InputError) else LRError)(f"{site_id}: {one_line(exc)}") from exc
+    except psycopg2.Error as exc:
+        raise LRError(f"{site_id}: {database_error(exc)}") from exc
 
 
 def read_site(topo: topologies.Topology, site_id: str, read: Callable[[psycopg2.extensions.connection], T]) -> T | str:

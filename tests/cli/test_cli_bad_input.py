@@ -7,9 +7,11 @@ import json
 import logging
 
 import pytest
+import yaml
 
 from airflow_provider_lr import cli
 from tests.cli.test_cli_sync import topology_file
+from tests.support.session import topology_doc
 
 # Tables the statement-level capture triggers cannot follow whole (a write to a partition or an
 # inheritance child fires only the triggers of the table it names), or that are not an application's.
@@ -223,6 +225,37 @@ def test_commands_run_before_lr_init_say_to_run_it_once_not_a_missing_relation_e
     fanout = [r.getMessage() for r in caplog.records if "fan-out" in r.getMessage()]
     assert len(fanout) <= 1 and not any("LINE" in m for m in fanout), fanout
     assert "has no lr schema; run `lr init` on it first" in capsys.readouterr().out
+
+
+def test_lr_trim_on_a_site_without_lr_reached_by_a_dsn_names_the_site(sites, tmp_path, capsys):
+    """A topology whose conn_id is a DSN (no connection id to name it by): `lr trim` before `lr init`
+    said `lr: the site has no lr schema ...: run lr init on it` without saying which site."""
+    doc = topology_doc(sites, conn_ids=lambda site_id: next(s.dsn for s in sites if s.site_id == site_id))
+    path = tmp_path / "dsn-topology.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert cli.main(["trim", "--topology", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("lr: site-a: the site has no lr schema") and "run `lr init`" in err, err
+    assert len(err.strip().splitlines()) == 1 and "LINE" not in err, err
+
+
+def test_a_malformed_connections_file_is_the_users_input_exit_2_from_every_command_reading_the_topology(
+    tmp_path, monkeypatch, capsys
+):
+    """`lr init --site` said exit 2 for it, but `lr topology apply`, `full-sync`, `trim` and `failover`
+    exited 1, as for a site's refusal."""
+    (tmp_path / "connections.json").write_text('{"lr_site_a": ')
+    topo = tmp_path / "topology.yaml"
+    topo.write_text(
+        "sites:\n  - {id: site-a, conn_id: lr_site_a}\n  - {id: site-b, conn_id: lr_site_b}\n"
+        "replication:\n  - {source: site-a, sinks: [site-b], clients: [policy]}\n"
+    )
+    monkeypatch.setenv("LR_HOME", str(tmp_path))
+    for command in (["topology", "apply"], ["full-sync"], ["trim"], ["failover", "--promote", "site-b"]):
+        capsys.readouterr()
+        assert cli.main([*command, "--topology", str(topo)]) == 2, command
+        err = [line for line in capsys.readouterr().err.splitlines() if "warning" not in line]
+        assert len(err) == 1 and f"connections file {tmp_path / 'connections.json'} is not valid JSON" in err[0], err
 
 
 def test_options_that_do_not_go_together_are_usage_errors_exit_2_before_any_site_is_touched(

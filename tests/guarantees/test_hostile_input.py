@@ -370,7 +370,10 @@ settings:
             )
         ],
         ("sites: site-a\n", ":1: sites: 'site-a' is not of type 'array'"),
-        ("- just a list\n", ":1: (document): ['just a list'] is not of type 'object'"),
+        ("- just a list\n", ":1: (document): a list, not a mapping: a topology is a mapping of sites:"),
+        # an empty file (a truncated copy) said "(document): None is not of type 'object'"
+        ("", ": (document): the file is empty: a topology is a mapping of sites:, replication:"),
+        ("# nothing yet\n", ": (document): the file is empty: a topology is a mapping of sites:"),
         (GOOD + "providers:\n  policy: not-a-module\n", ":9: providers.policy: 'not-a-module' is not a valid provider"),
         (
             GOOD.replace("region: r1", "region: r1, conn_id: 'host=db password=hunter2'"),

@@ -40,6 +40,7 @@ from airflow_provider_lr.engine.db.timeouts import (
 from airflow_provider_lr.engine.errors import (
     SHOWN_CHARS,
     ConfigurationError,
+    InputError,
     SiteUnreachableError,
     mask_secrets,
     one_line,
@@ -277,9 +278,9 @@ def _json(text: str, where: str) -> Any:
     try:
         return json.loads(text)
     except ValueError as exc:
-        raise ConfigurationError(f"{where} is not valid JSON: {exc}") from None
+        raise InputError(f"{where} is not valid JSON: {exc}") from None
     except RecursionError:
-        raise ConfigurationError(f"{where} is not valid JSON: nested too deeply") from None
+        raise InputError(f"{where} is not valid JSON: nested too deeply") from None
 
 
 def from_airflow_dict(conn: Mapping[str, Any], conn_id: str | None = None) -> ConnInfo:
@@ -366,10 +367,10 @@ def load_connections_file(path: Path | None = None) -> dict[str, ConnInfo]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigurationError(f"connections file {path} cannot be read: {exc}") from None
+        raise InputError(f"connections file {path} cannot be read: {exc}") from None
     raw = _json(text, f"connections file {path}")
-    if not isinstance(raw, Mapping):
-        raise ConfigurationError(
+    if not isinstance(raw, Mapping):  # the user's file, as a malformed topology: exit 2 in the CLI
+        raise InputError(
             f"connections file {path} must be a JSON object of connection id -> connection, not {type(raw).__name__}"
         )
     known = {

@@ -171,9 +171,15 @@ def at_least(conn: psycopg2.extensions.connection, version: int) -> bool:
 
 
 def behind(version: int) -> str | None:
-    """What a site at ``version`` misses of this lr, as ``lr status`` says it (None: it is current)."""
+    """What a site at ``version`` misses of this lr, or this lr of it, as ``lr status`` says it (None:
+    it is current)."""
     latest = latest_version()
-    if version >= latest:
+    if version > latest:  # `lr init` refuses it; status called the site healthy and said nothing
+        return (
+            f"lr schema v{version} is newer than this lr's v{latest}: upgrade airflow-provider-lr where lr "
+            "runs (this lr may misread what the newer schema records)"
+        )
+    if version == latest:
         return None
     refused = (
         "lr replicates nothing with it"

@@ -305,6 +305,10 @@ def read(path: Path) -> tuple[Any, Origin]:
 def validate(doc: Any, origin: Origin | None = None) -> None:
     """Refuse a document that does not follow ``SCHEMA`` (the first error, one line)."""
     origin = origin or Origin()
+    if not isinstance(doc, dict):  # an empty file said "None is not of type 'object'"
+        kind = {list: "a list", str: "a string", bool: "a boolean"}.get(type(doc), "a number")
+        what = "the file is empty" if doc is None else f"{kind}, not a mapping"
+        raise origin.error([], f"{what}: a topology is a mapping of sites:, replication: (docs/topology.md)")
     for path, number in _non_finite(doc, []):
         raise origin.error(path, f"{number} is not a finite number")
     errors = sorted(_VALIDATOR.iter_errors(doc), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))

@@ -16,7 +16,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.db.local_settings import catalog_path
 from airflow_provider_lr.engine.db.timeouts import failure
-from airflow_provider_lr.engine.errors import ConfigurationError, LRError, TopologyMismatchError, one_line
+from airflow_provider_lr.engine.errors import ConfigurationError, InputError, LRError, TopologyMismatchError, one_line
 from airflow_provider_lr.engine.source.moved import refuse_moved_writers
 from airflow_provider_lr.engine.store import receive_queue, sink_sessions, source_sessions
 from airflow_provider_lr.engine.store import topology as topologies
@@ -307,8 +307,8 @@ def apply_everywhere(
                 recorded, _ = schema.site_identity(conn)
                 conn.rollback()
                 schema.require_current(conn, "applying a topology", schema.REPLICATION_SCHEMA)
-            except (psycopg2.Error, LRError) as exc:
-                raise ConfigurationError(
+            except (psycopg2.Error, LRError) as exc:  # (a malformed connections file stays the user's input)
+                raise (InputError if isinstance(exc, InputError) else ConfigurationError)(
                     f"site {site_id!r} ({topology.conn_id(site_id)}): {one_line(exc)}"
                     + "; nothing was applied on any site"
                 ) from exc

@@ -34,6 +34,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.errors import ConfigurationError, DeliveryTimeout, TransmitError, require_site_ids
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL
+from airflow_provider_lr.engine.source.delivery_trimmed import acknowledged_before_trim
 from airflow_provider_lr.engine.source.moved import unreplicated
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store.topology import applied_durability
@@ -323,6 +324,12 @@ def delivered(
     _refuse_unreplicated(conn, client, position)
     addressed, region = addressed_sinks(conn, client, position)
     if not addressed:
+        wanted, rule = check_targets(destinations, min_regions), durability_rule(conn)
+        trimmed = acknowledged_before_trim(conn, client, position, wanted, bool(min_regions or rule))
+        if trimmed is not None:  # a safe trim removed it once every sink had acknowledged it
+            regions, acked = trimmed
+            found = Delivery(position, region, dict.fromkeys(acked, DeliveryState.SAFE), regions, acked)
+            return found if wait_for(regions, region, wanted, min_regions, rule).met(found) else None
         raise ConfigurationError(
             f"no log entry of client {client!r} at commit position {position} "
             "(not committed yet, another client's, or trimmed)"

@@ -207,3 +207,21 @@ def test_status_says_a_site_needs_lr_init_and_is_degraded(sites, version, says):
     code, reasons = status.health(found)
     assert code == status.DEGRADED and any(r.startswith("site-b: lr schema v") for r in reasons), reasons
     assert status.sites_as_dict(found)["sites"][B]["schema_behind"] == found[B].schema_behind
+
+
+def test_status_says_a_site_newer_than_this_lr_needs_the_package_upgraded_and_is_degraded(lr_sites):
+    """A site `lr init`ed by a newer lr: `lr init` here refuses it, but `lr status` called it healthy."""
+    newer = schema.latest_version() + 1
+    lr_sites[1].query(
+        "INSERT INTO lr.schema_migrations (version, name, checksum) VALUES (%s, 'from_a_newer_lr', 'x')", (newer,)
+    )
+    found = {}
+    for site in lr_sites:
+        conn = site.connect()
+        found[site.site_id] = status.site_status(conn, site.site_id)
+        conn.close()
+    assert [found[s].schema_behind is None for s in (A, B, C)] == [True, False, True]
+    shown = status.render_sites(found)
+    assert f"site-b: schema v{newer}," in shown and "upgrade airflow-provider-lr" in shown, shown
+    code, reasons = status.health(found)
+    assert code == status.DEGRADED and any(r.startswith(f"site-b: lr schema v{newer} is newer") for r in reasons)

@@ -337,3 +337,33 @@ def test_durability_the_sites_cannot_reach_is_refused_with_the_numbers():
     doc["durability"] = {"min_regions_for_durability": 2, "ack_quorm": 4}
     with pytest.raises(ConfigurationError, match="unknown key 'ack_quorm'"):
         topologies.from_document(doc)
+
+
+def test_the_delivered_sensor_sees_an_entry_a_safe_trim_removed_as_safe_and_names_a_sink_a_retention_trim_left(
+    lr_sites,
+):
+    """`example_lr_user_pipeline` triggered from the UI beside `lr_maintenance`: the safe trim removed
+    the orders' entry once both sinks acknowledged it, and the `delivered` sensor failed with "no log
+    entry of client 'policy' at commit position N (... or trimmed)" for an entry safe everywhere."""
+    source, _, _ = lr_sites
+    topo = _in_log_entry_sync(lr_sites)
+    app = App(source)
+    position = delivery.resolve(app.conn, app.put("k", 1, ["site-b", "site-c"]))
+    _deliver(topo, lr_sites, "site-b")
+    _deliver(topo, lr_sites, "site-c")
+    conn = source.connect()
+    assert trim.safe_trim(conn).trim_mark >= position
+    found = delivery.delivered(conn, "policy", position, ["site-b", "site-c"], 2)
+    assert found is not None and found.safe_on == ["site-b", "site-c"] and len(found.stored_regions) == 3
+    assert delivery.delivered(conn, "policy", position) is not None  # every sink acknowledged it
+    with pytest.raises(ConfigurationError, match=r"name the destinations"):
+        delivery.delivered(conn, "policy", position, (), 2)  # which regions it reached is gone with it
+
+    later = delivery.resolve(app.conn, app.put("k", 2, ["site-b", "site-c"]))
+    _deliver(topo, lr_sites, "site-b")
+    assert trim.retention_trim(conn, 0.0).trim_mark >= later
+    with pytest.raises(ConfigurationError, match=r"trimmed .* before \['site-c'\] acknowledged them"):
+        delivery.delivered(conn, "policy", later, ["site-b", "site-c"])
+    assert delivery.delivered(conn, "policy", later, ["site-b"]) is not None
+    conn.close()
+    app.close()
