@@ -13,6 +13,7 @@ import pytest
 
 from airflow_provider_lr.client import LRMessageWithDestinations, RoutingQueueClient
 from airflow_provider_lr.engine.bulk import fanout
+from airflow_provider_lr.engine.bulk.plan import FanoutPlan
 from airflow_provider_lr.engine.faults import FAULT_ENV
 from airflow_provider_lr.engine.session.settings import StreamSettings
 from airflow_provider_lr.engine.site.replicator import run_until_idle
@@ -127,6 +128,18 @@ B, C = SessionKey("site-a", "site-b", "policy"), SessionKey("site-a", "site-c", 
 TWO_SINKS = [{"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy"]}]
 
 
+def planned(driver: fanout.FanoutDriver) -> FanoutPlan:
+    """The job's plan of site-c's backlog in three chunks, its lease taken before any stream starts
+    (a stream's first cycle would take it otherwise)."""
+    try:
+        plan = driver.plan(partitions=3)
+        assert [d.session for d in plan.demands] == [str(C)] and len(plan.ranges) == 3, plan.describe()
+    except BaseException:
+        driver.close()
+        raise
+    return plan
+
+
 def test_a_spark_catch_up_of_one_sink_while_the_stream_carries_the_other_then_handed_to_the_stream(
     spark, lr_sites, lr_connections
 ):
@@ -139,12 +152,11 @@ def test_a_spark_catch_up_of_one_sink_while_the_stream_carries_the_other_then_ha
     topo = in_log_entry_sync(lr_sites)
     transmit_backlog(source, 1500, per_txn=100, seed=11)
     driver = fanout.FanoutDriver(topo, "site-a", sessions=[C])  # the DAG's job, for the session it was given
+    plan = planned(driver)
     repl = replicator(topo, lr_sites)
     writing = threading.Thread(target=transmit_backlog, args=(source, 300), kwargs={"per_txn": 5, "seed": 12})
     with Streaming(repl, StreamSettings(), interval=0.05) as stream:
         try:
-            plan = driver.plan(partitions=3)
-            assert [d.session for d in plan.demands] == [str(C)] and len(plan.ranges) == 3, plan.describe()
             wait_for(lambda: B in stream.streamer.streaming, 60, "site-b to stream")
             writing.start()
             result = driver.finish(plan, lr_fanout.spark_map(spark)(plan))
@@ -209,12 +221,11 @@ def test_a_full_sync_asked_while_spark_catches_the_session_up_is_applied_after_i
     _puts(source, 15, 100)
     monkeypatch.setenv(FAULT_ENV, "fanout_after_commit_p0_a0:stall=3")
     driver = fanout.FanoutDriver(topo, "site-a", sessions=[C])
+    plan = planned(driver)
+    monkeypatch.delenv(FAULT_ENV)
     repl = replicator(topo, lr_sites, providers={"policy": table_provider})
     with Streaming(repl, StreamSettings(), interval=0.05) as stream:
         try:
-            plan = driver.plan(partitions=3)
-            monkeypatch.delenv(FAULT_ENV)
-            assert len(plan.ranges) == 3, plan.describe()
             wait_for(lambda: B in stream.streamer.streaming, 60, "site-b to stream")
             chunks: list = []
             job = threading.Thread(target=lambda: chunks.extend(lr_fanout.spark_map(spark)(plan)))
