@@ -54,6 +54,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+from functools import partial
 
 import psycopg2
 import psycopg2.extensions
@@ -297,16 +298,16 @@ class FanoutDriver:
                     )
                     error = f"fan-out: {result.errors[session]}"[:2000]
                     acked = max(position, demand.position.after)
-                    self._on_source(
-                        lambda src, held=lease, at=acked, why=error: leases.update_session(
-                            src, held, acked_position=at, last_error=why
-                        )
-                    )
+                    self._on_source(partial(leases.update_session, lease=lease, acked_position=acked, last_error=error))
                     continue
                 result.deliveries[session] = delivered.get(session, 0)
                 self._on_source(
-                    lambda src, held=lease, at=position: leases.update_session(
-                        src, held, acked_position=at, last_error=None, last_success_at=AsIs("now()")
+                    partial(
+                        leases.update_session,
+                        lease=lease,
+                        acked_position=position,
+                        last_error=None,
+                        last_success_at=AsIs("now()"),
                     )
                 )
             except FencedError as exc:  # taken over since: the new holder records its own progress
@@ -362,7 +363,7 @@ class FanoutDriver:
             self._keeper.stop()
         for lease in self.leases.values():
             try:
-                self._on_source(lambda src, held=lease: leases.release(src, held))
+                self._on_source(partial(leases.release, lease=lease))
             except Exception as exc:  # the source is down: the lease runs out on its own (``lease_seconds``)
                 log.warning("fan-out of %s: lease of %s not released: %s", self.source, lease.sink, one_line(exc))
                 if not self.src.closed:
