@@ -539,3 +539,28 @@ def test_a_failover_between_a_spark_table_snapshots_tasks_to_a_sink_it_writes_is
     assert [p for k, p in queue(sink_c, "site-b") if k == "log"] == ["b0=0"]
     assert rows(sink_c) == rows(sink_b)
     app.close()
+
+
+def test_a_source_restarted_between_a_spark_table_snapshots_tasks_leaves_its_leases_released(
+    lr_sites, lr_connections, site_manager
+):
+    """The source's server stops (immediate) and starts again between the job's tasks: the exported
+    snapshot died with it, the job fails, and its end releases the sessions' leases on a new
+    connection, so the cycles take them at once and snapshot the table again. Before, the leases
+    stayed held and kept every replicator off the sessions for ``lease_seconds``."""
+    source = lr_sites[0]
+    source.query(f'ALTER DATABASE "{source.dbname}" SET synchronous_commit = on')  # the table survives
+    topo, app = tables_lacking_at_both_sinks(lr_sites)
+
+    def restart() -> None:
+        site_manager.down([source.site_id], mode="immediate")
+        site_manager.up(site_ids=[source.site_id])
+
+    result, raised = table_job(topo, restart)
+    assert isinstance(raised, psycopg2.Error), raised or result
+    assert source.query("SELECT DISTINCT lease_owner FROM lr.source_sessions") == [(None,)]
+    app.close()
+    app = App(source)  # its connection died with the server
+    cycles_until_idle(topo, lr_sites, app)
+    assert_handed_off(source, lr_sites[1:], tables=True)
+    app.close()

@@ -13,6 +13,7 @@ from airflow_provider_lr.engine import vocabulary
 from airflow_provider_lr.engine.bulk import fanout
 from airflow_provider_lr.engine.bulk.plan import ChunkResult
 from airflow_provider_lr.engine.bulk.tee import tee_chunk
+from airflow_provider_lr.engine.faults import on_fault
 from airflow_provider_lr.engine.session import catchup
 from airflow_provider_lr.engine.session.settings import SPARK_MIN_BACKLOG, SessionSettings
 from airflow_provider_lr.engine.source.backlog import (
@@ -92,6 +93,37 @@ def test_session_whose_lease_was_taken_over_is_fenced(scenario):
     assert set(result.errors) == {"site-a->site-b/policy"} and "FencedError" in result.errors["site-a->site-b/policy"]
     assert set(result.deliveries) == {"site-a->site-b/audit", "site-a->site-c/policy", "site-a->site-c/audit"}
     assert_delivered_exactly(lr_sites)  # site-b/policy delivered once, by the replicator that took over
+
+
+def test_a_source_restarted_between_two_chunks_leaves_the_run_recorded_and_its_leases_released(scenario, site_manager):
+    """The source's server stops (immediate) and starts again once the first chunk committed. The
+    later chunks connect for themselves and deliver; the driver's own connection died with the
+    server, and its end records every session's progress and releases the leases on a new one.
+    Before, the run failed at its end ("connection already closed"), nothing recorded, and the
+    leases stayed held: every other replicator kept off the sessions for ``lease_seconds``."""
+    topo, lr_sites = scenario
+    source = lr_sites[0]
+    source.query(f'ALTER DATABASE "{source.dbname}" SET synchronous_commit = on')  # the backlog survives
+    transmit_backlog(source, 1500, clients=CLIENTS, per_txn=100)
+    restarted: list[int] = []
+
+    def restart() -> None:
+        if not restarted:
+            restarted.append(1)
+            site_manager.down([source.site_id], mode="immediate")
+            site_manager.up(site_ids=[source.site_id])
+
+    driver = fanout.FanoutDriver(topo, "site-a", owner="spark-driver")
+    try:
+        with on_fault("fanout_after_commit_p0_a0", restart):
+            result = fanout.run_fanout(driver, fanout.local_map, partitions=3)
+    finally:
+        driver.close()
+    assert restarted and result.ok and result.partitions == 3, result.errors
+    assert_delivered_exactly(lr_sites)
+    held = source.query("SELECT sink_site_id, client_name, lease_owner, acked_position FROM lr.source_sessions")
+    assert {(sink, client, owner) for sink, client, owner, _ in held} == {(s, c, None) for s in SINKS for c in CLIENTS}
+    assert {acked for *_, acked in held} == {result.end}, held
 
 
 def test_chunk_rerun_after_partial_commit_and_concurrent_duplicates_deliver_once(scenario):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import psycopg2
 import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
@@ -9,7 +10,7 @@ from airflow_provider_lr.engine.bulk import snapshot_transfer
 from airflow_provider_lr.engine.errors import LRError
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.vocabulary import SessionKey
-from tests.support.session import apply, queue, replicator, sink_queue
+from tests.support.session import apply, queue, replicator, sink_queue, table_provider
 from tests.support.spark_env import (  # noqa: F401 (local_spark, lr_connections are fixtures)
     in_log_entry_sync,
     local_spark,
@@ -164,3 +165,38 @@ def test_an_abandoned_spark_transfer_leaves_nothing_staged_once_the_session_move
     assert sink_b.query(
         "SELECT (SELECT count(*) FROM lr.spark_staging), (SELECT count(*) FROM lr.spark_staged_ranges)"
     )[0] == (0, 0)
+
+
+def test_a_source_restarted_before_a_spark_transfers_commit_leaves_its_lease_released(
+    lr_sites, lr_connections, site_manager
+):
+    """The transfer job staged every range when the source's server stops (immediate) and starts
+    again: its commit fails on the connection that died with the server, and its end releases the
+    session's lease on a new one, so the next cycle takes the session at once and applies the
+    sync. Before, the lease stayed held and kept every replicator off it for ``lease_seconds``."""
+    from tests.spark.test_handoff_matrix_spark import ROWS, supplied_for_spark
+
+    source, sink_b = lr_sites[0], lr_sites[1]
+    source.query(f'ALTER DATABASE "{source.dbname}" SET synchronous_commit = on')  # the supplied sync survives
+    topo, app, request = supplied_for_spark(lr_sites)
+    app.close()
+    job = snapshot_transfer.SnapshotTransfer(topo, "site-a", "site-b", "policy", owner="spark-driver")
+    try:
+        plan = job.plan(request.request_id, partitions=2)
+        for part in plan.ranges:
+            snapshot_transfer.stage_range(plan, part)
+        site_manager.down([source.site_id], mode="immediate")
+        site_manager.up(site_ids=[source.site_id])
+        with pytest.raises(psycopg2.Error):
+            job.commit(plan)
+    finally:
+        job.close()
+    assert source.query("SELECT lease_owner FROM lr.source_sessions") == [(None,)]
+    repl = replicator(topo, lr_sites, providers={"policy": table_provider})
+    try:
+        (report,) = repl.run_cycle()
+    finally:
+        repl.close()
+    assert not report.error and not report.skipped and report.state == "IN_LOG_ENTRY_SYNC", report
+    assert [k for k, _ in queue(sink_b, "site-a")].count("snap") == ROWS
+    assert full_sync.get_request(source.connect(), request.request_id).status == "applied"

@@ -192,17 +192,21 @@ def test_what_a_failed_staged_run_left_is_dropped_by_the_next_plan(scenario):
     assert staged_left(lr_sites) == 0
 
 
-def test_what_a_failed_staged_run_left_behind_a_session_cycle_is_dropped_by_the_next_plan(scenario):
-    """The same failed run, then the session cycles deliver the backlog themselves and pass over the
-    staged chunks (now behind the sinks' positions, never to be published): the next plan, with
-    nothing left to deliver, still drops them; the sinks hold every entry once."""
+def test_what_a_failed_staged_run_left_is_dropped_by_the_session_cycles_that_take_its_sessions(scenario):
+    """The same failed run (its driver gone, its leases released), then the session cycles take the
+    sessions over and deliver the backlog themselves, passing over the staged chunks (behind the
+    sinks' positions now, never to be published): the new holder's fence drops them. Before, they
+    stayed on the sinks until the next Spark plan of the session; with ``lr sync`` alone after a
+    failed job, for good. The sinks hold every entry once; a plan after it has nothing to do."""
     topo, lr_sites = scenario
     failed_staged_run(topo, lr_sites, chunks=(2,))
+    assert staged_left(lr_sites) > 0
     repl = replicator(topo, lr_sites)
     repl.run(max_cycles=10, until_idle=True, interval=0.01)
     repl.close()
     expected = {(s.site_id, c): expected_queue(lr_sites[0], s.site_id, c) for s in lr_sites[1:] for c in CLIENTS}
-    assert visible(lr_sites) == expected and staged_left(lr_sites) > 0
+    assert visible(lr_sites) == expected
+    assert staged_left(lr_sites) == 0, "the cycles' fence dropped what the fenced job staged"
     again = fanout.FanoutDriver(topo, "site-a")
     try:
         result = fanout.run_fanout(again, lambda p: [staged_tee.stage_chunk(p, r) for r in p.ranges], tasks=2)

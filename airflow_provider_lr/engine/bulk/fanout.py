@@ -54,6 +54,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+from functools import partial
 
 import psycopg2
 import psycopg2.extensions
@@ -295,16 +296,19 @@ class FanoutDriver:
                         position,
                         result.errors[session],
                     )
-                    leases.update_session(
-                        self.src,
-                        lease,
-                        acked_position=max(position, demand.position.after),
-                        last_error=f"fan-out: {result.errors[session]}"[:2000],
-                    )
+                    error = f"fan-out: {result.errors[session]}"[:2000]
+                    acked = max(position, demand.position.after)
+                    self._on_source(partial(leases.update_session, lease=lease, acked_position=acked, last_error=error))
                     continue
                 result.deliveries[session] = delivered.get(session, 0)
-                leases.update_session(
-                    self.src, lease, acked_position=position, last_error=None, last_success_at=AsIs("now()")
+                self._on_source(
+                    partial(
+                        leases.update_session,
+                        lease=lease,
+                        acked_position=position,
+                        last_error=None,
+                        last_success_at=AsIs("now()"),
+                    )
                 )
             except FencedError as exc:  # taken over since: the new holder records its own progress
                 result.errors.setdefault(session, error_line(exc))
@@ -334,12 +338,39 @@ class FanoutDriver:
                 result.errors.setdefault(session, error_line(exc))
                 result.positions.pop(session, None)
 
+    def _on_source(self, work: Callable[[psycopg2.extensions.connection], None]) -> None:
+        """``work`` on the driver's source connection, on a new one once when that was lost: the source
+        restarted during the run (its tasks connect for themselves and carried on; the driver's own
+        connection died with the server). Before, the run failed at its end with psycopg2's
+        "connection already closed", the sinks' progress unrecorded, and ``close`` could not release
+        the leases: every other replicator was kept off the sessions for ``lease_seconds``."""
+        for last in (False, True):
+            if self.src.closed:
+                self.src = self._connect(self.source)
+                lift(self.src)
+            try:
+                work(self.src)
+                return
+            except (psycopg2.OperationalError, psycopg2.InterfaceError):
+                if last or not self.src.closed:  # not a lost connection (a lock timeout): the caller's
+                    raise
+                log.info("fan-out of %s: the connection to its source was lost; connecting again", self.source)
+
     def close(self) -> None:
-        """Release the leases taken by ``plan`` and close connections."""
+        """Release the leases taken by ``plan`` (on a new connection to the source when the driver's
+        was lost) and close connections."""
         if self._keeper is not None:
             self._keeper.stop()
         for lease in self.leases.values():
-            leases.release_quietly(self.src, lease)
+            try:
+                self._on_source(partial(leases.release, lease=lease))
+            except Exception as exc:  # the source is down: the lease runs out on its own (``lease_seconds``)
+                log.warning("fan-out of %s: lease of %s not released: %s", self.source, lease.sink, one_line(exc))
+                if not self.src.closed:
+                    try:
+                        self.src.rollback()
+                    except psycopg2.Error:
+                        pass
         if not self.src.closed:
             self.src.close()
 

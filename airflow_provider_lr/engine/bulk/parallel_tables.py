@@ -18,8 +18,8 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.db.conninfo import ConnInfo, connect_dsn
-from airflow_provider_lr.engine.db.timeouts import Purpose
-from airflow_provider_lr.engine.errors import ConfigurationError
+from airflow_provider_lr.engine.db.timeouts import Purpose, Timeouts
+from airflow_provider_lr.engine.errors import ConfigurationError, one_line
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.handshake import handshake
 from airflow_provider_lr.engine.session.lease_keeper import LeaseKeeper
@@ -133,14 +133,35 @@ def run_table_snapshot(
         return result
     finally:
         if snap is not None:
-            snap.close()
+            try:
+                snap.close()
+            except psycopg2.Error:  # the connection died with the source's server: no snapshot left to end
+                pass
         if keeper is not None:
             keeper.stop()
         for lease in held:
             leases.release_quietly(src, lease)
+        if held and src.closed:  # the source restarted during the job: its leases released on a new connection
+            _release_anew(dsns[source], bounds, held)
         for side in sides:
             side.conn.close()
         src.close()
+
+
+def _release_anew(dsn: str, bounds: Timeouts, held: list[leases.Lease]) -> None:
+    """The leases released on a new connection to the source: the job's own died with a restart of
+    its server (before, they stayed held and kept every replicator off the sessions for
+    ``lease_seconds``). A source still down lets them run out."""
+    try:
+        conn = connect_dsn(dsn, Purpose.BULK, bounds)
+    except Exception as exc:
+        log.warning("table snapshot: leases not released: %s", one_line(exc))
+        return
+    try:
+        for lease in held:
+            leases.release_quietly(conn, lease)
+    finally:
+        conn.close()
 
 
 def connect_by_task(task: dict) -> Callable[[str], psycopg2.extensions.connection]:

@@ -36,7 +36,7 @@ from airflow_provider_lr.engine.bulk.peak_memory import peak_rss_kb
 from airflow_provider_lr.engine.bulk.pgcopy import RowReader, StagingWriter, staging_head, staging_prefix
 from airflow_provider_lr.engine.db.conninfo import connect_dsn
 from airflow_provider_lr.engine.db.timeouts import DEFAULT, Purpose, Timeouts
-from airflow_provider_lr.engine.errors import ConfigurationError, LRError, StaleBatchError, require_counts
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError, StaleBatchError, one_line, require_counts
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.session.handshake import handshake
 from airflow_provider_lr.engine.session.runner import SessionRunner
@@ -267,7 +267,20 @@ class SnapshotTransfer:
         return result
 
     def close(self) -> None:
+        """Release the session's lease (on a new connection when the job's own to the source was lost:
+        a source restarted during the job; before, the lease stayed held and kept every replicator off
+        the session for ``lease_seconds``) and close the connections."""
+        lease = self.runner.lease
         self.runner.release()
+        if lease is not None and self.src.closed:
+            try:
+                conn = connect_dsn(self.source_dsn, Purpose.BULK, self.timeouts)
+                try:
+                    leases.release(conn, lease)
+                finally:
+                    conn.close()
+            except Exception as exc:  # the source is down: the lease runs out on its own
+                log.warning("snapshot transfer of %s: lease not released: %s", self.key, one_line(exc))
         for conn in (self.src, self.sink):
             if not conn.closed:
                 conn.close()

@@ -198,6 +198,11 @@ def fence(conn: psycopg2.extensions.connection, source: str, client: str, epoch:
 def _fence(conn: psycopg2.extensions.connection, source: str, client: str, epoch: int) -> SinkMetadata:
     write = SinkTransaction(conn, source, client, epoch)
     with write as (cur, meta):
+        if meta.lease_epoch < epoch:
+            # a new holder: what an earlier one's Spark job staged here can never be published or moved
+            # now (its epoch is fenced), whoever moves the session next. Before, it stayed until the
+            # next Spark plan of the session: with ``lr sync`` alone after a failed job, for good.
+            discard_staged(cur, source, client)
         return replace(meta, lease_epoch=epoch, site_topology_config_id=config_id(cur))
 
 
@@ -250,8 +255,8 @@ def discard_staged(cur: psycopg2.extensions.cursor, source: str, client: str) ->
     """Drop everything Spark jobs staged for the session on this sink and never moved into its
     receive queue (``lr.spark_staging``: fan-out packs and snapshot data, and their range records).
     Staged rows are never visible: once the session moves on (a fan-out plan starts or ends, a
-    snapshot sync starts or is applied) what a failed, abandoned or superseded job left there is
-    dead weight. Called inside the session's fenced sink transaction; a job fenced out by it cannot
+    snapshot sync starts or is applied, a new lease holder fences the sink: ``fence``) what a
+    failed, abandoned or superseded job left there is dead weight. Called inside the session's fenced sink transaction; a job fenced out by it cannot
     publish or move what it stages later (the next of these calls drops that; a snapshot transfer's
     stage for a sync the sink no longer transfers rolls itself back: ``snapshot_transfer.stage_range``)."""
     cur.execute("DELETE FROM lr.spark_staging WHERE source_site_id = %s AND client_name = %s", (source, client))
