@@ -47,6 +47,7 @@ from airflow_provider_lr.engine.vocabulary import (
 from airflow_provider_lr.proto import lr_pb2
 
 DEFAULT_DATA_TIMEOUT = 120.0  # seconds without client data before a request is restarted
+NOTE_CHARS = 2000  # a note kept on a request (a reason, a failure): lr.full_sync_requests bounds it (V0046)
 
 
 @dataclass(frozen=True)
@@ -280,7 +281,7 @@ def finish_request(
                 "UPDATE lr.full_sync_requests SET status = %s, finished_at = now(), note = coalesce(%s, note) "
                 f"WHERE request_id = (SELECT request_id FROM lr.full_sync_requests WHERE request_id = %s "
                 f"AND status IN {OPEN_STATUSES_SQL}{skip})",
-                (status, encoding.storable(conn, note) if note else None, request_id),
+                (status, encoding.storable(conn, note[:NOTE_CHARS]) if note else None, request_id),
             )
             closed = cur.rowcount == 1
         if unless_supplying and not closed:
@@ -306,7 +307,7 @@ def supply_again(
                 "supplied_tx = NULL, base_position = NULL, base_snapshot = NULL, base_upto = NULL, entries = NULL, "
                 "note = %s, data_deadline = now() + make_interval(secs => %s) "
                 f"WHERE request_id = %s AND status = '{RequestStatus.SUPPLIED}' RETURNING {_COLUMNS}",
-                (note, data_timeout, request_id),
+                (encoding.storable(conn, note[:NOTE_CHARS]), data_timeout, request_id),
             )
             row = cur.fetchone()
         conn.commit()
@@ -494,5 +495,5 @@ def _serve(client: LogWriter, provider: Provider, max_requests: int | None, sink
 def _note(conn: psycopg2.extensions.connection, request_id: str, note: str) -> None:
     with conn.cursor() as cur:
         sql = "UPDATE lr.full_sync_requests SET note = %s WHERE request_id OPERATOR(pg_catalog.=) %s"
-        cur.execute(sql, (encoding.storable(conn, note[:2000]), request_id))
+        cur.execute(sql, (encoding.storable(conn, note[:NOTE_CHARS]), request_id))
     conn.commit()

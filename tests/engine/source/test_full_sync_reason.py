@@ -40,3 +40,18 @@ def test_a_reason_with_characters_the_source_database_lacks_is_stored_escaped(si
         assert again.reason in said, said
     finally:
         drop_database(site.server, site.dbname)
+
+
+def test_a_long_failure_noted_on_a_request_is_cut_to_fit_the_bound_the_database_keeps(lr_sites):
+    """A request's note is bounded by the database (64 KiB, V0046, against a writer's own SQL);
+    lr's own notes (a failure's text, which may quote a long error) are cut to ``NOTE_CHARS`` so that
+    closing the request never fails on that bound."""
+    source = lr_sites[0]
+    apply_to(lr_sites, topologies.from_document(topology_doc(lr_sites)))
+    conn = source.connect()
+    try:
+        request = full_sync.request_full_sync(conn, "site-b", "policy", "test")
+        assert full_sync.finish_request(conn, request.request_id, "cancelled", "failed: " + "x" * 100_000)
+        assert full_sync.get_request(conn, request.request_id).note == ("failed: " + "x" * 100_000)[: full_sync.NOTE_CHARS]
+    finally:
+        conn.close()
