@@ -52,6 +52,8 @@ def test_a_long_failure_noted_on_a_request_is_cut_to_fit_the_bound_the_database_
     try:
         request = full_sync.request_full_sync(conn, "site-b", "policy", "test")
         assert full_sync.finish_request(conn, request.request_id, "cancelled", "failed: " + "x" * 100_000)
-        assert full_sync.get_request(conn, request.request_id).note == ("failed: " + "x" * 100_000)[: full_sync.NOTE_CHARS]
+        assert (
+            full_sync.get_request(conn, request.request_id).note == ("failed: " + "x" * 100_000)[: full_sync.NOTE_CHARS]
+        )
     finally:
         conn.close()
