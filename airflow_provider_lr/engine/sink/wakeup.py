@@ -35,7 +35,7 @@ from airflow_provider_lr.engine.errors import (
     shown,
 )
 from airflow_provider_lr.engine.notify import NotifyChannel
-from airflow_provider_lr.engine.sink.delivery_transaction import delivery_connection
+from airflow_provider_lr.engine.sink.delivery_transaction import delivery_connection, require_consumer
 from airflow_provider_lr.engine.sink.receive import (
     DEFAULT_BATCH,
     DEFAULT_BATCH_BYTES,
@@ -178,7 +178,10 @@ def follow(
     hammered). A lost sink connection is reopened; nothing is lost, undelivered rows stay queued.
     A pass hands over at most ``PASS_RUNS`` batches' worth of entries and of bytes before ``stop``
     is looked at again. A sink without lr's schema (or with one too old) is waited for, every
-    ``poll_interval``, up to ``SCHEMA_WAIT``; then its ``SchemaError`` ends the loop."""
+    ``poll_interval``, up to ``SCHEMA_WAIT``; then its ``SchemaError`` ends the loop. A role that
+    row-level security shows none of the client's queues ends it at once (``ConfigurationError``
+    naming the grant to give: it delivered nothing, for ever, without a word), at the first pass
+    and whenever the demand's client changes."""
     require_listener(listener)  # a pass that raised it would be retried forever
     conn: psycopg2.extensions.connection | None = None
     todo: set[str] | None = None  # None: a full pass is due
@@ -186,6 +189,7 @@ def follow(
     next_full = next_retry = 0.0
     schema_missing_since: float | None = None
     lost: str | None = None  # why the sink connection is lost, as last logged (said again only when it changes)
+    consumer: str | None = None  # the client whose queues the role was found to read (``require_consumer``)
     try:
         while not stop.is_set():
             now = time.monotonic()
@@ -206,6 +210,9 @@ def follow(
                     if conn is None or conn.closed:
                         conn = connector.open()
                         schema_missing_since = None
+                    if want.client != consumer:  # a role shown none of its queues: said, not polled for ever
+                        require_consumer(conn, want.client)
+                        consumer = want.client
                     report = ReceiveQueueReader(conn, options.batch_size, options.batch_bytes).deliver(
                         listener,
                         want.client,

@@ -12,7 +12,7 @@ import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import ConfigurationError, TransmitError
-from airflow_provider_lr.subscriber import RoutingQueueSubscriber
+from airflow_provider_lr.subscriber import RoutingQueueSubscriber, open_relay
 from tests.engine.site.test_roles import Collect, connect_as, info_as, made  # noqa: F401 (fixture)
 from tests.support.session import apply
 
@@ -34,6 +34,25 @@ def test_a_subscriber_whose_role_may_not_read_its_clients_queues_is_refused_nami
     # what the grants give is consumed as before: its own client, a group's grant for its members, the owner
     for dsn, client in ((info_as(sink, alpha).dsn, "alpha"), (info_as(sink, member).dsn, "beta"), (sink.dsn, "beta")):
         assert RoutingQueueSubscriber(dsn, client_name=client).poll(Collect()) == 0
+
+
+def test_a_relay_subscription_whose_role_may_not_read_its_clients_queues_ends_naming_the_grant(lr_sites, made):
+    """The same through a relay: a subscription of beta by a consumer of alpha delivered nothing, for
+    ever, without a word; it ends at its first pass (``join`` raises the refusal), and again when an
+    allowed subscription's demand changes to a client the role may not read. The others go on."""
+    sink = lr_sites[1]
+    apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": ["alpha", "beta"]}])
+    alpha = made.name("r_alpha")
+    made.grant(sink, "consumer", alpha, ["alpha"])
+    refused = f"role '{alpha}' may not consume the receive queues of client 'beta' on site .* holds consumer of alpha"
+    with open_relay(info_as(sink, alpha).dsn) as relay:
+        wrong, right, moved = (relay.subscribe(Collect(), c) for c in ("beta", "alpha", "alpha"))
+        with pytest.raises(ConfigurationError, match=refused):
+            wrong.join(30)
+        moved.update(client="beta")
+        with pytest.raises(ConfigurationError, match=refused):
+            moved.join(30)
+        assert right.running and right.error is None
 
 
 def test_a_writer_transmitting_as_a_client_it_does_not_write_is_refused_and_its_transaction_goes_on(lr_sites, made):
