@@ -104,6 +104,21 @@ def require_counts(**counts: object) -> None:
             raise ConfigurationError(f"{name} must be a whole number of at least 1, not {value!r}")
 
 
+MAX_SECONDS = 10 * 365 * 86400.0  # a bound in seconds beyond this is a mistake (PostgreSQL's intervals end too)
+
+
+def require_seconds(**seconds: object) -> None:
+    """Refuse a bound in seconds given but not a number above 0 and at most ``MAX_SECONDS`` (``None``:
+    the default): NaN, infinity or 1e300 failed later, in the server's words ("interval out of range")."""
+    for name, value in seconds.items():
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_SECONDS
+        ):
+            raise ConfigurationError(
+                f"{name} must be a number of seconds above 0 and at most {MAX_SECONDS:.0f}, not {value!r}"
+            )
+
+
 def require_site_ids(name: str, value: object) -> list[str]:
     """``value`` as a list of site ids, refused when it is not one: a bare string would otherwise be
     read letter by letter (a demand or a wait that names no real site, and never ends or delivers)."""

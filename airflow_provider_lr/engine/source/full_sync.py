@@ -28,7 +28,7 @@ import psycopg2.extensions
 from airflow_provider_lr.engine import progress, vocabulary
 from airflow_provider_lr.engine.db import conninfo, encoding
 from airflow_provider_lr.engine.db.local_settings import on_callers_connection, whole_transactions
-from airflow_provider_lr.engine.errors import ConfigurationError, FullSyncError, one_line
+from airflow_provider_lr.engine.errors import ConfigurationError, FullSyncError, one_line, require_seconds
 from airflow_provider_lr.engine.faults import fault_point
 from airflow_provider_lr.engine.source import closed_tables
 from airflow_provider_lr.engine.source.commit_barrier import LAST_DRAWN_POSITION_SQL, commit_barrier
@@ -98,6 +98,7 @@ def request_full_sync(
     open request under supply now (its transaction holds the row for as long as the provider takes,
     minutes for a large one) is not waited for: the next look at the session's open request
     cancels it (``open_request``). On a caller's connection, ``on_callers_connection``'s rule."""
+    require_seconds(data_timeout=data_timeout)
     reason = encoding.storable(conn, vocabulary.flattened_reason(reason))  # whatever the site's encoding
     try:
         with conn.cursor() as cur:

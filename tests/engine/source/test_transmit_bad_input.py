@@ -44,6 +44,9 @@ def test_huge_lists_of_destinations_are_refused_in_a_short_message_and_a_bad_sup
         for reason in (None, 5):  # an engine caller's request: a TypeError from inside lr
             with pytest.raises(ConfigurationError, match=f"a full sync's reason is one line of text, not {reason!r}"):
                 full_sync.request_full_sync(conn, "site-b", "policy", reason)
+        for timeout in (1e300, float("nan"), float("inf"), 0, -5, "60", True):  # 1e300: "interval out of range"
+            with pytest.raises(ConfigurationError, match="data_timeout must be a number of seconds above 0"):
+                full_sync.request_full_sync(conn, "site-b", "policy", "x", data_timeout=timeout)
         assert source.query("SELECT count(*) FROM lr.log_entries") == [(0,)]
         assert source.query("SELECT count(*) FROM lr.full_sync_requests WHERE forced") == [(0,)]
     finally:
