@@ -249,6 +249,7 @@ class LogWriter:
         """``destinations`` of a log entry, checked (``TransmitError`` when refused): once per list."""
         key = _destinations(destinations)  # read once: a generator would be empty the second time
         if not self._may_write:  # once; a log entry's only (a full sync's supply may be the replicator's)
+            usable(self.conn)  # (the grants are read on it: a failed transaction said only that it failed)
             grant = grants.held(self.conn, "lr.log_entries", ("writer",), self.client_name)
             if grant is not None and not grant.may:  # a policy violation said nothing of the grant it lacks
                 doing = f"transmit as client {self.client_name!r}"

@@ -113,8 +113,17 @@ def test_a_full_sync_request_on_an_autocommit_connection_is_one_transaction_and_
     conn.autocommit = True
     try:
         first = full_sync.request_full_sync(conn, "site-b", "policy", "first")
-        with pytest.raises(psycopg2.Error, match="interval"):
-            full_sync.request_full_sync(conn, "site-b", "policy", "second", data_timeout=1e300)
+        source.query(  # the request's insert fails after the cancel of its predecessor
+            "CREATE FUNCTION public.refuse_second() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN IF NEW.reason = 'second' THEN RAISE EXCEPTION 'refused for the test'; END IF; RETURN NEW; END $$"
+        )
+        source.query(
+            "CREATE TRIGGER refuse_second BEFORE INSERT ON lr.full_sync_requests "
+            "FOR EACH ROW EXECUTE FUNCTION public.refuse_second()"
+        )
+        with pytest.raises(psycopg2.Error, match="refused for the test"):
+            full_sync.request_full_sync(conn, "site-b", "policy", "second")
+        source.query("DROP TRIGGER refuse_second ON lr.full_sync_requests")
         assert conn.autocommit is True and _path(conn) == PATH
         still = full_sync.open_request(conn, "site-b", "policy")
         assert still is not None and still.request_id == first.request_id
