@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+import time
 import weakref
 from dataclasses import dataclass
 from importlib import resources
@@ -194,6 +195,11 @@ def behind(version: int) -> str | None:
     )
 
 
+MIGRATION_LOCK_TRY = "1s"  # one try's wait for a table's lock (the ALTERs of lr's tables)
+MIGRATION_STEP_ASIDE_S = 0.5  # between tries: the transactions queued behind the upgrade go first
+MIGRATION_PATIENCE_S = 60.0  # the tries' whole wait when the connection sets no lock_timeout
+
+
 def migrate(
     conn: psycopg2.extensions.connection, target: int | None = None, migrations: list[Migration] | None = None
 ) -> MigrationResult:
@@ -201,12 +207,58 @@ def migrate(
 
     Needs only what the pending migrations need: with nothing to apply, reading
     ``lr.schema_migrations`` is all it does (no lock, no DDL); the schema and the migrations table
-    are created only when missing (creating the schema needs CREATE on the database)."""
+    are created only when missing (creating the schema needs CREATE on the database).
+
+    A migration altering a table lr's writers and streams use (V0046: lr.log_entries, ACCESS
+    EXCLUSIVE) waits for the transactions open on it; every transmit and stream read then queued
+    behind the upgrade for as long (lr init's lock_timeout, 60 s). It now waits in short tries
+    (``MIGRATION_LOCK_TRY``), rolled back and stepping aside between them, for the connection's
+    lock_timeout in all; then it is refused naming the transactions holding lr's tables."""
     migrations = migrations if migrations is not None else available_migrations()
     latest = migrations[-1].version
     target = latest if target is None else target
     if not 0 < target <= latest:
         raise SchemaError(f"target schema version {target} is not between 1 and {latest}")
+    deadline: float | None = None  # set at the first try that timed out (rolled back)
+    while True:
+        try:
+            return _migrate_once(conn, target, migrations)
+        except psycopg2.errors.LockNotAvailable:
+            deadline = time.monotonic() + _patience(conn) if deadline is None else deadline
+            if time.monotonic() >= deadline:
+                raise SchemaError(_busy_message(conn, target)) from None
+            time.sleep(MIGRATION_STEP_ASIDE_S)
+
+
+def _patience(conn: psycopg2.extensions.connection) -> float:
+    """The connection's lock_timeout in seconds (``MIGRATION_PATIENCE_S`` when it has none)."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT extract(epoch FROM current_setting('lock_timeout')::interval)")
+        seconds = float(cur.fetchone()[0])
+    conn.rollback()
+    return seconds if seconds > 0 else MIGRATION_PATIENCE_S
+
+
+def _busy_message(conn: psycopg2.extensions.connection, target: int) -> str:
+    """Who holds lr's tables (the oldest transactions first): what the upgrade waited for."""
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT string_agg(format('pid %s (%s, %s, open %s s)', a.pid, coalesce(nullif(a.application_name, ''),"
+            " 'no application_name'), a.state, extract(epoch FROM now() - a.xact_start)::bigint), '; ' "
+            "ORDER BY a.xact_start) FROM pg_stat_activity a WHERE a.pid <> pg_backend_pid() AND a.pid IN ("
+            "SELECT l.pid FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
+            "WHERE l.granted AND c.relnamespace = to_regnamespace('lr'))"
+        )
+        holders = cur.fetchone()[0] or "none now"
+    conn.rollback()
+    return (
+        f"lr schema upgrade to v{target} on site {_where(conn)} waited {_patience(conn):.0f} s in short tries for "
+        f"lr's tables, which open transactions held throughout (holding them now: {holders}); nothing was "
+        "changed; end those transactions (a long one is often an idle application's) and run `lr init` again"
+    )
+
+
+def _migrate_once(conn: psycopg2.extensions.connection, target: int, migrations: list[Migration]) -> MigrationResult:
     applied: list[int] = []
     try:
         with conn.cursor() as cur:
@@ -222,6 +274,7 @@ def migrate(
                     cur.execute(_CREATE_MIGRATIONS)
                 done = _applied_versions(conn, cur)  # another init may have applied them meanwhile
                 pending = _pending(conn, done, migrations, target)
+                cur.execute(f"SET LOCAL lock_timeout = '{MIGRATION_LOCK_TRY}'")  # the DDL's tries (migrate)
             for migration in pending:
                 cur.execute(migration.sent)
                 cur.execute(

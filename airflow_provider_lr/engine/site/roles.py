@@ -31,6 +31,7 @@ from airflow_provider_lr.engine.db.local_settings import on_callers_connection
 from airflow_provider_lr.engine.db.topology_schema import valid_client_name
 from airflow_provider_lr.engine.errors import ConfigurationError, SchemaError, is_control, listing, one_line, shown
 from airflow_provider_lr.engine.store.topology import applied_document
+from airflow_provider_lr.engine.vocabulary import SCHEMA_LOCK_KEY
 
 KINDS = ("replicator", "writer", "consumer")
 ROLES_SCHEMA_VERSION = 6  # lr.role_grants and the policies
@@ -385,9 +386,13 @@ def plan_revoke(
 
 
 def run(conn: psycopg2.extensions.connection, plan: Iterable[Statement]) -> None:
-    """Execute a plan in one transaction (all or nothing); commits."""
+    """Execute a plan in one transaction (all or nothing); commits. Role changes on a site take
+    turns with each other and with ``lr init`` (its advisory lock): two GRANTs of the same table
+    at once, as two ``lr roles grant`` or a grant beside ``lr init``'s reapply, failed the second
+    in the server's words ('tuple concurrently updated')."""
     try:
         with conn.cursor() as cur:
+            cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK_KEY,))
             for statement in plan:
                 cur.execute(statement.query)
         conn.commit()

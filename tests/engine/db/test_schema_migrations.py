@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,76 @@ def test_site_identity_on_uninitialised_database_says_what_to_do(sites):
     with pytest.raises(SchemaError, match="run `lr init`"):
         schema.site_identity(conn)
     conn.close()
+
+
+def test_an_upgrade_waiting_behind_an_open_transaction_does_not_stall_the_logs_readers_and_writers(
+    sites, tmp_path: Path
+):
+    """``lr init`` upgrading a site while ``lr sync`` streams and writers write: a migration that
+    alters lr.log_entries (V0046: ACCESS EXCLUSIVE, briefly) queued behind one open transaction on
+    it (an application's, a stream's read) for lr init's whole lock_timeout (60 s), and every
+    transmit and stream read queued behind the upgrade for as long. Now the upgrade waits in short
+    tries and steps aside between them; it applies once the transaction ends."""
+    site = sites[0]
+    schema.migrate(site.connect())
+    nxt = copy_shipped(tmp_path)
+    (tmp_path / f"V{nxt:04d}__log_checked.sql").write_text(
+        "ALTER TABLE lr.log_entries ADD CONSTRAINT log_checked CHECK (true) NOT VALID;"
+    )
+    holder = site.connect()
+    holder.cursor().execute("SELECT count(*) FROM lr.log_entries")  # open: an application's transaction
+    upgrading = conninfo.from_dsn(site.dsn).connect(Purpose.BULK)  # as lr init connects
+    outcome: list[object] = []
+
+    def init() -> None:
+        try:
+            outcome.append(schema.migrate(upgrading, migrations=schema.available_migrations(tmp_path)))
+        except BaseException as exc:  # reported below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=init)
+    thread.start()
+    reader = site.connect()
+    reader.autocommit = True
+    try:
+        waiting = "SELECT count(*) FROM pg_locks WHERE relation = 'lr.log_entries'::regclass AND NOT granted"
+        deadline = time.monotonic() + 15
+        while site.query(waiting) == [(0,)]:
+            assert time.monotonic() < deadline, "the upgrade never asked for the log's lock"
+        with reader.cursor() as cur:
+            cur.execute("SET statement_timeout = '6s'")
+            started = time.monotonic()
+            cur.execute("SELECT count(*) FROM lr.log_entries")  # a transmit's or the stream's turn
+            assert time.monotonic() - started < 5, "the log's reader waited out the upgrade"
+    finally:
+        holder.rollback()
+        holder.close()
+        thread.join(60)
+        reader.close()
+    assert len(outcome) == 1 and not isinstance(outcome[0], BaseException), outcome
+    assert site.query("SELECT max(version) FROM lr.schema_migrations") == [(nxt,)]
+    upgrading.close()
+
+
+def test_an_upgrade_that_cannot_get_the_logs_lock_is_refused_naming_the_open_transaction(sites, tmp_path: Path):
+    """The short tries end at the connection's lock_timeout: a clear refusal naming the transaction
+    that held the log throughout (before: 'canceling statement due to lock timeout'), nothing applied."""
+    site = sites[0]
+    schema.migrate(site.connect())
+    nxt = copy_shipped(tmp_path)
+    (tmp_path / f"V{nxt:04d}__log_checked.sql").write_text(
+        "ALTER TABLE lr.log_entries ADD CONSTRAINT log_checked CHECK (true) NOT VALID;"
+    )
+    holder = site.connect()
+    holder.cursor().execute("SET application_name = 'idle_app'; SELECT count(*) FROM lr.log_entries")
+    upgrading = site.connect()
+    upgrading.cursor().execute("SET lock_timeout = '2s'")
+    upgrading.commit()
+    try:
+        with pytest.raises(SchemaError, match=r"held throughout .*idle_app, idle in transaction.*run `lr init` again"):
+            schema.migrate(upgrading, migrations=schema.available_migrations(tmp_path))
+    finally:
+        holder.rollback()
+        holder.close()
+    assert schema.current_version(upgrading) == nxt - 1
+    upgrading.close()

@@ -1101,3 +1101,31 @@ def test_every_security_definer_function_of_lr_pins_its_search_path(lr_sites):
     assert unpinned == [], f"lr functions that do not pin search_path = pg_catalog, ...: {unpinned}"
     # and none of them can be reached by a role lr was not asked to grant: PUBLIC may not use the schema
     assert site.query("SELECT pg_catalog.has_schema_privilege('public', 'lr', 'USAGE')") == [(False,)]
+
+
+def test_two_grants_run_at_once_on_one_site_both_hold(lr_sites, made):
+    """``lr roles grant`` of two roles at once on one site (two operators, a deployment granting its
+    roles in parallel, ``lr init``'s reapply beside a grant): each GRANT rewrites the same tables'
+    privileges, and the server refuses the second writer of a catalog row ('tuple concurrently
+    updated'). Now lr's role changes on a site take turns; both grants hold."""
+    apply(lr_sites, [{"source": "site-a", "sinks": ["site-b"], "clients": CLIENTS}])
+    source = lr_sites[0]
+    names = [made.name(f"w{i}") for i in range(4)]
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(names))
+
+    def grant(role: str) -> None:
+        try:
+            start.wait(30)
+            made.grant(source, "writer", role, ["alpha"])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=grant, args=(n,)) for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    granted = source.query("SELECT DISTINCT role_name FROM lr.role_grants WHERE kind = 'writer' ORDER BY 1")
+    assert set(names) <= {r[0] for r in granted}
