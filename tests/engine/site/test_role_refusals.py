@@ -15,8 +15,8 @@ from airflow_provider_lr import cli
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import ConfigurationError, TransmitError
 from airflow_provider_lr.subscriber import RoutingQueueSubscriber, open_relay
-from tests.engine.site.test_roles import Collect, connect_as, info_as, made  # noqa: F401 (fixture)
 from tests.cli.test_cli_sync import topology_file
+from tests.engine.site.test_roles import Collect, connect_as, info_as, made  # noqa: F401 (fixture)
 from tests.support.session import App, apply, final_state, queue, source_state
 
 
