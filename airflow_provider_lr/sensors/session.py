@@ -7,9 +7,11 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+import psycopg2.errors
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException, AirflowSensorTimeout
 
+from airflow_provider_lr.engine.db.explained import failure
 from airflow_provider_lr.engine.source.backlog import delivery_target
 from airflow_provider_lr.engine.source.full_sync import Outcome
 from airflow_provider_lr.hooks.site import ConnectionMissing
@@ -70,6 +72,8 @@ class _LRSensor(BaseSensorOperator):
                 return trigger.check(conn)
         except ConnectionMissing as exc:  # waiting would not define it: one ERROR line, no retry
             raise refuse(self.log, self.task_id, f"source {self.source}: {exc}") from None
+        except psycopg2.errors.InsufficientPrivilege as exc:  # a login without lr's grant: a retry changes nothing
+            raise refuse(self.log, self.task_id, f"source {self.source}: {failure(exc)}") from None
 
     def poke(self, context: Any) -> PokeReturnValue:
         event = self._check_now(self.build_trigger())

@@ -22,7 +22,8 @@ import psycopg2
 import psycopg2.extensions
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from airflow_provider_lr.engine.errors import ConfigurationError, LRError, SiteUnreachableError, error_line, one_line
+from airflow_provider_lr.engine.db.explained import failure
+from airflow_provider_lr.engine.errors import ConfigurationError, LRError, SiteUnreachableError, one_line
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.source import delivery, full_sync
 from airflow_provider_lr.engine.source.backlog import DeliveryTarget, pending_entries, readiness_of
@@ -232,7 +233,9 @@ class _PollingTrigger(BaseTrigger):
                 await asyncio.sleep(self._pause(pause))
                 pause = min(pause * 2, self.max_poll_interval)
         except Exception as exc:  # a configuration or schema problem: end the wait, the task reports it
-            yield TriggerEvent(status_event(TriggerStatus.ERROR, message=error_line(exc)))
+            # ``failure``: a login lacking lr's grant (a consumer's, a writer's) is named with the grant
+            # to give; it said only "permission denied for table source_sessions"
+            yield TriggerEvent(status_event(TriggerStatus.ERROR, message=failure(exc)))
         finally:
             if conn is not None and not conn.closed:
                 conn.close()

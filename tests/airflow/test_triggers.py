@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 from datetime import datetime, timedelta, timezone
 
 import psycopg2
@@ -24,6 +25,7 @@ from airflow_provider_lr.triggers import (
     LRReadyTrigger,
     LRSnapshotEndTrigger,
 )
+from tests.engine.site.test_roles import made  # noqa: F401
 from tests.support.airflow_env import airflow_sites, reconfigure  # noqa: F401
 from tests.support.session import App, replicator, table_provider
 
@@ -219,3 +221,26 @@ def test_full_sync_outcome_fires_when_a_newer_request_of_the_session_is_applied(
     event = asyncio.run(_first_event(trigger, act=lambda: repl.run_cycle()))
     repl.close()
     assert event["status"] == "applied" and event["applied_request"] == second.request_id
+
+
+def test_a_wait_whose_connection_login_lacks_the_replicator_grant_ends_at_once_naming_the_role_and_grant(
+    airflow_sites, made, monkeypatch
+):
+    """An application's writer login given as the source connection: the trigger's error event said
+    only "permission denied for table source_sessions", and the sensor's poke raised it raw (retried
+    as the task's retries, each the same). Both name the role and the grant now; the sensor does not retry."""
+    from airflow_provider_lr.operators.common import FinalRefusal
+    from airflow_provider_lr.sensors import LRReadySensor
+
+    source = airflow_sites.site("site-a")
+    writer = made.name("t_writer")
+    made.grant(source, "writer", writer, ["policy"])
+    name, value = airflow_sites.env(source)
+    monkeypatch.setenv(name, json.dumps({**json.loads(value), "login": writer}))
+    said = f"role '{writer}' lacks a privilege this step needs on "
+    trigger = LRReadyTrigger("lr_site_a", "policy", ["site-b"], poll_interval=0.2)
+    event = asyncio.run(asyncio.wait_for(anext(trigger.run()), 30)).payload
+    assert event["status"] == "error" and said in event["message"], event
+    assert "lr roles grant replicator" in event["message"], event
+    with pytest.raises(FinalRefusal, match=said):
+        LRReadySensor(task_id="ready", source="site-a", client="policy", destinations=["site-b"]).execute({})

@@ -36,15 +36,21 @@ def _not_allowed(exc: BaseException) -> str:
     ``permission denied for table failovers`` and nothing said why."""
     conn = raised_on(exc)
     try:  # its DSN is kept after a close (the step's connections are closed by the time it is said)
-        user = parse_dsn(conn.dsn).get("user") if conn is not None else None
+        params = parse_dsn(conn.dsn) if conn is not None else {}
     except (psycopg2.Error, AttributeError):
-        user = None
+        params = {}
+    user = params.get("user")
     who = f"role {user!r}" if user else "this connection's role"
+    # which site refused: a session spans two, and a grant missing at its sink was told as if anywhere
+    site = getattr(conn, "site", None)
+    server = "{}:{}/{}".format(params.get("host", "?"), params.get("port", "5432"), params.get("dbname", "?"))
+    where = f" on site {site!r} ({server})" if site else f" on {server}" if params else ""
+    grant = f"`lr roles grant replicator --role {user} --site <that site>`" if user else "`lr roles grant replicator`"
     return (
-        f"{who} lacks a privilege this step needs: `lr sync`, `lr status`, `lr trim`, `lr full-sync` and the "
-        "DAGs run as a replicator (`lr roles grant replicator`) or the owner of the lr schema; a failover, a "
-        "rejoin, `lr init`, `lr topology apply` and `lr roles` run as the owner; a replicator of federated "
-        "tables needs their grants (docs/security.md)"
+        f"{who} lacks a privilege this step needs{where}: `lr sync`, `lr status`, `lr trim`, `lr full-sync` and "
+        f"the DAGs run as a replicator ({grant}) or the owner of the lr schema; a failover, a rejoin, `lr init`, "
+        "`lr topology apply`, `lr roles` and `lr tables open`/`close` run as the owner (of the table too, for "
+        "`lr tables`); a replicator of federated tables needs their grants (docs/security.md)"
     )
 
 

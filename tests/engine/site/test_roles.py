@@ -672,9 +672,9 @@ def test_replicator_runs_cycles_full_syncs_status_and_trim(world):
             topology=world.topo,
         )
     said = failure(refused.value)
-    assert f"role '{world.replicator}' lacks a privilege this step needs:" in said and "a failover, a rejoin" in said, (
-        said
-    )
+    assert (
+        f"role '{world.replicator}' lacks a privilege this step needs on " in said and "a failover, a rejoin" in said
+    ), said
     assert "owner of the lr schema" in said and sink.query("SELECT count(*) FROM lr.failovers") == [(0,)]
     # an application's writer login given to lr sync / lr trim / lr status was told only which steps
     # need the owner, not that these need a replicator
