@@ -161,6 +161,50 @@ def test_a_sink_whose_composite_type_orders_its_attributes_otherwise_is_refused_
     assert all(s.query("SELECT (p[1]).a FROM public.pairs ORDER BY id") == [(1,), (3,)] for s in sinks)
 
 
+def test_a_sink_whose_domain_base_enum_labels_or_range_subtype_differ_is_refused_naming_them_then_takes_the_rows(
+    lr_sites,
+):
+    """A sink whose domain ``public.money4`` is over numeric(12,2) where the source's is over
+    numeric(12,4) took every value rounded, silently; one whose enum ``public.mood`` lacks a label
+    refused the whole batch in the server's words; one whose range's subtype is timestamptz read the
+    source's timestamp bounds in its zone. Each is refused now, naming the type and both definitions,
+    nothing applied; an enum with the source's labels in another order and one more is fine."""
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    source.query(
+        "CREATE DOMAIN public.money4 AS numeric(12,4); CREATE TYPE public.mood AS ENUM ('sad', 'ok', 'happy'); "
+        "CREATE TYPE public.span AS RANGE (subtype = timestamp)"
+    )
+    source.query("CREATE TABLE public.moods (id int PRIMARY KEY, m public.money4[], f public.mood, s public.span)")
+    on_every_site(
+        sinks,
+        "CREATE DOMAIN public.money4 AS numeric(12,2); CREATE TYPE public.mood AS ENUM ('happy', 'ok'); "
+        "CREATE TYPE public.span AS RANGE (subtype = timestamptz)",
+    )
+    source.query("INSERT INTO public.moods VALUES (1, '{1.2345}', 'sad', '[2026-01-01 00:00,)')")
+    federate(source, "public.moods")
+    with streaming_over(topo, lr_sites) as streaming:
+        told = [
+            "type public.money4 is a domain over numeric(12,4) on the source but a domain over numeric(12,2) on the sink",
+            "type public.mood is an enum ('sad', 'ok', 'happy') on the source but an enum ('happy', 'ok') on the sink, "
+            "which lacks ('sad')",
+            "type public.span is a range of timestamp without time zone on the source but a range of timestamp with "
+            "time zone on the sink",
+        ]
+        wait_for(lambda: sum(all(t in e for t in told) for e in errors(streaming)) >= len(sinks), 30, "the refusal")
+        assert all(s.query("SELECT to_regclass('public.moods')") == [(None,)] for s in sinks)  # nothing applied
+        on_every_site(
+            sinks,
+            "DROP DOMAIN public.money4; CREATE DOMAIN public.money4 AS numeric(12,4); "
+            "ALTER TYPE public.mood ADD VALUE 'meh'; ALTER TYPE public.mood ADD VALUE 'sad'; "
+            "DROP TYPE public.span; CREATE TYPE public.span AS RANGE (subtype = timestamp)",
+        )
+        streaming.streaming()
+        source.query("INSERT INTO public.moods VALUES (2, '{9.8765}', 'happy', NULL)")
+        arrived(source, sinks, "public.moods", "the rows, once the sinks' types take the source's values")
+    assert all(s.query("SELECT m[1]::text FROM public.moods ORDER BY id") == [("1.2345",), ("9.8765",)] for s in sinks)
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="a key change is applied as the old key deleted then the new row upserted: a sink with the "
