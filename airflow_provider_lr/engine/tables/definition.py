@@ -346,7 +346,8 @@ _DEFAULT_PRECISION = {"timestamp": 6, "time": 6, "interval": 6}
 def narrowed(recorded: Mapping[str, str], sink: TableDefinition) -> dict[str, str]:
     """The sink's columns whose type holds fewer values than it had when its snapshot was taken
     (``recorded``: the source's types then), each with how: the same type with a narrower modifier
-    (a numeric's precision or scale, a text's or bit string's length, a time's fractional digits).
+    (a numeric's precision or scale, a text's or bit string's length, a time's fractional digits), or
+    an array of it (``numeric(12,4)[]`` made ``numeric(12,2)[]``: its elements were rounded, silently).
     Their values would be rounded or cut by the sink; a column widened, or of another type (an int
     made a bigint), is not in it."""
     out = {}
@@ -354,7 +355,15 @@ def narrowed(recorded: Mapping[str, str], sink: TableDefinition) -> dict[str, st
         was = recorded.get(column.name)
         if was is None or was == column.type:
             continue
-        old, new = _BOUNDED.fullmatch(was), _BOUNDED.fullmatch(column.type)
+        dims = len(was) - len(was.rstrip("[]"))  # an array of a bounded type: bounded as its elements
+        if column.type[len(column.type) - dims :] != was[len(was) - dims :] or column.type[
+            : len(column.type) - dims
+        ].endswith("]"):
+            continue
+        old, new = (
+            _BOUNDED.fullmatch(was[: len(was) - dims]),
+            _BOUNDED.fullmatch(column.type[: len(column.type) - dims]),
+        )
         if old is None or new is None or (old[1], old[4]) != (new[1], new[4]):
             continue
         if _holds(old, new):
