@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from airflow_provider_lr.engine.tables import registry
 from tests.guarantees.test_table_fidelity_streaming import streaming_over
 from tests.support.session import Streaming, apply, wait_for
@@ -62,9 +64,15 @@ def test_a_sink_column_narrowed_after_its_snapshot_refuses_the_changes_naming_it
     1.2345 as 1.23 and 00:00:00.623456 as 00:00:01, for good, and said nothing."""
     source, *sinks = lr_sites
     topo = apply(lr_sites)
-    columns = {"n": "numeric(12,4)", "s": "varchar(20)", "ts": "timestamp(6)", "w": "numeric(12,4)"}
+    columns = {
+        "n": "numeric(12,4)",
+        "s": "varchar(20)",
+        "ts": "timestamp(6)",
+        "w": "numeric(12,4)",
+        "a": "numeric(12,4)[]",
+    }
     source.query(f"CREATE TABLE public.sized (id int PRIMARY KEY, {', '.join(f'{c} {t}' for c, t in columns.items())})")
-    source.query("INSERT INTO public.sized VALUES (1, 1.5, 'x', '2026-01-01', 1)")
+    source.query("INSERT INTO public.sized VALUES (1, 1.5, 'x', '2026-01-01', 1, '{1.5}')")
     federate(source, "public.sized")
     with streaming_over(topo, lr_sites) as streaming:
         streaming.streaming()
@@ -72,19 +80,22 @@ def test_a_sink_column_narrowed_after_its_snapshot_refuses_the_changes_naming_it
         on_every_site(sinks, "ALTER TABLE public.sized ALTER w TYPE numeric(14,6)")  # wider: fine
         source.query("UPDATE public.sized SET w = 2.1234")
         wait_for(lambda: all(s.query("SELECT w = 2.1234 FROM public.sized") == [(True,)] for s in sinks), 30, "widened")
-        narrow = "ALTER n TYPE numeric(12,2), ALTER s TYPE varchar(5), ALTER ts TYPE timestamp(0)"
+        narrow = "ALTER n TYPE numeric(12,2), ALTER s TYPE varchar(5), ALTER ts TYPE timestamp(0), ALTER a TYPE numeric(12,2)[]"
         on_every_site(sinks, f"ALTER TABLE public.sized {narrow}")
-        source.query("INSERT INTO public.sized VALUES (2, 1.2345, 'abcdefgh', '2026-01-01 00:00:00.623456', 3)")
+        source.query(
+            "INSERT INTO public.sized VALUES (2, 1.2345, 'abcdefgh', '2026-01-01 00:00:00.623456', 3, '{1.2345}')"
+        )
         refused = (
             "column n is numeric(12,4) on the source but numeric(12,2) on the sink; column s is character "
             "varying(20) on the source but character varying(5) on the sink; column ts is timestamp(6) without "
-            "time zone on the source but timestamp(0) without time zone on the sink"
+            "time zone on the source but timestamp(0) without time zone on the sink; column a is numeric(12,4)[] on "
+            "the source but numeric(12,2)[] on the sink"
         )
         wait_for(lambda: status_text(source).count(refused) == 2, 30, "each sink's refusal in lr status")
         assert all(len(rows(s, "public.sized")) == 1 for s in sinks)  # nothing of it applied
         on_every_site(sinks, "ALTER TABLE public.sized " + ", ".join(f"ALTER {c} TYPE {t}" for c, t in columns.items()))
         wait_for(lambda: all(rows(s, "public.sized") == rows(source, "public.sized") for s in sinks), 30, "arrived")
-    assert ('(2,1.2345,abcdefgh,"2026-01-01 00:00:00.623456",3.0000)',) in rows(source, "public.sized")
+    assert ('(2,1.2345,abcdefgh,"2026-01-01 00:00:00.623456",3.0000,{1.2345})',) in rows(source, "public.sized")
 
 
 def test_a_key_column_renamed_at_the_source_first_is_refused_naming_it_then_goes_on_by_its_new_name(lr_sites):
@@ -141,3 +152,27 @@ def test_a_table_renamed_at_the_source_while_streaming_holds_its_sessions_saying
         streaming.streaming()
     assert "DIVERGED" not in status_text(source)
     assert source.query("SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'lr_capture%%'") == [(4,)]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="definition.narrowed refuses a sink column whose type kept its base with a narrower modifier only: "
+    "one made another type after its snapshot (timestamptz to timestamp, double precision to real) takes the "
+    "changes by its own type, the zone dropped and the digits rounded, silently ('int to bigint' is why other "
+    "types pass: a list of lossless widenings would be needed instead)",
+)
+def test_a_sink_column_made_another_lossy_type_after_its_snapshot_refuses_the_changes_instead_of_changing_them(
+    lr_sites,
+):
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    source.query("CREATE TABLE public.kinds (id int PRIMARY KEY, t timestamptz, d double precision)")
+    source.query("INSERT INTO public.kinds VALUES (1, NULL, NULL)")
+    federate(source, "public.kinds")
+    with streaming_over(topo, lr_sites) as streaming:
+        streaming.streaming()
+        wait_for(lambda: all(rows(s, "public.kinds") == rows(source, "public.kinds") for s in sinks), 30, "snapshot")
+        on_every_site(sinks, "ALTER TABLE public.kinds ALTER t TYPE timestamp, ALTER d TYPE real")
+        source.query("INSERT INTO public.kinds VALUES (2, '2026-01-01 00:00:00+05', 1.23456789012), (3, NULL, NULL)")
+        wait_for(lambda: all(s.query("SELECT 1 FROM public.kinds WHERE id = 3") for s in sinks), 30, "id 3")
+    assert all(s.query("SELECT 1 FROM public.kinds WHERE id = 2") == [] for s in sinks)  # refused, not changed

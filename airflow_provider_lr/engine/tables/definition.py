@@ -17,6 +17,7 @@ compared: a sink table the user created keeps the extras the user gave it.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -126,16 +127,52 @@ class TableDefinition:
         ]
         theirs_composite = dict(other.composites)
         problems += [
-            f"type {n} is ({attributes}) on the source but ({theirs_composite[n]}) on the sink (a composite's "
-            "value travels by position: give the sink's type the source's attributes, in its order)"
+            _type_problem(n, attributes, theirs_composite[n])
             for n, attributes in self.composites
-            if n in theirs_composite and theirs_composite[n] != attributes
+            if n in theirs_composite and not _type_holds(attributes, theirs_composite[n])
         ]
         if tuple(self.key) != tuple(other.key):
             problems.append(
                 f"primary key ({', '.join(self.key)}) on the source but ({', '.join(other.key) or 'none'}) on the sink"
             )
         return problems
+
+
+def _is_enum(what: str) -> bool:
+    """Whether ``what`` describes an enum (a composite's first attribute may be named enum, never of a type "[")."""
+    return what.startswith(_ENUM + "[")
+
+
+def _type_holds(mine: str, theirs: str) -> bool:
+    """Whether the sink's type (``theirs``, as ``SHAPE_COMPOSITES`` describes it) takes every value of
+    the source's (``mine``) unchanged: the same description, or an enum with the source's labels and more."""
+    if _is_enum(mine) and _is_enum(theirs):
+        return set(json.loads(mine[len(_ENUM) :])) <= set(json.loads(theirs[len(_ENUM) :]))
+    return mine == theirs
+
+
+def _show(what: str) -> str:
+    """A type as ``SHAPE_COMPOSITES`` describes it, for a message: an enum's labels as SQL literals."""
+    if _is_enum(what):
+        labels = json.loads(what[len(_ENUM) :])
+        return "an enum (" + ", ".join("'" + label.replace("'", "''") + "'" for label in labels) + ")"
+    return f"a {what}" if what.startswith((_DOMAIN, _RANGE)) else f"({what})"
+
+
+def _type_problem(name: str, mine: str, theirs: str) -> str:
+    """How type ``name`` differs between source and sink, with both definitions and what to do."""
+    said = f"type {name} is {_show(mine)} on the source but {_show(theirs)} on the sink"
+    if _is_enum(mine) and _is_enum(theirs):
+        lacking = [label for label in json.loads(mine[len(_ENUM) :]) if label not in json.loads(theirs[len(_ENUM) :])]
+        return (
+            f"{said}, which lacks {_show(_ENUM + json.dumps(lacking))[len('an enum ') :]} (an enum's value travels "
+            f"as its label: add them to the sink's type, ALTER TYPE {name} ADD VALUE ...)"
+        )
+    if any(_is_enum(w) or w.startswith((_DOMAIN, _RANGE)) for w in (mine, theirs)):
+        return f"{said} (the sink would read every value by its own definition: give the sink's type the source's)"
+    return (
+        f"{said} (a composite's value travels by position: give the sink's type the source's attributes, in its order)"
+    )
 
 
 def _type_name(oid: str, typmod: str) -> str:
@@ -146,8 +183,16 @@ def _type_name(oid: str, typmod: str) -> str:
             FROM pg_catalog.pg_type ty JOIN pg_catalog.pg_namespace tn ON tn.oid = ty.typnamespace WHERE ty.oid = {oid})"""
 
 
-# The composite types the columns of the table whose oid is ``t.oid`` hold, through arrays, domains,
-# ranges, multiranges and other composites: [name, "attribute type, ..."] each, in name order.
+# What of a user-defined type the values its columns hold depend on, besides composites' attributes:
+# a domain's base type (a numeric(12,4) domain whose sink's base is numeric(12,2) rounded every value,
+# silently), an enum's labels (a value travels as its label: one the sink lacks refused a whole batch
+# in the server's words; their order is the sink's own, as its ORDER BY), a range's subtype and
+# collation (a tsrange's bounds read in another zone, a text range's bounds ordered otherwise).
+_DOMAIN, _ENUM, _RANGE = "domain over ", "enum ", "range of "  # an enum's labels follow as a JSON array
+
+# The user-defined types the columns of the table whose oid is ``t.oid`` hold, through arrays, domains,
+# ranges, multiranges and other composites: [name, what] each, in name order; a composite's "what" is
+# "attribute type, ...", a domain's, an enum's and a range's start with the words above.
 SHAPE_COMPOSITES = f"""
        ARRAY(WITH RECURSIVE reach(oid) AS (
                  SELECT a.atttypid FROM pg_catalog.pg_attribute a
@@ -162,13 +207,24 @@ SHAPE_COMPOSITES = f"""
                      UNION ALL SELECT a.atttypid FROM pg_catalog.pg_attribute a
                                WHERE y.typtype = 'c' AND a.attrelid = y.typrelid AND a.attnum > 0 AND NOT a.attisdropped
                  ) m(oid))
-             SELECT ARRAY[{_type_name("y.oid", "-1")},
-                          pg_catalog.array_to_string(ARRAY(
+             SELECT ARRAY[{_type_name("y.oid", "-1")}, CASE y.typtype
+                 WHEN 'c' THEN pg_catalog.array_to_string(ARRAY(
                               SELECT pg_catalog.quote_ident(a.attname) || ' ' || {_type_name("a.atttypid", "a.atttypmod")}
                               FROM pg_catalog.pg_attribute a
                               WHERE a.attrelid = y.typrelid AND a.attnum > 0 AND NOT a.attisdropped
-                              ORDER BY a.attnum), ', ')]
-             FROM reach r JOIN pg_catalog.pg_type y ON y.oid = r.oid WHERE y.typtype = 'c' ORDER BY 1)"""
+                              ORDER BY a.attnum), ', ')
+                 WHEN 'd' THEN '{_DOMAIN}' || {_type_name("y.typbasetype", "y.typtypmod")}
+                 WHEN 'e' THEN '{_ENUM}' || pg_catalog.to_json(ARRAY(
+                              SELECT e.enumlabel::text FROM pg_catalog.pg_enum e WHERE e.enumtypid = y.oid
+                              ORDER BY e.enumsortorder))::text
+                 ELSE (SELECT '{_RANGE}' || {_type_name("g.rngsubtype", "-1")}
+                              || COALESCE(' collate ' || (SELECT pg_catalog.quote_ident(c.collname)
+                                 FROM pg_catalog.pg_collation c WHERE c.oid = g.rngcollation), '')
+                       FROM pg_catalog.pg_range g WHERE g.rngtypid = y.oid) END]
+             FROM reach r JOIN pg_catalog.pg_type y ON y.oid = r.oid
+             WHERE y.typtype = 'c' OR (y.typtype IN ('d', 'e', 'r')
+                   AND y.typnamespace NOT IN ('pg_catalog'::regnamespace, 'information_schema'::regnamespace))
+             ORDER BY 1)"""
 
 
 # The shape of the table whose oid is ``t.oid``: its columns (name, type as the module says, "true"
@@ -290,7 +346,8 @@ _DEFAULT_PRECISION = {"timestamp": 6, "time": 6, "interval": 6}
 def narrowed(recorded: Mapping[str, str], sink: TableDefinition) -> dict[str, str]:
     """The sink's columns whose type holds fewer values than it had when its snapshot was taken
     (``recorded``: the source's types then), each with how: the same type with a narrower modifier
-    (a numeric's precision or scale, a text's or bit string's length, a time's fractional digits).
+    (a numeric's precision or scale, a text's or bit string's length, a time's fractional digits), or
+    an array of it (``numeric(12,4)[]`` made ``numeric(12,2)[]``: its elements were rounded, silently).
     Their values would be rounded or cut by the sink; a column widened, or of another type (an int
     made a bigint), is not in it."""
     out = {}
@@ -298,7 +355,15 @@ def narrowed(recorded: Mapping[str, str], sink: TableDefinition) -> dict[str, st
         was = recorded.get(column.name)
         if was is None or was == column.type:
             continue
-        old, new = _BOUNDED.fullmatch(was), _BOUNDED.fullmatch(column.type)
+        dims = len(was) - len(was.rstrip("[]"))  # an array of a bounded type: bounded as its elements
+        if column.type[len(column.type) - dims :] != was[len(was) - dims :] or column.type[
+            : len(column.type) - dims
+        ].endswith("]"):
+            continue
+        old, new = (
+            _BOUNDED.fullmatch(was[: len(was) - dims]),
+            _BOUNDED.fullmatch(column.type[: len(column.type) - dims]),
+        )
         if old is None or new is None or (old[1], old[4]) != (new[1], new[4]):
             continue
         if _holds(old, new):

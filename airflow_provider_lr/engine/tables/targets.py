@@ -196,6 +196,9 @@ def guards(cur: psycopg2.extensions.cursor, table: TableName) -> tuple[str, str,
 # SQLSTATEs of a name PostgreSQL did not find: a table, a column, a function or operator, an object, a schema
 _NOT_FOUND = {"42P01", "42703", "42883", "42704", "3F000"}
 _ENCODING = {"22P05", "22021"}  # untranslatable_character, character_not_in_repertoire
+# a value the sink's type does not take: invalid_text_representation (an enum's label, a record's
+# fields), numeric_value_out_of_range, string_data_right_truncation, invalid_datetime_format
+_VALUE = {"22P02", "22003", "22001", "22007"}
 
 
 def refusal_fix(exc: psycopg2.Error) -> str:
@@ -214,6 +217,13 @@ def refusal_fix(exc: psycopg2.Error) -> str:
             "the sink's database encoding cannot hold a character of the source's rows (its server converts every "
             "text to it): the sink's database must be UTF8 (or the source's encoding), or the source's row changed "
             "and a full sync asked (lr full-sync)"
+        )
+    if exc.pgcode in _VALUE and "function" not in (exc.diag.context or ""):
+        return (
+            "a value of the source's rows does not fit a type of the sink's table as the sink defines it: a type "
+            "the table uses differs there (an enum lacking a label, a composite with other attributes, a domain "
+            "over another type), or was altered at the source after the snapshot (ALTER TYPE ... ADD VALUE, ADD "
+            "ATTRIBUTE): give the sink's type the source's definition"
         )
     if "function" not in (exc.diag.context or ""):
         return "the sink's table has a constraint, trigger or privilege the source's has not: fix it there"
