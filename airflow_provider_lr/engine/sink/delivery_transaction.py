@@ -51,7 +51,7 @@ def delivery_connection(conn: psycopg2.extensions.connection) -> psycopg2.extens
 def require_consumer(conn: psycopg2.extensions.connection, client: str) -> None:
     """Refuse (``ConfigurationError``: the role, the site, what it holds, the grant to give) a role that
     row-level security shows none of ``client``'s queues: it polled nothing, for ever, without a word."""
-    found = grants.held(conn, "lr.receive_queue", ("consumer", "replicator"), client)
+    found = grants.held(conn, receive_queue.TABLE, ("consumer", "replicator"), client)
     if found is not None and not found.may:
         params = conn.get_dsn_parameters()
         where = f"{params.get('host', '?')}:{params.get('port', '?')}/{params.get('dbname', '?')}"

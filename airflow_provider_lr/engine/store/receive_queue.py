@@ -30,6 +30,7 @@ from airflow_provider_lr.engine.db.prepared import Prepared
 from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.vocabulary import CONSUMER_LOCK_CLASS, receive_queue_name
 
+TABLE = "lr.receive_queue"  # what a grants check names (``grants.held``): this module's table
 COLUMNS = "source_site_id, client_name, kind, source_position, source_entry_id, sync_id, visible, entry_count, message"
 
 _I16 = struct.Struct(">h")
