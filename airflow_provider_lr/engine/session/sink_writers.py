@@ -60,7 +60,6 @@ class SinkWriters(Generic[Job]):
         self._landed: Outcomes[Job] = []  # what writes waited for by ``conn`` did, for ``collect``
         self.idle_for = IDLE_FOR
         self._unused: dict[str, float] = {}  # site -> since when no session of the stream writes it
-        self._retiring: set[str] = set()  # sites unused for ``idle_for``: closed once their write lands
 
     @property
     def busy(self) -> set[str]:
@@ -72,7 +71,6 @@ class SinkWriters(Generic[Job]):
         ``collect``), made again when it was lost; ``SiteUnreachableError`` at once while ``site``
         is taken as silent."""
         self._landed += self.settle(site)
-        self._retiring.discard(site)
         return self._conn(site)
 
     def _conn(self, site: str) -> psycopg2.extensions.connection:
@@ -108,22 +106,17 @@ class SinkWriters(Generic[Job]):
 
     def retire(self, keep: Collection[str]) -> None:
         """Close the connection of each site not in ``keep`` (the sites the stream's sessions write)
-        for ``idle_for`` (its sessions removed from the topology, moved, failed for good), now or
-        once its write in flight lands (not waited for: a silent sink's is cut at its deadline): a
-        sink the stream no longer writes holds no backend. A session handed back (a full sync, a
+        for ``idle_for`` (its sessions removed from the topology, moved, failed for good); one whose
+        write is in flight at the first call after it lands (not waited for: a silent sink's is cut
+        at its deadline), so a sink the stream no longer writes holds no backend. A session handed back (a full sync, a
         lease renewal refused) that joins again within it finds its connection."""
         now = time.monotonic()
         self._unused = {site: self._unused.get(site, now) for site in self._conns.keys() - set(keep)}
         for site, since in list(self._unused.items()):
-            if now - since < self.idle_for:
-                continue
-            if site in self._flight:
-                self._retiring.add(site)
-            else:
+            if now - since >= self.idle_for and site not in self._flight:
                 self._close(site)
 
     def _close(self, site: str) -> None:
-        self._retiring.discard(site)
         self._unused.pop(site, None)
         conn = self._conns.pop(site, None)
         if conn is None:
@@ -167,8 +160,6 @@ class SinkWriters(Generic[Job]):
         out, self._landed = self._landed, []
         for site in [site for site, future in self._flight.items() if future.done()]:
             out += self._flight.pop(site).result()
-            if site in self._retiring:
-                self._close(site)
         return out
 
     def settle(self, site: str) -> Outcomes[Job]:
