@@ -351,13 +351,15 @@ def shortfall(
     (the Airflow trigger) says, and whose sessions it asks about."""
     addressed, region = addressed_sinks(conn, client, position)
     target = wait_for(addressed, region, destinations, min_regions, durability_rule(conn))
-    found = read_delivery(conn, client, position, addressed, region)
+    missing, lacks = _lacking(read_delivery(conn, client, position, addressed, region), target, addressed)
+    return f"position {position} not {target.describe()}: {lacks}", missing
+
+
+def _lacking(found: Delivery, target: WaitFor, addressed: dict[str, str]) -> tuple[list[str], str]:
+    """The sinks ``target`` waits on that lack ``found``, and what a wait that gives up says of it."""
     missing = found.pending(target.destinations or sorted(addressed))
-    said = (
-        f"position {position} not {target.describe()}: not acknowledged by {missing or 'none'}, "
-        f"safe on {found.safe_on or 'none'}, stored in regions {found.stored_regions}"
-    )
-    return said, missing
+    safe, stored = found.safe_on or "none", found.stored_regions
+    return missing, f"not acknowledged by {missing or 'none'}, safe on {safe}, stored in regions {stored}"
 
 
 # --- guards and the synchronous wait ----------------------------------------------------------
@@ -424,15 +426,12 @@ def wait_until_safe(
 
         if poll(check, timeout):
             return last[0]
-        delivery = last[0]
-        missing = delivery.pending(target.destinations or sorted(addressed))
+        missing, lacks = _lacking(last[0], target, addressed)
         raise DeliveryTimeout(
-            f"{ticket} (position {position}) not {target.describe()} after {timeout:g}s: "
-            f"not acknowledged by {missing or 'none'}, safe on {delivery.safe_on or 'none'}, "
-            f"stored in regions {delivery.stored_regions}",
+            f"{ticket} (position {position}) not {target.describe()} after {timeout:g}s: {lacks}",
             position=position,
             missing=missing,
-            regions=delivery.stored_regions,
+            regions=last[0].stored_regions,
         )
     finally:
         remove_guard(conn, guard)
