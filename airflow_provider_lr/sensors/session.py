@@ -15,7 +15,7 @@ from airflow_provider_lr.engine.db.explained import failure
 from airflow_provider_lr.engine.source.backlog import delivery_target
 from airflow_provider_lr.engine.source.full_sync import Outcome
 from airflow_provider_lr.hooks.site import ConnectionMissing
-from airflow_provider_lr.operators.common import load_topology, refusals_final, refuse, site_connection
+from airflow_provider_lr.operators.common import load_topology, refusals_final, refuse, site_conn_id, site_connection
 from airflow_provider_lr.operators.snapshot_sync import GRACE
 from airflow_provider_lr.triggers.session import (
     LRDeliveredTrigger,
@@ -27,6 +27,7 @@ from airflow_provider_lr.triggers.session import (
     _PollingTrigger,
 )
 
+FOLLOW_HOPS = 8  # switchovers a wait follows its request across (``failover_record.followed_outcome``'s bound)
 _SUCCESS = (TriggerStatus.SUCCESS, TriggerStatus.SUPPLIED, Outcome.APPLIED)
 
 
@@ -66,14 +67,16 @@ class _LRSensor(BaseSensorOperator):
             "wait_until": until.isoformat(),
         }
 
-    def _check_now(self, trigger: _PollingTrigger) -> dict[str, Any] | None:
+    def _check_now(self, trigger: _PollingTrigger, site: str | None = None) -> dict[str, Any] | None:
+        """``trigger``'s check, once, at ``site`` (the source unless a switchover moved the wait)."""
+        site = site or self.source
         try:
-            with site_connection(trigger.source_conn_id, self.source) as conn:
+            with site_connection(trigger.source_conn_id, site) as conn:
                 return trigger.check(conn)
         except ConnectionMissing as exc:  # waiting would not define it: one ERROR line, no retry
-            raise refuse(self.log, self.task_id, f"source {self.source}: {exc}") from None
+            raise refuse(self.log, self.task_id, f"source {site}: {exc}") from None
         except psycopg2.errors.InsufficientPrivilege as exc:  # a login without lr's grant: a retry changes nothing
-            raise refuse(self.log, self.task_id, f"source {self.source}: {failure(exc)}") from None
+            raise refuse(self.log, self.task_id, f"source {site}: {failure(exc)}") from None
 
     def poke(self, context: Any) -> PokeReturnValue:
         event = self._check_now(self.build_trigger())
@@ -86,6 +89,8 @@ class _LRSensor(BaseSensorOperator):
         event = self._check_now(trigger)  # already true: no deferral round trip
         if event is not None:
             return self.execute_complete(context, event)
+        if getattr(self, "_at", None) is not None:  # the check followed a moved request: wait for it there
+            trigger = self.build_trigger()
         self.defer(trigger=trigger, method_name="execute_complete", timeout=timedelta(seconds=self.timeout) + GRACE)
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
@@ -122,9 +127,42 @@ class LRSnapshotEndSensor(_LRSensor):
     def __init__(self, *, request_id: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.request_id = request_id
+        self._at: tuple[str, str] | None = None  # (site, request id) a switchover asked the request of instead
 
     def build_trigger(self) -> LRSnapshotEndTrigger:
-        return LRSnapshotEndTrigger(self._source_conn_id(), str(self.request_id), None, **self._polling())
+        if self._at is None:
+            return LRSnapshotEndTrigger(self._source_conn_id(), str(self.request_id), None, **self._polling())
+        return LRSnapshotEndTrigger(self._conn_id(self._at[0]), self._at[1], None, **self._polling())
+
+    def _conn_id(self, site: str) -> str:
+        try:
+            return load_topology(self.topology_path).conn_id(site)
+        except Exception:  # a topology without that site: as the lr_full_sync DAG's step names it
+            return site_conn_id(site, [])
+
+    def _follow(self, event: dict[str, Any] | None) -> bool:
+        """Whether ``event`` says a switchover asked the request of another site (``snapshot_end_status``:
+        ``moved_on``, the rule the lr_full_sync DAG's step and ``lr full-sync --wait`` follow it by):
+        then the wait goes on there. Before, the sensor failed on the old source's 'request cancelled:
+        failed over: asked of site-b as request ...' while site-b's client was supplying it."""
+        if event is None or not event.get("moved_request"):
+            return False
+        self._at = (str(event["moved_to"]), str(event["moved_request"]))
+        self.log.info("%s: %s; waiting for request %s at %s", self.task_id, event.get("message"), *self._at[::-1])
+        return True
+
+    def _check_now(self, trigger: _PollingTrigger, site: str | None = None) -> dict[str, Any] | None:
+        event = super()._check_now(trigger, site or (self._at[0] if self._at else None))
+        for _ in range(FOLLOW_HOPS):  # chained switchovers (a->b, then b->c), bounded
+            if not self._follow(event):
+                break
+            event = super()._check_now(self.build_trigger(), self._at[0] if self._at else None)
+        return event
+
+    def execute_complete(self, context: Any, event: dict[str, Any]) -> Any:
+        if self._follow(event):  # the trigger ended on the moved request: wait for it where it went
+            return self.execute(context)
+        return super().execute_complete(context, event)
 
 
 class LRFullSyncAppliedSensor(_LRSensor):

@@ -25,6 +25,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from airflow_provider_lr.engine.db.explained import failure
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, SiteUnreachableError, one_line
 from airflow_provider_lr.engine.session import lease as leases
+from airflow_provider_lr.engine.site.failover_record import moved_on
 from airflow_provider_lr.engine.source import delivery, full_sync
 from airflow_provider_lr.engine.source.backlog import DeliveryTarget, pending_entries, readiness_of
 from airflow_provider_lr.engine.source.full_sync import Outcome
@@ -57,7 +58,10 @@ def snapshot_end_status(
 ) -> dict[str, Any] | None:
     """The event once a full-sync request's data is complete (its end marker is in the log: the
     request turns 'supplied' in the transaction that writes the marker), closed, or past
-    ``deadline``; None while still pending."""
+    ``deadline``; None while still pending. A request a switchover asked of the new source instead
+    (``moved_on``, the rule ``lr full-sync --wait`` and the lr_full_sync DAG follow it by) is closed
+    with ``moved_to`` and ``moved_request`` naming it there; None while the switchover has not asked
+    it there yet."""
     request = full_sync.get_request(conn, request_id)
     if request is None:
         return status_event(TriggerStatus.CLOSED, request_id=request_id, message="no such full-sync request")
@@ -65,6 +69,13 @@ def snapshot_end_status(
         return status_event(TriggerStatus.SUPPLIED, request_id=request_id, entries=request.entries)
     if request.status != RequestStatus.PENDING:
         said = f"request {request.status}" + (f": {request.note}" if request.note else "")
+        went = moved_on(full_sync.outcome(conn, request_id))  # a switchover asked it of another site
+        if went is not None and went[1] is None:  # the switchover's drain closed it: its request there comes next
+            return None
+        if went is not None:  # the waiting task follows it there (``moved_to``, ``moved_request``)
+            return status_event(
+                TriggerStatus.CLOSED, request_id=request_id, message=said, moved_to=went[0], moved_request=went[1]
+            )
         return status_event(TriggerStatus.CLOSED, request_id=request_id, message=said)
     if deadline is not None and datetime.now(timezone.utc) > deadline:
         return status_event(TriggerStatus.TIMEOUT, request_id=request_id, message=f"no data by {deadline.isoformat()}")
