@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg2
+import psycopg2.errors
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.db.timeouts import Timeouts, failure
@@ -242,15 +243,30 @@ def refusals_final() -> Any:
 
 
 @contextlib.contextmanager
-def refusals_said(log: logging.Logger | Any, step: str) -> Iterator[None]:
-    """lr's refusals of ``step`` (its own errors, and a site's: a lock an application holds) as one
-    ERROR line in the task's log, as ``lr`` prints them, then the task fails without a traceback.
-    Before, the ``lr_failover`` task logged a refusal (a site without a consistent copy, a table the
-    new source lacks, an unreachable sink) under a traceback through the engine."""
+def finals_refused(log: logging.Logger | Any, step: str, where: str = "") -> Iterator[None]:
+    """The failures no retry mends, refused for good (``FinalRefusal``, under ``refusals_final``):
+    an Airflow connection not defined, and a login without lr's grant (psycopg2's
+    ``InsufficientPrivilege``: ``failure`` names the role and the grant to give). The one rule of
+    lr's sensors and operators; ``where`` (``"source site-a: "``) prefixes the reason. Before, an
+    operator's step failing on a privilege was retried as if transient, each retry the same."""
     try:
         yield
-    except ConnectionMissing as exc:  # no retry defines it: failed at once (``refusals_final``)
-        raise refuse(log, step, one_line(exc)) from None
+    except ConnectionMissing as exc:  # waiting or retrying would not define it
+        raise refuse(log, step, f"{where}{one_line(exc)}") from None
+    except psycopg2.errors.InsufficientPrivilege as exc:  # a login without lr's grant: a retry changes nothing
+        raise refuse(log, step, f"{where}{without_statement(failure(exc))}") from None
+
+
+@contextlib.contextmanager
+def refusals_said(log: logging.Logger | Any, step: str) -> Iterator[None]:
+    """lr's refusals of ``step`` (its own errors, and a site's: a lock an application holds) as one
+    ERROR line in the task's log, as ``lr`` prints them, then the task fails without a traceback;
+    those no retry mends (``finals_refused``) for good. Before, the ``lr_failover`` task logged a
+    refusal (a site without a consistent copy, a table the new source lacks, an unreachable sink)
+    under a traceback through the engine."""
+    try:
+        with finals_refused(log, step):  # a ``FinalRefusal`` (a SystemExit) passes the clauses below
+            yield
     except LRError as exc:
         said = f"{step} refused: {one_line(exc)}"
         log.error("%s", said)

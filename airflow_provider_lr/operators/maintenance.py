@@ -3,26 +3,33 @@ stale session leases. Each takes a site as the small dict ``site_dicts`` returns
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import psycopg2.extensions
 from airflow.sdk import BaseOperator
 
 from airflow_provider_lr.engine.session import runner
 from airflow_provider_lr.engine.site import queue_report, status_parts
 from airflow_provider_lr.engine.source import trim
-from airflow_provider_lr.operators.common import site_connection
+from airflow_provider_lr.operators.common import finals_refused, refusals_final, site_connection
 
 
 class _SiteOperator(BaseOperator):
     template_fields: Sequence[str] = ("site",)
 
     def __init__(self, *, site: dict[str, str], **kwargs: Any) -> None:
+        kwargs.setdefault("retry_policy", refusals_final())  # a login without lr's grant: failed at once
         super().__init__(**kwargs)
         self.site = site
 
-    def connection(self):
-        return site_connection(self.site["conn_id"], self.site["site"])
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[psycopg2.extensions.connection]:
+        """The site's connection; what no retry mends, in the work done on it, refused for good."""
+        with finals_refused(self.log, self.task_id, f"site {self.site['site']}: "):
+            with site_connection(self.site["conn_id"], self.site["site"]) as conn:
+                yield conn
 
 
 class LRTrimOperator(_SiteOperator):

@@ -7,15 +7,18 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-import psycopg2.errors
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException, AirflowSensorTimeout
 
-from airflow_provider_lr.engine.db.explained import failure
 from airflow_provider_lr.engine.source.backlog import delivery_target
 from airflow_provider_lr.engine.source.full_sync import Outcome
-from airflow_provider_lr.hooks.site import ConnectionMissing
-from airflow_provider_lr.operators.common import load_topology, refusals_final, refuse, site_conn_id, site_connection
+from airflow_provider_lr.operators.common import (
+    finals_refused,
+    load_topology,
+    refusals_final,
+    site_conn_id,
+    site_connection,
+)
 from airflow_provider_lr.operators.snapshot_sync import GRACE
 from airflow_provider_lr.triggers.session import (
     LRDeliveredTrigger,
@@ -70,13 +73,12 @@ class _LRSensor(BaseSensorOperator):
     def _check_now(self, trigger: _PollingTrigger, site: str | None = None) -> dict[str, Any] | None:
         """``trigger``'s check, once, at ``site`` (the source unless a switchover moved the wait)."""
         site = site or self.source
-        try:
-            with site_connection(trigger.source_conn_id, site) as conn:
-                return trigger.check(conn)
-        except ConnectionMissing as exc:  # waiting would not define it: one ERROR line, no retry
-            raise refuse(self.log, self.task_id, f"source {site}: {exc}") from None
-        except psycopg2.errors.InsufficientPrivilege as exc:  # a login without lr's grant: a retry changes nothing
-            raise refuse(self.log, self.task_id, f"source {site}: {failure(exc)}") from None
+        # an undefined connection, a login without lr's grant: one ERROR line, no retry
+        with (
+            finals_refused(self.log, self.task_id, f"source {site}: "),
+            site_connection(trigger.source_conn_id, site) as conn,
+        ):
+            return trigger.check(conn)
 
     def poke(self, context: Any) -> PokeReturnValue:
         event = self._check_now(self.build_trigger())

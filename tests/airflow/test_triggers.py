@@ -244,3 +244,30 @@ def test_a_wait_whose_connection_login_lacks_the_replicator_grant_ends_at_once_n
     assert "lr roles grant replicator" in event["message"], event
     with pytest.raises(FinalRefusal, match=said):
         LRReadySensor(task_id="ready", source="site-a", client="policy", destinations=["site-b"]).execute({})
+
+
+def test_an_operator_step_whose_login_lacks_lr_grants_fails_for_good_as_the_sensors_do(airflow_sites, made, monkeypatch):
+    """A writer's login given as a site's Airflow connection: the session step, the trim and the
+    failover refuse at once (``FinalRefusal``, failed without retry: ``refusals_final``), naming the
+    role and the grant to give, as the sensors do. Before, they failed on a bare 'permission denied'
+    (a ``TaskRefused`` or psycopg2's error), which Airflow retried as if transient."""
+    from airflow_provider_lr.operators import LRNegotiateOperator, LRTrimOperator
+    from airflow_provider_lr.operators.common import FinalRefusal
+    from airflow_provider_lr.operators.failover import LRFailoverOperator
+    from airflow_provider_lr.operators.session import LRDiscoverSessionsOperator
+
+    source = airflow_sites.site("site-a")
+    writer = made.name("t_writer")
+    made.grant(source, "writer", writer, ["policy"])
+    session = LRDiscoverSessionsOperator(task_id="discover", sink="site-b").execute({})[0]
+    name, value = airflow_sites.env(source)
+    monkeypatch.setenv(name, json.dumps({**json.loads(value), "login": writer}))
+    said = f"role '{writer}' lacks a privilege this step needs on "
+    with pytest.raises(FinalRefusal, match=said):
+        LRNegotiateOperator(task_id="decide", session=session).execute({})
+    with pytest.raises(FinalRefusal, match=f"site site-a: {said}"):
+        LRTrimOperator(task_id="trim", site={"site": "site-a", "conn_id": "lr_site_a"}).execute({})
+    with pytest.raises(FinalRefusal, match=said):
+        LRFailoverOperator(task_id="failover", promote="site-b", from_site="site-a", planned=True).execute({})
+    for step in (LRNegotiateOperator(task_id="d", session=session), LRTrimOperator(task_id="t", site={})):
+        assert any(r.exception is FinalRefusal for r in step.retry_policy.rules), step  # failed, not retried
