@@ -26,6 +26,7 @@ from airflow_provider_lr.cli.common import (
     with_topology,
 )
 from airflow_provider_lr.engine import progress
+from airflow_provider_lr.engine.db import conninfo
 from airflow_provider_lr.engine.db.timeouts import DEADLINES
 from airflow_provider_lr.engine.errors import (
     LRError,
@@ -177,13 +178,17 @@ class StaleWatch:
 
 
 def _replicated(args: argparse.Namespace, what: str) -> topologies.Topology:
-    """The topology, refused when it has no session: ``what`` would silently do nothing."""
+    """The topology, refused when it has no session: ``what`` would silently do nothing. A
+    connections file that cannot be read is refused here too, before any site is reached (exit 2,
+    one line, as every other command says it): ``lr sync`` said it twice, first as the in-process
+    fan-out's reason not to run."""
     topo = load_topology(args)
     if not topo.sessions():
         raise LRError(
             f"{args.topology or topologies.default_path()}: the topology replicates nothing (no "
             f"replication: entry), so there is nothing to {what}"
         )
+    conninfo.load_connections_file()  # ``InputError`` naming the file, what is wrong and where
     return topo
 
 

@@ -240,10 +240,11 @@ def test_lr_trim_on_a_site_without_lr_reached_by_a_dsn_names_the_site(sites, tmp
 
 
 def test_a_malformed_connections_file_is_the_users_input_exit_2_from_every_command_reading_the_topology(
-    tmp_path, monkeypatch, capsys
+    tmp_path, monkeypatch, capsys, caplog
 ):
     """`lr init --site` said exit 2 for it, but `lr topology apply`, `full-sync`, `trim` and `failover`
-    exited 1, as for a site's refusal."""
+    exited 1, as for a site's refusal; `lr sync --once` (and `lr sync`) said it on two lines, the
+    first as the in-process fan-out's reason not to run."""
     (tmp_path / "connections.json").write_text('{"lr_site_a": ')
     topo = tmp_path / "topology.yaml"
     topo.write_text(
@@ -251,10 +252,21 @@ def test_a_malformed_connections_file_is_the_users_input_exit_2_from_every_comma
         "replication:\n  - {source: site-a, sinks: [site-b], clients: [policy]}\n"
     )
     monkeypatch.setenv("LR_HOME", str(tmp_path))
-    for command in (["topology", "apply"], ["full-sync"], ["trim"], ["failover", "--promote", "site-b"]):
+    for command in (
+        ["topology", "apply"],
+        ["full-sync"],
+        ["trim"],
+        ["failover", "--promote", "site-b"],
+        ["sync", "--once"],
+        ["sync", "--until-idle"],
+    ):
         capsys.readouterr()
+        caplog.clear()
+        caplog.set_level(logging.INFO, logger="airflow_provider_lr")
         assert cli.main([*command, "--topology", str(topo)]) == 2, command
         err = [line for line in capsys.readouterr().err.splitlines() if "warning" not in line]
+        # what lr logs from INFO up is on `lr`'s stderr too ("lr: ..."): under pytest, in caplog
+        err += [r.getMessage() for r in caplog.records if r.name.startswith("airflow_provider_lr")]
         assert len(err) == 1 and f"connections file {tmp_path / 'connections.json'} is not valid JSON" in err[0], err
 
 
