@@ -133,18 +133,54 @@ def require_site_ids(name: str, value: object) -> list[str]:
 # A password in what an error may quote: a DSN's ``password=...`` (or ``sslpassword``, or the
 # environment's ``PGPASSWORD=``), a URI's ``user:...@``, a connection's JSON or Python form. Masked as
 # ``***`` wherever lr prints or stores an error. An unquoted DSN value runs to the next blank, as
-# libpq reads it (quotes inside it, a backslash-escaped blank); a URI's password to its last ``@``
-# (an unescaped ``@`` or ``/`` in it is a mistake users make: libpq then reads a host and port, and
-# the message that refuses it quoted the URI whole).
+# libpq reads it (quotes inside it, a backslash-escaped blank); a quoted one (single quotes, as libpq
+# quotes; double quotes, as a user may write it) to its closing quote, escaped quotes and blanks
+# inside; a URI's password to its last ``@`` (an unescaped ``@`` or ``/`` in it is a mistake users
+# make: libpq then reads a host and port, and the message that refuses it quoted the URI whole), or,
+# holding blanks (unescaped too), to the ``@`` after them.
+_DSN_PASSWORD = re.compile(
+    r"""(?i)((?:\b|(?<=pg))(?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'?|"(?:[^"\\]|\\.)*"?|(?:\\.|[^\s\\])+)"""
+)
 _SECRETS = (
-    (re.compile(r"""(?i)((?:\b|(?<=pg))(?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'?|(?:\\.|[^\s\\])+)"""), r"\1***"),
-    (re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/@\s:]*:)\S*@"), r"\1***@"),
+    (re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/@\s:]*:)(?:\S*|[^\s/@]+(?:[ \t][^\s@]+)+)@"), r"\1***@"),
     (re.compile(r"""(?i)(["'](?:ssl)?password["']\s*:\s*)("(?:[^"\\]|\\.)*"?|'(?:[^'\\]|\\.)*'?)"""), r"\1'***'"),
 )
+_CLOSERS = {")": "(", "]": "[", "}": "{"}
+
+
+def _masked_dsn_value(found: re.Match[str]) -> str:
+    """``password=***`` for a DSN's value. An unquoted value runs to the next blank, so it took the
+    closing parenthesis, bracket or quote of the text around the DSN (``(host=h password=x)`` was
+    shown ``(host=h password=***``): those that close one the text opened before the DSN are kept
+    after the mask (with the punctuation after them). A password ending so inside such a text is
+    ambiguous; only the characters the text needs to close are kept, never one of the password's
+    others."""
+    value, kept = found.group(2), ""
+    if value[:1] in ("'", '"'):
+        return f"{found.group(1)}***"
+    before = found.string[: found.start()]
+    opened = {o: max(0, before.count(o) - before.count(c)) for c, o in _CLOSERS.items()}
+    quotes = {q: before.count(q) % 2 for q in ("'", '"')}
+    tail = re.search(r"[.,;:!?]*$", value)
+    punctuation = tail.group() if tail else ""
+    rest = value[: len(value) - len(punctuation)]
+    while rest:
+        last = rest[-1]
+        if last in _CLOSERS and opened[_CLOSERS[last]]:
+            opened[_CLOSERS[last]] -= 1
+        elif last in quotes and quotes[last]:
+            quotes[last] = 0
+        else:
+            break
+        kept, rest = last + kept, rest[:-1]
+    if not kept:  # nothing the text closes: the punctuation may be the password's
+        return f"{found.group(1)}***"
+    return f"{found.group(1)}***{kept}{punctuation}"
 
 
 def mask_secrets(text: str) -> str:
     """``text`` with every password it quotes replaced by ``***``."""
+    text = _DSN_PASSWORD.sub(_masked_dsn_value, text)
     for pattern, replacement in _SECRETS:
         text = pattern.sub(replacement, text)
     return text

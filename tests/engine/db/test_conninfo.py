@@ -54,12 +54,35 @@ def test_env_connection_json_and_uri_forms(monkeypatch):
         "postgresql://u:SE:KR@ET@h:5432/db?sslmode=require",
         "PGPASSWORD=SEKRET psql",
         '{"host": "h", "password": "SE\\"KRET"}',
+        'host=h password="SE KRET" dbname=d',  # double quotes, as a user may write them: its tail showed
+        "postgresql://u:SE KRET@h/db",  # an unescaped blank in a URI's password: shown whole
+        "site a (host=h password=SE)KRET)",
+        "site a (host=h password='SE\\' K)RET') said",
+        "x [host=h password=SE:KR@ET/],",
     ],
 )
 def test_no_piece_of_a_password_survives_masking(text):
     """A password with a quote, an escaped blank or an unescaped @ left its tail in what lr printed."""
     masked = mask_secrets(text)
     assert "***" in masked and not any(piece in masked for piece in ("SE", "KR", "ET")), masked
+
+
+@pytest.mark.parametrize(
+    "text, shown",
+    [
+        ("site a (host=h password=SEKRET) refused", "site a (host=h password=***) refused"),
+        ("site a (host=h password=SE)KRET): refused", "site a (host=h password=***): refused"),
+        ("'host=h password=SEKRET' is not valid", "'host=h password=***' is not valid"),
+        ("[host=h password=SEKRET], then", "[host=h password=***], then"),
+        ("(host=h password=)", "(host=h password=***)"),
+        ("(postgresql://u:SE)KRET@h/db)", "(postgresql://u:***@h/db)"),
+        ("host=h password=SEKRET)", "host=h password=***"),  # no parenthesis opened: it may be the password's
+    ],
+)
+def test_masking_keeps_the_parenthesis_or_quote_the_text_closes_after_a_password(text, shown):
+    """An unquoted password runs to the next blank: the mask swallowed the ``)`` (or quote, or
+    bracket) closing the text around the DSN, and a message read ``(host=h password=***`` then on."""
+    assert mask_secrets(text) == shown
 
 
 def test_unknown_target_names_the_fixes(monkeypatch, tmp_path):
