@@ -56,6 +56,10 @@ class _LRSensor(BaseSensorOperator):
     def build_trigger(self) -> _PollingTrigger:
         raise NotImplementedError
 
+    def _moved(self) -> bool:
+        """Whether the wait moved to another site since ``build_trigger`` (``LRSnapshotEndSensor``)."""
+        return False
+
     def _source_conn_id(self) -> str:
         return load_topology(self.topology_path).conn_id(self.source)
 
@@ -91,7 +95,7 @@ class _LRSensor(BaseSensorOperator):
         event = self._check_now(trigger)  # already true: no deferral round trip
         if event is not None:
             return self.execute_complete(context, event)
-        if getattr(self, "_at", None) is not None:  # the check followed a moved request: wait for it there
+        if self._moved():  # the check followed a moved request: wait for it there
             trigger = self.build_trigger()
         self.defer(trigger=trigger, method_name="execute_complete", timeout=timedelta(seconds=self.timeout) + GRACE)
 
@@ -135,6 +139,9 @@ class LRSnapshotEndSensor(_LRSensor):
         if self._at is None:
             return LRSnapshotEndTrigger(self._source_conn_id(), str(self.request_id), None, **self._polling())
         return LRSnapshotEndTrigger(self._conn_id(self._at[0]), self._at[1], None, **self._polling())
+
+    def _moved(self) -> bool:
+        return self._at is not None
 
     def _conn_id(self, site: str) -> str:
         try:

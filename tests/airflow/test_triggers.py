@@ -246,7 +246,9 @@ def test_a_wait_whose_connection_login_lacks_the_replicator_grant_ends_at_once_n
         LRReadySensor(task_id="ready", source="site-a", client="policy", destinations=["site-b"]).execute({})
 
 
-def test_an_operator_step_whose_login_lacks_lr_grants_fails_for_good_as_the_sensors_do(airflow_sites, made, monkeypatch):
+def test_an_operator_step_whose_login_lacks_lr_grants_fails_for_good_as_the_sensors_do(
+    airflow_sites, made, monkeypatch
+):
     """A writer's login given as a site's Airflow connection: the session step, the trim and the
     failover refuse at once (``FinalRefusal``, failed without retry: ``refusals_final``), naming the
     role and the grant to give, as the sensors do. Before, they failed on a bare 'permission denied'
