@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from airflow_provider_lr.engine.tables import registry
 from tests.guarantees.test_table_fidelity_streaming import streaming_over
 from tests.support.session import Streaming, apply, wait_for
