@@ -303,6 +303,36 @@ def changed_types(sink: TableDefinition, types: Mapping[str, str], columns: Iter
     ]
 
 
+# The composites the columns of the table named %(t)s hold, as ``SHAPE_COMPOSITES`` reads them (all
+# of its user-defined types: ``changed_composites`` compares composites only)
+COMPOSITES_OF = f"SELECT {SHAPE_COMPOSITES} FROM (SELECT pg_catalog.to_regclass(%(t)s)::oid AS oid) t"
+
+# Raises LR409 (V0023) unless the table named %(t)s holds every composite of %(carried)s (JSON:
+# [[name, attributes], ...]) as it is there: a transaction composed without reading them checks it
+# (the stream's, which then takes the general path: ``changed_composites`` says what differs)
+EXPECT_COMPOSITES = (
+    "SELECT lr.stream_expect(NOT EXISTS (SELECT FROM pg_catalog.jsonb_array_elements(%(carried)s::jsonb) c "
+    "WHERE NOT EXISTS (SELECT FROM pg_catalog.jsonb_array_elements(pg_catalog.to_jsonb("
+    + SHAPE_COMPOSITES
+    + ")) s WHERE s = c)), 'the composites of a session''s table differ between source and sink') "
+    "FROM (SELECT pg_catalog.to_regclass(%(t)s)::oid AS oid) t"
+)
+
+
+def changed_composites(carried: Sequence[Sequence[str]], sink: Sequence[Sequence[str]]) -> list[str]:
+    """How the composites a change carries (the source's, once they changed there since the table
+    was opened: V0048) differ from those the sink's table holds (``COMPOSITES_OF``): a value of one
+    would arrive with its fields in the source's order, read by the sink's, so the change is refused."""
+    theirs = {n: a for n, a in sink}
+    return [
+        _type_problem(n, attributes, theirs[n])
+        if n in theirs
+        else f"type {n} is ({attributes}) on the source, and the sink's table holds no such type"
+        for n, attributes in carried
+        if theirs.get(n) != attributes
+    ]
+
+
 def misfit(sink: TableDefinition, rows: Sequence[Mapping[str, object]]) -> str:
     """What of a change's ``rows`` the sink's table cannot take, naming each column and what to do
     (``tables.sink`` refuses the batch): the columns they carry that it lacks, and its key columns
