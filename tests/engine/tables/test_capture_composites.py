@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import json
 
-from airflow_provider_lr.engine.tables.definition import TableName, changed_composites, read_definition
+import psycopg2
+import pytest
+
+from airflow_provider_lr.engine.tables.definition import (
+    EXPECT_COMPOSITES,
+    TableName,
+    changed_composites,
+    read_definition,
+)
 
 TYPES = (
     'CREATE SCHEMA "Odd Schema"; '
@@ -48,5 +56,14 @@ def test_the_capture_reads_a_tables_composites_as_a_sinks_shape_does_through_dom
         'source but ("First" integer, "sp ace" numeric(12,4), "dot.ted" text[]) on the sink (a composite\'s value '
         "travels by position: give the sink's type the source's attributes, in its order)"
     ]
+    conn = site.connect()  # what the stream's fast transaction checks: the sink's are the carried ones
+    try:
+        with conn.cursor() as cur:
+            cur.execute(EXPECT_COMPOSITES, {"t": "public.holds", "carried": json.dumps(after)})
+            with pytest.raises(psycopg2.Error, match="the composites of a session's table differ") as raised:
+                cur.execute(EXPECT_COMPOSITES, {"t": "public.holds", "carried": json.dumps(captured)})
+            assert raised.value.pgcode == "LR409"
+    finally:
+        conn.close()
     site.query("DROP TABLE public.holds; CREATE TABLE public.holds (id int PRIMARY KEY, m public.mood)")
     assert site.query("SELECT lr.capture_composites('public.holds')") == [(None,)]
