@@ -50,8 +50,19 @@ def test_a_column_added_at_the_sinks_first_takes_the_changes_made_before_the_sou
         assert rows(sinks[0], "public.items") != rows(source, "public.items")  # nothing of it applied
         on_every_site(sinks, "ALTER TABLE public.items ALTER COLUMN amount TYPE numeric(10,4)")
         same_rows(source, sinks, "the change, once the sinks have the type")
+        # widened at the sinks first (every value fits), then at the source less: its changes arrive
+        on_every_site(sinks, "ALTER TABLE public.items ALTER COLUMN amount TYPE numeric(14,6)")
+        source.query("ALTER TABLE public.items ALTER COLUMN amount TYPE numeric(12,5)")
+        source.query("UPDATE public.items SET amount = 1234567.12345 WHERE id = 1")
+        wait_for(
+            lambda: all(
+                s.query("SELECT amount = 1234567.12345 FROM public.items WHERE id = 1") == [(True,)] for s in sinks
+            ),
+            30,
+            "the source's change into the sinks' wider column",
+        )
     assert ("(10,inserted,7,)",) in rows(source, "public.items")
-    assert ("(1,between,7,1.2345)",) in rows(source, "public.items")
+    assert ("(1,between,7,1234567.12345)",) in rows(source, "public.items")
 
 
 def test_a_sink_column_narrowed_after_its_snapshot_refuses_the_changes_naming_it_instead_of_rounding_them(lr_sites):

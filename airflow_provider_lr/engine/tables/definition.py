@@ -292,14 +292,15 @@ def shape(
 
 def changed_types(sink: TableDefinition, types: Mapping[str, str], columns: Iterable[str]) -> list[str]:
     """The ``columns`` of a change whose type at the source (``types``, what the capture carries once
-    a column's type changed there since the table was opened: V0038) is not the sink's: the sink
-    would take their values by its own type (a numeric rounded to its scale, a timestamp read in
-    another zone), so the change is refused instead."""
+    a column's type changed there since the table was opened: V0038) is not the sink's, nor one the
+    sink's widens (``widens``): the sink would take their values by its own type (a numeric rounded
+    to its scale, a timestamp read in another zone), so the change is refused instead. (A sink
+    column widened first, as the docs advise, took the source's narrower change: refused before.)"""
     mine = {c.name: c.type for c in sink.columns}
     return [
         f"column {n} is {types[n]} on the source but {mine[n]} on the sink"
         for n in columns
-        if n in types and n in mine and types[n] != mine[n]
+        if n in types and n in mine and not widens(types[n], mine[n])
     ]
 
 

@@ -272,7 +272,8 @@ class ChangeApplier:
         if changed:
             raise SchemaMismatchError(
                 f"{self._where()}: the source's table {target.table} changed: {'; '.join(changed)}. Nothing of the "
-                "batch was applied; give the sink's column the source's type (ALTER TABLE ... ALTER COLUMN ... TYPE)"
+                "batch was applied; give the sink's column the source's type or a widening of it (ALTER TABLE ... "
+                "ALTER COLUMN ... TYPE)"
             )
         if entry.get("composites") is not None:
             self._same_composites(target, entry["composites"])
