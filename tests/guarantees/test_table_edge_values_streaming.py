@@ -260,6 +260,35 @@ def test_a_composite_the_source_reorders_while_streaming_is_refused_naming_it_th
 
 @pytest.mark.xfail(
     strict=True,
+    reason="a sink's composites are compared with the source's at the snapshot, and with a change only "
+    "when the source's changed since the table was opened (V0048): a composite the SINK reorders while "
+    "the table streams takes the source's values by position, fields swapped, silently. Seeing it "
+    "would need the sink's composites read with its targets (targets._TARGETS, each transaction: "
+    "SHAPE_COMPOSITES' cost) or recorded at the snapshot as lr.sink_tables.column_types is (V0040)",
+)
+def test_a_composite_a_sink_reorders_while_streaming_is_refused_not_applied_swapped(lr_sites):
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    on_every_site(lr_sites, "CREATE TYPE public.pair AS (a int, b int)")
+    source.query("CREATE TABLE public.pairs (id int PRIMARY KEY, p public.pair)")
+    source.query("INSERT INTO public.pairs VALUES (1, ROW(1, 2))")
+    federate(source, "public.pairs")
+    with streaming_over(topo, lr_sites) as streaming:
+        streaming.streaming()
+        arrived(source, sinks, "public.pairs", "the snapshot")
+        on_every_site(sinks, "ALTER TYPE public.pair DROP ATTRIBUTE a, ADD ATTRIBUTE a int")  # now (b, a) there
+        source.query("INSERT INTO public.pairs VALUES (2, ROW(10, 20))")
+        source.query("INSERT INTO public.pairs VALUES (3, NULL)")  # a later change: the one before was taken
+        wait_for(
+            lambda: errors(streaming) or all(s.query("SELECT 1 FROM public.pairs WHERE id = 3") for s in sinks),
+            30,
+            "id 3",
+        )
+        assert all(s.query("SELECT (p).a FROM public.pairs WHERE id = 2") in ([], [(10,)]) for s in sinks)  # never 20
+
+
+@pytest.mark.xfail(
+    strict=True,
     reason="a key change is applied as the old key deleted then the new row upserted: a sink with the "
     "source's ON UPDATE CASCADE foreign key (ON DELETE NO ACTION) refuses the delete of a parent key its "
     "children still reference, at every cycle, for good (tables/sink.py; the capture does not pair old and "
