@@ -7,8 +7,9 @@
 -- sinks read theirs (tables/definition.SHAPE_COMPOSITES, composites only: a JSON array of [name,
 -- "attribute type, ..."], in name order; NULL when none); lr tables open gives its result to the
 -- capture triggers of a table that holds one (their fourth argument). Each statement of such a
--- table computes them anew (one catalog read: a table without a composite pays nothing) and,
--- when they differ, its entries carry them; a sink whose own differ refuses the batch, naming the
+-- table computes them anew (one catalog read), as does one of a table whose columns' types changed
+-- since it was opened (a column made a composite then); a table without either pays nothing. When
+-- they differ, its entries carry them; a sink whose own differ refuses the batch, naming the
 -- type and both definitions. Otherwise V0042's function, with V0043's setting kept.
 CREATE FUNCTION lr.capture_composites(lr_rel pg_catalog.regclass) RETURNS pg_catalog.text
 LANGUAGE plpgsql STABLE
