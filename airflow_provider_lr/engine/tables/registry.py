@@ -1,7 +1,8 @@
 """Which tables a site replicates (CorfuDB's federated tables): ``lr.registry`` rows of kind ``table``.
 
 Opening a table as federated for a client records it and installs its capture triggers (one
-statement-level trigger per operation, ``lr.capture_table_changes``, V0008 as replaced by V0015): from the commit of
+statement-level trigger per operation, ``lr.capture_table_changes``, V0008 as replaced since; given the client, the
+table id, its columns' types (V0038) and the composites it holds, if any (V0048)): from the commit of
 ``open_table`` on, every change to the table is written to the shared log in the writer's
 transaction, tagged for the client's sinks, under the same commit-position barrier as the client's
 routing-queue messages. Each federation draws a new ``table_id``: a sink that synced an older one
