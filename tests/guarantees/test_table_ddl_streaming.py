@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from airflow_provider_lr.engine.tables import registry
 from tests.guarantees.test_table_fidelity_streaming import streaming_over
 from tests.support.session import Streaming, apply, wait_for
@@ -52,8 +50,19 @@ def test_a_column_added_at_the_sinks_first_takes_the_changes_made_before_the_sou
         assert rows(sinks[0], "public.items") != rows(source, "public.items")  # nothing of it applied
         on_every_site(sinks, "ALTER TABLE public.items ALTER COLUMN amount TYPE numeric(10,4)")
         same_rows(source, sinks, "the change, once the sinks have the type")
+        # widened at the sinks first (every value fits), then at the source less: its changes arrive
+        on_every_site(sinks, "ALTER TABLE public.items ALTER COLUMN amount TYPE numeric(14,6)")
+        source.query("ALTER TABLE public.items ALTER COLUMN amount TYPE numeric(12,5)")
+        source.query("UPDATE public.items SET amount = 1234567.12345 WHERE id = 1")
+        wait_for(
+            lambda: all(
+                s.query("SELECT amount = 1234567.12345 FROM public.items WHERE id = 1") == [(True,)] for s in sinks
+            ),
+            30,
+            "the source's change into the sinks' wider column",
+        )
     assert ("(10,inserted,7,)",) in rows(source, "public.items")
-    assert ("(1,between,7,1.2345)",) in rows(source, "public.items")
+    assert ("(1,between,7,1234567.12345)",) in rows(source, "public.items")
 
 
 def test_a_sink_column_narrowed_after_its_snapshot_refuses_the_changes_naming_it_instead_of_rounding_them(lr_sites):
@@ -154,25 +163,41 @@ def test_a_table_renamed_at_the_source_while_streaming_holds_its_sessions_saying
     assert source.query("SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'lr_capture%%'") == [(4,)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="definition.narrowed refuses a sink column whose type kept its base with a narrower modifier only: "
-    "one made another type after its snapshot (timestamptz to timestamp, double precision to real) takes the "
-    "changes by its own type, the zone dropped and the digits rounded, silently ('int to bigint' is why other "
-    "types pass: a list of lossless widenings would be needed instead)",
-)
 def test_a_sink_column_made_another_lossy_type_after_its_snapshot_refuses_the_changes_instead_of_changing_them(
     lr_sites,
 ):
+    """The sinks make public.kinds' columns other types after its snapshot. Lossless widenings
+    (integer to bigint, varchar(5) to text, real to double precision, smallint to numeric(6,0)) take
+    the changes; timestamptz made timestamp (the zone dropped), double precision made real (digits
+    rounded) and numeric made integer are refused, naming each column and both types, with nothing
+    applied, until the sinks have the source's types again. Before, only a narrower modifier of the
+    same type was refused: 2026-01-01 00:00+05 arrived as 2025-12-31 19:00 and 1.23456789012 as 1.2345679."""
     source, *sinks = lr_sites
     topo = apply(lr_sites)
-    source.query("CREATE TABLE public.kinds (id int PRIMARY KEY, t timestamptz, d double precision)")
-    source.query("INSERT INTO public.kinds VALUES (1, NULL, NULL)")
+    columns = {"t": "timestamptz", "d": "double precision", "n": "numeric", "w": "int", "v": "varchar(5)",
+               "r": "real", "s": "smallint"}  # fmt: skip
+    source.query(f"CREATE TABLE public.kinds (id int PRIMARY KEY, {', '.join(f'{c} {t}' for c, t in columns.items())})")
+    source.query("INSERT INTO public.kinds VALUES (1, NULL, NULL, NULL, NULL, NULL, NULL, NULL)")
     federate(source, "public.kinds")
+
+    def same() -> bool:
+        return all(rows(s, "public.kinds") == rows(source, "public.kinds") for s in sinks)
+
     with streaming_over(topo, lr_sites) as streaming:
         streaming.streaming()
-        wait_for(lambda: all(rows(s, "public.kinds") == rows(source, "public.kinds") for s in sinks), 30, "snapshot")
-        on_every_site(sinks, "ALTER TABLE public.kinds ALTER t TYPE timestamp, ALTER d TYPE real")
-        source.query("INSERT INTO public.kinds VALUES (2, '2026-01-01 00:00:00+05', 1.23456789012), (3, NULL, NULL)")
-        wait_for(lambda: all(s.query("SELECT 1 FROM public.kinds WHERE id = 3") for s in sinks), 30, "id 3")
-    assert all(s.query("SELECT 1 FROM public.kinds WHERE id = 2") == [] for s in sinks)  # refused, not changed
+        wait_for(same, 30, "snapshot")
+        wider = "ALTER w TYPE bigint, ALTER v TYPE text, ALTER r TYPE double precision, ALTER s TYPE numeric(6,0)"
+        on_every_site(sinks, f"ALTER TABLE public.kinds {wider}")
+        source.query("UPDATE public.kinds SET w = 2147483647, v = 'abcde', r = 1.5, s = -32768")
+        wait_for(same, 30, "the change, into the widened columns")
+        on_every_site(sinks, "ALTER TABLE public.kinds ALTER t TYPE timestamp, ALTER d TYPE real, ALTER n TYPE int")
+        source.query("INSERT INTO public.kinds VALUES (2, '2026-01-01 00:00:00+05', 1.23456789012, 1.5, 1, 'x', 1, 1)")
+        refused = (
+            "column t is timestamp with time zone on the source but timestamp without time zone on the sink; "
+            "column d is double precision on the source but real on the sink; column n is numeric on the source "
+            "but integer on the sink"
+        )
+        wait_for(lambda: status_text(source).count(refused) == 2, 30, "each sink's refusal in lr status")
+        assert all(s.query("SELECT 1 FROM public.kinds WHERE id = 2") == [] for s in sinks)  # refused, not changed
+        on_every_site(sinks, "ALTER TABLE public.kinds " + ", ".join(f"ALTER {c} TYPE {t}" for c, t in columns.items()))
+        wait_for(same, 30, "the change, once the sinks have the source's types")

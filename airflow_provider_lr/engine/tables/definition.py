@@ -292,14 +292,45 @@ def shape(
 
 def changed_types(sink: TableDefinition, types: Mapping[str, str], columns: Iterable[str]) -> list[str]:
     """The ``columns`` of a change whose type at the source (``types``, what the capture carries once
-    a column's type changed there since the table was opened: V0038) is not the sink's: the sink
-    would take their values by its own type (a numeric rounded to its scale, a timestamp read in
-    another zone), so the change is refused instead."""
+    a column's type changed there since the table was opened: V0038) is not the sink's, nor one the
+    sink's widens (``widens``): the sink would take their values by its own type (a numeric rounded
+    to its scale, a timestamp read in another zone), so the change is refused instead. (A sink
+    column widened first, as the docs advise, took the source's narrower change: refused before.)"""
     mine = {c.name: c.type for c in sink.columns}
     return [
         f"column {n} is {types[n]} on the source but {mine[n]} on the sink"
         for n in columns
-        if n in types and n in mine and types[n] != mine[n]
+        if n in types and n in mine and not widens(types[n], mine[n])
+    ]
+
+
+# The composites the columns of the table named %(t)s hold, as ``SHAPE_COMPOSITES`` reads them (all
+# of its user-defined types: ``changed_composites`` compares composites only)
+COMPOSITES_OF = f"SELECT {SHAPE_COMPOSITES} FROM (SELECT pg_catalog.to_regclass(%(t)s)::oid AS oid) t"
+
+# Raises LR409 (V0023) unless the table named %(t)s holds every composite of %(carried)s (JSON:
+# [[name, attributes], ...]) as it is there: a transaction composed without reading them checks it
+# (the stream's, which then takes the general path: ``changed_composites`` says what differs)
+EXPECT_COMPOSITES = (
+    "SELECT lr.stream_expect(NOT EXISTS (SELECT FROM pg_catalog.jsonb_array_elements(%(carried)s::jsonb) c "
+    "WHERE NOT EXISTS (SELECT FROM pg_catalog.jsonb_array_elements(pg_catalog.to_jsonb("
+    + SHAPE_COMPOSITES
+    + ")) s WHERE s = c)), 'the composites of a session''s table differ between source and sink') "
+    "FROM (SELECT pg_catalog.to_regclass(%(t)s)::oid AS oid) t"
+)
+
+
+def changed_composites(carried: Sequence[Sequence[str]], sink: Sequence[Sequence[str]]) -> list[str]:
+    """How the composites a change carries (the source's, once they changed there since the table
+    was opened: V0048) differ from those the sink's table holds (``COMPOSITES_OF``): a value of one
+    would arrive with its fields in the source's order, read by the sink's, so the change is refused."""
+    theirs = {n: a for n, a in sink}
+    return [
+        _type_problem(n, attributes, theirs[n])
+        if n in theirs
+        else f"type {n} is ({attributes}) on the source, and the sink's table holds no such type"
+        for n, attributes in carried
+        if theirs.get(n) != attributes
     ]
 
 
@@ -344,32 +375,51 @@ _DEFAULT_PRECISION = {"timestamp": 6, "time": 6, "interval": 6}
 
 
 def narrowed(recorded: Mapping[str, str], sink: TableDefinition) -> dict[str, str]:
-    """The sink's columns whose type holds fewer values than it had when its snapshot was taken
-    (``recorded``: the source's types then), each with how: the same type with a narrower modifier
-    (a numeric's precision or scale, a text's or bit string's length, a time's fractional digits), or
-    an array of it (``numeric(12,4)[]`` made ``numeric(12,2)[]``: its elements were rounded, silently).
-    Their values would be rounded or cut by the sink; a column widened, or of another type (an int
-    made a bigint), is not in it."""
-    out = {}
-    for column in sink.columns:
-        was = recorded.get(column.name)
-        if was is None or was == column.type:
-            continue
-        dims = len(was) - len(was.rstrip("[]"))  # an array of a bounded type: bounded as its elements
-        if column.type[len(column.type) - dims :] != was[len(was) - dims :] or column.type[
-            : len(column.type) - dims
-        ].endswith("]"):
-            continue
-        old, new = (
-            _BOUNDED.fullmatch(was[: len(was) - dims]),
-            _BOUNDED.fullmatch(column.type[: len(column.type) - dims]),
-        )
-        if old is None or new is None or (old[1], old[4]) != (new[1], new[4]):
-            continue
-        if _holds(old, new):
-            continue
-        out[column.name] = f"column {column.name} is {was} on the source but {column.type} on the sink"
-    return out
+    """The sink's columns whose type is not the one they had when its snapshot was taken
+    (``recorded``: the source's types then) nor a lossless widening of it (``widens``), each with
+    how. The sink would take their values by its own type: rounded or cut (a narrower modifier, a
+    ``double precision`` made ``real``, a ``numeric`` made ``integer``), read in its zone (a
+    ``timestamptz`` made ``timestamp``), or otherwise changed (a ``jsonb`` made ``json`` keeps what
+    arrives, not one value per key), silently. Before, only a narrower modifier of the same type was
+    found, and every other type took the changes."""
+    return {
+        column.name: f"column {column.name} is {recorded[column.name]} on the source but {column.type} on the sink"
+        for column in sink.columns
+        if column.name in recorded and not widens(recorded[column.name], column.type)
+    }
+
+
+# The types whose every value another type takes unchanged, besides a wider modifier of the same
+# type (docs/tables.md, "DDL"): integers into larger ones, real into double precision, a text of
+# any length into an unbounded one (varchar without a length is text). An integer goes into a
+# numeric with enough digits before the point (``_DIGITS``).
+_WIDER = {
+    ("smallint", "integer"),
+    ("smallint", "bigint"),
+    ("integer", "bigint"),
+    ("real", "double precision"),
+    ("text", "character varying"),
+    ("character varying", "text"),
+}
+_DIGITS = {"smallint": 5, "integer": 10, "bigint": 19}
+
+
+def widens(was: str, now: str) -> bool:
+    """Whether a column of type ``now`` (as ``format_type`` prints it) takes every value of type
+    ``was`` unchanged: the same type, a wider modifier of it (``_holds``), one of ``_WIDER``, an
+    integer into a numeric that holds its digits; an array of such, of as many dimensions."""
+    dims = len(was) - len(was.rstrip("[]"))
+    if now[len(now) - dims :] != was[len(was) - dims :] or now[: len(now) - dims].endswith("]"):
+        return False
+    was, now = was[: len(was) - dims], now[: len(now) - dims]
+    if was == now or (was, now) in _WIDER:
+        return True
+    old, new = _BOUNDED.fullmatch(was), _BOUNDED.fullmatch(now)
+    if new is not None and new[1] == "numeric" and was in _DIGITS:
+        return new[2] is None or int(new[2]) - int(new[3] or 0) >= _DIGITS[was]
+    if old is not None and old[1] == "character varying" and now == "text":
+        return True
+    return old is not None and new is not None and (old[1], old[4]) == (new[1], new[4]) and _holds(old, new)
 
 
 def _holds(old: re.Match, new: re.Match) -> bool:

@@ -1,7 +1,8 @@
 """Which tables a site replicates (CorfuDB's federated tables): ``lr.registry`` rows of kind ``table``.
 
 Opening a table as federated for a client records it and installs its capture triggers (one
-statement-level trigger per operation, ``lr.capture_table_changes``, V0008 as replaced by V0015): from the commit of
+statement-level trigger per operation, ``lr.capture_table_changes``, V0008 as replaced since; given the client, the
+table id, its columns' types (V0038) and the composites it holds, if any (V0048)): from the commit of
 ``open_table`` on, every change to the table is written to the shared log in the writer's
 transaction, tagged for the client's sinks, under the same commit-position barrier as the client's
 routing-queue messages. Each federation draws a new ``table_id``: a sink that synced an older one
@@ -289,20 +290,19 @@ def federate(
         raise TableError(f"{table} is registered here as something else than a table")
     stop_capture(cur, table)
     # the columns' types now: a statement made after one of them changed carries them (V0038)
-    cur.execute("SELECT lr.capture_column_types(%s::regclass)", (table.ident.as_string(cur),))
-    (types,) = cur.fetchone()
+    # and the composites they hold, if any: a statement made after one of them changed carries them (V0048)
+    cur.execute(
+        "SELECT lr.capture_column_types(%(t)s::regclass), lr.capture_composites(%(t)s::regclass)",
+        {"t": table.ident.as_string(cur)},
+    )
+    given = [sql.Literal(v) for v in (client, str(table_id), *cur.fetchone()) if v is not None]
     for operation, referencing in _TRIGGERS.items():
         cur.execute(
             sql.SQL(
                 "CREATE TRIGGER {} AFTER {} ON {} " + referencing + " FOR EACH STATEMENT"
-                " EXECUTE FUNCTION lr.capture_table_changes({}, {}, {})"
+                " EXECUTE FUNCTION lr.capture_table_changes({})"
             ).format(
-                sql.Identifier(trigger_name(operation)),
-                sql.SQL(operation),
-                table.ident,
-                sql.Literal(client),
-                sql.Literal(str(table_id)),
-                sql.Literal(types),
+                sql.Identifier(trigger_name(operation)), sql.SQL(operation), table.ident, sql.SQL(", ").join(given)
             )
         )
     fire_always(cur, table, [trigger_name(op) for op in _TRIGGERS])

@@ -34,8 +34,11 @@ from airflow_provider_lr.engine.source.log_reader import BaseSplit, LogRecord
 from airflow_provider_lr.engine.tables.clearing import clearing, clearing_together
 from airflow_provider_lr.engine.tables.create import create_table
 from airflow_provider_lr.engine.tables.definition import (
+    COMPOSITES_OF,
+    EXPECT_COMPOSITES,
     TableDefinition,
     TableName,
+    changed_composites,
     changed_types,
     check_same,
     misfit,
@@ -269,8 +272,11 @@ class ChangeApplier:
         if changed:
             raise SchemaMismatchError(
                 f"{self._where()}: the source's table {target.table} changed: {'; '.join(changed)}. Nothing of the "
-                "batch was applied; give the sink's column the source's type (ALTER TABLE ... ALTER COLUMN ... TYPE)"
+                "batch was applied; give the sink's column the source's type or a widening of it (ALTER TABLE ... "
+                "ALTER COLUMN ... TYPE)"
             )
+        if entry.get("composites") is not None:
+            self._same_composites(target, entry["composites"])
         target.refuse_guarded(self._where())
         if target.narrowed and not entry.get("types"):  # (a change of the source's type: checked above)
             target.refuse_narrowed(carried if op == "u" else key_columns, self._where())
@@ -290,6 +296,26 @@ class ChangeApplier:
             if key is not None:
                 run.keys.add(key)
             run.take(message, n)
+
+    def _same_composites(self, target: Target, carried: list) -> None:
+        """Refuse a change whose composites (the source's, carried once they changed there: V0048)
+        are not the sink's table's: checked by the sink in the transaction when it is composed without
+        round trips (the stream's: it then takes this path, which reads them and says how they differ)."""
+        if self.statements is not None:
+            self.statements.append(
+                self.cur.mogrify(
+                    EXPECT_COMPOSITES, {"t": target.table.ident.as_string(self.cur), "carried": json.dumps(carried)}
+                )
+            )
+            return
+        self.cur.execute(COMPOSITES_OF, {"t": target.table.ident.as_string(self.cur)})
+        differ = changed_composites(carried, self.cur.fetchone()[0] or [])
+        if differ:
+            raise SchemaMismatchError(
+                f"{self._where()}: the composites of table {target.table} changed at the source since it was opened: "
+                f"{'; '.join(differ)}. Nothing of the batch was applied; give the sink's types the source's definitions "
+                "(ALTER TYPE ... at the sink), and the batch is applied"
+            )
 
     def _clear(self) -> None:
         """Apply the TRUNCATEs queued (what came before them was applied first)."""

@@ -53,8 +53,8 @@ class Target:
     left_out: tuple[str, ...] = ()  # of the source's extras, when lr created the table now (tables/create)
     deferrable_key: bool = False  # the sink's primary key is DEFERRABLE: no ON CONFLICT arbiter (``tables.sink``)
     always: tuple[str, ...] = ()  # the sink's non-key GENERATED ALWAYS identity columns (``tables.upsert``)
-    # the sink's columns narrowed since its snapshot (``definition.narrowed``), each with how: their
-    # changes are refused (the sink would round or cut them)
+    # the sink's columns made another type than a lossless widening since its snapshot
+    # (``definition.narrowed``), each with how: their changes are refused (the sink would change them)
     narrowed: tuple[tuple[str, str], ...] = ()
     guarded_by: str = ""  # lr's role at the sink, when the table's row-level security applies to it
     rules: str = ""  # the sink table's rules that rewrite lr's writes to it (``_RULES``), quoted, comma-separated
@@ -91,16 +91,17 @@ class Target:
             )
 
     def refuse_narrowed(self, columns: Iterable[str], where: str) -> None:
-        """Refuse a change of ``columns`` when one of them was narrowed at the sink since its snapshot:
-        the sink would take its value rounded or cut, silently (a too-long text failed with
-        PostgreSQL's raw error)."""
+        """Refuse a change of ``columns`` when one of them was made another type at the sink since its
+        snapshot than a lossless widening: the sink would take its value rounded, cut or read in
+        another zone, silently (a too-long text failed with PostgreSQL's raw error)."""
         wanted = set(columns)
         narrow = [why for column, why in self.narrowed if column in wanted]
         if narrow:
             raise SchemaMismatchError(
                 f"{where}: the sink's table {self.table} changed since its snapshot: {'; '.join(narrow)}, which "
-                "would round or cut its values. Nothing of the batch was applied; give the sink's column the source's "
-                "type (ALTER TABLE ... ALTER COLUMN ... TYPE)"
+                "would round, cut or otherwise change its values (docs/tables.md lists the widenings that keep "
+                "them). Nothing of the batch was applied; give the sink's column the source's type (ALTER TABLE "
+                "... ALTER COLUMN ... TYPE) or a widening of it"
             )
 
     @property
