@@ -322,7 +322,7 @@ EXPECT_COMPOSITES = (
 
 def changed_composites(carried: Sequence[Sequence[str]], sink: Sequence[Sequence[str]]) -> list[str]:
     """How the composites a change carries (the source's, once they changed there since the table
-    was opened: V0048) differ from those the sink's table holds (``COMPOSITES_OF``): a value of one
+    was opened: V0049) differ from those the sink's table holds (``COMPOSITES_OF``): a value of one
     would arrive with its fields in the source's order, read by the sink's, so the change is refused."""
     theirs = {n: a for n, a in sink}
     return [

@@ -2,7 +2,7 @@
 
 Opening a table as federated for a client records it and installs its capture triggers (one
 statement-level trigger per operation, ``lr.capture_table_changes``, V0008 as replaced since; given the client, the
-table id, its columns' types (V0038) and the composites it holds, if any (V0048)): from the commit of
+table id, its columns' types (V0038) and the composites it holds, if any (V0049)): from the commit of
 ``open_table`` on, every change to the table is written to the shared log in the writer's
 transaction, tagged for the client's sinks, under the same commit-position barrier as the client's
 routing-queue messages. Each federation draws a new ``table_id``: a sink that synced an older one
@@ -290,7 +290,7 @@ def federate(
         raise TableError(f"{table} is registered here as something else than a table")
     stop_capture(cur, table)
     # the columns' types now: a statement made after one of them changed carries them (V0038)
-    # and the composites they hold, if any: a statement made after one of them changed carries them (V0048)
+    # and the composites they hold, if any: a statement made after one of them changed carries them (V0049)
     cur.execute(
         "SELECT lr.capture_column_types(%(t)s::regclass), lr.capture_composites(%(t)s::regclass)",
         {"t": table.ident.as_string(cur)},

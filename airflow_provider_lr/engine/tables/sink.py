@@ -298,7 +298,7 @@ class ChangeApplier:
             run.take(message, n)
 
     def _same_composites(self, target: Target, carried: list) -> None:
-        """Refuse a change whose composites (the source's, carried once they changed there: V0048)
+        """Refuse a change whose composites (the source's, carried once they changed there: V0049)
         are not the sink's table's: checked by the sink in the transaction when it is composed without
         round trips (the stream's: it then takes this path, which reads them and says how they differ)."""
         if self.statements is not None:

@@ -1,4 +1,4 @@
-"""``lr.capture_composites`` (V0048): what a capture trigger notes of a table's composites when it is
+"""``lr.capture_composites`` (V0049): what a capture trigger notes of a table's composites when it is
 opened and reads again at each statement, compared by each sink with its own as
 ``definition.SHAPE_COMPOSITES`` reads them. Two texts of one rule (SQL in a migration, SQL in the
 engine): a difference in how either prints a type would refuse every change of such a table."""

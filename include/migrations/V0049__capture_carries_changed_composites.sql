@@ -1,4 +1,4 @@
--- lr schema v48: the capture of federated tables carries the composites a table's columns hold
+-- lr schema v49: the capture of federated tables carries the composites a table's columns hold
 -- (through arrays, domains, ranges, other composites) when they changed at the source since the
 -- table was opened. A composite's value travels by position, in its text and binary forms alike;
 -- the sinks compared the source's composites with theirs at the snapshot only, so a composite the
