@@ -260,6 +260,10 @@ class ChangeApplier:
         columns, key_columns = set(d.column_names), set(d.key)
         carried = set(rows[0]) if rows and op == "u" else columns
         bad = sum(1 for r in rows if not key_columns <= set(r) or (op == "u" and not set(r) == carried <= columns))
+        if op == "d" and "to" in entry:  # a key change (V0048): each old key with its row's new key
+            op = "k"
+            moved_to = entry["to"]
+            bad += abs(len(moved_to) - len(rows)) + sum(1 for r in moved_to if not key_columns <= set(r))
         if bad:
             raise SchemaMismatchError(
                 f"{self._where()}: {bad} changed rows of {target.table} do not fit the sink's table "
