@@ -81,15 +81,19 @@ def test_a_parent_key_change_keeps_a_sink_s_own_rows_that_reference_it_and_a_sel
     """Each sink has a table of its own (not federated) referencing the federated parents ON UPDATE
     CASCADE ON DELETE CASCADE: after the source changes parents' keys (and a UNIQUE name with one of
     them), the sink's rows follow the new keys. Before, the old key was deleted at each sink, which
-    deleted the sink's own rows, silently. And a table referencing itself ON UPDATE CASCADE (the
-    source cascades a node's key to its children) arrives whole."""
+    deleted the sink's own rows, silently. A table referencing itself ON UPDATE CASCADE (the source
+    cascades a node's key to its children) arrives whole, and a GENERATED ALWAYS key set to DEFAULT
+    (no UPDATE may set it at the sink: the row is deleted and inserted as before)."""
     source, *sinks = lr_sites
     topo = apply(lr_sites)
     parents_schema(lr_sites)
+    on_every_site(lr_sites, "CREATE TABLE public.tickets (id int GENERATED ALWAYS AS IDENTITY PRIMARY KEY, v text)")
     source.query(
         "INSERT INTO public.parents VALUES (1, 'p1'), (2, 'p2'), (3, 'p3'); "
-        "INSERT INTO public.nodes VALUES (1, NULL), (2, 1), (3, 2), (4, 1)"
+        "INSERT INTO public.nodes VALUES (1, NULL), (2, 1), (3, 2), (4, 1); "
+        "INSERT INTO public.tickets (v) VALUES ('a'), ('b')"
     )
+    federate(source, "public.tickets")
     for sink in sinks:
         sink.query(
             "CREATE TABLE public.notes (id int PRIMARY KEY, parent int NOT NULL "
@@ -105,6 +109,7 @@ def test_a_parent_key_change_keeps_a_sink_s_own_rows_that_reference_it_and_a_sel
         source.query("UPDATE public.parents SET id = 100, name = 'p2' || 'x' WHERE id = 1")
         source.query("UPDATE public.parents SET id = id + 1000 WHERE id IN (2, 3)")
         source.query("UPDATE public.nodes SET id = 10 WHERE id = 1")  # cascades to 2 and 4 at the source
+        source.query("UPDATE public.tickets SET id = DEFAULT WHERE v = 'a'")
         wait_for(
             lambda: errors(streaming) or all(texts(s, "public.nodes") == texts(source, "public.nodes") for s in sinks),
             30,
@@ -112,6 +117,8 @@ def test_a_parent_key_change_keeps_a_sink_s_own_rows_that_reference_it_and_a_sel
         )
         assert errors(streaming) == []
         arrived(source, sinks, "public.parents", "the parents' new keys")
+        arrived(source, sinks, "public.tickets", "the ticket's new key")
+        assert errors(streaming) == []
     for sink in sinks:
         assert sink.query("SELECT id, parent FROM public.notes ORDER BY id") == [(10, 100), (20, 1002), (30, 1003)]
 

@@ -1,7 +1,8 @@
 """A run of a sink transaction's table changes and the one set statement that applies it.
 
 ``ChangeApplier`` (``tables/sink``) cuts the changes it is given into runs: consecutive changes of
-one table, all deletes or all upserts, no key twice among the upserts; ``compose`` writes the
+one table, all deletes, all key changes (old keys with their new ones, V0048) or all upserts, no
+key twice among the upserts; ``compose`` writes the
 statement that applies a run with the effect of applying its changes one by one, in order.
 """
 
@@ -155,8 +156,9 @@ def _moves(
     key is no other old key of the run (a swap, a chain ``id + 1``: the sink's immediate key would
     refuse the row met midway, in an order the source's did not run), no other row of the run moves
     onto it, no row of the sink holds it (it is the row's own when a deferrable key holds it
-    twice: moved only when one row holds the old key). Elsewhere the row is deleted, as entries
-    without new keys are: the upsert that follows brings it back under its new key either way."""
+    twice: moved only when one row holds the old key), and the key is not ``GENERATED ALWAYS`` (no
+    UPDATE may set it). Elsewhere the row is deleted, as entries without new keys are: the upsert
+    that follows brings it back under its new key either way."""
     d = target.definition
     t, n = d.table.ident, range(len(d.key))
     old = [sql.Identifier(f"lr_o{i}") for i in n]
@@ -182,10 +184,12 @@ def _moves(
         movable = sql.SQL("{} AND (SELECT count(*) FROM {} y WHERE {} = {}) = 1").format(
             movable, t, of("y", keys), of("lr_k", old)
         )
+    moving = ", lr_moved AS (UPDATE {t} x SET ({keys}) = ROW({kn}) FROM lr_k WHERE {xk} = {ko} AND {movable})"
+    if target.key_always:  # a GENERATED ALWAYS key: no UPDATE may set it (refused as the statement is read)
+        moving, movable = "", sql.SQL("false")
     return sql.SQL(
-        "WITH lr_k AS MATERIALIZED (SELECT {pairs} FROM ({rows}) s), "
-        "lr_moved AS (UPDATE {t} x SET ({keys}) = ROW({kn}) FROM lr_k WHERE {xk} = {ko} AND {movable}) "
-        "DELETE FROM {t} x USING lr_k WHERE {xk} = {ko} AND NOT ({movable})"
+        "WITH lr_k AS MATERIALIZED (SELECT {pairs} FROM ({rows}) s)" + moving
+        + " DELETE FROM {t} x USING lr_k WHERE {xk} = {ko} AND NOT ({movable})"
     ).format(
         pairs=pairs,
         rows=rows,

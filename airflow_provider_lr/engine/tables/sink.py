@@ -169,7 +169,7 @@ def prepare(
             "stream_tags) VALUES (%s, 'table', true, %s, %s, %s, ARRAY[%s])",
             (str(table), client, source, list(sink_def.key), f"lrq_table_{client}"),
         )
-    target = Target(sink_def, source, *origin(cur, table, source), left_out, always=always_columns(cur, table))
+    target = Target(sink_def, source, *origin(cur, table, source), left_out, **always_columns(cur, table))
     target.guarded_by, target.rules, target.unlogged = guards(cur, table)
     target.refuse_guarded(where)
     return target
@@ -196,7 +196,9 @@ class ChangeApplier:
     statement; a sink with the same constraint checks the swap at commit, as the source did).
 
     For speed, consecutive changes of one table and one kind become one set statement (a run):
-    deletes in one ``DELETE``; upserts in one ``INSERT ... ON CONFLICT DO UPDATE`` that takes its
+    deletes in one ``DELETE``; key changes (old keys with their new ones, V0048) in one statement
+    that moves each row in place where it meets no other key, deletes it elsewhere
+    (``runs._moves``); upserts in one ``INSERT ... ON CONFLICT DO UPDATE`` that takes its
     rows in order, cut before a key comes back (one statement cannot change a row twice, and the
     second change must follow what came between). A TRUNCATE applies what came before it, then
     clears the source's rows. The source reads only the tables this session has synced, so every
@@ -343,7 +345,7 @@ class ChangeApplier:
         target = self.targets[run.tid]
         assert target is not None
         t = target
-        key = (t.definition, t.source, t.primary, t.shared, t.deferrable_key, t.always, run.op, run.text, run.absent)
+        key = (t.definition, t.source, t.primary, t.shared, t.deferrable_key, t.always, t.key_always, run.op, run.text, run.absent)
         return self.lookup.statement((*key, as_text), lambda: compose(target, run, as_text))
 
     def _where(self) -> str:

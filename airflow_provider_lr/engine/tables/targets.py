@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Hashable, Iterable
+from typing import Any
 from dataclasses import dataclass, field, replace
 
 import psycopg2.errors
@@ -53,6 +54,7 @@ class Target:
     left_out: tuple[str, ...] = ()  # of the source's extras, when lr created the table now (tables/create)
     deferrable_key: bool = False  # the sink's primary key is DEFERRABLE: no ON CONFLICT arbiter (``tables.sink``)
     always: tuple[str, ...] = ()  # the sink's non-key GENERATED ALWAYS identity columns (``tables.upsert``)
+    key_always: bool = False  # a key column is GENERATED ALWAYS: no UPDATE may move a key (``runs._moves``)
     # the sink's columns narrowed since its snapshot (``definition.narrowed``), each with how: their
     # changes are refused (the sink would round or cut them)
     narrowed: tuple[tuple[str, str], ...] = ()
@@ -151,10 +153,19 @@ _ALWAYS = (
 )
 
 
-def always_columns(cur: psycopg2.extensions.cursor, table: TableName) -> tuple[str, ...]:
-    """The sink table's non-key ``GENERATED ALWAYS`` identity columns (``Target.always``)."""
-    cur.execute("SELECT " + _ALWAYS.format(oid="%s::regclass"), (table.ident.as_string(cur),))
-    return tuple(cur.fetchone()[0] or ())
+_KEY_ALWAYS = (
+    "(SELECT pg_catalog.bool_or(a.attidentity = 'a') FROM pg_catalog.pg_index i JOIN pg_catalog.pg_attribute a "
+    "ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey) WHERE i.indrelid = {oid} AND i.indisprimary)"
+)
+
+
+def always_columns(cur: psycopg2.extensions.cursor, table: TableName) -> dict[str, Any]:
+    """The sink table's non-key ``GENERATED ALWAYS`` identity columns (``Target.always``) and whether
+    a key column is one (``Target.key_always``), as ``Target``'s fields."""
+    oid = "%(t)s::regclass"
+    cur.execute(f"SELECT {_ALWAYS.format(oid=oid)}, {_KEY_ALWAYS.format(oid=oid)}", {"t": table.ident.as_string(cur)})
+    always, key_always = cur.fetchone()
+    return {"always": tuple(always or ()), "key_always": bool(key_always)}
 
 
 def _primary_shared(primary: bool | None, others: bool | None) -> tuple[bool, bool]:
@@ -245,7 +256,7 @@ def target_of(cur: psycopg2.extensions.cursor, source: str, table: TableName, wh
     sink_def = read_definition(cur, table)
     if sink_def is None:
         raise _gone(table, where)
-    return Target(sink_def, source, *origin(cur, table, source), always=always_columns(cur, table))
+    return Target(sink_def, source, *origin(cur, table, source), **always_columns(cur, table))
 
 
 def _gone(table: TableName, where: Callable[[], str]) -> SchemaMismatchError:
@@ -270,6 +281,8 @@ _TARGETS = (
     + SHAPE_COLUMNS
     + ", (SELECT NOT i.indimmediate FROM pg_catalog.pg_index i WHERE i.indrelid = t.oid AND i.indisprimary), "
     + _ALWAYS.format(oid="t.oid")
+    + ", "
+    + _KEY_ALWAYS.format(oid="t.oid")
     + ", "
     + _ORIGIN.format(t="st.table_name", s="%(source)s")
     + ", st.types, "
@@ -401,6 +414,7 @@ class TargetLookup:
             key,
             deferrable,
             always,
+            key_always,
             primary,
             others,
             types,
@@ -423,6 +437,7 @@ class TargetLookup:
                     target,
                     deferrable_key=bool(deferrable),
                     always=tuple(always or ()),
+                    key_always=bool(key_always),
                     narrowed=narrow,
                     guarded_by=guard,
                     rules=rules,
