@@ -29,8 +29,10 @@ BEGIN
     RETURN NULL;
 END $$;
 """
-NOTED = "CREATE TRIGGER note_pairs AFTER UPDATE ON {} REFERENCING OLD TABLE AS lr_old NEW TABLE AS lr_new " \
+NOTED = (
+    "CREATE TRIGGER note_pairs AFTER UPDATE ON {} REFERENCING OLD TABLE AS lr_old NEW TABLE AS lr_new "
     "FOR EACH STATEMENT EXECUTE FUNCTION public.note_pairs()"
+)
 
 
 def test_the_transition_tables_pair_each_row_s_old_and_new_image_in_swaps_shifts_spills_and_partition_moves(

@@ -170,10 +170,7 @@ def _moves(
     x_key, keys = of("x", list(map(sql.Identifier, d.key))), list(map(sql.Identifier, d.key))
     pairs = sql.SQL(", ").join(
         [sql.SQL("{} AS {}").format(value(k), o) for k, o in zip(d.key, old)]
-        + [
-            sql.SQL("(s.n ->> {})::{} AS {}").format(sql.Literal(k), sql.SQL(types[k]), m)
-            for k, m in zip(d.key, new)
-        ]
+        + [sql.SQL("(s.n ->> {})::{} AS {}").format(sql.Literal(k), sql.SQL(types[k]), m) for k, m in zip(d.key, new)]
     )
     movable = sql.SQL(
         "NOT EXISTS (SELECT FROM lr_k j WHERE {jo} = {kn}) "
@@ -188,7 +185,8 @@ def _moves(
     if target.key_always:  # a GENERATED ALWAYS key: no UPDATE may set it (refused as the statement is read)
         moving, movable = "", sql.SQL("false")
     return sql.SQL(
-        "WITH lr_k AS MATERIALIZED (SELECT {pairs} FROM ({rows}) s)" + moving
+        "WITH lr_k AS MATERIALIZED (SELECT {pairs} FROM ({rows}) s)"
+        + moving
         + " DELETE FROM {t} x USING lr_k WHERE {xk} = {ko} AND NOT ({movable})"
     ).format(
         pairs=pairs,

@@ -345,8 +345,8 @@ class ChangeApplier:
         target = self.targets[run.tid]
         assert target is not None
         t = target
-        key = (t.definition, t.source, t.primary, t.shared, t.deferrable_key, t.always, t.key_always, run.op, run.text, run.absent)
-        return self.lookup.statement((*key, as_text), lambda: compose(target, run, as_text))
+        key = (t.definition, t.source, t.primary, t.shared, t.deferrable_key, t.always, t.key_always)
+        return self.lookup.statement((*key, run.op, run.text, run.absent, as_text), lambda: compose(target, run, as_text))
 
     def _where(self) -> str:
         assert self._here is not None

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Hashable, Iterable
-from typing import Any
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import psycopg2.errors
 import psycopg2.extensions
