@@ -346,7 +346,9 @@ class ChangeApplier:
         assert target is not None
         t = target
         key = (t.definition, t.source, t.primary, t.shared, t.deferrable_key, t.always, t.key_always)
-        return self.lookup.statement((*key, run.op, run.text, run.absent, as_text), lambda: compose(target, run, as_text))
+        return self.lookup.statement(
+            (*key, run.op, run.text, run.absent, as_text), lambda: compose(target, run, as_text)
+        )
 
     def _where(self) -> str:
         assert self._here is not None
