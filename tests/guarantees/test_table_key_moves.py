@@ -221,3 +221,48 @@ def test_a_statement_moving_a_row_and_the_row_referencing_it_arrives_at_sinks_wi
             "the nodes' cascade or a refusal",
         )
         assert errors(streaming) == []
+
+
+def test_children_moved_in_the_parent_s_transaction_under_a_deferrable_no_action_key_and_a_sink_trigger_sees_a_move(
+    lr_sites,
+):
+    """The source moves a parent's key and then its children, in one transaction, under a DEFERRABLE
+    foreign key ON UPDATE NO ACTION (checked at commit), as do the sinks; each sink's own row trigger
+    on the parents sees the key change as the source's did: an UPDATE from the old key to the new one
+    (before V0048: a DELETE of the old key, then an INSERT)."""
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    on_every_site(
+        lr_sites,
+        "CREATE TABLE public.parents (id int PRIMARY KEY, name text); "
+        "CREATE TABLE public.kids (id int PRIMARY KEY, parent int REFERENCES public.parents DEFERRABLE INITIALLY DEFERRED)",
+    )
+    for sink in sinks:
+        sink.query(
+            "CREATE TABLE public.seen (n serial, op text, old_id int, new_id int); "
+            "CREATE FUNCTION public.see() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "INSERT INTO public.seen (op, old_id, new_id) VALUES (TG_OP, (to_jsonb(OLD) ->> 'id')::int, "
+            "(to_jsonb(NEW) ->> 'id')::int); RETURN NULL; END $$; "
+            "CREATE TRIGGER see AFTER INSERT OR UPDATE OR DELETE ON public.parents FOR EACH ROW EXECUTE FUNCTION public.see()"
+        )
+    source.query("INSERT INTO public.parents VALUES (1, 'p1'); INSERT INTO public.kids VALUES (10, 1), (20, 1)")
+    federate(source, "public.parents")
+    federate(source, "public.kids")
+    with streaming_over(topo, lr_sites) as streaming:
+        streaming.streaming()
+        arrived(source, sinks, "public.kids", "the snapshot")
+        for sink in sinks:
+            sink.query("TRUNCATE public.seen")
+        in_one_transaction(
+            source, "UPDATE public.parents SET id = 100 WHERE id = 1", "UPDATE public.kids SET parent = 100"
+        )
+        wait_for(
+            lambda: errors(streaming) or all(texts(s, "public.kids") == texts(source, "public.kids") for s in sinks),
+            30,
+            "the children or a refusal",
+        )
+        assert errors(streaming) == []
+        arrived(source, sinks, "public.parents", "the parent's new key")
+    for sink in sinks:
+        assert sink.query("SELECT op, old_id, new_id FROM public.seen ORDER BY n LIMIT 1") == [("UPDATE", 1, 100)]
+        assert sink.query("SELECT count(*) FROM public.seen WHERE op <> 'UPDATE'") == [(0,)]
