@@ -19,11 +19,11 @@ from tests.support.tables import federate, in_one_transaction, on_every_site, sy
 
 # a test's own statement trigger pairing OLD and NEW TABLE rows by position, as lr's capture does
 PAIRS = """
-CREATE TABLE public.pairs (old_id int, old_tag text, new_id int, new_tag text);
+CREATE TABLE public.pairs (tab text, old_id int, old_tag text, new_id int, new_tag text);
 CREATE FUNCTION public.note_pairs() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     INSERT INTO public.pairs
-    SELECT o.id, o.tag, n.id, n.tag
+    SELECT TG_TABLE_NAME, o.id, o.tag, n.id, n.tag
     FROM (SELECT id, tag, row_number() OVER () AS seq FROM lr_old) o
     JOIN (SELECT id, tag, row_number() OVER () AS seq FROM lr_new) n USING (seq);
     RETURN NULL;
@@ -40,8 +40,9 @@ def test_the_transition_tables_pair_each_row_s_old_and_new_image_in_swaps_shifts
 ):
     """The property the capture rests on, with statements that update many rows: every pair by
     position is one row (its tag, which no statement changes), old then new, however the statement
-    moved keys over each other (a deferrable key: swaps, ``id + 1``), with the transition tables
-    spilled to disk (work_mem 64kB), and rows moved between a partitioned table's partitions."""
+    moved keys over each other (a deferrable key: swaps, ``id + 1``), by INSERT ... ON CONFLICT DO
+    UPDATE and MERGE, with the transition tables spilled to disk (work_mem 64kB), and rows moved
+    between a partitioned table's partitions."""
     site = lr_sites[0]
     site.query(
         PAIRS
@@ -61,13 +62,17 @@ def test_the_transition_tables_pair_each_row_s_old_and_new_image_in_swaps_shifts
         "UPDATE public.flat SET id = CASE WHEN id % 2 = 0 THEN id - 1 ELSE id + 1 END",  # swaps
         "UPDATE public.flat SET id = id + 1",  # a chain over the deferrable key
         "UPDATE public.flat SET id = -id WHERE id % 3 = 0",  # some rows only
+        "INSERT INTO public.flat SELECT 0, 't' || g FROM generate_series(1, 10) g "
+        "ON CONFLICT (tag) DO UPDATE SET id = public.flat.id + 1000000",
+        "MERGE INTO public.flat f USING generate_series(11, 20) g ON f.tag = 't' || g "
+        "WHEN MATCHED THEN UPDATE SET id = f.id + 2000000",
         "UPDATE public.parted SET id = id + 4000 WHERE id % 2 = 0",  # half move to the other partition
         "UPDATE public.parted SET id = CASE WHEN id > 5000 THEN id - 4000 ELSE id + 1 END WHERE id % 5 = 0",
     )
     pairs = site.query("SELECT old_tag, new_tag FROM public.pairs")
-    assert len(pairs) == 3000 + 3000 + 1000 + 1500 + 600
+    assert len(pairs) == 3000 + 3000 + 1000 + 10 + 10 + 1500 + 600
     assert [p for p in pairs if p[0] != p[1]] == []
-    moved = "SELECT count(*) FROM public.pairs WHERE (old_id < 5000) <> (new_id < 5000)"
+    moved = "SELECT count(*) FROM public.pairs WHERE tab = 'parted' AND (old_id < 5000) <> (new_id < 5000)"
     assert site.query(moved) == [(1001 + 200,)]  # to the high partition (5000 up), then 200 of them back
 
 
