@@ -271,3 +271,35 @@ def test_children_moved_in_the_parent_s_transaction_under_a_deferrable_no_action
     for sink in sinks:
         assert sink.query("SELECT op, old_id, new_id FROM public.seen ORDER BY n LIMIT 1") == [("UPDATE", 1, 100)]
         assert sink.query("SELECT count(*) FROM public.seen WHERE op <> 'UPDATE'") == [(0,)]
+
+
+def test_a_two_column_key_of_awkward_names_and_float_values_moves_in_place_under_a_cascading_reference(lr_sites):
+    """The move's statement with a key of a column named ``50%`` and one named like its own aliases
+    (``lr_o0``), in a table named like its CTE (``lr_k``), float keys (-0, NaN, 1e300: carried as
+    text) and a jsonb column (the capture's text-column path): the sinks' references follow."""
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    on_every_site(
+        lr_sites,
+        'CREATE TABLE public.lr_k ("50%%" text, lr_o0 float8, "x y" jsonb, n int, PRIMARY KEY ("50%%", lr_o0)); '
+        "CREATE TABLE public.refs (id int PRIMARY KEY, a text, b float8, "
+        "FOREIGN KEY (a, b) REFERENCES public.lr_k ON UPDATE CASCADE)",
+    )
+    source.query(
+        "INSERT INTO public.lr_k VALUES ('a%%', '-0', '{\"k\": 1}', 1), ('b', 1.5, NULL, 2); "
+        "INSERT INTO public.refs VALUES (1, 'a%%', 0), (2, 'b', 1.5)"
+    )
+    federate(source, "public.lr_k")
+    federate(source, "public.refs")
+    with streaming_over(topo, lr_sites) as streaming:
+        streaming.streaming()
+        arrived(source, sinks, "public.refs", "the snapshot")
+        source.query("UPDATE public.lr_k SET \"50%%\" = \"50%%\" || '%%(docs)s', lr_o0 = 'NaN' WHERE n = 1")
+        source.query("UPDATE public.lr_k SET lr_o0 = 1e300 WHERE n = 2")
+        wait_for(
+            lambda: errors(streaming) or all(texts(s, "public.refs") == texts(source, "public.refs") for s in sinks),
+            30,
+            "the references moved or a refusal",
+        )
+        assert errors(streaming) == []
+        arrived(source, sinks, "public.lr_k", "the new keys")
