@@ -15,7 +15,7 @@ from airflow_provider_lr.engine.source.log_reader import LogBatch, LogRecord
 from tests.guarantees.test_table_edge_values_streaming import arrived, errors, texts
 from tests.guarantees.test_table_fidelity_streaming import streaming_over
 from tests.support.session import apply, replicator, wait_for
-from tests.support.tables import federate, in_one_transaction, on_every_site, sync
+from tests.support.tables import cycle_errors, federate, in_one_transaction, on_every_site, sync
 
 # a test's own statement trigger pairing OLD and NEW TABLE rows by position, as lr's capture does
 PAIRS = """
@@ -303,3 +303,40 @@ def test_a_two_column_key_of_awkward_names_and_float_values_moves_in_place_under
         )
         assert errors(streaming) == []
         arrived(source, sinks, "public.lr_k", "the new keys")
+
+
+def test_a_chain_of_parent_keys_a_sink_refuses_names_the_way_round_and_applies_once_its_foreign_key_is_deferrable(
+    lr_sites,
+):
+    """The known limit above, in cycles: the refusal names the sink's foreign key and what to do (not
+    "a constraint the source has not": the source has the same); once the sinks' foreign key is
+    DEFERRABLE (checked at the apply's commit, where the children's change has come), the next cycle
+    applies the batch, nothing lost."""
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    on_every_site(
+        lr_sites,
+        "CREATE TABLE public.parents (id int PRIMARY KEY, name text); "
+        "CREATE TABLE public.kids (id int PRIMARY KEY, parent int REFERENCES public.parents ON UPDATE CASCADE)",
+    )
+    source.query(
+        "INSERT INTO public.parents SELECT g, 'p' || g FROM generate_series(3, 1, -1) g; "
+        "INSERT INTO public.kids VALUES (10, 1), (20, 2)"
+    )
+    federate(source, "public.parents")
+    federate(source, "public.kids")
+    repl = replicator(topo, lr_sites)
+    try:
+        assert cycle_errors(sync(repl)) == []
+        source.query("UPDATE public.parents SET id = id + 1")  # 3->4, 2->3, 1->2: 2 and 3 are deleted at the sinks
+        refused = cycle_errors(sync(repl, cycles=3))
+        assert refused and all('foreign key constraint "kids_parent_fkey"' in e for e in refused), refused
+        assert all("foreign key of the sink's refuses it" in e and "make it DEFERRABLE" in e for e in refused)
+        for sink in sinks:
+            sink.query("ALTER TABLE public.kids ALTER CONSTRAINT kids_parent_fkey DEFERRABLE")
+        assert cycle_errors(sync(repl)) == []
+    finally:
+        repl.close()
+    for sink in sinks:
+        assert texts(sink, "public.parents") == texts(source, "public.parents")
+        assert texts(sink, "public.kids") == texts(source, "public.kids")

@@ -236,6 +236,12 @@ def refusal_fix(exc: psycopg2.Error) -> str:
             "over another type), or was altered at the source after the snapshot (ALTER TYPE ... ADD VALUE, ADD "
             "ATTRIBUTE): give the sink's type the source's definition"
         )
+    if exc.pgcode == "23503" and "function" not in (exc.diag.context or ""):  # foreign_key_violation
+        return (
+            "a foreign key of the sink's refuses it: one the source has not, or one the apply meets in an order the "
+            "source did not (one statement moved a key onto another's old key, or a row and one referencing it: "
+            "docs/tables.md): make it DEFERRABLE (checked at the apply's commit), or drop it"
+        )
     if "function" not in (exc.diag.context or ""):
         return "the sink's table has a constraint, trigger or privilege the source's has not: fix it there"
     if exc.pgcode in _NOT_FOUND:
