@@ -287,13 +287,6 @@ def test_a_composite_a_sink_reorders_while_streaming_is_refused_not_applied_swap
         assert all(s.query("SELECT (p).a FROM public.pairs WHERE id = 2") in ([], [(10,)]) for s in sinks)  # never 20
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a key change is applied as the old key deleted then the new row upserted: a sink with the "
-    "source's ON UPDATE CASCADE foreign key (ON DELETE NO ACTION) refuses the delete of a parent key its "
-    "children still reference, at every cycle, for good (tables/sink.py; the capture does not pair old and "
-    "new keys). Works when the sinks' foreign key is DEFERRABLE.",
-)
 def test_a_parent_key_change_the_source_cascades_on_update_to_a_federated_child_arrives_at_sinks_with_its_foreign_key(
     lr_sites,
 ):

@@ -1,12 +1,14 @@
 """A run of a sink transaction's table changes and the one set statement that applies it.
 
 ``ChangeApplier`` (``tables/sink``) cuts the changes it is given into runs: consecutive changes of
-one table, all deletes or all upserts, no key twice among the upserts; ``compose`` writes the
+one table, all deletes, all key changes (old keys with their new ones, V0048) or all upserts, no
+key twice among the upserts; ``compose`` writes the
 statement that applies a run with the effect of applying its changes one by one, in order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from psycopg2 import sql
@@ -67,6 +69,10 @@ def compose(target: Target, run: Run, as_text: bool) -> sql.Composed:
             lateral = sql.SQL("CROSS JOIN LATERAL pg_catalog.jsonb_to_record(r.d) AS q({}) ").format(
                 sql.SQL(", ").join(sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(types[c])) for c in picked)
             )
+    if run.op == "k":  # a key change's new key, paired with the old one (r.d) by its place in the entry
+        more = sql.SQL("{}, ({}::pg_catalog.jsonb -> 'to' -> (r.i::int - 1)) AS n").format(
+            more, sql.SQL("t.doc" if as_text else "pg_catalog.convert_from(t.doc, 'UTF8')")
+        )
     rows = sql.SQL(  # ORDER BY: the source's order, and the subquery is not pulled up (p computed once)
         "SELECT {p} AS p, r.d{more} "
         "FROM ROWS FROM (pg_catalog.unnest(%(docs)s::{docs}[]), pg_catalog.unnest(%(lo)s::int[]), "
@@ -95,6 +101,8 @@ def compose(target: Target, run: Run, as_text: bool) -> sql.Composed:
         statement = sql.SQL("DELETE FROM {t} x USING ({rows}) s WHERE ({xk}) = ({sk})").format(
             t=d.table.ident, rows=rows, xk=x_key, sk=s_key
         )
+    elif run.op == "k":
+        statement = _moves(target, rows, value, types)
     else:
         absent = tuple(map(_doubled, run.absent))  # the sink's default on insert, kept on update
         carried = [c for c in d.column_names if c not in absent]
@@ -137,6 +145,59 @@ def compose(target: Target, run: Run, as_text: bool) -> sql.Composed:
         return statement
     keys = sql.SQL("SELECT {} AS key FROM ({}) s").format(target.key_object(sql.SQL("(s.p)"), value), rows)
     return sql.SQL("{}; {}").format(statement, ledger(target, keys, upserted=run.op == "u"))
+
+
+def _moves(
+    target: Target, rows: sql.Composable, value: Callable[[str], sql.Composable], types: dict[str, str]
+) -> sql.Composed:
+    """A key change's run (V0048): each row moved to its new key in place, by an UPDATE of its key
+    columns (the sink's own ON UPDATE rules act, as the source's did: a NOT DEFERRABLE foreign key
+    ON UPDATE CASCADE moves the children along), where that cannot meet another row's key: the new
+    key is no other old key of the run (a swap, a chain ``id + 1``: the sink's immediate key would
+    refuse the row met midway, in an order the source's did not run), no other row of the run moves
+    onto it, no row of the sink holds it (it is the row's own when a deferrable key holds it
+    twice: moved only when one row holds the old key), and the key is not ``GENERATED ALWAYS`` (no
+    UPDATE may set it). Elsewhere the row is deleted, as entries without new keys are: the upsert
+    that follows brings it back under its new key either way."""
+    d = target.definition
+    t, n = d.table.ident, range(len(d.key))
+    old = [sql.Identifier(f"lr_o{i}") for i in n]
+    new = [sql.Identifier(f"lr_n{i}") for i in n]
+
+    def of(alias: str, names: Sequence[sql.Identifier]) -> sql.Composable:
+        return sql.SQL("({})").format(sql.SQL(", ").join(sql.SQL(alias + ".{}").format(c) for c in names))
+
+    x_key, keys = of("x", list(map(sql.Identifier, d.key))), list(map(sql.Identifier, d.key))
+    pairs = sql.SQL(", ").join(
+        [sql.SQL("{} AS {}").format(value(k), o) for k, o in zip(d.key, old)]
+        + [sql.SQL("(s.n ->> {})::{} AS {}").format(sql.Literal(k), sql.SQL(types[k]), m) for k, m in zip(d.key, new)]
+    )
+    movable = sql.SQL(
+        "NOT EXISTS (SELECT FROM lr_k j WHERE {jo} = {kn}) "
+        "AND NOT EXISTS (SELECT FROM lr_k j WHERE {jn} = {kn} AND {jo} <> {ko}) "
+        "AND NOT EXISTS (SELECT FROM {t} y WHERE {yk} = {kn})"
+    ).format(jo=of("j", old), jn=of("j", new), ko=of("lr_k", old), kn=of("lr_k", new), t=t, yk=of("y", keys))
+    if target.deferrable_key:
+        movable = sql.SQL("{} AND (SELECT count(*) FROM {} y WHERE {} = {}) = 1").format(
+            movable, t, of("y", keys), of("lr_k", old)
+        )
+    moving = ", lr_moved AS (UPDATE {t} x SET ({keys}) = ROW({kn}) FROM lr_k WHERE {xk} = {ko} AND {movable})"
+    if target.key_always:  # a GENERATED ALWAYS key: no UPDATE may set it (refused as the statement is read)
+        moving, movable = "", sql.SQL("false")
+    return sql.SQL(
+        "WITH lr_k AS MATERIALIZED (SELECT {pairs} FROM ({rows}) s)"
+        + moving
+        + " DELETE FROM {t} x USING lr_k WHERE {xk} = {ko} AND NOT ({movable})"
+    ).format(
+        pairs=pairs,
+        rows=rows,
+        t=t,
+        keys=sql.SQL(", ").join(keys),
+        kn=sql.SQL(", ").join(sql.SQL("lr_k.{}").format(m) for m in new),
+        xk=x_key,
+        ko=of("lr_k", old),
+        movable=movable,
+    )
 
 
 def _doubled(name: str) -> str:

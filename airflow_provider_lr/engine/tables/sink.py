@@ -172,7 +172,7 @@ def prepare(
             "stream_tags) VALUES (%s, 'table', true, %s, %s, %s, ARRAY[%s])",
             (str(table), client, source, list(sink_def.key), f"lrq_table_{client}"),
         )
-    target = Target(sink_def, source, *origin(cur, table, source), left_out, always=always_columns(cur, table))
+    target = Target(sink_def, source, *origin(cur, table, source), left_out, **always_columns(cur, table))
     target.guarded_by, target.rules, target.unlogged = guards(cur, table)
     target.refuse_guarded(where)
     return target
@@ -199,7 +199,9 @@ class ChangeApplier:
     statement; a sink with the same constraint checks the swap at commit, as the source did).
 
     For speed, consecutive changes of one table and one kind become one set statement (a run):
-    deletes in one ``DELETE``; upserts in one ``INSERT ... ON CONFLICT DO UPDATE`` that takes its
+    deletes in one ``DELETE``; key changes (old keys with their new ones, V0048) in one statement
+    that moves each row in place where it meets no other key, deletes it elsewhere
+    (``runs._moves``); upserts in one ``INSERT ... ON CONFLICT DO UPDATE`` that takes its
     rows in order, cut before a key comes back (one statement cannot change a row twice, and the
     second change must follow what came between). A TRUNCATE applies what came before it, then
     clears the source's rows. The source reads only the tables this session has synced, so every
@@ -263,6 +265,10 @@ class ChangeApplier:
         columns, key_columns = set(d.column_names), set(d.key)
         carried = set(rows[0]) if rows and op == "u" else columns
         bad = sum(1 for r in rows if not key_columns <= set(r) or (op == "u" and not set(r) == carried <= columns))
+        if op == "d" and "to" in entry:  # a key change (V0048): each old key with its row's new key
+            op = "k"
+            moved_to = entry["to"]
+            bad += abs(len(moved_to) - len(rows)) + sum(1 for r in moved_to if not key_columns <= set(r))
         if bad:
             raise SchemaMismatchError(
                 f"{self._where()}: {bad} changed rows of {target.table} do not fit the sink's table "
@@ -365,8 +371,10 @@ class ChangeApplier:
         target = self.targets[run.tid]
         assert target is not None
         t = target
-        key = (t.definition, t.source, t.primary, t.shared, t.deferrable_key, t.always, run.op, run.text, run.absent)
-        return self.lookup.statement((*key, as_text), lambda: compose(target, run, as_text))
+        key = (t.definition, t.source, t.primary, t.shared, t.deferrable_key, t.always, t.key_always)
+        return self.lookup.statement(
+            (*key, run.op, run.text, run.absent, as_text), lambda: compose(target, run, as_text)
+        )
 
     def _where(self) -> str:
         assert self._here is not None

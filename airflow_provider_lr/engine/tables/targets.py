@@ -16,6 +16,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import psycopg2.errors
 import psycopg2.extensions
@@ -53,6 +54,7 @@ class Target:
     left_out: tuple[str, ...] = ()  # of the source's extras, when lr created the table now (tables/create)
     deferrable_key: bool = False  # the sink's primary key is DEFERRABLE: no ON CONFLICT arbiter (``tables.sink``)
     always: tuple[str, ...] = ()  # the sink's non-key GENERATED ALWAYS identity columns (``tables.upsert``)
+    key_always: bool = False  # a key column is GENERATED ALWAYS: no UPDATE may move a key (``runs._moves``)
     # the sink's columns made another type than a lossless widening since its snapshot
     # (``definition.narrowed``), each with how: their changes are refused (the sink would change them)
     narrowed: tuple[tuple[str, str], ...] = ()
@@ -152,10 +154,19 @@ _ALWAYS = (
 )
 
 
-def always_columns(cur: psycopg2.extensions.cursor, table: TableName) -> tuple[str, ...]:
-    """The sink table's non-key ``GENERATED ALWAYS`` identity columns (``Target.always``)."""
-    cur.execute("SELECT " + _ALWAYS.format(oid="%s::regclass"), (table.ident.as_string(cur),))
-    return tuple(cur.fetchone()[0] or ())
+_KEY_ALWAYS = (
+    "(SELECT pg_catalog.bool_or(a.attidentity = 'a') FROM pg_catalog.pg_index i JOIN pg_catalog.pg_attribute a "
+    "ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey) WHERE i.indrelid = {oid} AND i.indisprimary)"
+)
+
+
+def always_columns(cur: psycopg2.extensions.cursor, table: TableName) -> dict[str, Any]:
+    """The sink table's non-key ``GENERATED ALWAYS`` identity columns (``Target.always``) and whether
+    a key column is one (``Target.key_always``), as ``Target``'s fields."""
+    oid = "%(t)s::regclass"
+    cur.execute(f"SELECT {_ALWAYS.format(oid=oid)}, {_KEY_ALWAYS.format(oid=oid)}", {"t": table.ident.as_string(cur)})
+    always, key_always = cur.fetchone()
+    return {"always": tuple(always or ()), "key_always": bool(key_always)}
 
 
 def _primary_shared(primary: bool | None, others: bool | None) -> tuple[bool, bool]:
@@ -226,6 +237,12 @@ def refusal_fix(exc: psycopg2.Error) -> str:
             "over another type), or was altered at the source after the snapshot (ALTER TYPE ... ADD VALUE, ADD "
             "ATTRIBUTE): give the sink's type the source's definition"
         )
+    if exc.pgcode == "23503" and "function" not in (exc.diag.context or ""):  # foreign_key_violation
+        return (
+            "a foreign key of the sink's refuses it: one the source has not, or one the apply meets in an order the "
+            "source did not (one statement moved a key onto another's old key, or a row and one referencing it: "
+            "docs/tables.md): make it DEFERRABLE (checked at the apply's commit), or drop it"
+        )
     if "function" not in (exc.diag.context or ""):
         return "the sink's table has a constraint, trigger or privilege the source's has not: fix it there"
     if exc.pgcode in _NOT_FOUND:
@@ -246,7 +263,7 @@ def target_of(cur: psycopg2.extensions.cursor, source: str, table: TableName, wh
     sink_def = read_definition(cur, table)
     if sink_def is None:
         raise _gone(table, where)
-    return Target(sink_def, source, *origin(cur, table, source), always=always_columns(cur, table))
+    return Target(sink_def, source, *origin(cur, table, source), **always_columns(cur, table))
 
 
 def _gone(table: TableName, where: Callable[[], str]) -> SchemaMismatchError:
@@ -271,6 +288,8 @@ _TARGETS = (
     + SHAPE_COLUMNS
     + ", (SELECT NOT i.indimmediate FROM pg_catalog.pg_index i WHERE i.indrelid = t.oid AND i.indisprimary), "
     + _ALWAYS.format(oid="t.oid")
+    + ", "
+    + _KEY_ALWAYS.format(oid="t.oid")
     + ", "
     + _ORIGIN.format(t="st.table_name", s="%(source)s")
     + ", st.types, "
@@ -402,6 +421,7 @@ class TargetLookup:
             key,
             deferrable,
             always,
+            key_always,
             primary,
             others,
             types,
@@ -424,6 +444,7 @@ class TargetLookup:
                     target,
                     deferrable_key=bool(deferrable),
                     always=tuple(always or ()),
+                    key_always=bool(key_always),
                     narrowed=narrow,
                     guarded_by=guard,
                     rules=rules,
