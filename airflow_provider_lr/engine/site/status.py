@@ -25,6 +25,7 @@ from airflow_provider_lr.engine.site.status_parts import (
     members_of,
     open_requests,
     read_part,
+    refuses_writes,
     sessions_of,
     short_lock_waits,
     trim_mark,
@@ -93,6 +94,7 @@ class SiteStatus:
     members: list[dict] = field(default_factory=list)
     # parts not read, each with why (an lr table another session holds locked: ``status_parts``)
     unread: list[str] = field(default_factory=list)
+    refuses_writes: str | None = None  # why every write lr makes here fails (``status_parts.refuses_writes``)
 
     def as_dict(self) -> dict:
         """``lr status --json``'s site: a part not read is null (an empty list would say "none")."""
@@ -145,6 +147,7 @@ def _site_status(conn: psycopg2.extensions.connection, site_id: str | None) -> S
 
         return read_part(conn, result.unread, what, in_transaction)
 
+    result.refuses_writes = part("writability", refuses_writes)
     result.topology_config_id = part(TOPOLOGY, config_id)
     result.trim_mark = part("trim mark", trim_mark)
     found = part(SESSIONS, lambda cur: sessions_of(cur, version))
@@ -380,7 +383,7 @@ def render(
         )
     for h in status.held_back_by:
         lines.append(f"  held back: {h['describe']}")
-    lines += [f"  {part}" for part in status.unread]
+    lines += [f"  {part}" for part in status.unread + ([status.refuses_writes] if status.refuses_writes else [])]
     return "\n".join(lines)
 
 
@@ -426,7 +429,7 @@ def health(
     for st in found.values():
         if isinstance(st, str):  # refused
             continue
-        reasons += [f"{st.site_id}: {part}" for part in st.unread]
+        reasons += [f"{st.site_id}: {part}" for part in st.unread + ([st.refuses_writes] if st.refuses_writes else [])]
         for s in st.sessions:
             name = f"{session_key(s)} ({s['role']})"
             state = readiness(s, marks.get(s["source_site_id"]))

@@ -216,3 +216,23 @@ def lease_holders(cur: psycopg2.extensions.cursor, version: int) -> dict[tuple[s
         }
         for sink, client, owner, since, held, left in source_sessions.held_leases(cur, since_known=version >= 16)
     }
+
+
+def refuses_writes(cur: psycopg2.extensions.cursor) -> str | None:
+    """Why the site refuses every write lr makes there (its leases, fences, acks, errors), or None:
+    a standby, or ``default_transaction_read_only`` set for the server or the database (a role's own,
+    as a read-only monitoring login's, is that login's alone: not said). Every session that writes
+    there fails, and where it would record why is that site: its ``last_error`` stays unwritten."""
+    cur.execute(
+        "SELECT pg_catalog.pg_is_in_recovery(), s.setting = 'on' AND s.source NOT IN ('user', 'session', 'client') "
+        "FROM pg_catalog.pg_settings s WHERE s.name = 'default_transaction_read_only'"
+    )
+    standby, read_only = cur.fetchone()
+    if standby:
+        return "refuses writes: a standby (in recovery): lr cannot lease, fence or acknowledge here; promote it or give lr the primary"
+    if read_only:
+        return (
+            "refuses writes: default_transaction_read_only is on for the server or this database: lr cannot "
+            "lease, fence or acknowledge here, so its sessions fail and their errors go unrecorded; turn it off"
+        )
+    return None
