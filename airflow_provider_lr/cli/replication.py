@@ -37,7 +37,7 @@ from airflow_provider_lr.engine.errors import (
     still_failing,
 )
 from airflow_provider_lr.engine.session import stream
-from airflow_provider_lr.engine.session.runner import CycleReport
+from airflow_provider_lr.engine.session.runner import CycleReport, unsettled
 from airflow_provider_lr.engine.site import metrics, replicator, topology
 from airflow_provider_lr.engine.source import trim
 from airflow_provider_lr.engine.store import topology as topologies
@@ -324,7 +324,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
             metrics.stop_serving(*served[:2])
     if stale.error is not None:  # as at its start: no reachable site runs the file any more
         raise stale.error
-    stuck = replicator.unsettled(reports) if args.until_idle else []
+    stuck = unsettled(reports) if args.until_idle else []
     if stuck:
         print(
             f"lr sync: {len(stuck)} session(s) not settled, no progress for {repl.stalled_for:.0f}s:", file=sys.stderr

@@ -1,12 +1,10 @@
 """Two `lr sync` share one source's sessions; one of them loses its links to the sinks (half-open:
 the link stops forwarding, nothing closes) while it still reaches the source; the other reaches
-every site. Found by chaos17: the cut-off member keeps its share of the sessions for as long as the
-partition lasts (it is alive at the source, its heartbeat goes on), its cycles fail on `cannot
-connect to site 'site-b'` and are retried, and the healthy member never takes them: replication
-stops for those sessions until the link heals, although a replicator that reaches their sink runs
-beside. `lr status` tells the truth meanwhile (exit 1, the sessions' last errors name the sink),
-and once the link heals they catch up, every payload once and in order (the same with one sink
-cut off: checked by hand)."""
+every site. The cut-off member says, with its heartbeats, the sinks it cannot reach (V0051), and
+the members give those sinks' sessions to the member that reaches them: every payload arrives
+while the cut lasts. Before, the cut-off member kept its share for as long as the partition lasted
+(alive at the source, its heartbeat going on), its cycles failing on `cannot connect to site
+'site-b'` and retried, and replication stopped for those sessions until the link healed."""
 
 from __future__ import annotations
 
@@ -45,11 +43,6 @@ def holders(source) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="membership assigns by source only: a member cut off from one sink keeps that sink's sessions "
-    "(engine/session/assignment, membership); the healthy member never takes them while the partition lasts",
-)
 def test_sinks_cut_off_from_one_of_two_lr_sync_are_served_by_the_other(lr_sites, tmp_path, monkeypatch):
     source, sink_b, sink_c = lr_sites
     topo = topology_file(tmp_path, lr_sites, monkeypatch)

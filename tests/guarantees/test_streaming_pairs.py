@@ -11,8 +11,8 @@ import logging
 import time
 
 from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.engine.session.runner import unsettled
 from airflow_provider_lr.engine.session.settings import StreamSettings
-from airflow_provider_lr.engine.site.replicator import unsettled
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.vocabulary import STREAM_WAKE_KEY
 from tests.support.session import App, Streaming, apply, queue, replicator, wait_for

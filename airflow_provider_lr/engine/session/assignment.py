@@ -11,6 +11,10 @@ works its share and the leases (fenced by epoch) settle any moment when two view
   between its members.
 * **Balanced**: counts (of sources, of a source's sessions) differ by at most one between members,
   unless only some members reach a source.
+* **Around a cut.** A session whose sink its member says it cannot reach (``cut``: a stalled link,
+  a firewall between that member and the sink) goes to the heaviest of the source's members that
+  can, when one can: a member cut off from a sink no longer keeps its sessions while one beside it
+  reaches the sink. When none can, the share stands (its cycles report the sink's errors).
 * **Stable**: rendezvous (highest-random-weight) hashing. Each (unit, member) pair has a weight;
   pairs are taken heaviest first, a member taking a unit while under its share. On one source a
   member that joins or leaves moves its own share and at most half a share more (the shares shift
@@ -23,7 +27,7 @@ works its share and the leases (fenced by epoch) settle any moment when two view
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
@@ -33,9 +37,14 @@ def weight(unit: str, member: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{unit}\x00{member}".encode(), digest_size=8).digest(), "big")
 
 
-def assign(sessions: Iterable[SessionKey], members: Mapping[str, Sequence[str]]) -> dict[str, list[SessionKey]]:
+def assign(
+    sessions: Iterable[SessionKey],
+    members: Mapping[str, Sequence[str]],
+    cut: Mapping[str, Mapping[str, Collection[str]]] | None = None,
+) -> dict[str, list[SessionKey]]:
     """member → its sessions (sorted), for every member named in ``members`` (source → the live
-    members that reach it). A session whose source has no live member is nobody's."""
+    members that reach it); ``cut``: source → member → the sites that member says (at that source)
+    it cannot reach now. A session whose source has no live member is nobody's."""
     by_source: dict[str, list[SessionKey]] = {}
     for key in sorted(set(sessions)):
         if members.get(key.source):
@@ -49,8 +58,13 @@ def assign(sessions: Iterable[SessionKey], members: Mapping[str, Sequence[str]])
         for name, member in _heaviest_first(dict.fromkeys(named, readers)):
             if name not in owner and shares.take(member):
                 owner[name] = member
+        unreached = (cut or {}).get(source, {})
         for name, member in owner.items():
-            out[member].append(named[name])
+            key = named[name]
+            if key.sink in unreached.get(member, ()):
+                reach = [m for m in sorted(set(members[source])) if key.sink not in unreached.get(m, ())]
+                member = max(reach, key=lambda m: (weight(name, m), m)) if reach else member
+            out[member].append(key)
     return {m: sorted(keys) for m, keys in out.items()}
 
 

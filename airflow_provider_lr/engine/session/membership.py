@@ -10,6 +10,10 @@ lock goes); a member that hangs is dead once its heartbeat is ``member_dead_afte
 held by a dead member is taken at once (``store/source_sessions.take_lease``, the epoch bumped as
 always, so a member thought dead that was only cut off is fenced at the sink).
 
+Each heartbeat also says the sites this process cannot reach now (``unreached``: its connections
+failed to reach them and have not since, V0051), so that the members give a session whose sink its
+member cannot reach to one that can (``assignment.assign``'s cut).
+
 The heartbeats run on a thread per source (``start``): a cycle that takes minutes (a full sync) or
 a source that does not answer must not make the process look dead at the other sources.
 """
@@ -19,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import psycopg2
 import psycopg2.extensions
@@ -32,6 +36,7 @@ from airflow_provider_lr.engine.store import members
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
 log = logging.getLogger(__name__)
+UNREACHED_SCHEMA = 51  # the members say the sites they cannot reach (lr.replicator_members.unreached)
 
 Connect = Callable[[str], psycopg2.extensions.connection]
 
@@ -40,13 +45,22 @@ class Membership:
     """``owner`` as a member at every source of ``sessions``: ``beat`` (or ``start`` for heartbeats
     on threads), ``assigned`` (this member's share now), ``leave`` (a clean exit)."""
 
-    def __init__(self, connect: Connect, sessions: Sequence[SessionKey], owner: str, settings: SessionSettings) -> None:
+    def __init__(
+        self,
+        connect: Connect,
+        sessions: Sequence[SessionKey],
+        owner: str,
+        settings: SessionSettings,
+        unreached: Callable[[], Collection[str]] | None = None,
+    ) -> None:
         self.connect, self.owner, self.settings = connect, owner, settings
+        self.unreached = unreached  # the sites this process cannot reach now, said with each heartbeat
         self.sessions = sorted(set(sessions))
         self.sources = sorted({key.source for key in self.sessions})
         # the live members of each source as last read; a source never reached counts this member
         # alone, so a process that cannot reach a source works its sessions and reports their errors
         self._view: dict[str, list[str]] = {source: [owner] for source in self.sources}
+        self._cut: dict[str, dict[str, tuple[str, ...]]] = {}  # source -> member -> the sites it cannot reach
         self._assigned = self._share()
         self._guard = threading.Lock()  # the view and the share, between the heartbeat threads
         self._conns: dict[str, psycopg2.extensions.connection] = {}
@@ -68,7 +82,7 @@ class Membership:
             return {source: list(found) for source, found in self._view.items()}
 
     def _share(self) -> list[SessionKey]:
-        return assign(self.sessions, self._view).get(self.owner, [])
+        return assign(self.sessions, self._view, self._cut).get(self.owner, [])
 
     # --- heartbeats ---------------------------------------------------------------------------
     def beat(self) -> bool:
@@ -109,6 +123,7 @@ class Membership:
             self.sessions = sorted(set(sessions))
             self.sources = sorted({key.source for key in self.sessions})
             self._view = {source: self._view.get(source, [self.owner]) for source in self.sources}
+            self._cut = {source: cut for source, cut in self._cut.items() if source in self.sources}
             self._assigned = self._share()
         beating = {thread.name for thread in self._threads if thread.is_alive()}
         for source in self.sources:
@@ -141,7 +156,8 @@ class Membership:
             log.info("replicator member %s: heartbeats at %s again", self.owner, source)
         with self._guard:
             if source in self.sources:  # not one ``follow`` just left
-                self._view[source] = found
+                self._view[source] = [m.owner for m in found]
+                self._cut[source] = {m.owner: m.unreached for m in found if m.unreached}
             share = self._share()
             changed, self._assigned = share != self._assigned, share
         if changed:
@@ -154,7 +170,7 @@ class Membership:
             )
         return changed
 
-    def _heartbeat(self, source: str) -> list[str]:
+    def _heartbeat(self, source: str) -> list[members.Member]:
         """Beat (join first, or again when found dead and forgotten); forget the long dead; the live
         members."""
         conn = self._conns.get(source)
@@ -164,17 +180,19 @@ class Membership:
             schema.require_current(conn, "sharing its sessions between replicators", schema.REPLICATION_SCHEMA)
             with conn.cursor() as cur:  # a statement stuck this long: this member is as good as dead
                 cur.execute("SELECT pg_catalog.set_config('statement_timeout', %s, false)", (self._bound_ms(),))
+        says = schema.at_least(conn, UNREACHED_SCHEMA)  # the sites a member cannot reach: V0051
+        unreached = sorted(self.unreached()) if says and self.unreached is not None else None
         with conn.cursor() as cur:
             key = self._keys.get(source)
-            if key is None or not members.beat(cur, self.owner, key):
+            if key is None or not members.beat(cur, self.owner, key, unreached):
                 self._keys[source] = members.join(cur, self.owner, self.settings.member_dead_after)
             # a dead member's row stays while a lease it held may still be unexpired: until then
             # that lease is known as a dead member's, and taken at once
             forgotten = members.forget_dead(cur, max(self.settings.lease_seconds, self.settings.member_dead_after))
-            found = members.live(cur)
+            found = members.live(cur, with_unreached=says)
         if forgotten:
             log.info("replicator members gone from %s: %s", source, ", ".join(forgotten))
-        return [m.owner for m in found]
+        return found
 
     def _bound_ms(self) -> str:
         return str(int(self.settings.member_dead_after * 1000))

@@ -286,3 +286,28 @@ def clear_stale_leases(conn: psycopg2.extensions.connection) -> list[str]:
         )
     conn.commit()
     return released
+
+
+def settled(report: CycleReport) -> bool:
+    """Nothing more will happen without new input: in log-entry sync with nothing remaining."""
+    return report.state == SessionState.IN_LOG_ENTRY_SYNC and report.remaining == 0 and not report.error
+
+
+def unsettled(reports: list[CycleReport]) -> list[str]:
+    """Why each session of a cycle is not settled ("session: why"), for a summary."""
+    out = []
+    for r in reports:
+        if settled(r):
+            continue
+        if r.error:
+            why = f"failing: {r.error}"
+        elif r.skipped:
+            why = r.skipped
+        elif r.waiting:
+            why = r.reason
+        elif r.remaining:
+            why = f"{r.remaining} entries still to send ({r.state})"
+        else:
+            why = f"{r.state or 'not started'}: {r.reason or 'no progress'}"
+        out.append(f"{r.session}: {why}")
+    return out

@@ -55,6 +55,7 @@ class SinkWriters(Generic[Job]):
         self.deadline_s = deadline_s  # a call on a connection made here is cut past it (``timeouts.cap``)
         self._conns: dict[str, psycopg2.extensions.connection] = {}
         self._silent: dict[str, tuple[float, str]] = {}  # site -> since when it is taken as silent, why
+        self.on_silent: Callable[[str, str], None] | None = None  # told of a site taken as silent, and why
         self._pool = ThreadPoolExecutor(MAX_WRITERS, thread_name_prefix=f"lr-sink-writer-{name}")
         self._flight: dict[str, Future[Outcomes[Job]]] = {}  # site -> its write the stream left running
         self._landed: Outcomes[Job] = []  # what writes waited for by ``conn`` did, for ``collect``
@@ -89,9 +90,14 @@ class SinkWriters(Generic[Job]):
                 conn = self._conns[site] = cap(self.connect(site), self.deadline_s)
             except SiteUnreachableError as exc:
                 if reach.silent(one_line(exc), 0.0, None):  # waited out its connect timeout: silent
-                    self._silent[site] = (time.monotonic(), "a connect timed out")
+                    self._taken_silent(site, "a connect timed out")
                 raise
         return conn
+
+    def _taken_silent(self, site: str, why: str) -> None:
+        self._silent[site] = (time.monotonic(), why)
+        if self.on_silent is not None:  # the replicator's members give its sessions to one that reaches it
+            self.on_silent(site, why)
 
     def drop(self, site: str, cause: BaseException | None = None) -> None:
         """Close ``site``'s connection (a lost server): the next use makes a new one. One whose call
@@ -121,8 +127,8 @@ class SinkWriters(Generic[Job]):
         conn = self._conns.pop(site, None)
         if conn is None:
             return
-        if getattr(conn, "was_cut", False):
-            self._silent.setdefault(site, (time.monotonic(), f"a call gave no answer within {conn.cut_after_s:g} s"))
+        if getattr(conn, "was_cut", False) and site not in self._silent:
+            self._taken_silent(site, f"a call gave no answer within {conn.cut_after_s:g} s")
         if not conn.closed:
             conn.close()
 

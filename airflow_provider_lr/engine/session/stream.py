@@ -256,6 +256,8 @@ class Streamer:
                 ended.put(StreamEnd(str(key), "failed", error=failure(exc)))
                 return
             self.sources[key.source] = source_stream
+            unreached = getattr(self.cycles, "unreached", None)  # a sink it finds silent is said as a member
+            source_stream.sinks.on_silent = unreached.failed if unreached is not None else None
             source_stream.start(halt)
         streams[key] = source_stream
         self.streaming.add(key)

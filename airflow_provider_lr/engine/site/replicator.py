@@ -33,14 +33,15 @@ from airflow_provider_lr.engine.errors import (
 from airflow_provider_lr.engine.session import catchup, nearest_copy
 from airflow_provider_lr.engine.session.lease import Lease, new_owner_id
 from airflow_provider_lr.engine.session.membership import Membership
-from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, record_error
+from airflow_provider_lr.engine.session.runner import CycleReport, SessionRunner, record_error, settled
 from airflow_provider_lr.engine.session.settings import SessionSettings
+from airflow_provider_lr.engine.session.unreached import Unreached
 from airflow_provider_lr.engine.site.topology import runs_somewhere
 from airflow_provider_lr.engine.source.backlog import log_entry_backlog, session_backlogs
 from airflow_provider_lr.engine.source.full_sync import Provider, load_provider
 from airflow_provider_lr.engine.store import source_sessions
 from airflow_provider_lr.engine.store.topology import Topology, reread
-from airflow_provider_lr.engine.vocabulary import SessionKey, SessionState
+from airflow_provider_lr.engine.vocabulary import SessionKey
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,9 @@ class Replicator:
         self._no_tee: set[str] = set()  # sources whose sites' DSNs do not resolve (no tee for them)
         self._tee_notes = RepeatedErrors()  # why the tee of a source is not used, said once
         self.membership: Membership | None = None
+        self.unreached = Unreached(connect, shared=membership)  # the sites it is cut off from, said as a member
         if membership:
-            self.membership = Membership(connect, self._given, self.owner, self.settings)
+            self.membership = Membership(connect, self._given, self.owner, self.settings, self.unreached)
             self.membership.start()
             self._working = self.membership.assigned()
 
@@ -204,6 +206,10 @@ class Replicator:
         call deadline of 145 s), one after the other, and every session cycling after them
         (a healthy one handed back by its stream for a full sync) waited for all of it."""
         self._used[site] = time.monotonic()
+        cut = self.unreached.why(site)  # (as a member: its sessions go to one that reaches it)
+        if cut is not None:
+            self._drop(site)
+            raise SiteUnreachableError(f"site {site!r} cannot be reached from here ({cut}); probed again every 5 s")
         if site in self._silent:
             raise SiteUnreachableError(
                 f"site {site!r} did not answer earlier in this cycle ({self._silent[site]}); "
@@ -216,6 +222,7 @@ class Replicator:
             except SiteUnreachableError as exc:
                 if reach.silent(str(exc), 0.0, None):  # waited on a silent server, not one refused at once
                     self._silent[site] = one_line(exc)
+                    self.unreached.failed(site, self._silent[site])
                 raise
             self._made[site] = time.monotonic()
         return conn
@@ -367,6 +374,7 @@ class Replicator:
                 continue
             if getattr(conn, "was_cut", False):  # a call it never answered: not waited for again this turn
                 self._silent.setdefault(site, one_line(error))
+                self.unreached.failed(site, self._silent[site])
             if isinstance(exc, (psycopg2.OperationalError, psycopg2.InterfaceError)) or conn.closed:
                 self._drop(site)
             else:
@@ -436,7 +444,7 @@ class Replicator:
             busy = any(not r.idle for r in reports)
             if busy:
                 last_progress = time.monotonic()
-            if until_idle and not busy and all(_settled(r) for r in reports):
+            if until_idle and not busy and all(settled(r) for r in reports):
                 break
             self.stalled_for = time.monotonic() - last_progress
             if until_idle and give_up_after is not None and self.stalled_for > give_up_after:
@@ -456,6 +464,7 @@ class Replicator:
     def close(self) -> None:
         """Release the leases, close the connections and, as a member, leave (the others take over
         at their next heartbeat)."""
+        self.unreached.close()
         if self.membership is not None:
             self.membership.quiet()  # no heartbeat begun while the leases go
         for runner in self._runners.values():
@@ -466,31 +475,6 @@ class Replicator:
             self._drop(site)
         if self.membership is not None:
             self.membership.leave()
-
-
-def _settled(report: CycleReport) -> bool:
-    """Nothing more will happen without new input: in log-entry sync with nothing remaining."""
-    return report.state == SessionState.IN_LOG_ENTRY_SYNC and report.remaining == 0 and not report.error
-
-
-def unsettled(reports: list[CycleReport]) -> list[str]:
-    """Why each session of a cycle is not settled ("session: why"), for a summary."""
-    out = []
-    for r in reports:
-        if _settled(r):
-            continue
-        if r.error:
-            why = f"failing: {r.error}"
-        elif r.skipped:
-            why = r.skipped
-        elif r.waiting:
-            why = r.reason
-        elif r.remaining:
-            why = f"{r.remaining} entries still to send ({r.state})"
-        else:
-            why = f"{r.state or 'not started'}: {r.reason or 'no progress'}"
-        out.append(f"{r.session}: {why}")
-    return out
 
 
 def run_until_idle(replicator: Replicator, max_cycles: int = 50, interval: float = 0.05) -> list[CycleReport]:

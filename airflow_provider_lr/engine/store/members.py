@@ -39,6 +39,7 @@ class Member:
     owner: str
     joined_at: datetime
     heartbeat_age_s: float  # seconds since its last heartbeat
+    unreached: tuple[str, ...] = ()  # the sites it cannot reach now (V0051; read when asked)
 
 
 def dead_member(owner: str) -> str:
@@ -68,22 +69,32 @@ def join(cur: psycopg2.extensions.cursor, owner: str, dead_after: float) -> int:
     return key
 
 
-def beat(cur: psycopg2.extensions.cursor, owner: str, key: int) -> bool:
-    """Move the member's heartbeat; False when its row is gone or names another key (it was found
-    dead and forgotten, or its lock connection was replaced): the member must join again."""
-    cur.execute(
-        "UPDATE lr.replicator_members SET heartbeat_at = now() WHERE owner = %s AND lock_key = %s", (owner, key)
-    )
+def beat(cur: psycopg2.extensions.cursor, owner: str, key: int, unreached: list[str] | None = None) -> bool:
+    """Move the member's heartbeat, and say the sites it cannot reach now (``unreached``, on a site
+    at V0051 or later; None leaves them); False when its row is gone or names another key (it was
+    found dead and forgotten, or its lock connection was replaced): the member must join again."""
+    if unreached is None:
+        cur.execute(
+            "UPDATE lr.replicator_members SET heartbeat_at = now() WHERE owner = %s AND lock_key = %s", (owner, key)
+        )
+    else:
+        cur.execute(
+            "UPDATE lr.replicator_members SET heartbeat_at = now(), unreached = %s::text[] "
+            "WHERE owner = %s AND lock_key = %s",
+            (unreached, owner, key),
+        )
     return cur.rowcount > 0
 
 
-def live(cur: psycopg2.extensions.cursor) -> list[Member]:
-    """The live members, by owner (the same order for every member that reads them)."""
+def live(cur: psycopg2.extensions.cursor, with_unreached: bool = False) -> list[Member]:
+    """The live members, by owner (the same order for every member that reads them); with the sites
+    each cannot reach when asked (a site at V0051 or later)."""
     cur.execute(
-        "SELECT m.owner, m.joined_at, round(extract(epoch FROM greatest(now(), m.heartbeat_at) - m.heartbeat_at)::numeric, 2)::float8 "
-        f"FROM lr.replicator_members m WHERE {_ALIVE} ORDER BY m.owner"
+        "SELECT m.owner, m.joined_at, round(extract(epoch FROM greatest(now(), m.heartbeat_at) - m.heartbeat_at)::numeric, 2)::float8"
+        + (", m.unreached " if with_unreached else " ")
+        + f"FROM lr.replicator_members m WHERE {_ALIVE} ORDER BY m.owner"
     )
-    return [Member(*row) for row in cur.fetchall()]
+    return [Member(row[0], row[1], row[2], tuple(row[3]) if with_unreached else ()) for row in cur.fetchall()]
 
 
 def registered(cur: psycopg2.extensions.cursor) -> dict[str, bool]:

@@ -140,3 +140,21 @@ def test_one_member_more_on_a_source_of_24_sessions_moves_little():
     four = assign(keys, everywhere(keys, members(4)))
     assert sorted(len(v) for v in four.values()) == [6, 6, 6, 6]
     assert moved(three, four) == 7
+
+
+def test_a_member_cut_off_from_a_sink_gives_that_sinks_sessions_to_a_member_that_reaches_it():
+    """A member says it cannot reach site-x (a stalled link): every session to site-x goes to a member
+    that reaches it, the other sessions stay where they were; when every member is cut off from it,
+    the share stands (someone keeps trying and reporting)."""
+    sessions = [SessionKey("site-a", sink, f"c{i}") for sink in ("site-x", "site-y") for i in range(6)]
+    members = {"site-a": ["m1", "m2", "m3"]}
+    before = assign(sessions, members)
+    after = assign(sessions, members, {"site-a": {"m1": ("site-x",)}})
+    assert not [k for k in after["m1"] if k.sink == "site-x"]
+    assert sorted(k for ks in after.values() for k in ks) == sorted(sessions)
+    moved = {k for k in before["m1"] if k.sink == "site-x"}
+    assert moved and all((k in after["m2"] or k in after["m3"]) for k in moved)
+    assert all(k in after[m] for m, ks in before.items() for k in ks if k not in moved)
+    everyone = {"site-a": {m: ("site-x",) for m in ("m1", "m2", "m3")}}
+    assert assign(sessions, members, everyone) == before
+    assert assign(sessions, members, {"site-b": {"m1": ("site-x",)}}) == before  # said at another source
