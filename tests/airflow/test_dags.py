@@ -93,6 +93,18 @@ def test_failover_form_requires_the_site_to_promote_and_not_the_clients(dagbag):
     assert dagbag.dags["lr_rejoin"].params.get_param("site").schema["type"] == "string"
 
 
+def test_every_field_of_every_form_has_a_title_and_says_what_it_does(dagbag):
+    """The trigger form shows each param's title and description: lr_failover's Reason had none (the
+    CLI's --reason says where it is recorded), so the operator could not tell what it is for."""
+    lacking = [
+        f"{dag_id}.{name}"
+        for dag_id, dag in sorted(dagbag.dags.items())
+        for name in dag.params
+        if not (dag.params.get_param(name).schema.get("title") and dag.params.get_param(name).description)
+    ]
+    assert not lacking, f"form fields without a title or a description: {lacking}"
+
+
 def test_full_sync_form_refuses_an_unknown_sink(dagbag):
     from airflow.sdk.exceptions import ParamValidationError
 
