@@ -15,7 +15,7 @@ from airflow_provider_lr.engine.db.explained import failure
 from airflow_provider_lr.engine.source.backlog import delivery_target
 from airflow_provider_lr.engine.source.full_sync import Outcome
 from airflow_provider_lr.hooks.site import ConnectionMissing
-from airflow_provider_lr.operators.common import load_topology, refusals_final, refuse, site_connection
+from airflow_provider_lr.operators.common import final_refusals, load_topology, refuse, site_connection
 from airflow_provider_lr.operators.snapshot_sync import GRACE
 from airflow_provider_lr.triggers.session import (
     LRDeliveredTrigger,
@@ -44,7 +44,7 @@ class _LRSensor(BaseSensorOperator):
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("poke_interval", poll_interval)
-        kwargs.setdefault("retry_policy", refusals_final())  # a connection not defined: failed at once
+        final_refusals(kwargs)  # a connection not defined: failed at once
         super().__init__(**kwargs)
         self.source, self.topology_path, self.deferrable = source, topology_path, deferrable
         self.poll_interval, self.max_poll_interval = poll_interval, max_poll_interval
