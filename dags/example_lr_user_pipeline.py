@@ -37,7 +37,14 @@ SINKS = sorted({k.sink for k in _topology.sessions(source=SOURCE) if k.client ==
     tags=["lr", "example"],
     doc_md=__doc__,
     params={
-        "orders": Param(3, type="integer", minimum=1, maximum=10_000, title="Orders to record"),
+        "orders": Param(
+            3,
+            type="integer",
+            minimum=1,
+            maximum=10_000,
+            title="Orders to record",
+            description=f"Rows written to example_orders at {SOURCE}, one payload each, in one transaction",
+        ),
         "destinations": Param(
             SINKS,
             type="array",
@@ -45,7 +52,13 @@ SINKS = sorted({k.sink for k in _topology.sessions(source=SOURCE) if k.client ==
             title="Destinations",
             description=f"Sinks of {SOURCE} for client {CLIENT} that must have the orders",
         ),
-        "min_regions": Param(2, type="integer", minimum=1, title="Durable in at least this many regions"),
+        "min_regions": Param(
+            2,
+            type="integer",
+            minimum=1,
+            title="Durable in at least this many regions",
+            description="The announce waits until the orders are stored in this many distinct regions, the source's too",
+        ),
     },
 )
 def example_lr_user_pipeline() -> None:

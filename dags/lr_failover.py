@@ -60,7 +60,10 @@ SITES = sorted(_topology.sites) if _topology else []
             title="Clients",
             description="Empty: every client the promoted site receives from the old source",
         ),
-        "reason": reason_param("failover from the Airflow UI"),
+        "reason": reason_param(
+            "failover from the Airflow UI",
+            description="Recorded with the full-sync requests it makes (lr status shows it)",
+        ),
         "same_destinations": Param(
             False,
             type="boolean",

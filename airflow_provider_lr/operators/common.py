@@ -242,6 +242,15 @@ def refusals_final() -> Any:
     )
 
 
+def final_refusals(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with ``refusals_final`` as their retry policy unless one is given. Not ``setdefault``:
+    ``.partial()`` passes ``retry_policy=None`` to a mapped task's operator, so a mapped shard or
+    session step (lr_streaming's ``stream``) retried a refusal as often as its ``retries`` said."""
+    if kwargs.get("retry_policy") is None:
+        kwargs["retry_policy"] = refusals_final()
+    return kwargs
+
+
 @contextlib.contextmanager
 def finals_refused(log: logging.Logger | Any, step: str, where: str = "") -> Iterator[None]:
     """The failures no retry mends, refused for good (``FinalRefusal``, under ``refusals_final``):

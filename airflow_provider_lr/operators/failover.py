@@ -11,7 +11,7 @@ from airflow_provider_lr.engine.errors import ConfigurationError
 from airflow_provider_lr.engine.site import failover
 from airflow_provider_lr.engine.store.topology import Topology, failover_files, write_document
 from airflow_provider_lr.hooks.site import LRSiteHook
-from airflow_provider_lr.operators.common import load_topology, refusals_final, refusals_said
+from airflow_provider_lr.operators.common import final_refusals, load_topology, refusals_said
 
 
 class LRFailoverOperator(BaseOperator):
@@ -46,7 +46,7 @@ class LRFailoverOperator(BaseOperator):
         allow_table_divergence: bool | str = False,
         **kwargs: Any,
     ) -> None:
-        kwargs.setdefault("retry_policy", refusals_final())  # a login without lr's grant: failed at once
+        final_refusals(kwargs)  # a login without lr's grant: failed at once
         super().__init__(**kwargs)
         self.promote, self.rejoin, self.from_site, self.clients = promote, rejoin, from_site, clients
         self.reason, self.same_destinations, self.planned = reason, same_destinations, planned

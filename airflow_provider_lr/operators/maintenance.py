@@ -13,14 +13,14 @@ from airflow.sdk import BaseOperator
 from airflow_provider_lr.engine.session import runner
 from airflow_provider_lr.engine.site import queue_report, status_parts
 from airflow_provider_lr.engine.source import trim
-from airflow_provider_lr.operators.common import finals_refused, refusals_final, site_connection
+from airflow_provider_lr.operators.common import final_refusals, finals_refused, site_connection
 
 
 class _SiteOperator(BaseOperator):
     template_fields: Sequence[str] = ("site",)
 
     def __init__(self, *, site: dict[str, str], **kwargs: Any) -> None:
-        kwargs.setdefault("retry_policy", refusals_final())  # a login without lr's grant: failed at once
+        final_refusals(kwargs)  # a login without lr's grant: failed at once
         super().__init__(**kwargs)
         self.site = site
 

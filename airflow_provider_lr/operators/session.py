@@ -37,8 +37,8 @@ from airflow_provider_lr.operators import telemetry
 from airflow_provider_lr.operators.common import (
     SNAPSHOT_TRANSFER_JOB,
     TABLE_SNAPSHOT_JOB,
+    final_refusals,
     load_topology,
-    refusals_final,
     refusals_said,
     refuse,
     session_dict,
@@ -132,7 +132,7 @@ class SessionStepOperator(BaseOperator):
         spark_conn_id: str | None = None,
         **kwargs: Any,
     ) -> None:
-        kwargs.setdefault("retry_policy", refusals_final())
+        final_refusals(kwargs)
         super().__init__(**kwargs)
         self.session, self.decision, self.topology_path = session, decision, topology_path
         self.spark_conn_id = spark_conn_id
@@ -350,7 +350,7 @@ class LRRunCheckOperator(BaseOperator):
         trigger_rule: str = TriggerRule.ALL_DONE,
         **kwargs: Any,
     ) -> None:
-        kwargs.setdefault("retry_policy", refusals_final())  # the verdict: a retry changes nothing
+        final_refusals(kwargs)  # the verdict: a retry changes nothing
         super().__init__(trigger_rule=trigger_rule, **kwargs)
         self.sessions, self.session_tasks, self.report_task_id = sessions, tuple(session_tasks), report_task_id
         self.full_sync_requests = full_sync_requests

@@ -34,7 +34,7 @@ from airflow_provider_lr.engine.store.topology import Topology
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.operators import telemetry
-from airflow_provider_lr.operators.common import check_topology, load_topology, refusals_final, refuse
+from airflow_provider_lr.operators.common import check_topology, final_refusals, load_topology, refuse
 
 DEFAULT_REPORT_EVERY = 30.0
 MAX_RUN_FOR = 7 * 86_400  # seconds; more is a typo (past ~292 years the end timer died and the task never ended)
@@ -130,7 +130,7 @@ class LRStreamOperator(BaseOperator):
         report_every: float | str = DEFAULT_REPORT_EVERY,
         **kwargs: Any,
     ) -> None:
-        kwargs.setdefault("retry_policy", refusals_final())  # a stale file, a shard's settings: no retry
+        final_refusals(kwargs)  # a stale file, a shard's settings: no retry
         super().__init__(**kwargs)
         self.run_for, self.source, self.sessions, self.shard = run_for, source, sessions, shard
         self.interval, self.topology_path = interval, topology_path

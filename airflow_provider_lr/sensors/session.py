@@ -13,9 +13,9 @@ from airflow.sdk.exceptions import AirflowException, AirflowSensorTimeout
 from airflow_provider_lr.engine.source.backlog import delivery_target
 from airflow_provider_lr.engine.source.full_sync import Outcome
 from airflow_provider_lr.operators.common import (
+    final_refusals,
     finals_refused,
     load_topology,
-    refusals_final,
     site_conn_id,
     site_connection,
 )
@@ -48,7 +48,7 @@ class _LRSensor(BaseSensorOperator):
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("poke_interval", poll_interval)
-        kwargs.setdefault("retry_policy", refusals_final())  # a connection not defined: failed at once
+        final_refusals(kwargs)  # a connection not defined: failed at once
         super().__init__(**kwargs)
         self.source, self.topology_path, self.deferrable = source, topology_path, deferrable
         self.poll_interval, self.max_poll_interval = poll_interval, max_poll_interval

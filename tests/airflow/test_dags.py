@@ -93,6 +93,46 @@ def test_failover_form_requires_the_site_to_promote_and_not_the_clients(dagbag):
     assert dagbag.dags["lr_rejoin"].params.get_param("site").schema["type"] == "string"
 
 
+def test_a_mapped_shard_or_session_step_fails_a_refusal_at_once_as_an_unmapped_one_does(dagbag):
+    """lr_streaming's ``stream`` shards (and the session steps mapped per session) fail a refusal no
+    retry mends (a topology file from before a failover) at once. ``.partial()`` gave their operators
+    ``retry_policy=None``, which ``setdefault`` kept: a stale file's shard was refused four times
+    (its three retries), 10 s apart, run after run."""
+    from airflow.sdk.definitions.mappedoperator import MappedOperator
+
+    from airflow_provider_lr.operators.session import SessionStepOperator
+    from airflow_provider_lr.operators.stream import LRStreamOperator
+
+    refusing = (LRStreamOperator, SessionStepOperator)  # the operators whose refusals are final
+    SESSION = {"source": "site-a", "sink": "site-b", "client": "policy"}
+    mapped = {
+        f"{dag_id}.{task.task_id}": task
+        for dag_id, dag in sorted(dagbag.dags.items())
+        for task in dag.tasks
+        if isinstance(task, MappedOperator) and issubclass(task.operator_class, refusing)
+    }
+    assert "lr_streaming.stream" in mapped and "lr_full_sync.snapshot_sync" in mapped, sorted(mapped)
+
+    def unmapped(task):  # as a worker builds one instance
+        one = {"shard": "site-a"} if issubclass(task.operator_class, LRStreamOperator) else {"session": SESSION}
+        return task.unmap(one)
+
+    retrying = [name for name, task in mapped.items() if unmapped(task).retry_policy is None]
+    assert not retrying, f"mapped tasks that retry a final refusal: {retrying}"
+
+
+def test_every_field_of_every_form_has_a_title_and_says_what_it_does(dagbag):
+    """The trigger form shows each param's title and description: lr_failover's Reason had none (the
+    CLI's --reason says where it is recorded), so the operator could not tell what it is for."""
+    lacking = [
+        f"{dag_id}.{name}"
+        for dag_id, dag in sorted(dagbag.dags.items())
+        for name in dag.params
+        if not (dag.params.get_param(name).schema.get("title") and dag.params.get_param(name).description)
+    ]
+    assert not lacking, f"form fields without a title or a description: {lacking}"
+
+
 def test_full_sync_form_refuses_an_unknown_sink(dagbag):
     from airflow.sdk.exceptions import ParamValidationError
 

@@ -345,8 +345,9 @@ def render(
     }
     for t in status.tables:
         if t["role"] == "registry":
-            if t["source"] and (t["source"], t["table"]) in received and t["table_id"] is None and not t["closed_here"]:
-                continue  # a table this sink takes (not federated onward from here): its session's line says it all
+            taken = t["federated"] and t["table_id"] is None and not t["closed_here"]  # not federated onward from here
+            if t["source"] and (t["source"], t["table"]) in received and taken:
+                continue  # a table this sink takes: its session's line says it all (one it keeps out of: not)
             if (status.site_id, t["table"]) in closed:
                 flag = "closed (captured no more; its sinks keep their copy, no longer updated)"
             elif t["federated"] and (t["source"], t["table"]) in closed:  # no synced row: a full sync passed it

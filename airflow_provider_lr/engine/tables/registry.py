@@ -31,7 +31,7 @@ from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.db.local_settings import on_callers_connection
 from airflow_provider_lr.engine.errors import TableError
 from airflow_provider_lr.engine.source import closed_tables, moved
-from airflow_provider_lr.engine.tables import closed_notes
+from airflow_provider_lr.engine.tables import closed_notes, sink
 from airflow_provider_lr.engine.tables.capturable import (
     not_capturable,
     unread_held_keys,
@@ -156,6 +156,7 @@ def open_table(conn: psycopg2.extensions.connection, name: str, client: str, fed
                 result = federate(cur, table, client, current)
             else:
                 stop_capture(cur, table)
+                sink.keep_out(cur, table)
                 if current is not None and current.table_id is not None:
                     _note_closed(conn, cur, table)
                 cur.execute(

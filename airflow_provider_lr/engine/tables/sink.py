@@ -116,6 +116,20 @@ def record(
     )
 
 
+KEPT_OUT = "opened on this sink with is_federated = false: its data is not applied here"
+
+
+def keep_out(cur: psycopg2.extensions.cursor, table: TableName) -> None:
+    """This site opened ``table`` as not federated: the copies it holds from sources take nothing more
+    (state ``conflict``, its rows kept, its own now), as one it never had would take nothing. Before,
+    a copy taken before the sink kept out stayed ``synced`` and took every later change."""
+    cur.execute(
+        "UPDATE lr.sink_tables SET state = %s, run_id = NULL, detail = %s, updated_at = now() "
+        "WHERE table_name = %s AND state IN (%s, %s)",
+        (TableState.CONFLICT, KEPT_OUT, str(table), TableState.SYNCING, TableState.SYNCED),
+    )
+
+
 def forget_session(
     cur: psycopg2.extensions.cursor, source: str, client: str, whole: Mapping[str, int] | None = None
 ) -> None:

@@ -435,7 +435,7 @@ class TableSnapshot:
                 run_id=None,
                 split_snapshot=None,
                 split_upto=None,
-                detail="opened on this sink with is_federated = false: its data is not applied here",
+                detail=sink_tables.KEPT_OUT,
             )
             log.warning("%s: %s is not federated on the sink; its data is dropped there", where, table.table)
             self.report.tables[f"{side.key}:{table.table}"] = TableState.CONFLICT

@@ -179,6 +179,29 @@ def test_a_sink_that_opened_the_table_as_not_federated_keeps_out_and_shows_the_c
     assert "not federated (its data from sources is dropped here)" in shown
 
 
+def test_a_sink_holding_a_copy_that_opens_the_table_as_not_federated_keeps_out_from_then_on(lr_sites):
+    """docs/tables.md's example, in its order: the table opened at the source, then kept out at a sink
+    (``lr tables open ... --no-federated --site site-c``). With a replicator running, that sink holds
+    its copy by then; before, the copy stayed ``synced`` and every later change was applied there,
+    though the sink had said it keeps out (and ``lr status`` said synced)."""
+    source, refusing, taking = lr_sites
+    topo = apply(lr_sites)
+    create_accounts(source, rows=10)
+    federate(source)
+    repl = replicator(topo, lr_sites)
+    sync(repl)
+    assert rows(refusing) == rows(source)  # the copy, taken before the sink keeps out
+    federate(refusing, federated=False)
+    source.query("UPDATE public.accounts SET owner = 'changed' WHERE id < 5")
+    sync(repl)
+    assert rows(taking) == rows(source)
+    assert refusing.query("SELECT count(*) FROM public.accounts WHERE owner = 'changed'") == [(0,)]  # kept out
+    assert refusing.query("SELECT count(*) FROM public.accounts") == [(10,)]  # its rows kept, its own now
+    shown = status_text(refusing)
+    assert "conflict from site-a->site-b/policy" in shown, shown
+    assert "not federated (its data from sources is dropped here)" in shown
+
+
 def test_a_table_the_sink_never_opened_is_created_registered_and_applied(lr_sites):
     source, sink, _ = lr_sites
     topo = apply(lr_sites)
