@@ -7,7 +7,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -31,7 +30,6 @@ from airflow_provider_lr.engine.db.timeouts import DEADLINES
 from airflow_provider_lr.engine.errors import (
     LRError,
     RepeatedErrors,
-    TopologyMismatchError,
     listing,
     one_line,
     still_failing,
@@ -39,6 +37,7 @@ from airflow_provider_lr.engine.errors import (
 from airflow_provider_lr.engine.session import stream
 from airflow_provider_lr.engine.session.runner import CycleReport, unsettled
 from airflow_provider_lr.engine.site import metrics, replicator, topology
+from airflow_provider_lr.engine.site.stale_topology import StaleWatch, sync_check
 from airflow_provider_lr.engine.source import trim
 from airflow_provider_lr.engine.store import topology as topologies
 
@@ -100,81 +99,8 @@ def cycle_line(r: CycleReport) -> str:
     return line + (f" ERROR {r.error}" + (f" ({one_line(r.reason)})" if r.reason else "") if r.error else "")
 
 
-def _check_sync(topo: topologies.Topology) -> str | None:
-    """``lr sync`` from a file no reachable site runs is refused outright (a stale file, an edited
-    one not applied). When only some sites run another topology (a site a failover could not
-    reach, before ``lr failover --rejoin``), that is returned to be said once, and the sessions on
-    those sites are refused cycle by cycle (each one's error names the file), while the others replicate."""
-    sites = {site for key in topo.sessions() for site in (key.source, key.sink)}
-    recorded = topology.recorded_ids(topo, connector(topo), sites)
-    stale = topology.explained(topologies.unheld(topo, recorded), connector(topo))
-    if stale is not None:
-        raise TopologyMismatchError(stale.message())
-    behind = topology.explained(topologies.drift(topo, recorded), connector(topo))  # a failover's old source: rejoined
-    return f"lr sync: {behind.message()}; their sessions are refused" if behind is not None else None
-
-
-STALE_CHECK_EVERY = 1.0  # seconds: a running lr sync's sites checked again at most this often (on a refusal)
-STALE_FOR = 10.0  # seconds: a running lr sync stops once its topology has stayed stale this long
-
-
-class StaleWatch:
-    """A running ``lr sync`` whose file a failover (or an apply of another file) made stale refused
-    every session cycle after cycle, retrying every 5 s forever with the advice to point --topology
-    at the new file. Now a refused cycle runs the start's check again (at most every
-    ``STALE_CHECK_EVERY``) on the topology the run works (``repl.topology``, which follows its file
-    once some site runs it): when no reachable site has run it, nor the file as it is now, for
-    ``STALE_FOR`` (in a row: a session that gets past the handshake's check ends the spell), the
-    run stops and exits as it would have at its start (``error``); when only some do, it is said
-    once and the others' sessions go on.
-
-    Two false alarms it raised: it checked the file as it is now alone, so while an operator's edit
-    waited for ``lr topology apply``, a session refused for another reason (no such session at its
-    source) stopped the run as if its file were stale; and it stopped at the first stale check, so
-    a switchover whose ``--out`` was the file ``lr sync`` follows stopped it (exit 1) in the moment
-    between the sites taking the new topology and the failover writing it (it writes it last)."""
-
-    def __init__(self, repl: replicator.Replicator, stop: threading.Event, said: str | None) -> None:
-        """``said``: what the start said of sites behind the file (not said again)."""
-        self.repl, self.stop = repl, stop
-        self.error: TopologyMismatchError | None = None
-        self._said = said
-        self._checked = 0.0
-        self._stale_since: float | None = None  # the first of the stale checks in a row (monotonic)
-
-    def seen(self, reports: list[CycleReport]) -> None:
-        if any(r.skipped or r.decision not in ("", "refuse") for r in reports):
-            self._stale_since = None  # a session past the handshake's check: its source runs the topology
-        refused = any(r.decision == "refuse" and not r.state for r in reports)  # before negotiation: the file
-        if not refused or time.monotonic() - self._checked < STALE_CHECK_EVERY:
-            return
-        self._checked = time.monotonic()
-        try:
-            behind = self._check()
-        except TopologyMismatchError as exc:
-            self._stale_since = self._checked if self._stale_since is None else self._stale_since
-            if self._checked - self._stale_since >= STALE_FOR:
-                self.error = exc
-                self.stop.set()
-            return
-        except LRError:  # a site that cannot be read now: the cycles report it
-            return
-        self._stale_since = None
-        if behind is not None and behind != self._said:
-            print(behind, file=sys.stderr, flush=True)
-        self._said = behind
-
-    def _check(self) -> str | None:
-        """The start's check of the topology the run works; not stale when its file, as it is now,
-        runs somewhere (applied a moment ago: the replicator follows it at its next turn)."""
-        working = self.repl.topology
-        try:
-            return _check_sync(working)
-        except TopologyMismatchError:
-            now = topologies.reread(working)
-            if now.topology_config_id != working.topology_config_id and topology.runs_somewhere(now, connector(now)):
-                return None
-            raise
+def _say(behind: str) -> None:
+    print(f"lr sync: {behind}", file=sys.stderr, flush=True)
 
 
 def _replicated(args: argparse.Namespace, what: str) -> topologies.Topology:
@@ -244,16 +170,16 @@ def cmd_sync(args: argparse.Namespace) -> int:
         return connector(following[0].topology if following else topo)(site_id)
 
     try:
-        behind = _check_sync(topo)
+        behind = sync_check(topo, connector)
         if behind is not None:
-            print(behind, file=sys.stderr, flush=True)
+            _say(behind)
         repl = replicator.Replicator(
             topo, connect, log_failures=False, membership=not bounded, follow_file=not bounded, stop=stop
         )  # prints reports
     except KeyboardInterrupt:  # a second SIGTERM, or Ctrl-C, while starting: the members' lock goes with its connection
         return 1
     following.append(repl)
-    stale = StaleWatch(repl, stop, behind)
+    stale = StaleWatch(repl, stop, behind, connector, _say)
     skips: dict[str, str] = {}  # a session leased elsewhere is said once, and again when that changes
     failing = RepeatedErrors()  # a sink down for minutes is said once, then "still failing (N times)"
 

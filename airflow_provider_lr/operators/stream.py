@@ -179,6 +179,7 @@ class LRStreamOperator(BaseOperator):
     def execute(self, context: Any) -> dict[str, Any]:
         from airflow_provider_lr.engine.session.stream import Streamer
         from airflow_provider_lr.engine.site.replicator import Replicator
+        from airflow_provider_lr.engine.site.stale_topology import StaleWatch
 
         self._stop, self._stopped_by = threading.Event(), ""
         topo = load_topology(self.topology_path)
@@ -193,15 +194,19 @@ class LRStreamOperator(BaseOperator):
         seconds = self.seconds_to_stream(context)
         repl = Replicator(
             topo,
-            lambda site: LRSiteHook(lr_conn_id=topo.conn_id(site), timeouts=topo.timeouts).get_conninfo().connect(),
+            _connector(topo),
             sessions=sessions,
             stop=self._stop,  # the run's end or a kill pauses a full sync's transfer at its chunk too
         )
         streamer = Streamer(repl)
+        # a failover while it streams makes its file stale: every session refused until ``run_for``
+        # ended (600 s by default, 5 s apart); now the shard stops, as ``lr sync`` does, and fails
+        stale = StaleWatch(repl, self._stop, None, _connector, self.log.warning)
         delivered: Counter[str] = Counter()
         last: dict[str, Any] = {}
 
         def on_cycle(reports: list) -> None:
+            stale.seen(reports)
             for r in reports:
                 delivered[r.session] += r.delivered
                 last[r.session] = r
@@ -231,6 +236,8 @@ class LRStreamOperator(BaseOperator):
             timer.cancel()
             repl.close()
         streamed = time.monotonic() - started  # measured: a kill or a failure ends it before ``run_for``
+        if stale.error is not None:
+            self._stopped_by = self._stopped_by or "its topology file going stale"
         for end in streamer.ends:
             delivered[end.session] += end.delivered
         for session, n in delivered.items():
@@ -251,6 +258,8 @@ class LRStreamOperator(BaseOperator):
             "" if self._stopped_by == "run_for" else f" of {seconds:.0f} s planned (stopped by {self._stopped_by})",
             summary,
         )
+        if stale.error is not None:  # no retry mends it: the next run reads the file the sites run, or refuses
+            raise refuse(self.log, f"shard {self.shard_name}", f"stopped: {one_line(stale.error)}")
         if len(failing) == len(sessions):
             raise AirflowFailException(
                 f"shard {self.shard_name}: every session failed: {', '.join(f'{s}: {last[s].error}' for s in failing)}"
@@ -264,3 +273,8 @@ class LRStreamOperator(BaseOperator):
     def on_kill(self) -> None:
         """Stop streaming (the sessions hand their leases back on the way out)."""
         self._halt("on_kill")
+
+
+def _connector(topo: Topology) -> Any:
+    """Connects to a site of ``topo`` by id through its Airflow connection (what the engine's calls take)."""
+    return lambda site: LRSiteHook(lr_conn_id=topo.conn_id(site), timeouts=topo.timeouts).get_conninfo().connect()

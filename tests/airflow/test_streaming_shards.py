@@ -305,3 +305,46 @@ def test_two_shards_stream_at_the_same_time_in_two_task_processes(dagbag, airflo
     for sink in (sink_b, sink_c):
         assert [p for k, p in queue(sink, "site-a") if k == "log"] == [f"k{i}={i}" for i in range(20)]
     app.close()
+
+
+def test_a_shard_streaming_when_a_failover_makes_its_file_stale_stops_and_fails_for_good(airflow_sites, monkeypatch):
+    """The sites take another topology while a shard streams (a failover applied it, or an apply of
+    another file): its sessions are refused from then on. The shard stops once its topology has
+    stayed stale ``STALE_FOR`` and fails without a retry, naming the file, as ``lr sync`` stops.
+    Before, it retried its refused sessions every few seconds until its ``run_for`` ended (600 s by
+    default), run after run."""
+    from airflow_provider_lr import cli
+    from airflow_provider_lr.engine.site import stale_topology
+
+    monkeypatch.setattr(stale_topology, "STALE_FOR", 1.0)  # (10 s: the suite's time)
+    app = sessions_past_first_contact(airflow_sites)
+    op = LRStreamOperator(task_id="stream", source="site-a", run_for=120)
+    ended: dict = {}
+
+    def run() -> None:
+        try:
+            ended["summary"] = op.execute({})
+        except BaseException as exc:  # (FinalRefusal is a SystemExit)
+            ended["error"] = exc
+
+    streaming = threading.Thread(target=run, daemon=True)
+    streaming.start()
+    app.put("before", 1, ["site-b", "site-c"])
+    source = airflow_sites.sites[0]
+    deadline = time.monotonic() + 30
+    while source.query("SELECT count(*) FROM lr.source_sessions WHERE lease_owner IS NOT NULL") != [(2,)]:
+        assert time.monotonic() < deadline, "the shard never leased its sessions"
+        time.sleep(0.1)
+    other = airflow_sites.topology_path.parent / "moved.yaml"
+    doc = yaml.safe_load(airflow_sites.topology_path.read_text())
+    other.write_text(yaml.safe_dump({**doc, "settings": {**doc.get("settings", {}), "lease_seconds": 45}}))
+    started = time.monotonic()
+    assert cli.main(["topology", "apply", "--topology", str(other)]) == 0
+    streaming.join(60)
+    took = time.monotonic() - started
+    app.close()
+    assert not streaming.is_alive(), "the shard kept retrying its refused sessions"
+    error = ended.get("error")
+    assert isinstance(error, FinalRefusal), ended
+    assert re.search(r"shard site-a refused: stopped: .*topology", str(error)), str(error)
+    assert took < 40, took

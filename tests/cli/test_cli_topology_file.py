@@ -12,10 +12,9 @@ import yaml
 
 from airflow_provider_lr import cli
 from airflow_provider_lr.cli import full_sync as full_sync_cli
-from airflow_provider_lr.cli import replication
 from airflow_provider_lr.cli.common import connector
 from airflow_provider_lr.engine.errors import SiteUnreachableError
-from airflow_provider_lr.engine.site import failover, topology
+from airflow_provider_lr.engine.site import failover, stale_topology, topology
 from airflow_provider_lr.engine.store import topology as topologies
 from tests.cli.test_cli_sync import topology_file
 from tests.engine.site.test_failover import _connect
@@ -43,7 +42,7 @@ def test_after_a_failover_the_old_file_is_named_by_every_command(lr_sites, tmp_p
     site_a, site_b = lr_sites[:2]
     old, app = _replicating(lr_sites, tmp_path, monkeypatch)
     App(site_b).close()  # the new source's application (its table supplies its full syncs)
-    monkeypatch.setattr(replication, "STALE_FOR", 1.0)  # (10 s: the suite's time)
+    monkeypatch.setattr(stale_topology, "STALE_FOR", 1.0)  # (10 s: the suite's time)
     # an `lr sync` streams with the old file while the failover runs: it retried its refused
     # sessions every 5 s forever; now it stops as it refuses the file at its start
     running: list[int] = []
@@ -373,13 +372,13 @@ def test_a_running_lr_sync_is_stopped_as_stale_only_when_neither_its_topology_no
     stale one stops the run once it has stayed stale ``STALE_FOR``."""
     from airflow_provider_lr.engine.site.replicator import Replicator
 
-    monkeypatch.setattr(replication, "STALE_CHECK_EVERY", 0.0)
-    monkeypatch.setattr(replication, "STALE_FOR", 0.0)
+    monkeypatch.setattr(stale_topology, "STALE_CHECK_EVERY", 0.0)
+    monkeypatch.setattr(stale_topology, "STALE_FOR", 0.0)
     path, app = _replicating(lr_sites, tmp_path, monkeypatch)
     running = topologies.load(path)
     stop = threading.Event()
     repl = Replicator(running, connector(running), follow_file=True, stop=stop)
-    watch = replication.StaleWatch(repl, stop, None)
+    watch = stale_topology.StaleWatch(repl, stop, None, connector, print)
     doc = yaml.safe_load(Path(path).read_text())
     Path(path).write_text(yaml.safe_dump({**doc, "settings": {"lease_seconds": 30}}))  # edited, not applied
     lr_sites[0].query("DELETE FROM lr.source_sessions WHERE sink_site_id = 'site-b'")
@@ -405,7 +404,7 @@ def test_a_running_lr_sync_is_stopped_as_stale_only_when_neither_its_topology_no
     moved = tmp_path / "moved.yaml"
     moved.write_text(yaml.safe_dump({**doc, "settings": {"lease_seconds": 40}}))
     assert cli.main(["topology", "apply", "--topology", str(moved)]) == 0
-    monkeypatch.setattr(replication, "STALE_FOR", 0.5)
+    monkeypatch.setattr(stale_topology, "STALE_FOR", 0.5)
     watch.seen(refused)
     assert watch.error is None and not stop.is_set(), "stopped in the moment before the file is written"
     Path(path).write_text(moved.read_text())  # written: it runs
