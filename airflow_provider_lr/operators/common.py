@@ -251,19 +251,31 @@ def final_refusals(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+def refused_for_good(log: logging.Logger | Any, step: str, exc: BaseException, where: str = "") -> FinalRefusal | None:
+    """The failures no retry mends, as a ``FinalRefusal`` (its ERROR line said) to raise; None for
+    any other: an Airflow connection not defined, and a login without lr's grant (psycopg2's
+    ``InsufficientPrivilege``: ``failure`` names the role and the grant to give). The one rule of
+    lr's sensors and operators (``finals_refused``; the fan-out asks it of each session its plan
+    could not take up); ``where`` (``"source site-a: "``) prefixes the reason."""
+    if isinstance(exc, ConnectionMissing):  # waiting or retrying would not define it
+        return refuse(log, step, f"{where}{one_line(exc)}")
+    if isinstance(exc, psycopg2.errors.InsufficientPrivilege):  # a login without lr's grant
+        return refuse(log, step, f"{where}{without_statement(failure(exc))}")
+    return None
+
+
 @contextlib.contextmanager
 def finals_refused(log: logging.Logger | Any, step: str, where: str = "") -> Iterator[None]:
-    """The failures no retry mends, refused for good (``FinalRefusal``, under ``refusals_final``):
-    an Airflow connection not defined, and a login without lr's grant (psycopg2's
-    ``InsufficientPrivilege``: ``failure`` names the role and the grant to give). The one rule of
-    lr's sensors and operators; ``where`` (``"source site-a: "``) prefixes the reason. Before, an
-    operator's step failing on a privilege was retried as if transient, each retry the same."""
+    """The failures no retry mends (``refused_for_good``) refused for good (``FinalRefusal``, under
+    ``refusals_final``); any other passes. Before, an operator's step failing on a privilege was
+    retried as if transient, each retry the same."""
     try:
         yield
-    except ConnectionMissing as exc:  # waiting or retrying would not define it
-        raise refuse(log, step, f"{where}{one_line(exc)}") from None
-    except psycopg2.errors.InsufficientPrivilege as exc:  # a login without lr's grant: a retry changes nothing
-        raise refuse(log, step, f"{where}{without_statement(failure(exc))}") from None
+    except Exception as exc:
+        final = refused_for_good(log, step, exc, where)
+        if final is None:
+            raise
+        raise final from None
 
 
 @contextlib.contextmanager

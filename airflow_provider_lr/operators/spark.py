@@ -19,9 +19,11 @@ import os
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+from airflow.sdk.exceptions import AirflowException
 
 from airflow_provider_lr.engine.db.conninfo import CONNECTIONS_FILE_ENV
 from airflow_provider_lr.engine.errors import require_counts
@@ -97,10 +99,28 @@ class _LRSparkJobOperator(SparkSubmitOperator):
             self._hook = None  # build the hook with this run's arguments and environment
             try:
                 super().execute(context)
+            except AirflowException:  # spark-submit's exit code; the job's result says what failed, where
+                self.result = _read_result(result_file)
+                if self.result is None:  # it wrote none (killed, or failed to start): spark-submit's words
+                    raise
+                self._failed()
             finally:
                 os.unlink(conns_file)
             self.result = _read_result(result_file)
+        if self.result is not None and not self.result.get("ok"):
+            self._failed()
         return self.result
+
+    def _failed(self) -> NoReturn:
+        """Fail the task with the job's own words (one ERROR line: the job, and each session's error).
+        Before, the task said only spark-submit's ``Cannot execute: <command>. Error code is: 1``,
+        what failed left in the job's output above it."""
+        result = self.result or {}
+        errors = result.get("errors") or {}
+        why = result.get("error") or "; ".join(f"{where}: {error}" for where, error in sorted(errors.items()))
+        said = f"Spark job {Path(self.application).name} failed: {why or result}"
+        self.log.error("%s", said)
+        raise AirflowException(said) from None
 
 
 class LRSparkFanOutOperator(_LRSparkJobOperator):

@@ -72,12 +72,20 @@ from airflow_provider_lr.engine.bulk.plan import (
 )
 from airflow_provider_lr.engine.bulk.tee import tee_chunks
 from airflow_provider_lr.engine.db.conninfo import ConnInfo, connect_dsn
+from airflow_provider_lr.engine.db.explained import failure
 from airflow_provider_lr.engine.db.lifting import lift
 from airflow_provider_lr.engine.db.timeouts import Purpose
-from airflow_provider_lr.engine.errors import ConfigurationError, FencedError, error_line, one_line, require_counts
+from airflow_provider_lr.engine.errors import (
+    ConfigurationError,
+    FencedError,
+    TopologyMismatchError,
+    error_line,
+    one_line,
+    require_counts,
+)
 from airflow_provider_lr.engine.faults import FAULT_ENV
 from airflow_provider_lr.engine.session import lease as leases
-from airflow_provider_lr.engine.session.handshake import handshake
+from airflow_provider_lr.engine.session.handshake import Verdict, handshake
 from airflow_provider_lr.engine.session.lease_keeper import LeaseKeeper
 from airflow_provider_lr.engine.session.negotiation import Decision
 from airflow_provider_lr.engine.session.settings import SessionSettings
@@ -122,6 +130,9 @@ class FanoutDriver:
         self.src = self._connect(source)
         lift(self.src)  # its own: a session connection from ``connect`` too gets the bulk bounds
         self.leases: dict[str, leases.Lease] = {}
+        # why ``plan`` could not take a session up (its ``errors``), as raised: an adapter's rule of
+        # what no retry mends reads them (the operator's ``finals_refused``)
+        self.failures: dict[str, BaseException] = {}
         self._keeper: LeaseKeeper | None = None
 
     def plan(self, max_entries: int | None = None, partitions: int | None = None, tasks: int = 1) -> FanoutPlan:
@@ -131,13 +142,14 @@ class FanoutDriver:
         the sinks is dropped first."""
         require_counts(max_entries=max_entries, partitions=partitions, tasks=tasks)
         staged = tasks > 1
-        demands, skipped = [], {}
+        demands, skipped, errors = [], {}, {}
         for key in self.sessions:
             try:
                 demand = self._demand(key, staged)
-            except Exception as exc:  # one sink down must not stop the others
-                skipped[str(key)] = error_line(exc)
-                log.warning("fan-out of %s: session %s left out: %s", self.source, key, one_line(exc))
+            except Exception as exc:  # one sink down must not stop the others; the run is not ok
+                errors[str(key)], self.failures[str(key)] = failure(exc), exc
+                log.warning("fan-out of %s: session %s not delivered: %s", self.source, key, failure(exc))
+                self._let_go(str(key))
                 continue
             if isinstance(demand, str):
                 skipped[str(key)] = demand
@@ -160,6 +172,7 @@ class FanoutDriver:
             source_dsn=self._dsns[self.source],
             sink_dsns={d.sink: self._dsns[d.sink] for d in demands},
             skipped=skipped,
+            errors=errors,
             faults=os.environ.get(FAULT_ENV),
             staged=staged,
             timeouts=self.topology.timeouts,
@@ -174,12 +187,16 @@ class FanoutDriver:
         return replace(empty, lo=lo, end=end, barrier=barrier, ranges=ranges)
 
     def _demand(self, key: SessionKey, staged: bool = False) -> Demand | str:
-        """The session's demand, or why it is left out (lease held elsewhere, snapshot needed)."""
+        """The session's demand, or why it is left out (lease held elsewhere, snapshot needed: the
+        session cycle's to do). Raises what is wrong: a refused negotiation (``TopologyMismatchError``: the topology the sites run), a
+        grant missing, a schema too old, a site down."""
         sink_conn = self._connect(key.sink)
         try:
-            hs = handshake(self.src, sink_conn, key, self.owner, self.settings.lease_seconds)
-            if hs.lease is not None:
-                self.leases[str(key)] = hs.lease
+            hs = handshake(
+                self.src, sink_conn, key, self.owner, self.settings.lease_seconds, on_lease=partial(self._held, key)
+            )
+            if hs.verdict is Verdict.REFUSED:  # recorded on the source; a mismatch heals by no retry
+                raise TopologyMismatchError(hs.reason)
             why = hs.left_out(Decision.LOG_ENTRY_SYNC)
             if why is not None:
                 return why
@@ -204,6 +221,34 @@ class FanoutDriver:
             return Demand(key.source, key.sink, key.client, reader.client_id, reader.tag_id, hs.position)
         finally:
             sink_conn.close()
+
+    def _held(self, key: SessionKey, lease: leases.Lease | None) -> None:
+        """The handshake took (or moved) ``key``'s lease: released at ``close`` even if it then fails."""
+        if lease is not None:
+            self.leases[str(key)] = lease
+
+    def _let_go(self, session: str) -> None:
+        """Release at once the lease of a session ``plan`` could not take up: kept, it held every other
+        replicator off the session for the whole run and ``lease_seconds`` more. What the failure
+        left of a transaction on the source is rolled back first (aborted, it failed the next
+        sessions' handshakes as well, and the release)."""
+        if not self.src.closed:
+            try:
+                self.src.rollback()
+            except psycopg2.Error:
+                pass
+        lease = self.leases.pop(session, None)
+        if lease is None:
+            return
+        try:
+            self._on_source(partial(leases.release, lease=lease))
+        except Exception as exc:  # the source is down: the lease runs out on its own
+            log.warning("fan-out of %s: lease of %s not released: %s", self.source, session, one_line(exc))
+            if not self.src.closed:
+                try:
+                    self.src.rollback()
+                except psycopg2.Error:
+                    pass
 
     def _ranges(
         self, lo: int, barrier: int, max_entries: int | None, partitions: int | None, tasks: int = 1
@@ -262,6 +307,7 @@ class FanoutDriver:
             plan.source,
             plan.lo,
             plan.end,
+            errors=dict(plan.errors),
             skipped=dict(plan.skipped),
             blocked_by=list(plan.blocked_by),
             paused=paused,

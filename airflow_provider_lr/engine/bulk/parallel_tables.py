@@ -19,9 +19,9 @@ import psycopg2.extensions
 
 from airflow_provider_lr.engine.db.conninfo import ConnInfo, connect_dsn
 from airflow_provider_lr.engine.db.timeouts import Purpose, Timeouts
-from airflow_provider_lr.engine.errors import ConfigurationError, one_line
+from airflow_provider_lr.engine.errors import ConfigurationError, TopologyMismatchError, one_line
 from airflow_provider_lr.engine.session import lease as leases
-from airflow_provider_lr.engine.session.handshake import handshake
+from airflow_provider_lr.engine.session.handshake import Verdict, handshake
 from airflow_provider_lr.engine.session.lease_keeper import LeaseKeeper
 from airflow_provider_lr.engine.session.negotiation import Decision
 from airflow_provider_lr.engine.session.settings import SessionSettings
@@ -90,9 +90,16 @@ def run_table_snapshot(
         federated = registry.federated_tables(src, client)
         for key in keys:
             sink = connect_dsn(dsns[key.sink], Purpose.BULK, bounds)
-            hs = handshake(src, sink, key, owner, settings.lease_seconds)
+            try:
+                hs = handshake(src, sink, key, owner, settings.lease_seconds)
+            except BaseException:
+                sink.close()
+                raise
             if hs.lease is not None:
                 held.append(hs.lease)
+            if hs.verdict is Verdict.REFUSED:  # before: "skipped", and the job ok with no table written
+                sink.close()
+                raise TopologyMismatchError(f"session {key}: {hs.reason}")
             why = hs.left_out(Decision.LOG_ENTRY_SYNC, "its cycle snapshots the tables after it")
             lacking = [] if why else needed(src, sink, key, federated)
             if why or not lacking:

@@ -57,7 +57,11 @@ class FanoutPlan:
     ranges: tuple[PositionRange, ...]
     source_dsn: str = field(repr=False)
     sink_dsns: Mapping[str, str] = field(repr=False)
-    skipped: Mapping[str, str] = field(default_factory=dict)
+    skipped: Mapping[str, str] = field(default_factory=dict)  # not the fan-out's to do now (lease held, snapshot)
+    # sessions whose handshake failed (a grant missing, a schema too old, a refusal, a site down):
+    # not delivered, so the run is not ok (before, they were "skipped" and a task that delivered
+    # nothing succeeded)
+    errors: Mapping[str, str] = field(default_factory=dict)
     blocked_by: tuple[str, ...] = ()
     faults: str | None = field(default=None, repr=False)  # $LR_FAULT of the driver (tests)
     staged: bool = False  # chunks teed at once, staged and published in order (``bulk/staged_tee.py``)

@@ -1,0 +1,105 @@
+"""Failures of the Airflow fan-out are failures: a session the fan-out could not take up because of
+something that will not heal by itself (a login without lr's grants) fails the task for good, one
+ERROR line naming what, where and what to do; a session legitimately not the fan-out's to do now
+(another replicator holds it, it needs a snapshot) stays a skip."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import tempfile
+
+import pytest
+from airflow.sdk.exceptions import AirflowException
+
+from airflow_provider_lr.operators.common import FinalRefusal
+from airflow_provider_lr.operators.fanout import LRFanOutOperator
+from airflow_provider_lr.operators.spark import LRSparkFanOutOperator
+from tests.airflow.test_operators import _app_with_sinks_in_log_entry_sync
+from tests.engine.site.test_roles import Roles
+from tests.support.airflow_env import airflow_sites  # noqa: F401
+from tests.support.session import queue
+
+
+@pytest.fixture
+def made(airflow_sites):  # noqa: F811
+    found = Roles(airflow_sites.sites)
+    yield found
+    found.drop()
+
+
+def test_fan_out_as_a_login_without_lrs_grants_fails_for_good_and_delivers_nothing_silently(
+    airflow_sites,
+    made,
+    monkeypatch,
+    capfd,  # noqa: F811
+):
+    source, sink_b, _ = airflow_sites.sites
+    app = _app_with_sinks_in_log_entry_sync(source)
+    app.put("x", 1, ["site-b"])
+    writer = made.name("writer")
+    made.grant(source, "writer", writer, ["policy"])
+    conn = {**source.server.airflow_conn(source.dbname), "login": writer}
+    monkeypatch.setenv("AIRFLOW_CONN_LR_SITE_A", json.dumps(conn))  # the task's login: a writer, not a replicator
+    op = LRFanOutOperator(task_id="f", source="site-a")
+    capfd.readouterr()
+    with pytest.raises(FinalRefusal) as failed:  # before: ok True, the sessions under "skipped"
+        op.execute({})
+    said = str(failed.value)
+    assert said.startswith("fan-out of site-a refused: "), said
+    assert "site-a->site-b/policy" in said and "permission denied" in said, said
+    assert writer in said and "lr roles grant replicator" in said, said  # the role, and the grant to give it
+    errors = [line for line in "".join(capfd.readouterr()).splitlines() if "ERROR" in line or "error" in line[:80]]
+    assert any(said in line for line in errors), errors
+    decision = op.retry_policy.evaluate(failed.value, 1, 4) if op.retry_policy else None
+    assert decision is not None and decision.action.value == "fail"
+    assert [p for k, p in queue(sink_b, "site-a") if k == "log"] == []
+    app.close()
+
+
+def test_fan_out_with_a_sink_down_delivers_the_other_and_fails_to_be_retried(airflow_sites, monkeypatch):  # noqa: F811
+    source, sink_b, sink_c = airflow_sites.sites
+    app = _app_with_sinks_in_log_entry_sync(source)
+    app.put("x", 1, ["site-b", "site-c"])
+    with socket.socket() as probe:  # a port nothing listens on: site-c's server is down
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    conn = {**sink_c.server.airflow_conn(sink_c.dbname), "port": port}
+    monkeypatch.setenv("AIRFLOW_CONN_LR_SITE_C", json.dumps(conn))
+    op = LRFanOutOperator(task_id="f", source="site-a")
+    # retried (an AirflowException, not a FinalRefusal): the sink may be back by then
+    with pytest.raises(AirflowException) as failed:  # before: ok True, site-c "skipped"
+        op.execute({})
+    said = str(failed.value)
+    assert said.startswith("fan-out of site-a: sessions not delivered (tried again as the task's retries say): "), said
+    assert "site-a->site-c/policy: " in said and "cannot connect to site 'site-c'" in said, said
+    assert [p for k, p in queue(sink_b, "site-a") if k == "log"] == ["x=1"]  # the other sink delivered
+    app.close()
+
+
+@pytest.mark.slow
+def test_spark_fan_out_with_a_sink_on_another_topology_fails_naming_the_session_not_spark_submit(
+    airflow_sites,
+    monkeypatch,
+    tmp_path,  # noqa: F811
+):
+    source, sink_b, sink_c = airflow_sites.sites
+    app = _app_with_sinks_in_log_entry_sync(source)
+    app.put("x", 1, ["site-b", "site-c"])
+    sink_c.query("UPDATE lr.topology SET topology_config_id = 'other'")  # site-c set up elsewhere
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_LOCAL", json.dumps({"conn_type": "spark", "host": "local[1]"}))
+    monkeypatch.setenv("PATH", f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    op = LRSparkFanOutOperator(
+        task_id="fanout", source="site-a", conn_id="spark_local", tasks=1, conf={"spark.ui.enabled": "false"}
+    )
+    with pytest.raises(AirflowException) as failed:  # before: the job said ok, the session "skipped"
+        op.execute({})
+    said = str(failed.value)  # before (once the job failed): "Cannot execute: spark-submit ... Error code is: 1"
+    assert said.startswith("Spark job lr_fanout.py failed: site-a->site-c/policy: "), said
+    assert "topology config id mismatch" in said and "Cannot execute" not in said, said
+    assert [p for k, p in queue(sink_b, "site-a") if k == "log"] == ["x=1"]  # the other sink delivered
+    assert [p for k, p in queue(sink_c, "site-a") if k == "log"] == []
+    app.close()
