@@ -1,0 +1,65 @@
+"""``lr sync`` streaming as the replicator role (docs/security.md), with a writer role transmitting:
+a federated table opened, key-changed and fully synced again while the stream runs (V0048's
+row-level security on lr.source_sessions, V0049's composites, V0050's key moves), and the writer's
+wait for delivery reading its session."""
+
+from __future__ import annotations
+
+from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.source import delivery, full_sync
+from tests.engine.site.test_roles import connect_as, made, sites_as  # noqa: F401
+from tests.guarantees.test_table_fidelity_streaming import FAST
+from tests.support.session import Streaming, apply, replicator, wait_for
+from tests.support.tables import federate, on_every_site, rows
+
+
+def test_a_table_opened_key_changed_and_fully_synced_while_a_replicator_role_streams(lr_sites, made):
+    source, sink = lr_sites[0], lr_sites[1]
+    topo = apply(lr_sites[:2], [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
+    repl, writer = made.name("repl"), made.name("w_policy")
+    for site in (source, sink):
+        made.grant(site, "replicator", repl)
+    made.grant(source, "writer", writer, ["policy"])
+    on_every_site(
+        [source, sink],
+        "CREATE TYPE public.pair AS (a int, b text); "
+        "CREATE TABLE public.items (id int PRIMARY KEY, p public.pair, note text); "
+        "CREATE TABLE public.kids (id int PRIMARY KEY, up int REFERENCES public.items ON UPDATE CASCADE)",
+    )
+    source.query(f'GRANT SELECT ON public.items TO "{repl}"')
+    sink.query(f'GRANT SELECT, INSERT, UPDATE, DELETE ON public.items TO "{repl}"')
+    source.query("INSERT INTO public.items SELECT g, ROW(g, 't' || g)::public.pair, 'n' || g FROM generate_series(1, 5) g")
+    with Streaming(replicator(topo, sites_as(lr_sites[:2], repl), providers={"policy": lambda ctx: None}, lease_seconds=2.0, as_lr=True), FAST) as s:
+        s.streaming()
+        conn = connect_as(source, writer)
+        client = RoutingQueueClient(conn, "policy")
+        ticket = client.transmit_log_entry_message(b"hello", ["site-b"])
+        conn.commit()
+        assert delivery.wait_until_safe(conn, ticket, timeout=30).acked["site-b"] >= 0
+        federate(source, "public.items")  # opened while streaming
+        wait_for(lambda: rows(sink, "public.items") == rows(source, "public.items"), 30, "the snapshot")
+        sink.query("INSERT INTO public.kids VALUES (1, 1), (2, 2)")  # the sink's own rows
+        source.query("UPDATE public.items SET id = id + 100, p = ROW((p).a, 'moved')::public.pair WHERE id <= 2")
+        wait_for(lambda: rows(sink, "public.items") == rows(source, "public.items"), 30, "the key change")
+        assert sink.query("SELECT id, up FROM public.kids ORDER BY id") == [(1, 101), (2, 102)]
+        sink.query("DELETE FROM public.kids")  # a snapshot clears the table: the sink's own references refuse it (a known limit)
+        rconn = connect_as(source, repl)
+        full_sync.request_full_sync(rconn, "site-b", "policy", reason="asked while streaming", forced=True)
+        source.query("UPDATE public.items SET note = 'after' WHERE id = 3")
+        wait_for(
+            lambda: source.query("SELECT status FROM lr.full_sync_requests ORDER BY request_id DESC LIMIT 1")
+            == [("applied",)],
+            30,
+            f"the full sync {source.query('SELECT request_id, status, reason, note, requested_at FROM lr.full_sync_requests ORDER BY requested_at')} {s.cycles[-3:]} {s.streamer.ends} {source.query('SELECT sink_site_id, state, last_error, acked_position FROM lr.source_sessions')}",
+        )
+        wait_for(lambda: rows(sink, "public.items") == rows(source, "public.items"), 30, "after the full sync")
+        said = status.render(status.site_status(rconn))
+        rconn.close()
+        ticket = client.transmit_log_entry_message(b"again", ["site-b"])
+        conn.commit()
+        done = delivery.wait_until_safe(conn, ticket, timeout=30)
+        assert done.acked["site-b"] >= done.position
+        conn.close()
+        assert not [e for e in s.streamer.ends if e.error], s.streamer.ends
+    assert "REFUSED" not in said and "ERROR" not in said, said
