@@ -29,8 +29,15 @@ def test_a_table_opened_key_changed_and_fully_synced_while_a_replicator_role_str
     )
     source.query(f'GRANT SELECT ON public.items TO "{repl}"')
     sink.query(f'GRANT SELECT, INSERT, UPDATE, DELETE ON public.items TO "{repl}"')
-    source.query("INSERT INTO public.items SELECT g, ROW(g, 't' || g)::public.pair, 'n' || g FROM generate_series(1, 5) g")
-    with Streaming(replicator(topo, sites_as(lr_sites[:2], repl), providers={"policy": lambda ctx: None}, lease_seconds=2.0, as_lr=True), FAST) as s:
+    source.query(
+        "INSERT INTO public.items SELECT g, ROW(g, 't' || g)::public.pair, 'n' || g FROM generate_series(1, 5) g"
+    )
+    with Streaming(
+        replicator(
+            topo, sites_as(lr_sites[:2], repl), providers={"policy": lambda ctx: None}, lease_seconds=2.0, as_lr=True
+        ),
+        FAST,
+    ) as s:
         s.streaming()
         conn = connect_as(source, writer)
         client = RoutingQueueClient(conn, "policy")
@@ -43,7 +50,9 @@ def test_a_table_opened_key_changed_and_fully_synced_while_a_replicator_role_str
         source.query("UPDATE public.items SET id = id + 100, p = ROW((p).a, 'moved')::public.pair WHERE id <= 2")
         wait_for(lambda: rows(sink, "public.items") == rows(source, "public.items"), 30, "the key change")
         assert sink.query("SELECT id, up FROM public.kids ORDER BY id") == [(1, 101), (2, 102)]
-        sink.query("DELETE FROM public.kids")  # a snapshot clears the table: the sink's own references refuse it (a known limit)
+        sink.query(
+            "DELETE FROM public.kids"
+        )  # a snapshot clears the table: the sink's own references refuse it (a known limit)
         rconn = connect_as(source, repl)
         full_sync.request_full_sync(rconn, "site-b", "policy", reason="asked while streaming", forced=True)
         source.query("UPDATE public.items SET note = 'after' WHERE id = 3")
