@@ -11,7 +11,7 @@ from airflow_provider_lr.engine.source import delivery, full_sync
 from tests.engine.site.test_roles import connect_as, made, sites_as  # noqa: F401
 from tests.guarantees.test_table_fidelity_streaming import FAST
 from tests.support.session import Streaming, apply, replicator, wait_for
-from tests.support.tables import federate, on_every_site, rows
+from tests.support.tables import federate, on_every_site, rows, sync
 
 
 def test_a_table_opened_key_changed_and_fully_synced_while_a_replicator_role_streams(lr_sites, made):
@@ -73,3 +73,27 @@ def test_a_table_opened_key_changed_and_fully_synced_while_a_replicator_role_str
         conn.close()
         assert not [e for e in s.streamer.ends if e.error], s.streamer.ends
     assert "REFUSED" not in said and "ERROR" not in said, said
+
+
+def test_a_replicator_role_with_create_on_the_schema_only_creates_a_table_the_sink_never_had(lr_sites, made):
+    """docs/tables.md: at a sink the replicator needs CREATE on the schema for a table the sink never
+    had. lr ran CREATE SCHEMA IF NOT EXISTS first, which PostgreSQL checks against CREATE on the
+    DATABASE before it looks whether the schema exists: 'permission denied for database', at every
+    cycle, for good. The schema is created only when the sink lacks it now."""
+    source, sink = lr_sites[0], lr_sites[1]
+    topo = apply(lr_sites[:2], [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
+    repl = made.name("repl")
+    for site in (source, sink):
+        made.grant(site, "replicator", repl)
+    sink.query(f'GRANT USAGE, CREATE ON SCHEMA public TO "{repl}"')
+    source.query("CREATE TABLE public.fresh (id int PRIMARY KEY, v text)")
+    source.query("INSERT INTO public.fresh SELECT g, 'v' || g FROM generate_series(1, 3) g")
+    source.query(f'GRANT SELECT ON public.fresh TO "{repl}"')
+    federate(source, "public.fresh")
+    run = replicator(topo, sites_as(lr_sites[:2], repl), providers={"policy": lambda ctx: None})
+    try:
+        reports = sync(run, cycles=6)
+    finally:
+        run.close()
+    assert not [r.error for r in reports if r.error], [r.error for r in reports if r.error][:1]
+    assert rows(sink, "public.fresh") == rows(source, "public.fresh")
