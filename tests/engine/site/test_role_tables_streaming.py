@@ -5,7 +5,10 @@ wait for delivery reading its session."""
 
 from __future__ import annotations
 
+import pytest
+
 from airflow_provider_lr.client import RoutingQueueClient
+from airflow_provider_lr.engine.errors import DeliveryTimeout
 from airflow_provider_lr.engine.site import status
 from airflow_provider_lr.engine.source import delivery, full_sync
 from tests.engine.site.test_roles import connect_as, made, sites_as  # noqa: F401
@@ -97,3 +100,27 @@ def test_a_replicator_role_with_create_on_the_schema_only_creates_a_table_the_si
         run.close()
     assert not [r.error for r in reports if r.error], [r.error for r in reports if r.error][:1]
     assert rows(sink, "public.fresh") == rows(source, "public.fresh")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="client.wait_until_ready on a writer role's connection (the application's, docs/security.md) "
+    "fails with 'permission denied for table source_sessions': backlog.readiness_of reads the sessions' "
+    "state and lr.log_commits/log_entries, which a writer may not read (its grants: sink, client and "
+    "acknowledged position only). Needs a SECURITY DEFINER readiness read (a migration), as "
+    "lr.sinks_lacking_tables is for wait_until_safe. Reported, not fixed.",
+)
+def test_a_writer_role_waits_until_its_sink_is_ready(lr_sites, made):
+    source = lr_sites[0]
+    apply(lr_sites[:2], [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
+    writer = made.name("w_policy")
+    made.grant(source, "writer", writer, ["policy"])
+    conn = connect_as(source, writer)
+    client = RoutingQueueClient(conn, "policy")
+    client.transmit_log_entry_message(b"x", ["site-b"])
+    conn.commit()
+    try:
+        with pytest.raises(DeliveryTimeout):  # nothing replicates here: not ready, said so
+            client.wait_until_ready(["site-b"], timeout=1)
+    finally:
+        conn.close()
