@@ -124,9 +124,10 @@ class LRNewLogEntriesSensor(_LRSensor):
         )
 
 
-class LRSnapshotEndSensor(_LRSensor):
-    """Waits until the client has supplied the data of full-sync request ``request_id`` (its end
-    marker is in the source's log); fails if the request is closed without data."""
+class _FollowingSensor(_LRSensor):
+    """A wait on full-sync request ``request_id`` that follows it when a planned switchover asked it
+    of the promoted site instead (``moved_on``, via the trigger's ``moved_to``/``moved_request``: the
+    rule the lr_full_sync DAG's step and ``lr full-sync --wait`` follow it by), deferred and poking."""
 
     template_fields: Sequence[str] = ("source", "request_id", "topology_path")
 
@@ -135,10 +136,13 @@ class LRSnapshotEndSensor(_LRSensor):
         self.request_id = request_id
         self._at: tuple[str, str] | None = None  # (site, request id) a switchover asked the request of instead
 
-    def build_trigger(self) -> LRSnapshotEndTrigger:
+    def _trigger(self, conn_id: str, request_id: str) -> _PollingTrigger:
+        raise NotImplementedError
+
+    def build_trigger(self) -> _PollingTrigger:
         if self._at is None:
-            return LRSnapshotEndTrigger(self._source_conn_id(), str(self.request_id), None, **self._polling())
-        return LRSnapshotEndTrigger(self._conn_id(self._at[0]), self._at[1], None, **self._polling())
+            return self._trigger(self._source_conn_id(), str(self.request_id))
+        return self._trigger(self._conn_id(self._at[0]), self._at[1])
 
     def _moved(self) -> bool:
         return self._at is not None
@@ -150,10 +154,9 @@ class LRSnapshotEndSensor(_LRSensor):
             return site_conn_id(site, [])
 
     def _follow(self, event: dict[str, Any] | None) -> bool:
-        """Whether ``event`` says a switchover asked the request of another site (``snapshot_end_status``:
-        ``moved_on``, the rule the lr_full_sync DAG's step and ``lr full-sync --wait`` follow it by):
-        then the wait goes on there. Before, the sensor failed on the old source's 'request cancelled:
-        failed over: asked of site-b as request ...' while site-b's client was supplying it."""
+        """Whether ``event`` says a switchover asked the request of another site: then the wait goes
+        on there. Before, the sensor failed on the old source's 'cancelled: failed over: asked of
+        site-b as request ...' while site-b supplied (and applied) it."""
         if event is None or not event.get("moved_request"):
             return False
         self._at = (str(event["moved_to"]), str(event["moved_request"]))
@@ -174,20 +177,22 @@ class LRSnapshotEndSensor(_LRSensor):
         return super().execute_complete(context, event)
 
 
-class LRFullSyncAppliedSensor(_LRSensor):
+class LRSnapshotEndSensor(_FollowingSensor):
+    """Waits until the client has supplied the data of full-sync request ``request_id`` (its end
+    marker is in the source's log); fails if the request is closed without data."""
+
+    def _trigger(self, conn_id: str, request_id: str) -> LRSnapshotEndTrigger:
+        return LRSnapshotEndTrigger(conn_id, request_id, None, **self._polling())
+
+
+class LRFullSyncAppliedSensor(_FollowingSensor):
     """Waits until full-sync request ``request_id`` (``lr full-sync``, ``full_sync.request_full_sync``)
     is applied at its sink, by whichever replicator carries it out (``lr_streaming``, ``lr sync``,
     ``lr_replication``), or a newer request of the same session is; fails when it was closed
     without being applied (timed out, cancelled), with the reason recorded on the source."""
 
-    template_fields: Sequence[str] = ("source", "request_id", "topology_path")
-
-    def __init__(self, *, request_id: str, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.request_id = request_id
-
-    def build_trigger(self) -> LRFullSyncOutcomeTrigger:
-        return LRFullSyncOutcomeTrigger(self._source_conn_id(), str(self.request_id), **self._polling())
+    def _trigger(self, conn_id: str, request_id: str) -> LRFullSyncOutcomeTrigger:
+        return LRFullSyncOutcomeTrigger(conn_id, request_id, follow=True, **self._polling())
 
 
 class LRDeliveredSensor(_LRSensor):

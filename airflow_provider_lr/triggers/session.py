@@ -83,12 +83,14 @@ def snapshot_end_status(
 
 
 def full_sync_outcome_status(
-    conn: psycopg2.extensions.connection, request_id: str, lease_free: bool = False
+    conn: psycopg2.extensions.connection, request_id: str, lease_free: bool = False, follow: bool = False
 ) -> dict[str, Any] | None:
     """The event once a full-sync request is applied at its sink, by whichever replicator (or a
     newer request of its session is: ``full_sync.outcome``), or failed; with ``lease_free``, also
     as soon as nobody holds its session's lease (``lease_free``: the waiting step may do the work
-    itself). None while it is pending and the lease is held."""
+    itself). None while it is pending and the lease is held. With ``follow`` (``LRFullSyncAppliedSensor``),
+    a request a switchover asked of the new source instead (``moved_on``) ends with ``moved_to`` and
+    ``moved_request`` naming it there, as ``snapshot_end_status`` does; None while not asked there yet."""
     found = full_sync.outcome(conn, request_id)
     if found is None:
         return {"status": Outcome.FAILED.value, "request_id": request_id, "message": "no such full-sync request"}
@@ -99,6 +101,11 @@ def full_sync_outcome_status(
         "message": found.describe(),
     }
     if found.final:
+        went = moved_on(found) if follow else None
+        if went is not None and went[1] is None:  # the switchover's drain closed it: its request there comes next
+            return None
+        if went is not None:  # the waiting sensor follows it there
+            return {**event, "moved_to": went[0], "moved_request": went[1]}
         return event
     if lease_free and leases.holder(conn, found.request.sink_site_id, found.request.client_name) is None:
         return {**event, "status": TriggerStatus.LEASE_FREE.value}
@@ -286,17 +293,25 @@ class LRSnapshotEndTrigger(_PollingTrigger):
 class LRFullSyncOutcomeTrigger(_PollingTrigger):
     """Fires when full-sync request ``request_id`` is applied at its sink by whichever replicator
     (a DAG's step, ``lr_streaming``, ``lr sync``) or failed; with ``lease_free``, also when nobody
-    holds its session's lease (``full_sync_outcome_status``)."""
+    holds its session's lease; with ``follow``, also when a switchover asked it of another site
+    (``full_sync_outcome_status``)."""
 
-    def __init__(self, source_conn_id: str, request_id: str, lease_free: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, source_conn_id: str, request_id: str, lease_free: bool = False, follow: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(source_conn_id, **kwargs)
-        self.request_id, self.lease_free = request_id, bool(lease_free)
+        self.request_id, self.lease_free, self.follow = request_id, bool(lease_free), bool(follow)
 
     def _kwargs(self) -> dict[str, Any]:
-        return {**super()._kwargs(), "request_id": self.request_id, "lease_free": self.lease_free}
+        return {
+            **super()._kwargs(),
+            "request_id": self.request_id,
+            "lease_free": self.lease_free,
+            "follow": self.follow,
+        }
 
     def check(self, conn: psycopg2.extensions.connection) -> dict[str, Any] | None:
-        return full_sync_outcome_status(conn, self.request_id, self.lease_free)
+        return full_sync_outcome_status(conn, self.request_id, self.lease_free, self.follow)
 
     def waiting_for(self, conn: psycopg2.extensions.connection) -> str:
         return full_sync_waiting_for(conn, self.request_id)

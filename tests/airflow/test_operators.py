@@ -629,6 +629,51 @@ def test_the_snapshot_end_sensor_follows_its_request_across_a_planned_switchover
     app.close()
 
 
+def test_the_full_sync_applied_sensor_follows_its_request_across_a_planned_switchover(airflow_sites):
+    """LRFullSyncAppliedSensor waits, deferred, for a full sync asked of site-a to be applied; site-a
+    is switched over to site-b, which is asked the request instead: the sensor (deferred, and poking)
+    follows it to site-b and succeeds once site-b's request is applied. Before, it failed on site-a's
+    'cancelled: failed over: asked of site-b as request ...' (the snapshot-end sensor's sibling)."""
+    import psycopg2
+
+    from airflow_provider_lr.engine.site import failover
+    from airflow_provider_lr.sensors import LRFullSyncAppliedSensor
+
+    app = _app_with_sinks_in_log_entry_sync(airflow_sites.site("site-a"))
+    session = _requested(airflow_sites, "site-c")
+    sensor = LRFullSyncAppliedSensor(task_id="applied", source="site-a", request_id=session["request_id"], timeout=600)
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor.execute({})
+    waiting = deferred.value.trigger
+    dsns = {s.site_id: s.dsn for s in airflow_sites.sites}
+    switched = failover.promote(
+        failover.FailoverRequest("site-a", "site-b", planned=True), lambda site: psycopg2.connect(dsns[site])
+    )
+    ((there,),) = airflow_sites.site("site-b").query("SELECT request_id::text FROM lr.full_sync_requests WHERE forced")
+    with closing(airflow_sites.site("site-a").connect()) as probe:
+        ended = waiting.check(probe)
+    assert ended is not None and (ended.get("moved_to"), ended.get("moved_request")) == ("site-b", there), ended
+    resumed = LRFullSyncAppliedSensor(task_id="applied", source="site-a", request_id=session["request_id"], timeout=600)
+    with pytest.raises(TaskDeferred) as deferred:
+        resumed.execute_complete({}, ended)  # a fresh task instance, as the triggerer hands the event back
+    trigger = deferred.value.trigger
+    assert (trigger.source_conn_id, trigger.request_id) == ("lr_site_b", there)
+    poking = LRFullSyncAppliedSensor(
+        task_id="applied", source="site-a", request_id=session["request_id"], deferrable=False, timeout=600
+    )
+    assert poking.poke({}).is_done is False  # followed to site-b, where it is not applied yet
+    App(airflow_sites.site("site-b")).close()  # site-b's provider's table
+    run = replicator(switched.topology, airflow_sites.sites, providers={"policy": table_provider})
+    run.run(max_cycles=8, until_idle=True, interval=0.01)
+    run.close()
+    with closing(airflow_sites.site("site-b").connect()) as probe:
+        event = trigger.check(probe)
+    assert resumed.execute_complete({}, event)["status"] == "applied"
+    poked = poking.poke({})
+    assert poked.is_done and poked.xcom_value["request_id"] == there, poked
+    app.close()
+
+
 def test_new_log_entries_sensor_pokes_and_defers(airflow_sites):
     from airflow_provider_lr.sensors import LRNewLogEntriesSensor
     from airflow_provider_lr.triggers import LRNewLogEntriesTrigger

@@ -80,7 +80,13 @@ def _create(cur: psycopg2.extensions.cursor, definition: TableDefinition) -> tup
     """The table with all its extras in one statement; when that fails, the table with its columns
     (which raises when it fails too), then each default, constraint and index on its own."""
     extras = definition.extras
-    cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(definition.table.schema)))
+    # only when the sink lacks the schema: PostgreSQL checks CREATE SCHEMA IF NOT EXISTS against CREATE
+    # on the database before it looks for the schema (a replicator with CREATE on the schema was refused)
+    cur.execute(
+        "SELECT NOT EXISTS (SELECT FROM pg_catalog.pg_namespace WHERE nspname = %s)", (definition.table.schema,)
+    )
+    if cur.fetchone()[0]:
+        cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(definition.table.schema)))
     own = frozenset() if extras is None else _shared_sequences(cur, extras)
 
     def table(defaults: bool, key_name: bool) -> sql.Composed:
