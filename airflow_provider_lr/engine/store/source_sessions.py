@@ -14,6 +14,7 @@ from typing import Protocol
 import psycopg2.extensions
 from psycopg2 import sql
 
+from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.db.encoding import storable
 from airflow_provider_lr.engine.errors import FencedError
 from airflow_provider_lr.engine.store import members
@@ -383,6 +384,8 @@ def lowest_hold(cur: psycopg2.extensions.cursor) -> int | None:
 
 # The sessions with their sink's tag and region and their client's id, as a CTE ``s`` (acked, tag_id,
 # region, client_id) for statements over the log that ask which sinks acknowledged an entry.
+SESSION_BACKLOGS_SCHEMA = 52  # lr.session_backlogs: the backlog rule, for a writer too
+
 ACKED_SINKS_CTE = """
     WITH s AS (
         SELECT s.acked_position AS acked, r.tag_id, r.region, k.client_id
@@ -409,7 +412,13 @@ def backlog_rows(
     entries, highest, lag seconds, first guarded, entries before it), where entries are the
     commits after ``acked`` carrying a log entry or table change tagged for the sink, of the
     session's client — the oldest ``at_most`` of them when given (``source/backlog.py``). The lag is
-    never below 0, though commits may have begun after this transaction did."""
+    never below 0, though commits may have begun after this transaction did. On a site at V0052 the
+    rule is ``lr.session_backlogs``, read as the schema's owner for a caller that may read the client
+    (a writer's ``wait_until_ready``: it may not read the log itself); the statement below is the same
+    rule for a site before it."""
+    if schema.at_least(cur.connection, SESSION_BACKLOGS_SCHEMA):
+        cur.execute("SELECT * FROM lr.session_backlogs(%s, %s, %s)", (sink, client, at_most))
+        return cur.fetchall()
     cur.execute(
         """
         SELECT s.sink_site_id, s.client_name, s.state, s.acked_position, p.n, p.highest, p.lag, g.first, p.before

@@ -10,10 +10,11 @@ import pytest
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.errors import DeliveryTimeout
 from airflow_provider_lr.engine.site import status
+from airflow_provider_lr.engine.site.replicator import run_until_idle
 from airflow_provider_lr.engine.source import delivery, full_sync
 from tests.engine.site.test_roles import connect_as, made, sites_as  # noqa: F401
 from tests.guarantees.test_table_fidelity_streaming import FAST
-from tests.support.session import Streaming, apply, replicator, wait_for
+from tests.support.session import Streaming, apply, empty_provider, replicator, wait_for
 from tests.support.tables import federate, on_every_site, rows, sync
 
 
@@ -102,25 +103,35 @@ def test_a_replicator_role_with_create_on_the_schema_only_creates_a_table_the_si
     assert rows(sink, "public.fresh") == rows(source, "public.fresh")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="client.wait_until_ready on a writer role's connection (the application's, docs/security.md) "
-    "fails with 'permission denied for table source_sessions': backlog.readiness_of reads the sessions' "
-    "state and lr.log_commits/log_entries, which a writer may not read (its grants: sink, client and "
-    "acknowledged position only). Needs a SECURITY DEFINER readiness read (a migration), as "
-    "lr.sinks_lacking_tables is for wait_until_safe. Reported, not fixed.",
-)
 def test_a_writer_role_waits_until_its_sink_is_ready(lr_sites, made):
+    """A writer's ``client.wait_until_ready`` (docs/security.md: one of the application's waits) reads
+    its sessions' backlog through ``lr.session_backlogs`` (V0052): not ready while nothing replicates,
+    said so; a writer of another client is refused them. Before, it failed with "permission denied for
+    table source_sessions": it read the sessions and the log itself."""
     source = lr_sites[0]
-    apply(lr_sites[:2], [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}])
-    writer = made.name("w_policy")
+    topo = apply(lr_sites[:2], [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy", "audit"]}])
+    writer, other = made.name("w_policy"), made.name("w_audit")
     made.grant(source, "writer", writer, ["policy"])
+    made.grant(source, "writer", other, ["audit"])
     conn = connect_as(source, writer)
     client = RoutingQueueClient(conn, "policy")
     client.transmit_log_entry_message(b"x", ["site-b"])
     conn.commit()
     try:
-        with pytest.raises(DeliveryTimeout):  # nothing replicates here: not ready, said so
+        with pytest.raises(DeliveryTimeout, match="site-b"):  # nothing replicates yet: not ready, said so
             client.wait_until_ready(["site-b"], timeout=1)
+        repl = replicator(topo, lr_sites[:2], providers={"policy": empty_provider, "audit": empty_provider})
+        run_until_idle(repl)
+        repl.close()
+        assert [r.ready for r in client.wait_until_ready(["site-b"], timeout=10)] == [True]
     finally:
         conn.close()
+    stranger = connect_as(source, other)
+    try:
+        with stranger.cursor() as cur:  # another client's writer: its sessions are not for it to read
+            cur.execute("SELECT count(*) FROM lr.session_backlogs(NULL, 'policy', NULL)")
+            assert cur.fetchone() == (0,)
+            cur.execute("SELECT count(*) FROM lr.session_backlogs(NULL, 'audit', NULL)")
+            assert cur.fetchone() == (1,)
+    finally:
+        stranger.close()
