@@ -38,7 +38,8 @@ AS $$
     ) p
     WHERE (p_sink IS NULL OR s.sink_site_id = p_sink)
       AND (p_client IS NULL OR s.client_name = p_client)
-      AND lr.caller_reads_client(s.client_name)
+      -- (a replicator or the owner reads every client: asked once, not for each session)
+      AND ((SELECT lr.caller_reads_client(NULL)) OR lr.caller_reads_client(s.client_name))
     ORDER BY 1, 2
 $$;
 REVOKE EXECUTE ON FUNCTION lr.session_backlogs(text, text, bigint) FROM PUBLIC;
