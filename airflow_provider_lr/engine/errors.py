@@ -144,6 +144,9 @@ _DSN_PASSWORD = re.compile(
 _SECRETS = (
     (re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/@\s:]*:)(?:\S*|[^\s/@]+(?:[ \t][^\s@]+)+)@"), r"\1***@"),
     (re.compile(r"""(?i)(["'](?:ssl)?password["']\s*:\s*)("(?:[^"\\]|\\.)*"?|'(?:[^'\\]|\\.)*'?)"""), r"\1'***'"),
+    # libpq's refusal of a DSN whose value holds a blank (``password=my secret``) names the word after
+    # it, the password's tail: masked, whatever the word (the DSN itself is not in the message)
+    (re.compile(r'(missing "=" after ")[^"]*(")'), r"\1***\2"),
 )
 _CLOSERS = {")": "(", "]": "[", "}": "{"}
 

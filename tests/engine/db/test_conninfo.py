@@ -12,7 +12,7 @@ from psycopg2 import sql
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.db import conninfo, schema
 from airflow_provider_lr.engine.db.timeouts import Purpose
-from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, mask_secrets
+from airflow_provider_lr.engine.errors import ConfigurationError, SiteUnreachableError, mask_secrets, one_line
 from airflow_provider_lr.engine.source import full_sync
 from airflow_provider_lr.engine.tables.definition import TableName, read_definition
 from tests.support.session import apply
@@ -227,3 +227,12 @@ def test_a_server_whose_connection_slots_are_all_taken_is_said_to_be_full_not_do
         assert "is the server up" not in said, said
     finally:
         site.query(f'DROP ROLE "{role}"')
+
+
+def test_a_dsn_whose_password_holds_an_unquoted_blank_is_refused_without_its_tail():
+    """libpq refuses ``password=my secret`` naming the word after the blank (``missing "=" after
+    "secret"``): the password's tail reached lr's one-line errors, though the DSN itself was masked."""
+    with pytest.raises(psycopg2.Error) as refused:
+        psycopg2.connect("host=127.0.0.1 port=1 password=my secret")
+    said = one_line(refused.value)
+    assert "secret" in str(refused.value) and "secret" not in said and 'missing "=" after "***"' in said, said
