@@ -21,6 +21,7 @@ from airflow_provider_lr.engine.db.topology_schema import ONE_LINE_PATTERN, form
 from airflow_provider_lr.engine.errors import (
     ConfigurationError,
     LRError,
+    SchemaError,
     TopologyMismatchError,
     one_line,
     without_statement,
@@ -261,6 +262,9 @@ def refused_for_good(log: logging.Logger | Any, step: str, exc: BaseException, w
         return refuse(log, step, f"{where}{one_line(exc)}")
     if isinstance(exc, psycopg2.errors.InsufficientPrivilege):  # a login without lr's grant
         return refuse(log, step, f"{where}{without_statement(failure(exc))}")
+    if isinstance(exc, SchemaError) and isinstance(exc.__cause__, psycopg2.errors.InsufficientPrivilege):
+        # a login without any of lr's grants cannot read the schema's version: said so, as lr's own error
+        return refuse(log, step, f"{where}{one_line(exc)}")
     return None
 
 

@@ -6,12 +6,22 @@
 -- waits). The rows are those engine/store/source_sessions.backlog_rows read before (the one rule of
 -- "remaining": committed, a log entry or a table change tagged for the sink, of the session's
 -- client, after the sink's acknowledged position; the oldest p_at_most of them when given), less
--- the sessions of clients the caller may not read; that function reads this one on a site that has it.
+-- the sessions of clients the caller may not read (a client it names and may not read is refused);
+-- that function reads this one on a site that has it.
 CREATE FUNCTION lr.session_backlogs(p_sink text, p_client text, p_at_most bigint)
 RETURNS TABLE (sink text, client text, state text, acked bigint, entries bigint, highest bigint,
                lag double precision, first_guarded bigint, before_guard bigint)
-LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
+#variable_conflict use_column
+BEGIN
+    -- a client named that the caller may not read is refused, as lr.sinks_lacking_tables refuses it
+    -- (an empty answer would read as "nothing left to deliver": every sink ready)
+    IF p_client IS NOT NULL AND NOT lr.caller_reads_client(p_client) THEN
+        RAISE EXCEPTION 'permission denied: % may not read the sessions of client %', session_user, p_client
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    RETURN QUERY
     SELECT s.sink_site_id, s.client_name, s.state, s.acked_position, p.n, p.highest, p.lag, g.first, p.before
     FROM lr.source_sessions s
     JOIN lr.remote_sites r ON r.site_id = s.sink_site_id
@@ -40,7 +50,8 @@ AS $$
       AND (p_client IS NULL OR s.client_name = p_client)
       -- (a replicator or the owner reads every client: asked once, not for each session)
       AND ((SELECT lr.caller_reads_client(NULL)) OR lr.caller_reads_client(s.client_name))
-    ORDER BY 1, 2
+    ORDER BY 1, 2;
+END
 $$;
 REVOKE EXECUTE ON FUNCTION lr.session_backlogs(text, text, bigint) FROM PUBLIC;
 -- the roles granted before it (lr roles grant writer / replicator) read it as those granted after

@@ -226,15 +226,17 @@ def test_full_sync_outcome_fires_when_a_newer_request_of_the_session_is_applied(
 def test_a_wait_whose_connection_login_lacks_the_replicator_grant_ends_at_once_naming_the_role_and_grant(
     airflow_sites, made, monkeypatch
 ):
-    """An application's writer login given as the source connection: the trigger's error event said
-    only "permission denied for table source_sessions", and the sensor's poke raised it raw (retried
-    as the task's retries, each the same). Both name the role and the grant now; the sensor does not retry."""
+    """A login without lr's grants given as the source connection (an application's own): the
+    trigger's error event said only "permission denied for table source_sessions", and the sensor's
+    poke raised it raw (retried as the task's retries, each the same). Both name the role and the
+    grant now; the sensor does not retry. (A writer of the client reads its readiness since V0052,
+    as its ``wait_until_ready`` does.)"""
     from airflow_provider_lr.operators.common import FinalRefusal
     from airflow_provider_lr.sensors import LRReadySensor
 
     source = airflow_sites.site("site-a")
-    writer = made.name("t_writer")
-    made.grant(source, "writer", writer, ["policy"])
+    writer = made.name("t_app")
+    source.query(f'CREATE ROLE "{writer}" LOGIN; GRANT USAGE ON SCHEMA lr TO "{writer}"')
     name, value = airflow_sites.env(source)
     monkeypatch.setenv(name, json.dumps({**json.loads(value), "login": writer}))
     said = f"role '{writer}' lacks a privilege this step needs on "
@@ -242,7 +244,8 @@ def test_a_wait_whose_connection_login_lacks_the_replicator_grant_ends_at_once_n
     event = asyncio.run(asyncio.wait_for(anext(trigger.run()), 30)).payload
     assert event["status"] == "error" and said in event["message"], event
     assert "lr roles grant replicator" in event["message"], event
-    with pytest.raises(FinalRefusal, match=said):
+    with pytest.raises(FinalRefusal, match=f"role '{writer}' may not read the lr schema version"):
+        # (the sensor checks the site first: a login without any of lr's grants may not read its version)
         LRReadySensor(task_id="ready", source="site-a", client="policy", destinations=["site-b"]).execute({})
 
 

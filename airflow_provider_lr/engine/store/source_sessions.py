@@ -8,13 +8,13 @@ a backlog is for — is the callers' (``session/lease.py``, ``source/backlog.py`
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
 import psycopg2.extensions
 from psycopg2 import sql
 
-from airflow_provider_lr.engine.db import schema
 from airflow_provider_lr.engine.db.encoding import storable
 from airflow_provider_lr.engine.errors import FencedError
 from airflow_provider_lr.engine.store import members
@@ -384,7 +384,21 @@ def lowest_hold(cur: psycopg2.extensions.cursor) -> int | None:
 
 # The sessions with their sink's tag and region and their client's id, as a CTE ``s`` (acked, tag_id,
 # region, client_id) for statements over the log that ask which sinks acknowledged an entry.
-SESSION_BACKLOGS_SCHEMA = 52  # lr.session_backlogs: the backlog rule, for a writer too
+# connections whose site has lr.session_backlogs (V0052): asked of the catalog once per connection
+# (not of the schema's version, which a login without lr's grants may not read: its refusal then
+# named the version, not the privilege it lacks)
+_WITH_SESSION_BACKLOGS: weakref.WeakSet[psycopg2.extensions.connection] = weakref.WeakSet()
+
+
+def _has_session_backlogs(cur: psycopg2.extensions.cursor) -> bool:
+    if cur.connection in _WITH_SESSION_BACKLOGS:
+        return True
+    cur.execute("SELECT pg_catalog.to_regprocedure('lr.session_backlogs(text,text,bigint)') IS NOT NULL")
+    if cur.fetchone()[0]:
+        _WITH_SESSION_BACKLOGS.add(cur.connection)
+        return True
+    return False
+
 
 ACKED_SINKS_CTE = """
     WITH s AS (
@@ -416,7 +430,7 @@ def backlog_rows(
     rule is ``lr.session_backlogs``, read as the schema's owner for a caller that may read the client
     (a writer's ``wait_until_ready``: it may not read the log itself); the statement below is the same
     rule for a site before it."""
-    if schema.at_least(cur.connection, SESSION_BACKLOGS_SCHEMA):
+    if _has_session_backlogs(cur):
         cur.execute("SELECT * FROM lr.session_backlogs(%s, %s, %s)", (sink, client, at_most))
         return cur.fetchall()
     cur.execute(

@@ -223,7 +223,7 @@ def test_commits_made_while_the_stream_checks_its_sessions_are_read_between_the_
     def between() -> list[int]:
         """For each check traced so far, the routed reads between its backlog count and its next step."""
         sent = [q for port, q in list(_TracedCursor.sent) if port == source.server.port]
-        steps = [n for n, q in enumerate(sent) if "s.acked_position, p.n, p.highest" in q]  # the backlog count
+        steps = [n for n, q in enumerate(sent) if "lr.session_backlogs(" in q]  # the backlog count
         reads = []
         for start in steps:
             end = next((n for n, q in enumerate(sent[start:], start) if "FROM lr.full_sync_requests" in q), None)

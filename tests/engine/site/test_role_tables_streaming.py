@@ -5,6 +5,7 @@ wait for delivery reading its session."""
 
 from __future__ import annotations
 
+import psycopg2
 import pytest
 
 from airflow_provider_lr.client import RoutingQueueClient
@@ -129,9 +130,11 @@ def test_a_writer_role_waits_until_its_sink_is_ready(lr_sites, made):
     stranger = connect_as(source, other)
     try:
         with stranger.cursor() as cur:  # another client's writer: its sessions are not for it to read
-            cur.execute("SELECT count(*) FROM lr.session_backlogs(NULL, 'policy', NULL)")
-            assert cur.fetchone() == (0,)
-            cur.execute("SELECT count(*) FROM lr.session_backlogs(NULL, 'audit', NULL)")
-            assert cur.fetchone() == (1,)
+            cur.execute("SELECT sink, client FROM lr.session_backlogs(NULL, NULL, NULL)")
+            assert cur.fetchall() == [("site-b", "audit")]
+            with pytest.raises(
+                psycopg2.errors.InsufficientPrivilege, match="may not read the sessions of client policy"
+            ):
+                cur.execute("SELECT count(*) FROM lr.session_backlogs(NULL, 'policy', NULL)")
     finally:
         stranger.close()
