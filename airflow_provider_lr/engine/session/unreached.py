@@ -7,7 +7,7 @@ its deadline: a stalled or half-open link, a firewall dropping packets), not whe
 (a server restarting refuses everyone alike: moving its sessions would gain nothing), and only in
 a process that shares its sessions with others (``shared``). While it lasts the cycles do not wait
 on the site again (their sessions of it fail at once, until the heartbeats hand them over); it goes
-when a probe, every ``probe_every`` seconds on a thread of its own, connects again.
+when a probe, every ``probe_every`` seconds on a thread of its own, connects and is answered again.
 """
 
 from __future__ import annotations
@@ -73,7 +73,12 @@ class Unreached:
         while not self._stop.wait(self.probe_every):
             for site in self():
                 try:
-                    self.connect(site).close()
+                    conn = self.connect(site)
+                    try:  # answered, not only let in: a link that stalls after the login stays marked
+                        with conn.cursor() as cur:
+                            cur.execute("SELECT 1")
+                    finally:
+                        conn.close()
                 except Exception:  # still cut off (or down): the mark stays
                     continue
                 self.reached(site)
