@@ -229,7 +229,7 @@ def test_a_wait_whose_connection_login_lacks_the_replicator_grant_ends_at_once_n
     """A login without lr's grants given as the source connection (an application's own): the
     trigger's error event said only "permission denied for table source_sessions", and the sensor's
     poke raised it raw (retried as the task's retries, each the same). Both name the role and the
-    grant now; the sensor does not retry. (A writer of the client reads its readiness since V0052,
+    grant now; the sensor does not retry. (A writer of the client reads its readiness since V0051,
     as its ``wait_until_ready`` does.)"""
     from airflow_provider_lr.operators.common import FinalRefusal
     from airflow_provider_lr.sensors import LRReadySensor

@@ -1,6 +1,6 @@
 """Two `lr sync` share one source's sessions; one of them loses its links to the sinks (half-open:
 the link stops forwarding, nothing closes) while it still reaches the source; the other reaches
-every site. The cut-off member says, with its heartbeats, the sinks it cannot reach (V0051), and
+every site. The cut-off member says, with its heartbeats, the sinks it cannot reach (V0050), and
 the members give those sinks' sessions to the member that reaches them: every payload arrives
 while the cut lasts. Before, the cut-off member kept its share for as long as the partition lasted
 (alive at the source, its heartbeat going on), its cycles failing on `cannot connect to site

@@ -1,4 +1,4 @@
-"""A federated table's primary-key change moves the row in place at each sink (V0050, docs/tables.md
+"""A federated table's primary-key change moves the row in place at each sink (V0049, docs/tables.md
 "Capture"): the capture pairs each row's old key with its new one, and a sink applies the pair as an
 UPDATE of the row's key wherever that meets no other row's key, so the sink's own ON UPDATE rules act
 as the source's did. Before, every sink deleted the old key and upserted the new row: a sink table
@@ -131,7 +131,7 @@ def test_a_parent_key_change_keeps_a_sink_s_own_rows_that_reference_it_and_a_sel
 
 
 def test_a_key_change_captured_before_v0048_without_new_keys_applies_as_the_old_key_deleted(lr_sites):
-    """An entry written by the capture before V0050 has no new keys: the sink deletes the old key and
+    """An entry written by the capture before V0049 has no new keys: the sink deletes the old key and
     upserts the new row, as before (here a sink row referencing it ON DELETE CASCADE goes with it);
     the same change with its new keys moves the row (the reference follows it), in the general path."""
     source, sink, _ = lr_sites
@@ -208,7 +208,7 @@ def test_a_chain_of_parent_keys_shifted_by_one_arrives_at_sinks_whose_children_r
     reason="one statement moves a row and the row referencing it (nodes 2 -> 200 and 3 -> 300, 3's up = 2): the "
     "capture's image of 3 is (300, 2), taken before the source's cascade set its up to 200 (captured next). Each "
     "sink moves 2 and cascades 3's up to 200, then the upsert of (300, 2) sets it back: its NOT DEFERRABLE "
-    "foreign key refuses, for good (so did the old key deleted before V0050). Works with a DEFERRABLE key.",
+    "foreign key refuses, for good (so did the old key deleted before V0049). Works with a DEFERRABLE key.",
 )
 def test_a_statement_moving_a_row_and_the_row_referencing_it_arrives_at_sinks_with_the_self_reference(lr_sites):
     source, *sinks = lr_sites
@@ -234,7 +234,7 @@ def test_children_moved_in_the_parent_s_transaction_under_a_deferrable_no_action
     """The source moves a parent's key and then its children, in one transaction, under a DEFERRABLE
     foreign key ON UPDATE NO ACTION (checked at commit), as do the sinks; each sink's own row trigger
     on the parents sees the key change as the source's did: an UPDATE from the old key to the new one
-    (before V0050: a DELETE of the old key, then an INSERT)."""
+    (before V0049: a DELETE of the old key, then an INSERT)."""
     source, *sinks = lr_sites
     topo = apply(lr_sites)
     on_every_site(

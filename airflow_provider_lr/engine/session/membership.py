@@ -11,7 +11,7 @@ held by a dead member is taken at once (``store/source_sessions.take_lease``, th
 always, so a member thought dead that was only cut off is fenced at the sink).
 
 Each heartbeat also says the sites this process cannot reach now (``unreached``: its connections
-failed to reach them and have not since, V0051), so that the members give a session whose sink its
+failed to reach them and have not since, V0050), so that the members give a session whose sink its
 member cannot reach to one that can (``assignment.assign``'s cut).
 
 The heartbeats run on a thread per source (``start``): a cycle that takes minutes (a full sync) or
@@ -36,7 +36,7 @@ from airflow_provider_lr.engine.store import members
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
 log = logging.getLogger(__name__)
-UNREACHED_SCHEMA = 51  # the members say the sites they cannot reach (lr.replicator_members.unreached)
+UNREACHED_SCHEMA = 50  # the members say the sites they cannot reach (lr.replicator_members.unreached)
 
 Connect = Callable[[str], psycopg2.extensions.connection]
 
@@ -180,7 +180,7 @@ class Membership:
             schema.require_current(conn, "sharing its sessions between replicators", schema.REPLICATION_SCHEMA)
             with conn.cursor() as cur:  # a statement stuck this long: this member is as good as dead
                 cur.execute("SELECT pg_catalog.set_config('statement_timeout', %s, false)", (self._bound_ms(),))
-        says = schema.at_least(conn, UNREACHED_SCHEMA)  # the sites a member cannot reach: V0051
+        says = schema.at_least(conn, UNREACHED_SCHEMA)  # the sites a member cannot reach: V0050
         unreached = sorted(self.unreached()) if says and self.unreached is not None else None
         with conn.cursor() as cur:
             key = self._keys.get(source)

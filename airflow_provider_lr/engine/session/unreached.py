@@ -1,4 +1,4 @@
-"""The sites this replicator process cannot reach now: what its member's heartbeats say (V0051), so
+"""The sites this replicator process cannot reach now: what its member's heartbeats say (V0050), so
 that the members give a session whose sink this process is cut off from to one that reaches it
 (``assignment.assign``'s cut).
 

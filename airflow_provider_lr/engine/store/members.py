@@ -39,7 +39,7 @@ class Member:
     owner: str
     joined_at: datetime
     heartbeat_age_s: float  # seconds since its last heartbeat
-    unreached: tuple[str, ...] = ()  # the sites it cannot reach now (V0051; read when asked)
+    unreached: tuple[str, ...] = ()  # the sites it cannot reach now (V0050; read when asked)
 
 
 def dead_member(owner: str) -> str:
@@ -71,7 +71,7 @@ def join(cur: psycopg2.extensions.cursor, owner: str, dead_after: float) -> int:
 
 def beat(cur: psycopg2.extensions.cursor, owner: str, key: int, unreached: list[str] | None = None) -> bool:
     """Move the member's heartbeat, and say the sites it cannot reach now (``unreached``, on a site
-    at V0051 or later; None leaves them); False when its row is gone or names another key (it was
+    at V0050 or later; None leaves them); False when its row is gone or names another key (it was
     found dead and forgotten, or its lock connection was replaced): the member must join again."""
     if unreached is None:
         cur.execute(
@@ -88,7 +88,7 @@ def beat(cur: psycopg2.extensions.cursor, owner: str, key: int, unreached: list[
 
 def live(cur: psycopg2.extensions.cursor, with_unreached: bool = False) -> list[Member]:
     """The live members, by owner (the same order for every member that reads them); with the sites
-    each cannot reach when asked (a site at V0051 or later)."""
+    each cannot reach when asked (a site at V0050 or later)."""
     cur.execute(
         "SELECT m.owner, m.joined_at, round(extract(epoch FROM greatest(now(), m.heartbeat_at) - m.heartbeat_at)::numeric, 2)::float8"
         + (", m.unreached " if with_unreached else " ")

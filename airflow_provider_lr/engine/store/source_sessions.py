@@ -384,7 +384,7 @@ def lowest_hold(cur: psycopg2.extensions.cursor) -> int | None:
 
 # The sessions with their sink's tag and region and their client's id, as a CTE ``s`` (acked, tag_id,
 # region, client_id) for statements over the log that ask which sinks acknowledged an entry.
-# connections whose site has lr.session_backlogs (V0052): asked of the catalog once per connection
+# connections whose site has lr.session_backlogs (V0051): asked of the catalog once per connection
 # (not of the schema's version, which a login without lr's grants may not read: its refusal then
 # named the version, not the privilege it lacks)
 _WITH_SESSION_BACKLOGS: weakref.WeakSet[psycopg2.extensions.connection] = weakref.WeakSet()
@@ -426,7 +426,7 @@ def backlog_rows(
     entries, highest, lag seconds, first guarded, entries before it), where entries are the
     commits after ``acked`` carrying a log entry or table change tagged for the sink, of the
     session's client — the oldest ``at_most`` of them when given (``source/backlog.py``). The lag is
-    never below 0, though commits may have begun after this transaction did. On a site at V0052 the
+    never below 0, though commits may have begun after this transaction did. On a site at V0051 the
     rule is ``lr.session_backlogs``, read as the schema's owner for a caller that may read the client
     (a writer's ``wait_until_ready``: it may not read the log itself); the statement below is the same
     rule for a site before it."""

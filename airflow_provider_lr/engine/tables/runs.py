@@ -1,7 +1,7 @@
 """A run of a sink transaction's table changes and the one set statement that applies it.
 
 ``ChangeApplier`` (``tables/sink``) cuts the changes it is given into runs: consecutive changes of
-one table, all deletes, all key changes (old keys with their new ones, V0050) or all upserts, no
+one table, all deletes, all key changes (old keys with their new ones, V0049) or all upserts, no
 key twice among the upserts; ``compose`` writes the
 statement that applies a run with the effect of applying its changes one by one, in order.
 """
@@ -150,7 +150,7 @@ def compose(target: Target, run: Run, as_text: bool) -> sql.Composed:
 def _moves(
     target: Target, rows: sql.Composable, value: Callable[[str], sql.Composable], types: dict[str, str]
 ) -> sql.Composed:
-    """A key change's run (V0050): each row moved to its new key in place, by an UPDATE of its key
+    """A key change's run (V0049): each row moved to its new key in place, by an UPDATE of its key
     columns (the sink's own ON UPDATE rules act, as the source's did: a NOT DEFERRABLE foreign key
     ON UPDATE CASCADE moves the children along), where that cannot meet another row's key: the new
     key is no other old key of the run (a swap, a chain ``id + 1``: the sink's immediate key would

@@ -213,7 +213,7 @@ class ChangeApplier:
     statement; a sink with the same constraint checks the swap at commit, as the source did).
 
     For speed, consecutive changes of one table and one kind become one set statement (a run):
-    deletes in one ``DELETE``; key changes (old keys with their new ones, V0050) in one statement
+    deletes in one ``DELETE``; key changes (old keys with their new ones, V0049) in one statement
     that moves each row in place where it meets no other key, deletes it elsewhere
     (``runs._moves``); upserts in one ``INSERT ... ON CONFLICT DO UPDATE`` that takes its
     rows in order, cut before a key comes back (one statement cannot change a row twice, and the
@@ -279,7 +279,7 @@ class ChangeApplier:
         columns, key_columns = set(d.column_names), set(d.key)
         carried = set(rows[0]) if rows and op == "u" else columns
         bad = sum(1 for r in rows if not key_columns <= set(r) or (op == "u" and not set(r) == carried <= columns))
-        if op == "d" and "to" in entry:  # a key change (V0050): each old key with its row's new key
+        if op == "d" and "to" in entry:  # a key change (V0049): each old key with its row's new key
             op = "k"
             moved_to = entry["to"]
             bad += abs(len(moved_to) - len(rows)) + sum(1 for r in moved_to if not key_columns <= set(r))

@@ -1,6 +1,6 @@
 """``lr sync`` streaming as the replicator role (docs/security.md), with a writer role transmitting:
 a federated table opened, key-changed and fully synced again while the stream runs (V0048's
-row-level security on lr.source_sessions, V0049's composites, V0050's key moves), and the writer's
+row-level security on lr.source_sessions, V0049's composites and key moves), and the writer's
 wait for delivery reading its session."""
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def test_a_replicator_role_with_create_on_the_schema_only_creates_a_table_the_si
 
 def test_a_writer_role_waits_until_its_sink_is_ready(lr_sites, made):
     """A writer's ``client.wait_until_ready`` (docs/security.md: one of the application's waits) reads
-    its sessions' backlog through ``lr.session_backlogs`` (V0052): not ready while nothing replicates,
+    its sessions' backlog through ``lr.session_backlogs`` (V0051): not ready while nothing replicates,
     said so; a writer of another client is refused them. Before, it failed with "permission denied for
     table source_sessions": it read the sessions and the log itself."""
     source = lr_sites[0]

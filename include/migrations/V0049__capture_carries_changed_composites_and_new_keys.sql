@@ -10,7 +10,7 @@
 -- table computes them anew (one catalog read), as does one of a table whose columns' types changed
 -- since it was opened (a column made a composite then); a table without either pays nothing. When
 -- they differ, its entries carry them; a sink whose own differ refuses the batch, naming the
--- type and both definitions. Otherwise V0042's function, with V0043's setting kept.
+-- type and both definitions.
 CREATE FUNCTION lr.capture_composites(lr_rel pg_catalog.regclass) RETURNS pg_catalog.text
 LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
@@ -57,6 +57,24 @@ BEGIN
 END
 $$;
 
+-- And a primary-key change carries the row's new key with its old one. An UPDATE that
+-- changed keys wrote the old keys as gone (op d), then the new rows (op u), and every sink deleted
+-- the old key's row: a sink whose foreign key to the table is the ordinary NOT DEFERRABLE
+-- REFERENCES ... ON UPDATE CASCADE (ON DELETE NO ACTION) refused that delete while children still
+-- referenced the old key, at every cycle, for good. The gone keys' entry now lists, under "to",
+-- each row's new key in the order of "rows" (its old keys), so a sink moves the row to its new key
+-- in place (an UPDATE: the sink's own ON UPDATE rules act as the source's did) wherever that cannot
+-- meet another row's key, and deletes it as before elsewhere (tables/runs.py).
+--
+-- The pairing: the old and the new key of a row are the rows of the same position in the
+-- statement's transition tables lr_old and lr_new, as the gone keys were already found (V0026).
+-- PostgreSQL appends both in one call for each updated row (trigger.c, AfterTriggerSaveEvent:
+-- old_tuplestore then new_tuplestore), and a row moved between partitions has its old row
+-- appended by the delete from its partition (nodeModifyTable.c, ExecDeleteEpilogue) right before
+-- its new row by the insert into the other one (tests/guarantees/test_table_key_moves.py: many
+-- rows, swaps, id + 1 over a deferrable key, partitions). Entries written before V0049 have no
+-- "to" and apply as before. Otherwise V0042's function (its SET clauses and V0043's
+-- quote_all_identifiers = off kept: a CREATE OR REPLACE replaces them).
 CREATE OR REPLACE FUNCTION lr.capture_table_changes() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -190,8 +208,9 @@ BEGIN
             EXECUTE pg_catalog.format($q$
                 INSERT INTO lr.log_entries (stream, tag_ids, client_id, table_id, message)
                 SELECT 3, $1, $2, $3, pg_catalog.convert_to((pg_catalog.jsonb_build_object(
-                    'op', 'd', 'rows', pg_catalog.jsonb_agg(lr_gone.lr_key ORDER BY lr_gone.lr_seq)) || $6)::text, 'UTF8')
-                FROM (SELECT lr_k.lr_key, pg_catalog.row_number() OVER (ORDER BY lr_k.lr_seq) AS lr_seq
+                    'op', 'd', 'rows', pg_catalog.jsonb_agg(lr_gone.lr_key ORDER BY lr_gone.lr_seq),
+                    'to', pg_catalog.jsonb_agg(lr_gone.lr_to ORDER BY lr_gone.lr_seq)) || $6)::text, 'UTF8')
+                FROM (SELECT lr_k.lr_key, lr_m.lr_key AS lr_to, pg_catalog.row_number() OVER (ORDER BY lr_k.lr_seq) AS lr_seq
                       FROM (SELECT (%1$s) - $4 AS lr_key, pg_catalog.row_number() OVER () AS lr_seq
                             FROM lr_old lr_row) lr_k
                       JOIN (SELECT (%1$s) - $4 AS lr_key, pg_catalog.row_number() OVER () AS lr_seq
@@ -217,12 +236,13 @@ BEGIN
             CASE TG_OP WHEN 'DELETE' THEN '$4' ELSE '$5' END, CASE TG_OP WHEN 'DELETE' THEN 'lr_old' ELSE 'lr_new' END)
         USING lr_tags, lr_client_id, lr_table_id, lr_nonkey, lr_generated, lr_extra;
     ELSE
-    IF TG_OP = 'UPDATE' THEN  -- the old key of every row whose key changed goes first
+    IF TG_OP = 'UPDATE' THEN  -- the old key of every row whose key changed goes first, with its new key
         INSERT INTO lr.log_entries (stream, tag_ids, client_id, table_id, message)
         SELECT 3, lr_tags, lr_client_id, lr_table_id,
                pg_catalog.convert_to((pg_catalog.jsonb_build_object(
-                   'op', 'd', 'rows', pg_catalog.jsonb_agg(lr_gone.lr_key ORDER BY lr_gone.lr_seq)) || lr_types)::text, 'UTF8')
-        FROM (SELECT lr_k.lr_key, pg_catalog.row_number() OVER (ORDER BY lr_k.lr_seq) AS lr_seq
+                   'op', 'd', 'rows', pg_catalog.jsonb_agg(lr_gone.lr_key ORDER BY lr_gone.lr_seq),
+                   'to', pg_catalog.jsonb_agg(lr_gone.lr_to ORDER BY lr_gone.lr_seq)) || lr_types)::text, 'UTF8')
+        FROM (SELECT lr_k.lr_key, lr_m.lr_key AS lr_to, pg_catalog.row_number() OVER (ORDER BY lr_k.lr_seq) AS lr_seq
               FROM (SELECT pg_catalog.to_jsonb(lr_o.*) - lr_nonkey AS lr_key, pg_catalog.row_number() OVER () AS lr_seq
                     FROM lr_old lr_o) lr_k
               JOIN (SELECT pg_catalog.to_jsonb(lr_n.*) - lr_nonkey AS lr_key, pg_catalog.row_number() OVER () AS lr_seq

@@ -1,4 +1,4 @@
--- lr schema v51: each replicator member says which sites it cannot reach now. Members shared a
+-- lr schema v50: each replicator member says which sites it cannot reach now. Members shared a
 -- source's sessions by the source alone: a member cut off from a sink (a stalled or half-open link,
 -- a firewall) while it still reached the source kept that sink's sessions for as long as the cut
 -- lasted, its cycles failing and retried, while a member beside it that reached the sink never took

@@ -1,4 +1,4 @@
--- lr schema v52: what each session of this source still has to deliver (lr.session_backlogs), read
+-- lr schema v51: what each session of this source still has to deliver (lr.session_backlogs), read
 -- as the schema's owner for a caller that may read the session's client (lr.caller_reads_client:
 -- a writer of it, a replicator, the owner). A writer's client.wait_until_ready read the sessions'
 -- state, lr.log_commits and lr.log_entries itself, none of which a writer may read: it failed with
