@@ -17,16 +17,19 @@ import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg2
 import yaml
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import ValidationError
 from psycopg2.extensions import parse_dsn
 
 from airflow_provider_lr.engine.errors import CONTROL_CHARS, ConfigurationError, one_line
+
+if TYPE_CHECKING:
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import ValidationError
 
 # Names become SQL literals, stream tags, queue names and file names: one pattern each, matched
 # with fullmatch (``re.match`` with ``$`` lets a trailing newline through).
@@ -170,7 +173,16 @@ SCHEMA: dict[str, Any] = {
         },
     },
 }
-_VALIDATOR = Draft202012Validator(SCHEMA)
+
+
+@cache
+def _validator() -> Draft202012Validator:
+    """Built at the first document read: importing ``jsonschema`` (its format checkers pull in
+    date and URI libraries) was most of every ``lr`` command's start, ``lr --help`` included."""
+    from jsonschema import Draft202012Validator
+
+    return Draft202012Validator(SCHEMA)
+
 
 # a DSN (key=value or URI form) that carries a password: never stored in a topology document
 # (a URI's user:password@, the password with an unescaped '/' too: libpq reads "user:pass" as host
@@ -311,7 +323,9 @@ def validate(doc: Any, origin: Origin | None = None) -> None:
         raise origin.error([], f"{what}: a topology is a mapping of sites:, replication: (docs/topology.md)")
     for path, number in _non_finite(doc, []):
         raise origin.error(path, f"{number} is not a finite number")
-    errors = sorted(_VALIDATOR.iter_errors(doc), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
+    errors = sorted(
+        _validator().iter_errors(doc), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path)))
+    )
     if errors:
         raise _explain(errors[0], origin)
     for index, site in enumerate(doc["sites"]):
