@@ -80,26 +80,40 @@ def test_fan_out_with_a_sink_down_delivers_the_other_and_fails_to_be_retried(air
 
 
 @pytest.mark.slow
-def test_spark_fan_out_with_a_sink_on_another_topology_fails_naming_the_session_not_spark_submit(
+def test_spark_fan_out_refused_for_good_by_its_sessions_errors_kinds_named_not_spark_submit(
     airflow_sites,
+    made,
     monkeypatch,
     tmp_path,  # noqa: F811
 ):
+    """A sink on another topology, a sink login without lr's grants: the job's result carries each
+    session's error's kind, so the operator fails for good (not retried), naming both sessions."""
     source, sink_b, sink_c = airflow_sites.sites
     app = _app_with_sinks_in_log_entry_sync(source)
     app.put("x", 1, ["site-b", "site-c"])
     sink_c.query("UPDATE lr.topology SET topology_config_id = 'other'")  # site-c set up elsewhere
+    consumer = made.name("consumer")
+    made.grant(sink_b, "consumer", consumer, ["policy"])
+    conn = {**sink_b.server.airflow_conn(sink_b.dbname), "login": consumer}
+    monkeypatch.setenv("AIRFLOW_CONN_LR_SITE_B", json.dumps(conn))  # its login at site-b: a consumer, not a replicator
     monkeypatch.setenv("AIRFLOW_CONN_SPARK_LOCAL", json.dumps({"conn_type": "spark", "host": "local[1]"}))
     monkeypatch.setenv("PATH", f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     op = LRSparkFanOutOperator(
         task_id="fanout", source="site-a", conn_id="spark_local", tasks=1, conf={"spark.ui.enabled": "false"}
     )
-    with pytest.raises(AirflowException) as failed:  # before: the job said ok, the session "skipped"
+    # before: an AirflowException (the job's errors were words only), retried as often as the task's
+    # retries say; before that, the job said ok, the sessions "skipped", or only spark-submit's
+    # "Cannot execute: spark-submit ... Error code is: 1"
+    with pytest.raises(FinalRefusal) as failed:
         op.execute({})
-    said = str(failed.value)  # before (once the job failed): "Cannot execute: spark-submit ... Error code is: 1"
-    assert said.startswith("Spark job lr_fanout.py failed: site-a->site-c/policy: "), said
-    assert "topology config id mismatch" in said and "Cannot execute" not in said, said
-    assert [p for k, p in queue(sink_b, "site-a") if k == "log"] == ["x=1"]  # the other sink delivered
+    said = str(failed.value)
+    assert said.startswith("Spark job lr_fanout.py refused: session site-a->site-b/policy: "), said
+    assert "permission denied" in said and consumer in said and "lr roles grant replicator" in said, said
+    assert "session site-a->site-c/policy: " in said and "topology config id mismatch" in said, said
+    assert "Cannot execute" not in said, said
+    decision = op.retry_policy.evaluate(failed.value, 1, 4) if op.retry_policy else None
+    assert decision is not None and decision.action.value == "fail"
+    assert [p for k, p in queue(sink_b, "site-a") if k == "log"] == []
     assert [p for k, p in queue(sink_c, "site-a") if k == "log"] == []
     app.close()
