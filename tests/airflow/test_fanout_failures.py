@@ -6,6 +6,7 @@ ERROR line naming what, where and what to do; a session legitimately not the fan
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import sys
@@ -117,3 +118,41 @@ def test_spark_fan_out_refused_for_good_by_its_sessions_errors_kinds_named_not_s
     assert [p for k, p in queue(sink_b, "site-a") if k == "log"] == []
     assert [p for k, p in queue(sink_c, "site-a") if k == "log"] == []
     app.close()
+
+
+def test_a_spark_jobs_own_failure_on_a_missing_grant_carries_its_kind_and_fails_the_task_for_good(
+    airflow_sites, made, tmp_path, monkeypatch
+):
+    """A job that fails as a whole (``lr_spark.run``: its body raised, e.g. the table snapshot's
+    source read refused to a login without lr's grants): its result says the error's kind
+    (``error_kind``) and words naming the role and the grant, and the Spark operators' rule fails
+    the task for good. Before, the result held ``{type}: {message}`` only, and the task was retried."""
+    import argparse
+
+    from airflow_provider_lr.operators.common import refused_in_result
+    from airflow_provider_lr.paths import spark_jobs_dir
+    from tests.engine.site.test_roles import connect_as
+
+    monkeypatch.syspath_prepend(str(spark_jobs_dir()))
+    import lr_spark
+
+    source = airflow_sites.site("site-a")
+    login = made.name("t_app")
+    source.query(f'CREATE ROLE "{login}" LOGIN; GRANT USAGE ON SCHEMA lr TO "{login}"')
+
+    def body(_: argparse.Namespace) -> dict:
+        conn = connect_as(source, login)
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SELECT count(*) FROM lr.source_sessions")
+        finally:
+            conn.close()
+        return {"ok": True}
+
+    result_file = tmp_path / "result.json"
+    assert lr_spark.run(body, argparse.Namespace(result_file=str(result_file))) == 1
+    result = json.loads(result_file.read_text())
+    assert result["error_kind"] == "insufficient_privilege", result
+    said = str(refused_in_result(logging.getLogger(__name__), "Spark job lr_table_snapshot.py", result))
+    assert said.startswith("Spark job lr_table_snapshot.py refused: role "), said
+    assert login in said and "lr roles grant replicator" in said and "permission denied" in said, said
