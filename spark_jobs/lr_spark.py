@@ -23,6 +23,7 @@ from typing import Any
 from pyspark.sql import SparkSession
 
 from airflow_provider_lr.engine.bulk.peak_memory import process_peak_kb
+from airflow_provider_lr.engine.db.explained import failure, refused_kind
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, require_counts
 from airflow_provider_lr.engine.store import topology as topologies
 
@@ -100,10 +101,12 @@ def run(main: Callable[[argparse.Namespace], dict[str, Any]], args: argparse.Nam
         result = main(args)
     except LRError as exc:
         log.error("%s", exc)
-        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "error_kind": refused_kind(exc)}
     except Exception as exc:  # report it in the result line too; the traceback goes to stderr
         traceback.print_exc()
-        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        # ``failure``: a missing grant names the role and the grant to give; ``error_kind``: whether a
+        # retry mends it, for the operator's one rule (``operators/common.refused_for_good``)
+        result = {"ok": False, "error": failure(exc), "error_kind": refused_kind(exc)}
     line = json.dumps(result, sort_keys=True, default=str)
     print(RESULT_PREFIX + line, flush=True)
     if args.result_file:

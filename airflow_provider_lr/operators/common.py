@@ -16,12 +16,12 @@ import psycopg2
 import psycopg2.errors
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.db.explained import refused_kind
 from airflow_provider_lr.engine.db.timeouts import Timeouts, failure
 from airflow_provider_lr.engine.db.topology_schema import ONE_LINE_PATTERN, form_pattern
 from airflow_provider_lr.engine.errors import (
     ConfigurationError,
     LRError,
-    SchemaError,
     TopologyMismatchError,
     one_line,
     without_statement,
@@ -254,18 +254,33 @@ def final_refusals(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def refused_for_good(log: logging.Logger | Any, step: str, exc: BaseException, where: str = "") -> FinalRefusal | None:
     """The failures no retry mends, as a ``FinalRefusal`` (its ERROR line said) to raise; None for
-    any other: an Airflow connection not defined, and a login without lr's grant (psycopg2's
-    ``InsufficientPrivilege``: ``failure`` names the role and the grant to give). The one rule of
-    lr's sensors and operators (``finals_refused``; the fan-out asks it of each session its plan
-    could not take up); ``where`` (``"source site-a: "``) prefixes the reason."""
+    any other: an Airflow connection not defined, a login without lr's grant (psycopg2's
+    ``InsufficientPrivilege``: ``failure`` names the role and the grant to give; or the schema's
+    version unreadable for it), the sites on another topology than the file in hand (the engine's
+    ``refused_kind``). The one rule of lr's sensors and operators (``finals_refused``; the fan-out
+    asks it of each session its plan could not take up; a Spark job's result carries the kinds,
+    ``refused_in_result``); ``where`` (``"source site-a: "``) prefixes the reason."""
     if isinstance(exc, ConnectionMissing):  # waiting or retrying would not define it
         return refuse(log, step, f"{where}{one_line(exc)}")
-    if isinstance(exc, psycopg2.errors.InsufficientPrivilege):  # a login without lr's grant
-        return refuse(log, step, f"{where}{without_statement(failure(exc))}")
-    if isinstance(exc, SchemaError) and isinstance(exc.__cause__, psycopg2.errors.InsufficientPrivilege):
-        # a login without any of lr's grants cannot read the schema's version: said so, as lr's own error
-        return refuse(log, step, f"{where}{one_line(exc)}")
-    return None
+    kind = refused_kind(exc)
+    if kind is None:
+        return None
+    said = without_statement(failure(exc)) if isinstance(exc, psycopg2.Error) else one_line(exc)
+    return refuse(log, step, f"{where}{said}")
+
+
+def refused_in_result(log: logging.Logger | Any, step: str, result: dict[str, Any]) -> FinalRefusal | None:
+    """``refused_for_good`` of a Spark job's result, which carries its errors as words and their
+    kinds (``error_kind``: the job's own error's; ``refused``: each session's): a ``FinalRefusal``
+    naming them when any is one no retry mends; None otherwise. Before, ``LRSparkFanOutOperator`` retried a
+    login without lr's grant as if transient: the job's errors were strings, not exceptions."""
+    if result.get("error_kind"):
+        return refuse(log, step, without_statement(str(result.get("error") or result["error_kind"])))
+    errors = result.get("errors") or {}
+    refused = sorted((result.get("refused") or {}).items())
+    if not refused:
+        return None
+    return refuse(log, step, "; ".join(f"session {s}: {without_statement(str(errors.get(s, k)))}" for s, k in refused))
 
 
 @contextlib.contextmanager

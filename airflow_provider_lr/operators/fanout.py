@@ -16,14 +16,13 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException
 
 from airflow_provider_lr.engine.db.timeouts import Purpose
-from airflow_provider_lr.engine.errors import TopologyMismatchError, one_line, require_counts
+from airflow_provider_lr.engine.errors import require_counts
 from airflow_provider_lr.hooks.site import LRSiteHook
 from airflow_provider_lr.operators import telemetry
 from airflow_provider_lr.operators.common import (
     final_refusals,
     finals_refused,
     load_topology,
-    refuse,
     refused_for_good,
 )
 
@@ -76,8 +75,6 @@ class LRFanOutOperator(BaseOperator):
         for session in result.errors:
             telemetry.session_error(session)
         for session, exc in driver.failures.items():  # the others delivered first; what no retry mends fails for good
-            if isinstance(exc, TopologyMismatchError):  # as ``check_topology`` refuses a site's other topology
-                raise refuse(self.log, step, f"session {session}: {one_line(exc)}")
             final = refused_for_good(self.log, step, exc, f"session {session}: ")
             if final is not None:
                 raise final

@@ -35,7 +35,9 @@ from airflow_provider_lr.operators.common import (
     FANOUT_JOB,
     SNAPSHOT_TRANSFER_JOB,
     TABLE_SNAPSHOT_JOB,
+    final_refusals,
     load_topology,
+    refused_in_result,
     spark_unavailable,
     topology_path,
 )
@@ -84,6 +86,7 @@ class _LRSparkJobOperator(SparkSubmitOperator):
     def __init__(
         self, *, job: str, topology_path: str | None = None, application: str | None = None, **kwargs: Any
     ) -> None:
+        final_refusals(kwargs)  # a login without lr's grant, the sites on another topology: failed at once
         super().__init__(application=application or str(spark_jobs_dir() / job), **kwargs)
         self.topology_path = topology_path
         self.result: dict[str, Any] | None = None
@@ -116,6 +119,9 @@ class _LRSparkJobOperator(SparkSubmitOperator):
         Before, the task said only spark-submit's ``Cannot execute: <command>. Error code is: 1``,
         what failed left in the job's output above it."""
         result = self.result or {}
+        final = refused_in_result(self.log, f"Spark job {Path(self.application).name}", result)
+        if final is not None:  # what no retry mends, by the job's kinds of its errors: failed for good
+            raise final from None
         errors = result.get("errors") or {}
         why = result.get("error") or "; ".join(f"{where}: {error}" for where, error in sorted(errors.items()))
         said = f"Spark job {Path(self.application).name} failed: {why or result}"

@@ -16,6 +16,7 @@ from airflow_provider_lr.operators.common import (
     final_refusals,
     finals_refused,
     load_topology,
+    refused_in_result,
     site_conn_id,
     site_connection,
 )
@@ -103,6 +104,11 @@ class _LRSensor(BaseSensorOperator):
         if event.get("status") == TriggerStatus.TIMEOUT:  # past the sensor's timeout: not retried, as Airflow's
             raise AirflowSensorTimeout(f"{self.task_id}: {event.get('message', event)}")
         if event.get("status") not in _SUCCESS:
+            # what no retry mends (a grant revoked while it waited deferred): failed for good, as a poke's
+            said = {"error": event.get("message"), "error_kind": event.get("error_kind")}
+            final = refused_in_result(self.log, self.task_id, said)
+            if final is not None:
+                raise final
             raise AirflowException(f"{self.task_id}: {event.get('status')}: {event.get('message', event)}")
         self.log.info("%s: %s", self.task_id, event)
         return event

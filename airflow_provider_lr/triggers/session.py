@@ -22,7 +22,7 @@ import psycopg2
 import psycopg2.extensions
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from airflow_provider_lr.engine.db.explained import failure
+from airflow_provider_lr.engine.db.explained import failure, refused_kind
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, SiteUnreachableError, one_line
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.site.failover_record import moved_on
@@ -252,8 +252,9 @@ class _PollingTrigger(BaseTrigger):
                 pause = min(pause * 2, self.max_poll_interval)
         except Exception as exc:  # a configuration or schema problem: end the wait, the task reports it
             # ``failure``: a login lacking lr's grant (a consumer's, a writer's) is named with the grant
-            # to give; it said only "permission denied for table source_sessions"
-            yield TriggerEvent(status_event(TriggerStatus.ERROR, message=failure(exc)))
+            # to give; it said only "permission denied for table source_sessions". ``error_kind``: whether
+            # a retry mends it, for the sensor's one rule (``operators/common.refused_in_result``)
+            yield TriggerEvent(status_event(TriggerStatus.ERROR, message=failure(exc), error_kind=refused_kind(exc)))
         finally:
             if conn is not None and not conn.closed:
                 conn.close()

@@ -246,6 +246,12 @@ def test_a_wait_whose_connection_login_lacks_the_replicator_grant_ends_at_once_n
     event = asyncio.run(asyncio.wait_for(anext(trigger.run()), 30)).payload
     assert event["status"] == "error" and said in event["message"], event
     assert "lr roles grant replicator" in event["message"], event
+    # the event says its error's kind: the deferred sensor resumed on it fails for good too (before:
+    # an AirflowException, retried as often as the task's retries, each retry refused the same)
+    assert event["error_kind"] == "insufficient_privilege", event
+    deferred = LRReadySensor(task_id="ready", source="site-a", client="policy", destinations=["site-b"])
+    with pytest.raises(FinalRefusal, match=f"ready refused: {said}"):
+        deferred.execute_complete({}, event)
     with pytest.raises(FinalRefusal, match=f"role '{writer}' may not read the lr schema version"):
         # (the sensor checks the site first: a login without any of lr's grants may not read its version)
         LRReadySensor(task_id="ready", source="site-a", client="policy", destinations=["site-b"]).execute({})

@@ -72,7 +72,7 @@ from airflow_provider_lr.engine.bulk.plan import (
 )
 from airflow_provider_lr.engine.bulk.tee import tee_chunks
 from airflow_provider_lr.engine.db.conninfo import ConnInfo, connect_dsn
-from airflow_provider_lr.engine.db.explained import failure
+from airflow_provider_lr.engine.db.explained import failure, refused_kind
 from airflow_provider_lr.engine.db.lifting import lift
 from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.errors import (
@@ -308,6 +308,7 @@ class FanoutDriver:
             plan.lo,
             plan.end,
             errors=dict(plan.errors),
+            refused={s: kind for s, exc in self.failures.items() if (kind := refused_kind(exc))},
             skipped=dict(plan.skipped),
             blocked_by=list(plan.blocked_by),
             paused=paused,

@@ -123,6 +123,8 @@ class FanoutResult:
     deliveries: dict[str, int] = field(default_factory=dict)  # session -> entries made visible
     positions: dict[str, int] = field(default_factory=dict)  # session -> sink's last processed
     errors: dict[str, str] = field(default_factory=dict)
+    # session -> the kind of its error no retry mends (``db/explained.refused_kind``), for an adapter's rule
+    refused: dict[str, str] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     blocked_by: list[str] = field(default_factory=list)  # what held the commit barrier back
     partitions: int = 0  # chunks

@@ -10,7 +10,7 @@ import psycopg2
 from psycopg2 import errorcodes
 from psycopg2.extensions import parse_dsn
 
-from airflow_provider_lr.engine.errors import error_line
+from airflow_provider_lr.engine.errors import SchemaError, TopologyMismatchError, error_line
 
 # SQLSTATEs of the bounds (``timeouts``), and what each means for the session (one line each)
 _EXPLAINED = {
@@ -88,3 +88,22 @@ def failure(exc: BaseException) -> str:
     fired means (if one did), the error's type and its text."""
     why = explain(exc)
     return (f"{why}: " if why else "") + error_line(exc)
+
+
+# what no retry mends, as the word a result carries out of the process that raised it (``refused_kind``)
+PRIVILEGE = "insufficient_privilege"  # SQLSTATE 42501's name: a login without lr's grant
+TOPOLOGY = "topology_mismatch"  # the sites run another topology than the file in hand
+
+
+def refused_kind(exc: BaseException) -> str | None:
+    """Whether ``exc`` is a failure no retry mends, and which (``PRIVILEGE``, ``TOPOLOGY``); None for
+    any other. The one rule of lr's tasks (``operators/common.refused_for_good`` asks it of an
+    exception; a Spark job's result carries it for each session and for the job, where only its
+    words came back before and its operator retried a missing grant as if transient)."""
+    if isinstance(exc, TopologyMismatchError):
+        return TOPOLOGY
+    if getattr(exc, "pgcode", None) == errorcodes.INSUFFICIENT_PRIVILEGE:
+        return PRIVILEGE
+    if isinstance(exc, SchemaError) and getattr(exc.__cause__, "pgcode", None) == errorcodes.INSUFFICIENT_PRIVILEGE:
+        return PRIVILEGE  # a login without any of lr's grants cannot read the schema's version
+    return None

@@ -221,10 +221,13 @@ def lease_holders(cur: psycopg2.extensions.cursor, version: int) -> dict[tuple[s
 def refuses_writes(cur: psycopg2.extensions.cursor) -> str | None:
     """Why the site refuses every write lr makes there (its leases, fences, acks, errors), or None:
     a standby, or ``default_transaction_read_only`` set for the server or the database (a role's own,
-    as a read-only monitoring login's, is that login's alone: not said). Every session that writes
-    there fails, and where it would record why is that site: its ``last_error`` stays unwritten."""
+    as a read-only monitoring login's, is that login's alone: not said; so is one set for the role in
+    this database, ``ALTER ROLE ... IN DATABASE ... SET``, source ``database user``, which was said).
+    Every session that writes there fails, and where it would record why is that site: its
+    ``last_error`` stays unwritten."""
     cur.execute(
-        "SELECT pg_catalog.pg_is_in_recovery(), s.setting = 'on' AND s.source NOT IN ('user', 'session', 'client') "
+        "SELECT pg_catalog.pg_is_in_recovery(), s.setting = 'on' "
+        "AND s.source NOT IN ('user', 'database user', 'session', 'client') "
         "FROM pg_catalog.pg_settings s WHERE s.name = 'default_transaction_read_only'"
     )
     standby, read_only = cur.fetchone()

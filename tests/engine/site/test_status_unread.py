@@ -46,3 +46,46 @@ def test_status_json_gives_null_for_the_parts_it_did_not_read_and_metrics_no_hel
         assert said["site-a"][part] is None, (part, said["site-a"])
     assert said["site-a"]["trim_mark"] is not None and said["site-a"]["tables"] == [], said["site-a"]
     assert said["site-b"]["unread"] == [] and len(said["site-b"]["sessions"]) == 1, said["site-b"]
+
+
+def test_status_says_no_refused_writes_for_a_read_only_login_set_on_the_role_in_this_database(lr_sites):
+    """A read-only monitoring login made so for this database alone (``ALTER ROLE ... IN DATABASE ...
+    SET default_transaction_read_only``: that login's own, as ``ALTER ROLE ... SET`` is) runs
+    ``lr status``: the site takes lr's writes, so status says nothing of refused writes. Before, that
+    setting (source ``database user``) was read as the server's or the database's: "refuses writes",
+    degraded, while every session ran."""
+    from psycopg2 import sql
+
+    from tests.engine.site.test_roles import Roles, connect_as
+
+    source = lr_sites[0]
+    roles = Roles(lr_sites)
+    monitor = roles.name("monitor")
+    roles.grant(source, "replicator", monitor)
+    try:
+        admin = source.connect()
+        admin.autocommit = True
+        with admin.cursor() as cur:
+            cur.execute(
+                sql.SQL("ALTER ROLE {} IN DATABASE {} SET default_transaction_read_only = on").format(
+                    sql.Identifier(monitor), sql.Identifier(source.dbname)
+                )
+            )
+        admin.close()
+        conn = connect_as(source, monitor)
+        try:
+            with conn.cursor() as cur:  # the login's own setting is in force for it
+                cur.execute("SHOW default_transaction_read_only")
+                assert cur.fetchone()[0] == "on"
+                assert status_parts.refuses_writes(cur) is None
+        finally:
+            conn.close()
+        admin = source.connect()  # the owner's login, on the same database: writes taken
+        try:
+            with admin.cursor() as cur:
+                cur.execute("SHOW default_transaction_read_only")
+                assert cur.fetchone()[0] == "off"
+        finally:
+            admin.close()
+    finally:
+        roles.drop()  # its settings go with the role
