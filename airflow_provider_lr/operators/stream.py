@@ -29,7 +29,8 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
-from airflow_provider_lr.engine.errors import ConfigurationError, one_line
+from airflow_provider_lr.engine.db.explained import PRIVILEGE
+from airflow_provider_lr.engine.errors import ConfigurationError, one_line, without_statement
 from airflow_provider_lr.engine.store.topology import Topology
 from airflow_provider_lr.engine.vocabulary import SessionKey
 from airflow_provider_lr.hooks.site import LRSiteHook
@@ -212,6 +213,10 @@ class LRStreamOperator(BaseOperator):
                 last[r.session] = r
                 if r.error:
                     telemetry.session_error(r.session)
+            # a login without lr's grants at every session's site: no retry mends it, so the shard
+            # stops now, as the other operators do, not after ``run_for`` of failing cycles
+            if len(last) == len(sessions) and all(r.refused == PRIVILEGE for r in last.values()):
+                self._halt("every session refused for good")
 
         timer = threading.Timer(seconds, self._halt, args=("run_for",))
         timer.start()
@@ -260,6 +265,12 @@ class LRStreamOperator(BaseOperator):
         )
         if stale.error is not None:  # no retry mends it: the next run reads the file the sites run, or refuses
             raise refuse(self.log, f"shard {self.shard_name}", f"stopped: {one_line(stale.error)}")
+        if self._stopped_by == "every session refused for good":
+            raise refuse(
+                self.log,
+                f"shard {self.shard_name}",
+                "; ".join(f"session {s}: {without_statement(last[s].error)}" for s in failing),
+            )
         if len(failing) == len(sessions):
             raise AirflowFailException(
                 f"shard {self.shard_name}: every session failed: {', '.join(f'{s}: {last[s].error}' for s in failing)}"

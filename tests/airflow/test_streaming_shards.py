@@ -282,7 +282,7 @@ def test_two_shards_stream_at_the_same_time_in_two_task_processes(dagbag, airflo
     logs = [tmp_path / f"stream-{index}.log" for index in (0, 1)]
     processes = [stream_task_process(run.run_id, index, logs[index]) for index in (0, 1)]
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120  # two Airflow task processes starting on a loaded machine
         while None in holders(source, "site-b") + holders(source, "site-c"):
             assert time.monotonic() < deadline, [log.read_text()[-3000:] for log in logs]
             assert all(p.poll() is None for p in processes), [log.read_text()[-3000:] for log in logs]
@@ -348,3 +348,31 @@ def test_a_shard_streaming_when_a_failover_makes_its_file_stale_stops_and_fails_
     assert isinstance(error, FinalRefusal), ended
     assert re.search(r"shard site-a refused: stopped: .*topology", str(error)), str(error)
     assert took < 40, took
+
+
+def test_a_shard_whose_login_lacks_lrs_grants_fails_for_good_at_once_not_after_its_run_for(airflow_sites, monkeypatch):
+    """The shard's connection logs in as the client's writer, not a replicator: every session's
+    cycle is refused for the missing grant. The shard stops at once and fails for good naming the
+    role and the grant to give, as the other operators do; before, it streamed its whole ``run_for``
+    of failing cycles (600 s by default), then failed to be retried."""
+    import json
+
+    from tests.engine.site.test_roles import Roles
+
+    source = airflow_sites.sites[0]
+    made = Roles(airflow_sites.sites)
+    try:
+        writer = made.name("writer")
+        made.grant(source, "writer", writer, ["policy"])
+        conn = {**source.server.airflow_conn(source.dbname), "login": writer}
+        monkeypatch.setenv("AIRFLOW_CONN_LR_SITE_A", json.dumps(conn))
+        op = LRStreamOperator(task_id="stream", source="site-a", run_for=120)
+        started = time.monotonic()
+        with pytest.raises(FinalRefusal) as refused:
+            op.execute({})
+        said = str(refused.value)
+        assert said.startswith("shard site-a refused: session site-a->site-b/policy: "), said
+        assert "permission denied" in said and writer in said and "lr roles grant replicator" in said, said
+        assert time.monotonic() - started < 60, said  # not its run_for
+    finally:
+        made.drop()

@@ -63,6 +63,7 @@ class CycleReport:
     remaining: int = 0
     skipped: str = ""  # why the cycle did nothing (lease held elsewhere)
     error: str = ""
+    refused: str = ""  # ``explained.refused_kind`` of the error: one no retry mends (a missing grant)
     blocked_by: list[str] = field(default_factory=list)
     request_id: str = ""  # snapshot sync: the full-sync request worked on
     waiting: bool = False  # snapshot sync: the client's data has not been supplied yet

@@ -20,6 +20,7 @@ import psycopg2.extensions
 from airflow_provider_lr.engine.bulk import fanout
 from airflow_provider_lr.engine.db import reach
 from airflow_provider_lr.engine.db.encoding import talking_utf8
+from airflow_provider_lr.engine.db.explained import refused_kind
 from airflow_provider_lr.engine.db.timeouts import failure
 from airflow_provider_lr.engine.errors import (
     ConfigurationError,
@@ -272,7 +273,7 @@ class Replicator:
             try:
                 report = self._cycle(key)
             except Exception as exc:  # one session's failure must not stop the others
-                report, raised = CycleReport(str(key), error=failure(exc)), exc
+                report, raised = CycleReport(str(key), error=failure(exc), refused=refused_kind(exc) or ""), exc
             # a refusal is said as a raised failure is: a session refused run after run (a failover
             # while lr_streaming streamed, its file now stale) logged only "failed N time(s) in a row"
             times = self.failures.due(str(key), report.error) if self.failures and report.error else None
