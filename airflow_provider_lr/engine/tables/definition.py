@@ -334,6 +334,22 @@ def changed_composites(carried: Sequence[Sequence[str]], sink: Sequence[Sequence
     ]
 
 
+def retyped(recorded: Sequence[Sequence[str]], sink: Sequence[Sequence[str]]) -> list[str]:
+    """How the user-defined types a sink's table holds now (``sink``, as ``SHAPE_COMPOSITES`` reads
+    them) differ from those it held at its snapshot (``recorded``: the source's then, V0052) so that
+    a value of the source's would not read as it is: a composite reordered or retyped at the sink,
+    one no longer held. (An enum given more labels still takes every value: ``_type_holds``.) Only
+    the source's changes were compared (V0049): the sink's reorder took values fields swapped."""
+    theirs = {n: a for n, a in sink}
+    return [
+        _type_problem(n, attributes, theirs[n])
+        if n in theirs
+        else f"type {n} is ({attributes}) on the source, and the sink's table holds no such type"
+        for n, attributes in recorded
+        if n not in theirs or not _type_holds(attributes, theirs[n])
+    ]
+
+
 def misfit(sink: TableDefinition, rows: Sequence[Mapping[str, object]]) -> str:
     """What of a change's ``rows`` the sink's table cannot take, naming each column and what to do
     (``tables.sink`` refuses the batch): the columns they carry that it lacks, and its key columns

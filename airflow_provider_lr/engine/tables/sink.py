@@ -44,6 +44,7 @@ from airflow_provider_lr.engine.tables.definition import (
     misfit,
     read_definition,
 )
+from airflow_provider_lr.engine.tables.refusals import refusal_fix
 from airflow_provider_lr.engine.tables.runs import Run, compose
 from airflow_provider_lr.engine.tables.targets import (
     GENERIC,
@@ -54,7 +55,6 @@ from airflow_provider_lr.engine.tables.targets import (
     always_columns,
     guards,
     origin,
-    refusal_fix,
     types_at_snapshot,
 )
 from airflow_provider_lr.engine.vocabulary import SessionKey
@@ -297,6 +297,8 @@ class ChangeApplier:
             )
         if entry.get("composites") is not None:
             self._same_composites(target, entry["composites"])
+        else:  # the source's types are those of the snapshot: the sink's must still be
+            target.refuse_retyped(self._where())
         target.refuse_guarded(self._where())
         if target.narrowed and not entry.get("types"):  # (a change of the source's type: checked above)
             target.refuse_narrowed(carried if op == "u" else key_columns, self._where())
