@@ -203,6 +203,43 @@ def test_a_chain_of_parent_keys_shifted_by_one_arrives_at_sinks_whose_children_r
         assert errors(streaming) == []
 
 
+def test_a_chain_of_parent_keys_refused_by_a_sink_s_foreign_key_names_it_and_its_alter_then_arrives_once_made_so(
+    lr_sites,
+):
+    """The chain above (its in-place apply a strict xfail) at sinks whose children's foreign key is NOT
+    DEFERRABLE: each sink's refusal names the tables lr wrote, the foreign key and its table, and the
+    statement that makes it deferrable; once the sinks ran it the chain arrives, the children following
+    their parents. Before, the refusal named the children's table as the one refused (lr wrote the
+    parents) and said only to make "it" DEFERRABLE."""
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    on_every_site(
+        lr_sites,
+        "CREATE TABLE public.parents (id int PRIMARY KEY, name text); "
+        "CREATE TABLE public.kids (id int PRIMARY KEY, parent int CONSTRAINT kid_parent REFERENCES public.parents "
+        "ON UPDATE CASCADE)",
+    )
+    source.query(
+        "INSERT INTO public.parents SELECT g, 'p' || g FROM generate_series(3, 1, -1) g; "
+        "INSERT INTO public.kids VALUES (10, 1), (20, 2)"
+    )
+    federate(source, "public.parents")
+    federate(source, "public.kids")
+    with streaming_over(topo, lr_sites) as streaming:
+        streaming.streaming()
+        arrived(source, sinks, "public.kids", "the snapshot")
+        source.query("UPDATE public.parents SET id = id + 1")
+        told = (
+            "the sink refused changes of public.kids, public.parents: ",
+            "the sink's foreign key kid_parent of table public.kids refuses it",
+            "(ALTER TABLE public.kids ALTER CONSTRAINT kid_parent DEFERRABLE; checked at the apply's commit)",
+        )
+        wait_for(lambda: sum(all(t in e for t in told) for e in errors(streaming)) >= len(sinks), 30, "the refusals")
+        on_every_site(sinks, "ALTER TABLE public.kids ALTER CONSTRAINT kid_parent DEFERRABLE")
+        arrived(source, sinks, "public.parents", "the chain, once the sinks' foreign key is deferrable")
+        arrived(source, sinks, "public.kids", "the children, following their parents")
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="one statement moves a row and the row referencing it (nodes 2 -> 200 and 3 -> 300, 3's up = 2): the "

@@ -3,6 +3,8 @@ is kept, and this says what to do about it (``tables.sink``, ``tables.range_copy
 
 from __future__ import annotations
 
+import re
+
 import psycopg2
 
 # SQLSTATEs of a name PostgreSQL did not find: a table, a column, a function or operator, an object, a schema
@@ -38,10 +40,22 @@ def refusal_fix(exc: psycopg2.Error) -> str:
             "ATTRIBUTE): give the sink's type the source's definition"
         )
     if exc.pgcode == "23503" and "function" not in (exc.diag.context or ""):  # foreign_key_violation
+        constraint, table = exc.diag.constraint_name, exc.diag.table_name
+        named = (
+            f"{_ident(constraint)} of table {_ident(exc.diag.schema_name or 'public')}.{_ident(table)}"
+            if constraint and table
+            else "of the sink's"
+        )
+        fix = (
+            f"ALTER TABLE {_ident(exc.diag.schema_name or 'public')}.{_ident(table)} ALTER CONSTRAINT "
+            f"{_ident(constraint)} DEFERRABLE"
+            if constraint and table
+            else "ALTER TABLE ... ALTER CONSTRAINT ... DEFERRABLE"
+        )
         return (
-            "a foreign key of the sink's refuses it: one the source has not, or one the apply meets in an order the "
-            "source did not (one statement moved a key onto another's old key, or a row and one referencing it: "
-            "docs/tables.md): make it DEFERRABLE (checked at the apply's commit), or drop it"
+            f"the sink's foreign key {named} refuses it: one the source has not, or one the apply meets in an order "
+            "the source did not (one statement moved a key onto another's old key, or a row and one referencing it: "
+            f"docs/tables.md): make it DEFERRABLE ({fix}; checked at the apply's commit), or drop it"
         )
     if "function" not in (exc.diag.context or ""):
         return "the sink's table has a constraint, trigger or privilege the source's has not: fix it there"
@@ -56,3 +70,8 @@ def refusal_fix(exc: psycopg2.Error) -> str:
         "fix it there; a trigger that does again what the source's did (writes rows the source replicates too) "
         "must skip lr's apply: IF pg_catalog.current_setting('lr.applying', true) = 'on' THEN RETURN NULL; END IF"
     )
+
+
+def _ident(name: str) -> str:
+    """``name`` as SQL would need it written (quoted unless a plain lower-case identifier), for a message."""
+    return name if re.fullmatch(r"[a-z_][a-z0-9_$]*", name) else '"' + name.replace('"', '""') + '"'

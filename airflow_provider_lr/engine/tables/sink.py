@@ -378,6 +378,8 @@ class ChangeApplier:
             failed = getattr(exc.diag, "table_name", None)
             tables = sorted({str(t.table) for t in self.targets.values() if t is not None})
             named = f"table {exc.diag.schema_name}.{failed}" if failed else f"changes of {', '.join(tables)}"
+            if exc.pgcode == "23503" and failed:  # the foreign key's table, not always the one lr wrote
+                named = f"changes of {', '.join(tables)}"
             raise ApplyError(
                 f"{self._where()}: the sink refused {named}: {one_line(exc)}. Nothing of the batch was applied; "
                 f"{refusal_fix(exc)}, and the next cycle applies the batch"
