@@ -45,7 +45,7 @@ from airflow_provider_lr.engine.tables.definition import (
     read_definition,
 )
 from airflow_provider_lr.engine.tables.refusals import refusal_fix
-from airflow_provider_lr.engine.tables.runs import Run, compose
+from airflow_provider_lr.engine.tables.runs import Run, compose, layers
 from airflow_provider_lr.engine.tables.targets import (
     GENERIC,
     Expected,
@@ -279,6 +279,7 @@ class ChangeApplier:
         columns, key_columns = set(d.column_names), set(d.key)
         carried = set(rows[0]) if rows and op == "u" else columns
         bad = sum(1 for r in rows if not key_columns <= set(r) or (op == "u" and not set(r) == carried <= columns))
+        moved_to: list = []
         if op == "d" and "to" in entry:  # a key change (V0049): each old key with its row's new key
             op = "k"
             moved_to = entry["to"]
@@ -312,12 +313,15 @@ class ChangeApplier:
                 or (run.tid, run.op, run.text, run.absent) != (tid, op, text, absent)
                 or key in run.keys
                 or (target.deferrable_key and run.keys)  # one row a run: see ``_compose``
+                or (op == "k" and n == 1)  # a statement's key changes a run of their own: ``runs.layers``
             ):
                 run = Run(tid, op, text, absent)
                 self.runs.append(run)
             if key is not None:
                 run.keys.add(key)
             run.take(message, n)
+        if op == "k" and run is not None:  # in the order the source's key took them (a chain ``id + 1``)
+            run.layers = layers([_key(r, d.key, floats) for r in rows], [_key(r, d.key, floats) for r in moved_to])
 
     def _same_composites(self, target: Target, carried: list) -> None:
         """Refuse a change whose composites (the source's, carried once they changed there: V0049)
@@ -358,7 +362,13 @@ class ChangeApplier:
                 *(
                     self.cur.mogrify(
                         self._statement(run, as_text),
-                        {"docs": [doc(m) for m in run.docs], "lo": run.lo, "hi": run.hi, "text": list(run.text)},
+                        {
+                            "docs": [doc(m) for m in run.docs],
+                            "lo": run.lo,
+                            "hi": run.hi,
+                            "text": list(run.text),
+                            "layers": run.layers,
+                        },
                     )
                     for run in runs
                 )
@@ -391,7 +401,8 @@ class ChangeApplier:
         t = target
         key = (t.definition, t.source, t.primary, t.shared, t.deferrable_key, t.always, t.key_always)
         return self.lookup.statement(
-            (*key, run.op, run.text, run.absent, as_text), lambda: compose(target, run, as_text)
+            (*key, run.op, run.text, run.absent, as_text, max(run.layers, default=0)),
+            lambda: compose(target, run, as_text),
         )
 
     def _where(self) -> str:
