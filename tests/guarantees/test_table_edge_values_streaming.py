@@ -336,3 +336,37 @@ def test_a_parent_key_change_cascaded_on_update_arrives_at_sinks_whose_foreign_k
         arrived(source, [site_b, site_c], "public.parents", "the parents' new keys")
         arrived(source, [site_b, site_c], "public.kids", "the children's cascaded references")
     assert errors(streaming) == []
+
+
+def test_a_sink_table_with_inheritance_children_is_refused_naming_them_and_its_children_s_rows_are_kept(lr_sites):
+    """site-b's table has an inheritance child holding rows of its own before the snapshot; site-c's is
+    given one while the table streams. A DELETE of a table reaches its children's rows: the snapshot's
+    clearing deleted site-b's own rows, silently, and a source's delete of key 2 deleted site-c's. Each
+    is refused now, naming the children and the ALTER that takes them out, nothing applied, the
+    children's rows kept; once out of the hierarchy, the rows arrive. (A partitioned sink table is fine.)"""
+    source, site_b, site_c = lr_sites
+    topo = apply(lr_sites)
+    on_every_site(lr_sites, "CREATE TABLE public.acc (id int PRIMARY KEY, v text)")
+    site_b.query(
+        "CREATE TABLE public.acc_b (note text) INHERITS (public.acc); INSERT INTO public.acc_b VALUES (2, 'b')"
+    )
+    source.query("INSERT INTO public.acc SELECT g, 'v' || g FROM generate_series(1, 3) g")
+    federate(source, "public.acc")
+    children = "SELECT id, v FROM ONLY public.{} ORDER BY id"
+    with streaming_over(topo, lr_sites) as streaming:
+        told = "the sink's table public.acc has inheritance children (public.acc_{0}): "
+        fix = "(ALTER TABLE public.acc_{0} NO INHERIT public.acc)"
+        refused = lambda s: any(told.format(s) in e and fix.format(s) in e for e in errors(streaming))  # noqa: E731
+        wait_for(lambda: refused("b"), 30, "site-b's refusal of the snapshot")
+        arrived(source, [site_c], "public.acc", "site-c's snapshot")
+        site_c.query("CREATE TABLE public.acc_c () INHERITS (public.acc); INSERT INTO public.acc_c VALUES (2, 'c')")
+        source.query("DELETE FROM public.acc WHERE id = 2")
+        wait_for(lambda: refused("c"), 30, "site-c's refusal of the delete")
+        assert site_b.query(children.format("acc_b")) == [(2, "b")] and site_c.query(children.format("acc_c")) == [
+            (2, "c")
+        ]
+        assert site_b.query("SELECT count(*) FROM ONLY public.acc") == [(0,)]  # nothing of the snapshot applied
+        site_b.query("ALTER TABLE public.acc_b NO INHERIT public.acc")
+        site_c.query("ALTER TABLE public.acc_c NO INHERIT public.acc")
+        arrived(source, [site_b, site_c], "public.acc", "the rows, once the children are out of the hierarchy")
+    assert site_b.query(children.format("acc_b")) == [(2, "b")] and site_c.query(children.format("acc_c")) == [(2, "c")]

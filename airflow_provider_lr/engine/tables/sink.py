@@ -187,7 +187,7 @@ def prepare(
             (str(table), client, source, list(sink_def.key), f"lrq_table_{client}"),
         )
     target = Target(sink_def, source, *origin(cur, table, source), left_out, **always_columns(cur, table))
-    target.guarded_by, target.rules, target.unlogged = guards(cur, table)
+    target.guarded_by, target.rules, target.unlogged, target.inherited = guards(cur, table)
     target.refuse_guarded(where)
     return target
 

@@ -63,6 +63,7 @@ class Target:
     guarded_by: str = ""  # lr's role at the sink, when the table's row-level security applies to it
     rules: str = ""  # the sink table's rules that rewrite lr's writes to it (``_RULES``), quoted, comma-separated
     unlogged: bool = False  # the sink's table is UNLOGGED: a crash of the sink empties it, lr's position stays
+    inherited: str = ""  # the sink table's inheritance children (not partitions: ``_INHERITED``), comma-separated
     # the user-defined types its columns hold that the sink altered since its snapshot so that the
     # source's values no longer read as they are (a composite reordered: ``definition.retyped``), each
     # with how: every change of the table is refused, unless it carries the source's types (V0049)
@@ -88,6 +89,15 @@ class Target:
                 f"{where}: the sink's table {self.table} is unlogged: a crash of the sink's server empties it while "
                 "lr's position there stays, so the rows it held would be lost silently. Nothing was applied; "
                 f"make it logged (ALTER TABLE {self.table} SET LOGGED)"
+            )
+        if self.inherited:
+            first = self.inherited.split(", ")[0]
+            raise SchemaMismatchError(
+                f"{where}: the sink's table {self.table} has inheritance children ({self.inherited}): a DELETE or "
+                "UPDATE of a table reaches its children's rows too, so lr's deletes, key moves and a snapshot's or "
+                "TRUNCATE's clearing would change rows that are not the source's, silently. Nothing was applied; take "
+                f"them out of the hierarchy (ALTER TABLE {first} NO INHERIT {self.table}) or sync into a table "
+                "without children (a partitioned table's partitions are fine)"
             )
         if self.rules:
             first = self.rules.split(", ")[0]
@@ -160,6 +170,13 @@ _RULES = (
     "AND r.ev_enabled IN ('O', 'A') AND (r.is_instead OR r.ev_type <> '4')), '')"
 )
 
+# The inheritance children of table oid {oid} (not its partitions), comma-separated ('' when none)
+_INHERITED = (
+    "COALESCE((SELECT pg_catalog.string_agg(pg_catalog.quote_ident(n.nspname) || '.' || pg_catalog.quote_ident("
+    "c.relname), ', ' ORDER BY 1) FROM pg_catalog.pg_inherits i JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid "
+    "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE i.inhparent = {oid} AND NOT c.relispartition), '')"
+)
+
 # Whether table oid {oid} is UNLOGGED (crash recovery empties it: lr's position would outlive its rows)
 _UNLOGGED = "(SELECT c.relpersistence = 'u' FROM pg_catalog.pg_class c WHERE c.oid = {oid})"
 
@@ -215,17 +232,18 @@ def types_at_snapshot(cur: psycopg2.extensions.cursor, table: TableName) -> dict
     return recorded
 
 
-def guards(cur: psycopg2.extensions.cursor, table: TableName) -> tuple[str, str, bool]:
+def guards(cur: psycopg2.extensions.cursor, table: TableName) -> tuple[str, str, bool, str]:
     """What would hide or lose rows lr writes to ``table`` here (``Target.refuse_guarded``): lr's role
     when the table's row-level security applies to it, the rules that rewrite its writes (each ''
-    if none), and whether it is unlogged."""
+    if none), whether it is unlogged, and its inheritance children ('' if none)."""
     oid = "pg_catalog.to_regclass(%(t)s)"
     cur.execute(
-        f"SELECT {_GUARDED.format(oid=oid)}, {_RULES.format(oid=oid)}, {_UNLOGGED.format(oid=oid)}",
+        f"SELECT {_GUARDED.format(oid=oid)}, {_RULES.format(oid=oid)}, {_UNLOGGED.format(oid=oid)}, "
+        f"{_INHERITED.format(oid=oid)}",
         {"t": table.ident.as_string(cur)},
     )
-    guard, rules, unlogged = cur.fetchone()
-    return guard, rules, unlogged
+    guard, rules, unlogged, inherited = cur.fetchone()
+    return guard, rules, unlogged, inherited
 
 
 def target_of(cur: psycopg2.extensions.cursor, source: str, table: TableName, where: Callable[[], str]) -> Target:
@@ -270,6 +288,8 @@ _TARGETS = (
     + _RULES.format(oid="t.oid")
     + ", "
     + _UNLOGGED.format(oid="t.oid")
+    + ", "
+    + _INHERITED.format(oid="t.oid")
     + ", st.composites, CASE WHEN st.composites IS NOT NULL THEN pg_catalog.to_jsonb("
     + SHAPE_COMPOSITES
     + ") END"
@@ -404,6 +424,7 @@ class TargetLookup:
             guard,
             rules,
             unlogged,
+            inherited,
             composites_then,
             composites_now,
             text,
@@ -427,6 +448,7 @@ class TargetLookup:
                     guarded_by=guard,
                     rules=rules,
                     unlogged=bool(unlogged),
+                    inherited=inherited,
                     retyped=tuple(retyped(composites_then or (), composites_now or ())),
                 )
                 read[tid] = (target, text)
