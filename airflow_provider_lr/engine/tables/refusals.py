@@ -68,7 +68,8 @@ def refusal_fix(exc: psycopg2.Error) -> str:
     return (
         "a function of the sink's that lr's write ran (a trigger: the sink's triggers fire on lr's writes) failed: "
         "fix it there; a trigger that does again what the source's did (writes rows the source replicates too) "
-        "must skip lr's apply: IF pg_catalog.current_setting('lr.applying', true) = 'on' THEN RETURN NULL; END IF"
+        "must skip lr's apply: IF pg_catalog.current_setting('lr.applying', true) = 'on' THEN RETURN COALESCE(NEW, "
+        "OLD); END IF (NEW or OLD, not NULL: a BEFORE row trigger returning NULL skips lr's write of the row, silently)"
     )
 
 
