@@ -28,7 +28,7 @@ from airflow_provider_lr.engine.db.prepared import Prepared
 from airflow_provider_lr.engine.errors import SchemaMismatchError
 from airflow_provider_lr.engine.tables.definition import (
     SHAPE_COLUMNS,
-    SHAPE_COMPOSITES,
+    COMPOSITES_NOW,
     TableDefinition,
     TableName,
     narrowed,
@@ -290,13 +290,12 @@ _TARGETS = (
     + _UNLOGGED.format(oid="t.oid")
     + ", "
     + _INHERITED.format(oid="t.oid")
-    + ", st.composites, CASE WHEN st.composites IS NOT NULL THEN pg_catalog.to_jsonb("
-    + SHAPE_COMPOSITES
-    + ") END"
+    + ", st.composites, "
+    + COMPOSITES_NOW.format(recorded="st.composites")
     + " FROM pg_catalog.unnest(%(tids)s::int[]) w(tid) "
     # the types as the snapshot was taken (V0040, V0052; read so that a sink older than them reads none)
     "CROSS JOIN LATERAL (SELECT w.tid, s.table_name, s.state, pg_catalog.to_jsonb(s) -> 'column_types' AS types, "
-    "pg_catalog.to_jsonb(s) -> 'composites' AS composites "
+    "NULLIF(pg_catalog.to_jsonb(s) -> 'composites', 'null'::pg_catalog.jsonb) AS composites "
     "FROM lr.sink_tables s WHERE s.source_site_id = %(source)s "
     "AND s.client_name = %(client)s AND s.source_table_id = w.tid LIMIT 1) st "
     "CROSS JOIN LATERAL (SELECT pg_catalog.to_regclass(pg_catalog.quote_ident(pg_catalog.split_part(st.table_name, "
