@@ -27,8 +27,8 @@ from airflow_provider_lr.engine.db.encoding import as_json
 from airflow_provider_lr.engine.db.prepared import Prepared
 from airflow_provider_lr.engine.errors import SchemaMismatchError
 from airflow_provider_lr.engine.tables.definition import (
-    SHAPE_COLUMNS,
     COMPOSITES_NOW,
+    SHAPE_COLUMNS,
     TableDefinition,
     TableName,
     narrowed,
