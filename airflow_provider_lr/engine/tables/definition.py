@@ -357,13 +357,16 @@ def retyped(recorded: Sequence[Sequence[str]], sink: Sequence[Sequence[str | Non
     one no longer held. (An enum given more labels still takes every value: ``_type_holds``.) Only
     the source's changes were compared (V0049): the sink's reorder took values fields swapped."""
     theirs = {n: a for n, a in sink}  # (``COMPOSITES_NOW``: composites only, None when gone)
-    return [
-        _type_problem(n, attributes, theirs[n])
-        if theirs[n] is not None
-        else f"type {n} is ({attributes}) on the source, and the sink has no such composite type now"
-        for n, attributes in recorded
-        if n in theirs and (theirs[n] is None or not _type_holds(attributes, theirs[n]))
-    ]
+    problems = []
+    for n, attributes in recorded:
+        if n not in theirs:
+            continue
+        now = theirs[n]
+        if now is None:
+            problems.append(f"type {n} is ({attributes}) on the source, and the sink has no such composite type now")
+        elif not _type_holds(attributes, now):
+            problems.append(_type_problem(n, attributes, now))
+    return problems
 
 
 def misfit(sink: TableDefinition, rows: Sequence[Mapping[str, object]]) -> str:
