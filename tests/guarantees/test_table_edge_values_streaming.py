@@ -370,3 +370,29 @@ def test_a_sink_table_with_inheritance_children_is_refused_naming_them_and_its_c
         site_c.query("ALTER TABLE public.acc_c NO INHERIT public.acc")
         arrived(source, [site_b, site_c], "public.acc", "the rows, once the children are out of the hierarchy")
     assert site_b.query(children.format("acc_b")) == [(2, "b")] and site_c.query(children.format("acc_c")) == [(2, "c")]
+
+
+def test_a_column_generated_at_one_site_only_is_refused_saying_so_not_missing_then_arrives_once_alike(lr_sites):
+    """site-b's g is generated where the source's is an ordinary column; site-c's h is ordinary where
+    the source's is generated. Each refusal says which is generated where and what to do (before: g
+    "is missing on the sink", h "exists only on the sink", where both sites have both)."""
+    source, site_b, site_c = lr_sites
+    topo = apply(lr_sites)
+    source.query("CREATE TABLE public.g (id int PRIMARY KEY, a int, g int, h int GENERATED ALWAYS AS (a * 3) STORED)")
+    site_b.query(
+        "CREATE TABLE public.g (id int PRIMARY KEY, a int, g int GENERATED ALWAYS AS (a * 2) STORED, "
+        "h int GENERATED ALWAYS AS (a * 3) STORED)"
+    )
+    site_c.query("CREATE TABLE public.g (id int PRIMARY KEY, a int, g int, h int)")
+    source.query("INSERT INTO public.g (id, a, g) VALUES (1, 1, 7)")
+    federate(source, "public.g")
+    told = (
+        "column g is generated on the sink but not on the source (its rows carry the source's values, which no "
+        "write may give a generated column: ALTER TABLE public.g ALTER COLUMN g DROP EXPRESSION",
+        "column h is generated on the source but not on the sink (each site computes a generated column",
+    )
+    with streaming_over(topo, lr_sites) as streaming:
+        wait_for(lambda: all(any(t in e for e in errors(streaming)) for t in told), 30, "both refusals")
+        site_b.query("ALTER TABLE public.g ALTER COLUMN g DROP EXPRESSION")
+        site_c.query("ALTER TABLE public.g DROP COLUMN h, ADD COLUMN h int GENERATED ALWAYS AS (a * 3) STORED")
+        arrived(source, [site_b, site_c], "public.g", "the rows, once the sinks' columns are the source's")

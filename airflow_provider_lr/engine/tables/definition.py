@@ -391,9 +391,27 @@ def misfit(sink: TableDefinition, rows: Sequence[Mapping[str, object]]) -> str:
     return "; ".join(said) or "their columns differ from one another"
 
 
-def check_same(source: TableDefinition, sink: TableDefinition, where: str) -> None:
-    """Refuse (``SchemaMismatchError``) when the sink's table cannot take the source's rows."""
+def check_same(source: TableDefinition, sink: TableDefinition, where: str, sink_generated: Iterable[str] = ()) -> None:
+    """Refuse (``SchemaMismatchError``) when the sink's table cannot take the source's rows. A column
+    generated at one site and not at the other is said so (``sink_generated``: the sink's generated
+    columns; the source's are in its extras): a shape leaves generated columns out, so the refusal
+    said such a column was missing on the sink, or existed only there, where both sites have it."""
     problems = source.mismatch(sink)
+    theirs = set(sink_generated)
+    mine = {c.name for c in source.extras.columns if c.generated} if source.extras is not None else set()
+    for n, problem in enumerate(problems):
+        column = problem.split(" ")[1] if problem.startswith("column ") else ""
+        if problem.endswith(" is missing on the sink") and column in theirs:
+            problems[n] = (
+                f"column {column} is generated on the sink but not on the source (its rows carry the source's "
+                f"values, which no write may give a generated column: ALTER TABLE {sink.table} ALTER COLUMN {column} "
+                "DROP EXPRESSION makes it the source's)"
+            )
+        elif problem.endswith(" exists only on the sink") and column in mine:
+            problems[n] = (
+                f"column {column} is generated on the source but not on the sink (each site computes a generated "
+                "column, so its rows carry no value for it: make the sink's generated as the source's)"
+            )
     if problems:
         raise SchemaMismatchError(
             f"{where}: table {source.table} differs between source and sink: {'; '.join(problems)}. "

@@ -179,7 +179,13 @@ def prepare(
         left_out = create_table(cur, source_def, where)
         sink_def = read_definition(cur, table)
         assert sink_def is not None
-    check_same(source_def, sink_def, where)
+    if source_def.mismatch(sink_def):  # refused: which of its columns are generated, to say so
+        cur.execute(
+            "SELECT a.attname::text FROM pg_catalog.pg_attribute a WHERE a.attrelid = pg_catalog.to_regclass(%s) "
+            "AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated <> ''",
+            (table.ident.as_string(cur),),
+        )
+        check_same(source_def, sink_def, where, [r[0] for r in cur.fetchall()])
     if row is None:  # never opened here: registered, with this source as the primary origin
         cur.execute(
             "INSERT INTO lr.registry (stream_name, kind, is_federated, client_name, source_site_id, key_columns, "
