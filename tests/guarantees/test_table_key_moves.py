@@ -168,14 +168,6 @@ def test_a_key_change_captured_before_v0048_without_new_keys_applies_as_the_old_
     assert sink.query("SELECT id, parent FROM public.notes") == [(20, 200)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a row moved onto the old key of another row the same statement moves (a chain id + 1 the "
-    "source's immediate key took in its order) is deleted at each sink, not moved: the sink's immediate "
-    "key would refuse the set UPDATE midway in its own order, and lr does not replay the source's order "
-    "row by row. A sink's NOT DEFERRABLE foreign key to it refuses that delete, for good (tables/runs.py, "
-    "_moves; docs/tables.md's known limit).",
-)
 def test_a_chain_of_parent_keys_shifted_by_one_arrives_at_sinks_whose_children_reference_them(lr_sites):
     source, *sinks = lr_sites
     topo = apply(lr_sites)
@@ -201,6 +193,43 @@ def test_a_chain_of_parent_keys_shifted_by_one_arrives_at_sinks_whose_children_r
             "the chain or a refusal",
         )
         assert errors(streaming) == []
+
+
+def test_a_chain_of_parent_keys_refused_by_a_sink_s_foreign_key_names_it_and_its_alter_then_arrives_once_made_so(
+    lr_sites,
+):
+    """A chain longer than the sinks move in place (``runs.MAX_LAYERS``: 40 keys shifted by one) at
+    sinks whose children's foreign key is NOT DEFERRABLE: each sink's refusal names the tables lr
+    wrote, the foreign key and its table, and the statement that makes it deferrable; once the sinks
+    ran it the chain arrives, the children following their parents. Before, the refusal named the
+    children's table as the one refused (lr wrote the parents) and said only to make "it" DEFERRABLE."""
+    source, *sinks = lr_sites
+    topo = apply(lr_sites)
+    on_every_site(
+        lr_sites,
+        "CREATE TABLE public.parents (id int PRIMARY KEY, name text); "
+        "CREATE TABLE public.kids (id int PRIMARY KEY, parent int CONSTRAINT kid_parent REFERENCES public.parents "
+        "ON UPDATE CASCADE)",
+    )
+    source.query(
+        "INSERT INTO public.parents SELECT g, 'p' || g FROM generate_series(40, 1, -1) g; "
+        "INSERT INTO public.kids VALUES (10, 1), (20, 2)"
+    )
+    federate(source, "public.parents")
+    federate(source, "public.kids")
+    with streaming_over(topo, lr_sites) as streaming:
+        streaming.streaming()
+        arrived(source, sinks, "public.kids", "the snapshot")
+        source.query("UPDATE public.parents SET id = id + 1")
+        told = (
+            "the sink refused changes of public.kids, public.parents: ",
+            "the sink's foreign key kid_parent of table public.kids refuses it",
+            "(ALTER TABLE public.kids ALTER CONSTRAINT kid_parent DEFERRABLE; checked at the apply's commit)",
+        )
+        wait_for(lambda: sum(all(t in e for t in told) for e in errors(streaming)) >= len(sinks), 30, "the refusals")
+        on_every_site(sinks, "ALTER TABLE public.kids ALTER CONSTRAINT kid_parent DEFERRABLE")
+        arrived(source, sinks, "public.parents", "the chain, once the sinks' foreign key is deferrable")
+        arrived(source, sinks, "public.kids", "the children, following their parents")
 
 
 @pytest.mark.xfail(
@@ -308,7 +337,7 @@ def test_a_two_column_key_of_awkward_names_and_float_values_moves_in_place_under
 def test_a_chain_of_parent_keys_a_sink_refuses_names_the_way_round_and_applies_once_its_foreign_key_is_deferrable(
     lr_sites,
 ):
-    """The known limit above, in cycles: the refusal names the sink's foreign key and what to do (not
+    """The known limit above (a chain longer than ``runs.MAX_LAYERS``), in cycles: the refusal names the sink's foreign key and what to do (not
     "a constraint the source has not": the source has the same); once the sinks' foreign key is
     DEFERRABLE (checked at the apply's commit, where the children's change has come), the next cycle
     applies the batch, nothing lost."""
@@ -320,7 +349,7 @@ def test_a_chain_of_parent_keys_a_sink_refuses_names_the_way_round_and_applies_o
         "CREATE TABLE public.kids (id int PRIMARY KEY, parent int REFERENCES public.parents ON UPDATE CASCADE)",
     )
     source.query(
-        "INSERT INTO public.parents SELECT g, 'p' || g FROM generate_series(3, 1, -1) g; "
+        "INSERT INTO public.parents SELECT g, 'p' || g FROM generate_series(40, 1, -1) g; "
         "INSERT INTO public.kids VALUES (10, 1), (20, 2)"
     )
     federate(source, "public.parents")
@@ -328,10 +357,13 @@ def test_a_chain_of_parent_keys_a_sink_refuses_names_the_way_round_and_applies_o
     repl = replicator(topo, lr_sites)
     try:
         assert cycle_errors(sync(repl)) == []
-        source.query("UPDATE public.parents SET id = id + 1")  # 3->4, 2->3, 1->2: 2 and 3 are deleted at the sinks
+        source.query("UPDATE public.parents SET id = id + 1")  # 40->41 ... 1->2: 2 to 40 are deleted at the sinks
         refused = cycle_errors(sync(repl, cycles=3))
         assert refused and all('foreign key constraint "kids_parent_fkey"' in e for e in refused), refused
-        assert all("foreign key of the sink's refuses it" in e and "make it DEFERRABLE" in e for e in refused)
+        assert all(
+            "the sink's foreign key kids_parent_fkey of table public.kids refuses it" in e and "make it DEFERRABLE" in e
+            for e in refused
+        )
         for sink in sinks:
             sink.query("ALTER TABLE public.kids ALTER CONSTRAINT kids_parent_fkey DEFERRABLE")
         assert cycle_errors(sync(repl)) == []

@@ -227,6 +227,22 @@ SHAPE_COMPOSITES = f"""
              ORDER BY 1)"""
 
 
+# The attributes now of each composite of %s (SQL: a jsonb array of [name, what] as ``SHAPE_COMPOSITES``
+# reads them; its domains, enums and ranges left out), each found by its name: no walk of the
+# table's types (``SHAPE_COMPOSITES`` costs ~0.4 ms a table; this an index lookup a composite).
+# A name that is no composite now has NULL attributes (``retyped``)
+COMPOSITES_NOW = f"""
+       (SELECT pg_catalog.jsonb_agg(pg_catalog.jsonb_build_array(e ->> 0, (
+                   SELECT pg_catalog.array_to_string(ARRAY(
+                              SELECT pg_catalog.quote_ident(a.attname) || ' ' || {_type_name("a.atttypid", "a.atttypmod")}
+                              FROM pg_catalog.pg_attribute a
+                              WHERE a.attrelid = y.typrelid AND a.attnum > 0 AND NOT a.attisdropped
+                              ORDER BY a.attnum), ', ')
+                   FROM pg_catalog.pg_type y WHERE y.oid = pg_catalog.to_regtype(e ->> 0) AND y.typtype = 'c')))
+        FROM pg_catalog.jsonb_array_elements({{recorded}}) e
+        WHERE NOT (e ->> 1 LIKE '{_DOMAIN}%%' OR e ->> 1 LIKE '{_ENUM}%%' OR e ->> 1 LIKE '{_RANGE}%%'))"""
+
+
 # The shape of the table whose oid is ``t.oid``: its columns (name, type as the module says, "true"
 # when NOT NULL) and its primary key's columns, in order (``read_definition``; ``targets`` reads it
 # for several tables in one statement). A column's type by index lookups, not a join of pg_type.
@@ -334,6 +350,25 @@ def changed_composites(carried: Sequence[Sequence[str]], sink: Sequence[Sequence
     ]
 
 
+def retyped(recorded: Sequence[Sequence[str]], sink: Sequence[Sequence[str | None]]) -> list[str]:
+    """How the user-defined types a sink's table holds now (``sink``, as ``SHAPE_COMPOSITES`` reads
+    them) differ from those it held at its snapshot (``recorded``: the source's then, V0052) so that
+    a value of the source's would not read as it is: a composite reordered or retyped at the sink,
+    one no longer held. (An enum given more labels still takes every value: ``_type_holds``.) Only
+    the source's changes were compared (V0049): the sink's reorder took values fields swapped."""
+    theirs = {n: a for n, a in sink}  # (``COMPOSITES_NOW``: composites only, None when gone)
+    problems = []
+    for n, attributes in recorded:
+        if n not in theirs:
+            continue
+        now = theirs[n]
+        if now is None:
+            problems.append(f"type {n} is ({attributes}) on the source, and the sink has no such composite type now")
+        elif not _type_holds(attributes, now):
+            problems.append(_type_problem(n, attributes, now))
+    return problems
+
+
 def misfit(sink: TableDefinition, rows: Sequence[Mapping[str, object]]) -> str:
     """What of a change's ``rows`` the sink's table cannot take, naming each column and what to do
     (``tables.sink`` refuses the batch): the columns they carry that it lacks, and its key columns
@@ -356,9 +391,27 @@ def misfit(sink: TableDefinition, rows: Sequence[Mapping[str, object]]) -> str:
     return "; ".join(said) or "their columns differ from one another"
 
 
-def check_same(source: TableDefinition, sink: TableDefinition, where: str) -> None:
-    """Refuse (``SchemaMismatchError``) when the sink's table cannot take the source's rows."""
+def check_same(source: TableDefinition, sink: TableDefinition, where: str, sink_generated: Iterable[str] = ()) -> None:
+    """Refuse (``SchemaMismatchError``) when the sink's table cannot take the source's rows. A column
+    generated at one site and not at the other is said so (``sink_generated``: the sink's generated
+    columns; the source's are in its extras): a shape leaves generated columns out, so the refusal
+    said such a column was missing on the sink, or existed only there, where both sites have it."""
     problems = source.mismatch(sink)
+    theirs = set(sink_generated)
+    mine = {c.name for c in source.extras.columns if c.generated} if source.extras is not None else set()
+    for n, problem in enumerate(problems):
+        column = problem.split(" ")[1] if problem.startswith("column ") else ""
+        if problem.endswith(" is missing on the sink") and column in theirs:
+            problems[n] = (
+                f"column {column} is generated on the sink but not on the source (its rows carry the source's "
+                f"values, which no write may give a generated column: ALTER TABLE {sink.table} ALTER COLUMN {column} "
+                "DROP EXPRESSION makes it the source's)"
+            )
+        elif problem.endswith(" exists only on the sink") and column in mine:
+            problems[n] = (
+                f"column {column} is generated on the source but not on the sink (each site computes a generated "
+                "column, so its rows carry no value for it: make the sink's generated as the source's)"
+            )
     if problems:
         raise SchemaMismatchError(
             f"{where}: table {source.table} differs between source and sink: {'; '.join(problems)}. "

@@ -25,8 +25,9 @@ from airflow_provider_lr.engine.tables import copy as table_copy
 from airflow_provider_lr.engine.tables import sink as sink_tables
 from airflow_provider_lr.engine.tables import upsert
 from airflow_provider_lr.engine.tables.definition import TableDefinition
+from airflow_provider_lr.engine.tables.refusals import refusal_fix
 from airflow_provider_lr.engine.tables.sink import TableState, Target
-from airflow_provider_lr.engine.tables.targets import refusal_fix, target_of
+from airflow_provider_lr.engine.tables.targets import target_of
 from airflow_provider_lr.engine.vocabulary import SessionKey
 
 RANGE_ROWS = 100_000  # rows per key range a Spark task reads (about 20 MB of 200-byte rows)

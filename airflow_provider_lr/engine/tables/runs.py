@@ -32,6 +32,7 @@ class Run:
     lo: list[int] = field(default_factory=list)
     hi: list[int] = field(default_factory=list)
     keys: set = field(default_factory=set)
+    layers: list[int] = field(default_factory=list)  # a key change's: each row's (``layers``), or none
 
     def take(self, doc: bytes, row: int) -> None:
         if self.docs and self.docs[-1] is doc and self.hi[-1] == row - 1:
@@ -40,6 +41,47 @@ class Run:
             self.docs.append(doc)
             self.lo.append(row)
             self.hi.append(row)
+
+
+# The most layers a statement's key changes are moved in (``layers``): each layer's statement reads
+# the run's rows again, so a longer chain (``SET id = id + 1`` over a whole table) is moved as before:
+# its rows deleted, then inserted by the upsert that follows (a sink's NOT DEFERRABLE foreign key to
+# them refuses it, naming itself and the ALTER that lets it through: ``refusals``)
+MAX_LAYERS = 32
+
+
+def layers(olds: Sequence[object], news: Sequence[object]) -> list[int]:
+    """The layer of each key change of one statement (old keys ``olds``, new ones ``news``, as
+    ``_key`` makes them), so that applied layer after layer no row is moved onto a key before the
+    row holding it left it: a row moving onto another's old key is a layer above it (a chain ``id +
+    1``: 3 -> 4 first, then 2 -> 3, then 1 -> 2, the order the source's immediate key took). The
+    moves of a cycle (a swap) meet each other whatever the order: layer 0, where ``_moves`` deletes
+    them as before. None (``[]``: one layer) when no move waits for another, a key is old twice, or
+    the chain is ``MAX_LAYERS`` long or more."""
+    at = {k: i for i, k in enumerate(olds)}
+    if len(at) < len(olds) or len(news) != len(olds):
+        return []
+    after = [at.get(k) for k in news]  # the move that must go first
+    layer: list[int | None] = [None] * len(olds)
+    for start in range(len(olds)):
+        path: list[int] = []
+        on: dict[int, int] = {}
+        j = start if layer[start] is None else None
+        while j is not None and layer[j] is None and j not in on:
+            on[j] = len(path)
+            path.append(j)
+            j = after[j]
+        if j is not None and j in on:  # a cycle
+            for c in path[on[j] :]:
+                layer[c] = 0
+            path = path[: on[j]]
+        below = -1 if j is None else layer[j]
+        assert below is not None
+        for p in reversed(path):
+            below += 1
+            layer[p] = below
+    depth = max((x or 0 for x in layer), default=0)
+    return [x or 0 for x in layer] if 0 < depth < MAX_LAYERS else []
 
 
 def compose(target: Target, run: Run, as_text: bool) -> sql.Composed:
@@ -69,10 +111,11 @@ def compose(target: Target, run: Run, as_text: bool) -> sql.Composed:
             lateral = sql.SQL("CROSS JOIN LATERAL pg_catalog.jsonb_to_record(r.d) AS q({}) ").format(
                 sql.SQL(", ").join(sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(types[c])) for c in picked)
             )
-    if run.op == "k":  # a key change's new key, paired with the old one (r.d) by its place in the entry
-        more = sql.SQL("{}, ({}::pg_catalog.jsonb -> 'to' -> (r.i::int - 1)) AS n").format(
-            more, sql.SQL("t.doc" if as_text else "pg_catalog.convert_from(t.doc, 'UTF8')")
-        )
+    if run.op == "k":  # a key change's new key, paired with the old one (r.d) by its place in the entry, and its layer
+        more = sql.SQL(
+            "{}, ({}::pg_catalog.jsonb -> 'to' -> (r.i::int - 1)) AS n, "
+            "COALESCE((%(layers)s::pg_catalog.int4[])[r.i::int], 0) AS lr_l"
+        ).format(more, sql.SQL("t.doc" if as_text else "pg_catalog.convert_from(t.doc, 'UTF8')"))
     rows = sql.SQL(  # ORDER BY: the source's order, and the subquery is not pulled up (p computed once)
         "SELECT {p} AS p, r.d{more} "
         "FROM ROWS FROM (pg_catalog.unnest(%(docs)s::{docs}[]), pg_catalog.unnest(%(lo)s::int[]), "
@@ -102,7 +145,7 @@ def compose(target: Target, run: Run, as_text: bool) -> sql.Composed:
             t=d.table.ident, rows=rows, xk=x_key, sk=s_key
         )
     elif run.op == "k":
-        statement = _moves(target, rows, value, types)
+        statement = _moves(target, rows, value, types, max(run.layers, default=0))
     else:
         absent = tuple(map(_doubled, run.absent))  # the sink's default on insert, kept on update
         carried = [c for c in d.column_names if c not in absent]
@@ -148,17 +191,18 @@ def compose(target: Target, run: Run, as_text: bool) -> sql.Composed:
 
 
 def _moves(
-    target: Target, rows: sql.Composable, value: Callable[[str], sql.Composable], types: dict[str, str]
+    target: Target, rows: sql.Composable, value: Callable[[str], sql.Composable], types: dict[str, str], depth: int
 ) -> sql.Composed:
     """A key change's run (V0049): each row moved to its new key in place, by an UPDATE of its key
     columns (the sink's own ON UPDATE rules act, as the source's did: a NOT DEFERRABLE foreign key
-    ON UPDATE CASCADE moves the children along), where that cannot meet another row's key: the new
-    key is no other old key of the run (a swap, a chain ``id + 1``: the sink's immediate key would
-    refuse the row met midway, in an order the source's did not run), no other row of the run moves
-    onto it, no row of the sink holds it (it is the row's own when a deferrable key holds it
-    twice: moved only when one row holds the old key), and the key is not ``GENERATED ALWAYS`` (no
-    UPDATE may set it). Elsewhere the row is deleted, as entries without new keys are: the upsert
-    that follows brings it back under its new key either way."""
+    ON UPDATE CASCADE moves the children along), layer after layer (``layers``: one statement each,
+    up to ``depth``), where that cannot meet another row's key: the new key is no other old key of
+    the run not moved yet (a swap; a chain ``id + 1`` is one layer per link: the sink's immediate key
+    would refuse the row met midway of a set UPDATE, in an order the source's did not run), no other
+    row of the run moves onto it, no row of the sink holds it (it is the row's own when a deferrable
+    key holds it twice: moved only when one row holds the old key), and the key is not ``GENERATED
+    ALWAYS`` (no UPDATE may set it). Elsewhere the row is deleted, as entries without new keys are:
+    the upsert that follows brings it back under its new key either way."""
     d = target.definition
     t, n = d.table.ident, range(len(d.key))
     old = [sql.Identifier(f"lr_o{i}") for i in n]
@@ -171,9 +215,10 @@ def _moves(
     pairs = sql.SQL(", ").join(
         [sql.SQL("{} AS {}").format(value(k), o) for k, o in zip(d.key, old)]
         + [sql.SQL("(s.n ->> {})::{} AS {}").format(sql.Literal(k), sql.SQL(types[k]), m) for k, m in zip(d.key, new)]
+        + [sql.SQL("s.lr_l")]
     )
     movable = sql.SQL(
-        "NOT EXISTS (SELECT FROM lr_k j WHERE {jo} = {kn}) "
+        "NOT EXISTS (SELECT FROM lr_k j WHERE {jo} = {kn} AND j.lr_l >= lr_k.lr_l) "
         "AND NOT EXISTS (SELECT FROM lr_k j WHERE {jn} = {kn} AND {jo} <> {ko}) "
         "AND NOT EXISTS (SELECT FROM {t} y WHERE {yk} = {kn})"
     ).format(jo=of("j", old), jn=of("j", new), ko=of("lr_k", old), kn=of("lr_k", new), t=t, yk=of("y", keys))
@@ -181,22 +226,27 @@ def _moves(
         movable = sql.SQL("{} AND (SELECT count(*) FROM {} y WHERE {} = {}) = 1").format(
             movable, t, of("y", keys), of("lr_k", old)
         )
-    moving = ", lr_moved AS (UPDATE {t} x SET ({keys}) = ROW({kn}) FROM lr_k WHERE {xk} = {ko} AND {movable})"
+    moving = ", lr_moved AS (UPDATE {t} x SET ({keys}) = ROW({kn}) FROM lr_k WHERE {at}{xk} = {ko} AND {movable})"
     if target.key_always:  # a GENERATED ALWAYS key: no UPDATE may set it (refused as the statement is read)
-        moving, movable = "", sql.SQL("false")
-    return sql.SQL(
+        moving, movable, depth = "", sql.SQL("false"), 0
+    statement = (
         "WITH lr_k AS MATERIALIZED (SELECT {pairs} FROM ({rows}) s)"
         + moving
-        + " DELETE FROM {t} x USING lr_k WHERE {xk} = {ko} AND NOT ({movable})"
-    ).format(
-        pairs=pairs,
-        rows=rows,
-        t=t,
-        keys=sql.SQL(", ").join(keys),
-        kn=sql.SQL(", ").join(sql.SQL("lr_k.{}").format(m) for m in new),
-        xk=x_key,
-        ko=of("lr_k", old),
-        movable=movable,
+        + " DELETE FROM {t} x USING lr_k WHERE {at}{xk} = {ko} AND NOT ({movable})"
+    )
+    return sql.SQL("; ").join(
+        sql.SQL(statement).format(
+            pairs=pairs,
+            rows=rows,
+            t=t,
+            keys=sql.SQL(", ").join(keys),
+            kn=sql.SQL(", ").join(sql.SQL("lr_k.{}").format(m) for m in new),
+            xk=x_key,
+            ko=of("lr_k", old),
+            movable=movable,
+            at=sql.SQL("lr_k.lr_l = {} AND ").format(sql.Literal(layer)) if depth else sql.SQL(""),
+        )
+        for layer in range(depth + 1)
     )
 
 

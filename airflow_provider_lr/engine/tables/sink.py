@@ -44,7 +44,8 @@ from airflow_provider_lr.engine.tables.definition import (
     misfit,
     read_definition,
 )
-from airflow_provider_lr.engine.tables.runs import Run, compose
+from airflow_provider_lr.engine.tables.refusals import refusal_fix
+from airflow_provider_lr.engine.tables.runs import Run, compose, layers
 from airflow_provider_lr.engine.tables.targets import (
     GENERIC,
     Expected,
@@ -54,7 +55,6 @@ from airflow_provider_lr.engine.tables.targets import (
     always_columns,
     guards,
     origin,
-    refusal_fix,
     types_at_snapshot,
 )
 from airflow_provider_lr.engine.vocabulary import SessionKey
@@ -179,7 +179,13 @@ def prepare(
         left_out = create_table(cur, source_def, where)
         sink_def = read_definition(cur, table)
         assert sink_def is not None
-    check_same(source_def, sink_def, where)
+    if source_def.mismatch(sink_def):  # refused: which of its columns are generated, to say so
+        cur.execute(
+            "SELECT a.attname::text FROM pg_catalog.pg_attribute a WHERE a.attrelid = pg_catalog.to_regclass(%s) "
+            "AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated <> ''",
+            (table.ident.as_string(cur),),
+        )
+        check_same(source_def, sink_def, where, [r[0] for r in cur.fetchall()])
     if row is None:  # never opened here: registered, with this source as the primary origin
         cur.execute(
             "INSERT INTO lr.registry (stream_name, kind, is_federated, client_name, source_site_id, key_columns, "
@@ -187,7 +193,7 @@ def prepare(
             (str(table), client, source, list(sink_def.key), f"lrq_table_{client}"),
         )
     target = Target(sink_def, source, *origin(cur, table, source), left_out, **always_columns(cur, table))
-    target.guarded_by, target.rules, target.unlogged = guards(cur, table)
+    target.guarded_by, target.rules, target.unlogged, target.inherited = guards(cur, table)
     target.refuse_guarded(where)
     return target
 
@@ -279,6 +285,7 @@ class ChangeApplier:
         columns, key_columns = set(d.column_names), set(d.key)
         carried = set(rows[0]) if rows and op == "u" else columns
         bad = sum(1 for r in rows if not key_columns <= set(r) or (op == "u" and not set(r) == carried <= columns))
+        moved_to: list = []
         if op == "d" and "to" in entry:  # a key change (V0049): each old key with its row's new key
             op = "k"
             moved_to = entry["to"]
@@ -297,6 +304,8 @@ class ChangeApplier:
             )
         if entry.get("composites") is not None:
             self._same_composites(target, entry["composites"])
+        else:  # the source's types are those of the snapshot: the sink's must still be
+            target.refuse_retyped(self._where())
         target.refuse_guarded(self._where())
         if target.narrowed and not entry.get("types"):  # (a change of the source's type: checked above)
             target.refuse_narrowed(carried if op == "u" else key_columns, self._where())
@@ -310,12 +319,15 @@ class ChangeApplier:
                 or (run.tid, run.op, run.text, run.absent) != (tid, op, text, absent)
                 or key in run.keys
                 or (target.deferrable_key and run.keys)  # one row a run: see ``_compose``
+                or (op == "k" and n == 1)  # a statement's key changes a run of their own: ``runs.layers``
             ):
                 run = Run(tid, op, text, absent)
                 self.runs.append(run)
             if key is not None:
                 run.keys.add(key)
             run.take(message, n)
+        if op == "k" and run is not None:  # in the order the source's key took them (a chain ``id + 1``)
+            run.layers = layers([_key(r, d.key, floats) for r in rows], [_key(r, d.key, floats) for r in moved_to])
 
     def _same_composites(self, target: Target, carried: list) -> None:
         """Refuse a change whose composites (the source's, carried once they changed there: V0049)
@@ -356,7 +368,13 @@ class ChangeApplier:
                 *(
                     self.cur.mogrify(
                         self._statement(run, as_text),
-                        {"docs": [doc(m) for m in run.docs], "lo": run.lo, "hi": run.hi, "text": list(run.text)},
+                        {
+                            "docs": [doc(m) for m in run.docs],
+                            "lo": run.lo,
+                            "hi": run.hi,
+                            "text": list(run.text),
+                            "layers": run.layers,
+                        },
                     )
                     for run in runs
                 )
@@ -376,6 +394,8 @@ class ChangeApplier:
             failed = getattr(exc.diag, "table_name", None)
             tables = sorted({str(t.table) for t in self.targets.values() if t is not None})
             named = f"table {exc.diag.schema_name}.{failed}" if failed else f"changes of {', '.join(tables)}"
+            if exc.pgcode == "23503" and failed:  # the foreign key's table, not always the one lr wrote
+                named = f"changes of {', '.join(tables)}"
             raise ApplyError(
                 f"{self._where()}: the sink refused {named}: {one_line(exc)}. Nothing of the batch was applied; "
                 f"{refusal_fix(exc)}, and the next cycle applies the batch"
@@ -387,7 +407,8 @@ class ChangeApplier:
         t = target
         key = (t.definition, t.source, t.primary, t.shared, t.deferrable_key, t.always, t.key_always)
         return self.lookup.statement(
-            (*key, run.op, run.text, run.absent, as_text), lambda: compose(target, run, as_text)
+            (*key, run.op, run.text, run.absent, as_text, max(run.layers, default=0)),
+            lambda: compose(target, run, as_text),
         )
 
     def _where(self) -> str:

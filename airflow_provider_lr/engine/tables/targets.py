@@ -27,11 +27,13 @@ from airflow_provider_lr.engine.db.encoding import as_json
 from airflow_provider_lr.engine.db.prepared import Prepared
 from airflow_provider_lr.engine.errors import SchemaMismatchError
 from airflow_provider_lr.engine.tables.definition import (
+    COMPOSITES_NOW,
     SHAPE_COLUMNS,
     TableDefinition,
     TableName,
     narrowed,
     read_definition,
+    retyped,
     shape,
 )
 
@@ -61,6 +63,11 @@ class Target:
     guarded_by: str = ""  # lr's role at the sink, when the table's row-level security applies to it
     rules: str = ""  # the sink table's rules that rewrite lr's writes to it (``_RULES``), quoted, comma-separated
     unlogged: bool = False  # the sink's table is UNLOGGED: a crash of the sink empties it, lr's position stays
+    inherited: str = ""  # the sink table's inheritance children (not partitions: ``_INHERITED``), comma-separated
+    # the user-defined types its columns hold that the sink altered since its snapshot so that the
+    # source's values no longer read as they are (a composite reordered: ``definition.retyped``), each
+    # with how: every change of the table is refused, unless it carries the source's types (V0049)
+    retyped: tuple[str, ...] = ()
 
     @property
     def table(self) -> TableName:
@@ -83,6 +90,15 @@ class Target:
                 "lr's position there stays, so the rows it held would be lost silently. Nothing was applied; "
                 f"make it logged (ALTER TABLE {self.table} SET LOGGED)"
             )
+        if self.inherited:
+            first = self.inherited.split(", ")[0]
+            raise SchemaMismatchError(
+                f"{where}: the sink's table {self.table} has inheritance children ({self.inherited}): a DELETE or "
+                "UPDATE of a table reaches its children's rows too, so lr's deletes, key moves and a snapshot's or "
+                "TRUNCATE's clearing would change rows that are not the source's, silently. Nothing was applied; take "
+                f"them out of the hierarchy (ALTER TABLE {first} NO INHERIT {self.table}) or sync into a table "
+                "without children (a partitioned table's partitions are fine)"
+            )
         if self.rules:
             first = self.rules.split(", ")[0]
             raise SchemaMismatchError(
@@ -90,6 +106,17 @@ class Target:
                 "a DO INSTEAD rule would skip or redirect its changes silently, and PostgreSQL refuses lr's upserts "
                 "on a table with INSERT or UPDATE rules. Nothing was applied; drop them "
                 f"(DROP RULE {first} ON {self.table}) or disable them (ALTER TABLE {self.table} DISABLE RULE {first})"
+            )
+
+    def refuse_retyped(self, where: str) -> None:
+        """Refuse a change of the table when a type its columns hold was altered at the sink since its
+        snapshot (``retyped``): a composite's value travels by position, so a sink whose ``public.pair``
+        became ``(b, a)`` took the source's ``(a, b)`` values with their fields swapped, silently."""
+        if self.retyped:
+            raise SchemaMismatchError(
+                f"{where}: a type of the sink's table {self.table} changed at the sink since its snapshot: "
+                f"{'; '.join(self.retyped)}. Nothing of the batch was applied; give the sink's type the source's "
+                "definition again (ALTER TYPE ... at the sink), and the batch is applied"
             )
 
     def refuse_narrowed(self, columns: Iterable[str], where: str) -> None:
@@ -143,6 +170,13 @@ _RULES = (
     "AND r.ev_enabled IN ('O', 'A') AND (r.is_instead OR r.ev_type <> '4')), '')"
 )
 
+# The inheritance children of table oid {oid} (not its partitions), comma-separated ('' when none)
+_INHERITED = (
+    "COALESCE((SELECT pg_catalog.string_agg(pg_catalog.quote_ident(n.nspname) || '.' || pg_catalog.quote_ident("
+    "c.relname), ', ' ORDER BY 1) FROM pg_catalog.pg_inherits i JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid "
+    "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE i.inhparent = {oid} AND NOT c.relispartition), '')"
+)
+
 # Whether table oid {oid} is UNLOGGED (crash recovery empties it: lr's position would outlive its rows)
 _UNLOGGED = "(SELECT c.relpersistence = 'u' FROM pg_catalog.pg_class c WHERE c.oid = {oid})"
 
@@ -180,6 +214,7 @@ def origin(cur: psycopg2.extensions.cursor, table: TableName, source: str) -> tu
 
 
 COLUMN_TYPES_SCHEMA = 40  # V0040: lr.sink_tables.column_types
+COMPOSITES_SCHEMA = 52  # V0052: lr.sink_tables.composites
 
 
 def types_at_snapshot(cur: psycopg2.extensions.cursor, table: TableName) -> dict[str, object]:
@@ -189,73 +224,26 @@ def types_at_snapshot(cur: psycopg2.extensions.cursor, table: TableName) -> dict
     if not schema.at_least(cur.connection, COLUMN_TYPES_SCHEMA):
         return {}
     sink_def = read_definition(cur, table)
-    return {} if sink_def is None else {"column_types": as_json({c.name: c.type for c in sink_def.columns})}
+    if sink_def is None:
+        return {}
+    recorded: dict[str, object] = {"column_types": as_json({c.name: c.type for c in sink_def.columns})}
+    if schema.at_least(cur.connection, COMPOSITES_SCHEMA):  # and the types its columns hold (none: NULL)
+        recorded["composites"] = as_json([list(c) for c in sink_def.composites]) if sink_def.composites else None
+    return recorded
 
 
-def guards(cur: psycopg2.extensions.cursor, table: TableName) -> tuple[str, str, bool]:
+def guards(cur: psycopg2.extensions.cursor, table: TableName) -> tuple[str, str, bool, str]:
     """What would hide or lose rows lr writes to ``table`` here (``Target.refuse_guarded``): lr's role
     when the table's row-level security applies to it, the rules that rewrite its writes (each ''
-    if none), and whether it is unlogged."""
+    if none), whether it is unlogged, and its inheritance children ('' if none)."""
     oid = "pg_catalog.to_regclass(%(t)s)"
     cur.execute(
-        f"SELECT {_GUARDED.format(oid=oid)}, {_RULES.format(oid=oid)}, {_UNLOGGED.format(oid=oid)}",
+        f"SELECT {_GUARDED.format(oid=oid)}, {_RULES.format(oid=oid)}, {_UNLOGGED.format(oid=oid)}, "
+        f"{_INHERITED.format(oid=oid)}",
         {"t": table.ident.as_string(cur)},
     )
-    guard, rules, unlogged = cur.fetchone()
-    return guard, rules, unlogged
-
-
-# SQLSTATEs of a name PostgreSQL did not find: a table, a column, a function or operator, an object, a schema
-_NOT_FOUND = {"42P01", "42703", "42883", "42704", "3F000"}
-_ENCODING = {"22P05", "22021"}  # untranslatable_character, character_not_in_repertoire
-# a value the sink's type does not take: invalid_text_representation (an enum's label, a record's
-# fields), numeric_value_out_of_range, string_data_right_truncation, invalid_datetime_format
-_VALUE = {"22P02", "22003", "22001", "22007"}
-
-
-def refusal_fix(exc: psycopg2.Error) -> str:
-    """What to do about the sink's refusal ``exc`` of lr's writes to a table. A name that a function
-    lr's write ran (the table's trigger, a default's or check's function) did not find is the search
-    path's doing: lr's connections search pg_catalog alone (``conninfo.catalog_first``), as
-    PostgreSQL's replication workers do, so a trigger naming the site's tables unqualified works for
-    the applications and fails lr's apply. Another failure in a function is most often a trigger of
-    the sink's doing again what the source's did (a copy of the source's trigger, writing rows the
-    source replicates too: their keys collide, or, once the sink's sequence passed them, the sink
-    holds them twice): it must skip lr's apply. Before, the refusal said to fix a constraint, trigger
-    or privilege, and the user found the trigger's table there, or nothing to fix; as it did for a
-    character the sink's database encoding (LATIN1) has not, where no constraint is to blame."""
-    if exc.pgcode in _ENCODING:
-        return (
-            "the sink's database encoding cannot hold a character of the source's rows (its server converts every "
-            "text to it): the sink's database must be UTF8 (or the source's encoding), or the source's row changed "
-            "and a full sync asked (lr full-sync)"
-        )
-    if exc.pgcode in _VALUE and "function" not in (exc.diag.context or ""):
-        return (
-            "a value of the source's rows does not fit a type of the sink's table as the sink defines it: a type "
-            "the table uses differs there (an enum lacking a label, a composite with other attributes, a domain "
-            "over another type), or was altered at the source after the snapshot (ALTER TYPE ... ADD VALUE, ADD "
-            "ATTRIBUTE): give the sink's type the source's definition"
-        )
-    if exc.pgcode == "23503" and "function" not in (exc.diag.context or ""):  # foreign_key_violation
-        return (
-            "a foreign key of the sink's refuses it: one the source has not, or one the apply meets in an order the "
-            "source did not (one statement moved a key onto another's old key, or a row and one referencing it: "
-            "docs/tables.md): make it DEFERRABLE (checked at the apply's commit), or drop it"
-        )
-    if "function" not in (exc.diag.context or ""):
-        return "the sink's table has a constraint, trigger or privilege the source's has not: fix it there"
-    if exc.pgcode in _NOT_FOUND:
-        return (
-            "a function it ran names something without its schema, and lr writes with search_path = pg_catalog "
-            "(as PostgreSQL's replication workers do): qualify the names in the function (public.audit), or give "
-            "it its own path (ALTER FUNCTION ... SET search_path = public)"
-        )
-    return (
-        "a function of the sink's that lr's write ran (a trigger: the sink's triggers fire on lr's writes) failed: "
-        "fix it there; a trigger that does again what the source's did (writes rows the source replicates too) "
-        "must skip lr's apply: IF pg_catalog.current_setting('lr.applying', true) = 'on' THEN RETURN NULL; END IF"
-    )
+    guard, rules, unlogged, inherited = cur.fetchone()
+    return guard, rules, unlogged, inherited
 
 
 def target_of(cur: psycopg2.extensions.cursor, source: str, table: TableName, where: Callable[[], str]) -> Target:
@@ -281,7 +269,9 @@ Found = Target | Gone | None  # None: not synced here (a conflict's changes are 
 
 # For each of the session's tables %(tids)s (source table ids) that it has in lr.sink_tables: its name,
 # state, oid (NULL: no such table), shape, whether its primary key is deferrable, its non-key
-# GENERATED ALWAYS identity columns, origin, types at the snapshot, row-level guard, rules, unlogged. Only the
+# GENERATED ALWAYS identity columns, origin, types at the snapshot, row-level guard, rules, unlogged,
+# the user-defined types its columns held at the snapshot and those they hold now (read only for a
+# table that held some: the others pay nothing for it; V0052). Only the
 # tables asked for are read (``LIMIT 1``: a table id twice, one of them, as before).
 _TARGETS = (
     "SELECT st.tid, st.table_name, st.state, t.oid, "
@@ -298,9 +288,14 @@ _TARGETS = (
     + _RULES.format(oid="t.oid")
     + ", "
     + _UNLOGGED.format(oid="t.oid")
+    + ", "
+    + _INHERITED.format(oid="t.oid")
+    + ", st.composites, "
+    + COMPOSITES_NOW.format(recorded="st.composites")
     + " FROM pg_catalog.unnest(%(tids)s::int[]) w(tid) "
-    # the types as the snapshot was taken (V0040; read so that a sink older than it reads none)
-    "CROSS JOIN LATERAL (SELECT w.tid, s.table_name, s.state, pg_catalog.to_jsonb(s) -> 'column_types' AS types "
+    # the types as the snapshot was taken (V0040, V0052; read so that a sink older than them reads none)
+    "CROSS JOIN LATERAL (SELECT w.tid, s.table_name, s.state, pg_catalog.to_jsonb(s) -> 'column_types' AS types, "
+    "NULLIF(pg_catalog.to_jsonb(s) -> 'composites', 'null'::pg_catalog.jsonb) AS composites "
     "FROM lr.sink_tables s WHERE s.source_site_id = %(source)s "
     "AND s.client_name = %(client)s AND s.source_table_id = w.tid LIMIT 1) st "
     "CROSS JOIN LATERAL (SELECT pg_catalog.to_regclass(pg_catalog.quote_ident(pg_catalog.split_part(st.table_name, "
@@ -324,9 +319,9 @@ CHECK_SQL = (
 # ~0.03 ms each more). Its generic plan is the one to run (``GENERIC``: PostgreSQL would otherwise
 # plan it anew each time, expecting a plan for the actual tables to be cheaper). The name is
 # versioned, so a connection that holds an older lr's statement is not confused by it.
-LOOKUP = Prepared("lr_sink_targets_v7", LOOKUP_SQL, {"tids": "int4[]", "source": "text", "client": "text"})
+LOOKUP = Prepared("lr_sink_targets_v8", LOOKUP_SQL, {"tids": "int4[]", "source": "text", "client": "text"})
 CHECK = Prepared(
-    "lr_sink_targets_check_v6", CHECK_SQL, {"tids": "int4[]", "source": "text", "client": "text", "expected": "text[]"}
+    "lr_sink_targets_check_v7", CHECK_SQL, {"tids": "int4[]", "source": "text", "client": "text", "expected": "text[]"}
 )
 GENERIC = "set_config('plan_cache_mode', 'force_generic_plan', true)"  # for the transaction
 
@@ -428,6 +423,9 @@ class TargetLookup:
             guard,
             rules,
             unlogged,
+            inherited,
+            composites_then,
+            composites_now,
             text,
         ) in rows:
             if tid is None:  # the site id's row
@@ -449,6 +447,8 @@ class TargetLookup:
                     guarded_by=guard,
                     rules=rules,
                     unlogged=bool(unlogged),
+                    inherited=inherited,
+                    retyped=tuple(retyped(composites_then or (), composites_now or ())),
                 )
                 read[tid] = (target, text)
         last = self.kept.last.setdefault((self.source, self.client), {})
