@@ -243,7 +243,11 @@ def test_a_dsn_whose_password_holds_an_unquoted_blank_is_refused_without_its_tai
 
 @pytest.mark.parametrize(
     "uri",
-    ["postgresql://u:SE@KR ET@127.0.0.1:1/db", "postgresql://u:SE@KR@ET@127.0.0.1:1/db", "postgresql://u:S@E:K RET@h/db"],
+    [
+        "postgresql://u:SE@KR ET@127.0.0.1:1/db",
+        "postgresql://u:SE@KR@ET@127.0.0.1:1/db",
+        "postgresql://u:S@E:K RET@h/db",
+    ],
 )
 def test_libpq_reading_a_uri_whose_password_holds_an_at_names_no_piece_of_it(uri):
     """libpq ends a URI's user part at the password's first unescaped ``@``: the rest of the password
