@@ -177,6 +177,9 @@ def test_a_password_given_to_lr_is_never_printed_whatever_is_wrong(tmp_path, mon
             )
             for option in ("target_session_attrs", "gssencmode", "channel_binding", "load_balance_hosts")
         ],
+        # an empty or blank site: "unknown site or connection '': ... set AIRFLOW_CONN_, ..."
+        (["init", "--site", ""], 2, "the site or connection given is empty (''): give a DSN"),
+        (["init", "--site", "   "], 2, "the site or connection given is empty ('   ')"),
         # a server that does not answer is not: exit 1
         (["init", "--site", "host=127.0.0.1 port=1 password=SEKRET", "--site-id", "a"], 1, "password=***"),
     ]:

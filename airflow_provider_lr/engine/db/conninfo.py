@@ -453,6 +453,11 @@ def resolve(target: str) -> ConnInfo:
             f"a site is given as a DSN, an Airflow connection id or an lr site id (a string), "
             f"not a {type(target).__name__}: lr opens its own connections to it"
         )
+    if not target.strip():  # was "unknown site or connection '': ... set AIRFLOW_CONN_, ..."
+        raise ConfigurationError(
+            f"the site or connection given is empty ({target!r}): give a DSN, an Airflow connection id "
+            "or an lr site id"
+        )
     if "=" in target or "://" in target:
         return from_dsn(target)
     env = os.environ.get(f"AIRFLOW_CONN_{target.upper()}")
