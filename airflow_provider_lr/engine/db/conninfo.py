@@ -455,8 +455,7 @@ def resolve(target: str) -> ConnInfo:
         )
     if not target.strip():  # was "unknown site or connection '': ... set AIRFLOW_CONN_, ..."
         raise ConfigurationError(
-            f"the site or connection given is empty ({target!r}): give a DSN, an Airflow connection id "
-            "or an lr site id"
+            f"the site or connection given is empty ({target!r}): give a DSN, an Airflow connection id or an lr site id"
         )
     if "=" in target or "://" in target:
         return from_dsn(target)
