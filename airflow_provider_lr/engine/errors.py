@@ -131,7 +131,8 @@ def require_site_ids(name: str, value: object) -> list[str]:
 
 
 # A password in what an error may quote: a DSN's ``password=...`` (or ``sslpassword``, or the
-# environment's ``PGPASSWORD=``), a URI's ``user:...@``, a connection's JSON or Python form. Masked as
+# environment's ``PGPASSWORD=``), a URI's ``user:...@`` (a user holding an unescaped ``@`` too, as
+# ``user@server`` logins are written), a connection's JSON or Python form. Masked as
 # ``***`` wherever lr prints or stores an error. An unquoted DSN value runs to the next blank, as
 # libpq reads it (quotes inside it, a backslash-escaped blank); a quoted one (single quotes, as libpq
 # quotes; double quotes, as a user may write it) to its closing quote, escaped quotes and blanks
@@ -144,7 +145,7 @@ _DSN_PASSWORD = re.compile(
 _SECRETS = (
     # (blanks first: ``u:p@ss w@h`` masked only ``p``; a chunk holding ``/`` ends the URI's authority)
     (
-        re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/@\s:]*:)(?:[^\s/]*(?:[ \t][^\s@]+)+|\S*)@"),
+        re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/\s:]*:)(?:[^\s/]*(?:[ \t][^\s@]+)+|\S*)@"),
         r"\1***@",
     ),
     (re.compile(r"""(?i)(["'](?:ssl)?password["']\s*:\s*)("(?:[^"\\]|\\.)*"?|'(?:[^'\\]|\\.)*'?)"""), r"\1'***'"),

@@ -62,6 +62,7 @@ def test_env_connection_json_and_uri_forms(monkeypatch):
         "connection postgresql://u:SE@KR ET@h/db failed",  # an unescaped @ before a blank: only SE was
         'could not translate host name "SE KR@ET@h" to address',  # libpq's own reading of such a URI
         'invalid integer value "SE KR@ET@h" for connection option "port"',
+        "postgresql://u@srv:SEKRET@h/db",  # a user@server login, its @ unescaped: the password showed whole
     ],
 )
 def test_no_piece_of_a_password_survives_masking(text):
