@@ -33,10 +33,16 @@ SITE_LABEL = "{{ task.site['site'] }}"
         "retention_seconds": Param(
             None,
             type=["null", "integer"],
-            minimum=0,
-            maximum=int(MAX_RETENTION),
+            # bounds the form's number field does not know: it clamps to ``minimum``/``maximum`` as
+            # it loses focus, so a typed -5 was sent as 0, a retention trim of everything (still 0
+            # to MAX_RETENTION: the trigger is refused, its reason shown in the form)
+            exclusiveMinimum=-1,
+            exclusiveMaximum=int(MAX_RETENTION) + 1,
             title="Retention (seconds)",
-            description="Also trim entries older than this, even if a session lags (empty: safe trim only)",
+            description=(
+                "Also trim entries older than this, even if a session lags (empty: safe trim only; "
+                f"0 to {int(MAX_RETENTION)})"
+            ),
         ),
         "queue_warn_after_seconds": Param(
             3600,

@@ -131,7 +131,8 @@ def require_site_ids(name: str, value: object) -> list[str]:
 
 
 # A password in what an error may quote: a DSN's ``password=...`` (or ``sslpassword``, or the
-# environment's ``PGPASSWORD=``), a URI's ``user:...@``, a connection's JSON or Python form. Masked as
+# environment's ``PGPASSWORD=``), a URI's ``user:...@`` (a user holding an unescaped ``@`` too, as
+# ``user@server`` logins are written), a connection's JSON or Python form. Masked as
 # ``***`` wherever lr prints or stores an error. An unquoted DSN value runs to the next blank, as
 # libpq reads it (quotes inside it, a backslash-escaped blank); a quoted one (single quotes, as libpq
 # quotes; double quotes, as a user may write it) to its closing quote, escaped quotes and blanks
@@ -142,11 +143,19 @@ _DSN_PASSWORD = re.compile(
     r"""(?i)((?:\b|(?<=pg))(?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'?|"(?:[^"\\]|\\.)*"?|(?:\\.|[^\s\\])+)"""
 )
 _SECRETS = (
-    (re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/@\s:]*:)(?:\S*|[^\s/@]+(?:[ \t][^\s@]+)+)@"), r"\1***@"),
+    # (blanks first: ``u:p@ss w@h`` masked only ``p``; a chunk holding ``/`` ends the URI's authority)
+    (
+        re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/\s:]*:)(?:[^\s/]*(?:[ \t][^\s@]+)+|\S*)@"),
+        r"\1***@",
+    ),
     (re.compile(r"""(?i)(["'](?:ssl)?password["']\s*:\s*)("(?:[^"\\]|\\.)*"?|'(?:[^'\\]|\\.)*'?)"""), r"\1'***'"),
     # libpq's refusal of a DSN whose value holds a blank (``password=my secret``) names the word after
     # it, the password's tail: masked, whatever the word (the DSN itself is not in the message)
     (re.compile(r'(missing "=" after ")[^"]*(")'), r"\1***\2"),
+    # libpq reading a URI itself (a ``dbname`` holding one) takes a password's unescaped ``@`` as the
+    # end of the user part: the rest of the password is then the host (or port) it names. No host or
+    # port holds an ``@``: what comes before the last one is masked.
+    (re.compile(r'((?:host name|integer value|server at|network address) ")[^"]*@'), r"\1***@"),
 )
 _CLOSERS = {")": "(", "]": "[", "}": "{"}
 

@@ -172,6 +172,22 @@ def test_full_sync_form_refuses_an_unknown_sink(dagbag):
     assert transfers_left_to_spark(None, None, "snapshot_sync") == tables_left_to_spark(None, None, "x") == []
 
 
+def test_a_negative_retention_typed_in_the_form_is_refused_not_clamped_to_a_trim_of_everything(dagbag):
+    """The UI's number field clamps to the schema's ``minimum``/``maximum`` as it loses focus: -5
+    typed as lr_maintenance's retention was sent as 0, and the run retention-trimmed every source's
+    whole log (seen in the browser). The bounds hold at the trigger without the clamp."""
+    from airflow.sdk.exceptions import ParamValidationError
+
+    from airflow_provider_lr.engine.source.trim import MAX_RETENTION
+
+    param = dagbag.dags["lr_maintenance"].params.get_param("retention_seconds")
+    assert "minimum" not in param.schema and "maximum" not in param.schema, param.schema
+    for refused in (-5, -1, int(MAX_RETENTION) + 1):
+        with pytest.raises(ParamValidationError):
+            param.resolve(refused)
+    assert [param.resolve(v) for v in (None, 0, 3600, int(MAX_RETENTION))] == [None, 0, 3600, int(MAX_RETENTION)]
+
+
 def test_a_form_without_a_topology_refuses_a_name_with_a_trailing_newline():
     """Without a topology at parse time a name is a text field matched by pattern: ``^...$`` let
     ``'site-b\\n'`` through Airflow's check (Python's ``$`` matches before a final newline)."""

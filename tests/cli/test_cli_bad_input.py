@@ -154,8 +154,15 @@ def test_a_password_given_to_lr_is_never_printed_whatever_is_wrong(tmp_path, mon
         # an option libpq does not know: psycopg2's ProgrammingError, exit 1
         (["roles", "list", "--site", "postgresql://u:SEKRET@h/db?bogus=1"], 2, 'invalid connection option "bogus"'),
         (["init", "--site", "host=h port=5432,x password=SEKRET"], 2, "has an invalid port '5432,x'"),
-        # a URI whose password has an unescaped '/' (libpq reads host:port there): printed whole, unwarned
-        (["init", "--site", "postgresql://u:SEK/RET@127.0.0.1:1/db", "--site-id", "a"], 2, "'postgresql://u:***@"),
+        # a URI whose password has an unescaped '/' (libpq reads host:port there): printed whole, unwarned;
+        # then its piece after the '/' was the database name (or the host) every message quoted
+        (["init", "--site", "postgresql://u:SEK/RET@127.0.0.1:1/db", "--site-id", "a"], 2, "percent-encode them"),
+        (["init", "--site", "postgresql://u:S@EK/R ET@127.0.0.1:1/db", "--site-id", "a"], 2, "is not a valid URI"),
+        (["init", "--site", "postgresql://u:SEK#RET@127.0.0.1:1/db", "--site-id", "a"], 2, "(%2F, %3F, %23, %40)"),
+        # a database name libpq reads as a URI of its own: the password's tail was the host it quoted
+        (["init", "--site", "dbname='postgresql://u:S@EK RET@h/db'", "--site-id", "a"], 2, "holds a connection string"),
+        # an unescaped '@' and a blank: lr's own reading of the URI finds the host after the last '@'
+        (["init", "--site", "postgresql://u:S@EK RET@127.0.0.1:1/db", "--site-id", "a"], 1, "password=***"),
         # a value libpq refuses before any network: exit 1 saying "is the server up?" (and lr sync retried it)
         (
             ["init", "--site", "host=127.0.0.1 port=1 sslmode=requier password=SEKRET", "--site-id", "a"],
@@ -170,6 +177,9 @@ def test_a_password_given_to_lr_is_never_printed_whatever_is_wrong(tmp_path, mon
             )
             for option in ("target_session_attrs", "gssencmode", "channel_binding", "load_balance_hosts")
         ],
+        # an empty or blank site: "unknown site or connection '': ... set AIRFLOW_CONN_, ..."
+        (["init", "--site", ""], 2, "the site or connection given is empty (''): give a DSN"),
+        (["init", "--site", "   "], 2, "the site or connection given is empty ('   ')"),
         # a server that does not answer is not: exit 1
         (["init", "--site", "host=127.0.0.1 port=1 password=SEKRET", "--site-id", "a"], 1, "password=***"),
     ]:

@@ -394,6 +394,11 @@ settings:
                 "postgresql://db/app?pass%77ord=hunter2",
                 "postgresql://lr:hunter2@db:5432,db2:5433/app",
                 "postgresql://lr:hun/ter2@db/app",  # an unescaped '/' in it: libpq cannot read it, still a password
+                # a user@server login's unescaped '@', a database name libpq reads as a connection
+                # string: both stored on every site as they were
+                "postgresql://lr@srv:hunter2@db/app",
+                "host=db dbname=postgresql://lr:hunter2@db/app",
+                "dbname=''postgresql://lr:hunter2@db/app''",
             )
         ],
     ],

@@ -110,6 +110,15 @@ class ConnInfo:
         except psycopg2.ProgrammingError as exc:  # (its safe_dsn cannot be made either)
             reason = re.sub(r'after "[^"]*"', "after a word", one_line(exc).removeprefix("invalid dsn: "))
             raise ConfigurationError(f"{name} is not valid: {reason}") from None
+        dbname = self.params.get("dbname")
+        if isinstance(dbname, str) and ("=" in dbname or _URI.match(dbname)):
+            # libpq reads such a dbname as a connection string of its own, by its own rules: a
+            # password's unescaped ``@`` then made the rest of it the host its errors quote
+            raise ConfigurationError(
+                f"{name}: its database name holds a connection string (libpq would read it as one, "
+                "password and all): give its host, port, user, password and database as the "
+                "connection's own parameters"
+            )
         port = self.params.get("port")
         if port is not None and not all(
             not p.strip() or (p.strip().isdigit() and 0 < int(p) < 65536) for p in str(port).split(",")
@@ -310,9 +319,28 @@ def from_airflow_dict(conn: Mapping[str, Any], conn_id: str | None = None) -> Co
     return ConnInfo(params, site_id=extra.get("site_id"), region=extra.get("region"), conn_id=conn_id)
 
 
+# A connection string given as a URI (``scheme://``); anything else is libpq's key=value form.
+_URI = re.compile(r"\s*[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _password_cut(parts: Any) -> bool:
+    """An ``@`` after the URI's authority: in its path or fragment, or in a query parameter's name.
+    A password holding an unescaped ``/``, ``?`` or ``#`` ends the authority there, and the rest of
+    it became the database name or an option (``postgresql://u:p/ss@h/db``: host ``p``... quoted
+    in every message after)."""
+    names = (pair.partition("=")[0] for pair in parts.query.split("&"))
+    return "@" in parts.path or "@" in parts.fragment or any("@" in n for n in names)
+
+
 def from_uri(uri: str, conn_id: str | None = None) -> ConnInfo:
     """Build from a ``postgresql://`` / ``postgres://`` / ``lr-site://`` URI (Airflow's URI form)."""
     parts = urlsplit(uri)
+    if _password_cut(parts):  # the URI is not quoted back: which part is the password is unknown
+        raise ConfigurationError(
+            f"{f'connection {conn_id!r}' if conn_id else 'the URI given'} is not a valid URI: an '@' follows its host, "
+            "so its password (or user) holds a '/', '?', '#' or '@' left as is: percent-encode them "
+            "(%2F, %3F, %23, %40), or give the password in PGPASSWORD or ~/.pgpass"
+        )
     name = f"connection {conn_id or mask_secrets(uri)!r}"  # a URI's password is never quoted
     query = dict(parse_qsl(parts.query))
     if "__extra__" in query:
@@ -339,7 +367,7 @@ def from_uri(uri: str, conn_id: str | None = None) -> ConnInfo:
 
 def from_dsn(dsn: str) -> ConnInfo:
     """Build from a libpq DSN, either ``key=value`` pairs or a URI."""
-    if "://" in dsn:
+    if _URI.match(dsn):  # (``dbname='postgresql://...'`` is key=value: ``check`` refuses it)
         return from_uri(dsn)
     try:
         return ConnInfo(psycopg2.extensions.parse_dsn(dsn))
@@ -424,6 +452,10 @@ def resolve(target: str) -> ConnInfo:
         raise ConfigurationError(
             f"a site is given as a DSN, an Airflow connection id or an lr site id (a string), "
             f"not a {type(target).__name__}: lr opens its own connections to it"
+        )
+    if not target.strip():  # was "unknown site or connection '': ... set AIRFLOW_CONN_, ..."
+        raise ConfigurationError(
+            f"the site or connection given is empty ({target!r}): give a DSN, an Airflow connection id or an lr site id"
         )
     if "=" in target or "://" in target:
         return from_dsn(target)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import psycopg2
 import yaml
@@ -190,6 +191,7 @@ def _validator() -> Draft202012Validator:
 _SECRET = re.compile(
     r"(?i)((?:\b|(?<=ssl))password\s*=)|(^[a-z][a-z0-9+.-]*://[^/@\s:]*:(?![^@\s]*/[^@\s]*\?)[^@\s]*@)"
 )
+_URI_START = re.compile(r"\s*[A-Za-z][A-Za-z0-9+.-]*://")
 _SECRET_KEYS = frozenset(("password", "sslpassword"))  # libpq's: a login's, a client key's passphrase
 
 
@@ -198,9 +200,19 @@ def holds_password(conn_id: str) -> bool:
     percent-decoded), else by its text (a DSN libpq cannot parse may still hold one: a URI's
     password with an unescaped ``/``, read as a host and a port)."""
     try:
-        if _SECRET_KEYS & parse_dsn(conn_id).keys():
+        parsed = parse_dsn(conn_id)
+        if _SECRET_KEYS & parsed.keys():
+            return True
+        # a database name libpq reads as a connection string of its own (``dbname='postgresql://...'``)
+        nested = parsed.get("dbname") or ""
+        if nested != conn_id and ("=" in nested or "://" in nested) and holds_password(nested):
             return True
     except psycopg2.ProgrammingError:  # not a DSN (an Airflow connection id), or a malformed one
+        pass
+    try:  # as lr reads a URI (its host after the last '@'): a ``user@server`` login's password too
+        if _URI_START.match(conn_id) and urlsplit(conn_id).password is not None:
+            return True
+    except ValueError:  # a malformed host ("[" unclosed): the text's own reading below
         pass
     return _SECRET.search(conn_id) is not None
 

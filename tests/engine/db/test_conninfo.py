@@ -59,6 +59,10 @@ def test_env_connection_json_and_uri_forms(monkeypatch):
         "site a (host=h password=SE)KRET)",
         "site a (host=h password='SE\\' K)RET') said",
         "x [host=h password=SE:KR@ET/],",
+        "connection postgresql://u:SE@KR ET@h/db failed",  # an unescaped @ before a blank: only SE was
+        'could not translate host name "SE KR@ET@h" to address',  # libpq's own reading of such a URI
+        'invalid integer value "SE KR@ET@h" for connection option "port"',
+        "postgresql://u@srv:SEKRET@h/db",  # a user@server login, its @ unescaped: the password showed whole
     ],
 )
 def test_no_piece_of_a_password_survives_masking(text):
@@ -236,3 +240,41 @@ def test_a_dsn_whose_password_holds_an_unquoted_blank_is_refused_without_its_tai
         psycopg2.connect("host=127.0.0.1 port=1 password=my secret")
     said = one_line(refused.value)
     assert "secret" in str(refused.value) and "secret" not in said and 'missing "=" after "***"' in said, said
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "postgresql://u:SE@KR ET@127.0.0.1:1/db",
+        "postgresql://u:SE@KR@ET@127.0.0.1:1/db",
+        "postgresql://u:S@E:K RET@h/db",
+    ],
+)
+def test_libpq_reading_a_uri_whose_password_holds_an_at_names_no_piece_of_it(uri):
+    """libpq ends a URI's user part at the password's first unescaped ``@``: the rest of the password
+    became the host (or port) its refusal quotes (``could not translate host name "KR ET@127.0.0.1"``),
+    and lr's one-line errors showed it."""
+    with pytest.raises(psycopg2.Error) as refused:
+        psycopg2.connect(uri, connect_timeout=5)
+    said = one_line(refused.value)
+    assert "@" in str(refused.value) and not any(p in said for p in ("SE", "KR", "ET")), said
+
+
+@pytest.mark.parametrize(
+    "dsn, refused",
+    [
+        ("postgresql://u:SE/KR@ET@h/db", "is not a valid URI"),  # the host would be "SE", the database "KR@ET@h/db"
+        ("postgresql://u:SE?KR@ET@h/db", "is not a valid URI"),
+        ("postgresql://u:SE#KR@ET@h/db", "is not a valid URI"),
+        ("dbname='postgresql://u:SE@KR ET@h/db'", "holds a connection string"),  # libpq reads it by its own rules
+        ("host=h dbname='user=u password=SEKRET'", "holds a connection string"),
+    ],
+)
+def test_a_connection_that_would_quote_a_piece_of_its_password_is_refused_before_any_connect(dsn, refused):
+    """A password cut by an unescaped ``/``, ``?`` or ``#`` left its pieces as the host, database or
+    options every message quoted; a database name holding a connection string was read by libpq,
+    whose refusal quoted the password's tail as the host."""
+    with pytest.raises(ConfigurationError) as error:
+        conninfo.from_dsn(dsn).connect()
+    said = one_line(error.value)
+    assert refused in said and not any(p in said for p in ("SE", "KR", "ET")), said
