@@ -1,0 +1,57 @@
+"""A failover's and a rejoin's commits are on every site's disk before `lr failover` says it is
+done, also on a server whose `synchronous_commit` is `off` (lr's fenced sink writes are made
+durable there: crash-windows.md row 9). The test servers commit asynchronously (tests/conftest.py);
+the sink's WAL writer is stalled, so its asynchronous commits stay in memory, and its server
+crashes (every process killed) right after the command returns."""
+
+from __future__ import annotations
+
+import pytest
+
+from airflow_provider_lr import cli
+from tests.cli.test_cli_sync import topology_file
+from tests.guarantees.test_async_sink_commits import _crash, _wal_flushers_stalled
+from tests.support.session import App
+
+# a database made in the background meanwhile (tests/conftest.py) would flush the WAL the test keeps unflushed
+pytestmark = pytest.mark.quiet_servers
+
+
+def _topology_id(site) -> str | None:
+    found = site.query("SELECT topology_config_id FROM lr.topology")
+    return found[0][0] if found else None
+
+
+def test_a_sink_crashing_right_after_a_switchover_keeps_its_fence_and_the_new_topology(
+    lr_sites, site_manager, tmp_path, monkeypatch
+):
+    """Before, the sink's fence, reconcile and new topology were committed asynchronously: the sink
+    came back with the old topology and its session from the old source open, so the new source's
+    sessions to it were refused (`topology config id mismatch`) and the old source's replicator
+    could write there again, though `lr failover` had said the switchover was done."""
+    source, sink_b, sink_c = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    App(source).put("k1", 1, ["site-b", "site-c"])
+    assert cli.main(["sync", "--topology", topo, "--until-idle"]) == 0
+    new = tmp_path / "new.yaml"
+    with _wal_flushers_stalled(sink_c):
+        assert cli.main(["failover", "--topology", topo, "--promote", "site-b", "--out", str(new)]) == 0
+        _crash(site_manager, sink_c)
+    site_manager.up(site_ids=[sink_c.site_id])
+    assert _topology_id(sink_c) == _topology_id(sink_b), "the sink runs the failover's topology"
+    fenced = sink_c.query("SELECT client_name, failed_over_to FROM lr.sink_sessions WHERE source_site_id = 'site-a'")
+    assert fenced == [("policy", "site-b")], "the old source's session stays closed at the sink"
+
+
+def test_a_site_crashing_right_after_a_topology_apply_keeps_the_topology(lr_sites, site_manager, tmp_path, monkeypatch):
+    """`lr topology apply` said `applied` on every site, and a site that crashed then came back with
+    the topology it had before: every session with it refused (`topology config id mismatch`)."""
+    _, _, sink_c = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    with _wal_flushers_stalled(sink_c):
+        assert cli.main(["topology", "apply", "--topology", topo]) == 0
+        applied = _topology_id(lr_sites[0])
+        _crash(site_manager, sink_c)
+    site_manager.up(site_ids=[sink_c.site_id])
+    assert _topology_id(sink_c) == applied
