@@ -1,8 +1,8 @@
-"""A failover's and a rejoin's commits are on every site's disk before `lr failover` says it is
-done, also on a server whose `synchronous_commit` is `off` (lr's fenced sink writes are made
-durable there: crash-windows.md row 9). The test servers commit asynchronously (tests/conftest.py);
-the sink's WAL writer is stalled, so its asynchronous commits stay in memory, and its server
-crashes (every process killed) right after the command returns."""
+"""A failover's, a rejoin's, a topology apply's and a full-sync request's commits are on the site's
+disk before the command says it is done, also on a server whose `synchronous_commit` is `off`
+(lr's fenced sink writes are made durable there: crash-windows.md row 9). The test servers commit
+asynchronously (tests/conftest.py); the site's WAL writer is stalled, so its asynchronous commits
+stay in memory, and its server crashes (every process killed) right after the command returns."""
 
 from __future__ import annotations
 
@@ -55,3 +55,19 @@ def test_a_site_crashing_right_after_a_topology_apply_keeps_the_topology(lr_site
         _crash(site_manager, sink_c)
     site_manager.up(site_ids=[sink_c.site_id])
     assert _topology_id(sink_c) == applied
+
+
+def test_a_full_sync_asked_is_kept_by_a_source_crashing_right_after(lr_sites, site_manager, tmp_path, monkeypatch):
+    """`lr full-sync` said `requested`, and a source that crashed then came back without the request:
+    the full sync was never carried out, and nothing said so."""
+    source = lr_sites[0]
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    App(source).put("k1", 1, ["site-b", "site-c"])
+    assert cli.main(["sync", "--topology", topo, "--until-idle"]) == 0
+    with _wal_flushers_stalled(source):
+        assert cli.main(["full-sync", "--topology", topo, "--sink", "site-c", "--reason", "asked"]) == 0
+        _crash(site_manager, source)
+    site_manager.up(site_ids=[source.site_id])
+    asked = source.query("SELECT sink_site_id, status FROM lr.full_sync_requests WHERE reason = 'asked'")
+    assert asked == [("site-c", "pending")]

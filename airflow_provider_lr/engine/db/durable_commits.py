@@ -19,6 +19,11 @@ import psycopg2.extensions
 RAISE_TO_LOCAL = (
     "SELECT set_config('synchronous_commit', 'local', false) WHERE current_setting('synchronous_commit') = 'off'"
 )
+# the same for one transaction, ahead of its first statement: a full-sync request (``source/full_sync``)
+# said `requested` and then forgotten by a crash of its source was never carried out
+THIS_TRANSACTION = (
+    "SELECT set_config('synchronous_commit', 'local', true) WHERE current_setting('synchronous_commit') = 'off'; "
+)
 
 
 def durable(
