@@ -71,3 +71,20 @@ def test_a_full_sync_asked_is_kept_by_a_source_crashing_right_after(lr_sites, si
     site_manager.up(site_ids=[source.site_id])
     asked = source.query("SELECT sink_site_id, status FROM lr.full_sync_requests WHERE reason = 'asked'")
     assert asked == [("site-c", "pending")]
+
+
+def test_a_table_opened_is_kept_by_a_source_crashing_right_after(lr_sites, site_manager, tmp_path, monkeypatch):
+    """`lr tables open` said the table is federated, and a source that crashed then came back without
+    it: its applications' changes were no longer captured, and nothing said so."""
+    source = lr_sites[0]
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    source.query("CREATE TABLE public.items (id int PRIMARY KEY, v text)")
+    source.query("CHECKPOINT")  # the table itself on disk: what the crash may lose is the open alone
+    with _wal_flushers_stalled(source):
+        assert cli.main(["tables", "open", "public.items", "--client", "policy", "--topology", topo]) == 0
+        _crash(site_manager, source)
+    site_manager.up(site_ids=[source.site_id])
+    assert source.query("SELECT stream_name, is_federated FROM lr.registry WHERE kind = 'table'") == [
+        ("public.items", True)
+    ]
