@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import psycopg2
+import psycopg2.extensions
 
 from airflow_provider_lr.cli.common import (
     UsageError,
     check_topology,
     connector,
+    database_error,
     load_topology,
     named,
     reason_text,
@@ -16,6 +22,33 @@ from airflow_provider_lr.cli.common import (
 from airflow_provider_lr.engine.errors import LRError, TopologyMismatchError, listing
 from airflow_provider_lr.engine.site import failover, topology
 from airflow_provider_lr.engine.store import topology as topologies
+
+
+@contextmanager
+def _resumable(
+    what: str, connect: Callable[[str], psycopg2.extensions.connection]
+) -> Iterator[Callable[[str], psycopg2.extensions.connection]]:
+    """A site that fails a step part-way (its server stopped, its connection lost at a commit) is
+    said with the site and what to do: every step of a failover or a rejoin commits on one site and
+    a re-run finishes it (docs/failover.md, *Re-running and crashes*). Before, it read `lr:
+    OperationalError: server closed the connection unexpectedly`, naming no site and no next step."""
+    made: list[psycopg2.extensions.connection] = []
+
+    def connected(site: str) -> psycopg2.extensions.connection:
+        made.append(connect(site))
+        return made[-1]
+
+    try:
+        yield connected
+    except (psycopg2.OperationalError, psycopg2.InterfaceError) as exc:  # a refusal (a grant) is not re-run
+        cursor = getattr(exc, "cursor", None)
+        lost = [getattr(c, "site", "?") for c in made if c.closed == 2]  # broken, not closed by lr
+        sites = [getattr(cursor.connection, "site", None)] if cursor is not None else lost
+        where = ", ".join(s for s in sites if s) or "a site"
+        raise LRError(
+            f"{what} stopped part-way at {where}: {database_error(exc)}; what was done stands: run the same "
+            "command again once every site it needs answers (a re-run finishes it)"
+        ) from exc
 
 
 def cmd_failover(args: argparse.Namespace) -> int:
@@ -33,7 +66,8 @@ def cmd_failover(args: argparse.Namespace) -> int:
         )
         if stale is not None:
             raise TopologyMismatchError(stale.message())
-        back = failover.rejoin(args.rejoin, connector(topo), topo)
+        with _resumable(f"the rejoin of {args.rejoin}", connector(topo)) as connect:
+            back = failover.rejoin(args.rejoin, connect, topo)
         print(f"{back.site}: topology {back.topology_config_id} of failover {back.failover_id} applied")
         for name in back.retired:
             print(f"  retired source session {name}")
@@ -60,19 +94,20 @@ def cmd_failover(args: argparse.Namespace) -> int:
     old = args.from_site or failover.only_source(topo, args.promote)
     # sites already on this failover's topology (a re-run finishing it) are fine; any other id is not
     check_topology(topo, also={failover.derive(topo, old, args.promote, args.client or None)[0].topology_config_id})
-    done = failover.promote(
-        failover.FailoverRequest(
-            old,
-            args.promote,
-            clients=args.client or None,
-            reason=args.reason,
-            same_destinations=args.same_destinations,
-            planned=args.planned,
-            allow_table_divergence=args.allow_table_divergence,
-        ),
-        connector(topo),
-        topology=topo,
-    )
+    with _resumable(f"the failover of {old} to {args.promote}", connector(topo)) as connect:
+        done = failover.promote(
+            failover.FailoverRequest(
+                old,
+                args.promote,
+                clients=args.client or None,
+                reason=args.reason,
+                same_destinations=args.same_destinations,
+                planned=args.planned,
+                allow_table_divergence=args.allow_table_divergence,
+            ),
+            connect,
+            topology=topo,
+        )
     target = args.out or topologies.failover_files(done.topology.topology_config_id)[0]
     try:
         out = topologies.write_document(done.topology, target)

@@ -17,6 +17,7 @@ from airflow_provider_lr.cli.common import (
     read_site,
     with_topology,
 )
+from airflow_provider_lr.engine.db.durable_commits import durable
 from airflow_provider_lr.engine.errors import LRError, TableError, listing, one_line
 from airflow_provider_lr.engine.site import status_parts
 from airflow_provider_lr.engine.source import full_sync
@@ -64,7 +65,7 @@ def cmd_tables_open(args: argparse.Namespace) -> int:
     check_topology(topo, sites)
     for site_id in sites:
         with at_site(site_id):
-            conn = connector(topo)(site_id)
+            conn = durable(connector(topo))(site_id)  # kept by a site crashing right after
             try:
                 if not args.federated:  # stops the capture here, as a close does
                     here = {str(t.table): t for t in table_registry.list_tables(conn)}
@@ -87,7 +88,7 @@ def cmd_tables_close(args: argparse.Namespace) -> int:
     closed = 0
     for site_id in sites:
         with at_site(site_id):
-            conn = connector(topo)(site_id)
+            conn = durable(connector(topo))(site_id)  # kept by a site crashing right after
             try:
                 here = {str(t.table): t for t in table_registry.list_tables(conn)}
                 table = here.get(str(name))

@@ -31,15 +31,14 @@ failover, and do not download what the backup already has"):
 A failover that would stop a federated table's replication (another sink takes it from A, B does
 not hold it synced) is refused unless ``allow_table_divergence``; ``lr status`` marks such a table.
 
-Each step commits on one site and is repeated safely: a re-run of the same failover resumes from
-``lr.failovers`` on B and each sink's ``failover_note`` (docs/crash-windows.md rows 16-18).
+Each step commits on one site, durably (``db/durable_commits``), and is repeated safely: a re-run
+resumes from ``lr.failovers`` on B and each sink's ``failover_note`` (crash-windows.md rows 16-18).
 A planned switchover (A reachable) first applies the new topology on A, so A's writers of K are
 refused, and drains A's log into every sink of K, so the cut loses nothing.
 
-Here: the entry points (``promote``, ``rejoin``), the new topology, steps 1-2 and the drain. Step 3
-is ``site/failover_reconcile``, step 4 on a returning site ``site/failover_rejoin``; the record in
-``lr.failovers``, the results and the connections to the sites are ``site/failover_record``.
-"""
+Here: the entry points (``promote``, ``rejoin``), the new topology, steps 1-2 and the drain. Step 3 is
+``site/failover_reconcile``, step 4 on a returning site ``site/failover_rejoin``; the record in
+``lr.failovers``, the results and the connections to the sites are ``site/failover_record``."""
 
 from __future__ import annotations
 
@@ -52,6 +51,7 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine import vocabulary
+from airflow_provider_lr.engine.db.durable_commits import durable
 from airflow_provider_lr.engine.db.encoding import json_text, storable
 from airflow_provider_lr.engine.db.topology_schema import Origin
 from airflow_provider_lr.engine.errors import ConfigurationError, LRError, SiteUnreachableError, listing
@@ -181,6 +181,7 @@ def promote(request: FailoverRequest, connect: Connect, topology: Topology | Non
     vocabulary.checked_reason(request.reason)  # recorded with its full syncs, late: refused before anything
     if topology is not None:
         topology.site(from_site), topology.site(to_site)  # an unknown site is refused before any connection
+    connect = durable(connect)  # a crash of a site right after it is told: it keeps what it was told
     conns: dict[str, psycopg2.extensions.connection] = {}
     try:
         new = reach(connect, to_site, conns, "the site to promote")
@@ -459,6 +460,7 @@ def rejoin(site: str, connect: Connect, topology: Topology) -> RejoinResult:
     """The old source (or any site a failover could not reach) comes back: the newest failover
     recorded on a reachable site of ``topology`` gives the topology to apply; for the old source,
     its sessions of the failed-over clients are retired and its unreplicated tail is counted."""
+    connect = durable(connect)
     conns: dict[str, psycopg2.extensions.connection] = {}
     try:
         conn = reach(connect, site, conns, "the site to rejoin")

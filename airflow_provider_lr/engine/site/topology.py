@@ -298,7 +298,9 @@ def apply_everywhere(
     nothing changes anywhere. ``prune``: also remove the sink sessions the topology no longer has
     (``prune_sink_sessions``). Returns, per site id, the sink sessions pruned and kept."""
     from airflow_provider_lr.engine.db import schema
+    from airflow_provider_lr.engine.db.durable_commits import durable
 
+    connect = durable(connect)  # on every site's disk once it says so (a server committing asynchronously)
     conns: dict[str, psycopg2.extensions.connection] = {}
     try:
         for site_id in sorted(topology.sites):

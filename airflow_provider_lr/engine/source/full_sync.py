@@ -26,7 +26,7 @@ import psycopg2.errors
 import psycopg2.extensions
 
 from airflow_provider_lr.engine import progress, vocabulary
-from airflow_provider_lr.engine.db import conninfo, encoding
+from airflow_provider_lr.engine.db import conninfo, durable_commits, encoding
 from airflow_provider_lr.engine.db.local_settings import on_callers_connection, whole_transactions
 from airflow_provider_lr.engine.errors import ConfigurationError, FullSyncError, one_line, require_seconds
 from airflow_provider_lr.engine.faults import fault_point
@@ -110,8 +110,8 @@ def request_full_sync(
                     f"no session to sink {sink!r} for client {client!r} on this source; sessions are {known}"
                 )
             cur.execute(
-                f"UPDATE lr.full_sync_requests SET status = '{RequestStatus.CANCELLED}', finished_at = now(), "
-                "note = 'superseded by a newer request' WHERE request_id IN (SELECT request_id "
+                f"{durable_commits.THIS_TRANSACTION}UPDATE lr.full_sync_requests SET status = '{RequestStatus.CANCELLED}', "
+                "finished_at = now(), note = 'superseded by a newer request' WHERE request_id IN (SELECT request_id "
                 f"FROM lr.full_sync_requests WHERE sink_site_id = %s AND client_name = %s AND status IN {OPEN_STATUSES_SQL} "
                 "FOR UPDATE SKIP LOCKED)",
                 (sink, client),

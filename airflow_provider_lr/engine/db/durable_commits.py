@@ -1,0 +1,45 @@
+"""Commits a command reports as done are on the site's disk when it says so.
+
+On a server whose ``synchronous_commit`` is ``off``, a commit returns before its WAL is flushed: a
+crash of that server within the WAL writer's delay forgets it. lr's fenced sink writes raise it to
+``local`` for their transaction (``store/sink_sessions``); the commands that change a site's
+standing (``lr topology apply``, ``lr failover`` and its ``--rejoin``: a new topology, a fence, a
+reconciled sink, a promotion) raise it for their whole connection with ``durable``. Before, a sink
+that crashed right after `lr failover` said it was done came back with the old topology and its
+session from the old source open: the new source's sessions to it were refused
+(``tests/guarantees/test_failover_durable.py``). A server set to ``on``, ``remote_write`` or
+``remote_apply`` keeps its own setting (each flushes locally)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import psycopg2.extensions
+
+RAISE_TO_LOCAL = (
+    "SELECT set_config('synchronous_commit', 'local', false) WHERE current_setting('synchronous_commit') = 'off'"
+)
+# the same for one transaction, ahead of its first statement: a full-sync request (``source/full_sync``)
+# said `requested` and then forgotten by a crash of its source was never carried out
+THIS_TRANSACTION = (
+    "SELECT set_config('synchronous_commit', 'local', true) WHERE current_setting('synchronous_commit') = 'off'; "
+)
+
+
+def durable(
+    connect: Callable[[str], psycopg2.extensions.connection],
+) -> Callable[[str], psycopg2.extensions.connection]:
+    """``connect`` whose connections commit durably (``RAISE_TO_LOCAL`` for the session)."""
+
+    def connected(site: str) -> psycopg2.extensions.connection:
+        conn = connect(site)
+        try:
+            with conn.cursor() as cur:
+                cur.execute(RAISE_TO_LOCAL)
+            conn.commit()
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    return connected
