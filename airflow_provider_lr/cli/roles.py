@@ -9,6 +9,7 @@ import psycopg2.extensions
 
 from airflow_provider_lr.cli.common import UsageError, at_site, read_connected, target_sites
 from airflow_provider_lr.engine.db import conninfo
+from airflow_provider_lr.engine.db.durable_commits import made_durable
 from airflow_provider_lr.engine.errors import LRError, one_line
 from airflow_provider_lr.engine.site import roles as site_roles
 from airflow_provider_lr.engine.site import status_parts
@@ -48,7 +49,7 @@ def cmd_roles_change(args: argparse.Namespace) -> int:
 
 def _change_roles(args: argparse.Namespace, info: conninfo.ConnInfo, password: str | None) -> None:
     """One site's grant or revoke (``--print``: its SQL, nothing changed)."""
-    conn = info.connect()
+    conn = made_durable(info.connect())  # the grants kept by a site crashing right after
     try:
         if args.roles_command == "grant":
             plan = site_roles.plan_grant(conn, args.kind, args.role, args.client or (), args.create, password)

@@ -16,6 +16,7 @@ from airflow_provider_lr.cli.common import (
     target_sites,
 )
 from airflow_provider_lr.engine.db import schema
+from airflow_provider_lr.engine.db.durable_commits import made_durable
 from airflow_provider_lr.engine.db.timeouts import Purpose
 from airflow_provider_lr.engine.site import roles as site_roles
 from airflow_provider_lr.paths import home_unset_hint
@@ -64,7 +65,8 @@ def cmd_init(args: argparse.Namespace) -> int:
         if not site_id:
             raise UsageError(f"{info.safe_dsn}: give --site-id (the connection has no site_id extra)")
         with at_site(site_id):
-            conn = info.connect(Purpose.BULK)  # a migration may rewrite a large table: no statement timeout
+            # a migration may rewrite a large table: no statement timeout; kept by a crash right after
+            conn = made_durable(info.connect(Purpose.BULK))
             try:
                 before = schema.current_version(conn)
                 result = schema.init_site(conn, site_id, args.region or info.region)  # None: keep the recorded one

@@ -88,3 +88,29 @@ def test_a_table_opened_is_kept_by_a_source_crashing_right_after(lr_sites, site_
     assert source.query("SELECT stream_name, is_federated FROM lr.registry WHERE kind = 'table'") == [
         ("public.items", True)
     ]
+
+
+def test_grants_given_by_lr_roles_are_kept_by_a_site_crashing_right_after(
+    lr_sites, site_manager, tmp_path, monkeypatch
+):
+    """`lr roles grant` said `granted`, and a site that crashed then came back without the role's
+    grants (and its row of lr.role_grants): the writer's transmits were refused, though the command
+    had said it was done."""
+    from tests.engine.site.test_roles import Roles
+
+    source = lr_sites[0]
+    assert cli.main(["topology", "apply", "--topology", topology_file(tmp_path, lr_sites, monkeypatch)]) == 0
+    made = Roles(lr_sites)
+    try:
+        role = made.name("writer")
+        source.query(f'CREATE ROLE "{role}" LOGIN')
+        source.query("CHECKPOINT")  # the role itself on disk: what the crash may lose is the grant alone
+        with _wal_flushers_stalled(source):
+            granted = ["roles", "grant", "writer", "--client", "policy", "--role", role, "--site", source.dsn]
+            assert cli.main(granted) == 0
+            _crash(site_manager, source)
+        site_manager.up(site_ids=[source.site_id])
+        kept = source.query("SELECT kind, client_name FROM lr.role_grants WHERE role_name = %s", (role,))
+        assert kept == [("writer", "policy")]
+    finally:
+        made.drop()

@@ -4,7 +4,7 @@ On a server whose ``synchronous_commit`` is ``off``, a commit returns before its
 crash of that server within the WAL writer's delay forgets it. lr's fenced sink writes raise it to
 ``local`` for their transaction (``store/sink_sessions``); the commands that change a site's
 standing (``lr topology apply``, ``lr failover`` and its ``--rejoin``: a new topology, a fence, a
-reconciled sink, a promotion) raise it for their whole connection with ``durable``. Before, a sink
+reconciled sink, a promotion; ``lr init``, ``lr roles grant|revoke``, ``lr tables open|close``) raise it for their whole connection with ``durable``. Before, a sink
 that crashed right after `lr failover` said it was done came back with the old topology and its
 session from the old source open: the new source's sessions to it were refused
 (``tests/guarantees/test_failover_durable.py``). A server set to ``on``, ``remote_write`` or
@@ -32,14 +32,19 @@ def durable(
     """``connect`` whose connections commit durably (``RAISE_TO_LOCAL`` for the session)."""
 
     def connected(site: str) -> psycopg2.extensions.connection:
-        conn = connect(site)
-        try:
-            with conn.cursor() as cur:
-                cur.execute(RAISE_TO_LOCAL)
-            conn.commit()
-        except BaseException:
-            conn.close()
-            raise
-        return conn
+        return made_durable(connect(site))
 
     return connected
+
+
+def made_durable(conn: psycopg2.extensions.connection) -> psycopg2.extensions.connection:
+    """``conn``, its commits from now on durable (``RAISE_TO_LOCAL``; closed when that fails):
+    ``lr init``'s schema and ``lr roles``' grants too, which a crash right after forgot."""
+    try:
+        with conn.cursor() as cur:
+            cur.execute(RAISE_TO_LOCAL)
+        conn.commit()
+    except BaseException:
+        conn.close()
+        raise
+    return conn
