@@ -429,9 +429,8 @@ class SourceStream:
         try:
             self.src.rollback()  # a statement that failed on the source left its transaction aborted
             lost = leases.update_sessions(self.src, [(member.lease, self._ack_values(member))])
-            if lost:
-                raise lost[member.lease]
-            member.acked = member.durable
+            if not lost:  # else taken over as it left (moved to another member): its new holder acks
+                member.acked = member.durable
         except (psycopg2.Error, LRError) as exc:  # the next holder records its own; trim waits meanwhile
             log.info("stream %s: last ack not recorded: %s", member.key, one_line(exc))
 

@@ -403,3 +403,38 @@ def test_a_sink_removed_from_the_topology_while_streaming_keeps_no_connection_of
         assert "site-c" not in stream.sinks._conns
     writer.close()
     holder.close()
+
+
+def test_a_session_fenced_by_its_new_holder_while_its_member_lets_go_of_the_share_ends_as_reassigned(
+    lr_sites, monkeypatch
+):
+    """A member reading its new share releases the leases of the sessions that left it, one round
+    trip each, before the Streamer asks their streams to leave: the member they went to fences their
+    sinks meanwhile, and a stream writing then is refused (``FencedError``) before any leave reached
+    it. Its end is the move all the same: reassigned, not a hand-back (at a join of 200 sessions,
+    about half the moved ones were printed as handed back with the FencedError)."""
+    source, sink_b, _ = lr_sites
+    topo = apply(lr_sites, ONE_SESSION, providers={"policy": "tests.support.session:empty_provider"})
+    writer = source.connect()
+    repl = replicator(topo, lr_sites, providers={"policy": empty_provider}, lease_seconds=30.0)
+    with Streaming(repl, FAST) as streaming:
+        streaming.streaming()
+        _transmit(writer, "policy", "before", ["site-b"])
+        wait_for(lambda: sink_queue(sink_b, "policy") == [b"before"], 10, "the first entry")
+        (stream,) = streaming.streamer.sources.values()
+        (key,) = list(stream.members)
+        moved: list = []
+
+        def share_without_it(self):  # the read of the share, as it releases the lease ...
+            if not moved:
+                sink_b.query("UPDATE lr.sink_sessions SET lease_epoch = lease_epoch + 1")  # ... the new holder's fence
+                _transmit(writer, "policy", "after", ["site-b"])
+                wait_for(lambda: key not in stream.members, 10, "the stream to meet the fence")
+                moved.append(key)
+            return []
+
+        monkeypatch.setattr(type(repl), "sessions", property(share_without_it))
+        wait_for(lambda: any(e.session == str(key) for e in streaming.streamer.ends), 10, "the session to end")
+        (end,) = [e for e in streaming.streamer.ends if e.session == str(key)]
+        assert end.reason == REASSIGNED and not end.error, end
+    writer.close()
