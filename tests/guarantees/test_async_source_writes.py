@@ -6,7 +6,6 @@ crashes (every process killed) right after (docs/crash-windows.md)."""
 
 from __future__ import annotations
 
-import psycopg2
 import pytest
 
 from airflow_provider_lr.engine.errors import FencedError
@@ -21,9 +20,7 @@ pytestmark = pytest.mark.quiet_servers
 ONE_SINK = [{"source": "site-a", "sinks": ["site-b"], "clients": ["policy"]}]
 
 
-def test_a_lease_taken_just_before_the_source_crashed_is_never_taken_again_with_the_same_epoch(
-    lr_sites, site_manager
-):
+def test_a_lease_taken_just_before_the_source_crashed_is_never_taken_again_with_the_same_epoch(lr_sites, site_manager):
     """Replicator A takes the session's lease and fences the sink with its epoch; the source crashes
     before its WAL writer flushed the lease. Before, the restarted source had forgotten it and gave
     replicator B the same epoch: the sink took both, and A, its lease lost, was not refused there

@@ -91,10 +91,7 @@ def raise_epoch(cur: psycopg2.extensions.cursor, sink: str, client: str, held: H
         (to, sink, client, held.owner, held.epoch),
     )
     row = cur.fetchone()
-    if row is None:
-        return None
-    _durable_epoch(cur)
-    return row[0]
+    return row[0] if row else None
 
 
 def release_lease(cur: psycopg2.extensions.cursor, sink: str, client: str, held: Holding) -> None:
