@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import pytest
 
+from airflow_provider_lr import cli
 from airflow_provider_lr.engine.errors import FencedError
 from airflow_provider_lr.engine.session import lease as leases
 from airflow_provider_lr.engine.sink import writes
+from tests.cli.test_cli_sync import topology_file
 from tests.guarantees.test_async_sink_commits import _crash, _wal_flushers_stalled
 from tests.support.session import apply
+from tests.support.tables import create_accounts, rows
 
 # a database made in the background meanwhile (tests/conftest.py) would flush the WAL the test keeps unflushed
 pytestmark = pytest.mark.quiet_servers
@@ -53,3 +56,25 @@ def test_a_lease_taken_just_before_the_source_crashed_is_never_taken_again_with_
     with pytest.raises(FencedError):
         writes.fence(fenced, "site-a", "policy", first.epoch)  # A wakes up: refused
     fenced.close()
+
+
+def test_a_sink_crashing_right_after_lr_tables_close_told_it_keeps_the_note(
+    lr_sites, site_manager, tmp_path, monkeypatch
+):
+    """`lr tables close` said each sink keeps its copy, told of the close (a failover promoting it
+    leaves the table closed), and a sink that crashed then came back without the note: a failover
+    promoting it would capture the table again, and nothing said so (it says only of a sink not
+    reached)."""
+    source, _, sink_c = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch, providers={})
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    create_accounts(source, rows=10)
+    assert cli.main(["tables", "open", "public.accounts", "--client", "policy", "--topology", topo]) == 0
+    assert cli.main(["sync", "--topology", topo, "--until-idle", "--cycles", "10", "--interval", "0.01"]) == 0
+    assert rows(sink_c) == rows(source)
+    sink_c.query("CHECKPOINT")  # the copy on disk: what the crash may lose is the close's note alone
+    with _wal_flushers_stalled(sink_c):
+        assert cli.main(["tables", "close", "public.accounts", "--topology", topo]) == 0
+        _crash(site_manager, sink_c)
+    site_manager.up(site_ids=[sink_c.site_id])
+    assert sink_c.query("SELECT source_site_id FROM lr.sink_tables WHERE closed_at_source") == [("site-a",)]
