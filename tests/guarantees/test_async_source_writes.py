@@ -1,8 +1,9 @@
-"""What a replicator or a command writes on a source whose server commits asynchronously
+"""What a replicator or a command writes on a site whose server commits asynchronously
 (`synchronous_commit = off`, as the test servers do: tests/conftest.py) and then crashes before its
-WAL writer flushed it: the writes a guarantee rests on are on the source's disk when they return.
-The source's WAL writer is stalled, so its asynchronous commits stay in memory, and its server
-crashes (every process killed) right after (docs/crash-windows.md)."""
+WAL writer flushed it: the writes a guarantee rests on are on the site's disk when they return (a
+lease's new epoch on its source, the note `lr tables close` leaves on each sink). The site's WAL
+writer is stalled, so its asynchronous commits stay in memory, and its server crashes (every process
+killed) right after (docs/crash-windows.md)."""
 
 from __future__ import annotations
 
