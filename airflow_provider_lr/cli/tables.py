@@ -136,7 +136,7 @@ def _tell_sinks(topo: topologies.Topology, sinks: list[str], source: str, table:
     one of them leaves the table closed; a sink not reached is said, not fatal: the close holds."""
     for sink in sinks:
         try:
-            conn = connector(topo)(sink)
+            conn = durable(connector(topo))(sink)  # kept by a sink crashing right after: it was told
             try:
                 closed_notes.note_closed_copy(conn, table, source, client)
             finally:

@@ -15,6 +15,7 @@ from typing import Protocol
 import psycopg2.extensions
 from psycopg2 import sql
 
+from airflow_provider_lr.engine.db.durable_commits import THIS_TRANSACTION
 from airflow_provider_lr.engine.db.encoding import storable
 from airflow_provider_lr.engine.errors import FencedError
 from airflow_provider_lr.engine.store import members
@@ -36,7 +37,8 @@ class Holding(Protocol):
 def take_lease(cur: psycopg2.extensions.cursor, sink: str, client: str, owner: str, seconds: float) -> int | None:
     """Take or renew the session's lease for ``seconds``; its epoch, bumped unless ``owner`` held it
     unexpired. None when another owner holds an unexpired one (or there is no such session), unless
-    that owner is a replicator member found dead (``members.dead_member``): taken at once."""
+    that owner is a replicator member found dead (``members.dead_member``): taken at once. A bumped
+    epoch commits durably (``_durable_epoch``); a renewal, the repeated case, as the server does."""
     cur.execute(
         f"""
         UPDATE lr.source_sessions
@@ -49,12 +51,25 @@ def take_lease(cur: psycopg2.extensions.cursor, sink: str, client: str, owner: s
         WHERE sink_site_id = %(sink)s AND client_name = %(client)s
           AND (lease_owner IS NULL OR lease_owner = %(owner)s OR lease_expires_at <= now()
                OR {members.dead_member("lease_owner")})
-        RETURNING lease_epoch
+        RETURNING lease_epoch, lease_acquired_at = now()
         """,
         {"owner": owner, "seconds": seconds, "sink": sink, "client": client},
     )
     row = cur.fetchone()
-    return row[0] if row else None
+    if row is None:
+        return None
+    epoch, bumped = row  # lease_acquired_at is now() (this transaction's start) only when it was taken anew
+    if bumped:
+        _durable_epoch(cur)
+    return epoch
+
+
+def _durable_epoch(cur: psycopg2.extensions.cursor) -> None:
+    """The transaction that moves a lease's epoch commits durably (``db/durable_commits``). Before, a
+    source whose ``synchronous_commit`` is ``off`` and that crashed right after forgot the epoch its
+    holder had fenced the sinks with, and gave the next holder the same one: the sinks took both, and
+    the one whose lease was lost was not refused there (``test_async_source_writes.py``)."""
+    cur.execute(THIS_TRANSACTION)
 
 
 def current_holder(cur: psycopg2.extensions.cursor, sink: str, client: str) -> tuple[bool, str | None]:
