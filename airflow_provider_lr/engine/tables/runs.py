@@ -99,7 +99,9 @@ def compose(target: Target, run: Run, as_text: bool) -> sql.Composed:
     carried_as_text = {_doubled(c) for c in run.text}
     own = {c for c in d.column_names if "." in types[c]} - carried_as_text
     text = carried_as_text | own
-    record = sql.SQL("jsonb_populate_record(NULL::{}, r.d - %(text)s::text[])").format(d.table.ident)
+    record = sql.SQL("pg_catalog.jsonb_populate_record(NULL::{}, r.d - %(text)s::pg_catalog.text[])").format(
+        d.table.ident
+    )
     picked: dict[str, sql.Identifier] = {}  # with ``own``: the other columns, each by an alias of lr's
     lateral: sql.Composable = sql.SQL("")
     more: sql.Composable = sql.SQL("")
