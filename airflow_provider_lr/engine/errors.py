@@ -167,10 +167,14 @@ def _masked_dsn_value(found: re.Match[str]) -> str:
     after the mask (with the punctuation after them). A password ending so inside such a text is
     ambiguous; only the characters the text needs to close are kept, never one of the password's
     others."""
-    value, kept = found.group(2), ""
+    return _masked_value(found.group(1), found.group(2), found.string[: found.start()])
+
+
+def _masked_value(prefix: str, value: str, before: str) -> str:
+    """``prefix`` and the mask of ``value``, which ``before`` (the text up to ``prefix``) precedes."""
+    kept = ""
     if value[:1] in ("'", '"'):
-        return f"{found.group(1)}***"
-    before = found.string[: found.start()]
+        return f"{prefix}***"
     opened = {o: max(0, before.count(o) - before.count(c)) for c, o in _CLOSERS.items()}
     quotes = {q: before.count(q) % 2 for q in ("'", '"')}
     tail = re.search(r"[.,;:!?]*$", value)
@@ -186,12 +190,33 @@ def _masked_dsn_value(found: re.Match[str]) -> str:
             break
         kept, rest = last + kept, rest[:-1]
     if not kept:  # nothing the text closes: the punctuation may be the password's
-        return f"{found.group(1)}***"
-    return f"{found.group(1)}***{kept}{punctuation}"
+        return f"{prefix}***"
+    return f"{prefix}***{kept}{punctuation}"
+
+
+# A URI's query parameter whose name libpq (and lr's ``conninfo.from_uri``) reads percent-decoded:
+# ``?pass%77ord=...`` is a password to both, and its value showed whole in every message quoting the
+# URI (``unknown site '...'``, argparse's ``unrecognized arguments``). Its value runs to the next
+# ``&``, ``#`` or blank, as libpq splits the query.
+_URI_PARAM = re.compile(
+    r"([?&]((?:[^=&#\s%]|%[0-9A-Fa-f]{2})*%[0-9A-Fa-f]{2}(?:[^=&#\s%]|%[0-9A-Fa-f]{2})*)=)([^&#\s]*)"
+)
+_SECRET_NAMES = ("password", "sslpassword")
+
+
+def _masked_uri_param(found: re.Match[str]) -> str:
+    """A percent-encoded parameter name's value masked when the name decodes to a password's (the
+    parenthesis or quote closing the text around it kept, as ``_masked_dsn_value`` keeps them)."""
+    name = re.sub(r"%([0-9A-Fa-f]{2})", lambda h: chr(int(h.group(1), 16)), found.group(2))
+    if name.lower() not in _SECRET_NAMES:
+        return found.group()
+    return _masked_value(found.group(1), found.group(3), found.string[: found.start()])
 
 
 def mask_secrets(text: str) -> str:
     """``text`` with every password it quotes replaced by ``***``."""
+    if "%" in text:
+        text = _URI_PARAM.sub(_masked_uri_param, text)
     text = _DSN_PASSWORD.sub(_masked_dsn_value, text)
     for pattern, replacement in _SECRETS:
         text = pattern.sub(replacement, text)

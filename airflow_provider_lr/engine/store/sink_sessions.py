@@ -300,7 +300,9 @@ def stale_writers(
         "FROM lr.sink_sessions s JOIN pg_catalog.pg_stat_activity a ON a.backend_xid = s.xmax "
         "WHERE s.source_site_id = %s AND s.client_name = %s AND a.pid <> pg_catalog.pg_backend_pid() "
         "AND a.application_name ~ %s AND pg_catalog.substr(a.application_name, %s)::bigint < %s",
-        (source, client, "^" + WRITER + "[0-9]+$", len(WRITER) + 1, epoch),
+        # (at most 18 digits: any login may name its backend so, and one epoch past bigint's range failed
+        # the cast for every look, whatever backend held the row)
+        (source, client, "^" + WRITER + "[0-9]{1,18}$", len(WRITER) + 1, epoch),
     )
     return [(pid, float(age), state) for pid, age, state in cur.fetchall()]
 

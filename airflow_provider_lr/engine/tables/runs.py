@@ -99,7 +99,9 @@ def compose(target: Target, run: Run, as_text: bool) -> sql.Composed:
     carried_as_text = {_doubled(c) for c in run.text}
     own = {c for c in d.column_names if "." in types[c]} - carried_as_text
     text = carried_as_text | own
-    record = sql.SQL("jsonb_populate_record(NULL::{}, r.d - %(text)s::text[])").format(d.table.ident)
+    record = sql.SQL("pg_catalog.jsonb_populate_record(NULL::{}, r.d - %(text)s::pg_catalog.text[])").format(
+        d.table.ident
+    )
     picked: dict[str, sql.Identifier] = {}  # with ``own``: the other columns, each by an alias of lr's
     lateral: sql.Composable = sql.SQL("")
     more: sql.Composable = sql.SQL("")
@@ -141,7 +143,7 @@ def compose(target: Target, run: Run, as_text: bool) -> sql.Composed:
     if run.op == "d":
         x_key = sql.SQL(", ").join(sql.SQL("x.{}").format(sql.Identifier(k)) for k in d.key)
         s_key = sql.SQL(", ").join(value(k) for k in d.key)
-        statement = sql.SQL("DELETE FROM {t} x USING ({rows}) s WHERE ({xk}) = ({sk})").format(
+        statement = sql.SQL("DELETE FROM {t} x USING ({rows}) s WHERE ({xk}) OPERATOR(pg_catalog.=) ({sk})").format(
             t=d.table.ident, rows=rows, xk=x_key, sk=s_key
         )
     elif run.op == "k":
@@ -153,7 +155,7 @@ def compose(target: Target, run: Run, as_text: bool) -> sql.Composed:
         s_cols = sql.SQL(", ").join(value(c) for c in carried)
         x_key = sql.SQL(", ").join(sql.SQL("x.{}").format(sql.Identifier(k)) for k in d.key)
         s_key = sql.SQL(", ").join(value(k) for k in d.key)
-        same = sql.SQL("({}) = ({})").format(x_key, s_key)
+        same = sql.SQL("({}) OPERATOR(pg_catalog.=) ({})").format(x_key, s_key)
         # a GENERATED ALWAYS identity (not the key) no update may set: a row with another value of it
         # is deleted, then inserted with the source's (``upsert.moved``); none: nothing more
         first = moved(target, sql.SQL("({})").format(rows), same, value, absent)
@@ -218,21 +220,21 @@ def _moves(
         + [sql.SQL("s.lr_l")]
     )
     movable = sql.SQL(
-        "NOT EXISTS (SELECT FROM lr_k j WHERE {jo} = {kn} AND j.lr_l >= lr_k.lr_l) "
-        "AND NOT EXISTS (SELECT FROM lr_k j WHERE {jn} = {kn} AND {jo} <> {ko}) "
-        "AND NOT EXISTS (SELECT FROM {t} y WHERE {yk} = {kn})"
+        "NOT EXISTS (SELECT FROM lr_k j WHERE {jo} OPERATOR(pg_catalog.=) {kn} AND j.lr_l >= lr_k.lr_l) "
+        "AND NOT EXISTS (SELECT FROM lr_k j WHERE {jn} OPERATOR(pg_catalog.=) {kn} AND {jo} OPERATOR(pg_catalog.<>) {ko}) "
+        "AND NOT EXISTS (SELECT FROM {t} y WHERE {yk} OPERATOR(pg_catalog.=) {kn})"
     ).format(jo=of("j", old), jn=of("j", new), ko=of("lr_k", old), kn=of("lr_k", new), t=t, yk=of("y", keys))
     if target.deferrable_key:
-        movable = sql.SQL("{} AND (SELECT count(*) FROM {} y WHERE {} = {}) = 1").format(
-            movable, t, of("y", keys), of("lr_k", old)
-        )
-    moving = ", lr_moved AS (UPDATE {t} x SET ({keys}) = ROW({kn}) FROM lr_k WHERE {at}{xk} = {ko} AND {movable})"
+        movable = sql.SQL(
+            "{} AND (SELECT pg_catalog.count(*) FROM {} y WHERE {} OPERATOR(pg_catalog.=) {}) = 1"
+        ).format(movable, t, of("y", keys), of("lr_k", old))
+    moving = ", lr_moved AS (UPDATE {t} x SET ({keys}) = ROW({kn}) FROM lr_k WHERE {at}{xk} OPERATOR(pg_catalog.=) {ko} AND {movable})"
     if target.key_always:  # a GENERATED ALWAYS key: no UPDATE may set it (refused as the statement is read)
         moving, movable, depth = "", sql.SQL("false"), 0
     statement = (
         "WITH lr_k AS MATERIALIZED (SELECT {pairs} FROM ({rows}) s)"
         + moving
-        + " DELETE FROM {t} x USING lr_k WHERE {at}{xk} = {ko} AND NOT ({movable})"
+        + " DELETE FROM {t} x USING lr_k WHERE {at}{xk} OPERATOR(pg_catalog.=) {ko} AND NOT ({movable})"
     )
     return sql.SQL("; ").join(
         sql.SQL(statement).format(

@@ -37,7 +37,9 @@ def upsert_from(cur: psycopg2.extensions.cursor, target: Target, staging: sql.Co
     """Rows of ``staging`` (same columns) into the table, replacing rows with the same key; the
     origin ledger follows when the table is shared. Returns the rows written."""
     d = target.definition
-    same = sql.SQL(" AND ").join(sql.SQL("x.{k} = s.{k}").format(k=sql.Identifier(k)) for k in d.key)
+    same = sql.SQL(" AND ").join(
+        sql.SQL("x.{k} OPERATOR(pg_catalog.=) s.{k}").format(k=sql.Identifier(k)) for k in d.key
+    )
     if target.always:
         cur.execute(moved(target, staging, same, lambda c: sql.SQL("s.{}").format(sql.Identifier(c))))
     cols = sql.SQL(", ").join(map(sql.Identifier, d.column_names))

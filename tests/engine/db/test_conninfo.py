@@ -9,6 +9,7 @@ import psycopg2.extensions
 import pytest
 from psycopg2 import sql
 
+from airflow_provider_lr import cli
 from airflow_provider_lr.client import RoutingQueueClient
 from airflow_provider_lr.engine.db import conninfo, schema
 from airflow_provider_lr.engine.db.timeouts import Purpose
@@ -63,6 +64,10 @@ def test_env_connection_json_and_uri_forms(monkeypatch):
         'could not translate host name "SE KR@ET@h" to address',  # libpq's own reading of such a URI
         'invalid integer value "SE KR@ET@h" for connection option "port"',
         "postgresql://u@srv:SEKRET@h/db",  # a user@server login, its @ unescaped: the password showed whole
+        # a query parameter's name percent-encoded: libpq and lr read it decoded, a password; shown whole
+        "unknown site 'postgresql://u@h/db?pass%77ord=SEKRET'",
+        "postgresql://u@h/db?sslmode=require&%70assword=SE%26KRET&x=1",
+        "postgresql://u@h/db?ssl%70ass%77ord=SEKRET#f",
     ],
 )
 def test_no_piece_of_a_password_survives_masking(text):
@@ -278,3 +283,18 @@ def test_a_connection_that_would_quote_a_piece_of_its_password_is_refused_before
         conninfo.from_dsn(dsn).connect()
     said = one_line(error.value)
     assert refused in said and not any(p in said for p in ("SE", "KR", "ET")), said
+
+
+def test_a_uri_password_under_a_percent_encoded_name_is_read_as_one_and_never_shown(capsys):
+    """libpq reads a URI's query parameter names percent-decoded, and so does lr (``from_uri``):
+    ``?pass%77ord=...`` is the connection's password. Every message quoting such a URI showed it whole
+    (``lr tables list --site <uri>``: ``unknown site '...?pass%77ord=<the password>'``); the other
+    parameters stay as they were."""
+    uri = "postgresql://u@db.example/app?applic%61tion_name=kept&pass%77ord=SEKRET"
+    assert psycopg2.extensions.parse_dsn(uri)["password"] == "SEKRET" == conninfo.from_dsn(uri).params["password"]
+    assert mask_secrets(f"unknown site {uri!r}") == (
+        "unknown site 'postgresql://u@db.example/app?applic%61tion_name=kept&pass%77ord=***'"
+    )
+    assert cli.main(["tables", "list", "--site", uri]) != 0
+    said = capsys.readouterr()
+    assert "pass%77ord=***" in said.err and "SEKRET" not in said.out + said.err, said
