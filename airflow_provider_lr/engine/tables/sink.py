@@ -46,14 +46,13 @@ from airflow_provider_lr.engine.tables.definition import (
 )
 from airflow_provider_lr.engine.tables.refusals import refusal_fix
 from airflow_provider_lr.engine.tables.runs import Run, compose, layers
+from airflow_provider_lr.engine.tables.sink_catalog import always_columns, guards
 from airflow_provider_lr.engine.tables.targets import (
     GENERIC,
     Expected,
     TableState,
     Target,
     TargetLookup,
-    always_columns,
-    guards,
     origin,
     types_at_snapshot,
 )
@@ -193,7 +192,7 @@ def prepare(
             (str(table), client, source, list(sink_def.key), f"lrq_table_{client}"),
         )
     target = Target(sink_def, source, *origin(cur, table, source), left_out, **always_columns(cur, table))
-    target.guarded_by, target.rules, target.unlogged, target.inherited = guards(cur, table)
+    target.guarded_by, target.rules, target.unlogged, target.inherited, target.referenced = guards(cur, table)
     target.refuse_guarded(where)
     return target
 
@@ -319,14 +318,14 @@ class ChangeApplier:
                 or (run.tid, run.op, run.text, run.absent) != (tid, op, text, absent)
                 or key in run.keys
                 or (target.deferrable_key and run.keys)  # one row a run: see ``_compose``
-                or (op == "k" and n == 1)  # a statement's key changes a run of their own: ``runs.layers``
+                or (op == "k" and n == 1 and target.referenced)  # a statement's moves a run: ``runs.layers``
             ):
                 run = Run(tid, op, text, absent)
                 self.runs.append(run)
             if key is not None:
                 run.keys.add(key)
             run.take(message, n)
-        if op == "k" and run is not None:  # in the order the source's key took them (a chain ``id + 1``)
+        if op == "k" and run is not None and target.referenced:  # in the order the source's key took them
             run.layers = layers([_key(r, d.key, floats) for r in rows], [_key(r, d.key, floats) for r in moved_to])
 
     def _same_composites(self, target: Target, carried: list) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import psycopg2.errors
 import psycopg2.extensions
@@ -35,6 +34,16 @@ from airflow_provider_lr.engine.tables.definition import (
     read_definition,
     retyped,
     shape,
+)
+from airflow_provider_lr.engine.tables.sink_catalog import (
+    ALWAYS,
+    GUARDED,
+    INHERITED,
+    KEY_ALWAYS,
+    REFERENCED,
+    RULES,
+    UNLOGGED,
+    always_columns,
 )
 
 
@@ -61,9 +70,12 @@ class Target:
     # (``definition.narrowed``), each with how: their changes are refused (the sink would change them)
     narrowed: tuple[tuple[str, str], ...] = ()
     guarded_by: str = ""  # lr's role at the sink, when the table's row-level security applies to it
-    rules: str = ""  # the sink table's rules that rewrite lr's writes to it (``_RULES``), quoted, comma-separated
+    rules: str = (
+        ""  # the sink table's rules that rewrite lr's writes to it (``sink_catalog.RULES``), quoted, comma-separated
+    )
     unlogged: bool = False  # the sink's table is UNLOGGED: a crash of the sink empties it, lr's position stays
-    inherited: str = ""  # the sink table's inheritance children (not partitions: ``_INHERITED``), comma-separated
+    referenced: bool = True  # a foreign key references it: key changes moved layer by layer (``runs.layers``)
+    inherited: str = ""  # the sink table's inheritance children (not partitions: ``sink_catalog``), comma-separated
     # the user-defined types its columns hold that the sink altered since its snapshot so that the
     # source's values no longer read as they are (a composite reordered: ``definition.retyped``), each
     # with how: every change of the table is refused, unless it carries the source's types (V0049)
@@ -156,53 +168,6 @@ _ORIGIN = (
 )
 
 
-# lr's role (quoted) when the row-level security of table oid {oid} applies to it, else ''
-_GUARDED = "CASE WHEN pg_catalog.row_security_active({oid}) THEN pg_catalog.quote_ident(current_user) ELSE '' END"
-
-# The enabled rules of table oid {oid} that rewrite lr's apply (quoted, comma-separated; '' when none):
-# every DO INSTEAD rule (a delete or update it turns into nothing, or into a write elsewhere, is
-# skipped without an error: the sink kept rows the source deleted, and said it was synced) and every
-# INSERT or UPDATE rule (PostgreSQL refuses an upsert's ON CONFLICT on such a table). A DO ALSO
-# rule on DELETE acts beside lr's delete, as a trigger does.
-_RULES = (
-    "COALESCE((SELECT pg_catalog.string_agg(pg_catalog.quote_ident(r.rulename::text), ', ' ORDER BY r.rulename) "
-    "FROM pg_catalog.pg_rewrite r WHERE r.ev_class = {oid} AND r.ev_type IN ('2', '3', '4') "
-    "AND r.ev_enabled IN ('O', 'A') AND (r.is_instead OR r.ev_type <> '4')), '')"
-)
-
-# The inheritance children of table oid {oid} (not its partitions), comma-separated ('' when none)
-_INHERITED = (
-    "COALESCE((SELECT pg_catalog.string_agg(pg_catalog.quote_ident(n.nspname) || '.' || pg_catalog.quote_ident("
-    "c.relname), ', ' ORDER BY 1) FROM pg_catalog.pg_inherits i JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid "
-    "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE i.inhparent = {oid} AND NOT c.relispartition), '')"
-)
-
-# Whether table oid {oid} is UNLOGGED (crash recovery empties it: lr's position would outlive its rows)
-_UNLOGGED = "(SELECT c.relpersistence = 'u' FROM pg_catalog.pg_class c WHERE c.oid = {oid})"
-
-# The sink's non-key ``GENERATED ALWAYS`` identity columns of table oid {oid}, in column order (NULL: none)
-_ALWAYS = (
-    "(SELECT pg_catalog.array_agg(a.attname::text ORDER BY a.attnum) FROM pg_catalog.pg_attribute a WHERE a.attrelid = {oid} "
-    "AND a.attnum > 0 AND NOT a.attisdropped AND a.attidentity = 'a' AND NOT EXISTS (SELECT FROM pg_catalog.pg_index i "
-    "WHERE i.indrelid = a.attrelid AND i.indisprimary AND a.attnum = ANY (i.indkey)))"
-)
-
-
-_KEY_ALWAYS = (
-    "(SELECT pg_catalog.bool_or(a.attidentity = 'a') FROM pg_catalog.pg_index i JOIN pg_catalog.pg_attribute a "
-    "ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey) WHERE i.indrelid = {oid} AND i.indisprimary)"
-)
-
-
-def always_columns(cur: psycopg2.extensions.cursor, table: TableName) -> dict[str, Any]:
-    """The sink table's non-key ``GENERATED ALWAYS`` identity columns (``Target.always``) and whether
-    a key column is one (``Target.key_always``), as ``Target``'s fields."""
-    oid = "%(t)s::regclass"
-    cur.execute(f"SELECT {_ALWAYS.format(oid=oid)}, {_KEY_ALWAYS.format(oid=oid)}", {"t": table.ident.as_string(cur)})
-    always, key_always = cur.fetchone()
-    return {"always": tuple(always or ()), "key_always": bool(key_always)}
-
-
 def _primary_shared(primary: bool | None, others: bool | None) -> tuple[bool, bool]:
     return bool(primary), bool(others) or not primary
 
@@ -232,20 +197,6 @@ def types_at_snapshot(cur: psycopg2.extensions.cursor, table: TableName) -> dict
     return recorded
 
 
-def guards(cur: psycopg2.extensions.cursor, table: TableName) -> tuple[str, str, bool, str]:
-    """What would hide or lose rows lr writes to ``table`` here (``Target.refuse_guarded``): lr's role
-    when the table's row-level security applies to it, the rules that rewrite its writes (each ''
-    if none), whether it is unlogged, and its inheritance children ('' if none)."""
-    oid = "pg_catalog.to_regclass(%(t)s)"
-    cur.execute(
-        f"SELECT {_GUARDED.format(oid=oid)}, {_RULES.format(oid=oid)}, {_UNLOGGED.format(oid=oid)}, "
-        f"{_INHERITED.format(oid=oid)}",
-        {"t": table.ident.as_string(cur)},
-    )
-    guard, rules, unlogged, inherited = cur.fetchone()
-    return guard, rules, unlogged, inherited
-
-
 def target_of(cur: psycopg2.extensions.cursor, source: str, table: TableName, where: Callable[[], str]) -> Target:
     """The target of a table this sink already takes from ``source`` (nothing created)."""
     sink_def = read_definition(cur, table)
@@ -270,6 +221,7 @@ Found = Target | Gone | None  # None: not synced here (a conflict's changes are 
 # For each of the session's tables %(tids)s (source table ids) that it has in lr.sink_tables: its name,
 # state, oid (NULL: no such table), shape, whether its primary key is deferrable, its non-key
 # GENERATED ALWAYS identity columns, origin, types at the snapshot, row-level guard, rules, unlogged,
+# inheritance children, whether a foreign key references it,
 # the user-defined types its columns held at the snapshot and those they hold now (read only for a
 # table that held some: the others pay nothing for it; V0052). Only the
 # tables asked for are read (``LIMIT 1``: a table id twice, one of them, as before).
@@ -277,19 +229,21 @@ _TARGETS = (
     "SELECT st.tid, st.table_name, st.state, t.oid, "
     + SHAPE_COLUMNS
     + ", (SELECT NOT i.indimmediate FROM pg_catalog.pg_index i WHERE i.indrelid = t.oid AND i.indisprimary), "
-    + _ALWAYS.format(oid="t.oid")
+    + ALWAYS.format(oid="t.oid")
     + ", "
-    + _KEY_ALWAYS.format(oid="t.oid")
+    + KEY_ALWAYS.format(oid="t.oid")
     + ", "
     + _ORIGIN.format(t="st.table_name", s="%(source)s")
     + ", st.types, "
-    + _GUARDED.format(oid="t.oid")
+    + GUARDED.format(oid="t.oid")
     + ", "
-    + _RULES.format(oid="t.oid")
+    + RULES.format(oid="t.oid")
     + ", "
-    + _UNLOGGED.format(oid="t.oid")
+    + UNLOGGED.format(oid="t.oid")
     + ", "
-    + _INHERITED.format(oid="t.oid")
+    + INHERITED.format(oid="t.oid")
+    + ", "
+    + REFERENCED.format(oid="t.oid")
     + ", st.composites, "
     + COMPOSITES_NOW.format(recorded="st.composites")
     + " FROM pg_catalog.unnest(%(tids)s::int[]) w(tid) "
@@ -319,9 +273,9 @@ CHECK_SQL = (
 # ~0.03 ms each more). Its generic plan is the one to run (``GENERIC``: PostgreSQL would otherwise
 # plan it anew each time, expecting a plan for the actual tables to be cheaper). The name is
 # versioned, so a connection that holds an older lr's statement is not confused by it.
-LOOKUP = Prepared("lr_sink_targets_v8", LOOKUP_SQL, {"tids": "int4[]", "source": "text", "client": "text"})
+LOOKUP = Prepared("lr_sink_targets_v9", LOOKUP_SQL, {"tids": "int4[]", "source": "text", "client": "text"})
 CHECK = Prepared(
-    "lr_sink_targets_check_v7", CHECK_SQL, {"tids": "int4[]", "source": "text", "client": "text", "expected": "text[]"}
+    "lr_sink_targets_check_v8", CHECK_SQL, {"tids": "int4[]", "source": "text", "client": "text", "expected": "text[]"}
 )
 GENERIC = "set_config('plan_cache_mode', 'force_generic_plan', true)"  # for the transaction
 
@@ -424,6 +378,7 @@ class TargetLookup:
             rules,
             unlogged,
             inherited,
+            referenced,
             composites_then,
             composites_now,
             text,
@@ -448,6 +403,7 @@ class TargetLookup:
                     rules=rules,
                     unlogged=bool(unlogged),
                     inherited=inherited,
+                    referenced=bool(referenced),
                     retyped=tuple(retyped(composites_then or (), composites_now or ())),
                 )
                 read[tid] = (target, text)
