@@ -9,7 +9,7 @@ from airflow_provider_lr.engine.site import failover
 from tests.engine.site.test_failover import _connect
 from tests.engine.site.test_roles import connect_as, made  # noqa: F401
 from tests.guarantees.test_table_fidelity_streaming import FAST
-from tests.support.session import Streaming, apply, empty_provider, queue, replicator, wait_for
+from tests.support.session import Streaming, apply, empty_provider, queue, replicator
 
 PROVIDERS = {"policy": empty_provider}
 
