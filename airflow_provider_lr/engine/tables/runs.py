@@ -115,14 +115,15 @@ def compose(target: Target, run: Run, as_text: bool) -> sql.Composed:
             )
     if run.op == "k":  # a key change's new key, paired with the old one (r.d) by its place in the entry, and its layer
         more = sql.SQL(
-            "{}, ({}::pg_catalog.jsonb -> 'to' -> (r.i::int - 1)) AS n, "
+            "{}, (j.lr_j -> 'to' -> (r.i::int - 1)) AS n, "
             "COALESCE((%(layers)s::pg_catalog.int4[])[r.i::int], 0) AS lr_l"
-        ).format(more, sql.SQL("t.doc" if as_text else "pg_catalog.convert_from(t.doc, 'UTF8')"))
+        ).format(more)
     rows = sql.SQL(  # ORDER BY: the source's order, and the subquery is not pulled up (p computed once)
         "SELECT {p} AS p, r.d{more} "
         "FROM ROWS FROM (pg_catalog.unnest(%(docs)s::{docs}[]), pg_catalog.unnest(%(lo)s::int[]), "
         "pg_catalog.unnest(%(hi)s::int[])) WITH ORDINALITY AS t(doc, lo, hi, ord) "
-        "CROSS JOIN LATERAL pg_catalog.jsonb_array_elements({doc}::pg_catalog.jsonb -> 'rows') "
+        "CROSS JOIN LATERAL (SELECT {doc}::pg_catalog.jsonb AS lr_j OFFSET 0) AS j "
+        "CROSS JOIN LATERAL pg_catalog.jsonb_array_elements(j.lr_j -> 'rows') "
         "WITH ORDINALITY AS r(d, i) {lateral}"
         "WHERE r.i BETWEEN t.lo AND t.hi ORDER BY t.ord, r.i"
     ).format(
