@@ -46,7 +46,7 @@ from airflow_provider_lr.engine.tables.definition import (
 )
 from airflow_provider_lr.engine.tables.refusals import refusal_fix
 from airflow_provider_lr.engine.tables.runs import Run, compose, layers
-from airflow_provider_lr.engine.tables.sink_catalog import always_columns, guards
+from airflow_provider_lr.engine.tables.sink_catalog import guards, key_facts
 from airflow_provider_lr.engine.tables.targets import (
     GENERIC,
     Expected,
@@ -191,8 +191,8 @@ def prepare(
             "stream_tags) VALUES (%s, 'table', true, %s, %s, %s, ARRAY[%s])",
             (str(table), client, source, list(sink_def.key), f"lrq_table_{client}"),
         )
-    target = Target(sink_def, source, *origin(cur, table, source), left_out, **always_columns(cur, table))
-    target.guarded_by, target.rules, target.unlogged, target.inherited, target.referenced = guards(cur, table)
+    target = Target(sink_def, source, *origin(cur, table, source), left_out, **key_facts(cur, table))
+    target.guarded_by, target.rules, target.unlogged, target.inherited = guards(cur, table)
     target.refuse_guarded(where)
     return target
 

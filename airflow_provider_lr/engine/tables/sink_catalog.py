@@ -55,25 +55,28 @@ KEY_ALWAYS = (
 )
 
 
-def always_columns(cur: psycopg2.extensions.cursor, table: TableName) -> dict[str, Any]:
-    """The sink table's non-key ``GENERATED ALWAYS`` identity columns (``Target.always``) and whether
-    a key column is one (``Target.key_always``), as ``Target``'s fields."""
+def key_facts(cur: psycopg2.extensions.cursor, table: TableName) -> dict[str, Any]:
+    """The sink table's non-key ``GENERATED ALWAYS`` identity columns (``Target.always``), whether a
+    key column is one (``Target.key_always``) and whether a foreign key references it
+    (``Target.referenced``), as ``Target``'s fields."""
     oid = "%(t)s::regclass"
-    cur.execute(f"SELECT {ALWAYS.format(oid=oid)}, {KEY_ALWAYS.format(oid=oid)}", {"t": table.ident.as_string(cur)})
-    always, key_always = cur.fetchone()
-    return {"always": tuple(always or ()), "key_always": bool(key_always)}
+    cur.execute(
+        f"SELECT {ALWAYS.format(oid=oid)}, {KEY_ALWAYS.format(oid=oid)}, {REFERENCED.format(oid=oid)}",
+        {"t": table.ident.as_string(cur)},
+    )
+    always, key_always, referenced = cur.fetchone()
+    return {"always": tuple(always or ()), "key_always": bool(key_always), "referenced": bool(referenced)}
 
 
-def guards(cur: psycopg2.extensions.cursor, table: TableName) -> tuple[str, str, bool, str, bool]:
+def guards(cur: psycopg2.extensions.cursor, table: TableName) -> tuple[str, str, bool, str]:
     """What would hide or lose rows lr writes to ``table`` here (``Target.refuse_guarded``): lr's role
     when the table's row-level security applies to it, the rules that rewrite its writes (each ''
-    if none), whether it is unlogged, its inheritance children ('' if none), and whether a foreign
-    key references it (``REFERENCED``)."""
+    if none), whether it is unlogged, and its inheritance children ('' if none)."""
     oid = "pg_catalog.to_regclass(%(t)s)"
     cur.execute(
         f"SELECT {GUARDED.format(oid=oid)}, {RULES.format(oid=oid)}, {UNLOGGED.format(oid=oid)}, "
-        f"{INHERITED.format(oid=oid)}, {REFERENCED.format(oid=oid)}",
+        f"{INHERITED.format(oid=oid)}",
         {"t": table.ident.as_string(cur)},
     )
-    guard, rules, unlogged, inherited, referenced = cur.fetchone()
-    return guard, rules, unlogged, inherited, bool(referenced)
+    guard, rules, unlogged, inherited = cur.fetchone()
+    return guard, rules, unlogged, inherited

@@ -43,7 +43,7 @@ from airflow_provider_lr.engine.tables.sink_catalog import (
     REFERENCED,
     RULES,
     UNLOGGED,
-    always_columns,
+    key_facts,
 )
 
 
@@ -74,7 +74,7 @@ class Target:
         ""  # the sink table's rules that rewrite lr's writes to it (``sink_catalog.RULES``), quoted, comma-separated
     )
     unlogged: bool = False  # the sink's table is UNLOGGED: a crash of the sink empties it, lr's position stays
-    referenced: bool = True  # a foreign key references it: key changes moved layer by layer (``runs.layers``)
+    referenced: bool = False  # a foreign key references it: key changes moved layer by layer (``runs.layers``)
     inherited: str = ""  # the sink table's inheritance children (not partitions: ``sink_catalog``), comma-separated
     # the user-defined types its columns hold that the sink altered since its snapshot so that the
     # source's values no longer read as they are (a composite reordered: ``definition.retyped``), each
@@ -202,7 +202,7 @@ def target_of(cur: psycopg2.extensions.cursor, source: str, table: TableName, wh
     sink_def = read_definition(cur, table)
     if sink_def is None:
         raise _gone(table, where)
-    return Target(sink_def, source, *origin(cur, table, source), **always_columns(cur, table))
+    return Target(sink_def, source, *origin(cur, table, source), **key_facts(cur, table))
 
 
 def _gone(table: TableName, where: Callable[[], str]) -> SchemaMismatchError:
