@@ -205,12 +205,15 @@ class LRStreamOperator(BaseOperator):
         stale = StaleWatch(repl, self._stop, None, _connector, self.log.warning)
         delivered: Counter[str] = Counter()
         last: dict[str, Any] = {}
+        worked: set[str] = set()  # the sessions a cycle of this shard took up (not left to another replicator)
 
         def on_cycle(reports: list) -> None:
             stale.seen(reports)
             for r in reports:
                 delivered[r.session] += r.delivered
                 last[r.session] = r
+                if not r.skipped:
+                    worked.add(r.session)
                 if r.error:
                     telemetry.session_error(r.session)
             # a login without lr's grants at every session's site: no retry mends it, so the shard
@@ -248,6 +251,9 @@ class LRStreamOperator(BaseOperator):
         for session, n in delivered.items():
             telemetry.session_step(session, delivered=n)
         failing = sorted(s for s, r in last.items() if r.error)
+        # an ``lr sync`` (or another shard, an ``lr_replication`` run) beside it held these all along:
+        # it delivered them, this shard did not (before, its summary listed them as streamed, 0 delivered)
+        held = {s: r.skipped for s, r in sorted(last.items()) if r.skipped and s not in worked}
         summary = {
             "shard": self.shard_name,
             "sessions": [str(k) for k in sessions],
@@ -256,7 +262,17 @@ class LRStreamOperator(BaseOperator):
             "delivered": dict(delivered),
             "failing": failing,
             "hand_backs": [f"{e.session}: {e.reason}" for e in streamer.ends if e.handed_back],
+            "held_elsewhere": held,
         }
+        if held:
+            self.log.warning(
+                "shard %s: %d of %d sessions were held by another replicator all along, not streamed by this "
+                "shard: %s (one replicator per session is enough: stop `lr sync` or pause lr_streaming)",
+                self.shard_name,
+                len(held),
+                len(sessions),
+                "; ".join(f"{s}: {why}" for s, why in held.items()),
+            )
         self.log.info(
             "streamed for %.0f s%s: %s",
             streamed,
