@@ -204,6 +204,7 @@ class LRStreamOperator(BaseOperator):
         # ended (600 s by default, 5 s apart); now the shard stops, as ``lr sync`` does, and fails
         stale = StaleWatch(repl, self._stop, None, _connector, self.log.warning)
         delivered: Counter[str] = Counter()
+        full_syncs: Counter[str] = Counter()  # applied at the sink by this shard (first contact, a forced one)
         last: dict[str, Any] = {}
         worked: set[str] = set()  # the sessions a cycle of this shard took up (not left to another replicator)
 
@@ -211,6 +212,7 @@ class LRStreamOperator(BaseOperator):
             stale.seen(reports)
             for r in reports:
                 delivered[r.session] += r.delivered
+                full_syncs[r.session] += r.full_syncs
                 last[r.session] = r
                 if not r.skipped:
                     worked.add(r.session)
@@ -260,6 +262,7 @@ class LRStreamOperator(BaseOperator):
             "seconds": round(streamed, 1),
             "planned_seconds": round(seconds, 1),
             "delivered": dict(delivered),
+            "full_syncs": {s: n for s, n in sorted(full_syncs.items()) if n},
             "failing": failing,
             "hand_backs": [f"{e.session}: {e.reason}" for e in streamer.ends if e.handed_back],
             "held_elsewhere": held,
