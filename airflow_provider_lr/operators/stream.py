@@ -204,13 +204,18 @@ class LRStreamOperator(BaseOperator):
         # ended (600 s by default, 5 s apart); now the shard stops, as ``lr sync`` does, and fails
         stale = StaleWatch(repl, self._stop, None, _connector, self.log.warning)
         delivered: Counter[str] = Counter()
+        full_syncs: Counter[str] = Counter()  # applied at the sink by this shard (first contact, a forced one)
         last: dict[str, Any] = {}
+        worked: set[str] = set()  # the sessions a cycle of this shard took up (not left to another replicator)
 
         def on_cycle(reports: list) -> None:
             stale.seen(reports)
             for r in reports:
                 delivered[r.session] += r.delivered
+                full_syncs[r.session] += r.full_syncs
                 last[r.session] = r
+                if not r.skipped:
+                    worked.add(r.session)
                 if r.error:
                     telemetry.session_error(r.session)
             # a login without lr's grants at every session's site: no retry mends it, so the shard
@@ -248,15 +253,29 @@ class LRStreamOperator(BaseOperator):
         for session, n in delivered.items():
             telemetry.session_step(session, delivered=n)
         failing = sorted(s for s, r in last.items() if r.error)
+        # an ``lr sync`` (or another shard, an ``lr_replication`` run) beside it held these all along:
+        # it delivered them, this shard did not (before, its summary listed them as streamed, 0 delivered)
+        held = {s: r.skipped for s, r in sorted(last.items()) if r.skipped and s not in worked}
         summary = {
             "shard": self.shard_name,
             "sessions": [str(k) for k in sessions],
             "seconds": round(streamed, 1),
             "planned_seconds": round(seconds, 1),
             "delivered": dict(delivered),
+            "full_syncs": {s: n for s, n in sorted(full_syncs.items()) if n},
             "failing": failing,
             "hand_backs": [f"{e.session}: {e.reason}" for e in streamer.ends if e.handed_back],
+            "held_elsewhere": held,
         }
+        if held:
+            self.log.warning(
+                "shard %s: %d of %d sessions were held by another replicator all along, not streamed by this "
+                "shard: %s (one replicator per session is enough: stop `lr sync` or pause lr_streaming)",
+                self.shard_name,
+                len(held),
+                len(sessions),
+                "; ".join(f"{s}: {why}" for s, why in held.items()),
+            )
         self.log.info(
             "streamed for %.0f s%s: %s",
             streamed,

@@ -486,6 +486,7 @@ def test_streaming_dag_streams_for_its_run_then_ends_for_the_next_run(dagbag, ai
     summary = xcom(run, "stream", 0)
     assert summary["failing"] == [] and sum(summary["delivered"].values()) > 0, summary
     assert summary["sessions"] == ["site-a->site-b/policy", "site-a->site-c/policy"]
+    assert summary["full_syncs"] == {"site-a->site-b/policy": 1, "site-a->site-c/policy": 1}, summary  # first contact
     for sink in (sink_b, sink_c):  # what the full sync did not cover arrived as log entries, in order
         entries = queue(sink, "site-a")
         logs = [p for k, p in entries if k == "log"]

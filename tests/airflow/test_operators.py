@@ -116,6 +116,21 @@ def test_snapshot_waits_deferred_for_the_clients_data_then_applies_it(airflow_si
     app.close()
 
 
+def test_a_snapshot_step_that_applies_a_full_sync_counts_it_in_its_report(airflow_sites):
+    """The step's report (its XCom, what ``lr_replication``'s and ``lr_full_sync``'s
+    ``snapshot_sync`` return) counts the full sync it applied, as a cycle of ``lr sync`` does;
+    before, it said ``full_syncs: 0`` beside the messages it had just applied."""
+    source, sink_b, _ = airflow_sites.sites
+    app = App(source)
+    app.put("k", 1, ["site-b"])
+    report = LRSnapshotSyncOperator(task_id="snapshot", session=_sessions(sink="site-b")[0]).execute({})
+    assert queue(sink_b, "site-a") == [("start", ""), ("snap", "k=1"), ("end", "")]
+    assert report["full_syncs"] == 1 and report["snapshot_messages"] == 3, report
+    again = LRSnapshotSyncOperator(task_id="snapshot", session=_sessions(sink="site-b")[0]).execute({})
+    assert again["full_syncs"] == 0, again  # log-entry sync now: nothing applied by this step
+    app.close()
+
+
 def test_snapshot_without_client_data_fails_with_the_fix(airflow_sites):
     reconfigure(airflow_sites, provider=None)
     session = _sessions(sink="site-b")[0]

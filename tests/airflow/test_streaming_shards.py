@@ -23,7 +23,7 @@ from airflow_provider_lr.engine.store import topology as topologies
 from airflow_provider_lr.operators.common import FinalRefusal
 from airflow_provider_lr.operators.stream import LRStreamOperator, shard_sessions, stream_shards
 from tests.support.airflow_env import DAGS_DIR, airflow_sites, states, xcom  # noqa: F401
-from tests.support.session import App, final_state, queue, replicator, table_provider
+from tests.support.session import App, final_state, lr_sync_process, queue, replicator, table_provider
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -376,3 +376,38 @@ def test_a_shard_whose_login_lacks_lrs_grants_fails_for_good_at_once_not_after_i
         assert time.monotonic() - started < 60, said  # not its run_for
     finally:
         made.drop()
+
+
+@pytest.mark.slow
+def test_a_shard_beside_a_streaming_lr_sync_says_its_sessions_were_held_by_it_and_nothing_is_doubled(airflow_sites):
+    """``lr sync`` streams both sessions (their leases all along) and a shard of the same source
+    streams beside it: the shard takes nothing, delivers nothing twice, and its summary says its
+    sessions were held by that ``lr sync`` (``held_elsewhere``, naming the holder), not that it
+    streamed them; ``lr sync`` delivers every entry once and stops cleanly. Before, the summary
+    listed both sessions as streamed for ``run_for`` with 0 delivered, and said nothing else."""
+    source, sink_b, sink_c = airflow_sites.sites
+    app = App(source)
+    app.put("k", 1, ["site-b", "site-c"])
+    with lr_sync_process(airflow_sites.topology_path, source) as streaming:
+        holder = f":{streaming.pid}:"
+        op = LRStreamOperator(task_id="stream", source="site-a", run_for=3)
+        ended: dict = {}
+        shard = threading.Thread(target=lambda: ended.update(summary=op.execute({})), daemon=True)
+        shard.start()
+        for i in range(10):
+            app.put(f"k{i}", i, ["site-b", "site-c"])
+        shard.join(60)
+        assert not shard.is_alive(), "the shard did not end after its run_for"
+        summary = ended["summary"]
+        assert summary["delivered"] == {"site-a->site-b/policy": 0, "site-a->site-c/policy": 0}, summary
+        assert summary["failing"] == [] and sorted(summary["held_elsewhere"]) == summary["sessions"], summary
+        assert all(holder in why for why in summary["held_elsewhere"].values()), summary
+        deadline = time.monotonic() + 60
+        while any(queue(sink, "site-a")[-1:] != [("log", "k9=9")] for sink in (sink_b, sink_c)):
+            assert time.monotonic() < deadline, "lr sync did not deliver"
+            time.sleep(0.1)
+        assert all(owner and holder in owner for owner in holders(source, "site-b") + holders(source, "site-c"))
+    assert streaming.returncode == 0
+    for sink in (sink_b, sink_c):  # the full sync, then every entry once, in order
+        assert [p for k, p in queue(sink, "site-a") if k == "log"] == [f"k{i}={i}" for i in range(10)]
+    app.close()

@@ -117,6 +117,7 @@ class SessionRunner(SnapshotSync):
         """Only the snapshot part of a cycle: request → client data → transfer → apply → complete,
         as far as it can go now (``report.waiting`` while the client's data is not supplied).
         Does nothing when negotiation calls for log-entry sync."""
+        applied = self.full_syncs_applied
         report, hs = self.begin()
         if not hs.proceeds:  # held by another replicator: its state as that one left it (caught up or not)
             return self.finish(report) if report.skipped else report
@@ -125,6 +126,7 @@ class SessionRunner(SnapshotSync):
             self.snapshot_sync(hs.meta, report)
         elif hs.decision is Decision.WAIT_SNAPSHOT_APPLY:
             self.apply_snapshot(hs.meta)
+        report.full_syncs = self.full_syncs_applied - applied  # as a cycle counts it (before: 0 after one applied)
         return self.finish(report)
 
     def log_entry_step(self) -> CycleReport:
