@@ -4,9 +4,12 @@ On a server whose ``synchronous_commit`` is ``off``, a commit returns before its
 crash of that server within the WAL writer's delay forgets it. lr's fenced sink writes raise it to
 ``local`` for their transaction (``store/sink_sessions``); the commands that change a site's
 standing (``lr topology apply``, ``lr failover`` and its ``--rejoin``: a new topology, a fence, a
-reconciled sink, a promotion; ``lr init``, ``lr roles grant|revoke``, ``lr tables open|close`` and the close's note on each sink) raise it for their whole connection with ``durable``. Before, a sink
-that crashed right after `lr failover` said it was done came back with the old topology and its
-session from the old source open: the new source's sessions to it were refused
+reconciled sink, a promotion; ``lr init``, ``lr roles grant|revoke``, ``lr tables open|close`` and
+the close's note on each sink) raise it for their whole connection (``durable``, ``made_durable``);
+a full-sync request (``source/full_sync``) and a lease taken anew, its epoch bumped
+(``store/source_sessions.take_lease``), for their own transaction (``THIS_TRANSACTION``). Before, a
+sink that crashed right after `lr failover` said it was done came back with the old topology and
+its session from the old source open: the new source's sessions to it were refused
 (``tests/guarantees/test_failover_durable.py``). A server set to ``on``, ``remote_write`` or
 ``remote_apply`` keeps its own setting (each flushes locally)."""
 
