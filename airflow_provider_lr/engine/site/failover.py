@@ -135,15 +135,14 @@ def derive(
     ), wanted
 
 
-def only_source(topology: Topology, sink: str) -> str:
-    """The one source ``sink`` receives from (the old source of a failover that names none); an
-    unknown site is refused as such, not as a site that receives from no source."""
+def only_source(topology: Topology, sink: str, clients: list[str] | None = None) -> str:
+    """The one source ``sink`` receives ``clients`` (default: any) from: a failover's old source when
+    it names none (an unknown site refused as such, not as a site receiving from no source)."""
     topology.site(sink)
-    sources = sorted({k.source for k in topology.sessions() if k.sink == sink})
+    sources = sorted({k.source for k in topology.sessions() if k.sink == sink and (not clients or k.client in clients)})
     if len(sources) != 1:
-        raise ConfigurationError(
-            f"site {sink!r} receives from {sources or 'no source'}; name the old source (--from, from_site)"
-        )
+        of = f" {', '.join(clients)}" if clients else ""
+        raise ConfigurationError(f"site {sink!r} receives{of} from {sources or 'no source'}; name the old source (--from, from_site)")
     return sources[0]
 
 
