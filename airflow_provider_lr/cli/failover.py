@@ -91,7 +91,7 @@ def cmd_failover(args: argparse.Namespace) -> int:
         else:
             print("  its sessions from the new source start with a full sync (`lr sync` or the lr_replication DAG)")
         return 0
-    old = args.from_site or failover.only_source(topo, args.promote)
+    old = args.from_site or failover.only_source(topo, args.promote, args.client or None)
     # sites already on this failover's topology (a re-run finishing it) are fine; any other id is not
     check_topology(topo, also={failover.derive(topo, old, args.promote, args.client or None)[0].topology_config_id})
     with _resumable(f"the failover of {old} to {args.promote}", connector(topo)) as connect:

@@ -83,7 +83,7 @@ class LRFailoverOperator(BaseOperator):
             }
         if not self.promote:
             raise ConfigurationError("LRFailoverOperator needs promote (the new source) or rejoin (a site to rejoin)")
-        old = self.from_site or failover.only_source(topo, self.promote)
+        old = self.from_site or failover.only_source(topo, self.promote, self.clients or None)
         done = failover.promote(
             failover.FailoverRequest(
                 old,

@@ -571,3 +571,36 @@ def test_a_table_opened_at_the_old_source_while_a_switchover_runs_is_refused_not
     assert "policy: public.accounts (never synced there; captured at site-a)" in err and "nothing was done" in err, err
     assert site_b.query("SELECT count(*) FROM lr.failovers") == [(0,)]
     site_a.query("UPDATE public.accounts SET owner = 'still captured' WHERE id = 1")  # site-a is still its source
+
+
+def test_a_running_lr_sync_with_a_file_older_than_a_failover_of_another_client_is_not_told_to_apply_it(
+    lr_sites, tmp_path, monkeypatch, capsys
+):
+    """policy comes from site-a, audit from site-c. `lr failover --promote site-b --client policy
+    --out after.yaml`; an `lr sync` still running with the older file is refused for audit's sessions
+    too (every site runs the new topology). Each is told that its file predates the failover and to
+    use the file it wrote; audit's were told to apply that older file (`lr topology apply` refuses it)."""
+    site_a, site_b, site_c = lr_sites
+    topo = topology_file(tmp_path, lr_sites, monkeypatch)
+    doc = yaml.safe_load(Path(topo).read_text())
+    doc["replication"] = [
+        {"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy"]},
+        {"source": "site-c", "sinks": ["site-a", "site-b"], "clients": ["audit"]},
+    ]
+    doc["providers"]["audit"] = doc["providers"]["policy"]
+    Path(topo).write_text(yaml.safe_dump(doc))
+    assert cli.main(["topology", "apply", "--topology", topo]) == 0
+    App(site_a).close()
+    App(site_c, "audit").close()
+    assert cli.main(["sync", "--topology", topo, *SYNC]) == 0
+    running = replicator(topologies.load(topo), lr_sites)  # an `lr sync` started before the failover
+    new = tmp_path / "after.yaml"
+    assert (
+        cli.main(["failover", "--topology", topo, "--promote", "site-b", "--client", "policy", "--out", str(new)]) == 0
+    )
+    errors = {r.session: r.error or "" for r in running.run_cycle()}
+    running.close()
+    audit = {k: e for k, e in errors.items() if k.endswith("/audit")}
+    assert len(audit) == 2, errors
+    for key, error in audit.items():
+        assert "predates the failover of site-a to site-b" in error and "lr topology apply" not in error, (key, error)

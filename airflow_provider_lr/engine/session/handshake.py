@@ -130,7 +130,7 @@ def handshake(
         # the file may have been edited and applied since this process read it: then it is not stale
         found = drift(topology, held) and drift(reread(topology), held)
         if found is not None:
-            return Handshake(key, Verdict.REFUSED, told_by_sink(found, sink, key).message())
+            return Handshake(key, Verdict.REFUSED, told_by_sink(found, sink, key, source).message())
     lease = leases.acquire(source, key.sink, key.client, owner, lease_seconds)
     on_lease(lease)
     if lease is None:
@@ -252,29 +252,44 @@ def resnapshot_tables(
     leases.update_session(source, lease, acked_position=meta.last_log_entry_processed)
 
 
-def told_by_sink(found: TopologyDrift, sink: psycopg2.extensions.connection, key: SessionKey) -> TopologyDrift:
+def told_by_sink(
+    found: TopologyDrift,
+    sink: psycopg2.extensions.connection,
+    key: SessionKey,
+    source: psycopg2.extensions.connection | None = None,
+) -> TopologyDrift:
     """A stale file's drift at the source, with what the sink knows: the topology it runs and
     whether the source's clients were failed over (its fence's note). An ``lr sync`` started before a
     failover, its file now older than the one every site runs, was told cycle after cycle to apply
     that file (``lr topology apply`` refuses it); now that the file predates the failover, and to
     use the file the failover wrote. The site the clients went to runs what the sink runs (the
-    failover applied it to both) unless it is the sink itself."""
+    failover applied it to both) unless it is the sink itself. A sink running another topology
+    than the file tells of every failover it or ``source`` knows (either may be a fenced sink of
+    another client's): the sessions of a client not failed over were told to apply the file."""
     try:
-        with sink.cursor() as cur:
-            moved = {
-                source: to for (source, _), (to, _) in sink_sessions.failed_over(cur).items() if source == key.source
-            }
-        sink.commit()
+        moved = _failed_over(sink)
         here = recorded_id(sink)
+        others = _failed_over(source) if source is not None and here != found.topology.topology_config_id else {}
     except psycopg2.Error:  # told without it
         sink.rollback()
+        if source is not None:
+            source.rollback()
         return found
     if here == found.topology.topology_config_id:
-        return replace(found, failed_over=moved)
+        return replace(found, failed_over={site: to for site, to in moved.items() if site == key.source})
+    moved = {**others, **moved}
     held = {**found.held, key.sink: here}
     for to in moved.values():
         held.setdefault(to, here)
     return replace(found, held=held, failed_over=moved)
+
+
+def _failed_over(conn: psycopg2.extensions.connection) -> dict[str, str]:
+    """The old sources of the failovers ``conn``'s site fenced as a sink -> where they went."""
+    with conn.cursor() as cur:
+        moved = {site: to for (site, _), (to, _) in sink_sessions.failed_over(cur).items()}
+    conn.commit()
+    return moved
 
 
 def _closed_whole(

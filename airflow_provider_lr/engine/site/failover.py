@@ -135,16 +135,16 @@ def derive(
     ), wanted
 
 
-def only_source(topology: Topology, sink: str) -> str:
-    """The one source ``sink`` receives from (the old source of a failover that names none); an
-    unknown site is refused as such, not as a site that receives from no source."""
+def only_source(topology: Topology, sink: str, clients: list[str] | None = None) -> str:
+    """The one source sending ``sink`` ``clients`` (default: any): a failover's old source if unnamed."""
     topology.site(sink)
-    sources = sorted({k.source for k in topology.sessions() if k.sink == sink})
-    if len(sources) != 1:
-        raise ConfigurationError(
-            f"site {sink!r} receives from {sources or 'no source'}; name the old source (--from, from_site)"
-        )
-    return sources[0]
+    sources = sorted({k.source for k in topology.sessions() if k.sink == sink and (not clients or k.client in clients)})
+    if len(sources) == 1:
+        return sources[0]
+    of = f" {', '.join(clients)}" if clients else ""
+    raise ConfigurationError(
+        f"site {sink!r} receives{of} from {sources or 'no source'}; name the old source (--from, from_site)"
+    )
 
 
 def _involved(topology: Topology, from_site: str, to_site: str, clients: list[str]) -> list[str]:

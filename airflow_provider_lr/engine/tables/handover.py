@@ -338,7 +338,10 @@ def _lock_for_guard(cur: psycopg2.extensions.cursor, name: str, client: str) -> 
     cur.execute("SAVEPOINT lr_guard")
     try:
         cur.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(TableName.parse(name).ident))
-    except psycopg2.errors.LockNotAvailable:
+    except (psycopg2.errors.LockNotAvailable, psycopg2.errors.DeadlockDetected) as exc:
+        # deadlock: a writer holding the table waits for this transaction too (its transmit for the
+        # drain's lock of lr.clients, its next table for one guarded already), and PostgreSQL chose us
+        why = "lock_timeout" if isinstance(exc, psycopg2.errors.LockNotAvailable) else "deadlock"
         cur.execute("ROLLBACK TO SAVEPOINT lr_guard")
         cur.execute(
             "SELECT string_agg(DISTINCT pid::text, ', ') FROM pg_locks WHERE relation = to_regclass(%s) "
@@ -350,7 +353,7 @@ def _lock_for_guard(cur: psycopg2.extensions.cursor, name: str, client: str) -> 
         raise TableBusyError(
             f"table {name} of client {client} is held by open transaction(s) at {cur.fetchone()[0]} (pid "
             f"{holders}): its "
-            "writes could not be refused (lock_timeout), nothing was changed on this site; stop this site's "
+            f"writes could not be refused ({why}), nothing was changed on this site; stop this site's "
             "writers of the table (their changes reach nobody since the failover) and run it again"
         ) from None
     cur.execute("RELEASE SAVEPOINT lr_guard")

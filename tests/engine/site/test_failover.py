@@ -782,3 +782,26 @@ def test_a_fail_back_hands_the_federated_table_back_and_every_site_follows_site_
     assert all(site_status(s).diverged == [] for s in lr_sites)
     app.close()
     at_b.close()
+
+
+def test_a_failover_naming_its_client_finds_the_old_source_of_a_sink_of_two_sources():
+    """site-b receives policy from site-a and audit from site-d: `lr failover --promote site-b
+    --client policy` names the old source of policy (site-a) without --from; it was refused, told to
+    name it. Without --client it stays ambiguous, and so is a client neither source sends site-b."""
+    from airflow_provider_lr.engine.store.topology import from_document
+
+    topo = from_document(
+        {
+            "sites": [{"id": s} for s in ("site-a", "site-b", "site-c", "site-d")],
+            "replication": [
+                {"source": "site-a", "sinks": ["site-b", "site-c"], "clients": ["policy"]},
+                {"source": "site-d", "sinks": ["site-a", "site-b", "site-c"], "clients": ["audit"]},
+            ],
+        }
+    )
+    assert failover.only_source(topo, "site-b", ["policy"]) == "site-a"
+    assert failover.only_source(topo, "site-c", ["audit"]) == "site-d"
+    with pytest.raises(ConfigurationError, match=r"receives from \['site-a', 'site-d'\]; name the old source"):
+        failover.only_source(topo, "site-b")
+    with pytest.raises(ConfigurationError, match="receives other from no source"):
+        failover.only_source(topo, "site-b", ["other"])
