@@ -29,7 +29,7 @@ import psycopg2
 import psycopg2.extensions
 
 from airflow_provider_lr.engine.db.autocommit import autocommit
-from airflow_provider_lr.engine.errors import LRError, one_line
+from airflow_provider_lr.engine.errors import FencedError, LRError, one_line
 from airflow_provider_lr.engine.session.sink_writers import SinkBusy
 from airflow_provider_lr.engine.session.stream_member import Member
 from airflow_provider_lr.engine.sink import writes
@@ -106,6 +106,8 @@ class DurableAcks:
                 writes.flush(conn(site), source, one.key.client, one.position.epoch)
                 for member in (m for m in members if m.key.sink == site):
                     member.durable = member.after
+            except FencedError as exc:  # its session moved to another member, which reads the sink's position
+                log.debug("stream of %s: sink %s left to the session's new holder: %s", source, site, one_line(exc))
             except (psycopg2.Error, LRError) as exc:
                 log.info("stream of %s: sink %s not flushed: %s", source, site, one_line(exc))
 
