@@ -19,6 +19,7 @@ from typing import Any
 import psycopg2
 import psycopg2.extensions
 
+from airflow_provider_lr.engine.db.durable_commits import THIS_TRANSACTION
 from airflow_provider_lr.engine.db.prepared import Prepared
 from airflow_provider_lr.engine.errors import FencedError
 from airflow_provider_lr.engine.vocabulary import SessionKey
@@ -55,7 +56,7 @@ WRITER = "lr fenced writer, epoch "
 # after, so a sink server whose synchronous_commit is 'off' has it raised to 'local' for the
 # transaction ('on', 'local', 'remote_write' and 'remote_apply' all flush locally and are kept).
 _COMMIT_MODE = {
-    None: "SELECT set_config('synchronous_commit', 'local', true) WHERE current_setting('synchronous_commit') = 'off'; ",
+    None: THIS_TRANSACTION,
     True: "SET LOCAL synchronous_commit = on; ",
     False: "SET LOCAL synchronous_commit = off; ",
 }
