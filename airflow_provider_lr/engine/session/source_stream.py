@@ -464,7 +464,7 @@ class SourceStream:
             reason, error = "failed", failure(exc)
         if error:
             self._record_quietly(key, error)
-        self.ended(StreamEnd(str(key), reason, delivered, error))
+        self.ended(StreamEnd(str(key), reason, delivered, error, isinstance(exc, FencedError)))
 
     def _end(self, member: Member, reason: str, error: str = "") -> None:
         """The session leaves the stream with the stream (STOPPED, or failed with its source) or to

@@ -203,7 +203,7 @@ class Streamer:
         on_end: Callable[[StreamEnd], None] | None,
     ) -> None:
         key = SessionKey.parse(end.session)
-        if key in leaving and end.reason.startswith("FencedError"):
+        if key in leaving and end.fenced:
             # asked to leave, it met the fence of the member it moved to first: the move, not a
             # hand-back (at a join of 200 sessions, ~half of the moved ones were said as failures)
             end = StreamEnd(end.session, REASSIGNED, end.delivered)

@@ -26,6 +26,7 @@ class StreamEnd:
     reason: str  # why it handed back, STOPPED or REASSIGNED
     delivered: int = 0
     error: str = ""
+    fenced: bool = False  # refused by a newer lease holder's fence (``FencedError``)
 
     @property
     def handed_back(self) -> bool:
