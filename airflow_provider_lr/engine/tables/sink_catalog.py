@@ -37,8 +37,14 @@ UNLOGGED = "(SELECT c.relpersistence = 'u' FROM pg_catalog.pg_class c WHERE c.oi
 # Whether a foreign key (of any table, the table's own included) references table oid {oid}: only then
 # are a statement's key changes moved in place layer by layer (``runs.layers``: a statement each,
 # ~10x a delete and re-insert of the moved rows), so that no referencing row is cascaded, nulled or
-# refused by a delete of the row it references
-REFERENCED = "EXISTS (SELECT FROM pg_catalog.pg_constraint c WHERE c.confrelid = {oid} AND c.contype = 'f')"
+# refused by a delete of the row it references. Found through what depends on the table (an index
+# lookup of pg_depend: a foreign key depends on the columns it references), not by a scan of every
+# constraint of the database on each of a stream's table transactions (confrelid has no index)
+REFERENCED = (
+    "EXISTS (SELECT FROM pg_catalog.pg_depend d JOIN pg_catalog.pg_constraint c ON c.oid = d.objid "
+    "WHERE d.refclassid = 'pg_catalog.pg_class'::pg_catalog.regclass AND d.refobjid = {oid} "
+    "AND d.classid = 'pg_catalog.pg_constraint'::pg_catalog.regclass AND c.contype = 'f' AND c.confrelid = {oid})"
+)
 
 
 # The sink's non-key ``GENERATED ALWAYS`` identity columns of table oid {oid}, in column order (NULL: none)
