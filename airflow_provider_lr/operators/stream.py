@@ -40,6 +40,7 @@ from airflow_provider_lr.operators.common import check_topology, final_refusals,
 DEFAULT_REPORT_EVERY = 30.0
 MAX_RUN_FOR = 7 * 86_400  # seconds; more is a typo (past ~292 years the end timer died and the task never ended)
 SHARD_LABEL = "{{ task.shard_name }}"  # stream tasks mapped over shards: listed by the shard's name
+_ALL_REFUSED = "every session refused for good"  # why a shard stopped before its run_for (``_halt``)
 
 
 def stream_shards(topo: Topology, source: str | None = None, sessions_per_shard: int | None = None) -> list[dict]:
@@ -221,7 +222,7 @@ class LRStreamOperator(BaseOperator):
             # a login without lr's grants at every session's site: no retry mends it, so the shard
             # stops now, as the other operators do, not after ``run_for`` of failing cycles
             if len(last) == len(sessions) and all(r.refused == PRIVILEGE for r in last.values()):
-                self._halt("every session refused for good")
+                self._halt(_ALL_REFUSED)
 
         timer = threading.Timer(seconds, self._halt, args=("run_for",))
         timer.start()
@@ -284,7 +285,7 @@ class LRStreamOperator(BaseOperator):
         )
         if stale.error is not None:  # no retry mends it: the next run reads the file the sites run, or refuses
             raise refuse(self.log, f"shard {self.shard_name}", f"stopped: {one_line(stale.error)}")
-        if self._stopped_by == "every session refused for good":
+        if self._stopped_by == _ALL_REFUSED:
             raise refuse(
                 self.log,
                 f"shard {self.shard_name}",
